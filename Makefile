@@ -1,0 +1,34 @@
+# featbake: `make demo` and `make test` are the whole set-up; each installs what is missing first.
+# TORCH is the torch requirement: users bring their own CUDA build; CI pins the local CPU wheel.
+PYTHON ?= python3
+TORCH ?= torch
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test bench lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev]"
+	@touch $(STAMP)
+
+demo: install
+	$(PY) examples/demo.py
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(PY) benchmarks/run.py
+
+lint: install
+	$(PY) -m ruff check featbake tests benchmarks examples
+	$(PY) -m ruff format --check featbake tests benchmarks examples
+
+clean:
+	rm -rf $(VENV) .featbake examples/demo_data examples/demo_encoder.pt benchmarks/_work

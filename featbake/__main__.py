@@ -1,0 +1,5 @@
+"""``python -m featbake`` runs the CLI."""
+
+from featbake.cli import main
+
+main()

@@ -1,0 +1,118 @@
+"""Small, deterministic encoders and synthetic audio for the demo, the benchmarks and the tests.
+
+Nothing here is downloaded: the encoders are tiny TorchScript-able modules with seeded weights, and
+the audio is tones and noise written with soundfile.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+
+class TinyConvEncoder(nn.Module):
+    """A wav2vec-style conv front end: ``[B, T]`` waveform -> ``[B, T // hop, dim]`` frames."""
+
+    def __init__(self, dim: int = 64, hidden: int = 32, hop: int = 160, seed: int = 0) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.conv1 = nn.Conv1d(1, hidden, kernel_size=400, stride=hop)
+        self.conv2 = nn.Conv1d(hidden, dim, kernel_size=3, padding=1)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        x = torch.nn.functional.gelu(self.conv1(wav.unsqueeze(1)))
+        x = torch.nn.functional.gelu(self.conv2(x))
+        return x.transpose(1, 2)
+
+
+class MultiOutputEncoder(nn.Module):
+    """Like :class:`TinyConvEncoder` but returns several hidden layers as a dict."""
+
+    def __init__(self, dim: int = 32, seed: int = 0) -> None:
+        super().__init__()
+        self.front = TinyConvEncoder(dim=dim, seed=seed)
+        self.proj = nn.Linear(dim, 8)
+
+    def forward(self, wav: torch.Tensor) -> dict[str, torch.Tensor]:
+        hidden = self.front(wav)
+        return {"hidden": hidden, "pooled": self.proj(hidden).mean(dim=1)}
+
+
+class LogMelTransformer(nn.Module):
+    """A mid-size speech encoder: log-mel frames ``[B, T, 80]`` -> ``[B, T, width]``.
+
+    Used by the serving benchmark as the "live encoding" cost that a cache saves.
+    """
+
+    def __init__(self, n_mels: int = 80, width: int = 256, layers: int = 6, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = nn.Linear(n_mels, width)
+        layer = nn.TransformerEncoderLayer(
+            width, nhead=4, dim_feedforward=4 * width, batch_first=True
+        )
+        self.body = nn.TransformerEncoder(layer, num_layers=layers, enable_nested_tensor=False)
+
+    def forward(self, mels: torch.Tensor) -> torch.Tensor:
+        return self.body(self.inp(mels))
+
+
+def save_torchscript(module: nn.Module, path: str | os.PathLike[str]) -> Path:
+    """Script ``module`` in eval mode and save it with ``torch.jit.save``."""
+    module = module.eval()
+    for p in module.parameters():
+        p.requires_grad_(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        scripted = torch.jit.script(module)
+        torch.jit.save(scripted, str(path))
+    return Path(path)
+
+
+def make_tone(
+    seconds: float, sample_rate: int = 16000, seed: int = 0, channels: int = 1
+) -> np.ndarray:
+    """A deterministic clip of a few tones plus noise, ``[T, channels]`` float32 in [-1, 1]."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * sample_rate)) / sample_rate
+    sig = sum(
+        rng.uniform(0.1, 0.3) * np.sin(2 * np.pi * rng.uniform(80, 4000) * t + rng.uniform(0, 6))
+        for _ in range(3)
+    )
+    sig = sig + 0.02 * rng.standard_normal(t.shape)
+    out = np.stack([sig * (1 - 0.2 * c) for c in range(channels)], axis=1)
+    return np.clip(out, -1, 1).astype(np.float32)
+
+
+def write_audio_folder(
+    folder: str | os.PathLike[str],
+    n: int,
+    *,
+    seconds: float | tuple[float, float] = 1.0,
+    sample_rate: int = 16000,
+    fmt: str = "wav",
+    seed: int = 0,
+    subdirs: int = 0,
+) -> list[Path]:
+    """Write ``n`` synthetic clips (``seconds`` fixed, or a (min, max) range); return their paths."""
+    import soundfile
+
+    root = Path(folder)
+    rng = np.random.default_rng(seed)
+    paths = []
+    for i in range(n):
+        dur = seconds if isinstance(seconds, (int, float)) else float(rng.uniform(*seconds))
+        sub = root / f"part{i % subdirs}" if subdirs else root
+        sub.mkdir(parents=True, exist_ok=True)
+        path = sub / f"clip{i:05d}.{fmt}"
+        soundfile.write(path, make_tone(dur, sample_rate, seed=seed * 100_003 + i), sample_rate)
+        paths.append(path)
+    return paths

@@ -1,0 +1,311 @@
+"""Loading frozen encoders, fingerprinting them, and running them.
+
+Three ways to name an encoder (``--encoder``):
+
+* a TorchScript archive (``torch.jit.save``): most frozen encoders still ship this way;
+* a ``torch.export`` program (``.pt2``, ``torch.export.save``): where upstream is going. Inputs of
+  varying length need a dynamic dimension declared at export time, e.g.
+  ``torch.export.export(m, (x,), dynamic_shapes={"x": {1: torch.export.Dim("time", min=400)}})``;
+* an import path ``package.module:factory`` returning an ``nn.Module``, optionally with
+  ``--weights file.safetensors`` loaded into it (strictly).
+
+A file holding a pickled whole module (``torch.save(model)``) is refused: unpickling runs arbitrary
+code. ``--trust-pickle`` loads it anyway, for files you made yourself.
+
+An encoder maps a batch ``[B, ...]`` to a tensor ``[B, ...]``, a tuple of them, or a dict of them
+(e.g. several hidden layers). The recipe's ``output`` selects one; otherwise all are stored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import os
+import warnings
+import zipfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from featbake.errors import ConfigError, EncodeError, EncoderLoadError
+from featbake.keys import module_fingerprint
+
+TORCHSCRIPT = "torchscript"
+EXPORT = "export"
+IMPORT = "import"
+PICKLE = "pickle"
+MODULE = "module"  # an in-process nn.Module handed to the API
+
+
+@dataclass
+class LoadedEncoder:
+    """A ready-to-run encoder with what identifies it.
+
+    Attributes:
+        module: the callable module, in eval mode, on ``device``.
+        label: how the user named it (path or import string); roots are keyed by it.
+        kind: torchscript, export, import, pickle or module.
+        identity: the architecture's identity string hashed into the fingerprint.
+        device: where it runs.
+    """
+
+    module: Any
+    label: str
+    kind: str
+    identity: str
+    device: torch.device
+    _fingerprint: str | None = None
+
+    @property
+    def fingerprint(self) -> str:
+        """``encoder_fp``: identity plus every weight (computed once, lazily)."""
+        if self._fingerprint is None:
+            self._fingerprint = module_fingerprint(self.module, self.identity)
+        return self._fingerprint
+
+    def run(self, batch: torch.Tensor) -> Any:
+        """Run the encoder on ``batch`` without autograd; raises EncodeError on failure."""
+        try:
+            with torch.inference_mode():
+                return self.module(batch.to(self.device, non_blocking=True))
+        except (RuntimeError, ValueError, TypeError, IndexError, AssertionError) as e:
+            raise EncodeError(
+                f"the encoder {self.label} failed on a batch of shape {tuple(batch.shape)}: "
+                f"{_first_line(e)}"
+            ) from e
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+def _is_import_path(spec: str) -> bool:
+    mod, sep, attr = spec.partition(":")
+    return bool(sep) and bool(attr) and not os.path.exists(spec) and "/" not in mod
+
+
+def _zip_names(path: Path) -> list[str]:
+    try:
+        with zipfile.ZipFile(path) as z:
+            return z.namelist()
+    except (zipfile.BadZipFile, OSError):
+        return []
+
+
+def detect_kind(path: Path) -> str:
+    """torchscript, export or pickle, from the archive's layout (never by unpickling)."""
+    names = _zip_names(path)
+    if not names:
+        return PICKLE  # legacy (non-zip) torch.save files are plain pickles
+    if any("/code/" in n for n in names) and any(n.endswith("constants.pkl") for n in names):
+        return TORCHSCRIPT
+    if path.suffix == ".pt2" or any(n.endswith("serialized_exported_program.json") for n in names):
+        return EXPORT
+    return PICKLE
+
+
+def _script_identity(module: Any) -> str:
+    parts = [f"torchscript:{getattr(module, 'original_name', type(module).__name__)}"]
+    for name, sub in sorted(module.named_modules(), key=lambda kv: kv[0]):
+        code = getattr(sub, "code", "")
+        parts.append(f"{name}\n{code}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _load_torchscript(path: Path) -> tuple[Any, str]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        module = torch.jit.load(str(path), map_location="cpu")
+    return module, _script_identity(module)
+
+
+def _load_export(path: Path) -> tuple[Any, str]:
+    program = torch.export.load(str(path))
+    module = program.module()
+    identity = "export:" + hashlib.sha256(str(program.graph_module.code).encode()).hexdigest()
+    return module, identity
+
+
+def _load_pickle(path: Path, trust_pickle: bool) -> tuple[Any, str]:
+    try:
+        obj = torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception:
+        obj = None
+        holds_module = True
+    else:
+        holds_module = False
+    if not holds_module:
+        if isinstance(obj, Mapping):
+            raise EncoderLoadError(
+                f"{path} holds a state dict, not a runnable encoder; name the architecture with "
+                f"an import path and pass the weights: --encoder package.module:factory "
+                f"--weights {path.with_suffix('.safetensors').name} (convert with "
+                "safetensors.torch.save_file)"
+            )
+        raise EncoderLoadError(f"{path} does not hold an encoder (found {type(obj).__name__})")
+    if not trust_pickle:
+        raise EncoderLoadError(
+            f"{path} is a pickled module (torch.save(model)); loading it runs arbitrary code, so "
+            "featbake refuses it. Export it with torch.jit.save or torch.export.save, or pass "
+            "--trust-pickle if you made this file yourself"
+        )
+    module = torch.load(str(path), map_location="cpu", weights_only=False)
+    if not isinstance(module, torch.nn.Module):
+        raise EncoderLoadError(f"{path} unpickled to {type(module).__name__}, not an nn.Module")
+    return module, f"pickle:{type(module).__module__}.{type(module).__qualname__}\n{module!r}"
+
+
+def _load_import(spec: str, weights: Path | None) -> tuple[Any, str]:
+    mod_name, _, attr = spec.partition(":")
+    try:
+        factory = importlib.import_module(mod_name)
+        for part in attr.split("."):
+            factory = getattr(factory, part)
+    except (ImportError, AttributeError) as e:
+        raise EncoderLoadError(
+            f"cannot import {spec}: {_first_line(e)}; check the module is on PYTHONPATH and the "
+            "factory name after ':' exists"
+        ) from e
+    try:
+        module = factory()
+    except Exception as e:
+        raise EncoderLoadError(f"{spec}() raised {type(e).__name__}: {_first_line(e)}") from e
+    if not isinstance(module, torch.nn.Module):
+        raise EncoderLoadError(f"{spec}() returned {type(module).__name__}, not an nn.Module")
+    if weights is not None:
+        _load_weights(module, weights)
+    return module, f"import:{spec}\n{module!r}"
+
+
+def _load_weights(module: torch.nn.Module, weights: Path) -> None:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not weights.is_file():
+        raise EncoderLoadError(f"weights file {weights} does not exist")
+    try:
+        state = load_file(str(weights))
+    except (SafetensorError, OSError) as e:
+        raise EncoderLoadError(f"cannot read weights {weights}: {_first_line(e)}") from e
+    try:
+        module.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        raise EncoderLoadError(f"weights {weights} do not fit the encoder: {_first_line(e)}") from e
+
+
+def load_encoder(
+    spec: str | os.PathLike[str],
+    *,
+    weights: str | os.PathLike[str] | None = None,
+    device: str | torch.device = "cpu",
+    trust_pickle: bool = False,
+) -> LoadedEncoder:
+    """Load an encoder named by a file path or ``package.module:factory``.
+
+    Args:
+        spec: TorchScript file, ``.pt2`` export, or import path.
+        weights: safetensors weights for an import-path encoder.
+        device: where to run it (``cpu``, ``cuda``, ``cuda:1``).
+        trust_pickle: allow a pickled whole module (runs code from the file).
+
+    Returns:
+        The encoder in eval mode on ``device``, not yet fingerprinted.
+
+    Raises:
+        EncoderLoadError: missing file, unknown format, refused pickle, import failure.
+
+    Example:
+        >>> enc = load_encoder("ckpt.pt", device="cpu")  # doctest: +SKIP
+        >>> enc.fingerprint[:12]  # doctest: +SKIP
+    """
+    spec_s = os.fspath(spec)
+    dev = torch.device(device)
+    weights_p = Path(weights) if weights is not None else None
+    if _is_import_path(spec_s):
+        module, identity = _load_import(spec_s, weights_p)
+        kind, label = IMPORT, spec_s
+    else:
+        path = Path(spec_s)
+        if not path.is_file():
+            raise EncoderLoadError(
+                f"encoder {spec_s} not found; give a TorchScript (.pt), torch.export (.pt2) file "
+                "or an import path like mypkg.models:build_encoder"
+            )
+        if weights_p is not None:
+            raise ConfigError("--weights applies only to an import-path encoder (pkg.mod:factory)")
+        kind = detect_kind(path)
+        try:
+            if kind == TORCHSCRIPT:
+                module, identity = _load_torchscript(path)
+            elif kind == EXPORT:
+                module, identity = _load_export(path)
+            else:
+                module, identity = _load_pickle(path, trust_pickle)
+        except EncoderLoadError:
+            raise
+        except Exception as e:
+            raise EncoderLoadError(f"cannot load encoder {path} as {kind}: {_first_line(e)}") from e
+        label = str(path.resolve())
+    return from_module(module, label=label, kind=kind, identity=identity, device=dev)
+
+
+def from_module(
+    module: Any,
+    *,
+    label: str | None = None,
+    kind: str = MODULE,
+    identity: str | None = None,
+    device: str | torch.device | None = None,
+) -> LoadedEncoder:
+    """Wrap an in-process module as a :class:`LoadedEncoder` (eval mode, moved to ``device``)."""
+    if identity is None:
+        identity = f"module:{type(module).__module__}.{type(module).__qualname__}\n{module!r}"
+    if device is None:
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    dev = torch.device(device)
+    if hasattr(module, "eval") and kind != EXPORT:
+        module.eval()
+    if (hasattr(module, "to") and kind != EXPORT) or (kind == EXPORT and dev.type != "cpu"):
+        module = module.to(dev)
+    return LoadedEncoder(module, label or type(module).__name__, kind, identity, dev)
+
+
+def is_frozen(module: torch.nn.Module) -> bool:
+    """True when no parameter requires grad and the module is in eval mode."""
+    return not module.training and not any(p.requires_grad for p in module.parameters())
+
+
+def split_outputs(result: Any, output: str | None) -> dict[str, torch.Tensor]:
+    """Name an encoder's outputs: ``{"": t}`` for one tensor, else by dict key or tuple index.
+
+    With ``output`` set, only that output is kept (stored under ``""``).
+
+    Raises:
+        EncodeError: the result is not a tensor, tuple or dict of tensors, or lacks ``output``.
+    """
+    if isinstance(result, torch.Tensor):
+        named = {"": result}
+    elif isinstance(result, Mapping):
+        named = {str(k): v for k, v in result.items()}
+    elif isinstance(result, (tuple, list)):
+        named = {str(i): v for i, v in enumerate(result)}
+    else:
+        raise EncodeError(
+            f"the encoder returned {type(result).__name__}; featbake stores a tensor, a tuple "
+            "or a dict of tensors"
+        )
+    if output is not None:
+        if output not in named:
+            choices = ", ".join(repr(k) for k in named if k) or "a single tensor"
+            raise EncodeError(f"the encoder has no output {output!r}; it returns {choices}")
+        named = {"": named[output]}
+    bad = [k for k, v in named.items() if not isinstance(v, torch.Tensor)]
+    if bad:
+        raise EncodeError(
+            f"encoder output {bad[0]!r} is not a tensor; pick a tensor output with --output"
+        )
+    return named

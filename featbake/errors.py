@@ -1,0 +1,84 @@
+"""featbake's one exception hierarchy.
+
+Every error a user can cause or fix is a :class:`FeatbakeError` whose message says what happened and
+what to do. The CLI prints the message as one red line and exits with the class's ``exit_code``
+(documented in ``featbake --help`` and the README); the library never prints.
+
+Exit codes:
+    0  success
+    1  unexpected internal error (a bug: please report it, with ``FEATBAKE_DEBUG=1`` output)
+    2  bad usage or option (:class:`ConfigError`)
+    3  some inputs failed to decode or encode; the rest were stored (:class:`BuildIncomplete`)
+    4  the encoder could not be loaded or refused to run (:class:`EncoderLoadError`)
+    5  the store or catalog could not be read or written (:class:`StoreError`)
+    6  stored data failed its checksum or header check (:class:`StoreCorrupt`)
+    7  a feature is not in the store and live encoding was turned off (:class:`CacheMiss`)
+    8  an input file could not be read or decoded (:class:`SourceError`)
+    130 interrupted (Ctrl-C); everything sealed before the interrupt is kept
+"""
+
+from __future__ import annotations
+
+
+class FeatbakeError(Exception):
+    """Base of every error featbake raises on purpose."""
+
+    exit_code = 1
+
+
+class ConfigError(FeatbakeError, ValueError):
+    """An option or argument is invalid; the message names it and a valid example."""
+
+    exit_code = 2
+
+
+class BuildIncomplete(FeatbakeError):
+    """A build finished, but some inputs failed; everything else was stored."""
+
+    exit_code = 3
+
+
+class EncoderLoadError(FeatbakeError):
+    """The encoder could not be loaded, or was refused (e.g. an untrusted pickle)."""
+
+    exit_code = 4
+
+
+class EncodeError(FeatbakeError):
+    """The encoder raised on an input, or returned something featbake cannot store."""
+
+    exit_code = 4
+
+
+class StoreError(FeatbakeError):
+    """The store directory or its catalog could not be read or written."""
+
+    exit_code = 5
+
+
+class StoreCorrupt(StoreError):
+    """A shard's header or a tensor's checksum does not match what was written."""
+
+    exit_code = 6
+
+
+class CacheMiss(FeatbakeError, KeyError):
+    """A feature is not in the store and the caller asked not to encode it live."""
+
+    exit_code = 7
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else "cache miss"
+
+
+class SourceError(FeatbakeError):
+    """An input file is missing, unreadable, empty or cannot be decoded."""
+
+    exit_code = 8
+
+
+class ShardMissing(StoreError):
+    """A shard the catalog names is gone (gc removed it, or it was deleted by hand).
+
+    Readers re-resolve the key through the catalog once before giving up.
+    """

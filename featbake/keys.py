@@ -1,0 +1,156 @@
+"""Content addresses: what went in decides the key, nothing else.
+
+``key = sha256(encoder_fp | recipe_fp | input_fp)`` where
+
+* ``encoder_fp`` covers the encoder's architecture identity and every tensor of its state dict
+  (name, dtype, shape and bytes), so one changed weight changes every key;
+* ``recipe_fp`` covers everything between a file and its features (sample rate, crop, output
+  selection, stored dtype, featbake's recipe version) as canonical JSON;
+* ``input_fp`` is the SHA-256 of the raw file's bytes: a renamed or touched file keeps its key, and
+  two copies of one file share one feature.
+
+Batch sizes, worker counts, devices, paths and mtimes never enter a key (HF datasets #2496, #8439).
+Keys are never shortened in storage: their soundness rests on SHA-256's collision resistance.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+KEY_HEX_LEN = 64
+#: Bytes hashed per task when fingerprinting weights; hashlib releases the GIL on large buffers,
+#: so chunks hash in parallel threads. The chunking is part of the fingerprint's definition.
+WEIGHT_CHUNK_BYTES = 16 * 1024 * 1024
+_READ_CHUNK = 1024 * 1024
+
+
+def canonical_json(obj: Any) -> bytes:
+    """Serialise ``obj`` so that equal values always give equal bytes.
+
+    Example:
+        >>> canonical_json({"b": 1, "a": [1.5, None]})
+        b'{"a":[1.5,null],"b":1}'
+    """
+    return json.dumps(
+        obj, sort_keys=True, separators=(",", ":"), allow_nan=False, ensure_ascii=True
+    ).encode()
+
+
+def sha256_hex(data: bytes) -> str:
+    """SHA-256 of ``data`` as 64 lowercase hex characters."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def feature_key(encoder_fp: str, recipe_fp: str, input_fp: str) -> str:
+    """The store key of one input's features under one encoder and recipe.
+
+    Example:
+        >>> len(feature_key("a" * 64, "b" * 64, "c" * 64))
+        64
+    """
+    return sha256_hex(f"{encoder_fp}|{recipe_fp}|{input_fp}".encode())
+
+
+def recipe_fingerprint(recipe: Mapping[str, Any]) -> str:
+    """SHA-256 of a recipe's canonical JSON (see :class:`featbake.recipe.Recipe`)."""
+    return sha256_hex(canonical_json(dict(recipe)))
+
+
+def file_fingerprint(path: str | os.PathLike[str]) -> str:
+    """SHA-256 of a file's bytes, streamed (never the whole file in memory)."""
+    with open(path, "rb") as f:
+        if hasattr(hashlib, "file_digest"):  # Python >= 3.11
+            return hashlib.file_digest(f, "sha256").hexdigest()
+        return _stream_digest(f)
+
+
+def _stream_digest(f: Any) -> str:
+    h = hashlib.sha256()
+    while chunk := f.read(_READ_CHUNK):
+        h.update(chunk)
+    return h.hexdigest()
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A byte view of a tensor's values in C order, copying only if it is on a device or strided."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _chunks(view: memoryview, size: int) -> list[memoryview]:
+    return [view[i : i + size] for i in range(0, len(view), size)] or [view]
+
+
+def state_dict_fingerprint(
+    tensors: Iterable[tuple[str, torch.Tensor]], identity: str, *, threads: int | None = None
+) -> str:
+    """Fingerprint an architecture identity and named tensors (a state dict), order-independent.
+
+    Each tensor contributes its name, dtype, shape and the SHA-256 of each 16 MiB chunk of its
+    bytes; the chunk digests are computed in parallel threads. Nothing is copied for contiguous
+    CPU tensors.
+
+    Args:
+        tensors: ``(name, tensor)`` pairs, e.g. ``module.state_dict().items()``.
+        identity: what names the architecture (TorchScript code, export graph, import path).
+        threads: hashing threads (default: CPU count, at most 8).
+
+    Returns:
+        64 hex characters.
+    """
+    items = sorted(tensors, key=lambda kv: kv[0])
+    views = [(name, t, _tensor_bytes(t)) for name, t in items]
+    jobs = [chunk for _, _, view in views for chunk in _chunks(view, WEIGHT_CHUNK_BYTES)]
+    workers = threads or min(8, os.cpu_count() or 1)
+    if workers > 1 and sum(len(j) for j in jobs) > WEIGHT_CHUNK_BYTES:
+        with ThreadPoolExecutor(workers) as pool:
+            digests = iter(list(pool.map(lambda c: hashlib.sha256(c).digest(), jobs)))
+    else:
+        digests = iter([hashlib.sha256(c).digest() for c in jobs])
+    top = hashlib.sha256(b"featbake-encoder-v1\0" + identity.encode() + b"\0")
+    for name, t, view in views:
+        header = canonical_json([name, str(t.dtype), list(t.shape)])
+        top.update(len(header).to_bytes(8, "little") + header)
+        for _ in _chunks(view, WEIGHT_CHUNK_BYTES):
+            top.update(next(digests))
+    return top.hexdigest()
+
+
+def module_fingerprint(module: torch.nn.Module, identity: str) -> str:
+    """Fingerprint a module: ``identity`` plus every parameter and buffer, persistent or not.
+
+    Non-persistent buffers are included because they can change outputs too (e.g. a mel filter
+    bank registered with ``persistent=False``).
+    """
+    named: dict[str, torch.Tensor] = dict(module.state_dict(keep_vars=False))
+    for name, buf in module.named_buffers():
+        named.setdefault(name, buf)
+    return state_dict_fingerprint(named.items(), identity)
+
+
+def root_id(data: str, encoder_label: str, recipe_fp: str) -> str:
+    """A stable short name for the root of (data folder, encoder as named, recipe).
+
+    Example:
+        >>> root_id("/data/audio", "ckpt.pt", "0" * 64)[:2]
+        'r-'
+    """
+    return "r-" + sha256_hex(canonical_json([data, encoder_label, recipe_fp]))[:12]
+
+
+def resolve_path(path: str | os.PathLike[str]) -> str:
+    """The absolute, symlink-free form of a path, as stored in the catalog."""
+    return str(Path(path).expanduser().resolve())

@@ -1,0 +1,95 @@
+"""The recipe: everything between a raw file and its stored features.
+
+A :class:`Recipe` is hashed into every key (see :mod:`featbake.keys`), so it must hold exactly the
+options that change the output and nothing else: no batch size, worker count, device or path.
+``featbake build`` and :class:`featbake.CachedFeatureDataset` build the same Recipe from the same
+options, which is why a dataset finds what the CLI baked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from featbake.errors import ConfigError
+from featbake.keys import recipe_fingerprint
+
+#: Bump when featbake's preprocessing changes in a way that changes outputs for the same options.
+RECIPE_VERSION = 1
+
+STORED_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+SOURCE_KINDS = ("audio", "npy")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How a file becomes features.
+
+    Attributes:
+        source: ``"audio"`` (decode, mono mixdown, resample) or ``"npy"`` (arrays as they are).
+        sample_rate: audio is resampled to this rate (Hz) before encoding.
+        mono: mix all channels to one (``False`` keeps ``[C, T]`` for multi-channel encoders).
+        max_seconds: crop audio to its first ``max_seconds`` seconds (``None``: whole file).
+        output: which encoder output to store (a dict key or tuple index); ``None`` stores all.
+        dtype: the stored dtype: ``float32``, ``float16`` or ``bfloat16``.
+
+    Example:
+        >>> Recipe(sample_rate=16000, dtype="float16").fingerprint()[:8]  # doctest: +SKIP
+        '3f1c9a0e'
+    """
+
+    source: str = "audio"
+    sample_rate: int = 16000
+    mono: bool = True
+    max_seconds: float | None = None
+    output: str | None = None
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCE_KINDS:
+            raise ConfigError(
+                f"unknown source kind {self.source!r}; choose one of {', '.join(SOURCE_KINDS)}"
+            )
+        if self.dtype not in STORED_DTYPES:
+            raise ConfigError(
+                f"unsupported stored dtype {self.dtype!r}; choose one of "
+                f"{', '.join(STORED_DTYPES)} (e.g. --dtype float16)"
+            )
+        if self.sample_rate <= 0:
+            raise ConfigError(f"--sample-rate must be positive, got {self.sample_rate}")
+        if self.max_seconds is not None and self.max_seconds <= 0:
+            raise ConfigError(f"--max-seconds must be positive, got {self.max_seconds}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The stored dtype as a torch dtype."""
+        return STORED_DTYPES[self.dtype]
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields that define the output, with featbake's recipe version.
+
+        Fields that do not apply to the source kind are left out, so they cannot split keys.
+        """
+        fields = {"version": RECIPE_VERSION, "source": self.source}
+        fields["output"] = self.output
+        fields["dtype"] = self.dtype
+        if self.source == "audio":
+            fields["sample_rate"] = self.sample_rate
+            fields["mono"] = self.mono
+            fields["max_seconds"] = self.max_seconds
+        return fields
+
+    def fingerprint(self) -> str:
+        """SHA-256 of :meth:`as_dict` as canonical JSON."""
+        return recipe_fingerprint(self.as_dict())
+
+    def replace(self, **changes: Any) -> Recipe:
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
