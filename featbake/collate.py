@@ -1,0 +1,199 @@
+"""Batch variable-length feature sequences into padded tensors.
+
+Baked features are ``[T_i, D...]`` tensors whose time axis differs per item, so the
+stock ``default_collate`` (which stacks) cannot batch them. :func:`pad_collate` pads
+them to a common length and returns the true lengths alongside, for masking.
+
+It runs once per training step, so it allocates the output once, copies each item
+into its slice and writes the pad value only where padding goes; inside a DataLoader
+worker it allocates that output in shared memory, as ``default_collate`` does, so
+the batch reaches the main process without another copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import default_collate, get_worker_info
+
+from featbake.errors import ConfigError
+
+__all__ = ["pad_collate"]
+
+Padded = tuple[torch.Tensor, torch.Tensor]
+
+
+def pad_collate(
+    batch: Sequence[Any],
+    *,
+    pad_to_multiple: int | None = None,
+    pad_value: float = 0.0,
+) -> Any:
+    """Pad and batch variable-length features, returning their lengths too.
+
+    Three batch layouts are supported:
+
+    * ``[T_i, D...]`` tensors -> ``(padded [B, T_max, D...], lengths [B] int64)``.
+    * dicts of such tensors (multi-output encoders) -> ``{name: (padded, lengths)}``.
+    * tuples/lists whose first element is a feature (tensor or dict) and whose other
+      elements are anything ``default_collate`` handles, e.g. ``(feat, label)`` ->
+      ``(padded, lengths, *rest)`` for tensor features, ``({name: (padded, lengths)},
+      *rest)`` for dict features; each remaining position goes through
+      ``default_collate``.
+
+    Args:
+        batch: The items of one batch, as a DataLoader passes them.
+        pad_to_multiple: If given, round ``T_max`` up to a multiple of this, which keeps
+            shapes few (kinder to kernels' autotuning and to pinned-buffer reuse).
+        pad_value: Value written into the padding positions.
+
+    Returns:
+        The padded batch, in the layout described above.
+
+    Raises:
+        ConfigError: For an empty batch, a non-positive ``pad_to_multiple``, items
+            of unsupported type, mixed dtypes, mismatched trailing dimensions or
+            dict items with different keys.
+
+    Example:
+        >>> feats = [torch.ones(2, 3), torch.ones(4, 3)]
+        >>> padded, lengths = pad_collate(feats)
+        >>> tuple(padded.shape), lengths.tolist()
+        ((2, 4, 3), [2, 4])
+        >>> padded, lengths, labels = pad_collate([(f, i) for i, f in enumerate(feats)])
+        >>> labels.tolist()
+        [0, 1]
+    """
+    if len(batch) == 0:
+        raise ConfigError(
+            "pad_collate got an empty batch; check the Dataset's length and the sampler"
+        )
+    if pad_to_multiple is not None and (
+        isinstance(pad_to_multiple, bool)
+        or not isinstance(pad_to_multiple, int)
+        or pad_to_multiple < 1
+    ):
+        raise ConfigError(
+            f"pad_to_multiple must be a positive integer such as 8, got {pad_to_multiple!r}"
+        )
+    first = batch[0]
+    if isinstance(first, torch.Tensor):
+        return _pad_tensors(batch, pad_to_multiple, pad_value, where="")
+    if isinstance(first, Mapping):
+        return _pad_dicts(batch, pad_to_multiple, pad_value, where="")
+    if isinstance(first, (tuple, list)):
+        return _pad_tuples(batch, pad_to_multiple, pad_value)
+    raise ConfigError(
+        f"pad_collate cannot batch items of type {type(first).__name__}: expected "
+        "[T, D...] tensors, dicts of them, or (feature, ...) tuples"
+    )
+
+
+def _pad_tuples(batch: Sequence[Any], pad_to_multiple: int | None, pad_value: float) -> tuple:
+    width = len(batch[0])
+    if width == 0:
+        raise ConfigError("pad_collate got an empty tuple as item 0; expected (feature, ...)")
+    for i, item in enumerate(batch):
+        if not isinstance(item, (tuple, list)) or len(item) != width:
+            raise ConfigError(
+                f"pad_collate: item {i} is not a tuple/list of length {width} like item 0"
+            )
+    feats = [item[0] for item in batch]
+    head = feats[0]
+    if isinstance(head, torch.Tensor):
+        head_out: tuple = _pad_tensors(feats, pad_to_multiple, pad_value, where=" (position 0)")
+    elif isinstance(head, Mapping):
+        head_out = (_pad_dicts(feats, pad_to_multiple, pad_value, where=" (position 0)"),)
+    else:
+        raise ConfigError(
+            f"pad_collate: the first element of each tuple must be a feature tensor or dict, "
+            f"got {type(head).__name__}"
+        )
+    rest = tuple(default_collate([item[j] for item in batch]) for j in range(1, width))
+    return (*head_out, *rest)
+
+
+def _pad_dicts(
+    batch: Sequence[Any], pad_to_multiple: int | None, pad_value: float, where: str
+) -> dict[str, Padded]:
+    names = list(batch[0].keys())
+    expected = set(names)
+    for i, item in enumerate(batch):
+        if not isinstance(item, Mapping):
+            raise ConfigError(
+                f"pad_collate: item {i}{where} is a {type(item).__name__}, item 0 is a dict"
+            )
+        if set(item.keys()) != expected:
+            missing = sorted(map(str, expected - set(item.keys())))
+            extra = sorted(map(str, set(item.keys()) - expected))
+            raise ConfigError(
+                f"pad_collate: item {i}{where} has different keys than item 0 "
+                f"(missing {missing}, extra {extra})"
+            )
+    return {
+        name: _pad_tensors(
+            [item[name] for item in batch], pad_to_multiple, pad_value, where=f"{where}[{name!r}]"
+        )
+        for name in names
+    }
+
+
+def _pad_tensors(
+    batch: Sequence[Any], pad_to_multiple: int | None, pad_value: float, where: str
+) -> Padded:
+    elem = batch[0]
+    if not isinstance(elem, torch.Tensor) or elem.dim() == 0:
+        raise ConfigError(f"pad_collate: item 0{where} must be a tensor of shape [T, D...]")
+    trailing = elem.shape[1:]
+    dtype = elem.dtype
+    expected = "[" + ", ".join(["T", *map(str, trailing)]) + "]"
+    lengths_list: list[int] = []
+    for i, t in enumerate(batch):
+        if not isinstance(t, torch.Tensor):
+            raise ConfigError(
+                f"pad_collate: item {i}{where} is a {type(t).__name__}, item 0 is a tensor"
+            )
+        if t.dtype != dtype:
+            raise ConfigError(
+                f"pad_collate: item {i}{where} has dtype {t.dtype}, item 0 has {dtype}; "
+                "cast features to one dtype before batching"
+            )
+        if t.dim() == 0 or t.shape[1:] != trailing:
+            raise ConfigError(
+                f"pad_collate: item {i}{where} has shape {tuple(t.shape)}, expected "
+                f"{expected} like item 0 (all items must share the dims after T)"
+            )
+        lengths_list.append(t.shape[0])
+
+    t_max = max(lengths_list)
+    if pad_to_multiple is not None:
+        t_max = -(-t_max // pad_to_multiple) * pad_to_multiple
+    shape = (len(batch), t_max, *trailing)
+
+    out = _alloc(elem, shape)
+    for i, t in enumerate(batch):
+        n = lengths_list[i]
+        row = out[i]
+        if n:
+            row[:n].copy_(t)
+        if n < t_max:
+            row[n:].fill_(pad_value)
+    lengths = torch.tensor(lengths_list, dtype=torch.int64)
+    if get_worker_info() is not None:
+        lengths.share_memory_()  # B int64s: moving them is cheaper than a second code path
+    return out, lengths
+
+
+def _alloc(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Allocate an uninitialised tensor, in shared memory inside a DataLoader worker."""
+    if get_worker_info() is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    # Same trick as torch's collate_tensor_fn: a worker's result is sent to the main
+    # process through shared memory, so building it there directly saves a full copy.
+    numel = 1
+    for s in shape:
+        numel *= s
+    storage = like._typed_storage()._new_shared(numel, device=like.device)
+    return like.new(storage).resize_(shape)

@@ -1,0 +1,338 @@
+"""Tests for featbake.prefetch and featbake.device on the CPU (no GPU in CI)."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from featbake import device as dev
+from featbake.collate import pad_collate
+from featbake.errors import ConfigError
+from featbake.prefetch import DevicePrefetcher, PinnedPool, map_tensors
+
+Pair = namedtuple("Pair", ["feat", "label"])
+
+
+class FakeEvent:
+    """Stands in for a CUDA event: complete only when the test says so."""
+
+    def __init__(self, done: bool = False) -> None:
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+def nested_batches(n: int = 5) -> list:
+    return [
+        {
+            "feat": torch.full((2, i + 1), float(i)),
+            "meta": {"ids": [f"a{i}", f"b{i}"], "len": torch.tensor([i, i])},
+            "pair": (torch.tensor(i), "text", None),
+            "named": Pair(torch.ones(i + 1), i),
+        }
+        for i in range(n)
+    ]
+
+
+def assert_same(a: object, b: object) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor)
+        assert a.dtype == b.dtype
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys()
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, (tuple, list)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_same(x, y)
+    else:
+        assert a == b
+
+
+# --- map_tensors ---------------------------------------------------------------------------
+
+
+def test_map_tensors_preserves_structure() -> None:
+    batch = nested_batches(2)[1]
+    out = map_tensors(lambda t: t + 1, batch)
+    assert isinstance(out["named"], Pair)
+    assert out["pair"][1:] == ("text", None)
+    assert out["meta"]["ids"] == ["a1", "b1"]
+    assert torch.equal(out["feat"], batch["feat"] + 1)
+    assert map_tensors(lambda t: t, 3) == 3
+
+
+# --- CPU pass-through ----------------------------------------------------------------------
+
+
+def test_cpu_passthrough_yields_same_objects_in_order() -> None:
+    batches = nested_batches()
+    pf = DevicePrefetcher(batches, device="cpu")
+    out = list(pf)
+    assert len(out) == len(batches)
+    assert all(o is b for o, b in zip(out, batches, strict=True))  # no copies
+    assert pf.stats().batches == 5
+    assert pf.stats().tensors == 0
+
+
+def test_len_follows_loader() -> None:
+    assert len(DevicePrefetcher([1, 2, 3], device="cpu")) == 3
+    gen = (torch.zeros(1) for _ in range(2))
+    with pytest.raises(TypeError):
+        len(DevicePrefetcher(gen, device="cpu"))
+
+
+def test_second_epoch_works_and_stats_accumulate() -> None:
+    batches = [torch.full((3,), float(i)) for i in range(4)]
+    pf = DevicePrefetcher(batches, device="cpu")
+    first = [b.tolist() for b in pf]
+    second = [b.tolist() for b in pf]
+    assert first == second == [[float(i)] * 3 for i in range(4)]
+    assert pf.stats().batches == 8
+
+
+def test_with_dataloader_and_pad_collate() -> None:
+    data = [(torch.randn(n, 2), n) for n in (3, 1, 4, 1, 5)]
+    loader = DataLoader(data, batch_size=2, collate_fn=pad_collate)
+    pf = DevicePrefetcher(loader, device="cpu")
+    assert len(pf) == 3
+    got = list(pf)
+    ref = list(loader)
+    assert len(got) == 3
+    for a, b in zip(got, ref, strict=True):
+        assert_same(a, b)
+
+
+def test_empty_loader() -> None:
+    for staging in (False, True):
+        pf = DevicePrefetcher([], device="cpu", staging=staging)
+        assert list(pf) == []
+        assert pf.stats().batches == 0
+
+
+def test_invalid_arguments() -> None:
+    with pytest.raises(ValueError, match="depth"):
+        DevicePrefetcher([], device="cpu", depth=0)
+    with pytest.raises(ConfigError):
+        DevicePrefetcher([], device="tpu")
+    with pytest.raises(ConfigError):
+        DevicePrefetcher([], device="cpu", pool_bytes="lots")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+def test_cuda_requested_without_cuda_is_config_error() -> None:
+    with pytest.raises(ConfigError, match="--device cpu"):
+        DevicePrefetcher([], device="cuda")
+
+
+# --- the staging (CUDA) code path, exercised on the CPU ---------------------------------------
+
+
+@pytest.mark.parametrize("depth", [1, 2, 5, 10])
+def test_staging_path_yields_equal_copies_in_order(depth: int) -> None:
+    batches = nested_batches(6)
+    pf = DevicePrefetcher(batches, device="cpu", depth=depth, staging=True)
+    out = list(pf)
+    assert len(out) == 6
+    for o, b in zip(out, batches, strict=True):
+        assert_same(o, b)
+        assert o["feat"] is not b["feat"]
+        assert o["feat"].data_ptr() != b["feat"].data_ptr()
+    stats = pf.stats()
+    assert stats.batches == 6
+    assert stats.tensors == 6 * 4
+    assert stats.staged == 6 * 4
+
+
+def test_staging_results_do_not_alias_pool_buffers() -> None:
+    # Same shapes every batch, so buffers are reused; earlier results must stay intact.
+    batches = [torch.full((4, 3), float(i)) for i in range(6)]
+    pf = DevicePrefetcher(batches, device="cpu", depth=2, staging=True)
+    out = list(pf)
+    for i, o in enumerate(out):
+        assert torch.equal(o, batches[i])
+    stats = pf.stats()
+    assert stats.allocations == 1  # on the CPU copies complete at once (event None)
+    assert stats.reuses == 5
+
+
+def test_staging_second_epoch_reuses_pool() -> None:
+    batches = [torch.zeros(2, 2), torch.zeros(3, 2)]
+    pf = DevicePrefetcher(batches, device="cpu", staging=True)
+    list(pf)
+    allocs = pf.stats().allocations
+    list(pf)
+    assert pf.stats().allocations == allocs
+    assert pf.stats().batches == 4
+
+
+def test_staging_stops_cleanly_when_consumer_breaks() -> None:
+    def gen() -> Iterator[torch.Tensor]:
+        yield from (torch.full((1,), float(i)) for i in range(100))
+
+    pf = DevicePrefetcher(gen(), device="cpu", depth=3, staging=True)
+    seen = []
+    for b in pf:
+        seen.append(b.item())
+        if len(seen) == 4:
+            break
+    assert seen == [0.0, 1.0, 2.0, 3.0]
+
+
+# --- PinnedPool ----------------------------------------------------------------------------
+
+
+def test_pool_reuses_same_shape_after_completion() -> None:
+    pool = PinnedPool(max_bytes="1MiB", pin=False)
+    a = pool.acquire((4, 8), torch.float32)
+    assert a.shape == (4, 8) and a.dtype == torch.float32
+    pool.release([a], FakeEvent(done=True))
+    b = pool.acquire((4, 8), torch.float32)
+    assert b is a
+    s = pool.stats()
+    assert (s.allocations, s.reuses, s.free, s.in_flight) == (1, 1, 0, 0)
+
+
+def test_pool_never_hands_out_buffer_in_flight() -> None:
+    pool = PinnedPool(pin=False)
+    a = pool.acquire((16,), torch.float32)
+    ev = FakeEvent(done=False)
+    pool.release([a], ev)
+    b = pool.acquire((16,), torch.float32)
+    assert b is not a
+    assert pool.stats().in_flight == 1
+    c = pool.acquire((16,), torch.float32)
+    assert c is not a and c is not b
+    assert pool.stats().allocations == 3
+    ev.done = True
+    d = pool.acquire((16,), torch.float32)
+    assert d is a
+    assert pool.stats().reuses == 1
+
+
+def test_pool_reclaims_in_fifo_order_only() -> None:
+    pool = PinnedPool(pin=False)
+    a, b = pool.acquire((2,), torch.int64), pool.acquire((2,), torch.int64)
+    ev_a, ev_b = FakeEvent(False), FakeEvent(True)
+    pool.release([a], ev_a)
+    pool.release([b], ev_b)
+    # b's event completed but a's (earlier on the same stream) did not: nothing is free yet.
+    c = pool.acquire((2,), torch.int64)
+    assert c is not a and c is not b
+    ev_a.done = True
+    got = {id(pool.acquire((2,), torch.int64)), id(pool.acquire((2,), torch.int64))}
+    assert got == {id(a), id(b)}
+
+
+def test_pool_keys_on_shape_and_dtype() -> None:
+    pool = PinnedPool(pin=False)
+    a = pool.acquire((3, 4), torch.float32)
+    pool.release([a], None)
+    b = pool.acquire((4, 3), torch.float32)
+    c = pool.acquire((3, 4), torch.float16)
+    d = pool.acquire((3, 4), torch.float32)
+    assert b is not a and c is not a and d is a
+    assert (b.shape, c.dtype) == ((4, 3), torch.float16)
+    assert pool.stats().allocations == 3
+    assert pool.stats().reuses == 1
+
+
+def test_pool_budget_evicts_lru_free_buffers() -> None:
+    pool = PinnedPool(max_bytes=100, pin=False)  # room for two 40-byte buffers
+    a = pool.acquire((10,), torch.float32)
+    b = pool.acquire((5, 2), torch.float32)
+    pool.release([a], None)
+    pool.release([b], None)
+    pool.acquire((10,), torch.float32)  # reuse a -> a's key is now most recent
+    pool.release([a], None)
+    c = pool.acquire((2, 5), torch.float32)  # new shape: evict b (least recently used)
+    s = pool.stats()
+    assert s.evictions == 1
+    assert s.bytes == 80
+    assert pool.acquire((10,), torch.float32) is a
+    assert pool.acquire((5, 2), torch.float32) is not b
+    del c
+
+
+def test_pool_drops_returning_buffers_when_over_budget() -> None:
+    pool = PinnedPool(max_bytes=64, pin=False)
+    bufs = [pool.acquire((8,), torch.float32) for _ in range(4)]  # 128 bytes, all in use
+    assert pool.stats().bytes == 128
+    pool.release(bufs, None)
+    again = pool.acquire((8,), torch.float32)  # reclaims: keeps two, drops two
+    assert any(again is b for b in bufs)
+    s = pool.stats()
+    assert (s.bytes, s.free, s.evictions, s.reuses) == (64, 1, 2, 1)
+    pool.acquire((1,), torch.uint8)  # a new allocation evicts the free buffer to fit
+    s = pool.stats()
+    assert (s.bytes, s.free, s.evictions) == (33, 0, 3)
+
+
+def test_pool_zero_budget_keeps_nothing() -> None:
+    pool = PinnedPool(max_bytes=0, pin=False)
+    a = pool.acquire((4,), torch.float32)
+    pool.release([a], None)
+    assert pool.acquire((4,), torch.float32) is not a
+    assert pool.stats().reuses == 0
+
+
+def test_pool_clear() -> None:
+    pool = PinnedPool(pin=False)
+    held = pool.acquire((3,), torch.float32)
+    inflight = pool.acquire((3,), torch.float32)
+    pool.release([held], None)
+    pool.release([inflight], FakeEvent(False))
+    pool.clear()
+    s = pool.stats()
+    assert (s.free, s.in_flight, s.bytes) == (0, 1, 12)
+
+
+# --- featbake.device on the CPU (the CUDA boundary must be inert without CUDA) ---------------
+
+
+def test_device_helpers_are_noops_on_cpu() -> None:
+    cpu = dev.resolve_device("cpu")
+    assert cpu == torch.device("cpu")
+    assert dev.resolve_device(" CPU ") == cpu
+    assert dev.resolve_device(torch.device("cpu")) == cpu
+    assert dev.resolve_device("cpu:0") == cpu
+    if not torch.cuda.is_available():
+        assert dev.resolve_device(None) == cpu
+    assert not dev.is_cuda(cpu) and not dev.is_cuda(None)
+    assert dev.is_cuda("cuda:3") and dev.is_cuda(torch.device("cuda", 0))
+    t = torch.zeros(3)
+    if not torch.cuda.is_available():
+        assert dev.pin(t) is t
+    assert dev.new_stream(cpu) is None
+    assert dev.current_stream(cpu) is None
+    assert dev.new_event(cpu) is None
+    with dev.stream_context(None):
+        pass
+    dev.wait_stream(cpu, None)
+    dev.record_stream(t, None)
+    dev.record_event(None)
+    assert dev.event_query(None)
+    dev.event_synchronize(None)
+    dev.synchronize("cpu")
+    dev.synchronize()
+    assert dev.alloc_pinned((2, 3), torch.float16).shape == (2, 3)
+
+
+@pytest.mark.parametrize("bad", ["gpu", "cuda:x", "cpu:1", "mps", "", "cuda:-1"])
+def test_resolve_device_rejects_garbage(bad: str) -> None:
+    with pytest.raises(ConfigError, match="cuda:N"):
+        dev.resolve_device(bad)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+@pytest.mark.parametrize("req", ["cuda", "cuda:0", "cuda:1"])
+def test_resolve_device_cuda_unavailable(req: str) -> None:
+    with pytest.raises(ConfigError, match=r"CUDA is not available.*--device cpu"):
+        dev.resolve_device(req)
