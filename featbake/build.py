@@ -131,16 +131,49 @@ def hash_inputs(
     return digests, failed
 
 
+def _encoder_cache_id(encoder: LoadedEncoder, weights: str | None) -> tuple[str, str] | None:
+    """(hash-cache id, backing file) for an encoder whose fingerprint can be cached, else None.
+
+    A TorchScript or .pt2 file holds its architecture and weights, so its fingerprint depends on
+    the file alone. An import-path encoder's architecture lives in code, so its id includes the
+    identity (its repr) beside the weights file.
+    """
+    if weights is not None:
+        ident = sha256_hex(f"{encoder.identity}\n{resolve_path(weights)}".encode())
+        return f"encoder-fp:import:{ident}", weights
+    if encoder.kind != "module" and os.path.isfile(encoder.label):
+        return file_encoder_cache_id(encoder.label), encoder.label
+    return None
+
+
+def file_encoder_cache_id(path: str | os.PathLike[str]) -> str:
+    """The hash-cache id under which a file encoder's fingerprint is remembered."""
+    return f"encoder-fp:file:{resolve_path(path)}"
+
+
+def cached_file_encoder_fp(catalog: Catalog, path: str | os.PathLike[str]) -> str | None:
+    """A file encoder's fingerprint without loading it, if the file is unchanged since last time.
+
+    This lets a dataset map inputs to keys (and serve hits) without ever loading the encoder.
+    """
+    ident = file_encoder_cache_id(path)
+    hit = catalog.cached_hashes([ident]).get(ident)
+    try:
+        return hit[1] if hit and hit[0] == FileStat.of(path) else None
+    except OSError:
+        return None
+
+
 def encoder_fingerprint(encoder: LoadedEncoder, catalog: Catalog, weights: str | None) -> str:
     """The encoder's fingerprint, cached in the hash cache against its file's stat.
 
     Hashing a large checkpoint's weights costs a full pass over them; an unchanged file (same
-    identity, size, mtime and inode) reuses the last result, as input files do.
+    size, mtime and inode) reuses the last result, as input files do.
     """
-    backing = weights or (encoder.label if os.path.isfile(encoder.label) else None)
-    if backing is None:
+    cache = _encoder_cache_id(encoder, weights)
+    if cache is None:
         return encoder.fingerprint
-    ident = "encoder-fp:" + sha256_hex(f"{encoder.identity}\n{resolve_path(backing)}".encode())
+    ident, backing = cache
     st = FileStat.of(backing)
     hit = catalog.cached_hashes([ident]).get(ident)
     if hit and hit[0] == st:
