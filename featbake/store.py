@@ -371,10 +371,14 @@ class ShardReader:
         """The tensor ``name`` as a fresh CPU tensor (a copy; the file stays closed to writes).
 
         Raises:
-            KeyError: the shard holds no such tensor.
-            StoreCorrupt: its bytes do not match their checksum.
+            StoreCorrupt: the shard holds no such tensor, or its bytes fail their checksum.
         """
-        info = self.tensors[name]
+        info = self.tensors.get(name)
+        if info is None:
+            raise StoreCorrupt(
+                f"shard {self.path} holds no tensor {name} although the catalog says so; "
+                "run `featbake verify --repair` to rebuild the catalog from the shards"
+            )
         nbytes = info.end - info.begin
         buf = torch.empty(nbytes, dtype=torch.uint8)
         if nbytes:

@@ -1,0 +1,85 @@
+"""Reading features by key: catalog lookup -> shard handle -> tensor, surviving gc.
+
+:class:`FeatureReader` is what every consumer of a store uses (the dataset, ``CachedEncoder``,
+``export``). It holds one catalog connection and a bounded cache of open shards per process. If a
+shard vanished because gc compacted it while we were reading, the reader looks the key up again
+once (the live copy now sits in a fresh shard) before giving up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from featbake.catalog import Catalog, Location
+from featbake.errors import ShardMissing
+from featbake.store import Layout, ShardHandles
+
+
+class FeatureReader:
+    """Reads stored features of one store; one instance per process (reconnects after fork).
+
+    Example:
+        >>> reader = FeatureReader(Layout(Path(".featbake")))  # doctest: +SKIP
+        >>> reader.get(key)  # {"": tensor} or {"hidden": ..., "pooled": ...}  # doctest: +SKIP
+    """
+
+    def __init__(self, layout: Layout, *, max_open: int = 64, verify: str = "first") -> None:
+        self.layout = layout
+        self.catalog = Catalog(layout)
+        self.handles = ShardHandles(max_open=max_open, verify=verify)
+
+    def get(self, key: str) -> dict[str, torch.Tensor] | None:
+        """The tensors stored for ``key`` by output part, or None if the key is not stored.
+
+        Raises:
+            StoreCorrupt: the bytes fail their checksum (never silent garbage).
+            ShardMissing: the shard is gone even after looking the key up again.
+        """
+        return self.get_located(key, self.catalog.locate(key))
+
+    def get_many(self, keys: Sequence[str]) -> dict[str, dict[str, torch.Tensor]]:
+        """Like :meth:`get` for many keys in one catalog query; absent keys are left out."""
+        located = self.catalog.locate_many(keys)
+        out = {}
+        for key in keys:
+            got = self.get_located(key, located.get(key, []))
+            if got is not None:
+                out[key] = got
+        return out
+
+    def get_located(self, key: str, locations: list[Location]) -> dict[str, torch.Tensor] | None:
+        """Read ``key`` from already looked-up ``locations``; re-resolves once if a shard vanished."""
+        if not locations:
+            return None
+        try:
+            return self._read(locations)
+        except ShardMissing:
+            for loc in locations:
+                self.handles.forget(self.layout.shard_path(loc.shard))
+            fresh = self.catalog.locate(key)
+            if not fresh:
+                return None  # gc dropped the feature itself: a miss, not an error
+            return self._read(fresh)
+
+    def _read(self, locations: list[Location]) -> dict[str, torch.Tensor]:
+        return {
+            loc.part: self.handles.get(self.layout.shard_path(loc.shard)).read(loc.tensor)
+            for loc in locations
+        }
+
+    def close(self) -> None:
+        self.handles.close()
+        self.catalog.close()
+
+    def __getstate__(self) -> dict:
+        # Handles and connections never cross a process boundary: the copy opens its own.
+        return {
+            "layout": self.layout,
+            "max_open": self.handles.max_open,
+            "verify": self.handles.verify,
+        }
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["layout"], max_open=state["max_open"], verify=state["verify"])  # type: ignore[misc]
