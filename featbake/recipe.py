@@ -53,6 +53,12 @@ class Recipe:
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
+        # Normalise numbers so that equal options give equal keys: canonical JSON writes 10 and
+        # 10.0 differently, and the CLI passes floats where a library caller may pass ints.
+        if isinstance(self.sample_rate, float) and self.sample_rate.is_integer():
+            object.__setattr__(self, "sample_rate", int(self.sample_rate))
+        if self.max_seconds is not None and not isinstance(self.max_seconds, bool):
+            object.__setattr__(self, "max_seconds", float(self.max_seconds))
         if self.source not in SOURCE_KINDS:
             raise ConfigError(
                 f"unknown source kind {self.source!r}; choose one of {', '.join(SOURCE_KINDS)}"
@@ -62,8 +68,10 @@ class Recipe:
                 f"unsupported stored dtype {self.dtype!r}; choose one of "
                 f"{', '.join(STORED_DTYPES)} (e.g. --dtype float16)"
             )
-        if self.sample_rate <= 0:
-            raise ConfigError(f"--sample-rate must be positive, got {self.sample_rate}")
+        if not isinstance(self.sample_rate, int) or self.sample_rate <= 0:
+            raise ConfigError(
+                f"--sample-rate must be a positive whole number of Hz, got {self.sample_rate!r}"
+            )
         if self.max_seconds is not None and self.max_seconds <= 0:
             raise ConfigError(f"--max-seconds must be positive, got {self.max_seconds}")
 

@@ -1,0 +1,86 @@
+"""The recipe holds exactly what changes the output, and equal options give equal fingerprints."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from featbake.errors import ConfigError
+from featbake.recipe import RECIPE_VERSION, Recipe
+
+
+def test_defaults_and_as_dict_for_audio() -> None:
+    assert Recipe().as_dict() == {
+        "version": RECIPE_VERSION,
+        "source": "audio",
+        "output": None,
+        "dtype": "float32",
+        "sample_rate": 16000,
+        "mono": True,
+        "max_seconds": None,
+    }
+
+
+def test_npy_recipe_leaves_audio_options_out() -> None:
+    base = Recipe(source="npy")
+    assert set(base.as_dict()) == {"version", "source", "output", "dtype"}
+    # Audio-only options cannot split the keys of .npy inputs.
+    assert base.replace(sample_rate=8000, max_seconds=3).fingerprint() == base.fingerprint()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"sample_rate": 8000},
+        {"max_seconds": 2.5},
+        {"output": "hidden"},
+        {"dtype": "float16"},
+        {"dtype": "bfloat16"},
+        {"mono": False},
+        {"source": "npy"},
+    ],
+)
+def test_each_option_changes_the_fingerprint(change: dict) -> None:
+    assert Recipe().replace(**change).fingerprint() != Recipe().fingerprint()
+
+
+def test_no_runtime_option_is_a_field() -> None:
+    names = {f.name for f in dataclasses.fields(Recipe)}
+    assert not names & {"batch_size", "workers", "device", "path", "cache", "shard_bytes"}
+
+
+def test_equal_values_of_different_types_give_one_fingerprint() -> None:
+    # The CLI passes --max-seconds as a float; a library caller may pass an int.
+    assert Recipe(max_seconds=10).fingerprint() == Recipe(max_seconds=10.0).fingerprint()
+    assert Recipe(sample_rate=16000.0).fingerprint() == Recipe(sample_rate=16000).fingerprint()
+    assert Recipe(max_seconds=10).max_seconds == 10.0
+
+
+def test_fingerprint_is_sha256_of_canonical_json() -> None:
+    import hashlib
+
+    r = Recipe(max_seconds=1.5, dtype="float16")
+    text = json.dumps(r.as_dict(), sort_keys=True, separators=(",", ":"))
+    assert r.fingerprint() == hashlib.sha256(text.encode()).hexdigest()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"dtype": "int8"}, "--dtype float16"),
+        ({"source": "video"}, "audio, npy"),
+        ({"sample_rate": 0}, "--sample-rate"),
+        ({"sample_rate": 16000.5}, "--sample-rate"),
+        ({"max_seconds": -1}, "--max-seconds"),
+    ],
+)
+def test_bad_options_raise_config_error_naming_the_option(kwargs: dict, needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle.replace("-", r"\-")):
+        Recipe(**kwargs)
+
+
+def test_torch_dtype() -> None:
+    assert Recipe(dtype="bfloat16").torch_dtype is torch.bfloat16
