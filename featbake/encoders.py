@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import inspect
 import os
 import warnings
 import zipfile
@@ -108,6 +109,29 @@ def detect_kind(path: Path) -> str:
     return PICKLE
 
 
+def code_identity(module: Any, *extra: Any) -> str:
+    """SHA-256 of the source files that define ``module``'s own classes (and ``extra`` objects).
+
+    An import-path or in-process encoder's architecture lives in Python code, not in a file of
+    weights: editing ``forward`` must change the key, or a stale feature would be served. Classes
+    from torch itself are left out (a torch upgrade should not rebake everything), and file
+    contents are hashed, not paths (moving a checkout keeps the keys).
+    """
+    objs = [type(m) for m in module.modules()] if hasattr(module, "modules") else [type(module)]
+    digests = set()
+    for obj in [*objs, *extra]:
+        owner = getattr(obj, "__module__", None) or ""
+        if owner == "torch" or owner.startswith("torch."):
+            continue
+        try:
+            src = inspect.getsourcefile(obj)
+            if src is not None:
+                digests.add(hashlib.sha256(Path(src).read_bytes()).hexdigest())
+        except (TypeError, OSError):
+            continue  # built-in or defined interactively: repr() in the identity still covers it
+    return hashlib.sha256("\n".join(sorted(digests)).encode()).hexdigest()
+
+
 def _script_identity(module: Any) -> str:
     parts = [f"torchscript:{getattr(module, 'original_name', type(module).__name__)}"]
     for name, sub in sorted(module.named_modules(), key=lambda kv: kv[0]):
@@ -156,7 +180,8 @@ def _load_pickle(path: Path, trust_pickle: bool) -> tuple[Any, str]:
     module = torch.load(str(path), map_location="cpu", weights_only=False)
     if not isinstance(module, torch.nn.Module):
         raise EncoderLoadError(f"{path} unpickled to {type(module).__name__}, not an nn.Module")
-    return module, f"pickle:{type(module).__module__}.{type(module).__qualname__}\n{module!r}"
+    ident = f"pickle:{type(module).__module__}.{type(module).__qualname__}\n{module!r}"
+    return module, f"{ident}\ncode:{code_identity(module)}"
 
 
 def _load_import(spec: str, weights: Path | None) -> tuple[Any, str]:
@@ -178,7 +203,7 @@ def _load_import(spec: str, weights: Path | None) -> tuple[Any, str]:
         raise EncoderLoadError(f"{spec}() returned {type(module).__name__}, not an nn.Module")
     if weights is not None:
         _load_weights(module, weights)
-    return module, f"import:{spec}\n{module!r}"
+    return module, f"import:{spec}\n{module!r}\ncode:{code_identity(module, factory)}"
 
 
 def _load_weights(module: torch.nn.Module, weights: Path) -> None:
@@ -264,6 +289,8 @@ def from_module(
     """Wrap an in-process module as a :class:`LoadedEncoder` (eval mode, moved to ``device``)."""
     if identity is None:
         identity = f"module:{type(module).__module__}.{type(module).__qualname__}\n{module!r}"
+        if kind == MODULE:
+            identity += f"\ncode:{code_identity(module)}"
     if device is None:
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
     dev = torch.device(device)
