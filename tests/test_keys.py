@@ -1,0 +1,281 @@
+"""Keys change with what goes in, and with nothing else (HF datasets #2496 and #8439)."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import shutil
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+import torch
+
+from featbake.build import build
+from featbake.catalog import Catalog
+from featbake.demo import TinyConvEncoder, save_torchscript
+from featbake.encoders import load_encoder
+from featbake.keys import (
+    WEIGHT_CHUNK_BYTES,
+    canonical_json,
+    feature_key,
+    file_fingerprint,
+    module_fingerprint,
+    root_id,
+    state_dict_fingerprint,
+)
+from featbake.recipe import Recipe
+from featbake.store import Layout
+
+
+def _manifest(cache: Path, root: str) -> dict[str, str]:
+    cat = Catalog(Layout(cache))
+    try:
+        return dict(cat.root_items(root))
+    finally:
+        cat.close()
+
+
+# -- canonical JSON --------------------------------------------------------------------------
+def test_canonical_json_is_order_and_whitespace_free() -> None:
+    a = {"b": [1, 2.5, None], "a": {"y": True, "x": "é"}}
+    b = {"a": {"x": "é", "y": True}, "b": [1, 2.5, None]}
+    assert canonical_json(a) == canonical_json(b)
+    assert canonical_json(a) == b'{"a":{"x":"\\u00e9","y":true},"b":[1,2.5,null]}'
+
+
+def test_canonical_json_refuses_nan() -> None:
+    with pytest.raises(ValueError):
+        canonical_json({"x": math.nan})
+
+
+def test_feature_key_is_sha256_of_the_three_fingerprints() -> None:
+    e, r, i = "a" * 64, "b" * 64, "c" * 64
+    assert feature_key(e, r, i) == hashlib.sha256(f"{e}|{r}|{i}".encode()).hexdigest()
+    assert len({feature_key(e, r, i), feature_key(r, e, i), feature_key(e, r, "d" * 64)}) == 3
+
+
+def test_root_id_depends_on_data_encoder_and_recipe() -> None:
+    base = root_id("/d", "enc.pt", "0" * 64)
+    assert base == root_id("/d", "enc.pt", "0" * 64)
+    assert len({base, root_id("/e", "enc.pt", "0" * 64), root_id("/d", "x.pt", "0" * 64)}) == 3
+    assert root_id("/d", "enc.pt", "1" * 64) != base
+
+
+# -- inputs --------------------------------------------------------------------------------------
+def test_one_input_byte_changes_the_input_fingerprint(tmp_path: Path) -> None:
+    p = tmp_path / "x.bin"
+    data = bytearray(os.urandom(3 * 1024 * 1024 + 7))
+    p.write_bytes(data)
+    assert file_fingerprint(p) == hashlib.sha256(data).hexdigest()
+    data[2 * 1024 * 1024 + 3] ^= 1
+    p.write_bytes(data)
+    assert file_fingerprint(p) == hashlib.sha256(data).hexdigest()
+
+
+def test_rename_copy_and_touch_keep_keys_and_encode_nothing(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    cache = tmp_path / "cache"
+    first = build(audio_dir, encoder_file, cache=cache, workers=0)
+    keys = _manifest(cache, first.root)
+    victim = next(p for p in sorted(keys) if p.startswith("part0/"))
+    moved = audio_dir / "renamed.wav"
+    os.rename(audio_dir / victim, moved)
+    shutil.copy(audio_dir / "fixed" / "clip00000.wav", audio_dir / "copy.wav")
+    touched = audio_dir / "fixed" / "clip00001.wav"
+    st = touched.stat()
+    os.utime(touched, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
+
+    again = build(audio_dir, encoder_file, cache=cache, workers=0)
+    assert again.root == first.root
+    assert again.encoded == 0
+    assert again.duplicates == 1  # copy.wav shares its original's feature
+    after = _manifest(cache, again.root)
+    assert after["renamed.wav"] == keys[victim]
+    assert after["copy.wav"] == keys["fixed/clip00000.wav"]
+    assert after["fixed/clip00001.wav"] == keys["fixed/clip00001.wav"]
+
+
+def test_one_changed_byte_of_audio_changes_its_key_only(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    cache = tmp_path / "cache"
+    first = build(audio_dir, encoder_file, cache=cache, workers=0)
+    before = _manifest(cache, first.root)
+    target = audio_dir / "fixed" / "clip00002.wav"
+    raw = bytearray(target.read_bytes())
+    raw[-1] ^= 0x01  # the last sample's low bit: still valid audio
+    target.write_bytes(raw)
+    again = build(audio_dir, encoder_file, cache=cache, workers=0)
+    after = _manifest(cache, again.root)
+    changed = {p for p in before if before[p] != after[p]}
+    assert changed == {"fixed/clip00002.wav"}
+    assert again.encoded == 1
+
+
+def test_identical_files_share_one_feature(tmp_path: Path, encoder_file: Path) -> None:
+    data = tmp_path / "dup"
+    data.mkdir()
+    clip = (np.sin(np.arange(16000) / 7.0) * 0.3).astype(np.float32)
+    for name in ("a.wav", "b.wav", "sub/c.wav"):
+        (data / name).parent.mkdir(exist_ok=True)
+        soundfile.write(data / name, clip, 16000)
+    report = build(data, encoder_file, cache=tmp_path / "c", workers=0)
+    assert (report.files, report.encoded, report.duplicates) == (3, 1, 2)
+    items = _manifest(tmp_path / "c", report.root)
+    assert len(set(items.values())) == 1
+    cat = Catalog(Layout(tmp_path / "c"))
+    assert cat.conn.execute("SELECT COUNT(*) FROM features").fetchone() == (1,)
+    cat.close()
+
+
+# -- runtime options never enter a key ----------------------------------------------------------
+def test_batch_size_workers_and_device_do_not_change_keys(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    a = build(audio_dir, encoder_file, cache=tmp_path / "a", batch_size=1, workers=0, device="cpu")
+    b = build(
+        audio_dir,
+        encoder_file,
+        cache=tmp_path / "b",
+        batch_size=7,
+        workers=2,
+        device=torch.device("cpu"),
+    )
+    assert (a.root, a.encoder_fp, a.recipe_fp) == (b.root, b.encoder_fp, b.recipe_fp)
+    assert _manifest(tmp_path / "a", a.root) == _manifest(tmp_path / "b", b.root)
+    # And into the same store: a rerun with other runtime options reuses everything.
+    c = build(audio_dir, encoder_file, cache=tmp_path / "a", batch_size=3, workers=1)
+    assert (c.encoded, c.reused) == (0, a.encoded)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_and_cpu_give_the_same_keys(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    a = build(audio_dir, encoder_file, cache=tmp_path / "a", device="cpu", workers=0)
+    b = build(audio_dir, encoder_file, cache=tmp_path / "b", device="cuda", workers=0)
+    assert a.encoder_fp == b.encoder_fp
+    assert _manifest(tmp_path / "a", a.root) == _manifest(tmp_path / "b", b.root)
+
+
+# -- the encoder fingerprint --------------------------------------------------------------------
+def _fp(path: Path) -> str:
+    return load_encoder(path).fingerprint
+
+
+def test_one_weight_changes_the_encoder_fingerprint(tmp_path: Path) -> None:
+    model = TinyConvEncoder()
+    base = _fp(save_torchscript(model, tmp_path / "a.pt"))
+    assert _fp(save_torchscript(TinyConvEncoder(), tmp_path / "same.pt")) == base
+    with torch.no_grad():
+        model.conv2.bias[5] += 1e-6
+    assert _fp(save_torchscript(model, tmp_path / "b.pt")) != base
+
+
+def test_architecture_changes_the_encoder_fingerprint(tmp_path: Path) -> None:
+    class Other(TinyConvEncoder):
+        def forward(self, wav: torch.Tensor) -> torch.Tensor:
+            x = torch.nn.functional.gelu(self.conv1(wav.unsqueeze(1)))
+            return torch.nn.functional.relu(self.conv2(x)).transpose(1, 2)
+
+    a = _fp(save_torchscript(TinyConvEncoder(), tmp_path / "a.pt"))
+    b = _fp(save_torchscript(Other(), tmp_path / "b.pt"))
+    assert a != b
+
+
+def test_import_path_fingerprint_covers_the_code(tmp_path: Path, monkeypatch) -> None:
+    """Editing forward() of an import-path encoder must change its key (same weights, repr)."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    src = textwrap.dedent(
+        """
+        import torch
+        class Enc(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = torch.nn.Linear(4, 4)
+            def forward(self, x):
+                return self.lin(x){tail}
+        def build():
+            torch.manual_seed(0)
+            return Enc()
+        """
+    )
+    fps = []
+    for tail in ["", " * 2"]:
+        (tmp_path / "codeenc.py").write_text(src.format(tail=tail))
+        sys.modules.pop("codeenc", None)
+        fps.append(load_encoder("codeenc:build").fingerprint)
+    assert fps[0] != fps[1]
+    sys.modules.pop("codeenc", None)
+    assert load_encoder("codeenc:build").fingerprint == fps[1]
+
+
+def test_fingerprint_ignores_state_dict_order() -> None:
+    sd = TinyConvEncoder().state_dict()
+    fwd = state_dict_fingerprint(sd.items(), "x")
+    rev = state_dict_fingerprint(reversed(list(sd.items())), "x")
+    assert fwd == rev
+    assert state_dict_fingerprint(sd.items(), "y") != fwd
+
+
+def test_fingerprint_does_not_depend_on_threads_and_covers_every_chunk() -> None:
+    n = (WEIGHT_CHUNK_BYTES * 2 + 4096) // 4  # three chunks, the last one short
+    big = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    sd = {"big": big, "small": torch.ones(3, dtype=torch.float16)}
+    one = state_dict_fingerprint(sd.items(), "m", threads=1)
+    assert state_dict_fingerprint(sd.items(), "m", threads=4) == one
+    for idx in (0, WEIGHT_CHUNK_BYTES // 4 + 1, n - 1):  # a byte in each chunk
+        changed = big.clone()
+        changed[idx] += 1
+        assert state_dict_fingerprint({**sd, "big": changed}.items(), "m", threads=4) != one
+
+
+def test_fingerprint_covers_dtype_shape_and_name() -> None:
+    t = torch.zeros(6)
+    base = state_dict_fingerprint([("w", t)], "m")
+    assert state_dict_fingerprint([("w", t.reshape(2, 3))], "m") != base
+    assert state_dict_fingerprint([("w", t.to(torch.float64))], "m") != base
+    assert state_dict_fingerprint([("v", t)], "m") != base
+
+
+def test_fingerprint_of_a_strided_view_equals_its_contiguous_copy() -> None:
+    t = torch.arange(12.0).reshape(3, 4)
+    assert state_dict_fingerprint([("w", t.t())], "m") == state_dict_fingerprint(
+        [("w", t.t().contiguous())], "m"
+    )
+
+
+def test_module_fingerprint_covers_non_persistent_buffers() -> None:
+    a, b = TinyConvEncoder(), TinyConvEncoder()
+    a.register_buffer("window", torch.ones(4), persistent=False)
+    b.register_buffer("window", torch.ones(4) * 2, persistent=False)
+    assert module_fingerprint(a, "m") != module_fingerprint(b, "m")
+
+
+def test_encoder_fingerprint_cache_is_used_and_invalidated(tmp_path: Path, audio_dir: Path) -> None:
+    """A rebuild takes the encoder fingerprint from the hash cache; a rewritten file is hashed."""
+    enc = save_torchscript(TinyConvEncoder(), tmp_path / "enc.pt")
+    cache = tmp_path / "cache"
+    first = build(audio_dir, enc, cache=cache, workers=0)
+    cat = Catalog(Layout(cache))
+    q = "SELECT sha256 FROM hash_cache WHERE path LIKE 'encoder-fp:%'"
+    rows = cat.conn.execute(q).fetchall()
+    assert rows == [(first.encoder_fp,)]
+    # Poison the cached value: a cache hit must return it verbatim (proves the file was not read).
+    cat.conn.execute("UPDATE hash_cache SET sha256=? WHERE path LIKE 'encoder-fp:%'", ("f" * 64,))
+    cat.close()
+    assert build(audio_dir, enc, cache=cache, workers=0).encoder_fp == "f" * 64
+    # Rewriting the file (new weights) changes its stat: the fingerprint is computed again.
+    model = TinyConvEncoder(seed=1)
+    save_torchscript(model, tmp_path / "enc.tmp")
+    os.replace(tmp_path / "enc.tmp", enc)
+    third = build(audio_dir, enc, cache=cache, workers=0)
+    assert third.encoder_fp not in (first.encoder_fp, "f" * 64)
+    assert third.encoded == first.encoded
+    assert Recipe().fingerprint() == third.recipe_fp
