@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save as safetensors_save
 
 from featbake.errors import ConfigError, ShardMissing, StoreCorrupt, StoreError
 
@@ -239,12 +238,39 @@ def shard_metadata(
     """The ``__metadata__`` of a shard: format, fingerprints and a CRC-32 per tensor."""
     sums = {name: checksum(_tensor_buffer(t)) for name, t in sorted(tensors.items())}
     return {
+        "checksums": json.dumps(sums, separators=(",", ":"), sort_keys=True),
+        "encoder_fp": encoder_fp,
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
-        "encoder_fp": encoder_fp,
         "recipe_fp": recipe_fp,
-        "checksums": json.dumps(sums, separators=(",", ":"), sort_keys=True),
     }
+
+
+def shard_header(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]
+) -> tuple[bytes, list[tuple[str, torch.Tensor]]]:
+    """The safetensors header of a shard (length prefix, JSON, space padding) and the data order.
+
+    We write the header ourselves rather than call ``safetensors.torch.save``: that one emits
+    ``__metadata__`` in Rust HashMap order, which differs from process to process, so equal
+    features would give different bytes and different content names. Here the bytes are a pure
+    function of the tensors: metadata keys sorted, tensors laid out as safetensors does (widest
+    dtype first, then by name, so every tensor is aligned to its element size).
+    """
+    order = sorted(tensors.items(), key=lambda kv: (-kv[1].element_size(), kv[0]))
+    header: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))}
+    offset = 0
+    for name, t in order:
+        end = offset + t.numel() * t.element_size()
+        header[name] = {
+            "dtype": DTYPE_TO_ST[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, end],
+        }
+        offset = end
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode()
+    text += b" " * (-len(text) % 8)  # data starts 8-byte aligned, as safetensors pads it
+    return struct.pack("<Q", len(text)) + text, order
 
 
 def write_shard(
@@ -252,20 +278,31 @@ def write_shard(
 ) -> SealedShard:
     """Serialise ``tensors`` as a safetensors shard and durably move it into place.
 
+    The file is streamed tensor by tensor (no second copy of the shard in memory) and named by
+    the SHA-256 of its bytes, computed on the way.
+
     Raises:
         StoreError: the disk is full or the store is not writable; no partial shard is left
             anywhere but ``tmp/`` (and not even there when cleanup succeeds).
     """
-    blob = safetensors_save(dict(tensors), metadata=shard_metadata(tensors, encoder_fp, recipe_fp))
-    name = hashlib.sha256(blob).hexdigest()
-    final = layout.shard_path(name)
+    tensors = {n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}
+    head, order = shard_header(tensors, shard_metadata(tensors, encoder_fp, recipe_fp))
+    digest = hashlib.sha256(head)
+    size = len(head)
     tmp = layout.tmp / f"{uuid.uuid4().hex}.part"
     try:
         layout.tmp.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
-            f.write(blob)
+            f.write(head)
+            for _, t in order:
+                buf = _tensor_buffer(t)
+                digest.update(buf)
+                f.write(buf)
+                size += len(buf)
             f.flush()
             os.fsync(f.fileno())
+        name = digest.hexdigest()
+        final = layout.shard_path(name)
         final.parent.mkdir(parents=True, exist_ok=True)
         os.replace(tmp, final)
         fsync_dir(final.parent)
@@ -290,7 +327,7 @@ def write_shard(
         )
         for n, t in tensors.items()
     )
-    return SealedShard(name, final, len(blob), encoder_fp, recipe_fp, entries)
+    return SealedShard(name, final, size, encoder_fp, recipe_fp, entries)
 
 
 @dataclass(frozen=True)
