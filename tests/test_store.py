@@ -1,0 +1,324 @@
+"""Shard files: the exact format, content names, checksums; what crashes and full disks leave."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import featbake.store as store_mod
+from featbake.errors import ConfigError, ShardMissing, StoreCorrupt, StoreError
+from featbake.store import (
+    Layout,
+    ShardHandles,
+    ShardReader,
+    ShardWriter,
+    checksum,
+    split_tensor_name,
+    tensor_name,
+    write_shard,
+)
+
+EFP, RFP = "e" * 64, "r" * 64
+
+
+def _sample() -> dict[str, torch.Tensor]:
+    return {
+        "k1": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+        "k2/hidden": torch.tensor([1.5, -2.0], dtype=torch.float16),
+        "k2/pooled": torch.tensor([0.25], dtype=torch.bfloat16),
+    }
+
+
+@pytest.fixture
+def layout(tmp_path: Path) -> Layout:
+    return Layout(tmp_path / "store").ensure()
+
+
+def _files(d: Path) -> list[Path]:
+    return [p for p in d.rglob("*") if p.is_file()]
+
+
+# -- the format ---------------------------------------------------------------------------------
+GOLDEN_HEADER = (
+    b'{"__metadata__":{"checksums":"{\\"k1\\":\\"91e79017\\",\\"k2/hidden\\":\\"94d5d536\\",'
+    b'\\"k2/pooled\\":\\"bb3b971f\\"}","encoder_fp":"' + b"e" * 64 + b'","format":"featbake-shard",'
+    b'"format_version":"1","recipe_fp":"' + b"r" * 64 + b'"},'
+    b'"k1":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]},'
+    b'"k2/hidden":{"dtype":"F16","shape":[2],"data_offsets":[24,28]},'
+    b'"k2/pooled":{"dtype":"BF16","shape":[1],"data_offsets":[28,30]}}'
+)
+GOLDEN_NAME = "8421a22905370ea1fadeab00c52fac7782321e0470b35a58ed1156bd75a0dd48"
+GOLDEN_DATA = bytes.fromhex("000000000000803f0000004000004040000080400000a040003e00c0803e")
+
+
+def test_shard_bytes_are_pinned(layout: Layout) -> None:
+    """The exact bytes of a shard: a change here changes every content name (bump the format)."""
+    shard = write_shard(layout, _sample(), EFP, RFP)
+    raw = shard.path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    assert n % 8 == 0  # the data region starts 8-byte aligned
+    assert raw[8 : 8 + n] == GOLDEN_HEADER + b" " * (n - len(GOLDEN_HEADER))
+    assert raw[8 + n :] == GOLDEN_DATA
+    # The same tensors give the same bytes in any process and in any insertion order.
+    assert shard.name == GOLDEN_NAME
+    again = write_shard(layout, dict(reversed(list(_sample().items()))), EFP, RFP)
+    assert again.name == shard.name
+
+
+def test_shard_name_is_the_sha256_of_its_bytes_and_tmp_is_left_empty(layout: Layout) -> None:
+    shard = write_shard(layout, _sample(), EFP, RFP)
+    assert shard.name == hashlib.sha256(shard.path.read_bytes()).hexdigest()
+    assert shard.path == layout.shards / shard.name[:2] / f"{shard.name}.safetensors"
+    assert shard.nbytes == shard.path.stat().st_size
+    assert _files(layout.tmp) == []
+    assert {(e.key, e.part, e.dtype, e.shape, e.nbytes) for e in shard.entries} == {
+        ("k1", "", "F32", (2, 3), 24),
+        ("k2", "hidden", "F16", (2,), 4),
+        ("k2", "pooled", "BF16", (1,), 2),
+    }
+
+
+def test_plain_safetensors_reads_a_shard(layout: Layout) -> None:
+    tensors = _sample()
+    shard = write_shard(layout, tensors, EFP, RFP)
+    with safe_open(str(shard.path), framework="pt") as f:
+        meta = f.metadata()
+        assert set(f.keys()) == set(tensors)
+        for name, t in tensors.items():
+            got = f.get_tensor(name)
+            assert got.dtype == t.dtype and torch.equal(got, t)
+    assert meta["format"] == "featbake-shard" and meta["format_version"] == "1"
+    assert (meta["encoder_fp"], meta["recipe_fp"]) == (EFP, RFP)
+    sums = json.loads(meta["checksums"])
+    assert sums == {
+        n: f"{__import__('zlib').crc32(t.view(torch.uint8).numpy()):08x}"
+        for n, t in tensors.items()
+    }
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.uint8,
+        torch.bool,
+        torch.float64,
+    ],
+)
+def test_every_storable_dtype_round_trips(layout: Layout, dtype: torch.dtype) -> None:
+    t = (torch.arange(-5, 7).reshape(3, 4) % 3).to(dtype)
+    shard = write_shard(layout, {"x": t, "empty": torch.zeros(0, 2, dtype=dtype)}, EFP, RFP)
+    with ShardReader(shard.path, verify="always") as r:
+        assert torch.equal(r.read("x"), t) and r.read("x").dtype == dtype
+        assert r.read("empty").shape == (0, 2)
+    with safe_open(str(shard.path), framework="pt") as f:
+        assert torch.equal(f.get_tensor("x"), t)
+
+
+def test_tensor_names() -> None:
+    assert tensor_name("ab", "") == "ab" and tensor_name("ab", "hidden") == "ab/hidden"
+    assert split_tensor_name("ab/hidden") == ("ab", "hidden")
+    assert split_tensor_name("ab") == ("ab", "")
+
+
+# -- corruption -----------------------------------------------------------------------------------
+def _data_start(path: Path) -> int:
+    with open(path, "rb") as f:
+        return 8 + struct.unpack("<Q", f.read(8))[0]
+
+
+def test_a_flipped_byte_fails_its_checksum(layout: Layout) -> None:
+    shard = write_shard(layout, _sample(), EFP, RFP)
+    raw = bytearray(shard.path.read_bytes())
+    raw[_data_start(shard.path) + 5] ^= 0x10  # inside k1
+    shard.path.write_bytes(raw)
+    # safetensors itself loads the damaged tensor without a word ...
+    with safe_open(str(shard.path), framework="pt") as f:
+        assert not torch.equal(f.get_tensor("k1"), _sample()["k1"])
+    # ... our reader refuses it and names the fix; the untouched tensors still read.
+    r = ShardReader(shard.path)
+    with pytest.raises(StoreCorrupt, match=r"checksum mismatch in tensor k1.*verify --repair"):
+        r.read("k1")
+    assert torch.equal(r.read("k2/hidden"), _sample()["k2/hidden"])
+    assert r.verify_all() == ["k1"]
+    assert r.read("k1", verify="never").shape == (2, 3)
+    r.close()
+
+
+def test_a_truncated_shard_is_detected(layout: Layout) -> None:
+    """What a crash mid-write would leave if the file were published in place."""
+    shard = write_shard(layout, _sample(), EFP, RFP)
+    full = shard.path.read_bytes()
+    for cut in (len(full) - 1, _data_start(shard.path), 100, 5):
+        shard.path.write_bytes(full[:cut])
+        with pytest.raises(StoreCorrupt, match="damaged"):
+            ShardReader(shard.path)
+
+
+def test_a_zeroed_tail_is_detected(layout: Layout) -> None:
+    """A shard cut short by SIGKILL and padded with zeros (safetensors loads it silently)."""
+    shard = write_shard(layout, _sample(), EFP, RFP)
+    raw = bytearray(shard.path.read_bytes())
+    raw[-6:] = bytes(6)
+    shard.path.write_bytes(raw)
+    with ShardReader(shard.path) as r:
+        assert "k1" not in r.verify_all()
+        assert set(r.verify_all()) == {"k2/hidden", "k2/pooled"}
+
+
+def test_a_foreign_safetensors_file_is_not_a_shard(tmp_path: Path) -> None:
+    p = tmp_path / "plain.safetensors"
+    save_file({"x": torch.zeros(3)}, str(p))
+    with pytest.raises(StoreCorrupt, match="not a featbake shard"):
+        ShardReader(p)
+
+
+def test_a_missing_shard_raises_shard_missing(tmp_path: Path) -> None:
+    with pytest.raises(ShardMissing, match="verify --repair"):
+        ShardReader(tmp_path / "nope.safetensors")
+
+
+def test_reading_an_absent_tensor_says_to_repair(layout: Layout) -> None:
+    shard = write_shard(layout, _sample(), EFP, RFP)
+    with ShardReader(shard.path) as r, pytest.raises(StoreCorrupt, match="holds no tensor"):
+        r.read("zz")
+
+
+# -- a full disk --------------------------------------------------------------------------------
+def _enospc(*_a: object, **_k: object) -> None:
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_enospc_on_fsync_gives_an_actionable_store_error(
+    layout: Layout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(store_mod.os, "fsync", _enospc)
+    with pytest.raises(StoreError, match=r"disk is full.*--cache DIR.*rerun to continue"):
+        write_shard(layout, _sample(), EFP, RFP)
+    assert _files(layout.tmp) == [] and _files(layout.shards) == []
+
+
+def test_enospc_halfway_through_writing_leaves_no_partial_shard(
+    layout: Layout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file fills up after some bytes (as a real disk does): nothing partial remains."""
+    real_open = open
+
+    class Filling:
+        def __init__(self, f: object) -> None:
+            self.f, self.written = f, 0
+
+        def write(self, b: object) -> int:
+            if self.written + len(b) > 64:  # type: ignore[arg-type]
+                self.f.write(bytes(b)[: 64 - self.written])  # type: ignore[attr-defined]
+                self.f.flush()  # type: ignore[attr-defined]
+                _enospc()
+            self.written += len(b)  # type: ignore[arg-type]
+            return self.f.write(b)  # type: ignore[attr-defined]
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.f, name)
+
+        def __enter__(self) -> Filling:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.f.close()  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(
+        store_mod, "open", lambda *a, **k: Filling(real_open(*a, **k)), raising=False
+    )
+    with pytest.raises(StoreError, match=r"No space left on device.*disk is full"):
+        write_shard(layout, _sample(), EFP, RFP)
+    assert _files(layout.tmp) == [] and _files(layout.shards) == []
+
+
+def test_unwritable_store_says_so(layout: Layout, monkeypatch: pytest.MonkeyPatch) -> None:
+    def denied(*_a: object, **_k: object) -> None:
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(store_mod.os, "replace", denied)
+    with pytest.raises(StoreError, match=r"Permission denied.*writable"):
+        write_shard(layout, _sample(), EFP, RFP)
+    assert _files(layout.tmp) == [] and _files(layout.shards) == []
+
+
+def test_layout_ensure_reports_an_uncreatable_directory(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(StoreError, match="--cache DIR"):
+        Layout(blocker / "store").ensure()
+
+
+# -- the writer ---------------------------------------------------------------------------------
+def test_writer_seals_at_the_target_size_and_on_exit(layout: Layout) -> None:
+    sealed = []
+    feats = {f"{i:064x}": torch.full((10,), float(i)) for i in range(7)}  # 40 bytes each
+    with ShardWriter(layout, EFP, RFP, target_bytes=100, on_seal=sealed.append) as w:
+        for k, t in feats.items():
+            w.add(k, {"": t})
+    assert [len(s.entries) for s in sealed] == [3, 3, 1]
+    for s in sealed:
+        with ShardReader(s.path) as r:
+            for e in s.entries:
+                assert torch.equal(r.read(e.tensor), feats[e.key])
+
+
+def test_writer_seals_what_it_holds_when_the_block_raises(layout: Layout) -> None:
+    sealed = []
+    with (
+        pytest.raises(KeyboardInterrupt),
+        ShardWriter(layout, EFP, RFP, on_seal=sealed.append) as w,
+    ):
+        w.add("a" * 64, {"": torch.ones(3)})
+        raise KeyboardInterrupt
+    assert len(sealed) == 1 and sealed[0].entries[0].key == "a" * 64
+
+
+def test_writer_item_limit_and_first_wins(layout: Layout) -> None:
+    w = ShardWriter(layout, EFP, RFP, max_items=2)
+    assert w.add("a" * 64, {"": torch.ones(4)}) is None
+    assert w.add("a" * 64, {"": torch.zeros(4)}) is None  # duplicate name: first wins
+    shard = w.add("b" * 64, {"h": torch.zeros(2), "p": torch.zeros(1)})
+    assert shard is not None and len(shard.entries) == 3
+    with ShardReader(shard.path) as r:
+        assert torch.equal(r.read("a" * 64), torch.ones(4))
+    assert w.seal() is None  # nothing pending
+
+
+def test_writer_rejects_bad_limits_and_dtypes(layout: Layout) -> None:
+    with pytest.raises(ConfigError, match="--shard-size"):
+        ShardWriter(layout, EFP, RFP, target_bytes=0)
+    w = ShardWriter(layout, EFP, RFP)
+    with pytest.raises(ConfigError, match="cannot store dtype"):
+        w.add("a" * 64, {"": torch.zeros(2, dtype=torch.complex64)})
+
+
+def test_checksum_is_crc32_hex() -> None:
+    assert checksum(b"") == "00000000"
+    assert checksum(b"featbake") == f"{__import__('zlib').crc32(b'featbake'):08x}"
+
+
+def test_handles_are_bounded_and_reopen_after_forget(layout: Layout) -> None:
+    shards = [write_shard(layout, {"x": torch.tensor([float(i)])}, EFP, RFP) for i in range(4)]
+    h = ShardHandles(max_open=2)
+    for s in shards:
+        h.get(s.path)
+    assert list(h) == [shards[2].path, shards[3].path]
+    h.forget(shards[3].path)
+    assert list(h) == [shards[2].path]
+    assert torch.equal(h.get(shards[0].path).read("x"), torch.tensor([0.0]))
+    h.close()
+    assert list(h) == []
