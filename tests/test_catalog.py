@@ -1,0 +1,154 @@
+"""The SQLite catalog: WAL, schema version, first-wins rows, the hash cache and roots."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sqlite3
+from pathlib import Path
+
+import pytest
+import torch
+
+from featbake.build import hash_inputs
+from featbake.catalog import SCHEMA_VERSION, Catalog, FileStat
+from featbake.errors import StoreError
+from featbake.store import Layout, ShardReader, write_shard
+
+EFP, RFP = "e" * 64, "r" * 64
+
+
+@pytest.fixture
+def layout(tmp_path: Path) -> Layout:
+    return Layout(tmp_path / "store").ensure()
+
+
+@pytest.fixture
+def cat(layout: Layout):
+    c = Catalog(layout)
+    yield c
+    c.close()
+
+
+def test_wal_mode_and_schema_version(cat: Catalog, layout: Layout) -> None:
+    assert cat.conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+    other = sqlite3.connect(layout.catalog)  # a plain client sees the same database
+    assert other.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+    assert other.execute("SELECT value FROM meta WHERE name='schema_version'").fetchone() == (
+        str(SCHEMA_VERSION),
+    )
+    tables = {r[0] for r in other.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    assert {"meta", "shards", "features", "encoders", "roots", "root_items", "hash_cache"} <= tables
+    other.close()
+
+
+def test_schema_version_mismatch_is_a_clear_store_error(cat: Catalog, layout: Layout) -> None:
+    cat.conn.execute("UPDATE meta SET value='99' WHERE name='schema_version'")
+    cat.close()
+    with pytest.raises(StoreError, match=r"schema version 99.*upgrade featbake.*verify --repair"):
+        _ = Catalog(layout).conn
+
+
+def test_a_damaged_catalog_file_is_a_store_error(layout: Layout) -> None:
+    layout.catalog.write_bytes(b"this is not a database" * 100)
+    with pytest.raises(StoreError, match="move it aside"):
+        _ = Catalog(layout).conn
+
+
+def test_add_shard_is_first_wins(cat: Catalog, layout: Layout) -> None:
+    a = write_shard(layout, {"k1": torch.ones(2), "k2/h": torch.ones(3)}, EFP, RFP)
+    b = write_shard(layout, {"k1": torch.zeros(2), "k3": torch.zeros(1)}, EFP, RFP)
+    assert cat.add_shard(a) == 2
+    assert cat.add_shard(b) == 1  # k1 was there: only k3 is new
+    assert cat.add_shard(b) == 0  # the same shard twice is harmless
+    (loc,) = cat.locate("k1")
+    assert loc.shard == a.name and loc.dtype == "F32" and loc.shape == (2,)
+    with ShardReader(cat.shard_path(loc.shard)) as r:
+        assert torch.equal(r.read(loc.tensor), torch.ones(2))
+    assert [x.tensor for x in cat.locate("k2")] == ["k2/h"]
+    assert cat.present_keys(["k1", "k2", "k3", "nope"]) == {"k1", "k2", "k3"}
+    assert cat.conn.execute("SELECT COUNT(*) FROM shards").fetchone() == (2,)
+
+
+def test_lookups_span_more_keys_than_one_query_takes(cat: Catalog, layout: Layout) -> None:
+    keys = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(1234)]
+    shard = write_shard(layout, {k: torch.tensor([float(i)]) for i, k in enumerate(keys)}, EFP, RFP)
+    cat.add_shard(shard)
+    assert cat.present_keys([*keys, "x" * 64]) == set(keys)
+    located = cat.locate_many(keys)
+    assert len(located) == len(keys) and all(v[0].shard == shard.name for v in located.values())
+
+
+def test_hash_cache_hit_skips_the_read_and_a_stat_change_misses(
+    cat: Catalog, tmp_path: Path
+) -> None:
+    files = []
+    for i in range(3):
+        p = tmp_path / f"f{i}.bin"
+        p.write_bytes(os.urandom(1000 + i))
+        files.append(str(p))
+    digests, failed = hash_inputs(cat, files)
+    assert failed == {}
+    assert digests == {p: hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in files}
+    # Poison one cached digest: an unchanged stat means the cache is trusted, the file unread.
+    cat.put_hashes([(files[0], FileStat.of(files[0]), "0" * 64)])
+    assert hash_inputs(cat, files)[0][files[0]] == "0" * 64
+    # Touch it (mtime changes): the cache misses and the true digest comes back.
+    st = os.stat(files[0])
+    os.utime(files[0], ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    assert hash_inputs(cat, files)[0][files[0]] == digests[files[0]]
+    cached = cat.cached_hashes(files)
+    assert cached[files[0]] == (FileStat.of(files[0]), digests[files[0]])
+    # An unreadable file is reported, not raised.
+    os.unlink(files[2])
+    got, failed = hash_inputs(cat, files)
+    assert files[2] not in got and "cannot stat" in failed[files[2]]
+
+
+def test_roots_are_replaced_at_rebuild(cat: Catalog) -> None:
+    common = {"data": "/d", "encoder_label": "enc.pt", "encoder_fp": EFP, "recipe_fp": RFP}
+    cat.replace_root(
+        "r-1", **common, recipe={"a": 1}, items=[("a.wav", "k1"), ("b.wav", "k2")], now=100.0
+    )
+    cat.replace_root(
+        "r-1", **common, recipe={"a": 1}, items=[("b.wav", "k2"), ("c.wav", "k3")], now=200.0
+    )
+    assert cat.root_items("r-1") == [("b.wav", "k2"), ("c.wav", "k3")]
+    root = cat.root("r-1")
+    assert root is not None
+    assert (root.items, root.created, root.last_used, root.recipe) == (2, 100.0, 200.0, {"a": 1})
+    cat.replace_root("r-2", **common, recipe={}, items=[], now=300.0)
+    assert [r.name for r in cat.roots()] == ["r-2", "r-1"]
+    assert cat.root("nope") is None
+
+
+def test_record_encoder_keeps_first_seen(cat: Catalog) -> None:
+    cat.record_encoder(EFP, "a.pt", "torchscript", now=1.0)
+    cat.record_encoder(EFP, "b.pt", "torchscript", now=2.0)
+    assert cat.conn.execute("SELECT label, first_seen, last_used FROM encoders").fetchall() == [
+        ("b.pt", 1.0, 2.0)
+    ]
+
+
+def test_touch_updates_last_used(cat: Catalog, layout: Layout) -> None:
+    cat.add_shard(write_shard(layout, {"k1": torch.ones(1)}, EFP, RFP), now=1.0)
+    cat.touch(["k1", "k1"], when=5.0)
+    assert cat.conn.execute("SELECT last_used FROM features").fetchone() == (5.0,)
+
+
+def test_a_failed_transaction_rolls_back(cat: Catalog) -> None:
+    with pytest.raises(RuntimeError), cat.transaction() as c:
+        c.execute("INSERT INTO meta VALUES ('x', 'y')")
+        raise RuntimeError("boom")
+    assert cat.conn.execute("SELECT COUNT(*) FROM meta WHERE name='x'").fetchone() == (0,)
+
+
+def test_catalog_reconnects_in_a_forked_child(cat: Catalog) -> None:
+    cat.put_hashes([("p", FileStat(1, 2, 3), "a" * 64)])
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        ok = cat.cached_hashes(["p"])["p"][1] == "a" * 64 and cat._pid == os.getpid()
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0
+    assert cat.cached_hashes(["p"])["p"][1] == "a" * 64
