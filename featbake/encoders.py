@@ -4,8 +4,12 @@ Three ways to name an encoder (``--encoder``):
 
 * a TorchScript archive (``torch.jit.save``): most frozen encoders still ship this way;
 * a ``torch.export`` program (``.pt2``, ``torch.export.save``): where upstream is going. Inputs of
-  varying length need a dynamic dimension declared at export time, e.g.
-  ``torch.export.export(m, (x,), dynamic_shapes={"x": {1: torch.export.Dim("time", min=400)}})``;
+  varying length and batches of varying size need both dimensions declared dynamic at export
+  time, the argument named as in ``forward``, e.g. for ``forward(self, wav)`` with ``[B, T]``:
+  ``torch.export.export(m.eval(), (torch.randn(2, 16000),), dynamic_shapes={"wav": {0:
+  torch.export.Dim("batch"), 1: torch.export.Dim("time", min=560)}})`` (``Dim.AUTO`` for both
+  also works). A too-small ``min`` fails at export with "Constraints violated": raise it;
+  a static export fails on every other shape with "Guard failed";
 * an import path ``package.module:factory`` returning an ``nn.Module``, optionally with
   ``--weights file.safetensors`` loaded into it (strictly).
 
@@ -22,6 +26,7 @@ import hashlib
 import importlib
 import inspect
 import os
+import pickle
 import warnings
 import zipfile
 from collections.abc import Mapping
@@ -157,9 +162,18 @@ def _load_export(path: Path) -> tuple[Any, str]:
 def _load_pickle(path: Path, trust_pickle: bool) -> tuple[Any, str]:
     try:
         obj = torch.load(str(path), map_location="cpu", weights_only=True)
-    except Exception:
+    except pickle.UnpicklingError as e:
+        if "Unsupported global" not in str(e):  # torch's words for "this pickle names code"
+            raise EncoderLoadError(
+                f"{path} is not a TorchScript, torch.export or torch.save file ({_first_line(e)})"
+            ) from e
         obj = None
-        holds_module = True
+        holds_module = True  # a pickle naming classes: only a full unpickle can run it
+    except Exception as e:
+        raise EncoderLoadError(
+            f"{path} is not a TorchScript, torch.export or torch.save file "
+            f"({type(e).__name__}: {_first_line(e)})"
+        ) from e
     else:
         holds_module = False
     if not holds_module:
