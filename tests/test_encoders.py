@@ -1,0 +1,268 @@
+"""Loading encoders: TorchScript, torch.export with dynamic shapes, import paths, pickles."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from featbake.build import build
+from featbake.catalog import Catalog
+from featbake.demo import MultiOutputEncoder, TinyConvEncoder
+from featbake.encoders import (
+    EXPORT,
+    IMPORT,
+    PICKLE,
+    TORCHSCRIPT,
+    detect_kind,
+    from_module,
+    is_frozen,
+    load_encoder,
+    split_outputs,
+)
+from featbake.errors import ConfigError, EncodeError, EncoderLoadError
+from featbake.reader import FeatureReader
+from featbake.recipe import Recipe
+from featbake.sources import AudioSource
+from featbake.store import Layout
+from tests.conftest import live_features, run_cli
+
+ENC_MODULE = textwrap.dedent(
+    """
+    import torch
+    from featbake.demo import TinyConvEncoder
+
+    def build(dim=64):
+        return TinyConvEncoder(dim=dim, seed=123)
+
+    def not_a_module():
+        return 42
+    """
+)
+
+
+def _eager(seed: int = 0) -> TinyConvEncoder:
+    return TinyConvEncoder(seed=seed).eval()
+
+
+def _stored(cache: Path, report) -> dict[str, dict[str, torch.Tensor]]:
+    """path -> stored parts, read through the catalog."""
+    reader = FeatureReader(Layout(cache))
+    try:
+        items = Catalog(Layout(cache)).root_items(report.root)
+        return {p: reader.get(k) for p, k in items}
+    finally:
+        reader.close()
+
+
+def export_dynamic(module: torch.nn.Module, path: Path) -> Path:
+    """The documented export: batch and time both dynamic, named as forward's argument."""
+    program = torch.export.export(
+        module.eval(),
+        (torch.randn(2, 16000),),
+        dynamic_shapes={
+            "wav": {0: torch.export.Dim("batch"), 1: torch.export.Dim("time", min=560)}
+        },
+    )
+    torch.export.save(program, str(path))
+    return path
+
+
+# -- TorchScript ----------------------------------------------------------------------------------
+def test_torchscript_loads_in_eval_mode_and_matches_eager(encoder_file: Path) -> None:
+    enc = load_encoder(encoder_file)
+    assert enc.kind == TORCHSCRIPT and detect_kind(encoder_file) == TORCHSCRIPT
+    assert not enc.module.training
+    assert enc.label == str(encoder_file.resolve())
+    x = torch.randn(3, 4000)
+    with torch.no_grad():
+        assert torch.allclose(enc.run(x), _eager()(x), atol=1e-6)
+    assert enc.run(x).is_inference()  # ran under torch.inference_mode()
+    assert load_encoder(encoder_file).fingerprint == enc.fingerprint
+
+
+def test_a_failing_batch_is_an_encode_error(encoder_file: Path) -> None:
+    with pytest.raises(EncodeError, match=r"failed on a batch of shape \(1, 10\)"):
+        load_encoder(encoder_file).run(torch.randn(1, 10))  # shorter than the conv kernel
+
+
+# -- torch.export ---------------------------------------------------------------------------------
+def test_export_with_dynamic_batch_and_time(tmp_path: Path, audio_dir: Path) -> None:
+    path = export_dynamic(_eager(), tmp_path / "enc.pt2")
+    enc = load_encoder(path)
+    assert enc.kind == EXPORT and detect_kind(path) == EXPORT
+    for shape in [(1, 560), (3, 12345), (5, 16000), (1, 48000)]:
+        x = torch.randn(shape)
+        with torch.no_grad():
+            assert torch.allclose(enc.run(x), _eager()(x), atol=1e-5)
+    # A whole build over clips of many lengths, checked against the eager module now.
+    report = build(audio_dir, path, cache=tmp_path / "c", workers=0)
+    assert report.ok and report.encoded == report.files == 16
+    src = AudioSource(Recipe())
+    for rel, parts in _stored(tmp_path / "c", report).items():
+        with torch.no_grad():
+            live = _eager()(src.load(audio_dir / rel).unsqueeze(0))[0]
+        assert torch.allclose(parts[""], live, atol=1e-5), rel
+
+
+def test_a_static_export_fails_per_item_with_the_guard(tmp_path: Path, audio_dir: Path) -> None:
+    program = torch.export.export(_eager(), (torch.randn(1, 16000),))
+    torch.export.save(program, str(tmp_path / "static.pt2"))
+    report = build(audio_dir, tmp_path / "static.pt2", cache=tmp_path / "c", workers=0)
+    # Only the 1 s clips match the exported shape; every other clip is named with the reason.
+    assert report.encoded == 4
+    assert len(report.failed) == 12
+    assert all("Guard failed" in reason for _, reason in report.failed)
+
+
+# -- import paths ---------------------------------------------------------------------------------
+@pytest.fixture
+def enc_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    pkg = tmp_path / "pkgs"
+    pkg.mkdir()
+    (pkg / "tiny_enc_mod.py").write_text(ENC_MODULE)
+    monkeypatch.syspath_prepend(str(pkg))
+    return pkg
+
+
+def test_import_path_with_safetensors_weights(tmp_path: Path, enc_module: Path) -> None:
+    weights = tmp_path / "w.safetensors"
+    save_file(TinyConvEncoder(seed=7).state_dict(), str(weights))
+    enc = load_encoder("tiny_enc_mod:build", weights=weights)
+    assert enc.kind == IMPORT and enc.label == "tiny_enc_mod:build"
+    assert is_frozen(enc.module.requires_grad_(False))
+    x = torch.randn(2, 3200)
+    with torch.no_grad():
+        assert torch.allclose(enc.run(x), _eager(seed=7)(x), atol=1e-6)
+    bare = load_encoder("tiny_enc_mod:build")
+    assert bare.fingerprint != enc.fingerprint  # the weights are in the fingerprint
+
+
+def test_import_path_errors(tmp_path: Path, enc_module: Path, encoder_file: Path) -> None:
+    with pytest.raises(EncoderLoadError, match="PYTHONPATH"):
+        load_encoder("no_such_module_xyz:build")
+    with pytest.raises(EncoderLoadError, match="factory name"):
+        load_encoder("tiny_enc_mod:nope")
+    with pytest.raises(EncoderLoadError, match=r"not an nn\.Module"):
+        load_encoder("tiny_enc_mod:not_a_module")
+    with pytest.raises(EncoderLoadError, match="does not exist"):
+        load_encoder("tiny_enc_mod:build", weights=tmp_path / "missing.safetensors")
+    wrong = tmp_path / "wrong.safetensors"
+    save_file(TinyConvEncoder(dim=8).state_dict(), str(wrong))
+    with pytest.raises(EncoderLoadError, match="do not fit"):
+        load_encoder("tiny_enc_mod:build", weights=wrong)
+    with pytest.raises(ConfigError, match="import-path"):
+        load_encoder(encoder_file, weights=wrong)
+
+
+def test_cli_builds_an_import_path_encoder_with_weights(tmp_path: Path, audio_dir: Path) -> None:
+    pkg = tmp_path / "pkgs"
+    pkg.mkdir()
+    (pkg / "tiny_enc_mod.py").write_text(ENC_MODULE)
+    weights = tmp_path / "w.safetensors"
+    save_file(TinyConvEncoder(seed=7).state_dict(), str(weights))
+    repo = Path(__file__).resolve().parents[1]
+    args = ["build", "-e", "tiny_enc_mod:build", "--weights", weights, "-d", audio_dir]
+    res = run_cli(*args, "--cache", tmp_path / "c", "--json", env={"PYTHONPATH": f"{repo}:{pkg}"})
+    assert res.returncode == 0, res.stderr
+    src = AudioSource(Recipe())
+    import json
+
+    report = json.loads(res.stdout)
+    assert report["encoded"] == 16
+    stored = Catalog(Layout(tmp_path / "c")).root_items(report["root"])
+    reader = FeatureReader(Layout(tmp_path / "c"))
+    for rel, key in stored:
+        with torch.no_grad():
+            live = _eager(seed=7)(src.load(audio_dir / rel).unsqueeze(0))[0]
+        assert torch.allclose(reader.get(key)[""], live, atol=1e-6)
+
+
+# -- pickles --------------------------------------------------------------------------------------
+def test_a_pickled_module_is_refused_unless_trusted(tmp_path: Path) -> None:
+    path = tmp_path / "model.pt"
+    torch.save(_eager(), path)
+    assert detect_kind(path) == PICKLE
+    with pytest.raises(EncoderLoadError, match=r"runs arbitrary code.*--trust-pickle"):
+        load_encoder(path)
+    enc = load_encoder(path, trust_pickle=True)
+    assert enc.kind == PICKLE and not enc.module.training
+    x = torch.randn(1, 1600)
+    with torch.no_grad():
+        assert torch.equal(enc.run(x), _eager()(x))
+
+
+def test_cli_refuses_a_pickle_with_exit_4_and_accepts_it_when_trusted(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    path = tmp_path / "model.pt"
+    torch.save(_eager(), path)
+    res = run_cli("build", "-e", path, "-d", audio_dir, "--cache", tmp_path / "c")
+    assert res.returncode == 4
+    assert "--trust-pickle" in res.stderr and "Traceback" not in res.stderr
+    assert not (tmp_path / "c" / "shards").exists() or not any((tmp_path / "c").rglob("*.st*"))
+    ok = run_cli("build", "-e", path, "-d", audio_dir, "--cache", tmp_path / "c", "--trust-pickle")
+    assert ok.returncode == 0, ok.stderr
+
+
+def test_a_state_dict_file_gets_the_helpful_message(tmp_path: Path) -> None:
+    path = tmp_path / "weights.pt"
+    torch.save(_eager().state_dict(), path)
+    with pytest.raises(EncoderLoadError, match=r"state dict.*--weights weights\.safetensors"):
+        load_encoder(path)
+
+
+def test_a_garbage_file_is_not_called_a_pickle(tmp_path: Path) -> None:
+    path = tmp_path / "enc.pt"
+    path.write_bytes(b"definitely not a model" * 10)
+    with pytest.raises(EncoderLoadError, match="is not a TorchScript") as e:
+        load_encoder(path)
+    assert "--trust-pickle" not in str(e.value)
+    with pytest.raises(EncoderLoadError, match="not found"):
+        load_encoder(tmp_path / "missing.pt")
+
+
+# -- outputs --------------------------------------------------------------------------------------
+def test_split_outputs() -> None:
+    a, b = torch.zeros(2, 3), torch.ones(2)
+    assert split_outputs(a, None) == {"": a}
+    assert split_outputs((a, b), None) == {"0": a, "1": b}
+    assert split_outputs({"h": a, "p": b}, "p") == {"": b}
+    assert split_outputs((a, b), "1") == {"": b}
+    with pytest.raises(EncodeError, match=r"no output 'x'.*'h', 'p'"):
+        split_outputs({"h": a, "p": b}, "x")
+    with pytest.raises(EncodeError, match="pick a tensor output"):
+        split_outputs({"h": a, "n": 3}, None)
+    with pytest.raises(EncodeError, match="returned int"):
+        split_outputs(3, None)
+
+
+def test_multi_output_stores_every_part_and_output_selects_one(
+    tmp_path: Path, multi_encoder_file: Path, audio_dir: Path
+) -> None:
+    report = build(audio_dir, multi_encoder_file, cache=tmp_path / "all", workers=0)
+    assert report.ok
+    for rel, parts in _stored(tmp_path / "all", report).items():
+        live = live_features(multi_encoder_file, audio_dir / rel)
+        assert set(parts) == {"hidden", "pooled"} == set(live)
+        for name in parts:
+            assert torch.allclose(parts[name], live[name], atol=1e-6)
+    recipe = Recipe(output="pooled")
+    one = build(audio_dir, multi_encoder_file, cache=tmp_path / "all", recipe=recipe, workers=0)
+    assert one.encoded == 16 and one.root != report.root  # a new recipe: new keys
+    for rel, parts in _stored(tmp_path / "all", one).items():
+        assert set(parts) == {""}
+        live = live_features(multi_encoder_file, audio_dir / rel, recipe)
+        assert torch.allclose(parts[""], live, atol=1e-6)
+    bad = build(audio_dir, multi_encoder_file, cache=tmp_path / "x", recipe=Recipe(output="zz"))
+    assert bad.encoded == 0 and len(bad.failed) == 16
+    assert "no output 'zz'" in bad.failed[0][1]
+
+
+def test_from_module_puts_the_module_in_eval_mode() -> None:
+    m = MultiOutputEncoder().train()
+    enc = from_module(m)
+    assert not m.training and enc.kind == "module" and enc.device == torch.device("cpu")
