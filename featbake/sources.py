@@ -75,7 +75,9 @@ class AudioSource:
         except FileNotFoundError as e:
             raise SourceError(f"{path}: file not found") from e
         except (soundfile.LibsndfileError, RuntimeError, OSError, ValueError) as e:
-            raise SourceError(f"{path}: cannot decode audio ({_reason(e)})") from e
+            raise SourceError(
+                f"{path}: {_unreadable(path) or 'cannot decode audio'} ({_reason(e)})"
+            ) from e
         if audio.shape[0] == 0:
             raise SourceError(f"{path}: the file holds no audio samples")
         if not np.isfinite(audio).all():
@@ -87,6 +89,17 @@ class AudioSource:
             audio = audio[: round(self.recipe.max_seconds * self.recipe.sample_rate)]
         audio = np.ascontiguousarray(audio.T, dtype=np.float32)  # [C, T]
         return torch.from_numpy(audio[0] if self.recipe.mono else audio)
+
+
+def _unreadable(path: str | os.PathLike[str]) -> str | None:
+    """Why the OS cannot open ``path`` (libsndfile only says "System error"), or None."""
+    try:
+        os.close(os.open(path, os.O_RDONLY))
+    except FileNotFoundError:
+        return "file not found"
+    except OSError as e:
+        return f"cannot read: {e.strerror}"
+    return None
 
 
 def _reason(e: BaseException) -> str:
