@@ -531,3 +531,5 @@ def _encode_all(
         writer.close()
         report.bytes_written = writer.bytes_written
         report.shards_written = writer.shards
+    if progress:  # the last word has the bytes actually sealed (the writer runs behind)
+        progress(Progress("encode", done, len(work), report.bytes_written, len(report.failed)))
