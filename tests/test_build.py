@@ -1,0 +1,254 @@
+"""The bake as a library: reuse, equality with live encoding, bad inputs, strictness, batching."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+import torch
+
+import featbake.store as store_mod
+from featbake.build import Progress, ShapeBatcher, build, encode_batch
+from featbake.catalog import Catalog
+from featbake.demo import TinyConvEncoder, write_audio_folder
+from featbake.encoders import from_module
+from featbake.errors import ConfigError, EncodeError, SourceError, StoreError
+from featbake.reader import FeatureReader
+from featbake.recipe import Recipe
+from featbake.sources import source_for
+from featbake.store import Layout, ShardReader
+from tests.conftest import live_features
+
+
+def stored_features(cache: Path, root: str) -> dict[str, dict[str, torch.Tensor]]:
+    """Relative path -> stored parts, for every item of a root that is stored."""
+    layout = Layout(cache)
+    cat = Catalog(layout)
+    reader = FeatureReader(layout, verify="always")
+    try:
+        items = cat.root_items(root)
+        got = reader.get_many([k for _, k in items])
+        return {p: got[k] for p, k in items if k in got}
+    finally:
+        reader.close()
+        cat.close()
+
+
+def assert_store_consistent(cache: Path) -> None:
+    """Every catalog row names a sealed shard that holds the tensor with a valid checksum."""
+    layout = Layout(cache)
+    cat = Catalog(layout)
+    assert cat.conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    rows = cat.conn.execute(
+        "SELECT f.key, f.part, s.name, f.dtype, f.shape FROM features f "
+        "JOIN shards s ON s.id = f.shard_id"
+    ).fetchall()
+    orphans = cat.conn.execute(
+        "SELECT COUNT(*) FROM features WHERE shard_id NOT IN (SELECT id FROM shards)"
+    ).fetchone()
+    assert orphans == (0,)
+    by_shard: dict[str, list[tuple]] = {}
+    for row in rows:
+        by_shard.setdefault(row[2], []).append(row)
+    for name, entries in by_shard.items():
+        with ShardReader(layout.shard_path(name)) as r:
+            assert r.verify_all() == []
+            for key, part, _, dtype, _shape in entries:
+                name_in_shard = f"{key}/{part}" if part else key
+                assert r.tensors[name_in_shard].dtype == dtype
+    cat.close()
+
+
+def test_rebuild_encodes_nothing_and_features_equal_live(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    cache = tmp_path / "c"
+    first = build(audio_dir, encoder_file, cache=cache, batch_size=4, workers=2)
+    assert (first.files, first.encoded, first.reused, first.failed) == (16, 16, 0, [])
+    assert first.shards_written == 1 and first.bytes_written > 0
+    again = build(audio_dir, encoder_file, cache=cache, batch_size=4, workers=2)
+    assert (again.encoded, again.reused, again.bytes_written, again.shards_written) == (0, 16, 0, 0)
+    stored = stored_features(cache, first.root)
+    assert len(stored) == 16
+    for rel, parts in stored.items():
+        live = live_features(encoder_file, audio_dir / rel)
+        assert parts[""].dtype == torch.float32
+        assert torch.allclose(parts[""], live, rtol=1e-5, atol=1e-6), rel
+    assert_store_consistent(cache)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_stored_dtype_equals_live_output_cast(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, dtype: str
+) -> None:
+    recipe = Recipe(dtype=dtype)
+    # batch_size=1 runs the exact computation live encoding does: equality is bit for bit.
+    report = build(audio_dir, encoder_file, cache=tmp_path / "c", recipe=recipe, batch_size=1)
+    assert report.encoded == 16
+    for rel, parts in stored_features(tmp_path / "c", report.root).items():
+        live = live_features(encoder_file, audio_dir / rel, recipe)
+        assert parts[""].dtype == recipe.torch_dtype
+        assert torch.equal(parts[""], live), rel
+
+
+def test_batched_encoding_is_within_the_stored_dtype(tmp_path: Path, encoder_file: Path) -> None:
+    data = tmp_path / "same"
+    write_audio_folder(data, 20, seconds=1.0, seed=9)  # one shape: real batches of 8
+    recipe = Recipe(dtype="float16")
+    report = build(data, encoder_file, cache=tmp_path / "c", recipe=recipe, batch_size=8)
+    for rel, parts in stored_features(tmp_path / "c", report.root).items():
+        live = live_features(encoder_file, data / rel, recipe)
+        assert torch.allclose(parts[""].float(), live.float(), rtol=2e-3, atol=1e-4), rel
+
+
+def test_corrupt_audio_is_reported_and_the_rest_stored(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    (audio_dir / "bad.wav").write_bytes(b"RIFF....WAVEfmt garbage")
+    (audio_dir / "empty.flac").write_bytes(b"")
+    soundfile.write(audio_dir / "silent.wav", np.zeros(0, dtype=np.float32), 16000)
+    report = build(audio_dir, encoder_file, cache=tmp_path / "c", workers=2)
+    assert report.encoded == 16 and report.files == 19
+    failed = dict(report.failed)
+    assert set(failed) == {"bad.wav", "empty.flac", "silent.wav"}
+    assert "cannot decode audio" in failed["bad.wav"]
+    assert "no audio samples" in failed["silent.wav"]
+    assert not report.ok
+    stored = stored_features(tmp_path / "c", report.root)
+    assert set(stored) == {
+        p for p, _ in Catalog(Layout(tmp_path / "c")).root_items(report.root)
+    } - set(failed)
+    # A rerun retries only the failures.
+    again = build(audio_dir, encoder_file, cache=tmp_path / "c")
+    assert again.encoded == 0 and len(again.failed) == 3
+
+
+def test_an_encoder_error_on_one_item_skips_only_that_item(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    data = tmp_path / "d"
+    write_audio_folder(data, 6, seconds=0.5, seed=3)
+    # 0.01 s is shorter than the encoder's first conv kernel (400 samples): it raises on that
+    # input alone, inside a batch of equal shapes with a good neighbour.
+    soundfile.write(data / "tiny1.wav", np.full(160, 0.1, np.float32), 16000)
+    soundfile.write(data / "tiny2.wav", np.full(160, 0.2, np.float32), 16000)
+    report = build(data, encoder_file, cache=tmp_path / "c", batch_size=4)
+    assert report.encoded == 6
+    assert [p for p, _ in report.failed] == ["tiny1.wav", "tiny2.wav"]
+    assert "failed on a batch of shape (1, 160)" in report.failed[0][1]
+
+
+def test_strict_stops_at_the_first_failure_and_keeps_what_was_encoded(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    data = tmp_path / "d"
+    write_audio_folder(data, 10, seconds=0.5, seed=4)
+    (data / "clip00005.wav").write_bytes(b"broken")
+    with pytest.raises(SourceError, match=r"clip00005\.wav"):
+        build(data, encoder_file, cache=tmp_path / "c", batch_size=1, workers=0, strict=True)
+    cat = Catalog(Layout(tmp_path / "c"))
+    stored = cat.conn.execute("SELECT COUNT(*) FROM features").fetchone()[0]
+    cat.close()
+    assert stored == 5  # the five before it were sealed, nothing after it was encoded
+    report = build(data, encoder_file, cache=tmp_path / "c", workers=0)
+    assert report.encoded == 4 and len(report.failed) == 1
+
+
+def test_npy_inputs(tmp_path: Path) -> None:
+    data = tmp_path / "arrays"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(5):
+        np.save(data / f"a{i}.npy", rng.standard_normal((3, 8)).astype(np.float32))
+    lin = torch.nn.Linear(8, 4)
+    report = build(data, lin, cache=tmp_path / "c", recipe=Recipe(source="npy"), batch_size=2)
+    assert report.encoded == 5
+    src = source_for(Recipe(source="npy"))
+    for rel, parts in stored_features(tmp_path / "c", report.root).items():
+        with torch.no_grad():
+            live = lin(src.load(data / rel))
+        assert torch.allclose(parts[""], live, atol=1e-6)
+
+
+def test_progress_reports_hash_and_encode(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    seen: list[Progress] = []
+    build(audio_dir, encoder_file, cache=tmp_path / "c", progress=seen.append)
+    phases = Counter(p.phase for p in seen)
+    assert phases["hash"] >= 1 and phases["encode"] >= 1
+    last = [p for p in seen if p.phase == "encode"][-1]
+    assert (last.done, last.total) == (16, 16)
+    assert last.bytes_written > 0
+
+
+def test_a_full_disk_during_a_build_is_a_store_error(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def enospc(_fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(store_mod.os, "fsync", enospc)
+    with pytest.raises(StoreError, match="disk is full"):
+        build(audio_dir, encoder_file, cache=tmp_path / "c", workers=0)
+    assert list((tmp_path / "c" / "tmp").iterdir()) == []
+    monkeypatch.undo()
+    report = build(audio_dir, encoder_file, cache=tmp_path / "c", workers=0)
+    assert report.encoded == 16  # nothing half-written was taken for done
+
+
+def test_bad_options(tmp_path: Path, encoder_file: Path, audio_dir: Path) -> None:
+    with pytest.raises(ConfigError, match="--workers"):
+        build(audio_dir, encoder_file, cache=tmp_path / "c", workers=-1)
+    with pytest.raises(ConfigError, match="--batch-size"):
+        build(audio_dir, encoder_file, cache=tmp_path / "c", batch_size=0)
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="no CUDA device"):
+            build(audio_dir, encoder_file, cache=tmp_path / "c", device="cuda")
+
+
+def test_encode_batch_gives_each_item_its_own_storage() -> None:
+    enc = from_module(TinyConvEncoder())
+    out = encode_batch(enc, [torch.randn(1600) for _ in range(3)], Recipe(dtype="bfloat16"))
+    assert len(out) == 3 and all(o[""].dtype == torch.bfloat16 for o in out)
+    assert len({o[""].untyped_storage().data_ptr() for o in out}) == 3
+    assert out[0][""].untyped_storage().nbytes() == out[0][""].numel() * 2
+
+    class NoBatch(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.sum()
+
+    with pytest.raises(EncodeError, match="leading batch dimension"):
+        encode_batch(from_module(NoBatch()), [torch.ones(3)], Recipe())
+
+
+# -- batching -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", range(5))
+def test_shape_batcher_against_a_plain_model(seed: int) -> None:
+    rng = random.Random(seed)
+    bs = rng.randint(1, 6)
+    b = ShapeBatcher(bs)
+    shapes = [(rng.choice([100, 200, 300, 400, 500, 600, 700]),) for _ in range(300)]
+    out: list[list[tuple[tuple[int, ...], int]]] = []
+    for i, s in enumerate(shapes):
+        out.extend(b.add(s, (s, i)))
+        assert b._pending <= b.max_pending  # memory stays bounded
+    out.extend(b.flush())
+    items = [i for batch in out for _, i in batch]
+    assert sorted(items) == list(range(300))  # every item exactly once
+    for batch in out:
+        assert 1 <= len(batch) <= bs
+        assert len({s for s, _ in batch}) == 1  # one shape per batch
+    assert b.flush() == []
+
+
+def test_shape_batcher_fills_batches_of_one_shape() -> None:
+    b = ShapeBatcher(3)
+    assert b.add((5,), "a") == [] and b.add((5,), "b") == []
+    assert b.add((5,), "c") == [["a", "b", "c"]]
