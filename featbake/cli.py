@@ -29,7 +29,7 @@ from rich.table import Table
 from rich.text import Text
 
 from featbake import __version__
-from featbake.errors import BuildIncomplete, FeatbakeError
+from featbake.errors import BuildIncomplete, ConfigError, FeatbakeError
 from featbake.units import format_bytes, parse_bytes
 
 console = Console(stderr=True, highlight=False)
@@ -179,6 +179,10 @@ def build(
         output=output,
         dtype=dtype,
     )
+    try:
+        shard_bytes = parse_bytes(shard_size)
+    except ConfigError as e:
+        raise ConfigError(f"--shard-size: {e}") from e
     bar = _progress_bar()
     tasks: dict[str, Any] = {}
 
@@ -199,7 +203,7 @@ def build(
             workers=workers,
             device=device,
             strict=strict,
-            shard_bytes=parse_bytes(shard_size),
+            shard_bytes=shard_bytes,
             progress=on_progress,
         )
     if as_json:
@@ -239,7 +243,15 @@ def _print_build_summary(report: Any) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the app, turning featbake errors into one red line and an exit code."""
     try:
-        app(args=argv, standalone_mode=False)
+        # Outside standalone mode typer *returns* an exit code instead of exiting: 130 when it
+        # caught a KeyboardInterrupt itself. Dropping it would turn Ctrl-C into success.
+        code = app(args=argv, standalone_mode=False)
+        if isinstance(code, int) and code != 0:
+            if code == 130:
+                console.print(
+                    "[bold red]interrupted:[/] everything sealed so far is kept; rerun to continue"
+                )
+            sys.exit(code)
     except FeatbakeError as e:
         if os.environ.get("FEATBAKE_DEBUG"):
             raise
