@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -243,6 +245,12 @@ class _Decode(Dataset):
             return i, f"{self.paths[i]}: {type(e).__name__}: {e}"
 
 
+def _ignore_sigint(_worker_id: int) -> None:
+    # A terminal's Ctrl-C reaches the whole process group: workers must leave it to the main
+    # process, which stops at a safe point and shuts them down (see _interrupt_at_safe_points).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _decoded(paths: Sequence[str], source: Source, workers: int) -> Iterator[tuple[int, Any]]:
     ds = _Decode(paths, source)
     if workers == 0 or len(paths) < 2:
@@ -254,6 +262,7 @@ def _decoded(paths: Sequence[str], source: Source, workers: int) -> Iterator[tup
         num_workers=min(workers, len(paths)),
         prefetch_factor=8,
         persistent_workers=False,
+        worker_init_fn=_ignore_sigint,
     )
     yield from loader
 
@@ -314,9 +323,46 @@ class _WriterThread:
     def close(self) -> None:
         """Seal what is pending and wait; re-raise the thread's error, if any."""
         self._q.put(self._STOP)
-        self._thread.join()
+        # A KeyboardInterrupt that landed inside an earlier Queue.put can lose the wake-up of a
+        # waiting get(): nudge the writer until it has seen the stop mark, never wait blindly.
+        while self._thread.is_alive():
+            self._thread.join(0.2)
+            with self._q.not_empty:
+                self._q.not_empty.notify_all()
         if self.error is not None:
             raise self.error
+
+
+@contextmanager
+def _interrupt_at_safe_points() -> Iterator[Callable[[], None]]:
+    """Turn Ctrl-C into a KeyboardInterrupt at the next checkpoint (between items).
+
+    A KeyboardInterrupt raised at an arbitrary bytecode can land inside ``queue.Queue.put`` and
+    lose the writer's wake-up, hanging the seal that Ctrl-C promises. The first SIGINT only
+    sets a flag; a second one raises at once. Outside the main thread (where signal handlers
+    cannot be installed) this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: None
+        return
+    hits: list[int] = []
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        hits.append(signum)
+        if len(hits) > 1:
+            raise KeyboardInterrupt
+
+    def checkpoint() -> None:
+        if hits:
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield checkpoint
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
+    if hits:  # a Ctrl-C that came after the last checkpoint still stops the caller
+        raise KeyboardInterrupt
 
 
 # -- encoding ----------------------------------------------------------------------------------
@@ -516,20 +562,23 @@ def _encode_all(
         if progress:
             progress(Progress("encode", done, len(work), writer.bytes_so_far, len(report.failed)))
 
-    try:
-        for i, item in _decoded(paths, source, workers):
-            if isinstance(item, str):
-                done += 1
-                fail(i, item, SourceError)
-                continue
-            for batch in batcher.add(tuple(item.shape), (i, item)):
+    with _interrupt_at_safe_points() as checkpoint:
+        try:
+            for i, item in _decoded(paths, source, workers):
+                checkpoint()
+                if isinstance(item, str):
+                    done += 1
+                    fail(i, item, SourceError)
+                    continue
+                for batch in batcher.add(tuple(item.shape), (i, item)):
+                    run(batch)
+            for batch in batcher.flush():
+                checkpoint()
                 run(batch)
-        for batch in batcher.flush():
-            run(batch)
-    finally:
-        # Seal what was encoded, also on Ctrl-C or a strict failure: nothing encoded is lost.
-        writer.close()
-        report.bytes_written = writer.bytes_written
-        report.shards_written = writer.shards
+        finally:
+            # Seal what was encoded, also on Ctrl-C or a strict failure: nothing encoded is lost.
+            writer.close()
+            report.bytes_written = writer.bytes_written
+            report.shards_written = writer.shards
     if progress:  # the last word has the bytes actually sealed (the writer runs behind)
         progress(Progress("encode", done, len(work), report.bytes_written, len(report.failed)))
