@@ -1,0 +1,278 @@
+"""`featbake build` in real subprocesses: reports, exit codes, kill -9, Ctrl-C, concurrency."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from featbake.demo import TinyConvEncoder, write_audio_folder
+from featbake.recipe import Recipe
+from featbake.sources import AudioSource
+from tests.conftest import REPO, live_features, run_cli
+from tests.test_build import assert_store_consistent, stored_features
+
+# An import-path encoder that is TinyConvEncoder(seed=0) but slow, and logs each call, so a test
+# can interrupt a build at a known point. Sleep and log come from the environment: not in the key.
+SLOW_MODULE = textwrap.dedent(
+    """
+    import os, time
+    from featbake.demo import TinyConvEncoder
+
+    class Slow(TinyConvEncoder):
+        def forward(self, wav):
+            time.sleep(float(os.environ.get("SLOW_SLEEP", "0")))
+            log = os.environ.get("SLOW_LOG")
+            if log:
+                with open(log, "a") as f:
+                    f.write(f"{wav.shape[0]}\\n")
+            return super().forward(wav)
+
+    def build():
+        return Slow()
+    """
+)
+
+
+def _json(res: subprocess.CompletedProcess) -> dict:
+    assert res.stdout.strip(), res.stderr
+    return json.loads(res.stdout)
+
+
+def _feature_count(cache: Path) -> int:
+    if not (cache / "catalog.sqlite").exists():
+        return 0
+    conn = sqlite3.connect(cache / "catalog.sqlite", timeout=30)
+    try:
+        return conn.execute("SELECT COUNT(*) FROM features").fetchone()[0]
+    except sqlite3.OperationalError:
+        return 0  # schema not created yet
+    finally:
+        conn.close()
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    pkg = tmp_path / "pkgs"
+    pkg.mkdir(exist_ok=True)
+    (pkg / "slow_enc.py").write_text(SLOW_MODULE)
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{pkg}", "COLUMNS": "200", **extra}
+    env.pop("FEATBAKE_DEBUG", None)
+    return env
+
+
+def _popen(
+    args: list, env: dict[str, str], log: Path, new_session: bool = False
+) -> subprocess.Popen:
+    # Output to a file, not a pipe: DataLoader workers outliving a killed parent keep pipes open.
+    out = open(log, "w")  # noqa: SIM115 - closed by the caller via proc.stdout_file
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "featbake", *map(str, args)],
+        stdout=out,
+        stderr=out,
+        env=env,
+        start_new_session=new_session,
+    )
+    proc.stdout_file = out  # type: ignore[attr-defined]
+    return proc
+
+
+def _wait_for(cond, timeout: float = 60.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError("timed out waiting for the build to make progress")
+        time.sleep(0.02)
+
+
+def _assert_all_stored_and_live(cache: Path, root: str, data: Path, n: int) -> None:
+    stored = stored_features(cache, root)
+    assert len(stored) == n
+    src = AudioSource(Recipe())
+    enc = TinyConvEncoder().eval()
+    for rel, parts in stored.items():
+        with torch.no_grad():
+            live = enc(src.load(data / rel).unsqueeze(0))[0]
+        assert torch.allclose(parts[""], live, rtol=1e-5, atol=1e-6), rel
+    assert_store_consistent(cache)
+
+
+# -- the everyday surface -------------------------------------------------------------------------
+def test_json_report_and_rebuild(tmp_path: Path, encoder_file: Path, audio_dir: Path) -> None:
+    args = ["build", "-e", encoder_file, "-d", audio_dir, "--cache", tmp_path / "c", "--json"]
+    first = _json(run_cli(*args))
+    assert first["files"] == first["encoded"] == 16 and first["failed"] == []
+    assert len(first["encoder_fp"]) == 64 and first["root"].startswith("r-")
+    again = run_cli(*args)
+    assert again.returncode == 0
+    report = _json(again)
+    assert (report["encoded"], report["reused"], report["bytes_written"]) == (0, 16, 0)
+    for rel, parts in stored_features(tmp_path / "c", report["root"]).items():
+        assert torch.allclose(parts[""], live_features(encoder_file, audio_dir / rel), atol=1e-6)
+
+
+def test_summary_and_cache_from_the_environment(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    res = run_cli(
+        "build", "-e", encoder_file, "-d", audio_dir, env={"FEATBAKE_CACHE": str(tmp_path / "env")}
+    )
+    assert res.returncode == 0, res.stderr
+    for word in ("encoded", "reused", "failed", "written", "time"):
+        assert word in res.stdout
+    assert (tmp_path / "env" / "catalog.sqlite").is_file()
+
+
+def test_help_shows_an_example_and_exit_codes() -> None:
+    res = run_cli("build", "--help")
+    assert res.returncode == 0
+    assert "featbake build --encoder ckpt.pt --data ./audio" in res.stdout
+    assert "130" in res.stdout and "--trust-pickle" in res.stdout
+
+
+def test_version() -> None:
+    import featbake
+
+    res = run_cli("--version")
+    assert res.returncode == 0 and res.stdout.strip() == f"featbake {featbake.__version__}"
+
+
+@pytest.mark.parametrize(
+    ("case", "code", "needle"),
+    [
+        ("no-data", 8, "does not exist"),
+        ("no-encoder", 4, "not found"),
+        ("bad-dtype", 2, "--dtype float16"),
+        ("bad-size", 2, "shard"),
+    ],
+)
+def test_errors_are_one_red_line_with_a_documented_code(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, case: str, code: int, needle: str
+) -> None:
+    args = {
+        "no-data": ["-e", encoder_file, "-d", tmp_path / "nope"],
+        "no-encoder": ["-e", tmp_path / "nope.pt", "-d", audio_dir],
+        "bad-dtype": ["-e", encoder_file, "-d", audio_dir, "--dtype", "int8"],
+        "bad-size": ["-e", encoder_file, "-d", audio_dir, "--shard-size", "lots"],
+    }[case]
+    res = run_cli("build", *args, "--cache", tmp_path / "c")
+    assert res.returncode == code, res.stderr
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0]
+    assert "Traceback" not in res.stderr
+
+
+def test_corrupt_audio_exit_3_lists_it_and_stores_the_rest(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    (audio_dir / "part0" / "broken.wav").write_bytes(b"RIFF\x00\x00junk")
+    args = ["build", "-e", encoder_file, "-d", audio_dir, "--cache", tmp_path / "c"]
+    res = run_cli(*args)
+    assert res.returncode == 3
+    assert "part0/broken.wav" in res.stderr and "cannot decode audio" in res.stderr
+    assert "1 of 17 inputs failed" in res.stderr
+    report = _json(run_cli(*args, "--json"))  # exit 3 again, with the JSON on stdout
+    assert report["encoded"] == 0 and report["reused"] == 16
+    assert report["failed"][0]["path"] == "part0/broken.wav"
+    strict = run_cli(*args, "--strict")
+    assert strict.returncode == 8 and "broken.wav" in strict.stderr
+
+
+# -- interruption ---------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_kill_9_then_rerun_completes_and_reencodes_nothing_sealed(tmp_path: Path) -> None:
+    data = tmp_path / "audio"
+    write_audio_folder(data, 60, seconds=0.5, seed=11)  # 12.8 KB of features each
+    cache = tmp_path / "c"
+    env = _env(tmp_path, SLOW_SLEEP="0.05")
+    args = ["build", "-e", "slow_enc:build", "-d", data, "--cache", cache]
+    args += ["--batch-size", "1", "--workers", "1", "--shard-size", "32KiB"]
+    proc = _popen(args, env, tmp_path / "first.log")
+    try:
+        _wait_for(lambda: _feature_count(cache) >= 9 or proc.poll() is not None)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        proc.stdout_file.close()  # type: ignore[attr-defined]
+    assert proc.returncode == -signal.SIGKILL  # killed mid-build, not finished
+    sealed = _feature_count(cache)
+    assert 9 <= sealed < 60
+    res = run_cli(*args, "--json", env={"PYTHONPATH": env["PYTHONPATH"]})
+    assert res.returncode == 0, res.stderr
+    report = _json(res)
+    assert report["reused"] == sealed
+    assert report["encoded"] == 60 - sealed  # nothing that was sealed is encoded again
+    _assert_all_stored_and_live(cache, report["root"], data, 60)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["process", "group"])
+def test_ctrl_c_exits_130_and_seals_what_was_encoded(tmp_path: Path, target: str) -> None:
+    """SIGINT to the build alone, or to its whole process group as a terminal's Ctrl-C does."""
+    data = tmp_path / "audio"
+    write_audio_folder(data, 40, seconds=0.5, seed=12)
+    cache = tmp_path / "c"
+    calls = tmp_path / "calls.log"
+    env = _env(tmp_path, SLOW_SLEEP="0.05", SLOW_LOG=str(calls))
+    # One big shard: nothing seals on its own before the end, so whatever is stored after the
+    # interrupt was sealed by the interrupt.
+    args = ["build", "-e", "slow_enc:build", "-d", data, "--cache", cache, "--batch-size", "1"]
+    args += ["--workers", "2"]
+    proc = _popen(args, env, tmp_path / "first.log", new_session=True)
+    try:
+        _wait_for(
+            lambda: (
+                (calls.exists() and len(calls.read_text().split()) >= 5) or proc.poll() is not None
+            )
+        )
+        assert _feature_count(cache) == 0
+        called = len(calls.read_text().split())
+        if target == "group":  # the DataLoader workers get it too
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+    finally:
+        proc.stdout_file.close()  # type: ignore[attr-defined]
+    output = (tmp_path / "first.log").read_text()
+    assert proc.returncode == 130, output
+    assert "interrupted" in output and "Traceback" not in output
+    sealed = _feature_count(cache)
+    # Every item whose encoding had finished is sealed; at most the one in flight is lost.
+    assert called - 1 <= sealed <= len(calls.read_text().split()) < 40
+    assert list((cache / "tmp").iterdir()) == []
+    res = run_cli(*args, "--json", env={"PYTHONPATH": env["PYTHONPATH"]})
+    report = _json(res)
+    assert (report["reused"], report["encoded"]) == (sealed, 40 - sealed)
+    _assert_all_stored_and_live(cache, report["root"], data, 40)
+
+
+@pytest.mark.slow
+def test_two_concurrent_builds_on_one_cache_both_succeed(tmp_path: Path) -> None:
+    data = tmp_path / "audio"
+    write_audio_folder(data, 30, seconds=(0.3, 0.8), seed=13, subdirs=3)
+    cache = tmp_path / "c"  # fresh: both processes race to create the catalog too
+    env = _env(tmp_path, SLOW_SLEEP="0.01")
+    args = ["build", "-e", "slow_enc:build", "-d", data, "--cache", cache, "--json"]
+    args += ["--shard-size", "64KiB"]
+    procs = [_popen(args, env, tmp_path / f"p{i}.log") for i in range(2)]
+    for p in procs:
+        p.wait(120)
+        p.stdout_file.close()  # type: ignore[attr-defined]
+    logs = [(tmp_path / f"p{i}.log").read_text() for i in range(2)]
+    assert [p.returncode for p in procs] == [0, 0], logs
+    reports = [json.loads(log[log.index("{") :]) for log in logs]
+    assert reports[0]["root"] == reports[1]["root"]
+    assert all(r["encoded"] + r["reused"] == 30 for r in reports)
+    _assert_all_stored_and_live(cache, reports[0]["root"], data, 30)
+    # And a third run finds everything.
+    third = _json(run_cli(*args, env={"PYTHONPATH": env["PYTHONPATH"]}))
+    assert third["encoded"] == 0
