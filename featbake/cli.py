@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     except FeatbakeError as e:
         if os.environ.get("FEATBAKE_DEBUG"):
             raise
-        console.print(f"[bold red]error:[/] {escape(str(e))}")
+        console.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         console.print(
