@@ -163,13 +163,15 @@ def test_errors_are_one_red_line_with_a_documented_code(
         "bad-dtype": ["-e", encoder_file, "-d", audio_dir, "--dtype", "int8"],
         "bad-size": ["-e", encoder_file, "-d", audio_dir, "--shard-size", "lots"],
     }[case]
-    res = run_cli("build", *args, "--cache", tmp_path / "c")
+    # A narrow console (or a pipe, 80 columns) must not wrap the one line into several.
+    res = run_cli("build", *args, "--cache", tmp_path / "c", env={"COLUMNS": "40"})
     assert res.returncode == code, res.stderr
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0]
     assert "Traceback" not in res.stderr
 
 
+@pytest.mark.slow
 def test_corrupt_audio_exit_3_lists_it_and_stores_the_rest(
     tmp_path: Path, encoder_file: Path, audio_dir: Path
 ) -> None:
