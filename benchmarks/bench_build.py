@@ -1,0 +1,259 @@
+"""The bake's costs, measured side by side against the plain alternative on the same data.
+
+1. **Build overhead**: ``featbake.build`` (scan, hash, key, decode in workers, encode, write
+   behind, seal, catalog) against a bare loop that decodes with the same DataLoader setup and runs
+   the same encoder, storing nothing. The encoder is :class:`ConvStack`, a wav2vec2-style conv
+   feature extractor (7 conv layers, 128 channels, ~0.26M parameters) so that, as with a real
+   encoder, encoding dominates. Batch 16, 2 decode workers, CPU. Target: under 10%.
+2. **Rebuild**: a second ``build`` over 10,000 short clips, everything reused, against the first
+   build of the same files (in-process, so torch's import is not counted; the CLI's wall time is
+   reported separately). Target: under 3% of the first build.
+3. **Encoder fingerprint**: hashing a ~100M-parameter fp32 model's weights (first time) against
+   the hash-cache hit that a rebuild takes (the file's stat is unchanged).
+
+Run: ``python benchmarks/bench_build.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from featbake.build import _Decode, build, encoder_fingerprint  # noqa: E402
+from featbake.catalog import Catalog  # noqa: E402
+from featbake.demo import TinyConvEncoder, save_torchscript, write_audio_folder  # noqa: E402
+from featbake.encoders import load_encoder  # noqa: E402
+from featbake.keys import module_fingerprint  # noqa: E402
+from featbake.recipe import Recipe  # noqa: E402
+from featbake.sources import scan, source_for  # noqa: E402
+from featbake.store import Layout  # noqa: E402
+
+BATCH = 16
+WORKERS = 2
+
+
+class ConvStack(nn.Module):
+    """wav2vec2's conv feature extractor shape (strides 5,2,2,2,2,2,2: one frame per 20 ms)."""
+
+    def __init__(self, channels: int = 128, seed: int = 0) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        layers: list[nn.Module] = []
+        cin = 1
+        for k, stride in [(10, 5)] + [(3, 2)] * 4 + [(2, 2)] * 2:
+            layers += [nn.Conv1d(cin, channels, k, stride), nn.GELU()]
+            cin = channels
+        self.body = nn.Sequential(*layers)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        return self.body(wav.unsqueeze(1)).transpose(1, 2)
+
+
+def _row(metric: str, value: float, unit: str, target: str, ok: bool | None, note: str) -> dict:
+    return {
+        "bench": "build",
+        "metric": metric,
+        "value": float(value),
+        "unit": unit,
+        "target": target,
+        "ok": ok,
+        "note": note,
+    }
+
+
+# -- 1. overhead against a bare loop -------------------------------------------------------------
+def bare_loop(data: Path, encoder_path: Path) -> float:
+    """Decode with the same DataLoader setup and encode; store nothing. Returns seconds."""
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        enc = torch.jit.load(str(encoder_path)).eval()
+    recipe = Recipe()
+    paths = [str(data / p) for p in scan(data, source_for(recipe).extensions)]
+    ds = _Decode(paths, source_for(recipe))
+    loader = DataLoader(ds, batch_size=None, num_workers=WORKERS, prefetch_factor=8)
+    pending: list[torch.Tensor] = []
+    with torch.inference_mode():
+        for _, x in loader:
+            pending.append(x)
+            if len(pending) == BATCH:
+                enc(torch.stack(pending))
+                pending = []
+        if pending:
+            enc(torch.stack(pending))
+    return time.perf_counter() - t0
+
+
+def featbake_build(data: Path, encoder_path: Path, cache: Path) -> float:
+    shutil.rmtree(cache, ignore_errors=True)
+    t0 = time.perf_counter()
+    report = build(data, encoder_path, cache=cache, batch_size=BATCH, workers=WORKERS)
+    seconds = time.perf_counter() - t0
+    assert report.ok and report.reused == 0 and report.encoded == report.files
+    return seconds
+
+
+def bench_overhead(work: Path, quick: bool) -> list[dict]:
+    n, seconds, reps = (48, 3.0, 1) if quick else (640, 3.0, 3)
+    data = work / "overhead_audio"
+    write_audio_folder(data, n, seconds=seconds, seed=21)
+    enc_path = save_torchscript(ConvStack(), work / "convstack.pt")
+    bare_loop(data, enc_path)  # warm: page cache, lazy imports, thread pools
+    bare, baked = [], []
+    for i in range(reps):  # alternate, keep the best of each
+        bare.append(bare_loop(data, enc_path))
+        baked.append(featbake_build(data, enc_path, work / f"overhead_cache{i}"))
+    overhead = min(baked) / min(bare) - 1
+    note = (
+        f"{n} clips x {seconds:.0f} s, ConvStack(128ch) TorchScript, batch {BATCH}, "
+        f"{WORKERS} workers, CPU; best of {reps}: bare {min(bare):.2f} s, "
+        f"featbake {min(baked):.2f} s (all runs bare {_fmt(bare)}, featbake {_fmt(baked)})"
+    )
+    return [
+        _row("build overhead vs bare loop", 100 * overhead, "%", "< 10%", overhead < 0.10, note)
+    ]
+
+
+def _fmt(xs: list[float]) -> str:
+    return "/".join(f"{x:.2f}" for x in xs)
+
+
+# -- 2. rebuild of 10,000 files ------------------------------------------------------------------
+def bench_rebuild(work: Path, quick: bool) -> list[dict]:
+    n = 2000 if quick else 10_000
+    data = work / "rebuild_audio"
+    t = time.perf_counter()
+    write_audio_folder(data, n, seconds=0.1, seed=22, subdirs=20)
+    write_s = time.perf_counter() - t
+    enc_path = save_torchscript(TinyConvEncoder(), work / "tiny.pt")
+    cache = work / "rebuild_cache"
+    t = time.perf_counter()
+    first = build(data, enc_path, cache=cache, batch_size=BATCH, workers=WORKERS)
+    first_s = time.perf_counter() - t
+    assert first.encoded == n
+    again_s = []
+    for _ in range(3):
+        t = time.perf_counter()
+        again = build(data, enc_path, cache=cache, batch_size=BATCH, workers=WORKERS)
+        again_s.append(time.perf_counter() - t)
+        assert again.encoded == 0 and again.reused == n
+    ratio = min(again_s) / first_s
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    t = time.perf_counter()
+    cli = subprocess.run(
+        [sys.executable, "-m", "featbake", "build", "-e", enc_path, "-d", data, "--cache", cache],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    cli_s = time.perf_counter() - t
+    assert cli.returncode == 0, cli.stderr
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch, featbake.cli"], env=env, check=True)
+    import_s = time.perf_counter() - t
+    note = (
+        f"{n} wav clips of 0.1 s (written in {write_s:.1f} s), TinyConvEncoder, in-process "
+        f"build(): first {first_s:.2f} s, rebuild best of 3 {min(again_s):.3f} s "
+        f"({_fmt(again_s)})"
+    )
+    return [
+        _row(f"rebuild / first build ({n} files)", 100 * ratio, "%", "< 3%", ratio < 0.03, note),
+        _row(
+            f"CLI rebuild wall time ({n} files)",
+            cli_s,
+            "s",
+            "",
+            None,
+            f"`featbake build` in a subprocess, of which {import_s:.2f} s is starting Python "
+            "and importing torch + featbake.cli",
+        ),
+    ]
+
+
+# -- 3. encoder fingerprint ----------------------------------------------------------------------
+def bench_fingerprint(work: Path, quick: bool) -> list[dict]:
+    width, depth = (2048, 6) if quick else (4096, 6)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)]).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    params = sum(p.numel() for p in model.parameters())
+    mb = params * 4 / 1e6
+    t = time.perf_counter()
+    module_fingerprint(model, "bench")
+    mem_s = time.perf_counter() - t
+    path = save_torchscript(model, work / "big.pt")
+    del model
+    enc = load_encoder(path)
+    layout = Layout(work / "fp_cache").ensure()
+    catalog = Catalog(layout)
+    t = time.perf_counter()
+    fp = encoder_fingerprint(enc, catalog, None)
+    first_s = time.perf_counter() - t
+    enc2 = load_encoder(path)
+    t = time.perf_counter()
+    fp2 = encoder_fingerprint(enc2, catalog, None)
+    cached_s = time.perf_counter() - t
+    catalog.close()
+    assert fp == fp2
+    threads = min(8, os.cpu_count() or 1)
+    return [
+        _row(
+            f"encoder fingerprint, first ({params / 1e6:.0f}M params)",
+            first_s,
+            "s",
+            "",
+            None,
+            f"{mb:.0f} MB fp32 at {mb / first_s:,.0f} MB/s ({threads} hashing threads); "
+            f"in-memory module_fingerprint alone {mem_s:.3f} s ({mb / mem_s:,.0f} MB/s)",
+        ),
+        _row(
+            f"encoder fingerprint, cached ({params / 1e6:.0f}M params)",
+            cached_s * 1000,
+            "ms",
+            "",
+            None,
+            "hash-cache hit: the checkpoint's (size, mtime_ns, inode) is unchanged, nothing read",
+        ),
+    ]
+
+
+def main(quick: bool = False) -> list[dict]:
+    """Run the build benchmarks; returns result rows (see ``benchmarks/run.py``)."""
+    work = Path(tempfile.mkdtemp(prefix="featbake-bench-build-"))
+    try:
+        rows = bench_overhead(work, quick)
+        rows += bench_rebuild(work, quick)
+        rows += bench_fingerprint(work, quick)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return rows
+
+
+if __name__ == "__main__":
+    from rich.console import Console
+    from rich.table import Table
+
+    result = main(quick="--quick" in sys.argv)
+    table = Table("metric", "value", "unit", "target", "ok", "note", show_lines=True)
+    for r in result:
+        table.add_row(
+            r["metric"], f"{r['value']:.3g}", r["unit"], r["target"], str(r["ok"]), r["note"]
+        )
+    Console(width=200).print(table)
