@@ -1149,6 +1149,9 @@ def _salvage(layout: Layout, c: ShardCheck) -> SealedShard | None:
         for t in c.intact:
             with contextlib.suppress(StoreCorrupt):
                 tensors[t] = reader.read(t)
+    # A key is kept only whole: serving some outputs of a multi-output feature would be wrong.
+    broken = {e.key for e in c.entries if e.tensor not in tensors}
+    tensors = {t: v for t, v in tensors.items() if split_tensor_name(t)[0] not in broken}
     if not tensors:
         return None
     from featbake.store import write_shard
