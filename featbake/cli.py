@@ -600,7 +600,10 @@ def export(
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the app, turning featbake errors into one red line and an exit code."""
     try:
-        app(args=argv, standalone_mode=False)
+        # Without standalone mode click *returns* the code of a `raise typer.Exit(code)`.
+        rc = app(args=argv, standalone_mode=False)
+        if isinstance(rc, int) and rc:
+            sys.exit(rc)
     except FeatbakeError as e:
         if os.environ.get("FEATBAKE_DEBUG"):
             raise
