@@ -1243,7 +1243,9 @@ def _repair_catalog(
             if c.sound and c.name not in rows:
                 added += cat.add_shard(_sealed_from_check(c), now=c.mtime)
         for s in salvaged:
-            added += cat.add_shard(s)
+            back = cat.add_shard(s)
+            added += back
+            report.features_lost = max(0, report.features_lost - back)  # salvaged: not lost
         if added:
             report.actions.append(f"indexed {added} feature rows from shards the catalog lacked")
         _repair_roots(layout, cat, report)

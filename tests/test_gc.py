@@ -203,7 +203,6 @@ class _ByKey(Dataset):
         return got[""]
 
 
-@pytest.mark.slow
 def test_dataloader_reads_correctly_while_gc_moves_every_shard(
     tmp_path: Path, encoder_file: Path, audio_dir: Path, store_dir: Path
 ) -> None:

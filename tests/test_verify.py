@@ -67,6 +67,7 @@ def test_a_flipped_byte_is_caught_by_verify_and_by_the_reader(
     fixed = verify(store_dir, repair_damage=True)
     assert fixed.status == "repaired" and fixed.exit_code == VERIFY_REPAIRED
     assert fixed.features_salvaged == len(keys) - 1  # the intact neighbours were kept
+    assert fixed.features_lost == 1
     assert (store_dir / "quarantine" / victim.name).exists() and not victim.exists()
     served = assert_serves(
         store_dir, report.root, audio_dir, encoder_file, live, allow_missing=True
