@@ -44,6 +44,7 @@ from torch.utils.data import Dataset, get_worker_info
 from featbake import device as dev
 from featbake.build import cached_file_encoder_fp, encode_batch, encoder_fingerprint, hash_inputs
 from featbake.catalog import Catalog
+from featbake.collate import PaddedBatch, alloc_batch
 from featbake.encoders import LoadedEncoder, _is_import_path, from_module, load_encoder
 from featbake.errors import (
     CacheMiss,
@@ -56,7 +57,14 @@ from featbake.keys import feature_key, resolve_path, root_id
 from featbake.lru import ByteLRU, CacheInfo
 from featbake.recipe import Recipe
 from featbake.sources import scan, source_for
-from featbake.store import Layout, ShardReader, ShardWriter, default_cache_dir, tensor_name
+from featbake.store import (
+    ST_TO_DTYPE,
+    Layout,
+    ShardReader,
+    ShardWriter,
+    default_cache_dir,
+    tensor_name,
+)
 from featbake.units import parse_bytes
 
 __all__ = ["CachedFeatureDataset", "ServeStats"]
@@ -153,6 +161,9 @@ class _Process:
         self.pending_idx: dict[str, list[int]] = {}
         self.first_pending = 0.0
         self.touched = np.zeros(len(ds), dtype=bool)
+        self.verified = ds._verified.numpy()
+        self.check_first = ds.verify == "first"
+        self.check_always = ds.verify == "always"
         self.touch_queue: list[int] = []
         self.ops = 0
         self.touch_epoch = time.monotonic()
@@ -402,6 +413,9 @@ class CachedFeatureDataset(Dataset):
             self._shard[i] = sid_of[shard]
             parts.add(tuple(loc.part for loc in locs))
         self._sid_of = sid_of
+        # Items whose checksum was checked, shared by every worker of this dataset (forked or
+        # spawned), so that workers started afresh each epoch do not check everything again.
+        self._verified = torch.zeros(max(n, 1), dtype=torch.uint8).share_memory_()
         # One encoder and recipe give every item the same outputs; anything else is looked up.
         self._parts: tuple[str, ...] | None = parts.pop() if len(parts) == 1 else None
 
@@ -517,17 +531,86 @@ class CachedFeatureDataset(Dataset):
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """Read a batch at once: the DataLoader calls this with each batch's indices.
 
-        Misses in the batch are decoded and encoded together (inputs of equal shape share one
-        encoder call).
+        When every item is a stored single tensor, the items are read straight into one
+        zero-padded batch tensor (in shared memory inside a worker) and returned as a
+        :class:`~featbake.collate.PaddedBatch` of views into it, which :func:`pad_collate` hands
+        on without copying again. Otherwise (misses, dict outputs, mixed shapes) each item is read
+        on its own, and misses in the batch are encoded together.
         """
         st = self._state
         if st is None or st.gen != _fork_generation:
             st = self._proc()
-        out: list[Any] = [None] * len(indices)
+        idx = [
+            i if type(i) is int and 0 <= i < len(self._keys) else self._index_of(i) for i in indices
+        ]
+        if self._parts == ("",) and idx:
+            batch = self._read_padded(st, idx)
+            if batch is not None:
+                return batch
+        return self._getitems_each(st, idx)
+
+    def _read_padded(self, st: _Process, idx: list[int]) -> PaddedBatch | None:
+        """The batch read in place into a padded tensor, or None to take the general path."""
+        if st.use_lru:
+            if any(self._shard[i] < 0 and i not in st.lru for i in idx):
+                return None  # a miss: checked before any lookup so hits are counted once
+        elif (self._shard[idx] < 0).any():
+            return None
+        sources: list[Any] = []
+        lengths: list[int] = []
+        trailing = None
+        for i in idx:
+            value = st.lru.get(i) if st.use_lru else None
+            if value is not None:
+                shape, dtype = tuple(value.shape), value.dtype
+                sources.append(value)
+            else:
+                sid = int(self._shard[i])
+                if sid < 0:
+                    return None
+                reader = st.readers.get(sid)
+                if reader is None:
+                    try:
+                        reader = self._open_shard(st, sid)
+                    except ShardMissing:
+                        return None
+                info = reader.tensors.get(self._keys[i].decode())
+                if info is None:
+                    return None
+                shape, dtype = info.shape, ST_TO_DTYPE.get(info.dtype)
+                sources.append((reader, info))
+            if not shape:
+                return None
+            if trailing is None:
+                trailing, first_dtype = (shape[1:], dtype)
+            elif shape[1:] != trailing or dtype != first_dtype:
+                return None
+            lengths.append(shape[0])
+        t_max = max(lengths)
+        like = torch.empty(0, dtype=first_dtype)
+        padded = alloc_batch(like, (len(idx), t_max, *trailing))
+        for row, i, src, n in zip(padded, idx, sources, lengths, strict=True):
+            if n < t_max:
+                row[n:].zero_()
+            dest = row[:n]
+            if isinstance(src, torch.Tensor):
+                dest.copy_(src)
+            else:
+                reader, info = src
+                check = st.check_always or (st.check_first and not st.verified[i])
+                reader.read_into(self._keys[i].decode(), dest, verify=check)
+                if check:
+                    st.verified[i] = 1
+                st.store_reads += 1
+                if st.use_lru:
+                    st.lru.put(i, dest.clone())  # the RAM tier owns its copy, not a batch view
+            self._touch(st, i)
+        return PaddedBatch.of(padded, lengths)
+
+    def _getitems_each(self, st: _Process, idx: list[int]) -> list[Any]:
+        out: list[Any] = [None] * len(idx)
         missing: list[int] = []
-        for j, i in enumerate(indices):
-            if type(i) is not int or not 0 <= i < len(self._keys):
-                i = self._index_of(i)
+        for j, i in enumerate(idx):
             value = st.lru.get(i) if st.use_lru else None
             if value is None:
                 sid = int(self._shard[i])
@@ -541,8 +624,8 @@ class CachedFeatureDataset(Dataset):
             self._touch(st, i)
             out[j] = value
         if missing:
-            idx = [self._index_of(indices[j]) for j in missing]
-            for j, i, value in zip(missing, idx, self._miss(st, idx), strict=True):
+            miss_idx = [idx[j] for j in missing]
+            for j, i, value in zip(missing, miss_idx, self._miss(st, miss_idx), strict=True):
                 out[j] = value
                 if st.use_lru:
                     st.lru.put(i, value)
@@ -555,17 +638,22 @@ class CachedFeatureDataset(Dataset):
             if reader is None:
                 reader = self._open_shard(st, sid)
             key = self._keys[i].decode()
+            check = (
+                "always" if st.check_always or (st.check_first and not st.verified[i]) else "never"
+            )
             parts = self._parts
             if parts == ("",):
-                value: Any = reader.read(key)
+                value: Any = reader.read(key, verify=check)
             elif parts is not None:
-                value = {p: reader.read(tensor_name(key, p)) for p in parts}
+                value = {p: reader.read(tensor_name(key, p), verify=check) for p in parts}
             else:
                 value = self._read_located(st, key)
         except ShardMissing:
             # gc compacted or dropped the shard after the index was built: look it up again.
             st.readers.pop(sid, None)
             return self._relocate(st, i)
+        if check == "always":
+            st.verified[i] = 1
         st.store_reads += 1
         return value
 
