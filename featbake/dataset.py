@@ -124,6 +124,10 @@ class ServeStats:
     def bytes(self) -> int:
         return self.ram.bytes
 
+    @property
+    def items(self) -> int:
+        return self.ram.items
+
 
 def _recipe_from(recipe: Recipe | None, options: Mapping[str, Any]) -> Recipe:
     base = recipe or Recipe()
