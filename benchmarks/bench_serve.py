@@ -151,10 +151,18 @@ def _loader(ds: Dataset, **kw: Any) -> Callable[[], DataLoader]:
     return make
 
 
-def _row(metric: str, value: float, unit: str, target: str = "", ok: bool | None = None,
-         note: str = "") -> dict[str, Any]:  # fmt: skip
-    return {"bench": BENCH, "metric": metric, "value": float(value), "unit": unit,
-            "target": target, "ok": ok, "note": note}  # fmt: skip
+def _row(
+    metric: str, value: float, unit: str, target: str = "", ok: bool | None = None, note: str = ""
+) -> dict[str, Any]:
+    return {
+        "bench": BENCH,
+        "metric": metric,
+        "value": float(value),
+        "unit": unit,
+        "target": target,
+        "ok": ok,
+        "note": note,
+    }
 
 
 def bench_readers(data: dict[str, Any], quick: bool) -> list[dict[str, Any]]:
@@ -166,14 +174,21 @@ def bench_readers(data: dict[str, Any], quick: bool) -> list[dict[str, Any]]:
         "npy": NpyFiles(data["npy"]),
         "torch.save": TorchFiles(data["pt"]),
         "featbake": fb,
+        "list (zero-cost reader)": InMemory([fb[i] for i in range(n)]),
     }
     configs = [
         ("1 item/step, workers=0", {"batch_size": None, "num_workers": 0}, 3.0),
-        ("batch 32 pad_collate, workers=0",
-         {"batch_size": 32, "num_workers": 0, "collate_fn": pad_collate}, 2.0),
-        ("batch 32 pad_collate, workers=2",
-         {"batch_size": 32, "num_workers": 2, "collate_fn": pad_collate}, None),
-    ]  # fmt: skip
+        (
+            "batch 32 pad_collate, workers=0",
+            {"batch_size": 32, "num_workers": 0, "collate_fn": pad_collate},
+            2.0,
+        ),
+        (
+            "batch 32 pad_collate, workers=2",
+            {"batch_size": 32, "num_workers": 2, "collate_fn": pad_collate},
+            None,
+        ),
+    ]
     for label, kw, target in configs:
         loaders = {name: _loader(ds, **kw) for name, ds in sets.items()}
         rates = compare(loaders, n, repeats)
@@ -181,6 +196,15 @@ def bench_readers(data: dict[str, Any], quick: bool) -> list[dict[str, Any]]:
             rows.append(_row(f"{label}: {name}", rate, "items/s"))
         baseline = max(rates["npy"], rates["torch.save"])
         ratio = rates["featbake"] / baseline
+        floor = rates["list (zero-cost reader)"] / baseline
+        rows.append(
+            _row(
+                f"{label}: zero-cost reader / best per-file reader",
+                floor,
+                "x",
+                note="the ceiling any reader can reach here",
+            )
+        )
         rows.append(
             _row(
                 f"{label}: featbake / best per-file reader",
@@ -209,10 +233,20 @@ def bench_ram_tier(data: dict[str, Any], quick: bool) -> list[dict[str, Any]]:
     ratio = rates["list"] / rates["featbake RAM tier"]
     return [
         _row("RAM-tier epoch: list of tensors", rates["list"], "items/s"),
-        _row("RAM-tier epoch: featbake", rates["featbake RAM tier"], "items/s",
-             note=f"RAM hits {info.hits}, misses {info.misses}"),  # fmt: skip
-        _row("RAM-tier epoch: slowdown vs list", ratio, "x", "<= 2x", ratio <= 2.0,
-             "1 item/step, workers=0; a hit returns the cached tensor itself (no copy)"),  # fmt: skip
+        _row(
+            "RAM-tier epoch: featbake",
+            rates["featbake RAM tier"],
+            "items/s",
+            note=f"RAM hits {info.hits}, misses {info.misses}",
+        ),
+        _row(
+            "RAM-tier epoch: slowdown vs list",
+            ratio,
+            "x",
+            "<= 2x",
+            ratio <= 2.0,
+            "1 item/step, workers=0; a hit returns the cached tensor itself (no copy)",
+        ),
     ]
 
 
@@ -238,7 +272,7 @@ def bench_end_to_end(quick: bool) -> list[dict[str, Any]]:
 
     def live_epoch() -> None:
         with torch.inference_mode():
-            for padded, _lengths_ in live:
+            for padded, _ in live:
                 encoder(padded)
 
     ds = CachedFeatureDataset(mel_dir, encoder, cache=store, recipe=recipe, on_miss="error")
@@ -248,8 +282,12 @@ def bench_end_to_end(quick: bool) -> list[dict[str, Any]]:
     t_live = time.perf_counter() - t0
     t_cached = min(epoch_seconds(lambda: cached) for _ in range(3))
     return [
-        _row("end to end: live encoding epoch", n / t_live, "items/s",
-             note="LogMelTransformer (6 layers, width 256) on the CPU, batches of 16"),  # fmt: skip
+        _row(
+            "end to end: live encoding epoch",
+            n / t_live,
+            "items/s",
+            note="LogMelTransformer (6 layers, width 256) on the CPU, batches of 16",
+        ),
         _row("end to end: featbake epoch 2 (all cached)", n / t_cached, "items/s"),
         _row("end to end: epoch-2 speedup", t_live / t_cached, "x", "report", None),
     ]
@@ -318,15 +356,28 @@ def bench_memory(data: dict[str, Any], quick: bool) -> list[dict[str, Any]]:
     growth = cached[-1][0] - cached[1 if len(cached) > 2 else 0][0]
     feature_bytes = sum(os.path.getsize(p) - 128 for p in data["npy"])
     return [
-        _row("memory: USS main+4 workers, ram_cache=0 (fixed overhead)", overhead / mib, "MiB",
-             note=f"peak over {epochs} shuffled epochs, batches of 32"),  # fmt: skip
-        _row("memory: USS main+4 workers, ram_cache=256MiB", peak / mib, "MiB",
-             f"<= overhead + 256 MiB = {(overhead + budget) / mib:.0f}",
-             peak <= overhead + budget,
-             f"features total {feature_bytes / mib:.0f} MiB; per-epoch peaks "
-             + ", ".join(f"{c / mib:.0f}" for c, _ in cached)),  # fmt: skip
-        _row("memory: growth from epoch 2 to the last", growth / mib, "MiB", "~0 (no leak)",
-             growth < 32 * mib),  # fmt: skip
+        _row(
+            "memory: USS main+4 workers, ram_cache=0 (fixed overhead)",
+            overhead / mib,
+            "MiB",
+            note=f"peak over {epochs} shuffled epochs, batches of 32",
+        ),
+        _row(
+            "memory: USS main+4 workers, ram_cache=256MiB",
+            peak / mib,
+            "MiB",
+            f"<= overhead + 256 MiB = {(overhead + budget) / mib:.0f}",
+            peak <= overhead + budget,
+            f"features total {feature_bytes / mib:.0f} MiB; per-epoch peaks "
+            + ", ".join(f"{c / mib:.0f}" for c, _ in cached),
+        ),
+        _row(
+            "memory: growth from epoch 2 to the last",
+            growth / mib,
+            "MiB",
+            "~0 (no leak)",
+            growth < 32 * mib,
+        ),
     ]
 
 
@@ -347,8 +398,10 @@ def _print(rows: list[dict[str, Any]]) -> None:
     width = max(len(r["metric"]) for r in rows)
     for r in rows:
         ok = "" if r["ok"] is None else ("ok" if r["ok"] else "MISS")
-        print(f"{r['metric']:<{width}}  {r['value']:>10.2f} {r['unit']:<8} {r['target']:<24} "
-              f"{ok:<4} {r['note']}")  # fmt: skip
+        print(
+            f"{r['metric']:<{width}}  {r['value']:>10.2f} {r['unit']:<8} {r['target']:<24} "
+            f"{ok:<4} {r['note']}"
+        )
 
 
 if __name__ == "__main__":

@@ -27,10 +27,12 @@ lists so that forked workers do not copy them page by page as reference counts c
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing import util as mp_util
@@ -149,33 +151,79 @@ def ram_budget_for_process(total: int) -> int:
     return total if info is None else total // max(1, info.num_workers)
 
 
+class _Sink:
+    """What must be saved even when a dataset is dropped: write-back shards and last-use times.
+
+    It holds no reference to the dataset or its caches, so the finalizer that saves it (at
+    process exit, or when the dataset is collected) never keeps a dropped dataset alive.
+    """
+
+    def __init__(self, layout: Layout, keys: np.ndarray) -> None:
+        self.gen = _fork_generation
+        self.catalog = Catalog(layout)
+        self.keys = keys
+        self.writer: ShardWriter | None = None
+        self.first_pending = 0.0
+        self.touch_queue: list[int] = []
+        self.last_touch_flush = time.monotonic()
+        self.lock = threading.Lock()  # for the rare paths (write-back, flush), not for reads
+
+    def seal(self) -> None:
+        with self.lock:
+            if self.writer is not None:
+                self.writer.seal()
+            self.first_pending = 0.0
+
+    def flush_touch(self) -> None:
+        self.last_touch_flush = time.monotonic()
+        if not self.touch_queue:
+            return
+        queue = self.touch_queue[:]
+        self.touch_queue.clear()
+        with contextlib.suppress(Exception):  # last-use times are a hint: never fail a read
+            self.catalog.touch(self.keys[i].decode() for i in queue)
+
+    def close(self) -> None:
+        self.seal()
+        self.flush_touch()
+        self.catalog.close()
+
+
+def _finalize(sink: _Sink) -> None:
+    if sink.gen != _fork_generation:
+        return  # a forked copy of the parent's sink: the parent saves its own
+    try:
+        sink.close()
+    except Exception as e:  # at exit there is no caller left to raise to
+        warnings.warn(f"featbake: could not seal written-back features: {e}", stacklevel=1)
+
+
 class _Process:
     """Everything one process opens for the dataset; made on first use, never shared."""
 
     def __init__(self, ds: CachedFeatureDataset) -> None:
         self.gen = _fork_generation
-        self.pid = os.getpid()
-        self.catalog = Catalog(ds._layout)
+        self.sink = _Sink(ds._layout, ds._keys)
+        self.catalog = self.sink.catalog
+        self.touch_queue = self.sink.touch_queue  # the same list: appended on the hot path
         self.readers: dict[int, ShardReader] = {}
         self.lru: ByteLRU[int, Any] = ByteLRU(ram_budget_for_process(ds._ram_total))
         self.use_lru = self.lru.max_bytes > 0
         self.encoder: LoadedEncoder | None = None
-        self.writer: ShardWriter | None = None
         self.pending: dict[str, dict[str, torch.Tensor]] = {}  # written, not yet sealed
         self.pending_idx: dict[str, list[int]] = {}
-        self.first_pending = 0.0
         self.touched = np.zeros(len(ds), dtype=bool)
-        self.verified = ds._verified.numpy()
+        if ds._verified_map is not None:
+            self.verified = np.frombuffer(ds._verified_map, dtype=np.uint8)
+        else:  # a spawned copy: this process checks for itself
+            self.verified = np.zeros(max(len(ds), 1), dtype=np.uint8)
         self.check_first = ds.verify == "first"
         self.check_always = ds.verify == "always"
-        self.touch_queue: list[int] = []
-        self.ops = 0
         self.touch_epoch = time.monotonic()
-        self.last_touch_flush = time.monotonic()
+        self.ops = 0
         self.store_reads = 0
         self.encoded = 0
         self.written = 0
-        self.lock = threading.Lock()  # for the rare paths (write-back, flush), not for reads
         self.closed = False
 
 
@@ -417,9 +465,9 @@ class CachedFeatureDataset(Dataset):
             self._shard[i] = sid_of[shard]
             parts.add(tuple(loc.part for loc in locs))
         self._sid_of = sid_of
-        # Items whose checksum was checked, shared by every worker of this dataset (forked or
-        # spawned), so that workers started afresh each epoch do not check everything again.
-        self._verified = torch.zeros(max(n, 1), dtype=torch.uint8).share_memory_()
+        # Items whose checksum was checked, in anonymous shared memory that forked workers
+        # inherit, so workers started afresh each epoch do not check everything again.
+        self._verified_map: mmap.mmap | None = mmap.mmap(-1, max(n, 1))
         # One encoder and recipe give every item the same outputs; anything else is looked up.
         self._parts: tuple[str, ...] | None = parts.pop() if len(parts) == 1 else None
 
@@ -465,9 +513,8 @@ class CachedFeatureDataset(Dataset):
         st = self._state
         if st is None or st.gen != _fork_generation:
             return
-        with st.lock:
-            self._seal(st)
-            self._flush_touch(st)
+        st.sink.seal()
+        st.sink.flush_touch()
 
     def close(self) -> None:
         """Flush, then close this process's shard files and catalog connection."""
@@ -478,13 +525,14 @@ class CachedFeatureDataset(Dataset):
         for r in st.readers.values():
             r.close()
         st.readers.clear()
-        st.catalog.close()
+        st.sink.close()
         st.closed = True
         self._state = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_state"] = None  # handles, connections and caches never cross processes
+        state["_verified_map"] = None
         if self._encoder_spec is not None:
             state["_encoder_obj"] = None  # reloaded from the file on the first miss
         return state
@@ -508,7 +556,7 @@ class CachedFeatureDataset(Dataset):
             st = self._state = _Process(self)
             # Runs at interpreter exit and in multiprocessing children (DataLoader workers)
             # when their loop ends, so a worker's last write-back shard is sealed.
-            mp_util.Finalize(st, _finalize, args=(self, st), exitpriority=10)
+            mp_util.Finalize(st, _finalize, args=(st.sink,), exitpriority=10)
         return st
 
     def __getitem__(self, i: int) -> Any:
@@ -706,30 +754,22 @@ class CachedFeatureDataset(Dataset):
             st.touched[i] = True
             st.touch_queue.append(i)
         st.ops += 1
-        if st.first_pending or not st.ops & 255:
+        if st.sink.first_pending or not st.ops & 255:
             self._tick(st)
 
     def _tick(self, st: _Process) -> None:
         """Time-driven upkeep, checked every 256 reads (or each read while a write is pending)."""
         now = time.monotonic()
-        if st.first_pending and now - st.first_pending >= WRITEBACK_SECONDS:
-            with st.lock:
-                self._seal(st)
-        if len(st.touch_queue) >= TOUCH_FLUSH_ITEMS or (
-            st.touch_queue and now - st.last_touch_flush >= TOUCH_FLUSH_SECONDS
+        sink = st.sink
+        if sink.first_pending and now - sink.first_pending >= WRITEBACK_SECONDS:
+            sink.seal()
+        if len(sink.touch_queue) >= TOUCH_FLUSH_ITEMS or (
+            sink.touch_queue and now - sink.last_touch_flush >= TOUCH_FLUSH_SECONDS
         ):
-            self._flush_touch(st)
+            sink.flush_touch()
         if now - st.touch_epoch >= TOUCH_REPEAT_SECONDS:
             st.touched[:] = False
             st.touch_epoch = now
-
-    def _flush_touch(self, st: _Process) -> None:
-        st.last_touch_flush = time.monotonic()
-        if not st.touch_queue:
-            return
-        queue, st.touch_queue = st.touch_queue, []
-        with contextlib.suppress(Exception):  # last-use times are a hint: never fail a read
-            st.catalog.touch(self._keys[i].decode() for i in queue)
 
     # -- misses -------------------------------------------------------------------------------
     def _miss(self, st: _Process, idx: list[int]) -> list[Any]:
@@ -756,7 +796,7 @@ class CachedFeatureDataset(Dataset):
                     f"{self._data_dir or os.path.dirname(path)}` with the same recipe options, "
                     "or use on_miss='encode'"
                 )
-            with st.lock:
+            with st.sink.lock:
                 for i, parts in zip(todo, self._encode(st, todo), strict=True):
                     out[i] = _unpack(parts)
                     if self.write_back:
@@ -807,25 +847,33 @@ class CachedFeatureDataset(Dataset):
 
     def _write_back(self, st: _Process, i: int, parts: dict[str, torch.Tensor]) -> None:
         key = self._keys[i].decode()
-        if st.writer is None:
-            st.writer = ShardWriter(
+        sink = st.sink
+        if sink.writer is None:
+            ds_ref, st_ref = weakref.ref(self), weakref.ref(st)
+
+            def on_seal(shard: Any) -> None:
+                sink.catalog.add_shard(shard)
+                ds, proc = ds_ref(), st_ref()
+                if ds is not None and proc is not None:
+                    ds._published(proc, shard)
+
+            sink.writer = ShardWriter(
                 self._layout,
                 self._enc_fp,
                 self._recipe_fp,
                 target_bytes=WRITEBACK_BYTES,
                 max_items=WRITEBACK_ITEMS,
-                on_seal=lambda shard: self._published(st, shard),
+                on_seal=on_seal,
             )
         if key not in st.pending:
             st.pending[key] = parts
             st.pending_idx.setdefault(key, []).append(i)
             st.written += 1
-            if not st.first_pending:
-                st.first_pending = time.monotonic()
-            st.writer.add(key, parts)  # seals (and publishes) when full
+            if not sink.first_pending:
+                sink.first_pending = time.monotonic()
+            sink.writer.add(key, parts)  # seals (and publishes) when full
 
     def _published(self, st: _Process, shard: Any) -> None:
-        st.catalog.add_shard(shard)
         sid = self._sid(shard.name)
         for entry in shard.entries:
             for i in st.pending_idx.pop(entry.key, ()):
@@ -833,26 +881,8 @@ class CachedFeatureDataset(Dataset):
             st.pending.pop(entry.key, None)
         if self._parts is None:
             self._parts = tuple(sorted({e.part for e in shard.entries}))
-        st.first_pending = 0.0 if not st.pending else time.monotonic()
-
-    def _seal(self, st: _Process) -> None:
-        if st.writer is not None:
-            st.writer.seal()
-        st.first_pending = 0.0
+        st.sink.first_pending = 0.0 if not st.pending else time.monotonic()
 
 
 def _unpack(parts: Mapping[str, torch.Tensor]) -> Any:
     return parts[""] if len(parts) == 1 and "" in parts else dict(parts)
-
-
-def _finalize(ds: CachedFeatureDataset, st: _Process) -> None:
-    if st.gen != _fork_generation or st.closed:
-        return  # a forked copy of the parent's state: the parent seals its own
-    try:
-        with st.lock:
-            ds._seal(st)
-            ds._flush_touch(st)
-    except Exception as e:  # at exit there is no caller left to raise to
-        warnings.warn(
-            f"featbake: could not seal features written back on misses: {e}", stacklevel=1
-        )
