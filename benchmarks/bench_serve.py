@@ -42,6 +42,7 @@ from featbake.build import build  # noqa: E402
 from featbake.collate import pad_collate  # noqa: E402
 from featbake.dataset import CachedFeatureDataset  # noqa: E402
 from featbake.demo import LogMelTransformer  # noqa: E402
+from featbake.encoders import LoadedEncoder, from_module  # noqa: E402
 from featbake.recipe import Recipe  # noqa: E402
 
 WORK = Path(__file__).resolve().parent / "_work" / "serve"
@@ -54,6 +55,12 @@ class Identity(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x
+
+
+def identity_encoder() -> LoadedEncoder:
+    # A fixed identity: the module's own name differs between `python bench_serve.py`
+    # (__main__) and benchmarks/run.py, and would give other keys.
+    return from_module(Identity(), label="bench-identity", identity="bench-identity-v1")
 
 
 class NpyFiles(Dataset):
@@ -103,7 +110,7 @@ def prepare(n: int) -> dict[str, Any]:
             arr = rng.standard_normal((t, DIM), dtype=np.float32).astype(np.float16)
             np.save(npy_dir / f"item{i:05d}.npy", arr)
             torch.save(torch.from_numpy(arr), pt_dir / f"item{i:05d}.pt")
-        build(npy_dir, Identity(), cache=store, recipe=_recipe(), workers=0, batch_size=1)
+        build(npy_dir, identity_encoder(), cache=store, recipe=_recipe(), workers=0, batch_size=1)
         marker.write_text(json.dumps({"n": n}))
     npy = sorted(str(p) for p in npy_dir.glob("*.npy"))
     pt = sorted(str(p) for p in pt_dir.glob("*.pt"))
@@ -116,7 +123,12 @@ def _recipe() -> Recipe:
 
 def featbake_ds(data: dict[str, Any], **kw: Any) -> CachedFeatureDataset:
     ds = CachedFeatureDataset(
-        data["npy_dir"], Identity(), cache=data["store"], recipe=_recipe(), on_miss="error", **kw
+        data["npy_dir"],
+        identity_encoder(),
+        cache=data["store"],
+        recipe=_recipe(),
+        on_miss="error",
+        **kw,
     )
     assert ds.stored() == len(ds), "the benchmark store is incomplete: delete benchmarks/_work"
     return ds

@@ -131,6 +131,14 @@ class ServeStats:
         return self.ram.items
 
 
+def _epoch_at(n: int) -> int:
+    return (2 * n + 7) // 8 * 8
+
+
+def _shared_bytes(n: int) -> int:
+    return _epoch_at(n) + 8
+
+
 def _recipe_from(recipe: Recipe | None, options: Mapping[str, Any]) -> Recipe:
     base = recipe or Recipe()
     changes = {k: v for k, v in options.items() if v is not None}
@@ -160,13 +168,24 @@ class _Sink:
 
     def __init__(self, layout: Layout, keys: np.ndarray) -> None:
         self.gen = _fork_generation
+        self.layout = layout
         self.catalog = Catalog(layout)
+        self.thread = threading.get_ident()
         self.keys = keys
         self.writer: ShardWriter | None = None
         self.first_pending = 0.0
         self.touch_queue: list[int] = []
         self.last_touch_flush = time.monotonic()
         self.lock = threading.Lock()  # for the rare paths (write-back, flush), not for reads
+
+    def catalog_here(self) -> Catalog:
+        """The catalog connection for this thread (SQLite connections are bound to theirs).
+
+        The finalizer can run in another thread when the garbage collector runs there.
+        """
+        if threading.get_ident() == self.thread:
+            return self.catalog
+        return Catalog(self.layout)
 
     def seal(self) -> None:
         with self.lock:
@@ -180,13 +199,17 @@ class _Sink:
             return
         queue = self.touch_queue[:]
         self.touch_queue.clear()
+        catalog = self.catalog_here()
         with contextlib.suppress(Exception):  # last-use times are a hint: never fail a read
-            self.catalog.touch(self.keys[i].decode() for i in queue)
+            catalog.touch(self.keys[i].decode() for i in queue)
+        if catalog is not self.catalog:
+            catalog.close()
 
     def close(self) -> None:
         self.seal()
         self.flush_touch()
-        self.catalog.close()
+        if threading.get_ident() == self.thread:
+            self.catalog.close()
 
 
 def _finalize(sink: _Sink) -> None:
@@ -212,14 +235,18 @@ class _Process:
         self.encoder: LoadedEncoder | None = None
         self.pending: dict[str, dict[str, torch.Tensor]] = {}  # written, not yet sealed
         self.pending_idx: dict[str, list[int]] = {}
-        self.touched = np.zeros(len(ds), dtype=bool)
-        if ds._verified_map is not None:
-            self.verified = np.frombuffer(ds._verified_map, dtype=np.uint8)
-        else:  # a spawned copy: this process checks for itself
-            self.verified = np.zeros(max(len(ds), 1), dtype=np.uint8)
+        n = len(ds)
+        shared = ds._shared_map
+        if shared is None:  # a spawned copy: this process keeps its own
+            shared = mmap.mmap(-1, _shared_bytes(n))
+        # [checksum checked: n bytes][last use recorded: n bytes][when recorded ones reset: f64]
+        self.verified = np.frombuffer(shared, dtype=np.uint8, count=n)
+        self.touched = np.frombuffer(shared, dtype=np.bool_, count=n, offset=n)
+        self.touch_epoch = np.frombuffer(shared, dtype=np.float64, count=1, offset=_epoch_at(n))
+        if not self.touch_epoch[0]:
+            self.touch_epoch[0] = time.time()
         self.check_first = ds.verify == "first"
         self.check_always = ds.verify == "always"
-        self.touch_epoch = time.monotonic()
         self.ops = 0
         self.store_reads = 0
         self.encoded = 0
@@ -465,9 +492,10 @@ class CachedFeatureDataset(Dataset):
             self._shard[i] = sid_of[shard]
             parts.add(tuple(loc.part for loc in locs))
         self._sid_of = sid_of
-        # Items whose checksum was checked, in anonymous shared memory that forked workers
-        # inherit, so workers started afresh each epoch do not check everything again.
-        self._verified_map: mmap.mmap | None = mmap.mmap(-1, max(n, 1))
+        # Which items had their checksum checked and their last use recorded, in anonymous
+        # shared memory that forked workers inherit: workers started afresh each epoch neither
+        # check everything again nor write every key's last use again.
+        self._shared_map: mmap.mmap | None = mmap.mmap(-1, _shared_bytes(n))
         # One encoder and recipe give every item the same outputs; anything else is looked up.
         self._parts: tuple[str, ...] | None = parts.pop() if len(parts) == 1 else None
 
@@ -532,7 +560,7 @@ class CachedFeatureDataset(Dataset):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_state"] = None  # handles, connections and caches never cross processes
-        state["_verified_map"] = None
+        state["_shared_map"] = None
         if self._encoder_spec is not None:
             state["_encoder_obj"] = None  # reloaded from the file on the first miss
         return state
@@ -767,9 +795,10 @@ class CachedFeatureDataset(Dataset):
             sink.touch_queue and now - sink.last_touch_flush >= TOUCH_FLUSH_SECONDS
         ):
             sink.flush_touch()
-        if now - st.touch_epoch >= TOUCH_REPEAT_SECONDS:
+        wall = time.time()
+        if wall - st.touch_epoch[0] >= TOUCH_REPEAT_SECONDS:
             st.touched[:] = False
-            st.touch_epoch = now
+            st.touch_epoch[0] = wall
 
     # -- misses -------------------------------------------------------------------------------
     def _miss(self, st: _Process, idx: list[int]) -> list[Any]:
@@ -852,7 +881,10 @@ class CachedFeatureDataset(Dataset):
             ds_ref, st_ref = weakref.ref(self), weakref.ref(st)
 
             def on_seal(shard: Any) -> None:
-                sink.catalog.add_shard(shard)
+                catalog = sink.catalog_here()
+                catalog.add_shard(shard)
+                if catalog is not sink.catalog:
+                    catalog.close()
                 ds, proc = ds_ref(), st_ref()
                 if ds is not None and proc is not None:
                     ds._published(proc, shard)

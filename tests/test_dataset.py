@@ -322,3 +322,30 @@ def test_root_published_for_unbuilt_folder(audio_dir, encoder_file, store_dir) -
     assert [k for _, k in items] == [ds.key(i) for i in range(len(ds))]
     assert json.loads(json.dumps(root.recipe)) == ds.recipe.as_dict()
     cat.close()
+
+
+def test_dropped_dataset_still_saves_its_write_back(audio_dir, encoder_file, store_dir) -> None:
+    import gc
+
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir)
+    ds[0], ds[1]
+    del ds
+    gc.collect()  # the finalizer seals; it holds nothing that keeps the dataset alive
+    again = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir)
+    assert again.stored() == 2
+
+
+def test_workers_record_last_use_once(audio_dir, encoder_file, store_dir) -> None:
+    build(audio_dir, encoder_file, cache=store_dir, workers=0)
+    cat = Catalog(Layout(store_dir))
+    cat.conn.execute("UPDATE features SET last_used=0")
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir)
+    loader = DataLoader(ds, batch_size=4, shuffle=True, num_workers=2, collate_fn=pad_collate)
+    list(loader)  # workers record last use when they exit
+    rows = dict(cat.conn.execute("SELECT key, last_used FROM features").fetchall())
+    assert all(v > 0 for v in rows.values())
+    cat.conn.execute("UPDATE features SET last_used=0")
+    list(loader)  # new workers: the shared bitmap says these were recorded within the hour
+    rows = dict(cat.conn.execute("SELECT key, last_used FROM features").fetchall())
+    assert not any(rows.values())
+    cat.close()
