@@ -12,13 +12,12 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[dev]"
 	@touch $(STAMP)
 
 demo: install
-	$(PY) examples/demo.py
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) examples/demo.py
 
 test: install
 	$(PY) -m pytest -q
