@@ -349,3 +349,19 @@ def test_workers_record_last_use_once(audio_dir, encoder_file, store_dir) -> Non
     rows = dict(cat.conn.execute("SELECT key, last_used FROM features").fetchall())
     assert not any(rows.values())
     cat.close()
+
+
+def test_labels_pair_by_path_with_stack_dataset(audio_dir, encoder_file, store_dir) -> None:
+    from torch.utils.data import StackDataset
+
+    build(audio_dir, encoder_file, cache=store_dir, workers=0)
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    label_of = {ds.path(i): i * 10 for i in range(len(ds))}  # e.g. read from a CSV by path
+    train = StackDataset(ds, [label_of[ds.path(i)] for i in range(len(ds))])
+    order = list(range(len(ds)))[::-1]
+    loader = DataLoader(train, batch_size=4, sampler=order, num_workers=2, collate_fn=pad_collate)
+    for b, (padded, lengths, labels) in enumerate(loader):
+        for j, label in enumerate(labels.tolist()):
+            i = order[b * 4 + j]
+            assert label == i * 10
+            assert torch.equal(padded[j, : lengths[j]], ds[i])
