@@ -380,7 +380,7 @@ def _memory_in_fresh_process(n: int, ram_cache: str, epochs: int) -> list[int]:
 
 
 def bench_memory(data: dict[str, Any], quick: bool) -> list[dict[str, Any]]:
-    epochs = 2 if quick else 6
+    epochs = 3 if quick else 6
     n = len(data["npy"])
     budget = 256 * 1024 * 1024
     base = _memory_in_fresh_process(n, "0", epochs)
@@ -410,8 +410,9 @@ def bench_memory(data: dict[str, Any], quick: bool) -> list[dict[str, Any]]:
             "memory: growth from epoch 2 to the last",
             growth / mib,
             "MiB",
-            "~0 (no leak)",
-            growth < 32 * mib,
+            "~0 (no leak)" if not quick else "report",
+            growth < 32 * mib if not quick else None,
+            "quick: the data fits the budget, so the tier is still filling" if quick else "",
         ),
     ]
 

@@ -131,6 +131,27 @@ class ServeStats:
         return self.ram.items
 
 
+#: RAM-tier entries at least this big get their own anonymous mapping (see _mapped_empty).
+_MAP_MIN_BYTES = 64 * 1024
+
+
+def _mapped_empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor in its own anonymous memory mapping.
+
+    Entries of the RAM tier come and go in every size; from the heap, their evictions would leave
+    holes that malloc keeps (the worker's memory creeps above the budget). A mapping of its own
+    goes back to the OS the moment the entry is evicted and no batch still uses it.
+    """
+    numel = 1
+    for d in shape:
+        numel *= d
+    nbytes = numel * dtype.itemsize
+    if nbytes < _MAP_MIN_BYTES:
+        return torch.empty(tuple(shape), dtype=dtype)
+    buf = mmap.mmap(-1, nbytes)
+    return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(dtype).reshape(shape)
+
+
 def _epoch_at(n: int) -> int:
     return (2 * n + 7) // 8 * 8
 
@@ -682,8 +703,8 @@ class CachedFeatureDataset(Dataset):
                 if check:
                     st.verified[i] = 1
                 st.store_reads += 1
-                if st.use_lru:
-                    st.lru.put(i, dest.clone())  # the RAM tier owns its copy, not a batch view
+                if st.use_lru:  # the RAM tier owns its copy, not a view of this batch
+                    st.lru.put(i, _mapped_empty(dest.shape, dest.dtype).copy_(dest))
             self._touch(st, i)
         return PaddedBatch.of(padded, lengths)
 
@@ -722,8 +743,16 @@ class CachedFeatureDataset(Dataset):
                 "always" if st.check_always or (st.check_first and not st.verified[i]) else "never"
             )
             parts = self._parts
-            if parts == ("",):
-                value: Any = reader.read(key, verify=check)
+            if parts == ("",) and st.use_lru:
+                info = reader.tensors.get(key)
+                dtype = ST_TO_DTYPE.get(info.dtype) if info is not None else None
+                if info is None or dtype is None:
+                    value: Any = reader.read(key, verify=check)  # raises StoreCorrupt
+                else:
+                    value = _mapped_empty(info.shape, dtype)
+                    reader.read_into(key, value, verify=check == "always")
+            elif parts == ("",):
+                value = reader.read(key, verify=check)
             elif parts is not None:
                 value = {p: reader.read(tensor_name(key, p), verify=check) for p in parts}
             else:
