@@ -7,6 +7,9 @@ Public API::
 """
 
 from featbake.build import BuildReport, build
+from featbake.cached_encoder import CachedEncoder
+from featbake.collate import PaddedBatch, pad_collate
+from featbake.dataset import CachedFeatureDataset, ServeStats
 from featbake.errors import (
     BuildIncomplete,
     CacheMiss,
@@ -19,6 +22,8 @@ from featbake.errors import (
     StoreCorrupt,
     StoreError,
 )
+from featbake.lru import ByteLRU
+from featbake.prefetch import DevicePrefetcher
 from featbake.recipe import Recipe
 
 __version__ = "0.1.0"
@@ -26,16 +31,23 @@ __version__ = "0.1.0"
 __all__ = [
     "BuildIncomplete",
     "BuildReport",
+    "ByteLRU",
     "CacheMiss",
+    "CachedEncoder",
+    "CachedFeatureDataset",
     "ConfigError",
+    "DevicePrefetcher",
     "EncodeError",
     "EncoderLoadError",
     "FeatbakeError",
+    "PaddedBatch",
     "Recipe",
+    "ServeStats",
     "ShardMissing",
     "SourceError",
     "StoreCorrupt",
     "StoreError",
     "__version__",
     "build",
+    "pad_collate",
 ]
