@@ -32,7 +32,7 @@ from featbake import __version__
 from featbake.errors import BuildIncomplete, FeatbakeError
 from featbake.units import format_bytes, parse_bytes
 
-console = Console(stderr=True, highlight=False)
+console = Console(stderr=True, highlight=False, soft_wrap=True)
 out = Console(highlight=False)
 
 EXIT_CODES = """Exit codes: 0 ok, 2 bad option, 3 some inputs failed (the rest stored), 4 encoder
@@ -50,7 +50,7 @@ app = typer.Typer(
     add_completion=False,
     context_settings={"help_option_names": ["-h", "--help"]},
     pretty_exceptions_enable=False,
-    rich_markup_mode="rich",
+    rich_markup_mode=None,
 )
 
 CacheOpt = Annotated[
@@ -619,10 +619,10 @@ def main(argv: list[str] | None = None) -> None:
     except typer.Abort:
         console.print("[bold red]aborted")
         sys.exit(130)
-    except Exception as e:  # click usage errors and the like
-        import click
-
-        if isinstance(e, click.ClickException):
+    except Exception as e:
+        # Usage errors (unknown command or option): typer's own exceptions in typer >= 0.20,
+        # click's before. Both know how to show themselves and carry an exit code.
+        if callable(getattr(e, "show", None)) and isinstance(getattr(e, "exit_code", None), int):
             e.show()
             sys.exit(e.exit_code)
         if os.environ.get("FEATBAKE_DEBUG"):
