@@ -282,8 +282,8 @@ class Catalog:
             (shard_id,) = c.execute("SELECT id FROM shards WHERE name=?", (shard.name,)).fetchone()
             before = c.total_changes
             c.executemany(
-                "INSERT OR IGNORE INTO features"
-                "(key, part, shard_id, dtype, shape, nbytes, last_used) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                "INSERT OR IGNORE INTO features(key, part, shard_id, dtype, shape, nbytes,"
+                " last_used) VALUES (?, ?, ?, ?, ?, ?, ?)",
                 [
                     (e.key, e.part, shard_id, e.dtype, json.dumps(list(e.shape)), e.nbytes, now)
                     for e in shard.entries
