@@ -43,7 +43,9 @@ def _fmt(value: object) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("only", nargs="*", help="bench names to run (serve, build, upkeep)")
     parser.add_argument("--quick", action="store_true", help="small data, for a smoke check")
     parser.add_argument("--json", type=Path, help="write all rows to this JSON file")

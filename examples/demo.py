@@ -40,6 +40,11 @@ def featbake(*args: str) -> None:
     subprocess.run(cmd, check=True)
 
 
+def rel(p: Path) -> str:
+    """``p`` relative to the working directory when it is inside it (shorter commands)."""
+    return str(p.relative_to(Path.cwd())) if p.is_relative_to(Path.cwd()) else str(p)
+
+
 def main() -> None:
     if not DATA.exists():
         write_audio_folder(DATA / "speakerA", 16, seconds=(1.0, 3.0), seed=1)
@@ -48,21 +53,23 @@ def main() -> None:
         save_torchscript(TinyConvEncoder(), ENCODER)
     shutil.rmtree(STORE, ignore_errors=True)  # a fresh bake every time the demo runs
 
-    rel = lambda p: str(p.relative_to(Path.cwd())) if p.is_relative_to(Path.cwd()) else str(p)  # noqa: E731
     common = ["--encoder", rel(ENCODER), "--data", rel(DATA), "--cache", rel(STORE)]
     featbake("build", *common)
     featbake("build", *common)  # again: every feature is reused, nothing is encoded
     featbake("stats", "--cache", rel(STORE))
 
     print("\n# one training epoch over the store", flush=True)
-    ds = CachedFeatureDataset(DATA, encoder=ENCODER, cache=STORE, ram_cache="64MiB", on_miss="error")
+    ds = CachedFeatureDataset(
+        DATA, encoder=ENCODER, cache=STORE, ram_cache="64MiB", on_miss="error"
+    )
     loader = DataLoader(ds, batch_size=8, shuffle=True, num_workers=2, collate_fn=pad_collate)
     t0 = time.perf_counter()
-    seen = 0
+    seen, shapes = 0, set()
     for feats, lengths in loader:
         seen += len(lengths)
+        shapes.add(feats.shape[-1])
     dt = time.perf_counter() - t0
-    print(f"served {seen} items in {dt * 1000:.0f} ms; last batch {tuple(feats.shape)}")
+    print(f"served {seen} items in {dt * 1000:.0f} ms in batches of 8 (feature dim {shapes})")
 
     # Served features equal running the encoder now on the same preprocessed audio.
     module = torch.jit.load(str(ENCODER))
@@ -70,7 +77,7 @@ def main() -> None:
     with torch.inference_mode():
         live = module(x.unsqueeze(0))[0]
     assert torch.equal(ds[0], live), "served features differ from live encoding"
-    print(f"item 0 ({ds.path(0)}): served == live encoding, shape {tuple(live.shape)}")
+    print(f"item 0 ({rel(Path(ds.path(0)))}): served == live encoding, shape {tuple(live.shape)}")
     print(f"\nDone. The store is in {rel(STORE)}; try `featbake stats --cache {rel(STORE)}`.")
 
 

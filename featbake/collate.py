@@ -20,9 +20,41 @@ from torch.utils.data import default_collate, get_worker_info
 
 from featbake.errors import ConfigError
 
-__all__ = ["pad_collate"]
+__all__ = ["PaddedBatch", "pad_collate"]
 
 Padded = tuple[torch.Tensor, torch.Tensor]
+
+
+class PaddedBatch(list):
+    """A batch's items that already lie, padded with zeros, in one ``[B, T_max, D...]`` tensor.
+
+    A dataset's ``__getitems__`` may return this instead of a plain list: its elements are views
+    ``padded[i, :lengths[i]]``, so any collate function works on them, and :func:`pad_collate`
+    returns ``(padded, lengths)`` as they are, without copying the batch a second time. Inside a
+    DataLoader worker ``padded`` is allocated in shared memory, as the collate would.
+
+    Attributes:
+        padded: the batch tensor the items are views of.
+        lengths: ``[B]`` int64 lengths.
+    """
+
+    padded: torch.Tensor
+    lengths: torch.Tensor
+
+    @classmethod
+    def of(cls, padded: torch.Tensor, lengths: Sequence[int]) -> PaddedBatch:
+        """Wrap ``padded`` (zero-padded past each length) as a list of item views."""
+        batch = cls(padded[i, :n] for i, n in enumerate(lengths))
+        batch.padded = padded
+        batch.lengths = torch.tensor(list(lengths), dtype=torch.int64)
+        if get_worker_info() is not None:
+            batch.lengths.share_memory_()
+        return batch
+
+
+def alloc_batch(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """An uninitialised batch tensor, in shared memory inside a DataLoader worker."""
+    return _alloc(like, shape)
 
 
 def pad_collate(
@@ -78,6 +110,10 @@ def pad_collate(
         raise ConfigError(
             f"pad_to_multiple must be a positive integer such as 8, got {pad_to_multiple!r}"
         )
+    if type(batch) is PaddedBatch and pad_value == 0:
+        t_max = batch.padded.shape[1]
+        if pad_to_multiple is None or t_max % pad_to_multiple == 0:
+            return batch.padded, batch.lengths  # the dataset already built this batch in place
     first = batch[0]
     if isinstance(first, torch.Tensor):
         return _pad_tensors(batch, pad_to_multiple, pad_value, where="")

@@ -102,7 +102,7 @@ def write_audio_folder(
     seed: int = 0,
     subdirs: int = 0,
 ) -> list[Path]:
-    """Write ``n`` synthetic clips (``seconds`` fixed, or a (min, max) range); return their paths."""
+    """Write ``n`` synthetic clips of ``seconds`` (or a (min, max) range); return their paths."""
     import soundfile
 
     root = Path(folder)

@@ -21,6 +21,7 @@ __all__ = [
     "Stream",
     "alloc_pinned",
     "cuda_available",
+    "cuda_usable_here",
     "current_stream",
     "event_query",
     "event_synchronize",
@@ -269,3 +270,19 @@ def synchronize(device: str | torch.device | None = None) -> None:
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
+
+
+def cuda_usable_here() -> bool:
+    """Return whether CUDA can be used in this process.
+
+    False in a process forked after its parent initialised CUDA (a DataLoader worker of a
+    training script, with the default ``fork`` start method): CUDA cannot start there, and
+    trying raises "Cannot re-initialize CUDA in forked subprocess". Spawned and forkserver
+    workers can use CUDA.
+
+    Example:
+        >>> cuda_usable_here() in (True, False)
+        True
+    """
+    in_bad_fork = getattr(torch._C, "_cuda_isInBadFork", lambda: False)
+    return not in_bad_fork() and cuda_available()

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 
 from featbake import device as dev
+from featbake.errors import ConfigError
+from featbake.lru import ByteLRU, CacheInfo
 from featbake.units import parse_bytes
 
 __all__ = ["DevicePrefetcher", "PinnedPool", "PoolStats", "PrefetchStats", "map_tensors"]
@@ -233,6 +235,7 @@ class PrefetchStats:
     tensors: int
     staged: int
     pool: PoolStats
+    device_cache: CacheInfo | None = None
 
     @property
     def allocations(self) -> int:
@@ -266,6 +269,10 @@ class DevicePrefetcher:
         staging: Copy through the staging pool; ``None`` means "on CUDA only".
             ``True`` on the CPU runs the CUDA code path with plain copies, which is
             how it is tested on machines without a GPU.
+        device_cache: Byte budget of a device-memory LRU of items, by dataset index (0: off).
+            ``loader`` must then be a DataLoader over a map-style dataset with a batch size;
+            items missing on the device are read in this process, later epochs of items that
+            fit skip the host (and the loader's workers) entirely.
 
     Raises:
         ConfigError: If ``device`` is invalid or unavailable.
@@ -285,6 +292,7 @@ class DevicePrefetcher:
         *,
         pool_bytes: int | str = "1GiB",
         staging: bool | None = None,
+        device_cache: int | str = 0,
     ) -> None:
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
@@ -294,6 +302,11 @@ class DevicePrefetcher:
         self._staging = dev.is_cuda(self._device) if staging is None else staging
         self._pool = PinnedPool(pool_bytes, pin=dev.is_cuda(self._device))
         self._stream = dev.new_stream(self._device)
+        budget = parse_bytes(device_cache)
+        self._items: ByteLRU[int, Any] | None = None
+        if budget:
+            self._check_item_loader(loader)
+            self._items = ByteLRU(budget)
         self._batches = 0
         self._tensors = 0
         self._staged = 0
@@ -307,6 +320,9 @@ class DevicePrefetcher:
         return len(self._loader)  # type: ignore[arg-type]  # TypeError if it has none
 
     def __iter__(self) -> Iterator[Any]:
+        if self._items is not None:
+            yield from self._iter_device_cached()
+            return
         if not self._staging and not dev.is_cuda(self._device):
             for batch in self._loader:
                 self._batches += 1
@@ -321,6 +337,7 @@ class DevicePrefetcher:
             tensors=self._tensors,
             staged=self._staged,
             pool=self._pool.stats(),
+            device_cache=self._items.info() if self._items is not None else None,
         )
 
     def _iter_prefetch(self) -> Iterator[Any]:
@@ -366,3 +383,45 @@ class DevicePrefetcher:
             dev.record_event(event, self._stream)
         self._pool.release(staged, event)
         return out
+
+    # -- the device tier ------------------------------------------------------------------------
+    @staticmethod
+    def _check_item_loader(loader: Any) -> None:
+        sampler = getattr(loader, "batch_sampler", None)
+        dataset = getattr(loader, "dataset", None)
+        if sampler is None or dataset is None or not hasattr(dataset, "__getitem__"):
+            raise ConfigError(
+                "device_cache needs a DataLoader over a map-style dataset with a batch_size "
+                "(it caches items by index); pass device_cache=0 for other iterables"
+            )
+
+    def _iter_device_cached(self) -> Iterator[Any]:
+        """Batches assembled on the device from cached items; only missing items touch the host.
+
+        Items not on the device yet are read in this process (the loader's workers cannot know
+        which indices are cached), moved to the device and kept under the byte budget; the
+        loader's ``collate_fn`` then runs on device tensors (``pad_collate`` does).
+        """
+        assert self._items is not None
+        loader: Any = self._loader
+        dataset, collate = loader.dataset, loader.collate_fn
+        getitems = getattr(dataset, "__getitems__", None)
+        for indices in loader.batch_sampler:
+            items: list[Any] = [self._items.get(i) for i in indices]
+            missing = [j for j, item in enumerate(items) if item is None]
+            if missing:
+                wanted = [indices[j] for j in missing]
+                fetched = getitems(wanted) if getitems else [dataset[i] for i in wanted]
+                with dev.stream_context(self._stream):
+                    moved = [map_tensors(self._to_device, item) for item in fetched]
+                dev.wait_stream(self._device, self._stream)
+                for j, i, item in zip(missing, wanted, moved, strict=True):
+                    items[j] = item
+                    self._items.put(i, item)
+            self._batches += 1
+            yield collate(items)
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        self._tensors += 1
+        # A copy even on the CPU: the cached item must not alias a batch the user may modify.
+        return t.to(self._device, copy=True)

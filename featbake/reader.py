@@ -50,7 +50,7 @@ class FeatureReader:
         return out
 
     def get_located(self, key: str, locations: list[Location]) -> dict[str, torch.Tensor] | None:
-        """Read ``key`` from already looked-up ``locations``; re-resolves once if a shard vanished."""
+        """Read ``key`` from looked-up ``locations``; re-resolves once if a shard vanished."""
         if not locations:
             return None
         try:

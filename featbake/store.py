@@ -434,6 +434,39 @@ class ShardReader:
             raise _corrupt(self.path, f"unknown dtype {info.dtype}") from e
         return buf.view(dtype).reshape(info.shape)
 
+    def read_into(self, name: str, out: torch.Tensor, *, verify: bool = True) -> None:
+        """Read tensor ``name``'s bytes straight into ``out`` (no intermediate buffer).
+
+        This is how a batch is assembled in place: ``out`` is a contiguous CPU slice of the
+        destination (e.g. one row of a padded batch in shared memory) with exactly the tensor's
+        byte size.
+
+        Raises:
+            StoreCorrupt: no such tensor, a short read, or (with ``verify``) a checksum mismatch.
+            ConfigError: ``out`` is not a contiguous CPU tensor of the tensor's byte size.
+        """
+        info = self.tensors.get(name)
+        if info is None:
+            raise StoreCorrupt(
+                f"shard {self.path} holds no tensor {name} although the catalog says so; "
+                "run `featbake verify --repair` to rebuild the catalog from the shards"
+            )
+        nbytes = info.end - info.begin
+        if out.device.type != "cpu" or not out.is_contiguous() or out.nbytes != nbytes:
+            raise ConfigError(
+                f"read_into needs a contiguous CPU tensor of {nbytes} bytes for {name}, got "
+                f"{tuple(out.shape)} {out.dtype} on {out.device}"
+            )
+        if not nbytes:
+            return
+        view = memoryview(out.view(-1).view(torch.uint8).numpy())
+        if os.preadv(self._fd, [view], info.begin) != nbytes:
+            raise _corrupt(self.path, f"tensor {name} is cut short")
+        if verify:
+            if info.crc is None or checksum(view) != info.crc:
+                raise _corrupt(self.path, f"checksum mismatch in tensor {name}")
+            self._verified.add(name)
+
     def verify_all(self) -> list[str]:
         """Names of tensors whose bytes fail their checksum (empty when the shard is sound)."""
         bad = []

@@ -7,7 +7,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader, Dataset
 
-from featbake.collate import pad_collate
+from featbake.collate import PaddedBatch, pad_collate
 from featbake.errors import ConfigError
 
 
@@ -203,3 +203,34 @@ def test_dataloader_workers_match_single_process() -> None:
     assert padded.shape[1] % 4 == 0
     assert lengths.tolist() == [t.shape[0] for t in feats]
     assert labels.tolist() == list(range(5))
+
+
+# --- PaddedBatch: a batch the dataset already built in place ---------------------------------
+
+
+def _prepadded() -> tuple[PaddedBatch, list[torch.Tensor]]:
+    items = [torch.randn(n, 3) for n in (2, 5, 3)]
+    padded = torch.zeros(3, 5, 3)
+    for i, t in enumerate(items):
+        padded[i, : len(t)] = t
+    return PaddedBatch.of(padded, [len(t) for t in items]), items
+
+
+def test_padded_batch_is_returned_without_copy() -> None:
+    batch, items = _prepadded()
+    padded, lengths = pad_collate(batch)
+    assert padded is batch.padded
+    assert lengths.tolist() == [2, 5, 3]
+    ref, ref_len = pad_collate(list(items))
+    assert torch.equal(padded, ref) and torch.equal(lengths, ref_len)
+
+
+def test_padded_batch_with_other_options_is_copied_correctly() -> None:
+    batch, items = _prepadded()
+    padded, _ = pad_collate(batch, pad_to_multiple=4)
+    assert padded.shape == (3, 8, 3) and padded is not batch.padded
+    assert torch.equal(padded, pad_collate(list(items), pad_to_multiple=4)[0])
+    padded, _ = pad_collate(batch, pad_value=-1.0)
+    assert padded[0, 2:].eq(-1).all() and torch.equal(padded[1], items[1])
+    padded, _ = pad_collate(batch, pad_to_multiple=5)  # already a multiple: no copy needed
+    assert padded is batch.padded

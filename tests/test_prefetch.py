@@ -336,3 +336,56 @@ def test_resolve_device_rejects_garbage(bad: str) -> None:
 def test_resolve_device_cuda_unavailable(req: str) -> None:
     with pytest.raises(ConfigError, match=r"CUDA is not available.*--device cpu"):
         dev.resolve_device(req)
+
+
+# --- the device tier (device_cache), on the CPU ------------------------------------------------
+
+
+class Recording(torch.utils.data.Dataset):
+    """Variable-length items; records which indices were read."""
+
+    def __init__(self, n: int) -> None:
+        self.items = [torch.full((i % 5 + 1, 3), float(i)) for i in range(n)]
+        self.reads: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        self.reads.append(i)
+        return self.items[i]
+
+
+def test_device_cache_skips_the_host_once_items_fit() -> None:
+    ds = Recording(10)
+    order = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    loader = DataLoader(ds, batch_size=3, sampler=order, collate_fn=pad_collate)
+    want = [pad_collate([ds.items[i] for i in order[k : k + 3]]) for k in range(0, 10, 3)]
+    pf = DevicePrefetcher(loader, device="cpu", device_cache="1MiB")
+    for epoch in range(3):
+        got = list(pf)
+        assert len(got) == len(want)
+        for a, b in zip(got, want, strict=True):
+            assert_same(a, b)
+        if epoch == 0:
+            assert sorted(set(ds.reads)) == sorted(set(order)) and len(ds.reads) == 7
+    assert len(ds.reads) == 7  # epochs 2 and 3 read nothing from the dataset
+    info = pf.stats().device_cache
+    assert info is not None and info.items == 7
+
+
+def test_device_cache_budget_holds() -> None:
+    ds = Recording(40)
+    loader = DataLoader(ds, batch_size=4, shuffle=True, collate_fn=pad_collate)
+    budget = 10 * 5 * 3 * 4  # ten of the largest items
+    pf = DevicePrefetcher(loader, device="cpu", device_cache=budget)
+    for _ in range(3):
+        for padded, lengths in pf:
+            assert padded.shape[0] == lengths.shape[0]
+            assert pf.stats().device_cache.bytes <= budget
+    assert pf.stats().device_cache.evictions > 0
+
+
+def test_device_cache_needs_an_indexed_loader() -> None:
+    with pytest.raises(ConfigError, match="device_cache"):
+        DevicePrefetcher([torch.zeros(1)], device="cpu", device_cache="1MiB")

@@ -1,0 +1,290 @@
+"""``featbake export --format zarr``: a root's features out to a Zarr (v3) store.
+
+The result is readable by zarr, xarray or dask without featbake. Per output part (the top-level
+group for a single-output encoder, else one sub-group per part):
+
+* variable length (first dimension differs between items): ``values [sum T, ...]`` with the items
+  concatenated along the first axis, ``offsets [N + 1]`` (item ``i`` is
+  ``values[offsets[i]:offsets[i + 1]]``) and ``lengths [N]``;
+* fixed size: a dense ``values [N, ...]``;
+
+and, at the top level, ``keys [N]`` (feature keys) and ``paths [N]`` (file paths relative to the
+root's data folder), in the manifest's order. Items of the manifest with no stored feature are
+left out and counted in the ``missing`` attribute. Values are chunked to about 8 MiB along the
+first axis. The store is written to ``OUT.partial`` and renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from featbake import __version__
+from featbake.errors import ConfigError, StoreError
+from featbake.reader import FeatureReader
+from featbake.upkeep import GcProgress, open_catalog, resolve_root
+
+CHUNK_BYTES = 8 * 1024 * 1024
+_READ_BATCH = 256
+_NUMPY_DTYPE = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "float32",  # zarr has no bfloat16: widened exactly to float32
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+
+
+@dataclass(frozen=True)
+class PartLayout:
+    """How one output part is laid out: ragged or dense, its shapes and dtype."""
+
+    part: str
+    dtype: str  # safetensors dtype as stored
+    ragged: bool
+    trailing: tuple[int, ...]  # shape after the first axis (ragged) or the whole item (dense)
+    lengths: tuple[int, ...]  # first-axis length per item (ragged only)
+
+
+@dataclass(frozen=True)
+class ExportReport:
+    """What an export wrote."""
+
+    out: str
+    root: str
+    items: int
+    missing: int
+    parts: tuple[str, ...]
+    layouts: dict[str, str]
+    bytes: int
+    seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def plan_layout(part: str, dtype: str, shapes: Sequence[tuple[int, ...]]) -> PartLayout:
+    """Decide ragged vs dense for one part from its items' shapes (pure).
+
+    Raises:
+        ConfigError: the items differ in more than their first dimension.
+
+    Example:
+        >>> plan_layout("", "F32", [(3, 4), (5, 4)]).ragged
+        True
+        >>> plan_layout("", "F32", [(8,), (8,)]).ragged
+        False
+    """
+    first = shapes[0]
+    if all(s == first for s in shapes):
+        return PartLayout(part, dtype, False, tuple(first), ())
+    if any(len(s) == 0 or len(s) != len(first) or s[1:] != first[1:] for s in shapes):
+        raise ConfigError(
+            f"cannot export output {part or 'features'!r}: items differ in more than their "
+            "first dimension, so neither a dense nor a ragged array fits"
+        )
+    return PartLayout(part, dtype, True, tuple(first[1:]), tuple(s[0] for s in shapes))
+
+
+def _rows_per_chunk(row_bytes: int) -> int:
+    return max(1, CHUNK_BYTES // max(1, row_bytes))
+
+
+def export_zarr(
+    out: str | os.PathLike[str],
+    *,
+    cache: str | os.PathLike[str] | None = None,
+    root: str | None = None,
+    overwrite: bool = False,
+    progress: Callable[[GcProgress], None] | None = None,
+) -> ExportReport:
+    """Write the features of one root to a Zarr v3 store at ``out``.
+
+    Args:
+        out: the directory to create (``something.zarr``).
+        cache: the store.
+        root: the root's name or a unique prefix; may be left out when the store has one root.
+        overwrite: replace ``out`` if it exists.
+        progress: called with ``GcProgress("export", items done, items)``.
+
+    Raises:
+        ConfigError: no such root, several roots and none chosen, ``out`` exists, or shapes that
+            fit no layout.
+        StoreCorrupt: a stored feature fails its checksum.
+
+    Example:
+        >>> export_zarr("feats.zarr", cache=".featbake")  # doctest: +SKIP
+        >>> import zarr; g = zarr.open_group("feats.zarr", mode="r")  # doctest: +SKIP
+        >>> g["values"][g["offsets"][0] : g["offsets"][1]]  # doctest: +SKIP
+    """
+    import zarr
+
+    t0 = time.perf_counter()
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise ConfigError(f"{out} exists; choose another OUT or pass --overwrite")
+    layout, catalog = open_catalog(cache)
+    try:
+        if root is None:
+            roots = catalog.roots()
+            if len(roots) != 1:
+                names = ", ".join(r.name for r in roots) or "none"
+                raise ConfigError(
+                    f"the store has {len(roots)} roots ({names}); choose one with --root NAME"
+                )
+            chosen = roots[0]
+        else:
+            chosen = resolve_root(catalog, root)
+        manifest = catalog.root_items(chosen.name)
+        located = catalog.locate_many([k for _, k in manifest])
+    finally:
+        catalog.close()
+    present = [(p, k) for p, k in manifest if k in located]
+    if not present:
+        raise StoreError(
+            f"root {chosen.name} has no stored features to export; run `featbake build` first"
+        )
+    parts = sorted({loc.part for locs in located.values() for loc in locs})
+    layouts = {}
+    for part in parts:
+        locs = [next((x for x in located[k] if x.part == part), None) for _, k in present]
+        if any(loc is None for loc in locs):
+            raise StoreError(f"some features lack output {part!r}; rebuild root {chosen.name}")
+        dtypes = {loc.dtype for loc in locs if loc is not None}
+        if len(dtypes) != 1:
+            raise ConfigError(f"output {part!r} is stored in several dtypes: {sorted(dtypes)}")
+        layouts[part] = plan_layout(part, dtypes.pop(), [loc.shape for loc in locs if loc])
+
+    partial = out.with_name(out.name + ".partial")
+    if partial.exists():
+        shutil.rmtree(partial)
+    group = zarr.open_group(str(partial), mode="w")
+    group.attrs.update(
+        {
+            "featbake_version": __version__,
+            "root": chosen.name,
+            "data": chosen.data,
+            "encoder": chosen.encoder_label,
+            "encoder_fp": chosen.encoder_fp,
+            "recipe_fp": chosen.recipe_fp,
+            "recipe": json.loads(json.dumps(chosen.recipe)),
+            "items": len(present),
+            "missing": len(manifest) - len(present),
+            "parts": parts,
+            "layouts": {p: "ragged" if lay.ragged else "dense" for p, lay in layouts.items()},
+        }
+    )
+    n = len(present)
+    str_chunk = min(n, 65536)
+    group.create_array("keys", shape=(n,), chunks=(str_chunk,), dtype=str)[:] = np.array(
+        [k for _, k in present]
+    )
+    group.create_array("paths", shape=(n,), chunks=(str_chunk,), dtype=str)[:] = np.array(
+        [p for p, _ in present]
+    )
+    writers = {}
+    for part, lay in layouts.items():
+        g = group if part == "" else group.create_group(part)
+        writers[part] = _PartWriter(g, lay, n)
+
+    reader = FeatureReader(layout, verify="always")
+    written = 0
+    try:
+        for start in range(0, n, _READ_BATCH):
+            keys = [k for _, k in present[start : start + _READ_BATCH]]
+            got = reader.get_many(keys)
+            for key in keys:
+                if key not in got:
+                    raise StoreError(
+                        f"feature {key} vanished during the export (gc?); run the export again"
+                    )
+                for part, t in got[key].items():
+                    written += writers[part].add(t)
+            if progress:
+                progress(GcProgress("export", min(n, start + _READ_BATCH), n))
+        for w in writers.values():
+            w.flush()
+    finally:
+        reader.close()
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(partial, out)
+    return ExportReport(
+        str(out),
+        chosen.name,
+        n,
+        len(manifest) - n,
+        tuple(parts),
+        {p: "ragged" if lay.ragged else "dense" for p, lay in layouts.items()},
+        written,
+        time.perf_counter() - t0,
+    )
+
+
+class _PartWriter:
+    """Appends items to a part's arrays, writing whole chunks at a time."""
+
+    def __init__(self, group: Any, lay: PartLayout, n: int) -> None:
+        self.lay = lay
+        dtype = _NUMPY_DTYPE[lay.dtype]
+        row_bytes = int(np.prod(lay.trailing, dtype=np.int64)) * np.dtype(dtype).itemsize
+        self.dtype = dtype
+        if lay.ragged:
+            offsets = np.concatenate([[0], np.cumsum(lay.lengths, dtype=np.int64)])
+            rows = int(offsets[-1])
+            group.create_array(
+                "offsets", shape=(n + 1,), chunks=(min(n + 1, 1 << 20),), dtype="int64"
+            )[:] = offsets
+            group.create_array("lengths", shape=(n,), chunks=(min(n, 1 << 20),), dtype="int64")[
+                :
+            ] = np.array(lay.lengths, dtype=np.int64)
+            shape = (rows, *lay.trailing)
+        else:
+            rows = n
+            shape = (n, *lay.trailing)
+        self.chunk_rows = min(max(1, rows), _rows_per_chunk(row_bytes))
+        self.values = group.create_array(
+            "values", shape=shape, chunks=(self.chunk_rows, *shape[1:]), dtype=dtype
+        )
+        self.buf: list[np.ndarray] = []
+        self.buffered = 0
+        self.at = 0  # rows written
+
+    def add(self, t: torch.Tensor) -> int:
+        a = t.to(torch.float32).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+        if not self.lay.ragged:
+            a = a[None]
+        self.buf.append(a)
+        self.buffered += a.shape[0]
+        if self.buffered >= self.chunk_rows:
+            self._write(whole_chunks=True)
+        return a.nbytes
+
+    def _write(self, whole_chunks: bool) -> None:
+        if not self.buf:
+            return
+        block = np.concatenate(self.buf, axis=0)
+        take = (block.shape[0] // self.chunk_rows) * self.chunk_rows if whole_chunks else len(block)
+        if take:
+            self.values[self.at : self.at + take] = block[:take]
+            self.at += take
+        rest = block[take:]
+        self.buf = [rest] if len(rest) else []
+        self.buffered = len(rest)
+
+    def flush(self) -> None:
+        self._write(whole_chunks=False)

@@ -1,0 +1,172 @@
+"""CachedEncoder against calling the bare encoder: mixed hits and misses, tiers, standing aside."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from featbake.cached_encoder import CachedEncoder
+from featbake.demo import MultiOutputEncoder, TinyConvEncoder, make_tone
+from featbake.errors import ConfigError
+
+
+def frozen(module: nn.Module) -> nn.Module:
+    module.eval()
+    for p in module.parameters():
+        p.requires_grad_(False)
+    return module
+
+
+class Counting(nn.Module):
+    """Counts the rows the wrapped encoder really sees."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.rows = 0
+
+    def forward(self, x: torch.Tensor):
+        self.rows += x.shape[0]
+        return self.inner(x)
+
+
+class TupleEncoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.front = TinyConvEncoder(dim=16, seed=4)
+
+    def forward(self, x: torch.Tensor):
+        h = self.front(x)
+        return h, h.mean(dim=1)
+
+
+def waves(n: int, seconds: float = 0.5, seed: int = 0) -> torch.Tensor:
+    return torch.stack(
+        [torch.from_numpy(make_tone(seconds, seed=seed + i)[:, 0]) for i in range(n)]
+    )
+
+
+def same(a, b) -> None:
+    if isinstance(b, dict):
+        assert isinstance(a, dict) and a.keys() == b.keys()
+        for k in b:
+            same(a[k], b[k])
+    elif isinstance(b, tuple):
+        assert isinstance(a, tuple) and len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            same(x, y)
+    else:
+        assert a.dtype == b.dtype and a.shape == b.shape
+        # Misses run as a smaller batch: allow the kernels' batch-size-dependent rounding.
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_mixed_hits_and_misses_equal_bare_encoder(tmp_path) -> None:
+    enc = frozen(Counting(TinyConvEncoder()))
+    ce = CachedEncoder(enc, cache=tmp_path / "store")
+    x = waves(6)
+    ids = [f"utt{i}" for i in range(6)]
+    same(ce(x[:3], ids=ids[:3]), enc.inner(x[:3]))
+    assert enc.rows == 3
+    mixed = ce(x[[4, 0, 5, 1]], ids=[ids[4], ids[0], ids[5], ids[1]])
+    same(mixed, enc.inner(x[[4, 0, 5, 1]]))
+    assert enc.rows == 5  # only the two new rows were encoded, in one batch
+    info = ce.cache_info()
+    assert info["hits_ram"] == 2 and info["encoded"] == 5
+    ce.flush()
+    # A new process (a new wrapper) finds every row in the store and encodes nothing.
+    enc2 = frozen(Counting(TinyConvEncoder()))
+    ce2 = CachedEncoder(enc2, cache=tmp_path / "store", ram_cache=0)
+    same(ce2(x[[0, 1, 4, 5, 2]], ids=[ids[k] for k in (0, 1, 4, 5, 2)]),
+         enc2.inner(x[[0, 1, 4, 5, 2]]))  # fmt: skip
+    assert enc2.rows == 0 and ce2.cache_info()["hits_store"] == 5
+
+
+def test_keys_from_row_bytes_without_ids(tmp_path) -> None:
+    enc = frozen(Counting(TinyConvEncoder()))
+    ce = CachedEncoder(enc, cache=tmp_path / "store")
+    x = waves(4)
+    ce(x)
+    y = x.clone()
+    y[2, 100] += 0.25  # one changed sample: that row is a new input
+    same(ce(y), enc.inner(y))
+    assert enc.rows == 5
+
+
+def test_dict_and_tuple_outputs(tmp_path) -> None:
+    for module in (MultiOutputEncoder(), TupleEncoder()):
+        enc = frozen(module)
+        ce = CachedEncoder(enc, cache=tmp_path / type(module).__name__)
+        x = waves(5, seed=10)
+        ce(x[:2])
+        same(ce(x), enc(x))
+        ce.flush()
+        fresh = CachedEncoder(enc, cache=tmp_path / type(module).__name__, ram_cache=0)
+        same(fresh(x[:2]), enc(x[:2]))
+        assert fresh.cache_info()["hits_store"] == 2
+
+
+def test_trainable_encoder_runs_untouched_and_warns_once(tmp_path) -> None:
+    enc = Counting(TinyConvEncoder())  # requires grad, training mode
+    ce = CachedEncoder(enc, cache=tmp_path / "store")
+    x = waves(3)
+    with pytest.warns(UserWarning, match="uncached"):
+        out = ce(x)
+    assert out.requires_grad  # the gradient still flows: nothing was served from a cache
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ce(x)  # warned once only
+    assert enc.rows == 6 and ce.cache_info()["encoded"] == 0
+    assert not list((tmp_path / "store" / "shards").rglob("*.safetensors"))
+    frozen(enc)
+    ce(x)
+    assert ce.cache_info()["encoded"] == 3  # active as soon as it is frozen
+
+
+def test_disabled_and_eval_mode_checks(tmp_path) -> None:
+    enc = frozen(Counting(TinyConvEncoder()))
+    off = CachedEncoder(enc, store=False, enabled=False)
+    x = waves(2)
+    with pytest.warns(UserWarning, match="enabled=False"):
+        off(x)
+    off(x)
+    assert enc.rows == 4
+    on = CachedEncoder(enc, store=False)
+    enc.train()
+    with pytest.warns(UserWarning, match="training mode"):
+        on(x)
+    assert not on.active()
+
+
+def test_weights_changed_in_place_are_never_served_stale(tmp_path) -> None:
+    enc = frozen(TinyConvEncoder())
+    ce = CachedEncoder(enc, cache=tmp_path / "store")
+    x = waves(2)
+    before = ce(x, ids=["a", "b"])
+    fp = ce.fingerprint()
+    with torch.no_grad():
+        enc.conv2.weight.mul_(2.0)  # e.g. load_state_dict of a new checkpoint
+    after = ce(x, ids=["a", "b"])
+    assert ce.fingerprint() != fp
+    same(after, enc(x))
+    assert not torch.equal(before, after)
+
+
+def test_ids_must_match_rows(tmp_path) -> None:
+    ce = CachedEncoder(frozen(TinyConvEncoder()), store=False)
+    with pytest.raises(ConfigError, match="2 ids for a batch of 3"):
+        ce(waves(3), ids=["a", "b"])
+
+
+def test_ram_only_budget_and_module_behaviour(tmp_path) -> None:
+    enc = frozen(TinyConvEncoder())
+    ce = CachedEncoder(enc, store=False, ram_cache=40_000)
+    for start in range(0, 12, 3):
+        x = waves(3, seed=start)
+        same(ce(x), enc(x))
+        assert ce.cache_info()["ram"].bytes <= 40_000
+    assert ce.cache_info()["ram"].evictions > 0
+    assert "encoder.conv1.weight" in ce.state_dict()  # still a normal module around the encoder

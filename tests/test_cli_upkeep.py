@@ -1,0 +1,82 @@
+"""The upkeep commands as users run them: real subprocesses, exit codes, JSON for scripts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import zarr
+
+from featbake.demo import TinyConvEncoder, save_torchscript
+from tests.conftest import run_cli
+from tests.upkeep_fixtures import bake, shard_files
+
+
+@pytest.fixture
+def baked(tmp_path: Path, encoder_file: Path, audio_dir: Path, store_dir: Path) -> dict:
+    other = save_torchscript(TinyConvEncoder(seed=3), tmp_path / "other.pt")
+    a = bake(audio_dir, encoder_file, store_dir)
+    b = bake(audio_dir / "fixed", other, store_dir)
+    return {"a": a, "b": b}
+
+
+def _json(proc) -> dict:
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.slow
+def test_stats_roots_gc_export_round(baked: dict, store_dir: Path, tmp_path: Path) -> None:
+    a, b = baked["a"], baked["b"]
+    s = _json(run_cli("stats", "--cache", store_dir, "--json"))
+    assert s["features"] == 20 and s["dead_features"] == 0
+    assert {r["name"] for r in s["roots"]} == {a.root, b.root}
+    text = run_cli("stats", "--cache", store_dir)
+    assert text.returncode == 0 and a.root in text.stdout and "encoders" in text.stdout
+
+    roots = _json(run_cli("roots", "--cache", store_dir, "--json"))
+    assert {r["name"]: r["items"] for r in roots} == {a.root: 16, b.root: 4}
+    drop = run_cli("roots", "--cache", store_dir, "drop", b.root[:8])
+    assert drop.returncode == 0 and b.root in drop.stdout, drop.stderr
+
+    dry = _json(run_cli("gc", "--cache", store_dir, "--dry-run", "--json"))
+    assert dry["plan"]["unreached_features"] == 4
+    before = shard_files(store_dir)
+    done = _json(run_cli("gc", "--cache", store_dir, "--json"))
+    assert done["result"]["rows_deleted"] == 4
+    assert done["result"]["bytes_freed"] == dry["plan"]["freed_bytes"]
+    assert sum(before.values()) - sum(shard_files(store_dir).values()) == dry["plan"]["freed_bytes"]
+
+    out = tmp_path / "a.zarr"
+    exp = run_cli("export", "--format", "zarr", out, "--cache", store_dir)
+    assert exp.returncode == 0, exp.stderr
+    assert zarr.open_group(str(out), mode="r")["keys"].shape == (16,)
+    bad = run_cli("export", "--format", "hdf5", tmp_path / "x", "--cache", store_dir)
+    assert bad.returncode == 2 and "zarr" in bad.stderr
+
+
+@pytest.mark.slow
+def test_verify_exit_codes_clean_damaged_repaired(baked: dict, store_dir: Path) -> None:
+    assert run_cli("verify", "--cache", store_dir).returncode == 0
+    victim = sorted(shard_files(store_dir))[0]
+    with open(victim, "r+b") as f:
+        f.truncate(victim.stat().st_size - 7)
+    damaged = run_cli("verify", "--cache", store_dir)
+    assert damaged.returncode == 11 and "corrupt-shard" in damaged.stdout
+    repaired = _json_rc(run_cli("verify", "--cache", store_dir, "--repair", "--json"), 10)
+    assert repaired["status"] == "repaired" and repaired["exit_code"] == 10
+    assert run_cli("verify", "--cache", store_dir).returncode == 0
+
+
+def _json_rc(proc, rc: int) -> dict:
+    assert proc.returncode == rc, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_commands_on_a_missing_store_print_one_line(tmp_path: Path) -> None:
+    proc = run_cli("stats", "--cache", tmp_path / "none")
+    assert proc.returncode == 5
+    assert proc.stderr.strip().startswith("error:") and len(proc.stderr.strip().splitlines()) == 1
+    help_text = run_cli("verify", "--help")
+    assert "10" in help_text.stdout and "11" in help_text.stdout

@@ -1,0 +1,367 @@
+"""CachedFeatureDataset against real builds, real shards, real workers and live encoding."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import shutil
+import sqlite3
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+import torch
+from torch.utils.data import DataLoader
+
+from featbake.build import build
+from featbake.catalog import Catalog
+from featbake.collate import PaddedBatch, pad_collate
+from featbake.dataset import CachedFeatureDataset, ram_budget_for_process
+from featbake.demo import TinyConvEncoder, make_tone, save_torchscript
+from featbake.errors import CacheMiss, ConfigError, SourceError
+from featbake.recipe import Recipe
+from featbake.store import Layout, write_shard
+from tests.conftest import live_features
+
+TOL = {"rtol": 1e-5, "atol": 1e-6}  # the CPU kernels may round differently by batch size
+
+
+def _live_all(encoder: Path, ds: CachedFeatureDataset, recipe: Recipe | None = None) -> list:
+    return [live_features(encoder, Path(ds.path(i)), recipe) for i in range(len(ds))]
+
+
+def _assert_close(got: object, want: object) -> None:
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys()
+        for k in want:
+            _assert_close(got[k], want[k])
+        return
+    assert isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, **(TOL if want.dtype == torch.float32 else {}))
+
+
+def test_workers_shuffled_equal_live_encoding(audio_dir, encoder_file, store_dir) -> None:
+    build(audio_dir, encoder_file, cache=store_dir, workers=0)
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    assert len(ds) == 16 and ds.stored() == 16
+    want = _live_all(encoder_file, ds)
+    ds[0]  # the main process opens its own handles first: workers must not reuse them
+    order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(3)).tolist()
+    loader = DataLoader(ds, batch_size=4, sampler=order, num_workers=2, collate_fn=pad_collate)
+    seen = []
+    for b, (padded, lengths) in enumerate(loader):
+        for j, n in enumerate(lengths.tolist()):
+            i = order[b * 4 + j]
+            seen.append(i)
+            _assert_close(padded[j, :n], want[i])
+            assert not padded[j, n:].any()  # padding is zeros
+    assert sorted(seen) == list(range(len(ds)))
+    # One item per step through workers too (no batching: __getitem__).
+    loader1 = DataLoader(ds, batch_size=None, sampler=order, num_workers=2)
+    for i, feat in zip(order, loader1, strict=True):
+        _assert_close(feat, want[i])
+
+
+def test_hits_open_no_audio_deleted_after_build(tmp_path, audio_dir, encoder_file, store_dir):
+    build(audio_dir, encoder_file, cache=store_dir, workers=0)
+    probe = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir)
+    want = {probe.path(i): f for i, f in enumerate(_live_all(encoder_file, probe))}
+    shutil.rmtree(audio_dir)  # every raw input is gone: only the store can answer
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    assert len(ds) == 16
+    for i in range(len(ds)):
+        _assert_close(ds[i], want[ds.path(i)])
+    for batch in DataLoader(ds, batch_size=5, num_workers=2, collate_fn=pad_collate):
+        assert batch[0].shape[0] in (5, 1)
+    assert ds._encoder_obj is None  # the encoder was never loaded either
+    assert ds.cache_info().encoded == 0
+
+
+def test_changed_file_gets_new_key_and_is_encoded(audio_dir, encoder_file, store_dir) -> None:
+    build(audio_dir, encoder_file, cache=store_dir, workers=0)
+    before = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir)
+    target = Path(before.path(3))
+    old_key = before.key(3)
+    soundfile.write(target, make_tone(0.7, seed=999), 16000)  # new content, same name
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir)
+    assert ds.path(3) == str(target)
+    assert ds.key(3) != old_key
+    assert ds.stored() == 15
+    _assert_close(ds[3], live_features(encoder_file, target))
+    assert ds.cache_info().encoded == 1
+    ds.flush()  # seals the write-back shard
+    again = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    assert again.stored() == 16
+    _assert_close(again[3], live_features(encoder_file, target))
+
+
+def test_retrained_encoder_in_place_is_not_served(audio_dir, encoder_file, store_dir) -> None:
+    build(audio_dir, encoder_file, cache=store_dir, workers=0)
+    old = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir)
+    save_torchscript(TinyConvEncoder(seed=7), encoder_file)  # same path, new weights
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir)
+    assert ds.encoder_fingerprint != old.encoder_fingerprint
+    assert ds.stored() == 0
+    _assert_close(ds[0], live_features(encoder_file, Path(ds.path(0))))
+    with pytest.raises(CacheMiss):
+        CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")[1]
+    shutil.rmtree(audio_dir)
+    # The manifest now names the new encoder's keys: old features can never stand in.
+    fresh = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir)
+    with pytest.raises(SourceError, match=re.escape(Path(fresh.path(1)).name)):
+        fresh[1]
+
+
+def test_misses_encode_write_back_in_workers_and_hit_next_epoch(
+    audio_dir, encoder_file, store_dir
+) -> None:
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir)  # no build ran
+    assert ds.stored() == 0
+    want = _live_all(encoder_file, ds)
+    order = list(range(len(ds)))[::-1]
+    loader = DataLoader(ds, batch_size=3, sampler=order, num_workers=2, collate_fn=list)
+    got = [item for batch in loader for item in batch]
+    for i, feat in zip(order, got, strict=True):
+        _assert_close(feat, want[i])
+    # The workers sealed their shards when they exited; the next epoch hits.
+    shards = list((store_dir / "shards").rglob("*.safetensors"))
+    assert len(shards) >= 2  # each worker wrote its own
+    nxt = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    assert nxt.stored() == len(nxt)
+    for feat, w in zip(DataLoader(nxt, batch_size=None, num_workers=2), want, strict=True):
+        _assert_close(feat, w)
+
+
+def test_miss_in_main_process_hits_after_flush(audio_dir, encoder_file, store_dir) -> None:
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir)
+    first = ds.__getitems__([0, 1, 2])
+    assert ds.cache_info().encoded == 3
+    ds.flush()
+    assert ds.stored() == 3  # the index now points at the sealed shard
+    second = ds.__getitems__([0, 1, 2])
+    assert isinstance(second, PaddedBatch)  # stored items take the in-place batch path
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+    assert ds.cache_info().encoded == 3
+
+
+def test_on_miss_error_names_the_file_and_the_fix(audio_dir, encoder_file, store_dir) -> None:
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    with pytest.raises(CacheMiss) as err:
+        ds[2]
+    assert ds.path(2) in str(err.value) and "featbake build" in str(err.value)
+    assert not list((store_dir / "shards").rglob("*.safetensors"))
+
+
+def test_ram_budget_holds_and_hits(audio_dir, encoder_file, store_dir) -> None:
+    build(audio_dir, encoder_file, cache=store_dir, workers=0)
+    sizes = [CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir)[i].nbytes
+             for i in range(16)]  # fmt: skip
+    budget = sum(sorted(sizes)[:4])  # a quarter of the data, at most
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, ram_cache=budget)
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        for i in rng.permutation(16).tolist():
+            ds[i]
+            assert ds.cache_info().bytes <= budget
+    info = ds.cache_info()
+    assert info.evictions > 0 and info.misses > 0
+    # Repeated access to one item hits the RAM tier and returns the cached tensor itself.
+    a = ds[5]
+    assert ds[5] is a
+    assert ds.cache_info().hits >= 1
+
+
+def test_ram_tier_serves_batches_and_counts(audio_dir, encoder_file, store_dir) -> None:
+    build(audio_dir, encoder_file, cache=store_dir, workers=0)
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, ram_cache="64MiB")
+    one = pad_collate(ds.__getitems__(list(range(8))))
+    assert ds.cache_info().items == 8 and ds.cache_info().misses == 8
+    two = pad_collate(ds.__getitems__(list(range(8))))
+    assert ds.cache_info().hits == 8
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+
+
+def _worker_budget(_: int) -> int:
+    return ram_budget_for_process(1000)
+
+
+def test_ram_budget_is_split_between_workers() -> None:
+    assert ram_budget_for_process(1000) == 1000
+    loader = DataLoader(range(4), batch_size=None, num_workers=2, collate_fn=_worker_budget)
+    assert set(loader) == {500}
+
+
+def test_multi_output_encoder_returns_dicts(audio_dir, multi_encoder_file, store_dir) -> None:
+    build(audio_dir, multi_encoder_file, cache=store_dir, workers=0)
+    ds = CachedFeatureDataset(audio_dir, multi_encoder_file, cache=store_dir, on_miss="error")
+    want = _live_all(multi_encoder_file, ds)
+    for i in range(len(ds)):
+        _assert_close(ds[i], want[i])
+    batch = pad_collate(ds.__getitems__([0, 5, 9]))
+    assert set(batch) == {"hidden", "pooled"}
+    padded, lengths = batch["hidden"]
+    _assert_close(padded[1, : lengths[1]], want[5]["hidden"])
+
+
+def test_output_and_dtype_select_the_cli_keys(audio_dir, multi_encoder_file, store_dir) -> None:
+    recipe = Recipe(output="hidden", dtype="float16", max_seconds=0.5)
+    build(audio_dir, multi_encoder_file, cache=store_dir, recipe=recipe, workers=0)
+    ds = CachedFeatureDataset(
+        audio_dir,
+        multi_encoder_file,
+        cache=store_dir,
+        output="hidden",
+        dtype="float16",
+        max_seconds=0.5,
+        on_miss="error",
+    )
+    assert ds.stored() == len(ds)
+    x = ds[0]
+    assert x.dtype == torch.float16
+    _assert_close(x, live_features(multi_encoder_file, Path(ds.path(0)), recipe))
+    other = CachedFeatureDataset(audio_dir, multi_encoder_file, cache=store_dir, output="hidden")
+    assert other.stored() == 0  # float32 is another recipe, hence other keys
+
+
+def test_list_of_paths_in_given_order(audio_dir, encoder_file, store_dir) -> None:
+    build(audio_dir, encoder_file, cache=store_dir, workers=0)
+    paths = sorted(audio_dir.rglob("*.wav"), reverse=True)[:6]
+    ds = CachedFeatureDataset([str(p) for p in paths], encoder_file, cache=store_dir,
+                              on_miss="error")  # fmt: skip
+    assert [ds.path(i) for i in range(6)] == [str(p.resolve()) for p in paths]
+    for i, p in enumerate(paths):
+        _assert_close(ds[i], live_features(encoder_file, p))
+    assert ds[-1].shape == ds[5].shape
+    with pytest.raises(IndexError):
+        ds[6]
+
+
+def test_unreadable_inputs_not_in_store_fail_at_construction(tmp_path, encoder_file) -> None:
+    with pytest.raises(SourceError, match=r"missing\.wav"):
+        CachedFeatureDataset([str(tmp_path / "missing.wav")], encoder_file, cache=tmp_path / "s")
+    with pytest.raises(SourceError, match="no input files"):
+        (tmp_path / "empty").mkdir()
+        CachedFeatureDataset(tmp_path / "empty", encoder_file, cache=tmp_path / "s")
+    with pytest.raises(ConfigError, match="on_miss"):
+        CachedFeatureDataset(tmp_path / "empty", encoder_file, on_miss="skip")
+
+
+def test_gc_moving_a_shard_is_followed(audio_dir, encoder_file, store_dir) -> None:
+    build(audio_dir, encoder_file, cache=store_dir, workers=0)
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    want = [ds[i].clone() for i in range(len(ds))]
+    # What gc's compaction does: copy the live features into a new shard, repoint the rows,
+    # then delete the old shard file, while this dataset still holds the old locations.
+    layout = Layout(store_dir)
+    old = list((store_dir / "shards").rglob("*.safetensors"))
+    tensors = {ds.key(i): want[i] for i in range(len(ds))}
+    new = write_shard(layout, tensors, ds.encoder_fingerprint, "x" * 64)
+    conn = sqlite3.connect(layout.catalog)
+    with conn:
+        cur = conn.execute(
+            "INSERT INTO shards(name, bytes, items, encoder_fp, recipe_fp, created) "
+            "VALUES (?, ?, ?, ?, ?, 0)",
+            (new.name, new.nbytes, len(tensors), ds.encoder_fingerprint, "x" * 64),
+        )
+        conn.execute("UPDATE features SET shard_id=?", (cur.lastrowid,))
+    conn.close()
+    for p in old:
+        p.unlink()
+    ds2 = pickle.loads(pickle.dumps(ds))  # a spawned worker's copy starts without handles
+    for d in (ds, ds2):
+        for i in range(len(d)):
+            assert torch.equal(d[i], want[i])
+    assert ds.cache_info().encoded == 0
+
+
+def test_last_use_is_recorded_in_batches(audio_dir, encoder_file, store_dir) -> None:
+    build(audio_dir, encoder_file, cache=store_dir, workers=0)
+    cat = Catalog(Layout(store_dir))
+    cat.conn.execute("UPDATE features SET last_used=0")
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir)
+    for i in range(5):
+        ds[i]
+    rows = dict(cat.conn.execute("SELECT key, last_used FROM features").fetchall())
+    assert not any(rows.values())  # nothing written per read
+    ds.flush()
+    rows = dict(cat.conn.execute("SELECT key, last_used FROM features").fetchall())
+    used = {ds.key(i) for i in range(5)}
+    assert all(rows[k] > 0 for k in used)
+    assert not any(v for k, v in rows.items() if k not in used)
+    cat.close()
+
+
+def test_corrupt_shard_is_reported_not_served(audio_dir, encoder_file, store_dir) -> None:
+    build(audio_dir, encoder_file, cache=store_dir, workers=0)
+    (shard,) = list((store_dir / "shards").rglob("*.safetensors"))
+    blob = bytearray(shard.read_bytes())
+    blob[-100] ^= 0xFF  # flip bits in the last tensor's data
+    os.chmod(shard, 0o644)
+    shard.write_bytes(bytes(blob))
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    from featbake.errors import StoreCorrupt
+
+    with pytest.raises(StoreCorrupt, match="verify --repair"):
+        for i in range(len(ds)):
+            ds[i]
+    with pytest.raises(StoreCorrupt):
+        ds.__getitems__(list(range(len(ds))))
+
+
+def test_root_published_for_unbuilt_folder(audio_dir, encoder_file, store_dir) -> None:
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir)
+    cat = Catalog(Layout(store_dir))
+    (root,) = cat.roots()
+    assert root.encoder_fp == ds.encoder_fingerprint
+    items = cat.root_items(root.name)
+    assert [k for _, k in items] == [ds.key(i) for i in range(len(ds))]
+    assert json.loads(json.dumps(root.recipe)) == ds.recipe.as_dict()
+    cat.close()
+
+
+def test_dropped_dataset_still_saves_its_write_back(audio_dir, encoder_file, store_dir) -> None:
+    import gc
+
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir)
+    ds[0], ds[1]
+    del ds
+    gc.collect()  # the finalizer seals; it holds nothing that keeps the dataset alive
+    again = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir)
+    assert again.stored() == 2
+
+
+def test_workers_record_last_use_once(audio_dir, encoder_file, store_dir) -> None:
+    build(audio_dir, encoder_file, cache=store_dir, workers=0)
+    cat = Catalog(Layout(store_dir))
+    cat.conn.execute("UPDATE features SET last_used=0")
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir)
+    loader = DataLoader(ds, batch_size=4, shuffle=True, num_workers=2, collate_fn=pad_collate)
+    list(loader)  # workers record last use when they exit
+    rows = dict(cat.conn.execute("SELECT key, last_used FROM features").fetchall())
+    assert all(v > 0 for v in rows.values())
+    cat.conn.execute("UPDATE features SET last_used=0")
+    list(loader)  # new workers: the shared bitmap says these were recorded within the hour
+    rows = dict(cat.conn.execute("SELECT key, last_used FROM features").fetchall())
+    assert not any(rows.values())
+    cat.close()
+
+
+def test_labels_pair_by_path_with_stack_dataset(audio_dir, encoder_file, store_dir) -> None:
+    from torch.utils.data import StackDataset
+
+    build(audio_dir, encoder_file, cache=store_dir, workers=0)
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    label_of = {ds.path(i): i * 10 for i in range(len(ds))}  # e.g. read from a CSV by path
+    train = StackDataset(ds, [label_of[ds.path(i)] for i in range(len(ds))])
+    order = list(range(len(ds)))[::-1]
+    loader = DataLoader(train, batch_size=4, sampler=order, num_workers=2, collate_fn=pad_collate)
+    for b, (padded, lengths, labels) in enumerate(loader):
+        for j, label in enumerate(labels.tolist()):
+            i = order[b * 4 + j]
+            assert label == i * 10
+            assert torch.equal(padded[j, : lengths[j]], ds[i])

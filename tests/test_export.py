@@ -1,0 +1,85 @@
+"""export: a root's features read back with plain zarr (no featbake) equal live encoding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+from featbake.errors import ConfigError
+from featbake.export import CHUNK_BYTES, export_zarr, plan_layout
+from featbake.upkeep import GcProgress
+from tests.upkeep_fixtures import Live, bake, manifest
+
+
+def test_plan_layout_picks_ragged_or_dense_and_refuses_the_rest() -> None:
+    assert plan_layout("", "F32", [(3, 4), (5, 4)]).lengths == (3, 5)
+    dense = plan_layout("p", "F16", [(8,), (8,)])
+    assert not dense.ragged and dense.trailing == (8,)
+    with pytest.raises(ConfigError, match="more than their first dimension"):
+        plan_layout("", "F32", [(3, 4), (3, 5)])
+
+
+def test_ragged_export_round_trips_through_plain_zarr(
+    encoder_file: Path, audio_dir: Path, store_dir: Path, tmp_path: Path
+) -> None:
+    live = Live()
+    report = bake(audio_dir, encoder_file, store_dir)
+    seen: list[GcProgress] = []
+    out = export_zarr(tmp_path / "f.zarr", cache=store_dir, progress=seen.append)
+    assert out.items == 16 and out.layouts == {"": "ragged"}
+    assert seen and seen[-1].done == seen[-1].total == 16
+
+    g = zarr.open_group(str(tmp_path / "f.zarr"), mode="r")
+    items = manifest(store_dir, report.root)
+    assert list(g["keys"][:]) == [k for _, k in items]
+    assert list(g["paths"][:]) == [p for p, _ in items]
+    offsets = g["offsets"][:]
+    assert offsets[0] == 0 and offsets[-1] == g["values"].shape[0]
+    assert list(np.diff(offsets)) == list(g["lengths"][:])
+    assert g["values"].chunks[0] * 64 * 4 <= CHUNK_BYTES
+    assert g.attrs["root"] == report.root and g.attrs["missing"] == 0
+    values = g["values"]
+    for i, (rel, _) in enumerate(items):
+        got = torch.from_numpy(values[int(offsets[i]) : int(offsets[i + 1])])
+        torch.testing.assert_close(got, live(encoder_file, audio_dir / rel))
+    assert not (tmp_path / "f.zarr.partial").exists()
+
+
+def test_dense_and_multi_output_export(
+    multi_encoder_file: Path, audio_dir: Path, store_dir: Path, tmp_path: Path
+) -> None:
+    live = Live()
+    report = bake(audio_dir, multi_encoder_file, store_dir)
+    out = export_zarr(tmp_path / "m.zarr", cache=store_dir, root=report.root[:6])
+    assert out.layouts == {"hidden": "ragged", "pooled": "dense"}
+    g = zarr.open_group(str(tmp_path / "m.zarr"), mode="r")
+    pooled, hidden, offsets = g["pooled/values"][:], g["hidden/values"], g["hidden/offsets"][:]
+    assert pooled.shape == (16, 8)
+    for i, rel in enumerate(g["paths"][:]):
+        want = live(multi_encoder_file, audio_dir / str(rel))
+        torch.testing.assert_close(torch.from_numpy(pooled[i]), want["pooled"])
+        got = torch.from_numpy(hidden[int(offsets[i]) : int(offsets[i + 1])])
+        torch.testing.assert_close(got, want["hidden"])
+
+
+def test_export_needs_a_root_choice_and_a_free_destination(
+    encoder_file: Path, multi_encoder_file: Path, audio_dir: Path, store_dir: Path, tmp_path: Path
+) -> None:
+    bake(audio_dir / "fixed", encoder_file, store_dir)
+    (tmp_path / "taken.zarr").mkdir()
+    with pytest.raises(ConfigError, match="exists"):
+        export_zarr(tmp_path / "taken.zarr", cache=store_dir)
+    out = export_zarr(tmp_path / "fixed.zarr", cache=store_dir)
+    assert out.layouts == {"": "dense"}  # four clips of exactly 1 s: one shape
+    assert zarr.open_group(str(tmp_path / "fixed.zarr"), mode="r")["values"].shape == (
+        4,
+        98,
+        64,
+    )  # conv: (16000 - 400) // 160 + 1
+    bake(audio_dir, multi_encoder_file, store_dir)
+    with pytest.raises(ConfigError, match="--root"):
+        export_zarr(tmp_path / "two.zarr", cache=store_dir)

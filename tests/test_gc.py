@@ -1,0 +1,285 @@
+"""gc: frees what no live root reaches, keeps the rest servable, survives SIGKILL at every step."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from featbake.catalog import Catalog
+from featbake.demo import TinyConvEncoder, save_torchscript, write_audio_folder
+from featbake.reader import FeatureReader
+from featbake.store import Layout, write_shard
+from featbake.upkeep import CRASH_ENV, CRASH_POINTS, GcOptions, execute_gc, plan_gc, verify
+from tests.conftest import run_cli
+from tests.upkeep_fixtures import (
+    Live,
+    age,
+    assert_serves,
+    bake,
+    manifest,
+    shard_files,
+    shards_of_encoder,
+)
+
+DAY = 86400.0
+
+
+def gc(store: Path, **opts: object):
+    plan = plan_gc(store, GcOptions(**opts))  # type: ignore[arg-type]
+    return plan, execute_gc(plan)
+
+
+def test_retrained_checkpoint_frees_exactly_the_old_weights_bytes(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, store_dir: Path
+) -> None:
+    live = Live()
+    other = save_torchscript(TinyConvEncoder(seed=3), tmp_path / "other.pt")
+    old = bake(audio_dir, encoder_file, store_dir)
+    second = bake(audio_dir, other, store_dir)
+    old_shards = shards_of_encoder(store_dir, old.encoder_fp)
+    second_shards = shards_of_encoder(store_dir, second.encoder_fp)
+    assert old_shards and second_shards
+
+    save_torchscript(TinyConvEncoder(seed=7), encoder_file)  # retrained in place
+    new = bake(audio_dir, encoder_file, store_dir)
+    assert new.root == old.root and new.encoder_fp != old.encoder_fp and new.encoded == 16
+    new_shards = shards_of_encoder(store_dir, new.encoder_fp)
+
+    plan, result = gc(store_dir)
+    assert plan.freed_bytes == sum(old_shards.values())
+    assert result.bytes_freed == sum(old_shards.values())
+    assert result.rows_deleted == 16 and result.shards_written == 0
+    assert shard_files(store_dir) == {**new_shards, **second_shards}
+    assert assert_serves(store_dir, new.root, audio_dir, encoder_file, live) == 16
+    assert assert_serves(store_dir, second.root, audio_dir, other, live) == 16
+    assert verify(store_dir).status == "clean"
+    assert plan_gc(store_dir).nothing_to_do
+
+
+def test_older_than_drops_only_stale_roots(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, store_dir: Path
+) -> None:
+    live = Live()
+    other = save_torchscript(TinyConvEncoder(seed=3), tmp_path / "other.pt")
+    stale = bake(audio_dir, encoder_file, store_dir)
+    fresh = bake(audio_dir, other, store_dir)
+    with sqlite3.connect(store_dir / "catalog.sqlite") as c:
+        c.execute("UPDATE roots SET last_used=? WHERE name=?", (time.time() - 40 * DAY, stale.root))
+
+    plan = plan_gc(store_dir, GcOptions(older_than=30 * DAY))
+    assert [d.name for d in plan.drop_roots] == [stale.root]
+    assert plan_gc(store_dir, GcOptions(older_than=50 * DAY)).drop_roots == ()
+    result = execute_gc(plan)
+    assert result.roots_dropped == [stale.root]
+    assert not shards_of_encoder(store_dir, stale.encoder_fp)
+    assert not (store_dir / "roots" / f"{stale.root}.json").exists()
+    assert assert_serves(store_dir, fresh.root, audio_dir, other, live) == 16
+
+
+def test_max_bytes_evicts_least_recently_used_down_to_the_budget(
+    encoder_file: Path, audio_dir: Path, store_dir: Path
+) -> None:
+    live = Live()
+    report = bake(audio_dir, encoder_file, store_dir, shard_bytes=40_000)
+    keys = [k for _, k in manifest(store_dir, report.root)]
+    order = torch.randperm(len(keys), generator=torch.Generator().manual_seed(0)).tolist()
+    cat = Catalog(Layout(store_dir))
+    for rank, i in enumerate(order):
+        cat.touch([keys[i]], when=1_000_000.0 + rank)
+    cat.close()
+    budget = sum(shard_files(store_dir).values()) // 2
+
+    plan, result = gc(store_dir, max_bytes=budget)
+    assert plan.evict and result.rows_deleted == len(plan.evict)
+    assert sum(shard_files(store_dir).values()) <= budget
+    reader = FeatureReader(Layout(store_dir))
+    kept = {k for k in keys if reader.get(k) is not None}
+    reader.close()
+    rank = {keys[i]: r for r, i in enumerate(order)}
+    evicted = set(keys) - kept
+    assert kept and evicted
+    assert min(rank[k] for k in kept) > max(rank[k] for k in evicted)  # most recent kept
+    served = assert_serves(
+        store_dir, report.root, audio_dir, encoder_file, live, allow_missing=True
+    )
+    assert served == len(kept)
+    assert verify(store_dir).status == "clean"
+
+
+def _pristine(tmp_path: Path, encoder_file: Path, audio_dir: Path) -> tuple[Path, dict]:
+    """A store where one gc run takes every step: drops, deletes, compacts, removes files."""
+    store = tmp_path / "pristine"
+    half = tmp_path / "half"  # copies of every other clip: the same keys, a second root
+    for i, p in enumerate(sorted(audio_dir.rglob("*.wav"))):
+        if i % 2 == 0:
+            dest = half / p.relative_to(audio_dir)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(p, dest)
+    other = save_torchscript(TinyConvEncoder(seed=3), tmp_path / "other.pt")
+    stale_enc = save_torchscript(TinyConvEncoder(seed=4), tmp_path / "stale.pt")
+    a = bake(audio_dir, encoder_file, store)
+    b = bake(half, encoder_file, store)
+    c = bake(audio_dir, other, store)
+    d = bake(audio_dir / "fixed", stale_enc, store)
+    with sqlite3.connect(store / "catalog.sqlite") as conn:
+        conn.execute(
+            "UPDATE roots SET last_used=? WHERE name IN (?, ?)",
+            (time.time() - 40 * DAY, a.root, d.root),
+        )
+    layout = Layout(store)
+    write_shard(layout, {"f" * 64: torch.zeros(10)}, "e" * 64, "r" * 64)  # never cataloged
+    (store / "tmp" / "junk.part").write_bytes(b"x" * 100)
+    for p in [*shard_files(store), store / "tmp" / "junk.part"]:
+        age(p, 2 * 3600)
+    return store, {"half": half, "other": other, "b": b, "c": c}
+
+
+GC_ARGS = ("--older-than", "30d", "--compact-below", "0.9", "--grace", "1h")
+GC_OPTS = {"older_than": 30 * DAY, "compact_below": 0.9, "grace": 3600.0}
+
+
+@pytest.mark.slow
+def test_gc_killed_at_every_step_leaves_a_clean_store_and_a_rerun_finishes(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    live = Live()
+    pristine, s = _pristine(tmp_path, encoder_file, audio_dir)
+    reference = tmp_path / "reference"
+    shutil.copytree(pristine, reference)
+    _, done = gc(reference, **GC_OPTS)
+    assert len(done.roots_dropped) == 2 and done.shards_written and done.shards_deleted
+    assert done.orphans_removed == 1 and done.tmp_removed == 1
+    want = (sorted(shard_files(reference).values()), _rows(reference))
+
+    for point in CRASH_POINTS:
+        store = tmp_path / f"crash-{point}"
+        shutil.copytree(pristine, store)
+        proc = run_cli("gc", "--cache", store, *GC_ARGS, env={CRASH_ENV: point})
+        assert proc.returncode == -signal.SIGKILL, f"{point}: gc never reached it\n{proc.stderr}"
+        report = verify(store)
+        assert report.status == "clean", (point, report.findings)
+        gc(store, **GC_OPTS)  # the rerun finishes the job ...
+        assert verify(store).status == "clean", point
+        assert plan_gc(store, GcOptions(**GC_OPTS)).nothing_to_do, point  # type: ignore[arg-type]
+        assert assert_serves(store, s["b"].root, s["half"], encoder_file, live) == 8
+        assert assert_serves(store, s["c"].root, audio_dir, s["other"], live) == 16
+        # A shard sealed but not committed before the kill is an orphan that waits out the grace
+        # period (a rerun writes its features again; safetensors orders metadata differently in
+        # each process, so the copy gets another name). Past the grace, the store is exactly
+        # what one uninterrupted run leaves.
+        for f in shard_files(store):
+            age(f, 7200)
+        gc(store, **GC_OPTS)
+        assert (sorted(shard_files(store).values()), _rows(store)) == want, point
+
+
+def _rows(store: Path) -> set[tuple[str, str]]:
+    with sqlite3.connect(store / "catalog.sqlite") as c:
+        return set(c.execute("SELECT key, part FROM features").fetchall())
+
+
+class _ByKey(Dataset):
+    """A dataset-like reader: item i -> the stored feature of keys[i] (as training would read)."""
+
+    def __init__(self, store: Path, keys: list[str]) -> None:
+        self.reader = FeatureReader(Layout(store))
+        self.keys = keys
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        got = self.reader.get(self.keys[i])
+        if got is None:
+            raise KeyError(f"{self.keys[i]} is not served")
+        return got[""]
+
+
+def test_dataloader_reads_correctly_while_gc_moves_every_shard(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, store_dir: Path
+) -> None:
+    base = bake(audio_dir, encoder_file, store_dir, shard_bytes=30_000)
+    items = manifest(store_dir, base.root)
+    keys = [k for _, k in items]
+    want = [live_t for live_t in (Live()(encoder_file, audio_dir / rel) for rel, _ in items)]
+    moved: list[int] = []
+    errors: list[BaseException] = []
+
+    def churn() -> None:
+        try:
+            for r in range(3):  # each round adds small shards, then merges them all (moving ours)
+                write_audio_folder(tmp_path / f"new{r}", 3, seconds=0.5, seed=100 + r)
+                bake(tmp_path / f"new{r}", encoder_file, store_dir, shard_bytes=10_000)
+                _, res = gc(store_dir, merge_small=True)
+                moved.append(res.features_moved)
+        except BaseException as e:  # surfaced by the main thread
+            errors.append(e)
+
+    loader = DataLoader(
+        _ByKey(store_dir, keys), batch_size=None, num_workers=2, persistent_workers=True
+    )
+    it = iter(loader)  # fork the workers before the gc thread exists
+    first = next(it)
+    torch.testing.assert_close(first, want[0])
+    worker = threading.Thread(target=churn)
+    worker.start()
+    reads, epochs = 0, 0
+    while worker.is_alive() or epochs < 2:
+        for i, t in enumerate(loader):
+            torch.testing.assert_close(t, want[i])
+            reads += 1
+        epochs += 1
+    worker.join()
+    assert not errors, errors
+    assert len(moved) == 3 and all(m >= len(keys) for m in moved), moved
+    assert reads >= 2 * len(keys)
+    assert verify(store_dir).status == "clean"
+
+
+def test_reader_holding_an_old_location_re_resolves_after_compaction(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, store_dir: Path
+) -> None:
+    base = bake(audio_dir, encoder_file, store_dir)
+    write_audio_folder(tmp_path / "more", 2, seconds=0.4, seed=9)
+    bake(tmp_path / "more", encoder_file, store_dir)
+    rel, key = manifest(store_dir, base.root)[0]
+    reader = FeatureReader(Layout(store_dir))
+    old = reader.catalog.locate(key)
+    _, res = gc(store_dir, merge_small=True)
+    assert res.features_moved and not reader.layout.shard_path(old[0].shard).exists()
+    got = reader.get_located(key, old)  # the shard it names is gone: looks the key up again
+    reader.close()
+    assert got is not None
+    torch.testing.assert_close(got[""], Live()(encoder_file, audio_dir / rel))
+
+
+def test_dry_run_changes_nothing_and_young_files_wait_for_the_grace_period(
+    encoder_file: Path, audio_dir: Path, store_dir: Path
+) -> None:
+    report = bake(audio_dir, encoder_file, store_dir)
+    orphan = write_shard(Layout(store_dir), {"a" * 64: torch.ones(3)}, "e" * 64, "r" * 64)
+    leftover = store_dir / "tmp" / "x.part"
+    leftover.write_bytes(b"123")
+    Catalog(Layout(store_dir)).drop_root(report.root)
+    before = shard_files(store_dir)
+
+    proc = run_cli("gc", "--cache", store_dir, "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    assert "would free" in proc.stdout and shard_files(store_dir) == before
+
+    plan, result = gc(store_dir)  # default grace: 1 h
+    assert plan.young_orphans == 1 and orphan.path.exists() and leftover.exists()
+    assert result.rows_deleted == 16 and set(shard_files(store_dir)) == {orphan.path}
+    age(orphan.path, 7200)
+    age(leftover, 7200)
+    _, result = gc(store_dir)
+    assert result.orphans_removed == 1 and result.tmp_removed == 1
+    assert not shard_files(store_dir) and not leftover.exists()

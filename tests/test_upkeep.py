@@ -1,0 +1,104 @@
+"""stats and roots: numbers checked against the shard files themselves, not the catalog."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from featbake.catalog import Catalog, read_root_file
+from featbake.demo import TinyConvEncoder, save_torchscript
+from featbake.errors import ConfigError, StoreError
+from featbake.store import Layout, ShardReader
+from featbake.upkeep import GcOptions, drop_root, execute_gc, list_roots, plan_gc, stats
+from tests.upkeep_fixtures import bake, manifest, shard_files
+
+
+def _tensor_bytes(store: Path) -> dict[str, tuple[str, int]]:
+    """key -> (encoder fp, bytes of its tensors), read from the shard headers."""
+    out: dict[str, tuple[str, int]] = {}
+    for p in shard_files(store):
+        with ShardReader(p) as r:
+            for name, info in r.tensors.items():
+                key = name.partition("/")[0]
+                fp, n = out.get(key, (r.metadata["encoder_fp"], 0))
+                out[key] = (fp, n + info.end - info.begin)
+    return out
+
+
+def test_stats_match_the_shard_files(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, store_dir: Path
+) -> None:
+    other = save_torchscript(TinyConvEncoder(seed=3), tmp_path / "other.pt")
+    old = bake(audio_dir, encoder_file, store_dir)
+    second = bake(audio_dir / "fixed", other, store_dir)
+    save_torchscript(TinyConvEncoder(seed=7), encoder_file)
+    new = bake(audio_dir, encoder_file, store_dir)
+    (store_dir / "tmp" / "left.part").write_bytes(b"x" * 10)
+
+    s = stats(store_dir)
+    truth = _tensor_bytes(store_dir)
+    live = {k for r in (new.root, second.root) for _, k in manifest(store_dir, r)}
+    assert s.features == len(truth) == 16 + 4 + 16
+    assert s.disk_bytes == sum(shard_files(store_dir).values())
+    assert s.live_features == len(live) == 20
+    assert s.live_bytes == sum(truth[k][1] for k in live)
+    assert s.dead_bytes == sum(n for k, (_, n) in truth.items() if k not in live)
+    assert (s.tmp_files, s.tmp_bytes) == (1, 10)
+    by_fp = {e.fp: e for e in s.encoders}
+    for report, n in ((old, 16), (new, 16), (second, 4)):
+        e = by_fp[report.encoder_fp]
+        assert e.features == n and e.label == report.encoder
+        assert e.bytes == sum(b for fp, b in truth.values() if fp == report.encoder_fp)
+    roots = {r.name: r for r in s.roots}
+    assert set(roots) == {new.root, second.root}
+    assert (roots[new.root].items, roots[new.root].missing) == (16, 0)
+    assert roots[second.root].data == str(audio_dir / "fixed")
+    json.dumps(s.to_json())  # JSON-ready
+
+
+def test_stats_count_missing_items_after_eviction(
+    encoder_file: Path, audio_dir: Path, store_dir: Path
+) -> None:
+    report = bake(audio_dir, encoder_file, store_dir, shard_bytes=40_000)
+    budget = sum(shard_files(store_dir).values()) // 3
+    plan = plan_gc(store_dir, GcOptions(max_bytes=budget))
+    execute_gc(plan)
+    (root,) = list_roots(store_dir)
+    assert root.name == report.root
+    assert root.missing == len({r.key for r in plan.evict}) > 0
+    assert stats(store_dir).features == 16 - root.missing
+
+
+def test_roots_have_manifest_files_and_drop_by_prefix(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, store_dir: Path
+) -> None:
+    other = save_torchscript(TinyConvEncoder(seed=3), tmp_path / "other.pt")
+    a = bake(audio_dir, encoder_file, store_dir)
+    b = bake(audio_dir, other, store_dir)
+    root, items = read_root_file(store_dir / "roots" / f"{a.root}.json")
+    assert items == manifest(store_dir, a.root) and root.encoder_fp == a.encoder_fp
+    with pytest.raises(ConfigError, match="several roots"):
+        drop_root(store_dir, "r-")
+    with pytest.raises(ConfigError, match="no root"):
+        drop_root(store_dir, "r-zzz")
+    assert drop_root(store_dir, b.root[:8]).name == b.root
+    assert [r.name for r in list_roots(store_dir)] == [a.root]
+    assert not (store_dir / "roots" / f"{b.root}.json").exists()
+    assert not list((store_dir / "roots").glob("*.dropped"))
+    assert Catalog(Layout(store_dir)).root_items(b.root) == []
+
+
+def test_stats_without_a_store_say_what_to_do(tmp_path: Path) -> None:
+    with pytest.raises(StoreError, match="no featbake store"):
+        stats(tmp_path / "nowhere")
+
+
+def test_a_multi_output_feature_counts_once(
+    multi_encoder_file: Path, audio_dir: Path, store_dir: Path
+) -> None:
+    bake(audio_dir, multi_encoder_file, store_dir)
+    s = stats(store_dir)
+    assert (s.features, s.live_features, s.dead_features) == (16, 16, 0)
+    assert s.live_bytes == sum(n for _, n in _tensor_bytes(store_dir).values())

@@ -1,0 +1,97 @@
+"""Helpers shared by the upkeep tests (stats, gc, verify, export): real builds, real reads."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+
+from featbake.build import build
+from featbake.catalog import Catalog
+from featbake.reader import FeatureReader
+from featbake.recipe import Recipe
+from featbake.store import Layout, ShardReader
+from tests.conftest import live_features
+
+
+def bake(data: Path, encoder: Path, store: Path, shard_bytes: int = 60_000, **kw: object):
+    """A real build in this process (no decoding workers: faster for tiny folders)."""
+    return build(data, encoder, cache=store, workers=0, shard_bytes=shard_bytes, **kw)
+
+
+def shard_files(store: Path) -> dict[Path, int]:
+    """Every shard file under the store and its size."""
+    return {p: p.stat().st_size for p in (store / "shards").glob("*/*.safetensors")}
+
+
+def shards_of_encoder(store: Path, encoder_fp: str) -> dict[Path, int]:
+    """Shard files whose header names ``encoder_fp`` (read from the files, not the catalog)."""
+    out = {}
+    for p, size in shard_files(store).items():
+        with ShardReader(p) as r:
+            if r.metadata["encoder_fp"] == encoder_fp:
+                out[p] = size
+    return out
+
+
+def manifest(store: Path, root: str) -> list[tuple[str, str]]:
+    cat = Catalog(Layout(store))
+    try:
+        return [tuple(x) for x in cat.root_items(root)]
+    finally:
+        cat.close()
+
+
+class Live:
+    """Live encoding, memoised per (encoder bytes, file): what the store must agree with."""
+
+    def __init__(self) -> None:
+        self._memo: dict[tuple[bytes, str, str], object] = {}
+
+    def __call__(self, encoder: Path, path: Path, recipe: Recipe | None = None) -> object:
+        memo_key = (hashlib.sha256(Path(encoder).read_bytes()).digest(), str(path), repr(recipe))
+        if memo_key not in self._memo:
+            self._memo[memo_key] = live_features(encoder, path, recipe)
+        return self._memo[memo_key]
+
+
+def assert_serves(
+    store: Path,
+    root: str,
+    data: Path,
+    encoder: Path,
+    live: Live,
+    *,
+    allow_missing: bool = False,
+) -> int:
+    """Read every item of ``root`` through FeatureReader and compare with live encoding.
+
+    Returns how many items were served (the rest were misses, allowed only if asked).
+    """
+    reader = FeatureReader(Layout(store))
+    served = 0
+    try:
+        for rel, key in manifest(store, root):
+            got = reader.get(key)
+            if got is None:
+                assert allow_missing, f"{rel} ({key}) is not served"
+                continue
+            want = live(encoder, data / rel)
+            if isinstance(want, dict):
+                assert set(got) == set(want)
+                for part, t in want.items():
+                    torch.testing.assert_close(got[part], t, rtol=1e-5, atol=1e-6)
+            else:
+                torch.testing.assert_close(got[""], want, rtol=1e-5, atol=1e-6)
+            served += 1
+    finally:
+        reader.close()
+    return served
+
+
+def age(path: Path, seconds: float) -> None:
+    """Make a file look ``seconds`` old."""
+    st = path.stat()
+    os.utime(path, (st.st_atime - seconds, st.st_mtime - seconds))
