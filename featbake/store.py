@@ -401,6 +401,15 @@ class ShardReader:
             raise _corrupt(self.path, f"truncated: {size} bytes, header promises more")
         return meta, infos
 
+    @property
+    def fd(self) -> int:
+        """The open file descriptor (for callers that pread located tensors themselves)."""
+        return self._fd
+
+    def cut_short(self, name: str) -> StoreCorrupt:
+        """The error for a tensor whose bytes end before the header says."""
+        return _corrupt(self.path, f"tensor {name} is cut short")
+
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
 

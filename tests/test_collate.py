@@ -234,3 +234,43 @@ def test_padded_batch_with_other_options_is_copied_correctly() -> None:
     assert padded[0, 2:].eq(-1).all() and torch.equal(padded[1], items[1])
     padded, _ = pad_collate(batch, pad_to_multiple=5)  # already a multiple: no copy needed
     assert padded is batch.padded
+
+
+def test_batch_pool_never_reuses_a_buffer_still_in_use() -> None:
+    from featbake.collate import BatchPool
+
+    pool = BatchPool(keep=2, min_bytes=1024)
+    a = pool.empty((64, 64), torch.float32)
+    a.fill_(1.0)
+    view = a[3:5]  # only a view survives: the buffer is still in use
+    del a
+    b = pool.empty((64, 64), torch.float32)
+    b.fill_(2.0)
+    assert torch.all(view == 1.0)
+    assert pool.reused == 0 and pool.created == 2
+    arr = b.numpy()  # a numpy array of the batch also holds it
+    del b
+    c = pool.empty((64, 64), torch.float32)
+    c.fill_(3.0)
+    assert torch.all(view == 1.0) and (arr == 2.0).all()
+    del view, c
+    d = pool.empty((60, 64), torch.float32)  # a slightly smaller batch reuses a free buffer
+    assert pool.reused == 1
+    d.fill_(4.0)
+    assert (arr == 2.0).all()
+
+
+def test_pad_collate_pooled_batches_are_fully_rewritten() -> None:
+    # A reused buffer holds an old batch: padding must be written, not assumed zero.
+    long = rand_feats([600, 600], dims=(512,), seed=1)
+    first, _ = pad_collate(long)
+    assert first.nbytes >= 1 << 20  # big enough for the pool
+    del first
+    from featbake import collate
+
+    reused = collate._pool.reused
+    feats = rand_feats([300, 599], dims=(512,), seed=2)
+    padded, lengths = pad_collate(feats)
+    assert collate._pool.reused == reused + 1
+    assert torch.equal(padded, pad_sequence(feats, batch_first=True))
+    assert lengths.tolist() == [300, 599]

@@ -365,3 +365,51 @@ def test_labels_pair_by_path_with_stack_dataset(audio_dir, encoder_file, store_d
             i = order[b * 4 + j]
             assert label == i * 10
             assert torch.equal(padded[j, : lengths[j]], ds[i])
+
+
+def test_located_hit_path_follows_moves_and_closed_shards(audio_dir, encoder_file, store_dir):
+    # Small shards and one open file at a time: every switch closes a shard, and its descriptor
+    # number is reused by the next one, so a remembered location must never outlive its file.
+    build(audio_dir, encoder_file, cache=store_dir, workers=0, shard_bytes=1)
+    old = list((store_dir / "shards").rglob("*.safetensors"))
+    assert len(old) >= 3
+    ds = CachedFeatureDataset(
+        audio_dir, encoder_file, cache=store_dir, on_miss="error", max_open_shards=1
+    )
+    want = _live_all(encoder_file, ds)
+    n = len(ds)
+    order = [i for k in range(3) for i in (list(range(n)) if k % 2 else list(range(n))[::-1])]
+    for i in order:  # remembered locations, shards closed and reopened in between
+        _assert_close(ds[i], want[i])
+    wide = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    for _ in range(2):  # the second pass takes the located hit path throughout
+        for i in order:
+            _assert_close(wide[i], want[i])
+    assert all(loc is not None for loc in wide._state.loc)
+    padded, lengths = pad_collate(ds.__getitems__(order[:n]))
+    for row, i in enumerate(order[:n]):
+        _assert_close(padded[row, : lengths[row]], want[i])
+    # gc compacts: the features move to a new shard and the old files are deleted.
+    layout = Layout(store_dir)
+    tensors = {ds.key(i): ds[i].clone() for i in range(n)}
+    new = write_shard(layout, tensors, ds.encoder_fingerprint, "x" * 64)
+    conn = sqlite3.connect(layout.catalog)
+    with conn:
+        cur = conn.execute(
+            "INSERT INTO shards(name, bytes, items, encoder_fp, recipe_fp, created) "
+            "VALUES (?, ?, ?, ?, ?, 0)",
+            (new.name, new.nbytes, n, ds.encoder_fingerprint, "x" * 64),
+        )
+        conn.execute("UPDATE features SET shard_id=?", (cur.lastrowid,))
+    conn.close()
+    for p in old:
+        p.unlink()
+    for i in order:
+        _assert_close(ds[i], want[i])
+    padded, lengths = pad_collate(ds.__getitems__(list(range(n))))
+    for i in range(n):
+        _assert_close(padded[i, : lengths[i]], want[i])
+        assert not padded[i, lengths[i] :].any()
+    assert ds.cache_info().encoded == 0
+    for i in range(n):  # old files deleted while open: still the same bytes
+        _assert_close(wide[i], want[i])
