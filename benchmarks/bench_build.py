@@ -41,6 +41,9 @@ from featbake.recipe import Recipe  # noqa: E402
 from featbake.sources import scan, source_for  # noqa: E402
 from featbake.store import Layout  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _rows import row  # noqa: E402
+
 BATCH = 16
 WORKERS = 2
 
@@ -66,15 +69,7 @@ class ConvStack(nn.Module):
 
 
 def _row(metric: str, value: float, unit: str, target: str, ok: bool | None, note: str) -> dict:
-    return {
-        "bench": "build",
-        "metric": metric,
-        "value": float(value),
-        "unit": unit,
-        "target": target,
-        "ok": ok,
-        "note": note,
-    }
+    return row("build", metric, value, unit, target, ok, note)
 
 
 # -- 1. overhead against a bare loop -------------------------------------------------------------

@@ -46,6 +46,9 @@ from featbake.demo import LogMelTransformer  # noqa: E402
 from featbake.encoders import LoadedEncoder, from_module  # noqa: E402
 from featbake.recipe import Recipe  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _rows import row  # noqa: E402
+
 WORK = Path(__file__).resolve().parent / "_work" / "serve"
 DIM = 768
 BENCH = "serve"
@@ -172,15 +175,7 @@ def _loader(ds: Dataset, **kw: Any) -> Callable[[], DataLoader]:
 def _row(
     metric: str, value: float, unit: str, target: str = "", ok: bool | None = None, note: str = ""
 ) -> dict[str, Any]:
-    return {
-        "bench": BENCH,
-        "metric": metric,
-        "value": float(value),
-        "unit": unit,
-        "target": target,
-        "ok": ok,
-        "note": note,
-    }
+    return row(BENCH, metric, value, unit, target, ok, note)
 
 
 READERS = ("npy", "torch.save", "featbake", "list (zero-cost reader)")

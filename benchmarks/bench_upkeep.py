@@ -27,6 +27,9 @@ from featbake.store import Layout  # noqa: E402
 from featbake.units import format_bytes  # noqa: E402
 from featbake.upkeep import GcOptions, execute_gc, plan_gc, stats  # noqa: E402
 
+sys.path.insert(0, str(HERE))
+from _rows import row  # noqa: E402
+
 ROWS_PER_SHARD = 1000
 FEATURE_BYTES = 50 * 64 * 2  # 50 frames x 64 dims in float16
 
@@ -135,42 +138,42 @@ def main(quick: bool = False) -> list[dict]:
         shutil.rmtree(tmp, ignore_errors=True)
     label = f"{n:,} features"
     return [
-        {
-            "bench": "upkeep",
-            "metric": f"stats, {label}",
-            "value": stats_s,
-            "unit": "s",
-            "target": "< 1 s",
-            "ok": stats_s < 1.0,
-            "note": f"{stats_s / floor:.1f}x one bare full scan ({floor:.3f} s)",
-        },
-        {
-            "bench": "upkeep",
-            "metric": f"no-op gc (plan + execute), {label}",
-            "value": gc_s,
-            "unit": "s",
-            "target": "< 2 s",
-            "ok": gc_s < 2.0,
-            "note": f"{gc_s / floor:.1f}x one bare full scan",
-        },
-        {
-            "bench": "upkeep",
-            "metric": f"catalog size, {label}",
-            "value": size / 1e6,
-            "unit": "MB",
-            "target": "-",
-            "ok": None,
-            "note": f"{format_bytes(size)}; {size / n:.0f} B per feature incl. 1.1 root items",
-        },
-        {
-            "bench": "upkeep",
-            "metric": f"building the synthetic catalog, {label}",
-            "value": build_s,
-            "unit": "s",
-            "target": "-",
-            "ok": None,
-            "note": "executemany in one transaction (setup, not featbake's speed)",
-        },
+        row(
+            "upkeep",
+            f"stats, {label}",
+            stats_s,
+            "s",
+            "< 1 s",
+            stats_s < 1.0,
+            f"{stats_s / floor:.1f}x one bare full scan ({floor:.3f} s)",
+        ),
+        row(
+            "upkeep",
+            f"no-op gc (plan + execute), {label}",
+            gc_s,
+            "s",
+            "< 2 s",
+            gc_s < 2.0,
+            f"{gc_s / floor:.1f}x one bare full scan",
+        ),
+        row(
+            "upkeep",
+            f"catalog size, {label}",
+            size / 1e6,
+            "MB",
+            "-",
+            None,
+            f"{format_bytes(size)}; {size / n:.0f} B per feature incl. 1.1 root items",
+        ),
+        row(
+            "upkeep",
+            f"building the synthetic catalog, {label}",
+            build_s,
+            "s",
+            "-",
+            None,
+            "executemany in one transaction (setup, not featbake's speed)",
+        ),
     ]
 
 

@@ -51,7 +51,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="write all rows to this JSON file")
     args = parser.parse_args()
     sys.path.insert(0, str(HERE))
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 120)
     modules = sorted(HERE.glob("bench_*.py"))
     if args.only:
         modules = [m for m in modules if m.stem.removeprefix("bench_") in args.only]
@@ -62,21 +62,24 @@ def main() -> int:
         rows.extend(_load(path).main(quick=args.quick))
         console.print(f"  done in {time.perf_counter() - t0:.0f}s")
     table = Table(title="featbake benchmarks" + (" (quick)" if args.quick else ""))
-    for col in ("bench", "metric", "value", "unit", "target", "ok", "note"):
+    for col in ("bench", "metric", "value", "target", "ok", "#"):
         table.add_column(col, overflow="fold")
+    notes = []
     for r in rows:
         ok = r.get("ok")
         mark = "" if ok is None else ("[green]yes[/]" if ok else "[red]no[/]")
+        ref = ""
+        if r.get("note"):
+            if r["note"] not in notes:
+                notes.append(r["note"])
+            ref = str(notes.index(r["note"]) + 1)
+        value = f"{_fmt(r.get('value', ''))} {r.get('unit', '')}".strip()
         table.add_row(
-            r.get("bench", ""),
-            r.get("metric", ""),
-            _fmt(r.get("value", "")),
-            r.get("unit", ""),
-            r.get("target", "") or "",
-            mark,
-            r.get("note", "") or "",
+            r.get("bench", ""), r.get("metric", ""), value, r.get("target") or "", mark, ref
         )
     console.print(table)
+    for i, note in enumerate(notes, 1):
+        console.print(f"  {i:>2}. {note}", highlight=False)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0

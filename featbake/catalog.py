@@ -265,21 +265,7 @@ class Catalog:
         """
         now = time.time() if now is None else now
         with self.transaction() as c:
-            c.execute(
-                "INSERT OR IGNORE INTO shards"
-                "(name, bytes, items, encoder_fp, recipe_fp, created, data_bytes)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (
-                    shard.name,
-                    shard.nbytes,
-                    len(shard.entries),
-                    shard.encoder_fp,
-                    shard.recipe_fp,
-                    now,
-                    sum(e.nbytes for e in shard.entries),
-                ),
-            )
-            (shard_id,) = c.execute("SELECT id FROM shards WHERE name=?", (shard.name,)).fetchone()
+            shard_id = _insert_shard(c, shard, now)
             before = c.total_changes
             c.executemany(
                 "INSERT OR IGNORE INTO features(key, part, shard_id, dtype, shape, nbytes,"
@@ -529,21 +515,7 @@ class Catalog:
         """
         now = time.time() if now is None else now
         with self.transaction() as c:
-            c.execute(
-                "INSERT OR IGNORE INTO shards"
-                "(name, bytes, items, encoder_fp, recipe_fp, created, data_bytes)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (
-                    shard.name,
-                    shard.nbytes,
-                    len(shard.entries),
-                    shard.encoder_fp,
-                    shard.recipe_fp,
-                    now,
-                    sum(e.nbytes for e in shard.entries),
-                ),
-            )
-            (sid,) = c.execute("SELECT id FROM shards WHERE name=?", (shard.name,)).fetchone()
+            sid = _insert_shard(c, shard, now)
             before = c.total_changes
             c.executemany(
                 "UPDATE features SET shard_id=? WHERE key=? AND part=? AND shard_id=?",
@@ -824,6 +796,26 @@ def read_root_file(path: Path) -> tuple[Root, list[tuple[str, str]]]:
 
 
 # == end of upkeep block ===================================================================
+
+
+def _insert_shard(c: sqlite3.Connection, shard: SealedShard, now: float) -> int:
+    """Record a sealed shard (once: its name is its content) and return its row id."""
+    c.execute(
+        "INSERT OR IGNORE INTO shards"
+        "(name, bytes, items, encoder_fp, recipe_fp, created, data_bytes)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?)",
+        (
+            shard.name,
+            shard.nbytes,
+            len(shard.entries),
+            shard.encoder_fp,
+            shard.recipe_fp,
+            now,
+            sum(e.nbytes for e in shard.entries),
+        ),
+    )
+    (shard_id,) = c.execute("SELECT id FROM shards WHERE name=?", (shard.name,)).fetchone()
+    return shard_id
 
 
 def _root(row: tuple) -> Root:

@@ -175,6 +175,22 @@ class RootStats:
     created: float
     last_used: float
 
+    @classmethod
+    def of(cls, root: Root, missing: int) -> RootStats:
+        """A root from the catalog with its count of items not stored."""
+        return cls(
+            root.name,
+            root.data,
+            root.encoder_label,
+            root.encoder_fp,
+            root.recipe_fp,
+            root.recipe,
+            root.items,
+            missing,
+            root.created,
+            root.last_used,
+        )
+
 
 @dataclass(frozen=True)
 class StoreStats:
@@ -265,21 +281,7 @@ def stats(cache: str | os.PathLike[str] | None = None) -> StoreStats:
         encoders.append(
             EncoderStats(fp, label, kind, int(rows), int(nbytes), int(shards), first, last)
         )
-    root_stats = tuple(
-        RootStats(
-            r.name,
-            r.data,
-            r.encoder_label,
-            r.encoder_fp,
-            r.recipe_fp,
-            r.recipe,
-            r.items,
-            missing.get(r.name, 0),
-            r.created,
-            r.last_used,
-        )
-        for r in roots
-    )
+    root_stats = tuple(RootStats.of(r, missing.get(r.name, 0)) for r in roots)
     tmp = _loose_files(layout.tmp, "*")
     rows_bytes = sum(u.nbytes for u in usage.values())
     return StoreStats(
@@ -308,21 +310,7 @@ def list_roots(cache: str | os.PathLike[str] | None = None) -> list[RootStats]:
     _, catalog = open_catalog(cache)
     try:
         missing = catalog.missing_per_root()
-        return [
-            RootStats(
-                r.name,
-                r.data,
-                r.encoder_label,
-                r.encoder_fp,
-                r.recipe_fp,
-                r.recipe,
-                r.items,
-                missing.get(r.name, 0),
-                r.created,
-                r.last_used,
-            )
-            for r in catalog.roots()
-        ]
+        return [RootStats.of(r, missing.get(r.name, 0)) for r in catalog.roots()]
     finally:
         catalog.close()
 
