@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -168,7 +169,6 @@ def build(
     Inputs already in the store are skipped (a rerun encodes nothing); bad inputs are skipped and
     listed at the end, and the exit code is then 3.
     """
-    from featbake.build import Progress as BuildProgress
     from featbake.build import build as run_build
     from featbake.recipe import Recipe
 
@@ -184,13 +184,7 @@ def build(
     except ConfigError as e:
         raise ConfigError(f"--shard-size: {e}") from e
     bar = _progress_bar()
-    tasks: dict[str, Any] = {}
-
-    def on_progress(p: BuildProgress) -> None:
-        if p.phase not in tasks:
-            tasks[p.phase] = bar.add_task(p.phase, total=p.total or None)
-        bar.update(tasks[p.phase], completed=p.done, total=p.total or None, bytes=p.bytes_written)
-
+    on_progress = _tick_bar(bar, {})
     with bar:
         report = run_build(
             data,
@@ -254,11 +248,41 @@ def _when(ts: float) -> str:
     return _dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M")
 
 
+#: Without a terminal (CI logs, nohup), progress is one plain line per phase this often.
+LOG_EVERY_S = 10.0
+
+
 def _tick_bar(bar: Progress, tasks: dict[str, Any]) -> Any:
+    """A library progress callback that drives ``bar``, or writes log lines without a terminal."""
+    last_line: dict[str, float] = {}
+    started: dict[str, float] = {}
+    finished: set[str] = set()
+
+    def log_line(p: Any, now: float) -> None:
+        rate = p.done / max(now - started[p.phase], 1e-9)
+        eta = f", ETA {(p.total - p.done) / rate:.0f}s" if rate and p.total else ""
+        size = f", {format_bytes(p.bytes_written)}" if getattr(p, "bytes_written", 0) else ""
+        console.print(f"{p.phase}: {p.done:,}/{p.total:,} ({rate:,.0f} items/s{eta}{size})")
+
     def on_progress(p: Any) -> None:
         if p.phase not in tasks:
             tasks[p.phase] = bar.add_task(p.phase, total=p.total or None)
-        bar.update(tasks[p.phase], completed=p.done, total=p.total or None)
+            started[p.phase] = time.monotonic()
+        bar.update(
+            tasks[p.phase],
+            completed=p.done,
+            total=p.total or None,
+            bytes=getattr(p, "bytes_written", 0),
+        )
+        if console.is_terminal or not p.total or p.phase in finished:
+            return
+        now = time.monotonic()
+        if p.done >= p.total:
+            finished.add(p.phase)
+            log_line(p, now)
+        elif now - last_line.get(p.phase, started[p.phase]) >= LOG_EVERY_S:
+            last_line[p.phase] = now
+            log_line(p, now)
 
     return on_progress
 

@@ -129,6 +129,9 @@ def test_summary_and_cache_from_the_environment(
     for word in ("encoded", "reused", "failed", "written", "time"):
         assert word in res.stdout
     assert (tmp_path / "env" / "catalog.sqlite").is_file()
+    # Without a terminal (a CI log), progress comes as plain lines that end at the full count.
+    assert "hash: 16/16" in res.stderr
+    assert "encode: 16/16" in res.stderr and "items/s" in res.stderr
 
 
 def test_help_shows_an_example_and_exit_codes() -> None:
