@@ -44,8 +44,14 @@ app = typer.Typer(
     name="featbake",
     help=(
         "Compute a frozen encoder's features once; serve them at training time.\n\n"
-        "  featbake build --encoder ckpt.pt --data ./audio\n\n"
-        "The store lives in --cache DIR (default $FEATBAKE_CACHE or ./.featbake).\n\n" + EXIT_CODES
+        "\b\n"
+        "  featbake build --encoder ckpt.pt --data ./audio   # bake (again: nothing recomputed)\n"
+        "  featbake stats                                    # what the store holds\n"
+        "  featbake gc --dry-run                             # what gc would free\n"
+        "  featbake verify                                   # check every checksum\n\n"
+        "In Python: CachedFeatureDataset('./audio', encoder='ckpt.pt') serves the same keys.\n\n"
+        "The store lives in --cache DIR (default $FEATBAKE_CACHE or ./.featbake). "
+        "Run `featbake COMMAND --help` for a command's options and examples.\n\n" + EXIT_CODES
     ),
     no_args_is_help=True,
     add_completion=False,
