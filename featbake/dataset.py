@@ -33,7 +33,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing import util as mp_util
 from pathlib import Path
@@ -207,6 +207,16 @@ class _Sink:
         if threading.get_ident() == self.thread:
             return self.catalog
         return Catalog(self.layout)
+
+    @contextlib.contextmanager
+    def catalog_scoped(self) -> Iterator[Catalog]:
+        """:meth:`catalog_here`, closed afterwards when it was opened for another thread."""
+        catalog = self.catalog_here()
+        try:
+            yield catalog
+        finally:
+            if catalog is not self.catalog:
+                catalog.close()
 
     def seal(self) -> None:
         with self.lock:
@@ -859,7 +869,8 @@ class CachedFeatureDataset(Dataset):
         return reader
 
     def _read_located(self, st: _Process, key: str) -> Any:
-        locs = st.catalog.locate(key)
+        with st.sink.catalog_scoped() as catalog:
+            locs = catalog.locate(key)
         if not locs:
             raise ShardMissing(f"feature {key} is no longer in the store")
         value = {}
@@ -878,7 +889,8 @@ class CachedFeatureDataset(Dataset):
 
     def _relocate(self, st: _Process, i: int) -> Any:
         key = self._keys[i].decode()
-        locs = st.catalog.locate(key)
+        with st.sink.catalog_scoped() as catalog:
+            locs = catalog.locate(key)
         if not locs:
             self._shard[i] = -1
             return None

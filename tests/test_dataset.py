@@ -413,3 +413,28 @@ def test_located_hit_path_follows_moves_and_closed_shards(audio_dir, encoder_fil
     assert ds.cache_info().encoded == 0
     for i in range(n):  # old files deleted while open: still the same bytes
         _assert_close(wide[i], want[i])
+
+
+def test_reads_from_another_thread_relocate(audio_dir, encoder_file, store_dir) -> None:
+    """A dataset used from a second thread looks items up with that thread's own connection."""
+    import threading
+
+    build(audio_dir, encoder_file, cache=store_dir, workers=0)
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    want = _live_all(encoder_file, ds)
+    ds._shard[1] = -1  # forget where items are: reads must look them up in the catalog again
+    ds._shard[2] = -1
+    _assert_close(ds[1], want[1])  # the main thread opens the process state and its catalog
+    got: list = []
+
+    def other() -> None:
+        try:
+            got.append(ds[2])
+        except Exception as e:  # surfaced to the assert below
+            got.append(e)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    _assert_close(got[0], want[2])
+    ds.close()
