@@ -616,6 +616,9 @@ class CachedFeatureDataset(Dataset):
     def _proc(self) -> _Process:
         st = self._state
         if st is None or st.gen != _fork_generation:
+            if st is not None:  # forked: these fds are this process's copies of the parent's
+                for r in st.readers.values():
+                    r.close()
             st = self._state = _Process(self)
             # Runs at interpreter exit and in multiprocessing children (DataLoader workers)
             # when their loop ends, so a worker's last write-back shard is sealed.

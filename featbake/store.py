@@ -512,7 +512,11 @@ class ShardHandles:
     def get(self, path: Path) -> ShardReader:
         """An open reader for ``path``, opening (and evicting the least recent) as needed."""
         if self._pid != os.getpid():
-            self._readers = OrderedDict()  # inherited fds belong to the parent's bookkeeping
+            # The parent's readers are its bookkeeping, but the fds are this process's own
+            # copies: close them, or each forked worker keeps up to max_open files open.
+            for r in self._readers.values():
+                r.close()
+            self._readers = OrderedDict()
             self._pid = os.getpid()
         reader = self._readers.get(path)
         if reader is not None:

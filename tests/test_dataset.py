@@ -438,3 +438,41 @@ def test_reads_from_another_thread_relocate(audio_dir, encoder_file, store_dir) 
     t.join()
     _assert_close(got[0], want[2])
     ds.close()
+
+
+def test_forked_child_closes_the_parents_shard_fds(audio_dir, encoder_file, store_dir) -> None:
+    """A forked worker closes its copies of the parent's open shard files before opening its own."""
+    build(audio_dir, encoder_file, cache=store_dir, workers=0)
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    want = _live_all(encoder_file, ds)
+    for i in range(len(ds)):
+        ds[i]
+    fds = [r.fd for r in ds._state.readers.values()]
+    assert fds
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            ok = all(torch.allclose(ds[i], want[i], **TOL) for i in range(len(ds)))
+            shards = [str(p) for p in store_dir.rglob("*.safetensors")]
+            open_now = [int(fd) for fd in os.listdir("/proc/self/fd")]
+            still = [fd for fd in open_now if _fd_target(fd) in shards]
+            os.write(w, json.dumps([ok, len(still), len(ds._state.readers)]).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        ok, still, reopened = json.loads(f.read())
+    os.waitpid(pid, 0)
+    assert ok
+    assert still == reopened  # the child's own readers, none of the parent's
+    assert all(_fd_target(fd) for fd in fds)  # the parent's files stay open here
+    ds.close()
+
+
+def _fd_target(fd: int) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return ""

@@ -322,3 +322,40 @@ def test_handles_are_bounded_and_reopen_after_forget(layout: Layout) -> None:
     assert torch.equal(h.get(shards[0].path).read("x"), torch.tensor([0.0]))
     h.close()
     assert list(h) == []
+
+
+def test_handles_close_inherited_fds_in_a_forked_child(layout: Layout) -> None:
+    """A child drops its parent's shard handles and closes its copies of their fds."""
+    paths = [
+        layout.shard_path(write_shard(layout, {f"k{i}": torch.ones(3)}, EFP, RFP).name)
+        for i in range(3)
+    ]
+    handles = ShardHandles(max_open=8)
+    fds = [handles.get(p).fd for p in paths]
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report which inherited fds are still open after one get()
+        try:
+            os.close(r)
+            handles.get(paths[0])
+            still = [fd for fd in fds if _fd_open(fd)]
+            os.write(w, json.dumps(still).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        still_open = json.loads(f.read())
+    os.waitpid(pid, 0)
+    # The child reopened paths[0] (possibly reusing a freed number), so at most that one fd.
+    assert len(still_open) <= 1
+    assert all(_fd_open(fd) for fd in fds)  # the parent's own handles are untouched
+    assert handles.get(paths[1]).read("k1").tolist() == [1.0, 1.0, 1.0]
+    handles.close()
+
+
+def _fd_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
