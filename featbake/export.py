@@ -104,6 +104,43 @@ def _rows_per_chunk(row_bytes: int) -> int:
     return max(1, CHUNK_BYTES // max(1, row_bytes))
 
 
+def _is_replaceable_export(path: Path) -> bool:
+    """An empty folder, or a Zarr v3 store (what an earlier or interrupted export left)."""
+    return (path / "zarr.json").is_file() or not any(path.iterdir())
+
+
+def check_destination(out: Path, store: Path, *, overwrite: bool) -> None:
+    """Refuse an export destination that the export would have to delete wrongly.
+
+    The export writes ``OUT.partial`` and renames it to ``OUT``, deleting what was there: so
+    neither may be (inside) the store or hold it, a file, or a folder that is not a Zarr store.
+
+    Raises:
+        ConfigError: ``out`` is unsafe to write, with what to choose instead.
+
+    Example:
+        >>> check_destination(Path("f.zarr"), Path(".featbake"), overwrite=True)  # doctest: +SKIP
+    """
+    store_r = store.resolve()
+    for path in (out, out.with_name(out.name + ".partial")):
+        path_r = path.resolve()
+        if path_r == store_r or store_r in path_r.parents or path_r in store_r.parents:
+            raise ConfigError(
+                f"{path} is, holds or lies inside the store {store}; export to a path outside it"
+            )
+        if path.is_symlink() or (path.exists() and not path.is_dir()):
+            raise ConfigError(
+                f"{path} is a file or a link, not a Zarr folder; remove it or choose another OUT"
+            )
+        if path.is_dir() and not _is_replaceable_export(path):
+            raise ConfigError(
+                f"{path} is a folder that is not a Zarr store; the export would delete its "
+                "contents, so choose another OUT (or move that folder away)"
+            )
+    if out.exists() and not overwrite:
+        raise ConfigError(f"{out} exists; choose another OUT or pass --overwrite")
+
+
 def export_zarr(
     out: str | os.PathLike[str],
     *,
@@ -135,10 +172,9 @@ def export_zarr(
 
     t0 = time.perf_counter()
     out = Path(out)
-    if out.exists() and not overwrite:
-        raise ConfigError(f"{out} exists; choose another OUT or pass --overwrite")
     layout, catalog = open_catalog(cache)
     try:
+        check_destination(out, layout.root, overwrite=overwrite)
         if root is None:
             roots = catalog.roots()
             if len(roots) != 1:

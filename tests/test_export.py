@@ -83,3 +83,41 @@ def test_export_needs_a_root_choice_and_a_free_destination(
     bake(audio_dir, multi_encoder_file, store_dir)
     with pytest.raises(ConfigError, match="--root"):
         export_zarr(tmp_path / "two.zarr", cache=store_dir)
+
+
+def test_overwrite_refuses_what_is_not_an_export(
+    encoder_file: Path, audio_dir: Path, store_dir: Path, tmp_path: Path
+) -> None:
+    """--overwrite replaces an earlier export, never the store, a folder of other files, a file."""
+    bake(audio_dir / "fixed", encoder_file, store_dir)
+    shards_before = sorted(p.name for p in store_dir.rglob("*.safetensors"))
+    for bad in (store_dir, store_dir / "feats.zarr", store_dir.parent):
+        with pytest.raises(ConfigError, match="store"):
+            export_zarr(bad, cache=store_dir, overwrite=True)
+    assert sorted(p.name for p in store_dir.rglob("*.safetensors")) == shards_before
+    assert (store_dir / "catalog.sqlite").exists()
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "keep.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="not a Zarr"):
+        export_zarr(other, cache=store_dir, overwrite=True)
+    assert (other / "keep.txt").read_text() == "mine"
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for overwrite in (False, True):
+        with pytest.raises(ConfigError, match="file"):
+            export_zarr(afile, cache=store_dir, overwrite=overwrite)
+    assert afile.read_text() == "x"
+    assert not (tmp_path / "afile.partial").exists()  # refused before any work
+    # A folder beside OUT named OUT.partial that is not an interrupted export is left alone.
+    (tmp_path / "feats.zarr.partial").mkdir()
+    (tmp_path / "feats.zarr.partial" / "keep.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="not a Zarr"):
+        export_zarr(tmp_path / "feats.zarr", cache=store_dir)
+    assert (tmp_path / "feats.zarr.partial" / "keep.txt").exists()
+    # An earlier export is replaced.
+    (tmp_path / "feats.zarr.partial" / "keep.txt").unlink()
+    first = export_zarr(tmp_path / "feats.zarr", cache=store_dir)
+    again = export_zarr(tmp_path / "feats.zarr", cache=store_dir, overwrite=True)
+    assert again.items == first.items == 4
+    assert zarr.open_group(str(tmp_path / "feats.zarr"), mode="r")["values"].shape[0] == 4
