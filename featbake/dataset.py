@@ -45,7 +45,7 @@ from torch.utils.data import Dataset, get_worker_info
 
 from featbake import device as dev
 from featbake.build import cached_file_encoder_fp, encode_batch, encoder_fingerprint, hash_inputs
-from featbake.catalog import Catalog
+from featbake.catalog import Catalog, FileStat
 from featbake.collate import PaddedBatch, alloc_batch
 from featbake.encoders import LoadedEncoder, _is_import_path, from_module, load_encoder
 from featbake.errors import (
@@ -55,7 +55,7 @@ from featbake.errors import (
     ShardMissing,
     SourceError,
 )
-from featbake.keys import feature_key, resolve_path, root_id
+from featbake.keys import feature_key, file_fingerprint, resolve_path, root_id
 from featbake.lru import ByteLRU, CacheInfo
 from featbake.recipe import Recipe
 from featbake.sources import scan, source_for
@@ -988,7 +988,9 @@ class CachedFeatureDataset(Dataset):
 
     def _encode(self, st: _Process, idx: list[int]) -> list[dict[str, torch.Tensor]]:
         enc = self._encoder(st)
-        inputs = [self._source.load(self.path(i)) for i in idx]
+        paths = [self.path(i) for i in idx]
+        inputs = [self._source.load(p) for p in paths]
+        self._check_unchanged(st, idx, paths)
         groups: dict[tuple[int, ...], list[int]] = {}
         for j, x in enumerate(inputs):
             groups.setdefault(tuple(x.shape), []).append(j)
@@ -1000,6 +1002,35 @@ class CachedFeatureDataset(Dataset):
                 results[j] = parts
         st.encoded += len(idx)
         return results  # type: ignore[return-value]
+
+    def _check_unchanged(self, st: _Process, idx: list[int], paths: list[str]) -> None:
+        """Raise if a file decoded for a miss no longer holds the bytes its key was hashed from.
+
+        Keys are hashed when the dataset is created and the file is decoded later: one
+        rewritten in between must not be encoded and stored under the old bytes' key (which
+        every other copy of the old bytes shares). Checked after decoding, against the hash
+        cache (same stat) or, when that does not say, a fresh hash of the file.
+        """
+        with st.sink.catalog_scoped() as catalog:
+            cached = catalog.cached_hashes(paths)
+        for i, path in zip(idx, paths, strict=True):
+            try:
+                now = FileStat.of(path)
+                hit = cached.get(path)
+                if hit is not None and hit[0] == now:
+                    sha = hit[1]
+                else:
+                    sha = file_fingerprint(path)
+                    if FileStat.of(path) != now:
+                        sha = ""  # changing while it is read
+            except OSError:
+                sha = ""
+            if feature_key(self._enc_fp, self._recipe_fp, sha) != self._keys[i].decode():
+                raise SourceError(
+                    f"{path} changed since this dataset was created (its bytes no longer match "
+                    "the key they were indexed under), so its feature is not stored; create the "
+                    "dataset again once the file stops changing"
+                )
 
     def _write_back(self, st: _Process, i: int, parts: dict[str, torch.Tensor]) -> None:
         key = self._keys[i].decode()

@@ -476,3 +476,27 @@ def _fd_target(fd: int) -> str:
         return os.readlink(f"/proc/self/fd/{fd}")
     except OSError:
         return ""
+
+
+def test_file_rewritten_after_hashing_is_not_stored_under_its_old_key(
+    tmp_path, encoder_file, store_dir
+) -> None:
+    """A miss re-checks the file it decoded against what was hashed: new bytes, no old key."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    soundfile.write(a / "x.wav", make_tone(1.0, seed=1), 16000)
+    soundfile.write(a / "y.wav", make_tone(1.0, seed=3), 16000)
+    shutil.copy(a / "x.wav", b / "x.wav")  # a backup with the same bytes: the same key
+    ds = CachedFeatureDataset(a, encoder_file, cache=store_dir)
+    old_key = ds.key(0)
+    soundfile.write(a / "x.wav", make_tone(1.0, seed=2), 16000)  # regenerated mid-run
+    with pytest.raises(SourceError, match="changed"):
+        ds[0]
+    os.utime(a / "y.wav")  # touched, same bytes: still encoded and served
+    _assert_close(ds[1], live_features(encoder_file, a / "y.wav"))
+    ds.close()
+    assert not Catalog(Layout(store_dir)).present_keys([old_key])
+    ds_b = CachedFeatureDataset(b, encoder_file, cache=store_dir)
+    assert ds_b.key(0) == old_key
+    _assert_close(ds_b[0], live_features(encoder_file, b / "x.wav"))
