@@ -379,6 +379,75 @@ class Catalog:
             )
             write_root_file(self.layout, root, items)
 
+    def extend_root(
+        self,
+        name: str,
+        *,
+        data: str,
+        encoder_label: str,
+        encoder_fp: str,
+        recipe_fp: str,
+        recipe: dict,
+        keys: Sequence[str],
+        now: float | None = None,
+    ) -> int:
+        """Append ``keys`` not yet named to root ``name`` (made if absent); returns how many.
+
+        For writers with no data folder to rebuild a manifest from (``CachedEncoder``): what
+        they store stays reachable, so gc keeps it until the root is dropped (``featbake roots
+        drop`` or ``gc --older-than``). Items get an empty path. Call it before
+        :meth:`add_shard` for those keys, so gc never sees their rows unreached. The manifest
+        file is rewritten whole, inside the transaction, as :meth:`replace_root` does.
+
+        Example:
+            >>> cat.extend_root("cached-encoder-3f1c", data="cached-encoder:3f1c",
+            ...     encoder_label="MyEncoder", encoder_fp=fp, recipe_fp=rfp, recipe={},
+            ...     keys=["9a..."])  # doctest: +SKIP
+        """
+        now = time.time() if now is None else now
+        with self.transaction() as c:
+            old = c.execute("SELECT created FROM roots WHERE name=?", (name,)).fetchone()
+            items = c.execute(
+                "SELECT path, key FROM root_items WHERE root=? ORDER BY idx", (name,)
+            ).fetchall()
+            named = {k for _, k in items}
+            new = [k for k in dict.fromkeys(keys) if k not in named]
+            if old is not None and not new:
+                c.execute("UPDATE roots SET last_used=? WHERE name=?", (now, name))
+                return 0
+            c.executemany(
+                "INSERT INTO root_items(root, idx, path, key) VALUES (?,?,?,?)",
+                [(name, len(items) + i, "", k) for i, k in enumerate(new)],
+            )
+            items += [("", k) for k in new]
+            root = Root(
+                name,
+                data,
+                encoder_label,
+                encoder_fp,
+                recipe_fp,
+                recipe,
+                len(items),
+                old[0] if old else now,
+                now,
+            )
+            c.execute(
+                "INSERT OR REPLACE INTO roots VALUES (?,?,?,?,?,?,?,?,?)",
+                (
+                    name,
+                    data,
+                    encoder_label,
+                    encoder_fp,
+                    recipe_fp,
+                    json.dumps(recipe, sort_keys=True),
+                    len(items),
+                    root.created,
+                    now,
+                ),
+            )
+            write_root_file(self.layout, root, items)
+        return len(new)
+
     def root(self, name: str) -> Root | None:
         """The root named ``name``, or None."""
         row = self.conn.execute("SELECT * FROM roots WHERE name=?", (name,)).fetchone()

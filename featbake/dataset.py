@@ -55,7 +55,7 @@ from featbake.errors import (
     ShardMissing,
     SourceError,
 )
-from featbake.keys import feature_key, file_fingerprint, resolve_path, root_id
+from featbake.keys import feature_key, file_fingerprint, resolve_path, root_id, sha256_hex
 from featbake.lru import ByteLRU, CacheInfo
 from featbake.recipe import Recipe
 from featbake.sources import scan, source_for
@@ -450,7 +450,37 @@ class CachedFeatureDataset(Dataset):
         digests, failed = hash_inputs(catalog, paths)
         self._raise_unreadable([p for p in paths if p in failed], failed)
         keys = [feature_key(self._enc_fp, self._recipe_fp, digests[p]) for p in paths]
+        # Published like a folder's root (named from the set of files), so gc keeps what this
+        # list is served from and writes back, and `roots drop` / `gc --older-than` manage it.
+        label = "paths:" + sha256_hex("\n".join(sorted(set(paths))).encode())[:16]
+        self._publish_root(
+            catalog,
+            root_id(label, self._enc_label, self._recipe_fp),
+            label,
+            list(zip(paths, keys, strict=True)),
+        )
         return paths, keys, None
+
+    def _publish_root(
+        self, catalog: Catalog, name: str, data: str, items: list[tuple[str, str]]
+    ) -> None:
+        """Replace root ``name`` with ``items`` unless it already holds exactly them."""
+        root = catalog.root(name)
+        if (
+            root is not None
+            and root.encoder_fp == self._enc_fp
+            and [tuple(x) for x in catalog.root_items(name)] == items
+        ):
+            return
+        catalog.replace_root(
+            name,
+            data=data,
+            encoder_label=self._enc_label,
+            encoder_fp=self._enc_fp,
+            recipe_fp=self._recipe_fp,
+            recipe=self.recipe.as_dict(),
+            items=items,
+        )
 
     def _index_folder(self, data_dir: str, catalog: Catalog) -> tuple[list[str], list[str], str]:
         name = root_id(data_dir, self._enc_label, self._recipe_fp)

@@ -283,3 +283,88 @@ def test_dry_run_changes_nothing_and_young_files_wait_for_the_grace_period(
     _, result = gc(store_dir)
     assert result.orphans_removed == 1 and result.tmp_removed == 1
     assert not shard_files(store_dir) and not leftover.exists()
+
+
+def _paths(folder: Path) -> list[Path]:
+    return sorted(folder.rglob("*.wav"))
+
+
+def test_gc_keeps_what_a_list_of_paths_dataset_wrote(
+    encoder_file: Path, audio_dir: Path, store_dir: Path
+) -> None:
+    """A list-of-paths dataset publishes a root, so a gc right after its epoch keeps its features;
+    after the checkpoint is retrained in place, gc frees exactly the old features' bytes."""
+    from featbake.dataset import CachedFeatureDataset
+
+    live = Live()
+    paths = _paths(audio_dir)
+    ds = CachedFeatureDataset(paths, encoder_file, cache=store_dir)
+    for i in range(len(ds)):
+        ds[i]  # every item misses, is encoded and written back
+    ds.close()
+    old_shards = shards_of_encoder(store_dir, ds.encoder_fingerprint)
+    assert old_shards
+    _, result = gc(store_dir)
+    assert result.rows_deleted == 0 and shard_files(store_dir) == old_shards
+    again = CachedFeatureDataset(paths, encoder_file, cache=store_dir, on_miss="error")
+    assert again.stored() == len(paths)
+    for i, p in enumerate(paths):
+        torch.testing.assert_close(again[i], live(encoder_file, p), rtol=1e-5, atol=1e-6)
+    again.close()
+
+    save_torchscript(TinyConvEncoder(seed=7), encoder_file)  # retrained in place
+    new = CachedFeatureDataset(paths, encoder_file, cache=store_dir)
+    assert new.encoder_fingerprint != ds.encoder_fingerprint
+    for i in range(len(new)):
+        new[i]
+    new.close()
+    new_shards = shards_of_encoder(store_dir, new.encoder_fingerprint)
+    _, result = gc(store_dir)
+    assert result.bytes_freed == sum(old_shards.values()) and result.rows_deleted == len(paths)
+    assert shard_files(store_dir) == new_shards
+    assert verify(store_dir).status == "clean"
+
+
+def test_extend_root_keeps_features_written_without_a_folder(store_dir: Path) -> None:
+    """Writers with no data folder (CachedEncoder) append their keys to a root: gc keeps them
+    until that root is dropped, and the root's manifest file stays in step with the catalog."""
+    from featbake.catalog import read_root_file, root_file
+
+    layout = Layout(store_dir).ensure()
+    cat = Catalog(layout)
+    efp, rfp = "e" * 64, "r" * 64
+    shards = []
+    for n in range(2):
+        tensors = {f"{n}{i}".ljust(64, "0"): torch.full((3,), float(i)) for i in range(3)}
+        shard = write_shard(layout, tensors, efp, rfp)
+        cat.add_shard(shard)
+        shards.append(shard)
+        cat.extend_root(
+            "cached-encoder-x",
+            data="cached-encoder:eeee",
+            encoder_label="Enc",
+            encoder_fp=efp,
+            recipe_fp=rfp,
+            recipe={"kind": "tensor"},
+            keys=list(tensors),
+        )
+    items = manifest(store_dir, "cached-encoder-x")
+    assert len(items) == 6 and len({k for _, k in items}) == 6
+    root, file_items = read_root_file(root_file(layout, "cached-encoder-x"))
+    assert file_items == items and root.items == 6
+    cat.extend_root(  # keys already named are not added twice
+        "cached-encoder-x",
+        data="cached-encoder:eeee",
+        encoder_label="Enc",
+        encoder_fp=efp,
+        recipe_fp=rfp,
+        recipe={"kind": "tensor"},
+        keys=[items[0][1]],
+    )
+    assert len(manifest(store_dir, "cached-encoder-x")) == 6
+    _, result = gc(store_dir)
+    assert result.rows_deleted == 0 and all(s.path.exists() for s in shards)
+    cat.drop_root("cached-encoder-x")
+    cat.close()
+    _, result = gc(store_dir)
+    assert result.rows_deleted == 6 and not any(s.path.exists() for s in shards)
