@@ -92,13 +92,21 @@ def hash_inputs(
     catalog: Catalog,
     paths: Sequence[str],
     progress: Callable[[Progress], None] | None = None,
+    stats: dict[str, FileStat] | None = None,
 ) -> tuple[dict[str, str], dict[str, str]]:
     """SHA-256 of each file, re-reading only files whose (size, mtime_ns, inode) changed.
+
+    Args:
+        catalog: whose hash cache to consult and fill.
+        paths: the files to hash.
+        progress: called as hashing advances.
+        stats: if given, filled with path -> the FileStat each digest belongs to, so a later
+            reader can tell whether the file changed since (see :class:`_Decode`).
 
     Returns:
         (path -> sha256, path -> reason for files that could not be read)
     """
-    stats: dict[str, FileStat] = {}
+    stats = {} if stats is None else stats
     failed: dict[str, str] = {}
     for p in paths:
         try:
@@ -227,18 +235,35 @@ class ShapeBatcher:
 
 # -- decoding in workers ---------------------------------------------------------------------
 class _Decode(Dataset):
-    """Item i -> (i, tensor) or (i, reason) so one bad file cannot stop a worker."""
+    """Item i -> (i, tensor) or (i, reason) so one bad file cannot stop a worker.
 
-    def __init__(self, paths: Sequence[str], source: Source) -> None:
+    The key was computed from the bytes hashed earlier; a file rewritten since would put its new
+    features under the old bytes' key (served to every copy of the old file). So after decoding,
+    the file is stat'ed again: if it no longer matches the stat its digest belongs to, the item
+    fails instead.
+    """
+
+    def __init__(
+        self, paths: Sequence[str], source: Source, stats: Sequence[FileStat | None]
+    ) -> None:
         self.paths = list(paths)
         self.source = source
+        self.stats = list(stats)
 
     def __len__(self) -> int:
         return len(self.paths)
 
     def __getitem__(self, i: int) -> tuple[int, torch.Tensor | str]:
+        path = self.paths[i]
         try:
-            return i, self.source.load(self.paths[i])
+            x = self.source.load(path)
+            try:
+                now: FileStat | None = FileStat.of(path)
+            except OSError:
+                now = None
+            if self.stats[i] is None or now != self.stats[i]:
+                return i, f"{path}: changed while featbake was reading it; rerun the build"
+            return i, x
         except SourceError as e:
             return i, str(e)
         except Exception as e:
@@ -251,8 +276,10 @@ def _ignore_sigint(_worker_id: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _decoded(paths: Sequence[str], source: Source, workers: int) -> Iterator[tuple[int, Any]]:
-    ds = _Decode(paths, source)
+def _decoded(
+    paths: Sequence[str], source: Source, workers: int, stats: Sequence[FileStat | None]
+) -> Iterator[tuple[int, Any]]:
+    ds = _Decode(paths, source, stats)
     if workers == 0 or len(paths) < 2:
         yield from (ds[i] for i in range(len(ds)))
         return
@@ -465,7 +492,8 @@ def build(
     report = BuildReport(name, data_dir, enc.label, enc_fp, recipe_fp, files=len(rel_paths))
 
     abs_paths = [os.path.join(data_dir, p) for p in rel_paths]
-    digests, unreadable = hash_inputs(catalog, abs_paths, progress)
+    hashed_stats: dict[str, FileStat] = {}
+    digests, unreadable = hash_inputs(catalog, abs_paths, progress, hashed_stats)
     manifest: list[tuple[str, str]] = []
     todo: dict[str, str] = {}  # key -> absolute path of its first file
     for rel, path in zip(rel_paths, abs_paths, strict=False):
@@ -507,6 +535,7 @@ def build(
             shard_bytes,
             progress,
             data_dir,
+            hashed_stats,
         )
     elif progress:
         progress(Progress("encode", 0, 0))
@@ -528,6 +557,7 @@ def _encode_all(
     shard_bytes: int,
     progress: Callable[[Progress], None] | None,
     data_dir: str,
+    hashed_stats: dict[str, FileStat],
 ) -> None:
     keys = [k for k, _ in work]
     paths = [p for _, p in work]
@@ -564,7 +594,8 @@ def _encode_all(
 
     with _interrupt_at_safe_points() as checkpoint:
         try:
-            for i, item in _decoded(paths, source, workers):
+            stats = [hashed_stats.get(p) for p in paths]
+            for i, item in _decoded(paths, source, workers, stats):
                 checkpoint()
                 if isinstance(item, str):
                     done += 1
