@@ -31,7 +31,14 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from featbake.catalog import Catalog, FileStat
-from featbake.encoders import LoadedEncoder, from_module, load_encoder, split_outputs
+from featbake.encoders import (
+    PICKLE,
+    LoadedEncoder,
+    detect_kind,
+    from_module,
+    load_encoder,
+    split_outputs,
+)
 from featbake.errors import ConfigError, EncodeError, FeatbakeError, SourceError
 from featbake.keys import feature_key, file_fingerprint, resolve_path, root_id, sha256_hex
 from featbake.recipe import Recipe
@@ -146,11 +153,16 @@ def _encoder_cache_id(encoder: LoadedEncoder, weights: str | None) -> tuple[str,
 
     A TorchScript or .pt2 file holds its architecture and weights, so its fingerprint depends on
     the file alone. An import-path encoder's architecture lives in code, so its id includes the
-    identity (its repr) beside the weights file.
+    identity (its repr and code digest) beside the weights file. A pickle's class lives in code
+    too: its id includes the identity beside the file, under an ``encoder-fp:pickle:`` prefix
+    that :func:`cached_file_encoder_fp` never looks up (a pickle cannot be vouched for unloaded).
     """
     if weights is not None:
         ident = sha256_hex(f"{encoder.identity}\n{resolve_path(weights)}".encode())
         return f"encoder-fp:import:{ident}", weights
+    if encoder.kind == PICKLE and os.path.isfile(encoder.label):
+        ident = sha256_hex(f"{encoder.identity}\n{resolve_path(encoder.label)}".encode())
+        return f"encoder-fp:pickle:{ident}", encoder.label
     if encoder.kind != "module" and os.path.isfile(encoder.label):
         return file_encoder_cache_id(encoder.label), encoder.label
     return None
@@ -165,7 +177,11 @@ def cached_file_encoder_fp(catalog: Catalog, path: str | os.PathLike[str]) -> st
     """A file encoder's fingerprint without loading it, if the file is unchanged since last time.
 
     This lets a dataset map inputs to keys (and serve hits) without ever loading the encoder.
+    Always None for a pickled module: its fingerprint depends on its class's source code too,
+    which only loading it reveals (and the build never caches it under this file id).
     """
+    if detect_kind(Path(path)) == PICKLE:
+        return None  # also ignores file-id entries written before pickles were keyed by code
     ident = file_encoder_cache_id(path)
     hit = catalog.cached_hashes([ident]).get(ident)
     try:
