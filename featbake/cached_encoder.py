@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from featbake.catalog import Catalog
-from featbake.encoders import is_frozen
+from featbake.encoders import is_frozen, module_identity
 from featbake.errors import ConfigError, EncodeError
 from featbake.keys import feature_key, module_fingerprint, recipe_fingerprint
 from featbake.lru import ByteLRU, CacheInfo
@@ -136,9 +136,7 @@ class CachedEncoder(nn.Module):
         self._ram = ByteLRU(parse_bytes(ram_cache))
         self._dev = ByteLRU(parse_bytes(device_cache))
         self._recipe_fp = recipe_fingerprint(CACHED_ENCODER_RECIPE)
-        self._identity = (
-            f"module:{type(encoder).__module__}.{type(encoder).__qualname__}\n{encoder!r}"
-        )
+        self._identity = module_identity(encoder)  # as from_module: class, repr and code
         self._fp: str | None = None
         self._versions: tuple[int, ...] = ()
         self._warned = False

@@ -137,6 +137,16 @@ def code_identity(module: Any, *extra: Any) -> str:
     return hashlib.sha256("\n".join(sorted(digests)).encode()).hexdigest()
 
 
+def module_identity(module: Any) -> str:
+    """An in-process module's identity: its class, its repr and its code (see code_identity).
+
+    Shared by :func:`from_module` and :class:`featbake.cached_encoder.CachedEncoder`, so the same
+    module gets the same fingerprint either way.
+    """
+    ident = f"module:{type(module).__module__}.{type(module).__qualname__}\n{module!r}"
+    return f"{ident}\ncode:{code_identity(module)}"
+
+
 def _script_identity(module: Any) -> str:
     parts = [f"torchscript:{getattr(module, 'original_name', type(module).__name__)}"]
     for name, sub in sorted(module.named_modules(), key=lambda kv: kv[0]):
@@ -302,9 +312,10 @@ def from_module(
 ) -> LoadedEncoder:
     """Wrap an in-process module as a :class:`LoadedEncoder` (eval mode, moved to ``device``)."""
     if identity is None:
-        identity = f"module:{type(module).__module__}.{type(module).__qualname__}\n{module!r}"
         if kind == MODULE:
-            identity += f"\ncode:{code_identity(module)}"
+            identity = module_identity(module)
+        else:
+            identity = f"module:{type(module).__module__}.{type(module).__qualname__}\n{module!r}"
     if device is None:
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
     dev = torch.device(device)
