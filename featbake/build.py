@@ -478,6 +478,7 @@ def build(
 
     Raises:
         SourceError, EncodeError: with ``strict``, the first bad input.
+        ConfigError: also from the first batch, for an ``output`` the encoder does not return.
         EncoderLoadError, StoreError, ConfigError: nothing could be built.
 
     Example:
@@ -538,21 +539,28 @@ def build(
     report.reused = len(present)
     work = [(k, p) for k, p in todo.items() if k not in present]
     if work:
-        _encode_all(
-            work,
-            enc,
-            recipe,
-            source,
-            layout,
-            report,
-            batch_size,
-            workers,
-            strict,
-            shard_bytes,
-            progress,
-            data_dir,
-            hashed_stats,
-        )
+        try:
+            _encode_all(
+                work,
+                enc,
+                recipe,
+                source,
+                layout,
+                report,
+                batch_size,
+                workers,
+                strict,
+                shard_bytes,
+                progress,
+                data_dir,
+                hashed_stats,
+            )
+        except ConfigError:
+            # A wrong option (e.g. --output) stopped the build: the manifest it published would
+            # only name keys that never get features.
+            catalog.drop_root(name)
+            catalog.close()
+            raise
     elif progress:
         progress(Progress("encode", 0, 0))
     catalog.close()

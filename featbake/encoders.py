@@ -337,7 +337,8 @@ def split_outputs(result: Any, output: str | None) -> dict[str, torch.Tensor]:
     With ``output`` set, only that output is kept (stored under ``""``).
 
     Raises:
-        EncodeError: the result is not a tensor, tuple or dict of tensors, or lacks ``output``.
+        EncodeError: the result is not a tensor, tuple or dict of tensors.
+        ConfigError: the result has no output named ``output``.
     """
     if isinstance(result, torch.Tensor):
         named = {"": result}
@@ -353,7 +354,10 @@ def split_outputs(result: Any, output: str | None) -> dict[str, torch.Tensor]:
     if output is not None:
         if output not in named:
             choices = ", ".join(repr(k) for k in named if k) or "a single tensor"
-            raise EncodeError(f"the encoder has no output {output!r}; it returns {choices}")
+            # The user's option, not this input's fault: a ConfigError stops the build.
+            raise ConfigError(
+                f"the encoder has no output {output!r}; it returns {choices}; fix --output"
+            )
         named = {"": named[output]}
     bad = [k for k, v in named.items() if not isinstance(v, torch.Tensor)]
     if bad:

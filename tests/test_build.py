@@ -297,3 +297,19 @@ def test_a_file_rewritten_after_hashing_is_failed_not_stored_under_its_old_key(
     torch.testing.assert_close(
         stored_features(cache, rerun.root)[victim.name][""], live_features(encoder_file, victim)
     )
+
+
+def test_a_wrong_output_name_stops_the_build_with_a_config_error(
+    tmp_path: Path, multi_encoder_file: Path, audio_dir: Path
+) -> None:
+    """A missing --output is the user's option, not every input failing: stop, leave no root."""
+    cache = tmp_path / "store"
+    with pytest.raises(ConfigError, match=r"no output 'nope'.*'hidden', 'pooled'"):
+        build(audio_dir, multi_encoder_file, cache=cache, recipe=Recipe(output="nope"), workers=0)
+    cat = Catalog(Layout(cache))
+    try:
+        assert cat.conn.execute("SELECT COUNT(*) FROM roots").fetchone() == (0,)
+    finally:
+        cat.close()
+    good = build(audio_dir, multi_encoder_file, cache=cache, recipe=Recipe(output="pooled"))
+    assert good.ok and good.encoded == 16
