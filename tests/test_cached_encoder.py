@@ -198,3 +198,18 @@ def test_edited_encoder_code_is_never_served_from_the_old_cache(tmp_path, monkey
         with torch.no_grad():
             same(out, bare(x))
     sys.modules.pop("ce_enc_mod", None)
+
+
+@pytest.mark.parametrize("store", [True, False])
+def test_a_dropped_cached_encoder_is_collected_with_its_model(tmp_path, store) -> None:
+    """Nothing global keeps the wrapper (and so the model and its tiers) alive once dropped."""
+    import gc
+    import weakref
+
+    model = frozen(TinyConvEncoder())
+    ce = CachedEncoder(model, cache=tmp_path / "s" if store else None, store=store)
+    ce(waves(2))
+    refs = (weakref.ref(ce), weakref.ref(model))
+    del ce, model
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
