@@ -31,7 +31,14 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from featbake.catalog import Catalog, FileStat
-from featbake.encoders import LoadedEncoder, from_module, load_encoder, split_outputs
+from featbake.encoders import (
+    PICKLE,
+    LoadedEncoder,
+    detect_kind,
+    from_module,
+    load_encoder,
+    split_outputs,
+)
 from featbake.errors import ConfigError, EncodeError, FeatbakeError, SourceError
 from featbake.keys import feature_key, file_fingerprint, resolve_path, root_id, sha256_hex
 from featbake.recipe import Recipe
@@ -92,13 +99,21 @@ def hash_inputs(
     catalog: Catalog,
     paths: Sequence[str],
     progress: Callable[[Progress], None] | None = None,
+    stats: dict[str, FileStat] | None = None,
 ) -> tuple[dict[str, str], dict[str, str]]:
     """SHA-256 of each file, re-reading only files whose (size, mtime_ns, inode) changed.
+
+    Args:
+        catalog: whose hash cache to consult and fill.
+        paths: the files to hash.
+        progress: called as hashing advances.
+        stats: if given, filled with path -> the FileStat each digest belongs to, so a later
+            reader can tell whether the file changed since (see :class:`_Decode`).
 
     Returns:
         (path -> sha256, path -> reason for files that could not be read)
     """
-    stats: dict[str, FileStat] = {}
+    stats = {} if stats is None else stats
     failed: dict[str, str] = {}
     for p in paths:
         try:
@@ -138,11 +153,16 @@ def _encoder_cache_id(encoder: LoadedEncoder, weights: str | None) -> tuple[str,
 
     A TorchScript or .pt2 file holds its architecture and weights, so its fingerprint depends on
     the file alone. An import-path encoder's architecture lives in code, so its id includes the
-    identity (its repr) beside the weights file.
+    identity (its repr and code digest) beside the weights file. A pickle's class lives in code
+    too: its id includes the identity beside the file, under an ``encoder-fp:pickle:`` prefix
+    that :func:`cached_file_encoder_fp` never looks up (a pickle cannot be vouched for unloaded).
     """
     if weights is not None:
         ident = sha256_hex(f"{encoder.identity}\n{resolve_path(weights)}".encode())
         return f"encoder-fp:import:{ident}", weights
+    if encoder.kind == PICKLE and os.path.isfile(encoder.label):
+        ident = sha256_hex(f"{encoder.identity}\n{resolve_path(encoder.label)}".encode())
+        return f"encoder-fp:pickle:{ident}", encoder.label
     if encoder.kind != "module" and os.path.isfile(encoder.label):
         return file_encoder_cache_id(encoder.label), encoder.label
     return None
@@ -157,7 +177,11 @@ def cached_file_encoder_fp(catalog: Catalog, path: str | os.PathLike[str]) -> st
     """A file encoder's fingerprint without loading it, if the file is unchanged since last time.
 
     This lets a dataset map inputs to keys (and serve hits) without ever loading the encoder.
+    Always None for a pickled module: its fingerprint depends on its class's source code too,
+    which only loading it reveals (and the build never caches it under this file id).
     """
+    if detect_kind(Path(path)) == PICKLE:
+        return None  # also ignores file-id entries written before pickles were keyed by code
     ident = file_encoder_cache_id(path)
     hit = catalog.cached_hashes([ident]).get(ident)
     try:
@@ -227,18 +251,35 @@ class ShapeBatcher:
 
 # -- decoding in workers ---------------------------------------------------------------------
 class _Decode(Dataset):
-    """Item i -> (i, tensor) or (i, reason) so one bad file cannot stop a worker."""
+    """Item i -> (i, tensor) or (i, reason) so one bad file cannot stop a worker.
 
-    def __init__(self, paths: Sequence[str], source: Source) -> None:
+    The key was computed from the bytes hashed earlier; a file rewritten since would put its new
+    features under the old bytes' key (served to every copy of the old file). So after decoding,
+    the file is stat'ed again: if it no longer matches the stat its digest belongs to, the item
+    fails instead.
+    """
+
+    def __init__(
+        self, paths: Sequence[str], source: Source, stats: Sequence[FileStat | None]
+    ) -> None:
         self.paths = list(paths)
         self.source = source
+        self.stats = list(stats)
 
     def __len__(self) -> int:
         return len(self.paths)
 
     def __getitem__(self, i: int) -> tuple[int, torch.Tensor | str]:
+        path = self.paths[i]
         try:
-            return i, self.source.load(self.paths[i])
+            x = self.source.load(path)
+            try:
+                now: FileStat | None = FileStat.of(path)
+            except OSError:
+                now = None
+            if self.stats[i] is None or now != self.stats[i]:
+                return i, f"{path}: changed while featbake was reading it; rerun the build"
+            return i, x
         except SourceError as e:
             return i, str(e)
         except Exception as e:
@@ -251,8 +292,10 @@ def _ignore_sigint(_worker_id: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _decoded(paths: Sequence[str], source: Source, workers: int) -> Iterator[tuple[int, Any]]:
-    ds = _Decode(paths, source)
+def _decoded(
+    paths: Sequence[str], source: Source, workers: int, stats: Sequence[FileStat | None]
+) -> Iterator[tuple[int, Any]]:
+    ds = _Decode(paths, source, stats)
     if workers == 0 or len(paths) < 2:
         yield from (ds[i] for i in range(len(ds)))
         return
@@ -435,6 +478,7 @@ def build(
 
     Raises:
         SourceError, EncodeError: with ``strict``, the first bad input.
+        ConfigError: also from the first batch, for an ``output`` the encoder does not return.
         EncoderLoadError, StoreError, ConfigError: nothing could be built.
 
     Example:
@@ -465,7 +509,8 @@ def build(
     report = BuildReport(name, data_dir, enc.label, enc_fp, recipe_fp, files=len(rel_paths))
 
     abs_paths = [os.path.join(data_dir, p) for p in rel_paths]
-    digests, unreadable = hash_inputs(catalog, abs_paths, progress)
+    hashed_stats: dict[str, FileStat] = {}
+    digests, unreadable = hash_inputs(catalog, abs_paths, progress, hashed_stats)
     manifest: list[tuple[str, str]] = []
     todo: dict[str, str] = {}  # key -> absolute path of its first file
     for rel, path in zip(rel_paths, abs_paths, strict=False):
@@ -494,20 +539,28 @@ def build(
     report.reused = len(present)
     work = [(k, p) for k, p in todo.items() if k not in present]
     if work:
-        _encode_all(
-            work,
-            enc,
-            recipe,
-            source,
-            layout,
-            report,
-            batch_size,
-            workers,
-            strict,
-            shard_bytes,
-            progress,
-            data_dir,
-        )
+        try:
+            _encode_all(
+                work,
+                enc,
+                recipe,
+                source,
+                layout,
+                report,
+                batch_size,
+                workers,
+                strict,
+                shard_bytes,
+                progress,
+                data_dir,
+                hashed_stats,
+            )
+        except ConfigError:
+            # A wrong option (e.g. --output) stopped the build: the manifest it published would
+            # only name keys that never get features.
+            catalog.drop_root(name)
+            catalog.close()
+            raise
     elif progress:
         progress(Progress("encode", 0, 0))
     catalog.close()
@@ -528,6 +581,7 @@ def _encode_all(
     shard_bytes: int,
     progress: Callable[[Progress], None] | None,
     data_dir: str,
+    hashed_stats: dict[str, FileStat],
 ) -> None:
     keys = [k for k, _ in work]
     paths = [p for _, p in work]
@@ -564,7 +618,8 @@ def _encode_all(
 
     with _interrupt_at_safe_points() as checkpoint:
         try:
-            for i, item in _decoded(paths, source, workers):
+            stats = [hashed_stats.get(p) for p in paths]
+            for i, item in _decoded(paths, source, workers, stats):
                 checkpoint()
                 if isinstance(item, str):
                     done += 1

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from featbake.catalog import Catalog
-from featbake.encoders import is_frozen
+from featbake.encoders import is_frozen, module_identity
 from featbake.errors import ConfigError, EncodeError
 from featbake.keys import feature_key, module_fingerprint, recipe_fingerprint
 from featbake.lru import ByteLRU, CacheInfo
@@ -94,6 +94,30 @@ def _id_fp(ident: Any) -> str:
     return hashlib.sha256(f"id\0{ident}".encode()).hexdigest()
 
 
+class _Sink:
+    """The write-back state: it never refers to the CachedEncoder, so the wrapper (and its model)
+    can be collected; a finalizer on the wrapper seals this sink's pending shard."""
+
+    def __init__(self, layout: Layout | None) -> None:
+        self.layout = layout
+        self.writer: ShardWriter | None = None
+        self.catalog: Catalog | None = None
+        self.first_pending = 0.0
+
+    def publish(self, shard: Any) -> None:
+        if self.catalog is None:
+            self.catalog = Catalog(self.layout)  # type: ignore[arg-type]
+        self.catalog.add_shard(shard)
+        self.first_pending = 0.0
+
+    def close(self) -> None:
+        try:
+            if self.writer is not None:
+                self.writer.seal()
+        except Exception as e:  # at exit there is no caller left to raise to
+            warnings.warn(f"featbake: CachedEncoder could not seal its shard: {e}", stacklevel=1)
+
+
 class CachedEncoder(nn.Module):
     """Wrap a frozen encoder so each input row is encoded once, ever.
 
@@ -136,9 +160,7 @@ class CachedEncoder(nn.Module):
         self._ram = ByteLRU(parse_bytes(ram_cache))
         self._dev = ByteLRU(parse_bytes(device_cache))
         self._recipe_fp = recipe_fingerprint(CACHED_ENCODER_RECIPE)
-        self._identity = (
-            f"module:{type(encoder).__module__}.{type(encoder).__qualname__}\n{encoder!r}"
-        )
+        self._identity = module_identity(encoder)  # as from_module: class, repr and code
         self._fp: str | None = None
         self._versions: tuple[int, ...] = ()
         self._warned = False
@@ -149,11 +171,9 @@ class CachedEncoder(nn.Module):
             else None
         )
         self._reader: FeatureReader | None = None
-        self._writer: ShardWriter | None = None
-        self._catalog: Catalog | None = None
-        self._first_pending = 0.0
+        self._sink = _Sink(self._layout)
         self.stats = {"hits_device": 0, "hits_ram": 0, "hits_store": 0, "encoded": 0}
-        weakref.finalize(self, CachedEncoder._close_writer, self.__dict__)
+        weakref.finalize(self, self._sink.close)
 
     # -- state --------------------------------------------------------------------------------
     def active(self) -> bool:
@@ -176,18 +196,9 @@ class CachedEncoder(nn.Module):
     def flush(self) -> None:
         """Seal the write-back shard now (also done at exit and when the wrapper is collected)."""
         with self._lock:
-            if self._writer is not None:
-                self._writer.seal()
-            self._first_pending = 0.0
-
-    @staticmethod
-    def _close_writer(state: dict[str, Any]) -> None:
-        writer = state.get("_writer")
-        try:
-            if writer is not None:
-                writer.seal()
-        except Exception as e:  # at exit there is no caller left to raise to
-            warnings.warn(f"featbake: CachedEncoder could not seal its shard: {e}", stacklevel=1)
+            if self._sink.writer is not None:
+                self._sink.writer.seal()
+            self._sink.first_pending = 0.0
 
     # -- forward ------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, ids: Sequence[Any] | None = None) -> Any:
@@ -282,28 +293,23 @@ class CachedEncoder(nn.Module):
             self._ram.put(key, host)
         if self._layout is None:
             return
+        sink = self._sink
         with self._lock:
-            if self._writer is None or self._writer.encoder_fp != enc_fp:
-                if self._writer is not None:
-                    self._writer.seal()
-                self._writer = ShardWriter(
+            if sink.writer is None or sink.writer.encoder_fp != enc_fp:
+                if sink.writer is not None:
+                    sink.writer.seal()
+                sink.writer = ShardWriter(
                     self._layout,
                     enc_fp,
                     self._recipe_fp,
                     target_bytes=WRITEBACK_BYTES,
-                    on_seal=self._publish,
+                    on_seal=sink.publish,
                 )
-            if not self._first_pending:
-                self._first_pending = time.monotonic()
-            self._writer.add(key, host)
-            if time.monotonic() - self._first_pending >= WRITEBACK_SECONDS:
-                self._writer.seal()
-
-    def _publish(self, shard: Any) -> None:
-        if self._catalog is None:
-            self._catalog = Catalog(self._layout)  # type: ignore[arg-type]
-        self._catalog.add_shard(shard)
-        self._first_pending = 0.0
+            if not sink.first_pending:
+                sink.first_pending = time.monotonic()
+            sink.writer.add(key, host)
+            if time.monotonic() - sink.first_pending >= WRITEBACK_SECONDS:
+                sink.writer.seal()
 
     def _store_reader(self) -> FeatureReader:
         if self._reader is None:
@@ -312,11 +318,13 @@ class CachedEncoder(nn.Module):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for name in ("_reader", "_writer", "_catalog"):
-            state[name] = None
+        state["_reader"] = None
+        state["_sink"] = None
         state["_lock"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        self._sink = _Sink(self._layout)
+        weakref.finalize(self, self._sink.close)

@@ -137,6 +137,16 @@ def code_identity(module: Any, *extra: Any) -> str:
     return hashlib.sha256("\n".join(sorted(digests)).encode()).hexdigest()
 
 
+def module_identity(module: Any) -> str:
+    """An in-process module's identity: its class, its repr and its code (see code_identity).
+
+    Shared by :func:`from_module` and :class:`featbake.cached_encoder.CachedEncoder`, so the same
+    module gets the same fingerprint either way.
+    """
+    ident = f"module:{type(module).__module__}.{type(module).__qualname__}\n{module!r}"
+    return f"{ident}\ncode:{code_identity(module)}"
+
+
 def _script_identity(module: Any) -> str:
     parts = [f"torchscript:{getattr(module, 'original_name', type(module).__name__)}"]
     for name, sub in sorted(module.named_modules(), key=lambda kv: kv[0]):
@@ -302,9 +312,10 @@ def from_module(
 ) -> LoadedEncoder:
     """Wrap an in-process module as a :class:`LoadedEncoder` (eval mode, moved to ``device``)."""
     if identity is None:
-        identity = f"module:{type(module).__module__}.{type(module).__qualname__}\n{module!r}"
         if kind == MODULE:
-            identity += f"\ncode:{code_identity(module)}"
+            identity = module_identity(module)
+        else:
+            identity = f"module:{type(module).__module__}.{type(module).__qualname__}\n{module!r}"
     if device is None:
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
     dev = torch.device(device)
@@ -326,7 +337,8 @@ def split_outputs(result: Any, output: str | None) -> dict[str, torch.Tensor]:
     With ``output`` set, only that output is kept (stored under ``""``).
 
     Raises:
-        EncodeError: the result is not a tensor, tuple or dict of tensors, or lacks ``output``.
+        EncodeError: the result is not a tensor, tuple or dict of tensors.
+        ConfigError: the result has no output named ``output``.
     """
     if isinstance(result, torch.Tensor):
         named = {"": result}
@@ -342,7 +354,10 @@ def split_outputs(result: Any, output: str | None) -> dict[str, torch.Tensor]:
     if output is not None:
         if output not in named:
             choices = ", ".join(repr(k) for k in named if k) or "a single tensor"
-            raise EncodeError(f"the encoder has no output {output!r}; it returns {choices}")
+            # The user's option, not this input's fault: a ConfigError stops the build.
+            raise ConfigError(
+                f"the encoder has no output {output!r}; it returns {choices}; fix --output"
+            )
         named = {"": named[output]}
     bad = [k for k, v in named.items() if not isinstance(v, torch.Tensor)]
     if bad:

@@ -260,3 +260,56 @@ def test_shape_batcher_fills_batches_of_one_shape() -> None:
     b = ShapeBatcher(3)
     assert b.add((5,), "a") == [] and b.add((5,), "b") == []
     assert b.add((5,), "c") == [["a", "b", "c"]]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_file_rewritten_after_hashing_is_failed_not_stored_under_its_old_key(
+    tmp_path: Path, encoder_file: Path, workers: int
+) -> None:
+    """The key names the hashed bytes; features of newer bytes must never be stored under it."""
+    data, backup = tmp_path / "a", tmp_path / "b"
+    write_audio_folder(data, 3, seconds=1.0, seed=5)
+    write_audio_folder(backup, 3, seconds=1.0, seed=5)  # the same bytes: the same keys
+    victim = data / sorted(p.name for p in data.iterdir())[0]
+    cache = tmp_path / "store"
+
+    rewritten: list[bool] = []
+
+    def rewrite_after_hashing(p: Progress) -> None:
+        if p.phase == "hash" and p.done == p.total and not rewritten:
+            rewritten.append(True)
+            write_audio_folder(tmp_path / "new", 1, seconds=0.7, seed=9)
+            os.replace(next((tmp_path / "new").iterdir()), victim)
+
+    report = build(data, encoder_file, cache=cache, workers=workers, progress=rewrite_after_hashing)
+    assert [p for p, _ in report.failed] == [victim.name]
+    assert "changed while featbake was reading it" in report.failed[0][1]
+    assert report.encoded == 2
+    # The backup holds the old bytes: whatever the store serves for it is their live encoding.
+    again = build(backup, encoder_file, cache=cache, workers=0)
+    assert again.ok and again.reused + again.encoded == 3
+    got = stored_features(cache, again.root)
+    for name, parts in got.items():
+        torch.testing.assert_close(parts[""], live_features(encoder_file, backup / name))
+    # A rerun picks up the new bytes under their own key.
+    rerun = build(data, encoder_file, cache=cache, workers=0)
+    assert rerun.ok and rerun.encoded == 1
+    torch.testing.assert_close(
+        stored_features(cache, rerun.root)[victim.name][""], live_features(encoder_file, victim)
+    )
+
+
+def test_a_wrong_output_name_stops_the_build_with_a_config_error(
+    tmp_path: Path, multi_encoder_file: Path, audio_dir: Path
+) -> None:
+    """A missing --output is the user's option, not every input failing: stop, leave no root."""
+    cache = tmp_path / "store"
+    with pytest.raises(ConfigError, match=r"no output 'nope'.*'hidden', 'pooled'"):
+        build(audio_dir, multi_encoder_file, cache=cache, recipe=Recipe(output="nope"), workers=0)
+    cat = Catalog(Layout(cache))
+    try:
+        assert cat.conn.execute("SELECT COUNT(*) FROM roots").fetchone() == (0,)
+    finally:
+        cat.close()
+    good = build(audio_dir, multi_encoder_file, cache=cache, recipe=Recipe(output="pooled"))
+    assert good.ok and good.encoded == 16

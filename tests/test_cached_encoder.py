@@ -170,3 +170,46 @@ def test_ram_only_budget_and_module_behaviour(tmp_path) -> None:
         assert ce.cache_info()["ram"].bytes <= 40_000
     assert ce.cache_info()["ram"].evictions > 0
     assert "encoder.conv1.weight" in ce.state_dict()  # still a normal module around the encoder
+
+
+def test_edited_encoder_code_is_never_served_from_the_old_cache(tmp_path, monkeypatch) -> None:
+    """The key covers the wrapped encoder's source, as for from_module: a new forward re-encodes."""
+    import importlib
+    import sys
+
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    monkeypatch.syspath_prepend(str(pkg))
+    x = waves(3)
+    for factor in (1.0, 3.0):
+        (pkg / "ce_enc_mod.py").write_text(
+            "from featbake.demo import TinyConvEncoder\n\n\n"
+            "class Scaled(TinyConvEncoder):\n"
+            "    def forward(self, wav):\n"
+            f"        return super().forward(wav) * {factor}\n"
+        )
+        sys.modules.pop("ce_enc_mod", None)
+        mod = importlib.import_module("ce_enc_mod")
+        bare = frozen(mod.Scaled())
+        ce = CachedEncoder(bare, cache=tmp_path / "store", ram_cache=0)
+        out = ce(x)
+        ce.flush()
+        assert ce.stats["encoded"] == 3 and ce.stats["hits_store"] == 0
+        with torch.no_grad():
+            same(out, bare(x))
+    sys.modules.pop("ce_enc_mod", None)
+
+
+@pytest.mark.parametrize("store", [True, False])
+def test_a_dropped_cached_encoder_is_collected_with_its_model(tmp_path, store) -> None:
+    """Nothing global keeps the wrapper (and so the model and its tiers) alive once dropped."""
+    import gc
+    import weakref
+
+    model = frozen(TinyConvEncoder())
+    ce = CachedEncoder(model, cache=tmp_path / "s" if store else None, store=store)
+    ce(waves(2))
+    refs = (weakref.ref(ce), weakref.ref(model))
+    del ce, model
+    gc.collect()
+    assert [r() for r in refs] == [None, None]

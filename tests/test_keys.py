@@ -15,9 +15,9 @@ import pytest
 import soundfile
 import torch
 
-from featbake.build import build
+from featbake.build import build, cached_file_encoder_fp
 from featbake.catalog import Catalog
-from featbake.demo import TinyConvEncoder, save_torchscript
+from featbake.demo import TinyConvEncoder, save_torchscript, write_audio_folder
 from featbake.encoders import load_encoder
 from featbake.keys import (
     WEIGHT_CHUNK_BYTES,
@@ -28,7 +28,9 @@ from featbake.keys import (
     root_id,
     state_dict_fingerprint,
 )
+from featbake.reader import FeatureReader
 from featbake.recipe import Recipe
+from featbake.sources import source_for
 from featbake.store import Layout
 
 
@@ -279,3 +281,50 @@ def test_encoder_fingerprint_cache_is_used_and_invalidated(tmp_path: Path, audio
     assert third.encoder_fp not in (first.encoder_fp, "f" * 64)
     assert third.encoded == first.encoded
     assert Recipe().fingerprint() == third.recipe_fp
+
+
+def _write_pickled_encoder_module(folder: Path, factor: float) -> None:
+    (folder / "pk_enc_mod.py").write_text(
+        "from featbake.demo import TinyConvEncoder\n\n\n"
+        "class PEnc(TinyConvEncoder):\n"
+        "    def forward(self, wav):\n"
+        f"        return super().forward(wav) * {factor}\n"
+    )
+
+
+def test_a_pickled_encoders_edited_code_is_not_hidden_by_the_fingerprint_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pickle's identity includes its class's source: the .pkl's stat cannot vouch for it."""
+    data = tmp_path / "audio"
+    write_audio_folder(data, 2, seconds=1.0, seed=3)
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    monkeypatch.syspath_prepend(str(pkg))
+    _write_pickled_encoder_module(pkg, 1.0)
+    import pk_enc_mod
+
+    pkl, cache = tmp_path / "enc.pkl", tmp_path / "cache"
+    torch.save(pk_enc_mod.PEnc().eval(), pkl)
+    first = build(data, pkl, cache=cache, trust_pickle=True, workers=0)
+    assert first.ok and first.encoded == 2
+    # The no-load path (CachedFeatureDataset) must not vouch for a pickle by its stat either.
+    cat = Catalog(Layout(cache))
+    assert cached_file_encoder_fp(cat, pkl) is None
+    cat.close()
+
+    _write_pickled_encoder_module(pkg, 3.0)  # edit forward; the .pkl file is untouched
+    monkeypatch.delitem(sys.modules, "pk_enc_mod")
+    second = build(data, pkl, cache=cache, trust_pickle=True, workers=0)
+    assert second.encoder_fp != first.encoder_fp
+    assert second.encoded == 2 and second.reused == 0
+    enc = load_encoder(pkl, trust_pickle=True)
+    layout = Layout(cache)
+    cat, reader = Catalog(layout), FeatureReader(layout)
+    try:
+        for rel, key in cat.root_items(second.root):
+            x = source_for(Recipe()).load(data / rel)
+            torch.testing.assert_close(reader.get(key)[""], enc.run(x[None])[0])
+    finally:
+        reader.close()
+        cat.close()
