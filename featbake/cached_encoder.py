@@ -94,12 +94,18 @@ def _id_fp(ident: Any) -> str:
     return hashlib.sha256(f"id\0{ident}".encode()).hexdigest()
 
 
+def cached_encoder_root(encoder_fp: str, recipe_fp: str) -> str:
+    """The name of the root that keeps a CachedEncoder's stored features live for gc."""
+    return f"cached-encoder-{encoder_fp[:12]}-{recipe_fp[:8]}"
+
+
 class _Sink:
     """The write-back state: it never refers to the CachedEncoder, so the wrapper (and its model)
     can be collected; a finalizer on the wrapper seals this sink's pending shard."""
 
-    def __init__(self, layout: Layout | None) -> None:
+    def __init__(self, layout: Layout | None, label: str = "CachedEncoder") -> None:
         self.layout = layout
+        self.label = label
         self.writer: ShardWriter | None = None
         self.catalog: Catalog | None = None
         self.first_pending = 0.0
@@ -107,6 +113,19 @@ class _Sink:
     def publish(self, shard: Any) -> None:
         if self.catalog is None:
             self.catalog = Catalog(self.layout)  # type: ignore[arg-type]
+        # The keys join this encoder's root *before* their rows exist, so a gc running between
+        # the two transactions never sees the rows unreached. One root per (encoder, recipe):
+        # `featbake roots drop` or `gc --older-than` retire it like any build's root.
+        fp = shard.encoder_fp
+        self.catalog.extend_root(
+            cached_encoder_root(fp, shard.recipe_fp),
+            data=f"cached-encoder:{fp[:12]}",
+            encoder_label=self.label,
+            encoder_fp=fp,
+            recipe_fp=shard.recipe_fp,
+            recipe=CACHED_ENCODER_RECIPE,
+            keys=sorted({e.key for e in shard.entries}),
+        )
         self.catalog.add_shard(shard)
         self.first_pending = 0.0
 
@@ -171,7 +190,7 @@ class CachedEncoder(nn.Module):
             else None
         )
         self._reader: FeatureReader | None = None
-        self._sink = _Sink(self._layout)
+        self._sink = _Sink(self._layout, type(encoder).__name__)
         self.stats = {"hits_device": 0, "hits_ram": 0, "hits_store": 0, "encoded": 0}
         weakref.finalize(self, self._sink.close)
 
@@ -326,5 +345,5 @@ class CachedEncoder(nn.Module):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
-        self._sink = _Sink(self._layout)
+        self._sink = _Sink(self._layout, type(self.encoder).__name__)
         weakref.finalize(self, self._sink.close)

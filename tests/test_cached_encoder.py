@@ -213,3 +213,27 @@ def test_a_dropped_cached_encoder_is_collected_with_its_model(tmp_path, store) -
     del ce, model
     gc.collect()
     assert [r() for r in refs] == [None, None]
+
+
+def test_gc_keeps_what_cached_encoder_stored_until_its_root_is_dropped(tmp_path) -> None:
+    from featbake.upkeep import GcOptions, drop_root, execute_gc, list_roots, plan_gc
+
+    store = tmp_path / "store"
+    enc = frozen(Counting(TinyConvEncoder()))
+    ce = CachedEncoder(enc, cache=store)
+    x = waves(4)
+    ids = [f"utt{i}" for i in range(4)]
+    ce(x, ids=ids)
+    ce.flush()
+    roots = [r for r in list_roots(store) if r.data.startswith("cached-encoder:")]
+    assert len(roots) == 1 and roots[0].items == 4 and roots[0].missing == 0
+
+    execute_gc(plan_gc(store, GcOptions(grace=0)))
+    enc2 = frozen(Counting(TinyConvEncoder()))
+    ce2 = CachedEncoder(enc2, cache=store, ram_cache=0)
+    same(ce2(x, ids=ids), enc2.inner(x))
+    assert enc2.rows == 0, "gc deleted features a CachedEncoder had stored"
+
+    drop_root(store, roots[0].name)
+    result = execute_gc(plan_gc(store, GcOptions(grace=0)))
+    assert result.rows_deleted == 4
