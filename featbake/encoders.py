@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import inspect
+import json
 import os
 import pickle
 import warnings
@@ -137,21 +138,59 @@ def code_identity(module: Any, *extra: Any) -> str:
     return hashlib.sha256("\n".join(sorted(digests)).encode()).hexdigest()
 
 
+_PRIMITIVES = (bool, int, float, str, type(None))
+
+
+def _primitive(value: Any) -> bool:
+    if isinstance(value, (tuple, list)):
+        return all(_primitive(v) for v in value)
+    return isinstance(value, _PRIMITIVES)
+
+
+def attribute_identity(module: Any) -> str:
+    """SHA-256 of every submodule's plain attributes (numbers, strings, tuples of them).
+
+    ``self.scale = 2.0`` used in ``forward`` changes outputs without changing code or weights, so
+    it must change the key. Private attributes (torch's own bookkeeping) and ``training`` (always
+    eval here) are left out.
+    """
+    subs = module.named_modules() if hasattr(module, "named_modules") else [("", module)]
+    attrs = []
+    for name, sub in sorted(subs, key=lambda kv: kv[0]):
+        for key, value in sorted(vars(sub).items()):
+            if not key.startswith("_") and key != "training" and _primitive(value):
+                attrs.append([name, key, repr(value)])
+    return hashlib.sha256(json.dumps(attrs).encode()).hexdigest()
+
+
 def module_identity(module: Any) -> str:
-    """An in-process module's identity: its class, its repr and its code (see code_identity).
+    """An in-process module's identity: class, repr, code and plain attributes.
 
     Shared by :func:`from_module` and :class:`featbake.cached_encoder.CachedEncoder`, so the same
     module gets the same fingerprint either way.
     """
     ident = f"module:{type(module).__module__}.{type(module).__qualname__}\n{module!r}"
-    return f"{ident}\ncode:{code_identity(module)}"
+    return f"{ident}\ncode:{code_identity(module)}\nattrs:{attribute_identity(module)}"
 
 
-def _script_identity(module: Any) -> str:
+def _script_identity(module: Any, path: Path) -> str:
+    """Code of every submodule, plus the archive's pickled attributes and constants.
+
+    A scripted module's ``.code`` does not show attribute values (``self.scale = 2.0``); they
+    live in the archive's ``data.pkl`` and ``constants.pkl``, whose bytes are the same each time
+    one module is saved. The entries are matched by name suffix, because their folder inside the
+    zip is named after the file.
+    """
     parts = [f"torchscript:{getattr(module, 'original_name', type(module).__name__)}"]
     for name, sub in sorted(module.named_modules(), key=lambda kv: kv[0]):
         code = getattr(sub, "code", "")
         parts.append(f"{name}\n{code}")
+    with zipfile.ZipFile(path) as z:
+        for entry in sorted(z.namelist()):
+            if entry.endswith(("/data.pkl", "/constants.pkl")):
+                parts.append(
+                    f"{entry.rsplit('/', 1)[1]}:{hashlib.sha256(z.read(entry)).hexdigest()}"
+                )
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
@@ -159,7 +198,7 @@ def _load_torchscript(path: Path) -> tuple[Any, str]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         module = torch.jit.load(str(path), map_location="cpu")
-    return module, _script_identity(module)
+    return module, _script_identity(module, path)
 
 
 def _load_export(path: Path) -> tuple[Any, str]:
@@ -205,7 +244,7 @@ def _load_pickle(path: Path, trust_pickle: bool) -> tuple[Any, str]:
     if not isinstance(module, torch.nn.Module):
         raise EncoderLoadError(f"{path} unpickled to {type(module).__name__}, not an nn.Module")
     ident = f"pickle:{type(module).__module__}.{type(module).__qualname__}\n{module!r}"
-    return module, f"{ident}\ncode:{code_identity(module)}"
+    return module, f"{ident}\ncode:{code_identity(module)}\nattrs:{attribute_identity(module)}"
 
 
 def _load_import(spec: str, weights: Path | None) -> tuple[Any, str]:
@@ -227,7 +266,8 @@ def _load_import(spec: str, weights: Path | None) -> tuple[Any, str]:
         raise EncoderLoadError(f"{spec}() returned {type(module).__name__}, not an nn.Module")
     if weights is not None:
         _load_weights(module, weights)
-    return module, f"import:{spec}\n{module!r}\ncode:{code_identity(module, factory)}"
+    identity = f"import:{spec}\n{module!r}\ncode:{code_identity(module, factory)}"
+    return module, f"{identity}\nattrs:{attribute_identity(module)}"
 
 
 def _load_weights(module: torch.nn.Module, weights: Path) -> None:

@@ -328,3 +328,38 @@ def test_a_pickled_encoders_edited_code_is_not_hidden_by_the_fingerprint_cache(
     finally:
         reader.close()
         cat.close()
+
+
+class _Scaled(torch.nn.Module):
+    """Outputs depend on a plain float attribute, not on code or weights."""
+
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.lin = torch.nn.Linear(4, 4)
+        with torch.no_grad():
+            self.lin.weight.copy_(torch.randn(4, 4, generator=gen))
+            self.lin.bias.zero_()
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+def test_a_plain_attribute_that_changes_outputs_changes_the_fingerprint(tmp_path: Path) -> None:
+    from featbake.demo import save_torchscript
+    from featbake.encoders import from_module, load_encoder
+
+    x = torch.ones(1, 4)
+    script_fps, module_fps = set(), set()
+    for scale in (1.0, 2.0):
+        path = save_torchscript(_Scaled(scale), tmp_path / f"scaled{scale}.pt")
+        enc = load_encoder(path)
+        assert torch.allclose(enc.run(x), _Scaled(scale).eval()(x))  # outputs really differ
+        script_fps.add(enc.fingerprint)
+        module_fps.add(from_module(_Scaled(scale)).fingerprint)
+    assert len(script_fps) == 2 and len(module_fps) == 2
+    # The same module saved under another name keeps its fingerprint (the archive's folder is
+    # named after the file; only the pickled attributes' bytes are hashed).
+    again = save_torchscript(_Scaled(1.0), tmp_path / "renamed.pt")
+    assert load_encoder(again).fingerprint in script_fps
