@@ -1,0 +1,40 @@
+"""The benchmarks stay runnable: every module imports, and the build bench's bare loop runs.
+
+Speed itself is measured by `make bench`, never asserted here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+BENCH = REPO / "benchmarks"
+
+
+def _load(name: str):
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in BENCH.glob("bench_*.py")))
+def test_bench_module_imports_and_has_main(name: str) -> None:
+    assert callable(_load(name).main)
+
+
+def test_bare_loop_decodes_and_encodes_every_file(tmp_path: Path, encoder_file: Path) -> None:
+    from featbake.demo import write_audio_folder
+
+    write_audio_folder(tmp_path / "clips", 6, seconds=0.5)  # the bench's clips share one length
+    seconds = _load("bench_build").bare_loop(tmp_path / "clips", encoder_file)
+    assert seconds > 0
