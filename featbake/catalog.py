@@ -344,28 +344,6 @@ class Catalog:
         now = time.time() if now is None else now
         with self.transaction() as c:
             old = c.execute("SELECT created FROM roots WHERE name=?", (name,)).fetchone()
-            c.execute("DELETE FROM root_items WHERE root=?", (name,))
-            c.execute(
-                "INSERT OR REPLACE INTO roots VALUES (?,?,?,?,?,?,?,?,?)",
-                (
-                    name,
-                    data,
-                    encoder_label,
-                    encoder_fp,
-                    recipe_fp,
-                    json.dumps(recipe, sort_keys=True),
-                    len(items),
-                    old[0] if old else now,
-                    now,
-                ),
-            )
-            c.executemany(
-                "INSERT INTO root_items(root, idx, path, key) VALUES (?,?,?,?)",
-                [(name, i, p, k) for i, (p, k) in enumerate(items)],
-            )
-            # The manifest file is what `verify --repair` rebuilds roots from (roots are not in
-            # shards). Written while this transaction holds the write lock, so two builds of one
-            # root cannot leave the file and the row disagreeing.
             root = Root(
                 name,
                 data,
@@ -377,6 +355,15 @@ class Catalog:
                 old[0] if old else now,
                 now,
             )
+            c.execute("DELETE FROM root_items WHERE root=?", (name,))
+            _upsert_root(c, root)
+            c.executemany(
+                "INSERT INTO root_items(root, idx, path, key) VALUES (?,?,?,?)",
+                [(name, i, p, k) for i, (p, k) in enumerate(items)],
+            )
+            # The manifest file is what `verify --repair` rebuilds roots from (roots are not in
+            # shards). Written while this transaction holds the write lock, so two builds of one
+            # root cannot leave the file and the row disagreeing.
             write_root_file(self.layout, root, items)
 
     def extend_root(
@@ -431,20 +418,7 @@ class Catalog:
                 old[0] if old else now,
                 now,
             )
-            c.execute(
-                "INSERT OR REPLACE INTO roots VALUES (?,?,?,?,?,?,?,?,?)",
-                (
-                    name,
-                    data,
-                    encoder_label,
-                    encoder_fp,
-                    recipe_fp,
-                    json.dumps(recipe, sort_keys=True),
-                    len(items),
-                    root.created,
-                    now,
-                ),
-            )
+            _upsert_root(c, root)
             write_root_file(self.layout, root, items)
         return len(new)
 
@@ -865,6 +839,24 @@ def read_root_file(path: Path) -> tuple[Root, list[tuple[str, str]]]:
 
 
 # == end of upkeep block ===================================================================
+
+
+def _upsert_root(c: sqlite3.Connection, root: Root) -> None:
+    """Write a root's row (not its items)."""
+    c.execute(
+        "INSERT OR REPLACE INTO roots VALUES (?,?,?,?,?,?,?,?,?)",
+        (
+            root.name,
+            root.data,
+            root.encoder_label,
+            root.encoder_fp,
+            root.recipe_fp,
+            json.dumps(root.recipe, sort_keys=True),
+            root.items,
+            root.created,
+            root.last_used,
+        ),
+    )
 
 
 def _insert_shard(c: sqlite3.Connection, shard: SealedShard, now: float) -> int:

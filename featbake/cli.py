@@ -145,6 +145,9 @@ def build(
     ] = None,
     source: Annotated[str, typer.Option(help="Input kind: audio or npy.")] = "audio",
     sample_rate: Annotated[int, typer.Option(help="Resample audio to this rate (Hz).")] = 16000,
+    mono: Annotated[
+        bool, typer.Option(help="Mix audio to one channel (--no-mono keeps [C, T]).")
+    ] = True,
     max_seconds: Annotated[
         float | None, typer.Option(help="Crop audio to its first N seconds.", show_default=False)
     ] = None,
@@ -181,6 +184,7 @@ def build(
     recipe = Recipe(
         source=source,
         sample_rate=sample_rate,
+        mono=mono,
         max_seconds=max_seconds,
         output=output,
         dtype=dtype,

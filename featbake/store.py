@@ -419,29 +419,25 @@ class ShardReader:
         Raises:
             StoreCorrupt: the shard holds no such tensor, or its bytes fail their checksum.
         """
+        info = self._info(name)
+        try:
+            dtype = ST_TO_DTYPE[info.dtype]
+        except KeyError as e:
+            raise _corrupt(self.path, f"unknown dtype {info.dtype}") from e
+        buf = torch.empty(info.end - info.begin, dtype=torch.uint8)
+        mode = verify or self.verify
+        check = mode == "always" or (mode == "first" and name not in self._verified)
+        self.read_into(name, buf, verify=check)
+        return buf.view(dtype).reshape(info.shape)
+
+    def _info(self, name: str) -> TensorInfo:
         info = self.tensors.get(name)
         if info is None:
             raise StoreCorrupt(
                 f"shard {self.path} holds no tensor {name} although the catalog says so; "
                 "run `featbake verify --repair` to rebuild the catalog from the shards"
             )
-        nbytes = info.end - info.begin
-        buf = torch.empty(nbytes, dtype=torch.uint8)
-        if nbytes:
-            view = memoryview(buf.numpy())
-            got = os.preadv(self._fd, [view], info.begin)
-            if got != nbytes:
-                raise _corrupt(self.path, f"tensor {name} is cut short")
-            mode = verify or self.verify
-            if mode == "always" or (mode == "first" and name not in self._verified):
-                if info.crc is None or checksum(view) != info.crc:
-                    raise _corrupt(self.path, f"checksum mismatch in tensor {name}")
-                self._verified.add(name)
-        try:
-            dtype = ST_TO_DTYPE[info.dtype]
-        except KeyError as e:
-            raise _corrupt(self.path, f"unknown dtype {info.dtype}") from e
-        return buf.view(dtype).reshape(info.shape)
+        return info
 
     def read_into(self, name: str, out: torch.Tensor, *, verify: bool = True) -> None:
         """Read tensor ``name``'s bytes straight into ``out`` (no intermediate buffer).
@@ -454,12 +450,7 @@ class ShardReader:
             StoreCorrupt: no such tensor, a short read, or (with ``verify``) a checksum mismatch.
             ConfigError: ``out`` is not a contiguous CPU tensor of the tensor's byte size.
         """
-        info = self.tensors.get(name)
-        if info is None:
-            raise StoreCorrupt(
-                f"shard {self.path} holds no tensor {name} although the catalog says so; "
-                "run `featbake verify --repair` to rebuild the catalog from the shards"
-            )
+        info = self._info(name)
         nbytes = info.end - info.begin
         if out.device.type != "cpu" or not out.is_contiguous() or out.nbytes != nbytes:
             raise ConfigError(

@@ -281,3 +281,43 @@ def test_two_concurrent_builds_on_one_cache_both_succeed(tmp_path: Path) -> None
     # And a third run finds everything.
     third = _json(run_cli(*args, env={"PYTHONPATH": env["PYTHONPATH"]}))
     assert third["encoded"] == 0
+
+
+CHANNEL_MEAN = textwrap.dedent(
+    """
+    import torch
+
+    class ChannelMean(torch.nn.Module):
+        def forward(self, x):  # [B, T] -> [B, 1]; [B, C, T] -> [B, C, 1]
+            return x.mean(dim=-1, keepdim=True)
+
+    def build():
+        return ChannelMean()
+    """
+)
+
+
+def test_no_mono_keeps_channels_and_is_its_own_key(tmp_path: Path) -> None:
+    import soundfile
+
+    from featbake.demo import make_tone
+
+    data = tmp_path / "stereo"
+    data.mkdir()
+    soundfile.write(data / "a.wav", make_tone(0.5, channels=2, seed=3), 16000)
+    pkg = tmp_path / "pkgs"
+    pkg.mkdir()
+    (pkg / "chan_enc.py").write_text(CHANNEL_MEAN)
+    env = {"PYTHONPATH": f"{REPO}{os.pathsep}{pkg}"}
+    cache = tmp_path / "cache"
+    reports = {}
+    for flag in ("--mono", "--no-mono"):
+        res = run_cli("build", "-e", "chan_enc:build", "-d", data, "--cache", cache, flag,
+                      "--workers", "0", "--json", env=env)  # fmt: skip
+        assert res.returncode == 0, res.stderr
+        reports[flag] = _json(res)
+        stored = stored_features(cache, reports[flag]["root"])["a.wav"][""]
+        x = AudioSource(Recipe(mono=flag == "--mono")).load(data / "a.wav")
+        assert torch.equal(stored, x.mean(dim=-1, keepdim=True))  # live, per the recipe
+        assert stored.shape == ((1,) if flag == "--mono" else (2, 1))
+    assert reports["--mono"]["recipe_fp"] != reports["--no-mono"]["recipe_fp"]
