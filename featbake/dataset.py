@@ -152,6 +152,16 @@ def _mapped_empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(dtype).reshape(shape)
 
 
+def _resident_bytes(value: Any) -> int:
+    """What a RAM-tier entry really occupies: mapped entries take whole pages."""
+    if isinstance(value, Mapping):
+        return sum(_resident_bytes(v) for v in value.values())
+    nbytes = value.nbytes
+    if nbytes < _MAP_MIN_BYTES:
+        return nbytes
+    return -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
 def _epoch_at(n: int) -> int:
     return (2 * n + 7) // 8 * 8
 
@@ -261,7 +271,9 @@ class _Process:
         self.catalog = self.sink.catalog
         self.touch_queue = self.sink.touch_queue  # the same list: appended on the hot path
         self.readers: dict[int, ShardReader] = {}
-        self.lru: ByteLRU[int, Any] = ByteLRU(ram_budget_for_process(ds._ram_total))
+        self.lru: ByteLRU[int, Any] = ByteLRU(
+            ram_budget_for_process(ds._ram_total), getsizeof=_resident_bytes
+        )
         self.use_lru = self.lru.max_bytes > 0
         self.encoder: LoadedEncoder | None = None
         self.pending: dict[str, dict[str, torch.Tensor]] = {}  # written, not yet sealed
