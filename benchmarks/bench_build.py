@@ -22,7 +22,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,7 @@ sys.path.insert(0, str(REPO))
 from featbake.build import build, encoder_fingerprint  # noqa: E402
 from featbake.catalog import Catalog  # noqa: E402
 from featbake.demo import TinyConvEncoder, save_torchscript, write_audio_folder  # noqa: E402
-from featbake.encoders import load_encoder  # noqa: E402
+from featbake.encoders import load_encoder, torchscript_quietly  # noqa: E402
 from featbake.keys import module_fingerprint  # noqa: E402
 from featbake.recipe import Recipe  # noqa: E402
 from featbake.sources import scan, source_for  # noqa: E402
@@ -91,8 +90,7 @@ class _PlainDecode(torch.utils.data.Dataset):
 def bare_loop(data: Path, encoder_path: Path) -> float:
     """Decode with the same DataLoader setup and encode; store nothing. Returns seconds."""
     t0 = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
+    with torchscript_quietly():
         enc = torch.jit.load(str(encoder_path)).eval()
     recipe = Recipe()
     paths = [str(data / p) for p in scan(data, source_for(recipe).extensions)]

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 
 from featbake import CachedFeatureDataset, pad_collate
 from featbake.demo import TinyConvEncoder, save_torchscript, write_audio_folder
+from featbake.encoders import torchscript_quietly
 from featbake.recipe import Recipe
 from featbake.sources import AudioSource
 
@@ -72,7 +73,8 @@ def main() -> None:
     print(f"served {seen} items in {dt * 1000:.0f} ms in batches of 8 (feature dim {shapes})")
 
     # Served features equal running the encoder now on the same preprocessed audio.
-    module = torch.jit.load(str(ENCODER))
+    with torchscript_quietly():
+        module = torch.jit.load(str(ENCODER))
     x = AudioSource(Recipe()).load(DATA / ds.path(0))
     with torch.inference_mode():
         live = module(x.unsqueeze(0))[0]

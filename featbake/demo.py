@@ -7,12 +7,13 @@ the audio is tones and noise written with soundfile.
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
+
+from featbake.encoders import torchscript_quietly
 
 
 class TinyConvEncoder(nn.Module):
@@ -70,8 +71,7 @@ def save_torchscript(module: nn.Module, path: str | os.PathLike[str]) -> Path:
     module = module.eval()
     for p in module.parameters():
         p.requires_grad_(False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
+    with torchscript_quietly():
         scripted = torch.jit.script(module)
         torch.jit.save(scripted, str(path))
     return Path(path)

@@ -22,6 +22,7 @@ An encoder maps a batch ``[B, ...]`` to a tensor ``[B, ...]``, a tuple of them, 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import inspect
@@ -30,7 +31,7 @@ import os
 import pickle
 import warnings
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -194,9 +195,23 @@ def _script_identity(module: Any, path: Path) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
-def _load_torchscript(path: Path) -> tuple[Any, str]:
+@contextlib.contextmanager
+def torchscript_quietly() -> Iterator[None]:
+    """Silence torch's "TorchScript is deprecated" warning around a jit save or load.
+
+    torch 2.13 repeats it (as a FutureWarning) on every call; featbake still reads TorchScript on
+    purpose, since most frozen encoders ship that way, so it does not pass the warning on.
+    """
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
+        for category in (DeprecationWarning, FutureWarning):
+            warnings.filterwarnings(
+                "ignore", message=r".*(torch\.jit|TorchScript).*deprecated", category=category
+            )
+        yield
+
+
+def _load_torchscript(path: Path) -> tuple[Any, str]:
+    with torchscript_quietly():
         module = torch.jit.load(str(path), map_location="cpu")
     return module, _script_identity(module, path)
 

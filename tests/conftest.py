@@ -10,13 +10,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
 from featbake.demo import MultiOutputEncoder, TinyConvEncoder, save_torchscript, write_audio_folder
+from featbake.encoders import torchscript_quietly
 from featbake.recipe import Recipe
 from featbake.sources import source_for
 
@@ -52,8 +52,7 @@ def store_dir(tmp_path: Path) -> Path:
 def live_features(encoder_path: Path, audio_path: Path, recipe: Recipe | None = None) -> object:
     """Features computed *now*: load the encoder afresh and run it on one preprocessed file."""
     recipe = recipe or Recipe()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
+    with torchscript_quietly():
         module = torch.jit.load(str(encoder_path))
     x = source_for(recipe).load(audio_path)
     with torch.inference_mode():
