@@ -23,8 +23,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from featbake.errors import StoreCorrupt, StoreError
-from featbake.store import Layout, SealedShard, fsync_dir, tensor_name
+from featbake.errors import ShardMissing, StoreCorrupt, StoreError
+from featbake.store import Layout, SealedShard, fsync_dir, remove_file, tensor_name
 
 SCHEMA_VERSION = 2  # 2: shards.data_bytes; features_shard covers (nbytes, last_used)
 _CHUNK = 500  # keys per IN (...) query, far below SQLite's variable limit
@@ -265,6 +265,14 @@ class Catalog:
         """
         now = time.time() if now is None else now
         with self.transaction() as c:
+            # Checked under the write lock, as gc unlinks under it (unlink_shard_file): a file
+            # gc removed after our rename (it held a byte-identical shard of the same name) is
+            # seen here, and the caller writes it again instead of committing rows to nothing.
+            if not self.layout.shard_path(shard.name).is_file():
+                raise ShardMissing(
+                    f"shard {shard.name} vanished before its rows were committed (gc removed an "
+                    "identical shard); it is written again"
+                )
             shard_id = _insert_shard(c, shard, now)
             before = c.total_changes
             c.executemany(
@@ -532,6 +540,18 @@ class Catalog:
                 c.executemany(sql, [(r.key, r.part, r.shard_id) for r in refs[i : i + 5000]])
                 done += c.total_changes - before
         return done
+
+    def unlink_shard_file(self, name: str) -> int:
+        """Remove shard ``name``'s file unless a row names it again; returns the bytes freed.
+
+        Shard names are content hashes, so a writer may seal a byte-identical shard at the same
+        path after gc deleted its row. The unlink happens under the write lock, and add_shard
+        checks the file under the same lock, so one of the two always sees the other.
+        """
+        with self.transaction() as c:
+            if c.execute("SELECT 1 FROM shards WHERE name=?", (name,)).fetchone():
+                return 0
+            return remove_file(self.layout.shard_path(name))
 
     def delete_shards_if_empty(self, shard_ids: Iterable[int]) -> list[str]:
         """Delete the rows of those shards no feature row points into; returns their names."""

@@ -132,6 +132,16 @@ class Layout:
         return self
 
 
+def remove_file(path: Path) -> int:
+    """Remove a file; its size in bytes, or 0 if it was already gone."""
+    try:
+        size = path.stat().st_size
+        path.unlink()
+    except FileNotFoundError:
+        return 0
+    return size
+
+
 def default_cache_dir() -> Path:
     """``$FEATBAKE_CACHE`` if set, else ``./.featbake``."""
     return Path(os.environ.get("FEATBAKE_CACHE") or ".featbake")
@@ -219,10 +229,18 @@ class ShardWriter:
         if not self._tensors:
             return None
         tensors, self._tensors, self._pending_bytes = self._tensors, {}, 0
-        shard = write_shard(self.layout, tensors, self.encoder_fp, self.recipe_fp)
+        for attempt in range(3):
+            shard = write_shard(self.layout, tensors, self.encoder_fp, self.recipe_fp)
+            try:
+                if self.on_seal is not None:
+                    self.on_seal(shard)
+                break
+            except ShardMissing:
+                # gc removed a byte-identical shard (same content name, same path) between our
+                # rename and our catalog commit; the commit refused it, so write it again.
+                if attempt == 2:
+                    raise
         self.sealed.append(shard)
-        if self.on_seal is not None:
-            self.on_seal(shard)
         return shard
 
     def __enter__(self) -> ShardWriter:

@@ -52,6 +52,7 @@ from featbake.store import (
     ShardWriter,
     default_cache_dir,
     fsync_dir,
+    remove_file,
     split_tensor_name,
 )
 
@@ -639,16 +640,6 @@ class GcResult:
         return asdict(self)
 
 
-def _unlink(path: Path) -> int:
-    """Remove a file; its size in bytes, or 0 if it was already gone."""
-    try:
-        size = path.stat().st_size
-        path.unlink()
-    except FileNotFoundError:
-        return 0
-    return size
-
-
 def execute_gc(plan: GcPlan, progress: Callable[[GcProgress], None] | None = None) -> GcResult:
     """Carry out a :class:`GcPlan`; safe to kill at any point and to run again.
 
@@ -690,7 +681,7 @@ def execute_gc(plan: GcPlan, progress: Callable[[GcProgress], None] | None = Non
         # Tombstones of roots already gone (a crash after COMMIT) only need unlinking.
         for p in roots_dir(layout).glob("*.dropped"):
             if catalog.root(p.name.removesuffix(".dropped")) is None:
-                _unlink(p)
+                remove_file(p)
 
         if plan.unreached or plan.evict:
             result.rows_deleted += catalog.delete_features(plan.unreached, only_unreached=True)
@@ -702,7 +693,7 @@ def execute_gc(plan: GcPlan, progress: Callable[[GcProgress], None] | None = Non
         if gone:
             _crash_point("shard-rows-deleted")
         for i, name in enumerate(gone):
-            result.bytes_freed += _unlink(layout.shard_path(name))
+            result.bytes_freed += catalog.unlink_shard_file(name)
             result.shards_deleted += 1
             _crash_point("shard-file-unlinked")
             tick("shards", i + 1, len(gone))
@@ -713,14 +704,16 @@ def execute_gc(plan: GcPlan, progress: Callable[[GcProgress], None] | None = Non
             _compact(layout, catalog, plan, result, tick)
 
         for f in plan.orphan_shards:
-            name = Path(f.path).name.removesuffix(".safetensors")
-            if catalog.conn.execute("SELECT 1 FROM shards WHERE name=?", (name,)).fetchone():
-                continue  # indexed since the plan (verify --repair): no longer an orphan
-            result.bytes_freed += _unlink(Path(f.path))
+            # Re-checked under the write lock: indexed since the plan (a late commit, verify
+            # --repair) means it is no longer an orphan.
+            freed = catalog.unlink_shard_file(Path(f.path).name.removesuffix(".safetensors"))
+            if not freed:
+                continue
+            result.bytes_freed += freed
             result.orphans_removed += 1
             _crash_point("orphan-unlinked")
         for f in plan.tmp_files:
-            result.bytes_freed += _unlink(Path(f.path))
+            result.bytes_freed += remove_file(Path(f.path))
             result.tmp_removed += 1
         tick("files", 1, 1)
         catalog.forget_unused_encoders()
@@ -751,7 +744,7 @@ def _compact(
     for name in gone:
         if name in written:
             continue  # rewritten to identical bytes: the same file is the new shard
-        result.bytes_freed += _unlink(layout.shard_path(name))
+        result.bytes_freed += catalog.unlink_shard_file(name)
         result.shards_deleted += 1
         _crash_point("compacted-file-unlinked")
     for d in {layout.shard_path(n).parent for n in gone}:
@@ -1307,7 +1300,7 @@ def _rebuild_catalog(
                 restored.add(root.name)
         for p in roots_dir(layout).glob("*.dropped"):
             if p.name.removesuffix(".dropped") not in restored:
-                _unlink(p)
+                remove_file(p)
         if restored:
             report.actions.append(f"restored {len(restored)} roots from their manifest files")
         for fp, label, kind, first, last in old.get("encoders", []):

@@ -152,3 +152,41 @@ def test_catalog_reconnects_in_a_forked_child(cat: Catalog) -> None:
     _, status = os.waitpid(pid, 0)
     assert os.WEXITSTATUS(status) == 0
     assert cat.cached_hashes(["p"])["p"][1] == "a" * 64
+
+
+def test_a_shard_gc_unlinked_before_its_rows_commit_is_written_again(
+    cat: Catalog, layout: Layout
+) -> None:
+    """Shard names are content hashes: gc may delete the row of a shard, and a writer may then
+    seal byte-identical content at the same path. If gc's unlink lands between the writer's
+    rename and its commit, the commit must not name a missing file."""
+    from featbake.reader import FeatureReader
+    from featbake.store import ShardWriter
+
+    calls = []
+
+    def on_seal(shard) -> None:
+        calls.append(shard.name)
+        if len(calls) == 1:
+            assert cat.unlink_shard_file(shard.name) > 0  # gc's unlink, in the window
+        cat.add_shard(shard)
+
+    tensors = {"k1": torch.arange(4.0), "k2": torch.ones(3)}
+    with ShardWriter(layout, EFP, RFP, on_seal=on_seal) as w:
+        for key, t in tensors.items():
+            w.add(key, {"": t})
+    assert len(calls) == 2 and calls[0] == calls[1]  # refused once, then written again
+    assert layout.shard_path(calls[0]).is_file()
+    reader = FeatureReader(layout, verify="always")
+    for key, t in tensors.items():
+        assert torch.equal(reader.get(key)[""], t)
+    reader.close()
+
+
+def test_gc_never_unlinks_a_shard_a_row_names(cat: Catalog, layout: Layout) -> None:
+    shard = write_shard(layout, {"k1": torch.ones(2)}, EFP, RFP)
+    cat.add_shard(shard)
+    assert cat.unlink_shard_file(shard.name) == 0 and shard.path.is_file()
+    cat.conn.execute("DELETE FROM features")
+    cat.conn.execute("DELETE FROM shards")
+    assert cat.unlink_shard_file(shard.name) == shard.nbytes and not shard.path.exists()
