@@ -251,15 +251,13 @@ def test_unreadable_inputs_not_in_store_fail_at_construction(tmp_path, encoder_f
         CachedFeatureDataset(tmp_path / "empty", encoder_file, on_miss="skip")
 
 
-def test_gc_moving_a_shard_is_followed(audio_dir, encoder_file, store_dir) -> None:
-    build(audio_dir, encoder_file, cache=store_dir, workers=0)
-    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
-    want = [ds[i].clone() for i in range(len(ds))]
-    # What gc's compaction does: copy the live features into a new shard, repoint the rows,
-    # then delete the old shard file, while this dataset still holds the old locations.
+def move_everything_to_a_new_shard(
+    store_dir: Path, ds: CachedFeatureDataset, tensors: dict[str, torch.Tensor]
+) -> list[Path]:
+    """What gc's compaction does: copy the features into a fresh shard, repoint every row at it,
+    then delete the old shard files. Returns the files deleted."""
     layout = Layout(store_dir)
     old = list((store_dir / "shards").rglob("*.safetensors"))
-    tensors = {ds.key(i): want[i] for i in range(len(ds))}
     new = write_shard(layout, tensors, ds.encoder_fingerprint, "x" * 64)
     conn = sqlite3.connect(layout.catalog)
     with conn:
@@ -272,6 +270,15 @@ def test_gc_moving_a_shard_is_followed(audio_dir, encoder_file, store_dir) -> No
     conn.close()
     for p in old:
         p.unlink()
+    return old
+
+
+def test_gc_moving_a_shard_is_followed(audio_dir, encoder_file, store_dir) -> None:
+    build(audio_dir, encoder_file, cache=store_dir, workers=0)
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    want = [ds[i].clone() for i in range(len(ds))]
+    # gc compacts while this dataset still holds the old locations.
+    move_everything_to_a_new_shard(store_dir, ds, {ds.key(i): want[i] for i in range(len(ds))})
     ds2 = pickle.loads(pickle.dumps(ds))  # a spawned worker's copy starts without handles
     for d in (ds, ds2):
         for i in range(len(d)):
@@ -390,20 +397,10 @@ def test_located_hit_path_follows_moves_and_closed_shards(audio_dir, encoder_fil
     for row, i in enumerate(order[:n]):
         _assert_close(padded[row, : lengths[row]], want[i])
     # gc compacts: the features move to a new shard and the old files are deleted.
-    layout = Layout(store_dir)
-    tensors = {ds.key(i): ds[i].clone() for i in range(n)}
-    new = write_shard(layout, tensors, ds.encoder_fingerprint, "x" * 64)
-    conn = sqlite3.connect(layout.catalog)
-    with conn:
-        cur = conn.execute(
-            "INSERT INTO shards(name, bytes, items, encoder_fp, recipe_fp, created) "
-            "VALUES (?, ?, ?, ?, ?, 0)",
-            (new.name, new.nbytes, n, ds.encoder_fingerprint, "x" * 64),
-        )
-        conn.execute("UPDATE features SET shard_id=?", (cur.lastrowid,))
-    conn.close()
-    for p in old:
-        p.unlink()
+    old_files = move_everything_to_a_new_shard(
+        store_dir, ds, {ds.key(i): ds[i].clone() for i in range(n)}
+    )
+    assert set(old_files) == set(old)
     for i in order:
         _assert_close(ds[i], want[i])
     padded, lengths = pad_collate(ds.__getitems__(list(range(n))))
