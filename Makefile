@@ -28,6 +28,7 @@ bench: install
 lint: install
 	$(PY) -m ruff check featbake tests benchmarks examples
 	$(PY) -m ruff format --check featbake tests benchmarks examples
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_architecture.py
 
 clean:
 	rm -rf $(VENV) .featbake examples/demo_data examples/demo_encoder.pt benchmarks/_work

@@ -32,17 +32,18 @@ from torch.utils.data import DataLoader
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from featbake.build import build, encoder_fingerprint  # noqa: E402
-from featbake.catalog import Catalog  # noqa: E402
-from featbake.demo import TinyConvEncoder, save_torchscript, write_audio_folder  # noqa: E402
-from featbake.encoders import load_encoder, torchscript_quietly  # noqa: E402
-from featbake.keys import module_fingerprint  # noqa: E402
-from featbake.recipe import Recipe  # noqa: E402
-from featbake.sources import scan, source_for  # noqa: E402
-from featbake.store import Layout  # noqa: E402
+from featbake.bake.pipeline import build
+from featbake.encode.encoders import load_encoder, torchscript_quietly
+from featbake.encode.fingerprints import encoder_fingerprint
+from featbake.encode.sources import scan, source_for
+from featbake.keys import module_fingerprint
+from featbake.recipe import Recipe
+from featbake.store.catalog import Catalog
+from featbake.store.layout import Layout
+from featbake.testing import TinyConvEncoder, save_torchscript, write_audio_folder
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _rows import row  # noqa: E402
+from _rows import row
 
 BATCH = 16
 WORKERS = 2

@@ -39,15 +39,15 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from featbake.build import build  # noqa: E402
-from featbake.collate import pad_collate  # noqa: E402
-from featbake.dataset import CachedFeatureDataset  # noqa: E402
-from featbake.demo import LogMelTransformer  # noqa: E402
-from featbake.encoders import LoadedEncoder, from_module  # noqa: E402
-from featbake.recipe import Recipe  # noqa: E402
+from featbake.bake.pipeline import build
+from featbake.encode.encoders import LoadedEncoder, from_module
+from featbake.recipe import Recipe
+from featbake.serve.collate import pad_collate
+from featbake.serve.dataset import CachedFeatureDataset
+from featbake.testing import LogMelTransformer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _rows import row  # noqa: E402
+from _rows import row
 
 WORK = Path(__file__).resolve().parent / "_work" / "serve"
 DIM = 768

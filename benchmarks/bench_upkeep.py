@@ -22,13 +22,13 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from featbake.catalog import Catalog  # noqa: E402
-from featbake.store import Layout  # noqa: E402
-from featbake.units import format_bytes  # noqa: E402
-from featbake.upkeep import GcOptions, execute_gc, plan_gc, stats  # noqa: E402
+from featbake.store.catalog import Catalog
+from featbake.store.layout import Layout
+from featbake.units import format_bytes
+from featbake.upkeep import GcOptions, execute_gc, plan_gc, stats
 
 sys.path.insert(0, str(HERE))
-from _rows import row  # noqa: E402
+from _rows import row
 
 ROWS_PER_SHARD = 1000
 FEATURE_BYTES = 50 * 64 * 2  # 50 frames x 64 dims in float16

@@ -23,10 +23,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from featbake import CachedFeatureDataset, pad_collate
-from featbake.demo import TinyConvEncoder, save_torchscript, write_audio_folder
-from featbake.encoders import torchscript_quietly
+from featbake.encode.encoders import torchscript_quietly
+from featbake.encode.sources import AudioSource
 from featbake.recipe import Recipe
-from featbake.sources import AudioSource
+from featbake.testing import TinyConvEncoder, save_torchscript, write_audio_folder
 
 HERE = Path(__file__).resolve().parent
 DATA = HERE / "demo_data"

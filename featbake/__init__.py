@@ -16,16 +16,16 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from featbake.version import __version__
 
 _EXPORTS = {
-    "build": "featbake.build",
-    "BuildReport": "featbake.build",
-    "CachedEncoder": "featbake.cached_encoder",
-    "PaddedBatch": "featbake.collate",
-    "pad_collate": "featbake.collate",
-    "CachedFeatureDataset": "featbake.dataset",
-    "ServeStats": "featbake.dataset",
+    "build": "featbake.bake.pipeline",
+    "BuildReport": "featbake.bake.report",
+    "CachedEncoder": "featbake.serve.cached_encoder",
+    "PaddedBatch": "featbake.serve.collate",
+    "pad_collate": "featbake.serve.collate",
+    "CachedFeatureDataset": "featbake.serve.dataset",
+    "ServeStats": "featbake.serve.dataset",
     "BuildIncomplete": "featbake.errors",
     "CacheMiss": "featbake.errors",
     "ConfigError": "featbake.errors",
@@ -37,7 +37,7 @@ _EXPORTS = {
     "StoreCorrupt": "featbake.errors",
     "StoreError": "featbake.errors",
     "ByteLRU": "featbake.lru",
-    "DevicePrefetcher": "featbake.prefetch",
+    "DevicePrefetcher": "featbake.serve.prefetch",
     "Recipe": "featbake.recipe",
 }
 
@@ -66,10 +66,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from featbake.build import BuildReport, build
-    from featbake.cached_encoder import CachedEncoder
-    from featbake.collate import PaddedBatch, pad_collate
-    from featbake.dataset import CachedFeatureDataset, ServeStats
+    from featbake.bake.pipeline import build
+    from featbake.bake.report import BuildReport
     from featbake.errors import (
         BuildIncomplete,
         CacheMiss,
@@ -83,8 +81,11 @@ if TYPE_CHECKING:
         StoreError,
     )
     from featbake.lru import ByteLRU
-    from featbake.prefetch import DevicePrefetcher
     from featbake.recipe import Recipe
+    from featbake.serve.cached_encoder import CachedEncoder
+    from featbake.serve.collate import PaddedBatch, pad_collate
+    from featbake.serve.dataset import CachedFeatureDataset, ServeStats
+    from featbake.serve.prefetch import DevicePrefetcher
 
 
 def __getattr__(name: str) -> Any:

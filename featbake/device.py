@@ -286,3 +286,13 @@ def cuda_usable_here() -> bool:
     """
     in_bad_fork = getattr(torch._C, "_cuda_isInBadFork", lambda: False)
     return not in_bad_fork() and cuda_available()
+
+
+def check_device(device: str | torch.device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ConfigError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device} asked for CUDA, but no CUDA device is available here")
+    return dev

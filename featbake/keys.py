@@ -20,7 +20,6 @@ import json
 import os
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,7 +28,6 @@ KEY_HEX_LEN = 64
 #: Bytes hashed per task when fingerprinting weights; hashlib releases the GIL on large buffers,
 #: so chunks hash in parallel threads. The chunking is part of the fingerprint's definition.
 WEIGHT_CHUNK_BYTES = 16 * 1024 * 1024
-_READ_CHUNK = 1024 * 1024
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -62,21 +60,6 @@ def feature_key(encoder_fp: str, recipe_fp: str, input_fp: str) -> str:
 def recipe_fingerprint(recipe: Mapping[str, Any]) -> str:
     """SHA-256 of a recipe's canonical JSON (see :class:`featbake.recipe.Recipe`)."""
     return sha256_hex(canonical_json(dict(recipe)))
-
-
-def file_fingerprint(path: str | os.PathLike[str]) -> str:
-    """SHA-256 of a file's bytes, streamed (never the whole file in memory)."""
-    with open(path, "rb") as f:
-        if hasattr(hashlib, "file_digest"):  # Python >= 3.11
-            return hashlib.file_digest(f, "sha256").hexdigest()
-        return _stream_digest(f)
-
-
-def _stream_digest(f: Any) -> str:
-    h = hashlib.sha256()
-    while chunk := f.read(_READ_CHUNK):
-        h.update(chunk)
-    return h.hexdigest()
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -149,8 +132,3 @@ def root_id(data: str, encoder_label: str, recipe_fp: str) -> str:
         'r-'
     """
     return "r-" + sha256_hex(canonical_json([data, encoder_label, recipe_fp]))[:12]
-
-
-def resolve_path(path: str | os.PathLike[str]) -> str:
-    """The absolute, symlink-free form of a path, as stored in the catalog."""
-    return str(Path(path).expanduser().resolve())

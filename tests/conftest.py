@@ -15,10 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from featbake.demo import MultiOutputEncoder, TinyConvEncoder, save_torchscript, write_audio_folder
-from featbake.encoders import torchscript_quietly
+from featbake.encode.encoders import torchscript_quietly
+from featbake.encode.sources import source_for
 from featbake.recipe import Recipe
-from featbake.sources import source_for
+from featbake.testing import (
+    MultiOutputEncoder,
+    TinyConvEncoder,
+    save_torchscript,
+    write_audio_folder,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 

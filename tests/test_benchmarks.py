@@ -33,7 +33,7 @@ def test_bench_module_imports_and_has_main(name: str) -> None:
 
 
 def test_bare_loop_decodes_and_encodes_every_file(tmp_path: Path, encoder_file: Path) -> None:
-    from featbake.demo import write_audio_folder
+    from featbake.testing import write_audio_folder
 
     write_audio_folder(tmp_path / "clips", 6, seconds=0.5)  # the bench's clips share one length
     seconds = _load("bench_build").bare_loop(tmp_path / "clips", encoder_file)

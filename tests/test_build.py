@@ -13,16 +13,20 @@ import pytest
 import soundfile
 import torch
 
-import featbake.store as store_mod
-from featbake.build import Progress, ShapeBatcher, build, encode_batch
-from featbake.catalog import Catalog
-from featbake.demo import TinyConvEncoder, write_audio_folder
-from featbake.encoders import from_module
+import featbake.store.writer as store_mod
+from featbake.bake.batching import ShapeBatcher
+from featbake.bake.pipeline import build
+from featbake.encode.encoders import from_module
+from featbake.encode.outputs import encode_batch
+from featbake.encode.sources import source_for
 from featbake.errors import ConfigError, EncodeError, SourceError, StoreError
-from featbake.reader import FeatureReader
+from featbake.progress import Progress
 from featbake.recipe import Recipe
-from featbake.sources import source_for
-from featbake.store import Layout, ShardReader
+from featbake.store.catalog import Catalog
+from featbake.store.features import FeatureReader
+from featbake.store.layout import Layout
+from featbake.store.reader import ShardReader
+from featbake.testing import TinyConvEncoder, write_audio_folder
 from tests.conftest import live_features
 
 

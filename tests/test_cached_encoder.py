@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from featbake.cached_encoder import CachedEncoder
-from featbake.demo import MultiOutputEncoder, TinyConvEncoder, make_tone
 from featbake.errors import ConfigError
+from featbake.serve.cached_encoder import CachedEncoder
+from featbake.testing import MultiOutputEncoder, TinyConvEncoder, make_tone
 
 
 def frozen(module: nn.Module) -> nn.Module:
@@ -183,7 +183,7 @@ def test_edited_encoder_code_is_never_served_from_the_old_cache(tmp_path, monkey
     x = waves(3)
     for factor in (1.0, 3.0):
         (pkg / "ce_enc_mod.py").write_text(
-            "from featbake.demo import TinyConvEncoder\n\n\n"
+            "from featbake.testing import TinyConvEncoder\n\n\n"
             "class Scaled(TinyConvEncoder):\n"
             "    def forward(self, wav):\n"
             f"        return super().forward(wav) * {factor}\n"

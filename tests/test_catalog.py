@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from featbake.build import hash_inputs
-from featbake.catalog import SCHEMA_VERSION, Catalog, FileStat
+from featbake.encode.fingerprints import hash_inputs
 from featbake.errors import StoreError
-from featbake.store import Layout, ShardReader, write_shard
+from featbake.store.catalog import SCHEMA_VERSION, Catalog, FileStat
+from featbake.store.layout import Layout
+from featbake.store.reader import ShardReader
+from featbake.store.writer import write_shard
 
 EFP, RFP = "e" * 64, "r" * 64
 
@@ -160,8 +162,8 @@ def test_a_shard_gc_unlinked_before_its_rows_commit_is_written_again(
     """Shard names are content hashes: gc may delete the row of a shard, and a writer may then
     seal byte-identical content at the same path. If gc's unlink lands between the writer's
     rename and its commit, the commit must not name a missing file."""
-    from featbake.reader import FeatureReader
-    from featbake.store import ShardWriter
+    from featbake.store.features import FeatureReader
+    from featbake.store.writer import ShardWriter
 
     calls = []
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from featbake.demo import TinyConvEncoder, write_audio_folder
+from featbake.encode.sources import AudioSource
 from featbake.recipe import Recipe
-from featbake.sources import AudioSource
+from featbake.testing import TinyConvEncoder, write_audio_folder
 from tests.conftest import REPO, live_features, run_cli
 from tests.test_build import assert_store_consistent, stored_features
 
@@ -26,7 +26,7 @@ from tests.test_build import assert_store_consistent, stored_features
 SLOW_MODULE = textwrap.dedent(
     """
     import os, time
-    from featbake.demo import TinyConvEncoder
+    from featbake.testing import TinyConvEncoder
 
     class Slow(TinyConvEncoder):
         def forward(self, wav):
@@ -300,7 +300,7 @@ CHANNEL_MEAN = textwrap.dedent(
 def test_no_mono_keeps_channels_and_is_its_own_key(tmp_path: Path) -> None:
     import soundfile
 
-    from featbake.demo import make_tone
+    from featbake.testing import make_tone
 
     data = tmp_path / "stereo"
     data.mkdir()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import zarr
 
-from featbake.demo import TinyConvEncoder, save_torchscript
+from featbake.testing import TinyConvEncoder, save_torchscript
 from tests.conftest import run_cli
 from tests.upkeep_fixtures import bake, shard_files
 

@@ -7,8 +7,8 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader, Dataset
 
-from featbake.collate import PaddedBatch, pad_collate
 from featbake.errors import ConfigError
+from featbake.serve.collate import PaddedBatch, pad_collate
 
 
 def rand_feats(lengths: list[int], dims: tuple[int, ...] = (3,), seed: int = 0) -> list:
@@ -237,7 +237,7 @@ def test_padded_batch_with_other_options_is_copied_correctly() -> None:
 
 
 def test_batch_pool_never_reuses_a_buffer_still_in_use() -> None:
-    from featbake.collate import BatchPool
+    from featbake.serve.collate import BatchPool
 
     pool = BatchPool(keep=2, min_bytes=1024)
     a = pool.empty((64, 64), torch.float32)
@@ -266,7 +266,7 @@ def test_pad_collate_pooled_batches_are_fully_rewritten() -> None:
     first, _ = pad_collate(long)
     assert first.nbytes >= 1 << 20  # big enough for the pool
     del first
-    from featbake import collate
+    from featbake.serve import collate
 
     reused = collate._pool.reused
     feats = rand_feats([300, 599], dims=(512,), seed=2)

@@ -16,14 +16,15 @@ import soundfile
 import torch
 from torch.utils.data import DataLoader
 
-from featbake.build import build
-from featbake.catalog import Catalog
-from featbake.collate import PaddedBatch, pad_collate
-from featbake.dataset import CachedFeatureDataset, ram_budget_for_process
-from featbake.demo import TinyConvEncoder, make_tone, save_torchscript
+from featbake.bake.pipeline import build
 from featbake.errors import CacheMiss, ConfigError, SourceError
 from featbake.recipe import Recipe
-from featbake.store import Layout, write_shard
+from featbake.serve.collate import PaddedBatch, pad_collate
+from featbake.serve.dataset import CachedFeatureDataset, ram_budget_for_process
+from featbake.store.catalog import Catalog
+from featbake.store.layout import Layout
+from featbake.store.writer import write_shard
+from featbake.testing import TinyConvEncoder, make_tone, save_torchscript
 from tests.conftest import live_features
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}  # the CPU kernels may round differently by batch size

@@ -9,10 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from featbake.build import build
-from featbake.catalog import Catalog
-from featbake.demo import MultiOutputEncoder, TinyConvEncoder
-from featbake.encoders import (
+from featbake.bake.pipeline import build
+from featbake.encode.encoders import (
     EXPORT,
     IMPORT,
     PICKLE,
@@ -21,19 +19,21 @@ from featbake.encoders import (
     from_module,
     is_frozen,
     load_encoder,
-    split_outputs,
 )
+from featbake.encode.outputs import split_outputs
+from featbake.encode.sources import AudioSource
 from featbake.errors import ConfigError, EncodeError, EncoderLoadError
-from featbake.reader import FeatureReader
 from featbake.recipe import Recipe
-from featbake.sources import AudioSource
-from featbake.store import Layout
+from featbake.store.catalog import Catalog
+from featbake.store.features import FeatureReader
+from featbake.store.layout import Layout
+from featbake.testing import MultiOutputEncoder, TinyConvEncoder
 from tests.conftest import live_features, run_cli
 
 ENC_MODULE = textwrap.dedent(
     """
     import torch
-    from featbake.demo import TinyConvEncoder
+    from featbake.testing import TinyConvEncoder
 
     def build(dim=64):
         return TinyConvEncoder(dim=dim, seed=123)

@@ -10,8 +10,8 @@ import torch
 import zarr
 
 from featbake.errors import ConfigError
-from featbake.export import CHUNK_BYTES, export_zarr, plan_layout
-from featbake.upkeep import GcProgress
+from featbake.export.zarr import CHUNK_BYTES, export_zarr, plan_layout
+from featbake.progress import GcProgress
 from tests.upkeep_fixtures import Live, bake, manifest
 
 

@@ -13,10 +13,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from featbake.catalog import Catalog
-from featbake.demo import TinyConvEncoder, save_torchscript, write_audio_folder
-from featbake.reader import FeatureReader
-from featbake.store import Layout, write_shard
+from featbake.store.catalog import Catalog
+from featbake.store.features import FeatureReader
+from featbake.store.layout import Layout
+from featbake.store.writer import write_shard
+from featbake.testing import TinyConvEncoder, save_torchscript, write_audio_folder
 from featbake.upkeep import CRASH_ENV, CRASH_POINTS, GcOptions, execute_gc, plan_gc, verify
 from tests.conftest import run_cli
 from tests.upkeep_fixtures import (
@@ -294,7 +295,7 @@ def test_gc_keeps_what_a_list_of_paths_dataset_wrote(
 ) -> None:
     """A list-of-paths dataset publishes a root, so a gc right after its epoch keeps its features;
     after the checkpoint is retrained in place, gc frees exactly the old features' bytes."""
-    from featbake.dataset import CachedFeatureDataset
+    from featbake.serve.dataset import CachedFeatureDataset
 
     live = Live()
     paths = _paths(audio_dir)
@@ -328,7 +329,7 @@ def test_gc_keeps_what_a_list_of_paths_dataset_wrote(
 def test_extend_root_keeps_features_written_without_a_folder(store_dir: Path) -> None:
     """Writers with no data folder (CachedEncoder) append their keys to a root: gc keeps them
     until that root is dropped, and the root's manifest file stays in step with the catalog."""
-    from featbake.catalog import read_root_file, root_file
+    from featbake.store.catalog import read_root_file, root_file
 
     layout = Layout(store_dir).ensure()
     cat = Catalog(layout)

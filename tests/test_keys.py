@@ -15,23 +15,23 @@ import pytest
 import soundfile
 import torch
 
-from featbake.build import build, cached_file_encoder_fp
-from featbake.catalog import Catalog
-from featbake.demo import TinyConvEncoder, save_torchscript, write_audio_folder
-from featbake.encoders import load_encoder
+from featbake.bake.pipeline import build
+from featbake.encode.encoders import load_encoder
+from featbake.encode.fingerprints import cached_file_encoder_fp, file_fingerprint
+from featbake.encode.sources import source_for
 from featbake.keys import (
     WEIGHT_CHUNK_BYTES,
     canonical_json,
     feature_key,
-    file_fingerprint,
     module_fingerprint,
     root_id,
     state_dict_fingerprint,
 )
-from featbake.reader import FeatureReader
 from featbake.recipe import Recipe
-from featbake.sources import source_for
-from featbake.store import Layout
+from featbake.store.catalog import Catalog
+from featbake.store.features import FeatureReader
+from featbake.store.layout import Layout
+from featbake.testing import TinyConvEncoder, save_torchscript, write_audio_folder
 
 
 def _manifest(cache: Path, root: str) -> dict[str, str]:
@@ -285,7 +285,7 @@ def test_encoder_fingerprint_cache_is_used_and_invalidated(tmp_path: Path, audio
 
 def _write_pickled_encoder_module(folder: Path, factor: float) -> None:
     (folder / "pk_enc_mod.py").write_text(
-        "from featbake.demo import TinyConvEncoder\n\n\n"
+        "from featbake.testing import TinyConvEncoder\n\n\n"
         "class PEnc(TinyConvEncoder):\n"
         "    def forward(self, wav):\n"
         f"        return super().forward(wav) * {factor}\n"
@@ -347,8 +347,8 @@ class _Scaled(torch.nn.Module):
 
 
 def test_a_plain_attribute_that_changes_outputs_changes_the_fingerprint(tmp_path: Path) -> None:
-    from featbake.demo import save_torchscript
-    from featbake.encoders import from_module, load_encoder
+    from featbake.encode.encoders import from_module, load_encoder
+    from featbake.testing import save_torchscript
 
     x = torch.ones(1, 4)
     script_fps, module_fps = set(), set()

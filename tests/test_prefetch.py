@@ -10,9 +10,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from featbake import device as dev
-from featbake.collate import pad_collate
 from featbake.errors import ConfigError
-from featbake.prefetch import DevicePrefetcher, PinnedPool, map_tensors
+from featbake.serve.collate import pad_collate
+from featbake.serve.prefetch import DevicePrefetcher, PinnedPool, map_tensors
 
 Pair = namedtuple("Pair", ["feat", "label"])
 

@@ -10,10 +10,10 @@ import soundfile
 import soxr
 import torch
 
-from featbake.demo import make_tone
+from featbake.encode.sources import AudioSource, NpySource, scan, source_for
 from featbake.errors import SourceError
 from featbake.recipe import Recipe
-from featbake.sources import AudioSource, NpySource, scan, source_for
+from featbake.testing import make_tone
 
 
 @pytest.mark.parametrize("fmt", ["wav", "flac", "ogg"])

@@ -14,18 +14,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-import featbake.store as store_mod
+import featbake.store.writer as store_mod
 from featbake.errors import ConfigError, ShardMissing, StoreCorrupt, StoreError
-from featbake.store import (
-    Layout,
-    ShardHandles,
-    ShardReader,
-    ShardWriter,
-    checksum,
-    split_tensor_name,
-    tensor_name,
-    write_shard,
-)
+from featbake.store.handles import ShardHandles
+from featbake.store.layout import Layout
+from featbake.store.reader import ShardReader
+from featbake.store.shard_format import checksum, split_tensor_name, tensor_name
+from featbake.store.writer import ShardWriter, write_shard
 
 EFP, RFP = "e" * 64, "r" * 64
 

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from featbake.catalog import Catalog, read_root_file
-from featbake.demo import TinyConvEncoder, save_torchscript
 from featbake.errors import ConfigError, StoreError
-from featbake.store import Layout, ShardReader
+from featbake.store.catalog import Catalog, read_root_file
+from featbake.store.layout import Layout
+from featbake.store.reader import ShardReader
+from featbake.testing import TinyConvEncoder, save_torchscript
 from featbake.upkeep import GcOptions, drop_root, execute_gc, list_roots, plan_gc, stats
 from tests.upkeep_fixtures import bake, manifest, shard_files
 

@@ -7,18 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from featbake.catalog import Catalog
 from featbake.errors import StoreCorrupt, StoreError
-from featbake.reader import FeatureReader
-from featbake.store import Layout, ShardReader
-from featbake.upkeep import (
-    VERIFY_CLEAN,
-    VERIFY_DAMAGED,
-    VERIFY_REPAIRED,
-    open_catalog,
-    stats,
-    verify,
-)
+from featbake.store.catalog import Catalog
+from featbake.store.features import FeatureReader
+from featbake.store.layout import Layout
+from featbake.store.open import open_catalog
+from featbake.store.reader import ShardReader
+from featbake.upkeep import VERIFY_CLEAN, VERIFY_DAMAGED, VERIFY_REPAIRED, stats, verify
 from tests.upkeep_fixtures import Live, assert_serves, bake, manifest, shard_files
 
 

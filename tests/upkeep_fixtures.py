@@ -8,11 +8,12 @@ from pathlib import Path
 
 import torch
 
-from featbake.build import build
-from featbake.catalog import Catalog
-from featbake.reader import FeatureReader
+from featbake.bake.pipeline import build
 from featbake.recipe import Recipe
-from featbake.store import Layout, ShardReader
+from featbake.store.catalog import Catalog
+from featbake.store.features import FeatureReader
+from featbake.store.layout import Layout
+from featbake.store.reader import ShardReader
 from tests.conftest import live_features
 
 

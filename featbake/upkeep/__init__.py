@@ -1,19 +1,4 @@
-"""Upkeep of a long-lived store: ``stats``, ``roots``, ``gc`` and ``verify``.
-
-Each is *scan -> frozen plan -> execute*: :func:`stats` and :func:`plan_gc` only read (the CLI
-prints their plan objects, ``gc --dry-run`` stops there), :func:`execute_gc` and
-:func:`repair` act on a plan and document their order.
-
-Crash safety rests on one rule (see ``docs/design.md``): *write first, publish second, delete in
-reverse*. gc removes catalog rows before files; compaction seals a fresh shard and commits rows
-pointing at it before the old file goes; a shard file no row names is left alone until it is older
-than a grace period, because a build seals its shard before it commits the rows.
-
-Test hook (tests only, never set it in production): ``FEATBAKE_TEST_CRASH_AT=<step>`` makes the
-process SIGKILL itself when gc reaches ``<step>`` (one of :data:`CRASH_POINTS`), so the tests can
-prove that a gc killed at each step leaves a store ``verify`` calls clean and that a rerun
-finishes the job.
-"""
+"""UP_DOC"""
 
 from __future__ import annotations
 
@@ -30,7 +15,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from featbake.catalog import (
+from featbake.errors import ConfigError, ShardMissing, StoreCorrupt, StoreError
+from featbake.progress import GcProgress
+from featbake.store.catalog import (
     Catalog,
     FeatureRef,
     Root,
@@ -41,22 +28,15 @@ from featbake.catalog import (
     tombstone_file,
     write_root_file,
 )
-from featbake.errors import ConfigError, ShardMissing, StoreCorrupt, StoreError
-from featbake.store import (
-    DEFAULT_SHARD_BYTES,
-    DEFAULT_SHARD_ITEMS,
-    Layout,
-    SealedShard,
-    ShardEntry,
-    ShardReader,
-    ShardWriter,
-    default_cache_dir,
-    fsync_dir,
-    remove_file,
-    split_tensor_name,
-)
+from featbake.store.layout import Layout, fsync_dir, remove_file
+from featbake.store.open import open_catalog, resolve_root, store_layout
+from featbake.store.reader import ShardReader
+from featbake.store.shard_format import DEFAULT_SHARD_BYTES, DEFAULT_SHARD_ITEMS, split_tensor_name
+from featbake.store.writer import SealedShard, ShardEntry, ShardWriter
 
 CRASH_ENV = "FEATBAKE_TEST_CRASH_AT"
+
+
 #: The steps at which ``FEATBAKE_TEST_CRASH_AT`` kills gc, in the order gc reaches them.
 CRASH_POINTS = (
     "drop-root-renamed",
@@ -70,9 +50,15 @@ CRASH_POINTS = (
     "compacted-file-unlinked",
     "orphan-unlinked",
 )
+
+
 #: Default grace period before gc removes a shard no row names, or a file left in ``tmp/``.
 DEFAULT_GRACE_S = 3600.0
+
+
 DEFAULT_COMPACT_BELOW = 0.5
+
+
 _HEADER_SLACK = 16  # bytes per tensor a rewritten header may grow by (longer offsets)
 
 
@@ -80,40 +66,6 @@ def _crash_point(step: str) -> None:
     """Test hook: die here, like ``kill -9``, if ``FEATBAKE_TEST_CRASH_AT`` names this step."""
     if os.environ.get(CRASH_ENV) == step:
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-# -- opening a store ---------------------------------------------------------------------------
-def store_layout(cache: str | os.PathLike[str] | None) -> Layout:
-    """The layout of an existing store.
-
-    Raises:
-        StoreError: there is no store there.
-    """
-    layout = Layout(Path(cache) if cache is not None else default_cache_dir())
-    if not layout.root.is_dir():
-        raise StoreError(
-            f"there is no featbake store at {layout.root}; point --cache (or $FEATBAKE_CACHE) at "
-            "one, or create it with `featbake build`"
-        )
-    return layout
-
-
-def open_catalog(cache: str | os.PathLike[str] | None) -> tuple[Layout, Catalog]:
-    """Layout and catalog of an existing store, without creating a catalog that is missing.
-
-    Raises:
-        StoreError: no store, or its catalog is missing or unreadable (the message says to run
-            ``featbake verify --repair``).
-    """
-    layout = store_layout(cache)
-    if not layout.catalog.exists():
-        raise StoreError(
-            f"the store {layout.root} has no catalog.sqlite; run `featbake verify --repair` to "
-            "rebuild it from the shards and root manifests"
-        )
-    catalog = Catalog(layout)
-    catalog.conn  # noqa: B018  (open now: a damaged catalog fails here, with its message)
-    return layout, catalog
 
 
 @dataclass(frozen=True)
@@ -314,25 +266,6 @@ def list_roots(cache: str | os.PathLike[str] | None = None) -> list[RootStats]:
         return [RootStats.of(r, missing.get(r.name, 0)) for r in catalog.roots()]
     finally:
         catalog.close()
-
-
-def resolve_root(catalog: Catalog, name: str) -> Root:
-    """The root called ``name`` or named by a unique prefix of it.
-
-    Raises:
-        ConfigError: no root, or several, match.
-    """
-    roots = catalog.roots()
-    exact = [r for r in roots if r.name == name]
-    matches = exact or [r for r in roots if r.name.startswith(name)]
-    if len(matches) == 1:
-        return matches[0]
-    names = ", ".join(r.name for r in roots) or "none"
-    if not matches:
-        raise ConfigError(f"no root is named {name!r}; the roots are: {names} (`featbake roots`)")
-    raise ConfigError(
-        f"{name!r} names several roots ({', '.join(r.name for r in matches)}); give more of it"
-    )
 
 
 def drop_root(cache: str | os.PathLike[str] | None, name: str) -> Root:
@@ -611,16 +544,6 @@ def _evictions(
     return out
 
 
-# -- gc: execute ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class GcProgress:
-    """Progress of :func:`execute_gc`: ``phase`` is drop, rows, shards, compact or files."""
-
-    phase: str
-    done: int
-    total: int
-
-
 @dataclass
 class GcResult:
     """What gc did. ``problems`` names shards it had to skip (run ``featbake verify``)."""
@@ -807,7 +730,11 @@ def _read_live(layout: Layout, catalog: Catalog, shard: ShardRow) -> dict[str, d
 
 # -- verify ------------------------------------------------------------------------------------
 VERIFY_CLEAN = 0
+
+
 VERIFY_REPAIRED = 10
+
+
 VERIFY_DAMAGED = 11
 
 
@@ -1135,7 +1062,7 @@ def _salvage(layout: Layout, c: ShardCheck) -> SealedShard | None:
     tensors = {t: v for t, v in tensors.items() if split_tensor_name(t)[0] not in broken}
     if not tensors:
         return None
-    from featbake.store import write_shard
+    from featbake.store.writer import write_shard
 
     return write_shard(layout, tensors, c.encoder_fp, c.recipe_fp)
 

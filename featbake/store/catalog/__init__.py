@@ -1,14 +1,4 @@
-"""The catalog: a SQLite index over the shards (derived data; shards are the truth).
-
-It maps each feature key to the shard and tensor that hold it, and keeps the encoders seen, the
-roots (named manifests of keys, one per data folder x encoder as named x recipe, replaced at each
-build), coarse last-use times, and the hash cache (path, size, mtime_ns, inode -> SHA-256) that lets
-an unchanged file go unread.
-
-Concurrency: WAL mode, a busy timeout, and short ``BEGIN IMMEDIATE`` transactions, so several
-builds and DataLoader workers can write at once. A key inserted twice keeps its first row.
-Each process opens its own connection (after ``fork`` the child reconnects on first use).
-"""
+"""The SQLite catalog: an index over the shards (features, shards, encoders, roots, hash cache)."""
 
 from __future__ import annotations
 
@@ -24,10 +14,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from featbake.errors import ShardMissing, StoreCorrupt, StoreError
-from featbake.store import Layout, SealedShard, fsync_dir, remove_file, tensor_name
+from featbake.store.layout import Layout, fsync_dir, remove_file
+from featbake.store.shard_format import tensor_name
+from featbake.store.writer import SealedShard
 
 SCHEMA_VERSION = 2  # 2: shards.data_bytes; features_shard covers (nbytes, last_used)
+
+
 _CHUNK = 500  # keys per IN (...) query, far below SQLite's variable limit
+
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -765,6 +760,8 @@ class FeatureRef:
 
 
 ROOT_FORMAT = "featbake-root"
+
+
 ROOT_FORMAT_VERSION = 1
 
 
@@ -856,9 +853,6 @@ def read_root_file(path: Path) -> tuple[Root, list[tuple[str, str]]]:
             "quarantine/, and rebuilding that data folder publishes the root again"
         ) from e
     return root, items
-
-
-# == end of upkeep block ===================================================================
 
 
 def _upsert_root(c: sqlite3.Connection, root: Root) -> None:

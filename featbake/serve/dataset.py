@@ -43,11 +43,17 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from featbake import device as dev
-from featbake.build import cached_file_encoder_fp, encode_batch, encoder_fingerprint, hash_inputs
-from featbake.catalog import Catalog, FileStat
-from featbake.collate import PaddedBatch, alloc_batch
-from featbake.encoders import LoadedEncoder, _is_import_path, from_module, load_encoder
+import featbake.device as dev
+from featbake.encode.encoders import LoadedEncoder, from_module, is_import_path, load_encoder
+from featbake.encode.fingerprints import (
+    cached_file_encoder_fp,
+    encoder_fingerprint,
+    file_fingerprint,
+    hash_inputs,
+    resolve_path,
+)
+from featbake.encode.outputs import encode_batch
+from featbake.encode.sources import scan, source_for
 from featbake.errors import (
     CacheMiss,
     ConfigError,
@@ -55,18 +61,15 @@ from featbake.errors import (
     ShardMissing,
     SourceError,
 )
-from featbake.keys import feature_key, file_fingerprint, resolve_path, root_id, sha256_hex
+from featbake.keys import feature_key, root_id, sha256_hex
 from featbake.lru import ByteLRU, CacheInfo
 from featbake.recipe import Recipe
-from featbake.sources import scan, source_for
-from featbake.store import (
-    ST_TO_DTYPE,
-    Layout,
-    ShardReader,
-    ShardWriter,
-    default_cache_dir,
-    tensor_name,
-)
+from featbake.serve.collate import PaddedBatch, alloc_batch
+from featbake.store.catalog import Catalog, FileStat
+from featbake.store.layout import Layout, default_cache_dir
+from featbake.store.reader import ShardReader
+from featbake.store.shard_format import ST_TO_DTYPE, tensor_name
+from featbake.store.writer import ShardWriter
 from featbake.units import parse_bytes
 
 __all__ = ["CachedFeatureDataset", "ServeStats"]
@@ -420,7 +423,7 @@ class CachedFeatureDataset(Dataset):
             return enc.fingerprint, enc.label
         spec = os.fspath(encoder)
         self._encoder_spec = spec
-        if _is_import_path(spec):
+        if is_import_path(spec):
             label = spec  # the architecture lives in code: only loading it can fingerprint it
         else:
             if not os.path.isfile(spec):

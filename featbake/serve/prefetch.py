@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from featbake import device as dev
+import featbake.device as dev
 from featbake.errors import ConfigError
 from featbake.lru import ByteLRU, CacheInfo
 from featbake.units import parse_bytes

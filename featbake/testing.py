@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from featbake.encoders import torchscript_quietly
+from featbake.encode.encoders import torchscript_quietly
 
 
 class TinyConvEncoder(nn.Module):

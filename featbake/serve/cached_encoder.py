@@ -29,13 +29,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from featbake.catalog import Catalog
-from featbake.encoders import is_frozen, module_identity
+from featbake.encode.encoders import is_frozen, module_identity
 from featbake.errors import ConfigError, EncodeError
 from featbake.keys import feature_key, module_fingerprint, recipe_fingerprint
 from featbake.lru import ByteLRU, CacheInfo
-from featbake.reader import FeatureReader
-from featbake.store import Layout, ShardWriter, default_cache_dir
+from featbake.store.catalog import Catalog
+from featbake.store.features import FeatureReader
+from featbake.store.layout import Layout, default_cache_dir
+from featbake.store.writer import ShardWriter
 from featbake.units import parse_bytes
 
 __all__ = ["CachedEncoder"]

@@ -1,10 +1,4 @@
-"""Reading features by key: catalog lookup -> shard handle -> tensor, surviving gc.
-
-:class:`FeatureReader` is what every consumer of a store uses (the dataset, ``CachedEncoder``,
-``export``). It holds one catalog connection and a bounded cache of open shards per process. If a
-shard vanished because gc compacted it while we were reading, the reader looks the key up again
-once (the live copy now sits in a fresh shard) before giving up.
-"""
+"""FeatureReader: key -> tensors through the catalog, re-resolving once when gc moved a shard."""
 
 from __future__ import annotations
 
@@ -12,9 +6,10 @@ from collections.abc import Sequence
 
 import torch
 
-from featbake.catalog import Catalog, Location
 from featbake.errors import ShardMissing
-from featbake.store import Layout, ShardHandles
+from featbake.store.catalog import Catalog, Location
+from featbake.store.handles import ShardHandles
+from featbake.store.layout import Layout
 
 
 class FeatureReader:

@@ -1,24 +1,4 @@
-"""Loading frozen encoders, fingerprinting them, and running them.
-
-Three ways to name an encoder (``--encoder``):
-
-* a TorchScript archive (``torch.jit.save``): most frozen encoders still ship this way;
-* a ``torch.export`` program (``.pt2``, ``torch.export.save``): where upstream is going. Inputs of
-  varying length and batches of varying size need both dimensions declared dynamic at export
-  time, the argument named as in ``forward``, e.g. for ``forward(self, wav)`` with ``[B, T]``:
-  ``torch.export.export(m.eval(), (torch.randn(2, 16000),), dynamic_shapes={"wav": {0:
-  torch.export.Dim("batch"), 1: torch.export.Dim("time", min=560)}})`` (``Dim.AUTO`` for both
-  also works). A too-small ``min`` fails at export with "Constraints violated": raise it;
-  a static export fails on every other shape with "Guard failed";
-* an import path ``package.module:factory`` returning an ``nn.Module``, optionally with
-  ``--weights file.safetensors`` loaded into it (strictly).
-
-A file holding a pickled whole module (``torch.save(model)``) is refused: unpickling runs arbitrary
-code. ``--trust-pickle`` loads it anyway, for files you made yourself.
-
-An encoder maps a batch ``[B, ...]`` to a tensor ``[B, ...]``, a tuple of them, or a dict of them
-(e.g. several hidden layers). The recipe's ``output`` selects one; otherwise all are stored.
-"""
+"""ENC_DOC"""
 
 from __future__ import annotations
 
@@ -42,9 +22,17 @@ from featbake.errors import ConfigError, EncodeError, EncoderLoadError
 from featbake.keys import module_fingerprint
 
 TORCHSCRIPT = "torchscript"
+
+
 EXPORT = "export"
+
+
 IMPORT = "import"
+
+
 PICKLE = "pickle"
+
+
 MODULE = "module"  # an in-process nn.Module handed to the API
 
 
@@ -91,7 +79,7 @@ def _first_line(e: BaseException) -> str:
     return text[0] if text else type(e).__name__
 
 
-def _is_import_path(spec: str) -> bool:
+def is_import_path(spec: str) -> bool:
     mod, sep, attr = spec.partition(":")
     return bool(sep) and bool(attr) and not os.path.exists(spec) and "/" not in mod
 
@@ -329,7 +317,7 @@ def load_encoder(
     spec_s = os.fspath(spec)
     dev = torch.device(device)
     weights_p = Path(weights) if weights is not None else None
-    if _is_import_path(spec_s):
+    if is_import_path(spec_s):
         module, identity = _load_import(spec_s, weights_p)
         kind, label = IMPORT, spec_s
     else:
@@ -384,39 +372,3 @@ def from_module(
 def is_frozen(module: torch.nn.Module) -> bool:
     """True when no parameter requires grad and the module is in eval mode."""
     return not module.training and not any(p.requires_grad for p in module.parameters())
-
-
-def split_outputs(result: Any, output: str | None) -> dict[str, torch.Tensor]:
-    """Name an encoder's outputs: ``{"": t}`` for one tensor, else by dict key or tuple index.
-
-    With ``output`` set, only that output is kept (stored under ``""``).
-
-    Raises:
-        EncodeError: the result is not a tensor, tuple or dict of tensors.
-        ConfigError: the result has no output named ``output``.
-    """
-    if isinstance(result, torch.Tensor):
-        named = {"": result}
-    elif isinstance(result, Mapping):
-        named = {str(k): v for k, v in result.items()}
-    elif isinstance(result, (tuple, list)):
-        named = {str(i): v for i, v in enumerate(result)}
-    else:
-        raise EncodeError(
-            f"the encoder returned {type(result).__name__}; featbake stores a tensor, a tuple "
-            "or a dict of tensors"
-        )
-    if output is not None:
-        if output not in named:
-            choices = ", ".join(repr(k) for k in named if k) or "a single tensor"
-            # The user's option, not this input's fault: a ConfigError stops the build.
-            raise ConfigError(
-                f"the encoder has no output {output!r}; it returns {choices}; fix --output"
-            )
-        named = {"": named[output]}
-    bad = [k for k, v in named.items() if not isinstance(v, torch.Tensor)]
-    if bad:
-        raise EncodeError(
-            f"encoder output {bad[0]!r} is not a tensor; pick a tensor output with --output"
-        )
-    return named

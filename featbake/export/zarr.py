@@ -28,10 +28,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from featbake import __version__
 from featbake.errors import ConfigError, StoreError
-from featbake.reader import FeatureReader
-from featbake.upkeep import GcProgress, open_catalog, resolve_root
+from featbake.progress import GcProgress
+from featbake.store.features import FeatureReader
+from featbake.store.open import open_catalog, resolve_root
+from featbake.version import __version__
 
 CHUNK_BYTES = 8 * 1024 * 1024
 _READ_BATCH = 256

@@ -1,0 +1,75 @@
+"""Decode workers: files -> preprocessed tensors; a bad file becomes an error record."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from featbake.encode.sources import Source
+from featbake.errors import SourceError
+from featbake.store.catalog import FileStat
+
+
+# -- decoding in workers ---------------------------------------------------------------------
+class DecodeDataset(Dataset):
+    """Item i -> (i, tensor) or (i, reason) so one bad file cannot stop a worker.
+
+    The key was computed from the bytes hashed earlier; a file rewritten since would put its new
+    features under the old bytes' key (served to every copy of the old file). So after decoding,
+    the file is stat'ed again: if it no longer matches the stat its digest belongs to, the item
+    fails instead.
+    """
+
+    def __init__(
+        self, paths: Sequence[str], source: Source, stats: Sequence[FileStat | None]
+    ) -> None:
+        self.paths = list(paths)
+        self.source = source
+        self.stats = list(stats)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor | str]:
+        path = self.paths[i]
+        try:
+            x = self.source.load(path)
+            try:
+                now: FileStat | None = FileStat.of(path)
+            except OSError:
+                now = None
+            if self.stats[i] is None or now != self.stats[i]:
+                return i, f"{path}: changed while featbake was reading it; rerun the build"
+            return i, x
+        except SourceError as e:
+            return i, str(e)
+        except Exception as e:
+            return i, f"{self.paths[i]}: {type(e).__name__}: {e}"
+
+
+def ignore_sigint(_worker_id: int) -> None:
+    # A terminal's Ctrl-C reaches the whole process group: workers must leave it to the main
+    # process, which stops at a safe point and shuts them down (see interrupt_at_safe_points).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def decoded_items(
+    paths: Sequence[str], source: Source, workers: int, stats: Sequence[FileStat | None]
+) -> Iterator[tuple[int, Any]]:
+    ds = DecodeDataset(paths, source, stats)
+    if workers == 0 or len(paths) < 2:
+        yield from (ds[i] for i in range(len(ds)))
+        return
+    loader = DataLoader(
+        ds,
+        batch_size=None,
+        num_workers=min(workers, len(paths)),
+        prefetch_factor=8,
+        persistent_workers=False,
+        worker_init_fn=ignore_sigint,
+    )
+    yield from loader

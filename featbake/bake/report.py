@@ -1,0 +1,35 @@
+"""BuildReport: what a build did, for the CLI's summary and --json."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class BuildReport:
+    """What a build did. ``failed`` lists (relative path, reason) for each skipped input."""
+
+    root: str
+    data: str
+    encoder: str
+    encoder_fp: str
+    recipe_fp: str
+    files: int = 0
+    encoded: int = 0
+    reused: int = 0
+    duplicates: int = 0
+    failed: list[tuple[str, str]] = field(default_factory=list)
+    bytes_written: int = 0
+    shards_written: int = 0
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict of the report (``featbake build --json``)."""
+        d = asdict(self)
+        d["failed"] = [{"path": p, "reason": r} for p, r in self.failed]
+        return d

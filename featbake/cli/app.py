@@ -1,0 +1,76 @@
+"""The typer app, its consoles and the options every command shares."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from featbake.version import __version__
+
+console = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+out = Console(highlight=False)
+
+
+EXIT_CODES = """Exit codes: 0 ok, 2 bad option, 3 some inputs failed (the rest stored), 4 encoder
+could not load or run, 5 store unwritable, 6 corrupt store data, 7 cache miss, 8 input unreadable,
+130 interrupted (sealed work kept)."""
+
+
+app = typer.Typer(
+    name="featbake",
+    help=(
+        "Compute a frozen encoder's features once; serve them at training time.\n\n"
+        "\b\n"
+        "  featbake build --encoder ckpt.pt --data ./audio   # bake (again: nothing recomputed)\n"
+        "  featbake stats                                    # what the store holds\n"
+        "  featbake gc --dry-run                             # what gc would free\n"
+        "  featbake verify                                   # check every checksum\n\n"
+        "In Python: CachedFeatureDataset('./audio', encoder='ckpt.pt') serves the same keys.\n\n"
+        "The store lives in --cache DIR (default $FEATBAKE_CACHE or ./.featbake). "
+        "Run `featbake COMMAND --help` for a command's options and examples.\n\n" + EXIT_CODES
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+
+CacheOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--cache",
+        envvar="FEATBAKE_CACHE",
+        help="Store directory. [default: $FEATBAKE_CACHE or ./.featbake]",
+        show_default=False,
+    ),
+]
+
+
+JsonOpt = Annotated[
+    bool, typer.Option("--json", help="Print a JSON report on stdout, for scripts.")
+]
+
+
+def _version(value: bool) -> None:
+    if value:
+        out.print(f"featbake {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_version, is_eager=True, help="Show the version and exit."
+        ),
+    ] = False,
+) -> None:
+    """Compute a frozen encoder's features once; serve them at training time."""

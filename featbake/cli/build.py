@@ -1,0 +1,142 @@
+"""`featbake build`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from featbake.cli.app import EXIT_CODES, CacheOpt, JsonOpt, app, console, out
+from featbake.cli.render import progress_bar, tick_bar
+from featbake.errors import BuildIncomplete, ConfigError
+from featbake.units import format_bytes, parse_bytes
+
+
+@app.command(
+    epilog=(
+        "Examples:\n\n"
+        "  featbake build --encoder ckpt.pt --data ./audio\n\n"
+        "  featbake build --encoder encoder.pt2 --data ./audio --max-seconds 10 --dtype float16\n\n"
+        "  featbake build --encoder mypkg.models:build --weights w.safetensors --data ./audio "
+        "--device cuda --json\n\n" + EXIT_CODES
+    )
+)
+def build(
+    encoder: Annotated[
+        str,
+        typer.Option(
+            "--encoder",
+            "-e",
+            help="TorchScript (.pt), torch.export (.pt2) file, or import path pkg.module:factory.",
+        ),
+    ],
+    data: Annotated[
+        Path, typer.Option("--data", "-d", help="Folder of inputs (scanned recursively).")
+    ],
+    cache: CacheOpt = None,
+    weights: Annotated[
+        Path | None, typer.Option(help="safetensors weights for an import-path encoder.")
+    ] = None,
+    source: Annotated[str, typer.Option(help="Input kind: audio or npy.")] = "audio",
+    sample_rate: Annotated[int, typer.Option(help="Resample audio to this rate (Hz).")] = 16000,
+    mono: Annotated[
+        bool, typer.Option(help="Mix audio to one channel (--no-mono keeps [C, T]).")
+    ] = True,
+    max_seconds: Annotated[
+        float | None, typer.Option(help="Crop audio to its first N seconds.", show_default=False)
+    ] = None,
+    output: Annotated[
+        str | None,
+        typer.Option(
+            help="Store only this encoder output (dict key or tuple index).", show_default=False
+        ),
+    ] = None,
+    dtype: Annotated[
+        str, typer.Option(help="Stored dtype: float32, float16 or bfloat16.")
+    ] = "float32",
+    batch_size: Annotated[int, typer.Option(help="Inputs per encoder call.")] = 16,
+    workers: Annotated[int, typer.Option(help="Decoding worker processes (0: none).")] = 2,
+    device: Annotated[str, typer.Option(help="Where the encoder runs: cpu, cuda, cuda:N.")] = "cpu",
+    shard_size: Annotated[str, typer.Option(help="Target shard size, e.g. 256MiB.")] = "256MiB",
+    strict: Annotated[
+        bool, typer.Option(help="Stop at the first bad input instead of skipping it.")
+    ] = False,
+    trust_pickle: Annotated[
+        bool,
+        typer.Option(help="Allow a pickled whole-module checkpoint (loading it runs its code)."),
+    ] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Run an encoder over a data folder once and store its features.
+
+    Inputs already in the store are skipped (a rerun encodes nothing); bad inputs are skipped and
+    listed at the end, and the exit code is then 3.
+    """
+    from featbake.bake.pipeline import build as run_build
+    from featbake.recipe import Recipe
+
+    recipe = Recipe(
+        source=source,
+        sample_rate=sample_rate,
+        mono=mono,
+        max_seconds=max_seconds,
+        output=output,
+        dtype=dtype,
+    )
+    try:
+        shard_bytes = parse_bytes(shard_size)
+    except ConfigError as e:
+        raise ConfigError(f"--shard-size: {e}") from e
+    bar = progress_bar()
+    on_progress = tick_bar(bar, {})
+    with bar:
+        report = run_build(
+            data,
+            encoder,
+            cache=cache,
+            recipe=recipe,
+            weights=weights,
+            trust_pickle=trust_pickle,
+            batch_size=batch_size,
+            workers=workers,
+            device=device,
+            strict=strict,
+            shard_bytes=shard_bytes,
+            progress=on_progress,
+        )
+    if as_json:
+        out.print_json(json.dumps(report.to_json()))
+    else:
+        _print_build_summary(report)
+    if report.failed:
+        raise BuildIncomplete(
+            f"{len(report.failed)} of {report.files} inputs failed (listed above); "
+            "everything else is stored. Fix or remove them and rerun; finished work is not redone"
+        )
+
+
+def _print_build_summary(report: Any) -> None:
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("root", report.root)
+    table.add_row("encoder", f"{escape(report.encoder)} ({report.encoder_fp[:12]})")
+    table.add_row("files", f"{report.files:,}")
+    table.add_row("encoded", f"{report.encoded:,}")
+    table.add_row("reused", f"{report.reused:,}")
+    if report.duplicates:
+        table.add_row("duplicates", f"{report.duplicates:,} (identical files share a feature)")
+    table.add_row("failed", f"[red]{len(report.failed):,}[/]" if report.failed else "0")
+    table.add_row(
+        "written", f"{format_bytes(report.bytes_written)} in {report.shards_written} shards"
+    )
+    table.add_row("time", f"{report.seconds:.2f}s")
+    out.print(table)
+    for path, reason in report.failed[:50]:
+        console.print(f"[red]failed[/] {escape(path)}: {escape(reason)}")
+    if len(report.failed) > 50:
+        console.print(f"[red]... and {len(report.failed) - 50} more (see --json)")

@@ -1,0 +1,120 @@
+"""`featbake gc`."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+import typer
+from rich.markup import escape
+
+from featbake.cli.app import EXIT_CODES, CacheOpt, JsonOpt, app, console, out
+from featbake.cli.render import progress_bar, tick_bar
+from featbake.units import format_bytes, parse_bytes
+
+
+@app.command(
+    epilog=(
+        "Examples:\n\n  featbake gc --dry-run\n\n  featbake gc\n\n"
+        "  featbake gc --older-than 30d --max-bytes 200GiB\n\n"
+        "  featbake gc --compact-below 0.8 --merge-small --json\n\n" + EXIT_CODES
+    )
+)
+def gc(
+    cache: CacheOpt = None,
+    older_than: Annotated[
+        str | None,
+        typer.Option(
+            help="Drop roots neither built nor used for this long, e.g. 30d.", show_default=False
+        ),
+    ] = None,
+    max_bytes: Annotated[
+        str | None,
+        typer.Option(
+            help="Evict least-recently-used features until the shards fit, e.g. 200GiB.",
+            show_default=False,
+        ),
+    ] = None,
+    compact_below: Annotated[
+        float,
+        typer.Option(help="Rewrite a shard holding garbage once its live share falls under this."),
+    ] = 0.5,
+    merge_small: Annotated[
+        bool, typer.Option(help="Also merge shards smaller than a quarter of --shard-size.")
+    ] = False,
+    grace: Annotated[
+        str,
+        typer.Option(help="Leave unnamed shard files and tmp/ files alone until this old."),
+    ] = "1h",
+    shard_size: Annotated[
+        str, typer.Option(help="Target size of shards written by compaction.")
+    ] = "256MiB",
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print what would go and how many bytes it frees.")
+    ] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Free what no live root reaches; optionally drop old roots and fit a byte budget.
+
+    Removes features of old encoders, changed or deleted files and dropped roots; rewrites
+    shards that are mostly garbage; removes stale tmp/ leftovers. Safe to interrupt at any point
+    (a rerun finishes the job) and safe while training reads the store.
+    """
+    from featbake.units import parse_duration
+    from featbake.upkeep import GcOptions, execute_gc, plan_gc
+
+    opts = GcOptions(
+        older_than=parse_duration(older_than) if older_than else None,
+        max_bytes=parse_bytes(max_bytes) if max_bytes else None,
+        compact_below=compact_below,
+        grace=parse_duration(grace),
+        shard_bytes=parse_bytes(shard_size),
+        merge_small=merge_small,
+    )
+    plan = plan_gc(cache, opts)
+    summary = plan.summary()
+    if dry_run or not as_json:
+        _print_gc_plan(plan, dry_run, as_json)
+    if dry_run:
+        return
+    bar = progress_bar()
+    with bar:
+        result = execute_gc(plan, progress=tick_bar(bar, {}))
+    if as_json:
+        out.print_json(json.dumps({"plan": summary, "result": result.to_json()}))
+    else:
+        out.print(
+            f"gc: dropped {len(result.roots_dropped)} roots, {result.rows_deleted:,} feature "
+            f"rows, {result.shards_deleted:,} shards; wrote {result.shards_written} shards "
+            f"({result.features_moved:,} moved); freed {format_bytes(max(0, result.bytes_freed))} "
+            f"in {result.seconds:.2f}s"
+        )
+    for p in result.problems:
+        console.print(f"[yellow]warning:[/] {escape(p)}")
+
+
+def _print_gc_plan(plan: Any, dry_run: bool, as_json: bool) -> None:
+    s = plan.summary()
+    if as_json:
+        out.print_json(json.dumps({"plan": s}))
+        return
+    head = "would free" if dry_run else "frees"
+    if plan.nothing_to_do:
+        out.print(
+            "gc: nothing to do"
+            + (
+                f" ({s['orphan_shards_in_grace']} unnamed shards are within the grace period)"
+                if s["orphan_shards_in_grace"]
+                else ""
+            )
+        )
+        return
+    for d in plan.drop_roots:
+        out.print(f"drop root {d.name} ({escape(d.data)}, {escape(d.encoder_label)}): {d.reason}")
+    out.print(
+        f"{s['unreached_features']:,} unreached features ({format_bytes(s['unreached_bytes'])}), "
+        f"{s['evicted_features']:,} evicted ({format_bytes(s['evicted_bytes'])}); "
+        f"{s['shards_deleted']} shards deleted, {s['shards_rewritten']} rewritten, "
+        f"{s['orphan_shards']} unnamed shard files, {s['tmp_files']} tmp/ files: "
+        f"{head} about {format_bytes(plan.freed_bytes)} of {format_bytes(s['disk_bytes'])}"
+    )

@@ -1,0 +1,145 @@
+"""`featbake stats` and `featbake roots [drop NAME]`."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from featbake.cli.app import EXIT_CODES, CacheOpt, JsonOpt, app, out
+from featbake.cli.render import format_when
+from featbake.units import format_bytes
+
+
+@app.command(
+    epilog=(
+        "Examples:\n\n  featbake stats\n\n  featbake stats --cache /data/.featbake --json\n\n"
+        + EXIT_CODES
+    )
+)
+def stats(cache: CacheOpt = None, as_json: JsonOpt = False) -> None:
+    """Show what the store holds: features, bytes, live and dead, per encoder and per root.
+
+    Reads the catalog only (well under a second on a million features). Live features are those
+    some root reaches; dead ones are what `featbake gc` frees.
+    """
+    from featbake.upkeep import stats as run_stats
+
+    s = run_stats(cache)
+    if as_json:
+        out.print_json(json.dumps(s.to_json()))
+        return
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("store", escape(s.path))
+    table.add_row("features", f"{s.features:,} ({format_bytes(s.feature_bytes)})")
+    table.add_row("live", f"{s.live_features:,} ({format_bytes(s.live_bytes)})")
+    table.add_row("dead", f"{s.dead_features:,} ({format_bytes(s.dead_bytes)}): gc frees them")
+    table.add_row("shards", f"{s.shards:,} files, {format_bytes(s.disk_bytes)} on disk")
+    if s.unreferenced_bytes:
+        table.add_row("unreferenced", f"{format_bytes(s.unreferenced_bytes)} inside shards")
+    table.add_row("tmp/", f"{s.tmp_files} leftovers ({format_bytes(s.tmp_bytes)})")
+    table.add_row("catalog", format_bytes(s.catalog_bytes))
+    out.print(table)
+    enc = Table(title="encoders", title_justify="left")
+    for col in ("fingerprint", "encoder", "features", "bytes", "first seen", "last used"):
+        enc.add_column(col, justify="right" if col in ("features", "bytes") else "left")
+    for e in s.encoders:
+        enc.add_row(
+            e.fp[:12],
+            escape(e.label),
+            f"{e.features:,}",
+            format_bytes(e.bytes),
+            format_when(e.first_seen),
+            format_when(e.last_used),
+        )
+    out.print(enc)
+    _print_roots(s.roots)
+
+
+def _recipe_brief(recipe: dict) -> str:
+    """e.g. ``audio 16kHz mono float32 crop 10s`` (the root's name covers the exact recipe)."""
+    bits = [str(recipe.get("source", "?"))]
+    if recipe.get("sample_rate"):
+        bits.append(f"{recipe['sample_rate'] / 1000:g}kHz")
+    if recipe.get("mono") is False:
+        bits.append("multichannel")
+    bits.append(str(recipe.get("dtype", "")))
+    if recipe.get("max_seconds"):
+        bits.append(f"crop {recipe['max_seconds']:g}s")
+    if recipe.get("output") is not None:
+        bits.append(f"output {recipe['output']}")
+    return " ".join(bits)
+
+
+def _print_roots(roots: Any) -> None:
+    t = Table(title="roots", title_justify="left")
+    for col in ("name", "data", "encoder", "recipe", "items", "missing", "last used"):
+        t.add_column(col, justify="right" if col in ("items", "missing") else "left")
+    for r in roots:
+        recipe = _recipe_brief(r.recipe)
+        t.add_row(
+            r.name,
+            escape(r.data),
+            escape(r.encoder_label),
+            escape(recipe),
+            f"{r.items:,}",
+            f"[yellow]{r.missing:,}[/]" if r.missing else "0",
+            format_when(r.last_used),
+        )
+    out.print(t)
+
+
+roots_app = typer.Typer(
+    help="List the roots (one per data folder x encoder as named x recipe), or drop one.",
+    invoke_without_command=True,
+    no_args_is_help=False,
+)
+app.add_typer(roots_app, name="roots")
+
+
+@roots_app.callback(
+    epilog=(
+        "Examples:\n\n  featbake roots\n\n  featbake roots --json\n\n  featbake roots drop r-3f1c"
+    )
+)
+def roots(ctx: typer.Context, cache: CacheOpt = None, as_json: JsonOpt = False) -> None:
+    """List the roots: what each build published, and how many of its items are missing.
+
+    A root keeps its features live; `featbake roots drop NAME` lets gc free them.
+    """
+    if ctx.invoked_subcommand is not None:
+        ctx.obj = cache
+        return
+    from dataclasses import asdict
+
+    from featbake.upkeep import list_roots
+
+    rs = list_roots(cache)
+    if as_json:
+        out.print_json(json.dumps([asdict(r) for r in rs]))
+    else:
+        _print_roots(rs)
+
+
+@roots_app.command(
+    "drop",
+    epilog="Examples:\n\n  featbake roots drop r-3f1c9a0e12ab\n\n  featbake roots drop r-3f1c",
+)
+def roots_drop(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="The root's name, or a unique prefix of it.")],
+    cache: CacheOpt = None,
+) -> None:
+    """Drop one root; its features stay until `featbake gc` frees them."""
+    from featbake.upkeep import drop_root
+
+    root = drop_root(cache if cache is not None else ctx.obj, name)
+    out.print(
+        f"dropped root {root.name} ({escape(root.data)}, {escape(root.encoder_label)}, "
+        f"{root.items:,} items); run `featbake gc` to free what nothing else reaches"
+    )

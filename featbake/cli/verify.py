@@ -1,0 +1,67 @@
+"""`featbake verify [--repair]`."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+
+from featbake.cli.app import CacheOpt, JsonOpt, app, out
+from featbake.cli.render import progress_bar, tick_bar
+from featbake.units import format_bytes
+
+# == upkeep: stats, roots, gc, verify, export ===================================================
+VERIFY_EXIT = """verify exit codes: 0 clean; 10 damage was found and repaired (--repair; features
+in quarantined shards are gone: rebuild to recompute them); 11 damage remains (run with --repair,
+or see the lines above). 5: the store cannot be opened at all."""
+
+
+@app.command(
+    epilog=("Examples:\n\n  featbake verify\n\n  featbake verify --repair --json\n\n" + VERIFY_EXIT)
+)
+def verify(
+    cache: CacheOpt = None,
+    repair: Annotated[
+        bool,
+        typer.Option(
+            "--repair",
+            help="Rebuild the catalog from the shards and root manifests; quarantine damage.",
+        ),
+    ] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Check every shard's bytes and checksums, and the catalog against the shards.
+
+    With --repair: intact tensors of a damaged shard are copied to a fresh shard, the damaged
+    file moves to quarantine/, the catalog drops rows that point nowhere and indexes shards it
+    lacked; a missing or unreadable catalog is rebuilt from the shard headers and roots/*.json.
+    Run it while no build or training uses the store.
+    """
+    from featbake.upkeep import verify as run_verify
+
+    bar = progress_bar()
+    with bar:
+        report = run_verify(cache, repair_damage=repair, progress=tick_bar(bar, {}))
+    if as_json:
+        out.print_json(json.dumps(report.to_json()))
+    else:
+        for f in report.findings:
+            style = "red" if f.damage else "dim"
+            out.print(f"[{style}]{f.kind}[/] {escape(f.subject)}: {escape(f.detail)}")
+        for a in report.actions:
+            out.print(f"[green]repair[/] {escape(a)}")
+        for f in report.remaining if report.status != "clean" and repair else []:
+            out.print(f"[red]remains[/] {f.kind} {escape(f.subject)}: {escape(f.detail)}")
+        out.print(
+            f"verify: {report.status} ({report.shards_checked} shards, "
+            f"{format_bytes(report.bytes_checked)} read in {report.seconds:.2f}s)"
+            + (
+                f"; {report.features_lost} feature rows lost, rebuild to recompute them"
+                if report.features_lost
+                else ""
+            )
+        )
+    if report.exit_code:
+        raise typer.Exit(report.exit_code)

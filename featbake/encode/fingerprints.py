@@ -1,0 +1,156 @@
+"""Fingerprints that read files: inputs (with the hash cache) and encoders (cached by file stat)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from featbake.encode.encoders import PICKLE, LoadedEncoder, detect_kind
+from featbake.keys import sha256_hex
+from featbake.progress import Progress
+from featbake.store.catalog import Catalog, FileStat
+
+READ_CHUNK = 1024 * 1024
+
+
+def file_fingerprint(path: str | os.PathLike[str]) -> str:
+    """SHA-256 of a file's bytes, streamed (never the whole file in memory)."""
+    with open(path, "rb") as f:
+        if hasattr(hashlib, "file_digest"):  # Python >= 3.11
+            return hashlib.file_digest(f, "sha256").hexdigest()
+        return stream_digest(f)
+
+
+def stream_digest(f: Any) -> str:
+    h = hashlib.sha256()
+    while chunk := f.read(READ_CHUNK):
+        h.update(chunk)
+    return h.hexdigest()
+
+
+def resolve_path(path: str | os.PathLike[str]) -> str:
+    """The absolute, symlink-free form of a path, as stored in the catalog."""
+    return str(Path(path).expanduser().resolve())
+
+
+HASH_THREADS = 4
+
+
+# -- planning --------------------------------------------------------------------------------
+def hash_inputs(
+    catalog: Catalog,
+    paths: Sequence[str],
+    progress: Callable[[Progress], None] | None = None,
+    stats: dict[str, FileStat] | None = None,
+) -> tuple[dict[str, str], dict[str, str]]:
+    """SHA-256 of each file, re-reading only files whose (size, mtime_ns, inode) changed.
+
+    Args:
+        catalog: whose hash cache to consult and fill.
+        paths: the files to hash.
+        progress: called as hashing advances.
+        stats: if given, filled with path -> the FileStat each digest belongs to, so a later
+            reader can tell whether the file changed since (see :class:`DecodeDataset`).
+
+    Returns:
+        (path -> sha256, path -> reason for files that could not be read)
+    """
+    stats = {} if stats is None else stats
+    failed: dict[str, str] = {}
+    for p in paths:
+        try:
+            stats[p] = FileStat.of(p)
+        except OSError as e:
+            failed[p] = f"cannot stat: {e.strerror}"
+    cached = catalog.cached_hashes(list(stats))
+    digests = {p: cached[p][1] for p, st in stats.items() if p in cached and cached[p][0] == st}
+    todo = [p for p in stats if p not in digests]
+    done = len(digests)
+    if progress:
+        progress(Progress("hash", done, len(paths)))
+    fresh: list[tuple[str, FileStat, str]] = []
+
+    def one(p: str) -> tuple[str, str | None, str | None]:
+        try:
+            return p, file_fingerprint(p), None
+        except OSError as e:
+            return p, None, f"cannot read: {e.strerror}"
+
+    with ThreadPoolExecutor(HASH_THREADS) as pool:
+        for p, sha, err in pool.map(one, todo):
+            done += 1
+            if sha is None:
+                failed[p] = err or "unreadable"
+            else:
+                digests[p] = sha
+                fresh.append((p, stats[p], sha))
+            if progress and (done % 256 == 0 or done == len(paths)):
+                progress(Progress("hash", done, len(paths)))
+    catalog.put_hashes(fresh)
+    return digests, failed
+
+
+def encoder_cache_id(encoder: LoadedEncoder, weights: str | None) -> tuple[str, str] | None:
+    """(hash-cache id, backing file) for an encoder whose fingerprint can be cached, else None.
+
+    A TorchScript or .pt2 file holds its architecture and weights, so its fingerprint depends on
+    the file alone. An import-path encoder's architecture lives in code, so its id includes the
+    identity (its repr and code digest) beside the weights file. A pickle's class lives in code
+    too: its id includes the identity beside the file, under an ``encoder-fp:pickle:`` prefix
+    that :func:`cached_file_encoder_fp` never looks up (a pickle cannot be vouched for unloaded).
+    """
+    if weights is not None:
+        ident = sha256_hex(f"{encoder.identity}\n{resolve_path(weights)}".encode())
+        return f"encoder-fp:import:{ident}", weights
+    if encoder.kind == PICKLE and os.path.isfile(encoder.label):
+        ident = sha256_hex(f"{encoder.identity}\n{resolve_path(encoder.label)}".encode())
+        return f"encoder-fp:pickle:{ident}", encoder.label
+    if encoder.kind != "module" and os.path.isfile(encoder.label):
+        return file_encoder_cache_id(encoder.label), encoder.label
+    return None
+
+
+def file_encoder_cache_id(path: str | os.PathLike[str]) -> str:
+    """The hash-cache id under which a file encoder's fingerprint is remembered."""
+    return f"encoder-fp:file:{resolve_path(path)}"
+
+
+def cached_file_encoder_fp(catalog: Catalog, path: str | os.PathLike[str]) -> str | None:
+    """A file encoder's fingerprint without loading it, if the file is unchanged since last time.
+
+    This lets a dataset map inputs to keys (and serve hits) without ever loading the encoder.
+    Always None for a pickled module: its fingerprint depends on its class's source code too,
+    which only loading it reveals (and the build never caches it under this file id).
+    """
+    if detect_kind(Path(path)) == PICKLE:
+        return None  # also ignores file-id entries written before pickles were keyed by code
+    ident = file_encoder_cache_id(path)
+    hit = catalog.cached_hashes([ident]).get(ident)
+    try:
+        return hit[1] if hit and hit[0] == FileStat.of(path) else None
+    except OSError:
+        return None
+
+
+def encoder_fingerprint(encoder: LoadedEncoder, catalog: Catalog, weights: str | None) -> str:
+    """The encoder's fingerprint, cached in the hash cache against its file's stat.
+
+    Hashing a large checkpoint's weights costs a full pass over them; an unchanged file (same
+    size, mtime and inode) reuses the last result, as input files do.
+    """
+    cache = encoder_cache_id(encoder, weights)
+    if cache is None:
+        return encoder.fingerprint
+    ident, backing = cache
+    st = FileStat.of(backing)
+    hit = catalog.cached_hashes([ident]).get(ident)
+    if hit and hit[0] == st:
+        encoder._fingerprint = hit[1]
+        return hit[1]
+    fp = encoder.fingerprint
+    catalog.put_hashes([(ident, st, fp)])
+    return fp

@@ -1,0 +1,72 @@
+"""Encoder outputs: one naming rule for tensor, tuple and dict outputs; batched encoding."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from featbake.encode.encoders import LoadedEncoder
+from featbake.errors import ConfigError, EncodeError
+from featbake.recipe import Recipe
+
+
+# -- encoding ----------------------------------------------------------------------------------
+def encode_batch(
+    encoder: LoadedEncoder, inputs: Sequence[torch.Tensor], recipe: Recipe
+) -> list[dict[str, torch.Tensor]]:
+    """Encode equal-shape inputs together; one dict of output parts per input, on the CPU.
+
+    Raises:
+        EncodeError: the encoder failed or returned outputs without a matching batch dimension.
+    """
+    batch = torch.stack(list(inputs))
+    named = split_outputs(encoder.run(batch), recipe.output)
+    out: list[dict[str, torch.Tensor]] = [{} for _ in inputs]
+    for part, value in named.items():
+        if value.dim() == 0 or value.shape[0] != len(inputs):
+            raise EncodeError(
+                f"encoder output {part or 'tensor'} has shape {tuple(value.shape)}, expected a "
+                f"leading batch dimension of {len(inputs)}"
+            )
+        value = value.detach().to("cpu", recipe.torch_dtype)
+        for i in range(len(inputs)):
+            out[i][part] = value[i].clone()  # own storage: a slice would pin the whole batch
+    return out
+
+
+def split_outputs(result: Any, output: str | None) -> dict[str, torch.Tensor]:
+    """Name an encoder's outputs: ``{"": t}`` for one tensor, else by dict key or tuple index.
+
+    With ``output`` set, only that output is kept (stored under ``""``).
+
+    Raises:
+        EncodeError: the result is not a tensor, tuple or dict of tensors.
+        ConfigError: the result has no output named ``output``.
+    """
+    if isinstance(result, torch.Tensor):
+        named = {"": result}
+    elif isinstance(result, Mapping):
+        named = {str(k): v for k, v in result.items()}
+    elif isinstance(result, (tuple, list)):
+        named = {str(i): v for i, v in enumerate(result)}
+    else:
+        raise EncodeError(
+            f"the encoder returned {type(result).__name__}; featbake stores a tensor, a tuple "
+            "or a dict of tensors"
+        )
+    if output is not None:
+        if output not in named:
+            choices = ", ".join(repr(k) for k in named if k) or "a single tensor"
+            # The user's option, not this input's fault: a ConfigError stops the build.
+            raise ConfigError(
+                f"the encoder has no output {output!r}; it returns {choices}; fix --output"
+            )
+        named = {"": named[output]}
+    bad = [k for k, v in named.items() if not isinstance(v, torch.Tensor)]
+    if bad:
+        raise EncodeError(
+            f"encoder output {bad[0]!r} is not a tensor; pick a tensor output with --output"
+        )
+    return named

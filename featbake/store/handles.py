@@ -1,0 +1,57 @@
+"""A per-process LRU of open shard readers, bounded in open files and reset after fork."""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Iterator
+from pathlib import Path
+
+from featbake.store.reader import ShardReader
+
+
+class ShardHandles:
+    """A per-process cache of open :class:`ShardReader` objects, bounded in open files.
+
+    After ``fork`` (DataLoader workers) the child drops its parent's handles and opens its own.
+    """
+
+    def __init__(self, max_open: int = 64, verify: str = "first") -> None:
+        self.max_open = max_open
+        self.verify = verify
+        self._readers: OrderedDict[Path, ShardReader] = OrderedDict()
+        self._pid = os.getpid()
+
+    def get(self, path: Path) -> ShardReader:
+        """An open reader for ``path``, opening (and evicting the least recent) as needed."""
+        if self._pid != os.getpid():
+            # The parent's readers are its bookkeeping, but the fds are this process's own
+            # copies: close them, or each forked worker keeps up to max_open files open.
+            for r in self._readers.values():
+                r.close()
+            self._readers = OrderedDict()
+            self._pid = os.getpid()
+        reader = self._readers.get(path)
+        if reader is not None:
+            self._readers.move_to_end(path)
+            return reader
+        reader = ShardReader(path, verify=self.verify)
+        self._readers[path] = reader
+        while len(self._readers) > self.max_open:
+            _, old = self._readers.popitem(last=False)
+            old.close()
+        return reader
+
+    def forget(self, path: Path) -> None:
+        """Close and drop the handle of a shard that moved or vanished."""
+        reader = self._readers.pop(path, None)
+        if reader is not None:
+            reader.close()
+
+    def close(self) -> None:
+        while self._readers:
+            _, r = self._readers.popitem()
+            r.close()
+
+    def __iter__(self) -> Iterator[Path]:
+        return iter(self._readers)

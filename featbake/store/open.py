@@ -1,0 +1,66 @@
+"""Opening a store by its directory: the layout, and the catalog with a clear error."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from featbake.errors import ConfigError, StoreError
+from featbake.store.catalog import (
+    Catalog,
+    Root,
+)
+from featbake.store.layout import Layout, default_cache_dir
+
+
+# -- opening a store ---------------------------------------------------------------------------
+def store_layout(cache: str | os.PathLike[str] | None) -> Layout:
+    """The layout of an existing store.
+
+    Raises:
+        StoreError: there is no store there.
+    """
+    layout = Layout(Path(cache) if cache is not None else default_cache_dir())
+    if not layout.root.is_dir():
+        raise StoreError(
+            f"there is no featbake store at {layout.root}; point --cache (or $FEATBAKE_CACHE) at "
+            "one, or create it with `featbake build`"
+        )
+    return layout
+
+
+def open_catalog(cache: str | os.PathLike[str] | None) -> tuple[Layout, Catalog]:
+    """Layout and catalog of an existing store, without creating a catalog that is missing.
+
+    Raises:
+        StoreError: no store, or its catalog is missing or unreadable (the message says to run
+            ``featbake verify --repair``).
+    """
+    layout = store_layout(cache)
+    if not layout.catalog.exists():
+        raise StoreError(
+            f"the store {layout.root} has no catalog.sqlite; run `featbake verify --repair` to "
+            "rebuild it from the shards and root manifests"
+        )
+    catalog = Catalog(layout)
+    catalog.conn  # noqa: B018  (open now: a damaged catalog fails here, with its message)
+    return layout, catalog
+
+
+def resolve_root(catalog: Catalog, name: str) -> Root:
+    """The root called ``name`` or named by a unique prefix of it.
+
+    Raises:
+        ConfigError: no root, or several, match.
+    """
+    roots = catalog.roots()
+    exact = [r for r in roots if r.name == name]
+    matches = exact or [r for r in roots if r.name.startswith(name)]
+    if len(matches) == 1:
+        return matches[0]
+    names = ", ".join(r.name for r in roots) or "none"
+    if not matches:
+        raise ConfigError(f"no root is named {name!r}; the roots are: {names} (`featbake roots`)")
+    raise ConfigError(
+        f"{name!r} names several roots ({', '.join(r.name for r in matches)}); give more of it"
+    )

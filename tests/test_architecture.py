@@ -1,0 +1,189 @@
+"""The package's layers, checked over the AST of every module (by `make test` and `make lint`).
+
+Imports run one way: leaves <- store <- encode <- {bake, serve} <- cli, and store <- {upkeep,
+export} <- cli (docs/design.md, "The parts"). A module may not import the package root, nor
+another module's ``_private`` names. Modules stay under ~400 lines and functions under ~60, except
+those named below with their reason (the same list is in docs/design.md).
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "featbake"
+
+#: layer -> the layers it may import (itself included implicitly).
+LEAVES = {"errors", "keys", "recipe", "units", "lru", "progress", "version"}
+ALLOWED: dict[str, set[str]] = {
+    "leaf": set(),
+    "device": {"leaf"},
+    "store": {"leaf"},
+    "encode": {"leaf", "device", "store"},
+    "bake": {"leaf", "device", "store", "encode"},
+    "serve": {"leaf", "device", "store", "encode"},
+    "upkeep": {"leaf", "store"},
+    "export": {"leaf", "store"},
+    "testing": {"leaf", "encode"},
+    "cli": {"leaf", "device", "store", "encode", "bake", "serve", "upkeep", "export"},
+    "entry": {"cli"},  # featbake/__main__.py
+    "root": {"leaf", "bake", "serve"},  # featbake/__init__.py: the lazy public API
+}
+
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 60
+#: module -> why it may be longer (keep in step with docs/design.md).
+LONG_MODULES: dict[str, str] = {
+    "featbake.serve.dataset": "moved whole; being split by job (issue 7)",
+    "featbake.serve.prefetch": "moved whole; being split by job (issue 7)",
+    "featbake.store.catalog": "moved whole; being split by job (issue 7)",
+    "featbake.upkeep": "moved whole; being split by job (issue 7)",
+}
+#: "module:function" -> why it may be longer (keep in step with docs/design.md).
+LONG_FUNCTIONS: dict[str, str] = {
+    "featbake.bake.pipeline:build": "moved whole; being split (issue 7)",
+    "featbake.export.zarr:export_zarr": "moved whole; being split (issue 7)",
+    "featbake.serve.dataset:_read_padded": "moved whole; being split (issue 7)",
+    "featbake.upkeep:_plan": "moved whole; being split (issue 7)",
+    "featbake.upkeep:execute_gc": "moved whole; being split (issue 7)",
+    "featbake.upkeep:_check_catalog": "moved whole; being split (issue 7)",
+}
+
+
+@dataclass(frozen=True)
+class ImportEdge:
+    """One ``import`` statement: who imports which featbake module (and which names)."""
+
+    module: str
+    target: str
+    names: tuple[str, ...]
+    line: int
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "root"
+    head = parts[1]
+    if head in LEAVES:
+        return "leaf"
+    if head == "__main__":
+        return "entry"
+    return head
+
+
+def modules() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def import_edges(path: Path) -> list[ImportEdge]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    me = module_name(path)
+    edges = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "featbake":
+                    edges.append(ImportEdge(me, alias.name, (), node.lineno))
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and (node.module or "").split(".")[0] == "featbake"
+        ):
+            names = tuple(a.name for a in node.names)
+            edges.append(ImportEdge(me, node.module, names, node.lineno))
+    return edges
+
+
+def all_edges() -> list[ImportEdge]:
+    return [e for p in modules() for e in import_edges(p)]
+
+
+def test_every_module_belongs_to_a_known_layer() -> None:
+    unknown = {module_name(p) for p in modules() if layer_of(module_name(p)) not in ALLOWED}
+    assert not unknown, f"modules outside every layer: {sorted(unknown)}"
+
+
+def test_imports_run_one_way() -> None:
+    wrong = []
+    for e in all_edges():
+        src, dst = layer_of(e.module), layer_of(e.target)
+        if src != dst and dst not in ALLOWED[src]:
+            wrong.append(f"{e.module}:{e.line} ({src}) imports {e.target} ({dst})")
+    assert not wrong, "imports against the layer order:\n" + "\n".join(wrong)
+
+
+def test_no_module_imports_the_package_root() -> None:
+    wrong = [
+        f"{e.module}:{e.line}"
+        for e in all_edges()
+        if e.target == "featbake" and layer_of(e.module) != "entry"
+    ]
+    assert not wrong, f"import featbake's submodules directly, not the root: {wrong}"
+
+
+def test_no_private_name_crosses_a_module() -> None:
+    wrong = [
+        f"{e.module}:{e.line} imports {name} from {e.target}"
+        for e in all_edges()
+        for name in e.names
+        if name.startswith("_") and not name.startswith("__") and e.target != e.module
+    ]
+    assert not wrong, "private names used from another module:\n" + "\n".join(wrong)
+
+
+def test_modules_stay_small() -> None:
+    long = {}
+    for p in modules():
+        n = len(p.read_text().splitlines())
+        name = module_name(p)
+        if n > MAX_MODULE_LINES and name not in LONG_MODULES:
+            long[name] = n
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split by job): {long}"
+
+
+def function_lengths(path: Path) -> dict[str, int]:
+    tree = ast.parse(path.read_text())
+    out = {}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            first = body[0]
+            # a docstring says what the function does; it is not what makes it long
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                start = body[1].lineno if len(body) > 1 else node.end_lineno
+            else:
+                start = first.lineno
+            out[f"{module_name(path)}:{node.name}"] = node.end_lineno - start + 1
+    return out
+
+
+def test_functions_stay_small() -> None:
+    long = {
+        name: n
+        for p in modules()
+        for name, n in function_lengths(p).items()
+        if n > MAX_FUNCTION_LINES and name not in LONG_FUNCTIONS
+    }
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines of code: {long}"
+
+
+@pytest.mark.parametrize("name", sorted(LONG_MODULES) + sorted(LONG_FUNCTIONS))
+def test_every_exception_is_still_needed(name: str) -> None:
+    if ":" in name:
+        lengths = {k: v for p in modules() for k, v in function_lengths(p).items()}
+        assert lengths.get(name, 0) > MAX_FUNCTION_LINES, f"{name} is short now: drop it"
+    else:
+        sizes = {module_name(p): len(p.read_text().splitlines()) for p in modules()}
+        assert sizes.get(name, 0) > MAX_MODULE_LINES, f"{name} is short now: drop it"
