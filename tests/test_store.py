@@ -7,8 +7,10 @@ import hashlib
 import json
 import os
 import struct
+import zlib
 from pathlib import Path
 
+import google_crc32c
 import pytest
 import torch
 from safetensors import safe_open
@@ -16,10 +18,20 @@ from safetensors.torch import save_file
 
 import featbake.store.writer as store_mod
 from featbake.errors import ConfigError, ShardMissing, StoreCorrupt, StoreError
+from featbake.store import shard_format
 from featbake.store.handles import ShardHandles
 from featbake.store.layout import Layout
 from featbake.store.reader import ShardReader
-from featbake.store.shard_format import checksum, split_tensor_name, tensor_name
+from featbake.store.shard_format import (
+    checksum_v1,
+    crc32c,
+    crc32c_tensor,
+    shard_header,
+    shard_metadata,
+    split_tensor_name,
+    tensor_buffer,
+    tensor_name,
+)
 from featbake.store.writer import ShardWriter, write_shard
 
 EFP, RFP = "e" * 64, "r" * 64
@@ -44,6 +56,17 @@ def _files(d: Path) -> list[Path]:
 
 # -- the format ---------------------------------------------------------------------------------
 GOLDEN_HEADER = (
+    b'{"__metadata__":{"checksums":"{\\"k1\\":\\"1aa626e0\\",\\"k2/hidden\\":\\"9e718cbc\\",'
+    b'\\"k2/pooled\\":\\"8dcfedfc\\"}","encoder_fp":"' + b"e" * 64 + b'","format":"featbake-shard",'
+    b'"format_version":"2","recipe_fp":"' + b"r" * 64 + b'"},'
+    b'"k1":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]},'
+    b'"k2/hidden":{"dtype":"F16","shape":[2],"data_offsets":[24,28]},'
+    b'"k2/pooled":{"dtype":"BF16","shape":[1],"data_offsets":[28,30]}}'
+)
+GOLDEN_NAME = "98ebcf4476c4d1d76e400f81a5d7c498978d435999add832109dbed7fc50b482"
+GOLDEN_DATA = bytes.fromhex("000000000000803f0000004000004040000080400000a040003e00c0803e")
+#: The same tensors as format 1 (zlib CRC-32 of the bytes only) wrote them: still read.
+GOLDEN_V1_HEADER = (
     b'{"__metadata__":{"checksums":"{\\"k1\\":\\"91e79017\\",\\"k2/hidden\\":\\"94d5d536\\",'
     b'\\"k2/pooled\\":\\"bb3b971f\\"}","encoder_fp":"' + b"e" * 64 + b'","format":"featbake-shard",'
     b'"format_version":"1","recipe_fp":"' + b"r" * 64 + b'"},'
@@ -51,8 +74,12 @@ GOLDEN_HEADER = (
     b'"k2/hidden":{"dtype":"F16","shape":[2],"data_offsets":[24,28]},'
     b'"k2/pooled":{"dtype":"BF16","shape":[1],"data_offsets":[28,30]}}'
 )
-GOLDEN_NAME = "8421a22905370ea1fadeab00c52fac7782321e0470b35a58ed1156bd75a0dd48"
-GOLDEN_DATA = bytes.fromhex("000000000000803f0000004000004040000080400000a040003e00c0803e")
+GOLDEN_V1_NAME = "8421a22905370ea1fadeab00c52fac7782321e0470b35a58ed1156bd75a0dd48"
+
+
+def _golden_file(header: bytes) -> bytes:
+    padded = header + b" " * (-len(header) % 8)
+    return struct.pack("<Q", len(padded)) + padded + GOLDEN_DATA
 
 
 def test_shard_bytes_are_pinned(layout: Layout) -> None:
@@ -61,7 +88,7 @@ def test_shard_bytes_are_pinned(layout: Layout) -> None:
     raw = shard.path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
     assert n % 8 == 0  # the data region starts 8-byte aligned
-    assert raw[8 : 8 + n] == GOLDEN_HEADER + b" " * (n - len(GOLDEN_HEADER))
+    assert raw == _golden_file(GOLDEN_HEADER)
     assert raw[8 + n :] == GOLDEN_DATA
     # The same tensors give the same bytes in any process and in any insertion order.
     assert shard.name == GOLDEN_NAME
@@ -69,17 +96,31 @@ def test_shard_bytes_are_pinned(layout: Layout) -> None:
     assert again.name == shard.name
 
 
-def test_shard_name_is_the_sha256_of_its_bytes_and_tmp_is_left_empty(layout: Layout) -> None:
-    shard = write_shard(layout, _sample(), EFP, RFP)
-    assert shard.name == hashlib.sha256(shard.path.read_bytes()).hexdigest()
-    assert shard.path == layout.shards / shard.name[:2] / f"{shard.name}.safetensors"
-    assert shard.nbytes == shard.path.stat().st_size
-    assert _files(layout.tmp) == []
-    assert {(e.key, e.part, e.dtype, e.shape, e.nbytes) for e in shard.entries} == {
-        ("k1", "", "F32", (2, 3), 24),
-        ("k2", "hidden", "F16", (2,), 4),
-        ("k2", "pooled", "BF16", (1,), 2),
-    }
+def test_the_old_format_writer_still_gives_the_pinned_v1_bytes(layout: Layout) -> None:
+    """Tests write format-1 shards through ``version="1"``: they match what featbake 1 wrote."""
+    tensors = _sample()
+    head, order = shard_header(tensors, shard_metadata(tensors, EFP, RFP, version="1"))
+    raw = head + b"".join(bytes(tensor_buffer(t)) for _, t in order)
+    assert raw == _golden_file(GOLDEN_V1_HEADER)
+    assert hashlib.sha256(raw).hexdigest() == GOLDEN_V1_NAME
+
+
+def test_a_v1_shard_still_reads_and_verifies(tmp_path: Path) -> None:
+    """A shard of format 1 (pinned bytes): read, verified with CRC-32, a flipped byte caught."""
+    path = tmp_path / f"{GOLDEN_V1_NAME}.safetensors"
+    path.write_bytes(_golden_file(GOLDEN_V1_HEADER))
+    with ShardReader(path, verify="always") as r:
+        assert r.version == "1" and r.verify_all() == []
+        for name, t in _sample().items():
+            got = r.read(name)
+            assert got.dtype == t.dtype and torch.equal(got, t)
+    raw = bytearray(path.read_bytes())
+    raw[_data_start(path) + 25] ^= 0x01  # inside k2/hidden
+    path.write_bytes(raw)
+    with ShardReader(path) as r:
+        assert r.verify_all() == ["k2/hidden"]
+        with pytest.raises(StoreCorrupt, match="checksum mismatch in tensor k2/hidden"):
+            r.read("k2/hidden")
 
 
 def test_plain_safetensors_reads_a_shard(layout: Layout) -> None:
@@ -91,13 +132,17 @@ def test_plain_safetensors_reads_a_shard(layout: Layout) -> None:
         for name, t in tensors.items():
             got = f.get_tensor(name)
             assert got.dtype == t.dtype and torch.equal(got, t)
-    assert meta["format"] == "featbake-shard" and meta["format_version"] == "1"
+    assert meta["format"] == "featbake-shard" and meta["format_version"] == "2"
     assert (meta["encoder_fp"], meta["recipe_fp"]) == (EFP, RFP)
+    # Format 2: CRC-32C of '["name","DTYPE",[shape]]' followed by the bytes, as 8 hex digits.
     sums = json.loads(meta["checksums"])
-    assert sums == {
-        n: f"{__import__('zlib').crc32(t.view(torch.uint8).numpy()):08x}"
-        for n, t in tensors.items()
-    }
+    st = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+    def want(n: str, t: torch.Tensor) -> str:
+        desc = json.dumps([n, st[t.dtype], list(t.shape)]).replace(" ", "").encode()
+        return f"{google_crc32c.value(desc + t.view(-1).view(torch.uint8).numpy().tobytes()):08x}"
+
+    assert sums == {n: want(n, t) for n, t in tensors.items()}
 
 
 @pytest.mark.parametrize(
@@ -301,9 +346,29 @@ def test_writer_rejects_bad_limits_and_dtypes(layout: Layout) -> None:
         w.add("a" * 64, {"": torch.zeros(2, dtype=torch.complex64)})
 
 
-def test_checksum_is_crc32_hex() -> None:
-    assert checksum(b"") == "00000000"
-    assert checksum(b"featbake") == f"{__import__('zlib').crc32(b'featbake'):08x}"
+def test_checksum_v1_is_crc32_hex() -> None:
+    assert checksum_v1(b"") == "00000000"
+    assert checksum_v1(b"featbake") == f"{zlib.crc32(b'featbake'):08x}"
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["by-address", "fallback-copy"])
+def test_crc32c_agrees_with_google_crc32c_on_every_buffer_kind(
+    direct: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The by-address fast path and the copying fallback give google_crc32c's own values."""
+    if not direct:
+        monkeypatch.setattr(shard_format, "_EXTEND_AT", None)
+    elif shard_format._EXTEND_AT is None:
+        pytest.skip("this google_crc32c build does not expose crc32c_extend")
+    data = os.urandom(100_003)
+    want = google_crc32c.value(data)
+    t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    for buf in (data, bytearray(data), memoryview(data), t.numpy(), memoryview(t.numpy())):
+        assert crc32c(buf) == want
+    assert crc32c_tensor(t) == want and crc32c_tensor(t[:0]) == 0 and crc32c(b"") == 0
+    assert crc32c(data[50:], crc32c(data[:50])) == want  # extends like google_crc32c.extend
+    assert crc32c_tensor(t[1::2]) == google_crc32c.value(data[1::2])  # strided: a copy
+    assert f"{crc32c(b'123456789'):08x}" == "e3069283"  # the published check value
 
 
 def test_handles_are_bounded_and_reopen_after_forget(layout: Layout) -> None:

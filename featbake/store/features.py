@@ -10,6 +10,7 @@ from featbake.errors import ShardMissing
 from featbake.store.catalog import Catalog, Location
 from featbake.store.handles import ShardHandles
 from featbake.store.layout import Layout
+from featbake.store.reader import VerifyMode
 
 
 class FeatureReader:
@@ -20,7 +21,9 @@ class FeatureReader:
         >>> reader.get(key)  # {"": tensor} or {"hidden": ..., "pooled": ...}  # doctest: +SKIP
     """
 
-    def __init__(self, layout: Layout, *, max_open: int = 64, verify: str = "first") -> None:
+    def __init__(
+        self, layout: Layout, *, max_open: int = 64, verify: VerifyMode | str = VerifyMode.FIRST
+    ) -> None:
         self.layout = layout
         self.catalog = Catalog(layout)
         self.handles = ShardHandles(max_open=max_open, verify=verify)

@@ -7,7 +7,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 
-from featbake.store.reader import ShardReader
+from featbake.store.reader import ShardReader, VerifyMode
 
 
 class ShardHandles:
@@ -16,9 +16,9 @@ class ShardHandles:
     After ``fork`` (DataLoader workers) the child drops its parent's handles and opens its own.
     """
 
-    def __init__(self, max_open: int = 64, verify: str = "first") -> None:
+    def __init__(self, max_open: int = 64, verify: VerifyMode | str = VerifyMode.FIRST) -> None:
         self.max_open = max_open
-        self.verify = verify
+        self.verify = VerifyMode.parse(verify)  # a ConfigError now, not at the first read
         self._readers: OrderedDict[Path, ShardReader] = OrderedDict()
         self._pid = os.getpid()
 

@@ -1,12 +1,24 @@
-"""Reading one sealed shard: header parsed once, pread into owned memory, checksums checked."""
+"""Reading one sealed shard: header parsed and checked once, pread into owned memory, checksums.
+
+Only regular files are shards: a FIFO, a directory or a device at a shard's path is refused
+before anything is read from it (opening a FIFO for reading would block until a writer came).
+Every header field is checked against the file before a tensor is handed out, so a hostile or
+damaged header gives :class:`StoreCorrupt`, never another exception, a crash or a hang.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
+import math
 import os
+import stat
 import struct
+import zlib
+from enum import StrEnum
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -14,10 +26,35 @@ from featbake.errors import ConfigError, ShardMissing, StoreCorrupt, StoreError
 from featbake.store.shard_format import (
     FORMAT_NAME,
     MAX_HEADER_BYTES,
+    READABLE_VERSIONS,
+    ST_ITEMSIZE,
     ST_TO_DTYPE,
     TensorInfo,
-    checksum,
+    crc32c,
+    crc32c_tensor,
+    tensor_descriptor,
 )
+
+
+class VerifyMode(StrEnum):
+    """When a tensor's checksum is checked: on its first read in a process, always, or never."""
+
+    FIRST = "first"
+    ALWAYS = "always"
+    NEVER = "never"
+
+    @classmethod
+    def parse(cls, value: VerifyMode | str) -> VerifyMode:
+        """``value`` as a mode; anything else is a :class:`ConfigError` (never a silent "never")."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ConfigError(
+                f"verify must be 'first', 'always' or 'never', got {value!r}"
+            ) from None
+
+
+_MODES = frozenset(VerifyMode)
 
 
 def corrupt_shard(path: Path, why: str) -> StoreCorrupt:
@@ -27,58 +64,161 @@ def corrupt_shard(path: Path, why: str) -> StoreCorrupt:
     )
 
 
-class ShardReader:
-    """Reads tensors out of one sealed shard; the header is parsed once, on open.
+def open_regular(path: Path) -> int:
+    """A read-only fd of ``path``, refusing anything but a regular file without blocking.
 
-    Each tensor's CRC-32 is checked on its first read in this process (``verify="first"``), on
-    every read (``"always"``) or never (``"never"``).
+    ``O_NONBLOCK`` makes opening a FIFO return at once instead of waiting for a writer; it is
+    cleared again once ``fstat`` shows a regular file (where it has no effect anyway).
+
+    Raises:
+        ShardMissing: nothing is there.
+        StoreCorrupt: something that is not a regular file is there.
+        StoreError: it cannot be opened (permissions, a symlink loop, ...).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError as e:
+        raise ShardMissing(
+            f"shard {path} is gone (removed by gc or by hand); "
+            "run `featbake verify --repair` if this persists"
+        ) from e
+    except OSError as e:
+        raise StoreError(f"cannot open shard {path}: {e.strerror or e}") from e
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise corrupt_shard(path, f"not a regular file but a {_file_kind(mode)}")
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _file_kind(mode: int) -> str:
+    kinds = {
+        stat.S_ISDIR: "directory",
+        stat.S_ISFIFO: "FIFO",
+        stat.S_ISCHR: "character device",
+        stat.S_ISBLK: "block device",
+        stat.S_ISSOCK: "socket",
+    }
+    return next((kind for test, kind in kinds.items() if test(mode)), "special file")
+
+
+def parse_header(
+    path: Path, raw: bytes, base: int, size: int
+) -> tuple[dict[str, str], dict[str, TensorInfo]]:
+    """The metadata and tensor table of a shard whose JSON header is ``raw``.
+
+    ``base`` is the file offset where data starts and ``size`` the file's size: every tensor's
+    byte range must lie inside the data, and its dtype and shape must fill that range exactly.
+
+    Raises:
+        StoreCorrupt: anything about the header is not what featbake writes.
+        StoreError: a featbake shard of a format version newer than this featbake reads.
+    """
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # RecursionError: absurdly nested JSON
+        raise corrupt_shard(path, f"unreadable header: {str(e)[:200]}") from None
+    if not isinstance(header, dict):
+        raise corrupt_shard(path, "the header is not a JSON object")
+    meta = header.pop("__metadata__", None)
+    if (
+        not isinstance(meta, dict)
+        or not all(isinstance(v, str) for v in meta.values())
+        or meta.get("format") != FORMAT_NAME
+    ):
+        raise corrupt_shard(path, "not a featbake shard (no featbake metadata)")
+    version = meta.get("format_version")
+    if version not in READABLE_VERSIONS:
+        raise StoreError(
+            f"shard {path} has format_version {version!r}, which this featbake cannot read "
+            f"(it reads {', '.join(READABLE_VERSIONS)}); upgrade featbake"
+        )
+    sums = _checksums(path, meta.get("checksums", "{}"))
+    infos = {
+        name: tensor_info(path, name, entry, base, size, sums.get(name))
+        for name, entry in header.items()
+    }
+    return meta, infos
+
+
+def _checksums(path: Path, text: str) -> dict[str, str]:
+    try:
+        sums = json.loads(text)
+    except (ValueError, RecursionError):
+        raise corrupt_shard(path, "unreadable checksums in the metadata") from None
+    if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
+        raise corrupt_shard(path, "unreadable checksums in the metadata")
+    return sums
+
+
+def tensor_info(
+    path: Path, name: str, entry: Any, base: int, size: int, crc: str | None
+) -> TensorInfo:
+    """One header entry, checked: a known dtype, a shape that fills its byte range in the file."""
+    try:
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    except (TypeError, KeyError, IndexError):
+        raise corrupt_shard(path, f"tensor {name!r} has no dtype, shape and offsets") from None
+    itemsize = ST_ITEMSIZE.get(dtype) if isinstance(dtype, str) else None
+    if itemsize is None:
+        raise corrupt_shard(path, f"tensor {name!r} has unknown dtype {str(dtype)[:40]}")
+    if not _naturals(shape) or not _naturals(offsets) or len(offsets) != 2:
+        raise corrupt_shard(path, f"tensor {name!r} has an invalid shape or data offsets")
+    begin, end = base + offsets[0], base + offsets[1]
+    if end > size:
+        raise corrupt_shard(path, f"truncated: {size} bytes, header promises more")
+    if begin > end or math.prod(shape) * itemsize != end - begin:
+        raise corrupt_shard(path, f"tensor {name!r}: shape {shape} does not fit its byte range")
+    return TensorInfo(dtype, tuple(shape), begin, end, crc)
+
+
+def _naturals(value: Any) -> bool:
+    """A list of non-negative ints (JSON's true and false are not sizes)."""
+    return isinstance(value, list) and all(type(v) is int and v >= 0 for v in value)
+
+
+class ShardReader:
+    """Reads tensors out of one sealed shard; the header is parsed and checked once, on open.
+
+    Each tensor's checksum is checked on its first read in this process
+    (``verify=VerifyMode.FIRST``), on every read (``ALWAYS``) or never (``NEVER``). Format 2
+    checksums bind the tensor's name, dtype and shape as well as its bytes; format 1 (written by
+    featbake before 2) binds the bytes only, and is still read and verified.
     """
 
-    def __init__(self, path: str | os.PathLike[str], verify: str = "first") -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], verify: VerifyMode | str = VerifyMode.FIRST
+    ) -> None:
         self.path = Path(path)
-        self.verify = verify
-        try:
-            self._fd = os.open(self.path, os.O_RDONLY)
-        except FileNotFoundError as e:
-            raise ShardMissing(
-                f"shard {self.path} is gone (removed by gc or by hand); "
-                "run `featbake verify --repair` if this persists"
-            ) from e
-        except OSError as e:
-            raise StoreError(f"cannot open shard {self.path}: {e.strerror}") from e
+        self.verify = VerifyMode.parse(verify)
+        self._fd = open_regular(self.path)
         try:
             self.metadata, self.tensors = self._read_header()
         except BaseException:
             os.close(self._fd)
             raise
+        self.version = self.metadata["format_version"]
         self._verified: set[str] = set()
 
     def _read_header(self) -> tuple[dict[str, str], dict[str, TensorInfo]]:
-        size = os.fstat(self._fd).st_size
-        head = os.pread(self._fd, 8, 0)
-        if len(head) < 8:
-            raise corrupt_shard(self.path, "shorter than a safetensors header")
-        (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER_BYTES or 8 + n > size:
-            raise corrupt_shard(self.path, f"header length {n} does not fit a {size}-byte file")
         try:
-            header = json.loads(os.pread(self._fd, n, 8))
-            meta = header.pop("__metadata__", None) or {}
-            sums = json.loads(meta.get("checksums", "{}"))
-            base = 8 + n
-            infos = {}
-            for name, h in header.items():
-                b, e = h["data_offsets"]
-                infos[name] = TensorInfo(
-                    h["dtype"], tuple(h["shape"]), base + b, base + e, sums.get(name)
-                )
-        except (ValueError, KeyError, TypeError) as e:
-            raise corrupt_shard(self.path, f"unreadable header: {e}") from e
-        if meta.get("format") != FORMAT_NAME:
-            raise corrupt_shard(self.path, "not a featbake shard (no featbake metadata)")
-        if infos and max(i.end for i in infos.values()) > size:
-            raise corrupt_shard(self.path, f"truncated: {size} bytes, header promises more")
-        return meta, infos
+            size = os.fstat(self._fd).st_size
+            head = os.pread(self._fd, 8, 0)
+            if len(head) < 8:
+                raise corrupt_shard(self.path, "shorter than a safetensors header")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER_BYTES or 8 + n > size:
+                raise corrupt_shard(self.path, f"header length {n} does not fit a {size}-byte file")
+            raw = os.pread(self._fd, n, 8)
+        except OSError as e:
+            raise StoreError(f"cannot read shard {self.path}: {e.strerror or e}") from e
+        if len(raw) != n:
+            raise corrupt_shard(self.path, "the header is cut short")
+        return parse_header(self.path, raw, 8 + n, size)
 
     @property
     def fd(self) -> int:
@@ -92,22 +232,23 @@ class ShardReader:
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
 
-    def read(self, name: str, *, verify: str | None = None) -> torch.Tensor:
+    def read(self, name: str, *, verify: VerifyMode | str | None = None) -> torch.Tensor:
         """The tensor ``name`` as a fresh CPU tensor (a copy; the file stays closed to writes).
 
         Raises:
             StoreCorrupt: the shard holds no such tensor, or its bytes fail their checksum.
+            ConfigError: ``verify`` is not a :class:`VerifyMode`.
         """
         info = self._info(name)
-        try:
-            dtype = ST_TO_DTYPE[info.dtype]
-        except KeyError as e:
-            raise corrupt_shard(self.path, f"unknown dtype {info.dtype}") from e
         buf = torch.empty(info.end - info.begin, dtype=torch.uint8)
-        mode = verify or self.verify
-        check = mode == "always" or (mode == "first" and name not in self._verified)
+        mode = self.verify if verify is None else verify
+        if mode not in _MODES:
+            mode = VerifyMode.parse(mode)
+        check = mode == VerifyMode.ALWAYS or (
+            mode == VerifyMode.FIRST and name not in self._verified
+        )
         self.read_into(name, buf, verify=check)
-        return buf.view(dtype).reshape(info.shape)
+        return buf.view(ST_TO_DTYPE[info.dtype]).reshape(info.shape)
 
     def _info(self, name: str) -> TensorInfo:
         info = self.tensors.get(name)
@@ -136,22 +277,34 @@ class ShardReader:
                 f"read_into needs a contiguous CPU tensor of {nbytes} bytes for {name}, got "
                 f"{tuple(out.shape)} {out.dtype} on {out.device}"
             )
-        if not nbytes:
-            return
-        view = memoryview(out.view(-1).view(torch.uint8).numpy())
-        if os.preadv(self._fd, [view], info.begin) != nbytes:
-            raise corrupt_shard(self.path, f"tensor {name} is cut short")
+        if nbytes:
+            try:
+                got = os.preadv(
+                    self._fd, [memoryview(out.view(-1).view(torch.uint8).numpy())], info.begin
+                )
+            except OSError as e:
+                raise StoreError(f"cannot read shard {self.path}: {e.strerror or e}") from e
+            if got != nbytes:
+                raise self.cut_short(name)
         if verify:
-            if info.crc is None or checksum(view) != info.crc:
+            if info.crc is None or self._checksum(name, info, out) != info.crc:
                 raise corrupt_shard(self.path, f"checksum mismatch in tensor {name}")
             self._verified.add(name)
+
+    def _checksum(self, name: str, info: TensorInfo, data: torch.Tensor) -> str:
+        """The checksum of ``data`` (the tensor's bytes as read) under this shard's format."""
+        if self.version == "1":
+            flat = data.view(-1).view(torch.uint8).numpy() if data.numel() else b""
+            return f"{zlib.crc32(flat) & 0xFFFFFFFF:08x}"
+        head = crc32c(tensor_descriptor(name, info.dtype, info.shape))
+        return f"{crc32c_tensor(data, head):08x}"
 
     def verify_all(self) -> list[str]:
         """Names of tensors whose bytes fail their checksum (empty when the shard is sound)."""
         bad = []
         for name in self.tensors:
             try:
-                self.read(name, verify="always")
+                self.read(name, verify=VerifyMode.ALWAYS)
             except StoreCorrupt:
                 bad.append(name)
         return bad
