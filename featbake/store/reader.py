@@ -16,7 +16,7 @@ import os
 import stat
 import struct
 import zlib
-from enum import StrEnum
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,7 @@ from featbake.store.shard_format import (
 )
 
 
-class VerifyMode(StrEnum):
+class VerifyMode(str, Enum):  # StrEnum is 3.11+; featbake supports 3.10
     """When a tensor's checksum is checked: on its first read in a process, always, or never."""
 
     FIRST = "first"
