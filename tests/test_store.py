@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import functools
 import hashlib
 import json
 import os
+import signal
 import struct
 import zlib
 from pathlib import Path
@@ -21,7 +24,7 @@ from featbake.errors import ConfigError, ShardMissing, StoreCorrupt, StoreError
 from featbake.store import shard_format
 from featbake.store.handles import ShardHandles
 from featbake.store.layout import Layout
-from featbake.store.reader import ShardReader
+from featbake.store.reader import ShardReader, VerifyMode
 from featbake.store.shard_format import (
     checksum_v1,
     crc32c,
@@ -54,7 +57,7 @@ def _files(d: Path) -> list[Path]:
     return [p for p in d.rglob("*") if p.is_file()]
 
 
-# -- the format ---------------------------------------------------------------------------------
+# -- the format ------------------------------------------------------------------------------------
 GOLDEN_HEADER = (
     b'{"__metadata__":{"checksums":"{\\"k1\\":\\"1aa626e0\\",\\"k2/hidden\\":\\"9e718cbc\\",'
     b'\\"k2/pooled\\":\\"8dcfedfc\\"}","encoder_fp":"' + b"e" * 64 + b'","format":"featbake-shard",'
@@ -173,7 +176,7 @@ def test_tensor_names() -> None:
     assert split_tensor_name("ab") == ("ab", "")
 
 
-# -- corruption -----------------------------------------------------------------------------------
+# -- corruption ------------------------------------------------------------------------------------
 def _data_start(path: Path) -> int:
     with open(path, "rb") as f:
         return 8 + struct.unpack("<Q", f.read(8))[0]
@@ -236,7 +239,7 @@ def test_reading_an_absent_tensor_says_to_repair(layout: Layout) -> None:
         r.read("zz")
 
 
-# -- a full disk --------------------------------------------------------------------------------
+# -- a full disk -----------------------------------------------------------------------------------
 def _enospc(*_a: object, **_k: object) -> None:
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
@@ -302,7 +305,7 @@ def test_layout_ensure_reports_an_uncreatable_directory(tmp_path: Path) -> None:
         Layout(blocker / "store").ensure()
 
 
-# -- the writer ---------------------------------------------------------------------------------
+# -- the writer ------------------------------------------------------------------------------------
 def test_writer_seals_at_the_target_size_and_on_exit(layout: Layout) -> None:
     sealed = []
     feats = {f"{i:064x}": torch.full((10,), float(i)) for i in range(7)}  # 40 bytes each
@@ -419,3 +422,186 @@ def _fd_open(fd: int) -> bool:
     except OSError:
         return False
     return True
+
+
+# -- format 2 binds what a tensor is, not only its bytes (issue 11, item 2) ------------------------
+HEADER_EDITS = {
+    "dtype F32 -> I32": (b'"k1":{"dtype":"F32"', b'"k1":{"dtype":"I32"'),
+    "shape reversed": (b'"shape":[2,3]', b'"shape":[3,2]'),
+    "names swapped": (b'"k2/hidden":{', b'"k2/XXXXXX":{'),
+}
+
+
+def _edit_header(path: Path, old: bytes, new: bytes) -> None:
+    raw = path.read_bytes()
+    assert raw.count(old) == 1 and len(old) == len(new)  # same byte count: offsets still fit
+    path.write_bytes(raw.replace(old, new))
+
+
+@pytest.mark.parametrize("edit", HEADER_EDITS, ids=list(HEADER_EDITS))
+def test_a_header_edit_with_the_same_byte_count_fails_the_checksum(
+    layout: Layout, edit: str
+) -> None:
+    """A dtype, shape or name edited in the header is caught by the reader and by verify."""
+    from featbake.upkeep import check_shard
+
+    shard = write_shard(layout, _sample(), EFP, RFP)
+    old, new = HEADER_EDITS[edit]
+    if edit == "names swapped":  # k2/hidden <-> k2/pooled: each name now heads the other's bytes
+        _edit_header(shard.path, b'"k2/hidden":{', b'"k2/XXXXXX":{')
+        _edit_header(shard.path, b'"k2/pooled":{', b'"k2/hidden":{')
+        _edit_header(shard.path, b'"k2/XXXXXX":{', b'"k2/pooled":{')
+        damaged = {"k2/hidden", "k2/pooled"}
+    else:
+        _edit_header(shard.path, old, new)
+        damaged = {"k1"}
+    with ShardReader(shard.path) as r:
+        for name in damaged:
+            with pytest.raises(StoreCorrupt, match=f"checksum mismatch in tensor {name}"):
+                r.read(name)
+        assert set(r.verify_all()) == damaged
+    check = check_shard(shard.path)
+    assert not check.sound and set(check.intact) == set(_sample()) - damaged
+
+
+def test_format_2_checksums_detect_a_flipped_byte_in_every_tensor(layout: Layout) -> None:
+    shard = write_shard(layout, _sample(), EFP, RFP)
+    good = shard.path.read_bytes()
+    start = _data_start(shard.path)
+    for offset, name in ((0, "k1"), (23, "k1"), (24, "k2/hidden"), (29, "k2/pooled")):
+        raw = bytearray(good)
+        raw[start + offset] ^= 0x80
+        shard.path.write_bytes(raw)
+        with ShardReader(shard.path) as r:
+            assert r.verify_all() == [name]
+
+
+# -- verify modes ----------------------------------------------------------------------------------
+def test_verify_mode_is_an_enum_and_an_unknown_mode_is_a_config_error(layout: Layout) -> None:
+    """Before: any value but "always"/"first" silently meant "never"."""
+    shard = write_shard(layout, _sample(), EFP, RFP)
+    for bad in ("sometimes", "ALWAYS", "", "nevr"):
+        with pytest.raises(ConfigError, match="verify must be 'first', 'always' or 'never'"):
+            ShardReader(shard.path, verify=bad)
+        with pytest.raises(ConfigError, match="verify must be"):
+            ShardHandles(verify=bad)
+    with ShardReader(shard.path, verify="always") as r:
+        assert r.verify is VerifyMode.ALWAYS
+        with pytest.raises(ConfigError, match="verify must be"):
+            r.read("k1", verify="sometimes")
+    # Each mode does what it says, on a shard whose k1 bytes are damaged.
+    raw = bytearray(shard.path.read_bytes())
+    raw[_data_start(shard.path)] ^= 0x01
+    shard.path.write_bytes(raw)
+    with ShardReader(shard.path, verify=VerifyMode.NEVER) as r:
+        assert r.read("k1").shape == (2, 3)  # unchecked, as asked
+        with pytest.raises(StoreCorrupt):
+            r.read("k1", verify=VerifyMode.FIRST)
+    with ShardReader(shard.path, verify="first") as r:
+        with pytest.raises(StoreCorrupt):
+            r.read("k1")
+        with pytest.raises(StoreCorrupt):  # a failed check is not remembered as passed
+            r.read("k1")
+        assert torch.equal(r.read("k2/hidden"), _sample()["k2/hidden"])
+
+
+# -- only regular files are shards (issue 11, item 7) ----------------------------------------------
+@contextlib.contextmanager
+def _within(seconds: int):
+    """Fail (rather than hang the suite) if the block takes longer than ``seconds``."""
+
+    def _hang(*_: object) -> None:
+        raise TimeoutError(f"hung for more than {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, _hang)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_a_fifo_directory_or_device_at_a_shard_path_is_refused_at_once(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo.safetensors"
+    os.mkfifo(fifo)
+    folder = tmp_path / "dir.safetensors"
+    folder.mkdir()
+    device = tmp_path / "dev.safetensors"
+    device.symlink_to("/dev/zero")
+    cases = {fifo: "FIFO", folder: "directory", device: "character device"}
+    with _within(10):
+        for path, kind in cases.items():
+            with pytest.raises(StoreCorrupt, match=f"not a regular file but a {kind}"):
+                ShardReader(path)
+            with pytest.raises(StoreCorrupt, match="verify --repair"):
+                ShardHandles().get(path)
+
+
+def test_a_symlink_loop_at_a_shard_path_is_a_store_error(tmp_path: Path) -> None:
+    loop = tmp_path / "loop.safetensors"
+    loop.symlink_to(loop)
+    with pytest.raises(StoreError, match="cannot open shard"):
+        ShardReader(loop)
+
+
+def test_a_regular_shard_reads_blocking_after_the_nonblocking_open(layout: Layout) -> None:
+    """O_NONBLOCK is only for the open: the fd used for reads is an ordinary blocking one."""
+    import fcntl
+
+    shard = write_shard(layout, _sample(), EFP, RFP)
+    with ShardReader(shard.path) as r:
+        assert not fcntl.fcntl(r.fd, fcntl.F_GETFL) & os.O_NONBLOCK
+        assert fcntl.fcntl(r.fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
+        assert torch.equal(r.read("k1"), _sample()["k1"])
+
+
+# -- format-1 stores still serve -------------------------------------------------------------------
+def test_a_store_of_format_1_shards_still_verifies_and_serves(
+    audio_dir: Path, encoder_file: Path, store_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store built by the old writer (CRC-32, format 1) is served equal to live encoding."""
+    from torch.utils.data import DataLoader
+
+    from featbake.bake.pipeline import build
+    from featbake.serve.collate import pad_collate
+    from featbake.serve.dataset import CachedFeatureDataset
+    from featbake.store.features import FeatureReader
+    from featbake.upkeep import check_shard
+    from tests.conftest import live_features
+
+    with monkeypatch.context() as m:  # the old code path: format-1 metadata
+        m.setattr(store_mod, "shard_metadata", functools.partial(shard_metadata, version="1"))
+        build(audio_dir, encoder_file, cache=store_dir, workers=0)
+    layout = Layout(store_dir)
+    shards = sorted(layout.shards.rglob("*.safetensors"))
+    assert shards
+    for path in shards:
+        with ShardReader(path) as r:
+            assert r.version == "1" and r.verify_all() == []
+        assert check_shard(path).sound
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    want = [live_features(encoder_file, Path(ds.path(i))) for i in range(len(ds))]
+    for i in range(len(ds)):
+        torch.testing.assert_close(ds[i], want[i], rtol=1e-5, atol=1e-6)
+    fresh = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    order = list(range(len(fresh)))[::-1]
+    loader = DataLoader(fresh, batch_size=5, sampler=order, collate_fn=pad_collate)
+    for b, (padded, lengths) in enumerate(loader):
+        for j, n in enumerate(lengths.tolist()):
+            torch.testing.assert_close(padded[j, :n], want[order[b * 5 + j]], rtol=1e-5, atol=1e-6)
+    reader = FeatureReader(layout, verify="always")
+    got = reader.get(ds.key(0))
+    assert got is not None
+    torch.testing.assert_close(got[""], want[0], rtol=1e-5, atol=1e-6)
+    reader.close()
+    # A flipped byte in a format-1 shard is still caught on the dataset's first read.
+    with ShardReader(shards[0]) as r:
+        name, info = next(iter(r.tensors.items()))
+    raw = bytearray(shards[0].read_bytes())
+    raw[info.begin + 3] ^= 0x04
+    shards[0].write_bytes(raw)
+    damaged = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    i = next(i for i in range(len(damaged)) if damaged.key(i) == split_tensor_name(name)[0])
+    with pytest.raises(StoreCorrupt, match="checksum mismatch"):
+        damaged[i]
