@@ -240,15 +240,15 @@ class ShardReader:
             ConfigError: ``verify`` is not a :class:`VerifyMode`.
         """
         info = self._info(name)
-        buf = torch.empty(info.end - info.begin, dtype=torch.uint8)
         mode = self.verify if verify is None else verify
         if mode not in _MODES:
             mode = VerifyMode.parse(mode)
         check = mode == VerifyMode.ALWAYS or (
             mode == VerifyMode.FIRST and name not in self._verified
         )
-        self.read_into(name, buf, verify=check)
-        return buf.view(ST_TO_DTYPE[info.dtype]).reshape(info.shape)
+        buf = torch.empty(info.end - info.begin, dtype=torch.uint8)
+        self._fill(name, info, buf, buf.numpy(), check)
+        return buf.view(ST_TO_DTYPE[info.dtype]).view(info.shape)
 
     def _info(self, name: str) -> TensorInfo:
         info = self.tensors.get(name)
@@ -277,11 +277,19 @@ class ShardReader:
                 f"read_into needs a contiguous CPU tensor of {nbytes} bytes for {name}, got "
                 f"{tuple(out.shape)} {out.dtype} on {out.device}"
             )
+        self._fill(name, info, out, out.view(-1).view(torch.uint8).numpy(), verify)
+
+    def _fill(
+        self, name: str, info: TensorInfo, out: torch.Tensor, dest: Any, verify: bool
+    ) -> None:
+        """pread the tensor's bytes into ``dest`` (``out``'s memory as bytes), then check them.
+
+        The checksum runs right after the read, while the bytes are still in the CPU's cache.
+        """
+        nbytes = info.end - info.begin
         if nbytes:
             try:
-                got = os.preadv(
-                    self._fd, [memoryview(out.view(-1).view(torch.uint8).numpy())], info.begin
-                )
+                got = os.preadv(self._fd, (dest,), info.begin)
             except OSError as e:
                 raise StoreError(f"cannot read shard {self.path}: {e.strerror or e}") from e
             if got != nbytes:
@@ -294,7 +302,7 @@ class ShardReader:
     def _checksum(self, name: str, info: TensorInfo, data: torch.Tensor) -> str:
         """The checksum of ``data`` (the tensor's bytes as read) under this shard's format."""
         if self.version == "1":
-            flat = data.view(-1).view(torch.uint8).numpy() if data.numel() else b""
+            flat = data.reshape(-1).view(torch.uint8).numpy() if data.numel() else b""
             return f"{zlib.crc32(flat) & 0xFFFFFFFF:08x}"
         head = crc32c(tensor_descriptor(name, info.dtype, info.shape))
         return f"{crc32c_tensor(data, head):08x}"
