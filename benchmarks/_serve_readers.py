@@ -1,0 +1,245 @@
+"""The readers ``bench_serve.py`` compares, and the data each of them reads (the same features).
+
+One set of fp32 or fp16 ``[T, 768]`` features is written five ways:
+
+* one ``.npy`` file per item, read with ``np.load`` (a copy);
+* one ``torch.save`` file per item, read with ``torch.load`` (a copy);
+* one safetensors file per item, read with ``safetensors.torch.load_file`` (a copy);
+* safetensors shards of up to 256 MiB, read with ``safe_open(...).get_tensor`` (a view into a
+  private mmap of the shard; handles kept open per process, as a user would);
+* a featbake store (shards + catalog) baked from the ``.npy`` files, read through
+  :class:`featbake.CachedFeatureDataset` (a copy the caller owns; batches: views into one padded
+  batch tensor).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch.utils.data import Dataset
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from featbake.bake.pipeline import build
+from featbake.encode.encoders import LoadedEncoder, from_module
+from featbake.recipe import Recipe
+from featbake.serve.dataset import CachedFeatureDataset
+
+WORK = Path(__file__).resolve().parent / "_work" / "serve"
+DIM = 768
+SHARD_BYTES = 256 * 1024 * 1024  # featbake's default shard size
+#: T per dtype: fp32 items of ~600 KB (T ~ 200), fp16 items of ~430 KB (T ~ 280).
+LENGTHS = {"float32": (150, 251), "float16": (200, 361)}
+
+
+class Identity(torch.nn.Module):
+    """The 'encoder' that bakes the benchmark's features: they are the inputs themselves."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def identity_encoder() -> LoadedEncoder:
+    # A fixed identity: the module's own name differs between `python bench_serve.py`
+    # (__main__) and benchmarks/run.py, and would give other keys.
+    return from_module(Identity(), label="bench-identity", identity="bench-identity-v1")
+
+
+def recipe(dtype: str) -> Recipe:
+    return Recipe(source="npy", dtype=dtype)
+
+
+class NpyFiles(Dataset):
+    def __init__(self, paths: list[str]) -> None:
+        self.paths = paths
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.from_numpy(np.load(self.paths[i]))
+
+
+class TorchFiles(NpyFiles):
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.load(self.paths[i], weights_only=True)
+
+
+class SafetensorsFiles(NpyFiles):
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return load_file(self.paths[i])["x"]
+
+
+class SafetensorsShards(Dataset):
+    """Items in safetensors shards, read through ``safe_open``; handles opened once per process."""
+
+    def __init__(self, index: list[tuple[str, str]]) -> None:
+        self.index = index  # item -> (shard path, tensor name)
+        self._open: dict[str, Any] = {}
+        self._pid = os.getpid()
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if self._pid != os.getpid():  # a forked worker opens its own handles
+            self._open, self._pid = {}, os.getpid()
+        path, name = self.index[i]
+        f = self._open.get(path)
+        if f is None:
+            f = self._open[path] = safe_open(path, framework="pt")
+        return f.get_tensor(name)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"index": self.index}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["index"])  # type: ignore[misc]
+
+
+class InMemory(Dataset):
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.tensors[i]
+
+
+@dataclass(frozen=True)
+class Reader:
+    """One reader in the comparison: its label says whether it hands out views or copies."""
+
+    name: str
+    label: str
+    per_file: bool  # a per-file reader (the targets compare featbake against the best of these)
+
+
+READERS = (
+    Reader("npy", "np.load per file (copy)", True),
+    Reader("torch", "torch.load per file (copy)", True),
+    Reader("stfile", "safetensors file per item (copy)", True),
+    Reader("stshards", "safetensors shards via safe_open (view)", False),
+    Reader("featbake", "featbake (copy; batches: views into one padded batch)", False),
+)
+FLOOR = Reader("list", "list of tensors in memory (no read)", False)
+
+
+def _lengths(n: int, dtype: str, seed: int = 0) -> list[int]:
+    lo, hi = LENGTHS[dtype]
+    return [int(t) for t in np.random.default_rng(seed).integers(lo, hi, size=n)]
+
+
+def _write_files(base: Path, n: int, dtype: str) -> None:
+    """The same n arrays as .npy, torch.save, one safetensors file each, and safetensors shards."""
+    for d in ("npy", "pt", "st", "shards"):
+        (base / d).mkdir(parents=True)
+    rng = np.random.default_rng(1)
+    shard: dict[str, torch.Tensor] = {}
+    shard_bytes, index = 0, []
+
+    def flush() -> None:
+        nonlocal shard, shard_bytes
+        if shard:
+            save_file(shard, str(base / "shards" / f"shard{len(index):05d}.safetensors"))
+            index.append(sorted(shard))
+            shard, shard_bytes = {}, 0
+
+    for i, t in enumerate(_lengths(n, dtype)):
+        arr = rng.standard_normal((t, DIM), dtype=np.float32).astype(dtype)
+        x = torch.from_numpy(arr)
+        np.save(base / "npy" / f"item{i:05d}.npy", arr)
+        torch.save(x, base / "pt" / f"item{i:05d}.pt")
+        save_file({"x": x}, str(base / "st" / f"item{i:05d}.safetensors"))
+        if shard_bytes + x.nbytes > SHARD_BYTES:
+            flush()
+        shard[f"item{i:05d}"] = x
+        shard_bytes += x.nbytes
+    flush()
+    shards = {
+        name: str(base / "shards" / f"shard{s:05d}.safetensors")
+        for s, names in enumerate(index)
+        for name in names
+    }
+    (base / "index.json").write_text(json.dumps(shards))
+
+
+def prepare(n: int, dtype: str) -> dict[str, Any]:
+    """The data of one dtype, written once (``benchmarks/_work``) and read once (warm cache)."""
+    base = WORK / f"{dtype}-n{n}"
+    marker = base / "ready.json"
+    if not marker.exists():
+        shutil.rmtree(base, ignore_errors=True)
+        _write_files(base, n, dtype)
+        marker.write_text(json.dumps({"n": n, "dtype": dtype}))
+    store = base / "store"
+    # A no-op when complete; re-bakes if featbake's fingerprint definition changed since.
+    build(
+        base / "npy", identity_encoder(), cache=store, recipe=recipe(dtype), workers=0, batch_size=1
+    )
+    shards = json.loads((base / "index.json").read_text())
+    data = {
+        "dtype": dtype,
+        "npy_dir": str(base / "npy"),
+        "store": str(store),
+        "npy": sorted(str(p) for p in (base / "npy").glob("*.npy")),
+        "torch": sorted(str(p) for p in (base / "pt").glob("*.pt")),
+        "stfile": sorted(str(p) for p in (base / "st").glob("*.safetensors")),
+        "stshards": [(shards[name], name) for name in sorted(shards)],
+    }
+    warm_page_cache(base)
+    return data
+
+
+def warm_page_cache(base: Path) -> None:
+    """Read every file once, so each reader starts with the page cache warm."""
+    for p in base.rglob("*"):
+        if p.is_file():
+            with open(p, "rb") as f:
+                while f.read(1 << 22):
+                    pass
+
+
+def featbake_ds(data: dict[str, Any], **kw: Any) -> CachedFeatureDataset:
+    ds = CachedFeatureDataset(
+        data["npy_dir"],
+        identity_encoder(),
+        cache=data["store"],
+        recipe=recipe(data["dtype"]),
+        on_miss="error",
+        **kw,
+    )
+    assert ds.stored() == len(ds), "the benchmark store is incomplete: delete benchmarks/_work"
+    return ds
+
+
+def make_reader(name: str, data: dict[str, Any]) -> Dataset:
+    """A new dataset object of reader ``name`` over ``data`` (fresh: nothing opened or checked)."""
+    if name == "npy":
+        return NpyFiles(data["npy"])
+    if name == "torch":
+        return TorchFiles(data["torch"])
+    if name == "stfile":
+        return SafetensorsFiles(data["stfile"])
+    if name == "stshards":
+        return SafetensorsShards(data["stshards"])
+    fb = featbake_ds(data)
+    if name == "featbake":
+        return fb
+    tensors = [fb[i] for i in range(len(fb))]
+    fb.close()
+    return InMemory(tensors)
