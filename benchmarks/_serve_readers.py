@@ -14,6 +14,7 @@ One set of fp32 or fp16 ``[T, 768]`` features is written five ways:
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -35,11 +36,14 @@ if str(ROOT) not in sys.path:
 from featbake.bake.pipeline import build
 from featbake.encode.encoders import LoadedEncoder, from_module
 from featbake.recipe import Recipe
+from featbake.serve.collate import pad_collate
 from featbake.serve.dataset import CachedFeatureDataset
 
 WORK = Path(__file__).resolve().parent / "_work" / "serve"
 DIM = 768
 SHARD_BYTES = 256 * 1024 * 1024  # featbake's default shard size
+DTYPES = ("float32", "float16")
+DTYPE_LABEL = {"float32": "fp32", "float16": "fp16"}
 #: T per dtype: fp32 items of ~600 KB (T ~ 200), fp16 items of ~430 KB (T ~ 280).
 LENGTHS = {"float32": (150, 251), "float16": (200, 361)}
 
@@ -137,6 +141,45 @@ READERS = (
     Reader("featbake", "featbake (copy; batches: views into one padded batch)", False),
 )
 FLOOR = Reader("list", "list of tensors in memory (no read)", False)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One measured condition: dtype, items per step, workers, and which epoch."""
+
+    dtype: str
+    batch: int | None  # None: one item per step
+    workers: int
+    fresh: bool  # the first epoch of a new dataset object, else a later epoch of a reused one
+
+    @property
+    def label(self) -> str:
+        step = "1 item/step" if self.batch is None else f"batch {self.batch} pad_collate"
+        epoch = "first epoch, fresh dataset" if self.fresh else "later epoch"
+        return f"{DTYPE_LABEL[self.dtype]} {step}, workers={self.workers}, {epoch}"
+
+    @property
+    def target(self) -> float:
+        """featbake / the best per-file reader this cell must reach (issue 8)."""
+        if self.workers:
+            return 1.0  # not slower than any
+        return 1.5 if self.batch is None else 2.0
+
+    def loader_kwargs(self, spawned: bool) -> dict[str, Any]:
+        kw: dict[str, Any] = {"batch_size": self.batch, "num_workers": self.workers}
+        if self.batch is not None:
+            kw["collate_fn"] = pad_collate
+        if self.workers and spawned:
+            # A spawned process would make its DataLoader spawn workers too (seconds of
+            # interpreter start-up per epoch); a training script forks them.
+            kw["multiprocessing_context"] = "fork"
+        return kw
+
+
+CELLS = [
+    Cell(dtype, batch, workers, fresh)
+    for dtype, fresh, batch, workers in itertools.product(DTYPES, (True, False), (None, 32), (0, 2))
+]
 
 
 def _lengths(n: int, dtype: str, seed: int = 0) -> list[int]:

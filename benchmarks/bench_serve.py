@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import itertools
 import json
 import os
 import shutil
@@ -35,7 +34,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +48,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _rows import row
 from _serve_readers import (
+    CELLS,
+    DTYPES,
     FLOOR,
     READERS,
     WORK,
+    Cell,
     InMemory,
     NpyFiles,
     Reader,
@@ -68,8 +69,6 @@ from featbake.serve.dataset import CachedFeatureDataset
 from featbake.testing import LogMelTransformer
 
 BENCH = "serve"
-DTYPES = ("float32", "float16")
-DTYPE_LABEL = {"float32": "fp32", "float16": "fp16"}
 
 
 # -- timing -------------------------------------------------------------------------------------
@@ -113,45 +112,6 @@ def _row(
 
 
 # -- the reader matrix --------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Cell:
-    """One measured condition: dtype, items per step, workers, and which epoch."""
-
-    dtype: str
-    batch: int | None  # None: one item per step
-    workers: int
-    fresh: bool  # the first epoch of a new dataset object, else a later epoch of a reused one
-
-    @property
-    def label(self) -> str:
-        step = "1 item/step" if self.batch is None else f"batch {self.batch} pad_collate"
-        epoch = "first epoch, fresh dataset" if self.fresh else "later epoch"
-        return f"{DTYPE_LABEL[self.dtype]} {step}, workers={self.workers}, {epoch}"
-
-    @property
-    def target(self) -> float:
-        """featbake / the best per-file reader this cell must reach (issue 8)."""
-        if self.workers:
-            return 1.0  # not slower than any
-        return 1.5 if self.batch is None else 2.0
-
-    def loader_kwargs(self, spawned: bool) -> dict[str, Any]:
-        kw: dict[str, Any] = {"batch_size": self.batch, "num_workers": self.workers}
-        if self.batch is not None:
-            kw["collate_fn"] = pad_collate
-        if self.workers and spawned:
-            # A spawned process would make its DataLoader spawn workers too (seconds of
-            # interpreter start-up per epoch); a training script forks them.
-            kw["multiprocessing_context"] = "fork"
-        return kw
-
-
-CELLS = [
-    Cell(dtype, batch, workers, fresh)
-    for dtype, fresh, batch, workers in itertools.product(DTYPES, (True, False), (None, 32), (0, 2))
-]
-
-
 class ReaderState:
     """The readers of one process: data per dtype, and datasets reused for later epochs."""
 
@@ -551,8 +511,29 @@ def _print(rows: list[dict[str, Any]]) -> None:
         )
 
 
+def _print_ratios(rows: list[dict[str, Any]]) -> None:
+    """The featbake / best reader ratios alone, one line per cell, after the full table."""
+    print("\nfeatbake / best per-file reader (target) | featbake / best plain reader")
+    ratios: dict[str, dict[str, float]] = {}
+    marks: dict[str, str] = {}
+    for r in rows:
+        cell, _, what = r["metric"].rpartition(": featbake / best ")
+        if cell:
+            ratios.setdefault(cell, {})[what] = r["value"]
+            if r["ok"] is not None:
+                marks[cell] = f"{r['target']:<8} {'ok' if r['ok'] else 'MISS'}"
+    width = max((len(c) for c in ratios), default=0)
+    for cell, got in ratios.items():
+        print(
+            f"{cell:<{width}}  {got.get('per-file reader', 0):6.2f}x {marks.get(cell, ''):<13} "
+            f"{got.get('plain reader', 0):6.2f}x"
+        )
+
+
 if __name__ == "__main__":
     # python benchmarks/bench_serve.py [--quick] [--parts readers,ram,e2e,memory]
     args = sys.argv[1:]
     chosen = args[args.index("--parts") + 1].split(",") if "--parts" in args else PARTS
-    _print(main(quick="--quick" in args, parts=chosen))
+    results = main(quick="--quick" in args, parts=chosen)
+    _print(results)
+    _print_ratios(results)
