@@ -114,6 +114,7 @@ def test_a_v1_shard_still_reads_and_verifies(tmp_path: Path) -> None:
     path.write_bytes(_golden_file(GOLDEN_V1_HEADER))
     with ShardReader(path, verify="always") as r:
         assert r.version == "1" and r.verify_all() == []
+        assert not r.checksums_bind_header  # bytes only: a repair cannot prove dtype or shape
         for name, t in _sample().items():
             got = r.read(name)
             assert got.dtype == t.dtype and torch.equal(got, t)
@@ -456,6 +457,7 @@ def test_a_header_edit_with_the_same_byte_count_fails_the_checksum(
         _edit_header(shard.path, old, new)
         damaged = {"k1"}
     with ShardReader(shard.path) as r:
+        assert r.checksums_bind_header
         for name in damaged:
             with pytest.raises(StoreCorrupt, match=f"checksum mismatch in tensor {name}"):
                 r.read(name)

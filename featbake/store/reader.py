@@ -224,6 +224,15 @@ class ShardReader:
         return parse_header(self.path, raw, 8 + n, size)
 
     @property
+    def checksums_bind_header(self) -> bool:
+        """Whether a passing checksum also proves the tensor's name, dtype and shape (format 2).
+
+        A format-1 checksum covers the bytes only: a repair that copies tensors out of a damaged
+        format-1 shard cannot tell an edited dtype or shape from the one written.
+        """
+        return self.version != "1"
+
+    @property
     def fd(self) -> int:
         """The open file descriptor (for callers that pread located tensors themselves)."""
         return self._fd
