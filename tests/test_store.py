@@ -607,3 +607,28 @@ def test_a_store_of_format_1_shards_still_verifies_and_serves(
     i = next(i for i in range(len(damaged)) if damaged.key(i) == split_tensor_name(name)[0])
     with pytest.raises(StoreCorrupt, match="checksum mismatch"):
         damaged[i]
+
+
+def test_a_fifo_in_place_of_a_shard_fails_the_dataset_and_export_reads_at_once(
+    audio_dir: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    """Issue 11, item 7: before, the dataset and `export` blocked forever opening the FIFO."""
+    from featbake.bake.pipeline import build
+    from featbake.serve.dataset import CachedFeatureDataset
+    from featbake.store.features import FeatureReader
+
+    build(audio_dir, encoder_file, cache=store_dir, workers=0)
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    shard = next(Layout(store_dir).shards.rglob("*.safetensors"))
+    with ShardReader(shard) as r:
+        key = split_tensor_name(next(iter(r.tensors)))[0]
+    shard.unlink()
+    os.mkfifo(shard)
+    i = next(i for i in range(len(ds)) if ds.key(i) == key)
+    reader = FeatureReader(Layout(store_dir), verify="always")  # what `export` reads through
+    with _within(20):
+        with pytest.raises(StoreCorrupt, match="not a regular file but a FIFO"):
+            ds[i]
+        with pytest.raises(StoreCorrupt, match="not a regular file but a FIFO"):
+            reader.get(key)
+    reader.close()
