@@ -19,7 +19,8 @@ best plain reader including safetensors shards. Then a RAM-tier epoch against in
 log-mel frames; private memory (USS) of the main process and 4 workers with
 ``ram_cache="256MiB"`` over a long shuffled run.
 
-Run: ``python benchmarks/bench_serve.py [--quick] [--parts readers,ram,e2e,memory]``; the quick
+Run: ``python benchmarks/bench_serve.py [--quick] [--parts readers,ram,e2e,memory] [--items N]``
+(``--items``: another data size, e.g. to smoke-test the full mode's code paths); the quick
 mode (small data, one epoch per cell) finishes in under a minute and is a smoke check only.
 """
 
@@ -483,10 +484,12 @@ PARTS = ("readers", "ram", "e2e", "memory")
 QUICK_ITEMS = 48
 
 
-def main(quick: bool = False, parts: Iterable[str] = PARTS) -> list[dict[str, Any]]:
+def main(
+    quick: bool = False, parts: Iterable[str] = PARTS, items: int | None = None
+) -> list[dict[str, Any]]:
     """Run the serving benchmarks (all ``PARTS`` by default); returns the rows."""
     torch.set_num_threads(min(2, os.cpu_count() or 1))
-    n = QUICK_ITEMS if quick else 1400
+    n = items or (QUICK_ITEMS if quick else 1400)
     data = {dtype: prepare(n, dtype) for dtype in DTYPES}
     parts = set(parts)
     rows = []
@@ -531,9 +534,10 @@ def _print_ratios(rows: list[dict[str, Any]]) -> None:
 
 
 if __name__ == "__main__":
-    # python benchmarks/bench_serve.py [--quick] [--parts readers,ram,e2e,memory]
+    # python benchmarks/bench_serve.py [--quick] [--parts readers,ram,e2e,memory] [--items N]
     args = sys.argv[1:]
     chosen = args[args.index("--parts") + 1].split(",") if "--parts" in args else PARTS
-    results = main(quick="--quick" in args, parts=chosen)
+    items = int(args[args.index("--items") + 1]) if "--items" in args else None
+    results = main(quick="--quick" in args, parts=chosen, items=items)
     _print(results)
     _print_ratios(results)
