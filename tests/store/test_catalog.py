@@ -1,10 +1,12 @@
-"""The SQLite catalog: WAL, schema version, first-wins rows, the hash cache and roots."""
+"""The SQLite catalog: WAL, schema version, first-wins rows, the hash cache and roots;
+connections per thread and process, the transaction helper, typed rows and the views."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,17 @@ import torch
 
 from featbake.encode.fingerprints import hash_inputs
 from featbake.errors import StoreError
-from featbake.store.catalog import SCHEMA_VERSION, Catalog, FileStat
+from featbake.store.catalog import (
+    SCHEMA_VERSION,
+    Catalog,
+    CatalogReader,
+    EncoderRow,
+    FileStat,
+    HashRow,
+    RootItem,
+    ServingCatalog,
+    ShardFeature,
+)
 from featbake.store.layout import Layout
 from featbake.store.reader import ShardReader
 from featbake.store.writer import write_shard
@@ -92,15 +104,17 @@ def test_hash_cache_hit_skips_the_read_and_a_stat_change_misses(
     digests, failed = hash_inputs(cat, files)
     assert failed == {}
     assert digests == {p: hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in files}
-    # Poison one cached digest: an unchanged stat means the cache is trusted, the file unread.
-    cat.put_hashes([(files[0], FileStat.of(files[0]), "0" * 64)])
+    # Poison one cached digest: an unchanged stat means the cache is trusted, the file unread
+    # (recorded as if 2 s after the file last changed: not "racy", see test_catalog_hardening).
+    st = FileStat.of(files[0])
+    cat.put_hashes([(files[0], st, "0" * 64)], recorded_ns=st.ctime_ns + 2 * 10**9)
     assert hash_inputs(cat, files)[0][files[0]] == "0" * 64
     # Touch it (mtime changes): the cache misses and the true digest comes back.
     st = os.stat(files[0])
     os.utime(files[0], ns=(st.st_atime_ns, st.st_mtime_ns + 1))
     assert hash_inputs(cat, files)[0][files[0]] == digests[files[0]]
-    cached = cat.cached_hashes(files)
-    assert cached[files[0]] == (FileStat.of(files[0]), digests[files[0]])
+    row = cat.hash_rows(files)[files[0]]
+    assert (row.stat, row.sha256) == (FileStat.of(files[0]), digests[files[0]])
     # An unreadable file is reported, not raised.
     os.unlink(files[2])
     got, failed = hash_inputs(cat, files)
@@ -145,15 +159,129 @@ def test_a_failed_transaction_rolls_back(cat: Catalog) -> None:
     assert cat.conn.execute("SELECT COUNT(*) FROM meta WHERE name='x'").fetchone() == (0,)
 
 
-def test_catalog_reconnects_in_a_forked_child(cat: Catalog) -> None:
-    cat.put_hashes([("p", FileStat(1, 2, 3), "a" * 64)])
+def test_catalog_reconnects_in_a_forked_child_and_never_closes_the_parents(cat: Catalog) -> None:
+    cat.put_hashes([HashRow("p", FileStat(1, 2, 3, 4), "a" * 64)], recorded_ns=10**10)
+    parent_conn = cat.conn
+    cat.conn.execute("BEGIN")  # the parent holds a read transaction across the fork
+    cat.conn.execute("SELECT count(*) FROM hash_cache").fetchone()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - runs in the child
-        ok = cat.cached_hashes(["p"])["p"][1] == "a" * 64 and cat._pid == os.getpid()
+        ok = cat.cached_hashes(["p"])["p"].sha256 == "a" * 64 and cat.conn is not parent_conn
+        cat.close()  # drops the child's own connection; the inherited one is never closed
         os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.WEXITSTATUS(status) == 0
-    assert cat.cached_hashes(["p"])["p"][1] == "a" * 64
+    cat.conn.execute("COMMIT")
+    assert cat.conn is parent_conn and cat.cached_hashes(["p"])["p"].sha256 == "a" * 64
+
+
+def test_one_connection_per_thread(cat: Catalog) -> None:
+    cat.put_hashes([HashRow("p", FileStat(1, 2, 3, 4), "a" * 64)], recorded_ns=10**10)
+    seen: dict[str, object] = {}
+
+    def in_thread() -> None:
+        seen["conn"] = cat.conn
+        seen["sha"] = cat.cached_hashes(["p"])["p"].sha256  # no "created in another thread"
+        cat.close()
+
+    t = threading.Thread(target=in_thread)
+    t.start()
+    t.join()
+    assert seen["sha"] == "a" * 64 and seen["conn"] is not cat.conn
+    assert cat.conn is cat.conn  # the same thread keeps its own
+
+
+def test_catalog_is_a_context_manager(layout: Layout) -> None:
+    with Catalog(layout) as cat:
+        conn = cat.conn
+        cat.record_encoder(EFP, "a.pt", "torchscript")
+    with pytest.raises(sqlite3.ProgrammingError, match="closed"):
+        conn.execute("SELECT 1")
+    with Catalog(layout) as again:  # reopens on use after a close
+        assert [r.label for r in again.encoder_rows()] == ["a.pt"]
+
+
+def test_files_are_removed_only_after_commit(cat: Catalog, tmp_path: Path) -> None:
+    doomed = tmp_path / "doomed"
+    doomed.write_text("x")
+    with pytest.raises(RuntimeError), cat.transaction() as c:
+        c.after_commit(doomed.unlink)
+        raise RuntimeError("boom")
+    assert doomed.exists()  # rolled back: the file stays
+    with cat.transaction() as c:
+        c.after_commit(doomed.unlink)
+        assert doomed.exists()  # not before COMMIT
+    assert not doomed.exists()
+
+
+def test_rows_are_typed_and_named(cat: Catalog, layout: Layout) -> None:
+    cat.record_encoder(EFP, "a.pt", "torchscript", now=1.0)
+    assert cat.encoder_rows() == [EncoderRow(EFP, "a.pt", "torchscript", 1.0, 1.0)]
+    cat.add_shard(write_shard(layout, {"k1": torch.ones(2)}, EFP, RFP), now=1.0)
+    (sid,) = [s.id for s in cat.shard_rows()]
+    (feat,) = cat.features_of_shard(sid)
+    assert isinstance(feat, ShardFeature) and (feat.key, feat.shape, feat.nbytes) == (
+        "k1",
+        "[2]",
+        8,
+    )
+    cat.replace_root(
+        "r",
+        data="/d",
+        encoder_label="a.pt",
+        encoder_fp=EFP,
+        recipe_fp=RFP,
+        recipe={},
+        items=[("a.wav", "k1")],
+    )
+    (item,) = cat.root_items("r")
+    assert item == RootItem(path="a.wav", key="k1") == ("a.wav", "k1")  # still a tuple
+
+
+def test_roots_are_read_and_written_by_column_name(layout: Layout) -> None:
+    """A roots table whose columns are in another order (an older or hand-made catalog) still
+    round-trips: no positional INSERT ... VALUES or SELECT * is left."""
+    conn = sqlite3.connect(layout.catalog)
+    conn.execute(
+        "CREATE TABLE roots (last_used REAL NOT NULL, created REAL NOT NULL, items INTEGER NOT "
+        "NULL, recipe TEXT NOT NULL, recipe_fp TEXT NOT NULL, encoder_fp TEXT NOT NULL, "
+        "encoder_label TEXT NOT NULL, data TEXT NOT NULL, name TEXT PRIMARY KEY)"
+    )
+    conn.close()
+    with Catalog(layout) as cat:
+        cat.replace_root(
+            "r-1",
+            data="/d",
+            encoder_label="enc.pt",
+            encoder_fp=EFP,
+            recipe_fp=RFP,
+            recipe={"a": 1},
+            items=[("a.wav", "k1")],
+            now=100.0,
+        )
+        root = cat.root("r-1")
+    assert root is not None
+    assert (root.name, root.data, root.encoder_label, root.encoder_fp, root.recipe_fp) == (
+        "r-1",
+        "/d",
+        "enc.pt",
+        EFP,
+        RFP,
+    )
+    assert (root.recipe, root.items, root.created, root.last_used) == ({"a": 1}, 1, 100.0, 100.0)
+
+
+def test_the_serving_view_cannot_delete_and_the_reader_cannot_write(cat: Catalog) -> None:
+    deletes = [n for n in dir(Catalog) if n.startswith(("delete_", "drop_", "unlink_", "forget_"))]
+    assert deletes and not [n for n in deletes if hasattr(ServingCatalog, n)]
+    assert hasattr(ServingCatalog, "add_shard") and hasattr(ServingCatalog, "replace_root")
+    assert isinstance(cat.serving(), ServingCatalog)
+    cat.record_encoder(EFP, "a.pt", "torchscript")
+    with CatalogReader(cat.layout) as reader:
+        assert not hasattr(reader, "add_shard") and reader.read_only
+        assert [r.fp for r in reader.encoder_rows()] == [EFP]
+        with pytest.raises(sqlite3.OperationalError, match="readonly"):
+            reader.conn.execute("DELETE FROM encoders")
 
 
 def test_a_shard_gc_unlinked_before_its_rows_commit_is_written_again(
