@@ -3,6 +3,7 @@ connections per thread and process, the transaction helper, typed rows and the v
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 import sqlite3
@@ -24,6 +25,7 @@ from featbake.store.catalog import (
     RootItem,
     ServingCatalog,
     ShardFeature,
+    connection,
 )
 from featbake.store.layout import Layout
 from featbake.store.reader import ShardReader
@@ -173,6 +175,38 @@ def test_catalog_reconnects_in_a_forked_child_and_never_closes_the_parents(cat: 
     assert os.WEXITSTATUS(status) == 0
     cat.conn.execute("COMMIT")
     assert cat.conn is parent_conn and cat.cached_hashes(["p"])["p"].sha256 == "a" * 64
+
+
+def test_no_connection_of_any_thread_is_closed_in_a_forked_child(cat: Catalog) -> None:
+    """The child frees the other threads' thread-locals right after fork(); Python's sqlite3
+    would close their connections as they are collected. They are kept instead."""
+    opened, done = threading.Event(), threading.Event()
+
+    def worker() -> None:
+        cat.conn.execute("SELECT 1").fetchone()
+        opened.set()
+        done.wait()
+        cat.close()
+
+    t = threading.Thread(target=worker)
+    t.start()
+    opened.wait()
+    cat.conn.execute("SELECT 1").fetchone()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        gc.collect()
+        cat.record_encoder(EFP, "child", "torchscript")  # the child's own, fresh connection
+        kept = connection.INHERITED_ACROSS_FORK
+        try:
+            ok = len(kept) >= 2 and not any(c.in_transaction for c in kept)  # raises if closed
+        except sqlite3.ProgrammingError:
+            ok = False
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    done.set()
+    t.join()
+    assert os.WEXITSTATUS(status) == 0
+    assert [r.label for r in cat.encoder_rows()] == ["child"]
 
 
 def test_one_connection_per_thread(cat: Catalog) -> None:

@@ -21,7 +21,7 @@ from featbake.encode.encoders import load_encoder
 from featbake.encode.fingerprints import cached_file_encoder_fp, encoder_fingerprint, hash_inputs
 from featbake.errors import StoreError
 from featbake.serve.dataset import CachedFeatureDataset
-from featbake.store.catalog import SCHEMA_VERSION, Catalog, FileStat, HashRow
+from featbake.store.catalog import SCHEMA_VERSION, Access, Catalog, FileStat, HashRow
 from featbake.store.layout import Layout
 from featbake.testing import TinyConvEncoder, save_torchscript
 from tests.conftest import REPO, live_features, run_cli
@@ -300,16 +300,32 @@ def test_a_store_opened_read_only_is_read_and_writes_say_so(
     assert "Traceback" not in res.stderr
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores permission bits")
-def test_a_store_without_write_permission_is_read(tmp_path: Path, store_dir: Path) -> None:
+def test_a_store_without_write_permission_is_read(
+    tmp_path: Path, store_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Files and directories chmod'ed read-only. Root ignores permission bits, so what a
+    non-root user's os.access() says is simulated (the mount test above is the real thing)."""
     layout = Layout(store_dir).ensure()
     with Catalog(layout) as cat:
-        cat.record_encoder("e" * 64, "a.pt", "torchscript")
-    for p in [*store_dir.rglob("*"), store_dir]:
+        cat.replace_root("r", data="/d", encoder_label="e", encoder_fp="e" * 64,
+                         recipe_fp="r" * 64, recipe={}, items=[("a.wav", "k")])  # fmt: skip
+    paths = [store_dir, *store_dir.rglob("*")]
+    for p in paths:
         p.chmod(0o555 if p.is_dir() else 0o444)
+    real_access = os.access
+
+    def access(path: object, mode: int, **kw: object) -> bool:
+        return False if mode & os.W_OK else real_access(path, mode, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "access", access)
     try:
         with Catalog(layout) as cat:
-            assert cat.read_only and [r.label for r in cat.encoder_rows()] == ["a.pt"]
+            assert cat.access is Access.IMMUTABLE  # no -wal/-shm left, the folder is read-only
+            assert [r.name for r in cat.roots()] == ["r"]
+            assert cat.root_items("r") == [("a.wav", "k")]
+            cat.touch(["k"])  # a cache: skipped, not an error
+            with pytest.raises(StoreError, match="read-only"):
+                cat.drop_root("r")
     finally:
-        for p in [store_dir, *store_dir.rglob("*")]:
+        for p in paths:
             p.chmod(0o755 if p.is_dir() else 0o644)

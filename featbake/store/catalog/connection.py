@@ -4,8 +4,10 @@ SQLite connections belong to the thread that opened them, and must never be used
 in a process that inherited them across ``fork()`` (SQLite's "How To Corrupt Your Database
 Files", 2.6: the child would release or clobber the parent's POSIX locks). So a catalog keeps
 one connection per thread, remembers the process that opened it, and in a forked child simply
-opens a fresh one; the inherited object is kept referenced (never closed, never collected, which
-would close it) until the child exits.
+opens a fresh one. Every connection open at a fork, whichever thread opened it, is kept
+referenced in the child (:data:`INHERITED_ACROSS_FORK`): never used, never closed, never
+collected (Python's sqlite3 closes a connection when it is collected, and a forked child frees
+the other threads' thread-locals right after the fork).
 
 A store that cannot be written (a read-only mount, a shared file system without write
 permission) is opened read-only: ``mode=ro`` when the directory can hold SQLite's ``-shm`` file,
@@ -19,6 +21,7 @@ import os
 import sqlite3
 import threading
 import urllib.parse
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import Enum
@@ -32,8 +35,46 @@ from featbake.store.layout import Layout
 #: command only reads.
 READ_ONLY_ENV = "FEATBAKE_READ_ONLY"
 
-#: Connections inherited across fork(): kept referenced so they are never closed in the child.
-_INHERITED: list[sqlite3.Connection] = []
+#: In a forked child, the connections inherited from the parent: kept so they are never closed.
+INHERITED_ACROSS_FORK: list[sqlite3.Connection] = []
+
+
+class Slot:
+    """One thread's connection and the process that opened it (weakly tracked for fork)."""
+
+    __slots__ = ("__weakref__", "conn", "pid")
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn: sqlite3.Connection | None = conn
+        self.pid = os.getpid()
+
+
+_SLOTS: weakref.WeakSet[Slot] = weakref.WeakSet()
+_SLOTS_LOCK = threading.Lock()
+_AT_FORK: list[sqlite3.Connection] = []
+
+
+def _hold_connections_before_fork() -> None:
+    # Strong references taken in the parent survive into the child, where the other threads'
+    # thread-locals (and so their Slots) are freed before any after-fork hook could run.
+    with _SLOTS_LOCK:
+        _AT_FORK[:] = [s.conn for s in _SLOTS if s.conn is not None]
+
+
+def _release_after_fork_in_parent() -> None:
+    _AT_FORK.clear()
+
+
+def _keep_inherited_in_child() -> None:
+    INHERITED_ACROSS_FORK.extend(_AT_FORK)
+    _AT_FORK.clear()
+
+
+os.register_at_fork(
+    before=_hold_connections_before_fork,
+    after_in_parent=_release_after_fork_in_parent,
+    after_in_child=_keep_inherited_in_child,
+)
 
 
 class Access(str, Enum):
@@ -118,15 +159,27 @@ class CatalogConnection:
     @property
     def conn(self) -> sqlite3.Connection:
         """This thread's connection in this process, opened (schema checked) on first use."""
-        local = self._local
-        conn = getattr(local, "conn", None)
-        if conn is not None and local.pid == os.getpid():
-            return conn
-        if conn is not None:  # inherited across fork: never use it, never close it
-            _INHERITED.append(conn)
-        local.conn, local.pid = None, os.getpid()
-        local.conn = self._connect()
-        return local.conn
+        slot: Slot | None = getattr(self._local, "slot", None)
+        if slot is not None and slot.conn is not None and slot.pid == os.getpid():
+            return slot.conn
+        self._drop(slot)
+        conn = self._connect()
+        slot = Slot(conn)
+        with _SLOTS_LOCK:
+            _SLOTS.add(slot)
+        self._local.slot = slot
+        return conn
+
+    def _drop(self, slot: Slot | None) -> None:
+        """Forget this thread's connection: closed if this process opened it, else only kept."""
+        self._local.slot = None
+        if slot is None or slot.conn is None:
+            return
+        conn, slot.conn = slot.conn, None
+        if slot.pid == os.getpid():
+            conn.close()
+        else:  # inherited across fork: never use it, never close it
+            INHERITED_ACROSS_FORK.append(conn)
 
     def _connect(self) -> sqlite3.Connection:
         if self.access is Access.READ_WRITE and not self.path.exists():
@@ -161,15 +214,7 @@ class CatalogConnection:
 
     def close(self) -> None:
         """Close this thread's connection (a connection inherited across fork is only dropped)."""
-        local = self._local
-        conn = getattr(local, "conn", None)
-        local.conn = None
-        if conn is None:
-            return
-        if local.pid == os.getpid():
-            conn.close()
-        else:
-            _INHERITED.append(conn)
+        self._drop(getattr(self._local, "slot", None))
 
     def __enter__(self) -> Any:
         return self

@@ -15,6 +15,7 @@ from featbake.store.catalog.rows import (
     HashRow,
     Location,
     columns,
+    trusted_entry,
 )
 from featbake.store.writer import SealedShard
 
@@ -106,10 +107,15 @@ class FeatureReads(CatalogConnection):
         predate ctime are left out: their files are hashed again.
         """
         out: dict[str, HashEntry] = {}
-        for path, row in self.hash_rows(paths).items():
-            entry = row.trusted()
-            if entry is not None:
-                out[path] = entry
+        for chunk in chunks(list(paths)):
+            q = ",".join("?" * len(chunk))
+            for row in self.conn.execute(
+                f"SELECT {columns(HashCacheRow)} FROM hash_cache WHERE path IN ({q})",
+                tuple(chunk),
+            ):
+                entry = trusted_entry(row)
+                if entry is not None:
+                    out[row[0]] = entry
         return out
 
 

@@ -26,12 +26,12 @@ def columns(record: type[Any]) -> str:
     return ", ".join(record._fields)
 
 
-@dataclass(frozen=True)
-class FileStat:
+class FileStat(NamedTuple):
     """What the hash cache compares to say a file is unchanged since it was hashed.
 
     ``ctime_ns`` is there because no user tool can set it: ``cp -p`` (or unpacking an archive
     with fixed dates) over an existing file keeps its size, mtime and inode, but not its ctime.
+    (A NamedTuple, not a dataclass: a million of them are made when a large folder is indexed.)
     """
 
     size: int
@@ -85,9 +85,15 @@ class HashCacheRow(NamedTuple):
 
     def trusted(self) -> HashEntry | None:
         """The entry, or None if it is racy or predates ctime (then the file is hashed again)."""
-        if self.recorded_ns <= 0 or self.ctime_ns <= 0 or self.stat.racy(self.recorded_ns):
-            return None
-        return HashEntry(self.stat, self.sha256)
+        return trusted_entry(self)
+
+
+def trusted_entry(row: tuple) -> HashEntry | None:
+    """:meth:`HashCacheRow.trusted` of a raw row (the loop of a large folder's lookup)."""
+    _, size, mtime, inode, ctime, sha, recorded = row
+    if recorded <= 0 or ctime <= 0 or max(mtime, ctime) > recorded - RACY_NS:
+        return None
+    return HashEntry(FileStat(size, mtime, inode, ctime), sha)
 
 
 @dataclass(frozen=True)
