@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import os
+import pickle
 import sqlite3
 import threading
 from pathlib import Path
@@ -354,3 +355,10 @@ def test_gc_never_unlinks_a_shard_a_row_names(cat: Catalog, layout: Layout) -> N
     cat.conn.execute("DELETE FROM features")
     cat.conn.execute("DELETE FROM shards")
     assert cat.unlink_shard_file(shard.name) == shard.nbytes and not shard.path.exists()
+
+
+def test_a_pickled_catalog_opens_its_own_connection(cat: Catalog) -> None:
+    cat.record_encoder(EFP, "a.pt", "torchscript")
+    copy = pickle.loads(pickle.dumps(cat))  # what a spawned DataLoader worker receives
+    assert copy.conn is not cat.conn and [r.fp for r in copy.encoder_rows()] == [EFP]
+    copy.close()

@@ -147,6 +147,7 @@ class CatalogConnection:
         self.layout = layout
         self.path = layout.catalog
         self.timeout = timeout
+        self.read_only_requested = read_only
         self.access = access_for(layout, read_only=read_only)
         self.rebuild = rebuild  # verify --repair makes a new catalog beside surviving shards
         self._local = threading.local()
@@ -231,6 +232,8 @@ class CatalogConnection:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._local = threading.local()
+        # Another process (or machine) may see the store differently: look again.
+        self.access = access_for(self.layout, read_only=self.read_only_requested)
 
     # -- transactions ------------------------------------------------------------------------
     @contextmanager
@@ -244,8 +247,9 @@ class CatalogConnection:
         """
         if self.read_only:
             raise StoreError(
-                f"the store {self.layout.root} is read-only here ({self.access.value}), and this "
-                "needs to write its catalog; run it where the store is writable"
+                f"the store {self.layout.root} is read-only here (a read-only mount, no write "
+                f"permission, or {READ_ONLY_ENV}=1) and this needs to write to it; run it where "
+                "the store is writable"
             )
         conn = self.conn
         try:
