@@ -23,10 +23,12 @@ from featbake.store.catalog import (
     EncoderRow,
     FileStat,
     HashRow,
+    OldCatalog,
     RootItem,
     ServingCatalog,
     ShardFeature,
     connection,
+    read_old_catalog,
 )
 from featbake.store.layout import Layout
 from featbake.store.reader import ShardReader
@@ -362,3 +364,29 @@ def test_a_pickled_catalog_opens_its_own_connection(cat: Catalog) -> None:
     copy = pickle.loads(pickle.dumps(cat))  # what a spawned DataLoader worker receives
     assert copy.conn is not cat.conn and [r.fp for r in copy.encoder_rows()] == [EFP]
     copy.close()
+
+
+def test_an_old_catalog_is_read_by_column_name_and_its_hashes_carried_over(
+    cat: Catalog, layout: Layout, tmp_path: Path
+) -> None:
+    """What verify --repair salvages from a catalog it replaces (read_old_catalog)."""
+    cat.record_encoder(EFP, "a.pt", "torchscript", now=1.0)
+    cat.replace_root("r", data="/d", encoder_label="a.pt", encoder_fp=EFP, recipe_fp=RFP,
+                     recipe={"x": 1}, items=[("a.wav", "k1")], now=2.0)  # fmt: skip
+    st = FileStat(1, 2, 3, 4)
+    cat.put_hashes([HashRow("p", st, "a" * 64)], recorded_ns=10**10)
+    cat.close()
+    old = read_old_catalog(layout.catalog)
+    assert [e.label for e in old.encoders] == ["a.pt"]
+    ((root, items),) = old.roots
+    assert (root.name, root.recipe, root.items, items) == ("r", {"x": 1}, 1, [("a.wav", "k1")])
+    (row,) = old.hash_rows
+    assert (row.stat, row.recorded_ns) == (st, 10**10)
+    fresh = Catalog(Layout(tmp_path / "fresh").ensure())
+    fresh.restore_hashes(old.hash_rows)  # a schema-3 row stays trusted
+    fresh.restore_hashes([("q", 1, 2, 3, "b" * 64)])  # a schema-2 row is kept, not trusted
+    assert set(fresh.cached_hashes(["p", "q"])) == {"p"} and set(fresh.hash_rows(["q"])) == {"q"}
+    fresh.close()
+    garbage = tmp_path / "garbage.sqlite"
+    garbage.write_bytes(b"not a database" * 100)
+    assert read_old_catalog(garbage) == OldCatalog()

@@ -19,7 +19,12 @@ from __future__ import annotations
 
 from featbake.store.catalog.connection import READ_ONLY_ENV, Access, CatalogConnection, Transaction
 from featbake.store.catalog.features import FeatureReads, FeatureWrites
-from featbake.store.catalog.maintenance import Maintenance, MaintenanceReads
+from featbake.store.catalog.maintenance import (
+    Maintenance,
+    MaintenanceReads,
+    OldCatalog,
+    read_old_catalog,
+)
 from featbake.store.catalog.roots import (
     ROOT_FORMAT,
     ROOT_FORMAT_VERSION,
@@ -116,6 +121,7 @@ __all__ = [
     "HashRow",
     "Location",
     "MovedRow",
+    "OldCatalog",
     "Root",
     "RootItem",
     "ServingCatalog",
@@ -123,6 +129,7 @@ __all__ = [
     "ShardRow",
     "ShardUsage",
     "Transaction",
+    "read_old_catalog",
     "read_root_file",
     "root_file",
     "root_payload",

@@ -7,20 +7,25 @@ into the other table go in key order too and stay in cache: ~0.4 s per million r
 
 from __future__ import annotations
 
+import contextlib
+import sqlite3
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from featbake.store.catalog.connection import CatalogConnection
 from featbake.store.catalog.features import insert_shard
-from featbake.store.catalog.roots import write_root_rows
+from featbake.store.catalog.roots import ITEMS_SELECT, ROOT_SELECT, write_root_rows
 from featbake.store.catalog.rows import (
     EncoderRow,
     FeatureRef,
     FeatureRow,
     FeatureTotals,
+    HashCacheRow,
     MovedRow,
     Root,
+    RootItem,
     ShardFeature,
     ShardRow,
     ShardUsage,
@@ -235,14 +240,68 @@ class Maintenance(MaintenanceReads):
             )
 
     def restore_hashes(self, rows: Iterable[Sequence]) -> None:
-        """Carry hash-cache rows (path, size, mtime_ns, inode, sha256) over from an old catalog.
+        """Carry hash-cache rows over from an old catalog (:class:`HashCacheRow`s).
 
-        They come without ctime and recording time, so they are kept but never trusted: each
-        file is hashed once more, then cached as usual.
+        Rows of 5 values (path, size, mtime_ns, inode, sha256: schema 2, or an old reader) come
+        without ctime and recording time: they are kept but never trusted, so each such file is
+        hashed once more, then cached as usual.
         """
+        full = [
+            HashCacheRow._make(r) if len(r) == len(HashCacheRow._fields) else _from_v2(r)
+            for r in rows
+        ]
         with self.transaction() as c:
             c.executemany(
-                "INSERT OR IGNORE INTO hash_cache(path, size, mtime_ns, inode, sha256) "
-                "VALUES (?,?,?,?,?)",
-                [tuple(r[:5]) for r in rows],
+                f"INSERT OR IGNORE INTO hash_cache({columns(HashCacheRow)}) VALUES (?,?,?,?,?,?,?)",
+                full,
             )
+
+
+def _from_v2(r: Sequence) -> HashCacheRow:
+    path, size, mtime_ns, inode, sha256 = r
+    return HashCacheRow(path, size, mtime_ns, inode, 0, sha256, 0)
+
+
+@dataclass
+class OldCatalog:
+    """What can still be read from a catalog that cannot be used as is (any schema)."""
+
+    last_used: list[tuple[str, float]] = field(default_factory=list)
+    hash_rows: list[HashCacheRow] = field(default_factory=list)
+    encoders: list[EncoderRow] = field(default_factory=list)
+    roots: list[tuple[Root, list[RootItem]]] = field(default_factory=list)
+
+
+def read_old_catalog(path: Path) -> OldCatalog:
+    """Read what survives of a damaged or foreign catalog, each table by column name.
+
+    Each part is read on its own: a table that is missing or unreadable leaves its part empty.
+    """
+    out = OldCatalog()
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
+    except sqlite3.Error:
+        return out
+    try:
+        with contextlib.suppress(sqlite3.Error):
+            out.last_used = conn.execute(
+                "SELECT key, max(last_used) FROM features GROUP BY key"
+            ).fetchall()
+        with contextlib.suppress(sqlite3.Error):
+            have = {r[1] for r in conn.execute("PRAGMA table_info(hash_cache)")}
+            cols = [c if c in have else "0" for c in HashCacheRow._fields]
+            rows = conn.execute(f"SELECT {', '.join(cols)} FROM hash_cache")
+            out.hash_rows = [HashCacheRow._make(r) for r in rows]
+        with contextlib.suppress(sqlite3.Error):
+            rows = conn.execute(f"SELECT {columns(EncoderRow)} FROM encoders")
+            out.encoders = [EncoderRow._make(r) for r in rows]
+        with contextlib.suppress(sqlite3.Error, ValueError, TypeError):
+            out.roots = [_old_root(conn, r) for r in conn.execute(ROOT_SELECT).fetchall()]
+    finally:
+        conn.close()
+    return out
+
+
+def _old_root(conn: sqlite3.Connection, row: Sequence) -> tuple[Root, list[RootItem]]:
+    items = [RootItem._make(r) for r in conn.execute(ITEMS_SELECT, (row[0],))]
+    return replace(Root.from_row(row), items=len(items)), items
