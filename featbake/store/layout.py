@@ -73,7 +73,8 @@ class Layout:
             raise StoreError(
                 f"the store {self.root} has root manifests (roots/*.json) but no catalog.sqlite "
                 "(deleted or lost); run `featbake verify --repair` to rebuild it from them, "
-                "then run this again (starting a new catalog would re-encode everything)"
+                "then run this again (a new, empty catalog would re-encode everything; to start "
+                "over, delete the store folder)"
             )
 
     def shard_path(self, name: str) -> Path:
