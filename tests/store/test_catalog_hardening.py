@@ -217,6 +217,9 @@ READ_ONLY_SCRIPT = textwrap.dedent(
     exported = export_zarr(out, cache=store)
     ds = CachedFeatureDataset(data, enc, cache=store, on_miss="error")
     feats = [ds[i] for i in range(len(ds))]
+    from torch.utils.data import DataLoader  # forked workers open their own read-only catalog
+    for i, f in enumerate(DataLoader(ds, batch_size=None, num_workers=2)):
+        assert torch.equal(f, feats[i])
     torch.save({ds.path(i): f for i, f in enumerate(feats)}, out + ".pt")
     print(json.dumps({"features": s.features, "roots": len(roots), "status": report.status,
                       "exit": report.exit_code, "stored": ds.stored(), "n": len(ds)}))
