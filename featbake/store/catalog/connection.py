@@ -56,18 +56,21 @@ _AT_FORK: list[sqlite3.Connection] = []
 
 def _hold_connections_before_fork() -> None:
     # Strong references taken in the parent survive into the child, where the other threads'
-    # thread-locals (and so their Slots) are freed before any after-fork hook could run.
-    with _SLOTS_LOCK:
-        _AT_FORK[:] = [s.conn for s in _SLOTS if s.conn is not None]
+    # thread-locals (and so their Slots) are freed before any after-fork hook could run. The
+    # lock is held across fork() so that no other thread's hold on it is copied into the child.
+    _SLOTS_LOCK.acquire()
+    _AT_FORK[:] = [s.conn for s in _SLOTS if s.conn is not None]
 
 
 def _release_after_fork_in_parent() -> None:
     _AT_FORK.clear()
+    _SLOTS_LOCK.release()
 
 
 def _keep_inherited_in_child() -> None:
     INHERITED_ACROSS_FORK.extend(_AT_FORK)
     _AT_FORK.clear()
+    _SLOTS_LOCK.release()
 
 
 os.register_at_fork(
