@@ -39,7 +39,6 @@ MAX_FUNCTION_LINES = 60
 LONG_MODULES: dict[str, str] = {
     "featbake.serve.dataset": "moved whole; being split by job (issue 7)",
     "featbake.serve.prefetch": "moved whole; being split by job (issue 7)",
-    "featbake.store.catalog": "moved whole; being split by job (issue 7)",
     "featbake.upkeep": "moved whole; being split by job (issue 7)",
 }
 #: "module:function" -> why it may be longer (keep in step with docs/design.md).

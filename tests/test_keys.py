@@ -8,6 +8,7 @@ import os
 import shutil
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -264,6 +265,7 @@ def test_encoder_fingerprint_cache_is_used_and_invalidated(tmp_path: Path, audio
     """A rebuild takes the encoder fingerprint from the hash cache; a rewritten file is hashed."""
     enc = save_torchscript(TinyConvEncoder(), tmp_path / "enc.pt")
     cache = tmp_path / "cache"
+    time.sleep(1.1)  # a file changed within the second its hash is cached is hashed again (racy)
     first = build(audio_dir, enc, cache=cache, workers=0)
     cat = Catalog(Layout(cache))
     q = "SELECT sha256 FROM hash_cache WHERE path LIKE 'encoder-fp:%'"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Any
 from featbake.encode.encoders import PICKLE, LoadedEncoder, detect_kind
 from featbake.keys import sha256_hex
 from featbake.progress import Progress
-from featbake.store.catalog import Catalog, FileStat
+from featbake.store.catalog import FileStat, HashRow, ServingCatalog
 
 READ_CHUNK = 1024 * 1024
 
@@ -42,12 +43,15 @@ HASH_THREADS = 4
 
 # -- planning --------------------------------------------------------------------------------
 def hash_inputs(
-    catalog: Catalog,
+    catalog: ServingCatalog,
     paths: Sequence[str],
     progress: Callable[[Progress], None] | None = None,
     stats: dict[str, FileStat] | None = None,
 ) -> tuple[dict[str, str], dict[str, str]]:
-    """SHA-256 of each file, re-reading only files whose (size, mtime_ns, inode) changed.
+    """SHA-256 of each file, re-reading only files whose (size, mtime, ctime, inode) changed.
+
+    A cached digest is trusted only if the file's stat equals the one it was hashed with, and
+    the file had not changed within a second of that (a "racy" entry, see ``FileStat.racy``).
 
     Args:
         catalog: whose hash cache to consult and fill.
@@ -61,18 +65,21 @@ def hash_inputs(
     """
     stats = {} if stats is None else stats
     failed: dict[str, str] = {}
+    stat_time = time.time_ns()  # before the stats: what a racy entry is measured against
     for p in paths:
         try:
             stats[p] = FileStat.of(p)
         except OSError as e:
             failed[p] = f"cannot stat: {e.strerror}"
     cached = catalog.cached_hashes(list(stats))
-    digests = {p: cached[p][1] for p, st in stats.items() if p in cached and cached[p][0] == st}
+    digests = {
+        p: cached[p].sha256 for p, st in stats.items() if p in cached and cached[p].stat == st
+    }
     todo = [p for p in stats if p not in digests]
     done = len(digests)
     if progress:
         progress(Progress("hash", done, len(paths)))
-    fresh: list[tuple[str, FileStat, str]] = []
+    fresh: list[HashRow] = []
 
     def one(p: str) -> tuple[str, str | None, str | None]:
         try:
@@ -87,10 +94,10 @@ def hash_inputs(
                 failed[p] = err or "unreadable"
             else:
                 digests[p] = sha
-                fresh.append((p, stats[p], sha))
+                fresh.append(HashRow(p, stats[p], sha))
             if progress and (done % 256 == 0 or done == len(paths)):
                 progress(Progress("hash", done, len(paths)))
-    catalog.put_hashes(fresh)
+    catalog.put_hashes(fresh, recorded_ns=stat_time)
     return digests, failed
 
 
@@ -119,7 +126,7 @@ def file_encoder_cache_id(path: str | os.PathLike[str]) -> str:
     return f"encoder-fp:file:{resolve_path(path)}"
 
 
-def cached_file_encoder_fp(catalog: Catalog, path: str | os.PathLike[str]) -> str | None:
+def cached_file_encoder_fp(catalog: ServingCatalog, path: str | os.PathLike[str]) -> str | None:
     """A file encoder's fingerprint without loading it, if the file is unchanged since last time.
 
     This lets a dataset map inputs to keys (and serve hits) without ever loading the encoder.
@@ -131,26 +138,30 @@ def cached_file_encoder_fp(catalog: Catalog, path: str | os.PathLike[str]) -> st
     ident = file_encoder_cache_id(path)
     hit = catalog.cached_hashes([ident]).get(ident)
     try:
-        return hit[1] if hit and hit[0] == FileStat.of(path) else None
+        return hit.sha256 if hit and hit.stat == FileStat.of(path) else None
     except OSError:
         return None
 
 
-def encoder_fingerprint(encoder: LoadedEncoder, catalog: Catalog, weights: str | None) -> str:
+def encoder_fingerprint(
+    encoder: LoadedEncoder, catalog: ServingCatalog, weights: str | None
+) -> str:
     """The encoder's fingerprint, cached in the hash cache against its file's stat.
 
     Hashing a large checkpoint's weights costs a full pass over them; an unchanged file (same
-    size, mtime and inode) reuses the last result, as input files do.
+    size, mtime, ctime and inode, not changed within a second of hashing) reuses the last
+    result, as input files do.
     """
     cache = encoder_cache_id(encoder, weights)
     if cache is None:
         return encoder.fingerprint
     ident, backing = cache
+    stat_time = time.time_ns()
     st = FileStat.of(backing)
     hit = catalog.cached_hashes([ident]).get(ident)
-    if hit and hit[0] == st:
-        encoder._fingerprint = hit[1]
-        return hit[1]
+    if hit and hit.stat == st:
+        encoder._fingerprint = hit.sha256
+        return hit.sha256
     fp = encoder.fingerprint
-    catalog.put_hashes([(ident, st, fp)])
+    catalog.put_hashes([HashRow(ident, st, fp)], recorded_ns=stat_time)
     return fp

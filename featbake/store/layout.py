@@ -45,6 +45,38 @@ class Layout:
     def quarantine(self) -> Path:
         return self.root / "quarantine"
 
+    @property
+    def roots(self) -> Path:
+        """``<store>/roots``: a JSON manifest per root, so roots survive the loss of the catalog."""
+        return self.root / "roots"
+
+    def has_root_manifests(self) -> bool:
+        """True if ``roots/`` holds a manifest: a catalog existed (they are written with it)."""
+        try:
+            with os.scandir(self.roots) as it:
+                return any(e.name.endswith(".json") for e in it)
+        except OSError:
+            return False
+
+    def refuse_fresh_catalog(self, *, allow: bool = False) -> None:
+        """Raise instead of starting a new, empty catalog beside the surviving root manifests.
+
+        Root manifests are written only together with catalog rows, so manifests without a
+        catalog mean it was deleted or lost: a fresh one would re-encode everything and leave
+        the intact shards orphaned. ``verify --repair`` rebuilds it from the shards
+        (``allow=True`` is how it says so).
+
+        Raises:
+            StoreError: the catalog is missing but root manifests are not.
+        """
+        if not allow and not self.catalog.exists() and self.has_root_manifests():
+            raise StoreError(
+                f"the store {self.root} has root manifests (roots/*.json) but no catalog.sqlite "
+                "(deleted or lost); run `featbake verify --repair` to rebuild it from them, "
+                "then run this again (a new, empty catalog would re-encode everything; to start "
+                "over, delete the store folder)"
+            )
+
     def shard_path(self, name: str) -> Path:
         """``shards/ab/<name>.safetensors`` for a shard named ``ab...``."""
         return self.shards / name[:2] / f"{name}.safetensors"

@@ -1,4 +1,8 @@
-"""Opening a store by its directory: the layout, and the catalog with a clear error."""
+"""Opening a store by its directory: the layout, and the catalog with a clear error.
+
+A store that cannot be written here (a read-only mount, no write permission) opens read-only
+(see ``featbake.store.catalog.connection``): every command that only reads works on it.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +10,7 @@ import os
 from pathlib import Path
 
 from featbake.errors import ConfigError, StoreError
-from featbake.store.catalog import (
-    Catalog,
-    Root,
-)
+from featbake.store.catalog import Catalog, CatalogReader, Root
 from featbake.store.layout import Layout, default_cache_dir
 
 
@@ -32,9 +33,34 @@ def store_layout(cache: str | os.PathLike[str] | None) -> Layout:
 def open_catalog(cache: str | os.PathLike[str] | None) -> tuple[Layout, Catalog]:
     """Layout and catalog of an existing store, without creating a catalog that is missing.
 
+    The catalog is a context manager: ``with open_catalog(cache)[1] as catalog: ...``.
+
     Raises:
         StoreError: no store, or its catalog is missing or unreadable (the message says to run
             ``featbake verify --repair``).
+    """
+    layout = existing_catalog_layout(cache)
+    catalog = Catalog(layout)
+    catalog.conn  # noqa: B018  (open now: a damaged catalog fails here, with its message)
+    return layout, catalog
+
+
+def open_reader(cache: str | os.PathLike[str] | None) -> CatalogReader:
+    """A read-only view of an existing store's catalog (``mode=ro``; it cannot write).
+
+    Raises:
+        StoreError: as :func:`open_catalog`.
+    """
+    reader = CatalogReader(existing_catalog_layout(cache))
+    reader.conn  # noqa: B018  (open now: a damaged catalog fails here, with its message)
+    return reader
+
+
+def existing_catalog_layout(cache: str | os.PathLike[str] | None) -> Layout:
+    """The layout of an existing store that has a catalog.
+
+    Raises:
+        StoreError: no store, or no catalog.sqlite in it.
     """
     layout = store_layout(cache)
     if not layout.catalog.exists():
@@ -42,12 +68,10 @@ def open_catalog(cache: str | os.PathLike[str] | None) -> tuple[Layout, Catalog]
             f"the store {layout.root} has no catalog.sqlite; run `featbake verify --repair` to "
             "rebuild it from the shards and root manifests"
         )
-    catalog = Catalog(layout)
-    catalog.conn  # noqa: B018  (open now: a damaged catalog fails here, with its message)
-    return layout, catalog
+    return layout
 
 
-def resolve_root(catalog: Catalog, name: str) -> Root:
+def resolve_root(catalog: CatalogReader, name: str) -> Root:
     """The root called ``name`` or named by a unique prefix of it.
 
     Raises:

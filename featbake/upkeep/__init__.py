@@ -1196,7 +1196,7 @@ def _rebuild_catalog(
         if p.exists():
             dest = _quarantine(layout, p)
             report.actions.append(f"moved the old catalog file {p.name} to {dest}")
-    cat = Catalog(layout)
+    cat = Catalog(layout, rebuild=True)  # a new catalog beside the surviving root manifests
     try:
         rows = 0
         for c in scan.shards:
@@ -1208,10 +1208,7 @@ def _rebuild_catalog(
         if old.get("last_used"):
             cat.set_last_used(old["last_used"])
         if old.get("hash_cache"):
-            with cat.transaction() as c:
-                c.executemany(
-                    "INSERT OR IGNORE INTO hash_cache VALUES (?,?,?,?,?)", old["hash_cache"]
-                )
+            cat.restore_hashes(old["hash_cache"])
         restored = set()
         for p in sorted(roots_dir(layout).glob("*.json")):
             try:

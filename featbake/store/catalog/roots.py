@@ -1,0 +1,294 @@
+"""Roots: their catalog rows and their ``roots/<name>.json`` manifest files.
+
+A root's row and items are written in ONE place (:func:`write_root_rows`), inside the same write
+transaction as its manifest file, so two builds of one root cannot leave them disagreeing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from featbake.errors import StoreCorrupt, StoreError
+from featbake.store.catalog.connection import CatalogConnection, Transaction
+from featbake.store.catalog.rows import Root, RootItem, columns
+from featbake.store.layout import Layout, fsync_dir
+
+ROOT_FORMAT = "featbake-root"
+ROOT_FORMAT_VERSION = 1
+ROOT_SELECT = f"SELECT {', '.join(Root.COLUMNS)} FROM roots"
+ITEMS_SELECT = f"SELECT {columns(RootItem)} FROM root_items WHERE root=? ORDER BY idx"
+
+
+def roots_dir(layout: Layout) -> Path:
+    """``<store>/roots``: one JSON manifest per root, so roots survive the loss of the catalog."""
+    return layout.roots
+
+
+def root_file(layout: Layout, name: str) -> Path:
+    return roots_dir(layout) / f"{name}.json"
+
+
+def tombstone_file(layout: Layout, name: str) -> Path:
+    """Left by a root drop while it runs; a crash leaves it for gc to finish the drop."""
+    return roots_dir(layout) / f"{name}.dropped"
+
+
+def root_payload(root: Root, items: Sequence[tuple[str, str]]) -> dict:
+    """The JSON document of a root manifest file."""
+    return {
+        "format": ROOT_FORMAT,
+        "format_version": ROOT_FORMAT_VERSION,
+        "name": root.name,
+        "data": root.data,
+        "encoder_label": root.encoder_label,
+        "encoder_fp": root.encoder_fp,
+        "recipe_fp": root.recipe_fp,
+        "recipe": root.recipe,
+        "created": root.created,
+        "last_used": root.last_used,
+        "items": [[p, k] for p, k in items],
+    }
+
+
+def write_root_file(layout: Layout, root: Root, items: Sequence[tuple[str, str]]) -> Path:
+    """Write a root's manifest file durably (tmp, fsync, rename, fsync dir) and drop its tombstone.
+
+    Raises:
+        StoreError: the store is not writable.
+    """
+    final = root_file(layout, root.name)
+    tmp = layout.tmp / f"root-{uuid.uuid4().hex}.part"
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        layout.tmp.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(root_payload(root, items), f, separators=(",", ":"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        with contextlib.suppress(FileNotFoundError):
+            tombstone_file(layout, root.name).unlink()
+        fsync_dir(final.parent)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise StoreError(
+            f"could not write the root manifest {final}: {e.strerror or e}; "
+            "check that the cache directory is writable and has space"
+        ) from e
+    return final
+
+
+def read_root_file(path: Path) -> tuple[Root, list[tuple[str, str]]]:
+    """Parse a root manifest file.
+
+    Raises:
+        StoreCorrupt: the file is not a readable featbake root manifest.
+    """
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        if doc.get("format") != ROOT_FORMAT:
+            raise ValueError("not a featbake root manifest")
+        items = [RootItem(str(p), str(k)) for p, k in doc["items"]]
+        root = Root(
+            name=doc["name"],
+            data=doc["data"],
+            encoder_label=doc["encoder_label"],
+            encoder_fp=doc["encoder_fp"],
+            recipe_fp=doc["recipe_fp"],
+            recipe=doc["recipe"],
+            items=len(items),
+            created=float(doc["created"]),
+            last_used=float(doc["last_used"]),
+        )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise StoreCorrupt(
+            f"root manifest {path} is unreadable ({e}); `featbake verify --repair` moves it to "
+            "quarantine/, and rebuilding that data folder publishes the root again"
+        ) from e
+    return root, items
+
+
+def write_root_rows(
+    c: Transaction, root: Root, items: Sequence[tuple[str, str]], *, first: int = 0
+) -> None:
+    """Write a root's row, and its items from index ``first`` on (the only writer of both)."""
+    c.execute(
+        f"INSERT OR REPLACE INTO roots({', '.join(Root.COLUMNS)}) VALUES (?,?,?,?,?,?,?,?,?)",
+        root.row(),
+    )
+    c.executemany(
+        "INSERT INTO root_items(root, idx, path, key) VALUES (?,?,?,?)",
+        [(root.name, i, p, k) for i, (p, k) in enumerate(items[first:], start=first)],
+    )
+
+
+class RootReads(CatalogConnection):
+    """Reading roots and their manifests."""
+
+    def root(self, name: str) -> Root | None:
+        """The root named ``name``, or None."""
+        row = self.conn.execute(f"{ROOT_SELECT} WHERE name=?", (name,)).fetchone()
+        return Root.from_row(row) if row else None
+
+    def roots(self) -> list[Root]:
+        """Every root, most recently built first."""
+        rows = self.conn.execute(f"{ROOT_SELECT} ORDER BY last_used DESC").fetchall()
+        return [Root.from_row(r) for r in rows]
+
+    def root_items(self, name: str) -> list[RootItem]:
+        """A root's manifest: (relative path, key) in file order."""
+        return [RootItem._make(r) for r in self.conn.execute(ITEMS_SELECT, (name,))]
+
+
+class RootWrites(CatalogConnection):
+    """Publishing roots: what builds, datasets and CachedEncoder do (never a delete of features)."""
+
+    def replace_root(
+        self,
+        name: str,
+        *,
+        data: str,
+        encoder_label: str,
+        encoder_fp: str,
+        recipe_fp: str,
+        recipe: dict,
+        items: Sequence[tuple[str, str]],
+        now: float | None = None,
+    ) -> None:
+        """Replace root ``name``'s manifest with ``items`` ((relative path, key), in order)."""
+        now = time.time() if now is None else now
+        with self.transaction() as c:
+            old = c.execute("SELECT created FROM roots WHERE name=?", (name,)).fetchone()
+            root = Root(
+                name=name,
+                data=data,
+                encoder_label=encoder_label,
+                encoder_fp=encoder_fp,
+                recipe_fp=recipe_fp,
+                recipe=recipe,
+                items=len(items),
+                created=old[0] if old else now,
+                last_used=now,
+            )
+            c.execute("DELETE FROM root_items WHERE root=?", (name,))
+            write_root_rows(c, root, items)
+            # The manifest file is what `verify --repair` rebuilds roots from (roots are not in
+            # shards). Written while this transaction holds the write lock, so two builds of one
+            # root cannot leave the file and the row disagreeing.
+            write_root_file(self.layout, root, items)
+
+    def extend_root(
+        self,
+        name: str,
+        *,
+        data: str,
+        encoder_label: str,
+        encoder_fp: str,
+        recipe_fp: str,
+        recipe: dict,
+        keys: Sequence[str],
+        now: float | None = None,
+    ) -> int:
+        """Append ``keys`` not yet named to root ``name`` (made if absent); returns how many.
+
+        For writers with no data folder to rebuild a manifest from (``CachedEncoder``): what
+        they store stays reachable, so gc keeps it until the root is dropped (``featbake roots
+        drop`` or ``gc --older-than``). Items get an empty path. Call it before
+        :meth:`add_shard` for those keys, so gc never sees their rows unreached. The manifest
+        file is rewritten whole, inside the transaction, as :meth:`replace_root` does.
+
+        Example:
+            >>> cat.extend_root("cached-encoder-3f1c", data="cached-encoder:3f1c",
+            ...     encoder_label="MyEncoder", encoder_fp=fp, recipe_fp=rfp, recipe={},
+            ...     keys=["9a..."])  # doctest: +SKIP
+        """
+        now = time.time() if now is None else now
+        with self.transaction() as c:
+            old = c.execute("SELECT created FROM roots WHERE name=?", (name,)).fetchone()
+            items = [RootItem._make(r) for r in c.execute(ITEMS_SELECT, (name,))]
+            named = {item.key for item in items}
+            new = [k for k in dict.fromkeys(keys) if k not in named]
+            if old is not None and not new:
+                c.execute("UPDATE roots SET last_used=? WHERE name=?", (now, name))
+                return 0
+            first = len(items)
+            items += [RootItem("", k) for k in new]
+            root = Root(
+                name=name,
+                data=data,
+                encoder_label=encoder_label,
+                encoder_fp=encoder_fp,
+                recipe_fp=recipe_fp,
+                recipe=recipe,
+                items=len(items),
+                created=old[0] if old else now,
+                last_used=now,
+            )
+            write_root_rows(c, root, items, first=first)
+            write_root_file(self.layout, root, items)
+        return len(new)
+
+
+class RootDrops(CatalogConnection):
+    """Dropping roots (gc, ``featbake roots drop``): not part of the serving view."""
+
+    def drop_root(
+        self,
+        name: str,
+        *,
+        unused_before: float | None = None,
+        between: Callable[[str], None] | None = None,
+    ) -> bool:
+        """Drop root ``name`` (row, manifest and file); returns False if it was not dropped.
+
+        Order: inside one write transaction the manifest file is renamed to a tombstone
+        (``roots/<name>.dropped``), then the rows go; after COMMIT the tombstone is unlinked. A
+        crash leaves either the root intact with a tombstone beside it (gc finishes the drop) or
+        no root and a tombstone (gc unlinks it); never a root whose manifest file is lost.
+        ``unused_before`` drops it only if it was not built or used since then (a build that
+        refreshed it meanwhile wins). ``between`` is a test hook called between the steps.
+        """
+        live, dead = root_file(self.layout, name), tombstone_file(self.layout, name)
+        with self.transaction() as c:
+            row = c.execute("SELECT last_used FROM roots WHERE name=?", (name,)).fetchone()
+            if row is None or (unused_before is not None and row[0] >= unused_before):
+                return False
+            if live.exists():
+                os.replace(live, dead)
+                fsync_dir(live.parent)
+            if between:
+                between("drop-root-renamed")
+            c.execute("DELETE FROM root_items WHERE root=?", (name,))
+            c.execute("DELETE FROM roots WHERE name=?", (name,))
+            if between:
+                c.after_commit(lambda: between("drop-root-committed"))
+            c.after_commit(lambda: unlink_quietly(dead))
+        return True
+
+    def finish_drop(self, name: str) -> bool:
+        """Finish a drop that a crash interrupted (a tombstone is left); True if rows went.
+
+        If the root was built again since (its manifest file is back), only the tombstone goes.
+        """
+        dead = tombstone_file(self.layout, name)
+        if root_file(self.layout, name).exists():
+            unlink_quietly(dead)
+            return False
+        with self.transaction() as c:
+            c.execute("DELETE FROM root_items WHERE root=?", (name,))
+            dropped = c.execute("DELETE FROM roots WHERE name=?", (name,)).rowcount > 0
+            c.after_commit(lambda: unlink_quietly(dead))
+        return dropped
+
+
+def unlink_quietly(path: Path) -> None:
+    """Remove a file that may already be gone."""
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
