@@ -1,0 +1,191 @@
+"""Catalog queries that only ``featbake.upkeep`` runs (verify, repair, rebuild), by column name.
+
+They were raw SQL inside upkeep; here they sit with the catalog, as functions taking a
+:class:`Catalog` (or a path, for a catalog too damaged to open as one), so that upkeep reads typed
+rows and never a positional ``SELECT *``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sqlite3
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+from featbake.store.catalog import Catalog, Root
+from featbake.store.shard_format import tensor_name
+
+#: Every table the catalog needs and the columns upkeep and the catalog read from it (checked
+#: against a freshly created catalog by tests/test_verify_hostile.py).
+REQUIRED_COLUMNS: dict[str, frozenset[str]] = {
+    "meta": frozenset({"name", "value"}),
+    "shards": frozenset(
+        {"id", "name", "bytes", "items", "encoder_fp", "recipe_fp", "created", "data_bytes"}
+    ),
+    "features": frozenset({"key", "part", "shard_id", "dtype", "shape", "nbytes", "last_used"}),
+    "encoders": frozenset({"fp", "label", "kind", "first_seen", "last_used"}),
+    "roots": frozenset(
+        {
+            "name",
+            "data",
+            "encoder_label",
+            "encoder_fp",
+            "recipe_fp",
+            "recipe",
+            "items",
+            "created",
+            "last_used",
+        }
+    ),
+    "root_items": frozenset({"root", "idx", "path", "key"}),
+    "hash_cache": frozenset({"path", "size", "mtime_ns", "inode", "sha256"}),
+}
+
+
+class FeatureRow(NamedTuple):
+    """One ``features`` row as verify compares it with its shard's header."""
+
+    key: str
+    part: str
+    shard_id: int
+    dtype: str
+    shape: str  # JSON list, as stored
+    nbytes: int
+
+    @property
+    def tensor(self) -> str:
+        return tensor_name(self.key, self.part)
+
+    def matches(self, dtype: str, shape: tuple[int, ...]) -> bool:
+        """Whether the header's dtype and shape are what this row records."""
+        try:
+            return self.dtype == dtype and json.loads(self.shape) == list(shape)
+        except (ValueError, RecursionError):
+            return False
+
+
+class HashRow(NamedTuple):
+    """One ``hash_cache`` row."""
+
+    path: str
+    size: int
+    mtime_ns: int
+    inode: int
+    sha256: str
+
+
+class EncoderRow(NamedTuple):
+    """One ``encoders`` row."""
+
+    fp: str
+    label: str
+    kind: str
+    first_seen: float
+    last_used: float
+
+
+@dataclass
+class OldCatalog:
+    """What could still be read from a catalog that cannot be used as is (any schema)."""
+
+    last_used: list[tuple[str, float]] = field(default_factory=list)
+    hash_cache: list[HashRow] = field(default_factory=list)
+    encoders: list[EncoderRow] = field(default_factory=list)
+    roots: list[tuple[Root, list[tuple[str, str]]]] = field(default_factory=list)
+
+
+def _schema_problems(conn: sqlite3.Connection) -> list[str]:
+    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    out = []
+    for table, columns in REQUIRED_COLUMNS.items():
+        if table not in tables:
+            out.append(f"no table {table}")
+            continue
+        have = {r[1] for r in conn.execute(f"PRAGMA table_info({table})")}
+        out.extend(f"no column {table}.{c}" for c in sorted(columns - have))
+    return out
+
+
+def catalog_file_problems(path: Path) -> list[str]:
+    """Why the catalog file at ``path`` cannot be used (empty if it can), read-only.
+
+    SQLite's ``quick_check`` finds damaged pages; a catalog that opens but lacks a table or a
+    column (edited by hand, or another program's database) is named too, before anything runs a
+    query on it that would fail halfway.
+    """
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10)
+    except sqlite3.Error as e:
+        return [f"unreadable: {e}"]
+    try:
+        (res,) = conn.execute("PRAGMA quick_check").fetchone()
+        if res != "ok":
+            return [f"damaged: {res}"]
+        return _schema_problems(conn)
+    except sqlite3.Error as e:
+        return [f"unreadable: {e}"]
+    finally:
+        conn.close()
+
+
+def feature_rows(catalog: Catalog) -> Iterator[FeatureRow]:
+    """Every feature row, by shard."""
+    for row in catalog.all_feature_rows():
+        yield FeatureRow(*row)
+
+
+def put_hash_rows(catalog: Catalog, rows: list[HashRow]) -> None:
+    """Carry hash-cache rows over into a rebuilt catalog (existing rows win)."""
+    with catalog.transaction() as c:
+        c.executemany(
+            "INSERT OR IGNORE INTO hash_cache(path, size, mtime_ns, inode, sha256) "
+            "VALUES (?,?,?,?,?)",
+            rows,
+        )
+
+
+_OLD_QUERIES = {
+    "last_used": "SELECT key, max(last_used) FROM features GROUP BY key",
+    "hash_cache": "SELECT path, size, mtime_ns, inode, sha256 FROM hash_cache",
+    "encoders": "SELECT fp, label, kind, first_seen, last_used FROM encoders",
+}
+
+_OLD_ROOTS = (
+    "SELECT name, data, encoder_label, encoder_fp, recipe_fp, recipe, created, last_used FROM roots"
+)
+
+
+def read_old_catalog(path: Path) -> OldCatalog:
+    """Whatever can still be read from the catalog file at ``path`` (read-only; never raises)."""
+    out = OldCatalog()
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
+    except sqlite3.Error:
+        return out
+    try:
+        with contextlib.suppress(sqlite3.Error, ValueError, TypeError):
+            out.last_used = [tuple(r) for r in conn.execute(_OLD_QUERIES["last_used"])]
+        with contextlib.suppress(sqlite3.Error, ValueError, TypeError):
+            out.hash_cache = [HashRow(*r) for r in conn.execute(_OLD_QUERIES["hash_cache"])]
+        with contextlib.suppress(sqlite3.Error, ValueError, TypeError):
+            out.encoders = [EncoderRow(*r) for r in conn.execute(_OLD_QUERIES["encoders"])]
+        with contextlib.suppress(sqlite3.Error, ValueError, TypeError, RecursionError):
+            out.roots = [_old_root(conn, row) for row in conn.execute(_OLD_ROOTS).fetchall()]
+    finally:
+        conn.close()
+    return out
+
+
+def _old_root(conn: sqlite3.Connection, row: tuple) -> tuple[Root, list[tuple[str, str]]]:
+    name, data, label, efp, rfp, recipe, created, last = row
+    items = [
+        (str(p), str(k))
+        for p, k in conn.execute(
+            "SELECT path, key FROM root_items WHERE root=? ORDER BY idx", (name,)
+        ).fetchall()
+    ]
+    root = Root(name, data, label, efp, rfp, json.loads(recipe), len(items), created, last)
+    return root, items

@@ -1,0 +1,36 @@
+"""Repair of the root manifests against a usable catalog (both ways)."""
+
+from __future__ import annotations
+
+from featbake.errors import StoreCorrupt
+from featbake.store.catalog import Catalog, root_file, roots_dir, tombstone_file, write_root_file
+from featbake.store.layout import Layout
+from featbake.upkeep.findings import VerifyReport
+from featbake.upkeep.manifests import read_manifest
+
+
+def repair_roots(layout: Layout, cat: Catalog, report: VerifyReport) -> None:
+    """Rewrite manifest files that differ from the catalog; restore roots only files name."""
+    names = set()
+    for r in cat.roots():
+        names.add(r.name)
+        f, t = root_file(layout, r.name), tombstone_file(layout, r.name)
+        items = [tuple(x) for x in cat.root_items(r.name)]
+        if not f.exists() and t.exists():
+            continue  # an interrupted drop: gc finishes it
+        try:
+            same = f.exists() and read_manifest(f)[1] == items
+        except StoreCorrupt:
+            same = False
+        if not same:
+            write_root_file(layout, r, items)  # type: ignore[arg-type]
+            report.actions.append(f"rewrote the manifest file of root {r.name} from the catalog")
+    for p in sorted(roots_dir(layout).glob("*.json")):
+        if p.stem in names:
+            continue
+        try:
+            root, items = read_manifest(p)
+        except StoreCorrupt:
+            continue  # quarantined by the caller
+        cat.insert_root(root, items)
+        report.actions.append(f"restored root {root.name} from its manifest file")
