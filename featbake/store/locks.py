@@ -55,12 +55,13 @@ def shared_write_lock(layout: Layout) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def exclusive_write_lock(layout: Layout, wait_s: float = EXCLUSIVE_WAIT_S) -> Iterator[None]:
+def exclusive_write_lock(layout: Layout, wait_s: float | None = None) -> Iterator[None]:
     """Hold the store's lock alone (``verify --repair``), or refuse if writers keep it.
 
     Raises:
         StoreError: a build, gc or a training loop's write-back is sealing shards into the store
-            and did not stop within ``wait_s`` seconds; or the lock file cannot be created.
+            and did not stop within ``wait_s`` seconds (default :data:`EXCLUSIVE_WAIT_S`); or
+            the lock file cannot be created.
     """
     fd = _open_lock(layout)
     if fd is None:
@@ -69,7 +70,7 @@ def exclusive_write_lock(layout: Layout, wait_s: float = EXCLUSIVE_WAIT_S) -> It
             "repaired; run `featbake verify` without --repair to check it"
         )
     try:
-        deadline = time.monotonic() + wait_s
+        deadline = time.monotonic() + (EXCLUSIVE_WAIT_S if wait_s is None else wait_s)
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -41,7 +41,7 @@ from featbake.upkeep.gc_plan import (
     GcPlan,
     plan_gc,
 )
-from featbake.upkeep.repair import repair, verify
+from featbake.upkeep.verify_repair import repair, verify
 from featbake.upkeep.scan import scan_store
 from featbake.upkeep.shard_check import check_shard
 from featbake.upkeep.store_stats import (

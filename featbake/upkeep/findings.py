@@ -121,8 +121,8 @@ class VerifyScan:
         return [f for f in self.findings if f.kind is kind]
 
     def repair(self, progress: Callable[[GcProgress], None] | None = None) -> VerifyReport:
-        """Fix what this scan found, in the order ``featbake.upkeep.repair`` documents."""
-        from featbake.upkeep.repair import run_repair
+        """Fix what this scan found, in the order ``featbake.upkeep.verify_repair`` documents."""
+        from featbake.upkeep.verify_repair import run_repair
 
         return run_repair(self, progress)
 

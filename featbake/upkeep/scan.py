@@ -123,7 +123,7 @@ def scan_store(
     if health.state is CatalogState.OK:
         try:
             findings.extend(check_catalog(layout, checks))
-        except sqlite3.DatabaseError as e:  # pages quick_check let through
+        except (sqlite3.DatabaseError, UnicodeDecodeError) as e:  # what quick_check let through
             health = CatalogHealth(CatalogState.UNUSABLE, f"unreadable rows: {e}")
     if health.state is not CatalogState.OK:
         findings.append(

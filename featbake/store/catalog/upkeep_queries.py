@@ -120,12 +120,13 @@ def catalog_file_problems(path: Path) -> list[str]:
         conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10)
     except sqlite3.Error as e:
         return [f"unreadable: {e}"]
+    conn.text_factory = lambda b: b.decode("utf-8", "replace")  # damaged pages hold any bytes
     try:
         (res,) = conn.execute("PRAGMA quick_check").fetchone()
         if res != "ok":
             return [f"damaged: {res}"]
         return _schema_problems(conn)
-    except sqlite3.Error as e:
+    except (sqlite3.Error, ValueError) as e:
         return [f"unreadable: {e}"]
     finally:
         conn.close()
