@@ -213,9 +213,9 @@ def test_repair_refuses_while_a_writer_holds_the_lock(
 ) -> None:
     bake(audio_dir, encoder_file, store_dir)
     monkeypatch.setattr("featbake.store.locks.EXCLUSIVE_WAIT_S", 0.2)
-    with shared_write_lock(Layout(store_dir)):  # a writer sealing a shard right now
-        with pytest.raises(StoreError, match="writing shards"):
-            verify(store_dir, repair_damage=True)
+    # A writer sealing a shard right now holds the lock shared.
+    with shared_write_lock(Layout(store_dir)), pytest.raises(StoreError, match="writing shards"):
+        verify(store_dir, repair_damage=True)
     assert lock_path(Layout(store_dir)).exists()
     assert verify(store_dir, repair_damage=True).status == "clean"  # released: repair runs
 

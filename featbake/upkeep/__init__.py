@@ -41,7 +41,6 @@ from featbake.upkeep.gc_plan import (
     GcPlan,
     plan_gc,
 )
-from featbake.upkeep.verify_repair import repair, verify
 from featbake.upkeep.scan import scan_store
 from featbake.upkeep.shard_check import check_shard
 from featbake.upkeep.store_stats import (
@@ -52,6 +51,7 @@ from featbake.upkeep.store_stats import (
     list_roots,
     stats,
 )
+from featbake.upkeep.verify_repair import repair, verify
 
 __all__ = [
     "CRASH_ENV",
