@@ -128,6 +128,27 @@ class VerifyScan:
 
 
 @dataclass
+class RepairOutcome:
+    """What one repair step did: its action lines and the feature rows it lost or won back.
+
+    Steps return one each; ``repair`` adds them up (``+``) into the :class:`VerifyReport`.
+    """
+
+    actions: list[str] = field(default_factory=list)
+    lost: int = 0  # feature rows deleted
+    recovered: int = 0  # rows indexed again from salvaged shards: not lost after all
+    salvaged: int = 0  # features copied out of damaged shards
+
+    def __add__(self, other: RepairOutcome) -> RepairOutcome:
+        return RepairOutcome(
+            self.actions + other.actions,
+            self.lost + other.lost,
+            self.recovered + other.recovered,
+            self.salvaged + other.salvaged,
+        )
+
+
+@dataclass
 class VerifyReport:
     """The outcome of ``featbake verify``: ``status`` is clean, repaired or damaged."""
 

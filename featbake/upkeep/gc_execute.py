@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from contextlib import closing
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from featbake.progress import GcProgress
 from featbake.store.catalog import Catalog, ShardRow
 from featbake.store.catalog import roots_dir as manifests_dir
 from featbake.store.layout import Layout, fsync_dir, remove_file
+from featbake.store.locks import shared_write_lock
 from featbake.store.reader import ShardReader
 from featbake.store.shard_format import tensor_name
 from featbake.store.writer import SealedShard, ShardWriter
@@ -38,7 +40,10 @@ Tick = Callable[[str, int, int], None]
 
 @dataclass
 class GcResult:
-    """What gc did. ``problems`` names shards it had to skip (run ``featbake verify``)."""
+    """What gc did. ``problems`` names shards it had to skip (run ``featbake verify``).
+
+    Each step of a run returns its own GcResult; the run adds them up (``+``).
+    """
 
     roots_dropped: list[str] = field(default_factory=list)
     rows_deleted: int = 0
@@ -50,6 +55,11 @@ class GcResult:
     bytes_freed: int = 0
     problems: list[str] = field(default_factory=list)
     seconds: float = 0.0
+
+    def __add__(self, other: GcResult) -> GcResult:
+        return GcResult(
+            **{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
+        )
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -65,41 +75,35 @@ def execute_gc(plan: GcPlan, progress: Callable[[GcProgress], None] | None = Non
 
 
 def run_plan(plan: GcPlan, progress: Callable[[GcProgress], None] | None = None) -> GcResult:
-    """The steps of the module docstring, in order; each commits before the next begins."""
+    """The steps of the module docstring, in order; each commits before the next begins.
+
+    The whole run holds the store's write lock shared (store/locks.py): ``verify --repair``
+    does not run meanwhile (it would index a shard file gc is about to unlink).
+    """
     t0 = time.perf_counter()
     layout = Layout(Path(plan.store))
-    catalog = Catalog(layout)
-    result = GcResult()
 
     def tick(phase: str, done: int, total: int) -> None:
         if progress:
             progress(GcProgress(phase, done, total))
 
-    try:
-        _drop_roots(layout, catalog, plan, result, tick)
-        if plan.unreached or plan.evict:
-            result.rows_deleted += catalog.delete_features(plan.unreached, only_unreached=True)
-            result.rows_deleted += catalog.delete_features(plan.evict, only_unreached=False)
-            tick("rows", result.rows_deleted, len(plan.unreached) + len(plan.evict))
-            crash_point("rows-deleted")
-        _delete_empty_shards(layout, catalog, (s.id for s in plan.empty_shards), result, tick)
+    with shared_write_lock(layout), closing(Catalog(layout)) as catalog:
+        result = _drop_roots(layout, catalog, plan, tick)
+        result += _delete_rows(catalog, plan, tick)
+        result += _delete_empty_shards(layout, catalog, [s.id for s in plan.empty_shards], tick)
         if plan.compact:
             compaction = Compaction(layout, catalog, plan).run(tick)
-            _absorb(result, compaction)
-            _delete_compacted(layout, catalog, compaction, result)
-        _remove_loose_files(catalog, plan, result)
+            result += compaction.as_result() + _delete_compacted(layout, catalog, compaction)
+        result += _remove_loose_files(catalog, plan)
         tick("files", 1, 1)
         catalog.forget_unused_encoders()
-    finally:
-        catalog.close()
     result.seconds = time.perf_counter() - t0
     return result
 
 
-def _drop_roots(
-    layout: Layout, catalog: Catalog, plan: GcPlan, result: GcResult, tick: Tick
-) -> None:
+def _drop_roots(layout: Layout, catalog: Catalog, plan: GcPlan, tick: Tick) -> GcResult:
     cutoff = None if plan.options.older_than is None else plan.now - plan.options.older_than
+    dropped = []
     for i, d in enumerate(plan.drop_roots):
         if d.why is DropReason.INTERRUPTED:
             ok = catalog.finish_drop(d.name)
@@ -107,42 +111,57 @@ def _drop_roots(
             limit = cutoff if d.why is DropReason.UNUSED else None
             ok = catalog.drop_root(d.name, unused_before=limit, between=crash_point)
         if ok:
-            result.roots_dropped.append(d.name)
+            dropped.append(d.name)
         tick("drop", i + 1, len(plan.drop_roots))
     # Tombstones of roots already gone (a crash after COMMIT) only need unlinking.
     for p in manifests_dir(layout).glob("*.dropped"):
         if catalog.root(p.name.removesuffix(".dropped")) is None:
             remove_file(p)
+    return GcResult(roots_dropped=dropped)
+
+
+def _delete_rows(catalog: Catalog, plan: GcPlan, tick: Tick) -> GcResult:
+    if not (plan.unreached or plan.evict):
+        return GcResult()
+    rows = catalog.delete_features(plan.unreached, only_unreached=True)
+    rows += catalog.delete_features(plan.evict, only_unreached=False)
+    tick("rows", rows, len(plan.unreached) + len(plan.evict))
+    crash_point("rows-deleted")
+    return GcResult(rows_deleted=rows)
 
 
 def _delete_empty_shards(
-    layout: Layout, catalog: Catalog, shard_ids: Iterable[int], result: GcResult, tick: Tick
-) -> None:
+    layout: Layout, catalog: Catalog, shard_ids: list[int], tick: Tick
+) -> GcResult:
+    out = GcResult()
     gone = catalog.delete_shards_if_empty(shard_ids)
     if gone:
         crash_point("shard-rows-deleted")
     for i, name in enumerate(gone):
-        result.bytes_freed += catalog.unlink_shard_file(name)
-        result.shards_deleted += 1
+        out.bytes_freed += catalog.unlink_shard_file(name)
+        out.shards_deleted += 1
         crash_point("shard-file-unlinked")
         tick("shards", i + 1, len(gone))
     for d in {layout.shard_path(n).parent for n in gone}:
         fsync_dir(d)
+    return out
 
 
-def _remove_loose_files(catalog: Catalog, plan: GcPlan, result: GcResult) -> None:
+def _remove_loose_files(catalog: Catalog, plan: GcPlan) -> GcResult:
+    out = GcResult()
     for f in plan.orphan_shards:
         # Re-checked under the write lock: indexed since the plan (a late commit, verify
         # --repair) means it is no longer an orphan.
         freed = catalog.unlink_shard_file(Path(f.path).name.removesuffix(".safetensors"))
         if not freed:
             continue
-        result.bytes_freed += freed
-        result.orphans_removed += 1
+        out.bytes_freed += freed
+        out.orphans_removed += 1
         crash_point("orphan-unlinked")
     for f in plan.tmp_files:
-        result.bytes_freed += remove_file(Path(f.path))
-        result.tmp_removed += 1
+        out.bytes_freed += remove_file(Path(f.path))
+        out.tmp_removed += 1
+    return out
 
 
 @dataclass
@@ -156,28 +175,30 @@ class CompactionResult:
     bytes_written: int = 0
     problems: list[str] = field(default_factory=list)
 
+    def as_result(self) -> GcResult:
+        """Its share of the run's result (the bytes it wrote count against those freed)."""
+        return GcResult(
+            shards_written=self.shards_written,
+            features_moved=self.features_moved,
+            bytes_freed=-self.bytes_written,
+            problems=list(self.problems),
+        )
 
-def _absorb(result: GcResult, c: CompactionResult) -> None:
-    result.shards_written += c.shards_written
-    result.features_moved += c.features_moved
-    result.bytes_freed -= c.bytes_written
-    result.problems.extend(c.problems)
 
-
-def _delete_compacted(
-    layout: Layout, catalog: Catalog, c: CompactionResult, result: GcResult
-) -> None:
+def _delete_compacted(layout: Layout, catalog: Catalog, c: CompactionResult) -> GcResult:
+    out = GcResult()
     gone = catalog.delete_shards_if_empty(c.emptied)
     if gone:
         crash_point("compacted-rows-deleted")
     for name in gone:
         if name in c.written:
             continue  # rewritten to identical bytes: the same file is the new shard
-        result.bytes_freed += catalog.unlink_shard_file(name)
-        result.shards_deleted += 1
+        out.bytes_freed += catalog.unlink_shard_file(name)
+        out.shards_deleted += 1
         crash_point("compacted-file-unlinked")
     for d in {layout.shard_path(n).parent for n in gone}:
         fsync_dir(d)
+    return out
 
 
 class Compaction:

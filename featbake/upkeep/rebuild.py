@@ -14,7 +14,7 @@ from featbake.store.catalog.upkeep_queries import OldCatalog, put_hash_rows, rea
 from featbake.store.layout import Layout, remove_file
 from featbake.store.writer import SealedShard
 from featbake.upkeep.files import quarantine
-from featbake.upkeep.findings import ShardCheck, VerifyReport, VerifyScan
+from featbake.upkeep.findings import RepairOutcome, ShardCheck, VerifyScan
 from featbake.upkeep.manifests import read_manifest
 
 
@@ -23,14 +23,16 @@ def sealed_from_check(c: ShardCheck) -> SealedShard:
     return SealedShard(c.name, Path(c.path), c.bytes, c.encoder_fp, c.recipe_fp, c.entries)
 
 
-def _set_aside_old_catalog(layout: Layout, report: VerifyReport) -> OldCatalog:
+def _set_aside_old_catalog(layout: Layout) -> tuple[OldCatalog, RepairOutcome]:
+    """What the old catalog still yields; its files then move to quarantine/."""
+    out = RepairOutcome()
     old = read_old_catalog(layout.catalog) if layout.catalog.is_file() else OldCatalog()
     for suffix in ("", "-wal", "-shm"):
         p = Path(f"{layout.catalog}{suffix}")
         if p.exists() or p.is_symlink():
             dest = quarantine(layout, p)
-            report.actions.append(f"moved the old catalog file {p.name} to {dest}")
-    return old
+            out.actions.append(f"moved the old catalog file {p.name} to {dest}")
+    return old, out
 
 
 def _restore_roots(layout: Layout, cat: Catalog, old: OldCatalog) -> set[str]:
@@ -64,23 +66,22 @@ def _restore_encoders(cat: Catalog, scan: VerifyScan, old: OldCatalog) -> None:
             cat.put_encoder_row(c.encoder_fp, "(unknown: rebuilt)", "unknown", c.mtime, c.mtime)
 
 
-def rebuild_catalog(
-    layout: Layout, scan: VerifyScan, salvaged: list[SealedShard], report: VerifyReport
-) -> None:
+def rebuild_catalog(layout: Layout, scan: VerifyScan, salvaged: list[SealedShard]) -> RepairOutcome:
     """Replace the catalog with one built from the sound shards, salvaged ones and manifests."""
-    old = _set_aside_old_catalog(layout, report)
+    old, out = _set_aside_old_catalog(layout)
     cat = Catalog(layout)
     try:
         rows = sum(cat.add_shard(sealed_from_check(c), now=c.mtime) for c in scan.shards if c.sound)
         rows += sum(cat.add_shard(s) for s in salvaged)
-        report.actions.append(f"rebuilt the catalog: {rows} feature rows from the shard headers")
+        out.actions.append(f"rebuilt the catalog: {rows} feature rows from the shard headers")
         if old.last_used:
             cat.set_last_used(old.last_used)
         if old.hash_cache:
             put_hash_rows(cat, old.hash_cache)
         restored = _restore_roots(layout, cat, old)
         if restored:
-            report.actions.append(f"restored {len(restored)} roots from their manifest files")
+            out.actions.append(f"restored {len(restored)} roots from their manifest files")
         _restore_encoders(cat, scan, old)
     finally:
         cat.close()
+    return out

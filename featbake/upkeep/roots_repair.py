@@ -5,12 +5,13 @@ from __future__ import annotations
 from featbake.errors import StoreCorrupt
 from featbake.store.catalog import Catalog, root_file, roots_dir, tombstone_file, write_root_file
 from featbake.store.layout import Layout
-from featbake.upkeep.findings import VerifyReport
+from featbake.upkeep.findings import RepairOutcome
 from featbake.upkeep.manifests import read_manifest
 
 
-def repair_roots(layout: Layout, cat: Catalog, report: VerifyReport) -> None:
+def repair_roots(layout: Layout, cat: Catalog) -> RepairOutcome:
     """Rewrite manifest files that differ from the catalog; restore roots only files name."""
+    out = RepairOutcome()
     names = set()
     for r in cat.roots():
         names.add(r.name)
@@ -24,7 +25,7 @@ def repair_roots(layout: Layout, cat: Catalog, report: VerifyReport) -> None:
             same = False
         if not same:
             write_root_file(layout, r, items)  # type: ignore[arg-type]
-            report.actions.append(f"rewrote the manifest file of root {r.name} from the catalog")
+            out.actions.append(f"rewrote the manifest file of root {r.name} from the catalog")
     for p in sorted(roots_dir(layout).glob("*.json")):
         if p.stem in names:
             continue
@@ -33,4 +34,5 @@ def repair_roots(layout: Layout, cat: Catalog, report: VerifyReport) -> None:
         except StoreCorrupt:
             continue  # quarantined by the caller
         cat.insert_root(root, items)
-        report.actions.append(f"restored root {root.name} from its manifest file")
+        out.actions.append(f"restored root {root.name} from its manifest file")
+    return out

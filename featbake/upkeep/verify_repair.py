@@ -22,6 +22,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable
+from contextlib import closing
 from pathlib import Path
 
 from featbake.errors import StoreCorrupt, StoreError
@@ -38,6 +39,7 @@ from featbake.upkeep.files import quarantine, require_store
 from featbake.upkeep.findings import (
     CatalogState,
     FindingKind,
+    RepairOutcome,
     ShardCheck,
     VerifyReport,
     VerifyScan,
@@ -73,32 +75,32 @@ def salvage(layout: Layout, c: ShardCheck) -> SealedShard | None:
     return write_shard(layout, tensors, c.encoder_fp, c.recipe_fp)
 
 
-def _salvage_all(layout: Layout, bad: list[ShardCheck], report: VerifyReport) -> list[SealedShard]:
-    out = []
+def _salvage_all(layout: Layout, bad: list[ShardCheck]) -> tuple[list[SealedShard], RepairOutcome]:
+    shards, out = [], RepairOutcome()
     for c in bad:
         s = salvage(layout, c)
         if s is not None:
-            out.append(s)
-            report.features_salvaged += len({e.key for e in s.entries})
-            report.actions.append(f"salvaged {len(s.entries)} intact tensors of {c.name}")
-    return out
+            shards.append(s)
+            out.salvaged += len({e.key for e in s.entries})
+            out.actions.append(f"salvaged {len(s.entries)} intact tensors of {c.name}")
+    return shards, out
 
 
 def _forget_unsound_shards(
-    cat: Catalog, rows: dict[str, ShardRow], checks: dict[str, ShardCheck], report: VerifyReport
-) -> None:
+    cat: Catalog, rows: dict[str, ShardRow], checks: dict[str, ShardCheck]
+) -> RepairOutcome:
     doomed = [s.id for name, s in rows.items() if name not in checks or not checks[name].sound]
-    if doomed:
-        lost = cat.delete_rows_of_shards(doomed)
-        report.features_lost += lost
-        report.actions.append(
-            f"forgot {len(doomed)} missing or damaged shards ({lost} feature rows)"
-        )
+    if not doomed:
+        return RepairOutcome()
+    lost = cat.delete_rows_of_shards(doomed)
+    line = f"forgot {len(doomed)} missing or damaged shards ({lost} feature rows)"
+    return RepairOutcome([line], lost=lost)
 
 
 def _delete_wrong_rows(
-    cat: Catalog, rows: dict[str, ShardRow], checks: dict[str, ShardCheck], report: VerifyReport
-) -> None:
+    cat: Catalog, rows: dict[str, ShardRow], checks: dict[str, ShardCheck]
+) -> RepairOutcome:
+    out = RepairOutcome()
     by_id = {s.id: s for s in rows.values()}
     wrong = [
         FeatureRef(key, part, sid, nbytes, 0.0)
@@ -107,12 +109,13 @@ def _delete_wrong_rows(
         )
     ]
     if wrong:
-        report.features_lost += cat.delete_features(wrong, only_unreached=False)
-        report.actions.append(f"deleted {len(wrong)} rows naming tensors their shard lacks")
+        out.lost += cat.delete_features(wrong, only_unreached=False)
+        out.actions.append(f"deleted {len(wrong)} rows naming tensors their shard lacks")
     n = cat.delete_dangling_feature_rows()
     if n:
-        report.actions.append(f"deleted {n} rows naming no shard")
-        report.features_lost += n
+        out.lost += n
+        out.actions.append(f"deleted {n} rows naming no shard")
+    return out
 
 
 def _index_shards(
@@ -120,59 +123,59 @@ def _index_shards(
     rows: dict[str, ShardRow],
     checks: dict[str, ShardCheck],
     salvaged: list[SealedShard],
-    report: VerifyReport,
-) -> None:
+) -> RepairOutcome:
     """Index sound shards the catalog lacks, and salvaged ones (first row wins)."""
-    added = 0
-    for c in checks.values():
-        if c.sound and c.name not in rows:
-            added += cat.add_shard(sealed_from_check(c), now=c.mtime)
-    for s in salvaged:
-        back = cat.add_shard(s)
-        added += back
-        report.features_lost = max(0, report.features_lost - back)  # salvaged: not lost
-    if added:
-        report.actions.append(f"indexed {added} feature rows from shards the catalog lacked")
+    added = sum(
+        cat.add_shard(sealed_from_check(c), now=c.mtime)
+        for c in checks.values()
+        if c.sound and c.name not in rows
+    )
+    back = sum(cat.add_shard(s) for s in salvaged)
+    if not added + back:
+        return RepairOutcome()
+    line = f"indexed {added + back} feature rows from shards the catalog lacked"
+    return RepairOutcome([line], recovered=back)
 
 
-def repair_catalog(
-    layout: Layout, scan: VerifyScan, salvaged: list[SealedShard], report: VerifyReport
-) -> None:
+def repair_catalog(layout: Layout, scan: VerifyScan, salvaged: list[SealedShard]) -> RepairOutcome:
     """Bring a usable catalog in step with the shards found and the root manifests."""
-    cat = Catalog(layout)
-    try:
+    with closing(Catalog(layout)) as cat:
         rows = {s.name: s for s in cat.shard_rows()}
         checks = {c.name: c for c in scan.shards}
-        _forget_unsound_shards(cat, rows, checks, report)
-        _delete_wrong_rows(cat, rows, checks, report)
-        _index_shards(cat, rows, checks, salvaged, report)
-        repair_roots(layout, cat, report)
-    finally:
-        cat.close()
+        return (
+            _forget_unsound_shards(cat, rows, checks)
+            + _delete_wrong_rows(cat, rows, checks)
+            + _index_shards(cat, rows, checks, salvaged)
+            + repair_roots(layout, cat)
+        )
 
 
-def _quarantine_unreadable(layout: Layout, scan: VerifyScan, report: VerifyReport) -> None:
+def _quarantine_unreadable(layout: Layout, scan: VerifyScan) -> RepairOutcome:
     """Move aside what is not a shard or manifest at all, before the catalog is repaired (which
     then rewrites a lost manifest from the catalog at that very path)."""
+    out = RepairOutcome()
     for f in [*scan.of_kind(FindingKind.NOT_A_FILE), *scan.of_kind(FindingKind.ROOT_FILE_CORRUPT)]:
         if os.path.lexists(f.subject):
             dest = quarantine(layout, Path(f.subject))
-            report.actions.append(f"quarantined {f.subject} -> {dest}")
+            out.actions.append(f"quarantined {f.subject} -> {dest}")
+    return out
 
 
 def _quarantine_damage(
-    layout: Layout, scan: VerifyScan, salvaged: list[SealedShard], report: VerifyReport
-) -> None:
+    layout: Layout, scan: VerifyScan, salvaged: list[SealedShard]
+) -> RepairOutcome:
+    out = RepairOutcome()
     rewritten = {str(layout.shard_path(s.name)) for s in salvaged}
     for c in scan.shards:
         if c.sound:
             continue
         if c.path in rewritten:
             # Salvage wrote the intact content to this very path (os.replace): it is sound now.
-            report.actions.append(f"rewrote {c.name} in place from its intact tensors")
+            out.actions.append(f"rewrote {c.name} in place from its intact tensors")
             continue
         dest = quarantine(layout, Path(c.path))
-        report.actions.append(f"quarantined {c.name} ({c.problem}) -> {dest}")
+        out.actions.append(f"quarantined {c.name} ({c.problem}) -> {dest}")
+    return out
 
 
 def repair_locked(scan: VerifyScan, progress: Progress = None) -> VerifyReport:
@@ -186,14 +189,17 @@ def repair_locked(scan: VerifyScan, progress: Progress = None) -> VerifyReport:
         report.seconds = time.perf_counter() - t0
         return report
     layout.ensure()
-    salvaged = _salvage_all(layout, [c for c in scan.shards if not c.sound], report)
-    _quarantine_unreadable(layout, scan, report)
+    salvaged, done = _salvage_all(layout, [c for c in scan.shards if not c.sound])
+    done += _quarantine_unreadable(layout, scan)
     if scan.catalog_state is not CatalogState.OK:
-        rebuild_catalog(layout, scan, salvaged, report)
+        done += rebuild_catalog(layout, scan, salvaged)
     else:
-        repair_catalog(layout, scan, salvaged, report)
-    _quarantine_damage(layout, scan, salvaged, report)
+        done += repair_catalog(layout, scan, salvaged)
+    done += _quarantine_damage(layout, scan, salvaged)
     again = scan_store(layout.root, progress, reuse={c.path: c for c in scan.shards if c.sound})
+    report.actions = done.actions
+    report.features_lost = max(0, done.lost - done.recovered)
+    report.features_salvaged = done.salvaged
     report.remaining = [f for f in again.findings if f.damage]
     report.status = VerifyStatus.DAMAGED if report.remaining else VerifyStatus.REPAIRED
     report.seconds = time.perf_counter() - t0
