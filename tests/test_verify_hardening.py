@@ -129,9 +129,11 @@ def test_hostile_shards_are_findings_never_crashes(
     served = assert_serves(
         store_dir, report.root, audio_dir, encoder_file, live, allow_missing=True
     )
-    lost = 1 if damage == "shape-does-not-fit" else len(keys)  # unprovable tensors only
-    assert served == 16 - lost
-    assert bake(audio_dir, encoder_file, store_dir).encoded == lost
+    # Only what the damaged shard held may be lost (with a bad entry among sound ones, a reader
+    # that checks entries one by one lets repair salvage the neighbours; every served feature
+    # equals live encoding either way), and a rebuild recomputes exactly that.
+    assert 16 - len(keys) <= served < 16
+    assert bake(audio_dir, encoder_file, store_dir).encoded == 16 - served
 
 
 def test_a_nested_json_shard_through_the_cli_is_one_line_and_exit_10(
@@ -162,7 +164,7 @@ def test_a_catalog_lacking_a_table_is_rebuilt(
     assert assert_serves(store_dir, report.root, audio_dir, encoder_file, live) == 16
 
 
-def test_required_columns_match_a_fresh_catalog(tmp_path: Path) -> None:
+def test_required_columns_are_those_of_a_fresh_catalog(tmp_path: Path) -> None:
     cat = Catalog(Layout(tmp_path / "s").ensure())
     try:
         tables = {
@@ -171,7 +173,7 @@ def test_required_columns_match_a_fresh_catalog(tmp_path: Path) -> None:
         assert set(REQUIRED_COLUMNS) == tables
         for table, columns in REQUIRED_COLUMNS.items():
             have = {r[1] for r in cat.conn.execute(f"PRAGMA table_info({table})")}
-            assert columns == have, table
+            assert columns <= have, table  # newer columns may come; these must stay
     finally:
         cat.close()
 
