@@ -19,7 +19,7 @@ from featbake.store.catalog import Catalog, Root
 from featbake.store.shard_format import tensor_name
 
 #: Every table the catalog needs and the columns upkeep and the catalog read from it (checked
-#: against a freshly created catalog by tests/test_verify_hostile.py).
+#: against a freshly created catalog by tests/upkeep/test_verify_hardening.py).
 REQUIRED_COLUMNS: dict[str, frozenset[str]] = {
     "meta": frozenset({"name", "value"}),
     "shards": frozenset(

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from featbake.errors import FeatbakeError
 from featbake.testing import TinyConvEncoder, save_torchscript, write_audio_folder
 from featbake.upkeep import VerifyReport, verify
-from tests.upkeep_fixtures import bake, shard_files
+from tests.helpers import bake, shard_files
 
 EXAMPLE_TIMEOUT_S = 20
 

@@ -26,7 +26,7 @@ from featbake.store.reader import ShardReader
 from featbake.testing import write_audio_folder
 from featbake.upkeep import VERIFY_REPAIRED, FindingKind, verify
 from tests.conftest import run_cli
-from tests.upkeep_fixtures import Live, assert_serves, bake, shard_files
+from tests.helpers import Live, assert_serves, bake, shard_files
 
 
 def _header_and_data(path: Path) -> tuple[dict, bytes]:
