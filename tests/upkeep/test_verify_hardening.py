@@ -96,7 +96,13 @@ def _symlink_loop(path: Path) -> None:
     path.symlink_to(path.name)  # resolves to itself: ELOOP
 
 
+def _fifo(path: Path) -> None:
+    path.unlink()
+    os.mkfifo(path)  # opening it to read would block until a writer came
+
+
 HOSTILE_SHARDS = {
+    "fifo": _fifo,
     "shape-does-not-fit": _shape_off,
     "200k-nested-arrays": _nested_arrays,
     "metadata-is-a-number": _metadata_number,
@@ -117,7 +123,7 @@ def test_hostile_shards_are_findings_never_crashes(
     found = verify(store_dir)
     assert found.status == "damaged"
     kinds = {f.kind for f in found.findings if f.damage}
-    if damage == "symlink-loop":
+    if damage in ("symlink-loop", "fifo"):
         assert kinds == {FindingKind.NOT_A_FILE, FindingKind.MISSING_SHARD}
     else:
         assert kinds == {FindingKind.CORRUPT_SHARD}
