@@ -4,14 +4,15 @@ The parts, each a module here:
 
 - ``store_stats``: ``featbake stats`` and ``featbake roots`` (read the catalog only).
 - ``gc_plan`` / ``gc_execute``: ``plan_gc`` works out what to remove, ``GcPlan.execute`` does it.
-- ``scan`` (with ``shard_check`` and ``catalog_checks``) / ``repair`` (with ``rebuild`` and
-  ``roots_repair``): ``scan_store`` finds, ``VerifyScan.repair`` fixes; ``findings`` holds
-  their typed records.
-- ``files``, ``manifests``, ``crash``: listing the store folder safely, reading root manifests
-  safely, and the kill points the crash tests use.
+- ``scan`` (with ``shard_check`` and ``catalog_checks``) / ``verify_repair`` (with ``rebuild``
+  and ``roots_repair``): ``scan_store`` finds, ``VerifyScan.repair`` fixes, ``verify`` does
+  both; ``findings`` holds their typed records and states.
+- ``files``, ``manifests``, ``crash``: listing the store folder safely (regular files only),
+  reading root manifests safely, and the kill points the crash tests use.
 
 This module only re-exports the public names, so ``from featbake.upkeep import verify`` keeps
-working.
+working. (No submodule is named like a function it re-exports: ``featbake.upkeep.stats`` and
+``featbake.upkeep.verify`` are the functions, never shadowed modules.)
 """
 
 from __future__ import annotations
