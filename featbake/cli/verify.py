@@ -37,7 +37,9 @@ def verify(
     With --repair: intact tensors of a damaged shard are copied to a fresh shard, the damaged
     file moves to quarantine/, the catalog drops rows that point nowhere and indexes shards it
     lacked; a missing or unreadable catalog is rebuilt from the shard headers and roots/*.json.
-    Run it while no build or training uses the store.
+    --repair holds the store's write lock: builds, gc and write-back wait while it runs, and it
+    refuses (exit 5) if they keep sealing shards for 10 s. A folder that is not a store is
+    refused, never turned into one.
     """
     from featbake.upkeep import verify as run_verify
 

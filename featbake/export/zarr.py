@@ -30,7 +30,9 @@ import torch
 
 from featbake.errors import ConfigError, StoreError
 from featbake.progress import GcProgress
+from featbake.store.catalog import Catalog, Location, Root
 from featbake.store.features import FeatureReader
+from featbake.store.layout import Layout
 from featbake.store.open import open_catalog, resolve_root
 from featbake.version import __version__
 
@@ -169,24 +171,60 @@ def export_zarr(
         >>> import zarr; g = zarr.open_group("feats.zarr", mode="r")  # doctest: +SKIP
         >>> g["values"][g["offsets"][0] : g["offsets"][1]]  # doctest: +SKIP
     """
-    import zarr
-
     t0 = time.perf_counter()
     out = Path(out)
+    src = _source(out, cache, root, overwrite)
+    layouts = part_layouts(src)
+    partial = out.with_name(out.name + ".partial")
+    writers = _open_partial(partial, src, layouts)
+    written = _copy_features(src, writers, progress)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(partial, out)
+    n = len(src.present)
+    return ExportReport(
+        str(out),
+        src.root.name,
+        n,
+        len(src.manifest) - n,
+        tuple(layouts),
+        {p: "ragged" if lay.ragged else "dense" for p, lay in layouts.items()},
+        written,
+        time.perf_counter() - t0,
+    )
+
+
+@dataclass(frozen=True)
+class ExportSource:
+    """What one export reads: the root, its manifest, and where its stored features are."""
+
+    layout: Layout
+    root: Root
+    manifest: list[tuple[str, str]]  # (path, key) in manifest order
+    present: list[tuple[str, str]]  # the items with a stored feature
+    located: dict[str, list[Location]]
+
+
+def _choose_root(catalog: Catalog, root: str | None) -> Root:
+    if root is not None:
+        return resolve_root(catalog, root)
+    roots = catalog.roots()
+    if len(roots) != 1:
+        names = ", ".join(r.name for r in roots) or "none"
+        raise ConfigError(
+            f"the store has {len(roots)} roots ({names}); choose one with --root NAME"
+        )
+    return roots[0]
+
+
+def _source(
+    out: Path, cache: str | os.PathLike[str] | None, root: str | None, overwrite: bool
+) -> ExportSource:
     layout, catalog = open_catalog(cache)
     try:
         check_destination(out, layout.root, overwrite=overwrite)
-        if root is None:
-            roots = catalog.roots()
-            if len(roots) != 1:
-                names = ", ".join(r.name for r in roots) or "none"
-                raise ConfigError(
-                    f"the store has {len(roots)} roots ({names}); choose one with --root NAME"
-                )
-            chosen = roots[0]
-        else:
-            chosen = resolve_root(catalog, root)
-        manifest = catalog.root_items(chosen.name)
+        chosen = _choose_root(catalog, root)
+        manifest = [(p, k) for p, k in catalog.root_items(chosen.name)]
         located = catalog.locate_many([k for _, k in manifest])
     finally:
         catalog.close()
@@ -195,21 +233,40 @@ def export_zarr(
         raise StoreError(
             f"root {chosen.name} has no stored features to export; run `featbake build` first"
         )
-    parts = sorted({loc.part for locs in located.values() for loc in locs})
+    return ExportSource(layout, chosen, manifest, present, located)
+
+
+def part_layouts(src: ExportSource) -> dict[str, PartLayout]:
+    """The layout of each output part, by part name (sorted).
+
+    Raises:
+        StoreError: some features lack a part.
+        ConfigError: a part is stored in several dtypes, or its shapes fit no layout.
+    """
+    parts = sorted({loc.part for locs in src.located.values() for loc in locs})
     layouts = {}
     for part in parts:
-        locs = [next((x for x in located[k] if x.part == part), None) for _, k in present]
-        if any(loc is None for loc in locs):
-            raise StoreError(f"some features lack output {part!r}; rebuild root {chosen.name}")
-        dtypes = {loc.dtype for loc in locs if loc is not None}
+        locs = [next((x for x in src.located[k] if x.part == part), None) for _, k in src.present]
+        found = [loc for loc in locs if loc is not None]
+        if len(found) != len(locs):
+            raise StoreError(f"some features lack output {part!r}; rebuild root {src.root.name}")
+        dtypes = {loc.dtype for loc in found}
         if len(dtypes) != 1:
             raise ConfigError(f"output {part!r} is stored in several dtypes: {sorted(dtypes)}")
-        layouts[part] = plan_layout(part, dtypes.pop(), [loc.shape for loc in locs if loc])
+        layouts[part] = plan_layout(part, dtypes.pop(), [loc.shape for loc in found])
+    return layouts
 
-    partial = out.with_name(out.name + ".partial")
+
+def _open_partial(
+    partial: Path, src: ExportSource, layouts: dict[str, PartLayout]
+) -> dict[str, _PartWriter]:
+    """Create ``OUT.partial`` with its attributes, keys and paths; a writer per part."""
+    import zarr
+
     if partial.exists():
         shutil.rmtree(partial)
     group = zarr.open_group(str(partial), mode="w")
+    chosen, n = src.root, len(src.present)
     group.attrs.update(
         {
             "featbake_version": __version__,
@@ -219,30 +276,36 @@ def export_zarr(
             "encoder_fp": chosen.encoder_fp,
             "recipe_fp": chosen.recipe_fp,
             "recipe": json.loads(json.dumps(chosen.recipe)),
-            "items": len(present),
-            "missing": len(manifest) - len(present),
-            "parts": parts,
+            "items": n,
+            "missing": len(src.manifest) - n,
+            "parts": list(layouts),
             "layouts": {p: "ragged" if lay.ragged else "dense" for p, lay in layouts.items()},
         }
     )
-    n = len(present)
     str_chunk = min(n, 65536)
     group.create_array("keys", shape=(n,), chunks=(str_chunk,), dtype=str)[:] = np.array(
-        [k for _, k in present]
+        [k for _, k in src.present]
     )
     group.create_array("paths", shape=(n,), chunks=(str_chunk,), dtype=str)[:] = np.array(
-        [p for p, _ in present]
+        [p for p, _ in src.present]
     )
-    writers = {}
-    for part, lay in layouts.items():
-        g = group if part == "" else group.create_group(part)
-        writers[part] = _PartWriter(g, lay, n)
+    return {
+        part: _PartWriter(group if part == "" else group.create_group(part), lay, n)
+        for part, lay in layouts.items()
+    }
 
-    reader = FeatureReader(layout, verify="always")
-    written = 0
+
+def _copy_features(
+    src: ExportSource,
+    writers: dict[str, _PartWriter],
+    progress: Callable[[GcProgress], None] | None,
+) -> int:
+    """Read every present feature (checksummed) into the writers; returns the bytes written."""
+    reader = FeatureReader(src.layout, verify="always")
+    n, written = len(src.present), 0
     try:
         for start in range(0, n, _READ_BATCH):
-            keys = [k for _, k in present[start : start + _READ_BATCH]]
+            keys = [k for _, k in src.present[start : start + _READ_BATCH]]
             got = reader.get_many(keys)
             for key in keys:
                 if key not in got:
@@ -257,19 +320,7 @@ def export_zarr(
             w.flush()
     finally:
         reader.close()
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(partial, out)
-    return ExportReport(
-        str(out),
-        chosen.name,
-        n,
-        len(manifest) - n,
-        tuple(parts),
-        {p: "ragged" if lay.ragged else "dense" for p, lay in layouts.items()},
-        written,
-        time.perf_counter() - t0,
-    )
+    return written
 
 
 class _PartWriter:

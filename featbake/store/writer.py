@@ -16,6 +16,7 @@ import torch
 
 from featbake.errors import ConfigError, ShardMissing, StoreError
 from featbake.store.layout import Layout, fsync_dir
+from featbake.store.locks import shared_write_lock
 from featbake.store.shard_format import (
     DEFAULT_SHARD_BYTES,
     DEFAULT_SHARD_ITEMS,
@@ -111,16 +112,19 @@ class ShardWriter:
             return None
         tensors, self._tensors, self._pending_bytes = self._tensors, {}, 0
         for attempt in range(3):
-            shard = write_shard(self.layout, tensors, self.encoder_fp, self.recipe_fp)
-            try:
-                if self.on_seal is not None:
-                    self.on_seal(shard)
-                break
-            except ShardMissing:
-                # gc removed a byte-identical shard (same content name, same path) between our
-                # rename and our catalog commit; the commit refused it, so write it again.
-                if attempt == 2:
-                    raise
+            # Shared with other writers, exclusive of `verify --repair`: it must never see this
+            # shard's file without the rows we are about to commit (store/locks.py).
+            with shared_write_lock(self.layout):
+                shard = write_shard(self.layout, tensors, self.encoder_fp, self.recipe_fp)
+                try:
+                    if self.on_seal is not None:
+                        self.on_seal(shard)
+                    break
+                except ShardMissing:
+                    # gc removed a byte-identical shard (same content name, same path) between
+                    # our rename and our catalog commit; the commit refused it: write it again.
+                    if attempt == 2:
+                        raise
         self.sealed.append(shard)
         return shard
 

@@ -25,6 +25,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
 from featbake.errors import StoreError
@@ -96,13 +97,21 @@ def access_for(layout: Layout, *, read_only: bool = False) -> Access:
     dir_ok = os.access(path.parent, os.W_OK | os.X_OK) or not path.parent.exists()
     if not forced and file_ok and dir_ok:
         return Access.READ_WRITE
-    if os.access(path.parent, os.W_OK | os.X_OK) or _wal_files_present(layout):
+    return _read_only_access(path)
+
+
+def _read_only_access(path: Path) -> Access:
+    """``mode=ro`` where SQLite can use a ``-shm`` file beside ``path``, else ``immutable=1``."""
+    wal_files = all(os.path.exists(f"{path}{s}") for s in ("-wal", "-shm"))
+    if os.access(path.parent, os.W_OK | os.X_OK) or wal_files:
         return Access.READ_ONLY
     return Access.IMMUTABLE
 
 
-def _wal_files_present(layout: Layout) -> bool:
-    return all(os.path.exists(f"{layout.catalog}{s}") for s in ("-wal", "-shm"))
+def read_only_uri(path: Path) -> str:
+    """The URI that opens the SQLite file at ``path`` read-only, on a read-only mount too."""
+    flag = "immutable=1" if _read_only_access(path) is Access.IMMUTABLE else "mode=ro"
+    return f"file:{urllib.parse.quote(str(path.absolute()))}?{flag}"
 
 
 class Transaction:

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from featbake.store.catalog.connection import CatalogConnection
+from featbake.store.catalog.connection import CatalogConnection, read_only_uri
 from featbake.store.catalog.features import insert_shard
 from featbake.store.catalog.roots import ITEMS_SELECT, ROOT_SELECT, write_root_rows
 from featbake.store.catalog.rows import (
@@ -279,23 +279,25 @@ def read_old_catalog(path: Path) -> OldCatalog:
     """
     out = OldCatalog()
     try:
-        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
+        conn = sqlite3.connect(read_only_uri(path), uri=True, timeout=5)
     except sqlite3.Error:
         return out
+    conn.text_factory = lambda b: b.decode("utf-8", "replace")  # damaged pages hold any bytes
+    unreadable = (sqlite3.Error, ValueError, TypeError, RecursionError)
     try:
-        with contextlib.suppress(sqlite3.Error):
+        with contextlib.suppress(*unreadable):
             out.last_used = conn.execute(
                 "SELECT key, max(last_used) FROM features GROUP BY key"
             ).fetchall()
-        with contextlib.suppress(sqlite3.Error):
+        with contextlib.suppress(*unreadable):
             have = {r[1] for r in conn.execute("PRAGMA table_info(hash_cache)")}
             cols = [c if c in have else "0" for c in HashCacheRow._fields]
             rows = conn.execute(f"SELECT {', '.join(cols)} FROM hash_cache")
             out.hash_rows = [HashCacheRow._make(r) for r in rows]
-        with contextlib.suppress(sqlite3.Error):
+        with contextlib.suppress(*unreadable):
             rows = conn.execute(f"SELECT {columns(EncoderRow)} FROM encoders")
             out.encoders = [EncoderRow._make(r) for r in rows]
-        with contextlib.suppress(sqlite3.Error, ValueError, TypeError):
+        with contextlib.suppress(*unreadable):
             out.roots = [_old_root(conn, r) for r in conn.execute(ROOT_SELECT).fetchall()]
     finally:
         conn.close()

@@ -20,7 +20,7 @@ from featbake.store.writer import write_shard
 from featbake.testing import TinyConvEncoder, save_torchscript, write_audio_folder
 from featbake.upkeep import CRASH_ENV, CRASH_POINTS, GcOptions, execute_gc, plan_gc, verify
 from tests.conftest import run_cli
-from tests.upkeep_fixtures import (
+from tests.helpers import (
     Live,
     age,
     assert_serves,

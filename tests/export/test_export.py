@@ -12,7 +12,7 @@ import zarr
 from featbake.errors import ConfigError
 from featbake.export.zarr import CHUNK_BYTES, export_zarr, plan_layout
 from featbake.progress import GcProgress
-from tests.upkeep_fixtures import Live, bake, manifest
+from tests.helpers import Live, bake, manifest
 
 
 def test_plan_layout_picks_ragged_or_dense_and_refuses_the_rest() -> None:

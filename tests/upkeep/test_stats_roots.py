@@ -13,7 +13,7 @@ from featbake.store.layout import Layout
 from featbake.store.reader import ShardReader
 from featbake.testing import TinyConvEncoder, save_torchscript
 from featbake.upkeep import GcOptions, drop_root, execute_gc, list_roots, plan_gc, stats
-from tests.upkeep_fixtures import bake, manifest, shard_files
+from tests.helpers import bake, manifest, shard_files
 
 
 def _tensor_bytes(store: Path) -> dict[str, tuple[str, int]]:

@@ -14,7 +14,7 @@ from featbake.store.layout import Layout
 from featbake.store.open import open_catalog
 from featbake.store.reader import ShardReader
 from featbake.upkeep import VERIFY_CLEAN, VERIFY_DAMAGED, VERIFY_REPAIRED, stats, verify
-from tests.upkeep_fixtures import Live, assert_serves, bake, manifest, shard_files
+from tests.helpers import Live, assert_serves, bake, manifest, shard_files
 
 
 def _flip_data_byte(path: Path, tensor: str) -> None:

@@ -1,4 +1,8 @@
-"""Helpers shared by the upkeep tests (stats, gc, verify, export): real builds, real reads."""
+"""Helpers shared by the test files (import them from here, never from another test file).
+
+Each section says whose tests it serves; everything is real (real builds, real reads, features
+compared with live encoding).
+"""
 
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ from featbake.store.features import FeatureReader
 from featbake.store.layout import Layout
 from featbake.store.reader import ShardReader
 from tests.conftest import live_features
+
+# == upkeep and export (tests/upkeep, tests/export): build, list shards, serve against live =====
 
 
 def bake(data: Path, encoder: Path, store: Path, shard_bytes: int = 60_000, **kw: object):

@@ -10,7 +10,7 @@ import zarr
 
 from featbake.testing import TinyConvEncoder, save_torchscript
 from tests.conftest import run_cli
-from tests.upkeep_fixtures import bake, shard_files
+from tests.helpers import bake, shard_files
 
 
 @pytest.fixture

@@ -1,0 +1,107 @@
+"""Catalog queries that only ``featbake.upkeep`` runs (verify, repair, rebuild), by column name.
+
+They were raw SQL inside upkeep; here they sit with the catalog, as functions taking a
+:class:`Catalog` (or a path, for a catalog too damaged to open as one), so that upkeep reads typed
+rows and never a positional ``SELECT *``.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+from featbake.store.catalog import Catalog
+from featbake.store.catalog.connection import read_only_uri
+from featbake.store.shard_format import tensor_name
+
+#: Every table the catalog needs and the columns upkeep and the catalog read from it (checked
+#: against a freshly created catalog by tests/upkeep/test_verify_hardening.py).
+REQUIRED_COLUMNS: dict[str, frozenset[str]] = {
+    "meta": frozenset({"name", "value"}),
+    "shards": frozenset(
+        {"id", "name", "bytes", "items", "encoder_fp", "recipe_fp", "created", "data_bytes"}
+    ),
+    "features": frozenset({"key", "part", "shard_id", "dtype", "shape", "nbytes", "last_used"}),
+    "encoders": frozenset({"fp", "label", "kind", "first_seen", "last_used"}),
+    "roots": frozenset(
+        {
+            "name",
+            "data",
+            "encoder_label",
+            "encoder_fp",
+            "recipe_fp",
+            "recipe",
+            "items",
+            "created",
+            "last_used",
+        }
+    ),
+    "root_items": frozenset({"root", "idx", "path", "key"}),
+    "hash_cache": frozenset({"path", "size", "mtime_ns", "inode", "sha256"}),
+}
+
+
+class FeatureRow(NamedTuple):
+    """One ``features`` row as verify compares it with its shard's header."""
+
+    key: str
+    part: str
+    shard_id: int
+    dtype: str
+    shape: str  # JSON list, as stored
+    nbytes: int
+
+    @property
+    def tensor(self) -> str:
+        return tensor_name(self.key, self.part)
+
+    def matches(self, dtype: str, shape: tuple[int, ...]) -> bool:
+        """Whether the header's dtype and shape are what this row records."""
+        try:
+            return self.dtype == dtype and json.loads(self.shape) == list(shape)
+        except (ValueError, RecursionError):
+            return False
+
+
+def _schema_problems(conn: sqlite3.Connection) -> list[str]:
+    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    out = []
+    for table, columns in REQUIRED_COLUMNS.items():
+        if table not in tables:
+            out.append(f"no table {table}")
+            continue
+        have = {r[1] for r in conn.execute(f"PRAGMA table_info({table})")}
+        out.extend(f"no column {table}.{c}" for c in sorted(columns - have))
+    return out
+
+
+def catalog_file_problems(path: Path) -> list[str]:
+    """Why the catalog file at ``path`` cannot be used (empty if it can), read-only.
+
+    SQLite's ``quick_check`` finds damaged pages; a catalog that opens but lacks a table or a
+    column (edited by hand, or another program's database) is named too, before anything runs a
+    query on it that would fail halfway.
+    """
+    try:
+        conn = sqlite3.connect(read_only_uri(path), uri=True, timeout=10)
+    except sqlite3.Error as e:
+        return [f"unreadable: {e}"]
+    conn.text_factory = lambda b: b.decode("utf-8", "replace")  # damaged pages hold any bytes
+    try:
+        (res,) = conn.execute("PRAGMA quick_check").fetchone()
+        if res != "ok":
+            return [f"damaged: {res}"]
+        return _schema_problems(conn)
+    except (sqlite3.Error, ValueError) as e:
+        return [f"unreadable: {e}"]
+    finally:
+        conn.close()
+
+
+def feature_rows(catalog: Catalog) -> Iterator[FeatureRow]:
+    """Every feature row, by shard."""
+    for row in catalog.all_feature_rows():
+        yield FeatureRow(*row)

@@ -1,0 +1,87 @@
+"""The store's advisory write lock: writers share it, ``verify --repair`` takes it alone.
+
+A shard writer holds the lock *shared* while it seals a shard and commits its catalog rows; repair
+holds it *exclusive* for its whole scan-and-fix. Repair therefore never sees a shard file whose
+rows are about to be committed (and forgets them as "missing"), and a writer that seals while
+repair runs waits until repair has finished. The lock is ``flock(2)`` on ``<store>/write.lock``:
+the kernel drops it when its holder dies, so a killed build never leaves the store locked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from featbake.errors import StoreError
+from featbake.store.layout import Layout
+
+#: How long repair waits for writers that are sealing a shard right now before it refuses.
+EXCLUSIVE_WAIT_S = 10.0
+
+
+def lock_path(layout: Layout) -> Path:
+    """``<store>/write.lock``: the file writers and repair ``flock``."""
+    return layout.root / "write.lock"
+
+
+def _open_lock(layout: Layout) -> int | None:
+    """The lock file's descriptor; None where it cannot be created (a read-only store)."""
+    try:
+        return os.open(lock_path(layout), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        return None
+
+
+@contextlib.contextmanager
+def shared_write_lock(layout: Layout) -> Iterator[None]:
+    """Hold the store's lock shared (a writer sealing a shard); waits while repair runs.
+
+    A store where the lock file cannot be created is not writable either: the write that follows
+    fails with its own clear error, so this does not add one.
+    """
+    fd = _open_lock(layout)
+    if fd is None:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
+@contextlib.contextmanager
+def exclusive_write_lock(layout: Layout, wait_s: float | None = None) -> Iterator[None]:
+    """Hold the store's lock alone (``verify --repair``), or refuse if writers keep it.
+
+    Raises:
+        StoreError: a build, gc or a training loop's write-back is sealing shards into the store
+            and did not stop within ``wait_s`` seconds (default :data:`EXCLUSIVE_WAIT_S`); or
+            the lock file cannot be created.
+    """
+    fd = _open_lock(layout)
+    if fd is None:
+        raise StoreError(
+            f"cannot create {lock_path(layout)}: the store is not writable, so it cannot be "
+            "repaired; run `featbake verify` without --repair to check it"
+        )
+    try:
+        deadline = time.monotonic() + (EXCLUSIVE_WAIT_S if wait_s is None else wait_s)
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise StoreError(
+                        f"a build, gc or write-back is writing shards into {layout.root}; run "
+                        "`featbake verify --repair` again once it has finished"
+                    ) from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)
