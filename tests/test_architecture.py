@@ -37,8 +37,6 @@ MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60
 #: module -> why it may be longer (keep in step with docs/design.md).
 LONG_MODULES: dict[str, str] = {
-    "featbake.serve.dataset": "moved whole; being split by job (issue 7)",
-    "featbake.serve.prefetch": "moved whole; being split by job (issue 7)",
     "featbake.store.catalog": "moved whole; being split by job (issue 7)",
     "featbake.upkeep": "moved whole; being split by job (issue 7)",
 }
@@ -46,7 +44,6 @@ LONG_MODULES: dict[str, str] = {
 LONG_FUNCTIONS: dict[str, str] = {
     "featbake.bake.pipeline:build": "moved whole; being split (issue 7)",
     "featbake.export.zarr:export_zarr": "moved whole; being split (issue 7)",
-    "featbake.serve.dataset:_read_padded": "moved whole; being split (issue 7)",
     "featbake.upkeep:_plan": "moved whole; being split (issue 7)",
     "featbake.upkeep:execute_gc": "moved whole; being split (issue 7)",
     "featbake.upkeep:_check_catalog": "moved whole; being split (issue 7)",

@@ -78,7 +78,7 @@ def test_hits_open_no_audio_deleted_after_build(tmp_path, audio_dir, encoder_fil
         _assert_close(ds[i], want[ds.path(i)])
     for batch in DataLoader(ds, batch_size=5, num_workers=2, collate_fn=pad_collate):
         assert batch[0].shape[0] in (5, 1)
-    assert ds._encoder_obj is None  # the encoder was never loaded either
+    assert ds._live.loaded is None  # the encoder was never loaded either
     assert ds.cache_info().encoded == 0
 
 
@@ -420,8 +420,8 @@ def test_reads_from_another_thread_relocate(audio_dir, encoder_file, store_dir) 
     build(audio_dir, encoder_file, cache=store_dir, workers=0)
     ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
     want = _live_all(encoder_file, ds)
-    ds._shard[1] = -1  # forget where items are: reads must look them up in the catalog again
-    ds._shard[2] = -1
+    ds._index.shard[1] = -1  # forget where items are: reads must look them up in the catalog again
+    ds._index.shard[2] = -1
     _assert_close(ds[1], want[1])  # the main thread opens the process state and its catalog
     got: list = []
 
@@ -445,7 +445,7 @@ def test_forked_child_closes_the_parents_shard_fds(audio_dir, encoder_file, stor
     want = _live_all(encoder_file, ds)
     for i in range(len(ds)):
         ds[i]
-    fds = [r.fd for r in ds._state.readers.values()]
+    fds = [r.fd for r in ds._state.open_readers.values()]
     assert fds
     r, w = os.pipe()
     pid = os.fork()
@@ -456,7 +456,7 @@ def test_forked_child_closes_the_parents_shard_fds(audio_dir, encoder_file, stor
             shards = [str(p) for p in store_dir.rglob("*.safetensors")]
             open_now = [int(fd) for fd in os.listdir("/proc/self/fd")]
             still = [fd for fd in open_now if _fd_target(fd) in shards]
-            os.write(w, json.dumps([ok, len(still), len(ds._state.readers)]).encode())
+            os.write(w, json.dumps([ok, len(still), len(ds._state.open_readers)]).encode())
         finally:
             os._exit(0)
     os.close(w)

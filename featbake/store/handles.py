@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from featbake.store.reader import ShardReader
@@ -41,6 +41,17 @@ class ShardHandles:
             _, old = self._readers.popitem(last=False)
             old.close()
         return reader
+
+    @property
+    def open_readers(self) -> Mapping[Path, ShardReader]:
+        """The open readers by path, read-only: for hit paths that check a remembered reader
+        with one dict lookup (call :meth:`used` when they switch shards, to keep LRU order)."""
+        return self._readers
+
+    def used(self, path: Path) -> None:
+        """Mark ``path`` the most recently used (a hit that did not go through :meth:`get`)."""
+        if path in self._readers:
+            self._readers.move_to_end(path)
 
     def forget(self, path: Path) -> None:
         """Close and drop the handle of a shard that moved or vanished."""
