@@ -32,7 +32,7 @@ from torch.utils.data import Dataset
 import featbake.device as dev
 from featbake.encode.encoders import LoadedEncoder
 from featbake.encode.sources import source_for
-from featbake.errors import CacheMiss, ConfigError
+from featbake.errors import ConfigError
 from featbake.recipe import Recipe
 from featbake.serve.index import IndexSpec, build_index
 from featbake.serve.lastuse import TOUCH_FLUSH_ITEMS, TOUCH_FLUSH_SECONDS, TOUCH_REPEAT_SECONDS
@@ -197,16 +197,8 @@ class CachedFeatureDataset(Dataset):
         finally:
             catalog.close()
         self._reads = Reads(self._index, self._layout)
-        self._misses = Misses(
-            self._index,
-            self._reads,
-            self._live,
-            self._source,
-            self.recipe,
-            on_miss,
-            write_back,
-            self._cache_miss,
-        )
+        self._misses = Misses(self._index, self._reads, self._live, self._source, self.recipe)
+        self._misses.on_miss, self._misses.write_back = on_miss, write_back
         # Which items had their checksum checked and their last use recorded, in anonymous
         # shared memory that forked workers inherit (see SharedFlags).
         self._shared_map: Any = SharedFlags.allocate(len(self._index))
@@ -394,15 +386,6 @@ class CachedFeatureDataset(Dataset):
                 if st.use_lru:
                     st.lru.put(i, value)
         return out
-
-    def _cache_miss(self, i: int) -> CacheMiss:
-        path = self._index.path(i)
-        return CacheMiss(
-            f"{path} is not in the store {self._layout.root} for this encoder and recipe; "
-            f"run `featbake build --encoder {self._live.label} --data "
-            f"{self._index.data_dir or os.path.dirname(path)}` with the same recipe options, "
-            "or use on_miss='encode'"
-        )
 
     def _published(self, shard: SealedShard) -> None:
         """A write-back shard was sealed: point its items at it (this process's state only)."""

@@ -8,7 +8,7 @@ in-process module runs where it lives.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,7 @@ from featbake.encode.fingerprints import (
 )
 from featbake.encode.outputs import encode_batch
 from featbake.encode.sources import Source
-from featbake.errors import EncoderLoadError, SourceError
+from featbake.errors import CacheMiss, EncoderLoadError, SourceError
 from featbake.keys import feature_key
 from featbake.recipe import Recipe
 from featbake.serve.index import Index
@@ -190,21 +190,14 @@ class Misses:
         live: the encoder.
         source: decodes inputs as the recipe says.
         recipe: the recipe (dtype of stored outputs).
-        on_miss: ``"encode"`` or ``"error"``.
+
+    Attributes:
+        on_miss: ``"encode"`` or ``"error"`` (raise :class:`CacheMiss`).
         write_back: store what is encoded.
-        cache_miss: the error for item ``i`` with ``on_miss="error"``.
     """
 
     def __init__(
-        self,
-        index: Index,
-        reads: Reads,
-        live: LiveEncoder,
-        source: Source,
-        recipe: Recipe,
-        on_miss: str,
-        write_back: bool,
-        cache_miss: Callable[[int], Exception],
+        self, index: Index, reads: Reads, live: LiveEncoder, source: Source, recipe: Recipe
     ) -> None:
         self.index = index
         self.reads = reads
@@ -212,9 +205,18 @@ class Misses:
         self.source = source
         self.recipe = recipe
         self.recipe_fp = recipe.fingerprint()
-        self.on_miss = on_miss
-        self.write_back = write_back
-        self.cache_miss = cache_miss
+        self.on_miss = "encode"
+        self.write_back = True
+
+    def cache_miss(self, i: int) -> CacheMiss:
+        """The error for item ``i`` with ``on_miss="error"``: what is missing, and the fix."""
+        path = self.index.path(i)
+        return CacheMiss(
+            f"{path} is not in the store {self.live.layout.root} for this encoder and recipe; "
+            f"run `featbake build --encoder {self.live.label} --data "
+            f"{self.index.data_dir or os.path.dirname(path)}` with the same recipe options, "
+            "or use on_miss='encode'"
+        )
 
     def values(self, st: ProcessState, idx: list[int]) -> list[Any]:
         """The values of items ``idx``, none of which was found where the index said.
