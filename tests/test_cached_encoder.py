@@ -322,3 +322,37 @@ def test_a_shard_deleted_by_hand_is_encoded_again(tmp_path) -> None:
     fresh = CachedEncoder(enc, cache=store, ram_cache=0)
     same(fresh(x, ids=["a", "b", "c", "d"]), enc(x))
     assert fresh.stats["hits_store"] == 2 and fresh.stats["encoded"] == 2
+
+
+def test_a_forked_child_seals_only_its_own_write_back(tmp_path) -> None:
+    """A child forked while the parent has features pending neither seals nor loses them: the
+    parent seals its own, the child seals what it encoded."""
+    import os
+
+    from featbake.store.reader import ShardReader
+
+    enc = frozen(TinyConvEncoder())
+    store = tmp_path / "store"
+    ce = CachedEncoder(enc, cache=store)
+    x = waves(2)
+    ce(x[:1], ids=["parent"])  # pending in the parent
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            torch.set_num_threads(1)  # as DataLoader workers do: OpenMP's pool is not fork-safe
+            ce(x[1:], ids=["child"])
+            ce.flush()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    (child_shard,) = list(store.rglob("*.safetensors"))
+    with ShardReader(child_shard) as r:
+        assert len(r.tensors) == 1  # the child's row only, not the parent's pending one
+    ce.flush()
+    assert len(list(store.rglob("*.safetensors"))) == 2
+    fresh = CachedEncoder(enc, cache=store, ram_cache=0)
+    same(fresh(x, ids=["parent", "child"]), enc(x))
+    assert fresh.stats["hits_store"] == 2

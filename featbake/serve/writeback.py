@@ -103,6 +103,8 @@ class WriteBack:
 
     def add(self, encoder_fp: str, key: str, parts: Parts) -> None:
         """Queue one feature; seals when the shard is full or its oldest feature is due."""
+        if self.lifetime.stale:
+            self._adopt()
         with self.lock:
             if key in self.pending:
                 return
@@ -135,6 +137,8 @@ class WriteBack:
 
     def seal(self) -> SealedShard | None:
         """Seal what is pending now; None when nothing was (or it could not be) sealed."""
+        if self.lifetime.stale:
+            return None  # a forked copy of another process's write-back: that process seals it
         with self.lock:
             if self._writer is None:
                 return None
@@ -154,6 +158,16 @@ class WriteBack:
             self._catalogs = None
 
     # -- internals ----------------------------------------------------------------------------
+    def _adopt(self) -> None:
+        """In a forked child: start afresh. What the parent had pending is the parent's to seal
+        (its copy here is dropped), and the lock may have been held by a parent thread."""
+        self.lifetime = Lifetime()
+        self.lock = threading.Lock()
+        self.pending = {}
+        self.first_pending = 0.0
+        self._writer = None
+        self._catalogs = None
+
     def _writer_for(self, encoder_fp: str) -> ShardWriter | None:
         writer = self._writer
         if writer is not None and writer.encoder_fp == encoder_fp:
