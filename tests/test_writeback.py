@@ -171,3 +171,59 @@ def test_cached_encoder_write_back_ages_on_the_injected_clock(tmp_path) -> None:
     fresh = CachedEncoder(enc, cache=store, ram_cache=0)
     torch.testing.assert_close(fresh(x, ids=ids), enc(x), **TOL)
     assert fresh.cache_info()["hits_store"] == 3
+
+
+_FULL_DISK_CHILD = """
+import resource, signal, sys, warnings
+from pathlib import Path
+import torch
+from featbake.serve.dataset import CachedFeatureDataset
+from tests.conftest import live_features
+
+audio, encoder, store, new = map(Path, sys.argv[1:5])
+now = [1000.0]
+ds = CachedFeatureDataset(audio, encoder, cache=store, clock=lambda: now[0])
+miss = next(i for i in range(len(ds)) if ds.path(i) == str(new))
+want = {i: live_features(encoder, Path(ds.path(i))) for i in range(len(ds))}
+torch.testing.assert_close(ds[miss], want[miss], rtol=1e-5, atol=1e-6)  # pending write-back
+# From here on no file may grow past 4 KiB, as on a full disk (EFBIG instead of ENOSPC).
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+now[0] += 60
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for _ in range(2):
+        for i in range(len(ds)):
+            torch.testing.assert_close(ds[i], want[i], rtol=1e-5, atol=1e-6)
+        now[0] += 60
+    encoded = ds.cache_info().encoded
+    ds.close()
+print(sum("could not store" in str(w.message) for w in caught), encoded)
+"""
+
+
+def test_hits_go_on_when_files_cannot_grow(
+    audio_dir, encoder_file, store_dir, built_plus_one
+) -> None:
+    """A real write failure (a file-size limit, as a full disk fails writes) while a write-back
+    is pending: every read succeeds, one warning, the miss is encoded again instead."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    args = [str(p) for p in (audio_dir, encoder_file, store_dir, built_plus_one)]
+    before = shard_files(store_dir)
+    proc = subprocess.run(
+        [sys.executable, "-c", _FULL_DISK_CHILD, *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    warned, encoded = map(int, proc.stdout.split())
+    assert warned == 1 and encoded >= 2  # the miss was encoded again after the drop
+    assert shard_files(store_dir) == before
