@@ -540,3 +540,25 @@ def test_shard_deleted_by_hand_is_encoded_again(audio_dir, encoder_file, store_d
     with pytest.raises(CacheMiss, match=re.escape(Path(strict.path(lost[0])).name)):
         for i in range(len(strict)):
             strict[i]
+
+
+def test_open_shards_are_evicted_least_recently_used(audio_dir, encoder_file, store_dir) -> None:
+    """With room for two open shards, reading a, b, a, c closes b (least recently used), not a
+    (the first opened), on every read path."""
+    build(audio_dir, encoder_file, cache=store_dir, workers=0, shard_bytes=1)  # a shard per item
+    for get in ("item", "batch"):
+        ds = CachedFeatureDataset(
+            audio_dir, encoder_file, cache=store_dir, on_miss="error", max_open_shards=2
+        )
+        want = _live_all(encoder_file, ds)
+        a, b, c = 0, 5, 9
+        for i in (a, b, a, a, c):
+            got = ds[i] if get == "item" else ds.__getitems__([i])[0]
+            _assert_close(got, want[i])
+        catalog = Catalog(Layout(store_dir))
+        shard_of = {
+            i: Layout(store_dir).shard_path(catalog.locate(ds.key(i))[0].shard) for i in (a, c)
+        }
+        catalog.close()
+        assert set(ds._state.open_readers) == {shard_of[a], shard_of[c]}, get
+        ds.close()

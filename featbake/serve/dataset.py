@@ -317,8 +317,8 @@ class CachedFeatureDataset(Dataset):
             and self._index.shard[i] == loc.sid
             and not st.check_always
         ):
-            if loc.path is not st.last_path:  # keep the handles' LRU order
-                st.handles.used(loc.path)
+            if loc.path is not st.last_path:  # keep the handles' LRU order (one C call)
+                st.open_readers.move_to_end(loc.path)
                 st.last_path = loc.path
             out = torch.empty(loc.nbytes, dtype=torch.uint8)
             if loc.nbytes and os.preadv(loc.reader.fd, (out.numpy(),), loc.offset) != loc.nbytes:

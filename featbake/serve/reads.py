@@ -77,8 +77,8 @@ class Reads:
         reader = st.open_readers.get(path)
         if reader is None:
             reader = st.reader(path)
-        elif path is not st.last_path:  # keep LRU order without a call per item
-            st.handles.used(path)
+        elif path is not st.last_path:  # keep the LRU order, with one C call per switch
+            st.open_readers.move_to_end(path)
             st.last_path = path
         return path, reader
 
@@ -209,7 +209,11 @@ class Reads:
         preadv = os.preadv
         touch = st.touch
         start = 0
+        last = st.last_path
         for i, loc in zip(idx, got, strict=True):
+            if loc.path is not last:  # keep the handles' LRU order
+                readers.move_to_end(loc.path)
+                last = st.last_path = loc.path
             end = start + loc.nbytes
             if loc.nbytes and preadv(loc.reader.fd, (flat[start:end],), loc.offset) != loc.nbytes:
                 raise loc.reader.cut_short(self.index.key(i))

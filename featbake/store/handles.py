@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 
 from featbake.store.reader import ShardReader
@@ -43,9 +43,10 @@ class ShardHandles:
         return reader
 
     @property
-    def open_readers(self) -> Mapping[Path, ShardReader]:
-        """The open readers by path, read-only: for hit paths that check a remembered reader
-        with one dict lookup (call :meth:`used` when they switch shards, to keep LRU order)."""
+    def open_readers(self) -> OrderedDict[Path, ShardReader]:
+        """The open readers by path, least recently used first. Read-only but for
+        ``move_to_end``: hit paths check a remembered reader with one lookup and, when they
+        switch shards, move it to the end to keep the LRU order (see :meth:`used`)."""
         return self._readers
 
     def used(self, path: Path) -> None:
