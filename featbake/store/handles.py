@@ -46,13 +46,8 @@ class ShardHandles:
     def open_readers(self) -> OrderedDict[Path, ShardReader]:
         """The open readers by path, least recently used first. Read-only but for
         ``move_to_end``: hit paths check a remembered reader with one lookup and, when they
-        switch shards, move it to the end to keep the LRU order (see :meth:`used`)."""
+        switch shards, move it to the end to keep the LRU order."""
         return self._readers
-
-    def used(self, path: Path) -> None:
-        """Mark ``path`` the most recently used (a hit that did not go through :meth:`get`)."""
-        if path in self._readers:
-            self._readers.move_to_end(path)
 
     def forget(self, path: Path) -> None:
         """Close and drop the handle of a shard that moved or vanished."""
