@@ -284,6 +284,7 @@ class CachedFeatureDataset(Dataset):
                 on_sealed=lambda shard, ref=weakref.ref(self): _tell_published(ref, shard),
                 clock=self._clock,
                 policy=SealPolicy(),
+                catalogs=catalogs,
             )
             st = self._state = ProcessState(
                 len(self),

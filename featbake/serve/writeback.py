@@ -70,6 +70,8 @@ class WriteBack:
         clock: monotonic seconds; tests pass a fake one to age pending features at will.
         policy: the sealing limits.
         what: how warnings name what is written (``"written-back features"``).
+        catalogs: the owner's catalog connection (default: one of its own, opened on first
+            use in the thread that made this object).
     """
 
     def __init__(
@@ -82,6 +84,7 @@ class WriteBack:
         clock: Clock = time.monotonic,
         policy: SealPolicy = SealPolicy(),
         what: str = "written-back features",
+        catalogs: ThreadCatalog | None = None,
     ) -> None:
         self.layout = layout
         self.recipe_fp = recipe_fp
@@ -99,7 +102,8 @@ class WriteBack:
         self.written = 0
         self.failures = 0
         self._writer: ShardWriter | None = None
-        self._catalogs: ThreadCatalog | None = None
+        self._own_catalogs = catalogs is None
+        self._catalogs = catalogs if catalogs is not None else ThreadCatalog(layout)
 
     def add(self, encoder_fp: str, key: str, parts: Parts) -> None:
         """Queue one feature; seals when the shard is full or its oldest feature is due."""
@@ -153,9 +157,8 @@ class WriteBack:
         if self.lifetime.stale:
             return  # a forked copy of another process's write-back: that process saves it
         self.seal()
-        if self._catalogs is not None:
+        if self._own_catalogs:
             self._catalogs.close()
-            self._catalogs = None
 
     # -- internals ----------------------------------------------------------------------------
     def _adopt(self) -> None:
@@ -166,7 +169,8 @@ class WriteBack:
         self.pending = {}
         self.first_pending = 0.0
         self._writer = None
-        self._catalogs = None
+        self._own_catalogs = True
+        self._catalogs = ThreadCatalog(self.layout)
 
     def _writer_for(self, encoder_fp: str) -> ShardWriter | None:
         writer = self._writer
@@ -188,8 +192,6 @@ class WriteBack:
         return self._writer
 
     def _published(self, shard: SealedShard) -> None:
-        if self._catalogs is None:
-            self._catalogs = ThreadCatalog(self.layout)
         with self._catalogs.scoped() as catalog:
             self.publish(catalog, shard)
         for entry in shard.entries:
