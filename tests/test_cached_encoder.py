@@ -237,3 +237,122 @@ def test_gc_keeps_what_cached_encoder_stored_until_its_root_is_dropped(tmp_path)
     drop_root(store, roots[0].name)
     result = execute_gc(plan_gc(store, GcOptions(grace=0)))
     assert result.rows_deleted == 4
+
+
+def test_long_tensor_ids_are_keyed_by_their_bytes(tmp_path) -> None:
+    """str() of a 2,000-element tensor abbreviates it: two ids differing in one element in the
+    middle must still get their own features."""
+    enc = frozen(TinyConvEncoder())
+    ce = CachedEncoder(enc, cache=tmp_path / "store")
+    a = torch.arange(2000)
+    b = a.clone()
+    b[1000] = -1
+    assert str(a) == str(b)  # what the keys used to be made of
+    x = waves(2)
+    same(ce(x[:1], ids=[a]), enc(x[:1]))
+    same(ce(x[1:], ids=[b]), enc(x[1:]))
+    same(ce(x, ids=[a, b]), enc(x))
+    assert ce.stats["encoded"] == 2
+    same(ce(x[:1], ids=[(1, "a")]), enc(x[:1]))  # tuples, numbers and strings are ids too
+    with pytest.raises(ConfigError, match="ids must be"):
+        ce(x[:1], ids=[object()])
+
+
+def test_weights_updated_through_data_are_never_served_stale(tmp_path) -> None:
+    """An EMA teacher updated with p.data.mul_(), which bypasses the version counters."""
+    enc = frozen(TinyConvEncoder())
+    ce = CachedEncoder(enc, cache=tmp_path / "store")
+    x = waves(2)
+    before = ce(x, ids=["a", "b"])
+    same(before, enc(x))
+    for p in enc.parameters():
+        p.data.mul_(0.5)
+    after = ce(x, ids=["a", "b"])
+    same(after, enc(x))
+    assert not torch.allclose(before, after)
+    ce.flush()
+    fresh = CachedEncoder(enc, cache=tmp_path / "store", ram_cache=0)
+    same(fresh(x, ids=["a", "b"]), enc(x))
+
+
+class Scaled(nn.Module):
+    """Uses a plain attribute in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = TinyConvEncoder(dim=16, seed=5)
+        self.scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) * self.scale
+
+
+def test_attribute_changed_after_wrapping_is_never_served_stale(tmp_path) -> None:
+    enc = frozen(Scaled())
+    ce = CachedEncoder(enc, cache=tmp_path / "store")
+    x = waves(2)
+    before = ce(x, ids=["a", "b"])
+    enc.scale = 3.0
+    after = ce(x, ids=["a", "b"])
+    same(after, enc(x))
+    torch.testing.assert_close(after, before * 3.0, rtol=1e-5, atol=1e-5)
+
+
+def test_counters_the_encoder_keeps_do_not_defeat_the_cache(tmp_path) -> None:
+    """Attributes the module changes itself while running (a call counter) are bookkeeping."""
+    enc = frozen(Counting(TinyConvEncoder()))
+    ce = CachedEncoder(enc, cache=tmp_path / "store")
+    x = waves(3)
+    for _ in range(3):
+        same(ce(x, ids=["a", "b", "c"]), enc.inner(x))
+    assert enc.rows == 3 and ce.stats["encoded"] == 3
+
+
+def test_a_shard_deleted_by_hand_is_encoded_again(tmp_path) -> None:
+    enc = frozen(TinyConvEncoder())
+    store = tmp_path / "store"
+    ce = CachedEncoder(enc, cache=store)
+    x = waves(4)
+    ce(x[:2], ids=["a", "b"])
+    ce.flush()
+    (lost,) = list(store.rglob("*.safetensors"))
+    ce(x[2:], ids=["c", "d"])
+    ce.flush()
+    lost.unlink()
+    fresh = CachedEncoder(enc, cache=store, ram_cache=0)
+    same(fresh(x, ids=["a", "b", "c", "d"]), enc(x))
+    assert fresh.stats["hits_store"] == 2 and fresh.stats["encoded"] == 2
+
+
+def test_a_forked_child_seals_only_its_own_write_back(tmp_path) -> None:
+    """A child forked while the parent has features pending neither seals nor loses them: the
+    parent seals its own, the child seals what it encoded."""
+    import os
+
+    from featbake.store.reader import ShardReader
+
+    enc = frozen(TinyConvEncoder())
+    store = tmp_path / "store"
+    ce = CachedEncoder(enc, cache=store)
+    x = waves(2)
+    ce(x[:1], ids=["parent"])  # pending in the parent
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            torch.set_num_threads(1)  # as DataLoader workers do: OpenMP's pool is not fork-safe
+            ce(x[1:], ids=["child"])
+            ce.flush()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    (child_shard,) = list(store.rglob("*.safetensors"))
+    with ShardReader(child_shard) as r:
+        assert len(r.tensors) == 1  # the child's row only, not the parent's pending one
+    ce.flush()
+    assert len(list(store.rglob("*.safetensors"))) == 2
+    fresh = CachedEncoder(enc, cache=store, ram_cache=0)
+    same(fresh(x, ids=["parent", "child"]), enc(x))
+    assert fresh.stats["hits_store"] == 2

@@ -7,7 +7,6 @@ import os
 import pickle
 import re
 import shutil
-import sqlite3
 import time
 from pathlib import Path
 
@@ -24,7 +23,6 @@ from featbake.serve.collate import PaddedBatch, pad_collate
 from featbake.serve.dataset import CachedFeatureDataset, ram_budget_for_process
 from featbake.store.catalog import Catalog
 from featbake.store.layout import Layout
-from featbake.store.writer import write_shard
 from featbake.testing import TinyConvEncoder, make_tone, save_torchscript
 from tests.conftest import live_features
 
@@ -80,7 +78,7 @@ def test_hits_open_no_audio_deleted_after_build(tmp_path, audio_dir, encoder_fil
         _assert_close(ds[i], want[ds.path(i)])
     for batch in DataLoader(ds, batch_size=5, num_workers=2, collate_fn=pad_collate):
         assert batch[0].shape[0] in (5, 1)
-    assert ds._encoder_obj is None  # the encoder was never loaded either
+    assert ds._live.loaded is None  # the encoder was never loaded either
     assert ds.cache_info().encoded == 0
 
 
@@ -141,14 +139,17 @@ def test_misses_encode_write_back_in_workers_and_hit_next_epoch(
 
 def test_miss_in_main_process_hits_after_flush(audio_dir, encoder_file, store_dir) -> None:
     ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir)
+    want = [live_features(encoder_file, Path(ds.path(i))) for i in range(3)]
     first = ds.__getitems__([0, 1, 2])
     assert ds.cache_info().encoded == 3
+    for got, w in zip(first, want, strict=True):
+        _assert_close(got, w)
     ds.flush()
     assert ds.stored() == 3  # the index now points at the sealed shard
     second = ds.__getitems__([0, 1, 2])
     assert isinstance(second, PaddedBatch)  # stored items take the in-place batch path
-    for a, b in zip(first, second, strict=True):
-        assert torch.equal(a, b)
+    for got, w in zip(second, want, strict=True):
+        _assert_close(got, w)
     assert ds.cache_info().encoded == 3
 
 
@@ -182,11 +183,15 @@ def test_ram_budget_holds_and_hits(audio_dir, encoder_file, store_dir) -> None:
 def test_ram_tier_serves_batches_and_counts(audio_dir, encoder_file, store_dir) -> None:
     build(audio_dir, encoder_file, cache=store_dir, workers=0)
     ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, ram_cache="64MiB")
+    want = _live_all(encoder_file, ds)[:8]
     one = pad_collate(ds.__getitems__(list(range(8))))
     assert ds.cache_info().items == 8 and ds.cache_info().misses == 8
     two = pad_collate(ds.__getitems__(list(range(8))))
     assert ds.cache_info().hits == 8
-    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+    for padded, lengths in (one, two):  # from the shards, then from the RAM tier
+        for j, w in enumerate(want):
+            _assert_close(padded[j, : lengths[j]], w)
+            assert not padded[j, lengths[j] :].any()
 
 
 def _worker_budget(_: int) -> int:
@@ -254,39 +259,35 @@ def test_unreadable_inputs_not_in_store_fail_at_construction(tmp_path, encoder_f
         CachedFeatureDataset(tmp_path / "empty", encoder_file, on_miss="skip")
 
 
-def move_everything_to_a_new_shard(
-    store_dir: Path, ds: CachedFeatureDataset, tensors: dict[str, torch.Tensor]
-) -> list[Path]:
-    """What gc's compaction does: copy the features into a fresh shard, repoint every row at it,
-    then delete the old shard files. Returns the files deleted."""
-    layout = Layout(store_dir)
-    old = list((store_dir / "shards").rglob("*.safetensors"))
-    new = write_shard(layout, tensors, ds.encoder_fingerprint, "x" * 64)
-    conn = sqlite3.connect(layout.catalog)
-    with conn:
-        cur = conn.execute(
-            "INSERT INTO shards(name, bytes, items, encoder_fp, recipe_fp, created) "
-            "VALUES (?, ?, ?, ?, ?, 0)",
-            (new.name, new.nbytes, len(tensors), ds.encoder_fingerprint, "x" * 64),
-        )
-        conn.execute("UPDATE features SET shard_id=?", (cur.lastrowid,))
-    conn.close()
-    for p in old:
-        p.unlink()
+def compact_with_gc(store_dir: Path) -> list[Path]:
+    """Run featbake's gc so that it merges every (small) shard into a new one and deletes the
+    old files, as it does on a live store. Returns the files it deleted."""
+    from featbake.upkeep import GcOptions, execute_gc, plan_gc
+
+    old = sorted((store_dir / "shards").rglob("*.safetensors"))
+    assert len(old) >= 2, "build with shard_bytes=1 so there are small shards to merge"
+    execute_gc(plan_gc(store_dir, GcOptions(grace=0, merge_small=True, shard_bytes=1 << 30)))
+    new = sorted((store_dir / "shards").rglob("*.safetensors"))
+    assert len(new) == 1 and not set(new) & set(old), "gc did not move the features"
     return old
 
 
 def test_gc_moving_a_shard_is_followed(audio_dir, encoder_file, store_dir) -> None:
-    build(audio_dir, encoder_file, cache=store_dir, workers=0)
+    build(audio_dir, encoder_file, cache=store_dir, workers=0, shard_bytes=1)
     ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
-    want = [ds[i].clone() for i in range(len(ds))]
-    # gc compacts while this dataset still holds the old locations.
-    move_everything_to_a_new_shard(store_dir, ds, {ds.key(i): want[i] for i in range(len(ds))})
+    want = _live_all(encoder_file, ds)
+    for i in range(len(ds)):  # the old locations are remembered and their files open
+        _assert_close(ds[i], want[i])
+    compact_with_gc(store_dir)  # gc compacts while this dataset still holds the old locations
     ds2 = pickle.loads(pickle.dumps(ds))  # a spawned worker's copy starts without handles
     for d in (ds, ds2):
         for i in range(len(d)):
-            assert torch.equal(d[i], want[i])
+            _assert_close(d[i], want[i])
     assert ds.cache_info().encoded == 0
+    fresh = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    padded, lengths = pad_collate(fresh.__getitems__(list(range(len(fresh)))))
+    for i, w in enumerate(want):
+        _assert_close(padded[i, : lengths[i]], w)
 
 
 def test_last_use_is_recorded_in_batches(audio_dir, encoder_file, store_dir) -> None:
@@ -370,11 +371,12 @@ def test_labels_pair_by_path_with_stack_dataset(audio_dir, encoder_file, store_d
     train = StackDataset(ds, [label_of[ds.path(i)] for i in range(len(ds))])
     order = list(range(len(ds)))[::-1]
     loader = DataLoader(train, batch_size=4, sampler=order, num_workers=2, collate_fn=pad_collate)
+    want = _live_all(encoder_file, ds)
     for b, (padded, lengths, labels) in enumerate(loader):
         for j, label in enumerate(labels.tolist()):
             i = order[b * 4 + j]
             assert label == i * 10
-            assert torch.equal(padded[j, : lengths[j]], ds[i])
+            _assert_close(padded[j, : lengths[j]], want[i])
 
 
 def test_located_hit_path_follows_moves_and_closed_shards(audio_dir, encoder_file, store_dir):
@@ -400,9 +402,7 @@ def test_located_hit_path_follows_moves_and_closed_shards(audio_dir, encoder_fil
     for row, i in enumerate(order[:n]):
         _assert_close(padded[row, : lengths[row]], want[i])
     # gc compacts: the features move to a new shard and the old files are deleted.
-    old_files = move_everything_to_a_new_shard(
-        store_dir, ds, {ds.key(i): ds[i].clone() for i in range(n)}
-    )
+    old_files = compact_with_gc(store_dir)
     assert set(old_files) == set(old)
     for i in order:
         _assert_close(ds[i], want[i])
@@ -422,8 +422,8 @@ def test_reads_from_another_thread_relocate(audio_dir, encoder_file, store_dir) 
     build(audio_dir, encoder_file, cache=store_dir, workers=0)
     ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
     want = _live_all(encoder_file, ds)
-    ds._shard[1] = -1  # forget where items are: reads must look them up in the catalog again
-    ds._shard[2] = -1
+    ds._index.shard[1] = -1  # forget where items are: reads must look them up in the catalog again
+    ds._index.shard[2] = -1
     _assert_close(ds[1], want[1])  # the main thread opens the process state and its catalog
     got: list = []
 
@@ -447,7 +447,7 @@ def test_forked_child_closes_the_parents_shard_fds(audio_dir, encoder_file, stor
     want = _live_all(encoder_file, ds)
     for i in range(len(ds)):
         ds[i]
-    fds = [r.fd for r in ds._state.readers.values()]
+    fds = [r.fd for r in ds._state.open_readers.values()]
     assert fds
     r, w = os.pipe()
     pid = os.fork()
@@ -458,7 +458,7 @@ def test_forked_child_closes_the_parents_shard_fds(audio_dir, encoder_file, stor
             shards = [str(p) for p in store_dir.rglob("*.safetensors")]
             open_now = [int(fd) for fd in os.listdir("/proc/self/fd")]
             still = [fd for fd in open_now if _fd_target(fd) in shards]
-            os.write(w, json.dumps([ok, len(still), len(ds._state.readers)]).encode())
+            os.write(w, json.dumps([ok, len(still), len(ds._state.open_readers)]).encode())
         finally:
             os._exit(0)
     os.close(w)
@@ -500,3 +500,67 @@ def test_file_rewritten_after_hashing_is_not_stored_under_its_old_key(
     ds_b = CachedFeatureDataset(b, encoder_file, cache=store_dir)
     assert ds_b.key(0) == old_key
     _assert_close(ds_b[0], live_features(encoder_file, b / "x.wav"))
+
+
+def _delete_shards_of(store_dir: Path, keys: list[str]) -> set[Path]:
+    """Delete by hand the shard files that hold ``keys`` (the catalog still names them)."""
+    catalog = Catalog(Layout(store_dir))
+    try:
+        paths = {Layout(store_dir).shard_path(loc.shard) for k in keys for loc in catalog.locate(k)}
+    finally:
+        catalog.close()
+    for p in paths:
+        p.unlink()
+    return paths
+
+
+def test_shard_deleted_by_hand_is_encoded_again(audio_dir, encoder_file, store_dir) -> None:
+    """A lost shard (deleted by hand, a partial copy of the store): on_miss='encode' encodes
+    its items again, in every read path; on_miss='error' says they are not in the store."""
+    build(audio_dir, encoder_file, cache=store_dir, workers=0, shard_bytes=1)
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir)
+    want = _live_all(encoder_file, ds)
+    lost = [3, 7]
+    _delete_shards_of(store_dir, [ds.key(i) for i in lost])
+    for i in range(len(ds)):  # the index still names the deleted shards
+        _assert_close(ds[i], want[i])
+    assert ds.cache_info().encoded == len(lost)
+    batch = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir)
+    got = batch.__getitems__(list(range(len(batch))))
+    for i in range(len(batch)):
+        _assert_close(got[i], want[i])
+    loader = DataLoader(
+        CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir),
+        batch_size=4,
+        num_workers=2,
+        collate_fn=pad_collate,
+    )
+    for b, (padded, lengths) in enumerate(loader):
+        for j, n in enumerate(lengths.tolist()):
+            _assert_close(padded[j, :n], want[b * 4 + j])
+    strict = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    with pytest.raises(CacheMiss, match=re.escape(Path(strict.path(lost[0])).name)):
+        for i in range(len(strict)):
+            strict[i]
+
+
+def test_open_shards_are_evicted_least_recently_used(audio_dir, encoder_file, store_dir) -> None:
+    """With room for two open shards, reading a, b, a, c closes b (least recently used), not a
+    (the first opened), on every read path."""
+    build(audio_dir, encoder_file, cache=store_dir, workers=0, shard_bytes=1)  # a shard per item
+    for get in ("item", "batch"):
+        ds = CachedFeatureDataset(
+            audio_dir, encoder_file, cache=store_dir, on_miss="error", max_open_shards=2
+        )
+        want = _live_all(encoder_file, ds)
+        a, b, c = 0, 5, 9
+        for i in (a, b, a, a, c):
+            got = ds[i] if get == "item" else ds.__getitems__([i])[0]
+            _assert_close(got, want[i])
+        catalog = Catalog(Layout(store_dir))
+        shard_of = {
+            i: Layout(store_dir).shard_path(catalog.locate(ds.key(i))[0].shard) for i in (a, c)
+        }
+        catalog.close()
+        assert set(ds._state.open_readers) == {shard_of[a], shard_of[c]}, get
+        ds.close()

@@ -12,6 +12,49 @@ from featbake.errors import ConfigError, EncodeError
 from featbake.recipe import Recipe
 
 
+# -- naming ------------------------------------------------------------------------------------
+def tuple_part(index: int) -> str:
+    """The part name of a tuple output's ``index``-th element: ``"0"``, ``"1"``, ...
+
+    The one naming rule for tuple outputs, in the store and in CachedEncoder alike (stored
+    tensor names are ``key/0``, ``key/1``; changing it would orphan every stored tuple output).
+    """
+    return str(index)
+
+
+def is_tuple_parts(names: Sequence[str]) -> bool:
+    """True when ``names`` are exactly the parts of a tuple output (``"0"`` .. ``"n-1"``)."""
+    return bool(names) and sorted(names) == sorted(tuple_part(i) for i in range(len(names)))
+
+
+def name_outputs(result: Any) -> dict[str, Any]:
+    """An encoder result by part name: ``{"": t}`` for one tensor, dict keys, or tuple indexes.
+
+    Raises:
+        EncodeError: the result is not a tensor, tuple or dict.
+    """
+    if isinstance(result, torch.Tensor):
+        return {"": result}
+    if isinstance(result, Mapping):
+        return {str(k): v for k, v in result.items()}
+    if isinstance(result, (tuple, list)):
+        return {tuple_part(i): v for i, v in enumerate(result)}
+    raise EncodeError(
+        f"the encoder returned {type(result).__name__}; featbake stores a tensor, a tuple "
+        "or a dict of tensors"
+    )
+
+
+def join_outputs(parts: Mapping[str, Any]) -> Any:
+    """Inverse of :func:`name_outputs`: a tensor, a tuple (in index order) or a dict."""
+    names = list(parts)
+    if names == [""]:
+        return parts[""]
+    if is_tuple_parts(names):
+        return tuple(parts[tuple_part(i)] for i in range(len(names)))
+    return dict(parts)
+
+
 # -- encoding ----------------------------------------------------------------------------------
 def encode_batch(
     encoder: LoadedEncoder, inputs: Sequence[torch.Tensor], recipe: Recipe
@@ -45,17 +88,7 @@ def split_outputs(result: Any, output: str | None) -> dict[str, torch.Tensor]:
         EncodeError: the result is not a tensor, tuple or dict of tensors.
         ConfigError: the result has no output named ``output``.
     """
-    if isinstance(result, torch.Tensor):
-        named = {"": result}
-    elif isinstance(result, Mapping):
-        named = {str(k): v for k, v in result.items()}
-    elif isinstance(result, (tuple, list)):
-        named = {str(i): v for i, v in enumerate(result)}
-    else:
-        raise EncodeError(
-            f"the encoder returned {type(result).__name__}; featbake stores a tensor, a tuple "
-            "or a dict of tensors"
-        )
+    named = name_outputs(result)
     if output is not None:
         if output not in named:
             choices = ", ".join(repr(k) for k in named if k) or "a single tensor"

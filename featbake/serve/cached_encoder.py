@@ -10,58 +10,60 @@
 
 It is active only when the wrapped encoder is frozen (every parameter has ``requires_grad=False``
 and the module is in eval mode) and ``enabled``; otherwise it runs the encoder untouched and warns
-once. The encoder's fingerprint covers its architecture and every weight; it is recomputed when a
-weight is modified in place (tensors' version counters change), so loading a new state dict into
-the wrapped module can never serve features of the old one.
+once. The encoder's fingerprint covers its architecture, code, plain attributes and every
+weight, and :class:`~featbake.serve.identity.ModuleWatch` recomputes it whenever any of them
+changed (a new state dict, an in-place EMA update through ``.data``, an attribute set after
+wrapping), so a changed encoder never gets the old one's features. Features encoded here are
+written back through the dataset's :class:`~featbake.serve.writeback.WriteBack` (one sealing
+policy), and outputs are named by :mod:`featbake.encode.outputs`' one rule.
 """
 
 from __future__ import annotations
 
-import hashlib
-import threading
+import contextlib
 import time
 import warnings
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from featbake.encode.encoders import is_frozen, module_identity
-from featbake.errors import ConfigError, EncodeError
-from featbake.keys import feature_key, module_fingerprint, recipe_fingerprint
+from featbake.encode.encoders import is_frozen
+from featbake.encode.outputs import is_tuple_parts, join_outputs, name_outputs
+from featbake.errors import ConfigError, EncodeError, ShardMissing
+from featbake.keys import feature_key, recipe_fingerprint
 from featbake.lru import ByteLRU, CacheInfo
+from featbake.serve.identity import ModuleWatch, id_digest, row_digest
+from featbake.serve.writeback import WriteBack
 from featbake.store.catalog import Catalog
 from featbake.store.features import FeatureReader
 from featbake.store.layout import Layout, default_cache_dir
-from featbake.store.writer import ShardWriter
+from featbake.store.writer import SealedShard
 from featbake.units import parse_bytes
 
 __all__ = ["CachedEncoder"]
 
 #: What sits between an input row and the stored output here: nothing but the module itself.
 CACHED_ENCODER_RECIPE = {"kind": "cached-encoder", "version": 1}
-WRITEBACK_BYTES = 64 * 1024 * 1024
-WRITEBACK_SECONDS = 5.0
-_TUPLE = "#"  # part-name prefix of tuple outputs, so they come back as tuples
 
 
 def _split(result: Any, batch: int) -> dict[str, torch.Tensor]:
-    if isinstance(result, torch.Tensor):
-        parts = {"": result}
-    elif isinstance(result, Mapping):
-        parts = {str(k): v for k, v in result.items()}
-        if any(k.startswith(_TUPLE) or not k for k in parts):
-            raise EncodeError("CachedEncoder needs dict outputs with non-empty names not led by #")
-    elif isinstance(result, (tuple, list)):
-        parts = {f"{_TUPLE}{i}": v for i, v in enumerate(result)}
-    else:
+    """The encoder's per-row outputs by part name (the store's one naming rule)."""
+    if isinstance(result, Mapping) and (
+        is_tuple_parts([str(k) for k in result]) or any(not str(k) for k in result)
+    ):
         raise EncodeError(
-            f"the encoder returned {type(result).__name__}; CachedEncoder caches a tensor, a "
-            "tuple or a dict of tensors"
+            "CachedEncoder needs dict outputs with non-empty names that are not all numbers "
+            "(those name a tuple's elements); rename the outputs"
         )
+    try:
+        parts = name_outputs(result)
+    except EncodeError as e:
+        raise EncodeError(f"{e}; CachedEncoder caches a tensor, a tuple or a dict of them") from e
     for name, v in parts.items():
         if not isinstance(v, torch.Tensor) or v.dim() == 0 or v.shape[0] != batch:
             shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
@@ -72,70 +74,29 @@ def _split(result: Any, batch: int) -> dict[str, torch.Tensor]:
     return parts
 
 
-def _join(parts: Mapping[str, torch.Tensor]) -> Any:
-    if list(parts) == [""]:
-        return parts[""]
-    if all(k.startswith(_TUPLE) for k in parts):
-        return tuple(parts[k] for k in sorted(parts, key=lambda k: int(k[1:])))
-    return dict(parts)
-
-
-def _row_fp(row: torch.Tensor) -> str:
-    t = row.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
-    h = hashlib.sha256(f"row\0{t.dtype}\0{list(t.shape)}\0".encode())
-    if t.numel():
-        h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-    return h.hexdigest()
-
-
-def _id_fp(ident: Any) -> str:
-    return hashlib.sha256(f"id\0{ident}".encode()).hexdigest()
-
-
 def cached_encoder_root(encoder_fp: str, recipe_fp: str) -> str:
     """The name of the root that keeps a CachedEncoder's stored features live for gc."""
     return f"cached-encoder-{encoder_fp[:12]}-{recipe_fp[:8]}"
 
 
-class _Sink:
-    """The write-back state: it never refers to the CachedEncoder, so the wrapper (and its model)
-    can be collected; a finalizer on the wrapper seals this sink's pending shard."""
+def publish_with_root(label: str, catalog: Catalog, shard: SealedShard) -> None:
+    """Commit a CachedEncoder shard: its keys join the encoder's root, then its rows.
 
-    def __init__(self, layout: Layout | None, label: str = "CachedEncoder") -> None:
-        self.layout = layout
-        self.label = label
-        self.writer: ShardWriter | None = None
-        self.catalog: Catalog | None = None
-        self.first_pending = 0.0
-
-    def publish(self, shard: Any) -> None:
-        if self.catalog is None:
-            self.catalog = Catalog(self.layout)  # type: ignore[arg-type]
-        # The keys join this encoder's root *before* their rows exist, so a gc running between
-        # the two transactions never sees the rows unreached. One root per (encoder, recipe):
-        # `featbake roots drop` or `gc --older-than` retire it like any build's root.
-        fp = shard.encoder_fp
-        self.catalog.extend_root(
-            cached_encoder_root(fp, shard.recipe_fp),
-            data=f"cached-encoder:{fp[:12]}",
-            encoder_label=self.label,
-            encoder_fp=fp,
-            recipe_fp=shard.recipe_fp,
-            recipe=CACHED_ENCODER_RECIPE,
-            keys=sorted({e.key for e in shard.entries}),
-        )
-        self.catalog.add_shard(shard)
-        self.first_pending = 0.0
-
-    def close(self) -> None:
-        try:
-            if self.writer is not None:
-                self.writer.seal()
-        except Exception as e:  # at exit there is no caller left to raise to
-            warnings.warn(f"featbake: CachedEncoder could not seal its shard: {e}", stacklevel=1)
+    The keys join the root *before* their rows exist, so a gc running between the two
+    transactions never sees the rows unreached. One root per (encoder, recipe): `featbake roots
+    drop` or `gc --older-than` retire it like any build's root.
+    """
+    fp = shard.encoder_fp
+    catalog.extend_root(
+        cached_encoder_root(fp, shard.recipe_fp),
+        data=f"cached-encoder:{fp[:12]}",
+        encoder_label=label,
+        encoder_fp=fp,
+        recipe_fp=shard.recipe_fp,
+        recipe=CACHED_ENCODER_RECIPE,
+        keys=sorted({e.key for e in shard.entries}),
+    )
+    catalog.add_shard(shard)
 
 
 class CachedEncoder(nn.Module):
@@ -150,9 +111,14 @@ class CachedEncoder(nn.Module):
         ram_cache: byte budget of the host-memory tier (0 disables it).
         device_cache: byte budget of a tier on the outputs' device, for CUDA encoders (0: none).
         store: use (and write back to) the on-disk store.
+        check_weights: digest the weights' bytes at every forward, so in-place updates that
+            bypass version counters (``p.data.mul_(0.5)``) are noticed; False trusts version
+            counters alone (cheaper for a large model on the CPU).
+        clock: monotonic seconds, for write-back ageing (tests pass a fake clock).
 
-    Keys come from ``ids`` when given (one hashable per row, e.g. a file path or an utterance
-    id: the caller promises that an id always names the same input), else from each row's
+    Keys come from ``ids`` when given (one per row, e.g. a file path, an utterance id or an id
+    tensor, keyed by its exact content: the caller promises that an id always names the same
+    input), else from each row's
     dtype, shape and bytes (which costs a copy to the host for a CUDA input). Results equal
     calling the encoder directly, up to the batch-size-dependent rounding of its kernels, since
     misses are encoded as a smaller batch.
@@ -171,6 +137,8 @@ class CachedEncoder(nn.Module):
         ram_cache: int | str = "1GiB",
         device_cache: int | str = 0,
         store: bool = True,
+        check_weights: bool = True,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__()
         if not isinstance(encoder, nn.Module):
@@ -180,20 +148,30 @@ class CachedEncoder(nn.Module):
         self._ram = ByteLRU(parse_bytes(ram_cache))
         self._dev = ByteLRU(parse_bytes(device_cache))
         self._recipe_fp = recipe_fingerprint(CACHED_ENCODER_RECIPE)
-        self._identity = module_identity(encoder)  # as from_module: class, repr and code
-        self._fp: str | None = None
-        self._versions: tuple[int, ...] = ()
+        self._watch = ModuleWatch(encoder, check_weights=check_weights)
+        self._clock = clock
         self._warned = False
-        self._lock = threading.Lock()
         self._layout = (
             Layout(Path(cache) if cache is not None else default_cache_dir()).ensure()
             if store
             else None
         )
         self._reader: FeatureReader | None = None
-        self._sink = _Sink(self._layout, type(encoder).__name__)
+        self._writeback = self._new_writeback()
         self.stats = {"hits_device": 0, "hits_ram": 0, "hits_store": 0, "encoded": 0}
-        weakref.finalize(self, self._sink.close)
+
+    def _new_writeback(self) -> WriteBack | None:
+        if self._layout is None:
+            return None
+        writeback = WriteBack(
+            self._layout,
+            self._recipe_fp,
+            publish=partial(publish_with_root, type(self.encoder).__name__),
+            clock=self._clock,
+            what="CachedEncoder features",
+        )
+        weakref.finalize(self, writeback.close)  # the write-back never refers to the wrapper
+        return writeback
 
     # -- state --------------------------------------------------------------------------------
     def active(self) -> bool:
@@ -201,13 +179,8 @@ class CachedEncoder(nn.Module):
         return self.enabled and is_frozen(self.encoder)
 
     def fingerprint(self) -> str:
-        """The wrapped encoder's fingerprint (recomputed after in-place weight changes)."""
-        tensors = [*self.encoder.parameters(), *self.encoder.buffers()]
-        versions = tuple(t._version for t in tensors) + tuple(t.data_ptr() for t in tensors)
-        if self._fp is None or versions != self._versions:
-            self._fp = module_fingerprint(self.encoder, self._identity)
-            self._versions = versions
-        return self._fp
+        """The wrapped encoder's fingerprint (recomputed whenever the encoder changed)."""
+        return self._watch.fingerprint()
 
     def cache_info(self) -> dict[str, CacheInfo | int]:
         """Counters: RAM and device tiers, store hits, rows encoded."""
@@ -215,17 +188,16 @@ class CachedEncoder(nn.Module):
 
     def flush(self) -> None:
         """Seal the write-back shard now (also done at exit and when the wrapper is collected)."""
-        with self._lock:
-            if self._sink.writer is not None:
-                self._sink.writer.seal()
-            self._sink.first_pending = 0.0
+        if self._writeback is not None:
+            self._writeback.seal()
 
     # -- forward ------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, ids: Sequence[Any] | None = None) -> Any:
         """``encoder(x)``, from the cache for the rows that were encoded before.
 
         Raises:
-            ConfigError: ``ids`` does not have one entry per row.
+            ConfigError: ``ids`` does not have one entry per row, or an id of a type that has
+                no exact content.
             EncodeError: the encoder's output has no per-row batch dimension.
         """
         why = self._stand_aside_reason(x)
@@ -238,10 +210,28 @@ class CachedEncoder(nn.Module):
         if ids is not None and len(ids) != batch:
             raise ConfigError(f"CachedEncoder got {len(ids)} ids for a batch of {batch} rows")
         enc_fp = self.fingerprint()
-        fps = [_id_fp(i) for i in ids] if ids is not None else [_row_fp(r) for r in x]
-        keys = [feature_key(enc_fp, self._recipe_fp, fp) for fp in fps]
-        rows: list[dict[str, torch.Tensor] | None] = [None] * batch
+        digests = [id_digest(i) for i in ids] if ids is not None else [row_digest(r) for r in x]
+        keys = [feature_key(enc_fp, self._recipe_fp, d) for d in digests]
+        rows, todo = self._lookup(keys)
         out_device: torch.device | None = None
+        if todo:
+            sub = x[todo] if len(todo) < batch else x
+            with torch.no_grad():
+                parts = _split(self.encoder(sub), len(todo))
+            self._watch.ran()
+            self.stats["encoded"] += len(todo)
+            out_device = next(iter(parts.values())).device
+            for r, j in enumerate(todo):
+                row = {p: v[r] for p, v in parts.items()}
+                rows[j] = row
+                self._remember(keys[j], row, enc_fp)
+        if self._writeback is not None:
+            self._writeback.seal_if_due()
+        return self._assemble(rows, keys, out_device, x.device)
+
+    def _lookup(self, keys: list[str]) -> tuple[list[dict[str, torch.Tensor] | None], list[int]]:
+        """Each row's cached parts (device, RAM, then store), and the rows found nowhere."""
+        rows: list[dict[str, torch.Tensor] | None] = [None] * len(keys)
         todo: list[int] = []
         for j, key in enumerate(keys):
             got = self._dev.get(key) if self._dev.max_bytes else None
@@ -253,7 +243,7 @@ class CachedEncoder(nn.Module):
                 todo.append(j)
             rows[j] = got
         if todo and self._layout is not None:
-            found = self._store_reader().get_many([keys[j] for j in todo])
+            found = self._from_store([keys[j] for j in todo])
             self.stats["hits_store"] += len(found)
             for j in todo:
                 if keys[j] in found:
@@ -261,17 +251,22 @@ class CachedEncoder(nn.Module):
                     if self._ram.max_bytes:
                         self._ram.put(keys[j], found[keys[j]])
             todo = [j for j in todo if rows[j] is None]
-        if todo:
-            sub = x[todo] if len(todo) < batch else x
-            with torch.no_grad():
-                parts = _split(self.encoder(sub), len(todo))
-            self.stats["encoded"] += len(todo)
-            out_device = next(iter(parts.values())).device
-            for r, j in enumerate(todo):
-                row = {p: v[r] for p, v in parts.items()}
-                rows[j] = row
-                self._remember(keys[j], row, enc_fp)
-        return self._assemble(rows, keys, out_device, x.device)
+        return rows, todo
+
+    def _from_store(self, keys: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+        """What the store holds of ``keys``; a feature whose shard is gone is a miss."""
+        reader = self._store_reader()
+        try:
+            return reader.get_many(keys)
+        except ShardMissing:
+            pass  # a shard deleted by hand: look the keys up one by one, the rest still hit
+        out = {}
+        for key in keys:
+            with contextlib.suppress(ShardMissing):  # corrupt bytes still raise StoreCorrupt
+                got = reader.get(key)
+                if got is not None:
+                    out[key] = got
+        return out
 
     def _stand_aside_reason(self, x: torch.Tensor) -> str | None:
         if not self.enabled:
@@ -301,7 +296,7 @@ class CachedEncoder(nn.Module):
             for j, key in enumerate(keys):
                 if key not in self._dev:
                     self._dev.put(key, {n: out[n][j] for n in names})
-        return _join(out)
+        return join_outputs(out)
 
     def _param_device(self) -> torch.device | None:
         p = next(iter(self.encoder.parameters()), None)
@@ -311,25 +306,8 @@ class CachedEncoder(nn.Module):
         host = {p: v.detach().to("cpu").clone() for p, v in row.items()}  # own storage
         if self._ram.max_bytes:
             self._ram.put(key, host)
-        if self._layout is None:
-            return
-        sink = self._sink
-        with self._lock:
-            if sink.writer is None or sink.writer.encoder_fp != enc_fp:
-                if sink.writer is not None:
-                    sink.writer.seal()
-                sink.writer = ShardWriter(
-                    self._layout,
-                    enc_fp,
-                    self._recipe_fp,
-                    target_bytes=WRITEBACK_BYTES,
-                    on_seal=sink.publish,
-                )
-            if not sink.first_pending:
-                sink.first_pending = time.monotonic()
-            sink.writer.add(key, host)
-            if time.monotonic() - sink.first_pending >= WRITEBACK_SECONDS:
-                sink.writer.seal()
+        if self._writeback is not None:
+            self._writeback.add(enc_fp, key, host)
 
     def _store_reader(self) -> FeatureReader:
         if self._reader is None:
@@ -339,12 +317,9 @@ class CachedEncoder(nn.Module):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_reader"] = None
-        state["_sink"] = None
-        state["_lock"] = None
+        state["_writeback"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._lock = threading.Lock()
-        self._sink = _Sink(self._layout, type(self.encoder).__name__)
-        weakref.finalize(self, self._sink.close)
+        self._writeback = self._new_writeback()

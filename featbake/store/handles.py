@@ -42,6 +42,13 @@ class ShardHandles:
             old.close()
         return reader
 
+    @property
+    def open_readers(self) -> OrderedDict[Path, ShardReader]:
+        """The open readers by path, least recently used first. Read-only but for
+        ``move_to_end``: hit paths check a remembered reader with one lookup and, when they
+        switch shards, move it to the end to keep the LRU order."""
+        return self._readers
+
     def forget(self, path: Path) -> None:
         """Close and drop the handle of a shard that moved or vanished."""
         reader = self._readers.pop(path, None)

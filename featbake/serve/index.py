@@ -1,0 +1,197 @@
+"""The dataset's index: item -> (path, key, shard), built once in the process that makes it.
+
+Where the keys come from. A folder that ``featbake build`` baked has a *root*: the manifest of
+(relative path, key) that the build wrote for (folder, encoder as named, recipe). The dataset
+finds it without loading the encoder (see :mod:`featbake.serve.live` for the encoder's
+fingerprint). Input files are looked up in the hash cache; a changed file is hashed again and
+gets its new key (which then misses and is encoded), a file deleted after the build keeps its
+manifest key and is still served from the store. Without a root (no build ran, or a list of
+paths) the inputs are hashed once through the hash cache.
+
+Tables indexed by item live in numpy arrays rather than Python lists so that forked workers do
+not copy them page by page as reference counts change.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from featbake.encode.fingerprints import hash_inputs, resolve_path
+from featbake.encode.sources import scan
+from featbake.errors import SourceError
+from featbake.keys import feature_key, root_id, sha256_hex
+from featbake.store.catalog import Catalog
+
+__all__ = ["Index", "IndexSpec", "build_index"]
+
+
+@dataclass(frozen=True)
+class IndexSpec:
+    """What keys are derived from: the encoder and recipe, as fingerprinted and named."""
+
+    enc_fp: str
+    enc_label: str
+    recipe_fp: str
+    recipe: dict
+    extensions: tuple[str, ...]
+
+    def key(self, digest: str) -> str:
+        return feature_key(self.enc_fp, self.recipe_fp, digest)
+
+
+class Index:
+    """Item -> relative path, key and shard; the shard column follows gc moves and write-back.
+
+    Attributes:
+        keys: ``S64`` key per item.
+        shard: shard id per item (an index into :attr:`shard_names`), -1 when not stored.
+        parts: the output parts every item has (``("",)`` for one tensor), or None when they
+            differ and each item's are looked up.
+        data_dir: the resolved folder, or None for a list of absolute paths.
+    """
+
+    def __init__(
+        self, rel_paths: list[str], keys: list[str], data_dir: str | None, catalog: Catalog
+    ) -> None:
+        n = len(keys)
+        self.data_dir = data_dir
+        self.keys = np.array(keys, dtype="S64") if n else np.zeros(0, dtype="S64")
+        blob = "\0".join(rel_paths).encode("utf-8", "surrogateescape")
+        self.path_blob = np.frombuffer(blob, dtype=np.uint8).copy()
+        ends = np.cumsum([len(p.encode("utf-8", "surrogateescape")) + 1 for p in rel_paths])
+        self.path_end = (ends - 1).astype(np.int64)
+        self.shard_names: list[str] = []
+        self.sid_of: dict[str, int] = {}
+        self.shard = np.full(n, -1, dtype=np.int32)
+        self.parts = self._locate(keys, catalog)
+
+    def _locate(self, keys: list[str], catalog: Catalog) -> tuple[str, ...] | None:
+        located = catalog.locate_many(sorted(set(keys)))
+        parts: set[tuple[str, ...]] = set()
+        for i, key in enumerate(keys):
+            locs = located.get(key)
+            if not locs or len({loc.shard for loc in locs}) != 1:
+                continue  # a feature split over shards is not written by featbake: re-read it
+            self.shard[i] = self.sid(locs[0].shard)
+            parts.add(tuple(loc.part for loc in locs))
+        # One encoder and recipe give every item the same outputs; anything else is looked up.
+        return parts.pop() if len(parts) == 1 else None
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def key(self, i: int) -> str:
+        return self.keys[i].decode()
+
+    def path(self, i: int) -> str:
+        start = int(self.path_end[i - 1]) + 1 if i else 0
+        rel = self.path_blob[start : int(self.path_end[i])].tobytes()
+        rel_s = rel.decode("utf-8", "surrogateescape")
+        return os.path.join(self.data_dir, rel_s) if self.data_dir else rel_s
+
+    def sid(self, shard: str) -> int:
+        """The id of shard ``shard`` (named by content), new ids for shards seen first now."""
+        sid = self.sid_of.get(shard)
+        if sid is None:
+            sid = self.sid_of[shard] = len(self.shard_names)
+            self.shard_names.append(shard)
+        return sid
+
+    def stored(self) -> int:
+        return int((self.shard >= 0).sum())
+
+
+def build_index(data: object, spec: IndexSpec, catalog: Catalog) -> Index:
+    """Index a folder (through its build's root) or a list of files, and publish its root.
+
+    The root is published so that gc keeps what the dataset serves (and writes back) live, and
+    the next start finds every key without hashing.
+
+    Raises:
+        SourceError: no inputs, or inputs that are not in the store cannot be read.
+    """
+    if isinstance(data, (str, os.PathLike)):
+        return _index_folder(resolve_path(data), spec, catalog)
+    paths = [resolve_path(p) for p in data]  # type: ignore[attr-defined]
+    if not paths:
+        raise SourceError("the list of input files is empty")
+    digests, failed = hash_inputs(catalog, paths)
+    raise_unreadable([p for p in paths if p in failed], failed)
+    keys = [spec.key(digests[p]) for p in paths]
+    # Published like a folder's root (named from the set of files), so gc keeps what this
+    # list is served from and writes back, and `roots drop` / `gc --older-than` manage it.
+    label = "paths:" + sha256_hex("\n".join(sorted(set(paths))).encode())[:16]
+    _publish_root(catalog, spec, label, list(zip(paths, keys, strict=True)))
+    return Index(paths, keys, None, catalog)
+
+
+def _index_folder(data_dir: str, spec: IndexSpec, catalog: Catalog) -> Index:
+    name = root_id(data_dir, spec.enc_label, spec.recipe_fp)
+    root = catalog.root(name)
+    manifest: dict[str, str] = {}
+    if root is not None and root.encoder_fp == spec.enc_fp:
+        manifest = dict(catalog.root_items(name))
+    try:
+        scanned = scan(data_dir, spec.extensions)
+    except SourceError:
+        if not manifest:
+            raise
+        scanned = []  # the inputs are gone, the features are not
+    rel_paths = sorted(set(scanned) | set(manifest)) if manifest else scanned
+    digests, failed = hash_inputs(catalog, [os.path.join(data_dir, r) for r in scanned])
+    keys: list[str] = []
+    bad: list[str] = []
+    for rel in rel_paths:
+        path = os.path.join(data_dir, rel)
+        if path in digests:
+            keys.append(spec.key(digests[path]))
+        elif rel in manifest:
+            keys.append(manifest[rel])  # deleted (or unreadable) since the build
+        else:
+            bad.append(path)
+            keys.append("")
+    raise_unreadable(bad, failed)
+    _publish_root(catalog, spec, data_dir, list(zip(rel_paths, keys, strict=True)), name)
+    return Index(rel_paths, keys, data_dir, catalog)
+
+
+def _publish_root(
+    catalog: Catalog,
+    spec: IndexSpec,
+    data: str,
+    items: list[tuple[str, str]],
+    name: str | None = None,
+) -> None:
+    """Replace the root of ``data`` with ``items`` unless it already holds exactly them."""
+    name = name or root_id(data, spec.enc_label, spec.recipe_fp)
+    root = catalog.root(name)
+    if (
+        root is not None
+        and root.encoder_fp == spec.enc_fp
+        and [tuple(x) for x in catalog.root_items(name)] == items
+    ):
+        return
+    catalog.replace_root(
+        name,
+        data=data,
+        encoder_label=spec.enc_label,
+        encoder_fp=spec.enc_fp,
+        recipe_fp=spec.recipe_fp,
+        recipe=spec.recipe,
+        items=items,
+    )
+
+
+def raise_unreadable(bad: Sequence[str], failed: Mapping[str, str]) -> None:
+    """Raise a SourceError naming (up to five of) ``bad``, inputs neither readable nor stored."""
+    if bad:
+        shown = "; ".join(f"{p}: {failed.get(p, 'unreadable')}" for p in bad[:5])
+        more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+        raise SourceError(
+            f"{len(bad)} input(s) cannot be read and are not in the store: {shown}{more}; "
+            "fix or remove them, or run `featbake build` to see every failure"
+        )

@@ -1,0 +1,283 @@
+"""Live encoding on a miss: the encoder (fingerprinted once, loaded lazily) and the inputs.
+
+A file encoder is loaded only when the first miss happens in a process (or once, in the
+process that makes the dataset, to fingerprint it when the store has never seen this file). An
+in-process module runs where it lives.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import featbake.device as dev
+from featbake.encode.encoders import LoadedEncoder, from_module, is_import_path, load_encoder
+from featbake.encode.fingerprints import (
+    cached_file_encoder_fp,
+    encoder_fingerprint,
+    file_fingerprint,
+)
+from featbake.encode.outputs import encode_batch
+from featbake.encode.sources import Source
+from featbake.errors import CacheMiss, EncoderLoadError, SourceError
+from featbake.keys import feature_key
+from featbake.recipe import Recipe
+from featbake.serve.index import Index
+from featbake.serve.reads import Reads
+from featbake.serve.state import ProcessState
+from featbake.store.catalog import Catalog, FileStat
+from featbake.store.layout import Layout
+from featbake.store.writer import SealedShard
+
+__all__ = ["LiveEncoder", "Misses", "check_unchanged", "encode_inputs", "unpack"]
+
+Parts = dict[str, torch.Tensor]
+
+
+@dataclass
+class LiveEncoder:
+    """The dataset's encoder: how it was given, its fingerprint, and (lazily) the loaded one.
+
+    ``spec`` is the file or import path, or None for an in-process module (``loaded`` then).
+    """
+
+    layout: Layout
+    spec: str | None
+    weights: str | None
+    trust_pickle: bool
+    device: str
+    fingerprint: str = ""
+    label: str = ""
+    loaded: LoadedEncoder | None = None
+
+    def identify(self, encoder: Any, catalog: Catalog) -> None:
+        """Set :attr:`fingerprint` and :attr:`label`, loading the encoder only if it must.
+
+        Raises:
+            EncoderLoadError: the encoder file is missing or cannot be loaded.
+        """
+        if isinstance(encoder, LoadedEncoder):
+            self.loaded, self.label = encoder, encoder.label
+            self.fingerprint = encoder_fingerprint(encoder, catalog, self.weights)
+            return
+        if isinstance(encoder, torch.nn.Module):
+            self.loaded = from_module(encoder, device=None)
+            self.fingerprint, self.label = self.loaded.fingerprint, self.loaded.label
+            return
+        spec = self.spec = os.fspath(encoder)
+        self.label = spec  # an import path: the architecture lives in code, only loading it tells
+        if not is_import_path(spec):
+            if not os.path.isfile(spec):
+                raise EncoderLoadError(
+                    f"encoder {spec} not found; give the TorchScript (.pt) or torch.export "
+                    "(.pt2) file or the import path you passed to `featbake build --encoder`"
+                )
+            self.label = str(Path(spec).resolve())
+            fp = cached_file_encoder_fp(catalog, spec) if self.weights is None else None
+            if fp is not None:
+                self.fingerprint = fp
+                return
+        enc = self.load(torch.device("cpu"))
+        catalog.record_encoder(enc.fingerprint, enc.label, enc.kind)
+        self.loaded, self.fingerprint = enc, enc.fingerprint  # reused for misses here
+
+    def load(self, device: torch.device) -> LoadedEncoder:
+        """Load the encoder from its file or import path onto ``device``."""
+        assert self.spec is not None
+        enc = load_encoder(
+            self.spec, weights=self.weights, device=device, trust_pickle=self.trust_pickle
+        )
+        catalog = Catalog(self.layout)
+        try:
+            encoder_fingerprint(enc, catalog, self.weights)
+        finally:
+            catalog.close()
+        return enc
+
+    def for_this_process(self) -> LoadedEncoder:
+        """The encoder to run misses with here (loaded on first use in this process).
+
+        Raises:
+            EncoderLoadError: it cannot run here, or it changed since the dataset was made.
+        """
+        enc = self.loaded
+        if self.spec is None:  # an in-process module: it runs where it lives
+            assert enc is not None
+            if enc.device.type == "cuda" and not dev.cuda_usable_here():
+                raise EncoderLoadError(
+                    "a miss must be encoded in a DataLoader worker forked after CUDA started, "
+                    "where CUDA cannot run, but the encoder module lives on the GPU; pass the "
+                    "encoder as a file, or use DataLoader(..., multiprocessing_context='spawn')"
+                )
+        else:
+            device = dev.resolve_device(self.device)
+            if device.type == "cuda" and not dev.cuda_usable_here():
+                device = torch.device("cpu")  # forked after CUDA started: CUDA cannot start here
+            if enc is None or enc.device != device:
+                enc = self.load(device)
+        if enc.fingerprint != self.fingerprint:
+            raise EncoderLoadError(
+                f"the encoder {self.label} changed since this dataset was created "
+                f"(fingerprint {enc.fingerprint[:12]}, expected {self.fingerprint[:12]}); "
+                "create the dataset again so its keys match the encoder"
+            )
+        return enc
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        if self.spec is not None:
+            state["loaded"] = None  # reloaded from the file on the first miss
+        return state
+
+
+def encode_inputs(enc: LoadedEncoder, inputs: list[torch.Tensor], recipe: Recipe) -> list[Parts]:
+    """Each input's output parts; inputs of equal shape are encoded as one batch."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for j, x in enumerate(inputs):
+        groups.setdefault(tuple(x.shape), []).append(j)
+    results: list[Parts] = [{} for _ in inputs]
+    for members in groups.values():
+        batch = [inputs[j] for j in members]
+        for j, parts in zip(members, encode_batch(enc, batch, recipe), strict=True):
+            results[j] = parts
+    return results
+
+
+def check_unchanged(
+    catalog: Catalog, paths: list[str], keys: list[str], fps: tuple[str, str]
+) -> None:
+    """Raise if a file decoded for a miss no longer holds the bytes its key was hashed from.
+
+    Keys are hashed when the dataset is created and the file is decoded later: one rewritten in
+    between must not be encoded and stored under the old bytes' key (which every other copy of
+    the old bytes shares). Checked after decoding, against the hash cache (same stat) or, when
+    that does not say, a fresh hash of the file. ``fps`` is (encoder, recipe) fingerprint.
+
+    Raises:
+        SourceError: a file changed since the dataset was created.
+    """
+    cached = catalog.cached_hashes(paths)
+    for path, key in zip(paths, keys, strict=True):
+        try:
+            now = FileStat.of(path)
+            stat, sha = cached.get(path) or (None, "")
+            if stat != now:
+                sha = file_fingerprint(path)
+                if FileStat.of(path) != now:
+                    sha = ""  # changing while it is read
+        except OSError:
+            sha = ""
+        if feature_key(fps[0], fps[1], sha) != key:
+            raise SourceError(
+                f"{path} changed since this dataset was created (its bytes no longer match "
+                "the key they were indexed under), so its feature is not stored; create the "
+                "dataset again once the file stops changing"
+            )
+
+
+class Misses:
+    """Items the store does not hold: read back from this process's write-back, found again
+    in the catalog (another process wrote them), or decoded, encoded and written back.
+
+    Args:
+        index: the dataset's index (its shard column is pointed at written-back shards).
+        reads: the dataset's read paths (to look an item up again).
+        live: the encoder.
+        source: decodes inputs as the recipe says.
+        recipe: the recipe (dtype of stored outputs).
+
+    Attributes:
+        on_miss: ``"encode"`` or ``"error"`` (raise :class:`CacheMiss`).
+        write_back: store what is encoded.
+    """
+
+    def __init__(
+        self, index: Index, reads: Reads, live: LiveEncoder, source: Source, recipe: Recipe
+    ) -> None:
+        self.index = index
+        self.reads = reads
+        self.live = live
+        self.source = source
+        self.recipe = recipe
+        self.recipe_fp = recipe.fingerprint()
+        self.on_miss = "encode"
+        self.write_back = True
+
+    def cache_miss(self, i: int) -> CacheMiss:
+        """The error for item ``i`` with ``on_miss="error"``: what is missing, and the fix."""
+        path = self.index.path(i)
+        return CacheMiss(
+            f"{path} is not in the store {self.live.layout.root} for this encoder and recipe; "
+            f"run `featbake build --encoder {self.live.label} --data "
+            f"{self.index.data_dir or os.path.dirname(path)}` with the same recipe options, "
+            "or use on_miss='encode'"
+        )
+
+    def values(self, st: ProcessState, idx: list[int]) -> list[Any]:
+        """The values of items ``idx``, none of which was found where the index said.
+
+        Raises:
+            CacheMiss: (``on_miss="error"``) an item is not in the store.
+            SourceError: an input changed since the dataset was made.
+        """
+        out: dict[int, Any] = {}
+        todo: list[int] = []
+        for i in idx:
+            pending = st.writeback.get(self.index.key(i))
+            if pending is not None:
+                out[i] = unpack(pending)
+                continue
+            value = self.reads.relocate(st, i)  # another process may have written it since
+            if value is None:
+                todo.append(i)
+            else:
+                st.touch(i)
+                out[i] = value
+        if todo:
+            if self.on_miss == "error":
+                raise self.cache_miss(todo[0])
+            for i, parts in zip(todo, self.encode(st, todo), strict=True):
+                out[i] = unpack(parts)
+                if self.write_back:
+                    self.store(st, i, parts)
+        return [out[i] for i in idx]
+
+    def encode(self, st: ProcessState, idx: list[int]) -> list[Parts]:
+        """Decode and encode items ``idx`` now (checking their files did not change)."""
+        if st.encoder is None:
+            st.encoder = self.live.for_this_process()
+        paths = [self.index.path(i) for i in idx]
+        inputs = [self.source.load(p) for p in paths]
+        keys = [self.index.key(i) for i in idx]
+        with st.catalogs.scoped() as catalog:
+            check_unchanged(catalog, paths, keys, (self.live.fingerprint, self.recipe_fp))
+        results = encode_inputs(st.encoder, inputs, self.recipe)
+        st.encoded += len(idx)
+        return results
+
+    def store(self, st: ProcessState, i: int, parts: Parts) -> None:
+        """Write item ``i``'s encoded parts back (once per key while pending)."""
+        key = self.index.key(i)
+        if st.writeback.get(key) is None:
+            st.pending_idx.setdefault(key, []).append(i)
+            st.writeback.add(self.live.fingerprint, key, parts)
+
+    def published(self, st: ProcessState | None, shard: SealedShard) -> None:
+        """A write-back shard was sealed: point the items written to it at it."""
+        ix = self.index
+        sid = ix.sid(shard.name)
+        for entry in shard.entries:
+            for i in st.pending_idx.pop(entry.key, ()) if st is not None else ():
+                ix.shard[i] = sid
+        if ix.parts is None:
+            ix.parts = tuple(sorted({e.part for e in shard.entries}))
+
+
+def unpack(parts: Mapping[str, torch.Tensor]) -> Any:
+    """A dataset item from its parts: the tensor itself, or a dict of parts."""
+    return parts[""] if len(parts) == 1 and "" in parts else dict(parts)

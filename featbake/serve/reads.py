@@ -1,0 +1,302 @@
+"""The read paths of a dataset: one item, a batch in place, and the located hit paths.
+
+Every path reads this process's open shards (:class:`~featbake.store.handles.ShardHandles`,
+least recently used closed first) and follows gc: a shard that vanished is looked up again in
+the catalog (:meth:`Reads.relocate`), and a feature whose shard is gone for good (deleted by
+hand, lost in a partial copy) becomes a miss, which the dataset encodes again when it may.
+
+A ``None`` from a batch path means "take the general path", never "not stored".
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from featbake.errors import ShardMissing
+from featbake.serve.collate import PaddedBatch, alloc_batch
+from featbake.serve.index import Index
+from featbake.serve.process import mapped_empty
+from featbake.serve.state import Located, ProcessState
+from featbake.store.catalog import Location
+from featbake.store.layout import Layout
+from featbake.store.reader import ShardReader
+from featbake.store.shard_format import ST_TO_DTYPE, tensor_buffer, tensor_name
+
+__all__ = ["Reads"]
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Where one row of a padded batch comes from: a RAM-tier tensor, or a stored tensor."""
+
+    value: torch.Tensor | None
+    sid: int
+    length: int
+
+
+class _Plan(NamedTuple):
+    """A padded batch to fill: each row's source, and the shape and dtype all rows share."""
+
+    sources: list[_Source]
+    trailing: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class Reads:
+    """The read paths over one dataset's :class:`Index`; stateless but for shard paths.
+
+    Process state (handles, flags, counters) is passed in: this object crosses pickling.
+    """
+
+    def __init__(self, index: Index, layout: Layout) -> None:
+        self.index = index
+        self.layout = layout
+        self._paths: list[Path] = []
+
+    def shard_path(self, sid: int) -> Path:
+        paths = self._paths
+        names = self.index.shard_names
+        while len(paths) < len(names):
+            paths.append(self.layout.shard_path(names[len(paths)]))
+        return paths[sid]
+
+    def _open(self, st: ProcessState, sid: int) -> tuple[Path, ShardReader]:
+        """The reader of shard ``sid``; one dict lookup when it is open already.
+
+        Raises:
+            ShardMissing: the file is gone.
+        """
+        path = self.shard_path(sid)
+        reader = st.open_readers.get(path)
+        if reader is None:
+            reader = st.reader(path)
+        elif path is not st.last_path:  # keep the LRU order, with one C call per switch
+            st.open_readers.move_to_end(path)
+            st.last_path = path
+        return path, reader
+
+    # -- one item -----------------------------------------------------------------------------
+    def one(self, st: ProcessState, i: int, sid: int) -> Any:
+        """Item ``i`` from shard ``sid``; None when the store no longer has it."""
+        ix = self.index
+        try:
+            path, reader = self._open(st, sid)
+            key = ix.key(i)
+            check = st.check_always or (st.check_first and not st.verified[i])
+            mode = "always" if check else "never"
+            parts = ix.parts
+            if parts == ("",) and st.use_lru:
+                value = self._read_owned(reader, key, check)
+            elif parts == ("",):
+                value = reader.read(key, verify=mode)
+                self.remember(st, i, sid, path, reader)
+            elif parts is not None:
+                value = {p: reader.read(tensor_name(key, p), verify=mode) for p in parts}
+            else:
+                value = self.located_value(st, key)
+        except ShardMissing:
+            # gc compacted or dropped the shard after the index was built: look it up again.
+            st.handles.forget(self.shard_path(sid))
+            return self.relocate(st, i)
+        if check:
+            st.verified[i] = 1
+        st.store_reads += 1
+        return value
+
+    @staticmethod
+    def _read_owned(reader: ShardReader, key: str, check: bool) -> torch.Tensor:
+        """A tensor in its own mapping, for the RAM tier (see ``mapped_empty``)."""
+        info = reader.tensors.get(key)
+        dtype = ST_TO_DTYPE.get(info.dtype) if info is not None else None
+        if info is None or dtype is None:
+            return reader.read(key, verify="always" if check else "never")  # raises StoreCorrupt
+        value = mapped_empty(info.shape, dtype)
+        reader.read_into(key, value, verify=check)
+        return value
+
+    def remember(self, st: ProcessState, i: int, sid: int, path: Path, reader: ShardReader) -> None:
+        """Record where item ``i``'s tensor lies, for the located hit paths."""
+        info = reader.tensors.get(self.index.key(i))
+        dtype = ST_TO_DTYPE.get(info.dtype) if info is not None else None
+        if info is not None and dtype is not None:
+            st.loc[i] = Located(
+                sid, path, reader, info.begin, info.end - info.begin, dtype, info.shape
+            )
+
+    def located_value(
+        self, st: ProcessState, key: str, locs: Sequence[Location] | None = None
+    ) -> Any:
+        """A feature read through the catalog's current locations of ``key``.
+
+        Raises:
+            ShardMissing: the catalog has no location, or a shard it names is gone.
+        """
+        if locs is None:
+            with st.catalogs.scoped() as catalog:
+                locs = catalog.locate(key)
+        if not locs:
+            raise ShardMissing(f"feature {key} is no longer in the store")
+        value = {}
+        for loc in locs:
+            _, reader = self._open(st, self.index.sid(loc.shard))
+            value[loc.part] = reader.read(loc.tensor)
+        return value[""] if list(value) == [""] else value
+
+    def relocate(self, st: ProcessState, i: int) -> Any:
+        """Item ``i`` looked up again in the catalog; None when it is not there (a miss).
+
+        A feature whose shard file is gone although the catalog still names it (deleted by
+        hand, or lost in a partial copy of the store) is a miss too: encoded again when the
+        dataset may, never an error on the hit path.
+        """
+        ix = self.index
+        key = ix.key(i)
+        with st.catalogs.scoped() as catalog:
+            locs = catalog.locate(key)
+        try:
+            value = self.located_value(st, key, locs) if locs else None
+        except ShardMissing:
+            value = None
+        if value is None:
+            ix.shard[i] = -1
+            return None
+        ix.shard[i] = ix.sid(locs[0].shard)
+        if ix.parts is None:
+            ix.parts = tuple(loc.part for loc in locs)
+        st.store_reads += 1
+        return value
+
+    # -- a batch in place ---------------------------------------------------------------------
+    def padded_located(self, st: ProcessState, idx: list[int]) -> PaddedBatch | None:
+        """The hit path of a batch whose items were all read (and checked) before here.
+
+        One pread per item straight into its row of the batch, no per-item tensor or view;
+        None (take the general path) if any item is not located, not yet checked, or moved.
+        """
+        locs = st.loc
+        readers = st.open_readers
+        shard = self.index.shard
+        verified = st.verified
+        check_first = st.check_first
+        first = locs[idx[0]]
+        if first is None or not first.shape:
+            return None
+        dtype, trailing = first.dtype, first.shape[1:]
+        got: list[Located] = []
+        for i in idx:
+            loc = locs[i]
+            if (
+                loc is None
+                or (check_first and not verified[i])
+                or readers.get(loc.path) is not loc.reader
+                or shard[i] != loc.sid
+                or loc.dtype is not dtype
+                or loc.shape[1:] != trailing
+            ):
+                return None
+            got.append(loc)
+        lengths = [loc.shape[0] for loc in got]
+        padded = alloc_batch(torch.empty(0, dtype=dtype), (len(idx), max(lengths), *trailing))
+        flat = np.asarray(tensor_buffer(padded))
+        row_bytes = padded[0].nbytes
+        preadv = os.preadv
+        touch = st.touch
+        start = 0
+        last = st.last_path
+        for i, loc in zip(idx, got, strict=True):
+            if loc.path is not last:  # keep the handles' LRU order
+                readers.move_to_end(loc.path)
+                last = st.last_path = loc.path
+            end = start + loc.nbytes
+            if loc.nbytes and preadv(loc.reader.fd, (flat[start:end],), loc.offset) != loc.nbytes:
+                raise loc.reader.cut_short(self.index.key(i))
+            if end < start + row_bytes:
+                flat[end : start + row_bytes] = 0
+            start += row_bytes
+            touch(i)
+        st.store_reads += len(idx)
+        return PaddedBatch.of(padded, lengths)
+
+    def padded(self, st: ProcessState, idx: list[int]) -> PaddedBatch | None:
+        """The batch read in place into a padded tensor, or None to take the general path."""
+        if not st.use_lru and not st.check_always:
+            batch = self.padded_located(st, idx)
+            if batch is not None:
+                return batch
+        shard = self.index.shard
+        if st.use_lru:
+            if any(shard[i] < 0 and i not in st.lru for i in idx):
+                return None  # a miss: checked before any lookup so hits are counted once
+        elif (shard[idx] < 0).any():
+            return None
+        plan = self._plan(st, idx)
+        return self._fill(st, idx, plan) if plan is not None else None
+
+    def _plan(self, st: ProcessState, idx: list[int]) -> _Plan | None:
+        """Each row's source, if all rows share trailing shape and dtype; else None."""
+        out: list[_Source] = []
+        want: tuple[tuple[int, ...], torch.dtype | None] | None = None
+        for i in idx:
+            value = st.lru.get(i) if st.use_lru else None
+            sid = int(self.index.shard[i])
+            if value is not None:
+                shape, dtype = tuple(value.shape), value.dtype
+            else:
+                if sid < 0:
+                    return None
+                try:
+                    _, reader = self._open(st, sid)
+                except ShardMissing:
+                    return None
+                info = reader.tensors.get(self.index.key(i))
+                if info is None:
+                    return None
+                shape, dtype = info.shape, ST_TO_DTYPE.get(info.dtype)
+            if not shape or dtype is None:
+                return None
+            if want is None:
+                want = (shape[1:], dtype)
+            elif (shape[1:], dtype) != want:
+                return None
+            out.append(_Source(value, sid, shape[0]))
+        assert want is not None and want[1] is not None
+        return _Plan(out, want[0], want[1])
+
+    def _fill(self, st: ProcessState, idx: list[int], plan: _Plan) -> PaddedBatch | None:
+        lengths = [s.length for s in plan.sources]
+        t_max = max(lengths)
+        shape = (len(idx), t_max, *plan.trailing)
+        padded = alloc_batch(torch.empty(0, dtype=plan.dtype), shape)
+        for row, i, src in zip(padded, idx, plan.sources, strict=True):
+            if src.length < t_max:
+                row[src.length :].zero_()
+            dest = row[: src.length]
+            if src.value is not None:
+                dest.copy_(src.value)
+            elif not self._read_row(st, i, src.sid, dest):
+                return None  # moved meanwhile: the general path relocates it
+            st.touch(i)
+        return PaddedBatch.of(padded, lengths)
+
+    def _read_row(self, st: ProcessState, i: int, sid: int, dest: torch.Tensor) -> bool:
+        """Read item ``i`` into ``dest`` (one row of a batch); False if its shard vanished."""
+        try:
+            path, reader = self._open(st, sid)
+        except ShardMissing:
+            return False
+        check = st.check_always or (st.check_first and not st.verified[i])
+        reader.read_into(self.index.key(i), dest, verify=check)
+        self.remember(st, i, sid, path, reader)
+        if check:
+            st.verified[i] = 1
+        st.store_reads += 1
+        if st.use_lru:  # the RAM tier owns its copy, not a view of this batch
+            st.lru.put(i, mapped_empty(dest.shape, dest.dtype).copy_(dest))
+        return True
