@@ -44,7 +44,6 @@ LONG_MODULES: dict[str, str] = {
 }
 #: "module:function" -> why it may be longer (keep in step with docs/design.md).
 LONG_FUNCTIONS: dict[str, str] = {
-    "featbake.bake.pipeline:build": "moved whole; being split (issue 7)",
     "featbake.export.zarr:export_zarr": "moved whole; being split (issue 7)",
     "featbake.serve.dataset:_read_padded": "moved whole; being split (issue 7)",
     "featbake.upkeep:_plan": "moved whole; being split (issue 7)",
