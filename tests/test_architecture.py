@@ -17,7 +17,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "featbake"
 
 #: layer -> the layers it may import (itself included implicitly).
-LEAVES = {"errors", "keys", "recipe", "units", "lru", "progress", "version"}
+LEAVES = {"errors", "keys", "recipe", "units", "lru", "progress", "version", "cpus"}
 ALLOWED: dict[str, set[str]] = {
     "leaf": set(),
     "device": {"leaf"},

@@ -51,7 +51,10 @@ class DecodeDataset(Dataset):
             return i, f"{self.paths[i]}: {type(e).__name__}: {e}"
 
 
-def ignore_sigint(_worker_id: int) -> None:
+def init_worker(_worker_id: int) -> None:
+    """Set up a decode worker: one torch thread, Ctrl-C left to the main process."""
+    # The encoder's threads own the other CPUs (see featbake.cpus.bake_threads).
+    torch.set_num_threads(1)
     # A terminal's Ctrl-C reaches the whole process group: workers must leave it to the main
     # process, which stops at a safe point and shuts them down (see interrupt_at_safe_points).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -70,6 +73,6 @@ def decoded_items(
         num_workers=min(workers, len(paths)),
         prefetch_factor=8,
         persistent_workers=False,
-        worker_init_fn=ignore_sigint,
+        worker_init_fn=init_worker,
     )
     yield from loader

@@ -21,7 +21,8 @@ from featbake.bake.decode import decoded_items
 from featbake.bake.interrupt import interrupt_at_safe_points
 from featbake.bake.report import BuildReport
 from featbake.bake.writer_thread import WriterThread
-from featbake.device import check_device
+from featbake.cpus import BakeThreads, bake_threads
+from featbake.device import check_device, process_cpus, torch_threads
 from featbake.encode.encoders import LoadedEncoder, from_module, load_encoder
 from featbake.encode.fingerprints import (
     encoder_fingerprint,
@@ -50,7 +51,7 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
     weights: str | os.PathLike[str] | None = None,
     trust_pickle: bool = False,
     batch_size: int = 16,
-    workers: int = 2,
+    workers: int | None = None,
     device: str | torch.device = "cpu",
     strict: bool = False,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
@@ -66,7 +67,8 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
         weights: safetensors weights for an import-path encoder.
         trust_pickle: allow a pickled whole-module checkpoint (runs its code).
         batch_size: inputs per encoder call (inputs of equal shape batch together).
-        workers: DataLoader worker processes for decoding (0: decode in this process).
+        workers: DataLoader worker processes for decoding (0: decode in this process; None:
+            chosen from the CPUs this process may use, see :func:`featbake.cpus.bake_threads`).
         device: where the encoder runs.
         strict: stop at the first bad input instead of skipping it.
         shard_bytes: target shard size.
@@ -86,8 +88,8 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
     """
     t0 = time.perf_counter()
     recipe = recipe or Recipe()
-    options = BakeOptions(batch_size, workers, strict, shard_bytes)
     dev = check_device(device)
+    options = BakeOptions(batch_size, workers, strict, shard_bytes, on_gpu=dev.type != "cpu")
     layout = Layout(Path(cache) if cache is not None else default_cache_dir()).ensure()
     with contextlib.closing(Catalog(layout)) as catalog:
         source = source_for(recipe)
@@ -108,13 +110,18 @@ class BakeOptions:
     """The build's knobs that change speed or strictness, never the stored features."""
 
     batch_size: int = 16
-    workers: int = 2
+    workers: int | None = None
     strict: bool = False
     shard_bytes: int = DEFAULT_SHARD_BYTES
+    on_gpu: bool = False
 
     def __post_init__(self) -> None:
-        if self.workers < 0:
+        if self.workers is not None and self.workers < 0:
             raise ConfigError(f"--workers must be 0 or more, got {self.workers}")
+
+    def threads(self) -> BakeThreads:
+        """Decode workers and encoder threads for the CPUs this process may use."""
+        return bake_threads(process_cpus(), self.workers, on_gpu=self.on_gpu)
 
 
 def loaded_encoder(
@@ -224,9 +231,10 @@ class _Bake:
         )
         run = _EncodeRun(self, writer, [k for k, _ in work], paths)
         stats = [self.hashed_stats.get(p) for p in paths]
-        with interrupt_at_safe_points() as checkpoint:
+        threads = self.options.threads()
+        with interrupt_at_safe_points() as checkpoint, torch_threads(threads.encoder_threads):
             try:
-                items = decoded_items(paths, self.source, self.options.workers, stats)
+                items = decoded_items(paths, self.source, threads.decode_workers, stats)
                 run.feed(items, ShapeBatcher(self.options.batch_size), checkpoint)
             finally:
                 # Seal what was encoded, also on Ctrl-C or a strict failure: nothing encoded is
