@@ -295,11 +295,23 @@ def cuda_usable_here() -> bool:
     return not in_bad_fork() and cuda_available()
 
 
+#: Device types a build can run its encoder on.
+BUILD_DEVICE_TYPES = ("cpu", "cuda")
+
+
 def check_device(device: str | torch.device) -> torch.device:
+    """Validate a build's ``--device``: cpu, cuda or cuda:N, and CUDA must be present.
+
+    Raises:
+        ConfigError: an unknown device, a type that computes nothing (``meta``) or that
+            featbake does not drive, or CUDA asked for where there is none.
+    """
     try:
         dev = torch.device(device)
-    except RuntimeError as e:
+    except (RuntimeError, TypeError) as e:
         raise ConfigError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from e
+    if dev.type not in BUILD_DEVICE_TYPES:
+        raise ConfigError(f"--device {device} is not supported; use cpu, cuda or cuda:N")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"--device {device} asked for CUDA, but no CUDA device is available here")
     return dev

@@ -6,6 +6,7 @@ import signal
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -60,19 +61,64 @@ def init_worker(_worker_id: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def _as_is(item: Any) -> Any:
+    return item
+
+
+class _ArrayDataset(Dataset):
+    """``DecodeDataset`` whose tensors travel as numpy arrays: pickled through the worker's pipe.
+
+    A tensor crossing a process boundary goes through a file in ``/dev/shm``; when that is full
+    (Docker's 64 MB default) or ``ulimit -f`` caps file sizes, the worker's feeder thread fails
+    after the item left the queue, and the main process waits for it forever. A pipe has
+    neither limit.
+    """
+
+    def __init__(self, ds: DecodeDataset) -> None:
+        self.ds = ds
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int) -> tuple[int, Any]:
+        j, x = self.ds[i]
+        return j, (x.numpy() if isinstance(x, torch.Tensor) else x)
+
+
 def decoded_items(
     paths: Sequence[str], source: Source, workers: int, stats: Sequence[FileStat | None]
 ) -> Iterator[tuple[int, Any]]:
+    """(index, tensor) for each path, or (index, reason) for one that cannot be decoded.
+
+    Raises:
+        SourceError: a decode worker died (killed by the OOM killer, or by hand).
+    """
     ds = DecodeDataset(paths, source, stats)
     if workers == 0 or len(paths) < 2:
         yield from (ds[i] for i in range(len(ds)))
         return
     loader = DataLoader(
-        ds,
+        _ArrayDataset(ds),
         batch_size=None,
+        collate_fn=_as_is,
         num_workers=min(workers, len(paths)),
         prefetch_factor=8,
         persistent_workers=False,
         worker_init_fn=init_worker,
     )
-    yield from loader
+    try:
+        for i, x in loader:
+            yield i, (torch.from_numpy(x) if isinstance(x, np.ndarray) else x)
+    except RuntimeError as e:
+        if "DataLoader worker" not in str(e):
+            raise
+        raise SourceError(
+            f"a decode worker died ({_first_line(e)}): the OOM killer ends a worker that runs "
+            "out of memory. Rerun with fewer --workers (or --workers 0) or a smaller "
+            "--max-seconds; everything sealed so far is kept"
+        ) from None
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0].rstrip(". ") if lines else type(e).__name__

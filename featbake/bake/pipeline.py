@@ -30,7 +30,7 @@ from featbake.encode.fingerprints import (
     resolve_path,
 )
 from featbake.encode.outputs import encode_batch
-from featbake.encode.sources import Source, scan, source_for
+from featbake.encode.sources import ScanResult, Source, scan_inputs, source_for
 from featbake.errors import ConfigError, EncodeError, FeatbakeError, SourceError
 from featbake.keys import feature_key, root_id
 from featbake.progress import Progress
@@ -56,6 +56,7 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
     strict: bool = False,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     progress: ProgressFn | None = None,
+    allow_nonfinite: bool = False,
 ) -> BuildReport:
     """Run ``encoder`` over every input under ``data`` once and store the features.
 
@@ -73,6 +74,8 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
         strict: stop at the first bad input instead of skipping it.
         shard_bytes: target shard size.
         progress: called with :class:`Progress` as hashing and encoding advance.
+        allow_nonfinite: store features holding NaN or infinite values (by default such an
+            input fails: a NaN feature would poison every training step that reads it).
 
     Returns:
         A :class:`BuildReport`; ``report.failed`` names each input that was skipped.
@@ -89,16 +92,17 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
     t0 = time.perf_counter()
     recipe = recipe or Recipe()
     dev = check_device(device)
-    options = BakeOptions(batch_size, workers, strict, shard_bytes, on_gpu=dev.type != "cpu")
+    on_gpu = dev.type != "cpu"
+    options = BakeOptions(batch_size, workers, strict, shard_bytes, on_gpu, allow_nonfinite)
     layout = Layout(Path(cache) if cache is not None else default_cache_dir()).ensure()
     with contextlib.closing(Catalog(layout)) as catalog:
         source = source_for(recipe)
         data_dir = resolve_path(data)
-        rel_paths = scan(data_dir, source.extensions)
+        scanned = scan_inputs(data_dir, source.extensions)
         enc = loaded_encoder(encoder, weights, dev, trust_pickle)
         bake = _Bake(catalog, layout, enc, recipe, source, data_dir, options, progress)
-        bake.start(rel_paths, os.fspath(weights) if weights else None)
-        todo = bake.plan(rel_paths)
+        bake.start(scanned, os.fspath(weights) if weights else None)
+        todo = bake.plan(scanned.inputs)
         bake.publish_manifest()
         bake.encode_missing(todo)
     bake.report.seconds = time.perf_counter() - t0
@@ -114,6 +118,7 @@ class BakeOptions:
     strict: bool = False
     shard_bytes: int = DEFAULT_SHARD_BYTES
     on_gpu: bool = False
+    allow_nonfinite: bool = False
 
     def __post_init__(self) -> None:
         if self.workers is not None and self.workers < 0:
@@ -122,6 +127,14 @@ class BakeOptions:
     def threads(self) -> BakeThreads:
         """Decode workers and encoder threads for the CPUs this process may use."""
         return bake_threads(process_cpus(), self.workers, on_gpu=self.on_gpu)
+
+
+def nonfinite_part(parts: dict[str, torch.Tensor]) -> str | None:
+    """The name of the first output part holding NaN or +-inf ("output" for a lone tensor)."""
+    for name, value in parts.items():
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            return f"output {name!r}" if name else "its output"
+    return None
 
 
 def loaded_encoder(
@@ -154,15 +167,16 @@ class _Bake:
     manifest: list[tuple[str, str]] = field(default_factory=list)
     hashed_stats: dict[str, FileStat] = field(default_factory=dict)
 
-    def start(self, rel_paths: Sequence[str], weights: str | None) -> None:
-        """Fingerprint the encoder and recipe, and open the report."""
+    def start(self, scanned: ScanResult, weights: str | None) -> None:
+        """Fingerprint the encoder and recipe, and open the report with the skipped files."""
         enc_fp = encoder_fingerprint(self.enc, self.catalog, weights)
         recipe_fp = self.recipe.fingerprint()
         self.catalog.record_encoder(enc_fp, self.enc.label, self.enc.kind)
         name = root_id(self.data_dir, self.enc.label, recipe_fp)
-        self.report = BuildReport(
-            name, self.data_dir, self.enc.label, enc_fp, recipe_fp, files=len(rel_paths)
-        )
+        files = len(scanned.inputs) + len(scanned.skipped)
+        self.report = BuildReport(name, self.data_dir, self.enc.label, enc_fp, recipe_fp, files)
+        for rel, reason in scanned.skipped:
+            self.skip(rel, reason, SourceError(f"{rel}: {reason}"))
 
     def plan(self, rel_paths: Sequence[str]) -> dict[str, str]:
         """Hash every input and fill the manifest.
@@ -292,9 +306,18 @@ class _EncodeRun:
             self.fail(batch[0][0], f"{self.rel(batch[0][0])}: {e}", EncodeError)
             return
         for (i, _), parts in zip(batch, results, strict=True):
+            bad = None if self.bake.options.allow_nonfinite else nonfinite_part(parts)
+            if bad is not None:
+                reason = (
+                    f"{self.rel(i)}: the encoder returned NaN or infinite values in {bad} "
+                    f"(stored as {self.bake.recipe.dtype}); not stored. Pass --allow-nonfinite "
+                    "to store them anyway"
+                )
+                self.fail(i, reason, EncodeError)
+                continue
             self.writer.put(self.keys[i], parts)
             self.bake.report.encoded += 1
-        self.done += len(batch)
+            self.done += 1
         self.tick(self.writer.bytes_so_far)
 
     def tick(self, nbytes: int) -> None:

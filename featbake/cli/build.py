@@ -76,6 +76,10 @@ def build(
         bool,
         typer.Option(help="Allow a pickled whole-module checkpoint (loading it runs its code)."),
     ] = False,
+    allow_nonfinite: Annotated[
+        bool,
+        typer.Option(help="Store features that hold NaN or infinite values (default: refuse)."),
+    ] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Run an encoder over a data folder once and store its features.
@@ -114,6 +118,7 @@ def build(
             strict=strict,
             shard_bytes=shard_bytes,
             progress=on_progress,
+            allow_nonfinite=allow_nonfinite,
         )
     if as_json:
         out.print_json(json.dumps(report.to_json()))
