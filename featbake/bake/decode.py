@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import signal
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -106,19 +108,82 @@ def decoded_items(
         persistent_workers=False,
         worker_init_fn=init_worker,
     )
-    try:
-        for i, x in loader:
-            yield i, (torch.from_numpy(x) if isinstance(x, np.ndarray) else x)
-    except RuntimeError as e:
-        if "DataLoader worker" not in str(e):
-            raise
-        raise SourceError(
-            f"a decode worker died ({_first_line(e)}): the OOM killer ends a worker that runs "
-            "out of memory. Rerun with fewer --workers (or --workers 0) or a smaller "
-            "--max-seconds; everything sealed so far is kept"
-        ) from None
+    with _WorkerWatch() as watch:
+        try:
+            for i, x in loader:
+                watch.arm()
+                yield i, (torch.from_numpy(x) if isinstance(x, np.ndarray) else x)
+        except RuntimeError as e:
+            raise (worker_death(e) or e) from None
 
 
-def _first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return lines[0].rstrip(". ") if lines else type(e).__name__
+def worker_death(e: BaseException) -> SourceError | None:
+    """The clear error for torch's "DataLoader worker ... killed" RuntimeError, else None.
+
+    torch raises it from a SIGCHLD handler, so it can surface anywhere in the main thread.
+    """
+    text = str(e)
+    if not isinstance(e, RuntimeError) or not text.startswith("DataLoader worker"):
+        return None
+    return worker_died(text.splitlines()[0].rstrip(". "))
+
+
+def worker_died(what: str) -> SourceError:
+    return SourceError(
+        f"a decode worker died ({what}): the OOM killer ends a worker that runs out of "
+        "memory. Rerun with fewer --workers (or --workers 0) or a smaller --max-seconds; "
+        "everything sealed so far is kept"
+    )
+
+
+class _WorkerWatch:
+    """Ends any wait on a dead decode worker within a fraction of a second.
+
+    A worker killed while writing a result leaves half a message in its pipe: the main
+    process then blocks reading the rest, forever, and torch's own SIGCHLD check may have
+    fired elsewhere (or in another thread). This thread polls the workers and, when one has
+    died, raises :class:`SourceError` in the main thread through a signal that interrupts
+    the blocked read. Outside the main thread it does nothing.
+    """
+
+    POLL_S = 0.2
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._previous: Any = None
+        self.dead: str | None = None
+
+    def __enter__(self) -> _WorkerWatch:
+        return self
+
+    def arm(self) -> None:
+        """Start watching (after the first item: the workers exist by then)."""
+        if self._thread is not None or threading.current_thread() is not threading.main_thread():
+            return
+        workers = [p for p in multiprocessing.active_children() if p.exitcode is None]
+        self._previous = signal.signal(signal.SIGUSR1, self._raise)
+        self._thread = threading.Thread(
+            target=self._poll, args=(workers, threading.main_thread().ident), daemon=True
+        )
+        self._thread.start()
+
+    def _poll(self, workers: list[Any], main_ident: int) -> None:
+        while not self._stop.wait(self.POLL_S):
+            dead = [p for p in workers if p.exitcode not in (None, 0)]
+            if dead:
+                code = dead[0].exitcode
+                how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+                self.dead = f"pid {dead[0].pid}, {how}"
+                signal.pthread_kill(main_ident, signal.SIGUSR1)
+                return
+
+    def _raise(self, signum: int, frame: Any) -> None:
+        if self.dead is not None and not self._stop.is_set():
+            raise worker_died(self.dead)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            signal.signal(signal.SIGUSR1, self._previous or signal.SIG_DFL)

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from featbake.bake.batching import ShapeBatcher
-from featbake.bake.decode import decoded_items
+from featbake.bake.decode import decoded_items, worker_death
 from featbake.bake.interrupt import interrupt_at_safe_points
 from featbake.bake.report import BuildReport
 from featbake.bake.writer_thread import WriterThread
@@ -250,6 +250,8 @@ class _Bake:
             try:
                 items = decoded_items(paths, self.source, threads.decode_workers, stats)
                 run.feed(items, ShapeBatcher(self.options.batch_size), checkpoint)
+            except RuntimeError as e:  # torch's SIGCHLD handler can raise it anywhere
+                raise (worker_death(e) or e) from None
             finally:
                 # Seal what was encoded, also on Ctrl-C or a strict failure: nothing encoded is
                 # lost.

@@ -26,7 +26,7 @@ from featbake.encode.identity import (
     module_identity,
     script_identity,
 )
-from featbake.errors import ConfigError, EncodeError, EncoderLoadError
+from featbake.errors import ConfigError, EncodeError, EncoderLoadError, FeatbakeError
 from featbake.keys import module_fingerprint
 
 TORCHSCRIPT = "torchscript"
@@ -87,7 +87,11 @@ class LoadedEncoder:
                 f"the encoder {self.label} called sys.exit({e.code!r}) while encoding; an "
                 "encoder must return features or raise an exception"
             ) from None
+        except FeatbakeError:
+            raise  # e.g. a dead decode worker, reported through a signal
         except Exception as e:
+            if str(e).startswith("DataLoader worker"):  # torch's SIGCHLD handler: not our input
+                raise
             raise EncodeError(
                 f"the encoder {self.label} failed on a batch of shape {tuple(batch.shape)}: "
                 f"{error_cause(e)}"
