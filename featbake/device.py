@@ -9,17 +9,22 @@ is only touched when a CUDA device was actually asked for.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from featbake.cpus import parse_cfs_quota, parse_cpu_max, usable_cpus
 from featbake.errors import ConfigError
 
 __all__ = [
     "Event",
     "Stream",
     "alloc_pinned",
+    "cgroup_cpu_limit",
     "cuda_available",
     "cuda_usable_here",
     "current_stream",
@@ -29,11 +34,13 @@ __all__ = [
     "new_event",
     "new_stream",
     "pin",
+    "process_cpus",
     "record_event",
     "record_stream",
     "resolve_device",
     "stream_context",
     "synchronize",
+    "torch_threads",
     "wait_stream",
 ]
 
@@ -288,11 +295,83 @@ def cuda_usable_here() -> bool:
     return not in_bad_fork() and cuda_available()
 
 
+#: Device types a build can run its encoder on.
+BUILD_DEVICE_TYPES = ("cpu", "cuda")
+
+
 def check_device(device: str | torch.device) -> torch.device:
+    """Validate a build's ``--device``: cpu, cuda or cuda:N, and CUDA must be present.
+
+    Raises:
+        ConfigError: an unknown device, a type that computes nothing (``meta``) or that
+            featbake does not drive, or CUDA asked for where there is none.
+    """
     try:
         dev = torch.device(device)
-    except RuntimeError as e:
+    except (RuntimeError, TypeError) as e:
         raise ConfigError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from e
+    if dev.type not in BUILD_DEVICE_TYPES:
+        raise ConfigError(f"--device {device} is not supported; use cpu, cuda or cuda:N")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"--device {device} asked for CUDA, but no CUDA device is available here")
     return dev
+
+
+# -- CPUs --------------------------------------------------------------------------------------
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def cgroup_cpu_limit(root: str | os.PathLike[str] = CGROUP_ROOT, own: str | None = None) -> float:
+    """This process's cgroup CPU quota in CPUs (``inf``: none), the tightest of v2 and v1 files.
+
+    Args:
+        root: where the cgroup filesystem is mounted (tests pass a folder of fake files).
+        own: this process's cgroup path (default: read from ``/proc/self/cgroup``).
+
+    Example:
+        >>> cgroup_cpu_limit("/nonexistent", own="/")
+        inf
+    """
+    root = Path(root)
+    own = _own_cgroup() if own is None else own
+    folders = [root] + ([root / own.strip("/")] if own.strip("/") else [])
+    limits = [parse_cpu_max(_read(d / "cpu.max", "max")) for d in folders]
+    v1 = root / "cpu"
+    limits.append(parse_cfs_quota(_read(v1 / "cpu.cfs_quota_us"), _read(v1 / "cpu.cfs_period_us")))
+    return min(limits)
+
+
+def _read(path: Path, missing: str = "") -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return missing
+
+
+def _own_cgroup() -> str:
+    for line in _read(Path("/proc/self/cgroup")).splitlines():
+        if line.startswith("0::"):  # the cgroup v2 unified hierarchy
+            return line[3:].strip()
+    return ""
+
+
+def process_cpus() -> int:
+    """CPUs this process may keep busy: affinity mask and cgroup quota, not ``os.cpu_count()``."""
+    if hasattr(os, "sched_getaffinity"):
+        affinity: Any = os.sched_getaffinity(0)
+    else:  # macOS, Windows
+        affinity = range(os.cpu_count() or 1)
+    return usable_cpus(affinity, cgroup_cpu_limit())
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run the block with ``n`` torch intra-op threads, then restore the caller's count."""
+    before = torch.get_num_threads()
+    if n != before:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)

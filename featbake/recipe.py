@@ -9,6 +9,7 @@ options, which is why a dataset finds what the CLI baked.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,8 @@ STORED_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
 }
 SOURCE_KINDS = ("audio", "npy")
+#: The highest rate audio hardware records (Hz); above it a typo allocates gigabytes per clip.
+MAX_SAMPLE_RATE = 768_000
 
 
 @dataclass(frozen=True)
@@ -68,12 +71,22 @@ class Recipe:
                 f"unsupported stored dtype {self.dtype!r}; choose one of "
                 f"{', '.join(STORED_DTYPES)} (e.g. --dtype float16)"
             )
-        if not isinstance(self.sample_rate, int) or self.sample_rate <= 0:
+        self._check_numbers()
+
+    def _check_numbers(self) -> None:
+        """Bound the numeric options before anything is allocated from them."""
+        rate = self.sample_rate
+        if isinstance(rate, bool) or not isinstance(rate, int) or not 0 < rate <= MAX_SAMPLE_RATE:
             raise ConfigError(
-                f"--sample-rate must be a positive whole number of Hz, got {self.sample_rate!r}"
+                f"--sample-rate must be a whole number of Hz from 1 to {MAX_SAMPLE_RATE:,}, "
+                f"got {rate!r}"
             )
-        if self.max_seconds is not None and self.max_seconds <= 0:
-            raise ConfigError(f"--max-seconds must be positive, got {self.max_seconds}")
+        seconds = self.max_seconds
+        if seconds is not None and (not math.isfinite(seconds) or seconds <= 0):
+            raise ConfigError(
+                f"--max-seconds must be a positive, finite number of seconds, got {seconds}; "
+                "leave it out to keep whole files"
+            )
 
     @property
     def torch_dtype(self) -> torch.dtype:

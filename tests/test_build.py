@@ -317,3 +317,70 @@ def test_a_wrong_output_name_stops_the_build_with_a_config_error(
         cat.close()
     good = build(audio_dir, multi_encoder_file, cache=cache, recipe=Recipe(output="pooled"))
     assert good.ok and good.encoded == 16
+
+
+class _NanOnLong(TinyConvEncoder):
+    """TinyConvEncoder(seed=0), except that inputs over 1 s come out as NaN (or +inf)."""
+
+    def __init__(self, bad: float = float("nan")) -> None:
+        super().__init__()
+        self.bad = bad
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        out = super().forward(wav)
+        return out * self.bad if wav.shape[1] > 16000 else out
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_features_are_refused_unless_allowed(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, bad: float
+) -> None:
+    recipe = Recipe()
+    lengths = {
+        str(p.relative_to(audio_dir)): source_for(recipe).load(p).shape[0]
+        for p in audio_dir.rglob("*.wav")
+    }
+    long = {rel for rel, n in lengths.items() if n > 16000}
+    assert 0 < len(long) < len(lengths)
+    report = build(audio_dir, _NanOnLong(bad), cache=tmp_path / "c", workers=0)
+    assert {p for p, _ in report.failed} == long
+    assert all("NaN or infinite values" in r and "--allow-nonfinite" in r for _, r in report.failed)
+    stored = stored_features(tmp_path / "c", report.root)
+    assert set(stored) == set(lengths) - long
+    for rel, parts in stored.items():
+        live = live_features(encoder_file, audio_dir / rel)  # TorchScript vs eager, batched
+        assert torch.allclose(parts[""], live, rtol=1e-5, atol=1e-6), rel
+    allowed = build(audio_dir, _NanOnLong(bad), cache=tmp_path / "c", allow_nonfinite=True)
+    assert allowed.ok and allowed.encoded == len(long)
+    stored = stored_features(tmp_path / "c", report.root)
+    assert all(not torch.isfinite(stored[rel][""]).all() for rel in long)
+
+
+def test_an_encoder_raising_a_keyerror_skips_those_items_and_stores_the_rest(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    class KeyErrorOnLong(TinyConvEncoder):
+        def forward(self, wav: torch.Tensor) -> torch.Tensor:
+            if wav.shape[1] > 16000:
+                raise KeyError("speaker")  # e.g. a lookup table in an import-path module
+            return super().forward(wav)
+
+    report = build(audio_dir, KeyErrorOnLong(), cache=tmp_path / "c", batch_size=4, workers=0)
+    assert report.failed and report.encoded == report.files - len(report.failed)
+    assert all("KeyError: 'speaker'" in reason for _, reason in report.failed)
+    for rel, parts in stored_features(tmp_path / "c", report.root).items():
+        live = live_features(encoder_file, audio_dir / rel)  # TorchScript vs eager, batched
+        assert torch.allclose(parts[""], live, rtol=1e-5, atol=1e-6), rel
+
+
+def test_auto_workers_leave_the_callers_torch_threads_as_they_were(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        report = build(audio_dir, encoder_file, cache=tmp_path / "c")  # workers=None: chosen
+        assert report.ok and report.encoded == report.files
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -321,3 +321,188 @@ def test_no_mono_keeps_channels_and_is_its_own_key(tmp_path: Path) -> None:
         assert torch.equal(stored, x.mean(dim=-1, keepdim=True))  # live, per the recipe
         assert stored.shape == ((1,) if flag == "--mono" else (2, 1))
     assert reports["--mono"]["recipe_fp"] != reports["--no-mono"]["recipe_fp"]
+
+
+# -- hardening: inputs that are not regular files, absurd options, dead workers, output -----------
+def test_fifo_symlink_loop_and_non_utf8_name_are_skipped_not_hung(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    data = tmp_path / "audio"
+    write_audio_folder(data, 3, seconds=0.3, seed=31)
+    os.mkfifo(data / "x.wav")  # reading it would block the build forever
+    os.symlink(".", data / "link")  # os.walk(followlinks=True) repeated every file 40 times
+    os.link(os.fsencode(data / "clip00000.wav"), os.path.join(os.fsencode(data), b"t\xe9.wav"))
+    res = run_cli("build", "-e", encoder_file, "-d", data, "--cache", tmp_path / "c", "--json",
+                  "--workers", "2", timeout=120)  # fmt: skip
+    assert res.returncode == 3, res.stderr
+    report = _json(res)
+    assert report["encoded"] == 3 and report["files"] == 5
+    failed = {f["path"]: f["reason"] for f in report["failed"]}
+    assert "not a regular file (a FIFO)" in failed["x.wav"]
+    assert "not valid UTF-8" in failed["t\\xe9.wav"]
+    assert "internal error" not in res.stderr
+    items = sqlite3.connect(tmp_path / "c" / "catalog.sqlite").execute(
+        "SELECT COUNT(*) FROM root_items"
+    )
+    assert items.fetchone()[0] == 3  # one item per file, not one per path through the loop
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "needle"),
+    [
+        ("--sample-rate", "1000000000", "--sample-rate must be"),
+        ("--max-seconds", "nan", "--max-seconds must be"),
+        ("--max-seconds", "inf", "--max-seconds must be"),
+        ("--max-seconds", "-1", "--max-seconds must be"),
+        ("--device", "meta", "--device meta is not supported"),
+    ],
+)
+def test_absurd_options_are_config_errors_before_any_work(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, option: str, value: str, needle: str
+) -> None:
+    res = run_cli("build", "-e", encoder_file, "-d", audio_dir, "--cache", tmp_path / "c",
+                  option, value, timeout=60)  # fmt: skip
+    assert res.returncode == 2, res.stderr
+    assert needle in res.stderr and "internal error" not in res.stderr
+    assert not (tmp_path / "c").exists() or _feature_count(tmp_path / "c") == 0
+
+
+def _children(pid: int) -> list[int]:
+    text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    return [int(c) for c in text.split()]
+
+
+@pytest.mark.slow
+def test_a_decode_worker_killed_ends_the_build_with_one_clear_line(tmp_path: Path) -> None:
+    """What the OOM killer does to a worker that decodes a huge clip: SIGKILL."""
+    data = tmp_path / "audio"
+    write_audio_folder(data, 60, seconds=0.3, seed=32)
+    cache = tmp_path / "c"
+    calls = tmp_path / "calls.log"
+    env = _env(tmp_path, SLOW_SLEEP="0.05", SLOW_LOG=str(calls))
+    args = ["build", "-e", "slow_enc:build", "-d", data, "--cache", cache, "--batch-size", "1"]
+    args += ["--workers", "2"]
+    proc = _popen(args, env, tmp_path / "build.log")
+    try:
+        _wait_for(lambda: (calls.exists() and calls.read_text().strip()) or proc.poll() is not None)
+        workers = _children(proc.pid)
+        assert workers, "the build runs no decode worker"
+        os.kill(workers[0], signal.SIGKILL)
+        proc.wait(60)  # a hang fails here
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdout_file.close()  # type: ignore[attr-defined]
+    output = (tmp_path / "build.log").read_text()
+    assert proc.returncode == 8, output
+    assert "a decode worker died" in output and "--workers" in output
+    assert "Traceback" not in output and "internal error" not in output
+
+
+@pytest.mark.slow
+def test_a_file_size_limit_with_decode_workers_does_not_hang(tmp_path: Path) -> None:
+    """`ulimit -f` (or a full /dev/shm): decoded clips must not need files to reach the encoder."""
+    import resource
+
+    data = tmp_path / "audio"
+    # 150 s at 8 kHz: 2.4 MB on disk, 9.6 MB decoded at 16 kHz (over the limit below), 3.8 MB of
+    # features; the limit leaves the catalog (and its WAL) room to work.
+    write_audio_folder(data, 4, seconds=150.0, sample_rate=8000, seed=33)
+    limit = 8 * 1024 * 1024
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    env = {**_env(tmp_path), "COLUMNS": "200"}
+    args = ["build", "-e", "slow_enc:build", "-d", data, "--cache", tmp_path / "c", "--json"]
+    args += ["--workers", "2", "--batch-size", "1", "--shard-size", "64KiB"]
+    res = subprocess.run(
+        [sys.executable, "-m", "featbake", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,  # before: hung forever
+        preexec_fn=small_files,
+    )
+    assert "Traceback" not in res.stderr and "internal error" not in res.stderr, res.stderr
+    assert res.returncode == 0, res.stderr
+    assert _json(res)["encoded"] == 4
+
+
+def test_names_and_errors_print_literally_without_emoji(tmp_path: Path, encoder_file: Path) -> None:
+    data = tmp_path / "audio"
+    write_audio_folder(data, 2, seconds=0.3, seed=34)
+    (data / ":x: take1.wav").write_bytes(b"RIFF not audio")
+    res = run_cli("build", "-e", encoder_file, "-d", data, "--cache", tmp_path / "c")
+    assert res.returncode == 3
+    assert ":x: take1.wav" in res.stderr and "\u274c" not in res.stderr
+    res = run_cli("build", "-e", "nopkg_xyz:factory:", "-d", data, "--cache", tmp_path / "c")
+    assert res.returncode == 4
+    assert "nopkg_xyz:factory:" in res.stderr and "\U0001f3ed" not in res.stderr
+
+
+def test_encoder_files_and_modules_that_misbehave_get_their_own_line(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    junk = tmp_path / "model.pt"
+    junk.write_bytes(os.urandom(4096))
+    res = run_cli("build", "-e", junk, "-d", audio_dir, "--cache", tmp_path / "c")
+    assert res.returncode == 4
+    assert "is not a TorchScript (.pt)" in res.stderr and "weights_only" not in res.stderr
+    env = _env(tmp_path)
+    (tmp_path / "pkgs" / "quits.py").write_text("import sys\ndef build():\n    sys.exit(3)\n")
+    res = run_cli("build", "-e", "quits:build", "-d", audio_dir, "--cache", tmp_path / "c",
+                  env={"PYTHONPATH": env["PYTHONPATH"]})  # fmt: skip
+    assert res.returncode == 4 and "quits:build() called sys.exit(3)" in res.stderr
+
+
+def test_non_finite_features_exit_3_unless_allowed(tmp_path: Path, audio_dir: Path) -> None:
+    env = _env(tmp_path)
+    (tmp_path / "pkgs" / "nan_enc.py").write_text(
+        "from featbake.testing import TinyConvEncoder\n"
+        "class Nan(TinyConvEncoder):\n"
+        "    def forward(self, wav):\n"
+        "        return super().forward(wav) * float('nan')\n"
+        "def build():\n"
+        "    return Nan()\n"
+    )
+    args = ["build", "-e", "nan_enc:build", "-d", audio_dir, "--cache", tmp_path / "c", "--json"]
+    res = run_cli(*args, env={"PYTHONPATH": env["PYTHONPATH"]})
+    assert res.returncode == 3
+    report = _json(res)
+    assert report["encoded"] == 0 and len(report["failed"]) == 16
+    assert _feature_count(tmp_path / "c") == 0
+    res = run_cli(*args, "--allow-nonfinite", env={"PYTHONPATH": env["PYTHONPATH"]})
+    assert res.returncode == 0 and _json(res)["encoded"] == 16
+
+
+def test_export_to_a_path_that_cannot_be_created_is_one_line(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    cache = tmp_path / "c"
+    assert run_cli("build", "-e", encoder_file, "-d", audio_dir, "--cache", cache).returncode == 0
+    (tmp_path / "afile").write_text("x")
+    res = run_cli("export", tmp_path / "afile" / "feats.zarr", "--cache", cache)
+    assert res.returncode == 5, res.stderr
+    assert "cannot write the export" in res.stderr and "internal error" not in res.stderr
+
+
+def test_roots_and_verify_do_not_hard_wrap_off_a_terminal(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    data = tmp_path / ("a_rather_long_folder_name_for_the_clips_" * 3) / "audio"
+    write_audio_folder(data, 2, seconds=0.3, seed=35)
+    cache = tmp_path / "c"
+    assert run_cli("build", "-e", encoder_file, "-d", data, "--cache", cache).returncode == 0
+    shard = next((cache / "shards").rglob("*.safetensors"))
+    with open(shard, "r+b") as f:  # damage a data byte: verify names the shard's path
+        f.seek(-3, os.SEEK_END)
+        f.write(b"\xff\xff\xff")
+    env = {"COLUMNS": ""}  # as from cron or a pipe: rich would assume 80 columns
+    roots = run_cli("roots", "--cache", cache, env=env)
+    assert str(data) in roots.stdout, roots.stdout
+    res = run_cli("verify", "--cache", cache, env=env)
+    assert res.returncode == 11
+    assert any(shard.name in line for line in res.stdout.splitlines()), res.stdout
+    assert all(len(line) <= 80 or shard.name in line or str(data) in line
+               for line in res.stdout.splitlines())  # fmt: skip

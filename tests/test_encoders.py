@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import textwrap
 from pathlib import Path
 
@@ -265,3 +266,75 @@ def test_from_module_puts_the_module_in_eval_mode() -> None:
     m = MultiOutputEncoder().train()
     enc = from_module(m)
     assert not m.training and enc.kind == "module" and enc.device == torch.device("cpu")
+
+
+class _RaisesOnLong(torch.nn.Module):
+    """Raises for inputs longer than 8,000 samples (scriptable: a TorchScript ``raise``)."""
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        if wav.shape[1] > 8000:
+            raise ValueError("clip longer than half a second")
+        return wav[:, :10]
+
+
+def test_a_torchscript_raise_is_an_encode_error_that_shows_its_cause(tmp_path: Path) -> None:
+    from featbake.testing import save_torchscript
+
+    enc = load_encoder(save_torchscript(_RaisesOnLong(), tmp_path / "raises.pt"))
+    assert enc.run(torch.zeros(1, 100)).shape == (1, 10)
+    with pytest.raises(EncodeError) as info:
+        enc.run(torch.zeros(1, 9000))
+    assert "clip longer than half a second" in str(info.value)
+    assert "The following operation failed" not in str(info.value)
+
+
+def test_any_exception_from_the_encoder_is_an_encode_error_naming_it() -> None:
+    class KeyErrorEncoder(torch.nn.Module):
+        def forward(self, wav: torch.Tensor) -> torch.Tensor:
+            return {"a": wav}["missing"]
+
+    with pytest.raises(EncodeError, match="KeyError: 'missing'"):
+        from_module(KeyErrorEncoder()).run(torch.zeros(1, 10))
+
+
+def test_sys_exit_inside_an_encoder_is_a_load_error_not_a_silent_exit() -> None:
+    class Exits(torch.nn.Module):
+        def forward(self, wav: torch.Tensor) -> torch.Tensor:
+            raise SystemExit(3)
+
+    with pytest.raises(EncoderLoadError, match=r"called sys\.exit\(3\)"):
+        from_module(Exits()).run(torch.zeros(1, 10))
+
+
+def test_a_complex_output_is_refused_not_cast_to_its_real_part() -> None:
+    class Spectrum(torch.nn.Module):
+        def forward(self, wav: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"real": wav, "spec": torch.fft.rfft(wav)}
+
+    with pytest.raises(EncodeError, match=r"complex output 'spec' \(torch.complex64\)"):
+        from_module(Spectrum()).run(torch.zeros(1, 16))
+
+
+def test_random_bytes_as_an_encoder_never_relay_torchs_weights_only_advice(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "random.pt"
+    path.write_bytes(bytes(range(256)) * 16)
+    with pytest.raises(EncoderLoadError) as info:
+        load_encoder(path)
+    message = str(info.value)
+    assert "is not a TorchScript (.pt), torch.export (.pt2) or torch.save file" in message
+    assert "weights_only" not in message and "arbitrary code" not in message
+
+
+def test_an_import_path_module_calling_sys_exit_is_a_load_error(tmp_path: Path) -> None:
+    (tmp_path / "exits_on_import.py").write_text("import sys\nsys.exit(3)\n")
+    (tmp_path / "exits_in_factory.py").write_text("import sys\ndef build():\n    sys.exit(3)\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        with pytest.raises(EncoderLoadError, match=r"importing exits_on_import called sys\.exit"):
+            load_encoder("exits_on_import:build")
+        with pytest.raises(EncoderLoadError, match=r"build\(\) called sys\.exit\(3\)"):
+            load_encoder("exits_in_factory:build")
+    finally:
+        sys.path.remove(str(tmp_path))

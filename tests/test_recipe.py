@@ -75,6 +75,10 @@ def test_fingerprint_is_sha256_of_canonical_json() -> None:
         ({"sample_rate": 0}, "--sample-rate"),
         ({"sample_rate": 16000.5}, "--sample-rate"),
         ({"max_seconds": -1}, "--max-seconds"),
+        ({"sample_rate": 1_000_000_000}, "--sample-rate"),  # ~10 GB per decoded clip
+        ({"sample_rate": True}, "--sample-rate"),
+        ({"max_seconds": float("nan")}, "--max-seconds"),
+        ({"max_seconds": float("inf")}, "--max-seconds"),
     ],
 )
 def test_bad_options_raise_config_error_naming_the_option(kwargs: dict, needle: str) -> None:

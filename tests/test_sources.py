@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -10,10 +11,17 @@ import soundfile
 import soxr
 import torch
 
-from featbake.encode.sources import AudioSource, NpySource, scan, source_for
+from featbake.encode.sources import (
+    AudioSource,
+    NpySource,
+    SkippedInput,
+    scan,
+    scan_inputs,
+    source_for,
+)
 from featbake.errors import SourceError
 from featbake.recipe import Recipe
-from featbake.testing import make_tone
+from featbake.testing import make_tone, write_audio_folder
 
 
 @pytest.mark.parametrize("fmt", ["wav", "flac", "ogg"])
@@ -166,3 +174,33 @@ def test_scan_errors(tmp_path: Path) -> None:
     (tmp_path / "x.txt").write_text("x")
     with pytest.raises(SourceError, match="no input files"):
         scan(tmp_path, [".wav"])
+
+
+def test_scan_skips_a_fifo_with_a_reason_and_never_opens_it(tmp_path: Path) -> None:
+    write_audio_folder(tmp_path, 2, seconds=0.2)
+    os.mkfifo(tmp_path / "x.wav")  # opening it for reading would block forever
+    found = scan_inputs(tmp_path, [".wav"])
+    assert found.inputs == ["clip00000.wav", "clip00001.wav"]
+    assert [s.path for s in found.skipped] == ["x.wav"]
+    assert "not a regular file (a FIFO)" in found.skipped[0].reason
+
+
+def test_scan_follows_each_folder_once_through_a_symlink_loop(tmp_path: Path) -> None:
+    write_audio_folder(tmp_path / "a", 1, seconds=0.2)
+    os.symlink(".", tmp_path / "link")  # link -> .: os.walk(followlinks) went 40 levels deep
+    os.symlink("..", tmp_path / "a" / "up")
+    (tmp_path / "b").symlink_to(tmp_path / "a")  # the same folder under a second name
+    assert scan(tmp_path, [".wav"]) == ["a/clip00000.wav"]
+
+
+def test_scan_skips_a_file_name_that_is_not_utf8(tmp_path: Path) -> None:
+    write_audio_folder(tmp_path, 1, seconds=0.2)
+    bad = os.path.join(os.fsencode(tmp_path), b"take\xff.wav")
+    os.link(os.fsencode(tmp_path / "clip00000.wav"), bad)
+    found = scan_inputs(tmp_path, [".wav"])
+    assert found.inputs == ["clip00000.wav"]
+    assert found.skipped == [
+        SkippedInput("take\\xff.wav", found.skipped[0].reason),
+    ]
+    assert "not valid UTF-8" in found.skipped[0].reason
+    found.skipped[0].path.encode("utf-8")  # printable and storable

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import signal
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -51,25 +54,136 @@ class DecodeDataset(Dataset):
             return i, f"{self.paths[i]}: {type(e).__name__}: {e}"
 
 
-def ignore_sigint(_worker_id: int) -> None:
+def init_worker(_worker_id: int) -> None:
+    """Set up a decode worker: one torch thread, Ctrl-C left to the main process."""
+    # The encoder's threads own the other CPUs (see featbake.cpus.bake_threads).
+    torch.set_num_threads(1)
     # A terminal's Ctrl-C reaches the whole process group: workers must leave it to the main
     # process, which stops at a safe point and shuts them down (see interrupt_at_safe_points).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def _as_is(item: Any) -> Any:
+    return item
+
+
+class _ArrayDataset(Dataset):
+    """``DecodeDataset`` whose tensors travel as numpy arrays: pickled through the worker's pipe.
+
+    A tensor crossing a process boundary goes through a file in ``/dev/shm``; when that is full
+    (Docker's 64 MB default) or ``ulimit -f`` caps file sizes, the worker's feeder thread fails
+    after the item left the queue, and the main process waits for it forever. A pipe has
+    neither limit.
+    """
+
+    def __init__(self, ds: DecodeDataset) -> None:
+        self.ds = ds
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int) -> tuple[int, Any]:
+        j, x = self.ds[i]
+        return j, (x.numpy() if isinstance(x, torch.Tensor) else x)
+
+
 def decoded_items(
     paths: Sequence[str], source: Source, workers: int, stats: Sequence[FileStat | None]
 ) -> Iterator[tuple[int, Any]]:
+    """(index, tensor) for each path, or (index, reason) for one that cannot be decoded.
+
+    Raises:
+        SourceError: a decode worker died (killed by the OOM killer, or by hand).
+    """
     ds = DecodeDataset(paths, source, stats)
     if workers == 0 or len(paths) < 2:
         yield from (ds[i] for i in range(len(ds)))
         return
     loader = DataLoader(
-        ds,
+        _ArrayDataset(ds),
         batch_size=None,
+        collate_fn=_as_is,
         num_workers=min(workers, len(paths)),
         prefetch_factor=8,
         persistent_workers=False,
-        worker_init_fn=ignore_sigint,
+        worker_init_fn=init_worker,
     )
-    yield from loader
+    with _WorkerWatch() as watch:
+        try:
+            for i, x in loader:
+                watch.arm()
+                yield i, (torch.from_numpy(x) if isinstance(x, np.ndarray) else x)
+        except RuntimeError as e:
+            raise (worker_death(e) or e) from None
+
+
+def worker_death(e: BaseException) -> SourceError | None:
+    """The clear error for torch's "DataLoader worker ... killed" RuntimeError, else None.
+
+    torch raises it from a SIGCHLD handler, so it can surface anywhere in the main thread.
+    """
+    text = str(e)
+    if not isinstance(e, RuntimeError) or not text.startswith("DataLoader worker"):
+        return None
+    return worker_died(text.splitlines()[0].rstrip(". "))
+
+
+def worker_died(what: str) -> SourceError:
+    return SourceError(
+        f"a decode worker died ({what}): the OOM killer ends a worker that runs out of "
+        "memory. Rerun with fewer --workers (or --workers 0) or a smaller --max-seconds; "
+        "everything sealed so far is kept"
+    )
+
+
+class _WorkerWatch:
+    """Ends any wait on a dead decode worker within a fraction of a second.
+
+    A worker killed while writing a result leaves half a message in its pipe: the main
+    process then blocks reading the rest, forever, and torch's own SIGCHLD check may have
+    fired elsewhere (or in another thread). This thread polls the workers and, when one has
+    died, raises :class:`SourceError` in the main thread through a signal that interrupts
+    the blocked read. Outside the main thread it does nothing.
+    """
+
+    POLL_S = 0.2
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._previous: Any = None
+        self.dead: str | None = None
+
+    def __enter__(self) -> _WorkerWatch:
+        return self
+
+    def arm(self) -> None:
+        """Start watching (after the first item: the workers exist by then)."""
+        if self._thread is not None or threading.current_thread() is not threading.main_thread():
+            return
+        workers = [p for p in multiprocessing.active_children() if p.exitcode is None]
+        self._previous = signal.signal(signal.SIGUSR1, self._raise)
+        self._thread = threading.Thread(
+            target=self._poll, args=(workers, threading.main_thread().ident), daemon=True
+        )
+        self._thread.start()
+
+    def _poll(self, workers: list[Any], main_ident: int) -> None:
+        while not self._stop.wait(self.POLL_S):
+            dead = [p for p in workers if p.exitcode not in (None, 0)]
+            if dead:
+                code = dead[0].exitcode
+                how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+                self.dead = f"pid {dead[0].pid}, {how}"
+                signal.pthread_kill(main_ident, signal.SIGUSR1)
+                return
+
+    def _raise(self, signum: int, frame: Any) -> None:
+        if self.dead is not None and not self._stop.is_set():
+            raise worker_died(self.dead)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            signal.signal(signal.SIGUSR1, self._previous or signal.SIG_DFL)

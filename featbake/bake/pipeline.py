@@ -1,20 +1,28 @@
-"""BUILD_DOC"""
+"""The build: scan a data folder, key every input, encode what the store lacks, seal shards.
+
+:func:`build` runs named steps in order: open the store and the encoder, key each input
+(:meth:`_Bake.plan`), publish the manifest, then encode the missing items (:class:`_EncodeRun`)
+behind decode workers while a writer thread fills shards.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from featbake.bake.batching import ShapeBatcher
-from featbake.bake.decode import decoded_items
+from featbake.bake.decode import decoded_items, worker_death
 from featbake.bake.interrupt import interrupt_at_safe_points
 from featbake.bake.report import BuildReport
 from featbake.bake.writer_thread import WriterThread
-from featbake.device import check_device
+from featbake.cpus import BakeThreads, bake_threads
+from featbake.device import check_device, process_cpus, torch_threads
 from featbake.encode.encoders import LoadedEncoder, from_module, load_encoder
 from featbake.encode.fingerprints import (
     encoder_fingerprint,
@@ -22,7 +30,7 @@ from featbake.encode.fingerprints import (
     resolve_path,
 )
 from featbake.encode.outputs import encode_batch
-from featbake.encode.sources import Source, scan, source_for
+from featbake.encode.sources import ScanResult, Source, scan_inputs, source_for
 from featbake.errors import ConfigError, EncodeError, FeatbakeError, SourceError
 from featbake.keys import feature_key, root_id
 from featbake.progress import Progress
@@ -31,8 +39,10 @@ from featbake.store.catalog import Catalog, FileStat
 from featbake.store.layout import Layout, default_cache_dir
 from featbake.store.shard_format import DEFAULT_SHARD_BYTES
 
+ProgressFn = Callable[[Progress], None]
 
-def build(
+
+def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
     data: str | os.PathLike[str],
     encoder: str | os.PathLike[str] | LoadedEncoder | torch.nn.Module,
     *,
@@ -41,11 +51,12 @@ def build(
     weights: str | os.PathLike[str] | None = None,
     trust_pickle: bool = False,
     batch_size: int = 16,
-    workers: int = 2,
+    workers: int | None = None,
     device: str | torch.device = "cpu",
     strict: bool = False,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
-    progress: Callable[[Progress], None] | None = None,
+    progress: ProgressFn | None = None,
+    allow_nonfinite: bool = False,
 ) -> BuildReport:
     """Run ``encoder`` over every input under ``data`` once and store the features.
 
@@ -57,11 +68,14 @@ def build(
         weights: safetensors weights for an import-path encoder.
         trust_pickle: allow a pickled whole-module checkpoint (runs its code).
         batch_size: inputs per encoder call (inputs of equal shape batch together).
-        workers: DataLoader worker processes for decoding (0: decode in this process).
+        workers: DataLoader worker processes for decoding (0: decode in this process; None:
+            chosen from the CPUs this process may use, see :func:`featbake.cpus.bake_threads`).
         device: where the encoder runs.
         strict: stop at the first bad input instead of skipping it.
         shard_bytes: target shard size.
         progress: called with :class:`Progress` as hashing and encoding advance.
+        allow_nonfinite: store features holding NaN or infinite values (by default such an
+            input fails: a NaN feature would poison every training step that reads it).
 
     Returns:
         A :class:`BuildReport`; ``report.failed`` names each input that was skipped.
@@ -77,153 +91,239 @@ def build(
     """
     t0 = time.perf_counter()
     recipe = recipe or Recipe()
-    if workers < 0:
-        raise ConfigError(f"--workers must be 0 or more, got {workers}")
     dev = check_device(device)
+    on_gpu = dev.type != "cpu"
+    options = BakeOptions(batch_size, workers, strict, shard_bytes, on_gpu, allow_nonfinite)
     layout = Layout(Path(cache) if cache is not None else default_cache_dir()).ensure()
-    catalog = Catalog(layout)
-    source = source_for(recipe)
-    data_dir = resolve_path(data)
-    rel_paths = scan(data_dir, source.extensions)
+    with contextlib.closing(Catalog(layout)) as catalog:
+        source = source_for(recipe)
+        data_dir = resolve_path(data)
+        scanned = scan_inputs(data_dir, source.extensions)
+        enc = loaded_encoder(encoder, weights, dev, trust_pickle)
+        bake = _Bake(catalog, layout, enc, recipe, source, data_dir, options, progress)
+        bake.start(scanned, os.fspath(weights) if weights else None)
+        todo = bake.plan(scanned.inputs)
+        bake.publish_manifest()
+        bake.encode_missing(todo)
+    bake.report.seconds = time.perf_counter() - t0
+    return bake.report
 
+
+@dataclass(frozen=True)
+class BakeOptions:
+    """The build's knobs that change speed or strictness, never the stored features."""
+
+    batch_size: int = 16
+    workers: int | None = None
+    strict: bool = False
+    shard_bytes: int = DEFAULT_SHARD_BYTES
+    on_gpu: bool = False
+    allow_nonfinite: bool = False
+
+    def __post_init__(self) -> None:
+        if self.workers is not None and self.workers < 0:
+            raise ConfigError(f"--workers must be 0 or more, got {self.workers}")
+
+    def threads(self) -> BakeThreads:
+        """Decode workers and encoder threads for the CPUs this process may use."""
+        return bake_threads(process_cpus(), self.workers, on_gpu=self.on_gpu)
+
+
+def nonfinite_part(parts: dict[str, torch.Tensor]) -> str | None:
+    """The name of the first output part holding NaN or +-inf ("output" for a lone tensor)."""
+    for name, value in parts.items():
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            return f"output {name!r}" if name else "its output"
+    return None
+
+
+def loaded_encoder(
+    encoder: str | os.PathLike[str] | LoadedEncoder | torch.nn.Module,
+    weights: str | os.PathLike[str] | None,
+    device: torch.device,
+    trust_pickle: bool,
+) -> LoadedEncoder:
+    """The encoder ready to run: loaded from a path or import path, or wrapped as given."""
     if isinstance(encoder, LoadedEncoder):
-        enc = encoder
-    elif isinstance(encoder, torch.nn.Module):
-        enc = from_module(encoder, device=dev)
-    else:
-        enc = load_encoder(encoder, weights=weights, device=dev, trust_pickle=trust_pickle)
-    enc_fp = encoder_fingerprint(enc, catalog, os.fspath(weights) if weights else None)
-    recipe_fp = recipe.fingerprint()
-    catalog.record_encoder(enc_fp, enc.label, enc.kind)
-    name = root_id(data_dir, enc.label, recipe_fp)
-    report = BuildReport(name, data_dir, enc.label, enc_fp, recipe_fp, files=len(rel_paths))
+        return encoder
+    if isinstance(encoder, torch.nn.Module):
+        return from_module(encoder, device=device)
+    return load_encoder(encoder, weights=weights, device=device, trust_pickle=trust_pickle)
 
-    abs_paths = [os.path.join(data_dir, p) for p in rel_paths]
-    hashed_stats: dict[str, FileStat] = {}
-    digests, unreadable = hash_inputs(catalog, abs_paths, progress, hashed_stats)
-    manifest: list[tuple[str, str]] = []
-    todo: dict[str, str] = {}  # key -> absolute path of its first file
-    for rel, path in zip(rel_paths, abs_paths, strict=False):
-        if path in unreadable:
-            report.failed.append((rel, unreadable[path]))
-            if strict:
-                raise SourceError(f"{rel}: {unreadable[path]}")
-            continue
-        key = feature_key(enc_fp, recipe_fp, digests[path])
-        manifest.append((rel, key))
-        if key in todo:
-            report.duplicates += 1
-        todo.setdefault(key, path)
-    # The manifest goes in first: it names keys, not features, so readers can map index -> key
-    # (and gc keeps these keys live) while the features are still being encoded.
-    catalog.replace_root(
-        name,
-        data=data_dir,
-        encoder_label=enc.label,
-        encoder_fp=enc_fp,
-        recipe_fp=recipe_fp,
-        recipe=recipe.as_dict(),
-        items=manifest,
-    )
-    present = catalog.present_keys(list(todo))
-    report.reused = len(present)
-    work = [(k, p) for k, p in todo.items() if k not in present]
-    if work:
+
+@dataclass
+class _Bake:
+    """One build's state between its steps (see :func:`build` for their order)."""
+
+    catalog: Catalog
+    layout: Layout
+    enc: LoadedEncoder
+    recipe: Recipe
+    source: Source
+    data_dir: str
+    options: BakeOptions
+    progress: ProgressFn | None
+    report: BuildReport = field(init=False)
+    manifest: list[tuple[str, str]] = field(default_factory=list)
+    hashed_stats: dict[str, FileStat] = field(default_factory=dict)
+
+    def start(self, scanned: ScanResult, weights: str | None) -> None:
+        """Fingerprint the encoder and recipe, and open the report with the skipped files."""
+        enc_fp = encoder_fingerprint(self.enc, self.catalog, weights)
+        recipe_fp = self.recipe.fingerprint()
+        self.catalog.record_encoder(enc_fp, self.enc.label, self.enc.kind)
+        name = root_id(self.data_dir, self.enc.label, recipe_fp)
+        files = len(scanned.inputs) + len(scanned.skipped)
+        self.report = BuildReport(name, self.data_dir, self.enc.label, enc_fp, recipe_fp, files)
+        for rel, reason in scanned.skipped:
+            self.skip(rel, reason, SourceError(f"{rel}: {reason}"))
+
+    def plan(self, rel_paths: Sequence[str]) -> dict[str, str]:
+        """Hash every input and fill the manifest.
+
+        Returns:
+            key -> the absolute path of the first input with that key.
+        """
+        abs_paths = [os.path.join(self.data_dir, p) for p in rel_paths]
+        digests, unreadable = hash_inputs(self.catalog, abs_paths, self.progress, self.hashed_stats)
+        todo: dict[str, str] = {}
+        for rel, path in zip(rel_paths, abs_paths, strict=True):
+            if path in unreadable:
+                self.skip(rel, unreadable[path], SourceError(f"{rel}: {unreadable[path]}"))
+                continue
+            key = feature_key(self.report.encoder_fp, self.report.recipe_fp, digests[path])
+            self.manifest.append((rel, key))
+            if key in todo:
+                self.report.duplicates += 1
+            todo.setdefault(key, path)
+        return todo
+
+    def skip(self, rel: str, reason: str, error: FeatbakeError) -> None:
+        """Record a failed input; with ``strict``, stop the build with ``error``."""
+        self.report.failed.append((rel, reason))
+        if self.options.strict:
+            raise error
+
+    def publish_manifest(self) -> None:
+        """Publish the root's manifest before encoding.
+
+        It names keys, not features, so readers can map index -> key (and gc keeps these keys
+        live) while the features are still being encoded.
+        """
+        self.catalog.replace_root(
+            self.report.root,
+            data=self.data_dir,
+            encoder_label=self.enc.label,
+            encoder_fp=self.report.encoder_fp,
+            recipe_fp=self.report.recipe_fp,
+            recipe=self.recipe.as_dict(),
+            items=self.manifest,
+        )
+
+    def encode_missing(self, todo: dict[str, str]) -> None:
+        """Encode the keys the store lacks; a wrong option un-publishes the manifest."""
+        present = self.catalog.present_keys(list(todo))
+        self.report.reused = len(present)
+        work = [(k, p) for k, p in todo.items() if k not in present]
+        if not work:
+            if self.progress:
+                self.progress(Progress("encode", 0, 0))
+            return
         try:
-            _encode_all(
-                work,
-                enc,
-                recipe,
-                source,
-                layout,
-                report,
-                batch_size,
-                workers,
-                strict,
-                shard_bytes,
-                progress,
-                data_dir,
-                hashed_stats,
-            )
+            self.encode(work)
         except ConfigError:
             # A wrong option (e.g. --output) stopped the build: the manifest it published would
             # only name keys that never get features.
-            catalog.drop_root(name)
-            catalog.close()
+            self.catalog.drop_root(self.report.root)
             raise
-    elif progress:
-        progress(Progress("encode", 0, 0))
-    catalog.close()
-    report.seconds = time.perf_counter() - t0
-    return report
+
+    def encode(self, work: list[tuple[str, str]]) -> None:
+        """Decode, batch, encode and write ``work`` (key, path); sealed work survives Ctrl-C."""
+        paths = [p for _, p in work]
+        writer = WriterThread(
+            self.layout, self.enc.fingerprint, self.report.recipe_fp, self.options.shard_bytes
+        )
+        run = _EncodeRun(self, writer, [k for k, _ in work], paths)
+        stats = [self.hashed_stats.get(p) for p in paths]
+        threads = self.options.threads()
+        with interrupt_at_safe_points() as checkpoint, torch_threads(threads.encoder_threads):
+            try:
+                items = decoded_items(paths, self.source, threads.decode_workers, stats)
+                run.feed(items, ShapeBatcher(self.options.batch_size), checkpoint)
+            except RuntimeError as e:  # torch's SIGCHLD handler can raise it anywhere
+                raise (worker_death(e) or e) from None
+            finally:
+                # Seal what was encoded, also on Ctrl-C or a strict failure: nothing encoded is
+                # lost.
+                writer.close()
+                self.report.bytes_written = writer.bytes_written
+                self.report.shards_written = writer.shards
+        run.tick(self.report.bytes_written)  # the last word: bytes sealed (the writer lags)
 
 
-def _encode_all(
-    work: list[tuple[str, str]],
-    enc: LoadedEncoder,
-    recipe: Recipe,
-    source: Source,
-    layout: Layout,
-    report: BuildReport,
-    batch_size: int,
-    workers: int,
-    strict: bool,
-    shard_bytes: int,
-    progress: Callable[[Progress], None] | None,
-    data_dir: str,
-    hashed_stats: dict[str, FileStat],
-) -> None:
-    keys = [k for k, _ in work]
-    paths = [p for _, p in work]
-    writer = WriterThread(layout, enc.fingerprint, recipe.fingerprint(), shard_bytes)
-    batcher = ShapeBatcher(batch_size)
-    done = 0
+@dataclass
+class _EncodeRun:
+    """The encoding loop: decoded items -> batches -> encoder -> writer, counting as it goes."""
 
-    def rel(i: int) -> str:
-        return os.path.relpath(paths[i], data_dir)
+    bake: _Bake
+    writer: WriterThread
+    keys: list[str]
+    paths: list[str]
+    done: int = 0
 
-    def fail(i: int, reason: str, exc: type[FeatbakeError]) -> None:
-        report.failed.append((rel(i), reason))
-        if strict:
-            raise exc(reason)
+    def rel(self, i: int) -> str:
+        return os.path.relpath(self.paths[i], self.bake.data_dir)
 
-    def run(batch: list[tuple[int, torch.Tensor]]) -> None:
-        nonlocal done
+    def fail(self, i: int, reason: str, exc: type[FeatbakeError]) -> None:
+        self.done += 1
+        self.bake.skip(self.rel(i), reason, exc(reason))
+
+    def feed(
+        self,
+        items: Iterator[tuple[int, torch.Tensor | str]],
+        batcher: ShapeBatcher,
+        checkpoint: Callable[[], None],
+    ) -> None:
+        """Batch decoded items and encode each batch; a decode failure skips its item."""
+        for i, item in items:
+            checkpoint()
+            if isinstance(item, str):
+                self.fail(i, item, SourceError)
+                continue
+            for batch in batcher.add(tuple(item.shape), (i, item)):
+                self.run(batch)
+        for batch in batcher.flush():
+            checkpoint()
+            self.run(batch)
+
+    def run(self, batch: list[tuple[int, torch.Tensor]]) -> None:
+        """Encode one batch and queue its features; a failing batch is retried item by item."""
         try:
-            results = encode_batch(enc, [x for _, x in batch], recipe)
+            results = encode_batch(self.bake.enc, [x for _, x in batch], self.bake.recipe)
         except EncodeError as e:
             if len(batch) > 1:  # find the culprit: retry one by one
                 for item in batch:
-                    run([item])
+                    self.run([item])
                 return
-            done += 1
-            fail(batch[0][0], f"{rel(batch[0][0])}: {e}", EncodeError)
+            self.fail(batch[0][0], f"{self.rel(batch[0][0])}: {e}", EncodeError)
             return
-        for (i, _), parts in zip(batch, results, strict=False):
-            writer.put(keys[i], parts)
-            report.encoded += 1
-        done += len(batch)
-        if progress:
-            progress(Progress("encode", done, len(work), writer.bytes_so_far, len(report.failed)))
+        for (i, _), parts in zip(batch, results, strict=True):
+            bad = None if self.bake.options.allow_nonfinite else nonfinite_part(parts)
+            if bad is not None:
+                reason = (
+                    f"{self.rel(i)}: the encoder returned NaN or infinite values in {bad} "
+                    f"(stored as {self.bake.recipe.dtype}); not stored. Pass --allow-nonfinite "
+                    "to store them anyway"
+                )
+                self.fail(i, reason, EncodeError)
+                continue
+            self.writer.put(self.keys[i], parts)
+            self.bake.report.encoded += 1
+            self.done += 1
+        self.tick(self.writer.bytes_so_far)
 
-    with interrupt_at_safe_points() as checkpoint:
-        try:
-            stats = [hashed_stats.get(p) for p in paths]
-            for i, item in decoded_items(paths, source, workers, stats):
-                checkpoint()
-                if isinstance(item, str):
-                    done += 1
-                    fail(i, item, SourceError)
-                    continue
-                for batch in batcher.add(tuple(item.shape), (i, item)):
-                    run(batch)
-            for batch in batcher.flush():
-                checkpoint()
-                run(batch)
-        finally:
-            # Seal what was encoded, also on Ctrl-C or a strict failure: nothing encoded is lost.
-            writer.close()
-            report.bytes_written = writer.bytes_written
-            report.shards_written = writer.shards
-    if progress:  # the last word has the bytes actually sealed (the writer runs behind)
-        progress(Progress("encode", done, len(work), report.bytes_written, len(report.failed)))
+    def tick(self, nbytes: int) -> None:
+        """Report progress: items done of all, ``nbytes`` written, items failed."""
+        if self.bake.progress:
+            done, total, failed = self.done, len(self.keys), len(self.bake.report.failed)
+            self.bake.progress(Progress("encode", done, total, nbytes, failed))

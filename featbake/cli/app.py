@@ -10,10 +10,30 @@ from rich.console import Console
 
 from featbake.version import __version__
 
-console = Console(stderr=True, highlight=False, soft_wrap=True)
+#: Off a terminal (a log file, a pipe): wide enough never to hard-wrap.
+UNWRAPPED_WIDTH = 10_000
 
 
-out = Console(highlight=False)
+def make_console(*, stderr: bool = False) -> Console:
+    """A console that prints text literally and never splits a line it was not asked to.
+
+    ``emoji=False``: a file named ``:x: take1.wav`` or an import path ``pkg:factory:`` must
+    print as written, not as an emoji (markup is escaped where names are printed). Off a
+    terminal rich assumes 80 columns (or ``$COLUMNS``) and hard-wraps, splitting shard paths
+    in two; there the width is unbounded, and tables take their natural width.
+    """
+    on_terminal = Console(stderr=stderr).is_terminal
+    return Console(
+        stderr=stderr,
+        highlight=False,
+        emoji=False,
+        soft_wrap=True,
+        width=None if on_terminal else UNWRAPPED_WIDTH,
+    )
+
+
+console = make_console(stderr=True)
+out = make_console()
 
 
 EXIT_CODES = """Exit codes: 0 ok, 2 bad option, 3 some inputs failed (the rest stored), 4 encoder

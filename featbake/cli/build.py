@@ -59,7 +59,14 @@ def build(
         str, typer.Option(help="Stored dtype: float32, float16 or bfloat16.")
     ] = "float32",
     batch_size: Annotated[int, typer.Option(help="Inputs per encoder call.")] = 16,
-    workers: Annotated[int, typer.Option(help="Decoding worker processes (0: none).")] = 2,
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            help="Decoding worker processes (0: decode in the encoder's process). "
+            "[default: from the CPUs this process may use]",
+            show_default=False,
+        ),
+    ] = None,
     device: Annotated[str, typer.Option(help="Where the encoder runs: cpu, cuda, cuda:N.")] = "cpu",
     shard_size: Annotated[str, typer.Option(help="Target shard size, e.g. 256MiB.")] = "256MiB",
     strict: Annotated[
@@ -68,6 +75,10 @@ def build(
     trust_pickle: Annotated[
         bool,
         typer.Option(help="Allow a pickled whole-module checkpoint (loading it runs its code)."),
+    ] = False,
+    allow_nonfinite: Annotated[
+        bool,
+        typer.Option(help="Store features that hold NaN or infinite values (default: refuse)."),
     ] = False,
     as_json: JsonOpt = False,
 ) -> None:
@@ -107,6 +118,7 @@ def build(
             strict=strict,
             shard_bytes=shard_bytes,
             progress=on_progress,
+            allow_nonfinite=allow_nonfinite,
         )
     if as_json:
         out.print_json(json.dumps(report.to_json()))

@@ -41,16 +41,23 @@ def export(
     Variable-length features become values [sum T, D] + offsets [N+1] + lengths; fixed-size ones
     a dense values [N, ...]; keys and paths [N] follow the root's file order.
     """
-    from featbake.errors import ConfigError
+    from featbake.errors import ConfigError, StoreError
     from featbake.export.zarr import export_zarr
 
     if fmt != "zarr":
         raise ConfigError(f"unknown --format {fmt!r}; featbake exports zarr")
     bar = progress_bar()
-    with bar:
-        report = export_zarr(
-            out_path, cache=cache, root=root, overwrite=overwrite, progress=tick_bar(bar, {})
-        )
+    try:
+        with bar:
+            report = export_zarr(
+                out_path, cache=cache, root=root, overwrite=overwrite, progress=tick_bar(bar, {})
+            )
+    except OSError as e:  # the OS refused a path: OUT's folder is missing, read-only, not a folder
+        where = e.filename if e.filename is not None else out_path
+        raise StoreError(
+            f"cannot write the export {out_path}: {e.strerror or e} ({where}); choose an OUT "
+            "inside a folder you can write to"
+        ) from e
     if as_json:
         out.print_json(json.dumps(report.to_json()))
     else:

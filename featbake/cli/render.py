@@ -61,6 +61,8 @@ LOG_EVERY_S = 10.0
 
 def tick_bar(bar: Progress, tasks: dict[str, Any]) -> Any:
     """A library progress callback that drives ``bar``, or writes log lines without a terminal."""
+    # rich asks isatty() on every is_terminal read (~90 us): once per build is enough.
+    on_terminal = console.is_terminal
     last_line: dict[str, float] = {}
     started: dict[str, float] = {}
     finished: set[str] = set()
@@ -72,16 +74,19 @@ def tick_bar(bar: Progress, tasks: dict[str, Any]) -> Any:
         console.print(f"{p.phase}: {p.done:,}/{p.total:,} ({rate:,.0f} items/s{eta}{size})")
 
     def on_progress(p: Any) -> None:
-        if p.phase not in tasks:
-            tasks[p.phase] = bar.add_task(p.phase, total=p.total or None)
+        if p.phase not in started:
             started[p.phase] = time.monotonic()
-        bar.update(
-            tasks[p.phase],
-            completed=p.done,
-            total=p.total or None,
-            bytes=getattr(p, "bytes_written", 0),
-        )
-        if console.is_terminal or not p.total or p.phase in finished:
+            if on_terminal:
+                tasks[p.phase] = bar.add_task(p.phase, total=p.total or None)
+        if on_terminal:
+            bar.update(
+                tasks[p.phase],
+                completed=p.done,
+                total=p.total or None,
+                bytes=getattr(p, "bytes_written", 0),
+            )
+            return
+        if not p.total or p.phase in finished:
             return
         now = time.monotonic()
         if p.done >= p.total:

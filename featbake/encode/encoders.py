@@ -1,12 +1,14 @@
-"""ENC_DOC"""
+"""Encoder adapters: load TorchScript, torch.export, import-path or (trusted) pickled encoders.
+
+Every kind becomes a :class:`LoadedEncoder` that runs without autograd and turns any failure
+of the encoder's own code into an :class:`EncodeError` that names the real cause.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import importlib
-import inspect
-import json
 import os
 import pickle
 import warnings
@@ -18,7 +20,13 @@ from typing import Any
 
 import torch
 
-from featbake.errors import ConfigError, EncodeError, EncoderLoadError
+from featbake.encode.identity import (
+    attribute_identity,
+    code_identity,
+    module_identity,
+    script_identity,
+)
+from featbake.errors import ConfigError, EncodeError, EncoderLoadError, FeatbakeError
 from featbake.keys import module_fingerprint
 
 TORCHSCRIPT = "torchscript"
@@ -63,15 +71,76 @@ class LoadedEncoder:
         return self._fingerprint
 
     def run(self, batch: torch.Tensor) -> Any:
-        """Run the encoder on ``batch`` without autograd; raises EncodeError on failure."""
+        """Run the encoder on ``batch`` without autograd.
+
+        Raises:
+            EncodeError: the encoder raised (any ``Exception``: a TorchScript ``raise``, a
+                ``KeyError`` in an import-path module) or returned a complex tensor; the
+                message carries the real cause, not TorchScript's generic first line.
+            EncoderLoadError: the encoder called ``sys.exit()`` (no input can fix that).
+        """
         try:
             with torch.inference_mode():
-                return self.module(batch.to(self.device, non_blocking=True))
-        except (RuntimeError, ValueError, TypeError, IndexError, AssertionError) as e:
+                result = self.module(batch.to(self.device, non_blocking=True))
+        except SystemExit as e:
+            raise EncoderLoadError(
+                f"the encoder {self.label} called sys.exit({e.code!r}) while encoding; an "
+                "encoder must return features or raise an exception"
+            ) from None
+        except FeatbakeError:
+            raise  # e.g. a dead decode worker, reported through a signal
+        except Exception as e:
+            if str(e).startswith("DataLoader worker"):  # torch's SIGCHLD handler: not our input
+                raise
             raise EncodeError(
                 f"the encoder {self.label} failed on a batch of shape {tuple(batch.shape)}: "
-                f"{_first_line(e)}"
+                f"{error_cause(e)}"
             ) from e
+        refuse_complex(result, self.label)
+        return result
+
+
+def refuse_complex(result: Any, label: str) -> None:
+    """Raise EncodeError if any output tensor is complex (storing would drop its imaginary part).
+
+    Raises:
+        EncodeError: naming the output and its dtype.
+    """
+    if isinstance(result, torch.Tensor):
+        named: Any = {"": result}
+    elif isinstance(result, Mapping):
+        named = result
+    elif isinstance(result, (tuple, list)):
+        named = dict(enumerate(result))
+    else:
+        return
+    for name, value in named.items():
+        if isinstance(value, torch.Tensor) and value.is_complex():
+            output = f"output {name!r}" if name != "" else "output"
+            raise EncodeError(
+                f"the encoder {label} returned a complex {output} ({value.dtype}); featbake "
+                "stores real tensors: return .real/.imag or torch.view_as_real(x) instead"
+            )
+
+
+#: TorchScript's generic first line; the cause is at the end of its message.
+_TORCHSCRIPT_PREFIX = "The following operation failed in the TorchScript interpreter"
+
+
+def error_cause(e: BaseException) -> str:
+    """One line that says why ``e`` happened: the type and message of the real cause.
+
+    A TorchScript error's first line is always the same sentence and its last line holds the
+    raised exception (``builtins.ValueError: ...``); a ``KeyError``'s message alone is a bare key.
+    """
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    if lines and lines[0].startswith(_TORCHSCRIPT_PREFIX):
+        cause = lines[-1]
+        return cause.removeprefix("builtins.")
+    text = lines[0] if lines else ""
+    if isinstance(e, (RuntimeError, ValueError)) and text:
+        return text
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def _first_line(e: BaseException) -> str:
@@ -104,85 +173,6 @@ def detect_kind(path: Path) -> str:
     return PICKLE
 
 
-def code_identity(module: Any, *extra: Any) -> str:
-    """SHA-256 of the source files that define ``module``'s own classes (and ``extra`` objects).
-
-    An import-path or in-process encoder's architecture lives in Python code, not in a file of
-    weights: editing ``forward`` must change the key, or a stale feature would be served. Classes
-    from torch itself are left out (a torch upgrade should not rebake everything), and file
-    contents are hashed, not paths (moving a checkout keeps the keys).
-    """
-    objs = [type(m) for m in module.modules()] if hasattr(module, "modules") else [type(module)]
-    digests = set()
-    for obj in [*objs, *extra]:
-        owner = getattr(obj, "__module__", None) or ""
-        if owner == "torch" or owner.startswith("torch."):
-            continue
-        try:
-            src = inspect.getsourcefile(obj)
-            if src is not None:
-                digests.add(hashlib.sha256(Path(src).read_bytes()).hexdigest())
-        except (TypeError, OSError):
-            continue  # built-in or defined interactively: repr() in the identity still covers it
-    return hashlib.sha256("\n".join(sorted(digests)).encode()).hexdigest()
-
-
-_PRIMITIVES = (bool, int, float, str, type(None))
-
-
-def _primitive(value: Any) -> bool:
-    if isinstance(value, (tuple, list)):
-        return all(_primitive(v) for v in value)
-    return isinstance(value, _PRIMITIVES)
-
-
-def attribute_identity(module: Any) -> str:
-    """SHA-256 of every submodule's plain attributes (numbers, strings, tuples of them).
-
-    ``self.scale = 2.0`` used in ``forward`` changes outputs without changing code or weights, so
-    it must change the key. Private attributes (torch's own bookkeeping) and ``training`` (always
-    eval here) are left out.
-    """
-    subs = module.named_modules() if hasattr(module, "named_modules") else [("", module)]
-    attrs = []
-    for name, sub in sorted(subs, key=lambda kv: kv[0]):
-        for key, value in sorted(vars(sub).items()):
-            if not key.startswith("_") and key != "training" and _primitive(value):
-                attrs.append([name, key, repr(value)])
-    return hashlib.sha256(json.dumps(attrs).encode()).hexdigest()
-
-
-def module_identity(module: Any) -> str:
-    """An in-process module's identity: class, repr, code and plain attributes.
-
-    Shared by :func:`from_module` and :class:`featbake.cached_encoder.CachedEncoder`, so the same
-    module gets the same fingerprint either way.
-    """
-    ident = f"module:{type(module).__module__}.{type(module).__qualname__}\n{module!r}"
-    return f"{ident}\ncode:{code_identity(module)}\nattrs:{attribute_identity(module)}"
-
-
-def _script_identity(module: Any, path: Path) -> str:
-    """Code of every submodule, plus the archive's pickled attributes and constants.
-
-    A scripted module's ``.code`` does not show attribute values (``self.scale = 2.0``); they
-    live in the archive's ``data.pkl`` and ``constants.pkl``, whose bytes are the same each time
-    one module is saved. The entries are matched by name suffix, because their folder inside the
-    zip is named after the file.
-    """
-    parts = [f"torchscript:{getattr(module, 'original_name', type(module).__name__)}"]
-    for name, sub in sorted(module.named_modules(), key=lambda kv: kv[0]):
-        code = getattr(sub, "code", "")
-        parts.append(f"{name}\n{code}")
-    with zipfile.ZipFile(path) as z:
-        for entry in sorted(z.namelist()):
-            if entry.endswith(("/data.pkl", "/constants.pkl")):
-                parts.append(
-                    f"{entry.rsplit('/', 1)[1]}:{hashlib.sha256(z.read(entry)).hexdigest()}"
-                )
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
-
-
 @contextlib.contextmanager
 def torchscript_quietly() -> Iterator[None]:
     """Silence torch's "TorchScript is deprecated" warning around a jit save or load.
@@ -201,7 +191,7 @@ def torchscript_quietly() -> Iterator[None]:
 def _load_torchscript(path: Path) -> tuple[Any, str]:
     with torchscript_quietly():
         module = torch.jit.load(str(path), map_location="cpu")
-    return module, _script_identity(module, path)
+    return module, script_identity(module, path)
 
 
 def _load_export(path: Path) -> tuple[Any, str]:
@@ -217,8 +207,9 @@ def _load_pickle(path: Path, trust_pickle: bool) -> tuple[Any, str]:
     except pickle.UnpicklingError as e:
         if "Unsupported global" not in str(e):  # torch's words for "this pickle names code"
             raise EncoderLoadError(
-                f"{path} is not a TorchScript, torch.export or torch.save file ({_first_line(e)})"
-            ) from e
+                f"{path} is not a TorchScript (.pt), torch.export (.pt2) or torch.save file "
+                f"({_unpickle_reason(e)}); check the path, or that the file is complete"
+            ) from None
         obj = None
         holds_module = True  # a pickle naming classes: only a full unpickle can run it
     except Exception as e:
@@ -250,6 +241,17 @@ def _load_pickle(path: Path, trust_pickle: bool) -> tuple[Any, str]:
     return module, f"{ident}\ncode:{code_identity(module)}\nattrs:{attribute_identity(module)}"
 
 
+def _unpickle_reason(e: BaseException) -> str:
+    """What the unpickler tripped on, without torch's advice to retry with weights_only=False
+    (which would run whatever code the file names)."""
+    text = str(e)
+    _, found, rest = text.partition("WeightsUnpickler error:")
+    detail = next((line.strip() for line in rest.splitlines() if line.strip()), "") if found else ""
+    if not detail and not text.startswith("Weights only load failed"):
+        detail = _first_line(e)
+    return f"unreadable as a pickle: {detail}" if detail else "unreadable as a pickle"
+
+
 def _load_import(spec: str, weights: Path | None) -> tuple[Any, str]:
     mod_name, _, attr = spec.partition(":")
     try:
@@ -261,8 +263,18 @@ def _load_import(spec: str, weights: Path | None) -> tuple[Any, str]:
             f"cannot import {spec}: {_first_line(e)}; check the module is on PYTHONPATH and the "
             "factory name after ':' exists"
         ) from e
+    except SystemExit as e:
+        raise EncoderLoadError(
+            f"importing {mod_name} called sys.exit({e.code!r}); an encoder module must not exit"
+        ) from None
+    except Exception as e:
+        raise EncoderLoadError(f"cannot import {spec}: {type(e).__name__}: {_first_line(e)}") from e
     try:
         module = factory()
+    except SystemExit as e:
+        raise EncoderLoadError(
+            f"{spec}() called sys.exit({e.code!r}); the factory must return an nn.Module"
+        ) from None
     except Exception as e:
         raise EncoderLoadError(f"{spec}() raised {type(e).__name__}: {_first_line(e)}") from e
     if not isinstance(module, torch.nn.Module):

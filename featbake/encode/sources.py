@@ -14,9 +14,10 @@ pipeline, keys and dataset do not change.
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -140,10 +141,37 @@ def source_for(recipe: Recipe) -> Source:
     return NpySource(recipe) if recipe.source == "npy" else AudioSource(recipe)
 
 
-def scan(data: str | os.PathLike[str], extensions: Sequence[str]) -> list[str]:
-    """Relative paths of the files under ``data`` with one of ``extensions``, in a stable order.
+class SkippedInput(NamedTuple):
+    """A file the scan found but will not hand to a decoder, and why."""
 
-    Hidden files and folders (a leading dot) are skipped; symlinks to files are followed.
+    path: str  # relative to the data folder, printable (undecodable bytes escaped)
+    reason: str
+
+
+class ScanResult(NamedTuple):
+    """What :func:`scan_inputs` found: inputs (relative paths, sorted) and skipped files."""
+
+    inputs: list[str]
+    skipped: list[SkippedInput]
+
+
+def scan(data: str | os.PathLike[str], extensions: Sequence[str]) -> list[str]:
+    """Relative paths of the input files under ``data`` (see :func:`scan_inputs`), sorted.
+
+    Raises:
+        SourceError: ``data`` is not a directory, or holds no matching file.
+    """
+    return scan_inputs(data, extensions).inputs
+
+
+def scan_inputs(data: str | os.PathLike[str], extensions: Sequence[str]) -> ScanResult:
+    """The files under ``data`` with one of ``extensions``, in a stable order.
+
+    Hidden files and folders (a leading dot) are skipped; symlinks are followed, each folder
+    once (a link back up the tree, ``link -> .``, must not repeat its files). Only regular
+    files are inputs: a FIFO would block the first ``open`` forever, and a socket or device
+    is not data. Names that are not valid UTF-8 cannot be keyed in the catalog; they are
+    skipped with a reason rather than stopping the build.
 
     Raises:
         SourceError: ``data`` is not a directory, or holds no matching file.
@@ -153,16 +181,69 @@ def scan(data: str | os.PathLike[str], extensions: Sequence[str]) -> list[str]:
         raise SourceError(f"data folder {data} does not exist or is not a directory")
     exts = {e.lower() for e in extensions}
     found: list[str] = []
+    skipped: list[SkippedInput] = []
+    seen = {_dir_id(root)}
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        dirnames[:] = _unvisited(dirpath, dirnames, seen)
         rel = os.path.relpath(dirpath, root)
         for name in filenames:
-            if not name.startswith(".") and os.path.splitext(name)[1].lower() in exts:
-                found.append(name if rel == "." else os.path.join(rel, name))
-    if not found:
+            if name.startswith(".") or os.path.splitext(name)[1].lower() not in exts:
+                continue
+            rel_name = name if rel == "." else os.path.join(rel, name)
+            why = _not_an_input(os.path.join(dirpath, name), rel_name)
+            if why is None:
+                found.append(rel_name)
+            else:
+                skipped.append(SkippedInput(_printable(rel_name), why))
+    if not found and not skipped:
         raise SourceError(
             f"no input files ({', '.join(sorted(exts))}) under {data}; "
             "check the folder, or pick the source kind with --source"
         )
     found.sort()
-    return found
+    return ScanResult(found, skipped)
+
+
+def _dir_id(path: str | os.PathLike[str]) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+def _unvisited(dirpath: str, dirnames: list[str], seen: set[tuple[int, int]]) -> list[str]:
+    """The visible subfolders of ``dirpath`` not walked yet (by device and inode), sorted."""
+    keep = []
+    for d in sorted(d for d in dirnames if not d.startswith(".")):
+        try:
+            ident = _dir_id(os.path.join(dirpath, d))
+        except OSError:
+            continue  # a dangling or looping link: nothing to walk
+        if ident not in seen:
+            seen.add(ident)
+            keep.append(d)
+    return keep
+
+
+def _not_an_input(path: str, rel: str) -> str | None:
+    """Why the file at ``path`` cannot be an input, or None when it can."""
+    try:
+        rel.encode("utf-8")
+    except UnicodeEncodeError:
+        return "the file name is not valid UTF-8; rename it (e.g. with convmv) to include it"
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        return f"cannot stat: {e.strerror}"
+    if not stat.S_ISREG(st.st_mode):
+        return f"not a regular file ({_file_kind(st.st_mode)}); only regular files are inputs"
+    return None
+
+
+def _file_kind(mode: int) -> str:
+    kinds = [(stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder")]
+    kinds += [(stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")]
+    return next((name for test, name in kinds if test(mode)), "not a file")
+
+
+def _printable(rel: str) -> str:
+    """``rel`` with bytes that are not UTF-8 written as ``\\xNN`` (safe to print and store)."""
+    return os.fsencode(rel).decode("utf-8", "backslashreplace")
