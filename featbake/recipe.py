@@ -26,6 +26,8 @@ STORED_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
 }
 SOURCE_KINDS = ("audio", "npy")
+#: Autocast precisions for the encoder call (``fp32``: no autocast).
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,16 @@ class Recipe:
         max_seconds: crop audio to its first ``max_seconds`` seconds (``None``: whole file).
         output: which encoder output to store (a dict key or tuple index); ``None`` stores all.
         dtype: the stored dtype: ``float32``, ``float16`` or ``bfloat16``.
+        precision: the encoder runs under autocast in ``bf16`` or ``fp16``, or plainly in
+            ``fp32`` (the default). Outputs differ by precision, so it is part of the key.
+        layers: hidden layers to store (``(0, 6, 12)``; each becomes the part ``"layer6"``), for
+            encoders with hidden states (Hugging Face folders); ``None`` stores the output.
+            ``"all"`` is resolved to ``0..num_hidden_layers`` when the model is known.
+        normalize: zero-mean, unit-variance per clip before encoding (a Hugging Face
+            ``preprocessor_config.json`` with ``do_normalize: true``).
+
+    ``precision``, ``layers`` and ``normalize`` enter the key only when set away from their
+    defaults, so the keys of recipes that do not use them stay what they were.
 
     Example:
         >>> Recipe(sample_rate=16000, dtype="float16").fingerprint()[:8]  # doctest: +SKIP
@@ -51,6 +63,9 @@ class Recipe:
     max_seconds: float | None = None
     output: str | None = None
     dtype: str = "float32"
+    precision: str = "fp32"
+    layers: tuple[int, ...] | str | None = None
+    normalize: bool = False
 
     def __post_init__(self) -> None:
         # Normalise numbers so that equal options give equal keys: canonical JSON writes 10 and
@@ -74,6 +89,22 @@ class Recipe:
             )
         if self.max_seconds is not None and self.max_seconds <= 0:
             raise ConfigError(f"--max-seconds must be positive, got {self.max_seconds}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(
+                f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}"
+            )
+        self._check_layers()
+
+    def _check_layers(self) -> None:
+        if self.layers is None or self.layers == "all":  # "all": resolved against the model
+            return
+        layers = tuple(self.layers)
+        if not layers or any(isinstance(k, bool) or not isinstance(k, int) for k in layers):
+            raise ConfigError(f"layers must be whole numbers, e.g. --layers 0,6,12; got {layers!r}")
+        if any(k < 0 for k in layers):
+            raise ConfigError(f"layers count from 0 (the input to the first layer); got {layers}")
+        # Sorted and unique: --layers 6,0 and --layers 0,6,6 store the same parts, so one key.
+        object.__setattr__(self, "layers", tuple(sorted(set(layers))))
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -92,6 +123,14 @@ class Recipe:
             fields["sample_rate"] = self.sample_rate
             fields["mono"] = self.mono
             fields["max_seconds"] = self.max_seconds
+            if self.normalize:
+                fields["normalize"] = True
+        # Newer options join the key only when used: a recipe that leaves them at their
+        # defaults keeps the key it had before they existed.
+        if self.precision != "fp32":
+            fields["precision"] = self.precision
+        if self.layers is not None:
+            fields["layers"] = self.layers if isinstance(self.layers, str) else list(self.layers)
         return fields
 
     def fingerprint(self) -> str:

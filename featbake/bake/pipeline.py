@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from featbake.bake.batching import ShapeBatcher
 from featbake.bake.decode import decoded_items
 from featbake.bake.interrupt import interrupt_at_safe_points
+from featbake.bake.padded import BatchRunner, budget_samples
 from featbake.bake.report import BuildReport
 from featbake.bake.writer_thread import WriterThread
 from featbake.device import check_device
@@ -21,7 +21,7 @@ from featbake.encode.fingerprints import (
     hash_inputs,
     resolve_path,
 )
-from featbake.encode.outputs import encode_batch
+from featbake.encode.hf import check_layers_supported, recipe_for_encoder
 from featbake.encode.sources import Source, scan, source_for
 from featbake.errors import ConfigError, EncodeError, FeatbakeError, SourceError
 from featbake.keys import feature_key, root_id
@@ -46,6 +46,9 @@ def build(
     strict: bool = False,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     progress: Callable[[Progress], None] | None = None,
+    batching: str = "auto",
+    batch_seconds: float | None = None,
+    batch_samples: int | None = None,
 ) -> BuildReport:
     """Run ``encoder`` over every input under ``data`` once and store the features.
 
@@ -56,12 +59,16 @@ def build(
         recipe: preprocessing and storage options (part of every key).
         weights: safetensors weights for an import-path encoder.
         trust_pickle: allow a pickled whole-module checkpoint (runs its code).
-        batch_size: inputs per encoder call (inputs of equal shape batch together).
+        batch_size: inputs per encoder call at most.
         workers: DataLoader worker processes for decoding (0: decode in this process).
         device: where the encoder runs.
         strict: stop at the first bad input instead of skipping it.
         shard_bytes: target shard size.
         progress: called with :class:`Progress` as hashing and encoding advance.
+        batching: ``auto`` (padded length-sorted batches when the encoder takes lengths, else
+            exact shapes), ``padded`` or ``exact`` (see :mod:`featbake.bake.padded`).
+        batch_seconds: padded batches hold at most this much audio, padding included
+            (default 160 s); ``batch_samples`` sets the same budget in samples.
 
     Returns:
         A :class:`BuildReport`; ``report.failed`` names each input that was skipped.
@@ -91,12 +98,20 @@ def build(
     elif isinstance(encoder, torch.nn.Module):
         enc = from_module(encoder, device=dev)
     else:
-        enc = load_encoder(encoder, weights=weights, device=dev, trust_pickle=trust_pickle)
+        recipe = recipe_for_encoder(encoder, recipe)
+        enc = load_encoder(
+            encoder, weights=weights, device=dev, trust_pickle=trust_pickle, layers=recipe.layers
+        )
+    check_layers_supported(enc, recipe)
+    runner = BatchRunner(
+        enc, recipe, batching, batch_size, budget_samples(recipe, batch_seconds, batch_samples)
+    )
     enc_fp = encoder_fingerprint(enc, catalog, os.fspath(weights) if weights else None)
     recipe_fp = recipe.fingerprint()
     catalog.record_encoder(enc_fp, enc.label, enc.kind)
     name = root_id(data_dir, enc.label, recipe_fp)
     report = BuildReport(name, data_dir, enc.label, enc_fp, recipe_fp, files=len(rel_paths))
+    report.batching, report.batching_note = runner.mode, runner.note
 
     abs_paths = [os.path.join(data_dir, p) for p in rel_paths]
     hashed_stats: dict[str, FileStat] = {}
@@ -137,7 +152,7 @@ def build(
                 source,
                 layout,
                 report,
-                batch_size,
+                runner,
                 workers,
                 strict,
                 shard_bytes,
@@ -165,7 +180,7 @@ def _encode_all(
     source: Source,
     layout: Layout,
     report: BuildReport,
-    batch_size: int,
+    runner: BatchRunner,
     workers: int,
     strict: bool,
     shard_bytes: int,
@@ -176,7 +191,7 @@ def _encode_all(
     keys = [k for k, _ in work]
     paths = [p for _, p in work]
     writer = WriterThread(layout, enc.fingerprint, recipe.fingerprint(), shard_bytes)
-    batcher = ShapeBatcher(batch_size)
+    batcher = runner
     done = 0
 
     def rel(i: int) -> str:
@@ -190,7 +205,7 @@ def _encode_all(
     def run(batch: list[tuple[int, torch.Tensor]]) -> None:
         nonlocal done
         try:
-            results = encode_batch(enc, [x for _, x in batch], recipe)
+            results = runner.encode([x for _, x in batch])
         except EncodeError as e:
             if len(batch) > 1:  # find the culprit: retry one by one
                 for item in batch:
@@ -225,5 +240,6 @@ def _encode_all(
             writer.close()
             report.bytes_written = writer.bytes_written
             report.shards_written = writer.shards
+            report.batching, report.batching_note = runner.mode, runner.note
     if progress:  # the last word has the bytes actually sealed (the writer runs behind)
         progress(Progress("encode", done, len(work), report.bytes_written, len(report.failed)))

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from featbake.encode.lengths import accepts_lengths
 from featbake.errors import ConfigError, EncodeError, EncoderLoadError
 from featbake.keys import module_fingerprint
 
@@ -46,6 +47,10 @@ class LoadedEncoder:
         kind: torchscript, export, import, pickle or module.
         identity: the architecture's identity string hashed into the fingerprint.
         device: where it runs.
+        takes_lengths: ``forward(x, lengths) -> (features, out_lengths)`` (see
+            :mod:`featbake.encode.lengths`), so inputs of different lengths can share a batch.
+        unpaddable: why padded batches would not be exact for this encoder, known up front
+            (e.g. a group-norm wav2vec2 that must not get an attention mask), else ``None``.
     """
 
     module: Any
@@ -54,6 +59,8 @@ class LoadedEncoder:
     identity: str
     device: torch.device
     _fingerprint: str | None = None
+    takes_lengths: bool = False
+    unpaddable: str | None = None
 
     @property
     def fingerprint(self) -> str:
@@ -62,11 +69,18 @@ class LoadedEncoder:
             self._fingerprint = module_fingerprint(self.module, self.identity)
         return self._fingerprint
 
-    def run(self, batch: torch.Tensor) -> Any:
-        """Run the encoder on ``batch`` without autograd; raises EncodeError on failure."""
+    def run(self, batch: torch.Tensor, lengths: torch.Tensor | None = None) -> Any:
+        """Run the encoder on ``batch`` without autograd; raises EncodeError on failure.
+
+        ``lengths`` goes to a lengths-protocol encoder as its second argument. The copies are
+        non-blocking: from pinned memory they overlap with the GPU's work.
+        """
         try:
             with torch.inference_mode():
-                return self.module(batch.to(self.device, non_blocking=True))
+                x = batch.to(self.device, non_blocking=True)
+                if lengths is None:
+                    return self.module(x)
+                return self.module(x, lengths.to(self.device, non_blocking=True))
         except (RuntimeError, ValueError, TypeError, IndexError, AssertionError) as e:
             raise EncodeError(
                 f"the encoder {self.label} failed on a batch of shape {tuple(batch.shape)}: "
@@ -295,14 +309,16 @@ def load_encoder(
     weights: str | os.PathLike[str] | None = None,
     device: str | torch.device = "cpu",
     trust_pickle: bool = False,
+    layers: tuple[int, ...] | str | None = None,
 ) -> LoadedEncoder:
-    """Load an encoder named by a file path or ``package.module:factory``.
+    """Load an encoder named by a file path, a Hugging Face folder or ``package.module:factory``.
 
     Args:
-        spec: TorchScript file, ``.pt2`` export, or import path.
+        spec: TorchScript file, ``.pt2`` export, Hugging Face model folder, or import path.
         weights: safetensors weights for an import-path encoder.
         device: where to run it (``cpu``, ``cuda``, ``cuda:1``).
         trust_pickle: allow a pickled whole module (runs code from the file).
+        layers: hidden layers a Hugging Face folder returns (the recipe's ``layers``).
 
     Returns:
         The encoder in eval mode on ``device``, not yet fingerprinted.
@@ -320,11 +336,18 @@ def load_encoder(
     if is_import_path(spec_s):
         module, identity = _load_import(spec_s, weights_p)
         kind, label = IMPORT, spec_s
+    elif Path(spec_s).is_dir():
+        from featbake.encode.hf import load_hf_folder  # transformers only when asked for
+
+        if weights_p is not None:
+            raise ConfigError("--weights applies only to an import-path encoder (pkg.mod:factory)")
+        return load_hf_folder(spec_s, layers=layers, device=dev)
     else:
         path = Path(spec_s)
         if not path.is_file():
             raise EncoderLoadError(
-                f"encoder {spec_s} not found; give a TorchScript (.pt), torch.export (.pt2) file "
+                f"encoder {spec_s} not found; give a TorchScript (.pt), torch.export (.pt2) file, "
+                "a Hugging Face model folder (config.json + weights) "
                 "or an import path like mypkg.models:build_encoder"
             )
         if weights_p is not None:
@@ -366,7 +389,9 @@ def from_module(
         module.eval()
     if (hasattr(module, "to") and kind != EXPORT) or (kind == EXPORT and dev.type != "cpu"):
         module = module.to(dev)
-    return LoadedEncoder(module, label or type(module).__name__, kind, identity, dev)
+    enc = LoadedEncoder(module, label or type(module).__name__, kind, identity, dev)
+    enc.takes_lengths = accepts_lengths(module)
+    return enc
 
 
 def is_frozen(module: torch.nn.Module) -> bool:
