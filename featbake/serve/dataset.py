@@ -52,6 +52,7 @@ from featbake.encode.fingerprints import (
     hash_inputs,
     resolve_path,
 )
+from featbake.encode.hf import is_hf_folder, recipe_for_encoder
 from featbake.encode.outputs import encode_batch
 from featbake.encode.sources import scan, source_for
 from featbake.errors import (
@@ -65,6 +66,7 @@ from featbake.keys import feature_key, root_id, sha256_hex
 from featbake.lru import ByteLRU, CacheInfo
 from featbake.recipe import Recipe
 from featbake.serve.collate import PaddedBatch, alloc_batch
+from featbake.serve.layers import LayerView, check_layer_view, view_layers
 from featbake.store.catalog import Catalog, FileStat
 from featbake.store.layout import Layout, default_cache_dir
 from featbake.store.reader import ShardReader
@@ -335,6 +337,10 @@ class CachedFeatureDataset(Dataset):
             or ``"never"``.
         max_open_shards: open shard files kept per process.
         write_back: store features encoded on a miss so the next epoch hits.
+        layers, precision: recipe fields, as ``featbake build --layers/--precision``.
+        layer_view: with ``layers``, serve one layer (``6``: ``[T, D]``), a stacked subset
+            (``[0, 6]``: ``[L, T, D]``) or every stored layer stacked (``"stack"``) instead of
+            the dict of parts (see :mod:`featbake.serve.layers`).
 
     Raises:
         ConfigError: an invalid option.
@@ -370,6 +376,9 @@ class CachedFeatureDataset(Dataset):
         verify: str = "first",
         max_open_shards: int = 64,
         write_back: bool = True,
+        layers: Sequence[int] | str | None = None,
+        precision: str | None = None,
+        layer_view: LayerView = None,
     ) -> None:
         if on_miss not in ON_MISS:
             raise ConfigError(f"on_miss must be 'encode' or 'error', got {on_miss!r}")
@@ -386,8 +395,12 @@ class CachedFeatureDataset(Dataset):
                 "max_seconds": max_seconds,
                 "output": output,
                 "dtype": dtype,
+                "layers": tuple(layers) if isinstance(layers, (list, tuple)) else layers,
+                "precision": precision,
             },
         )
+        self._layer_view = check_layer_view(layer_view)
+        self.recipe = recipe_for_encoder(encoder, self.recipe)  # a Hugging Face folder's input
         self.on_miss = on_miss
         self.verify = verify
         self.write_back = write_back
@@ -426,7 +439,7 @@ class CachedFeatureDataset(Dataset):
         if is_import_path(spec):
             label = spec  # the architecture lives in code: only loading it can fingerprint it
         else:
-            if not os.path.isfile(spec):
+            if not os.path.isfile(spec) and not is_hf_folder(spec):
                 raise EncoderLoadError(
                     f"encoder {spec} not found; give the TorchScript (.pt) or torch.export "
                     "(.pt2) file or the import path you passed to `featbake build --encoder`"
@@ -447,6 +460,7 @@ class CachedFeatureDataset(Dataset):
             weights=self._weights,
             device=device,
             trust_pickle=self._trust_pickle,
+            layers=self.recipe.layers,
         )
         catalog = Catalog(self._layout)
         try:
@@ -671,6 +685,10 @@ class CachedFeatureDataset(Dataset):
         return st
 
     def __getitem__(self, i: int) -> Any:
+        value = self._get_one(i)
+        return value if self._layer_view is None else view_layers(value, self._layer_view)
+
+    def _get_one(self, i: int) -> Any:
         st = self._state
         if st is None or st.gen != _fork_generation:
             st = self._proc()
@@ -721,6 +739,8 @@ class CachedFeatureDataset(Dataset):
             batch = self._read_padded(st, idx)
             if batch is not None:
                 return batch
+        if self._layer_view is not None:
+            return [view_layers(v, self._layer_view) for v in self._getitems_each(st, idx)]
         return self._getitems_each(st, idx)
 
     def _read_padded(self, st: _Process, idx: list[int]) -> PaddedBatch | None:
