@@ -83,7 +83,9 @@ def build(
         >>> report.encoded, report.reused  # doctest: +SKIP
     """
     t0 = time.perf_counter()
-    recipe = recipe or Recipe()
+    # A Hugging Face folder's preprocessor config sets the input (sample rate, normalisation)
+    # and resolves layers="all": before the source is made from the recipe.
+    recipe = recipe_for_encoder(encoder, recipe or Recipe())
     if workers < 0:
         raise ConfigError(f"--workers must be 0 or more, got {workers}")
     dev = check_device(device)
@@ -98,7 +100,6 @@ def build(
     elif isinstance(encoder, torch.nn.Module):
         enc = from_module(encoder, device=dev)
     else:
-        recipe = recipe_for_encoder(encoder, recipe)
         enc = load_encoder(
             encoder, weights=weights, device=dev, trust_pickle=trust_pickle, layers=recipe.layers
         )
