@@ -297,3 +297,97 @@ def test_cli_build_reports_the_batching_mode(
     assert "exact-shape batching (--batching exact)" in res.stdout
     res = run_cli(*args, "--precision", "fp8")
     assert res.returncode != 0 and "precision" in res.stderr and "Traceback" not in res.stderr
+
+
+# -- import-path factories for torchaudio and s3prl, against stand-ins -------------------------
+class StandInWav2Vec2(nn.Module):
+    """torchaudio.models.Wav2Vec2Model's documented API: forward and extract_features."""
+
+    def __init__(self, layers: int = 10) -> None:
+        super().__init__()
+        self.inner = LengthsEncoder(dim=16, layers=layers)
+        self.num_layers_asked: list[int | None] = []
+
+    def extract_features(
+        self, waveforms: torch.Tensor, lengths: torch.Tensor | None = None, num_layers=None
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        self.num_layers_asked.append(num_layers)
+        if lengths is None:
+            lengths = torch.full((waveforms.shape[0],), waveforms.shape[-1])
+        inner = self.inner
+        x = torch.nn.functional.gelu(inner.conv(waveforms.unsqueeze(1))).transpose(1, 2)
+        out_lengths = torch.div(lengths - inner.kernel, inner.hop, rounding_mode="floor") + 1
+        mask = torch.arange(x.shape[1])[None, :] >= out_lengths[:, None]
+        feats = []
+        for layer in inner.body.layers[:num_layers]:
+            x = layer(x, src_key_padding_mask=mask)
+            feats.append(x)
+        return feats, out_lengths
+
+    def forward(
+        self, waveforms: torch.Tensor, lengths: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        feats, out_lengths = self.extract_features(waveforms, lengths)
+        return feats[-1], out_lengths
+
+
+class StandInUpstream(nn.Module):
+    """s3prl.nn.S3PRLUpstream's documented API: (wavs, wavs_len) -> (all_hs, all_hs_len)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+        self.model = StandInWav2Vec2(layers=3)
+
+    def forward(self, wavs: torch.Tensor, wavs_len: torch.Tensor) -> tuple[list, list]:
+        feats, out_lengths = self.model.extract_features(wavs, wavs_len)
+        return [feats[0] * 0 + 1, *feats], [out_lengths] * (len(feats) + 1)
+
+
+@pytest.fixture
+def stand_ins(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    import types
+
+    torchaudio = types.ModuleType("torchaudio")
+    torchaudio.models = types.SimpleNamespace(  # type: ignore[attr-defined]
+        wav2vec2_base=StandInWav2Vec2, wavlm_base=StandInWav2Vec2
+    )
+    s3prl, s3prl_nn = types.ModuleType("s3prl"), types.ModuleType("s3prl.nn")
+    s3prl_nn.S3PRLUpstream = StandInUpstream  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "torchaudio", torchaudio)
+    monkeypatch.setitem(sys.modules, "s3prl", s3prl)
+    monkeypatch.setitem(sys.modules, "s3prl.nn", s3prl_nn)
+
+
+def per_clip_parts(module: nn.Module, path: Path) -> dict[str, torch.Tensor]:
+    x = source_for(Recipe()).load(path)
+    with torch.inference_mode():
+        feats, out_len = module(x[None], torch.tensor([x.shape[-1]]))
+    if isinstance(feats, torch.Tensor):
+        feats = {"": feats}
+    return {k: v[0, : int(out_len[0])] for k, v in feats.items()}
+
+
+@pytest.mark.parametrize(
+    ("factory", "parts"),
+    [
+        ("examples.encoders_torchaudio:wav2vec2_base", {""}),
+        ("examples.encoders_torchaudio:wav2vec2_base_layers_3_6_9", {"layer3", "layer6", "layer9"}),
+        ("examples.encoders_s3prl:hubert_base", {"layer0", "layer1", "layer2", "layer3"}),
+    ],
+)
+def test_example_factories_follow_the_lengths_protocol(
+    tmp_path: Path, varied_audio: Path, stand_ins: None, factory: str, parts: set[str]
+) -> None:
+    enc = load_encoder(factory)
+    assert enc.takes_lengths
+    report = build(varied_audio, enc, cache=tmp_path / "s", workers=0, batch_size=8)
+    assert report.ok and report.batching == BatchingMode.PADDED, report.batching_note
+    for rel, stored in stored_features(tmp_path / "s", report.root).items():
+        want = per_clip_parts(enc.module, varied_audio / rel)
+        assert set(stored) == parts == set(want)
+        for part in parts:
+            assert rel_error(stored[part], want[part]) < 1e-4
+    if factory.endswith("layers_3_6_9"):  # the model was told to stop after layer 9 of 10
+        assert set(enc.module.model.num_layers_asked) == {9}
