@@ -29,6 +29,8 @@ STORED_DTYPES: dict[str, torch.dtype] = {
 SOURCE_KINDS = ("audio", "npy")
 #: The highest rate audio hardware records (Hz); above it a typo allocates gigabytes per clip.
 MAX_SAMPLE_RATE = 768_000
+#: Autocast precisions for the encoder call (``fp32``: no autocast).
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,16 @@ class Recipe:
         max_seconds: crop audio to its first ``max_seconds`` seconds (``None``: whole file).
         output: which encoder output to store (a dict key or tuple index); ``None`` stores all.
         dtype: the stored dtype: ``float32``, ``float16`` or ``bfloat16``.
+        precision: the encoder runs under autocast in ``bf16`` or ``fp16``, or plainly in
+            ``fp32`` (the default). Outputs differ by precision, so it is part of the key.
+        layers: hidden layers to store (``(0, 6, 12)``; each becomes the part ``"layer6"``), for
+            encoders with hidden states (Hugging Face folders); ``None`` stores the output.
+            ``"all"`` is resolved to ``0..num_hidden_layers`` when the model is known.
+        normalize: zero-mean, unit-variance per clip before encoding (a Hugging Face
+            ``preprocessor_config.json`` with ``do_normalize: true``).
+
+    ``precision``, ``layers`` and ``normalize`` enter the key only when set away from their
+    defaults, so the keys of recipes that do not use them stay what they were.
 
     Example:
         >>> Recipe(sample_rate=16000, dtype="float16").fingerprint()[:8]  # doctest: +SKIP
@@ -54,6 +66,9 @@ class Recipe:
     max_seconds: float | None = None
     output: str | None = None
     dtype: str = "float32"
+    precision: str = "fp32"
+    layers: tuple[int, ...] | str | None = None
+    normalize: bool = False
 
     def __post_init__(self) -> None:
         # Normalise numbers so that equal options give equal keys: canonical JSON writes 10 and
@@ -72,6 +87,11 @@ class Recipe:
                 f"{', '.join(STORED_DTYPES)} (e.g. --dtype float16)"
             )
         self._check_numbers()
+        if self.precision not in PRECISIONS:
+            raise ConfigError(
+                f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}"
+            )
+        self._check_layers()
 
     def _check_numbers(self) -> None:
         """Bound the numeric options before anything is allocated from them."""
@@ -87,6 +107,17 @@ class Recipe:
                 f"--max-seconds must be a positive, finite number of seconds, got {seconds}; "
                 "leave it out to keep whole files"
             )
+
+    def _check_layers(self) -> None:
+        if self.layers is None or self.layers == "all":  # "all": resolved against the model
+            return
+        layers = tuple(self.layers)
+        if not layers or any(isinstance(k, bool) or not isinstance(k, int) for k in layers):
+            raise ConfigError(f"layers must be whole numbers, e.g. --layers 0,6,12; got {layers!r}")
+        if any(k < 0 for k in layers):
+            raise ConfigError(f"layers count from 0 (the input to the first layer); got {layers}")
+        # Sorted and unique: --layers 6,0 and --layers 0,6,6 store the same parts, so one key.
+        object.__setattr__(self, "layers", tuple(sorted(set(layers))))
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -105,6 +136,14 @@ class Recipe:
             fields["sample_rate"] = self.sample_rate
             fields["mono"] = self.mono
             fields["max_seconds"] = self.max_seconds
+            if self.normalize:
+                fields["normalize"] = True
+        # Newer options join the key only when used: a recipe that leaves them at their
+        # defaults keeps the key it had before they existed.
+        if self.precision != "fp32":
+            fields["precision"] = self.precision
+        if self.layers is not None:
+            fields["layers"] = self.layers if isinstance(self.layers, str) else list(self.layers)
         return fields
 
     def fingerprint(self) -> str:

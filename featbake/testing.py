@@ -66,6 +66,37 @@ class LogMelTransformer(nn.Module):
         return self.body(self.inp(mels))
 
 
+class LengthsEncoder(nn.Module):
+    """A lengths-protocol encoder: strided conv front end + transformer with a padding mask.
+
+    ``forward(wav [B, T], lengths [B]) -> (frames [B, T', dim], out_lengths [B])``. Padding is
+    exact: a frame is kept only when its whole receptive field lies in the clip, and padded
+    frames are masked out of attention (see :mod:`featbake.encode.lengths`).
+    """
+
+    def __init__(
+        self, dim: int = 32, layers: int = 2, kernel: int = 400, hop: int = 320, seed: int = 0
+    ) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.kernel = kernel
+        self.hop = hop
+        self.conv = nn.Conv1d(1, dim, kernel_size=kernel, stride=hop)
+        layer = nn.TransformerEncoderLayer(
+            dim, nhead=2, dim_feedforward=2 * dim, batch_first=True, dropout=0.0
+        )
+        self.body = nn.TransformerEncoder(layer, num_layers=layers, enable_nested_tensor=False)
+
+    def forward(
+        self, wav: torch.Tensor, lengths: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.nn.functional.gelu(self.conv(wav.unsqueeze(1))).transpose(1, 2)
+        out_lengths = torch.div(lengths - self.kernel, self.hop, rounding_mode="floor") + 1
+        frames = torch.arange(x.shape[1], device=x.device)
+        pad_mask = frames[None, :] >= out_lengths[:, None]
+        return self.body(x, src_key_padding_mask=pad_mask), out_lengths
+
+
 def save_torchscript(module: nn.Module, path: str | os.PathLike[str]) -> Path:
     """Script ``module`` in eval mode and save it with ``torch.jit.save``."""
     module = module.eval()

@@ -88,3 +88,39 @@ def test_bad_options_raise_config_error_naming_the_option(kwargs: dict, needle: 
 
 def test_torch_dtype() -> None:
     assert Recipe(dtype="bfloat16").torch_dtype is torch.bfloat16
+
+
+def test_new_options_leave_default_keys_unchanged() -> None:
+    # precision, layers and normalize join the key only when set: a store baked before they
+    # existed is still found. The fields of a default recipe are exactly the old ones.
+    assert set(Recipe().as_dict()) == {
+        "version",
+        "source",
+        "output",
+        "dtype",
+        "sample_rate",
+        "mono",
+        "max_seconds",
+    }
+    assert Recipe(precision="fp32", layers=None, normalize=False).fingerprint() == (
+        Recipe().fingerprint()
+    )
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"precision": "bf16"}, {"precision": "fp16"}, {"layers": (6,)}, {"normalize": True}],
+)
+def test_new_options_change_the_fingerprint_when_set(change: dict) -> None:
+    assert Recipe().replace(**change).fingerprint() != Recipe().fingerprint()
+
+
+def test_layers_are_normalised_and_checked() -> None:
+    assert Recipe(layers=(12, 0, 6, 6)).layers == (0, 6, 12)
+    assert Recipe(layers=(12, 0, 6)).fingerprint() == Recipe(layers=[0, 6, 12]).fingerprint()
+    assert Recipe(layers=(0, 6)).fingerprint() != Recipe(layers=(0, 6, 12)).fingerprint()
+    for bad in [(), (-1,), ("6",), (True,)]:
+        with pytest.raises(ConfigError, match="layers"):
+            Recipe(layers=bad)
+    with pytest.raises(ConfigError, match="precision"):
+        Recipe(precision="fp8")

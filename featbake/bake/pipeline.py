@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from featbake.bake.batching import ShapeBatcher
 from featbake.bake.decode import decoded_items, worker_death
 from featbake.bake.interrupt import interrupt_at_safe_points
+from featbake.bake.padded import BatchRunner, budget_samples
 from featbake.bake.report import BuildReport
 from featbake.bake.writer_thread import WriterThread
 from featbake.cpus import BakeThreads, bake_threads
@@ -29,7 +29,7 @@ from featbake.encode.fingerprints import (
     hash_inputs,
     resolve_path,
 )
-from featbake.encode.outputs import encode_batch
+from featbake.encode.hf import check_layers_supported, recipe_for_encoder
 from featbake.encode.sources import ScanResult, Source, scan_inputs, source_for
 from featbake.errors import ConfigError, EncodeError, FeatbakeError, SourceError
 from featbake.keys import feature_key, root_id
@@ -57,6 +57,9 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     progress: ProgressFn | None = None,
     allow_nonfinite: bool = False,
+    batching: str = "auto",
+    batch_seconds: float | None = None,
+    batch_samples: int | None = None,
 ) -> BuildReport:
     """Run ``encoder`` over every input under ``data`` once and store the features.
 
@@ -67,7 +70,7 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
         recipe: preprocessing and storage options (part of every key).
         weights: safetensors weights for an import-path encoder.
         trust_pickle: allow a pickled whole-module checkpoint (runs its code).
-        batch_size: inputs per encoder call (inputs of equal shape batch together).
+        batch_size: inputs per encoder call at most.
         workers: DataLoader worker processes for decoding (0: decode in this process; None:
             chosen from the CPUs this process may use, see :func:`featbake.cpus.bake_threads`).
         device: where the encoder runs.
@@ -76,6 +79,10 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
         progress: called with :class:`Progress` as hashing and encoding advance.
         allow_nonfinite: store features holding NaN or infinite values (by default such an
             input fails: a NaN feature would poison every training step that reads it).
+        batching: ``auto`` (padded length-sorted batches when the encoder takes lengths, else
+            exact shapes), ``padded`` or ``exact`` (see :mod:`featbake.bake.padded`).
+        batch_seconds: padded batches hold at most this much audio, padding included
+            (default 160 s); ``batch_samples`` sets the same budget in samples.
 
     Returns:
         A :class:`BuildReport`; ``report.failed`` names each input that was skipped.
@@ -90,7 +97,9 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
         >>> report.encoded, report.reused  # doctest: +SKIP
     """
     t0 = time.perf_counter()
-    recipe = recipe or Recipe()
+    # A Hugging Face folder's preprocessor config sets the input (sample rate, normalisation)
+    # and resolves layers="all": before the source is made from the recipe.
+    recipe = recipe_for_encoder(encoder, recipe or Recipe())
     dev = check_device(device)
     on_gpu = dev.type != "cpu"
     options = BakeOptions(batch_size, workers, strict, shard_bytes, on_gpu, allow_nonfinite)
@@ -99,8 +108,10 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
         source = source_for(recipe)
         data_dir = resolve_path(data)
         scanned = scan_inputs(data_dir, source.extensions)
-        enc = loaded_encoder(encoder, weights, dev, trust_pickle)
-        bake = _Bake(catalog, layout, enc, recipe, source, data_dir, options, progress)
+        enc = loaded_encoder(encoder, weights, dev, trust_pickle, recipe)
+        budget = budget_samples(recipe, batch_seconds, batch_samples)
+        runner = BatchRunner(enc, recipe, batching, batch_size, budget)
+        bake = _Bake(catalog, layout, enc, recipe, source, data_dir, options, runner, progress)
         bake.start(scanned, os.fspath(weights) if weights else None)
         todo = bake.plan(scanned.inputs)
         bake.publish_manifest()
@@ -142,13 +153,23 @@ def loaded_encoder(
     weights: str | os.PathLike[str] | None,
     device: torch.device,
     trust_pickle: bool,
+    recipe: Recipe,
 ) -> LoadedEncoder:
-    """The encoder ready to run: loaded from a path or import path, or wrapped as given."""
+    """The encoder ready to run: loaded from a path or import path, or wrapped as given.
+
+    Raises:
+        ConfigError: the recipe asks for hidden layers this encoder cannot give.
+    """
     if isinstance(encoder, LoadedEncoder):
-        return encoder
-    if isinstance(encoder, torch.nn.Module):
-        return from_module(encoder, device=device)
-    return load_encoder(encoder, weights=weights, device=device, trust_pickle=trust_pickle)
+        enc = encoder
+    elif isinstance(encoder, torch.nn.Module):
+        enc = from_module(encoder, device=device)
+    else:
+        enc = load_encoder(
+            encoder, weights=weights, device=device, trust_pickle=trust_pickle, layers=recipe.layers
+        )
+    check_layers_supported(enc, recipe)
+    return enc
 
 
 @dataclass
@@ -162,6 +183,7 @@ class _Bake:
     source: Source
     data_dir: str
     options: BakeOptions
+    runner: BatchRunner
     progress: ProgressFn | None
     report: BuildReport = field(init=False)
     manifest: list[tuple[str, str]] = field(default_factory=list)
@@ -175,6 +197,7 @@ class _Bake:
         name = root_id(self.data_dir, self.enc.label, recipe_fp)
         files = len(scanned.inputs) + len(scanned.skipped)
         self.report = BuildReport(name, self.data_dir, self.enc.label, enc_fp, recipe_fp, files)
+        self.report.batching, self.report.batching_note = self.runner.mode, self.runner.note
         for rel, reason in scanned.skipped:
             self.skip(rel, reason, SourceError(f"{rel}: {reason}"))
 
@@ -249,7 +272,7 @@ class _Bake:
         with interrupt_at_safe_points() as checkpoint, torch_threads(threads.encoder_threads):
             try:
                 items = decoded_items(paths, self.source, threads.decode_workers, stats)
-                run.feed(items, ShapeBatcher(self.options.batch_size), checkpoint)
+                run.feed(items, self.runner, checkpoint)
             except RuntimeError as e:  # torch's SIGCHLD handler can raise it anywhere
                 raise (worker_death(e) or e) from None
             finally:
@@ -258,6 +281,7 @@ class _Bake:
                 writer.close()
                 self.report.bytes_written = writer.bytes_written
                 self.report.shards_written = writer.shards
+                self.report.batching, self.report.batching_note = self.runner.mode, self.runner.note
         run.tick(self.report.bytes_written)  # the last word: bytes sealed (the writer lags)
 
 
@@ -281,7 +305,7 @@ class _EncodeRun:
     def feed(
         self,
         items: Iterator[tuple[int, torch.Tensor | str]],
-        batcher: ShapeBatcher,
+        batcher: BatchRunner,
         checkpoint: Callable[[], None],
     ) -> None:
         """Batch decoded items and encode each batch; a decode failure skips its item."""
@@ -299,7 +323,7 @@ class _EncodeRun:
     def run(self, batch: list[tuple[int, torch.Tensor]]) -> None:
         """Encode one batch and queue its features; a failing batch is retried item by item."""
         try:
-            results = encode_batch(self.bake.enc, [x for _, x in batch], self.bake.recipe)
+            results = self.bake.runner.encode([x for _, x in batch])
         except EncodeError as e:
             if len(batch) > 1:  # find the culprit: retry one by one
                 for item in batch:

@@ -23,6 +23,8 @@ class BuildReport:
     bytes_written: int = 0
     shards_written: int = 0
     seconds: float = 0.0
+    batching: str = ""  # the mode that ran: padded or exact (featbake.bake.padded)
+    batching_note: str = ""  # why that mode, in one line
 
     @property
     def ok(self) -> bool:

@@ -22,7 +22,9 @@ from featbake.units import format_bytes, parse_bytes
         "  featbake build --encoder ckpt.pt --data ./audio\n\n"
         "  featbake build --encoder encoder.pt2 --data ./audio --max-seconds 10 --dtype float16\n\n"
         "  featbake build --encoder mypkg.models:build --weights w.safetensors --data ./audio "
-        "--device cuda --json\n\n" + EXIT_CODES
+        "--device cuda --json\n\n"
+        "  featbake build --encoder ./wavlm-base-plus --data ./audio --layers 0,6,12 "
+        "--precision bf16 --batch-seconds 200 --device cuda\n\n" + EXIT_CODES
     )
 )
 def build(
@@ -31,7 +33,8 @@ def build(
         typer.Option(
             "--encoder",
             "-e",
-            help="TorchScript (.pt), torch.export (.pt2) file, or import path pkg.module:factory.",
+            help="TorchScript (.pt), torch.export (.pt2) file, Hugging Face model folder, or "
+            "import path pkg.module:factory.",
         ),
     ],
     data: Annotated[
@@ -58,7 +61,34 @@ def build(
     dtype: Annotated[
         str, typer.Option(help="Stored dtype: float32, float16 or bfloat16.")
     ] = "float32",
-    batch_size: Annotated[int, typer.Option(help="Inputs per encoder call.")] = 16,
+    batch_size: Annotated[int, typer.Option(help="Inputs per encoder call at most.")] = 16,
+    batching: Annotated[
+        str,
+        typer.Option(
+            help="auto (padded length-sorted batches when the encoder takes lengths), padded "
+            "or exact (equal shapes only)."
+        ),
+    ] = "auto",
+    batch_seconds: Annotated[
+        float | None,
+        typer.Option(
+            help="Audio per padded batch, padding included [default: 160].", show_default=False
+        ),
+    ] = None,
+    precision: Annotated[
+        str, typer.Option(help="Run the encoder in fp32, or under autocast in bf16 or fp16.")
+    ] = "fp32",
+    layer: Annotated[
+        int | None,
+        typer.Option(help="Store this hidden layer (Hugging Face folders).", show_default=False),
+    ] = None,
+    layers: Annotated[
+        str | None,
+        typer.Option(
+            help="Store these hidden layers, e.g. 0,6,12 or all; each is its own part (layer6).",
+            show_default=False,
+        ),
+    ] = None,
     workers: Annotated[
         int | None,
         typer.Option(
@@ -87,8 +117,16 @@ def build(
     Inputs already in the store are skipped (a rerun encodes nothing); bad inputs are skipped and
     listed at the end, and the exit code is then 3.
     """
+    from featbake.bake.padded import Batching
     from featbake.bake.pipeline import build as run_build
+    from featbake.encode.layers import parse_layers
     from featbake.recipe import Recipe
+
+    if layer is not None and layers is not None:
+        raise ConfigError("give --layer or --layers, not both")
+    if batching not in set(Batching):
+        raise ConfigError(f"--batching must be auto, padded or exact, got {batching!r}")
+    chosen = (layer,) if layer is not None else parse_layers(layers) if layers else None
 
     recipe = Recipe(
         source=source,
@@ -97,6 +135,8 @@ def build(
         max_seconds=max_seconds,
         output=output,
         dtype=dtype,
+        precision=precision,
+        layers=chosen,
     )
     try:
         shard_bytes = parse_bytes(shard_size)
@@ -119,6 +159,8 @@ def build(
             shard_bytes=shard_bytes,
             progress=on_progress,
             allow_nonfinite=allow_nonfinite,
+            batching=batching,
+            batch_seconds=batch_seconds,
         )
     if as_json:
         out.print_json(json.dumps(report.to_json()))
@@ -146,6 +188,8 @@ def _print_build_summary(report: Any) -> None:
     table.add_row(
         "written", f"{format_bytes(report.bytes_written)} in {report.shards_written} shards"
     )
+    if report.batching_note:
+        table.add_row("batching", escape(report.batching_note))
     table.add_row("time", f"{report.seconds:.2f}s")
     out.print(table)
     for path, reason in report.failed[:50]:

@@ -20,12 +20,14 @@ from typing import Any
 
 import torch
 
+from featbake.encode.failures import error_cause, first_line, refuse_complex
 from featbake.encode.identity import (
     attribute_identity,
     code_identity,
     module_identity,
     script_identity,
 )
+from featbake.encode.lengths import accepts_lengths
 from featbake.errors import ConfigError, EncodeError, EncoderLoadError, FeatbakeError
 from featbake.keys import module_fingerprint
 
@@ -54,6 +56,10 @@ class LoadedEncoder:
         kind: torchscript, export, import, pickle or module.
         identity: the architecture's identity string hashed into the fingerprint.
         device: where it runs.
+        takes_lengths: ``forward(x, lengths) -> (features, out_lengths)`` (see
+            :mod:`featbake.encode.lengths`), so inputs of different lengths can share a batch.
+        unpaddable: why padded batches would not be exact for this encoder, known up front
+            (e.g. a group-norm wav2vec2 that must not get an attention mask), else ``None``.
     """
 
     module: Any
@@ -62,6 +68,8 @@ class LoadedEncoder:
     identity: str
     device: torch.device
     _fingerprint: str | None = None
+    takes_lengths: bool = False
+    unpaddable: str | None = None
 
     @property
     def fingerprint(self) -> str:
@@ -70,8 +78,11 @@ class LoadedEncoder:
             self._fingerprint = module_fingerprint(self.module, self.identity)
         return self._fingerprint
 
-    def run(self, batch: torch.Tensor) -> Any:
+    def run(self, batch: torch.Tensor, lengths: torch.Tensor | None = None) -> Any:
         """Run the encoder on ``batch`` without autograd.
+
+        ``lengths`` goes to a lengths-protocol encoder as its second argument. The copies are
+        non-blocking: from pinned memory they overlap with the GPU's work.
 
         Raises:
             EncodeError: the encoder raised (any ``Exception``: a TorchScript ``raise``, a
@@ -81,7 +92,11 @@ class LoadedEncoder:
         """
         try:
             with torch.inference_mode():
-                result = self.module(batch.to(self.device, non_blocking=True))
+                x = batch.to(self.device, non_blocking=True)
+                if lengths is None:
+                    result = self.module(x)
+                else:
+                    result = self.module(x, lengths.to(self.device, non_blocking=True))
         except SystemExit as e:
             raise EncoderLoadError(
                 f"the encoder {self.label} called sys.exit({e.code!r}) while encoding; an "
@@ -98,54 +113,6 @@ class LoadedEncoder:
             ) from e
         refuse_complex(result, self.label)
         return result
-
-
-def refuse_complex(result: Any, label: str) -> None:
-    """Raise EncodeError if any output tensor is complex (storing would drop its imaginary part).
-
-    Raises:
-        EncodeError: naming the output and its dtype.
-    """
-    if isinstance(result, torch.Tensor):
-        named: Any = {"": result}
-    elif isinstance(result, Mapping):
-        named = result
-    elif isinstance(result, (tuple, list)):
-        named = dict(enumerate(result))
-    else:
-        return
-    for name, value in named.items():
-        if isinstance(value, torch.Tensor) and value.is_complex():
-            output = f"output {name!r}" if name != "" else "output"
-            raise EncodeError(
-                f"the encoder {label} returned a complex {output} ({value.dtype}); featbake "
-                "stores real tensors: return .real/.imag or torch.view_as_real(x) instead"
-            )
-
-
-#: TorchScript's generic first line; the cause is at the end of its message.
-_TORCHSCRIPT_PREFIX = "The following operation failed in the TorchScript interpreter"
-
-
-def error_cause(e: BaseException) -> str:
-    """One line that says why ``e`` happened: the type and message of the real cause.
-
-    A TorchScript error's first line is always the same sentence and its last line holds the
-    raised exception (``builtins.ValueError: ...``); a ``KeyError``'s message alone is a bare key.
-    """
-    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
-    if lines and lines[0].startswith(_TORCHSCRIPT_PREFIX):
-        cause = lines[-1]
-        return cause.removeprefix("builtins.")
-    text = lines[0] if lines else ""
-    if isinstance(e, (RuntimeError, ValueError)) and text:
-        return text
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
 
 
 def is_import_path(spec: str) -> bool:
@@ -215,7 +182,7 @@ def _load_pickle(path: Path, trust_pickle: bool) -> tuple[Any, str]:
     except Exception as e:
         raise EncoderLoadError(
             f"{path} is not a TorchScript, torch.export or torch.save file "
-            f"({type(e).__name__}: {_first_line(e)})"
+            f"({type(e).__name__}: {first_line(e)})"
         ) from e
     else:
         holds_module = False
@@ -248,7 +215,7 @@ def _unpickle_reason(e: BaseException) -> str:
     _, found, rest = text.partition("WeightsUnpickler error:")
     detail = next((line.strip() for line in rest.splitlines() if line.strip()), "") if found else ""
     if not detail and not text.startswith("Weights only load failed"):
-        detail = _first_line(e)
+        detail = first_line(e)
     return f"unreadable as a pickle: {detail}" if detail else "unreadable as a pickle"
 
 
@@ -260,7 +227,7 @@ def _load_import(spec: str, weights: Path | None) -> tuple[Any, str]:
             factory = getattr(factory, part)
     except (ImportError, AttributeError) as e:
         raise EncoderLoadError(
-            f"cannot import {spec}: {_first_line(e)}; check the module is on PYTHONPATH and the "
+            f"cannot import {spec}: {first_line(e)}; check the module is on PYTHONPATH and the "
             "factory name after ':' exists"
         ) from e
     except SystemExit as e:
@@ -268,7 +235,7 @@ def _load_import(spec: str, weights: Path | None) -> tuple[Any, str]:
             f"importing {mod_name} called sys.exit({e.code!r}); an encoder module must not exit"
         ) from None
     except Exception as e:
-        raise EncoderLoadError(f"cannot import {spec}: {type(e).__name__}: {_first_line(e)}") from e
+        raise EncoderLoadError(f"cannot import {spec}: {type(e).__name__}: {first_line(e)}") from e
     try:
         module = factory()
     except SystemExit as e:
@@ -276,7 +243,7 @@ def _load_import(spec: str, weights: Path | None) -> tuple[Any, str]:
             f"{spec}() called sys.exit({e.code!r}); the factory must return an nn.Module"
         ) from None
     except Exception as e:
-        raise EncoderLoadError(f"{spec}() raised {type(e).__name__}: {_first_line(e)}") from e
+        raise EncoderLoadError(f"{spec}() raised {type(e).__name__}: {first_line(e)}") from e
     if not isinstance(module, torch.nn.Module):
         raise EncoderLoadError(f"{spec}() returned {type(module).__name__}, not an nn.Module")
     if weights is not None:
@@ -294,11 +261,11 @@ def _load_weights(module: torch.nn.Module, weights: Path) -> None:
     try:
         state = load_file(str(weights))
     except (SafetensorError, OSError) as e:
-        raise EncoderLoadError(f"cannot read weights {weights}: {_first_line(e)}") from e
+        raise EncoderLoadError(f"cannot read weights {weights}: {first_line(e)}") from e
     try:
         module.load_state_dict(state, strict=True)
     except RuntimeError as e:
-        raise EncoderLoadError(f"weights {weights} do not fit the encoder: {_first_line(e)}") from e
+        raise EncoderLoadError(f"weights {weights} do not fit the encoder: {first_line(e)}") from e
 
 
 def load_encoder(
@@ -307,14 +274,16 @@ def load_encoder(
     weights: str | os.PathLike[str] | None = None,
     device: str | torch.device = "cpu",
     trust_pickle: bool = False,
+    layers: tuple[int, ...] | str | None = None,
 ) -> LoadedEncoder:
-    """Load an encoder named by a file path or ``package.module:factory``.
+    """Load an encoder named by a file path, a Hugging Face folder or ``package.module:factory``.
 
     Args:
-        spec: TorchScript file, ``.pt2`` export, or import path.
+        spec: TorchScript file, ``.pt2`` export, Hugging Face model folder, or import path.
         weights: safetensors weights for an import-path encoder.
         device: where to run it (``cpu``, ``cuda``, ``cuda:1``).
         trust_pickle: allow a pickled whole module (runs code from the file).
+        layers: hidden layers a Hugging Face folder returns (the recipe's ``layers``).
 
     Returns:
         The encoder in eval mode on ``device``, not yet fingerprinted.
@@ -332,11 +301,18 @@ def load_encoder(
     if is_import_path(spec_s):
         module, identity = _load_import(spec_s, weights_p)
         kind, label = IMPORT, spec_s
+    elif Path(spec_s).is_dir():
+        from featbake.encode.hf import load_hf_folder  # transformers only when asked for
+
+        if weights_p is not None:
+            raise ConfigError("--weights applies only to an import-path encoder (pkg.mod:factory)")
+        return load_hf_folder(spec_s, layers=layers, device=dev)
     else:
         path = Path(spec_s)
         if not path.is_file():
             raise EncoderLoadError(
-                f"encoder {spec_s} not found; give a TorchScript (.pt), torch.export (.pt2) file "
+                f"encoder {spec_s} not found; give a TorchScript (.pt), torch.export (.pt2) file, "
+                "a Hugging Face model folder (config.json + weights) "
                 "or an import path like mypkg.models:build_encoder"
             )
         if weights_p is not None:
@@ -352,7 +328,7 @@ def load_encoder(
         except EncoderLoadError:
             raise
         except Exception as e:
-            raise EncoderLoadError(f"cannot load encoder {path} as {kind}: {_first_line(e)}") from e
+            raise EncoderLoadError(f"cannot load encoder {path} as {kind}: {first_line(e)}") from e
         label = str(path.resolve())
     return from_module(module, label=label, kind=kind, identity=identity, device=dev)
 
@@ -378,7 +354,9 @@ def from_module(
         module.eval()
     if (hasattr(module, "to") and kind != EXPORT) or (kind == EXPORT and dev.type != "cpu"):
         module = module.to(dev)
-    return LoadedEncoder(module, label or type(module).__name__, kind, identity, dev)
+    enc = LoadedEncoder(module, label or type(module).__name__, kind, identity, dev)
+    enc.takes_lengths = accepts_lengths(module)
+    return enc
 
 
 def is_frozen(module: torch.nn.Module) -> bool:

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 
 from featbake.encode.encoders import LoadedEncoder
+from featbake.encode.lengths import pad_inputs, split_lengths_result, trim_rows
+from featbake.encode.precision import autocast_for
 from featbake.errors import ConfigError, EncodeError
 from featbake.recipe import Recipe
 
@@ -61,11 +63,18 @@ def encode_batch(
 ) -> list[dict[str, torch.Tensor]]:
     """Encode equal-shape inputs together; one dict of output parts per input, on the CPU.
 
+    A lengths-protocol encoder gets every row's full length (and its outputs are trimmed to the
+    lengths it reports), so exact-shape and padded batches store the same parts.
+
     Raises:
         EncodeError: the encoder failed or returned outputs without a matching batch dimension.
     """
+    if encoder.takes_lengths:
+        return encode_padded(encoder, inputs, recipe)
     batch = torch.stack(list(inputs))
-    named = split_outputs(encoder.run(batch), recipe.output)
+    with autocast_for(encoder.device, recipe.precision):
+        result = encoder.run(batch)
+    named = split_outputs(result, recipe.output)
     out: list[dict[str, torch.Tensor]] = [{} for _ in inputs]
     for part, value in named.items():
         if value.dim() == 0 or value.shape[0] != len(inputs):
@@ -77,6 +86,29 @@ def encode_batch(
         for i in range(len(inputs)):
             out[i][part] = value[i].clone()  # own storage: a slice would pin the whole batch
     return out
+
+
+def encode_padded(
+    encoder: LoadedEncoder, inputs: Sequence[torch.Tensor], recipe: Recipe
+) -> list[dict[str, torch.Tensor]]:
+    """Encode inputs of different lengths in one zero-padded batch (lengths protocol).
+
+    The batch is built in pinned memory when the encoder runs on a GPU, so the copy to the
+    device does not block; each row's outputs are cut to its own output length.
+
+    Raises:
+        EncodeError: the encoder failed, does not take lengths, or broke the protocol.
+    """
+    if not encoder.takes_lengths:
+        raise EncodeError(
+            f"the encoder {encoder.label} does not take lengths; padded batches need "
+            "forward(x, lengths) -> (features, out_lengths)"
+        )
+    batch = pad_inputs(inputs, pinned=encoder.device.type == "cuda")
+    with autocast_for(encoder.device, recipe.precision):
+        result = encoder.run(batch.inputs, batch.lengths)
+    features, out_lengths = split_lengths_result(result, len(inputs))
+    return trim_rows(split_outputs(features, recipe.output), out_lengths, recipe.torch_dtype)
 
 
 def split_outputs(result: Any, output: str | None) -> dict[str, torch.Tensor]:

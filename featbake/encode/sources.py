@@ -89,7 +89,20 @@ class AudioSource:
         if self.recipe.max_seconds is not None:
             audio = audio[: round(self.recipe.max_seconds * self.recipe.sample_rate)]
         audio = np.ascontiguousarray(audio.T, dtype=np.float32)  # [C, T]
+        if self.recipe.normalize:
+            audio = zero_mean_unit_var(audio)
         return torch.from_numpy(audio[0] if self.recipe.mono else audio)
+
+
+def zero_mean_unit_var(audio: np.ndarray) -> np.ndarray:
+    """Each channel to zero mean and unit variance, as Hugging Face's feature extractors do.
+
+    Per clip and before any padding (``Wav2Vec2FeatureExtractor.zero_mean_unit_var_norm`` uses
+    the unpadded length), so a clip's input never depends on what it is batched with.
+    """
+    mean = audio.mean(axis=-1, keepdims=True)
+    var = audio.var(axis=-1, keepdims=True)
+    return np.ascontiguousarray((audio - mean) / np.sqrt(var + 1e-7), dtype=np.float32)
 
 
 def _unreadable(path: str | os.PathLike[str]) -> str | None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing import util as mp_util
 from pathlib import Path
 from typing import Any
@@ -31,12 +31,14 @@ from torch.utils.data import Dataset
 
 import featbake.device as dev
 from featbake.encode.encoders import LoadedEncoder
+from featbake.encode.hf import recipe_for_encoder
 from featbake.encode.sources import source_for
-from featbake.errors import ConfigError
 from featbake.recipe import Recipe
 from featbake.serve.index import IndexSpec, build_index
 from featbake.serve.lastuse import TOUCH_FLUSH_ITEMS, TOUCH_FLUSH_SECONDS, TOUCH_REPEAT_SECONDS
+from featbake.serve.layers import LayerView, check_layer_view, view_layers
 from featbake.serve.live import LiveEncoder, Misses
+from featbake.serve.options import check_options, recipe_from
 from featbake.serve.process import (
     ServeStats,
     SharedFlags,
@@ -69,15 +71,6 @@ __all__ = [
     "ServeStats",
     "ram_budget_for_process",
 ]
-
-ON_MISS = ("encode", "error")
-VERIFY = ("first", "always", "never")
-
-
-def _recipe_from(recipe: Recipe | None, options: Mapping[str, Any]) -> Recipe:
-    base = recipe or Recipe()
-    changes = {k: v for k, v in options.items() if v is not None}
-    return base.replace(**changes) if changes else base
 
 
 def _tell_published(ds_ref: weakref.ref[CachedFeatureDataset], shard: SealedShard) -> None:
@@ -119,6 +112,10 @@ class CachedFeatureDataset(Dataset):
         write_back: store features encoded on a miss so the next epoch hits.
         clock: monotonic seconds, for write-back ageing and last-use flushing (tests pass a
             fake clock to check both without sleeping).
+        layers, precision: recipe fields, as ``featbake build --layers/--precision``.
+        layer_view: with ``layers``, serve one layer (``6``: ``[T, D]``), a stacked subset
+            (``[0, 6]``: ``[L, T, D]``) or every stored layer stacked (``"stack"``) instead of
+            the dict of parts (see :mod:`featbake.serve.layers`).
 
     Raises:
         ConfigError: an invalid option.
@@ -155,16 +152,15 @@ class CachedFeatureDataset(Dataset):
         max_open_shards: int = 64,
         write_back: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        layers: Sequence[int] | str | None = None,
+        precision: str | None = None,
+        layer_view: LayerView = None,
     ) -> None:
-        if on_miss not in ON_MISS:
-            raise ConfigError(f"on_miss must be 'encode' or 'error', got {on_miss!r}")
-        if verify not in VERIFY:
-            raise ConfigError(f"verify must be 'first', 'always' or 'never', got {verify!r}")
-        if max_open_shards < 1:
-            raise ConfigError(f"max_open_shards must be at least 1, got {max_open_shards}")
+        check_options(on_miss, verify, max_open_shards)
         options = {"source": source, "sample_rate": sample_rate, "mono": mono}
-        options.update(max_seconds=max_seconds, output=output, dtype=dtype)
-        self.recipe = _recipe_from(recipe, options)
+        options.update(max_seconds=max_seconds, output=output, dtype=dtype, precision=precision)
+        self.recipe = recipe_for_encoder(encoder, recipe_from(recipe, options, layers))
+        self._layer_view = check_layer_view(layer_view)
         self.on_miss = on_miss
         self.verify = verify
         self.write_back = write_back
@@ -182,6 +178,7 @@ class CachedFeatureDataset(Dataset):
             os.fspath(weights) if weights is not None else None,
             trust_pickle,
             str(device),
+            self.recipe.layers,
         )
         catalog = Catalog(self._layout)
         try:
@@ -331,7 +328,7 @@ class CachedFeatureDataset(Dataset):
             value = st.lru.get(i)
             if value is not None:
                 st.touch(i)
-                return value
+                return value if self._layer_view is None else view_layers(value, self._layer_view)
         sid = int(self._index.shard[i])
         value = self._reads.one(st, i, sid) if sid >= 0 else None
         if value is None:
@@ -340,7 +337,7 @@ class CachedFeatureDataset(Dataset):
             st.touch(i)
         if st.use_lru:
             st.lru.put(i, value)
-        return value
+        return value if self._layer_view is None else view_layers(value, self._layer_view)
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """Read a batch at once: the DataLoader calls this with each batch's indices.
@@ -360,6 +357,8 @@ class CachedFeatureDataset(Dataset):
             batch = self._reads.padded(st, idx)
             if batch is not None:
                 return batch
+        if self._layer_view is not None:
+            return [view_layers(v, self._layer_view) for v in self._getitems_each(st, idx)]
         return self._getitems_each(st, idx)
 
     def _getitems_each(self, st: ProcessState, idx: list[int]) -> list[Any]:

@@ -22,6 +22,7 @@ from featbake.encode.fingerprints import (
     encoder_fingerprint,
     file_fingerprint,
 )
+from featbake.encode.hf import is_hf_folder
 from featbake.encode.outputs import encode_batch
 from featbake.encode.sources import Source
 from featbake.errors import CacheMiss, EncoderLoadError, SourceError
@@ -51,6 +52,7 @@ class LiveEncoder:
     weights: str | None
     trust_pickle: bool
     device: str
+    layers: tuple[int, ...] | str | None = None
     fingerprint: str = ""
     label: str = ""
     loaded: LoadedEncoder | None = None
@@ -72,7 +74,7 @@ class LiveEncoder:
         spec = self.spec = os.fspath(encoder)
         self.label = spec  # an import path: the architecture lives in code, only loading it tells
         if not is_import_path(spec):
-            if not os.path.isfile(spec):
+            if not os.path.isfile(spec) and not is_hf_folder(spec):
                 raise EncoderLoadError(
                     f"encoder {spec} not found; give the TorchScript (.pt) or torch.export "
                     "(.pt2) file or the import path you passed to `featbake build --encoder`"
@@ -90,7 +92,11 @@ class LiveEncoder:
         """Load the encoder from its file or import path onto ``device``."""
         assert self.spec is not None
         enc = load_encoder(
-            self.spec, weights=self.weights, device=device, trust_pickle=self.trust_pickle
+            self.spec,
+            weights=self.weights,
+            device=device,
+            trust_pickle=self.trust_pickle,
+            layers=self.layers,
         )
         catalog = Catalog(self.layout)
         try:

@@ -1,0 +1,140 @@
+"""Padded length-sorted batches against exact-shape batching and a bare per-clip loop.
+
+Variable-length clips (1-20 s, uniform) through a small transformer encoder that takes lengths
+(:class:`featbake.testing.LengthsEncoder`: a strided conv front end at 50 frames/s and
+transformer layers with a padding mask; 256 wide, 4 layers), three ways, side by side:
+
+1. ``featbake.build`` with padded length-sorted batches (``--batch-size 16``,
+   ``--batch-seconds 160``; the exactness guard's re-runs are counted in its time);
+2. ``featbake.build`` with exact-shape batching: clips of different lengths never share a batch,
+   so this is one clip per encoder call plus the bake's own work;
+3. a bare loop: decode each clip and run the encoder on it alone, storing nothing (what a
+   hand-written extraction script does at batch 1).
+
+Reported as items/s and the ratios padded / bare and padded / exact. ``--model hf-base`` runs
+a wav2vec2-base-sized Hugging Face model (95M parameters, built from a config, random weights)
+instead, for the GPU target (>= 2.5x batch 1); ``--device cuda --precision bf16`` runs it there.
+
+Run: ``python benchmarks/bench_padded.py [--quick] [--device cuda] [--precision bf16]
+[--model hf-base]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from featbake.bake.pipeline import build
+from featbake.device import synchronize
+from featbake.encode.encoders import LoadedEncoder, load_encoder
+from featbake.encode.outputs import encode_batch
+from featbake.encode.sources import scan, source_for
+from featbake.recipe import Recipe
+from featbake.testing import LengthsEncoder, save_torchscript, write_audio_folder
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _rows import row
+
+BATCH = 16
+BATCH_SECONDS = 160.0
+WORKERS = 2
+
+
+def make_encoder(work: Path, model: str) -> Path:
+    """The encoder file or folder: the small lengths transformer, or wav2vec2-base from a config."""
+    if model == "hf-base":
+        from transformers import Wav2Vec2Config, Wav2Vec2FeatureExtractor, Wav2Vec2Model
+
+        folder = work / "w2v2-base"
+        config = Wav2Vec2Config(feat_extract_norm="layer", do_stable_layer_norm=True)
+        Wav2Vec2Model(config).eval().save_pretrained(folder)
+        Wav2Vec2FeatureExtractor(return_attention_mask=True, do_normalize=True).save_pretrained(
+            folder
+        )
+        return folder
+    return save_torchscript(LengthsEncoder(dim=256, layers=4), work / "lengths.pt")
+
+
+def bare_loop(data: Path, enc: LoadedEncoder, recipe: Recipe) -> float:
+    """Seconds to decode and encode every clip alone (batch 1), storing nothing."""
+    source = source_for(recipe)
+    t0 = time.perf_counter()
+    for rel in scan(data, source.extensions):
+        encode_batch(enc, [source.load(data / rel)], recipe)
+    synchronize(enc.device)
+    return time.perf_counter() - t0
+
+
+def timed_build(data: Path, encoder: Path, store: Path, recipe: Recipe, **kw: Any) -> tuple:
+    t0 = time.perf_counter()
+    report = build(data, encoder, cache=store, recipe=recipe, workers=WORKERS, **kw)
+    return time.perf_counter() - t0, report
+
+
+def main(
+    quick: bool = False, device: str = "cpu", precision: str = "fp32", model: str = "small"
+) -> list[dict]:
+    """Run the padded-batching benchmark; returns result rows (see ``benchmarks/run.py``)."""
+    work = Path(tempfile.mkdtemp(prefix="featbake-bench-padded-"))
+    try:
+        n, seconds = (8, (1.0, 3.0)) if quick else (64, (1.0, 20.0))
+        data = work / "clips"
+        write_audio_folder(data, n, seconds=seconds, seed=9)
+        encoder = make_encoder(work, model)
+        recipe = Recipe(precision=precision)
+        common = {"batch_size": BATCH, "device": device, "batch_seconds": BATCH_SECONDS}
+        t_pad, rep_pad = timed_build(
+            data, encoder, work / "pad", recipe, batching="padded", **common
+        )
+        t_exact, rep_exact = timed_build(
+            data, encoder, work / "exact", recipe, batching="exact", **common
+        )
+        enc = load_encoder(encoder, device=device)
+        bare_recipe = recipe.replace(normalize=model == "hf-base")
+        bare_loop(data, enc, bare_recipe)  # warm-up: first-call costs are not the bare loop's
+        t_bare = bare_loop(data, enc, bare_recipe)
+        assert rep_pad.encoded == n and rep_exact.encoded == n
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    what = f"{n} clips of {seconds[0]:g}-{seconds[1]:g} s, {model}, {device}, {precision}"
+    return [
+        row("padded", "padded batches, items/s", n / t_pad, "items/s", note=rep_pad.batching_note),
+        row("padded", "exact-shape batching, items/s", n / t_exact, "items/s", note=what),
+        row("padded", "bare per-clip loop, items/s", n / t_bare, "items/s", note=what),
+        row(
+            "padded",
+            "padded vs bare per-clip loop",
+            t_bare / t_pad,
+            "x",
+            target=">= 2.5x (GPU, wav2vec2-base)" if device != "cpu" else "report (2-core CPU)",
+            ok=(t_bare / t_pad >= 2.5) if device != "cpu" and model == "hf-base" else None,
+        ),
+        row("padded", "padded vs exact-shape batching", t_exact / t_pad, "x", note=what),
+    ]
+
+
+if __name__ == "__main__":
+    from rich.console import Console
+    from rich.table import Table
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
+    parser.add_argument("--model", default="small", choices=["small", "hf-base"])
+    args = parser.parse_args()
+    result = main(args.quick, args.device, args.precision, args.model)
+    table = Table("metric", "value", "unit", "target", "ok", "note", show_lines=True)
+    for r in result:
+        table.add_row(
+            r["metric"], f"{r['value']:.3g}", r["unit"], r["target"], str(r["ok"]), r["note"]
+        )
+    Console(width=200).print(table)

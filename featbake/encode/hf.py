@@ -1,0 +1,222 @@
+"""Hugging Face model folders: ``--encoder ./wavlm-base-plus`` (config.json + weights).
+
+The folder is loaded with transformers (the optional extra ``featbake[hf]``), never from the
+network. Its ``preprocessor_config.json`` decides the recipe's sample rate and normalisation
+(:func:`recipe_for_folder`), and whether the model may see padded batches: a model whose
+extractor says ``return_attention_mask: false`` (the group-norm wav2vec2/HuBERT-base variants)
+"can not 100% correctly treat padded input", so featbake runs it on exact shapes and says why.
+The module featbake runs follows the lengths protocol (:mod:`featbake.encode.lengths`): an
+attention mask is built from the lengths, and output lengths come from the model's own
+``_get_feat_extract_output_lengths``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from featbake.encode.encoders import LoadedEncoder, from_module
+from featbake.encode.layers import layers_to_run, part_name, resolve_layers
+from featbake.errors import ConfigError, EncoderLoadError
+from featbake.keys import module_fingerprint
+from featbake.recipe import Recipe
+
+HF = "hf"
+#: Bump when the adapter below changes what it computes from the same folder.
+ADAPTER_VERSION = 1
+PREPROCESSOR_FILE = "preprocessor_config.json"
+
+
+@dataclass(frozen=True)
+class Preprocessor:
+    """What ``preprocessor_config.json`` says about the model's input.
+
+    Attributes:
+        sampling_rate: the rate the model was trained at (Hz).
+        do_normalize: zero-mean, unit-variance per clip before the model.
+        return_attention_mask: the model takes an attention mask, so padding is exact.
+    """
+
+    sampling_rate: int = 16000
+    do_normalize: bool = True
+    return_attention_mask: bool = False
+
+    @classmethod
+    def of_folder(cls, folder: str | os.PathLike[str]) -> Preprocessor:
+        """Read the folder's preprocessor config; Wav2Vec2FeatureExtractor's defaults if none."""
+        path = Path(folder) / PREPROCESSOR_FILE
+        if not path.is_file():
+            return cls()
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise EncoderLoadError(f"cannot read {path}: {e}") from e
+        return cls(
+            sampling_rate=int(raw.get("sampling_rate", cls.sampling_rate)),
+            do_normalize=bool(raw.get("do_normalize", cls.do_normalize)),
+            return_attention_mask=bool(raw.get("return_attention_mask", False)),
+        )
+
+
+def is_hf_folder(spec: str | os.PathLike[str]) -> bool:
+    """A directory holding a ``config.json``."""
+    return (Path(spec) / "config.json").is_file()
+
+
+def recipe_for_folder(folder: str | os.PathLike[str], recipe: Recipe) -> Recipe:
+    """``recipe`` with the folder's sample rate, normalisation and concrete layers.
+
+    The model defines its input, so its preprocessor config wins over ``--sample-rate``;
+    ``layers="all"`` becomes ``0..num_hidden_layers`` so keys name what is stored.
+    """
+    pre = Preprocessor.of_folder(folder)
+    changes: dict[str, Any] = {"sample_rate": pre.sampling_rate, "normalize": pre.do_normalize}
+    if recipe.layers is not None:
+        changes["layers"] = resolve_layers(recipe.layers, _num_layers(folder))
+    return recipe.replace(**changes)
+
+
+def recipe_for_encoder(spec: Any, recipe: Recipe) -> Recipe:
+    """:func:`recipe_for_folder` when ``spec`` names a Hugging Face folder, else ``recipe``."""
+    if isinstance(spec, (str, os.PathLike)) and is_hf_folder(spec):
+        return recipe_for_folder(spec, recipe)
+    return recipe
+
+
+def check_layers_supported(encoder: LoadedEncoder, recipe: Recipe) -> None:
+    """Raise ConfigError when ``layers`` is asked of an encoder without hidden states."""
+    if recipe.layers is not None and encoder.kind != HF:
+        raise ConfigError(
+            f"--layers needs an encoder with hidden states (a Hugging Face model folder); "
+            f"{encoder.label} is a {encoder.kind} encoder: return a dict of layers from its "
+            "forward instead and pick them with --output"
+        )
+    if isinstance(recipe.layers, str):
+        raise ConfigError("layers='all' must be resolved against the model (recipe_for_folder)")
+
+
+def _num_layers(folder: str | os.PathLike[str]) -> int:
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise EncoderLoadError(f"cannot read {folder}/config.json: {e}") from e
+    if "num_hidden_layers" not in config:
+        raise ConfigError(f"{folder} has no num_hidden_layers in config.json; --layers needs it")
+    return int(config["num_hidden_layers"])
+
+
+class HFSpeechEncoder(nn.Module):
+    """A transformers audio model behind ``forward(x, lengths) -> (features, out_lengths)``.
+
+    ``features`` is the last hidden state ``[B, T', D]``, or with ``layers`` a dict
+    ``{"layer6": hidden_states[6], ...}``.
+    """
+
+    def __init__(self, model: nn.Module, layers: tuple[int, ...] | None, use_mask: bool) -> None:
+        super().__init__()
+        self.model = model
+        self.layers = layers
+        self.use_mask = use_mask
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        mask = None
+        if self.use_mask:
+            positions = torch.arange(x.shape[-1], device=x.device)
+            mask = (positions[None, :] < lengths[:, None]).to(torch.long)
+        out = self.model(x, attention_mask=mask, output_hidden_states=self.layers is not None)
+        out_lengths = self.model._get_feat_extract_output_lengths(lengths)
+        if self.layers is None:
+            return out.last_hidden_state, out_lengths
+        return {part_name(k): out.hidden_states[k] for k in self.layers}, out_lengths
+
+
+def _load_model(folder: Path) -> nn.Module:
+    try:
+        from transformers import AutoModel
+    except ImportError as e:
+        raise EncoderLoadError(
+            f"{folder} is a Hugging Face model folder; install transformers: "
+            "pip install 'featbake[hf]'"
+        ) from e
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a bar per load would break featbake's own output
+    try:
+        model = AutoModel.from_pretrained(str(folder), local_files_only=True, dtype=torch.float32)
+    except Exception as e:
+        raise EncoderLoadError(f"transformers cannot load {folder}: {e}") from e
+    if getattr(model, "main_input_name", None) != "input_values":
+        raise EncoderLoadError(
+            f"{folder} holds a {type(model).__name__}, which does not take raw audio "
+            "(input_values); featbake runs wav2vec2-style audio encoders from a folder"
+        )
+    if not hasattr(model, "_get_feat_extract_output_lengths"):
+        raise EncoderLoadError(f"{type(model).__name__} does not report its output lengths")
+    return model.eval()
+
+
+def folder_identity(folder: Path, model: nn.Module, pre: Preprocessor) -> str:
+    """Model class, full config and preprocessor, and the adapter version (weights come after)."""
+    config = json.dumps(model.config.to_dict(), sort_keys=True, default=str)
+    parts = [
+        f"hf:{type(model).__module__}.{type(model).__qualname__}",
+        f"adapter:{ADAPTER_VERSION}",
+        f"config:{hashlib.sha256(config.encode()).hexdigest()}",
+        f"preprocessor:{pre}",
+    ]
+    return "\n".join(parts)
+
+
+def _truncate(model: nn.Module, layers: tuple[int, ...]) -> None:
+    """Stop the encoder after the last layer asked for (it is this process's own copy)."""
+    encoder = getattr(model, "encoder", None)
+    stack = getattr(encoder, "layers", None)
+    if not isinstance(stack, nn.ModuleList):
+        return  # an unknown layout: run every layer, select after
+    final_norm = bool(getattr(model.config, "do_stable_layer_norm", False))
+    keep = layers_to_run(layers, len(stack), final_norm=final_norm)
+    encoder.layers = stack[:keep]
+
+
+def load_hf_folder(
+    folder: str | os.PathLike[str],
+    *,
+    layers: tuple[int, ...] | str | None = None,
+    device: str | torch.device = "cpu",
+) -> LoadedEncoder:
+    """Load a local Hugging Face audio model folder as a lengths-protocol encoder.
+
+    The fingerprint covers the config, the preprocessor config and every weight of the *whole*
+    model, taken before the layers past the last one asked for are dropped; so it is one
+    fingerprint per folder, and the recipe's ``layers`` tells the bakes apart.
+
+    Raises:
+        EncoderLoadError: transformers is missing, or the folder is not an audio model.
+        ConfigError: a layer past the model's last.
+    """
+    path = Path(folder).resolve()
+    model = _load_model(path)
+    pre = Preprocessor.of_folder(path)
+    num = int(model.config.num_hidden_layers)
+    if layers is not None:
+        layers = resolve_layers(layers, num)
+    wrapper = HFSpeechEncoder(model, layers, pre.return_attention_mask)
+    identity = folder_identity(path, model, pre)
+    fingerprint = module_fingerprint(wrapper, identity)
+    if layers is not None:
+        _truncate(model, layers)
+    enc = from_module(wrapper, label=str(path), kind=HF, identity=identity, device=device)
+    enc._fingerprint = fingerprint
+    if not pre.return_attention_mask:
+        enc.unpaddable = (
+            f"{PREPROCESSOR_FILE} says return_attention_mask=false (a group-norm model that "
+            "cannot treat padded input exactly)"
+        )
+    return enc

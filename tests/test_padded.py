@@ -1,0 +1,393 @@
+"""Padded length-sorted batches: the pure planner, the lengths protocol, the exactness guard.
+
+Features are checked against running the encoder on each input alone now, never against the
+store itself; the guard's fall-back is driven by a real encoder that leaks padding.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from featbake.bake.batching import LengthBatcher, plan_by_length
+from featbake.bake.padded import BatchingMode, BatchRunner, budget_samples
+from featbake.bake.pipeline import build
+from featbake.encode.encoders import from_module, load_encoder, torchscript_quietly
+from featbake.encode.lengths import accepts_lengths, pad_inputs
+from featbake.encode.outputs import encode_batch, encode_padded
+from featbake.encode.precision import EXACT_TOLERANCE, autocast_for
+from featbake.encode.sources import source_for
+from featbake.errors import ConfigError, EncodeError
+from featbake.recipe import Recipe
+from featbake.testing import LengthsEncoder, save_torchscript, write_audio_folder
+from tests.conftest import run_cli
+from tests.encoder_fixtures import rel_error, root_keys, stored_features
+
+
+# -- the planner (pure) ---------------------------------------------------------------------------
+def check_plan(lengths: list[int], plan: list[list[int]], batch_size: int, budget: int) -> None:
+    flat = [i for batch in plan for i in batch]
+    assert sorted(flat) == list(range(len(lengths)))  # every item exactly once
+    assert flat == sorted(range(len(lengths)), key=lambda i: (lengths[i], i))  # length order
+    for n, batch in enumerate(plan):
+        assert 1 <= len(batch) <= batch_size
+        cost = len(batch) * max(lengths[i] for i in batch)
+        assert cost <= budget or len(batch) == 1  # over budget only alone
+        if n + 1 < len(plan):  # greedy: the next item would not have fitted
+            nxt = plan[n + 1][0]
+            assert len(batch) == batch_size or lengths[nxt] * (len(batch) + 1) > budget
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(1, 500), max_size=60),
+    st.integers(1, 9),
+    st.integers(1, 2000),
+)
+def test_plan_by_length_against_its_rules(lengths: list[int], batch_size: int, budget: int) -> None:
+    check_plan(lengths, plan_by_length(lengths, batch_size, budget), batch_size, budget)
+
+
+def test_plan_by_length_small_cases_exhaustively() -> None:
+    import itertools
+
+    for n in range(5):
+        for lengths in itertools.product([1, 2, 3, 7], repeat=n):
+            for batch_size in (1, 2, 3):
+                for budget in (1, 4, 6, 9, 100):
+                    plan = plan_by_length(list(lengths), batch_size, budget)
+                    check_plan(list(lengths), plan, batch_size, budget)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 400), max_size=120), st.integers(1, 6), st.integers(50, 3000))
+def test_length_batcher_releases_every_item_once_with_bounded_memory(
+    lengths: list[int], batch_size: int, budget: int
+) -> None:
+    batcher = LengthBatcher(batch_size, budget)
+    seen: list[int] = []
+    for i, n in enumerate(lengths):
+        for batch in batcher.add(n, i):
+            seen.extend(batch)
+            assert len(batch) <= batch_size
+            assert len(batch) == 1 or len(batch) * max(lengths[j] for j in batch) <= budget
+        assert batcher.pending <= batcher.pool_items
+    for batch in batcher.flush():
+        seen.extend(batch)
+    assert sorted(seen) == list(range(len(lengths)))
+    assert batcher.pending == 0
+
+
+def test_a_three_hour_file_is_released_alone_at_once() -> None:
+    rate = 16000
+    batcher = LengthBatcher(16, budget=160 * rate)
+    assert batcher.add(5 * rate, "short") == []
+    three_hours = 3 * 3600 * rate
+    ready = batcher.add(three_hours, "long")
+    assert ["long"] in ready  # not held, not padded with anything
+    assert batcher.pending <= 1  # at most the short clip waits
+
+
+def test_budget_from_seconds_or_samples() -> None:
+    assert budget_samples(Recipe(sample_rate=8000), 2.0, None) == 16000
+    assert budget_samples(Recipe(), None, 1234) == 1234
+    with pytest.raises(ConfigError, match="batch-seconds"):
+        budget_samples(Recipe(), -1.0, None)
+
+
+# -- the lengths protocol ----------------------------------------------------------------------
+def test_pad_inputs_zero_pads_on_the_right() -> None:
+    batch = pad_inputs([torch.ones(3), torch.ones(5)])
+    assert batch.lengths.tolist() == [3, 5]
+    assert batch.inputs.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
+
+
+def test_accepts_lengths_by_the_argument_name(tmp_path: Path) -> None:
+    class Masked(nn.Module):
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return x
+
+    assert accepts_lengths(LengthsEncoder())
+    assert not accepts_lengths(Masked())
+    with torchscript_quietly():
+        scripted = torch.jit.load(str(save_torchscript(LengthsEncoder(), tmp_path / "l.pt")))
+    assert accepts_lengths(scripted)
+
+
+def test_a_pt2_export_with_lengths_takes_them(tmp_path: Path) -> None:
+    auto = torch.export.Dim.AUTO
+    program = torch.export.export(
+        LengthsEncoder().eval(),
+        (torch.randn(2, 16000), torch.tensor([16000, 9000])),
+        dynamic_shapes={"wav": {0: auto, 1: auto}, "lengths": {0: auto}},
+    )
+    torch.export.save(program, tmp_path / "l.pt2")
+    enc = load_encoder(tmp_path / "l.pt2")
+    assert enc.takes_lengths
+    xs = [torch.randn(n) for n in (9000, 4000)]
+    for x, got in zip(xs, encode_padded(enc, xs, Recipe()), strict=True):
+        alone = LengthsEncoder().eval()(x[None], torch.tensor([len(x)]))[0][0]
+        assert rel_error(got[""], alone.detach()) < 1e-4
+
+
+def test_an_encoder_breaking_the_protocol_is_an_encode_error() -> None:
+    class NoPair(nn.Module):
+        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            return x.unsqueeze(-1)
+
+    enc = from_module(NoPair())
+    with pytest.raises(EncodeError, match=r"\(features, out_lengths\)"):
+        encode_padded(enc, [torch.ones(4), torch.ones(2)], Recipe())
+
+
+# -- builds ------------------------------------------------------------------------------------
+@pytest.fixture
+def varied_audio(tmp_path: Path) -> Path:
+    root = tmp_path / "varied"
+    write_audio_folder(root, 14, seconds=(0.3, 2.0), seed=5)
+    return root
+
+
+@pytest.fixture
+def lengths_encoder_file(tmp_path: Path) -> Path:
+    return save_torchscript(LengthsEncoder(), tmp_path / "lengths.pt")
+
+
+def alone(module: nn.Module, path: Path, recipe: Recipe) -> torch.Tensor:
+    """The encoder run now on one preprocessed file, alone, trimmed to its output length."""
+    x = source_for(recipe).load(path)
+    with torch.inference_mode(), autocast_for(torch.device("cpu"), recipe.precision):
+        feats, out_len = module(x[None], torch.tensor([x.shape[-1]]))
+    return feats[0, : int(out_len[0])].to(recipe.torch_dtype)
+
+
+def test_a_torchscript_lengths_encoder_batches_padded_and_equals_runs_alone(
+    tmp_path: Path, lengths_encoder_file: Path, varied_audio: Path
+) -> None:
+    report = build(varied_audio, lengths_encoder_file, cache=tmp_path / "s", workers=0)
+    assert report.ok and report.encoded == 14
+    assert report.batching == BatchingMode.PADDED
+    assert "checked" in report.batching_note
+    with torchscript_quietly():
+        module = torch.jit.load(str(lengths_encoder_file))
+    stored = stored_features(tmp_path / "s", report.root)
+    assert len(stored) == 14
+    for rel, parts in stored.items():
+        assert rel_error(parts[""], alone(module, varied_audio / rel, Recipe())) < 1e-4
+
+
+def test_padded_batches_call_the_encoder_fewer_times(tmp_path: Path, varied_audio: Path) -> None:
+    calls: list[int] = []
+    module = LengthsEncoder()
+    module.register_forward_hook(lambda _m, args, _out: calls.append(args[0].shape[0]))
+    report = build(varied_audio, module, cache=tmp_path / "s", workers=0, batch_size=8)
+    assert report.batching == BatchingMode.PADDED
+    guard_reruns = 4  # two items alone in each of the first two padded batches
+    assert max(calls) > 1 and len(calls) <= 14 // 8 + 1 + guard_reruns + 1
+    assert sum(calls) == 14 + guard_reruns
+
+
+def test_keys_do_not_depend_on_the_batching_mode(
+    tmp_path: Path, lengths_encoder_file: Path, varied_audio: Path
+) -> None:
+    padded = build(varied_audio, lengths_encoder_file, cache=tmp_path / "a", workers=0)
+    exact = build(
+        varied_audio, lengths_encoder_file, cache=tmp_path / "b", workers=0, batching="exact"
+    )
+    assert exact.batching == BatchingMode.EXACT and padded.batching == BatchingMode.PADDED
+    assert root_keys(tmp_path / "a", padded.root) == root_keys(tmp_path / "b", exact.root)
+    again = build(
+        varied_audio, lengths_encoder_file, cache=tmp_path / "a", workers=0, batching="exact"
+    )
+    assert again.encoded == 0 and again.reused == 14
+    a = stored_features(tmp_path / "a", padded.root)
+    b = stored_features(tmp_path / "b", exact.root)
+    for rel in a:
+        assert rel_error(a[rel][""], b[rel][""]) < 1e-4
+
+
+class LeakyLengthsEncoder(nn.Module):
+    """Takes lengths but normalises over the whole padded input: padding changes its output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = LengthsEncoder()
+
+    def forward(
+        self, wav: torch.Tensor, lengths: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        wav = (wav - wav.mean(dim=-1, keepdim=True)) / (wav.std(dim=-1, keepdim=True) + 1e-5)
+        return self.inner(wav, lengths)
+
+
+def test_the_guard_falls_back_to_exact_shapes_when_padding_leaks(
+    tmp_path: Path, varied_audio: Path
+) -> None:
+    path = save_torchscript(LeakyLengthsEncoder(), tmp_path / "leaky.pt")
+    report = build(varied_audio, path, cache=tmp_path / "s", workers=0, batch_size=8)
+    assert report.ok and report.encoded == 14
+    assert report.batching == BatchingMode.EXACT
+    assert "not exact" in report.batching_note and "fp32" in report.batching_note
+    with torchscript_quietly():
+        module = torch.jit.load(str(path))
+    for rel, parts in stored_features(tmp_path / "s", report.root).items():
+        # Nothing inexact was stored, also from the batch that tripped the guard.
+        assert rel_error(parts[""], alone(module, varied_audio / rel, Recipe())) < 1e-4
+
+
+def test_batch_runner_moves_waiting_items_to_exact_shapes_on_fall_back() -> None:
+    enc = from_module(LeakyLengthsEncoder())
+    runner = BatchRunner(enc, Recipe(), "auto", batch_size=2, budget=10**9)
+    xs = [torch.randn(n) for n in (8000, 3000, 5000, 5000, 7000)]
+    ready: list[list[int]] = []
+    for i, x in enumerate(xs):
+        ready += runner.add(tuple(x.shape), i)
+    results = {}
+    for batch in ready + runner.flush():
+        for i, parts in zip(batch, runner.encode([xs[i] for i in batch]), strict=True):
+            results[i] = parts
+    assert runner.mode is BatchingMode.EXACT
+    assert sorted(results) == list(range(5))
+    for i, x in enumerate(xs):
+        assert rel_error(results[i][""], encode_batch(enc, [x], Recipe())[0][""]) < 1e-4
+
+
+def test_padded_is_refused_for_an_encoder_without_lengths(
+    tmp_path: Path, encoder_file: Path, varied_audio: Path
+) -> None:
+    with pytest.raises(ConfigError, match="takes lengths"):
+        build(varied_audio, encoder_file, cache=tmp_path / "s", workers=0, batching="padded")
+    report = build(varied_audio, encoder_file, cache=tmp_path / "s", workers=0)
+    assert report.batching == BatchingMode.EXACT and "takes no lengths" in report.batching_note
+
+
+def test_precision_is_in_the_key_and_bf16_matches_autocast_runs(
+    tmp_path: Path, lengths_encoder_file: Path, varied_audio: Path
+) -> None:
+    recipe = Recipe(precision="bf16")
+    report = build(varied_audio, lengths_encoder_file, cache=tmp_path / "s", recipe=recipe)
+    assert report.recipe_fp != Recipe().fingerprint()
+    assert report.batching == BatchingMode.PADDED, report.batching_note
+    with torchscript_quietly():
+        module = torch.jit.load(str(lengths_encoder_file))
+    fp32 = {}
+    for rel, parts in stored_features(tmp_path / "s", report.root).items():
+        want = alone(module, varied_audio / rel, recipe)
+        assert rel_error(parts[""], want) <= EXACT_TOLERANCE["bf16"].relative
+        fp32[rel] = rel_error(parts[""], alone(module, varied_audio / rel, Recipe()))
+    assert max(fp32.values()) > 1e-6  # bf16 really ran: it is not the fp32 output
+
+
+def test_cli_build_reports_the_batching_mode(
+    tmp_path: Path, lengths_encoder_file: Path, varied_audio: Path
+) -> None:
+    args = ["build", "-e", lengths_encoder_file, "-d", varied_audio, "--cache", tmp_path / "s"]
+    res = run_cli(*args, "--json", "--batch-seconds", "3", "--workers", "0")
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    assert report["batching"] == "padded" and report["encoded"] == 14
+    res = run_cli(*args, "--batching", "exact")
+    assert res.returncode == 0, res.stderr
+    assert "exact-shape batching (--batching exact)" in res.stdout
+    res = run_cli(*args, "--precision", "fp8")
+    assert res.returncode != 0 and "precision" in res.stderr and "Traceback" not in res.stderr
+
+
+# -- import-path factories for torchaudio and s3prl, against stand-ins -------------------------
+class StandInWav2Vec2(nn.Module):
+    """torchaudio.models.Wav2Vec2Model's documented API: forward and extract_features."""
+
+    def __init__(self, layers: int = 10) -> None:
+        super().__init__()
+        self.inner = LengthsEncoder(dim=16, layers=layers)
+        self.num_layers_asked: list[int | None] = []
+
+    def extract_features(
+        self, waveforms: torch.Tensor, lengths: torch.Tensor | None = None, num_layers=None
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        self.num_layers_asked.append(num_layers)
+        if lengths is None:
+            lengths = torch.full((waveforms.shape[0],), waveforms.shape[-1])
+        inner = self.inner
+        x = torch.nn.functional.gelu(inner.conv(waveforms.unsqueeze(1))).transpose(1, 2)
+        out_lengths = torch.div(lengths - inner.kernel, inner.hop, rounding_mode="floor") + 1
+        mask = torch.arange(x.shape[1])[None, :] >= out_lengths[:, None]
+        feats = []
+        for layer in inner.body.layers[:num_layers]:
+            x = layer(x, src_key_padding_mask=mask)
+            feats.append(x)
+        return feats, out_lengths
+
+    def forward(
+        self, waveforms: torch.Tensor, lengths: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        feats, out_lengths = self.extract_features(waveforms, lengths)
+        return feats[-1], out_lengths
+
+
+class StandInUpstream(nn.Module):
+    """s3prl.nn.S3PRLUpstream's documented API: (wavs, wavs_len) -> (all_hs, all_hs_len)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+        self.model = StandInWav2Vec2(layers=3)
+
+    def forward(self, wavs: torch.Tensor, wavs_len: torch.Tensor) -> tuple[list, list]:
+        feats, out_lengths = self.model.extract_features(wavs, wavs_len)
+        return [feats[0] * 0 + 1, *feats], [out_lengths] * (len(feats) + 1)
+
+
+@pytest.fixture
+def stand_ins(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    import types
+
+    torchaudio = types.ModuleType("torchaudio")
+    torchaudio.models = types.SimpleNamespace(  # type: ignore[attr-defined]
+        wav2vec2_base=StandInWav2Vec2, wavlm_base=StandInWav2Vec2
+    )
+    s3prl, s3prl_nn = types.ModuleType("s3prl"), types.ModuleType("s3prl.nn")
+    s3prl_nn.S3PRLUpstream = StandInUpstream  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "torchaudio", torchaudio)
+    monkeypatch.setitem(sys.modules, "s3prl", s3prl)
+    monkeypatch.setitem(sys.modules, "s3prl.nn", s3prl_nn)
+
+
+def per_clip_parts(module: nn.Module, path: Path) -> dict[str, torch.Tensor]:
+    x = source_for(Recipe()).load(path)
+    with torch.inference_mode():
+        feats, out_len = module(x[None], torch.tensor([x.shape[-1]]))
+    if isinstance(feats, torch.Tensor):
+        feats = {"": feats}
+    return {k: v[0, : int(out_len[0])] for k, v in feats.items()}
+
+
+@pytest.mark.parametrize(
+    ("factory", "parts"),
+    [
+        ("examples.encoders_torchaudio:wav2vec2_base", {""}),
+        ("examples.encoders_torchaudio:wav2vec2_base_layers_3_6_9", {"layer3", "layer6", "layer9"}),
+        ("examples.encoders_s3prl:hubert_base", {"layer0", "layer1", "layer2", "layer3"}),
+    ],
+)
+def test_example_factories_follow_the_lengths_protocol(
+    tmp_path: Path, varied_audio: Path, stand_ins: None, factory: str, parts: set[str]
+) -> None:
+    enc = load_encoder(factory)
+    assert enc.takes_lengths
+    report = build(varied_audio, enc, cache=tmp_path / "s", workers=0, batch_size=8)
+    assert report.ok and report.batching == BatchingMode.PADDED, report.batching_note
+    for rel, stored in stored_features(tmp_path / "s", report.root).items():
+        want = per_clip_parts(enc.module, varied_audio / rel)
+        assert set(stored) == parts == set(want)
+        for part in parts:
+            assert rel_error(stored[part], want[part]) < 1e-4
+    if factory.endswith("layers_3_6_9"):  # the model was told to stop after layer 9 of 10
+        assert set(enc.module.model.num_layers_asked) == {9}
