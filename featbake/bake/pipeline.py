@@ -12,6 +12,8 @@ import torch
 from featbake.bake.batching import ShapeBatcher
 from featbake.bake.decode import decoded_items
 from featbake.bake.interrupt import interrupt_at_safe_points
+from featbake.bake.parts import catalog_for_part, finish_part
+from featbake.bake.ranks import device_for_rank, resolve_rank
 from featbake.bake.report import BuildReport
 from featbake.bake.writer_thread import WriterThread
 from featbake.device import check_device
@@ -29,6 +31,7 @@ from featbake.progress import Progress
 from featbake.recipe import Recipe
 from featbake.store.catalog import Catalog, FileStat
 from featbake.store.layout import Layout, default_cache_dir
+from featbake.store.rank_catalog import RankCatalog
 from featbake.store.shard_format import DEFAULT_SHARD_BYTES
 
 
@@ -46,6 +49,7 @@ def build(
     strict: bool = False,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     progress: Callable[[Progress], None] | None = None,
+    shard: str | None = None,
 ) -> BuildReport:
     """Run ``encoder`` over every input under ``data`` once and store the features.
 
@@ -62,6 +66,8 @@ def build(
         strict: stop at the first bad input instead of skipping it.
         shard_bytes: target shard size.
         progress: called with :class:`Progress` as hashing and encoding advance.
+        shard: ``"I/N"``: do part I of N (see bake/ranks.py); without it, the part torchrun or
+            SLURM gave this process, if any. A part writes catalog fragments for `featbake merge`.
 
     Returns:
         A :class:`BuildReport`; ``report.failed`` names each input that was skipped.
@@ -79,12 +85,13 @@ def build(
     recipe = recipe or Recipe()
     if workers < 0:
         raise ConfigError(f"--workers must be 0 or more, got {workers}")
-    dev = check_device(device)
+    spec = resolve_rank(shard, os.environ)
+    dev = check_device(device_for_rank(str(device), spec))
     layout = Layout(Path(cache) if cache is not None else default_cache_dir()).ensure()
-    catalog = Catalog(layout)
     source = source_for(recipe)
     data_dir = resolve_path(data)
     rel_paths = scan(data_dir, source.extensions)
+    catalog, rel_paths = catalog_for_part(layout, spec, data_dir, rel_paths)
 
     if isinstance(encoder, LoadedEncoder):
         enc = encoder
@@ -97,6 +104,7 @@ def build(
     catalog.record_encoder(enc_fp, enc.label, enc.kind)
     name = root_id(data_dir, enc.label, recipe_fp)
     report = BuildReport(name, data_dir, enc.label, enc_fp, recipe_fp, files=len(rel_paths))
+    report.part = spec.describe() if spec.sharded else ""
 
     abs_paths = [os.path.join(data_dir, p) for p in rel_paths]
     hashed_stats: dict[str, FileStat] = {}
@@ -136,6 +144,7 @@ def build(
                 recipe,
                 source,
                 layout,
+                catalog,
                 report,
                 batch_size,
                 workers,
@@ -153,6 +162,9 @@ def build(
             raise
     elif progress:
         progress(Progress("encode", 0, 0))
+    if isinstance(catalog, RankCatalog):
+        report.fragment = catalog.finish()
+        report.merged = finish_part(layout, spec)
     catalog.close()
     report.seconds = time.perf_counter() - t0
     return report
@@ -164,6 +176,7 @@ def _encode_all(
     recipe: Recipe,
     source: Source,
     layout: Layout,
+    catalog: Catalog | RankCatalog,
     report: BuildReport,
     batch_size: int,
     workers: int,
@@ -175,7 +188,8 @@ def _encode_all(
 ) -> None:
     keys = [k for k, _ in work]
     paths = [p for _, p in work]
-    writer = WriterThread(layout, enc.fingerprint, recipe.fingerprint(), shard_bytes)
+    sink = catalog if isinstance(catalog, RankCatalog) else None
+    writer = WriterThread(layout, enc.fingerprint, recipe.fingerprint(), shard_bytes, sink)
     batcher = ShapeBatcher(batch_size)
     done = 0
 

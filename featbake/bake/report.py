@@ -23,6 +23,9 @@ class BuildReport:
     bytes_written: int = 0
     shards_written: int = 0
     seconds: float = 0.0
+    part: str = ""  # "part 2 of 4 (torchrun)" when this process did one part of a build
+    fragment: str | None = None  # the part's sealed `done` fragment, for `featbake merge`
+    merged: bool = False  # this process merged every part's fragments (rank 0 under torchrun)
 
     @property
     def ok(self) -> bool:

@@ -22,7 +22,11 @@ from featbake.units import format_bytes, parse_bytes
         "  featbake build --encoder ckpt.pt --data ./audio\n\n"
         "  featbake build --encoder encoder.pt2 --data ./audio --max-seconds 10 --dtype float16\n\n"
         "  featbake build --encoder mypkg.models:build --weights w.safetensors --data ./audio "
-        "--device cuda --json\n\n" + EXIT_CODES
+        "--device cuda --json\n\n"
+        "  torchrun --nproc-per-node 8 -m featbake build --encoder ckpt.pt --data ./audio "
+        "--device cuda\n\n"
+        "  featbake build --encoder ckpt.pt --data ./audio --shard 0/2   # then --shard 1/2, merge"
+        "\n\n" + EXIT_CODES
     )
 )
 def build(
@@ -69,6 +73,14 @@ def build(
         bool,
         typer.Option(help="Allow a pickled whole-module checkpoint (loading it runs its code)."),
     ] = False,
+    shard: Annotated[
+        str | None,
+        typer.Option(
+            help="Do part I of N (I from 0), e.g. 0/4; under torchrun or a SLURM array the part "
+            "comes from the environment. Parts write fragments; `featbake merge` folds them in.",
+            show_default=False,
+        ),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Run an encoder over a data folder once and store its features.
@@ -107,6 +119,7 @@ def build(
             strict=strict,
             shard_bytes=shard_bytes,
             progress=on_progress,
+            shard=shard,
         )
     if as_json:
         out.print_json(json.dumps(report.to_json()))
@@ -135,6 +148,9 @@ def _print_build_summary(report: Any) -> None:
         "written", f"{format_bytes(report.bytes_written)} in {report.shards_written} shards"
     )
     table.add_row("time", f"{report.seconds:.2f}s")
+    if report.part:
+        merged = "merged" if report.merged else "run `featbake merge` once every part is done"
+        table.add_row("part", f"{report.part}: fragment sealed, {merged}")
     out.print(table)
     for path, reason in report.failed[:50]:
         console.print(f"[red]failed[/] {escape(path)}: {escape(reason)}")

@@ -10,6 +10,7 @@ from featbake.store.catalog import (
     Catalog,
     Root,
 )
+from featbake.store.fragments import sealed_fragments
 from featbake.store.layout import Layout, default_cache_dir
 
 
@@ -37,6 +38,11 @@ def open_catalog(cache: str | os.PathLike[str] | None) -> tuple[Layout, Catalog]
             ``featbake verify --repair``).
     """
     layout = store_layout(cache)
+    if not layout.catalog.exists() and sealed_fragments(layout):
+        raise StoreError(
+            f"the store {layout.root} holds only unmerged build fragments; run `featbake merge` "
+            "once every part of the build is done"
+        )
     if not layout.catalog.exists():
         raise StoreError(
             f"the store {layout.root} has no catalog.sqlite; run `featbake verify --repair` to "

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from featbake.errors import ShardMissing, StoreCorrupt, StoreError
+from featbake.store.filesystem import read_only_connection, set_journal_mode
 from featbake.store.layout import Layout, fsync_dir, remove_file
 from featbake.store.shard_format import tensor_name
 from featbake.store.writer import SealedShard
@@ -142,8 +143,9 @@ class Catalog:
         >>> cat.locate("3f...")  # doctest: +SKIP
     """
 
-    def __init__(self, layout: Layout, *, timeout: float = 60.0) -> None:
+    def __init__(self, layout: Layout, *, timeout: float = 60.0, read_only: bool = False) -> None:
         self.layout = layout
+        self.read_only = read_only  # for rank builds and readers on a shared filesystem
         self.path = layout.catalog
         self.timeout = timeout
         self._conn: sqlite3.Connection | None = None
@@ -160,10 +162,12 @@ class Catalog:
 
     def _connect(self) -> sqlite3.Connection:
         try:
+            if self.read_only:
+                return read_only_connection(self.path, self.timeout)
             self.path.parent.mkdir(parents=True, exist_ok=True)
             conn = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None)
             conn.execute(f"PRAGMA busy_timeout={int(self.timeout * 1000)}")
-            conn.execute("PRAGMA journal_mode=WAL")
+            set_journal_mode(conn, self.path, self.timeout)  # WAL, or DELETE on a shared FS
             # NORMAL in WAL mode: a power cut may lose the last commits, never corrupt the file;
             # a lost row only means a feature is encoded again (the shard itself was fsynced).
             conn.execute("PRAGMA synchronous=NORMAL")
@@ -223,7 +227,12 @@ class Catalog:
         self._conn = None
 
     def __getstate__(self) -> dict:
-        return {"layout": self.layout, "path": self.path, "timeout": self.timeout}
+        return {
+            "layout": self.layout,
+            "path": self.path,
+            "timeout": self.timeout,
+            "read_only": self.read_only,
+        }
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
