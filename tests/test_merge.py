@@ -223,3 +223,20 @@ def test_two_processes_read_one_store_while_a_merge_runs(
     assert len(Catalog(Layout(store)).roots()) == 2
     mode = sqlite3.connect(store / "catalog.sqlite").execute("PRAGMA journal_mode").fetchone()
     assert mode == (("delete",) if shared_fs == "1" else ("wal",))
+
+
+def test_gc_keeps_the_shards_of_a_build_not_merged_yet(
+    tmp_path: Path, audio_dir: Path, encoder_file: Path
+) -> None:
+    store = tmp_path / "store"
+    other = tmp_path / "other"
+    write_audio_folder(other, 3, seconds=0.4, seed=4)
+    build(other, encoder_file, cache=store, workers=0)
+    build_parts(audio_dir, encoder_file, store, 2, ranks=[0])
+    gc = run_cli("gc", "--grace", "0s", "--cache", store)  # no grace: only fragments protect
+    assert gc.returncode == 0, gc.stderr
+    build_parts(audio_dir, encoder_file, store, 2, ranks=[1])
+    report = merge(Layout(store))
+    assert report.missing_shards == [] and report.roots
+    name = next(r.name for r in Catalog(Layout(store)).roots() if r.data == str(audio_dir))
+    assert len(stored_features(store, name)) == len(list(audio_dir.rglob("*.wav")))

@@ -28,6 +28,7 @@ from featbake.store.catalog import (
     tombstone_file,
     write_root_file,
 )
+from featbake.store.fragments import fragment_shard_names
 from featbake.store.layout import Layout, fsync_dir, remove_file
 from featbake.store.open import open_catalog, resolve_root, store_layout
 from featbake.store.reader import ShardReader
@@ -488,7 +489,8 @@ def _plan(layout: Layout, catalog: Catalog, opts: GcOptions, now: float, drop: s
             compact.extend(shards)
             keep_bytes += sum(usage[s.id].nbytes for s in shards)
 
-    named = {s.name for s in shard_rows}
+    # Shards of sharded builds not merged yet are named by fragments, not rows: not garbage.
+    named = {s.name for s in shard_rows} | fragment_shard_names(layout)
     orphans, young = [], 0
     for name, f in _shard_files(layout).items():
         if name in named:
