@@ -277,11 +277,14 @@ def read_fragment(path: Path, layout: Layout, *, with_entries: bool = True) -> F
             if meta.get("format") != FRAGMENT_FORMAT:
                 raise ValueError("not a featbake fragment")
             entries: dict[str, list[ShardEntry]] = {}
+            shapes: dict[str, tuple[int, ...]] = {}  # many features share a shape: parse it once
             if with_entries:
+                # In key order: the merge then inserts into the catalog's key index in order.
                 for shard, key, part, dtype, shape, nbytes in conn.execute(
-                    "SELECT shard, key, part, dtype, shape, nbytes FROM entries"
+                    "SELECT shard, key, part, dtype, shape, nbytes FROM entries ORDER BY key, part"
                 ):
-                    entry = ShardEntry(key, part, dtype, tuple(json.loads(shape)), nbytes)
+                    dims = shapes.get(shape) or shapes.setdefault(shape, tuple(json.loads(shape)))
+                    entry = ShardEntry(key, part, dtype, dims, nbytes)
                     entries.setdefault(shard, []).append(entry)
             shards = tuple(
                 SealedShard(name, layout.shard_path(name), nbytes, efp, rfp, tuple(entries[name]))

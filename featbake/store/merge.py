@@ -120,6 +120,9 @@ def merge(layout: Layout, *, between: Callable[[str], None] | None = None) -> Me
         report.pending = pending_builds(layout)
         return report
     catalog = Catalog(layout)
+    # A merge inserts up to millions of rows into key-ordered indexes: a big page cache keeps
+    # those inserts from re-reading the same B-tree pages (this connection only, freed at close).
+    catalog.conn.execute("PRAGMA cache_size=-262144")
     try:
         frags = {b: [read_fragment(n.path, layout) for n in names] for b, names in complete.items()}
         # Oldest build first, so a newer build of the same root publishes its manifest last.
