@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -104,7 +105,8 @@ def build(
     except ConfigError as e:
         raise ConfigError(f"--shard-size: {e}") from e
     bar = progress_bar()
-    on_progress = tick_bar(bar, {})
+    # Under torchrun only rank 0 draws a bar (it shows its own part), not N bars interleaved.
+    on_progress = tick_bar(bar, {}) if os.environ.get("RANK", "0") == "0" else None
     with bar:
         report = run_build(
             data,
