@@ -81,3 +81,51 @@ def run_cli(*args: str | os.PathLike[str], env: dict[str, str] | None = None, **
         timeout=kw.pop("timeout", 300),
         **kw,
     )
+
+
+COUNTING_ENCODER = '''
+import hashlib
+import os
+import time
+
+from featbake.testing import TinyConvEncoder
+
+
+class CountingEncoder(TinyConvEncoder):
+    """TinyConvEncoder that appends a digest of each input row to $COUNT_CALLS per call."""
+
+    def forward(self, wav):
+        log = os.environ.get("COUNT_CALLS")
+        if log:
+            with open(log, "a") as f:
+                for row in wav:
+                    f.write(hashlib.sha256(row.numpy().tobytes()).hexdigest()[:16] + "\\n")
+        time.sleep(float(os.environ.get("COUNT_DELAY", "0")))
+        return super().forward(wav)
+
+
+def build():
+    return CountingEncoder()
+'''
+
+
+@pytest.fixture
+def counting_encoder(tmp_path: Path) -> dict[str, str]:
+    """An import-path encoder that logs each encoded input; returns the env to run it with.
+
+    ``env["COUNT_CALLS"]`` is the log (one line per encoded input row); the encoder is
+    ``countenc:build`` once ``env["PYTHONPATH"]`` is used.
+    """
+    pkg = tmp_path / "encpkg"
+    pkg.mkdir()
+    (pkg / "countenc.py").write_text(COUNTING_ENCODER)
+    return {
+        "PYTHONPATH": f"{REPO}{os.pathsep}{pkg}",
+        "COUNT_CALLS": str(tmp_path / "calls.log"),
+    }
+
+
+def encoded_rows(env: dict[str, str]) -> list[str]:
+    """The input digests the counting encoder has seen so far (one per encoded input)."""
+    log = Path(env["COUNT_CALLS"])
+    return log.read_text().split() if log.exists() else []

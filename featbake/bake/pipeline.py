@@ -19,6 +19,8 @@ import torch
 from featbake.bake.decode import decoded_items, worker_death
 from featbake.bake.interrupt import interrupt_at_safe_points
 from featbake.bake.padded import BatchRunner, budget_samples
+from featbake.bake.parts import catalog_for_part, finish_part
+from featbake.bake.ranks import device_for_rank, resolve_rank
 from featbake.bake.report import BuildReport
 from featbake.bake.writer_thread import WriterThread
 from featbake.cpus import BakeThreads, bake_threads
@@ -30,13 +32,14 @@ from featbake.encode.fingerprints import (
     resolve_path,
 )
 from featbake.encode.hf import check_layers_supported, recipe_for_encoder
-from featbake.encode.sources import ScanResult, Source, scan_inputs, source_for
+from featbake.encode.sources import Source, scan_inputs, source_for
 from featbake.errors import ConfigError, EncodeError, FeatbakeError, SourceError
 from featbake.keys import feature_key, root_id
 from featbake.progress import Progress
 from featbake.recipe import Recipe
 from featbake.store.catalog import Catalog, FileStat
 from featbake.store.layout import Layout, default_cache_dir
+from featbake.store.rank_catalog import RankCatalog
 from featbake.store.shard_format import DEFAULT_SHARD_BYTES
 
 ProgressFn = Callable[[Progress], None]
@@ -60,6 +63,7 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
     batching: str = "auto",
     batch_seconds: float | None = None,
     batch_samples: int | None = None,
+    shard: str | None = None,
 ) -> BuildReport:
     """Run ``encoder`` over every input under ``data`` once and store the features.
 
@@ -83,6 +87,8 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
             exact shapes), ``padded`` or ``exact`` (see :mod:`featbake.bake.padded`).
         batch_seconds: padded batches hold at most this much audio, padding included
             (default 160 s); ``batch_samples`` sets the same budget in samples.
+        shard: ``"I/N"``: do part I of N (see bake/ranks.py); without it, the part torchrun or
+            SLURM gave this process, if any. A part writes catalog fragments for `featbake merge`.
 
     Returns:
         A :class:`BuildReport`; ``report.failed`` names each input that was skipped.
@@ -100,22 +106,30 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
     # A Hugging Face folder's preprocessor config sets the input (sample rate, normalisation)
     # and resolves layers="all": before the source is made from the recipe.
     recipe = recipe_for_encoder(encoder, recipe or Recipe())
-    dev = check_device(device)
+    spec = resolve_rank(shard, os.environ)
+    dev = check_device(device_for_rank(str(device), spec))
     on_gpu = dev.type != "cpu"
     options = BakeOptions(batch_size, workers, strict, shard_bytes, on_gpu, allow_nonfinite)
     layout = Layout(Path(cache) if cache is not None else default_cache_dir()).ensure()
-    with contextlib.closing(Catalog(layout)) as catalog:
-        source = source_for(recipe)
-        data_dir = resolve_path(data)
-        scanned = scan_inputs(data_dir, source.extensions)
+    source = source_for(recipe)
+    data_dir = resolve_path(data)
+    scanned = scan_inputs(data_dir, source.extensions)
+    catalog, inputs = catalog_for_part(layout, spec, data_dir, scanned.inputs)
+    with contextlib.closing(catalog):
         enc = loaded_encoder(encoder, weights, dev, trust_pickle, recipe)
         budget = budget_samples(recipe, batch_seconds, batch_samples)
         runner = BatchRunner(enc, recipe, batching, batch_size, budget)
         bake = _Bake(catalog, layout, enc, recipe, source, data_dir, options, runner, progress)
-        bake.start(scanned, os.fspath(weights) if weights else None)
-        todo = bake.plan(scanned.inputs)
+        # Files skipped at the scan (not regular files) are reported by one part only.
+        skipped = scanned.skipped if spec.rank == 0 else []
+        bake.start(len(inputs), skipped, os.fspath(weights) if weights else None)
+        bake.report.part = spec.describe() if spec.sharded else ""
+        todo = bake.plan(inputs)
         bake.publish_manifest()
         bake.encode_missing(todo)
+        if isinstance(catalog, RankCatalog):
+            bake.report.fragment = catalog.finish()
+            bake.report.merged = finish_part(layout, spec)
     bake.report.seconds = time.perf_counter() - t0
     return bake.report
 
@@ -176,7 +190,7 @@ def loaded_encoder(
 class _Bake:
     """One build's state between its steps (see :func:`build` for their order)."""
 
-    catalog: Catalog
+    catalog: Catalog | RankCatalog
     layout: Layout
     enc: LoadedEncoder
     recipe: Recipe
@@ -189,16 +203,16 @@ class _Bake:
     manifest: list[tuple[str, str]] = field(default_factory=list)
     hashed_stats: dict[str, FileStat] = field(default_factory=dict)
 
-    def start(self, scanned: ScanResult, weights: str | None) -> None:
+    def start(self, inputs: int, skipped: list[tuple[str, str]], weights: str | None) -> None:
         """Fingerprint the encoder and recipe, and open the report with the skipped files."""
         enc_fp = encoder_fingerprint(self.enc, self.catalog, weights)
         recipe_fp = self.recipe.fingerprint()
         self.catalog.record_encoder(enc_fp, self.enc.label, self.enc.kind)
         name = root_id(self.data_dir, self.enc.label, recipe_fp)
-        files = len(scanned.inputs) + len(scanned.skipped)
+        files = inputs + len(skipped)
         self.report = BuildReport(name, self.data_dir, self.enc.label, enc_fp, recipe_fp, files)
         self.report.batching, self.report.batching_note = self.runner.mode, self.runner.note
-        for rel, reason in scanned.skipped:
+        for rel, reason in skipped:
             self.skip(rel, reason, SourceError(f"{rel}: {reason}"))
 
     def plan(self, rel_paths: Sequence[str]) -> dict[str, str]:
@@ -263,8 +277,9 @@ class _Bake:
     def encode(self, work: list[tuple[str, str]]) -> None:
         """Decode, batch, encode and write ``work`` (key, path); sealed work survives Ctrl-C."""
         paths = [p for _, p in work]
+        sink = self.catalog if isinstance(self.catalog, RankCatalog) else None
         writer = WriterThread(
-            self.layout, self.enc.fingerprint, self.report.recipe_fp, self.options.shard_bytes
+            self.layout, self.enc.fingerprint, self.report.recipe_fp, self.options.shard_bytes, sink
         )
         run = _EncodeRun(self, writer, [k for k, _ in work], paths)
         stats = [self.hashed_stats.get(p) for p in paths]

@@ -25,6 +25,9 @@ class BuildReport:
     seconds: float = 0.0
     batching: str = ""  # the mode that ran: padded or exact (featbake.bake.padded)
     batching_note: str = ""  # why that mode, in one line
+    part: str = ""  # "part 2 of 4 (torchrun)" when this process did one part of a build
+    fragment: str | None = None  # the part's sealed `done` fragment, for `featbake merge`
+    merged: bool = False  # this process merged every part's fragments (rank 0 under torchrun)
 
     @property
     def ok(self) -> bool:

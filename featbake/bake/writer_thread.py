@@ -10,6 +10,7 @@ import torch
 
 from featbake.store.catalog import Catalog
 from featbake.store.layout import Layout
+from featbake.store.rank_catalog import RankCatalog
 from featbake.store.shard_format import DEFAULT_SHARD_ITEMS
 from featbake.store.writer import ShardWriter
 
@@ -20,8 +21,16 @@ class WriterThread:
 
     _STOP = object()
 
-    def __init__(self, layout: Layout, encoder_fp: str, recipe_fp: str, shard_bytes: int) -> None:
+    def __init__(
+        self,
+        layout: Layout,
+        encoder_fp: str,
+        recipe_fp: str,
+        shard_bytes: int,
+        sink: RankCatalog | None = None,
+    ) -> None:
         self.layout = layout
+        self._sink = sink  # a rank of a sharded build records its shards in fragments instead
         self.bytes_written = 0
         self.shards = 0
         self.new_rows = 0
@@ -34,7 +43,8 @@ class WriterThread:
         self._thread.start()
 
     def _run(self) -> None:
-        catalog = Catalog(self.layout)  # sqlite connections belong to the thread that made them
+        # sqlite connections belong to the thread that made them
+        catalog = self._sink or Catalog(self.layout)
 
         def publish(shard: Any) -> None:
             self.new_rows += catalog.add_shard(shard)
@@ -55,7 +65,10 @@ class WriterThread:
             except BaseException as e:
                 self.error = e
         finally:
-            catalog.close()
+            if self._sink is not None:
+                self._sink.flush()  # what was sealed is recorded, also on Ctrl-C
+            else:
+                catalog.close()
 
     @property
     def bytes_so_far(self) -> int:

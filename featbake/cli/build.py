@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -24,7 +25,11 @@ from featbake.units import format_bytes, parse_bytes
         "  featbake build --encoder mypkg.models:build --weights w.safetensors --data ./audio "
         "--device cuda --json\n\n"
         "  featbake build --encoder ./wavlm-base-plus --data ./audio --layers 0,6,12 "
-        "--precision bf16 --batch-seconds 200 --device cuda\n\n" + EXIT_CODES
+        "--precision bf16 --batch-seconds 200 --device cuda\n\n"
+        "  torchrun --nproc-per-node 8 -m featbake build --encoder ckpt.pt --data ./audio "
+        "--device cuda\n\n"
+        "  featbake build --encoder ckpt.pt --data ./audio --shard 0/2   # then --shard 1/2, merge"
+        "\n\n" + EXIT_CODES
     )
 )
 def build(
@@ -110,6 +115,14 @@ def build(
         bool,
         typer.Option(help="Store features that hold NaN or infinite values (default: refuse)."),
     ] = False,
+    shard: Annotated[
+        str | None,
+        typer.Option(
+            help="Do part I of N (I from 0), e.g. 0/4; under torchrun or a SLURM array the part "
+            "comes from the environment. Parts write fragments; `featbake merge` folds them in.",
+            show_default=False,
+        ),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Run an encoder over a data folder once and store its features.
@@ -143,7 +156,8 @@ def build(
     except ConfigError as e:
         raise ConfigError(f"--shard-size: {e}") from e
     bar = progress_bar()
-    on_progress = tick_bar(bar, {})
+    # Under torchrun only rank 0 draws a bar (it shows its own part), not N bars interleaved.
+    on_progress = tick_bar(bar, {}) if os.environ.get("RANK", "0") == "0" else None
     with bar:
         report = run_build(
             data,
@@ -161,6 +175,7 @@ def build(
             allow_nonfinite=allow_nonfinite,
             batching=batching,
             batch_seconds=batch_seconds,
+            shard=shard,
         )
     if as_json:
         out.print_json(json.dumps(report.to_json()))
@@ -191,6 +206,9 @@ def _print_build_summary(report: Any) -> None:
     if report.batching_note:
         table.add_row("batching", escape(report.batching_note))
     table.add_row("time", f"{report.seconds:.2f}s")
+    if report.part:
+        merged = "merged" if report.merged else "run `featbake merge` once every part is done"
+        table.add_row("part", f"{report.part}: fragment sealed, {merged}")
     out.print(table)
     for path, reason in report.failed[:50]:
         console.print(f"[red]failed[/] {escape(path)}: {escape(reason)}")

@@ -4,18 +4,24 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 import typer
 from rich.markup import escape
 
 # Importing the command modules registers their commands on the app.
-from featbake.cli import build, export, gc, store, verify  # noqa: F401
+from featbake.cli import build, export, gc, merge, store, verify  # noqa: F401
 from featbake.cli.app import app, console
 from featbake.errors import FeatbakeError
 
 
+def _one_line_warning(message: object, category: type, *_: object, **__: object) -> str:
+    return f"featbake: {message}\n"  # e.g. the shared-filesystem notice: one line, no source
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the app, turning featbake errors into one red line and an exit code."""
+    warnings.formatwarning = _one_line_warning  # type: ignore[assignment]
     try:
         # Without standalone mode typer *returns* the code of a `raise typer.Exit(code)`, and 130
         # when it caught a KeyboardInterrupt itself: dropping it would turn Ctrl-C into success.

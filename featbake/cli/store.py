@@ -59,6 +59,7 @@ def stats(cache: CacheOpt = None, as_json: JsonOpt = False) -> None:
         )
     out.print(enc)
     _print_roots(s.roots)
+    _print_pending(cache)
 
 
 def _recipe_brief(recipe: dict) -> str:
@@ -124,6 +125,16 @@ def roots(ctx: typer.Context, cache: CacheOpt = None, as_json: JsonOpt = False) 
         out.print_json(json.dumps([asdict(r) for r in rs]))
     else:
         _print_roots(rs)
+        _print_pending(cache)
+
+
+def _print_pending(cache: Any) -> None:
+    """Sharded builds whose fragments are not merged yet: their roots are not published."""
+    from featbake.store.merge import pending_builds
+    from featbake.store.open import store_layout
+
+    for p in pending_builds(store_layout(cache)):
+        out.print(f"[yellow]pending[/] {escape(p.describe())}; `featbake merge` when all are done")
 
 
 @roots_app.command(

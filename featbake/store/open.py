@@ -11,6 +11,7 @@ from pathlib import Path
 
 from featbake.errors import ConfigError, StoreError
 from featbake.store.catalog import Catalog, CatalogReader, Root
+from featbake.store.fragments import sealed_fragments
 from featbake.store.layout import Layout, default_cache_dir
 
 
@@ -63,6 +64,11 @@ def existing_catalog_layout(cache: str | os.PathLike[str] | None) -> Layout:
         StoreError: no store, or no catalog.sqlite in it.
     """
     layout = store_layout(cache)
+    if not layout.catalog.exists() and sealed_fragments(layout):
+        raise StoreError(
+            f"the store {layout.root} holds only unmerged build fragments; run `featbake merge` "
+            "once every part of the build is done"
+        )
     if not layout.catalog.exists():
         raise StoreError(
             f"the store {layout.root} has no catalog.sqlite; run `featbake verify --repair` to "

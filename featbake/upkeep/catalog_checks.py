@@ -5,6 +5,7 @@ from __future__ import annotations
 from featbake.errors import StoreCorrupt
 from featbake.store.catalog import Catalog, Root, ShardRow, root_file, roots_dir, tombstone_file
 from featbake.store.catalog.upkeep_queries import feature_rows
+from featbake.store.fragments import fragment_shard_names
 from featbake.store.layout import Layout
 from featbake.store.writer import ShardEntry
 from featbake.upkeep.findings import Finding, FindingKind, ShardCheck
@@ -51,7 +52,8 @@ def _row_findings(layout: Layout, cat: Catalog, checks: dict[str, ShardCheck]) -
     if dangling:
         detail = f"{dangling} feature rows name no shard"
         out.append(Finding(FindingKind.DANGLING_ROWS, str(layout.catalog), detail, True))
-    named = {s.name for s in rows.values()}
+    # A sharded build's shards are named by its fragments until `featbake merge` runs.
+    named = {s.name for s in rows.values()} | fragment_shard_names(layout)
     out.extend(
         Finding(
             FindingKind.ORPHAN_SHARD,

@@ -15,6 +15,7 @@ from featbake.progress import GcProgress
 from featbake.store.catalog import Catalog, FeatureRef, Root, ShardRow, ShardUsage
 from featbake.store.catalog import root_file as manifest_file
 from featbake.store.catalog import roots_dir as manifests_dir
+from featbake.store.fragments import fragment_shard_names
 from featbake.store.layout import Layout
 from featbake.store.open import open_catalog
 from featbake.store.shard_format import DEFAULT_SHARD_BYTES, DEFAULT_SHARD_ITEMS
@@ -249,7 +250,8 @@ def _plan(layout: Layout, catalog: Catalog, opts: GcOptions, now: float, drop: s
         bool(evict) or sum(s.bytes for s in shard_rows) > opts.max_bytes
     )
     fates = shard_fates(shard_rows, catalog.shard_usage(), removed, opts, force)
-    named = {s.name for s in shard_rows}
+    # Shards of sharded builds not merged yet are named by fragments, not rows: not garbage.
+    named = {s.name for s in shard_rows} | fragment_shard_names(layout)
     loose = [f for name, f in shard_files(layout).items() if name not in named]
     orphans = [f for f in loose if now - f.mtime >= opts.grace]
     tmp = [f for f in loose_files(layout.tmp, "*") if now - f.mtime >= opts.grace]

@@ -30,6 +30,7 @@ from typing import Any
 
 from featbake.errors import StoreError
 from featbake.store.catalog.schema import ensure_schema
+from featbake.store.filesystem import set_journal_mode
 from featbake.store.layout import Layout
 
 #: Set to 1 to open every catalog read-only (what a read-only mount forces), e.g. to check that a
@@ -218,7 +219,7 @@ class CatalogConnection:
             conn = sqlite3.connect(uri, uri=True, timeout=self.timeout, isolation_level=None)
         conn.execute(f"PRAGMA busy_timeout={int(self.timeout * 1000)}")
         if self.access is Access.READ_WRITE:
-            conn.execute("PRAGMA journal_mode=WAL")
+            set_journal_mode(conn, self.path, self.timeout)  # WAL, or DELETE on a shared FS
             # NORMAL in WAL mode: a power cut may lose the last commits, never corrupt the file;
             # a lost row only means a feature is encoded again (the shard itself was fsynced).
             conn.execute("PRAGMA synchronous=NORMAL")

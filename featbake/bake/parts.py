@@ -1,0 +1,80 @@
+"""A build done in parts: pick this rank's inputs, and merge once every rank is done.
+
+The pure half (which rank, which inputs) is bake/ranks.py; this module does the I/O around it:
+stat the inputs to balance parts by bytes, hand the pipeline a :class:`RankCatalog` (so the
+rank writes fragments, never the shared catalog), and under torchrun hold a barrier so that
+rank 0 merges once every rank has sealed its fragment, and every rank returns with the store
+merged.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch.distributed as dist
+
+from featbake.bake.ranks import RankSpec, my_part
+from featbake.store.catalog import Catalog
+from featbake.store.layout import Layout
+from featbake.store.merge import merge
+from featbake.store.rank_catalog import RankCatalog
+
+#: How long a rank waits at the barrier for the slowest one (a gloo default of 30 min is far
+#: too short for a build whose parts end hours apart).
+BARRIER_TIMEOUT = datetime.timedelta(days=7)
+
+
+def input_bytes(path: str) -> int:
+    """A file's size for balancing parts (0 if it cannot be read: it fails in its own part)."""
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
+
+
+def catalog_for_part(
+    layout: Layout, spec: RankSpec, data_dir: str, rel_paths: list[str]
+) -> tuple[Catalog | RankCatalog, list[str]]:
+    """The catalog this process writes through, and the inputs it does (all, for one process).
+
+    Each rank stats every input (cheap) but hashes and encodes only its own part.
+    """
+    if not spec.sharded:
+        return Catalog(layout), rel_paths
+    sizes = [input_bytes(os.path.join(data_dir, p)) for p in rel_paths]
+    listing = list(zip(rel_paths, sizes, strict=True))
+    mine = my_part(sizes, spec)
+    return RankCatalog(layout, spec.rank, spec.world, listing), [rel_paths[i] for i in mine]
+
+
+@contextmanager
+def _process_group() -> Iterator[None]:
+    """torch.distributed's default group: the caller's, or a gloo one made (and torn down) here."""
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", timeout=BARRIER_TIMEOUT)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def finish_part(layout: Layout, spec: RankSpec) -> bool:
+    """Under torchrun: wait for all ranks, rank 0 merges, all return merged. True if merged here.
+
+    Parts launched one by one (``--shard``, SLURM arrays) return at once: `featbake merge` runs
+    when they are all done (a SLURM job with ``--dependency=afterok`` on the array).
+    """
+    if not spec.launched_together:
+        return False
+    with _process_group():
+        dist.barrier()
+        merged = spec.rank == 0
+        if merged:
+            merge(layout)
+        dist.barrier()
+    return merged

@@ -1,0 +1,187 @@
+"""Which part of a build this process does: its rank, and a partition of the inputs by bytes.
+
+Pure: no I/O, no torch. Everything is a function of ``--shard I/N`` or of the environment a
+launcher sets (read from a mapping the caller passes, ``os.environ`` in practice):
+
+- torchrun / torch.distributed.elastic: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``;
+- a SLURM job array (``sbatch --array``): ``SLURM_ARRAY_TASK_ID``, ``SLURM_ARRAY_TASK_COUNT``,
+  ``SLURM_ARRAY_TASK_MIN`` and ``SLURM_ARRAY_TASK_STEP`` (task ids need not start at 0);
+- SLURM tasks (``srun -n N``): ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``.
+
+The partition is what fairseq's and ESPnet's dump scripts do by hand (sorted inputs split into N
+parts, each job writing its own output), balanced by bytes rather than by count, and unlike
+``DistributedSampler`` it never pads by repeating inputs: every input is in exactly one part.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from featbake.errors import ConfigError
+
+
+class RankSource(str, Enum):
+    """Where a process learnt its rank."""
+
+    SINGLE = "single process"
+    FLAG = "--shard"
+    TORCHRUN = "torchrun"
+    SLURM_ARRAY = "SLURM array"
+    SLURM_TASKS = "SLURM tasks"
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """This process's part of a build: ``rank`` of ``world`` (0-based), and its local rank."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    source: RankSource = RankSource.SINGLE
+
+    def __post_init__(self) -> None:
+        if self.world < 1 or not 0 <= self.rank < self.world:
+            raise ConfigError(
+                f"rank {self.rank} of {self.world} (from {self.source.value}) is not a valid part: "
+                "need 0 <= rank < world, e.g. --shard 0/4 ... --shard 3/4"
+            )
+
+    @property
+    def sharded(self) -> bool:
+        """True when this process does one part of several (it writes fragments, not rows)."""
+        return self.world > 1
+
+    @property
+    def launched_together(self) -> bool:
+        """True when all ranks run at once under one launcher that can hold a barrier."""
+        return self.sharded and self.source is RankSource.TORCHRUN
+
+    def describe(self) -> str:
+        """``part 2 of 4 (torchrun)``: for messages."""
+        return f"part {self.rank + 1} of {self.world} ({self.source.value})"
+
+
+def parse_shard(text: str) -> RankSpec:
+    """``--shard I/N`` (``I`` 0-based) as a :class:`RankSpec`.
+
+    Raises:
+        ConfigError: not of the form ``I/N`` with ``0 <= I < N``.
+
+    Example:
+        >>> parse_shard("1/4").rank, parse_shard("1/4").world
+        (1, 4)
+    """
+    head, sep, tail = text.strip().partition("/")
+    if not sep or not head.isdigit() or not tail.isdigit():
+        raise ConfigError(
+            f"--shard {text!r}: expected I/N with I counted from 0, e.g. --shard 0/4 ... 3/4"
+        )
+    return RankSpec(int(head), int(tail), 0, RankSource.FLAG)
+
+
+def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    value = env.get(name)
+    if value is None or value.strip() == "":
+        if default is None:
+            raise ConfigError(f"${name} is not set, but the launcher's other variables are")
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"${name}={value!r} is not an integer") from None
+
+
+def rank_from_env(env: Mapping[str, str]) -> RankSpec:
+    """The rank a launcher gave this process: torchrun, then a SLURM array, then SLURM tasks.
+
+    torchrun wins over SLURM (torchrun started inside a SLURM job sets both); an array task is
+    one part (its ``SLURM_PROCID`` is 0 in a one-task job). Without any of them: one process.
+
+    Example:
+        >>> rank_from_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3"}).describe()
+        'part 4 of 8 (torchrun)'
+        >>> rank_from_env({"SLURM_ARRAY_TASK_ID": "7", "SLURM_ARRAY_TASK_MIN": "1",
+        ...                "SLURM_ARRAY_TASK_COUNT": "8"}).rank
+        6
+    """
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return RankSpec(
+            _int(env, "RANK"),
+            _int(env, "WORLD_SIZE"),
+            _int(env, "LOCAL_RANK", 0),
+            RankSource.TORCHRUN,
+        )
+    if "SLURM_ARRAY_TASK_ID" in env and "SLURM_ARRAY_TASK_COUNT" in env:
+        task = _int(env, "SLURM_ARRAY_TASK_ID")
+        first = _int(env, "SLURM_ARRAY_TASK_MIN", 0)
+        step = max(1, _int(env, "SLURM_ARRAY_TASK_STEP", 1))
+        if (task - first) % step:
+            raise ConfigError(
+                f"SLURM array task {task} is not on the array's grid (min {first}, step {step})"
+            )
+        return RankSpec(
+            (task - first) // step, _int(env, "SLURM_ARRAY_TASK_COUNT"), 0, RankSource.SLURM_ARRAY
+        )
+    if "SLURM_PROCID" in env and _int(env, "SLURM_NTASKS", 1) > 1:
+        return RankSpec(
+            _int(env, "SLURM_PROCID"),
+            _int(env, "SLURM_NTASKS"),
+            _int(env, "SLURM_LOCALID", 0),
+            RankSource.SLURM_TASKS,
+        )
+    return RankSpec()
+
+
+def resolve_rank(shard: str | None, env: Mapping[str, str]) -> RankSpec:
+    """``--shard I/N`` when given, else what the environment says."""
+    return parse_shard(shard) if shard else rank_from_env(env)
+
+
+def partition(sizes: Sequence[int], world: int) -> list[list[int]]:
+    """Split inputs ``0..len(sizes)-1`` into ``world`` parts of about equal bytes.
+
+    Largest first, each to the part with the fewest bytes so far (ties: fewer inputs, then the
+    lower rank), so no part exceeds the mean by more than one input. Deterministic: every rank
+    computes the same partition from the same sorted listing. Each part is in input order.
+    No padding and no duplicates: each index is in exactly one part; a part may be empty.
+
+    Example:
+        >>> partition([5, 1, 1, 1, 1, 1], 2)
+        [[0], [1, 2, 3, 4, 5]]
+    """
+    if world < 1:
+        raise ConfigError(f"cannot split inputs into {world} parts")
+    heap = [(0, 0, r) for r in range(world)]
+    parts: list[list[int]] = [[] for _ in range(world)]
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        load, count, r = heapq.heappop(heap)
+        parts[r].append(i)
+        heapq.heappush(heap, (load + max(0, sizes[i]), count + 1, r))
+    for part in parts:
+        part.sort()
+    return parts
+
+
+def my_part(sizes: Sequence[int], spec: RankSpec) -> list[int]:
+    """The input indices that rank ``spec.rank`` does (all of them for a single process)."""
+    if not spec.sharded:
+        return list(range(len(sizes)))
+    return partition(sizes, spec.world)[spec.rank]
+
+
+def device_for_rank(device: str, spec: RankSpec) -> str:
+    """``cuda`` means ``cuda:LOCAL_RANK`` under a launcher that starts one process per GPU.
+
+    An explicit ``cuda:N`` is kept; a SLURM array task sees only its own GPUs, so ``cuda`` stays.
+
+    Example:
+        >>> device_for_rank("cuda", RankSpec(5, 8, 1, RankSource.TORCHRUN))
+        'cuda:1'
+    """
+    per_gpu = spec.source in (RankSource.TORCHRUN, RankSource.SLURM_TASKS)
+    if device == "cuda" and spec.sharded and per_gpu:
+        return f"cuda:{spec.local_rank}"
+    return device

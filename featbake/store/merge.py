@@ -1,0 +1,194 @@
+"""``featbake merge``: fold sealed catalog fragments into the catalog.
+
+A build is merged once the ``done`` fragment of each of its N ranks is sealed (before that its
+root manifest would be partial, and readers map dataset index -> key through it). Per build,
+in this order:
+
+1. the encoder row, then the whole root manifest (every rank's slice, by index) in one
+   transaction, so gc never sees the build's features unreached;
+2. each shard's rows (one short transaction per shard; first row wins, as in a build);
+3. the hash-cache rows;
+4. only then the fragment files are unlinked.
+
+Every step is idempotent: rows are inserted with the fragment's own timestamps and ``INSERT OR
+IGNORE``, so a merge killed anywhere leaves fragments that the next merge folds again to the
+same catalog, and a second merge with nothing new changes nothing. It is safe while ranks still
+run: it reads only sealed fragments and leaves builds with a rank missing alone (listed as
+pending). Only this one process writes the catalog, which is what a shared filesystem needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from featbake.errors import ShardMissing
+from featbake.store.catalog import Catalog, FileStat
+from featbake.store.fragments import (
+    Fragment,
+    FragmentKind,
+    FragmentName,
+    HashRow,
+    fragments_dir,
+    read_fragment,
+    sealed_fragments,
+)
+from featbake.store.layout import Layout, fsync_dir
+
+
+@dataclass(frozen=True)
+class PendingBuild:
+    """A build some of whose ranks have not sealed their ``done`` fragment yet."""
+
+    build_id: str
+    root: str
+    world: int
+    ranks_done: tuple[int, ...]
+    fragments: int
+
+    def describe(self) -> str:
+        return (
+            f"root {self.root}: {len(self.ranks_done)} of {self.world} ranks done "
+            f"({self.fragments} fragments sealed, not merged yet)"
+        )
+
+
+@dataclass
+class MergeReport:
+    """What a merge folded in, and what it left waiting."""
+
+    roots: list[str] = field(default_factory=list)
+    fragments: int = 0
+    shards: int = 0
+    new_features: int = 0
+    missing_shards: list[str] = field(default_factory=list)
+    pending: list[PendingBuild] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {
+            "roots": self.roots,
+            "fragments": self.fragments,
+            "shards": self.shards,
+            "new_features": self.new_features,
+            "missing_shards": self.missing_shards,
+            "pending": [p.__dict__ | {"ranks_done": list(p.ranks_done)} for p in self.pending],
+        }
+
+
+def _by_build(layout: Layout) -> dict[str, list[FragmentName]]:
+    builds: dict[str, list[FragmentName]] = {}
+    for name in sealed_fragments(layout):
+        builds.setdefault(name.build_id, []).append(name)
+    return builds
+
+
+def _is_complete(names: list[FragmentName]) -> bool:
+    world = names[0].world
+    done = {n.rank for n in names if n.kind is FragmentKind.DONE and n.world == world}
+    return done == set(range(world))
+
+
+def pending_builds(layout: Layout) -> list[PendingBuild]:
+    """Builds with sealed fragments that cannot be merged yet (``roots``/``stats`` show them)."""
+    out = []
+    for bid, names in sorted(_by_build(layout).items()):
+        if _is_complete(names):
+            continue
+        head = read_fragment(names[0].path, layout, with_entries=False)
+        done = sorted({n.rank for n in names if n.kind is FragmentKind.DONE})
+        out.append(PendingBuild(bid, head.info.root, names[0].world, tuple(done), len(names)))
+    return out
+
+
+def merge(layout: Layout, *, between: Callable[[str], None] | None = None) -> MergeReport:
+    """Fold every complete build's sealed fragments into the catalog; see the module docstring.
+
+    ``between`` is a test hook called after each step (``root``, ``rows``, ``hashes``).
+
+    Raises:
+        StoreCorrupt: a fragment is unreadable (the message says to move it aside).
+        StoreError: the catalog cannot be written.
+
+    Example:
+        >>> report = merge(Layout(Path(".featbake")))  # doctest: +SKIP
+        >>> report.roots, [p.describe() for p in report.pending]  # doctest: +SKIP
+    """
+    report = MergeReport()
+    builds = _by_build(layout)
+    complete = {b: n for b, n in builds.items() if _is_complete(n)}
+    if not complete:
+        report.pending = pending_builds(layout)
+        return report
+    catalog = Catalog(layout)
+    # A merge inserts up to millions of rows into key-ordered indexes: a big page cache keeps
+    # those inserts from re-reading the same B-tree pages (this connection only, freed at close).
+    catalog.conn.execute("PRAGMA cache_size=-262144")
+    try:
+        frags = {b: [read_fragment(n.path, layout) for n in names] for b, names in complete.items()}
+        # Oldest build first, so a newer build of the same root publishes its manifest last.
+        for bid in sorted(frags, key=lambda b: max(f.created for f in frags[b])):
+            _fold_build(catalog, frags[bid], report, between)
+            for f in frags[bid]:
+                with contextlib.suppress(FileNotFoundError):
+                    f.path.unlink()
+            fsync_dir(fragments_dir(layout))
+            report.fragments += len(frags[bid])
+    finally:
+        catalog.close()
+    report.pending = pending_builds(layout)
+    return report
+
+
+def _fold_build(
+    catalog: Catalog,
+    frags: list[Fragment],
+    report: MergeReport,
+    between: Callable[[str], None] | None,
+) -> None:
+    done: dict[int, Fragment] = {}
+    for f in frags:  # a rank run twice before a merge: its newest manifest slice counts
+        rank = f.info.rank
+        if f.kind is FragmentKind.DONE and (rank not in done or f.created > done[rank].created):
+            done[rank] = f
+    info = done[0].info
+    when = max(f.created for f in done.values())
+    catalog.record_encoder(info.encoder_fp, info.encoder_label, info.encoder_kind, now=when)
+    current = catalog.root(info.root)
+    if current is None or current.last_used <= when:  # a later build of this root wins
+        items = sorted(item for f in done.values() for item in f.items)
+        catalog.replace_root(
+            info.root,
+            data=info.data,
+            encoder_label=info.encoder_label,
+            encoder_fp=info.encoder_fp,
+            recipe_fp=info.recipe_fp,
+            recipe=info.recipe,
+            items=[(i.path, i.key) for i in items],
+            now=when,
+        )
+        report.roots.append(info.root)
+    if between:
+        between("root")
+    for f in frags:
+        for shard in f.shards:
+            try:
+                report.new_features += catalog.add_shard(shard, now=f.created)
+                report.shards += 1
+            except ShardMissing:
+                report.missing_shards.append(shard.name)
+    if between:
+        between("rows")
+    put_fragment_hashes(catalog, [h for f in frags for h in f.hashes])
+    if between:
+        between("hashes")
+
+
+def put_fragment_hashes(catalog: Catalog, rows: list[HashRow]) -> None:
+    """Fold fragment hash rows into the catalog, each with the time its stat was taken."""
+    by_time: dict[int, list[tuple[str, FileStat, str]]] = {}
+    for h in rows:
+        if h.recorded_ns > 0:  # unknown: the file is simply hashed again next time
+            by_time.setdefault(h.recorded_ns, []).append((h.path, h.stat, h.sha256))
+    for recorded_ns, group in by_time.items():
+        catalog.put_hashes(group, recorded_ns=recorded_ns)

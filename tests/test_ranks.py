@@ -1,0 +1,272 @@
+"""Builds split across ranks: the pure partition and rank logic, and real multi-process builds.
+
+The multi-process tests run real processes (`torchrun --nproc-per-node 2` with the gloo
+backend, or two `featbake build --shard i/2` commands) with an import-path encoder that logs
+every input it encodes, so "each distinct input exactly once across ranks" is counted, not
+assumed. Stored features are checked against the encoder run now.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from featbake.bake.ranks import (
+    RankSource,
+    RankSpec,
+    device_for_rank,
+    my_part,
+    parse_shard,
+    partition,
+    rank_from_env,
+    resolve_rank,
+)
+from featbake.encode.sources import source_for
+from featbake.errors import ConfigError
+from featbake.recipe import Recipe
+from featbake.store.fragments import FragmentKind, fragment_keys, sealed_fragments
+from featbake.store.layout import Layout
+from featbake.testing import TinyConvEncoder, write_audio_folder
+from tests.conftest import REPO, encoded_rows, run_cli
+from tests.test_build import assert_store_consistent, stored_features
+
+ENCODER = "countenc:build"
+
+
+# -- the pure part ---------------------------------------------------------------------------
+def test_parse_shard() -> None:
+    assert parse_shard("0/4") == RankSpec(0, 4, 0, RankSource.FLAG)
+    assert parse_shard(" 3/4 ").rank == 3
+    for bad in ("4/4", "1", "a/2", "-1/2", "1/0", "1/2/3", ""):
+        with pytest.raises(ConfigError):
+            parse_shard(bad)
+
+
+def test_rank_from_torchrun_and_slurm_environments() -> None:
+    torchrun = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
+    assert rank_from_env(torchrun) == RankSpec(5, 8, 1, RankSource.TORCHRUN)
+    # An array submitted as --array=1-7:2 has tasks 1, 3, 5, 7: task 5 is part 2 (0-based).
+    array = {
+        "SLURM_ARRAY_TASK_ID": "5",
+        "SLURM_ARRAY_TASK_COUNT": "4",
+        "SLURM_ARRAY_TASK_MIN": "1",
+        "SLURM_ARRAY_TASK_STEP": "2",
+        "SLURM_PROCID": "0",
+        "SLURM_NTASKS": "1",
+    }
+    assert rank_from_env(array) == RankSpec(2, 4, 0, RankSource.SLURM_ARRAY)
+    tasks = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "3"}
+    assert rank_from_env(tasks) == RankSpec(3, 4, 3, RankSource.SLURM_TASKS)
+    # torchrun inside a SLURM allocation: torchrun's variables win.
+    assert rank_from_env({**tasks, **torchrun}).source is RankSource.TORCHRUN
+    # A plain one-task SLURM job, or nothing at all: one process does everything.
+    assert rank_from_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) == RankSpec()
+    assert rank_from_env({}) == RankSpec()
+    # --shard wins over the environment.
+    assert resolve_rank("1/2", torchrun) == RankSpec(1, 2, 0, RankSource.FLAG)
+    with pytest.raises(ConfigError, match="RANK"):
+        rank_from_env({"RANK": "x", "WORLD_SIZE": "2"})
+    with pytest.raises(ConfigError):
+        rank_from_env({"RANK": "2", "WORLD_SIZE": "2"})
+    with pytest.raises(ConfigError, match="grid"):
+        rank_from_env({**array, "SLURM_ARRAY_TASK_ID": "4"})
+
+
+def test_cuda_means_the_local_rank_under_torchrun_only() -> None:
+    torchrun = RankSpec(5, 8, 1, RankSource.TORCHRUN)
+    assert device_for_rank("cuda", torchrun) == "cuda:1"
+    assert device_for_rank("cuda:0", torchrun) == "cuda:0"
+    assert device_for_rank("cpu", torchrun) == "cpu"
+    assert device_for_rank("cuda", RankSpec(3, 4, 0, RankSource.SLURM_ARRAY)) == "cuda"
+    assert device_for_rank("cuda", RankSpec()) == "cuda"
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_partition_against_a_plain_model(seed: int) -> None:
+    rng = random.Random(seed)
+    n, world = rng.randint(0, 300), rng.randint(1, 9)
+    sizes = [rng.choice([0, 1, 10, 1000, 10**6]) + rng.randint(0, 500) for _ in range(n)]
+    parts = partition(sizes, world)
+    assert len(parts) == world
+    # Every input in exactly one part: no padding, no duplicates, nothing lost.
+    assert sorted(i for p in parts for i in p) == list(range(n))
+    assert all(p == sorted(p) for p in parts)
+    loads = [sum(sizes[i] for i in p) for p in parts]
+    if n:
+        assert max(loads) <= sum(sizes) / world + max(sizes)
+    assert partition(sizes, world) == parts  # deterministic: every rank computes the same
+    assert [my_part(sizes, RankSpec(r, world)) for r in range(world)] == parts
+
+
+def test_partition_balances_bytes_not_counts() -> None:
+    # One large file and many small ones: an even split by count would give one rank 2x bytes.
+    sizes = [600] + [100] * 6
+    parts = partition(sizes, 2)
+    assert [sum(sizes[i] for i in p) for p in parts] == [600, 600]
+    assert parts == [[0], [1, 2, 3, 4, 5, 6]]
+
+
+# -- real multi-process builds ---------------------------------------------------------------
+@pytest.fixture
+def many_clips(tmp_path: Path) -> Path:
+    """Twenty distinct clips of varied length (no two files alike)."""
+    root = tmp_path / "clips"
+    write_audio_folder(root, 16, seconds=(0.2, 0.9), subdirs=2, seed=5)
+    write_audio_folder(root / "fixed", 4, seconds=0.5, seed=6)
+    return root
+
+
+def live(path: Path) -> torch.Tensor:
+    """The counting encoder's features computed now (it is TinyConvEncoder with seed 0)."""
+    x = source_for(Recipe()).load(path)
+    with torch.inference_mode():
+        return TinyConvEncoder()(x.unsqueeze(0))[0]
+
+
+def assert_serves_live(store: Path, data: Path) -> dict[str, torch.Tensor]:
+    """The store's one root names every input, and each stored feature equals live encoding."""
+    root = root_name(store)
+    got = stored_features(store, root)
+    files = sorted(p.relative_to(data).as_posix() for p in data.rglob("*.wav"))
+    assert sorted(got) == files
+    for rel, parts in got.items():
+        torch.testing.assert_close(parts[""], live(data / rel), rtol=1e-4, atol=1e-5)
+    assert_store_consistent(store)
+    return {rel: parts[""] for rel, parts in got.items()}
+
+
+def root_name(store: Path) -> str:
+    out = run_cli("roots", "--json", "--cache", store)
+    assert out.returncode == 0, out.stderr
+    (root,) = json.loads(out.stdout)
+    return root["name"]
+
+
+def distinct_inputs(data: Path) -> int:
+    return len(list(data.rglob("*.wav")))
+
+
+def torchrun(*args: object, env: dict[str, str]) -> subprocess.CompletedProcess:
+    torchrun_bin = Path(sys.executable).with_name("torchrun")
+    full = {**os.environ, "COLUMNS": "200", "OMP_NUM_THREADS": "1", **env}
+    return subprocess.run(
+        [str(torchrun_bin), "--nproc-per-node", "2", "--standalone", "-m", "featbake"]
+        + [str(a) for a in args],
+        capture_output=True,
+        text=True,
+        env=full,
+        timeout=300,
+        cwd=REPO,
+    )
+
+
+def test_torchrun_two_ranks_encode_each_input_once_and_equal_one_process(
+    tmp_path: Path, many_clips: Path, counting_encoder: dict[str, str]
+) -> None:
+    store = tmp_path / "ranks"
+    args = ("build", "-e", ENCODER, "-d", many_clips, "--cache", store, "--workers", "0")
+    done = torchrun(*args, env=counting_encoder)
+    assert done.returncode == 0, done.stdout + done.stderr
+    calls = Counter(encoded_rows(counting_encoder))
+    assert len(calls) == distinct_inputs(many_clips)  # every input encoded ...
+    assert set(calls.values()) == {1}  # ... exactly once across both ranks
+    assert sealed_fragments(Layout(store)) == []  # rank 0 merged everything
+    ranked = assert_serves_live(store, many_clips)
+
+    single = tmp_path / "single"
+    one = run_cli(*args[:-4], "--cache", single, "--workers", "0", env=counting_encoder)
+    assert one.returncode == 0, one.stderr
+    assert root_name(single) == root_name(store)
+    alone = stored_features(single, root_name(single))
+    assert sorted(alone) == sorted(ranked)
+    for rel, feats in ranked.items():
+        assert torch.equal(alone[rel][""], feats)
+
+    before = len(encoded_rows(counting_encoder))
+    again = torchrun(*args, env=counting_encoder)
+    assert again.returncode == 0, again.stderr
+    assert len(encoded_rows(counting_encoder)) == before  # a rerun encodes nothing
+
+
+def test_two_shard_processes_and_a_merge_equal_one_process(
+    tmp_path: Path, many_clips: Path, counting_encoder: dict[str, str]
+) -> None:
+    store = tmp_path / "store"
+    args = ("build", "-e", ENCODER, "-d", many_clips, "--cache", store, "--workers", "0")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "featbake", *map(str, args), "--shard", f"{i}/2"],
+            env={**os.environ, **counting_encoder},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+    assert not (store / "catalog.sqlite").exists()  # ranks never write the shared catalog
+    pending = run_cli("roots", "--cache", store)
+    assert "merge" in pending.stderr  # no catalog yet: the message says to merge
+    merged = run_cli("merge", "--cache", store)
+    assert merged.returncode == 0, merged.stderr
+    assert "1 roots published" in merged.stdout
+    calls = Counter(encoded_rows(counting_encoder))
+    assert len(calls) == distinct_inputs(many_clips) and set(calls.values()) == {1}
+    assert_serves_live(store, many_clips)
+
+    # A rerun split another way (3 parts, and one process) still encodes nothing.
+    for shard in ("0/3", "1/3", "2/3"):
+        rerun = run_cli(*args, "--shard", shard, env=counting_encoder)
+        assert rerun.returncode == 0, rerun.stderr
+    assert run_cli("merge", "--cache", store).returncode == 0
+    assert run_cli(*args, env=counting_encoder).returncode == 0
+    assert sum(calls.values()) == len(encoded_rows(counting_encoder))
+
+
+def test_a_rank_killed_mid_run_then_rerun_completes_the_store(
+    tmp_path: Path, counting_encoder: dict[str, str]
+) -> None:
+    data = tmp_path / "long"
+    write_audio_folder(data, 44, seconds=(0.2, 0.4), seed=9)
+    store = tmp_path / "store"
+    layout = Layout(store)
+    args = ["build", "-e", ENCODER, "-d", data, "--cache", store, "--workers", "0"]
+    args += ["--shard-size", "1KiB", "--batch-size", "1"]  # one shard per input
+    env = {**os.environ, **counting_encoder, "COUNT_DELAY": "0.15"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "featbake", *map(str, args), "--shard", "0/2"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 120
+    while not sealed_fragments(layout) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    frags = sealed_fragments(layout)
+    assert frags and {f.kind for f in frags} == {FragmentKind.PART}  # killed before the end
+    kept = fragment_keys([f.path for f in frags])
+    first_run = len(encoded_rows(counting_encoder))
+    assert len(kept) <= first_run < distinct_inputs(data)
+
+    for shard in ("0/2", "1/2"):
+        rerun = run_cli(*args, "--shard", shard, env={**counting_encoder})
+        assert rerun.returncode == 0, rerun.stderr
+    rows = encoded_rows(counting_encoder)
+    # The reruns encoded everything except what part 0's sealed fragments held.
+    assert len(rows) == first_run + distinct_inputs(data) - len(kept)
+    assert run_cli("merge", "--cache", store).returncode == 0
+    assert_serves_live(store, data)
