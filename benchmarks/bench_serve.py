@@ -168,12 +168,13 @@ def _reader_server(reader: str, data: dict[str, dict[str, Any]], conn: Any) -> N
 def _servers(readers: list[Reader], data: dict[str, dict[str, Any]], quick: bool):
     """A process per reader; yields reader name -> connection, and the construct times.
 
-    Spawned, so each reader starts from a fresh interpreter and allocator; the quick mode forks
-    them instead (a second of start-up each saved; it is a smoke check, not a measurement).
+    Spawned, so each reader starts from a fresh interpreter and allocator, in quick mode too: a
+    forked child whose parent already ran torch's OpenMP pool (the build benchmarks run first)
+    hangs in its first parallel copy (GNU OpenMP is not fork-safe).
     """
     import multiprocessing as mp
 
-    ctx = mp.get_context("fork" if quick else "spawn")
+    ctx = mp.get_context("spawn")
     procs, conns = [], {}
     for r in readers:
         parent, child = ctx.Pipe()
