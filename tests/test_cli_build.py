@@ -12,6 +12,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -203,11 +204,16 @@ def test_kill_9_then_rerun_completes_and_reencodes_nothing_sealed(tmp_path: Path
     proc = _popen(args, env, tmp_path / "first.log")
     try:
         _wait_for(lambda: _feature_count(cache) >= 9 or proc.poll() is not None)
+        workers = psutil.Process(proc.pid).children(recursive=True)
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
     finally:
         proc.stdout_file.close()  # type: ignore[attr-defined]
     assert proc.returncode == -signal.SIGKILL  # killed mid-build, not finished
+    assert workers, "the build ran without its decode worker"
+    # Its decode worker dies with it (it used to hang forever on a pipe nobody read).
+    _, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive, f"decode workers outlived the killed build: {alive}"
     sealed = _feature_count(cache)
     assert 9 <= sealed < 60
     res = run_cli(*args, "--json", env={"PYTHONPATH": env["PYTHONPATH"]})

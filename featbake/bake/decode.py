@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import functools
 import multiprocessing
+import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -54,13 +59,35 @@ class DecodeDataset(Dataset):
             return i, f"{self.paths[i]}: {type(e).__name__}: {e}"
 
 
-def init_worker(_worker_id: int) -> None:
-    """Set up a decode worker: one torch thread, Ctrl-C left to the main process."""
+def init_worker(_worker_id: int, parent_pid: int | None = None) -> None:
+    """Set up a decode worker: one torch thread, Ctrl-C left to the main process, and death with
+    its parent.
+
+    A build killed with SIGKILL cannot shut its workers down; torch's watchdog then ends the
+    worker loop, but the worker's exit joins a queue feeder blocked on a full pipe that nobody
+    reads any more, and the worker (with its decoded clips) stays forever. On Linux the kernel
+    kills the worker when the build dies (``PR_SET_PDEATHSIG``).
+    """
+    die_with_parent(parent_pid)
     # The encoder's threads own the other CPUs (see featbake.cpus.bake_threads).
     torch.set_num_threads(1)
     # A terminal's Ctrl-C reaches the whole process group: workers must leave it to the main
     # process, which stops at a safe point and shuts them down (see interrupt_at_safe_points).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int | None) -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (elsewhere: nothing)."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os._exit(0)  # the parent died before the request took effect
 
 
 def _as_is(item: Any) -> Any:
@@ -106,7 +133,7 @@ def decoded_items(
         num_workers=min(workers, len(paths)),
         prefetch_factor=8,
         persistent_workers=False,
-        worker_init_fn=init_worker,
+        worker_init_fn=functools.partial(init_worker, parent_pid=os.getpid()),
     )
     with _WorkerWatch() as watch:
         try:
