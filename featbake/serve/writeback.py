@@ -24,8 +24,8 @@ import torch
 
 from featbake.errors import StoreError
 from featbake.serve.process import Clock, Lifetime, ThreadCatalog
-from featbake.store.catalog import Catalog
 from featbake.store.layout import Layout
+from featbake.store.serving_fragments import ServingStore
 from featbake.store.writer import SealedShard, ShardWriter
 
 __all__ = ["WRITEBACK_BYTES", "WRITEBACK_ITEMS", "WRITEBACK_SECONDS", "SealPolicy", "WriteBack"]
@@ -39,7 +39,7 @@ WRITEBACK_SECONDS = 5.0
 _WRITE_FAILURES = (StoreError, OSError, sqlite3.Error)
 
 Parts = Mapping[str, torch.Tensor]
-Publish = Callable[[Catalog, SealedShard], None]
+Publish = Callable[[ServingStore, SealedShard], None]
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class SealPolicy:
     max_seconds: float = WRITEBACK_SECONDS
 
 
-def add_rows(catalog: Catalog, shard: SealedShard) -> None:
+def add_rows(catalog: ServingStore, shard: SealedShard) -> None:
     """The default publication: the shard's feature rows, nothing else."""
     catalog.add_shard(shard)
 
@@ -170,7 +170,7 @@ class WriteBack:
         self.first_pending = 0.0
         self._writer = None
         self._own_catalogs = True
-        self._catalogs = ThreadCatalog(self.layout)
+        self._catalogs = ThreadCatalog(self.layout, shared=self._catalogs.shared)
 
     def _writer_for(self, encoder_fp: str) -> ShardWriter | None:
         writer = self._writer
