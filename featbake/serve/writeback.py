@@ -4,7 +4,9 @@ own shards, under one sealing policy for the dataset and :class:`CachedEncoder` 
 A pending feature is sealed into a shard when the pending shard is full (bytes or items) or
 when its oldest feature is :data:`WRITEBACK_SECONDS` old, so a killed process loses little.
 Sealing writes the shard, then commits its catalog rows (the caller's ``publish`` may add more
-to that, e.g. a root), then tells the caller (``on_sealed``).
+to that, e.g. a root), then tells the caller (``on_sealed``). On a shared filesystem the
+"catalog" is the read-only stand-in of store/serving_fragments.py, which seals a fragment naming
+the shard instead.
 
 Write-back is an optimisation: it never fails a read. When a shard cannot be written or
 published (a full disk, an unwritable store), the pending features are dropped, encoded again
