@@ -27,8 +27,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from featbake.errors import ShardMissing
+from featbake.errors import ShardMissing, StoreCorrupt
 from featbake.store.catalog import Catalog, FileStat
 from featbake.store.fragments import (
     Fragment,
@@ -150,7 +151,7 @@ def merge(layout: Layout, *, between: Callable[[str], None] | None = None) -> Me
             fsync_dir(fragments_dir(layout))
             report.fragments += len(frags[bid])
         if serving:
-            _fold_serving(catalog, [read_fragment(n.path, layout) for n in serving], report)
+            _fold_serving(catalog, [_read_serving(n.path, layout) for n in serving], report)
     finally:
         catalog.close()
     report.pending = pending_builds(layout)
@@ -199,6 +200,21 @@ def _fold_build(
     put_fragment_hashes(catalog, [h for f in frags for h in f.hashes])
     if between:
         between("hashes")
+
+
+def _read_serving(path: Path, layout: Layout) -> Fragment:
+    """A ``serve`` fragment, read whole.
+
+    Raises:
+        StoreCorrupt: it is unreadable (the message says what moving it aside loses).
+    """
+    try:
+        return read_fragment(path, layout)
+    except StoreCorrupt as e:
+        raise StoreCorrupt(
+            f"serving fragment {path} is unreadable ({e.__cause__}); move it aside and merge "
+            "again: the features it names are encoded again when next needed"
+        ) from e
 
 
 def _fold_serving(catalog: Catalog, frags: list[Fragment], report: MergeReport) -> None:

@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from featbake.bake.pipeline import build
+from featbake.errors import StoreCorrupt
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.serve.lastuse import TOUCH_FLUSH_SECONDS, TOUCH_FLUSH_SECONDS_SHARED
 from featbake.serve.writeback import WRITEBACK_SECONDS
@@ -305,3 +306,16 @@ def test_two_ddp_ranks_read_one_shared_store_while_a_merge_runs(
     other = CachedFeatureDataset(audio_dir, encoder_file, cache=store, on_miss="error")
     assert other.stored() == len(other) == 16
     other.close()
+
+
+def test_an_unreadable_serving_fragment_is_named_with_what_moving_it_aside_loses(
+    tmp_path: Path,
+) -> None:
+    layout = Layout(tmp_path / "store").ensure()
+    FragmentServingCatalog(layout).touch(["k" * 64])
+    (path,) = serve_fragments(layout.root)
+    path.write_bytes(b"not sqlite" * 100)
+    with pytest.raises(StoreCorrupt, match=r"serving fragment .* encoded again when next needed"):
+        merge(layout)
+    path.rename(tmp_path / "aside.sqlite")
+    assert merge(layout).serving_fragments == 0
