@@ -134,6 +134,11 @@ def merge(layout: Layout, *, between: Callable[[str], None] | None = None) -> Me
     complete = {b: n for b, n in builds.items() if _is_complete(n)}
     serving = serving_fragments(layout)
     if not complete and not serving:
+        if layout.catalog.exists() and Path(f"{layout.catalog}-journal").exists():
+            # Left by a writer killed mid-transaction (a merge, on a shared filesystem): readers
+            # open the catalog read-only and cannot roll it back; a read-write read does.
+            with Catalog(layout) as catalog:
+                catalog.roots()
         report.pending = pending_builds(layout)
         return report
     catalog = Catalog(layout)

@@ -20,9 +20,11 @@ builds not merged yet stay misses: their fragments can be large, and merge publi
 from __future__ import annotations
 
 import contextlib
+import sqlite3
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
 
 from featbake.errors import ShardMissing, StoreCorrupt, StoreError
 from featbake.store.catalog import Catalog, HashEntry, Location, Root, RootItem
@@ -40,6 +42,8 @@ from featbake.store.fragments import (
 )
 from featbake.store.layout import Layout
 from featbake.store.writer import SealedShard
+
+T = TypeVar("T")
 
 #: Other processes' serve fragments are looked for at most this often (a listing per miss would
 #: cost a metadata round trip on NFS for every item).
@@ -110,22 +114,32 @@ class FragmentServingCatalog:
             self._catalog = Catalog(self.layout, timeout=self.timeout, read_only=True)
         return self._catalog
 
-    def cached_hashes(self, paths: Sequence[str]) -> dict[str, HashEntry]:
+    def _read(self, query: Callable[[Catalog], T], default: T) -> T:
+        """``query`` on the read-only catalog (``default`` while there is none).
+
+        Raises:
+            StoreError: SQLite refused to read it (the message says why and what to do).
+        """
         catalog = self._reader()
-        return catalog.cached_hashes(paths) if catalog is not None else {}
+        if catalog is None:
+            return default
+        try:
+            return query(catalog)
+        except sqlite3.DatabaseError as e:
+            raise catalog.unreadable(e) from e
+
+    def cached_hashes(self, paths: Sequence[str]) -> dict[str, HashEntry]:
+        return self._read(lambda c: c.cached_hashes(paths), {})
 
     def root(self, name: str) -> Root | None:
-        catalog = self._reader()
-        return catalog.root(name) if catalog is not None else None
+        return self._read(lambda c: c.root(name), None)
 
     def root_items(self, name: str) -> list[RootItem]:
-        catalog = self._reader()
-        return catalog.root_items(name) if catalog is not None else []
+        return self._read(lambda c: c.root_items(name), [])
 
     def locate_many(self, keys: Sequence[str]) -> dict[str, list[Location]]:
         """key -> its tensors' locations: from the catalog, else from an unmerged fragment."""
-        catalog = self._reader()
-        out = catalog.locate_many(keys) if catalog is not None else {}
+        out = self._read(lambda c: c.locate_many(keys), {})
         if len(out) < len(set(keys)):
             self.refresh()
             found = self._found

@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from featbake.bake.pipeline import build
-from featbake.errors import StoreCorrupt
+from featbake.errors import StoreCorrupt, StoreError
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.serve.lastuse import TOUCH_FLUSH_SECONDS, TOUCH_FLUSH_SECONDS_SHARED
 from featbake.serve.writeback import WRITEBACK_SECONDS
@@ -319,3 +319,46 @@ def test_an_unreadable_serving_fragment_is_named_with_what_moving_it_aside_loses
         merge(layout)
     path.rename(tmp_path / "aside.sqlite")
     assert merge(layout).serving_fragments == 0
+
+
+KILLED_WRITER = """
+import sqlite3, sys, time
+conn = sqlite3.connect(sys.argv[1], isolation_level=None)
+conn.execute("PRAGMA cache_size=1")  # dirty pages spill into the file: the journal is hot
+conn.execute("BEGIN IMMEDIATE")
+conn.executemany(
+    "INSERT INTO hash_cache(path, size, mtime_ns, inode, sha256) VALUES (?, 0, 0, 0, '')",
+    [(f"/killed/{i:05d}/" + "x" * 200,) for i in range(3000)],
+)
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.slow
+def test_a_writer_killed_mid_transaction_is_named_and_the_next_merge_rolls_it_back(
+    tmp_path: Path, audio_dir: Path, encoder_file: Path, store_dir: Path, monkeypatch
+) -> None:
+    """In rollback-journal mode a writer killed mid-transaction leaves a hot journal that a
+    read-only reader cannot roll back: the dataset says what to run, and merge does it."""
+    monkeypatch.setenv("FEATBAKE_SHARED_FS", "1")
+    build(audio_dir, encoder_file, cache=store_dir, workers=0)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", KILLED_WRITER, store_dir / "catalog.sqlite"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert writer.stdout is not None and writer.stdout.readline().strip() == "ready"
+    writer.kill()
+    writer.wait()
+    assert (store_dir / "catalog.sqlite-journal").exists()
+    with pytest.raises(StoreError, match=r"killed mid-transaction.*featbake merge"):
+        CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    merged = run_cli("merge", "--cache", store_dir, env=SHARED)
+    assert merged.returncode == 0, merged.stderr
+    assert not (store_dir / "catalog.sqlite-journal").exists()
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    assert ds.stored() == len(ds) == 16
+    assert_serves_live(ds, encoder_file)
+    ds.close()
+    verify = run_cli("verify", "--cache", store_dir, env=SHARED)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
