@@ -240,3 +240,18 @@ def test_gc_keeps_the_shards_of_a_build_not_merged_yet(
     assert report.missing_shards == [] and report.roots
     name = next(r.name for r in Catalog(Layout(store)).roots() if r.data == str(audio_dir))
     assert len(stored_features(store, name)) == len(list(audio_dir.rglob("*.wav")))
+
+
+def test_fragments_of_format_1_without_a_uses_table_are_still_merged(
+    tmp_path: Path, audio_dir: Path, encoder_file: Path
+) -> None:
+    store = tmp_path / "store"
+    build_parts(audio_dir, encoder_file, store, 2)
+    for frag in sealed_fragments(Layout(store)):
+        conn = sqlite3.connect(frag.path)
+        conn.execute("DROP TABLE uses")  # what a featbake of fragment format 1 wrote
+        conn.execute("UPDATE meta SET value='1' WHERE name='format_version'")
+        conn.commit()
+        conn.close()
+    assert merge(Layout(store)).roots
+    assert_equals_live(store, audio_dir, encoder_file)

@@ -130,11 +130,18 @@ def roots(ctx: typer.Context, cache: CacheOpt = None, as_json: JsonOpt = False) 
 
 def _print_pending(cache: Any) -> None:
     """Sharded builds whose fragments are not merged yet: their roots are not published."""
-    from featbake.store.merge import pending_builds
+    from featbake.store.merge import pending_builds, serving_fragments
     from featbake.store.open import store_layout
 
-    for p in pending_builds(store_layout(cache)):
+    layout = store_layout(cache)
+    for p in pending_builds(layout):
         out.print(f"[yellow]pending[/] {escape(p.describe())}; `featbake merge` when all are done")
+    served = len(serving_fragments(layout))
+    if served:
+        out.print(
+            f"[yellow]pending[/] {served} serving fragments (write-back and last uses of datasets "
+            "on a shared filesystem); `featbake merge` folds them in"
+        )
 
 
 @roots_app.command(

@@ -55,8 +55,8 @@ from featbake.serve.writeback import (
     SealPolicy,
     WriteBack,
 )
-from featbake.store.catalog import Catalog
 from featbake.store.layout import Layout, default_cache_dir
+from featbake.store.serving_fragments import open_serving_catalog, serving_mode
 from featbake.store.writer import SealedShard
 from featbake.units import parse_bytes
 
@@ -94,7 +94,8 @@ class CachedFeatureDataset(Dataset):
             file, or an import path), a loaded encoder, or an ``nn.Module``. A file encoder is
             loaded only when the first miss happens (or once, to fingerprint it, when the store
             has never seen this file).
-        cache: the store directory (default ``$FEATBAKE_CACHE`` or ``./.featbake``).
+        cache: the store directory (default ``$FEATBAKE_CACHE`` or ``./.featbake``). On a
+            shared filesystem its catalog is only read; writes go to fragments for ``merge``.
         recipe: preprocessing and storage options; the keyword options below override its fields.
         source, sample_rate, mono, max_seconds, output, dtype: recipe fields, as in
             ``featbake build``.
@@ -169,6 +170,7 @@ class CachedFeatureDataset(Dataset):
         self._ram_total = parse_bytes(ram_cache)
         dev.resolve_device(device)  # validate now, not at the first miss
         self._layout = Layout(Path(cache) if cache is not None else default_cache_dir()).ensure()
+        self._shared = serving_mode(self._layout)  # read the catalog only, write fragments
         self._recipe_fp = self.recipe.fingerprint()
         self._source = source_for(self.recipe)
         self._state: ProcessState | None = None
@@ -179,8 +181,9 @@ class CachedFeatureDataset(Dataset):
             trust_pickle,
             str(device),
             self.recipe.layers,
+            shared=self._shared,
         )
-        catalog = Catalog(self._layout)
+        catalog = open_serving_catalog(self._layout, shared=self._shared)
         try:
             self._live.identify(encoder, catalog)
             spec = IndexSpec(
@@ -274,7 +277,7 @@ class CachedFeatureDataset(Dataset):
         """This process's state, made on first use (a forked child's was dropped at fork)."""
         st = self._state
         if st is None:
-            catalogs = ThreadCatalog(self._layout)
+            catalogs = ThreadCatalog(self._layout, shared=self._shared)
             writeback = WriteBack(
                 self._layout,
                 self._recipe_fp,

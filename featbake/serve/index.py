@@ -24,7 +24,7 @@ from featbake.encode.fingerprints import hash_inputs, resolve_path
 from featbake.encode.sources import scan
 from featbake.errors import SourceError
 from featbake.keys import feature_key, root_id, sha256_hex
-from featbake.store.catalog import Catalog
+from featbake.store.serving_fragments import ServingStore
 
 __all__ = ["Index", "IndexSpec", "build_index"]
 
@@ -55,7 +55,7 @@ class Index:
     """
 
     def __init__(
-        self, rel_paths: list[str], keys: list[str], data_dir: str | None, catalog: Catalog
+        self, rel_paths: list[str], keys: list[str], data_dir: str | None, catalog: ServingStore
     ) -> None:
         n = len(keys)
         self.data_dir = data_dir
@@ -69,7 +69,7 @@ class Index:
         self.shard = np.full(n, -1, dtype=np.int32)
         self.parts = self._locate(keys, catalog)
 
-    def _locate(self, keys: list[str], catalog: Catalog) -> tuple[str, ...] | None:
+    def _locate(self, keys: list[str], catalog: ServingStore) -> tuple[str, ...] | None:
         located = catalog.locate_many(sorted(set(keys)))
         parts: set[tuple[str, ...]] = set()
         for i, key in enumerate(keys):
@@ -105,7 +105,7 @@ class Index:
         return int((self.shard >= 0).sum())
 
 
-def build_index(data: object, spec: IndexSpec, catalog: Catalog) -> Index:
+def build_index(data: object, spec: IndexSpec, catalog: ServingStore) -> Index:
     """Index a folder (through its build's root) or a list of files, and publish its root.
 
     The root is published so that gc keeps what the dataset serves (and writes back) live, and
@@ -129,7 +129,7 @@ def build_index(data: object, spec: IndexSpec, catalog: Catalog) -> Index:
     return Index(paths, keys, None, catalog)
 
 
-def _index_folder(data_dir: str, spec: IndexSpec, catalog: Catalog) -> Index:
+def _index_folder(data_dir: str, spec: IndexSpec, catalog: ServingStore) -> Index:
     name = root_id(data_dir, spec.enc_label, spec.recipe_fp)
     root = catalog.root(name)
     manifest: dict[str, str] = {}
@@ -160,7 +160,7 @@ def _index_folder(data_dir: str, spec: IndexSpec, catalog: Catalog) -> Index:
 
 
 def _publish_root(
-    catalog: Catalog,
+    catalog: ServingStore,
     spec: IndexSpec,
     data: str,
     items: list[tuple[str, str]],

@@ -4,6 +4,10 @@ gc's least-recently-used eviction needs days, not milliseconds, so a process rec
 use at most once per :data:`TOUCH_REPEAT_SECONDS` (shared between forked workers through
 :class:`~featbake.serve.process.SharedFlags`) and writes the queue at most every
 :data:`TOUCH_FLUSH_SECONDS` or :data:`TOUCH_FLUSH_ITEMS`: never one write per read.
+
+On a shared filesystem each flush seals a fragment (store/serving_fragments.py) instead of a
+catalog transaction; there the queue is written every :data:`TOUCH_FLUSH_SECONDS_SHARED`, so
+many ranks and workers leave a few small files an hour each, not hundreds, until a merge.
 """
 
 from __future__ import annotations
@@ -14,9 +18,16 @@ import numpy as np
 
 from featbake.serve.process import Clock, SharedFlags, ThreadCatalog
 
-__all__ = ["TOUCH_FLUSH_ITEMS", "TOUCH_FLUSH_SECONDS", "TOUCH_REPEAT_SECONDS", "LastUse"]
+__all__ = [
+    "TOUCH_FLUSH_ITEMS",
+    "TOUCH_FLUSH_SECONDS",
+    "TOUCH_FLUSH_SECONDS_SHARED",
+    "TOUCH_REPEAT_SECONDS",
+    "LastUse",
+]
 
 TOUCH_FLUSH_SECONDS = 30.0
+TOUCH_FLUSH_SECONDS_SHARED = 600.0
 TOUCH_REPEAT_SECONDS = 3600.0
 TOUCH_FLUSH_ITEMS = 50_000
 
@@ -47,6 +58,7 @@ class LastUse:
         self.wall = wall
         self.queue: list[int] = []  # appended on the hit path: one list, never replaced
         self.last_flush = clock()
+        self.flush_seconds = TOUCH_FLUSH_SECONDS_SHARED if catalogs.shared else TOUCH_FLUSH_SECONDS
         if not flags.epoch[0]:
             flags.epoch[0] = wall()
 
@@ -54,7 +66,7 @@ class LastUse:
         """True when the queue is long enough, or old enough, to be written."""
         queue = self.queue
         return len(queue) >= TOUCH_FLUSH_ITEMS or (
-            bool(queue) and now - self.last_flush >= TOUCH_FLUSH_SECONDS
+            bool(queue) and now - self.last_flush >= self.flush_seconds
         )
 
     def flush(self) -> None:

@@ -31,8 +31,9 @@ from featbake.recipe import Recipe
 from featbake.serve.index import Index
 from featbake.serve.reads import Reads
 from featbake.serve.state import ProcessState
-from featbake.store.catalog import Catalog, FileStat
+from featbake.store.catalog import FileStat
 from featbake.store.layout import Layout
+from featbake.store.serving_fragments import ServingStore, open_serving_catalog
 from featbake.store.writer import SealedShard
 
 __all__ = ["LiveEncoder", "Misses", "check_unchanged", "encode_inputs", "unpack"]
@@ -56,8 +57,9 @@ class LiveEncoder:
     fingerprint: str = ""
     label: str = ""
     loaded: LoadedEncoder | None = None
+    shared: bool = False  # the store is on a shared filesystem: never write its catalog
 
-    def identify(self, encoder: Any, catalog: Catalog) -> None:
+    def identify(self, encoder: Any, catalog: ServingStore) -> None:
         """Set :attr:`fingerprint` and :attr:`label`, loading the encoder only if it must.
 
         Raises:
@@ -98,7 +100,7 @@ class LiveEncoder:
             trust_pickle=self.trust_pickle,
             layers=self.layers,
         )
-        catalog = Catalog(self.layout)
+        catalog = open_serving_catalog(self.layout, shared=self.shared)
         try:
             encoder_fingerprint(enc, catalog, self.weights)
         finally:
@@ -155,7 +157,7 @@ def encode_inputs(enc: LoadedEncoder, inputs: list[torch.Tensor], recipe: Recipe
 
 
 def check_unchanged(
-    catalog: Catalog, paths: list[str], keys: list[str], fps: tuple[str, str]
+    catalog: ServingStore, paths: list[str], keys: list[str], fps: tuple[str, str]
 ) -> None:
     """Raise if a file decoded for a miss no longer holds the bytes its key was hashed from.
 

@@ -28,8 +28,8 @@ import torch
 from torch.utils.data import get_worker_info
 
 from featbake.lru import ByteLRU, CacheInfo
-from featbake.store.catalog import Catalog
 from featbake.store.layout import Layout
+from featbake.store.serving_fragments import ServingStore, open_serving_catalog
 
 __all__ = [
     "Lifetime",
@@ -92,20 +92,23 @@ class ThreadCatalog:
 
     SQLite connections are bound to their thread; a finalizer may run in whichever thread the
     garbage collector runs in, so other threads get a connection of their own for one use.
+    With ``shared`` (a store on a shared filesystem) each is the read-only stand-in that writes
+    fragments (:class:`~featbake.store.serving_fragments.FragmentServingCatalog`).
     """
 
-    def __init__(self, layout: Layout) -> None:
+    def __init__(self, layout: Layout, *, shared: bool = False) -> None:
         self.layout = layout
+        self.shared = shared
         self.thread = threading.get_ident()
-        self.home = Catalog(layout)
+        self.home = open_serving_catalog(layout, shared=shared)
 
     @contextlib.contextmanager
-    def scoped(self) -> Iterator[Catalog]:
+    def scoped(self) -> Iterator[ServingStore]:
         """This thread's connection, closed afterwards when it was opened for this use."""
         if threading.get_ident() == self.thread:
             yield self.home
             return
-        catalog = Catalog(self.layout)
+        catalog = open_serving_catalog(self.layout, shared=self.shared)
         try:
             yield catalog
         finally:

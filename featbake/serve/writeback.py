@@ -4,7 +4,9 @@ own shards, under one sealing policy for the dataset and :class:`CachedEncoder` 
 A pending feature is sealed into a shard when the pending shard is full (bytes or items) or
 when its oldest feature is :data:`WRITEBACK_SECONDS` old, so a killed process loses little.
 Sealing writes the shard, then commits its catalog rows (the caller's ``publish`` may add more
-to that, e.g. a root), then tells the caller (``on_sealed``).
+to that, e.g. a root), then tells the caller (``on_sealed``). On a shared filesystem the
+"catalog" is the read-only stand-in of store/serving_fragments.py, which seals a fragment naming
+the shard instead.
 
 Write-back is an optimisation: it never fails a read. When a shard cannot be written or
 published (a full disk, an unwritable store), the pending features are dropped, encoded again
@@ -24,8 +26,8 @@ import torch
 
 from featbake.errors import StoreError
 from featbake.serve.process import Clock, Lifetime, ThreadCatalog
-from featbake.store.catalog import Catalog
 from featbake.store.layout import Layout
+from featbake.store.serving_fragments import ServingStore
 from featbake.store.writer import SealedShard, ShardWriter
 
 __all__ = ["WRITEBACK_BYTES", "WRITEBACK_ITEMS", "WRITEBACK_SECONDS", "SealPolicy", "WriteBack"]
@@ -39,7 +41,7 @@ WRITEBACK_SECONDS = 5.0
 _WRITE_FAILURES = (StoreError, OSError, sqlite3.Error)
 
 Parts = Mapping[str, torch.Tensor]
-Publish = Callable[[Catalog, SealedShard], None]
+Publish = Callable[[ServingStore, SealedShard], None]
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,7 @@ class SealPolicy:
     max_seconds: float = WRITEBACK_SECONDS
 
 
-def add_rows(catalog: Catalog, shard: SealedShard) -> None:
+def add_rows(catalog: ServingStore, shard: SealedShard) -> None:
     """The default publication: the shard's feature rows, nothing else."""
     catalog.add_shard(shard)
 
@@ -170,7 +172,7 @@ class WriteBack:
         self.first_pending = 0.0
         self._writer = None
         self._own_catalogs = True
-        self._catalogs = ThreadCatalog(self.layout)
+        self._catalogs = ThreadCatalog(self.layout, shared=self._catalogs.shared)
 
     def _writer_for(self, encoder_fp: str) -> ShardWriter | None:
         writer = self._writer

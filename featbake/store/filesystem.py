@@ -233,12 +233,17 @@ def set_journal_mode(conn: sqlite3.Connection, path: Path, timeout: float) -> Fs
                     "another featbake process holds it; retry when it is done"
                 ) from e
             time.sleep(0.02)
-    if mode.shared and str(path) not in _ANNOUNCED:
-        _ANNOUNCED.add(str(path))
-        warnings.warn(
+    if mode.shared:
+        announce(
+            str(path),
             f"the store {path.parent} is on a shared filesystem ({mode.reason}): the catalog "
             "uses journal_mode=DELETE instead of WAL, which SQLite does not support across hosts",
-            SharedFilesystemWarning,
-            stacklevel=2,
         )
     return mode
+
+
+def announce(what: str, message: str) -> None:
+    """Say ``message`` as a :class:`SharedFilesystemWarning`, once per ``what`` per process."""
+    if what not in _ANNOUNCED:
+        _ANNOUNCED.add(what)
+        warnings.warn(message, SharedFilesystemWarning, stacklevel=3)

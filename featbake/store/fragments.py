@@ -10,9 +10,11 @@ fragments/<build>.r<rank>-of-<world>.<id>.<kind>.sqlite
     meta     format, version, build id, rank, world, root, encoder, recipe, created
     shards   name, bytes, encoder_fp, recipe_fp          (each sealed shard of this fragment)
     entries  shard, key, part, dtype, shape, nbytes      (each tensor in them)
-    items    idx, path, key     (kind "done" only: this rank's slice of the root manifest)
+    items    idx, path, key     ("done": this rank's slice of the root manifest; "serve": a
+                                 dataset's whole manifest, when the catalog's differs)
     hashes   path, size, mtime_ns, inode, sha256, ctime_ns, recorded_ns
                                                          (hash-cache rows this rank computed)
+    uses     key, used          (kind "serve" only: last-use times, seconds since the epoch)
 ```
 
 A fragment is written to ``tmp/``, fsynced and renamed into ``fragments/`` (sealed by rename,
@@ -21,6 +23,12 @@ no lock, so it is safe on any filesystem. A rank seals a ``part`` fragment every
 seconds (a rank killed mid-run keeps them: its rerun skips their keys) and a ``done`` fragment at
 the end with its manifest slice. ``featbake merge`` (store/merge.py) folds a build's fragments
 into the catalog once every rank's ``done`` fragment is there.
+
+A ``serve`` fragment is what a dataset on a shared filesystem would have written to the catalog
+(store/serving_fragments.py): a write-back shard, last-use times, or the hash rows and root
+manifest it made at its start. Each stands alone (its own build id, rank 0 of 1) and is merged
+as soon as it is sealed. Format 2 added the ``uses`` table and the ``serve`` kind; fragments of
+format 1 are still read.
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ from featbake.store.layout import Layout, fsync_dir
 from featbake.store.writer import SealedShard, ShardEntry
 
 FRAGMENT_FORMAT = "featbake-fragment"
-FRAGMENT_VERSION = 1
+FRAGMENT_VERSION = 2
 SUFFIX = ".sqlite"
 
 _SCHEMA = (
@@ -56,14 +64,17 @@ _SCHEMA = (
     "CREATE TABLE items (idx INTEGER PRIMARY KEY, path TEXT, key TEXT)",
     "CREATE TABLE hashes (path TEXT PRIMARY KEY, size INTEGER, mtime_ns INTEGER, inode INTEGER,"
     " sha256 TEXT, ctime_ns INTEGER NOT NULL DEFAULT 0, recorded_ns INTEGER NOT NULL DEFAULT 0)",
+    "CREATE TABLE uses (key TEXT PRIMARY KEY, used REAL NOT NULL)",
 )
 
 
 class FragmentKind(str, Enum):
-    """``part``: shards sealed so far; ``done``: the rank finished (carries its manifest slice)."""
+    """``part``: shards sealed so far; ``done``: the rank finished (carries its manifest slice);
+    ``serve``: what a serving process on a shared filesystem wrote (merged on its own)."""
 
     PART = "part"
     DONE = "done"
+    SERVE = "serve"
 
 
 class ManifestItem(NamedTuple):
@@ -85,6 +96,13 @@ class HashRow(NamedTuple):
     stat: FileStat
     sha256: str
     recorded_ns: int = 0
+
+
+class Use(NamedTuple):
+    """A feature's last use, recorded by a serving process (seconds since the epoch)."""
+
+    key: str
+    used: float
 
 
 @dataclass(frozen=True)
@@ -144,6 +162,7 @@ class Fragment:
     shards: tuple[SealedShard, ...]
     items: tuple[ManifestItem, ...]
     hashes: tuple[HashRow, ...]
+    uses: tuple[Use, ...] = ()
 
 
 def build_id(root: str, encoder_fp: str, recipe_fp: str, world: int, listing: Iterable) -> str:
@@ -190,6 +209,7 @@ def write_fragment(
     shards: Sequence[SealedShard],
     items: Sequence[ManifestItem] = (),
     hashes: Sequence[HashRow] = (),
+    uses: Sequence[Use] = (),
 ) -> Path:
     """Write a fragment to tmp/, fsync it and rename it into fragments/ (which seals it).
 
@@ -204,7 +224,7 @@ def write_fragment(
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
         layout.tmp.mkdir(parents=True, exist_ok=True)
-        _fill(tmp, info, kind, shards, items, hashes)
+        _fill(tmp, info, kind, shards, items, hashes, uses)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, final)
@@ -226,6 +246,7 @@ def _fill(
     shards: Sequence[SealedShard],
     items: Sequence[ManifestItem],
     hashes: Sequence[HashRow],
+    uses: Sequence[Use] = (),
 ) -> None:
     # One writer, a file no one else sees until the rename: no journal is needed.
     conn = sqlite3.connect(path, isolation_level=None)
@@ -259,6 +280,7 @@ def _fill(
             "INSERT INTO hashes VALUES (?, ?, ?, ?, ?, ?, ?)",
             [(h.path, *h.stat[:3], h.sha256, h.stat.ctime_ns, h.recorded_ns) for h in hashes],
         )
+        conn.executemany("INSERT OR REPLACE INTO uses VALUES (?, ?)", uses)
         conn.execute("COMMIT")
     finally:
         conn.close()
@@ -307,17 +329,24 @@ def read_fragment(path: Path, layout: Layout, *, with_entries: bool = True) -> F
                     "SELECT path, size, mtime_ns, inode, sha256, ctime_ns, recorded_ns FROM hashes"
                 )
             )
+            uses = _read_uses(conn)
         finally:
             conn.close()
         kind = FragmentKind(meta["kind"])
-        return Fragment(
-            path, BuildInfo.from_meta(meta), kind, float(meta["created"]), shards, items, hashes
-        )
+        created = float(meta["created"])
+        return Fragment(path, BuildInfo.from_meta(meta), kind, created, shards, items, hashes, uses)
     except (sqlite3.Error, ValueError, KeyError) as e:
         raise StoreCorrupt(
             f"catalog fragment {path} is unreadable ({e}); move it aside and rerun that rank "
             "(`featbake build --shard I/N`): its shards are then written again"
         ) from e
+
+
+def _read_uses(conn: sqlite3.Connection) -> tuple[Use, ...]:
+    """The ``uses`` rows (none in a format 1 fragment, which has no such table)."""
+    if not conn.execute("SELECT 1 FROM sqlite_master WHERE name='uses'").fetchone():
+        return ()
+    return tuple(Use(*r) for r in conn.execute("SELECT key, used FROM uses ORDER BY key"))
 
 
 def fragment_keys(paths: Iterable[Path]) -> set[str]:

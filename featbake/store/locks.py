@@ -5,11 +5,21 @@ holds it *exclusive* for its whole scan-and-fix. Repair therefore never sees a s
 rows are about to be committed (and forgets them as "missing"), and a writer that seals while
 repair runs waits until repair has finished. The lock is ``flock(2)`` on ``<store>/write.lock``:
 the kernel drops it when its holder dies, so a killed build never leaves the store locked.
+
+On shared filesystems: Linux emulates ``flock`` on NFS (and on CIFS since 5.5) with byte-range
+locks on the whole file, so it spans hosts where the server's locking works; Lustre mounted with
+``-o flock`` spans hosts, ``localflock`` (and NFS ``local_lock``) only one node, and a Lustre
+mount with neither fails every ``flock`` with ENOSYS, as NFS without a lock daemon does with
+ENOLCK. There the lock is skipped rather than failing every write: it only keeps repair away
+from writers, and on a shared filesystem repair is run while nothing else uses the store.
+Shards themselves need no lock: each is written under a unique temporary name and renamed to
+its content name, which is atomic on every one of these filesystems.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import time
@@ -21,6 +31,9 @@ from featbake.store.layout import Layout
 
 #: How long repair waits for writers that are sealing a shard right now before it refuses.
 EXCLUSIVE_WAIT_S = 10.0
+
+#: ``flock`` errors that mean "no locks on this filesystem", not "someone holds the lock".
+_NO_LOCKS = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP)
 
 
 def lock_path(layout: Layout) -> Path:
@@ -48,10 +61,19 @@ def shared_write_lock(layout: Layout) -> Iterator[None]:
         yield
         return
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
+        _flock(fd, fcntl.LOCK_SH)
         yield
     finally:
         os.close(fd)  # closing the descriptor releases the lock
+
+
+def _flock(fd: int, op: int) -> None:
+    """``flock(fd, op)``, or nothing where the filesystem has no locks (see the module doc)."""
+    try:
+        fcntl.flock(fd, op)
+    except OSError as e:
+        if e.errno not in _NO_LOCKS:
+            raise
 
 
 @contextlib.contextmanager
@@ -73,7 +95,7 @@ def exclusive_write_lock(layout: Layout, wait_s: float | None = None) -> Iterato
         deadline = time.monotonic() + (EXCLUSIVE_WAIT_S if wait_s is None else wait_s)
         while True:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
                 if time.monotonic() >= deadline:

@@ -10,6 +10,11 @@ in this order:
 3. the hash-cache rows;
 4. only then the fragment files are unlinked.
 
+Then the ``serve`` fragments of datasets on a shared filesystem (store/serving_fragments.py),
+each on its own, oldest first: its encoder, its root manifest (unless the catalog's root is newer),
+its write-back shard's rows and its hash rows; then every last use they recorded (a feature's last
+use only moves forward); then they are unlinked.
+
 Every step is idempotent: rows are inserted with the fragment's own timestamps and ``INSERT OR
 IGNORE``, so a merge killed anywhere leaves fragments that the next merge folds again to the
 same catalog, and a second merge with nothing new changes nothing. It is safe while ranks still
@@ -22,8 +27,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from featbake.errors import ShardMissing
+from featbake.errors import ShardMissing, StoreCorrupt
 from featbake.store.catalog import Catalog, FileStat
 from featbake.store.fragments import (
     Fragment,
@@ -60,6 +66,7 @@ class MergeReport:
 
     roots: list[str] = field(default_factory=list)
     fragments: int = 0
+    serving_fragments: int = 0
     shards: int = 0
     new_features: int = 0
     missing_shards: list[str] = field(default_factory=list)
@@ -69,6 +76,7 @@ class MergeReport:
         return {
             "roots": self.roots,
             "fragments": self.fragments,
+            "serving_fragments": self.serving_fragments,
             "shards": self.shards,
             "new_features": self.new_features,
             "missing_shards": self.missing_shards,
@@ -77,10 +85,17 @@ class MergeReport:
 
 
 def _by_build(layout: Layout) -> dict[str, list[FragmentName]]:
+    """Build fragments by build id (``serve`` fragments are merged on their own)."""
     builds: dict[str, list[FragmentName]] = {}
     for name in sealed_fragments(layout):
-        builds.setdefault(name.build_id, []).append(name)
+        if name.kind is not FragmentKind.SERVE:
+            builds.setdefault(name.build_id, []).append(name)
     return builds
+
+
+def serving_fragments(layout: Layout) -> list[FragmentName]:
+    """The sealed ``serve`` fragments: what datasets on a shared filesystem wrote, unmerged."""
+    return [n for n in sealed_fragments(layout) if n.kind is FragmentKind.SERVE]
 
 
 def _is_complete(names: list[FragmentName]) -> bool:
@@ -117,7 +132,13 @@ def merge(layout: Layout, *, between: Callable[[str], None] | None = None) -> Me
     report = MergeReport()
     builds = _by_build(layout)
     complete = {b: n for b, n in builds.items() if _is_complete(n)}
-    if not complete:
+    serving = serving_fragments(layout)
+    if not complete and not serving:
+        if layout.catalog.exists() and Path(f"{layout.catalog}-journal").exists():
+            # Left by a writer killed mid-transaction (a merge, on a shared filesystem): readers
+            # open the catalog read-only and cannot roll it back; a read-write read does.
+            with Catalog(layout) as catalog:
+                catalog.roots()
         report.pending = pending_builds(layout)
         return report
     catalog = Catalog(layout)
@@ -134,6 +155,8 @@ def merge(layout: Layout, *, between: Callable[[str], None] | None = None) -> Me
                     f.path.unlink()
             fsync_dir(fragments_dir(layout))
             report.fragments += len(frags[bid])
+        if serving:
+            _fold_serving(catalog, [_read_serving(n.path, layout) for n in serving], report)
     finally:
         catalog.close()
     report.pending = pending_builds(layout)
@@ -182,6 +205,61 @@ def _fold_build(
     put_fragment_hashes(catalog, [h for f in frags for h in f.hashes])
     if between:
         between("hashes")
+
+
+def _read_serving(path: Path, layout: Layout) -> Fragment:
+    """A ``serve`` fragment, read whole.
+
+    Raises:
+        StoreCorrupt: it is unreadable (the message says what moving it aside loses).
+    """
+    try:
+        return read_fragment(path, layout)
+    except StoreCorrupt as e:
+        raise StoreCorrupt(
+            f"serving fragment {path} is unreadable ({e.__cause__}); move it aside and merge "
+            "again: the features it names are encoded again when next needed"
+        ) from e
+
+
+def _fold_serving(catalog: Catalog, frags: list[Fragment], report: MergeReport) -> None:
+    """Fold ``serve`` fragments, oldest first, then their last uses; then unlink them."""
+    frags.sort(key=lambda f: f.created)
+    for f in frags:
+        info = f.info
+        if info.encoder_kind:  # the dataset had to load the encoder to fingerprint it
+            catalog.record_encoder(
+                info.encoder_fp, info.encoder_label, info.encoder_kind, now=f.created
+            )
+        current = catalog.root(info.root) if f.items else None
+        if f.items and (current is None or current.last_used <= f.created):
+            catalog.replace_root(
+                info.root,
+                data=info.data,
+                encoder_label=info.encoder_label,
+                encoder_fp=info.encoder_fp,
+                recipe_fp=info.recipe_fp,
+                recipe=info.recipe,
+                items=[(i.path, i.key) for i in f.items],
+                now=f.created,
+            )
+            if info.root not in report.roots:
+                report.roots.append(info.root)
+        for shard in f.shards:
+            try:
+                report.new_features += catalog.add_shard(shard, now=f.created)
+                report.shards += 1
+            except ShardMissing:
+                report.missing_shards.append(shard.name)
+        put_fragment_hashes(catalog, list(f.hashes))
+    # After every shard's rows: a use may name a feature another fragment wrote back.
+    catalog.record_uses(u for f in frags for u in f.uses)
+    for f in frags:
+        with contextlib.suppress(FileNotFoundError):
+            f.path.unlink()
+    fsync_dir(fragments_dir(catalog.layout))
+    report.fragments += len(frags)
+    report.serving_fragments += len(frags)
 
 
 def put_fragment_hashes(catalog: Catalog, rows: list[HashRow]) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import os
 import threading
 import time
 from pathlib import Path
@@ -46,3 +49,34 @@ def test_a_shard_writer_waits_while_repair_holds_the_lock(tmp_path: Path) -> Non
     t.join(10)
     assert len(sealed) == 1 and sealed[0] >= released
     assert len(list(layout.shards.glob("*/*.safetensors"))) == 1
+
+
+@pytest.mark.parametrize("err", [errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP])
+def test_a_filesystem_without_flock_does_not_stop_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, err: int
+) -> None:
+    """Lustre without -o flock fails every flock with ENOSYS, NFS without lockd with ENOLCK:
+    shards are still sealed there (the lock only keeps repair away from writers)."""
+    layout = Layout(tmp_path / "store").ensure()
+
+    def no_locks(fd: int, op: int) -> None:
+        raise OSError(err, os.strerror(err))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    sealed = []
+    with ShardWriter(layout, EFP, RFP, on_seal=sealed.append) as w:
+        w.add("k" * 64, {"": torch.ones(4)})
+    assert len(sealed) == 1 and sealed[0].path.is_file()
+    with exclusive_write_lock(layout, 0.1):  # repair: run alone there, as the docs say
+        pass
+
+
+def test_other_flock_failures_are_not_hidden(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    layout = Layout(tmp_path / "store").ensure()
+
+    def broken(fd: int, op: int) -> None:
+        raise OSError(errno.EIO, "I/O error")
+
+    monkeypatch.setattr(fcntl, "flock", broken)
+    with pytest.raises(OSError, match="I/O error"), shared_write_lock(layout):
+        pass

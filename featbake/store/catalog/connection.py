@@ -202,12 +202,26 @@ class CatalogConnection:
             conn = self._open()
             ensure_schema(conn, self.path, writable=self.access is Access.READ_WRITE)
         except sqlite3.DatabaseError as e:
-            raise StoreError(
-                f"cannot open the catalog {self.path} ({self.access.value}): {e}; if it is "
-                "damaged, move it aside and run `featbake verify --repair` to rebuild it from "
-                "the shards"
-            ) from e
+            raise self.unreadable(e) from e
         return conn
+
+    def unreadable(self, error: sqlite3.DatabaseError) -> StoreError:
+        """The error for a catalog SQLite refused to read, with the fix for the likely cause."""
+        fix = (
+            "if it is damaged, move it aside and run `featbake verify --repair` to rebuild it "
+            "from the shards"
+        )
+        if self.read_only and os.path.exists(f"{self.path}-journal"):
+            # A rollback journal left by a writer killed mid-transaction: only a read-write
+            # connection can roll it back (SQLite does on its first read).
+            fix = (
+                f"a writer was killed mid-transaction and left {self.path.name}-journal, which "
+                "a read-only reader cannot roll back; run `featbake merge` once where the store "
+                "is writable (it rolls it back), then retry"
+            )
+        return StoreError(
+            f"cannot read the catalog {self.path} ({self.access.value}): {error}; {fix}"
+        )
 
     def _open(self) -> sqlite3.Connection:
         if self.access is Access.READ_WRITE:

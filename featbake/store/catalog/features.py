@@ -183,6 +183,14 @@ class FeatureWrites(CatalogConnection):
             with self.transaction() as c:
                 c.executemany("UPDATE features SET last_used=? WHERE key=?", data)
 
+    def record_uses(self, uses: Iterable[tuple[str, float]]) -> None:
+        """Fold last uses recorded elsewhere ((key, when) from serving fragments): a feature's
+        time only moves forward, so folding them in any order, or twice, gives the same rows."""
+        data = [(when, key) for key, when in uses]
+        if data and not self.read_only:
+            with self.transaction() as c:
+                c.executemany("UPDATE features SET last_used=max(last_used, ?) WHERE key=?", data)
+
     def record_encoder(self, fp: str, label: str, kind: str, now: float | None = None) -> None:
         """Remember an encoder fingerprint and how the user named it (skipped read-only)."""
         now = time.time() if now is None else now

@@ -10,7 +10,6 @@ Versions:
 
 from __future__ import annotations
 
-import contextlib
 import sqlite3
 from collections.abc import Callable
 from pathlib import Path
@@ -91,11 +90,19 @@ MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {2: _migrate_2_to_
 
 
 def schema_version(conn: sqlite3.Connection) -> int | None:
-    """The catalog's schema version, or None for a database without one (a new catalog)."""
-    with contextlib.suppress(sqlite3.OperationalError):  # no meta table
+    """The catalog's schema version, or None for a database without one (a new catalog).
+
+    Raises:
+        sqlite3.OperationalError: anything but a missing table (a hot journal a read-only
+            connection cannot roll back reads "attempt to write a readonly database").
+    """
+    try:
         row = conn.execute("SELECT value FROM meta WHERE name='schema_version'").fetchone()
-        return None if row is None else int(row[0])
-    return None
+    except sqlite3.OperationalError as e:
+        if "no such table" in str(e):
+            return None
+        raise
+    return None if row is None else int(row[0])
 
 
 def ensure_schema(conn: sqlite3.Connection, path: Path, *, writable: bool) -> None:

@@ -1,0 +1,364 @@
+"""Serving on a shared filesystem (issue 10, items 3 and 4): the catalog only read, writes in
+``serve`` fragments, ``featbake merge`` folding them in, and DDP ranks reading while it runs.
+
+``FEATBAKE_SHARED_FS=1`` forces the mode. Everything is real: builds, SQLite files, DataLoader
+workers, ``featbake merge`` / ``gc`` / ``verify`` as subprocesses, torchrun with gloo; every
+served feature is compared with running the encoder now.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import soundfile
+import torch
+from torch.utils.data import DataLoader
+
+from featbake.bake.pipeline import build
+from featbake.errors import StoreCorrupt, StoreError
+from featbake.serve.dataset import CachedFeatureDataset
+from featbake.serve.lastuse import TOUCH_FLUSH_SECONDS, TOUCH_FLUSH_SECONDS_SHARED
+from featbake.serve.writeback import WRITEBACK_SECONDS
+from featbake.store.catalog import Catalog
+from featbake.store.filesystem import SharedFilesystemWarning
+from featbake.store.fragments import (
+    FragmentKind,
+    fragment_shard_names,
+    read_fragment,
+    sealed_fragments,
+)
+from featbake.store.layout import Layout
+from featbake.store.merge import merge
+from featbake.store.serving_fragments import FragmentServingCatalog
+from featbake.testing import make_tone, write_audio_folder
+from tests.conftest import REPO, live_features, run_cli
+
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+SHARED = {"FEATBAKE_SHARED_FS": "1"}
+
+# Said once per store and process; the tests that check the line catch it themselves.
+pytestmark = pytest.mark.filterwarnings("ignore::featbake.store.filesystem.SharedFilesystemWarning")
+
+
+class FakeClock:
+    """A monotonic clock that moves only when told to."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def add_new_files(data: Path, n: int, seed: int = 70) -> list[Path]:
+    """Files the build never saw: a dataset over ``data`` misses them."""
+    new = [data / f"zz_new{j}.wav" for j in range(n)]
+    for j, path in enumerate(new):
+        soundfile.write(path, make_tone(0.4 + 0.1 * j, seed=seed + j), 16000)
+    return new
+
+
+def catalog_state(store: Path) -> tuple[bytes, int, list[str]]:
+    """The catalog's bytes, its mtime and the SQLite files beside it."""
+    cat = store / "catalog.sqlite"
+    return cat.read_bytes(), cat.stat().st_mtime_ns, sorted(p.name for p in store.glob("catalog*"))
+
+
+def serve_fragments(store: Path) -> list[Path]:
+    return [f.path for f in sealed_fragments(Layout(store)) if f.kind is FragmentKind.SERVE]
+
+
+def cataloged_shards(store: Path) -> set[str]:
+    conn = sqlite3.connect(f"file:{store / 'catalog.sqlite'}?mode=ro", uri=True)
+    try:
+        return {name for (name,) in conn.execute("SELECT name FROM shards")}
+    finally:
+        conn.close()
+
+
+def assert_serves_live(ds: CachedFeatureDataset, encoder: Path) -> None:
+    for i in range(len(ds)):
+        torch.testing.assert_close(ds[i], live_features(encoder, Path(ds.path(i))), **TOL)
+
+
+def test_a_dataset_reads_the_catalog_only_and_writes_back_to_fragments_that_merge_folds_in(
+    audio_dir: Path, encoder_file: Path, store_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FEATBAKE_SHARED_FS", "1")  # DataLoader workers inherit it
+    build(audio_dir, encoder_file, cache=store_dir, workers=0)
+    new = add_new_files(audio_dir, 3)
+    before = catalog_state(store_dir)
+    with pytest.warns(SharedFilesystemWarning) as said:
+        ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir)
+    lines = [str(w.message) for w in said if "read-only" in str(w.message)]
+    assert len(lines) == 1 and "featbake merge" in lines[0] and "\n" not in lines[0]
+    assert ds.stored() == len(ds) - len(new)
+
+    # One epoch in two workers: hits are read, the misses encoded and written back.
+    loader = DataLoader(ds, batch_size=3, num_workers=2, collate_fn=list)
+    got = [item for batch in loader for item in batch]
+    for i, feat in enumerate(got):
+        torch.testing.assert_close(feat, live_features(encoder_file, Path(ds.path(i))), **TOL)
+    assert catalog_state(store_dir) == before  # not a byte written, no journal left behind
+    frags = serve_fragments(store_dir)
+    written = fragment_shard_names(Layout(store_dir)) - cataloged_shards(store_dir)
+    assert frags and written  # the workers' shards are named by fragments, not by rows
+    assert all(Layout(store_dir).shard_path(n).is_file() for n in written)
+
+    # Before any merge another dataset finds them in the fragments (on_miss="error": no encoding).
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SharedFilesystemWarning)  # said once per store
+        again = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    assert again.stored() == len(again)
+    assert_serves_live(again, encoder_file)
+    again.close()
+    assert catalog_state(store_dir) == before
+
+    roots = run_cli("roots", "--cache", store_dir, env=SHARED)
+    assert roots.returncode == 0 and "serving fragments" in roots.stdout, roots.stderr
+    # gc keeps shards that only unmerged fragments name, even with no grace period.
+    gc = run_cli("gc", "--grace", "0s", "--cache", store_dir, env=SHARED)
+    assert gc.returncode == 0, gc.stderr
+    assert all(Layout(store_dir).shard_path(n).is_file() for n in written)
+
+    merged = run_cli("merge", "--cache", store_dir, env=SHARED)
+    assert merged.returncode == 0, merged.stderr
+    assert "merged" in merged.stdout and serve_fragments(store_dir) == []
+    assert written <= cataloged_shards(store_dir)
+    fresh = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    assert fresh.stored() == len(fresh)
+    assert_serves_live(fresh, encoder_file)
+    assert fresh.cache_info().encoded == 0
+    fresh.close()  # seals its last uses (and hash rows no longer racy): folded by a merge
+    assert serve_fragments(store_dir)
+    assert run_cli("merge", "--cache", store_dir, env=SHARED).returncode == 0
+    gc = run_cli("gc", "--grace", "0s", "--cache", store_dir, env=SHARED)
+    assert gc.returncode == 0, gc.stderr
+    assert all(Layout(store_dir).shard_path(n).is_file() for n in written)  # the root has them
+    verify = run_cli("verify", "--cache", store_dir, env=SHARED)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    assert run_cli("merge", "--cache", store_dir, env=SHARED).stdout.strip() == "nothing to merge"
+
+
+def test_the_writer_serves_its_write_back_and_last_uses_reach_the_catalog_through_merge(
+    audio_dir: Path, encoder_file: Path, store_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FEATBAKE_SHARED_FS", "1")
+    build(audio_dir, encoder_file, cache=store_dir, workers=0)
+    with Catalog(Layout(store_dir)) as cat:
+        cat.conn.execute("UPDATE features SET last_used=0")
+    (new,) = add_new_files(audio_dir, 1)
+    before = catalog_state(store_dir)
+    clock = FakeClock()
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, clock=clock)
+    miss = next(i for i in range(len(ds)) if ds.path(i) == str(new))
+    want = live_features(encoder_file, new)
+    torch.testing.assert_close(ds[miss], want, **TOL)
+    clock.now += WRITEBACK_SECONDS + 1
+    hits = [i for i in range(len(ds)) if i != miss]
+    ds[hits[0]]  # past its age: the write-back shard is sealed, with a fragment naming it
+    assert len(serve_fragments(store_dir)) >= 1 and ds.stored() == len(ds)
+    reads = ds.cache_info().store_reads
+    torch.testing.assert_close(ds[miss], want, **TOL)  # read back from its shard, not encoded
+    assert ds.cache_info().encoded == 1 and ds.cache_info().store_reads == reads + 1
+
+    # Last uses: not every 30 s as in the catalog, but every 10 minutes, one fragment each.
+    def with_uses() -> int:
+        return sum(
+            bool(read_fragment(p, Layout(store_dir)).uses) for p in serve_fragments(store_dir)
+        )
+
+    clock.now += TOUCH_FLUSH_SECONDS
+    for _ in range(300):  # past 256 reads: upkeep runs
+        ds[hits[1]]
+    assert with_uses() == 0
+    clock.now += TOUCH_FLUSH_SECONDS_SHARED
+    for _ in range(300):
+        ds[hits[1]]
+    assert with_uses() == 1
+    assert catalog_state(store_dir) == before
+    ds.close()
+
+    report = merge(Layout(store_dir))
+    assert report.serving_fragments >= 2 and report.new_features == 1
+    with Catalog(Layout(store_dir)) as cat:
+        used = dict(cat.conn.execute("SELECT key, last_used FROM features").fetchall())
+    assert used[ds.key(hits[1])] > 0 and used[ds.key(miss)] > 0  # the miss: its shard's time
+    assert used[ds.key(hits[2])] == 0  # never read
+
+
+def test_merge_keeps_a_root_built_after_the_dataset_made_its_manifest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FEATBAKE_SHARED_FS", "1")
+    layout = Layout(tmp_path / "store").ensure()
+    args = {"data": "/d", "encoder_label": "e", "encoder_fp": "e" * 64, "recipe_fp": "r" * 64}
+    with Catalog(layout) as cat:
+        cat.replace_root("r", **args, recipe={}, items=[("a.wav", "k1")], now=1.0)
+    served = FragmentServingCatalog(layout)
+    served.replace_root("r", **args, recipe={}, items=[("a.wav", "k1"), ("b.wav", "k2")])
+    served.close()
+    merge(Layout(layout.root))
+    with Catalog(layout) as cat:  # the dataset's manifest is newer than the catalog's: it wins
+        assert [tuple(x) for x in cat.root_items("r")] == [("a.wav", "k1"), ("b.wav", "k2")]
+        served = FragmentServingCatalog(layout)
+        served.replace_root("r", **args, recipe={}, items=[("old.wav", "k0")])
+        served.close()  # its fragment is sealed now ...
+        later = time.time() + 60
+        cat.replace_root("r", **args, recipe={}, items=[("c.wav", "k3")], now=later)  # ... a build
+    report = merge(Layout(layout.root))
+    assert report.serving_fragments == 1 and report.roots == []
+    with Catalog(layout) as cat:
+        assert [tuple(x) for x in cat.root_items("r")] == [("c.wav", "k3")]
+
+
+DDP_READER = """
+import sys
+from pathlib import Path
+import torch
+import torch.distributed as dist
+from torch.utils.data import DistributedSampler
+from featbake.serve.dataset import CachedFeatureDataset
+from featbake.encode.encoders import torchscript_quietly
+from featbake.encode.sources import source_for
+from featbake.recipe import Recipe
+
+data, encoder, store, tmp = sys.argv[1:5]
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+with torchscript_quietly():
+    module = torch.jit.load(encoder)
+ds = CachedFeatureDataset(data, encoder=encoder, cache=store)
+src = source_for(Recipe())
+with torch.inference_mode():
+    want = [module(src.load(ds.path(i)).unsqueeze(0))[0] for i in range(len(ds))]
+sampler = DistributedSampler(ds, shuffle=True, seed=0)
+Path(tmp, f"ready{rank}").touch()
+epoch = reads = 0
+while not Path(tmp, "stop").exists() or epoch < 3:
+    sampler.set_epoch(epoch)
+    for i in sampler:
+        torch.testing.assert_close(ds[i], want[i], rtol=1e-5, atol=1e-6)
+        reads += 1
+    ds.flush()  # seal this epoch's write-back (a fragment), as a worker does when it exits
+    epoch += 1
+    Path(tmp, f"epoch{rank}").touch()
+dist.barrier()
+Path(tmp, f"result{rank}").write_text(f"{reads} {ds.cache_info().encoded}")
+ds.close()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_two_ddp_ranks_read_one_shared_store_while_a_merge_runs(
+    tmp_path: Path, audio_dir: Path, encoder_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FEATBAKE_SHARED_FS", "1")
+    store = tmp_path / "store"
+    served = tmp_path / "served"
+    write_audio_folder(served, 6, seconds=(0.3, 0.8), seed=8)
+    build(served, encoder_file, cache=store, workers=0)
+    new = add_new_files(served, 3)  # misses: each rank writes back what it meets
+    # A sharded build not merged yet, in many small shards: the merge has much to fold.
+    for rank in range(2):
+        build(audio_dir, encoder_file, cache=store, workers=0, shard=f"{rank}/2", shard_bytes=1)
+    (tmp_path / "reader.py").write_text(DDP_READER)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **SHARED}
+    torchrun = Path(sys.executable).with_name("torchrun")
+    ranks = subprocess.Popen(
+        [torchrun, "--nproc-per-node", "2", "--standalone", tmp_path / "reader.py", served,
+         encoder_file, store, tmp_path],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+    )  # fmt: skip
+    deadline = time.monotonic() + 240
+    while not all((tmp_path / f"epoch{r}").exists() for r in range(2)):
+        assert time.monotonic() < deadline and ranks.poll() is None, ranks.communicate()
+        time.sleep(0.05)
+    assert serve_fragments(store)  # the ranks' write-back, waiting for a merge
+    merged = run_cli("merge", "--cache", store, "--json", env=SHARED)  # while both ranks read
+    (tmp_path / "stop").touch()
+    out, err = ranks.communicate(timeout=240)
+    assert ranks.returncode == 0, out + err
+    assert merged.returncode == 0, merged.stderr
+    report = json.loads(merged.stdout)
+    assert report["serving_fragments"] >= 2 and report["roots"] and not report["missing_shards"]
+    results = [(tmp_path / f"result{r}").read_text().split() for r in range(2)]
+    assert all(int(reads) > 0 for reads, _ in results)
+    assert sum(int(encoded) for _, encoded in results) >= len(new)  # each miss, once or twice
+
+    final = run_cli("merge", "--cache", store, env=SHARED)  # what they wrote after the merge
+    assert final.returncode == 0, final.stderr
+    verify = run_cli("verify", "--cache", store, env=SHARED)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    ds = CachedFeatureDataset(served, encoder_file, cache=store, on_miss="error")
+    assert ds.stored() == len(ds) == 9
+    assert_serves_live(ds, encoder_file)
+    ds.close()
+    other = CachedFeatureDataset(audio_dir, encoder_file, cache=store, on_miss="error")
+    assert other.stored() == len(other) == 16
+    other.close()
+
+
+def test_an_unreadable_serving_fragment_is_named_with_what_moving_it_aside_loses(
+    tmp_path: Path,
+) -> None:
+    layout = Layout(tmp_path / "store").ensure()
+    FragmentServingCatalog(layout).touch(["k" * 64])
+    (path,) = serve_fragments(layout.root)
+    path.write_bytes(b"not sqlite" * 100)
+    with pytest.raises(StoreCorrupt, match=r"serving fragment .* encoded again when next needed"):
+        merge(layout)
+    path.rename(tmp_path / "aside.sqlite")
+    assert merge(layout).serving_fragments == 0
+
+
+KILLED_WRITER = """
+import sqlite3, sys, time
+conn = sqlite3.connect(sys.argv[1], isolation_level=None)
+conn.execute("PRAGMA cache_size=1")  # dirty pages spill into the file: the journal is hot
+conn.execute("BEGIN IMMEDIATE")
+conn.executemany(
+    "INSERT INTO hash_cache(path, size, mtime_ns, inode, sha256) VALUES (?, 0, 0, 0, '')",
+    [(f"/killed/{i:05d}/" + "x" * 200,) for i in range(3000)],
+)
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.slow
+def test_a_writer_killed_mid_transaction_is_named_and_the_next_merge_rolls_it_back(
+    tmp_path: Path, audio_dir: Path, encoder_file: Path, store_dir: Path, monkeypatch
+) -> None:
+    """In rollback-journal mode a writer killed mid-transaction leaves a hot journal that a
+    read-only reader cannot roll back: the dataset says what to run, and merge does it."""
+    monkeypatch.setenv("FEATBAKE_SHARED_FS", "1")
+    build(audio_dir, encoder_file, cache=store_dir, workers=0)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", KILLED_WRITER, store_dir / "catalog.sqlite"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert writer.stdout is not None and writer.stdout.readline().strip() == "ready"
+    writer.kill()
+    writer.wait()
+    assert (store_dir / "catalog.sqlite-journal").exists()
+    with pytest.raises(StoreError, match=r"killed mid-transaction.*featbake merge"):
+        CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    merged = run_cli("merge", "--cache", store_dir, env=SHARED)
+    assert merged.returncode == 0, merged.stderr
+    assert not (store_dir / "catalog.sqlite-journal").exists()
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    assert ds.stored() == len(ds) == 16
+    assert_serves_live(ds, encoder_file)
+    ds.close()
+    verify = run_cli("verify", "--cache", store_dir, env=SHARED)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
