@@ -506,3 +506,44 @@ def test_roots_and_verify_do_not_hard_wrap_off_a_terminal(
     assert any(shard.name in line for line in res.stdout.splitlines()), res.stdout
     assert all(len(line) <= 80 or shard.name in line or str(data) in line
                for line in res.stdout.splitlines())  # fmt: skip
+
+
+def _keys_of_shard(path: Path) -> set[str]:
+    from featbake.store.reader import ShardReader
+
+    with ShardReader(path) as r:
+        return {name.partition("/")[0] for name in r.tensors}
+
+
+def test_a_shard_deleted_by_hand_is_encoded_again_by_the_next_build(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    """Issue 11, item 9 (build half): before, the rebuild said "encoded 0, reused 16" and the
+    features of the lost shard stayed lost (rows naming a file that is gone)."""
+    from featbake.serve.dataset import CachedFeatureDataset
+
+    cache = tmp_path / "c"
+    args = ["build", "-e", encoder_file, "-d", audio_dir, "--cache", cache, "--json"]
+    first = _json(run_cli(*args, "--shard-size", "60KB"))
+    assert first["encoded"] == 16
+    shards = sorted((cache / "shards").glob("*/*.safetensors"))
+    lost = _keys_of_shard(shards[0]) | _keys_of_shard(shards[-1])
+    assert 2 <= len(lost) < 16
+    shards[0].unlink()
+    shards[-1].unlink()
+    # A new input too: the re-encoded features then seal into a shard of new content, and the
+    # rows that named the lost shards must point at it (not "first row wins" to a lost file).
+    write_audio_folder(audio_dir / "new", 1, seconds=0.5, seed=91)
+    again = run_cli(*args)
+    assert again.returncode == 0, again.stderr
+    report = _json(again)
+    assert (report["encoded"], report["reused"]) == (len(lost) + 1, 16 - len(lost))
+    assert _json(run_cli(*args))["encoded"] == 0
+    check = run_cli("verify", "--cache", cache)
+    assert check.returncode == 0, check.stdout
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=cache, on_miss="error")
+    assert len(ds) == 17
+    for i in range(len(ds)):
+        torch.testing.assert_close(
+            ds[i], live_features(encoder_file, Path(ds.path(i))), rtol=1e-5, atol=1e-6
+        )
