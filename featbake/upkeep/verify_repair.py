@@ -13,9 +13,13 @@ re-read):
 2. The catalog: rows pointing at damaged or missing shards, or naming tensors their shard lacks,
    are deleted; sound shards it lacks and salvaged ones are indexed; root manifests are brought
    in step. A missing or unusable catalog is instead rebuilt (rebuild.py).
-3. Damaged shard files, things that are not regular files where shards live, and unreadable root
+3. The hash cache is re-derived, not trusted (``hash_check``): rows whose file hashes to
+   something else are dropped and the manifest items keyed from them re-keyed; cached encoder
+   fingerprints, which upkeep cannot check, are dropped (also on an otherwise clean store).
+   Rows a rebuilt catalog carried over are checked here, as the scan could not.
+4. Damaged shard files, things that are not regular files where shards live, and unreadable root
    manifests move to ``quarantine/``.
-4. The store is scanned again (unchanged shards are not re-read) to tell "repaired" from
+5. The store is scanned again (unchanged shards are not re-read) to tell "repaired" from
    "damage remains".
 """
 
@@ -51,6 +55,7 @@ from featbake.upkeep.findings import (
     VerifyScan,
     VerifyStatus,
 )
+from featbake.upkeep.hash_check import check_hash_cache, repair_hash_cache
 from featbake.upkeep.rebuild import rebuild_catalog, sealed_from_check
 from featbake.upkeep.roots_repair import repair_roots
 from featbake.upkeep.scan import scan_store
@@ -246,6 +251,9 @@ def repair_locked(scan: VerifyScan, progress: Progress = None) -> VerifyReport:
         scan.store, VerifyStatus.CLEAN, len(scan.shards), scan.bytes_checked, list(scan.findings)
     )
     if not scan.damaged:
+        if scan.catalog_state is CatalogState.OK:  # what verify cannot check is not kept
+            with closing(Catalog(layout)) as cat:
+                report.actions = repair_hash_cache(layout, cat, ()).actions
         report.seconds = time.perf_counter() - t0
         return report
     layout.ensure()
@@ -253,10 +261,15 @@ def repair_locked(scan: VerifyScan, progress: Progress = None) -> VerifyReport:
     done += _quarantine_unreadable(layout, scan)
     if scan.catalog_state is not CatalogState.OK:
         done += rebuild_catalog(layout, scan, salvaged)
+        wrong = check_hash_cache(layout, progress).wrong  # rows the old catalog carried over
     else:
         done += repair_catalog(layout, scan, salvaged)
+        wrong = scan.wrong_hashes
+    with closing(Catalog(layout)) as cat:
+        done += repair_hash_cache(layout, cat, wrong)
     done += _quarantine_damage(layout, scan, salvaged)
-    again = scan_store(layout.root, progress, reuse={c.path: c for c in scan.shards if c.sound})
+    sound = {c.path: c for c in scan.shards if c.sound}
+    again = scan_store(layout.root, progress, reuse=sound, check_hashes=False)
     report.actions = done.actions
     report.features_lost = max(0, done.lost - done.recovered)
     report.features_salvaged = done.salvaged
