@@ -105,7 +105,9 @@ def _edit_first_tensor(path: Path, edit: str) -> str:
 
 @pytest.mark.parametrize("edit", ["dtype", "shape"])
 @pytest.mark.parametrize("catalog", ["kept", "lost"])
-def test_repair_never_launders_an_edited_format_1_header(
+@pytest.mark.parametrize("fmt", ["1", "2"])
+def test_repair_never_launders_an_edited_header(
+    fmt: str,
     edit: str,
     catalog: str,
     encoder_file: Path,
@@ -113,12 +115,18 @@ def test_repair_never_launders_an_edited_format_1_header(
     store_dir: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Before: a format-1 shard whose header was edited (same byte count) passed its bytes-only
-    checksums, so repair copied the edited tensor into a fresh format-2 shard, reported
-    "repaired", verify then said clean and the dataset served an I32 (or transposed) tensor.
-    Now a format-1 tensor is salvaged only where the catalog confirms its dtype and shape."""
+    """A header edited to read I32 for F32 or a reversed shape, with the same byte count.
+
+    Format 2's checksum binds the header, so the edited tensor fails and only its neighbours
+    are salvaged. Before, a format-1 shard (bytes-only checksums) passed, repair copied the
+    edited tensor into a fresh format-2 shard, reported "repaired", verify then said clean and
+    the dataset served an I32 (or transposed) tensor. Now a format-1 tensor is salvaged only
+    where the catalog confirms its dtype and shape."""
     live = Live()
-    root = _format_1_store(audio_dir, encoder_file, store_dir, monkeypatch)
+    if fmt == "1":
+        root = _format_1_store(audio_dir, encoder_file, store_dir, monkeypatch)
+    else:
+        root = bake(audio_dir, encoder_file, store_dir).root
     victim = _victim(store_dir)
     keys = _keys_in(victim)
     edited = _edit_first_tensor(victim, edit)
@@ -127,10 +135,10 @@ def test_repair_never_launders_an_edited_format_1_header(
     assert verify(store_dir).status == "damaged"
     fixed = verify(store_dir, repair_damage=True)
     assert fixed.status == "repaired", fixed.remaining
-    assert any("cannot prove" in a for a in fixed.actions), fixed.actions
+    assert any("cannot prove" in a for a in fixed.actions) == (fmt == "1"), fixed.actions
     assert verify(store_dir).status == "clean"
     served = assert_serves(store_dir, root, audio_dir, encoder_file, live, allow_missing=True)
-    if catalog == "kept":  # the catalog vouches for the neighbours, not for the edited one
+    if fmt == "2" or catalog == "kept":  # the neighbours are proven, the edited tensor is not
         assert served == 15
     else:  # nothing vouches for any tensor of the damaged format-1 shard
         assert served == 16 - len(keys)
