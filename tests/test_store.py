@@ -663,3 +663,8 @@ def test_a_fifo_in_place_of_a_shard_fails_the_dataset_and_export_reads_at_once(
         with pytest.raises(StoreCorrupt, match="not a regular file but a FIFO"):
             reader.get(key)
     reader.close()
+    from tests.conftest import run_cli
+
+    res = run_cli("export", store_dir.parent / "out.zarr", "--cache", store_dir, timeout=60)
+    assert res.returncode == 6, res.stdout + res.stderr  # StoreCorrupt, within seconds
+    assert "not a regular file but a FIFO" in res.stderr and "Traceback" not in res.stderr
