@@ -337,7 +337,7 @@ def summary(seconds: float, tallies: list[dict], gc: dict[str, int], final: dict
     for role in ("stored", "growing"):
         if role in by:
             t = by[role]
-            lines.append(f"  reader {role + ':':11}{t['rounds']} epochs, {t['served']} served and"
+            lines.append(f"  reader {role + ':':12}{t['rounds']} epochs, {t['served']} served and"
                          f" checked, {t['encoded']} met as misses (encoded live)")  # fmt: skip
     lines.append(f"  gc:                {gc['runs']} runs, {gc['rows_deleted']} rows and "
                  f"{gc['shards_deleted']} shards deleted, {gc['shards_written']} shards written "
