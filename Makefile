@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench lint clean
+.PHONY: install demo test soak bench lint clean
 
 install: $(STAMP)
 
@@ -21,6 +21,11 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q
+
+# A bounded 60 s soak (benchmarks/soak.py, not collected by pytest): 2 writers, 2 readers with
+# DataLoader workers and a gc loop on one store; then verify clean and every feature = live.
+soak: install
+	$(PY) benchmarks/soak.py
 
 bench: install
 	$(PY) benchmarks/run.py

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import torch
@@ -102,3 +104,14 @@ def age(path: Path, seconds: float) -> None:
     """Make a file look ``seconds`` old."""
     st = path.stat()
     os.utime(path, (st.st_atime - seconds, st.st_mtime - seconds))
+
+
+# == tests that mount file systems (read-only stores, a small /dev/shm) ==========================
+
+
+def can_mount_privately() -> bool:
+    """Whether ``unshare -m`` and ``mount`` work here (root in a private mount namespace)."""
+    if shutil.which("unshare") is None or shutil.which("mount") is None:
+        return False
+    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True, check=False)
+    return probe.returncode == 0

@@ -20,6 +20,7 @@ from featbake.encode.sources import AudioSource
 from featbake.recipe import Recipe
 from featbake.testing import TinyConvEncoder, write_audio_folder
 from tests.conftest import REPO, live_features, run_cli
+from tests.helpers import can_mount_privately
 from tests.test_build import assert_store_consistent, stored_features
 
 # An import-path encoder that is TinyConvEncoder(seed=0) but slow, and logs each call, so a test
@@ -493,7 +494,7 @@ def test_export_to_a_path_that_cannot_be_created_is_one_line(
     assert "cannot write the export" in res.stderr and "internal error" not in res.stderr
 
 
-def test_roots_and_verify_do_not_hard_wrap_off_a_terminal(
+def test_roots_verify_and_gc_do_not_hard_wrap_off_a_terminal(
     tmp_path: Path, encoder_file: Path
 ) -> None:
     data = tmp_path / ("a_rather_long_folder_name_for_the_clips_" * 3) / "audio"
@@ -512,3 +513,155 @@ def test_roots_and_verify_do_not_hard_wrap_off_a_terminal(
     assert any(shard.name in line for line in res.stdout.splitlines()), res.stdout
     assert all(len(line) <= 80 or shard.name in line or str(data) in line
                for line in res.stdout.splitlines())  # fmt: skip
+    time.sleep(1.1)  # the root was built (and used) over a second ago
+    gc = run_cli("gc", "--cache", cache, "--older-than", "1s", "--dry-run", env=env)
+    assert gc.returncode == 0, gc.stderr
+    assert any(str(data) in line for line in gc.stdout.splitlines()), gc.stdout
+
+
+def _keys_of_shard(path: Path) -> set[str]:
+    from featbake.store.reader import ShardReader
+
+    with ShardReader(path) as r:
+        return {name.partition("/")[0] for name in r.tensors}
+
+
+def test_a_shard_deleted_by_hand_is_encoded_again_by_the_next_build(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    """Issue 11, item 9 (build half): before, the rebuild said "encoded 0, reused 16" and the
+    features of the lost shard stayed lost (rows naming a file that is gone)."""
+    from featbake.serve.dataset import CachedFeatureDataset
+
+    cache = tmp_path / "c"
+    args = ["build", "-e", encoder_file, "-d", audio_dir, "--cache", cache, "--json"]
+    first = _json(run_cli(*args, "--shard-size", "60KB"))
+    assert first["encoded"] == 16
+    shards = sorted((cache / "shards").glob("*/*.safetensors"))
+    lost = _keys_of_shard(shards[0]) | _keys_of_shard(shards[-1])
+    assert 2 <= len(lost) < 16
+    shards[0].unlink()
+    shards[-1].unlink()
+    # A new input too: the re-encoded features then seal into a shard of new content, and the
+    # rows that named the lost shards must point at it (not "first row wins" to a lost file).
+    write_audio_folder(audio_dir / "new", 1, seconds=0.5, seed=91)
+    again = run_cli(*args)
+    assert again.returncode == 0, again.stderr
+    report = _json(again)
+    assert (report["encoded"], report["reused"]) == (len(lost) + 1, 16 - len(lost))
+    assert _json(run_cli(*args))["encoded"] == 0
+    check = run_cli("verify", "--cache", cache)
+    assert check.returncode == 0, check.stdout
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=cache, on_miss="error")
+    assert len(ds) == 17
+    for i in range(len(ds)):
+        torch.testing.assert_close(
+            ds[i], live_features(encoder_file, Path(ds.path(i))), rtol=1e-5, atol=1e-6
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not can_mount_privately(), reason="needs unshare -m and mount (root)")
+def test_a_one_mib_dev_shm_with_decode_workers_does_not_hang(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """Issue 11, item 6: Docker's small /dev/shm (here 1 MiB, in a private mount namespace),
+    with clips that decode to 1.9 MB each: workers used to fail writing torch's shared-memory
+    files and the build hung forever."""
+    data = tmp_path / "audio"
+    write_audio_folder(data, 4, seconds=30.0, seed=36)
+    cache = tmp_path / "c"
+    build = (
+        f"{sys.executable} -m featbake build -e {encoder_file} -d {data} --cache {cache} "
+        "--workers 2 --batch-size 2 --json"
+    )
+    shell = f"mount -t tmpfs -o size=1m tmpfs /dev/shm && {build}"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
+    env.pop("FEATBAKE_DEBUG", None)
+    res = subprocess.run(["unshare", "-m", "sh", "-c", shell], capture_output=True, text=True,
+                         env=env, timeout=120, check=False)  # fmt: skip
+    assert "Traceback" not in res.stderr and "No space left" not in res.stderr, res.stderr
+    assert res.returncode == 0, res.stderr
+    report = _json(res)
+    assert report["encoded"] == 4
+    for rel, parts in stored_features(cache, report["root"]).items():
+        torch.testing.assert_close(parts[""], live_features(encoder_file, data / rel))
+
+
+FAILING_ENCODERS = {
+    # Issue 11, item 13: a TorchScript `raise` and a KeyError from an import-path module on the
+    # long clips; item 5: a complex output (used to be cast silently to its real part).
+    "torchscript-raise": None,
+    "import-path-keyerror": (
+        "from featbake.testing import TinyConvEncoder\n"
+        "class KeyErrorOnLong(TinyConvEncoder):\n"
+        "    def forward(self, wav):\n"
+        "        if wav.shape[1] > 16000:\n"
+        "            raise KeyError('speaker')\n"
+        "        return super().forward(wav)\n"
+        "def build():\n"
+        "    return KeyErrorOnLong()\n"
+    ),
+    "complex-output": (
+        "import torch\n"
+        "from featbake.testing import TinyConvEncoder\n"
+        "class ComplexOnLong(TinyConvEncoder):\n"
+        "    def forward(self, wav):\n"
+        "        out = super().forward(wav)\n"
+        "        return out * (1 + 1j) if wav.shape[1] > 16000 else out\n"
+        "def build():\n"
+        "    return ComplexOnLong()\n"
+    ),
+}
+NEEDLES = {
+    "torchscript-raise": "clip longer than a second",
+    "import-path-keyerror": "KeyError: 'speaker'",
+    "complex-output": "complex output",
+}
+
+
+class _RaisesOnLong(torch.nn.Module):
+    """TinyConvEncoder(seed=0) that raises on clips over a second (a TorchScript ``raise``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = TinyConvEncoder()
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        if wav.shape[1] > 16000:
+            raise ValueError("clip longer than a second")
+        return self.inner(wav)
+
+
+@pytest.mark.parametrize("kind", list(FAILING_ENCODERS))
+def test_an_encoder_failing_on_some_inputs_skips_them_and_exits_3(
+    tmp_path: Path, audio_dir: Path, encoder_file: Path, kind: str
+) -> None:
+    """Before: the first failing batch aborted the whole build with "internal error"."""
+    from featbake.testing import save_torchscript
+
+    env = _env(tmp_path)
+    if kind == "torchscript-raise":
+        encoder = str(save_torchscript(_RaisesOnLong(), tmp_path / "raises.pt"))
+    else:
+        (tmp_path / "pkgs" / "failing_enc.py").write_text(FAILING_ENCODERS[kind] or "")
+        encoder = "failing_enc:build"
+    long = {
+        str(p.relative_to(audio_dir))
+        for p in audio_dir.rglob("*.wav")
+        if AudioSource(Recipe()).load(p).shape[0] > 16000
+    }
+    assert 0 < len(long) < 16
+    res = run_cli("build", "-e", encoder, "-d", audio_dir, "--cache", tmp_path / "c", "--json",
+                  "--batch-size", "4", env={"PYTHONPATH": env["PYTHONPATH"]})  # fmt: skip
+    assert res.returncode == 3, res.stderr
+    assert "internal error" not in res.stderr and "Traceback" not in res.stderr
+    report = _json(res)
+    assert {f["path"] for f in report["failed"]} == long
+    assert all(NEEDLES[kind] in f["reason"] for f in report["failed"]), report["failed"]
+    assert "The following operation failed" not in res.stdout + res.stderr
+    stored = stored_features(tmp_path / "c", report["root"])
+    assert set(stored) == {str(p.relative_to(audio_dir)) for p in audio_dir.rglob("*.wav")} - long
+    for rel, parts in stored.items():
+        torch.testing.assert_close(parts[""], live_features(encoder_file, audio_dir / rel),
+                                   rtol=1e-5, atol=1e-6)  # fmt: skip

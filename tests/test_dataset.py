@@ -522,6 +522,11 @@ def test_shard_deleted_by_hand_is_encoded_again(audio_dir, encoder_file, store_d
     want = _live_all(encoder_file, ds)
     lost = [3, 7]
     _delete_shards_of(store_dir, [ds.key(i) for i in lost])
+    # Checked before any write-back is sealed: once one is, the items are stored again.
+    strict = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    with pytest.raises(CacheMiss, match=re.escape(Path(strict.path(lost[0])).name)):
+        for i in range(len(strict)):
+            strict[i]
     for i in range(len(ds)):  # the index still names the deleted shards
         _assert_close(ds[i], want[i])
     assert ds.cache_info().encoded == len(lost)
@@ -538,10 +543,30 @@ def test_shard_deleted_by_hand_is_encoded_again(audio_dir, encoder_file, store_d
     for b, (padded, lengths) in enumerate(loader):
         for j, n in enumerate(lengths.tolist()):
             _assert_close(padded[j, :n], want[b * 4 + j])
-    strict = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
-    with pytest.raises(CacheMiss, match=re.escape(Path(strict.path(lost[0])).name)):
-        for i in range(len(strict)):
-            strict[i]
+
+
+def test_lost_items_written_back_are_hits_for_the_next_dataset(
+    audio_dir, encoder_file, store_dir
+) -> None:
+    """Issue 11, item 9: the write-back of items whose shard was lost repoints their rows, so
+    the next dataset (and a rebuild) finds them; before, the rows still named the lost file
+    (first row wins) and every new process encoded the items again."""
+    build(audio_dir, encoder_file, cache=store_dir, workers=0, shard_bytes=1)
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir)
+    want = _live_all(encoder_file, ds)
+    lost = [2, 5, 11]
+    _delete_shards_of(store_dir, [ds.key(i) for i in lost])
+    for i in range(len(ds)):
+        _assert_close(ds[i], want[i])
+    ds.flush()  # one write-back shard of three items: new content, not the lost files again
+    assert ds.cache_info().encoded == len(lost)
+    after = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    for i in range(len(after)):
+        _assert_close(after[i], want[i])
+    assert build(audio_dir, encoder_file, cache=store_dir, workers=0).encoded == 0
+    from featbake.upkeep import verify
+
+    assert verify(store_dir).status == "clean"
 
 
 def test_open_shards_are_evicted_least_recently_used(audio_dir, encoder_file, store_dir) -> None:

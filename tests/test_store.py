@@ -466,6 +466,37 @@ def test_a_header_edit_with_the_same_byte_count_fails_the_checksum(
     assert not check.sound and set(check.intact) == set(_sample()) - damaged
 
 
+@pytest.mark.parametrize("edit", ["dtype", "shape"])
+def test_the_dataset_never_serves_a_tensor_whose_header_was_edited(
+    audio_dir: Path, encoder_file: Path, store_dir: Path, edit: str
+) -> None:
+    """Issue 11, item 2, end to end: before, the dataset served the I32 (or transposed) tensor
+    without an error; now every read path refuses it and serves the others equal to live."""
+    from featbake.bake.pipeline import build
+    from featbake.serve.dataset import CachedFeatureDataset
+    from tests.conftest import live_features
+
+    build(audio_dir, encoder_file, cache=store_dir, workers=0, shard_bytes=60_000)
+    shard = sorted(Layout(store_dir).shards.rglob("*.safetensors"))[0]
+    with ShardReader(shard) as r:
+        name, info = next(iter(r.tensors.items()))
+    old = json.dumps({name: {"dtype": "F32", "shape": list(info.shape)}}, separators=(",", ":"))
+    new = {"dtype": "I32", "shape": list(info.shape)}
+    if edit == "shape":
+        new = {"dtype": "F32", "shape": list(info.shape)[::-1]}
+    _edit_header(
+        shard, old[1:-2].encode(), json.dumps({name: new}, separators=(",", ":"))[1:-2].encode()
+    )
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    bad = next(i for i in range(len(ds)) if ds.key(i) == name)
+    for read in (lambda: ds[bad], lambda: ds.__getitems__([bad, (bad + 1) % len(ds)])):
+        with pytest.raises(StoreCorrupt, match=f"checksum mismatch in tensor {name}"):
+            read()
+    for i in range(len(ds)):
+        if i != bad:
+            torch.testing.assert_close(ds[i], live_features(encoder_file, Path(ds.path(i))))
+
+
 def test_format_2_checksums_detect_a_flipped_byte_in_every_tensor(layout: Layout) -> None:
     shard = write_shard(layout, _sample(), EFP, RFP)
     good = shard.path.read_bytes()
@@ -632,3 +663,8 @@ def test_a_fifo_in_place_of_a_shard_fails_the_dataset_and_export_reads_at_once(
         with pytest.raises(StoreCorrupt, match="not a regular file but a FIFO"):
             reader.get(key)
     reader.close()
+    from tests.conftest import run_cli
+
+    res = run_cli("export", store_dir.parent / "out.zarr", "--cache", store_dir, timeout=60)
+    assert res.returncode == 6, res.stdout + res.stderr  # StoreCorrupt, within seconds
+    assert "not a regular file but a FIFO" in res.stderr and "Traceback" not in res.stderr

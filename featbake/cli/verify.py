@@ -32,11 +32,13 @@ def verify(
     ] = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Check every shard's bytes and checksums, and the catalog against the shards.
+    """Check every shard's bytes and checksums, the catalog against the shards, and the hash
+    cache against the input files it vouches for (read again).
 
     With --repair: intact tensors of a damaged shard are copied to a fresh shard, the damaged
     file moves to quarantine/, the catalog drops rows that point nowhere and indexes shards it
-    lacked; a missing or unreadable catalog is rebuilt from the shard headers and roots/*.json.
+    lacked; a missing or unreadable catalog is rebuilt from the shard headers and roots/*.json;
+    wrong hash-cache rows and all cached encoder fingerprints are dropped (computed again).
     --repair holds the store's write lock: builds, gc and write-back wait while it runs, and it
     refuses (exit 5) if they keep sealing shards for 10 s. A folder that is not a store is
     refused, never turned into one.

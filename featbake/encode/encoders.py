@@ -179,10 +179,10 @@ def _load_pickle(path: Path, trust_pickle: bool) -> tuple[Any, str]:
             ) from None
         obj = None
         holds_module = True  # a pickle naming classes: only a full unpickle can run it
-    except Exception as e:
+    except Exception as e:  # the unpickler trips on garbage in many ways: one message for all
         raise EncoderLoadError(
-            f"{path} is not a TorchScript, torch.export or torch.save file "
-            f"({type(e).__name__}: {first_line(e)})"
+            f"{path} is not a TorchScript (.pt), torch.export (.pt2) or torch.save file "
+            f"({type(e).__name__}: {first_line(e)}); check the path, or that the file is complete"
         ) from e
     else:
         holds_module = False

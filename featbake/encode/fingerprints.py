@@ -13,7 +13,7 @@ from typing import Any
 from featbake.encode.encoders import PICKLE, LoadedEncoder, detect_kind
 from featbake.keys import sha256_hex
 from featbake.progress import Progress
-from featbake.store.catalog import FileStat, HashRow, ServingCatalog
+from featbake.store.catalog import ENCODER_FP_PREFIX, FileStat, HashRow, ServingCatalog
 
 READ_CHUNK = 1024 * 1024
 
@@ -112,10 +112,10 @@ def encoder_cache_id(encoder: LoadedEncoder, weights: str | None) -> tuple[str, 
     """
     if weights is not None:
         ident = sha256_hex(f"{encoder.identity}\n{resolve_path(weights)}".encode())
-        return f"encoder-fp:import:{ident}", weights
+        return f"{ENCODER_FP_PREFIX}import:{ident}", weights
     if encoder.kind == PICKLE and os.path.isfile(encoder.label):
         ident = sha256_hex(f"{encoder.identity}\n{resolve_path(encoder.label)}".encode())
-        return f"encoder-fp:pickle:{ident}", encoder.label
+        return f"{ENCODER_FP_PREFIX}pickle:{ident}", encoder.label
     if encoder.kind != "module" and os.path.isfile(encoder.label):
         return file_encoder_cache_id(encoder.label), encoder.label
     return None
@@ -123,7 +123,7 @@ def encoder_cache_id(encoder: LoadedEncoder, weights: str | None) -> tuple[str, 
 
 def file_encoder_cache_id(path: str | os.PathLike[str]) -> str:
     """The hash-cache id under which a file encoder's fingerprint is remembered."""
-    return f"encoder-fp:file:{resolve_path(path)}"
+    return f"{ENCODER_FP_PREFIX}file:{resolve_path(path)}"
 
 
 def cached_file_encoder_fp(catalog: ServingCatalog, path: str | os.PathLike[str]) -> str | None:

@@ -38,6 +38,7 @@ class FindingKind(StrEnum):
     ROOT_FILE_STALE = "root-file-stale"
     ROOT_NOT_CATALOGED = "root-not-cataloged"
     ROOT_FILE_CORRUPT = "root-file-corrupt"
+    HASH_CACHE = "hash-cache"  # a trusted hash-cache row whose file hashes to something else
     TMP_LEFTOVERS = "tmp-leftovers"  # a note; gc removes them after the grace period
 
 
@@ -98,6 +99,14 @@ class ShardCheck:
     failed: tuple[str, ...] = ()  # tensors whose header entry or checksum fails
 
 
+class HashMismatch(NamedTuple):
+    """A hash-cache row a reader would trust, and what its file really hashes to."""
+
+    path: str
+    recorded: str
+    actual: str
+
+
 @dataclass(frozen=True)
 class VerifyScan:
     """What verify found: per-shard checks, the catalog's state, and every finding."""
@@ -107,6 +116,7 @@ class VerifyScan:
     shards: tuple[ShardCheck, ...]
     findings: tuple[Finding, ...]
     bytes_checked: int
+    wrong_hashes: tuple[HashMismatch, ...] = ()
 
     @property
     def catalog_state(self) -> CatalogState:

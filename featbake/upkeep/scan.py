@@ -1,4 +1,5 @@
-"""verify, first half: check every shard and the catalog against them, changing nothing.
+"""verify, first half: check every shard, the catalog against them, and the hash cache against
+the input files (``hash_check``), changing nothing.
 
 Whatever lies in the store folder (hostile headers, symlink loops, FIFOs, a catalog that lacks a
 table) becomes a :class:`Finding`; the scan itself never fails on content.
@@ -25,9 +26,11 @@ from featbake.upkeep.findings import (
     CatalogState,
     Finding,
     FindingKind,
+    HashMismatch,
     ShardCheck,
     VerifyScan,
 )
+from featbake.upkeep.hash_check import HashCheck, check_hash_cache, hash_findings
 from featbake.upkeep.shard_check import check_shard
 
 
@@ -97,6 +100,7 @@ def scan_store(
     progress: Callable[[GcProgress], None] | None = None,
     *,
     reuse: dict[str, ShardCheck] | None = None,
+    check_hashes: bool = True,
 ) -> VerifyScan:
     """Check every shard and the catalog against them; changes nothing.
 
@@ -104,6 +108,8 @@ def scan_store(
         cache: the store.
         progress: called with ``GcProgress("verify", shards done, shards)``.
         reuse: checks already made, by path; a file of unchanged size and mtime is not re-read.
+        check_hashes: hash again the input files the hash cache vouches for (``hash_check``);
+            off for the scan that follows a repair, which already re-derived the cache.
 
     Raises:
         StoreError: there is no store at ``cache`` (a folder that is not one is refused, never
@@ -120,11 +126,16 @@ def scan_store(
     ]
     findings.extend(file_findings(layout, listing))
     health = catalog_health(layout)
+    wrong_hashes: tuple[HashMismatch, ...] = ()
     if health.state is CatalogState.OK:
         try:
             findings.extend(check_catalog(layout, checks))
+            hashes = check_hash_cache(layout, progress) if check_hashes else HashCheck((), 0, 0)
         except (sqlite3.DatabaseError, UnicodeDecodeError) as e:  # what quick_check let through
             health = CatalogHealth(CatalogState.UNUSABLE, f"unreadable rows: {e}")
+        else:
+            findings.extend(hash_findings(hashes))
+            wrong_hashes, nbytes = hashes.wrong, nbytes + hashes.bytes_read
     if health.state is not CatalogState.OK:
         findings.append(
             Finding(
@@ -146,4 +157,6 @@ def scan_store(
                 False,
             )
         )
-    return VerifyScan(str(layout.root), health, tuple(checks.values()), tuple(findings), nbytes)
+    return VerifyScan(
+        str(layout.root), health, tuple(checks.values()), tuple(findings), nbytes, wrong_hashes
+    )

@@ -89,6 +89,28 @@ def test_add_shard_is_first_wins(cat: Catalog, layout: Layout) -> None:
     assert cat.conn.execute("SELECT COUNT(*) FROM shards").fetchone() == (2,)
 
 
+def test_rows_naming_a_lost_shard_file_are_not_present_and_move_to_a_new_copy(
+    cat: Catalog, layout: Layout
+) -> None:
+    """Issue 11, item 9: a shard file deleted by hand leaves rows that name nothing. Its keys
+    are not present (a build encodes them again), and the next shard holding them takes their
+    rows (first wins only among features that exist); the lost shard's row goes with them."""
+    a = write_shard(layout, {"k1": torch.ones(2), "k2/h": torch.ones(3)}, EFP, RFP)
+    b = write_shard(layout, {"k3": torch.ones(1)}, EFP, RFP)
+    cat.add_shard(a)
+    cat.add_shard(b)
+    a.path.unlink()
+    assert cat.present_keys(["k1", "k2", "k3"]) == {"k3"}
+    again = write_shard(layout, {"k1": torch.ones(2), "k2/h": torch.ones(3), "k3": torch.ones(1),
+                                 "k4": torch.ones(1)}, EFP, RFP)  # fmt: skip
+    assert cat.add_shard(again) == 3  # k4 is new, k1 and k2/h move; k3 keeps its sound row
+    assert {loc.shard for k in ("k1", "k2") for loc in cat.locate(k)} == {again.name}
+    assert [loc.shard for loc in cat.locate("k3")] == [b.name]
+    assert cat.present_keys(["k1", "k2", "k3", "k4"]) == {"k1", "k2", "k3", "k4"}
+    names = {r[0] for r in cat.conn.execute("SELECT name FROM shards")}
+    assert names == {b.name, again.name}
+
+
 def test_lookups_span_more_keys_than_one_query_takes(cat: Catalog, layout: Layout) -> None:
     keys = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(1234)]
     shard = write_shard(layout, {k: torch.tensor([float(i)]) for i, k in enumerate(keys)}, EFP, RFP)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import sqlite3
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from featbake.store.catalog import SCHEMA_VERSION, Access, Catalog, FileStat, Ha
 from featbake.store.layout import Layout
 from featbake.testing import TinyConvEncoder, save_torchscript
 from tests.conftest import REPO, live_features, run_cli
+from tests.helpers import can_mount_privately
 
 ARCHIVE_TIME = 1_500_000_000  # a fixed date, as a reproducible tarball or a zip gives its files
 
@@ -227,13 +227,6 @@ READ_ONLY_SCRIPT = textwrap.dedent(
 )
 
 
-def _can_bind_read_only() -> bool:
-    if shutil.which("unshare") is None or shutil.which("mount") is None:
-        return False
-    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True, check=False)
-    return probe.returncode == 0
-
-
 def _check_read_only_run(proc: subprocess.CompletedProcess, out: Path, audio_dir: Path,
                          encoder_file: Path) -> None:  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -247,7 +240,7 @@ def _check_read_only_run(proc: subprocess.CompletedProcess, out: Path, audio_dir
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _can_bind_read_only(), reason="needs unshare -m and mount (root)")
+@pytest.mark.skipif(not can_mount_privately(), reason="needs unshare -m and mount (root)")
 def test_a_store_on_a_read_only_mount_is_read(
     tmp_path: Path, audio_dir: Path, encoder_file: Path, store_dir: Path
 ) -> None:

@@ -26,7 +26,7 @@ from featbake.store.reader import ShardReader
 from featbake.testing import write_audio_folder
 from featbake.upkeep import VERIFY_REPAIRED, FindingKind, verify
 from tests.conftest import run_cli
-from tests.helpers import Live, assert_serves, bake, shard_files
+from tests.helpers import Live, assert_serves, bake, manifest, shard_files
 
 
 def _header_and_data(path: Path) -> tuple[dict, bytes]:
@@ -70,6 +70,97 @@ def test_zeros_appended_to_a_shard_are_repaired_in_place_without_losing_features
     assert verify(store_dir).status == "clean"
     assert assert_serves(store_dir, report.root, audio_dir, encoder_file, live) == 16
     assert bake(audio_dir, encoder_file, store_dir).encoded == 0  # nothing was lost
+
+
+# -- item 2: repair never launders a header it cannot prove ---------------------------------------
+def _format_1_store(audio_dir: Path, encoder_file: Path, store_dir: Path, monkeypatch) -> str:
+    """A store built by the old writer: format-1 checksums cover a tensor's bytes only."""
+    import functools
+
+    from featbake.store import writer as writer_mod
+    from featbake.store.shard_format import shard_metadata
+
+    with monkeypatch.context() as m:
+        m.setattr(writer_mod, "shard_metadata", functools.partial(shard_metadata, version="1"))
+        return bake(audio_dir, encoder_file, store_dir).root
+
+
+def _edit_first_tensor(path: Path, edit: str) -> str:
+    """Edit the first tensor's dtype or shape in place, keeping the byte count; its key."""
+    raw = path.read_bytes()
+    header, _ = _header_and_data(path)
+    name = next(k for k in header if k != "__metadata__")
+    entry = header[name]
+    old = json.dumps({name: entry}, separators=(",", ":"))[1:-1].encode()
+    changed = dict(entry)
+    if edit == "dtype":
+        changed["dtype"] = "I32"  # F32 -> I32: the same 4 bytes per element
+    else:
+        changed["shape"] = entry["shape"][::-1]
+    new = json.dumps({name: changed}, separators=(",", ":"))[1:-1].encode()
+    assert raw.count(old) == 1 and len(old) == len(new) and old != new
+    path.write_bytes(raw.replace(old, new))
+    return name.partition("/")[0]
+
+
+@pytest.mark.parametrize("edit", ["dtype", "shape"])
+@pytest.mark.parametrize("catalog", ["kept", "lost"])
+@pytest.mark.parametrize("fmt", ["1", "2"])
+def test_repair_never_launders_an_edited_header(
+    fmt: str,
+    edit: str,
+    catalog: str,
+    encoder_file: Path,
+    audio_dir: Path,
+    store_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A header edited to read I32 for F32 or a reversed shape, with the same byte count.
+
+    Format 2's checksum binds the header, so the edited tensor fails and only its neighbours
+    are salvaged. Before, a format-1 shard (bytes-only checksums) passed, repair copied the
+    edited tensor into a fresh format-2 shard, reported "repaired", verify then said clean and
+    the dataset served an I32 (or transposed) tensor. Now a format-1 tensor is salvaged only
+    where the catalog confirms its dtype and shape."""
+    live = Live()
+    if fmt == "1":
+        root = _format_1_store(audio_dir, encoder_file, store_dir, monkeypatch)
+    else:
+        root = bake(audio_dir, encoder_file, store_dir).root
+    victim = _victim(store_dir)
+    keys = _keys_in(victim)
+    edited = _edit_first_tensor(victim, edit)
+    if catalog == "lost":
+        (store_dir / "catalog.sqlite").unlink()
+    assert verify(store_dir).status == "damaged"
+    fixed = verify(store_dir, repair_damage=True)
+    assert fixed.status == "repaired", fixed.remaining
+    assert any("cannot prove" in a for a in fixed.actions) == (fmt == "1"), fixed.actions
+    assert verify(store_dir).status == "clean"
+    served = assert_serves(store_dir, root, audio_dir, encoder_file, live, allow_missing=True)
+    if fmt == "2" or catalog == "kept":  # the neighbours are proven, the edited tensor is not
+        assert served == 15
+    else:  # nothing vouches for any tensor of the damaged format-1 shard
+        assert served == 16 - len(keys)
+    again = bake(audio_dir, encoder_file, store_dir)
+    assert again.encoded == 16 - served and edited in {k for _, k in manifest(store_dir, root)}
+    assert assert_serves(store_dir, root, audio_dir, encoder_file, live) == 16
+
+
+def test_zeros_appended_to_a_format_1_shard_are_salvaged_where_the_catalog_confirms(
+    encoder_file: Path, audio_dir: Path, store_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    live = Live()
+    root = _format_1_store(audio_dir, encoder_file, store_dir, monkeypatch)
+    victim = _victim(store_dir)
+    keys = _keys_in(victim)
+    with open(victim, "ab") as f:
+        f.write(b"\0" * 4096)
+    fixed = verify(store_dir, repair_damage=True)
+    assert fixed.status == "repaired" and fixed.features_lost == 0, fixed.actions
+    assert fixed.features_salvaged == len(keys)
+    assert verify(store_dir).status == "clean"
+    assert assert_serves(store_dir, root, audio_dir, encoder_file, live) == 16
 
 
 # -- item 16: hostile shards and a catalog lacking a table -------------------------------------

@@ -39,6 +39,7 @@ from featbake.store.catalog.roots import (
     write_root_file,
 )
 from featbake.store.catalog.rows import (
+    ENCODER_FP_PREFIX,
     EncoderRow,
     FeatureRef,
     FeatureRow,
@@ -103,6 +104,7 @@ class Catalog(Maintenance, RootDrops, ServingCatalog, CatalogReader):
 
 
 __all__ = [
+    "ENCODER_FP_PREFIX",
     "READ_ONLY_ENV",
     "ROOT_FORMAT",
     "ROOT_FORMAT_VERSION",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -17,6 +18,7 @@ from featbake.store.catalog.rows import (
     columns,
     trusted_entry,
 )
+from featbake.store.layout import Layout
 from featbake.store.writer import SealedShard
 
 CHUNK = 500  # keys per IN (...) query, far below SQLite's variable limit
@@ -47,21 +49,81 @@ def insert_shard(c: Transaction, shard: SealedShard, now: float) -> int:
     return shard_id
 
 
+def lost_shards(
+    conn: sqlite3.Connection | Transaction, layout: Layout, shard_ids: Iterable[int]
+) -> set[int]:
+    """The ids among ``shard_ids`` whose file is gone (or that name no shard row at all)."""
+    ids = sorted(set(shard_ids))
+    found: set[int] = set()
+    lost: set[int] = set()
+    for i in range(0, len(ids), CHUNK):
+        chunk = ids[i : i + CHUNK]
+        q = ",".join("?" * len(chunk))
+        for sid, name in conn.execute(f"SELECT id, name FROM shards WHERE id IN ({q})", chunk):
+            found.add(sid)
+            if not layout.shard_path(name).is_file():
+                lost.add(sid)
+    return lost | (set(ids) - found)
+
+
+def repoint_lost_rows(c: Transaction, layout: Layout, shard: SealedShard, shard_id: int) -> int:
+    """Point the rows of ``shard``'s tensors that name a lost shard file at ``shard_id``.
+
+    Runs inside ``add_shard``'s transaction, under the write lock: gc removes a shard's rows
+    before its file, and unlinks only under this lock, so a row naming a missing file here
+    means the file was lost, not that gc is moving it. Returns the rows repointed.
+    """
+    entries = {(e.key, e.part): e for e in shard.entries}
+    others: list[tuple[str, str, int]] = []
+    keys = sorted({e.key for e in shard.entries})
+    for chunk in chunks(keys):
+        q = ",".join("?" * len(chunk))
+        others += c.execute(
+            f"SELECT key, part, shard_id FROM features WHERE key IN ({q}) AND shard_id != ?",
+            (*chunk, shard_id),
+        ).fetchall()
+    lost = lost_shards(c, layout, {sid for _, _, sid in others})
+    moves = [
+        (shard_id, e.dtype, json.dumps(list(e.shape)), e.nbytes, key, part, sid)
+        for key, part, sid in others
+        if sid in lost and (e := entries.get((key, part))) is not None
+    ]
+    if not moves:
+        return 0
+    before = c.total_changes
+    c.executemany(
+        "UPDATE features SET shard_id=?, dtype=?, shape=?, nbytes=? "
+        "WHERE key=? AND part=? AND shard_id=?",
+        moves,
+    )
+    moved = c.total_changes - before
+    c.executemany(
+        "DELETE FROM shards WHERE id=? AND NOT EXISTS (SELECT 1 FROM features WHERE shard_id=?)",
+        [(sid, sid) for sid in lost],
+    )
+    return moved
+
+
 class FeatureReads(CatalogConnection):
     """Lookups: where a key's tensors are, which keys are stored, what the hash cache knows."""
 
     def present_keys(self, keys: Sequence[str]) -> set[str]:
-        """The subset of ``keys`` that have at least one stored tensor."""
-        found: set[str] = set()
+        """The subset of ``keys`` that are stored: cataloged, in shard files that exist.
+
+        A key whose shard file is gone although rows still name it (deleted by hand, lost in a
+        partial copy of the store) is not present: a build encodes it again, and
+        :meth:`FeatureWrites.add_shard` points its rows at the new copy. One ``stat`` per
+        distinct shard of the keys found.
+        """
+        shards_of: dict[str, set[int]] = {}
         for chunk in chunks(list(keys)):
             q = ",".join("?" * len(chunk))
-            found.update(
-                r[0]
-                for r in self.conn.execute(
-                    f"SELECT DISTINCT key FROM features WHERE key IN ({q})", tuple(chunk)
-                )
-            )
-        return found
+            for key, sid in self.conn.execute(
+                f"SELECT key, shard_id FROM features WHERE key IN ({q})", tuple(chunk)
+            ):
+                shards_of.setdefault(key, set()).add(sid)
+        lost = lost_shards(self.conn, self.layout, {s for ids in shards_of.values() for s in ids})
+        return {k for k, ids in shards_of.items() if not ids & lost}
 
     def locate_many(self, keys: Sequence[str]) -> dict[str, list[Location]]:
         """key -> its tensors' locations, for the keys that are stored."""
@@ -126,7 +188,9 @@ class FeatureWrites(CatalogConnection):
         """Record a sealed shard and its features in one transaction; returns new feature rows.
 
         Features already present keep their existing row (first wins), so two writers that
-        encoded the same input leave one row and one unreferenced copy for gc.
+        encoded the same input leave one row and one unreferenced copy for gc. A row whose
+        shard file is gone (deleted by hand, lost in a partial copy) is no feature: it is
+        pointed at this shard instead, and the lost shard's row goes once nothing names it.
         """
         now = time.time() if now is None else now
         with self.transaction() as c:
@@ -148,7 +212,10 @@ class FeatureWrites(CatalogConnection):
                     for e in shard.entries
                 ],
             )
-            return c.total_changes - before
+            added = c.total_changes - before
+            if added < len(shard.entries):  # some rows exist: those naming a lost file move
+                added += repoint_lost_rows(c, self.layout, shard, shard_id)
+            return added
 
     def put_hashes(
         self, rows: Iterable[HashRow | tuple], *, recorded_ns: int | None = None

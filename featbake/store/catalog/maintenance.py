@@ -256,6 +256,20 @@ class Maintenance(MaintenanceReads):
                 full,
             )
 
+    def delete_hash_rows(self, rows: Sequence[tuple[str, str]]) -> int:
+        """Delete hash-cache rows by (path, sha256) (a row recorded again since is kept)."""
+        with self.transaction() as c:
+            before = c.total_changes
+            c.executemany("DELETE FROM hash_cache WHERE path=? AND sha256=?", rows)
+            return c.total_changes - before
+
+    def drop_hash_rows_with_prefix(self, prefix: str) -> int:
+        """Delete the hash-cache rows whose id starts with ``prefix``; returns how many."""
+        with self.transaction() as c:
+            return c.execute(
+                "DELETE FROM hash_cache WHERE substr(path, 1, ?) = ?", (len(prefix), prefix)
+            ).rowcount
+
 
 def _from_v2(r: Sequence) -> HashCacheRow:
     path, size, mtime_ns, inode, sha256 = r

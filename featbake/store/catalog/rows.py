@@ -20,6 +20,9 @@ from featbake.store.shard_format import tensor_name
 #: with coarse timestamps (git's index has the same rule, with the same one-second margin).
 RACY_NS = 1_000_000_000
 
+#: Hash-cache ids under which encoder fingerprints are cached (``encoder-fp:file:PATH``, ...).
+ENCODER_FP_PREFIX = "encoder-fp:"
+
 
 def columns(record: type[Any]) -> str:
     """The comma-separated column list of a NamedTuple record (its fields, in order)."""

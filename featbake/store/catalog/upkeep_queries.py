@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 from featbake.store.catalog import Catalog
 from featbake.store.catalog.connection import read_only_uri
+from featbake.store.catalog.rows import ENCODER_FP_PREFIX, HashCacheRow
 from featbake.store.shard_format import tensor_name
 
 #: Every table the catalog needs and the columns upkeep and the catalog read from it (checked
@@ -105,3 +106,20 @@ def feature_rows(catalog: Catalog) -> Iterator[FeatureRow]:
     """Every feature row, by shard."""
     for row in catalog.all_feature_rows():
         yield FeatureRow(*row)
+
+
+def hash_cache_rows(cat: Catalog) -> list[HashCacheRow]:
+    """Every hash-cache row as stored (inputs and cached encoder fingerprints)."""
+    cols = ", ".join(HashCacheRow._fields)
+    rows = cat.conn.execute(f"SELECT {cols} FROM hash_cache ORDER BY path")
+    return [HashCacheRow._make(r) for r in rows]
+
+
+__all__ = [
+    "ENCODER_FP_PREFIX",
+    "REQUIRED_COLUMNS",
+    "FeatureRow",
+    "catalog_file_problems",
+    "feature_rows",
+    "hash_cache_rows",
+]
