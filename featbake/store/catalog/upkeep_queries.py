@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
-from featbake.store.catalog import Catalog
+from featbake.store.catalog import Catalog, EncoderRow, Root
 from featbake.store.catalog.connection import read_only_uri
 from featbake.store.catalog.rows import ENCODER_FP_PREFIX, HashCacheRow
 from featbake.store.shard_format import tensor_name
@@ -26,20 +26,8 @@ REQUIRED_COLUMNS: dict[str, frozenset[str]] = {
         {"id", "name", "bytes", "items", "encoder_fp", "recipe_fp", "created", "data_bytes"}
     ),
     "features": frozenset({"key", "part", "shard_id", "dtype", "shape", "nbytes", "last_used"}),
-    "encoders": frozenset({"fp", "label", "kind", "first_seen", "last_used"}),
-    "roots": frozenset(
-        {
-            "name",
-            "data",
-            "encoder_label",
-            "encoder_fp",
-            "recipe_fp",
-            "recipe",
-            "items",
-            "created",
-            "last_used",
-        }
-    ),
+    "encoders": frozenset(EncoderRow._fields),
+    "roots": frozenset(Root.COLUMNS),
     "root_items": frozenset({"root", "idx", "path", "key"}),
     "hash_cache": frozenset({"path", "size", "mtime_ns", "inode", "sha256"}),
 }
