@@ -15,7 +15,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "featbake"
 
 #: layer -> the layers it may import (itself included implicitly).
-LEAVES = {"errors", "keys", "recipe", "units", "lru", "progress", "version", "cpus"}
+LEAVES = {"errors", "keys", "recipe", "units", "lru", "progress", "version", "cpus", "gcpause"}
 ALLOWED: dict[str, set[str]] = {
     "leaf": set(),
     "device": {"leaf"},

@@ -88,13 +88,14 @@ def test_process_cpus_never_exceeds_the_affinity_mask() -> None:
         (4, None, False, BakeThreads(1, 3)),
         (16, None, False, BakeThreads(4, 12)),
         (64, None, False, BakeThreads(8, 56)),
-        (2, 2, False, BakeThreads(2, 1)),  # asked for: the encoder gets what is left, >= 1
+        (2, 2, False, BakeThreads(2, 2)),  # asked for: the encoder keeps every CPU, as by hand
+        (8, 3, True, BakeThreads(3, 1)),
         (8, 0, False, BakeThreads(0, 8)),
         (8, None, True, BakeThreads(7, 1)),  # a GPU encoder: the CPUs decode
         (1, None, True, BakeThreads(0, 1)),
     ],
 )
-def test_bake_threads_never_oversubscribe(
+def test_bake_threads_chosen_ones_fit_the_cpus(
     cpus: int, workers: int | None, on_gpu: bool, plan: BakeThreads
 ) -> None:
     got = bake_threads(cpus, workers, on_gpu=on_gpu)

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from featbake.bake.decode import decoded_items, worker_death
+from featbake.bake.finite import nonfinite_part
 from featbake.bake.interrupt import interrupt_at_safe_points
 from featbake.bake.padded import BatchRunner, budget_samples
 from featbake.bake.parts import catalog_for_part, finish_part
@@ -34,6 +35,7 @@ from featbake.encode.fingerprints import (
 from featbake.encode.hf import check_layers_supported, recipe_for_encoder
 from featbake.encode.sources import Source, scan_inputs, source_for
 from featbake.errors import ConfigError, EncodeError, FeatbakeError, SourceError
+from featbake.gcpause import gc_paused
 from featbake.keys import feature_key, root_id
 from featbake.progress import Progress
 from featbake.recipe import Recipe
@@ -124,8 +126,9 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
         skipped = scanned.skipped if spec.rank == 0 else []
         bake.start(len(inputs), skipped, os.fspath(weights) if weights else None)
         bake.report.part = spec.describe() if spec.sharded else ""
-        todo = bake.plan(inputs)
-        bake.publish_manifest()
+        with gc_paused():  # tens of thousands of small rows, no cycles: see featbake/gcpause.py
+            todo = bake.plan(inputs)
+            bake.publish_manifest()
         bake.encode_missing(todo)
         if isinstance(catalog, RankCatalog):
             bake.report.fragment = catalog.finish()
@@ -152,14 +155,6 @@ class BakeOptions:
     def threads(self) -> BakeThreads:
         """Decode workers and encoder threads for the CPUs this process may use."""
         return bake_threads(process_cpus(), self.workers, on_gpu=self.on_gpu)
-
-
-def nonfinite_part(parts: dict[str, torch.Tensor]) -> str | None:
-    """The name of the first output part holding NaN or +-inf ("output" for a lone tensor)."""
-    for name, value in parts.items():
-        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-            return f"output {name!r}" if name else "its output"
-    return None
 
 
 def loaded_encoder(

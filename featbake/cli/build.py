@@ -97,8 +97,9 @@ def build(
     workers: Annotated[
         int | None,
         typer.Option(
-            help="Decoding worker processes (0: decode in the encoder's process). "
-            "[default: from the CPUs this process may use]",
+            help="Decoding worker processes (0: decode in the encoder's process). Unset, "
+            "featbake splits the CPUs this process may use between decoding and the encoder's "
+            "threads; set, the encoder keeps every CPU. [default: from the CPUs]",
             show_default=False,
         ),
     ] = None,

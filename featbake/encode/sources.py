@@ -65,14 +65,13 @@ class AudioSource:
         import soxr
 
         try:
-            info = soundfile.info(os.fspath(path))
-            frames = -1
-            if self.recipe.max_seconds is not None:
-                # Read a little more than needed so the resampler has context at the crop point.
-                frames = int(np.ceil(self.recipe.max_seconds * info.samplerate)) + 64
-            audio, rate = soundfile.read(
-                os.fspath(path), frames=frames, dtype="float32", always_2d=True
-            )
+            with soundfile.SoundFile(os.fspath(path)) as f:  # opened once: rate, then samples
+                rate = f.samplerate
+                frames = -1
+                if self.recipe.max_seconds is not None:
+                    # A little more than needed, so the resampler has context at the crop point.
+                    frames = int(np.ceil(self.recipe.max_seconds * rate)) + 64
+                audio = f.read(frames, dtype="float32", always_2d=True)
         except FileNotFoundError as e:
             raise SourceError(f"{path}: file not found") from e
         except (soundfile.LibsndfileError, RuntimeError, OSError, ValueError) as e:
@@ -196,14 +195,16 @@ def scan_inputs(data: str | os.PathLike[str], extensions: Sequence[str]) -> Scan
     found: list[str] = []
     skipped: list[SkippedInput] = []
     seen = {_dir_id(root)}
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
-        dirnames[:] = _unvisited(dirpath, dirnames, seen)
-        rel = os.path.relpath(dirpath, root)
-        for name in filenames:
-            if name.startswith(".") or os.path.splitext(name)[1].lower() not in exts:
+    folders = [("", os.fspath(root))]  # (relative, absolute), walked depth first
+    while folders:
+        rel, folder = folders.pop()
+        files, subfolders = _listing(folder, seen)
+        folders += [(os.path.join(rel, e.name) if rel else e.name, e.path) for e in subfolders]
+        for entry in files:
+            if os.path.splitext(entry.name)[1].lower() not in exts:
                 continue
-            rel_name = name if rel == "." else os.path.join(rel, name)
-            why = _not_an_input(os.path.join(dirpath, name), rel_name)
+            rel_name = os.path.join(rel, entry.name) if rel else entry.name
+            why = _not_an_input(entry, rel_name)
             if why is None:
                 found.append(rel_name)
             else:
@@ -222,33 +223,54 @@ def _dir_id(path: str | os.PathLike[str]) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
-def _unvisited(dirpath: str, dirnames: list[str], seen: set[tuple[int, int]]) -> list[str]:
-    """The visible subfolders of ``dirpath`` not walked yet (by device and inode), sorted."""
-    keep = []
-    for d in sorted(d for d in dirnames if not d.startswith(".")):
+def _listing(
+    folder: str, seen: set[tuple[int, int]]
+) -> tuple[list[os.DirEntry[str]], list[os.DirEntry[str]]]:
+    """A folder's visible files, and its visible subfolders not walked yet (links followed).
+
+    Read with ``os.scandir``, whose entries know their type without a ``stat`` call (a
+    10,000-file rebuild spent a tenth of its time stat'ing each file twice). A folder is
+    walked once by device and inode, so a link back up the tree (``link -> .``) cannot repeat
+    its files; an unreadable folder is passed over, as ``os.walk`` does.
+    """
+    try:
+        with os.scandir(folder) as it:
+            entries = sorted((e for e in it if not e.name.startswith(".")), key=lambda e: e.name)
+    except OSError:
+        return [], []
+    files, subfolders = [], []
+    for entry in entries:
         try:
-            ident = _dir_id(os.path.join(dirpath, d))
+            is_dir = entry.is_dir()
+        except OSError:
+            is_dir = False
+        if not is_dir:
+            files.append(entry)
+            continue
+        try:
+            ident = _dir_id(entry.path)
         except OSError:
             continue  # a dangling or looping link: nothing to walk
         if ident not in seen:
             seen.add(ident)
-            keep.append(d)
-    return keep
+            subfolders.append(entry)
+    subfolders.reverse()  # popped last first: folders are walked in name order
+    return files, subfolders
 
 
-def _not_an_input(path: str, rel: str) -> str | None:
-    """Why the file at ``path`` cannot be an input, or None when it can."""
+def _not_an_input(entry: os.DirEntry[str], rel: str) -> str | None:
+    """Why the file ``entry`` cannot be an input, or None when it can."""
     try:
         rel.encode("utf-8")
     except UnicodeEncodeError:
         return "the file name is not valid UTF-8; rename it (e.g. with convmv) to include it"
     try:
-        st = os.stat(path)
+        if entry.is_file():  # no system call for a regular file (the directory says its type)
+            return None
+        mode = entry.stat().st_mode
     except OSError as e:
         return f"cannot stat: {e.strerror}"
-    if not stat.S_ISREG(st.st_mode):
-        return f"not a regular file ({_file_kind(st.st_mode)}); only regular files are inputs"
-    return None
+    return f"not a regular file ({_file_kind(mode)}); only regular files are inputs"
 
 
 def _file_kind(mode: int) -> str:
