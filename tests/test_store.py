@@ -16,6 +16,8 @@ from pathlib import Path
 import google_crc32c
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -668,3 +670,17 @@ def test_a_fifo_in_place_of_a_shard_fails_the_dataset_and_export_reads_at_once(
     res = run_cli("export", store_dir.parent / "out.zarr", "--cache", store_dir, timeout=60)
     assert res.returncode == 6, res.stdout + res.stderr  # StoreCorrupt, within seconds
     assert "not a regular file but a FIFO" in res.stderr and "Traceback" not in res.stderr
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    name=st.one_of(st.text(max_size=20), st.sampled_from(["ab" * 32, "ab" * 32 + "/layer6"])),
+    dtype=st.sampled_from(["F32", "F16", "BF16", 'X"', "\u00e9"]),
+    shape=st.lists(st.integers(0, 10**9), max_size=4),
+)
+def test_tensor_descriptor_is_the_canonical_json_of_every_name(
+    name: str, dtype: str, shape: list[int]
+) -> None:
+    """The fast path formats exactly the bytes ``json.dumps`` gives (format 2's checksums)."""
+    want = json.dumps([name, dtype, shape], separators=(",", ":"), ensure_ascii=True).encode()
+    assert shard_format.tensor_descriptor(name, dtype, tuple(shape)) == want

@@ -10,6 +10,7 @@ A ``None`` from a batch path means "take the general path", never "not stored".
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from featbake.errors import ShardMissing
 from featbake.serve.collate import PaddedBatch, alloc_batch
 from featbake.serve.index import Index
 from featbake.serve.process import mapped_empty
+from featbake.serve.row_pool import RowJob, run_rows
 from featbake.serve.state import Located, ProcessState
 from featbake.store.catalog import Location
 from featbake.store.layout import Layout
@@ -206,21 +208,17 @@ class Reads:
         padded = alloc_batch(torch.empty(0, dtype=dtype), (len(idx), max(lengths), *trailing))
         flat = np.asarray(tensor_buffer(padded))
         row_bytes = padded[0].nbytes
-        preadv = os.preadv
         touch = st.touch
-        start = 0
         last = st.last_path
-        for i, loc in zip(idx, got, strict=True):
+        jobs = []
+        for j, (i, loc) in enumerate(zip(idx, got, strict=True)):
             if loc.path is not last:  # keep the handles' LRU order
                 readers.move_to_end(loc.path)
                 last = st.last_path = loc.path
-            end = start + loc.nbytes
-            if loc.nbytes and preadv(loc.reader.fd, (flat[start:end],), loc.offset) != loc.nbytes:
-                raise loc.reader.cut_short(self.index.key(i))
-            if end < start + row_bytes:
-                flat[end : start + row_bytes] = 0
-            start += row_bytes
+            row = flat[j * row_bytes : (j + 1) * row_bytes]
+            jobs.append(functools.partial(_pread_row, row, loc, self.index.key(i)))
             touch(i)
+        run_rows(jobs, padded.nbytes)
         st.store_reads += len(idx)
         return PaddedBatch.of(padded, lengths)
 
@@ -270,33 +268,75 @@ class Reads:
         return _Plan(out, want[0], want[1])
 
     def _fill(self, st: ProcessState, idx: list[int], plan: _Plan) -> PaddedBatch | None:
+        """Fill a padded batch: RAM-tier rows copied here, stored rows read by ``run_rows``.
+
+        Every shard is opened (and every row's check decided) before any read, on this thread;
+        the reads run on the read pool; what was read is recorded here after.
+        """
         lengths = [s.length for s in plan.sources]
         t_max = max(lengths)
         shape = (len(idx), t_max, *plan.trailing)
         padded = alloc_batch(torch.empty(0, dtype=plan.dtype), shape)
+        jobs, read = [], []
         for row, i, src in zip(padded, idx, plan.sources, strict=True):
-            if src.length < t_max:
-                row[src.length :].zero_()
             dest = row[: src.length]
             if src.value is not None:
                 dest.copy_(src.value)
-            elif not self._read_row(st, i, src.sid, dest):
+                row[src.length :].zero_()
+                continue
+            try:
+                path, reader = self._open(st, src.sid)
+            except ShardMissing:
                 return None  # moved meanwhile: the general path relocates it
+            check = st.check_always or (st.check_first and not st.verified[i])
+            key = self.index.key(i)
+            # The padding is zeroed by the job, through numpy: a torch op here would wake
+            # torch's OpenMP threads, which then spin on the CPUs the read threads need.
+            tail = row.view(-1).view(torch.uint8).numpy()[dest.nbytes :]
+            job = reader.read_job(key, dest, verify=check)
+            jobs.append(functools.partial(_then_zero, job, tail))
+            read.append((i, src.sid, path, reader, dest, check))
+        if all(st.open_readers.get(path) is reader for _, _, path, reader, _, _ in read):
+            run_rows(jobs, padded.nbytes)
+        elif not self._read_each(st, read):
+            return None
+        for i, sid, path, reader, dest, check in read:
+            self.remember(st, i, sid, path, reader)
+            if check:
+                st.verified[i] = 1
+            if st.use_lru:  # the RAM tier owns its copy, not a view of this batch
+                st.lru.put(i, mapped_empty(dest.shape, dest.dtype).copy_(dest))
+        st.store_reads += len(read)
+        for i in idx:
             st.touch(i)
         return PaddedBatch.of(padded, lengths)
 
-    def _read_row(self, st: ProcessState, i: int, sid: int, dest: torch.Tensor) -> bool:
-        """Read item ``i`` into ``dest`` (one row of a batch); False if its shard vanished."""
-        try:
-            path, reader = self._open(st, sid)
-        except ShardMissing:
-            return False
-        check = st.check_always or (st.check_first and not st.verified[i])
-        reader.read_into(self.index.key(i), dest, verify=check)
-        self.remember(st, i, sid, path, reader)
-        if check:
-            st.verified[i] = 1
-        st.store_reads += 1
-        if st.use_lru:  # the RAM tier owns its copy, not a view of this batch
-            st.lru.put(i, mapped_empty(dest.shape, dest.dtype).copy_(dest))
+    def _read_each(self, st: ProcessState, read: list[Any]) -> bool:
+        """Read the rows one by one, each shard opened just before its read (False: one moved).
+
+        For a batch over more shards than this process keeps open: opening the last ones
+        closed the first before their rows were read.
+        """
+        for j, (i, sid, _, _, dest, check) in enumerate(read):
+            try:
+                path, reader = self._open(st, sid)
+            except ShardMissing:
+                return False
+            reader.read_into(self.index.key(i), dest, verify=check)
+            read[j] = (i, sid, path, reader, dest, check)
         return True
+
+
+def _then_zero(job: RowJob, tail: np.ndarray) -> None:
+    """Run a row's read, then zero the padding after it."""
+    job()
+    if tail.nbytes:
+        tail.fill(0)
+
+
+def _pread_row(row: np.ndarray, loc: Located, key: str) -> None:
+    """Read a located tensor into the start of ``row`` (bytes) and zero the padding after it."""
+    if loc.nbytes and os.preadv(loc.reader.fd, (row[: loc.nbytes],), loc.offset) != loc.nbytes:
+        raise loc.reader.cut_short(key)
+    if loc.nbytes < row.nbytes:
+        row[loc.nbytes :] = 0

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import os
 import stat
 import struct
 import zlib
+from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -282,6 +284,18 @@ class ShardReader:
             StoreCorrupt: no such tensor, a short read, or (with ``verify``) a checksum mismatch.
             ConfigError: ``out`` is not a contiguous CPU tensor of the tensor's byte size.
         """
+        self.read_job(name, out, verify=verify)()
+
+    def read_job(self, name: str, out: torch.Tensor, *, verify: bool = True) -> Callable[[], None]:
+        """:meth:`read_into` as a job to run later, on any thread, with the least Python.
+
+        Everything that touches torch or builds the checksum's descriptor happens here; the job
+        itself is a ``pread`` and (format 2) a CRC-32C, both outside the GIL, so a batch's rows
+        read on several threads do not queue for it (see ``featbake.serve.row_pool``).
+
+        Raises:
+            StoreCorrupt, ConfigError: as :meth:`read_into` (the job raises its other errors).
+        """
         info = self._info(name)
         nbytes = info.end - info.begin
         if out.device.type != "cpu" or not out.is_contiguous() or out.nbytes != nbytes:
@@ -289,7 +303,30 @@ class ShardReader:
                 f"read_into needs a contiguous CPU tensor of {nbytes} bytes for {name}, got "
                 f"{tuple(out.shape)} {out.dtype} on {out.device}"
             )
-        self._fill(name, info, out, out.view(-1).view(torch.uint8).numpy(), verify)
+        dest = out.view(-1).view(torch.uint8).numpy()
+        if not verify or self.version == "1":
+            return functools.partial(self._fill, name, info, out, dest, verify)
+        head = crc32c(tensor_descriptor(name, info.dtype, info.shape))
+        want = int(info.crc, 16) if info.crc is not None else None
+        return functools.partial(self._read_checked, name, info.begin, dest, head, want)
+
+    def _read_checked(self, name: str, begin: int, dest: Any, head: int, want: int | None) -> None:
+        """pread into ``dest`` and check format 2's CRC-32C (``head``: the descriptor's)."""
+        self._pread(name, begin, dest)
+        if want is None or crc32c(dest, head) != want:
+            raise corrupt_shard(self.path, f"checksum mismatch in tensor {name}")
+        self._verified.add(name)
+
+    def _pread(self, name: str, begin: int, dest: Any) -> None:
+        """Read ``dest.nbytes`` bytes at ``begin`` into ``dest``, or raise."""
+        if not dest.nbytes:
+            return
+        try:
+            got = os.preadv(self._fd, (dest,), begin)
+        except OSError as e:
+            raise StoreError(f"cannot read shard {self.path}: {e.strerror or e}") from e
+        if got != dest.nbytes:
+            raise self.cut_short(name)
 
     def _fill(
         self, name: str, info: TensorInfo, out: torch.Tensor, dest: Any, verify: bool
@@ -298,14 +335,7 @@ class ShardReader:
 
         The checksum runs right after the read, while the bytes are still in the CPU's cache.
         """
-        nbytes = info.end - info.begin
-        if nbytes:
-            try:
-                got = os.preadv(self._fd, (dest,), info.begin)
-            except OSError as e:
-                raise StoreError(f"cannot read shard {self.path}: {e.strerror or e}") from e
-            if got != nbytes:
-                raise self.cut_short(name)
+        self._pread(name, info.begin, dest)
         if verify:
             if info.crc is None or self._checksum(name, info, out) != info.crc:
                 raise corrupt_shard(self.path, f"checksum mismatch in tensor {name}")

@@ -1,0 +1,82 @@
+"""Reading the rows of one batch on several threads (the main process only).
+
+A row's read is a ``pread`` from the page cache and, on its first read in a process, a CRC-32C
+of the bytes: both release the GIL, and together they are ~95% of a batch's time. On 2 CPUs,
+two threads read a batch of 32 fp32 ``[T, 768]`` rows in about half the time. All bookkeeping
+(which rows were checked, the handles' LRU order, the RAM tier) stays on the caller's thread:
+a row job touches only its own slice of the batch and the shard's read-only file descriptor.
+
+No pool inside a DataLoader worker: there, ``num_workers`` processes already share the CPUs.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from torch.utils.data import get_worker_info
+
+from featbake.device import process_cpus
+
+#: Below this many bytes a batch is read on the caller's thread: a hand-off costs ~20 us.
+MIN_PARALLEL_BYTES = 4 << 20
+#: More threads than this only contend for memory bandwidth.
+MAX_THREADS = 4
+
+RowJob = Callable[[], None]
+
+_lock = threading.Lock()
+_pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid that made it, pool)
+
+
+def read_threads() -> int:
+    """Threads a batch may be read on here: the CPUs this process may use, 1 in a worker."""
+    if get_worker_info() is not None:
+        return 1
+    return max(1, min(MAX_THREADS, process_cpus()))
+
+
+def _executor(threads: int) -> ThreadPoolExecutor:
+    """This process's pool (a forked child makes its own: the parent's threads are not there)."""
+    global _pool
+    with _lock:
+        if _pool is None or _pool[0] != os.getpid():
+            _pool = (os.getpid(), ThreadPoolExecutor(threads, thread_name_prefix="featbake-read"))
+        return _pool[1]
+
+
+def run_rows(jobs: Sequence[RowJob], nbytes: int, threads: int | None = None) -> None:
+    """Run every row job, on ``threads`` threads when the batch is large enough.
+
+    Each thread runs a contiguous run of rows. The first exception raised by a job (a short
+    read, a checksum mismatch) is raised here after every job has finished, so no thread is
+    still writing into the batch when the caller sees it.
+    """
+    threads = read_threads() if threads is None else threads
+    if threads <= 1 or len(jobs) < 2 or nbytes < MIN_PARALLEL_BYTES:
+        for job in jobs:
+            job()
+        return
+    n = min(threads, len(jobs))
+    step = -(-len(jobs) // n)
+    runs = [jobs[k : k + step] for k in range(0, len(jobs), step)]
+    pool = _executor(threads)
+    futures = [pool.submit(_run_all, run) for run in runs[1:]]
+    errors: list[BaseException] = []
+    try:
+        _run_all(runs[0])
+    except Exception as e:
+        errors.append(e)
+    for f in futures:
+        e = f.exception()
+        if e is not None:
+            errors.append(e)
+    if errors:
+        raise errors[0]
+
+
+def _run_all(jobs: Sequence[RowJob]) -> None:
+    for job in jobs:
+        job()

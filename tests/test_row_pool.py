@@ -1,0 +1,117 @@
+"""Batches read on several threads (serve/row_pool.py): the same rows, the same errors.
+
+``MIN_PARALLEL_BYTES`` is lowered to 0 so the tiny test stores take the threaded path; each
+batch is compared with live encoding, first epoch (checked rows) and later epoch (located rows).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import featbake.serve.row_pool as row_pool
+from featbake.bake.pipeline import build
+from featbake.errors import StoreCorrupt
+from featbake.serve.collate import pad_collate
+from featbake.serve.dataset import CachedFeatureDataset
+from tests.conftest import live_features
+
+
+@pytest.fixture
+def threaded(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every batch on 2 threads; returns the list that counts batches run on the pool."""
+    calls: list[int] = []
+    run_all = row_pool._run_all
+
+    def counted(jobs):  # noqa: ANN001, ANN202 - the pool's own signature
+        if threading.current_thread() is not threading.main_thread():
+            calls.append(len(jobs))
+        return run_all(jobs)
+
+    monkeypatch.setattr(row_pool, "MIN_PARALLEL_BYTES", 0)
+    monkeypatch.setattr(row_pool, "read_threads", lambda: 2)
+    monkeypatch.setattr(row_pool, "_run_all", counted)
+    return calls
+
+
+def test_threaded_batches_equal_live_encoding_first_and_later_epochs(
+    audio_dir: Path, encoder_file: Path, store_dir: Path, threaded: list[int]
+) -> None:
+    # Small shards: a batch spans several shard files, read by different threads.
+    build(audio_dir, encoder_file, cache=store_dir, workers=0, shard_bytes=20_000)
+    assert len(list((store_dir / "shards").rglob("*.safetensors"))) > 2
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    want = [live_features(encoder_file, Path(ds.path(i))) for i in range(len(ds))]
+    order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(5)).tolist()
+    for _epoch in range(2):  # first: checked reads (_fill); later: located reads
+        loader = DataLoader(ds, batch_size=5, sampler=order, collate_fn=pad_collate)
+        seen = 0
+        for b, (padded, lengths) in enumerate(loader):
+            for j, n in enumerate(lengths.tolist()):
+                torch.testing.assert_close(padded[j, :n], want[order[b * 5 + j]])
+                assert not padded[j, n:].any()  # the padding is zeros
+                seen += 1
+        assert seen == len(ds)
+    assert threaded, "no batch ran on the pool"
+    assert ds.cache_info().store_reads == 2 * len(ds)  # every row read from the store
+
+
+def test_a_corrupt_row_read_on_a_thread_raises_and_is_never_served(
+    audio_dir: Path, encoder_file: Path, store_dir: Path, threaded: list[int]
+) -> None:
+    build(audio_dir, encoder_file, cache=store_dir, workers=0)
+    (shard,) = list((store_dir / "shards").rglob("*.safetensors"))
+    blob = bytearray(shard.read_bytes())
+    blob[-100] ^= 0xFF  # the last tensor's data
+    os.chmod(shard, 0o644)
+    shard.write_bytes(bytes(blob))
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    with pytest.raises(StoreCorrupt, match="checksum mismatch"):
+        ds.__getitems__(list(range(len(ds))))
+    assert threaded
+
+
+def test_run_rows_runs_every_job_and_raises_the_first_error_after_all_finished() -> None:
+    done: list[int] = []
+
+    def job(k: int) -> None:
+        time.sleep(0.01 * (k % 3))
+        done.append(k)
+        if k in (2, 5):
+            raise ValueError(f"row {k}")
+
+    with pytest.raises(ValueError, match=r"row [25]"):
+        row_pool.run_rows([lambda k=k: job(k) for k in range(8)], nbytes=1 << 30, threads=3)
+    assert sorted(done) == list(range(8))  # no job was still running when the error came
+
+
+def test_small_batches_and_workers_stay_on_the_callers_thread() -> None:
+    threads: set[str] = set()
+    jobs = [lambda: threads.add(threading.current_thread().name) for _ in range(4)]
+    row_pool.run_rows(jobs, nbytes=row_pool.MIN_PARALLEL_BYTES - 1, threads=4)
+    assert threads == {threading.current_thread().name}
+    row_pool.run_rows(jobs, nbytes=1 << 30, threads=4)
+    assert len(threads) > 1
+
+
+def test_a_batch_over_more_shards_than_kept_open_is_read_one_by_one(
+    audio_dir: Path, encoder_file: Path, store_dir: Path, threaded: list[int]
+) -> None:
+    # One open shard at a time: opening the batch's last shard closed its first ones, so the
+    # rows are read each right after its shard is opened (never from a closed descriptor).
+    build(audio_dir, encoder_file, cache=store_dir, workers=0, shard_bytes=1)
+    ds = CachedFeatureDataset(
+        audio_dir, encoder_file, cache=store_dir, on_miss="error", max_open_shards=1
+    )
+    want = [live_features(encoder_file, Path(ds.path(i))) for i in range(len(ds))]
+    idx = list(range(len(ds)))[::-1]
+    padded, lengths = pad_collate(ds.__getitems__(idx))
+    for row, i in enumerate(idx):
+        torch.testing.assert_close(padded[row, : lengths[row]], want[i])
+    assert not threaded  # the fallback ran on this thread
