@@ -12,7 +12,8 @@
    (``num_workers`` 0 or 2, torch's default threads). Target: <= 1.10x.
 2. **Rebuild**: a second ``build`` over 10,000 short clips, everything reused, against the first
    build of the same files (in-process, so torch's import is not counted; the CLI's wall time is
-   reported separately). Target: under 3% of the first build.
+   reported separately). Target: under 5% of the first build (issue 8). The first landing's 3%
+   was against first builds of 13-17 s; they take ~5 s now, the rebuild ~0.2 s as then.
 3. **Encoder fingerprint**: hashing a ~100M-parameter fp32 model's weights (first time) against
    the hash-cache hit that a rebuild takes (the file's stat is unchanged).
 
@@ -247,7 +248,7 @@ def bench_rebuild(work: Path, quick: bool) -> list[dict]:
         f"({_fmt(again_s)})"
     )
     return [
-        _row(f"rebuild / first build ({n} files)", 100 * ratio, "%", "< 3%", ratio < 0.03, note),
+        _row(f"rebuild / first build ({n} files)", 100 * ratio, "%", "< 5%", ratio < 0.05, note),
         _row(
             f"CLI rebuild wall time ({n} files)",
             cli_s,

@@ -106,6 +106,64 @@ def age(path: Path, seconds: float) -> None:
     os.utime(path, (st.st_atime - seconds, st.st_mtime - seconds))
 
 
+# == builds (test_build, test_cli_build, test_merge, test_ranks, test_padded, test_hf) ==========
+
+
+def stored_features(cache: Path, root: str) -> dict[str, dict[str, torch.Tensor]]:
+    """Relative path -> stored parts, for every item of a root that is stored."""
+    layout = Layout(cache)
+    cat = Catalog(layout)
+    reader = FeatureReader(layout, verify="always")
+    try:
+        items = cat.root_items(root)
+        got = reader.get_many([k for _, k in items])
+        return {p: got[k] for p, k in items if k in got}
+    finally:
+        reader.close()
+        cat.close()
+
+
+def assert_store_consistent(cache: Path) -> None:
+    """Every catalog row names a sealed shard that holds the tensor with a valid checksum."""
+    layout = Layout(cache)
+    cat = Catalog(layout)
+    assert cat.conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    rows = cat.conn.execute(
+        "SELECT f.key, f.part, s.name, f.dtype, f.shape FROM features f "
+        "JOIN shards s ON s.id = f.shard_id"
+    ).fetchall()
+    orphans = cat.conn.execute(
+        "SELECT COUNT(*) FROM features WHERE shard_id NOT IN (SELECT id FROM shards)"
+    ).fetchone()
+    assert orphans == (0,)
+    by_shard: dict[str, list[tuple]] = {}
+    for row in rows:
+        by_shard.setdefault(row[2], []).append(row)
+    for name, entries in by_shard.items():
+        with ShardReader(layout.shard_path(name)) as r:
+            assert r.verify_all() == []
+            for key, part, _, dtype, _shape in entries:
+                name_in_shard = f"{key}/{part}" if part else key
+                assert r.tensors[name_in_shard].dtype == dtype
+    cat.close()
+
+
+def root_keys(cache: Path, root: str) -> dict[str, str]:
+    """Relative path -> key, from a root's manifest."""
+    cat = Catalog(Layout(cache))
+    try:
+        return dict(cat.root_items(root))
+    finally:
+        cat.close()
+
+
+def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``max|got - want| / max|want|`` (inf for a shape mismatch)."""
+    if got.shape != want.shape:
+        return float("inf")
+    return ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
+
+
 # == tests that mount file systems (read-only stores, a small /dev/shm) ==========================
 
 

@@ -23,50 +23,10 @@ from featbake.errors import ConfigError, EncodeError, SourceError, StoreError
 from featbake.progress import Progress
 from featbake.recipe import Recipe
 from featbake.store.catalog import Catalog
-from featbake.store.features import FeatureReader
 from featbake.store.layout import Layout
-from featbake.store.reader import ShardReader
 from featbake.testing import TinyConvEncoder, write_audio_folder
 from tests.conftest import live_features
-
-
-def stored_features(cache: Path, root: str) -> dict[str, dict[str, torch.Tensor]]:
-    """Relative path -> stored parts, for every item of a root that is stored."""
-    layout = Layout(cache)
-    cat = Catalog(layout)
-    reader = FeatureReader(layout, verify="always")
-    try:
-        items = cat.root_items(root)
-        got = reader.get_many([k for _, k in items])
-        return {p: got[k] for p, k in items if k in got}
-    finally:
-        reader.close()
-        cat.close()
-
-
-def assert_store_consistent(cache: Path) -> None:
-    """Every catalog row names a sealed shard that holds the tensor with a valid checksum."""
-    layout = Layout(cache)
-    cat = Catalog(layout)
-    assert cat.conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
-    rows = cat.conn.execute(
-        "SELECT f.key, f.part, s.name, f.dtype, f.shape FROM features f "
-        "JOIN shards s ON s.id = f.shard_id"
-    ).fetchall()
-    orphans = cat.conn.execute(
-        "SELECT COUNT(*) FROM features WHERE shard_id NOT IN (SELECT id FROM shards)"
-    ).fetchone()
-    assert orphans == (0,)
-    by_shard: dict[str, list[tuple]] = {}
-    for row in rows:
-        by_shard.setdefault(row[2], []).append(row)
-    for name, entries in by_shard.items():
-        with ShardReader(layout.shard_path(name)) as r:
-            assert r.verify_all() == []
-            for key, part, _, dtype, _shape in entries:
-                name_in_shard = f"{key}/{part}" if part else key
-                assert r.tensors[name_in_shard].dtype == dtype
-    cat.close()
+from tests.helpers import assert_store_consistent, stored_features
 
 
 def test_rebuild_encodes_nothing_and_features_equal_live(

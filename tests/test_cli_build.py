@@ -20,8 +20,7 @@ from featbake.encode.sources import AudioSource
 from featbake.recipe import Recipe
 from featbake.testing import TinyConvEncoder, write_audio_folder
 from tests.conftest import REPO, live_features, run_cli
-from tests.helpers import can_mount_privately
-from tests.test_build import assert_store_consistent, stored_features
+from tests.helpers import assert_store_consistent, can_mount_privately, stored_features
 
 # An import-path encoder that is TinyConvEncoder(seed=0) but slow, and logs each call, so a test
 # can interrupt a build at a known point. Sleep and log come from the environment: not in the key.

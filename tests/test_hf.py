@@ -25,7 +25,7 @@ from featbake.recipe import Recipe
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.testing import write_audio_folder
 from tests.conftest import run_cli
-from tests.encoder_fixtures import rel_error, stored_features
+from tests.helpers import rel_error, stored_features
 
 transformers = pytest.importorskip("transformers")
 

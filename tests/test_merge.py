@@ -26,7 +26,7 @@ from featbake.store.layout import Layout
 from featbake.store.merge import merge, pending_builds
 from featbake.testing import write_audio_folder
 from tests.conftest import REPO, live_features, run_cli
-from tests.test_build import assert_store_consistent, stored_features
+from tests.helpers import assert_store_consistent, stored_features
 
 
 def catalog_dump(store: Path) -> dict[str, list[tuple]]:

@@ -27,7 +27,7 @@ from featbake.errors import ConfigError, EncodeError
 from featbake.recipe import Recipe
 from featbake.testing import LengthsEncoder, save_torchscript, write_audio_folder
 from tests.conftest import run_cli
-from tests.encoder_fixtures import rel_error, root_keys, stored_features
+from tests.helpers import rel_error, root_keys, stored_features
 
 
 # -- the planner (pure) ---------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from featbake.store.fragments import FragmentKind, fragment_keys, sealed_fragmen
 from featbake.store.layout import Layout
 from featbake.testing import TinyConvEncoder, write_audio_folder
 from tests.conftest import REPO, encoded_rows, run_cli
-from tests.test_build import assert_store_consistent, stored_features
+from tests.helpers import assert_store_consistent, stored_features
 
 ENCODER = "countenc:build"
 

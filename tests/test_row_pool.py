@@ -29,7 +29,7 @@ def threaded(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
     run_all = row_pool._run_all
 
-    def counted(jobs):  # noqa: ANN001, ANN202 - the pool's own signature
+    def counted(jobs):
         if threading.current_thread() is not threading.main_thread():
             calls.append(len(jobs))
         return run_all(jobs)

@@ -24,7 +24,7 @@ from featbake.errors import ShardMissing
 from featbake.serve.collate import PaddedBatch, alloc_batch
 from featbake.serve.index import Index
 from featbake.serve.process import mapped_empty
-from featbake.serve.row_pool import RowJob, run_rows
+from featbake.serve.row_pool import RowJob, RowRun, run_rows
 from featbake.serve.state import Located, ProcessState
 from featbake.store.catalog import Location
 from featbake.store.layout import Layout
@@ -271,60 +271,89 @@ class Reads:
         """Fill a padded batch: RAM-tier rows copied here, stored rows read by ``run_rows``.
 
         Every shard is opened (and every row's check decided) before any read, on this thread;
-        the reads run on the read pool; what was read is recorded here after.
+        the reads run on the read pool, into byte slices of the batch (no torch op per row: one
+        would wake torch's OpenMP threads, which then spin on the CPUs the readers need); what
+        was read is recorded here after.
         """
         lengths = [s.length for s in plan.sources]
         t_max = max(lengths)
-        shape = (len(idx), t_max, *plan.trailing)
-        padded = alloc_batch(torch.empty(0, dtype=plan.dtype), shape)
-        jobs, read = [], []
-        for row, i, src in zip(padded, idx, plan.sources, strict=True):
-            dest = row[: src.length]
+        padded = alloc_batch(torch.empty(0, dtype=plan.dtype), (len(idx), t_max, *plan.trailing))
+        flat = np.asarray(tensor_buffer(padded))
+        step_bytes = padded[0][0].nbytes if t_max else 0  # one time step of one row
+        row_bytes = step_bytes * t_max
+        read: list[_RowRead] = []
+        for j, (i, src) in enumerate(zip(idx, plan.sources, strict=True)):
             if src.value is not None:
-                dest.copy_(src.value)
-                row[src.length :].zero_()
+                padded[j, : src.length].copy_(src.value)
+                padded[j, src.length :].zero_()
                 continue
             try:
                 path, reader = self._open(st, src.sid)
             except ShardMissing:
                 return None  # moved meanwhile: the general path relocates it
-            check = st.check_always or (st.check_first and not st.verified[i])
-            key = self.index.key(i)
-            # The padding is zeroed by the job, through numpy: a torch op here would wake
-            # torch's OpenMP threads, which then spin on the CPUs the read threads need.
-            tail = row.view(-1).view(torch.uint8).numpy()[dest.nbytes :]
-            job = reader.read_job(key, dest, verify=check)
-            jobs.append(functools.partial(_then_zero, job, tail))
-            read.append((i, src.sid, path, reader, dest, check))
-        if all(st.open_readers.get(path) is reader for _, _, path, reader, _, _ in read):
-            run_rows(jobs, padded.nbytes)
+            check = bool(st.check_always or (st.check_first and not st.verified[i]))
+            start, end = j * row_bytes, j * row_bytes + src.length * step_bytes
+            dest, tail = flat[start:end], flat[end : start + row_bytes]
+            read.append(_RowRead(i, src.sid, path, reader, j, dest, tail, check))
+        if all(st.open_readers.get(r.path) is r.reader for r in read):
+            self._run(read, padded.nbytes)
         elif not self._read_each(st, read):
             return None
-        for i, sid, path, reader, dest, check in read:
-            self.remember(st, i, sid, path, reader)
-            if check:
-                st.verified[i] = 1
+        for r in read:
+            self.remember(st, r.i, r.sid, r.path, r.reader)
+            if r.check:
+                st.verified[r.i] = 1
             if st.use_lru:  # the RAM tier owns its copy, not a view of this batch
-                st.lru.put(i, mapped_empty(dest.shape, dest.dtype).copy_(dest))
+                row = padded[r.row, : lengths[r.row]]
+                st.lru.put(r.i, mapped_empty(row.shape, row.dtype).copy_(row))
         st.store_reads += len(read)
         for i in idx:
             st.touch(i)
         return PaddedBatch.of(padded, lengths)
 
-    def _read_each(self, st: ProcessState, read: list[Any]) -> bool:
+    def _run(self, read: list[_RowRead], nbytes: int) -> None:
+        """Read the rows, each run's jobs made just before it is handed to the pool."""
+        run = RowRun(nbytes)
+        parts = run.split(len(read))
+        for k, part in enumerate(parts):
+            jobs = [self._job(r) for r in read[part]]
+            if k < len(parts) - 1:
+                run.submit(jobs)
+            else:
+                run.run_here(jobs)
+
+    def _job(self, r: _RowRead) -> RowJob:
+        job = r.reader.read_job(self.index.key(r.i), r.dest, verify=r.check)
+        return functools.partial(_then_zero, job, r.tail)
+
+    def _read_each(self, st: ProcessState, read: list[_RowRead]) -> bool:
         """Read the rows one by one, each shard opened just before its read (False: one moved).
 
         For a batch over more shards than this process keeps open: opening the last ones
         closed the first before their rows were read.
         """
-        for j, (i, sid, _, _, dest, check) in enumerate(read):
+        for j, r in enumerate(read):
             try:
-                path, reader = self._open(st, sid)
+                path, reader = self._open(st, r.sid)
             except ShardMissing:
                 return False
-            reader.read_into(self.index.key(i), dest, verify=check)
-            read[j] = (i, sid, path, reader, dest, check)
+            read[j] = r = r._replace(path=path, reader=reader)
+            self._job(r)()
         return True
+
+
+class _RowRead(NamedTuple):
+    """A stored row of a padded batch: item, shard and its reader, where its bytes go in the
+    batch (``dest``, then the padding ``tail``), and whether its checksum is checked."""
+
+    i: int
+    sid: int
+    path: Path
+    reader: ShardReader
+    row: int
+    dest: np.ndarray
+    tail: np.ndarray
+    check: bool
 
 
 def _then_zero(job: RowJob, tail: np.ndarray) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from torch.utils.data import get_worker_info
 
@@ -54,27 +54,52 @@ def run_rows(jobs: Sequence[RowJob], nbytes: int, threads: int | None = None) ->
     read, a checksum mismatch) is raised here after every job has finished, so no thread is
     still writing into the batch when the caller sees it.
     """
-    threads = read_threads() if threads is None else threads
-    if threads <= 1 or len(jobs) < 2 or nbytes < MIN_PARALLEL_BYTES:
-        for job in jobs:
-            job()
-        return
-    n = min(threads, len(jobs))
-    step = -(-len(jobs) // n)
-    runs = [jobs[k : k + step] for k in range(0, len(jobs), step)]
-    pool = _executor(threads)
-    futures = [pool.submit(_run_all, run) for run in runs[1:]]
-    errors: list[BaseException] = []
-    try:
-        _run_all(runs[0])
-    except Exception as e:
-        errors.append(e)
-    for f in futures:
-        e = f.exception()
-        if e is not None:
+    run = RowRun(nbytes, threads)
+    parts = run.split(len(jobs))
+    for part in parts[:-1]:
+        run.submit(jobs[part])
+    run.run_here(jobs[parts[-1]] if parts else [])
+
+
+class RowRun:
+    """One batch's row jobs: the first runs handed to the pool, the last run on this thread.
+
+    The caller may build each run's jobs just before handing it over, so that building the
+    last run's jobs (Python, under the GIL) overlaps the pool reading the first ones.
+    """
+
+    def __init__(self, nbytes: int, threads: int | None = None) -> None:
+        threads = read_threads() if threads is None else threads
+        self.threads = 1 if nbytes < MIN_PARALLEL_BYTES else max(1, threads)
+        self._futures: list[Future[None]] = []
+
+    def split(self, n: int) -> list[slice]:
+        """``n`` rows as contiguous runs, one per thread (the last one is this thread's)."""
+        k = max(1, min(self.threads, n))
+        step = -(-n // k) if n else 0
+        return [slice(s, min(n, s + step)) for s in range(0, n, step)] if n else []
+
+    def submit(self, jobs: Sequence[RowJob]) -> None:
+        """Hand a run of jobs to the pool (run here when there is no pool)."""
+        if self.threads <= 1:
+            _run_all(jobs)
+            return
+        self._futures.append(_executor(self.threads).submit(_run_all, jobs))
+
+    def run_here(self, jobs: Sequence[RowJob]) -> None:
+        """Run the last run here, then wait for the pool's; raise the first error of any."""
+        errors: list[BaseException] = []
+        try:
+            _run_all(jobs)
+        except Exception as e:
             errors.append(e)
-    if errors:
-        raise errors[0]
+        for f in self._futures:
+            e = f.exception()
+            if e is not None:
+                errors.append(e)
+        self._futures = []
+        if errors:
+            raise errors[0]
 
 
 def _run_all(jobs: Sequence[RowJob]) -> None:

@@ -284,18 +284,6 @@ class ShardReader:
             StoreCorrupt: no such tensor, a short read, or (with ``verify``) a checksum mismatch.
             ConfigError: ``out`` is not a contiguous CPU tensor of the tensor's byte size.
         """
-        self.read_job(name, out, verify=verify)()
-
-    def read_job(self, name: str, out: torch.Tensor, *, verify: bool = True) -> Callable[[], None]:
-        """:meth:`read_into` as a job to run later, on any thread, with the least Python.
-
-        Everything that touches torch or builds the checksum's descriptor happens here; the job
-        itself is a ``pread`` and (format 2) a CRC-32C, both outside the GIL, so a batch's rows
-        read on several threads do not queue for it (see ``featbake.serve.row_pool``).
-
-        Raises:
-            StoreCorrupt, ConfigError: as :meth:`read_into` (the job raises its other errors).
-        """
         info = self._info(name)
         nbytes = info.end - info.begin
         if out.device.type != "cpu" or not out.is_contiguous() or out.nbytes != nbytes:
@@ -303,12 +291,40 @@ class ShardReader:
                 f"read_into needs a contiguous CPU tensor of {nbytes} bytes for {name}, got "
                 f"{tuple(out.shape)} {out.dtype} on {out.device}"
             )
-        dest = out.view(-1).view(torch.uint8).numpy()
-        if not verify or self.version == "1":
-            return functools.partial(self._fill, name, info, out, dest, verify)
+        self.read_job(name, out.view(-1).view(torch.uint8).numpy(), verify=verify)()
+
+    def read_job(self, name: str, dest: Any, *, verify: bool = True) -> Callable[[], None]:
+        """:meth:`read_into` as a job to run later, on any thread, with the least Python.
+
+        ``dest`` is the destination as a contiguous ``uint8`` numpy array of exactly the
+        tensor's byte size (a slice of a batch's bytes). Everything that builds the checksum's
+        descriptor happens here; the job itself is a ``pread`` and (format 2) a CRC-32C, both
+        outside the GIL, so a batch's rows read on several threads do not queue for it (see
+        ``featbake.serve.row_pool``).
+
+        Raises:
+            StoreCorrupt: no such tensor (the job raises short reads and checksum mismatches).
+            ConfigError: ``dest`` is not of the tensor's byte size.
+        """
+        info = self._info(name)
+        if dest.nbytes != info.end - info.begin:
+            raise ConfigError(
+                f"read_job needs {info.end - info.begin} bytes for {name}, got {dest.nbytes}"
+            )
+        if not verify:
+            return functools.partial(self._pread, name, info.begin, dest)
+        if self.version == "1":
+            return functools.partial(self._read_checked_v1, name, info, dest)
         head = crc32c(tensor_descriptor(name, info.dtype, info.shape))
         want = int(info.crc, 16) if info.crc is not None else None
         return functools.partial(self._read_checked, name, info.begin, dest, head, want)
+
+    def _read_checked_v1(self, name: str, info: TensorInfo, dest: Any) -> None:
+        """pread into ``dest`` and check format 1's CRC-32 (zlib)."""
+        self._pread(name, info.begin, dest)
+        if info.crc is None or f"{zlib.crc32(dest) & 0xFFFFFFFF:08x}" != info.crc:
+            raise corrupt_shard(self.path, f"checksum mismatch in tensor {name}")
+        self._verified.add(name)
 
     def _read_checked(self, name: str, begin: int, dest: Any, head: int, want: int | None) -> None:
         """pread into ``dest`` and check format 2's CRC-32C (``head``: the descriptor's)."""
