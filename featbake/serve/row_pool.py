@@ -31,11 +31,20 @@ _lock = threading.Lock()
 _pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid that made it, pool)
 
 
+_cpus: tuple[int, int] | None = None  # (pid that counted, CPUs it may use)
+
+
 def read_threads() -> int:
-    """Threads a batch may be read on here: the CPUs this process may use, 1 in a worker."""
+    """Threads a batch may be read on here: the CPUs this process may use, 1 in a worker.
+
+    The CPU count (affinity + cgroup files, ~76 us) is read once per process, not per batch.
+    """
+    global _cpus
     if get_worker_info() is not None:
         return 1
-    return max(1, min(MAX_THREADS, process_cpus()))
+    if _cpus is None or _cpus[0] != os.getpid():
+        _cpus = (os.getpid(), process_cpus())
+    return max(1, min(MAX_THREADS, _cpus[1]))
 
 
 def _executor(threads: int) -> ThreadPoolExecutor:

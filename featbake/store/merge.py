@@ -25,17 +25,19 @@ pending). Only this one process writes the catalog, which is what a shared files
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from featbake.errors import ShardMissing, StoreCorrupt
 from featbake.store.catalog import Catalog, FileStat
 from featbake.store.fragments import (
+    BuildInfo,
     Fragment,
     FragmentKind,
     FragmentName,
     HashRow,
+    ManifestItem,
     fragments_dir,
     read_fragment,
     sealed_fragments,
@@ -180,16 +182,7 @@ def _fold_build(
     current = catalog.root(info.root)
     if current is None or current.last_used <= when:  # a later build of this root wins
         items = sorted(item for f in done.values() for item in f.items)
-        catalog.replace_root(
-            info.root,
-            data=info.data,
-            encoder_label=info.encoder_label,
-            encoder_fp=info.encoder_fp,
-            recipe_fp=info.recipe_fp,
-            recipe=info.recipe,
-            items=[(i.path, i.key) for i in items],
-            now=when,
-        )
+        _publish_root(catalog, info, items, when)
         report.roots.append(info.root)
     if between:
         between("root")
@@ -205,6 +198,22 @@ def _fold_build(
     put_fragment_hashes(catalog, [h for f in frags for h in f.hashes])
     if between:
         between("hashes")
+
+
+def _publish_root(
+    catalog: Catalog, info: BuildInfo, items: Sequence[ManifestItem], now: float
+) -> None:
+    """Replace the root a fragment's ``info`` names with ``items`` (path, key), used at ``now``."""
+    catalog.replace_root(
+        info.root,
+        data=info.data,
+        encoder_label=info.encoder_label,
+        encoder_fp=info.encoder_fp,
+        recipe_fp=info.recipe_fp,
+        recipe=info.recipe,
+        items=[(i.path, i.key) for i in items],
+        now=now,
+    )
 
 
 def _read_serving(path: Path, layout: Layout) -> Fragment:
@@ -233,16 +242,7 @@ def _fold_serving(catalog: Catalog, frags: list[Fragment], report: MergeReport) 
             )
         current = catalog.root(info.root) if f.items else None
         if f.items and (current is None or current.last_used <= f.created):
-            catalog.replace_root(
-                info.root,
-                data=info.data,
-                encoder_label=info.encoder_label,
-                encoder_fp=info.encoder_fp,
-                recipe_fp=info.recipe_fp,
-                recipe=info.recipe,
-                items=[(i.path, i.key) for i in f.items],
-                now=f.created,
-            )
+            _publish_root(catalog, info, f.items, f.created)
             if info.root not in report.roots:
                 report.roots.append(info.root)
         for shard in f.shards:
