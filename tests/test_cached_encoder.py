@@ -356,3 +356,26 @@ def test_a_forked_child_seals_only_its_own_write_back(tmp_path) -> None:
     fresh = CachedEncoder(enc, cache=store, ram_cache=0)
     same(fresh(x, ids=["parent", "child"]), enc(x))
     assert fresh.stats["hits_store"] == 2
+
+
+def test_numpy_ids_are_keyed_like_tensor_ids(tmp_path) -> None:
+    """Issue 16 item 10: an id array (``ids=np.array([3, 4])``) and numpy scalar ids are keyed
+    by dtype and bytes, as a tensor of ids is, and what is still refused is named truly."""
+    np = pytest.importorskip("numpy")
+    enc = frozen(TinyConvEncoder())
+    ce = CachedEncoder(enc, cache=tmp_path / "store")
+    x = waves(2)
+    same(ce(x, ids=np.array([3, 4])), enc(x))
+    assert ce.stats["encoded"] == 2
+    same(ce(x, ids=[np.int64(3), np.int64(4)]), enc(x))  # the array's elements: the same keys
+    same(ce(x[:1], ids=(np.float32(3.0),)), enc(x[:1]))  # another dtype: another key
+    assert ce.stats["encoded"] == 3
+    ce.flush()
+    fresh = CachedEncoder(frozen(TinyConvEncoder()), cache=tmp_path / "store")
+    same(fresh(x[[1, 0]], ids=np.array([4, 3])), enc(x[[1, 0]]))  # from the store
+    assert fresh.stats["encoded"] == 0 and fresh.stats["hits_store"] == 2
+    with pytest.raises(ConfigError, match=r"type builtins\.dict") as refused:
+        ce(x[:1], ids=[{"utt": 1}])
+    assert "int64" not in str(refused.value)
+    with pytest.raises(ConfigError, match="dtype object"):
+        ce(x[:1], ids=[np.array([object()], dtype=object)])  # one row, its id an array

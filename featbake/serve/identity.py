@@ -48,8 +48,8 @@ def id_digest(ident: Any) -> str:
     """SHA-256 of an id by its exact content and type (``"1"``, ``1`` and ``b"1"`` differ).
 
     Raises:
-        ConfigError: the id is not a string, bytes, number, bool, None, path, tensor, numpy
-            array, or a tuple or list of those.
+        ConfigError: the id is not a string, bytes, Python or numpy number, bool, None, path,
+            tensor, numpy array (of numbers, strings or bytes), or a tuple or list of those.
     """
     h = hashlib.sha256(b"id\0")
     _feed(h, ident)
@@ -69,10 +69,15 @@ def _feed(h: Any, value: Any) -> None:
 
 
 def _tagged(value: Any) -> tuple[str, Any]:
-    if isinstance(value, str):
+    if isinstance(value, str):  # np.str_ too: the same string, the same key
         return "str", value.encode("utf-8", "surrogatepass")
     if isinstance(value, (bytes, bytearray, memoryview)):
         return "bytes", bytes(value)
+    if isinstance(value, (np.ndarray, np.generic)):
+        # A numpy scalar (what iterating an array gives, ``np.int64(3)``) is a 0-d array, as
+        # iterating a tensor gives 0-d tensors: keyed by dtype and bytes, never by its repr
+        # (numpy 2 writes ``np.float64(3.0)`` where numpy 1 wrote ``3.0``).
+        return _array_tagged(np.asarray(value))
     if value is None or isinstance(value, (bool, int, float)):
         return type(value).__name__, repr(value).encode()
     if isinstance(value, os.PathLike):
@@ -80,13 +85,28 @@ def _tagged(value: Any) -> tuple[str, Any]:
     if isinstance(value, torch.Tensor):
         t = value.detach().cpu().contiguous()
         return f"tensor:{t.dtype}:{list(t.shape)}", tensor_buffer(t)
-    if isinstance(value, np.ndarray):
-        a = np.ascontiguousarray(value)
-        return f"ndarray:{a.dtype.str}:{list(a.shape)}", memoryview(a).cast("B")
     raise ConfigError(
-        f"CachedEncoder ids must be strings, bytes, numbers, paths, tensors or arrays (or tuples "
-        f"of them), keyed by their exact content; got {type(value).__name__}"
+        f"CachedEncoder cannot key an id of type {type(value).__module__}."
+        f"{type(value).__qualname__} ({_short(value)}): ids must be strings, bytes, Python or "
+        "numpy numbers, paths, torch tensors or numpy arrays, or tuples or lists of them, keyed "
+        "by their exact content; pass e.g. str(id) or the id's number"
     )
+
+
+def _array_tagged(a: np.ndarray) -> tuple[str, bytes]:
+    """A numpy array (or scalar) keyed by dtype, shape and bytes; object arrays are refused."""
+    if a.dtype.hasobject:
+        raise ConfigError(
+            f"CachedEncoder cannot key a numpy array of dtype {a.dtype} by its content (it holds "
+            "Python objects); pass the ids as a list of strings or numbers"
+        )
+    a = np.ascontiguousarray(a)
+    return f"ndarray:{a.dtype.str}:{list(a.shape)}", a.tobytes()
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _weight_probe(tensors: list[torch.Tensor]) -> tuple[int, ...]:
