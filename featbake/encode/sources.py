@@ -259,18 +259,59 @@ def _listing(
 
 
 def _not_an_input(entry: os.DirEntry[str], rel: str) -> str | None:
-    """Why the file ``entry`` cannot be an input, or None when it can."""
+    """Why the file ``entry`` the scan found cannot be an input, or None when it can."""
+    return not_an_input(rel, entry)
+
+
+def not_an_input(name: str, file: os.DirEntry[str] | str | os.PathLike[str]) -> str | None:
+    """Why ``file`` cannot be an input, or None when it can: the one check of every input.
+
+    The folder scan runs it on each entry it lists, a dataset on each path of a list it is
+    given, so both refuse the same files for the same reasons: a name that is not UTF-8 (it
+    cannot be keyed in the catalog), a missing file or a dangling link, a symlink loop, and
+    anything but a regular file (a FIFO would block the first ``open`` forever, a device is not
+    data, a folder is not a file). ``name`` is how the file is named in the catalog (relative
+    to the data folder, or the path as given).
+    """
     try:
-        rel.encode("utf-8")
+        name.encode("utf-8")
     except UnicodeEncodeError:
         return "the file name is not valid UTF-8; rename it (e.g. with convmv) to include it"
     try:
-        if entry.is_file():  # no system call for a regular file (the directory says its type)
-            return None
-        mode = entry.stat().st_mode
+        if isinstance(file, os.DirEntry):
+            if file.is_file():  # no system call for a regular file (the directory says its type)
+                return None
+            mode = file.stat().st_mode
+        else:
+            mode = os.stat(file).st_mode  # follows links, as the scan does
+            if stat.S_ISREG(mode):
+                return None
+    except FileNotFoundError:
+        return "file not found (or a link to nothing)"
     except OSError as e:
-        return f"cannot stat: {e.strerror}"
+        return f"cannot stat: {e.strerror}"  # ELOOP: a symlink loop
     return f"not a regular file ({_file_kind(mode)}); only regular files are inputs"
+
+
+def check_input_files(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
+    """The paths of a list of inputs, expanded (``~``), after :func:`not_an_input` on each.
+
+    Raises:
+        SourceError: the list is empty, or some paths are not inputs (up to five named, each
+            with its reason, in one message).
+    """
+    expanded = [os.path.expanduser(os.fspath(p)) for p in paths]
+    if not expanded:
+        raise SourceError("the list of input files is empty")
+    bad = [(p, why) for p in expanded if (why := not_an_input(p, p)) is not None]
+    if bad:
+        shown = "; ".join(f"{_printable(p)}: {why}" for p, why in bad[:5])
+        more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+        raise SourceError(
+            f"{len(bad)} of the {len(expanded)} input files cannot be inputs: {shown}{more}; "
+            "remove them from the list (only regular files are read)"
+        )
+    return expanded
 
 
 def _file_kind(mode: int) -> str:

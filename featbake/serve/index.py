@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from featbake.encode.fingerprints import hash_inputs, resolve_path
-from featbake.encode.sources import scan
+from featbake.encode.sources import check_input_files, scan
 from featbake.errors import SourceError
 from featbake.keys import feature_key, root_id, sha256_hex
 from featbake.store.serving_fragments import ServingStore
@@ -116,9 +116,9 @@ def build_index(data: object, spec: IndexSpec, catalog: ServingStore) -> Index:
     """
     if isinstance(data, (str, os.PathLike)):
         return _index_folder(resolve_path(data), spec, catalog)
-    paths = [resolve_path(p) for p in data]  # type: ignore[attr-defined]
-    if not paths:
-        raise SourceError("the list of input files is empty")
+    # The folder scan's own checks first: a FIFO or a device in the list would block the
+    # first read forever, a symlink loop would fail the resolve below with a RuntimeError.
+    paths = [resolve_path(p) for p in check_input_files(data)]  # type: ignore[arg-type]
     digests, failed = hash_inputs(catalog, paths)
     raise_unreadable([p for p in paths if p in failed], failed)
     keys = [spec.key(digests[p]) for p in paths]
