@@ -5,6 +5,7 @@ files rewritten after the dataset was made. Features are compared with running t
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,11 +13,14 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
+from featbake.bake.pipeline import build
 from featbake.encode.sources import check_input_files, scan_inputs
 from featbake.errors import SourceError
 from featbake.testing import write_audio_folder
-from tests.conftest import REPO
+from tests.conftest import REPO, live_features
+from tests.helpers import can_mount_privately
 
 LIST_OF_BAD_PATHS = textwrap.dedent(
     """
@@ -83,3 +87,95 @@ def test_a_list_and_the_folder_scan_refuse_the_same_files_alike(tmp_path: Path) 
     with pytest.raises(SourceError, match="list of input files is empty"):
         check_input_files([])
     assert check_input_files([data / "clip00000.wav"]) == [str(data / "clip00000.wav")]
+
+
+# -- issue 16 item 5: a read-only store with a new file in the data folder ---------------------
+SERVE_READ_ONLY = textwrap.dedent(
+    """
+    import json, sys, warnings, torch
+    from featbake.errors import CacheMiss
+    from featbake.serve.dataset import CachedFeatureDataset
+    store, data, enc, out = sys.argv[1:5]
+    strict = CachedFeatureDataset(data, enc, cache=store, on_miss="error")
+    new = [i for i in range(len(strict)) if "/new/" in strict.path(i)]
+    feats, refused = {}, 0
+    for i in range(len(strict)):
+        try:
+            feats[strict.path(i)] = strict[i]
+        except CacheMiss:
+            refused += 1
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        live = CachedFeatureDataset(data, enc, cache=store)  # on_miss="encode"
+    got = {live.path(i): live[i] for i in range(len(live))}
+    got.update({live.path(i): b for i, b in zip(new, live.__getitems__(new), strict=True)})
+    live.close()
+    torch.save({"strict": feats, "live": got}, out)
+    print(json.dumps({"n": len(strict), "stored": strict.stored(), "refused": refused,
+                      "new": len(new), "read_only": strict.read_only and live.read_only,
+                      "warned": [str(w.message) for w in said]}))
+    """
+)
+
+
+def _store_files(store: Path) -> dict[str, bytes]:
+    """Every file of the store and its bytes, but what a ``mode=ro`` SQLite reader makes (the
+    shared-memory index, an empty WAL): no content of the store."""
+    files = {str(p.relative_to(store)): p.read_bytes() for p in store.rglob("*") if p.is_file()}
+    return {
+        name: data
+        for name, data in files.items()
+        if not name.endswith("-shm") and not (name.endswith("-wal") and not data)
+    }
+
+
+def _serve_read_only(tmp_path: Path, store: Path, audio_dir: Path, encoder: Path, how: str):
+    """Build, add a file to the folder, serve it from ``store`` made read-only ``how``."""
+    build(audio_dir, encoder, cache=store, workers=0)
+    write_audio_folder(audio_dir / "new", 1, seconds=0.5, seed=77)  # not in the store
+    before = _store_files(store)
+    script, out = tmp_path / "serve_ro.py", tmp_path / "served.pt"
+    script.write_text(SERVE_READ_ONLY)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    run = [sys.executable, str(script), str(store), str(audio_dir), str(encoder), str(out)]
+    if how == "mount":
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        shell = f'mount --bind {store} {ro} && mount -o remount,bind,ro {ro} && exec "$@"'
+        run = ["unshare", "-m", "sh", "-c", shell, "sh", *run]
+        run[run.index(str(store))] = str(ro)
+    else:
+        env["FEATBAKE_READ_ONLY"] = "1"
+    proc = subprocess.run(run, capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _store_files(store) == before  # nothing published, written back or recorded
+    assert not (store / "fragments").exists() or not any((store / "fragments").iterdir())
+    return json.loads(proc.stdout.strip().splitlines()[-1]), torch.load(out)
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        "env",
+        pytest.param(
+            "mount",
+            marks=pytest.mark.skipif(not can_mount_privately(), reason="needs unshare -m (root)"),
+        ),
+    ],
+)
+def test_a_read_only_store_serves_what_it_holds_when_the_folder_grew(
+    tmp_path: Path, audio_dir: Path, encoder_file: Path, store_dir: Path, how: str
+) -> None:
+    """Issue 16 item 5: the constructor published the grown folder's root and failed. Now the
+    stored items are served, the new file is a miss under ``on_miss``, and no byte of the store
+    changes, with $FEATBAKE_READ_ONLY=1 and on a real read-only mount."""
+    said, served = _serve_read_only(tmp_path, store_dir, audio_dir, encoder_file, how)
+    assert said["read_only"] and said["n"] == 17 and said["new"] == 1
+    assert said["stored"] == 16 and said["refused"] == 1  # on_miss="error": a CacheMiss
+    assert len(said["warned"]) == 1 and "read-only here, and 1 item(s)" in said["warned"][0]
+    assert len(served["strict"]) == 16 and len(served["live"]) == 17
+    for path, feat in served["live"].items():
+        want = live_features(encoder_file, Path(path))
+        torch.testing.assert_close(feat, want)
+        if path in served["strict"]:
+            torch.testing.assert_close(served["strict"][path], want)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from multiprocessing import util as mp_util
@@ -45,6 +46,8 @@ from featbake.serve.process import (
     ThreadCatalog,
     forget_after_fork,
     ram_budget_for_process,
+    read_only_misses,
+    store_read_only,
 )
 from featbake.serve.reads import Reads
 from featbake.serve.state import ProcessState, save_at_exit
@@ -110,7 +113,11 @@ class CachedFeatureDataset(Dataset):
         verify: check each tensor's CRC-32 on its ``"first"`` read in a process, ``"always"``
             or ``"never"``.
         max_open_shards: open shard files kept per process.
-        write_back: store features encoded on a miss so the next epoch hits.
+        write_back: store features encoded on a miss so the next epoch hits. A store this
+            process cannot write (a read-only mount, no write permission,
+            ``$FEATBAKE_READ_ONLY=1``) is served as it is: its catalog is only read, no root is
+            published, nothing is written back (:attr:`read_only` says so), and inputs it does
+            not hold are misses under ``on_miss`` (encoded at each read, with a warning).
         clock: monotonic seconds, for write-back ageing and last-use flushing (tests pass a
             fake clock to check both without sleeping).
         layers, precision: recipe fields, as ``featbake build --layers/--precision``.
@@ -164,13 +171,15 @@ class CachedFeatureDataset(Dataset):
         self._layer_view = check_layer_view(layer_view)
         self.on_miss = on_miss
         self.verify = verify
-        self.write_back = write_back
         self.max_open_shards = max_open_shards
         self._clock = clock
         self._ram_total = parse_bytes(ram_cache)
         dev.resolve_device(device)  # validate now, not at the first miss
         self._layout = Layout(Path(cache) if cache is not None else default_cache_dir()).ensure()
-        self._shared = serving_mode(self._layout)  # read the catalog only, write fragments
+        # A store this process cannot write is served as it is: nothing published or written.
+        self.read_only = store_read_only(self._layout)
+        self.write_back = write_back and not self.read_only
+        self._shared = not self.read_only and serving_mode(self._layout)  # writes go to fragments
         self._recipe_fp = self.recipe.fingerprint()
         self._source = source_for(self.recipe)
         self._state: ProcessState | None = None
@@ -193,12 +202,14 @@ class CachedFeatureDataset(Dataset):
                 self.recipe.as_dict(),
                 tuple(self._source.extensions),
             )
-            self._index = build_index(data, spec, catalog)
+            self._index = build_index(data, spec, catalog, publish=not self.read_only)
         finally:
             catalog.close()
         self._reads = Reads(self._index, self._layout)
         self._misses = Misses(self._index, self._reads, self._live, self._source, self.recipe)
-        self._misses.on_miss, self._misses.write_back = on_miss, write_back
+        self._misses.on_miss, self._misses.write_back = on_miss, self.write_back
+        if self.read_only and on_miss == "encode" and self.stored() < len(self):
+            warnings.warn(read_only_misses(self._layout, len(self) - self.stored()), stacklevel=2)
         # Which items had their checksum checked and their last use recorded, in anonymous
         # shared memory that forked workers inherit (see SharedFlags).
         self._shared_map: Any = SharedFlags.allocate(len(self._index))
@@ -361,34 +372,8 @@ class CachedFeatureDataset(Dataset):
             if batch is not None:
                 return batch
         if self._layer_view is not None:
-            return [view_layers(v, self._layer_view) for v in self._getitems_each(st, idx)]
-        return self._getitems_each(st, idx)
-
-    def _getitems_each(self, st: ProcessState, idx: list[int]) -> list[Any]:
-        out: list[Any] = [None] * len(idx)
-        missing: list[int] = []
-        for j, i in enumerate(idx):
-            value = st.lru.get(i) if st.use_lru else None
-            if value is None:
-                sid = int(self._index.shard[i])
-                if sid >= 0:
-                    value = self._reads.one(st, i, sid)
-                if value is None:
-                    missing.append(j)
-                    continue
-                if st.use_lru:
-                    st.lru.put(i, value)
-            st.touch(i)
-            out[j] = value
-        if missing:
-            miss_idx = [idx[j] for j in missing]
-            for j, i, value in zip(
-                missing, miss_idx, self._misses.values(st, miss_idx), strict=True
-            ):
-                out[j] = value
-                if st.use_lru:
-                    st.lru.put(i, value)
-        return out
+            return [view_layers(v, self._layer_view) for v in self._misses.read_each(st, idx)]
+        return self._misses.read_each(st, idx)
 
     def _published(self, shard: SealedShard) -> None:
         """A write-back shard was sealed: point its items at it (this process's state only)."""

@@ -105,17 +105,21 @@ class Index:
         return int((self.shard >= 0).sum())
 
 
-def build_index(data: object, spec: IndexSpec, catalog: ServingStore) -> Index:
+def build_index(
+    data: object, spec: IndexSpec, catalog: ServingStore, *, publish: bool = True
+) -> Index:
     """Index a folder (through its build's root) or a list of files, and publish its root.
 
     The root is published so that gc keeps what the dataset serves (and writes back) live, and
-    the next start finds every key without hashing.
+    the next start finds every key without hashing. With ``publish=False`` (a store this
+    process cannot write) nothing is published: files the root does not name are indexed under
+    their content keys all the same, and are misses unless the store holds them.
 
     Raises:
         SourceError: no inputs, or inputs that are not in the store cannot be read.
     """
     if isinstance(data, (str, os.PathLike)):
-        return _index_folder(resolve_path(data), spec, catalog)
+        return _index_folder(resolve_path(data), spec, catalog, publish)
     # The folder scan's own checks first: a FIFO or a device in the list would block the
     # first read forever, a symlink loop would fail the resolve below with a RuntimeError.
     paths = [resolve_path(p) for p in check_input_files(data)]  # type: ignore[arg-type]
@@ -125,11 +129,12 @@ def build_index(data: object, spec: IndexSpec, catalog: ServingStore) -> Index:
     # Published like a folder's root (named from the set of files), so gc keeps what this
     # list is served from and writes back, and `roots drop` / `gc --older-than` manage it.
     label = "paths:" + sha256_hex("\n".join(sorted(set(paths))).encode())[:16]
-    _publish_root(catalog, spec, label, list(zip(paths, keys, strict=True)))
+    if publish:
+        _publish_root(catalog, spec, label, list(zip(paths, keys, strict=True)))
     return Index(paths, keys, None, catalog)
 
 
-def _index_folder(data_dir: str, spec: IndexSpec, catalog: ServingStore) -> Index:
+def _index_folder(data_dir: str, spec: IndexSpec, catalog: ServingStore, publish: bool) -> Index:
     name = root_id(data_dir, spec.enc_label, spec.recipe_fp)
     root = catalog.root(name)
     manifest: dict[str, str] = {}
@@ -155,7 +160,8 @@ def _index_folder(data_dir: str, spec: IndexSpec, catalog: ServingStore) -> Inde
             bad.append(path)
             keys.append("")
     raise_unreadable(bad, failed)
-    _publish_root(catalog, spec, data_dir, list(zip(rel_paths, keys, strict=True)), name)
+    if publish:
+        _publish_root(catalog, spec, data_dir, list(zip(rel_paths, keys, strict=True)), name)
     return Index(rel_paths, keys, data_dir, catalog)
 
 

@@ -226,6 +226,34 @@ class Misses:
             "or use on_miss='encode'"
         )
 
+    def read_each(self, st: ProcessState, idx: list[int]) -> list[Any]:
+        """Items ``idx`` read one by one (RAM tier, then store), the misses encoded together.
+
+        The general path of a batch: misses, dict outputs, mixed shapes.
+        """
+        out: list[Any] = [None] * len(idx)
+        missing: list[int] = []
+        for j, i in enumerate(idx):
+            value = st.lru.get(i) if st.use_lru else None
+            if value is None:
+                sid = int(self.index.shard[i])
+                if sid >= 0:
+                    value = self.reads.one(st, i, sid)
+                if value is None:
+                    missing.append(j)
+                    continue
+                if st.use_lru:
+                    st.lru.put(i, value)
+            st.touch(i)
+            out[j] = value
+        if missing:
+            miss_idx = [idx[j] for j in missing]
+            for j, i, value in zip(missing, miss_idx, self.values(st, miss_idx), strict=True):
+                out[j] = value
+                if st.use_lru:
+                    st.lru.put(i, value)
+        return out
+
     def values(self, st: ProcessState, idx: list[int]) -> list[Any]:
         """The values of items ``idx``, none of which was found where the index said.
 

@@ -28,6 +28,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from featbake.lru import ByteLRU, CacheInfo
+from featbake.store.catalog.connection import Access, access_for
 from featbake.store.layout import Layout
 from featbake.store.serving_fragments import ServingStore, open_serving_catalog
 
@@ -85,6 +86,21 @@ class Lifetime:
     @property
     def stale(self) -> bool:
         return self.generation != _Forks.generation
+
+
+def store_read_only(layout: Layout) -> bool:
+    """True when this process cannot write ``layout``'s catalog: a read-only mount, no write
+    permission, or ``$FEATBAKE_READ_ONLY=1``. A dataset then serves the store as it is."""
+    return access_for(layout) is not Access.READ_WRITE
+
+
+def read_only_misses(layout: Layout, misses: int) -> str:
+    """The warning of a dataset over a read-only store that will encode ``misses`` items."""
+    return (
+        f"featbake: the store {layout.root} is read-only here, and {misses} item(s) are not in "
+        "it: they are encoded live at every read and not stored; bake them with `featbake "
+        "build` where the store is writable, or pass on_miss='error'"
+    )
 
 
 class ThreadCatalog:
