@@ -115,3 +115,36 @@ def test_a_batch_over_more_shards_than_kept_open_is_read_one_by_one(
     for row, i in enumerate(idx):
         torch.testing.assert_close(padded[row, : lengths[row]], want[i])
     assert not threaded  # the fallback ran on this thread
+
+
+def test_a_fork_while_another_thread_holds_the_pool_lock_leaves_the_child_a_free_lock() -> None:
+    """Issue 22 item 6: the pool's module lock was not held across fork. A child forked while
+    another thread was inside ``_executor`` got a copy of the lock that no thread would ever
+    release, and hung at its first threaded batch. The child runs a threaded batch here, under
+    a deadline (a regression fails, it does not hang the run)."""
+    holding, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with row_pool._lock:  # what a thread making the pool does, for longer
+            holding.set()
+            time.sleep(0.5)
+        done.set()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    holding.wait()
+    pid = os.fork()
+    if pid == 0:  # the child: one threaded batch, then out without running the parent's atexit
+        ran: list[int] = []
+        row_pool.run_rows([lambda k=k: ran.append(k) for k in range(4)], 1 << 30, threads=2)
+        os._exit(0 if sorted(ran) == [0, 1, 2, 3] else 3)
+    forked_after_release = done.is_set()  # fork waited for the holder to let go
+    deadline = time.monotonic() + 20
+    while (status := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if status[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung on the row pool's lock")
+    holder.join()
+    assert os.waitstatus_to_exitcode(status[1]) == 0 and forked_after_release

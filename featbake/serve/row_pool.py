@@ -30,6 +30,12 @@ RowJob = Callable[[], None]
 _lock = threading.Lock()
 _pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid that made it, pool)
 
+# Held across fork(): a thread of the parent inside _executor() would otherwise leave the
+# child a copy of the lock that is held forever, and the child's first batch would hang.
+os.register_at_fork(
+    before=_lock.acquire, after_in_parent=_lock.release, after_in_child=_lock.release
+)
+
 
 _cpus: tuple[int, int] | None = None  # (pid that counted, CPUs it may use)
 
