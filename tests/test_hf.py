@@ -227,3 +227,35 @@ def test_audio_sample_padding_is_normalised_per_clip() -> None:
     ours = zero_mean_unit_var(x)[0]
     theirs = transformers.Wav2Vec2FeatureExtractor.zero_mean_unit_var_norm([x[0]], None)[0]
     np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_stack_keeps_the_order_layers_asked_for_single_and_batched(
+    tmp_path: Path, clips: Path
+) -> None:
+    """Issue 16 item 12: ``layers=[3, 1]`` with ``layer_view="stack"`` gave layers 1, 3 while
+    ``layer_view=[3, 1]`` gave 3, 1. Both now keep the order asked for, item by item, through
+    ``__getitems__`` and through a DataLoader with the RAM tier on."""
+    from torch.utils.data import DataLoader
+
+    folder = save_model(tmp_path / "m")
+    build(clips, folder, cache=tmp_path / "s", recipe=Recipe(layers=(1, 3)), workers=0)
+    common: dict[str, Any] = {"cache": tmp_path / "s", "layers": [3, 1], "on_miss": "error"}
+    stack = CachedFeatureDataset(clips, folder, layer_view="stack", **common)
+    listed = CachedFeatureDataset(clips, folder, layer_view=[3, 1], **common)
+    cached = CachedFeatureDataset(clips, folder, layer_view="stack", ram_cache="64MiB", **common)
+    want = []
+    for i in range(len(stack)):
+        hidden = reference(folder, Path(stack.path(i))).hidden_states
+        want.append(torch.stack([hidden[3][0], hidden[1][0]]))
+        for ds in (stack, listed, cached, cached):  # cached twice: from the store, then RAM
+            assert ds[i].shape == want[i].shape and rel_error(ds[i], want[i]) < 1e-4
+    for ds in (stack, listed, cached):
+        for got, w in zip(ds.__getitems__([3, 0, 5]), [want[3], want[0], want[5]], strict=True):
+            assert rel_error(got, w) < 1e-4
+        loader = DataLoader(ds, batch_size=4, collate_fn=list)
+        got = [item for batch in loader for item in batch]
+        assert all(rel_error(g, w) < 1e-4 for g, w in zip(got, want, strict=True))
+    all_layers = CachedFeatureDataset(
+        clips, folder, cache=tmp_path / "s", recipe=Recipe(layers=(3, 1)), layer_view="stack"
+    )  # a recipe's layers are sorted (one key): "stack" is then layer order
+    assert rel_error(all_layers[0], want[0].flip(0)) < 1e-4

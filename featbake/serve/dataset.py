@@ -37,7 +37,7 @@ from featbake.encode.sources import source_for
 from featbake.recipe import Recipe
 from featbake.serve.index import IndexSpec, build_index
 from featbake.serve.lastuse import TOUCH_FLUSH_ITEMS, TOUCH_FLUSH_SECONDS, TOUCH_REPEAT_SECONDS
-from featbake.serve.layers import LayerView, check_layer_view, view_layers
+from featbake.serve.layers import LayerView, check_layer_view, check_stored_parts, view_layers
 from featbake.serve.live import LiveEncoder, Misses
 from featbake.serve.options import check_options, recipe_from
 from featbake.serve.process import (
@@ -122,8 +122,11 @@ class CachedFeatureDataset(Dataset):
             fake clock to check both without sleeping).
         layers, precision: recipe fields, as ``featbake build --layers/--precision``.
         layer_view: with ``layers``, serve one layer (``6``: ``[T, D]``), a stacked subset
-            (``[0, 6]``: ``[L, T, D]``) or every stored layer stacked (``"stack"``) instead of
-            the dict of parts (see :mod:`featbake.serve.layers`).
+            (``[0, 6]``: ``[L, T, D]``, in that order) or the layers stacked in the order
+            ``layers`` lists them (``"stack"``; layer order for ``layers="all"``) instead of the
+            dict of parts (see :mod:`featbake.serve.layers`). Applied to single items and
+            batches alike; a view the store cannot give is a ConfigError at every read (from
+            the constructor when stored items already tell).
 
     Raises:
         ConfigError: an invalid option.
@@ -168,7 +171,7 @@ class CachedFeatureDataset(Dataset):
         options = {"source": source, "sample_rate": sample_rate, "mono": mono}
         options.update(max_seconds=max_seconds, output=output, dtype=dtype, precision=precision)
         self.recipe = recipe_for_encoder(encoder, recipe_from(recipe, options, layers))
-        self._layer_view = check_layer_view(layer_view)
+        self._layer_view = check_layer_view(layer_view, layers)
         self.on_miss = on_miss
         self.verify = verify
         self.max_open_shards = max_open_shards
@@ -208,6 +211,7 @@ class CachedFeatureDataset(Dataset):
         self._reads = Reads(self._index, self._layout)
         self._misses = Misses(self._index, self._reads, self._live, self._source, self.recipe)
         self._misses.on_miss, self._misses.write_back = on_miss, self.write_back
+        check_stored_parts(self._layer_view, self._index.parts)  # a view the store cannot give
         if self.read_only and on_miss == "encode" and self.stored() < len(self):
             warnings.warn(read_only_misses(self._layout, len(self) - self.stored()), stacklevel=2)
         # Which items had their checksum checked and their last use recorded, in anonymous
@@ -323,6 +327,7 @@ class CachedFeatureDataset(Dataset):
         # A remembered location is valid while its shard is open here and the item not moved.
         if (
             loc is not None
+            and self._layer_view is None
             and not st.use_lru
             and (st.verified[i] or not st.check_first)
             and st.open_readers.get(loc.path) is loc.reader
@@ -367,7 +372,7 @@ class CachedFeatureDataset(Dataset):
             st = self._proc()
         n = len(self._index.keys)
         idx = [i if type(i) is int and 0 <= i < n else self._index_of(i) for i in indices]
-        if self._index.parts == ("",) and idx:
+        if self._index.parts == ("",) and idx and self._layer_view is None:
             batch = self._reads.padded(st, idx)
             if batch is not None:
                 return batch

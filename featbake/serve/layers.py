@@ -4,7 +4,13 @@ A bake with ``--layers 0,6,12`` stores each layer as its own part (``layer0``, `
 ``layer12``) of one feature; a dataset item is then a dict of them. ``layer_view`` picks what a
 training loop wants from that dict, after the item's one read: an ``int`` gives that layer's
 ``[T, D]`` tensor (a linear probe), a sequence gives a stacked ``[L, T, D]`` tensor in that order
-(a SUPERB-style weighted sum), ``"stack"`` stacks every stored layer in layer order.
+(a SUPERB-style weighted sum), ``"stack"`` stacks the layers in the order ``layers=`` asked for
+them (``layers=[3, 1]``: layer 3, then layer 1, as ``layer_view=[3, 1]`` does), or every stored
+layer in layer order when ``layers`` named none (``"all"``, or a recipe's sorted layers).
+
+The view is applied on every read path (one item, a batch, the RAM tier), and a view the store
+cannot give (no layer parts, a layer not stored) is a :class:`ConfigError` at every read, or
+from the dataset's constructor when the stored items already tell.
 """
 
 from __future__ import annotations
@@ -21,13 +27,21 @@ STACK = "stack"
 
 LayerView = int | Sequence[int] | str | None
 
+_NO_LAYERS = (
+    "layer_view needs features stored per layer, and these are stored as one tensor; bake with "
+    "--layers (and pass the same layers= to the dataset), or drop layer_view"
+)
 
-def check_layer_view(view: LayerView) -> LayerView:
-    """Validate a ``layer_view`` option once, at construction.
+
+def check_layer_view(view: LayerView, asked: Sequence[int] | str | None = None) -> LayerView:
+    """Validate a ``layer_view`` option once, at construction; ``"stack"`` becomes the layers
+    in the order ``asked`` (the dataset's ``layers=``) when that lists them.
 
     Raises:
         ConfigError: not None, an int, a sequence of ints or ``"stack"``.
     """
+    if view == STACK and asked is not None and not isinstance(asked, str):
+        view = tuple(dict.fromkeys(asked))  # the order asked for; a repeat once
     if view is None or view == STACK:
         return view
     if isinstance(view, (bool, str)):
@@ -40,6 +54,17 @@ def check_layer_view(view: LayerView) -> LayerView:
     return layers
 
 
+def check_stored_parts(view: LayerView, parts: Sequence[str] | None) -> None:
+    """Raise now what :func:`view_layers` would raise on every item stored with ``parts``.
+
+    Raises:
+        ConfigError: the stored items have no layer parts, or not a layer ``view`` asks for.
+    """
+    if view is None or parts is None:
+        return  # no view, or items differ (each is checked when read)
+    view_layers({p: torch.empty(0) for p in parts if p} if parts != ("",) else None, view)
+
+
 def view_layers(item: Any, view: LayerView) -> Any:
     """``item`` (a dict of ``layerK`` parts) as ``view`` asks; unchanged when ``view`` is None.
 
@@ -49,12 +74,11 @@ def view_layers(item: Any, view: LayerView) -> Any:
     if view is None:
         return item
     if not isinstance(item, Mapping):
-        raise ConfigError(
-            "layer_view needs features stored per layer; bake with --layers (and pass the same "
-            "layers= to the dataset)"
-        )
+        raise ConfigError(_NO_LAYERS)
     if view == STACK:
         stored = sorted((k, p) for p in item if (k := layer_of_part(p)) is not None)
+        if not stored:
+            raise ConfigError(_NO_LAYERS)
         return torch.stack([item[p] for _, p in stored])
     if isinstance(view, int):
         return _layer(item, view)
