@@ -13,12 +13,14 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import soundfile
 import torch
 
 from featbake.bake.pipeline import build
 from featbake.encode.sources import check_input_files, scan_inputs
-from featbake.errors import SourceError
-from featbake.testing import write_audio_folder
+from featbake.errors import CacheMiss, SourceError
+from featbake.serve.dataset import CachedFeatureDataset
+from featbake.testing import make_tone, write_audio_folder
 from tests.conftest import REPO, live_features
 from tests.helpers import can_mount_privately
 
@@ -179,3 +181,49 @@ def test_a_read_only_store_serves_what_it_holds_when_the_folder_grew(
         torch.testing.assert_close(feat, want)
         if path in served["strict"]:
             torch.testing.assert_close(served["strict"][path], want)
+
+
+# -- issue 16 item 11: a file rewritten after the dataset was made ------------------------------
+def _rewrite(path: Path, source: Path) -> None:
+    """Rewrite ``path`` in place with ``source``'s bytes, keeping its size and mtime (``cp -p``
+    of a clip of equal length: only ctime tells)."""
+    st = path.stat()
+    path.write_bytes(source.read_bytes())
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+@pytest.mark.parametrize("ram_cache", [0, "16MiB"])
+def test_revalidate_serves_a_rewritten_file_as_it_is_now(
+    audio_dir: Path, encoder_file: Path, store_dir: Path, ram_cache: object
+) -> None:
+    """By default an item keeps the feature of its file as it was when the dataset was made
+    (documented); with ``revalidate=True`` one stat per read notices the rewrite and the item is
+    served as the file is now: a hit when the store holds the new bytes, else encoded live (or
+    a CacheMiss under on_miss="error"), on the single-item and the batch paths alike."""
+    build(audio_dir, encoder_file, cache=store_dir, workers=0)
+    opts = {"cache": store_dir, "ram_cache": ram_cache}
+    plain = CachedFeatureDataset(audio_dir, encoder_file, on_miss="error", **opts)
+    fresh = CachedFeatureDataset(audio_dir, encoder_file, revalidate=True, **opts)
+    strict = CachedFeatureDataset(audio_dir, encoder_file, revalidate=True, on_miss="error", **opts)
+    fixed = [i for i in range(len(plain)) if "/fixed/" in plain.path(i)]  # four 1 s clips
+    a, b, c = (Path(plain.path(i)) for i in fixed[:3])
+    old = [live_features(encoder_file, p) for p in (a, b)]
+    for ds in (plain, fresh, strict):
+        ds.__getitems__(fixed)  # read (located, RAM tier) before the rewrite
+        ds[fixed[0]], ds[fixed[1]]
+    _rewrite(a, c)  # bytes the store holds (c's)
+    soundfile.write(b, make_tone(1.0, seed=99), 16000)  # bytes nobody encoded
+    now = [live_features(encoder_file, p) for p in (a, b)]
+    assert not torch.equal(now[0], old[0]) and not torch.equal(now[1], old[1])
+    for k, i in enumerate(fixed[:2]):  # the default: the folder as it was (documented)
+        torch.testing.assert_close(plain[i], old[k])
+    torch.testing.assert_close(fresh[fixed[0]], now[0])
+    assert fresh.cache_info().encoded == 0  # a's new bytes are c's: a hit
+    torch.testing.assert_close(fresh[fixed[1]], now[1])  # encoded live
+    assert fresh.cache_info().encoded == 1
+    for got, want in zip(fresh.__getitems__(fixed[:2]), now, strict=True):
+        torch.testing.assert_close(got, want)
+    torch.testing.assert_close(strict.__getitems__(fixed[:1])[0], now[0])
+    with pytest.raises(CacheMiss, match=str(b)):
+        strict[fixed[1]]
+    assert fresh.key(fixed[0]) == fresh.key(fixed[2]) != plain.key(fixed[0])

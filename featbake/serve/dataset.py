@@ -50,6 +50,7 @@ from featbake.serve.process import (
     store_read_only,
 )
 from featbake.serve.reads import Reads
+from featbake.serve.revalidate import revalidate
 from featbake.serve.state import ProcessState, save_at_exit
 from featbake.serve.writeback import (
     WRITEBACK_BYTES,
@@ -90,6 +91,10 @@ class CachedFeatureDataset(Dataset):
     encoder now. The same recipe options as ``featbake build`` select the same keys, so a folder
     baked with the CLI is served with zero encoding and without opening one raw input.
 
+    It serves the folder as it was when the dataset was made (each key hashes a file's bytes
+    then): a file rewritten later keeps its old feature, one added later is not an item, one
+    deleted later is served from the store; ``revalidate=True`` serves changed files as they are.
+
     Args:
         data: a data folder (scanned recursively, sorted as ``featbake build`` does), or a
             sequence of file paths (served in the given order).
@@ -121,6 +126,9 @@ class CachedFeatureDataset(Dataset):
         clock: monotonic seconds, for write-back ageing and last-use flushing (tests pass a
             fake clock to check both without sleeping).
         layers, precision: recipe fields, as ``featbake build --layers/--precision``.
+        revalidate: check each item's file (one ``stat``) at every read, and serve a changed
+            file's new feature (a hit when the store holds it, else a miss under
+            ``on_miss``). Re-keying is per process; :meth:`key` says the key in this process.
         layer_view: with ``layers``, serve one layer (``6``: ``[T, D]``), a stacked subset
             (``[0, 6]``: ``[L, T, D]``, in that order) or the layers stacked in the order
             ``layers`` lists them (``"stack"``; layer order for ``layers="all"``) instead of the
@@ -166,6 +174,7 @@ class CachedFeatureDataset(Dataset):
         layers: Sequence[int] | str | None = None,
         precision: str | None = None,
         layer_view: LayerView = None,
+        revalidate: bool = False,
     ) -> None:
         check_options(on_miss, verify, max_open_shards)
         options = {"source": source, "sample_rate": sample_rate, "mono": mono}
@@ -176,6 +185,7 @@ class CachedFeatureDataset(Dataset):
         self.verify = verify
         self.max_open_shards = max_open_shards
         self._clock = clock
+        self.revalidate = revalidate
         self._ram_total = parse_bytes(ram_cache)
         dev.resolve_device(device)  # validate now, not at the first miss
         self._layout = Layout(Path(cache) if cache is not None else default_cache_dir()).ensure()
@@ -323,6 +333,8 @@ class CachedFeatureDataset(Dataset):
             st = self._proc()
         if type(i) is not int or not 0 <= i < len(self._index.keys):
             i = self._index_of(i)
+        if self.revalidate:
+            revalidate(self._index, st, (i,))
         loc = st.loc[i]
         # A remembered location is valid while its shard is open here and the item not moved.
         if (
@@ -372,6 +384,8 @@ class CachedFeatureDataset(Dataset):
             st = self._proc()
         n = len(self._index.keys)
         idx = [i if type(i) is int and 0 <= i < n else self._index_of(i) for i in indices]
+        if self.revalidate:
+            revalidate(self._index, st, idx)
         if self._index.parts == ("",) and idx and self._layer_view is None:
             batch = self._reads.padded(st, idx)
             if batch is not None:

@@ -24,9 +24,13 @@ from featbake.encode.fingerprints import hash_inputs, resolve_path
 from featbake.encode.sources import check_input_files, scan
 from featbake.errors import SourceError
 from featbake.keys import feature_key, root_id, sha256_hex
+from featbake.store.catalog import FileStat
 from featbake.store.serving_fragments import ServingStore
 
-__all__ = ["Index", "IndexSpec", "build_index"]
+__all__ = ["NO_STAT", "Index", "IndexSpec", "build_index"]
+
+#: The stat of an item whose key came from the root alone (its file gone or unreadable).
+NO_STAT = FileStat(-1, -1, -1, -1)
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,11 @@ class Index:
     """Item -> relative path, key and shard; the shard column follows gc moves and write-back.
 
     Attributes:
+        spec: what the keys were derived from.
         keys: ``S64`` key per item.
+        stats: ``[n, 4]`` int64: each input's (size, mtime_ns, inode, ctime_ns) when its key was
+            hashed, -1 where the key came from the root alone (a file gone or unreadable);
+            what ``revalidate=True`` compares a file's stat with.
         shard: shard id per item (an index into :attr:`shard_names`), -1 when not stored.
         parts: the output parts every item has (``("",)`` for one tensor), or None when they
             differ and each item's are looked up.
@@ -55,10 +63,18 @@ class Index:
     """
 
     def __init__(
-        self, rel_paths: list[str], keys: list[str], data_dir: str | None, catalog: ServingStore
+        self,
+        rel_paths: list[str],
+        keys: list[str],
+        data_dir: str | None,
+        catalog: ServingStore,
+        spec: IndexSpec,
+        stats: Sequence[FileStat | None],
     ) -> None:
         n = len(keys)
+        self.spec = spec
         self.data_dir = data_dir
+        self.stats = np.array([st or NO_STAT for st in stats], dtype=np.int64).reshape(n, 4)
         self.keys = np.array(keys, dtype="S64") if n else np.zeros(0, dtype="S64")
         blob = "\0".join(rel_paths).encode("utf-8", "surrogateescape")
         self.path_blob = np.frombuffer(blob, dtype=np.uint8).copy()
@@ -104,6 +120,12 @@ class Index:
     def stored(self) -> int:
         return int((self.shard >= 0).sum())
 
+    def rekey(self, i: int, key: str, stat: FileStat, shard: str | None) -> None:
+        """Item ``i``'s file now hashes to ``key`` (stat ``stat``), stored in ``shard`` or not."""
+        self.keys[i] = key.encode()
+        self.stats[i] = stat
+        self.shard[i] = self.sid(shard) if shard is not None else -1
+
 
 def build_index(
     data: object, spec: IndexSpec, catalog: ServingStore, *, publish: bool = True
@@ -123,7 +145,8 @@ def build_index(
     # The folder scan's own checks first: a FIFO or a device in the list would block the
     # first read forever, a symlink loop would fail the resolve below with a RuntimeError.
     paths = [resolve_path(p) for p in check_input_files(data)]  # type: ignore[arg-type]
-    digests, failed = hash_inputs(catalog, paths)
+    stats: dict[str, FileStat] = {}
+    digests, failed = hash_inputs(catalog, paths, stats=stats)
     raise_unreadable([p for p in paths if p in failed], failed)
     keys = [spec.key(digests[p]) for p in paths]
     # Published like a folder's root (named from the set of files), so gc keeps what this
@@ -131,7 +154,7 @@ def build_index(
     label = "paths:" + sha256_hex("\n".join(sorted(set(paths))).encode())[:16]
     if publish:
         _publish_root(catalog, spec, label, list(zip(paths, keys, strict=True)))
-    return Index(paths, keys, None, catalog)
+    return Index(paths, keys, None, catalog, spec, [stats[p] for p in paths])
 
 
 def _index_folder(data_dir: str, spec: IndexSpec, catalog: ServingStore, publish: bool) -> Index:
@@ -147,11 +170,15 @@ def _index_folder(data_dir: str, spec: IndexSpec, catalog: ServingStore, publish
             raise
         scanned = []  # the inputs are gone, the features are not
     rel_paths = sorted(set(scanned) | set(manifest)) if manifest else scanned
-    digests, failed = hash_inputs(catalog, [os.path.join(data_dir, r) for r in scanned])
+    stats: dict[str, FileStat] = {}
+    paths = [os.path.join(data_dir, r) for r in scanned]
+    digests, failed = hash_inputs(catalog, paths, stats=stats)
     keys: list[str] = []
     bad: list[str] = []
+    hashed: list[FileStat | None] = []
     for rel in rel_paths:
         path = os.path.join(data_dir, rel)
+        hashed.append(stats[path] if path in digests else None)
         if path in digests:
             keys.append(spec.key(digests[path]))
         elif rel in manifest:
@@ -162,7 +189,7 @@ def _index_folder(data_dir: str, spec: IndexSpec, catalog: ServingStore, publish
     raise_unreadable(bad, failed)
     if publish:
         _publish_root(catalog, spec, data_dir, list(zip(rel_paths, keys, strict=True)), name)
-    return Index(rel_paths, keys, data_dir, catalog)
+    return Index(rel_paths, keys, data_dir, catalog, spec, hashed)
 
 
 def _publish_root(

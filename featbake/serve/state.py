@@ -160,6 +160,15 @@ class ProcessState:
         if self.writeback.first_pending or not self.ops & 255:
             self.tick()
 
+    def forget(self, i: int) -> None:
+        """Item ``i`` was re-keyed: forget its location, checksum and last-use flags and its
+        RAM-tier copy, so its next read is of the new key's feature."""
+        self.loc[i] = None
+        self.verified[i] = 0
+        self.touched[i] = 0
+        if self.use_lru:
+            self.lru.pop(i)
+
     def tick(self) -> None:
         """Seal an aged write-back, flush last uses when due, expire the shared touch flags."""
         self.writeback.seal_if_due()
