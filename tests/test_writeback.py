@@ -19,9 +19,10 @@ from featbake.serve.cached_encoder import CachedEncoder
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.serve.lastuse import TOUCH_FLUSH_SECONDS
 from featbake.serve.writeback import WRITEBACK_SECONDS
-from featbake.store.catalog import Catalog
+from featbake.store.catalog import Catalog, read_root_file, root_file
 from featbake.store.layout import Layout
 from featbake.testing import TinyConvEncoder, make_tone
+from featbake.upkeep.verify_repair import verify
 from tests.conftest import live_features
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -227,3 +228,74 @@ def test_hits_go_on_when_files_cannot_grow(
     warned, encoded = map(int, proc.stdout.split())
     assert warned == 1 and encoded >= 2  # the miss was encoded again after the drop
     assert shard_files(store_dir) == before
+
+
+# -- issue 22 item 6: a CachedEncoder's root grows by what is sealed, not by its size -----------
+def _extend(cat: Catalog, keys: list[str]) -> int:
+    return cat.extend_root(
+        "cached-encoder-x", data="cached-encoder:x", encoder_label="E", encoder_fp="e" * 64,
+        recipe_fp="r" * 64, recipe={}, keys=keys,
+    )  # fmt: skip
+
+
+def _steps_to_extend(cat: Catalog, keys: list[str]) -> int:
+    """SQLite virtual-machine steps (in units of 100) one extend_root takes: rows read count."""
+    steps = [0]
+
+    def count() -> int:
+        steps[0] += 1
+        return 0
+
+    cat.conn.set_progress_handler(count, 100)
+    try:
+        _extend(cat, keys)
+    finally:
+        cat.conn.set_progress_handler(None, 0)
+    return steps[0]
+
+
+def test_extending_a_root_costs_what_is_added_not_the_root(store_dir: Path) -> None:
+    """The write-back of each sealed shard read every item of the root and rewrote its whole
+    manifest file (fsync included) inside the write transaction: quadratic in the store. Now
+    five keys added to a root of 6,000 cost what they cost on a root of 60, the manifest file
+    is written once, and what was appended reads back (verify clean, repair rebuilds it)."""
+    layout = Layout(store_dir).ensure()
+    cat = Catalog(layout)
+    _extend(cat, [f"{i:064x}" for i in range(60)])
+    manifest = root_file(layout, "cached-encoder-x")
+    written = manifest.stat()
+    small = _steps_to_extend(cat, [f"a{i:063x}" for i in range(5)])
+    for start in range(1000, 7000, 1000):  # the root grows by sealed shards of 1,000 keys
+        assert _extend(cat, [f"{i:064x}" for i in range(start, start + 1000)]) == 1000
+    large = _steps_to_extend(cat, [f"b{i:063x}" for i in range(5)])
+    assert large < 3 * small + 5, (small, large)  # was ~100x: every item read per extend
+    assert _extend(cat, [f"{i:064x}" for i in (5, 1005, 6999)]) == 0  # named already: nothing
+    now = manifest.stat()
+    assert (now.st_ino, now.st_mtime_ns) == (written.st_ino, written.st_mtime_ns)  # never rewritten
+    items = [tuple(x) for x in cat.root_items("cached-encoder-x")]
+    assert len(items) == 6070 and read_root_file(manifest)[1] == items
+    cat.close()
+    assert verify(store_dir).status == "clean"
+    for suffix in ("", "-wal", "-shm"):  # the catalog lost: the manifest (and its tail) rebuild it
+        Path(f"{layout.catalog}{suffix}").unlink(missing_ok=True)
+    assert verify(store_dir, repair_damage=True).status in ("repaired", "clean")
+    with Catalog(layout) as again:
+        assert [tuple(x) for x in again.root_items("cached-encoder-x")] == items
+
+
+def test_a_cached_encoder_root_stays_whole_across_sealed_shards(store_dir: Path) -> None:
+    """Every shard CachedEncoder seals appends its keys; verify finds the root and the manifest
+    in agreement, and a fresh wrapper serves every row from the store."""
+    enc = TinyConvEncoder().eval().requires_grad_(False)
+    ce = CachedEncoder(enc, cache=store_dir, ram_cache=0)
+    x = torch.stack([torch.from_numpy(make_tone(0.3, seed=s)[:, 0]) for s in range(8)])
+    for k in range(0, 8, 2):
+        ce(x[k : k + 2], ids=[k, k + 1])
+        ce.flush()  # one sealed shard per step
+    with Catalog(Layout(store_dir)) as cat:
+        root = next(r for r in cat.roots() if r.name.startswith("cached-encoder-"))
+        assert len(cat.root_items(root.name)) == 8
+    assert verify(store_dir).status == "clean"
+    fresh = CachedEncoder(TinyConvEncoder().eval().requires_grad_(False), cache=store_dir)
+    torch.testing.assert_close(fresh(x, ids=list(range(8))), enc(x))
+    assert fresh.stats["hits_store"] == 8 and fresh.stats["encoded"] == 0

@@ -34,6 +34,14 @@ def root_file(layout: Layout, name: str) -> Path:
     return roots_dir(layout) / f"{name}.json"
 
 
+def items_file(layout: Layout, name: str) -> Path:
+    """``roots/<name>.items``: items appended to a root's manifest since its file was written
+    whole (one ``[path, key]`` JSON array per line), so that extending a root costs what is
+    added, not the whole manifest. Read with the manifest; gone when the file is written whole.
+    """
+    return roots_dir(layout) / f"{name}.items"
+
+
 def tombstone_file(layout: Layout, name: str) -> Path:
     """Left by a root drop while it runs; a crash leaves it for gc to finish the drop."""
     return roots_dir(layout) / f"{name}.dropped"
@@ -72,8 +80,11 @@ def write_root_file(layout: Layout, root: Root, items: Sequence[tuple[str, str]]
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
-        with contextlib.suppress(FileNotFoundError):
-            tombstone_file(layout, root.name).unlink()
+        # The whole manifest holds the appended items now. (A crash before this unlink leaves
+        # them twice: verify reports the file stale and --repair rewrites it; none is lost.)
+        for stale in (items_file(layout, root.name), tombstone_file(layout, root.name)):
+            with contextlib.suppress(FileNotFoundError):
+                stale.unlink()
         fsync_dir(final.parent)
     except OSError as e:
         with contextlib.suppress(OSError):
@@ -85,8 +96,42 @@ def write_root_file(layout: Layout, root: Root, items: Sequence[tuple[str, str]]
     return final
 
 
+def append_root_items(layout: Layout, name: str, items: Sequence[tuple[str, str]]) -> None:
+    """Append ``items`` to root ``name``'s manifest durably (write, fsync), in its ``.items``
+    file. Called inside the transaction that adds their rows, as the whole file is.
+
+    Raises:
+        StoreError: the store is not writable.
+    """
+    path = items_file(layout, name)
+    try:
+        created = not path.exists()
+        with open(path, "a", encoding="utf-8") as f:
+            f.write("".join(json.dumps([p, k], separators=(",", ":")) + "\n" for p, k in items))
+            f.flush()
+            os.fsync(f.fileno())
+        if created:
+            fsync_dir(path.parent)
+    except OSError as e:
+        raise StoreError(
+            f"could not append to the root manifest {path}: {e.strerror or e}; "
+            "check that the cache directory is writable and has space"
+        ) from e
+
+
+def _appended_items(path: Path) -> list[RootItem]:
+    """The items of a manifest's ``.items`` file; a last line cut short by a crash (written
+    before its transaction committed, so never in the catalog) is ignored."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    lines = text.split("\n")[:-1]  # only lines that were ended
+    return [RootItem(str(p), str(k)) for p, k in map(json.loads, lines)]
+
+
 def read_root_file(path: Path) -> tuple[Root, list[tuple[str, str]]]:
-    """Parse a root manifest file.
+    """Parse a root manifest file (and the items appended to it since, in its ``.items``).
 
     Raises:
         StoreCorrupt: the file is not a readable featbake root manifest.
@@ -96,6 +141,7 @@ def read_root_file(path: Path) -> tuple[Root, list[tuple[str, str]]]:
         if doc.get("format") != ROOT_FORMAT:
             raise ValueError("not a featbake root manifest")
         items = [RootItem(str(p), str(k)) for p, k in doc["items"]]
+        items += _appended_items(path.with_suffix(".items"))
         root = Root(
             name=doc["name"],
             data=doc["data"],
@@ -118,14 +164,15 @@ def read_root_file(path: Path) -> tuple[Root, list[tuple[str, str]]]:
 def write_root_rows(
     c: Transaction, root: Root, items: Sequence[tuple[str, str]], *, first: int = 0
 ) -> None:
-    """Write a root's row, and its items from index ``first`` on (the only writer of both)."""
+    """Write a root's row, and ``items`` as its items from index ``first`` on (the only writer
+    of both; ``first`` > 0 appends to the items already there)."""
     c.execute(
         f"INSERT OR REPLACE INTO roots({', '.join(Root.COLUMNS)}) VALUES (?,?,?,?,?,?,?,?,?)",
         root.row(),
     )
     c.executemany(
         "INSERT INTO root_items(root, idx, path, key) VALUES (?,?,?,?)",
-        [(root.name, i, p, k) for i, (p, k) in enumerate(items[first:], start=first)],
+        [(root.name, i, p, k) for i, (p, k) in enumerate(items, start=first)],
     )
 
 
@@ -201,8 +248,10 @@ class RootWrites(CatalogConnection):
         For writers with no data folder to rebuild a manifest from (``CachedEncoder``): what
         they store stays reachable, so gc keeps it until the root is dropped (``featbake roots
         drop`` or ``gc --older-than``). Items get an empty path. Call it before
-        :meth:`add_shard` for those keys, so gc never sees their rows unreached. The manifest
-        file is rewritten whole, inside the transaction, as :meth:`replace_root` does.
+        :meth:`add_shard` for those keys, so gc never sees their rows unreached. Its cost is
+        that of the keys added: they are looked up through the key index and appended to the
+        manifest's ``.items`` file (fsynced, inside the transaction), never the whole manifest
+        read or rewritten (which made a CachedEncoder's write-back quadratic in its root).
 
         Example:
             >>> cat.extend_root("cached-encoder-3f1c", data="cached-encoder:3f1c",
@@ -210,16 +259,17 @@ class RootWrites(CatalogConnection):
             ...     keys=["9a..."])  # doctest: +SKIP
         """
         now = time.time() if now is None else now
+        wanted = list(dict.fromkeys(keys))
         with self.transaction() as c:
             old = c.execute("SELECT created FROM roots WHERE name=?", (name,)).fetchone()
-            items = [RootItem._make(r) for r in c.execute(ITEMS_SELECT, (name,))]
-            named = {item.key for item in items}
-            new = [k for k in dict.fromkeys(keys) if k not in named]
+            named = _named_keys(c, name, wanted) if old is not None else set()
+            new = [RootItem("", k) for k in wanted if k not in named]
             if old is not None and not new:
                 c.execute("UPDATE roots SET last_used=? WHERE name=?", (now, name))
                 return 0
-            first = len(items)
-            items += [RootItem("", k) for k in new]
+            first = c.execute(
+                "SELECT COALESCE(MAX(idx) + 1, 0) FROM root_items WHERE root=?", (name,)
+            ).fetchone()[0]
             root = Root(
                 name=name,
                 data=data,
@@ -227,13 +277,30 @@ class RootWrites(CatalogConnection):
                 encoder_fp=encoder_fp,
                 recipe_fp=recipe_fp,
                 recipe=recipe,
-                items=len(items),
+                items=first + len(new),
                 created=old[0] if old else now,
                 last_used=now,
             )
-            write_root_rows(c, root, items, first=first)
-            write_root_file(self.layout, root, items)
+            write_root_rows(c, root, new, first=first)
+            if first and root_file(self.layout, name).exists():
+                append_root_items(self.layout, name, new)  # what was added, not the manifest
+            else:  # a new root (or its file lost): the whole manifest, once
+                items = [RootItem._make(r) for r in c.execute(ITEMS_SELECT, (name,))]
+                write_root_file(self.layout, root, items)
         return len(new)
+
+
+def _named_keys(c: Transaction, name: str, keys: Sequence[str]) -> set[str]:
+    """Which of ``keys`` root ``name`` names already (through the key index: no item scan)."""
+    named: set[str] = set()
+    for s in range(0, len(keys), 500):  # well under SQLite's bound on parameters
+        chunk = keys[s : s + 500]
+        marks = ",".join("?" * len(chunk))
+        rows = c.execute(
+            f"SELECT key FROM root_items WHERE key IN ({marks}) AND root=?", (*chunk, name)
+        )
+        named.update(k for (k,) in rows)
+    return named
 
 
 class RootDrops(CatalogConnection):
@@ -270,6 +337,7 @@ class RootDrops(CatalogConnection):
             if between:
                 c.after_commit(lambda: between("drop-root-committed"))
             c.after_commit(lambda: unlink_quietly(dead))
+            c.after_commit(lambda: unlink_quietly(items_file(self.layout, name)))
         return True
 
     def finish_drop(self, name: str) -> bool:
@@ -285,6 +353,7 @@ class RootDrops(CatalogConnection):
             c.execute("DELETE FROM root_items WHERE root=?", (name,))
             dropped = c.execute("DELETE FROM roots WHERE name=?", (name,)).rowcount > 0
             c.after_commit(lambda: unlink_quietly(dead))
+            c.after_commit(lambda: unlink_quietly(items_file(self.layout, name)))
         return dropped
 
 
