@@ -145,8 +145,8 @@ class CachedEncoder(nn.Module):
             raise ConfigError(f"CachedEncoder wraps an nn.Module, got {type(encoder).__name__}")
         self.encoder = encoder
         self.enabled = enabled
-        self._ram = ByteLRU(parse_bytes(ram_cache))
-        self._dev = ByteLRU(parse_bytes(device_cache))
+        self._ram: ByteLRU[str, Any] = ByteLRU(parse_bytes(ram_cache))
+        self._dev: ByteLRU[str, Any] = ByteLRU(parse_bytes(device_cache))
         self._recipe_fp = recipe_fingerprint(CACHED_ENCODER_RECIPE)
         self._watch = ModuleWatch(encoder, check_weights=check_weights)
         self._clock = clock

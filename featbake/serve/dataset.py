@@ -18,6 +18,7 @@ written out here, so that a hit costs no call it does not need.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 import warnings
@@ -177,7 +178,7 @@ class CachedFeatureDataset(Dataset):
         revalidate: bool = False,
     ) -> None:
         check_options(on_miss, verify, max_open_shards)
-        options = {"source": source, "sample_rate": sample_rate, "mono": mono}
+        options: dict[str, Any] = {"source": source, "sample_rate": sample_rate, "mono": mono}
         options.update(max_seconds=max_seconds, output=output, dtype=dtype, precision=precision)
         self.recipe = recipe_for_encoder(encoder, recipe_from(recipe, options, layers))
         self._layer_view = check_layer_view(layer_view, layers)
@@ -306,7 +307,7 @@ class CachedFeatureDataset(Dataset):
             writeback = WriteBack(
                 self._layout,
                 self._recipe_fp,
-                on_sealed=lambda shard, ref=weakref.ref(self): _tell_published(ref, shard),
+                on_sealed=functools.partial(_tell_published, weakref.ref(self)),
                 clock=self._clock,
                 policy=SealPolicy(),
                 catalogs=catalogs,
@@ -350,7 +351,10 @@ class CachedFeatureDataset(Dataset):
                 st.open_readers.move_to_end(loc.path)
                 st.last_path = loc.path
             out = torch.empty(loc.nbytes, dtype=torch.uint8)
-            if loc.nbytes and os.preadv(loc.reader.fd, (out.numpy(),), loc.offset) != loc.nbytes:
+            if (
+                loc.nbytes
+                and os.preadv(loc.reader.fd, (out.numpy().data,), loc.offset) != loc.nbytes
+            ):
                 raise loc.reader.cut_short(self._index.key(i))
             st.store_reads += 1
             st.touch(i)

@@ -75,7 +75,7 @@ def view_layers(item: Any, view: LayerView) -> Any:
         return item
     if not isinstance(item, Mapping):
         raise ConfigError(_NO_LAYERS)
-    if view == STACK:
+    if isinstance(view, str):  # STACK, the one string check_layer_view lets through
         stored = sorted((k, p) for p in item if (k := layer_of_part(p)) is not None)
         if not stored:
             raise ConfigError(_NO_LAYERS)

@@ -13,6 +13,7 @@ All CUDA calls go through :mod:`featbake.device`.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -50,8 +51,9 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
         return fn(obj)
     if isinstance(obj, Mapping):
         items = {k: map_tensors(fn, v) for k, v in obj.items()}
+        rebuild: Callable[[dict[Any, Any]], Any] = type(obj)  # dict, OrderedDict, BatchFeature...
         try:
-            return type(obj)(items)
+            return rebuild(items)
         except TypeError:  # a Mapping type without a dict constructor
             return items
     if isinstance(obj, tuple):
@@ -201,7 +203,7 @@ class DevicePrefetcher:
             batch = ahead.popleft()
             dev.wait_stream(self._device, self._stream)
             current = dev.current_stream(self._device)
-            map_tensors(lambda t, s=current: dev.record_stream(t, s), batch)
+            map_tensors(functools.partial(dev.record_stream, stream=current), batch)
             # Queue the next copy before handing this batch out, so it overlaps the step.
             fill()
             self._batches += 1

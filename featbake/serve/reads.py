@@ -94,6 +94,7 @@ class Reads:
             check = st.check_always or (st.check_first and not st.verified[i])
             mode = "always" if check else "never"
             parts = ix.parts
+            value: Any
             if parts == ("",) and st.use_lru:
                 value = self._read_owned(reader, key, check)
             elif parts == ("",):
@@ -365,7 +366,7 @@ def _then_zero(job: RowJob, tail: np.ndarray) -> None:
 
 def _pread_row(row: np.ndarray, loc: Located, key: str) -> None:
     """Read a located tensor into the start of ``row`` (bytes) and zero the padding after it."""
-    if loc.nbytes and os.preadv(loc.reader.fd, (row[: loc.nbytes],), loc.offset) != loc.nbytes:
+    if loc.nbytes and os.preadv(loc.reader.fd, (row[: loc.nbytes].data,), loc.offset) != loc.nbytes:
         raise loc.reader.cut_short(key)
     if loc.nbytes < row.nbytes:
         row[loc.nbytes :] = 0

@@ -109,9 +109,9 @@ class RowRun:
         except Exception as e:
             errors.append(e)
         for f in self._futures:
-            e = f.exception()
-            if e is not None:
-                errors.append(e)
+            failed = f.exception()
+            if failed is not None:
+                errors.append(failed)
         self._futures = []
         if errors:
             raise errors[0]

@@ -360,7 +360,7 @@ class ShardReader:
     def _checksum(self, name: str, info: TensorInfo, data: torch.Tensor) -> str:
         """The checksum of ``data`` (the tensor's bytes as read) under this shard's format."""
         if self.version == "1":
-            flat = data.reshape(-1).view(torch.uint8).numpy() if data.numel() else b""
+            flat = data.reshape(-1).view(torch.uint8).numpy().data if data.numel() else b""
             return f"{zlib.crc32(flat) & 0xFFFFFFFF:08x}"
         head = crc32c(tensor_descriptor(name, info.dtype, info.shape))
         return f"{crc32c_tensor(data, head):08x}"

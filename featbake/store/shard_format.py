@@ -168,7 +168,7 @@ def tensor_checksum(version: str, name: str, t: torch.Tensor) -> str:
 def tensor_buffer(t: torch.Tensor) -> memoryview:
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 def shard_metadata(
