@@ -172,3 +172,24 @@ def test_every_exception_is_still_needed() -> None:
     stale = [n for n in LONG_FUNCTIONS if lengths.get(n, 0) <= MAX_FUNCTION_LINES]
     stale += [n for n in LONG_MODULES if sizes.get(n, 0) <= MAX_MODULE_LINES]
     assert not stale, f"short now, drop their exceptions: {stale}"
+
+
+def test_the_declared_python_floor_is_the_one_ci_tests() -> None:
+    """``requires-python``'s minimum is what ruff targets and what CI runs the tests on.
+
+    A floor below the tested Python is a promise nobody checks: 3.10 was declared while
+    ``enum.StrEnum`` and ``hashlib.file_digest`` (3.11) made four commands fail to import there.
+    """
+    import os
+    import re
+    import sys
+    import tomllib
+
+    project = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())
+    floor = re.fullmatch(r">=\s*3\.(\d+)", project["project"]["requires-python"])
+    assert floor, "requires-python must be a plain '>=3.N' floor"
+    minor = int(floor.group(1))
+    assert project["tool"]["ruff"]["target-version"] == f"py3{minor}"
+    assert sys.version_info[:2] >= (3, minor)
+    if os.environ.get("CI") == "true":
+        assert sys.version_info[:2] == (3, minor), "CI must test the declared minimum Python"

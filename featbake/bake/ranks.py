@@ -18,12 +18,12 @@ from __future__ import annotations
 import heapq
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 from featbake.errors import ConfigError
 
 
-class RankSource(str, Enum):
+class RankSource(StrEnum):
     """Where a process learnt its rank."""
 
     SINGLE = "single process"

@@ -8,29 +8,17 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 from featbake.encode.encoders import PICKLE, LoadedEncoder, detect_kind
 from featbake.keys import sha256_hex
 from featbake.progress import Progress
 from featbake.store.catalog import ENCODER_FP_PREFIX, FileStat, HashRow, ServingCatalog
 
-READ_CHUNK = 1024 * 1024
-
 
 def file_fingerprint(path: str | os.PathLike[str]) -> str:
     """SHA-256 of a file's bytes, streamed (never the whole file in memory)."""
     with open(path, "rb") as f:
-        if hasattr(hashlib, "file_digest"):  # Python >= 3.11
-            return hashlib.file_digest(f, "sha256").hexdigest()
-        return stream_digest(f)
-
-
-def stream_digest(f: Any) -> str:
-    h = hashlib.sha256()
-    while chunk := f.read(READ_CHUNK):
-        h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def resolve_path(path: str | os.PathLike[str]) -> str:

@@ -79,8 +79,7 @@ __all__ = [
 
 
 def _tell_published(ds_ref: weakref.ref[CachedFeatureDataset], shard: SealedShard) -> None:
-    ds = ds_ref()
-    if ds is not None:
+    if (ds := ds_ref()) is not None:
         ds._published(shard)
 
 
@@ -351,10 +350,8 @@ class CachedFeatureDataset(Dataset):
                 st.open_readers.move_to_end(loc.path)
                 st.last_path = loc.path
             out = torch.empty(loc.nbytes, dtype=torch.uint8)
-            if (
-                loc.nbytes
-                and os.preadv(loc.reader.fd, (out.numpy().data,), loc.offset) != loc.nbytes
-            ):
+            got = os.preadv(loc.reader.fd, (out.numpy().data,), loc.offset) if loc.nbytes else 0
+            if got != loc.nbytes:
                 raise loc.reader.cut_short(self._index.key(i))
             st.store_reads += 1
             st.touch(i)

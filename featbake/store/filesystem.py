@@ -20,7 +20,7 @@ import time
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 
 from featbake.errors import ConfigError, StoreError
@@ -28,7 +28,7 @@ from featbake.errors import ConfigError, StoreError
 ENV_VAR = "FEATBAKE_SHARED_FS"
 
 
-class FsKind(str, Enum):
+class FsKind(StrEnum):
     """The families of filesystems featbake tells apart."""
 
     LOCAL = "local"

@@ -42,7 +42,7 @@ import time
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 from typing import NamedTuple
 from urllib.parse import quote
@@ -68,7 +68,7 @@ _SCHEMA = (
 )
 
 
-class FragmentKind(str, Enum):
+class FragmentKind(StrEnum):
     """``part``: shards sealed so far; ``done``: the rank finished (carries its manifest slice);
     ``serve``: what a serving process on a shared filesystem wrote (merged on its own)."""
 

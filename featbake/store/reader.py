@@ -17,7 +17,7 @@ import stat
 import struct
 import zlib
 from collections.abc import Callable
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ from featbake.store.shard_format import (
 )
 
 
-class VerifyMode(str, Enum):  # StrEnum is 3.11+; featbake supports 3.10
+class VerifyMode(StrEnum):
     """When a tensor's checksum is checked: on its first read in a process, always, or never."""
 
     FIRST = "first"

@@ -24,7 +24,7 @@ import urllib.parse
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +82,7 @@ os.register_at_fork(
 )
 
 
-class Access(str, Enum):
+class Access(StrEnum):
     """How a catalog file is opened."""
 
     READ_WRITE = "read-write"
