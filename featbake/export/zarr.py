@@ -310,7 +310,9 @@ def _copy_features(
             for key in keys:
                 if key not in got:
                     raise StoreError(
-                        f"feature {key} vanished during the export (gc?); run the export again"
+                        f"feature {key} vanished during the export (gc ran, or its shard was "
+                        "removed by hand); run the export again, after `featbake verify "
+                        "--repair` if this persists"
                     )
                 for part, t in got[key].items():
                     written += writers[part].add(t)

@@ -20,7 +20,6 @@ policy), and outputs are named by :mod:`featbake.encode.outputs`' one rule.
 
 from __future__ import annotations
 
-import contextlib
 import time
 import warnings
 import weakref
@@ -34,7 +33,7 @@ from torch import nn
 
 from featbake.encode.encoders import is_frozen
 from featbake.encode.outputs import is_tuple_parts, join_outputs, name_outputs
-from featbake.errors import ConfigError, EncodeError, ShardMissing
+from featbake.errors import ConfigError, EncodeError
 from featbake.keys import feature_key, recipe_fingerprint
 from featbake.lru import ByteLRU, CacheInfo
 from featbake.serve.identity import ModuleWatch, id_digest, row_digest
@@ -255,18 +254,7 @@ class CachedEncoder(nn.Module):
 
     def _from_store(self, keys: list[str]) -> dict[str, dict[str, torch.Tensor]]:
         """What the store holds of ``keys``; a feature whose shard is gone is a miss."""
-        reader = self._store_reader()
-        try:
-            return reader.get_many(keys)
-        except ShardMissing:
-            pass  # a shard deleted by hand: look the keys up one by one, the rest still hit
-        out = {}
-        for key in keys:
-            with contextlib.suppress(ShardMissing):  # corrupt bytes still raise StoreCorrupt
-                got = reader.get(key)
-                if got is not None:
-                    out[key] = got
-        return out
+        return self._store_reader().get_many(keys)
 
     def _stand_aside_reason(self, x: torch.Tensor) -> str | None:
         if not self.enabled:

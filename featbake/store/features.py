@@ -33,7 +33,6 @@ class FeatureReader:
 
         Raises:
             StoreCorrupt: the bytes fail their checksum (never silent garbage).
-            ShardMissing: the shard is gone even after looking the key up again.
         """
         return self.get_located(key, self.catalog.locate(key))
 
@@ -48,7 +47,13 @@ class FeatureReader:
         return out
 
     def get_located(self, key: str, locations: list[Location]) -> dict[str, torch.Tensor] | None:
-        """Read ``key`` from looked-up ``locations``; re-resolves once if a shard vanished."""
+        """Read ``key`` from looked-up ``locations``; None when the store no longer has it.
+
+        The one "a shard vanished" rule of every catalog-located read: gc may have moved the
+        feature (compaction), so it is looked up once more; a feature gc dropped, or whose shard
+        is gone although the catalog still names it (deleted by hand, a partial copy), is a
+        miss, never an error on a read path. Corrupt bytes still raise :class:`StoreCorrupt`.
+        """
         if not locations:
             return None
         try:
@@ -56,10 +61,11 @@ class FeatureReader:
         except ShardMissing:
             for loc in locations:
                 self.handles.forget(self.layout.shard_path(loc.shard))
+        try:
             fresh = self.catalog.locate(key)
-            if not fresh:
-                return None  # gc dropped the feature itself: a miss, not an error
-            return self._read(fresh)
+            return self._read(fresh) if fresh else None
+        except ShardMissing:
+            return None
 
     def _read(self, locations: list[Location]) -> dict[str, torch.Tensor]:
         return {

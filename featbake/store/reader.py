@@ -32,7 +32,6 @@ from featbake.store.shard_format import (
     ST_TO_DTYPE,
     TensorInfo,
     crc32c,
-    crc32c_tensor,
     tensor_descriptor,
 )
 
@@ -261,7 +260,7 @@ class ShardReader:
             mode == VerifyMode.FIRST and name not in self._verified
         )
         buf = torch.empty(info.end - info.begin, dtype=torch.uint8)
-        self._fill(name, info, buf, buf.numpy(), check)
+        self.read_job(name, buf.numpy(), verify=check)()  # the one read-and-check path
         return buf.view(ST_TO_DTYPE[info.dtype]).view(info.shape)
 
     def _info(self, name: str) -> TensorInfo:
@@ -343,27 +342,6 @@ class ShardReader:
             raise StoreError(f"cannot read shard {self.path}: {e.strerror or e}") from e
         if got != dest.nbytes:
             raise self.cut_short(name)
-
-    def _fill(
-        self, name: str, info: TensorInfo, out: torch.Tensor, dest: Any, verify: bool
-    ) -> None:
-        """pread the tensor's bytes into ``dest`` (``out``'s memory as bytes), then check them.
-
-        The checksum runs right after the read, while the bytes are still in the CPU's cache.
-        """
-        self._pread(name, info.begin, dest)
-        if verify:
-            if info.crc is None or self._checksum(name, info, out) != info.crc:
-                raise corrupt_shard(self.path, f"checksum mismatch in tensor {name}")
-            self._verified.add(name)
-
-    def _checksum(self, name: str, info: TensorInfo, data: torch.Tensor) -> str:
-        """The checksum of ``data`` (the tensor's bytes as read) under this shard's format."""
-        if self.version == "1":
-            flat = data.reshape(-1).view(torch.uint8).numpy().data if data.numel() else b""
-            return f"{zlib.crc32(flat) & 0xFFFFFFFF:08x}"
-        head = crc32c(tensor_descriptor(name, info.dtype, info.shape))
-        return f"{crc32c_tensor(data, head):08x}"
 
     def verify_all(self) -> list[str]:
         """Names of tensors whose bytes fail their checksum (empty when the shard is sound)."""

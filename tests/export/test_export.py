@@ -121,3 +121,17 @@ def test_overwrite_refuses_what_is_not_an_export(
     again = export_zarr(tmp_path / "feats.zarr", cache=store_dir, overwrite=True)
     assert again.items == first.items == 4
     assert zarr.open_group(str(tmp_path / "feats.zarr"), mode="r")["values"].shape[0] == 4
+
+
+def test_a_shard_deleted_by_hand_stops_the_export_with_the_fix(
+    encoder_file: Path, audio_dir: Path, store_dir: Path, tmp_path: Path
+) -> None:
+    """The export reads through the one located-read rule (a vanished shard is a miss) and turns
+    the miss into one error that names the fix; nothing is published at the destination."""
+    from featbake.errors import StoreError
+
+    bake(audio_dir, encoder_file, store_dir)
+    next(store_dir.rglob("*.safetensors")).unlink()
+    with pytest.raises(StoreError, match="verify --repair"):
+        export_zarr(tmp_path / "lost.zarr", cache=store_dir)
+    assert not (tmp_path / "lost.zarr").exists()
