@@ -15,7 +15,18 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "featbake"
 
 #: layer -> the layers it may import (itself included implicitly).
-LEAVES = {"errors", "keys", "recipe", "units", "lru", "progress", "version", "cpus", "gcpause"}
+LEAVES = {
+    "errors",
+    "keys",
+    "recipe",
+    "units",
+    "lru",
+    "progress",
+    "version",
+    "cpus",
+    "gcpause",
+    "perprocess",
+}
 ALLOWED: dict[str, set[str]] = {
     "leaf": set(),
     "device": {"leaf"},

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from torch.utils.data import DataLoader
 import featbake.serve.row_pool as row_pool
 from featbake.bake.pipeline import build
 from featbake.errors import StoreCorrupt
+from featbake.perprocess import PerProcess
 from featbake.serve.collate import pad_collate
 from featbake.serve.dataset import CachedFeatureDataset
 from tests.conftest import live_features
@@ -117,17 +119,24 @@ def test_a_batch_over_more_shards_than_kept_open_is_read_one_by_one(
     assert not threaded  # the fallback ran on this thread
 
 
-def test_a_fork_while_another_thread_holds_the_pool_lock_leaves_the_child_a_free_lock() -> None:
+def test_a_fork_while_another_thread_makes_the_pool_leaves_the_child_a_free_lock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Issue 22 item 6: the pool's module lock was not held across fork. A child forked while
-    another thread was inside ``_executor`` got a copy of the lock that no thread would ever
+    another thread was making the pool got a copy of the lock that no thread would ever
     release, and hung at its first threaded batch. The child runs a threaded batch here, under
     a deadline (a regression fails, it does not hang the run)."""
     holding, done = threading.Event(), threading.Event()
 
+    def slow_pool() -> ThreadPoolExecutor:
+        holding.set()
+        time.sleep(0.5)  # a thread inside the holder's lock, for longer than usual
+        return ThreadPoolExecutor(2)
+
+    monkeypatch.setattr(row_pool, "_pools", PerProcess(slow_pool, lock=True))
+
     def hold() -> None:
-        with row_pool._lock:  # what a thread making the pool does, for longer
-            holding.set()
-            time.sleep(0.5)
+        row_pool._pools.get()
         done.set()
 
     holder = threading.Thread(target=hold)

@@ -5,10 +5,11 @@ encoder, the write-back shard) belongs to the process that opened it. DataLoader
 forked from the process that made the dataset, and a forked child must neither use nor save its
 parent's state: its file descriptors are copies, its pending write-back is the parent's to seal.
 
-The rule: state is stamped with the fork generation it was made in (:class:`Lifetime`); it is
-stale when the generation moved on. In a forked child, :func:`_after_fork_in_child` bumps the
-generation and also drops every registered owner's state (closing the copied descriptors), so
-the hit path only tests ``state is None`` and pays nothing for the rule.
+The rule is featbake's one rule (:mod:`featbake.perprocess`): state is stamped with the pid
+that made it (:class:`~featbake.perprocess.ProcessStamp`) and is stale in any other process.
+In a forked child, :func:`_after_fork_in_child` also drops every registered owner's state
+(closing the copied descriptors), so the hit path only tests ``state is None`` and pays
+nothing for the rule.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -33,7 +34,6 @@ from featbake.store.layout import Layout
 from featbake.store.serving_fragments import ServingStore, open_serving_catalog
 
 __all__ = [
-    "Lifetime",
     "ServeStats",
     "SharedFlags",
     "ThreadCatalog",
@@ -46,11 +46,8 @@ __all__ = [
 Clock = Callable[[], float]
 
 
-class _Forks:
-    """How many times this process's ancestry forked since featbake was imported."""
-
-    generation = 0
-    owners: ClassVar[weakref.WeakSet[Any]] = weakref.WeakSet()
+#: Objects whose per-process state a forked child drops (weakly held).
+_OWNERS: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 class StateOwner(Protocol):
@@ -60,8 +57,7 @@ class StateOwner(Protocol):
 
 
 def _after_fork_in_child() -> None:
-    _Forks.generation += 1
-    for owner in list(_Forks.owners):
+    for owner in list(_OWNERS):
         owner.drop_inherited_state()
 
 
@@ -71,21 +67,7 @@ if hasattr(os, "register_at_fork"):
 
 def forget_after_fork(owner: StateOwner) -> None:
     """Have ``owner.drop_inherited_state()`` called in every forked child (weakly held)."""
-    _Forks.owners.add(owner)
-
-
-class Lifetime:
-    """The fork generation something was made in: :attr:`stale` once this process is a
-    forked copy of the one that made it (whose job it then stays to save or close it)."""
-
-    __slots__ = ("generation",)
-
-    def __init__(self) -> None:
-        self.generation = _Forks.generation
-
-    @property
-    def stale(self) -> bool:
-        return self.generation != _Forks.generation
+    _OWNERS.add(owner)
 
 
 def store_read_only(layout: Layout) -> bool:

@@ -11,14 +11,13 @@ No pool inside a DataLoader worker: there, ``num_workers`` processes already sha
 
 from __future__ import annotations
 
-import os
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from torch.utils.data import get_worker_info
 
 from featbake.device import process_cpus
+from featbake.perprocess import PerProcess
 
 #: Below this many bytes a batch is read on the caller's thread: a hand-off costs ~20 us.
 MIN_PARALLEL_BYTES = 4 << 20
@@ -27,39 +26,25 @@ MAX_THREADS = 4
 
 RowJob = Callable[[], None]
 
-_lock = threading.Lock()
-_pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid that made it, pool)
 
-# Held across fork(): a thread of the parent inside _executor() would otherwise leave the
-# child a copy of the lock that is held forever, and the child's first batch would hang.
-os.register_at_fork(
-    before=_lock.acquire, after_in_parent=_lock.release, after_in_child=_lock.release
-)
+def _new_pool() -> ThreadPoolExecutor:
+    # MAX_THREADS at most; a run submits threads - 1 parts, and threads start only when needed.
+    return ThreadPoolExecutor(MAX_THREADS, thread_name_prefix="featbake-read")
 
 
-_cpus: tuple[int, int] | None = None  # (pid that counted, CPUs it may use)
+#: This process's pool: a forked child makes its own (the parent's threads are not there), and
+#: the holder's lock is held across fork(), so a parent thread making the pool at that moment
+#: cannot leave the child a lock held forever (its first batch would hang).
+_pools: PerProcess[ThreadPoolExecutor] = PerProcess(_new_pool, lock=True)
+#: The CPUs this process may use (affinity + cgroup files, ~76 us), counted once per process.
+_cpus: PerProcess[int] = PerProcess(process_cpus)
 
 
 def read_threads() -> int:
-    """Threads a batch may be read on here: the CPUs this process may use, 1 in a worker.
-
-    The CPU count (affinity + cgroup files, ~76 us) is read once per process, not per batch.
-    """
-    global _cpus
+    """Threads a batch may be read on here: the CPUs this process may use, 1 in a worker."""
     if get_worker_info() is not None:
         return 1
-    if _cpus is None or _cpus[0] != os.getpid():
-        _cpus = (os.getpid(), process_cpus())
-    return max(1, min(MAX_THREADS, _cpus[1]))
-
-
-def _executor(threads: int) -> ThreadPoolExecutor:
-    """This process's pool (a forked child makes its own: the parent's threads are not there)."""
-    global _pool
-    with _lock:
-        if _pool is None or _pool[0] != os.getpid():
-            _pool = (os.getpid(), ThreadPoolExecutor(threads, thread_name_prefix="featbake-read"))
-        return _pool[1]
+    return max(1, min(MAX_THREADS, _cpus.get()))
 
 
 def run_rows(jobs: Sequence[RowJob], nbytes: int, threads: int | None = None) -> None:
@@ -99,7 +84,7 @@ class RowRun:
         if self.threads <= 1:
             _run_all(jobs)
             return
-        self._futures.append(_executor(self.threads).submit(_run_all, jobs))
+        self._futures.append(_pools.get().submit(_run_all, jobs))
 
     def run_here(self, jobs: Sequence[RowJob]) -> None:
         """Run the last run here, then wait for the pool's; raise the first error of any."""

@@ -16,10 +16,10 @@ import numpy as np
 import torch
 
 from featbake.encode.encoders import LoadedEncoder
+from featbake.perprocess import ProcessStamp
 from featbake.serve.lastuse import LastUse
 from featbake.serve.process import (
     Clock,
-    Lifetime,
     ServeStats,
     SharedFlags,
     ThreadCatalog,
@@ -58,7 +58,7 @@ class Saver:
     """
 
     def __init__(self, writeback: WriteBack, lastuse: LastUse, catalogs: ThreadCatalog) -> None:
-        self.lifetime = Lifetime()
+        self.lifetime = ProcessStamp()
         self.writeback = writeback
         self.lastuse = lastuse
         self.catalogs = catalogs
@@ -113,7 +113,7 @@ class ProcessState:
         max_open_shards: int,
         clock: Clock = time.monotonic,
     ) -> None:
-        self.lifetime = Lifetime()
+        self.lifetime = ProcessStamp()
         self.catalogs = catalogs
         self.writeback = writeback
         self.handles = ShardHandles(max_open=max_open_shards, verify=verify)

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from featbake.errors import StoreError
-from featbake.serve.process import Clock, Lifetime, ThreadCatalog
+from featbake.perprocess import ProcessStamp
+from featbake.serve.process import Clock, ThreadCatalog
 from featbake.store.layout import Layout
 from featbake.store.serving_fragments import ServingStore
 from featbake.store.writer import SealedShard, ShardWriter
@@ -95,7 +96,7 @@ class WriteBack:
         self.clock = clock
         self.policy = policy
         self.what = what
-        self.lifetime = Lifetime()
+        self.lifetime = ProcessStamp()
         self.lock = threading.Lock()
         #: key -> parts of every feature added and not yet sealed (readable before sealing).
         self.pending: dict[str, Parts] = {}
@@ -166,7 +167,7 @@ class WriteBack:
     def _adopt(self) -> None:
         """In a forked child: start afresh. What the parent had pending is the parent's to seal
         (its copy here is dropped), and the lock may have been held by a parent thread."""
-        self.lifetime = Lifetime()
+        self.lifetime = ProcessStamp()
         self.lock = threading.Lock()
         self.pending = {}
         self.first_pending = 0.0

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 
+from featbake.perprocess import ProcessStamp
 from featbake.store.reader import ShardReader, VerifyMode
 
 
@@ -20,17 +20,17 @@ class ShardHandles:
         self.max_open = max_open
         self.verify = VerifyMode.parse(verify)  # a ConfigError now, not at the first read
         self._readers: OrderedDict[Path, ShardReader] = OrderedDict()
-        self._pid = os.getpid()
+        self._stamp = ProcessStamp()
 
     def get(self, path: Path) -> ShardReader:
         """An open reader for ``path``, opening (and evicting the least recent) as needed."""
-        if self._pid != os.getpid():
+        if self._stamp.stale:
             # The parent's readers are its bookkeeping, but the fds are this process's own
             # copies: close them, or each forked worker keeps up to max_open files open.
             for r in self._readers.values():
                 r.close()
             self._readers = OrderedDict()
-            self._pid = os.getpid()
+            self._stamp = ProcessStamp()
         reader = self._readers.get(path)
         if reader is not None:
             self._readers.move_to_end(path)

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from featbake.errors import StoreError
+from featbake.perprocess import ProcessStamp
 from featbake.store.catalog.schema import ensure_schema
 from featbake.store.filesystem import set_journal_mode
 from featbake.store.layout import Layout
@@ -44,11 +45,11 @@ INHERITED_ACROSS_FORK: list[sqlite3.Connection] = []
 class Slot:
     """One thread's connection and the process that opened it (weakly tracked for fork)."""
 
-    __slots__ = ("__weakref__", "conn", "pid")
+    __slots__ = ("__weakref__", "conn", "stamp")
 
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn: sqlite3.Connection | None = conn
-        self.pid = os.getpid()
+        self.stamp = ProcessStamp()
 
 
 _SLOTS: weakref.WeakSet[Slot] = weakref.WeakSet()
@@ -174,7 +175,7 @@ class CatalogConnection:
     def conn(self) -> sqlite3.Connection:
         """This thread's connection in this process, opened (schema checked) on first use."""
         slot: Slot | None = getattr(self._local, "slot", None)
-        if slot is not None and slot.conn is not None and slot.pid == os.getpid():
+        if slot is not None and slot.conn is not None and not slot.stamp.stale:
             return slot.conn
         self._drop(slot)
         conn = self._connect()
@@ -190,7 +191,7 @@ class CatalogConnection:
         if slot is None or slot.conn is None:
             return
         conn, slot.conn = slot.conn, None
-        if slot.pid == os.getpid():
+        if not slot.stamp.stale:
             conn.close()
         else:  # inherited across fork: never use it, never close it
             INHERITED_ACROSS_FORK.append(conn)
