@@ -12,7 +12,7 @@ from pathlib import Path
 from featbake.encode.encoders import PICKLE, LoadedEncoder, detect_kind
 from featbake.keys import sha256_hex
 from featbake.progress import Progress
-from featbake.store.catalog import ENCODER_FP_PREFIX, FileStat, HashRow, ServingCatalog
+from featbake.store.catalog import ENCODER_FP_PREFIX, FileStat, HashCache, HashRow
 
 
 def file_fingerprint(path: str | os.PathLike[str]) -> str:
@@ -31,7 +31,7 @@ HASH_THREADS = 4
 
 # -- planning --------------------------------------------------------------------------------
 def hash_inputs(
-    catalog: ServingCatalog,
+    catalog: HashCache,
     paths: Sequence[str],
     progress: Callable[[Progress], None] | None = None,
     stats: dict[str, FileStat] | None = None,
@@ -114,7 +114,7 @@ def file_encoder_cache_id(path: str | os.PathLike[str]) -> str:
     return f"{ENCODER_FP_PREFIX}file:{resolve_path(path)}"
 
 
-def cached_file_encoder_fp(catalog: ServingCatalog, path: str | os.PathLike[str]) -> str | None:
+def cached_file_encoder_fp(catalog: HashCache, path: str | os.PathLike[str]) -> str | None:
     """A file encoder's fingerprint without loading it, if the file is unchanged since last time.
 
     This lets a dataset map inputs to keys (and serve hits) without ever loading the encoder.
@@ -131,9 +131,7 @@ def cached_file_encoder_fp(catalog: ServingCatalog, path: str | os.PathLike[str]
         return None
 
 
-def encoder_fingerprint(
-    encoder: LoadedEncoder, catalog: ServingCatalog, weights: str | None
-) -> str:
+def encoder_fingerprint(encoder: LoadedEncoder, catalog: HashCache, weights: str | None) -> str:
     """The encoder's fingerprint, cached in the hash cache against its file's stat.
 
     Hashing a large checkpoint's weights costs a full pass over them; an unchanged file (same

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from featbake.errors import ConfigError, StoreError
-from featbake.store.catalog import Catalog, CatalogReader, Root
+from featbake.store.catalog import Catalog, Root
 from featbake.store.fragments import sealed_fragments
 from featbake.store.layout import Layout, default_cache_dir
 
@@ -46,13 +46,13 @@ def open_catalog(cache: str | os.PathLike[str] | None) -> tuple[Layout, Catalog]
     return layout, catalog
 
 
-def open_reader(cache: str | os.PathLike[str] | None) -> CatalogReader:
-    """A read-only view of an existing store's catalog (``mode=ro``; it cannot write).
+def open_reader(cache: str | os.PathLike[str] | None) -> Catalog:
+    """An existing store's catalog opened read-only (``mode=ro``: SQLite refuses writes).
 
     Raises:
         StoreError: as :func:`open_catalog`.
     """
-    reader = CatalogReader(existing_catalog_layout(cache))
+    reader = Catalog(existing_catalog_layout(cache), read_only=True)
     reader.conn  # noqa: B018  (open now: a damaged catalog fails here, with its message)
     return reader
 
@@ -77,7 +77,7 @@ def existing_catalog_layout(cache: str | os.PathLike[str] | None) -> Layout:
     return layout
 
 
-def resolve_root(catalog: CatalogReader, name: str) -> Root:
+def resolve_root(catalog: Catalog, name: str) -> Root:
     """The root called ``name`` or named by a unique prefix of it.
 
     Raises:

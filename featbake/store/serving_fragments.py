@@ -139,7 +139,8 @@ class FragmentServingCatalog:
 
     def locate_many(self, keys: Sequence[str]) -> dict[str, list[Location]]:
         """key -> its tensors' locations: from the catalog, else from an unmerged fragment."""
-        out = self._read(lambda c: c.locate_many(keys), {})
+        empty: dict[str, list[Location]] = {}
+        out = self._read(lambda c: c.locate_many(keys), empty)
         if len(out) < len(set(keys)):
             self.refresh()
             found = self._found

@@ -19,13 +19,11 @@ from featbake.errors import StoreError
 from featbake.store.catalog import (
     SCHEMA_VERSION,
     Catalog,
-    CatalogReader,
     EncoderRow,
     FileStat,
     HashRow,
     OldCatalog,
     RootItem,
-    ServingCatalog,
     ShardFeature,
     connection,
     read_old_catalog,
@@ -330,14 +328,11 @@ def test_roots_are_read_and_written_by_column_name(layout: Layout) -> None:
     assert (root.recipe, root.items, root.created, root.last_used) == ({"a": 1}, 1, 100.0, 100.0)
 
 
-def test_the_serving_view_cannot_delete_and_the_reader_cannot_write(cat: Catalog) -> None:
-    deletes = [n for n in dir(Catalog) if n.startswith(("delete_", "drop_", "unlink_", "forget_"))]
-    assert deletes and not [n for n in deletes if hasattr(ServingCatalog, n)]
-    assert hasattr(ServingCatalog, "add_shard") and hasattr(ServingCatalog, "replace_root")
-    assert isinstance(cat.serving(), ServingCatalog)
+def test_a_read_only_catalog_reads_and_sqlite_refuses_its_writes(cat: Catalog) -> None:
+    """One Catalog class: its read-only mode is SQLite's ``mode=ro``, not a narrower view."""
     cat.record_encoder(EFP, "a.pt", "torchscript")
-    with CatalogReader(cat.layout) as reader:
-        assert not hasattr(reader, "add_shard") and reader.read_only
+    with Catalog(cat.layout, read_only=True) as reader:
+        assert reader.read_only
         assert [r.fp for r in reader.encoder_rows()] == [EFP]
         with pytest.raises(sqlite3.OperationalError, match="readonly"):
             reader.conn.execute("DELETE FROM encoders")

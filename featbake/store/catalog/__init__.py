@@ -3,12 +3,9 @@
 Split by job: ``schema`` (tables, version, migrations), ``rows`` (typed records), ``connection``
 (per-thread and per-process connections, read-only opening, the transaction helper),
 ``features`` (feature rows, hash cache, encoders), ``roots`` (root rows and ``roots/*.json``),
-``maintenance`` (what stats, gc and verify need). Three views combine them:
-
-- :class:`Catalog`: everything (builds, gc, verify --repair).
-- :class:`ServingCatalog`: reads and additive writes (write-back shards, roots, hashes, last use)
-  but no method that deletes a row or a file: what a dataset or ``CachedEncoder`` needs.
-- :class:`CatalogReader`: reads only, opened read-only (``mode=ro``): stats, export, inspection.
+``maintenance`` (what stats, gc and verify need). One class, :class:`Catalog`, combines them;
+``Catalog(layout, read_only=True)`` opens it ``mode=ro`` (stats, export, inspection, a store on
+a read-only mount), where SQLite itself refuses every write.
 
 Example:
     >>> with Catalog(Layout(Path(".featbake")).ensure()) as cat:  # doctest: +SKIP
@@ -45,6 +42,7 @@ from featbake.store.catalog.rows import (
     FeatureRow,
     FeatureTotals,
     FileStat,
+    HashCache,
     HashCacheRow,
     HashEntry,
     HashRow,
@@ -60,25 +58,9 @@ from featbake.store.catalog.schema import SCHEMA_VERSION
 from featbake.store.layout import Layout
 
 
-class CatalogReader(MaintenanceReads, RootReads, FeatureReads):
-    """A read-only view of a catalog: lookups, roots, hash cache, store-wide reads.
-
-    It is opened with ``mode=ro`` (``immutable=1`` where the directory is not writable), so it
-    also reads a store on a read-only mount, and it has no method that writes.
-    """
-
-    def __init__(self, layout: Layout, *, timeout: float = 60.0) -> None:
-        super().__init__(layout, timeout=timeout, read_only=True)
-
-
-class ServingCatalog(RootWrites, FeatureWrites, RootReads, FeatureReads):
-    """What serving needs: lookups plus additive writes (write-back, roots, hashes, last use).
-
-    No method deletes a feature, a shard, a root or a file; gc and repair use :class:`Catalog`.
-    """
-
-
-class Catalog(Maintenance, RootDrops, ServingCatalog, CatalogReader):
+class Catalog(
+    Maintenance, MaintenanceReads, RootDrops, RootWrites, RootReads, FeatureWrites, FeatureReads
+):
     """A store's ``catalog.sqlite``, every operation (one connection per thread and process).
 
     Example:
@@ -98,10 +80,6 @@ class Catalog(Maintenance, RootDrops, ServingCatalog, CatalogReader):
             self, layout, timeout=timeout, read_only=read_only, rebuild=rebuild
         )
 
-    def serving(self) -> ServingCatalog:
-        """A view of the same store that cannot delete (for a dataset or CachedEncoder)."""
-        return ServingCatalog(self.layout, timeout=self.timeout, read_only=self.read_only)
-
 
 __all__ = [
     "ENCODER_FP_PREFIX",
@@ -112,12 +90,12 @@ __all__ = [
     "Access",
     "Catalog",
     "CatalogConnection",
-    "CatalogReader",
     "EncoderRow",
     "FeatureRef",
     "FeatureRow",
     "FeatureTotals",
     "FileStat",
+    "HashCache",
     "HashCacheRow",
     "HashEntry",
     "HashRow",
@@ -126,7 +104,6 @@ __all__ = [
     "OldCatalog",
     "Root",
     "RootItem",
-    "ServingCatalog",
     "ShardFeature",
     "ShardRow",
     "ShardUsage",

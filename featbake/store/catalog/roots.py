@@ -130,7 +130,7 @@ def _appended_items(path: Path) -> list[RootItem]:
     return [RootItem(str(p), str(k)) for p, k in map(json.loads, lines)]
 
 
-def read_root_file(path: Path) -> tuple[Root, list[tuple[str, str]]]:
+def read_root_file(path: Path) -> tuple[Root, list[RootItem]]:
     """Parse a root manifest file (and the items appended to it since, in its ``.items``).
 
     Raises:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from featbake.store.shard_format import tensor_name
 
@@ -69,6 +70,15 @@ class HashRow(NamedTuple):
     path: str
     stat: FileStat
     sha256: str
+
+
+class HashCache(Protocol):
+    """The hash cache as builds and datasets use it: the catalog's, or that of a stand-in that
+    writes fragments (a rank of a sharded build, a serving process on a shared filesystem)."""
+
+    def cached_hashes(self, paths: Sequence[str]) -> dict[str, HashEntry]: ...
+
+    def put_hashes(self, rows: Iterable[HashRow], *, recorded_ns: int | None = None) -> None: ...
 
 
 class HashCacheRow(NamedTuple):
@@ -249,7 +259,8 @@ class ShardFeature(NamedTuple):
 
 
 class FeatureRow(NamedTuple):
-    """A whole feature row (``shape`` is the stored JSON list)."""
+    """A whole ``features`` row (``shape`` is the stored JSON list), as verify compares it with
+    its shard's header."""
 
     key: str
     part: str
@@ -257,6 +268,17 @@ class FeatureRow(NamedTuple):
     dtype: str
     shape: str
     nbytes: int
+
+    @property
+    def tensor(self) -> str:
+        return tensor_name(self.key, self.part)
+
+    def matches(self, dtype: str, shape: tuple[int, ...]) -> bool:
+        """Whether the header's dtype and shape are what this row records."""
+        try:
+            return self.dtype == dtype and json.loads(self.shape) == list(shape)
+        except (ValueError, RecursionError):
+            return False
 
 
 class MovedRow(NamedTuple):

@@ -7,16 +7,13 @@ rows and never a positional ``SELECT *``.
 
 from __future__ import annotations
 
-import json
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NamedTuple
 
 from featbake.store.catalog import Catalog, EncoderRow, Root
 from featbake.store.catalog.connection import read_only_uri
-from featbake.store.catalog.rows import ENCODER_FP_PREFIX, HashCacheRow
-from featbake.store.shard_format import tensor_name
+from featbake.store.catalog.rows import ENCODER_FP_PREFIX, FeatureRow, HashCacheRow
 
 #: Every table the catalog needs and the columns upkeep and the catalog read from it (checked
 #: against a freshly created catalog by tests/upkeep/test_verify_hardening.py).
@@ -31,28 +28,6 @@ REQUIRED_COLUMNS: dict[str, frozenset[str]] = {
     "root_items": frozenset({"root", "idx", "path", "key"}),
     "hash_cache": frozenset({"path", "size", "mtime_ns", "inode", "sha256"}),
 }
-
-
-class FeatureRow(NamedTuple):
-    """One ``features`` row as verify compares it with its shard's header."""
-
-    key: str
-    part: str
-    shard_id: int
-    dtype: str
-    shape: str  # JSON list, as stored
-    nbytes: int
-
-    @property
-    def tensor(self) -> str:
-        return tensor_name(self.key, self.part)
-
-    def matches(self, dtype: str, shape: tuple[int, ...]) -> bool:
-        """Whether the header's dtype and shape are what this row records."""
-        try:
-            return self.dtype == dtype and json.loads(self.shape) == list(shape)
-        except (ValueError, RecursionError):
-            return False
 
 
 def _schema_problems(conn: sqlite3.Connection) -> list[str]:
@@ -92,8 +67,7 @@ def catalog_file_problems(path: Path) -> list[str]:
 
 def feature_rows(catalog: Catalog) -> Iterator[FeatureRow]:
     """Every feature row, by shard."""
-    for row in catalog.all_feature_rows():
-        yield FeatureRow(*row)
+    return catalog.all_feature_rows()
 
 
 def hash_cache_rows(cat: Catalog) -> list[HashCacheRow]:
