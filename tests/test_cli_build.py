@@ -361,6 +361,13 @@ def test_fifo_symlink_loop_and_non_utf8_name_are_skipped_not_hung(
         ("--max-seconds", "inf", "--max-seconds must be"),
         ("--max-seconds", "-1", "--max-seconds must be"),
         ("--device", "meta", "--device meta is not supported"),
+        ("--batch-seconds", "nan", "--batch-seconds must be a positive, finite"),
+        ("--batch-seconds", "inf", "--batch-seconds must be a positive, finite"),
+        ("--shard-size", "0", "--shard-size must be positive"),
+        ("--workers", "10000", "--workers 10000 is more than featbake starts"),
+        ("--shard", "0/1000000000", "more than featbake splits a build into"),
+        ("--batching", "x", "--batching must be"),
+        ("--encoder", "", "--encoder is empty"),
     ],
 )
 def test_absurd_options_are_config_errors_before_any_work(
@@ -370,7 +377,9 @@ def test_absurd_options_are_config_errors_before_any_work(
                   option, value, timeout=60)  # fmt: skip
     assert res.returncode == 2, res.stderr
     assert needle in res.stderr and "internal error" not in res.stderr
+    assert len([ln for ln in res.stderr.splitlines() if ln.strip()]) == 1, res.stderr
     assert not (tmp_path / "c").exists() or _feature_count(tmp_path / "c") == 0
+    assert "hash:" not in res.stderr  # refused before any input was read
 
 
 def _children(pid: int) -> list[int]:

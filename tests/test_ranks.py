@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from featbake.bake.ranks import (
+    MAX_PARTS,
     RankSource,
     RankSpec,
     device_for_rank,
@@ -106,6 +107,30 @@ def test_partition_against_a_plain_model(seed: int) -> None:
         assert max(loads) <= sum(sizes) / world + max(sizes)
     assert partition(sizes, world) == parts  # deterministic: every rank computes the same
     assert [my_part(sizes, RankSpec(r, world)) for r in range(world)] == parts
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_more_parts_than_inputs_agree_with_the_full_partition(seed: int) -> None:
+    rng = random.Random(seed)
+    n = rng.randint(0, 12)
+    sizes = [rng.choice([0, 5, 10**6]) for _ in range(n)]
+    world = n + rng.randint(1, 20)
+    parts = partition(sizes, world)
+    assert [my_part(sizes, RankSpec(r, world)) for r in range(world)] == parts
+
+
+def test_a_huge_part_count_is_refused_and_never_sized_by() -> None:
+    """--shard 0/1000000000 used to build a heap of a billion ranks: memory in proportion to N."""
+    with pytest.raises(ConfigError, match="more than featbake splits a build into"):
+        parse_shard("0/1000000000")
+    with pytest.raises(ConfigError, match="more than featbake splits"):
+        rank_from_env({"RANK": "0", "WORLD_SIZE": str(10**12)})
+    start = time.perf_counter()
+    assert my_part([7, 8, 9], RankSpec(MAX_PARTS - 1, MAX_PARTS)) == []
+    assert my_part([7, 8, 9], RankSpec(1, MAX_PARTS)) == [1]
+    assert time.perf_counter() - start < 0.05  # O(inputs), not O(parts)
+    with pytest.raises(ConfigError, match="expected I/N"):
+        parse_shard("0/\u00b2")  # a digit to str.isdigit, not to int()
 
 
 def test_partition_balances_bytes_not_counts() -> None:
