@@ -295,3 +295,28 @@ def test_a_rank_killed_mid_run_then_rerun_completes_the_store(
     assert len(rows) == first_run + distinct_inputs(data) - len(kept)
     assert run_cli("merge", "--cache", store).returncode == 0
     assert_serves_live(store, data)
+
+
+@pytest.mark.parametrize("how", ["raise", "os._exit"])
+def test_a_failing_torchrun_rank_says_which_rank_and_that_a_rerun_continues(
+    tmp_path: Path, many_clips: Path, how: str
+) -> None:
+    """Before, the user saw torchrun's traceback and no featbake line naming the rank."""
+    pkg = tmp_path / "pkgs"
+    pkg.mkdir()
+    fail = "raise SystemExit(5)" if how == "raise" else "os._exit(7)"
+    (pkg / "rank_fails.py").write_text(
+        "import os\nfrom featbake.testing import TinyConvEncoder\n"
+        "class E(TinyConvEncoder):\n    def forward(self, wav):\n"
+        f"        if os.environ['RANK'] == '1':\n            {fail}\n"
+        "        return super().forward(wav)\n"
+        "def make():\n    return E()\n"
+    )
+    env = {"PYTHONPATH": f"{REPO}{os.pathsep}{pkg}"}
+    args = ("build", "-e", "rank_fails:make", "-d", many_clips, "--cache", tmp_path / "s")
+    res = torchrun(*args, "--workers", "0", env=env)
+    assert res.returncode != 0
+    ours = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    assert len(ours) == 1, res.stderr
+    assert "rank 1 (part 2 of 2 (torchrun)) failed" in ours[0]
+    assert "rerun the same command to continue" in ours[0]
