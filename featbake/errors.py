@@ -14,6 +14,8 @@ Exit codes:
     6  stored data failed its checksum or header check (:class:`StoreCorrupt`)
     7  a feature is not in the store and live encoding was turned off (:class:`CacheMiss`)
     8  an input file could not be read or decoded (:class:`SourceError`)
+    9  the build process ended abruptly, e.g. ``os._exit()`` in an encoder
+       (:class:`BuildProcessDied`)
     130 interrupted (Ctrl-C); everything sealed before the interrupt is kept
 """
 
@@ -82,3 +84,13 @@ class ShardMissing(StoreError):
 
     Readers re-resolve the key through the catalog once before giving up.
     """
+
+
+class BuildProcessDied(FeatbakeError):
+    """The build's process ended without featbake's own exit (``os._exit()``, a signal, OOM).
+
+    Reported by the CLI's supervising process (see ``featbake/cli/supervise.py``); everything
+    sealed before is kept.
+    """
+
+    exit_code = 9

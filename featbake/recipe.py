@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,11 @@ SOURCE_KINDS = ("audio", "npy")
 MAX_SAMPLE_RATE = 768_000
 #: Autocast precisions for the encoder call (``fp32``: no autocast).
 PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def _is_number(value: object) -> bool:
+    """An int or float, not a bool (``True`` is an int to Python, never a duration here)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -75,7 +81,8 @@ class Recipe:
         # 10.0 differently, and the CLI passes floats where a library caller may pass ints.
         if isinstance(self.sample_rate, float) and self.sample_rate.is_integer():
             object.__setattr__(self, "sample_rate", int(self.sample_rate))
-        if self.max_seconds is not None and not isinstance(self.max_seconds, bool):
+        self._check_flags()
+        if self.max_seconds is not None and _is_number(self.max_seconds):
             object.__setattr__(self, "max_seconds", float(self.max_seconds))
         if self.source not in SOURCE_KINDS:
             raise ConfigError(
@@ -102,11 +109,20 @@ class Recipe:
                 f"got {rate!r}"
             )
         seconds = self.max_seconds
-        if seconds is not None and (not math.isfinite(seconds) or seconds <= 0):
+        if seconds is not None and (
+            not _is_number(seconds) or not math.isfinite(seconds) or seconds <= 0
+        ):
             raise ConfigError(
-                f"--max-seconds must be a positive, finite number of seconds, got {seconds}; "
+                f"--max-seconds must be a positive, finite number of seconds, got {seconds!r}; "
                 "leave it out to keep whole files"
             )
+
+    def _check_flags(self) -> None:
+        """``mono`` and ``normalize`` are True or False: ``mono=2`` must not make its own key."""
+        for name in ("mono", "normalize"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ConfigError(f"{name} must be True or False, got {value!r}")
 
     def _check_layers(self) -> None:
         if self.layers is None or self.layers == "all":  # "all": resolved against the model

@@ -344,3 +344,35 @@ def test_auto_workers_leave_the_callers_torch_threads_as_they_were(
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(
+    ("option", "needle"),
+    [
+        ({"batching": "x"}, "--batching must be one of auto, padded, exact"),
+        ({"batching": None}, "--batching must be one of auto, padded, exact"),
+        ({"batch_size": 0}, "--batch-size must be"),
+        ({"batch_size": True}, "--batch-size must be"),
+        ({"shard_bytes": 0}, "--shard-size must be positive"),
+        ({"workers": -1}, "--workers must be 0 or more"),
+        ({"workers": 10**6}, "is more than featbake starts"),
+        ({"batch_seconds": float("nan")}, "--batch-seconds must be a positive, finite"),
+        ({"batch_seconds": float("inf")}, "--batch-seconds must be a positive, finite"),
+        ({"batch_samples": 0}, "batch_samples must be"),
+        ({"shard": "0/1000000000"}, "more than featbake splits"),
+    ],
+)
+def test_the_public_build_refuses_bad_arguments_before_any_work(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, option: dict, needle: str
+) -> None:
+    """build(batching="x") raised a bare ValueError from the Batching enum, after hashing."""
+    with pytest.raises(ConfigError, match=needle):
+        build(audio_dir, encoder_file, cache=tmp_path / "c", **option)
+    assert not (tmp_path / "c").exists()
+
+
+def test_an_empty_encoder_name_is_refused_not_read_as_the_current_folder(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    with pytest.raises(ConfigError, match="--encoder is empty"):
+        build(audio_dir, "", cache=tmp_path / "c")

@@ -361,6 +361,13 @@ def test_fifo_symlink_loop_and_non_utf8_name_are_skipped_not_hung(
         ("--max-seconds", "inf", "--max-seconds must be"),
         ("--max-seconds", "-1", "--max-seconds must be"),
         ("--device", "meta", "--device meta is not supported"),
+        ("--batch-seconds", "nan", "--batch-seconds must be a positive, finite"),
+        ("--batch-seconds", "inf", "--batch-seconds must be a positive, finite"),
+        ("--shard-size", "0", "--shard-size must be positive"),
+        ("--workers", "10000", "--workers 10000 is more than featbake starts"),
+        ("--shard", "0/1000000000", "more than featbake splits a build into"),
+        ("--batching", "x", "--batching must be"),
+        ("--encoder", "", "--encoder is empty"),
     ],
 )
 def test_absurd_options_are_config_errors_before_any_work(
@@ -370,12 +377,20 @@ def test_absurd_options_are_config_errors_before_any_work(
                   option, value, timeout=60)  # fmt: skip
     assert res.returncode == 2, res.stderr
     assert needle in res.stderr and "internal error" not in res.stderr
+    assert len([ln for ln in res.stderr.splitlines() if ln.strip()]) == 1, res.stderr
     assert not (tmp_path / "c").exists() or _feature_count(tmp_path / "c") == 0
+    assert "hash:" not in res.stderr  # refused before any input was read
 
 
 def _children(pid: int) -> list[int]:
     text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
     return [int(c) for c in text.split()]
+
+
+def _build_pid(pid: int) -> int:
+    """The process that runs the build: the command's supervised child (featbake/cli/supervise)."""
+    (child,) = _children(pid)
+    return child
 
 
 @pytest.mark.slow
@@ -391,7 +406,7 @@ def test_a_decode_worker_killed_ends_the_build_with_one_clear_line(tmp_path: Pat
     proc = _popen(args, env, tmp_path / "build.log")
     try:
         _wait_for(lambda: (calls.exists() and calls.read_text().strip()) or proc.poll() is not None)
-        workers = _children(proc.pid)
+        workers = _children(_build_pid(proc.pid))
         assert workers, "the build runs no decode worker"
         os.kill(workers[0], signal.SIGKILL)
         proc.wait(60)  # a hang fails here
@@ -664,3 +679,44 @@ def test_an_encoder_failing_on_some_inputs_skips_them_and_exits_3(
     for rel, parts in stored.items():
         torch.testing.assert_close(parts[""], live_features(encoder_file, audio_dir / rel),
                                    rtol=1e-5, atol=1e-6)  # fmt: skip
+
+
+@pytest.mark.parametrize(("where", "status"), [("encoder", "7"), ("factory", "0")])
+def test_an_encoder_that_ends_the_process_is_reported_with_its_own_code(
+    tmp_path: Path, audio_dir: Path, where: str, status: str
+) -> None:
+    """os._exit(7) in forward used to end the build with 7, the code of a cache miss, silently."""
+    env = _env(tmp_path)
+    body = "os._exit(int(os.environ['EXIT_WITH']))"
+    (tmp_path / "pkgs" / "exits.py").write_text(
+        "import os\nfrom featbake.testing import TinyConvEncoder\n"
+        "class E(TinyConvEncoder):\n"
+        f"    def forward(self, wav):\n        {body}\n"
+        f"def make():\n    {body if where == 'factory' else 'pass'}\n    return E()\n"
+    )
+    res = run_cli("build", "-e", "exits:make", "-d", audio_dir, "--cache", tmp_path / "c",
+                  env={"PYTHONPATH": env["PYTHONPATH"], "EXIT_WITH": status})  # fmt: skip
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip() and not ln.startswith("hash")]
+    assert res.returncode == 9, res.stderr
+    assert len(lines) == 1 and "ended abruptly" in lines[0], res.stderr
+    assert f"exit status was {status}" in lines[0] and "rerun to continue" in lines[0]
+
+
+def test_a_build_killed_by_a_signal_is_reported_and_one_forwarded_is_not(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    data = tmp_path / "audio"
+    write_audio_folder(data, 30, seconds=0.3, seed=35)
+    env = _env(tmp_path, SLOW_SLEEP="0.1", SLOW_LOG=str(tmp_path / "calls.log"))
+    args = ["build", "-e", "slow_enc:build", "-d", data, "--cache", tmp_path / "c"]
+    args += ["--workers", "0", "--batch-size", "1"]
+    proc = _popen(args, env, tmp_path / "build.log")
+    try:
+        _wait_for(lambda: (tmp_path / "calls.log").exists() or proc.poll() is not None)
+        os.kill(_build_pid(proc.pid), signal.SIGKILL)  # what the OOM killer does
+        proc.wait(60)
+    finally:
+        proc.stdout_file.close()  # type: ignore[attr-defined]
+    output = (tmp_path / "build.log").read_text()
+    assert proc.returncode == 9, output
+    assert "ended abruptly" in output and "killed by SIGKILL" in output

@@ -18,7 +18,7 @@ import torch
 from featbake.bake.padded import BatchingMode
 from featbake.bake.pipeline import build
 from featbake.encode.encoders import load_encoder
-from featbake.encode.hf import load_hf_folder, recipe_for_folder
+from featbake.encode.hf import WeightsMismatch, load_hf_folder, recipe_for_folder
 from featbake.encode.sources import source_for
 from featbake.errors import ConfigError
 from featbake.recipe import Recipe
@@ -259,3 +259,41 @@ def test_stack_keeps_the_order_layers_asked_for_single_and_batched(
         clips, folder, cache=tmp_path / "s", recipe=Recipe(layers=(3, 1)), layer_view="stack"
     )  # a recipe's layers are sorted (one key): "stack" is then layer order
     assert rel_error(all_layers[0], want[0].flip(0)) < 1e-4
+
+
+@pytest.mark.parametrize(("layers", "kind"), [(5, "missing"), (2, "unexpected")])
+def test_weights_that_do_not_cover_the_config_are_refused_with_their_names(
+    tmp_path: Path, clips: Path, layers: int, kind: str
+) -> None:
+    """A config asking for more (or fewer) layers than model.safetensors holds: no random init."""
+    folder = save_model(tmp_path / "m")
+    load_encoder(folder)  # the folder as saved loads
+    config = json.loads((folder / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(WeightsMismatch, match=rf"\d+ {kind} \(.*encoder\.layers\.") as err:
+        load_encoder(folder)
+    assert "more" in str(err.value) and "num_hidden_layers" in str(err.value)
+    res = run_cli("build", "-e", folder, "-d", clips, "--cache", tmp_path / "s")
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 4 and len(lines) == 1 and f"{kind} (" in lines[0], res.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ('{"sampling_rate": "16k"}', "sampling_rate must be a whole number of Hz"),
+        ('{"sampling_rate": null}', "sampling_rate must be a whole number of Hz"),
+        ('{"sampling_rate": true}', "sampling_rate must be a whole number of Hz"),
+        ("[16000]", "holds a JSON list"),
+    ],
+)
+def test_a_preprocessor_config_that_is_not_settings_is_one_line(
+    tmp_path: Path, clips: Path, text: str, needle: str
+) -> None:
+    folder = save_model(tmp_path / "m")
+    (folder / "preprocessor_config.json").write_text(text)
+    res = run_cli("build", "-e", folder, "-d", clips, "--cache", tmp_path / "s")
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 4 and len(lines) == 1 and needle in lines[0], res.stderr
+    assert "internal error" not in res.stderr

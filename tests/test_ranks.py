@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from featbake.bake.ranks import (
+    MAX_PARTS,
     RankSource,
     RankSpec,
     device_for_rank,
@@ -106,6 +107,30 @@ def test_partition_against_a_plain_model(seed: int) -> None:
         assert max(loads) <= sum(sizes) / world + max(sizes)
     assert partition(sizes, world) == parts  # deterministic: every rank computes the same
     assert [my_part(sizes, RankSpec(r, world)) for r in range(world)] == parts
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_more_parts_than_inputs_agree_with_the_full_partition(seed: int) -> None:
+    rng = random.Random(seed)
+    n = rng.randint(0, 12)
+    sizes = [rng.choice([0, 5, 10**6]) for _ in range(n)]
+    world = n + rng.randint(1, 20)
+    parts = partition(sizes, world)
+    assert [my_part(sizes, RankSpec(r, world)) for r in range(world)] == parts
+
+
+def test_a_huge_part_count_is_refused_and_never_sized_by() -> None:
+    """--shard 0/1000000000 used to build a heap of a billion ranks: memory in proportion to N."""
+    with pytest.raises(ConfigError, match="more than featbake splits a build into"):
+        parse_shard("0/1000000000")
+    with pytest.raises(ConfigError, match="more than featbake splits"):
+        rank_from_env({"RANK": "0", "WORLD_SIZE": str(10**12)})
+    start = time.perf_counter()
+    assert my_part([7, 8, 9], RankSpec(MAX_PARTS - 1, MAX_PARTS)) == []
+    assert my_part([7, 8, 9], RankSpec(1, MAX_PARTS)) == [1]
+    assert time.perf_counter() - start < 0.05  # O(inputs), not O(parts)
+    with pytest.raises(ConfigError, match="expected I/N"):
+        parse_shard("0/\u00b2")  # a digit to str.isdigit, not to int()
 
 
 def test_partition_balances_bytes_not_counts() -> None:
@@ -270,3 +295,28 @@ def test_a_rank_killed_mid_run_then_rerun_completes_the_store(
     assert len(rows) == first_run + distinct_inputs(data) - len(kept)
     assert run_cli("merge", "--cache", store).returncode == 0
     assert_serves_live(store, data)
+
+
+@pytest.mark.parametrize("how", ["raise", "os._exit"])
+def test_a_failing_torchrun_rank_says_which_rank_and_that_a_rerun_continues(
+    tmp_path: Path, many_clips: Path, how: str
+) -> None:
+    """Before, the user saw torchrun's traceback and no featbake line naming the rank."""
+    pkg = tmp_path / "pkgs"
+    pkg.mkdir()
+    fail = "raise SystemExit(5)" if how == "raise" else "os._exit(7)"
+    (pkg / "rank_fails.py").write_text(
+        "import os\nfrom featbake.testing import TinyConvEncoder\n"
+        "class E(TinyConvEncoder):\n    def forward(self, wav):\n"
+        f"        if os.environ['RANK'] == '1':\n            {fail}\n"
+        "        return super().forward(wav)\n"
+        "def make():\n    return E()\n"
+    )
+    env = {"PYTHONPATH": f"{REPO}{os.pathsep}{pkg}"}
+    args = ("build", "-e", "rank_fails:make", "-d", many_clips, "--cache", tmp_path / "s")
+    res = torchrun(*args, "--workers", "0", env=env)
+    assert res.returncode != 0
+    ours = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    assert len(ours) == 1, res.stderr
+    assert "rank 1 (part 2 of 2 (torchrun)) failed" in ours[0]
+    assert "rerun the same command to continue" in ours[0]

@@ -124,3 +124,33 @@ def test_layers_are_normalised_and_checked() -> None:
             Recipe(layers=bad)
     with pytest.raises(ConfigError, match="precision"):
         Recipe(precision="fp8")
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"max_seconds": True},
+        {"max_seconds": False},
+        {"max_seconds": "10"},
+        {"max_seconds": float("nan")},
+        {"max_seconds": float("-inf")},
+        {"max_seconds": -1},
+        {"sample_rate": True},
+        {"sample_rate": -16000},
+        {"mono": 2},
+        {"mono": "yes"},
+        {"normalize": 1},
+    ],
+)
+def test_bools_strings_and_non_finite_numbers_are_refused(change: dict) -> None:
+    """Recipe(max_seconds=True) was accepted as a 1 s crop under a key of its own."""
+    with pytest.raises(ConfigError, match="must be"):
+        Recipe(**change)
+
+
+def test_equal_numbers_of_any_type_give_one_key() -> None:
+    import numpy as np
+
+    want = Recipe(max_seconds=10.0).fingerprint()
+    assert Recipe(max_seconds=10).fingerprint() == want
+    assert Recipe(max_seconds=np.float32(10)).fingerprint() == want

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from featbake.bake.arguments import BuildArguments, check_build_arguments
 from featbake.bake.decode import decoded_items, worker_death
 from featbake.bake.finite import nonfinite_part
 from featbake.bake.interrupt import interrupt_at_safe_points
@@ -97,7 +98,8 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
 
     Raises:
         SourceError, EncodeError: with ``strict``, the first bad input.
-        ConfigError: also from the first batch, for an ``output`` the encoder does not return.
+        ConfigError: an option out of range (see :mod:`featbake.bake.arguments`), before any
+            work; also from the first batch, for an ``output`` the encoder does not return.
         EncoderLoadError, StoreError, ConfigError: nothing could be built.
 
     Example:
@@ -105,6 +107,10 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
         >>> report.encoded, report.reused  # doctest: +SKIP
     """
     t0 = time.perf_counter()
+    args = BuildArguments(
+        batching, batch_size, workers, shard_bytes, batch_seconds, batch_samples, encoder
+    )
+    check_build_arguments(args, process_cpus())
     # A Hugging Face folder's preprocessor config sets the input (sample rate, normalisation)
     # and resolves layers="all": before the source is made from the recipe.
     recipe = recipe_for_encoder(encoder, recipe or Recipe())

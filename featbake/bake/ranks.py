@@ -22,6 +22,9 @@ from enum import StrEnum
 
 from featbake.errors import ConfigError
 
+#: The most parts a build is split into (fragment names hold the rank in five digits).
+MAX_PARTS = 99_999
+
 
 class RankSource(StrEnum):
     """Where a process learnt its rank."""
@@ -43,6 +46,12 @@ class RankSpec:
     source: RankSource = RankSource.SINGLE
 
     def __post_init__(self) -> None:
+        if self.world > MAX_PARTS:
+            raise ConfigError(
+                f"{self.world:,} parts (from {self.source.value}) is more than featbake splits a "
+                f"build into (at most {MAX_PARTS:,}): every part must run and finish before "
+                "`featbake merge` folds them in; use one part per process you will start"
+            )
         if self.world < 1 or not 0 <= self.rank < self.world:
             raise ConfigError(
                 f"rank {self.rank} of {self.world} (from {self.source.value}) is not a valid part: "
@@ -75,11 +84,16 @@ def parse_shard(text: str) -> RankSpec:
         (1, 4)
     """
     head, sep, tail = text.strip().partition("/")
-    if not sep or not head.isdigit() or not tail.isdigit():
+    if not sep or not _ascii_digits(head) or not _ascii_digits(tail):
         raise ConfigError(
             f"--shard {text!r}: expected I/N with I counted from 0, e.g. --shard 0/4 ... 3/4"
         )
     return RankSpec(int(head), int(tail), 0, RankSource.FLAG)
+
+
+def _ascii_digits(text: str) -> bool:
+    """``0``-``9`` only: ``str.isdigit`` also takes digits such as ``"²"`` that int() refuses."""
+    return text.isascii() and text.isdigit()
 
 
 def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
@@ -154,6 +168,20 @@ def partition(sizes: Sequence[int], world: int) -> list[list[int]]:
     """
     if world < 1:
         raise ConfigError(f"cannot split inputs into {world} parts")
+    parts: list[list[int]] = [[] for _ in range(world)]
+    for r, part in enumerate(_busy_parts(sizes, world)):
+        parts[r] = part
+    return parts
+
+
+def _busy_parts(sizes: Sequence[int], world: int) -> list[list[int]]:
+    """:func:`partition`'s first ``min(world, len(sizes))`` parts: the others are empty.
+
+    While some part is empty the greedy rule picks the empty part of lowest rank (load 0 and
+    count 0 sort before any part that holds an input), so ranks past ``len(sizes)`` never get
+    one; leaving them out keeps the work O(inputs) however large ``world`` is.
+    """
+    world = min(world, len(sizes))
     heap = [(0, 0, r) for r in range(world)]
     parts: list[list[int]] = [[] for _ in range(world)]
     for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
@@ -169,7 +197,8 @@ def my_part(sizes: Sequence[int], spec: RankSpec) -> list[int]:
     """The input indices that rank ``spec.rank`` does (all of them for a single process)."""
     if not spec.sharded:
         return list(range(len(sizes)))
-    return partition(sizes, spec.world)[spec.rank]
+    busy = _busy_parts(sizes, spec.world)  # O(inputs), not O(world)
+    return busy[spec.rank] if spec.rank < len(busy) else []
 
 
 def device_for_rank(device: str, spec: RankSpec) -> str:

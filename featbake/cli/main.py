@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import warnings
+from typing import NoReturn
 
 import typer
 from rich.markup import escape
 
 # Importing the command modules registers their commands on the app.
+from featbake.bake.ranks import rank_from_env
 from featbake.cli import build, export, gc, merge, store, verify  # noqa: F401
 from featbake.cli.app import app, console
-from featbake.errors import FeatbakeError
+from featbake.cli.supervise import (
+    abrupt_line,
+    report_clean_exit,
+    run_supervised,
+    status_channel,
+    wants_supervisor,
+)
+from featbake.errors import BuildProcessDied, FeatbakeError
 
 
 def _one_line_warning(message: object, category: type, *_: object, **__: object) -> str:
@@ -20,8 +30,13 @@ def _one_line_warning(message: object, category: type, *_: object, **__: object)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: run the app, turning featbake errors into one red line and an exit code."""
+    """Entry point: run the app, turning featbake errors into one red line and an exit code.
+
+    ``featbake build`` runs in a child process this one watches (see
+    :mod:`featbake.cli.supervise`), so a build process ended by its encoder is still reported.
+    """
     warnings.formatwarning = _one_line_warning  # type: ignore[assignment]
+    _supervise_or_report(sys.argv[1:] if argv is None else argv)
     try:
         # Without standalone mode typer *returns* the code of a `raise typer.Exit(code)`, and 130
         # when it caught a KeyboardInterrupt itself: dropping it would turn Ctrl-C into success.
@@ -35,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     except FeatbakeError as e:
         if os.environ.get("FEATBAKE_DEBUG"):
             raise
-        console.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)
+        console.print(f"[bold red]error:[/] {escape(in_part(str(e)))}", soft_wrap=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         console.print(
@@ -55,8 +70,45 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(e.exit_code)
         if os.environ.get("FEATBAKE_DEBUG"):
             raise
+        message = in_part(f"{type(e).__name__}: {e}")
         console.print(
-            f"[bold red]internal error:[/] {type(e).__name__}: {escape(str(e))} "
+            f"[bold red]internal error:[/] {escape(message)} "
             "(rerun with FEATBAKE_DEBUG=1 for a traceback, and please report it)"
         )
         sys.exit(1)
+
+
+def _supervise_or_report(args: list[str]) -> None:
+    """Run a build in a watched child (never returns), or, in that child, report a clean exit."""
+    if wants_supervisor(args):
+        _supervise(args)
+    status = status_channel()
+    if status is not None:
+        atexit.register(report_clean_exit, status)
+
+
+def _supervise(args: list[str]) -> NoReturn:
+    outcome = run_supervised(args)
+    if outcome.abrupt:
+        error = BuildProcessDied(abrupt_line(outcome.code))
+        console.print(f"[bold red]error:[/] {escape(in_part(str(error)))}", soft_wrap=True)
+        sys.exit(error.exit_code)
+    sys.exit(outcome.code)
+
+
+def in_part(message: str) -> str:
+    """``message`` naming this process's part, when a launcher started several.
+
+    Under torchrun one failing rank ends them all, and torchrun's own report follows: the one
+    featbake line must say which rank failed, and that what every rank sealed is kept.
+    """
+    try:
+        spec = rank_from_env(os.environ)
+    except FeatbakeError:
+        return message  # the launcher's variables are themselves the error being reported
+    if not spec.sharded:
+        return message
+    return (
+        f"rank {spec.rank} ({spec.describe()}) failed: {message}; every shard the ranks sealed "
+        "is kept: rerun the same command to continue"
+    )

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from featbake.encode.code_closure import code_closure_digest
 from featbake.encode.failures import error_cause, first_line, refuse_complex
 from featbake.encode.identity import (
     attribute_identity,
@@ -249,6 +250,8 @@ def _load_import(spec: str, weights: Path | None) -> tuple[Any, str]:
     if weights is not None:
         _load_weights(module, weights)
     identity = f"import:{spec}\n{module!r}\ncode:{code_identity(module, factory)}"
+    # The user's own modules the factory's module imports (pkg/other.py's helper), by content.
+    identity += f"\nimports:{code_closure_digest(mod_name)}"
     return module, f"{identity}\nattrs:{attribute_identity(module)}"
 
 

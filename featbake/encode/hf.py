@@ -58,11 +58,28 @@ class Preprocessor:
             raw = json.loads(path.read_text())
         except (OSError, ValueError) as e:
             raise EncoderLoadError(f"cannot read {path}: {e}") from e
+        if not isinstance(raw, dict):
+            raise EncoderLoadError(
+                f"{path} holds a JSON {type(raw).__name__}, not an object of settings such as "
+                '{"sampling_rate": 16000}; restore the file from the model\'s release'
+            )
         return cls(
-            sampling_rate=int(raw.get("sampling_rate", cls.sampling_rate)),
+            sampling_rate=_sampling_rate(path, raw.get("sampling_rate", cls.sampling_rate)),
             do_normalize=bool(raw.get("do_normalize", cls.do_normalize)),
             return_attention_mask=bool(raw.get("return_attention_mask", False)),
         )
+
+
+def _sampling_rate(path: Path, value: object) -> int:
+    """The config's ``sampling_rate`` as whole Hz; anything else names the file and the value."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise EncoderLoadError(
+            f"{path}: sampling_rate must be a whole number of Hz such as 16000, got {value!r}; "
+            "fix the file (it decides the rate the model's input is resampled to)"
+        )
+    return value
 
 
 def is_hf_folder(spec: str | os.PathLike[str]) -> bool:
@@ -148,10 +165,18 @@ def _load_model(folder: Path) -> nn.Module:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a bar per load would break featbake's own output
+    verbosity = hf_logging.get_verbosity()
+    # transformers logs a multi-line load report for missing weights; featbake says it once.
+    hf_logging.set_verbosity_error()
     try:
-        model = AutoModel.from_pretrained(str(folder), local_files_only=True, dtype=torch.float32)
+        model, info = AutoModel.from_pretrained(
+            str(folder), local_files_only=True, dtype=torch.float32, output_loading_info=True
+        )
     except Exception as e:
         raise EncoderLoadError(f"transformers cannot load {folder}: {e}") from e
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    check_loading_info(folder, info)
     if getattr(model, "main_input_name", None) != "input_values":
         raise EncoderLoadError(
             f"{folder} holds a {type(model).__name__}, which does not take raw audio "
@@ -160,6 +185,37 @@ def _load_model(folder: Path) -> nn.Module:
     if not hasattr(model, "_get_feat_extract_output_lengths"):
         raise EncoderLoadError(f"{type(model).__name__} does not report its output lengths")
     return model.eval()
+
+
+class WeightsMismatch(EncoderLoadError):
+    """A model folder's weights do not cover its config, or hold weights the config lacks.
+
+    transformers fills missing weights with a random init and drops unexpected ones, with a
+    log line at most: each load would then give new features under a new key.
+    """
+
+
+#: Names shown per kind of mismatch before "... and N more".
+SHOWN_NAMES = 3
+
+
+def check_loading_info(folder: Path, info: dict[str, Any]) -> None:
+    """Raise :class:`WeightsMismatch` when transformers reports missing, unexpected or
+    mismatched weights for ``folder`` (its ``output_loading_info``)."""
+    problems = []
+    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        names = sorted(str(n[0] if isinstance(n, tuple) else n) for n in info.get(kind) or ())
+        if names:
+            shown = ", ".join(names[:SHOWN_NAMES])
+            more = f" and {len(names) - SHOWN_NAMES} more" if len(names) > SHOWN_NAMES else ""
+            problems.append(f"{len(names)} {kind.replace('_keys', '')} ({shown}{more})")
+    if problems:
+        raise WeightsMismatch(
+            f"the weights in {folder} do not match its config.json: {'; '.join(problems)}. "
+            "Loading would fill the gaps with random values, so every load would give other "
+            "features; make config.json describe the saved model (e.g. num_hidden_layers) or "
+            "save the model again with save_pretrained"
+        )
 
 
 def folder_identity(folder: Path, model: nn.Module, pre: Preprocessor) -> str:

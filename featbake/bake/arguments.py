@@ -1,0 +1,101 @@
+"""The build's arguments, checked before any work: one :class:`ConfigError` per bad value.
+
+:func:`featbake.bake.pipeline.build` is a public entry point, so library callers reach it
+without the CLI's parsing: every option that sizes something (a batch, a shard, a worker
+pool) or picks a mode is checked here, with the valid range in the message, before the store
+is opened or a file is hashed. Pure: the CPU count is passed in.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+from featbake.errors import ConfigError
+
+#: ``batching`` choices (the values of :class:`featbake.bake.padded.Batching`).
+BATCHING_CHOICES = ("auto", "padded", "exact")
+#: Decode workers allowed per usable CPU (and at least :data:`MIN_WORKER_CAP` in all).
+WORKERS_PER_CPU = 4
+MIN_WORKER_CAP = 64
+
+
+@dataclass(frozen=True)
+class BuildArguments:
+    """The build's sizing and mode options as given (``None``: featbake chooses)."""
+
+    batching: object = "auto"
+    batch_size: object = 16
+    workers: object = None
+    shard_bytes: object = 1
+    batch_seconds: object = None
+    batch_samples: object = None
+    encoder: object = None
+
+
+def worker_cap(cpus: int) -> int:
+    """The most decode workers a build starts on ``cpus`` usable CPUs."""
+    return max(MIN_WORKER_CAP, WORKERS_PER_CPU * max(1, cpus))
+
+
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_finite(value: object) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return math.isfinite(value) and value > 0
+
+
+def check_build_arguments(args: BuildArguments, cpus: int) -> None:
+    """Refuse an option no build can run with, naming it and a valid value.
+
+    Raises:
+        ConfigError: an empty ``encoder`` (``Path("")`` is the current folder, which would be
+            read as a model folder); an unknown ``batching``; a ``batch_size`` or
+            ``shard_bytes`` below 1 or not a whole number; ``workers`` negative or more than
+            :func:`worker_cap` (each worker is a process with its own memory: thousands would
+            exhaust the machine before the first file is read); ``batch_seconds`` not a
+            positive finite number (NaN and inf cannot size a batch); ``batch_samples`` below 1.
+    """
+    if isinstance(args.encoder, (str, os.PathLike)) and not os.fspath(args.encoder).strip():
+        raise ConfigError(
+            "--encoder is empty; give a TorchScript (.pt) or torch.export (.pt2) file, a Hugging "
+            "Face model folder or an import path like mypkg.models:build_encoder"
+        )
+    if not isinstance(args.batching, str) or args.batching not in BATCHING_CHOICES:
+        raise ConfigError(
+            f"--batching must be one of {', '.join(BATCHING_CHOICES)}, got {args.batching!r}"
+        )
+    if not _whole(args.batch_size) or args.batch_size < 1:  # type: ignore[operator]
+        raise ConfigError(f"--batch-size must be a whole number from 1, got {args.batch_size!r}")
+    if not _whole(args.shard_bytes) or args.shard_bytes < 1:  # type: ignore[operator]
+        raise ConfigError(
+            f"--shard-size must be positive, got {args.shard_bytes!r} bytes (e.g. 256MiB)"
+        )
+    _check_workers(args.workers, cpus)
+    if args.batch_seconds is not None and not _positive_finite(args.batch_seconds):
+        raise ConfigError(
+            f"--batch-seconds must be a positive, finite number of seconds, got "
+            f"{args.batch_seconds!r} (default 160)"
+        )
+    samples = args.batch_samples
+    if samples is not None and (not _whole(samples) or samples < 1):  # type: ignore[operator]
+        raise ConfigError(f"batch_samples must be a whole number from 1, got {samples!r}")
+
+
+def _check_workers(workers: object, cpus: int) -> None:
+    if workers is None:
+        return
+    if not _whole(workers) or workers < 0:  # type: ignore[operator]
+        raise ConfigError(f"--workers must be 0 or more, got {workers!r}")
+    cap = worker_cap(cpus)
+    if workers > cap:  # type: ignore[operator]
+        raise ConfigError(
+            f"--workers {workers} is more than featbake starts on {cpus} usable CPUs "
+            f"(at most {cap}): each decode worker is a process with its own memory, and more "
+            f"workers than CPUs only adds start-up time; use --workers {cap} or fewer, or leave "
+            "it unset to let featbake choose"
+        )

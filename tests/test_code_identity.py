@@ -1,0 +1,118 @@
+"""An import-path encoder's key covers the user's own code it imports, not only the factory's."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from featbake.encode.code_closure import CodeClosure, imported_names
+from featbake.encode.sources import source_for
+from featbake.recipe import Recipe
+from featbake.serve.dataset import CachedFeatureDataset
+from featbake.testing import write_audio_folder
+from tests.conftest import REPO, run_cli
+
+MOD = textwrap.dedent(
+    """
+    import torch
+    from pkg.other import helper
+
+    class Enc(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.conv = torch.nn.Conv1d(1, 4, 5, stride=4)
+
+        def forward(self, wav):
+            return helper(self.conv(wav.unsqueeze(1)).transpose(1, 2))
+
+    def make():
+        return Enc()
+    """
+)
+
+
+def _package(root: Path, factor: str) -> Path:
+    (root / "pkg").mkdir(parents=True, exist_ok=True)
+    (root / "pkg" / "__init__.py").write_text("")
+    (root / "pkg" / "mod.py").write_text(MOD)
+    (root / "pkg" / "other.py").write_text(f"def helper(x):\n    return x * {factor}\n")
+    (root / "pkg" / "extra.py").write_text("VALUE = 1\n")  # not imported by the encoder
+    return root
+
+
+def _fingerprint(root: Path, preload: str = "") -> str:
+    code = f"{preload}\nfrom featbake.encode.encoders import load_encoder\n"
+    code += "print(load_encoder('pkg.mod:make').fingerprint)"
+    env = {"PYTHONPATH": f"{REPO}:{root}", "PATH": "/usr/bin:/bin"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stderr
+    return res.stdout.strip()
+
+
+def test_editing_a_helper_module_rebakes_and_serves_the_new_features(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = _package(tmp_path / "src", "2.0")
+    data = tmp_path / "audio"
+    write_audio_folder(data, 4, seconds=0.3, seed=41)
+    env = {"PYTHONPATH": f"{REPO}:{root}"}
+    args = ["build", "-e", "pkg.mod:make", "-d", data, "--cache", tmp_path / "c", "--json"]
+    first = json.loads(run_cli(*args, env=env).stdout)
+    again = json.loads(run_cli(*args, env=env).stdout)  # another process, nothing changed
+    assert (first["encoded"], again["encoded"], again["reused"]) == (4, 0, 4)
+    assert again["encoder_fp"] == first["encoder_fp"]
+
+    (root / "pkg" / "other.py").write_text("def helper(x):\n    return x * 3.0\n")
+    edited = json.loads(run_cli(*args, env=env).stdout)
+    assert edited["encoder_fp"] != first["encoder_fp"] and edited["encoded"] == 4
+
+    monkeypatch.syspath_prepend(str(root))
+    for name in ("pkg", "pkg.mod", "pkg.other"):
+        sys.modules.pop(name, None)
+    ds = CachedFeatureDataset(data, "pkg.mod:make", cache=tmp_path / "c", on_miss="error")
+    enc = importlib.import_module("pkg.mod").make().eval()
+    src = source_for(Recipe())
+    for i in range(len(ds)):
+        with torch.no_grad():
+            live = enc(src.load(ds.path(i)).unsqueeze(0))[0]
+        torch.testing.assert_close(ds[i], live, rtol=1e-5, atol=1e-6)
+    for name in ("pkg", "pkg.mod", "pkg.other"):
+        sys.modules.pop(name, None)
+
+
+def test_the_identity_is_the_same_in_every_process_whatever_it_imported(tmp_path: Path) -> None:
+    root = _package(tmp_path / "src", "2.0")
+    fp = _fingerprint(root)
+    assert _fingerprint(root, "import pkg.extra") == fp  # a training script imports more
+    (root / "pkg" / "extra.py").write_text("VALUE = 2\n")
+    assert _fingerprint(root) == fp  # code the encoder does not import is not in its key
+    moved = root.rename(tmp_path / "moved")  # paths are not in the key, contents are
+    assert _fingerprint(moved) == fp
+
+
+def test_the_closure_follows_relative_and_absolute_imports(tmp_path: Path) -> None:
+    pkg = tmp_path / "top" / "sub"
+    pkg.mkdir(parents=True)
+    (tmp_path / "top" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("from .a import f\n")
+    (pkg / "a.py").write_text("from ..b import g\nfrom . import c\nimport numpy\n")
+    (tmp_path / "top" / "b.py").write_text("")
+    (pkg / "c.py").write_text("")
+    names = set(imported_names(pkg / "a.py", "top.sub"))
+    assert names == {"top.b", "top.b.g", "top.sub", "top.sub.c", "numpy"}
+    sys.path.insert(0, str(tmp_path))
+    try:
+        closure = CodeClosure()
+        closure.add("top.sub")
+    finally:
+        sys.path.remove(str(tmp_path))
+    assert set(closure.sources) == {"top", "top.sub", "top.sub.a", "top.b", "top.sub.c"}
+    assert closure.libraries["numpy"].startswith("numpy==")
