@@ -17,6 +17,7 @@ Exit codes:
     9  the build process ended abruptly, e.g. ``os._exit()`` in an encoder
        (:class:`BuildProcessDied`)
     130 interrupted (Ctrl-C); everything sealed before the interrupt is kept
+    143 stopped by SIGTERM (:class:`Terminated`); everything sealed before it is kept
 """
 
 from __future__ import annotations
@@ -77,6 +78,13 @@ class SourceError(FeatbakeError):
     """An input file is missing, unreadable, empty or cannot be decoded."""
 
     exit_code = 8
+
+
+class Terminated(FeatbakeError):
+    """SIGTERM stopped the command (torchrun stopping the other ranks, SLURM, Kubernetes,
+    docker); like Ctrl-C, everything sealed before it is kept and a rerun continues."""
+
+    exit_code = 143
 
 
 class ShardMissing(StoreError):

@@ -277,7 +277,7 @@ def test_a_rank_killed_mid_run_then_rerun_completes_the_store(
         stderr=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 120
-    while not sealed_fragments(layout) and time.monotonic() < deadline:
+    while len(encoded_rows(counting_encoder)) < 6 and time.monotonic() < deadline:
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -285,7 +285,9 @@ def test_a_rank_killed_mid_run_then_rerun_completes_the_store(
     assert frags and {f.kind for f in frags} == {FragmentKind.PART}  # killed before the end
     kept = fragment_keys([f.path for f in frags])
     first_run = len(encoded_rows(counting_encoder))
-    assert len(kept) <= first_run < distinct_inputs(data)
+    # Every shard sealed is recorded as it is sealed (issue 16 item 4: it used to be every 16
+    # shards or 60 s): only what was still in the writer's hands when SIGKILL came is lost.
+    assert first_run - 2 <= len(kept) <= first_run < distinct_inputs(data)
 
     for shard in ("0/2", "1/2"):
         rerun = run_cli(*args, "--shard", shard, env={**counting_encoder})

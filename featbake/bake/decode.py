@@ -60,8 +60,8 @@ class DecodeDataset(Dataset):
 
 
 def init_worker(_worker_id: int, parent_pid: int | None = None) -> None:
-    """Set up a decode worker: one torch thread, Ctrl-C left to the main process, and death with
-    its parent.
+    """Set up a decode worker: one torch thread, Ctrl-C and SIGTERM left to the main process,
+    and death with its parent.
 
     A build killed with SIGKILL cannot shut its workers down; torch's watchdog then ends the
     worker loop, but the worker's exit joins a queue feeder blocked on a full pipe that nobody
@@ -71,9 +71,11 @@ def init_worker(_worker_id: int, parent_pid: int | None = None) -> None:
     die_with_parent(parent_pid)
     # The encoder's threads own the other CPUs (see featbake.cpus.bake_threads).
     torch.set_num_threads(1)
-    # A terminal's Ctrl-C reaches the whole process group: workers must leave it to the main
-    # process, which stops at a safe point and shuts them down (see interrupt_at_safe_points).
+    # A terminal's Ctrl-C and SLURM's SIGTERM reach every process of the job: workers must
+    # leave them to the main process, which stops at a safe point and shuts them down (see
+    # interrupt_at_safe_points); if it dies instead, PR_SET_PDEATHSIG ends them.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 _PR_SET_PDEATHSIG = 1

@@ -1,4 +1,9 @@
-"""Ctrl-C at safe points: the bake stops between items, so sealing never hangs."""
+"""Ctrl-C and SIGTERM at safe points: the bake stops between items, so sealing never hangs.
+
+SIGTERM is how torchrun stops the surviving ranks when one fails, and how SLURM, Kubernetes and
+docker stop a job: it must keep sealed work exactly as Ctrl-C does, and end with its own code
+(143 = 128 + SIGTERM, :class:`~featbake.errors.Terminated`).
+"""
 
 from __future__ import annotations
 
@@ -8,14 +13,38 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from featbake.errors import Terminated
+
+#: The signals a bake stops on at its next safe point.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def stop_error(signum: int) -> BaseException:
+    """What a stop signal becomes: KeyboardInterrupt for Ctrl-C, Terminated for SIGTERM."""
+    if signum == signal.SIGTERM:
+        return Terminated(
+            "stopped by SIGTERM (torchrun, SLURM, Kubernetes or docker asked this process to "
+            "stop): everything sealed so far is kept; rerun the same command to continue"
+        )
+    return KeyboardInterrupt()
+
+
+def raise_on_sigterm(signum: int, frame: Any) -> None:
+    """A SIGTERM handler that raises :class:`Terminated` where the program is, as Python's own
+    SIGINT handler raises KeyboardInterrupt (for commands whose every step is safe to stop)."""
+    raise stop_error(signum)
+
 
 @contextmanager
 def interrupt_at_safe_points() -> Iterator[Callable[[], None]]:
-    """Turn Ctrl-C into a KeyboardInterrupt at the next checkpoint (between items).
+    """Turn Ctrl-C and SIGTERM into an exception at the next checkpoint (between items).
 
-    A KeyboardInterrupt raised at an arbitrary bytecode can land inside ``queue.Queue.put`` and
-    lose the writer's wake-up, hanging the seal that Ctrl-C promises. The first SIGINT only
-    sets a flag; a second one raises at once. Outside the main thread (where signal handlers
+    An exception raised at an arbitrary bytecode can land inside ``queue.Queue.put`` and lose
+    the writer's wake-up, hanging the seal that stopping promises. The first signal only sets
+    a flag; a second Ctrl-C raises at once (a user who insists). A second SIGTERM does not: a
+    job's processes can each receive it twice (SLURM signals every process of a step, and
+    ``featbake build``'s supervisor passes its own on), and whoever sends SIGTERM escalates to
+    SIGKILL after its grace period anyway. Outside the main thread (where signal handlers
     cannot be installed) this does nothing.
     """
     if threading.current_thread() is not threading.main_thread():
@@ -23,19 +52,20 @@ def interrupt_at_safe_points() -> Iterator[Callable[[], None]]:
         return
     hits: list[int] = []
 
-    def on_sigint(signum: int, frame: Any) -> None:
+    def on_signal(signum: int, frame: Any) -> None:
         hits.append(signum)
-        if len(hits) > 1:
-            raise KeyboardInterrupt
+        if signum == signal.SIGINT and hits.count(signal.SIGINT) > 1:
+            raise stop_error(signum)
 
     def checkpoint() -> None:
         if hits:
-            raise KeyboardInterrupt
+            raise stop_error(hits[0])
 
-    previous = signal.signal(signal.SIGINT, on_sigint)
+    previous = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
     try:
         yield checkpoint
     finally:
-        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
-    if hits:  # a Ctrl-C that came after the last checkpoint still stops the caller
-        raise KeyboardInterrupt
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+    if hits:  # a signal that came after the last checkpoint still stops the caller
+        raise stop_error(hits[0])

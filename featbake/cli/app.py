@@ -38,8 +38,8 @@ out = make_console()
 
 EXIT_CODES = """Exit codes: 0 ok, 2 bad option, 3 some inputs failed (the rest stored), 4 encoder
 could not load or run, 5 store unwritable, 6 corrupt store data, 7 cache miss, 8 input unreadable,
-9 the build process ended abruptly (e.g. os._exit in the encoder), 130 interrupted (sealed work
-kept)."""
+9 the build process ended abruptly (e.g. os._exit in the encoder), 130 interrupted, 143 stopped
+by SIGTERM (sealed work kept in both)."""
 
 
 app = typer.Typer(

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
 import sys
+import threading
 import warnings
 from typing import NoReturn
 
 import typer
 from rich.markup import escape
+
+from featbake.bake.interrupt import raise_on_sigterm
 
 # Importing the command modules registers their commands on the app.
 from featbake.bake.ranks import rank_from_env
@@ -37,6 +41,10 @@ def main(argv: list[str] | None = None) -> None:
     """
     warnings.formatwarning = _one_line_warning  # type: ignore[assignment]
     _supervise_or_report(sys.argv[1:] if argv is None else argv)
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM (torchrun, SLURM, Kubernetes, docker) stops a command as Ctrl-C does, with its
+        # own exit code; a build turns it into a stop at its next safe point.
+        signal.signal(signal.SIGTERM, raise_on_sigterm)
     try:
         # Without standalone mode typer *returns* the code of a `raise typer.Exit(code)`, and 130
         # when it caught a KeyboardInterrupt itself: dropping it would turn Ctrl-C into success.

@@ -37,8 +37,10 @@ class RankCatalog:
         rank, world: this rank and the number of ranks.
         listing: (relative path, bytes) of *every* input of the build, in sorted order; every
             rank passes the same one, so they agree on the build id and manifest indices.
-        every_shards, every_seconds: seal a ``part`` fragment after this many shards or seconds,
-            so a rank killed mid-run loses at most that much.
+
+    Each sealed shard is recorded in a ``part`` fragment as soon as it is sealed (shard file
+    first, fragment second), so a rank killed at any moment, by any signal (SIGKILL included),
+    keeps every shard it sealed: its rerun encodes only what no fragment names.
 
     Example:
         >>> cat = RankCatalog(layout, 1, 4, listing)  # doctest: +SKIP
@@ -52,14 +54,10 @@ class RankCatalog:
         rank: int,
         world: int,
         listing: Sequence[tuple[str, int]],
-        *,
-        every_shards: int = 16,
-        every_seconds: float = 60.0,
     ) -> None:
         self.layout = layout
         self.rank, self.world = rank, world
         self.listing = listing
-        self.every_shards, self.every_seconds = every_shards, every_seconds
         self.info: BuildInfo | None = None
         self.fragments: list[str] = []
         self._index = {rel: i for i, (rel, _) in enumerate(listing)}
@@ -68,7 +66,6 @@ class RankCatalog:
         self._items: list[ManifestItem] = []
         self._hashes: dict[str, HashRow] = {}
         self._pending: list[SealedShard] = []
-        self._last_seal = time.monotonic()
         self._lock = threading.Lock()
 
     # -- reads: the catalog as it is (read-only), plus this build's own sealed fragments ------
@@ -127,12 +124,10 @@ class RankCatalog:
         return True
 
     def add_shard(self, shard: SealedShard, now: float | None = None) -> int:
-        """Called by the writer thread for each sealed shard; seals a ``part`` fragment at times."""
+        """Called by the writer thread per sealed shard: recorded in a ``part`` fragment now."""
         with self._lock:
             self._pending.append(shard)
-            due = time.monotonic() - self._last_seal >= self.every_seconds
-            if len(self._pending) >= self.every_shards or due:
-                self._seal(FragmentKind.PART)
+            self._seal(FragmentKind.PART)
         return len(shard.entries)
 
     def flush(self) -> None:
@@ -161,7 +156,6 @@ class RankCatalog:
             list(self._hashes.values()) if done else (),
         )
         self._pending = []
-        self._last_seal = time.monotonic()
         self.fragments.append(path.name)
         return path.name
 
