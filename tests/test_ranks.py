@@ -27,6 +27,7 @@ from featbake.bake.ranks import (
     RankSpec,
     device_for_rank,
     my_part,
+    owned_by_lower_ranks,
     parse_shard,
     partition,
     rank_from_env,
@@ -322,3 +323,34 @@ def test_a_failing_torchrun_rank_says_which_rank_and_that_a_rerun_continues(
     assert len(ours) == 1, res.stderr
     assert "rank 1 (part 2 of 2 (torchrun)) failed" in ours[0]
     assert "rerun the same command to continue" in ours[0]
+
+
+def test_identical_files_on_two_torchrun_ranks_are_encoded_once(
+    tmp_path: Path, counting_encoder: dict[str, str]
+) -> None:
+    """Issue 16 item 7: content dedup held within a rank only. Every clip here has a twin
+    under another folder, and the byte-balanced partition puts the twins on different ranks:
+    each content must be encoded once across both ranks, and every file served equal to live."""
+    import shutil
+
+    data = tmp_path / "twins"
+    write_audio_folder(data / "a", 6, seconds=(0.2, 0.6), seed=21)
+    shutil.copytree(data / "a", data / "b")
+    store = tmp_path / "store"
+    args = ("build", "-e", ENCODER, "-d", data, "--cache", store, "--workers", "0", "--json")
+    done = torchrun(*args, env=counting_encoder)
+    assert done.returncode == 0, done.stdout + done.stderr
+    calls = Counter(encoded_rows(counting_encoder))
+    assert len(calls) == 6 and set(calls.values()) == {1}  # 12 files, 6 contents, once each
+    served = assert_serves_live(store, data)
+    assert len(served) == 12
+    assert run_cli("verify", "--cache", store).returncode == 0
+
+
+def test_ranks_leave_a_key_to_the_lowest_rank_that_holds_it() -> None:
+    keys = [["a", "b"], ["b", "c"], ["a", "c", "d"]]
+    assert owned_by_lower_ranks(0, keys) == set()
+    assert owned_by_lower_ranks(1, keys) == {"b"}
+    assert owned_by_lower_ranks(2, keys) == {"a", "c"}
+    encoded = [set(k) - owned_by_lower_ranks(r, keys) for r, k in enumerate(keys)]
+    assert sorted(x for part in encoded for x in part) == ["a", "b", "c", "d"]  # each once

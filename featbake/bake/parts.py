@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import datetime
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch.distributed as dist
 
-from featbake.bake.ranks import RankSpec, my_part
+from featbake.bake.ranks import RankSpec, my_part, owned_by_lower_ranks
 from featbake.store.catalog import Catalog
 from featbake.store.layout import Layout
 from featbake.store.merge import merge
@@ -61,6 +61,29 @@ def _process_group() -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+@contextmanager
+def rank_group(spec: RankSpec) -> Iterator[None]:
+    """Under torchrun, one process group for the whole build (the key exchange, then the
+    barrier before merging); nothing for a single process or parts launched one by one."""
+    if not spec.launched_together:
+        yield
+        return
+    with _process_group():
+        yield
+
+
+def keys_for_other_ranks(spec: RankSpec, keys: Sequence[str]) -> set[str]:
+    """Under torchrun: the keys another rank encodes (identical files on two ranks are encoded
+    once, by the lowest rank holding the key). Parts without a process group (``--shard``,
+    SLURM arrays) exchange nothing: each encodes its own, and `featbake merge` keeps one copy.
+    """
+    if not spec.launched_together:
+        return set()
+    gathered: list[list[str] | None] = [None] * spec.world
+    dist.all_gather_object(gathered, list(keys))
+    return owned_by_lower_ranks(spec.rank, [g or [] for g in gathered])
 
 
 def finish_part(layout: Layout, spec: RankSpec) -> bool:

@@ -21,8 +21,8 @@ from featbake.bake.decode import decoded_items, worker_death
 from featbake.bake.finite import nonfinite_part
 from featbake.bake.interrupt import interrupt_at_safe_points
 from featbake.bake.padded import BatchRunner, budget_samples
-from featbake.bake.parts import catalog_for_part, finish_part
-from featbake.bake.ranks import device_for_rank, resolve_rank
+from featbake.bake.parts import catalog_for_part, finish_part, keys_for_other_ranks, rank_group
+from featbake.bake.ranks import RankSpec, device_for_rank, resolve_rank
 from featbake.bake.report import BuildReport
 from featbake.bake.writer_thread import WriterThread
 from featbake.cpus import BakeThreads, bake_threads
@@ -132,13 +132,14 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
         skipped = scanned.skipped if spec.rank == 0 else []
         bake.start(len(inputs), skipped, os.fspath(weights) if weights else None)
         bake.report.part = spec.describe() if spec.sharded else ""
-        with gc_paused():  # tens of thousands of small rows, no cycles: see featbake/gcpause.py
-            todo = bake.plan(inputs)
-            bake.publish_manifest()
-        bake.encode_missing(todo)
-        if isinstance(catalog, RankCatalog):
-            bake.report.fragment = catalog.finish()
-            bake.report.merged = finish_part(layout, spec)
+        with rank_group(spec):
+            with gc_paused():  # tens of thousands of small rows, no cycles: see gcpause.py
+                todo = bake.plan(inputs)
+                bake.publish_manifest()
+            bake.encode_missing(bake.leave_to_other_ranks(todo, spec))
+            if isinstance(catalog, RankCatalog):
+                bake.report.fragment = catalog.finish()
+                bake.report.merged = finish_part(layout, spec)
     bake.report.seconds = time.perf_counter() - t0
     return bake.report
 
@@ -235,6 +236,12 @@ class _Bake:
                 self.report.duplicates += 1
             todo.setdefault(key, path)
         return todo
+
+    def leave_to_other_ranks(self, todo: dict[str, str], spec: RankSpec) -> dict[str, str]:
+        """``todo`` less the keys another torchrun rank encodes (counted as duplicates)."""
+        theirs = keys_for_other_ranks(spec, list(todo))
+        self.report.duplicates += len(theirs)
+        return {k: p for k, p in todo.items() if k not in theirs}
 
     def skip(self, rel: str, reason: str, error: FeatbakeError) -> None:
         """Record a failed input; with ``strict``, stop the build with ``error``."""

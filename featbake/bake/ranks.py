@@ -214,3 +214,20 @@ def device_for_rank(device: str, spec: RankSpec) -> str:
     if device == "cuda" and spec.sharded and per_gpu:
         return f"cuda:{spec.local_rank}"
     return device
+
+
+def owned_by_lower_ranks(rank: int, keys_by_rank: Sequence[Sequence[str]]) -> set[str]:
+    """The keys of ``rank`` that a lower rank also has to encode: that rank encodes them.
+
+    Content dedup across ranks: identical files that fall to two ranks (the partition splits
+    paths, not contents) are encoded once, by the lowest rank that holds their key; the others
+    list the item in their manifest slice and `merge` points it at that rank's feature.
+
+    Example:
+        >>> sorted(owned_by_lower_ranks(1, [["a", "b"], ["b", "c"]]))
+        ['b']
+    """
+    lower: set[str] = set()
+    for other in keys_by_rank[:rank]:
+        lower.update(other)
+    return lower.intersection(keys_by_rank[rank])

@@ -97,6 +97,7 @@ class ShardCheck:
     entries: tuple[ShardEntry, ...]  # every tensor its header names
     intact: tuple[str, ...]  # well-formed tensors whose checksum holds (all when sound)
     failed: tuple[str, ...] = ()  # tensors whose header entry or checksum fails
+    digest: str = ""  # SHA-256 of the file's bytes: its content name ("" if unreadable)
 
 
 class HashMismatch(NamedTuple):

@@ -146,4 +146,5 @@ def check_shard(path: Path) -> ShardCheck:
         tuple(entries),
         tuple(e.tensor for e in entries),
         tuple(failed),
+        digest,
     )

@@ -4,6 +4,8 @@ Order (``VerifyScan.repair``), all under the store's exclusive write lock (store
 writer seals a shard meanwhile; the scan is refreshed under the lock (unchanged files are not
 re-read):
 
+0. An intact shard under a wrong name (a swap, a rename cycle, a wrong folder) is renamed back
+   to its content name (misnamed.py), and the store scanned again.
 1. Intact tensors of a damaged shard are copied into a fresh shard, but only what can be proven:
    a format-2 checksum binds name, dtype, shape and bytes; a format-1 one the bytes only, so
    such a tensor is copied only where the catalog's row confirms its dtype and shape (else an
@@ -56,6 +58,7 @@ from featbake.upkeep.findings import (
     VerifyStatus,
 )
 from featbake.upkeep.hash_check import check_hash_cache, repair_hash_cache
+from featbake.upkeep.misnamed import rename_back
 from featbake.upkeep.rebuild import rebuild_catalog, sealed_from_check
 from featbake.upkeep.roots_repair import repair_roots
 from featbake.upkeep.scan import scan_store
@@ -257,8 +260,12 @@ def repair_locked(scan: VerifyScan, progress: Progress = None) -> VerifyReport:
         report.seconds = time.perf_counter() - t0
         return report
     layout.ensure()
+    renamed = rename_back(layout, scan)
+    if renamed.actions:  # those files are sound now, under their names: look at them again
+        sound = {c.path: c for c in scan.shards if c.sound}
+        scan = scan_store(layout.root, progress, reuse=sound)
     salvaged, done = _salvage_all(layout, scan, [c for c in scan.shards if not c.sound])
-    done += _quarantine_unreadable(layout, scan)
+    done = renamed + done + _quarantine_unreadable(layout, scan)
     if scan.catalog_state is not CatalogState.OK:
         done += rebuild_catalog(layout, scan, salvaged)
         wrong = check_hash_cache(layout, progress).wrong  # rows the old catalog carried over

@@ -80,3 +80,36 @@ def test_commands_on_a_missing_store_print_one_line(tmp_path: Path) -> None:
     assert proc.stderr.strip().startswith("error:") and len(proc.stderr.strip().splitlines()) == 1
     help_text = run_cli("verify", "--help")
     assert "10" in help_text.stdout and "11" in help_text.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cycle", [2, 3])
+def test_repair_gives_swapped_shard_names_back_and_loses_nothing(
+    encoder_file: Path, audio_dir: Path, store_dir: Path, tmp_path: Path, cycle: int
+) -> None:
+    """Issue 16 item 6: shard names are content hashes, so files whose names were swapped (or
+    rotated in a cycle) are renamed back, never quarantined: no feature is lost, and every one
+    still equals the encoder run now."""
+    from tests.helpers import Live, assert_serves
+
+    report = bake(audio_dir, encoder_file, store_dir, shard_bytes=20_000)
+    paths = sorted(shard_files(store_dir))
+    assert len(paths) >= cycle
+    moved = paths[:cycle]
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    for i, p in enumerate(moved):  # rotate: file i takes file i+1's name
+        p.rename(stage / str(i))
+    for i in range(cycle):
+        (stage / str(i)).rename(moved[(i + 1) % cycle])
+    damaged = run_cli("verify", "--cache", store_dir)
+    assert damaged.returncode == 11, damaged.stderr
+    repaired = run_cli("verify", "--cache", store_dir, "--repair", "--json")
+    assert repaired.returncode == 10, repaired.stderr
+    out = json.loads(repaired.stdout)
+    assert out["features_lost"] == 0
+    assert sum("back to its content name" in a for a in out["actions"]) == cycle
+    assert not (store_dir / "quarantine").exists() or not any((store_dir / "quarantine").iterdir())
+    assert sorted(shard_files(store_dir)) == paths
+    assert run_cli("verify", "--cache", store_dir).returncode == 0
+    assert assert_serves(store_dir, report.root, audio_dir, encoder_file, Live()) == 16
