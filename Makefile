@@ -33,6 +33,7 @@ bench: install
 lint: install
 	$(PY) -m ruff check featbake tests benchmarks examples
 	$(PY) -m ruff format --check featbake tests benchmarks examples
+	$(PY) -m mypy
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_architecture.py
 
 clean:

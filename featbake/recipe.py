@@ -79,7 +79,8 @@ class Recipe:
     def __post_init__(self) -> None:
         # Normalise numbers so that equal options give equal keys: canonical JSON writes 10 and
         # 10.0 differently, and the CLI passes floats where a library caller may pass ints.
-        if isinstance(self.sample_rate, float) and self.sample_rate.is_integer():
+        rate: object = self.sample_rate  # a float from the CLI, an int from a library caller
+        if isinstance(rate, float) and rate.is_integer():
             object.__setattr__(self, "sample_rate", int(self.sample_rate))
         self._check_flags()
         if self.max_seconds is not None and _is_number(self.max_seconds):
@@ -127,9 +128,10 @@ class Recipe:
     def _check_layers(self) -> None:
         if self.layers is None or self.layers == "all":  # "all": resolved against the model
             return
-        layers = tuple(self.layers)
-        if not layers or any(isinstance(k, bool) or not isinstance(k, int) for k in layers):
-            raise ConfigError(f"layers must be whole numbers, e.g. --layers 0,6,12; got {layers!r}")
+        given: tuple[object, ...] = tuple(self.layers)
+        if not given or any(isinstance(k, bool) or not isinstance(k, int) for k in given):
+            raise ConfigError(f"layers must be whole numbers, e.g. --layers 0,6,12; got {given!r}")
+        layers = [k for k in given if isinstance(k, int)]
         if any(k < 0 for k in layers):
             raise ConfigError(f"layers count from 0 (the input to the first layer); got {layers}")
         # Sorted and unique: --layers 6,0 and --layers 0,6,6 store the same parts, so one key.

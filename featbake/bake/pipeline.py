@@ -205,7 +205,7 @@ class _Bake:
     manifest: list[tuple[str, str]] = field(default_factory=list)
     hashed_stats: dict[str, FileStat] = field(default_factory=dict)
 
-    def start(self, inputs: int, skipped: list[tuple[str, str]], weights: str | None) -> None:
+    def start(self, inputs: int, skipped: Sequence[tuple[str, str]], weights: str | None) -> None:
         """Fingerprint the encoder and recipe, and open the report with the skipped files."""
         enc_fp = encoder_fingerprint(self.enc, self.catalog, weights)
         recipe_fp = self.recipe.fingerprint()

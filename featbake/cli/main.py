@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     ``featbake build`` runs in a child process this one watches (see
     :mod:`featbake.cli.supervise`), so a build process ended by its encoder is still reported.
     """
-    warnings.formatwarning = _one_line_warning  # type: ignore[assignment]
+    warnings.formatwarning = _one_line_warning
     _supervise_or_report(sys.argv[1:] if argv is None else argv)
     if threading.current_thread() is threading.main_thread():
         # SIGTERM (torchrun, SLURM, Kubernetes, docker) stops a command as Ctrl-C does, with its
@@ -73,9 +73,10 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as e:
         # Usage errors (unknown command or option): typer's own exceptions in typer >= 0.20,
         # click's before. Both know how to show themselves and carry an exit code.
-        if callable(getattr(e, "show", None)) and isinstance(getattr(e, "exit_code", None), int):
-            e.show()
-            sys.exit(e.exit_code)
+        show, code = getattr(e, "show", None), getattr(e, "exit_code", None)
+        if callable(show) and isinstance(code, int):
+            show()
+            sys.exit(code)
         if os.environ.get("FEATBAKE_DEBUG"):
             raise
         message = in_part(f"{type(e).__name__}: {e}")

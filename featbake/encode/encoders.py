@@ -223,7 +223,7 @@ def _unpickle_reason(e: BaseException) -> str:
 def _load_import(spec: str, weights: Path | None) -> tuple[Any, str]:
     mod_name, _, attr = spec.partition(":")
     try:
-        factory = importlib.import_module(mod_name)
+        factory: Any = importlib.import_module(mod_name)
         for part in attr.split("."):
             factory = getattr(factory, part)
     except (ImportError, AttributeError) as e:

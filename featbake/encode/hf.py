@@ -136,7 +136,7 @@ class HFSpeechEncoder(nn.Module):
     ``{"layer6": hidden_states[6], ...}``.
     """
 
-    def __init__(self, model: nn.Module, layers: tuple[int, ...] | None, use_mask: bool) -> None:
+    def __init__(self, model: Any, layers: tuple[int, ...] | None, use_mask: bool) -> None:
         super().__init__()
         self.model = model
         self.layers = layers
@@ -154,7 +154,7 @@ class HFSpeechEncoder(nn.Module):
         return {part_name(k): out.hidden_states[k] for k in self.layers}, out_lengths
 
 
-def _load_model(folder: Path) -> nn.Module:
+def _load_model(folder: Path) -> Any:  # a transformers PreTrainedModel
     try:
         from transformers import AutoModel
     except ImportError as e:
@@ -218,7 +218,7 @@ def check_loading_info(folder: Path, info: dict[str, Any]) -> None:
         )
 
 
-def folder_identity(folder: Path, model: nn.Module, pre: Preprocessor) -> str:
+def folder_identity(folder: Path, model: Any, pre: Preprocessor) -> str:
     """Model class, full config and preprocessor, and the adapter version (weights come after)."""
     config = json.dumps(model.config.to_dict(), sort_keys=True, default=str)
     parts = [
@@ -230,9 +230,9 @@ def folder_identity(folder: Path, model: nn.Module, pre: Preprocessor) -> str:
     return "\n".join(parts)
 
 
-def _truncate(model: nn.Module, layers: tuple[int, ...]) -> None:
+def _truncate(model: Any, layers: tuple[int, ...]) -> None:
     """Stop the encoder after the last layer asked for (it is this process's own copy)."""
-    encoder = getattr(model, "encoder", None)
+    encoder: Any = getattr(model, "encoder", None)
     stack = getattr(encoder, "layers", None)
     if not isinstance(stack, nn.ModuleList):
         return  # an unknown layout: run every layer, select after

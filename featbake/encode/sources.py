@@ -124,7 +124,7 @@ class NpySource:
     """``.npy`` arrays -> float32 tensors, loaded without pickles."""
 
     kind = "npy"
-    extensions = (".npy",)
+    extensions: tuple[str, ...] = (".npy",)
 
     def __init__(self, recipe: Recipe) -> None:
         self.recipe = recipe

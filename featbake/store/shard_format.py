@@ -88,7 +88,7 @@ def _crc32c_extend_at() -> Callable[[int, int, int], int] | None:
     calling it by address checks the tensor's own memory (ctypes releases the GIL meanwhile).
     """
     try:
-        from google_crc32c import _crc32c  # type: ignore[attr-defined]
+        from google_crc32c import _crc32c
 
         fn = ctypes.CDLL(_crc32c.__file__).crc32c_extend
     except (ImportError, OSError, AttributeError):

@@ -281,7 +281,7 @@ def _reach(
         return unreached, None
     # Rows only the dropped roots name are unreached too.
     kept = {k for r in roots if r.name not in dropped for _, k in catalog.root_items(r.name)}
-    reached = []
+    reached: list[FeatureRef] = []
     for ref in catalog.reached_features():
         (reached if ref.key in kept else unreached).append(ref)
     return unreached, reached

@@ -7,10 +7,10 @@ import stat
 from pathlib import Path
 
 from featbake.errors import StoreCorrupt
-from featbake.store.catalog import Root, read_root_file
+from featbake.store.catalog import Root, RootItem, read_root_file
 
 
-def read_manifest(path: Path) -> tuple[Root, list[tuple[str, str]]]:
+def read_manifest(path: Path) -> tuple[Root, list[RootItem]]:
     """A root manifest file, parsed.
 
     Raises:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -112,7 +112,7 @@ class _EncoderTally:
 def encoder_stats(
     shard_rows: list[ShardRow],
     usage: dict[int, ShardUsage],
-    enc_rows: list[tuple[str, str, str, float, float]],
+    enc_rows: Sequence[tuple[str, str, str, float, float]],
 ) -> tuple[EncoderStats, ...]:
     """Per-encoder totals over the shards, oldest encoder first (unknown ones included)."""
     tallies: dict[str, _EncoderTally] = {}
