@@ -23,8 +23,8 @@ from featbake.units import format_bytes
 def stats(cache: CacheOpt = None, as_json: JsonOpt = False) -> None:
     """Show what the store holds: features, bytes, live and dead, per encoder and per root.
 
-    Reads the catalog only (well under a second on a million features). Live features are those
-    some root reaches; dead ones are what `featbake gc` frees.
+    Reads the catalog's rows, never a shard (well under a second on a million features). Live
+    features are those some root reaches; dead ones are what `featbake gc` frees.
     """
     from featbake.upkeep import stats as run_stats
 

@@ -367,7 +367,10 @@ def fragment_shard_names(layout: Layout) -> set[str]:
     """Shards named by sealed fragments: not yet in the catalog, yet not garbage (for gc)."""
     names: set[str] = set()
     for frag in sealed_fragments(layout):
-        conn = _open_sealed(frag.path)
+        try:
+            conn = _open_sealed(frag.path)
+        except sqlite3.Error:
+            continue  # merged and removed since the listing: its shards are in the catalog now
         try:
             names.update(r[0] for r in conn.execute("SELECT name FROM shards"))
         except sqlite3.Error:

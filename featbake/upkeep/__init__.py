@@ -2,10 +2,11 @@
 
 The parts, each a module here:
 
-- ``store_stats``: ``featbake stats`` and ``featbake roots`` (read the catalog only).
-- ``gc_plan`` / ``gc_execute``: ``plan_gc`` works out what to remove, ``GcPlan.execute`` does it.
+- ``store_stats``: ``featbake stats`` and ``featbake roots`` (read the catalog's rows, never a
+  shard; the catalog is opened read-write so that an older catalog is migrated first).
+- ``gc_plan`` / ``gc_execute``: ``plan_gc`` works out what to remove, ``execute_gc`` does it.
 - ``scan`` (with ``shard_check`` and ``catalog_checks``) / ``verify_repair`` (with ``rebuild``
-  and ``roots_repair``): ``scan_store`` finds, ``VerifyScan.repair`` fixes, ``verify`` does
+  and ``roots_repair``): ``scan_store`` finds, ``repair`` fixes, ``verify`` does
   both; ``findings`` holds their typed records and states.
 - ``files``, ``manifests``, ``crash``: listing the store folder safely (regular files only),
   reading root manifests safely, and the kill points the crash tests use.

@@ -5,12 +5,10 @@ These are records and typed states only; ``scan.py`` makes them and ``repair.py`
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any, NamedTuple
 
-from featbake.progress import GcProgress
 from featbake.store.writer import ShardEntry
 
 VERIFY_CLEAN = 0
@@ -130,12 +128,6 @@ class VerifyScan:
     def of_kind(self, kind: FindingKind) -> list[Finding]:
         """The findings of one kind."""
         return [f for f in self.findings if f.kind is kind]
-
-    def repair(self, progress: Callable[[GcProgress], None] | None = None) -> VerifyReport:
-        """Fix what this scan found, in the order ``featbake.upkeep.verify_repair`` documents."""
-        from featbake.upkeep.verify_repair import run_repair
-
-        return run_repair(self, progress)
 
 
 @dataclass

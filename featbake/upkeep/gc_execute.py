@@ -66,16 +66,8 @@ class GcResult:
 
 
 def execute_gc(plan: GcPlan, progress: Callable[[GcProgress], None] | None = None) -> GcResult:
-    """Carry out a :class:`GcPlan` (the same as ``plan.execute(progress)``).
-
-    Returns:
-        A :class:`GcResult`.
-    """
-    return plan.execute(progress)
-
-
-def run_plan(plan: GcPlan, progress: Callable[[GcProgress], None] | None = None) -> GcResult:
-    """The steps of the module docstring, in order; each commits before the next begins.
+    """Carry out a :class:`GcPlan`: the steps of the module docstring, in order; each commits
+    before the next begins.
 
     The whole run holds the store's write lock shared (store/locks.py): ``verify --repair``
     does not run meanwhile (it would index a shard file gc is about to unlink).

@@ -5,13 +5,12 @@ from __future__ import annotations
 import os
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from featbake.errors import ConfigError
-from featbake.progress import GcProgress
+from featbake.errors import ConfigError, StoreError
 from featbake.store.catalog import Catalog, FeatureRef, Root, ShardRow, ShardUsage
 from featbake.store.catalog import root_file as manifest_file
 from featbake.store.catalog import roots_dir as manifests_dir
@@ -20,9 +19,6 @@ from featbake.store.layout import Layout
 from featbake.store.open import open_catalog
 from featbake.store.shard_format import DEFAULT_SHARD_BYTES, DEFAULT_SHARD_ITEMS
 from featbake.upkeep.files import LooseFile, loose_files, shard_files
-
-if TYPE_CHECKING:
-    from featbake.upkeep.gc_execute import GcResult
 
 #: Default grace period before gc removes a shard no row names, or a file left in ``tmp/``.
 DEFAULT_GRACE_S = 3600.0
@@ -69,7 +65,7 @@ class GcOptions:
 
 
 class DropReason(StrEnum):
-    """Why gc drops a root; execution differs per reason (see ``GcPlan.execute``)."""
+    """Why gc drops a root; execution differs per reason (see ``gc_execute.execute_gc``)."""
 
     INTERRUPTED = "an interrupted drop"  # a tombstone and no manifest file: finish the drop
     ASKED = "asked"  # named by the caller
@@ -161,12 +157,6 @@ class GcPlan:
             "freed_bytes": self.freed_bytes,
         }
 
-    def execute(self, progress: Callable[[GcProgress], None] | None = None) -> GcResult:
-        """Carry the plan out, in the order ``featbake.upkeep.gc_execute`` documents."""
-        from featbake.upkeep.gc_execute import run_plan
-
-        return run_plan(self, progress)
-
 
 def plan_gc(
     cache: str | os.PathLike[str] | None = None,
@@ -240,7 +230,7 @@ def _plan(layout: Layout, catalog: Catalog, opts: GcOptions, now: float, drop: s
     shard_rows = catalog.shard_rows()
     evict: list[FeatureRef] = []
     if opts.max_bytes is not None and reached is not None:
-        evict = evictions(reached, {s.id: s for s in shard_rows}, opts.max_bytes)
+        evict = evictions(reached, _shards_of(reached, shard_rows), opts.max_bytes)
     removed: dict[int, _Removed] = defaultdict(_Removed)
     for ref in [*unreached, *evict]:
         removed[ref.shard_id].rows += 1
@@ -250,8 +240,11 @@ def _plan(layout: Layout, catalog: Catalog, opts: GcOptions, now: float, drop: s
         bool(evict) or sum(s.bytes for s in shard_rows) > opts.max_bytes
     )
     fates = shard_fates(shard_rows, catalog.shard_usage(), removed, opts, force)
-    # Shards of sharded builds not merged yet are named by fragments, not rows: not garbage.
+    # Shards of sharded builds not merged yet are named by fragments, not rows: not garbage. The
+    # catalog is read again after the fragments: a merge that folded a fragment in and removed
+    # it meanwhile moved its shards into the catalog, where this second read finds them.
     named = {s.name for s in shard_rows} | fragment_shard_names(layout)
+    named |= {s.name for s in catalog.shard_rows()}
     loose = [f for name, f in shard_files(layout).items() if name not in named]
     orphans = [f for f in loose if now - f.mtime >= opts.grace]
     tmp = [f for f in loose_files(layout.tmp, "*") if now - f.mtime >= opts.grace]
@@ -318,6 +311,23 @@ def shard_fates(
             compact.extend(shards)
             keep_bytes += sum(usage[s.id].nbytes for s in shards)
     return ShardFates(tuple(empty), tuple(compact), keep_bytes)
+
+
+def _shards_of(reached: list[FeatureRef], shard_rows: list[ShardRow]) -> dict[int, ShardRow]:
+    """Shard rows by id, for eviction's costs.
+
+    Raises:
+        StoreError: a feature row names a shard the catalog has no row for (a damaged catalog:
+            gc cannot weigh what it cannot find).
+    """
+    shards = {s.id: s for s in shard_rows}
+    lost = sum(1 for ref in reached if ref.shard_id not in shards)
+    if lost:
+        raise StoreError(
+            f"{lost} feature rows name a shard the catalog has no row for, so gc --max-bytes "
+            "cannot weigh them; run `featbake verify --repair` first, then gc again"
+        )
+    return shards
 
 
 def evictions(

@@ -1,6 +1,6 @@
 """verify, second half: make the catalog agree with the sound shards, quarantining damage.
 
-Order (``VerifyScan.repair``), all under the store's exclusive write lock (store/locks.py), so no
+Order (:func:`repair`), all under the store's exclusive write lock (store/locks.py), so no
 writer seals a shard meanwhile; the scan is refreshed under the lock (unchanged files are not
 re-read):
 
@@ -286,17 +286,18 @@ def repair_locked(scan: VerifyScan, progress: Progress = None) -> VerifyReport:
     return report
 
 
-def run_repair(scan: VerifyScan, progress: Progress = None) -> VerifyReport:
-    """``scan.repair()``: take the lock, refresh the scan under it, repair."""
-    layout = Layout(Path(scan.store))
-    with exclusive_write_lock(layout):
-        fresh = scan_store(layout.root, progress, reuse={c.path: c for c in scan.shards})
-        return repair_locked(fresh, progress)
-
-
 def repair(scan: VerifyScan, progress: Progress = None) -> VerifyReport:
-    """Make the catalog agree with the sound shards (the same as ``scan.repair(progress)``)."""
-    return scan.repair(progress)
+    """Fix what ``scan`` found: the store's lock taken, the scan refreshed under it (files
+    unchanged since are not read again), then the steps of the module docstring."""
+    reuse = {c.path: c for c in scan.shards}
+    return _repair_under_lock(Layout(Path(scan.store)), progress, reuse)
+
+
+def _repair_under_lock(
+    layout: Layout, progress: Progress, reuse: dict[str, ShardCheck] | None = None
+) -> VerifyReport:
+    with exclusive_write_lock(layout):
+        return repair_locked(scan_store(layout.root, progress, reuse=reuse), progress)
 
 
 def verify(
@@ -319,8 +320,7 @@ def verify(
     if repair_damage:
         layout = store_layout(cache)
         require_store(layout)
-        with exclusive_write_lock(layout):
-            return repair_locked(scan_store(layout.root, progress), progress)
+        return _repair_under_lock(layout, progress)
     scan = scan_store(cache, progress)
     report = VerifyReport(
         scan.store,

@@ -369,3 +369,57 @@ def test_extend_root_keeps_features_written_without_a_folder(store_dir: Path) ->
     cat.close()
     _, result = gc(store_dir)
     assert result.rows_deleted == 6 and not any(s.path.exists() for s in shards)
+
+
+def test_gc_and_verify_while_a_merge_folds_in_and_removes_a_fragment(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 22 item 6: a `featbake merge` that folded a fragment in and removed it between gc's
+    (or verify's) listing of fragments and its opening of one ended both in an internal error.
+    Here the merge runs at exactly that moment: gc and verify finish, and gc, even with no grace,
+    plans to delete none of the merged shards (they moved into the catalog meanwhile)."""
+    import featbake.store.fragments as fragments
+    from featbake.bake.pipeline import build
+    from featbake.store.merge import merge
+
+    store = tmp_path / "store"
+    build(audio_dir / "fixed", encoder_file, cache=store, workers=0)  # the store's catalog
+    for part in ("0/2", "1/2"):
+        report = build(
+            audio_dir, encoder_file, cache=store, workers=0, shard=part, shard_bytes=20_000
+        )
+    layout = Layout(store)
+    listing = fragments.sealed_fragments
+
+    def listed_then_merged(lay: Layout):  # the listing a reader made, then the merge ran
+        found = listing(lay)
+        if found and any(f.path.exists() for f in found):
+            monkeypatch.setattr(fragments, "sealed_fragments", listing)
+            merge(layout)
+            assert not any(f.path.exists() for f in found)
+        return found
+
+    monkeypatch.setattr(fragments, "sealed_fragments", listed_then_merged)
+    plan = plan_gc(store, GcOptions(grace=0))
+    assert not plan.orphan_shards
+    assert run_cli("verify", "--cache", store).returncode == 0  # merged: a clean store
+    monkeypatch.setattr(fragments, "sealed_fragments", listed_then_merged)
+    checked = verify(store)
+    assert checked.status == "clean", checked.findings
+    execute_gc(plan)
+    assert assert_serves(store, report.root, audio_dir, encoder_file, Live()) == 16
+
+
+def test_gc_max_bytes_on_a_row_whose_shard_row_is_gone_says_to_repair(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, store_dir: Path
+) -> None:
+    """Issue 22 item 6: ``gc --max-bytes`` raised KeyError on a feature row naming no shard."""
+    bake(audio_dir, encoder_file, store_dir)
+    with sqlite3.connect(store_dir / "catalog.sqlite") as conn:
+        conn.execute("PRAGMA foreign_keys=OFF")
+        first = "(SELECT MIN(key) FROM features)"
+        conn.execute(f"UPDATE features SET shard_id = 999999 WHERE key = {first}")
+    res = run_cli("gc", "--cache", store_dir, "--max-bytes", "1KiB")
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 5 and len(lines) == 1, res.stderr
+    assert "verify --repair" in lines[0] and "Traceback" not in res.stderr
