@@ -36,6 +36,7 @@ from featbake.bake.ranks import (
 from featbake.encode.sources import source_for
 from featbake.errors import ConfigError
 from featbake.recipe import Recipe
+from featbake.store.catalog import Catalog
 from featbake.store.fragments import FragmentKind, fragment_keys, sealed_fragments
 from featbake.store.layout import Layout
 from featbake.testing import TinyConvEncoder, write_audio_folder
@@ -354,3 +355,40 @@ def test_ranks_leave_a_key_to_the_lowest_rank_that_holds_it() -> None:
     assert owned_by_lower_ranks(2, keys) == {"a", "c"}
     encoded = [set(k) - owned_by_lower_ranks(r, keys) for r, k in enumerate(keys)]
     assert sorted(x for part in encoded for x in part) == ["a", "b", "c", "d"]  # each once
+
+
+def test_merge_keeps_one_copy_of_content_two_concurrent_parts_both_encoded(
+    tmp_path: Path, counting_encoder: dict[str, str]
+) -> None:
+    """Parts started one by one (``--shard``, SLURM arrays) cannot exchange keys: two running at
+    once both encode a content they share. `featbake merge` then keeps one feature per key, and
+    every file is served equal to live."""
+    import shutil
+
+    data = tmp_path / "twins"
+    write_audio_folder(data / "a", 5, seconds=(0.2, 0.5), seed=23)
+    shutil.copytree(data / "a", data / "b")
+    store = tmp_path / "store"
+    args = ["build", "-e", ENCODER, "-d", data, "--cache", store, "--workers", "0"]
+    # Slow enough that neither part seals anything before the other has planned its work.
+    env = {**os.environ, **counting_encoder, "COUNT_DELAY": "1.0"}
+    parts = [
+        subprocess.Popen(
+            [sys.executable, "-m", "featbake", *map(str, args), "--shard", f"{i}/2"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        for i in range(2)
+    ]
+    for p in parts:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+    calls = Counter(encoded_rows(counting_encoder))
+    assert len(calls) == 5 and set(calls.values()) == {2}  # both parts encoded every content
+    assert run_cli("merge", "--cache", store).returncode == 0
+    with Catalog(Layout(store), read_only=True) as cat:
+        assert len({r.key for r in cat.all_feature_rows()}) == len(list(cat.all_feature_rows()))
+        assert len(list(cat.all_feature_rows())) == 5
+    assert len(assert_serves_live(store, data)) == 10
+    assert run_cli("verify", "--cache", store).returncode == 0
