@@ -305,14 +305,17 @@ def test_a_rank_killed_mid_run_then_rerun_completes_the_store(
 def test_a_failing_torchrun_rank_says_which_rank_and_that_a_rerun_continues(
     tmp_path: Path, many_clips: Path, how: str
 ) -> None:
-    """Before, the user saw torchrun's traceback and no featbake line naming the rank."""
+    """Before, the user saw torchrun's traceback and no featbake line naming the rank. Rank 0
+    is slow, so it is still encoding when torchrun stops it with SIGTERM: it says it was
+    stopped, and the one `error:` line is the failing rank's (CI once saw two `error:` lines)."""
     pkg = tmp_path / "pkgs"
     pkg.mkdir()
     fail = "raise SystemExit(5)" if how == "raise" else "os._exit(7)"
     (pkg / "rank_fails.py").write_text(
-        "import os\nfrom featbake.testing import TinyConvEncoder\n"
+        "import os, time\nfrom featbake.testing import TinyConvEncoder\n"
         "class E(TinyConvEncoder):\n    def forward(self, wav):\n"
         f"        if os.environ['RANK'] == '1':\n            {fail}\n"
+        "        time.sleep(0.3)\n"
         "        return super().forward(wav)\n"
         "def make():\n    return E()\n"
     )
@@ -324,6 +327,9 @@ def test_a_failing_torchrun_rank_says_which_rank_and_that_a_rerun_continues(
     assert len(ours) == 1, res.stderr
     assert "rank 1 (part 2 of 2 (torchrun)) failed" in ours[0]
     assert "rerun the same command to continue" in ours[0]
+    stopped = [ln for ln in res.stderr.splitlines() if ln.startswith("stopped:")]
+    assert len(stopped) == 1, res.stderr
+    assert "rank 0 (part 1 of 2 (torchrun)): stopped by SIGTERM" in stopped[0]
 
 
 def test_identical_files_on_two_torchrun_ranks_are_encoded_once(

@@ -26,7 +26,7 @@ from featbake.cli.supervise import (
     status_channel,
     wants_supervisor,
 )
-from featbake.errors import BuildProcessDied, FeatbakeError
+from featbake.errors import BuildProcessDied, FeatbakeError, Terminated
 
 
 def _one_line_warning(message: object, category: type, *_: object, **__: object) -> str:
@@ -58,7 +58,12 @@ def main(argv: list[str] | None = None) -> None:
     except FeatbakeError as e:
         if os.environ.get("FEATBAKE_DEBUG"):
             raise
-        console.print(f"[bold red]error:[/] {escape(in_part(str(e)))}", soft_wrap=True)
+        # A stop asked for from outside is not a failure of its own: under torchrun the rank
+        # that failed prints the one `error:` line, and the ranks torchrun then stops say so.
+        stopped = isinstance(e, Terminated)
+        word = "stopped" if stopped else "error"
+        line = in_part(str(e), failed=not stopped)
+        console.print(f"[bold red]{word}:[/] {escape(line)}", soft_wrap=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         console.print(
@@ -105,7 +110,7 @@ def _supervise(args: list[str]) -> NoReturn:
     sys.exit(outcome.code)
 
 
-def in_part(message: str) -> str:
+def in_part(message: str, *, failed: bool = True) -> str:
     """``message`` naming this process's part, when a launcher started several.
 
     Under torchrun one failing rank ends them all, and torchrun's own report follows: the one
@@ -118,6 +123,7 @@ def in_part(message: str) -> str:
     if not spec.sharded:
         return message
     return (
-        f"rank {spec.rank} ({spec.describe()}) failed: {message}; every shard the ranks sealed "
+        f"rank {spec.rank} ({spec.describe()}){' failed' if failed else ''}: {message}; "
+        "every shard the ranks sealed "
         "is kept: rerun the same command to continue"
     )
