@@ -68,39 +68,55 @@ class BakeThreads(NamedTuple):
     encoder_threads: int
 
 
-def bake_threads(cpus: int, workers: int | None, *, on_gpu: bool = False) -> BakeThreads:
-    """Decode workers and encoder threads for ``cpus``; chosen ones fit in ``cpus`` together.
+def encoder_threads(asked: int | None, current: int, cpus: int, *, env_pinned: bool) -> int:
+    """The encoder's torch intra-op threads: the user's setting, never featbake's guess.
 
-    Chosen (``workers`` None): each CPU given to a decode worker is taken from the encoder's
-    intra-op threads, since sized both to the whole machine they compete and a small encoder's
-    calls slow down by more than the overlapped decoding saves (measured: ~40% longer encoder
-    calls with 2 workers on 2 CPUs). A CPU encoder decodes in its own process on up to 2 CPUs,
-    and beyond uses one worker per 4 CPUs; a GPU encoder needs one CPU thread to feed it, so
-    the other CPUs decode.
-
-    Asked for (``--workers N``): N workers, and a CPU encoder keeps every CPU, as in a
-    hand-written loop with ``DataLoader(num_workers=N)``. Taking the workers' CPUs from the
-    encoder instead starves a large encoder whose workers mostly wait (measured on 2 CPUs with
-    ``--workers 2``: a 128-channel conv encoder 1.75x slower on 1 thread than on 2).
-
-    Args:
-        cpus: from :func:`usable_cpus`.
-        workers: the ``--workers`` asked for, or None to choose.
-        on_gpu: the encoder runs on an accelerator.
+    ``asked`` (``--threads N``) wins. Otherwise the count torch has now stays: the user's
+    ``torch.set_num_threads``, ``OMP_NUM_THREADS``, an encoder factory's own setting (silero-vad
+    sets 1) or torch's default. Overriding it made a many-small-ops model build 3.8x slower than
+    the user's own loop on a node shared with other work (issue 19). The one change: a count
+    above the CPUs this process may use (a container's CPU quota, which torch's default ignores)
+    is lowered to them, unless ``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` (``env_pinned``) set it.
 
     Example:
-        >>> bake_threads(2, None)
+        >>> encoder_threads(None, 1, 2, env_pinned=False)  # the user's 1 stays
+        1
+        >>> encoder_threads(None, 64, 2, env_pinned=False)  # torch's default in a 2-CPU cgroup
+        2
+        >>> encoder_threads(3, 1, 2, env_pinned=True)  # --threads 3
+        3
+    """
+    if asked is not None:
+        return asked
+    if current > cpus and not env_pinned:
+        return max(1, cpus)
+    return max(1, current)
+
+
+def bake_threads(
+    cpus: int, workers: int | None, threads: int, *, on_gpu: bool = False
+) -> BakeThreads:
+    """Decode workers for ``cpus`` beside an encoder on ``threads`` (from :func:`encoder_threads`).
+
+    Chosen (``workers`` None): a CPU encoder decodes in its own process on up to 2 CPUs (workers
+    there only steal the encoder's time: ~40% longer encoder calls measured with 2 workers on 2
+    CPUs), and beyond uses one worker per 4 CPUs, as a hand-written loop would give its
+    DataLoader; a GPU encoder needs one CPU thread to feed it, so the other CPUs decode. Asked
+    for (``--workers N``): N workers. The encoder's threads are never lowered to make room: they
+    are the user's (see :func:`encoder_threads`).
+
+    Example:
+        >>> bake_threads(2, None, 2)
         BakeThreads(decode_workers=0, encoder_threads=2)
-        >>> bake_threads(16, None)
-        BakeThreads(decode_workers=4, encoder_threads=12)
-        >>> bake_threads(2, 2)
-        BakeThreads(decode_workers=2, encoder_threads=2)
+        >>> bake_threads(16, None, 16)
+        BakeThreads(decode_workers=4, encoder_threads=16)
+        >>> bake_threads(8, None, 1, on_gpu=True)
+        BakeThreads(decode_workers=7, encoder_threads=1)
     """
     cpus = max(1, cpus)
-    if on_gpu:
-        chosen = min(MAX_AUTO_WORKERS, cpus - 1)
-        return BakeThreads(chosen if workers is None else workers, 1)
     if workers is not None:
-        return BakeThreads(workers, cpus)
-    workers = 0 if cpus <= 2 else min(MAX_AUTO_WORKERS, max(1, cpus // 4))
-    return BakeThreads(workers, cpus - workers)
+        return BakeThreads(workers, threads)
+    if on_gpu:
+        return BakeThreads(min(MAX_AUTO_WORKERS, cpus - 1), threads)
+    chosen = 0 if cpus <= 2 else min(MAX_AUTO_WORKERS, max(1, cpus // 4))
+    return BakeThreads(chosen, threads)

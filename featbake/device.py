@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from featbake.cpus import parse_cfs_quota, parse_cpu_max, usable_cpus
+from featbake.cpus import encoder_threads, parse_cfs_quota, parse_cpu_max, usable_cpus
 from featbake.errors import ConfigError
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "cuda_available",
     "cuda_usable_here",
     "current_stream",
+    "encoder_thread_count",
     "event_query",
     "event_synchronize",
     "is_cuda",
@@ -362,6 +363,19 @@ def process_cpus() -> int:
     else:  # macOS, Windows
         affinity = range(os.cpu_count() or 1)
     return usable_cpus(affinity, cgroup_cpu_limit())
+
+
+#: Environment variables that set torch's intra-op thread count at its start.
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def encoder_thread_count(asked: int | None, cpus: int) -> int:
+    """The encoder's threads now: ``--threads``, else torch's count as the user left it.
+
+    See :func:`featbake.cpus.encoder_threads` for the rule (this reads torch and the environment).
+    """
+    pinned = any(os.environ.get(v, "").strip() for v in THREAD_ENV)
+    return encoder_threads(asked, torch.get_num_threads(), cpus, env_pinned=pinned)
 
 
 @contextlib.contextmanager

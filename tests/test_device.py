@@ -11,6 +11,7 @@ import torch
 from featbake.cpus import (
     BakeThreads,
     bake_threads,
+    encoder_threads,
     parse_cfs_quota,
     parse_cpu_max,
     usable_cpus,
@@ -81,27 +82,42 @@ def test_process_cpus_never_exceeds_the_affinity_mask() -> None:
 
 
 @pytest.mark.parametrize(
-    ("cpus", "workers", "on_gpu", "plan"),
+    ("cpus", "workers", "threads", "on_gpu", "plan"),
     [
-        (1, None, False, BakeThreads(0, 1)),
-        (2, None, False, BakeThreads(0, 2)),  # on 2 CPUs workers only steal the encoder's time
-        (4, None, False, BakeThreads(1, 3)),
-        (16, None, False, BakeThreads(4, 12)),
-        (64, None, False, BakeThreads(8, 56)),
-        (2, 2, False, BakeThreads(2, 2)),  # asked for: the encoder keeps every CPU, as by hand
-        (8, 3, True, BakeThreads(3, 1)),
-        (8, 0, False, BakeThreads(0, 8)),
-        (8, None, True, BakeThreads(7, 1)),  # a GPU encoder: the CPUs decode
-        (1, None, True, BakeThreads(0, 1)),
+        (1, None, 1, False, BakeThreads(0, 1)),
+        (2, None, 2, False, BakeThreads(0, 2)),  # on 2 CPUs workers only steal the encoder's time
+        (2, None, 1, False, BakeThreads(0, 1)),  # the user's 1 thread stays 1
+        (4, None, 4, False, BakeThreads(1, 4)),
+        (16, None, 16, False, BakeThreads(4, 16)),  # never lowered to make room for workers
+        (64, None, 32, False, BakeThreads(8, 32)),
+        (2, 2, 2, False, BakeThreads(2, 2)),  # asked for: as a hand-written DataLoader loop
+        (8, 3, 4, True, BakeThreads(3, 4)),
+        (8, 0, 8, False, BakeThreads(0, 8)),
+        (8, None, 1, True, BakeThreads(7, 1)),  # a GPU encoder: the CPUs decode
+        (1, None, 1, True, BakeThreads(0, 1)),
     ],
 )
-def test_bake_threads_chosen_ones_fit_the_cpus(
-    cpus: int, workers: int | None, on_gpu: bool, plan: BakeThreads
+def test_bake_threads_keeps_the_encoder_threads_and_chooses_workers(
+    cpus: int, workers: int | None, threads: int, on_gpu: bool, plan: BakeThreads
 ) -> None:
-    got = bake_threads(cpus, workers, on_gpu=on_gpu)
-    assert got == plan
-    if workers is None:
-        assert got.decode_workers + (1 if on_gpu else got.encoder_threads) <= max(cpus, 1)
+    assert bake_threads(cpus, workers, threads, on_gpu=on_gpu) == plan
+
+
+@pytest.mark.parametrize(
+    ("asked", "current", "cpus", "env_pinned", "expected"),
+    [
+        (None, 1, 2, False, 1),  # torch.set_num_threads(1), or an encoder factory's own setting
+        (None, 2, 2, False, 2),  # torch's default on this machine
+        (None, 64, 2, False, 2),  # torch's default ignores a container's CPU quota: lowered
+        (None, 64, 2, True, 64),  # ... unless OMP_NUM_THREADS / MKL_NUM_THREADS says so
+        (3, 1, 2, True, 3),  # --threads wins over everything
+        (1, 64, 64, False, 1),
+    ],
+)
+def test_encoder_threads_are_the_users_unless_over_the_cpu_quota(
+    asked: int | None, current: int, cpus: int, env_pinned: bool, expected: int
+) -> None:
+    assert encoder_threads(asked, current, cpus, env_pinned=env_pinned) == expected
 
 
 def test_torch_threads_restores_the_callers_count() -> None:

@@ -32,6 +32,7 @@ class BuildArguments:
     batch_seconds: object = None
     batch_samples: object = None
     encoder: object = None
+    threads: object = None
 
 
 def worker_cap(cpus: int) -> int:
@@ -58,7 +59,8 @@ def check_build_arguments(args: BuildArguments, cpus: int) -> None:
             ``shard_bytes`` below 1 or not a whole number; ``workers`` negative or more than
             :func:`worker_cap` (each worker is a process with its own memory: thousands would
             exhaust the machine before the first file is read); ``batch_seconds`` not a
-            positive finite number (NaN and inf cannot size a batch); ``batch_samples`` below 1.
+            positive finite number (NaN and inf cannot size a batch); ``batch_samples`` below 1;
+            ``threads`` not a whole number from 1 to 4 per usable CPU.
     """
     if isinstance(args.encoder, (str, os.PathLike)) and not os.fspath(args.encoder).strip():
         raise ConfigError(
@@ -81,6 +83,7 @@ def check_build_arguments(args: BuildArguments, cpus: int) -> None:
             f"--batch-seconds must be a positive, finite number of seconds, got "
             f"{args.batch_seconds!r} (default 160)"
         )
+    _check_threads(args.threads, cpus)
     samples = args.batch_samples
     if samples is not None and (not _whole(samples) or samples < 1):  # type: ignore[operator]
         raise ConfigError(f"batch_samples must be a whole number from 1, got {samples!r}")
@@ -98,4 +101,20 @@ def _check_workers(workers: object, cpus: int) -> None:
             f"(at most {cap}): each decode worker is a process with its own memory, and more "
             f"workers than CPUs only adds start-up time; use --workers {cap} or fewer, or leave "
             "it unset to let featbake choose"
+        )
+
+
+#: More encoder threads than this per usable CPU is refused (oversubscription, not a setting).
+THREADS_PER_CPU = 4
+
+
+def _check_threads(threads: object, cpus: int) -> None:
+    if threads is None:
+        return
+    cap = THREADS_PER_CPU * max(1, cpus)
+    if not _whole(threads) or not 1 <= threads <= cap:  # type: ignore[operator]
+        raise ConfigError(
+            f"--threads must be a whole number from 1 to {cap} ({THREADS_PER_CPU} per usable "
+            f"CPU, {cpus} here), got {threads!r}; leave it unset to keep torch's own count "
+            "(torch.set_num_threads or OMP_NUM_THREADS)"
         )

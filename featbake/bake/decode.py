@@ -69,7 +69,8 @@ def init_worker(_worker_id: int, parent_pid: int | None = None) -> None:
     kills the worker when the build dies (``PR_SET_PDEATHSIG``).
     """
     die_with_parent(parent_pid)
-    # The encoder's threads own the other CPUs (see featbake.cpus.bake_threads).
+    # A worker decodes one clip at a time: its own torch thread pool would only compete with
+    # the encoder's threads (see featbake.cpus.bake_threads).
     torch.set_num_threads(1)
     # A terminal's Ctrl-C and SLURM's SIGTERM reach every process of the job: workers must
     # leave them to the main process, which stops at a safe point and shuts them down (see

@@ -26,7 +26,7 @@ from featbake.bake.ranks import RankSpec, device_for_rank, resolve_rank
 from featbake.bake.report import BuildReport
 from featbake.bake.writer_thread import WriterThread
 from featbake.cpus import BakeThreads, bake_threads
-from featbake.device import check_device, process_cpus, torch_threads
+from featbake.device import check_device, encoder_thread_count, process_cpus, torch_threads
 from featbake.encode.encoders import LoadedEncoder, from_module, load_encoder
 from featbake.encode.fingerprints import (
     encoder_fingerprint,
@@ -67,6 +67,7 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
     batch_seconds: float | None = None,
     batch_samples: int | None = None,
     shard: str | None = None,
+    threads: int | None = None,
 ) -> BuildReport:
     """Run ``encoder`` over every input under ``data`` once and store the features.
 
@@ -92,6 +93,10 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
             (default 160 s); ``batch_samples`` sets the same budget in samples.
         shard: ``"I/N"``: do part I of N (see bake/ranks.py); without it, the part torchrun or
             SLURM gave this process, if any. A part writes catalog fragments for `featbake merge`.
+        threads: the encoder's torch intra-op threads while it encodes (restored after). None:
+            the count torch has after the encoder loaded (``torch.set_num_threads``,
+            ``OMP_NUM_THREADS`` or the encoder's own setting), lowered only when it exceeds
+            the CPUs this process may use; see :func:`featbake.cpus.encoder_threads`.
 
     Returns:
         A :class:`BuildReport`; ``report.failed`` names each input that was skipped.
@@ -108,7 +113,7 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
     """
     t0 = time.perf_counter()
     args = BuildArguments(
-        batching, batch_size, workers, shard_bytes, batch_seconds, batch_samples, encoder
+        batching, batch_size, workers, shard_bytes, batch_seconds, batch_samples, encoder, threads
     )
     check_build_arguments(args, process_cpus())
     # A Hugging Face folder's preprocessor config sets the input (sample rate, normalisation)
@@ -117,7 +122,9 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
     spec = resolve_rank(shard, os.environ)
     dev = check_device(device_for_rank(str(device), spec))
     on_gpu = dev.type != "cpu"
-    options = BakeOptions(batch_size, workers, strict, shard_bytes, on_gpu, allow_nonfinite)
+    options = BakeOptions(
+        batch_size, workers, strict, shard_bytes, on_gpu, allow_nonfinite, threads
+    )
     layout = Layout(Path(cache) if cache is not None else default_cache_dir()).ensure()
     source = source_for(recipe)
     data_dir = resolve_path(data)
@@ -154,14 +161,18 @@ class BakeOptions:
     shard_bytes: int = DEFAULT_SHARD_BYTES
     on_gpu: bool = False
     allow_nonfinite: bool = False
+    encoder_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.workers is not None and self.workers < 0:
             raise ConfigError(f"--workers must be 0 or more, got {self.workers}")
 
     def threads(self) -> BakeThreads:
-        """Decode workers and encoder threads for the CPUs this process may use."""
-        return bake_threads(process_cpus(), self.workers, on_gpu=self.on_gpu)
+        """Decode workers and encoder threads for the CPUs this process may use (read after
+        the encoder loaded, so a thread count its factory set is kept)."""
+        cpus = process_cpus()
+        threads = encoder_thread_count(self.encoder_threads, cpus)
+        return bake_threads(cpus, self.workers, threads, on_gpu=self.on_gpu)
 
 
 def loaded_encoder(

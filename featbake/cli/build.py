@@ -29,6 +29,8 @@ from featbake.units import format_bytes, parse_bytes
         "  torchrun --nproc-per-node 8 -m featbake build --encoder ckpt.pt --data ./audio "
         "--device cuda\n\n"
         "  featbake build --encoder ckpt.pt --data ./audio --shard 0/2   # then --shard 1/2, merge"
+        "\n\n"
+        "  OMP_NUM_THREADS=1 featbake build --encoder vad.pt --data ./audio   # or --threads 1"
         "\n\n" + EXIT_CODES
     )
 )
@@ -97,9 +99,18 @@ def build(
     workers: Annotated[
         int | None,
         typer.Option(
-            help="Decoding worker processes (0: decode in the encoder's process). Unset, "
-            "featbake splits the CPUs this process may use between decoding and the encoder's "
-            "threads; set, the encoder keeps every CPU. [default: from the CPUs]",
+            help="Decoding worker processes (0: decode in the encoder's process). Unset: none "
+            "on 1-2 usable CPUs, one per 4 CPUs beyond (at most 8), all but one CPU for a GPU "
+            "encoder. [default: from the CPUs]",
+            show_default=False,
+        ),
+    ] = None,
+    threads: Annotated[
+        int | None,
+        typer.Option(
+            help="The encoder's torch threads. Unset: torch's own count is kept "
+            "(OMP_NUM_THREADS, or what the encoder's code set), lowered only to the CPUs this "
+            "process may use. [default: torch's]",
             show_default=False,
         ),
     ] = None,
@@ -177,6 +188,7 @@ def build(
             batching=batching,
             batch_seconds=batch_seconds,
             shard=shard,
+            threads=threads,
         )
     if as_json:
         out.print_json(json.dumps(report.to_json()))
