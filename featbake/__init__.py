@@ -25,6 +25,7 @@ _EXPORTS = {
     "PaddedBatch": "featbake.serve.collate",
     "pad_collate": "featbake.serve.collate",
     "CachedFeatureDataset": "featbake.serve.dataset",
+    "FeatureLoader": "featbake.serve.loader",
     "ServeStats": "featbake.serve.dataset",
     "BuildIncomplete": "featbake.errors",
     "CacheMiss": "featbake.errors",
@@ -53,6 +54,7 @@ __all__ = [
     "EncodeError",
     "EncoderLoadError",
     "FeatbakeError",
+    "FeatureLoader",
     "PaddedBatch",
     "Recipe",
     "ServeStats",
@@ -85,6 +87,7 @@ if TYPE_CHECKING:
     from featbake.serve.cached_encoder import CachedEncoder
     from featbake.serve.collate import PaddedBatch, pad_collate
     from featbake.serve.dataset import CachedFeatureDataset, ServeStats
+    from featbake.serve.loader import FeatureLoader
     from featbake.serve.prefetch import DevicePrefetcher
 
 

@@ -1,0 +1,249 @@
+"""FeatureLoader (issue 19, item 2): batches read ahead on a thread, no worker processes.
+
+It must yield exactly what a DataLoader over the same sampler order yields (labels through
+StackDataset included), every item equal to running the encoder now, and split epochs over
+ranks as DistributedSampler does.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DataLoader, DistributedSampler, StackDataset
+
+from featbake import CachedFeatureDataset, FeatureLoader, build, pad_collate
+from featbake.errors import CacheMiss, ConfigError
+from featbake.serve.sampling import EpochPlan
+from tests.conftest import live_features
+
+
+class _Indexable(torch.utils.data.Dataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    n=st.integers(0, 40),
+    world=st.integers(1, 5),
+    data=st.data(),
+    shuffle=st.booleans(),
+    drop_last=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+    epoch=st.integers(0, 5),
+)
+def test_epoch_plan_is_distributed_samplers_order(
+    n: int, world: int, data: st.DataObject, shuffle: bool, drop_last: bool, seed: int, epoch: int
+) -> None:
+    rank = data.draw(st.integers(0, world - 1))
+    if n == 0 and not drop_last and world > 1:
+        return  # DistributedSampler itself divides by zero padding an empty dataset
+    sampler = DistributedSampler(
+        _Indexable(n),
+        num_replicas=world,
+        rank=rank,
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=drop_last,
+    )
+    sampler.set_epoch(epoch)
+    plan = EpochPlan(n, 3, shuffle, seed, epoch, rank, world, drop_last)
+    assert plan.indices() == list(sampler)
+    want = [b for b in DataLoader(_Indexable(n), 3, sampler=sampler, drop_last=drop_last)]
+    assert plan.batches() == [b.tolist() for b in want]
+    assert plan.batch_count() == len(want)
+
+
+def test_ranks_cover_every_index_each_epoch() -> None:
+    for epoch in range(3):
+        seen = [i for r in range(3) for i in EpochPlan(10, 4, True, 7, epoch, r, 3).indices()]
+        assert sorted(set(seen)) == list(range(10)) and len(seen) == 12  # 2 repeated to even out
+
+
+@pytest.fixture
+def baked(audio_dir: Path, encoder_file: Path, store_dir: Path) -> CachedFeatureDataset:
+    build(audio_dir, encoder_file, cache=store_dir, workers=0)
+    return CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+
+
+def _dataloader_batches(ds: object, seed: int, epoch: int, drop_last: bool = False) -> list:
+    sampler = DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=seed)  # type: ignore[arg-type]
+    sampler.set_epoch(epoch)
+    loader = DataLoader(
+        ds,  # type: ignore[arg-type]
+        batch_size=5,
+        sampler=sampler,
+        collate_fn=pad_collate,
+        drop_last=drop_last,
+    )
+    return list(loader)
+
+
+def _assert_same_batches(got: list, want: list) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert len(g) == len(w)
+        for a, b in zip(g, w, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_yields_the_dataloaders_batches_with_labels_and_live_features(
+    baked: CachedFeatureDataset, encoder_file: Path
+) -> None:
+    labels = torch.arange(len(baked)) * 10
+    ds = StackDataset(baked, labels)
+    loader = FeatureLoader(ds, batch_size=5, seed=3, prefetch=2)
+    assert len(loader) == 4  # 16 items
+    for epoch in range(2):
+        got = list(loader)  # each iter() is the next epoch
+        _assert_same_batches(got, _dataloader_batches(ds, 3, epoch))
+        seen = []
+        for padded, lengths, labs in got:
+            for row, n, label in zip(padded, lengths, labs, strict=True):
+                i = int(label) // 10
+                seen.append(i)
+                want = live_features(encoder_file, Path(baked.path(i)))
+                torch.testing.assert_close(row[:n], want, rtol=1e-5, atol=1e-5)
+                assert not row[n:].any()  # padding is zeros
+        assert sorted(seen) == list(range(len(baked)))
+    loader.set_epoch(0)
+    _assert_same_batches(list(loader), _dataloader_batches(ds, 3, 0))
+
+
+def test_drop_last_and_no_shuffle(baked: CachedFeatureDataset) -> None:
+    loader = FeatureLoader(baked, batch_size=5, shuffle=False, drop_last=True)
+    batches = list(loader)
+    assert len(batches) == len(loader) == 3
+    plain = DataLoader(baked, batch_size=5, collate_fn=pad_collate, drop_last=True)
+    _assert_same_batches(batches, list(plain))
+
+
+def test_misses_are_encoded_on_the_reader_thread(
+    audio_dir: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir)  # nothing built
+    for padded, _lengths in FeatureLoader(ds, batch_size=4, shuffle=False):
+        assert padded.shape[0] == 4
+    assert ds.cache_info().encoded == len(ds)
+    for i, (padded, lengths) in enumerate(FeatureLoader(ds, batch_size=1, shuffle=False)):
+        want = live_features(encoder_file, Path(ds.path(i)))
+        torch.testing.assert_close(padded[0, : lengths[0]], want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_read_error_reaches_the_training_loop_and_leaves_no_thread(
+    audio_dir: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    with pytest.raises(CacheMiss):
+        for _ in FeatureLoader(ds, batch_size=4):
+            pass
+    assert not [t for t in threading.enumerate() if t.name == "featbake-loader"]
+
+
+def test_stopping_early_stops_the_reader(baked: CachedFeatureDataset) -> None:
+    for _batch in FeatureLoader(baked, batch_size=2, prefetch=1):
+        break
+    assert not [t for t in threading.enumerate() if t.name == "featbake-loader"]
+
+
+def test_rank_and_world_come_from_torch_distributed(
+    baked: CachedFeatureDataset, tmp_path: Path
+) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        loader = FeatureLoader(baked, batch_size=4)
+        assert loader.seed == 0  # every rank must draw the same order: no random seed
+        assert len(loader) == 4
+    finally:
+        dist.destroy_process_group()
+    shard = FeatureLoader(baked, batch_size=4, rank=1, world_size=2, seed=5)
+    want = EpochPlan(len(baked), 4, True, 5, 0, 1, 2).batches()
+    got = [lengths.tolist() for _, lengths in shard]
+    assert [len(b) for b in want] == [len(g) for g in got]
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"prefetch": 0}, "prefetch"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"rank": 1}, "both rank and world_size"),
+        ({"rank": 2, "world_size": 2}, "rank must be from 0"),
+    ],
+)
+def test_bad_options_are_refused(baked: CachedFeatureDataset, kw: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        FeatureLoader(baked, **kw)
+
+
+RANK_SCRIPT = """\
+import json, sys
+import torch
+import torch.distributed as dist
+from torch.utils.data import StackDataset
+from featbake import CachedFeatureDataset, FeatureLoader
+
+data, encoder, store, out = sys.argv[1:5]
+dist.init_process_group("gloo")
+ds = CachedFeatureDataset(data, encoder, cache=store, on_miss="error")
+loader = FeatureLoader(StackDataset(ds, torch.arange(len(ds))), batch_size=3)
+epochs = []
+for epoch in range(2):
+    loader.set_epoch(epoch)
+    mine = [int(i) for _, _, labels in loader for i in labels]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    epochs.append(every)
+if dist.get_rank() == 0:
+    with open(out, "w") as f:
+        json.dump(epochs, f)
+dist.destroy_process_group()
+"""
+
+
+def test_two_torchrun_ranks_read_every_index_each_epoch(
+    baked: CachedFeatureDataset,
+    audio_dir: Path,
+    encoder_file: Path,
+    store_dir: Path,
+    tmp_path: Path,
+) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "ranks.py"
+    script.write_text(RANK_SCRIPT)
+    out = tmp_path / "seen.json"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    repo = str(Path(__file__).resolve().parents[1])
+    args = [torchrun, "--nproc-per-node", "2", "--standalone", script]
+    res = subprocess.run(
+        [str(a) for a in (*args, audio_dir, encoder_file, store_dir, out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": repo},
+    )
+    assert res.returncode == 0, res.stderr
+    epochs = json.loads(out.read_text())
+    n = len(baked)  # 16: divides over 2 ranks, so each index is read exactly once
+    orders = []
+    for every in epochs:
+        assert [len(m) for m in every] == [n // 2, n // 2]
+        assert sorted(every[0] + every[1]) == list(range(n))
+        orders.append(every[0])
+    assert orders[0] != orders[1]  # set_epoch reshuffles
