@@ -1,0 +1,187 @@
+"""``FeatureLoader`` against ``DataLoader`` with worker processes (issue 19, item 2).
+
+Over one featbake store (``[T, 768]`` items, fp16 ~430 KB and fp32 ~600 KB, shuffled, batches
+of 32 through ``pad_collate``, page cache warm), measured side by side in one run:
+
+1. **Read rate**: items/s of ``FeatureLoader(ds, 32)`` against ``DataLoader(ds, 32,
+   num_workers=2, persistent_workers=True, collate_fn=pad_collate)`` and against the same with
+   ``num_workers=0``; a later epoch of datasets reused across epochs (the workers started).
+   Target: >= 3x the DataLoader with 2 workers.
+2. **Reads hidden behind the step**: a small probe's training step (two linear layers over
+   every frame, backward, SGD) that costs about as much as reading its batch. Epoch time of
+   loader + step against the larger of read-only and step-only time. Target: <= 1.1x.
+
+Run: ``python benchmarks/bench_loader.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _rows import row
+from _serve_readers import DIM, LENGTHS, identity_encoder, recipe, warm_page_cache
+
+from featbake.bake.pipeline import build
+from featbake.serve.collate import pad_collate
+from featbake.serve.dataset import CachedFeatureDataset
+from featbake.serve.loader import FeatureLoader
+
+WORK = Path(__file__).resolve().parent / "_work" / "loader"
+BATCH = 32
+
+
+def prepare(n: int, dtype: str) -> Path:
+    """A store of ``n`` random ``[T, 768]`` items baked from .npy files (kept across runs)."""
+    base = WORK / f"{dtype}-n{n}"
+    if not (base / "ready").exists():
+        shutil.rmtree(base, ignore_errors=True)
+        (base / "npy").mkdir(parents=True)
+        rng = np.random.default_rng(3)
+        lo, hi = LENGTHS[dtype]
+        for i, t in enumerate(rng.integers(lo, hi, size=n)):
+            arr = rng.standard_normal((int(t), DIM), dtype=np.float32).astype(dtype)
+            np.save(base / "npy" / f"item{i:05d}.npy", arr)
+        (base / "ready").touch()
+    build(base / "npy", identity_encoder(), cache=base / "store", recipe=recipe(dtype), workers=0)
+    warm_page_cache(base / "store")
+    return base
+
+
+def dataset(base: Path, dtype: str) -> CachedFeatureDataset:
+    store, rec = base / "store", recipe(dtype)
+    ds = CachedFeatureDataset(base / "npy", identity_encoder(), cache=store, recipe=rec)
+    assert ds.stored() == len(ds)
+    return ds
+
+
+class Probe(nn.Module):
+    """A frame-wise probe: 768 -> hidden -> 8 classes, mean-pooled over valid frames."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(DIM, hidden), nn.ReLU(), nn.Linear(hidden, 8))
+
+    def forward(self, padded: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        mask = torch.arange(padded.shape[1])[None, :] < lengths[:, None]
+        logits = self.net(padded.float()) * mask[..., None]
+        return logits.sum(1) / lengths[:, None]
+
+
+def make_step(hidden: int) -> Callable[[Any], None]:
+    probe = Probe(hidden)
+    opt = torch.optim.SGD(probe.parameters(), lr=1e-3)
+    target = torch.zeros(BATCH, dtype=torch.long)
+
+    def step(batch: Any) -> None:
+        padded, lengths = batch
+        loss = nn.functional.cross_entropy(probe(padded, lengths), target[: len(lengths)])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def epoch_seconds(loader: Iterable[Any], step: Callable[[Any], None] | None = None) -> float:
+    t0 = time.perf_counter()
+    for batch in loader:
+        if step is not None:
+            step(batch)
+    return time.perf_counter() - t0
+
+
+def loaders(ds: CachedFeatureDataset) -> dict[str, Iterable[Any]]:
+    """The readers compared, each reused across epochs (workers started once)."""
+    kw: dict[str, Any] = {"batch_size": BATCH, "shuffle": True, "collate_fn": pad_collate}
+    return {
+        "FeatureLoader": FeatureLoader(ds, BATCH, seed=0),
+        "DataLoader w2": DataLoader(ds, num_workers=2, persistent_workers=True, **kw),
+        "DataLoader w0": DataLoader(ds, num_workers=0, **kw),
+    }
+
+
+def bench_rates(base: Path, dtype: str, epochs: int) -> list[dict]:
+    ds = dataset(base, dtype)
+    readers = loaders(ds)
+    best = {name: float("inf") for name in readers}
+    for _ in range(epochs + 1):  # the first epoch starts workers and opens shards: not counted
+        for name, loader in readers.items():
+            best[name] = min(best[name], epoch_seconds(loader))
+    rates = {name: len(ds) / s for name, s in best.items()}
+    note = (
+        f"{len(ds)} items [T, {DIM}] {dtype}, shuffled, batches of {BATCH} (pad_collate), warm "
+        f"page cache, 2 CPUs; best later epoch of {epochs}; items/s: "
+        + ", ".join(f"{k} {v:,.0f}" for k, v in rates.items())
+    )
+    ratio = rates["FeatureLoader"] / rates["DataLoader w2"]
+    return [
+        row("loader", f"{dtype}: FeatureLoader / DataLoader(num_workers=2)", ratio, "x", ">= 3x",
+            ratio >= 3, note),
+        row("loader", f"{dtype}: FeatureLoader / DataLoader(num_workers=0)",
+            rates["FeatureLoader"] / rates["DataLoader w0"], "x", "", None, note),
+    ]  # fmt: skip
+
+
+def bench_hidden(base: Path, dtype: str, epochs: int) -> list[dict]:
+    """Loader + step against max(read-only, step-only), the step sized to cost about a read."""
+    ds = dataset(base, dtype)
+    loader = FeatureLoader(ds, BATCH, seed=0)
+    epoch_seconds(loader)  # open and check every shard once
+    read = min(epoch_seconds(loader) for _ in range(epochs))
+    batches = list(FeatureLoader(ds, BATCH, seed=1))
+    hidden = 16
+    while True:  # widen the probe until a step-only epoch costs about a read-only one
+        step = make_step(hidden)
+        step(batches[0])  # warm: autograd and the optimizer's state
+        step_only = min(epoch_seconds(batches, step) for _ in range(2))
+        if step_only >= 0.8 * read or hidden >= 4096:
+            break
+        hidden *= 2
+    both = {
+        name: min(epoch_seconds(loader_, step) for _ in range(epochs))
+        for name, loader_ in loaders(ds).items()
+        if name != "DataLoader w0"
+    }
+    floor = max(read, step_only)
+    note = (
+        f"{len(ds)} items {dtype}, batches of {BATCH}; probe 768->{hidden}->8 with backward and "
+        f"SGD; read-only {read:.2f} s, step-only {step_only:.2f} s, with the step: "
+        + ", ".join(f"{k} {v:.2f} s" for k, v in both.items())
+        + f"; best of {epochs}"
+    )
+    return [
+        row("loader", f"{dtype}: {name} + step / max(read, step)", s / floor, "x",
+            "<= 1.1x" if name == "FeatureLoader" else "", s / floor <= 1.1 if name ==
+            "FeatureLoader" else None, note)
+        for name, s in both.items()
+    ]  # fmt: skip
+
+
+def main(quick: bool = False) -> list[dict]:
+    torch.set_num_threads(2)
+    n, epochs = (96, 1) if quick else (1000, 3)
+    rows = []
+    for dtype in ("float16", "float32"):
+        base = prepare(n, dtype)
+        rows += bench_rates(base, dtype, epochs)
+        rows += bench_hidden(base, dtype, epochs)
+    return rows
+
+
+if __name__ == "__main__":
+    for r in main(quick="--quick" in sys.argv):
+        print(f"{r['metric']}: {r['value']:.3f}{r['unit']} (target {r['target']})  {r['note']}")
