@@ -182,6 +182,88 @@ def test_cli_builds_an_import_path_encoder_with_weights(tmp_path: Path, audio_di
         assert torch.allclose(reader.get(key)[""], live, atol=1e-6)
 
 
+def test_the_console_script_finds_an_import_path_encoder_in_the_current_folder(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    """Issue 18 item 2: `featbake build --encoder examples.x:make` failed from the folder that
+    holds examples/ ("No module named 'examples'"), while `python -m featbake` worked: the
+    console script's sys.path has its bin folder, not the current one (the build now runs in a
+    `python -m featbake` child, and import paths also resolve from the current folder)."""
+    import json
+    import os
+    import subprocess
+
+    project = tmp_path / "project"
+    (project / "examples").mkdir(parents=True)
+    (project / "examples" / "__init__.py").write_text("")
+    (project / "examples" / "tiny_enc_mod.py").write_text(ENC_MODULE)
+    script = Path(sys.executable).with_name("featbake")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    args = ["build", "-e", "examples.tiny_enc_mod:build", "-d", audio_dir, "--cache", "c"]
+    res = subprocess.run(
+        [str(script), *map(str, args), "--json"],
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    assert report["encoded"] == 16
+    reader = FeatureReader(Layout(project / "c"))
+    src = AudioSource(Recipe())
+    for rel, key in Catalog(Layout(project / "c")).root_items(report["root"]):
+        with torch.no_grad():
+            live = TinyConvEncoder(seed=123).eval()(src.load(audio_dir / rel).unsqueeze(0))[0]
+        assert torch.allclose(reader.get(key)[""], live, atol=1e-6)
+    # A module that is nowhere still names what is missing.
+    res = subprocess.run(
+        [str(script), "build", "-e", "nowhere_mod:build", "-d", str(audio_dir)],
+        cwd=project, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert res.returncode != 0 and "No module named 'nowhere_mod'" in res.stderr
+
+
+TRAIN_SCRIPT = """\
+import sys
+import torch
+from featbake import CachedFeatureDataset
+ds = CachedFeatureDataset(sys.argv[1], "examples.tiny_enc_mod:build", cache=sys.argv[2])
+torch.save({"n": len(ds), "path": ds.path(3), "feature": ds[3]}, sys.argv[3])
+"""
+
+
+def test_a_training_script_in_a_subfolder_finds_an_import_path_encoder_in_the_current_folder(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    """`python scripts/train.py` from the project root has scripts/ on sys.path, not the root:
+    the dataset's import-path encoder resolved only with PYTHONPATH set (issue 18 item 2)."""
+    import os
+    import subprocess
+
+    project = tmp_path / "project"
+    (project / "examples").mkdir(parents=True)
+    (project / "scripts").mkdir()
+    (project / "examples" / "__init__.py").write_text("")
+    (project / "examples" / "tiny_enc_mod.py").write_text(ENC_MODULE)
+    (project / "scripts" / "train.py").write_text(TRAIN_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = tmp_path / "served.pt"
+    res = subprocess.run(
+        [sys.executable, "scripts/train.py", str(audio_dir), str(tmp_path / "c"), str(out)],
+        cwd=project, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    served = torch.load(out)
+    assert served["n"] == 16
+    with torch.no_grad():  # the encoder run now, on that file
+        live = TinyConvEncoder(seed=123).eval()(
+            AudioSource(Recipe()).load(served["path"]).unsqueeze(0)
+        )[0]
+    torch.testing.assert_close(served["feature"], live)
+
+
 # -- pickles --------------------------------------------------------------------------------------
 def test_a_pickled_module_is_refused_unless_trusted(tmp_path: Path) -> None:
     path = tmp_path / "model.pt"

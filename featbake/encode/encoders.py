@@ -9,8 +9,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib
+import importlib.machinery
 import os
 import pickle
+import sys
 import warnings
 import zipfile
 from collections.abc import Iterator, Mapping
@@ -220,16 +222,38 @@ def _unpickle_reason(e: BaseException) -> str:
     return f"unreadable as a pickle: {detail}" if detail else "unreadable as a pickle"
 
 
+def _import_from_path_or_cwd(mod_name: str) -> Any:
+    """``mod_name`` imported as ``python -m`` would: from ``sys.path``, else the current folder.
+
+    The ``featbake`` console script (and a training script run from elsewhere) does not have
+    the current folder on ``sys.path``, so ``--encoder examples.mine:make`` failed from the
+    folder that holds ``examples/`` while ``python -m featbake`` worked. As uvicorn does for
+    ``main:app``, the current folder is added (first, as ``python -m`` puts it) when the module
+    is not found otherwise.
+    """
+    try:
+        return importlib.import_module(mod_name)
+    except ModuleNotFoundError as e:
+        top = mod_name.split(".")[0]
+        cwd = os.getcwd()
+        if e.name != top or any(os.path.abspath(p or ".") == cwd for p in sys.path):
+            raise
+        if importlib.machinery.PathFinder.find_spec(top, [cwd]) is None:
+            raise
+        sys.path.insert(0, cwd)
+        return importlib.import_module(mod_name)
+
+
 def _load_import(spec: str, weights: Path | None) -> tuple[Any, str]:
     mod_name, _, attr = spec.partition(":")
     try:
-        factory: Any = importlib.import_module(mod_name)
+        factory: Any = _import_from_path_or_cwd(mod_name)
         for part in attr.split("."):
             factory = getattr(factory, part)
     except (ImportError, AttributeError) as e:
         raise EncoderLoadError(
-            f"cannot import {spec}: {first_line(e)}; check the module is on PYTHONPATH and the "
-            "factory name after ':' exists"
+            f"cannot import {spec}: {first_line(e)}; check the module is in the current folder "
+            "or on PYTHONPATH, and the factory name after ':' exists"
         ) from e
     except SystemExit as e:
         raise EncoderLoadError(
