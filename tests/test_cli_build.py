@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -190,6 +191,29 @@ def test_corrupt_audio_exit_3_lists_it_and_stores_the_rest(
     assert report["failed"][0]["path"] == "part0/broken.wav"
     strict = run_cli(*args, "--strict")
     assert strict.returncode == 8 and "broken.wav" in strict.stderr
+
+
+def test_every_input_failing_alike_blames_the_encoder_or_options_not_the_inputs(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    """Issue 18 item 9: a mono encoder given --no-mono failed on all 16 inputs, and the message
+    told the user to fix or remove the inputs. A 17th, broken file fails differently: the
+    inputs are then at fault, as before."""
+    args = ["build", "-e", encoder_file, "-d", audio_dir, "--cache", tmp_path / "c", "--no-mono"]
+    res = run_cli(*args)
+    assert res.returncode == 3
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: every input (16) failed the same way: the encoder")
+    assert "--mono/--no-mono" in last and "not at the inputs" in last
+    assert "Fix or remove them" not in res.stderr
+    listed = [ln for ln in res.stderr.splitlines() if ln.startswith("failed ")]
+    assert len(listed) == 16
+    assert not [ln for ln in listed if re.match(r"failed (\S+): \1:", ln)]  # named once
+    (audio_dir / "broken.wav").write_bytes(b"RIFF\x00\x00junk")
+    mixed = run_cli(*args)
+    assert mixed.returncode == 3 and "17 of 17 inputs failed" in mixed.stderr
+    ok = run_cli(*args[:-1], "--json")  # mono, as the encoder expects
+    assert ok.returncode == 3 and _json(ok)["encoded"] == 16
 
 
 # -- interruption ---------------------------------------------------------------------------------

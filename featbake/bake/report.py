@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+#: Numbers in a failure's reason (shapes, sizes, indices) differ from input to input.
+_NUMBERS = re.compile(r"\d+")
 
 
 @dataclass
@@ -33,8 +37,28 @@ class BuildReport:
     def ok(self) -> bool:
         return not self.failed
 
+    def common_failure(self) -> str | None:
+        """The one reason every input failed for, when at least two all failed alike.
+
+        Inputs failing one by one are the inputs' fault; all of them failing the same way
+        (a mono encoder given ``--no-mono``, a wrong ``--output``) is the encoder's or the
+        options'. "Alike" ignores the file's own name and every number (shapes, lengths).
+        """
+        if len(self.failed) < 2 or len(self.failed) < self.files:
+            return None
+        kinds = {_failure_kind(rel, reason) for rel, reason in self.failed}
+        if len(kinds) != 1:
+            return None
+        rel, reason = self.failed[0]
+        return reason.removeprefix(f"{rel}: ")
+
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict of the report (``featbake build --json``)."""
         d = asdict(self)
         d["failed"] = [{"path": p, "reason": r} for p, r in self.failed]
         return d
+
+
+def _failure_kind(rel: str, reason: str) -> str:
+    """``reason`` without the input's name and with every number made alike."""
+    return _NUMBERS.sub("N", reason.replace(rel, "INPUT"))

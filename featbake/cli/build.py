@@ -194,6 +194,14 @@ def build(
         out.print_json(json.dumps(report.to_json()))
     else:
         _print_build_summary(report)
+    common = report.common_failure()
+    if common is not None:
+        raise BuildIncomplete(
+            f"every input ({report.files}) failed the same way: {common}. That points at the "
+            "encoder or the options (--mono/--no-mono, --sample-rate, --max-seconds, --source, "
+            "--output, --layers), not at the inputs: check them against what the encoder "
+            "expects and rerun"
+        )
     if report.failed:
         raise BuildIncomplete(
             f"{len(report.failed)} of {report.files} inputs failed (listed above); "
@@ -224,6 +232,7 @@ def _print_build_summary(report: Any) -> None:
         table.add_row("part", f"{report.part}: fragment sealed, {merged}")
     out.print(table)
     for path, reason in report.failed[:50]:
+        reason = reason.removeprefix(f"{path}: ")  # most reasons name their file already
         console.print(f"[red]failed[/] {escape(path)}: {escape(reason)}")
     if len(report.failed) > 50:
         console.print(f"[red]... and {len(report.failed) - 50} more (see --json)")

@@ -1,0 +1,28 @@
+"""BuildReport's reading of its failures (pure)."""
+
+from __future__ import annotations
+
+from featbake.bake.report import BuildReport
+
+
+def _report(files: int, failed: list[tuple[str, str]]) -> BuildReport:
+    return BuildReport("root", "data", "enc", "fp", "rfp", files=files, failed=failed)
+
+
+def test_every_input_failing_alike_is_one_common_failure() -> None:
+    failed = [
+        ("a.wav", "a.wav: the encoder failed on a batch of shape (1, 1, 4800): bad input"),
+        ("sub/b.wav", "sub/b.wav: the encoder failed on a batch of shape (1, 1, 16000): bad input"),
+    ]
+    assert _report(2, failed).common_failure() == (
+        "the encoder failed on a batch of shape (1, 1, 4800): bad input"
+    )
+
+
+def test_failures_that_differ_or_leave_inputs_stored_are_the_inputs_fault() -> None:
+    alike = [("a.wav", "a.wav: cannot decode audio"), ("b.wav", "b.wav: cannot decode audio")]
+    assert _report(3, alike).common_failure() is None  # a third input was stored
+    differ = [("a.wav", "a.wav: cannot decode audio"), ("b.wav", "b.wav: the file is empty")]
+    assert _report(2, differ).common_failure() is None
+    assert _report(1, alike[:1]).common_failure() is None  # one input says nothing
+    assert _report(0, []).common_failure() is None
