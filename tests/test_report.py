@@ -26,3 +26,16 @@ def test_failures_that_differ_or_leave_inputs_stored_are_the_inputs_fault() -> N
     assert _report(2, differ).common_failure() is None
     assert _report(1, alike[:1]).common_failure() is None  # one input says nothing
     assert _report(0, []).common_failure() is None
+
+
+def test_progress_lines_are_labelled_and_show_no_rate_over_a_blink() -> None:
+    from featbake.progress import MIN_RATE_SECONDS, progress_line, rate_text
+
+    assert rate_text(1_000_000, 0.001) == "-"  # was "1,000,000,000 items/s"
+    assert rate_text(100, MIN_RATE_SECONDS) == "200 items/s"
+    assert progress_line("hash", 16, 16, 0.002) == "hash: 16/16, done in 0.00s"
+    assert progress_line("encode", 40, 160, 8.0, "3.0 MiB") == (
+        "encode: 40/160, 5 items/s, elapsed 8s, ETA 24s, 3.0 MiB written"
+    )
+    assert progress_line("encode", 160, 160, 32.0) == "encode: 160/160, 5 items/s, elapsed 32s"
+    assert progress_line("encode", 1, 160, 0.1) == "encode: 1/160, -, elapsed 0s"

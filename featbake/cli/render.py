@@ -18,18 +18,37 @@ from rich.progress import (
 from rich.text import Text
 
 from featbake.cli.app import console
+from featbake.progress import MIN_RATE_SECONDS, progress_line
 from featbake.units import format_bytes
 
 
 class _Rate(ProgressColumn):
+    """items/s once the phase has run long enough for a rate to mean something."""
+
     def render(self, task: Task) -> Text:
+        elapsed = task.finished_time or task.elapsed or 0.0
         speed = task.finished_speed or task.speed
-        return Text(f"{speed:,.0f} items/s" if speed else "- items/s", style="cyan")
+        if elapsed < MIN_RATE_SECONDS or not speed:
+            return Text("- items/s", style="cyan")
+        return Text(f"{speed:,.0f} items/s", style="cyan")
+
+
+class _Labelled(ProgressColumn):
+    """Another column's text behind a label ("ETA 0:00:25", "elapsed 0:00:03")."""
+
+    def __init__(self, label: str, column: ProgressColumn) -> None:
+        super().__init__()
+        self.label, self.column = label, column
+
+    def render(self, task: Task) -> Text:
+        inner = self.column.render(task)
+        return Text.assemble(f"{self.label} ", inner if isinstance(inner, Text) else str(inner))
 
 
 class _Bytes(ProgressColumn):
     def render(self, task: Task) -> Text:
-        return Text(format_bytes(int(task.fields.get("bytes", 0))), style="green")
+        written = int(task.fields.get("bytes", 0))
+        return Text(f"{format_bytes(written)} written" if written else "", style="green")
 
 
 def progress_bar() -> Progress:
@@ -38,8 +57,8 @@ def progress_bar() -> Progress:
         BarColumn(),
         MofNCompleteColumn(),
         _Rate(),
-        TimeRemainingColumn(),
-        TimeElapsedColumn(),
+        _Labelled("ETA", TimeRemainingColumn()),
+        _Labelled("elapsed", TimeElapsedColumn()),
         _Bytes(),
         console=console,
         transient=False,
@@ -68,10 +87,10 @@ def tick_bar(bar: Progress, tasks: dict[str, Any]) -> Any:
     finished: set[str] = set()
 
     def log_line(p: Any, now: float) -> None:
-        rate = p.done / max(now - started[p.phase], 1e-9)
-        eta = f", ETA {(p.total - p.done) / rate:.0f}s" if rate and p.total else ""
-        size = f", {format_bytes(p.bytes_written)}" if getattr(p, "bytes_written", 0) else ""
-        console.print(f"{p.phase}: {p.done:,}/{p.total:,} ({rate:,.0f} items/s{eta}{size})")
+        written = getattr(p, "bytes_written", 0)
+        size = format_bytes(written) if written else ""
+        seconds = now - started[p.phase]
+        console.print(progress_line(p.phase, p.done, p.total, seconds, size), highlight=False)
 
     def on_progress(p: Any) -> None:
         if p.phase not in started:
