@@ -1,0 +1,50 @@
+"""The examples run as a user runs them (a subprocess, at a small size), so they never rot."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_example(name: str, *args: object) -> str:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(
+        [sys.executable, str(REPO / "examples" / name), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res.stdout
+
+
+def test_probe_learns_the_labels_from_baked_features(tmp_path: Path) -> None:
+    out = run_example("probe.py", "--clips", 48, "--epochs", 20, "--work", tmp_path)
+    assert "baked 48 clips (0 reused)" in out
+    accuracy = float(re.search(r"^accuracy: ([\d.]+)$", out, re.MULTILINE).group(1))  # type: ignore[union-attr]
+    assert accuracy >= 0.9, out
+    again = run_example("probe.py", "--clips", 48, "--epochs", 1, "--work", tmp_path)
+    assert "baked 0 clips (48 reused)" in again
+
+
+def test_distilling_from_baked_features_gives_the_live_teachers_losses(tmp_path: Path) -> None:
+    out = run_example("distill_student.py", "--clips", 32, "--epochs", 2, "--work", tmp_path)
+    epochs = re.findall(r"live teacher [\d.]+s loss ([\d.]+), baked [\d.]+s loss ([\d.]+)", out)
+    assert len(epochs) == 2, out
+    for live, baked in epochs:
+        assert float(live) > 0 and abs(float(live) - float(baked)) <= 1e-6 * float(live), out
+
+
+def test_cached_encoder_example_encodes_once_and_equals_the_uncached_model(
+    tmp_path: Path,
+) -> None:
+    out = run_example("cached_encoder.py", "--clips", 32, "--epochs", 2, "--work", tmp_path)
+    first, second = re.findall(r"^epoch \d: .*'encoded': (\d+)}$", out, re.MULTILINE)
+    assert (int(first), int(second)) == (32, 0), out
+    assert "cached model == uncached model on the same batch" in out
