@@ -1,4 +1,5 @@
-"""gc, second half: carry out a :class:`GcPlan`; safe to kill at any point and to run again.
+"""``featbake gc``, second half: carry out a :class:`GcPlan` (``gc_plan.py``); safe to kill at
+any point and to run again.
 
 Order (each step commits before the next begins):
 
@@ -11,16 +12,20 @@ Order (each step commits before the next begins):
    files. A reader holding the old location re-resolves the key once and finds the new one.
 5. Shard files no row names and ``tmp/`` files, once older than the grace period.
 6. Encoder rows nothing mentions any more.
+
+The crash tests kill gc between steps at the named points of :data:`CRASH_POINTS`
+(``FEATBAKE_TEST_CRASH_AT``), then check that a rerun finishes the job and loses nothing.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from contextlib import closing
 from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
 from featbake.errors import ShardMissing, StoreCorrupt
@@ -32,10 +37,32 @@ from featbake.store.locks import shared_write_lock
 from featbake.store.reader import ShardReader
 from featbake.store.shard_format import tensor_name
 from featbake.store.writer import SealedShard, ShardWriter
-from featbake.upkeep.crash import crash_point
+from featbake.upkeep.files import shard_name
 from featbake.upkeep.gc_plan import DropReason, GcPlan
 
 Tick = Callable[[str, int, int], None]
+
+CRASH_ENV = "FEATBAKE_TEST_CRASH_AT"
+
+#: The steps at which ``FEATBAKE_TEST_CRASH_AT`` kills gc, in the order gc reaches them.
+CRASH_POINTS = (
+    "drop-root-renamed",
+    "drop-root-committed",
+    "rows-deleted",
+    "shard-rows-deleted",
+    "shard-file-unlinked",
+    "compact-sealed",
+    "compact-committed",
+    "compacted-rows-deleted",
+    "compacted-file-unlinked",
+    "orphan-unlinked",
+)
+
+
+def crash_point(step: str) -> None:
+    """Test hook: die here, like ``kill -9``, if ``FEATBAKE_TEST_CRASH_AT`` names this step."""
+    if os.environ.get(CRASH_ENV) == step:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 @dataclass
@@ -73,7 +100,7 @@ def execute_gc(plan: GcPlan, progress: Callable[[GcProgress], None] | None = Non
     does not run meanwhile (it would index a shard file gc is about to unlink).
     """
     t0 = time.perf_counter()
-    layout = Layout(Path(plan.store))
+    layout = plan.layout
 
     def tick(phase: str, done: int, total: int) -> None:
         if progress:
@@ -144,14 +171,14 @@ def _remove_loose_files(catalog: Catalog, plan: GcPlan) -> GcResult:
     for f in plan.orphan_shards:
         # Re-checked under the write lock: indexed since the plan (a late commit, verify
         # --repair) means it is no longer an orphan.
-        freed = catalog.unlink_shard_file(Path(f.path).name.removesuffix(".safetensors"))
+        freed = catalog.unlink_shard_file(shard_name(f.path))
         if not freed:
             continue
         out.bytes_freed += freed
         out.orphans_removed += 1
         crash_point("orphan-unlinked")
     for f in plan.tmp_files:
-        out.bytes_freed += remove_file(Path(f.path))
+        out.bytes_freed += remove_file(f.path)
         out.tmp_removed += 1
     return out
 
