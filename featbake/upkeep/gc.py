@@ -107,11 +107,11 @@ def execute_gc(plan: GcPlan, progress: Callable[[GcProgress], None] | None = Non
             progress(GcProgress(phase, done, total))
 
     with shared_write_lock(layout), closing(Catalog(layout)) as catalog:
-        result = _drop_roots(layout, catalog, plan, tick)
+        result = _drop_roots(catalog, plan, tick)
         result += _delete_rows(catalog, plan, tick)
         result += _delete_empty_shards(layout, catalog, [s.id for s in plan.empty_shards], tick)
         if plan.compact:
-            compaction = Compaction(layout, catalog, plan).run(tick)
+            compaction = Compaction(catalog, plan).run(tick)
             result += compaction.as_result() + _delete_compacted(layout, catalog, compaction)
         result += _remove_loose_files(catalog, plan)
         tick("files", 1, 1)
@@ -120,7 +120,8 @@ def execute_gc(plan: GcPlan, progress: Callable[[GcProgress], None] | None = Non
     return result
 
 
-def _drop_roots(layout: Layout, catalog: Catalog, plan: GcPlan, tick: Tick) -> GcResult:
+def _drop_roots(catalog: Catalog, plan: GcPlan, tick: Tick) -> GcResult:
+    """Step 1: drop the plan's roots, then unlink tombstones of drops already committed."""
     cutoff = None if plan.options.older_than is None else plan.now - plan.options.older_than
     dropped = []
     for i, d in enumerate(plan.drop_roots):
@@ -133,13 +134,14 @@ def _drop_roots(layout: Layout, catalog: Catalog, plan: GcPlan, tick: Tick) -> G
             dropped.append(d.name)
         tick("drop", i + 1, len(plan.drop_roots))
     # Tombstones of roots already gone (a crash after COMMIT) only need unlinking.
-    for p in manifests_dir(layout).glob("*.dropped"):
+    for p in manifests_dir(plan.layout).glob("*.dropped"):
         if catalog.root(p.name.removesuffix(".dropped")) is None:
             remove_file(p)
     return GcResult(roots_dropped=dropped)
 
 
 def _delete_rows(catalog: Catalog, plan: GcPlan, tick: Tick) -> GcResult:
+    """Step 2: rows no kept root reaches (re-checked in the DELETE), then evicted rows."""
     if not (plan.unreached or plan.evict):
         return GcResult()
     rows = catalog.delete_features(plan.unreached, only_unreached=True)
@@ -152,6 +154,7 @@ def _delete_rows(catalog: Catalog, plan: GcPlan, tick: Tick) -> GcResult:
 def _delete_empty_shards(
     layout: Layout, catalog: Catalog, shard_ids: list[int], tick: Tick
 ) -> GcResult:
+    """Step 3: shards left without rows: the catalog row first, then the file."""
     out = GcResult()
     gone = catalog.delete_shards_if_empty(shard_ids)
     if gone:
@@ -167,6 +170,7 @@ def _delete_empty_shards(
 
 
 def _remove_loose_files(catalog: Catalog, plan: GcPlan) -> GcResult:
+    """Step 5: shard files no row names and ``tmp/`` files, past the grace period."""
     out = GcResult()
     for f in plan.orphan_shards:
         # Re-checked under the write lock: indexed since the plan (a late commit, verify
@@ -205,6 +209,7 @@ class CompactionResult:
 
 
 def _delete_compacted(layout: Layout, catalog: Catalog, c: CompactionResult) -> GcResult:
+    """Step 4, end: the rows and files of the shards compaction emptied."""
     out = GcResult()
     gone = catalog.delete_shards_if_empty(c.emptied)
     if gone:
@@ -228,8 +233,8 @@ class Compaction:
     whole shard.
     """
 
-    def __init__(self, layout: Layout, catalog: Catalog, plan: GcPlan) -> None:
-        self.layout, self.catalog, self.plan = layout, catalog, plan
+    def __init__(self, catalog: Catalog, plan: GcPlan) -> None:
+        self.layout, self.catalog, self.plan = plan.layout, catalog, plan
         self.out = CompactionResult()
         self._pending: dict[tuple[str, str], int] = {}  # (key, part) -> old shard id
 

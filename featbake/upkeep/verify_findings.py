@@ -118,10 +118,6 @@ class VerifyScan:
     wrong_hashes: tuple[HashMismatch, ...] = ()
 
     @property
-    def catalog_state(self) -> CatalogState:
-        return self.catalog.state
-
-    @property
     def damaged(self) -> bool:
         return any(f.damage for f in self.findings)
 

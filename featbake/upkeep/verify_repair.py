@@ -139,7 +139,7 @@ def repair_locked(scan: VerifyScan, progress: Progress = None) -> VerifyReport:
         list(scan.findings),
     )
     if not scan.damaged:
-        if scan.catalog_state is CatalogState.OK:  # what verify cannot check is not kept
+        if scan.catalog.state is CatalogState.OK:  # what verify cannot check is not kept
             with closing(Catalog(layout)) as cat:
                 report.actions = repair_hash_cache(layout, cat, ()).actions
         report.seconds = time.perf_counter() - t0
@@ -151,7 +151,7 @@ def repair_locked(scan: VerifyScan, progress: Progress = None) -> VerifyReport:
         scan = scan_store(layout, progress, reuse=sound)
     salvaged, done = _salvage_all(scan, [c for c in scan.shards if not c.sound])
     done = renamed + done + _quarantine_unreadable(scan)
-    if scan.catalog_state is not CatalogState.OK:
+    if scan.catalog.state is not CatalogState.OK:
         done += rebuild_catalog(scan, salvaged)
         wrong = check_hash_cache(layout, progress).wrong  # rows the old catalog carried over
     else:
@@ -175,7 +175,7 @@ def repair_locked(scan: VerifyScan, progress: Progress = None) -> VerifyReport:
 def wanted_names(scan: VerifyScan) -> set[str]:
     """Shard names someone expects to find: the catalog's shard rows and every file's name."""
     names = {c.name for c in scan.shards}
-    if scan.catalog_state is CatalogState.OK:
+    if scan.catalog.state is CatalogState.OK:
         try:
             with closing(Catalog(scan.layout, read_only=True)) as cat:
                 names.update(s.name for s in cat.shard_rows())
@@ -250,7 +250,7 @@ def catalog_vouches(scan: VerifyScan, names: set[str]) -> Vouched:
     A format-1 checksum covers a tensor's bytes only: the catalog's row is then the one record,
     independent of the damaged header, that can prove the tensor's dtype and shape.
     """
-    if scan.catalog_state is not CatalogState.OK or not names:
+    if scan.catalog.state is not CatalogState.OK or not names:
         return {}
     out: Vouched = {}
     unreadable = (StoreError, sqlite3.DatabaseError, ValueError, TypeError, RecursionError)
