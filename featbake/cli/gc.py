@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.markup import escape
@@ -11,6 +11,9 @@ from rich.markup import escape
 from featbake.cli.app import EXIT_CODES, CacheOpt, JsonOpt, app, console, out
 from featbake.cli.render import progress_bar, tick_bar
 from featbake.units import format_bytes, parse_bytes
+
+if TYPE_CHECKING:
+    from featbake.upkeep import GcPlan
 
 
 @app.command(
@@ -93,7 +96,8 @@ def gc(
         console.print(f"[yellow]warning:[/] {escape(p)}")
 
 
-def _print_gc_plan(plan: Any, dry_run: bool, as_json: bool) -> None:
+def _print_gc_plan(plan: GcPlan, dry_run: bool, as_json: bool) -> None:
+    """The plan as ``gc --json`` (only the plan) or as lines: what goes, and the bytes freed."""
     s = plan.summary()
     if as_json:
         out.print_json(json.dumps({"plan": s}))

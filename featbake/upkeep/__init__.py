@@ -1,15 +1,19 @@
-"""Upkeep of a store: stats and roots, gc (plan, then execute), verify (scan, then repair).
+"""Upkeep of a store: ``featbake stats`` / ``roots``, ``featbake gc``, ``featbake verify``.
 
-The parts, each a module here:
+The modules, named for the command they serve:
 
-- ``store_stats``: ``featbake stats`` and ``featbake roots`` (read the catalog's rows, never a
+- ``store_stats``: ``stats``, ``list_roots`` and ``drop_root`` (read the catalog's rows, never a
   shard; the catalog is opened read-write so that an older catalog is migrated first).
-- ``gc_plan`` / ``gc_execute``: ``plan_gc`` works out what to remove, ``execute_gc`` does it.
-- ``scan`` (with ``shard_check`` and ``catalog_checks``) / ``verify_repair`` (with ``rebuild``
-  and ``roots_repair``): ``scan_store`` finds, ``repair`` fixes, ``verify`` does
-  both; ``findings`` holds their typed records and states.
-- ``files``, ``manifests``, ``crash``: listing the store folder safely (regular files only),
-  reading root manifests safely, and the kill points the crash tests use.
+- ``gc_plan`` -> ``gc``: ``plan_gc`` works out what to remove (a frozen :class:`GcPlan`),
+  ``execute_gc`` carries it out step by step, with named crash points for the crash tests.
+- ``verify_scan`` (over ``verify_checks``) -> ``verify_repair`` (over ``verify_catalog``):
+  ``scan_store`` finds, ``repair`` fixes, ``verify`` scans and, asked to, repairs;
+  ``verify_findings`` holds their typed records and states.
+- ``files``: what all three share: listing the store folder safely (regular files only),
+  quarantine, refusing a folder that is not a store, reading root manifests safely.
+
+A store is a :class:`featbake.store.layout.Layout` throughout; a path given by the caller
+becomes one once, at the public function it is given to.
 
 This module only re-exports the public names, so ``from featbake.upkeep import verify`` keeps
 working. (No submodule is named like a function it re-exports: ``featbake.upkeep.stats`` and
@@ -18,9 +22,27 @@ working. (No submodule is named like a function it re-exports: ``featbake.upkeep
 
 from __future__ import annotations
 
-from featbake.upkeep.crash import CRASH_ENV, CRASH_POINTS
 from featbake.upkeep.files import LooseFile
-from featbake.upkeep.findings import (
+from featbake.upkeep.gc import CRASH_ENV, CRASH_POINTS, GcResult, execute_gc
+from featbake.upkeep.gc_plan import (
+    DEFAULT_COMPACT_BELOW,
+    DEFAULT_GRACE_S,
+    DropReason,
+    DropRoot,
+    GcOptions,
+    GcPlan,
+    plan_gc,
+)
+from featbake.upkeep.store_stats import (
+    EncoderStats,
+    RootStats,
+    StoreStats,
+    drop_root,
+    list_roots,
+    stats,
+)
+from featbake.upkeep.verify_checks import check_shard
+from featbake.upkeep.verify_findings import (
     VERIFY_CLEAN,
     VERIFY_DAMAGED,
     VERIFY_REPAIRED,
@@ -33,27 +55,8 @@ from featbake.upkeep.findings import (
     VerifyScan,
     VerifyStatus,
 )
-from featbake.upkeep.gc_execute import GcResult, execute_gc
-from featbake.upkeep.gc_plan import (
-    DEFAULT_COMPACT_BELOW,
-    DEFAULT_GRACE_S,
-    DropReason,
-    DropRoot,
-    GcOptions,
-    GcPlan,
-    plan_gc,
-)
-from featbake.upkeep.scan import scan_store
-from featbake.upkeep.shard_check import check_shard
-from featbake.upkeep.store_stats import (
-    EncoderStats,
-    RootStats,
-    StoreStats,
-    drop_root,
-    list_roots,
-    stats,
-)
 from featbake.upkeep.verify_repair import repair, verify
+from featbake.upkeep.verify_scan import scan_store
 
 __all__ = [
     "CRASH_ENV",

@@ -1,4 +1,8 @@
-"""gc, first half: work out what a run will remove, reading only (``featbake gc --dry-run``)."""
+"""``featbake gc``, first half: work out what a run will remove, reading only (``--dry-run``).
+
+The plan is frozen: ``gc.py`` carries it out step by step, re-checking under the write lock what
+may have changed since (a build publishing a root, a late commit indexing an orphan).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import os
 import time
 from collections import defaultdict
 from collections.abc import Iterable
+from contextlib import closing
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
@@ -18,7 +23,7 @@ from featbake.store.fragments import fragment_shard_names
 from featbake.store.layout import Layout
 from featbake.store.open import open_catalog
 from featbake.store.shard_format import DEFAULT_SHARD_BYTES, DEFAULT_SHARD_ITEMS
-from featbake.upkeep.files import LooseFile, loose_files, shard_files
+from featbake.upkeep.files import LooseFile, list_folder, shard_files
 
 #: Default grace period before gc removes a shard no row names, or a file left in ``tmp/``.
 DEFAULT_GRACE_S = 3600.0
@@ -65,7 +70,7 @@ class GcOptions:
 
 
 class DropReason(StrEnum):
-    """Why gc drops a root; execution differs per reason (see ``gc_execute.execute_gc``)."""
+    """Why gc drops a root; execution differs per reason (see ``gc.execute_gc``)."""
 
     INTERRUPTED = "an interrupted drop"  # a tombstone and no manifest file: finish the drop
     ASKED = "asked"  # named by the caller
@@ -104,7 +109,7 @@ class GcPlan:
     rewritten shards, orphan shard files and ``tmp/`` leftovers.
     """
 
-    store: str
+    layout: Layout
     options: GcOptions
     now: float
     drop_roots: tuple[DropRoot, ...]
@@ -142,7 +147,7 @@ class GcPlan:
     def summary(self) -> dict[str, Any]:
         """Counts and bytes (``gc --json``; the full lists stay in the object)."""
         return {
-            "store": self.store,
+            "store": str(self.layout.root),
             "roots_dropped": [d.to_json() for d in self.drop_roots],
             "unreached_features": len({r.key for r in self.unreached}),
             "unreached_bytes": sum(r.nbytes for r in self.unreached),
@@ -180,10 +185,45 @@ def plan_gc(
     opts = options or GcOptions()
     now = time.time() if now is None else now
     layout, catalog = open_catalog(cache)
-    try:
-        return _plan(layout, catalog, opts, now, set(drop))
-    finally:
-        catalog.close()
+    with closing(catalog):
+        roots = catalog.roots()
+        drops = roots_to_drop(layout, roots, opts, now, set(drop))
+        unreached, reached = _reach(catalog, roots, {d.name for d in drops}, opts)
+        shard_rows = catalog.shard_rows()
+        evict: list[FeatureRef] = []
+        if opts.max_bytes is not None and reached is not None:
+            evict = evictions(reached, _shards_of(reached, shard_rows), opts.max_bytes)
+        fates = shard_fates(
+            shard_rows,
+            catalog.shard_usage(),
+            removed_per_shard(unreached, evict),
+            opts,
+            _must_rewrite(opts, evict, shard_rows),
+        )
+        # Shards of sharded builds not merged yet are named by fragments, not rows: not garbage.
+        # The catalog is read again after the fragments: a merge that folded a fragment in and
+        # removed it meanwhile moved its shards into the catalog, where this second read finds
+        # them.
+        named = {s.name for s in shard_rows} | fragment_shard_names(layout)
+        named |= {s.name for s in catalog.shard_rows()}
+    loose = [f for name, f in shard_files(layout).items() if name not in named]
+    orphans = [f for f in loose if now - f.mtime >= opts.grace]
+    tmp = [f for f in list_folder(layout.tmp, "*").files if now - f.mtime >= opts.grace]
+    return GcPlan(
+        layout=layout,
+        options=opts,
+        now=now,
+        drop_roots=tuple(drops),
+        unreached=tuple(unreached),
+        evict=tuple(evict),
+        empty_shards=fates.empty,
+        compact=fates.compact,
+        compact_keep_bytes=fates.keep_bytes,
+        orphan_shards=tuple(orphans),
+        young_orphans=len(loose) - len(orphans),
+        tmp_files=tuple(tmp),
+        disk_bytes=sum(s.bytes for s in shard_rows) + sum(f.bytes for f in orphans),
+    )
 
 
 def roots_to_drop(
@@ -207,7 +247,7 @@ def roots_to_drop(
 
 
 @dataclass
-class _Removed:
+class Removed:
     """Rows and bytes a plan takes out of one shard."""
 
     rows: int = 0
@@ -223,45 +263,20 @@ class ShardFates:
     keep_bytes: int
 
 
-def _plan(layout: Layout, catalog: Catalog, opts: GcOptions, now: float, drop: set[str]) -> GcPlan:
-    roots = catalog.roots()
-    drops = roots_to_drop(layout, roots, opts, now, drop)
-    unreached, reached = _reach(catalog, roots, {d.name for d in drops}, opts)
-    shard_rows = catalog.shard_rows()
-    evict: list[FeatureRef] = []
-    if opts.max_bytes is not None and reached is not None:
-        evict = evictions(reached, _shards_of(reached, shard_rows), opts.max_bytes)
-    removed: dict[int, _Removed] = defaultdict(_Removed)
+def removed_per_shard(unreached: list[FeatureRef], evict: list[FeatureRef]) -> dict[int, Removed]:
+    """shard id -> the rows and bytes the plan takes out of it."""
+    removed: dict[int, Removed] = defaultdict(Removed)
     for ref in [*unreached, *evict]:
         removed[ref.shard_id].rows += 1
         removed[ref.shard_id].nbytes += ref.nbytes
-    # Under a byte budget every shard that holds garbage is rewritten: the budget is on disk bytes.
-    force = opts.max_bytes is not None and (
+    return removed
+
+
+def _must_rewrite(opts: GcOptions, evict: list[FeatureRef], shard_rows: list[ShardRow]) -> bool:
+    """Whether every shard holding garbage is rewritten: under a byte budget that is exceeded
+    (the budget is on disk bytes, so garbage left inside a shard still counts)."""
+    return opts.max_bytes is not None and (
         bool(evict) or sum(s.bytes for s in shard_rows) > opts.max_bytes
-    )
-    fates = shard_fates(shard_rows, catalog.shard_usage(), removed, opts, force)
-    # Shards of sharded builds not merged yet are named by fragments, not rows: not garbage. The
-    # catalog is read again after the fragments: a merge that folded a fragment in and removed
-    # it meanwhile moved its shards into the catalog, where this second read finds them.
-    named = {s.name for s in shard_rows} | fragment_shard_names(layout)
-    named |= {s.name for s in catalog.shard_rows()}
-    loose = [f for name, f in shard_files(layout).items() if name not in named]
-    orphans = [f for f in loose if now - f.mtime >= opts.grace]
-    tmp = [f for f in loose_files(layout.tmp, "*") if now - f.mtime >= opts.grace]
-    return GcPlan(
-        store=str(layout.root),
-        options=opts,
-        now=now,
-        drop_roots=tuple(drops),
-        unreached=tuple(unreached),
-        evict=tuple(evict),
-        empty_shards=fates.empty,
-        compact=fates.compact,
-        compact_keep_bytes=fates.keep_bytes,
-        orphan_shards=tuple(orphans),
-        young_orphans=len(loose) - len(orphans),
-        tmp_files=tuple(tmp),
-        disk_bytes=sum(s.bytes for s in shard_rows) + sum(f.bytes for f in orphans),
     )
 
 
@@ -283,7 +298,7 @@ def _reach(
 def shard_fates(
     shard_rows: list[ShardRow],
     usage: dict[int, ShardUsage],
-    removed: dict[int, _Removed],
+    removed: dict[int, Removed],
     opts: GcOptions,
     force: bool,
 ) -> ShardFates:
@@ -291,7 +306,7 @@ def shard_fates(
     empty, compact, keep_bytes = [], [], 0
     small: dict[tuple[str, str], list[ShardRow]] = defaultdict(list)
     for s in shard_rows:
-        u, gone = usage.get(s.id), removed.get(s.id, _Removed())
+        u, gone = usage.get(s.id), removed.get(s.id, Removed())
         rows = (u.rows if u else 0) - gone.rows
         live = (u.nbytes if u else 0) - gone.nbytes
         if rows <= 0:

@@ -13,7 +13,7 @@ from typing import Any
 from featbake.store.catalog import Catalog, Root, ShardRow, ShardUsage
 from featbake.store.layout import Layout
 from featbake.store.open import open_catalog, resolve_root
-from featbake.upkeep.files import loose_files
+from featbake.upkeep.files import list_folder
 
 
 @dataclass(frozen=True)
@@ -169,7 +169,7 @@ def stats(cache: str | os.PathLike[str] | None = None) -> StoreStats:
             totals, missing = totals_f.result(), missing_f.result()
     finally:
         catalog.close()
-    tmp = loose_files(layout.tmp, "*")
+    tmp = list_folder(layout.tmp, "*").files
     rows_bytes = sum(u.nbytes for u in usage.values())
     return StoreStats(
         path=str(layout.root),

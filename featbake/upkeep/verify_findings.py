@@ -1,22 +1,22 @@
-"""What verify reports: finding kinds, the catalog's state, per-shard checks, the scan, the report.
+"""What ``featbake verify`` reports: finding kinds, the catalog's state, per-shard checks, the
+scan, the report, and the exit codes.
 
-These are records and typed states only; ``scan.py`` makes them and ``repair.py`` acts on them.
+These are records and typed states only; ``verify_scan.py`` makes them and ``verify_repair.py``
+acts on them.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
+from pathlib import Path
 from typing import Any, NamedTuple
 
+from featbake.store.layout import Layout
 from featbake.store.writer import ShardEntry
 
 VERIFY_CLEAN = 0
-
-
 VERIFY_REPAIRED = 10
-
-
 VERIFY_DAMAGED = 11
 
 
@@ -85,7 +85,7 @@ class ShardCheck:
     """One shard file as verify found it."""
 
     name: str
-    path: str
+    path: Path
     bytes: int
     mtime: float
     sound: bool
@@ -110,16 +110,12 @@ class HashMismatch(NamedTuple):
 class VerifyScan:
     """What verify found: per-shard checks, the catalog's state, and every finding."""
 
-    store: str
+    layout: Layout
     catalog: CatalogHealth
     shards: tuple[ShardCheck, ...]
     findings: tuple[Finding, ...]
     bytes_checked: int
     wrong_hashes: tuple[HashMismatch, ...] = ()
-
-    @property
-    def catalog_state(self) -> CatalogState:
-        return self.catalog.state
 
     @property
     def damaged(self) -> bool:

@@ -1,4 +1,5 @@
-"""gc, second half: carry out a :class:`GcPlan`; safe to kill at any point and to run again.
+"""``featbake gc``, second half: carry out a :class:`GcPlan` (``gc_plan.py``); safe to kill at
+any point and to run again.
 
 Order (each step commits before the next begins):
 
@@ -11,16 +12,20 @@ Order (each step commits before the next begins):
    files. A reader holding the old location re-resolves the key once and finds the new one.
 5. Shard files no row names and ``tmp/`` files, once older than the grace period.
 6. Encoder rows nothing mentions any more.
+
+The crash tests kill gc between steps at the named points of :data:`CRASH_POINTS`
+(``FEATBAKE_TEST_CRASH_AT``), then check that a rerun finishes the job and loses nothing.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from contextlib import closing
 from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
 from featbake.errors import ShardMissing, StoreCorrupt
@@ -32,10 +37,32 @@ from featbake.store.locks import shared_write_lock
 from featbake.store.reader import ShardReader
 from featbake.store.shard_format import tensor_name
 from featbake.store.writer import SealedShard, ShardWriter
-from featbake.upkeep.crash import crash_point
+from featbake.upkeep.files import shard_name
 from featbake.upkeep.gc_plan import DropReason, GcPlan
 
 Tick = Callable[[str, int, int], None]
+
+CRASH_ENV = "FEATBAKE_TEST_CRASH_AT"
+
+#: The steps at which ``FEATBAKE_TEST_CRASH_AT`` kills gc, in the order gc reaches them.
+CRASH_POINTS = (
+    "drop-root-renamed",
+    "drop-root-committed",
+    "rows-deleted",
+    "shard-rows-deleted",
+    "shard-file-unlinked",
+    "compact-sealed",
+    "compact-committed",
+    "compacted-rows-deleted",
+    "compacted-file-unlinked",
+    "orphan-unlinked",
+)
+
+
+def crash_point(step: str) -> None:
+    """Test hook: die here, like ``kill -9``, if ``FEATBAKE_TEST_CRASH_AT`` names this step."""
+    if os.environ.get(CRASH_ENV) == step:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 @dataclass
@@ -73,18 +100,18 @@ def execute_gc(plan: GcPlan, progress: Callable[[GcProgress], None] | None = Non
     does not run meanwhile (it would index a shard file gc is about to unlink).
     """
     t0 = time.perf_counter()
-    layout = Layout(Path(plan.store))
+    layout = plan.layout
 
     def tick(phase: str, done: int, total: int) -> None:
         if progress:
             progress(GcProgress(phase, done, total))
 
     with shared_write_lock(layout), closing(Catalog(layout)) as catalog:
-        result = _drop_roots(layout, catalog, plan, tick)
+        result = _drop_roots(catalog, plan, tick)
         result += _delete_rows(catalog, plan, tick)
         result += _delete_empty_shards(layout, catalog, [s.id for s in plan.empty_shards], tick)
         if plan.compact:
-            compaction = Compaction(layout, catalog, plan).run(tick)
+            compaction = Compaction(catalog, plan).run(tick)
             result += compaction.as_result() + _delete_compacted(layout, catalog, compaction)
         result += _remove_loose_files(catalog, plan)
         tick("files", 1, 1)
@@ -93,7 +120,8 @@ def execute_gc(plan: GcPlan, progress: Callable[[GcProgress], None] | None = Non
     return result
 
 
-def _drop_roots(layout: Layout, catalog: Catalog, plan: GcPlan, tick: Tick) -> GcResult:
+def _drop_roots(catalog: Catalog, plan: GcPlan, tick: Tick) -> GcResult:
+    """Step 1: drop the plan's roots, then unlink tombstones of drops already committed."""
     cutoff = None if plan.options.older_than is None else plan.now - plan.options.older_than
     dropped = []
     for i, d in enumerate(plan.drop_roots):
@@ -106,13 +134,14 @@ def _drop_roots(layout: Layout, catalog: Catalog, plan: GcPlan, tick: Tick) -> G
             dropped.append(d.name)
         tick("drop", i + 1, len(plan.drop_roots))
     # Tombstones of roots already gone (a crash after COMMIT) only need unlinking.
-    for p in manifests_dir(layout).glob("*.dropped"):
+    for p in manifests_dir(plan.layout).glob("*.dropped"):
         if catalog.root(p.name.removesuffix(".dropped")) is None:
             remove_file(p)
     return GcResult(roots_dropped=dropped)
 
 
 def _delete_rows(catalog: Catalog, plan: GcPlan, tick: Tick) -> GcResult:
+    """Step 2: rows no kept root reaches (re-checked in the DELETE), then evicted rows."""
     if not (plan.unreached or plan.evict):
         return GcResult()
     rows = catalog.delete_features(plan.unreached, only_unreached=True)
@@ -125,6 +154,7 @@ def _delete_rows(catalog: Catalog, plan: GcPlan, tick: Tick) -> GcResult:
 def _delete_empty_shards(
     layout: Layout, catalog: Catalog, shard_ids: list[int], tick: Tick
 ) -> GcResult:
+    """Step 3: shards left without rows: the catalog row first, then the file."""
     out = GcResult()
     gone = catalog.delete_shards_if_empty(shard_ids)
     if gone:
@@ -140,18 +170,19 @@ def _delete_empty_shards(
 
 
 def _remove_loose_files(catalog: Catalog, plan: GcPlan) -> GcResult:
+    """Step 5: shard files no row names and ``tmp/`` files, past the grace period."""
     out = GcResult()
     for f in plan.orphan_shards:
         # Re-checked under the write lock: indexed since the plan (a late commit, verify
         # --repair) means it is no longer an orphan.
-        freed = catalog.unlink_shard_file(Path(f.path).name.removesuffix(".safetensors"))
+        freed = catalog.unlink_shard_file(shard_name(f.path))
         if not freed:
             continue
         out.bytes_freed += freed
         out.orphans_removed += 1
         crash_point("orphan-unlinked")
     for f in plan.tmp_files:
-        out.bytes_freed += remove_file(Path(f.path))
+        out.bytes_freed += remove_file(f.path)
         out.tmp_removed += 1
     return out
 
@@ -178,6 +209,7 @@ class CompactionResult:
 
 
 def _delete_compacted(layout: Layout, catalog: Catalog, c: CompactionResult) -> GcResult:
+    """Step 4, end: the rows and files of the shards compaction emptied."""
     out = GcResult()
     gone = catalog.delete_shards_if_empty(c.emptied)
     if gone:
@@ -201,8 +233,8 @@ class Compaction:
     whole shard.
     """
 
-    def __init__(self, layout: Layout, catalog: Catalog, plan: GcPlan) -> None:
-        self.layout, self.catalog, self.plan = layout, catalog, plan
+    def __init__(self, catalog: Catalog, plan: GcPlan) -> None:
+        self.layout, self.catalog, self.plan = plan.layout, catalog, plan
         self.out = CompactionResult()
         self._pending: dict[tuple[str, str], int] = {}  # (key, part) -> old shard id
 
