@@ -14,15 +14,21 @@ from featbake.store.catalog import Catalog, Root
 from featbake.store.fragments import sealed_fragments
 from featbake.store.layout import Layout, default_cache_dir
 
-
 # -- opening a store ---------------------------------------------------------------------------
-def store_layout(cache: str | os.PathLike[str] | None) -> Layout:
-    """The layout of an existing store.
+#: A store as callers name it: its layout, its directory, or None for the default store.
+StoreRef = Layout | str | os.PathLike[str] | None
+
+
+def store_layout(cache: StoreRef) -> Layout:
+    """The layout of an existing store (a :class:`Layout` given stays as it is).
 
     Raises:
         StoreError: there is no store there.
     """
-    layout = Layout(Path(cache) if cache is not None else default_cache_dir())
+    if isinstance(cache, Layout):
+        layout = cache
+    else:
+        layout = Layout(Path(cache) if cache is not None else default_cache_dir())
     if not layout.root.is_dir():
         raise StoreError(
             f"there is no featbake store at {layout.root}; point --cache (or $FEATBAKE_CACHE) at "
@@ -31,7 +37,7 @@ def store_layout(cache: str | os.PathLike[str] | None) -> Layout:
     return layout
 
 
-def open_catalog(cache: str | os.PathLike[str] | None) -> tuple[Layout, Catalog]:
+def open_catalog(cache: StoreRef) -> tuple[Layout, Catalog]:
     """Layout and catalog of an existing store, without creating a catalog that is missing.
 
     The catalog is a context manager: ``with open_catalog(cache)[1] as catalog: ...``.
@@ -46,18 +52,7 @@ def open_catalog(cache: str | os.PathLike[str] | None) -> tuple[Layout, Catalog]
     return layout, catalog
 
 
-def open_reader(cache: str | os.PathLike[str] | None) -> Catalog:
-    """An existing store's catalog opened read-only (``mode=ro``: SQLite refuses writes).
-
-    Raises:
-        StoreError: as :func:`open_catalog`.
-    """
-    reader = Catalog(existing_catalog_layout(cache), read_only=True)
-    reader.conn  # noqa: B018  (open now: a damaged catalog fails here, with its message)
-    return reader
-
-
-def existing_catalog_layout(cache: str | os.PathLike[str] | None) -> Layout:
+def existing_catalog_layout(cache: StoreRef) -> Layout:
     """The layout of an existing store that has a catalog.
 
     Raises:

@@ -6,7 +6,6 @@ may have changed since (a build publishing a root, a late commit indexing an orp
 
 from __future__ import annotations
 
-import os
 import time
 from collections import defaultdict
 from collections.abc import Iterable
@@ -21,7 +20,7 @@ from featbake.store.catalog import root_file as manifest_file
 from featbake.store.catalog import roots_dir as manifests_dir
 from featbake.store.fragments import fragment_shard_names
 from featbake.store.layout import Layout
-from featbake.store.open import open_catalog
+from featbake.store.open import StoreRef, open_catalog
 from featbake.store.shard_format import DEFAULT_SHARD_BYTES, DEFAULT_SHARD_ITEMS
 from featbake.upkeep.files import LooseFile, list_folder, shard_files
 
@@ -164,7 +163,7 @@ class GcPlan:
 
 
 def plan_gc(
-    cache: str | os.PathLike[str] | None = None,
+    cache: StoreRef = None,
     options: GcOptions | None = None,
     *,
     now: float | None = None,

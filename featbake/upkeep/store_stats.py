@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -12,7 +11,7 @@ from typing import Any
 
 from featbake.store.catalog import Catalog, Root, ShardRow, ShardUsage
 from featbake.store.layout import Layout
-from featbake.store.open import open_catalog, resolve_root
+from featbake.store.open import StoreRef, open_catalog, resolve_root
 from featbake.upkeep.files import list_folder
 
 
@@ -143,7 +142,7 @@ def _in_own_catalog(layout: Layout, fn: Callable[[Catalog], Any]) -> Any:
         own.close()
 
 
-def stats(cache: str | os.PathLike[str] | None = None) -> StoreStats:
+def stats(cache: StoreRef = None) -> StoreStats:
     """Report what a store holds, from its catalog alone (well under a second per million rows).
 
     Returns:
@@ -191,7 +190,7 @@ def stats(cache: str | os.PathLike[str] | None = None) -> StoreStats:
     )
 
 
-def list_roots(cache: str | os.PathLike[str] | None = None) -> list[RootStats]:
+def list_roots(cache: StoreRef = None) -> list[RootStats]:
     """Every root with its item and missing counts, most recently built or used first."""
     _, catalog = open_catalog(cache)
     try:
@@ -201,7 +200,7 @@ def list_roots(cache: str | os.PathLike[str] | None = None) -> list[RootStats]:
         catalog.close()
 
 
-def drop_root(cache: str | os.PathLike[str] | None, name: str) -> Root:
+def drop_root(cache: StoreRef, name: str) -> Root:
     """Drop a root (its manifest); its features stay until ``featbake gc`` frees them.
 
     Example:
