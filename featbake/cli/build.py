@@ -194,19 +194,25 @@ def build(
         out.print_json(json.dumps(report.to_json()))
     else:
         _print_build_summary(report)
+    if report.failed:
+        raise incomplete(report)
+
+
+def incomplete(report: Any) -> BuildIncomplete:
+    """The error for a build that skipped inputs: theirs, or the encoder's/options' when every
+    input failed the same way (see :meth:`BuildReport.common_failure`)."""
     common = report.common_failure()
     if common is not None:
-        raise BuildIncomplete(
+        return BuildIncomplete(
             f"every input ({report.files}) failed the same way: {common}. That points at the "
             "encoder or the options (--mono/--no-mono, --sample-rate, --max-seconds, --source, "
             "--output, --layers), not at the inputs: check them against what the encoder "
             "expects and rerun"
         )
-    if report.failed:
-        raise BuildIncomplete(
-            f"{len(report.failed)} of {report.files} inputs failed (listed above); "
-            "everything else is stored. Fix or remove them and rerun; finished work is not redone"
-        )
+    return BuildIncomplete(
+        f"{len(report.failed)} of {report.files} inputs failed (listed above); "
+        "everything else is stored. Fix or remove them and rerun; finished work is not redone"
+    )
 
 
 def _print_build_summary(report: Any) -> None:
