@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated
 
@@ -28,8 +30,15 @@ def make_console(*, stderr: bool = False) -> Console:
         highlight=False,
         emoji=False,
         soft_wrap=True,
-        width=None if on_terminal else UNWRAPPED_WIDTH,
+        width=None if on_terminal else piped_width(os.environ),
     )
+
+
+def piped_width(env: Mapping[str, str]) -> int:
+    """The width off a terminal: ``$COLUMNS`` when set (``COLUMNS=80 featbake roots | less``
+    fits 80 columns), else unbounded, so a pipe or a log never splits a path."""
+    columns = env.get("COLUMNS", "").strip()
+    return int(columns) if columns.isdigit() and int(columns) > 0 else UNWRAPPED_WIDTH
 
 
 console = make_console(stderr=True)

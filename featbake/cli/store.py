@@ -36,7 +36,10 @@ def stats(cache: CacheOpt = None, as_json: JsonOpt = False) -> None:
     table.add_column(style="bold")
     table.add_column()
     table.add_row("store", escape(s.path))
-    table.add_row("features", f"{s.features:,} ({format_bytes(s.feature_bytes)})")
+    table.add_row(
+        "features",
+        f"{s.features:,} inputs, {s.tensors:,} tensors ({format_bytes(s.feature_bytes)})",
+    )
     table.add_row("live", f"{s.live_features:,} ({format_bytes(s.live_bytes)})")
     table.add_row("dead", f"{s.dead_features:,} ({format_bytes(s.dead_bytes)}): gc frees them")
     table.add_row("shards", f"{s.shards:,} files, {format_bytes(s.disk_bytes)} on disk")
@@ -45,24 +48,12 @@ def stats(cache: CacheOpt = None, as_json: JsonOpt = False) -> None:
     table.add_row("tmp/", f"{s.tmp_files} leftovers ({format_bytes(s.tmp_bytes)})")
     table.add_row("catalog", format_bytes(s.catalog_bytes))
     out.print(table)
-    enc = Table(title="encoders", title_justify="left")
-    for col in ("fingerprint", "encoder", "features", "bytes", "first seen", "last used"):
-        enc.add_column(col, justify="right" if col in ("features", "bytes") else "left")
-    for e in s.encoders:
-        enc.add_row(
-            e.fp[:12],
-            escape(e.label),
-            f"{e.features:,}",
-            format_bytes(e.bytes),
-            format_when(e.first_seen),
-            format_when(e.last_used),
-        )
-    out.print(enc)
+    _print_encoders(s.encoders)
     _print_roots(s.roots)
     _print_pending(cache)
 
 
-def _recipe_brief(recipe: dict) -> str:
+def recipe_brief(recipe: dict) -> str:
     """e.g. ``audio 16kHz mono float32 crop 10s`` (the root's name covers the exact recipe)."""
     bits = [str(recipe.get("source", "?"))]
     if recipe.get("sample_rate"):
@@ -74,25 +65,43 @@ def _recipe_brief(recipe: dict) -> str:
         bits.append(f"crop {recipe['max_seconds']:g}s")
     if recipe.get("output") is not None:
         bits.append(f"output {recipe['output']}")
+    if recipe.get("layers"):  # two roots differing only in --layers must not look alike
+        bits.append("layers " + ",".join(str(x) for x in recipe["layers"]))
+    if recipe.get("precision") not in (None, "", "fp32"):
+        bits.append(f"{recipe['precision']} compute")
     return " ".join(bits)
 
 
-def _print_roots(roots: Any) -> None:
-    t = Table(title="roots", title_justify="left")
-    for col in ("name", "data", "encoder", "recipe", "items", "missing", "last used"):
-        t.add_column(col, justify="right" if col in ("items", "missing") else "left")
-    for r in roots:
-        recipe = _recipe_brief(r.recipe)
-        t.add_row(
-            r.name,
-            escape(r.data),
-            escape(r.encoder_label),
-            escape(recipe),
-            f"{r.items:,}",
-            f"[yellow]{r.missing:,}[/]" if r.missing else "0",
-            format_when(r.last_used),
+def _record(head: str, fields: list[tuple[str, str]]) -> None:
+    """One thing as a head line and indented ``label  value`` lines (fits 80 columns: only a
+    long path runs past, and off a terminal nothing is ever split)."""
+    out.print(head)
+    for label, value in fields:
+        out.print(f"  {label:<8} {value}")
+
+
+def _print_encoders(encoders: Any) -> None:
+    out.print(f"[bold]encoders[/] ({len(encoders)})")
+    for e in encoders:
+        _record(
+            f"{e.fp[:12]}  {e.tensors:,} tensors, {format_bytes(e.bytes)}, "
+            f"last used {format_when(e.last_used)}",
+            [("encoder", escape(e.label)), ("kind", escape(e.kind))],
         )
-    out.print(t)
+
+
+def _print_roots(roots: Any) -> None:
+    out.print(f"[bold]roots[/] ({len(roots)})")
+    for r in roots:
+        missing = f"[yellow]{r.missing:,} missing[/]" if r.missing else "0 missing"
+        _record(
+            f"{r.name}  {r.items:,} items, {missing}, last used {format_when(r.last_used)}",
+            [
+                ("data", escape(r.data)),
+                ("encoder", escape(r.encoder_label)),
+                ("recipe", escape(recipe_brief(r.recipe))),
+            ],
+        )
 
 
 roots_app = typer.Typer(

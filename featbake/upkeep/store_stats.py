@@ -17,12 +17,13 @@ from featbake.upkeep.files import list_folder
 
 @dataclass(frozen=True)
 class EncoderStats:
-    """What one encoder fingerprint holds in the store."""
+    """What one encoder fingerprint holds in the store (``tensors``: stored tensors, one per
+    feature and part, e.g. per layer; the store's summary counts features)."""
 
     fp: str
     label: str
     kind: str
-    features: int
+    tensors: int
     bytes: int
     shards: int
     first_seen: float
@@ -65,13 +66,16 @@ class RootStats:
 class StoreStats:
     """A store at a glance; every number comes from the catalog (plus a listing of ``tmp/``).
 
-    ``live`` features are those some root's manifest names; ``dead`` ones no root reaches (gc
+    ``features`` counts stored inputs (keys); ``tensors`` counts what they hold (one per
+    part: an encoder storing 3 layers has 3 tensors a feature). ``live`` features are those
+    some root's manifest names; ``dead`` ones no root reaches (gc
     drops them). ``unreferenced_bytes`` are tensors inside shards that no catalog row names
     (duplicates, features gc dropped but whose shard it has not rewritten yet).
     """
 
     path: str
     features: int
+    tensors: int
     feature_bytes: int
     live_features: int
     live_bytes: int
@@ -173,6 +177,7 @@ def stats(cache: StoreRef = None) -> StoreStats:
     return StoreStats(
         path=str(layout.root),
         features=totals.features,
+        tensors=sum(u.rows for u in usage.values()),
         feature_bytes=totals.nbytes,
         live_features=totals.live_features,
         live_bytes=totals.live_nbytes,

@@ -113,3 +113,42 @@ def test_repair_gives_swapped_shard_names_back_and_loses_nothing(
     assert sorted(shard_files(store_dir)) == paths
     assert run_cli("verify", "--cache", store_dir).returncode == 0
     assert assert_serves(store_dir, report.root, audio_dir, encoder_file, Live()) == 16
+
+
+def test_stats_and_roots_fit_80_columns_and_count_one_way(
+    tmp_path: Path, multi_encoder_file: Path, audio_dir: Path, store_dir: Path
+) -> None:
+    """Issue 18 item 8: an 80-column terminal cut names and wrapped dates, piped output ran to
+    435 characters ignoring COLUMNS, and the summary counted features where the encoders
+    table counted tensors, unlabelled."""
+    import re
+
+    data = tmp_path / ("a_folder_with_a_long_name_" * 2) / "audio"
+    data.parent.mkdir(parents=True)
+    audio_dir.rename(data)
+    report = bake(data, multi_encoder_file, store_dir)  # 2 outputs: 2 tensors per feature
+    env = {"COLUMNS": "80"}
+    for cmd in ("stats", "roots"):
+        res = run_cli(cmd, "--cache", store_dir, env=env)
+        assert res.returncode == 0, res.stderr
+        lines = res.stdout.splitlines()
+        paths = (str(data), str(multi_encoder_file))  # a path is never split: it may run past
+        long = [ln for ln in lines if len(ln) > 80 and not any(p in ln for p in paths)]
+        assert not long, res.stdout
+        assert any(report.root in ln for ln in lines)  # the whole name, never cut
+        head = next(ln for ln in lines if ln.startswith(report.root))
+        assert re.search(r"last used \d{4}-\d\d-\d\d \d\d:\d\d$", head), head
+        assert any(ln.strip() == f"data     {data}" for ln in lines)  # the path whole
+    stats = run_cli("stats", "--cache", store_dir, env=env).stdout
+    assert "16 inputs, 32 tensors" in stats
+    assert re.search(r"^[0-9a-f]{12}  32 tensors, ", stats, re.MULTILINE), stats
+
+
+def test_the_recipe_line_tells_roots_apart_by_layers_and_precision() -> None:
+    from featbake.cli.store import recipe_brief
+    from featbake.recipe import Recipe
+
+    plain = Recipe().as_dict()
+    six = {**plain, "layers": [0, 6], "precision": "bf16"}
+    assert recipe_brief(plain) != recipe_brief(six)
+    assert recipe_brief(six).endswith("layers 0,6 bf16 compute")
