@@ -1,20 +1,22 @@
-"""Reading one sealed shard: header parsed and checked once, pread into owned memory, checksums.
+"""Reading sealed shards: the header parsed and checked once, then one read path for every tensor.
 
-The file and its header are checked by :mod:`featbake.store.shard_header` before a tensor is
-handed out.
+Every read, of one tensor or of a batch's rows, is a list of :class:`Span` (an open shard, a
+file offset, the buffer the bytes go to, and the checksum to check or None) that
+:func:`read_spans` reads with ``pread`` into caller-owned memory, never mmap, and checks with
+the shard format's CRC; both release the GIL. The file and its header are checked by
+:mod:`featbake.store.shard_header` before anything is read.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import struct
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -100,7 +102,7 @@ class ShardReader:
 
     @property
     def fd(self) -> int:
-        """The open file descriptor (for callers that pread located tensors themselves)."""
+        """The open file descriptor (reads go through :meth:`read_span`; this is for inspection)."""
         return self._fd
 
     def cut_short(self, name: str) -> StoreCorrupt:
@@ -112,6 +114,9 @@ class ShardReader:
 
     def read(self, name: str, *, verify: VerifyMode | str | None = None) -> torch.Tensor:
         """The tensor ``name`` as a fresh CPU tensor (a copy; the file stays closed to writes).
+
+        A batch of one: :meth:`read_span`, the step :func:`read_spans` takes per span, into a
+        fresh buffer (called directly, so that one tensor pays no span list).
 
         Raises:
             StoreCorrupt: the shard holds no such tensor, or its bytes fail their checksum.
@@ -125,7 +130,7 @@ class ShardReader:
             mode == VerifyMode.FIRST and name not in self._verified
         )
         buf = torch.empty(info.end - info.begin, dtype=torch.uint8)
-        self.read_job(name, buf.numpy(), verify=check)()  # the one read-and-check path
+        self.read_span(info.begin, buf.numpy(), self._check(name, info) if check else None)
         return buf.view(ST_TO_DTYPE[info.dtype]).view(info.shape)
 
     def _info(self, name: str) -> TensorInfo:
@@ -140,9 +145,8 @@ class ShardReader:
     def read_into(self, name: str, out: torch.Tensor, *, verify: bool = True) -> None:
         """Read tensor ``name``'s bytes straight into ``out`` (no intermediate buffer).
 
-        This is how a batch is assembled in place: ``out`` is a contiguous CPU slice of the
-        destination (e.g. one row of a padded batch in shared memory) with exactly the tensor's
-        byte size.
+        ``out`` is a contiguous CPU tensor with exactly the tensor's byte size (e.g. a RAM-tier
+        entry in its own mapping).
 
         Raises:
             StoreCorrupt: no such tensor, a short read, or (with ``verify``) a checksum mismatch.
@@ -155,58 +159,65 @@ class ShardReader:
                 f"read_into needs a contiguous CPU tensor of {nbytes} bytes for {name}, got "
                 f"{tuple(out.shape)} {out.dtype} on {out.device}"
             )
-        self.read_job(name, out.view(-1).view(torch.uint8).numpy(), verify=verify)()
+        dest = out.view(-1).view(torch.uint8).numpy()
+        self.read_span(info.begin, dest, self._check(name, info) if verify else None)
 
-    def read_job(self, name: str, dest: Any, *, verify: bool = True) -> Callable[[], None]:
-        """:meth:`read_into` as a job to run later, on any thread, with the least Python.
+    def span(self, name: str, dest: Any, *, verify: bool = True, tail: Any = None) -> Span:
+        """Tensor ``name``'s :class:`Span` into ``dest``, to read with :func:`read_spans`.
 
-        ``dest`` is the destination as a contiguous ``uint8`` numpy array of exactly the
-        tensor's byte size (a slice of a batch's bytes). Everything that builds the checksum's
-        descriptor happens here; the job itself is a ``pread`` and (format 2) a CRC-32C, both
-        outside the GIL, so a batch's rows read on several threads do not queue for it (see
-        ``featbake.serve.row_pool``).
+        ``dest`` is a contiguous ``uint8`` numpy array of exactly the tensor's byte size (a
+        slice of a batch's bytes); ``tail``, the padding after it in a batch row, is zeroed.
+        Everything that builds the checksum's descriptor happens here, on the caller's thread;
+        the read itself is a ``pread`` and a CRC, both outside the GIL, so a batch's rows read
+        on several threads do not queue for it (see ``featbake.serve.row_pool``).
 
         Raises:
-            StoreCorrupt: no such tensor (the job raises short reads and checksum mismatches).
+            StoreCorrupt: no such tensor (the read raises short reads and checksum mismatches).
             ConfigError: ``dest`` is not of the tensor's byte size.
         """
         info = self._info(name)
         if dest.nbytes != info.end - info.begin:
             raise ConfigError(
-                f"read_job needs {info.end - info.begin} bytes for {name}, got {dest.nbytes}"
+                f"a read of {name} needs {info.end - info.begin} bytes, got {dest.nbytes}"
             )
-        if not verify:
-            return functools.partial(self._pread, name, info.begin, dest)
+        return Span(self, info.begin, dest, tail, self._check(name, info) if verify else None)
+
+    def _check(self, name: str, info: TensorInfo) -> SpanCheck:
+        """How ``name``'s bytes are checked: format 1's CRC-32 of the bytes, or format 2's
+        CRC-32C extending the CRC of the tensor's descriptor (name, dtype, shape)."""
+        want = _hex(info.crc)
         if self.version == "1":
-            return functools.partial(self._read_checked_v1, name, info, dest)
-        head = crc32c(tensor_descriptor(name, info.dtype, info.shape))
-        want = int(info.crc, 16) if info.crc is not None else None
-        return functools.partial(self._read_checked, name, info.begin, dest, head, want)
+            return SpanCheck(name, zlib.crc32, 0, want)
+        return SpanCheck(
+            name, crc32c, crc32c(tensor_descriptor(name, info.dtype, info.shape)), want
+        )
 
-    def _read_checked_v1(self, name: str, info: TensorInfo, dest: Any) -> None:
-        """pread into ``dest`` and check format 1's CRC-32 (zlib)."""
-        self._pread(name, info.begin, dest)
-        if info.crc is None or f"{zlib.crc32(dest) & 0xFFFFFFFF:08x}" != info.crc:
-            raise corrupt_shard(self.path, f"checksum mismatch in tensor {name}")
-        self._verified.add(name)
+    def read_span(self, begin: int, dest: Any, check: SpanCheck | None = None) -> None:
+        """The one ``pread`` (and check) of every read: ``dest.nbytes`` bytes at ``begin``.
 
-    def _read_checked(self, name: str, begin: int, dest: Any, head: int, want: int | None) -> None:
-        """pread into ``dest`` and check format 2's CRC-32C (``head``: the descriptor's)."""
-        self._pread(name, begin, dest)
-        if want is None or crc32c(dest, head) != want:
-            raise corrupt_shard(self.path, f"checksum mismatch in tensor {name}")
-        self._verified.add(name)
+        :func:`read_spans` calls it per span; the dataset's located hit path calls it directly
+        (``check`` None: the item was checked before) so that a hit pays no list or tuple.
 
-    def _pread(self, name: str, begin: int, dest: Any) -> None:
-        """Read ``dest.nbytes`` bytes at ``begin`` into ``dest``, or raise."""
-        if not dest.nbytes:
-            return
-        try:
-            got = os.preadv(self._fd, (dest,), begin)
-        except OSError as e:
-            raise StoreError(f"cannot read shard {self.path}: {e.strerror or e}") from e
-        if got != dest.nbytes:
-            raise self.cut_short(name)
+        Raises:
+            StoreCorrupt: a short read, or the bytes fail ``check``.
+            StoreError: the read fails.
+        """
+        n = dest.nbytes
+        if n:
+            try:
+                got = os.preadv(self._fd, (dest,), begin)
+            except OSError as e:
+                raise StoreError(f"cannot read shard {self.path}: {e.strerror or e}") from e
+            if got != n:
+                raise self.cut_short(check.name if check is not None else self._name_at(begin))
+        if check is not None:
+            if check.want is None or check.digest(dest, check.head) != check.want:
+                raise corrupt_shard(self.path, f"checksum mismatch in tensor {check.name}")
+            self._verified.add(check.name)
+
+    def _name_at(self, begin: int) -> str:
+        """The name of the tensor whose bytes start at ``begin`` (for an error message)."""
+        return next((n for n, info in self.tensors.items() if info.begin == begin), f"@{begin}")
 
     def verify_all(self) -> list[str]:
         """Names of tensors whose bytes fail their checksum (empty when the shard is sound)."""
@@ -227,3 +238,52 @@ class ShardReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class SpanCheck(NamedTuple):
+    """How one tensor's bytes are checked: its name (for errors and the verified set), its
+    format's digest (format 1: CRC-32 of the bytes; 2: CRC-32C extending ``head``, the CRC of
+    the tensor's name, dtype and shape) and the value the header promises (None: it promises
+    none, which fails)."""
+
+    name: str
+    digest: Callable[[Any, int], int]
+    head: int
+    want: int | None
+
+
+class Span(NamedTuple):
+    """One stored tensor's read: its open shard, the file offset of its bytes, where they go
+    (``dest``: exactly its bytes; ``tail``: a batch row's padding after them, zeroed, or None)
+    and its check (None: not checked on this read)."""
+
+    reader: ShardReader
+    begin: int
+    dest: Any
+    tail: Any
+    check: SpanCheck | None
+
+
+def read_spans(spans: Sequence[Span]) -> None:
+    """Read (and check) each span into its buffer, zeroing its padding: the one read path.
+
+    A single tensor is a batch of one; a batch's rows are runs of spans, one run per thread
+    (``featbake.serve.row_pool``). Runs on any thread: it touches only the spans' buffers, the
+    shards' read-only file descriptors and their verified sets.
+
+    Raises:
+        StoreCorrupt: a short read or a checksum mismatch (the spans after it are not read).
+        StoreError: a read fails.
+    """
+    for reader, begin, dest, tail, check in spans:
+        reader.read_span(begin, dest, check)
+        if tail is not None and tail.nbytes:
+            tail.fill(0)
+
+
+def _hex(crc: str | None) -> int | None:
+    """A header's hex checksum as a number; None (a mismatch) when absent or not hex."""
+    try:
+        return int(crc, 16) if crc is not None else None
+    except ValueError:
+        return None
