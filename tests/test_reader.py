@@ -1,5 +1,6 @@
-"""The store's one read path (store/reader.py ``read_spans``) on its own: every read of a stored
-tensor goes through it, so its edge cases are pinned here rather than through each caller."""
+"""The store's one read path (store/reader.py ``read_spans``) and its one vanished-shard rule
+(store/features.py ``relocated``), on their own: every read of a stored tensor goes through
+them, so their edge cases are pinned here rather than through each caller."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from featbake.errors import StoreCorrupt
+from featbake.errors import ShardMissing, StoreCorrupt
+from featbake.store.catalog import Location
+from featbake.store.features import relocated
 from featbake.store.layout import Layout
 from featbake.store.reader import ShardReader, Span, read_spans
 from featbake.store.shard_format import shard_header, shard_metadata
@@ -96,3 +99,29 @@ def test_a_checksum_that_is_not_hex_is_a_mismatch_not_a_crash(tmp_path: Path) ->
         with pytest.raises(StoreCorrupt, match="checksum mismatch in tensor k1"):
             r.read("k1", verify="always")
         assert r.read("k2", verify="always").equal(tensors["k2"])
+
+
+def _loc(shard: str) -> Location:
+    return Location(key="k", part="", shard=shard, dtype="F32", shape=(1,), nbytes=4)
+
+
+def test_relocated_reads_where_the_catalog_now_puts_the_key() -> None:
+    moved = [_loc("new")]
+    got = relocated("k", lambda key: moved, lambda locs: locs[0].shard)
+    assert got == (moved, "new")
+
+
+def test_relocated_is_a_miss_when_the_key_is_gone_or_its_new_shard_too() -> None:
+    def gone(locs: list[Location]) -> str:
+        raise ShardMissing("gone")
+
+    assert relocated("k", lambda key: [], lambda locs: "never read") is None
+    assert relocated("k", lambda key: [_loc("new")], gone) is None
+
+
+def test_relocated_raises_corrupt_bytes() -> None:
+    def corrupt(locs: list[Location]) -> str:
+        raise StoreCorrupt("bad")
+
+    with pytest.raises(StoreCorrupt):
+        relocated("k", lambda key: [_loc("new")], corrupt)

@@ -3,15 +3,16 @@
 Every path reads with the store's one read path (:func:`~featbake.store.reader.read_spans`, a
 single tensor being a batch of one) from this process's open shards
 (:class:`~featbake.store.handles.ShardHandles`, least recently used closed first), and follows
-gc: a shard that vanished is looked up again in the catalog (:meth:`Reads.relocate`), and a
-feature whose shard is gone for good (deleted by hand, lost in a partial copy) becomes a miss,
-which the dataset encodes again when it may.
+gc by the store's one rule (:func:`~featbake.store.features.relocated`): a shard that vanished
+is looked up again in the catalog, and a feature whose shard is gone for good (deleted by hand,
+lost in a partial copy) becomes a miss, which the dataset encodes again when it may.
 
 A ``None`` from a batch path means "take the general path", never "not stored".
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from featbake.serve.process import mapped_empty
 from featbake.serve.row_pool import read_rows
 from featbake.serve.state import Located, ProcessState
 from featbake.store.catalog import Location
+from featbake.store.features import read_locations, relocated
 from featbake.store.layout import Layout
 from featbake.store.reader import ShardReader, Span, read_spans
 from featbake.store.shard_format import ST_TO_DTYPE, tensor_buffer, tensor_name
@@ -103,7 +105,7 @@ class Reads:
             elif parts is not None:
                 value = {p: reader.read(tensor_name(key, p), verify=mode) for p in parts}
             else:
-                value = self.located_value(st, key)
+                value = self.located_value(st, self.locate(st, key))
         except ShardMissing:
             # gc compacted or dropped the shard after the index was built: look it up again.
             st.handles.forget(self.shard_path(sid))
@@ -133,43 +135,35 @@ class Reads:
                 sid, path, reader, info.begin, info.end - info.begin, dtype, info.shape
             )
 
-    def located_value(
-        self, st: ProcessState, key: str, locs: Sequence[Location] | None = None
-    ) -> Any:
-        """A feature read through the catalog's current locations of ``key``.
+    @staticmethod
+    def locate(st: ProcessState, key: str) -> list[Location]:
+        """The catalog's current locations of ``key`` (empty: not stored)."""
+        with st.catalogs.scoped() as catalog:
+            return catalog.locate(key)
+
+    def located_value(self, st: ProcessState, locs: Sequence[Location]) -> Any:
+        """A feature read from catalog locations ``locs``: its tensor, or a dict of parts.
 
         Raises:
             ShardMissing: the catalog has no location, or a shard it names is gone.
         """
-        if locs is None:
-            with st.catalogs.scoped() as catalog:
-                locs = catalog.locate(key)
         if not locs:
-            raise ShardMissing(f"feature {key} is no longer in the store")
-        value = {}
-        for loc in locs:
-            _, reader = self._open(st, self.index.sid(loc.shard))
-            value[loc.part] = reader.read(loc.tensor)
+            raise ShardMissing("the feature is no longer in the store")
+        value = read_locations(locs, lambda shard: self._open(st, self.index.sid(shard))[1])
         return value[""] if list(value) == [""] else value
 
     def relocate(self, st: ProcessState, i: int) -> Any:
-        """Item ``i`` looked up again in the catalog; None when it is not there (a miss).
-
-        A feature whose shard file is gone although the catalog still names it (deleted by
-        hand, or lost in a partial copy of the store) is a miss too: encoded again when the
-        dataset may, never an error on the hit path.
-        """
+        """Item ``i`` looked up again in the catalog (:func:`relocated`); None: a miss."""
         ix = self.index
-        key = ix.key(i)
-        with st.catalogs.scoped() as catalog:
-            locs = catalog.locate(key)
-        try:
-            value = self.located_value(st, key, locs) if locs else None
-        except ShardMissing:
-            value = None
-        if value is None:
+        got = relocated(
+            ix.key(i),
+            functools.partial(self.locate, st),
+            functools.partial(self.located_value, st),
+        )
+        if got is None:
             ix.shard[i] = -1
             return None
+        locs, value = got
         ix.shard[i] = ix.sid(locs[0].shard)
         if ix.parts is None:
             ix.parts = tuple(loc.part for loc in locs)
