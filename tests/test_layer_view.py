@@ -16,14 +16,17 @@ from featbake.serve.dataset import CachedFeatureDataset
 NO_LAYERS = "layer_view needs features stored per layer"
 
 
-@pytest.mark.parametrize("view", [0, [0, 1], "stack"])
+@pytest.mark.parametrize(("view", "ram_cache"), [(0, 0), ([0, 1], 0), ("stack", 0), (0, "8MiB")])
 def test_a_view_of_a_store_without_layers_fails_every_read(
-    audio_dir: Path, encoder_file: Path, store_dir: Path, view: object
+    audio_dir: Path, encoder_file: Path, store_dir: Path, view: object, ram_cache: object
 ) -> None:
     """Issue 22 item 6: the first ``ds[i]`` raised, the second returned ``[T, D]`` (the located
     hit path skipped the view), and batches ignored it (the padded path). Now every read
-    raises, and a dataset whose stored items tell raises in its constructor."""
-    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, layer_view=view)
+    raises, the RAM tier's hits too, and a dataset whose stored items tell raises in its
+    constructor."""
+    ds = CachedFeatureDataset(
+        audio_dir, encoder_file, cache=store_dir, layer_view=view, ram_cache=ram_cache
+    )
     for _ in range(2):  # nothing stored: the misses encode, write back, then hit
         with pytest.raises(ConfigError, match=NO_LAYERS):
             ds[0]

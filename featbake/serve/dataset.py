@@ -350,9 +350,7 @@ class CachedFeatureDataset(Dataset):
                 st.open_readers.move_to_end(loc.path)
                 st.last_path = loc.path
             out = torch.empty(loc.nbytes, dtype=torch.uint8)
-            got = os.preadv(loc.reader.fd, (out.numpy().data,), loc.offset) if loc.nbytes else 0
-            if got != loc.nbytes:
-                raise loc.reader.cut_short(self._index.key(i))
+            loc.reader.read_span(loc.offset, out.numpy())  # the store's one read, checked before
             st.store_reads += 1
             st.touch(i)
             return out.view(loc.dtype).view(loc.shape)
@@ -360,16 +358,9 @@ class CachedFeatureDataset(Dataset):
             value = st.lru.get(i)
             if value is not None:
                 st.touch(i)
-                return value if self._layer_view is None else view_layers(value, self._layer_view)
-        sid = int(self._index.shard[i])
-        value = self._reads.one(st, i, sid) if sid >= 0 else None
-        if value is None:
-            value = self._misses.values(st, [i])[0]
-        else:
-            st.touch(i)
-        if st.use_lru:
-            st.lru.put(i, value)
-        return value if self._layer_view is None else view_layers(value, self._layer_view)
+                return value if self._layer_view is None else self._as_asked(value)
+        value = self._misses.read_one(st, i)
+        return value if self._layer_view is None else self._as_asked(value)
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """Read a batch at once: the DataLoader calls this with each batch's indices.
@@ -391,9 +382,16 @@ class CachedFeatureDataset(Dataset):
             batch = self._reads.padded(st, idx)
             if batch is not None:
                 return batch
-        if self._layer_view is not None:
-            return [view_layers(v, self._layer_view) for v in self._misses.read_each(st, idx)]
-        return self._misses.read_each(st, idx)
+        values = self._misses.read_each(st, idx)
+        return values if self._layer_view is None else [self._as_asked(v) for v in values]
+
+    def _as_asked(self, value: Any) -> Any:
+        """An item as the dataset's options ask (``layer_view``): the one place they apply, to
+        what every path but the located hit paths serves (those run only without options).
+
+        Callers skip the call when no option is set, so an item pays nothing for it."""
+        view = self._layer_view
+        return value if view is None else view_layers(value, view)
 
     def _published(self, shard: SealedShard) -> None:
         """A write-back shard was sealed: point its items at it (this process's state only)."""

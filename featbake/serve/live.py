@@ -226,6 +226,20 @@ class Misses:
             "or use on_miss='encode'"
         )
 
+    def read_one(self, st: ProcessState, i: int) -> Any:
+        """Item ``i`` from the store or (a miss) encoded, kept in the RAM tier: the general path
+        of one item whose RAM tier the caller looked in (:meth:`read_each` without its lists).
+        """
+        sid = int(self.index.shard[i])
+        value = self.reads.one(st, i, sid) if sid >= 0 else None
+        if value is None:
+            value = self.values(st, [i])[0]
+        else:
+            st.touch(i)
+        if st.use_lru:
+            st.lru.put(i, value)
+        return value
+
     def read_each(self, st: ProcessState, idx: list[int]) -> list[Any]:
         """Items ``idx`` read one by one (RAM tier, then store), the misses encoded together.
 
@@ -234,18 +248,11 @@ class Misses:
         out: list[Any] = [None] * len(idx)
         missing: list[int] = []
         for j, i in enumerate(idx):
-            value = st.lru.get(i) if st.use_lru else None
+            value = self.stored(st, i)
             if value is None:
-                sid = int(self.index.shard[i])
-                if sid >= 0:
-                    value = self.reads.one(st, i, sid)
-                if value is None:
-                    missing.append(j)
-                    continue
-                if st.use_lru:
-                    st.lru.put(i, value)
-            st.touch(i)
-            out[j] = value
+                missing.append(j)
+            else:
+                out[j] = value
         if missing:
             miss_idx = [idx[j] for j in missing]
             for j, i, value in zip(missing, miss_idx, self.values(st, miss_idx), strict=True):
@@ -253,6 +260,20 @@ class Misses:
                 if st.use_lru:
                     st.lru.put(i, value)
         return out
+
+    def stored(self, st: ProcessState, i: int) -> Any:
+        """Item ``i`` from the RAM tier or the store (kept in the RAM tier), marked used; None
+        when neither holds it."""
+        value = st.lru.get(i) if st.use_lru else None
+        if value is None:
+            sid = int(self.index.shard[i])
+            value = self.reads.one(st, i, sid) if sid >= 0 else None
+            if value is None:
+                return None
+            if st.use_lru:
+                st.lru.put(i, value)
+        st.touch(i)
+        return value
 
     def values(self, st: ProcessState, idx: list[int]) -> list[Any]:
         """The values of items ``idx``, none of which was found where the index said.

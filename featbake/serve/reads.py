@@ -1,9 +1,11 @@
-"""The read paths of a dataset: one item, a batch in place, and the located hit paths.
+"""How a dataset finds its items' bytes: one item, a batch in place, the located hit paths.
 
-Every path reads this process's open shards (:class:`~featbake.store.handles.ShardHandles`,
-least recently used closed first) and follows gc: a shard that vanished is looked up again in
-the catalog (:meth:`Reads.relocate`), and a feature whose shard is gone for good (deleted by
-hand, lost in a partial copy) becomes a miss, which the dataset encodes again when it may.
+Every path reads with the store's one read path (:func:`~featbake.store.reader.read_spans`, a
+single tensor being a batch of one) from this process's open shards
+(:class:`~featbake.store.handles.ShardHandles`, least recently used closed first), and follows
+gc by the store's one rule (:func:`~featbake.store.features.relocated`): a shard that vanished
+is looked up again in the catalog, and a feature whose shard is gone for good (deleted by hand,
+lost in a partial copy) becomes a miss, which the dataset encodes again when it may.
 
 A ``None`` from a batch path means "take the general path", never "not stored".
 """
@@ -11,7 +13,6 @@ A ``None`` from a batch path means "take the general path", never "not stored".
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,11 +25,12 @@ from featbake.errors import ShardMissing
 from featbake.serve.collate import PaddedBatch, alloc_batch
 from featbake.serve.index import Index
 from featbake.serve.process import mapped_empty
-from featbake.serve.row_pool import RowJob, RowRun, run_rows
+from featbake.serve.row_pool import read_rows
 from featbake.serve.state import Located, ProcessState
 from featbake.store.catalog import Location
+from featbake.store.features import read_locations, relocated
 from featbake.store.layout import Layout
-from featbake.store.reader import ShardReader
+from featbake.store.reader import ShardReader, Span, read_spans
 from featbake.store.shard_format import ST_TO_DTYPE, tensor_buffer, tensor_name
 
 __all__ = ["Reads"]
@@ -103,7 +105,7 @@ class Reads:
             elif parts is not None:
                 value = {p: reader.read(tensor_name(key, p), verify=mode) for p in parts}
             else:
-                value = self.located_value(st, key)
+                value = self.located_value(st, self.locate(st, key))
         except ShardMissing:
             # gc compacted or dropped the shard after the index was built: look it up again.
             st.handles.forget(self.shard_path(sid))
@@ -133,43 +135,35 @@ class Reads:
                 sid, path, reader, info.begin, info.end - info.begin, dtype, info.shape
             )
 
-    def located_value(
-        self, st: ProcessState, key: str, locs: Sequence[Location] | None = None
-    ) -> Any:
-        """A feature read through the catalog's current locations of ``key``.
+    @staticmethod
+    def locate(st: ProcessState, key: str) -> list[Location]:
+        """The catalog's current locations of ``key`` (empty: not stored)."""
+        with st.catalogs.scoped() as catalog:
+            return catalog.locate(key)
+
+    def located_value(self, st: ProcessState, locs: Sequence[Location]) -> Any:
+        """A feature read from catalog locations ``locs``: its tensor, or a dict of parts.
 
         Raises:
             ShardMissing: the catalog has no location, or a shard it names is gone.
         """
-        if locs is None:
-            with st.catalogs.scoped() as catalog:
-                locs = catalog.locate(key)
         if not locs:
-            raise ShardMissing(f"feature {key} is no longer in the store")
-        value = {}
-        for loc in locs:
-            _, reader = self._open(st, self.index.sid(loc.shard))
-            value[loc.part] = reader.read(loc.tensor)
+            raise ShardMissing("the feature is no longer in the store")
+        value = read_locations(locs, lambda shard: self._open(st, self.index.sid(shard))[1])
         return value[""] if list(value) == [""] else value
 
     def relocate(self, st: ProcessState, i: int) -> Any:
-        """Item ``i`` looked up again in the catalog; None when it is not there (a miss).
-
-        A feature whose shard file is gone although the catalog still names it (deleted by
-        hand, or lost in a partial copy of the store) is a miss too: encoded again when the
-        dataset may, never an error on the hit path.
-        """
+        """Item ``i`` looked up again in the catalog (:func:`relocated`); None: a miss."""
         ix = self.index
-        key = ix.key(i)
-        with st.catalogs.scoped() as catalog:
-            locs = catalog.locate(key)
-        try:
-            value = self.located_value(st, key, locs) if locs else None
-        except ShardMissing:
-            value = None
-        if value is None:
+        got = relocated(
+            ix.key(i),
+            functools.partial(self.locate, st),
+            functools.partial(self.located_value, st),
+        )
+        if got is None:
             ix.shard[i] = -1
             return None
+        locs, value = got
         ix.shard[i] = ix.sid(locs[0].shard)
         if ix.parts is None:
             ix.parts = tuple(loc.part for loc in locs)
@@ -211,15 +205,17 @@ class Reads:
         row_bytes = padded[0].nbytes
         touch = st.touch
         last = st.last_path
-        jobs = []
+        spans = []
         for j, (i, loc) in enumerate(zip(idx, got, strict=True)):
             if loc.path is not last:  # keep the handles' LRU order
                 readers.move_to_end(loc.path)
                 last = st.last_path = loc.path
-            row = flat[j * row_bytes : (j + 1) * row_bytes]
-            jobs.append(functools.partial(_pread_row, row, loc, self.index.key(i)))
+            start, end = j * row_bytes, j * row_bytes + loc.nbytes
+            spans.append(
+                Span(loc.reader, loc.offset, flat[start:end], flat[end : start + row_bytes], None)
+            )
             touch(i)
-        run_rows(jobs, padded.nbytes)
+        read_rows(spans, padded.nbytes)
         st.store_reads += len(idx)
         return PaddedBatch.of(padded, lengths)
 
@@ -297,7 +293,7 @@ class Reads:
             dest, tail = flat[start:end], flat[end : start + row_bytes]
             read.append(_RowRead(i, src.sid, path, reader, j, dest, tail, check))
         if all(st.open_readers.get(r.path) is r.reader for r in read):
-            self._run(read, padded.nbytes)
+            read_rows(read, padded.nbytes, self._span)
         elif not self._read_each(st, read):
             return None
         for r in read:
@@ -312,20 +308,8 @@ class Reads:
             st.touch(i)
         return PaddedBatch.of(padded, lengths)
 
-    def _run(self, read: list[_RowRead], nbytes: int) -> None:
-        """Read the rows, each run's jobs made just before it is handed to the pool."""
-        run = RowRun(nbytes)
-        parts = run.split(len(read))
-        for k, part in enumerate(parts):
-            jobs = [self._job(r) for r in read[part]]
-            if k < len(parts) - 1:
-                run.submit(jobs)
-            else:
-                run.run_here(jobs)
-
-    def _job(self, r: _RowRead) -> RowJob:
-        job = r.reader.read_job(self.index.key(r.i), r.dest, verify=r.check)
-        return functools.partial(_then_zero, job, r.tail)
+    def _span(self, r: _RowRead) -> Span:
+        return r.reader.span(self.index.key(r.i), r.dest, verify=r.check, tail=r.tail)
 
     def _read_each(self, st: ProcessState, read: list[_RowRead]) -> bool:
         """Read the rows one by one, each shard opened just before its read (False: one moved).
@@ -339,7 +323,7 @@ class Reads:
             except ShardMissing:
                 return False
             read[j] = r = r._replace(path=path, reader=reader)
-            self._job(r)()
+            read_spans((self._span(r),))
         return True
 
 
@@ -355,18 +339,3 @@ class _RowRead(NamedTuple):
     dest: np.ndarray
     tail: np.ndarray
     check: bool
-
-
-def _then_zero(job: RowJob, tail: np.ndarray) -> None:
-    """Run a row's read, then zero the padding after it."""
-    job()
-    if tail.nbytes:
-        tail.fill(0)
-
-
-def _pread_row(row: np.ndarray, loc: Located, key: str) -> None:
-    """Read a located tensor into the start of ``row`` (bytes) and zero the padding after it."""
-    if loc.nbytes and os.preadv(loc.reader.fd, (row[: loc.nbytes].data,), loc.offset) != loc.nbytes:
-        raise loc.reader.cut_short(key)
-    if loc.nbytes < row.nbytes:
-        row[loc.nbytes :] = 0

@@ -11,13 +11,16 @@ No pool inside a DataLoader worker: there, ``num_workers`` processes already sha
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 from torch.utils.data import get_worker_info
 
 from featbake.device import process_cpus
 from featbake.perprocess import PerProcess
+from featbake.store.reader import Span, read_spans
 
 #: Below this many bytes a batch is read on the caller's thread: a hand-off costs ~20 us.
 MIN_PARALLEL_BYTES = 4 << 20
@@ -59,6 +62,28 @@ def run_rows(jobs: Sequence[RowJob], nbytes: int, threads: int | None = None) ->
     for part in parts[:-1]:
         run.submit(jobs[part])
     run.run_here(jobs[parts[-1]] if parts else [])
+
+
+def read_rows(
+    rows: Sequence[Any], nbytes: int, span_of: Callable[[Any], Span] | None = None
+) -> None:
+    """Read a batch's rows with :func:`~featbake.store.reader.read_spans`, a run per thread.
+
+    ``rows`` are spans, or made into spans by ``span_of``, on this thread, just before their
+    run is handed to the pool: making the last run's spans (Python, under the GIL: checksum
+    descriptors) then overlaps the pool reading the first ones. Errors are raised as by
+    :func:`run_rows`, after every run has finished.
+    """
+    run = RowRun(nbytes)
+    parts = run.split(len(rows))
+    for k, part in enumerate(parts):
+        chunk = rows[part]
+        spans = chunk if span_of is None else [span_of(r) for r in chunk]
+        job = functools.partial(read_spans, spans)
+        if k < len(parts) - 1:
+            run.submit([job])
+        else:
+            run.run_here([job])
 
 
 class RowRun:

@@ -1,8 +1,14 @@
-"""FeatureReader: key -> tensors through the catalog, re-resolving once when gc moved a shard."""
+"""Reading features by key through the catalog, and the one rule for a shard that vanished.
+
+:func:`relocated` is that rule for every reader of stored features (the dataset,
+``CachedEncoder`` and export): gc may have moved a feature since it was looked up, so it is
+looked up once more; gone for good is a miss, never an error on a read path.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -10,7 +16,46 @@ from featbake.errors import ShardMissing
 from featbake.store.catalog import Catalog, Location
 from featbake.store.handles import ShardHandles
 from featbake.store.layout import Layout
-from featbake.store.reader import VerifyMode
+from featbake.store.reader import ShardReader, VerifyMode
+
+V = TypeVar("V")
+
+
+def read_locations(
+    locations: Sequence[Location], open_shard: Callable[[str], ShardReader]
+) -> dict[str, torch.Tensor]:
+    """Each located part, read (and checked as its reader's mode says) by output part.
+
+    ``open_shard`` gives the open reader of a shard named by content.
+
+    Raises:
+        ShardMissing: a shard the locations name is gone.
+        StoreCorrupt: the bytes fail their checksum (never silent garbage).
+    """
+    return {loc.part: open_shard(loc.shard).read(loc.tensor) for loc in locations}
+
+
+def relocated(
+    key: str,
+    locate: Callable[[str], list[Location]],
+    read: Callable[[list[Location]], V],
+) -> tuple[list[Location], V] | None:
+    """``key`` looked up again and read where the store now puts it; None: a miss.
+
+    The one "a shard vanished" rule of every read, called once a read found its shard gone
+    (after dropping its handle): gc may have moved the feature (compaction commits the new
+    location before it deletes the old file), so it is looked up once more with ``locate``
+    and read with ``read``. A feature gc dropped, or whose shard is gone although the catalog
+    still names it (deleted by hand, a partial copy of the store), is a miss, never an error
+    on a read path. Corrupt bytes still raise :class:`StoreCorrupt`.
+    """
+    fresh = locate(key)
+    if not fresh:
+        return None
+    try:
+        return fresh, read(fresh)
+    except ShardMissing:
+        return None
 
 
 class FeatureReader:
@@ -47,12 +92,11 @@ class FeatureReader:
         return out
 
     def get_located(self, key: str, locations: list[Location]) -> dict[str, torch.Tensor] | None:
-        """Read ``key`` from looked-up ``locations``; None when the store no longer has it.
+        """Read ``key`` from looked-up ``locations``; None when the store no longer has it
+        (a shard that vanished is followed by :func:`relocated`).
 
-        The one "a shard vanished" rule of every catalog-located read: gc may have moved the
-        feature (compaction), so it is looked up once more; a feature gc dropped, or whose shard
-        is gone although the catalog still names it (deleted by hand, a partial copy), is a
-        miss, never an error on a read path. Corrupt bytes still raise :class:`StoreCorrupt`.
+        Raises:
+            StoreCorrupt: the bytes fail their checksum.
         """
         if not locations:
             return None
@@ -61,17 +105,14 @@ class FeatureReader:
         except ShardMissing:
             for loc in locations:
                 self.handles.forget(self.layout.shard_path(loc.shard))
-        try:
-            fresh = self.catalog.locate(key)
-            return self._read(fresh) if fresh else None
-        except ShardMissing:
-            return None
+        got = relocated(key, self.catalog.locate, self._read)
+        return got[1] if got is not None else None
 
-    def _read(self, locations: list[Location]) -> dict[str, torch.Tensor]:
-        return {
-            loc.part: self.handles.get(self.layout.shard_path(loc.shard)).read(loc.tensor)
-            for loc in locations
-        }
+    def _read(self, locations: Sequence[Location]) -> dict[str, torch.Tensor]:
+        return read_locations(locations, self._open)
+
+    def _open(self, shard: str) -> ShardReader:
+        return self.handles.get(self.layout.shard_path(shard))
 
     def close(self) -> None:
         self.handles.close()

@@ -1,39 +1,34 @@
-"""Reading one sealed shard: header parsed and checked once, pread into owned memory, checksums.
+"""Reading sealed shards: the header parsed and checked once, then one read path for every tensor.
 
-Only regular files are shards: a FIFO, a directory or a device at a shard's path is refused
-before anything is read from it (opening a FIFO for reading would block until a writer came).
-Every header field is checked against the file before a tensor is handed out, so a hostile or
-damaged header gives :class:`StoreCorrupt`, never another exception, a crash or a hang.
+Every read, of one tensor or of a batch's rows, is a list of :class:`Span` (an open shard, a
+file offset, the buffer the bytes go to, and the checksum to check or None) that
+:func:`read_spans` reads with ``pread`` into caller-owned memory, never mmap, and checks with
+the shard format's CRC; both release the GIL. The file and its header are checked by
+:mod:`featbake.store.shard_header` before anything is read.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import functools
-import json
 import os
-import stat
 import struct
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from featbake.errors import ConfigError, ShardMissing, StoreCorrupt, StoreError
+from featbake.errors import ConfigError, StoreCorrupt, StoreError
 from featbake.store.shard_format import (
-    FORMAT_NAME,
     MAX_HEADER_BYTES,
-    READABLE_VERSIONS,
-    ST_ITEMSIZE,
     ST_TO_DTYPE,
     TensorInfo,
     crc32c,
     tensor_descriptor,
 )
+from featbake.store.shard_header import corrupt_shard, open_regular, parse_header
 
 
 class VerifyMode(StrEnum):
@@ -55,134 +50,6 @@ class VerifyMode(StrEnum):
 
 
 _MODES = frozenset(VerifyMode)
-
-
-def corrupt_shard(path: Path, why: str) -> StoreCorrupt:
-    return StoreCorrupt(
-        f"shard {path} is damaged ({why}); run `featbake verify --repair` to quarantine it, "
-        "then `featbake build` to recompute what it held"
-    )
-
-
-def open_regular(path: Path) -> int:
-    """A read-only fd of ``path``, refusing anything but a regular file without blocking.
-
-    ``O_NONBLOCK`` makes opening a FIFO return at once instead of waiting for a writer; it is
-    cleared again once ``fstat`` shows a regular file (where it has no effect anyway).
-
-    Raises:
-        ShardMissing: nothing is there.
-        StoreCorrupt: something that is not a regular file is there.
-        StoreError: it cannot be opened (permissions, a symlink loop, ...).
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError as e:
-        raise ShardMissing(
-            f"shard {path} is gone (removed by gc or by hand); "
-            "run `featbake verify --repair` if this persists"
-        ) from e
-    except OSError as e:
-        raise StoreError(f"cannot open shard {path}: {e.strerror or e}") from e
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise corrupt_shard(path, f"not a regular file but a {_file_kind(mode)}")
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _file_kind(mode: int) -> str:
-    kinds = {
-        stat.S_ISDIR: "directory",
-        stat.S_ISFIFO: "FIFO",
-        stat.S_ISCHR: "character device",
-        stat.S_ISBLK: "block device",
-        stat.S_ISSOCK: "socket",
-    }
-    return next((kind for test, kind in kinds.items() if test(mode)), "special file")
-
-
-def parse_header(
-    path: Path, raw: bytes, base: int, size: int
-) -> tuple[dict[str, str], dict[str, TensorInfo]]:
-    """The metadata and tensor table of a shard whose JSON header is ``raw``.
-
-    ``base`` is the file offset where data starts and ``size`` the file's size: every tensor's
-    byte range must lie inside the data, and its dtype and shape must fill that range exactly.
-
-    Raises:
-        StoreCorrupt: anything about the header is not what featbake writes.
-        StoreError: a featbake shard of a format version newer than this featbake reads.
-    """
-    try:
-        header = json.loads(raw)
-    except (ValueError, RecursionError) as e:  # RecursionError: absurdly nested JSON
-        raise corrupt_shard(path, f"unreadable header: {str(e)[:200]}") from None
-    if not isinstance(header, dict):
-        raise corrupt_shard(path, "the header is not a JSON object")
-    meta = header.pop("__metadata__", None)
-    if (
-        not isinstance(meta, dict)
-        or not all(isinstance(v, str) for v in meta.values())
-        or meta.get("format") != FORMAT_NAME
-    ):
-        raise corrupt_shard(path, "not a featbake shard (no featbake metadata)")
-    version = meta.get("format_version")
-    if version not in READABLE_VERSIONS:
-        raise StoreError(
-            f"shard {path} has format_version {version!r}, which this featbake cannot read "
-            f"(it reads {', '.join(READABLE_VERSIONS)}); upgrade featbake"
-        )
-    sums = _checksums(path, meta.get("checksums", "{}"))
-    infos = {
-        name: tensor_info(path, name, entry, base, size, sums.get(name))
-        for name, entry in header.items()
-    }
-    return meta, infos
-
-
-def _checksums(path: Path, text: str) -> dict[str, str]:
-    try:
-        sums = json.loads(text)
-    except (ValueError, RecursionError):
-        raise corrupt_shard(path, "unreadable checksums in the metadata") from None
-    if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
-        raise corrupt_shard(path, "unreadable checksums in the metadata")
-    return sums
-
-
-def tensor_info(
-    path: Path, name: str, entry: Any, base: int, size: int, crc: str | None
-) -> TensorInfo:
-    """One header entry, checked: a known dtype, a shape that fills its byte range in the file.
-
-    Written for speed as well as safety: a shard of 8,192 tensors is parsed in a few ms.
-    """
-    try:
-        dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-    except (TypeError, KeyError, IndexError, ValueError):
-        raise corrupt_shard(path, f"tensor {name!r} has no dtype, shape and offsets") from None
-    itemsize = ST_ITEMSIZE.get(dtype) if type(dtype) is str else None
-    if itemsize is None:
-        raise corrupt_shard(path, f"tensor {name!r} has unknown dtype {str(dtype)[:40]}")
-    if type(begin) is not int or type(end) is not int or not 0 <= begin <= end:
-        raise corrupt_shard(path, f"tensor {name!r} has invalid data offsets")
-    nbytes = itemsize
-    if type(shape) is not list:
-        raise corrupt_shard(path, f"tensor {name!r} has an invalid shape")
-    for dim in shape:  # JSON's true and false are not sizes: type(), not isinstance()
-        if type(dim) is not int or dim < 0:
-            raise corrupt_shard(path, f"tensor {name!r} has an invalid shape")
-        nbytes *= dim
-    if base + end > size:
-        raise corrupt_shard(path, f"truncated: {size} bytes, header promises more")
-    if nbytes != end - begin:
-        raise corrupt_shard(path, f"tensor {name!r}: shape {shape} does not fit its byte range")
-    return TensorInfo(dtype, tuple(shape), base + begin, base + end, crc)
 
 
 class ShardReader:
@@ -235,7 +102,7 @@ class ShardReader:
 
     @property
     def fd(self) -> int:
-        """The open file descriptor (for callers that pread located tensors themselves)."""
+        """The open file descriptor (reads go through :meth:`read_span`; this is for inspection)."""
         return self._fd
 
     def cut_short(self, name: str) -> StoreCorrupt:
@@ -247,6 +114,9 @@ class ShardReader:
 
     def read(self, name: str, *, verify: VerifyMode | str | None = None) -> torch.Tensor:
         """The tensor ``name`` as a fresh CPU tensor (a copy; the file stays closed to writes).
+
+        A batch of one: :meth:`read_span`, the step :func:`read_spans` takes per span, into a
+        fresh buffer (called directly, so that one tensor pays no span list).
 
         Raises:
             StoreCorrupt: the shard holds no such tensor, or its bytes fail their checksum.
@@ -260,7 +130,7 @@ class ShardReader:
             mode == VerifyMode.FIRST and name not in self._verified
         )
         buf = torch.empty(info.end - info.begin, dtype=torch.uint8)
-        self.read_job(name, buf.numpy(), verify=check)()  # the one read-and-check path
+        self.read_span(info.begin, buf.numpy(), self._check(name, info) if check else None)
         return buf.view(ST_TO_DTYPE[info.dtype]).view(info.shape)
 
     def _info(self, name: str) -> TensorInfo:
@@ -275,9 +145,8 @@ class ShardReader:
     def read_into(self, name: str, out: torch.Tensor, *, verify: bool = True) -> None:
         """Read tensor ``name``'s bytes straight into ``out`` (no intermediate buffer).
 
-        This is how a batch is assembled in place: ``out`` is a contiguous CPU slice of the
-        destination (e.g. one row of a padded batch in shared memory) with exactly the tensor's
-        byte size.
+        ``out`` is a contiguous CPU tensor with exactly the tensor's byte size (e.g. a RAM-tier
+        entry in its own mapping).
 
         Raises:
             StoreCorrupt: no such tensor, a short read, or (with ``verify``) a checksum mismatch.
@@ -290,58 +159,65 @@ class ShardReader:
                 f"read_into needs a contiguous CPU tensor of {nbytes} bytes for {name}, got "
                 f"{tuple(out.shape)} {out.dtype} on {out.device}"
             )
-        self.read_job(name, out.view(-1).view(torch.uint8).numpy(), verify=verify)()
+        dest = out.view(-1).view(torch.uint8).numpy()
+        self.read_span(info.begin, dest, self._check(name, info) if verify else None)
 
-    def read_job(self, name: str, dest: Any, *, verify: bool = True) -> Callable[[], None]:
-        """:meth:`read_into` as a job to run later, on any thread, with the least Python.
+    def span(self, name: str, dest: Any, *, verify: bool = True, tail: Any = None) -> Span:
+        """Tensor ``name``'s :class:`Span` into ``dest``, to read with :func:`read_spans`.
 
-        ``dest`` is the destination as a contiguous ``uint8`` numpy array of exactly the
-        tensor's byte size (a slice of a batch's bytes). Everything that builds the checksum's
-        descriptor happens here; the job itself is a ``pread`` and (format 2) a CRC-32C, both
-        outside the GIL, so a batch's rows read on several threads do not queue for it (see
-        ``featbake.serve.row_pool``).
+        ``dest`` is a contiguous ``uint8`` numpy array of exactly the tensor's byte size (a
+        slice of a batch's bytes); ``tail``, the padding after it in a batch row, is zeroed.
+        Everything that builds the checksum's descriptor happens here, on the caller's thread;
+        the read itself is a ``pread`` and a CRC, both outside the GIL, so a batch's rows read
+        on several threads do not queue for it (see ``featbake.serve.row_pool``).
 
         Raises:
-            StoreCorrupt: no such tensor (the job raises short reads and checksum mismatches).
+            StoreCorrupt: no such tensor (the read raises short reads and checksum mismatches).
             ConfigError: ``dest`` is not of the tensor's byte size.
         """
         info = self._info(name)
         if dest.nbytes != info.end - info.begin:
             raise ConfigError(
-                f"read_job needs {info.end - info.begin} bytes for {name}, got {dest.nbytes}"
+                f"a read of {name} needs {info.end - info.begin} bytes, got {dest.nbytes}"
             )
-        if not verify:
-            return functools.partial(self._pread, name, info.begin, dest)
+        return Span(self, info.begin, dest, tail, self._check(name, info) if verify else None)
+
+    def _check(self, name: str, info: TensorInfo) -> SpanCheck:
+        """How ``name``'s bytes are checked: format 1's CRC-32 of the bytes, or format 2's
+        CRC-32C extending the CRC of the tensor's descriptor (name, dtype, shape)."""
+        want = _hex(info.crc)
         if self.version == "1":
-            return functools.partial(self._read_checked_v1, name, info, dest)
-        head = crc32c(tensor_descriptor(name, info.dtype, info.shape))
-        want = int(info.crc, 16) if info.crc is not None else None
-        return functools.partial(self._read_checked, name, info.begin, dest, head, want)
+            return SpanCheck(name, zlib.crc32, 0, want)
+        return SpanCheck(
+            name, crc32c, crc32c(tensor_descriptor(name, info.dtype, info.shape)), want
+        )
 
-    def _read_checked_v1(self, name: str, info: TensorInfo, dest: Any) -> None:
-        """pread into ``dest`` and check format 1's CRC-32 (zlib)."""
-        self._pread(name, info.begin, dest)
-        if info.crc is None or f"{zlib.crc32(dest) & 0xFFFFFFFF:08x}" != info.crc:
-            raise corrupt_shard(self.path, f"checksum mismatch in tensor {name}")
-        self._verified.add(name)
+    def read_span(self, begin: int, dest: Any, check: SpanCheck | None = None) -> None:
+        """The one ``pread`` (and check) of every read: ``dest.nbytes`` bytes at ``begin``.
 
-    def _read_checked(self, name: str, begin: int, dest: Any, head: int, want: int | None) -> None:
-        """pread into ``dest`` and check format 2's CRC-32C (``head``: the descriptor's)."""
-        self._pread(name, begin, dest)
-        if want is None or crc32c(dest, head) != want:
-            raise corrupt_shard(self.path, f"checksum mismatch in tensor {name}")
-        self._verified.add(name)
+        :func:`read_spans` calls it per span; the dataset's located hit path calls it directly
+        (``check`` None: the item was checked before) so that a hit pays no list or tuple.
 
-    def _pread(self, name: str, begin: int, dest: Any) -> None:
-        """Read ``dest.nbytes`` bytes at ``begin`` into ``dest``, or raise."""
-        if not dest.nbytes:
-            return
-        try:
-            got = os.preadv(self._fd, (dest,), begin)
-        except OSError as e:
-            raise StoreError(f"cannot read shard {self.path}: {e.strerror or e}") from e
-        if got != dest.nbytes:
-            raise self.cut_short(name)
+        Raises:
+            StoreCorrupt: a short read, or the bytes fail ``check``.
+            StoreError: the read fails.
+        """
+        n = dest.nbytes
+        if n:
+            try:
+                got = os.preadv(self._fd, (dest,), begin)
+            except OSError as e:
+                raise StoreError(f"cannot read shard {self.path}: {e.strerror or e}") from e
+            if got != n:
+                raise self.cut_short(check.name if check is not None else self._name_at(begin))
+        if check is not None:
+            if check.want is None or check.digest(dest, check.head) != check.want:
+                raise corrupt_shard(self.path, f"checksum mismatch in tensor {check.name}")
+            self._verified.add(check.name)
+
+    def _name_at(self, begin: int) -> str:
+        """The name of the tensor whose bytes start at ``begin`` (for an error message)."""
+        return next((n for n, info in self.tensors.items() if info.begin == begin), f"@{begin}")
 
     def verify_all(self) -> list[str]:
         """Names of tensors whose bytes fail their checksum (empty when the shard is sound)."""
@@ -362,3 +238,52 @@ class ShardReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class SpanCheck(NamedTuple):
+    """How one tensor's bytes are checked: its name (for errors and the verified set), its
+    format's digest (format 1: CRC-32 of the bytes; 2: CRC-32C extending ``head``, the CRC of
+    the tensor's name, dtype and shape) and the value the header promises (None: it promises
+    none, which fails)."""
+
+    name: str
+    digest: Callable[[Any, int], int]
+    head: int
+    want: int | None
+
+
+class Span(NamedTuple):
+    """One stored tensor's read: its open shard, the file offset of its bytes, where they go
+    (``dest``: exactly its bytes; ``tail``: a batch row's padding after them, zeroed, or None)
+    and its check (None: not checked on this read)."""
+
+    reader: ShardReader
+    begin: int
+    dest: Any
+    tail: Any
+    check: SpanCheck | None
+
+
+def read_spans(spans: Sequence[Span]) -> None:
+    """Read (and check) each span into its buffer, zeroing its padding: the one read path.
+
+    A single tensor is a batch of one; a batch's rows are runs of spans, one run per thread
+    (``featbake.serve.row_pool``). Runs on any thread: it touches only the spans' buffers, the
+    shards' read-only file descriptors and their verified sets.
+
+    Raises:
+        StoreCorrupt: a short read or a checksum mismatch (the spans after it are not read).
+        StoreError: a read fails.
+    """
+    for reader, begin, dest, tail, check in spans:
+        reader.read_span(begin, dest, check)
+        if tail is not None and tail.nbytes:
+            tail.fill(0)
+
+
+def _hex(crc: str | None) -> int | None:
+    """A header's hex checksum as a number; None (a mismatch) when absent or not hex."""
+    try:
+        return int(crc, 16) if crc is not None else None
+    except ValueError:
+        return None
