@@ -80,6 +80,24 @@ class ExportReport:
         return asdict(self)
 
 
+#: Dimension names (zarr v3 ``dimension_names``, which xarray.open_zarr needs): one per item
+#: (keys, paths, lengths, dense values), one per item boundary (ragged offsets), one per
+#: frame of the concatenated ragged values, and the trailing axes ("feature" the last).
+ITEM, ITEM_EDGE, FRAME, FEATURE = "item", "item_edge", "frame", "feature"
+
+
+def value_dims(ragged: bool, trailing: int) -> tuple[str, ...]:
+    """Dimension names of a part's ``values``: (item|frame, [axis1, ...], feature).
+
+    Example:
+        >>> value_dims(True, 1), value_dims(False, 2), value_dims(False, 0)
+        (('frame', 'feature'), ('item', 'axis1', 'feature'), ('item',))
+    """
+    lead = FRAME if ragged else ITEM
+    middle = tuple(f"axis{i}" for i in range(1, trailing))
+    return (lead, *middle, FEATURE) if trailing else (lead,)
+
+
 def plan_layout(part: str, dtype: str, shapes: Sequence[tuple[int, ...]]) -> PartLayout:
     """Decide ragged vs dense for one part from its items' shapes (pure).
 
@@ -283,12 +301,11 @@ def _open_partial(
         }
     )
     str_chunk = min(n, 65536)
-    group.create_array("keys", shape=(n,), chunks=(str_chunk,), dtype=str)[:] = np.array(
-        [k for _, k in src.present]
-    )
-    group.create_array("paths", shape=(n,), chunks=(str_chunk,), dtype=str)[:] = np.array(
-        [p for p, _ in src.present]
-    )
+    for name, values in (("keys", [k for _, k in src.present]),
+                         ("paths", [p for p, _ in src.present])):  # fmt: skip
+        group.create_array(
+            name, shape=(n,), chunks=(str_chunk,), dtype=str, dimension_names=(ITEM,)
+        )[:] = np.array(values)
     return {
         part: _PartWriter(group if part == "" else group.create_group(part), lay, n)
         for part, lay in layouts.items()
@@ -337,19 +354,22 @@ class _PartWriter:
             offsets = np.concatenate([[0], np.cumsum(lay.lengths, dtype=np.int64)])
             rows = int(offsets[-1])
             group.create_array(
-                "offsets", shape=(n + 1,), chunks=(min(n + 1, 1 << 20),), dtype="int64"
-            )[:] = offsets
-            group.create_array("lengths", shape=(n,), chunks=(min(n, 1 << 20),), dtype="int64")[
-                :
-            ] = np.array(lay.lengths, dtype=np.int64)
+                "offsets", shape=(n + 1,), chunks=(min(n + 1, 1 << 20),), dtype="int64",
+                dimension_names=(ITEM_EDGE,),
+            )[:] = offsets  # fmt: skip
+            group.create_array(
+                "lengths", shape=(n,), chunks=(min(n, 1 << 20),), dtype="int64",
+                dimension_names=(ITEM,),
+            )[:] = np.array(lay.lengths, dtype=np.int64)  # fmt: skip
             shape = (rows, *lay.trailing)
         else:
             rows = n
             shape = (n, *lay.trailing)
         self.chunk_rows = min(max(1, rows), _rows_per_chunk(row_bytes))
         self.values = group.create_array(
-            "values", shape=shape, chunks=(self.chunk_rows, *shape[1:]), dtype=dtype
-        )
+            "values", shape=shape, chunks=(self.chunk_rows, *shape[1:]), dtype=dtype,
+            dimension_names=value_dims(lay.ragged, len(lay.trailing)),
+        )  # fmt: skip
         self.buf: list[np.ndarray] = []
         self.buffered = 0
         self.at = 0  # rows written

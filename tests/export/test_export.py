@@ -135,3 +135,29 @@ def test_a_shard_deleted_by_hand_stops_the_export_with_the_fix(
     with pytest.raises(StoreError, match="verify --repair"):
         export_zarr(tmp_path / "lost.zarr", cache=store_dir)
     assert not (tmp_path / "lost.zarr").exists()
+
+
+def test_xarray_opens_an_export_and_dask_computes_on_it(
+    multi_encoder_file: Path, audio_dir: Path, store_dir: Path, tmp_path: Path
+) -> None:
+    """Issue 18 item 1: xarray.open_zarr failed ("missing the dimension_names metadata")."""
+    import xarray as xr
+
+    live = Live()
+    bake(audio_dir, multi_encoder_file, store_dir)
+    export_zarr(tmp_path / "m.zarr", cache=store_dir)
+    top = xr.open_zarr(tmp_path / "m.zarr", consolidated=False)
+    assert top["paths"].dims == ("item",) and top.sizes["item"] == 16
+    pooled = xr.open_zarr(tmp_path / "m.zarr", group="pooled", consolidated=False)
+    assert pooled["values"].dims == ("item", "feature")
+    hidden = xr.open_zarr(tmp_path / "m.zarr", group="hidden", consolidated=False)
+    assert hidden["values"].dims == ("frame", "feature")
+    assert hidden["offsets"].dims == ("item_edge",) and hidden["lengths"].dims == ("item",)
+    # A lazy (dask) computation over the export equals the same over live encoding.
+    assert pooled["values"].chunks is not None  # dask-backed, not loaded
+    mean_pooled = pooled["values"].mean("item").compute().values
+    paths = [str(p) for p in top["paths"].values]
+    want = torch.stack([live(multi_encoder_file, audio_dir / p)["pooled"] for p in paths])
+    np.testing.assert_allclose(mean_pooled, want.mean(0).numpy(), rtol=1e-5, atol=1e-6)
+    frames = int(hidden["lengths"].sum().compute())
+    assert frames == sum(live(multi_encoder_file, audio_dir / p)["hidden"].shape[0] for p in paths)
