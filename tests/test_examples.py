@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -48,3 +50,19 @@ def test_cached_encoder_example_encodes_once_and_equals_the_uncached_model(
     first, second = re.findall(r"^epoch \d: .*'encoded': (\d+)}$", out, re.MULTILINE)
     assert (int(first), int(second)) == (32, 0), out
     assert "cached model == uncached model on the same batch" in out
+
+
+def test_probe_from_zarr_fits_from_the_export_alone(tmp_path: Path) -> None:
+    out = run_example("probe_from_zarr.py", "--clips", 32, "--work", tmp_path)
+    assert "32 items from feats.zarr" in out
+    accuracy = float(re.search(r"^accuracy: ([\d.]+)$", out, re.MULTILINE).group(1))  # type: ignore[union-attr]
+    assert accuracy >= 0.9, out
+    # The pooling it did through xarray and dask equals pooling the encoder's output now.
+    sys.path.insert(0, str(REPO))
+    from examples.probe_from_zarr import pooled_features
+    from tests.conftest import live_features
+
+    pooled, paths = pooled_features(tmp_path / "feats.zarr")
+    for row, rel in list(zip(pooled, paths, strict=True))[:6]:
+        want = live_features(tmp_path / "encoder.pt", tmp_path / "clips" / rel).mean(0)
+        np.testing.assert_allclose(row, want.numpy(), rtol=1e-5, atol=1e-6)
