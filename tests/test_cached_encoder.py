@@ -126,6 +126,32 @@ def test_trainable_encoder_runs_untouched_and_warns_once(tmp_path) -> None:
     assert ce.cache_info()["encoded"] == 3  # active as soon as it is frozen
 
 
+def test_the_warning_names_all_that_keeps_caching_off_and_speaks_again_until_on(
+    tmp_path,
+) -> None:
+    """Issue 18 item 3: the warning said "call .eval()"; after .eval() the parameters still
+    required grad, caching stayed off, and nothing more was said."""
+    enc = Counting(TinyConvEncoder())  # training mode, parameters require grad
+    ce = CachedEncoder(enc, cache=tmp_path / "store")
+    x = waves(2)
+    with pytest.warns(UserWarning) as first:
+        ce(x)
+    (msg,) = [str(w.message) for w in first]
+    assert ".eval()" in msg and "requires_grad_(False)" in msg  # both, in one message
+    enc.eval()
+    with pytest.warns(UserWarning) as second:
+        ce(x)
+    (msg,) = [str(w.message) for w in second]
+    assert "requires_grad_(False)" in msg and "training mode" not in msg
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ce(x)  # the same state: said once
+        enc.requires_grad_(False)
+        out = ce(x)  # on now: nothing to say
+    assert ce.cache_info()["encoded"] == 2
+    torch.testing.assert_close(out, enc(x))
+
+
 def test_disabled_and_eval_mode_checks(tmp_path) -> None:
     enc = frozen(Counting(TinyConvEncoder()))
     off = CachedEncoder(enc, store=False, enabled=False)

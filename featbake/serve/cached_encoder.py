@@ -149,7 +149,7 @@ class CachedEncoder(nn.Module):
         self._recipe_fp = recipe_fingerprint(CACHED_ENCODER_RECIPE)
         self._watch = ModuleWatch(encoder, check_weights=check_weights)
         self._clock = clock
-        self._warned = False
+        self._warned_for: tuple[str, ...] = ()  # what kept caching off when last said
         self._layout = (
             Layout(Path(cache) if cache is not None else default_cache_dir()).ensure()
             if store
@@ -199,11 +199,17 @@ class CachedEncoder(nn.Module):
                 no exact content.
             EncodeError: the encoder's output has no per-row batch dimension.
         """
-        why = self._stand_aside_reason(x)
-        if why is not None:
-            if not self._warned:
-                warnings.warn(f"CachedEncoder is running the encoder uncached: {why}", stacklevel=2)
-                self._warned = True
+        why = self._stand_aside_reasons(x)
+        if why != self._warned_for:
+            # Said once per state, and again whenever what keeps it off changes: after .eval()
+            # the parameters may still need freezing (issue 18 item 3).
+            self._warned_for = why
+            if why:
+                warnings.warn(
+                    f"CachedEncoder is running the encoder uncached: {'; '.join(why)}",
+                    stacklevel=2,
+                )
+        if why:
             return self.encoder(x)
         batch = x.shape[0]
         if ids is not None and len(ids) != batch:
@@ -256,16 +262,25 @@ class CachedEncoder(nn.Module):
         """What the store holds of ``keys``; a feature whose shard is gone is a miss."""
         return self._store_reader().get_many(keys)
 
-    def _stand_aside_reason(self, x: torch.Tensor) -> str | None:
+    def _stand_aside_reasons(self, x: torch.Tensor) -> tuple[str, ...]:
+        """Everything that keeps caching off for this call, each with its fix (none: on)."""
+        reasons = []
         if not self.enabled:
-            return "enabled=False"
+            reasons.append("enabled=False")
         if self.encoder.training:
-            return "the encoder is in training mode (call .eval() on it to freeze it)"
-        if any(p.requires_grad for p in self.encoder.parameters()):
-            return "some encoder parameters require grad (freeze them with requires_grad_(False))"
+            reasons.append("the encoder is in training mode (call .eval() on it)")
+        trainable = sum(p.requires_grad for p in self.encoder.parameters())
+        if trainable:
+            reasons.append(
+                f"{trainable} encoder parameters require grad (call .requires_grad_(False) "
+                "on it; .eval() alone does not)"
+            )
         if x.requires_grad and torch.is_grad_enabled():
-            return "the input requires grad, and cached rows would not carry its gradient"
-        return None
+            reasons.append(
+                "the input requires grad, and cached rows would not carry its gradient (pass a "
+                "detached input, or run under torch.no_grad())"
+            )
+        return tuple(reasons)
 
     def _assemble(
         self,
