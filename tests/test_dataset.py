@@ -154,6 +154,8 @@ def test_miss_in_main_process_hits_after_flush(audio_dir, encoder_file, store_di
 
 
 def test_on_miss_error_names_the_file_and_the_fix(audio_dir, encoder_file, store_dir) -> None:
+    build(audio_dir / "fixed", encoder_file, cache=store_dir, workers=0)  # another folder
+    shutil.rmtree(store_dir / "shards")
     ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
     with pytest.raises(CacheMiss) as err:
         ds[2]

@@ -25,7 +25,6 @@ import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from multiprocessing import util as mp_util
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,7 +39,7 @@ from featbake.serve.index import IndexSpec, build_index
 from featbake.serve.lastuse import TOUCH_FLUSH_ITEMS, TOUCH_FLUSH_SECONDS, TOUCH_REPEAT_SECONDS
 from featbake.serve.layers import LayerView, check_layer_view, check_stored_parts, view_layers
 from featbake.serve.live import LiveEncoder, Misses
-from featbake.serve.options import check_options, recipe_from
+from featbake.serve.options import check_options, recipe_from, serving_layout
 from featbake.serve.process import (
     ServeStats,
     SharedFlags,
@@ -60,7 +59,6 @@ from featbake.serve.writeback import (
     SealPolicy,
     WriteBack,
 )
-from featbake.store.layout import Layout, default_cache_dir
 from featbake.store.serving_fragments import open_serving_catalog, serving_mode
 from featbake.store.writer import SealedShard
 from featbake.units import parse_bytes
@@ -188,7 +186,7 @@ class CachedFeatureDataset(Dataset):
         self.revalidate = revalidate
         self._ram_total = parse_bytes(ram_cache)
         dev.resolve_device(device)  # validate now, not at the first miss
-        self._layout = Layout(Path(cache) if cache is not None else default_cache_dir()).ensure()
+        self._layout = serving_layout(cache, on_miss)
         # A store this process cannot write is served as it is: nothing published or written.
         self.read_only = store_read_only(self._layout)
         self.write_back = write_back and not self.read_only
@@ -215,7 +213,11 @@ class CachedFeatureDataset(Dataset):
                 self.recipe.as_dict(),
                 tuple(self._source.extensions),
             )
-            self._index = build_index(data, spec, catalog, publish=not self.read_only)
+            # A refused miss must leave no root behind: on_miss="error" only refreshes one.
+            new_root = on_miss == "encode"
+            self._index = build_index(
+                data, spec, catalog, publish=not self.read_only, new_root=new_root
+            )
         finally:
             catalog.close()
         self._reads = Reads(self._index, self._layout)

@@ -128,20 +128,27 @@ class Index:
 
 
 def build_index(
-    data: object, spec: IndexSpec, catalog: ServingStore, *, publish: bool = True
+    data: object,
+    spec: IndexSpec,
+    catalog: ServingStore,
+    *,
+    publish: bool = True,
+    new_root: bool = True,
 ) -> Index:
     """Index a folder (through its build's root) or a list of files, and publish its root.
 
     The root is published so that gc keeps what the dataset serves (and writes back) live, and
     the next start finds every key without hashing. With ``publish=False`` (a store this
     process cannot write) nothing is published: files the root does not name are indexed under
-    their content keys all the same, and are misses unless the store holds them.
+    their content keys all the same, and are misses unless the store holds them. With
+    ``new_root=False`` (a dataset that refuses misses) only an existing root is refreshed: a
+    dataset that serves nothing must not leave a root behind.
 
     Raises:
         SourceError: no inputs, or inputs that are not in the store cannot be read.
     """
     if isinstance(data, (str, os.PathLike)):
-        return _index_folder(resolve_path(data), spec, catalog, publish)
+        return _index_folder(resolve_path(data), spec, catalog, publish, new_root)
     # The folder scan's own checks first: a FIFO or a device in the list would block the
     # first read forever, a symlink loop would fail the resolve below with a RuntimeError.
     paths = [resolve_path(p) for p in check_input_files(data)]  # type: ignore[arg-type]
@@ -153,11 +160,13 @@ def build_index(
     # list is served from and writes back, and `roots drop` / `gc --older-than` manage it.
     label = "paths:" + sha256_hex("\n".join(sorted(set(paths))).encode())[:16]
     if publish:
-        _publish_root(catalog, spec, label, list(zip(paths, keys, strict=True)))
+        _publish_root(catalog, spec, label, list(zip(paths, keys, strict=True)), new=new_root)
     return Index(paths, keys, None, catalog, spec, [stats[p] for p in paths])
 
 
-def _index_folder(data_dir: str, spec: IndexSpec, catalog: ServingStore, publish: bool) -> Index:
+def _index_folder(
+    data_dir: str, spec: IndexSpec, catalog: ServingStore, publish: bool, new_root: bool
+) -> Index:
     name = root_id(data_dir, spec.enc_label, spec.recipe_fp)
     root = catalog.root(name)
     manifest: dict[str, str] = {}
@@ -188,7 +197,8 @@ def _index_folder(data_dir: str, spec: IndexSpec, catalog: ServingStore, publish
             keys.append("")
     raise_unreadable(bad, failed)
     if publish:
-        _publish_root(catalog, spec, data_dir, list(zip(rel_paths, keys, strict=True)), name)
+        items = list(zip(rel_paths, keys, strict=True))
+        _publish_root(catalog, spec, data_dir, items, name, new=new_root)
     return Index(rel_paths, keys, data_dir, catalog, spec, hashed)
 
 
@@ -198,10 +208,15 @@ def _publish_root(
     data: str,
     items: list[tuple[str, str]],
     name: str | None = None,
+    *,
+    new: bool = True,
 ) -> None:
-    """Replace the root of ``data`` with ``items`` unless it already holds exactly them."""
+    """Replace the root of ``data`` with ``items`` unless it already holds exactly them (or,
+    ``new=False``, unless there is no such root yet)."""
     name = name or root_id(data, spec.enc_label, spec.recipe_fp)
     root = catalog.root(name)
+    if root is None and not new:
+        return
     if (
         root is not None
         and root.encoder_fp == spec.enc_fp

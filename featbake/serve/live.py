@@ -8,6 +8,7 @@ in-process module runs where it lives.
 from __future__ import annotations
 
 import os
+import sqlite3
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,13 +26,14 @@ from featbake.encode.fingerprints import (
 from featbake.encode.hf import is_hf_folder
 from featbake.encode.outputs import encode_batch
 from featbake.encode.sources import Source
-from featbake.errors import CacheMiss, EncoderLoadError, SourceError
+from featbake.errors import CacheMiss, EncoderLoadError, FeatbakeError, SourceError
 from featbake.keys import feature_key
 from featbake.recipe import Recipe
 from featbake.serve.index import Index
+from featbake.serve.miss_advice import StoredBuild, miss_message
 from featbake.serve.reads import Reads
 from featbake.serve.state import ProcessState
-from featbake.store.catalog import FileStat
+from featbake.store.catalog import Catalog, FileStat
 from featbake.store.layout import Layout
 from featbake.store.serving_fragments import ServingStore, open_serving_catalog
 from featbake.store.writer import SealedShard
@@ -217,13 +219,19 @@ class Misses:
         self.write_back = True
 
     def cache_miss(self, i: int) -> CacheMiss:
-        """The error for item ``i`` with ``on_miss="error"``: what is missing, and the fix."""
+        """The error for item ``i`` with ``on_miss="error"``: what is missing, which option
+        differs from how the store built this data, and the command (see miss_advice)."""
         path = self.index.path(i)
+        data = self.index.data_dir or os.path.dirname(path)
         return CacheMiss(
-            f"{path} is not in the store {self.live.layout.root} for this encoder and recipe; "
-            f"run `featbake build --encoder {self.live.label} --data "
-            f"{self.index.data_dir or os.path.dirname(path)}` with the same recipe options, "
-            "or use on_miss='encode'"
+            miss_message(
+                path,
+                str(self.live.layout.root),
+                self.live.label,
+                data,
+                self.recipe.as_dict(),
+                stored_builds(self.live.layout, data),
+            )
         )
 
     def read_one(self, st: ProcessState, i: int) -> Any:
@@ -338,3 +346,17 @@ class Misses:
 def unpack(parts: Mapping[str, torch.Tensor]) -> Any:
     """A dataset item from its parts: the tensor itself, or a dict of parts."""
     return parts[""] if len(parts) == 1 and "" in parts else dict(parts)
+
+
+def stored_builds(layout: Layout, data: str) -> list[StoredBuild]:
+    """How the store built ``data`` (every root of that folder), newest first; none when its
+    catalog cannot be read (the miss is reported all the same)."""
+    if not layout.catalog.exists():
+        return []
+    try:
+        with Catalog(layout, read_only=True) as catalog:
+            roots = [r for r in catalog.roots() if r.data == data]
+    except (FeatbakeError, sqlite3.Error):
+        return []
+    roots.sort(key=lambda r: r.last_used, reverse=True)
+    return [StoredBuild(r.encoder_label, r.recipe) for r in roots]

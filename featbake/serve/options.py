@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import warnings
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
-from featbake.errors import ConfigError
+from featbake.errors import ConfigError, StoreError
 from featbake.recipe import Recipe
+from featbake.store.layout import Layout, default_cache_dir
 
 ON_MISS = ("encode", "error")
 VERIFY = ("first", "always", "never")
@@ -31,3 +35,28 @@ def recipe_from(
         changes["layers"] = tuple(layers) if isinstance(layers, (list, tuple)) else layers
     base = recipe or Recipe()
     return base.replace(**changes) if changes else base
+
+
+def serving_layout(cache: str | os.PathLike[str] | None, on_miss: str) -> Layout:
+    """The store a dataset serves from; a missing one is an error or (encoding) said once.
+
+    A mistyped ``cache=`` used to create an empty store silently and report every item "not
+    in the store" (issue 18 item 6).
+
+    Raises:
+        StoreError: ``on_miss="error"`` and there is no store at ``cache``.
+    """
+    layout = Layout(Path(cache) if cache is not None else default_cache_dir())
+    if not layout.catalog.exists() and not layout.shards.exists():
+        where = layout.root.absolute()
+        if on_miss == "error":
+            raise StoreError(
+                f"there is no featbake store at {where}; check cache= (or $FEATBAKE_CACHE), "
+                "or make it with `featbake build --cache` first"
+            )
+        warnings.warn(
+            f"there is no featbake store at {where} yet: creating one, and every item is "
+            "encoded live and written back (check cache= if you meant an existing store)",
+            stacklevel=3,
+        )
+    return layout.ensure()

@@ -1,0 +1,62 @@
+"""A refused miss says what differs and what to run; it leaves nothing behind (issue 18 item 6)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from featbake.bake.pipeline import build
+from featbake.errors import CacheMiss, StoreError
+from featbake.serve.dataset import CachedFeatureDataset
+from featbake.serve.miss_advice import StoredBuild, build_options, miss_message
+from featbake.store.catalog import Catalog
+from featbake.store.layout import Layout
+from tests.conftest import live_features
+
+
+def _root_names(store: Path) -> set[str]:
+    with Catalog(Layout(store), read_only=True) as catalog:
+        return {r.name for r in catalog.roots()}
+
+
+def test_a_dtype_miss_names_the_field_the_command_and_leaves_no_root(
+    audio_dir: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    report = build(audio_dir, encoder_file, cache=store_dir, workers=0)  # float32
+    ds = CachedFeatureDataset(
+        audio_dir, encoder_file, cache=store_dir, dtype="float16", on_miss="error"
+    )
+    with pytest.raises(CacheMiss) as err:
+        ds[0]
+    text = str(err.value)
+    assert "dtype='float32' in the store, 'float16' asked" in text
+    assert f"--cache {store_dir}" in text and "--dtype float16" in text
+    assert _root_names(store_dir) == {report.root}  # the refused dataset published nothing
+    # What the message says to pass works: the store's dtype serves, equal to live.
+    ok = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    torch.testing.assert_close(ok[0], live_features(encoder_file, Path(ok.path(0))))
+
+
+def test_a_mistyped_cache_path_is_no_store_not_a_miss(
+    audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    typo = tmp_path / "stroe"
+    with pytest.raises(StoreError, match=f"there is no featbake store at {typo}"):
+        CachedFeatureDataset(audio_dir, encoder_file, cache=typo, on_miss="error")
+    assert not typo.exists()
+    with pytest.warns(UserWarning, match="no featbake store at .* yet: creating one"):
+        ds = CachedFeatureDataset(audio_dir, encoder_file, cache=typo)
+    torch.testing.assert_close(ds[1], live_features(encoder_file, Path(ds.path(1))))
+
+
+def test_the_message_for_another_encoder_and_the_options_it_carries() -> None:
+    other = [StoredBuild("teacher.pt", {"dtype": "float32"})]
+    text = miss_message("/d/a.wav", "/s", "student.pt", "/d", {"dtype": "float32"}, other)
+    assert "another encoder (teacher.pt), not student.pt" in text
+    assert "featbake build --encoder student.pt --data /d --cache /s" in text
+    from featbake.recipe import Recipe
+
+    asked = {**Recipe().as_dict(), "layers": [0, 6], "mono": False, "max_seconds": 4.0}
+    assert build_options(asked) == ["--max-seconds 4.0", "--layers 0,6", "--no-mono"]
