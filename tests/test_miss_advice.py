@@ -60,3 +60,25 @@ def test_the_message_for_another_encoder_and_the_options_it_carries() -> None:
 
     asked = {**Recipe().as_dict(), "layers": [0, 6], "mono": False, "max_seconds": 4.0}
     assert build_options(asked) == ["--max-seconds 4.0", "--layers 0,6", "--no-mono"]
+
+
+def test_cache_info_in_the_main_process_says_workers_count_apart(
+    audio_dir: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    """Issue 18 item 7: after an epoch with workers, cache_info() here showed zeros, silently."""
+    import warnings
+
+    from torch.utils.data import DataLoader
+
+    build(audio_dir, encoder_file, cache=store_dir, workers=0)
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, ram_cache="8MiB")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in DataLoader(ds, batch_size=None):  # read here: counted here, nothing to say
+            pass
+        assert ds.cache_info().store_reads == len(ds)
+    for _ in DataLoader(ds, batch_size=None, num_workers=2):
+        pass
+    with pytest.warns(UserWarning, match="DataLoader workers count .* in their own processes"):
+        info = ds.cache_info()
+    assert info.store_reads == len(ds)  # this process's own, from the first epoch

@@ -108,7 +108,8 @@ class CachedFeatureDataset(Dataset):
         weights: safetensors weights for an import-path encoder.
         trust_pickle: allow a pickled whole-module checkpoint (runs its code).
         ram_cache: byte budget of the RAM tier (``"2GiB"`` or an int; 0 disables it). It is the
-            total for the whole pipeline: each of N DataLoader workers gets ``ram_cache / N``.
+            total: each of N DataLoader workers gets ``ram_cache / N``; it lasts across epochs
+            only with ``persistent_workers=True`` (else each epoch's workers start empty).
         on_miss: ``"encode"`` (encode live and write back) or ``"error"`` (raise CacheMiss).
         device: where misses are encoded. Inside a DataLoader worker forked after CUDA was
             initialised, CUDA cannot start, so misses there are encoded on the CPU; choose
@@ -214,10 +215,8 @@ class CachedFeatureDataset(Dataset):
                 tuple(self._source.extensions),
             )
             # A refused miss must leave no root behind: on_miss="error" only refreshes one.
-            new_root = on_miss == "encode"
-            self._index = build_index(
-                data, spec, catalog, publish=not self.read_only, new_root=new_root
-            )
+            new = on_miss == "encode"
+            self._index = build_index(data, spec, catalog, publish=not self.read_only, new_root=new)
         finally:
             catalog.close()
         self._reads = Reads(self._index, self._layout)
@@ -255,8 +254,8 @@ class CachedFeatureDataset(Dataset):
     def cache_info(self) -> ServeStats:
         """This process's counters: RAM tier hits, misses, evictions and bytes, reads, encodes.
 
-        DataLoader workers count in their own processes; call it at the end of an epoch with
-        ``num_workers=0``, or inside a worker (e.g. from ``worker_init_fn``'s dataset copy).
+        DataLoader workers count in their own processes (a warning says so here once they have):
+        read it inside a worker, or read with ``num_workers=0`` or :class:`FeatureLoader`.
         """
         return self._proc().stats()
 

@@ -162,9 +162,10 @@ class SharedFlags:
         [0, n)            verified: uint8, the item's checksum was checked in this dataset
         [n, 2n)           touched:  bool, the item's last use was recorded since ``epoch``
         [align8(2n), +8)  epoch:    float64 wall time when ``touched`` was last cleared
+        [+8, +1)          workers:  uint8, 1 once a DataLoader worker used this dataset
 
     Workers started afresh each epoch then neither check every checksum again nor record every
-    key's last use again.
+    key's last use again; and the main process knows its own counters are not the workers'.
     """
 
     def __init__(self, buffer: Any, n: int) -> None:
@@ -172,6 +173,9 @@ class SharedFlags:
         self.verified = np.frombuffer(buffer, dtype=np.uint8, count=n)
         self.touched = np.frombuffer(buffer, dtype=np.bool_, count=n, offset=n)
         self.epoch = np.frombuffer(buffer, dtype=np.float64, count=1, offset=self.epoch_offset(n))
+        self.workers = np.frombuffer(
+            buffer, dtype=np.uint8, count=1, offset=self.epoch_offset(n) + 8
+        )
 
     @staticmethod
     def epoch_offset(n: int) -> int:
@@ -179,7 +183,7 @@ class SharedFlags:
 
     @classmethod
     def nbytes(cls, n: int) -> int:
-        return cls.epoch_offset(n) + 8
+        return cls.epoch_offset(n) + 9
 
     @classmethod
     def allocate(cls, n: int) -> mmap.mmap:

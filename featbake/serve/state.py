@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+from torch.utils.data import get_worker_info
 
 from featbake.encode.encoders import LoadedEncoder
 from featbake.perprocess import ProcessStamp
@@ -86,6 +87,15 @@ def save_at_exit(saver: Saver) -> None:
         warnings.warn(f"featbake: could not save written-back features: {e}", stacklevel=1)
 
 
+#: What cache_info() in the main process says once DataLoader workers served the dataset.
+WORKERS_COUNT_APART = (
+    "cache_info() here counts this process only: DataLoader workers count (and keep their RAM "
+    "cache) in their own processes, so after an epoch with workers these numbers are not the "
+    "epoch's; call ds.cache_info() inside a worker (e.g. in worker_init_fn or the training "
+    "loop's collate_fn), or read with num_workers=0 / featbake.FeatureLoader, which count here"
+)
+
+
 class ProcessState:
     """One process's serving state for one dataset.
 
@@ -124,6 +134,8 @@ class ProcessState:
         self.encoder: LoadedEncoder | None = None
         self.pending_idx: dict[str, list[int]] = {}  # key -> items, written back, not sealed
         self.flags = SharedFlags(shared if shared is not None else SharedFlags.allocate(n), n)
+        if get_worker_info() is not None:
+            self.flags.workers[0] = 1  # cache_info() in the main process is then not the sum
         self.verified = self.flags.verified
         self.touched = self.flags.touched
         self.lastuse = LastUse(keys, self.flags, catalogs, clock, wall_clock)
@@ -139,6 +151,10 @@ class ProcessState:
         self.loc: list[Located | None] = [None] * n
 
     def stats(self) -> ServeStats:
+        """This process's counters; in the main process of a dataset DataLoader workers used,
+        a warning says so (each worker counts, and holds its RAM tier, in its own process)."""
+        if self.flags.workers[0] and get_worker_info() is None:
+            warnings.warn(WORKERS_COUNT_APART, stacklevel=3)
         return ServeStats(self.lru.info(), self.store_reads, self.encoded, self.writeback.written)
 
     def reader(self, path: Path) -> ShardReader:
