@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from torch import nn
 from featbake.errors import ConfigError
 from featbake.serve.cached_encoder import CachedEncoder
 from featbake.testing import MultiOutputEncoder, TinyConvEncoder, make_tone
+from tests.conftest import live_features
 
 
 def frozen(module: nn.Module) -> nn.Module:
@@ -83,6 +85,43 @@ def test_mixed_hits_and_misses_equal_bare_encoder(tmp_path) -> None:
     same(ce2(x[[0, 1, 4, 5, 2]], ids=[ids[k] for k in (0, 1, 4, 5, 2)]),
          enc2.inner(x[[0, 1, 4, 5, 2]]))  # fmt: skip
     assert enc2.rows == 0 and ce2.cache_info()["hits_store"] == 5
+
+
+def test_two_wrappers_over_one_store_see_each_others_features_before_any_flush(
+    tmp_path,
+) -> None:
+    """Issue 18 item 4: a second CachedEncoder in the same process encoded again what the
+    first had written back, until flush(). Written back in a process = readable in it."""
+    x, ids = waves(4), [f"utt{i}" for i in range(4)]
+    first = frozen(Counting(TinyConvEncoder()))
+    ce1 = CachedEncoder(first, cache=tmp_path / "store", ram_cache=0)
+    same(ce1(x[:3], ids=ids[:3]), first.inner(x[:3]))
+    second = frozen(Counting(TinyConvEncoder()))
+    ce2 = CachedEncoder(second, cache=tmp_path / "store", ram_cache=0)
+    same(ce2(x, ids=ids), second.inner(x))
+    assert second.rows == 1  # only utt3, which the first never saw
+    assert ce2.cache_info()["hits_pending"] == 3
+    assert not list((tmp_path / "store" / "shards").rglob("*.safetensors"))  # nothing sealed
+    other = CachedEncoder(frozen(Counting(TinyConvEncoder(seed=5))), cache=tmp_path / "store")
+    assert other.cache_info()["hits_pending"] == 0
+    other(x[:1], ids=ids[:1])  # another encoder: its keys differ, nothing is shared
+    assert other.cache_info()["encoded"] == 1
+
+
+def test_two_datasets_in_one_process_share_what_one_wrote_back(
+    audio_dir, encoder_file, tmp_path
+) -> None:
+    from featbake.serve.dataset import CachedFeatureDataset
+
+    store = tmp_path / "store"
+    with pytest.warns(UserWarning, match="no featbake store"):
+        a = CachedFeatureDataset(audio_dir, encoder_file, cache=store)
+    b = CachedFeatureDataset(audio_dir, encoder_file, cache=store)
+    got = a[2]
+    assert a.cache_info().encoded == 1
+    same(b[2], got)
+    assert b.cache_info().encoded == 0  # read from a's pending write-back, not encoded again
+    same(got, live_features(encoder_file, Path(a.path(2))))
 
 
 def test_keys_from_row_bytes_without_ids(tmp_path) -> None:

@@ -37,7 +37,7 @@ from featbake.errors import ConfigError, EncodeError
 from featbake.keys import feature_key, recipe_fingerprint
 from featbake.lru import ByteLRU, CacheInfo
 from featbake.serve.identity import ModuleWatch, id_digest, row_digest
-from featbake.serve.writeback import WriteBack
+from featbake.serve.writeback import WriteBack, pending_in_process
 from featbake.store.catalog import Catalog
 from featbake.store.features import FeatureReader
 from featbake.store.layout import Layout, default_cache_dir
@@ -157,7 +157,9 @@ class CachedEncoder(nn.Module):
         )
         self._reader: FeatureReader | None = None
         self._writeback = self._new_writeback()
-        self.stats = {"hits_device": 0, "hits_ram": 0, "hits_store": 0, "encoded": 0}
+        self.stats = {
+            "hits_device": 0, "hits_ram": 0, "hits_store": 0, "hits_pending": 0, "encoded": 0
+        }  # fmt: skip
 
     def _new_writeback(self) -> WriteBack | None:
         if self._layout is None:
@@ -255,6 +257,12 @@ class CachedEncoder(nn.Module):
                     rows[j] = found[keys[j]]
                     if self._ram.max_bytes:
                         self._ram.put(keys[j], found[keys[j]])
+            todo = [j for j in todo if rows[j] is None]
+        if todo and self._writeback is not None:  # written back here or by another reader
+            for j in todo:
+                parts = pending_in_process(self._writeback, keys[j])
+                rows[j] = dict(parts) if parts is not None else None
+            self.stats["hits_pending"] += sum(rows[j] is not None for j in todo)
             todo = [j for j in todo if rows[j] is None]
         return rows, todo
 

@@ -33,6 +33,7 @@ from featbake.serve.index import Index
 from featbake.serve.miss_advice import StoredBuild, miss_message
 from featbake.serve.reads import Reads
 from featbake.serve.state import ProcessState
+from featbake.serve.writeback import pending_in_process
 from featbake.store.catalog import Catalog, FileStat
 from featbake.store.layout import Layout
 from featbake.store.serving_fragments import ServingStore, open_serving_catalog
@@ -293,7 +294,7 @@ class Misses:
         out: dict[int, Any] = {}
         todo: list[int] = []
         for i in idx:
-            pending = st.writeback.get(self.index.key(i))
+            pending = pending_in_process(st.writeback, self.index.key(i))
             if pending is not None:
                 out[i] = unpack(pending)
                 continue

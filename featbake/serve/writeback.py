@@ -15,10 +15,12 @@ when next needed, and the failure is reported once per process as a warning.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -57,6 +59,27 @@ class SealPolicy:
 def add_rows(catalog: ServingStore, shard: SealedShard) -> None:
     """The default publication: the shard's feature rows, nothing else."""
     catalog.add_shard(shard)
+
+
+#: Every write-back of this process: what one reader wrote back and has not sealed yet, the
+#: others over the same store read at once (issue 18 item 4: two CachedEncoders over one store
+#: saw each other's features only after flush()).
+_LIVE: weakref.WeakSet[WriteBack] = weakref.WeakSet()
+_LIVE_LOCK = threading.Lock()
+
+
+def pending_in_process(own: WriteBack, key: str) -> Parts | None:
+    """``key``'s parts held, not sealed yet, by ``own`` or any other write-back of this process
+    over the same store; None when none holds it."""
+    parts = own.get(key)
+    if parts is not None:
+        return parts
+    with _LIVE_LOCK:
+        others = [w for w in _LIVE if w is not own and w.store_id == own.store_id]
+    for w in others:
+        if not w.lifetime.stale and (parts := w.get(key)) is not None:
+            return parts
+    return None
 
 
 class WriteBack:
@@ -107,6 +130,9 @@ class WriteBack:
         self._writer: ShardWriter | None = None
         self._own_catalogs = catalogs is None
         self._catalogs = catalogs if catalogs is not None else ThreadCatalog(layout)
+        self.store_id = os.path.realpath(layout.root)
+        with _LIVE_LOCK:
+            _LIVE.add(self)
 
     def add(self, encoder_fp: str, key: str, parts: Parts) -> None:
         """Queue one feature; seals when the shard is full or its oldest feature is due."""
