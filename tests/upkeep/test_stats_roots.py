@@ -41,7 +41,7 @@ def test_stats_match_the_shard_files(
     s = stats(store_dir)
     truth = _tensor_bytes(store_dir)
     live = {k for r in (new.root, second.root) for _, k in manifest(store_dir, r)}
-    assert s.features == len(truth) == 16 + 4 + 16
+    assert s.features == s.tensors == len(truth) == 16 + 4 + 16
     assert s.disk_bytes == sum(shard_files(store_dir).values())
     assert s.live_features == len(live) == 20
     assert s.live_bytes == sum(truth[k][1] for k in live)
@@ -50,7 +50,7 @@ def test_stats_match_the_shard_files(
     by_fp = {e.fp: e for e in s.encoders}
     for report, n in ((old, 16), (new, 16), (second, 4)):
         e = by_fp[report.encoder_fp]
-        assert e.features == n and e.label == report.encoder
+        assert e.tensors == n and e.label == report.encoder  # single-output: one tensor each
         assert e.bytes == sum(b for fp, b in truth.values() if fp == report.encoder_fp)
     roots = {r.name: r for r in s.roots}
     assert set(roots) == {new.root, second.root}
