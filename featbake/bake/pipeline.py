@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +18,7 @@ import torch
 
 from featbake.bake.arguments import BuildArguments, check_build_arguments
 from featbake.bake.decode import decoded_items, worker_death
+from featbake.bake.derive import Parts, reusable_parts
 from featbake.bake.finite import nonfinite_part
 from featbake.bake.interrupt import interrupt_at_safe_points
 from featbake.bake.padded import BatchRunner, budget_samples
@@ -215,6 +216,7 @@ class _Bake:
     report: BuildReport = field(init=False)
     manifest: list[tuple[str, str]] = field(default_factory=list)
     hashed_stats: dict[str, FileStat] = field(default_factory=dict)
+    digests: dict[str, str] = field(default_factory=dict)  # key -> its input's SHA-256
 
     def start(self, inputs: int, skipped: Sequence[tuple[str, str]], weights: str | None) -> None:
         """Fingerprint the encoder and recipe, and open the report with the skipped files."""
@@ -246,6 +248,7 @@ class _Bake:
             if key in todo:
                 self.report.duplicates += 1
             todo.setdefault(key, path)
+            self.digests.setdefault(key, digests[path])
         return todo
 
     def leave_to_other_ranks(self, todo: dict[str, str], spec: RankSpec) -> dict[str, str]:
@@ -281,25 +284,33 @@ class _Bake:
         present = self.catalog.present_keys(list(todo))
         self.report.reused = len(present)
         work = [(k, p) for k, p in todo.items() if k not in present]
-        if not work:
+        digests = {k: self.digests[k] for k, _ in work}  # an --output build copies stored parts
+        derived = reusable_parts(
+            self.layout, self.recipe, self.report.encoder_fp, digests, self.catalog
+        )
+        self.report.derived = len(derived)
+        work = [(k, p) for k, p in work if k not in derived]
+        if not work and not derived:
             if self.progress:
                 self.progress(Progress("encode", 0, 0))
             return
         try:
-            self.encode(work)
+            self.encode(work, derived)
         except ConfigError:
             # A wrong option (e.g. --output) stopped the build: the manifest it published would
             # only name keys that never get features.
             self.catalog.drop_root(self.report.root)
             raise
 
-    def encode(self, work: list[tuple[str, str]]) -> None:
-        """Decode, batch, encode and write ``work`` (key, path); sealed work survives Ctrl-C."""
+    def encode(self, work: list[tuple[str, str]], derived: Mapping[str, Parts]) -> None:
+        """Decode, batch, encode, write ``work`` (key, path); sealed work survives Ctrl-C."""
         paths = [p for _, p in work]
         sink = self.catalog if isinstance(self.catalog, RankCatalog) else None
         writer = WriterThread(
             self.layout, self.enc.fingerprint, self.report.recipe_fp, self.options.shard_bytes, sink
         )
+        for key, parts in derived.items():
+            writer.put(key, dict(parts))
         run = _EncodeRun(self, writer, [k for k, _ in work], paths)
         stats = [self.hashed_stats.get(p) for p in paths]
         threads = self.options.threads()

@@ -22,6 +22,7 @@ class BuildReport:
     files: int = 0
     encoded: int = 0
     reused: int = 0
+    derived: int = 0  # copied from a whole-output build's stored part (--output; bake/derive.py)
     duplicates: int = 0
     failed: list[tuple[str, str]] = field(default_factory=list)
     bytes_written: int = 0

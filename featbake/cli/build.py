@@ -224,6 +224,8 @@ def _print_build_summary(report: Any) -> None:
     table.add_row("files", f"{report.files:,}")
     table.add_row("encoded", f"{report.encoded:,}")
     table.add_row("reused", f"{report.reused:,}")
+    if report.derived:
+        table.add_row("copied", f"{report.derived:,} parts a whole-output build stored")
     if report.duplicates:
         table.add_row("duplicates", f"{report.duplicates:,} (identical files share a feature)")
     table.add_row("failed", f"[red]{len(report.failed):,}[/]" if report.failed else "0")
