@@ -145,6 +145,7 @@ def test_misses_are_encoded_on_the_reader_thread(
 def test_a_read_error_reaches_the_training_loop_and_leaves_no_thread(
     audio_dir: Path, encoder_file: Path, store_dir: Path
 ) -> None:
+    build(audio_dir / "fixed", encoder_file, cache=store_dir, workers=0)  # 4 of the 16 clips
     ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
     with pytest.raises(CacheMiss):
         for _ in FeatureLoader(ds, batch_size=4):
