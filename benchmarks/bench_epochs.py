@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _rows import row
+from _serve_readers import NpyFiles
 
 from featbake.bake.pipeline import build
 from featbake.recipe import Recipe
@@ -38,17 +39,6 @@ PNG = ROOT / "docs" / "epochs.png"
 BATCH = 16
 
 
-class _Mels(torch.utils.data.Dataset):
-    def __init__(self, paths: list[Path]) -> None:
-        self.paths = paths
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return torch.from_numpy(np.load(self.paths[i]))
-
-
 def measure(work: Path, n: int, epochs: int) -> dict[str, list[float]]:
     """Seconds per epoch: live encoding, and featbake (epoch 1 = build + read)."""
     mels = work / "mels"
@@ -58,7 +48,7 @@ def measure(work: Path, n: int, epochs: int) -> dict[str, list[float]]:
         np.save(mels / f"utt{i:05d}.npy", rng.standard_normal((t, 80), dtype=np.float32))
     encoder = LogMelTransformer().eval().requires_grad_(False)
     recipe = Recipe(source="npy", dtype="float16")
-    live = DataLoader(_Mels(sorted(mels.glob("*.npy"))), BATCH, shuffle=True,
+    live = DataLoader(NpyFiles(sorted(map(str, mels.glob("*.npy")))), BATCH, shuffle=True,
                       collate_fn=pad_collate)  # fmt: skip
     times: dict[str, list[float]] = {"live encoding": [], "featbake": []}
     for _ in range(epochs):

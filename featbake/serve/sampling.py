@@ -58,11 +58,7 @@ class EpochPlan:
             order = list(range(self.n))
         if self.world == 1:
             return order
-        if self.drop_last and self.n % self.world:
-            per_rank = math.ceil((self.n - self.world) / self.world)
-        else:
-            per_rank = math.ceil(self.n / self.world)
-        total = per_rank * self.world
+        total = self.per_rank() * self.world
         if total > len(order) and order:
             pad = total - len(order)
             order += (order * math.ceil(pad / len(order)))[:pad]
@@ -76,14 +72,17 @@ class EpochPlan:
             cut.pop()
         return cut
 
+    def per_rank(self) -> int:
+        """How many indices each rank reads (DistributedSampler's ``num_samples``)."""
+        if self.world == 1:
+            return self.n
+        if self.drop_last and self.n % self.world:
+            return math.ceil((self.n - self.world) / self.world)
+        return math.ceil(self.n / self.world)
+
     def batch_count(self) -> int:
         """How many batches :meth:`batches` returns, without drawing the permutation."""
-        if self.world == 1:
-            per_rank = self.n
-        elif self.drop_last and self.n % self.world:
-            per_rank = math.ceil((self.n - self.world) / self.world)
-        else:
-            per_rank = math.ceil(self.n / self.world)
+        per_rank = self.per_rank()
         if self.drop_last:
             return per_rank // self.batch_size
         return math.ceil(per_rank / self.batch_size)
