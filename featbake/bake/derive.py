@@ -13,17 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import torch
-
 from featbake.errors import FeatbakeError
 from featbake.keys import feature_key
 from featbake.recipe import Recipe
-from featbake.store.features import FeatureReader
+from featbake.store.features import FeatureReader, Parts
 from featbake.store.layout import Layout
 from featbake.store.rank_catalog import RankCatalog
-
-#: One input's stored tensors by output part.
-Parts = dict[str, torch.Tensor]
 
 
 def whole_output_keys(
@@ -56,10 +51,9 @@ def reusable_parts(
     """key -> ``{"": tensor}`` for each key (of an ``--output`` recipe) whose whole output's
     part the store holds; empty for a whole-output recipe, and in one part of a sharded build
     (``catalog`` a :class:`RankCatalog`), which never opens the catalog for writing."""
-    if isinstance(catalog, RankCatalog):
+    if isinstance(catalog, RankCatalog) or recipe.output is None:
         return {}
-    whole = whole_output_keys(recipe, encoder_fp, digests)
-    return stored_parts(layout, whole, recipe.output) if recipe.output is not None else {}
+    return stored_parts(layout, whole_output_keys(recipe, encoder_fp, digests), recipe.output)
 
 
 def stored_parts(layout: Layout, whole: Mapping[str, str], part: str) -> dict[str, Parts]:
@@ -75,7 +69,7 @@ def stored_parts(layout: Layout, whole: Mapping[str, str], part: str) -> dict[st
     finally:
         reader.close()
     return {
-        key: {"": found[w][part].clone()}
+        key: {"": found[w][part]}  # each part is read into a tensor of its own
         for key, w in whole.items()
         if w in found and part in found[w]
     }

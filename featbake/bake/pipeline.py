@@ -18,7 +18,7 @@ import torch
 
 from featbake.bake.arguments import BuildArguments, check_build_arguments
 from featbake.bake.decode import decoded_items, worker_death
-from featbake.bake.derive import Parts, reusable_parts
+from featbake.bake.derive import reusable_parts
 from featbake.bake.finite import nonfinite_part
 from featbake.bake.interrupt import interrupt_at_safe_points
 from featbake.bake.padded import BatchRunner, budget_samples
@@ -42,6 +42,7 @@ from featbake.keys import feature_key, root_id
 from featbake.progress import Progress
 from featbake.recipe import Recipe
 from featbake.store.catalog import Catalog, FileStat
+from featbake.store.features import Parts
 from featbake.store.layout import Layout, default_cache_dir
 from featbake.store.rank_catalog import RankCatalog
 from featbake.store.shard_format import DEFAULT_SHARD_BYTES

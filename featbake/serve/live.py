@@ -35,13 +35,12 @@ from featbake.serve.reads import Reads
 from featbake.serve.state import ProcessState
 from featbake.serve.writeback import pending_in_process
 from featbake.store.catalog import Catalog, FileStat
+from featbake.store.features import Parts
 from featbake.store.layout import Layout
 from featbake.store.serving_fragments import ServingStore, open_serving_catalog
 from featbake.store.writer import SealedShard
 
 __all__ = ["LiveEncoder", "Misses", "check_unchanged", "encode_inputs", "unpack"]
-
-Parts = dict[str, torch.Tensor]
 
 
 @dataclass

@@ -20,6 +20,9 @@ from featbake.store.reader import ShardReader, VerifyMode
 
 V = TypeVar("V")
 
+#: One key's stored tensors by output part ("" for a single tensor).
+Parts = dict[str, torch.Tensor]
+
 
 def read_locations(
     locations: Sequence[Location], open_shard: Callable[[str], ShardReader]
