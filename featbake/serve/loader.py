@@ -35,6 +35,7 @@ import torch
 import featbake.device as dev
 from featbake.errors import ConfigError
 from featbake.serve.collate import pad_collate
+from featbake.serve.prefetch import map_tensors
 from featbake.serve.sampling import EpochPlan
 
 #: How long the reader waits to hand over a batch before it looks at the stop flag again.
@@ -156,7 +157,7 @@ class FeatureLoader:
                     return
                 batch = self.collate_fn(_items(self.dataset, idx))
                 if self.device is not None and self.device.type == "cuda":
-                    batch = _map_tensors(batch, dev.pin)
+                    batch = map_tensors(dev.pin, batch)
                 if not _put(ready, batch, stop):
                     return
             _put(ready, _END, stop)
@@ -167,7 +168,7 @@ class FeatureLoader:
         if self.device is None or self.device.type == "cpu":
             return batch
         target = self.device
-        return _map_tensors(batch, lambda t: t.to(target, non_blocking=True))
+        return map_tensors(lambda t: t.to(target, non_blocking=True), batch)
 
 
 def _put(ready: queue.Queue, item: Any, stop: threading.Event) -> bool:
@@ -185,17 +186,6 @@ def _items(dataset: Any, idx: list[int]) -> Sequence[Any]:
     if getitems is not None:
         return getitems(idx)
     return [dataset[i] for i in idx]
-
-
-def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``batch`` with ``fn`` applied to every tensor in it (tuples, lists and dicts kept)."""
-    if isinstance(batch, torch.Tensor):
-        return fn(batch)
-    if isinstance(batch, dict):
-        return {k: _map_tensors(v, fn) for k, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_map_tensors(v, fn) for v in batch)
-    return batch
 
 
 def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
