@@ -27,11 +27,10 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
-from featbake.store.catalog import FileStat
+from featbake.store.catalog import FileStat, HashCacheRow
 from featbake.store.fragments import (
     BuildInfo,
     FragmentKind,
-    HashRow,
     ManifestItem,
     write_fragment,
 )
@@ -92,7 +91,10 @@ def synthetic_fragments(store: Path, n: int) -> None:
             entries = tuple(ShardEntry(keys[i], "", "F16", (50, 64), 6400) for i in chunk)
             shards.append(SealedShard(name, path, len(chunk) * 6400, enc, rec, entries))
         items = [ManifestItem(i, f"clips/{i:07d}.wav", keys[i]) for i in mine]
-        hashes = [HashRow(f"/data/clips/{i:07d}.wav", FileStat(1000, i, i), keys[i]) for i in mine]
+        hashes = [
+            HashCacheRow.of(f"/data/clips/{i:07d}.wav", FileStat(1000, i, i, i), keys[i], 0)
+            for i in mine
+        ]
         write_fragment(layout, info, FragmentKind.DONE, shards, items, hashes)
 
 

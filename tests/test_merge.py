@@ -21,6 +21,7 @@ import torch
 
 from featbake.bake.pipeline import build
 from featbake.store.catalog import Catalog
+from featbake.store.catalog.upkeep_queries import hash_cache_rows
 from featbake.store.fragments import FragmentKind, sealed_fragments
 from featbake.store.layout import Layout
 from featbake.store.merge import merge, pending_builds
@@ -242,16 +243,40 @@ def test_gc_keeps_the_shards_of_a_build_not_merged_yet(
     assert len(stored_features(store, name)) == len(list(audio_dir.rglob("*.wav")))
 
 
-def test_fragments_of_format_1_without_a_uses_table_are_still_merged(
-    tmp_path: Path, audio_dir: Path, encoder_file: Path
+def write_as_legacy_fragment(path: Path, version: int) -> None:
+    """Rewrite a sealed fragment in the tables of fragment format 1 or 2 (before format 3 made
+    a fragment a catalog), as a featbake of that format wrote them."""
+    conn = sqlite3.connect(path)
+    conn.executescript(
+        """
+        CREATE TABLE entries AS SELECT s.name AS shard, f.key, f.part, f.dtype, f.shape, f.nbytes
+            FROM features f JOIN shards s ON s.id = f.shard_id;
+        CREATE TABLE old_shards AS SELECT name, bytes, encoder_fp, recipe_fp FROM shards;
+        CREATE TABLE items AS SELECT idx, path, key FROM root_items;
+        CREATE TABLE hashes AS SELECT path, size, mtime_ns, inode, sha256, ctime_ns, recorded_ns
+            FROM hash_cache;
+        DROP TABLE features; DROP TABLE shards; DROP TABLE root_items; DROP TABLE roots;
+        DROP TABLE hash_cache; DROP TABLE encoders;
+        ALTER TABLE old_shards RENAME TO shards;
+        DELETE FROM meta WHERE name = 'schema_version';
+        """
+    )
+    if version == 1:
+        conn.execute("DROP TABLE uses")
+    conn.execute("UPDATE meta SET value=? WHERE name='format_version'", (str(version),))
+    conn.commit()
+    conn.close()
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_fragments_of_older_formats_are_still_merged(
+    tmp_path: Path, audio_dir: Path, encoder_file: Path, version: int
 ) -> None:
     store = tmp_path / "store"
     build_parts(audio_dir, encoder_file, store, 2)
     for frag in sealed_fragments(Layout(store)):
-        conn = sqlite3.connect(frag.path)
-        conn.execute("DROP TABLE uses")  # what a featbake of fragment format 1 wrote
-        conn.execute("UPDATE meta SET value='1' WHERE name='format_version'")
-        conn.commit()
-        conn.close()
+        write_as_legacy_fragment(frag.path, version)
     assert merge(Layout(store)).roots
+    with Catalog(Layout(store)) as cat:  # the hash rows came over too
+        assert len(hash_cache_rows(cat)) >= len(list(audio_dir.rglob("*.wav")))
     assert_equals_live(store, audio_dir, encoder_file)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from featbake.bake.ranks import RankSpec, my_part, owned_by_lower_ranks
 from featbake.store.catalog import Catalog
+from featbake.store.catalog_api import BuildCatalog
 from featbake.store.layout import Layout
 from featbake.store.merge import merge
 from featbake.store.rank_catalog import RankCatalog
@@ -37,7 +38,7 @@ def input_bytes(path: str) -> int:
 
 def catalog_for_part(
     layout: Layout, spec: RankSpec, data_dir: str, rel_paths: list[str]
-) -> tuple[Catalog | RankCatalog, list[str]]:
+) -> tuple[BuildCatalog, list[str]]:
     """The catalog this process writes through, and the inputs it does (all, for one process).
 
     Each rank stats every input (cheap) but hashes and encodes only its own part.

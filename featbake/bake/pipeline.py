@@ -41,7 +41,8 @@ from featbake.gcpause import gc_paused
 from featbake.keys import feature_key, root_id
 from featbake.progress import Progress
 from featbake.recipe import Recipe
-from featbake.store.catalog import Catalog, FileStat
+from featbake.store.catalog import FileStat
+from featbake.store.catalog_api import BuildCatalog
 from featbake.store.features import Parts
 from featbake.store.layout import Layout, default_cache_dir
 from featbake.store.rank_catalog import RankCatalog
@@ -205,7 +206,7 @@ def loaded_encoder(
 class _Bake:
     """One build's state between its steps (see :func:`build` for their order)."""
 
-    catalog: Catalog | RankCatalog
+    catalog: BuildCatalog
     layout: Layout
     enc: LoadedEncoder
     recipe: Recipe

@@ -25,7 +25,7 @@ from featbake.encode.sources import check_input_files, scan
 from featbake.errors import SourceError
 from featbake.keys import feature_key, root_id, sha256_hex
 from featbake.store.catalog import FileStat
-from featbake.store.serving_fragments import ServingStore
+from featbake.store.catalog_api import ServingStore
 
 __all__ = ["NO_STAT", "Index", "IndexSpec", "build_index"]
 

@@ -35,9 +35,10 @@ from featbake.serve.reads import Reads
 from featbake.serve.state import ProcessState
 from featbake.serve.writeback import pending_in_process
 from featbake.store.catalog import Catalog, FileStat
+from featbake.store.catalog_api import ServingStore
 from featbake.store.features import Parts
 from featbake.store.layout import Layout
-from featbake.store.serving_fragments import ServingStore, open_serving_catalog
+from featbake.store.serving_fragments import open_serving_catalog
 from featbake.store.writer import SealedShard
 
 __all__ = ["LiveEncoder", "Misses", "check_unchanged", "encode_inputs", "unpack"]

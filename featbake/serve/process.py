@@ -30,8 +30,9 @@ from torch.utils.data import get_worker_info
 
 from featbake.lru import ByteLRU, CacheInfo
 from featbake.store.catalog.connection import Access, access_for
+from featbake.store.catalog_api import ServingStore
 from featbake.store.layout import Layout
-from featbake.store.serving_fragments import ServingStore, open_serving_catalog
+from featbake.store.serving_fragments import open_serving_catalog
 
 __all__ = [
     "ServeStats",

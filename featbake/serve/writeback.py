@@ -29,8 +29,8 @@ import torch
 from featbake.errors import StoreError
 from featbake.perprocess import ProcessStamp
 from featbake.serve.process import Clock, ThreadCatalog
+from featbake.store.catalog_api import ServingStore
 from featbake.store.layout import Layout
-from featbake.store.serving_fragments import ServingStore
 from featbake.store.writer import SealedShard, ShardWriter
 
 __all__ = ["WRITEBACK_BYTES", "WRITEBACK_ITEMS", "WRITEBACK_SECONDS", "SealPolicy", "WriteBack"]

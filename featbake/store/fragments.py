@@ -1,21 +1,24 @@
-"""Catalog fragments: what one rank of a sharded build sealed, in a small file of its own.
+"""Catalog fragments: what one rank of a sharded build sealed, in a catalog of its own.
 
 A rank of ``featbake build --shard I/N`` (or under torchrun / a SLURM array) never writes the
 shared ``catalog.sqlite``: many writers on one SQLite file is what breaks on NFS and Lustre, and
 MosaicML streaming's maintainers refuse concurrent writes to a shared index for the same reason.
-Each rank writes its shards, then a *fragment* (a self-contained SQLite file) naming them:
+Each rank writes its shards, then a *fragment* naming them. A fragment is a catalog: the same
+tables, written by the same :class:`Catalog` (opened on the fragment's own file), so a row has
+one type and one writer wherever it lives (litdata and streaming likewise write each rank's
+index in the global index's own format). Beside the catalog's tables a fragment holds:
 
 ```
 fragments/<build>.r<rank>-of-<world>.<id>.<kind>.sqlite
-    meta     format, version, build id, rank, world, root, encoder, recipe, created
-    shards   name, bytes, encoder_fp, recipe_fp          (each sealed shard of this fragment)
-    entries  shard, key, part, dtype, shape, nbytes      (each tensor in them)
-    items    idx, path, key     ("done": this rank's slice of the root manifest; "serve": a
-                                 dataset's whole manifest, when the catalog's differs)
-    hashes   path, size, mtime_ns, inode, sha256, ctime_ns, recorded_ns
-                                                         (hash-cache rows this rank computed)
-    uses     key, used          (kind "serve" only: last-use times, seconds since the epoch)
+    meta      the catalog's schema_version, and the fragment's own: format, format_version,
+              kind, created, build id, rank, world, root, data, encoder, recipe
+    uses      key, used   (kind "serve" only: last-use times, seconds since the epoch)
 ```
+
+Its ``shards`` and ``features`` are the shards it sealed; ``roots``/``root_items`` its manifest
+(``done``: this rank's slice, at the whole build's indices; ``serve``: a dataset's manifest, when
+the catalog's differs); ``hash_cache`` the rows it computed, each with its recording time;
+``encoders`` the encoder, when it was loaded.
 
 A fragment is written to ``tmp/``, fsynced and renamed into ``fragments/`` (sealed by rename,
 like a shard), and is never changed after: readers open it with ``immutable=1``, which takes
@@ -27,8 +30,8 @@ into the catalog once every rank's ``done`` fragment is there.
 A ``serve`` fragment is what a dataset on a shared filesystem would have written to the catalog
 (store/serving_fragments.py): a write-back shard, last-use times, or the hash rows and root
 manifest it made at its start. Each stands alone (its own build id, rank 0 of 1) and is merged
-as soon as it is sealed. Format 2 added the ``uses`` table and the ``serve`` kind; fragments of
-format 1 are still read.
+as soon as it is sealed. Format 3 made a fragment a catalog; fragments of formats 1 and 2 (tables
+of their own) are still read (store/fragment_legacy.py).
 """
 
 from __future__ import annotations
@@ -47,25 +50,21 @@ from pathlib import Path
 from typing import NamedTuple
 from urllib.parse import quote
 
-from featbake.errors import StoreCorrupt, StoreError
-from featbake.store.catalog import FileStat
+from featbake.errors import ShardMissing, StoreCorrupt, StoreError
+from featbake.store.catalog import Catalog, HashCacheRow, Root, ShardFeature
+from featbake.store.catalog.roots import write_root_rows
+from featbake.store.catalog.rows import columns
+from featbake.store.fragment_legacy import FragmentRows, read_legacy_body
 from featbake.store.layout import Layout, fsync_dir
 from featbake.store.writer import SealedShard, ShardEntry
 
 FRAGMENT_FORMAT = "featbake-fragment"
-FRAGMENT_VERSION = 2
+FRAGMENT_VERSION = 3  # 3: a catalog (2: tables of its own, and ``uses``; 1: without ``uses``)
 SUFFIX = ".sqlite"
 
-_SCHEMA = (
-    "CREATE TABLE meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)",
-    "CREATE TABLE shards (name TEXT PRIMARY KEY, bytes INTEGER, encoder_fp TEXT, recipe_fp TEXT)",
-    "CREATE TABLE entries (shard TEXT, key TEXT, part TEXT, dtype TEXT, shape TEXT,"
-    " nbytes INTEGER)",
-    "CREATE TABLE items (idx INTEGER PRIMARY KEY, path TEXT, key TEXT)",
-    "CREATE TABLE hashes (path TEXT PRIMARY KEY, size INTEGER, mtime_ns INTEGER, inode INTEGER,"
-    " sha256 TEXT, ctime_ns INTEGER NOT NULL DEFAULT 0, recorded_ns INTEGER NOT NULL DEFAULT 0)",
-    "CREATE TABLE uses (key TEXT PRIMARY KEY, used REAL NOT NULL)",
-)
+#: The one table a fragment has beyond the catalog's: last uses recorded by a serving process,
+#: of features that may live in another fragment or in the catalog (merge folds them last).
+USES_DDL = "CREATE TABLE IF NOT EXISTS uses (key TEXT PRIMARY KEY, used REAL NOT NULL)"
 
 
 class FragmentKind(StrEnum):
@@ -83,19 +82,6 @@ class ManifestItem(NamedTuple):
     idx: int
     path: str
     key: str
-
-
-class HashRow(NamedTuple):
-    """A hash-cache row: the file ``path`` with ``stat`` hashed to ``sha256``.
-
-    ``recorded_ns`` is when the stat was taken (0: unknown, so never trusted); the catalog's racy
-    rule (:meth:`FileStat.racy`) applies to fragment rows as to its own.
-    """
-
-    path: str
-    stat: FileStat
-    sha256: str
-    recorded_ns: int = 0
 
 
 class Use(NamedTuple):
@@ -139,6 +125,13 @@ class BuildInfo:
             json.loads(meta["recipe"]),
         )
 
+    def root_row(self, items: int, now: float) -> Root:
+        """The ``roots`` row of this build's manifest (``items`` of them), published ``now``."""
+        return Root(
+            self.root, self.data, self.encoder_label, self.encoder_fp, self.recipe_fp,
+            self.recipe, items, now, now,
+        )  # fmt: skip
+
 
 @dataclass(frozen=True)
 class FragmentName:
@@ -161,7 +154,7 @@ class Fragment:
     created: float
     shards: tuple[SealedShard, ...]
     items: tuple[ManifestItem, ...]
-    hashes: tuple[HashRow, ...]
+    hashes: tuple[HashCacheRow, ...]
     uses: tuple[Use, ...] = ()
 
 
@@ -208,12 +201,13 @@ def write_fragment(
     kind: FragmentKind,
     shards: Sequence[SealedShard],
     items: Sequence[ManifestItem] = (),
-    hashes: Sequence[HashRow] = (),
+    hashes: Sequence[HashCacheRow] = (),
     uses: Sequence[Use] = (),
 ) -> Path:
     """Write a fragment to tmp/, fsync it and rename it into fragments/ (which seals it).
 
     Raises:
+        ShardMissing: a shard's file vanished before it was named (the writer writes it again).
         StoreError: the store is not writable.
     """
     final = fragments_dir(layout) / (
@@ -224,14 +218,16 @@ def write_fragment(
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
         layout.tmp.mkdir(parents=True, exist_ok=True)
-        _fill(tmp, info, kind, shards, items, hashes, uses)
+        _fill(layout, tmp, info, kind, shards, items, hashes, uses)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, final)
         fsync_dir(final.parent)
-    except (OSError, sqlite3.Error) as e:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             tmp.unlink()
+        if isinstance(e, ShardMissing) or not isinstance(e, OSError | sqlite3.Error | StoreError):
+            raise
         raise StoreError(
             f"could not write the catalog fragment {final}: {e}; check that the cache directory "
             "is writable and has space"
@@ -240,50 +236,40 @@ def write_fragment(
 
 
 def _fill(
+    layout: Layout,
     path: Path,
     info: BuildInfo,
     kind: FragmentKind,
     shards: Sequence[SealedShard],
     items: Sequence[ManifestItem],
-    hashes: Sequence[HashRow],
-    uses: Sequence[Use] = (),
+    hashes: Sequence[HashCacheRow],
+    uses: Sequence[Use],
 ) -> None:
-    # One writer, a file no one else sees until the rename: no journal is needed.
-    conn = sqlite3.connect(path, isolation_level=None)
-    try:
-        conn.execute("PRAGMA journal_mode=OFF")
-        conn.execute("BEGIN")
-        for stmt in _SCHEMA:
-            conn.execute(stmt)
-        meta = {
-            "format": FRAGMENT_FORMAT,
-            "format_version": str(FRAGMENT_VERSION),
-            "kind": kind.value,
-            "created": repr(time.time()),
-            **info.to_meta(),
-        }
-        conn.executemany("INSERT INTO meta VALUES (?, ?)", meta.items())
-        conn.executemany(
-            "INSERT INTO shards VALUES (?, ?, ?, ?)",
-            [(s.name, s.nbytes, s.encoder_fp, s.recipe_fp) for s in shards],
-        )
-        conn.executemany(
-            "INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?)",
-            [
-                (s.name, e.key, e.part, e.dtype, json.dumps(list(e.shape)), e.nbytes)
-                for s in shards
-                for e in s.entries
-            ],
-        )
-        conn.executemany("INSERT INTO items VALUES (?, ?, ?)", items)
-        conn.executemany(
-            "INSERT INTO hashes VALUES (?, ?, ?, ?, ?, ?, ?)",
-            [(h.path, *h.stat[:3], h.sha256, h.stat.ctime_ns, h.recorded_ns) for h in hashes],
-        )
-        conn.executemany("INSERT OR REPLACE INTO uses VALUES (?, ?)", uses)
-        conn.execute("COMMIT")
-    finally:
-        conn.close()
+    """Write the fragment's rows with the catalog's own writers (one file nobody sees yet)."""
+    created = time.time()
+    meta = {
+        "format": FRAGMENT_FORMAT,
+        "format_version": str(FRAGMENT_VERSION),
+        "kind": kind.value,
+        "created": repr(created),
+        **info.to_meta(),
+    }
+    with Catalog(layout, fragment=path) as cat:
+        with cat.transaction() as c:
+            c.executemany("INSERT OR REPLACE INTO meta(name, value) VALUES (?, ?)", meta.items())
+            c.execute(USES_DDL)
+            c.executemany("INSERT OR REPLACE INTO uses(key, used) VALUES (?, ?)", uses)
+            if items:
+                root = info.root_row(len(items), created)
+                pairs = [(i.path, i.key) for i in items]
+                write_root_rows(c, root, pairs, indices=[i.idx for i in items])
+        if info.encoder_kind:  # the encoder was loaded (a dataset may only know its fp)
+            cat.put_encoder_row(
+                info.encoder_fp, info.encoder_label, info.encoder_kind, created, created
+            )
+        for shard in shards:
+            cat.add_shard(shard, now=created)
+        cat.put_hash_rows(hashes)
 
 
 def _open_sealed(path: Path) -> sqlite3.Connection:
@@ -299,63 +285,74 @@ def read_fragment(path: Path, layout: Layout, *, with_entries: bool = True) -> F
         StoreCorrupt: not a readable featbake fragment (move it aside; rerun that rank).
     """
     try:
-        conn = _open_sealed(path)
-        try:
-            meta = dict(conn.execute("SELECT name, value FROM meta").fetchall())
+        with Catalog(layout, fragment=path, read_only=True) as cat:
+            meta = dict(cat.conn.execute("SELECT name, value FROM meta").fetchall())
             if meta.get("format") != FRAGMENT_FORMAT:
                 raise ValueError("not a featbake fragment")
-            entries: dict[str, list[ShardEntry]] = {}
-            shapes: dict[str, tuple[int, ...]] = {}  # many features share a shape: parse it once
-            if with_entries:
-                # In key order: the merge then inserts into the catalog's key index in order.
-                for shard, key, part, dtype, shape, nbytes in conn.execute(
-                    "SELECT shard, key, part, dtype, shape, nbytes FROM entries ORDER BY key, part"
-                ):
-                    dims = shapes.get(shape) or shapes.setdefault(shape, tuple(json.loads(shape)))
-                    entry = ShardEntry(key, part, dtype, dims, nbytes)
-                    entries.setdefault(shard, []).append(entry)
-            shards = tuple(
-                SealedShard(name, layout.shard_path(name), nbytes, efp, rfp, tuple(entries[name]))
-                if with_entries
-                else SealedShard(name, layout.shard_path(name), nbytes, efp, rfp, ())
-                for name, nbytes, efp, rfp in conn.execute("SELECT * FROM shards ORDER BY name")
-            )
-            items = tuple(
-                ManifestItem(*r) for r in conn.execute("SELECT * FROM items ORDER BY idx")
-            )
-            hashes = tuple(
-                HashRow(p, FileStat(size, mtime, inode, ctime), sha, recorded)
-                for p, size, mtime, inode, sha, ctime, recorded in conn.execute(
-                    "SELECT path, size, mtime_ns, inode, sha256, ctime_ns, recorded_ns FROM hashes"
-                )
-            )
-            uses = _read_uses(conn)
-        finally:
-            conn.close()
+            if int(meta["format_version"]) < 3:
+                body = read_legacy_body(cat.conn, layout, with_entries=with_entries)
+            else:
+                body = _read_body(cat, layout, with_entries=with_entries)
         kind = FragmentKind(meta["kind"])
-        created = float(meta["created"])
-        return Fragment(path, BuildInfo.from_meta(meta), kind, created, shards, items, hashes, uses)
-    except (sqlite3.Error, ValueError, KeyError) as e:
+        info = BuildInfo.from_meta(meta)
+        items = tuple(ManifestItem(*r) for r in body.items)
+        uses = tuple(Use(*r) for r in body.uses)
+        return Fragment(
+            path, info, kind, float(meta["created"]), body.shards, items, body.hashes, uses
+        )
+    except (sqlite3.Error, StoreError, ValueError, KeyError) as e:
         raise StoreCorrupt(
             f"catalog fragment {path} is unreadable ({e}); move it aside and rerun that rank "
             "(`featbake build --shard I/N`): its shards are then written again"
         ) from e
 
 
-def _read_uses(conn: sqlite3.Connection) -> tuple[Use, ...]:
-    """The ``uses`` rows (none in a format 1 fragment, which has no such table)."""
-    if not conn.execute("SELECT 1 FROM sqlite_master WHERE name='uses'").fetchone():
-        return ()
-    return tuple(Use(*r) for r in conn.execute("SELECT key, used FROM uses ORDER BY key"))
+def _read_body(cat: Catalog, layout: Layout, *, with_entries: bool) -> FragmentRows:
+    """A format 3 fragment's rows, read with the catalog's own queries."""
+    shapes: dict[str, tuple[int, ...]] = {}  # many tensors share a shape: parse each once
+
+    def entry(f: ShardFeature) -> ShardEntry:
+        shape = shapes.get(f.shape) or shapes.setdefault(f.shape, tuple(json.loads(f.shape)))
+        return ShardEntry(f.key, f.part, f.dtype, shape, f.nbytes)
+
+    shards = tuple(
+        SealedShard(
+            row.name,
+            layout.shard_path(row.name),
+            row.bytes,
+            row.encoder_fp,
+            row.recipe_fp,
+            tuple(map(entry, cat.features_of_shard(row.id))) if with_entries else (),
+        )
+        for row in cat.shard_rows()
+    )
+    conn = cat.conn
+    items = tuple(conn.execute("SELECT idx, path, key FROM root_items ORDER BY idx"))
+    hashes = tuple(
+        HashCacheRow._make(r)
+        for r in conn.execute(f"SELECT {columns(HashCacheRow)} FROM hash_cache ORDER BY path")
+    )
+    uses = tuple(conn.execute("SELECT key, used FROM uses ORDER BY key"))
+    return FragmentRows(shards, items, hashes, uses)
+
+
+def _keys_of(conn: sqlite3.Connection) -> list[str]:
+    """The keys a sealed fragment stores tensors of (any format)."""
+    has = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    table = "features" if "features" in has else "entries"  # format 3, or formats 1 and 2
+    return [r[0] for r in conn.execute(f"SELECT DISTINCT key FROM {table}")]
 
 
 def fragment_keys(paths: Iterable[Path]) -> set[str]:
     """The keys with a stored tensor in these sealed fragments."""
     keys: set[str] = set()
     for path in paths:
-        conn = _open_sealed(path)
         try:
-            keys.update(r[0] for r in conn.execute("SELECT DISTINCT key FROM entries"))
+            conn = _open_sealed(path)
+        except sqlite3.Error:
+            continue  # merged and removed since the listing: its keys are in the catalog now
+        try:
+            keys.update(_keys_of(conn))
         except sqlite3.Error:
             continue  # unreadable: its keys are simply encoded again
         finally:

@@ -30,13 +30,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from featbake.errors import ShardMissing, StoreCorrupt
-from featbake.store.catalog import Catalog, FileStat
+from featbake.store.catalog import Catalog, HashCacheRow
 from featbake.store.fragments import (
     BuildInfo,
     Fragment,
     FragmentKind,
     FragmentName,
-    HashRow,
     ManifestItem,
     fragments_dir,
     read_fragment,
@@ -262,11 +261,7 @@ def _fold_serving(catalog: Catalog, frags: list[Fragment], report: MergeReport) 
     report.serving_fragments += len(frags)
 
 
-def put_fragment_hashes(catalog: Catalog, rows: list[HashRow]) -> None:
+def put_fragment_hashes(catalog: Catalog, rows: list[HashCacheRow]) -> None:
     """Fold fragment hash rows into the catalog, each with the time its stat was taken."""
-    by_time: dict[int, list[tuple[str, FileStat, str]]] = {}
-    for h in rows:
-        if h.recorded_ns > 0:  # unknown: the file is simply hashed again next time
-            by_time.setdefault(h.recorded_ns, []).append((h.path, h.stat, h.sha256))
-    for recorded_ns, group in by_time.items():
-        catalog.put_hashes(group, recorded_ns=recorded_ns)
+    # A row recorded at an unknown time is left out: its file is simply hashed again.
+    catalog.put_hash_rows(h for h in rows if h.recorded_ns > 0)

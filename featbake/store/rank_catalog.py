@@ -14,11 +14,10 @@ import time
 from collections.abc import Iterable, Sequence
 
 from featbake.errors import StoreError
-from featbake.store.catalog import Catalog, FileStat, HashEntry
+from featbake.store.catalog import Catalog, FileStat, HashCacheRow, HashEntry
 from featbake.store.fragments import (
     BuildInfo,
     FragmentKind,
-    HashRow,
     ManifestItem,
     build_id,
     fragment_keys,
@@ -64,7 +63,7 @@ class RankCatalog:
         self._catalog = Catalog(layout, read_only=True) if layout.catalog.exists() else None
         self._encoder = ("", "")
         self._items: list[ManifestItem] = []
-        self._hashes: dict[str, HashRow] = {}
+        self._hashes: dict[str, HashCacheRow] = {}
         self._pending: list[SealedShard] = []
         self._lock = threading.Lock()
 
@@ -73,8 +72,9 @@ class RankCatalog:
         out = self._catalog.cached_hashes(paths) if self._catalog else {}
         for p in paths:
             h = self._hashes.get(p)
-            if h is not None and not h.stat.racy(h.recorded_ns):
-                out[p] = HashEntry(h.stat, h.sha256)
+            entry = h.trusted() if h is not None else None
+            if entry is not None:
+                out[p] = entry
         return out
 
     def present_keys(self, keys: Sequence[str]) -> set[str]:
@@ -93,7 +93,7 @@ class RankCatalog:
         """Hold hash rows for the ``done`` fragment (``recorded_ns``: when the stats were taken)."""
         recorded = time.time_ns() if recorded_ns is None else recorded_ns
         for p, st, sha in rows:
-            self._hashes[p] = HashRow(p, st, sha, recorded)
+            self._hashes[p] = HashCacheRow.of(p, st, sha, recorded)
 
     def record_encoder(self, fp: str, label: str, kind: str, now: float | None = None) -> None:
         self._encoder = (label, kind)

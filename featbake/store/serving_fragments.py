@@ -27,13 +27,20 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
 from featbake.errors import ShardMissing, StoreCorrupt, StoreError
-from featbake.store.catalog import Catalog, HashEntry, Location, Root, RootItem
-from featbake.store.catalog import HashRow as CatalogHashRow
+from featbake.store.catalog import (
+    Catalog,
+    HashCacheRow,
+    HashEntry,
+    HashRow,
+    Location,
+    Root,
+    RootItem,
+)
+from featbake.store.catalog_api import ServingStore
 from featbake.store.filesystem import announce, detect
 from featbake.store.fragments import (
     BuildInfo,
     FragmentKind,
-    HashRow,
     ManifestItem,
     Use,
     read_fragment,
@@ -96,7 +103,7 @@ class FragmentServingCatalog:
         self._found: dict[str, list[Location]] = {}  # key -> its tensors in unmerged fragments
         self._seen: set[str] = set()  # fragment files already read
         self._listed = float("-inf")
-        self._hashes: dict[str, HashRow] = {}
+        self._hashes: dict[str, HashCacheRow] = {}
         self._encoder: tuple[str, str, str] | None = None  # fp, label, kind
         self._root: tuple[Root, list[ManifestItem]] | None = None
 
@@ -198,13 +205,13 @@ class FragmentServingCatalog:
             self._seal((), uses)
 
     def put_hashes(
-        self, rows: Iterable[CatalogHashRow | tuple], *, recorded_ns: int | None = None
+        self, rows: Iterable[HashRow | tuple], *, recorded_ns: int | None = None
     ) -> None:
         """Hold hash rows for the next fragment; racy ones are dropped (never trusted anyway)."""
         recorded = time.time_ns() if recorded_ns is None else recorded_ns
-        for path, stat, sha in map(CatalogHashRow._make, rows):
+        for path, stat, sha in map(HashRow._make, rows):
             if not stat.racy(recorded):
-                self._hashes[path] = HashRow(path, stat, sha, recorded)
+                self._hashes[path] = HashCacheRow.of(path, stat, sha, recorded)
 
     def record_encoder(self, fp: str, label: str, kind: str, now: float | None = None) -> None:
         self._encoder = (fp, label, kind)
@@ -248,7 +255,3 @@ class FragmentServingCatalog:
         hashes = list(self._hashes.values())
         write_fragment(self.layout, info, FragmentKind.SERVE, shards, items, hashes, uses)
         self._hashes, self._encoder, self._root = {}, None, None
-
-
-#: What serving reads and adds to: the catalog, or its stand-in on a shared filesystem.
-ServingStore = Catalog | FragmentServingCatalog

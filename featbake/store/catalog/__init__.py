@@ -14,6 +14,8 @@ Example:
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from featbake.store.catalog.connection import READ_ONLY_ENV, Access, CatalogConnection, Transaction
 from featbake.store.catalog.features import FeatureReads, FeatureWrites
 from featbake.store.catalog.maintenance import (
@@ -75,9 +77,10 @@ class Catalog(
         timeout: float = 60.0,
         read_only: bool = False,
         rebuild: bool = False,
+        fragment: Path | None = None,
     ) -> None:
         CatalogConnection.__init__(
-            self, layout, timeout=timeout, read_only=read_only, rebuild=rebuild
+            self, layout, timeout=timeout, read_only=read_only, rebuild=rebuild, fragment=fragment
         )
 
 

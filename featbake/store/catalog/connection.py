@@ -157,14 +157,23 @@ class CatalogConnection:
         timeout: float = 60.0,
         read_only: bool = False,
         rebuild: bool = False,
+        fragment: Path | None = None,
     ) -> None:
         self.layout = layout
-        self.path = layout.catalog
+        # A fragment (store/fragments.py) is a catalog in a file of its own: written by one
+        # process before it is sealed by a rename, read as an immutable snapshot after.
+        self.fragment = fragment
+        self.path = layout.catalog if fragment is None else fragment
         self.timeout = timeout
         self.read_only_requested = read_only
-        self.access = access_for(layout, read_only=read_only)
+        self.access = self._access()
         self.rebuild = rebuild  # verify --repair makes a new catalog beside surviving shards
         self._local = threading.local()
+
+    def _access(self) -> Access:
+        if self.fragment is None:
+            return access_for(self.layout, read_only=self.read_only_requested)
+        return Access.IMMUTABLE if self.read_only_requested else Access.READ_WRITE
 
     @property
     def read_only(self) -> bool:
@@ -197,11 +206,13 @@ class CatalogConnection:
             INHERITED_ACROSS_FORK.append(conn)
 
     def _connect(self) -> sqlite3.Connection:
-        if self.access is Access.READ_WRITE and not self.path.exists():
+        if self.fragment is None and self.access is Access.READ_WRITE and not self.path.exists():
             self.layout.refuse_fresh_catalog(allow=self.rebuild)
         try:
             conn = self._open()
-            ensure_schema(conn, self.path, writable=self.access is Access.READ_WRITE)
+            # A sealed fragment is read by column name whatever schema version wrote it.
+            if self.fragment is None or self.access is Access.READ_WRITE:
+                ensure_schema(conn, self.path, writable=self.access is Access.READ_WRITE)
         except sqlite3.DatabaseError as e:
             raise self.unreadable(e) from e
         return conn
@@ -233,7 +244,11 @@ class CatalogConnection:
             uri = f"file:{urllib.parse.quote(str(self.path.absolute()))}?{flag}"
             conn = sqlite3.connect(uri, uri=True, timeout=self.timeout, isolation_level=None)
         conn.execute(f"PRAGMA busy_timeout={int(self.timeout * 1000)}")
-        if self.access is Access.READ_WRITE:
+        if self.fragment is not None and self.access is Access.READ_WRITE:
+            # One writer, a file no one sees until it is fsynced and renamed: no journal needed.
+            conn.execute("PRAGMA journal_mode=OFF")
+            conn.execute("PRAGMA synchronous=OFF")
+        elif self.access is Access.READ_WRITE:
             set_journal_mode(conn, self.path, self.timeout)  # WAL, or DELETE on a shared FS
             # NORMAL in WAL mode: a power cut may lose the last commits, never corrupt the file;
             # a lost row only means a feature is encoded again (the shard itself was fsynced).
@@ -261,7 +276,7 @@ class CatalogConnection:
         self.__dict__.update(state)
         self._local = threading.local()
         # Another process (or machine) may see the store differently: look again.
-        self.access = access_for(self.layout, read_only=self.read_only_requested)
+        self.access = self._access()
 
     # -- transactions ------------------------------------------------------------------------
     @contextmanager

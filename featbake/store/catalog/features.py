@@ -229,10 +229,12 @@ class FeatureWrites(CatalogConnection):
                 not trusted later (see :meth:`FileStat.racy`).
         """
         recorded = time.time_ns() if recorded_ns is None else recorded_ns
-        data = [
-            HashCacheRow(p, st.size, st.mtime_ns, st.inode, st.ctime_ns, sha, recorded)
-            for p, st, sha in map(HashRow._make, rows)
-        ]
+        self.put_hash_rows(HashCacheRow.of(*row, recorded) for row in map(HashRow._make, rows))
+
+    def put_hash_rows(self, rows: Iterable[HashCacheRow]) -> None:
+        """Store hash-cache rows as given, each with its own recording time (a fragment's rows
+        being merged); a row for the same path is replaced. Skipped read-only."""
+        data = list(rows)
         if not data or self.read_only:
             return
         with self.transaction() as c:

@@ -162,17 +162,24 @@ def read_root_file(path: Path) -> tuple[Root, list[RootItem]]:
 
 
 def write_root_rows(
-    c: Transaction, root: Root, items: Sequence[tuple[str, str]], *, first: int = 0
+    c: Transaction,
+    root: Root,
+    items: Sequence[tuple[str, str]],
+    *,
+    first: int = 0,
+    indices: Sequence[int] | None = None,
 ) -> None:
     """Write a root's row, and ``items`` as its items from index ``first`` on (the only writer
-    of both; ``first`` > 0 appends to the items already there)."""
+    of both; ``first`` > 0 appends to the items already there). ``indices`` gives each item's
+    index instead (a rank's fragment holds its slice of the whole build's manifest)."""
     c.execute(
         f"INSERT OR REPLACE INTO roots({', '.join(Root.COLUMNS)}) VALUES (?,?,?,?,?,?,?,?,?)",
         root.row(),
     )
+    where = range(first, first + len(items)) if indices is None else indices
     c.executemany(
         "INSERT INTO root_items(root, idx, path, key) VALUES (?,?,?,?)",
-        [(root.name, i, p, k) for i, (p, k) in enumerate(items, start=first)],
+        [(root.name, i, p, k) for i, (p, k) in zip(where, items, strict=True)],
     )
 
 

@@ -92,6 +92,11 @@ class HashCacheRow(NamedTuple):
     sha256: str
     recorded_ns: int
 
+    @classmethod
+    def of(cls, path: str, stat: FileStat, sha256: str, recorded_ns: int) -> HashCacheRow:
+        """The row: ``path`` with ``stat`` hashed to ``sha256``, stat taken at ``recorded_ns``."""
+        return cls(path, stat.size, stat.mtime_ns, stat.inode, stat.ctime_ns, sha256, recorded_ns)
+
     @property
     def stat(self) -> FileStat:
         return FileStat(self.size, self.mtime_ns, self.inode, self.ctime_ns)
