@@ -44,7 +44,7 @@ def accepts_lengths(module: Any) -> bool:
 
 
 @dataclass(frozen=True)
-class PaddedBatch:
+class PaddedInputs:
     """Inputs zero-padded on the right to the longest, with each row's valid length."""
 
     inputs: torch.Tensor
@@ -56,7 +56,7 @@ class PaddedBatch:
         return int(self.inputs.numel())
 
 
-def pad_inputs(inputs: Sequence[torch.Tensor], *, pinned: bool = False) -> PaddedBatch:
+def pad_inputs(inputs: Sequence[torch.Tensor], *, pinned: bool = False) -> PaddedInputs:
     """Stack inputs of different last-dimension lengths into one zero-padded batch.
 
     Args:
@@ -76,7 +76,7 @@ def pad_inputs(inputs: Sequence[torch.Tensor], *, pinned: bool = False) -> Padde
     for row, (x, n) in enumerate(zip(inputs, lengths, strict=True)):
         batch[row, ..., :n] = x
         batch[row, ..., n:] = 0
-    return PaddedBatch(batch, torch.tensor(lengths, dtype=torch.int64))
+    return PaddedInputs(batch, torch.tensor(lengths, dtype=torch.int64))
 
 
 def split_lengths_result(result: Any, rows: int) -> tuple[Any, torch.Tensor]:
