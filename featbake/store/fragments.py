@@ -156,6 +156,7 @@ class Fragment:
     items: tuple[ManifestItem, ...]
     hashes: tuple[HashCacheRow, ...]
     uses: tuple[Use, ...] = ()
+    format_version: int = FRAGMENT_VERSION
 
 
 def build_id(root: str, encoder_fp: str, recipe_fp: str, world: int, listing: Iterable) -> str:
@@ -297,9 +298,8 @@ def read_fragment(path: Path, layout: Layout, *, with_entries: bool = True) -> F
         info = BuildInfo.from_meta(meta)
         items = tuple(ManifestItem(*r) for r in body.items)
         uses = tuple(Use(*r) for r in body.uses)
-        return Fragment(
-            path, info, kind, float(meta["created"]), body.shards, items, body.hashes, uses
-        )
+        created, version = float(meta["created"]), int(meta["format_version"])
+        return Fragment(path, info, kind, created, body.shards, items, body.hashes, uses, version)
     except (sqlite3.Error, StoreError, ValueError, KeyError) as e:
         raise StoreCorrupt(
             f"catalog fragment {path} is unreadable ({e}); move it aside and rerun that rank "
