@@ -29,10 +29,8 @@ from featbake.store.writer import SealedShard, ShardEntry
 CHUNK = 500  # keys per IN (...) query, far below SQLite's variable limit
 
 #: The one statement that adds feature rows from Python values (a build, write-back).
-INSERT_FEATURES = (
-    "INSERT OR IGNORE INTO features(key, part, shard_id, dtype, shape, nbytes, last_used)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?)"
-)
+FEATURE_COLUMNS = "key, part, shard_id, dtype, shape, nbytes, last_used"
+INSERT_FEATURES = f"INSERT OR IGNORE INTO features({FEATURE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)"
 
 
 class ShardSize(NamedTuple):
@@ -134,7 +132,7 @@ def repoint_lost_rows(c: Transaction, layout: Layout, shard: SealedShard, shard_
 
 @dataclass
 class FragmentRowsAdded:
-    """What :meth:`FeatureWrites.add_fragment_shards` added: feature rows, shards, and the
+    """What :meth:`FeatureRows.add_fragment_shards` added: feature rows, shards, and the
     shards whose files were gone."""
 
     features: int = 0
@@ -148,8 +146,7 @@ def _copy_from(schema: str, fragment_shard_id: int) -> RowCopy:
 
     def copy(c: Transaction, shard_id: int) -> None:
         c.execute(
-            "INSERT OR IGNORE INTO main.features"
-            "(key, part, shard_id, dtype, shape, nbytes, last_used)"
+            f"INSERT OR IGNORE INTO main.features({FEATURE_COLUMNS})"
             f" SELECT key, part, ?, dtype, shape, nbytes, last_used FROM {schema}.features"
             " WHERE shard_id = ? ORDER BY key, part",
             (shard_id, fragment_shard_id),
@@ -177,15 +174,17 @@ def _entries_from(
     return entries
 
 
-class FeatureReads(CatalogConnection):
-    """Lookups: where a key's tensors are, which keys are stored, what the hash cache knows."""
+class FeatureRows(CatalogConnection):
+    """Feature rows, the hash cache and encoders: where a key's tensors are, which keys are
+    stored, what the hash cache knows; and what builds and write-back add (shards with their
+    feature rows, hashes, encoders, last use)."""
 
     def present_keys(self, keys: Sequence[str]) -> set[str]:
         """The subset of ``keys`` that are stored: cataloged, in shard files that exist.
 
         A key whose shard file is gone although rows still name it (deleted by hand, lost in a
         partial copy of the store) is not present: a build encodes it again, and
-        :meth:`FeatureWrites.add_shard` points its rows at the new copy. One ``stat`` per
+        :meth:`FeatureRows.add_shard` points its rows at the new copy. One ``stat`` per
         distinct shard of the keys found.
         """
         shards_of: dict[str, set[int]] = {}
@@ -253,9 +252,7 @@ class FeatureReads(CatalogConnection):
                     out[row[0]] = entry
         return out
 
-
-class FeatureWrites(CatalogConnection):
-    """What builds and write-back add: shards with their feature rows, hashes, encoders, use."""
+    # -- writes --------------------------------------------------------------------------------
 
     def add_shard(self, shard: SealedShard, now: float | None = None) -> int:
         """Record a sealed shard and its features in one transaction; returns new feature rows.

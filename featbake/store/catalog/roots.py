@@ -183,8 +183,22 @@ def write_root_rows(
     )
 
 
-class RootReads(CatalogConnection):
-    """Reading roots and their manifests."""
+def _named_keys(c: Transaction, name: str, keys: Sequence[str]) -> set[str]:
+    """Which of ``keys`` root ``name`` names already (through the key index: no item scan)."""
+    named: set[str] = set()
+    for s in range(0, len(keys), 500):  # well under SQLite's bound on parameters
+        chunk = keys[s : s + 500]
+        marks = ",".join("?" * len(chunk))
+        rows = c.execute(
+            f"SELECT key FROM root_items WHERE key IN ({marks}) AND root=?", (*chunk, name)
+        )
+        named.update(k for (k,) in rows)
+    return named
+
+
+class RootRows(CatalogConnection):
+    """Roots and their manifests: reading them, publishing them (builds, datasets,
+    CachedEncoder: never a delete of features) and dropping them (gc, ``featbake roots drop``)."""
 
     def root(self, name: str) -> Root | None:
         """The root named ``name``, or None."""
@@ -200,9 +214,7 @@ class RootReads(CatalogConnection):
         """A root's manifest: (relative path, key) in file order."""
         return [RootItem._make(r) for r in self.conn.execute(ITEMS_SELECT, (name,))]
 
-
-class RootWrites(CatalogConnection):
-    """Publishing roots: what builds, datasets and CachedEncoder do (never a delete of features)."""
+    # -- publishing ----------------------------------------------------------------------------
 
     def replace_root(
         self,
@@ -296,22 +308,7 @@ class RootWrites(CatalogConnection):
                 write_root_file(self.layout, root, items)
         return len(new)
 
-
-def _named_keys(c: Transaction, name: str, keys: Sequence[str]) -> set[str]:
-    """Which of ``keys`` root ``name`` names already (through the key index: no item scan)."""
-    named: set[str] = set()
-    for s in range(0, len(keys), 500):  # well under SQLite's bound on parameters
-        chunk = keys[s : s + 500]
-        marks = ",".join("?" * len(chunk))
-        rows = c.execute(
-            f"SELECT key FROM root_items WHERE key IN ({marks}) AND root=?", (*chunk, name)
-        )
-        named.update(k for (k,) in rows)
-    return named
-
-
-class RootDrops(CatalogConnection):
-    """Dropping roots (gc, ``featbake roots drop``): not part of the serving view."""
+    # -- dropping ------------------------------------------------------------------------------
 
     def drop_root(
         self,
