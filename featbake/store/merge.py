@@ -214,16 +214,7 @@ def _publish_root(
     catalog: Catalog, info: BuildInfo, items: Sequence[ManifestItem], now: float
 ) -> None:
     """Replace the root a fragment's ``info`` names with ``items`` (path, key), used at ``now``."""
-    catalog.replace_root(
-        info.root,
-        data=info.data,
-        encoder_label=info.encoder_label,
-        encoder_fp=info.encoder_fp,
-        recipe_fp=info.recipe_fp,
-        recipe=info.recipe,
-        items=[(i.path, i.key) for i in items],
-        now=now,
-    )
+    catalog.replace_root(info.root_spec, [(i.path, i.key) for i in items], now=now)
 
 
 def _read(path: Path, layout: Layout) -> Fragment:

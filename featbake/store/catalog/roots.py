@@ -16,7 +16,7 @@ from pathlib import Path
 
 from featbake.errors import StoreCorrupt, StoreError
 from featbake.store.catalog.connection import CatalogConnection, Transaction
-from featbake.store.catalog.rows import Root, RootItem, columns
+from featbake.store.catalog.rows import Root, RootItem, RootSpec, columns
 from featbake.store.layout import Layout, fsync_dir
 
 ROOT_FORMAT = "featbake-root"
@@ -217,32 +217,15 @@ class RootRows(CatalogConnection):
     # -- publishing ----------------------------------------------------------------------------
 
     def replace_root(
-        self,
-        name: str,
-        *,
-        data: str,
-        encoder_label: str,
-        encoder_fp: str,
-        recipe_fp: str,
-        recipe: dict,
-        items: Sequence[tuple[str, str]],
-        now: float | None = None,
+        self, spec: RootSpec, items: Sequence[tuple[str, str]], now: float | None = None
     ) -> None:
-        """Replace root ``name``'s manifest with ``items`` ((relative path, key), in order)."""
+        """Replace root ``spec.name``'s manifest with ``items`` ((relative path, key), in
+        order)."""
         now = time.time() if now is None else now
+        name = spec.name
         with self.transaction() as c:
             old = c.execute("SELECT created FROM roots WHERE name=?", (name,)).fetchone()
-            root = Root(
-                name=name,
-                data=data,
-                encoder_label=encoder_label,
-                encoder_fp=encoder_fp,
-                recipe_fp=recipe_fp,
-                recipe=recipe,
-                items=len(items),
-                created=old[0] if old else now,
-                last_used=now,
-            )
+            root = spec.root(len(items), old[0] if old else now, now)
             c.execute("DELETE FROM root_items WHERE root=?", (name,))
             write_root_rows(c, root, items)
             # The manifest file is what `verify --repair` rebuilds roots from (roots are not in
@@ -250,18 +233,7 @@ class RootRows(CatalogConnection):
             # root cannot leave the file and the row disagreeing.
             write_root_file(self.layout, root, items)
 
-    def extend_root(
-        self,
-        name: str,
-        *,
-        data: str,
-        encoder_label: str,
-        encoder_fp: str,
-        recipe_fp: str,
-        recipe: dict,
-        keys: Sequence[str],
-        now: float | None = None,
-    ) -> int:
+    def extend_root(self, spec: RootSpec, keys: Sequence[str], now: float | None = None) -> int:
         """Append ``keys`` not yet named to root ``name`` (made if absent); returns how many.
 
         For writers with no data folder to rebuild a manifest from (``CachedEncoder``): what
@@ -273,11 +245,12 @@ class RootRows(CatalogConnection):
         read or rewritten (which made a CachedEncoder's write-back quadratic in its root).
 
         Example:
-            >>> cat.extend_root("cached-encoder-3f1c", data="cached-encoder:3f1c",
-            ...     encoder_label="MyEncoder", encoder_fp=fp, recipe_fp=rfp, recipe={},
-            ...     keys=["9a..."])  # doctest: +SKIP
+            >>> spec = RootSpec("cached-encoder-3f1c", "cached-encoder:3f1c", "MyEncoder",
+            ...     fp, rfp, {})  # doctest: +SKIP
+            >>> cat.extend_root(spec, ["9a..."])  # doctest: +SKIP
         """
         now = time.time() if now is None else now
+        name = spec.name
         wanted = list(dict.fromkeys(keys))
         with self.transaction() as c:
             old = c.execute("SELECT created FROM roots WHERE name=?", (name,)).fetchone()
@@ -289,17 +262,7 @@ class RootRows(CatalogConnection):
             first = c.execute(
                 "SELECT COALESCE(MAX(idx) + 1, 0) FROM root_items WHERE root=?", (name,)
             ).fetchone()[0]
-            root = Root(
-                name=name,
-                data=data,
-                encoder_label=encoder_label,
-                encoder_fp=encoder_fp,
-                recipe_fp=recipe_fp,
-                recipe=recipe,
-                items=first + len(new),
-                created=old[0] if old else now,
-                last_used=now,
-            )
+            root = spec.root(first + len(new), old[0] if old else now, now)
             write_root_rows(c, root, new, first=first)
             if first and root_file(self.layout, name).exists():
                 append_root_items(self.layout, name, new)  # what was added, not the manifest
