@@ -8,6 +8,7 @@ what is tested.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import sqlite3
@@ -22,9 +23,10 @@ import torch
 from featbake.bake.pipeline import build
 from featbake.store.catalog import Catalog
 from featbake.store.catalog.upkeep_queries import hash_cache_rows
-from featbake.store.fragments import FragmentKind, sealed_fragments
+from featbake.store.fragments import BuildInfo, FragmentKind, sealed_fragments, write_fragment
 from featbake.store.layout import Layout
 from featbake.store.merge import merge, pending_builds
+from featbake.store.writer import SealedShard, ShardEntry
 from featbake.testing import write_audio_folder
 from tests.conftest import REPO, live_features, run_cli
 from tests.helpers import assert_store_consistent, stored_features
@@ -280,3 +282,41 @@ def test_fragments_of_older_formats_are_still_merged(
     with Catalog(Layout(store)) as cat:  # the hash rows came over too
         assert len(hash_cache_rows(cat)) >= len(list(audio_dir.rglob("*.wav")))
     assert_equals_live(store, audio_dir, encoder_file)
+
+
+def test_a_merge_points_rows_of_a_lost_shard_file_at_the_new_copy(
+    tmp_path: Path, audio_dir: Path, encoder_file: Path
+) -> None:
+    """A catalog row naming a lost shard file, and a fragment holding that tensor in another
+    shard: the merge (rows copied through ATTACH) points the row at the new shard."""
+    store = tmp_path / "store"
+    layout = Layout(store)
+    build_parts(audio_dir, encoder_file, store, 2)
+    merge(layout)
+    with Catalog(layout) as cat:
+        lost = cat.shard_rows()[0]
+        entries = tuple(
+            ShardEntry(f.key, f.part, f.dtype, tuple(json.loads(f.shape)), f.nbytes)
+            for f in cat.features_of_shard(lost.id)
+        )
+    # The same bytes under another name stand for a shard another writer sealed meanwhile.
+    moved = hashlib.sha256(lost.name.encode()).hexdigest()
+    layout.shard_path(moved).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(layout.shard_path(lost.name), layout.shard_path(moved))
+    layout.shard_path(lost.name).unlink()
+    shard = SealedShard(
+        moved, layout.shard_path(moved), lost.bytes, lost.encoder_fp, lost.recipe_fp, entries
+    )
+    info = BuildInfo("c" * 32, 0, 1, "", "", "", "", lost.encoder_fp, "", {})
+    write_fragment(layout, info, FragmentKind.SERVE, [shard])
+
+    report = merge(layout)
+    assert report.new_features == len(entries) > 0
+    with Catalog(layout) as cat:
+        assert {loc.shard for e in entries for loc in cat.locate(e.key)} == {moved}
+        assert lost.name not in {s.name for s in cat.shard_rows()}
+        (root,) = cat.roots()
+    got = stored_features(store, root.name)
+    for rel, parts in got.items():
+        torch.testing.assert_close(parts[""], live_features(encoder_file, audio_dir / rel))
+    assert len(got) == len(list(audio_dir.rglob("*.wav")))

@@ -19,7 +19,7 @@ from featbake.serve.cached_encoder import CachedEncoder
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.serve.lastuse import TOUCH_FLUSH_SECONDS
 from featbake.serve.writeback import WRITEBACK_SECONDS
-from featbake.store.catalog import Catalog, read_root_file, root_file
+from featbake.store.catalog import Catalog, RootSpec, read_root_file, root_file
 from featbake.store.layout import Layout
 from featbake.testing import TinyConvEncoder, make_tone
 from featbake.upkeep.verify_repair import verify
@@ -233,9 +233,16 @@ def test_hits_go_on_when_files_cannot_grow(
 # -- issue 22 item 6: a CachedEncoder's root grows by what is sealed, not by its size -----------
 def _extend(cat: Catalog, keys: list[str]) -> int:
     return cat.extend_root(
-        "cached-encoder-x", data="cached-encoder:x", encoder_label="E", encoder_fp="e" * 64,
-        recipe_fp="r" * 64, recipe={}, keys=keys,
-    )  # fmt: skip
+        RootSpec(
+            "cached-encoder-x",
+            data="cached-encoder:x",
+            encoder_label="E",
+            encoder_fp="e" * 64,
+            recipe_fp="r" * 64,
+            recipe={},
+        ),
+        keys,
+    )
 
 
 def _steps_to_extend(cat: Catalog, keys: list[str]) -> int:

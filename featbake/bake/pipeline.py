@@ -41,7 +41,7 @@ from featbake.gcpause import gc_paused
 from featbake.keys import feature_key, root_id
 from featbake.progress import Progress
 from featbake.recipe import Recipe
-from featbake.store.catalog import FileStat
+from featbake.store.catalog import FileStat, RootSpec
 from featbake.store.catalog_api import BuildCatalog
 from featbake.store.features import Parts
 from featbake.store.layout import Layout, default_cache_dir
@@ -271,15 +271,11 @@ class _Bake:
         It names keys, not features, so readers can map index -> key (and gc keeps these keys
         live) while the features are still being encoded.
         """
-        self.catalog.replace_root(
-            self.report.root,
-            data=self.data_dir,
-            encoder_label=self.enc.label,
-            encoder_fp=self.report.encoder_fp,
-            recipe_fp=self.report.recipe_fp,
-            recipe=self.recipe.as_dict(),
-            items=self.manifest,
-        )
+        spec = RootSpec(
+            self.report.root, self.data_dir, self.enc.label, self.report.encoder_fp,
+            self.report.recipe_fp, self.recipe.as_dict(),
+        )  # fmt: skip
+        self.catalog.replace_root(spec, self.manifest)
 
     def encode_missing(self, todo: dict[str, str]) -> None:
         """Encode the keys the store lacks; a wrong option un-publishes the manifest."""

@@ -38,7 +38,7 @@ from featbake.keys import feature_key, recipe_fingerprint
 from featbake.lru import ByteLRU, CacheInfo
 from featbake.serve.identity import ModuleWatch, id_digest, row_digest
 from featbake.serve.writeback import WriteBack, pending_in_process
-from featbake.store.catalog import Catalog
+from featbake.store.catalog import Catalog, RootSpec
 from featbake.store.features import FeatureReader
 from featbake.store.layout import Layout, default_cache_dir
 from featbake.store.writer import SealedShard
@@ -86,15 +86,11 @@ def publish_with_root(label: str, catalog: Catalog, shard: SealedShard) -> None:
     drop` or `gc --older-than` retire it like any build's root.
     """
     fp = shard.encoder_fp
-    catalog.extend_root(
-        cached_encoder_root(fp, shard.recipe_fp),
-        data=f"cached-encoder:{fp[:12]}",
-        encoder_label=label,
-        encoder_fp=fp,
-        recipe_fp=shard.recipe_fp,
-        recipe=CACHED_ENCODER_RECIPE,
-        keys=sorted({e.key for e in shard.entries}),
-    )
+    spec = RootSpec(
+        cached_encoder_root(fp, shard.recipe_fp), f"cached-encoder:{fp[:12]}", label, fp,
+        shard.recipe_fp, CACHED_ENCODER_RECIPE,
+    )  # fmt: skip
+    catalog.extend_root(spec, sorted({e.key for e in shard.entries}))
     catalog.add_shard(shard)
 
 

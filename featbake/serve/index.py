@@ -24,7 +24,7 @@ from featbake.encode.fingerprints import hash_inputs, resolve_path
 from featbake.encode.sources import check_input_files, scan
 from featbake.errors import SourceError
 from featbake.keys import feature_key, root_id, sha256_hex
-from featbake.store.catalog import FileStat
+from featbake.store.catalog import FileStat, RootSpec
 from featbake.store.catalog_api import ServingStore
 
 __all__ = ["NO_STAT", "Index", "IndexSpec", "build_index"]
@@ -223,15 +223,8 @@ def _publish_root(
         and [tuple(x) for x in catalog.root_items(name)] == items
     ):
         return
-    catalog.replace_root(
-        name,
-        data=data,
-        encoder_label=spec.enc_label,
-        encoder_fp=spec.enc_fp,
-        recipe_fp=spec.recipe_fp,
-        recipe=spec.recipe,
-        items=items,
-    )
+    published = RootSpec(name, data, spec.enc_label, spec.enc_fp, spec.recipe_fp, spec.recipe)
+    catalog.replace_root(published, items)
 
 
 def raise_unreadable(bad: Sequence[str], failed: Mapping[str, str]) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
-from featbake.store.catalog import HashEntry, HashRow, Location, Root, RootItem
+from featbake.store.catalog import HashEntry, HashRow, Location, Root, RootItem, RootSpec
 from featbake.store.writer import SealedShard
 
 
@@ -30,16 +30,7 @@ class CatalogWrites(Protocol):
     def record_encoder(self, fp: str, label: str, kind: str, now: float | None = None) -> None: ...
 
     def replace_root(
-        self,
-        name: str,
-        *,
-        data: str,
-        encoder_label: str,
-        encoder_fp: str,
-        recipe_fp: str,
-        recipe: dict,
-        items: Sequence[tuple[str, str]],
-        now: float | None = None,
+        self, spec: RootSpec, items: Sequence[tuple[str, str]], now: float | None = None
     ) -> None: ...
 
     def add_shard(self, shard: SealedShard, now: float | None = None) -> int: ...

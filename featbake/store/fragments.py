@@ -51,7 +51,7 @@ from typing import NamedTuple
 from urllib.parse import quote
 
 from featbake.errors import ShardMissing, StoreCorrupt, StoreError
-from featbake.store.catalog import Catalog, HashCacheRow, Root, ShardFeature
+from featbake.store.catalog import Catalog, HashCacheRow, RootSpec, ShardFeature
 from featbake.store.catalog.roots import write_root_rows
 from featbake.store.catalog.rows import columns
 from featbake.store.fragment_legacy import FragmentRows, read_legacy_body
@@ -125,12 +125,20 @@ class BuildInfo:
             json.loads(meta["recipe"]),
         )
 
-    def root_row(self, items: int, now: float) -> Root:
-        """The ``roots`` row of this build's manifest (``items`` of them), published ``now``."""
-        return Root(
-            self.root, self.data, self.encoder_label, self.encoder_fp, self.recipe_fp,
-            self.recipe, items, now, now,
+    @classmethod
+    def of(cls, build: str, rank: int, world: int, spec: RootSpec, encoder_kind: str) -> BuildInfo:
+        """The info of rank ``rank`` of ``world`` of build ``build`` of the root ``spec``."""
+        return cls(
+            build, rank, world, spec.name, spec.data, spec.encoder_label, encoder_kind,
+            spec.encoder_fp, spec.recipe_fp, spec.recipe,
         )  # fmt: skip
+
+    @property
+    def root_spec(self) -> RootSpec:
+        """The root this build publishes."""
+        return RootSpec(
+            self.root, self.data, self.encoder_label, self.encoder_fp, self.recipe_fp, self.recipe
+        )
 
 
 @dataclass(frozen=True)
@@ -156,6 +164,7 @@ class Fragment:
     items: tuple[ManifestItem, ...]
     hashes: tuple[HashCacheRow, ...]
     uses: tuple[Use, ...] = ()
+    format_version: int = FRAGMENT_VERSION
 
 
 def build_id(root: str, encoder_fp: str, recipe_fp: str, world: int, listing: Iterable) -> str:
@@ -260,7 +269,7 @@ def _fill(
             c.execute(USES_DDL)
             c.executemany("INSERT OR REPLACE INTO uses(key, used) VALUES (?, ?)", uses)
             if items:
-                root = info.root_row(len(items), created)
+                root = info.root_spec.root(len(items), created, created)
                 pairs = [(i.path, i.key) for i in items]
                 write_root_rows(c, root, pairs, indices=[i.idx for i in items])
         if info.encoder_kind:  # the encoder was loaded (a dataset may only know its fp)
@@ -297,9 +306,8 @@ def read_fragment(path: Path, layout: Layout, *, with_entries: bool = True) -> F
         info = BuildInfo.from_meta(meta)
         items = tuple(ManifestItem(*r) for r in body.items)
         uses = tuple(Use(*r) for r in body.uses)
-        return Fragment(
-            path, info, kind, float(meta["created"]), body.shards, items, body.hashes, uses
-        )
+        created, version = float(meta["created"]), int(meta["format_version"])
+        return Fragment(path, info, kind, created, body.shards, items, body.hashes, uses, version)
     except (sqlite3.Error, StoreError, ValueError, KeyError) as e:
         raise StoreCorrupt(
             f"catalog fragment {path} is unreadable ({e}); move it aside and rerun that rank "

@@ -147,7 +147,7 @@ def merge(layout: Layout, *, between: Callable[[str], None] | None = None) -> Me
     # those inserts from re-reading the same B-tree pages (this connection only, freed at close).
     catalog.conn.execute("PRAGMA cache_size=-262144")
     try:
-        frags = {b: [read_fragment(n.path, layout) for n in names] for b, names in complete.items()}
+        frags = {b: [_read(n.path, layout) for n in names] for b, names in complete.items()}
         # Oldest build first, so a newer build of the same root publishes its manifest last.
         for bid in sorted(frags, key=lambda b: max(f.created for f in frags[b])):
             _fold_build(catalog, frags[bid], report, between)
@@ -186,12 +186,7 @@ def _fold_build(
     if between:
         between("root")
     for f in frags:
-        for shard in f.shards:
-            try:
-                report.new_features += catalog.add_shard(shard, now=f.created)
-                report.shards += 1
-            except ShardMissing:
-                report.missing_shards.append(shard.name)
+        _add_shards(catalog, f, report)
     if between:
         between("rows")
     put_fragment_hashes(catalog, [h for f in frags for h in f.hashes])
@@ -199,20 +194,32 @@ def _fold_build(
         between("hashes")
 
 
+def _add_shards(catalog: Catalog, f: Fragment, report: MergeReport) -> None:
+    """Add a fragment's shards and their rows to the catalog (first row wins, as in a build)."""
+    if f.format_version >= 3:  # a catalog: its rows are copied through ATTACH
+        added = catalog.add_fragment_shards(f.path)
+        report.new_features += added.features
+        report.shards += added.shards
+        report.missing_shards += added.missing
+        return
+    for shard in read_fragment(f.path, catalog.layout).shards:  # formats 1 and 2
+        try:
+            report.new_features += catalog.add_shard(shard, now=f.created)
+            report.shards += 1
+        except ShardMissing:
+            report.missing_shards.append(shard.name)
+
+
 def _publish_root(
     catalog: Catalog, info: BuildInfo, items: Sequence[ManifestItem], now: float
 ) -> None:
     """Replace the root a fragment's ``info`` names with ``items`` (path, key), used at ``now``."""
-    catalog.replace_root(
-        info.root,
-        data=info.data,
-        encoder_label=info.encoder_label,
-        encoder_fp=info.encoder_fp,
-        recipe_fp=info.recipe_fp,
-        recipe=info.recipe,
-        items=[(i.path, i.key) for i in items],
-        now=now,
-    )
+    catalog.replace_root(info.root_spec, [(i.path, i.key) for i in items], now=now)
+
+
+def _read(path: Path, layout: Layout) -> Fragment:
+    """A fragment's meta, manifest, hash rows and uses (its feature rows are copied SQL-side)."""
+    return read_fragment(path, layout, with_entries=False)
 
 
 def _read_serving(path: Path, layout: Layout) -> Fragment:
@@ -222,7 +229,7 @@ def _read_serving(path: Path, layout: Layout) -> Fragment:
         StoreCorrupt: it is unreadable (the message says what moving it aside loses).
     """
     try:
-        return read_fragment(path, layout)
+        return _read(path, layout)
     except StoreCorrupt as e:
         raise StoreCorrupt(
             f"serving fragment {path} is unreadable ({e.__cause__}); move it aside and merge "
@@ -244,12 +251,7 @@ def _fold_serving(catalog: Catalog, frags: list[Fragment], report: MergeReport) 
             _publish_root(catalog, info, f.items, f.created)
             if info.root not in report.roots:
                 report.roots.append(info.root)
-        for shard in f.shards:
-            try:
-                report.new_features += catalog.add_shard(shard, now=f.created)
-                report.shards += 1
-            except ShardMissing:
-                report.missing_shards.append(shard.name)
+        _add_shards(catalog, f, report)
         put_fragment_hashes(catalog, list(f.hashes))
     # After every shard's rows: a use may name a feature another fragment wrote back.
     catalog.record_uses(u for f in frags for u in f.uses)

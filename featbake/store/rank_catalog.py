@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterable, Sequence
 
 from featbake.errors import StoreError
-from featbake.store.catalog import Catalog, FileStat, HashCacheRow, HashEntry
+from featbake.store.catalog import Catalog, FileStat, HashCacheRow, HashEntry, RootSpec
 from featbake.store.fragments import (
     BuildInfo,
     FragmentKind,
@@ -43,7 +43,7 @@ class RankCatalog:
 
     Example:
         >>> cat = RankCatalog(layout, 1, 4, listing)  # doctest: +SKIP
-        >>> cat.replace_root(name, data=..., items=my_items, ...)  # doctest: +SKIP
+        >>> cat.replace_root(spec, my_items)  # doctest: +SKIP
         >>> cat.add_shard(sealed); cat.finish()  # doctest: +SKIP
     """
 
@@ -99,23 +99,11 @@ class RankCatalog:
         self._encoder = (label, kind)
 
     def replace_root(
-        self,
-        name: str,
-        *,
-        data: str,
-        encoder_label: str,
-        encoder_fp: str,
-        recipe_fp: str,
-        recipe: dict,
-        items: Sequence[tuple[str, str]],
-        now: float | None = None,
+        self, spec: RootSpec, items: Sequence[tuple[str, str]], now: float | None = None
     ) -> None:
         """Hold this rank's slice of the manifest for its ``done`` fragment (merge publishes)."""
-        bid = build_id(name, encoder_fp, recipe_fp, self.world, self.listing)
-        self.info = BuildInfo(
-            bid, self.rank, self.world, name, data, encoder_label, self._encoder[1], encoder_fp,
-            recipe_fp, recipe,
-        )  # fmt: skip
+        bid = build_id(spec.name, spec.encoder_fp, spec.recipe_fp, self.world, self.listing)
+        self.info = BuildInfo.of(bid, self.rank, self.world, spec, self._encoder[1])
         self._items = [ManifestItem(self._index[p], p, k) for p, k in items]
 
     def drop_root(self, name: str) -> bool:

@@ -35,6 +35,7 @@ from featbake.store.catalog import (
     Location,
     Root,
     RootItem,
+    RootSpec,
 )
 from featbake.store.catalog_api import ServingStore
 from featbake.store.filesystem import announce, detect
@@ -217,22 +218,15 @@ class FragmentServingCatalog:
         self._encoder = (fp, label, kind)
 
     def replace_root(
-        self,
-        name: str,
-        *,
-        data: str,
-        encoder_label: str,
-        encoder_fp: str,
-        recipe_fp: str,
-        recipe: dict,
-        items: Sequence[tuple[str, str]],
-        now: float | None = None,
+        self, spec: RootSpec, items: Sequence[tuple[str, str]], now: float | None = None
     ) -> None:
         """Hold a root manifest for the next fragment (merge publishes it, unless a later
         build of that root was published meanwhile)."""
         now = time.time() if now is None else now
-        root = Root(name, data, encoder_label, encoder_fp, recipe_fp, recipe, len(items), now, now)
-        self._root = (root, [ManifestItem(i, p, k) for i, (p, k) in enumerate(items)])
+        self._root = (
+            spec.root(len(items), now, now),
+            [ManifestItem(i, p, k) for i, (p, k) in enumerate(items)],
+        )
 
     def close(self) -> None:
         """Seal what is held (a hint: an unwritable store skips it) and close the catalog."""

@@ -24,6 +24,7 @@ from featbake.store.catalog import (
     HashRow,
     OldCatalog,
     RootItem,
+    RootSpec,
     ShardFeature,
     connection,
     read_old_catalog,
@@ -149,16 +150,16 @@ def test_hash_cache_hit_skips_the_read_and_a_stat_change_misses(
 def test_roots_are_replaced_at_rebuild(cat: Catalog) -> None:
     common = {"data": "/d", "encoder_label": "enc.pt", "encoder_fp": EFP, "recipe_fp": RFP}
     cat.replace_root(
-        "r-1", **common, recipe={"a": 1}, items=[("a.wav", "k1"), ("b.wav", "k2")], now=100.0
+        RootSpec("r-1", **common, recipe={"a": 1}), [("a.wav", "k1"), ("b.wav", "k2")], now=100.0
     )
     cat.replace_root(
-        "r-1", **common, recipe={"a": 1}, items=[("b.wav", "k2"), ("c.wav", "k3")], now=200.0
+        RootSpec("r-1", **common, recipe={"a": 1}), [("b.wav", "k2"), ("c.wav", "k3")], now=200.0
     )
     assert cat.root_items("r-1") == [("b.wav", "k2"), ("c.wav", "k3")]
     root = cat.root("r-1")
     assert root is not None
     assert (root.items, root.created, root.last_used, root.recipe) == (2, 100.0, 200.0, {"a": 1})
-    cat.replace_root("r-2", **common, recipe={}, items=[], now=300.0)
+    cat.replace_root(RootSpec("r-2", **common, recipe={}), [], now=300.0)
     assert [r.name for r in cat.roots()] == ["r-2", "r-1"]
     assert cat.root("nope") is None
 
@@ -283,13 +284,8 @@ def test_rows_are_typed_and_named(cat: Catalog, layout: Layout) -> None:
         8,
     )
     cat.replace_root(
-        "r",
-        data="/d",
-        encoder_label="a.pt",
-        encoder_fp=EFP,
-        recipe_fp=RFP,
-        recipe={},
-        items=[("a.wav", "k1")],
+        RootSpec("r", data="/d", encoder_label="a.pt", encoder_fp=EFP, recipe_fp=RFP, recipe={}),
+        [("a.wav", "k1")],
     )
     (item,) = cat.root_items("r")
     assert item == RootItem(path="a.wav", key="k1") == ("a.wav", "k1")  # still a tuple
@@ -307,13 +303,15 @@ def test_roots_are_read_and_written_by_column_name(layout: Layout) -> None:
     conn.close()
     with Catalog(layout) as cat:
         cat.replace_root(
-            "r-1",
-            data="/d",
-            encoder_label="enc.pt",
-            encoder_fp=EFP,
-            recipe_fp=RFP,
-            recipe={"a": 1},
-            items=[("a.wav", "k1")],
+            RootSpec(
+                "r-1",
+                data="/d",
+                encoder_label="enc.pt",
+                encoder_fp=EFP,
+                recipe_fp=RFP,
+                recipe={"a": 1},
+            ),
+            [("a.wav", "k1")],
             now=100.0,
         )
         root = cat.root("r-1")
@@ -388,8 +386,13 @@ def test_an_old_catalog_is_read_by_column_name_and_its_hashes_carried_over(
 ) -> None:
     """What verify --repair salvages from a catalog it replaces (read_old_catalog)."""
     cat.record_encoder(EFP, "a.pt", "torchscript", now=1.0)
-    cat.replace_root("r", data="/d", encoder_label="a.pt", encoder_fp=EFP, recipe_fp=RFP,
-                     recipe={"x": 1}, items=[("a.wav", "k1")], now=2.0)  # fmt: skip
+    cat.replace_root(
+        RootSpec(
+            "r", data="/d", encoder_label="a.pt", encoder_fp=EFP, recipe_fp=RFP, recipe={"x": 1}
+        ),
+        [("a.wav", "k1")],
+        now=2.0,
+    )
     st = FileStat(1, 2, 3, 4)
     cat.put_hashes([HashRow("p", st, "a" * 64)], recorded_ns=10**10)
     cat.close()

@@ -20,7 +20,7 @@ from featbake.encode.encoders import load_encoder
 from featbake.encode.fingerprints import cached_file_encoder_fp, encoder_fingerprint, hash_inputs
 from featbake.errors import StoreError
 from featbake.serve.dataset import CachedFeatureDataset
-from featbake.store.catalog import SCHEMA_VERSION, Access, Catalog, FileStat, HashRow
+from featbake.store.catalog import SCHEMA_VERSION, Access, Catalog, FileStat, HashRow, RootSpec
 from featbake.store.layout import Layout
 from featbake.testing import TinyConvEncoder, save_torchscript
 from tests.conftest import REPO, live_features, run_cli
@@ -170,8 +170,17 @@ def _delete_catalog(store: Path) -> None:
 def test_a_new_catalog_beside_root_manifests_is_refused(tmp_path: Path) -> None:
     layout = Layout(tmp_path / "store").ensure()
     with Catalog(layout) as cat:
-        cat.replace_root("r", data="/d", encoder_label="e", encoder_fp="e" * 64,
-                         recipe_fp="r" * 64, recipe={}, items=[("a.wav", "k")])  # fmt: skip
+        cat.replace_root(
+            RootSpec(
+                "r",
+                data="/d",
+                encoder_label="e",
+                encoder_fp="e" * 64,
+                recipe_fp="r" * 64,
+                recipe={},
+            ),
+            [("a.wav", "k")],
+        )
     _delete_catalog(layout.root)
     with pytest.raises(StoreError, match=r"no catalog\.sqlite.*featbake verify --repair"):
         _ = Catalog(layout).conn
@@ -303,8 +312,17 @@ def test_a_store_without_write_permission_is_read(
     non-root user's os.access() says is simulated (the mount test above is the real thing)."""
     layout = Layout(store_dir).ensure()
     with Catalog(layout) as cat:
-        cat.replace_root("r", data="/d", encoder_label="e", encoder_fp="e" * 64,
-                         recipe_fp="r" * 64, recipe={}, items=[("a.wav", "k")])  # fmt: skip
+        cat.replace_root(
+            RootSpec(
+                "r",
+                data="/d",
+                encoder_label="e",
+                encoder_fp="e" * 64,
+                recipe_fp="r" * 64,
+                recipe={},
+            ),
+            [("a.wav", "k")],
+        )
     paths = [store_dir, *store_dir.rglob("*")]
     for p in paths:
         p.chmod(0o555 if p.is_dir() else 0o444)

@@ -27,7 +27,7 @@ from featbake.errors import StoreCorrupt, StoreError
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.serve.lastuse import TOUCH_FLUSH_SECONDS, TOUCH_FLUSH_SECONDS_SHARED
 from featbake.serve.writeback import WRITEBACK_SECONDS
-from featbake.store.catalog import Catalog
+from featbake.store.catalog import Catalog, RootSpec
 from featbake.store.filesystem import SharedFilesystemWarning
 from featbake.store.fragments import (
     FragmentKind,
@@ -202,18 +202,20 @@ def test_merge_keeps_a_root_built_after_the_dataset_made_its_manifest(
     layout = Layout(tmp_path / "store").ensure()
     args = {"data": "/d", "encoder_label": "e", "encoder_fp": "e" * 64, "recipe_fp": "r" * 64}
     with Catalog(layout) as cat:
-        cat.replace_root("r", **args, recipe={}, items=[("a.wav", "k1")], now=1.0)
+        cat.replace_root(RootSpec("r", **args, recipe={}), [("a.wav", "k1")], now=1.0)
     served = FragmentServingCatalog(layout)
-    served.replace_root("r", **args, recipe={}, items=[("a.wav", "k1"), ("b.wav", "k2")])
+    served.replace_root(RootSpec("r", **args, recipe={}), [("a.wav", "k1"), ("b.wav", "k2")])
     served.close()
     merge(Layout(layout.root))
     with Catalog(layout) as cat:  # the dataset's manifest is newer than the catalog's: it wins
         assert [tuple(x) for x in cat.root_items("r")] == [("a.wav", "k1"), ("b.wav", "k2")]
         served = FragmentServingCatalog(layout)
-        served.replace_root("r", **args, recipe={}, items=[("old.wav", "k0")])
+        served.replace_root(RootSpec("r", **args, recipe={}), [("old.wav", "k0")])
         served.close()  # its fragment is sealed now ...
         later = time.time() + 60
-        cat.replace_root("r", **args, recipe={}, items=[("c.wav", "k3")], now=later)  # ... a build
+        cat.replace_root(
+            RootSpec("r", **args, recipe={}), [("c.wav", "k3")], now=later
+        )  # ... a build
     report = merge(Layout(layout.root))
     assert report.serving_fragments == 1 and report.roots == []
     with Catalog(layout) as cat:

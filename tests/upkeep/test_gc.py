@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from featbake.store.catalog import Catalog
+from featbake.store.catalog import Catalog, RootSpec
 from featbake.store.features import FeatureReader
 from featbake.store.layout import Layout
 from featbake.store.writer import write_shard
@@ -341,26 +341,30 @@ def test_extend_root_keeps_features_written_without_a_folder(store_dir: Path) ->
         cat.add_shard(shard)
         shards.append(shard)
         cat.extend_root(
+            RootSpec(
+                "cached-encoder-x",
+                data="cached-encoder:eeee",
+                encoder_label="Enc",
+                encoder_fp=efp,
+                recipe_fp=rfp,
+                recipe={"kind": "tensor"},
+            ),
+            list(tensors),
+        )
+    items = manifest(store_dir, "cached-encoder-x")
+    assert len(items) == 6 and len({k for _, k in items}) == 6
+    root, file_items = read_root_file(root_file(layout, "cached-encoder-x"))
+    assert file_items == items and root.items == 6
+    cat.extend_root(
+        RootSpec(
             "cached-encoder-x",
             data="cached-encoder:eeee",
             encoder_label="Enc",
             encoder_fp=efp,
             recipe_fp=rfp,
             recipe={"kind": "tensor"},
-            keys=list(tensors),
-        )
-    items = manifest(store_dir, "cached-encoder-x")
-    assert len(items) == 6 and len({k for _, k in items}) == 6
-    root, file_items = read_root_file(root_file(layout, "cached-encoder-x"))
-    assert file_items == items and root.items == 6
-    cat.extend_root(  # keys already named are not added twice
-        "cached-encoder-x",
-        data="cached-encoder:eeee",
-        encoder_label="Enc",
-        encoder_fp=efp,
-        recipe_fp=rfp,
-        recipe={"kind": "tensor"},
-        keys=[items[0][1]],
+        ),
+        [items[0][1]],
     )
     assert len(manifest(store_dir, "cached-encoder-x")) == 6
     _, result = gc(store_dir)

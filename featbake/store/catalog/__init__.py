@@ -3,7 +3,8 @@
 Split by job: ``schema`` (tables, version, migrations), ``rows`` (typed records), ``connection``
 (per-thread and per-process connections, read-only opening, the transaction helper),
 ``features`` (feature rows, hash cache, encoders), ``roots`` (root rows and ``roots/*.json``),
-``maintenance`` (what stats, gc and verify need). One class, :class:`Catalog`, combines them;
+``maintenance`` (what stats, gc and verify need). Each job module has one class over the
+connection (``FeatureRows``, ``RootRows``, ``UpkeepRows``); :class:`Catalog` combines the three;
 ``Catalog(layout, read_only=True)`` opens it ``mode=ro`` (stats, export, inspection, a store on
 a read-only mount), where SQLite itself refuses every write.
 
@@ -17,19 +18,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from featbake.store.catalog.connection import READ_ONLY_ENV, Access, CatalogConnection, Transaction
-from featbake.store.catalog.features import FeatureReads, FeatureWrites
+from featbake.store.catalog.features import FeatureRows
 from featbake.store.catalog.maintenance import (
-    Maintenance,
-    MaintenanceReads,
     OldCatalog,
+    UpkeepRows,
     read_old_catalog,
 )
 from featbake.store.catalog.roots import (
     ROOT_FORMAT,
     ROOT_FORMAT_VERSION,
-    RootDrops,
-    RootReads,
-    RootWrites,
+    RootRows,
     read_root_file,
     root_file,
     root_payload,
@@ -52,6 +50,7 @@ from featbake.store.catalog.rows import (
     MovedRow,
     Root,
     RootItem,
+    RootSpec,
     ShardFeature,
     ShardRow,
     ShardUsage,
@@ -60,9 +59,7 @@ from featbake.store.catalog.schema import SCHEMA_VERSION
 from featbake.store.layout import Layout
 
 
-class Catalog(
-    Maintenance, MaintenanceReads, RootDrops, RootWrites, RootReads, FeatureWrites, FeatureReads
-):
+class Catalog(UpkeepRows, RootRows, FeatureRows):
     """A store's ``catalog.sqlite``, every operation (one connection per thread and process).
 
     Example:
@@ -107,6 +104,7 @@ __all__ = [
     "OldCatalog",
     "Root",
     "RootItem",
+    "RootSpec",
     "ShardFeature",
     "ShardRow",
     "ShardUsage",

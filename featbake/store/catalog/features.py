@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sqlite3
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from featbake.errors import ShardMissing
 from featbake.store.catalog.connection import CatalogConnection, Transaction
@@ -15,13 +18,30 @@ from featbake.store.catalog.rows import (
     HashEntry,
     HashRow,
     Location,
+    ShardFeature,
+    ShardRow,
     columns,
     trusted_entry,
 )
 from featbake.store.layout import Layout
-from featbake.store.writer import SealedShard
+from featbake.store.writer import SealedShard, ShardEntry
 
 CHUNK = 500  # keys per IN (...) query, far below SQLite's variable limit
+
+#: The one statement that adds feature rows from Python values (a build, write-back).
+FEATURE_COLUMNS = "key, part, shard_id, dtype, shape, nbytes, last_used"
+INSERT_FEATURES = f"INSERT OR IGNORE INTO features({FEATURE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)"
+
+
+class ShardSize(NamedTuple):
+    """What a shard row records of its tensors: how many, and their bytes."""
+
+    items: int
+    data_bytes: int
+
+
+#: Adds a shard's feature rows inside ``add_shard``'s transaction (given the shard's row id).
+RowCopy = Callable[[Transaction, int], object]
 
 
 def chunks(seq: Sequence[str], n: int = CHUNK) -> Iterator[Sequence[str]]:
@@ -29,8 +49,14 @@ def chunks(seq: Sequence[str], n: int = CHUNK) -> Iterator[Sequence[str]]:
         yield seq[i : i + n]
 
 
-def insert_shard(c: Transaction, shard: SealedShard, now: float) -> int:
-    """Record a sealed shard (once: its name is its content) and return its row id."""
+def insert_shard(
+    c: Transaction, shard: SealedShard, now: float, size: ShardSize | None = None
+) -> int:
+    """Record a sealed shard (once: its name is its content) and return its row id.
+
+    ``size`` gives its tensors' count and bytes when ``shard`` comes without its entries.
+    """
+    size = size or ShardSize(len(shard.entries), sum(e.nbytes for e in shard.entries))
     c.execute(
         "INSERT OR IGNORE INTO shards"
         "(name, bytes, items, encoder_fp, recipe_fp, created, data_bytes)"
@@ -38,11 +64,11 @@ def insert_shard(c: Transaction, shard: SealedShard, now: float) -> int:
         (
             shard.name,
             shard.nbytes,
-            len(shard.entries),
+            size.items,
             shard.encoder_fp,
             shard.recipe_fp,
             now,
-            sum(e.nbytes for e in shard.entries),
+            size.data_bytes,
         ),
     )
     (shard_id,) = c.execute("SELECT id FROM shards WHERE name=?", (shard.name,)).fetchone()
@@ -104,15 +130,61 @@ def repoint_lost_rows(c: Transaction, layout: Layout, shard: SealedShard, shard_
     return moved
 
 
-class FeatureReads(CatalogConnection):
-    """Lookups: where a key's tensors are, which keys are stored, what the hash cache knows."""
+@dataclass
+class FragmentRowsAdded:
+    """What :meth:`FeatureRows.add_fragment_shards` added: feature rows, shards, and the
+    shards whose files were gone."""
+
+    features: int = 0
+    shards: int = 0
+    missing: list[str] = field(default_factory=list)
+
+
+def _copy_from(schema: str, fragment_shard_id: int) -> RowCopy:
+    """Copy one shard's feature rows from an attached fragment, in key order (the order of the
+    catalog's key index: inserts touch each B-tree page once)."""
+
+    def copy(c: Transaction, shard_id: int) -> None:
+        c.execute(
+            f"INSERT OR IGNORE INTO main.features({FEATURE_COLUMNS})"
+            f" SELECT key, part, ?, dtype, shape, nbytes, last_used FROM {schema}.features"
+            " WHERE shard_id = ? ORDER BY key, part",
+            (shard_id, fragment_shard_id),
+        )
+
+    return copy
+
+
+def _entries_from(
+    conn: sqlite3.Connection, schema: str, shard: SealedShard, fragment_shard_id: int
+) -> Callable[[], SealedShard]:
+    """``shard`` with its entries read from the attached fragment (only when rows must move)."""
+
+    def entries() -> SealedShard:
+        rows = conn.execute(
+            f"SELECT {columns(ShardFeature)} FROM {schema}.features WHERE shard_id = ?",
+            (fragment_shard_id,),
+        )
+        found = tuple(
+            ShardEntry(f.key, f.part, f.dtype, tuple(json.loads(f.shape)), f.nbytes)
+            for f in map(ShardFeature._make, rows)
+        )
+        return dataclasses.replace(shard, entries=found)
+
+    return entries
+
+
+class FeatureRows(CatalogConnection):
+    """Feature rows, the hash cache and encoders: where a key's tensors are, which keys are
+    stored, what the hash cache knows; and what builds and write-back add (shards with their
+    feature rows, hashes, encoders, last use)."""
 
     def present_keys(self, keys: Sequence[str]) -> set[str]:
         """The subset of ``keys`` that are stored: cataloged, in shard files that exist.
 
         A key whose shard file is gone although rows still name it (deleted by hand, lost in a
         partial copy of the store) is not present: a build encodes it again, and
-        :meth:`FeatureWrites.add_shard` points its rows at the new copy. One ``stat`` per
+        :meth:`FeatureRows.add_shard` points its rows at the new copy. One ``stat`` per
         distinct shard of the keys found.
         """
         shards_of: dict[str, set[int]] = {}
@@ -180,9 +252,7 @@ class FeatureReads(CatalogConnection):
                     out[row[0]] = entry
         return out
 
-
-class FeatureWrites(CatalogConnection):
-    """What builds and write-back add: shards with their feature rows, hashes, encoders, use."""
+    # -- writes --------------------------------------------------------------------------------
 
     def add_shard(self, shard: SealedShard, now: float | None = None) -> int:
         """Record a sealed shard and its features in one transaction; returns new feature rows.
@@ -193,6 +263,54 @@ class FeatureWrites(CatalogConnection):
         pointed at this shard instead, and the lost shard's row goes once nothing names it.
         """
         now = time.time() if now is None else now
+        values = [
+            (e.key, e.part, e.dtype, json.dumps(list(e.shape)), e.nbytes) for e in shard.entries
+        ]
+
+        def insert(c: Transaction, shard_id: int) -> None:
+            c.executemany(
+                INSERT_FEATURES, [(k, p, shard_id, d, s, n, now) for k, p, d, s, n in values]
+            )
+
+        return self._add_shard(shard, now, insert, lambda: shard)
+
+    def add_fragment_shards(self, fragment: Path, schema: str = "fragment") -> FragmentRowsAdded:
+        """Add every shard of a sealed fragment (a catalog file, store/fragments.py), as
+        :meth:`add_shard` does, its rows copied SQL-side through ``ATTACH`` (none passes
+        through Python) with the fragment's own timestamps. A shard whose file is gone is
+        listed, not added (its features are encoded again when next needed)."""
+        conn = self.conn
+        conn.execute(f"ATTACH DATABASE ? AS {schema}", (str(fragment),))
+        out = FragmentRowsAdded()
+        try:
+            rows = conn.execute(
+                f"SELECT {', '.join(ShardRow.COLUMNS)} FROM {schema}.shards ORDER BY name"
+            ).fetchall()
+            for row in (ShardRow(*r) for r in rows):
+                shard = SealedShard(
+                    row.name, self.layout.shard_path(row.name), row.bytes, row.encoder_fp,
+                    row.recipe_fp, (),
+                )  # fmt: skip
+                copy = _copy_from(schema, row.id)
+                entries = _entries_from(conn, schema, shard, row.id)
+                size = ShardSize(row.items, row.data_bytes)
+                try:
+                    out.features += self._add_shard(shard, row.created, copy, entries, size)
+                    out.shards += 1
+                except ShardMissing:
+                    out.missing.append(row.name)
+        finally:
+            conn.execute(f"DETACH DATABASE {schema}")
+        return out
+
+    def _add_shard(
+        self,
+        shard: SealedShard,
+        now: float,
+        copy: RowCopy,
+        with_entries: Callable[[], SealedShard],
+        size: ShardSize | None = None,
+    ) -> int:
         with self.transaction() as c:
             # Checked under the write lock, as gc unlinks under it (unlink_shard_file): a file
             # gc removed after our rename (it held a byte-identical shard of the same name) is
@@ -202,19 +320,13 @@ class FeatureWrites(CatalogConnection):
                     f"shard {shard.name} vanished before its rows were committed (gc removed an "
                     "identical shard); it is written again"
                 )
-            shard_id = insert_shard(c, shard, now)
+            size = size or ShardSize(len(shard.entries), sum(e.nbytes for e in shard.entries))
+            shard_id = insert_shard(c, shard, now, size)
             before = c.total_changes
-            c.executemany(
-                "INSERT OR IGNORE INTO features(key, part, shard_id, dtype, shape, nbytes,"
-                " last_used) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                [
-                    (e.key, e.part, shard_id, e.dtype, json.dumps(list(e.shape)), e.nbytes, now)
-                    for e in shard.entries
-                ],
-            )
+            copy(c, shard_id)
             added = c.total_changes - before
-            if added < len(shard.entries):  # some rows exist: those naming a lost file move
-                added += repoint_lost_rows(c, self.layout, shard, shard_id)
+            if added < size.items:  # some rows exist: those naming a lost file move
+                added += repoint_lost_rows(c, self.layout, with_entries(), shard_id)
             return added
 
     def put_hashes(

@@ -37,8 +37,9 @@ from featbake.store.writer import SealedShard
 _FEATURE_REFS = f"SELECT {', '.join('f.' + c for c in FeatureRef.COLUMNS)} FROM features f"
 
 
-class MaintenanceReads(CatalogConnection):
-    """Store-wide reads for stats, gc plans and verify (they change nothing)."""
+class UpkeepRows(CatalogConnection):
+    """What stats, gc and verify need: store-wide reads, then gc's and repair's changes
+    (deleting rows and files, moving rows, restoring rows)."""
 
     def shard_rows(self) -> list[ShardRow]:
         """Every shard row, by id."""
@@ -124,9 +125,7 @@ class MaintenanceReads(CatalogConnection):
         rows = self.conn.execute(f"SELECT {columns(FeatureRow)} FROM features ORDER BY shard_id")
         return map(FeatureRow._make, rows)
 
-
-class Maintenance(MaintenanceReads):
-    """gc's and repair's changes: deleting rows and files, moving rows, restoring rows."""
+    # -- gc's and repair's changes ----------------------------------------------------------
 
     def delete_features(self, refs: Sequence[FeatureRef], *, only_unreached: bool) -> int:
         """Delete these exact rows (key, part, shard) in short transactions; returns rows deleted.

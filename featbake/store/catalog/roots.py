@@ -16,7 +16,7 @@ from pathlib import Path
 
 from featbake.errors import StoreCorrupt, StoreError
 from featbake.store.catalog.connection import CatalogConnection, Transaction
-from featbake.store.catalog.rows import Root, RootItem, columns
+from featbake.store.catalog.rows import Root, RootItem, RootSpec, columns
 from featbake.store.layout import Layout, fsync_dir
 
 ROOT_FORMAT = "featbake-root"
@@ -183,8 +183,22 @@ def write_root_rows(
     )
 
 
-class RootReads(CatalogConnection):
-    """Reading roots and their manifests."""
+def _named_keys(c: Transaction, name: str, keys: Sequence[str]) -> set[str]:
+    """Which of ``keys`` root ``name`` names already (through the key index: no item scan)."""
+    named: set[str] = set()
+    for s in range(0, len(keys), 500):  # well under SQLite's bound on parameters
+        chunk = keys[s : s + 500]
+        marks = ",".join("?" * len(chunk))
+        rows = c.execute(
+            f"SELECT key FROM root_items WHERE key IN ({marks}) AND root=?", (*chunk, name)
+        )
+        named.update(k for (k,) in rows)
+    return named
+
+
+class RootRows(CatalogConnection):
+    """Roots and their manifests: reading them, publishing them (builds, datasets,
+    CachedEncoder: never a delete of features) and dropping them (gc, ``featbake roots drop``)."""
 
     def root(self, name: str) -> Root | None:
         """The root named ``name``, or None."""
@@ -200,37 +214,18 @@ class RootReads(CatalogConnection):
         """A root's manifest: (relative path, key) in file order."""
         return [RootItem._make(r) for r in self.conn.execute(ITEMS_SELECT, (name,))]
 
-
-class RootWrites(CatalogConnection):
-    """Publishing roots: what builds, datasets and CachedEncoder do (never a delete of features)."""
+    # -- publishing ----------------------------------------------------------------------------
 
     def replace_root(
-        self,
-        name: str,
-        *,
-        data: str,
-        encoder_label: str,
-        encoder_fp: str,
-        recipe_fp: str,
-        recipe: dict,
-        items: Sequence[tuple[str, str]],
-        now: float | None = None,
+        self, spec: RootSpec, items: Sequence[tuple[str, str]], now: float | None = None
     ) -> None:
-        """Replace root ``name``'s manifest with ``items`` ((relative path, key), in order)."""
+        """Replace root ``spec.name``'s manifest with ``items`` ((relative path, key), in
+        order)."""
         now = time.time() if now is None else now
+        name = spec.name
         with self.transaction() as c:
             old = c.execute("SELECT created FROM roots WHERE name=?", (name,)).fetchone()
-            root = Root(
-                name=name,
-                data=data,
-                encoder_label=encoder_label,
-                encoder_fp=encoder_fp,
-                recipe_fp=recipe_fp,
-                recipe=recipe,
-                items=len(items),
-                created=old[0] if old else now,
-                last_used=now,
-            )
+            root = spec.root(len(items), old[0] if old else now, now)
             c.execute("DELETE FROM root_items WHERE root=?", (name,))
             write_root_rows(c, root, items)
             # The manifest file is what `verify --repair` rebuilds roots from (roots are not in
@@ -238,18 +233,7 @@ class RootWrites(CatalogConnection):
             # root cannot leave the file and the row disagreeing.
             write_root_file(self.layout, root, items)
 
-    def extend_root(
-        self,
-        name: str,
-        *,
-        data: str,
-        encoder_label: str,
-        encoder_fp: str,
-        recipe_fp: str,
-        recipe: dict,
-        keys: Sequence[str],
-        now: float | None = None,
-    ) -> int:
+    def extend_root(self, spec: RootSpec, keys: Sequence[str], now: float | None = None) -> int:
         """Append ``keys`` not yet named to root ``name`` (made if absent); returns how many.
 
         For writers with no data folder to rebuild a manifest from (``CachedEncoder``): what
@@ -261,11 +245,12 @@ class RootWrites(CatalogConnection):
         read or rewritten (which made a CachedEncoder's write-back quadratic in its root).
 
         Example:
-            >>> cat.extend_root("cached-encoder-3f1c", data="cached-encoder:3f1c",
-            ...     encoder_label="MyEncoder", encoder_fp=fp, recipe_fp=rfp, recipe={},
-            ...     keys=["9a..."])  # doctest: +SKIP
+            >>> spec = RootSpec("cached-encoder-3f1c", "cached-encoder:3f1c", "MyEncoder",
+            ...     fp, rfp, {})  # doctest: +SKIP
+            >>> cat.extend_root(spec, ["9a..."])  # doctest: +SKIP
         """
         now = time.time() if now is None else now
+        name = spec.name
         wanted = list(dict.fromkeys(keys))
         with self.transaction() as c:
             old = c.execute("SELECT created FROM roots WHERE name=?", (name,)).fetchone()
@@ -277,17 +262,7 @@ class RootWrites(CatalogConnection):
             first = c.execute(
                 "SELECT COALESCE(MAX(idx) + 1, 0) FROM root_items WHERE root=?", (name,)
             ).fetchone()[0]
-            root = Root(
-                name=name,
-                data=data,
-                encoder_label=encoder_label,
-                encoder_fp=encoder_fp,
-                recipe_fp=recipe_fp,
-                recipe=recipe,
-                items=first + len(new),
-                created=old[0] if old else now,
-                last_used=now,
-            )
+            root = spec.root(first + len(new), old[0] if old else now, now)
             write_root_rows(c, root, new, first=first)
             if first and root_file(self.layout, name).exists():
                 append_root_items(self.layout, name, new)  # what was added, not the manifest
@@ -296,22 +271,7 @@ class RootWrites(CatalogConnection):
                 write_root_file(self.layout, root, items)
         return len(new)
 
-
-def _named_keys(c: Transaction, name: str, keys: Sequence[str]) -> set[str]:
-    """Which of ``keys`` root ``name`` names already (through the key index: no item scan)."""
-    named: set[str] = set()
-    for s in range(0, len(keys), 500):  # well under SQLite's bound on parameters
-        chunk = keys[s : s + 500]
-        marks = ",".join("?" * len(chunk))
-        rows = c.execute(
-            f"SELECT key FROM root_items WHERE key IN ({marks}) AND root=?", (*chunk, name)
-        )
-        named.update(k for (k,) in rows)
-    return named
-
-
-class RootDrops(CatalogConnection):
-    """Dropping roots (gc, ``featbake roots drop``): not part of the serving view."""
+    # -- dropping ------------------------------------------------------------------------------
 
     def drop_root(
         self,

@@ -138,6 +138,26 @@ class RootItem(NamedTuple):
 
 
 @dataclass(frozen=True)
+class RootSpec:
+    """What a root is a build of: its name, data folder, encoder and recipe (a ``roots`` row
+    without its counts and times). Every writer of roots takes one."""
+
+    name: str
+    data: str
+    encoder_label: str
+    encoder_fp: str
+    recipe_fp: str
+    recipe: dict
+
+    def root(self, items: int, created: float, last_used: float) -> Root:
+        """The ``roots`` row of this spec with ``items`` items."""
+        return Root(
+            self.name, self.data, self.encoder_label, self.encoder_fp, self.recipe_fp,
+            self.recipe, items, created, last_used,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
 class Root:
     """A named manifest: the keys one build of (data, encoder, recipe) produced, in file order."""
 
