@@ -11,8 +11,8 @@
 It is active only when the wrapped encoder is frozen (every parameter has ``requires_grad=False``
 and the module is in eval mode) and ``enabled``; otherwise it runs the encoder untouched and warns
 once. The encoder's fingerprint covers its architecture, code, plain attributes and every
-weight, and :class:`~featbake.serve.identity.ModuleWatch` recomputes it whenever any of them
-changed (a new state dict, an in-place EMA update through ``.data``, an attribute set after
+weight, and :class:`~featbake.serve.cached_encoder_keys.ModuleWatch` recomputes it whenever any
+of them changed (a new state dict, an in-place EMA update through ``.data``, an attribute set after
 wrapping), so a changed encoder never gets the old one's features. Features encoded here are
 written back through the dataset's :class:`~featbake.serve.writeback.WriteBack` (one sealing
 policy), and outputs are named by :mod:`featbake.encode.outputs`' one rule.
@@ -36,7 +36,7 @@ from featbake.encode.outputs import is_tuple_parts, join_outputs, name_outputs
 from featbake.errors import ConfigError, EncodeError
 from featbake.keys import feature_key, recipe_fingerprint
 from featbake.lru import ByteLRU, CacheInfo
-from featbake.serve.identity import ModuleWatch, id_digest, row_digest
+from featbake.serve.cached_encoder_keys import ModuleWatch, id_digest, row_digest
 from featbake.serve.writeback import WriteBack, pending_in_process
 from featbake.store.catalog import Catalog, RootSpec
 from featbake.store.features import FeatureReader

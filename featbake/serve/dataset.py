@@ -37,7 +37,7 @@ from featbake.encode.sources import source_for
 from featbake.recipe import Recipe
 from featbake.serve.index import IndexSpec, build_index
 from featbake.serve.lastuse import TOUCH_FLUSH_ITEMS, TOUCH_FLUSH_SECONDS, TOUCH_REPEAT_SECONDS
-from featbake.serve.layers import LayerView, check_layer_view, check_stored_parts, view_layers
+from featbake.serve.layer_views import LayerView, check_layer_view, check_stored_parts, view_layers
 from featbake.serve.live import LiveEncoder, Misses
 from featbake.serve.options import check_options, recipe_from, serving_layout
 from featbake.serve.process import (
@@ -131,7 +131,7 @@ class CachedFeatureDataset(Dataset):
         layer_view: with ``layers``, serve one layer (``6``: ``[T, D]``), a stacked subset
             (``[0, 6]``: ``[L, T, D]``, in that order) or the layers stacked in the order
             ``layers`` lists them (``"stack"``; layer order for ``layers="all"``) instead of the
-            dict of parts (see :mod:`featbake.serve.layers`). Applied to single items and
+            dict of parts (see :mod:`featbake.serve.layer_views`). Applied to single items and
             batches alike; a view the store cannot give is a ConfigError at every read (from
             the constructor when stored items already tell).
 

@@ -2,7 +2,7 @@
 
 Split by job: ``schema`` (tables, version, migrations), ``rows`` (typed records), ``connection``
 (per-thread and per-process connections, read-only opening, the transaction helper),
-``features`` (feature rows, hash cache, encoders), ``roots`` (root rows and ``roots/*.json``),
+``feature_rows`` (feature rows, hash cache, encoders), ``roots`` (root rows and ``roots/*.json``),
 ``maintenance`` (what stats, gc and verify need). Each job module has one class over the
 connection (``FeatureRows``, ``RootRows``, ``UpkeepRows``); :class:`Catalog` combines the three;
 ``Catalog(layout, read_only=True)`` opens it ``mode=ro`` (stats, export, inspection, a store on
@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from featbake.store.catalog.connection import READ_ONLY_ENV, Access, CatalogConnection, Transaction
-from featbake.store.catalog.features import FeatureRows
+from featbake.store.catalog.feature_rows import FeatureRows
 from featbake.store.catalog.maintenance import (
     OldCatalog,
     UpkeepRows,

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from featbake.store.catalog.connection import CatalogConnection, read_only_uri
-from featbake.store.catalog.features import insert_shard
+from featbake.store.catalog.feature_rows import insert_shard
 from featbake.store.catalog.roots import ITEMS_SELECT, ROOT_SELECT, write_root_rows
 from featbake.store.catalog.rows import (
     EncoderRow,
