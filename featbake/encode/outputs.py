@@ -140,7 +140,8 @@ def split_outputs(result: Any, output: str | None) -> dict[str, torch.Tensor]:
 
 # -- storing -----------------------------------------------------------------------------------
 def stored_parts(parts: Mapping[str, torch.Tensor], recipe: Recipe) -> dict[str, torch.Tensor]:
-    """Output parts as the store holds them: as they are, or packed for ``int8`` / ``fp8``.
+    """Output parts as the store holds them: in the stored float dtype, or packed for ``int8``
+    / ``fp8``.
 
     The one step from encoder output to stored tensor, shared by the build, a dataset's misses
     and ``CachedEncoder``, so that every writer stores the same bytes for the same output.
@@ -154,6 +155,6 @@ def stored_parts(parts: Mapping[str, torch.Tensor], recipe: Recipe) -> dict[str,
         torch.Size([2, 7])
     """
     scheme = recipe.scheme
-    if scheme is None:
-        return dict(parts)
+    if scheme is None:  # a no-op in the build, whose outputs are already in this dtype
+        return {name: value.to(recipe.torch_dtype) for name, value in parts.items()}
     return {name: quantize(value, scheme) for name, value in parts.items()}
