@@ -15,6 +15,7 @@ from featbake.quantize import SCALE_BYTES, Scheme, dequantize, quantize
 from featbake.recipe import Recipe
 from featbake.serve.collate import PaddedBatch, pad_collate
 from featbake.serve.dataset import CachedFeatureDataset
+from featbake.serve.loader import FeatureLoader
 from tests.conftest import live_features
 
 FLOAT = Recipe()  # the encoder's float32 output, what int8 and fp8 are quantised from
@@ -159,3 +160,23 @@ def test_serving_options_are_checked(audio_dir: Path, encoder_file: Path, store_
             serve_dtype=torch.float32,
             dequantize=False,
         )
+
+
+@pytest.mark.parametrize("raw", [False, True])
+def test_feature_loader_batches_dequantised_or_raw(
+    audio_dir: Path, encoder_file: Path, store_dir: Path, raw: bool
+) -> None:
+    _built(audio_dir, encoder_file, store_dir, "int8")
+    extra = {"dequantize": False} if raw else {}
+    ds = CachedFeatureDataset(
+        audio_dir, encoder_file, cache=store_dir, dtype="int8", on_miss="error", **extra
+    )
+    want = [dequantize(p, Scheme.INT8, torch.float16) for p in _want(encoder_file, ds, Scheme.INT8)]
+    seen = 0
+    for b, (padded, lengths) in enumerate(FeatureLoader(ds, batch_size=6, shuffle=False)):
+        assert padded.dtype == (torch.int8 if raw else torch.float16)
+        served = dequantize(padded, Scheme.INT8, torch.float16) if raw else padded
+        for j, n in enumerate(lengths.tolist()):
+            assert torch.equal(served[j, :n], want[b * 6 + j]) and not served[j, n:].any()
+            seen += 1
+    assert seen == len(ds)
