@@ -140,18 +140,20 @@ class Probe(nn.Module):
         return self.out(self.norm(mixed))
 
 
-def train_probe(x: torch.Tensor, y: torch.Tensor, train: torch.Tensor, steps: int) -> Probe:
+def train_probe(x: torch.Tensor, y: torch.Tensor, steps: int) -> Probe:
+    """The probe trained full-batch on frames ``x [N, L, D]`` with labels ``y``."""
     torch.manual_seed(0)
     probe = Probe(x.shape[1], x.shape[2], len(VOWELS))
     opt = torch.optim.Adam(probe.parameters(), lr=3e-3)
     for _ in range(steps):
         opt.zero_grad()
-        nn.functional.cross_entropy(probe(x[train]), y[train]).backward()
+        nn.functional.cross_entropy(probe(x), y).backward()
         opt.step()
     return probe
 
 
-def distill(inputs: torch.Tensor, targets: torch.Tensor, train: torch.Tensor, steps: int):
+def distill(inputs: torch.Tensor, targets: torch.Tensor, steps: int) -> nn.Module:
+    """A student MLP trained full-batch from waveform frames to ``targets``."""
     torch.manual_seed(0)
     student = nn.Sequential(
         nn.Linear(inputs.shape[1], 256), nn.GELU(), nn.Linear(256, targets.shape[1])
@@ -159,7 +161,7 @@ def distill(inputs: torch.Tensor, targets: torch.Tensor, train: torch.Tensor, st
     opt = torch.optim.Adam(student.parameters(), lr=1e-3)
     for _ in range(steps):
         opt.zero_grad()
-        nn.functional.mse_loss(student(inputs[train]), targets[train]).backward()
+        nn.functional.mse_loss(student(inputs), targets).backward()
         opt.step()
     return student
 
@@ -183,14 +185,16 @@ def main(quick: bool = False) -> list[dict[str, Any]]:
     test = test_clip.repeat_interleave(frames)
     inputs = frame_inputs(clips, names, frames).reshape(-1, WINDOW)
     teacher = per_dtype["float32"][:, -1].reshape(-1, per_dtype["float32"].shape[-1])
-    steps = 60 if quick else 300
+    steps = 60 if quick else 200
     accuracy, loss = {}, {}
-    for dtype, feats in per_dtype.items():
+    for dtype in DTYPES:
+        feats = per_dtype.pop(dtype)  # one dtype's frames in memory at a time
         x = feats.permute(0, 2, 1, 3).reshape(-1, feats.shape[1], feats.shape[3])  # [N, 13, D]
-        probe = train_probe(x, y, train, steps)
+        del feats
+        probe = train_probe(x[train], y[train], steps)
         with torch.no_grad():
             accuracy[dtype] = float((probe(x[test]).argmax(-1) == y[test]).float().mean()) * 100
-        student = distill(inputs, x[:, -1], train, steps)
+        student = distill(inputs[train], x[train, -1], steps)
         with torch.no_grad():
             loss[dtype] = float(nn.functional.mse_loss(student(inputs[test]), teacher[test]))
     note = (

