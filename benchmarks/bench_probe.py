@@ -185,7 +185,7 @@ def main(quick: bool = False) -> list[dict[str, Any]]:
     test = test_clip.repeat_interleave(frames)
     inputs = frame_inputs(clips, names, frames).reshape(-1, WINDOW)
     teacher = per_dtype["float32"][:, -1].reshape(-1, per_dtype["float32"].shape[-1])
-    steps = 60 if quick else 200
+    steps = 60 if quick else 300
     accuracy, loss = {}, {}
     for dtype in DTYPES:
         feats = per_dtype.pop(dtype)  # one dtype's frames in memory at a time
