@@ -331,18 +331,18 @@ class CachedEncoder(nn.Module):
     ) -> Any:
         device = out_device or (self._param_device() or in_device)
         names = list(rows[0])  # type: ignore[arg-type]
-        out = {}
-        served = self._served
-        for name in names:
-            values = [r[name].to(device, non_blocking=True) for r in rows]  # type: ignore[index]
-            if served is not None:  # int8/fp8 rows: dequantised after the copy
-                values = [served.item(v) for v in values]
-            out[name] = torch.stack(values)
+        stored = {  # as stored: packed for int8/fp8, which the device tier keeps as they are
+            name: torch.stack([r[name].to(device, non_blocking=True) for r in rows])  # type: ignore[index]
+            for name in names
+        }
         if self._dev.max_bytes and device.type != "cpu":
             for j, key in enumerate(keys):
                 if key not in self._dev:
-                    self._dev.put(key, {n: out[n][j] for n in names})
-        return join_outputs(out)
+                    self._dev.put(key, {n: stored[n][j] for n in names})
+        served = self._served
+        if served is None:
+            return join_outputs(stored)
+        return join_outputs({n: served.item(t) for n, t in stored.items()})  # after the copy
 
     def _param_device(self) -> torch.device | None:
         p = next(iter(self.encoder.parameters()), None)
