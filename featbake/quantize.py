@@ -242,7 +242,12 @@ def _fp8_as_float32(codes: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
 
 
 def packed_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The shape of a packed tensor for a feature of ``shape`` (rows kept, 4 bytes a row more)."""
+    """The shape of a packed tensor for a feature of ``shape`` (rows kept, 4 bytes a row more).
+
+    Example:
+        >>> packed_shape((150, 768))
+        (150, 772)
+    """
     return (*shape[:-1], shape[-1] + SCALE_BYTES)
 
 

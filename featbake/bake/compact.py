@@ -29,7 +29,12 @@ DEFAULT_MAX_ERROR = 0.05
 
 
 def sampled(key: str, measured: int) -> bool:
-    """Whether the item keyed ``key`` is measured, ``measured`` items having been so far."""
+    """Whether the item keyed ``key`` is measured, ``measured`` items having been so far.
+
+    Example:
+        >>> sampled("f" * 64, 0), sampled("f" * 64, 1000), sampled("0" * 64, 1000)
+        (True, False, True)
+    """
     return measured < FIRST_ITEMS or int(key[:8], 16) % SAMPLE_EVERY == 0
 
 

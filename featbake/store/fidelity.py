@@ -55,7 +55,12 @@ def write_fidelity(layout: Layout, name: str, fidelity: Fidelity, bound: float |
 
 
 def read_fidelity(layout: Layout, name: str) -> Fidelity | None:
-    """The fidelity recorded for root ``name``, or None (none measured, or unreadable)."""
+    """The fidelity recorded for root ``name``, or None (none measured, or unreadable).
+
+    Example:
+        >>> read_fidelity(Layout(Path(".featbake")), "r-3f1c").rel_rms  # doctest: +SKIP
+        0.0077
+    """
     try:
         doc = json.loads(fidelity_file(layout, name).read_text(encoding="utf-8"))
         return Fidelity.from_json(doc["fidelity"])
