@@ -18,14 +18,19 @@ import torch
 
 from featbake.errors import ConfigError
 from featbake.keys import recipe_fingerprint
+from featbake.quantize import Scheme, scheme_of
 
 #: Bump when featbake's preprocessing changes in a way that changes outputs for the same options.
 RECIPE_VERSION = 1
 
+#: Stored dtype name -> the dtype of the stored tensor. ``int8`` and ``fp8`` (e4m3) are stored
+#: packed, a float32 scale per row after its codes (see :mod:`featbake.quantize`).
 STORED_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
+    "int8": Scheme.INT8.packed_dtype,
+    "fp8": Scheme.FP8.packed_dtype,
 }
 SOURCE_KINDS = ("audio", "npy")
 #: The highest rate audio hardware records (Hz); above it a typo allocates gigabytes per clip.
@@ -49,7 +54,9 @@ class Recipe:
         mono: mix all channels to one (``False`` keeps ``[C, T]`` for multi-channel encoders).
         max_seconds: crop audio to its first ``max_seconds`` seconds (``None``: whole file).
         output: which encoder output to store (a dict key or tuple index); ``None`` stores all.
-        dtype: the stored dtype: ``float32``, ``float16`` or ``bfloat16``.
+        dtype: the stored dtype: ``float32``, ``float16``, ``bfloat16``, or ``int8`` / ``fp8``
+            (quantised with a scale per row, about a quarter of float32's bytes; served
+            dequantised, see :mod:`featbake.quantize`).
         precision: the encoder runs under autocast in ``bf16`` or ``fp16``, or plainly in
             ``fp32`` (the default). Outputs differ by precision, so it is part of the key.
         layers: hidden layers to store (``(0, 6, 12)``; each becomes the part ``"layer6"``), for
@@ -92,7 +99,7 @@ class Recipe:
         if self.dtype not in STORED_DTYPES:
             raise ConfigError(
                 f"unsupported stored dtype {self.dtype!r}; choose one of "
-                f"{', '.join(STORED_DTYPES)} (e.g. --dtype float16)"
+                f"{', '.join(STORED_DTYPES)} (e.g. --dtype float16 or --dtype int8)"
             )
         self._check_numbers()
         if self.precision not in PRECISIONS:
@@ -139,8 +146,19 @@ class Recipe:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        """The stored dtype as a torch dtype."""
+        """The dtype of the stored tensors (``int8``/``uint8`` packed for int8 and fp8)."""
         return STORED_DTYPES[self.dtype]
+
+    @property
+    def scheme(self) -> Scheme | None:
+        """The quantisation scheme of ``int8`` and ``fp8``; None for a float dtype."""
+        return scheme_of(self.dtype)
+
+    @property
+    def encode_dtype(self) -> torch.dtype:
+        """The float dtype encoder outputs are taken in before storing: the stored dtype, or
+        float32 for a quantised one (quantised from float32, so the scale sees every bit)."""
+        return torch.float32 if self.scheme is not None else self.torch_dtype
 
     def as_dict(self) -> dict[str, Any]:
         """The fields that define the output, with featbake's recipe version.

@@ -26,6 +26,7 @@ LEAVES = {
     "cpus",
     "gcpause",
     "perprocess",
+    "quantize",
 }
 ALLOWED: dict[str, set[str]] = {
     "leaf": set(),

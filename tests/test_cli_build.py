@@ -167,7 +167,7 @@ def test_errors_are_one_red_line_with_a_documented_code(
     args = {
         "no-data": ["-e", encoder_file, "-d", tmp_path / "nope"],
         "no-encoder": ["-e", tmp_path / "nope.pt", "-d", audio_dir],
-        "bad-dtype": ["-e", encoder_file, "-d", audio_dir, "--dtype", "int8"],
+        "bad-dtype": ["-e", encoder_file, "-d", audio_dir, "--dtype", "int4"],
         "bad-size": ["-e", encoder_file, "-d", audio_dir, "--shard-size", "lots"],
     }[case]
     # A narrow console (or a pipe, 80 columns) must not wrap the one line into several.

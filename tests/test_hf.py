@@ -297,3 +297,28 @@ def test_a_preprocessor_config_that_is_not_settings_is_one_line(
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert res.returncode == 4 and len(lines) == 1 and needle in lines[0], res.stderr
     assert "internal error" not in res.stderr
+
+
+def test_int8_layers_are_served_dequantised_in_the_order_asked(tmp_path: Path, clips: Path) -> None:
+    """--layers all with --dtype int8: each layer stored packed, served dequantised, stacked;
+    within half a code step of the model's hidden states now (the build pads its batches)."""
+    from featbake.quantize import Scheme, dequantize, quantize
+
+    folder = save_model(tmp_path / "m")
+    recipe = Recipe(layers=(0, 3), dtype="int8")
+    report = build(clips, folder, cache=tmp_path / "s", recipe=recipe, workers=0)
+    assert report.ok and report.fidelity is not None and report.fidelity["rel_rms"] < 0.01
+    common: dict[str, Any] = {"cache": tmp_path / "s", "layers": (3, 0), "on_miss": "error"}
+    stack = CachedFeatureDataset(clips, folder, dtype="int8", layer_view="stack", **common)
+    raw = CachedFeatureDataset(clips, folder, dtype="int8", dequantize=False, **common)
+    for i in range(len(stack)):
+        hidden = reference(folder, Path(stack.path(i))).hidden_states
+        got = stack[i]
+        assert got.dtype == torch.float16 and got.shape[0] == 2
+        stored = raw[i]
+        for j, k in enumerate((3, 0)):
+            assert torch.equal(got[j], dequantize(stored[f"layer{k}"], Scheme.INT8))
+            want = hidden[k][0]
+            step = want.abs().amax(-1, keepdim=True) / 127
+            assert bool(((got[j].float() - want).abs() <= step * 0.6 + 1e-3).all())
+            assert rel_error(dequantize(quantize(want, Scheme.INT8), Scheme.INT8), got[j]) < 0.01

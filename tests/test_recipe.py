@@ -39,6 +39,8 @@ def test_npy_recipe_leaves_audio_options_out() -> None:
         {"output": "hidden"},
         {"dtype": "float16"},
         {"dtype": "bfloat16"},
+        {"dtype": "int8"},
+        {"dtype": "fp8"},
         {"mono": False},
         {"source": "npy"},
     ],
@@ -70,7 +72,7 @@ def test_fingerprint_is_sha256_of_canonical_json() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "needle"),
     [
-        ({"dtype": "int8"}, "--dtype float16"),
+        ({"dtype": "int4"}, "--dtype float16"),
         ({"source": "video"}, "audio, npy"),
         ({"sample_rate": 0}, "--sample-rate"),
         ({"sample_rate": 16000.5}, "--sample-rate"),
@@ -88,6 +90,30 @@ def test_bad_options_raise_config_error_naming_the_option(kwargs: dict, needle: 
 
 def test_torch_dtype() -> None:
     assert Recipe(dtype="bfloat16").torch_dtype is torch.bfloat16
+    assert Recipe(dtype="bfloat16").encode_dtype is torch.bfloat16
+    assert Recipe(dtype="bfloat16").scheme is None
+
+
+@pytest.mark.parametrize(("dtype", "packed"), [("int8", torch.int8), ("fp8", torch.uint8)])
+def test_quantised_dtypes_encode_in_float32_and_store_packed(
+    dtype: str, packed: torch.dtype
+) -> None:
+    r = Recipe(dtype=dtype)
+    assert r.torch_dtype is packed and r.encode_dtype is torch.float32
+    assert r.scheme is not None and r.scheme.value == dtype
+
+
+def test_every_stored_dtype_has_its_own_key() -> None:
+    """Keys differ per dtype; the float ones keep the keys they had before int8 and fp8."""
+    keys = {
+        d: Recipe(dtype=d).fingerprint() for d in ("float32", "float16", "bfloat16", "int8", "fp8")
+    }
+    assert len(set(keys.values())) == len(keys)
+    assert Recipe(dtype="int8").as_dict()["dtype"] == "int8"
+    # The float keys as main computed them before int8 and fp8 existed (existing stores).
+    assert keys["float32"].startswith("b735bda34f0b0e58")
+    assert keys["float16"].startswith("8b6f2722fa0eabfc")
+    assert keys["bfloat16"].startswith("19d9f3844886178c")
 
 
 def test_new_options_leave_default_keys_unchanged() -> None:

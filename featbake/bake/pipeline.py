@@ -17,17 +17,18 @@ from pathlib import Path
 import torch
 
 from featbake.bake.arguments import BuildArguments, check_build_arguments
+from featbake.bake.compact import DEFAULT_MAX_ERROR, Compactor, over_bound
 from featbake.bake.decode import decoded_items, worker_death
 from featbake.bake.derive import reusable_parts
 from featbake.bake.finite import nonfinite_part
 from featbake.bake.interrupt import interrupt_at_safe_points
+from featbake.bake.options import BakeOptions
 from featbake.bake.padded import BatchRunner, budget_samples
 from featbake.bake.parts import catalog_for_part, finish_part, keys_for_other_ranks, rank_group
 from featbake.bake.ranks import RankSpec, device_for_rank, resolve_rank
 from featbake.bake.report import BuildReport
 from featbake.bake.writer_thread import WriterThread
-from featbake.cpus import BakeThreads, bake_threads
-from featbake.device import check_device, encoder_thread_count, process_cpus, torch_threads
+from featbake.device import check_device, process_cpus, torch_threads
 from featbake.encode.encoders import LoadedEncoder, from_module, load_encoder
 from featbake.encode.fingerprints import (
     encoder_fingerprint,
@@ -44,6 +45,7 @@ from featbake.recipe import Recipe
 from featbake.store.catalog import FileStat, RootSpec
 from featbake.store.catalog_api import BuildCatalog
 from featbake.store.features import Parts
+from featbake.store.fidelity import write_fidelity
 from featbake.store.layout import Layout, default_cache_dir
 from featbake.store.rank_catalog import RankCatalog
 from featbake.store.shard_format import DEFAULT_SHARD_BYTES
@@ -71,6 +73,7 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
     batch_samples: int | None = None,
     shard: str | None = None,
     threads: int | None = None,
+    max_error: float | None = DEFAULT_MAX_ERROR,
 ) -> BuildReport:
     """Run ``encoder`` over every input under ``data`` once and store the features.
 
@@ -100,6 +103,9 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
             the count torch has after the encoder loaded (``torch.set_num_threads``,
             ``OMP_NUM_THREADS`` or the encoder's own setting), lowered only when it exceeds
             the CPUs this process may use; see :func:`featbake.cpus.encoder_threads`.
+        max_error: for ``int8``/``fp8``, the relative RMS error (measured on a sample against
+            the encoder's output, see :mod:`featbake.bake.compact`) above which the report
+            says so (``report.fidelity_warning``); None: no bound.
 
     Returns:
         A :class:`BuildReport`; ``report.failed`` names each input that was skipped.
@@ -126,8 +132,9 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
     dev = check_device(device_for_rank(str(device), spec))
     on_gpu = dev.type != "cpu"
     options = BakeOptions(
-        batch_size, workers, strict, shard_bytes, on_gpu, allow_nonfinite, threads
+        batch_size, workers, strict, shard_bytes, on_gpu, allow_nonfinite, threads, max_error
     )
+    options.check_recipe(recipe)
     layout = Layout(Path(cache) if cache is not None else default_cache_dir()).ensure()
     source = source_for(recipe)
     data_dir = resolve_path(data)
@@ -152,30 +159,6 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
                 bake.report.merged = finish_part(layout, spec)
     bake.report.seconds = time.perf_counter() - t0
     return bake.report
-
-
-@dataclass(frozen=True)
-class BakeOptions:
-    """The build's knobs that change speed or strictness, never the stored features."""
-
-    batch_size: int = 16
-    workers: int | None = None
-    strict: bool = False
-    shard_bytes: int = DEFAULT_SHARD_BYTES
-    on_gpu: bool = False
-    allow_nonfinite: bool = False
-    encoder_threads: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.workers is not None and self.workers < 0:
-            raise ConfigError(f"--workers must be 0 or more, got {self.workers}")
-
-    def threads(self) -> BakeThreads:
-        """Decode workers and encoder threads for the CPUs this process may use (read after
-        the encoder loaded, so a thread count its factory set is kept)."""
-        cpus = process_cpus()
-        threads = encoder_thread_count(self.encoder_threads, cpus)
-        return bake_threads(cpus, self.workers, threads, on_gpu=self.on_gpu)
 
 
 def loaded_encoder(
@@ -219,6 +202,7 @@ class _Bake:
     manifest: list[tuple[str, str]] = field(default_factory=list)
     hashed_stats: dict[str, FileStat] = field(default_factory=dict)
     digests: dict[str, str] = field(default_factory=dict)  # key -> its input's SHA-256
+    compactor: Compactor = field(init=False)  # quantises int8/fp8 and measures their fidelity
 
     def start(self, inputs: int, skipped: Sequence[tuple[str, str]], weights: str | None) -> None:
         """Fingerprint the encoder and recipe, and open the report with the skipped files."""
@@ -228,6 +212,7 @@ class _Bake:
         name = root_id(self.data_dir, self.enc.label, recipe_fp)
         files = inputs + len(skipped)
         self.report = BuildReport(name, self.data_dir, self.enc.label, enc_fp, recipe_fp, files)
+        self.compactor = Compactor(self.recipe)
         self.report.batching, self.report.batching_note = self.runner.mode, self.runner.note
         for rel, reason in skipped:
             self.skip(rel, reason, SourceError(f"{rel}: {reason}"))
@@ -326,6 +311,15 @@ class _Bake:
                 self.report.shards_written = writer.shards
                 self.report.batching, self.report.batching_note = self.runner.mode, self.runner.note
         run.tick(self.report.bytes_written)  # the last word: bytes sealed (the writer lags)
+        self.record_fidelity()
+
+    def record_fidelity(self) -> None:
+        """Put what int8/fp8 cost in the report and beside the root (``featbake roots``)."""
+        measured = self.compactor.fidelity()
+        if measured is not None:
+            self.report.fidelity = measured.to_json()
+            self.report.fidelity_warning = over_bound(measured, self.options.max_error)
+            write_fidelity(self.layout, self.report.root, measured, self.options.max_error)
 
 
 @dataclass
@@ -384,7 +378,7 @@ class _EncodeRun:
                 )
                 self.fail(i, reason, EncodeError)
                 continue
-            self.writer.put(self.keys[i], parts)
+            self.writer.put(self.keys[i], self.bake.compactor.store(self.keys[i], parts))
             self.bake.report.encoded += 1
             self.done += 1
         self.tick(self.writer.bytes_so_far)

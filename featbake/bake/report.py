@@ -33,6 +33,8 @@ class BuildReport:
     part: str = ""  # "part 2 of 4 (torchrun)" when this process did one part of a build
     fragment: str | None = None  # the part's sealed `done` fragment, for `featbake merge`
     merged: bool = False  # this process merged every part's fragments (rank 0 under torchrun)
+    fidelity: dict[str, Any] | None = None  # int8/fp8: featbake.quantize.Fidelity, measured
+    fidelity_warning: str = ""  # the measured error is over --max-error, in one line
 
     @property
     def ok(self) -> bool:

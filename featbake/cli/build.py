@@ -22,6 +22,7 @@ from featbake.units import format_bytes, parse_bytes
         "Examples:\n\n"
         "  featbake build --encoder ckpt.pt --data ./audio\n\n"
         "  featbake build --encoder encoder.pt2 --data ./audio --max-seconds 10 --dtype float16\n\n"
+        "  featbake build --encoder ./hubert-base --data ./audio --layers all --dtype int8\n\n"
         "  featbake build --encoder mypkg.models:build --weights w.safetensors --data ./audio "
         "--device cuda --json\n\n"
         "  featbake build --encoder ./wavlm-base-plus --data ./audio --layers 0,6,12 "
@@ -66,8 +67,19 @@ def build(
         ),
     ] = None,
     dtype: Annotated[
-        str, typer.Option(help="Stored dtype: float32, float16 or bfloat16.")
+        str,
+        typer.Option(
+            help="Stored dtype: float32, float16, bfloat16, or int8 / fp8 (a scale per frame, "
+            "~25% of float32's bytes; served dequantised), e.g. --dtype int8."
+        ),
     ] = "float32",
+    max_error: Annotated[
+        float,
+        typer.Option(
+            help="With --dtype int8/fp8: the relative RMS error against the encoder's output "
+            "(measured on a sample) above which the build says so, e.g. --max-error 0.02."
+        ),
+    ] = 0.05,
     batch_size: Annotated[int, typer.Option(help="Inputs per encoder call at most.")] = 16,
     batching: Annotated[
         str,
@@ -189,6 +201,7 @@ def build(
             batch_seconds=batch_seconds,
             shard=shard,
             threads=threads,
+            max_error=max_error,
         )
     if as_json:
         out.print_json(json.dumps(report.to_json()))
@@ -216,6 +229,8 @@ def incomplete(report: Any) -> BuildIncomplete:
 
 
 def _print_build_summary(report: Any) -> None:
+    from featbake.quantize import Fidelity  # torch: imported when a build ran, not for --help
+
     table = Table(show_header=False, box=None, pad_edge=False)
     table.add_column(style="bold")
     table.add_column()
@@ -234,6 +249,8 @@ def _print_build_summary(report: Any) -> None:
     )
     if report.batching_note:
         table.add_row("batching", escape(report.batching_note))
+    if report.fidelity:
+        table.add_row("fidelity", Fidelity.from_json(report.fidelity).summary())
     table.add_row("time", f"{report.seconds:.2f}s")
     if report.part:
         merged = "merged" if report.merged else "run `featbake merge` once every part is done"
@@ -244,3 +261,5 @@ def _print_build_summary(report: Any) -> None:
         console.print(f"[red]failed[/] {escape(path)}: {escape(reason)}")
     if len(report.failed) > 50:
         console.print(f"[red]... and {len(report.failed) - 50} more (see --json)")
+    if report.fidelity_warning:
+        console.print(f"[yellow]warning[/] {escape(report.fidelity_warning)}")

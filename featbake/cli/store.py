@@ -100,8 +100,18 @@ def _print_roots(roots: Any) -> None:
                 ("data", escape(r.data)),
                 ("encoder", escape(r.encoder_label)),
                 ("recipe", escape(recipe_brief(r.recipe))),
+                *_fidelity_row(r.fidelity),
             ],
         )
+
+
+def _fidelity_row(fidelity: dict | None) -> list[tuple[str, str]]:
+    """An int8/fp8 root's measured error against the encoder, as its build recorded it."""
+    if fidelity is None:
+        return []
+    from featbake.quantize import Fidelity
+
+    return [("fidelity", Fidelity.from_json(fidelity).summary())]
 
 
 roots_app = typer.Typer(

@@ -11,6 +11,7 @@ from featbake.encode.encoders import LoadedEncoder
 from featbake.encode.lengths import pad_inputs, split_lengths_result, trim_rows
 from featbake.encode.precision import autocast_for
 from featbake.errors import ConfigError, EncodeError
+from featbake.quantize import quantize
 from featbake.recipe import Recipe
 
 
@@ -82,7 +83,7 @@ def encode_batch(
                 f"encoder output {part or 'tensor'} has shape {tuple(value.shape)}, expected a "
                 f"leading batch dimension of {len(inputs)}"
             )
-        value = value.detach().to("cpu", recipe.torch_dtype)
+        value = value.detach().to("cpu", recipe.encode_dtype)
         for i in range(len(inputs)):
             out[i][part] = value[i].clone()  # own storage: a slice would pin the whole batch
     return out
@@ -108,7 +109,7 @@ def encode_padded(
     with autocast_for(encoder.device, recipe.precision):
         result = encoder.run(batch.inputs, batch.lengths)
     features, out_lengths = split_lengths_result(result, len(inputs))
-    return trim_rows(split_outputs(features, recipe.output), out_lengths, recipe.torch_dtype)
+    return trim_rows(split_outputs(features, recipe.output), out_lengths, recipe.encode_dtype)
 
 
 def split_outputs(result: Any, output: str | None) -> dict[str, torch.Tensor]:
@@ -135,3 +136,25 @@ def split_outputs(result: Any, output: str | None) -> dict[str, torch.Tensor]:
             f"encoder output {bad[0]!r} is not a tensor; pick a tensor output with --output"
         )
     return named
+
+
+# -- storing -----------------------------------------------------------------------------------
+def stored_parts(parts: Mapping[str, torch.Tensor], recipe: Recipe) -> dict[str, torch.Tensor]:
+    """Output parts as the store holds them: in the stored float dtype, or packed for ``int8``
+    / ``fp8``.
+
+    The one step from encoder output to stored tensor, shared by the build, a dataset's misses
+    and ``CachedEncoder``, so that every writer stores the same bytes for the same output.
+
+    Raises:
+        EncodeError: a part holds NaN or an infinity and the dtype is quantised.
+        ConfigError: a part is a scalar and the dtype is quantised.
+
+    Example:
+        >>> stored_parts({"": torch.ones(2, 3)}, Recipe(dtype="int8"))[""].shape
+        torch.Size([2, 7])
+    """
+    scheme = recipe.scheme
+    if scheme is None:  # a no-op in the build, whose outputs are already in this dtype
+        return {name: value.to(recipe.torch_dtype) for name, value in parts.items()}
+    return {name: quantize(value, scheme) for name, value in parts.items()}

@@ -8,10 +8,9 @@ group for a single-output encoder, else one sub-group per part):
   ``values[offsets[i]:offsets[i + 1]]``) and ``lengths [N]``;
 * fixed size: a dense ``values [N, ...]``;
 
-and, at the top level, ``keys [N]`` (feature keys) and ``paths [N]`` (file paths relative to the
-root's data folder), in the manifest's order. Items of the manifest with no stored feature are
-left out and counted in the ``missing`` attribute. Values are chunked to about 8 MiB along the
-first axis. The store is written to ``OUT.partial`` and renamed into place when complete.
+and ``keys [N]``, ``paths [N]`` (relative to the root's data folder) at the top, in the
+manifest's order; items not stored are left out and counted in ``missing``. Values are chunked
+to ~8 MiB along the first axis, written to ``OUT.partial`` and renamed into place when complete.
 """
 
 from __future__ import annotations
@@ -32,24 +31,17 @@ from featbake.errors import ConfigError, StoreError
 from featbake.progress import GcProgress
 from featbake.store.catalog import Catalog, Location, Root
 from featbake.store.features import FeatureReader
+from featbake.store.fidelity import QUANTISED
 from featbake.store.layout import Layout
 from featbake.store.open import open_catalog, resolve_root
 from featbake.version import __version__
 
 CHUNK_BYTES = 8 * 1024 * 1024
 _READ_BATCH = 256
-_NUMPY_DTYPE = {
-    "F64": "float64",
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "float32",  # zarr has no bfloat16: widened exactly to float32
-    "I64": "int64",
-    "I32": "int32",
-    "I16": "int16",
-    "I8": "int8",
-    "U8": "uint8",
-    "BOOL": "bool",
-}
+_NUMPY_DTYPE = {  # zarr has no bfloat16: BF16 is widened exactly to float32
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "float32", "I64": "int64",
+    "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -224,13 +216,16 @@ class ExportSource:
 
 
 def _choose_root(catalog: Catalog, root: str | None) -> Root:
-    if root is not None:
-        return resolve_root(catalog, root)
-    roots = catalog.roots()
+    roots = [resolve_root(catalog, root)] if root is not None else catalog.roots()
     if len(roots) != 1:
         names = ", ".join(r.name for r in roots) or "none"
         raise ConfigError(
             f"the store has {len(roots)} roots ({names}); choose one with --root NAME"
+        )
+    if (dtype := roots[0].recipe.get("dtype")) in QUANTISED:  # packed: codes + scale bytes
+        raise ConfigError(
+            f"root {roots[0].name} stores {dtype}, which zarr export does not dequantise yet; "
+            "export a float16 build of the folder (featbake build --dtype float16)"
         )
     return roots[0]
 

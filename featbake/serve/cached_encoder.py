@@ -32,11 +32,13 @@ import torch
 from torch import nn
 
 from featbake.encode.encoders import is_frozen
-from featbake.encode.outputs import is_tuple_parts, join_outputs, name_outputs
+from featbake.encode.outputs import is_tuple_parts, join_outputs, name_outputs, stored_parts
 from featbake.errors import ConfigError, EncodeError
 from featbake.keys import feature_key, recipe_fingerprint
 from featbake.lru import ByteLRU, CacheInfo
+from featbake.recipe import Recipe
 from featbake.serve.cached_encoder_keys import ModuleWatch, id_digest, row_digest
+from featbake.serve.served import Served, served_for
 from featbake.serve.writeback import WriteBack, pending_in_process
 from featbake.store.catalog import Catalog, RootSpec
 from featbake.store.features import FeatureReader
@@ -71,6 +73,23 @@ def _split(result: Any, batch: int) -> dict[str, torch.Tensor]:
                 f"dimension of {batch}; CachedEncoder caches per-row outputs"
             )
     return parts
+
+
+def stored_dtype(
+    dtype: str | None, serve_dtype: str | torch.dtype | None
+) -> tuple[Recipe | None, Served | None]:
+    """The recipe rows are stored by (None: as the encoder returns them), and how int8/fp8
+    rows are served.
+
+    Raises:
+        ConfigError: an unknown dtype, or ``serve_dtype`` for a float (or no) dtype.
+    """
+    if dtype is None:
+        if serve_dtype is not None:
+            raise ConfigError("serve_dtype applies to dtype='int8' or 'fp8'; pass one of them")
+        return None, None
+    recipe = Recipe(dtype=dtype)
+    return recipe, served_for(recipe, serve_dtype, True)
 
 
 def cached_encoder_root(encoder_fp: str, recipe_fp: str) -> str:
@@ -110,6 +129,13 @@ class CachedEncoder(nn.Module):
             bypass version counters (``p.data.mul_(0.5)``) are noticed; False trusts version
             counters alone (cheaper for a large model on the CPU).
         clock: monotonic seconds, for write-back ageing (tests pass a fake clock).
+        dtype: store (and keep in RAM) outputs as ``featbake build --dtype`` does: a float
+            dtype, or ``"int8"`` / ``"fp8"`` (a quarter of float32's bytes, so 4x the rows in
+            the same ``ram_cache``). ``None`` (the default) keeps the encoder's own dtype and
+            the keys it always had; each dtype has its own keys.
+        serve_dtype: the dtype int8/fp8 rows are dequantised to (default ``"float16"``), on
+            the output's device after the copy. A row encoded now is returned as a cached one
+            will be (quantised, then dequantised), so hits and misses agree.
 
     Keys come from ``ids`` when given (one per row, e.g. a file path, an utterance id or an id
     tensor, keyed by its exact content: the caller promises that an id always names the same
@@ -123,7 +149,7 @@ class CachedEncoder(nn.Module):
         >>> feats = teacher(wav_batch, ids=utterance_ids)  # doctest: +SKIP
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - the public options, one keyword each (as the dataset)
         self,
         encoder: nn.Module,
         cache: str | Path | None = None,
@@ -134,6 +160,8 @@ class CachedEncoder(nn.Module):
         store: bool = True,
         check_weights: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        dtype: str | None = None,
+        serve_dtype: str | torch.dtype | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(encoder, nn.Module):
@@ -142,7 +170,9 @@ class CachedEncoder(nn.Module):
         self.enabled = enabled
         self._ram: ByteLRU[str, Any] = ByteLRU(parse_bytes(ram_cache))
         self._dev: ByteLRU[str, Any] = ByteLRU(parse_bytes(device_cache))
-        self._recipe_fp = recipe_fingerprint(CACHED_ENCODER_RECIPE)
+        self._recipe, self._served = stored_dtype(dtype, serve_dtype)
+        spec = CACHED_ENCODER_RECIPE if dtype is None else {**CACHED_ENCODER_RECIPE, "dtype": dtype}
+        self._recipe_fp = recipe_fingerprint(spec)
         self._watch = ModuleWatch(encoder, check_weights=check_weights)
         self._clock = clock
         self._warned_for: tuple[str, ...] = ()  # what kept caching off when last said
@@ -226,6 +256,8 @@ class CachedEncoder(nn.Module):
             out_device = next(iter(parts.values())).device
             for r, j in enumerate(todo):
                 row = {p: v[r] for p, v in parts.items()}
+                if self._recipe is not None:  # stored as a build stores it (packed for int8)
+                    row = stored_parts(row, self._recipe)
                 rows[j] = row
                 self._remember(keys[j], row, enc_fp)
         if self._writeback is not None:
@@ -295,15 +327,18 @@ class CachedEncoder(nn.Module):
     ) -> Any:
         device = out_device or (self._param_device() or in_device)
         names = list(rows[0])  # type: ignore[arg-type]
-        out = {}
-        for name in names:
-            values = [r[name] for r in rows]  # type: ignore[index]
-            out[name] = torch.stack([v.to(device, non_blocking=True) for v in values])
+        stored = {  # as stored: packed for int8/fp8, which the device tier keeps as they are
+            name: torch.stack([r[name].to(device, non_blocking=True) for r in rows])  # type: ignore[index]
+            for name in names
+        }
         if self._dev.max_bytes and device.type != "cpu":
             for j, key in enumerate(keys):
                 if key not in self._dev:
-                    self._dev.put(key, {n: out[n][j] for n in names})
-        return join_outputs(out)
+                    self._dev.put(key, {n: stored[n][j] for n in names})
+        served = self._served
+        if served is None:
+            return join_outputs(stored)
+        return join_outputs({n: served.item(t) for n, t in stored.items()})  # after the copy
 
     def _param_device(self) -> torch.device | None:
         p = next(iter(self.encoder.parameters()), None)

@@ -1,18 +1,10 @@
 """``CachedFeatureDataset``: a map-style Dataset that serves baked features.
 
-::
-
-    index i -> key        (built once, in the process that creates the dataset: from the build's
-                           root manifest and the hash cache; no raw input is opened on a hit)
-            -> RAM LRU    (byte budget, per process; split between DataLoader workers)
-            -> shard      (pread from a lazily opened shard, per process; CRC on first read)
-            -> miss       (decode + encode live, write back to this process's own shards)
-
-The dataset delegates by job: :mod:`~featbake.serve.index` (item -> key and shard),
-:mod:`~featbake.serve.state` and :mod:`~featbake.serve.process` (what each process opens, and
-the one rule for state made before a ``fork``), :mod:`~featbake.serve.reads` (the read paths),
-:mod:`~featbake.serve.live` (encoding a miss), :mod:`~featbake.serve.writeback` (storing it)
-and :mod:`~featbake.serve.lastuse` (last-use times for gc). Only the single-item hit path is
+Item -> key (built once, from the root manifest and hash cache) -> RAM LRU -> shard (pread, CRC
+on first read) -> miss (encoded live, written back). It delegates by job: ``index`` (item ->
+key and shard), ``state`` and ``process`` (what each process opens; the one rule for state
+made before a ``fork``), ``reads`` (the read paths), ``live`` (a miss), ``writeback`` (storing
+it), ``served`` (int8/fp8 dequantised) and ``lastuse``. Only the single-item hit path is
 written out here, so that a hit costs no call it does not need.
 """
 
@@ -51,6 +43,7 @@ from featbake.serve.process import (
 )
 from featbake.serve.reads import Reads
 from featbake.serve.revalidate import revalidate
+from featbake.serve.served import served_for
 from featbake.serve.state import ProcessState, save_at_exit
 from featbake.serve.writeback import (
     WRITEBACK_BYTES,
@@ -134,6 +127,8 @@ class CachedFeatureDataset(Dataset):
             dict of parts (see :mod:`featbake.serve.layer_views`). Applied to single items and
             batches alike; a view the store cannot give is a ConfigError at every read (from
             the constructor when stored items already tell).
+        serve_dtype, dequantize: int8/fp8 items are served in ``serve_dtype`` (``"float16"``),
+            or packed as stored with ``dequantize=False`` (see :mod:`featbake.serve.served`).
 
     Raises:
         ConfigError: an invalid option.
@@ -174,12 +169,16 @@ class CachedFeatureDataset(Dataset):
         precision: str | None = None,
         layer_view: LayerView = None,
         revalidate: bool = False,
+        serve_dtype: str | torch.dtype | None = None,
+        dequantize: bool = True,
     ) -> None:
         check_options(on_miss, verify, max_open_shards)
         options: dict[str, Any] = {"source": source, "sample_rate": sample_rate, "mono": mono}
         options.update(max_seconds=max_seconds, output=output, dtype=dtype, precision=precision)
         self.recipe = recipe_for_encoder(encoder, recipe_from(recipe, options, layers))
         self._layer_view = check_layer_view(layer_view, layers)
+        self._served = served_for(self.recipe, serve_dtype, dequantize)
+        self._asked = self._layer_view is not None or self._served is not None  # options set
         self.on_miss = on_miss
         self.verify = verify
         self.max_open_shards = max_open_shards
@@ -275,8 +274,8 @@ class CachedFeatureDataset(Dataset):
 
     def drop_inherited_state(self) -> None:
         """In a forked child: drop (never save) the parent's per-process state."""
-        st, self._state = self._state, None
-        if st is not None:
+        if (st := self._state) is not None:
+            self._state = None
             st.drop_inherited()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -354,14 +353,15 @@ class CachedFeatureDataset(Dataset):
             loc.reader.read_span(loc.offset, out.numpy())  # the store's one read, checked before
             st.store_reads += 1
             st.touch(i)
-            return out.view(loc.dtype).view(loc.shape)
+            hit = out.view(loc.dtype).view(loc.shape)
+            return hit if self._served is None else self._served.item(hit)
         if st.use_lru:
             value = st.lru.get(i)
             if value is not None:
                 st.touch(i)
-                return value if self._layer_view is None else self._as_asked(value)
+                return self._as_asked(value) if self._asked else value
         value = self._misses.read_one(st, i)
-        return value if self._layer_view is None else self._as_asked(value)
+        return self._as_asked(value) if self._asked else value
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """Read a batch at once: the DataLoader calls this with each batch's indices.
@@ -382,15 +382,15 @@ class CachedFeatureDataset(Dataset):
         if self._index.parts == ("",) and idx and self._layer_view is None:
             batch = self._reads.padded(st, idx)
             if batch is not None:
-                return batch
+                return batch if self._served is None else self._served.batch(batch)
         values = self._misses.read_each(st, idx)
-        return values if self._layer_view is None else [self._as_asked(v) for v in values]
+        return [self._as_asked(v) for v in values] if self._asked else values
 
     def _as_asked(self, value: Any) -> Any:
-        """An item as the dataset's options ask (``layer_view``): the one place they apply, to
-        what every path but the located hit paths serves (those run only without options).
-
-        Callers skip the call when no option is set, so an item pays nothing for it."""
+        """An item as the options ask (dequantised, then ``layer_view``), on every path but the
+        located and padded hits (run without a layer view, they dequantise what they return)."""
+        if self._served is not None:
+            value = self._served.item(value)
         view = self._layer_view
         return value if view is None else view_layers(value, view)
 

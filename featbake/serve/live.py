@@ -24,7 +24,7 @@ from featbake.encode.fingerprints import (
     file_fingerprint,
 )
 from featbake.encode.hf import is_hf_folder
-from featbake.encode.outputs import encode_batch
+from featbake.encode.outputs import encode_batch, stored_parts
 from featbake.encode.sources import Source
 from featbake.errors import CacheMiss, EncoderLoadError, FeatbakeError, SourceError
 from featbake.keys import feature_key
@@ -324,7 +324,7 @@ class Misses:
             check_unchanged(catalog, paths, keys, (self.live.fingerprint, self.recipe_fp))
         results = encode_inputs(st.encoder, inputs, self.recipe)
         st.encoded += len(idx)
-        return results
+        return [stored_parts(parts, self.recipe) for parts in results]  # int8/fp8: packed
 
     def store(self, st: ProcessState, i: int, parts: Parts) -> None:
         """Write item ``i``'s encoded parts back (once per key while pending)."""

@@ -9,6 +9,11 @@ Format versions differ only in the per-tensor checksum recorded in ``__metadata_
   a flipped data byte does.
 
 Version 2 is written; both are read and verified.
+
+Stored dtypes ``int8`` and ``fp8`` add no format version: their tensors are ordinary ``I8`` /
+``U8`` tensors ``[..., D + 4]``, each row its D codes then its float32 scale (little-endian),
+read back with :func:`featbake.quantize.dequantize` (the recipe, hashed into ``recipe_fp``, says
+which scheme).
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from featbake.store.catalog import Catalog, Root, ShardRow, ShardUsage
+from featbake.store.fidelity import QUANTISED, read_fidelity
 from featbake.store.layout import Layout
 from featbake.store.open import StoreRef, open_catalog, resolve_root
 from featbake.upkeep.files import list_folder
@@ -44,10 +45,15 @@ class RootStats:
     missing: int
     created: float
     last_used: float
+    fidelity: dict[str, Any] | None = None  # int8/fp8: what the build measured (quantize.Fidelity)
 
     @classmethod
-    def of(cls, root: Root, missing: int) -> RootStats:
-        """A root from the catalog with its count of items not stored."""
+    def of(cls, root: Root, missing: int, layout: Layout | None = None) -> RootStats:
+        """A root from the catalog with its count of items not stored, and (given the store's
+        ``layout``) the fidelity its last quantised build recorded."""
+        measured = None
+        if layout is not None and root.recipe.get("dtype") in QUANTISED:
+            measured = read_fidelity(layout, root.name)
         return cls(
             root.name,
             root.data,
@@ -59,6 +65,7 @@ class RootStats:
             missing,
             root.created,
             root.last_used,
+            measured.to_json() if measured is not None else None,
         )
 
 
@@ -190,17 +197,17 @@ def stats(cache: StoreRef = None) -> StoreStats:
         tmp_bytes=sum(f.bytes for f in tmp),
         catalog_bytes=_catalog_bytes(layout),
         encoders=encoder_stats(shard_rows, usage, enc_rows),
-        roots=tuple(RootStats.of(r, missing.get(r.name, 0)) for r in roots),
+        roots=tuple(RootStats.of(r, missing.get(r.name, 0), layout) for r in roots),
         seconds=time.perf_counter() - t0,
     )
 
 
 def list_roots(cache: StoreRef = None) -> list[RootStats]:
     """Every root with its item and missing counts, most recently built or used first."""
-    _, catalog = open_catalog(cache)
+    layout, catalog = open_catalog(cache)
     try:
         missing = catalog.missing_per_root()
-        return [RootStats.of(r, missing.get(r.name, 0)) for r in catalog.roots()]
+        return [RootStats.of(r, missing.get(r.name, 0), layout) for r in catalog.roots()]
     finally:
         catalog.close()
 

@@ -161,3 +161,15 @@ def test_xarray_opens_an_export_and_dask_computes_on_it(
     np.testing.assert_allclose(mean_pooled, want.mean(0).numpy(), rtol=1e-5, atol=1e-6)
     frames = int(hidden["lengths"].sum().compute())
     assert frames == sum(live(multi_encoder_file, audio_dir / p)["hidden"].shape[0] for p in paths)
+
+
+def test_an_int8_root_is_refused_not_exported_as_packed_codes(
+    tmp_path: Path, audio_dir: Path, encoder_file: Path
+) -> None:
+    from featbake.recipe import Recipe
+
+    store = tmp_path / "store"
+    report = bake(audio_dir, encoder_file, store, recipe=Recipe(dtype="int8"))
+    with pytest.raises(ConfigError, match="stores int8, which zarr export does not dequantise"):
+        export_zarr(tmp_path / "out.zarr", cache=store, root=report.root)
+    assert not (tmp_path / "out.zarr").exists()

@@ -17,6 +17,7 @@ from pathlib import Path
 from featbake.errors import StoreCorrupt, StoreError
 from featbake.store.catalog.connection import CatalogConnection, Transaction
 from featbake.store.catalog.rows import Root, RootItem, RootSpec, columns
+from featbake.store.fidelity import fidelity_file
 from featbake.store.layout import Layout, fsync_dir
 
 ROOT_FORMAT = "featbake-root"
@@ -305,6 +306,7 @@ class RootRows(CatalogConnection):
                 c.after_commit(lambda: between("drop-root-committed"))
             c.after_commit(lambda: unlink_quietly(dead))
             c.after_commit(lambda: unlink_quietly(items_file(self.layout, name)))
+            c.after_commit(lambda: unlink_quietly(fidelity_file(self.layout, name)))
         return True
 
     def finish_drop(self, name: str) -> bool:
@@ -321,6 +323,7 @@ class RootRows(CatalogConnection):
             dropped = c.execute("DELETE FROM roots WHERE name=?", (name,)).rowcount > 0
             c.after_commit(lambda: unlink_quietly(dead))
             c.after_commit(lambda: unlink_quietly(items_file(self.layout, name)))
+            c.after_commit(lambda: unlink_quietly(fidelity_file(self.layout, name)))
         return dropped
 
 
