@@ -12,7 +12,6 @@ import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -46,7 +45,7 @@ from featbake.store.catalog import FileStat, RootSpec
 from featbake.store.catalog_api import BuildCatalog
 from featbake.store.features import Parts
 from featbake.store.fidelity import write_fidelity
-from featbake.store.layout import Layout, default_cache_dir
+from featbake.store.layout import Layout, layout_at
 from featbake.store.rank_catalog import RankCatalog
 from featbake.store.shard_format import DEFAULT_SHARD_BYTES
 
@@ -135,7 +134,7 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
         batch_size, workers, strict, shard_bytes, on_gpu, allow_nonfinite, threads, max_error
     )
     options.check_recipe(recipe)
-    layout = Layout(Path(cache) if cache is not None else default_cache_dir()).ensure()
+    layout = layout_at(cache).ensure()
     source = source_for(recipe)
     data_dir = resolve_path(data)
     scanned = scan_inputs(data_dir, source.extensions)

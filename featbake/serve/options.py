@@ -5,12 +5,11 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from featbake.errors import ConfigError, StoreError
 from featbake.recipe import Recipe
-from featbake.store.layout import Layout, default_cache_dir
+from featbake.store.layout import Layout, layout_at
 
 ON_MISS = ("encode", "error")
 VERIFY = ("first", "always", "never")
@@ -46,7 +45,7 @@ def serving_layout(cache: str | os.PathLike[str] | None, on_miss: str) -> Layout
     Raises:
         StoreError: ``on_miss="error"`` and there is no store at ``cache``.
     """
-    layout = Layout(Path(cache) if cache is not None else default_cache_dir())
+    layout = layout_at(cache)
     if not layout.catalog.exists() and not layout.shards.exists():
         where = layout.root.absolute()
         if on_miss == "error":

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from featbake.errors import StoreError
+from featbake.errors import ConfigError, StoreError
+
+#: ``s3://``, ``gs://``, ``az://``, ``https://``...: a store's URL rather than a directory (one
+#: slash is enough: a URL that went through ``pathlib.Path`` reads ``s3:/bucket``).
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:/")
 
 
 def fsync_dir(path: Path) -> None:
@@ -104,6 +109,25 @@ def remove_file(path: Path) -> int:
     return size
 
 
-def default_cache_dir() -> Path:
-    """``$FEATBAKE_CACHE`` if set, else ``./.featbake``."""
-    return Path(os.environ.get("FEATBAKE_CACHE") or ".featbake")
+def layout_at(cache: str | os.PathLike[str] | None) -> Layout:
+    """The layout of the store in directory ``cache`` (``$FEATBAKE_CACHE``, else ``./.featbake``,
+    for None); nothing is created.
+
+    Raises:
+        ConfigError: ``cache`` is a URL (``s3://...``): a store must be a directory for now,
+            and a URL read as a path would make a local folder named ``s3:``.
+
+    Example:
+        >>> layout_at("/data/features").root
+        PosixPath('/data/features')
+    """
+    where = os.fspath(cache) if cache is not None else os.environ.get("FEATBAKE_CACHE")
+    where = where or ".featbake"
+    if _URL.match(where):
+        raise ConfigError(
+            f"the store {where!r} is a URL, and featbake's store must be a directory for now "
+            "(object stores are planned: docs/object_store.md); mount the bucket (e.g. "
+            "mountpoint-s3, s3fs) or copy the store to a local or network filesystem, and pass "
+            "that path as --cache"
+        )
+    return Layout(Path(where))

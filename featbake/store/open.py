@@ -7,12 +7,11 @@ A store that cannot be written here (a read-only mount, no write permission) ope
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from featbake.errors import ConfigError, StoreError
 from featbake.store.catalog import Catalog, Root
 from featbake.store.fragments import sealed_fragments
-from featbake.store.layout import Layout, default_cache_dir
+from featbake.store.layout import Layout, layout_at
 
 # -- opening a store ---------------------------------------------------------------------------
 #: A store as callers name it: its layout, its directory, or None for the default store.
@@ -25,10 +24,7 @@ def store_layout(cache: StoreRef) -> Layout:
     Raises:
         StoreError: there is no store there.
     """
-    if isinstance(cache, Layout):
-        layout = cache
-    else:
-        layout = Layout(Path(cache) if cache is not None else default_cache_dir())
+    layout = cache if isinstance(cache, Layout) else layout_at(cache)
     if not layout.root.is_dir():
         raise StoreError(
             f"there is no featbake store at {layout.root}; point --cache (or $FEATBAKE_CACHE) at "
