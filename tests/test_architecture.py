@@ -26,6 +26,7 @@ LEAVES = {
     "cpus",
     "gcpause",
     "perprocess",
+    "image_recipe",
 }
 ALLOWED: dict[str, set[str]] = {
     "leaf": set(),
