@@ -27,6 +27,7 @@ LEAVES = {
     "gcpause",
     "perprocess",
     "image_recipe",
+    "image_options",
 }
 ALLOWED: dict[str, set[str]] = {
     "leaf": set(),

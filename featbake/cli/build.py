@@ -26,6 +26,12 @@ from featbake.units import format_bytes, parse_bytes
         "--device cuda --json\n\n"
         "  featbake build --encoder ./wavlm-base-plus --data ./audio --layers 0,6,12 "
         "--precision bf16 --batch-seconds 200 --device cuda\n\n"
+        "  featbake build --encoder ./dinov2-small --data ./images   # transform from the folder"
+        "\n\n"
+        "  featbake build --encoder ./clip-vit-b16-vision --data ./images --output pooled "
+        "--crop 224 --interpolation bicubic\n\n"
+        "  featbake build --encoder mypkg.vision:build --source image --data ./images "
+        "--resize 256 --crop 224 --mean 0.485,0.456,0.406 --std 0.229,0.224,0.225\n\n"
         "  torchrun --nproc-per-node 8 -m featbake build --encoder ckpt.pt --data ./audio "
         "--device cuda\n\n"
         "  featbake build --encoder ckpt.pt --data ./audio --shard 0/2   # then --shard 1/2, merge"
@@ -35,6 +41,7 @@ from featbake.units import format_bytes, parse_bytes
     )
 )
 def build(
+    ctx: typer.Context,
     encoder: Annotated[
         str,
         typer.Option(
@@ -51,7 +58,13 @@ def build(
     weights: Annotated[
         Path | None, typer.Option(help="safetensors weights for an import-path encoder.")
     ] = None,
-    source: Annotated[str, typer.Option(help="Input kind: audio or npy.")] = "audio",
+    source: Annotated[
+        str,
+        typer.Option(
+            help="Input kind: audio, npy or image (JPEG, PNG, WebP, BMP, TIFF); a Hugging Face "
+            "vision folder implies image."
+        ),
+    ] = "audio",
     sample_rate: Annotated[int, typer.Option(help="Resample audio to this rate (Hz).")] = 16000,
     mono: Annotated[
         bool, typer.Option(help="Mix audio to one channel (--no-mono keeps [C, T]).")
@@ -93,6 +106,72 @@ def build(
         str | None,
         typer.Option(
             help="Store these hidden layers, e.g. 0,6,12 or all; each is its own part (layer6).",
+            show_default=False,
+        ),
+    ] = None,
+    resize: Annotated[
+        str | None,
+        typer.Option(
+            help="Images: resize the shortest edge (256), to an exact size (224x224) or not "
+            "(none). [default: the folder's processor, else 256]",
+            show_default=False,
+        ),
+    ] = None,
+    crop: Annotated[
+        str | None,
+        typer.Option(
+            help="Images: centre crop after the resize, e.g. 224 or 224x160, or none. "
+            "[default: the folder's processor, else 224]",
+            show_default=False,
+        ),
+    ] = None,
+    interpolation: Annotated[
+        str | None,
+        typer.Option(
+            help="Images: resampling filter, e.g. bicubic (nearest, bilinear, bicubic, lanczos, "
+            "box, hamming). [default: the folder's processor, else bilinear]",
+            show_default=False,
+        ),
+    ] = None,
+    antialias: Annotated[
+        bool | None,
+        typer.Option(
+            help="Images: antialias when shrinking (Pillow); --no-antialias resamples as torch "
+            "interpolate(antialias=False). [default: antialias]",
+            show_default=False,
+        ),
+    ] = None,
+    rescale: Annotated[
+        str | None,
+        typer.Option(
+            help="Images: multiply pixels by this, e.g. 1/255, or none. [default: 1/255]",
+            show_default=False,
+        ),
+    ] = None,
+    mean: Annotated[
+        str | None,
+        typer.Option(
+            help="Images: normalisation mean per channel, e.g. 0.485,0.456,0.406, or none. "
+            "[default: the folder's processor, else ImageNet's]",
+            show_default=False,
+        ),
+    ] = None,
+    std: Annotated[
+        str | None,
+        typer.Option(
+            help="Images: normalisation std per channel, e.g. 0.229,0.224,0.225, or none.",
+            show_default=False,
+        ),
+    ] = None,
+    image_mode: Annotated[
+        str | None,
+        typer.Option(help="Images: colour mode, rgb or grey. [default: rgb]", show_default=False),
+    ] = None,
+    exif: Annotated[
+        bool | None,
+        typer.Option(
+            help="Images: apply the EXIF orientation tag (--no-exif: pixels as stored). "
+            "[default: exif]",
             show_default=False,
         ),
     ] = None,
@@ -144,7 +223,9 @@ def build(
     """
     from featbake.bake.padded import Batching
     from featbake.bake.pipeline import build as run_build
+    from featbake.encode.hf_vision import image_steps_for
     from featbake.encode.layers import parse_layers
+    from featbake.image_options import IMAGE_OPTIONS, parse_image_options
     from featbake.recipe import Recipe
 
     if layer is not None and layers is not None:
@@ -152,6 +233,8 @@ def build(
     if batching not in set(Batching):
         raise ConfigError(f"--batching must be auto, padded or exact, got {batching!r}")
     chosen = (layer,) if layer is not None else parse_layers(layers) if layers else None
+    # The image options by name from the parsed command line (nine keywords, one per option).
+    image_changes = parse_image_options(**{k: ctx.params[k] for k in IMAGE_OPTIONS})
 
     recipe = Recipe(
         source=source,
@@ -162,6 +245,7 @@ def build(
         dtype=dtype,
         precision=precision,
         layers=chosen,
+        image=image_steps_for(encoder, source, image_changes),
     )
     try:
         shard_bytes = parse_bytes(shard_size)

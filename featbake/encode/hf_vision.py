@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from featbake.encode.layers import part_name
-from featbake.errors import EncoderLoadError
+from featbake.errors import ConfigError, EncoderLoadError
 from featbake.image_recipe import ImageRecipe
 
 PREPROCESSOR_FILE = "preprocessor_config.json"
@@ -101,3 +101,28 @@ class HFVisionEncoder(nn.Module):
         pooled = getattr(out, "pooler_output", None)
         tokens = out.last_hidden_state
         return {POOLED: tokens[:, 0] if pooled is None else pooled, TOKENS: tokens}
+
+
+def image_steps_for(encoder: object, source: str, changes: dict[str, Any]) -> ImageRecipe | None:
+    """The image transform options ask for: the encoder folder's processor (or the defaults)
+    with ``changes`` on top; None when no option was given (the recipe then takes the folder's
+    processor or the defaults itself).
+
+    Raises:
+        ConfigError: image options for an audio or npy build.
+
+    Example:
+        >>> image_steps_for("./dinov2-small", "audio", {"crop": None})  # doctest: +SKIP
+    """
+    if not changes:
+        return None
+    vision = isinstance(encoder, (str, os.PathLike)) and os.path.isdir(encoder)
+    vision = vision and is_vision_folder(encoder)  # type: ignore[arg-type]
+    if source != "image" and not vision:
+        raise ConfigError(
+            f"image options ({', '.join('--' + k for k in sorted(changes))}) apply to image "
+            "inputs; add --source image (a Hugging Face vision folder implies it)"
+        )
+    if vision:
+        return image_recipe_for_folder(encoder, **changes)  # type: ignore[arg-type]
+    return ImageRecipe(**changes)

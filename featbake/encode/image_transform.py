@@ -63,7 +63,8 @@ def _torch_resize(pixels: np.ndarray, size: Size, interpolation: Interpolation) 
     if (pixels.shape[0], pixels.shape[1]) == size:
         return pixels
     mode = _TORCH_MODES[interpolation]
-    x = torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1)[None].float()
+    # np.array copies: Pillow's buffer is read-only, which torch.from_numpy warns about.
+    x = torch.from_numpy(np.array(pixels)).permute(2, 0, 1)[None].float()
     corners = None if mode == "nearest" else False
     y = torch.nn.functional.interpolate(
         x, size=tuple(size), mode=mode, align_corners=corners, antialias=False
