@@ -7,10 +7,11 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any
 
 from featbake.errors import ConfigError
-from featbake.image_recipe import ColourMode, Interpolation, Resize, parse_size
+from featbake.image_recipe import ColourMode, ImageRecipe, Interpolation, Resize, parse_size
 
 #: The keyword of each image option (``featbake build --image-mode`` is ``image_mode``).
 IMAGE_OPTIONS = (
@@ -92,3 +93,32 @@ def _mode(text: str) -> ColourMode:
     if text.strip().lower() not in spelled:
         raise ConfigError(f"--image-mode takes rgb or grey, got {text!r}")
     return spelled[text.strip().lower()]
+
+
+class View(StrEnum):
+    """A stored view of each image: the original, or the horizontally flipped picture."""
+
+    ORIGINAL = "original"
+    HFLIP = "hflip"
+
+
+def parse_views(text: str | None) -> tuple[View, ...]:
+    """``--views hflip`` -> (original, hflip): the original is always baked.
+
+    Raises:
+        ConfigError: an unknown view.
+
+    Example:
+        >>> [v.value for v in parse_views("hflip")]
+        ['original', 'hflip']
+    """
+    names = [t.strip().lower() for t in (text or "").split(",") if t.strip()]
+    known = {v.value for v in View}
+    if any(n not in known for n in names):
+        raise ConfigError(f"--views takes hflip (the original is always stored), got {text!r}")
+    return (View.ORIGINAL, *(View.HFLIP for n in dict.fromkeys(names) if n == View.HFLIP))
+
+
+def view_steps(steps: ImageRecipe, view: View) -> ImageRecipe:
+    """The image steps that bake ``view`` (its own key: ``hflip`` is a key field)."""
+    return steps.replace(hflip=view is View.HFLIP)

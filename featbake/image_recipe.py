@@ -178,6 +178,8 @@ class ImageRecipe:
         mean, std: per-channel normalisation after the rescale; ``None`` skips it.
         mode: colour mode images are converted to (transparency composited onto white).
         exif: apply the EXIF orientation tag before anything else.
+        hflip: this recipe is the horizontally flipped *view*: the image is mirrored before
+            the transform (``--views hflip`` bakes it beside the original, under its own key).
 
     Example:
         >>> ImageRecipe(crop=Size(224, 224)).describe()
@@ -193,6 +195,7 @@ class ImageRecipe:
     std: tuple[float, ...] | None = IMAGENET_STD
     mode: ColourMode = ColourMode.RGB
     exif: bool = True
+    hflip: bool = False
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -222,7 +225,7 @@ class ImageRecipe:
             raise ConfigError(
                 f"--rescale must be a positive number such as 1/255, got {self.rescale}"
             )
-        for flag in ("antialias", "exif"):
+        for flag in ("antialias", "exif", "hflip"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if not self.antialias and self.interpolation not in ANTIALIAS_OFF_FILTERS:
@@ -283,6 +286,8 @@ class ImageRecipe:
             "std": list(self.std) if self.std is not None else None,
             "mode": self.mode.value,
             "exif": self.exif,
+            # Only the flipped view says so: the original's fields stay as they were.
+            **({"hflip": True} if self.hflip else {}),
         }
 
     def describe(self) -> str:
@@ -313,6 +318,8 @@ def describe_fields(fields: Mapping[str, Any]) -> str:
     bits.append(str(fields.get("mode")))
     if fields.get("exif") is False:
         bits.append("no-exif")
+    if fields.get("hflip"):
+        bits.append("hflip")
     return " ".join(bits)
 
 

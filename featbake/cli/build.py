@@ -30,6 +30,7 @@ from featbake.units import format_bytes, parse_bytes
         "\n\n"
         "  featbake build --encoder ./clip-vit-b16-vision --data ./images --output pooled "
         "--crop 224 --interpolation bicubic\n\n"
+        "  featbake build --encoder ./dinov2-small --data ./images --views hflip\n\n"
         "  featbake build --encoder mypkg.vision:build --source image --data ./images "
         "--resize 256 --crop 224 --mean 0.485,0.456,0.406 --std 0.229,0.224,0.225\n\n"
         "  torchrun --nproc-per-node 8 -m featbake build --encoder ckpt.pt --data ./audio "
@@ -175,6 +176,14 @@ def build(
             show_default=False,
         ),
     ] = None,
+    views: Annotated[
+        str | None,
+        typer.Option(
+            help="Images: also store these views' features, e.g. hflip (the horizontally "
+            "flipped image, its own key); ViewsDataset serves one view per item.",
+            show_default=False,
+        ),
+    ] = None,
     workers: Annotated[
         int | None,
         typer.Option(
@@ -222,10 +231,10 @@ def build(
     listed at the end, and the exit code is then 3.
     """
     from featbake.bake.padded import Batching
-    from featbake.bake.pipeline import build as run_build
+    from featbake.bake.views import build_views
     from featbake.encode.hf_vision import image_steps_for
     from featbake.encode.layers import parse_layers
-    from featbake.image_options import IMAGE_OPTIONS, parse_image_options
+    from featbake.image_options import IMAGE_OPTIONS, parse_image_options, parse_views
     from featbake.recipe import Recipe
 
     if layer is not None and layers is not None:
@@ -255,9 +264,10 @@ def build(
     # Under torchrun only rank 0 draws a bar (it shows its own part), not N bars interleaved.
     on_progress = tick_bar(bar, {}) if os.environ.get("RANK", "0") == "0" else None
     with bar:
-        report = run_build(
+        reports = build_views(
             data,
             encoder,
+            views=parse_views(views),
             cache=cache,
             recipe=recipe,
             weights=weights,
@@ -274,12 +284,20 @@ def build(
             shard=shard,
             threads=threads,
         )
+    _report(reports, as_json)
+
+
+def _report(reports: list[Any], as_json: bool) -> None:
+    """Print each view's report (one JSON object, or a list with --views); exit 3 on failures."""
     if as_json:
-        out.print_json(json.dumps(report.to_json()))
+        shown = [r.to_json() for r in reports]
+        out.print_json(json.dumps(shown[0] if len(shown) == 1 else shown))
     else:
-        _print_build_summary(report)
-    if report.failed:
-        raise incomplete(report)
+        for report in reports:
+            _print_build_summary(report)
+    for report in reports:
+        if report.failed:
+            raise incomplete(report)
 
 
 def incomplete(report: Any) -> BuildIncomplete:

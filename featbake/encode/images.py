@@ -50,7 +50,7 @@ class ImageSource:
         Raises:
             SourceError: missing, not an image, truncated, or too large to decode safely.
         """
-        return transform(decode_image(path, self.steps), self.steps)
+        return transform(decode_image(path, self.steps), self.steps, hflip=self.steps.hflip)
 
 
 def decode_image(path: str | os.PathLike[str], steps: ImageRecipe) -> Image.Image:
