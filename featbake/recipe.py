@@ -106,6 +106,11 @@ class Recipe:
                 f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}"
             )
         self._check_layers()
+        if self.image is not None and not isinstance(self.image, ImageRecipe):
+            raise ConfigError(
+                f"image must be an ImageRecipe (featbake.image_recipe), got "
+                f"{type(self.image).__name__}"
+            )
 
     def _check_numbers(self) -> None:
         """Bound the numeric options before anything is allocated from them."""

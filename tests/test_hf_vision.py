@@ -220,3 +220,37 @@ def test_cli_builds_with_workers_and_options_and_roots_show_the_transform(
     assert ds[0]["tokens"].shape == (10, 32)  # CLS + 3x3 patches of the 24 px crop
     bad = run_cli(*base, "-e", folders["dinov2"], "--crop", "24x")
     assert bad.returncode == 2 and "224x224" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_miss_is_encoded_live_as_transformers_computes_it(
+    tmp_path: Path, images: Path, folders: dict[str, Path]
+) -> None:
+    """Nothing built: each item is encoded on first read (and written back) like a build."""
+    folder = folders["vit"]
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(images, folder, cache=tmp_path / "s", on_miss="encode")
+    for i in range(len(ds)):
+        if Path(ds.path(i)).name in BAD:
+            continue
+        want = reference(folder, Path(ds.path(i)), ds.recipe)
+        assert rel_error(ds[i]["tokens"], want.last_hidden_state[0]) < 1e-5
+
+
+def test_an_image_root_exports_to_zarr_unchanged(
+    tmp_path: Path, images: Path, folders: dict[str, Path]
+) -> None:
+    zarr = pytest.importorskip("zarr")
+    from featbake.export.zarr import export_zarr
+
+    folder = folders["dinov2"]
+    report = build(images, folder, cache=tmp_path / "s", workers=0)
+    out = export_zarr(tmp_path / "f.zarr", cache=tmp_path / "s", root=report.root[:8])
+    assert out.layouts == {"pooled": "dense", "tokens": "dense"}
+    group = zarr.open_group(str(tmp_path / "f.zarr"), mode="r")
+    pooled, tokens = group["pooled/values"][:], group["tokens/values"][:]
+    assert pooled.shape == (GOOD, 32) and tokens.shape == (GOOD, 17, 32)
+    recipe = recipe_for_folder(folder, Recipe())
+    for i, rel in enumerate(group["paths"][:]):
+        want = reference(folder, images / str(rel), recipe)
+        assert rel_error(torch.from_numpy(pooled[i]), want.pooler_output[0]) < 1e-5
+        assert rel_error(torch.from_numpy(tokens[i]), want.last_hidden_state[0]) < 1e-5
