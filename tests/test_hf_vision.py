@@ -28,7 +28,7 @@ from featbake.recipe import Recipe
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.testing import write_image_folder
 from tests.conftest import run_cli
-from tests.helpers import rel_error
+from tests.helpers import real_photos, rel_error
 
 transformers = pytest.importorskip("transformers")
 
@@ -254,3 +254,22 @@ def test_an_image_root_exports_to_zarr_unchanged(
         want = reference(folder, images / str(rel), recipe)
         assert rel_error(torch.from_numpy(pooled[i]), want.pooler_output[0]) < 1e-5
         assert rel_error(torch.from_numpy(tokens[i]), want.last_hidden_state[0]) < 1e-5
+
+
+def test_real_photographs_equal_transformers_too(tmp_path: Path, folders: dict[str, Path]) -> None:
+    """Photographs from a camera (progressive JPEG, EXIF and Photoshop blocks), where found."""
+    photos = real_photos()
+    if not photos:
+        pytest.skip("no photographs on this machine (see PHOTO_GLOBS in tests/helpers.py)")
+    data = tmp_path / "photos"
+    data.mkdir()
+    for i, photo in enumerate(photos):
+        shutil.copy(photo, data / f"photo{i}{Path(photo).suffix}")
+    folder = folders["clip"]
+    report = build(data, folder, cache=tmp_path / "s", workers=0)
+    assert report.ok and report.encoded == len(photos)
+    ds = CachedFeatureDataset(data, folder, cache=tmp_path / "s", on_miss="error")
+    for i in range(len(ds)):
+        want = reference(folder, Path(ds.path(i)), ds.recipe)
+        assert rel_error(ds[i]["tokens"], want.last_hidden_state[0]) < 1e-5
+        assert rel_error(ds[i]["pooled"], want.pooler_output[0]) < 1e-5

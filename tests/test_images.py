@@ -6,9 +6,7 @@ decoded image: the pixel values must be identical, not close.
 
 from __future__ import annotations
 
-import glob
 import io
-import os
 from pathlib import Path
 from typing import Any
 
@@ -24,20 +22,9 @@ from featbake.encode.sources import source_for
 from featbake.errors import SourceError
 from featbake.image_recipe import ColourMode, ImageRecipe, Interpolation, Resize, ResizeKind, Size
 from featbake.recipe import Recipe
+from tests.helpers import real_photos
 
 transformers = pytest.importorskip("transformers")
-
-#: Photographs that ship with software on common machines (none ship inside Python packages
-#: installed here); the tests that use them skip, saying so, where none exist.
-PHOTO_GLOBS = (
-    os.path.expanduser("~/.rustup/toolchains/*/share/doc/rust/html/embedded-book/assets/*.jp*g"),
-    "/usr/share/doc/nodejs/*.jpg",
-)
-
-
-def real_photos() -> list[str]:
-    found = sorted({p for pattern in PHOTO_GLOBS for p in glob.glob(pattern)})
-    return [p for p in found if os.path.getsize(p) > 50_000][:3]
 
 
 def make_processor(kind: str, **kw: Any) -> Any:
