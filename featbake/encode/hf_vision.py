@@ -116,13 +116,12 @@ def image_steps_for(encoder: object, source: str, changes: dict[str, Any]) -> Im
     """
     if not changes:
         return None
-    vision = isinstance(encoder, (str, os.PathLike)) and os.path.isdir(encoder)
-    vision = vision and is_vision_folder(encoder)  # type: ignore[arg-type]
-    if source != "image" and not vision:
+    folder = isinstance(encoder, (str, os.PathLike)) and os.path.isdir(encoder)
+    if folder and is_vision_folder(encoder):  # type: ignore[arg-type]
+        return image_recipe_for_folder(encoder, **changes)  # type: ignore[arg-type]
+    if source != "image":
         raise ConfigError(
             f"image options ({', '.join('--' + k for k in sorted(changes))}) apply to image "
             "inputs; add --source image (a Hugging Face vision folder implies it)"
         )
-    if vision:
-        return image_recipe_for_folder(encoder, **changes)  # type: ignore[arg-type]
     return ImageRecipe(**changes)
