@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from featbake.errors import ConfigError
+from featbake.image_recipe import ImageRecipe
 from featbake.keys import recipe_fingerprint
 from featbake.quantize import Scheme, scheme_of
 
@@ -32,7 +33,7 @@ STORED_DTYPES: dict[str, torch.dtype] = {
     "int8": Scheme.INT8.packed_dtype,
     "fp8": Scheme.FP8.packed_dtype,
 }
-SOURCE_KINDS = ("audio", "npy")
+SOURCE_KINDS = ("audio", "npy", "image")
 #: The highest rate audio hardware records (Hz); above it a typo allocates gigabytes per clip.
 MAX_SAMPLE_RATE = 768_000
 #: Autocast precisions for the encoder call (``fp32``: no autocast).
@@ -49,7 +50,8 @@ class Recipe:
     """How a file becomes features.
 
     Attributes:
-        source: ``"audio"`` (decode, mono mixdown, resample) or ``"npy"`` (arrays as they are).
+        source: ``"audio"`` (decode, mono mixdown, resample), ``"npy"`` (arrays as they are) or
+            ``"image"`` (decode, then :attr:`image`'s transform).
         sample_rate: audio is resampled to this rate (Hz) before encoding.
         mono: mix all channels to one (``False`` keeps ``[C, T]`` for multi-channel encoders).
         max_seconds: crop audio to its first ``max_seconds`` seconds (``None``: whole file).
@@ -64,6 +66,9 @@ class Recipe:
             ``"all"`` is resolved to ``0..num_hidden_layers`` when the model is known.
         normalize: zero-mean, unit-variance per clip before encoding (a Hugging Face
             ``preprocessor_config.json`` with ``do_normalize: true``).
+        image: the image transform (source ``"image"`` only); ``None``: the encoder folder's
+            image processor (see :func:`featbake.encode.hf.recipe_for_folder`), else
+            :class:`ImageRecipe`'s defaults.
 
     ``precision``, ``layers`` and ``normalize`` enter the key only when set away from their
     defaults, so the keys of recipes that do not use them stay what they were.
@@ -82,6 +87,7 @@ class Recipe:
     precision: str = "fp32"
     layers: tuple[int, ...] | str | None = None
     normalize: bool = False
+    image: ImageRecipe | None = None
 
     def __post_init__(self) -> None:
         # Normalise numbers so that equal options give equal keys: canonical JSON writes 10 and
@@ -107,6 +113,11 @@ class Recipe:
                 f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}"
             )
         self._check_layers()
+        if self.image is not None and not isinstance(self.image, ImageRecipe):
+            raise ConfigError(
+                f"image must be an ImageRecipe (featbake.image_recipe), got "
+                f"{type(self.image).__name__}"
+            )
 
     def _check_numbers(self) -> None:
         """Bound the numeric options before anything is allocated from them."""
@@ -145,6 +156,11 @@ class Recipe:
         object.__setattr__(self, "layers", tuple(sorted(set(layers))))
 
     @property
+    def image_steps(self) -> ImageRecipe:
+        """The image transform this recipe runs (:attr:`image`, or the defaults when unset)."""
+        return self.image if self.image is not None else ImageRecipe()
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         """The dtype of the stored tensors (``int8``/``uint8`` packed for int8 and fp8)."""
         return STORED_DTYPES[self.dtype]
@@ -174,6 +190,8 @@ class Recipe:
             fields["max_seconds"] = self.max_seconds
             if self.normalize:
                 fields["normalize"] = True
+        if self.source == "image":  # image steps join image keys only: audio keys stay
+            fields["image"] = self.image_steps.key_fields()
         # Newer options join the key only when used: a recipe that leaves them at their
         # defaults keeps the key it had before they existed.
         if self.precision != "fp32":

@@ -147,3 +147,36 @@ def write_audio_folder(
         soundfile.write(path, make_tone(dur, sample_rate, seed=seed * 100_003 + i), sample_rate)
         paths.append(path)
     return paths
+
+
+def write_image_folder(
+    root: str | os.PathLike[str],
+    n: int,
+    *,
+    size: tuple[int, int] = (64, 96),
+    seed: int = 0,
+    quality: int = 90,
+) -> list[Path]:
+    """Write ``n`` seeded JPEGs of smooth colour fields with noise (photo-like, so JPEG
+    sizes and decode times are realistic); sizes vary by up to a quarter around ``size``
+    (height, width), so shortest-edge resizes meet different aspect ratios.
+
+    Example:
+        >>> write_image_folder("./images", 4)  # doctest: +SKIP
+    """
+    from PIL import Image  # Pillow only for image folders
+
+    rng = np.random.default_rng(seed)
+    out = Path(root)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(n):
+        h, w = (int(s * rng.uniform(0.75, 1.25)) for s in size)
+        ys, xs = np.mgrid[0:h, 0:w]
+        phase = rng.uniform(0, 6.3, 3)
+        field = [127 + 100 * np.sin(xs / w * 3 + ys / h * 2 + p) for p in phase]
+        pixels = np.stack(field, -1) + rng.normal(0, 12, (h, w, 3))
+        path = out / f"img_{i:05d}.jpg"
+        Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(path, quality=quality)
+        paths.append(path)
+    return paths

@@ -6,6 +6,7 @@ compared with live encoding).
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
 import shutil
@@ -173,3 +174,20 @@ def can_mount_privately() -> bool:
         return False
     probe = subprocess.run(["unshare", "-m", "true"], capture_output=True, check=False)
     return probe.returncode == 0
+
+
+# == images (test_images, test_hf_vision) ========================================================
+
+#: Camera photographs that ship with software (the Rust embedded book's board photos: a
+#: progressive JPEG, and one with EXIF and Photoshop blocks). No Python package installed here
+#: ships a photograph; the tests that use these skip, saying so, where none exist.
+PHOTO_GLOBS = (
+    os.path.expanduser("~/.rustup/toolchains/*/share/doc/rust/html/embedded-book/assets/*.jp*g"),
+)
+
+
+def real_photos() -> list[str]:
+    """Up to three distinct photographs found on this machine (one copy per file name)."""
+    found = sorted(p for pattern in PHOTO_GLOBS for p in glob.glob(pattern))
+    by_name = {os.path.basename(p): p for p in found if os.path.getsize(p) > 50_000}
+    return sorted(by_name.values())[:3]

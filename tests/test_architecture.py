@@ -27,6 +27,8 @@ LEAVES = {
     "gcpause",
     "perprocess",
     "quantize",
+    "image_recipe",
+    "image_options",
 }
 ALLOWED: dict[str, set[str]] = {
     "leaf": set(),

@@ -66,3 +66,12 @@ def test_probe_from_zarr_fits_from_the_export_alone(tmp_path: Path) -> None:
     for row, rel in list(zip(pooled, paths, strict=True))[:6]:
         want = live_features(tmp_path / "encoder.pt", tmp_path / "clips" / rel).mean(0)
         np.testing.assert_allclose(row, want.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_image_probe_learns_from_baked_embeddings_with_flipped_views(tmp_path: Path) -> None:
+    out = run_example("probe_images.py", "--images", 32, "--epochs", 30, "--work", tmp_path)
+    assert "baked 64 embeddings (2 views), 0 reused" in out
+    accuracy = float(re.search(r"^accuracy: ([\d.]+)$", out, re.MULTILINE).group(1))  # type: ignore[union-attr]
+    assert accuracy >= 0.9, out
+    again = run_example("probe_images.py", "--images", 32, "--epochs", 1, "--work", tmp_path)
+    assert "baked 0 embeddings (2 views), 64 reused" in again

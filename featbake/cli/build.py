@@ -27,6 +27,13 @@ from featbake.units import format_bytes, parse_bytes
         "--device cuda --json\n\n"
         "  featbake build --encoder ./wavlm-base-plus --data ./audio --layers 0,6,12 "
         "--precision bf16 --batch-seconds 200 --device cuda\n\n"
+        "  featbake build --encoder ./dinov2-small --data ./images   # transform from the folder"
+        "\n\n"
+        "  featbake build --encoder ./clip-vit-b16-vision --data ./images --output pooled "
+        "--crop 224 --interpolation bicubic\n\n"
+        "  featbake build --encoder ./dinov2-small --data ./images --views hflip\n\n"
+        "  featbake build --encoder mypkg.vision:build --source image --data ./images "
+        "--resize 256 --crop 224 --mean 0.485,0.456,0.406 --std 0.229,0.224,0.225\n\n"
         "  torchrun --nproc-per-node 8 -m featbake build --encoder ckpt.pt --data ./audio "
         "--device cuda\n\n"
         "  featbake build --encoder ckpt.pt --data ./audio --shard 0/2   # then --shard 1/2, merge"
@@ -36,6 +43,7 @@ from featbake.units import format_bytes, parse_bytes
     )
 )
 def build(
+    ctx: typer.Context,
     encoder: Annotated[
         str,
         typer.Option(
@@ -52,7 +60,13 @@ def build(
     weights: Annotated[
         Path | None, typer.Option(help="safetensors weights for an import-path encoder.")
     ] = None,
-    source: Annotated[str, typer.Option(help="Input kind: audio or npy.")] = "audio",
+    source: Annotated[
+        str,
+        typer.Option(
+            help="Input kind: audio, npy or image (JPEG, PNG, WebP, BMP, TIFF); a Hugging Face "
+            "vision folder implies image."
+        ),
+    ] = "audio",
     sample_rate: Annotated[int, typer.Option(help="Resample audio to this rate (Hz).")] = 16000,
     mono: Annotated[
         bool, typer.Option(help="Mix audio to one channel (--no-mono keeps [C, T]).")
@@ -108,6 +122,80 @@ def build(
             show_default=False,
         ),
     ] = None,
+    resize: Annotated[
+        str | None,
+        typer.Option(
+            help="Images: resize the shortest edge (256), to an exact size (224x224) or not "
+            "(none). [default: the folder's processor, else 256]",
+            show_default=False,
+        ),
+    ] = None,
+    crop: Annotated[
+        str | None,
+        typer.Option(
+            help="Images: centre crop after the resize, e.g. 224 or 224x160, or none. "
+            "[default: the folder's processor, else 224]",
+            show_default=False,
+        ),
+    ] = None,
+    interpolation: Annotated[
+        str | None,
+        typer.Option(
+            help="Images: resampling filter, e.g. bicubic (nearest, bilinear, bicubic, lanczos, "
+            "box, hamming). [default: the folder's processor, else bilinear]",
+            show_default=False,
+        ),
+    ] = None,
+    antialias: Annotated[
+        bool | None,
+        typer.Option(
+            help="Images: antialias when shrinking (Pillow); --no-antialias resamples as torch "
+            "interpolate(antialias=False). [default: antialias]",
+            show_default=False,
+        ),
+    ] = None,
+    rescale: Annotated[
+        str | None,
+        typer.Option(
+            help="Images: multiply pixels by this, e.g. 1/255, or none. [default: 1/255]",
+            show_default=False,
+        ),
+    ] = None,
+    mean: Annotated[
+        str | None,
+        typer.Option(
+            help="Images: normalisation mean per channel, e.g. 0.485,0.456,0.406, or none. "
+            "[default: the folder's processor, else ImageNet's]",
+            show_default=False,
+        ),
+    ] = None,
+    std: Annotated[
+        str | None,
+        typer.Option(
+            help="Images: normalisation std per channel, e.g. 0.229,0.224,0.225, or none.",
+            show_default=False,
+        ),
+    ] = None,
+    image_mode: Annotated[
+        str | None,
+        typer.Option(help="Images: colour mode, rgb or grey. [default: rgb]", show_default=False),
+    ] = None,
+    exif: Annotated[
+        bool | None,
+        typer.Option(
+            help="Images: apply the EXIF orientation tag (--no-exif: pixels as stored). "
+            "[default: exif]",
+            show_default=False,
+        ),
+    ] = None,
+    views: Annotated[
+        str | None,
+        typer.Option(
+            help="Images: also store these views' features, e.g. hflip (the horizontally "
+            "flipped image, its own key); ViewsDataset serves one view per item.",
+            show_default=False,
+        ),
+    ] = None,
     workers: Annotated[
         int | None,
         typer.Option(
@@ -155,8 +243,10 @@ def build(
     listed at the end, and the exit code is then 3.
     """
     from featbake.bake.padded import Batching
-    from featbake.bake.pipeline import build as run_build
+    from featbake.bake.views import build_views
+    from featbake.encode.hf_vision import image_steps_for
     from featbake.encode.layers import parse_layers
+    from featbake.image_options import IMAGE_OPTIONS, parse_image_options, parse_views
     from featbake.recipe import Recipe
 
     if layer is not None and layers is not None:
@@ -164,6 +254,8 @@ def build(
     if batching not in set(Batching):
         raise ConfigError(f"--batching must be auto, padded or exact, got {batching!r}")
     chosen = (layer,) if layer is not None else parse_layers(layers) if layers else None
+    # The image options by name from the parsed command line (nine keywords, one per option).
+    image_changes = parse_image_options(**{k: ctx.params[k] for k in IMAGE_OPTIONS})
 
     recipe = Recipe(
         source=source,
@@ -174,6 +266,7 @@ def build(
         dtype=dtype,
         precision=precision,
         layers=chosen,
+        image=image_steps_for(encoder, source, image_changes),
     )
     try:
         shard_bytes = parse_bytes(shard_size)
@@ -183,9 +276,10 @@ def build(
     # Under torchrun only rank 0 draws a bar (it shows its own part), not N bars interleaved.
     on_progress = tick_bar(bar, {}) if os.environ.get("RANK", "0") == "0" else None
     with bar:
-        report = run_build(
+        reports = build_views(
             data,
             encoder,
+            views=parse_views(views),
             cache=cache,
             recipe=recipe,
             weights=weights,
@@ -203,12 +297,20 @@ def build(
             threads=threads,
             max_error=max_error,
         )
+    _report(reports, as_json)
+
+
+def _report(reports: list[Any], as_json: bool) -> None:
+    """Print each view's report (one JSON object, or a list with --views); exit 3 on failures."""
     if as_json:
-        out.print_json(json.dumps(report.to_json()))
+        shown = [r.to_json() for r in reports]
+        out.print_json(json.dumps(shown[0] if len(shown) == 1 else shown))
     else:
-        _print_build_summary(report)
-    if report.failed:
-        raise incomplete(report)
+        for report in reports:
+            _print_build_summary(report)
+    for report in reports:
+        if report.failed:
+            raise incomplete(report)
 
 
 def incomplete(report: Any) -> BuildIncomplete:

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from featbake.cli.app import EXIT_CODES, CacheOpt, JsonOpt, app, out
 from featbake.cli.render import format_when
+from featbake.image_recipe import describe_fields
 from featbake.units import format_bytes
 
 
@@ -65,6 +66,8 @@ def recipe_brief(recipe: dict) -> str:
         bits.append(f"crop {recipe['max_seconds']:g}s")
     if recipe.get("output") is not None:
         bits.append(f"output {recipe['output']}")
+    if isinstance(recipe.get("image"), dict):  # the whole transform: it decides the pixels
+        bits.append(describe_fields(recipe["image"]))
     if recipe.get("layers"):  # two roots differing only in --layers must not look alike
         bits.append("layers " + ",".join(str(x) for x in recipe["layers"]))
     if recipe.get("precision") not in (None, "", "fp32"):

@@ -7,7 +7,8 @@ extractor says ``return_attention_mask: false`` (the group-norm wav2vec2/HuBERT-
 "can not 100% correctly treat padded input", so featbake runs it on exact shapes and says why.
 The module featbake runs follows the lengths protocol (:mod:`featbake.encode.lengths`): an
 attention mask is built from the lengths, and output lengths come from the model's own
-``_get_feat_extract_output_lengths``.
+``_get_feat_extract_output_lengths``. Vision folders (an image processor, ``pixel_values`` in)
+are handled by :mod:`featbake.encode.hf_vision`; this module loads both.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from featbake.encode.encoders import LoadedEncoder, from_module
+from featbake.encode.hf_vision import HFVisionEncoder, image_recipe_for_folder, is_vision_folder
 from featbake.encode.layers import layers_to_run, part_name, resolve_layers
 from featbake.errors import ConfigError, EncoderLoadError
 from featbake.keys import module_fingerprint
@@ -91,10 +93,17 @@ def recipe_for_folder(folder: str | os.PathLike[str], recipe: Recipe) -> Recipe:
     """``recipe`` with the folder's sample rate, normalisation and concrete layers.
 
     The model defines its input, so its preprocessor config wins over ``--sample-rate``;
-    ``layers="all"`` becomes ``0..num_hidden_layers`` so keys name what is stored.
+    ``layers="all"`` becomes ``0..num_hidden_layers`` so keys name what is stored. A vision
+    folder makes the recipe an image recipe (an audio recipe cannot feed it) with the folder's
+    image transform, unless the recipe already holds one (``Recipe(image=...)``).
     """
-    pre = Preprocessor.of_folder(folder)
-    changes: dict[str, Any] = {"sample_rate": pre.sampling_rate, "normalize": pre.do_normalize}
+    changes: dict[str, Any]
+    if is_vision_folder(folder):
+        source = "image" if recipe.source == "audio" else recipe.source
+        changes = {"source": source, "image": recipe.image or image_recipe_for_folder(folder)}
+    else:
+        pre = Preprocessor.of_folder(folder)
+        changes = {"sample_rate": pre.sampling_rate, "normalize": pre.do_normalize}
     if recipe.layers is not None:
         changes["layers"] = resolve_layers(recipe.layers, _num_layers(folder))
     return recipe.replace(**changes)
@@ -177,14 +186,32 @@ def _load_model(folder: Path) -> Any:  # a transformers PreTrainedModel
     finally:
         hf_logging.set_verbosity(verbosity)
     check_loading_info(folder, info)
-    if getattr(model, "main_input_name", None) != "input_values":
+    takes = getattr(model, "main_input_name", None)
+    if takes not in ("input_values", "pixel_values"):
         raise EncoderLoadError(
-            f"{folder} holds a {type(model).__name__}, which does not take raw audio "
-            "(input_values); featbake runs wav2vec2-style audio encoders from a folder"
+            f"{folder} holds a {type(model).__name__}, which takes neither raw audio "
+            "(input_values) nor images (pixel_values); featbake runs wav2vec2-style audio "
+            "encoders and ViT/DINOv2/CLIP-vision towers from a folder (for a full CLIP model, "
+            "save its vision_model alone)"
         )
-    if not hasattr(model, "_get_feat_extract_output_lengths"):
+    if takes == "input_values" and not hasattr(model, "_get_feat_extract_output_lengths"):
         raise EncoderLoadError(f"{type(model).__name__} does not report its output lengths")
     return model.eval()
+
+
+def _vision_encoder(
+    path: Path,
+    model: Any,
+    pre: Preprocessor,
+    layers: tuple[int, ...] | None,
+    device: str | torch.device,
+) -> LoadedEncoder:
+    """A vision model as an exact-shape encoder (its image transform is in the recipe)."""
+    wrapper = HFVisionEncoder(model, layers)
+    identity = folder_identity(path, model, pre)
+    enc = from_module(wrapper, label=str(path), kind=HF, identity=identity, device=device)
+    enc._fingerprint = module_fingerprint(wrapper, identity)
+    return enc
 
 
 class WeightsMismatch(EncoderLoadError):
@@ -263,6 +290,8 @@ def load_hf_folder(
     num = int(model.config.num_hidden_layers)
     if layers is not None:
         layers = resolve_layers(layers, num)
+    if model.main_input_name == "pixel_values":
+        return _vision_encoder(path, model, pre, layers, device)
     wrapper = HFSpeechEncoder(model, layers, pre.return_attention_mask)
     identity = folder_identity(path, model, pre)
     fingerprint = module_fingerprint(wrapper, identity)

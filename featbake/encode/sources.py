@@ -1,13 +1,15 @@
 """Data adapters: find inputs, and turn one file into the encoder's input tensor.
 
-A source knows files and decoding, never models. Two ship today:
+A source knows files and decoding, never models. Three ship today:
 
 * :class:`AudioSource`: wav, flac, ogg (and mp3 where libsndfile has it), decoded with soundfile,
   mixed to mono, resampled with soxr, optionally cropped. Output: ``[T]`` float32 (``[C, T]`` when
   ``mono=False``).
 * :class:`NpySource`: ``.npy`` arrays loaded as they are (float32), without pickles.
+* :class:`featbake.encode.images.ImageSource`: JPEG, PNG, WebP, BMP, TIFF decoded with Pillow,
+  then the recipe's image transform. Output: ``[C, H, W]`` float32.
 
-Adding a source (images, video) means a new class with ``extensions`` and ``load``; the build
+Adding a source (video) means a new class with ``extensions`` and ``load``; the build
 pipeline, keys and dataset do not change.
 """
 
@@ -22,7 +24,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
-from featbake.errors import SourceError
+from featbake.errors import ConfigError, SourceError
 from featbake.recipe import Recipe
 
 
@@ -150,6 +152,14 @@ class NpySource:
 
 def source_for(recipe: Recipe) -> Source:
     """The source adapter that the recipe names."""
+    if recipe.source == "image":
+        try:
+            from featbake.encode.images import ImageSource  # Pillow only for image builds
+        except ImportError as e:
+            raise ConfigError(
+                f"image inputs need Pillow ({e}); install it: pip install 'featbake[images]'"
+            ) from e
+        return ImageSource(recipe)
     return NpySource(recipe) if recipe.source == "npy" else AudioSource(recipe)
 
 

@@ -1,0 +1,395 @@
+"""The image recipe: how a decoded picture becomes pixel values (pure, part of the key).
+
+An :class:`ImageRecipe` names every step that changes the pixels a vision encoder sees:
+colour mode, EXIF orientation, resize (shortest edge or exact size), interpolation,
+antialiasing, centre crop, rescale and normalisation. It is hashed into the key through
+:class:`featbake.recipe.Recipe`, so two transforms can never share stored features (linear-probe
+caches keyed by a dataset and model name alone are the bug this avoids).
+
+Defaults come from a Hugging Face folder's ``preprocessor_config.json``
+(:meth:`ImageRecipe.from_processor`), or are given as options. The steps run in the order
+transformers' image processors run them: resize, centre crop, rescale, normalise
+(``PilBackend._preprocess``); the arithmetic is here (:func:`resized_size`,
+:func:`crop_box`) and the pixels are moved in :mod:`featbake.encode.image_transform`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, NamedTuple
+
+from featbake.errors import ConfigError
+
+#: Bump when featbake's image decoding or transform changes outputs for the same recipe.
+IMAGE_VERSION = 1
+#: transformers' default ``rescale_factor``: uint8 [0, 255] -> [0, 1].
+RESCALE_255 = 1 / 255
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+#: Image processors whose pipeline is exactly resize -> centre crop -> rescale -> normalise.
+#: Others (ConvNeXT's ``crop_pct``, processors that pad or tile) transform differently, and
+#: featbake refuses them rather than storing features under a transform it does not run.
+PLAIN_PROCESSORS = frozenset(
+    {
+        "ViTImageProcessor",
+        "CLIPImageProcessor",
+        "BitImageProcessor",
+        "SiglipImageProcessor",
+        "DeiTImageProcessor",
+        "Dinov2ImageProcessor",
+    }
+)
+
+
+class Interpolation(StrEnum):
+    """Resampling filters, by Pillow's names; the value is ``PIL.Image.Resampling``'s number."""
+
+    NEAREST = "nearest"
+    LANCZOS = "lanczos"
+    BILINEAR = "bilinear"
+    BICUBIC = "bicubic"
+    BOX = "box"
+    HAMMING = "hamming"
+
+    @property
+    def pil(self) -> int:
+        """``PIL.Image.Resampling`` value (what ``preprocessor_config.json`` calls ``resample``)."""
+        return list(Interpolation).index(self)
+
+    @classmethod
+    def parse(cls, value: object) -> Interpolation:
+        """A name (``"bicubic"``) or Pillow number (``3``) -> Interpolation.
+
+        Raises:
+            ConfigError: neither.
+
+        Example:
+            >>> Interpolation.parse(3).value
+            'bicubic'
+        """
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(cls):
+            return list(cls)[value]
+        if isinstance(value, str) and value.lower() in {m.value for m in cls}:
+            return cls(value.lower())
+        names = ", ".join(m.value for m in cls)
+        raise ConfigError(f"unknown interpolation {value!r}; choose one of {names}")
+
+
+class ColourMode(StrEnum):
+    """The colour mode images are converted to before the transform."""
+
+    RGB = "RGB"
+    GREY = "L"
+
+
+class ResizeKind(StrEnum):
+    """How ``resize`` reads its size."""
+
+    SHORTEST_EDGE = "shortest_edge"  # the shorter side becomes ``height``, aspect kept
+    EXACT = "exact"  # exactly ``height`` x ``width``
+    NONE = "none"
+
+
+class Size(NamedTuple):
+    """A height and width in pixels."""
+
+    height: int
+    width: int
+
+
+#: The classic ImageNet evaluation crop (resize the short side to 256, crop 224).
+DEFAULT_CROP = Size(224, 224)
+
+
+@dataclass(frozen=True)
+class Resize:
+    """A resize step: ``Resize(ResizeKind.SHORTEST_EDGE, 256)`` or ``Resize.exact(224, 224)``."""
+
+    kind: ResizeKind = ResizeKind.SHORTEST_EDGE
+    height: int = 256
+    width: int = 0  # only for EXACT
+
+    @classmethod
+    def exact(cls, height: int, width: int) -> Resize:
+        """Resize to exactly ``height`` x ``width``."""
+        return cls(ResizeKind.EXACT, height, width)
+
+    @classmethod
+    def parse(cls, text: str) -> Resize:
+        """``"256"`` (shortest edge), ``"224x224"`` (height x width) or ``"none"``.
+
+        Raises:
+            ConfigError: another spelling.
+
+        Example:
+            >>> Resize.parse("224x160")
+            Resize(kind=<ResizeKind.EXACT: 'exact'>, height=224, width=160)
+        """
+        text = text.strip().lower()
+        if text == "none":
+            return cls(ResizeKind.NONE, 0, 0)
+        size = parse_size(text, "--resize")
+        if "x" in text:
+            return cls.exact(size.height, size.width)
+        return cls(ResizeKind.SHORTEST_EDGE, size.height)
+
+    def describe(self) -> str:
+        """``short 256``, ``224x224`` or ``none``."""
+        if self.kind is ResizeKind.SHORTEST_EDGE:
+            return f"short {self.height}"
+        return f"{self.height}x{self.width}" if self.kind is ResizeKind.EXACT else "none"
+
+
+def parse_size(text: str, option: str) -> Size:
+    """``"224"`` -> 224x224, ``"224x160"`` -> height 224, width 160.
+
+    Raises:
+        ConfigError: not one or two positive whole numbers.
+    """
+    bits = text.strip().lower().split("x")
+    try:
+        numbers = [int(b) for b in bits]
+    except ValueError:
+        numbers = []
+    if len(numbers) not in (1, 2) or min(numbers, default=0) < 1:
+        raise ConfigError(
+            f"{option} takes a size like 224 or 224x224 (height x width), got {text!r}"
+        )
+    return Size(numbers[0], numbers[-1])
+
+
+@dataclass(frozen=True)
+class ImageRecipe:
+    """Every step between a decoded image and the encoder's ``[C, H, W]`` float32 input.
+
+    Attributes:
+        resize: shortest edge (aspect kept, the long side truncated as transformers does),
+            exact size, or none.
+        interpolation: the resampling filter.
+        antialias: filter when shrinking (Pillow always does); ``False`` resamples with
+            ``torch.nn.functional.interpolate(antialias=False)``, as old torchvision tensors did.
+        crop: centre crop to this size after the resize (``None``: no crop); an image smaller
+            than the crop is padded with zeros, as transformers does.
+        rescale: multiply pixel values by this (``1/255``); ``None`` keeps 0..255.
+        mean, std: per-channel normalisation after the rescale; ``None`` skips it.
+        mode: colour mode images are converted to (transparency composited onto white).
+        exif: apply the EXIF orientation tag before anything else.
+        hflip: this recipe is the horizontally flipped *view*: the image is mirrored before
+            the transform (``--views hflip`` bakes it beside the original, under its own key).
+
+    Example:
+        >>> ImageRecipe(crop=Size(224, 224)).describe()
+        'short 256 bilinear crop 224x224 rescale mean/std RGB'
+    """
+
+    resize: Resize = Resize()
+    interpolation: Interpolation = Interpolation.BILINEAR
+    antialias: bool = True
+    crop: Size | None = DEFAULT_CROP
+    rescale: float | None = RESCALE_255
+    mean: tuple[float, ...] | None = IMAGENET_MEAN
+    std: tuple[float, ...] | None = IMAGENET_STD
+    mode: ColourMode = ColourMode.RGB
+    exif: bool = True
+    hflip: bool = False
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "interpolation", Interpolation.parse(self.interpolation))
+        set_(self, "mode", ColourMode(self.mode))
+        if self.crop is not None:
+            set_(self, "crop", Size(*self.crop))
+        for name in ("mean", "std"):
+            value = getattr(self, name)
+            if value is not None:
+                set_(self, name, tuple(float(v) for v in value))
+        self._check()
+
+    def _check(self) -> None:
+        channels = 3 if self.mode is ColourMode.RGB else 1
+        if (self.mean is None) != (self.std is None):
+            raise ConfigError("give both --mean and --std, or neither (no normalisation)")
+        if self.mean is not None and self.std is not None:
+            if len(self.mean) != channels or len(self.std) != channels:
+                raise ConfigError(
+                    f"--mean and --std need {channels} values for mode {self.mode.value}, "
+                    f"got {len(self.mean)} and {len(self.std)}"
+                )
+            if not all(math.isfinite(v) and v > 0 for v in self.std):
+                raise ConfigError(f"--std values must be positive, got {self.std}")
+        if self.rescale is not None and not (math.isfinite(self.rescale) and self.rescale > 0):
+            raise ConfigError(
+                f"--rescale must be a positive number such as 1/255, got {self.rescale}"
+            )
+        for flag in ("antialias", "exif", "hflip"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
+        if not self.antialias and self.interpolation not in ANTIALIAS_OFF_FILTERS:
+            raise ConfigError(
+                f"--no-antialias resamples with torch, which has no {self.interpolation.value} "
+                "filter; use nearest, bilinear or bicubic"
+            )
+
+    @classmethod
+    def from_processor(
+        cls, config: Mapping[str, Any], where: str = "the image processor"
+    ) -> ImageRecipe:
+        """The recipe a transformers image processor config describes.
+
+        Raises:
+            ConfigError: a processor featbake does not reproduce exactly (a type outside
+                :data:`PLAIN_PROCESSORS`, padding, ``longest_edge``), or missing values.
+
+        Example:
+            >>> ImageRecipe.from_processor({"image_processor_type": "ViTImageProcessor",
+            ...     "size": {"height": 224, "width": 224}, "resample": 2,
+            ...     "image_mean": [0.5] * 3, "image_std": [0.5] * 3}).describe()
+            '224x224 bilinear rescale mean/std RGB'
+        """
+        kind = str(config.get("image_processor_type", "")).removesuffix("Fast").removesuffix("Pil")
+        if kind not in PLAIN_PROCESSORS or config.get("do_pad"):
+            raise ConfigError(
+                f"{where} is a {kind or 'untyped'} processor, whose transform featbake does not "
+                f"reproduce (it runs {', '.join(sorted(PLAIN_PROCESSORS))}); give the transform "
+                "with --resize/--crop/--mean/--std and a TorchScript or import-path encoder"
+            )
+        crop = config.get("crop_size") if config.get("do_center_crop", False) else None
+        mean, std = config.get("image_mean"), config.get("image_std")
+        normalize = bool(config.get("do_normalize", True))
+        if normalize and (mean is None or std is None):
+            raise ConfigError(f"{where} sets do_normalize but not image_mean and image_std")
+        return cls(
+            resize=_processor_resize(config, where),
+            interpolation=Interpolation.parse(config.get("resample", Interpolation.BILINEAR.pil)),
+            crop=_processor_size(crop, where, "crop_size") if crop is not None else None,
+            rescale=float(config.get("rescale_factor", RESCALE_255))
+            if config.get("do_rescale", True)
+            else None,
+            mean=tuple(mean) if normalize and mean is not None else None,
+            std=tuple(std) if normalize and std is not None else None,
+        )
+
+    def key_fields(self) -> dict[str, Any]:
+        """The canonical fields that enter the key (floats as they are, enums by value)."""
+        return {
+            "version": IMAGE_VERSION,
+            "resize": [self.resize.kind.value, self.resize.height, self.resize.width],
+            "interpolation": self.interpolation.value,
+            "antialias": self.antialias,
+            "crop": list(self.crop) if self.crop is not None else None,
+            "rescale": self.rescale,
+            "mean": list(self.mean) if self.mean is not None else None,
+            "std": list(self.std) if self.std is not None else None,
+            "mode": self.mode.value,
+            "exif": self.exif,
+            # Only the flipped view says so: the original's fields stay as they were.
+            **({"hflip": True} if self.hflip else {}),
+        }
+
+    def describe(self) -> str:
+        """One line for ``featbake roots``: ``short 256 bicubic crop 224x224 rescale ...``."""
+        return describe_fields(self.key_fields())
+
+    def replace(self, **changes: Any) -> ImageRecipe:
+        """A copy with some steps changed (the CLI's options over a folder's defaults)."""
+        return dataclasses.replace(self, **changes)
+
+
+#: The filters ``torch.nn.functional.interpolate`` has (the ``antialias=False`` path).
+ANTIALIAS_OFF_FILTERS = (Interpolation.NEAREST, Interpolation.BILINEAR, Interpolation.BICUBIC)
+
+
+def describe_fields(fields: Mapping[str, Any]) -> str:
+    """:meth:`ImageRecipe.describe` from the stored key fields (as ``featbake roots`` has them)."""
+    kind, height, width = fields.get("resize") or ("none", 0, 0)
+    bits = [Resize(ResizeKind(kind), height, width).describe(), str(fields.get("interpolation"))]
+    if fields.get("antialias") is False:
+        bits.append("no-antialias")
+    if fields.get("crop"):
+        bits.append("crop {}x{}".format(*fields["crop"]))
+    if fields.get("rescale") is not None:
+        bits.append("rescale")
+    if fields.get("mean") is not None:
+        bits.append("mean/std")
+    bits.append(str(fields.get("mode")))
+    if fields.get("exif") is False:
+        bits.append("no-exif")
+    if fields.get("hflip"):
+        bits.append("hflip")
+    return " ".join(bits)
+
+
+def _processor_resize(config: Mapping[str, Any], where: str) -> Resize:
+    if not config.get("do_resize", True):
+        return Resize(ResizeKind.NONE, 0, 0)
+    size = config.get("size")
+    if isinstance(size, int) and not isinstance(size, bool):
+        # An old-style int size: CLIP-like processors (with a centre crop) meant the shortest
+        # edge, ViT-like ones (no crop) a square; transformers' default_to_square per class.
+        if config.get("do_center_crop", False):
+            return Resize(ResizeKind.SHORTEST_EDGE, size)
+        return Resize.exact(size, size)
+    if isinstance(size, Mapping) and set(size) == {"shortest_edge"}:
+        return Resize(ResizeKind.SHORTEST_EDGE, int(size["shortest_edge"]))
+    exact = _processor_size(size, where, "size")
+    return Resize.exact(exact.height, exact.width)
+
+
+def _processor_size(value: object, where: str, name: str) -> Size:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return Size(value, value)
+    if isinstance(value, Mapping) and set(value) == {"height", "width"}:
+        return Size(int(value["height"]), int(value["width"]))
+    raise ConfigError(
+        f"{where}: {name} {value!r} is not a size featbake reproduces ({{'height', 'width'}} or "
+        "{'shortest_edge'}); give the transform with --resize and --crop"
+    )
+
+
+def resized_size(height: int, width: int, resize: Resize) -> Size:
+    """The size an image of ``height`` x ``width`` is resized to (transformers' arithmetic).
+
+    Shortest edge: the short side becomes ``resize.height`` and the long side
+    ``int(size * long / short)`` (truncated, as ``get_resize_output_image_size`` does).
+
+    Example:
+        >>> resized_size(480, 640, Resize(ResizeKind.SHORTEST_EDGE, 256))
+        Size(height=256, width=341)
+    """
+    if resize.kind is ResizeKind.NONE:
+        return Size(height, width)
+    if resize.kind is ResizeKind.EXACT:
+        return Size(resize.height, resize.width)
+    short, long = (width, height) if width <= height else (height, width)
+    new_short, new_long = resize.height, int(resize.height * long / short)
+    return Size(new_long, new_short) if width <= height else Size(new_short, new_long)
+
+
+class CropBox(NamedTuple):
+    """Where a centre crop cuts, in the image padded to at least the crop size."""
+
+    pad_top: int
+    pad_left: int
+    top: int
+    left: int
+
+
+def crop_box(height: int, width: int, crop: Size) -> CropBox:
+    """The centre crop of ``crop`` from a ``height`` x ``width`` image (transformers' rule).
+
+    ``top = (height - crop) // 2``; an image smaller than the crop is first padded with zeros,
+    ``ceil(missing / 2)`` before it.
+
+    Example:
+        >>> crop_box(256, 341, Size(224, 224))
+        CropBox(pad_top=0, pad_left=0, top=16, left=58)
+    """
+    pad_top = math.ceil(max(0, crop.height - height) / 2)
+    pad_left = math.ceil(max(0, crop.width - width) / 2)
+    top = (height - crop.height) // 2 + pad_top
+    left = (width - crop.width) // 2 + pad_left
+    return CropBox(pad_top, pad_left, max(0, top), max(0, left))

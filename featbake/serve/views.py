@@ -1,0 +1,105 @@
+"""ViewsDataset: serve one baked view of each image (original or flipped), chosen at random.
+
+``featbake build --views hflip`` stores the flipped images' features beside the originals
+(:mod:`featbake.bake.views`); this dataset pairs the two stores' items and serves, per item and
+epoch, one of them, so a probe trained on cached features keeps the most common augmentation.
+The choice is a pure function of ``(seed, epoch, index)``: the same in every DataLoader worker,
+reproducible from the seed, and different each epoch once :meth:`ViewsDataset.set_epoch` is
+called (as with ``DistributedSampler``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from torch.utils.data import Dataset
+
+from featbake.errors import ConfigError
+from featbake.image_options import View, view_steps
+from featbake.recipe import Recipe
+from featbake.serve.dataset import CachedFeatureDataset
+
+#: ``views=`` choices: one view at random per item, the original only, or both as a dict.
+VIEW_MODES = ("random", "original", "all")
+
+
+def picks_flipped(seed: int, epoch: int, index: int) -> bool:
+    """Whether item ``index`` serves its flipped view in ``epoch`` (a fair, seeded coin).
+
+    Example:
+        >>> picks_flipped(0, 0, 7) == picks_flipped(0, 0, 7)
+        True
+    """
+    digest = hashlib.blake2b(f"{seed}:{epoch}:{index}".encode(), digest_size=1).digest()
+    return bool(digest[0] & 1)
+
+
+class ViewsDataset(Dataset):
+    """Items of a build with ``--views hflip``: the original's or the flipped image's features.
+
+    Args:
+        data, encoder: as :class:`CachedFeatureDataset`.
+        views: ``"random"`` (one view per item, a seeded coin per item and epoch),
+            ``"original"`` or ``"all"`` (``{"original": ..., "hflip": ...}`` per item).
+        seed: the coin's seed.
+        recipe: the original's recipe (an image recipe, or a vision folder's by default).
+        **options: any other :class:`CachedFeatureDataset` keyword, for both views.
+
+    Raises:
+        ConfigError: an unknown ``views``, or a recipe that is not an image recipe.
+
+    Example:
+        >>> ds = ViewsDataset("./images", "./dinov2-small", seed=0)  # doctest: +SKIP
+        >>> ds.set_epoch(1)  # doctest: +SKIP
+        >>> x = ds[0]  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        data: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+        encoder: Any,
+        *,
+        views: str = "random",
+        seed: int = 0,
+        recipe: Recipe | None = None,
+        **options: Any,
+    ) -> None:
+        if views not in VIEW_MODES:
+            raise ConfigError(f"views must be one of {', '.join(VIEW_MODES)}, got {views!r}")
+        self.views = views
+        self.seed = seed
+        self.epoch = 0
+        self.original = CachedFeatureDataset(data, encoder, recipe=recipe, **options)
+        if self.original.recipe.source != "image":
+            raise ConfigError(
+                "ViewsDataset serves image views; the recipe's source is "
+                f"{self.original.recipe.source} (use a vision folder or Recipe(source='image'))"
+            )
+        steps = view_steps(self.original.recipe.image_steps, View.HFLIP)
+        flipped = self.original.recipe.replace(image=steps)
+        self.flipped = CachedFeatureDataset(data, encoder, recipe=flipped, **options)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Draw new coins: call at the start of each epoch (in the main process)."""
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.original)
+
+    def path(self, i: int) -> str:
+        """The absolute path of item ``i``'s image."""
+        return self.original.path(i)
+
+    def view(self, i: int) -> View:
+        """The view item ``i`` serves this epoch (with ``views="random"``)."""
+        if self.views == "original" or not picks_flipped(self.seed, self.epoch, i):
+            return View.ORIGINAL
+        return View.HFLIP
+
+    def __getitem__(self, i: int) -> Any:
+        if self.views == "all":
+            return {View.ORIGINAL.value: self.original[i], View.HFLIP.value: self.flipped[i]}
+        return (self.flipped if self.view(i) is View.HFLIP else self.original)[i]

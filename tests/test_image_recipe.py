@@ -1,0 +1,174 @@
+"""The image recipe (pure): fields, processor defaults, key fields, and the size arithmetic.
+
+The size and crop arithmetic is checked against transformers' own functions over many sizes,
+not against a copy of the rule.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from featbake.errors import ConfigError
+from featbake.image_recipe import (
+    ImageRecipe,
+    Interpolation,
+    Resize,
+    ResizeKind,
+    Size,
+    crop_box,
+    describe_fields,
+    resized_size,
+)
+from featbake.recipe import Recipe
+
+image_transforms = pytest.importorskip("transformers.image_transforms")
+
+VIT = {
+    "image_processor_type": "ViTImageProcessor",
+    "do_resize": True,
+    "size": {"height": 224, "width": 224},
+    "resample": 2,
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": True,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+}
+CLIP = {
+    "image_processor_type": "CLIPImageProcessor",
+    "size": {"shortest_edge": 224},
+    "crop_size": {"height": 224, "width": 224},
+    "do_center_crop": True,
+    "resample": 3,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+}
+
+
+def test_processor_configs_become_recipes() -> None:
+    vit = ImageRecipe.from_processor(VIT)
+    assert vit.resize == Resize.exact(224, 224) and vit.crop is None
+    assert vit.interpolation is Interpolation.BILINEAR and vit.mean == (0.5, 0.5, 0.5)
+    clip = ImageRecipe.from_processor(CLIP)
+    assert clip.resize == Resize(ResizeKind.SHORTEST_EDGE, 224) and clip.crop == Size(224, 224)
+    assert clip.interpolation is Interpolation.BICUBIC and clip.rescale == pytest.approx(1 / 255)
+    # An old-style int size: the shortest edge with a crop (CLIP), a square without (ViT).
+    assert ImageRecipe.from_processor({**CLIP, "size": 256}).resize.kind is ResizeKind.SHORTEST_EDGE
+    assert ImageRecipe.from_processor({**VIT, "size": 384}).resize == Resize.exact(384, 384)
+    off = ImageRecipe.from_processor({**VIT, "do_normalize": False, "do_rescale": False})
+    assert off.mean is None and off.std is None and off.rescale is None
+
+
+@pytest.mark.parametrize(
+    "config, words",
+    [
+        ({**VIT, "image_processor_type": "ConvNextImageProcessor"}, "does not reproduce"),
+        ({**VIT, "do_pad": True}, "does not reproduce"),
+        ({**VIT, "size": {"shortest_edge": 224, "longest_edge": 448}}, "--resize"),
+        ({**VIT, "image_mean": None}, "image_mean"),
+    ],
+)
+def test_processors_featbake_cannot_reproduce_are_refused(config: dict, words: str) -> None:
+    with pytest.raises(ConfigError, match=words):
+        ImageRecipe.from_processor(config)
+
+
+def test_every_step_is_in_the_key_and_audio_keys_do_not_see_it() -> None:
+    base = Recipe(source="image", image=ImageRecipe.from_processor(CLIP))
+    edits = {
+        "resize": Resize(ResizeKind.SHORTEST_EDGE, 256),
+        "interpolation": Interpolation.BILINEAR,
+        "antialias": False,
+        "crop": Size(196, 196),
+        "rescale": 1 / 256,
+        "mean": (0.5, 0.5, 0.5),
+        "std": (0.25, 0.25, 0.25),
+        "exif": False,
+    }
+    fps = {base.fingerprint()}
+    for field, value in edits.items():
+        fps.add(base.replace(image=base.image_steps.replace(**{field: value})).fingerprint())
+    fps.add(
+        base.replace(image=base.image_steps.replace(mode="L", mean=None, std=None)).fingerprint()
+    )
+    assert len(fps) == len(edits) + 2
+    # An audio recipe ignores image steps entirely: its key is the one it always had.
+    assert Recipe(image=ImageRecipe(crop=None)).fingerprint() == Recipe().fingerprint()
+    assert "image" not in Recipe().as_dict()
+    # Spellings of one transform share a key.
+    a = ImageRecipe(interpolation="bicubic", mean=[0.5, 0.5, 0.5], std=(0.5, 0.5, 0.5))
+    b = ImageRecipe(interpolation=3, mean=(0.5, 0.5, 0.5), std=[0.5] * 3)  # type: ignore[arg-type]
+    assert (
+        Recipe(source="image", image=a).fingerprint()
+        == Recipe(source="image", image=b).fingerprint()
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"mean": None}, "both --mean and --std"),
+        ({"mean": (0.5, 0.5)}, "3 values"),
+        ({"std": (0.5, 0.0, 0.5)}, "positive"),
+        ({"rescale": float("nan")}, "--rescale"),
+        ({"interpolation": "cubic"}, "unknown interpolation"),
+        ({"antialias": False, "interpolation": "lanczos"}, "no lanczos"),
+        ({"exif": 1}, "True or False"),
+    ],
+)
+def test_bad_steps_are_refused_with_the_fix(kwargs: dict, words: str) -> None:
+    with pytest.raises(ConfigError, match=words):
+        ImageRecipe(**kwargs)
+
+
+def test_sizes_parse_and_describe() -> None:
+    assert Resize.parse("256") == Resize(ResizeKind.SHORTEST_EDGE, 256)
+    assert Resize.parse("224x160") == Resize.exact(224, 160)
+    assert Resize.parse("none").kind is ResizeKind.NONE
+    for bad in ("", "0", "x", "224x", "a", "1x2x3"):
+        with pytest.raises(ConfigError, match="224x224"):
+            Resize.parse(bad)
+    steps = ImageRecipe.from_processor(CLIP).replace(antialias=False, exif=False)
+    assert (
+        steps.describe()
+        == "short 224 bicubic no-antialias crop 224x224 rescale mean/std RGB no-exif"
+    )
+    assert describe_fields(steps.key_fields()) == steps.describe()
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    height=st.integers(1, 2000),
+    width=st.integers(1, 2000),
+    size=st.integers(1, 600),
+)
+def test_shortest_edge_matches_transformers(height: int, width: int, size: int) -> None:
+    image = np.zeros((height, width, 1), np.uint8)
+    want = image_transforms.get_resize_output_image_size(
+        image, size, default_to_square=False, input_data_format="channels_last"
+    )
+    assert resized_size(height, width, Resize(ResizeKind.SHORTEST_EDGE, size)) == want
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    height=st.integers(1, 60),
+    width=st.integers(1, 60),
+    crop_h=st.integers(1, 60),
+    crop_w=st.integers(1, 60),
+)
+def test_crop_box_matches_transformers_center_crop(
+    height: int, width: int, crop_h: int, crop_w: int
+) -> None:
+    """Cropping an index image by the box gives exactly transformers' crop (padding included)."""
+    from featbake.encode.image_transform import center_crop
+
+    image = (np.arange(height * width).reshape(height, width, 1) % 251 + 1).astype(np.uint8)
+    want = image_transforms.center_crop(image, (crop_h, crop_w), input_data_format="channels_last")
+    got = center_crop(image, Size(crop_h, crop_w))
+    assert got.shape == want.shape and np.array_equal(got, want)
+    box = crop_box(height, width, Size(crop_h, crop_w))
+    assert box.top >= 0 and box.left >= 0

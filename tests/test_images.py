@@ -1,0 +1,202 @@
+"""Image decoding and the image transform, on image files the tests write (and real photos).
+
+Every transform is checked against transformers' own PIL image processors run now on the same
+decoded image: the pixel values must be identical, not close.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, features
+
+from featbake.bake.pipeline import build
+from featbake.encode.image_transform import transform
+from featbake.encode.images import IMAGE_EXTENSIONS, decode_image, to_mode
+from featbake.encode.sources import source_for
+from featbake.errors import SourceError
+from featbake.image_recipe import ColourMode, ImageRecipe, Interpolation, Resize, ResizeKind, Size
+from featbake.recipe import Recipe
+from tests.helpers import real_photos
+
+transformers = pytest.importorskip("transformers")
+
+
+def make_processor(kind: str, **kw: Any) -> Any:
+    """transformers' PIL-backend processor (``...Pil`` in transformers 5, the class before)."""
+    cls = getattr(transformers, f"{kind}ImageProcessorPil", None)
+    return (cls or getattr(transformers, f"{kind}ImageProcessor"))(**kw)
+
+
+def noise(height: int, width: int, seed: int = 0, mode: str = "RGB") -> Image.Image:
+    rng = np.random.default_rng(seed)
+    channels = {"RGB": 3, "L": 1, "RGBA": 4}[mode]
+    pixels = rng.integers(0, 256, (height, width, channels), dtype=np.uint8)
+    return Image.fromarray(pixels[..., 0] if channels == 1 else pixels, mode)
+
+
+PROCESSORS = {
+    "vit": ("ViT", {"size": {"height": 32, "width": 48}}),
+    "clip": ("CLIP", {"size": {"shortest_edge": 40}, "crop_size": {"height": 32, "width": 32}}),
+    "bit-bilinear": (
+        "Bit",
+        {
+            "size": {"shortest_edge": 36},
+            "crop_size": {"height": 32, "width": 28},
+            "resample": 2,
+            "image_mean": [0.485, 0.456, 0.406],
+            "image_std": [0.229, 0.224, 0.225],
+        },
+    ),
+    "clip-crop-larger": (  # a crop larger than the resized image: zero padding
+        "CLIP",
+        {"size": {"shortest_edge": 24}, "crop_size": {"height": 32, "width": 32}},
+    ),
+    "vit-lanczos-no-normalise": (
+        "ViT",
+        {"size": {"height": 20, "width": 20}, "resample": 1, "do_normalize": False},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PROCESSORS))
+def test_transform_equals_transformers_processor(name: str, tmp_path: Path) -> None:
+    kind, kw = PROCESSORS[name]
+    proc = make_processor(kind, **kw)
+    proc.save_pretrained(tmp_path)
+    steps = ImageRecipe.from_processor(proc.to_dict())
+    images = [noise(h, w, seed) for seed, (h, w) in enumerate([(50, 70), (71, 33), (16, 17)])]
+    images += [decode_image(p, steps) for p in real_photos()]
+    for image in images:
+        want = proc(images=image, return_tensors="pt")["pixel_values"][0]
+        got = transform(image, steps)
+        assert got.dtype == torch.float32 and torch.equal(got, want), (name, image.size)
+
+
+def test_flipped_view_is_the_transform_of_the_mirrored_image() -> None:
+    kind, kw = PROCESSORS["clip"]
+    proc = make_processor(kind, **kw)
+    steps = ImageRecipe.from_processor(proc.to_dict())
+    image = noise(45, 67)  # odd margins: a flip after the crop would be off by a pixel
+    mirrored = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    want = proc(images=mirrored, return_tensors="pt")["pixel_values"][0]
+    assert torch.equal(transform(image, steps, hflip=True), want)
+
+
+def test_no_antialias_resamples_as_torch_interpolate_does() -> None:
+    image = noise(64, 96)
+    steps = ImageRecipe(
+        resize=Resize.exact(24, 40), interpolation=Interpolation.BICUBIC, antialias=False
+    ).replace(crop=None, rescale=None, mean=None, std=None)
+    x = torch.from_numpy(np.array(image)).permute(2, 0, 1)[None].float()
+    want = torch.nn.functional.interpolate(
+        x, size=(24, 40), mode="bicubic", align_corners=False, antialias=False
+    )
+    want = want.round().clamp(0, 255)[0]
+    assert torch.equal(transform(image, steps), want)
+    assert not torch.equal(transform(image, steps.replace(antialias=True)), want)
+
+
+# -- decoding ----------------------------------------------------------------------------------
+def plain(**changes: Any) -> ImageRecipe:
+    """No resize, crop or normalisation: the transform returns the decoded pixels (0..255)."""
+    steps = ImageRecipe(resize=Resize(ResizeKind.NONE, 0, 0), crop=None, rescale=None)
+    return steps.replace(mean=None, std=None, **changes)
+
+
+def pixels(path: Path, **changes: Any) -> np.ndarray:
+    """The decoded image as ``[H, W, C]`` values through the image source."""
+    x = source_for(Recipe(source="image", image=plain(**changes))).load(path)
+    return x.permute(1, 2, 0).numpy()
+
+
+def test_exif_orientation_is_applied(tmp_path: Path) -> None:
+    stored = np.zeros((20, 40, 3), np.uint8)
+    stored[:, :20] = (255, 0, 0)  # left half red, right half blue, as the sensor stored it
+    stored[:, 20:] = (0, 0, 255)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90 clockwise to display"
+    Image.fromarray(stored).save(tmp_path / "phone.jpg", exif=exif, quality=95)
+    shown = pixels(tmp_path / "phone.jpg")
+    assert shown.shape == (40, 20, 3)  # portrait once oriented
+    assert shown[2, 10, 0] > 200 and shown[2, 10, 2] < 60  # red on top
+    assert shown[-3, 10, 2] > 200 and shown[-3, 10, 0] < 60  # blue below
+    assert pixels(tmp_path / "phone.jpg", exif=False).shape == (20, 40, 3)
+
+
+def test_colour_modes_are_converted(tmp_path: Path) -> None:
+    Image.new("CMYK", (8, 8), (0, 255, 255, 0)).save(tmp_path / "cmyk.jpg", quality=95)
+    assert np.allclose(pixels(tmp_path / "cmyk.jpg")[4, 4], (255, 0, 0), atol=6)
+    noise(9, 7, mode="L").save(tmp_path / "grey.png")
+    grey = pixels(tmp_path / "grey.png")
+    assert grey.shape == (9, 7, 3) and (grey[..., 0] == grey[..., 2]).all()
+    assert np.array_equal(grey[..., 0], np.asarray(Image.open(tmp_path / "grey.png")))
+    assert pixels(tmp_path / "grey.png", mode=ColourMode.GREY).shape == (9, 7, 1)
+    Image.new("RGBA", (4, 4), (10, 20, 30, 0)).save(tmp_path / "clear.png")
+    assert (pixels(tmp_path / "clear.png") == 255).all()  # transparency onto white
+    palette = Image.new("P", (4, 4), 0)
+    palette.putpalette([0, 0, 0] * 256)
+    palette.save(tmp_path / "pal.png", transparency=0)
+    assert (pixels(tmp_path / "pal.png") == 255).all()
+
+
+def test_sixteen_bit_png_is_scaled_not_clipped(tmp_path: Path) -> None:
+    wide = np.array([[0, 257 * 100, 65535, 300, 385]], np.uint16)
+    Image.fromarray(wide).save(tmp_path / "deep.png")
+    assert Image.open(tmp_path / "deep.png").mode.startswith("I")
+    assert pixels(tmp_path / "deep.png")[0, :, 0].tolist() == [0, 100, 255, 1, 1]
+    assert to_mode(Image.fromarray(wide), ColourMode.GREY).getpixel((3, 0)) == 1
+
+
+@pytest.mark.parametrize("ext", [".png", ".webp", ".bmp", ".tiff"])
+def test_lossless_formats_decode_to_their_pixels(ext: str, tmp_path: Path) -> None:
+    if ext == ".webp" and not features.check("webp"):
+        pytest.skip("this Pillow has no WebP")
+    image = noise(13, 11)
+    image.save(tmp_path / f"a{ext}", **({"lossless": True} if ext == ".webp" else {}))
+    assert np.array_equal(pixels(tmp_path / f"a{ext}"), np.asarray(image))
+    assert ext in IMAGE_EXTENSIONS
+
+
+def write_bad_files(folder: Path) -> None:
+    buf = io.BytesIO()
+    noise(64, 64).save(buf, format="JPEG")
+    (folder / "truncated.jpg").write_bytes(buf.getvalue()[: len(buf.getvalue()) // 2])
+    (folder / "notes.jpg").write_text("not a picture\n")
+
+
+def test_bad_files_raise_source_errors_with_the_reason(tmp_path: Path) -> None:
+    write_bad_files(tmp_path)
+    with pytest.raises(SourceError, match="truncated"):
+        decode_image(tmp_path / "truncated.jpg", plain())
+    with pytest.raises(SourceError, match="not an image"):
+        decode_image(tmp_path / "notes.jpg", plain())
+    with pytest.raises(SourceError, match="not found"):
+        decode_image(tmp_path / "missing.png", plain())
+
+
+def test_a_build_skips_bad_images_and_stores_the_rest(tmp_path: Path) -> None:
+    data = tmp_path / "images"
+    data.mkdir()
+    noise(40, 50).save(data / "a.png")
+    noise(50, 40, seed=1).convert("RGB").save(data / "b.jpg")
+    write_bad_files(data)
+    torch.manual_seed(0)
+    encoder = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 8, 8), torch.nn.Flatten())
+    steps = ImageRecipe(resize=Resize(ResizeKind.SHORTEST_EDGE, 36), crop=Size(32, 32))
+    report = build(
+        data,
+        encoder,
+        cache=tmp_path / "store",
+        recipe=Recipe(source="image", image=steps),
+        workers=0,
+    )
+    assert report.encoded == 2
+    reasons = dict(report.failed)
+    assert set(reasons) == {"notes.jpg", "truncated.jpg"}
+    assert "not an image" in reasons["notes.jpg"] and "truncated" in reasons["truncated.jpg"]

@@ -1,0 +1,107 @@
+"""Flip views: ``--views hflip`` bakes the mirrored images; ViewsDataset serves one per item.
+
+Each view is checked against transformers' processor + model on the image (or its mirror) now.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from featbake.bake.views import build_views
+from featbake.encode.images import decode_image
+from featbake.errors import ConfigError
+from featbake.image_options import View, parse_views
+from featbake.recipe import Recipe
+from featbake.serve.views import ViewsDataset, picks_flipped
+from featbake.testing import write_audio_folder, write_image_folder
+from tests.conftest import run_cli
+from tests.helpers import rel_error
+
+transformers = pytest.importorskip("transformers")
+
+
+def test_the_coin_is_seeded_fair_and_new_each_epoch() -> None:
+    flips = [picks_flipped(0, 0, i) for i in range(2000)]
+    assert 900 < sum(flips) < 1100
+    assert flips == [picks_flipped(0, 0, i) for i in range(2000)]
+    assert flips != [picks_flipped(0, 1, i) for i in range(2000)]
+    assert flips != [picks_flipped(1, 0, i) for i in range(2000)]
+
+
+def test_views_parse() -> None:
+    assert parse_views(None) == (View.ORIGINAL,)
+    assert parse_views("hflip") == (View.ORIGINAL, View.HFLIP)
+    assert parse_views("hflip,hflip") == (View.ORIGINAL, View.HFLIP)
+    with pytest.raises(ConfigError, match="--views takes hflip"):
+        parse_views("vflip")
+
+
+def _clip_folder(folder: Path) -> Path:
+    torch.manual_seed(0)
+    config = transformers.CLIPVisionConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        image_size=32,
+        patch_size=8,
+    )
+    transformers.CLIPVisionModel(config).eval().save_pretrained(folder)
+    proc = getattr(transformers, "CLIPImageProcessorPil", None) or transformers.CLIPImageProcessor
+    proc(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(folder)
+    return folder
+
+
+def test_flipped_views_are_baked_and_served_as_transformers_computes_them(tmp_path: Path) -> None:
+    images = tmp_path / "images"
+    write_image_folder(images, 6, size=(37, 53), seed=3)  # odd margins around the crop
+    folder = _clip_folder(tmp_path / "clip")
+    store = tmp_path / "s"
+    res = run_cli(
+        "build", "-e", folder, "-d", images, "--cache", store, "--views", "hflip", "--json"
+    )
+    assert res.returncode == 0, res.stderr
+    reports = json.loads(res.stdout)
+    assert [r["encoded"] for r in reports] == [6, 6] and reports[0]["root"] != reports[1]["root"]
+    model = transformers.AutoModel.from_pretrained(str(folder)).eval()
+    proc = transformers.AutoImageProcessor.from_pretrained(str(folder))
+
+    def want(image: Image.Image) -> torch.Tensor:
+        with torch.inference_mode():
+            return model(**proc(images=image, return_tensors="pt")).pooler_output[0]
+
+    both = ViewsDataset(images, folder, cache=store, views="all", on_miss="error")
+    for i in range(len(both)):
+        image = decode_image(both.path(i), both.original.recipe.image_steps)
+        item = both[i]
+        assert rel_error(item["original"]["pooled"], want(image)) < 1e-5
+        mirrored = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        assert rel_error(item["hflip"]["pooled"], want(mirrored)) < 1e-5
+    coin = ViewsDataset(images, folder, cache=store, seed=4, on_miss="error")
+    picks = []
+    for epoch in range(4):
+        coin.set_epoch(epoch)
+        picks.append([coin.view(i) for i in range(len(coin))])
+        for i in range(len(coin)):
+            assert torch.equal(coin[i]["pooled"], both[i][coin.view(i).value]["pooled"])
+    assert {v for epoch in picks for v in epoch} == {View.ORIGINAL, View.HFLIP}
+    assert len({tuple(p) for p in picks}) > 1  # new coins each epoch
+    plain = ViewsDataset(images, folder, cache=store, views="original", on_miss="error")
+    assert all(plain.view(i) is View.ORIGINAL for i in range(len(plain)))
+
+
+def test_views_need_image_inputs(tmp_path: Path, encoder_file: Path) -> None:
+    write_audio_folder(tmp_path / "audio", 2, seconds=0.3)
+    with pytest.raises(ConfigError, match="applies to image inputs"):
+        build_views(tmp_path / "audio", encoder_file, views=parse_views("hflip"))
+    with pytest.raises(ConfigError, match="views must be one of"):
+        ViewsDataset(tmp_path / "audio", encoder_file, views="sometimes")
+    write_image_folder(tmp_path / "images", 2)
+    res = run_cli("build", "-e", encoder_file, "-d", tmp_path / "audio", "--views", "hflip")
+    assert res.returncode == 2 and "applies to image inputs" in res.stderr
+    assert Recipe(source="image").image_steps.hflip is False
