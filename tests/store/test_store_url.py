@@ -14,7 +14,7 @@ from tests.conftest import run_cli
 
 @pytest.mark.parametrize("url", ["s3://bucket/features", "gs://b/p", "https://host/store"])
 def test_a_url_is_not_read_as_a_folder(url: str) -> None:
-    with pytest.raises(ConfigError, match="is a URL.*object_store.md.*--cache"):
+    with pytest.raises(ConfigError, match=r"is a URL.*object_store\.md.*--cache"):
         layout_at(url)
 
 
