@@ -28,8 +28,9 @@ from featbake.store.writer import SealedShard, ShardEntry
 
 CHUNK = 500  # keys per IN (...) query, far below SQLite's variable limit
 
-#: The one statement that adds feature rows from Python values (a build, write-back).
+#: The ``features`` columns every insert names (from Python values, or copied from a fragment).
 FEATURE_COLUMNS = "key, part, shard_id, dtype, shape, nbytes, last_used"
+#: The one statement that adds feature rows from Python values (a build, write-back).
 INSERT_FEATURES = f"INSERT OR IGNORE INTO features({FEATURE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)"
 
 
@@ -38,6 +39,11 @@ class ShardSize(NamedTuple):
 
     items: int
     data_bytes: int
+
+    @classmethod
+    def of(cls, shard: SealedShard) -> ShardSize:
+        """The size of a shard that comes with its entries."""
+        return cls(len(shard.entries), sum(e.nbytes for e in shard.entries))
 
 
 #: Adds a shard's feature rows inside ``add_shard``'s transaction (given the shard's row id).
@@ -49,14 +55,11 @@ def chunks(seq: Sequence[str], n: int = CHUNK) -> Iterator[Sequence[str]]:
         yield seq[i : i + n]
 
 
-def insert_shard(
-    c: Transaction, shard: SealedShard, now: float, size: ShardSize | None = None
-) -> int:
+def insert_shard(c: Transaction, shard: SealedShard, now: float, size: ShardSize) -> int:
     """Record a sealed shard (once: its name is its content) and return its row id.
 
-    ``size`` gives its tensors' count and bytes when ``shard`` comes without its entries.
+    ``size`` is its tensors' count and bytes (:meth:`ShardSize.of` a shard with its entries).
     """
-    size = size or ShardSize(len(shard.entries), sum(e.nbytes for e in shard.entries))
     c.execute(
         "INSERT OR IGNORE INTO shards"
         "(name, bytes, items, encoder_fp, recipe_fp, created, data_bytes)"
@@ -272,7 +275,7 @@ class FeatureRows(CatalogConnection):
                 INSERT_FEATURES, [(k, p, shard_id, d, s, n, now) for k, p, d, s, n in values]
             )
 
-        return self._add_shard(shard, now, insert, lambda: shard)
+        return self._add_shard(shard, now, insert, lambda: shard, ShardSize.of(shard))
 
     def add_fragment_shards(self, fragment: Path, schema: str = "fragment") -> FragmentRowsAdded:
         """Add every shard of a sealed fragment (a catalog file, store/fragments.py), as
@@ -309,7 +312,7 @@ class FeatureRows(CatalogConnection):
         now: float,
         copy: RowCopy,
         with_entries: Callable[[], SealedShard],
-        size: ShardSize | None = None,
+        size: ShardSize,
     ) -> int:
         with self.transaction() as c:
             # Checked under the write lock, as gc unlinks under it (unlink_shard_file): a file
@@ -320,7 +323,6 @@ class FeatureRows(CatalogConnection):
                     f"shard {shard.name} vanished before its rows were committed (gc removed an "
                     "identical shard); it is written again"
                 )
-            size = size or ShardSize(len(shard.entries), sum(e.nbytes for e in shard.entries))
             shard_id = insert_shard(c, shard, now, size)
             before = c.total_changes
             copy(c, shard_id)

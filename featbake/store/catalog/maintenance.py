@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from featbake.store.catalog.connection import CatalogConnection, read_only_uri
-from featbake.store.catalog.feature_rows import insert_shard
+from featbake.store.catalog.feature_rows import ShardSize, insert_shard
 from featbake.store.catalog.roots import ITEMS_SELECT, ROOT_SELECT, write_root_rows
 from featbake.store.catalog.rows import (
     EncoderRow,
@@ -182,7 +182,7 @@ class UpkeepRows(CatalogConnection):
         """
         now = time.time() if now is None else now
         with self.transaction() as c:
-            sid = insert_shard(c, shard, now)
+            sid = insert_shard(c, shard, now, ShardSize.of(shard))
             before = c.total_changes
             c.executemany(
                 "UPDATE features SET shard_id=? WHERE key=? AND part=? AND shard_id=?",
