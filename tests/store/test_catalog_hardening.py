@@ -26,6 +26,8 @@ from featbake.testing import TinyConvEncoder, save_torchscript
 from tests.conftest import REPO, live_features, run_cli
 from tests.helpers import can_mount_privately
 
+#: A root the tests publish before they take the catalog away or make the store read-only.
+ROOT = RootSpec("r", "/d", encoder_label="e", encoder_fp="e" * 64, recipe_fp="r" * 64, recipe={})
 ARCHIVE_TIME = 1_500_000_000  # a fixed date, as a reproducible tarball or a zip gives its files
 
 
@@ -170,17 +172,7 @@ def _delete_catalog(store: Path) -> None:
 def test_a_new_catalog_beside_root_manifests_is_refused(tmp_path: Path) -> None:
     layout = Layout(tmp_path / "store").ensure()
     with Catalog(layout) as cat:
-        cat.replace_root(
-            RootSpec(
-                "r",
-                data="/d",
-                encoder_label="e",
-                encoder_fp="e" * 64,
-                recipe_fp="r" * 64,
-                recipe={},
-            ),
-            [("a.wav", "k")],
-        )
+        cat.replace_root(ROOT, [("a.wav", "k")])
     _delete_catalog(layout.root)
     with pytest.raises(StoreError, match=r"no catalog\.sqlite.*featbake verify --repair"):
         _ = Catalog(layout).conn
@@ -312,17 +304,7 @@ def test_a_store_without_write_permission_is_read(
     non-root user's os.access() says is simulated (the mount test above is the real thing)."""
     layout = Layout(store_dir).ensure()
     with Catalog(layout) as cat:
-        cat.replace_root(
-            RootSpec(
-                "r",
-                data="/d",
-                encoder_label="e",
-                encoder_fp="e" * 64,
-                recipe_fp="r" * 64,
-                recipe={},
-            ),
-            [("a.wav", "k")],
-        )
+        cat.replace_root(ROOT, [("a.wav", "k")])
     paths = [store_dir, *store_dir.rglob("*")]
     for p in paths:
         p.chmod(0o555 if p.is_dir() else 0o444)

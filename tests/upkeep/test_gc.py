@@ -334,38 +334,19 @@ def test_extend_root_keeps_features_written_without_a_folder(store_dir: Path) ->
     layout = Layout(store_dir).ensure()
     cat = Catalog(layout)
     efp, rfp = "e" * 64, "r" * 64
+    spec = RootSpec("cached-encoder-x", "cached-encoder:eeee", "Enc", efp, rfp, {"kind": "tensor"})
     shards = []
     for n in range(2):
         tensors = {f"{n}{i}".ljust(64, "0"): torch.full((3,), float(i)) for i in range(3)}
         shard = write_shard(layout, tensors, efp, rfp)
         cat.add_shard(shard)
         shards.append(shard)
-        cat.extend_root(
-            RootSpec(
-                "cached-encoder-x",
-                data="cached-encoder:eeee",
-                encoder_label="Enc",
-                encoder_fp=efp,
-                recipe_fp=rfp,
-                recipe={"kind": "tensor"},
-            ),
-            list(tensors),
-        )
+        cat.extend_root(spec, list(tensors))
     items = manifest(store_dir, "cached-encoder-x")
     assert len(items) == 6 and len({k for _, k in items}) == 6
     root, file_items = read_root_file(root_file(layout, "cached-encoder-x"))
     assert file_items == items and root.items == 6
-    cat.extend_root(
-        RootSpec(
-            "cached-encoder-x",
-            data="cached-encoder:eeee",
-            encoder_label="Enc",
-            encoder_fp=efp,
-            recipe_fp=rfp,
-            recipe={"kind": "tensor"},
-        ),
-        [items[0][1]],
-    )
+    cat.extend_root(spec, [items[0][1]])
     assert len(manifest(store_dir, "cached-encoder-x")) == 6
     _, result = gc(store_dir)
     assert result.rows_deleted == 0 and all(s.path.exists() for s in shards)
