@@ -20,8 +20,9 @@ from featbake.bake.ranks import RankSpec, my_part, owned_by_lower_ranks
 from featbake.store.catalog import Catalog
 from featbake.store.catalog_api import BuildCatalog
 from featbake.store.layout import Layout
-from featbake.store.merge import merge
 from featbake.store.rank_catalog import RankCatalog
+from featbake.store.remote.publish import merge_store
+from featbake.store.remote.store import BucketStore
 
 #: How long a rank waits at the barrier for the slowest one (a gloo default of 30 min is far
 #: too short for a build whose parts end hours apart).
@@ -41,13 +42,19 @@ def catalog_for_part(
 ) -> tuple[BuildCatalog, list[str]]:
     """The catalog this process writes through, and the inputs it does (all, for one process).
 
-    Each rank stats every input (cheap) but hashes and encodes only its own part.
+    Each rank stats every input (cheap) but hashes and encodes only its own part. A build into
+    a bucket store always writes fragments (its tier's catalog is a published version, never
+    written in place), after bringing in the bucket's fragments: a rerun on another node skips
+    what the killed run sealed.
     """
-    if not spec.sharded:
+    remote = isinstance(layout.remote, BucketStore)
+    if not spec.sharded and not remote:
         return Catalog(layout), rel_paths
+    if isinstance(layout.remote, BucketStore):
+        layout.remote.sync_fragments()
     sizes = [input_bytes(os.path.join(data_dir, p)) for p in rel_paths]
     listing = list(zip(rel_paths, sizes, strict=True))
-    mine = my_part(sizes, spec)
+    mine = my_part(sizes, spec) if spec.sharded else list(range(len(rel_paths)))
     return RankCatalog(layout, spec.rank, spec.world, listing), [rel_paths[i] for i in mine]
 
 
@@ -91,14 +98,18 @@ def finish_part(layout: Layout, spec: RankSpec) -> bool:
     """Under torchrun: wait for all ranks, rank 0 merges, all return merged. True if merged here.
 
     Parts launched one by one (``--shard``, SLURM arrays) return at once: `featbake merge` runs
-    when they are all done (a SLURM job with ``--dependency=afterok`` on the array).
+    when they are all done (a SLURM job with ``--dependency=afterok`` on the array). A single
+    process building into a bucket store merges (publishes the next catalog version) itself.
     """
+    if not spec.sharded and layout.remote is not None:
+        merge_store(layout)
+        return True
     if not spec.launched_together:
         return False
     with _process_group():
         dist.barrier()
         merged = spec.rank == 0
         if merged:
-            merge(layout)
+            merge_store(layout)
         dist.barrier()
     return merged

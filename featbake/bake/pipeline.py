@@ -45,7 +45,8 @@ from featbake.store.catalog import FileStat, RootSpec
 from featbake.store.catalog_api import BuildCatalog
 from featbake.store.features import Parts
 from featbake.store.fidelity import write_fidelity
-from featbake.store.layout import Layout, layout_at
+from featbake.store.layout import Layout
+from featbake.store.open import StoreRef, store_at
 from featbake.store.rank_catalog import RankCatalog
 from featbake.store.shard_format import DEFAULT_SHARD_BYTES
 
@@ -56,7 +57,7 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
     data: str | os.PathLike[str],
     encoder: str | os.PathLike[str] | LoadedEncoder | torch.nn.Module,
     *,
-    cache: str | os.PathLike[str] | None = None,
+    cache: StoreRef = None,
     recipe: Recipe | None = None,
     weights: str | os.PathLike[str] | None = None,
     trust_pickle: bool = False,
@@ -79,7 +80,8 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
     Args:
         data: the data folder (scanned recursively, in sorted order).
         encoder: a TorchScript/.pt2 path, an import path, or an already loaded encoder.
-        cache: the store directory (default ``$FEATBAKE_CACHE`` or ``./.featbake``).
+        cache: the store directory (default ``$FEATBAKE_CACHE`` or ``./.featbake``), a bucket
+            (``s3://bucket/prefix``), or a layout from :func:`featbake.store.open.store_at`.
         recipe: preprocessing and storage options (part of every key).
         weights: safetensors weights for an import-path encoder.
         trust_pickle: allow a pickled whole-module checkpoint (runs its code).
@@ -134,7 +136,7 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
         batch_size, workers, strict, shard_bytes, on_gpu, allow_nonfinite, threads, max_error
     )
     options.check_recipe(recipe)
-    layout = layout_at(cache).ensure()
+    layout = store_at(cache).ensure()
     source = source_for(recipe)
     data_dir = resolve_path(data)
     scanned = scan_inputs(data_dir, source.extensions)

@@ -93,8 +93,11 @@ class CachedFeatureDataset(Dataset):
             file, or an import path), a loaded encoder, or an ``nn.Module``. A file encoder is
             loaded only when the first miss happens (or once, to fingerprint it, when the store
             has never seen this file).
-        cache: the store directory (default ``$FEATBAKE_CACHE`` or ``./.featbake``). On a
-            shared filesystem its catalog is only read; writes go to fragments for ``merge``.
+        cache: the store directory (default ``$FEATBAKE_CACHE`` or ``./.featbake``), or a
+            bucket, ``s3://bucket/prefix``. On a shared filesystem or a bucket its catalog is
+            only read; writes go to fragments for ``merge``.
+        local_cache, local_cache_size: a bucket store's local disk tier and its byte budget
+            (see :func:`featbake.store.open.store_at`); shared by the processes of a node.
         recipe: preprocessing and storage options; the keyword options below override its fields.
         source, sample_rate, mono, max_seconds, output, dtype: recipe fields, as in
             ``featbake build``.
@@ -149,6 +152,8 @@ class CachedFeatureDataset(Dataset):
         encoder: str | os.PathLike[str] | LoadedEncoder | torch.nn.Module,
         *,
         cache: str | os.PathLike[str] | None = None,
+        local_cache: str | os.PathLike[str] | None = None,
+        local_cache_size: int | str | None = None,
         recipe: Recipe | None = None,
         source: str | None = None,
         sample_rate: int | None = None,
@@ -186,7 +191,7 @@ class CachedFeatureDataset(Dataset):
         self.revalidate = revalidate
         self._ram_total = parse_bytes(ram_cache)
         dev.resolve_device(device)  # validate now, not at the first miss
-        self._layout = serving_layout(cache, on_miss)
+        self._layout = serving_layout(cache, on_miss, local_cache, local_cache_size)
         # A store this process cannot write is served as it is: nothing published or written.
         self.read_only = store_read_only(self._layout)
         self.write_back = write_back and not self.read_only

@@ -9,7 +9,8 @@ from typing import Any
 
 from featbake.errors import ConfigError, StoreError
 from featbake.recipe import Recipe
-from featbake.store.layout import Layout, layout_at
+from featbake.store.layout import Layout
+from featbake.store.open import store_at
 
 ON_MISS = ("encode", "error")
 VERIFY = ("first", "always", "never")
@@ -36,7 +37,12 @@ def recipe_from(
     return base.replace(**changes) if changes else base
 
 
-def serving_layout(cache: str | os.PathLike[str] | None, on_miss: str) -> Layout:
+def serving_layout(
+    cache: str | os.PathLike[str] | None,
+    on_miss: str,
+    local_cache: str | os.PathLike[str] | None = None,
+    local_cache_size: int | str | None = None,
+) -> Layout:
     """The store a dataset serves from; a missing one is an error or (encoding) said once.
 
     A mistyped ``cache=`` used to create an empty store silently and report every item "not
@@ -45,9 +51,9 @@ def serving_layout(cache: str | os.PathLike[str] | None, on_miss: str) -> Layout
     Raises:
         StoreError: ``on_miss="error"`` and there is no store at ``cache``.
     """
-    layout = layout_at(cache)
+    layout = store_at(cache, local_cache=local_cache, local_cache_size=local_cache_size)
     if not layout.catalog.exists() and not layout.shards.exists():
-        where = layout.root.absolute()
+        where = layout.remote or layout.root.absolute()
         if on_miss == "error":
             raise StoreError(
                 f"there is no featbake store at {where}; check cache= (or $FEATBAKE_CACHE), "

@@ -126,7 +126,9 @@ class ProcessState:
         self.lifetime = ProcessStamp()
         self.catalogs = catalogs
         self.writeback = writeback
-        self.handles = ShardHandles(max_open=max_open_shards, verify=verify)
+        self.handles = ShardHandles(
+            max_open=max_open_shards, verify=verify, remote=catalogs.layout.remote
+        )
         self.open_readers = self.handles.open_readers  # checked by the hit path
         self.last_path: Path | None = None
         self.lru = ram_tier(ram_total)

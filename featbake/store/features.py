@@ -74,7 +74,7 @@ class FeatureReader:
     ) -> None:
         self.layout = layout
         self.catalog = Catalog(layout)
-        self.handles = ShardHandles(max_open=max_open, verify=verify)
+        self.handles = ShardHandles(max_open=max_open, verify=verify, remote=layout.remote)
 
     def get(self, key: str) -> dict[str, torch.Tensor] | None:
         """The tensors stored for ``key`` by output part, or None if the key is not stored.

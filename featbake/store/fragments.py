@@ -241,6 +241,8 @@ def write_fragment(
             f"could not write the catalog fragment {final}: {e}; check that the cache directory "
             "is writable and has space"
         ) from e
+    if layout.remote is not None:  # a bucket store: the shards, then the fragment naming them
+        layout.remote.publish_fragment(final, [s.name for s in shards])
     return final
 
 

@@ -6,7 +6,9 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 
+from featbake.errors import ShardMissing
 from featbake.perprocess import ProcessStamp
+from featbake.store.layout import RemotePlace
 from featbake.store.reader import ShardReader, VerifyMode
 
 
@@ -14,10 +16,17 @@ class ShardHandles:
     """A per-process cache of open :class:`ShardReader` objects, bounded in open files.
 
     After ``fork`` (DataLoader workers) the child drops its parent's handles and opens its own.
+    With a ``remote`` (a bucket store), a shard missing from the local tier is fetched first.
     """
 
-    def __init__(self, max_open: int = 64, verify: VerifyMode | str = VerifyMode.FIRST) -> None:
+    def __init__(
+        self,
+        max_open: int = 64,
+        verify: VerifyMode | str = VerifyMode.FIRST,
+        remote: RemotePlace | None = None,
+    ) -> None:
         self.max_open = max_open
+        self.remote = remote
         self.verify = VerifyMode.parse(verify)  # a ConfigError now, not at the first read
         self._readers: OrderedDict[Path, ShardReader] = OrderedDict()
         self._stamp = ProcessStamp()
@@ -35,11 +44,28 @@ class ShardHandles:
         if reader is not None:
             self._readers.move_to_end(path)
             return reader
-        reader = ShardReader(path, verify=self.verify)
+        reader = self._open(path)
         self._readers[path] = reader
         while len(self._readers) > self.max_open:
             _, old = self._readers.popitem(last=False)
             old.close()
+        return reader
+
+    def _open(self, path: Path) -> ShardReader:
+        """A new reader of ``path``; from a bucket store, fetched into its tier when missing.
+
+        Raises:
+            ShardMissing: the shard is gone (from the bucket too).
+        """
+        if self.remote is None:
+            return ShardReader(path, verify=self.verify)
+        try:
+            reader = ShardReader(path, verify=self.verify)
+        except ShardMissing:
+            if self.remote.fetch_shard(path.name.removesuffix(".safetensors")) is None:
+                raise
+            reader = ShardReader(path, verify=self.verify)
+        self.remote.opened(path)
         return reader
 
     @property

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from featbake.errors import ConfigError, StoreError
 
@@ -28,11 +30,37 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class RemotePlace(Protocol):
+    """Where a store's shards and fragments last when the store is a bucket
+    (:class:`featbake.store.remote.store.BucketStore`); the layout is then its local tier."""
+
+    def fetch_shard(self, name: str) -> Path | None:
+        """Shard ``name`` fetched into the local tier; None when the bucket has none."""
+        ...
+
+    def has_shard(self, name: str) -> bool:
+        """Whether the store holds shard ``name`` (locally or in the bucket)."""
+        ...
+
+    def opened(self, path: Path) -> None:
+        """A reader opened tier file ``path`` (its last use, for eviction)."""
+        ...
+
+    def publish_fragment(self, fragment: Path, shards: Sequence[str]) -> None:
+        """Upload a sealed fragment after the shards it names."""
+        ...
+
+
 @dataclass(frozen=True)
 class Layout:
-    """Where things live inside a cache directory."""
+    """Where things live inside a cache directory.
+
+    ``remote`` is set when the store is a bucket: this directory is then its local tier, and
+    shards missing here are fetched from ``remote`` (see :mod:`featbake.store.remote`).
+    """
 
     root: Path
+    remote: RemotePlace | None = field(default=None, compare=False, repr=False)
 
     @property
     def catalog(self) -> Path:
@@ -86,6 +114,12 @@ class Layout:
         """``shards/ab/<name>.safetensors`` for a shard named ``ab...``."""
         return self.shards / name[:2] / f"{name}.safetensors"
 
+    def has_shard(self, name: str) -> bool:
+        """Whether the store holds shard ``name``: its file here, else (a bucket store) there."""
+        if self.shard_path(name).is_file():
+            return True
+        return self.remote is not None and self.remote.has_shard(name)
+
     def ensure(self) -> Layout:
         """Create the directories, or raise a StoreError that says why it could not."""
         try:
@@ -114,8 +148,9 @@ def layout_at(cache: str | os.PathLike[str] | None) -> Layout:
     for None); nothing is created.
 
     Raises:
-        ConfigError: ``cache`` is a URL (``s3://...``): a store must be a directory for now,
-            and a URL read as a path would make a local folder named ``s3:``.
+        ConfigError: ``cache`` is a URL (``s3://...``): bucket stores are opened by
+            :func:`featbake.store.open.store_at`, and a URL read as a path would make a local
+            folder named ``s3:``.
 
     Example:
         >>> layout_at("/data/features").root
@@ -125,9 +160,8 @@ def layout_at(cache: str | os.PathLike[str] | None) -> Layout:
     where = where or ".featbake"
     if _URL.match(where):
         raise ConfigError(
-            f"the store {where!r} is a URL, and featbake's store must be a directory for now "
-            "(object stores are planned: docs/object_store.md); mount the bucket (e.g. "
-            "mountpoint-s3, s3fs) or copy the store to a local or network filesystem, and pass "
-            "that path as --cache"
+            f"{where!r} is a bucket URL, and this needs a store directory (CachedEncoder "
+            "writes its catalog in place); pass a directory, or serve a bucket store with "
+            "CachedFeatureDataset(cache='s3://...') and the featbake commands (--cache s3://...)"
         )
     return Layout(Path(where))

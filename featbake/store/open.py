@@ -1,21 +1,74 @@
-"""Opening a store by its directory: the layout, and the catalog with a clear error.
+"""Opening a store by its directory or bucket URL: the layout, and the catalog with a clear error.
 
 A store that cannot be written here (a read-only mount, no write permission) opens read-only
-(see ``featbake.store.catalog.connection``): every command that only reads works on it.
+(see ``featbake.store.catalog.connection``): every command that only reads works on it. A
+bucket store (``s3://bucket/prefix``) opens as its local tier, with the newest published
+catalog brought into it (see :mod:`featbake.store.remote`).
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from featbake.errors import ConfigError, StoreError
 from featbake.store.catalog import Catalog, Root
 from featbake.store.fragments import sealed_fragments
 from featbake.store.layout import Layout, layout_at
+from featbake.store.remote.store import BucketStore
+from featbake.store.remote.url import BucketURL, is_url
+from featbake.units import parse_bytes
+
+#: The local tier's default budget (litdata's ``max_cache_size`` defaults to 100 GB too).
+DEFAULT_LOCAL_CACHE_SIZE = "100GiB"
 
 # -- opening a store ---------------------------------------------------------------------------
 #: A store as callers name it: its layout, its directory, or None for the default store.
 StoreRef = Layout | str | os.PathLike[str] | None
+
+
+def store_at(
+    cache: StoreRef,
+    *,
+    local_cache: str | os.PathLike[str] | None = None,
+    local_cache_size: int | str | None = None,
+) -> Layout:
+    """The layout of the store at ``cache``: a directory, or a bucket's local tier.
+
+    Args:
+        cache: a directory, ``s3://bucket/prefix``, a :class:`Layout` (kept as it is), or None
+            (``$FEATBAKE_CACHE``, else ``./.featbake``).
+        local_cache: a bucket store's local tier (default ``$FEATBAKE_LOCAL_CACHE``, else
+            ``~/.cache/featbake/buckets``); each bucket and prefix gets a folder in it.
+        local_cache_size: the most bytes the tier's shards take (default
+            ``$FEATBAKE_LOCAL_CACHE_SIZE``, else 100 GiB); least recently used shards go first.
+
+    Raises:
+        ConfigError: a URL featbake cannot open, or a size it cannot read.
+        StoreError: the bucket cannot be read (no credentials, no bucket, denied access).
+
+    Example:
+        >>> store_at("/data/features").root
+        PosixPath('/data/features')
+    """
+    if isinstance(cache, Layout):
+        return cache
+    where = os.fspath(cache) if cache is not None else os.environ.get("FEATBAKE_CACHE", "")
+    if not is_url(where):
+        return layout_at(cache)
+    url = BucketURL.parse(where)
+    base = local_cache or os.environ.get("FEATBAKE_LOCAL_CACHE")
+    tier = Path(base) if base else Path.home() / ".cache" / "featbake" / "buckets"
+    size = local_cache_size or os.environ.get("FEATBAKE_LOCAL_CACHE_SIZE")
+    budget = parse_bytes(size or DEFAULT_LOCAL_CACHE_SIZE)
+    store = BucketStore(url, tier / url.bucket / url.prefix, budget)
+    store.sync_catalog()
+    return store.layout
+
+
+def describe(layout: Layout) -> str:
+    """How messages name a store: its directory, or its bucket URL."""
+    return str(layout.remote) if layout.remote is not None else str(layout.root)
 
 
 def store_layout(cache: StoreRef) -> Layout:
@@ -24,7 +77,9 @@ def store_layout(cache: StoreRef) -> Layout:
     Raises:
         StoreError: there is no store there.
     """
-    layout = cache if isinstance(cache, Layout) else layout_at(cache)
+    layout = store_at(cache)
+    if layout.remote is not None:
+        return layout
     if not layout.root.is_dir():
         raise StoreError(
             f"there is no featbake store at {layout.root}; point --cache (or $FEATBAKE_CACHE) at "
@@ -59,6 +114,12 @@ def existing_catalog_layout(cache: StoreRef) -> Layout:
         raise StoreError(
             f"the store {layout.root} holds only unmerged build fragments; run `featbake merge` "
             "once every part of the build is done"
+        )
+    if not layout.catalog.exists() and layout.remote is not None:
+        raise StoreError(
+            f"the store {describe(layout)} has no published catalog yet; build into it "
+            "(`featbake build --cache URL`), or run `featbake merge --cache URL` after a build "
+            "in parts"
         )
     if not layout.catalog.exists():
         raise StoreError(

@@ -193,7 +193,7 @@ class FragmentServingCatalog:
             StoreError: the fragment could not be written.
         """
         self._seal([shard])
-        if not self.layout.shard_path(shard.name).is_file():
+        if not self.layout.has_shard(shard.name):
             raise ShardMissing(f"shard {shard.name} vanished before its fragment was sealed")
         self._found_in(shard)
         return len(shard.entries)

@@ -90,7 +90,7 @@ def lost_shards(
         q = ",".join("?" * len(chunk))
         for sid, name in conn.execute(f"SELECT id, name FROM shards WHERE id IN ({q})", chunk):
             found.add(sid)
-            if not layout.shard_path(name).is_file():
+            if not layout.has_shard(name):
                 lost.add(sid)
     return lost | (set(ids) - found)
 
@@ -318,7 +318,7 @@ class FeatureRows(CatalogConnection):
             # Checked under the write lock, as gc unlinks under it (unlink_shard_file): a file
             # gc removed after our rename (it held a byte-identical shard of the same name) is
             # seen here, and the caller writes it again instead of committing rows to nothing.
-            if not self.layout.shard_path(shard.name).is_file():
+            if not self.layout.has_shard(shard.name):
                 raise ShardMissing(
                     f"shard {shard.name} vanished before its rows were committed (gc removed an "
                     "identical shard); it is written again"

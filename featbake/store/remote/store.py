@@ -1,0 +1,169 @@
+"""A store in a bucket, worked through a local tier: what every command and dataset opens.
+
+:class:`BucketStore` is the :class:`~featbake.store.layout.RemotePlace` of the tier's
+:class:`~featbake.store.layout.Layout`: the local store code runs unchanged on the tier (the
+newest catalog version as ``catalog.sqlite``, read-only; fetched shards; fragments written
+here first), and calls back here for what must reach the bucket or come from it:
+
+- a shard missing from the tier is fetched whole into it (:class:`DiskTier`);
+- a sealed fragment is uploaded after the shards it names (write first, publish second), so a
+  build killed at any moment keeps every fragment it sealed, on any node;
+- :meth:`sync_catalog` brings the newest published catalog version into the tier.
+
+Merging and gc, which publish new versions, are in :mod:`featbake.store.remote.publish`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from featbake.store.fragments import fragments_dir, parse_name
+from featbake.store.layout import Layout, fsync_dir
+from featbake.store.remote.objects import Bucket
+from featbake.store.remote.tier import DiskTier
+from featbake.store.remote.url import BucketURL
+from featbake.store.remote.versions import PREFIX, newest, version_name
+
+SHARDS = "shards/"
+FRAGMENTS = "fragments/"
+
+
+def shard_object(name: str) -> str:
+    """The object name of shard ``name`` (the local store's relative path)."""
+    return f"{SHARDS}{name[:2]}/{name}.safetensors"
+
+
+class BucketStore:
+    """A bucket store and this node's tier of it (see the module docstring).
+
+    Args:
+        url: ``s3://bucket/prefix``.
+        tier: the local tier's directory (``local_cache``).
+        budget: the most bytes the tier's shards may take (``local_cache_size``).
+    """
+
+    def __init__(self, url: BucketURL, tier: Path, budget: int) -> None:
+        self.url = url
+        self.bucket = Bucket(url)
+        self.layout = Layout(tier, remote=self)
+        self.tier = DiskTier(self.layout, budget)
+        self._sizes: dict[str, int] | None = None  # shard name -> bytes, listed once
+
+    def __getstate__(self) -> dict:
+        return {"url": self.url, "tier": self.layout.root, "budget": self.tier.budget}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["url"], state["tier"], state["budget"])  # type: ignore[misc]
+
+    def __str__(self) -> str:
+        return str(self.url)
+
+    # -- RemotePlace: shards ---------------------------------------------------------------------
+    def _size_of(self, name: str) -> int | None:
+        """Shard ``name``'s size in the bucket (listed once, then asked per unknown name)."""
+        if self._sizes is None:
+            self._sizes = {
+                Path(o.name).name.removesuffix(".safetensors"): o.size
+                for o in self.bucket.list(SHARDS)
+            }
+        size = self._sizes.get(name)
+        if size is None:
+            info = self.bucket.head(shard_object(name))
+            if info is None:
+                return None
+            size = self._sizes[name] = info.size
+        return size
+
+    def fetch_shard(self, name: str) -> Path | None:
+        size = self._size_of(name)
+        if size is None:
+            return None
+        obj = shard_object(name)
+        try:
+            return self.tier.fetch(
+                name, size, lambda dest: self.bucket.download(obj, dest), self.bucket.where(obj)
+            )
+        except FileNotFoundError:
+            return None
+
+    def has_shard(self, name: str) -> bool:
+        return self._size_of(name) is not None
+
+    def opened(self, path: Path) -> None:
+        self.tier.touch(path)
+
+    def publish_fragment(self, fragment: Path, shards: Sequence[str]) -> None:
+        for name in shards:
+            if self._sizes is not None and name in self._sizes:
+                continue
+            path = self.layout.shard_path(name)
+            self.bucket.upload(shard_object(name), path)  # content-named: same bytes if again
+            if self._sizes is not None:
+                self._sizes[name] = path.stat().st_size
+        self.bucket.upload(f"{FRAGMENTS}{fragment.name}", fragment)
+
+    # -- catalog versions and fragments ---------------------------------------------------------
+    @property
+    def version_file(self) -> Path:
+        """``<tier>/catalog.version``: which published version the tier's catalog is."""
+        return self.layout.root / "catalog.version"
+
+    def local_version(self) -> int:
+        """The version of the tier's ``catalog.sqlite`` (0: none)."""
+        try:
+            return int(self.version_file.read_text())
+        except (OSError, ValueError):
+            return 0
+
+    def published_version(self) -> int:
+        """The newest version in the bucket (0: none published yet)."""
+        return newest(o.name for o in self.bucket.list(PREFIX))
+
+    def sync_catalog(self) -> int:
+        """Bring the newest published catalog into the tier (if it is not there); its version.
+
+        The tier's ``catalog.sqlite`` is replaced by rename: a process reading the older one
+        keeps reading it until it reopens.
+        """
+        self.layout.ensure()
+        newest_v = self.published_version()
+        if newest_v == 0 or newest_v == self.local_version():
+            return newest_v
+        tmp = self.layout.tmp / f"catalog-v{newest_v}.{os.getpid()}.download"
+        try:
+            self.bucket.download(version_name(newest_v), tmp)
+            self.install_catalog(tmp, newest_v)
+        finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        return newest_v
+
+    def install_catalog(self, path: Path, version: int) -> None:
+        """Make ``path`` the tier's catalog, as published version ``version``."""
+        for stale in ("-wal", "-shm", "-journal"):
+            with contextlib.suppress(OSError):
+                os.unlink(f"{self.layout.catalog}{stale}")
+        os.replace(path, self.layout.catalog)
+        tmp = self.layout.tmp / f"catalog.version.{os.getpid()}"
+        tmp.write_text(str(version))
+        os.replace(tmp, self.version_file)
+        fsync_dir(self.layout.root)
+
+    def sync_fragments(self) -> int:
+        """Download the bucket's fragments the tier lacks (other nodes' ranks); how many."""
+        here = fragments_dir(self.layout)
+        here.mkdir(parents=True, exist_ok=True)
+        got = 0
+        for o in self.bucket.list(FRAGMENTS):
+            name = Path(o.name).name
+            final = here / name
+            if parse_name(final) is None or final.exists():
+                continue
+            tmp = self.layout.tmp / f"{name}.{os.getpid()}.download"
+            self.bucket.download(o.name, tmp)
+            os.replace(tmp, final)
+            got += 1
+        return got

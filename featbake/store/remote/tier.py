@@ -1,0 +1,175 @@
+"""The local disk tier: whole shards fetched from the bucket, checked, kept within a byte budget.
+
+A shard is fetched into ``tmp/fetch/<name>.part`` (space reserved first, so the budget holds while
+downloads are in flight), every tensor's CRC is checked, and it is renamed into
+``shards/ab/<name>.safetensors``: the same place a local store keeps it, so every read after
+that is the local store's read path (``pread`` + CRC), at the local store's speed. Processes of
+one node share the tier: a ``.part`` file is ``flock``-ed while it downloads (a second process
+wanting the same shard waits, then reads the first one's file; one killed mid-download leaves a
+``.part`` nobody holds, which the next eviction deletes). Evicting is least recently used first,
+by file time: a fetch or an open stamps it. A file evicted while a reader has it open stays
+readable to that reader (POSIX unlink), so eviction never breaks a read in flight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from featbake.errors import StoreCorrupt, StoreError
+from featbake.store.layout import Layout, fsync_dir, remove_file
+from featbake.store.reader import ShardReader, VerifyMode
+from featbake.store.remote.eviction import TierFile, evictions
+
+PART = ".part"
+
+#: Fetches of one shard whose bytes fail their checksums before the error is raised.
+CHECKED_TRIES = 2
+
+
+class DiskTier:
+    """The shards of a bucket store kept on this node's disk (see the module docstring).
+
+    Args:
+        layout: the tier's directory, laid out as a local store.
+        budget: the most bytes its shards (and downloads in flight) may take.
+    """
+
+    def __init__(self, layout: Layout, budget: int) -> None:
+        self.layout = layout
+        self.budget = budget
+        self.fetched = 0  # shards this process downloaded (a second epoch that fits: none)
+        self.fetched_bytes = 0
+
+    @property
+    def downloads(self) -> Path:
+        """``tmp/fetch/``: shards being downloaded (``<name>.part``, flock-ed while they are)."""
+        return self.layout.tmp / "fetch"
+
+    def touch(self, path: Path) -> None:
+        """Stamp ``path`` as just used (least recently used is evicted first)."""
+        with contextlib.suppress(OSError):
+            os.utime(path)
+
+    def fetch(self, name: str, size: int, download: Callable[[Path], int], where: str) -> Path:
+        """Shard ``name`` on this disk: fetched (``download`` writes a file) unless it is here.
+
+        Raises:
+            FileNotFoundError: the bucket has no such shard (gc deleted it).
+            StoreCorrupt: its bytes failed their checksums on :data:`CHECKED_TRIES` fetches.
+            ConfigError: it cannot fit in the budget.
+        """
+        final = self.layout.shard_path(name)
+        if final.is_file():
+            self.touch(final)
+            return final
+        self.downloads.mkdir(parents=True, exist_ok=True)
+        part = self.downloads / f"{name}{PART}"
+        with _locked(part) as fd:
+            if final.is_file():  # another process fetched it while we waited
+                with contextlib.suppress(OSError):
+                    os.unlink(part)
+                return final
+            self._reserve(fd, part, size)
+            for attempt in range(CHECKED_TRIES):
+                self.fetched_bytes += download(part)
+                bad = _failing_tensors(part)
+                if not bad:
+                    break
+                if attempt == CHECKED_TRIES - 1:
+                    os.unlink(part)
+                    raise StoreCorrupt(
+                        f"{where} fails its checksums (tensors {', '.join(bad[:3])}) on "
+                        f"{CHECKED_TRIES} downloads: the object is damaged; run `featbake verify "
+                        "--cache <the store's URL>` to find what it held, and build it again"
+                    )
+            final.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(part, final)
+            fsync_dir(final.parent)
+            self.fetched += 1
+        return final
+
+    def _reserve(self, fd: int, part: Path, size: int) -> None:
+        """Evict what must go so ``size`` more bytes fit, then reserve them in ``part``."""
+        with _locked(self.downloads / "tier.lock"):
+            files = list(self._files(skip=part))
+            for f in evictions(files, self.budget, size):
+                remove_file(self._path_of(f.name))
+            with contextlib.suppress(OSError):
+                os.posix_fallocate(fd, 0, max(size, 1))
+
+    def _files(self, *, skip: Path) -> Iterator[TierFile]:
+        """The tier's shards, and downloads in flight (not evictable; abandoned ones deleted)."""
+        with contextlib.suppress(FileNotFoundError), os.scandir(self.downloads) as it:
+            for e in it:
+                if not e.name.endswith(PART) or e.path == os.fspath(skip):
+                    continue
+                if _abandoned(Path(e.path)):
+                    remove_file(Path(e.path))
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    st = e.stat()
+                    yield TierFile(e.name, st.st_size, st.st_mtime, evictable=False)
+        with contextlib.suppress(FileNotFoundError), os.scandir(self.layout.shards) as dirs:
+            for d in dirs:
+                gone = (NotADirectoryError, FileNotFoundError)
+                with contextlib.suppress(*gone), os.scandir(d) as it:
+                    for e in it:
+                        with contextlib.suppress(FileNotFoundError):
+                            st = e.stat()
+                            yield TierFile(e.name, st.st_size, st.st_mtime)
+
+    def _path_of(self, file_name: str) -> Path:
+        return self.layout.shard_path(file_name.removesuffix(".safetensors"))
+
+    def used_bytes(self) -> int:
+        """Bytes the tier's shards and downloads in flight take now."""
+        return sum(f.size for f in self._files(skip=Path()))
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[int]:
+    """``path`` opened (created) and ``flock``-ed alone for the block; its descriptor."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise StoreError(
+            f"cannot write the local cache at {path.parent}: {e.strerror}; point local_cache "
+            "(--local-cache, $FEATBAKE_LOCAL_CACHE) at a writable local disk"
+        ) from e
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _abandoned(part: Path) -> bool:
+    """True if no process holds ``part``'s lock: its download was killed."""
+    try:
+        fd = os.open(part, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False  # held: a download in flight
+    else:
+        # Not held now; a .part younger than a second may be about to be locked by its maker.
+        return time.time() - os.fstat(fd).st_mtime > 1.0
+    finally:
+        os.close(fd)
+
+
+def _failing_tensors(path: Path) -> list[str]:
+    """Names of the tensors in the shard at ``path`` that fail their checksums ("header": the
+    file is not a readable shard)."""
+    try:
+        with ShardReader(path, verify=VerifyMode.ALWAYS) as reader:
+            return reader.verify_all()
+    except StoreCorrupt:
+        return ["header"]
