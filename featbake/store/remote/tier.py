@@ -84,8 +84,9 @@ class DiskTier:
                     os.unlink(part)
                     raise StoreCorrupt(
                         f"{where} fails its checksums (tensors {', '.join(bad[:3])}) on "
-                        f"{CHECKED_TRIES} downloads: the object is damaged; run `featbake verify "
-                        "--cache <the store's URL>` to find what it held, and build it again"
+                        f"{CHECKED_TRIES} downloads: the object is damaged in the bucket and "
+                        "nothing of it is served; delete it, then build again (a build encodes "
+                        "again what a missing shard held)"
                     )
             final.parent.mkdir(parents=True, exist_ok=True)
             os.replace(part, final)

@@ -1,0 +1,118 @@
+"""A bucket store meets faults: a corrupted object, a server that drops connections mid-body,
+no credentials, a missing bucket, a tier budget smaller than the data. Nothing wrong is served."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from featbake import CachedFeatureDataset
+from featbake.bake.pipeline import build
+from featbake.errors import ConfigError, StoreCorrupt, StoreError
+from featbake.store.open import store_at
+from featbake.store.remote.objects import Bucket
+from featbake.store.remote.url import BucketURL
+from tests.conftest import live_features, run_cli
+from tests.store.remote.conftest import S3
+from tests.store.remote.faults import DroppingProxy
+
+
+def bake(data: Path, encoder: Path, where: object, **kw: object):
+    return build(data, encoder, cache=where, workers=0, shard_bytes=60_000, **kw)
+
+
+def serve(s3: S3, data: Path, encoder: Path, tier: Path, **kw: object) -> CachedFeatureDataset:
+    return CachedFeatureDataset(
+        data, encoder, cache=s3.url, local_cache=tier, on_miss="error", **kw
+    )
+
+
+def assert_live(ds: CachedFeatureDataset, encoder: Path) -> None:
+    for i in range(len(ds)):
+        torch.testing.assert_close(ds[i], live_features(encoder, Path(ds.path(i))))
+
+
+def shard_objects(s3: S3) -> list[str]:
+    return [o for o in s3.objects("shards/")]
+
+
+def test_a_corrupted_object_is_fetched_again_then_named_in_the_error(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    bake(audio_dir, encoder_file, s3.url)
+    bucket = Bucket(BucketURL.parse(s3.url))
+    victim = shard_objects(s3)[0]
+    local = tmp_path / "victim"
+    bucket.download(victim, local)
+    data = bytearray(local.read_bytes())
+    data[-10] ^= 0xFF  # a tensor's bytes, past the header
+    local.write_bytes(bytes(data))
+    bucket.upload(victim, local)
+    ds = serve(s3, audio_dir, encoder_file, tmp_path / "tier")
+    with pytest.raises(StoreCorrupt, match=rf"{victim} fails its checksums .* on 2 downloads"):
+        for i in range(len(ds)):
+            ds[i]
+    assert not list((tmp_path / "tier").rglob(Path(victim).name))  # never kept in the tier
+
+
+def test_connections_dropped_mid_body_are_retried_and_nothing_wrong_is_served(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bake(audio_dir, encoder_file, s3.url)
+    upstream = int(s3.endpoint.rsplit(":", 1)[1])
+    with DroppingProxy(upstream, drops=3, after=20_000) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        ds = serve(s3, audio_dir, encoder_file, tmp_path / "tier")
+        assert_live(ds, encoder_file)
+        assert proxy.dropped == 3
+
+
+def test_a_server_that_always_drops_gives_one_clear_error(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bake(audio_dir, encoder_file, s3.url)
+    tier = store_at(s3.url, local_cache=tmp_path / "tier")  # the catalog came through whole
+    upstream = int(s3.endpoint.rsplit(":", 1)[1])
+    with DroppingProxy(upstream, drops=10_000, after=20_000) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        ds = serve(s3, audio_dir, encoder_file, tier.root.parents[1])
+        with pytest.raises(StoreError, match=r"cannot download s3://.*after 4 tries"):
+            ds[0]
+
+
+def test_no_credentials_and_no_bucket_are_one_line_each(
+    s3: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    missing = run_cli("stats", "--cache", "s3://no-such-bucket-here/x", cwd=tmp_path)
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    nowhere = str(tmp_path / "none")
+    env = {"AWS_SHARED_CREDENTIALS_FILE": nowhere, "AWS_CONFIG_FILE": nowhere}
+    done = run_cli("stats", "--cache", s3.url, env={**env, "AWS_EC2_METADATA_DISABLED": "true"})
+    for proc, words in ((done, "no credentials"), (missing, "does not exist")):
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert proc.returncode == 5, proc.stderr
+        assert len(lines) == 1 and words in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_the_tier_stays_within_its_budget_and_refuses_one_smaller_than_a_shard(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    bake(audio_dir, encoder_file, s3.url)
+    sizes = [o.size for o in Bucket(BucketURL.parse(s3.url)).list("shards/")]
+    assert len(sizes) >= 3
+    budget = max(sizes) * 2
+    ds = serve(
+        s3, audio_dir, encoder_file, tmp_path / "tier", local_cache_size=budget, max_open_shards=1
+    )
+    tier = ds._layout.remote.tier  # type: ignore[union-attr]
+    for _ in range(2):
+        for i in range(len(ds)):
+            torch.testing.assert_close(ds[i], live_features(encoder_file, Path(ds.path(i))))
+            assert tier.used_bytes() <= budget
+    assert tier.fetched > len(sizes)  # shards were evicted and fetched again
+    tiny = serve(s3, audio_dir, encoder_file, tmp_path / "tiny", local_cache_size=100)
+    with pytest.raises(ConfigError, match="budget .* cannot hold"):
+        tiny[0]
