@@ -59,13 +59,16 @@ REFRESH_SECONDS = 1.0
 
 
 def serving_mode(layout: Layout) -> bool:
-    """True when ``layout`` is on a shared filesystem, where serving writes fragments.
+    """True when ``layout`` is on a shared filesystem or is a bucket's tier, where serving
+    writes fragments.
 
     Says so in one line (a :class:`SharedFilesystemWarning`), once per store per process.
 
     Raises:
         ConfigError: ``$FEATBAKE_SHARED_FS`` holds something other than 1, 0 or auto.
     """
+    if layout.remote is not None:  # a bucket store: its tier's catalog is a published version
+        return True
     mode = detect(layout.root)
     if mode.shared:
         announce(

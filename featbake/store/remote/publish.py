@@ -16,6 +16,7 @@ import os
 import shutil
 import sqlite3
 import uuid
+from collections.abc import Callable
 
 from featbake.errors import StoreError
 from featbake.store.fragments import fragments_dir, sealed_fragments
@@ -23,6 +24,9 @@ from featbake.store.layout import Layout
 from featbake.store.merge import MergeReport, merge
 from featbake.store.remote.store import FRAGMENTS, BucketStore
 from featbake.store.remote.versions import version_name
+
+#: A test hook: called with the name of each step a merge finished.
+Between = Callable[[str], None] | None
 
 #: Merges that lose the race for the next version before one gives up.
 TRIES = 5
@@ -35,8 +39,10 @@ def merge_store(layout: Layout) -> MergeReport:
     return merge(layout)
 
 
-def merge_bucket(store: BucketStore) -> MergeReport:
+def merge_bucket(store: BucketStore, *, between: Between = None) -> MergeReport:
     """Fold the bucket's fragments into a new catalog version (see the module docstring).
+
+    ``between`` is a test hook, called with the local merge's steps, then ``published``.
 
     Raises:
         StoreError: the bucket cannot be read or written, or others kept publishing first.
@@ -46,7 +52,7 @@ def merge_bucket(store: BucketStore) -> MergeReport:
         store.sync_fragments()
         work = Layout(store.layout.tmp / f"merge-{uuid.uuid4().hex[:12]}", remote=store)
         try:
-            published = _merge_and_publish(store, work, version)
+            published = _merge_and_publish(store, work, version, between)
         finally:
             shutil.rmtree(work.root, ignore_errors=True)
         if published is not None:
@@ -57,7 +63,9 @@ def merge_bucket(store: BucketStore) -> MergeReport:
     )
 
 
-def _merge_and_publish(store: BucketStore, work: Layout, version: int) -> MergeReport | None:
+def _merge_and_publish(
+    store: BucketStore, work: Layout, version: int, between: Between
+) -> MergeReport | None:
     """Merge on ``work`` (a copy of version ``version``); the report, or None if another merge
     published ``version + 1`` first."""
     work.ensure()
@@ -68,7 +76,7 @@ def _merge_and_publish(store: BucketStore, work: Layout, version: int) -> MergeR
     folding = {f.path.name for f in sealed_fragments(store.layout)}
     for name in folding:
         os.link(here / name, fragments_dir(work) / name)
-    report = merge(work)
+    report = merge(work, between=between)
     left = {f.path.name for f in sealed_fragments(work)}
     folded = folding - left
     if not folded:
@@ -76,6 +84,8 @@ def _merge_and_publish(store: BucketStore, work: Layout, version: int) -> MergeR
     _standalone(work)
     if not store.bucket.upload(version_name(version + 1), work.catalog, create=True):
         return None
+    if between:
+        between("published")
     store.bucket.delete(f"{FRAGMENTS}{name}" for name in folded)
     for name in folded:
         with contextlib.suppress(OSError):
