@@ -13,14 +13,16 @@ from featbake.cli.render import progress_bar, tick_bar
 from featbake.units import format_bytes, parse_bytes
 
 if TYPE_CHECKING:
-    from featbake.upkeep import GcPlan
+    from featbake.upkeep import GcOptions, GcPlan
 
 
 @app.command(
     epilog=(
         "Examples:\n\n  featbake gc --dry-run\n\n  featbake gc\n\n"
         "  featbake gc --older-than 30d --max-bytes 200GiB\n\n"
-        "  featbake gc --compact-below 0.8 --merge-small --json\n\n" + EXIT_CODES
+        "  featbake gc --compact-below 0.8 --merge-small --json\n\n"
+        "  featbake gc --cache s3://team-bucket/features --older-than 30d --retention 7d\n\n"
+        + EXIT_CODES
     )
 )
 def gc(
@@ -52,6 +54,13 @@ def gc(
     shard_size: Annotated[
         str, typer.Option(help="Target size of shards written by compaction.")
     ] = "256MiB",
+    retention: Annotated[
+        str,
+        typer.Option(
+            help="A bucket store (s3://): keep what catalog versions retired less than this long "
+            "ago name, for readers still holding them."
+        ),
+    ] = "7d",
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print what would go and how many bytes it frees.")
     ] = False,
@@ -61,7 +70,9 @@ def gc(
 
     Removes features of old encoders, changed or deleted files and dropped roots; rewrites
     shards that are mostly garbage; removes stale tmp/ leftovers. Safe to interrupt at any point
-    (a rerun finishes the job) and safe while training reads the store.
+    (a rerun finishes the job) and safe while training reads the store. On a bucket store it
+    publishes the catalog's new version, never rewrites shards, and deletes objects only once
+    no version younger than --retention names them.
     """
     from featbake.units import parse_duration
     from featbake.upkeep import GcOptions, execute_gc, plan_gc
@@ -74,6 +85,11 @@ def gc(
         shard_bytes=parse_bytes(shard_size),
         merge_small=merge_small,
     )
+    from featbake.store.remote.url import is_url
+
+    if cache is not None and is_url(str(cache)):
+        _gc_bucket(str(cache), opts, parse_duration(retention), dry_run, as_json)
+        return
     plan = plan_gc(cache, opts)
     summary = plan.summary()
     if dry_run or not as_json:
@@ -94,6 +110,29 @@ def gc(
         )
     for p in result.problems:
         console.print(f"[yellow]warning:[/] {escape(p)}")
+
+
+def _gc_bucket(url: str, opts: GcOptions, retention: float, dry_run: bool, as_json: bool) -> None:
+    """``featbake gc`` on a bucket store (featbake.upkeep.gc_bucket), and its one line."""
+    from featbake.store.open import store_layout
+    from featbake.store.remote.store import BucketStore
+    from featbake.upkeep.gc_bucket import gc_bucket
+
+    store = store_layout(url).remote
+    assert isinstance(store, BucketStore)
+    result = gc_bucket(store, opts, retention=retention, dry_run=dry_run)
+    if as_json:
+        out.print_json(json.dumps({"dry_run": dry_run, "result": result.to_json()}))
+        return
+    c = result.catalog
+    out.print(
+        f"gc{' (dry run)' if dry_run else ''}: dropped {len(c.roots_dropped)} roots and "
+        f"{c.rows_deleted:,} feature rows"
+        f"{' (a new catalog version)' if result.published else ''}; "
+        f"{'would delete' if dry_run else 'deleted'} {result.versions_deleted} old catalog "
+        f"versions and {result.shards_deleted} shards ({format_bytes(result.bytes_freed)}); "
+        f"{result.young_shards} unnamed shards kept until they pass the retention period"
+    )
 
 
 def _print_gc_plan(plan: GcPlan, dry_run: bool, as_json: bool) -> None:

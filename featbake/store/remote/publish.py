@@ -1,12 +1,12 @@
-"""Merging into a bucket store: fold its fragments into the next catalog version and publish it.
+"""Publishing a bucket store's next catalog version: merges and gc go through here.
 
-The tier's catalog is never written in place (readers of this node may have it open): the merge
-runs on a copy in ``tmp/merge-<id>/``, folds every fragment the bucket holds (the local merge,
-:func:`featbake.store.merge.merge`, unchanged), and publishes the result as version N+1 only if
-nobody published N+1 first (``If-None-Match: *``). A merge that loses that race starts again
-from the newer version: folding is idempotent (first row wins, a root's newer manifest wins).
-Only after the version is published are the folded fragments deleted from the bucket, so a
-merge killed at any moment loses nothing: its rerun folds them again.
+The tier's catalog is never written in place (readers of this node may have it open): a change
+runs on a copy in ``tmp/work-<id>/`` (:func:`publish_next`), and the result is published as
+version N+1 only if nobody published N+1 first (``If-None-Match: *``). A change that loses
+that race starts again from the newer version: merging is idempotent (first row wins, a root's
+newer manifest wins), and gc re-plans. What a change retires in the bucket (folded fragments)
+is deleted only after the version is published, so a merge killed at any moment loses
+nothing: its rerun folds them again.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import shutil
 import sqlite3
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from featbake.errors import StoreError
 from featbake.store.fragments import fragments_dir, sealed_fragments
@@ -25,11 +27,54 @@ from featbake.store.merge import MergeReport, merge
 from featbake.store.remote.store import FRAGMENTS, BucketStore
 from featbake.store.remote.versions import version_name
 
+T = TypeVar("T")
+
 #: A test hook: called with the name of each step a merge finished.
 Between = Callable[[str], None] | None
 
-#: Merges that lose the race for the next version before one gives up.
+#: Changes that lose the race for the next version before one gives up.
 TRIES = 5
+
+
+@dataclass
+class Change(Generic[T]):
+    """What a change made of a work copy: its report, whether the catalog changed (else
+    nothing is published), and what to do once the new version is published."""
+
+    value: T
+    changed: bool
+    after_publish: Callable[[], None] | None = None
+
+
+def publish_next(store: BucketStore, change: Callable[[Layout], Change[T]]) -> T:
+    """Apply ``change`` to a copy of the newest version and publish it as the next one.
+
+    Raises:
+        StoreError: the bucket cannot be read or written, or others kept publishing first.
+    """
+    for _ in range(TRIES):
+        version = store.sync_catalog()
+        work = Layout(store.layout.tmp / f"work-{uuid.uuid4().hex[:12]}", remote=store)
+        try:
+            work.ensure()
+            if store.layout.catalog.exists():
+                shutil.copyfile(store.layout.catalog, work.catalog)
+            outcome = change(work)
+            if not outcome.changed:
+                return outcome.value
+            _standalone(work)
+            if store.bucket.upload(version_name(version + 1), work.catalog, create=True):
+                if outcome.after_publish:
+                    outcome.after_publish()
+                _keep_roots(work, store.layout)
+                store.install_catalog(work.catalog, version + 1)
+                return outcome.value
+        finally:
+            shutil.rmtree(work.root, ignore_errors=True)
+    raise StoreError(
+        f"other merges or gc runs published {TRIES} catalog versions of {store} while this one "
+        "ran; run it again when they are done"
+    )
 
 
 def merge_store(layout: Layout) -> MergeReport:
@@ -47,56 +92,32 @@ def merge_bucket(store: BucketStore, *, between: Between = None) -> MergeReport:
     Raises:
         StoreError: the bucket cannot be read or written, or others kept publishing first.
     """
-    for _ in range(TRIES):
-        version = store.sync_catalog()
+
+    def fold(work: Layout) -> Change[MergeReport]:
         store.sync_fragments()
-        work = Layout(store.layout.tmp / f"merge-{uuid.uuid4().hex[:12]}", remote=store)
-        try:
-            published = _merge_and_publish(store, work, version, between)
-        finally:
-            shutil.rmtree(work.root, ignore_errors=True)
-        if published is not None:
-            return published
-    raise StoreError(
-        f"other merges published {TRIES} catalog versions of {store} while this one ran; run "
-        "`featbake merge` again when they are done"
-    )
+        here = fragments_dir(store.layout)
+        fragments_dir(work).mkdir()
+        folding = {f.path.name for f in sealed_fragments(store.layout)}
+        for name in folding:
+            os.link(here / name, fragments_dir(work) / name)
+        report = merge(work, between=between)
+        folded = folding - {f.path.name for f in sealed_fragments(work)}
 
+        def retire() -> None:
+            if between:
+                between("published")
+            store.bucket.delete(f"{FRAGMENTS}{name}" for name in folded)
+            for name in folded:
+                with contextlib.suppress(OSError):
+                    (here / name).unlink()
 
-def _merge_and_publish(
-    store: BucketStore, work: Layout, version: int, between: Between
-) -> MergeReport | None:
-    """Merge on ``work`` (a copy of version ``version``); the report, or None if another merge
-    published ``version + 1`` first."""
-    work.ensure()
-    if store.layout.catalog.exists():
-        shutil.copyfile(store.layout.catalog, work.catalog)
-    here = fragments_dir(store.layout)
-    fragments_dir(work).mkdir()
-    folding = {f.path.name for f in sealed_fragments(store.layout)}
-    for name in folding:
-        os.link(here / name, fragments_dir(work) / name)
-    report = merge(work, between=between)
-    left = {f.path.name for f in sealed_fragments(work)}
-    folded = folding - left
-    if not folded:
-        return report
-    _standalone(work)
-    if not store.bucket.upload(version_name(version + 1), work.catalog, create=True):
-        return None
-    if between:
-        between("published")
-    store.bucket.delete(f"{FRAGMENTS}{name}" for name in folded)
-    for name in folded:
-        with contextlib.suppress(OSError):
-            (here / name).unlink()
-    _keep_roots(work, store.layout)
-    store.install_catalog(work.catalog, version + 1)
-    return report
+        return Change(report, bool(folded), retire)
+
+    return publish_next(store, fold)
 
 
 def _standalone(work: Layout) -> None:
-    """Make the merged catalog one self-contained file (no WAL beside it) before its upload."""
+    """Make the new catalog one self-contained file (no WAL beside it) before its upload."""
     conn = sqlite3.connect(work.catalog)
     try:
         conn.execute("PRAGMA journal_mode=DELETE")
@@ -105,7 +126,7 @@ def _standalone(work: Layout) -> None:
 
 
 def _keep_roots(work: Layout, tier: Layout) -> None:
-    """Move the root manifests the merge wrote into the tier (they go with its catalog)."""
+    """Move the root manifests the change wrote into the tier (they go with its catalog)."""
     if not work.roots.is_dir():
         return
     tier.roots.mkdir(parents=True, exist_ok=True)

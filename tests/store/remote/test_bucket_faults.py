@@ -114,5 +114,5 @@ def test_the_tier_stays_within_its_budget_and_refuses_one_smaller_than_a_shard(
             assert tier.used_bytes() <= budget
     assert tier.fetched > len(sizes)  # shards were evicted and fetched again
     tiny = serve(s3, audio_dir, encoder_file, tmp_path / "tiny", local_cache_size=100)
-    with pytest.raises(ConfigError, match="budget .* cannot hold"):
+    with pytest.raises(ConfigError, match=r"budget .* cannot hold"):
         tiny[0]

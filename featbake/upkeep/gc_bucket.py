@@ -1,0 +1,114 @@
+"""``featbake gc`` on a bucket store: the catalog's part as a new version, then a sweep.
+
+1. The local gc (:func:`plan_gc` -> :func:`execute_gc`, unchanged) runs on a copy of the newest
+   catalog version, which is published as the next version if it changed (drop roots, delete
+   rows no kept root reaches, evict to ``max_bytes``). Shards are never rewritten on a bucket
+   (compaction would download and upload every shard it touches): a shard whose rows all went
+   is deleted by the sweep, a shard with some left stays whole.
+2. The sweep (:mod:`featbake.upkeep.bucket_sweep`) deletes catalog versions retired for longer
+   than the retention period, then shard objects no kept version and no pending fragment
+   names, once older than the retention period. Readers hold the version they opened for the
+   length of their run; a reader that still finds a shard gone (a run longer than the
+   retention period) treats its features as misses: encoded live, or an error with
+   ``on_miss="error"``. Nothing the newest version names is ever deleted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sqlite3
+import time
+from dataclasses import dataclass, field
+
+from featbake.store.fragments import fragment_shard_names
+from featbake.store.layout import Layout
+from featbake.store.remote.publish import Change, publish_next
+from featbake.store.remote.store import SHARDS, BucketStore
+from featbake.store.remote.versions import PREFIX, version_name
+from featbake.upkeep.bucket_sweep import DEFAULT_RETENTION_S, Sweep, kept_versions, sweep
+from featbake.upkeep.gc import GcResult, execute_gc
+from featbake.upkeep.gc_plan import GcOptions, GcPlan, plan_gc
+
+
+@dataclass
+class BucketGcResult:
+    """What gc did to a bucket store: the catalog's part, and the objects swept."""
+
+    catalog: GcResult = field(default_factory=GcResult)
+    published: bool = False
+    versions_deleted: int = 0
+    shards_deleted: int = 0
+    bytes_freed: int = 0
+    young_shards: int = 0  # unnamed shard objects kept until they pass the retention period
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def gc_bucket(
+    store: BucketStore,
+    options: GcOptions | None = None,
+    *,
+    retention: float = DEFAULT_RETENTION_S,
+    now: float | None = None,
+    dry_run: bool = False,
+) -> BucketGcResult:
+    """Run gc on a bucket store (see the module docstring); with ``dry_run``, change nothing.
+
+    Raises:
+        StoreError: the bucket cannot be read or written.
+    """
+    now = time.time() if now is None else now
+    opts = dataclasses.replace(options or GcOptions(), compact_below=0.0, merge_small=False)
+    result = BucketGcResult()
+
+    def collect(work: Layout) -> Change[GcPlan]:
+        plan = plan_gc(work, opts, now=now)
+        if dry_run or plan.nothing_to_do:
+            return Change(plan, False)
+        result.catalog = execute_gc(plan)
+        return Change(plan, True)
+
+    if store.local_version():
+        plan = publish_next(store, collect)
+        result.published = not dry_run and not plan.nothing_to_do
+    planned = plan_sweep(store, now, retention)
+    result.young_shards = planned.young_shards
+    result.versions_deleted = len(planned.versions)
+    result.shards_deleted = len(planned.shards)
+    result.bytes_freed = planned.bytes
+    if not dry_run:
+        store.bucket.delete(o.name for o in (*planned.versions, *planned.shards))
+    return result
+
+
+def plan_sweep(store: BucketStore, now: float, retention: float) -> Sweep:
+    """The sweep: listings of the bucket, and the shard names of every kept version."""
+    versions = store.bucket.list(PREFIX)
+    keep = kept_versions(versions, now, retention)
+    named_by = {n: _shard_names(store, n) for n in keep}
+    store.sync_fragments()
+    pending = fragment_shard_names(store.layout)
+    return sweep(versions, store.bucket.list(SHARDS), named_by, pending, now, retention)
+
+
+def _shard_names(store: BucketStore, version: int) -> set[str]:
+    """The shard names catalog version ``version`` holds (the tier's copy when it is that one)."""
+    if version == store.local_version():
+        return _names_in(store.layout.catalog)
+    tmp = store.layout.tmp / f"gc-v{version}.sqlite"
+    try:
+        store.bucket.download(version_name(version), tmp)
+        return _names_in(tmp)
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+
+def _names_in(path: object) -> set[str]:
+    conn = sqlite3.connect(f"file:{path}?immutable=1", uri=True)
+    try:
+        return {name for (name,) in conn.execute("SELECT name FROM shards")}
+    finally:
+        conn.close()
