@@ -77,7 +77,25 @@ CacheOpt = Annotated[
     typer.Option(
         "--cache",
         envvar="FEATBAKE_CACHE",
-        help="Store directory. [default: $FEATBAKE_CACHE or ./.featbake]",
+        help="Store directory, or a bucket: s3://bucket/prefix (AWS_ENDPOINT_URL, AWS_PROFILE "
+        "or keys as for any S3 tool). [default: $FEATBAKE_CACHE or ./.featbake]",
+        show_default=False,
+    ),
+]
+LocalCacheOpt = Annotated[
+    Path | None,
+    typer.Option(
+        envvar="FEATBAKE_LOCAL_CACHE",
+        help="A bucket store's local disk tier (fast local disk, shared by a node's processes). "
+        "[default: ~/.cache/featbake/buckets]",
+        show_default=False,
+    ),
+]
+LocalCacheSizeOpt = Annotated[
+    str | None,
+    typer.Option(
+        envvar="FEATBAKE_LOCAL_CACHE_SIZE",
+        help="Byte budget of the local tier, e.g. 200GiB. [default: 100GiB]",
         show_default=False,
     ),
 ]

@@ -11,7 +11,16 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from featbake.cli.app import EXIT_CODES, CacheOpt, JsonOpt, app, console, out
+from featbake.cli.app import (
+    EXIT_CODES,
+    CacheOpt,
+    JsonOpt,
+    LocalCacheOpt,
+    LocalCacheSizeOpt,
+    app,
+    console,
+    out,
+)
 from featbake.cli.render import progress_bar, tick_bar
 from featbake.errors import BuildIncomplete, ConfigError
 from featbake.units import format_bytes, parse_bytes
@@ -32,6 +41,8 @@ from featbake.units import format_bytes, parse_bytes
         "  featbake build --encoder ./clip-vit-b16-vision --data ./images --output pooled "
         "--crop 224 --interpolation bicubic\n\n"
         "  featbake build --encoder ./dinov2-small --data ./images --views hflip\n\n"
+        "  featbake build --encoder ckpt.pt --data ./audio --cache s3://team-bucket/features "
+        "--local-cache /scratch/featbake --local-cache-size 200GiB\n\n"
         "  featbake build --encoder mypkg.vision:build --source image --data ./images "
         "--resize 256 --crop 224 --mean 0.485,0.456,0.406 --std 0.229,0.224,0.225\n\n"
         "  torchrun --nproc-per-node 8 -m featbake build --encoder ckpt.pt --data ./audio "
@@ -57,6 +68,8 @@ def build(
         Path, typer.Option("--data", "-d", help="Folder of inputs (scanned recursively).")
     ],
     cache: CacheOpt = None,
+    local_cache: LocalCacheOpt = None,
+    local_cache_size: LocalCacheSizeOpt = None,
     weights: Annotated[
         Path | None, typer.Option(help="safetensors weights for an import-path encoder.")
     ] = None,
@@ -248,6 +261,7 @@ def build(
     from featbake.encode.layers import parse_layers
     from featbake.image_options import IMAGE_OPTIONS, parse_image_options, parse_views
     from featbake.recipe import Recipe
+    from featbake.store.open import store_at
 
     if layer is not None and layers is not None:
         raise ConfigError("give --layer or --layers, not both")
@@ -280,7 +294,7 @@ def build(
             data,
             encoder,
             views=parse_views(views),
-            cache=cache,
+            cache=store_at(cache, local_cache=local_cache, local_cache_size=local_cache_size),
             recipe=recipe,
             weights=weights,
             trust_pickle=trust_pickle,

@@ -19,7 +19,10 @@ or see the lines above). 5: the store cannot be opened at all."""
 
 
 @app.command(
-    epilog=("Examples:\n\n  featbake verify\n\n  featbake verify --repair --json\n\n" + VERIFY_EXIT)
+    epilog=(
+        "Examples:\n\n  featbake verify\n\n  featbake verify --repair --json\n\n"
+        "  featbake verify --cache s3://team-bucket/features\n\n" + VERIFY_EXIT
+    )
 )
 def verify(
     cache: CacheOpt = None,
@@ -41,9 +44,15 @@ def verify(
     wrong hash-cache rows and all cached encoder fingerprints are dropped (computed again).
     --repair holds the store's write lock: builds, gc and write-back wait while it runs, and it
     refuses (exit 5) if they keep sealing shards for 10 s. A folder that is not a store is
-    refused, never turned into one.
+    refused, never turned into one. A bucket store (s3://) is checked shard by shard through
+    the local tier (no --repair there).
     """
+    from featbake.store.remote.url import is_url
     from featbake.upkeep import verify as run_verify
+
+    if cache is not None and is_url(str(cache)):
+        _verify_bucket(str(cache), repair, as_json)
+        return
 
     bar = progress_bar()
     with bar:
@@ -66,6 +75,44 @@ def verify(
                 if report.features_lost
                 else ""
             )
+        )
+    if report.exit_code:
+        raise typer.Exit(report.exit_code)
+
+
+def _verify_bucket(url: str, repair: bool, as_json: bool) -> None:
+    """``featbake verify`` on a bucket store (featbake.upkeep.verify_bucket)."""
+    from featbake.errors import ConfigError
+    from featbake.store.open import store_layout
+    from featbake.store.remote.store import BucketStore
+    from featbake.upkeep.verify_bucket import verify_bucket
+
+    if repair:
+        raise ConfigError(
+            "--repair is not built for a bucket store; run `featbake verify --cache URL` to "
+            "list damaged or missing shards, delete a damaged object, then build again (a build "
+            "encodes again what a missing shard held)"
+        )
+    store = store_layout(url).remote
+    assert isinstance(store, BucketStore)
+    bar = progress_bar()
+    with bar:
+        task = bar.add_task("verify", total=None)
+        report = verify_bucket(
+            store, lambda done, total: bar.update(task, completed=done, total=total)
+        )
+    if as_json:
+        out.print_json(json.dumps(report.to_json()))
+    else:
+        for name in report.missing:
+            out.print(f"[red]missing[/] shard {name}: named by the catalog, not in the bucket")
+        for name in report.damaged:
+            out.print(f"[red]damaged[/] shard {name}: fails its checksums (delete it, rebuild)")
+        status = "clean" if report.clean else "damaged"
+        out.print(
+            f"verify: {status} (catalog version {report.version}, {report.shards_checked} "
+            f"shards, {format_bytes(report.bytes_checked)} read in {report.seconds:.2f}s; "
+            f"{report.unnamed} unnamed shard objects)"
         )
     if report.exit_code:
         raise typer.Exit(report.exit_code)
