@@ -89,15 +89,12 @@ class CachedFeatureDataset(Dataset):
     Args:
         data: a data folder (scanned recursively, sorted as ``featbake build`` does), or a
             sequence of file paths (served in the given order).
-        encoder: the encoder as ``featbake build --encoder`` takes it (a TorchScript or ``.pt2``
-            file, or an import path), a loaded encoder, or an ``nn.Module``. A file encoder is
-            loaded only when the first miss happens (or once, to fingerprint it, when the store
-            has never seen this file).
-        cache: the store directory (default ``$FEATBAKE_CACHE`` or ``./.featbake``), or a
-            bucket, ``s3://bucket/prefix``. On a shared filesystem or a bucket its catalog is
-            only read; writes go to fragments for ``merge``.
-        local_cache, local_cache_size: a bucket store's local disk tier and its byte budget
-            (see :func:`featbake.store.open.store_at`); shared by the processes of a node.
+        encoder: as ``featbake build --encoder`` takes it, a loaded encoder, or an
+            ``nn.Module``. A file encoder is loaded at the first miss (or once, to fingerprint
+            it, when the store has never seen this file).
+        cache, local_cache, local_cache_size: the store (directory or ``s3://bucket/prefix``)
+            and a bucket's local tier, as :func:`featbake.store.open.store_at` takes them. On a
+            shared filesystem or a bucket the catalog is only read; writes go to fragments.
         recipe: preprocessing and storage options; the keyword options below override its fields.
         source, sample_rate, mono, max_seconds, output, dtype: recipe fields, as in
             ``featbake build``.
@@ -110,8 +107,7 @@ class CachedFeatureDataset(Dataset):
         device: where misses are encoded. Inside a DataLoader worker forked after CUDA was
             initialised, CUDA cannot start, so misses there are encoded on the CPU; choose
             ``multiprocessing_context="spawn"`` (or ``"forkserver"``) to encode them on the GPU.
-        verify: check each tensor's CRC-32 on its ``"first"`` read in a process, ``"always"``
-            or ``"never"``.
+        verify: check a CRC on its ``"first"`` read in a process, ``"always"`` or ``"never"``.
         max_open_shards: open shard files kept per process.
         write_back: store features encoded on a miss so the next epoch hits. A store this
             process cannot write (a read-only mount, no write permission,
