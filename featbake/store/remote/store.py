@@ -62,20 +62,22 @@ class BucketStore:
         return str(self.url)
 
     # -- RemotePlace: shards ---------------------------------------------------------------------
-    def _size_of(self, name: str) -> int | None:
-        """Shard ``name``'s size in the bucket (listed once, then asked per unknown name)."""
+    def _listed(self) -> dict[str, int]:
+        """Shard name -> bytes in the bucket, listed once per process (merge's checks)."""
         if self._sizes is None:
             self._sizes = {
                 Path(o.name).name.removesuffix(".safetensors"): o.size
                 for o in self.bucket.list(SHARDS)
             }
-        size = self._sizes.get(name)
-        if size is None:
-            info = self.bucket.head(shard_object(name))
-            if info is None:
-                return None
-            size = self._sizes[name] = info.size
-        return size
+        return self._sizes
+
+    def _size_of(self, name: str) -> int | None:
+        """Shard ``name``'s size in the bucket (from the listing if one was made, else a HEAD:
+        a reader fetching a few shards never lists the whole bucket)."""
+        if self._sizes is not None and name in self._sizes:
+            return self._sizes[name]
+        info = self.bucket.head(shard_object(name))
+        return None if info is None else info.size
 
     def fetch_shard(self, name: str) -> Path | None:
         size = self._size_of(name)
@@ -90,7 +92,7 @@ class BucketStore:
             return None
 
     def has_shard(self, name: str) -> bool:
-        return self._size_of(name) is not None
+        return name in self._listed() or self._size_of(name) is not None
 
     def opened(self, path: Path) -> None:
         self.tier.touch(path)

@@ -69,30 +69,45 @@ class DiskTier:
             return final
         self.downloads.mkdir(parents=True, exist_ok=True)
         part = self.downloads / f"{name}{PART}"
-        with _locked(part) as fd:
+        with _locked_current(part) as fd:
             if final.is_file():  # another process fetched it while we waited
                 with contextlib.suppress(OSError):
                     os.unlink(part)
                 return final
-            self._reserve(fd, part, size)
-            for attempt in range(CHECKED_TRIES):
-                self.fetched_bytes += download(part)
-                bad = _failing_tensors(part)
-                if not bad:
-                    break
-                if attempt == CHECKED_TRIES - 1:
-                    os.unlink(part)
-                    raise StoreCorrupt(
-                        f"{where} fails its checksums (tensors {', '.join(bad[:3])}) on "
-                        f"{CHECKED_TRIES} downloads: the object is damaged in the bucket and "
-                        "nothing of it is served; delete it, then build again (a build encodes "
-                        "again what a missing shard held)"
-                    )
+            try:
+                self._download_checked(size, download, where, fd, part)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(part)  # its reserved space goes back to the budget at once
+                raise
             final.parent.mkdir(parents=True, exist_ok=True)
             os.replace(part, final)
             fsync_dir(final.parent)
             self.fetched += 1
         return final
+
+    def _download_checked(
+        self, size: int, download: Callable[[Path], int], where: str, fd: int, part: Path
+    ) -> None:
+        """Reserve ``size`` bytes, download into ``part`` and check every tensor's CRC, fetching
+        once more on a mismatch.
+
+        Raises:
+            StoreCorrupt: the bytes failed their checksums on every try.
+        """
+        self._reserve(fd, part, size)
+        for attempt in range(CHECKED_TRIES):
+            self.fetched_bytes += download(part)
+            bad = _failing_tensors(part)
+            if not bad:
+                break
+            if attempt == CHECKED_TRIES - 1:
+                raise StoreCorrupt(
+                    f"{where} fails its checksums (tensors {', '.join(bad[:3])}) on "
+                    f"{CHECKED_TRIES} downloads: the object is damaged in the bucket and "
+                    "nothing of it is served; delete it, then build again (a build encodes "
+                    "again what a missing shard held)"
+                )
 
     def _reserve(self, fd: int, part: Path, size: int) -> None:
         """Evict what must go so ``size`` more bytes fit, then reserve them in ``part``."""
@@ -147,6 +162,22 @@ def _locked(path: Path) -> Iterator[int]:
         yield fd
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def _locked_current(part: Path) -> Iterator[int]:
+    """Like :func:`_locked`, but the file locked is the one at ``part`` once the lock is held
+    (a process that failed its download unlinks its ``.part``; a waiter that locked the
+    unlinked file tries again on the path's new one)."""
+    while True:
+        with _locked(part) as fd:
+            try:
+                current = os.stat(part).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                current = False
+            if current:
+                yield fd
+                return
 
 
 def _abandoned(part: Path) -> bool:

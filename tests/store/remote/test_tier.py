@@ -1,0 +1,130 @@
+"""The local disk tier on its own (no server): real shards written by the store's writer stand
+in for the bucket, and ``download`` copies them, counting calls."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from featbake.errors import ConfigError, StoreCorrupt
+from featbake.store.layout import Layout
+from featbake.store.reader import ShardReader
+from featbake.store.remote.tier import DiskTier
+from featbake.store.writer import write_shard
+
+
+class Source:
+    """Sealed shards in a directory, "downloaded" by copying; ``corrupt`` flips a byte of the
+    next N copies."""
+
+    def __init__(self, root: Path, n: int) -> None:
+        self.layout = Layout(root).ensure()
+        self.names = []
+        for i in range(n):
+            t = torch.full((50, 16), float(i))
+            self.names.append(write_shard(self.layout, {f"k{i}": t}, "enc", "rec").name)
+        self.calls = 0
+        self.corrupt = 0
+        self._lock = threading.Lock()
+
+    def size(self, name: str) -> int:
+        return self.layout.shard_path(name).stat().st_size
+
+    def download(self, name: str):
+        def run(dest: Path) -> int:
+            with self._lock:
+                self.calls += 1
+                spoil = self.corrupt > 0
+                self.corrupt -= spoil
+            time.sleep(0.05)  # long enough for another thread to come asking
+            shutil.copyfile(self.layout.shard_path(name), dest)
+            if spoil:
+                with open(dest, "r+b") as f:
+                    f.seek(-4, os.SEEK_END)
+                    f.write(b"\xff\xff\xff\xff")
+            return dest.stat().st_size
+
+        return run
+
+    def fetch(self, tier: DiskTier, name: str) -> Path:
+        return tier.fetch(name, self.size(name), self.download(name), f"s3://b/{name}")
+
+
+@pytest.fixture
+def source(tmp_path: Path) -> Source:
+    return Source(tmp_path / "bucket", 4)
+
+
+def test_a_shard_is_fetched_once_and_read_as_written(source: Source, tmp_path: Path) -> None:
+    tier = DiskTier(Layout(tmp_path / "tier"), budget=10 << 20)
+    name = source.names[2]
+    path = source.fetch(tier, name)
+    assert source.fetch(tier, name) == path and source.calls == 1
+    with ShardReader(path) as reader:
+        torch.testing.assert_close(reader.read("k2"), torch.full((50, 16), 2.0))
+
+
+def test_threads_wanting_one_shard_download_it_once(source: Source, tmp_path: Path) -> None:
+    tier = DiskTier(Layout(tmp_path / "tier"), budget=10 << 20)
+    got: list[Path] = []
+    threads = [
+        threading.Thread(target=lambda: got.append(source.fetch(tier, source.names[0])))
+        for _ in range(4)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert source.calls == 1 and len(set(got)) == 1 and len(got) == 4
+
+
+def test_the_least_recently_used_shard_is_evicted_and_the_budget_holds(
+    source: Source, tmp_path: Path
+) -> None:
+    size = max(source.size(n) for n in source.names)
+    tier = DiskTier(Layout(tmp_path / "tier"), budget=2 * size)
+    a, b, c, _ = source.names
+    pa = source.fetch(tier, a)
+    time.sleep(0.02)
+    pb = source.fetch(tier, b)
+    time.sleep(0.02)
+    tier.touch(pa)  # a is used again: b is now the least recent
+    source.fetch(tier, c)
+    assert pa.exists() and not pb.exists() and tier.used_bytes() <= 2 * size
+    with pytest.raises(ConfigError, match="cannot hold"):
+        DiskTier(Layout(tmp_path / "small"), budget=size - 1).fetch(
+            a, size, source.download(a), "s3://b/a"
+        )
+
+
+def test_a_bad_download_is_fetched_again_and_twice_bad_is_an_error(
+    source: Source, tmp_path: Path
+) -> None:
+    tier = DiskTier(Layout(tmp_path / "tier"), budget=10 << 20)
+    source.corrupt = 1
+    path = source.fetch(tier, source.names[1])
+    assert source.calls == 2 and ShardReader(path).verify_all() == []
+    source.corrupt = 2
+    with pytest.raises(StoreCorrupt, match=r"s3://b/.* fails its checksums"):
+        source.fetch(tier, source.names[3])
+    assert not tier.layout.shard_path(source.names[3]).exists()
+    assert not list(tier.downloads.glob("*.part"))  # nothing reserved is left behind
+
+
+def test_an_abandoned_download_is_cleared_from_the_budget(source: Source, tmp_path: Path) -> None:
+    size = max(source.size(n) for n in source.names)
+    tier = DiskTier(Layout(tmp_path / "tier"), budget=2 * size)
+    tier.downloads.mkdir(parents=True)
+    left = tier.downloads / "deadbeef.part"  # a process killed mid-download, nobody holds it
+    with open(left, "wb") as f:
+        f.truncate(2 * size)
+    old = time.time() - 60
+    os.utime(left, (old, old))
+    source.fetch(tier, source.names[0])
+    assert not left.exists()
