@@ -85,6 +85,26 @@ def test_a_build_killed_mid_run_is_finished_by_a_rerun_on_another_node(
     assert_bucket_serves_live(s3, clips, tmp_path)
 
 
+@pytest.mark.slow
+def test_torchrun_two_ranks_build_into_a_bucket_and_rank_0_publishes(
+    s3: S3, clips: Path, tmp_path: Path, counting_encoder: dict[str, str], monkeypatch
+) -> None:
+    monkeypatch.syspath_prepend(counting_encoder["PYTHONPATH"].split(os.pathsep)[1])
+    env = {**os.environ, **node(s3, "a", tmp_path, counting_encoder), "OMP_NUM_THREADS": "1"}
+    torchrun = Path(sys.executable).with_name("torchrun")
+    args = [torchrun, "--nproc-per-node", "2", "--standalone", "-m", "featbake"]
+    done = subprocess.run(
+        [str(a) for a in [*args, *build_args(clips, s3.url)]],
+        capture_output=True, text=True, env=env, timeout=300, cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted(encoded_rows(counting_encoder)) == sorted(set(encoded_rows(counting_encoder)))
+    assert len(encoded_rows(counting_encoder)) == 24  # each input once, across both ranks
+    assert s3.objects("catalog/") == ["catalog/v000000001.sqlite"]
+    assert not s3.objects("fragments/")
+    assert_bucket_serves_live(s3, clips, tmp_path)
+
+
 def test_parts_built_on_two_nodes_are_merged_from_a_third(
     s3: S3, clips: Path, tmp_path: Path, counting_encoder: dict[str, str], monkeypatch
 ) -> None:

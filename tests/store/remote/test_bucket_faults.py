@@ -116,3 +116,18 @@ def test_the_tier_stays_within_its_budget_and_refuses_one_smaller_than_a_shard(
     tiny = serve(s3, audio_dir, encoder_file, tmp_path / "tiny", local_cache_size=100)
     with pytest.raises(ConfigError, match=r"budget .* cannot hold"):
         tiny[0]
+
+
+def test_denied_access_and_a_throttled_server_say_what_to_do() -> None:
+    """moto does not enforce policies: botocore's own error objects stand in for AWS's answers."""
+    from botocore.exceptions import ClientError
+
+    from featbake.store.remote.objects import raise_translated
+
+    bucket = Bucket(BucketURL.parse("s3://team/features"))
+    denied = ClientError({"Error": {"Code": "AccessDenied", "Message": "no"}}, "GetObject")
+    with pytest.raises(StoreError, match=r"access to s3://team/features/x was denied.*AWS_PROFILE"):
+        raise_translated(bucket, "x", denied)
+    slow = ClientError({"Error": {"Code": "SlowDown", "Message": "rate"}}, "GetObject")
+    with pytest.raises(StoreError, match=r"s3://team/features/x: SlowDown"):
+        raise_translated(bucket, "x", slow)  # what is left after botocore's retries
