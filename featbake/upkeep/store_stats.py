@@ -13,6 +13,8 @@ from featbake.store.catalog import Catalog, Root, ShardRow, ShardUsage
 from featbake.store.fidelity import QUANTISED, read_fidelity
 from featbake.store.layout import Layout
 from featbake.store.open import StoreRef, open_catalog, resolve_root
+from featbake.store.remote.publish import Change, publish_next
+from featbake.store.remote.store import BucketStore
 from featbake.upkeep.files import list_folder
 
 
@@ -218,10 +220,16 @@ def drop_root(cache: StoreRef, name: str) -> Root:
     Example:
         >>> drop_root(".featbake", "r-3f1c")  # doctest: +SKIP
     """
-    _, catalog = open_catalog(cache)
-    try:
-        root = resolve_root(catalog, name)
-        catalog.drop_root(root.name)
-        return root
-    finally:
+    layout, catalog = open_catalog(cache)
+    if isinstance(layout.remote, BucketStore):  # a published version is never edited
         catalog.close()
+        return publish_next(layout.remote, lambda work: _dropped(work, name))
+    return _dropped(layout, name, catalog).value
+
+
+def _dropped(layout: Layout, name: str, catalog: Catalog | None = None) -> Change[Root]:
+    """Drop root ``name`` from ``layout``'s catalog (a bucket's work copy, or a local store)."""
+    with catalog or Catalog(layout) as cat:
+        root = resolve_root(cat, name)
+        cat.drop_root(root.name)
+        return Change(root, True)

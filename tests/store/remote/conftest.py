@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("obstore")
+pytest.importorskip("boto3")
 pytest.importorskip("moto")
 
 

@@ -46,6 +46,12 @@ def test_the_commands_take_a_bucket_url(
         got = torch.from_numpy(np.asarray(group["values"][offsets[i] : offsets[i + 1]]))
         torch.testing.assert_close(got, live_features(encoder_file, audio_dir / paths[i]))
 
+    name = roots.stdout.split("r-", 1)[1].split()[0]
+    dropped = run_cli("roots", "drop", f"r-{name}", "--cache", s3.url)
+    assert dropped.returncode == 0, dropped.stderr
+    assert len(s3.objects("catalog/")) == 2  # the drop went out as the next version
+    assert "r-" not in run_cli("roots", "--cache", s3.url).stdout
+
     shard = s3.objects("shards/")[0]
     Bucket(BucketURL.parse(s3.url)).delete([shard])
     damaged = run_cli(
