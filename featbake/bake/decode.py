@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from featbake.encode.sources import Source
+from featbake.encode.sources import Source, load_unchanged
 from featbake.errors import SourceError
 from featbake.store.catalog import FileStat
 
@@ -27,9 +27,10 @@ class DecodeDataset(Dataset):
     """Item i -> (i, tensor) or (i, reason) so one bad file cannot stop a worker.
 
     The key was computed from the bytes hashed earlier; a file rewritten since would put its new
-    features under the old bytes' key (served to every copy of the old file). So after decoding,
-    the file is stat'ed again: if it no longer matches the stat its digest belongs to, the item
-    fails instead.
+    features under the old bytes' key (served to every copy of the old file). So an input that
+    no longer matches the stat its digest belongs to fails instead (see
+    :func:`featbake.encode.sources.load_unchanged`: a file is stat'ed again after decoding, an
+    object checked by the response that carried its bytes).
     """
 
     def __init__(
@@ -43,16 +44,8 @@ class DecodeDataset(Dataset):
         return len(self.paths)
 
     def __getitem__(self, i: int) -> tuple[int, torch.Tensor | str]:
-        path = self.paths[i]
         try:
-            x = self.source.load(path)
-            try:
-                now: FileStat | None = FileStat.of(path)
-            except OSError:
-                now = None
-            if self.stats[i] is None or now != self.stats[i]:
-                return i, f"{path}: changed while featbake was reading it; rerun the build"
-            return i, x
+            return i, load_unchanged(self.source, self.paths[i], self.stats[i])
         except SourceError as e:
             return i, str(e)
         except Exception as e:

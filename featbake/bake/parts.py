@@ -10,13 +10,13 @@ merged.
 from __future__ import annotations
 
 import datetime
-import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch.distributed as dist
 
 from featbake.bake.ranks import RankSpec, my_part, owned_by_lower_ranks
+from featbake.encode.inputs import Inputs
 from featbake.store.catalog import Catalog
 from featbake.store.catalog_api import BuildCatalog
 from featbake.store.layout import Layout
@@ -29,16 +29,8 @@ from featbake.store.remote.store import BucketStore
 BARRIER_TIMEOUT = datetime.timedelta(days=7)
 
 
-def input_bytes(path: str) -> int:
-    """A file's size for balancing parts (0 if it cannot be read: it fails in its own part)."""
-    try:
-        return os.stat(path).st_size
-    except OSError:
-        return 0
-
-
 def catalog_for_part(
-    layout: Layout, spec: RankSpec, data_dir: str, rel_paths: list[str]
+    layout: Layout, spec: RankSpec, inputs: Inputs, rel_paths: list[str]
 ) -> tuple[BuildCatalog, list[str]]:
     """The catalog this process writes through, and the inputs it does (all, for one process).
 
@@ -52,7 +44,7 @@ def catalog_for_part(
         return Catalog(layout), rel_paths
     if isinstance(layout.remote, BucketStore):
         layout.remote.sync_fragments()
-    sizes = [input_bytes(os.path.join(data_dir, p)) for p in rel_paths]
+    sizes = [inputs.size(p) for p in rel_paths]
     listing = list(zip(rel_paths, sizes, strict=True))
     mine = my_part(sizes, spec) if spec.sharded else list(range(len(rel_paths)))
     return RankCatalog(layout, spec.rank, spec.world, listing), [rel_paths[i] for i in mine]

@@ -29,13 +29,10 @@ from featbake.bake.report import BuildReport
 from featbake.bake.writer_thread import WriterThread
 from featbake.device import check_device, process_cpus, torch_threads
 from featbake.encode.encoders import LoadedEncoder, from_module, load_encoder
-from featbake.encode.fingerprints import (
-    encoder_fingerprint,
-    hash_inputs,
-    resolve_path,
-)
+from featbake.encode.fingerprints import encoder_fingerprint
 from featbake.encode.hf import check_layers_supported, recipe_for_encoder
-from featbake.encode.sources import Source, scan_inputs, source_for
+from featbake.encode.inputs import Inputs, inputs_at
+from featbake.encode.sources import Source, source_for
 from featbake.errors import ConfigError, EncodeError, FeatbakeError, SourceError
 from featbake.gcpause import gc_paused
 from featbake.keys import feature_key, root_id
@@ -78,7 +75,9 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
     """Run ``encoder`` over every input under ``data`` once and store the features.
 
     Args:
-        data: the data folder (scanned recursively, in sorted order).
+        data: the data folder (scanned recursively, in sorted order), or a bucket prefix
+            ``s3://bucket/audio/`` (its objects listed in name order, each read from its bytes;
+            see :mod:`featbake.encode.bucket_inputs`).
         encoder: a TorchScript/.pt2 path, an import path, or an already loaded encoder.
         cache: the store directory (default ``$FEATBAKE_CACHE`` or ``./.featbake``), a bucket
             (``s3://bucket/prefix``), or a layout from :func:`featbake.store.open.store_at`.
@@ -137,15 +136,15 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
     )
     options.check_recipe(recipe)
     layout = store_at(cache).ensure()
-    source = source_for(recipe)
-    data_dir = resolve_path(data)
-    scanned = scan_inputs(data_dir, source.extensions)
-    catalog, inputs = catalog_for_part(layout, spec, data_dir, scanned.inputs)
+    place = inputs_at(data)  # a folder, or a bucket prefix (s3://bucket/audio/)
+    source = place.source(source_for(recipe))
+    scanned = place.scan(source.extensions)
+    catalog, inputs = catalog_for_part(layout, spec, place, scanned.inputs)
     with contextlib.closing(catalog):
         enc = loaded_encoder(encoder, weights, dev, trust_pickle, recipe)
         budget = budget_samples(recipe, batch_seconds, batch_samples)
         runner = BatchRunner(enc, recipe, batching, batch_size, budget)
-        bake = _Bake(catalog, layout, enc, recipe, source, data_dir, options, runner, progress)
+        bake = _Bake(catalog, layout, enc, recipe, source, place, options, runner, progress)
         # Files skipped at the scan (not regular files) are reported by one part only.
         skipped = scanned.skipped if spec.rank == 0 else []
         bake.start(len(inputs), skipped, os.fspath(weights) if weights else None)
@@ -195,7 +194,7 @@ class _Bake:
     enc: LoadedEncoder
     recipe: Recipe
     source: Source
-    data_dir: str
+    place: Inputs
     options: BakeOptions
     runner: BatchRunner
     progress: ProgressFn | None
@@ -210,9 +209,9 @@ class _Bake:
         enc_fp = encoder_fingerprint(self.enc, self.catalog, weights)
         recipe_fp = self.recipe.fingerprint()
         self.catalog.record_encoder(enc_fp, self.enc.label, self.enc.kind)
-        name = root_id(self.data_dir, self.enc.label, recipe_fp)
+        name = root_id(self.place.where, self.enc.label, recipe_fp)
         files = inputs + len(skipped)
-        self.report = BuildReport(name, self.data_dir, self.enc.label, enc_fp, recipe_fp, files)
+        self.report = BuildReport(name, self.place.where, self.enc.label, enc_fp, recipe_fp, files)
         self.compactor = Compactor(self.recipe)
         self.report.batching, self.report.batching_note = self.runner.mode, self.runner.note
         for rel, reason in skipped:
@@ -224,8 +223,10 @@ class _Bake:
         Returns:
             key -> the absolute path of the first input with that key.
         """
-        abs_paths = [os.path.join(self.data_dir, p) for p in rel_paths]
-        digests, unreadable = hash_inputs(self.catalog, abs_paths, self.progress, self.hashed_stats)
+        abs_paths = [self.place.path(p) for p in rel_paths]
+        digests, unreadable = self.place.hash(
+            self.catalog, abs_paths, self.progress, self.hashed_stats
+        )
         todo: dict[str, str] = {}
         for rel, path in zip(rel_paths, abs_paths, strict=True):
             if path in unreadable:
@@ -258,7 +259,7 @@ class _Bake:
         live) while the features are still being encoded.
         """
         spec = RootSpec(
-            self.report.root, self.data_dir, self.enc.label, self.report.encoder_fp,
+            self.report.root, self.place.where, self.enc.label, self.report.encoder_fp,
             self.report.recipe_fp, self.recipe.as_dict(),
         )  # fmt: skip
         self.catalog.replace_root(spec, self.manifest)
@@ -334,7 +335,7 @@ class _EncodeRun:
     done: int = 0
 
     def rel(self, i: int) -> str:
-        return os.path.relpath(self.paths[i], self.bake.data_dir)
+        return os.path.relpath(self.paths[i], self.bake.place.where)
 
     def fail(self, i: int, reason: str, exc: type[FeatbakeError]) -> None:
         self.done += 1

@@ -50,7 +50,9 @@ from featbake.units import format_bytes, parse_bytes
         "  featbake build --encoder ckpt.pt --data ./audio --shard 0/2   # then --shard 1/2, merge"
         "\n\n"
         "  OMP_NUM_THREADS=1 featbake build --encoder vad.pt --data ./audio   # or --threads 1"
-        "\n\n" + EXIT_CODES
+        "\n\n"
+        "  featbake build --encoder ckpt.pt --data s3://bucket/audio/ --cache ./features   # "
+        "inputs in a bucket\n\n" + EXIT_CODES
     )
 )
 def build(
@@ -65,7 +67,14 @@ def build(
         ),
     ],
     data: Annotated[
-        Path, typer.Option("--data", "-d", help="Folder of inputs (scanned recursively).")
+        str,
+        typer.Option(
+            "--data",
+            "-d",
+            help="Folder of inputs (scanned recursively), or a bucket prefix s3://bucket/audio/ "
+            "(objects listed and read from S3; credentials and endpoint from the AWS_* "
+            "environment).",
+        ),
     ],
     cache: CacheOpt = None,
     local_cache: LocalCacheOpt = None,

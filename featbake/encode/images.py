@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -44,17 +45,21 @@ class ImageSource:
         self.recipe = recipe
         self.steps = recipe.image_steps
 
-    def load(self, path: str | os.PathLike[str]) -> torch.Tensor:
-        """Decode one file and run the transform.
+    def load(self, path: str | os.PathLike[str], data: BinaryIO | None = None) -> torch.Tensor:
+        """Decode one file (or ``data``, its bytes) and run the transform.
 
         Raises:
             SourceError: missing, not an image, truncated, or too large to decode safely.
         """
-        return transform(decode_image(path, self.steps), self.steps, hflip=self.steps.hflip)
+        image = decode_image(path, self.steps, data)
+        return transform(image, self.steps, hflip=self.steps.hflip)
 
 
-def decode_image(path: str | os.PathLike[str], steps: ImageRecipe) -> Image.Image:
-    """The image at ``path``, fully decoded, oriented and in ``steps.mode``.
+def decode_image(
+    path: str | os.PathLike[str], steps: ImageRecipe, data: BinaryIO | None = None
+) -> Image.Image:
+    """The image at ``path`` (or in ``data``, its bytes, named ``path``), fully decoded,
+    oriented and in ``steps.mode``.
 
     This is the picture the transform starts from; a test runs transformers' processor on it
     to check that stored features equal the model's own preprocessing.
@@ -71,7 +76,7 @@ def decode_image(path: str | os.PathLike[str], steps: ImageRecipe) -> Image.Imag
         with warnings.catch_warnings():
             # Past MAX_IMAGE_PIXELS Pillow warns, past twice that it raises: refuse both.
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(os.fspath(path)) as opened:
+            with Image.open(os.fspath(path) if data is None else data) as opened:
                 opened.load()  # decode now: a truncated file fails here, not in the transform
                 image = ImageOps.exif_transpose(opened) if steps.exif else opened.copy()
     except FileNotFoundError as e:

@@ -19,13 +19,14 @@ import os
 import stat
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import BinaryIO, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
 from featbake.errors import ConfigError, SourceError
 from featbake.recipe import Recipe
+from featbake.store.catalog import FileStat
 
 
 class Source(Protocol):
@@ -34,9 +35,43 @@ class Source(Protocol):
     kind: str
     extensions: tuple[str, ...]
 
-    def load(self, path: str | os.PathLike[str]) -> torch.Tensor:
-        """Decode and preprocess one file into the encoder's input (no batch dimension)."""
+    def load(self, path: str | os.PathLike[str], data: BinaryIO | None = None) -> torch.Tensor:
+        """Decode and preprocess one file into the encoder's input (no batch dimension).
+
+        ``data``, when given, holds the input's bytes (an object read from a bucket, see
+        :mod:`featbake.encode.bucket_inputs`); ``path`` then only names it in messages.
+        """
         ...
+
+
+@runtime_checkable
+class CheckingSource(Protocol):
+    """A source that tells by itself whether an input is still the one that was hashed."""
+
+    def load_unchanged(self, path: str, stat: FileStat | None) -> torch.Tensor: ...
+
+
+def load_unchanged(source: Source, path: str, stat: FileStat | None) -> torch.Tensor:
+    """Decode ``path`` only if it is still the input whose digest was taken at ``stat``.
+
+    The key was computed from the bytes hashed earlier; an input rewritten since would put its
+    new features under the old bytes' key (served to every copy of the old input). A file is
+    stat'ed again after decoding; an object is checked by the response that carried its bytes
+    (:class:`CheckingSource`, see :mod:`featbake.encode.bucket_inputs`).
+
+    Raises:
+        SourceError: the input cannot be decoded, or changed since ``stat`` (None: never hashed).
+    """
+    if isinstance(source, CheckingSource):
+        return source.load_unchanged(path, stat)
+    x = source.load(path)
+    try:
+        now: FileStat | None = FileStat.of(path)
+    except OSError:
+        now = None
+    if stat is None or now != stat:
+        raise SourceError(f"{path}: changed while featbake was reading it; rerun the build")
+    return x
 
 
 def _soundfile_extensions() -> tuple[str, ...]:
@@ -57,8 +92,8 @@ class AudioSource:
         self.recipe = recipe
         self.extensions = _soundfile_extensions()
 
-    def load(self, path: str | os.PathLike[str]) -> torch.Tensor:
-        """Decode, mix down, resample and crop one file.
+    def load(self, path: str | os.PathLike[str], data: BinaryIO | None = None) -> torch.Tensor:
+        """Decode, mix down, resample and crop one file (or ``data``, its bytes).
 
         Raises:
             SourceError: the file is missing, unreadable, empty or not audio.
@@ -67,7 +102,8 @@ class AudioSource:
         import soxr
 
         try:
-            with soundfile.SoundFile(os.fspath(path)) as f:  # opened once: rate, then samples
+            # Opened once: rate, then samples.
+            with soundfile.SoundFile(os.fspath(path) if data is None else data) as f:
                 rate = f.samplerate
                 frames = -1
                 if self.recipe.max_seconds is not None:
@@ -77,9 +113,8 @@ class AudioSource:
         except FileNotFoundError as e:
             raise SourceError(f"{path}: file not found") from e
         except (soundfile.LibsndfileError, RuntimeError, OSError, ValueError) as e:
-            raise SourceError(
-                f"{path}: {_unreadable(path) or 'cannot decode audio'} ({_reason(e)})"
-            ) from e
+            why = _unreadable(path) if data is None else None
+            raise SourceError(f"{path}: {why or 'cannot decode audio'} ({_reason(e)})") from e
         if audio.shape[0] == 0:
             raise SourceError(f"{path}: the file holds no audio samples")
         if not np.isfinite(audio).all():
@@ -131,14 +166,14 @@ class NpySource:
     def __init__(self, recipe: Recipe) -> None:
         self.recipe = recipe
 
-    def load(self, path: str | os.PathLike[str]) -> torch.Tensor:
-        """Load one array as float32.
+    def load(self, path: str | os.PathLike[str], data: BinaryIO | None = None) -> torch.Tensor:
+        """Load one array (from ``path``, or ``data``, its bytes) as float32.
 
         Raises:
             SourceError: missing, not a .npy, an object array, or empty.
         """
         try:
-            arr = np.load(os.fspath(path), allow_pickle=False)
+            arr = np.load(os.fspath(path) if data is None else data, allow_pickle=False)
         except FileNotFoundError as e:
             raise SourceError(f"{path}: file not found") from e
         except (ValueError, OSError, EOFError) as e:

@@ -22,10 +22,11 @@ import numpy as np
 
 from featbake.encode.fingerprints import hash_inputs, resolve_path
 from featbake.encode.sources import check_input_files, scan
-from featbake.errors import SourceError
+from featbake.errors import ConfigError, SourceError
 from featbake.keys import feature_key, root_id, sha256_hex
 from featbake.store.catalog import FileStat, RootSpec
 from featbake.store.catalog_api import ServingStore
+from featbake.store.remote.url import is_url
 
 __all__ = ["NO_STAT", "Index", "IndexSpec", "build_index"]
 
@@ -146,8 +147,16 @@ def build_index(
 
     Raises:
         SourceError: no inputs, or inputs that are not in the store cannot be read.
+        ConfigError: ``data`` is a bucket URL (``s3://...``): not served from a bucket yet.
     """
     if isinstance(data, (str, os.PathLike)):
+        if is_url(os.fspath(data)):
+            raise ConfigError(
+                f"CachedFeatureDataset reads inputs from a folder or a list of files, not yet "
+                f"from a bucket ({os.fspath(data)}); serve a local copy or a mount of it (keys "
+                "depend on the bytes only, so it hits what `featbake build --data s3://...` "
+                "stored)"
+            )
         return _index_folder(resolve_path(data), spec, catalog, publish, new_root)
     # The folder scan's own checks first: a FIFO or a device in the list would block the
     # first read forever, a symlink loop would fail the resolve below with a RuntimeError.

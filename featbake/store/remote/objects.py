@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from featbake.errors import ConfigError, StoreError
 from featbake.perprocess import PerProcess
@@ -43,6 +43,16 @@ class ObjectInfo(NamedTuple):
     size: int
     modified: float
     etag: str
+
+
+class ObjectBytes(NamedTuple):
+    """An object's bytes and what the response that carried them said of it."""
+
+    info: ObjectInfo
+    data: bytes
+
+
+_T = TypeVar("_T")
 
 
 class Bucket:
@@ -135,10 +145,25 @@ class Bucket:
             FileNotFoundError: there is no such object.
             StoreError: it could not be read (after :data:`DOWNLOAD_TRIES` tries).
         """
+        return self._tried(name, lambda: self._download_once(name, dest))
+
+    def read(self, name: str) -> ObjectBytes:
+        """Object ``name``'s bytes, whole, in memory, with the size, last change and ETag of
+        the response that carried them (so the bytes and the ETag belong together, whatever
+        was written since a listing). Tried whole again when the connection drops mid-body.
+
+        Raises:
+            FileNotFoundError: there is no such object.
+            StoreError: it could not be read (after :data:`DOWNLOAD_TRIES` tries).
+        """
+        return self._tried(name, lambda: self._read_once(name))
+
+    def _tried(self, name: str, once: Callable[[], _T]) -> _T:
+        """``once()``, again (with backoff) while a body is cut short."""
         last: BaseException | None = None
         for attempt in range(DOWNLOAD_TRIES):
             try:
-                return self._download_once(name, dest)
+                return once()
             except _Absent:
                 raise FileNotFoundError(self.where(name)) from None
             except _Transient as e:
@@ -148,6 +173,19 @@ class Bucket:
             f"cannot download {self.where(name)} after {DOWNLOAD_TRIES} tries ({last}); check "
             "the network and the endpoint (AWS_ENDPOINT_URL), then run this again"
         ) from last
+
+    def _read_once(self, name: str) -> ObjectBytes:
+        with self.errors(name):
+            got = self.client.get_object(Bucket=self.url.bucket, Key=self.key(name))
+            body = got["Body"]
+            try:
+                data = body.read()
+            finally:
+                body.close()
+        if len(data) != int(got["ContentLength"]):
+            raise _Transient(f"{self.where(name)} ended after {len(data)} bytes")
+        modified = got["LastModified"].timestamp()
+        return ObjectBytes(ObjectInfo(name, len(data), modified, got["ETag"].strip('"')), data)
 
     def _download_once(self, name: str, dest: Path) -> int:
         size = 0

@@ -1,0 +1,233 @@
+"""Inputs in a bucket (``--data s3://bucket/audio/``) on a real S3 server (moto, loopback).
+
+Real wav files are written, uploaded, built from the bucket into a local store, and every
+stored feature is compared with running the encoder now on the same file.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from featbake.bake.pipeline import build
+from featbake.encode.bucket_inputs import BucketInputs, ObjectSource, object_stat
+from featbake.encode.sources import load_unchanged, source_for
+from featbake.errors import ConfigError, SourceError, StoreError
+from featbake.recipe import Recipe
+from featbake.store.catalog import FileStat
+from featbake.store.remote.objects import Bucket, ObjectInfo
+from featbake.store.remote.url import BucketURL
+from featbake.testing import write_audio_folder
+from tests.conftest import live_features, run_cli
+from tests.helpers import stored_features
+from tests.store.remote.conftest import S3
+
+
+def upload(folder: Path, url: str) -> list[str]:
+    """Put every file under ``folder`` into the bucket under ``url``; their relative names."""
+    bucket = Bucket(BucketURL.parse(url))
+    names = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+    for name in names:
+        bucket.upload(name, folder / name)
+    return names
+
+
+@pytest.fixture
+def reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the objects read whole (GETs) by this process, in order."""
+    got: list[str] = []
+    real = Bucket.read
+
+    def counted(self: Bucket, name: str):  # type: ignore[no-untyped-def]
+        got.append(name)
+        return real(self, name)
+
+    monkeypatch.setattr(Bucket, "read", counted)
+    return got
+
+
+def bake(data: str, encoder: Path, store: Path, **kw: object):
+    return build(data, encoder, cache=store, workers=0, shard_bytes=60_000, **kw)
+
+
+def assert_live(store: Path, root: str, encoder: Path, folder: Path, n: int) -> None:
+    stored = stored_features(store, root)
+    assert len(stored) == n
+    for rel, parts in stored.items():
+        torch.testing.assert_close(parts[""], live_features(encoder, folder / rel), msg=rel)
+
+
+def test_a_build_from_a_bucket_stores_the_live_features_and_a_rebuild_reads_nothing(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, reads: list[str]
+) -> None:
+    url = f"s3://{s3.bucket}/audio/"
+    names = upload(audio_dir, url)
+    store = tmp_path / "store"
+    report = bake(url, encoder_file, store)
+    assert report.encoded == len(names) == 16 and not report.failed
+    assert report.data == f"s3://{s3.bucket}/audio"  # the root is keyed by the URL
+    assert sorted(reads) == sorted(names * 2)  # once to hash, once to decode
+    assert_live(store, report.root, encoder_file, audio_dir, 16)
+
+    reads.clear()
+    again = bake(url, encoder_file, store)
+    assert (again.encoded, again.reused, again.root) == (0, 16, report.root)
+    assert reads == []  # every digest came from the hash cache, by ETag, size and date
+
+
+def test_a_changed_object_is_hashed_and_encoded_again(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, reads: list[str]
+) -> None:
+    url = f"s3://{s3.bucket}/audio"
+    upload(audio_dir, url)
+    store = tmp_path / "store"
+    bake(url, encoder_file, store)
+    changed = "fixed/clip00001.wav"
+    assert (audio_dir / changed).is_file()
+    write_audio_folder(tmp_path / "new", 1, seconds=0.7, seed=99)
+    shutil.copy(next((tmp_path / "new").glob("*.wav")), audio_dir / changed)
+    Bucket(BucketURL.parse(url)).upload(changed, audio_dir / changed)  # new bytes, new ETag
+
+    reads.clear()
+    report = bake(url, encoder_file, store)
+    assert (report.encoded, report.reused) == (1, 15)
+    assert reads == [changed, changed]
+    assert_live(store, report.root, encoder_file, audio_dir, 16)
+
+
+def test_a_bucket_build_is_the_same_store_as_a_folder_build(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    """Keys depend on bytes, not on where they were read: the bucket's inputs are all reused."""
+    store = tmp_path / "store"
+    bake(str(audio_dir), encoder_file, store)
+    url = f"s3://{s3.bucket}/a"
+    upload(audio_dir, url)
+    report = bake(url, encoder_file, store)
+    assert (report.encoded, report.reused) == (0, 16)
+
+
+def test_the_listing_keeps_the_sources_extensions_in_name_order(s3: S3, tmp_path: Path) -> None:
+    folder = tmp_path / "mixed"
+    for name in ["b.wav", "a/z.WAV", "a/notes.txt", ".hidden.wav", ".cache/x.wav", "c.flac"]:
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(b"x")
+    upload(folder, f"s3://{s3.bucket}/data")
+    upload(folder, f"s3://{s3.bucket}/data2")  # a prefix that only starts the same
+    inputs = BucketInputs.at(f"s3://{s3.bucket}/data/")
+    found = inputs.scan(source_for(Recipe()).extensions)
+    assert found.inputs == ["a/z.WAV", "b.wav", "c.flac"]
+    assert inputs.path("b.wav") == f"s3://{s3.bucket}/data/b.wav"
+    assert inputs.size("b.wav") == 1
+
+
+def test_an_empty_prefix_and_a_missing_bucket_say_what_to_fix(s3: S3) -> None:
+    with pytest.raises(SourceError, match=r"no objects.*under s3://.*/nothing/; check the URL"):
+        BucketInputs.at(f"s3://{s3.bucket}/nothing/").scan([".wav"])
+    with pytest.raises(StoreError, match="bucket 'no-such-bucket' does not exist"):
+        BucketInputs.at("s3://no-such-bucket/audio/").scan([".wav"])
+
+
+def test_without_credentials_the_listing_says_which_variables_to_set(
+    s3: S3, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    with pytest.raises(StoreError, match=r"no credentials.*AWS_ACCESS_KEY_ID"):
+        BucketInputs.at(f"s3://{s3.bucket}/audio/").scan([".wav"])
+
+
+def test_an_object_rewritten_after_hashing_is_not_decoded_under_the_old_key(
+    s3: S3, audio_dir: Path
+) -> None:
+    url = f"s3://{s3.bucket}/audio"
+    upload(audio_dir, url)
+    inputs = BucketInputs.at(url)
+    inputs.scan([".wav"])
+    path = inputs.path("fixed/clip00000.wav")
+    stats: dict[str, FileStat] = {}
+    digests, failed = inputs.hash(_NoCache(), [path], stats=stats)
+    assert not failed and len(digests[path]) == 64
+    source = inputs.source(source_for(Recipe()))
+    assert isinstance(source, ObjectSource)
+    x = load_unchanged(source, path, stats[path])
+    torch.testing.assert_close(x, source_for(Recipe()).load(audio_dir / "fixed/clip00000.wav"))
+    Bucket(BucketURL.parse(url)).upload("fixed/clip00000.wav", audio_dir / "fixed/clip00001.wav")
+    with pytest.raises(SourceError, match="changed while featbake was reading it"):
+        load_unchanged(source, path, stats[path])
+
+
+def test_an_object_deleted_after_the_listing_fails_alone(s3: S3, audio_dir: Path) -> None:
+    url = f"s3://{s3.bucket}/audio"
+    upload(audio_dir, url)
+    inputs = BucketInputs.at(url)
+    names = inputs.scan([".wav"]).inputs
+    Bucket(BucketURL.parse(url)).delete([names[0]])
+    paths = [inputs.path(n) for n in names]
+    digests, failed = inputs.hash(_NoCache(), paths)
+    assert failed == {paths[0]: "object not found (deleted since the listing?)"}
+    assert sorted(digests) == sorted(paths[1:])
+
+
+def test_an_objects_stat_follows_its_etag_size_and_date() -> None:
+    one = ObjectInfo("a.wav", 10, 1_700_000_000.4, "9b2cf535f27731c974343645a3985328")
+    assert object_stat(one) == object_stat(one._replace(modified=1_700_000_000.9))
+    assert object_stat(one) != object_stat(one._replace(etag="0" * 32))
+    assert object_stat(one) != object_stat(one._replace(size=11))
+    assert object_stat(one) != object_stat(one._replace(modified=1_700_000_001.0))
+
+
+class _NoCache:
+    """A hash cache that knows nothing and keeps nothing."""
+
+    def cached_hashes(self, paths: object) -> dict:
+        return {}
+
+    def put_hashes(self, rows: object, *, recorded_ns: int | None = None) -> None:
+        return None
+
+
+def test_the_cli_builds_from_a_bucket_with_decode_workers(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    url = f"s3://{s3.bucket}/audio/"
+    upload(audio_dir, url)
+    store = tmp_path / "store"
+    done = run_cli(
+        "build", "--encoder", encoder_file, "--data", url, "--cache", store, "--workers", "2",
+        "--json", env=s3.env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert '"encoded": 16' in done.stdout
+    assert "Traceback" not in done.stderr
+
+
+def test_the_cli_names_a_missing_bucket_in_one_line(
+    s3: S3, encoder_file: Path, tmp_path: Path
+) -> None:
+    done = run_cli(
+        "build", "--encoder", encoder_file, "--data", "s3://no-such-bucket/audio/",
+        "--cache", tmp_path / "store", env=s3.env,
+    )  # fmt: skip
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 5, done.stderr
+    assert len(lines) == 1 and "'no-such-bucket' does not exist" in lines[0], done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.filterwarnings("ignore:there is no featbake store")
+def test_a_dataset_over_a_bucket_url_says_to_serve_a_copy(
+    encoder_file: Path, tmp_path: Path
+) -> None:
+    from featbake import CachedFeatureDataset
+
+    with pytest.raises(
+        ConfigError, match=r"not yet from a bucket \(s3://b/audio/\); serve a local"
+    ):
+        CachedFeatureDataset("s3://b/audio/", encoder_file, cache=tmp_path / "store")
