@@ -20,10 +20,12 @@ builds not merged yet stay misses: their fragments can be large, and merge publi
 from __future__ import annotations
 
 import contextlib
+import os
 import sqlite3
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import TypeVar
 
 from featbake.errors import ShardMissing, StoreCorrupt, StoreError
@@ -110,6 +112,11 @@ class FragmentServingCatalog:
         self._hashes: dict[str, HashCacheRow] = {}
         self._encoder: tuple[str, str, str] | None = None  # fp, label, kind
         self._root: tuple[Root, list[ManifestItem]] | None = None
+        self._inode = 0  # the catalog file read: a bucket's tier replaces it by rename
+
+    def _replaced(self) -> bool:
+        """True if a bucket's tier renamed a newer catalog version over the one read here."""
+        return self.layout.remote is not None and _inode(self.layout.catalog) != self._inode
 
     # -- reads: the catalog as it is (read-only), then unmerged serve fragments ----------------
     def _reader(self) -> Catalog | None:
@@ -118,11 +125,15 @@ class FragmentServingCatalog:
         Raises:
             StoreError: the catalog was lost but root manifests remain (run verify --repair).
         """
+        if self._catalog is not None and self._replaced():
+            self._catalog.close()  # a bucket's tier holds a newer version now: read that one
+            self._catalog = None
         if self._catalog is None:
             if not self.layout.catalog.exists():
                 self.layout.refuse_fresh_catalog()
                 return None
             self._catalog = Catalog(self.layout, timeout=self.timeout, read_only=True)
+            self._inode = _inode(self.layout.catalog)
         return self._catalog
 
     def _read(self, query: Callable[[Catalog], T], default: T) -> T:
@@ -252,3 +263,10 @@ class FragmentServingCatalog:
         hashes = list(self._hashes.values())
         write_fragment(self.layout, info, FragmentKind.SERVE, shards, items, hashes, uses)
         self._hashes, self._encoder, self._root = {}, None, None
+
+
+def _inode(path: Path) -> int:
+    try:
+        return os.stat(path).st_ino
+    except OSError:
+        return 0

@@ -9,8 +9,9 @@
    than the retention period, then shard objects no kept version and no pending fragment
    names, once older than the retention period. Readers hold the version they opened for the
    length of their run; a reader that still finds a shard gone (a run longer than the
-   retention period) treats its features as misses: encoded live, or an error with
-   ``on_miss="error"``. Nothing the newest version names is ever deleted.
+   retention period) looks its features up in the newest version (a rebuild may hold them),
+   else treats them as misses: encoded live, or an error with ``on_miss="error"``. Nothing
+   the newest version names is ever deleted.
 """
 
 from __future__ import annotations

@@ -99,6 +99,7 @@ class Bucket:
         return self._client.get()
 
     def key(self, name: str) -> str:
+        """The object key of ``name`` under the store's prefix."""
         return self.url.key(name)
 
     def where(self, name: str) -> str:

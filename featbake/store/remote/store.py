@@ -82,6 +82,9 @@ class BucketStore:
     def fetch_shard(self, name: str) -> Path | None:
         size = self._size_of(name)
         if size is None:
+            # gc deleted it: bring in the newest version, through which the reader's lookup
+            # of the feature runs again (a rebuild may have stored it in another shard).
+            self.sync_catalog()
             return None
         obj = shard_object(name)
         try:

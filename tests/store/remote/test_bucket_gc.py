@@ -76,3 +76,23 @@ def test_gc_keeps_young_unnamed_shards_and_the_cli_says_so(
     # The root went in a new version; its shards are unnamed now but young: kept (7 days).
     assert "unnamed shards kept" in done.stdout and s3.objects("shards/")
     assert len(s3.objects("catalog/")) == 2
+
+
+def test_a_reader_whose_shards_gc_deleted_finds_a_rebuild_through_the_newest_version(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
+    reader = CachedFeatureDataset(
+        audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "r", write_back=False
+    )
+    later = time.time() + 100
+    store = bucket(s3.url, tmp_path / "gc")
+    gc_bucket(store, GcOptions(older_than=1.0), retention=HOUR, now=later)
+    gc_bucket(store, retention=HOUR, now=later + 2 * HOUR)
+    assert not s3.objects("shards/")
+    # Built again by another node, into other shards (another shard size: other names).
+    again = store_at(s3.url, local_cache=tmp_path / "other")
+    build(audio_dir, encoder_file, cache=again, workers=0, shard_bytes=200_000)
+    assert s3.objects("shards/")
+    assert_live(reader, encoder_file)  # its version-1 shards are gone: looked up in the newest
+    assert reader.cache_info().encoded == 0
