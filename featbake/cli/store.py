@@ -48,6 +48,12 @@ def stats(cache: CacheOpt = None, as_json: JsonOpt = False) -> None:
         table.add_row("unreferenced", f"{format_bytes(s.unreferenced_bytes)} inside shards")
     table.add_row("tmp/", f"{s.tmp_files} leftovers ({format_bytes(s.tmp_bytes)})")
     table.add_row("catalog", format_bytes(s.catalog_bytes))
+    if s.tier is not None:
+        table.add_row(
+            "local tier",
+            f"{escape(s.tier.path)}: catalog version {s.tier.version}, "
+            f"{format_bytes(s.tier.bytes)} of {format_bytes(s.tier.budget)}",
+        )
     out.print(table)
     _print_encoders(s.encoders)
     _print_roots(s.roots)

@@ -72,6 +72,25 @@ class RootStats:
 
 
 @dataclass(frozen=True)
+class TierStats:
+    """A bucket store's local tier here: where, which catalog version, bytes held of budget."""
+
+    path: str
+    version: int
+    bytes: int
+    budget: int
+
+    @classmethod
+    def of(cls, layout: Layout) -> TierStats | None:
+        """The tier ``layout`` is, or None for a local store."""
+        if not isinstance(layout.remote, BucketStore):
+            return None
+        tier = layout.remote.tier
+        version = layout.remote.local_version()
+        return cls(str(layout.root), version, tier.used_bytes(), tier.budget)
+
+
+@dataclass(frozen=True)
 class StoreStats:
     """A store at a glance; every number comes from the catalog (plus a listing of ``tmp/``).
 
@@ -99,6 +118,7 @@ class StoreStats:
     encoders: tuple[EncoderStats, ...]
     roots: tuple[RootStats, ...]
     seconds: float
+    tier: TierStats | None = None  # a bucket store's local tier on this node
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (``featbake stats --json``)."""
@@ -184,7 +204,7 @@ def stats(cache: StoreRef = None) -> StoreStats:
     tmp = list_folder(layout.tmp, "*").files
     rows_bytes = sum(u.nbytes for u in usage.values())
     return StoreStats(
-        path=str(layout.root),
+        path=str(layout.remote or layout.root),
         features=totals.features,
         tensors=sum(u.rows for u in usage.values()),
         feature_bytes=totals.nbytes,
@@ -201,6 +221,7 @@ def stats(cache: StoreRef = None) -> StoreStats:
         encoders=encoder_stats(shard_rows, usage, enc_rows),
         roots=tuple(RootStats.of(r, missing.get(r.name, 0), layout) for r in roots),
         seconds=time.perf_counter() - t0,
+        tier=TierStats.of(layout),
     )
 
 

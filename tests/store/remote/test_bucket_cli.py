@@ -28,8 +28,13 @@ def test_the_commands_take_a_bucket_url(
     assert json.loads(built.stdout)["encoded"] == 16
     assert list((tmp_path / "tier").rglob("catalog.sqlite"))  # the named tier was used
 
-    stats = run_cli("stats", "--cache", s3.url, "--json")
+    stats = run_cli(
+        "stats", "--cache", s3.url, "--json", env={"FEATBAKE_LOCAL_CACHE": str(tmp_path / "tier")}
+    )
     assert stats.returncode == 0, stats.stderr
+    held = json.loads(stats.stdout)
+    assert held["path"] == s3.url and held["features"] == 16
+    assert held["tier"]["version"] == 1 and held["tier"]["budget"] == 100 << 30
     roots = run_cli("roots", "--cache", s3.url)
     assert roots.returncode == 0 and "r-" in roots.stdout, roots.stderr
 
