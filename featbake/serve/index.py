@@ -21,12 +21,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from featbake.encode.fingerprints import hash_inputs, resolve_path
-from featbake.encode.sources import check_input_files, scan
-from featbake.errors import ConfigError, SourceError
+from featbake.encode.inputs import Inputs, inputs_at
+from featbake.encode.sources import check_input_files
+from featbake.errors import SourceError
 from featbake.keys import feature_key, root_id, sha256_hex
 from featbake.store.catalog import FileStat, RootSpec
 from featbake.store.catalog_api import ServingStore
-from featbake.store.remote.url import is_url
 
 __all__ = ["NO_STAT", "Index", "IndexSpec", "build_index"]
 
@@ -147,17 +147,10 @@ def build_index(
 
     Raises:
         SourceError: no inputs, or inputs that are not in the store cannot be read.
-        ConfigError: ``data`` is a bucket URL (``s3://...``): not served from a bucket yet.
+        StoreError: ``data`` is a bucket URL that cannot be listed (credentials, no bucket).
     """
     if isinstance(data, (str, os.PathLike)):
-        if is_url(os.fspath(data)):
-            raise ConfigError(
-                f"CachedFeatureDataset reads inputs from a folder or a list of files, not yet "
-                f"from a bucket ({os.fspath(data)}); serve a local copy or a mount of it (keys "
-                "depend on the bytes only, so it hits what `featbake build --data s3://...` "
-                "stored)"
-            )
-        return _index_folder(resolve_path(data), spec, catalog, publish, new_root)
+        return _index_place(inputs_at(data), spec, catalog, publish, new_root)
     # The folder scan's own checks first: a FIFO or a device in the list would block the
     # first read forever, a symlink loop would fail the resolve below with a RuntimeError.
     paths = [resolve_path(p) for p in check_input_files(data)]  # type: ignore[arg-type]
@@ -173,29 +166,32 @@ def build_index(
     return Index(paths, keys, None, catalog, spec, [stats[p] for p in paths])
 
 
-def _index_folder(
-    data_dir: str, spec: IndexSpec, catalog: ServingStore, publish: bool, new_root: bool
+def _index_place(
+    inputs: Inputs, spec: IndexSpec, catalog: ServingStore, publish: bool, new_root: bool
 ) -> Index:
+    """The index of a folder's or a bucket prefix's inputs (a bucket's objects are named by
+    URL; an unchanged listing reuses every digest from the hash cache, reading nothing)."""
+    data_dir = inputs.where
     name = root_id(data_dir, spec.enc_label, spec.recipe_fp)
     root = catalog.root(name)
     manifest: dict[str, str] = {}
     if root is not None and root.encoder_fp == spec.enc_fp:
         manifest = dict(catalog.root_items(name))
     try:
-        scanned = scan(data_dir, spec.extensions)
+        scanned = inputs.scan(spec.extensions).inputs
     except SourceError:
         if not manifest:
             raise
         scanned = []  # the inputs are gone, the features are not
     rel_paths = sorted(set(scanned) | set(manifest)) if manifest else scanned
     stats: dict[str, FileStat] = {}
-    paths = [os.path.join(data_dir, r) for r in scanned]
-    digests, failed = hash_inputs(catalog, paths, stats=stats)
+    paths = [inputs.path(r) for r in scanned]
+    digests, failed = inputs.hash(catalog, paths, stats=stats)
     keys: list[str] = []
     bad: list[str] = []
     hashed: list[FileStat | None] = []
     for rel in rel_paths:
-        path = os.path.join(data_dir, rel)
+        path = inputs.path(rel)
         hashed.append(stats[path] if path in digests else None)
         if path in digests:
             keys.append(spec.key(digests[path]))

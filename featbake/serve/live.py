@@ -24,8 +24,9 @@ from featbake.encode.fingerprints import (
     file_fingerprint,
 )
 from featbake.encode.hf import is_hf_folder
+from featbake.encode.inputs import inputs_at
 from featbake.encode.outputs import encode_batch, stored_parts
-from featbake.encode.sources import Source
+from featbake.encode.sources import Source, load_unchanged
 from featbake.errors import CacheMiss, EncoderLoadError, FeatbakeError, SourceError
 from featbake.keys import feature_key
 from featbake.recipe import Recipe
@@ -38,6 +39,7 @@ from featbake.store.catalog import Catalog, FileStat
 from featbake.store.catalog_api import ServingStore
 from featbake.store.features import Parts
 from featbake.store.layout import Layout
+from featbake.store.remote.url import is_url
 from featbake.store.serving_fragments import open_serving_catalog
 from featbake.store.writer import SealedShard
 
@@ -213,7 +215,9 @@ class Misses:
         self.index = index
         self.reads = reads
         self.live = live
-        self.source = source
+        where = index.data_dir or ""
+        self.objects = is_url(where)  # a bucket's inputs: read whole, decoded from bytes
+        self.source = inputs_at(where).source(source) if self.objects else source
         self.recipe = recipe
         self.recipe_fp = recipe.fingerprint()
         self.on_miss = "encode"
@@ -318,10 +322,14 @@ class Misses:
         if st.encoder is None:
             st.encoder = self.live.for_this_process()
         paths = [self.index.path(i) for i in idx]
-        inputs = [self.source.load(p) for p in paths]
-        keys = [self.index.key(i) for i in idx]
-        with st.catalogs.scoped() as catalog:
-            check_unchanged(catalog, paths, keys, (self.live.fingerprint, self.recipe_fp))
+        if self.objects:  # each checked by the response that carried its bytes (its ETag)
+            stats = [FileStat(*map(int, self.index.stats[i])) for i in idx]
+            inputs = [load_unchanged(self.source, p, s) for p, s in zip(paths, stats, strict=True)]
+        else:
+            inputs = [self.source.load(p) for p in paths]
+            keys = [self.index.key(i) for i in idx]
+            with st.catalogs.scoped() as catalog:
+                check_unchanged(catalog, paths, keys, (self.live.fingerprint, self.recipe_fp))
         results = encode_inputs(st.encoder, inputs, self.recipe)
         st.encoded += len(idx)
         return [stored_parts(parts, self.recipe) for parts in results]  # int8/fp8: packed

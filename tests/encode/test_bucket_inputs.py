@@ -15,7 +15,7 @@ import torch
 from featbake.bake.pipeline import build
 from featbake.encode.bucket_inputs import BucketInputs, ObjectSource, object_stat
 from featbake.encode.sources import load_unchanged, source_for
-from featbake.errors import ConfigError, SourceError, StoreError
+from featbake.errors import SourceError, StoreError
 from featbake.recipe import Recipe
 from featbake.store.catalog import FileStat
 from featbake.store.remote.objects import Bucket, ObjectInfo
@@ -221,13 +221,53 @@ def test_the_cli_names_a_missing_bucket_in_one_line(
     assert "Traceback" not in done.stderr
 
 
-@pytest.mark.filterwarnings("ignore:there is no featbake store")
-def test_a_dataset_over_a_bucket_url_says_to_serve_a_copy(
-    encoder_file: Path, tmp_path: Path
+def test_a_dataset_over_a_bucket_serves_a_bucket_build_and_reads_no_object(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, reads: list[str]
 ) -> None:
     from featbake import CachedFeatureDataset
 
-    with pytest.raises(
-        ConfigError, match=r"not yet from a bucket \(s3://b/audio/\); serve a local"
-    ):
-        CachedFeatureDataset("s3://b/audio/", encoder_file, cache=tmp_path / "store")
+    url = f"s3://{s3.bucket}/audio/"
+    upload(audio_dir, url)
+    store = tmp_path / "store"
+    bake(url, encoder_file, store)
+    reads.clear()
+    ds = CachedFeatureDataset(url, encoder_file, cache=store, on_miss="error")
+    assert len(ds) == 16 and ds.path(0).startswith(f"s3://{s3.bucket}/audio/")
+    for i in range(len(ds)):
+        rel = ds.path(i)[len(url) :]
+        torch.testing.assert_close(ds[i], live_features(encoder_file, audio_dir / rel))
+    assert reads == []  # keys from the hash cache (one LIST), features from the store
+
+
+def test_a_dataset_over_a_bucket_encodes_a_new_object_from_its_bytes(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, reads: list[str]
+) -> None:
+    from torch.utils.data import DataLoader
+
+    from featbake import CachedFeatureDataset
+
+    url = f"s3://{s3.bucket}/audio/"
+    upload(audio_dir, url)
+    ds = CachedFeatureDataset(url, encoder_file, cache=tmp_path / "store")
+    got = list(DataLoader(ds, batch_size=None, num_workers=2))  # forked workers read objects
+    for i, value in enumerate(got):
+        rel = ds.path(i)[len(url) :]
+        torch.testing.assert_close(value, live_features(encoder_file, audio_dir / rel))
+    again = CachedFeatureDataset(url, encoder_file, cache=tmp_path / "store", on_miss="error")
+    for i in range(len(again)):
+        torch.testing.assert_close(again[i], got[i])  # written back by the workers
+
+
+def test_a_dataset_does_not_encode_an_object_rewritten_since_it_was_indexed(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    from featbake import CachedFeatureDataset
+
+    url = f"s3://{s3.bucket}/audio/"
+    names = upload(audio_dir, url)
+    ds = CachedFeatureDataset(url, encoder_file, cache=tmp_path / "store")
+    other = audio_dir / names[1]
+    Bucket(BucketURL.parse(url)).upload(names[0], other)  # new bytes, new ETag
+    first = next(i for i in range(len(ds)) if ds.path(i).endswith(names[0]))
+    with pytest.raises(SourceError, match="changed while featbake was reading it"):
+        ds[first]
