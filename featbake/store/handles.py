@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,6 +12,10 @@ from featbake.errors import ShardMissing
 from featbake.perprocess import ProcessStamp
 from featbake.store.layout import RemotePlace
 from featbake.store.reader import ShardReader, VerifyMode
+
+#: A bucket store's process looks for evicted files among its open readers at least this often
+#: (on every fetch, and at most once a second on other opens: up to 64 ``fstat`` calls).
+TEND_SECONDS = 1.0
 
 
 class ShardHandles:
@@ -27,6 +33,7 @@ class ShardHandles:
     ) -> None:
         self.max_open = max_open
         self.remote = remote
+        self._tended = 0.0
         self.verify = VerifyMode.parse(verify)  # a ConfigError now, not at the first read
         self._readers: OrderedDict[Path, ShardReader] = OrderedDict()
         self._stamp = ProcessStamp()
@@ -62,11 +69,31 @@ class ShardHandles:
         try:
             reader = ShardReader(path, verify=self.verify)
         except ShardMissing:
+            self._tend_tier(self.remote)  # before the fetch evicts: see _tend_tier
             if self.remote.fetch_shard(path.name.removesuffix(".safetensors")) is None:
                 raise
             reader = ShardReader(path, verify=self.verify)
+        else:
+            if time.monotonic() - self._tended > TEND_SECONDS:  # another process's evictions
+                self._tend_tier(self.remote)
         self.remote.opened(path)
         return reader
+
+    def _tend_tier(self, remote: RemotePlace) -> None:
+        """Before a bucket store's tier may evict for a new shard: close the readers of files it
+        evicted (an open file keeps its disk space, beyond the tier's budget), and stamp the
+        rest as used (a reader held open all epoch reads its shard, unseen by file times)."""
+        self._tended = time.monotonic()
+        for path, reader in list(self._readers.items()):
+            try:
+                gone = os.fstat(reader.fd).st_nlink == 0
+            except OSError:
+                gone = True
+            if gone:
+                del self._readers[path]
+                reader.close()
+            else:
+                remote.opened(path)
 
     @property
     def open_readers(self) -> OrderedDict[Path, ShardReader]:

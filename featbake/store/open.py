@@ -9,6 +9,7 @@ catalog brought into it (see :mod:`featbake.store.remote`).
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from featbake.errors import ConfigError, StoreError
@@ -39,7 +40,7 @@ def store_at(
         cache: a directory, ``s3://bucket/prefix``, a :class:`Layout` (kept as it is), or None
             (``$FEATBAKE_CACHE``, else ``./.featbake``).
         local_cache: a bucket store's local tier (default ``$FEATBAKE_LOCAL_CACHE``, else
-            ``~/.cache/featbake/buckets``); each bucket and prefix gets a folder in it.
+            ``~/.cache/featbake/buckets``); each endpoint, bucket and prefix gets a folder in it.
         local_cache_size: the most bytes the tier's shards take (default
             ``$FEATBAKE_LOCAL_CACHE_SIZE``, else 100 GiB); least recently used shards go first.
 
@@ -61,9 +62,18 @@ def store_at(
     tier = Path(base) if base else Path.home() / ".cache" / "featbake" / "buckets"
     size = local_cache_size or os.environ.get("FEATBAKE_LOCAL_CACHE_SIZE")
     budget = parse_bytes(size or DEFAULT_LOCAL_CACHE_SIZE)
-    store = BucketStore(url, tier / url.bucket / url.prefix, budget)
+    store = BucketStore(url, tier / _endpoint_folder() / url.bucket / url.prefix, budget)
     store.sync_catalog()
     return store.layout
+
+
+def _endpoint_folder() -> str:
+    """The tier's folder for this endpoint: two servers with a bucket of one name (a MinIO and
+    AWS, a test server) must not share a tier's catalog."""
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if not endpoint:
+        return "aws"
+    return re.sub(r"[^A-Za-z0-9.-]+", "_", endpoint.split("://", 1)[-1]).strip("_") or "endpoint"
 
 
 def describe(layout: Layout) -> str:

@@ -135,6 +135,8 @@ class BucketStore:
         """
         self.layout.ensure()
         newest_v = self.published_version()
+        if newest_v < self.local_version():
+            self._forget_catalog()  # the bucket was emptied or replaced: the tier's is not its
         if newest_v == 0 or newest_v == self.local_version():
             return newest_v
         tmp = self.layout.tmp / f"catalog-v{newest_v}.{os.getpid()}.download"
@@ -145,6 +147,15 @@ class BucketStore:
             with contextlib.suppress(OSError):
                 tmp.unlink()
         return newest_v
+
+    def _forget_catalog(self) -> None:
+        """Drop the tier's catalog (its shards stay: content-named and checked, they are right
+        for whatever store names them)."""
+        for stale in ("", "-wal", "-shm", "-journal"):
+            with contextlib.suppress(OSError):
+                os.unlink(f"{self.layout.catalog}{stale}")
+        with contextlib.suppress(OSError):
+            self.version_file.unlink()
 
     def install_catalog(self, path: Path, version: int) -> None:
         """Make ``path`` the tier's catalog, as published version ``version``."""

@@ -80,6 +80,7 @@ class DiskTier:
                 with contextlib.suppress(OSError):
                     os.unlink(part)  # its reserved space goes back to the budget at once
                 raise
+            os.fsync(fd)  # the bytes are on disk before the name says the shard is here
             final.parent.mkdir(parents=True, exist_ok=True)
             os.replace(part, final)
             fsync_dir(final.parent)

@@ -3,6 +3,8 @@ no credentials, a missing bucket, a tier budget smaller than the data. Nothing w
 
 from __future__ import annotations
 
+import os
+import random
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,6 @@ import torch
 from featbake import CachedFeatureDataset
 from featbake.bake.pipeline import build
 from featbake.errors import ConfigError, StoreCorrupt, StoreError
-from featbake.store.open import store_at
 from featbake.store.remote.objects import Bucket
 from featbake.store.remote.url import BucketURL
 from tests.conftest import live_features, run_cli
@@ -32,6 +33,19 @@ def serve(s3: S3, data: Path, encoder: Path, tier: Path, **kw: object) -> Cached
 def assert_live(ds: CachedFeatureDataset, encoder: Path) -> None:
     for i in range(len(ds)):
         torch.testing.assert_close(ds[i], live_features(encoder, Path(ds.path(i))))
+
+
+def deleted_open_bytes() -> int:
+    """Bytes of unlinked shard files this process still holds open."""
+    held = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.endswith(".safetensors (deleted)"):
+                held += os.fstat(int(fd)).st_size
+        except OSError:
+            continue
+    return held
 
 
 def shard_objects(s3: S3) -> list[str]:
@@ -73,12 +87,12 @@ def test_a_server_that_always_drops_gives_one_clear_error(
     s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     bake(audio_dir, encoder_file, s3.url)
-    tier = store_at(s3.url, local_cache=tmp_path / "tier")  # the catalog came through whole
     upstream = int(s3.endpoint.rsplit(":", 1)[1])
-    with DroppingProxy(upstream, drops=10_000, after=20_000) as proxy:
+    with DroppingProxy(upstream, drops=0, after=20_000) as proxy:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
-        ds = serve(s3, audio_dir, encoder_file, tier.root.parents[1])
-        with pytest.raises(StoreError, match=r"cannot download s3://.*after 4 tries"):
+        ds = serve(s3, audio_dir, encoder_file, tmp_path / "tier")  # the catalog came whole
+        proxy.drops_left = 10_000  # from now on every answer is cut after 20 kB
+        with pytest.raises(StoreError, match=r"cannot download s3://.*shards/.*after 4 tries"):
             ds[0]
 
 
@@ -104,14 +118,17 @@ def test_the_tier_stays_within_its_budget_and_refuses_one_smaller_than_a_shard(
     sizes = [o.size for o in Bucket(BucketURL.parse(s3.url)).list("shards/")]
     assert len(sizes) >= 3
     budget = max(sizes) * 2
-    ds = serve(
-        s3, audio_dir, encoder_file, tmp_path / "tier", local_cache_size=budget, max_open_shards=1
-    )
+    ds = serve(s3, audio_dir, encoder_file, tmp_path / "tier", local_cache_size=budget)
     tier = ds._layout.remote.tier  # type: ignore[union-attr]
+    order = list(range(len(ds)))
+    random.Random(0).shuffle(order)
     for _ in range(2):
-        for i in range(len(ds)):
+        for i in order:
             torch.testing.assert_close(ds[i], live_features(encoder_file, Path(ds.path(i))))
             assert tier.used_bytes() <= budget
+            # Evicted files this process still held open keep their space until its next
+            # fetch closes them: at most what one fetch evicted.
+            assert tier.used_bytes() + deleted_open_bytes() <= budget + max(sizes)
     assert tier.fetched > len(sizes)  # shards were evicted and fetched again
     tiny = serve(s3, audio_dir, encoder_file, tmp_path / "tiny", local_cache_size=100)
     with pytest.raises(ConfigError, match=r"budget .* cannot hold"):
@@ -131,3 +148,21 @@ def test_denied_access_and_a_throttled_server_say_what_to_do() -> None:
     slow = ClientError({"Error": {"Code": "SlowDown", "Message": "rate"}}, "GetObject")
     with pytest.raises(StoreError, match=r"s3://team/features/x: SlowDown"):
         raise_translated(bucket, "x", slow)  # what is left after botocore's retries
+
+
+def test_a_tier_whose_bucket_was_emptied_is_not_trusted(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    """The tier held version 1 of a bucket that was then emptied (or replaced by another
+    store of the same name): a build must encode again, not reuse the tier's catalog."""
+    tier = tmp_path / "tier"
+    from featbake.store.open import store_at
+
+    bake(audio_dir, encoder_file, store_at(s3.url, local_cache=tier))
+    bucket = Bucket(BucketURL.parse(s3.url))
+    bucket.delete(o.name for o in bucket.list(""))
+    report = bake(audio_dir, encoder_file, store_at(s3.url, local_cache=tier))
+    assert report.encoded == 16 and report.reused == 0
+    fresh = serve(s3, audio_dir, encoder_file, tmp_path / "fresh")
+    for i in range(len(fresh)):
+        torch.testing.assert_close(fresh[i], live_features(encoder_file, Path(fresh.path(i))))
