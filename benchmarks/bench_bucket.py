@@ -65,9 +65,13 @@ from featbake.testing import TinyConvEncoder, write_audio_folder
 
 BENCH = "bucket"
 BUCKET = "featbake-bench"
-SHARD_BYTES = 8 << 20  # featbake's shards and litdata's chunks alike
+#: featbake's shards and litdata's chunks alike (--quick: 1 MiB, so its 48 items fill several).
+SHARD_BYTES = 8 << 20
 RECIPE = Recipe(dtype="float16")
-NO_LITDATA = "litdata is not installed: its columns are skipped (pip install litdata)"
+NO_LITDATA = (
+    "litdata is not installed: its columns are skipped (pip install --no-deps litdata "
+    "lightning-utilities: its plain install replaces torch, see docs/benchmarks.md)"
+)
 #: Later epochs per round (they are short: a warm epoch of 400 items takes 15-50 ms here).
 LATER = 8
 
@@ -121,12 +125,12 @@ def litdata_available() -> bool:
     return True
 
 
-def write_litdata(tensors: Dataset, out: Path, prefix: str) -> None:
+def write_litdata(tensors: Dataset, out: Path, prefix: str, chunk_bytes: int) -> None:
     """The features as a litdata optimized dataset (item i = tensor i), uploaded under prefix."""
     import boto3
     from litdata.streaming.writer import BinaryWriter
 
-    writer = BinaryWriter(str(out), chunk_bytes=SHARD_BYTES)
+    writer = BinaryWriter(str(out), chunk_bytes=chunk_bytes)
     for i in range(len(tensors)):  # type: ignore[arg-type]
         writer[i] = tensors[i]
     writer.done()
@@ -181,12 +185,12 @@ def dir_bytes(path: Path) -> int:
 def held_deleted(under: Path) -> int:
     """Bytes of files under ``under`` that are deleted but still open in this process (their
     disk space is freed only when closed); 0 where ``/proc`` is missing (not Linux)."""
-    total = 0
+    total, root = 0, os.path.realpath(under)
     with contextlib.suppress(FileNotFoundError):
         for fd in os.listdir("/proc/self/fd"):
             try:
                 target = os.readlink(f"/proc/self/fd/{fd}")
-                if target.startswith(f"{under}/") and target.endswith(" (deleted)"):
+                if target.startswith(f"{root}/") and target.endswith(" (deleted)"):
                     total += os.fstat(int(fd)).st_size
             except OSError:
                 continue
@@ -239,6 +243,7 @@ class Setup:
     data_bytes: int
     encoder: LoadedEncoder
     litdata: bool
+    shard_bytes: int
 
     def bucket_ds(self, tier: Path, budget: int) -> CachedFeatureDataset:
         return CachedFeatureDataset(
@@ -252,17 +257,18 @@ class Setup:
         )
 
 
-def prepare(work: Path, n: int, use_litdata: bool) -> Setup:
+def prepare(work: Path, n: int, use_litdata: bool, shard_bytes: int) -> Setup:
     clips = work / "clips"
     write_audio_folder(clips, n, seconds=(2.0, 4.0))
     enc = encoder()
     # The builder's own tier is a folder of its own: the readers start from an empty one.
     builder = store_at(f"s3://{BUCKET}/featbake", local_cache=work / "builder-tier")
-    report = build(clips, enc, cache=builder, recipe=RECIPE, workers=0, shard_bytes=SHARD_BYTES)
-    build(clips, enc, cache=work / "local", recipe=RECIPE, workers=0, shard_bytes=SHARD_BYTES)
-    setup = Setup(work, clips, work / "local", n, report.bytes_written, enc, use_litdata)
+    report = build(clips, enc, cache=builder, recipe=RECIPE, workers=0, shard_bytes=shard_bytes)
+    build(clips, enc, cache=work / "local", recipe=RECIPE, workers=0, shard_bytes=shard_bytes)
+    setup = Setup(work, clips, work / "local", n, report.bytes_written, enc, use_litdata,
+                  shard_bytes)  # fmt: skip
     if use_litdata:
-        write_litdata(setup.local_ds(), work / "litdata-out", "litdata")
+        write_litdata(setup.local_ds(), work / "litdata-out", "litdata", shard_bytes)
     return setup
 
 
@@ -313,7 +319,7 @@ class Pressure:
 
 
 def under_pressure(s: Setup, shards: int, use_litdata: bool) -> Pressure:
-    budget = 3 * SHARD_BYTES
+    budget = 3 * s.shard_bytes
     base = s.work / "pressure"
     fb = s.bucket_ds(base / "tier", budget)
     tier = fb._layout.remote.tier  # type: ignore[union-attr]
@@ -352,7 +358,8 @@ def _mib(n: float) -> str:
 def rows_from(s: Setup, rates: Rates, checks: Checks, p: Pressure, rounds: int,
               later: int) -> list[dict[str, Any]]:  # fmt: skip
     setting = (
-        f"{s.n} items (fp16 [T, 256], {_mib(s.data_bytes)} in {p.shards} shards of <= 8 MiB), "
+        f"{s.n} items (fp16 [T, 256], {_mib(s.data_bytes)} in {p.shards} shards of "
+        f"<= {_mib(s.shard_bytes)}), "
         f"moto on loopback, the same budget ({_mib(checks.budget)}) for both, "
         f"DataLoader(batch_size=None, shuffled), num_workers=0; medians of {rounds} rounds "
         f"(later epochs: {rounds} x {later})"
@@ -408,6 +415,7 @@ def rows_from(s: Setup, rates: Rates, checks: Checks, p: Pressure, rounds: int,
 def main(quick: bool = False) -> list[dict[str, Any]]:
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     n, rounds, later = (48, 1, 2) if quick else (400, 5, LATER)
+    shard_bytes = (1 << 20) if quick else SHARD_BYTES
     use_litdata = litdata_available()
     if not use_litdata:
         print(f"  {NO_LITDATA}")
@@ -416,7 +424,7 @@ def main(quick: bool = False) -> list[dict[str, Any]]:
         stack.enter_context(s3_server())
         if use_litdata:
             stack.enter_context(litdata_over_http())
-        setup = prepare(work, n, use_litdata)
+        setup = prepare(work, n, use_litdata, shard_bytes)
         budget = 2 * setup.data_bytes  # holds the whole data set: epoch 2 should fetch nothing
         rates, checks = run_rounds(setup, budget, rounds, later)
         shards = max(checks.first_fetches)
