@@ -1,0 +1,477 @@
+"""Serving a bucket store (issue 17): epoch 1 from an S3 server, later epochs from the local tier.
+
+moto's S3 server runs on loopback. The same features (audio clips through a small conv encoder,
+fp16 ``[T, 256]``, ~150 KB each) are
+
+* built by featbake into ``s3://<bucket>/featbake`` (8 MiB shards) and read through
+  ``CachedFeatureDataset(cache="s3://...", local_cache=DIR, local_cache_size=BUDGET)``;
+* built by featbake into a local directory store (the "local store" baseline);
+* written as a litdata optimized dataset (``BinaryWriter``, 8 MiB chunks, the tensors read back
+  from the local store) uploaded to ``s3://<bucket>/litdata`` and read through litdata's
+  ``StreamingDataset(shuffle=True, max_cache_size=BUDGET)``.
+
+Every reader goes through a ``DataLoader`` (``batch_size=None``, ``num_workers=0``), shuffled,
+one item per step. A round makes every reader fresh (a new, empty tier and litdata cache dir; a
+new local-store dataset), runs epoch 1 of each, then ``LATER`` later epochs, the readers
+alternating within each epoch and their order reversed every other round; before the later
+epochs every reader's files are fsynced, dropped from the page cache and read back (``settle``).
+Rates are medians over rounds (later epochs: over every later epoch), ratios medians of epochs
+paired side by side, with the spread in the notes. The budget (the same for both) holds the
+whole data set, so a later epoch should download nothing.
+
+Checked, outside the timed epochs: the tier's bytes (``tier.used_bytes()``) after every epoch,
+and in an untimed shuffled epoch under a budget of three shards (~40% of the data) after every
+step, both in its folder and on disk (evicted shards this process still holds open included);
+featbake's shard downloads in later epochs (target: none); litdata's re-downloaded chunks.
+
+litdata talks to moto through its defaults, with one change: its chunk downloads go through
+obstore, whose client options litdata fixes without ``allow_http``, so it refuses an
+``http://`` endpoint; the benchmark adds ``allow_http`` to them (nothing else is patched).
+Without litdata installed, its columns are skipped with a line saying so.
+
+Run: ``python benchmarks/bench_bucket.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _rows import row
+from s3_clients import start_moto
+
+from featbake.bake.pipeline import build
+from featbake.encode.encoders import LoadedEncoder, from_module
+from featbake.recipe import Recipe
+from featbake.serve.dataset import CachedFeatureDataset
+from featbake.store.open import store_at
+from featbake.testing import TinyConvEncoder, write_audio_folder
+
+BENCH = "bucket"
+BUCKET = "featbake-bench"
+#: featbake's shards and litdata's chunks alike (--quick: 1 MiB, so its 48 items fill several).
+SHARD_BYTES = 8 << 20
+RECIPE = Recipe(dtype="float16")
+NO_LITDATA = (
+    "litdata is not installed: its columns are skipped (pip install --no-deps litdata "
+    "lightning-utilities: its plain install replaces torch, see docs/benchmarks.md)"
+)
+#: Later epochs per round (they are short: a warm epoch of 400 items takes 15-50 ms here).
+LATER = 8
+
+
+def encoder() -> LoadedEncoder:
+    # A fixed identity, as in _serve_readers.py: the module's name differs between runs.
+    # hidden=4: the features' size is what is served; a cheap encoder keeps the builds short.
+    module = TinyConvEncoder(dim=256, hidden=4).eval().requires_grad_(False)
+    return from_module(module, label="bench-bucket-conv", identity="bench-bucket-conv-v1")
+
+
+def _row(metric: str, value: float, unit: str, target: str = "", ok: bool | None = None,
+         note: str = "") -> dict[str, Any]:  # fmt: skip
+    return row(BENCH, metric, value, unit, target, ok, note)
+
+
+# -- the server and its environment ------------------------------------------------------------
+@contextlib.contextmanager
+def s3_server() -> Iterator[str]:
+    """moto on loopback, a bucket in it, and the AWS environment pointing at it (restored after:
+    ``make bench`` runs every benchmark in one process)."""
+    server, endpoint = start_moto()
+    env = {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "bench",
+        "AWS_SECRET_ACCESS_KEY": "bench",
+        "AWS_REGION": "us-east-1",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        put = urllib.request.Request(f"{endpoint}/{BUCKET}", method="PUT")
+        urllib.request.urlopen(put).read()
+        yield endpoint
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.terminate()
+        server.wait(10)
+
+
+# -- litdata -----------------------------------------------------------------------------------
+def litdata_available() -> bool:
+    try:
+        import litdata  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def write_litdata(tensors: Dataset, out: Path, prefix: str, chunk_bytes: int) -> None:
+    """The features as a litdata optimized dataset (item i = tensor i), uploaded under prefix."""
+    import boto3
+    from litdata.streaming.writer import BinaryWriter
+
+    writer = BinaryWriter(str(out), chunk_bytes=chunk_bytes)
+    for i in range(len(tensors)):  # type: ignore[arg-type]
+        writer[i] = tensors[i]
+    writer.done()
+    writer.merge()
+    client = boto3.client("s3")
+    for f in sorted(out.iterdir()):
+        client.upload_file(str(f), BUCKET, f"{prefix}/{f.name}")
+
+
+@contextlib.contextmanager
+def litdata_over_http() -> Iterator[None]:
+    """litdata's obstore client options with ``allow_http`` (see the module docstring)."""
+    import litdata.streaming.downloader as downloader
+
+    saved = downloader._OBSTORE_CLIENT_OPTIONS
+    downloader._OBSTORE_CLIENT_OPTIONS = {**saved, "allow_http": True}  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        downloader._OBSTORE_CLIENT_OPTIONS = saved
+
+
+def litdata_ds(cache_dir: Path, budget: int) -> IterableDataset:
+    from litdata import StreamingDataset
+
+    # litdata logs a warning for any budget under 25 GB; the budget here is the benchmark's.
+    log = logging.getLogger("litdata.streaming.dataset")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        return StreamingDataset(
+            f"s3://{BUCKET}/litdata", cache_dir=str(cache_dir), shuffle=True,
+            max_cache_size=budget,
+        )  # fmt: skip
+    finally:
+        log.setLevel(level)
+
+
+def chunk_files(cache_dir: Path) -> dict[str, tuple[int, int]]:
+    """litdata's chunk files in its cache: name -> (inode, mtime): a re-download changes it."""
+    out = {}
+    for p in cache_dir.rglob("*.bin"):
+        st = p.stat()
+        out[p.name] = (st.st_ino, st.st_mtime_ns)
+    return out
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def settle(folder: Path) -> None:
+    """Every file under ``folder`` fsynced, dropped from the page cache and read back once.
+
+    How a file's pages came into the page cache changes how fast they are copied out (see
+    ``_serve_readers.warm_page_cache``): as built, the local store's shards read up to ~1.4x
+    slower or faster than the tier's freshly fetched copies of the same bytes, which measured
+    the files' history, not the readers. The fsync comes first because ``POSIX_FADV_DONTNEED``
+    drops only clean pages, and neither a fetched shard nor litdata's chunks are fsynced.
+    """
+    for p in folder.rglob("*"):
+        if p.is_file() and not p.is_symlink():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+                while f.read(1 << 22):
+                    pass
+
+
+def held_deleted(under: Path) -> int:
+    """Bytes of files under ``under`` that are deleted but still open in this process (their
+    disk space is freed only when closed); 0 where ``/proc`` is missing (not Linux)."""
+    total, root = 0, os.path.realpath(under)
+    with contextlib.suppress(FileNotFoundError):
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+                if target.startswith(f"{root}/") and target.endswith(" (deleted)"):
+                    total += os.fstat(int(fd)).st_size
+            except OSError:
+                continue
+    return total
+
+
+# -- timing ------------------------------------------------------------------------------------
+def epoch(ds: Dataset, after_step: Callable[[], None] | None = None) -> tuple[float, int]:
+    """Seconds for one shuffled epoch, one item per step, and the items seen."""
+    shuffle = not isinstance(ds, IterableDataset)  # litdata shuffles itself
+    loader = DataLoader(ds, batch_size=None, shuffle=shuffle)
+    n = 0
+    t0 = time.perf_counter()
+    for _ in loader:
+        n += 1
+        if after_step is not None:
+            after_step()
+    return time.perf_counter() - t0, n
+
+
+@dataclass
+class Rates:
+    """Epoch seconds per reader: ``first`` one per round, ``later`` ``LATER`` per round."""
+
+    first: dict[str, list[float]] = field(default_factory=dict)
+    later: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(self, which: str, reader: str, seconds: float) -> None:
+        getattr(self, which).setdefault(reader, []).append(seconds)
+
+
+@dataclass
+class Checks:
+    """What the rounds observed besides time."""
+
+    budget: int
+    tier_peak: int = 0  # the most bytes the tier held at any sample
+    later_fetches: int = 0  # featbake shard downloads during later epochs (all rounds)
+    first_fetches: list[int] = field(default_factory=list)
+    lit_redownloads: int = 0  # litdata chunk files replaced during later epochs
+
+
+@dataclass
+class Setup:
+    work: Path
+    clips: Path
+    local: Path
+    n: int
+    data_bytes: int
+    encoder: LoadedEncoder
+    litdata: bool
+    shard_bytes: int
+
+    def bucket_ds(self, tier: Path, budget: int) -> CachedFeatureDataset:
+        return CachedFeatureDataset(
+            self.clips, self.encoder, cache=f"s3://{BUCKET}/featbake", recipe=RECIPE,
+            local_cache=tier, local_cache_size=budget, on_miss="error",
+        )  # fmt: skip
+
+    def local_ds(self) -> CachedFeatureDataset:
+        return CachedFeatureDataset(
+            self.clips, self.encoder, cache=self.local, recipe=RECIPE, on_miss="error"
+        )
+
+
+def prepare(work: Path, n: int, use_litdata: bool, shard_bytes: int) -> Setup:
+    clips = work / "clips"
+    write_audio_folder(clips, n, seconds=(2.0, 4.0))
+    enc = encoder()
+    # The builder's own tier is a folder of its own: the readers start from an empty one.
+    builder = store_at(f"s3://{BUCKET}/featbake", local_cache=work / "builder-tier")
+    # One encoder thread: on this shared 2-core machine two threads spun ~10x slower on these
+    # small convolutions (4 s against 40-50 s for the same build); the builds are not measured.
+    opts: dict[str, Any] = {
+        "recipe": RECIPE,
+        "workers": 0,
+        "shard_bytes": shard_bytes,
+        "threads": 1,
+    }
+    report = build(clips, enc, cache=builder, **opts)
+    build(clips, enc, cache=work / "local", **opts)
+    setup = Setup(work, clips, work / "local", n, report.bytes_written, enc, use_litdata,
+                  shard_bytes)  # fmt: skip
+    if use_litdata:
+        write_litdata(setup.local_ds(), work / "litdata-out", "litdata", shard_bytes)
+    settle(setup.local)  # the local store's epoch 1 reads from a warm page cache
+    return setup
+
+
+def run_rounds(s: Setup, budget: int, rounds: int, later: int) -> tuple[Rates, Checks]:
+    rates, checks = Rates(), Checks(budget)
+    for r in range(rounds):
+        base = s.work / f"round{r}"
+        fb = s.bucket_ds(base / "tier", budget)
+        tier = fb._layout.remote.tier  # type: ignore[union-attr]
+        readers: dict[str, Dataset] = {"featbake bucket": fb, "featbake local store": s.local_ds()}
+        if s.litdata:
+            readers["litdata"] = litdata_ds(base / "litdata-cache", budget)
+        order = list(readers) if r % 2 == 0 else list(reversed(readers))
+        for name in order:
+            rates.add("first", name, epoch(readers[name])[0])
+        checks.first_fetches.append(tier.fetched)
+        checks.tier_peak = max(checks.tier_peak, tier.used_bytes())
+        fetched = tier.fetched
+        lit_files = chunk_files(base / "litdata-cache") if s.litdata else {}
+        for folder in (base, s.local):  # every reader's files in the same page-cache state
+            settle(folder)
+        for _ in range(later):
+            for name in order:
+                rates.add("later", name, epoch(readers[name])[0])
+            checks.tier_peak = max(checks.tier_peak, tier.used_bytes())
+        checks.later_fetches += tier.fetched - fetched
+        if s.litdata:
+            now = chunk_files(base / "litdata-cache")
+            checks.lit_redownloads += sum(1 for k, v in now.items() if lit_files.get(k) != v)
+        fb.close()
+        shutil.rmtree(base, ignore_errors=True)
+    return rates, checks
+
+
+@dataclass
+class Pressure:
+    """An untimed epoch under a budget below the data, the cache's bytes sampled at every step:
+    in its folder (``tier.used_bytes()``) and on disk (also counting evicted files that this
+    process still holds open: their space is freed only when they are closed)."""
+
+    budget: int
+    steps: int
+    peak: int
+    disk_peak: int
+    fetches: int
+    shards: int
+    lit_peak: int | None = None
+    lit_disk_peak: int | None = None
+
+
+def under_pressure(s: Setup, shards: int, use_litdata: bool) -> Pressure:
+    budget = 3 * s.shard_bytes
+    base = s.work / "pressure"
+    fb = s.bucket_ds(base / "tier", budget)
+    tier = fb._layout.remote.tier  # type: ignore[union-attr]
+    peak = [0, 0]
+
+    def sampler(used: Callable[[], int], under: Path) -> Callable[[], None]:
+        def sample() -> None:
+            now = used()
+            peak[0] = max(peak[0], now)
+            peak[1] = max(peak[1], now + held_deleted(under))
+
+        return sample
+
+    _, steps = epoch(fb, sampler(tier.used_bytes, base / "tier"))
+    result = Pressure(budget, steps, peak[0], peak[1], tier.fetched, shards)
+    fb.close()
+    if use_litdata:
+        peak[:] = [0, 0]
+        cache = base / "litdata-cache"
+        epoch(litdata_ds(cache, budget), sampler(lambda: dir_bytes(cache), cache))
+        result.lit_peak, result.lit_disk_peak = peak
+    return result
+
+
+# -- rows --------------------------------------------------------------------------------------
+def _rate(seconds: list[float], n: int) -> tuple[float, str]:
+    """Median items/s, and the min-max spread as text."""
+    rates = sorted(n / t for t in seconds)
+    return statistics.median(rates), f"{rates[0]:,.0f}-{rates[-1]:,.0f}"
+
+
+def _mib(n: float) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def rows_from(s: Setup, rates: Rates, checks: Checks, p: Pressure, rounds: int,
+              later: int) -> list[dict[str, Any]]:  # fmt: skip
+    setting = (
+        f"{s.n} items (fp16 [T, 256], {_mib(s.data_bytes)} in {p.shards} shards of "
+        f"<= {_mib(s.shard_bytes)}), "
+        f"moto on loopback, the same budget ({_mib(checks.budget)}) for both, "
+        f"DataLoader(batch_size=None, shuffled), num_workers=0; medians of {rounds} rounds "
+        f"(later epochs: {rounds} x {later}, each reader's epochs alternating)"
+    )
+    out = []
+    for which, label in (("first", "epoch 1 (cold tier, from the server)"),
+                         ("later", "later epochs (warm tier)")):  # fmt: skip
+        for reader, secs in getattr(rates, which).items():
+            rate, spread = _rate(secs, s.n)
+            out.append(_row(f"{label}: {reader}", rate, "items/s",
+                            note=f"{len(secs)} epochs: {spread} items/s"))  # fmt: skip
+    fb = "featbake bucket"
+
+    def ratio_row(metric: str, which: str, other: str, target: float | None) -> dict[str, Any]:
+        """featbake bucket / ``other``: the median of the ratios of epochs run side by side
+        (same round, same epoch), which a change of the machine's load between rounds moves
+        less than a ratio of medians; the spread of those ratios in the note."""
+        times = getattr(rates, which)
+        ratios = sorted(o / f for f, o in zip(times[fb], times[other], strict=True))
+        value = statistics.median(ratios)
+        note = f"{setting}; {len(ratios)} paired ratios {ratios[0]:.2f}-{ratios[-1]:.2f}"
+        if target is None:
+            return _row(metric, value, "x", "report", None, note)
+        return _row(metric, value, "x", f">= {target:.2f}x", value >= target, note)
+
+    if s.litdata:
+        out.append(ratio_row("epoch 1: featbake bucket / litdata StreamingDataset", "first",
+                             "litdata", 1.0))  # fmt: skip
+        out.append(ratio_row("later epochs: featbake bucket / litdata", "later", "litdata", None))
+    else:
+        out.append(_row("litdata StreamingDataset: not measured", 0, "", note=NO_LITDATA))
+    out.append(ratio_row("later epochs: featbake bucket (tier) / local store", "later",
+                         "featbake local store", 0.9))  # fmt: skip
+    out.append(ratio_row("epoch 1: featbake bucket / local store", "first",
+                         "featbake local store", None))  # fmt: skip
+    lit = f"; litdata replaced {checks.lit_redownloads} chunk files" if s.litdata else ""
+    note = f"epoch 1 downloaded {checks.first_fetches} shards per round{lit}"
+    out.append(_row("later epochs: shard downloads (all rounds)", checks.later_fetches, "shards",
+                    "0", checks.later_fetches == 0, note))  # fmt: skip
+    lit = ""
+    if p.lit_peak is not None and p.lit_disk_peak is not None:
+        lit = f"; litdata's cache: {_mib(p.lit_peak)} / {_mib(p.lit_disk_peak)}"
+    pressure = (
+        f"budget {_mib(p.budget)} (3 of {p.shards} shards), one shuffled epoch, sampled at each "
+        f"of {p.steps} steps; peak in the folder / on disk: {_mib(p.peak)} / "
+        f"{_mib(p.disk_peak)}{lit}; the rounds (budget {_mib(checks.budget)}): "
+        f"{_mib(checks.tier_peak)} in the folder after each epoch"
+    )
+    peak = max(checks.tier_peak / checks.budget, p.peak / p.budget)
+    out.append(_row("tier bytes in its folder (used_bytes): peak / budget", peak, "x",
+                    "<= 1.0x", peak <= 1.0, pressure))  # fmt: skip
+    peak = p.disk_peak / p.budget
+    out.append(_row("tier bytes on disk, evicted shards still open included: peak / budget",
+                    peak, "x", "<= 1.0x", peak <= 1.0, pressure))  # fmt: skip
+    out.append(_row("shuffled epoch under a 3-shard budget: shard downloads", p.fetches,
+                    "shards", "report", None, pressure))  # fmt: skip
+    return out
+
+
+def main(quick: bool = False) -> list[dict[str, Any]]:
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    n, rounds, later = (48, 1, 2) if quick else (400, 5, LATER)
+    shard_bytes = (1 << 20) if quick else SHARD_BYTES
+    use_litdata = litdata_available()
+    if not use_litdata:
+        print(f"  {NO_LITDATA}")
+    with contextlib.ExitStack() as stack:
+        work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="featbake-bucket-")))
+        stack.enter_context(s3_server())
+        if use_litdata:
+            stack.enter_context(litdata_over_http())
+        setup = prepare(work, n, use_litdata, shard_bytes)
+        budget = 2 * setup.data_bytes  # holds the whole data set: epoch 2 should fetch nothing
+        rates, checks = run_rounds(setup, budget, rounds, later)
+        shards = max(checks.first_fetches)
+        pressure = under_pressure(setup, shards, use_litdata)
+        return rows_from(setup, rates, checks, pressure, rounds, later)
+
+
+if __name__ == "__main__":
+    for r in main(quick="--quick" in sys.argv):
+        ok = "" if r["ok"] is None else ("ok" if r["ok"] else "MISS")
+        print(f"{r['metric']:<58} {r['value']:>10,.2f} {r['unit']:<8} {r['target']:<8} {ok:<4} "
+              f"{r['note']}")  # fmt: skip
