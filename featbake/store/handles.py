@@ -70,7 +70,8 @@ class ShardHandles:
             reader = ShardReader(path, verify=self.verify)
         except ShardMissing:
             self._tend_tier(self.remote)  # before the fetch evicts: see _tend_tier
-            if self.remote.fetch_shard(path.name.removesuffix(".safetensors")) is None:
+            name = path.name.removesuffix(".safetensors")
+            if self.remote.fetch_shard(name, self._close_evicted) is None:
                 raise
             reader = ShardReader(path, verify=self.verify)
         else:
@@ -84,6 +85,12 @@ class ShardHandles:
         evicted (an open file keeps its disk space, beyond the tier's budget), and stamp the
         rest as used (a reader held open all epoch reads its shard, unseen by file times)."""
         self._tended = time.monotonic()
+        self._close_evicted()
+        for path in self._readers:
+            remote.opened(path)
+
+    def _close_evicted(self) -> None:
+        """Close the readers of files the tier unlinked (their space is freed only then)."""
         for path, reader in list(self._readers.items()):
             try:
                 gone = os.fstat(reader.fd).st_nlink == 0
@@ -92,8 +99,6 @@ class ShardHandles:
             if gone:
                 del self._readers[path]
                 reader.close()
-            else:
-                remote.opened(path)
 
     @property
     def open_readers(self) -> OrderedDict[Path, ShardReader]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -34,8 +34,9 @@ class RemotePlace(Protocol):
     """Where a store's shards and fragments last when the store is a bucket
     (:class:`featbake.store.remote.store.BucketStore`); the layout is then its local tier."""
 
-    def fetch_shard(self, name: str) -> Path | None:
-        """Shard ``name`` fetched into the local tier; None when the bucket has none."""
+    def fetch_shard(self, name: str, evicted: Callable[[], None] | None = None) -> Path | None:
+        """Shard ``name`` fetched into the local tier; None when the bucket has none.
+        ``evicted`` is called once the tier evicted to make room, before the download."""
         ...
 
     def has_shard(self, name: str) -> bool:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from featbake.store.fragments import fragments_dir, parse_name
@@ -79,7 +79,7 @@ class BucketStore:
         info = self.bucket.head(shard_object(name))
         return None if info is None else info.size
 
-    def fetch_shard(self, name: str) -> Path | None:
+    def fetch_shard(self, name: str, evicted: Callable[[], None] | None = None) -> Path | None:
         size = self._size_of(name)
         if size is None:
             # gc deleted it: bring in the newest version, through which the reader's lookup
@@ -89,7 +89,11 @@ class BucketStore:
         obj = shard_object(name)
         try:
             return self.tier.fetch(
-                name, size, lambda dest: self.bucket.download(obj, dest), self.bucket.where(obj)
+                name,
+                size,
+                lambda dest: self.bucket.download(obj, dest),
+                self.bucket.where(obj),
+                evicted,
             )
         except FileNotFoundError:
             return None

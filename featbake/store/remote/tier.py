@@ -55,7 +55,14 @@ class DiskTier:
         with contextlib.suppress(OSError):
             os.utime(path)
 
-    def fetch(self, name: str, size: int, download: Callable[[Path], int], where: str) -> Path:
+    def fetch(
+        self,
+        name: str,
+        size: int,
+        download: Callable[[Path], int],
+        where: str,
+        evicted: Callable[[], None] | None = None,
+    ) -> Path:
         """Shard ``name`` on this disk: fetched (``download`` writes a file) unless it is here.
 
         Raises:
@@ -75,7 +82,7 @@ class DiskTier:
                     os.unlink(part)
                 return final
             try:
-                self._download_checked(size, download, where, fd, part)
+                self._download_checked(size, download, where, fd, part, evicted)
             except BaseException:
                 with contextlib.suppress(OSError):
                     os.unlink(part)  # its reserved space goes back to the budget at once
@@ -88,7 +95,13 @@ class DiskTier:
         return final
 
     def _download_checked(
-        self, size: int, download: Callable[[Path], int], where: str, fd: int, part: Path
+        self,
+        size: int,
+        download: Callable[[Path], int],
+        where: str,
+        fd: int,
+        part: Path,
+        evicted: Callable[[], None] | None,
     ) -> None:
         """Reserve ``size`` bytes, download into ``part`` and check every tensor's CRC, fetching
         once more on a mismatch.
@@ -97,6 +110,8 @@ class DiskTier:
             StoreCorrupt: the bytes failed their checksums on every try.
         """
         self._reserve(fd, part, size)
+        if evicted:  # the caller closes what it held open of the evicted files
+            evicted()
         for attempt in range(CHECKED_TRIES):
             self.fetched_bytes += download(part)
             bad = _failing_tensors(part)
