@@ -345,6 +345,11 @@ class Pressure:
     disk_peak: int
     fetches: int
     shards: int
+    whole_s: float = 0.0  # the epoch with whole-shard fetches (forced)
+    ranged_s: float = 0.0  # the same epoch read by ranged GETs (the default here)
+    ranged_bytes: int = 0
+    fetched_bytes: int = 0
+    lit_s: float | None = None
     lit_peak: int | None = None
     lit_disk_peak: int | None = None
 
@@ -352,8 +357,13 @@ class Pressure:
 def under_pressure(s: Setup, shards: int, use_litdata: bool) -> Pressure:
     budget = 3 * s.shard_bytes
     base = s.work / "pressure"
-    fb = s.bucket_ds(base / "tier", budget)
-    tier = fb._layout.remote.tier  # type: ignore[union-attr]
+    os.environ["FEATBAKE_BUCKET_READS"] = "whole"  # what the tier would do without ranged reads
+    try:
+        fb = s.bucket_ds(base / "tier", budget)
+        tier = fb._layout.remote.tier  # type: ignore[union-attr]
+        assert not fb._layout.remote.reads_ranged()  # type: ignore[union-attr]
+    finally:
+        del os.environ["FEATBAKE_BUCKET_READS"]
     peak = [0, 0]
 
     def sampler(used: Callable[[], int], under: Path) -> Callable[[], None]:
@@ -364,13 +374,30 @@ def under_pressure(s: Setup, shards: int, use_litdata: bool) -> Pressure:
 
         return sample
 
-    _, steps = epoch(fb, sampler(tier.used_bytes, base / "tier"))
-    result = Pressure(budget, steps, peak[0], peak[1], tier.fetched, shards)
+    whole_s, steps = epoch(fb, sampler(tier.used_bytes, base / "tier"))
+    result = Pressure(budget, steps, peak[0], peak[1], tier.fetched, shards, whole_s)
+    result.fetched_bytes = tier.fetched_bytes
     fb.close()
+    ranged = s.bucket_ds(base / "ranged-tier", budget)  # auto: the data outweighs the budget
+    store = ranged._layout.remote  # type: ignore[union-attr]
+    assert store.reads_ranged()  # type: ignore[union-attr]
+    got = store.bucket.read_range  # type: ignore[union-attr]
+    moved = [0]
+
+    def counted(name: str, start: int, length: int) -> bytes:
+        data = got(name, start, length)
+        moved[0] += len(data)
+        return data
+
+    store.bucket.read_range = counted  # type: ignore[union-attr,method-assign]
+    result.ranged_s, _ = epoch(ranged)
+    result.ranged_bytes = moved[0]
+    ranged.close()
     if use_litdata:
         peak[:] = [0, 0]
         cache = base / "litdata-cache"
-        epoch(litdata_ds(cache, budget), sampler(lambda: dir_bytes(cache), cache))
+        lit_s, _ = epoch(litdata_ds(cache, budget), sampler(lambda: dir_bytes(cache), cache))
+        result.lit_s = lit_s
         result.lit_peak, result.lit_disk_peak = peak
     return result
 
@@ -445,8 +472,17 @@ def rows_from(s: Setup, rates: Rates, checks: Checks, p: Pressure, rounds: int,
     peak = p.disk_peak / p.budget
     out.append(_row("tier bytes on disk, evicted shards still open included: peak / budget",
                     peak, "x", "<= 1.0x", peak <= 1.0, pressure))  # fmt: skip
-    out.append(_row("shuffled epoch under a 3-shard budget: shard downloads", p.fetches,
-                    "shards", "report", None, pressure))  # fmt: skip
+    moved = f"{_mib(p.fetched_bytes)} moved for {_mib(s.data_bytes)} of data"
+    out.append(_row("shuffled epoch under a 3-shard budget, whole-shard fetches: downloads",
+                    p.fetches, "shards", "report", None, f"{moved}; {pressure}"))  # fmt: skip
+    ranged, whole = p.steps / p.ranged_s, p.steps / p.whole_s
+    note = (f"ranged GETs moved {_mib(p.ranged_bytes)}, whole shards {_mib(p.fetched_bytes)}; "
+            f"items/s ranged {ranged:,.0f}, whole {whole:,.0f}")  # fmt: skip
+    out.append(_row("same epoch: ranged GETs (default here) / whole-shard fetches",
+                    p.whole_s / p.ranged_s, "x", "report", None, note))  # fmt: skip
+    if p.lit_s is not None:
+        out.append(_row("same epoch: featbake (ranged) / litdata", p.lit_s / p.ranged_s, "x",
+                        "report", None, f"litdata {p.steps / p.lit_s:,.0f} items/s"))  # fmt: skip
     return out
 
 

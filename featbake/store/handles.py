@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -69,8 +68,11 @@ class ShardHandles:
         try:
             reader = ShardReader(path, verify=self.verify)
         except ShardMissing:
-            self._tend_tier(self.remote)  # before the fetch evicts: see _tend_tier
             name = path.name.removesuffix(".safetensors")
+            ranged = self.remote.ranged_reader(name, path, self.verify)
+            if ranged is not None:
+                return ranged
+            self._tend_tier(self.remote)  # before the fetch evicts: see _tend_tier
             if self.remote.fetch_shard(name, self._close_evicted) is None:
                 raise
             reader = ShardReader(path, verify=self.verify)
@@ -92,11 +94,7 @@ class ShardHandles:
     def _close_evicted(self) -> None:
         """Close the readers of files the tier unlinked (their space is freed only then)."""
         for path, reader in list(self._readers.items()):
-            try:
-                gone = os.fstat(reader.fd).st_nlink == 0
-            except OSError:
-                gone = True
-            if gone:
+            if reader.unlinked():
                 del self._readers[path]
                 reader.close()
 

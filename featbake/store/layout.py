@@ -7,9 +7,12 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from featbake.errors import ConfigError, StoreError
+
+if TYPE_CHECKING:
+    from featbake.store.reader import ShardReader
 
 #: ``s3://``, ``gs://``, ``az://``, ``https://``...: a store's URL rather than a directory (one
 #: slash is enough: a URL that went through ``pathlib.Path`` reads ``s3:/bucket``).
@@ -41,6 +44,10 @@ class RemotePlace(Protocol):
 
     def has_shard(self, name: str) -> bool:
         """Whether the store holds shard ``name`` (locally or in the bucket)."""
+        ...
+
+    def ranged_reader(self, name: str, path: Path, verify: str) -> ShardReader | None:
+        """A reader of shard ``name`` by ranges, or None when shards are fetched whole."""
         ...
 
     def opened(self, path: Path) -> None:

@@ -203,17 +203,30 @@ class ShardReader:
             StoreError: the read fails.
         """
         n = dest.nbytes
-        if n:
-            try:
-                got = os.preadv(self._fd, (dest,), begin)
-            except OSError as e:
-                raise StoreError(f"cannot read shard {self.path}: {e.strerror or e}") from e
-            if got != n:
-                raise self.cut_short(check.name if check is not None else self._name_at(begin))
+        if n and self._read_bytes(begin, dest) != n:
+            raise self.cut_short(check.name if check is not None else self._name_at(begin))
         if check is not None:
             if check.want is None or check.digest(dest, check.head) != check.want:
                 raise corrupt_shard(self.path, f"checksum mismatch in tensor {check.name}")
             self._verified.add(check.name)
+
+    def _read_bytes(self, begin: int, dest: Any) -> int:
+        """Read ``dest.nbytes`` bytes at ``begin`` into ``dest``; how many came.
+
+        Raises:
+            StoreError: the read fails.
+        """
+        try:
+            return os.preadv(self._fd, (dest,), begin)
+        except OSError as e:
+            raise StoreError(f"cannot read shard {self.path}: {e.strerror or e}") from e
+
+    def unlinked(self) -> bool:
+        """True once the file read here was deleted (its space is freed when this closes)."""
+        try:
+            return os.fstat(self._fd).st_nlink == 0
+        except OSError:
+            return True
 
     def _name_at(self, begin: int) -> str:
         """The name of the tensor whose bytes start at ``begin`` (for an error message)."""

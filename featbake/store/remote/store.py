@@ -17,17 +17,23 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sqlite3
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from featbake.errors import ConfigError, ShardMissing
 from featbake.store.fragments import fragments_dir, parse_name
 from featbake.store.layout import Layout, fsync_dir
+from featbake.store.reader import ShardReader, VerifyMode
 from featbake.store.remote.objects import Bucket
+from featbake.store.remote.ranged import RangedShardReader
 from featbake.store.remote.tier import DiskTier
 from featbake.store.remote.url import BucketURL
 from featbake.store.remote.versions import PREFIX, newest, version_name
 
 SHARDS = "shards/"
+#: ``whole``, ``ranged`` or ``auto``: how shards missing from the tier are read.
+READS_ENV = "FEATBAKE_BUCKET_READS"
 FRAGMENTS = "fragments/"
 
 
@@ -51,6 +57,7 @@ class BucketStore:
         self.layout = Layout(tier, remote=self)
         self.tier = DiskTier(self.layout, budget)
         self._sizes: dict[str, int] | None = None  # shard name -> bytes, listed once
+        self._ranged: bool | None = None  # see reads_ranged
 
     def __getstate__(self) -> dict:
         return {"url": self.url, "tier": self.layout.root, "budget": self.tier.budget}
@@ -97,6 +104,45 @@ class BucketStore:
             )
         except FileNotFoundError:
             return None
+
+    def reads_ranged(self) -> bool:
+        """Whether shards not in the tier are read by ranges rather than fetched whole.
+
+        ``$FEATBAKE_BUCKET_READS`` says ``whole`` or ``ranged``; by default (``auto``) ranged
+        once the shards the catalog names outweigh the tier's budget: fetching whole shards
+        into a tier that cannot keep them downloads each many times over a shuffled epoch.
+        """
+        if self._ranged is None:
+            mode = os.environ.get(READS_ENV, "auto")
+            if mode not in ("auto", "whole", "ranged"):
+                raise ConfigError(f"${READS_ENV} must be auto, whole or ranged, got {mode!r}")
+            if mode == "auto":
+                self._ranged = _catalog_bytes(self.layout.catalog) > self.tier.budget
+            else:
+                self._ranged = mode == "ranged"
+        return self._ranged
+
+    def ranged_reader(self, name: str, path: Path, verify: VerifyMode | str) -> ShardReader | None:
+        """A reader of shard ``name`` by ranged GETs, or None when shards are fetched whole.
+
+        Raises:
+            ShardMissing: the bucket has no such shard (gc deleted it).
+        """
+        if not self.reads_ranged():
+            return None
+        size = self._size_of(name)
+        if size is None:
+            self.sync_catalog()  # as fetch_shard: the reader looks the feature up again
+            raise ShardMissing(f"shard {name} is gone from {self.url} (deleted by gc)")
+        obj = shard_object(name)
+
+        def get(start: int, length: int) -> bytes:
+            try:
+                return self.bucket.read_range(obj, start, length)
+            except FileNotFoundError:
+                raise ShardMissing(f"shard {name} is gone from {self.url}") from None
+
+        return RangedShardReader(path, get, size, self.bucket.where(obj), verify)
 
     def has_shard(self, name: str) -> bool:
         return name in self._listed() or self._size_of(name) is not None
@@ -187,3 +233,14 @@ class BucketStore:
             os.replace(tmp, final)
             got += 1
         return got
+
+
+def _catalog_bytes(catalog: Path) -> int:
+    """The bytes of every shard a catalog names (0 without one)."""
+    if not catalog.exists():
+        return 0
+    conn = sqlite3.connect(f"file:{catalog}?immutable=1", uri=True)
+    try:
+        return int(conn.execute("SELECT coalesce(sum(bytes), 0) FROM shards").fetchone()[0])
+    finally:
+        conn.close()
