@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import sqlite3
 import time
 from dataclasses import dataclass, field
 
 from featbake.store.fragments import fragment_shard_names
 from featbake.store.layout import Layout
 from featbake.store.remote.publish import Change, publish_next
-from featbake.store.remote.store import SHARDS, BucketStore
+from featbake.store.remote.store import SHARDS, BucketStore, catalog_shards
 from featbake.store.remote.versions import PREFIX, version_name
 from featbake.upkeep.bucket_sweep import DEFAULT_RETENTION_S, Sweep, kept_versions, sweep
 from featbake.upkeep.gc import GcResult, execute_gc
@@ -97,19 +96,11 @@ def plan_sweep(store: BucketStore, now: float, retention: float) -> Sweep:
 def _shard_names(store: BucketStore, version: int) -> set[str]:
     """The shard names catalog version ``version`` holds (the tier's copy when it is that one)."""
     if version == store.local_version():
-        return _names_in(store.layout.catalog)
+        return set(catalog_shards(store.layout.catalog))
     tmp = store.layout.tmp / f"gc-v{version}.sqlite"
     try:
         store.bucket.download(version_name(version), tmp)
-        return _names_in(tmp)
+        return set(catalog_shards(tmp))
     finally:
         with contextlib.suppress(OSError):
             tmp.unlink()
-
-
-def _names_in(path: object) -> set[str]:
-    conn = sqlite3.connect(f"file:{path}?immutable=1", uri=True)
-    try:
-        return {name for (name,) in conn.execute("SELECT name FROM shards")}
-    finally:
-        conn.close()

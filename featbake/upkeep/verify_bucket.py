@@ -10,13 +10,12 @@ shard held).
 
 from __future__ import annotations
 
-import sqlite3
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from featbake.errors import StoreCorrupt
-from featbake.store.remote.store import SHARDS, BucketStore
+from featbake.store.remote.store import SHARDS, BucketStore, catalog_shards
 
 #: verify's exit code when damage remains (as ``featbake verify`` without --repair).
 DAMAGE_EXIT = 11
@@ -56,7 +55,7 @@ def verify_bucket(
     """
     t0 = time.perf_counter()
     report = BucketVerifyReport(version=store.local_version())
-    named = _named_shards(store)
+    named = set(catalog_shards(store.layout.catalog))
     listed = {
         o.name.rsplit("/", 1)[-1].removesuffix(".safetensors"): o for o in store.bucket.list(SHARDS)
     }
@@ -76,13 +75,3 @@ def verify_bucket(
             progress(i + 1, len(named))
     report.seconds = time.perf_counter() - t0
     return report
-
-
-def _named_shards(store: BucketStore) -> set[str]:
-    if not store.layout.catalog.exists():
-        return set()
-    conn = sqlite3.connect(f"file:{store.layout.catalog}?immutable=1", uri=True)
-    try:
-        return {name for (name,) in conn.execute("SELECT name FROM shards")}
-    finally:
-        conn.close()

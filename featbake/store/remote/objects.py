@@ -171,12 +171,18 @@ class Bucket:
     def _range_once(self, name: str, start: int, length: int) -> bytes:
         if length <= 0:
             return b""
+        data, _ = self._get_whole(name, Range=f"bytes={start}-{start + length - 1}")
+        return data
+
+    def _get_whole(self, name: str, **options: str) -> tuple[bytes, dict[str, Any]]:
+        """One GET of object ``name`` (``options``: e.g. ``Range``), its body read whole, and
+        the response.
+
+        Raises:
+            _Transient: the body ended before its ``Content-Length``.
+        """
         with self.errors(name):
-            got = self.client.get_object(
-                Bucket=self.url.bucket,
-                Key=self.key(name),
-                Range=f"bytes={start}-{start + length - 1}",
-            )
+            got = self.client.get_object(Bucket=self.url.bucket, Key=self.key(name), **options)
             body = got["Body"]
             try:
                 data = body.read()
@@ -184,7 +190,7 @@ class Bucket:
                 body.close()
         if len(data) != int(got["ContentLength"]):
             raise _Transient(f"{self.where(name)} ended after {len(data)} bytes")
-        return bytes(data)
+        return bytes(data), got
 
     def _tried(self, name: str, once: Callable[[], _T]) -> _T:
         """``once()``, again (with backoff) while a body is cut short."""
@@ -203,15 +209,7 @@ class Bucket:
         ) from last
 
     def _read_once(self, name: str) -> ObjectBytes:
-        with self.errors(name):
-            got = self.client.get_object(Bucket=self.url.bucket, Key=self.key(name))
-            body = got["Body"]
-            try:
-                data = body.read()
-            finally:
-                body.close()
-        if len(data) != int(got["ContentLength"]):
-            raise _Transient(f"{self.where(name)} ended after {len(data)} bytes")
+        data, got = self._get_whole(name)
         modified = got["LastModified"].timestamp()
         return ObjectBytes(ObjectInfo(name, len(data), modified, got["ETag"].strip('"')), data)
 

@@ -117,7 +117,7 @@ class BucketStore:
             if mode not in ("auto", "whole", "ranged"):
                 raise ConfigError(f"${READS_ENV} must be auto, whole or ranged, got {mode!r}")
             if mode == "auto":
-                self._ranged = _catalog_bytes(self.layout.catalog) > self.tier.budget
+                self._ranged = sum(catalog_shards(self.layout.catalog).values()) > self.tier.budget
             else:
                 self._ranged = mode == "ranged"
         return self._ranged
@@ -235,12 +235,13 @@ class BucketStore:
         return got
 
 
-def _catalog_bytes(catalog: Path) -> int:
-    """The bytes of every shard a catalog names (0 without one)."""
+def catalog_shards(catalog: Path) -> dict[str, int]:
+    """The shards a catalog file names, with their bytes (none without the file): what gc,
+    verify and the read mode of a bucket store ask of a catalog version."""
     if not catalog.exists():
-        return 0
+        return {}
     conn = sqlite3.connect(f"file:{catalog}?immutable=1", uri=True)
     try:
-        return int(conn.execute("SELECT coalesce(sum(bytes), 0) FROM shards").fetchone()[0])
+        return dict(conn.execute("SELECT name, bytes FROM shards"))
     finally:
         conn.close()

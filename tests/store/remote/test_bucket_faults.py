@@ -112,8 +112,11 @@ def test_no_credentials_and_no_bucket_are_one_line_each(
 
 
 def test_the_tier_stays_within_its_budget_and_refuses_one_smaller_than_a_shard(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Whole-shard fetches into a tier smaller than the store (by default such a tier reads
+    by ranges: tests/store/remote/test_bucket_ranged.py)."""
+    monkeypatch.setenv("FEATBAKE_BUCKET_READS", "whole")
     bake(audio_dir, encoder_file, s3.url)
     sizes = [o.size for o in Bucket(BucketURL.parse(s3.url)).list("shards/")]
     assert len(sizes) >= 3
