@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, DistributedSampler, StackDataset, Subse
 
 from featbake import CachedFeatureDataset, FeatureLoader, build, pad_collate
 from featbake.errors import CacheMiss, ConfigError
-from featbake.serve.loader import ReadAhead
+from featbake.serve.loader import SAMPLE, WARM_STREAK, ReadAhead
 from featbake.serve.sampling import EpochPlan
 from tests.conftest import live_features
 
@@ -208,6 +208,27 @@ def test_read_ahead_hints_each_item_once_before_its_batch(n: int, batch: int, wi
             end = sum(len(x) for x in batches[: b + 1])
             assert hinted == order[: min(len(order), end + window)]  # and no further
     assert hinted == (order if window else [])  # each once, in reading order
+
+
+def test_a_warm_store_is_hinted_by_sample_until_it_goes_cold() -> None:
+    n = WARM_STREAK + 20 * SAMPLE
+    batches = [[i] for i in range(n)]  # one item per step, in order
+    cold_from = WARM_STREAK + 10 * SAMPLE + 3  # items from here are not in the page cache
+    hinted: list[int] = []
+
+    def hint(idx: list[int]) -> int:
+        hinted.extend(idx)
+        return sum(i >= cold_from for i in idx)
+
+    ahead = ReadAhead(batches, 4, hint)
+    for b in range(n):
+        ahead.before(b)
+    last_warm = cold_from - cold_from % SAMPLE  # the last sample that found its item cached
+    assert hinted[:WARM_STREAK] == list(range(WARM_STREAK))  # every item, until the streak
+    sampled = [i for i in hinted if WARM_STREAK <= i <= last_warm]
+    assert sampled == list(range(WARM_STREAK, last_warm + 1, SAMPLE))  # then every SAMPLE-th
+    assert set(range(last_warm, n)) <= set(hinted)  # cold again: every item since that sample
+    assert len(hinted) == len(set(hinted))  # none twice
 
 
 def _spy(ds: CachedFeatureDataset, monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
