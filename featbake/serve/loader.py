@@ -123,6 +123,7 @@ class FeatureLoader:
         if isinstance(read_ahead, bool) or not isinstance(read_ahead, int) or read_ahead < 0:
             raise ConfigError(f"read_ahead must be a whole number from 0, got {read_ahead!r}")
         self.read_ahead = read_ahead
+        self._streak = 0  # ReadAhead's, carried from one epoch to the next
         self.dataset = dataset
         self.collate_fn = collate_fn
         self.prefetch = prefetch
@@ -175,7 +176,7 @@ class FeatureLoader:
 
     def _read(self, batches: list[list[int]], ready: queue.Queue, stop: threading.Event) -> None:
         """The reader thread: read, collate (and pin) each batch, in order, until told to stop."""
-        ahead = ReadAhead(batches, self.read_ahead, hint_of(self.dataset))
+        ahead = ReadAhead(batches, self.read_ahead, hint_of(self.dataset), self._streak)
         try:
             for b, idx in enumerate(batches):
                 if stop.is_set():
@@ -189,6 +190,8 @@ class FeatureLoader:
             _put(ready, _END, stop)
         except BaseException as e:  # handed to the training thread, raised there
             _put(ready, _Failed(e), stop)
+        finally:
+            self._streak = ahead.streak
 
     def _to_device(self, batch: Any) -> Any:
         if self.device is None or self.device.type == "cpu":
@@ -200,8 +203,8 @@ class FeatureLoader:
 class ReadAhead:
     """Which items to hint before each batch: those up to ``window`` past the batch's end.
 
-    The batches are one rank's epoch in order; each item is hinted once, the window sliding
-    forward batch by batch (for one item per step, one new item per batch). ``hint`` returns
+    The batches are one rank's epoch in order; each item is hinted once, before its batch is
+    read and at most ``window`` items ahead of that batch's end. ``hint`` returns
     how many reads it started. Once ``WARM_STREAK`` items in a row were all cached (a store in
     the page cache), only every ``SAMPLE``-th item is hinted, which is enough to notice the
     store going cold: the first sampled item that starts a read has the items skipped since the
@@ -214,25 +217,33 @@ class ReadAhead:
         batches: Sequence[Sequence[int]],
         window: int,
         hint: Callable[[list[int]], int] | None,
+        streak: int = 0,
     ) -> None:
         self._flat = [i for idx in batches for i in idx] if hint is not None and window else []
         self._ends = list(itertools.accumulate(len(idx) for idx in batches))
         self._window = window
+        self._chunk = max(1, window // 4)
         self._hint = hint
         self._done = 0  # items of the flat order hinted (or skipped as warm) so far
-        self._streak = 0  # items in a row whose hints found them cached
+        self.streak = streak  # items in a row whose hints found them cached (an epoch's
+        # last is the next one's first: a warm store is not probed item by item every epoch)
         self._skipped: list[int] = []  # items not hinted since the last sample (warm)
 
     def before(self, b: int) -> None:
-        """Hint the items not hinted yet, up to ``window`` past the end of batch ``b``."""
+        """Hint the items not hinted yet, up to ``window`` past the end of batch ``b``.
+
+        Batch ``b``'s own items are always hinted by now; past them, hints wait until a
+        quarter of the window is due, so one item per step makes one call per few items (each
+        call's probe lets the training thread take the GIL, which it may then hold for a while).
+        """
         if self._hint is None or not self._flat:
             return
         start, upto = self._done, min(len(self._flat), self._ends[b] + self._window)
-        if upto <= start:
+        if upto - start < self._chunk and start >= self._ends[b]:
             return
         self._done = upto
         flat = self._flat
-        if self._streak < WARM_STREAK:
+        if self.streak < WARM_STREAK:
             started = self._hint(flat[start:upto])
         else:
             self._skipped += [flat[p] for p in range(start, upto) if p % SAMPLE]
@@ -243,7 +254,7 @@ class ReadAhead:
             if started:  # cold again: the items skipped since the last sample too
                 self._hint(self._skipped)
             self._skipped = []
-        self._streak = 0 if started else self._streak + upto - start
+        self.streak = 0 if started else self.streak + upto - start
 
 
 def hint_of(dataset: Any) -> Callable[[list[int]], int] | None:
