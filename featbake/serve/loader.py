@@ -12,12 +12,14 @@ collate_fn=pad_collate, drop_last=...)`` yields (see :mod:`featbake.serve.sampli
 included when ``ds`` is a ``StackDataset(features, labels)``.
 
 Cold reads: on a store larger than the page cache each read waits for the disk, and one read
-at a time ran at about half the disk's bandwidth here (and below mmap'd safetensors shards,
-whose page faults read megabytes around each tensor). The loader knows which items come next,
-so before each batch it asks the dataset to start reading the next ``read_ahead`` items
-(:meth:`CachedFeatureDataset.will_need`, ``posix_fadvise(WILLNEED)`` per tensor): those reads
-are in flight together while the thread reads and checks the current batch, and find their
-pages cached when their turn comes. A warm store pays a ~1 us probe per item for it.
+at a time ran at half to two thirds of the disk's bandwidth here (0.7x mmap'd safetensors
+shards one item per step: a page fault reads megabytes around each tensor). The loader knows
+which items come next, so before each batch it asks the dataset to start reading the next
+``read_ahead`` items (:meth:`CachedFeatureDataset.will_need`, ``posix_fadvise(WILLNEED)`` per
+tensor): those reads are in flight together while the thread reads and checks the current
+batch, and find their pages cached when their turn comes (1.3-1.6x the mmap'd shards, one item
+per step and batches of 32; ``make bench`` part ``cold``). On a warm store the hints find
+every page cached and thin out to every 8th item (see :class:`ReadAhead`).
 
 How it uses the CPUs: one reader thread calls ``ds.__getitems__`` for one batch at a time
 (the dataset spreads a batch's rows over up to 4 threads of its own) and collates it; misses
