@@ -26,7 +26,10 @@ def _features(n: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("n", [1, HANDOFF_ITEMS - 1, HANDOFF_ITEMS, 3 * HANDOFF_ITEMS + 5])
-def test_every_feature_put_is_sealed_and_in_the_catalog(tmp_path: Path, n: int) -> None:
+def test_every_feature_put_is_sealed_and_in_the_catalog(
+    tmp_path: Path, n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(writer_thread, "HANDOFF_SECONDS", 3600)  # batches by count only
     layout = Layout(tmp_path / "store").ensure()
     features = _features(n)
     writer = WriterThread(layout, EFP, RFP, shard_bytes=4096)  # several shards from 32 items
@@ -43,6 +46,22 @@ def test_every_feature_put_is_sealed_and_in_the_catalog(tmp_path: Path, n: int) 
             (loc,) = catalog.locate(key)
             with ShardReader(layout.shard_path(loc.shard)) as reader:
                 torch.testing.assert_close(reader.read(key, verify="always"), t, rtol=0, atol=0)
+
+
+def test_a_slow_encoders_features_are_written_as_they_come(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(writer_thread, "HANDOFF_SECONDS", 0.05)
+    layout = Layout(tmp_path / "store").ensure()
+    writer = WriterThread(layout, EFP, RFP, shard_bytes=1)  # a shard per feature
+    for i, (key, t) in enumerate(_features(3).items()):
+        time.sleep(0.06)  # an encoder slower than the hand-off bound
+        writer.put(key, {"": t})
+        deadline = time.monotonic() + 10
+        while writer.shards < i + 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert writer.shards == i + 1  # sealed before the next one was encoded
+    writer.close()
 
 
 def test_a_failure_in_the_thread_reaches_the_caller(

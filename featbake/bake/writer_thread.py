@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Any
 
 import torch
@@ -14,11 +15,14 @@ from featbake.store.rank_catalog import RankCatalog
 from featbake.store.shard_format import DEFAULT_SHARD_ITEMS
 from featbake.store.writer import ShardWriter
 
-#: Features handed to the writer thread at once (or fewer, once they hold HANDOFF_BYTES). One
-#: hand-off per feature woke the thread, and moved the GIL, once per item: beside a small
-#: encoder on 2 CPUs, that cost more than the thread's own work (issue 19).
+#: Features handed to the writer thread at once: up to 32, fewer once they hold 8 MiB, and each
+#: at once when 0.1 s passed since the last hand-off. One hand-off per feature woke the thread,
+#: and moved the GIL, once per item: beside a small encoder on 2 CPUs, that cost more than the
+#: thread's own work (issue 19). The time bound keeps a slow encoder's features written as they
+#: come (as before: what a kill loses is no more than it was).
 HANDOFF_ITEMS = 32
 HANDOFF_BYTES = 8 << 20
+HANDOFF_SECONDS = 0.1
 
 
 # -- writing behind --------------------------------------------------------------------------
@@ -44,6 +48,7 @@ class WriterThread:
         self._q: queue.Queue[Any] = queue.Queue(maxsize=256)
         self._batch: list[tuple[str, dict[str, torch.Tensor]]] = []  # not yet handed over
         self._batch_bytes = 0
+        self._handed_at = time.monotonic()  # the last hand-off: HANDOFF_SECONDS after, hand over
         self._writer = ShardWriter(
             layout, encoder_fp, recipe_fp, target_bytes=shard_bytes, max_items=DEFAULT_SHARD_ITEMS
         )
@@ -90,11 +95,16 @@ class WriterThread:
             raise self.error
         self._batch.append((key, parts))
         self._batch_bytes += sum(t.nbytes for t in parts.values())
-        if len(self._batch) >= HANDOFF_ITEMS or self._batch_bytes >= HANDOFF_BYTES:
+        if (
+            len(self._batch) >= HANDOFF_ITEMS
+            or self._batch_bytes >= HANDOFF_BYTES
+            or time.monotonic() - self._handed_at >= HANDOFF_SECONDS
+        ):
             self._hand_off()
 
     def _hand_off(self) -> None:
         batch, self._batch, self._batch_bytes = self._batch, [], 0
+        self._handed_at = time.monotonic()
         if batch:
             self._q.put(batch)
 
