@@ -220,6 +220,28 @@ def test_shape_batcher_against_a_plain_model(seed: int) -> None:
     assert b.flush() == []
 
 
+def test_a_batch_of_one_is_a_view_of_its_input_and_encodes_as_in_a_batch() -> None:
+    seen: list[int] = []
+
+    class Scale(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(x.data_ptr())
+            return x * 2
+
+    class Same(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    x, y = torch.randn(48_000), torch.randn(48_000)  # above torch's parallel grain: no copy
+    (alone,) = encode_batch(from_module(Scale()), [x], Recipe())
+    assert seen == [x.data_ptr()]  # the encoder got the input itself, batched as a view
+    together = encode_batch(from_module(Scale()), [x, y], Recipe())
+    torch.testing.assert_close(alone[""], together[0][""], rtol=0, atol=0)
+    (echo,) = encode_batch(from_module(Same()), [x], Recipe())
+    assert echo[""].data_ptr() != x.data_ptr()  # what is stored never aliases the input
+    torch.testing.assert_close(echo[""], x, rtol=0, atol=0)
+
+
 def test_shape_batcher_fills_batches_of_one_shape() -> None:
     b = ShapeBatcher(3)
     assert b.add((5,), "a") == [] and b.add((5,), "b") == []

@@ -1,12 +1,14 @@
-"""FeatureLoader (issue 19, item 2): batches read ahead on a thread, no worker processes.
+"""FeatureLoader (issue 19, items 2 and 3): batches read ahead on a thread, no worker processes,
+and the next items' reads started early for a store that is not in the page cache.
 
 It must yield exactly what a DataLoader over the same sampler order yields (labels through
 StackDataset included), every item equal to running the encoder now, and split epochs over
-ranks as DistributedSampler does.
+ranks as DistributedSampler does; it hints each item of its own share once, before reading it.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -15,10 +17,11 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils.data import DataLoader, DistributedSampler, StackDataset
+from torch.utils.data import DataLoader, DistributedSampler, StackDataset, Subset
 
 from featbake import CachedFeatureDataset, FeatureLoader, build, pad_collate
 from featbake.errors import CacheMiss, ConfigError
+from featbake.serve.loader import SAMPLE, WARM_STREAK, ReadAhead
 from featbake.serve.sampling import EpochPlan
 from tests.conftest import live_features
 
@@ -179,6 +182,8 @@ def test_rank_and_world_come_from_torch_distributed(
     ("kw", "match"),
     [
         ({"prefetch": 0}, "prefetch"),
+        ({"read_ahead": -1}, "read_ahead"),
+        ({"read_ahead": True}, "read_ahead"),
         ({"batch_size": 0}, "batch_size"),
         ({"rank": 1}, "both rank and world_size"),
         ({"rank": 2, "world_size": 2}, "rank must be from 0"),
@@ -187,6 +192,118 @@ def test_rank_and_world_come_from_torch_distributed(
 def test_bad_options_are_refused(baked: CachedFeatureDataset, kw: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         FeatureLoader(baked, **kw)
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(0, 30), batch=st.integers(1, 7), window=st.integers(0, 10))
+def test_read_ahead_hints_each_item_once_before_its_batch(n: int, batch: int, window: int) -> None:
+    batches = EpochPlan(n, batch, True, 1, 0).batches()
+    hinted: list[int] = []
+    ahead = ReadAhead(batches, window, hinted.extend)
+    order = [i for b in batches for i in b]
+    for b in range(len(batches)):
+        ahead.before(b)
+        if window:
+            end = sum(len(x) for x in batches[: b + 1])
+            assert hinted == order[: len(hinted)]  # in reading order, each once
+            assert end <= len(hinted) <= end + window  # this batch's items, and few more
+    assert hinted == (order if window else [])  # each once, in reading order
+
+
+def test_a_warm_store_is_hinted_by_sample_until_it_goes_cold() -> None:
+    n = WARM_STREAK + 20 * SAMPLE
+    batches = [[i] for i in range(n)]  # one item per step, in order
+    cold_from = WARM_STREAK + 10 * SAMPLE + 3  # items from here are not in the page cache
+    hinted: list[int] = []
+
+    def hint(idx: list[int]) -> int:
+        hinted.extend(idx)
+        return sum(i >= cold_from for i in idx)
+
+    ahead = ReadAhead(batches, 4, hint)
+    for b in range(n):
+        ahead.before(b)
+    last_warm = cold_from - cold_from % SAMPLE  # the last sample that found its item cached
+    assert hinted[:WARM_STREAK] == list(range(WARM_STREAK))  # every item, until the streak
+    sampled = [i for i in hinted if WARM_STREAK <= i <= last_warm]
+    assert sampled == list(range(WARM_STREAK, last_warm + 1, SAMPLE))  # then every SAMPLE-th
+    assert set(range(last_warm, n)) <= set(hinted)  # cold again: every item since that sample
+    assert len(hinted) == len(set(hinted))  # none twice
+
+
+def _spy(ds: CachedFeatureDataset, monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """Record each ``will_need`` call on ``ds`` (and still make it)."""
+    calls: list[list[int]] = []
+    real = ds.will_need
+
+    def will_need(indices: list[int]) -> int:
+        calls.append(list(indices))
+        return real(indices)
+
+    monkeypatch.setattr(ds, "will_need", will_need)
+    return calls
+
+
+def _drop_page_cache(store: Path) -> None:
+    for shard in store.rglob("*.safetensors"):
+        fd = os.open(shard, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="posix_fadvise is Linux's")
+def test_a_cold_store_is_read_ahead_and_served_as_encoded(
+    baked: CachedFeatureDataset,
+    encoder_file: Path,
+    store_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = _spy(baked, monkeypatch)
+    labels = torch.arange(len(baked)) * 10
+    ds = StackDataset(baked, labels)
+    for epoch, batch in enumerate((5, 1)):
+        _drop_page_cache(store_dir)
+        calls.clear()
+        loader = FeatureLoader(ds, batch_size=batch, seed=4, read_ahead=3)
+        loader.set_epoch(epoch)
+        got = list(loader)
+        plan = EpochPlan(len(baked), batch, True, 4, epoch)
+        assert [i for c in calls for i in c] == plan.indices()  # each item hinted once, in order
+        assert calls[0] == plan.indices()[: batch + 3]  # the first batch and 3 items past it
+        sampler = DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=4)  # type: ignore[arg-type]
+        sampler.set_epoch(epoch)
+        want = list(DataLoader(ds, batch, sampler=sampler, collate_fn=pad_collate))  # type: ignore[arg-type]
+        _assert_same_batches(got, want)
+        for padded, lengths, labs in got:
+            for row, n, label in zip(padded, lengths, labs, strict=True):
+                live = live_features(encoder_file, Path(baked.path(int(label) // 10)))
+                torch.testing.assert_close(row[:n], live, rtol=1e-5, atol=1e-5)
+    assert baked.will_need(range(len(baked))) == 0  # all read: every page is cached now
+
+
+def test_ranks_and_subsets_hint_their_own_items(
+    baked: CachedFeatureDataset, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = _spy(baked, monkeypatch)
+    seen = []
+    labelled = StackDataset(baked, torch.arange(len(baked)))
+    for rank in range(3):
+        calls.clear()
+        loader = FeatureLoader(labelled, 4, seed=2, rank=rank, world_size=3)
+        labels = [int(i) for _, _, labs in loader for i in labs]
+        assert labels == EpochPlan(16, 4, True, 2, 0, rank, 3).indices()
+        assert [i for c in calls for i in c] == labels  # its own share, each once
+        seen += labels
+    assert set(seen) == set(range(len(baked)))  # every index once an epoch (2 repeated to even out)
+    calls.clear()
+    subset = Subset(baked, [15, 3, 9])
+    got = list(FeatureLoader(subset, 2, shuffle=False))
+    assert [i for c in calls for i in c] == [15, 3, 9]
+    torch.testing.assert_close(got[0][0][1, : got[0][1][1]], baked[3])
+    calls.clear()
+    assert len(list(FeatureLoader(baked, 2, read_ahead=0))) == 8 and calls == []
 
 
 RANK_SCRIPT = """\
@@ -222,7 +339,6 @@ def test_two_torchrun_ranks_read_every_index_each_epoch(
     tmp_path: Path,
 ) -> None:
     import json
-    import os
     import subprocess
     import sys
 

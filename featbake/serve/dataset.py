@@ -251,6 +251,12 @@ class CachedFeatureDataset(Dataset):
         """How many items the store held when the dataset was created (the rest will miss)."""
         return self._index.stored()
 
+    def will_need(self, indices: Sequence[int]) -> int:
+        """Start reading items ``indices`` from disk, not waiting: a hint that lets a cold store's
+        reads overlap (:class:`FeatureLoader` hints its next items). Returns the reads started."""
+        idx = [self._index_of(i) for i in indices]
+        return self._reads.will_need(self._state or self._proc(), idx)
+
     def cache_info(self) -> ServeStats:
         """This process's counters: RAM tier hits, misses, evictions and bytes, reads, encodes.
 
@@ -291,13 +297,7 @@ class CachedFeatureDataset(Dataset):
 
     # -- reading ------------------------------------------------------------------------------
     def _index_of(self, i: int) -> int:
-        n = len(self._index.keys)
-        j = int(i)
-        if j < 0:
-            j += n
-        if not 0 <= j < n:
-            raise IndexError(f"index {i} is out of range for a dataset of {n} items")
-        return j
+        return self._index.position(i)
 
     def _proc(self) -> ProcessState:
         """This process's state, made on first use (a forked child's was dropped at fork)."""

@@ -104,6 +104,20 @@ class Index:
     def key(self, i: int) -> str:
         return self.keys[i].decode()
 
+    def position(self, i: int) -> int:
+        """Item ``i`` as a position from 0 (negative counts from the end, as for a list).
+
+        Raises:
+            IndexError: ``i`` is out of range.
+        """
+        n = len(self.keys)
+        j = int(i)
+        if j < 0:
+            j += n
+        if not 0 <= j < n:
+            raise IndexError(f"index {i} is out of range for a dataset of {n} items")
+        return j
+
     def path(self, i: int) -> str:
         start = int(self.path_end[i - 1]) + 1 if i else 0
         rel = self.path_blob[start : int(self.path_end[i])].tobytes()

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from featbake.errors import ShardMissing
+from featbake.errors import ShardMissing, StoreError
 from featbake.serve.collate import PaddedBatch, alloc_batch
 from featbake.serve.index import Index
 from featbake.serve.process import mapped_empty
@@ -169,6 +169,40 @@ class Reads:
             ix.parts = tuple(loc.part for loc in locs)
         st.store_reads += 1
         return value
+
+    # -- reads to come ------------------------------------------------------------------------
+    def will_need(self, st: ProcessState, idx: Sequence[int]) -> int:
+        """Start reading stored items ``idx`` into the page cache, without waiting for them.
+
+        A hint (:meth:`ShardReader.will_need`); returns how many tensors had reads started.
+        Items in the RAM tier, misses, and items whose parts are not known yet are skipped. A
+        shard is opened (its header read) only while this process has room for another open
+        one, so a hint never closes a shard a read in progress uses; a shard that cannot be
+        opened is skipped, and its item's read reports why.
+        """
+        ix = self.index
+        parts = ix.parts
+        if parts is None:
+            return 0
+        readers = st.open_readers
+        started = 0
+        for i in idx:
+            sid = int(ix.shard[i])
+            if sid < 0 or (st.use_lru and i in st.lru):
+                continue
+            path = self.shard_path(sid)
+            reader = readers.get(path)
+            if reader is None:
+                # A bucket store's shard not open yet would be fetched here: a hint never waits.
+                if len(readers) >= st.handles.max_open or self.layout.remote is not None:
+                    continue
+                try:
+                    reader = st.reader(path)
+                except StoreError:  # ShardMissing, StoreCorrupt: the read itself says so
+                    continue
+            key = ix.key(i)
+            started += sum(reader.will_need(tensor_name(key, p)) for p in parts)
+        return started
 
     # -- a batch in place ---------------------------------------------------------------------
     def padded_located(self, st: ProcessState, idx: list[int]) -> PaddedBatch | None:

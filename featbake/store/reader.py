@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import torch
 
 from featbake.errors import ConfigError, StoreCorrupt, StoreError
+from featbake.store.readahead import will_need
 from featbake.store.shard_format import (
     MAX_HEADER_BYTES,
     ST_TO_DTYPE,
@@ -227,6 +228,18 @@ class ShardReader:
             return os.fstat(self._fd).st_nlink == 0
         except OSError:
             return True
+
+    def will_need(self, name: str) -> bool:
+        """Start reading tensor ``name``'s bytes into the page cache, without waiting for them.
+
+        A hint for a read coming soon (see :mod:`featbake.store.readahead`): nothing when the
+        bytes are cached already, the shard holds no such tensor, or the platform cannot hint.
+        True when reads were started.
+        """
+        info = self.tensors.get(name)
+        if info is None:
+            return False
+        return will_need(self._fd, info.begin, info.end - info.begin)
 
     def _name_at(self, begin: int) -> str:
         """The name of the tensor whose bytes start at ``begin`` (for an error message)."""

@@ -88,5 +88,8 @@ class RangedShardReader(ShardReader):
     def unlinked(self) -> bool:
         return False  # nothing on disk
 
+    def will_need(self, name: str) -> bool:
+        return False  # no page cache to warm: the bytes come with the read
+
     def close(self) -> None:
         return None
