@@ -159,6 +159,8 @@ class BucketStore:
             if self._sizes is not None:
                 self._sizes[name] = path.stat().st_size
         self.bucket.upload(f"{FRAGMENTS}{fragment.name}", fragment)
+        if shards:
+            self.tier.trim()  # uploaded: a build bigger than this disk must not fill it
 
     # -- catalog versions and fragments ---------------------------------------------------------
     @property

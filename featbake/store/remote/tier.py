@@ -20,12 +20,15 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from featbake.errors import StoreCorrupt, StoreError
+from featbake.errors import ConfigError, StoreCorrupt, StoreError
 from featbake.store.layout import Layout, fsync_dir, remove_file
 from featbake.store.reader import ShardReader, VerifyMode
 from featbake.store.remote.eviction import TierFile, evictions
 
 PART = ".part"
+
+#: A shard written (or used) this recently is never evicted by :meth:`DiskTier.trim`.
+TRIM_AGE_S = 600.0
 
 #: Fetches of one shard whose bytes fail their checksums before the error is raised.
 CHECKED_TRIES = 2
@@ -133,6 +136,29 @@ class DiskTier:
                 remove_file(self._path_of(f.name))
             with contextlib.suppress(OSError):
                 os.posix_fallocate(fd, 0, max(size, 1))
+
+    def trim(self, min_age: float = TRIM_AGE_S) -> int:
+        """Evict least recently used shards, none younger than ``min_age`` seconds, until the
+        tier fits its budget; the bytes freed.
+
+        A build into a bucket writes its shards here first: once they are uploaded they are
+        copies like any fetched shard, and a build bigger than this disk must not fill it.
+        ``min_age`` spares a shard another process of the node has just written and not yet
+        uploaded (it uploads within seconds of writing), so the tier may exceed its budget by
+        that much of a build's output.
+        """
+        self.downloads.mkdir(parents=True, exist_ok=True)
+        with _locked(self.downloads / "tier.lock"):
+            young = time.time() - min_age
+            files = [
+                f if f.used <= young else f._replace(evictable=False)
+                for f in self._files(skip=Path())
+            ]
+            try:
+                doomed = evictions(files, self.budget, 0)
+            except ConfigError:  # downloads in flight hold the rest: evict what may go
+                doomed = [f for f in files if f.evictable]
+            return sum(remove_file(self._path_of(f.name)) for f in doomed)
 
     def _files(self, *, skip: Path) -> Iterator[TierFile]:
         """The tier's shards, and downloads in flight (not evictable; abandoned ones deleted)."""

@@ -128,3 +128,20 @@ def test_an_abandoned_download_is_cleared_from_the_budget(source: Source, tmp_pa
     os.utime(left, (old, old))
     source.fetch(tier, source.names[0])
     assert not left.exists()
+
+
+def test_trim_evicts_what_is_over_budget_but_spares_young_shards(
+    source: Source, tmp_path: Path
+) -> None:
+    size = max(source.size(n) for n in source.names)
+    tier = DiskTier(Layout(tmp_path / "tier"), budget=10 * size)
+    paths = [source.fetch(tier, n) for n in source.names]  # 4 shards
+    old = time.time() - 3600
+    for i, p in enumerate(paths[:3]):
+        os.utime(p, (old + i, old + i))  # three old ones, oldest first; the last is new
+    tier.budget = 2 * size
+    assert tier.trim() > 0
+    assert [p.exists() for p in paths] == [False, False, True, True]
+    tier.budget = 0
+    tier.trim()
+    assert [p.exists() for p in paths] == [False, False, False, True]  # the young one stays
