@@ -155,6 +155,12 @@ class BucketStore:
             if self._sizes is not None and name in self._sizes:
                 continue
             path = self.layout.shard_path(name)
+            if not path.is_file():
+                if self.bucket.head(shard_object(name)) is not None:
+                    continue  # evicted after another process uploaded the same bytes
+                raise ShardMissing(
+                    f"shard {name} left the local tier before its upload; it is written again"
+                )
             self.bucket.upload(shard_object(name), path)  # content-named: same bytes if again
             if self._sizes is not None:
                 self._sizes[name] = path.stat().st_size
