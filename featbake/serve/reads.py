@@ -193,8 +193,12 @@ class Reads:
             path = self.shard_path(sid)
             reader = readers.get(path)
             if reader is None:
-                # A bucket store's shard not open yet would be fetched here: a hint never waits.
-                if len(readers) >= st.handles.max_open or self.layout.remote is not None:
+                # A bucket store's shard not open yet would be fetched whole here: a hint never
+                # waits for that (read by ranges, opening reads its header, and GETs start).
+                remote = self.layout.remote
+                if len(readers) >= st.handles.max_open or (
+                    remote is not None and not remote.reads_ranged()
+                ):
                     continue
                 try:
                     reader = st.reader(path)

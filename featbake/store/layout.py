@@ -46,6 +46,10 @@ class RemotePlace(Protocol):
         """Whether the store holds shard ``name`` (locally or in the bucket)."""
         ...
 
+    def reads_ranged(self) -> bool:
+        """Whether shards not in the tier are read by ranges (else fetched whole)."""
+        ...
+
     def ranged_reader(self, name: str, path: Path, verify: str) -> ShardReader | None:
         """A reader of shard ``name`` by ranges, or None when shards are fetched whole."""
         ...

@@ -12,19 +12,33 @@ the object.
 from __future__ import annotations
 
 import struct
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from featbake.errors import StoreCorrupt
+from featbake.perprocess import PerProcess
 from featbake.store.reader import ShardReader, SpanCheck, VerifyMode
 from featbake.store.shard_format import MAX_HEADER_BYTES
 from featbake.store.shard_header import corrupt_shard, parse_header
 
 #: (start, length) -> the object's bytes there (fewer at its end).
 RangeGet = Callable[[int, int], bytes]
+
+#: Ranged GETs in flight for read-ahead, per process (their latency overlaps; boto3's client
+#: is shared by threads).
+AHEAD_THREADS = 8
+#: Read-ahead GETs one reader keeps before dropping the oldest (each holds one tensor's bytes).
+MAX_AHEAD = 256
+
+_POOL: PerProcess[ThreadPoolExecutor] = PerProcess(
+    lambda: ThreadPoolExecutor(AHEAD_THREADS, thread_name_prefix="featbake-ranged"), lock=True
+)
 
 
 class RangedShardReader(ShardReader):
@@ -49,6 +63,8 @@ class RangedShardReader(ShardReader):
         self.metadata, self.tensors = self._read_header()
         self.version = self.metadata["format_version"]
         self._verified: set[str] = set()
+        self._ahead: OrderedDict[int, Future[bytes]] = OrderedDict()  # begin -> its GET
+        self._ahead_lock = threading.Lock()  # hints on the loader's thread, reads on others
 
     def _read_header(self) -> tuple[dict[str, str], dict[str, Any]]:
         head = self._get(0, 8)
@@ -63,7 +79,9 @@ class RangedShardReader(ShardReader):
         return parse_header(self.path, raw, 8 + n, self._size)
 
     def _read_bytes(self, begin: int, dest: Any) -> int:
-        data = self._get(begin, dest.nbytes)
+        with self._ahead_lock:
+            ahead = self._ahead.pop(begin, None)
+        data = ahead.result() if ahead is not None else self._get(begin, dest.nbytes)
         got = np.frombuffer(data, dtype=np.uint8)
         dest.reshape(-1)[: got.size] = got
         return got.size
@@ -89,7 +107,20 @@ class RangedShardReader(ShardReader):
         return False  # nothing on disk
 
     def will_need(self, name: str) -> bool:
-        return False  # no page cache to warm: the bytes come with the read
+        """Start tensor ``name``'s ranged GET on this process's read-ahead threads: the read
+        then takes its bytes (FeatureLoader hints its next items; latency overlaps). True when
+        a GET was started."""
+        info = self.tensors.get(name)
+        if info is None:
+            return False
+        with self._ahead_lock:
+            if info.begin in self._ahead:
+                return False
+            while len(self._ahead) >= MAX_AHEAD:  # hints never read: keep memory bounded
+                self._ahead.popitem(last=False)[1].cancel()
+            got = _POOL.get().submit(self._get, info.begin, info.end - info.begin)
+            self._ahead[info.begin] = got
+        return True
 
     def close(self) -> None:
         return None

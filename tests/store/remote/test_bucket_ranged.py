@@ -60,3 +60,24 @@ def test_a_damaged_span_is_read_twice_then_named(
     with pytest.raises(StoreCorrupt, match=r"s3://.*shards/.*on two reads: the object is damaged"):
         for i in range(len(ds)):
             ds[i]
+
+
+def test_feature_loader_starts_ranged_gets_ahead_and_yields_live_batches(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    from featbake import FeatureLoader
+
+    build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
+    ds = serve(s3, audio_dir, encoder_file, tmp_path / "tier", local_cache_size="64KiB")
+    started = ds.will_need(range(len(ds)))  # opens ranged readers, starts every item's GET
+    assert started == len(ds)
+    readers = list(ds._proc().handles.open_readers.values())
+    assert all(isinstance(r, RangedShardReader) for r in readers)
+    for i in range(len(ds)):  # each read takes its GET's bytes
+        torch.testing.assert_close(ds[i], live_features(encoder_file, Path(ds.path(i))))
+    assert all(not r._ahead for r in readers)  # every started GET was consumed
+    loader = FeatureLoader(ds, batch_size=4, shuffle=False, read_ahead=8)
+    rows = [p[:n] for padded, lengths in loader for p, n in zip(padded, lengths, strict=True)]
+    assert len(rows) == len(ds)
+    for i, row in enumerate(rows):  # in order: the loader's hints ran ahead of these reads
+        torch.testing.assert_close(row, live_features(encoder_file, Path(ds.path(i))))
