@@ -1,0 +1,61 @@
+"""Decoding for a build without decode workers: on one thread of the process, a few inputs
+ahead of the encoder, in order, each input's failure its own (real wav files)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from featbake.bake.decode import AHEAD, decoded_items
+from featbake.encode.sources import source_for
+from featbake.recipe import Recipe
+from featbake.store.catalog import FileStat
+from featbake.testing import write_audio_folder
+
+
+class Recording:
+    """The audio source, recording which thread decoded each file."""
+
+    def __init__(self) -> None:
+        self.inner = source_for(Recipe())
+        self.kind, self.extensions = self.inner.kind, self.inner.extensions
+        self.threads: list[str] = []
+
+    def load(self, path, data=None):  # type: ignore[no-untyped-def]
+        self.threads.append(threading.current_thread().name)
+        return self.inner.load(path, data)
+
+
+def test_without_workers_inputs_are_decoded_ahead_on_a_thread_in_order(tmp_path: Path) -> None:
+    write_audio_folder(tmp_path / "a", 10, seconds=(0.2, 0.4), seed=3)
+    paths = sorted(str(p) for p in (tmp_path / "a").rglob("*.wav"))
+    (tmp_path / "a" / "bad.wav").write_bytes(b"not audio")
+    paths.insert(4, str(tmp_path / "a" / "bad.wav"))
+    stats = [FileStat.of(p) for p in paths]
+    source = Recording()
+    got = decoded_items(paths, source, 0, stats)  # type: ignore[arg-type]
+    first = next(got)
+    time.sleep(0.5)  # the caller encodes item 0: meanwhile the next ones are decoded
+    assert first[0] == 0 and len(source.threads) == AHEAD + 1
+    items = [first, *got]
+    assert [i for i, _ in items] == list(range(len(paths)))
+    assert isinstance(items[4][1], str) and "bad.wav" in items[4][1]  # its own failure
+    for (_, x), path in zip(items, paths, strict=True):
+        if path.endswith("bad.wav"):
+            continue
+        torch.testing.assert_close(x, source_for(Recipe()).load(path))
+    assert set(source.threads) == {"featbake-decode_0"}
+
+
+def test_a_build_stopped_early_leaves_no_decode_running(tmp_path: Path) -> None:
+    write_audio_folder(tmp_path / "a", 12, seconds=(0.2, 0.4), seed=4)
+    paths = sorted(str(p) for p in (tmp_path / "a").rglob("*.wav"))
+    source = Recording()
+    got = decoded_items(paths, source, 0, [FileStat.of(p) for p in paths])  # type: ignore[arg-type]
+    next(got)
+    got.close()  # the pipeline stopped (an error, SIGTERM): pending decodes are cancelled
+    assert len(source.threads) <= AHEAD + 2
+    assert not [t for t in threading.enumerate() if t.name.startswith("featbake-decode")]
