@@ -114,12 +114,10 @@ def gc(
 
 def _gc_bucket(url: str, opts: GcOptions, retention: float, dry_run: bool, as_json: bool) -> None:
     """``featbake gc`` on a bucket store (featbake.upkeep.gc_bucket), and its one line."""
-    from featbake.store.open import store_layout
-    from featbake.store.remote.store import BucketStore
+    from featbake.store.open import bucket_store
     from featbake.upkeep.gc_bucket import gc_bucket
 
-    store = store_layout(url).remote
-    assert isinstance(store, BucketStore)
+    store = bucket_store(url)
     result = gc_bucket(store, opts, retention=retention, dry_run=dry_run)
     if as_json:
         out.print_json(json.dumps({"dry_run": dry_run, "result": result.to_json()}))

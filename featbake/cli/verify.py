@@ -83,8 +83,7 @@ def verify(
 def _verify_bucket(url: str, repair: bool, as_json: bool) -> None:
     """``featbake verify`` on a bucket store (featbake.upkeep.verify_bucket)."""
     from featbake.errors import ConfigError
-    from featbake.store.open import store_layout
-    from featbake.store.remote.store import BucketStore
+    from featbake.store.open import bucket_store
     from featbake.upkeep.verify_bucket import verify_bucket
 
     if repair:
@@ -93,8 +92,7 @@ def _verify_bucket(url: str, repair: bool, as_json: bool) -> None:
             "list damaged or missing shards, delete a damaged object, then build again (a build "
             "encodes again what a missing shard held)"
         )
-    store = store_layout(url).remote
-    assert isinstance(store, BucketStore)
+    store = bucket_store(url)
     bar = progress_bar()
     with bar:
         task = bar.add_task("verify", total=None)

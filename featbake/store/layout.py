@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from featbake.errors import ConfigError, StoreError
+from featbake.store.remote.url import is_url
 
 if TYPE_CHECKING:
     from featbake.store.reader import ShardReader
-
-#: ``s3://``, ``gs://``, ``az://``, ``https://``...: a store's URL rather than a directory (one
-#: slash is enough: a URL that went through ``pathlib.Path`` reads ``s3:/bucket``).
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:/")
 
 
 def fsync_dir(path: Path) -> None:
@@ -170,7 +166,7 @@ def layout_at(cache: str | os.PathLike[str] | None) -> Layout:
     """
     where = os.fspath(cache) if cache is not None else os.environ.get("FEATBAKE_CACHE")
     where = where or ".featbake"
-    if _URL.match(where):
+    if is_url(where):
         raise ConfigError(
             f"{where!r} is a bucket URL, and this needs a store directory (CachedEncoder "
             "writes its catalog in place); pass a directory, or serve a bucket store with "

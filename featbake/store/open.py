@@ -76,6 +76,19 @@ def _endpoint_folder() -> str:
     return re.sub(r"[^A-Za-z0-9.-]+", "_", endpoint.split("://", 1)[-1]).strip("_") or "endpoint"
 
 
+def bucket_store(url: str) -> BucketStore:
+    """The bucket store at ``url`` (its newest catalog version in this node's tier).
+
+    Raises:
+        ConfigError: ``url`` is not an ``s3://`` URL.
+        StoreError: the bucket cannot be read.
+    """
+    store = store_at(url).remote
+    if not isinstance(store, BucketStore):
+        raise ConfigError(f"{url!r} is not a bucket store; write s3://bucket/prefix")
+    return store
+
+
 def describe(layout: Layout) -> str:
     """How messages name a store: its directory, or its bucket URL."""
     return str(layout.remote) if layout.remote is not None else str(layout.root)

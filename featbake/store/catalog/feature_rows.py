@@ -225,16 +225,17 @@ class FeatureRows(CatalogConnection):
 
     def hash_rows(self, paths: Sequence[str]) -> dict[str, HashCacheRow]:
         """The hash-cache rows of ``paths`` as stored, trusted or not."""
-        out: dict[str, HashCacheRow] = {}
+        return {r[0]: HashCacheRow._make(r) for r in self._hash_cache_rows(paths)}
+
+    def _hash_cache_rows(self, paths: Sequence[str]) -> Iterator[tuple]:
+        """The ``hash_cache`` rows of ``paths``, in :class:`HashCacheRow`'s column order (plain
+        tuples: the hit path reads a million of them when a large folder is indexed)."""
         for chunk in chunks(list(paths)):
             q = ",".join("?" * len(chunk))
-            for r in self.conn.execute(
+            yield from self.conn.execute(
                 f"SELECT {columns(HashCacheRow)} FROM hash_cache WHERE path IN ({q})",
                 tuple(chunk),
-            ):
-                row = HashCacheRow._make(r)
-                out[row.path] = row
-        return out
+            )
 
     def cached_hashes(self, paths: Sequence[str]) -> dict[str, HashEntry]:
         """Trusted hash-cache entries of ``paths``: path -> (stat when hashed, sha256).
@@ -244,15 +245,10 @@ class FeatureRows(CatalogConnection):
         predate ctime are left out: their files are hashed again.
         """
         out: dict[str, HashEntry] = {}
-        for chunk in chunks(list(paths)):
-            q = ",".join("?" * len(chunk))
-            for row in self.conn.execute(
-                f"SELECT {columns(HashCacheRow)} FROM hash_cache WHERE path IN ({q})",
-                tuple(chunk),
-            ):
-                entry = trusted_entry(row)
-                if entry is not None:
-                    out[row[0]] = entry
+        for row in self._hash_cache_rows(paths):
+            entry = trusted_entry(row)
+            if entry is not None:
+                out[row[0]] = entry
         return out
 
     # -- writes --------------------------------------------------------------------------------

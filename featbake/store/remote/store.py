@@ -209,17 +209,19 @@ class BucketStore:
     def _forget_catalog(self) -> None:
         """Drop the tier's catalog (its shards stay: content-named and checked, they are right
         for whatever store names them)."""
-        for stale in ("", "-wal", "-shm", "-journal"):
-            with contextlib.suppress(OSError):
-                os.unlink(f"{self.layout.catalog}{stale}")
+        self._unlink_catalog_files(("", "-wal", "-shm", "-journal"))
         with contextlib.suppress(OSError):
             self.version_file.unlink()
 
+    def _unlink_catalog_files(self, suffixes: tuple[str, ...]) -> None:
+        """Remove the tier's ``catalog.sqlite<suffix>`` files that exist."""
+        for suffix in suffixes:
+            with contextlib.suppress(OSError):
+                os.unlink(f"{self.layout.catalog}{suffix}")
+
     def install_catalog(self, path: Path, version: int) -> None:
         """Make ``path`` the tier's catalog, as published version ``version``."""
-        for stale in ("-wal", "-shm", "-journal"):
-            with contextlib.suppress(OSError):
-                os.unlink(f"{self.layout.catalog}{stale}")
+        self._unlink_catalog_files(("-wal", "-shm", "-journal"))
         os.replace(path, self.layout.catalog)
         tmp = self.layout.tmp / f"catalog.version.{os.getpid()}"
         tmp.write_text(str(version))
