@@ -286,6 +286,27 @@ def test_precision_is_in_the_key_and_bf16_matches_autocast_runs(
     assert max(fp32.values()) > 1e-6  # bf16 really ran: it is not the fp32 output
 
 
+def test_scripted_encoders_autocast_through_the_dispatcher_and_the_jit_setting_is_restored(
+    lengths_encoder_file: Path,
+) -> None:
+    """TorchScript's own autocast pass crashed a scripted transformer under CUDA autocast (an
+    H200, torch 2.11): autocast_for turns it off for the call; the dispatcher's autocast then
+    gives the same bf16 outputs, and the process's setting is back afterwards."""
+    with torchscript_quietly():
+        module = torch.jit.load(str(lengths_encoder_file))
+    x, lengths = torch.randn(2, 9000), torch.tensor([9000, 6000])
+    with torch.inference_mode():
+        fp32 = module(x, lengths)[0]
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # the JIT's own pass
+            jit_pass = module(x, lengths)[0]
+        with autocast_for(torch.device("cpu"), "bf16"):
+            assert torch._C._jit_set_autocast_mode(False) is False  # off inside
+            ours = module(x, lengths)[0]
+    assert torch._C._jit_set_autocast_mode(True) is True  # restored
+    assert ours.dtype == jit_pass.dtype == torch.bfloat16
+    assert torch.equal(ours, jit_pass) and rel_error(ours.float(), fp32) > 1e-6
+
+
 def test_cli_build_reports_the_batching_mode(
     tmp_path: Path, lengths_encoder_file: Path, varied_audio: Path
 ) -> None:

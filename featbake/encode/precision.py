@@ -9,6 +9,7 @@ of the item's own output (``max|a - b| / max|b|``), per part.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -39,11 +40,28 @@ def autocast_for(device: torch.device, precision: str) -> contextlib.AbstractCon
     Autocast (not ``module.half()``) keeps weights, norms and softmax in fp32 where torch's
     autocast lists say so, which is how mixed-precision inference is usually run. bf16 and fp16
     autocast both run on the CPU too, so every path works without a GPU.
+
+    TorchScript's own autocast pass is off inside: scripted code then runs through the
+    dispatcher's autocast, as eager code does (same dtypes, same outputs on the CPU). The pass
+    crashed the process (a segfault, torch 2.11 on an H200) on a scripted ``nn.TransformerEncoder``
+    under CUDA autocast, bf16 and fp16 alike; without it the same module ran.
     """
     dtype = AUTOCAST_DTYPES.get(precision)
     if dtype is None:
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
+    return _autocast(device.type, dtype)
+
+
+@contextlib.contextmanager
+def _autocast(device_type: str, dtype: torch.dtype) -> Iterator[None]:
+    set_jit_autocast = getattr(torch._C, "_jit_set_autocast_mode", None)
+    jit_before = set_jit_autocast(False) if set_jit_autocast is not None else None
+    try:
+        with torch.autocast(device_type=device_type, dtype=dtype):
+            yield
+    finally:
+        if set_jit_autocast is not None:
+            set_jit_autocast(jit_before)
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
