@@ -19,15 +19,17 @@ a fresh multi-MiB allocation is returned to the OS when freed and page-faults on
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch.utils.data import default_collate, get_worker_info
 
+from featbake.device import alloc_pinned
 from featbake.errors import ConfigError
 
 __all__ = ["BatchPool", "PaddedBatch", "pad_collate"]
@@ -294,10 +296,34 @@ def _pad_tensors(
     return out, lengths
 
 
+class _Placement(threading.local):
+    pinned = False
+
+
+_placement = _Placement()
+
+
+@contextlib.contextmanager
+def pinned_batches() -> Iterator[None]:
+    """On this thread, batches are allocated in page-locked memory (when CUDA is available).
+
+    ``FeatureLoader(device="cuda")`` reads on its thread inside this, so each batch is built
+    where the non-blocking copy to the GPU reads it from, instead of being copied there after.
+    """
+    before, _placement.pinned = _placement.pinned, True
+    try:
+        yield
+    finally:
+        _placement.pinned = before
+
+
 def _alloc(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """Allocate an uninitialised tensor, in shared memory inside a DataLoader worker."""
+    """Allocate an uninitialised tensor: in shared memory inside a DataLoader worker, pinned
+    inside :func:`pinned_batches`, else from the process's pool."""
     if get_worker_info() is None:
         if like.device.type == "cpu":
+            if _placement.pinned:
+                return alloc_pinned(shape, like.dtype)
             return _pool.empty(shape, like.dtype)
         return torch.empty(shape, dtype=like.dtype, device=like.device)
     # Same trick as torch's collate_tensor_fn: a worker's result is sent to the main

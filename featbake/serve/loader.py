@@ -46,7 +46,7 @@ from torch.utils.data import StackDataset, Subset
 
 import featbake.device as dev
 from featbake.errors import ConfigError
-from featbake.serve.collate import pad_collate
+from featbake.serve.collate import pad_collate, pinned_batches
 from featbake.serve.prefetch import map_tensors
 from featbake.serve.sampling import EpochPlan
 
@@ -179,21 +179,33 @@ class FeatureLoader:
     def _read(self, batches: list[list[int]], ready: queue.Queue, stop: threading.Event) -> None:
         """The reader thread: read, collate (and pin) each batch, in order, until told to stop."""
         ahead = ReadAhead(batches, self.read_ahead, hint_of(self.dataset), self._streak)
+        to_gpu = self.device is not None and self.device.type == "cuda"
         try:
-            for b, idx in enumerate(batches):
-                if stop.is_set():
-                    return
-                ahead.before(b)
-                batch = self.collate_fn(_items(self.dataset, idx))
-                if self.device is not None and self.device.type == "cuda":
-                    batch = map_tensors(dev.pin, batch)
-                if not _put(ready, batch, stop):
-                    return
-            _put(ready, _END, stop)
+            with pinned_batches() if to_gpu else contextlib.nullcontext():
+                self._read_batches(batches, ready, stop, ahead, to_gpu)
         except BaseException as e:  # handed to the training thread, raised there
             _put(ready, _Failed(e), stop)
         finally:
             self._streak = ahead.streak
+
+    def _read_batches(
+        self,
+        batches: list[list[int]],
+        ready: queue.Queue,
+        stop: threading.Event,
+        ahead: ReadAhead,
+        to_gpu: bool,
+    ) -> None:
+        for b, idx in enumerate(batches):
+            if stop.is_set():
+                return
+            ahead.before(b)
+            batch = self.collate_fn(_items(self.dataset, idx))
+            if to_gpu:  # built pinned already (pinned_batches); labels and custom collates not
+                batch = map_tensors(dev.pin, batch)
+            if not _put(ready, batch, stop):
+                return
+        _put(ready, _END, stop)
 
     def _to_device(self, batch: Any) -> Any:
         if self.device is None or self.device.type == "cpu":
