@@ -1,0 +1,182 @@
+"""The CUDA paths, run where a GPU is (skipped elsewhere; CI has none).
+
+Each test compares what featbake gives on the GPU with the encoder run now (on the GPU, and on
+the CPU where the kernels' rounding allows), never with the store alone: a ``--device cuda``
+build (exact shapes, padded batches at bf16, a Hugging Face folder), ``DevicePrefetcher`` and
+``FeatureLoader(device="cuda")`` batches, int8 rows dequantised on the GPU, a dataset's misses
+encoded on the GPU, and ``CachedEncoder``'s device tier.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, StackDataset
+
+from featbake import CachedEncoder, CachedFeatureDataset, FeatureLoader, build, pad_collate
+from featbake.bake.padded import BatchingMode
+from featbake.encode.encoders import torchscript_quietly
+from featbake.encode.precision import EXACT_TOLERANCE, autocast_for
+from featbake.encode.sources import source_for
+from featbake.quantize import Scheme, dequantize
+from featbake.recipe import Recipe
+from featbake.serve.collate import pinned_batches
+from featbake.serve.prefetch import DevicePrefetcher
+from featbake.testing import LengthsEncoder, TinyConvEncoder, save_torchscript, write_audio_folder
+from tests.helpers import rel_error, stored_features
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+#: cuDNN convolutions run in TF32 by default (10-bit mantissa), so a GPU run differs from the
+#: CPU's fp32 by up to ~1e-3 relative; the GPU against itself is held to fp32's tolerance.
+GPU_VS_CPU = 5e-3
+
+
+def run_now(path: Path, wav: Path, device: str, recipe: Recipe | None = None) -> torch.Tensor:
+    """The TorchScript encoder loaded afresh and run now on one preprocessed clip."""
+    recipe = recipe or Recipe()
+    with torchscript_quietly():
+        module = torch.jit.load(str(path), map_location=device)
+    x = source_for(recipe).load(wav).to(device)
+    with torch.inference_mode(), autocast_for(torch.device(device), recipe.precision):
+        out = module(x[None], torch.tensor([x.shape[-1]], device=device))
+    feats, n = out if isinstance(out, tuple) else (out, None)
+    feats = feats[0] if n is None else feats[0, : int(n[0])]
+    return feats.to(recipe.torch_dtype).cpu()
+
+
+def run_plain(path: Path, wav: Path, device: str) -> torch.Tensor:
+    with torchscript_quietly():
+        module = torch.jit.load(str(path), map_location=device)
+    x = source_for(Recipe()).load(wav).to(device)
+    with torch.inference_mode():
+        return module(x[None])[0].cpu()
+
+
+@pytest.fixture
+def clips(tmp_path: Path) -> Path:
+    root = tmp_path / "clips"
+    write_audio_folder(root, 10, seconds=(0.3, 1.6), seed=7)
+    return root
+
+
+def test_a_cuda_build_stores_what_the_encoder_gives_on_the_gpu_now(
+    tmp_path: Path, clips: Path
+) -> None:
+    enc = save_torchscript(TinyConvEncoder(), tmp_path / "enc.pt")
+    report = build(clips, enc, cache=tmp_path / "s", device="cuda", workers=0)
+    assert report.ok and report.encoded == 10
+    stored = stored_features(tmp_path / "s", report.root)
+    assert len(stored) == 10
+    for rel, parts in stored.items():
+        assert rel_error(parts[""], run_plain(enc, clips / rel, "cuda")) < 1e-5, rel
+        assert rel_error(parts[""], run_plain(enc, clips / rel, "cpu")) < GPU_VS_CPU, rel
+    again = build(clips, enc, cache=tmp_path / "s", device="cpu", workers=0)
+    assert (again.encoded, again.reused) == (0, 10)  # one key on either device
+
+
+def test_padded_bf16_batches_on_cuda_equal_each_clip_alone(tmp_path: Path, clips: Path) -> None:
+    enc = save_torchscript(LengthsEncoder(), tmp_path / "lengths.pt")
+    recipe = Recipe(precision="bf16")
+    report = build(
+        clips, enc, cache=tmp_path / "s", recipe=recipe, device="cuda", workers=0, batch_size=4
+    )
+    assert report.ok and report.encoded == 10
+    assert report.batching == BatchingMode.PADDED, report.batching_note
+    stored = stored_features(tmp_path / "s", report.root)
+    worst_fp32 = 0.0
+    for rel, parts in stored.items():
+        want = run_now(enc, clips / rel, "cuda", recipe)
+        assert rel_error(parts[""], want) <= EXACT_TOLERANCE["bf16"].relative, rel
+        worst_fp32 = max(worst_fp32, rel_error(parts[""], run_now(enc, clips / rel, "cuda")))
+    assert worst_fp32 > 1e-6  # bf16 really ran on the GPU
+
+
+def test_a_hugging_face_folder_builds_padded_on_cuda_equal_to_transformers(
+    tmp_path: Path, clips: Path
+) -> None:
+    pytest.importorskip("transformers")
+    from tests.test_hf import reference, save_model
+
+    folder = save_model(tmp_path / "w2v")
+    report = build(clips, folder, cache=tmp_path / "s", device="cuda", workers=0, batch_size=4)
+    assert report.ok and report.encoded == 10
+    assert report.batching == BatchingMode.PADDED, report.batching_note
+    for rel, parts in stored_features(tmp_path / "s", report.root).items():
+        want = reference(folder, clips / rel).last_hidden_state[0]  # transformers, CPU, fp32
+        assert rel_error(parts[""], want) < GPU_VS_CPU, rel
+
+
+def test_device_prefetcher_and_feature_loader_hand_over_cuda_batches_equal_to_the_cpu_ones(
+    tmp_path: Path, clips: Path
+) -> None:
+    enc = save_torchscript(TinyConvEncoder(), tmp_path / "enc.pt")
+    build(clips, enc, cache=tmp_path / "s", workers=0)
+    ds = CachedFeatureDataset(clips, enc, cache=tmp_path / "s", on_miss="error")
+    cpu = list(DataLoader(ds, batch_size=4, collate_fn=pad_collate))
+    prefetcher = DevicePrefetcher(DataLoader(ds, batch_size=4, collate_fn=pad_collate), "cuda")
+    gpu = list(prefetcher)
+    assert len(gpu) == len(cpu) == 3
+    for (padded, lengths), want in zip(gpu, cpu, strict=True):
+        assert padded.device.type == "cuda" and lengths.device.type == "cuda"
+        assert torch.equal(padded.cpu(), want[0]) and torch.equal(lengths.cpu(), want[1])
+    assert prefetcher.stats().tensors == 6
+    labelled = StackDataset(ds, torch.arange(len(ds)))
+    on_cpu = list(FeatureLoader(labelled, 4, seed=3))
+    on_gpu = list(FeatureLoader(labelled, 4, seed=3, device="cuda"))
+    assert len(on_gpu) == len(on_cpu) == 3
+    with pinned_batches():  # how FeatureLoader(device="cuda") reads: built in pinned memory
+        assert ds.__getitems__([0, 1, 2]).padded.is_pinned()
+    assert not ds.__getitems__([0, 1, 2]).padded.is_pinned()
+    for (padded, lengths, idx), want in zip(on_gpu, on_cpu, strict=True):
+        assert padded.device.type == "cuda" and idx.device.type == "cuda"
+        assert torch.equal(padded.cpu(), want[0]) and torch.equal(idx.cpu(), want[2])
+        for row, n, i in zip(padded.cpu(), lengths.cpu(), idx.cpu(), strict=True):
+            live = run_plain(enc, Path(ds.path(int(i))), "cuda").to(torch.float16)
+            assert rel_error(row[: int(n)], live) < 1e-3
+
+
+def test_int8_rows_dequantised_on_the_gpu_equal_the_cpu_dequantised_rows(
+    tmp_path: Path, clips: Path
+) -> None:
+    enc = save_torchscript(TinyConvEncoder(), tmp_path / "enc.pt")
+    build(clips, enc, cache=tmp_path / "s", recipe=Recipe(dtype="int8"), workers=0)
+    kw = {"cache": tmp_path / "s", "dtype": "int8", "on_miss": "error"}
+    packed = CachedFeatureDataset(clips, enc, dequantize=False, **kw)
+    served = CachedFeatureDataset(clips, enc, **kw)
+    for i in range(len(packed)):
+        on_gpu = dequantize(packed[i].to("cuda"), Scheme.INT8, torch.float16)
+        assert on_gpu.device.type == "cuda"
+        assert torch.equal(on_gpu.cpu(), served[i])
+        live = run_plain(enc, Path(packed.path(i)), "cpu")
+        assert rel_error(served[i], live) < 0.02  # int8's rounding
+
+
+def test_a_dataset_encodes_its_misses_on_the_gpu_and_serves_them_after(
+    tmp_path: Path, clips: Path
+) -> None:
+    enc = save_torchscript(TinyConvEncoder(), tmp_path / "enc.pt")
+    ds = CachedFeatureDataset(clips, enc, cache=tmp_path / "s", device="cuda")
+    assert ds.stored() == 0
+    for i in range(len(ds)):
+        assert rel_error(ds[i], run_plain(enc, Path(ds.path(i)), "cuda")) < 1e-5
+    del ds
+    again = CachedFeatureDataset(clips, enc, cache=tmp_path / "s", on_miss="error")
+    assert again.stored() == 10
+
+
+def test_cached_encoder_keeps_cuda_outputs_in_its_device_tier(tmp_path: Path) -> None:
+    module = TinyConvEncoder().cuda().eval().requires_grad_(False)
+    cached = CachedEncoder(module, cache=tmp_path / "s", device_cache="64MiB")
+    x = torch.randn(3, 16000, device="cuda")
+    ids = ["a", "b", "c"]
+    with torch.inference_mode():
+        want = module(x)
+        first = cached(x, ids=ids)
+        second = cached(x, ids=ids)
+    assert first.device.type == "cuda" and second.device.type == "cuda"
+    assert rel_error(first.cpu(), want.cpu()) < 1e-5
+    assert torch.equal(first, second)
+    assert cached.stats["encoded"] == 3 and cached.stats["hits_device"] == 3
