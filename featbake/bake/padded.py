@@ -12,10 +12,15 @@ first batches missed encoders whose drift starts past a padding length only late
 batches reach. If the check fails, that batch is re-encoded on exact shapes (nothing inexact is
 stored; every batch sealed before was checked itself) and the rest of the build batches exact
 shapes, with one line saying why. Keys never depend on the mode: it is not in the recipe.
+
+Under ``auto`` the guard's runs also time the device: when padded batches cost more per input
+sample than items run alone (a CPU, where one clip already keeps the cores busy), the build
+goes on in exact shapes, and says so (:mod:`featbake.bake.pace`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -24,6 +29,7 @@ from typing import Any
 import torch
 
 from featbake.bake.batching import LengthBatcher, ShapeBatcher
+from featbake.bake.pace import Pace, PaceTally
 from featbake.encode.encoders import LoadedEncoder
 from featbake.encode.outputs import encode_batch, encode_padded
 from featbake.encode.precision import EXACT_TOLERANCE, relative_error
@@ -59,6 +65,7 @@ class GuardCheck:
     error: float
     length: int
     padded_to: int
+    seconds: float  # the run alone
 
 
 def initial_mode(encoder: LoadedEncoder, choice: Batching) -> tuple[BatchingMode, str]:
@@ -113,6 +120,7 @@ class BatchRunner:
         self.encoder = encoder
         self.recipe = recipe
         self.mode, self.note = initial_mode(encoder, Batching(batching))
+        self.pace = PaceTally() if Batching(batching) is Batching.AUTO else None
         self.shapes = ShapeBatcher(batch_size)
         self.lengths = LengthBatcher(batch_size, budget)
         self.batch_size = batch_size
@@ -141,11 +149,14 @@ class BatchRunner:
         shapes = {tuple(x.shape) for x in inputs}
         if self.mode is BatchingMode.EXACT or len(shapes) == 1:
             return self.encode_exact(inputs)
-        results = encode_padded(self.encoder, inputs, self.recipe)
+        start = time.perf_counter()
+        results = encode_padded(self.encoder, inputs, self.recipe)  # on the host: synchronised
+        seconds = time.perf_counter() - start
         failed = self._guard(inputs, results)  # before anything of this batch is sealed
         if failed is not None:
             self._fall_back(failed)
             return self.encode_exact(inputs)
+        self._weigh_pace(inputs, seconds)
         return results
 
     def encode_exact(self, inputs: Sequence[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
@@ -175,9 +186,11 @@ class BatchRunner:
         padded_to = max(int(x.shape[-1]) for x in inputs)
         by_padding = sorted(range(len(inputs)), key=lambda i: int(inputs[i].shape[-1]))
         for i in by_padding[:GUARD_ITEMS]:
+            start = time.perf_counter()
             alone = encode_batch(self.encoder, [inputs[i]], self.recipe)[0]
+            seconds = time.perf_counter() - start
             error = max_part_error(results[i], alone)
-            check = GuardCheck(error, int(inputs[i].shape[-1]), padded_to)
+            check = GuardCheck(error, int(inputs[i].shape[-1]), padded_to, seconds)
             self.checks.append(check)
             if error > self.tolerance.relative:
                 return check
@@ -190,15 +203,34 @@ class BatchRunner:
             )
         return None
 
+    def _weigh_pace(self, inputs: Sequence[torch.Tensor], seconds: float) -> None:
+        """Add this batch's timings (and its guard run's); go exact once batches lose."""
+        if self.pace is None or not self.checks or self.pace.verdict() is not Pace.UNDECIDED:
+            return
+        last = self.checks[-1]
+        samples = sum(int(x.shape[-1]) for x in inputs)
+        # A padded batch's cost includes its guard run: exact shapes need none.
+        self.pace.add(seconds + last.seconds, samples, last.seconds, last.length)
+        if self.pace.verdict() is Pace.ALONE_FASTER:
+            self._switch_to_exact(
+                f"exact-shape batching: on {self.encoder.device.type} padded batches took "
+                f"{self.pace.ratio():.2f}x the time per input sample of clips run alone "
+                f"(measured over {self.pace.batches} batches; --batching padded keeps them)"
+            )
+
     def _fall_back(self, failed: GuardCheck) -> None:
-        """Switch to exact shapes; items waiting for a padded batch move to the shape batcher."""
-        self.mode = BatchingMode.EXACT
-        self.note = (
+        """Switch to exact shapes after a failed check, saying why."""
+        self._switch_to_exact(
             f"exact-shape batching: padded batches were not exact for this encoder (relative "
             f"error {failed.error:.1e} > {self.tolerance.relative:g} for "
             f"{self.recipe.precision}, a clip of {failed.length} samples padded to "
             f"{failed.padded_to})"
         )
+
+    def _switch_to_exact(self, note: str) -> None:
+        """Exact shapes from now on; items waiting for a padded batch move to the shape batcher."""
+        self.mode = BatchingMode.EXACT
+        self.note = note
         for batch in self.lengths.flush():
             for shape, item in batch:
                 self._ready.extend(self.shapes.add(shape, item))
