@@ -137,38 +137,50 @@ def bench_rates(base: Path, dtype: str, epochs: int) -> list[dict]:
 
 
 def bench_hidden(base: Path, dtype: str, epochs: int) -> list[dict]:
-    """Loader + step against max(read-only, step-only), the step sized to cost about a read."""
+    """Loader + step against max(read-only, step-only), the step sized to cost about a read.
+
+    Measured twice: the step on torch's 2 threads (every core: the reads can only take turns
+    with it, so the floor is nearer read + step than max(read, step)), and on 1 thread, which
+    leaves a core to the reader, as a CPU-only trainer would set ``torch.set_num_threads``.
+    """
     ds = dataset(base, dtype)
     loader = FeatureLoader(ds, BATCH, seed=0)
     epoch_seconds(loader)  # open and check every shard once
     read = min(epoch_seconds(loader) for _ in range(epochs))
     batches = list(FeatureLoader(ds, BATCH, seed=1))
-    hidden = 16
-    while True:  # widen the probe until a step-only epoch costs about a read-only one
-        step = make_step(hidden)
-        step(batches[0])  # warm: autograd and the optimizer's state
-        step_only = min(epoch_seconds(batches, step) for _ in range(2))
-        if step_only >= 0.8 * read or hidden >= 4096:
-            break
-        hidden *= 2
-    both = {
-        name: min(epoch_seconds(loader_, step) for _ in range(epochs))
-        for name, loader_ in loaders(ds).items()
-        if name != "DataLoader w0"
-    }
-    floor = max(read, step_only)
-    note = (
-        f"{len(ds)} items {dtype}, batches of {BATCH}; probe 768->{hidden}->8 with backward and "
-        f"SGD; read-only {read:.2f} s, step-only {step_only:.2f} s, with the step: "
-        + ", ".join(f"{k} {v:.2f} s" for k, v in both.items())
-        + f"; best of {epochs}"
-    )
-    return [
-        row("loader", f"{dtype}: {name} + step / max(read, step)", s / floor, "x",
-            "<= 1.1x" if name == "FeatureLoader" else "", s / floor <= 1.1 if name ==
-            "FeatureLoader" else None, note)
-        for name, s in both.items()
-    ]  # fmt: skip
+    rows = []
+    for threads in (2, 1):
+        torch.set_num_threads(threads)
+        hidden = 16
+        while True:  # widen the probe until a step-only epoch costs about a read-only one
+            step = make_step(hidden)
+            step(batches[0])  # warm: autograd and the optimizer's state
+            step_only = min(epoch_seconds(batches, step) for _ in range(2))
+            if step_only >= 0.8 * read or hidden >= 4096:
+                break
+            hidden *= 2
+        both = {
+            name: min(epoch_seconds(loader_, step) for _ in range(epochs))
+            for name, loader_ in loaders(ds).items()
+            if name != "DataLoader w0"
+        }
+        floor = max(read, step_only)
+        note = (
+            f"{len(ds)} items {dtype}, batches of {BATCH}; probe 768->{hidden}->8 with backward "
+            f"and SGD on {threads} torch thread(s), 2 CPUs; read-only {read:.2f} s, step-only "
+            f"{step_only:.2f} s (read + step {read + step_only:.2f} s), with the step: "
+            + ", ".join(f"{k} {v:.2f} s" for k, v in both.items())
+            + f"; best of {epochs}"
+        )
+        where = "step on every core" if threads == 2 else "step on 1 thread, a core free"
+        rows += [
+            row("loader", f"{dtype}, {where}: {name} + step / max(read, step)", s / floor, "x",
+                "<= 1.1x" if name == "FeatureLoader" else "", s / floor <= 1.1 if name ==
+                "FeatureLoader" else None, note)
+            for name, s in both.items()
+        ]  # fmt: skip
+    torch.set_num_threads(2)
+    return rows
 
 
 def main(quick: bool = False) -> list[dict]:

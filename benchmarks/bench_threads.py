@@ -1,21 +1,25 @@
-"""Builds with a many-small-ops encoder, quiet and on a shared node (issue 19, item 1).
+"""Builds beside small encoders, quiet and on a shared node (issue 19, items 1 and 4).
 
-A model of many small ops (here an LSTM cell stepped over 10 ms frames, as silero-vad runs its
-model chunk by chunk) spends its time in per-op overhead, not in arithmetic: more threads do
-not help it, and on a node where other processes are busy they hurt. Users set
-``OMP_NUM_THREADS=1`` or ``torch.set_num_threads(1)`` for such models. Measured side by side
-in one process, best of N, interleaved:
+Three encoders whose own cost is small, so featbake's costs (decoding, hashing, keys, the
+writer, the catalog) weigh as much as encoding:
 
-- ``featbake.build`` with default options against the bare loop the user would write
-  (decode in the loop, encode each clip, store nothing), both with torch's default
-  threads, and both with the user's 1 thread;
-- the same with two busy processes (pure-Python spin loops) on the same cores beside both;
-- for reference, what featbake did before it kept the user's setting: ``threads=`` every usable
-  CPU while the user had set 1.
+- **FrameLSTM**: an LSTM cell stepped over 10 ms frames, as silero-vad runs its model chunk by
+  chunk: per-op overhead, not arithmetic. More threads do not help it; on a busy node they
+  hurt. Users set ``OMP_NUM_THREADS=1`` or ``torch.set_num_threads(1)`` for such models.
+- **ConvStack**: a 32-channel wav2vec2-style conv front end (TorchScript, ~2 ms a clip).
+- **A Hugging Face folder**: a small wav2vec2 (hidden 256, 4 layers, built from a config and
+  saved with ``save_pretrained``); the user's loop runs its feature extractor and the model on
+  each clip as transformers' docs do.
+
+Each is measured side by side in one process, best of N, interleaved: ``featbake.build`` with
+default options against the loop the user would write (decode in the loop, encode each clip,
+store nothing), with torch's default threads and with the user's 1 thread, quiet and with two
+busy processes (pure-Python spin loops) on the same cores beside both. For FrameLSTM also what
+featbake did before it kept the user's setting: ``threads=`` every usable CPU.
 
 Targets (issue 19): <= 1.10x quiet, <= 1.25x with two busy processes beside.
 
-Run: ``python benchmarks/bench_threads.py [--quick]``.
+Run: ``python benchmarks/bench_threads.py [lstm|conv|hf ...] [--quick]``.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,6 +42,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _rows import row
+from bench_build import ConvStack
 
 from featbake.bake.pipeline import build
 from featbake.device import process_cpus
@@ -75,6 +81,8 @@ class FrameLSTM(nn.Module):
 
 def bare_loop(data: Path, encoder_path: Path) -> float:
     """What the user writes: decode each file and run the encoder on it; store nothing."""
+    if encoder_path.is_dir():
+        return hf_loop(data, encoder_path)
     t0 = time.perf_counter()
     with torchscript_quietly():
         enc = torch.jit.load(str(encoder_path)).eval()
@@ -83,6 +91,36 @@ def bare_loop(data: Path, encoder_path: Path) -> float:
         for rel in scan(data, source.extensions):
             enc(source.load(str(data / rel)).unsqueeze(0))
     return time.perf_counter() - t0
+
+
+def hf_loop(data: Path, folder: Path) -> float:
+    """transformers' own loop: the folder's feature extractor and model, one clip at a time."""
+    from transformers import AutoFeatureExtractor, AutoModel
+
+    t0 = time.perf_counter()
+    model = AutoModel.from_pretrained(folder).eval()
+    extractor = AutoFeatureExtractor.from_pretrained(folder)
+    source = source_for(Recipe())
+    with torch.inference_mode():
+        for rel in scan(data, source.extensions):
+            wav = source.load(str(data / rel)).numpy()
+            model(**extractor(wav, sampling_rate=16000, return_tensors="pt"))
+    return time.perf_counter() - t0
+
+
+def hf_folder(work: Path) -> Path:
+    """A small wav2vec2 (hidden 256, 4 layers, layer norm: padded batches apply), saved."""
+    from transformers import Wav2Vec2Config, Wav2Vec2FeatureExtractor, Wav2Vec2Model
+
+    folder = work / "w2v2-small"
+    torch.manual_seed(0)
+    config = Wav2Vec2Config(
+        hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024,
+        conv_dim=(128,) * 7, feat_extract_norm="layer", do_stable_layer_norm=True,
+    )  # fmt: skip
+    Wav2Vec2Model(config).eval().save_pretrained(folder)
+    Wav2Vec2FeatureExtractor(return_attention_mask=True).save_pretrained(folder)
+    return folder
 
 
 @contextlib.contextmanager
@@ -98,10 +136,12 @@ def busy_neighbours(n: int) -> Iterator[None]:
             p.wait()
 
 
-def featbake_seconds(data: Path, enc: Path, cache: Path, threads: int | None = None) -> float:
+def featbake_seconds(
+    data: Path, enc: Path, cache: Path, threads: int | None = None, batch_size: int = 16
+) -> float:
     shutil.rmtree(cache, ignore_errors=True)
     t0 = time.perf_counter()
-    report = build(data, enc, cache=cache, batch_size=BATCH, threads=threads)
+    report = build(data, enc, cache=cache, batch_size=batch_size, threads=threads)
     seconds = time.perf_counter() - t0
     assert report.ok and report.encoded == report.files
     return seconds
@@ -111,66 +151,107 @@ def _fmt(xs: list[float]) -> str:
     return "/".join(f"{x:.2f}" for x in xs)
 
 
-def measure(work: Path, data: Path, enc: Path, user_threads: int | None, reps: int) -> dict:
-    """Best seconds of the bare loop, featbake, and (user_threads set) the old forced count."""
+@dataclass(frozen=True)
+class Subject:
+    """One encoder measured: how to make it, its clips, featbake's batch size, its label."""
+
+    key: str
+    label: str
+    make: Callable[[Path], Path]
+    clips: int
+    seconds: tuple[float, float]
+    batch_size: int
+    #: (busy processes beside, the user's thread count) measured. torch's default count beside
+    #: busy processes is left out: both sides slow down alike there (2-3x run to run).
+    conditions: tuple[tuple[int, int | None], ...]
+    forced: bool = False  # also measure threads forced to every CPU (before issue 19)
+
+
+SUBJECTS = (
+    Subject(
+        "lstm", "many small ops (FrameLSTM: LSTMCell 160->64 over 10 ms frames, TorchScript)",
+        lambda w: save_torchscript(torch.jit.script(FrameLSTM()), w / "frame_lstm.pt"),
+        300, (1.0, 3.0), BATCH, ((0, None), (0, 1), (2, 1)), forced=True,
+    ),
+    Subject(
+        "conv", "small conv (ConvStack 32 channels, TorchScript, ~2 ms a clip)",
+        lambda w: save_torchscript(ConvStack(channels=32), w / "conv.pt"),
+        300, (1.0, 6.0), 16, ((0, None), (2, 1)),
+    ),
+    Subject(
+        "hf", "Hugging Face folder (wav2vec2, hidden 256, 4 layers; featbake: padded batches)",
+        hf_folder, 200, (1.0, 4.0), 16, ((0, None), (2, 1)),
+    ),
+)  # fmt: skip
+
+
+def measure(work: Path, data: Path, enc: Path, subject: Subject, user: int | None, reps: int):
+    """All seconds of the bare loop, featbake, and (``subject.forced``) the old forced count."""
     before = torch.get_num_threads()
-    if user_threads is not None:
-        torch.set_num_threads(user_threads)
+    if user is not None:
+        torch.set_num_threads(user)
     runs: dict[str, list[float]] = {"bare": [], "featbake": []}
-    if user_threads is not None:
+    if subject.forced and user is not None:
         runs["forced"] = []
     try:
         for i in range(reps):  # interleaved, so drifting load hits every variant alike
             runs["bare"].append(bare_loop(data, enc))
-            runs["featbake"].append(featbake_seconds(data, enc, work / f"t{i}"))
+            cache = work / f"t{i}"
+            runs["featbake"].append(featbake_seconds(data, enc, cache, None, subject.batch_size))
             if "forced" in runs:
                 forced = process_cpus()  # what featbake set before issue 19
-                runs["forced"].append(featbake_seconds(data, enc, work / f"f{i}", forced))
+                runs["forced"].append(
+                    featbake_seconds(data, enc, work / f"f{i}", forced, subject.batch_size)
+                )
     finally:
         torch.set_num_threads(before)
     return runs
 
 
-#: (busy processes beside, the user's thread count) measured; torch's default count beside busy
-#: processes is left out: both sides slow down alike there (2-3x run to run), it tells nothing.
-CONDITIONS = ((0, None), (0, 1), (2, 1))
+def bench_subject(work: Path, subject: Subject, quick: bool) -> list[dict]:
+    rows = []
+    default_threads = torch.get_num_threads()
+    enc = subject.make(work)
+    for busy, user in subject.conditions:
+        n, reps = (
+            (24, 1) if quick else ((subject.clips * 2 // 5, 2) if busy else (subject.clips, 3))
+        )
+        data = work / f"{subject.key}-clips{n}"
+        if not data.exists():
+            write_audio_folder(data, n, seconds=subject.seconds, seed=31)
+            bare_loop(data, enc)  # warm: page cache, lazy imports, thread pools
+        with busy_neighbours(busy) if busy else contextlib.nullcontext():
+            runs = measure(work, data, enc, subject, user, reps)
+        best = {k: min(v) for k, v in runs.items()}
+        where = f"{busy} busy processes beside" if busy else "quiet"
+        threads = f"user's {user} thread" if user else f"torch's {default_threads}"
+        target, limit = ("<= 1.25x", 1.25) if busy else ("<= 1.10x", 1.10)
+        lo, hi = subject.seconds
+        note = (
+            f"{n} clips of {lo:g}-{hi:g} s, {subject.label}, featbake batch "
+            f"{subject.batch_size}, user's loop one clip at a time, CPU, {process_cpus()} usable "
+            f"CPUs, {where}; best of {reps}; all runs (s): "
+            + ", ".join(f"{k} {_fmt(v)}" for k, v in runs.items())
+        )
+        ratio = best["featbake"] / best["bare"]
+        metric = f"{subject.key}, {where}, {threads}: build / the user's loop"
+        rows.append(row("threads", metric, ratio, "x", target, ratio <= limit, note))
+        if "forced" in best:
+            metric = (
+                f"{subject.key}, {where}: before issue 19 (threads forced to {process_cpus()}) "
+                "/ the user's loop"
+            )
+            rows.append(row("threads", metric, best["forced"] / best["bare"], "x", "", None, note))
+    return rows
 
 
 def main(quick: bool = False) -> list[dict]:
+    keys = [a for a in sys.argv[1:] if a in {s.key for s in SUBJECTS}]
     rows = []
     with tempfile.TemporaryDirectory(prefix="featbake-bench-threads-") as tmp:
-        work = Path(tmp)
-        default_threads = torch.get_num_threads()
-        enc = save_torchscript(torch.jit.script(FrameLSTM()), work / "frame_lstm.pt")
-        for busy, user in CONDITIONS:
-            n, reps = (24, 1) if quick else ((120, 2) if busy else (300, 3))
-            data = work / f"clips{n}"
-            if not data.exists():
-                write_audio_folder(data, n, seconds=(1.0, 3.0), seed=31)
-                bare_loop(data, enc)  # warm: page cache, lazy imports, thread pools
-            with busy_neighbours(busy) if busy else contextlib.nullcontext():
-                runs = measure(work, data, enc, user, reps)
-            best = {k: min(v) for k, v in runs.items()}
-            where = f"{busy} busy processes beside" if busy else "quiet"
-            threads = f"user's {user} thread" if user else f"torch's {default_threads}"
-            target, limit = ("<= 1.25x", 1.25) if busy else ("<= 1.10x", 1.10)
-            note = (
-                f"{n} clips of 1-3 s, FrameLSTM (LSTMCell 160->64 stepped over 10 ms frames, "
-                f"TorchScript), batch {BATCH}, CPU, {process_cpus()} usable CPUs, {where}; "
-                f"best of {reps}; all runs (s): "
-                + ", ".join(f"{k} {_fmt(v)}" for k, v in runs.items())
-            )
-            ratio = best["featbake"] / best["bare"]
-            metric = f"many small ops, {where}, {threads}: build / bare loop"
-            rows.append(row("threads", metric, ratio, "x", target, ratio <= limit, note))
-            if "forced" in best:
-                metric = (
-                    f"many small ops, {where}: before issue 19 (threads forced to "
-                    f"{process_cpus()}) / bare loop"
-                )
-                rows.append(
-                    row("threads", metric, best["forced"] / best["bare"], "x", "", None, note)
-                )
+        for subject in SUBJECTS:
+            if not keys or subject.key in keys:
+                rows += bench_subject(Path(tmp), subject, quick)
     return rows
 
 
