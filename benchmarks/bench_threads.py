@@ -214,7 +214,7 @@ def bench_subject(work: Path, subject: Subject, quick: bool) -> list[dict]:
     enc = subject.make(work)
     for busy, user in subject.conditions:
         n, reps = (
-            (24, 1) if quick else ((subject.clips * 2 // 5, 2) if busy else (subject.clips, 3))
+            (24, 1) if quick else ((subject.clips * 2 // 5, 3) if busy else (subject.clips, 3))
         )
         data = work / f"{subject.key}-clips{n}"
         if not data.exists():

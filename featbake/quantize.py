@@ -84,10 +84,11 @@ def scheme_of(dtype: str) -> Scheme | None:
         >>> scheme_of("int8"), scheme_of("float16")
         (<Scheme.INT8: 'int8'>, None)
     """
-    try:
-        return Scheme(dtype)
-    except ValueError:
-        return None
+    return _SCHEMES.get(dtype)  # a dict, not Scheme(dtype): its ValueError for floats cost
+    # ~10 us, twice per item in a build
+
+
+_SCHEMES = {scheme.value: scheme for scheme in Scheme}
 
 
 class Unpacked(NamedTuple):
