@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _rows import row
+from _rows import hidden_rows, row
 from bench_build import _PlainDecode
 from bench_loader import BATCH, Probe, dataset, prepare
 
@@ -185,19 +185,11 @@ def bench_reads(quick: bool) -> list[dict]:
         step = make_step(width)
         both = {name: min(epoch_seconds(make(), step) for _ in range(epochs))
                 for name, make in made.items()}  # fmt: skip
-        floor = max(read, step_only)
-        note = (
+        setup = (
             f"{len(ds)} items fp16, batches of {BATCH}; probe 768->{width}->8 on the GPU, "
-            f"backward, SGD, loss.item() each step; read-only {read:.2f} s, step-only "
-            f"{step_only:.2f} s, with the step: "
-            + ", ".join(f"{k} {v:.2f} s" for k, v in both.items())
+            "backward, SGD, loss.item() each step"
         )
-        rows += [
-            row("gpu", f"{name} + GPU step (768->{width}) / max(read, step)", s / floor, "x",
-                "<= 1.1x" if name == "FeatureLoader" else "",
-                s / floor <= 1.1 if name == "FeatureLoader" else None, note)
-            for name, s in both.items()
-        ]  # fmt: skip
+        rows += hidden_rows("gpu", f"GPU step 768->{width}", read, step_only, both, setup)
     return rows
 
 

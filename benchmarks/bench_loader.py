@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _rows import row
+from _rows import hidden_rows, row
 from _serve_readers import DIM, LENGTHS, identity_encoder, recipe, warm_page_cache
 
 from featbake.bake.pipeline import build
@@ -164,21 +164,12 @@ def bench_hidden(base: Path, dtype: str, epochs: int) -> list[dict]:
             for name, loader_ in loaders(ds).items()
             if name != "DataLoader w0"
         }
-        floor = max(read, step_only)
-        note = (
-            f"{len(ds)} items {dtype}, batches of {BATCH}; probe 768->{hidden}->8 with backward "
-            f"and SGD on {threads} torch thread(s), 2 CPUs; read-only {read:.2f} s, step-only "
-            f"{step_only:.2f} s (read + step {read + step_only:.2f} s), with the step: "
-            + ", ".join(f"{k} {v:.2f} s" for k, v in both.items())
-            + f"; best of {epochs}"
-        )
         where = "step on every core" if threads == 2 else "step on 1 thread, a core free"
-        rows += [
-            row("loader", f"{dtype}, {where}: {name} + step / max(read, step)", s / floor, "x",
-                "<= 1.1x" if name == "FeatureLoader" else "", s / floor <= 1.1 if name ==
-                "FeatureLoader" else None, note)
-            for name, s in both.items()
-        ]  # fmt: skip
+        setup = (
+            f"{len(ds)} items {dtype}, batches of {BATCH}; probe 768->{hidden}->8 with backward "
+            f"and SGD on {threads} torch thread(s), 2 CPUs; best of {epochs}"
+        )
+        rows += hidden_rows("loader", f"{dtype}, {where}", read, step_only, both, setup)
     torch.set_num_threads(2)
     return rows
 
