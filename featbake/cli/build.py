@@ -120,8 +120,9 @@ def build(
     batching: Annotated[
         str,
         typer.Option(
-            help="auto (padded length-sorted batches when the encoder takes lengths), padded "
-            "or exact (equal shapes only)."
+            help="auto (padded length-sorted batches when the encoder takes lengths, and while "
+            "they cost at most 1.1x per input what clips alone cost, timed by the guard), "
+            "padded (always) or exact (equal shapes only)."
         ),
     ] = "auto",
     batch_seconds: Annotated[
