@@ -49,6 +49,7 @@ from featbake.bake.pipeline import build
 from featbake.serve.collate import pad_collate
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.serve.loader import FeatureLoader
+from featbake.testing import drop_page_cache
 
 WORK = Path(__file__).resolve().parent / "_work" / "cold"
 BENCH = "cold"
@@ -83,17 +84,6 @@ def prepare(n: int) -> Path:
         (base / "ready").touch()
     build(base / "npy", identity_encoder(), cache=base / "store", recipe=recipe(DTYPE), workers=0)
     return base
-
-
-def drop_page_cache(*folders: Path) -> None:
-    """Drop every file under ``folders`` from the page cache (clean pages only: all are)."""
-    for folder in folders:
-        for p in folder.rglob("*.safetensors"):
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def touch(t: torch.Tensor) -> None:

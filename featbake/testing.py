@@ -180,3 +180,19 @@ def write_image_folder(
         Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(path, quality=quality)
         paths.append(path)
     return paths
+
+
+def drop_page_cache(*folders: str | os.PathLike[str]) -> None:
+    """Drop every shard file under ``folders`` from the page cache, so the next reads go to the
+    disk (a cold store, for tests and benchmarks of read-ahead). Only clean pages are dropped:
+    shards are fsynced when sealed. A no-op where ``posix_fadvise`` is missing (macOS).
+    """
+    if not hasattr(os, "posix_fadvise"):
+        return
+    for folder in folders:
+        for p in Path(folder).rglob("*.safetensors"):
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)

@@ -23,6 +23,7 @@ from featbake import CachedFeatureDataset, FeatureLoader, build, pad_collate
 from featbake.errors import CacheMiss, ConfigError
 from featbake.serve.loader import SAMPLE, WARM_STREAK, ReadAhead
 from featbake.serve.sampling import EpochPlan
+from featbake.testing import drop_page_cache
 from tests.conftest import live_features
 
 
@@ -244,15 +245,6 @@ def _spy(ds: CachedFeatureDataset, monkeypatch: pytest.MonkeyPatch) -> list[list
     return calls
 
 
-def _drop_page_cache(store: Path) -> None:
-    for shard in store.rglob("*.safetensors"):
-        fd = os.open(shard, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="posix_fadvise is Linux's")
 def test_a_cold_store_is_read_ahead_and_served_as_encoded(
     baked: CachedFeatureDataset,
@@ -264,7 +256,7 @@ def test_a_cold_store_is_read_ahead_and_served_as_encoded(
     labels = torch.arange(len(baked)) * 10
     ds = StackDataset(baked, labels)
     for epoch, batch in enumerate((5, 1)):
-        _drop_page_cache(store_dir)
+        drop_page_cache(store_dir)
         calls.clear()
         loader = FeatureLoader(ds, batch_size=batch, seed=4, read_ahead=3)
         loader.set_epoch(epoch)

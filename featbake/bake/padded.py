@@ -119,8 +119,9 @@ class BatchRunner:
     ) -> None:
         self.encoder = encoder
         self.recipe = recipe
-        self.mode, self.note = initial_mode(encoder, Batching(batching))
-        self.pace = PaceTally() if Batching(batching) is Batching.AUTO else None
+        choice = Batching(batching)
+        self.mode, self.note = initial_mode(encoder, choice)
+        self.pace = PaceTally() if choice is Batching.AUTO else None
         self.shapes = ShapeBatcher(batch_size)
         self.lengths = LengthBatcher(batch_size, budget)
         self.batch_size = batch_size
