@@ -43,7 +43,7 @@ from featbake.store.catalog_api import BuildCatalog
 from featbake.store.features import Parts
 from featbake.store.fidelity import write_fidelity
 from featbake.store.layout import Layout
-from featbake.store.open import StoreRef, store_at
+from featbake.store.open import StoreRef, open_store
 from featbake.store.rank_catalog import RankCatalog
 from featbake.store.shard_format import DEFAULT_SHARD_BYTES
 
@@ -80,7 +80,7 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
             see :mod:`featbake.encode.bucket_inputs`).
         encoder: a TorchScript/.pt2 path, an import path, or an already loaded encoder.
         cache: the store directory (default ``$FEATBAKE_CACHE`` or ``./.featbake``), a bucket
-            (``s3://bucket/prefix``), or a layout from :func:`featbake.store.open.store_at`.
+            (``s3://bucket/prefix``), or a layout from :func:`featbake.store.open.open_store`.
         recipe: preprocessing and storage options (part of every key).
         weights: safetensors weights for an import-path encoder.
         trust_pickle: allow a pickled whole-module checkpoint (runs its code).
@@ -135,7 +135,7 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
         batch_size, workers, strict, shard_bytes, on_gpu, allow_nonfinite, threads, max_error
     )
     options.check_recipe(recipe)
-    layout = store_at(cache).ensure()
+    layout = open_store(cache).ensure()
     place = inputs_at(data)  # a folder, or a bucket prefix (s3://bucket/audio/)
     source = place.source(source_for(recipe))
     scanned = place.scan(source.extensions)

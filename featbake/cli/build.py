@@ -271,7 +271,7 @@ def build(
     from featbake.encode.layers import parse_layers
     from featbake.image_options import IMAGE_OPTIONS, parse_image_options, parse_views
     from featbake.recipe import Recipe
-    from featbake.store.open import store_at
+    from featbake.store.open import open_store
 
     if layer is not None and layers is not None:
         raise ConfigError("give --layer or --layers, not both")
@@ -304,7 +304,7 @@ def build(
             data,
             encoder,
             views=parse_views(views),
-            cache=store_at(cache, local_cache=local_cache, local_cache_size=local_cache_size),
+            cache=open_store(cache, local_cache=local_cache, local_cache_size=local_cache_size),
             recipe=recipe,
             weights=weights,
             trust_pickle=trust_pickle,

@@ -93,7 +93,7 @@ class CachedFeatureDataset(Dataset):
             ``nn.Module``. A file encoder is loaded at the first miss (or once, to fingerprint
             it, when the store has never seen this file).
         cache, local_cache, local_cache_size: the store (directory or ``s3://bucket/prefix``)
-            and a bucket's local tier, as :func:`featbake.store.open.store_at` takes them. On a
+            and a bucket's local tier, as :func:`featbake.store.open.open_store` takes them. On a
             shared filesystem or a bucket the catalog is only read; writes go to fragments.
         recipe: preprocessing and storage options; the keyword options below override its fields.
         source, sample_rate, mono, max_seconds, output, dtype: recipe fields, as in

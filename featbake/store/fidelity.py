@@ -18,7 +18,7 @@ from typing import Any
 
 from featbake.errors import StoreError
 from featbake.quantize import Fidelity
-from featbake.store.layout import Layout
+from featbake.store.layout import Layout, checked_root_name
 
 #: The dtypes whose roots carry a fidelity record.
 QUANTISED = ("int8", "fp8")
@@ -26,7 +26,7 @@ QUANTISED = ("int8", "fp8")
 
 def fidelity_file(layout: Layout, name: str) -> Path:
     """``roots/<name>.fidelity`` (not ``.json``: upkeep reads every ``*.json`` as a manifest)."""
-    return layout.roots / f"{name}.fidelity"
+    return layout.roots / f"{checked_root_name(name)}.fidelity"
 
 
 def write_fidelity(layout: Layout, name: str, fidelity: Fidelity, bound: float | None) -> None:

@@ -48,10 +48,10 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import NamedTuple
-from urllib.parse import quote
 
 from featbake.errors import ShardMissing, StoreCorrupt, StoreError
 from featbake.store.catalog import Catalog, HashCacheRow, RootSpec, ShardFeature
+from featbake.store.catalog.connection import Access, open_sqlite
 from featbake.store.catalog.roots import write_root_rows
 from featbake.store.catalog.rows import columns
 from featbake.store.fragment_legacy import FragmentRows, read_legacy_body
@@ -285,8 +285,7 @@ def _fill(
 
 def _open_sealed(path: Path) -> sqlite3.Connection:
     # immutable=1: the file never changes once sealed, so SQLite takes no lock (safe on NFS).
-    uri = f"file:{quote(os.fspath(path))}?mode=ro&immutable=1"
-    return sqlite3.connect(uri, uri=True)
+    return open_sqlite(path, Access.IMMUTABLE)
 
 
 def read_fragment(path: Path, layout: Layout, *, with_entries: bool = True) -> Fragment:

@@ -184,6 +184,12 @@ def plan_gc(
     opts = options or GcOptions()
     now = time.time() if now is None else now
     layout, catalog = open_catalog(cache)
+    if layout.remote is not None and not isinstance(cache, Layout):
+        catalog.close()
+        raise ConfigError(
+            f"{layout.remote} is a bucket store: its gc publishes a new catalog version and "
+            "sweeps objects; run featbake.upkeep.gc_bucket(...) or `featbake gc --cache URL`"
+        )
     with closing(catalog):
         roots = catalog.roots()
         drops = roots_to_drop(layout, roots, opts, now, set(drop))

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from featbake.store.catalog.connection import CatalogConnection, read_only_uri
+from featbake.store.catalog.connection import CatalogConnection, open_sqlite, read_only_access
 from featbake.store.catalog.feature_rows import ShardSize, insert_shard
 from featbake.store.catalog.roots import ITEMS_SELECT, ROOT_SELECT, write_root_rows
 from featbake.store.catalog.rows import (
@@ -292,7 +292,7 @@ def read_old_catalog(path: Path) -> OldCatalog:
     """
     out = OldCatalog()
     try:
-        conn = sqlite3.connect(read_only_uri(path), uri=True, timeout=5)
+        conn = open_sqlite(path, read_only_access(path))
     except sqlite3.Error:
         return out
     conn.text_factory = lambda b: b.decode("utf-8", "replace")  # damaged pages hold any bytes

@@ -18,7 +18,7 @@ from featbake.errors import StoreCorrupt, StoreError
 from featbake.store.catalog.connection import CatalogConnection, Transaction
 from featbake.store.catalog.rows import Root, RootItem, RootSpec, columns
 from featbake.store.fidelity import fidelity_file
-from featbake.store.layout import Layout, fsync_dir
+from featbake.store.layout import Layout, checked_root_name, fsync_dir
 
 ROOT_FORMAT = "featbake-root"
 ROOT_FORMAT_VERSION = 1
@@ -32,7 +32,7 @@ def roots_dir(layout: Layout) -> Path:
 
 
 def root_file(layout: Layout, name: str) -> Path:
-    return roots_dir(layout) / f"{name}.json"
+    return roots_dir(layout) / f"{checked_root_name(name)}.json"
 
 
 def items_file(layout: Layout, name: str) -> Path:
@@ -40,12 +40,12 @@ def items_file(layout: Layout, name: str) -> Path:
     whole (one ``[path, key]`` JSON array per line), so that extending a root costs what is
     added, not the whole manifest. Read with the manifest; gone when the file is written whole.
     """
-    return roots_dir(layout) / f"{name}.items"
+    return roots_dir(layout) / f"{checked_root_name(name)}.items"
 
 
 def tombstone_file(layout: Layout, name: str) -> Path:
     """Left by a root drop while it runs; a crash leaves it for gc to finish the drop."""
-    return roots_dir(layout) / f"{name}.dropped"
+    return roots_dir(layout) / f"{checked_root_name(name)}.dropped"
 
 
 def root_payload(root: Root, items: Sequence[tuple[str, str]]) -> dict:

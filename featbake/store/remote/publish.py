@@ -14,13 +14,13 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import sqlite3
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from featbake.errors import StoreError
+from featbake.store.catalog.connection import open_sqlite
 from featbake.store.fragments import fragments_dir, sealed_fragments
 from featbake.store.layout import Layout
 from featbake.store.merge import MergeReport, merge
@@ -118,7 +118,7 @@ def merge_bucket(store: BucketStore, *, between: Between = None) -> MergeReport:
 
 def _standalone(work: Layout) -> None:
     """Make the new catalog one self-contained file (no WAL beside it) before its upload."""
-    conn = sqlite3.connect(work.catalog)
+    conn = open_sqlite(work.catalog)
     try:
         conn.execute("PRAGMA journal_mode=DELETE")
     finally:
