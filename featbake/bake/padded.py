@@ -21,7 +21,7 @@ goes on in exact shapes, and says so (:mod:`featbake.bake.pace`).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -35,6 +35,11 @@ from featbake.encode.outputs import encode_batch, encode_padded
 from featbake.encode.precision import EXACT_TOLERANCE, relative_error
 from featbake.errors import ConfigError
 from featbake.recipe import Recipe
+
+#: The clock that times padded batches and the guard's runs for the pace verdict
+#: (:mod:`featbake.bake.pace`). Tests put a modelled device clock here, so the verdict never
+#: depends on how busy the machine running them is.
+pace_clock: Callable[[], float] = time.perf_counter
 
 #: Padded samples per batch when neither --batch-seconds nor a samples budget is given.
 DEFAULT_BATCH_SECONDS = 160.0
@@ -122,6 +127,7 @@ class BatchRunner:
         choice = Batching(batching)
         self.mode, self.note = initial_mode(encoder, choice)
         self.pace = PaceTally() if choice is Batching.AUTO else None
+        self.clock = pace_clock  # read at construction: tests inject a modelled device clock
         self.shapes = ShapeBatcher(batch_size)
         self.lengths = LengthBatcher(batch_size, budget)
         self.batch_size = batch_size
@@ -150,9 +156,9 @@ class BatchRunner:
         shapes = {tuple(x.shape) for x in inputs}
         if self.mode is BatchingMode.EXACT or len(shapes) == 1:
             return self.encode_exact(inputs)
-        start = time.perf_counter()
+        start = self.clock()
         results = encode_padded(self.encoder, inputs, self.recipe)  # on the host: synchronised
-        seconds = time.perf_counter() - start
+        seconds = self.clock() - start
         failed = self._guard(inputs, results)  # before anything of this batch is sealed
         if failed is not None:
             self._fall_back(failed)
@@ -187,9 +193,9 @@ class BatchRunner:
         padded_to = max(int(x.shape[-1]) for x in inputs)
         by_padding = sorted(range(len(inputs)), key=lambda i: int(inputs[i].shape[-1]))
         for i in by_padding[:GUARD_ITEMS]:
-            start = time.perf_counter()
+            start = self.clock()
             alone = encode_batch(self.encoder, [inputs[i]], self.recipe)[0]
-            seconds = time.perf_counter() - start
+            seconds = self.clock() - start
             error = max_part_error(results[i], alone)
             check = GuardCheck(error, int(inputs[i].shape[-1]), padded_to, seconds)
             self.checks.append(check)

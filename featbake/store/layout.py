@@ -7,7 +7,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from featbake.errors import ConfigError, StoreCorrupt, StoreError
 from featbake.store.remote.url import is_url
@@ -77,6 +77,14 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class TierUsage(NamedTuple):
+    """A node's tier of a bucket store: which catalog version it holds, its bytes and budget."""
+
+    version: int
+    bytes: int
+    budget: int
+
+
 class RemotePlace(Protocol):
     """Where a store's shards and fragments last when the store is a bucket
     (:class:`featbake.store.remote.store.BucketStore`); the layout is then its local tier."""
@@ -104,6 +112,14 @@ class RemotePlace(Protocol):
 
     def publish_fragment(self, fragment: Path, shards: Sequence[str]) -> None:
         """Upload a sealed fragment after the shards it names."""
+        ...
+
+    def sync_fragments(self) -> int:
+        """Bring the place's sealed fragments (other nodes' ranks) into the tier; how many."""
+        ...
+
+    def tier_usage(self) -> TierUsage:
+        """This node's tier of the place: its catalog version and the bytes it holds."""
         ...
 
     def shard_objects(self) -> dict[str, int]:

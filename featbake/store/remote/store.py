@@ -26,7 +26,13 @@ from typing import NamedTuple
 from featbake.errors import ConfigError, ShardMissing, StoreCorrupt
 from featbake.store.catalog.connection import Access, open_sqlite
 from featbake.store.fragments import fragments_dir, parse_name
-from featbake.store.layout import Layout, checked_shard_name, fsync_dir, is_shard_name
+from featbake.store.layout import (
+    Layout,
+    TierUsage,
+    checked_shard_name,
+    fsync_dir,
+    is_shard_name,
+)
 from featbake.store.reader import ShardReader, VerifyMode
 from featbake.store.remote.objects import Bucket
 from featbake.store.remote.ranged import RangedShardReader
@@ -182,6 +188,9 @@ class BucketStore:
         self.bucket.upload(f"{FRAGMENTS}{fragment.name}", fragment)
         if shards:
             self.tier.trim()  # uploaded: a build bigger than this disk must not fill it
+
+    def tier_usage(self) -> TierUsage:
+        return TierUsage(self.local_version(), self.tier.used_bytes(), self.tier.budget)
 
     def shard_objects(self) -> dict[str, int]:
         listed = {
