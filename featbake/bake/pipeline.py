@@ -43,7 +43,7 @@ from featbake.store.catalog_api import BuildCatalog
 from featbake.store.features import Parts
 from featbake.store.fidelity import write_fidelity
 from featbake.store.layout import Layout
-from featbake.store.open import StoreRef, open_store
+from featbake.store.open import Need, StoreRef, open_store
 from featbake.store.rank_catalog import RankCatalog
 from featbake.store.shard_format import DEFAULT_SHARD_BYTES
 
@@ -135,7 +135,7 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
         batch_size, workers, strict, shard_bytes, on_gpu, allow_nonfinite, threads, max_error
     )
     options.check_recipe(recipe)
-    layout = open_store(cache).ensure()
+    layout = open_store(cache, need=Need.WRITE).ensure()
     place = inputs_at(data)  # a folder, or a bucket prefix (s3://bucket/audio/)
     source = place.source(source_for(recipe))
     scanned = place.scan(source.extensions)

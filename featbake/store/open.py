@@ -16,6 +16,7 @@ from typing import Any
 
 from featbake.errors import ConfigError, StoreError
 from featbake.store.catalog import Catalog, Root
+from featbake.store.catalog.connection import READ_ONLY_ENV, read_only_forced
 from featbake.store.fragments import sealed_fragments
 from featbake.store.layout import Layout, layout_at
 from featbake.store.remote.store import BucketStore
@@ -38,6 +39,7 @@ class Need(Enum):
 
     ANY = "any"  # a build or a dataset may create it
     LOCAL = "local"  # a directory (created if missing): what writes its catalog in place
+    WRITE = "write"  # a build: refused before anything is written where writes are not allowed
     STORE = "store"  # something of a store must be there (upkeep, merge)
     CATALOG = "catalog"  # a catalog to read (stats, gc, export)
 
@@ -73,6 +75,11 @@ def open_store(
         PosixPath('/data/features')
     """
     layout = _layout_of(ref, need, local_cache, local_cache_size)
+    if need is Need.WRITE and read_only_forced():
+        raise StoreError(
+            f"{READ_ONLY_ENV}=1 is set, and a build writes to the store {describe(layout)}; "
+            f"unset {READ_ONLY_ENV} (nothing was written)"
+        )
     if need in (Need.STORE, Need.CATALOG) and layout.remote is None:
         _require_directory(layout)
     if need is Need.CATALOG:

@@ -91,10 +91,15 @@ class Access(StrEnum):
     IMMUTABLE = "immutable"  # immutable=1: a directory nobody can write, read as a snapshot
 
 
+def read_only_forced() -> bool:
+    """Whether ``$FEATBAKE_READ_ONLY`` says this process must not write to any store."""
+    return os.environ.get(READ_ONLY_ENV, "") not in ("", "0")
+
+
 def access_for(layout: Layout, *, read_only: bool = False) -> Access:
     """How this process can open ``layout``'s catalog (root ignores permission bits, not mounts)."""
     path = layout.catalog
-    forced = read_only or os.environ.get(READ_ONLY_ENV, "") not in ("", "0")
+    forced = read_only or read_only_forced()
     file_ok = os.access(path, os.W_OK) or not path.exists()
     dir_ok = os.access(path.parent, os.W_OK | os.X_OK) or not path.parent.exists()
     if not forced and file_ok and dir_ok:

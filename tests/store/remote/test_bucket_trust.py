@@ -331,3 +331,15 @@ def test_stats_and_export_take_the_local_cache_options(
     exported = run_cli("export", out, "--cache", s3.url, "--local-cache", tier)
     assert exported.returncode == 0, exported.stderr
     shutil.rmtree(out)
+
+
+def test_a_read_only_build_into_a_bucket_writes_nothing(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    got = run_cli(
+        "build", "-e", encoder_file, "-d", audio_dir, "--cache", s3.url,
+        "--local-cache", tmp_path / "t", env={"FEATBAKE_READ_ONLY": "1"},
+    )  # fmt: skip
+    assert got.returncode == 5, got.stderr
+    assert "FEATBAKE_READ_ONLY=1" in got.stderr and s3.url in got.stderr
+    assert s3.objects() == []  # no shard, no fragment uploaded
