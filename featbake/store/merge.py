@@ -72,6 +72,8 @@ class MergeReport:
     new_features: int = 0
     missing_shards: list[str] = field(default_factory=list)
     pending: list[PendingBuild] = field(default_factory=list)
+    #: fragments left unmerged because they cannot be read (``skip_damaged``): file names
+    damaged: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {
@@ -111,19 +113,28 @@ def pending_builds(layout: Layout) -> list[PendingBuild]:
     for bid, names in sorted(_by_build(layout).items()):
         if _is_complete(names):
             continue
-        head = read_fragment(names[0].path, layout, with_entries=False)
+        try:
+            root = read_fragment(names[0].path, layout, with_entries=False).info.root
+        except StoreCorrupt:
+            root = f"(unreadable fragment {names[0].path.name})"
         done = sorted({n.rank for n in names if n.kind is FragmentKind.DONE})
-        out.append(PendingBuild(bid, head.info.root, names[0].world, tuple(done), len(names)))
+        out.append(PendingBuild(bid, root, names[0].world, tuple(done), len(names)))
     return out
 
 
-def merge(layout: Layout, *, between: Callable[[str], None] | None = None) -> MergeReport:
+def merge(
+    layout: Layout, *, between: Callable[[str], None] | None = None, skip_damaged: bool = False
+) -> MergeReport:
     """Fold every complete build's sealed fragments into the catalog; see the module docstring.
 
-    ``between`` is a test hook called after each step (``root``, ``rows``, ``hashes``).
+    ``between`` is a test hook called after each step (``root``, ``rows``, ``hashes``). With
+    ``skip_damaged`` (a bucket store, where one damaged object must not block every node's
+    builds) a build with an unreadable fragment is left unmerged and named in
+    ``report.damaged``; everything else merges.
 
     Raises:
-        StoreCorrupt: a fragment is unreadable (the message says to move it aside).
+        StoreCorrupt: a fragment is unreadable (the message says to move it aside), unless
+            ``skip_damaged``.
         StoreError: the catalog cannot be written.
 
     Example:
@@ -147,7 +158,7 @@ def merge(layout: Layout, *, between: Callable[[str], None] | None = None) -> Me
     # those inserts from re-reading the same B-tree pages (this connection only, freed at close).
     catalog.conn.execute("PRAGMA cache_size=-262144")
     try:
-        frags = {b: [_read(n.path, layout) for n in names] for b, names in complete.items()}
+        frags = _readable(complete, layout, report if skip_damaged else None)
         # Oldest build first, so a newer build of the same root publishes its manifest last.
         for bid in sorted(frags, key=lambda b: max(f.created for f in frags[b])):
             _fold_build(catalog, frags[bid], report, between)
@@ -157,7 +168,7 @@ def merge(layout: Layout, *, between: Callable[[str], None] | None = None) -> Me
             fsync_dir(fragments_dir(layout))
             report.fragments += len(frags[bid])
         if serving:
-            _fold_serving(catalog, [_read_serving(n.path, layout) for n in serving], report)
+            _fold_serving(catalog, _readable_serving(serving, layout, skip_damaged, report), report)
     finally:
         catalog.close()
     report.pending = pending_builds(layout)
@@ -215,6 +226,44 @@ def _publish_root(
 ) -> None:
     """Replace the root a fragment's ``info`` names with ``items`` (path, key), used at ``now``."""
     catalog.replace_root(info.root_spec, [(i.path, i.key) for i in items], now=now)
+
+
+def _readable(
+    complete: dict[str, list[FragmentName]], layout: Layout, damaged: MergeReport | None
+) -> dict[str, list[Fragment]]:
+    """Each complete build's fragments, read; a build with an unreadable one is left out and
+    named in ``damaged.damaged`` (raised when ``damaged`` is None)."""
+    out: dict[str, list[Fragment]] = {}
+    for build_id, names in complete.items():
+        try:
+            out[build_id] = [_read(n.path, layout) for n in names]
+        except StoreCorrupt:
+            if damaged is None:
+                raise
+            damaged.damaged.extend(n.path.name for n in names if not _is_readable(n, layout))
+    return out
+
+
+def _readable_serving(
+    names: list[FragmentName], layout: Layout, skip_damaged: bool, report: MergeReport
+) -> list[Fragment]:
+    out = []
+    for n in names:
+        try:
+            out.append(_read_serving(n.path, layout))
+        except StoreCorrupt:
+            if not skip_damaged:
+                raise
+            report.damaged.append(n.path.name)
+    return out
+
+
+def _is_readable(name: FragmentName, layout: Layout) -> bool:
+    try:
+        _read(name.path, layout)
+    except StoreCorrupt:
+        return False
+    return True
 
 
 def _read(path: Path, layout: Layout) -> Fragment:

@@ -343,3 +343,26 @@ def test_a_read_only_build_into_a_bucket_writes_nothing(
     assert got.returncode == 5, got.stderr
     assert "FEATBAKE_READ_ONLY=1" in got.stderr and s3.url in got.stderr
     assert s3.objects() == []  # no shard, no fragment uploaded
+
+
+def test_a_damaged_fragment_object_is_named_and_blocks_no_other_build(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    from featbake.store.remote.publish import DamagedFragmentWarning
+
+    for part in ("0/2", "1/2"):  # a build in parts, not merged yet
+        build(audio_dir, encoder_file, cache=s3.url, workers=0, shard=part)
+    fragments = s3.objects("fragments/")
+    fragment = fragments[-1]
+    (tmp_path / "junk").write_bytes(b"not a fragment" * 100)
+    bucket_of(s3).upload(fragment, tmp_path / "junk")
+    other = tmp_path / "other"
+    write_audio_folder(other, 3, seconds=0.5, seed=4)
+    with pytest.warns(DamagedFragmentWarning, match=rf"{s3.url}/{fragment}.*delete that object"):
+        report = build(other, encoder_file, cache=open_store(s3.url, local_cache=tmp_path / "n"))
+    assert report.ok and report.encoded == 3
+    assert s3.objects("fragments/") == fragments  # left for the user: nothing else lost
+    ds = CachedFeatureDataset(
+        other, encoder_file, cache=s3.url, local_cache=tmp_path / "reader", on_miss="error"
+    )
+    assert_live(ds, encoder_file)
