@@ -39,6 +39,7 @@ from featbake.store.catalog import Catalog, FileStat
 from featbake.store.catalog_api import ServingStore
 from featbake.store.features import Parts
 from featbake.store.layout import Layout
+from featbake.store.open import describe
 from featbake.store.remote.url import is_url
 from featbake.store.serving_fragments import open_serving_catalog
 from featbake.store.writer import SealedShard
@@ -231,7 +232,7 @@ class Misses:
         return CacheMiss(
             miss_message(
                 path,
-                str(self.live.layout.root),
+                describe(self.live.layout),  # a bucket store by its URL, never its tier folder
                 self.live.label,
                 data,
                 self.recipe.as_dict(),

@@ -366,3 +366,19 @@ def test_a_damaged_fragment_object_is_named_and_blocks_no_other_build(
         other, encoder_file, cache=s3.url, local_cache=tmp_path / "reader", on_miss="error"
     )
     assert_live(ds, encoder_file)
+
+
+def test_a_miss_on_a_bucket_store_names_the_bucket_not_the_tier(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    from featbake.errors import CacheMiss
+
+    build(audio_dir, encoder_file, cache=s3.url, workers=0)
+    more = tmp_path / "more"
+    write_audio_folder(more, 2, seconds=0.5, seed=8)
+    tier = tmp_path / "tier"
+    ds = CachedFeatureDataset(more, encoder_file, cache=s3.url, local_cache=tier, on_miss="error")
+    with pytest.raises(CacheMiss) as miss:
+        ds[0]
+    said = str(miss.value)
+    assert s3.url in said and str(tier) not in said
