@@ -49,6 +49,11 @@ class Inputs(Protocol):
         """(path -> SHA-256, path -> why it could not be read), as :func:`hash_inputs` says."""
         ...
 
+    @property
+    def stat_tells_change(self) -> bool:
+        """Whether one ``stat`` of an input tells that it changed (``revalidate=True``)."""
+        ...
+
     def source(self, inner: Source) -> Source:
         """``inner`` (the recipe's source), made to read inputs from this place."""
         ...
@@ -84,6 +89,10 @@ class Folder:
         stats: dict[str, FileStat] | None = None,
     ) -> tuple[dict[str, str], dict[str, str]]:
         return hash_inputs(catalog, paths, progress, stats)
+
+    @property
+    def stat_tells_change(self) -> bool:
+        return True
 
     def source(self, inner: Source) -> Source:
         return inner

@@ -42,7 +42,7 @@ from featbake.serve.process import (
     store_read_only,
 )
 from featbake.serve.reads import Reads
-from featbake.serve.revalidate import revalidate
+from featbake.serve.revalidate import refuse_revalidate_of_objects, revalidate
 from featbake.serve.served import served_for
 from featbake.serve.state import ProcessState, save_at_exit
 from featbake.serve.writeback import (
@@ -185,6 +185,7 @@ class CachedFeatureDataset(Dataset):
         self.max_open_shards = max_open_shards
         self._clock = clock
         self.revalidate = revalidate
+        refuse_revalidate_of_objects(data, revalidate)
         self._ram_total = parse_bytes(ram_cache)
         dev.resolve_device(device)  # validate now, not at the first miss
         self._layout = serving_layout(cache, on_miss, local_cache, local_cache_size)

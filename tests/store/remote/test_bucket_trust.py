@@ -382,3 +382,8 @@ def test_a_miss_on_a_bucket_store_names_the_bucket_not_the_tier(
         ds[0]
     said = str(miss.value)
     assert s3.url in said and str(tier) not in said
+
+
+def test_revalidate_over_a_bucket_prefix_is_refused_in_one_line(s3: S3) -> None:
+    with pytest.raises(ConfigError, match="revalidate=True is not built for inputs in a bucket"):
+        CachedFeatureDataset(f"s3://{s3.bucket}/audio/", "encoder.pt", revalidate=True)
