@@ -17,6 +17,11 @@ from featbake.store.reader import ShardReader, VerifyMode
 TEND_SECONDS = 1.0
 
 
+#: Fetches of one shard a reader tries when the node's other processes keep evicting it between
+#: the fetch and the open (a tier far too small for its readers).
+FETCH_TRIES = 3
+
+
 class ShardHandles:
     """A per-process cache of open :class:`ShardReader` objects, bounded in open files.
 
@@ -72,15 +77,32 @@ class ShardHandles:
             ranged = self.remote.ranged_reader(name, path, self.verify)
             if ranged is not None:
                 return ranged
-            self._tend_tier(self.remote)  # before the fetch evicts: see _tend_tier
-            if self.remote.fetch_shard(name, self._close_evicted) is None:
-                raise
-            reader = ShardReader(path, verify=self.verify)
+            reader = self._fetched(name, path)
         else:
             if time.monotonic() - self._tended > TEND_SECONDS:  # another process's evictions
                 self._tend_tier(self.remote)
         self.remote.opened(path)
         return reader
+
+    def _fetched(self, name: str, path: Path) -> ShardReader:
+        """A reader of shard ``name`` fetched into the tier. Another process of the node may
+        evict it between the fetch and the open (the tier is shared): fetched again then, not
+        taken for a shard gone from the store.
+
+        Raises:
+            ShardMissing: the bucket has no such shard, or it kept vanishing.
+        """
+        assert self.remote is not None
+        for attempt in range(FETCH_TRIES):
+            self._tend_tier(self.remote)  # before the fetch evicts: see _tend_tier
+            if self.remote.fetch_shard(name, self._close_evicted) is None:
+                raise ShardMissing(f"shard {name} is gone from {self.remote} (deleted by gc)")
+            try:
+                return ShardReader(path, verify=self.verify)
+            except ShardMissing:
+                if attempt == FETCH_TRIES - 1:
+                    raise
+        raise AssertionError("unreachable")
 
     def _tend_tier(self, remote: RemotePlace) -> None:
         """Before a bucket store's tier may evict for a new shard: close the readers of files it

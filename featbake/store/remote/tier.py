@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from featbake.errors import ConfigError, StoreCorrupt, StoreError
-from featbake.store.layout import Layout, fsync_dir, remove_file
+from featbake.store.layout import Layout, fsync_dir, is_shard_name, remove_file
 from featbake.store.reader import ShardReader, VerifyMode
 from featbake.store.remote.eviction import TierFile, evictions
 
@@ -29,6 +29,9 @@ PART = ".part"
 
 #: A shard written (or used) this recently is never evicted by :meth:`DiskTier.trim`.
 TRIM_AGE_S = 600.0
+
+#: Seconds a fetch waits for downloads in flight to leave room in the budget before it fails.
+ROOM_WAIT_S = 300.0
 
 #: Fetches of one shard whose bytes fail their checksums before the error is raised.
 CHECKED_TRIES = 2
@@ -129,13 +132,33 @@ class DiskTier:
                 )
 
     def _reserve(self, fd: int, part: Path, size: int) -> None:
-        """Evict what must go so ``size`` more bytes fit, then reserve them in ``part``."""
-        with _locked(self.downloads / "tier.lock"):
-            files = list(self._files(skip=part))
-            for f in evictions(files, self.budget, size):
-                remove_file(self._path_of(f.name))
-            with contextlib.suppress(OSError):
-                os.posix_fallocate(fd, 0, max(size, 1))
+        """Evict what must go so ``size`` more bytes fit, then reserve them in ``part``.
+
+        While downloads in flight (other workers') hold the room, wait for them: they end
+        within a download's time, and a budget of a few shards serves any number of workers.
+        Only a shard that cannot fit even in an empty tier is an error at once.
+
+        Raises:
+            ConfigError: ``size`` exceeds the budget, or no room came in :data:`ROOM_WAIT_S`.
+        """
+        deadline = time.monotonic() + ROOM_WAIT_S
+        pause = 0.02
+        while True:
+            with _locked(self.downloads / "tier.lock"):
+                files = list(self._files(skip=part))
+                try:
+                    doomed = evictions(files, self.budget, size)
+                except ConfigError:
+                    if size > self.budget or time.monotonic() > deadline:
+                        raise
+                else:
+                    for f in doomed:
+                        remove_file(self._path_of(f.name))
+                    with contextlib.suppress(OSError):
+                        os.posix_fallocate(fd, 0, max(size, 1))
+                    return
+            time.sleep(pause)  # outside the lock: the downloads holding the room finish
+            pause = min(pause * 2, 0.5)
 
     def trim(self, min_age: float = TRIM_AGE_S) -> int:
         """Evict least recently used shards, none younger than ``min_age`` seconds, until the
@@ -177,6 +200,8 @@ class DiskTier:
                 gone = (NotADirectoryError, FileNotFoundError)
                 with contextlib.suppress(*gone), os.scandir(d) as it:
                     for e in it:
+                        if not is_shard_name(e.name.removesuffix(".safetensors")):
+                            continue  # not a shard: never followed, never evicted
                         with contextlib.suppress(FileNotFoundError):
                             st = e.stat()
                             yield TierFile(e.name, st.st_size, st.st_mtime)
