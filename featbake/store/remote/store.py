@@ -84,6 +84,7 @@ class BucketStore:
         self.tier = DiskTier(self.layout, budget)
         self._sizes: dict[str, int] | None = None  # shard name -> bytes, listed once
         self._ranged: bool | None = None  # see reads_ranged
+        self._uploaded: set[str] = set()  # shards this process uploaded: copies in the tier
 
     def __getstate__(self) -> dict:
         return {"url": self.url, "tier": self.layout.root, "budget": self.tier.budget}
@@ -186,8 +187,9 @@ class BucketStore:
             if self._sizes is not None:
                 self._sizes[name] = path.stat().st_size
         self.bucket.upload(f"{FRAGMENTS}{fragment.name}", fragment)
-        if shards:
-            self.tier.trim()  # uploaded: a build bigger than this disk must not fill it
+        self._uploaded.update(shards)
+        if shards:  # uploaded: a build bigger than this disk must not fill it
+            self.tier.trim(uploaded=self._uploaded)
 
     def tier_usage(self) -> TierUsage:
         return TierUsage(self.local_version(), self.tier.used_bytes(), self.tier.budget)

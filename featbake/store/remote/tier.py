@@ -17,7 +17,7 @@ import contextlib
 import fcntl
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 
 from featbake.errors import ConfigError, StoreCorrupt, StoreError
@@ -160,21 +160,23 @@ class DiskTier:
             time.sleep(pause)  # outside the lock: the downloads holding the room finish
             pause = min(pause * 2, 0.5)
 
-    def trim(self, min_age: float = TRIM_AGE_S) -> int:
-        """Evict least recently used shards, none younger than ``min_age`` seconds, until the
-        tier fits its budget; the bytes freed.
+    def trim(self, min_age: float = TRIM_AGE_S, uploaded: Collection[str] = ()) -> int:
+        """Evict least recently used shards, none younger than ``min_age`` seconds unless this
+        process ``uploaded`` them, until the tier fits its budget; the bytes freed.
 
         A build into a bucket writes its shards here first: once they are uploaded they are
         copies like any fetched shard, and a build bigger than this disk must not fill it.
         ``min_age`` spares a shard another process of the node has just written and not yet
-        uploaded (it uploads within seconds of writing), so the tier may exceed its budget by
-        that much of a build's output.
+        uploaded (it uploads within seconds of writing); this process's own uploads are copies
+        at once, so a build leaves the tier within its budget.
         """
         self.downloads.mkdir(parents=True, exist_ok=True)
         with _locked(self.downloads / "tier.lock"):
             young = time.time() - min_age
             files = [
-                f if f.used <= young else f._replace(evictable=False)
+                f
+                if f.used <= young or f.name.removesuffix(".safetensors") in uploaded
+                else f._replace(evictable=False)
                 for f in self._files(skip=Path())
             ]
             try:

@@ -387,3 +387,18 @@ def test_a_miss_on_a_bucket_store_names_the_bucket_not_the_tier(
 def test_revalidate_over_a_bucket_prefix_is_refused_in_one_line(s3: S3) -> None:
     with pytest.raises(ConfigError, match="revalidate=True is not built for inputs in a bucket"):
         CachedFeatureDataset(f"s3://{s3.bucket}/audio/", "encoder.pt", revalidate=True)
+
+
+def test_a_bucket_build_leaves_the_tier_within_its_budget(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    tier = tmp_path / "tier"
+    store = open_store(s3.url, local_cache=tier, local_cache_size="120KB")
+    report = build(audio_dir, encoder_file, cache=store, workers=0, shard_bytes=30_000)
+    assert report.encoded == 16 and len(s3.objects("shards/")) > 4
+    held = sum(p.stat().st_size for p in tier.rglob("*.safetensors"))
+    assert held <= 120_000, held  # its own uploads are copies at once, young or not
+    ds = CachedFeatureDataset(
+        audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "r", on_miss="error"
+    )
+    assert_live(ds, encoder_file)
