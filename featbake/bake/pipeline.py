@@ -30,7 +30,7 @@ from featbake.bake.writer_thread import WriterThread
 from featbake.device import check_device, process_cpus, torch_threads
 from featbake.encode.encoders import LoadedEncoder, from_module, load_encoder
 from featbake.encode.fingerprints import encoder_fingerprint
-from featbake.encode.hf import check_layers_supported, recipe_for_encoder
+from featbake.encode.hf import check_recipe_supported, recipe_for_encoder
 from featbake.encode.inputs import Inputs, inputs_at
 from featbake.encode.sources import Source, source_for
 from featbake.errors import ConfigError, EncodeError, FeatbakeError, SourceError
@@ -171,7 +171,7 @@ def loaded_encoder(
     """The encoder ready to run: loaded from a path or import path, or wrapped as given.
 
     Raises:
-        ConfigError: the recipe asks for hidden layers this encoder cannot give.
+        ConfigError: the recipe asks for hidden layers or an output this encoder cannot give.
     """
     if isinstance(encoder, LoadedEncoder):
         enc = encoder
@@ -181,7 +181,7 @@ def loaded_encoder(
         enc = load_encoder(
             encoder, weights=weights, device=device, trust_pickle=trust_pickle, layers=recipe.layers
         )
-    check_layers_supported(enc, recipe)
+    check_recipe_supported(enc, recipe)
     return enc
 
 

@@ -16,7 +16,7 @@ import sys
 import warnings
 import zipfile
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +63,9 @@ class LoadedEncoder:
             :mod:`featbake.encode.lengths`), so inputs of different lengths can share a batch.
         unpaddable: why padded batches would not be exact for this encoder, known up front
             (e.g. a group-norm wav2vec2 that must not get an attention mask), else ``None``.
+        absent_outputs: outputs a model of this kind usually gives but this one cannot, with
+            why (a ViT saved without its pooling layer has no ``pooled``); ``--output`` naming
+            one is refused up front with that reason.
     """
 
     module: Any
@@ -73,6 +76,7 @@ class LoadedEncoder:
     _fingerprint: str | None = None
     takes_lengths: bool = False
     unpaddable: str | None = None
+    absent_outputs: dict[str, str] = field(default_factory=dict)
 
     @property
     def fingerprint(self) -> str:

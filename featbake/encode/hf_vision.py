@@ -6,7 +6,8 @@ user gives on top; its model runs behind :class:`HFVisionEncoder`, which names i
 parts so ``--output`` and ``--layers`` pick them as they do for audio:
 
 * ``pooled``: the model's ``pooler_output`` (ViT's tanh head on CLS, DINOv2's normalised CLS,
-  CLIP's post-layernorm CLS), or the CLS token when the model has no pooler: ``[D]``;
+  CLIP's post-layernorm CLS), or the CLS token when the model has no pooler: ``[D]``; a ViT
+  saved without its pooling layer (DINO, MAE) has no ``pooled`` (its head would be random);
 * ``tokens``: the last hidden state, CLS (and registers) first, then the patches: ``[N, D]``;
 * ``layer6`` ...: ``hidden_states[6]`` with ``--layers`` (0 is the patch embedding).
 
@@ -85,21 +86,25 @@ def image_recipe_for_folder(folder: str | os.PathLike[str], **changes: Any) -> I
 class HFVisionEncoder(nn.Module):
     """A transformers vision model behind ``forward(pixel_values) -> {part: tensor}``.
 
-    Without ``layers``: ``{"pooled": [B, D], "tokens": [B, N, D]}``; with ``layers``:
+    Without ``layers``: ``{"pooled": [B, D], "tokens": [B, N, D]}`` (``tokens`` alone when
+    ``pooled`` is False: a model loaded without its pooling head); with ``layers``:
     ``{"layer6": hidden_states[6], ...}``.
     """
 
-    def __init__(self, model: Any, layers: tuple[int, ...] | None) -> None:
+    def __init__(self, model: Any, layers: tuple[int, ...] | None, pooled: bool = True) -> None:
         super().__init__()
         self.model = model
         self.layers = layers
+        self.pooled = pooled
 
     def forward(self, pixel_values: torch.Tensor) -> dict[str, torch.Tensor]:
         out = self.model(pixel_values=pixel_values, output_hidden_states=self.layers is not None)
         if self.layers is not None:
             return {part_name(k): out.hidden_states[k] for k in self.layers}
-        pooled = getattr(out, "pooler_output", None)
         tokens = out.last_hidden_state
+        if not self.pooled:
+            return {TOKENS: tokens}
+        pooled = getattr(out, "pooler_output", None)
         return {POOLED: tokens[:, 0] if pooled is None else pooled, TOKENS: tokens}
 
 
