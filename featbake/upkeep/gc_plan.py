@@ -192,6 +192,9 @@ def plan_gc(
         )
     with closing(catalog):
         roots = catalog.roots()
+        if opts.older_than is not None:  # a root a dataset reads is in use (features' last use)
+            stale = now - opts.older_than
+            roots = [catalog.with_reads(r) if r.last_used < stale else r for r in roots]
         drops = roots_to_drop(layout, roots, opts, now, set(drop))
         unreached, reached = _reach(catalog, roots, {d.name for d in drops}, opts)
         shard_rows = catalog.shard_rows()
