@@ -149,7 +149,7 @@ def build(
         str | None,
         typer.Option(
             help="Images: resize the shortest edge (256), to an exact size (224x224) or not "
-            "(none). [default: the folder's processor, else 256]",
+            "(none); at most 8192 a side. [default: the folder's processor, else 256]",
             show_default=False,
         ),
     ] = None,
