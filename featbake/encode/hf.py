@@ -7,8 +7,9 @@ extractor says ``return_attention_mask: false`` (the group-norm wav2vec2/HuBERT-
 "can not 100% correctly treat padded input", so featbake runs it on exact shapes and says why.
 The module featbake runs follows the lengths protocol (:mod:`featbake.encode.lengths`): an
 attention mask is built from the lengths, and output lengths come from the model's own
-``_get_feat_extract_output_lengths``. Vision folders (an image processor, ``pixel_values`` in)
-are handled by :mod:`featbake.encode.hf_vision`; this module loads both.
+``_get_feat_extract_output_lengths``. Vision folders (an image processor, ``pixel_values`` in,
+or a whole CLIP/SigLIP whose vision tower is run) are handled by :mod:`featbake.encode.hf_vision`;
+this module loads both.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from featbake.encode.hf_vision import (
     HFVisionEncoder,
     image_recipe_for_folder,
     is_vision_folder,
+    tower_config,
+    vision_tower,
 )
 from featbake.encode.layers import layers_to_run, part_name, resolve_layers
 from featbake.errors import ConfigError, EncoderLoadError
@@ -143,6 +146,7 @@ def _num_layers(folder: str | os.PathLike[str]) -> int:
         config = json.loads((Path(folder) / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise EncoderLoadError(f"cannot read {folder}/config.json: {e}") from e
+    config = tower_config(config)
     if "num_hidden_layers" not in config:
         raise ConfigError(f"{folder} has no num_hidden_layers in config.json; --layers needs it")
     return int(config["num_hidden_layers"])
@@ -222,12 +226,12 @@ def _load_model(folder: Path) -> Any:  # a transformers PreTrainedModel
         model, info = _from_pretrained(folder, add_pooling_layer=False)
     check_loading_info(folder, info)
     takes = getattr(model, "main_input_name", None)
-    if takes not in ("input_values", "pixel_values"):
+    if takes not in ("input_values", "pixel_values") and vision_tower(model) is None:
         raise EncoderLoadError(
             f"{folder} holds a {type(model).__name__}, which takes neither raw audio "
             "(input_values) nor images (pixel_values); featbake runs wav2vec2-style audio "
-            "encoders and ViT/DINOv2/CLIP-vision towers from a folder (for a full CLIP model, "
-            "save its vision_model alone)"
+            "encoders, ViT/DINOv2 models and CLIP/SigLIP models (whole or their vision "
+            "tower) from a folder"
         )
     if takes == "input_values" and not hasattr(model, "_get_feat_extract_output_lengths"):
         raise EncoderLoadError(f"{type(model).__name__} does not report its output lengths")
@@ -245,10 +249,16 @@ def _vision_encoder(
 
     A model loaded without its pooling head (a DINO or MAE ViT) gives no ``pooled`` output:
     its tokens are what the weights cover, and a CLS token under the pooler's name would be
-    another feature than a ViT's ``pooler_output``.
+    another feature than a ViT's ``pooler_output``. Of a whole CLIP or SigLIP model only the
+    vision tower (and CLIP's projection) is kept: the text tower is freed with ``model``.
     """
-    headless = getattr(model, "pooler", False) is None
-    wrapper = HFVisionEncoder(model, layers, pooled=not headless)
+    tower = vision_tower(model)
+    runs = model if tower is None else tower.model
+    headless = getattr(runs, "pooler", False) is None
+    projection = None if tower is None else tower.projection
+    wrapper = HFVisionEncoder(
+        runs, layers, pooled=not headless, embeds=tower is not None, projection=projection
+    )
     identity = folder_identity(path, model, pre)
     enc = from_module(wrapper, label=str(path), kind=HF, identity=identity, device=device)
     enc._fingerprint = module_fingerprint(wrapper, identity)
@@ -334,10 +344,10 @@ def load_hf_folder(
     path = Path(folder).resolve()
     model = _load_model(path)
     pre = Preprocessor.of_folder(path)
-    num = int(model.config.num_hidden_layers)
+    num = int(tower_config(model.config.to_dict())["num_hidden_layers"])
     if layers is not None:
         layers = resolve_layers(layers, num)
-    if model.main_input_name == "pixel_values":
+    if model.main_input_name == "pixel_values" or vision_tower(model) is not None:
         return _vision_encoder(path, model, pre, layers, device)
     wrapper = HFSpeechEncoder(model, layers, pre.return_attention_mask)
     identity = folder_identity(path, model, pre)
