@@ -6,6 +6,7 @@ Public API::
     featbake.CachedFeatureDataset(data, encoder=...)   # serve baked features to a DataLoader
     featbake.pad_collate, featbake.DevicePrefetcher    # batching and device prefetch
     featbake.CachedEncoder(encoder, cache=...)         # intercept a frozen encoder in-process
+    featbake.ViewsDataset(data, encoder, views=...)    # baked image views (--views hflip)
     featbake.Recipe(sample_rate=16000, ...)            # preprocessing options, part of every key
 
 Names are imported on first use (PEP 562), so ``featbake --help`` does not pay for importing torch.
@@ -27,6 +28,7 @@ _EXPORTS = {
     "CachedFeatureDataset": "featbake.serve.dataset",
     "FeatureLoader": "featbake.serve.loader",
     "ServeStats": "featbake.serve.dataset",
+    "ViewsDataset": "featbake.serve.views",
     "BuildIncomplete": "featbake.errors",
     "CacheMiss": "featbake.errors",
     "ConfigError": "featbake.errors",
@@ -62,6 +64,7 @@ __all__ = [
     "SourceError",
     "StoreCorrupt",
     "StoreError",
+    "ViewsDataset",
     "__version__",
     "build",
     "pad_collate",
@@ -89,6 +92,7 @@ if TYPE_CHECKING:
     from featbake.serve.dataset import CachedFeatureDataset, ServeStats
     from featbake.serve.loader import FeatureLoader
     from featbake.serve.prefetch import DevicePrefetcher
+    from featbake.serve.views import ViewsDataset
 
 
 def __getattr__(name: str) -> Any:

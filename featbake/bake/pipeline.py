@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from featbake.bake.arguments import BuildArguments, check_build_arguments
+from featbake.bake.arguments import BuildArguments, check_build_arguments, check_encoder_found
 from featbake.bake.compact import DEFAULT_MAX_ERROR, Compactor, over_bound
 from featbake.bake.decode import decoded_items, worker_death
 from featbake.bake.derive import reusable_parts
@@ -125,6 +125,7 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
         batching, batch_size, workers, shard_bytes, batch_seconds, batch_samples, encoder, threads
     )
     check_build_arguments(args, process_cpus())
+    check_encoder_found(encoder)  # before the data: a wrong path is named, not "no inputs"
     # A Hugging Face folder's preprocessor config sets the input (sample rate, normalisation)
     # and resolves layers="all": before the source is made from the recipe.
     recipe = recipe_for_encoder(encoder, recipe or Recipe())

@@ -10,7 +10,7 @@ import typer
 from rich.markup import escape
 
 from featbake.cli.app import (
-    EXIT_CODES,
+    UPKEEP_EXIT_CODES,
     CacheOpt,
     JsonOpt,
     LocalCacheOpt,
@@ -28,7 +28,7 @@ from featbake.units import format_bytes
         "  featbake export --format zarr feats.zarr --root r-3f1c --overwrite\n\n"
         "Read it back without featbake:\n\n"
         "  g = zarr.open_group('feats.zarr', mode='r'); o = g['offsets'][:]\n\n"
-        "  first = g['values'][o[0]:o[1]]\n\n" + EXIT_CODES
+        "  first = g['values'][o[0]:o[1]]\n\n" + UPKEEP_EXIT_CODES
     )
 )
 def export(

@@ -9,7 +9,7 @@ import typer
 from rich.markup import escape
 
 from featbake.cli.app import (
-    EXIT_CODES,
+    UPKEEP_EXIT_CODES,
     CacheOpt,
     JsonOpt,
     LocalCacheOpt,
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
         "  featbake gc --older-than 30d --max-bytes 200GiB\n\n"
         "  featbake gc --compact-below 0.8 --merge-small --json\n\n"
         "  featbake gc --cache s3://team-bucket/features --older-than 30d --retention 7d\n\n"
-        + EXIT_CODES
+        + UPKEEP_EXIT_CODES
     )
 )
 def gc(

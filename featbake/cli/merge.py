@@ -6,7 +6,7 @@ import json
 
 from rich.markup import escape
 
-from featbake.cli.app import EXIT_CODES, CacheOpt, JsonOpt, app, console, out
+from featbake.cli.app import UPKEEP_EXIT_CODES, CacheOpt, JsonOpt, app, console, out
 
 
 @app.command(
@@ -14,7 +14,7 @@ from featbake.cli.app import EXIT_CODES, CacheOpt, JsonOpt, app, console, out
         "Examples:\n\n"
         "  featbake merge\n\n"
         "  sbatch --dependency=afterok:$ARRAY_JOB featbake-merge.sh   # after a SLURM array\n\n"
-        + EXIT_CODES
+        + UPKEEP_EXIT_CODES
     )
 )
 def merge(cache: CacheOpt = None, as_json: JsonOpt = False) -> None:

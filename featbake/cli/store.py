@@ -10,7 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from featbake.cli.app import (
-    EXIT_CODES,
+    UPKEEP_EXIT_CODES,
     CacheOpt,
     JsonOpt,
     LocalCacheOpt,
@@ -26,7 +26,7 @@ from featbake.units import format_bytes
 @app.command(
     epilog=(
         "Examples:\n\n  featbake stats\n\n  featbake stats --cache /data/.featbake --json\n\n"
-        + EXIT_CODES
+        + UPKEEP_EXIT_CODES
     )
 )
 def stats(

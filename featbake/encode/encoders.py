@@ -63,9 +63,8 @@ class LoadedEncoder:
             :mod:`featbake.encode.lengths`), so inputs of different lengths can share a batch.
         unpaddable: why padded batches would not be exact for this encoder, known up front
             (e.g. a group-norm wav2vec2 that must not get an attention mask), else ``None``.
-        absent_outputs: outputs a model of this kind usually gives but this one cannot, with
-            why (a ViT saved without its pooling layer has no ``pooled``); ``--output`` naming
-            one is refused up front with that reason.
+        absent_outputs: outputs its kind gives but it cannot, with why (a ViT saved without
+            its pooler has no ``pooled``): ``--output`` naming one is refused with that reason.
     """
 
     module: Any
@@ -120,6 +119,15 @@ class LoadedEncoder:
             ) from e
         refuse_complex(result, self.label)
         return result
+
+
+def encoder_not_found(spec: str) -> EncoderLoadError:
+    """The error for an encoder path that names nothing, with what ``--encoder`` takes."""
+    return EncoderLoadError(
+        f"encoder {spec} not found; give a TorchScript (.pt), torch.export (.pt2) file, a "
+        "Hugging Face model folder (config.json + weights) or an import path like "
+        "mypkg.models:build_encoder"
+    )
 
 
 def is_import_path(spec: str) -> bool:
@@ -341,11 +349,7 @@ def load_encoder(
     else:
         path = Path(spec_s)
         if not path.is_file():
-            raise EncoderLoadError(
-                f"encoder {spec_s} not found; give a TorchScript (.pt), torch.export (.pt2) file, "
-                "a Hugging Face model folder (config.json + weights) "
-                "or an import path like mypkg.models:build_encoder"
-            )
+            raise encoder_not_found(spec_s)
         if weights_p is not None:
             raise ConfigError("--weights applies only to an import-path encoder (pkg.mod:factory)")
         kind = detect_kind(path)
