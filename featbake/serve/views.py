@@ -91,6 +91,10 @@ class ViewsDataset(Dataset):
         """The epoch whose coins are drawn (the same in the main process and every worker)."""
         return int(self._epoch)
 
+    @epoch.setter
+    def epoch(self, epoch: int) -> None:
+        self.set_epoch(epoch)
+
     def set_epoch(self, epoch: int) -> None:
         """Draw new coins: call at the start of each epoch (in the main process, before the
         epoch's ``iter(loader)``); workers started before, persistent ones included, follow."""
