@@ -45,7 +45,7 @@ import torch
 from torch.utils.data import StackDataset, Subset
 
 import featbake.device as dev
-from featbake.errors import ConfigError
+from featbake.errors import ConfigError, FeatbakeError
 from featbake.serve.collate import pad_collate, pinned_batches
 from featbake.serve.prefetch import map_tensors
 from featbake.serve.sampling import EpochPlan
@@ -58,6 +58,10 @@ WARM_STREAK = 256
 SAMPLE = 8
 #: How long the reader waits to hand over a batch before it looks at the stop flag again.
 _POLL_SECONDS = 0.1
+
+
+class ReaderDied(FeatbakeError):
+    """The loader's reader thread ended without handing over its batches or an error."""
 
 
 @dataclass(frozen=True)
@@ -163,7 +167,7 @@ class FeatureLoader:
         reader.start()
         try:
             while True:
-                item = ready.get()
+                item = _next_from(ready, reader)
                 if item is _END:
                     return
                 if isinstance(item, _Failed):
@@ -177,16 +181,23 @@ class FeatureLoader:
             reader.join()
 
     def _read(self, batches: list[list[int]], ready: queue.Queue, stop: threading.Event) -> None:
-        """The reader thread: read, collate (and pin) each batch, in order, until told to stop."""
-        ahead = ReadAhead(batches, self.read_ahead, hint_of(self.dataset), self._streak)
+        """The reader thread: read, collate (and pin) each batch, in order, until told to stop.
+
+        Everything it runs is inside the ``try``: a dataset that opens its store on first use
+        (even on the attribute lookup that finds ``will_need``) fails here, and the training
+        thread must get that error, not wait for a batch that never comes.
+        """
+        ahead: ReadAhead | None = None
         to_gpu = self.device is not None and self.device.type == "cuda"
         try:
+            ahead = ReadAhead(batches, self.read_ahead, hint_of(self.dataset), self._streak)
             with pinned_batches() if to_gpu else contextlib.nullcontext():
                 self._read_batches(batches, ready, stop, ahead, to_gpu)
         except BaseException as e:  # handed to the training thread, raised there
             _put(ready, _Failed(e), stop)
         finally:
-            self._streak = ahead.streak
+            if ahead is not None:
+                self._streak = ahead.streak
 
     def _read_batches(
         self,
@@ -299,6 +310,17 @@ def _put(ready: queue.Queue, item: Any, stop: threading.Event) -> bool:
             ready.put(item, timeout=_POLL_SECONDS)
             return True
     return False
+
+
+def _next_from(ready: queue.Queue, reader: threading.Thread) -> Any:
+    """The reader's next batch, ``_END`` or ``_Failed``; a reader that died without handing
+    either over (it cannot, short of the interpreter stopping it) is an error, not a hang."""
+    while True:
+        with contextlib.suppress(queue.Empty):
+            return ready.get(timeout=_POLL_SECONDS)
+        if not reader.is_alive() and ready.empty():
+            why = "FeatureLoader's reader thread ended without a batch or an error"
+            return _Failed(ReaderDied(f"{why} (stopped from outside); iterate the loader again"))
 
 
 def _items(dataset: Any, idx: list[int]) -> Sequence[Any]:
