@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
-from featbake import CachedFeatureDataset, FeatureLoader, build
+from featbake import BlockSampler, CachedFeatureDataset, FeatureLoader, build, pad_collate
 from featbake.errors import ConfigError
 from featbake.testing import write_audio_folder
 from tests.conftest import live_features
@@ -76,3 +77,43 @@ def test_batch_frames_refuse_an_item_over_budget_and_items_not_stored(
         len(FeatureLoader(fresh, batch_frames=6000))
     with pytest.raises(ConfigError, match="need a CachedFeatureDataset"):
         len(FeatureLoader(list(range(10)), batch_frames=6000))
+
+
+def open_at_once(shards: list[int]) -> int:
+    """The most shards "open" at one point of a reading order: a shard is open from its first
+    item read to its last."""
+    first = {s: shards.index(s) for s in set(shards)}
+    last = {s: len(shards) - 1 - shards[::-1].index(s) for s in set(shards)}
+    return max(
+        (sum(first[s] <= p <= last[s] for s in first) for p in range(len(shards))), default=0
+    )
+
+
+def test_block_shuffle_reads_every_item_once_a_window_of_shards_at_a_time(
+    mixed: tuple[Path, Path, Path],
+) -> None:
+    audio, enc, store = mixed
+    ds = CachedFeatureDataset(audio, enc, cache=store, on_miss="error")
+    shard_of = ds.placement().shards.tolist()
+    assert len(set(shard_of)) >= 6
+    labelled = torch.utils.data.StackDataset(ds, torch.arange(len(ds)))
+    loader = FeatureLoader(labelled, batch_size=4, shuffle="blocks", window=2, seed=3)
+    orders = []
+    for _ in range(2):
+        order = []
+        for padded, lengths, labels in loader:
+            for row, n, i in zip(padded, lengths, labels, strict=True):
+                want = live_features(enc, Path(ds.path(int(i))))
+                torch.testing.assert_close(row[:n], want, rtol=1e-5, atol=1e-5)
+                order.append(int(i))
+        assert sorted(order) == list(range(len(ds)))
+        assert open_at_once([shard_of[i] for i in order]) <= 2
+        orders.append(order)
+    assert orders[0] != orders[1]
+    # The same order for DataLoader users, through BlockSampler and set_epoch.
+    sampler = BlockSampler(labelled, seed=3, window=2)
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        assert list(sampler) == orders[epoch] and len(sampler) == len(ds)
+    dl = DataLoader(labelled, batch_size=4, sampler=sampler, collate_fn=pad_collate)
+    assert [int(i) for *_, labels in dl for i in labels] == orders[1]

@@ -44,6 +44,7 @@ import torch
 
 import featbake.device as dev
 from featbake.errors import ConfigError, FeatbakeError
+from featbake.serve.blocks import distributed, rank_and_world
 from featbake.serve.collate import pad_collate, pinned_batches
 from featbake.serve.prefetch import map_tensors
 from featbake.serve.read_ahead import (
@@ -160,9 +161,9 @@ class FeatureLoader:
         self.collate_fn = collate_fn
         self.prefetch = prefetch
         self.device = None if device is None else dev.resolve_device(device)
-        rank, world = _rank_and_world(rank, world_size)
+        rank, world = rank_and_world(rank, world_size)
         if seed is None:  # ranks must draw one order: DistributedSampler's default seed, 0
-            seed = 0 if world > 1 or _distributed() else int(torch.randint(0, 2**31, (1,)).item())
+            seed = 0 if world > 1 or distributed() else int(torch.randint(0, 2**31, (1,)).item())
         if batch_size is None and batch_frames is None:
             batch_size = 32
         self._order = Order(
@@ -338,25 +339,3 @@ def _items(dataset: Any, idx: list[int]) -> Sequence[Any]:
     if getitems is not None:
         return getitems(idx)
     return [dataset[i] for i in idx]
-
-
-def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """The rank and world size given, else torch.distributed's, else the whole dataset."""
-    if rank is not None and world_size is not None:
-        return rank, world_size
-    if _distributed():
-        dist = torch.distributed
-        return (
-            dist.get_rank() if rank is None else rank,
-            dist.get_world_size() if world_size is None else world_size,
-        )
-    if rank is not None or world_size is not None:
-        raise ConfigError(
-            "give both rank and world_size (or neither, to take them from torch.distributed)"
-        )
-    return 0, 1
-
-
-def _distributed() -> bool:
-    """True inside an initialised ``torch.distributed`` process group."""
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
