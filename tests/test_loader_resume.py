@@ -110,17 +110,18 @@ RANK_SCRIPT = """\
 import itertools, json, sys
 import torch
 import torch.distributed as dist
-from torch.utils.data import StackDataset
+from torch.utils.data import StackDataset, Subset
 from featbake import CachedFeatureDataset, FeatureLoader
 
 data, encoder, store, out = sys.argv[1:5]
 dist.init_process_group("gloo")
 ds = CachedFeatureDataset(data, encoder, cache=store, on_miss="error")
-ds = StackDataset(ds, torch.arange(len(ds)))
+ds = Subset(StackDataset(ds, torch.arange(len(ds))), range(15))  # 15: 2 ranks cannot split it
 labels = lambda loader, stop=None: [b[2].tolist() for b in itertools.islice(loader, stop)]
 report = {}
 for name, kw in {"items": {"batch_size": 3}, "frames": {"batch_frames": 300},
-                 "uneven": {"batch_size": 3, "even_batches": False}}.items():
+                 "uneven": {"batch_size": 3, "even_batches": False},
+                 "frames-uneven": {"batch_frames": 300, "even_batches": False}}.items():
     whole = FeatureLoader(ds, **kw)
     epochs = [labels(whole) for _ in range(2)]
     first = FeatureLoader(ds, **kw)
@@ -159,7 +160,7 @@ def _torchrun(script: str, tmp_path: Path, *args: object) -> dict:
     return report
 
 
-def test_two_gloo_ranks_resume_each_their_own_epoch_and_read_each_item_once_uneven(
+def test_two_gloo_ranks_resume_their_own_epochs_and_even_batches_false_repeats_nothing(
     baked: CachedFeatureDataset,
     audio_dir: Path,
     encoder_file: Path,
@@ -167,16 +168,16 @@ def test_two_gloo_ranks_resume_each_their_own_epoch_and_read_each_item_once_unev
     tmp_path: Path,
 ) -> None:
     report = _torchrun(RANK_SCRIPT, tmp_path, audio_dir, encoder_file, store_dir)
-    n = len(baked)
+    n = 15  # of the 16 items: one over an even split
     for name, ranks in report.items():
         for r in ranks:
             stop = r["stop"]
             assert r["resumed"] == [r["epochs"][0][stop:], r["epochs"][1]], name
         counts = [len(r["epochs"][0]) for r in ranks]
         seen = sorted(i for r in ranks for b in r["epochs"][0] for i in b)
-        if name == "uneven":  # no item repeated for evaluation: each read exactly once
-            assert seen == list(range(n))
-        else:  # every rank takes as many steps, as DDP needs
-            assert counts[0] == counts[1] and set(seen) == set(range(n))
-    uneven = report["uneven"]
-    assert [sum(map(len, r["epochs"][0])) for r in uneven] == [8, 8]
+        if name.endswith("uneven"):  # for evaluation: each item read exactly once
+            assert seen == list(range(n)), name
+        else:  # every rank takes as many steps, as DDP needs (items or batches repeated)
+            assert counts[0] == counts[1] and set(seen) == set(range(n)), name
+    assert [sum(map(len, r["epochs"][0])) for r in report["uneven"]] == [8, 7]
+    assert [sum(map(len, r["epochs"][0])) for r in report["items"]] == [8, 8]

@@ -10,7 +10,7 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from featbake.serve.sampling import Order, Shuffle, block_windows, share_batches
+from featbake.serve.sampling import EpochPlan, Order, Shuffle, block_windows, share_batches
 
 SHUFFLES = st.sampled_from([Shuffle.ITEMS, Shuffle.NONE, Shuffle.BLOCKS])
 
@@ -117,3 +117,21 @@ def test_share_batches_evens_out_or_reads_each_batch_once(
     assert len({len(s) for s in even}) == 1
     uneven = [share_batches(batches, r, world, drop_last, False) for r in range(world)]
     assert sorted(b[0] for s in uneven for b in s) == list(range(nb))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(0, 40),
+    world=st.integers(1, 5),
+    shuffle=st.booleans(),
+    drop_last=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_uneven_ranks_read_each_index_exactly_once(
+    n: int, world: int, shuffle: bool, drop_last: bool, seed: int
+) -> None:
+    plans = [EpochPlan(n, 3, shuffle, seed, 1, r, world, False, False) for r in range(world)]
+    assert sorted(i for p in plans for i in p.indices()) == list(range(n))
+    assert [len(p.indices()) for p in plans] == [p.per_rank() for p in plans]
+    cut = [EpochPlan(n, 3, shuffle, seed, 1, r, world, drop_last, False) for r in range(world)]
+    assert [len(p.batches()) for p in cut] == [p.batch_count() for p in cut]
