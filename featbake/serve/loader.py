@@ -9,7 +9,11 @@ second copy of the dataset's state.
 
 What it yields is what ``DataLoader(ds, batch_size=B, sampler=DistributedSampler(ds, ...),
 collate_fn=pad_collate, drop_last=...)`` yields (see :mod:`featbake.serve.sampling`), labels
-included when ``ds`` is a ``StackDataset(features, labels)``.
+included when ``ds`` is a ``StackDataset(features, labels)``; or batches by length
+(``batch_frames``), or blocks of shards (``shuffle="blocks"``: give a bucket store's tier room
+for two windows, since a batch may straddle two), planned from the catalog without a read.
+Every epoch is a function of the options, seed and epoch, so :meth:`FeatureLoader.state_dict`
+is a few ints (see :mod:`featbake.serve.resume`).
 
 Cold reads: on a store larger than the page cache each read waits for the disk, and one read
 at a time ran at half to two thirds of the disk's bandwidth here (0.7x mmap'd safetensors
