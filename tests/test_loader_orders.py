@@ -79,6 +79,21 @@ def test_batch_frames_refuse_an_item_over_budget_and_items_not_stored(
         len(FeatureLoader(list(range(10)), batch_frames=6000))
 
 
+def test_items_written_back_get_their_lengths_for_batch_frames(
+    audio_dir: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir)  # nothing built yet
+    for _ in FeatureLoader(ds, batch_size=4):  # epoch 1 encodes every item and writes it back
+        pass
+    ds.flush()  # sealed: the index points the items at their shard, with their lengths
+    got = []
+    for padded, lengths in FeatureLoader(ds, batch_frames=400):
+        assert padded.shape[0] * padded.shape[1] <= 400
+        got += lengths.tolist()
+    assert len(got) == len(ds) and ds.cache_info().encoded == len(ds)  # none encoded twice
+
+
 def open_at_once(shards: list[int]) -> int:
     """The most shards "open" at one point of a reading order: a shard is open from its first
     item read to its last."""

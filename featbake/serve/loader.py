@@ -197,7 +197,7 @@ class FeatureLoader:
 
     def __len__(self) -> int:
         """Batches in the next epoch (the whole epoch, even when resumed part way)."""
-        if self._order.batch_frames is None and self._order.shuffle is not Shuffle.BLOCKS:
+        if self._order.batch_frames is None:  # blocks too: a permutation, split alike
             return self._order.item_plan(self.epoch).batch_count()
         return len(self._batches(self.epoch))
 

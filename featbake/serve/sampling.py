@@ -262,7 +262,8 @@ def frame_batches(
     if (lens < 0).any():
         raise ConfigError(
             f"batch_frames needs each item's length from the store, and {(lens < 0).sum()} "
-            "items are not stored yet: run `featbake build` on the data first"
+            "items are not stored yet: run `featbake build` on the data first (or read one "
+            "epoch with batch_size, then ds.flush())"
         )
     if int(lens.max()) > budget:
         raise ConfigError(
