@@ -107,7 +107,7 @@ class CachedFeatureDataset(Dataset):
         device: where misses are encoded. Inside a DataLoader worker forked after CUDA was
             initialised, CUDA cannot start, so misses there are encoded on the CPU; choose
             ``multiprocessing_context="spawn"`` (or ``"forkserver"``) to encode them on the GPU.
-        verify, max_open_shards: CRC on ``"first"`` read, ``"always"``, ``"never"``; shards open.
+        verify, max_open_shards: CRC check (``"first"`` read, ``"always"``, ``"never"``); files.
         write_back: store features encoded on a miss so the next epoch hits. A store this
             process cannot write (a read-only mount, no write permission,
             ``$FEATBAKE_READ_ONLY=1``) is served as it is: its catalog is only read, no root is
