@@ -231,6 +231,9 @@ def test_rank_and_world_come_from_torch_distributed(
         ({"batch_size": 0}, "batch_size"),
         ({"rank": 1}, "both rank and world_size"),
         ({"rank": 2, "world_size": 2}, "rank must be from 0"),
+        ({"shuffle": "shards"}, 'shuffle must be True, False or "blocks"'),
+        ({"batch_frames": 0}, "batch_frames must be a whole number from 1"),
+        ({"shuffle": "blocks", "window": 0}, "window must be a whole number from 1"),
     ],
 )
 def test_bad_options_are_refused(baked: CachedFeatureDataset, kw: dict, match: str) -> None:

@@ -170,18 +170,11 @@ class FeatureLoader:
             seed = 0 if world > 1 or distributed() else int(torch.randint(0, 2**31, (1,)).item())
         if batch_size is None and batch_frames is None:
             batch_size = 32
+        # Order checks batch_size, batch_frames, window, rank and world.
         self._order = Order(
-            len(dataset),
-            batch_size,
-            shuffle_of(shuffle),
-            seed,
-            rank,
-            world,
-            drop_last,
-            even_batches,
-            batch_frames,
-            window,
-        )  # fmt: skip  (checks batch_size, batch_frames, window, rank and world)
+            len(dataset), batch_size, shuffle_of(shuffle), seed, rank, world, drop_last,
+            even_batches, batch_frames, window,
+        )  # fmt: skip
         self.epoch = 0
         self._resume = Resume()
 
