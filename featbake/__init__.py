@@ -27,6 +27,7 @@ _EXPORTS = {
     "pad_collate": "featbake.serve.collate",
     "CachedFeatureDataset": "featbake.serve.dataset",
     "FeatureLoader": "featbake.serve.loader",
+    "BlockSampler": "featbake.serve.blocks",
     "ServeStats": "featbake.serve.dataset",
     "ViewsDataset": "featbake.serve.views",
     "BuildIncomplete": "featbake.errors",
@@ -45,6 +46,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "BlockSampler",
     "BuildIncomplete",
     "BuildReport",
     "ByteLRU",
@@ -87,6 +89,7 @@ if TYPE_CHECKING:
     )
     from featbake.lru import ByteLRU
     from featbake.recipe import Recipe
+    from featbake.serve.blocks import BlockSampler
     from featbake.serve.cached_encoder import CachedEncoder
     from featbake.serve.collate import PaddedBatch, pad_collate
     from featbake.serve.dataset import CachedFeatureDataset, ServeStats

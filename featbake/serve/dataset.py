@@ -27,7 +27,7 @@ from featbake.encode.encoders import LoadedEncoder
 from featbake.encode.hf import recipe_for_encoder
 from featbake.encode.sources import source_for
 from featbake.recipe import Recipe
-from featbake.serve.index import IndexSpec, build_index
+from featbake.serve.index import IndexSpec, ItemPlacement, build_index
 from featbake.serve.lastuse import TOUCH_FLUSH_ITEMS, TOUCH_FLUSH_SECONDS, TOUCH_REPEAT_SECONDS
 from featbake.serve.layer_views import LayerView, check_layer_view, check_stored_parts, view_layers
 from featbake.serve.live import LiveEncoder, Misses
@@ -107,8 +107,7 @@ class CachedFeatureDataset(Dataset):
         device: where misses are encoded. Inside a DataLoader worker forked after CUDA was
             initialised, CUDA cannot start, so misses there are encoded on the CPU; choose
             ``multiprocessing_context="spawn"`` (or ``"forkserver"``) to encode them on the GPU.
-        verify: check a CRC on its ``"first"`` read in a process, ``"always"`` or ``"never"``.
-        max_open_shards: open shard files kept per process.
+        verify, max_open_shards: CRC check (``"first"`` read, ``"always"``, ``"never"``); files.
         write_back: store features encoded on a miss so the next epoch hits. A store this
             process cannot write (a read-only mount, no write permission,
             ``$FEATBAKE_READ_ONLY=1``) is served as it is: its catalog is only read, no root is
@@ -237,11 +236,11 @@ class CachedFeatureDataset(Dataset):
 
     def key(self, i: int) -> str:
         """The store key of item ``i`` (64 hex characters)."""
-        return self._index.key(self._index_of(i))
+        return self._index.key(self._index.position(i))
 
     def path(self, i: int) -> str:
         """The absolute path of item ``i``'s input file."""
-        return self._index.path(self._index_of(i))
+        return self._index.path(self._index.position(i))
 
     @property
     def encoder_fingerprint(self) -> str:
@@ -252,10 +251,14 @@ class CachedFeatureDataset(Dataset):
         """How many items the store held when the dataset was created (the rest will miss)."""
         return self._index.stored()
 
+    def placement(self) -> ItemPlacement:
+        """Each item's length and shard, from the catalog (no read): what loaders plan from."""
+        return self._index.placement()
+
     def will_need(self, indices: Sequence[int]) -> int:
         """Start reading items ``indices`` from disk, not waiting: a hint that lets a cold store's
         reads overlap (:class:`FeatureLoader` hints its next items). Returns the reads started."""
-        idx = [self._index_of(i) for i in indices]
+        idx = [self._index.position(i) for i in indices]
         return self._reads.will_need(self._state or self._proc(), idx)
 
     def cache_info(self) -> ServeStats:
@@ -297,9 +300,6 @@ class CachedFeatureDataset(Dataset):
         forget_after_fork(self)
 
     # -- reading ------------------------------------------------------------------------------
-    def _index_of(self, i: int) -> int:
-        return self._index.position(i)
-
     def _proc(self) -> ProcessState:
         """This process's state, made on first use (a forked child's was dropped at fork)."""
         st = self._state
@@ -334,7 +334,7 @@ class CachedFeatureDataset(Dataset):
         if st is None:
             st = self._proc()
         if type(i) is not int or not 0 <= i < len(self._index.keys):
-            i = self._index_of(i)
+            i = self._index.position(i)
         if self.revalidate:
             revalidate(self._index, st, (i,))
         loc = st.loc[i]
@@ -378,7 +378,7 @@ class CachedFeatureDataset(Dataset):
         if st is None:
             st = self._proc()
         n = len(self._index.keys)
-        idx = [i if type(i) is int and 0 <= i < n else self._index_of(i) for i in indices]
+        idx = [i if type(i) is int and 0 <= i < n else self._index.position(i) for i in indices]
         if self.revalidate:
             revalidate(self._index, st, idx)
         if self._index.parts == ("",) and idx and self._layer_view is None:

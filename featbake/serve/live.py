@@ -349,6 +349,7 @@ class Misses:
         for entry in shard.entries:
             for i in st.pending_idx.pop(entry.key, ()) if st is not None else ():
                 ix.shard[i] = sid
+                ix.length[i] = max(int(ix.length[i]), entry.shape[0] if entry.shape else 1)
         if ix.parts is None:
             ix.parts = tuple(sorted({e.part for e in shard.entries}))
 

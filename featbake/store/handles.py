@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -107,11 +109,17 @@ class ShardHandles:
     def _tend_tier(self, remote: RemotePlace) -> None:
         """Before a bucket store's tier may evict for a new shard: close the readers of files it
         evicted (an open file keeps its disk space, beyond the tier's budget), and stamp the
-        rest as used (a reader held open all epoch reads its shard, unseen by file times)."""
+        rest as used (a reader held open all epoch reads its shard, unseen by file times), in
+        the order this process used them."""
         self._tended = time.monotonic()
         self._close_evicted()
-        for path in self._readers:
-            remote.opened(path)
+        # Least recently used first, 1 us apart: file times come from a coarse clock, so one
+        # stamp for all would tie them, and ties evict by name (the current shards too).
+        # (What RemotePlace.opened does, with the time given.)
+        now = time.time_ns() - len(self._readers) * 1000
+        for k, path in enumerate(self._readers):
+            with contextlib.suppress(OSError):  # a ranged reader's shard has no file here
+                os.utime(path, ns=(now + k * 1000,) * 2)
 
     def _close_evicted(self) -> None:
         """Close the readers of files the tier unlinked (their space is freed only then)."""
