@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import asdict, dataclass
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from featbake.errors import ConfigError, EncodeError
+from featbake.fidelity import Fidelity as Fidelity  # where `featbake roots` still imports it
 
 #: Bytes of the per-row float32 scale at the end of each packed row.
 SCALE_BYTES = 4
@@ -242,6 +243,56 @@ def _fp8_as_float32(codes: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32).mul_(2.0**120)
 
 
+@dataclass(frozen=True)
+class ScaleSpan:
+    """The smallest non-zero and the largest row scale of some packed tensors: which float
+    dtypes can serve them (:meth:`holds`) follows from these two numbers alone.
+
+    Example:
+        >>> span = ScaleSpan.of(unpack(quantize(torch.tensor([[1e7, 1.0]]), Scheme.INT8),
+        ...     Scheme.INT8).scales)
+        >>> span.holds(torch.float16, Scheme.INT8), span.holds(torch.float32, Scheme.INT8)
+        (False, True)
+    """
+
+    low: float = math.inf  # the smallest scale of a non-zero row (inf: none seen)
+    high: float = 0.0  # the largest scale
+
+    @classmethod
+    def of(cls, scales: torch.Tensor) -> ScaleSpan:
+        """The span of one tensor's row scales (zero rows, a padding's or a silent frame's,
+        dequantise to zeros in any dtype and are left out)."""
+        live = scales[scales > 0]
+        if not live.numel():
+            return cls()
+        return cls(float(live.min()), float(live.max()))
+
+    def merged(self, other: ScaleSpan) -> ScaleSpan:
+        """The span of both."""
+        return ScaleSpan(min(self.low, other.low), max(self.high, other.high))
+
+    def holds(self, dtype: torch.dtype, scheme: Scheme) -> bool:
+        """Whether ``dtype`` serves these rows without an infinity or a loss of precision.
+
+        The largest value a row dequantises to is ``top * scale``: past ``dtype``'s largest
+        finite value it would round to ``inf``. A row's step between codes is about its scale:
+        below 16 of ``dtype``'s smallest subnormal steps (float16: 2**-20) the cast to
+        ``dtype`` rounds coarser than the codes themselves (features ~1e-6 served as float16
+        were 28% off).
+        """
+        info = torch.finfo(dtype)
+        if self.high * scheme.top > info.max:
+            return False
+        return self.low == math.inf or self.low >= 16 * info.tiny * info.eps
+
+    def describe(self, scheme: Scheme) -> str:
+        """The values' magnitudes, e.g. ``values up to 1.2e+07 (rows as small as 3.1e-06)``."""
+        if self.low == math.inf:
+            return "only zeros"
+        high, low = self.high * scheme.top, self.low * scheme.top
+        return f"values up to {high:.3g} (rows as small as {low:.3g})"
+
+
 def packed_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     """The shape of a packed tensor for a feature of ``shape`` (rows kept, 4 bytes a row more).
 
@@ -250,97 +301,3 @@ def packed_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
         (150, 772)
     """
     return (*shape[:-1], shape[-1] + SCALE_BYTES)
-
-
-# -- fidelity: how far the stored features are from the encoder's ---------------------------------
-@dataclass(frozen=True)
-class Fidelity:
-    """What quantisation did to a sample of items, against the encoder's float output.
-
-    Attributes:
-        items: items measured.
-        rel_rms: relative RMS error over the whole sample, ``||x - x'|| / ||x||``.
-        worst_rel_rms: the largest relative RMS error of one item.
-        mean_cosine: mean cosine similarity of a row (frame) with its stored version.
-        min_cosine: the smallest cosine similarity of any row.
-    """
-
-    items: int
-    rel_rms: float
-    worst_rel_rms: float
-    mean_cosine: float
-    min_cosine: float
-
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict (the root's fidelity record)."""
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> Fidelity:
-        """Inverse of :meth:`to_json`."""
-        return cls(
-            int(doc["items"]),
-            *(float(doc[k]) for k in ("rel_rms", "worst_rel_rms", "mean_cosine", "min_cosine")),
-        )
-
-    def summary(self) -> str:
-        """One line, e.g. ``0.65% rel. RMS error (worst 0.71%), cosine 0.99998 (min 0.99995), 6
-        items`` (fits the 80 columns of ``featbake roots``)."""
-        return (
-            f"{self.rel_rms:.2%} rel. RMS error (worst {self.worst_rel_rms:.2%}), "
-            f"cosine {self.mean_cosine:.5f} (min {self.min_cosine:.5f}), {self.items} items"
-        )
-
-
-@dataclass
-class FidelityTally:
-    """Running sums behind a :class:`Fidelity`; :meth:`add` one item at a time.
-
-    Example:
-        >>> tally = FidelityTally()
-        >>> x = torch.randn(50, 64)
-        >>> tally.add(x, dequantize(quantize(x, Scheme.INT8), Scheme.INT8, torch.float32))
-        >>> tally.result().rel_rms < 0.01
-        True
-    """
-
-    items: int = 0
-    err_sq: float = 0.0
-    ref_sq: float = 0.0
-    worst: float = 0.0
-    cos_sum: float = 0.0
-    cos_rows: int = 0
-    cos_min: float = 1.0
-
-    def add(self, reference: torch.Tensor, stored: torch.Tensor) -> None:
-        """Count one item: the encoder's output and what is served from the store."""
-        shape = reference.shape
-        rows = (math.prod(shape[:-1]), shape[-1]) if shape else (1, 1)
-        ref = reference.detach().to("cpu", torch.float64).reshape(rows)
-        got = stored.detach().to("cpu", torch.float64).reshape(rows)
-        err, norm = float((ref - got).square().sum()), float(ref.square().sum())
-        self.items += 1
-        self.err_sq += err
-        self.ref_sq += norm
-        self.worst = max(self.worst, math.sqrt(err / norm) if norm > 0 else 0.0)
-        ref_n, got_n = ref.norm(dim=-1), got.norm(dim=-1)
-        rows = ref_n > 0  # a zero row has no direction (it is stored exactly)
-        if bool(rows.any()):
-            cos = (ref * got).sum(-1)[rows] / (ref_n[rows] * got_n[rows]).clamp_min(1e-300)
-            self.cos_sum += float(cos.sum())
-            self.cos_rows += int(rows.sum())
-            self.cos_min = min(self.cos_min, float(cos.min()))
-
-    def add_parts(self, reference: dict[str, torch.Tensor], stored: dict[str, Any]) -> None:
-        """Count one item of several parts (layers) as one: the parts' sums are pooled."""
-        for name, ref in reference.items():
-            before = self.items
-            self.add(ref, stored[name])
-            self.items = before
-        self.items += 1
-
-    def result(self) -> Fidelity:
-        """The measurement so far."""
-        rel = math.sqrt(self.err_sq / self.ref_sq) if self.ref_sq > 0 else 0.0
-        mean = self.cos_sum / self.cos_rows if self.cos_rows else 1.0
-        return Fidelity(self.items, rel, self.worst, mean, self.cos_min)

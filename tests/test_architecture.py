@@ -27,6 +27,7 @@ LEAVES = {
     "gcpause",
     "perprocess",
     "quantize",
+    "fidelity",
     "image_recipe",
     "image_options",
 }

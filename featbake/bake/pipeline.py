@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from featbake.bake.arguments import BuildArguments, check_build_arguments
-from featbake.bake.compact import DEFAULT_MAX_ERROR, Compactor, over_bound
+from featbake.bake.compact import DEFAULT_MAX_ERROR, Compactor, over_bound, served_note
 from featbake.bake.decode import decoded_items, worker_death
 from featbake.bake.derive import reusable_parts
 from featbake.bake.finite import nonfinite_part
@@ -317,10 +317,15 @@ class _Bake:
 
     def record_fidelity(self) -> None:
         """Put what int8/fp8 cost in the report and beside the root (``featbake roots``)."""
-        measured = self.compactor.fidelity()
-        if measured is not None:
-            self.report.fidelity = measured.to_json()
-            self.report.fidelity_warning = over_bound(measured, self.options.max_error)
+        fidelity, measured = self.compactor.fidelity(), self.compactor.measured
+        if fidelity is None or measured is None:
+            return
+        self.report.fidelity = fidelity.to_json()
+        notes = (over_bound(fidelity, self.options.max_error), served_note(measured))
+        self.report.fidelity_warning = "; ".join(n for n in notes if n)
+        if isinstance(self.catalog, RankCatalog):  # a part: its done fragment carries it
+            self.catalog.hold_fidelity(measured, self.options.max_error)
+        else:
             write_fidelity(self.layout, self.report.root, measured, self.options.max_error)
 
 
