@@ -17,11 +17,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from featbake.bake.report import BuildReport
 from featbake.encode.outputs import stored_parts
 from featbake.fidelity import Fidelity
 from featbake.quantize import ScaleSpan, dequantize, unpack
 from featbake.recipe import Recipe
-from featbake.store.fidelity import SERVED, Measured
+from featbake.store.catalog_api import BuildCatalog
+from featbake.store.fidelity import SERVED, Measured, write_fidelity
+from featbake.store.layout import Layout
+from featbake.store.rank_catalog import RankCatalog
 
 #: Items always measured (a small build is measured whole).
 FIRST_ITEMS = 64
@@ -78,6 +82,22 @@ class Compactor:
     def fidelity(self) -> Fidelity | None:
         """What was measured on what is served, or None (a float dtype, or nothing encoded)."""
         return self.measured.fidelity() if self.measured is not None else None
+
+    def record(
+        self, report: BuildReport, catalog: BuildCatalog, layout: Layout, max_error: float | None
+    ) -> None:
+        """Put what int8/fp8 cost in the report and beside the root (``featbake roots``); a
+        part of a build holds it for its done fragment, whose merge records it."""
+        fidelity, measured = self.fidelity(), self.measured
+        if fidelity is None or measured is None:
+            return
+        report.fidelity = fidelity.to_json()
+        notes = (over_bound(fidelity, max_error), served_note(measured))
+        report.fidelity_warning = "; ".join(n for n in notes if n)
+        if isinstance(catalog, RankCatalog):
+            catalog.hold_fidelity(measured, max_error)
+        else:
+            write_fidelity(layout, report.root, measured, max_error)
 
 
 def over_bound(fidelity: Fidelity | None, bound: float | None) -> str:

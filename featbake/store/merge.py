@@ -188,7 +188,9 @@ def _fold_build(
         _record_fidelity(catalog.layout, info.root, list(done.values()))
     if between:
         between("root")
-    for f in frags:
+    # Newest first: a rank that stored a feature again (padding found inexact later, see
+    # bake/redo.py) sealed the new row in a later fragment, and the first row folded wins.
+    for f in sorted(frags, key=lambda f: f.created, reverse=True):
         _add_shards(catalog, f, report)
     if between:
         between("rows")
