@@ -149,7 +149,9 @@ def quantize(x: torch.Tensor, scheme: Scheme) -> torch.Tensor:
 
 
 def unpack(packed: torch.Tensor, scheme: Scheme) -> Unpacked:
-    """Split a packed tensor into its codes (a view) and its scales (a small copy).
+    """Split a packed tensor into its codes (a view) and its scales (a strided view of the
+    packed rows when they are 4-byte aligned, as every store's are with D a multiple of 4; a
+    small copy otherwise).
 
     Works on any device, so a raw batch can be copied to the GPU and dequantised there.
 
@@ -171,6 +173,12 @@ def unpack(packed: torch.Tensor, scheme: Scheme) -> Unpacked:
     codes = packed[..., :d]
     if scheme is Scheme.FP8:
         codes = codes.view(torch.float8_e4m3fn)
+    if (
+        d % SCALE_BYTES == 0
+        and packed.storage_offset() % SCALE_BYTES == 0
+        and (packed.stride(-1) == 1 and all(st % SCALE_BYTES == 0 for st in packed.stride()[:-1]))
+    ):  # every row's scale sits at a 4-byte aligned offset: a float32 view, no copy
+        return Unpacked(codes, packed.view(torch.float32)[..., -1])
     # A contiguous copy (4 bytes a row): a view of the packed rows is not 4-byte aligned.
     tail = packed[..., d:].clone(memory_format=torch.contiguous_format)
     scales = tail.view(torch.float32).squeeze(-1)
@@ -193,8 +201,8 @@ def dequantize(
 ) -> torch.Tensor:
     """The feature a packed tensor holds, in ``dtype``: ``codes * scale`` computed in float32.
 
-    On the CPU it runs on the calling thread, one fused multiply (codes times float32 scales,
-    rounded once to ``dtype``) per chunk of rows; on a GPU it is two ops.
+    On the CPU it runs on the calling thread, a chunk of rows at a time (see
+    :func:`dequantize_unpacked`); on a GPU it is two ops.
 
     Args:
         packed: what :func:`quantize` made (or a zero-padded batch of it), on any device.
@@ -206,25 +214,46 @@ def dequantize(
         >>> dequantize(quantize(torch.tensor([[2.0, -1.0]]), Scheme.FP8), Scheme.FP8)
         tensor([[ 2., -1.]], dtype=torch.float16)
     """
-    codes, scales = unpack(packed, scheme)
+    return dequantize_unpacked(unpack(packed, scheme), scheme, dtype, out)
+
+
+def dequantize_unpacked(
+    parts: Unpacked, scheme: Scheme, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """:func:`dequantize` of what :func:`unpack` returned (a reader checks the scales first).
+
+    On the CPU, a chunk of rows at a time: into a float32 ``out``, codes are copied (exactly)
+    and multiplied in place (measured 1.5-2x one mixed-dtype multiply, whose casting loop is
+    scalar); into float16/bfloat16, one fused multiply (codes times float32 scales, rounded once
+    to ``dtype``): the three vectorised passes through a cache-sized float32 chunk measured
+    0.7-0.9x that on the loaded 2-CPU machine, as torch's per-op cost outweighs them there.
+    """
+    codes, scales = parts
     if out is None:
         out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
     if codes.device.type != "cpu":
         return torch.mul(codes.to(torch.float32), scales.unsqueeze(-1), out=out)
     if not out.is_contiguous():
-        return out.copy_(dequantize(packed, scheme, out.dtype))
+        return out.copy_(dequantize_unpacked(parts, scheme, out.dtype))
     if scheme is Scheme.FP8:
         codes = codes.view(torch.uint8)
     rows, d = math.prod(codes.shape[:-1]), codes.shape[-1]
     flat, flat_out = codes.reshape(rows, d), out.view(rows, d)
     flat_scales = scales.reshape(rows, 1)
     step = max(1, _GRAIN // max(d, 1))
+    direct = out.dtype == torch.float32
     bits = torch.empty((min(step, rows), d), dtype=torch.int32) if scheme is Scheme.FP8 else None
     for a in range(0, rows, step):
-        src = flat[a : a + step]
+        n = min(step, rows - a)
+        src, dst, row_scales = flat[a : a + n], flat_out[a : a + n], flat_scales[a : a + n]
         if bits is not None:
-            src = _fp8_as_float32(src, bits[: src.shape[0]])
-        torch.mul(src, flat_scales[a : a + step], out=flat_out[a : a + step])
+            src = _fp8_as_float32(src, dst.view(torch.int32) if direct else bits[:n])
+        if direct:
+            if bits is None:
+                dst.copy_(src)
+            dst.mul_(row_scales)
+        else:
+            torch.mul(src, row_scales, out=dst)
     return out
 
 
@@ -262,10 +291,15 @@ class ScaleSpan:
     def of(cls, scales: torch.Tensor) -> ScaleSpan:
         """The span of one tensor's row scales (zero rows, a padding's or a silent frame's,
         dequantise to zeros in any dtype and are left out)."""
-        live = scales[scales > 0]
-        if not live.numel():
+        if not scales.numel():
             return cls()
-        return cls(float(live.min()), float(live.max()))
+        low, high = (float(v) for v in torch.aminmax(scales))
+        if low <= 0:  # zero rows (padding): the smallest of the others
+            live = scales[scales > 0]
+            if not live.numel():
+                return cls()
+            low = float(live.min())
+        return cls(low, high)
 
     def merged(self, other: ScaleSpan) -> ScaleSpan:
         """The span of both."""

@@ -27,7 +27,7 @@ import torch
 
 from featbake.errors import ConfigError
 from featbake.keys import root_id
-from featbake.quantize import SCALE_BYTES, ScaleSpan, Scheme, dequantize, unpack
+from featbake.quantize import SCALE_BYTES, ScaleSpan, Scheme, Unpacked, dequantize_unpacked, unpack
 from featbake.recipe import STORED_DTYPES, Recipe
 from featbake.serve.collate import PaddedBatch, alloc_batch
 from featbake.serve.index import Index
@@ -53,20 +53,25 @@ class Served:
             ConfigError: the item holds values the served dtype cannot (see the module).
         """
         if isinstance(value, torch.Tensor):
-            return dequantize(self.fitting(value), self.scheme, self.dtype)
-        return {n: dequantize(self.fitting(t), self.scheme, self.dtype) for n, t in value.items()}
+            return self.tensor(value)
+        return {name: self.tensor(t) for name, t in value.items()}
 
-    def fitting(self, packed: torch.Tensor) -> torch.Tensor:
-        """``packed``, once its row scales are checked to fit the served dtype.
+    def tensor(self, packed: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """One packed tensor dequantised (into ``out`` if given), its scales checked first."""
+        parts = self.fitting(unpack(packed, self.scheme))
+        return dequantize_unpacked(parts, self.scheme, self.dtype, out)
+
+    def fitting(self, parts: Unpacked) -> Unpacked:
+        """``parts``, once their row scales are checked to fit the served dtype.
 
         Raises:
             ConfigError: a value would be served as ``inf``, or rounded coarser than its codes.
         """
         if self.dtype == torch.float32:  # quantize caps every scale to float32's range
-            return packed
-        span = ScaleSpan.of(unpack(packed, self.scheme).scales)
+            return parts
+        span = ScaleSpan.of(parts.scales)
         if span.holds(self.dtype, self.scheme):
-            return packed
+            return parts
         name = str(self.dtype).removeprefix("torch.")
         default = "" if self.chosen else " (the default serve_dtype)"
         raise ConfigError(
@@ -88,11 +93,11 @@ class Served:
     def batch(self, batch: PaddedBatch) -> PaddedBatch:
         """A padded batch of packed rows dequantised into a new padded batch (in shared memory
         inside a DataLoader worker, as the read path's own batch is)."""
-        packed = self.fitting(batch.padded)
+        packed = batch.padded
         out = alloc_batch(
             torch.empty(0, dtype=self.dtype), (*packed.shape[:-1], packed.shape[-1] - SCALE_BYTES)
         )
-        dequantize(packed, self.scheme, self.dtype, out=out)
+        self.tensor(packed, out)
         return PaddedBatch.of(out, batch.lengths.tolist())
 
 
