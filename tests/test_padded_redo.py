@@ -12,6 +12,7 @@ from torch import nn
 from featbake.bake.padded import BatchingMode
 from featbake.bake.pipeline import build
 from featbake.encode.sources import source_for
+from featbake.quantize import Scheme, dequantize, quantize
 from featbake.recipe import Recipe
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.testing import LengthsEncoder, write_audio_folder
@@ -81,3 +82,18 @@ def test_padding_that_stays_exact_encodes_nothing_again(tmp_path: Path) -> None:
     report = build(data, module, cache=tmp_path / "s", workers=0, batch_size=3, batching="padded")
     assert report.batching == BatchingMode.PADDED and "encoded again" not in report.batching_note
     assert_serves_alone(data, module, cache=tmp_path / "s")
+
+
+def test_an_int8_build_stores_the_items_encoded_again_quantised_and_measures_each_once(
+    tmp_path: Path,
+) -> None:
+    data, module = clips(tmp_path / "clips"), LittlePaddingLeaks()
+    store = tmp_path / "store"
+    recipe = Recipe(dtype="int8")
+    report = build(data, module, cache=store, recipe=recipe, workers=0, batch_size=3)
+    assert "items padded before were encoded again alone" in report.batching_note
+    assert report.fidelity is not None and report.fidelity["items"] == 12
+    ds = CachedFeatureDataset(data, module, cache=store, on_miss="error", dtype="int8")
+    for i in range(len(ds)):
+        want = dequantize(quantize(alone(module, Path(ds.path(i))), Scheme.INT8), Scheme.INT8)
+        assert torch.equal(ds[i], want), ds.path(i)

@@ -65,15 +65,18 @@ class Compactor:
         scheme = self.recipe.scheme
         self.measured = Measured(scheme) if scheme is not None else None
 
-    def store(self, key: str, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``parts`` as stored (packed for int8/fp8), measured when the key is sampled."""
+    def store(
+        self, key: str, parts: dict[str, torch.Tensor], *, measure: bool = True
+    ) -> dict[str, torch.Tensor]:
+        """``parts`` as stored (packed for int8/fp8), measured when the key is sampled (and
+        ``measure``: an item stored again, see bake/redo.py, was measured the first time)."""
         m = self.measured
         if m is None:
             return parts
         stored = stored_parts(parts, self.recipe)
         for v in stored.values():  # every item: one value past float16 decides how it is served
             m.span = m.span.merged(ScaleSpan.of(unpack(v, m.scheme).scales))
-        if sampled(key, m.tallies["float16"].items):
+        if measure and sampled(key, m.tallies["float16"].items):
             for name, dtype in SERVED.items():
                 served = {n: dequantize(v, m.scheme, dtype) for n, v in stored.items()}
                 m.tallies[name].add_parts(parts, served)

@@ -82,7 +82,7 @@ def encode_padded_again(
                 continue  # it encoded padded, not alone: dropped, a read encodes it live
             if not allow_nonfinite and nonfinite_part(parts) is not None:
                 continue
-            writer.put(keys[i], compactor.store(keys[i], parts))
+            writer.put(keys[i], compactor.store(keys[i], parts, measure=False))
             stored += 1
     finally:
         writer.close()
