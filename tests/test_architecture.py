@@ -28,6 +28,7 @@ LEAVES = {
     "gcpause",
     "perprocess",
     "quantize",
+    "fidelity",
     "image_recipe",
     "image_options",
 }

@@ -11,7 +11,9 @@ encoder whose output drifts with the amount of padding drifts most there; checki
 first batches missed encoders whose drift starts past a padding length only later, longer
 batches reach. If the check fails, that batch is re-encoded on exact shapes (nothing inexact is
 stored; every batch sealed before was checked itself) and the rest of the build batches exact
-shapes, with one line saying why. Keys never depend on the mode: it is not in the recipe.
+shapes, with one line saying why; the items earlier padded batches sealed are encoded again
+alone and replace theirs (:mod:`featbake.bake.redo`): a check passed on a batch's most padded
+item does not prove its less padded ones. Keys never depend on the mode: it is not in the recipe.
 
 Under ``auto`` the guard's runs also time the device: when padded batches cost more per input
 sample than items run alone (a CPU, where one clip already keeps the cores busy), the build
@@ -133,6 +135,8 @@ class BatchRunner:
         self.batch_size = batch_size
         self.tolerance = EXACT_TOLERANCE[recipe.precision]
         self.checks: list[GuardCheck] = []
+        self.inexact = False  # a guard check failed: padding is known inexact for the encoder
+        self.last_padded = False  # the last encode() returned a padded batch's outputs
         self._ready: list[list[Any]] = []  # batches released by a fall-back, not yet handed out
 
     # -- ShapeBatcher's interface ---------------------------------------------------------------
@@ -154,6 +158,7 @@ class BatchRunner:
     def encode(self, inputs: Sequence[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         """One dict of output parts per input; padded when the mode allows and shapes differ."""
         shapes = {tuple(x.shape) for x in inputs}
+        self.last_padded = False
         if self.mode is BatchingMode.EXACT or len(shapes) == 1:
             return self.encode_exact(inputs)
         start = self.clock()
@@ -164,6 +169,7 @@ class BatchRunner:
             self._fall_back(failed)
             return self.encode_exact(inputs)
         self._weigh_pace(inputs, seconds)
+        self.last_padded = True
         return results
 
     def encode_exact(self, inputs: Sequence[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
@@ -226,7 +232,9 @@ class BatchRunner:
             )
 
     def _fall_back(self, failed: GuardCheck) -> None:
-        """Switch to exact shapes after a failed check, saying why."""
+        """Switch to exact shapes after a failed check, saying why (the items of earlier padded
+        batches are encoded again alone: bake/redo.py)."""
+        self.inexact = True
         self._switch_to_exact(
             f"exact-shape batching: padded batches were not exact for this encoder (relative "
             f"error {failed.error:.1e} > {self.tolerance.relative:g} for "

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from featbake.bake.arguments import BuildArguments, check_build_arguments, check_encoder_found
-from featbake.bake.compact import DEFAULT_MAX_ERROR, Compactor, over_bound
+from featbake.bake.compact import DEFAULT_MAX_ERROR, Compactor
 from featbake.bake.decode import decoded_items, worker_death
 from featbake.bake.derive import reusable_parts
 from featbake.bake.finite import nonfinite_part
@@ -25,6 +25,7 @@ from featbake.bake.options import BakeOptions
 from featbake.bake.padded import BatchRunner, budget_samples
 from featbake.bake.parts import catalog_for_part, finish_part, keys_for_other_ranks, rank_group
 from featbake.bake.ranks import RankSpec, device_for_rank, resolve_rank
+from featbake.bake.redo import PaddedItem, encode_padded_again
 from featbake.bake.report import BuildReport
 from featbake.bake.writer_thread import WriterThread
 from featbake.device import check_device, process_cpus, torch_threads
@@ -41,7 +42,6 @@ from featbake.recipe import Recipe
 from featbake.store.catalog import FileStat, RootSpec
 from featbake.store.catalog_api import BuildCatalog
 from featbake.store.features import Parts
-from featbake.store.fidelity import write_fidelity
 from featbake.store.layout import Layout
 from featbake.store.open import Need, StoreRef, open_store
 from featbake.store.rank_catalog import RankCatalog
@@ -271,30 +271,22 @@ class _Bake:
         self.report.reused = len(present)
         work = [(k, p) for k, p in todo.items() if k not in present]
         digests = {k: self.digests[k] for k, _ in work}  # an --output build copies stored parts
-        derived = reusable_parts(
-            self.layout, self.recipe, self.report.encoder_fp, digests, self.catalog
-        )
+        enc_fp = self.report.encoder_fp
+        derived = reusable_parts(self.layout, self.recipe, enc_fp, digests, self.catalog)
         self.report.derived = len(derived)
         work = [(k, p) for k, p in work if k not in derived]
         if not work and not derived:
-            if self.progress:
-                self.progress(Progress("encode", 0, 0))
-            return
+            return self.progress(Progress("encode", 0, 0)) if self.progress else None
         try:
             self.encode(work, derived)
-        except ConfigError:
-            # A wrong option (e.g. --output) stopped the build: the manifest it published would
-            # only name keys that never get features.
+        except ConfigError:  # a wrong option (--output): its manifest names keys never stored
             self.catalog.drop_root(self.report.root)
             raise
 
     def encode(self, work: list[tuple[str, str]], derived: Mapping[str, Parts]) -> None:
         """Decode, batch, encode, write ``work`` (key, path); sealed work survives Ctrl-C."""
         paths = [p for _, p in work]
-        sink = self.catalog if isinstance(self.catalog, RankCatalog) else None
-        writer = WriterThread(
-            self.layout, self.enc.fingerprint, self.report.recipe_fp, self.options.shard_bytes, sink
-        )
+        writer = self.writer()
         for key, parts in derived.items():
             writer.put(key, dict(parts))
         run = _EncodeRun(self, writer, [k for k, _ in work], paths)
@@ -307,22 +299,32 @@ class _Bake:
             except RuntimeError as e:  # torch's SIGCHLD handler can raise it anywhere
                 raise (worker_death(e) or e) from None
             finally:
-                # Seal what was encoded, also on Ctrl-C or a strict failure: nothing encoded is
-                # lost.
+                # Seal what was encoded, also on Ctrl-C or a strict failure: nothing is lost.
                 writer.close()
                 self.report.bytes_written = writer.bytes_written
                 self.report.shards_written = writer.shards
                 self.report.batching, self.report.batching_note = self.runner.mode, self.runner.note
+        if self.runner.inexact and run.padded:  # padding failed a later check: redo the rest
+            self.encode_padded_again(run.padded)
         run.tick(self.report.bytes_written)  # the last word: bytes sealed (the writer lags)
-        self.record_fidelity()
+        self.compactor.record(self.report, self.catalog, self.layout, self.options.max_error)
 
-    def record_fidelity(self) -> None:
-        """Put what int8/fp8 cost in the report and beside the root (``featbake roots``)."""
-        measured = self.compactor.fidelity()
-        if measured is not None:
-            self.report.fidelity = measured.to_json()
-            self.report.fidelity_warning = over_bound(measured, self.options.max_error)
-            write_fidelity(self.layout, self.report.root, measured, self.options.max_error)
+    def writer(self) -> WriterThread:
+        """A writer thread for this build's features (a rank's records its shards in fragments)."""
+        sink = self.catalog if isinstance(self.catalog, RankCatalog) else None
+        fps = (self.enc.fingerprint, self.report.recipe_fp)
+        return WriterThread(self.layout, *fps, self.options.shard_bytes, sink)
+
+    def encode_padded_again(self, items: list[PaddedItem]) -> None:
+        """Store ``items`` encoded alone in place of their padded features."""
+        writer, opts = self.writer(), self.options
+        redone = encode_padded_again(
+            items, self.catalog, self.runner, self.compactor, writer, self.source,
+            opts.threads().decode_workers, opts.allow_nonfinite,
+        )  # fmt: skip
+        self.report.bytes_written += writer.bytes_written
+        self.report.shards_written += writer.shards
+        self.report.batching_note += redone.note()
 
 
 @dataclass
@@ -334,6 +336,7 @@ class _EncodeRun:
     keys: list[str]
     paths: list[str]
     done: int = 0
+    padded: list[PaddedItem] = field(default_factory=list)  # stored from padded batches
 
     def rel(self, i: int) -> str:
         return os.path.relpath(self.paths[i], self.bake.place.where)
@@ -371,6 +374,11 @@ class _EncodeRun:
                 return
             self.fail(batch[0][0], f"{self.rel(batch[0][0])}: {e}", EncodeError)
             return
+        if self.bake.runner.last_padded:
+            stats = self.bake.hashed_stats
+            self.padded += [
+                PaddedItem(self.keys[i], self.paths[i], stats.get(self.paths[i])) for i, _ in batch
+            ]
         for (i, _), parts in zip(batch, results, strict=True):
             bad = None if self.bake.options.allow_nonfinite else nonfinite_part(parts)
             if bad is not None:

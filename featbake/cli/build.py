@@ -355,7 +355,7 @@ def incomplete(report: Any) -> BuildIncomplete:
 
 
 def _print_build_summary(report: Any) -> None:
-    from featbake.quantize import Fidelity  # torch: imported when a build ran, not for --help
+    from featbake.fidelity import Fidelity  # torch: imported when a build ran, not for --help
 
     table = Table(show_header=False, box=None, pad_edge=False)
     table.add_column(style="bold")

@@ -125,8 +125,8 @@ class CachedFeatureDataset(Dataset):
             dict of parts (see :mod:`featbake.serve.layer_views`). Applied to single items and
             batches alike; a view the store cannot give is a ConfigError at every read (from
             the constructor when stored items already tell).
-        serve_dtype, dequantize: int8/fp8 items are served in ``serve_dtype`` (``"float16"``),
-            or packed as stored with ``dequantize=False`` (see :mod:`featbake.serve.served`).
+        serve_dtype, dequantize: int8/fp8 items are served in ``serve_dtype`` (float16, float32
+            where the build found float16 cannot hold them) or packed with ``dequantize=False``.
 
     Raises:
         ConfigError: an invalid option.
@@ -180,8 +180,7 @@ class CachedFeatureDataset(Dataset):
         self._served = served_for(self.recipe, serve_dtype, dequantize)
         self._asked = self._layer_view is not None or self._served is not None  # options set
         self.on_miss = on_miss
-        self.verify = verify
-        self.max_open_shards = max_open_shards
+        self.verify, self.max_open_shards = verify, max_open_shards
         self._clock = clock
         self.revalidate = revalidate
         refuse_revalidate_of_objects(data, revalidate)
@@ -219,6 +218,7 @@ class CachedFeatureDataset(Dataset):
             self._index = build_index(data, spec, catalog, publish=not self.read_only, new_root=new)
         finally:
             catalog.close()
+        self._served = self._served and self._served.for_index(self._layout, self._index)
         self._reads = Reads(self._index, self._layout)
         self._misses = Misses(self._index, self._reads, self._live, self._source, self.recipe)
         self._misses.on_miss, self._misses.write_back = on_miss, self.write_back

@@ -25,12 +25,14 @@ pending). Only this one process writes the catalog, which is what a shared files
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from featbake.errors import ShardMissing, StoreCorrupt
 from featbake.store.catalog import Catalog, HashCacheRow
+from featbake.store.fidelity import Measured, write_fidelity
 from featbake.store.fragments import (
     BuildInfo,
     Fragment,
@@ -194,15 +196,36 @@ def _fold_build(
         items = sorted(item for f in done.values() for item in f.items)
         _publish_root(catalog, info, items, when)
         report.roots.append(info.root)
+        _record_fidelity(catalog.layout, info.root, list(done.values()))
     if between:
         between("root")
-    for f in frags:
+    # Newest first: a rank that stored a feature again (padding found inexact later, see
+    # bake/redo.py) sealed the new row in a later fragment, and the first row folded wins.
+    for f in sorted(frags, key=lambda f: f.created, reverse=True):
         _add_shards(catalog, f, report)
     if between:
         between("rows")
     put_fragment_hashes(catalog, [h for f in frags for h in f.hashes])
     if between:
         between("hashes")
+
+
+def _record_fidelity(layout: Layout, root: str, done: Sequence[Fragment]) -> None:
+    """Pool what the ranks of an int8/fp8 build measured and record it beside the root (no
+    record when none measured anything: the root's earlier one stands)."""
+    pooled: Measured | None = None
+    bound: float | None = None
+    for f in done:
+        if not f.fidelity:
+            continue
+        try:
+            doc = json.loads(f.fidelity)
+            part, bound = Measured.from_json(doc["measured"]), doc["bound"]
+        except (ValueError, KeyError, TypeError):
+            continue  # an unreadable record loses a sample, never the features
+        pooled = part if pooled is None else pooled.merged(part)
+    if pooled is not None:
+        write_fidelity(layout, root, pooled, bound)
 
 
 def _add_shards(catalog: Catalog, f: Fragment, report: MergeReport) -> None:

@@ -144,6 +144,17 @@ class UpkeepRows(CatalogConnection):
                 done += c.total_changes - before
         return done
 
+    def forget_keys(self, keys: Sequence[str]) -> int:
+        """Delete every row of these keys (a build replacing features it stored inexactly, see
+        bake/redo.py); their shards' bytes stay until gc finds them unreferenced."""
+        done = 0
+        for i in range(0, len(keys), 500):
+            chunk = list(keys[i : i + 500])
+            with self.transaction() as c:
+                q = ",".join("?" * len(chunk))
+                done += c.execute(f"DELETE FROM features WHERE key IN ({q})", chunk).rowcount
+        return done
+
     def unlink_shard_file(self, name: str) -> int:
         """Remove shard ``name``'s file unless a row names it again; returns the bytes freed.
 
