@@ -14,7 +14,7 @@ from featbake.fidelity import Fidelity
 from featbake.quantize import Scheme, dequantize, quantize
 from featbake.recipe import Recipe
 from featbake.store.fidelity import read_fidelity
-from featbake.store.open import store_at
+from featbake.store.open import open_store
 from tests.conftest import live_features
 from tests.store.remote.conftest import S3
 
@@ -25,7 +25,7 @@ def test_a_first_int8_build_into_a_bucket_records_fidelity_and_serves_live(
     recipe = Recipe(dtype="int8")
     report = build(audio_dir, encoder_file, cache=s3.url, recipe=recipe, batch_size=1, workers=0)
     assert report.ok and report.merged and report.fidelity is not None
-    recorded = read_fidelity(store_at(s3.url), report.root)
+    recorded = read_fidelity(open_store(s3.url), report.root)
     assert recorded == Fidelity.from_json(report.fidelity)
     assert not s3.objects("fragments/")  # folded into the published version
     ds = CachedFeatureDataset(
