@@ -194,3 +194,55 @@ def test_the_declared_python_floor_is_the_one_ci_tests() -> None:
     assert sys.version_info[:2] >= (3, minor)
     if os.environ.get("CI") == "true":
         assert sys.version_info[:2] == (3, minor), "CI must test the declared minimum Python"
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the featbake modules it imports anywhere in its file (lazy imports included):
+    ``from pkg import sub`` counts as an edge to ``pkg.sub`` when that is a module."""
+    mods = {module_name(p) for p in modules()}
+    graph: dict[str, set[str]] = {}
+    for e in all_edges():
+        subs = {f"{e.target}.{n}" for n in e.names} & mods
+        for target in subs or ({e.target} & mods):
+            if target != e.module:
+                graph.setdefault(e.module, set()).add(target)
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while (w := stack.pop()) != v:
+                comp.append(w)
+            if comp:
+                cycles.append(sorted([v, *comp]))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_import_circle() -> None:
+    """No module imports, even lazily, one that imports it back (encode/encoders <-> hf was the
+    last: loading from a path now sits above both, in encode/loaders)."""
+    cycles = [
+        c for c in import_cycles(import_graph()) if c != ["featbake.cli", "featbake.cli.main"]
+    ]
+    assert not cycles, f"import circles: {cycles}"
+    assert import_cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]

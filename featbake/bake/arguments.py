@@ -12,7 +12,8 @@ import math
 import os
 from dataclasses import dataclass
 
-from featbake.encode.encoders import encoder_not_found, is_import_path
+from featbake.encode.encoders import encoder_not_found
+from featbake.encode.loaders import is_import_path
 from featbake.errors import ConfigError
 
 #: ``batching`` choices (the values of :class:`featbake.bake.padded.Batching`).

@@ -29,10 +29,11 @@ from featbake.bake.redo import PaddedItem, encode_padded_again
 from featbake.bake.report import BuildReport
 from featbake.bake.writer_thread import WriterThread
 from featbake.device import check_device, process_cpus, torch_threads
-from featbake.encode.encoders import LoadedEncoder, from_module, load_encoder
+from featbake.encode.encoders import LoadedEncoder, from_module
 from featbake.encode.fingerprints import encoder_fingerprint
 from featbake.encode.hf import check_recipe_supported, recipe_for_encoder
 from featbake.encode.inputs import Inputs, inputs_at
+from featbake.encode.loaders import load_encoder
 from featbake.encode.sources import Source, source_for
 from featbake.errors import ConfigError, EncodeError, FeatbakeError, SourceError
 from featbake.gcpause import gc_paused

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 import featbake.device as dev
-from featbake.encode.encoders import LoadedEncoder, from_module, is_import_path, load_encoder
+from featbake.encode.encoders import LoadedEncoder, from_module
 from featbake.encode.fingerprints import (
     cached_file_encoder_fp,
     encoder_fingerprint,
@@ -25,6 +25,7 @@ from featbake.encode.fingerprints import (
 )
 from featbake.encode.hf import is_hf_folder
 from featbake.encode.inputs import inputs_at
+from featbake.encode.loaders import is_import_path, load_encoder
 from featbake.encode.outputs import encode_batch, stored_parts
 from featbake.encode.sources import Source, load_unchanged
 from featbake.errors import CacheMiss, EncoderLoadError, FeatbakeError, SourceError
