@@ -36,7 +36,7 @@ from featbake.store.layout import (
 from featbake.store.reader import ShardReader, VerifyMode
 from featbake.store.remote.objects import Bucket
 from featbake.store.remote.ranged import RangedShardReader
-from featbake.store.remote.tier import DiskTier
+from featbake.store.remote.tier import DiskTier, locked
 from featbake.store.remote.url import BucketURL
 from featbake.store.remote.versions import (
     PREFIX,
@@ -250,6 +250,12 @@ class BucketStore:
         """
         self.layout.ensure()
         self._mark_tier()
+        # One download per node: the node's processes (DataLoader workers that all found a
+        # shard gone) wait here, and the first one's catalog serves the rest.
+        with locked(self.layout.tmp / "catalog.lock"):
+            return self._sync_catalog_locked()
+
+    def _sync_catalog_locked(self) -> int:
         newest_obj = newest_object(self.bucket.list(PREFIX))
         if newest_obj is None:
             if self.layout.catalog.exists() or self.version_file.exists():
@@ -263,7 +269,7 @@ class BucketStore:
             try:
                 self.bucket.download(newest_obj.name, tmp)
             except FileNotFoundError:
-                return self.sync_catalog()  # retired between the listing and the read
+                return self._sync_catalog_locked()  # retired between the listing and the read
             check_catalog_file(tmp, self.bucket.where(newest_obj.name))
             self.install_catalog(tmp, want.version, want.etag)
         finally:

@@ -144,7 +144,7 @@ class DiskTier:
         deadline = time.monotonic() + ROOM_WAIT_S
         pause = 0.02
         while True:
-            with _locked(self.downloads / "tier.lock"):
+            with locked(self.downloads / "tier.lock"):
                 files = list(self._files(skip=part))
                 try:
                     doomed = evictions(files, self.budget, size)
@@ -171,7 +171,7 @@ class DiskTier:
         at once, so a build leaves the tier within its budget.
         """
         self.downloads.mkdir(parents=True, exist_ok=True)
-        with _locked(self.downloads / "tier.lock"):
+        with locked(self.downloads / "tier.lock"):
             young = time.time() - min_age
             files = [
                 f
@@ -217,7 +217,7 @@ class DiskTier:
 
 
 @contextlib.contextmanager
-def _locked(path: Path) -> Iterator[int]:
+def locked(path: Path) -> Iterator[int]:
     """``path`` opened (created) and ``flock``-ed alone for the block; its descriptor."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -235,11 +235,11 @@ def _locked(path: Path) -> Iterator[int]:
 
 @contextlib.contextmanager
 def _locked_current(part: Path) -> Iterator[int]:
-    """Like :func:`_locked`, but the file locked is the one at ``part`` once the lock is held
+    """Like :func:`locked`, but the file locked is the one at ``part`` once the lock is held
     (a process that failed its download unlinks its ``.part``; a waiter that locked the
     unlinked file tries again on the path's new one)."""
     while True:
-        with _locked(part) as fd:
+        with locked(part) as fd:
             try:
                 current = os.stat(part).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:

@@ -402,3 +402,35 @@ def test_a_bucket_build_leaves_the_tier_within_its_budget(
         audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "r", on_miss="error"
     )
     assert_live(ds, encoder_file)
+
+
+def test_a_nodes_processes_download_a_new_catalog_version_once(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    build(audio_dir, encoder_file, cache=s3.url, workers=0)
+    tier = tmp_path / "node"
+    readers = [open_store(s3.url, local_cache=tier).remote for _ in range(4)]
+    more = tmp_path / "more"
+    write_audio_folder(more, 1, seconds=0.5, seed=3)
+    build(more, encoder_file, cache=open_store(s3.url, local_cache=tmp_path / "b"), workers=0)
+    downloads: list[str] = []
+    real = Bucket.download
+
+    def counted(self: Bucket, name: str, dest: Path) -> int:
+        if name.startswith("catalog/"):
+            downloads.append(name)
+        return real(self, name, dest)
+
+    monkeypatch.setattr(Bucket, "download", counted)
+    start = threading.Barrier(len(readers))
+
+    def sync(store: object) -> None:
+        start.wait()
+        assert store.sync_catalog() == 2  # type: ignore[attr-defined]
+
+    threads = [threading.Thread(target=sync, args=(r,)) for r in readers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert downloads == [version_name(2)]
