@@ -84,6 +84,7 @@ class BucketStore:
         self.tier = DiskTier(self.layout, budget)
         self._sizes: dict[str, int] | None = None  # shard name -> bytes, listed once
         self._ranged: bool | None = None  # see reads_ranged
+        self._fills_tier = False  # auto mode reading by ranges: shards that fit are kept
         self._uploaded: set[str] = set()  # shards this process uploaded: copies in the tier
 
     def __getstate__(self) -> dict:
@@ -132,7 +133,8 @@ class BucketStore:
 
         ``$FEATBAKE_BUCKET_READS`` says ``whole`` or ``ranged``; by default (``auto``) ranged
         once the shards the catalog names outweigh the tier's budget: fetching whole shards
-        into a tier that cannot keep them downloads each many times over a shuffled epoch.
+        into a tier that cannot keep them downloads each many times over a shuffled epoch. In
+        ``auto`` the tier still keeps whole the shards that fit its budget without evicting.
         """
         if self._ranged is None:
             mode = os.environ.get(READS_ENV, "auto")
@@ -140,12 +142,15 @@ class BucketStore:
                 raise ConfigError(f"${READS_ENV} must be auto, whole or ranged, got {mode!r}")
             if mode == "auto":
                 self._ranged = sum(catalog_shards(self.layout.catalog).values()) > self.tier.budget
+                self._fills_tier = self._ranged
             else:
                 self._ranged = mode == "ranged"
         return self._ranged
 
     def ranged_reader(self, name: str, path: Path, verify: VerifyMode | str) -> ShardReader | None:
-        """A reader of shard ``name`` by ranged GETs, or None when shards are fetched whole.
+        """A reader of shard ``name`` by ranged GETs, or None when it is fetched whole: always
+        in ``whole`` mode, and in ``ranged`` mode while the tier has room for it without evicting
+        (a tier smaller than the store keeps what fits, so repeated items hit it).
 
         Raises:
             ShardMissing: the bucket has no such shard (gc deleted it).
@@ -153,6 +158,8 @@ class BucketStore:
         if not self.reads_ranged():
             return None
         size = self._size_of(name)
+        if size is not None and self._fills_tier and self.tier.has_room(size):
+            return None  # auto: the tier keeps what fits, so repeated reads of it hit the disk
         if size is None:
             self.sync_catalog()  # as fetch_shard: the reader looks the feature up again
             raise ShardMissing(f"shard {name} is gone from {self.url} (deleted by gc)")

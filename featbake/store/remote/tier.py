@@ -211,6 +211,10 @@ class DiskTier:
     def _path_of(self, file_name: str) -> Path:
         return self.layout.shard_path(file_name.removesuffix(".safetensors"))
 
+    def has_room(self, size: int) -> bool:
+        """Whether ``size`` more bytes fit the budget without evicting anything."""
+        return self.used_bytes() + size <= self.budget
+
     def used_bytes(self) -> int:
         """Bytes the tier's shards and downloads in flight take now."""
         return sum(f.size for f in self._files(skip=Path()))
