@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from featbake.errors import StoreCorrupt, StoreError
+from featbake.keys import sha256_file
 from featbake.progress import GcProgress
 from featbake.store.catalog import Catalog
 from featbake.store.layout import Layout
@@ -62,7 +63,7 @@ from featbake.store.writer import SealedShard, write_shard
 from featbake.upkeep.files import existing_store, quarantine
 from featbake.upkeep.verify_bucket import refuse_bucket_repair, verify_bucket
 from featbake.upkeep.verify_catalog import rebuild_catalog, repair_catalog, repair_hash_cache
-from featbake.upkeep.verify_checks import HOSTILE_HEADER_ERRORS, sha256_file
+from featbake.upkeep.verify_checks import HOSTILE_HEADER_ERRORS
 from featbake.upkeep.verify_findings import (
     CatalogState,
     FindingKind,
