@@ -49,7 +49,7 @@ def _package(root: Path, factor: str) -> Path:
 
 
 def _fingerprint(root: Path, preload: str = "") -> str:
-    code = f"{preload}\nfrom featbake.encode.encoders import load_encoder\n"
+    code = f"{preload}\nfrom featbake.encode.loaders import load_encoder\n"
     code += "print(load_encoder('pkg.mod:make').fingerprint)"
     env = {"PYTHONPATH": f"{REPO}:{root}", "PATH": "/usr/bin:/bin"}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)

@@ -72,7 +72,7 @@ def verify(
         for f in report.remaining if report.status != "clean" and repair else []:
             out.print(f"[red]remains[/] {f.kind} {escape(f.subject)}: {escape(f.detail)}")
         out.print(
-            f"verify: {report.status} ({escape(report.store)}: {report.shards_checked} shards, "
+            f"verify: {report.status} ({report.shards_checked} shards, "
             f"{format_bytes(report.bytes_checked)} read in {report.seconds:.2f}s)"
             + (
                 f"; {report.features_lost} feature rows lost, rebuild to recompute them"

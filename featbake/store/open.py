@@ -77,8 +77,8 @@ def open_store(
     layout = _layout_of(ref, need, local_cache, local_cache_size)
     if need is Need.WRITE and read_only_forced():
         raise StoreError(
-            f"{READ_ONLY_ENV}=1 is set, and a build writes to the store {describe(layout)}; "
-            f"unset {READ_ONLY_ENV} (nothing was written)"
+            f"the store {describe(layout)} is read-only here ({READ_ONLY_ENV}=1), and a build "
+            f"writes to it; unset {READ_ONLY_ENV} to build (nothing was written)"
         )
     if need in (Need.STORE, Need.CATALOG) and layout.remote is None:
         _require_directory(layout)

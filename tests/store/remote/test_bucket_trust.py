@@ -341,7 +341,7 @@ def test_a_read_only_build_into_a_bucket_writes_nothing(
         "--local-cache", tmp_path / "t", env={"FEATBAKE_READ_ONLY": "1"},
     )  # fmt: skip
     assert got.returncode == 5, got.stderr
-    assert "FEATBAKE_READ_ONLY=1" in got.stderr and s3.url in got.stderr
+    assert "read-only here (FEATBAKE_READ_ONLY=1)" in got.stderr and s3.url in got.stderr
     assert s3.objects() == []  # no shard, no fragment uploaded
 
 
