@@ -1,7 +1,7 @@
 """The build: scan a data folder, key every input, encode what the store lacks, seal shards.
 
 :func:`build` runs named steps in order: open the store and the encoder, key each input
-(:meth:`_Bake.plan`), publish the manifest, then encode the missing items (:class:`_EncodeRun`)
+(:meth:`_Bake.plan`), publish the manifest, then encode the missing items (:class:`EncodeLoop`)
 behind decode workers while a writer thread fills shards.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -19,21 +19,21 @@ from featbake.bake.arguments import BuildArguments, check_build_arguments
 from featbake.bake.compact import DEFAULT_MAX_ERROR, Compactor, over_bound
 from featbake.bake.decode import decoded_items, worker_death
 from featbake.bake.derive import reusable_parts
-from featbake.bake.finite import nonfinite_part
+from featbake.bake.encode_loop import EncodeLoop
 from featbake.bake.interrupt import interrupt_at_safe_points
 from featbake.bake.options import BakeOptions
 from featbake.bake.padded import BatchRunner, budget_samples
 from featbake.bake.parts import catalog_for_part, finish_part, keys_for_other_ranks, rank_group
 from featbake.bake.ranks import RankSpec, device_for_rank, resolve_rank
 from featbake.bake.report import BuildReport
-from featbake.bake.writer_thread import WriterThread
+from featbake.bake.writer_thread import DEFAULT_SEAL_SECONDS, WriterThread
 from featbake.device import check_device, process_cpus, torch_threads
 from featbake.encode.encoders import LoadedEncoder, from_module, load_encoder
 from featbake.encode.fingerprints import encoder_fingerprint
 from featbake.encode.hf import check_layers_supported, recipe_for_encoder
 from featbake.encode.inputs import Inputs, inputs_at
 from featbake.encode.sources import Source, source_for
-from featbake.errors import ConfigError, EncodeError, FeatbakeError, SourceError
+from featbake.errors import ConfigError, FeatbakeError, SourceError
 from featbake.gcpause import gc_paused
 from featbake.keys import feature_key, root_id
 from featbake.progress import Progress
@@ -71,6 +71,7 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
     shard: str | None = None,
     threads: int | None = None,
     max_error: float | None = DEFAULT_MAX_ERROR,
+    seal_every: float = DEFAULT_SEAL_SECONDS,
 ) -> BuildReport:
     """Run ``encoder`` over every input under ``data`` once and store the features.
 
@@ -106,6 +107,9 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
         max_error: for ``int8``/``fp8``, the relative RMS error (measured on a sample against
             the encoder's output, see :mod:`featbake.bake.compact`) above which the report
             says so (``report.fidelity_warning``); None: no bound.
+        seal_every: seconds after which a shard being filled is sealed whatever its size, so
+            that a process killed with SIGKILL (preemption, the OOM killer) loses at most about
+            this much encoding; a rerun encodes only what was not sealed.
 
     Returns:
         A :class:`BuildReport`; ``report.failed`` names each input that was skipped.
@@ -122,8 +126,9 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
     """
     t0 = time.perf_counter()
     args = BuildArguments(
-        batching, batch_size, workers, shard_bytes, batch_seconds, batch_samples, encoder, threads
-    )
+        batching, batch_size, workers, shard_bytes, batch_seconds, batch_samples, encoder, threads,
+        seal_every,
+    )  # fmt: skip
     check_build_arguments(args, process_cpus())
     # A Hugging Face folder's preprocessor config sets the input (sample rate, normalisation)
     # and resolves layers="all": before the source is made from the recipe.
@@ -132,8 +137,9 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
     dev = check_device(device_for_rank(str(device), spec))
     on_gpu = dev.type != "cpu"
     options = BakeOptions(
-        batch_size, workers, strict, shard_bytes, on_gpu, allow_nonfinite, threads, max_error
-    )
+        batch_size, workers, strict, shard_bytes, on_gpu, allow_nonfinite, threads, max_error,
+        seal_every,
+    )  # fmt: skip
     options.check_recipe(recipe)
     layout = store_at(cache).ensure()
     place = inputs_at(data)  # a folder, or a bucket prefix (s3://bucket/audio/)
@@ -292,11 +298,12 @@ class _Bake:
         paths = [p for _, p in work]
         sink = self.catalog if isinstance(self.catalog, RankCatalog) else None
         writer = WriterThread(
-            self.layout, self.enc.fingerprint, self.report.recipe_fp, self.options.shard_bytes, sink
-        )
+            self.layout, self.enc.fingerprint, self.report.recipe_fp, self.options.shard_bytes,
+            sink, self.options.seal_seconds,
+        )  # fmt: skip
         for key, parts in derived.items():
             writer.put(key, dict(parts))
-        run = _EncodeRun(self, writer, [k for k, _ in work], paths)
+        run = EncodeLoop(self, writer, [k for k, _ in work], paths)
         stats = [self.hashed_stats.get(p) for p in paths]
         threads = self.options.threads()
         with interrupt_at_safe_points() as checkpoint, torch_threads(threads.encoder_threads):
@@ -312,7 +319,7 @@ class _Bake:
                 self.report.bytes_written = writer.bytes_written
                 self.report.shards_written = writer.shards
                 self.report.batching, self.report.batching_note = self.runner.mode, self.runner.note
-        run.tick(self.report.bytes_written)  # the last word: bytes sealed (the writer lags)
+        run.tick()  # the last word: every byte sealed, none pending
         self.record_fidelity()
 
     def record_fidelity(self) -> None:
@@ -322,71 +329,3 @@ class _Bake:
             self.report.fidelity = measured.to_json()
             self.report.fidelity_warning = over_bound(measured, self.options.max_error)
             write_fidelity(self.layout, self.report.root, measured, self.options.max_error)
-
-
-@dataclass
-class _EncodeRun:
-    """The encoding loop: decoded items -> batches -> encoder -> writer, counting as it goes."""
-
-    bake: _Bake
-    writer: WriterThread
-    keys: list[str]
-    paths: list[str]
-    done: int = 0
-
-    def rel(self, i: int) -> str:
-        return os.path.relpath(self.paths[i], self.bake.place.where)
-
-    def fail(self, i: int, reason: str, exc: type[FeatbakeError]) -> None:
-        self.done += 1
-        self.bake.skip(self.rel(i), reason, exc(reason))
-
-    def feed(
-        self,
-        items: Iterator[tuple[int, torch.Tensor | str]],
-        batcher: BatchRunner,
-        checkpoint: Callable[[], None],
-    ) -> None:
-        """Batch decoded items and encode each batch; a decode failure skips its item."""
-        for i, item in items:
-            checkpoint()
-            if isinstance(item, str):
-                self.fail(i, item, SourceError)
-                continue
-            for batch in batcher.add(tuple(item.shape), (i, item)):
-                self.run(batch)
-        for batch in batcher.flush():
-            checkpoint()
-            self.run(batch)
-
-    def run(self, batch: list[tuple[int, torch.Tensor]]) -> None:
-        """Encode one batch and queue its features; a failing batch is retried item by item."""
-        try:
-            results = self.bake.runner.encode([x for _, x in batch])
-        except EncodeError as e:
-            if len(batch) > 1:  # find the culprit: retry one by one
-                for item in batch:
-                    self.run([item])
-                return
-            self.fail(batch[0][0], f"{self.rel(batch[0][0])}: {e}", EncodeError)
-            return
-        for (i, _), parts in zip(batch, results, strict=True):
-            bad = None if self.bake.options.allow_nonfinite else nonfinite_part(parts)
-            if bad is not None:
-                reason = (
-                    f"{self.rel(i)}: the encoder returned NaN or infinite values in {bad} "
-                    f"(stored as {self.bake.recipe.dtype}); not stored. Pass --allow-nonfinite "
-                    "to store them anyway"
-                )
-                self.fail(i, reason, EncodeError)
-                continue
-            self.writer.put(self.keys[i], self.bake.compactor.store(self.keys[i], parts))
-            self.bake.report.encoded += 1
-            self.done += 1
-        self.tick(self.writer.bytes_so_far)
-
-    def tick(self, nbytes: int) -> None:
-        """Report progress: items done of all, ``nbytes`` written, items failed."""
-        if self.bake.progress:
-            done, total, failed = self.done, len(self.keys), len(self.bake.report.failed)
-            self.bake.progress(Progress("encode", done, total, nbytes, failed))

@@ -239,6 +239,14 @@ def build(
     ] = None,
     device: Annotated[str, typer.Option(help="Where the encoder runs: cpu, cuda, cuda:N.")] = "cpu",
     shard_size: Annotated[str, typer.Option(help="Target shard size, e.g. 256MiB.")] = "256MiB",
+    seal_every: Annotated[
+        float,
+        typer.Option(
+            help="Seal the shard being filled after this many seconds whatever its size: a "
+            "build killed with SIGKILL (preemption, the OOM killer) loses at most this much "
+            "encoding, e.g. --seal-every 10."
+        ),
+    ] = 30.0,
     strict: Annotated[
         bool, typer.Option(help="Stop at the first bad input instead of skipping it.")
     ] = False,
@@ -320,6 +328,7 @@ def build(
             shard=shard,
             threads=threads,
             max_error=max_error,
+            seal_every=seal_every,
         )
     _report(reports, as_json)
 

@@ -18,7 +18,7 @@ from rich.progress import (
 from rich.text import Text
 
 from featbake.cli.app import console
-from featbake.progress import MIN_RATE_SECONDS, progress_line
+from featbake.progress import MIN_RATE_SECONDS, bytes_text, progress_line
 from featbake.units import format_bytes
 
 
@@ -45,10 +45,16 @@ class _Labelled(ProgressColumn):
         return Text.assemble(f"{self.label} ", inner if isinstance(inner, Text) else str(inner))
 
 
+def _size(nbytes: int) -> str:
+    return format_bytes(nbytes) if nbytes else ""
+
+
 class _Bytes(ProgressColumn):
+    """Bytes sealed (what survives a kill) and bytes still in the writer's hands."""
+
     def render(self, task: Task) -> Text:
-        written = int(task.fields.get("bytes", 0))
-        return Text(f"{format_bytes(written)} written" if written else "", style="green")
+        sealed, pending = int(task.fields.get("bytes", 0)), int(task.fields.get("pending", 0))
+        return Text(bytes_text(_size(sealed), _size(pending)), style="green")
 
 
 def progress_bar() -> Progress:
@@ -87,10 +93,11 @@ def tick_bar(bar: Progress, tasks: dict[str, Any]) -> Any:
     finished: set[str] = set()
 
     def log_line(p: Any, now: float) -> None:
-        written = getattr(p, "bytes_written", 0)
-        size = format_bytes(written) if written else ""
+        sealed = _size(getattr(p, "bytes_written", 0))
+        pending = _size(getattr(p, "bytes_pending", 0))
         seconds = now - started[p.phase]
-        console.print(progress_line(p.phase, p.done, p.total, seconds, size), highlight=False)
+        line = progress_line(p.phase, p.done, p.total, seconds, sealed, pending)
+        console.print(line, highlight=False)
 
     def on_progress(p: Any) -> None:
         if p.phase not in started:
@@ -103,6 +110,7 @@ def tick_bar(bar: Progress, tasks: dict[str, Any]) -> Any:
                 completed=p.done,
                 total=p.total or None,
                 bytes=getattr(p, "bytes_written", 0),
+                pending=getattr(p, "bytes_pending", 0),
             )
             return
         if not p.total or p.phase in finished:
