@@ -18,8 +18,9 @@ import torch
 from featbake.bake.arguments import BuildArguments, check_build_arguments
 from featbake.bake.compact import DEFAULT_MAX_ERROR, Compactor, over_bound
 from featbake.bake.decode import decoded_items, worker_death
-from featbake.bake.derive import reusable_parts
+from featbake.bake.derive import StoredSource, derivation_plan, stored_sources
 from featbake.bake.encode_loop import EncodeLoop
+from featbake.bake.finite import nonfinite_part
 from featbake.bake.interrupt import interrupt_at_safe_points
 from featbake.bake.options import BakeOptions
 from featbake.bake.padded import BatchRunner, budget_samples
@@ -33,7 +34,7 @@ from featbake.encode.fingerprints import encoder_fingerprint
 from featbake.encode.hf import check_layers_supported, recipe_for_encoder
 from featbake.encode.inputs import Inputs, inputs_at
 from featbake.encode.sources import Source, source_for
-from featbake.errors import ConfigError, FeatbakeError, SourceError
+from featbake.errors import ConfigError, EncodeError, FeatbakeError, SourceError
 from featbake.gcpause import gc_paused
 from featbake.keys import feature_key, root_id
 from featbake.progress import Progress
@@ -275,40 +276,41 @@ class _Bake:
         present = self.catalog.present_keys(list(todo))
         self.report.reused = len(present)
         work = [(k, p) for k, p in todo.items() if k not in present]
-        digests = {k: self.digests[k] for k, _ in work}  # an --output build copies stored parts
-        derived = reusable_parts(
+        # An --output or --dtype build copies or converts what the store holds (bake/derive.py).
+        digests = {k: self.digests[k] for k, _ in work}
+        plan = derivation_plan(
             self.layout, self.recipe, self.report.encoder_fp, digests, self.catalog
         )
-        self.report.derived = len(derived)
-        work = [(k, p) for k, p in work if k not in derived]
-        if not work and not derived:
+        if not work:
             if self.progress:
                 self.progress(Progress("encode", 0, 0))
             return
         try:
-            self.encode(work, derived)
+            self.encode([(k, p) for k, p in work if k not in plan], plan, dict(work))
         except ConfigError:
             # A wrong option (e.g. --output) stopped the build: the manifest it published would
             # only name keys that never get features.
             self.catalog.drop_root(self.report.root)
             raise
 
-    def encode(self, work: list[tuple[str, str]], derived: Mapping[str, Parts]) -> None:
-        """Decode, batch, encode, write ``work`` (key, path); sealed work survives Ctrl-C."""
-        paths = [p for _, p in work]
+    def encode(
+        self, work: list[tuple[str, str]], plan: Mapping[str, StoredSource], paths: dict[str, str]
+    ) -> None:
+        """Derive ``plan``'s keys from the store, then decode, batch, encode, write ``work``
+        (key, path) and what could not be derived; sealed work survives Ctrl-C."""
         sink = self.catalog if isinstance(self.catalog, RankCatalog) else None
         writer = WriterThread(
             self.layout, self.enc.fingerprint, self.report.recipe_fp, self.options.shard_bytes,
             sink, self.options.seal_seconds,
         )  # fmt: skip
-        for key, parts in derived.items():
-            writer.put(key, dict(parts))
-        run = EncodeLoop(self, writer, [k for k, _ in work], paths)
-        stats = [self.hashed_stats.get(p) for p in paths]
+        run = EncodeLoop(self, writer, [], [])
         threads = self.options.threads()
         with interrupt_at_safe_points() as checkpoint, torch_threads(threads.encoder_threads):
             try:
-                items = decoded_items(paths, self.source, threads.decode_workers, stats)
+                work = work + self.put_derived(writer, plan, paths, checkpoint)
+                run = EncodeLoop(self, writer, [k for k, _ in work], [p for _, p in work])
+                stats = [self.hashed_stats.get(p) for p in run.paths]
+                items = decoded_items(run.paths, self.source, threads.decode_workers, stats)
                 run.feed(items, self.runner, checkpoint)
             except RuntimeError as e:  # torch's SIGCHLD handler can raise it anywhere
                 raise (worker_death(e) or e) from None
@@ -321,6 +323,46 @@ class _Bake:
                 self.report.batching, self.report.batching_note = self.runner.mode, self.runner.note
         run.tick()  # the last word: every byte sealed, none pending
         self.record_fidelity()
+
+    def put_derived(
+        self,
+        writer: WriterThread,
+        plan: Mapping[str, StoredSource],
+        paths: Mapping[str, str],
+        checkpoint: Callable[[], None],
+    ) -> list[tuple[str, str]]:
+        """Write what ``plan`` derives from stored features; returns (key, path) of the keys
+        that could not be (a source gone or damaged since, a value fp16 cannot hold), to be
+        encoded like any other."""
+        left: list[tuple[str, str]] = []
+        for key, source, parts in stored_sources(self.layout, plan):
+            checkpoint()
+            stored = None if parts is None else self.derived(key, source, parts)
+            if stored is None:
+                left.append((key, paths[key]))
+                continue
+            writer.put(key, stored)
+            if source.how.convert:
+                self.report.converted += 1
+            else:
+                self.report.derived += 1
+        return left
+
+    def derived(
+        self, key: str, source: StoredSource, parts: Parts
+    ) -> dict[str, torch.Tensor] | None:
+        """A stored source's parts as this recipe stores them: copied, or (from float32) cast
+        or quantised exactly as the build's own step does it (:meth:`Compactor.store`, which
+        also measures int8/fp8 fidelity on the same sample a build of that dtype measures)."""
+        if not source.how.convert:
+            return dict(parts)
+        as_output = {n: v.to(self.recipe.encode_dtype) for n, v in parts.items()}
+        if not self.options.allow_nonfinite and nonfinite_part(as_output) is not None:
+            return None  # e.g. past float16's range: encoded, and failed, as such a build does
+        try:
+            return self.compactor.store(key, as_output)
+        except EncodeError:
+            return None
 
     def record_fidelity(self) -> None:
         """Put what int8/fp8 cost in the report and beside the root (``featbake roots``)."""

@@ -240,12 +240,7 @@ def build(
     device: Annotated[str, typer.Option(help="Where the encoder runs: cpu, cuda, cuda:N.")] = "cpu",
     shard_size: Annotated[str, typer.Option(help="Target shard size, e.g. 256MiB.")] = "256MiB",
     seal_every: Annotated[
-        float,
-        typer.Option(
-            help="Seal the shard being filled after this many seconds whatever its size: a "
-            "build killed with SIGKILL (preemption, the OOM killer) loses at most this much "
-            "encoding, e.g. --seal-every 10."
-        ),
+        float, typer.Option(help="Seal the shard being filled every N s: SIGKILL loses no more.")
     ] = 30.0,
     strict: Annotated[
         bool, typer.Option(help="Stop at the first bad input instead of skipping it.")
@@ -376,6 +371,8 @@ def _print_build_summary(report: Any) -> None:
     table.add_row("reused", f"{report.reused:,}")
     if report.derived:
         table.add_row("copied", f"{report.derived:,} parts a whole-output build stored")
+    if report.converted:
+        table.add_row("converted", f"{report.converted:,} from the store's float32 features")
     if report.duplicates:
         table.add_row("duplicates", f"{report.duplicates:,} (identical files share a feature)")
     table.add_row("failed", f"[red]{len(report.failed):,}[/]" if report.failed else "0")
