@@ -72,6 +72,21 @@ def progress_bar() -> Progress:
     )
 
 
+def summary_lines(rows: list[tuple[str, str]]) -> list[str]:
+    """``label  value`` lines, labels padded to one column and nothing after the value.
+
+    A rich ``Table`` pads every cell to its column's widest one: off a terminal each summary
+    line carried as many trailing spaces as the longest value is long (~150 behind a batching
+    note; issue 32 item 15). Markup in a value (``[red]3[/]``) is left for the console.
+
+    Example:
+        >>> summary_lines([("root", "r-1"), ("encoded", "16")])
+        ['root     r-1', 'encoded  16']
+    """
+    width = max((len(label) for label, _ in rows), default=0)
+    return [f"{label:<{width}}  {value}".rstrip() for label, value in rows]
+
+
 def format_when(ts: float) -> str:
     import datetime as _dt
 
@@ -116,7 +131,8 @@ def tick_bar(bar: Progress, tasks: dict[str, Any]) -> Any:
         if not p.total or p.phase in finished:
             return
         now = time.monotonic()
-        if p.done >= p.total:
+        # The line for the last item waits for its bytes to be sealed (the build's last word).
+        if p.done >= p.total and not getattr(p, "bytes_pending", 0):
             finished.add(p.phase)
             log_line(p, now)
         elif now - last_line.get(p.phase, started[p.phase]) >= LOG_EVERY_S:
