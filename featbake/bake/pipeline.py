@@ -17,7 +17,7 @@ import torch
 
 from featbake.bake.arguments import BuildArguments, check_build_arguments
 from featbake.bake.compact import DEFAULT_MAX_ERROR, Compactor, over_bound
-from featbake.bake.decode import decoded_items, worker_death
+from featbake.bake.decode import HeldSource, decoded_items, worker_death
 from featbake.bake.derive import StoredSource, derivation_plan, stored_sources
 from featbake.bake.encode_loop import EncodeLoop
 from featbake.bake.finite import nonfinite_part
@@ -31,8 +31,9 @@ from featbake.bake.writer_thread import DEFAULT_SEAL_SECONDS, WriterThread
 from featbake.device import check_device, process_cpus, torch_threads
 from featbake.encode.encoders import LoadedEncoder, from_module, load_encoder
 from featbake.encode.fingerprints import encoder_fingerprint
+from featbake.encode.held import HeldBytes
 from featbake.encode.hf import check_layers_supported, recipe_for_encoder
-from featbake.encode.inputs import Inputs, inputs_at
+from featbake.encode.inputs import Folder, Inputs, inputs_at
 from featbake.encode.sources import Source, source_for
 from featbake.errors import ConfigError, EncodeError, FeatbakeError, SourceError
 from featbake.gcpause import gc_paused
@@ -210,6 +211,7 @@ class _Bake:
     hashed_stats: dict[str, FileStat] = field(default_factory=dict)
     digests: dict[str, str] = field(default_factory=dict)  # key -> its input's SHA-256
     compactor: Compactor = field(init=False)  # quantises int8/fp8 and measures their fidelity
+    held: HeldBytes = field(default_factory=HeldBytes)  # input bytes from hashing, to decode
 
     def start(self, inputs: int, skipped: Sequence[tuple[str, str]], weights: str | None) -> None:
         """Fingerprint the encoder and recipe, and open the report with the skipped files."""
@@ -231,9 +233,14 @@ class _Bake:
             key -> the absolute path of the first input with that key.
         """
         abs_paths = [self.place.path(p) for p in rel_paths]
-        digests, unreadable = self.place.hash(
-            self.catalog, abs_paths, self.progress, self.hashed_stats
-        )
+        if isinstance(self.place, Folder):  # the bytes hashed are kept to decode: read once
+            digests, unreadable = self.place.hash(
+                self.catalog, abs_paths, self.progress, self.hashed_stats, self.held
+            )
+        else:
+            digests, unreadable = self.place.hash(
+                self.catalog, abs_paths, self.progress, self.hashed_stats
+            )
         todo: dict[str, str] = {}
         for rel, path in zip(rel_paths, abs_paths, strict=True):
             if path in unreadable:
@@ -281,12 +288,14 @@ class _Bake:
         plan = derivation_plan(
             self.layout, self.recipe, self.report.encoder_fp, digests, self.catalog
         )
+        to_encode = [(k, p) for k, p in work if k not in plan]
+        self.held.keep_only({p for _, p in to_encode})  # others are stored or derived
         if not work:
             if self.progress:
                 self.progress(Progress("encode", 0, 0))
             return
         try:
-            self.encode([(k, p) for k, p in work if k not in plan], plan, dict(work))
+            self.encode(to_encode, plan, dict(work))
         except ConfigError:
             # A wrong option (e.g. --output) stopped the build: the manifest it published would
             # only name keys that never get features.
@@ -310,13 +319,15 @@ class _Bake:
                 work = work + self.put_derived(writer, plan, paths, checkpoint)
                 run = EncodeLoop(self, writer, [k for k, _ in work], [p for _, p in work])
                 stats = [self.hashed_stats.get(p) for p in run.paths]
-                items = decoded_items(run.paths, self.source, threads.decode_workers, stats)
+                source = HeldSource(self.source, self.held) if len(self.held) else self.source
+                items = decoded_items(run.paths, source, threads.decode_workers, stats)
                 run.feed(items, self.runner, checkpoint)
             except RuntimeError as e:  # torch's SIGCHLD handler can raise it anywhere
                 raise (worker_death(e) or e) from None
             finally:
                 # Seal what was encoded, also on Ctrl-C or a strict failure: nothing encoded is
                 # lost.
+                self.held.clear()
                 writer.close()
                 self.report.bytes_written = writer.bytes_written
                 self.report.shards_written = writer.shards
