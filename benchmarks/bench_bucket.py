@@ -64,7 +64,7 @@ from featbake.encode.encoders import LoadedEncoder, from_module
 from featbake.recipe import Recipe
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.serve.loader import FeatureLoader
-from featbake.store.open import store_at
+from featbake.store.open import open_store
 from featbake.testing import TinyConvEncoder, write_audio_folder
 
 BENCH = "bucket"
@@ -288,7 +288,7 @@ def prepare(work: Path, n: int, use_litdata: bool, shard_bytes: int) -> Setup:
     write_audio_folder(clips, n, seconds=(2.0, 4.0))
     enc = encoder()
     # The builder's own tier is a folder of its own: the readers start from an empty one.
-    builder = store_at(f"s3://{BUCKET}/featbake", local_cache=work / "builder-tier")
+    builder = open_store(f"s3://{BUCKET}/featbake", local_cache=work / "builder-tier")
     # One encoder thread: on this shared 2-core machine two threads spun ~10x slower on these
     # small convolutions (4 s against 40-50 s for the same build); the builds are not measured.
     opts: dict[str, Any] = {

@@ -39,8 +39,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from featbake.bake.pipeline import build
-from featbake.encode.encoders import load_encoder, torchscript_quietly
+from featbake.encode.encoders import torchscript_quietly
 from featbake.encode.fingerprints import encoder_fingerprint
+from featbake.encode.loaders import load_encoder
 from featbake.encode.sources import scan, source_for
 from featbake.keys import module_fingerprint
 from featbake.recipe import Recipe

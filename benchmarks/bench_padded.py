@@ -35,7 +35,8 @@ sys.path.insert(0, str(REPO))
 from featbake.bake import padded
 from featbake.bake.pipeline import build
 from featbake.device import synchronize
-from featbake.encode.encoders import LoadedEncoder, load_encoder
+from featbake.encode.encoders import LoadedEncoder
+from featbake.encode.loaders import load_encoder
 from featbake.encode.outputs import encode_batch
 from featbake.encode.sources import scan, source_for
 from featbake.recipe import Recipe

@@ -6,6 +6,7 @@ Public API::
     featbake.CachedFeatureDataset(data, encoder=...)   # serve baked features to a DataLoader
     featbake.pad_collate, featbake.DevicePrefetcher    # batching and device prefetch
     featbake.CachedEncoder(encoder, cache=...)         # intercept a frozen encoder in-process
+    featbake.ViewsDataset(data, encoder, views=...)    # baked image views (--views hflip)
     featbake.Recipe(sample_rate=16000, ...)            # preprocessing options, part of every key
 
 Names are imported on first use (PEP 562), so ``featbake --help`` does not pay for importing torch.
@@ -26,7 +27,9 @@ _EXPORTS = {
     "pad_collate": "featbake.serve.collate",
     "CachedFeatureDataset": "featbake.serve.dataset",
     "FeatureLoader": "featbake.serve.loader",
+    "BlockSampler": "featbake.serve.blocks",
     "ServeStats": "featbake.serve.dataset",
+    "ViewsDataset": "featbake.serve.views",
     "BuildIncomplete": "featbake.errors",
     "CacheMiss": "featbake.errors",
     "ConfigError": "featbake.errors",
@@ -43,6 +46,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "BlockSampler",
     "BuildIncomplete",
     "BuildReport",
     "ByteLRU",
@@ -62,6 +66,7 @@ __all__ = [
     "SourceError",
     "StoreCorrupt",
     "StoreError",
+    "ViewsDataset",
     "__version__",
     "build",
     "pad_collate",
@@ -84,11 +89,13 @@ if TYPE_CHECKING:
     )
     from featbake.lru import ByteLRU
     from featbake.recipe import Recipe
+    from featbake.serve.blocks import BlockSampler
     from featbake.serve.cached_encoder import CachedEncoder
     from featbake.serve.collate import PaddedBatch, pad_collate
     from featbake.serve.dataset import CachedFeatureDataset, ServeStats
     from featbake.serve.loader import FeatureLoader
     from featbake.serve.prefetch import DevicePrefetcher
+    from featbake.serve.views import ViewsDataset
 
 
 def __getattr__(name: str) -> Any:

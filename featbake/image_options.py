@@ -27,6 +27,10 @@ IMAGE_OPTIONS = (
 )
 
 
+#: The largest side ``--resize`` and ``--crop`` take.
+MAX_SIDE = 8192
+
+
 def parse_image_options(  # noqa: PLR0913 - one keyword per command-line option
     *,
     resize: str | None = None,
@@ -46,7 +50,8 @@ def parse_image_options(  # noqa: PLR0913 - one keyword per command-line option
     none --std none``.
 
     Raises:
-        ConfigError: a value that does not parse, naming the option and an example.
+        ConfigError: a value that does not parse, naming the option and an example; a
+            ``--resize`` or ``--crop`` side over :data:`MAX_SIDE`.
 
     Example:
         >>> parse_image_options(crop="224", mean="0.5,0.5,0.5")
@@ -55,8 +60,10 @@ def parse_image_options(  # noqa: PLR0913 - one keyword per command-line option
     changes: dict[str, Any] = {}
     if resize is not None:
         changes["resize"] = Resize.parse(resize)
+        _check_side(max(changes["resize"].height, changes["resize"].width), "--resize", resize)
     if crop is not None:
         changes["crop"] = None if _off(crop) else parse_size(crop, "--crop")
+        _check_side(max(changes["crop"] or (0,)), "--crop", crop)
     if interpolation is not None:
         changes["interpolation"] = Interpolation.parse(interpolation)
     if rescale is not None:
@@ -68,6 +75,16 @@ def parse_image_options(  # noqa: PLR0913 - one keyword per command-line option
         changes["mode"] = _mode(image_mode)
     changes.update({k: v for k, v in (("antialias", antialias), ("exif", exif)) if v is not None})
     return changes
+
+
+def _check_side(side: int, option: str, text: str) -> None:
+    """Refuse a side no image should be resized or cropped to, before any work (each image
+    would otherwise fail alone with a MemoryError, or the build be killed for its memory)."""
+    if side > MAX_SIDE:
+        raise ConfigError(
+            f"{option} {text} is larger than featbake resizes to: at most {MAX_SIDE} pixels a "
+            f"side (a {MAX_SIDE}x{MAX_SIDE} RGB input is already 768 MiB as float32)"
+        )
 
 
 def _off(text: str) -> bool:

@@ -219,6 +219,8 @@ class ImageRecipe:
                     f"--mean and --std need {channels} values for mode {self.mode.value}, "
                     f"got {len(self.mean)} and {len(self.std)}"
                 )
+            if not all(math.isfinite(v) for v in self.mean):  # NaN would also break the key
+                raise ConfigError(f"--mean values must be finite numbers, got {self.mean}")
             if not all(math.isfinite(v) and v > 0 for v in self.std):
                 raise ConfigError(f"--std values must be positive, got {self.std}")
         if self.rescale is not None and not (math.isfinite(self.rescale) and self.rescale > 0):

@@ -47,6 +47,21 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def sha256_file(path: str | os.PathLike[str] | int) -> str:
+    """SHA-256 of a file's bytes (a path, or an open descriptor read from its position), streamed:
+    the one file digest every input fingerprint, shard check and hash-cache check uses.
+
+    Example:
+        >>> sha256_file("/dev/null")
+        'e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855'
+    """
+    if isinstance(path, int):
+        with os.fdopen(os.dup(path), "rb", buffering=0) as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
 def feature_key(encoder_fp: str, recipe_fp: str, input_fp: str) -> str:
     """The store key of one input's features under one encoder and recipe.
 

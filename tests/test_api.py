@@ -15,6 +15,14 @@ def test_every_exported_name_resolves() -> None:
         assert getattr(featbake, name) is not None, name
 
 
+def test_views_dataset_is_public() -> None:
+    """Issue 32 item 12: the README's ViewsDataset is importable from the package."""
+    from featbake import ViewsDataset
+    from featbake.serve.views import ViewsDataset as InModule
+
+    assert ViewsDataset is InModule and "ViewsDataset" in featbake.__all__
+
+
 def test_unknown_name_is_an_attribute_error() -> None:
     try:
         featbake.NoSuchThing  # noqa: B018

@@ -12,7 +12,8 @@ import torch
 from featbake.bake.compact import FIRST_ITEMS, SAMPLE_EVERY, sampled
 from featbake.bake.pipeline import build
 from featbake.errors import ConfigError
-from featbake.quantize import Fidelity, FidelityTally, Scheme, dequantize, quantize
+from featbake.fidelity import Fidelity, FidelityTally
+from featbake.quantize import Scheme, dequantize, quantize
 from featbake.recipe import Recipe
 from featbake.store.fidelity import fidelity_file, read_fidelity
 from featbake.store.layout import Layout
@@ -41,12 +42,12 @@ def test_stored_tensors_are_the_live_output_quantised(
         assert isinstance(live, torch.Tensor)
         assert parts[""].dtype == scheme.packed_dtype
         assert torch.equal(parts[""], quantize(live, scheme)), rel
-        tally.add(live, dequantize(parts[""], scheme, torch.float32))
-    # The build measured every item (16 < FIRST_ITEMS) against the same live output.
+        tally.add(live, dequantize(parts[""], scheme, torch.float16))  # what is served
+    # The build measured every item (16 < FIRST_ITEMS) against the same live output, as served.
     assert report.fidelity is not None
     measured = Fidelity.from_json(report.fidelity)
-    assert measured.items == 16
-    assert measured.rel_rms == pytest.approx(tally.result().rel_rms, rel=1e-3)
+    assert measured.items == 16 and measured.served == "float16"
+    assert measured.rel_rms == pytest.approx(tally.result().rel_rms, rel=1e-6)
     assert 0 < measured.rel_rms < (0.01 if dtype == "int8" else 0.04)
     assert_store_consistent(tmp_path / "c")
 

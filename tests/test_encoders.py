@@ -19,8 +19,8 @@ from featbake.encode.encoders import (
     detect_kind,
     from_module,
     is_frozen,
-    load_encoder,
 )
+from featbake.encode.loaders import load_encoder
 from featbake.encode.outputs import split_outputs
 from featbake.encode.sources import AudioSource
 from featbake.errors import ConfigError, EncodeError, EncoderLoadError

@@ -17,8 +17,8 @@ import torch
 
 from featbake.bake.padded import BatchingMode
 from featbake.bake.pipeline import build
-from featbake.encode.encoders import load_encoder
 from featbake.encode.hf import WeightsMismatch, load_hf_folder, recipe_for_folder
+from featbake.encode.loaders import load_encoder
 from featbake.encode.sources import source_for
 from featbake.errors import ConfigError
 from featbake.recipe import Recipe

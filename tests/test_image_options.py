@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from featbake.errors import ConfigError
-from featbake.image_options import IMAGE_OPTIONS, parse_image_options
+from featbake.image_options import IMAGE_OPTIONS, MAX_SIDE, parse_image_options
 from featbake.image_recipe import ColourMode, ImageRecipe, Interpolation, Resize, Size
+from featbake.testing import write_image_folder
+from tests.conftest import run_cli
 
 
 def test_options_parse_to_recipe_changes() -> None:
@@ -42,8 +46,37 @@ def test_options_parse_to_recipe_changes() -> None:
         ("mean", "a,b,c", "--mean takes a number"),
         ("image_mode", "cmyk", "rgb or grey"),
         ("interpolation", "spline", "unknown interpolation"),
+        ("resize", "99999x99999", f"at most {MAX_SIDE} pixels a side"),
+        ("resize", "99999", f"at most {MAX_SIDE} pixels a side"),
+        ("crop", "224x9000", f"at most {MAX_SIDE} pixels a side"),
     ],
 )
 def test_bad_option_values_name_the_option(option: str, value: str, words: str) -> None:
     with pytest.raises(ConfigError, match=words):
         parse_image_options(**{option: value})
+
+
+@pytest.mark.parametrize("mean", ["nan,0,0", "0,inf,0", "-inf,0,0"])
+def test_a_mean_that_is_not_finite_is_refused(mean: str) -> None:
+    with pytest.raises(ConfigError, match="--mean values must be finite"):
+        ImageRecipe().replace(**parse_image_options(mean=mean))
+
+
+@pytest.mark.parametrize(
+    "options, needle",
+    [
+        (("--mean", "nan,0,0"), "--mean values must be finite"),  # was: internal ValueError
+        (("--mean", "inf,0,0", "--std", "1,1,1"), "--mean values must be finite"),
+        (("--resize", "99999x99999"), "at most 8192 pixels a side"),  # was: MemoryError per image
+    ],
+)
+def test_absurd_image_options_are_one_line_and_exit_2_before_any_work(
+    tmp_path: Path, encoder_file: Path, options: tuple[str, ...], needle: str
+) -> None:
+    write_image_folder(tmp_path / "images", 2)
+    res = run_cli("build", "-e", encoder_file, "-d", tmp_path / "images", "--source", "image",
+                  "--cache", tmp_path / "c", *options, timeout=60)  # fmt: skip
+    assert res.returncode == 2, res.stderr
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0] and "internal error" not in lines[0], lines
+    assert "hash:" not in res.stderr  # refused before any input was read

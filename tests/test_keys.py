@@ -17,8 +17,8 @@ import soundfile
 import torch
 
 from featbake.bake.pipeline import build
-from featbake.encode.encoders import load_encoder
 from featbake.encode.fingerprints import cached_file_encoder_fp, file_fingerprint
+from featbake.encode.loaders import load_encoder
 from featbake.encode.sources import source_for
 from featbake.keys import (
     WEIGHT_CHUNK_BYTES,
@@ -349,7 +349,8 @@ class _Scaled(torch.nn.Module):
 
 
 def test_a_plain_attribute_that_changes_outputs_changes_the_fingerprint(tmp_path: Path) -> None:
-    from featbake.encode.encoders import from_module, load_encoder
+    from featbake.encode.encoders import from_module
+    from featbake.encode.loaders import load_encoder
     from featbake.testing import save_torchscript
 
     x = torch.ones(1, 4)

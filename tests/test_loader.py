@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler, StackDataset, Subset
 
 from featbake import CachedFeatureDataset, FeatureLoader, build, pad_collate
-from featbake.errors import CacheMiss, ConfigError
+from featbake.errors import CacheMiss, ConfigError, StoreError
 from featbake.serve.loader import SAMPLE, WARM_STREAK, ReadAhead
 from featbake.serve.sampling import EpochPlan
 from featbake.testing import drop_page_cache
@@ -157,6 +157,49 @@ def test_a_read_error_reaches_the_training_loop_and_leaves_no_thread(
     assert not [t for t in threading.enumerate() if t.name == "featbake-loader"]
 
 
+class _OpensOnFirstUse(torch.utils.data.Dataset):
+    """Opens its CachedFeatureDataset at the first attribute it is asked for, in whichever
+    thread asks (as datasets that open their store lazily do): here, the loader's reader."""
+
+    def __init__(self, audio_dir: Path, encoder_file: Path, cache: Path) -> None:
+        self.args = (audio_dir, encoder_file, cache)
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getattr__(self, name: str) -> object:
+        if name.startswith("__") or name == "args":
+            raise AttributeError(name)
+        audio_dir, encoder_file, cache = self.args
+        return getattr(CachedFeatureDataset(audio_dir, encoder_file, cache=cache), name)
+
+    def __getitem__(self, i: int) -> object:
+        return self.__getattr__("will_need") and None
+
+
+def test_a_store_that_fails_to_open_in_the_reader_reaches_the_training_loop(
+    audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    (tmp_path / "a-file").write_text("not a store")
+    ds = _OpensOnFirstUse(audio_dir, encoder_file, tmp_path / "a-file" / "store")
+    raised: list[BaseException] = []
+
+    def train() -> None:
+        try:
+            for _ in FeatureLoader(ds, batch_size=4):
+                pass
+        except BaseException as e:  # whatever reached the loop is checked below
+            raised.append(e)
+
+    loop = threading.Thread(target=train, daemon=True)
+    loop.start()
+    loop.join(60)  # the old loader waited forever here
+    assert not loop.is_alive(), "the training loop is still waiting for a batch"
+    assert len(raised) == 1 and isinstance(raised[0], StoreError)
+    assert "cannot create the cache directory" in str(raised[0])
+    assert not [t for t in threading.enumerate() if t.name == "featbake-loader"]
+
+
 def test_stopping_early_stops_the_reader(baked: CachedFeatureDataset) -> None:
     for _batch in FeatureLoader(baked, batch_size=2, prefetch=1):
         break
@@ -188,6 +231,9 @@ def test_rank_and_world_come_from_torch_distributed(
         ({"batch_size": 0}, "batch_size"),
         ({"rank": 1}, "both rank and world_size"),
         ({"rank": 2, "world_size": 2}, "rank must be from 0"),
+        ({"shuffle": "shards"}, 'shuffle must be True, False or "blocks"'),
+        ({"batch_frames": 0}, "batch_frames must be a whole number from 1"),
+        ({"shuffle": "blocks", "window": 0}, "window must be a whole number from 1"),
     ],
 )
 def test_bad_options_are_refused(baked: CachedFeatureDataset, kw: dict, match: str) -> None:

@@ -9,7 +9,6 @@ both store what the encoder gives each clip alone.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -52,11 +51,24 @@ def test_padded_batches_lose_only_past_the_margin(ratio: float, want: Pace) -> N
     assert tally.verdict() is want
 
 
-class TimedLengthsEncoder(LengthsEncoder):
-    """LengthsEncoder that also sleeps as a device would spend time on the call."""
+class DeviceClock:
+    """A modelled device's clock: seconds advance only by what the encoder's calls cost, so the
+    pace verdict is the same on a quiet machine and a busy one (the build reads it through
+    ``featbake.bake.padded.pace_clock``)."""
 
-    def __init__(self, per_call: float, per_padded_sample: float) -> None:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class TimedLengthsEncoder(LengthsEncoder):
+    """LengthsEncoder whose calls cost modelled device time on ``clock``."""
+
+    def __init__(self, clock: DeviceClock, per_call: float, per_padded_sample: float) -> None:
         super().__init__()
+        self.clock = clock
         self.per_call = per_call
         self.per_padded_sample = per_padded_sample
 
@@ -65,8 +77,15 @@ class TimedLengthsEncoder(LengthsEncoder):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         rows, padded = wav.shape
         batch_cost = 1.5 if rows > 1 else 1.0  # a CPU: batches cost more per sample
-        time.sleep(self.per_call + self.per_padded_sample * rows * padded * batch_cost)
+        self.clock.now += self.per_call + self.per_padded_sample * rows * padded * batch_cost
         return super().forward(wav, lengths)
+
+
+@pytest.fixture
+def device_clock(monkeypatch: pytest.MonkeyPatch) -> DeviceClock:
+    clock = DeviceClock()
+    monkeypatch.setattr("featbake.bake.padded.pace_clock", clock)
+    return clock
 
 
 @pytest.fixture
@@ -88,9 +107,9 @@ def assert_stores_each_clip_alone(cache: Path, root: str, clips: Path) -> None:
 
 
 def test_a_device_where_batches_cost_per_sample_goes_exact_and_says_why(
-    tmp_path: Path, clips: Path
+    tmp_path: Path, clips: Path, device_clock: DeviceClock
 ) -> None:
-    cpu_like = TimedLengthsEncoder(per_call=0.0, per_padded_sample=2e-7)
+    cpu_like = TimedLengthsEncoder(device_clock, per_call=0.0, per_padded_sample=2e-7)
     report = build(clips, cpu_like, cache=tmp_path / "s", workers=0, batch_size=4)
     assert report.ok and report.encoded == 24
     assert report.batching == BatchingMode.EXACT, report.batching_note
@@ -104,9 +123,9 @@ def test_a_device_where_batches_cost_per_sample_goes_exact_and_says_why(
 
 
 def test_a_device_where_a_call_costs_the_same_at_any_size_stays_padded(
-    tmp_path: Path, clips: Path
+    tmp_path: Path, clips: Path, device_clock: DeviceClock
 ) -> None:
-    gpu_like = TimedLengthsEncoder(per_call=0.02, per_padded_sample=0.0)
+    gpu_like = TimedLengthsEncoder(device_clock, per_call=0.02, per_padded_sample=0.0)
     report = build(clips, gpu_like, cache=tmp_path / "s", workers=0, batch_size=4)
     assert report.ok and report.encoded == 24
     assert report.batching == BatchingMode.PADDED, report.batching_note

@@ -11,11 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from featbake.errors import ConfigError, EncodeError
+from featbake.fidelity import Fidelity, FidelityTally
 from featbake.quantize import (
     SCALE_BYTES,
     TINY,
-    Fidelity,
-    FidelityTally,
     Scheme,
     dequantize,
     packed_shape,
@@ -84,6 +83,27 @@ def test_dequantize_is_codes_times_scales(x: torch.Tensor, scheme: Scheme) -> No
     assert torch.equal(dequantize(quantize(x, scheme), scheme, torch.float32), naive)
     half = dequantize(quantize(x, scheme), scheme, torch.float16)
     assert torch.equal(half, naive.to(torch.float16))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("dim", [768, 6])
+def test_scales_are_a_view_of_aligned_rows_and_a_copy_otherwise(scheme: Scheme, dim: int) -> None:
+    """Aligned packed rows (D a multiple of 4, as in a store) give their scales without a copy;
+    an unaligned tensor (odd D, or a slice at an odd byte offset) still unpacks, by a copy."""
+    x = torch.randn(5, dim, generator=torch.Generator().manual_seed(dim))
+    packed = quantize(x, scheme)
+    want = torch.tensor([float(r.abs().max()) / scheme.top for r in x], dtype=torch.float32)
+    scales = unpack(packed, scheme).scales
+    torch.testing.assert_close(scales, want, rtol=1e-6, atol=0)
+    shares = scales.untyped_storage().data_ptr() == packed.untyped_storage().data_ptr()
+    assert shares is (dim % 4 == 0)
+    buf = torch.zeros(packed.numel() + 1, dtype=packed.dtype)
+    buf[1:] = packed.reshape(-1)  # the same rows at an odd offset
+    odd = buf[1:].view(packed.shape)
+    assert torch.equal(unpack(odd, scheme).scales, scales)
+    assert torch.equal(
+        dequantize(odd, scheme, torch.float32), dequantize(packed, scheme, torch.float32)
+    )
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from PIL import Image
+from torch.utils.data import DataLoader
 
 from featbake.bake.views import build_views
 from featbake.encode.images import decode_image
@@ -93,6 +94,30 @@ def test_flipped_views_are_baked_and_served_as_transformers_computes_them(tmp_pa
     assert len({tuple(p) for p in picks}) > 1  # new coins each epoch
     plain = ViewsDataset(images, folder, cache=store, views="original", on_miss="error")
     assert all(plain.view(i) is View.ORIGINAL for i in range(len(plain)))
+
+
+def test_persistent_workers_serve_the_views_of_the_epoch_set(tmp_path: Path) -> None:
+    """``set_epoch`` reaches DataLoader workers that live across epochs (old main: every epoch
+    of a persistent worker served epoch 0's views)."""
+    images = tmp_path / "images"
+    write_image_folder(images, 6, size=(37, 53), seed=3)
+    folder = _clip_folder(tmp_path / "clip")
+    store = tmp_path / "s"
+    build_views(images, folder, cache=store, views=parse_views("hflip"), workers=0)
+    both = ViewsDataset(images, folder, cache=store, views="all", on_miss="error")
+    coin = ViewsDataset(images, folder, cache=store, seed=4, on_miss="error")
+    loader = DataLoader(coin, batch_size=3, num_workers=2, persistent_workers=True)
+    epochs = range(4)
+    views = [[View.HFLIP if picks_flipped(4, e, i) else View.ORIGINAL for i in range(6)]
+             for e in epochs]  # fmt: skip
+    assert views[0] != views[1] and views[0] != views[2]  # these coins change the views
+    for epoch in epochs:
+        coin.set_epoch(epoch)
+        served = torch.cat([batch["pooled"] for batch in loader])
+        for i in range(len(coin)):
+            want = both[i][views[epoch][i].value]["pooled"]
+            assert torch.equal(served[i], want), (epoch, i)
+    assert loader._iterator is not None and loader._iterator._workers[0].is_alive()
 
 
 def test_views_need_image_inputs(tmp_path: Path, encoder_file: Path) -> None:

@@ -12,6 +12,8 @@ import math
 import os
 from dataclasses import dataclass
 
+from featbake.encode.encoders import encoder_not_found
+from featbake.encode.loaders import is_import_path
 from featbake.errors import ConfigError
 
 #: ``batching`` choices (the values of :class:`featbake.bake.padded.Batching`).
@@ -125,3 +127,17 @@ def _check_threads(threads: object, cpus: int) -> None:
             f"CPU, {cpus} here), got {threads!r}; leave it unset to keep torch's own count "
             "(torch.set_num_threads or OMP_NUM_THREADS)"
         )
+
+
+def check_encoder_found(spec: object) -> None:
+    """Raise ``EncoderLoadError`` when ``spec`` names a file or folder that is not there.
+
+    A build calls it before it reads its data: a mistyped ``--encoder ./dinov2-small`` over an
+    image folder is named as such, not taken for an audio encoder that finds no audio files.
+    An import path is checked when it is imported.
+    """
+    if not isinstance(spec, (str, os.PathLike)):
+        return  # a module or a loaded encoder
+    spec_s = os.fspath(spec)
+    if not is_import_path(spec_s) and not os.path.exists(spec_s):
+        raise encoder_not_found(spec_s)

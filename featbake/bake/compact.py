@@ -3,7 +3,9 @@
 Every encoded item passes through :meth:`Compactor.store` on its way to the writer: float
 dtypes go through untouched; quantised ones are packed
 (:func:`featbake.encode.outputs.stored_parts`) and, for a sample of items, what a reader will
-be served is compared with the encoder's own output. The sample is the first
+be served is compared with the encoder's own output, after the cast to the dtype it is served
+in (float16 when that holds every stored value, else float32: :class:`Measured`). The sample
+is the first
 :data:`FIRST_ITEMS` items plus one key in :data:`SAMPLE_EVERY` after that (chosen by key, so
 a rebuild measures the same items); measuring one ``[150, 768]`` item costs about a
 millisecond beside the encoder's tens.
@@ -15,9 +17,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from featbake.bake.report import BuildReport
 from featbake.encode.outputs import stored_parts
-from featbake.quantize import Fidelity, FidelityTally, dequantize
+from featbake.fidelity import Fidelity
+from featbake.quantize import ScaleSpan, dequantize, unpack
 from featbake.recipe import Recipe
+from featbake.store.catalog_api import BuildCatalog
+from featbake.store.fidelity import SERVED, Measured, write_fidelity
+from featbake.store.layout import Layout
+from featbake.store.rank_catalog import RankCatalog
 
 #: Items always measured (a small build is measured whole).
 FIRST_ITEMS = 64
@@ -51,22 +59,48 @@ class Compactor:
     """
 
     recipe: Recipe
-    tally: FidelityTally = field(default_factory=FidelityTally)
+    measured: Measured | None = field(init=False, default=None)
 
-    def store(self, key: str, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``parts`` as stored (packed for int8/fp8), measured when the key is sampled."""
+    def __post_init__(self) -> None:
         scheme = self.recipe.scheme
-        if scheme is None:
+        self.measured = Measured(scheme) if scheme is not None else None
+
+    def store(
+        self, key: str, parts: dict[str, torch.Tensor], *, measure: bool = True
+    ) -> dict[str, torch.Tensor]:
+        """``parts`` as stored (packed for int8/fp8), measured when the key is sampled (and
+        ``measure``: an item stored again, see bake/redo.py, was measured the first time)."""
+        m = self.measured
+        if m is None:
             return parts
         stored = stored_parts(parts, self.recipe)
-        if sampled(key, self.tally.items):
-            served = {n: dequantize(v, scheme, torch.float32) for n, v in stored.items()}
-            self.tally.add_parts(parts, served)
+        for v in stored.values():  # every item: one value past float16 decides how it is served
+            m.span = m.span.merged(ScaleSpan.of(unpack(v, m.scheme).scales))
+        if measure and sampled(key, m.tallies["float16"].items):
+            for name, dtype in SERVED.items():
+                served = {n: dequantize(v, m.scheme, dtype) for n, v in stored.items()}
+                m.tallies[name].add_parts(parts, served)
         return stored
 
     def fidelity(self) -> Fidelity | None:
-        """What was measured, or None (a float dtype, or nothing encoded)."""
-        return self.tally.result() if self.tally.items else None
+        """What was measured on what is served, or None (a float dtype, or nothing encoded)."""
+        return self.measured.fidelity() if self.measured is not None else None
+
+    def record(
+        self, report: BuildReport, catalog: BuildCatalog, layout: Layout, max_error: float | None
+    ) -> None:
+        """Put what int8/fp8 cost in the report and beside the root (``featbake roots``); a
+        part of a build holds it for its done fragment, whose merge records it."""
+        fidelity, measured = self.fidelity(), self.measured
+        if fidelity is None or measured is None:
+            return
+        report.fidelity = fidelity.to_json()
+        notes = (over_bound(fidelity, max_error), served_note(measured))
+        report.fidelity_warning = "; ".join(n for n in notes if n)
+        if isinstance(catalog, RankCatalog):
+            catalog.hold_fidelity(measured, max_error)
+        else:
+            write_fidelity(layout, report.root, measured, max_error)
 
 
 def over_bound(fidelity: Fidelity | None, bound: float | None) -> str:
@@ -82,4 +116,16 @@ def over_bound(fidelity: Fidelity | None, bound: float | None) -> str:
         f"the stored features are {fidelity.rel_rms:.2%} off the encoder's output (relative RMS "
         f"error over {fidelity.items} sampled items), over the bound of {bound:.2%}: store a "
         "wider dtype (--dtype int8 over fp8, or float16), or raise --max-error"
+    )
+
+
+def served_note(measured: Measured | None) -> str:
+    """A line saying the store is served as float32 by default because float16 cannot hold
+    its values (an ``inf``, or a rounding coarser than the codes), or ``""``."""
+    if measured is None or measured.served() == "float16":
+        return ""
+    return (
+        f"the stored features hold {measured.span.describe(measured.scheme)}, which float16 "
+        "cannot serve exactly: datasets serve this store as float32 by default (float16 is "
+        "refused; serve_dtype='bfloat16' halves the bytes)"
     )

@@ -11,7 +11,9 @@ encoder whose output drifts with the amount of padding drifts most there; checki
 first batches missed encoders whose drift starts past a padding length only later, longer
 batches reach. If the check fails, that batch is re-encoded on exact shapes (nothing inexact is
 stored; every batch sealed before was checked itself) and the rest of the build batches exact
-shapes, with one line saying why. Keys never depend on the mode: it is not in the recipe.
+shapes, with one line saying why; the items earlier padded batches sealed are encoded again
+alone and replace theirs (:mod:`featbake.bake.redo`): a check passed on a batch's most padded
+item does not prove its less padded ones. Keys never depend on the mode: it is not in the recipe.
 
 Under ``auto`` the guard's runs also time the device: when padded batches cost more per input
 sample than items run alone (a CPU, where one clip already keeps the cores busy), the build
@@ -21,7 +23,7 @@ goes on in exact shapes, and says so (:mod:`featbake.bake.pace`).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -35,6 +37,11 @@ from featbake.encode.outputs import encode_batch, encode_padded
 from featbake.encode.precision import EXACT_TOLERANCE, relative_error
 from featbake.errors import ConfigError
 from featbake.recipe import Recipe
+
+#: The clock that times padded batches and the guard's runs for the pace verdict
+#: (:mod:`featbake.bake.pace`). Tests put a modelled device clock here, so the verdict never
+#: depends on how busy the machine running them is.
+pace_clock: Callable[[], float] = time.perf_counter
 
 #: Padded samples per batch when neither --batch-seconds nor a samples budget is given.
 DEFAULT_BATCH_SECONDS = 160.0
@@ -122,11 +129,14 @@ class BatchRunner:
         choice = Batching(batching)
         self.mode, self.note = initial_mode(encoder, choice)
         self.pace = PaceTally() if choice is Batching.AUTO else None
+        self.clock = pace_clock  # read at construction: tests inject a modelled device clock
         self.shapes = ShapeBatcher(batch_size)
         self.lengths = LengthBatcher(batch_size, budget)
         self.batch_size = batch_size
         self.tolerance = EXACT_TOLERANCE[recipe.precision]
         self.checks: list[GuardCheck] = []
+        self.inexact = False  # a guard check failed: padding is known inexact for the encoder
+        self.last_padded = False  # the last encode() returned a padded batch's outputs
         self._ready: list[list[Any]] = []  # batches released by a fall-back, not yet handed out
 
     # -- ShapeBatcher's interface ---------------------------------------------------------------
@@ -148,16 +158,18 @@ class BatchRunner:
     def encode(self, inputs: Sequence[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         """One dict of output parts per input; padded when the mode allows and shapes differ."""
         shapes = {tuple(x.shape) for x in inputs}
+        self.last_padded = False
         if self.mode is BatchingMode.EXACT or len(shapes) == 1:
             return self.encode_exact(inputs)
-        start = time.perf_counter()
+        start = self.clock()
         results = encode_padded(self.encoder, inputs, self.recipe)  # on the host: synchronised
-        seconds = time.perf_counter() - start
+        seconds = self.clock() - start
         failed = self._guard(inputs, results)  # before anything of this batch is sealed
         if failed is not None:
             self._fall_back(failed)
             return self.encode_exact(inputs)
         self._weigh_pace(inputs, seconds)
+        self.last_padded = True
         return results
 
     def encode_exact(self, inputs: Sequence[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
@@ -187,9 +199,9 @@ class BatchRunner:
         padded_to = max(int(x.shape[-1]) for x in inputs)
         by_padding = sorted(range(len(inputs)), key=lambda i: int(inputs[i].shape[-1]))
         for i in by_padding[:GUARD_ITEMS]:
-            start = time.perf_counter()
+            start = self.clock()
             alone = encode_batch(self.encoder, [inputs[i]], self.recipe)[0]
-            seconds = time.perf_counter() - start
+            seconds = self.clock() - start
             error = max_part_error(results[i], alone)
             check = GuardCheck(error, int(inputs[i].shape[-1]), padded_to, seconds)
             self.checks.append(check)
@@ -220,7 +232,9 @@ class BatchRunner:
             )
 
     def _fall_back(self, failed: GuardCheck) -> None:
-        """Switch to exact shapes after a failed check, saying why."""
+        """Switch to exact shapes after a failed check, saying why (the items of earlier padded
+        batches are encoded again alone: bake/redo.py)."""
+        self.inexact = True
         self._switch_to_exact(
             f"exact-shape batching: padded batches were not exact for this encoder (relative "
             f"error {failed.error:.1e} > {self.tolerance.relative:g} for "

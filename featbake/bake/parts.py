@@ -22,7 +22,6 @@ from featbake.store.catalog_api import BuildCatalog
 from featbake.store.layout import Layout
 from featbake.store.rank_catalog import RankCatalog
 from featbake.store.remote.publish import merge_store
-from featbake.store.remote.store import BucketStore
 
 #: How long a rank waits at the barrier for the slowest one (a gloo default of 30 min is far
 #: too short for a build whose parts end hours apart).
@@ -39,10 +38,9 @@ def catalog_for_part(
     written in place), after bringing in the bucket's fragments: a rerun on another node skips
     what the killed run sealed.
     """
-    remote = isinstance(layout.remote, BucketStore)
-    if not spec.sharded and not remote:
+    if not spec.sharded and layout.remote is None:
         return Catalog(layout), rel_paths
-    if isinstance(layout.remote, BucketStore):
+    if layout.remote is not None:
         layout.remote.sync_fragments()
     sizes = [inputs.size(p) for p in rel_paths]
     listing = list(zip(rel_paths, sizes, strict=True))

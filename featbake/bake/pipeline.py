@@ -1,7 +1,7 @@
 """The build: scan a data folder, key every input, encode what the store lacks, seal shards.
 
 :func:`build` runs named steps in order: open the store and the encoder, key each input
-(:meth:`_Bake.plan`), publish the manifest, then encode the missing items (:class:`EncodeLoop`)
+(:meth:`_Bake.plan`), publish the manifest, then encode the missing items (:class:`_EncodeRun`)
 behind decode workers while a writer thread fills shards.
 """
 
@@ -10,30 +10,31 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from featbake.bake.arguments import BuildArguments, check_build_arguments
-from featbake.bake.compact import DEFAULT_MAX_ERROR, Compactor, over_bound
+from featbake.bake.arguments import BuildArguments, check_build_arguments, check_encoder_found
+from featbake.bake.compact import DEFAULT_MAX_ERROR, Compactor
 from featbake.bake.decode import HeldSource, decoded_items, worker_death
 from featbake.bake.derive import StoredSource, derivation_plan, stored_sources
-from featbake.bake.encode_loop import EncodeLoop
 from featbake.bake.finite import nonfinite_part
 from featbake.bake.interrupt import interrupt_at_safe_points
 from featbake.bake.options import BakeOptions
 from featbake.bake.padded import BatchRunner, budget_samples
 from featbake.bake.parts import catalog_for_part, finish_part, keys_for_other_ranks, rank_group
 from featbake.bake.ranks import RankSpec, device_for_rank, resolve_rank
+from featbake.bake.redo import PaddedItem, encode_padded_again
 from featbake.bake.report import BuildReport
 from featbake.bake.writer_thread import DEFAULT_SEAL_SECONDS, WriterThread
 from featbake.device import check_device, process_cpus, torch_threads
-from featbake.encode.encoders import LoadedEncoder, from_module, load_encoder
+from featbake.encode.encoders import LoadedEncoder, from_module
 from featbake.encode.fingerprints import encoder_fingerprint
 from featbake.encode.held import HeldBytes
-from featbake.encode.hf import check_layers_supported, recipe_for_encoder
+from featbake.encode.hf import check_recipe_supported, recipe_for_encoder
 from featbake.encode.inputs import Folder, Inputs, inputs_at
+from featbake.encode.loaders import load_encoder
 from featbake.encode.sources import Source, source_for
 from featbake.errors import ConfigError, EncodeError, FeatbakeError, SourceError
 from featbake.gcpause import gc_paused
@@ -43,9 +44,8 @@ from featbake.recipe import Recipe
 from featbake.store.catalog import FileStat, RootSpec
 from featbake.store.catalog_api import BuildCatalog
 from featbake.store.features import Parts
-from featbake.store.fidelity import write_fidelity
 from featbake.store.layout import Layout
-from featbake.store.open import StoreRef, store_at
+from featbake.store.open import Need, StoreRef, open_store
 from featbake.store.rank_catalog import RankCatalog
 from featbake.store.shard_format import DEFAULT_SHARD_BYTES
 
@@ -83,7 +83,7 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
             see :mod:`featbake.encode.bucket_inputs`).
         encoder: a TorchScript/.pt2 path, an import path, or an already loaded encoder.
         cache: the store directory (default ``$FEATBAKE_CACHE`` or ``./.featbake``), a bucket
-            (``s3://bucket/prefix``), or a layout from :func:`featbake.store.open.store_at`.
+            (``s3://bucket/prefix``), or a layout from :func:`featbake.store.open.open_store`.
         recipe: preprocessing and storage options (part of every key).
         weights: safetensors weights for an import-path encoder.
         trust_pickle: allow a pickled whole-module checkpoint (runs its code).
@@ -132,6 +132,7 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
         seal_every,
     )  # fmt: skip
     check_build_arguments(args, process_cpus())
+    check_encoder_found(encoder)  # before the data: a wrong path is named, not "no inputs"
     # A Hugging Face folder's preprocessor config sets the input (sample rate, normalisation)
     # and resolves layers="all": before the source is made from the recipe.
     recipe = recipe_for_encoder(encoder, recipe or Recipe())
@@ -143,7 +144,7 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
         seal_every,
     )  # fmt: skip
     options.check_recipe(recipe)
-    layout = store_at(cache).ensure()
+    layout = open_store(cache, need=Need.WRITE).ensure()
     place = inputs_at(data)  # a folder, or a bucket prefix (s3://bucket/audio/)
     source = place.source(source_for(recipe))
     scanned = place.scan(source.extensions)
@@ -179,7 +180,7 @@ def loaded_encoder(
     """The encoder ready to run: loaded from a path or import path, or wrapped as given.
 
     Raises:
-        ConfigError: the recipe asks for hidden layers this encoder cannot give.
+        ConfigError: the recipe asks for hidden layers or an output this encoder cannot give.
     """
     if isinstance(encoder, LoadedEncoder):
         enc = encoder
@@ -189,7 +190,7 @@ def loaded_encoder(
         enc = load_encoder(
             encoder, weights=weights, device=device, trust_pickle=trust_pickle, layers=recipe.layers
         )
-    check_layers_supported(enc, recipe)
+    check_recipe_supported(enc, recipe)
     return enc
 
 
@@ -285,20 +286,15 @@ class _Bake:
         work = [(k, p) for k, p in todo.items() if k not in present]
         # An --output or --dtype build copies or converts what the store holds (bake/derive.py).
         digests = {k: self.digests[k] for k, _ in work}
-        plan = derivation_plan(
-            self.layout, self.recipe, self.report.encoder_fp, digests, self.catalog
-        )
+        enc_fp = self.report.encoder_fp
+        plan = derivation_plan(self.layout, self.recipe, enc_fp, digests, self.catalog)
         to_encode = [(k, p) for k, p in work if k not in plan]
         self.held.keep_only({p for _, p in to_encode})  # others are stored or derived
         if not work:
-            if self.progress:
-                self.progress(Progress("encode", 0, 0))
-            return
+            return self.progress(Progress("encode", 0, 0)) if self.progress else None
         try:
             self.encode(to_encode, plan, dict(work))
-        except ConfigError:
-            # A wrong option (e.g. --output) stopped the build: the manifest it published would
-            # only name keys that never get features.
+        except ConfigError:  # a wrong option (--output): its manifest names keys never stored
             self.catalog.drop_root(self.report.root)
             raise
 
@@ -307,17 +303,13 @@ class _Bake:
     ) -> None:
         """Derive ``plan``'s keys from the store, then decode, batch, encode, write ``work``
         (key, path) and what could not be derived; sealed work survives Ctrl-C."""
-        sink = self.catalog if isinstance(self.catalog, RankCatalog) else None
-        writer = WriterThread(
-            self.layout, self.enc.fingerprint, self.report.recipe_fp, self.options.shard_bytes,
-            sink, self.options.seal_seconds,
-        )  # fmt: skip
-        run = EncodeLoop(self, writer, [], [])
+        writer = self.writer()
+        run = _EncodeRun(self, writer, [], [])
         threads = self.options.threads()
         with interrupt_at_safe_points() as checkpoint, torch_threads(threads.encoder_threads):
             try:
                 work = work + self.put_derived(writer, plan, paths, checkpoint)
-                run = EncodeLoop(self, writer, [k for k, _ in work], [p for _, p in work])
+                run = _EncodeRun(self, writer, [k for k, _ in work], [p for _, p in work])
                 stats = [self.hashed_stats.get(p) for p in run.paths]
                 source = HeldSource(self.source, self.held) if len(self.held) else self.source
                 items = decoded_items(run.paths, source, threads.decode_workers, stats)
@@ -325,15 +317,16 @@ class _Bake:
             except RuntimeError as e:  # torch's SIGCHLD handler can raise it anywhere
                 raise (worker_death(e) or e) from None
             finally:
-                # Seal what was encoded, also on Ctrl-C or a strict failure: nothing encoded is
-                # lost.
+                # Seal what was encoded, also on Ctrl-C or a strict failure: nothing is lost.
                 self.held.clear()
                 writer.close()
                 self.report.bytes_written = writer.bytes_written
                 self.report.shards_written = writer.shards
                 self.report.batching, self.report.batching_note = self.runner.mode, self.runner.note
+        if self.runner.inexact and run.padded:  # padding failed a later check: redo the rest
+            self.encode_padded_again(run.padded)
         run.tick()  # the last word: every byte sealed, none pending
-        self.record_fidelity()
+        self.compactor.record(self.report, self.catalog, self.layout, self.options.max_error)
 
     def put_derived(
         self,
@@ -375,10 +368,96 @@ class _Bake:
         except EncodeError:
             return None
 
-    def record_fidelity(self) -> None:
-        """Put what int8/fp8 cost in the report and beside the root (``featbake roots``)."""
-        measured = self.compactor.fidelity()
-        if measured is not None:
-            self.report.fidelity = measured.to_json()
-            self.report.fidelity_warning = over_bound(measured, self.options.max_error)
-            write_fidelity(self.layout, self.report.root, measured, self.options.max_error)
+    def writer(self) -> WriterThread:
+        """A writer thread for this build's features (a rank's records its shards in fragments)."""
+        sink = self.catalog if isinstance(self.catalog, RankCatalog) else None
+        fps = (self.enc.fingerprint, self.report.recipe_fp)
+        opts = self.options
+        return WriterThread(self.layout, *fps, opts.shard_bytes, sink, opts.seal_seconds)
+
+    def encode_padded_again(self, items: list[PaddedItem]) -> None:
+        """Store ``items`` encoded alone in place of their padded features."""
+        writer, opts = self.writer(), self.options
+        redone = encode_padded_again(
+            items, self.catalog, self.runner, self.compactor, writer, self.source,
+            opts.threads().decode_workers, opts.allow_nonfinite,
+        )  # fmt: skip
+        self.report.bytes_written += writer.bytes_written
+        self.report.shards_written += writer.shards
+        self.report.batching_note += redone.note()
+
+
+@dataclass
+class _EncodeRun:
+    """The encoding loop: decoded items -> batches -> encoder -> writer, counting as it goes."""
+
+    bake: _Bake
+    writer: WriterThread
+    keys: list[str]
+    paths: list[str]
+    done: int = 0
+    padded: list[PaddedItem] = field(default_factory=list)  # stored from padded batches
+
+    def rel(self, i: int) -> str:
+        return os.path.relpath(self.paths[i], self.bake.place.where)
+
+    def fail(self, i: int, reason: str, exc: type[FeatbakeError]) -> None:
+        self.done += 1
+        self.bake.skip(self.rel(i), reason, exc(reason))
+
+    def feed(
+        self,
+        items: Iterator[tuple[int, torch.Tensor | str]],
+        batcher: BatchRunner,
+        checkpoint: Callable[[], None],
+    ) -> None:
+        """Batch decoded items and encode each batch; a decode failure skips its item."""
+        for i, item in items:
+            checkpoint()
+            if isinstance(item, str):
+                self.fail(i, item, SourceError)
+                continue
+            for batch in batcher.add(tuple(item.shape), (i, item)):
+                self.run(batch)
+        for batch in batcher.flush():
+            checkpoint()
+            self.run(batch)
+
+    def run(self, batch: list[tuple[int, torch.Tensor]]) -> None:
+        """Encode one batch and queue its features; a failing batch is retried item by item."""
+        try:
+            results = self.bake.runner.encode([x for _, x in batch])
+        except EncodeError as e:
+            if len(batch) > 1:  # find the culprit: retry one by one
+                for item in batch:
+                    self.run([item])
+                return
+            self.fail(batch[0][0], f"{self.rel(batch[0][0])}: {e}", EncodeError)
+            return
+        if self.bake.runner.last_padded:
+            stats = self.bake.hashed_stats
+            self.padded += [
+                PaddedItem(self.keys[i], self.paths[i], stats.get(self.paths[i])) for i, _ in batch
+            ]
+        for (i, _), parts in zip(batch, results, strict=True):
+            bad = None if self.bake.options.allow_nonfinite else nonfinite_part(parts)
+            if bad is not None:
+                reason = (
+                    f"{self.rel(i)}: the encoder returned NaN or infinite values in {bad} "
+                    f"(stored as {self.bake.recipe.dtype}); not stored. Pass --allow-nonfinite "
+                    "to store them anyway"
+                )
+                self.fail(i, reason, EncodeError)
+                continue
+            self.writer.put(self.keys[i], self.bake.compactor.store(self.keys[i], parts))
+            self.bake.report.encoded += 1
+            self.done += 1
+        self.tick()
+
+    def tick(self) -> None:
+        """Report progress: items done of all, bytes sealed (what survives a SIGKILL) and
+        bytes still pending in the writer's hands, items failed."""
+        if self.bake.progress:
+            done, total, failed = self.done, len(self.keys), len(self.bake.report.failed)
+            sealed, pending = self.writer.bytes_written, self.writer.bytes_pending
+            self.bake.progress(Progress("encode", done, total, sealed, failed, pending))

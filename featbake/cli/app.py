@@ -45,10 +45,33 @@ console = make_console(stderr=True)
 out = make_console()
 
 
-EXIT_CODES = """Exit codes: 0 ok, 2 bad option, 3 some inputs failed (the rest stored), 4 encoder
-could not load or run, 5 store unwritable, 6 corrupt store data, 7 cache miss, 8 input unreadable,
-9 the build process ended abruptly (e.g. os._exit in the encoder), 130 interrupted, 143 stopped
-by SIGTERM (sealed work kept in both)."""
+#: What each exit code means (featbake/errors.py sets them; 130 and 143 come from signals).
+EXIT_MEANINGS = {
+    0: "ok",
+    2: "bad option",
+    3: "some inputs failed (the rest stored)",
+    4: "encoder could not load or run",
+    5: "store cannot be read or written",
+    6: "corrupt store data",
+    7: "cache miss",
+    8: "input unreadable",
+    9: "the build process ended abruptly (e.g. os._exit in the encoder)",
+    130: "interrupted",
+    143: "stopped by SIGTERM",
+}
+
+
+def exit_codes(*codes: int, note: str = "") -> str:
+    """A command's "Exit codes: ..." help line, naming only the codes that command exits with
+    (a build's 3 and 9 on ``stats --help`` would send a reader looking for failed inputs)."""
+    listed = ", ".join(f"{code} {EXIT_MEANINGS[code]}" for code in codes)
+    return f"Exit codes: {listed}{note}."
+
+
+#: Every code: the build's (and the top-level help's) list.
+EXIT_CODES = exit_codes(*EXIT_MEANINGS, note=" (sealed work kept in both)")
+#: What a command that reads or tidies a store (stats, gc, merge, export) exits with.
+UPKEEP_EXIT_CODES = exit_codes(0, 2, 5, 6, 130)
 
 
 app = typer.Typer(

@@ -148,7 +148,7 @@ def build(
         str | None,
         typer.Option(
             help="Images: resize the shortest edge (256), to an exact size (224x224) or not "
-            "(none). [default: the folder's processor, else 256]",
+            "(none); at most 8192 a side. [default: the folder's processor, else 256]",
             show_default=False,
         ),
     ] = None,
@@ -273,7 +273,7 @@ def build(
     from featbake.encode.layers import parse_layers
     from featbake.image_options import IMAGE_OPTIONS, parse_image_options, parse_views
     from featbake.recipe import Recipe
-    from featbake.store.open import store_at
+    from featbake.store.open import open_store
 
     if layer is not None and layers is not None:
         raise ConfigError("give --layer or --layers, not both")
@@ -306,7 +306,7 @@ def build(
             data,
             encoder,
             views=parse_views(views),
-            cache=store_at(cache, local_cache=local_cache, local_cache_size=local_cache_size),
+            cache=open_store(cache, local_cache=local_cache, local_cache_size=local_cache_size),
             recipe=recipe,
             weights=weights,
             trust_pickle=trust_pickle,
@@ -358,7 +358,7 @@ def incomplete(report: Any) -> BuildIncomplete:
 
 
 def _print_build_summary(report: Any) -> None:
-    from featbake.quantize import Fidelity  # torch: imported when a build ran, not for --help
+    from featbake.fidelity import Fidelity  # torch: imported when a build ran, not for --help
 
     rows: list[tuple[str, str]] = []
     rows.append(("root", report.root))

@@ -9,7 +9,15 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from featbake.cli.app import EXIT_CODES, CacheOpt, JsonOpt, app, out
+from featbake.cli.app import (
+    UPKEEP_EXIT_CODES,
+    CacheOpt,
+    JsonOpt,
+    LocalCacheOpt,
+    LocalCacheSizeOpt,
+    app,
+    out,
+)
 from featbake.cli.render import progress_bar, tick_bar
 from featbake.units import format_bytes
 
@@ -20,7 +28,7 @@ from featbake.units import format_bytes
         "  featbake export --format zarr feats.zarr --root r-3f1c --overwrite\n\n"
         "Read it back without featbake:\n\n"
         "  g = zarr.open_group('feats.zarr', mode='r'); o = g['offsets'][:]\n\n"
-        "  first = g['values'][o[0]:o[1]]\n\n" + EXIT_CODES
+        "  first = g['values'][o[0]:o[1]]\n\n" + UPKEEP_EXIT_CODES
     )
 )
 def export(
@@ -34,6 +42,8 @@ def export(
     ] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace OUT if it exists.")] = False,
     cache: CacheOpt = None,
+    local_cache: LocalCacheOpt = None,
+    local_cache_size: LocalCacheSizeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Export a root's features to Zarr (v3), readable by zarr, xarray or dask without featbake.
@@ -43,14 +53,16 @@ def export(
     """
     from featbake.errors import ConfigError, StoreError
     from featbake.export.zarr import export_zarr
+    from featbake.store.open import open_store
 
     if fmt != "zarr":
         raise ConfigError(f"unknown --format {fmt!r}; featbake exports zarr")
+    store = open_store(cache, local_cache=local_cache, local_cache_size=local_cache_size)
     bar = progress_bar()
     try:
         with bar:
             report = export_zarr(
-                out_path, cache=cache, root=root, overwrite=overwrite, progress=tick_bar(bar, {})
+                out_path, cache=store, root=root, overwrite=overwrite, progress=tick_bar(bar, {})
             )
     except OSError as e:  # the OS refused a path: OUT's folder is missing, read-only, not a folder
         where = e.filename if e.filename is not None else out_path

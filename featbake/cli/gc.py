@@ -8,11 +8,21 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.markup import escape
 
-from featbake.cli.app import EXIT_CODES, CacheOpt, JsonOpt, app, console, out
+from featbake.cli.app import (
+    UPKEEP_EXIT_CODES,
+    CacheOpt,
+    JsonOpt,
+    LocalCacheOpt,
+    LocalCacheSizeOpt,
+    app,
+    console,
+    out,
+)
 from featbake.cli.render import progress_bar, tick_bar
 from featbake.units import format_bytes, parse_bytes
 
 if TYPE_CHECKING:
+    from featbake.store.layout import Layout
     from featbake.upkeep import GcOptions, GcPlan
 
 
@@ -22,7 +32,7 @@ if TYPE_CHECKING:
         "  featbake gc --older-than 30d --max-bytes 200GiB\n\n"
         "  featbake gc --compact-below 0.8 --merge-small --json\n\n"
         "  featbake gc --cache s3://team-bucket/features --older-than 30d --retention 7d\n\n"
-        + EXIT_CODES
+        + UPKEEP_EXIT_CODES
     )
 )
 def gc(
@@ -64,6 +74,8 @@ def gc(
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print what would go and how many bytes it frees.")
     ] = False,
+    local_cache: LocalCacheOpt = None,
+    local_cache_size: LocalCacheSizeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Free what no live root reaches; optionally drop old roots and fit a byte budget.
@@ -85,12 +97,15 @@ def gc(
         shard_bytes=parse_bytes(shard_size),
         merge_small=merge_small,
     )
-    from featbake.store.remote.url import is_url
+    from featbake.store.open import Need, open_store
 
-    if cache is not None and is_url(str(cache)):
-        _gc_bucket(str(cache), opts, parse_duration(retention), dry_run, as_json)
+    layout = open_store(
+        cache, need=Need.CATALOG, local_cache=local_cache, local_cache_size=local_cache_size
+    )
+    if layout.remote is not None:
+        _gc_bucket(layout, opts, parse_duration(retention), dry_run, as_json)
         return
-    plan = plan_gc(cache, opts)
+    plan = plan_gc(layout, opts)
     summary = plan.summary()
     if dry_run or not as_json:
         _print_gc_plan(plan, dry_run, as_json)
@@ -112,20 +127,21 @@ def gc(
         console.print(f"[yellow]warning:[/] {escape(p)}")
 
 
-def _gc_bucket(url: str, opts: GcOptions, retention: float, dry_run: bool, as_json: bool) -> None:
+def _gc_bucket(
+    layout: Layout, opts: GcOptions, retention: float, dry_run: bool, as_json: bool
+) -> None:
     """``featbake gc`` on a bucket store (featbake.upkeep.gc_bucket), and its one line."""
-    from featbake.store.open import bucket_store
     from featbake.upkeep.gc_bucket import gc_bucket
 
-    store = bucket_store(url)
-    result = gc_bucket(store, opts, retention=retention, dry_run=dry_run)
+    result = gc_bucket(layout, opts, retention=retention, dry_run=dry_run)
     if as_json:
         out.print_json(json.dumps({"dry_run": dry_run, "result": result.to_json()}))
         return
     c = result.catalog
+    verb = "would drop" if dry_run else "dropped"
     out.print(
-        f"gc{' (dry run)' if dry_run else ''}: dropped {len(c.roots_dropped)} roots and "
-        f"{c.rows_deleted:,} feature rows"
+        f"gc{' (dry run)' if dry_run else ''} of {layout.remote}: {verb} "
+        f"{len(c.roots_dropped)} roots and {c.rows_deleted:,} feature rows"
         f"{' (a new catalog version)' if result.published else ''}; "
         f"{'would delete' if dry_run else 'deleted'} {result.versions_deleted} old catalog "
         f"versions and {result.shards_deleted} shards ({format_bytes(result.bytes_freed)}); "

@@ -16,18 +16,18 @@ from rich.markup import escape
 from featbake.bake.interrupt import raise_on_sigterm
 
 # Importing the command modules registers their commands on the app.
-from featbake.bake.ranks import rank_from_env
 from featbake.cli import build, export, gc, merge, store, verify  # noqa: F401
 from featbake.cli.app import app, console
 from featbake.cli.supervise import (
-    abrupt_line,
+    in_part,
     leave_child,
+    report_abrupt_end,
     report_clean_exit,
     run_supervised,
     status_channel,
     wants_supervisor,
 )
-from featbake.errors import BuildProcessDied, FeatbakeError, Terminated
+from featbake.errors import FeatbakeError, Terminated
 
 
 def _one_line_warning(message: object, category: type, *_: object, **__: object) -> str:
@@ -126,29 +126,3 @@ def _supervise(args: list[str]) -> NoReturn:
     if outcome.abrupt:
         report_abrupt_end(outcome.code)
     sys.exit(outcome.code)
-
-
-def report_abrupt_end(code: int) -> NoReturn:
-    """Say in one line that the watched build ended abruptly (status ``code``), and exit."""
-    error = BuildProcessDied(abrupt_line(code))
-    console.print(f"[bold red]error:[/] {escape(in_part(str(error)))}", soft_wrap=True)
-    sys.exit(error.exit_code)
-
-
-def in_part(message: str, *, failed: bool = True) -> str:
-    """``message`` naming this process's part, when a launcher started several.
-
-    Under torchrun one failing rank ends them all, and torchrun's own report follows: the one
-    featbake line must say which rank failed, and that what every rank sealed is kept.
-    """
-    try:
-        spec = rank_from_env(os.environ)
-    except FeatbakeError:
-        return message  # the launcher's variables are themselves the error being reported
-    if not spec.sharded:
-        return message
-    return (
-        f"rank {spec.rank} ({spec.describe()}){' failed' if failed else ''}: {message}; "
-        "every shard the ranks sealed "
-        "is kept: rerun the same command to continue"
-    )

@@ -6,7 +6,7 @@ import json
 
 from rich.markup import escape
 
-from featbake.cli.app import EXIT_CODES, CacheOpt, JsonOpt, app, console, out
+from featbake.cli.app import UPKEEP_EXIT_CODES, CacheOpt, JsonOpt, app, console, out
 
 
 @app.command(
@@ -14,7 +14,7 @@ from featbake.cli.app import EXIT_CODES, CacheOpt, JsonOpt, app, console, out
         "Examples:\n\n"
         "  featbake merge\n\n"
         "  sbatch --dependency=afterok:$ARRAY_JOB featbake-merge.sh   # after a SLURM array\n\n"
-        + EXIT_CODES
+        + UPKEEP_EXIT_CODES
     )
 )
 def merge(cache: CacheOpt = None, as_json: JsonOpt = False) -> None:
@@ -24,10 +24,10 @@ def merge(cache: CacheOpt = None, as_json: JsonOpt = False) -> None:
     left for a later merge and listed. Safe to run while parts still run, safe to kill, and a
     second merge changes nothing. Under torchrun rank 0 merges by itself.
     """
-    from featbake.store.open import store_layout
+    from featbake.store.open import Need, open_store
     from featbake.store.remote.publish import merge_store
 
-    report = merge_store(store_layout(cache))
+    report = merge_store(open_store(cache, need=Need.STORE))
     if as_json:
         out.print_json(json.dumps(report.to_json()))
         return

@@ -9,7 +9,15 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from featbake.cli.app import EXIT_CODES, CacheOpt, JsonOpt, app, out
+from featbake.cli.app import (
+    UPKEEP_EXIT_CODES,
+    CacheOpt,
+    JsonOpt,
+    LocalCacheOpt,
+    LocalCacheSizeOpt,
+    app,
+    out,
+)
 from featbake.cli.render import format_when
 from featbake.image_recipe import describe_fields
 from featbake.units import format_bytes
@@ -18,18 +26,26 @@ from featbake.units import format_bytes
 @app.command(
     epilog=(
         "Examples:\n\n  featbake stats\n\n  featbake stats --cache /data/.featbake --json\n\n"
-        + EXIT_CODES
+        + UPKEEP_EXIT_CODES
     )
 )
-def stats(cache: CacheOpt = None, as_json: JsonOpt = False) -> None:
+def stats(
+    cache: CacheOpt = None,
+    local_cache: LocalCacheOpt = None,
+    local_cache_size: LocalCacheSizeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
     """Show what the store holds: features, bytes, live and dead, per encoder and per root.
 
     Reads the catalog's rows, never a shard (well under a second on a million features). Live
-    features are those some root reaches; dead ones are what `featbake gc` frees.
+    features are those some root reaches; dead ones are what `featbake gc` frees. On a bucket
+    store it names the bucket and this node's local tier (--local-cache, its budget).
     """
+    from featbake.store.open import open_store
     from featbake.upkeep import stats as run_stats
 
-    s = run_stats(cache)
+    store = open_store(cache, local_cache=local_cache, local_cache_size=local_cache_size)
+    s = run_stats(store)
     if as_json:
         out.print_json(json.dumps(s.to_json()))
         return
@@ -57,7 +73,7 @@ def stats(cache: CacheOpt = None, as_json: JsonOpt = False) -> None:
     out.print(table)
     _print_encoders(s.encoders)
     _print_roots(s.roots)
-    _print_pending(cache)
+    _print_pending(store)
 
 
 def recipe_brief(recipe: dict) -> str:
@@ -159,9 +175,9 @@ def roots(ctx: typer.Context, cache: CacheOpt = None, as_json: JsonOpt = False) 
 def _print_pending(cache: Any) -> None:
     """Sharded builds whose fragments are not merged yet: their roots are not published."""
     from featbake.store.merge import pending_builds, serving_fragments
-    from featbake.store.open import store_layout
+    from featbake.store.open import Need, open_store
 
-    layout = store_layout(cache)
+    layout = open_store(cache, need=Need.STORE)
     for p in pending_builds(layout):
         out.print(f"[yellow]pending[/] {escape(p.describe())}; `featbake merge` when all are done")
     served = len(serving_fragments(layout))

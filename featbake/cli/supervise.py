@@ -53,10 +53,42 @@ def supervise_if_build(args: Sequence[str]) -> None:
         return
     outcome = run_supervised(args)
     if outcome.abrupt:
-        from featbake.cli.main import report_abrupt_end  # rich and the rank's name: only now
-
         report_abrupt_end(outcome.code)
     sys.exit(outcome.code)
+
+
+def report_abrupt_end(code: int) -> NoReturn:
+    """Say in one line that the watched build ended abruptly (status ``code``), and exit."""
+    from rich.markup import escape  # rich: only when there is something to say
+
+    from featbake.cli.app import console
+    from featbake.errors import BuildProcessDied
+
+    error = BuildProcessDied(abrupt_line(code))
+    console.print(f"[bold red]error:[/] {escape(in_part(str(error)))}", soft_wrap=True)
+    sys.exit(error.exit_code)
+
+
+def in_part(message: str, *, failed: bool = True) -> str:
+    """``message`` naming this process's part, when a launcher started several.
+
+    Under torchrun one failing rank ends them all, and torchrun's own report follows: the one
+    featbake line must say which rank failed, and that what every rank sealed is kept.
+    """
+    from featbake.bake.ranks import rank_from_env
+    from featbake.errors import FeatbakeError
+
+    try:
+        spec = rank_from_env(os.environ)
+    except FeatbakeError:
+        return message  # the launcher's variables are themselves the error being reported
+    if not spec.sharded:
+        return message
+    return (
+        f"rank {spec.rank} ({spec.describe()}){' failed' if failed else ''}: {message}; "
+        "every shard the ranks sealed "
+        "is kept: rerun the same command to continue"
+    )
 
 
 def status_channel() -> int | None:

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from featbake.cli.app import CacheOpt, JsonOpt, app, out
+from featbake.cli.app import CacheOpt, JsonOpt, LocalCacheOpt, LocalCacheSizeOpt, app, out
 from featbake.cli.render import progress_bar, tick_bar
 from featbake.units import format_bytes
 
@@ -33,6 +33,8 @@ def verify(
             help="Rebuild the catalog from the shards and root manifests; quarantine damage.",
         ),
     ] = False,
+    local_cache: LocalCacheOpt = None,
+    local_cache_size: LocalCacheSizeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Check every shard's bytes and checksums, the catalog against the shards, and the hash
@@ -44,19 +46,21 @@ def verify(
     wrong hash-cache rows and all cached encoder fingerprints are dropped (computed again).
     --repair holds the store's write lock: builds, gc and write-back wait while it runs, and it
     refuses (exit 5) if they keep sealing shards for 10 s. A folder that is not a store is
-    refused, never turned into one. A bucket store (s3://) is checked shard by shard through
-    the local tier (no --repair there).
+    refused, never turned into one. A bucket store (s3://) is checked object by object (each
+    shard object downloaded into the local tier's tmp/ and deleted after its check, whatever
+    the tier holds), and named by its object key; there is no --repair there.
     """
-    from featbake.store.remote.url import is_url
     from featbake.upkeep import verify as run_verify
-
-    if cache is not None and is_url(str(cache)):
-        _verify_bucket(str(cache), repair, as_json)
-        return
 
     bar = progress_bar()
     with bar:
-        report = run_verify(cache, repair_damage=repair, progress=tick_bar(bar, {}))
+        report = run_verify(
+            cache,
+            repair_damage=repair,
+            progress=tick_bar(bar, {}),
+            local_cache=local_cache,
+            local_cache_size=local_cache_size,
+        )
     if as_json:
         out.print_json(json.dumps(report.to_json()))
     else:
@@ -68,49 +72,13 @@ def verify(
         for f in report.remaining if report.status != "clean" and repair else []:
             out.print(f"[red]remains[/] {f.kind} {escape(f.subject)}: {escape(f.detail)}")
         out.print(
-            f"verify: {report.status} ({report.shards_checked} shards, "
+            f"verify: {report.status} ({escape(report.store)}: {report.shards_checked} shards, "
             f"{format_bytes(report.bytes_checked)} read in {report.seconds:.2f}s)"
             + (
                 f"; {report.features_lost} feature rows lost, rebuild to recompute them"
                 if report.features_lost
                 else ""
             )
-        )
-    if report.exit_code:
-        raise typer.Exit(report.exit_code)
-
-
-def _verify_bucket(url: str, repair: bool, as_json: bool) -> None:
-    """``featbake verify`` on a bucket store (featbake.upkeep.verify_bucket)."""
-    from featbake.errors import ConfigError
-    from featbake.store.open import bucket_store
-    from featbake.upkeep.verify_bucket import verify_bucket
-
-    if repair:
-        raise ConfigError(
-            "--repair is not built for a bucket store; run `featbake verify --cache URL` to "
-            "list damaged or missing shards, delete a damaged object, then build again (a build "
-            "encodes again what a missing shard held)"
-        )
-    store = bucket_store(url)
-    bar = progress_bar()
-    with bar:
-        task = bar.add_task("verify", total=None)
-        report = verify_bucket(
-            store, lambda done, total: bar.update(task, completed=done, total=total)
-        )
-    if as_json:
-        out.print_json(json.dumps(report.to_json()))
-    else:
-        for name in report.missing:
-            out.print(f"[red]missing[/] shard {name}: named by the catalog, not in the bucket")
-        for name in report.damaged:
-            out.print(f"[red]damaged[/] shard {name}: fails its checksums (delete it, rebuild)")
-        status = "clean" if report.clean else "damaged"
-        out.print(
-            f"verify: {status} (catalog version {report.version}, {report.shards_checked} "
-            f"shards, {format_bytes(report.bytes_checked)} read in {report.seconds:.2f}s; "
-            f"{report.unnamed} unnamed shard objects)"
         )
     if report.exit_code:
         raise typer.Exit(report.exit_code)

@@ -82,6 +82,10 @@ class BucketInputs:
     def where(self) -> str:
         return str(self.bucket.url)
 
+    @property
+    def stat_tells_change(self) -> bool:
+        return False  # an object's ETag needs a request per item: revalidate is refused
+
     def path(self, rel: str) -> str:
         return self.bucket.where(rel)
 

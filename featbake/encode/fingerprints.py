@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -11,15 +10,14 @@ from pathlib import Path
 
 from featbake.encode.encoders import PICKLE, LoadedEncoder, detect_kind
 from featbake.encode.held import HeldBytes
-from featbake.keys import sha256_hex
+from featbake.keys import sha256_file, sha256_hex
 from featbake.progress import Progress
 from featbake.store.catalog import ENCODER_FP_PREFIX, FileStat, HashCache, HashRow
 
 
 def file_fingerprint(path: str | os.PathLike[str]) -> str:
     """SHA-256 of a file's bytes, streamed (never the whole file in memory)."""
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+    return sha256_file(path)
 
 
 def resolve_path(path: str | os.PathLike[str]) -> str:

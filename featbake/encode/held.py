@@ -9,10 +9,11 @@ since can be stored under an old key; inputs past the budget are read twice, as 
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 from collections.abc import Collection
+
+from featbake.keys import sha256_file, sha256_hex
 
 #: Bytes of inputs kept between hashing and decoding at most (inputs past it are read again).
 HELD_BYTES = 256 << 20
@@ -51,9 +52,7 @@ class HeldBytes:
             if fits:
                 self.size += size  # reserved before reading: threads hash in parallel
         if not fits:
-            from featbake.encode.fingerprints import file_fingerprint
-
-            return file_fingerprint(path)
+            return sha256_file(path)
         try:
             with open(path, "rb") as f:
                 data = f.read()
@@ -64,7 +63,7 @@ class HeldBytes:
         with self._lock:
             self.size += len(data) - size  # the file may have grown or shrunk since the stat
             self._data[path] = data
-        return hashlib.sha256(data).hexdigest()
+        return sha256_hex(data)
 
     def take(self, path: str) -> bytes | None:
         """The bytes kept for ``path`` (given once, then dropped), or None."""

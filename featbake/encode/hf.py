@@ -7,13 +7,15 @@ extractor says ``return_attention_mask: false`` (the group-norm wav2vec2/HuBERT-
 "can not 100% correctly treat padded input", so featbake runs it on exact shapes and says why.
 The module featbake runs follows the lengths protocol (:mod:`featbake.encode.lengths`): an
 attention mask is built from the lengths, and output lengths come from the model's own
-``_get_feat_extract_output_lengths``. Vision folders (an image processor, ``pixel_values`` in)
-are handled by :mod:`featbake.encode.hf_vision`; this module loads both.
+``_get_feat_extract_output_lengths``. Vision folders (an image processor, ``pixel_values`` in,
+or a whole CLIP/SigLIP whose vision tower is run) are handled by :mod:`featbake.encode.hf_vision`;
+this module loads both.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 from dataclasses import dataclass
@@ -24,7 +26,15 @@ import torch
 from torch import nn
 
 from featbake.encode.encoders import LoadedEncoder, from_module
-from featbake.encode.hf_vision import HFVisionEncoder, image_recipe_for_folder, is_vision_folder
+from featbake.encode.hf_vision import (
+    POOLED,
+    TOKENS,
+    HFVisionEncoder,
+    image_recipe_for_folder,
+    is_vision_folder,
+    tower_config,
+    vision_tower,
+)
 from featbake.encode.layers import layers_to_run, part_name, resolve_layers
 from featbake.errors import ConfigError, EncoderLoadError
 from featbake.keys import module_fingerprint
@@ -116,8 +126,11 @@ def recipe_for_encoder(spec: Any, recipe: Recipe) -> Recipe:
     return recipe
 
 
-def check_layers_supported(encoder: LoadedEncoder, recipe: Recipe) -> None:
-    """Raise ConfigError when ``layers`` is asked of an encoder without hidden states."""
+def check_recipe_supported(encoder: LoadedEncoder, recipe: Recipe) -> None:
+    """Raise ConfigError when ``layers`` is asked of an encoder without hidden states, or
+    ``output`` names one the encoder cannot give (its ``absent_outputs``)."""
+    if recipe.output is not None and recipe.output in encoder.absent_outputs:
+        raise ConfigError(encoder.absent_outputs[recipe.output])
     if recipe.layers is not None and encoder.kind != HF:
         raise ConfigError(
             f"--layers needs an encoder with hidden states (a Hugging Face model folder); "
@@ -133,6 +146,7 @@ def _num_layers(folder: str | os.PathLike[str]) -> int:
         config = json.loads((Path(folder) / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise EncoderLoadError(f"cannot read {folder}/config.json: {e}") from e
+    config = tower_config(config)
     if "num_hidden_layers" not in config:
         raise ConfigError(f"{folder} has no num_hidden_layers in config.json; --layers needs it")
     return int(config["num_hidden_layers"])
@@ -163,7 +177,13 @@ class HFSpeechEncoder(nn.Module):
         return {part_name(k): out.hidden_states[k] for k in self.layers}, out_lengths
 
 
-def _load_model(folder: Path) -> Any:  # a transformers PreTrainedModel
+#: Weights of a pooling head, which ViT-style models build by default though DINO and MAE
+#: checkpoints are saved without it (``ViTModel(config, add_pooling_layer=False)``).
+POOLER_PREFIX = "pooler."
+
+
+def _from_pretrained(folder: Path, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+    """transformers' model and loading info for ``folder``, quietly and offline."""
     try:
         from transformers import AutoModel
     except ImportError as e:
@@ -179,20 +199,39 @@ def _load_model(folder: Path) -> Any:  # a transformers PreTrainedModel
     hf_logging.set_verbosity_error()
     try:
         model, info = AutoModel.from_pretrained(
-            str(folder), local_files_only=True, dtype=torch.float32, output_loading_info=True
+            str(folder),
+            local_files_only=True,
+            dtype=torch.float32,
+            output_loading_info=True,
+            **kwargs,
         )
     except Exception as e:
         raise EncoderLoadError(f"transformers cannot load {folder}: {e}") from e
     finally:
         hf_logging.set_verbosity(verbosity)
+    return model, info
+
+
+def only_pooler_missing(model: Any, info: dict[str, Any]) -> bool:
+    """The folder's weights lack only a pooling head the model can be built without."""
+    missing = [str(n) for n in info.get("missing_keys") or ()]
+    headless = "add_pooling_layer" in inspect.signature(type(model).__init__).parameters
+    return headless and bool(missing) and all(n.startswith(POOLER_PREFIX) for n in missing)
+
+
+def _load_model(folder: Path) -> Any:  # a transformers PreTrainedModel
+    model, info = _from_pretrained(folder)
+    if only_pooler_missing(model, info):
+        # Saved headless: load it so (no random head), and serve what the weights cover.
+        model, info = _from_pretrained(folder, add_pooling_layer=False)
     check_loading_info(folder, info)
     takes = getattr(model, "main_input_name", None)
-    if takes not in ("input_values", "pixel_values"):
+    if takes not in ("input_values", "pixel_values") and vision_tower(model) is None:
         raise EncoderLoadError(
             f"{folder} holds a {type(model).__name__}, which takes neither raw audio "
             "(input_values) nor images (pixel_values); featbake runs wav2vec2-style audio "
-            "encoders and ViT/DINOv2/CLIP-vision towers from a folder (for a full CLIP model, "
-            "save its vision_model alone)"
+            "encoders, ViT/DINOv2 models and CLIP/SigLIP models (whole or their vision "
+            "tower) from a folder"
         )
     if takes == "input_values" and not hasattr(model, "_get_feat_extract_output_lengths"):
         raise EncoderLoadError(f"{type(model).__name__} does not report its output lengths")
@@ -206,11 +245,29 @@ def _vision_encoder(
     layers: tuple[int, ...] | None,
     device: str | torch.device,
 ) -> LoadedEncoder:
-    """A vision model as an exact-shape encoder (its image transform is in the recipe)."""
-    wrapper = HFVisionEncoder(model, layers)
+    """A vision model as an exact-shape encoder (its image transform is in the recipe).
+
+    A model loaded without its pooling head (a DINO or MAE ViT) gives no ``pooled`` output:
+    its tokens are what the weights cover, and a CLS token under the pooler's name would be
+    another feature than a ViT's ``pooler_output``. Of a whole CLIP or SigLIP model only the
+    vision tower (and CLIP's projection) is kept: the text tower is freed with ``model``.
+    """
+    tower = vision_tower(model)
+    runs = model if tower is None else tower.model
+    headless = getattr(runs, "pooler", False) is None
+    projection = None if tower is None else tower.projection
+    wrapper = HFVisionEncoder(
+        runs, layers, pooled=not headless, embeds=tower is not None, projection=projection
+    )
     identity = folder_identity(path, model, pre)
     enc = from_module(wrapper, label=str(path), kind=HF, identity=identity, device=device)
     enc._fingerprint = module_fingerprint(wrapper, identity)
+    if headless:
+        enc.absent_outputs[POOLED] = (
+            f"{path} was saved without its pooling layer (add_pooling_layer=False, as DINO and "
+            f"MAE checkpoints are), so it has no {POOLED!r} output; ask for --output {TOKENS} "
+            "(its first row is the CLS token)"
+        )
     return enc
 
 
@@ -287,10 +344,10 @@ def load_hf_folder(
     path = Path(folder).resolve()
     model = _load_model(path)
     pre = Preprocessor.of_folder(path)
-    num = int(model.config.num_hidden_layers)
+    num = int(tower_config(model.config.to_dict())["num_hidden_layers"])
     if layers is not None:
         layers = resolve_layers(layers, num)
-    if model.main_input_name == "pixel_values":
+    if model.main_input_name == "pixel_values" or vision_tower(model) is not None:
         return _vision_encoder(path, model, pre, layers, device)
     wrapper = HFSpeechEncoder(model, layers, pre.return_attention_mask)
     identity = folder_identity(path, model, pre)

@@ -6,9 +6,13 @@ user gives on top; its model runs behind :class:`HFVisionEncoder`, which names i
 parts so ``--output`` and ``--layers`` pick them as they do for audio:
 
 * ``pooled``: the model's ``pooler_output`` (ViT's tanh head on CLS, DINOv2's normalised CLS,
-  CLIP's post-layernorm CLS), or the CLS token when the model has no pooler: ``[D]``;
+  CLIP's post-layernorm CLS), or the CLS token when the model has no pooler: ``[D]``; a ViT
+  saved without its pooling layer (DINO, MAE) has no ``pooled`` (its head would be random);
 * ``tokens``: the last hidden state, CLS (and registers) first, then the patches: ``[N, D]``;
-* ``layer6`` ...: ``hidden_states[6]`` with ``--layers`` (0 is the patch embedding).
+* ``layer6`` ...: ``hidden_states[6]`` with ``--layers`` (0 is the patch embedding);
+* ``image_embeds``: for a whole CLIP or SigLIP folder (text and vision towers, as a download
+  gives), the image embedding ``get_image_features`` returns: CLIP's ``visual_projection`` of
+  ``pooled``, SigLIP's ``pooled`` itself. Only the vision tower is kept and run.
 
 timm and open_clip import torchvision, whose wheels do not load beside every torch build: run
 them through an import-path factory (``--encoder mypkg.vision:build --source image``) with the
@@ -20,7 +24,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -32,6 +36,28 @@ from featbake.image_recipe import ImageRecipe
 PREPROCESSOR_FILE = "preprocessor_config.json"
 POOLED = "pooled"
 TOKENS = "tokens"
+IMAGE_EMBEDS = "image_embeds"
+
+
+class VisionTower(NamedTuple):
+    """The part of a whole image-text model (CLIP, SigLIP) that encodes images."""
+
+    model: Any  # the vision model: pixel_values in, hidden states and pooler_output out
+    projection: Any  # CLIP's visual_projection, or None where the pooled output is the embedding
+
+
+def vision_tower(model: Any) -> VisionTower | None:
+    """The vision tower of a whole image-text model, or None for any other model."""
+    tower = getattr(model, "vision_model", None)
+    if tower is None or not hasattr(model, "get_image_features"):
+        return None
+    return VisionTower(tower, getattr(model, "visual_projection", None))
+
+
+def tower_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The settings of the model featbake runs: a whole model's ``vision_config``, else all."""
+    vision = config.get("vision_config")
+    return vision if isinstance(vision, dict) and "num_hidden_layers" not in config else config
 
 
 def image_processor_config(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
@@ -85,22 +111,41 @@ def image_recipe_for_folder(folder: str | os.PathLike[str], **changes: Any) -> I
 class HFVisionEncoder(nn.Module):
     """A transformers vision model behind ``forward(pixel_values) -> {part: tensor}``.
 
-    Without ``layers``: ``{"pooled": [B, D], "tokens": [B, N, D]}``; with ``layers``:
-    ``{"layer6": hidden_states[6], ...}``.
+    Without ``layers``: ``{"pooled": [B, D], "tokens": [B, N, D]}`` (``tokens`` alone when
+    ``pooled`` is False: a model loaded without its pooling head; and ``"image_embeds"`` when
+    ``embeds`` is set: a whole CLIP/SigLIP's tower, projected by ``projection`` if any); with
+    ``layers``: ``{"layer6": hidden_states[6], ...}``.
     """
 
-    def __init__(self, model: Any, layers: tuple[int, ...] | None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        layers: tuple[int, ...] | None,
+        pooled: bool = True,
+        *,
+        embeds: bool = False,
+        projection: nn.Module | None = None,
+    ) -> None:
         super().__init__()
         self.model = model
         self.layers = layers
+        self.pooled = pooled
+        self.embeds = embeds
+        self.projection = projection
 
     def forward(self, pixel_values: torch.Tensor) -> dict[str, torch.Tensor]:
         out = self.model(pixel_values=pixel_values, output_hidden_states=self.layers is not None)
         if self.layers is not None:
             return {part_name(k): out.hidden_states[k] for k in self.layers}
-        pooled = getattr(out, "pooler_output", None)
         tokens = out.last_hidden_state
-        return {POOLED: tokens[:, 0] if pooled is None else pooled, TOKENS: tokens}
+        if not self.pooled:
+            return {TOKENS: tokens}
+        pooled = getattr(out, "pooler_output", None)
+        parts = {POOLED: tokens[:, 0] if pooled is None else pooled, TOKENS: tokens}
+        if self.embeds:
+            project = self.projection
+            parts[IMAGE_EMBEDS] = parts[POOLED] if project is None else project(parts[POOLED])
+        return parts
 
 
 def image_steps_for(encoder: object, source: str, changes: dict[str, Any]) -> ImageRecipe | None:

@@ -50,6 +50,11 @@ class Inputs(Protocol):
         """(path -> SHA-256, path -> why it could not be read), as :func:`hash_inputs` says."""
         ...
 
+    @property
+    def stat_tells_change(self) -> bool:
+        """Whether one ``stat`` of an input tells that it changed (``revalidate=True``)."""
+        ...
+
     def source(self, inner: Source) -> Source:
         """``inner`` (the recipe's source), made to read inputs from this place."""
         ...
@@ -86,6 +91,10 @@ class Folder:
         held: HeldBytes | None = None,
     ) -> tuple[dict[str, str], dict[str, str]]:
         return hash_inputs(catalog, paths, progress, stats, held)
+
+    @property
+    def stat_tells_change(self) -> bool:
+        return True
 
     def source(self, inner: Source) -> Source:
         return inner

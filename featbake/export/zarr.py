@@ -33,7 +33,7 @@ from featbake.store.catalog import Catalog, Location, Root
 from featbake.store.features import FeatureReader
 from featbake.store.fidelity import QUANTISED
 from featbake.store.layout import Layout
-from featbake.store.open import open_catalog, resolve_root
+from featbake.store.open import StoreRef, open_catalog, resolve_root
 from featbake.version import __version__
 
 CHUNK_BYTES = 8 * 1024 * 1024
@@ -157,7 +157,7 @@ def check_destination(out: Path, store: Path, *, overwrite: bool) -> None:
 def export_zarr(
     out: str | os.PathLike[str],
     *,
-    cache: str | os.PathLike[str] | None = None,
+    cache: StoreRef = None,
     root: str | None = None,
     overwrite: bool = False,
     progress: Callable[[GcProgress], None] | None = None,
@@ -230,9 +230,7 @@ def _choose_root(catalog: Catalog, root: str | None) -> Root:
     return roots[0]
 
 
-def _source(
-    out: Path, cache: str | os.PathLike[str] | None, root: str | None, overwrite: bool
-) -> ExportSource:
+def _source(out: Path, cache: StoreRef, root: str | None, overwrite: bool) -> ExportSource:
     layout, catalog = open_catalog(cache)
     try:
         check_destination(out, layout.root, overwrite=overwrite)

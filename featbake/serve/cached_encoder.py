@@ -42,7 +42,7 @@ from featbake.serve.served import Served, served_for
 from featbake.serve.writeback import WriteBack, pending_in_process
 from featbake.store.catalog import Catalog, RootSpec
 from featbake.store.features import FeatureReader
-from featbake.store.layout import layout_at
+from featbake.store.open import Need, open_store
 from featbake.store.writer import SealedShard
 from featbake.units import parse_bytes
 
@@ -176,7 +176,8 @@ class CachedEncoder(nn.Module):
         self._watch = ModuleWatch(encoder, check_weights=check_weights)
         self._clock = clock
         self._warned_for: tuple[str, ...] = ()  # what kept caching off when last said
-        self._layout = layout_at(cache).ensure() if store else None
+        # LOCAL: it commits each sealed shard to its catalog in place (no bucket store).
+        self._layout = open_store(cache, need=Need.LOCAL).ensure() if store else None
         self._reader: FeatureReader | None = None
         self._writeback = self._new_writeback()
         self.stats = {

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from featbake.encode.encoders import attribute_identity, module_identity
+from featbake.encode.identity import attribute_identity, module_identity
 from featbake.errors import ConfigError
 from featbake.keys import module_fingerprint
 from featbake.store.shard_format import tensor_buffer

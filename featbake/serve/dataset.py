@@ -27,7 +27,7 @@ from featbake.encode.encoders import LoadedEncoder
 from featbake.encode.hf import recipe_for_encoder
 from featbake.encode.sources import source_for
 from featbake.recipe import Recipe
-from featbake.serve.index import IndexSpec, build_index
+from featbake.serve.index import IndexSpec, ItemPlacement, build_index
 from featbake.serve.lastuse import TOUCH_FLUSH_ITEMS, TOUCH_FLUSH_SECONDS, TOUCH_REPEAT_SECONDS
 from featbake.serve.layer_views import LayerView, check_layer_view, check_stored_parts, view_layers
 from featbake.serve.live import LiveEncoder, Misses
@@ -42,7 +42,7 @@ from featbake.serve.process import (
     store_read_only,
 )
 from featbake.serve.reads import Reads
-from featbake.serve.revalidate import revalidate
+from featbake.serve.revalidate import refuse_revalidate_of_objects, revalidate
 from featbake.serve.served import served_for
 from featbake.serve.state import ProcessState, save_at_exit
 from featbake.serve.writeback import (
@@ -93,7 +93,7 @@ class CachedFeatureDataset(Dataset):
             ``nn.Module``. A file encoder is loaded at the first miss (or once, to fingerprint
             it, when the store has never seen this file).
         cache, local_cache, local_cache_size: the store (directory or ``s3://bucket/prefix``)
-            and a bucket's local tier, as :func:`featbake.store.open.store_at` takes them. On a
+            and a bucket's local tier, as :func:`featbake.store.open.open_store` takes them. On a
             shared filesystem or a bucket the catalog is only read; writes go to fragments.
         recipe: preprocessing and storage options; the keyword options below override its fields.
         source, sample_rate, mono, max_seconds, output, dtype: recipe fields, as in
@@ -107,8 +107,7 @@ class CachedFeatureDataset(Dataset):
         device: where misses are encoded. Inside a DataLoader worker forked after CUDA was
             initialised, CUDA cannot start, so misses there are encoded on the CPU; choose
             ``multiprocessing_context="spawn"`` (or ``"forkserver"``) to encode them on the GPU.
-        verify: check a CRC on its ``"first"`` read in a process, ``"always"`` or ``"never"``.
-        max_open_shards: open shard files kept per process.
+        verify, max_open_shards: CRC check (``"first"`` read, ``"always"``, ``"never"``); files.
         write_back: store features encoded on a miss so the next epoch hits. A store this
             process cannot write (a read-only mount, no write permission,
             ``$FEATBAKE_READ_ONLY=1``) is served as it is: its catalog is only read, no root is
@@ -126,8 +125,8 @@ class CachedFeatureDataset(Dataset):
             dict of parts (see :mod:`featbake.serve.layer_views`). Applied to single items and
             batches alike; a view the store cannot give is a ConfigError at every read (from
             the constructor when stored items already tell).
-        serve_dtype, dequantize: int8/fp8 items are served in ``serve_dtype`` (``"float16"``),
-            or packed as stored with ``dequantize=False`` (see :mod:`featbake.serve.served`).
+        serve_dtype, dequantize: int8/fp8 items are served in ``serve_dtype`` (float16, float32
+            where the build found float16 cannot hold them) or packed with ``dequantize=False``.
 
     Raises:
         ConfigError: an invalid option.
@@ -181,10 +180,10 @@ class CachedFeatureDataset(Dataset):
         self._served = served_for(self.recipe, serve_dtype, dequantize)
         self._asked = self._layer_view is not None or self._served is not None  # options set
         self.on_miss = on_miss
-        self.verify = verify
-        self.max_open_shards = max_open_shards
+        self.verify, self.max_open_shards = verify, max_open_shards
         self._clock = clock
         self.revalidate = revalidate
+        refuse_revalidate_of_objects(data, revalidate)
         self._ram_total = parse_bytes(ram_cache)
         dev.resolve_device(device)  # validate now, not at the first miss
         self._layout = serving_layout(cache, on_miss, local_cache, local_cache_size)
@@ -219,6 +218,7 @@ class CachedFeatureDataset(Dataset):
             self._index = build_index(data, spec, catalog, publish=not self.read_only, new_root=new)
         finally:
             catalog.close()
+        self._served = self._served and self._served.for_index(self._layout, self._index)
         self._reads = Reads(self._index, self._layout)
         self._misses = Misses(self._index, self._reads, self._live, self._source, self.recipe)
         self._misses.configure(on_miss, self.write_back)  # warns of live encoding it can name
@@ -236,11 +236,11 @@ class CachedFeatureDataset(Dataset):
 
     def key(self, i: int) -> str:
         """The store key of item ``i`` (64 hex characters)."""
-        return self._index.key(self._index_of(i))
+        return self._index.key(self._index.position(i))
 
     def path(self, i: int) -> str:
         """The absolute path of item ``i``'s input file."""
-        return self._index.path(self._index_of(i))
+        return self._index.path(self._index.position(i))
 
     @property
     def encoder_fingerprint(self) -> str:
@@ -251,10 +251,14 @@ class CachedFeatureDataset(Dataset):
         """How many items the store held when the dataset was created (the rest will miss)."""
         return self._index.stored()
 
+    def placement(self) -> ItemPlacement:
+        """Each item's length and shard, from the catalog (no read): what loaders plan from."""
+        return self._index.placement()
+
     def will_need(self, indices: Sequence[int]) -> int:
         """Start reading items ``indices`` from disk, not waiting: a hint that lets a cold store's
         reads overlap (:class:`FeatureLoader` hints its next items). Returns the reads started."""
-        idx = [self._index_of(i) for i in indices]
+        idx = [self._index.position(i) for i in indices]
         return self._reads.will_need(self._state or self._proc(), idx)
 
     def cache_info(self) -> ServeStats:
@@ -296,9 +300,6 @@ class CachedFeatureDataset(Dataset):
         forget_after_fork(self)
 
     # -- reading ------------------------------------------------------------------------------
-    def _index_of(self, i: int) -> int:
-        return self._index.position(i)
-
     def _proc(self) -> ProcessState:
         """This process's state, made on first use (a forked child's was dropped at fork)."""
         st = self._state
@@ -333,7 +334,7 @@ class CachedFeatureDataset(Dataset):
         if st is None:
             st = self._proc()
         if type(i) is not int or not 0 <= i < len(self._index.keys):
-            i = self._index_of(i)
+            i = self._index.position(i)
         if self.revalidate:
             revalidate(self._index, st, (i,))
         loc = st.loc[i]
@@ -377,7 +378,7 @@ class CachedFeatureDataset(Dataset):
         if st is None:
             st = self._proc()
         n = len(self._index.keys)
-        idx = [i if type(i) is int and 0 <= i < n else self._index_of(i) for i in indices]
+        idx = [i if type(i) is int and 0 <= i < n else self._index.position(i) for i in indices]
         if self.revalidate:
             revalidate(self._index, st, idx)
         if self._index.parts == ("",) and idx and self._layer_view is None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -28,7 +29,7 @@ from featbake.keys import feature_key, root_id, sha256_hex
 from featbake.store.catalog import FileStat, RootSpec
 from featbake.store.catalog_api import ServingStore
 
-__all__ = ["NO_STAT", "Index", "IndexSpec", "build_index"]
+__all__ = ["NO_STAT", "Index", "IndexSpec", "ItemPlacement", "build_index"]
 
 #: The stat of an item whose key came from the root alone (its file gone or unreadable).
 NO_STAT = FileStat(-1, -1, -1, -1)
@@ -46,6 +47,15 @@ class IndexSpec:
 
     def key(self, digest: str) -> str:
         return feature_key(self.enc_fp, self.recipe_fp, digest)
+
+
+class ItemPlacement(NamedTuple):
+    """Each item's length (its first dimension, -1 when not stored) and shard id (-1 when not
+    stored), as the catalog held them when the index was built: what a loader plans an epoch
+    from (batches by length, shards in blocks) without reading one feature."""
+
+    lengths: np.ndarray
+    shards: np.ndarray
 
 
 class Index:
@@ -84,6 +94,7 @@ class Index:
         self.shard_names: list[str] = []
         self.sid_of: dict[str, int] = {}
         self.shard = np.full(n, -1, dtype=np.int32)
+        self.length = np.full(n, -1, dtype=np.int64)
         self.parts = self._locate(keys, catalog)
 
     def _locate(self, keys: list[str], catalog: ServingStore) -> tuple[str, ...] | None:
@@ -94,6 +105,7 @@ class Index:
             if not locs or len({loc.shard for loc in locs}) != 1:
                 continue  # a feature split over shards is not written by featbake: re-read it
             self.shard[i] = self.sid(locs[0].shard)
+            self.length[i] = max(loc.shape[0] if loc.shape else 1 for loc in locs)
             parts.add(tuple(loc.part for loc in locs))
         # One encoder and recipe give every item the same outputs; anything else is looked up.
         return parts.pop() if len(parts) == 1 else None
@@ -134,6 +146,10 @@ class Index:
 
     def stored(self) -> int:
         return int((self.shard >= 0).sum())
+
+    def placement(self) -> ItemPlacement:
+        """Each item's length and shard now (a copy: the index changes as items move)."""
+        return ItemPlacement(self.length.copy(), self.shard.copy())
 
     def rekey(self, i: int, key: str, stat: FileStat, shard: str | None) -> None:
         """Item ``i``'s file now hashes to ``key`` (stat ``stat``), stored in ``shard`` or not."""

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 import featbake.device as dev
-from featbake.encode.encoders import LoadedEncoder, from_module, is_import_path, load_encoder
+from featbake.encode.encoders import LoadedEncoder, from_module
 from featbake.encode.fingerprints import (
     cached_file_encoder_fp,
     encoder_fingerprint,
@@ -26,6 +26,7 @@ from featbake.encode.fingerprints import (
 )
 from featbake.encode.hf import is_hf_folder
 from featbake.encode.inputs import inputs_at
+from featbake.encode.loaders import is_import_path, load_encoder
 from featbake.encode.outputs import encode_batch, stored_parts
 from featbake.encode.sources import Source, load_unchanged
 from featbake.errors import CacheMiss, EncoderLoadError, FeatbakeError, SourceError
@@ -41,6 +42,7 @@ from featbake.store.catalog import Catalog, FileStat
 from featbake.store.catalog_api import ServingStore
 from featbake.store.features import Parts
 from featbake.store.layout import Layout
+from featbake.store.open import describe
 from featbake.store.remote.url import is_url
 from featbake.store.serving_fragments import open_serving_catalog
 from featbake.store.writer import SealedShard
@@ -252,7 +254,7 @@ class Misses:
         return CacheMiss(
             miss_message(
                 path,
-                str(self.live.layout.root),
+                describe(self.live.layout),  # a bucket store by its URL, never its tier folder
                 self.live.label,
                 data,
                 self.recipe.as_dict(),
@@ -372,6 +374,7 @@ class Misses:
         for entry in shard.entries:
             for i in st.pending_idx.pop(entry.key, ()) if st is not None else ():
                 ix.shard[i] = sid
+                ix.length[i] = max(int(ix.length[i]), entry.shape[0] if entry.shape else 1)
         if ix.parts is None:
             ix.parts = tuple(sorted({e.part for e in shard.entries}))
 

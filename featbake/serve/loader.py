@@ -9,7 +9,11 @@ second copy of the dataset's state.
 
 What it yields is what ``DataLoader(ds, batch_size=B, sampler=DistributedSampler(ds, ...),
 collate_fn=pad_collate, drop_last=...)`` yields (see :mod:`featbake.serve.sampling`), labels
-included when ``ds`` is a ``StackDataset(features, labels)``.
+included when ``ds`` is a ``StackDataset(features, labels)``; or batches by length
+(``batch_frames``), or blocks of shards (``shuffle="blocks"``: give a bucket store's tier room
+for two windows, since a batch may straddle two), planned from the catalog without a read.
+Every epoch is a function of the options, seed and epoch, so :meth:`FeatureLoader.state_dict`
+is a few ints (see :mod:`featbake.serve.resume`).
 
 Cold reads: on a store larger than the page cache each read waits for the disk, and one read
 at a time ran at half to two thirds of the disk's bandwidth here (0.7x mmap'd safetensors
@@ -34,7 +38,6 @@ those want processes of their own.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -42,22 +45,29 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import StackDataset, Subset
 
 import featbake.device as dev
-from featbake.errors import ConfigError
+from featbake.errors import ConfigError, FeatbakeError
+from featbake.serve.blocks import distributed, rank_and_world
 from featbake.serve.collate import pad_collate, pinned_batches
 from featbake.serve.prefetch import map_tensors
-from featbake.serve.sampling import EpochPlan
+from featbake.serve.read_ahead import (
+    READ_AHEAD,
+    SAMPLE,
+    WARM_STREAK,
+    ReadAhead,
+    hint_of,
+    placement_of,
+)
+from featbake.serve.resume import Resume
+from featbake.serve.sampling import Order, Shuffle, shuffle_of
 
-#: Items whose reads are started ahead of the batch being read (measured on a cold store of
-#: ~600 KB items: 16-64 in flight all gave about the disk's bandwidth; 1 gave half of it).
-READ_AHEAD = 32
-#: Items in a row found cached after which only every SAMPLE-th item is hinted (see ReadAhead).
-WARM_STREAK = 256
-SAMPLE = 8
 #: How long the reader waits to hand over a batch before it looks at the stop flag again.
 _POLL_SECONDS = 0.1
+
+
+class ReaderDied(FeatbakeError):
+    """The loader's reader thread ended without handing over its batches or an error."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +79,16 @@ class _Failed:
 
 _END = object()
 
+__all__ = [
+    "READ_AHEAD",
+    "SAMPLE",
+    "WARM_STREAK",
+    "FeatureLoader",
+    "ReadAhead",
+    "ReaderDied",
+    "hint_of",
+]
+
 
 class FeatureLoader:
     """An iterable over collated batches, read ahead on a thread of this process.
@@ -77,10 +97,21 @@ class FeatureLoader:
         dataset: a map-style dataset: a :class:`~featbake.CachedFeatureDataset`, or a
             ``StackDataset`` of one with labels; anything with ``__getitems__`` or
             ``__getitem__`` and ``__len__``.
-        batch_size: items per batch.
-        shuffle: a new order each epoch (``seed + epoch``), as ``DistributedSampler``.
+        batch_size: items per batch (default 32); with ``batch_frames``, at most this many.
+        shuffle: ``True``: a new order each epoch (``seed + epoch``), as ``DistributedSampler``;
+            ``"blocks"``: shards in a new order each epoch, ``window`` of them at a time, their
+            items shuffled together (see :mod:`featbake.serve.sampling` for what it gives up);
+            ``False``: the dataset's order.
+        batch_frames: batches by length instead: items of similar length together, each
+            batch's padded size (items x longest) at most this many frames (time steps), from
+            the lengths the catalog holds; every rank gets as many batches.
+        window: shards open at a time for ``shuffle="blocks"``.
         drop_last: drop the last, short batch (and, over several ranks, the indices that do
             not divide evenly among them).
+        even_batches: over several ranks, repeat the first items (batches, with
+            ``batch_frames``) so that every rank takes as many steps, as ``DistributedSampler``
+            does and DDP needs; ``False`` (for evaluation) reads each item once, and ranks may
+            take one batch more than others (Accelerate's ``even_batches``).
         prefetch: batches read ahead of the one the training step holds.
         read_ahead: items past the batch being read whose reads are started early (a hint to
             the kernel, for a store that is not in the page cache); 0 starts none. Used when
@@ -95,6 +126,7 @@ class FeatureLoader:
             default from ``torch.distributed`` when it is initialised, else the whole dataset.
 
     Each ``iter()`` is one epoch and advances the epoch; :meth:`set_epoch` chooses the next.
+    :meth:`state_dict` and :meth:`load_state_dict` resume an epoch where it stopped.
 
     Example:
         >>> ds = CachedFeatureDataset("./audio", "ckpt.pt")  # doctest: +SKIP
@@ -108,10 +140,13 @@ class FeatureLoader:
     def __init__(  # noqa: PLR0913 - the public options, as DataLoader takes them
         self,
         dataset: Any,
-        batch_size: int = 32,
+        batch_size: int | None = None,
         *,
-        shuffle: bool = True,
+        shuffle: bool | str = True,
+        batch_frames: int | None = None,
+        window: int = 4,
         drop_last: bool = False,
+        even_batches: bool = True,
         prefetch: int = 4,
         seed: int | None = None,
         collate_fn: Callable[[Sequence[Any]], Any] = pad_collate,
@@ -130,31 +165,84 @@ class FeatureLoader:
         self.collate_fn = collate_fn
         self.prefetch = prefetch
         self.device = None if device is None else dev.resolve_device(device)
-        rank, world = _rank_and_world(rank, world_size)
+        rank, world = rank_and_world(rank, world_size)
         if seed is None:  # ranks must draw one order: DistributedSampler's default seed, 0
-            seed = 0 if world > 1 or _distributed() else int(torch.randint(0, 2**31, (1,)).item())
+            seed = 0 if world > 1 or distributed() else int(torch.randint(0, 2**31, (1,)).item())
+        if batch_size is None and batch_frames is None:
+            batch_size = 32
+        # Order checks batch_size, batch_frames, window, rank and world.
+        self._order = Order(
+            len(dataset), batch_size, shuffle_of(shuffle), seed, rank, world, drop_last,
+            even_batches, batch_frames, window,
+        )  # fmt: skip
         self.epoch = 0
-        self._plan = EpochPlan(
-            len(dataset), batch_size, shuffle, seed, 0, rank, world, drop_last
-        )  # checks batch_size, rank and world
+        self._resume = Resume()
 
     @property
     def seed(self) -> int:
-        return self._plan.seed
+        return self._order.seed
 
     def set_epoch(self, epoch: int) -> None:
-        """Read epoch ``epoch``'s order next (as ``DistributedSampler.set_epoch``)."""
+        """Read epoch ``epoch``'s order next (as ``DistributedSampler.set_epoch``); the rest of
+        a resumed epoch is kept when ``epoch`` is that epoch."""
         self.epoch = epoch
+        self._resume.choose(epoch)
 
     def __len__(self) -> int:
-        return self._plan.batch_count()
+        """Batches in the next epoch (the whole epoch, even when resumed part way)."""
+        if self._order.batch_frames is None:  # blocks too: a permutation, split alike
+            return self._order.item_plan(self.epoch).batch_count()
+        return len(self._batches(self.epoch))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader stands: the epoch, the batches of it handed out (those read ahead
+        but not handed out are read again), the seed, the world size and a fingerprint of the
+        options that shape the order. Plain ints and strings, for any checkpoint.
+
+        Example:
+            >>> state = {"model": model.state_dict(), "data": loader.state_dict()}  # doctest: +SKIP
+            >>> loader.load_state_dict(state["data"])  # a new run, same arguments  # doctest: +SKIP
+        """
+        epoch, position = self._resume.where(self.epoch)
+        o = self._order
+        return {"epoch": epoch, "position": position, "seed": o.seed, "rank": o.rank,
+                "world_size": o.world, "fingerprint": o.fingerprint()}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on from ``state`` (:meth:`state_dict` of a loader with the same arguments): the
+        next ``iter()`` yields the rest of that epoch, the ones after it the next epochs.
+
+        The seed is the state's (a loader made with ``seed=None`` draws its own). Each rank
+        loads its own state (rank 0's serves every rank too while batches are even).
+
+        Raises:
+            ConfigError: the state is not one, or was saved over another world size or with
+                options that give another order.
+        """
+        self._order, self.epoch = self._resume.load(self._order, state)
 
     def __iter__(self) -> Iterator[Any]:
-        plan = EpochPlan(**{**self._plan.__dict__, "epoch": self.epoch})
+        epoch = self.epoch
         self.epoch += 1
-        return self._epoch(plan.batches())
+        batches = self._batches(epoch)
+        return self._epoch(batches, self._resume.start(epoch, len(batches)))
 
-    def _epoch(self, batches: list[list[int]]) -> Iterator[Any]:
+    def _batches(self, epoch: int) -> list[list[int]]:
+        """This rank's batches of epoch ``epoch`` (lengths and shards from the catalog when the
+        order needs them: no feature is read to plan an epoch)."""
+        o = self._order
+        if o.batch_frames is None and o.shuffle is not Shuffle.BLOCKS:
+            return o.batches(epoch)
+        placement = placement_of(self.dataset)
+        if placement is None:
+            raise ConfigError(
+                "batch_frames and shuffle='blocks' need a CachedFeatureDataset (or one in a "
+                "StackDataset or Subset), whose catalog knows each item's length and shard"
+            )
+        return o.batches(epoch, placement.lengths.tolist(), placement.shards.tolist())
+
+    def _epoch(self, batches: list[list[int]], skip: int) -> Iterator[Any]:
+        batches = batches[skip:]
         ready: queue.Queue[Any] = queue.Queue(maxsize=self.prefetch)
         stop = threading.Event()
         reader = threading.Thread(
@@ -163,11 +251,12 @@ class FeatureLoader:
         reader.start()
         try:
             while True:
-                item = ready.get()
+                item = _next_from(ready, reader)
                 if item is _END:
                     return
                 if isinstance(item, _Failed):
                     raise item.error
+                self._resume.handed_out()
                 yield self._to_device(item)
         finally:
             stop.set()  # the step stopped early, or failed: the reader ends at its next batch
@@ -177,16 +266,23 @@ class FeatureLoader:
             reader.join()
 
     def _read(self, batches: list[list[int]], ready: queue.Queue, stop: threading.Event) -> None:
-        """The reader thread: read, collate (and pin) each batch, in order, until told to stop."""
-        ahead = ReadAhead(batches, self.read_ahead, hint_of(self.dataset), self._streak)
+        """The reader thread: read, collate (and pin) each batch, in order, until told to stop.
+
+        Everything it runs is inside the ``try``: a dataset that opens its store on first use
+        (even on the attribute lookup that finds ``will_need``) fails here, and the training
+        thread must get that error, not wait for a batch that never comes.
+        """
+        ahead: ReadAhead | None = None
         to_gpu = self.device is not None and self.device.type == "cuda"
         try:
+            ahead = ReadAhead(batches, self.read_ahead, hint_of(self.dataset), self._streak)
             with pinned_batches() if to_gpu else contextlib.nullcontext():
                 self._read_batches(batches, ready, stop, ahead, to_gpu)
         except BaseException as e:  # handed to the training thread, raised there
             _put(ready, _Failed(e), stop)
         finally:
-            self._streak = ahead.streak
+            if ahead is not None:
+                self._streak = ahead.streak
 
     def _read_batches(
         self,
@@ -214,84 +310,6 @@ class FeatureLoader:
         return map_tensors(lambda t: t.to(target, non_blocking=True), batch)
 
 
-class ReadAhead:
-    """Which items to hint before each batch: those up to ``window`` past the batch's end.
-
-    The batches are one rank's epoch in order; each item is hinted once, before its batch is
-    read and at most ``window`` items ahead of that batch's end. ``hint`` returns
-    how many reads it started. Once ``WARM_STREAK`` items in a row were all cached (a store in
-    the page cache), only every ``SAMPLE``-th item is hinted, which is enough to notice the
-    store going cold: the first sampled item that starts a read has the items skipped since the
-    last sample hinted too, and ends the streak. (A hint per item made a warm epoch of one item
-    per step 5-10% slower here.)
-    """
-
-    def __init__(
-        self,
-        batches: Sequence[Sequence[int]],
-        window: int,
-        hint: Callable[[list[int]], int] | None,
-        streak: int = 0,
-    ) -> None:
-        self._flat = [i for idx in batches for i in idx] if hint is not None and window else []
-        self._ends = list(itertools.accumulate(len(idx) for idx in batches))
-        self._window = window
-        self._chunk = max(1, window // 4)
-        self._hint = hint
-        self._done = 0  # items of the flat order hinted (or skipped as warm) so far
-        self.streak = streak  # items in a row whose hints found them cached (an epoch's
-        # last is the next one's first: a warm store is not probed item by item every epoch)
-        self._skipped: list[int] = []  # items not hinted since the last sample (warm)
-
-    def before(self, b: int) -> None:
-        """Hint the items not hinted yet, up to ``window`` past the end of batch ``b``.
-
-        Batch ``b``'s own items are always hinted by now; past them, hints wait until a
-        quarter of the window is due, so one item per step makes one call per few items (each
-        call's probe lets the training thread take the GIL, which it may then hold for a while).
-        """
-        if self._hint is None or not self._flat:
-            return
-        start, upto = self._done, min(len(self._flat), self._ends[b] + self._window)
-        if upto - start < self._chunk and start >= self._ends[b]:
-            return
-        self._done = upto
-        flat = self._flat
-        if self.streak < WARM_STREAK:
-            started = self._hint(flat[start:upto])
-        else:
-            self._skipped += [flat[p] for p in range(start, upto) if p % SAMPLE]
-            sample = [flat[p] for p in range(start, upto) if not p % SAMPLE]
-            if not sample:
-                return
-            started = self._hint(sample)
-            if started:  # cold again: the items skipped since the last sample too
-                self._hint(self._skipped)
-            self._skipped = []
-        self.streak = 0 if started else self.streak + upto - start
-
-
-def hint_of(dataset: Any) -> Callable[[list[int]], int] | None:
-    """The dataset's ``will_need``, or one that reaches it through ``StackDataset`` members
-    (which all take the same index) or a ``Subset`` (which maps it); None when it has none."""
-    hint = getattr(dataset, "will_need", None)
-    if callable(hint):
-        return hint
-    if isinstance(dataset, Subset):
-        inner = hint_of(dataset.dataset)
-        if inner is None:
-            return None
-        mapping = dataset.indices
-        return lambda idx: inner([mapping[i] for i in idx])
-    if isinstance(dataset, StackDataset):
-        members = dataset.datasets
-        found = [hint_of(m) for m in (members.values() if isinstance(members, dict) else members)]
-        hints = [h for h in found if h is not None]
-        if hints:
-            return lambda idx: sum(h(idx) for h in hints)
-    return None
-
-
 def _put(ready: queue.Queue, item: Any, stop: threading.Event) -> bool:
     """Hand ``item`` over, waiting for room; False once the training thread stopped reading."""
     while not stop.is_set():
@@ -301,31 +319,20 @@ def _put(ready: queue.Queue, item: Any, stop: threading.Event) -> bool:
     return False
 
 
+def _next_from(ready: queue.Queue, reader: threading.Thread) -> Any:
+    """The reader's next batch, ``_END`` or ``_Failed``; a reader that died without handing
+    either over (it cannot, short of the interpreter stopping it) is an error, not a hang."""
+    while True:
+        with contextlib.suppress(queue.Empty):
+            return ready.get(timeout=_POLL_SECONDS)
+        if not reader.is_alive() and ready.empty():
+            why = "FeatureLoader's reader thread ended without a batch or an error"
+            return _Failed(ReaderDied(f"{why} (stopped from outside); iterate the loader again"))
+
+
 def _items(dataset: Any, idx: list[int]) -> Sequence[Any]:
     """One batch's items, through ``__getitems__`` when the dataset has it (as DataLoader)."""
     getitems = getattr(dataset, "__getitems__", None)
     if getitems is not None:
         return getitems(idx)
     return [dataset[i] for i in idx]
-
-
-def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """The rank and world size given, else torch.distributed's, else the whole dataset."""
-    if rank is not None and world_size is not None:
-        return rank, world_size
-    if _distributed():
-        dist = torch.distributed
-        return (
-            dist.get_rank() if rank is None else rank,
-            dist.get_world_size() if world_size is None else world_size,
-        )
-    if rank is not None or world_size is not None:
-        raise ConfigError(
-            "give both rank and world_size (or neither, to take them from torch.distributed)"
-        )
-    return 0, 1
-
-
-def _distributed() -> bool:
-    """True inside an initialised ``torch.distributed`` process group."""
-    return torch.distributed.is_available() and torch.distributed.is_initialized()

@@ -10,7 +10,7 @@ from typing import Any
 from featbake.errors import ConfigError, StoreError
 from featbake.recipe import Recipe
 from featbake.store.layout import Layout
-from featbake.store.open import store_at
+from featbake.store.open import open_store
 
 ON_MISS = ("encode", "error")
 VERIFY = ("first", "always", "never")
@@ -51,7 +51,7 @@ def serving_layout(
     Raises:
         StoreError: ``on_miss="error"`` and there is no store at ``cache``.
     """
-    layout = store_at(cache, local_cache=local_cache, local_cache_size=local_cache_size)
+    layout = open_store(cache, local_cache=local_cache, local_cache_size=local_cache_size)
     if not layout.catalog.exists() and not layout.shards.exists():
         where = layout.remote or layout.root.absolute()
         if on_miss == "error":

@@ -11,14 +11,18 @@ since keeps serving its stored feature, as without ``revalidate``.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
+from typing import Any
 
 from featbake.encode.fingerprints import hash_inputs
+from featbake.encode.inputs import inputs_at
+from featbake.errors import ConfigError
 from featbake.serve.index import Index, raise_unreadable
 from featbake.serve.state import ProcessState
 from featbake.store.catalog import FileStat
 
-__all__ = ["revalidate"]
+__all__ = ["refuse_revalidate_of_objects", "revalidate"]
 
 
 def revalidate(index: Index, st: ProcessState, idx: Iterable[int]) -> None:
@@ -49,3 +53,21 @@ def _rekey(index: Index, st: ProcessState, i: int, path: str) -> None:
     shards = {loc.shard for loc in locs}
     index.rekey(i, key, hashed[path], shards.pop() if len(shards) == 1 else None)
     st.forget(i)
+
+
+def refuse_revalidate_of_objects(data: Any, revalidate: bool) -> None:
+    """Raise when ``revalidate=True`` is asked of inputs a ``stat`` cannot revalidate.
+
+    Raises:
+        ConfigError: ``data`` is a bucket prefix: checking each object's ETag at every read
+            would cost a request per item.
+    """
+    if not revalidate or not isinstance(data, str | os.PathLike):
+        return
+    inputs = inputs_at(data)
+    if not inputs.stat_tells_change:
+        raise ConfigError(
+            f"revalidate=True is not built for inputs in a bucket ({inputs.where}): the dataset "
+            "keys each object by the ETag it had when the dataset was made. Make a new dataset "
+            "(or run `featbake build`) after objects change"
+        )

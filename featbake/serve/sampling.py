@@ -13,13 +13,37 @@ written out so it can be checked against torch's own over many sizes:
   ``r``;
 - batched: consecutive runs of ``batch_size``; the last, shorter one is kept unless
   ``drop_last``.
+
+With ``even_batches=False`` (Accelerate's name) nothing is repeated or dropped to even out the
+ranks: rank ``r`` takes every ``world``-th index from ``r``, so ranks may take one batch more
+than others (for evaluation, where a repeated item would count twice).
+
+Two other orders are planned here from what the catalog holds (no feature read), and are not
+DistributedSampler's (see :class:`Order`):
+
+- **by length** (``batch_frames``): items sorted by length with a little noise (each epoch's
+  neighbours differ), cut greedily so that a batch's padded size (items x longest) stays within
+  ``batch_frames``, the batches then shuffled; ranks share out whole batches, every rank the
+  same number (the first batches repeated to even out, as DistributedSampler repeats items);
+- **by block** (``shuffle="blocks"``): shards in a random order, ``window`` shards at a time,
+  the items of each window shuffled together. What it gives up: two items of shards in
+  different windows never meet in one batch, and an epoch reads a shard's items close together
+  in time (items baked together, often from one folder, stay near each other). What it keeps:
+  every item once per epoch, a new shard order and new batches every epoch, and a reader that
+  needs only ``window`` shards at a time (a tier of a few shards serves an epoch fetching each
+  shard about once).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from enum import StrEnum
 
+import numpy as np
 import torch
 
 from featbake.errors import ConfigError
@@ -37,6 +61,7 @@ class EpochPlan:
     rank: int = 0
     world: int = 1
     drop_last: bool = False
+    even_batches: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int):
@@ -48,25 +73,33 @@ class EpochPlan:
                 f"rank {self.rank} of {self.world} ranks: rank must be from 0 to world_size - 1"
             )
 
-    def indices(self) -> list[int]:
-        """This rank's indices for the epoch, in reading order (DistributedSampler's rule)."""
-        if self.shuffle:
-            g = torch.Generator()
-            g.manual_seed(self.seed + self.epoch)
-            order: list[int] = torch.randperm(self.n, generator=g).tolist()
-        else:
-            order = list(range(self.n))
+    def indices(self, order: list[int] | None = None) -> list[int]:
+        """This rank's indices for the epoch, in reading order (DistributedSampler's rule), of
+        ``order`` when given (the whole epoch's, every rank's alike), else of its own."""
+        if order is None:
+            order = self.order()
         if self.world == 1:
             return order
+        if not self.even_batches:
+            return order[self.rank :: self.world]
         total = self.per_rank() * self.world
         if total > len(order) and order:
             pad = total - len(order)
-            order += (order * math.ceil(pad / len(order)))[:pad]
+            order = order + (order * math.ceil(pad / len(order)))[:pad]
         return order[:total][self.rank : total : self.world]
 
-    def batches(self) -> list[list[int]]:
+    def order(self) -> list[int]:
+        """The whole epoch's order, before it is shared out: ``randperm`` of ``seed + epoch``."""
+        if not self.shuffle:
+            return list(range(self.n))
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        order: list[int] = torch.randperm(self.n, generator=g).tolist()
+        return order
+
+    def batches(self, order: list[int] | None = None) -> list[list[int]]:
         """The indices cut into batches of ``batch_size`` (the last kept unless ``drop_last``)."""
-        idx = self.indices()
+        idx = self.indices(order)
         cut = [idx[i : i + self.batch_size] for i in range(0, len(idx), self.batch_size)]
         if self.drop_last and cut and len(cut[-1]) < self.batch_size:
             cut.pop()
@@ -76,6 +109,8 @@ class EpochPlan:
         """How many indices each rank reads (DistributedSampler's ``num_samples``)."""
         if self.world == 1:
             return self.n
+        if not self.even_batches:
+            return len(range(self.rank, self.n, self.world))
         if self.drop_last and self.n % self.world:
             return math.ceil((self.n - self.world) / self.world)
         return math.ceil(self.n / self.world)
@@ -86,3 +121,185 @@ class EpochPlan:
         if self.drop_last:
             return per_rank // self.batch_size
         return math.ceil(per_rank / self.batch_size)
+
+
+#: The noise added to log(length) before sorting for ``batch_frames``: neighbours differ each
+#: epoch while a batch's lengths stay within about 10% of each other.
+LENGTH_NOISE = math.log(1.1)
+
+
+class Shuffle(StrEnum):
+    """How an epoch's order is drawn."""
+
+    NONE = "none"  #: the dataset's order
+    ITEMS = "items"  #: every item anywhere (``shuffle=True``)
+    BLOCKS = "blocks"  #: shards in a random order, a window of them shuffled together
+
+
+def shuffle_of(shuffle: bool | str) -> Shuffle:
+    """``True``/``False``/``"blocks"`` (what FeatureLoader takes) as a :class:`Shuffle`."""
+    if shuffle is True or shuffle is False:
+        return Shuffle.ITEMS if shuffle else Shuffle.NONE
+    if shuffle == "blocks":
+        return Shuffle.BLOCKS
+    raise ConfigError(f'shuffle must be True, False or "blocks", got {shuffle!r}')
+
+
+@dataclass(frozen=True)
+class Order:
+    """What shapes every epoch's batches on one rank but the epoch itself.
+
+    ``batch_frames`` (batches by length) needs ``lengths``, ``Shuffle.BLOCKS`` needs
+    ``shards`` (each item's shard id, -1 when not stored): both as the catalog holds them.
+    """
+
+    n: int
+    batch_size: int | None
+    shuffle: Shuffle
+    seed: int
+    rank: int = 0
+    world: int = 1
+    drop_last: bool = False
+    even_batches: bool = True
+    batch_frames: int | None = None
+    window: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("batch_frames", "window"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ConfigError(f"{name} must be a whole number from 1, got {v!r}")
+        self.item_plan(0)  # checks batch_size, rank and world
+
+    def fingerprint(self) -> str:
+        """A digest of what shapes the order (all but the seed and the rank): a state saved
+        under other options must not resume here."""
+        shape = {k: v for k, v in asdict(self).items() if k not in ("seed", "rank")}
+        blob = json.dumps(shape, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def item_plan(self, epoch: int) -> EpochPlan:
+        """DistributedSampler's rule for this order's epoch (batches of ``batch_size``)."""
+        size = self.batch_size if self.batch_size is not None else 32
+        shuffled = self.shuffle is Shuffle.ITEMS
+        return EpochPlan(
+            self.n, size, shuffled, self.seed, epoch, self.rank, self.world, self.drop_last,
+            self.even_batches,
+        )  # fmt: skip
+
+    def batches(
+        self, epoch: int, lengths: Sequence[int] | None = None, shards: Sequence[int] | None = None
+    ) -> list[list[int]]:
+        """This rank's batches of epoch ``epoch``."""
+        plan = self.item_plan(epoch)
+        windows = None
+        if self.shuffle is Shuffle.BLOCKS:
+            windows = block_windows(_given(shards, "shards", self.n), self.seed, epoch, self.window)
+        if self.batch_frames is None:
+            return plan.batches([i for w in windows for i in w] if windows is not None else None)
+        lengths = _given(lengths, "lengths", self.n)
+        rng = None if self.shuffle is Shuffle.NONE else _rng(self.seed, epoch, 1)
+        cut: list[list[int]] = []
+        for group in windows if windows is not None else [list(range(self.n))]:
+            part = frame_batches(group, lengths, self.batch_frames, rng, self.batch_size)
+            cut += _shuffled(part, rng) if windows is not None else part  # within its window
+        if self.shuffle is Shuffle.ITEMS:
+            cut = _shuffled(cut, rng)
+        return share_batches(cut, self.rank, self.world, self.drop_last, self.even_batches)
+
+
+def _shuffled(batches: list[list[int]], rng: np.random.Generator | None) -> list[list[int]]:
+    return batches if rng is None else [batches[j] for j in rng.permutation(len(batches))]
+
+
+def _given(values: Sequence[int] | None, name: str, n: int) -> Sequence[int]:
+    if values is None or len(values) != n:
+        raise ConfigError(f"this order needs each of the {n} items' {name}")
+    return values
+
+
+def _rng(seed: int, epoch: int, salt: int) -> np.random.Generator:
+    """One generator per (seed, epoch, use): every rank draws the same numbers."""
+    return np.random.default_rng([seed, epoch, salt])
+
+
+def block_windows(shards: Sequence[int], seed: int, epoch: int, window: int) -> list[list[int]]:
+    """Items grouped by shard, the shards in a random order, ``window`` shards at a time, the
+    items of each window shuffled together (items not stored, shard -1, are one more block)."""
+    sid = np.asarray(shards, dtype=np.int64)
+    rng = _rng(seed, epoch, 0)
+    by_shard = np.argsort(sid, kind="stable")
+    ids, starts = np.unique(sid[by_shard], return_index=True)
+    members = np.split(by_shard, starts[1:]) if len(ids) else []
+    visit = rng.permutation(len(members))
+    out = []
+    for k in range(0, len(visit), window):
+        items = np.concatenate([members[j] for j in visit[k : k + window]])
+        out.append([int(i) for i in rng.permutation(items)])
+    return out
+
+
+def frame_batches(
+    items: Sequence[int],
+    lengths: Sequence[int],
+    budget: int,
+    rng: np.random.Generator | None,
+    max_items: int | None = None,
+) -> list[list[int]]:
+    """``items`` in batches whose padded size (items x longest) is at most ``budget`` frames.
+
+    Sorted by length (with noise on log(length) when ``rng`` is given, so that each epoch's
+    batches differ), then cut greedily: a batch ends where the next item would take it over
+    ``budget`` (or ``max_items``). Returns the batches in length order.
+
+    Raises:
+        ConfigError: an item is longer than ``budget`` on its own.
+    """
+    if not len(items):
+        return []
+    ix = np.asarray(items, dtype=np.int64)
+    lens = np.asarray(lengths, dtype=np.int64)[ix]
+    if (lens < 0).any():
+        raise ConfigError(
+            f"batch_frames needs each item's length from the store, and {(lens < 0).sum()} "
+            "items are not stored yet: run `featbake build` on the data first (or read one "
+            "epoch with batch_size, then ds.flush())"
+        )
+    if int(lens.max()) > budget:
+        raise ConfigError(
+            f"item {int(ix[lens.argmax()])} has {int(lens.max())} frames, more than "
+            f"batch_frames={budget}: give batch_frames at least {int(lens.max())}"
+        )
+    key = np.log(np.maximum(lens, 1).astype(np.float64))
+    if rng is not None:
+        key = key + rng.uniform(0.0, LENGTH_NOISE, len(key))
+    out: list[list[int]] = []
+    batch: list[int] = []
+    longest = 0
+    cap = max_items or len(ix)
+    for j in np.argsort(key, kind="stable").tolist():
+        t = max(longest, int(lens[j]))
+        if batch and ((len(batch) + 1) * t > budget or len(batch) == cap):
+            out.append(batch)
+            batch, t = [], int(lens[j])
+        batch.append(int(ix[j]))
+        longest = t
+    out.append(batch)
+    return out
+
+
+def share_batches(
+    batches: list[list[int]], rank: int, world: int, drop_last: bool, even: bool
+) -> list[list[int]]:
+    """Rank ``rank``'s share of an epoch's batches: every ``world``-th from ``rank``; with
+    ``even`` every rank takes as many (the first batches repeated to even out, or with
+    ``drop_last`` the last ones dropped)."""
+    if world == 1 or not batches:
+        return batches
+    if even and len(batches) % world:
+        if drop_last:
+            batches = batches[: len(batches) - len(batches) % world]
+        else:
+            pad = world - len(batches) % world
+            batches = batches + (batches * math.ceil(pad / len(batches)))[:pad]
+    return batches[rank::world]

@@ -5,7 +5,9 @@
 epoch, one of them, so a probe trained on cached features keeps the most common augmentation.
 The choice is a pure function of ``(seed, epoch, index)``: the same in every DataLoader worker,
 reproducible from the seed, and different each epoch once :meth:`ViewsDataset.set_epoch` is
-called (as with ``DistributedSampler``).
+called (as with ``DistributedSampler``). The epoch lives in a shared-memory tensor, so persistent
+DataLoader workers (``persistent_workers=True``), which hold their own copy of the dataset from
+the first epoch on, read the epoch the main process set.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch.utils.data import Dataset
 
 from featbake.errors import ConfigError
@@ -71,7 +74,8 @@ class ViewsDataset(Dataset):
             raise ConfigError(f"views must be one of {', '.join(VIEW_MODES)}, got {views!r}")
         self.views = views
         self.seed = seed
-        self.epoch = 0
+        # Shared memory, not an int: a persistent worker's copy of the dataset sees set_epoch.
+        self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
         self.original = CachedFeatureDataset(data, encoder, recipe=recipe, **options)
         if self.original.recipe.source != "image":
             raise ConfigError(
@@ -82,9 +86,19 @@ class ViewsDataset(Dataset):
         flipped = self.original.recipe.replace(image=steps)
         self.flipped = CachedFeatureDataset(data, encoder, recipe=flipped, **options)
 
+    @property
+    def epoch(self) -> int:
+        """The epoch whose coins are drawn (the same in the main process and every worker)."""
+        return int(self._epoch)
+
+    @epoch.setter
+    def epoch(self, epoch: int) -> None:
+        self.set_epoch(epoch)
+
     def set_epoch(self, epoch: int) -> None:
-        """Draw new coins: call at the start of each epoch (in the main process)."""
-        self.epoch = epoch
+        """Draw new coins: call at the start of each epoch (in the main process, before the
+        epoch's ``iter(loader)``); workers started before, persistent ones included, follow."""
+        self._epoch.fill_(int(epoch))
 
     def __len__(self) -> int:
         return len(self.original)

@@ -11,7 +11,9 @@ index in the global index's own format). Beside the catalog's tables a fragment 
 ```
 fragments/<build>.r<rank>-of-<world>.<id>.<kind>.sqlite
     meta      the catalog's schema_version, and the fragment's own: format, format_version,
-              kind, created, build id, rank, world, root, data, encoder, recipe
+              kind, created, build id, rank, world, root, data, encoder, recipe; in a
+              ``done`` fragment of an int8/fp8 build, ``fidelity``: what the rank measured
+              (store/fidelity.py's Measured sums and the bound), pooled by the merge
     uses      key, used   (kind "serve" only: last-use times, seconds since the epoch)
 ```
 
@@ -48,10 +50,10 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import NamedTuple
-from urllib.parse import quote
 
 from featbake.errors import ShardMissing, StoreCorrupt, StoreError
 from featbake.store.catalog import Catalog, HashCacheRow, RootSpec, ShardFeature
+from featbake.store.catalog.connection import Access, open_sqlite
 from featbake.store.catalog.roots import write_root_rows
 from featbake.store.catalog.rows import columns
 from featbake.store.fragment_legacy import FragmentRows, read_legacy_body
@@ -165,6 +167,7 @@ class Fragment:
     hashes: tuple[HashCacheRow, ...]
     uses: tuple[Use, ...] = ()
     format_version: int = FRAGMENT_VERSION
+    fidelity: str = ""  # JSON: what an int8/fp8 rank measured (its done fragment), or ""
 
 
 def build_id(root: str, encoder_fp: str, recipe_fp: str, world: int, listing: Iterable) -> str:
@@ -212,6 +215,7 @@ def write_fragment(
     items: Sequence[ManifestItem] = (),
     hashes: Sequence[HashCacheRow] = (),
     uses: Sequence[Use] = (),
+    fidelity: str = "",
 ) -> Path:
     """Write a fragment to tmp/, fsync it and rename it into fragments/ (which seals it).
 
@@ -227,7 +231,8 @@ def write_fragment(
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
         layout.tmp.mkdir(parents=True, exist_ok=True)
-        _fill(layout, tmp, info, kind, shards, items, hashes, uses)
+        extra = {"kind": kind.value, **({"fidelity": fidelity} if fidelity else {})}
+        _fill(layout, tmp, info, extra, shards, items, hashes, uses)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, final)
@@ -250,20 +255,21 @@ def _fill(
     layout: Layout,
     path: Path,
     info: BuildInfo,
-    kind: FragmentKind,
+    extra: dict[str, str],
     shards: Sequence[SealedShard],
     items: Sequence[ManifestItem],
     hashes: Sequence[HashCacheRow],
     uses: Sequence[Use],
 ) -> None:
-    """Write the fragment's rows with the catalog's own writers (one file nobody sees yet)."""
+    """Write the fragment's rows with the catalog's own writers (one file nobody sees yet);
+    ``extra``: meta rows beyond the build's (its kind, an int8/fp8 rank's fidelity)."""
     created = time.time()
     meta = {
         "format": FRAGMENT_FORMAT,
         "format_version": str(FRAGMENT_VERSION),
-        "kind": kind.value,
         "created": repr(created),
         **info.to_meta(),
+        **extra,
     }
     with Catalog(layout, fragment=path) as cat:
         with cat.transaction() as c:
@@ -285,8 +291,7 @@ def _fill(
 
 def _open_sealed(path: Path) -> sqlite3.Connection:
     # immutable=1: the file never changes once sealed, so SQLite takes no lock (safe on NFS).
-    uri = f"file:{quote(os.fspath(path))}?mode=ro&immutable=1"
-    return sqlite3.connect(uri, uri=True)
+    return open_sqlite(path, Access.IMMUTABLE)
 
 
 def read_fragment(path: Path, layout: Layout, *, with_entries: bool = True) -> Fragment:
@@ -309,7 +314,10 @@ def read_fragment(path: Path, layout: Layout, *, with_entries: bool = True) -> F
         items = tuple(ManifestItem(*r) for r in body.items)
         uses = tuple(Use(*r) for r in body.uses)
         created, version = float(meta["created"]), int(meta["format_version"])
-        return Fragment(path, info, kind, created, body.shards, items, body.hashes, uses, version)
+        fidelity = meta.get("fidelity", "")
+        return Fragment(
+            path, info, kind, created, body.shards, items, body.hashes, uses, version, fidelity
+        )
     except (sqlite3.Error, StoreError, ValueError, KeyError) as e:
         raise StoreCorrupt(
             f"catalog fragment {path} is unreadable ({e}); move it aside and rerun that rank "

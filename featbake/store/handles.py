@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -15,6 +17,11 @@ from featbake.store.reader import ShardReader, VerifyMode
 #: A bucket store's process looks for evicted files among its open readers at least this often
 #: (on every fetch, and at most once a second on other opens: up to 64 ``fstat`` calls).
 TEND_SECONDS = 1.0
+
+
+#: Fetches of one shard a reader tries when the node's other processes keep evicting it between
+#: the fetch and the open (a tier far too small for its readers).
+FETCH_TRIES = 3
 
 
 class ShardHandles:
@@ -72,24 +79,47 @@ class ShardHandles:
             ranged = self.remote.ranged_reader(name, path, self.verify)
             if ranged is not None:
                 return ranged
-            self._tend_tier(self.remote)  # before the fetch evicts: see _tend_tier
-            if self.remote.fetch_shard(name, self._close_evicted) is None:
-                raise
-            reader = ShardReader(path, verify=self.verify)
+            reader = self._fetched(name, path)
         else:
             if time.monotonic() - self._tended > TEND_SECONDS:  # another process's evictions
                 self._tend_tier(self.remote)
         self.remote.opened(path)
         return reader
 
+    def _fetched(self, name: str, path: Path) -> ShardReader:
+        """A reader of shard ``name`` fetched into the tier. Another process of the node may
+        evict it between the fetch and the open (the tier is shared): fetched again then, not
+        taken for a shard gone from the store.
+
+        Raises:
+            ShardMissing: the bucket has no such shard, or it kept vanishing.
+        """
+        assert self.remote is not None
+        for attempt in range(FETCH_TRIES):
+            self._tend_tier(self.remote)  # before the fetch evicts: see _tend_tier
+            if self.remote.fetch_shard(name, self._close_evicted) is None:
+                raise ShardMissing(f"shard {name} is gone from {self.remote} (deleted by gc)")
+            try:
+                return ShardReader(path, verify=self.verify)
+            except ShardMissing:
+                if attempt == FETCH_TRIES - 1:
+                    raise
+        raise AssertionError("unreachable")
+
     def _tend_tier(self, remote: RemotePlace) -> None:
         """Before a bucket store's tier may evict for a new shard: close the readers of files it
         evicted (an open file keeps its disk space, beyond the tier's budget), and stamp the
-        rest as used (a reader held open all epoch reads its shard, unseen by file times)."""
+        rest as used (a reader held open all epoch reads its shard, unseen by file times), in
+        the order this process used them."""
         self._tended = time.monotonic()
         self._close_evicted()
-        for path in self._readers:
-            remote.opened(path)
+        # Least recently used first, 1 us apart: file times come from a coarse clock, so one
+        # stamp for all would tie them, and ties evict by name (the current shards too).
+        # (What RemotePlace.opened does, with the time given.)
+        now = time.time_ns() - len(self._readers) * 1000
+        for k, path in enumerate(self._readers):
+            with contextlib.suppress(OSError):  # a ranged reader's shard has no file here
+                os.utime(path, ns=(now + k * 1000,) * 2)
 
     def _close_evicted(self) -> None:
         """Close the readers of files the tier unlinked (their space is freed only then)."""

@@ -3,16 +3,64 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-from featbake.errors import ConfigError, StoreError
+from featbake.errors import ConfigError, StoreCorrupt, StoreError
 from featbake.store.remote.url import is_url
 
 if TYPE_CHECKING:
     from featbake.store.reader import ShardReader
+
+
+#: A shard's name: the SHA-256 of its bytes, in hex. Nothing else is ever followed to a path or
+#: an object key, whatever a catalog, fragment or listing says.
+_SHARD_NAME = re.compile(r"^[0-9a-f]{64}$")
+#: A root's name as a file name: one path component, no leading dot.
+_ROOT_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._:@+=-]{0,250}$")
+
+
+def is_shard_name(name: str) -> bool:
+    """Whether ``name`` is a shard name (64 lowercase hex digits).
+
+    Example:
+        >>> is_shard_name("ab" * 32), is_shard_name("../../victim/model")
+        (True, False)
+    """
+    return isinstance(name, str) and _SHARD_NAME.match(name) is not None
+
+
+def checked_shard_name(name: str) -> str:
+    """``name``, once it is a shard name.
+
+    Raises:
+        StoreCorrupt: it is not one: a catalog, fragment or listing naming it was damaged or
+            planted, and nothing it names is opened, fetched or deleted.
+    """
+    if not is_shard_name(name):
+        raise StoreCorrupt(
+            f"{name[:100]!r} is not a shard name (64 hex digits): the catalog or fragment naming "
+            "it is damaged or was tampered with; nothing it names is touched. Run `featbake "
+            "verify` on the store"
+        )
+    return name
+
+
+def checked_root_name(name: str) -> str:
+    """``name``, once it can name a file in ``roots/`` (one path component, no leading dot).
+
+    Raises:
+        StoreCorrupt: it cannot (a damaged or planted catalog row or manifest).
+    """
+    if not (isinstance(name, str) and _ROOT_NAME.match(name) and ".." not in name):
+        raise StoreCorrupt(
+            f"{str(name)[:100]!r} is not a root name: the catalog or manifest naming it is "
+            "damaged or was tampered with; nothing it names is touched. Run `featbake verify`"
+        )
+    return name
 
 
 def fsync_dir(path: Path) -> None:
@@ -27,6 +75,14 @@ def fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+class TierUsage(NamedTuple):
+    """A node's tier of a bucket store: which catalog version it holds, its bytes and budget."""
+
+    version: int
+    bytes: int
+    budget: int
 
 
 class RemotePlace(Protocol):
@@ -56,6 +112,30 @@ class RemotePlace(Protocol):
 
     def publish_fragment(self, fragment: Path, shards: Sequence[str]) -> None:
         """Upload a sealed fragment after the shards it names."""
+        ...
+
+    def sync_fragments(self) -> int:
+        """Bring the place's sealed fragments (other nodes' ranks) into the tier; how many."""
+        ...
+
+    def tier_usage(self) -> TierUsage:
+        """This node's tier of the place: its catalog version and the bytes it holds."""
+        ...
+
+    def shard_objects(self) -> dict[str, int]:
+        """Every shard the place holds (listed now, not the tier's copies): name -> bytes."""
+        ...
+
+    def download_shard(self, name: str, dest: Path) -> None:
+        """The place's own bytes of shard ``name`` into file ``dest`` (never the tier's copy).
+
+        Raises:
+            FileNotFoundError: the place has no such shard.
+        """
+        ...
+
+    def shard_where(self, name: str) -> str:
+        """How messages name shard ``name`` (the object key a user would delete)."""
         ...
 
 
@@ -119,7 +199,12 @@ class Layout:
             )
 
     def shard_path(self, name: str) -> Path:
-        """``shards/ab/<name>.safetensors`` for a shard named ``ab...``."""
+        """``shards/ab/<name>.safetensors`` for a shard named ``ab...``.
+
+        Raises:
+            StoreCorrupt: ``name`` is not a shard name (:func:`checked_shard_name`).
+        """
+        checked_shard_name(name)
         return self.shards / name[:2] / f"{name}.safetensors"
 
     def has_shard(self, name: str) -> bool:
@@ -157,7 +242,7 @@ def layout_at(cache: str | os.PathLike[str] | None) -> Layout:
 
     Raises:
         ConfigError: ``cache`` is a URL (``s3://...``): bucket stores are opened by
-            :func:`featbake.store.open.store_at`, and a URL read as a path would make a local
+            :func:`featbake.store.open.open_store`, and a URL read as a path would make a local
             folder named ``s3:``.
 
     Example:

@@ -25,12 +25,14 @@ pending). Only this one process writes the catalog, which is what a shared files
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from featbake.errors import ShardMissing, StoreCorrupt
 from featbake.store.catalog import Catalog, HashCacheRow
+from featbake.store.fidelity import Measured, write_fidelity
 from featbake.store.fragments import (
     BuildInfo,
     Fragment,
@@ -72,6 +74,8 @@ class MergeReport:
     new_features: int = 0
     missing_shards: list[str] = field(default_factory=list)
     pending: list[PendingBuild] = field(default_factory=list)
+    #: fragments left unmerged because they cannot be read (``skip_damaged``): file names
+    damaged: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {
@@ -111,19 +115,28 @@ def pending_builds(layout: Layout) -> list[PendingBuild]:
     for bid, names in sorted(_by_build(layout).items()):
         if _is_complete(names):
             continue
-        head = read_fragment(names[0].path, layout, with_entries=False)
+        try:
+            root = read_fragment(names[0].path, layout, with_entries=False).info.root
+        except StoreCorrupt:
+            root = f"(unreadable fragment {names[0].path.name})"
         done = sorted({n.rank for n in names if n.kind is FragmentKind.DONE})
-        out.append(PendingBuild(bid, head.info.root, names[0].world, tuple(done), len(names)))
+        out.append(PendingBuild(bid, root, names[0].world, tuple(done), len(names)))
     return out
 
 
-def merge(layout: Layout, *, between: Callable[[str], None] | None = None) -> MergeReport:
+def merge(
+    layout: Layout, *, between: Callable[[str], None] | None = None, skip_damaged: bool = False
+) -> MergeReport:
     """Fold every complete build's sealed fragments into the catalog; see the module docstring.
 
-    ``between`` is a test hook called after each step (``root``, ``rows``, ``hashes``).
+    ``between`` is a test hook called after each step (``root``, ``rows``, ``hashes``). With
+    ``skip_damaged`` (a bucket store, where one damaged object must not block every node's
+    builds) a build with an unreadable fragment is left unmerged and named in
+    ``report.damaged``; everything else merges.
 
     Raises:
-        StoreCorrupt: a fragment is unreadable (the message says to move it aside).
+        StoreCorrupt: a fragment is unreadable (the message says to move it aside), unless
+            ``skip_damaged``.
         StoreError: the catalog cannot be written.
 
     Example:
@@ -147,7 +160,7 @@ def merge(layout: Layout, *, between: Callable[[str], None] | None = None) -> Me
     # those inserts from re-reading the same B-tree pages (this connection only, freed at close).
     catalog.conn.execute("PRAGMA cache_size=-262144")
     try:
-        frags = {b: [_read(n.path, layout) for n in names] for b, names in complete.items()}
+        frags = _readable(complete, layout, report if skip_damaged else None)
         # Oldest build first, so a newer build of the same root publishes its manifest last.
         for bid in sorted(frags, key=lambda b: max(f.created for f in frags[b])):
             _fold_build(catalog, frags[bid], report, between)
@@ -157,7 +170,7 @@ def merge(layout: Layout, *, between: Callable[[str], None] | None = None) -> Me
             fsync_dir(fragments_dir(layout))
             report.fragments += len(frags[bid])
         if serving:
-            _fold_serving(catalog, [_read_serving(n.path, layout) for n in serving], report)
+            _fold_serving(catalog, _readable_serving(serving, layout, skip_damaged, report), report)
     finally:
         catalog.close()
     report.pending = pending_builds(layout)
@@ -183,15 +196,36 @@ def _fold_build(
         items = sorted(item for f in done.values() for item in f.items)
         _publish_root(catalog, info, items, when)
         report.roots.append(info.root)
+        _record_fidelity(catalog.layout, info.root, list(done.values()))
     if between:
         between("root")
-    for f in frags:
+    # Newest first: a rank that stored a feature again (padding found inexact later, see
+    # bake/redo.py) sealed the new row in a later fragment, and the first row folded wins.
+    for f in sorted(frags, key=lambda f: f.created, reverse=True):
         _add_shards(catalog, f, report)
     if between:
         between("rows")
     put_fragment_hashes(catalog, [h for f in frags for h in f.hashes])
     if between:
         between("hashes")
+
+
+def _record_fidelity(layout: Layout, root: str, done: Sequence[Fragment]) -> None:
+    """Pool what the ranks of an int8/fp8 build measured and record it beside the root (no
+    record when none measured anything: the root's earlier one stands)."""
+    pooled: Measured | None = None
+    bound: float | None = None
+    for f in done:
+        if not f.fidelity:
+            continue
+        try:
+            doc = json.loads(f.fidelity)
+            part, bound = Measured.from_json(doc["measured"]), doc["bound"]
+        except (ValueError, KeyError, TypeError):
+            continue  # an unreadable record loses a sample, never the features
+        pooled = part if pooled is None else pooled.merged(part)
+    if pooled is not None:
+        write_fidelity(layout, root, pooled, bound)
 
 
 def _add_shards(catalog: Catalog, f: Fragment, report: MergeReport) -> None:
@@ -215,6 +249,44 @@ def _publish_root(
 ) -> None:
     """Replace the root a fragment's ``info`` names with ``items`` (path, key), used at ``now``."""
     catalog.replace_root(info.root_spec, [(i.path, i.key) for i in items], now=now)
+
+
+def _readable(
+    complete: dict[str, list[FragmentName]], layout: Layout, damaged: MergeReport | None
+) -> dict[str, list[Fragment]]:
+    """Each complete build's fragments, read; a build with an unreadable one is left out and
+    named in ``damaged.damaged`` (raised when ``damaged`` is None)."""
+    out: dict[str, list[Fragment]] = {}
+    for build_id, names in complete.items():
+        try:
+            out[build_id] = [_read(n.path, layout) for n in names]
+        except StoreCorrupt:
+            if damaged is None:
+                raise
+            damaged.damaged.extend(n.path.name for n in names if not _is_readable(n, layout))
+    return out
+
+
+def _readable_serving(
+    names: list[FragmentName], layout: Layout, skip_damaged: bool, report: MergeReport
+) -> list[Fragment]:
+    out = []
+    for n in names:
+        try:
+            out.append(_read_serving(n.path, layout))
+        except StoreCorrupt:
+            if not skip_damaged:
+                raise
+            report.damaged.append(n.path.name)
+    return out
+
+
+def _is_readable(name: FragmentName, layout: Layout) -> bool:
+    try:
+        _read(name.path, layout)
+    except StoreCorrupt:
+        return False
+    return True
 
 
 def _read(path: Path, layout: Layout) -> Fragment:

@@ -8,85 +8,155 @@ catalog brought into it (see :mod:`featbake.store.remote`).
 
 from __future__ import annotations
 
+import json
 import os
-import re
+from enum import Enum
 from pathlib import Path
+from typing import Any
 
 from featbake.errors import ConfigError, StoreError
 from featbake.store.catalog import Catalog, Root
+from featbake.store.catalog.connection import READ_ONLY_ENV, read_only_forced
 from featbake.store.fragments import sealed_fragments
 from featbake.store.layout import Layout, layout_at
 from featbake.store.remote.store import BucketStore
-from featbake.store.remote.url import BucketURL, is_url
+from featbake.store.remote.url import BucketURL, endpoint, endpoint_folder, is_url
 from featbake.units import parse_bytes
 
 #: The local tier's default budget (litdata's ``max_cache_size`` defaults to 100 GB too).
 DEFAULT_LOCAL_CACHE_SIZE = "100GiB"
 
 # -- opening a store ---------------------------------------------------------------------------
-#: A store as callers name it: its layout, its directory, or None for the default store.
+#: A store as callers name it: its layout, its directory or bucket URL, or None for the default.
 StoreRef = Layout | str | os.PathLike[str] | None
 
+#: ``<tier>/tier.json``: marks a folder as a bucket store's local tier, naming its bucket.
+TIER_MARK = "tier.json"
 
-def store_at(
-    cache: StoreRef,
+
+class Need(Enum):
+    """What :func:`open_store` requires of the store it opens."""
+
+    ANY = "any"  # a build or a dataset may create it
+    LOCAL = "local"  # a directory (created if missing): what writes its catalog in place
+    WRITE = "write"  # a build: refused before anything is written where writes are not allowed
+    STORE = "store"  # something of a store must be there (upkeep, merge)
+    CATALOG = "catalog"  # a catalog to read (stats, gc, export)
+
+
+def open_store(
+    ref: StoreRef,
     *,
+    need: Need = Need.ANY,
     local_cache: str | os.PathLike[str] | None = None,
     local_cache_size: int | str | None = None,
 ) -> Layout:
-    """The layout of the store at ``cache``: a directory, or a bucket's local tier.
+    """The store at ``ref``, over its place: a directory, or a bucket seen through this node's
+    local tier (``Layout.remote``). The one opener every command, the dataset, ``CachedEncoder``,
+    export and the upkeep API use.
 
     Args:
-        cache: a directory, ``s3://bucket/prefix``, a :class:`Layout` (kept as it is), or None
+        ref: a directory, ``s3://bucket/prefix``, a :class:`Layout` (kept as it is), or None
             (``$FEATBAKE_CACHE``, else ``./.featbake``).
+        need: what must already be there (:class:`Need`).
         local_cache: a bucket store's local tier (default ``$FEATBAKE_LOCAL_CACHE``, else
             ``~/.cache/featbake/buckets``); each endpoint, bucket and prefix gets a folder in it.
         local_cache_size: the most bytes the tier's shards take (default
             ``$FEATBAKE_LOCAL_CACHE_SIZE``, else 100 GiB); least recently used shards go first.
 
     Raises:
-        ConfigError: a URL featbake cannot open, or a size it cannot read.
-        StoreError: the bucket cannot be read (no credentials, no bucket, denied access).
+        ConfigError: a URL featbake cannot open, a size it cannot read, or a bucket's tier
+            folder given as a store.
+        StoreError: the bucket cannot be read (no credentials, no bucket, denied access), or
+            ``need`` is not met (the message says what to run).
 
     Example:
-        >>> store_at("/data/features").root
+        >>> open_store("/data/features").root
         PosixPath('/data/features')
     """
-    if isinstance(cache, Layout):
-        return cache
-    where = os.fspath(cache) if cache is not None else os.environ.get("FEATBAKE_CACHE", "")
-    if not is_url(where):
-        return layout_at(cache)
+    layout = _layout_of(ref, need, local_cache, local_cache_size)
+    if need is Need.WRITE and read_only_forced():
+        raise StoreError(
+            f"{READ_ONLY_ENV}=1 is set, and a build writes to the store {describe(layout)}; "
+            f"unset {READ_ONLY_ENV} (nothing was written)"
+        )
+    if need in (Need.STORE, Need.CATALOG) and layout.remote is None:
+        _require_directory(layout)
+    if need is Need.CATALOG:
+        _require_catalog(layout)
+    return layout
+
+
+def _layout_of(
+    ref: StoreRef,
+    need: Need,
+    local_cache: str | os.PathLike[str] | None,
+    local_cache_size: int | str | None,
+) -> Layout:
+    if isinstance(ref, Layout):
+        return ref
+    where = os.fspath(ref) if ref is not None else os.environ.get("FEATBAKE_CACHE", "")
+    if need is Need.LOCAL or not is_url(where):
+        layout = layout_at(ref)
+        _refuse_tier(layout)
+        return layout
     url = BucketURL.parse(where)
     base = local_cache or os.environ.get("FEATBAKE_LOCAL_CACHE")
     tier = Path(base) if base else Path.home() / ".cache" / "featbake" / "buckets"
     size = local_cache_size or os.environ.get("FEATBAKE_LOCAL_CACHE_SIZE")
     budget = parse_bytes(size or DEFAULT_LOCAL_CACHE_SIZE)
-    store = BucketStore(url, tier / _endpoint_folder() / url.bucket / url.prefix, budget)
+    folder = tier / endpoint_folder(endpoint()) / url.bucket / url.prefix
+    store = BucketStore(url, folder, budget)
     store.sync_catalog()
     return store.layout
 
 
-def _endpoint_folder() -> str:
-    """The tier's folder for this endpoint: two servers with a bucket of one name (a MinIO and
-    AWS, a test server) must not share a tier's catalog."""
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    if not endpoint:
-        return "aws"
-    return re.sub(r"[^A-Za-z0-9.-]+", "_", endpoint.split("://", 1)[-1]).strip("_") or "endpoint"
-
-
-def bucket_store(url: str) -> BucketStore:
-    """The bucket store at ``url`` (its newest catalog version in this node's tier).
+def _refuse_tier(layout: Layout) -> None:
+    """A bucket's local tier opened as a store of its own would fill a store nobody reads, and
+    its next publish would name shards the bucket never got.
 
     Raises:
-        ConfigError: ``url`` is not an ``s3://`` URL.
-        StoreError: the bucket cannot be read.
+        ConfigError: ``layout`` is a tier (its mark, or the catalog.version file tiers keep).
     """
-    store = store_at(url).remote
-    if not isinstance(store, BucketStore):
-        raise ConfigError(f"{url!r} is not a bucket store; write s3://bucket/prefix")
-    return store
+    mark = layout.root / TIER_MARK
+    if not (mark.is_file() or (layout.root / "catalog.version").is_file()):
+        return
+    try:
+        url = str(json.loads(mark.read_text())["url"])
+    except (OSError, ValueError, KeyError, TypeError):
+        url = "s3://bucket/prefix"
+    raise ConfigError(
+        f"{layout.root} is the local tier of the bucket store {url}, not a store of its own; "
+        f"use --cache {url} (with --local-cache pointing above this folder)"
+    )
+
+
+def _require_directory(layout: Layout) -> None:
+    if not layout.root.is_dir():
+        raise StoreError(
+            f"there is no featbake store at {layout.root}; point --cache (or $FEATBAKE_CACHE) at "
+            "one, or create it with `featbake build`"
+        )
+
+
+def _require_catalog(layout: Layout) -> None:
+    if layout.catalog.exists():
+        return
+    if sealed_fragments(layout):
+        raise StoreError(
+            f"the store {describe(layout)} holds only unmerged build fragments; run `featbake "
+            "merge` once every part of the build is done"
+        )
+    if layout.remote is not None:
+        raise StoreError(
+            f"the store {describe(layout)} has no published catalog yet; build into it "
+            "(`featbake build --cache URL`), or run `featbake merge --cache URL` after a build "
+            "in parts"
+        )
+    raise StoreError(
+        f"the store {layout.root} has no catalog.sqlite; run `featbake verify --repair` to "
+        "rebuild it from the shards and root manifests"
+    )
 
 
 def describe(layout: Layout) -> str:
@@ -94,62 +164,20 @@ def describe(layout: Layout) -> str:
     return str(layout.remote) if layout.remote is not None else str(layout.root)
 
 
-def store_layout(cache: StoreRef) -> Layout:
-    """The layout of an existing store (a :class:`Layout` given stays as it is).
-
-    Raises:
-        StoreError: there is no store there.
-    """
-    layout = store_at(cache)
-    if layout.remote is not None:
-        return layout
-    if not layout.root.is_dir():
-        raise StoreError(
-            f"there is no featbake store at {layout.root}; point --cache (or $FEATBAKE_CACHE) at "
-            "one, or create it with `featbake build`"
-        )
-    return layout
-
-
-def open_catalog(cache: StoreRef) -> tuple[Layout, Catalog]:
+def open_catalog(ref: StoreRef, **place: Any) -> tuple[Layout, Catalog]:
     """Layout and catalog of an existing store, without creating a catalog that is missing.
 
     The catalog is a context manager: ``with open_catalog(cache)[1] as catalog: ...``.
+    ``place`` takes :func:`open_store`'s ``local_cache`` and ``local_cache_size``.
 
     Raises:
         StoreError: no store, or its catalog is missing or unreadable (the message says to run
             ``featbake verify --repair``).
     """
-    layout = existing_catalog_layout(cache)
+    layout = open_store(ref, need=Need.CATALOG, **place)
     catalog = Catalog(layout)
     catalog.conn  # noqa: B018  (open now: a damaged catalog fails here, with its message)
     return layout, catalog
-
-
-def existing_catalog_layout(cache: StoreRef) -> Layout:
-    """The layout of an existing store that has a catalog.
-
-    Raises:
-        StoreError: no store, or no catalog.sqlite in it.
-    """
-    layout = store_layout(cache)
-    if not layout.catalog.exists() and sealed_fragments(layout):
-        raise StoreError(
-            f"the store {layout.root} holds only unmerged build fragments; run `featbake merge` "
-            "once every part of the build is done"
-        )
-    if not layout.catalog.exists() and layout.remote is not None:
-        raise StoreError(
-            f"the store {describe(layout)} has no published catalog yet; build into it "
-            "(`featbake build --cache URL`), or run `featbake merge --cache URL` after a build "
-            "in parts"
-        )
-    if not layout.catalog.exists():
-        raise StoreError(
-            f"the store {layout.root} has no catalog.sqlite; run `featbake verify --repair` to "
-            "rebuild it from the shards and root manifests"
-        )
-    return layout
 
 
 def resolve_root(catalog: Catalog, name: str) -> Root:

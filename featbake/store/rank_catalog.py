@@ -9,12 +9,14 @@ its fragments (store/fragments.py) for ``featbake merge``.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterable, Sequence
 
 from featbake.errors import StoreError
 from featbake.store.catalog import Catalog, FileStat, HashCacheRow, HashEntry, RootSpec
+from featbake.store.fidelity import Measured
 from featbake.store.fragments import (
     BuildInfo,
     FragmentKind,
@@ -65,6 +67,7 @@ class RankCatalog:
         self._items: list[ManifestItem] = []
         self._hashes: dict[str, HashCacheRow] = {}
         self._pending: list[SealedShard] = []
+        self._fidelity = ""  # what an int8/fp8 rank measured, for its done fragment
         self._lock = threading.Lock()
 
     # -- reads: the catalog as it is (read-only), plus this build's own sealed fragments ------
@@ -124,6 +127,11 @@ class RankCatalog:
             if self._pending:
                 self._seal(FragmentKind.PART)
 
+    def hold_fidelity(self, measured: Measured, bound: float | None) -> None:
+        """Hold what this rank measured of an int8/fp8 build for its ``done`` fragment: the
+        merge pools every rank's sums into the root's record (store/fidelity.py)."""
+        self._fidelity = json.dumps({"measured": measured.to_json(), "bound": bound})
+
     def finish(self) -> str | None:
         """Seal the ``done`` fragment: the rest, the manifest slice, the hash rows. Its path."""
         if self.info is None:
@@ -142,6 +150,7 @@ class RankCatalog:
             self._pending,
             self._items if done else (),
             list(self._hashes.values()) if done else (),
+            fidelity=self._fidelity if done else "",
         )
         self._pending = []
         self.fragments.append(path.name)

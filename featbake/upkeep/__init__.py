@@ -9,6 +9,8 @@ The modules, named for the command they serve:
 - ``verify_scan`` (over ``verify_checks``) -> ``verify_repair`` (over ``verify_catalog``):
   ``scan_store`` finds, ``repair`` fixes, ``verify`` scans and, asked to, repairs;
   ``verify_findings`` holds their typed records and states.
+- ``gc_bucket`` and ``verify_bucket``: the same commands on a bucket store (``verify`` takes
+  either kind of store and checks a bucket's own objects; ``plan_gc`` refuses a bucket URL).
 - ``files``: what all three share: listing the store folder safely (regular files only),
   quarantine, refusing a folder that is not a store, reading root manifests safely.
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 from featbake.upkeep.files import LooseFile
 from featbake.upkeep.gc import CRASH_ENV, CRASH_POINTS, GcResult, execute_gc
+from featbake.upkeep.gc_bucket import BucketGcResult, gc_bucket
 from featbake.upkeep.gc_plan import (
     DEFAULT_COMPACT_BELOW,
     DEFAULT_GRACE_S,
@@ -66,6 +69,7 @@ __all__ = [
     "VERIFY_CLEAN",
     "VERIFY_DAMAGED",
     "VERIFY_REPAIRED",
+    "BucketGcResult",
     "CatalogHealth",
     "CatalogState",
     "DropReason",
@@ -86,6 +90,7 @@ __all__ = [
     "check_shard",
     "drop_root",
     "execute_gc",
+    "gc_bucket",
     "list_roots",
     "plan_gc",
     "repair",

@@ -11,11 +11,12 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from featbake.errors import StoreCorrupt, StoreError
 from featbake.store.catalog import Root, RootItem, read_root_file
 from featbake.store.layout import Layout
-from featbake.store.open import store_layout
+from featbake.store.open import Need, StoreRef, open_store
 
 
 @dataclass(frozen=True)
@@ -81,16 +82,17 @@ def looks_like_store(layout: Layout) -> bool:
     )
 
 
-def existing_store(store: Layout | str | os.PathLike[str] | None) -> Layout:
-    """The layout of the store at ``store`` (a :class:`Layout` is taken as it is).
+def existing_store(store: StoreRef, **place: Any) -> Layout:
+    """The layout of the store at ``store`` (a :class:`Layout` is taken as it is); ``place``
+    takes :func:`~featbake.store.open.open_store`'s ``local_cache`` and ``local_cache_size``.
 
     Raises:
         StoreError: no folder there, or nothing of a store in it (``--cache`` pointing at the
             wrong place): verify would report it "damaged" and repair would turn someone's
             folder into a store.
     """
-    layout = store if isinstance(store, Layout) else store_layout(store)
-    if not looks_like_store(layout):
+    layout = open_store(store, need=Need.STORE, **place)
+    if layout.remote is None and not looks_like_store(layout):
         raise StoreError(
             f"{layout.root} is not a featbake store (no catalog.sqlite, shards/ or roots/); "
             "point --cache (or $FEATBAKE_CACHE) at a store"

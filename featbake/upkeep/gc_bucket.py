@@ -21,6 +21,7 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
+from featbake.errors import ConfigError
 from featbake.store.fragments import fragment_shard_names
 from featbake.store.layout import Layout
 from featbake.store.remote.publish import Change, publish_next
@@ -47,7 +48,7 @@ class BucketGcResult:
 
 
 def gc_bucket(
-    store: BucketStore,
+    target: BucketStore | Layout,
     options: GcOptions | None = None,
     *,
     retention: float = DEFAULT_RETENTION_S,
@@ -59,6 +60,7 @@ def gc_bucket(
     Raises:
         StoreError: the bucket cannot be read or written.
     """
+    store = target if isinstance(target, BucketStore) else bucket_of(target)
     now = time.time() if now is None else now
     opts = dataclasses.replace(options or GcOptions(), compact_below=0.0, merge_small=False)
     result = BucketGcResult()
@@ -66,6 +68,7 @@ def gc_bucket(
     def collect(work: Layout) -> Change[GcPlan]:
         plan = plan_gc(work, opts, now=now)
         if dry_run or plan.nothing_to_do:
+            result.catalog = planned_result(plan)  # what the run would do, said by a dry run
             return Change(plan, False)
         result.catalog = execute_gc(plan)
         return Change(plan, True)
@@ -83,14 +86,41 @@ def gc_bucket(
     return result
 
 
+def bucket_of(layout: Layout) -> BucketStore:
+    """The bucket store ``layout`` is the tier of.
+
+    Raises:
+        ConfigError: ``layout`` is a local store.
+    """
+    if not isinstance(layout.remote, BucketStore):
+        raise ConfigError(f"{layout.root} is not a bucket store; gc it with plan_gc/execute_gc")
+    return layout.remote
+
+
+def planned_result(plan: GcPlan) -> GcResult:
+    """What executing ``plan`` would report (a dry run's numbers are the run's)."""
+    s = plan.summary()
+    return GcResult(
+        roots_dropped=[d.name for d in plan.drop_roots],
+        rows_deleted=int(s["unreached_features"]) + int(s["evicted_features"]),
+    )
+
+
 def plan_sweep(store: BucketStore, now: float, retention: float) -> Sweep:
-    """The sweep: listings of the bucket, and the shard names of every kept version."""
+    """The sweep: listings of the bucket, and the shard names of every kept version.
+
+    The order is what makes it safe beside a merge: shards are listed first, then fragments,
+    then catalog versions. A shard in the first listing is named by a fragment still pending
+    or, once a merge folded that fragment, by a version published before the last listing; a
+    shard uploaded after the first listing is not in it, so is never deleted.
+    """
+    shards = store.bucket.list(SHARDS)
+    store.sync_fragments()
+    pending = fragment_shard_names(store.layout)
     versions = store.bucket.list(PREFIX)
     keep = kept_versions(versions, now, retention)
     named_by = {n: _shard_names(store, n) for n in keep}
-    store.sync_fragments()
-    pending = fragment_shard_names(store.layout)
-    return sweep(versions, store.bucket.list(SHARDS), named_by, pending, now, retention)
+    return sweep(versions, shards, named_by, pending, now, retention)
 
 
 def _shard_names(store: BucketStore, version: int) -> set[str]:

@@ -184,8 +184,17 @@ def plan_gc(
     opts = options or GcOptions()
     now = time.time() if now is None else now
     layout, catalog = open_catalog(cache)
+    if layout.remote is not None and not isinstance(cache, Layout):
+        catalog.close()
+        raise ConfigError(
+            f"{layout.remote} is a bucket store: its gc publishes a new catalog version and "
+            "sweeps objects; run featbake.upkeep.gc_bucket(...) or `featbake gc --cache URL`"
+        )
     with closing(catalog):
         roots = catalog.roots()
+        if opts.older_than is not None:  # a root a dataset reads is in use (features' last use)
+            stale = now - opts.older_than
+            roots = [catalog.with_reads(r) if r.last_used < stale else r for r in roots]
         drops = roots_to_drop(layout, roots, opts, now, set(drop))
         unreached, reached = _reach(catalog, roots, {d.name for d in drops}, opts)
         shard_rows = catalog.shard_rows()

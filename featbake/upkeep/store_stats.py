@@ -83,11 +83,10 @@ class TierStats:
     @classmethod
     def of(cls, layout: Layout) -> TierStats | None:
         """The tier ``layout`` is, or None for a local store."""
-        if not isinstance(layout.remote, BucketStore):
+        if layout.remote is None:
             return None
-        tier = layout.remote.tier
-        version = layout.remote.local_version()
-        return cls(str(layout.root), version, tier.used_bytes(), tier.budget)
+        usage = layout.remote.tier_usage()
+        return cls(str(layout.root), usage.version, usage.bytes, usage.budget)
 
 
 @dataclass(frozen=True)

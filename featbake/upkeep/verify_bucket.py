@@ -1,77 +1,115 @@
-"""``featbake verify`` on a bucket store: every shard the newest catalog version names is in
-the bucket and its bytes pass their checksums.
+"""``featbake verify`` on a bucket store: the bucket's own objects, checked from any node.
 
-Each shard is fetched through the store's local tier, which checks every tensor's CRC before
-it keeps a file (and fetches once more before it calls an object damaged), so a verify also
-warms the tier, within its budget. Repair is not done on a bucket: a damaged or missing shard
-is reported with what to do (delete the object, build again: a build encodes what a missing
-shard held).
+Every shard the newest catalog version names must be an object in the bucket whose bytes hash to
+its name and pass their header and checksums. Each object is downloaded into the tier's
+``tmp/verify/`` (one at a time, deleted after its check), never read from the tier's copy: a
+tier holding a good copy of a shard says nothing about the object other nodes fetch. Shard
+objects no kept version names are a note (gc removes them after ``--retention``). Repair is not
+done on a bucket: the report names each damaged or missing object and what to do (delete it,
+build again: a build encodes what a missing shard held).
 """
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
-from featbake.errors import StoreCorrupt
-from featbake.store.remote.store import SHARDS, BucketStore, catalog_shards
+from featbake.errors import ConfigError
+from featbake.progress import GcProgress
+from featbake.store.layout import Layout, RemotePlace
+from featbake.store.open import describe
+from featbake.store.remote.store import catalog_shards
+from featbake.upkeep.verify_checks import check_shard
+from featbake.upkeep.verify_findings import Finding, FindingKind, VerifyReport, VerifyStatus
 
-#: verify's exit code when damage remains (as ``featbake verify`` without --repair).
-DAMAGE_EXIT = 11
-
-
-@dataclass
-class BucketVerifyReport:
-    """What verify found in a bucket store: shards checked, and those missing or damaged."""
-
-    version: int = 0
-    shards_checked: int = 0
-    bytes_checked: int = 0
-    missing: list[str] = field(default_factory=list)
-    damaged: list[str] = field(default_factory=list)
-    unnamed: int = 0  # shard objects no version names (gc removes them after --retention)
-    seconds: float = 0.0
-
-    @property
-    def clean(self) -> bool:
-        return not (self.missing or self.damaged)
-
-    @property
-    def exit_code(self) -> int:
-        return 0 if self.clean else DAMAGE_EXIT
-
-    def to_json(self) -> dict:
-        return {**asdict(self), "status": "clean" if self.clean else "damaged"}
+Progress = Callable[[GcProgress], None] | None
 
 
-def verify_bucket(
-    store: BucketStore, progress: Callable[[int, int], None] | None = None
-) -> BucketVerifyReport:
-    """Check every shard the newest version names (see the module docstring).
+def refuse_bucket_repair(layout: Layout) -> None:
+    """Raise: ``verify --repair`` is built for a local store only.
+
+    Raises:
+        ConfigError: always, with what to do instead.
+    """
+    raise ConfigError(
+        f"--repair is not built for a bucket store ({describe(layout)}); run `featbake verify "
+        "--cache URL` to list damaged or missing shard objects, delete a damaged object, then "
+        "build again (a build encodes again what a missing shard held)"
+    )
+
+
+def verify_bucket(layout: Layout, progress: Progress = None) -> VerifyReport:
+    """Check every shard object the newest version names (see the module docstring).
 
     Raises:
         StoreError: the bucket cannot be read.
     """
+    place = layout.remote
+    if place is None:
+        raise ConfigError(f"{layout.root} is not a bucket store")
     t0 = time.perf_counter()
-    report = BucketVerifyReport(version=store.local_version())
-    named = set(catalog_shards(store.layout.catalog))
-    listed = {
-        o.name.rsplit("/", 1)[-1].removesuffix(".safetensors"): o for o in store.bucket.list(SHARDS)
-    }
-    report.unnamed = len(set(listed) - named)
-    for i, name in enumerate(sorted(named)):
-        obj = listed.get(name)
-        if obj is None:
-            report.missing.append(name)
-        else:
-            try:
-                store.fetch_shard(name)
+    named = catalog_shards(layout.catalog)
+    listed = place.shard_objects()
+    report = VerifyReport(describe(layout), VerifyStatus.CLEAN, 0, 0, [])
+    scratch = layout.tmp / "verify"
+    try:
+        for i, name in enumerate(sorted(named)):
+            finding = _check_object(place, scratch, name, name in listed)
+            if finding is None:
                 report.shards_checked += 1
-                report.bytes_checked += obj.size
-            except StoreCorrupt:
-                report.damaged.append(name)
-        if progress:
-            progress(i + 1, len(named))
+                report.bytes_checked += listed[name]
+            else:
+                report.findings.append(finding)
+            if progress:
+                progress(GcProgress("verify", i + 1, len(named)))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    unnamed = sorted(set(listed) - set(named))
+    if unnamed:
+        report.findings.append(
+            Finding(
+                FindingKind.ORPHAN_SHARD,
+                f"{len(unnamed)} shard objects",
+                "no catalog version names them; gc deletes them once older than --retention",
+                False,
+            )
+        )
+    report.remaining = [f for f in report.findings if f.damage]
+    report.status = VerifyStatus.DAMAGED if report.remaining else VerifyStatus.CLEAN
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _check_object(place: RemotePlace, scratch: Path, name: str, listed: bool) -> Finding | None:
+    """The finding for shard object ``name`` (None when it is sound)."""
+    where = place.shard_where(name)
+    if not listed:
+        return Finding(
+            FindingKind.MISSING_SHARD,
+            where,
+            "the catalog names it, the bucket has no such object; build again to encode what "
+            "it held",
+            True,
+        )
+    path = scratch / name[:2] / f"{name}.safetensors"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        place.download_shard(name, path)
+    except FileNotFoundError:
+        return Finding(FindingKind.MISSING_SHARD, where, "deleted while verify ran", True)
+    try:
+        check = check_shard(path)
+    finally:
+        with contextlib.suppress(OSError):
+            path.unlink()
+    if check.sound:
+        return None
+    return Finding(
+        FindingKind.CORRUPT_SHARD,
+        where,
+        f"{check.problem}; delete this object, then build again (a build encodes what it held)",
+        True,
+    )

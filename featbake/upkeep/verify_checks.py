@@ -11,13 +11,13 @@ shard, shards no row names) and against ``roots/*.json`` (each root's manifest f
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import stat
 from pathlib import Path
 
 from featbake.errors import StoreCorrupt, StoreError
+from featbake.keys import sha256_file
 from featbake.store.catalog import Catalog, Root, ShardRow, root_file, roots_dir, tombstone_file
 from featbake.store.catalog.upkeep_queries import feature_rows
 from featbake.store.fragments import fragment_shard_names
@@ -40,12 +40,6 @@ HOSTILE_HEADER_ERRORS = (
     RuntimeError,
     OverflowError,
 )
-
-
-def sha256_file(path: Path) -> str:
-    """SHA-256 of a file's bytes, streamed."""
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def header_problem(info: TensorInfo, file_bytes: int) -> str | None:

@@ -51,16 +51,19 @@ from pathlib import Path
 from typing import NamedTuple
 
 from featbake.errors import StoreCorrupt, StoreError
+from featbake.keys import sha256_file
 from featbake.progress import GcProgress
 from featbake.store.catalog import Catalog
 from featbake.store.layout import Layout
 from featbake.store.locks import exclusive_write_lock
+from featbake.store.open import StoreRef
 from featbake.store.reader import ShardReader
 from featbake.store.shard_format import split_tensor_name, tensor_name
 from featbake.store.writer import SealedShard, write_shard
 from featbake.upkeep.files import existing_store, quarantine
+from featbake.upkeep.verify_bucket import refuse_bucket_repair, verify_bucket
 from featbake.upkeep.verify_catalog import rebuild_catalog, repair_catalog, repair_hash_cache
-from featbake.upkeep.verify_checks import HOSTILE_HEADER_ERRORS, sha256_file
+from featbake.upkeep.verify_checks import HOSTILE_HEADER_ERRORS
 from featbake.upkeep.verify_findings import (
     CatalogState,
     FindingKind,
@@ -78,14 +81,20 @@ STAGING_SUFFIX = ".renaming"
 
 
 def verify(
-    cache: str | os.PathLike[str] | None = None,
+    cache: StoreRef = None,
     *,
     repair_damage: bool = False,
     progress: Progress = None,
+    local_cache: str | os.PathLike[str] | None = None,
+    local_cache_size: int | str | None = None,
 ) -> VerifyReport:
     """Check a store (and with ``repair_damage`` fix it); ``report.exit_code`` is 0, 10 or 11.
 
+    A bucket store (``s3://...``) is checked object by object, from any node, whatever this
+    node's tier holds (:mod:`featbake.upkeep.verify_bucket`); it is never repaired.
+
     Raises:
+        ConfigError: ``repair_damage`` on a bucket store.
         StoreError: no store there, a folder that is not a store, or (with ``repair_damage``) a
             writer keeps sealing shards into it.
 
@@ -94,7 +103,11 @@ def verify(
         >>> report.status  # "clean", "repaired" or "damaged"  # doctest: +SKIP
     """
     t0 = time.perf_counter()
-    layout = existing_store(cache)
+    layout = existing_store(cache, local_cache=local_cache, local_cache_size=local_cache_size)
+    if layout.remote is not None:
+        if repair_damage:
+            refuse_bucket_repair(layout)
+        return verify_bucket(layout, progress)
     if repair_damage:
         return repair(layout, progress)
     scan = scan_store(layout, progress)

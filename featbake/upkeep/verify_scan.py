@@ -19,7 +19,6 @@ loop or an unreadable file is skipped (a reader would hash it again anyway).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import sqlite3
 import stat
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from featbake.errors import StoreError
+from featbake.keys import sha256_file
 from featbake.progress import GcProgress
 from featbake.store.catalog import Catalog, FileStat, HashCacheRow
 from featbake.store.catalog.upkeep_queries import (
@@ -202,12 +202,12 @@ def _sha256_of_regular_file(path: str) -> tuple[str, int] | None:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
-    with os.fdopen(fd, "rb", buffering=0) as f:
+    with os.fdopen(fd, "rb", buffering=0):  # closes fd
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 return None
-            return hashlib.file_digest(f, "sha256").hexdigest(), st.st_size
+            return sha256_file(fd), st.st_size
         except OSError:
             return None
 

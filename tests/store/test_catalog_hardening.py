@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from featbake.bake.pipeline import build
-from featbake.encode.encoders import load_encoder
 from featbake.encode.fingerprints import cached_file_encoder_fp, encoder_fingerprint, hash_inputs
+from featbake.encode.loaders import load_encoder
 from featbake.errors import StoreError
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.store.catalog import SCHEMA_VERSION, Access, Catalog, FileStat, HashRow, RootSpec

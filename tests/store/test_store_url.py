@@ -11,7 +11,7 @@ import torch
 from featbake.errors import ConfigError
 from featbake.serve.cached_encoder import CachedEncoder
 from featbake.serve.dataset import CachedFeatureDataset
-from featbake.store.open import store_at
+from featbake.store.open import open_store
 from featbake.store.remote.url import BucketURL
 from tests.conftest import run_cli
 
@@ -28,7 +28,7 @@ def test_an_s3_url_names_a_bucket_and_a_prefix(url: str, bucket: str, prefix: st
 @pytest.mark.parametrize("url", ["gs://b/p", "https://host/store", "az://c/p"])
 def test_a_url_of_another_scheme_is_refused_and_not_read_as_a_folder(url: str) -> None:
     with pytest.raises(ConfigError, match=r"speak S3.*s3://"):
-        store_at(url)
+        open_store(url)
     assert not Path(url.split(":")[0] + ":").exists()
 
 

@@ -74,6 +74,9 @@ def test_older_than_drops_only_stale_roots(
     fresh = bake(audio_dir, other, store_dir)
     with sqlite3.connect(store_dir / "catalog.sqlite") as c:
         c.execute("UPDATE roots SET last_used=? WHERE name=?", (time.time() - 40 * DAY, stale.root))
+        # Its features were last read then too (a read counts as use of the root).
+        stale_keys = "SELECT key FROM root_items WHERE root=?"
+        c.execute(f"UPDATE features SET last_used=0 WHERE key IN ({stale_keys})", (stale.root,))
 
     plan = plan_gc(store_dir, GcOptions(older_than=30 * DAY))
     assert [d.name for d in plan.drop_roots] == [stale.root]
@@ -134,6 +137,11 @@ def _pristine(tmp_path: Path, encoder_file: Path, audio_dir: Path) -> tuple[Path
         conn.execute(
             "UPDATE roots SET last_used=? WHERE name IN (?, ?)",
             (time.time() - 40 * DAY, a.root, d.root),
+        )
+        conn.execute(  # nor read since (a read counts as use of the root)
+            "UPDATE features SET last_used=0 WHERE key IN "
+            "(SELECT key FROM root_items WHERE root IN (?, ?))",
+            (a.root, d.root),
         )
     layout = Layout(store)
     write_shard(layout, {"f" * 64: torch.zeros(10)}, "e" * 64, "r" * 64)  # never cataloged

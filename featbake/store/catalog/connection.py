@@ -91,18 +91,23 @@ class Access(StrEnum):
     IMMUTABLE = "immutable"  # immutable=1: a directory nobody can write, read as a snapshot
 
 
+def read_only_forced() -> bool:
+    """Whether ``$FEATBAKE_READ_ONLY`` says this process must not write to any store."""
+    return os.environ.get(READ_ONLY_ENV, "") not in ("", "0")
+
+
 def access_for(layout: Layout, *, read_only: bool = False) -> Access:
     """How this process can open ``layout``'s catalog (root ignores permission bits, not mounts)."""
     path = layout.catalog
-    forced = read_only or os.environ.get(READ_ONLY_ENV, "") not in ("", "0")
+    forced = read_only or read_only_forced()
     file_ok = os.access(path, os.W_OK) or not path.exists()
     dir_ok = os.access(path.parent, os.W_OK | os.X_OK) or not path.parent.exists()
     if not forced and file_ok and dir_ok:
         return Access.READ_WRITE
-    return _read_only_access(path)
+    return read_only_access(path)
 
 
-def _read_only_access(path: Path) -> Access:
+def read_only_access(path: Path) -> Access:
     """``mode=ro`` where SQLite can use a ``-shm`` file beside ``path``, else ``immutable=1``."""
     wal_files = all(os.path.exists(f"{path}{s}") for s in ("-wal", "-shm"))
     if os.access(path.parent, os.W_OK | os.X_OK) or wal_files:
@@ -110,10 +115,26 @@ def _read_only_access(path: Path) -> Access:
     return Access.IMMUTABLE
 
 
-def read_only_uri(path: Path) -> str:
-    """The URI that opens the SQLite file at ``path`` read-only, on a read-only mount too."""
-    flag = "immutable=1" if _read_only_access(path) is Access.IMMUTABLE else "mode=ro"
-    return f"file:{urllib.parse.quote(str(path.absolute()))}?{flag}"
+def _uri(path: Path, access: Access) -> str:
+    """``file:`` URI of ``path`` for a read-only ``access``, quoted (a ``?`` or ``#`` in a folder
+    name would otherwise end the path)."""
+    flag = "mode=ro&immutable=1" if access is Access.IMMUTABLE else "mode=ro"
+    return f"file:{urllib.parse.quote(str(Path(path).absolute()))}?{flag}"
+
+
+def open_sqlite(
+    path: Path | str, access: Access = Access.READ_WRITE, *, timeout: float = 5.0
+) -> sqlite3.Connection:
+    """A connection to the SQLite file at ``path``: the one place featbake connects.
+
+    ``Access.READ_ONLY`` sees other writers' commits; ``Access.IMMUTABLE`` reads a file nobody
+    changes (a sealed fragment, a downloaded catalog version) with no lock at all.
+    """
+    if access is Access.READ_WRITE:
+        return sqlite3.connect(path, timeout=timeout, isolation_level=None)
+    return sqlite3.connect(
+        _uri(Path(path), access), uri=True, timeout=timeout, isolation_level=None
+    )
 
 
 class Transaction:
@@ -238,11 +259,7 @@ class CatalogConnection:
     def _open(self) -> sqlite3.Connection:
         if self.access is Access.READ_WRITE:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            conn = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None)
-        else:
-            flag = "immutable=1" if self.access is Access.IMMUTABLE else "mode=ro"
-            uri = f"file:{urllib.parse.quote(str(self.path.absolute()))}?{flag}"
-            conn = sqlite3.connect(uri, uri=True, timeout=self.timeout, isolation_level=None)
+        conn = open_sqlite(self.path, self.access, timeout=self.timeout)
         conn.execute(f"PRAGMA busy_timeout={int(self.timeout * 1000)}")
         if self.fragment is not None and self.access is Access.READ_WRITE:
             # One writer, a file no one sees until it is fsynced and renamed: no journal needed.

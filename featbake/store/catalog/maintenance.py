@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from featbake.store.catalog.connection import CatalogConnection, read_only_uri
+from featbake.store.catalog.connection import CatalogConnection, open_sqlite, read_only_access
 from featbake.store.catalog.feature_rows import ShardSize, insert_shard
 from featbake.store.catalog.roots import ITEMS_SELECT, ROOT_SELECT, write_root_rows
 from featbake.store.catalog.rows import (
@@ -142,6 +142,17 @@ class UpkeepRows(CatalogConnection):
                 before = c.total_changes
                 c.executemany(sql, [(r.key, r.part, r.shard_id) for r in refs[i : i + 5000]])
                 done += c.total_changes - before
+        return done
+
+    def forget_keys(self, keys: Sequence[str]) -> int:
+        """Delete every row of these keys (a build replacing features it stored inexactly, see
+        bake/redo.py); their shards' bytes stay until gc finds them unreferenced."""
+        done = 0
+        for i in range(0, len(keys), 500):
+            chunk = list(keys[i : i + 500])
+            with self.transaction() as c:
+                q = ",".join("?" * len(chunk))
+                done += c.execute(f"DELETE FROM features WHERE key IN ({q})", chunk).rowcount
         return done
 
     def unlink_shard_file(self, name: str) -> int:
@@ -292,7 +303,7 @@ def read_old_catalog(path: Path) -> OldCatalog:
     """
     out = OldCatalog()
     try:
-        conn = sqlite3.connect(read_only_uri(path), uri=True, timeout=5)
+        conn = open_sqlite(path, read_only_access(path))
     except sqlite3.Error:
         return out
     conn.text_factory = lambda b: b.decode("utf-8", "replace")  # damaged pages hold any bytes

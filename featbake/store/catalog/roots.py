@@ -7,6 +7,7 @@ transaction as its manifest file, so two builds of one root cannot leave them di
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import time
@@ -18,7 +19,13 @@ from featbake.errors import StoreCorrupt, StoreError
 from featbake.store.catalog.connection import CatalogConnection, Transaction
 from featbake.store.catalog.rows import Root, RootItem, RootSpec, columns
 from featbake.store.fidelity import fidelity_file
-from featbake.store.layout import Layout, fsync_dir
+from featbake.store.layout import Layout, checked_root_name, fsync_dir
+
+#: The latest last use of a root's features. Serving records use per feature (coarsely, see
+#: serve/lastuse.py), never per root: this is how a root a dataset reads counts as used.
+ROOT_READ_SELECT = (
+    "SELECT max(f.last_used) FROM root_items ri JOIN features f ON f.key = ri.key WHERE ri.root=?"
+)
 
 ROOT_FORMAT = "featbake-root"
 ROOT_FORMAT_VERSION = 1
@@ -32,7 +39,7 @@ def roots_dir(layout: Layout) -> Path:
 
 
 def root_file(layout: Layout, name: str) -> Path:
-    return roots_dir(layout) / f"{name}.json"
+    return roots_dir(layout) / f"{checked_root_name(name)}.json"
 
 
 def items_file(layout: Layout, name: str) -> Path:
@@ -40,12 +47,12 @@ def items_file(layout: Layout, name: str) -> Path:
     whole (one ``[path, key]`` JSON array per line), so that extending a root costs what is
     added, not the whole manifest. Read with the manifest; gone when the file is written whole.
     """
-    return roots_dir(layout) / f"{name}.items"
+    return roots_dir(layout) / f"{checked_root_name(name)}.items"
 
 
 def tombstone_file(layout: Layout, name: str) -> Path:
     """Left by a root drop while it runs; a crash leaves it for gc to finish the drop."""
-    return roots_dir(layout) / f"{name}.dropped"
+    return roots_dir(layout) / f"{checked_root_name(name)}.dropped"
 
 
 def root_payload(root: Root, items: Sequence[tuple[str, str]]) -> dict:
@@ -215,6 +222,15 @@ class RootRows(CatalogConnection):
         """A root's manifest: (relative path, key) in file order."""
         return [RootItem._make(r) for r in self.conn.execute(ITEMS_SELECT, (name,))]
 
+    def with_reads(self, root: Root) -> Root:
+        """``root`` with ``last_used`` the later of its build (or publish) and the last read
+        of any of its features, so ``gc --older-than`` keeps a root a dataset reads.
+
+        A feature several roots name counts for each (a read of it is a use of them all).
+        """
+        read = self.conn.execute(ROOT_READ_SELECT, (root.name,)).fetchone()[0] or 0.0
+        return dataclasses.replace(root, last_used=max(root.last_used, read))
+
     # -- publishing ----------------------------------------------------------------------------
 
     def replace_root(
@@ -287,14 +303,18 @@ class RootRows(CatalogConnection):
         (``roots/<name>.dropped``), then the rows go; after COMMIT the tombstone is unlinked. A
         crash leaves either the root intact with a tombstone beside it (gc finishes the drop) or
         no root and a tombstone (gc unlinks it); never a root whose manifest file is lost.
-        ``unused_before`` drops it only if it was not built or used since then (a build that
-        refreshed it meanwhile wins). ``between`` is a test hook called between the steps.
+        ``unused_before`` drops it only if it was not built or read since then (a build that
+        refreshed it, or a dataset that read its features, meanwhile wins). ``between`` is a
+        test hook called between the steps.
         """
         live, dead = root_file(self.layout, name), tombstone_file(self.layout, name)
         with self.transaction() as c:
             row = c.execute("SELECT last_used FROM roots WHERE name=?", (name,)).fetchone()
             if row is None or (unused_before is not None and row[0] >= unused_before):
                 return False
+            read = c.execute(ROOT_READ_SELECT, (name,)).fetchone()[0] or 0.0
+            if unused_before is not None and read >= unused_before:
+                return False  # read since the plan: still in use
             if live.exists():
                 os.replace(live, dead)
                 fsync_dir(live.parent)

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from featbake.store.catalog import Catalog, EncoderRow, Root
-from featbake.store.catalog.connection import read_only_uri
+from featbake.store.catalog.connection import open_sqlite, read_only_access
 from featbake.store.catalog.rows import ENCODER_FP_PREFIX, FeatureRow, HashCacheRow
 
 #: Every table the catalog needs and the columns upkeep and the catalog read from it (checked
@@ -50,7 +50,7 @@ def catalog_file_problems(path: Path) -> list[str]:
     query on it that would fail halfway.
     """
     try:
-        conn = sqlite3.connect(read_only_uri(path), uri=True, timeout=10)
+        conn = open_sqlite(path, read_only_access(path), timeout=10)
     except sqlite3.Error as e:
         return [f"unreadable: {e}"]
     conn.text_factory = lambda b: b.decode("utf-8", "replace")  # damaged pages hold any bytes

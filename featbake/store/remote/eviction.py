@@ -46,5 +46,5 @@ def evictions(files: Sequence[TierFile], budget: int, incoming: int) -> list[Tie
         f"the local cache's budget ({format_bytes(budget)}) cannot hold a "
         f"{format_bytes(incoming)} shard beside {format_bytes(pinned)} being downloaded; "
         "raise local_cache_size (--local-cache-size, $FEATBAKE_LOCAL_CACHE_SIZE) to at least "
-        "4x the largest shard, or build with smaller shards (--shard-bytes)"
+        "4x the largest shard, or build with smaller shards (--shard-size)"
     )

@@ -28,12 +28,19 @@ from typing import Any, NamedTuple, TypeVar
 
 from featbake.errors import ConfigError, StoreError
 from featbake.perprocess import PerProcess
-from featbake.store.remote.url import BucketURL
+from featbake.store.remote.url import BucketURL, endpoint, endpoint_label, redact
 
 #: Whole-object downloads cut short (a dropped connection mid-body) are tried this many times.
 DOWNLOAD_TRIES = 4
 #: Read size of a streaming download.
 CHUNK = 8 << 20
+#: Seconds to wait for a connection, and for an answer once connected
+#: (``$FEATBAKE_S3_TIMEOUT`` sets the second): a stalled endpoint is one line, never a hang.
+CONNECT_TIMEOUT_S = 10
+READ_TIMEOUT_ENV = "FEATBAKE_S3_TIMEOUT"
+READ_TIMEOUT_S = 20.0
+#: Requests botocore sends before it gives up (throttling, 5xx answers, connection errors).
+MAX_ATTEMPTS = 4
 
 
 class ObjectInfo(NamedTuple):
@@ -76,22 +83,35 @@ class Bucket:
     def _connect(self) -> Any:
         try:
             import boto3
+            from botocore import exceptions as bx
             from botocore.config import Config
         except ImportError:
             raise ConfigError(
                 f"{self.url} is a bucket store, which needs the s3 extra: "
                 "pip install 'featbake[s3]' (boto3)"
             ) from None
-        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        url = endpoint()
         config = Config(
-            retries={"max_attempts": 8, "mode": "standard"},
-            s3={"addressing_style": "path"} if endpoint else {},
-            connect_timeout=10,
-            read_timeout=60,
+            retries={"max_attempts": MAX_ATTEMPTS, "mode": "standard"},
+            s3={"addressing_style": "path"} if url else {},
+            connect_timeout=CONNECT_TIMEOUT_S,
+            read_timeout=read_timeout(),
         )
-        session = boto3.session.Session()
-        region = session.region_name or "us-east-1"
-        return session.client("s3", endpoint_url=endpoint, region_name=region, config=config)
+        try:
+            session = boto3.session.Session()
+            region = session.region_name or "us-east-1"
+            return session.client("s3", endpoint_url=url, region_name=region, config=config)
+        except bx.ProfileNotFound as e:
+            raise ConfigError(
+                f"{e} (AWS_PROFILE={os.environ.get('AWS_PROFILE', '')!r}); name a profile in "
+                "~/.aws/config, or unset AWS_PROFILE and set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY"
+            ) from None
+        except (ValueError, bx.BotoCoreError) as e:
+            raise ConfigError(
+                f"cannot make an S3 client for {self.url} at {endpoint_label()}: "
+                f"{redact(str(e))}; check AWS_ENDPOINT_URL, AWS_REGION and AWS_PROFILE"
+            ) from None
 
     @property
     def client(self) -> Any:
@@ -181,7 +201,7 @@ class Bucket:
         Raises:
             _Transient: the body ended before its ``Content-Length``.
         """
-        with self.errors(name):
+        with self.errors(name, retried=True):
             got = self.client.get_object(Bucket=self.url.bucket, Key=self.key(name), **options)
             body = got["Body"]
             try:
@@ -204,7 +224,8 @@ class Bucket:
                 last = e.__cause__ or e
                 time.sleep(0.1 * 2**attempt)
         raise StoreError(
-            f"cannot download {self.where(name)} after {DOWNLOAD_TRIES} tries ({last}); check "
+            f"cannot download {self.where(name)} after {DOWNLOAD_TRIES} tries "
+            f"({redact(str(last))}); check "
             "the network and the endpoint (AWS_ENDPOINT_URL), then run this again"
         ) from last
 
@@ -216,7 +237,7 @@ class Bucket:
     def _download_once(self, name: str, dest: Path) -> int:
         size = 0
         # Into the file as it is (its space may be reserved), cut to the object's size after.
-        with open(dest, "r+b" if dest.exists() else "wb") as f, self.errors(name):
+        with open(dest, "r+b" if dest.exists() else "wb") as f, self.errors(name, retried=True):
             got = self.client.get_object(Bucket=self.url.bucket, Key=self.key(name))
             expected = int(got["ContentLength"])
             body = got["Body"]
@@ -263,9 +284,11 @@ class Bucket:
                 )
 
     # -- errors --------------------------------------------------------------------------------
-    def errors(self, name: str) -> _Errors:
-        """A context that turns the client's exceptions into one actionable line."""
-        return _Errors(self, name)
+    def errors(self, name: str, *, retried: bool = False) -> _Errors:
+        """A context that turns the client's exceptions into one actionable line. ``retried``:
+        the caller tries again on a cut body or a read timeout (:meth:`_tried`); elsewhere
+        those are one line too."""
+        return _Errors(self, name, retried)
 
 
 class _Absent(Exception):
@@ -283,16 +306,24 @@ class _Transient(Exception):
 class _Errors:
     """Translates botocore's exceptions (see :meth:`Bucket.errors`)."""
 
-    def __init__(self, bucket: Bucket, name: str) -> None:
+    def __init__(self, bucket: Bucket, name: str, retried: bool) -> None:
         self.bucket = bucket
         self.name = name
+        self.retried = retried
 
     def __enter__(self) -> None:
         return None
 
     def __exit__(self, kind: type[BaseException] | None, e: BaseException | None, tb: Any) -> None:
         if e is not None and not isinstance(e, StoreError | ConfigError | _Transient):
-            raise_translated(self.bucket, self.name, e)
+            try:
+                raise_translated(self.bucket, self.name, e)
+            except _Transient as t:
+                if self.retried:
+                    raise
+                raise unanswered(self.bucket, self.name, t) from None
+        if isinstance(e, _Transient) and not self.retried:
+            raise unanswered(self.bucket, self.name, e) from None
 
 
 def raise_translated(bucket: Bucket, name: str, e: BaseException) -> None:
@@ -307,17 +338,22 @@ def raise_translated(bucket: Bucket, name: str, e: BaseException) -> None:
         ) from None
     if isinstance(e, bx.IncompleteReadError | bx.ResponseStreamingError | bx.ReadTimeoutError):
         raise _Transient(str(e)) from e
+    if isinstance(e, bx.ConnectTimeoutError):
+        raise StoreError(
+            f"{endpoint_label()} accepted no connection within {CONNECT_TIMEOUT_S} s for "
+            f"{bucket.where(name)}; check AWS_ENDPOINT_URL and the network"
+        ) from None
     if isinstance(e, bx.EndpointConnectionError | bx.ConnectionClosedError):
         raise StoreError(
-            f"cannot reach {_endpoint()} for {bucket.where(name)} ({e}); check "
-            "AWS_ENDPOINT_URL and the network"
+            f"cannot reach {endpoint_label()} for {bucket.where(name)} ({redact(str(e))}); "
+            "check AWS_ENDPOINT_URL and the network"
         ) from None
     if not isinstance(e, bx.ClientError):
         raise e
     code = str(e.response.get("Error", {}).get("Code", ""))
     if code == "NoSuchBucket":
         raise StoreError(
-            f"the bucket {bucket.url.bucket!r} does not exist at {_endpoint()}; create it, or "
+            f"the bucket {bucket.url.bucket!r} does not exist at {endpoint_label()}; create it, or "
             "fix the URL or AWS_ENDPOINT_URL"
         ) from None
     if code in ("404", "NoSuchKey", "NotFound"):
@@ -329,8 +365,32 @@ def raise_translated(bucket: Bucket, name: str, e: BaseException) -> None:
             f"access to {bucket.where(name)} was denied ({code}); check the credentials "
             "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY or AWS_PROFILE) and the bucket's policy"
         ) from None
-    raise StoreError(f"{bucket.where(name)}: {code or type(e).__name__}: {e}") from e
+    raise StoreError(f"{bucket.where(name)}: {code or type(e).__name__}: {redact(str(e))}") from e
 
 
-def _endpoint() -> str:
-    return os.environ.get("AWS_ENDPOINT_URL") or "AWS (no AWS_ENDPOINT_URL is set)"
+def unanswered(bucket: Bucket, name: str, e: BaseException) -> StoreError:
+    """The one line for a request whose answer never came (or came cut short) after botocore's
+    tries: a stalled endpoint must not hang a command or end it with an internal error."""
+    return StoreError(
+        f"{endpoint_label()} did not answer for {bucket.where(name)} within {read_timeout():g} s "
+        f"after {MAX_ATTEMPTS} tries ({redact(str(e.__cause__ or e))}); check the endpoint and "
+        f"the network, or raise ${READ_TIMEOUT_ENV}"
+    )
+
+
+def read_timeout() -> float:
+    """Seconds a request waits for an answer (``$FEATBAKE_S3_TIMEOUT``, default 20).
+
+    Raises:
+        ConfigError: the variable is not a positive number.
+    """
+    raw = os.environ.get(READ_TIMEOUT_ENV)
+    if not raw:
+        return READ_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise ConfigError(f"${READ_TIMEOUT_ENV} must be a number of seconds above 0, got {raw!r}")
+    return value

@@ -14,13 +14,14 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import sqlite3
 import uuid
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from featbake.errors import StoreError
+from featbake.store.catalog.connection import open_sqlite
 from featbake.store.fragments import fragments_dir, sealed_fragments
 from featbake.store.layout import Layout
 from featbake.store.merge import MergeReport, merge
@@ -28,6 +29,12 @@ from featbake.store.remote.store import FRAGMENTS, BucketStore
 from featbake.store.remote.versions import version_name
 
 T = TypeVar("T")
+
+
+class DamagedFragmentWarning(UserWarning):
+    """A build fragment in a bucket cannot be read: it was left unmerged (named, with what to
+    do), and every other build merged."""
+
 
 #: A test hook: called with the name of each step a merge finished.
 Between = Callable[[str], None] | None
@@ -100,8 +107,16 @@ def merge_bucket(store: BucketStore, *, between: Between = None) -> MergeReport:
         folding = {f.path.name for f in sealed_fragments(store.layout)}
         for name in folding:
             os.link(here / name, fragments_dir(work) / name)
-        report = merge(work, between=between)
+        report = merge(work, between=between, skip_damaged=True)
         folded = folding - {f.path.name for f in sealed_fragments(work)}
+        for name in report.damaged:
+            warnings.warn(
+                f"the build fragment {store.bucket.where(FRAGMENTS + name)} is damaged and was "
+                "not merged (everything else was); delete that object and rerun the part that "
+                "wrote it: it encodes again what the fragment named",
+                DamagedFragmentWarning,
+                stacklevel=2,
+            )
 
         def retire() -> None:
             if between:
@@ -118,7 +133,7 @@ def merge_bucket(store: BucketStore, *, between: Between = None) -> MergeReport:
 
 def _standalone(work: Layout) -> None:
     """Make the new catalog one self-contained file (no WAL beside it) before its upload."""
-    conn = sqlite3.connect(work.catalog)
+    conn = open_sqlite(work.catalog)
     try:
         conn.execute("PRAGMA journal_mode=DELETE")
     finally:

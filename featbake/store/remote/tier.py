@@ -17,11 +17,11 @@ import contextlib
 import fcntl
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 
 from featbake.errors import ConfigError, StoreCorrupt, StoreError
-from featbake.store.layout import Layout, fsync_dir, remove_file
+from featbake.store.layout import Layout, fsync_dir, is_shard_name, remove_file
 from featbake.store.reader import ShardReader, VerifyMode
 from featbake.store.remote.eviction import TierFile, evictions
 
@@ -29,6 +29,9 @@ PART = ".part"
 
 #: A shard written (or used) this recently is never evicted by :meth:`DiskTier.trim`.
 TRIM_AGE_S = 600.0
+
+#: Seconds a fetch waits for downloads in flight to leave room in the budget before it fails.
+ROOM_WAIT_S = 300.0
 
 #: Fetches of one shard whose bytes fail their checksums before the error is raised.
 CHECKED_TRIES = 2
@@ -129,29 +132,51 @@ class DiskTier:
                 )
 
     def _reserve(self, fd: int, part: Path, size: int) -> None:
-        """Evict what must go so ``size`` more bytes fit, then reserve them in ``part``."""
-        with _locked(self.downloads / "tier.lock"):
-            files = list(self._files(skip=part))
-            for f in evictions(files, self.budget, size):
-                remove_file(self._path_of(f.name))
-            with contextlib.suppress(OSError):
-                os.posix_fallocate(fd, 0, max(size, 1))
+        """Evict what must go so ``size`` more bytes fit, then reserve them in ``part``.
 
-    def trim(self, min_age: float = TRIM_AGE_S) -> int:
-        """Evict least recently used shards, none younger than ``min_age`` seconds, until the
-        tier fits its budget; the bytes freed.
+        While downloads in flight (other workers') hold the room, wait for them: they end
+        within a download's time, and a budget of a few shards serves any number of workers.
+        Only a shard that cannot fit even in an empty tier is an error at once.
+
+        Raises:
+            ConfigError: ``size`` exceeds the budget, or no room came in :data:`ROOM_WAIT_S`.
+        """
+        deadline = time.monotonic() + ROOM_WAIT_S
+        pause = 0.02
+        while True:
+            with locked(self.downloads / "tier.lock"):
+                files = list(self._files(skip=part))
+                try:
+                    doomed = evictions(files, self.budget, size)
+                except ConfigError:
+                    if size > self.budget or time.monotonic() > deadline:
+                        raise
+                else:
+                    for f in doomed:
+                        remove_file(self._path_of(f.name))
+                    with contextlib.suppress(OSError):
+                        os.posix_fallocate(fd, 0, max(size, 1))
+                    return
+            time.sleep(pause)  # outside the lock: the downloads holding the room finish
+            pause = min(pause * 2, 0.5)
+
+    def trim(self, min_age: float = TRIM_AGE_S, uploaded: Collection[str] = ()) -> int:
+        """Evict least recently used shards, none younger than ``min_age`` seconds unless this
+        process ``uploaded`` them, until the tier fits its budget; the bytes freed.
 
         A build into a bucket writes its shards here first: once they are uploaded they are
         copies like any fetched shard, and a build bigger than this disk must not fill it.
         ``min_age`` spares a shard another process of the node has just written and not yet
-        uploaded (it uploads within seconds of writing), so the tier may exceed its budget by
-        that much of a build's output.
+        uploaded (it uploads within seconds of writing); this process's own uploads are copies
+        at once, so a build leaves the tier within its budget.
         """
         self.downloads.mkdir(parents=True, exist_ok=True)
-        with _locked(self.downloads / "tier.lock"):
+        with locked(self.downloads / "tier.lock"):
             young = time.time() - min_age
             files = [
-                f if f.used <= young else f._replace(evictable=False)
+                f
+                if f.used <= young or f.name.removesuffix(".safetensors") in uploaded
+                else f._replace(evictable=False)
                 for f in self._files(skip=Path())
             ]
             try:
@@ -177,6 +202,8 @@ class DiskTier:
                 gone = (NotADirectoryError, FileNotFoundError)
                 with contextlib.suppress(*gone), os.scandir(d) as it:
                     for e in it:
+                        if not is_shard_name(e.name.removesuffix(".safetensors")):
+                            continue  # not a shard: never followed, never evicted
                         with contextlib.suppress(FileNotFoundError):
                             st = e.stat()
                             yield TierFile(e.name, st.st_size, st.st_mtime)
@@ -184,13 +211,17 @@ class DiskTier:
     def _path_of(self, file_name: str) -> Path:
         return self.layout.shard_path(file_name.removesuffix(".safetensors"))
 
+    def has_room(self, size: int) -> bool:
+        """Whether ``size`` more bytes fit the budget without evicting anything."""
+        return self.used_bytes() + size <= self.budget
+
     def used_bytes(self) -> int:
         """Bytes the tier's shards and downloads in flight take now."""
         return sum(f.size for f in self._files(skip=Path()))
 
 
 @contextlib.contextmanager
-def _locked(path: Path) -> Iterator[int]:
+def locked(path: Path) -> Iterator[int]:
     """``path`` opened (created) and ``flock``-ed alone for the block; its descriptor."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -208,11 +239,11 @@ def _locked(path: Path) -> Iterator[int]:
 
 @contextlib.contextmanager
 def _locked_current(part: Path) -> Iterator[int]:
-    """Like :func:`_locked`, but the file locked is the one at ``part`` once the lock is held
+    """Like :func:`locked`, but the file locked is the one at ``part`` once the lock is held
     (a process that failed its download unlinks its ``.part``; a waiter that locked the
     unlinked file tries again on the path's new one)."""
     while True:
-        with _locked(part) as fd:
+        with locked(part) as fd:
             try:
                 current = os.stat(part).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:

@@ -9,9 +9,20 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import Protocol, TypeVar
+
+
+class _Named(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+ObjectLike = TypeVar("ObjectLike", bound=_Named)
 
 PREFIX = "catalog/"
-_NAME = re.compile(r"^catalog/v(\d{9})\.sqlite$")
+#: Nine digits or more: a store past version 999,999,999 keeps working (``newest`` compares
+#: numbers, never names).
+_NAME = re.compile(r"^catalog/v(\d{9,18})\.sqlite$")
 
 
 def version_name(n: int) -> str:
@@ -28,6 +39,16 @@ def version_of(name: str) -> int | None:
     """The version an object name holds; None for anything else under ``catalog/``."""
     m = _NAME.match(name)
     return int(m.group(1)) if m else None
+
+
+def newest_object(objects: Iterable[ObjectLike]) -> ObjectLike | None:
+    """The object of the highest version among ``objects`` (None: none is published yet)."""
+    best: tuple[int, ObjectLike] | None = None
+    for o in objects:
+        v = version_of(o.name)
+        if v is not None and (best is None or v > best[0]):
+            best = (v, o)
+    return best[1] if best else None
 
 
 def newest(names: Iterable[str]) -> int:

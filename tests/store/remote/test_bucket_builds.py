@@ -15,7 +15,7 @@ import torch
 
 from featbake import CachedFeatureDataset
 from featbake.encode.sources import source_for
-from featbake.store.open import store_at
+from featbake.store.open import open_store
 from featbake.store.remote.publish import merge_bucket
 from featbake.store.remote.store import BucketStore
 from featbake.testing import TinyConvEncoder, write_audio_folder
@@ -138,11 +138,11 @@ def test_a_merge_killed_at_any_step_loses_nothing(
         assert part.returncode == 0, part.stderr
     killer = (
         "import os, sys\n"
-        "from featbake.store.open import store_at\n"
+        "from featbake.store.open import open_store\n"
         "from featbake.store.remote.publish import merge_bucket\n"
         "def hook(step):\n"
         f"    if step == {step!r}: os.kill(os.getpid(), 9)\n"
-        f"merge_bucket(store_at({s3.url!r}).remote, between=hook)\n"
+        f"merge_bucket(open_store({s3.url!r}).remote, between=hook)\n"
     )
     env = {**os.environ, **node(s3, "m", tmp_path, counting_encoder), "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, "-c", killer], env=env, capture_output=True)
@@ -155,7 +155,7 @@ def test_a_merge_killed_at_any_step_loses_nothing(
 
 
 def _store(url: str, tier: Path) -> BucketStore:
-    store = store_at(url, local_cache=tier).remote
+    store = open_store(url, local_cache=tier).remote
     assert isinstance(store, BucketStore)
     return store
 

@@ -159,12 +159,12 @@ def test_a_tier_whose_bucket_was_emptied_is_not_trusted(
     """The tier held version 1 of a bucket that was then emptied (or replaced by another
     store of the same name): a build must encode again, not reuse the tier's catalog."""
     tier = tmp_path / "tier"
-    from featbake.store.open import store_at
+    from featbake.store.open import open_store
 
-    bake(audio_dir, encoder_file, store_at(s3.url, local_cache=tier))
+    bake(audio_dir, encoder_file, open_store(s3.url, local_cache=tier))
     bucket = Bucket(BucketURL.parse(s3.url))
     bucket.delete(o.name for o in bucket.list(""))
-    report = bake(audio_dir, encoder_file, store_at(s3.url, local_cache=tier))
+    report = bake(audio_dir, encoder_file, open_store(s3.url, local_cache=tier))
     assert report.encoded == 16 and report.reused == 0
     fresh = serve(s3, audio_dir, encoder_file, tmp_path / "fresh")
     for i in range(len(fresh)):

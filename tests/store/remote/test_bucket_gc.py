@@ -11,7 +11,7 @@ import torch
 
 from featbake import CachedFeatureDataset
 from featbake.bake.pipeline import build
-from featbake.store.open import store_at
+from featbake.store.open import open_store
 from featbake.store.remote.store import BucketStore
 from featbake.upkeep.gc_bucket import gc_bucket
 from featbake.upkeep.gc_plan import GcOptions
@@ -22,7 +22,7 @@ HOUR = 3600.0
 
 
 def bucket(url: str, tier: Path) -> BucketStore:
-    store = store_at(url, local_cache=tier).remote
+    store = open_store(url, local_cache=tier).remote
     assert isinstance(store, BucketStore)
     return store
 
@@ -91,7 +91,7 @@ def test_a_reader_whose_shards_gc_deleted_finds_a_rebuild_through_the_newest_ver
     gc_bucket(store, retention=HOUR, now=later + 2 * HOUR)
     assert not s3.objects("shards/")
     # Built again by another node, into other shards (another shard size: other names).
-    again = store_at(s3.url, local_cache=tmp_path / "other")
+    again = open_store(s3.url, local_cache=tmp_path / "other")
     build(audio_dir, encoder_file, cache=again, workers=0, shard_bytes=200_000)
     assert s3.objects("shards/")
     assert_live(reader, encoder_file)  # its version-1 shards are gone: looked up in the newest

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 
 from featbake import CachedFeatureDataset
 from featbake.bake.pipeline import build
-from featbake.store.open import store_at
+from featbake.store.open import open_store
 from featbake.store.remote.versions import version_of
 from tests.conftest import live_features
 from tests.store.remote.conftest import S3
@@ -43,7 +43,7 @@ def test_a_rebuild_from_a_fresh_node_encodes_nothing(
     s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
 ) -> None:
     bake(audio_dir, encoder_file, s3.url)
-    other_node = store_at(s3.url, local_cache=tmp_path / "other-node")
+    other_node = open_store(s3.url, local_cache=tmp_path / "other-node")
     report = bake(audio_dir, encoder_file, other_node)
     assert report.encoded == 0 and report.reused == 16
     versions = [version_of(o) for o in s3.objects("catalog/")]

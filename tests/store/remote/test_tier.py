@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from featbake.errors import ConfigError, StoreCorrupt
+from featbake.store.handles import ShardHandles
 from featbake.store.layout import Layout
 from featbake.store.reader import ShardReader
 from featbake.store.remote.tier import DiskTier
@@ -145,3 +146,55 @@ def test_trim_evicts_what_is_over_budget_but_spares_young_shards(
     tier.budget = 0
     tier.trim()
     assert [p.exists() for p in paths] == [False, False, False, True]  # the young one stays
+
+
+class TierPlace:
+    """The bucket side of a tier as the store's readers see it (``RemotePlace``), over
+    :class:`Source` instead of a server."""
+
+    def __init__(self, source: Source, tier: DiskTier) -> None:
+        self.source = source
+        self.tier = tier
+
+    def fetch_shard(self, name: str, evicted=None) -> Path:
+        return self.tier.fetch(
+            name, self.source.size(name), self.source.download(name), name, evicted
+        )
+
+    def ranged_reader(self, name: str, path: Path, verify: str) -> None:
+        return None
+
+    def opened(self, path: Path) -> None:
+        self.tier.touch(path)
+
+
+def test_workers_wait_for_room_and_refetch_what_others_evicted(tmp_path: Path) -> None:
+    """Eight threads, each with its own handles (as DataLoader workers), read eight shards
+    through a tier with room for two: a fetch waits while downloads in flight hold the room,
+    and a shard another reader evicted between its fetch and its open is fetched again (issue
+    28 item 9, issue 27): no read fails, every tensor is right, the budget holds."""
+    source = Source(tmp_path / "bucket", 8)
+    size = max(source.size(n) for n in source.names)
+    tier = DiskTier(Layout(tmp_path / "tier"), budget=2 * size)
+    place = TierPlace(source, tier)
+    errors: list[BaseException] = []
+    peak = [0]
+
+    def read(i: int) -> None:
+        handles = ShardHandles(remote=place)  # type: ignore[arg-type]
+        try:
+            reader = handles.get(tier.layout.shard_path(source.names[i]))
+            peak[0] = max(peak[0], tier.used_bytes())
+            torch.testing.assert_close(reader.read(f"k{i}"), torch.full((50, 16), float(i)))
+        except BaseException as e:
+            errors.append(e)
+        finally:
+            handles.close()
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert source.calls >= 8 and peak[0] <= 2 * size

@@ -1,0 +1,49 @@
+"""What the CLI says before any work (issue 32 items 9 and 14): a missing encoder is named
+before the data is looked at, and each command's help lists only the exit codes it exits with."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from featbake.bake.pipeline import build
+from featbake.errors import EncoderLoadError
+from featbake.testing import write_image_folder
+from tests.conftest import run_cli
+
+
+def test_a_missing_encoder_folder_is_named_before_the_data(tmp_path: Path) -> None:
+    """Old main: "no input files (.flac, .mp3, .ogg, .wav)" for an image folder, since a
+    missing folder is no vision folder and the recipe stayed audio."""
+    images = tmp_path / "images"
+    write_image_folder(images, 2)
+    missing = tmp_path / "dinov2-small"
+    res = run_cli("build", "-d", images, "-e", missing, "--cache", tmp_path / "c")
+    assert res.returncode == 4, res.stderr
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and f"encoder {missing} not found" in lines[0], lines
+    with pytest.raises(EncoderLoadError, match="dinov2-small not found"):
+        build(images, missing, cache=tmp_path / "c", workers=0)
+    assert not (tmp_path / "c" / "catalog.sqlite").exists()
+
+
+def _exit_codes(command: str) -> str:
+    res = run_cli(*command.split(), "--help")
+    assert res.returncode == 0, res.stderr
+    text = " ".join(res.stdout.split())  # help text wraps at any word
+    return text[text.index("Exit codes:") :]
+
+
+@pytest.mark.parametrize("command", ["stats", "export", "gc", "merge"])
+def test_help_lists_only_the_commands_own_exit_codes(command: str) -> None:
+    codes = _exit_codes(command)
+    assert "2 bad option" in codes and "6 corrupt store data" in codes
+    for build_only in ("3 some inputs failed", "4 encoder", "8 input unreadable", "9 the build"):
+        assert build_only not in codes, (command, codes)
+
+
+def test_build_help_lists_every_exit_code() -> None:
+    codes = _exit_codes("build")
+    for code in ("3 some inputs failed", "4 encoder", "8 input unreadable", "9 the build"):
+        assert code in codes, codes
