@@ -1,5 +1,5 @@
 """``python -m featbake`` runs the CLI."""
 
-from featbake.cli.main import main
+from featbake.cli import main
 
 main()

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
 
 from featbake.bake.pipeline import build
+from featbake.encode.sources import AudioSource
 from featbake.recipe import Recipe
 from featbake.serve.dataset import CachedFeatureDataset
-from tests.conftest import live_features, run_cli
+from featbake.store.fidelity import read_fidelity
+from featbake.store.layout import Layout
+from featbake.testing import TinyConvEncoder
+from tests.conftest import encoded_rows, live_features, run_cli
 
 
 def test_output_h_after_a_whole_output_build_encodes_nothing_and_serves_live(
@@ -47,3 +55,59 @@ def test_a_part_build_first_still_encodes_and_the_cli_says_what_it_copied(
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
     assert "16 parts a whole-output build stored" in res.stdout
+
+
+# -- issue 32 item 3: --dtype after a float32 build is a conversion, not an encoding ----------
+def _json_report(res: subprocess.CompletedProcess) -> dict:
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def _served(data: Path, store: Path, dtype: str, pkg: str) -> CachedFeatureDataset:
+    sys.path.insert(0, pkg)
+    try:
+        return CachedFeatureDataset(
+            data, "countenc:build", cache=store, recipe=Recipe(dtype=dtype), on_miss="error",
+            serve_dtype="float32" if dtype == "int8" else None,
+        )  # fmt: skip
+    finally:
+        sys.path.remove(pkg)
+
+
+def test_a_dtype_build_after_float32_converts_the_store_and_encodes_nothing(
+    tmp_path: Path, audio_dir: Path, counting_encoder: dict[str, str]
+) -> None:
+    store, fresh = tmp_path / "store", tmp_path / "fresh"
+    base = ["build", "-e", "countenc:build", "-d", audio_dir, "--workers", "0", "--json"]
+    first = _json_report(run_cli(*base, "--cache", store, env=counting_encoder))
+    assert first["encoded"] == 16
+    calls = len(encoded_rows(counting_encoder))
+    pkg = counting_encoder["PYTHONPATH"].split(os.pathsep)[-1]
+    src, enc = AudioSource(Recipe()), TinyConvEncoder().eval()
+    for dtype, tol in (("float16", 1e-3), ("int8", None)):
+        report = _json_report(
+            run_cli(*base, "--cache", store, "--dtype", dtype, env=counting_encoder)
+        )
+        # It used to run the encoder on all 16 inputs again.
+        assert (report["encoded"], report["converted"], report["reused"]) == (0, 16, 0)
+        assert len(encoded_rows(counting_encoder)) == calls  # the encoder never ran
+        ds = _served(audio_dir, store, dtype, pkg)
+        for i in range(len(ds)):
+            with torch.no_grad():
+                live = enc(src.load(Path(ds.path(i))).unsqueeze(0))[0]
+            got = ds[i]
+            if tol is not None:  # float16: the encoder's output rounded to float16
+                assert got.dtype == torch.float16
+                torch.testing.assert_close(got.float(), live.half().float(), rtol=tol, atol=tol)
+            else:  # int8: within its quantisation error of the encoder's output
+                assert (got - live).norm() / live.norm() < 0.02
+    # The int8 conversion stores what an int8 build encodes, and records the same fidelity.
+    built = _json_report(run_cli(*base, "--cache", fresh, "--dtype", "int8", env=counting_encoder))
+    assert built["encoded"] == 16
+    assert report["fidelity"]["items"] == built["fidelity"]["items"] == 16
+    assert abs(report["fidelity"]["rel_rms"] - built["fidelity"]["rel_rms"]) < 1e-6
+    assert read_fidelity(Layout(store), report["root"]) is not None  # `featbake roots` shows it
+    converted = _served(audio_dir, store, "int8", pkg)
+    encoded = _served(audio_dir, fresh, "int8", pkg)
+    for i in range(len(converted)):
+        torch.testing.assert_close(converted[i], encoded[i], rtol=0, atol=1e-6)

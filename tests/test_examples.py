@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -75,3 +76,28 @@ def test_image_probe_learns_from_baked_embeddings_with_flipped_views(tmp_path: P
     assert accuracy >= 0.9, out
     again = run_example("probe_images.py", "--images", 32, "--epochs", 1, "--work", tmp_path)
     assert "baked 0 embeddings (2 views), 64 reused" in again
+
+
+def test_readme_vision_example_serves_a_part_without_opening_an_image(tmp_path: Path) -> None:
+    """Issue 32 item 2: `Recipe(output="pooled")` over a store built without --output encoded
+    every image again, in silence; each part is now copied from what the build stored."""
+    out = run_example("readme_vision.py", "--images", 16, "--work", tmp_path)
+    assert "build: encoded 16, reused 0" in out
+    assert "dataset: opened 0 images, encoded 0" in out and "warning" not in out, out
+    again = run_example("readme_vision.py", "--images", 16, "--work", tmp_path)
+    assert "build: encoded 0, reused 16" in again
+    assert "dataset: opened 0 images, encoded 0" in again and "warning" not in again, again
+    # What it served equals the encoder run now (a dataset over an empty store encodes live).
+    from featbake import CachedFeatureDataset
+    from featbake.recipe import Recipe
+
+    images, model, recipe = tmp_path / "images", tmp_path / "dinov2-small", Recipe(output="pooled")
+    served = CachedFeatureDataset(images, model, cache=tmp_path / ".featbake", recipe=recipe,
+                                  on_miss="error")  # fmt: skip
+    live = CachedFeatureDataset(images, model, cache=tmp_path / "empty", recipe=recipe,
+                                write_back=False)  # fmt: skip
+    assert len(served) == len(live) == 16
+    for i in range(16):
+        assert served.path(i) == live.path(i)
+        torch.testing.assert_close(served[i], live[i], rtol=1e-5, atol=1e-6)
+    assert live.cache_info().encoded == 16

@@ -35,7 +35,11 @@ def test_progress_lines_are_labelled_and_show_no_rate_over_a_blink() -> None:
     assert rate_text(100, MIN_RATE_SECONDS) == "200 items/s"
     assert progress_line("hash", 16, 16, 0.002) == "hash: 16/16, done in 0.00s"
     assert progress_line("encode", 40, 160, 8.0, "3.0 MiB") == (
-        "encode: 40/160, 5 items/s, elapsed 8s, ETA 24s, 3.0 MiB written"
+        "encode: 40/160, 5 items/s, elapsed 8s, ETA 24s, 3.0 MiB sealed"
+    )
+    # Issue 32 item 1: what a SIGKILL would lose is named apart from what survives it.
+    assert progress_line("encode", 40, 160, 8.0, "", "954.81 KiB") == (
+        "encode: 40/160, 5 items/s, elapsed 8s, ETA 24s, 0 B sealed, 954.81 KiB pending"
     )
     assert progress_line("encode", 160, 160, 32.0) == "encode: 160/160, 5 items/s, elapsed 32s"
     assert progress_line("encode", 1, 160, 0.1) == "encode: 1/160, -, elapsed 0s"

@@ -37,8 +37,8 @@ def test_every_feature_put_is_sealed_and_in_the_catalog(
     for key, t in features.items():
         writer.put(key, {"": t})
         put += t.nbytes
-        if n < HANDOFF_ITEMS:  # nothing handed over yet, and still counted as written
-            assert writer.bytes_so_far == put
+        if n < HANDOFF_ITEMS:  # nothing handed over yet, and counted as pending (not sealed)
+            assert writer.bytes_pending == put and writer.bytes_written == 0
     writer.close()
     assert writer.new_rows == n
     with Catalog(layout) as catalog:

@@ -35,6 +35,7 @@ class BuildArguments:
     batch_samples: object = None
     encoder: object = None
     threads: object = None
+    seal_every: object = 30.0
 
 
 def worker_cap(cpus: int) -> int:
@@ -61,7 +62,8 @@ def check_build_arguments(args: BuildArguments, cpus: int) -> None:
             ``shard_bytes`` below 1 or not a whole number; ``workers`` negative or more than
             :func:`worker_cap` (each worker is a process with its own memory: thousands would
             exhaust the machine before the first file is read); ``batch_seconds`` not a
-            positive finite number (NaN and inf cannot size a batch); ``batch_samples`` below 1;
+            positive finite number (NaN and inf cannot size a batch); ``seal_every`` not a
+            positive finite number of seconds; ``batch_samples`` below 1;
             ``threads`` not a whole number from 1 to 4 per usable CPU.
     """
     if isinstance(args.encoder, (str, os.PathLike)) and not os.fspath(args.encoder).strip():
@@ -86,6 +88,11 @@ def check_build_arguments(args: BuildArguments, cpus: int) -> None:
             f"{args.batch_seconds!r} (default 160)"
         )
     _check_threads(args.threads, cpus)
+    if not _positive_finite(args.seal_every):
+        raise ConfigError(
+            f"--seal-every must be a positive, finite number of seconds, got {args.seal_every!r} "
+            "(default 30)"
+        )
     samples = args.batch_samples
     if samples is not None and (not _whole(samples) or samples < 1):  # type: ignore[operator]
         raise ConfigError(f"batch_samples must be a whole number from 1, got {samples!r}")

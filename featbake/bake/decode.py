@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import io
 import multiprocessing
 import os
 import signal
@@ -13,18 +14,44 @@ import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from featbake.encode.held import HeldBytes
 from featbake.encode.sources import Source, load_unchanged
 from featbake.errors import SourceError
 from featbake.store.catalog import FileStat
 
 #: Inputs decoded ahead of the encoder when there are no decode workers (on a thread).
 AHEAD = 4
+
+
+# -- inputs read once ------------------------------------------------------------------------
+class HeldSource:
+    """``inner`` decoding each input from the bytes kept when it was hashed, if any.
+
+    Those bytes are the ones its key was made from, so they need no check that the file is
+    unchanged; an input without kept bytes is read from its file and checked as before
+    (:func:`featbake.encode.sources.load_unchanged`). See :mod:`featbake.encode.held`.
+    """
+
+    def __init__(self, inner: Source, held: HeldBytes) -> None:
+        self.inner = inner
+        self.held = held
+        self.kind = getattr(inner, "kind", "")
+        self.extensions = inner.extensions
+
+    def load(self, path: str | os.PathLike[str], data: BinaryIO | None = None) -> torch.Tensor:
+        return self.inner.load(path, data)
+
+    def load_unchanged(self, path: str, stat: FileStat | None) -> torch.Tensor:
+        data = self.held.take(path)
+        if data is None:
+            return load_unchanged(self.inner, path, stat)
+        return self.inner.load(path, io.BytesIO(data))
 
 
 # -- decoding in workers ---------------------------------------------------------------------

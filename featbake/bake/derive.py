@@ -1,75 +1,137 @@
-"""An ``--output`` build reuses what a whole-output build of the same data already stored.
+"""A build reuses what the store holds of the same inputs under a recipe it can be derived from.
 
 A store built without ``--output`` holds every part of each input's output (``hidden``,
 ``pooled``, ...). Building again with ``--output hidden`` used to encode everything once more:
 the keys differ, because ``output`` is part of the recipe (it changes what is stored). The part
 is the same tensor, though: the same encoder on the same bytes with the same preprocessing,
-dtype and precision. So before encoding, each missing key's *whole-output key* (the same
-recipe with ``output=None``) is looked up, and a stored part is copied under the new key
-instead of running the encoder. Keys do not change, so every existing store reads as before.
+dtype and precision. Likewise ``--dtype float16``, ``bfloat16``, ``int8`` or ``fp8`` after a
+``float32`` build (issue 32 item 3): the stored float32 tensor *is* the encoder's output, so
+casting or quantising it gives the bytes a build of that dtype stores, without the encoder.
+
+So before encoding, each missing key is looked up under the recipes it can be derived from
+(:func:`source_recipes`, best first), and what the store holds is read, one chunk of keys at a
+time, and copied or converted under the new key. Keys do not change, so every existing store
+reads as before.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 
 from featbake.errors import FeatbakeError
 from featbake.keys import feature_key
 from featbake.recipe import Recipe
+from featbake.store.catalog import Location
 from featbake.store.features import FeatureReader, Parts
 from featbake.store.layout import Layout
 from featbake.store.rank_catalog import RankCatalog
 
+#: Keys read from the store at once while deriving (features in memory at a time).
+CHUNK_KEYS = 256
 
-def whole_output_keys(
-    recipe: Recipe, encoder_fp: str, digests: Mapping[str, str]
-) -> dict[str, str]:
-    """key -> the key of the same input under the same recipe without ``output`` (pure).
 
-    Empty when the recipe stores the whole output already.
+@dataclass(frozen=True)
+class Derivation:
+    """How a recipe's feature is made from a stored one.
+
+    Attributes:
+        recipe: the stored feature's recipe.
+        part: the one part to take (an ``--output`` from a whole output), or None for all.
+        convert: the stored feature is float32 and is cast or quantised to the new dtype.
+    """
+
+    recipe: Recipe
+    part: str | None
+    convert: bool
+
+
+@dataclass(frozen=True)
+class StoredSource:
+    """A missing key's stored source: the key to read and how to derive from it."""
+
+    key: str
+    how: Derivation
+
+
+def source_recipes(recipe: Recipe) -> list[Derivation]:
+    """The recipes a feature of ``recipe`` can be derived from, best first (pure): the same
+    dtype's whole output (a copy), then float32 (a conversion), then float32's whole output.
 
     Example:
-        >>> r = Recipe(output="hidden")
-        >>> k = feature_key("e" * 64, r.fingerprint(), "d" * 64)
-        >>> whole = whole_output_keys(r, "e" * 64, {k: "d" * 64})[k]
-        >>> whole == feature_key("e" * 64, Recipe().fingerprint(), "d" * 64)
-        True
+        >>> [(d.recipe.dtype, d.part, d.convert) for d in source_recipes(Recipe(dtype="int8"))]
+        [('float32', None, True)]
+        >>> len(source_recipes(Recipe(output="hidden", dtype="float16"))), source_recipes(Recipe())
+        (3, [])
     """
-    if recipe.output is None:
-        return {}
-    whole_fp = recipe.replace(output=None).fingerprint()
-    return {key: feature_key(encoder_fp, whole_fp, d) for key, d in digests.items()}
+    out = []
+    if recipe.output is not None:
+        out.append(Derivation(recipe.replace(output=None), recipe.output, False))
+    if recipe.dtype != "float32":
+        as_f32 = recipe.replace(dtype="float32")
+        out.append(Derivation(as_f32, None, True))
+        if recipe.output is not None:
+            out.append(Derivation(as_f32.replace(output=None), recipe.output, True))
+    return out
 
 
-def reusable_parts(
+def derivation_plan(
     layout: Layout,
     recipe: Recipe,
     encoder_fp: str,
     digests: Mapping[str, str],
     catalog: object = None,
-) -> dict[str, Parts]:
-    """key -> ``{"": tensor}`` for each key (of an ``--output`` recipe) whose whole output's
-    part the store holds; empty for a whole-output recipe, and in one part of a sharded build
-    (``catalog`` a :class:`RankCatalog`), which never opens the catalog for writing."""
-    if isinstance(catalog, RankCatalog) or recipe.output is None:
+) -> dict[str, StoredSource]:
+    """key -> its stored source, for each key (input digest in ``digests``) the store holds
+    under a recipe it derives from, with the part it needs. Empty for a recipe nothing derives
+    to, and in one part of a sharded build (``catalog`` a :class:`RankCatalog`), which never
+    opens the catalog for writing; a store that cannot be read gives nothing to reuse."""
+    ways = source_recipes(recipe)
+    if isinstance(catalog, RankCatalog) or not ways or not digests or not layout.catalog.exists():
         return {}
-    return stored_parts(layout, whole_output_keys(recipe, encoder_fp, digests), recipe.output)
-
-
-def stored_parts(layout: Layout, whole: Mapping[str, str], part: str) -> dict[str, Parts]:
-    """key -> ``{"": tensor}`` for each key whose whole output's ``part`` the store holds
-    (read with its checksum checked); a store that cannot be read gives nothing to reuse."""
-    if not whole or not layout.catalog.exists():
-        return {}
+    plan: dict[str, StoredSource] = {}
     reader = FeatureReader(layout, verify="always")
     try:
-        found = reader.get_many(sorted(set(whole.values())))
+        for how in ways:
+            fp = how.recipe.fingerprint()
+            left = {k: feature_key(encoder_fp, fp, d) for k, d in digests.items() if k not in plan}
+            found = reader.catalog.locate_many(sorted(set(left.values())))
+            for key, source in left.items():
+                if _holds(found.get(source, []), how.part):
+                    plan[key] = StoredSource(source, how)
     except FeatbakeError:
-        return {}  # the parts are simply encoded
+        return {}  # the features are simply encoded
     finally:
         reader.close()
-    return {
-        key: {"": found[w][part]}  # each part is read into a tensor of its own
-        for key, w in whole.items()
-        if w in found and part in found[w]
-    }
+    return plan
+
+
+def _holds(locations: list[Location], part: str | None) -> bool:
+    return bool(locations) and (part is None or any(loc.part == part for loc in locations))
+
+
+def stored_sources(
+    layout: Layout, plan: Mapping[str, StoredSource]
+) -> Iterator[tuple[str, StoredSource, Parts | None]]:
+    """(key, source, the source's parts as stored, or None when they could not be read) for
+    each key of ``plan``, read :data:`CHUNK_KEYS` at a time with their checksums checked."""
+    if not plan:
+        return
+    keys = list(plan)
+    reader = FeatureReader(layout, verify="always")
+    try:
+        for start in range(0, len(keys), CHUNK_KEYS):
+            chunk = keys[start : start + CHUNK_KEYS]
+            try:
+                found = reader.get_many(sorted({plan[k].key for k in chunk}))
+            except FeatbakeError:
+                found = {}  # damaged since the plan: these are encoded
+            for key in chunk:
+                source = plan[key]
+                parts = found.get(source.key)
+                part = source.how.part
+                if parts is not None and part is not None:
+                    parts = {"": parts[part]} if part in parts else None
+                yield key, source, parts
+    finally:
+        reader.close()

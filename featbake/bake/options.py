@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from featbake.bake.compact import DEFAULT_MAX_ERROR
+from featbake.bake.writer_thread import DEFAULT_SEAL_SECONDS
 from featbake.cpus import BakeThreads, bake_threads
 from featbake.device import encoder_thread_count, process_cpus
 from featbake.errors import ConfigError
@@ -24,6 +25,7 @@ class BakeOptions:
     allow_nonfinite: bool = False
     encoder_threads: int | None = None
     max_error: float | None = DEFAULT_MAX_ERROR  # relative RMS error a quantised build may have
+    seal_seconds: float = DEFAULT_SEAL_SECONDS  # a shard being filled is sealed this often
 
     def __post_init__(self) -> None:
         if self.workers is not None and self.workers < 0:

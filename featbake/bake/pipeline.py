@@ -17,8 +17,8 @@ import torch
 
 from featbake.bake.arguments import BuildArguments, check_build_arguments, check_encoder_found
 from featbake.bake.compact import DEFAULT_MAX_ERROR, Compactor
-from featbake.bake.decode import decoded_items, worker_death
-from featbake.bake.derive import reusable_parts
+from featbake.bake.decode import HeldSource, decoded_items, worker_death
+from featbake.bake.derive import StoredSource, derivation_plan, stored_sources
 from featbake.bake.finite import nonfinite_part
 from featbake.bake.interrupt import interrupt_at_safe_points
 from featbake.bake.options import BakeOptions
@@ -27,12 +27,13 @@ from featbake.bake.parts import catalog_for_part, finish_part, keys_for_other_ra
 from featbake.bake.ranks import RankSpec, device_for_rank, resolve_rank
 from featbake.bake.redo import PaddedItem, encode_padded_again
 from featbake.bake.report import BuildReport
-from featbake.bake.writer_thread import WriterThread
+from featbake.bake.writer_thread import DEFAULT_SEAL_SECONDS, WriterThread
 from featbake.device import check_device, process_cpus, torch_threads
 from featbake.encode.encoders import LoadedEncoder, from_module
 from featbake.encode.fingerprints import encoder_fingerprint
+from featbake.encode.held import HeldBytes
 from featbake.encode.hf import check_recipe_supported, recipe_for_encoder
-from featbake.encode.inputs import Inputs, inputs_at
+from featbake.encode.inputs import Folder, Inputs, inputs_at
 from featbake.encode.loaders import load_encoder
 from featbake.encode.sources import Source, source_for
 from featbake.errors import ConfigError, EncodeError, FeatbakeError, SourceError
@@ -72,6 +73,7 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
     shard: str | None = None,
     threads: int | None = None,
     max_error: float | None = DEFAULT_MAX_ERROR,
+    seal_every: float = DEFAULT_SEAL_SECONDS,
 ) -> BuildReport:
     """Run ``encoder`` over every input under ``data`` once and store the features.
 
@@ -107,6 +109,9 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
         max_error: for ``int8``/``fp8``, the relative RMS error (measured on a sample against
             the encoder's output, see :mod:`featbake.bake.compact`) above which the report
             says so (``report.fidelity_warning``); None: no bound.
+        seal_every: seconds after which a shard being filled is sealed whatever its size, so
+            that a process killed with SIGKILL (preemption, the OOM killer) loses at most about
+            this much encoding; a rerun encodes only what was not sealed.
 
     Returns:
         A :class:`BuildReport`; ``report.failed`` names each input that was skipped.
@@ -123,8 +128,9 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
     """
     t0 = time.perf_counter()
     args = BuildArguments(
-        batching, batch_size, workers, shard_bytes, batch_seconds, batch_samples, encoder, threads
-    )
+        batching, batch_size, workers, shard_bytes, batch_seconds, batch_samples, encoder, threads,
+        seal_every,
+    )  # fmt: skip
     check_build_arguments(args, process_cpus())
     check_encoder_found(encoder)  # before the data: a wrong path is named, not "no inputs"
     # A Hugging Face folder's preprocessor config sets the input (sample rate, normalisation)
@@ -134,8 +140,9 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
     dev = check_device(device_for_rank(str(device), spec))
     on_gpu = dev.type != "cpu"
     options = BakeOptions(
-        batch_size, workers, strict, shard_bytes, on_gpu, allow_nonfinite, threads, max_error
-    )
+        batch_size, workers, strict, shard_bytes, on_gpu, allow_nonfinite, threads, max_error,
+        seal_every,
+    )  # fmt: skip
     options.check_recipe(recipe)
     layout = open_store(cache, need=Need.WRITE).ensure()
     place = inputs_at(data)  # a folder, or a bucket prefix (s3://bucket/audio/)
@@ -205,6 +212,7 @@ class _Bake:
     hashed_stats: dict[str, FileStat] = field(default_factory=dict)
     digests: dict[str, str] = field(default_factory=dict)  # key -> its input's SHA-256
     compactor: Compactor = field(init=False)  # quantises int8/fp8 and measures their fidelity
+    held: HeldBytes = field(default_factory=HeldBytes)  # input bytes from hashing, to decode
 
     def start(self, inputs: int, skipped: Sequence[tuple[str, str]], weights: str | None) -> None:
         """Fingerprint the encoder and recipe, and open the report with the skipped files."""
@@ -226,9 +234,14 @@ class _Bake:
             key -> the absolute path of the first input with that key.
         """
         abs_paths = [self.place.path(p) for p in rel_paths]
-        digests, unreadable = self.place.hash(
-            self.catalog, abs_paths, self.progress, self.hashed_stats
-        )
+        if isinstance(self.place, Folder):  # the bytes hashed are kept to decode: read once
+            digests, unreadable = self.place.hash(
+                self.catalog, abs_paths, self.progress, self.hashed_stats, self.held
+            )
+        else:
+            digests, unreadable = self.place.hash(
+                self.catalog, abs_paths, self.progress, self.hashed_stats
+            )
         todo: dict[str, str] = {}
         for rel, path in zip(rel_paths, abs_paths, strict=True):
             if path in unreadable:
@@ -271,50 +284,96 @@ class _Bake:
         present = self.catalog.present_keys(list(todo))
         self.report.reused = len(present)
         work = [(k, p) for k, p in todo.items() if k not in present]
-        digests = {k: self.digests[k] for k, _ in work}  # an --output build copies stored parts
+        # An --output or --dtype build copies or converts what the store holds (bake/derive.py).
+        digests = {k: self.digests[k] for k, _ in work}
         enc_fp = self.report.encoder_fp
-        derived = reusable_parts(self.layout, self.recipe, enc_fp, digests, self.catalog)
-        self.report.derived = len(derived)
-        work = [(k, p) for k, p in work if k not in derived]
-        if not work and not derived:
+        plan = derivation_plan(self.layout, self.recipe, enc_fp, digests, self.catalog)
+        to_encode = [(k, p) for k, p in work if k not in plan]
+        self.held.keep_only({p for _, p in to_encode})  # others are stored or derived
+        if not work:
             return self.progress(Progress("encode", 0, 0)) if self.progress else None
         try:
-            self.encode(work, derived)
+            self.encode(to_encode, plan, dict(work))
         except ConfigError:  # a wrong option (--output): its manifest names keys never stored
             self.catalog.drop_root(self.report.root)
             raise
 
-    def encode(self, work: list[tuple[str, str]], derived: Mapping[str, Parts]) -> None:
-        """Decode, batch, encode, write ``work`` (key, path); sealed work survives Ctrl-C."""
-        paths = [p for _, p in work]
+    def encode(
+        self, work: list[tuple[str, str]], plan: Mapping[str, StoredSource], paths: dict[str, str]
+    ) -> None:
+        """Derive ``plan``'s keys from the store, then decode, batch, encode, write ``work``
+        (key, path) and what could not be derived; sealed work survives Ctrl-C."""
         writer = self.writer()
-        for key, parts in derived.items():
-            writer.put(key, dict(parts))
-        run = _EncodeRun(self, writer, [k for k, _ in work], paths)
-        stats = [self.hashed_stats.get(p) for p in paths]
+        run = _EncodeRun(self, writer, [], [])
         threads = self.options.threads()
         with interrupt_at_safe_points() as checkpoint, torch_threads(threads.encoder_threads):
             try:
-                items = decoded_items(paths, self.source, threads.decode_workers, stats)
+                work = work + self.put_derived(writer, plan, paths, checkpoint)
+                run = _EncodeRun(self, writer, [k for k, _ in work], [p for _, p in work])
+                stats = [self.hashed_stats.get(p) for p in run.paths]
+                source = HeldSource(self.source, self.held) if len(self.held) else self.source
+                items = decoded_items(run.paths, source, threads.decode_workers, stats)
                 run.feed(items, self.runner, checkpoint)
             except RuntimeError as e:  # torch's SIGCHLD handler can raise it anywhere
                 raise (worker_death(e) or e) from None
             finally:
                 # Seal what was encoded, also on Ctrl-C or a strict failure: nothing is lost.
+                self.held.clear()
                 writer.close()
                 self.report.bytes_written = writer.bytes_written
                 self.report.shards_written = writer.shards
                 self.report.batching, self.report.batching_note = self.runner.mode, self.runner.note
         if self.runner.inexact and run.padded:  # padding failed a later check: redo the rest
             self.encode_padded_again(run.padded)
-        run.tick(self.report.bytes_written)  # the last word: bytes sealed (the writer lags)
+        run.tick()  # the last word: every byte sealed, none pending
         self.compactor.record(self.report, self.catalog, self.layout, self.options.max_error)
+
+    def put_derived(
+        self,
+        writer: WriterThread,
+        plan: Mapping[str, StoredSource],
+        paths: Mapping[str, str],
+        checkpoint: Callable[[], None],
+    ) -> list[tuple[str, str]]:
+        """Write what ``plan`` derives from stored features; returns (key, path) of the keys
+        that could not be (a source gone or damaged since, a value fp16 cannot hold), to be
+        encoded like any other."""
+        left: list[tuple[str, str]] = []
+        for key, source, parts in stored_sources(self.layout, plan):
+            checkpoint()
+            stored = None if parts is None else self.derived(key, source, parts)
+            if stored is None:
+                left.append((key, paths[key]))
+                continue
+            writer.put(key, stored)
+            if source.how.convert:
+                self.report.converted += 1
+            else:
+                self.report.derived += 1
+        return left
+
+    def derived(
+        self, key: str, source: StoredSource, parts: Parts
+    ) -> dict[str, torch.Tensor] | None:
+        """A stored source's parts as this recipe stores them: copied, or (from float32) cast
+        or quantised exactly as the build's own step does it (:meth:`Compactor.store`, which
+        also measures int8/fp8 fidelity on the same sample a build of that dtype measures)."""
+        if not source.how.convert:
+            return dict(parts)
+        as_output = {n: v.to(self.recipe.encode_dtype) for n, v in parts.items()}
+        if not self.options.allow_nonfinite and nonfinite_part(as_output) is not None:
+            return None  # e.g. past float16's range: encoded, and failed, as such a build does
+        try:
+            return self.compactor.store(key, as_output)
+        except EncodeError:
+            return None
 
     def writer(self) -> WriterThread:
         """A writer thread for this build's features (a rank's records its shards in fragments)."""
         sink = self.catalog if isinstance(self.catalog, RankCatalog) else None
         fps = (self.enc.fingerprint, self.report.recipe_fp)
-        return WriterThread(self.layout, *fps, self.options.shard_bytes, sink)
+        opts = self.options
+        return WriterThread(self.layout, *fps, opts.shard_bytes, sink, opts.seal_seconds)
 
     def encode_padded_again(self, items: list[PaddedItem]) -> None:
         """Store ``items`` encoded alone in place of their padded features."""
@@ -393,10 +452,12 @@ class _EncodeRun:
             self.writer.put(self.keys[i], self.bake.compactor.store(self.keys[i], parts))
             self.bake.report.encoded += 1
             self.done += 1
-        self.tick(self.writer.bytes_so_far)
+        self.tick()
 
-    def tick(self, nbytes: int) -> None:
-        """Report progress: items done of all, ``nbytes`` written, items failed."""
+    def tick(self) -> None:
+        """Report progress: items done of all, bytes sealed (what survives a SIGKILL) and
+        bytes still pending in the writer's hands, items failed."""
         if self.bake.progress:
             done, total, failed = self.done, len(self.keys), len(self.bake.report.failed)
-            self.bake.progress(Progress("encode", done, total, nbytes, failed))
+            sealed, pending = self.writer.bytes_written, self.writer.bytes_pending
+            self.bake.progress(Progress("encode", done, total, sealed, failed, pending))

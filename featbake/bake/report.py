@@ -23,6 +23,7 @@ class BuildReport:
     encoded: int = 0
     reused: int = 0
     derived: int = 0  # copied from a whole-output build's stored part (--output; bake/derive.py)
+    converted: int = 0  # cast or quantised from stored float32 features (--dtype; bake/derive.py)
     duplicates: int = 0
     failed: list[tuple[str, str]] = field(default_factory=list)
     bytes_written: int = 0

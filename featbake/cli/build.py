@@ -9,7 +9,6 @@ from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
-from rich.table import Table
 
 from featbake.cli.app import (
     EXIT_CODES,
@@ -21,7 +20,7 @@ from featbake.cli.app import (
     console,
     out,
 )
-from featbake.cli.render import progress_bar, tick_bar
+from featbake.cli.render import progress_bar, summary_lines, tick_bar
 from featbake.errors import BuildIncomplete, ConfigError
 from featbake.units import format_bytes, parse_bytes
 
@@ -239,6 +238,9 @@ def build(
     ] = None,
     device: Annotated[str, typer.Option(help="Where the encoder runs: cpu, cuda, cuda:N.")] = "cpu",
     shard_size: Annotated[str, typer.Option(help="Target shard size, e.g. 256MiB.")] = "256MiB",
+    seal_every: Annotated[
+        float, typer.Option(help="Seal the shard being filled every N s: SIGKILL loses no more.")
+    ] = 30.0,
     strict: Annotated[
         bool, typer.Option(help="Stop at the first bad input instead of skipping it.")
     ] = False,
@@ -320,6 +322,7 @@ def build(
             shard=shard,
             threads=threads,
             max_error=max_error,
+            seal_every=seal_every,
         )
     _report(reports, as_json)
 
@@ -357,31 +360,31 @@ def incomplete(report: Any) -> BuildIncomplete:
 def _print_build_summary(report: Any) -> None:
     from featbake.fidelity import Fidelity  # torch: imported when a build ran, not for --help
 
-    table = Table(show_header=False, box=None, pad_edge=False)
-    table.add_column(style="bold")
-    table.add_column()
-    table.add_row("root", report.root)
-    table.add_row("encoder", f"{escape(report.encoder)} ({report.encoder_fp[:12]})")
-    table.add_row("files", f"{report.files:,}")
-    table.add_row("encoded", f"{report.encoded:,}")
-    table.add_row("reused", f"{report.reused:,}")
+    rows: list[tuple[str, str]] = []
+    rows.append(("root", report.root))
+    rows.append(("encoder", f"{escape(report.encoder)} ({report.encoder_fp[:12]})"))
+    rows.append(("files", f"{report.files:,}"))
+    rows.append(("encoded", f"{report.encoded:,}"))
+    rows.append(("reused", f"{report.reused:,}"))
     if report.derived:
-        table.add_row("copied", f"{report.derived:,} parts a whole-output build stored")
+        rows.append(("copied", f"{report.derived:,} parts a whole-output build stored"))
+    if report.converted:
+        rows.append(("converted", f"{report.converted:,} from the store's float32 features"))
     if report.duplicates:
-        table.add_row("duplicates", f"{report.duplicates:,} (identical files share a feature)")
-    table.add_row("failed", f"[red]{len(report.failed):,}[/]" if report.failed else "0")
-    table.add_row(
-        "written", f"{format_bytes(report.bytes_written)} in {report.shards_written} shards"
-    )
+        rows.append(("duplicates", f"{report.duplicates:,} (identical files share a feature)"))
+    rows.append(("failed", f"[red]{len(report.failed):,}[/]" if report.failed else "0"))
+    written = f"{format_bytes(report.bytes_written)} in {report.shards_written} shards"
+    rows.append(("written", written))
     if report.batching_note:
-        table.add_row("batching", escape(report.batching_note))
+        rows.append(("batching", escape(report.batching_note)))
     if report.fidelity:
-        table.add_row("fidelity", Fidelity.from_json(report.fidelity).summary())
-    table.add_row("time", f"{report.seconds:.2f}s")
+        rows.append(("fidelity", Fidelity.from_json(report.fidelity).summary()))
+    rows.append(("time", f"{report.seconds:.2f}s"))
     if report.part:
         merged = "merged" if report.merged else "run `featbake merge` once every part is done"
-        table.add_row("part", f"{report.part}: fragment sealed, {merged}")
-    out.print(table)
+        rows.append(("part", f"{report.part}: fragment sealed, {merged}"))
+    for line in summary_lines(rows):
+        out.print(line)
     for path, reason in report.failed[:50]:
         reason = reason.removeprefix(f"{path}: ")  # most reasons name their file already
         console.print(f"[red]failed[/] {escape(path)}: {escape(reason)}")

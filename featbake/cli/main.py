@@ -16,17 +16,18 @@ from rich.markup import escape
 from featbake.bake.interrupt import raise_on_sigterm
 
 # Importing the command modules registers their commands on the app.
-from featbake.bake.ranks import rank_from_env
 from featbake.cli import build, export, gc, merge, store, verify  # noqa: F401
 from featbake.cli.app import app, console
 from featbake.cli.supervise import (
-    abrupt_line,
+    in_part,
+    leave_child,
+    report_abrupt_end,
     report_clean_exit,
     run_supervised,
     status_channel,
     wants_supervisor,
 )
-from featbake.errors import BuildProcessDied, FeatbakeError, Terminated
+from featbake.errors import FeatbakeError, Terminated
 
 
 def _one_line_warning(message: object, category: type, *_: object, **__: object) -> str:
@@ -40,7 +41,21 @@ def main(argv: list[str] | None = None) -> None:
     :mod:`featbake.cli.supervise`), so a build process ended by its encoder is still reported.
     """
     warnings.formatwarning = _one_line_warning
-    _supervise_or_report(sys.argv[1:] if argv is None else argv)
+    if not _supervise_or_report(sys.argv[1:] if argv is None else argv):
+        _run(argv)
+        return
+    code: object = 0
+    try:  # the watched build child: leaves without the interpreter's teardown (supervise.py)
+        _run(argv)
+    except SystemExit as e:
+        code = e.code
+    # Out of the except block: the traceback and the frames it held are freed first, so what
+    # they owned (a DataLoader's workers) shuts down as it does on a normal exit.
+    leave_child(code)
+
+
+def _run(argv: list[str] | None) -> None:
+    """Run the app; featbake errors become one red line and an exit code."""
     if threading.current_thread() is threading.main_thread():
         # SIGTERM (torchrun, SLURM, Kubernetes, docker) stops a command as Ctrl-C does, with its
         # own exit code; a build turns it into a stop at its next safe point.
@@ -92,38 +107,22 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
 
 
-def _supervise_or_report(args: list[str]) -> None:
-    """Run a build in a watched child (never returns), or, in that child, report a clean exit."""
+def _supervise_or_report(args: list[str]) -> bool:
+    """Run a build in a watched child (never returns), or, in that child, report a clean exit.
+
+    Returns:
+        True in the watched child.
+    """
     if wants_supervisor(args):
         _supervise(args)
     status = status_channel()
     if status is not None:
         atexit.register(report_clean_exit, status)
+    return status is not None
 
 
 def _supervise(args: list[str]) -> NoReturn:
     outcome = run_supervised(args)
     if outcome.abrupt:
-        error = BuildProcessDied(abrupt_line(outcome.code))
-        console.print(f"[bold red]error:[/] {escape(in_part(str(error)))}", soft_wrap=True)
-        sys.exit(error.exit_code)
+        report_abrupt_end(outcome.code)
     sys.exit(outcome.code)
-
-
-def in_part(message: str, *, failed: bool = True) -> str:
-    """``message`` naming this process's part, when a launcher started several.
-
-    Under torchrun one failing rank ends them all, and torchrun's own report follows: the one
-    featbake line must say which rank failed, and that what every rank sealed is kept.
-    """
-    try:
-        spec = rank_from_env(os.environ)
-    except FeatbakeError:
-        return message  # the launcher's variables are themselves the error being reported
-    if not spec.sharded:
-        return message
-    return (
-        f"rank {spec.rank} ({spec.describe()}){' failed' if failed else ''}: {message}; "
-        "every shard the ranks sealed "
-        "is kept: rerun the same command to continue"
-    )

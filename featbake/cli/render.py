@@ -18,7 +18,7 @@ from rich.progress import (
 from rich.text import Text
 
 from featbake.cli.app import console
-from featbake.progress import MIN_RATE_SECONDS, progress_line
+from featbake.progress import MIN_RATE_SECONDS, bytes_text, progress_line
 from featbake.units import format_bytes
 
 
@@ -45,10 +45,16 @@ class _Labelled(ProgressColumn):
         return Text.assemble(f"{self.label} ", inner if isinstance(inner, Text) else str(inner))
 
 
+def _size(nbytes: int) -> str:
+    return format_bytes(nbytes) if nbytes else ""
+
+
 class _Bytes(ProgressColumn):
+    """Bytes sealed (what survives a kill) and bytes still in the writer's hands."""
+
     def render(self, task: Task) -> Text:
-        written = int(task.fields.get("bytes", 0))
-        return Text(f"{format_bytes(written)} written" if written else "", style="green")
+        sealed, pending = int(task.fields.get("bytes", 0)), int(task.fields.get("pending", 0))
+        return Text(bytes_text(_size(sealed), _size(pending)), style="green")
 
 
 def progress_bar() -> Progress:
@@ -64,6 +70,21 @@ def progress_bar() -> Progress:
         transient=False,
         disable=not console.is_terminal,
     )
+
+
+def summary_lines(rows: list[tuple[str, str]]) -> list[str]:
+    """``label  value`` lines, labels padded to one column and nothing after the value.
+
+    A rich ``Table`` pads every cell to its column's widest one: off a terminal each summary
+    line carried as many trailing spaces as the longest value is long (~150 behind a batching
+    note; issue 32 item 15). Markup in a value (``[red]3[/]``) is left for the console.
+
+    Example:
+        >>> summary_lines([("root", "r-1"), ("encoded", "16")])
+        ['root     r-1', 'encoded  16']
+    """
+    width = max((len(label) for label, _ in rows), default=0)
+    return [f"{label:<{width}}  {value}".rstrip() for label, value in rows]
 
 
 def format_when(ts: float) -> str:
@@ -87,10 +108,11 @@ def tick_bar(bar: Progress, tasks: dict[str, Any]) -> Any:
     finished: set[str] = set()
 
     def log_line(p: Any, now: float) -> None:
-        written = getattr(p, "bytes_written", 0)
-        size = format_bytes(written) if written else ""
+        sealed = _size(getattr(p, "bytes_written", 0))
+        pending = _size(getattr(p, "bytes_pending", 0))
         seconds = now - started[p.phase]
-        console.print(progress_line(p.phase, p.done, p.total, seconds, size), highlight=False)
+        line = progress_line(p.phase, p.done, p.total, seconds, sealed, pending)
+        console.print(line, highlight=False)
 
     def on_progress(p: Any) -> None:
         if p.phase not in started:
@@ -103,12 +125,14 @@ def tick_bar(bar: Progress, tasks: dict[str, Any]) -> Any:
                 completed=p.done,
                 total=p.total or None,
                 bytes=getattr(p, "bytes_written", 0),
+                pending=getattr(p, "bytes_pending", 0),
             )
             return
         if not p.total or p.phase in finished:
             return
         now = time.monotonic()
-        if p.done >= p.total:
+        # The line for the last item waits for its bytes to be sealed (the build's last word).
+        if p.done >= p.total and not getattr(p, "bytes_pending", 0):
             finished.add(p.phase)
             log_line(p, now)
         elif now - last_line.get(p.phase, started[p.phase]) >= LOG_EVERY_S:

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from featbake.encode.encoders import PICKLE, LoadedEncoder, detect_kind
+from featbake.encode.held import HeldBytes
 from featbake.keys import sha256_file, sha256_hex
 from featbake.progress import Progress
 from featbake.store.catalog import ENCODER_FP_PREFIX, FileStat, HashCache, HashRow
@@ -33,6 +34,7 @@ def hash_inputs(
     paths: Sequence[str],
     progress: Callable[[Progress], None] | None = None,
     stats: dict[str, FileStat] | None = None,
+    held: HeldBytes | None = None,
 ) -> tuple[dict[str, str], dict[str, str]]:
     """SHA-256 of each file, re-reading only files whose (size, mtime, ctime, inode) changed.
 
@@ -45,6 +47,8 @@ def hash_inputs(
         progress: called as hashing advances.
         stats: if given, filled with path -> the FileStat each digest belongs to, so a later
             reader can tell whether the file changed since (see :class:`DecodeDataset`).
+        held: if given, keeps the bytes of the files read, for a build to decode them from
+            (see :mod:`featbake.encode.held`).
 
     Returns:
         (path -> sha256, path -> reason for files that could not be read)
@@ -69,7 +73,7 @@ def hash_inputs(
 
     def one(p: str) -> tuple[str, str | None, str | None]:
         try:
-            return p, file_fingerprint(p), None
+            return p, file_fingerprint(p) if held is None else held.digest(p), None
         except OSError as e:
             return p, None, f"cannot read: {e.strerror}"
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from featbake.encode.fingerprints import hash_inputs, resolve_path
+from featbake.encode.held import HeldBytes
 from featbake.encode.sources import ScanResult, Source, scan_inputs
 from featbake.progress import Progress
 from featbake.store.catalog import FileStat, HashCache
@@ -87,8 +88,9 @@ class Folder:
         paths: Sequence[str],
         progress: Callable[[Progress], None] | None = None,
         stats: dict[str, FileStat] | None = None,
+        held: HeldBytes | None = None,
     ) -> tuple[dict[str, str], dict[str, str]]:
-        return hash_inputs(catalog, paths, progress, stats)
+        return hash_inputs(catalog, paths, progress, stats, held)
 
     @property
     def stat_tells_change(self) -> bool:

@@ -221,7 +221,7 @@ class CachedFeatureDataset(Dataset):
         self._served = self._served and self._served.for_index(self._layout, self._index)
         self._reads = Reads(self._index, self._layout)
         self._misses = Misses(self._index, self._reads, self._live, self._source, self.recipe)
-        self._misses.on_miss, self._misses.write_back = on_miss, self.write_back
+        self._misses.configure(on_miss, self.write_back)  # warns of live encoding it can name
         check_stored_parts(self._layer_view, self._index.parts)  # a view the store cannot give
         if self.read_only and on_miss == "encode" and self.stored() < len(self):
             warnings.warn(read_only_misses(self._layout, len(self) - self.stored()), stacklevel=2)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,8 +32,9 @@ from featbake.encode.sources import Source, load_unchanged
 from featbake.errors import CacheMiss, EncoderLoadError, FeatbakeError, SourceError
 from featbake.keys import feature_key
 from featbake.recipe import Recipe
+from featbake.serve.derived import copied_parts
 from featbake.serve.index import Index
-from featbake.serve.miss_advice import StoredBuild, miss_message
+from featbake.serve.miss_advice import StoredBuild, live_encoding_warning, miss_message
 from featbake.serve.reads import Reads
 from featbake.serve.state import ProcessState
 from featbake.serve.writeback import pending_in_process
@@ -225,6 +227,25 @@ class Misses:
         self.on_miss = "encode"
         self.write_back = True
 
+    def configure(self, on_miss: str, write_back: bool) -> None:
+        """Set what a miss does; warn once when misses will be encoded although the store
+        built the same data with this encoder under other options (naming them)."""
+        self.on_miss, self.write_back = on_miss, write_back
+        missing = int((self.index.shard < 0).sum())
+        data = self.index.data_dir
+        if on_miss != "encode" or not missing or data is None:
+            return
+        builds = stored_builds(self.live.layout, data)
+        asked = self.recipe.as_dict()
+        text = live_encoding_warning(data, missing, len(self.index), self.live.label, asked, builds)
+        if text is not None:
+            warnings.warn(text, stacklevel=3)
+
+    @property
+    def fps(self) -> tuple[str, str]:
+        """(encoder, recipe) fingerprint: what each item's key is made of, with its digest."""
+        return self.live.fingerprint, self.recipe_fp
+
     def cache_miss(self, i: int) -> CacheMiss:
         """The error for item ``i`` with ``on_miss="error"``: what is missing, which option
         differs from how the store built this data, and the command (see miss_advice)."""
@@ -310,13 +331,16 @@ class Misses:
             else:
                 st.touch(i)
                 out[i] = value
-        if todo:
-            if self.on_miss == "error":
-                raise self.cache_miss(todo[0])
-            for i, parts in zip(todo, self.encode(st, todo), strict=True):
-                out[i] = unpack(parts)
-                if self.write_back:
-                    self.store(st, i, parts)
+        # A part a whole-output build stored is copied, not encoded (see serve/derived.py).
+        copied = copied_parts(st, self.reads, self.index, self.fps, self.recipe, todo)
+        todo = [i for i in todo if i not in copied]
+        if todo and self.on_miss == "error":
+            raise self.cache_miss(todo[0])
+        encoded = zip(todo, self.encode(st, todo), strict=True) if todo else iter(())
+        for i, parts in [*copied.items(), *encoded]:
+            out[i] = unpack(parts)
+            if self.write_back:
+                self.store(st, i, parts)
         return [out[i] for i in idx]
 
     def encode(self, st: ProcessState, idx: list[int]) -> list[Parts]:
@@ -331,7 +355,7 @@ class Misses:
             inputs = [self.source.load(p) for p in paths]
             keys = [self.index.key(i) for i in idx]
             with st.catalogs.scoped() as catalog:
-                check_unchanged(catalog, paths, keys, (self.live.fingerprint, self.recipe_fp))
+                check_unchanged(catalog, paths, keys, self.fps)
         results = encode_inputs(st.encoder, inputs, self.recipe)
         st.encoded += len(idx)
         return [stored_parts(parts, self.recipe) for parts in results]  # int8/fp8: packed

@@ -94,3 +94,59 @@ def miss_message(
     return (
         f"{head}. Run `{command}`, pass the store's options to the dataset, or use on_miss='encode'"
     )
+
+
+def flat_recipe(recipe: Mapping[str, Any]) -> dict[str, Any]:
+    """``recipe`` with its nested steps flattened: ``{"image": {"crop": ...}}`` gives
+    ``image.crop``, so a difference names the one step that differs.
+
+    Example:
+        >>> flat_recipe({"dtype": "float32", "image": {"crop": [224, 224]}})
+        {'dtype': 'float32', 'image.crop': [224, 224]}
+    """
+    out: dict[str, Any] = {}
+    for field, value in recipe.items():
+        if isinstance(value, Mapping):
+            out.update({f"{field}.{k}": v for k, v in value.items() if k != "version"})
+        else:
+            out[field] = value
+    return out
+
+
+def copied_not_encoded(asked: Mapping[str, Any], stored: Mapping[str, Any]) -> bool:
+    """True when ``asked`` differs from ``stored`` only by naming one ``output`` of a
+    whole-output build: its misses are copied from the store, not encoded (serve/derived.py)."""
+    differs = {f for f in set(asked) | set(stored) if asked.get(f) != stored.get(f)}
+    return differs == {"output"} and stored.get("output") is None
+
+
+def live_encoding_warning(
+    data: str,
+    missing: int,
+    total: int,
+    encoder: str,
+    asked: Mapping[str, Any],
+    builds: Sequence[StoredBuild],
+) -> str | None:
+    """The warning for a dataset about to encode ``missing`` items live while the store holds
+    the same data from the same encoder under other options (issue 32 item 2: a recipe that
+    differed from the build's encoded everything again, in silence); None when there is no
+    such build, or when its misses are copied from it instead.
+
+    Example:
+        >>> built = StoredBuild("enc", {"dtype": "float32", "image": {"crop": [224, 224]}})
+        >>> live_encoding_warning(
+        ...     "imgs", 2, 2, "enc", {"dtype": "float32", "image": {"crop": [196, 196]}}, [built]
+        ... )  # doctest: +ELLIPSIS
+        "featbake: 2 of 2 items of imgs ... other options: image.crop=[224, 224] in the store..."
+    """
+    same = [b for b in builds if b.encoder_label == encoder and dict(b.recipe) != dict(asked)]
+    if not missing or not same or copied_not_encoded(asked, same[0].recipe):
+        return None
+    diffs = recipe_differences(flat_recipe(asked), flat_recipe(same[0].recipe))
+    return (
+        f"featbake: {missing} of {total} items of {data} are not in the store for this recipe "
+        f"and will be encoded live on first read, although the store built {data} with this "
+        f"encoder under other options: {'; '.join(diffs)}. Pass the store's options to the "
+        "dataset to read what it holds, or build this recipe once with `featbake build`"
+    )

@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import math
 import os
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -60,6 +62,10 @@ class SealedShard:
 class ShardWriter:
     """Collects features and seals them into immutable shards of about ``target_bytes``.
 
+    A shard is also sealed once its first feature has waited ``seal_seconds`` (checked on each
+    :meth:`add`, and by a caller that polls :meth:`due`): a process killed with SIGKILL loses
+    only what it added since the last seal, not a whole 256 MiB shard (issue 32 item 1).
+
     A context manager: what was added is sealed on exit, also when the block raised (an
     interrupted build keeps what it encoded). ``on_seal`` is called with each sealed shard, which
     is where the caller commits catalog rows.
@@ -76,8 +82,10 @@ class ShardWriter:
     target_bytes: int = DEFAULT_SHARD_BYTES
     max_items: int = DEFAULT_SHARD_ITEMS
     on_seal: Any = None
+    seal_seconds: float = math.inf
     _tensors: dict[str, torch.Tensor] = field(default_factory=dict, init=False)
     _pending_bytes: int = field(default=0, init=False)
+    _first_added: float = field(default=0.0, init=False)  # monotonic time of the oldest pending
     sealed: list[SealedShard] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
@@ -85,14 +93,30 @@ class ShardWriter:
             raise ConfigError(
                 "shard size and item limit must be positive (e.g. --shard-size 256MiB)"
             )
+        if not self.seal_seconds > 0:
+            raise ConfigError(f"--seal-every must be positive seconds, got {self.seal_seconds!r}")
 
     @property
     def pending_bytes(self) -> int:
         """Bytes added but not yet sealed."""
         return self._pending_bytes
 
+    def due(self, now: float | None = None) -> bool:
+        """True when something is pending and the oldest of it has waited ``seal_seconds``."""
+        if not self._tensors:
+            return False
+        return (time.monotonic() if now is None else now) - self._first_added >= self.seal_seconds
+
+    @property
+    def oldest_pending(self) -> float | None:
+        """When (``time.monotonic()``) the oldest feature not yet sealed was added; None if none."""
+        return self._first_added if self._tensors else None
+
     def add(self, key: str, parts: Mapping[str, torch.Tensor]) -> SealedShard | None:
-        """Add one feature (its output parts); seal and return the shard if it is now full."""
+        """Add one feature (its output parts); seal and return the shard if it is now full,
+        or if its oldest feature has waited ``seal_seconds``."""
+        if not self._tensors:
+            self._first_added = time.monotonic()
         for part, t in parts.items():
             name = tensor_name(key, part)
             if name in self._tensors:
@@ -102,7 +126,8 @@ class ShardWriter:
             t = t.detach().to("cpu").contiguous()
             self._tensors[name] = t
             self._pending_bytes += t.numel() * t.element_size()
-        if self._pending_bytes >= self.target_bytes or len(self._tensors) >= self.max_items:
+        full = self._pending_bytes >= self.target_bytes or len(self._tensors) >= self.max_items
+        if full or self.due():
             return self.seal()
         return None
 

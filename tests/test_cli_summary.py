@@ -1,0 +1,51 @@
+"""Issue 32 item 15: what a build prints off a terminal, and what its watching process loads.
+
+Summary lines used to carry as many trailing spaces as the longest value was long (~150 behind
+a batching note): a rich ``Table`` pads every cell. And the process that only watches the build
+imported typer, rich and every command before starting the child that imports them again.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import REPO, run_cli
+
+
+def test_a_piped_build_prints_no_trailing_spaces_and_ends_with_what_is_sealed(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    res = run_cli("build", "-e", encoder_file, "-d", audio_dir, "--cache", tmp_path / "c")
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines() + res.stderr.splitlines()
+    assert [ln for ln in lines if ln != ln.rstrip()] == []
+    batching = [ln for ln in res.stdout.splitlines() if ln.startswith("batching")]
+    assert batching and len(batching[0]) > 40  # the longest value, which set the padding
+    assert [ln.split()[0] for ln in res.stdout.splitlines()][:3] == ["root", "encoder", "files"]
+    encode = [ln for ln in res.stderr.splitlines() if ln.startswith("encode:")]
+    # The last word on bytes is what is sealed, with nothing left pending.
+    assert encode and encode[-1].endswith("sealed") and "pending" not in encode[-1], encode
+
+
+def test_the_watching_process_imports_no_typer_rich_or_torch(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
+    env.pop("FEATBAKE_DEBUG", None)
+    args = ["build", "-e", str(encoder_file), "-d", str(audio_dir), "--cache", str(tmp_path)]
+    # -X importtime reaches this process only: the child is started without it.
+    res = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "featbake", *args],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    loaded = {
+        ln.split("|")[-1].strip()
+        for ln in res.stderr.splitlines()
+        if ln.startswith("import time:") and "|" in ln
+    }
+    assert "featbake.cli.supervise" in loaded  # the parent's own import lines, read
+    assert not {"typer", "rich", "torch", "numpy", "featbake.cli.main"} & loaded

@@ -1,0 +1,65 @@
+"""Issue 31 item 3: a first build reads each input once (hashed from the bytes it decodes).
+
+Measured by what the build's process read (``rchar`` in /proc/self/io: every byte returned by
+read(), from the disk or the page cache), not by time: the inputs' bytes dominate it, and a
+first build used to read them twice (hashed, then decoded from the file again).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import featbake.encode.held
+from featbake.bake.pipeline import build
+from featbake.encode.sources import AudioSource
+from featbake.recipe import Recipe
+from featbake.testing import TinyConvEncoder, write_audio_folder
+from tests.helpers import stored_features
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/io")
+
+
+def _read_so_far() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
+def _bytes_read_by_build(data: Path, cache: Path) -> int:
+    enc = TinyConvEncoder().eval()
+    build(data, enc, cache=cache.parent / "warm", workers=0)  # imports and loaders made once
+    before = _read_so_far()
+    report = build(data, enc, cache=cache, workers=0)
+    read = _read_so_far() - before
+    assert report.ok and report.encoded == len(list(data.iterdir()))
+    return read
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_a_first_build_reads_its_inputs_once(
+    tmp_path: Path, held: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = tmp_path / "audio"
+    write_audio_folder(data, 16, seconds=8.0, seed=3)  # 4 MiB of wav
+    size = sum(p.stat().st_size for p in data.iterdir())
+    if not held:  # the old way: no bytes kept, every input read again to decode
+        monkeypatch.setattr(featbake.encode.held, "HELD_BYTES", 0)
+    read = _bytes_read_by_build(data, tmp_path / "store")
+    print(f"held={held}: read {read:,} bytes for {size:,} bytes of inputs ({read / size:.2f}x)")
+    if held:
+        assert read < 1.25 * size, (read, size)  # ~1.0x: the catalog's few pages beside it
+    else:
+        assert read > 1.9 * size, (read, size)  # what a first build read before
+    # Decoded from the kept bytes or not, every stored feature is the encoder's now.
+    enc, src = TinyConvEncoder().eval(), AudioSource(Recipe())
+    report = build(data, enc, cache=tmp_path / "store", workers=0)
+    assert report.encoded == 0  # a rebuild hashes nothing and reads no input
+    for name, parts in stored_features(tmp_path / "store", report.root).items():
+        with torch.no_grad():
+            live = enc(src.load(data / name).unsqueeze(0))[0]
+        torch.testing.assert_close(parts[""], live, rtol=1e-5, atol=1e-6)
