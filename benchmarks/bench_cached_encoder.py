@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _rows import row
 
-from featbake.serve.cached_encoder_keys import ModuleWatch
+from featbake.serve.cached_encoder import ModuleWatch
 from featbake.testing import TinyConvEncoder
 
 

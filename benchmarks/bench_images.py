@@ -4,7 +4,7 @@
    encode, write behind, seal, catalog) from a Hugging Face DINOv2 folder against a bare loop
    that a user would write: a ``DataLoader`` (batch 32, ``num_workers`` 0 or 2, the faster
    counts) whose dataset decodes each JPEG with Pillow and runs the *same* transform
-   (:func:`featbake.encode.image_transform.transform`), then the same model, storing nothing.
+   (:func:`featbake.encode.images.transform`), then the same model, storing nothing.
    The model is a DINOv2 built from a config (no download): 6 layers, width 192 (ViT-Tiny
    width), patch 16, images resized to 128 and cropped to 112 (49 patches). Target: <= 1.10x.
 2. **Reads**: DINOv2-base-shaped features, patch tokens ``[257, 768]`` (fp16, ~395 KB) and
@@ -35,8 +35,7 @@ sys.path.insert(0, str(REPO))
 
 from featbake.bake.pipeline import build
 from featbake.encode.encoders import from_module
-from featbake.encode.image_transform import transform
-from featbake.encode.images import IMAGE_EXTENSIONS, decode_image
+from featbake.encode.images import IMAGE_EXTENSIONS, decode_image, transform
 from featbake.encode.sources import scan
 from featbake.image_recipe import ImageRecipe, Resize, ResizeKind, Size
 from featbake.recipe import Recipe
@@ -94,7 +93,7 @@ def bare_loop(data: Path, folder: Path, workers: int) -> float:
     """Pillow decode + the transform in a DataLoader, then the model; store nothing."""
     import transformers
 
-    from featbake.encode.hf_vision import image_recipe_for_folder
+    from featbake.encode.hf import image_recipe_for_folder
 
     t0 = time.perf_counter()
     model = transformers.AutoModel.from_pretrained(str(folder), dtype=torch.float32).eval()

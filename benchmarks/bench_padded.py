@@ -32,7 +32,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from featbake.bake import padded
+from featbake.bake import batching as padded
 from featbake.bake.pipeline import build
 from featbake.device import synchronize
 from featbake.encode.encoders import LoadedEncoder

@@ -35,7 +35,7 @@ from featbake.store.fragments import (
     write_fragment,
 )
 from featbake.store.layout import Layout
-from featbake.store.writer import SealedShard, ShardEntry
+from featbake.store.shard import SealedShard, ShardEntry
 from featbake.testing import TinyConvEncoder, save_torchscript, write_audio_folder
 
 sys.path.insert(0, str(HERE))

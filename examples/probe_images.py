@@ -25,7 +25,7 @@ from PIL import Image
 from torch import nn
 
 from featbake.bake.views import build_views
-from featbake.image_options import parse_views
+from featbake.image_recipe import parse_views
 from featbake.recipe import Recipe
 from featbake.serve.views import ViewsDataset
 

@@ -27,7 +27,7 @@ _EXPORTS = {
     "pad_collate": "featbake.serve.collate",
     "CachedFeatureDataset": "featbake.serve.dataset",
     "FeatureLoader": "featbake.serve.loader",
-    "BlockSampler": "featbake.serve.blocks",
+    "BlockSampler": "featbake.serve.loader",
     "ServeStats": "featbake.serve.dataset",
     "ViewsDataset": "featbake.serve.views",
     "BuildIncomplete": "featbake.errors",
@@ -89,11 +89,10 @@ if TYPE_CHECKING:
     )
     from featbake.lru import ByteLRU
     from featbake.recipe import Recipe
-    from featbake.serve.blocks import BlockSampler
     from featbake.serve.cached_encoder import CachedEncoder
     from featbake.serve.collate import PaddedBatch, pad_collate
     from featbake.serve.dataset import CachedFeatureDataset, ServeStats
-    from featbake.serve.loader import FeatureLoader
+    from featbake.serve.loader import BlockSampler, FeatureLoader
     from featbake.serve.prefetch import DevicePrefetcher
     from featbake.serve.views import ViewsDataset
 

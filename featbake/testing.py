@@ -71,7 +71,7 @@ class LengthsEncoder(nn.Module):
 
     ``forward(wav [B, T], lengths [B]) -> (frames [B, T', dim], out_lengths [B])``. Padding is
     exact: a frame is kept only when its whole receptive field lies in the clip, and padded
-    frames are masked out of attention (see :mod:`featbake.encode.lengths`).
+    frames are masked out of attention (see :mod:`featbake.encode.encoders`).
     """
 
     def __init__(

@@ -20,7 +20,7 @@ from featbake.recipe import Recipe
 from featbake.store.catalog import Catalog
 from featbake.store.features import FeatureReader
 from featbake.store.layout import Layout
-from featbake.store.reader import ShardReader
+from featbake.store.shard import ShardReader
 from tests.conftest import live_features
 
 # == upkeep and export (tests/upkeep, tests/export): build, list shards, serve against live =====

@@ -24,13 +24,9 @@ LEAVES = {
     "lru",
     "progress",
     "version",
-    "cpus",
-    "gcpause",
-    "perprocess",
+    "process",
     "quantize",
-    "fidelity",
     "image_recipe",
-    "image_options",
 }
 ALLOWED: dict[str, set[str]] = {
     "leaf": set(),
@@ -60,6 +56,7 @@ class ImportEdge:
     target: str
     names: tuple[str, ...]
     line: int
+    typing_only: bool = False  # under ``if TYPE_CHECKING:``: never run
 
 
 def module_name(path: Path) -> str:
@@ -89,19 +86,27 @@ def modules() -> list[Path]:
 def import_edges(path: Path) -> list[ImportEdge]:
     tree = ast.parse(path.read_text(), filename=str(path))
     me = module_name(path)
+    typing_only = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING"
+        for inner in ast.walk(node)
+    }
     edges = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.split(".")[0] == "featbake":
-                    edges.append(ImportEdge(me, alias.name, (), node.lineno))
+                    edges.append(
+                        ImportEdge(me, alias.name, (), node.lineno, id(node) in typing_only)
+                    )
         elif (
             isinstance(node, ast.ImportFrom)
             and node.level == 0
             and (node.module or "").split(".")[0] == "featbake"
         ):
             names = tuple(a.name for a in node.names)
-            edges.append(ImportEdge(me, node.module, names, node.lineno))
+            edges.append(ImportEdge(me, node.module, names, node.lineno, id(node) in typing_only))
     return edges
 
 
@@ -197,11 +202,14 @@ def test_the_declared_python_floor_is_the_one_ci_tests() -> None:
 
 
 def import_graph() -> dict[str, set[str]]:
-    """module -> the featbake modules it imports anywhere in its file (lazy imports included):
-    ``from pkg import sub`` counts as an edge to ``pkg.sub`` when that is a module."""
+    """module -> the featbake modules it imports anywhere in its file (lazy imports included,
+    type-only ones under ``if TYPE_CHECKING:`` not: they never run): ``from pkg import sub``
+    counts as an edge to ``pkg.sub`` when that is a module."""
     mods = {module_name(p) for p in modules()}
     graph: dict[str, set[str]] = {}
     for e in all_edges():
+        if e.typing_only:
+            continue
         subs = {f"{e.target}.{n}" for n in e.names} & mods
         for target in subs or ({e.target} & mods):
             if target != e.module:

@@ -13,8 +13,8 @@ import pytest
 import soundfile
 import torch
 
-import featbake.encode.held
-import featbake.store.writer as store_mod
+import featbake.encode.fingerprints
+import featbake.store.shard as store_mod
 from featbake.bake.batching import ShapeBatcher
 from featbake.bake.pipeline import build
 from featbake.encode.encoders import from_module
@@ -256,11 +256,11 @@ def test_a_file_rewritten_after_hashing_is_failed_not_stored_under_its_old_key(
 ) -> None:
     """The key names the hashed bytes; features of newer bytes must never be stored under it.
 
-    With the hashed bytes kept (featbake/encode/held.py) the old bytes are what is decoded, so
-    the input is stored under its key; past the budget (``held=False``) it is read again and
-    fails as changed."""
+    With the hashed bytes kept (featbake/encode/fingerprints.py) the old bytes are what is
+    decoded, so the input is stored under its key; past the budget (``held=False``) it is read
+    again and fails as changed."""
     if not held:
-        monkeypatch.setattr(featbake.encode.held, "HELD_BYTES", 0)
+        monkeypatch.setattr(featbake.encode.fingerprints, "HELD_BYTES", 0)
     data, backup = tmp_path / "a", tmp_path / "b"
     write_audio_folder(data, 3, seconds=1.0, seed=5)
     write_audio_folder(backup, 3, seconds=1.0, seed=5)  # the same bytes: the same keys

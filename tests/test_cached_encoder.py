@@ -394,7 +394,7 @@ def test_a_forked_child_seals_only_its_own_write_back(tmp_path) -> None:
     parent seals its own, the child seals what it encoded."""
     import os
 
-    from featbake.store.reader import ShardReader
+    from featbake.store.shard import ShardReader
 
     enc = frozen(TinyConvEncoder())
     store = tmp_path / "store"

@@ -568,7 +568,7 @@ def test_roots_verify_and_gc_do_not_hard_wrap_off_a_terminal(
 
 
 def _keys_of_shard(path: Path) -> set[str]:
-    from featbake.store.reader import ShardReader
+    from featbake.store.shard import ShardReader
 
     with ShardReader(path) as r:
         return {name.partition("/")[0] for name in r.tensors}

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from featbake.encode.code_closure import CodeClosure, imported_names
+from featbake.encode.identity import CodeClosure, imported_names
 from featbake.encode.sources import source_for
 from featbake.recipe import Recipe
 from featbake.serve.dataset import CachedFeatureDataset

@@ -9,13 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from featbake.bake.compact import FIRST_ITEMS, SAMPLE_EVERY, sampled
 from featbake.bake.pipeline import build
+from featbake.bake.stored import FIRST_ITEMS, SAMPLE_EVERY, sampled
 from featbake.errors import ConfigError
-from featbake.fidelity import Fidelity, FidelityTally
-from featbake.quantize import Scheme, dequantize, quantize
+from featbake.quantize import Fidelity, FidelityTally, Scheme, dequantize, quantize
 from featbake.recipe import Recipe
-from featbake.store.fidelity import fidelity_file, read_fidelity
+from featbake.store.catalog import fidelity_file, read_fidelity
 from featbake.store.layout import Layout
 from featbake.testing import TinyConvEncoder
 from featbake.upkeep import drop_root, list_roots, stats

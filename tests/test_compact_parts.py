@@ -11,11 +11,10 @@ import pytest
 import torch
 
 from featbake.bake.pipeline import build
-from featbake.fidelity import Fidelity
-from featbake.quantize import Scheme, dequantize, quantize
+from featbake.quantize import Fidelity, Scheme, dequantize, quantize
 from featbake.recipe import Recipe
 from featbake.serve.dataset import CachedFeatureDataset
-from featbake.store.fidelity import read_fidelity
+from featbake.store.catalog import read_fidelity
 from featbake.store.fragments import sealed_fragments
 from featbake.store.layout import Layout
 from tests.conftest import REPO, live_features, run_cli

@@ -13,11 +13,18 @@ from torch import nn
 
 from featbake.bake.pipeline import build
 from featbake.errors import ConfigError
-from featbake.fidelity import Fidelity, FidelityTally
-from featbake.quantize import ScaleSpan, Scheme, dequantize, quantize, unpack
+from featbake.quantize import (
+    Fidelity,
+    FidelityTally,
+    ScaleSpan,
+    Scheme,
+    dequantize,
+    quantize,
+    unpack,
+)
 from featbake.recipe import Recipe
 from featbake.serve.dataset import CachedFeatureDataset
-from featbake.store.fidelity import read_fidelity, recorded_serve_dtype
+from featbake.store.catalog import read_fidelity, recorded_serve_dtype
 from featbake.store.layout import Layout
 from featbake.testing import TinyConvEncoder, save_torchscript
 from tests.conftest import live_features

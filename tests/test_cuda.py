@@ -16,9 +16,8 @@ import torch
 from torch.utils.data import DataLoader, StackDataset
 
 from featbake import CachedEncoder, CachedFeatureDataset, FeatureLoader, build, pad_collate
-from featbake.bake.padded import BatchingMode
-from featbake.encode.encoders import torchscript_quietly
-from featbake.encode.precision import EXACT_TOLERANCE, autocast_for
+from featbake.bake.batching import BatchingMode
+from featbake.encode.encoders import EXACT_TOLERANCE, autocast_for, torchscript_quietly
 from featbake.encode.sources import source_for
 from featbake.quantize import Scheme, dequantize
 from featbake.recipe import Recipe

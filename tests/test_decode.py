@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from featbake.bake.decode import AHEAD, decoded_items
+from featbake.bake.threads import AHEAD, decoded_items
 from featbake.encode.sources import source_for
 from featbake.recipe import Recipe
 from featbake.store.catalog import FileStat

@@ -14,7 +14,7 @@ from featbake.bake.pipeline import build
 from featbake.encode.sources import AudioSource
 from featbake.recipe import Recipe
 from featbake.serve.dataset import CachedFeatureDataset
-from featbake.store.fidelity import read_fidelity
+from featbake.store.catalog import read_fidelity
 from featbake.store.layout import Layout
 from featbake.testing import TinyConvEncoder
 from tests.conftest import encoded_rows, live_features, run_cli

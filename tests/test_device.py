@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from featbake.cpus import (
+from featbake.device import cgroup_cpu_limit, check_device, process_cpus, torch_threads
+from featbake.errors import ConfigError
+from featbake.process import (
     BakeThreads,
     bake_threads,
     encoder_threads,
@@ -16,8 +18,6 @@ from featbake.cpus import (
     parse_cpu_max,
     usable_cpus,
 )
-from featbake.device import cgroup_cpu_limit, check_device, process_cpus, torch_threads
-from featbake.errors import ConfigError
 
 
 def _cgroup(root: Path, files: dict[str, str]) -> Path:

@@ -12,8 +12,9 @@ import pytest
 
 from featbake.errors import ConfigError
 from featbake.store.catalog import Catalog
-from featbake.store.filesystem import (
+from featbake.store.layout import (
     FsKind,
+    Layout,
     SharedFilesystemWarning,
     detect,
     kind_of,
@@ -22,7 +23,6 @@ from featbake.store.filesystem import (
     parse_mountinfo,
     parse_mounts,
 )
-from featbake.store.layout import Layout
 
 # /proc/self/mountinfo lines in the kernel's format (proc(5)); the local ones are from this
 # machine, the cluster ones from NFS, Lustre, GPFS, CIFS and sshfs clients.

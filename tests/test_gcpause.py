@@ -6,7 +6,7 @@ import gc
 
 import pytest
 
-from featbake.gcpause import gc_paused
+from featbake.process import gc_paused
 
 
 def test_the_collector_is_paused_inside_and_restored_after_an_error() -> None:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from featbake.bake.padded import BatchingMode
+from featbake.bake.batching import BatchingMode
 from featbake.bake.pipeline import build
 from featbake.encode.hf import WeightsMismatch, load_hf_folder, recipe_for_folder
 from featbake.encode.loaders import load_encoder

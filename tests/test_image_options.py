@@ -7,8 +7,16 @@ from pathlib import Path
 import pytest
 
 from featbake.errors import ConfigError
-from featbake.image_options import IMAGE_OPTIONS, MAX_SIDE, parse_image_options
-from featbake.image_recipe import ColourMode, ImageRecipe, Interpolation, Resize, Size
+from featbake.image_recipe import (
+    IMAGE_OPTIONS,
+    MAX_SIDE,
+    ColourMode,
+    ImageRecipe,
+    Interpolation,
+    Resize,
+    Size,
+    parse_image_options,
+)
 from featbake.testing import write_image_folder
 from tests.conftest import run_cli
 

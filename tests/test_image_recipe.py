@@ -164,7 +164,7 @@ def test_crop_box_matches_transformers_center_crop(
     height: int, width: int, crop_h: int, crop_w: int
 ) -> None:
     """Cropping an index image by the box gives exactly transformers' crop (padding included)."""
-    from featbake.encode.image_transform import center_crop
+    from featbake.encode.images import center_crop
 
     image = (np.arange(height * width).reshape(height, width, 1) % 251 + 1).astype(np.uint8)
     want = image_transforms.center_crop(image, (crop_h, crop_w), input_data_format="channels_last")

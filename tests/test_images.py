@@ -16,8 +16,7 @@ import torch
 from PIL import Image, features
 
 from featbake.bake.pipeline import build
-from featbake.encode.image_transform import transform
-from featbake.encode.images import IMAGE_EXTENSIONS, decode_image, to_mode
+from featbake.encode.images import IMAGE_EXTENSIONS, decode_image, to_mode, transform
 from featbake.encode.sources import source_for
 from featbake.errors import SourceError
 from featbake.image_recipe import ColourMode, ImageRecipe, Interpolation, Resize, ResizeKind, Size
@@ -197,6 +196,8 @@ def test_a_build_skips_bad_images_and_stores_the_rest(tmp_path: Path) -> None:
         workers=0,
     )
     assert report.encoded == 2
+    # image words, not audio's (issue 32 item 11: "the encoder takes no lengths")
+    assert "images batched by shape" in report.batching_note, report.batching_note
     reasons = dict(report.failed)
     assert set(reasons) == {"notes.jpg", "truncated.jpg"}
     assert "not an image" in reasons["notes.jpg"] and "truncated" in reasons["truncated.jpg"]

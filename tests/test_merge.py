@@ -21,12 +21,17 @@ import pytest
 import torch
 
 from featbake.bake.pipeline import build
-from featbake.store.catalog import Catalog
-from featbake.store.catalog.upkeep_queries import hash_cache_rows
-from featbake.store.fragments import BuildInfo, FragmentKind, sealed_fragments, write_fragment
+from featbake.store.catalog import Catalog, hash_cache_rows
+from featbake.store.fragments import (
+    BuildInfo,
+    FragmentKind,
+    merge,
+    pending_builds,
+    sealed_fragments,
+    write_fragment,
+)
 from featbake.store.layout import Layout
-from featbake.store.merge import merge, pending_builds
-from featbake.store.writer import SealedShard, ShardEntry
+from featbake.store.shard import SealedShard, ShardEntry
 from featbake.testing import write_audio_folder
 from tests.conftest import REPO, live_features, run_cli
 from tests.helpers import assert_store_consistent, stored_features
@@ -182,7 +187,7 @@ print(passes)
 """
 
 
-@pytest.mark.filterwarnings("ignore::featbake.store.filesystem.SharedFilesystemWarning")
+@pytest.mark.filterwarnings("ignore::featbake.store.layout.SharedFilesystemWarning")
 @pytest.mark.parametrize("shared_fs", ["0", "1"])
 def test_two_processes_read_one_store_while_a_merge_runs(
     tmp_path: Path, audio_dir: Path, encoder_file: Path, shared_fs: str, monkeypatch

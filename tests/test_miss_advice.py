@@ -10,7 +10,7 @@ import torch
 from featbake.bake.pipeline import build
 from featbake.errors import CacheMiss, StoreError
 from featbake.serve.dataset import CachedFeatureDataset
-from featbake.serve.miss_advice import StoredBuild, build_options, miss_message
+from featbake.serve.misses import StoredBuild, build_options, miss_message
 from featbake.store.catalog import Catalog
 from featbake.store.layout import Layout
 from tests.conftest import live_features

@@ -14,10 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from featbake.bake.pace import DECIDE_AFTER, SLOWER_BY, WARMUP_BATCHES, Pace, PaceTally
-from featbake.bake.padded import BatchingMode
+from featbake.bake.batching import (
+    DECIDE_AFTER,
+    SLOWER_BY,
+    WARMUP_BATCHES,
+    BatchingMode,
+    Pace,
+    PaceTally,
+)
 from featbake.bake.pipeline import build
-from featbake.encode.precision import autocast_for
+from featbake.encode.encoders import autocast_for
 from featbake.encode.sources import source_for
 from featbake.recipe import Recipe
 from featbake.testing import LengthsEncoder, write_audio_folder
@@ -54,7 +60,7 @@ def test_padded_batches_lose_only_past_the_margin(ratio: float, want: Pace) -> N
 class DeviceClock:
     """A modelled device's clock: seconds advance only by what the encoder's calls cost, so the
     pace verdict is the same on a quiet machine and a busy one (the build reads it through
-    ``featbake.bake.padded.pace_clock``)."""
+    ``featbake.bake.batching.pace_clock``)."""
 
     def __init__(self) -> None:
         self.now = 0.0
@@ -84,7 +90,7 @@ class TimedLengthsEncoder(LengthsEncoder):
 @pytest.fixture
 def device_clock(monkeypatch: pytest.MonkeyPatch) -> DeviceClock:
     clock = DeviceClock()
-    monkeypatch.setattr("featbake.bake.padded.pace_clock", clock)
+    monkeypatch.setattr("featbake.bake.batching.pace_clock", clock)
     return clock
 
 

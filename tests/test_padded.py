@@ -15,14 +15,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from featbake.bake.batching import LengthBatcher, plan_by_length
-from featbake.bake.padded import BatchingMode, BatchRunner, budget_samples
+from featbake.bake.batching import (
+    BatchingMode,
+    BatchRunner,
+    LengthBatcher,
+    budget_samples,
+    plan_by_length,
+)
 from featbake.bake.pipeline import build
-from featbake.encode.encoders import from_module, torchscript_quietly
-from featbake.encode.lengths import accepts_lengths, pad_inputs
+from featbake.encode.encoders import (
+    EXACT_TOLERANCE,
+    accepts_lengths,
+    autocast_for,
+    from_module,
+    pad_inputs,
+    torchscript_quietly,
+)
 from featbake.encode.loaders import load_encoder
 from featbake.encode.outputs import encode_batch, encode_padded
-from featbake.encode.precision import EXACT_TOLERANCE, autocast_for
 from featbake.encode.sources import source_for
 from featbake.errors import ConfigError, EncodeError
 from featbake.recipe import Recipe

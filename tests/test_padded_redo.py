@@ -1,5 +1,5 @@
 """Padding found inexact in a later batch: the items earlier padded batches sealed are encoded
-again alone and replace theirs (bake/redo.py), so every served item equals the encoder run now
+again alone and replace theirs (bake/pipeline.py), so every served item equals the encoder run now
 on that item alone, whatever batch it was first encoded in."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from featbake.bake.padded import BatchingMode
+from featbake.bake.batching import BatchingMode
 from featbake.bake.pipeline import build
 from featbake.encode.sources import source_for
 from featbake.quantize import Scheme, dequantize, quantize

@@ -1,11 +1,11 @@
-"""featbake.perprocess: the one pid-stamped rule for state that must not cross fork."""
+"""featbake.process: the one pid-stamped rule for state that must not cross fork."""
 
 from __future__ import annotations
 
 import os
 import threading
 
-from featbake.perprocess import PerProcess, ProcessStamp
+from featbake.process import PerProcess, ProcessStamp
 
 
 def _in_child(check) -> int:

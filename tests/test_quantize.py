@@ -11,10 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from featbake.errors import ConfigError, EncodeError
-from featbake.fidelity import Fidelity, FidelityTally
 from featbake.quantize import (
     SCALE_BYTES,
     TINY,
+    Fidelity,
+    FidelityTally,
     Scheme,
     dequantize,
     packed_shape,

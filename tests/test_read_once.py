@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import featbake.encode.held
+import featbake.encode.fingerprints
 from featbake.bake.pipeline import build
 from featbake.encode.sources import AudioSource
 from featbake.recipe import Recipe
@@ -48,7 +48,7 @@ def test_a_first_build_reads_its_inputs_once(
     write_audio_folder(data, 16, seconds=8.0, seed=3)  # 4 MiB of wav
     size = sum(p.stat().st_size for p in data.iterdir())
     if not held:  # the old way: no bytes kept, every input read again to decode
-        monkeypatch.setattr(featbake.encode.held, "HELD_BYTES", 0)
+        monkeypatch.setattr(featbake.encode.fingerprints, "HELD_BYTES", 0)
     read = _bytes_read_by_build(data, tmp_path / "store")
     print(f"held={held}: read {read:,} bytes for {size:,} bytes of inputs ({read / size:.2f}x)")
     if held:

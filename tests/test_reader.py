@@ -1,4 +1,4 @@
-"""The store's one read path (store/reader.py ``read_spans``) and its one vanished-shard rule
+"""The store's one read path (store/shard.py ``read_spans``) and its one vanished-shard rule
 (store/features.py ``relocated``), on their own: every read of a stored tensor goes through
 them, so their edge cases are pinned here rather than through each caller."""
 
@@ -16,9 +16,14 @@ from featbake.errors import ShardMissing, StoreCorrupt
 from featbake.store.catalog import Location
 from featbake.store.features import relocated
 from featbake.store.layout import Layout
-from featbake.store.reader import ShardReader, Span, read_spans
-from featbake.store.shard_format import shard_header, shard_metadata
-from featbake.store.writer import write_shard
+from featbake.store.shard import (
+    ShardReader,
+    Span,
+    read_spans,
+    shard_header,
+    shard_metadata,
+    write_shard,
+)
 
 EFP, RFP = "e" * 64, "r" * 64
 

@@ -1,4 +1,4 @@
-"""Batches read on several threads (serve/row_pool.py): the same rows, the same errors.
+"""Batches read on several threads (serve/reads.py): the same rows, the same errors.
 
 ``MIN_PARALLEL_BYTES`` is lowered to 0 so the tiny test stores take the threaded path; each
 batch is compared with live encoding, first epoch (checked rows) and later epoch (located rows).
@@ -16,10 +16,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-import featbake.serve.row_pool as row_pool
+import featbake.serve.reads as row_pool
 from featbake.bake.pipeline import build
 from featbake.errors import StoreCorrupt
-from featbake.perprocess import PerProcess
+from featbake.process import PerProcess
 from featbake.serve.collate import pad_collate
 from featbake.serve.dataset import CachedFeatureDataset
 from tests.conftest import live_features

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from featbake.bake.writer_thread import WriterThread
+from featbake.bake.threads import WriterThread
 from featbake.encode.sources import AudioSource
 from featbake.errors import ConfigError
 from featbake.recipe import Recipe
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.store.layout import Layout
-from featbake.store.writer import ShardWriter
+from featbake.store.shard import ShardWriter
 from featbake.testing import TinyConvEncoder, write_audio_folder
 from tests.conftest import encoded_rows, run_cli
 from tests.helpers import assert_store_consistent

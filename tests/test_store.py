@@ -21,13 +21,15 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-import featbake.store.writer as store_mod
+import featbake.store.shard as store_mod
 from featbake.errors import ConfigError, ShardMissing, StoreCorrupt, StoreError
-from featbake.store import shard_format
-from featbake.store.handles import ShardHandles
+from featbake.store import shard as shard_format
+from featbake.store.features import ShardHandles
 from featbake.store.layout import Layout
-from featbake.store.reader import ShardReader, VerifyMode
-from featbake.store.shard_format import (
+from featbake.store.shard import (
+    ShardReader,
+    ShardWriter,
+    VerifyMode,
     checksum_v1,
     crc32c,
     crc32c_tensor,
@@ -36,8 +38,8 @@ from featbake.store.shard_format import (
     split_tensor_name,
     tensor_buffer,
     tensor_name,
+    write_shard,
 )
-from featbake.store.writer import ShardWriter, write_shard
 
 EFP, RFP = "e" * 64, "r" * 64
 

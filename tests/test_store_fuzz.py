@@ -20,8 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from featbake.errors import FeatbakeError, StoreCorrupt
-from featbake.store.reader import ShardReader, VerifyMode
-from featbake.store.shard_format import shard_header, shard_metadata
+from featbake.store.shard import ShardReader, VerifyMode, shard_header, shard_metadata
 
 FUZZ = settings(
     max_examples=150,

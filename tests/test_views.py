@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from featbake.bake.views import build_views
 from featbake.encode.images import decode_image
 from featbake.errors import ConfigError
-from featbake.image_options import View, parse_views
+from featbake.image_recipe import View, parse_views
 from featbake.recipe import Recipe
 from featbake.serve.views import ViewsDataset, picks_flipped
 from featbake.testing import write_audio_folder, write_image_folder

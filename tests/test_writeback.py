@@ -17,12 +17,11 @@ from torch import nn
 from featbake.bake.pipeline import build
 from featbake.serve.cached_encoder import CachedEncoder
 from featbake.serve.dataset import CachedFeatureDataset
-from featbake.serve.lastuse import TOUCH_FLUSH_SECONDS
-from featbake.serve.writeback import WRITEBACK_SECONDS
+from featbake.serve.state import TOUCH_FLUSH_SECONDS, WRITEBACK_SECONDS
 from featbake.store.catalog import Catalog, RootSpec, read_root_file, root_file
 from featbake.store.layout import Layout
 from featbake.testing import TinyConvEncoder, make_tone
-from featbake.upkeep.verify_repair import verify
+from featbake.upkeep.repair import verify
 from tests.conftest import live_features
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}

@@ -1,4 +1,4 @@
-"""The build's writer thread (bake/writer_thread.py): features are handed over in batches, and
+"""The build's writer thread (bake/threads.py): features are handed over in batches, and
 every one put is sealed, readable and in the catalog after ``close``; an error in the thread
 reaches the caller."""
 
@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import featbake.bake.writer_thread as writer_thread
-from featbake.bake.writer_thread import HANDOFF_ITEMS, WriterThread
+import featbake.bake.threads as writer_thread
+from featbake.bake.threads import HANDOFF_ITEMS, WriterThread
 from featbake.errors import ConfigError
 from featbake.store.catalog import Catalog
 from featbake.store.layout import Layout
-from featbake.store.reader import ShardReader
+from featbake.store.shard import ShardReader
 
 EFP, RFP = "e" * 64, "r" * 64
 

@@ -16,7 +16,7 @@ from featbake.encode.encoders import encoder_not_found
 from featbake.encode.loaders import is_import_path
 from featbake.errors import ConfigError
 
-#: ``batching`` choices (the values of :class:`featbake.bake.padded.Batching`).
+#: ``batching`` choices (the values of :class:`featbake.bake.batching.Batching`).
 BATCHING_CHOICES = ("auto", "padded", "exact")
 #: Decode workers allowed per usable CPU (and at least :data:`MIN_WORKER_CAP` in all).
 WORKERS_PER_CPU = 4

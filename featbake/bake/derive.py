@@ -24,8 +24,8 @@ from featbake.keys import feature_key
 from featbake.recipe import Recipe
 from featbake.store.catalog import Location
 from featbake.store.features import FeatureReader, Parts
+from featbake.store.fragments import RankCatalog
 from featbake.store.layout import Layout
-from featbake.store.rank_catalog import RankCatalog
 
 #: Keys read from the store at once while deriving (features in memory at a time).
 CHUNK_KEYS = 256
@@ -84,13 +84,14 @@ def derivation_plan(
 ) -> dict[str, StoredSource]:
     """key -> its stored source, for each key (input digest in ``digests``) the store holds
     under a recipe it derives from, with the part it needs. Empty for a recipe nothing derives
-    to, and in one part of a sharded build (``catalog`` a :class:`RankCatalog`), which never
-    opens the catalog for writing; a store that cannot be read gives nothing to reuse."""
+    to; a store that cannot be read gives nothing to reuse. A build that writes fragments (a
+    part of a sharded build, any build into a bucket: ``catalog`` a :class:`RankCatalog`) reads
+    the catalog read-only: it never writes it (a bucket's is a published version)."""
     ways = source_recipes(recipe)
-    if isinstance(catalog, RankCatalog) or not ways or not digests or not layout.catalog.exists():
+    if not ways or not digests or not layout.catalog.exists():
         return {}
     plan: dict[str, StoredSource] = {}
-    reader = FeatureReader(layout, verify="always")
+    reader = FeatureReader(layout, verify="always", read_only=_fragments(catalog))
     try:
         for how in ways:
             fp = how.recipe.fingerprint()
@@ -106,19 +107,24 @@ def derivation_plan(
     return plan
 
 
+def _fragments(catalog: object) -> bool:
+    """Whether the build writes fragments (its catalog is never opened for writing)."""
+    return isinstance(catalog, RankCatalog)
+
+
 def _holds(locations: list[Location], part: str | None) -> bool:
     return bool(locations) and (part is None or any(loc.part == part for loc in locations))
 
 
 def stored_sources(
-    layout: Layout, plan: Mapping[str, StoredSource]
+    layout: Layout, plan: Mapping[str, StoredSource], catalog: object = None
 ) -> Iterator[tuple[str, StoredSource, Parts | None]]:
     """(key, source, the source's parts as stored, or None when they could not be read) for
     each key of ``plan``, read :data:`CHUNK_KEYS` at a time with their checksums checked."""
     if not plan:
         return
     keys = list(plan)
-    reader = FeatureReader(layout, verify="always")
+    reader = FeatureReader(layout, verify="always", read_only=_fragments(catalog))
     try:
         for start in range(0, len(keys), CHUNK_KEYS):
             chunk = keys[start : start + CHUNK_KEYS]

@@ -8,47 +8,222 @@ behind decode workers while a writer thread fills shards.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from featbake.bake.arguments import BuildArguments, check_build_arguments, check_encoder_found
-from featbake.bake.compact import DEFAULT_MAX_ERROR, Compactor
-from featbake.bake.decode import HeldSource, decoded_items, worker_death
+from featbake.bake.batching import BatchRunner, budget_samples
 from featbake.bake.derive import StoredSource, derivation_plan, stored_sources
-from featbake.bake.finite import nonfinite_part
 from featbake.bake.interrupt import interrupt_at_safe_points
 from featbake.bake.options import BakeOptions
-from featbake.bake.padded import BatchRunner, budget_samples
-from featbake.bake.parts import catalog_for_part, finish_part, keys_for_other_ranks, rank_group
-from featbake.bake.ranks import RankSpec, device_for_rank, resolve_rank
-from featbake.bake.redo import PaddedItem, encode_padded_again
+from featbake.bake.ranks import (
+    RankSpec,
+    device_for_rank,
+    my_part,
+    owned_by_lower_ranks,
+    resolve_rank,
+)
 from featbake.bake.report import BuildReport
-from featbake.bake.writer_thread import DEFAULT_SEAL_SECONDS, WriterThread
+from featbake.bake.stored import DEFAULT_MAX_ERROR, Compactor, nonfinite_part
+from featbake.bake.threads import (
+    DEFAULT_SEAL_SECONDS,
+    HeldSource,
+    WriterThread,
+    decoded_items,
+    worker_death,
+)
 from featbake.device import check_device, process_cpus, torch_threads
 from featbake.encode.encoders import LoadedEncoder, from_module
-from featbake.encode.fingerprints import encoder_fingerprint
-from featbake.encode.held import HeldBytes
+from featbake.encode.fingerprints import HeldBytes, encoder_fingerprint
 from featbake.encode.hf import check_recipe_supported, recipe_for_encoder
 from featbake.encode.inputs import Folder, Inputs, inputs_at
 from featbake.encode.loaders import load_encoder
 from featbake.encode.sources import Source, source_for
 from featbake.errors import ConfigError, EncodeError, FeatbakeError, SourceError
-from featbake.gcpause import gc_paused
 from featbake.keys import feature_key, root_id
+from featbake.process import gc_paused
 from featbake.progress import Progress
 from featbake.recipe import Recipe
-from featbake.store.catalog import FileStat, RootSpec
-from featbake.store.catalog_api import BuildCatalog
+from featbake.store.bucket import merge_store
+from featbake.store.catalog import BuildCatalog, Catalog, FileStat, RootSpec
 from featbake.store.features import Parts
+from featbake.store.fragments import RankCatalog
 from featbake.store.layout import Layout
 from featbake.store.open import Need, StoreRef, open_store
-from featbake.store.rank_catalog import RankCatalog
-from featbake.store.shard_format import DEFAULT_SHARD_BYTES
+from featbake.store.shard import DEFAULT_SHARD_BYTES
 
+# == parts =========================================================================================
+# A build done in parts: pick this rank's inputs, and merge once every rank is done.
+#
+# The pure half (which rank, which inputs) is bake/ranks.py; this module does the I/O around it:
+# stat the inputs to balance parts by bytes, hand the pipeline a :class:`RankCatalog` (so the
+# rank writes fragments, never the shared catalog), and under torchrun hold a barrier so that
+# rank 0 merges once every rank has sealed its fragment, and every rank returns with the store
+# merged.
+#: How long a rank waits at the barrier for the slowest one (a gloo default of 30 min is far
+#: too short for a build whose parts end hours apart).
+BARRIER_TIMEOUT = datetime.timedelta(days=7)
+
+
+def catalog_for_part(
+    layout: Layout, spec: RankSpec, inputs: Inputs, rel_paths: list[str]
+) -> tuple[BuildCatalog, list[str]]:
+    """The catalog this process writes through, and the inputs it does (all, for one process).
+
+    Each rank stats every input (cheap) but hashes and encodes only its own part. A build into
+    a bucket store always writes fragments (its tier's catalog is a published version, never
+    written in place), after bringing in the bucket's fragments: a rerun on another node skips
+    what the killed run sealed.
+    """
+    if not spec.sharded and layout.remote is None:
+        return Catalog(layout), rel_paths
+    if layout.remote is not None:
+        layout.remote.sync_fragments()
+    sizes = [inputs.size(p) for p in rel_paths]
+    listing = list(zip(rel_paths, sizes, strict=True))
+    mine = my_part(sizes, spec) if spec.sharded else list(range(len(rel_paths)))
+    return RankCatalog(layout, spec.rank, spec.world, listing), [rel_paths[i] for i in mine]
+
+
+@contextmanager
+def _process_group() -> Iterator[None]:
+    """torch.distributed's default group: the caller's, or a gloo one made (and torn down) here."""
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", timeout=BARRIER_TIMEOUT)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextmanager
+def rank_group(spec: RankSpec) -> Iterator[None]:
+    """Under torchrun, one process group for the whole build (the key exchange, then the
+    barrier before merging); nothing for a single process or parts launched one by one."""
+    if not spec.launched_together:
+        yield
+        return
+    with _process_group():
+        yield
+
+
+def keys_for_other_ranks(spec: RankSpec, keys: Sequence[str]) -> set[str]:
+    """Under torchrun: the keys another rank encodes (identical files on two ranks are encoded
+    once, by the lowest rank holding the key). Parts without a process group (``--shard``,
+    SLURM arrays) exchange nothing: each encodes its own, and `featbake merge` keeps one copy.
+    """
+    if not spec.launched_together:
+        return set()
+    gathered: list[list[str] | None] = [None] * spec.world
+    dist.all_gather_object(gathered, list(keys))
+    return owned_by_lower_ranks(spec.rank, [g or [] for g in gathered])
+
+
+def finish_part(layout: Layout, spec: RankSpec) -> bool:
+    """Under torchrun: wait for all ranks, rank 0 merges, all return merged. True if merged here.
+
+    Parts launched one by one (``--shard``, SLURM arrays) return at once: `featbake merge` runs
+    when they are all done (a SLURM job with ``--dependency=afterok`` on the array). A single
+    process building into a bucket store merges (publishes the next catalog version) itself.
+    """
+    if not spec.sharded and layout.remote is not None:
+        merge_store(layout)
+        return True
+    if not spec.launched_together:
+        return False
+    with _process_group():
+        dist.barrier()
+        merged = spec.rank == 0
+        if merged:
+            merge_store(layout)
+        dist.barrier()
+    return merged
+
+
+# == redo ==========================================================================================
+# Padded items stored before padding was found inexact, encoded again on exact shapes.
+#
+# The exactness guard (:mod:`featbake.bake.batching`) re-runs the most padded item of each padded
+# batch alone. An encoder whose drift depends on the amount of padding in another way (largest
+# when an item is padded a little, say) passes that check on early batches while their less
+# padded items are off; when a later batch fails the guard, the build goes on in exact shapes,
+# but the early batches are sealed by then. Once padding is known inexact for the encoder, every
+# item this build encoded in a padded batch is decoded and encoded again alone, and replaces the
+# stored one: the catalog's rows of those keys are dropped first (their old bytes are unreferenced
+# and gc reclaims them), so the new rows go in. A rank of a build in parts cannot change its
+# sealed fragments: its new rows go into later fragments, and the merge folds a build's newer
+# fragments first (store/merge.py), so they win.
+class PaddedItem(NamedTuple):
+    """An item a padded batch stored: its key, its input, and the stat its key was hashed at
+    (decoding it again checks the file did not change since)."""
+
+    key: str
+    path: str
+    stat: FileStat | None
+
+
+@dataclass(frozen=True)
+class Redone:
+    """What the pass did: items encoded again and stored, and items that could not be (their
+    features are dropped: a dataset encodes them live, exactly, on their next read)."""
+
+    stored: int
+    dropped: int
+
+    def note(self) -> str:
+        """The clause added to the build's batching note."""
+        text = f"; the {self.stored + self.dropped} items padded before were encoded again alone"
+        return text + (f" ({self.dropped} could not be, and were dropped)" if self.dropped else "")
+
+
+def encode_padded_again(
+    items: Sequence[PaddedItem],
+    catalog: BuildCatalog,
+    runner: BatchRunner,
+    compactor: Compactor,
+    writer: WriterThread,
+    source: Source,
+    workers: int,
+    allow_nonfinite: bool,
+) -> Redone:
+    """Encode ``items`` alone and store them in place of their padded features.
+
+    ``writer`` is a fresh writer, closed here (every shard of the first pass is sealed before:
+    the rows dropped are theirs). ``runner`` is in exact mode by now.
+    """
+    keys = [it.key for it in items]
+    if isinstance(catalog, Catalog):
+        catalog.forget_keys(keys)
+    stored = 0
+    try:
+        paths, stats = [it.path for it in items], [it.stat for it in items]
+        for i, item in decoded_items(paths, source, workers, stats):
+            if isinstance(item, str):
+                continue  # the file changed or vanished since: its row is gone, nothing wrong
+            try:
+                parts = runner.encode_exact([item])[0]
+            except EncodeError:
+                continue  # it encoded padded, not alone: dropped, a read encodes it live
+            if not allow_nonfinite and nonfinite_part(parts) is not None:
+                continue
+            writer.put(keys[i], compactor.store(keys[i], parts, measure=False))
+            stored += 1
+    finally:
+        writer.close()
+    return Redone(stored, len(items) - stored)
+
+
+# == pipeline ======================================================================================
 ProgressFn = Callable[[Progress], None]
 
 
@@ -80,7 +255,7 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
     Args:
         data: the data folder (scanned recursively, in sorted order), or a bucket prefix
             ``s3://bucket/audio/`` (its objects listed in name order, each read from its bytes;
-            see :mod:`featbake.encode.bucket_inputs`).
+            see :mod:`featbake.encode.inputs`).
         encoder: a TorchScript/.pt2 path, an import path, or an already loaded encoder.
         cache: the store directory (default ``$FEATBAKE_CACHE`` or ``./.featbake``), a bucket
             (``s3://bucket/prefix``), or a layout from :func:`featbake.store.open.open_store`.
@@ -89,7 +264,7 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
         trust_pickle: allow a pickled whole-module checkpoint (runs its code).
         batch_size: inputs per encoder call at most.
         workers: DataLoader worker processes for decoding (0: decode in this process; None:
-            chosen from the CPUs this process may use, see :func:`featbake.cpus.bake_threads`).
+            chosen from the CPUs this process may use, see :func:`featbake.process.bake_threads`).
         device: where the encoder runs.
         strict: stop at the first bad input instead of skipping it.
         shard_bytes: target shard size.
@@ -97,7 +272,7 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
         allow_nonfinite: store features holding NaN or infinite values (by default such an
             input fails: a NaN feature would poison every training step that reads it).
         batching: ``auto`` (padded length-sorted batches when the encoder takes lengths, else
-            exact shapes), ``padded`` or ``exact`` (see :mod:`featbake.bake.padded`).
+            exact shapes), ``padded`` or ``exact`` (see :mod:`featbake.bake.batching`).
         batch_seconds: padded batches hold at most this much audio, padding included
             (default 160 s); ``batch_samples`` sets the same budget in samples.
         shard: ``"I/N"``: do part I of N (see bake/ranks.py); without it, the part torchrun or
@@ -105,9 +280,9 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
         threads: the encoder's torch intra-op threads while it encodes (restored after). None:
             the count torch has after the encoder loaded (``torch.set_num_threads``,
             ``OMP_NUM_THREADS`` or the encoder's own setting), lowered only when it exceeds
-            the CPUs this process may use; see :func:`featbake.cpus.encoder_threads`.
+            the CPUs this process may use; see :func:`featbake.process.encoder_threads`.
         max_error: for ``int8``/``fp8``, the relative RMS error (measured on a sample against
-            the encoder's output, see :mod:`featbake.bake.compact`) above which the report
+            the encoder's output, see :mod:`featbake.bake.stored`) above which the report
             says so (``report.fidelity_warning``); None: no bound.
         seal_every: seconds after which a shard being filled is sealed whatever its size, so
             that a process killed with SIGKILL (preemption, the OOM killer) loses at most about
@@ -339,7 +514,7 @@ class _Bake:
         that could not be (a source gone or damaged since, a value fp16 cannot hold), to be
         encoded like any other."""
         left: list[tuple[str, str]] = []
-        for key, source, parts in stored_sources(self.layout, plan):
+        for key, source, parts in stored_sources(self.layout, plan, self.catalog):
             checkpoint()
             stored = None if parts is None else self.derived(key, source, parts)
             if stored is None:

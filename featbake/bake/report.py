@@ -29,7 +29,7 @@ class BuildReport:
     bytes_written: int = 0
     shards_written: int = 0
     seconds: float = 0.0
-    batching: str = ""  # the mode that ran: padded or exact (featbake.bake.padded)
+    batching: str = ""  # the mode that ran: padded or exact (featbake.bake.batching)
     batching_note: str = ""  # why that mode, in one line
     part: str = ""  # "part 2 of 4 (torchrun)" when this process did one part of a build
     fragment: str | None = None  # the part's sealed `done` fragment, for `featbake merge`

@@ -17,7 +17,7 @@ from featbake.bake.pipeline import build
 from featbake.bake.report import BuildReport
 from featbake.encode.hf import recipe_for_encoder
 from featbake.errors import ConfigError
-from featbake.image_options import View, view_steps
+from featbake.image_recipe import View, view_steps
 from featbake.recipe import Recipe
 
 

@@ -19,8 +19,10 @@ from featbake.cli.app import (
     app,
     console,
     out,
+    progress_bar,
+    summary_lines,
+    tick_bar,
 )
-from featbake.cli.render import progress_bar, summary_lines, tick_bar
 from featbake.errors import BuildIncomplete, ConfigError
 from featbake.units import format_bytes, parse_bytes
 
@@ -267,11 +269,11 @@ def build(
     Inputs already in the store are skipped (a rerun encodes nothing); bad inputs are skipped and
     listed at the end, and the exit code is then 3.
     """
-    from featbake.bake.padded import Batching
+    from featbake.bake.batching import Batching
     from featbake.bake.views import build_views
-    from featbake.encode.hf_vision import image_steps_for
-    from featbake.encode.layers import parse_layers
-    from featbake.image_options import IMAGE_OPTIONS, parse_image_options, parse_views
+    from featbake.encode.hf import image_steps_for
+    from featbake.encode.outputs import parse_layers
+    from featbake.image_recipe import IMAGE_OPTIONS, parse_image_options, parse_views
     from featbake.recipe import Recipe
     from featbake.store.open import open_store
 
@@ -358,7 +360,7 @@ def incomplete(report: Any) -> BuildIncomplete:
 
 
 def _print_build_summary(report: Any) -> None:
-    from featbake.fidelity import Fidelity  # torch: imported when a build ran, not for --help
+    from featbake.quantize import Fidelity  # torch: imported when a build ran, not for --help
 
     rows: list[tuple[str, str]] = []
     rows.append(("root", report.root))

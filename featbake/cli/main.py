@@ -16,7 +16,10 @@ from rich.markup import escape
 from featbake.bake.interrupt import raise_on_sigterm
 
 # Importing the command modules registers their commands on the app.
-from featbake.cli import build, export, gc, merge, store, verify  # noqa: F401
+from featbake.cli import (
+    build,  # noqa: F401
+    upkeep,  # noqa: F401  (registers stats, roots, gc, verify, merge, export)
+)
 from featbake.cli.app import app, console
 from featbake.cli.supervise import (
     in_part,

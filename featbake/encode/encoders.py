@@ -9,23 +9,254 @@ of the encoder's own code into an :class:`EncodeError` that names the real cause
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from featbake.encode.failures import error_cause, refuse_complex
+from featbake.device import alloc_pinned
 from featbake.encode.identity import (
     module_identity,
 )
-from featbake.encode.lengths import accepts_lengths
 from featbake.errors import EncodeError, EncoderLoadError, FeatbakeError
 from featbake.keys import module_fingerprint
 
+
+# == failures ======================================================================================
+# What an encoder's failure or bad output says to the user: one line, with the real cause.
+def refuse_complex(result: Any, label: str) -> None:
+    """Raise EncodeError if any output tensor is complex (storing would drop its imaginary part).
+
+    Raises:
+        EncodeError: naming the output and its dtype.
+    """
+    if isinstance(result, torch.Tensor):
+        named: Any = {"": result}
+    elif isinstance(result, Mapping):
+        named = result
+    elif isinstance(result, (tuple, list)):
+        named = dict(enumerate(result))
+    else:
+        return
+    for name, value in named.items():
+        if isinstance(value, torch.Tensor) and value.is_complex():
+            output = f"output {name!r}" if name != "" else "output"
+            raise EncodeError(
+                f"the encoder {label} returned a complex {output} ({value.dtype}); featbake "
+                "stores real tensors: return .real/.imag or torch.view_as_real(x) instead"
+            )
+
+
+#: TorchScript's generic first line; the cause is at the end of its message.
+_TORCHSCRIPT_PREFIX = "The following operation failed in the TorchScript interpreter"
+
+
+def error_cause(e: BaseException) -> str:
+    """One line that says why ``e`` happened: the type and message of the real cause.
+
+    A TorchScript error's first line is always the same sentence and its last line holds the
+    raised exception (``builtins.ValueError: ...``); a ``KeyError``'s message alone is a bare key.
+    """
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    if lines and lines[0].startswith(_TORCHSCRIPT_PREFIX):
+        cause = lines[-1]
+        return cause.removeprefix("builtins.")
+    text = lines[0] if lines else ""
+    if isinstance(e, (RuntimeError, ValueError)) and text:
+        return text
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+# == lengths =======================================================================================
+# The lengths protocol: ``forward(x, lengths) -> (features, out_lengths)``; pad and trim.
+#
+# An encoder that takes a second argument named ``lengths`` (an int64 ``[B]`` tensor of each
+# row's valid samples) and returns ``(features, out_lengths)`` can run variable-length inputs in
+# one padded batch: featbake pads ``[B, T_max]`` with zeros on the right, and keeps
+# ``features[i, :out_lengths[i]]`` of each row. ``features`` is a ``[B, T', ...]`` tensor or a dict
+# of them (e.g. one per hidden layer). TorchScript, ``.pt2`` and import-path encoders follow it by
+# their ``forward`` signature; Hugging Face folders follow it through :mod:`featbake.encode.hf`.
+LENGTHS_ARG = "lengths"
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def accepts_lengths(module: Any) -> bool:
+    """True when ``module.forward``'s second positional argument is named ``lengths``.
+
+    The name is the opt-in: an encoder whose second argument is a mask or anything else keeps
+    one input per row of equal shape, as before.
+    """
+    forward = getattr(module, "forward", None)
+    schema = getattr(forward, "schema", None)
+    if schema is not None:  # a TorchScript method: arguments are (self, x, lengths, ...)
+        names = [a.name for a in schema.arguments]
+        return len(names) >= 3 and names[2] == LENGTHS_ARG
+    try:
+        params = inspect.signature(forward).parameters.values()  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
+    positional = [p.name for p in params if p.kind in _POSITIONAL]
+    return len(positional) >= 2 and positional[1] == LENGTHS_ARG
+
+
+@dataclass(frozen=True)
+class PaddedInputs:
+    """Inputs zero-padded on the right to the longest, with each row's valid length."""
+
+    inputs: torch.Tensor
+    lengths: torch.Tensor
+
+    @property
+    def padded_samples(self) -> int:
+        """Elements the encoder will see, padding included."""
+        return int(self.inputs.numel())
+
+
+def pad_inputs(inputs: Sequence[torch.Tensor], *, pinned: bool = False) -> PaddedInputs:
+    """Stack inputs of different last-dimension lengths into one zero-padded batch.
+
+    Args:
+        inputs: tensors equal in every dimension but the last (time).
+        pinned: build the batch in page-locked memory (for a non-blocking copy to a GPU).
+
+    Raises:
+        EncodeError: the inputs differ in a dimension other than time.
+    """
+    lead = {tuple(x.shape[:-1]) for x in inputs}
+    if len(lead) != 1:
+        raise EncodeError(f"cannot pad inputs that differ outside time: {sorted(lead)}")
+    lengths = [int(x.shape[-1]) for x in inputs]
+    shape = (len(inputs), *inputs[0].shape[:-1], max(lengths))
+    dtype = inputs[0].dtype
+    batch = alloc_pinned(shape, dtype) if pinned else torch.empty(shape, dtype=dtype)
+    for row, (x, n) in enumerate(zip(inputs, lengths, strict=True)):
+        batch[row, ..., :n] = x
+        batch[row, ..., n:] = 0
+    return PaddedInputs(batch, torch.tensor(lengths, dtype=torch.int64))
+
+
+def split_lengths_result(result: Any, rows: int) -> tuple[Any, torch.Tensor]:
+    """``(features, out_lengths)`` from a lengths-protocol encoder's return value.
+
+    Raises:
+        EncodeError: the result is not a pair, or ``out_lengths`` is not ``[rows]`` integers.
+    """
+    if not isinstance(result, (tuple, list)) or len(result) != 2:
+        raise EncodeError(
+            "an encoder whose forward takes `lengths` must return (features, out_lengths); "
+            f"it returned {type(result).__name__}"
+        )
+    features, out_lengths = result
+    if not isinstance(out_lengths, torch.Tensor) or tuple(out_lengths.shape) != (rows,):
+        shape = tuple(out_lengths.shape) if isinstance(out_lengths, torch.Tensor) else None
+        raise EncodeError(
+            f"out_lengths must be a [{rows}] tensor of frame counts, got "
+            f"{type(out_lengths).__name__} {shape}"
+        )
+    return features, out_lengths.detach().to("cpu", torch.int64)
+
+
+def trim_rows(
+    named: Mapping[str, torch.Tensor], out_lengths: torch.Tensor, dtype: torch.dtype
+) -> list[dict[str, torch.Tensor]]:
+    """Each row's parts cut to its own output length, on the CPU in ``dtype``, own storage.
+
+    Raises:
+        EncodeError: a part is not ``[B, T', ...]`` or is shorter than an output length.
+    """
+    rows = int(out_lengths.shape[0])
+    lengths = out_lengths.tolist()
+    out: list[dict[str, torch.Tensor]] = [{} for _ in range(rows)]
+    for part, value in named.items():
+        if value.dim() < 2 or value.shape[0] != rows or value.shape[1] < max(lengths):
+            raise EncodeError(
+                f"encoder output {part or 'tensor'} has shape {tuple(value.shape)}; the lengths "
+                f"protocol needs [{rows}, T', ...] with T' >= {max(lengths)} (the out_lengths)"
+            )
+        value = value.detach().to("cpu", dtype)
+        for i, n in enumerate(lengths):
+            out[i][part] = value[i, :n].clone()  # own storage: a slice would pin the whole batch
+    return out
+
+
+# == precision =====================================================================================
+# Encoder precision: autocast around the encoder call, and what "exact" means per dtype.
+#
+# ``--precision`` is part of the recipe (bf16 features are not fp32 features), so keys differ by
+# precision. The tolerance table is what the bake's exactness guard allows between an item run in
+# a padded batch and the same item run alone; it is a relative error against the largest magnitude
+# of the item's own output (``max|a - b| / max|b|``), per part.
+AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Tolerance(NamedTuple):
+    """How far a padded-batch output may be from the same input run alone."""
+
+    relative: float
+    why: str
+
+
+#: precision -> the tolerance of the exactness guard. fp32 differs only by summation order
+#: (a batched matmul picks other kernels than a single row); bf16 keeps 8 mantissa bits
+#: (eps 2^-8 = 3.9e-3) and fp16 11 (eps 9.8e-4), and a dozen layers compound a few ulps each.
+EXACT_TOLERANCE: dict[str, Tolerance] = {
+    "fp32": Tolerance(1e-4, "summation order only; a padding leak is orders of magnitude larger"),
+    "fp16": Tolerance(1e-2, "about 10 ulps of fp16 (eps 9.8e-4) through the layers"),
+    "bf16": Tolerance(5e-2, "about 12 ulps of bf16 (eps 3.9e-3) through the layers"),
+}
+
+
+def autocast_for(device: torch.device, precision: str) -> contextlib.AbstractContextManager[None]:
+    """``torch.autocast`` for ``precision`` on ``device``; a no-op for ``fp32``.
+
+    Autocast (not ``module.half()``) keeps weights, norms and softmax in fp32 where torch's
+    autocast lists say so, which is how mixed-precision inference is usually run. bf16 and fp16
+    autocast both run on the CPU too, so every path works without a GPU.
+
+    TorchScript's own autocast pass is off inside: scripted code then runs through the
+    dispatcher's autocast, as eager code does (same dtypes, same outputs on the CPU). The pass
+    crashed the process (a segfault, torch 2.11 on an H200) on a scripted ``nn.TransformerEncoder``
+    under CUDA autocast, bf16 and fp16 alike; without it the same module ran.
+    """
+    dtype = AUTOCAST_DTYPES.get(precision)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return _autocast(device.type, dtype)
+
+
+@contextlib.contextmanager
+def _autocast(device_type: str, dtype: torch.dtype) -> Iterator[None]:
+    set_jit_autocast = getattr(torch._C, "_jit_set_autocast_mode", None)
+    jit_before = set_jit_autocast(False) if set_jit_autocast is not None else None
+    try:
+        with torch.autocast(device_type=device_type, dtype=dtype):
+            yield
+    finally:
+        if set_jit_autocast is not None:
+            set_jit_autocast(jit_before)
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``max|got - want| / max|want|`` in float64 (inf when the shapes differ)."""
+    if got.shape != want.shape:
+        return float("inf")
+    a, b = got.double(), want.double()
+    scale = b.abs().max().item() if b.numel() else 0.0
+    diff = (a - b).abs().max().item() if b.numel() else 0.0
+    return diff / scale if scale > 0 else diff
+
+
+# == encoders ======================================================================================
 TORCHSCRIPT = "torchscript"
 
 
@@ -52,7 +283,7 @@ class LoadedEncoder:
         identity: the architecture's identity string hashed into the fingerprint.
         device: where it runs.
         takes_lengths: ``forward(x, lengths) -> (features, out_lengths)`` (see
-            :mod:`featbake.encode.lengths`), so inputs of different lengths can share a batch.
+            :mod:`featbake.encode.encoders`), so inputs of different lengths can share a batch.
         unpaddable: why padded batches would not be exact for this encoder, known up front
             (e.g. a group-norm wav2vec2 that must not get an attention mask), else ``None``.
         absent_outputs: outputs its kind gives but it cannot, with why (a ViT saved without
@@ -186,3 +417,10 @@ def from_module(
 def is_frozen(module: torch.nn.Module) -> bool:
     """True when no parameter requires grad and the module is in eval mode."""
     return not module.training and not any(p.requires_grad for p in module.parameters())
+
+
+__all__ = [
+    "error_cause",
+    "first_line",
+    "refuse_complex",
+]

@@ -6,14 +6,23 @@ identity part for each kind of encoder (see :mod:`featbake.encode.encoders`).
 
 from __future__ import annotations
 
+import ast
+import functools
 import hashlib
+import importlib.metadata
+import importlib.util
 import inspect
 import json
+import sys
+import sysconfig
 import zipfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 
+# == identity ======================================================================================
 def code_identity(module: Any, *extra: Any) -> str:
     """SHA-256 of the source files that define ``module``'s own classes (and ``extra`` objects).
 
@@ -91,3 +100,150 @@ def script_identity(module: Any, path: Path) -> str:
                     f"{entry.rsplit('/', 1)[1]}:{hashlib.sha256(z.read(entry)).hexdigest()}"
                 )
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+# == code_closure ==================================================================================
+# The user's own code an import-path encoder runs: its modules' sources, followed by import.
+#
+# ``--encoder pkg.mod:make`` names one module, but ``forward`` may call a helper in
+# ``pkg/other.py``; editing that helper changes the features, so it must change the key. The
+# closure starts at the factory's module and follows its ``import`` statements (read from the
+# source, never executed) to every module that is the user's own: not in the standard library and
+# not installed in site-packages. Installed libraries count by distribution name and version
+# instead (torch and featbake left out: a torch upgrade should not rebake everything, and
+# featbake's own changes are versioned by the recipe).
+#
+# Why imports read from source and not the modules loaded in ``sys.modules``: a training script
+# that serves the features has imported more of the user's package than the build did, and the key
+# must be the same in both processes. What a ``importlib.import_module(name)`` call loads is not
+# followed (it is not visible in the source); docs/encoders.md says so.
+#: Libraries whose version never enters a key (see the module docstring).
+UNVERSIONED = frozenset({"torch", "featbake"})
+
+
+def _installed_roots() -> tuple[Path, ...]:
+    paths = sysconfig.get_paths()
+    names = ("stdlib", "platstdlib", "purelib", "platlib")
+    return tuple(Path(paths[n]).resolve() for n in names if n in paths)
+
+
+@dataclass
+class CodeClosure:
+    """The user's modules reached from one module, and the libraries they import."""
+
+    sources: dict[str, str] = field(default_factory=dict)  # module name -> sha256 of its file
+    libraries: dict[str, str] = field(default_factory=dict)  # top-level name -> version
+    installed: tuple[Path, ...] = field(default_factory=_installed_roots)
+
+    def digest(self) -> str:
+        """SHA-256 of the sorted (module, source hash) and (library, version) pairs."""
+        lines = [f"src {m} {h}" for m, h in sorted(self.sources.items())]
+        lines += [f"lib {n} {v}" for n, v in sorted(self.libraries.items())]
+        return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+    def add(self, name: str) -> None:
+        """Add module ``name`` (and its parent packages) and what they import, transitively."""
+        todo = [name]
+        while todo:
+            mod = todo.pop()
+            if mod in self.sources or not mod:
+                continue
+            path = self._own_file(mod)
+            if path is None:
+                continue
+            self.sources[mod] = hashlib.sha256(path.read_bytes()).hexdigest()
+            parent = mod.rpartition(".")[0]
+            todo.append(parent)
+            is_package = path.name == "__init__.py"
+            todo.extend(imported_names(path, mod if is_package else parent))
+
+    def _own_file(self, name: str) -> Path | None:
+        """The source file of ``name`` when it is the user's own; libraries are recorded."""
+        top = name.partition(".")[0]
+        if top in UNVERSIONED or top in sys.stdlib_module_names or top in sys.builtin_module_names:
+            return None
+        try:
+            spec = importlib.util.find_spec(top)  # a top-level name: finds, never imports
+        except (ImportError, ValueError):
+            return None
+        if spec is None:
+            return None
+        origin = Path(spec.origin).resolve() if spec.origin else None
+        where = [Path(p).resolve() for p in (spec.submodule_search_locations or [])]
+        if any(_under(p, self.installed) for p in [*where, *([origin] if origin else [])]):
+            self._library(top)
+            return None
+        if name == top:
+            return origin if origin is not None and origin.suffix == ".py" else None
+        return _submodule_file(where, name.split(".")[1:])
+
+    def _library(self, top: str) -> None:
+        if top in self.libraries:
+            return
+        dists = _distributions().get(top, [])
+        versions = sorted(f"{d}=={importlib.metadata.version(d)}" for d in set(dists))
+        self.libraries[top] = ",".join(versions) or "unknown"
+
+
+@functools.cache
+def _distributions() -> Mapping[str, list[str]]:
+    """Top-level import name -> the distributions that provide it (read once per process)."""
+    return importlib.metadata.packages_distributions()
+
+
+def _under(path: Path, roots: tuple[Path, ...]) -> bool:
+    return any(path.is_relative_to(r) for r in roots)
+
+
+def _submodule_file(locations: list[Path], parts: list[str]) -> Path | None:
+    for base in locations:
+        stem = base.joinpath(*parts)
+        for candidate in (stem.with_suffix(".py"), stem / "__init__.py"):
+            if candidate.is_file():
+                return candidate.resolve()
+    return None
+
+
+def imported_names(path: Path, package: str) -> list[str]:
+    """Module names a source file imports (``from a import b`` gives ``a`` and ``a.b``).
+
+    ``package`` resolves relative imports (the package the file's module lives in). A file
+    that does not parse contributes its bytes only (Python would fail to import it anyway).
+    """
+    try:
+        tree = ast.parse(path.read_bytes())
+    except (SyntaxError, ValueError):
+        return []
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = _absolute(node.module or "", node.level, package)
+            if base is None:
+                continue
+            names.append(base)
+            names.extend(f"{base}.{alias.name}" for alias in node.names if alias.name != "*")
+    return names
+
+
+def _absolute(module: str, level: int, package: str) -> str | None:
+    if level == 0:
+        return module
+    parts = package.split(".") if package else []
+    if level - 1 > len(parts):
+        return None
+    head = parts[: len(parts) - (level - 1)]
+    return ".".join([*head, module] if module else head) or None
+
+
+def code_closure_digest(module_name: str) -> str:
+    """SHA-256 of the user's own code reached from ``module_name`` (see the module docstring).
+
+    Example:
+        >>> len(code_closure_digest("featbake.testing"))
+        64
+    """
+    closure = CodeClosure()
+    closure.add(module_name)
+    return closure.digest()

@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from featbake.encode.code_closure import code_closure_digest
 from featbake.encode.encoders import (
     EXPORT,
     IMPORT,
@@ -30,11 +29,16 @@ from featbake.encode.encoders import (
     LoadedEncoder,
     detect_kind,
     encoder_not_found,
+    first_line,
     from_module,
     torchscript_quietly,
 )
-from featbake.encode.failures import first_line
-from featbake.encode.identity import attribute_identity, code_identity, script_identity
+from featbake.encode.identity import (
+    attribute_identity,
+    code_closure_digest,
+    code_identity,
+    script_identity,
+)
 from featbake.errors import ConfigError, EncoderLoadError
 
 

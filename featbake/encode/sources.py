@@ -39,7 +39,7 @@ class Source(Protocol):
         """Decode and preprocess one file into the encoder's input (no batch dimension).
 
         ``data``, when given, holds the input's bytes (an object read from a bucket, see
-        :mod:`featbake.encode.bucket_inputs`); ``path`` then only names it in messages.
+        :mod:`featbake.encode.inputs`); ``path`` then only names it in messages.
         """
         ...
 
@@ -57,7 +57,7 @@ def load_unchanged(source: Source, path: str, stat: FileStat | None) -> torch.Te
     The key was computed from the bytes hashed earlier; an input rewritten since would put its
     new features under the old bytes' key (served to every copy of the old input). A file is
     stat'ed again after decoding; an object is checked by the response that carried its bytes
-    (:class:`CheckingSource`, see :mod:`featbake.encode.bucket_inputs`).
+    (:class:`CheckingSource`, see :mod:`featbake.encode.inputs`).
 
     Raises:
         SourceError: the input cannot be decoded, or changed since ``stat`` (None: never hashed).

@@ -29,9 +29,8 @@ import torch
 
 from featbake.errors import ConfigError, StoreError
 from featbake.progress import GcProgress
-from featbake.store.catalog import Catalog, Location, Root
+from featbake.store.catalog import QUANTISED, Catalog, Location, Root
 from featbake.store.features import FeatureReader
-from featbake.store.fidelity import QUANTISED
 from featbake.store.layout import Layout
 from featbake.store.open import StoreRef, open_catalog, resolve_root
 from featbake.version import __version__

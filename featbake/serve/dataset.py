@@ -15,7 +15,7 @@ import os
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from multiprocessing import util as mp_util
 from typing import Any
 
@@ -24,51 +24,242 @@ from torch.utils.data import Dataset
 
 import featbake.device as dev
 from featbake.encode.encoders import LoadedEncoder
+from featbake.encode.fingerprints import hash_inputs
 from featbake.encode.hf import recipe_for_encoder
+from featbake.encode.inputs import inputs_at
+from featbake.encode.outputs import layer_of_part, part_name
 from featbake.encode.sources import source_for
+from featbake.errors import ConfigError, ShardMissing, StoreError
 from featbake.recipe import Recipe
-from featbake.serve.index import IndexSpec, ItemPlacement, build_index
-from featbake.serve.lastuse import TOUCH_FLUSH_ITEMS, TOUCH_FLUSH_SECONDS, TOUCH_REPEAT_SECONDS
-from featbake.serve.layer_views import LayerView, check_layer_view, check_stored_parts, view_layers
-from featbake.serve.live import LiveEncoder, Misses
-from featbake.serve.options import check_options, recipe_from, serving_layout
-from featbake.serve.process import (
-    ServeStats,
-    SharedFlags,
-    ThreadCatalog,
-    forget_after_fork,
-    ram_budget_for_process,
-    read_only_misses,
-    store_read_only,
-)
-from featbake.serve.reads import Reads
-from featbake.serve.revalidate import refuse_revalidate_of_objects, revalidate
-from featbake.serve.served import served_for
-from featbake.serve.state import ProcessState, save_at_exit
-from featbake.serve.writeback import (
+from featbake.serve.index import Index, IndexSpec, ItemPlacement, build_index, raise_unreadable
+from featbake.serve.misses import LiveEncoder, Misses
+from featbake.serve.reads import Reads, served_for
+from featbake.serve.state import (
+    TOUCH_FLUSH_ITEMS,
+    TOUCH_FLUSH_SECONDS,
+    TOUCH_REPEAT_SECONDS,
     WRITEBACK_BYTES,
     WRITEBACK_ITEMS,
     WRITEBACK_SECONDS,
+    ProcessState,
     SealPolicy,
+    ServeStats,
+    SharedFlags,
+    ThreadCatalog,
     WriteBack,
+    forget_after_fork,
+    ram_budget_for_process,
+    read_only_misses,
+    save_at_exit,
+    store_read_only,
 )
-from featbake.store.serving_fragments import open_serving_catalog, serving_mode
-from featbake.store.writer import SealedShard
+from featbake.store.catalog import FileStat
+from featbake.store.fragments import open_serving_catalog, serving_mode
+from featbake.store.layout import Layout
+from featbake.store.open import open_store
+from featbake.store.shard import SealedShard
 from featbake.units import parse_bytes
 
-__all__ = [
-    "TOUCH_FLUSH_ITEMS",
-    "TOUCH_FLUSH_SECONDS",
-    "TOUCH_REPEAT_SECONDS",
-    "WRITEBACK_BYTES",
-    "WRITEBACK_ITEMS",
-    "WRITEBACK_SECONDS",
-    "CachedFeatureDataset",
-    "ServeStats",
-    "ram_budget_for_process",
-]
+# == options =======================================================================================
+# The dataset's options: checked up front, and folded into the recipe that keys its items.
+ON_MISS = ("encode", "error")
+VERIFY = ("first", "always", "never")
 
 
+def check_options(on_miss: str, verify: str, max_open_shards: int) -> None:
+    """Raise ConfigError for a serving option outside its choices (a typo never passes)."""
+    if on_miss not in ON_MISS:
+        raise ConfigError(f"on_miss must be 'encode' or 'error', got {on_miss!r}")
+    if verify not in VERIFY:
+        raise ConfigError(f"verify must be 'first', 'always' or 'never', got {verify!r}")
+    if max_open_shards < 1:
+        raise ConfigError(f"max_open_shards must be at least 1, got {max_open_shards}")
+
+
+def recipe_from(
+    recipe: Recipe | None, options: Mapping[str, Any], layers: Sequence[int] | str | None
+) -> Recipe:
+    """``recipe`` (or the default) with every option that was given (not None) applied."""
+    changes = {k: v for k, v in options.items() if v is not None}
+    if layers is not None:
+        changes["layers"] = tuple(layers) if isinstance(layers, (list, tuple)) else layers
+    base = recipe or Recipe()
+    return base.replace(**changes) if changes else base
+
+
+def serving_layout(
+    cache: str | os.PathLike[str] | None,
+    on_miss: str,
+    local_cache: str | os.PathLike[str] | None = None,
+    local_cache_size: int | str | None = None,
+) -> Layout:
+    """The store a dataset serves from; a missing one is an error or (encoding) said once.
+
+    A mistyped ``cache=`` used to create an empty store silently and report every item "not
+    in the store" (issue 18 item 6).
+
+    Raises:
+        StoreError: ``on_miss="error"`` and there is no store at ``cache``.
+    """
+    layout = open_store(cache, local_cache=local_cache, local_cache_size=local_cache_size)
+    if not layout.catalog.exists() and not layout.shards.exists():
+        where = layout.remote or layout.root.absolute()
+        if on_miss == "error":
+            raise StoreError(
+                f"there is no featbake store at {where}; check cache= (or $FEATBAKE_CACHE), "
+                "or make it with `featbake build --cache` first"
+            )
+        warnings.warn(
+            f"there is no featbake store at {where} yet: creating one, and every item is "
+            "encoded live and written back (check cache= if you meant an existing store)",
+            stacklevel=3,
+        )
+    return layout.ensure()
+
+
+# == layer_views ===================================================================================
+# Serving hidden layers: one layer, several, or a stacked ``[L, T, D]`` tensor per item.
+#
+# A bake with ``--layers 0,6,12`` stores each layer as its own part (``layer0``, ``layer6``,
+# ``layer12``) of one feature; a dataset item is then a dict of them. ``layer_view`` picks what a
+# training loop wants from that dict, after the item's one read: an ``int`` gives that layer's
+# ``[T, D]`` tensor (a linear probe), a sequence gives a stacked ``[L, T, D]`` tensor in that order
+# (a SUPERB-style weighted sum), ``"stack"`` stacks the layers in the order ``layers=`` asked for
+# them (``layers=[3, 1]``: layer 3, then layer 1, as ``layer_view=[3, 1]`` does), or every stored
+# layer in layer order when ``layers`` named none (``"all"``, or a recipe's sorted layers).
+#
+# The view is applied on every read path (one item, a batch, the RAM tier), and a view the store
+# cannot give (no layer parts, a layer not stored) is a :class:`ConfigError` at every read, or
+# from the dataset's constructor when the stored items already tell.
+STACK = "stack"
+
+LayerView = int | Sequence[int] | str | None
+
+_NO_LAYERS = (
+    "layer_view needs features stored per layer, and these are stored as one tensor; bake with "
+    "--layers (and pass the same layers= to the dataset), or drop layer_view"
+)
+
+
+def check_layer_view(view: LayerView, asked: Sequence[int] | str | None = None) -> LayerView:
+    """Validate a ``layer_view`` option once, at construction; ``"stack"`` becomes the layers
+    in the order ``asked`` (the dataset's ``layers=``) when that lists them.
+
+    Raises:
+        ConfigError: not None, an int, a sequence of ints or ``"stack"``.
+    """
+    if view == STACK and asked is not None and not isinstance(asked, str):
+        view = tuple(dict.fromkeys(asked))  # the order asked for; a repeat once
+    if view is None or view == STACK:
+        return view
+    if isinstance(view, (bool, str)):
+        raise ConfigError(f"layer_view must be a layer, a list of layers or 'stack', got {view!r}")
+    if isinstance(view, int):
+        return view
+    layers = tuple(view)
+    if not layers or not all(isinstance(k, int) and not isinstance(k, bool) for k in layers):
+        raise ConfigError(f"layer_view must list whole layer numbers, got {view!r}")
+    return layers
+
+
+def check_stored_parts(view: LayerView, parts: Sequence[str] | None) -> None:
+    """Raise now what :func:`view_layers` would raise on every item stored with ``parts``.
+
+    Raises:
+        ConfigError: the stored items have no layer parts, or not a layer ``view`` asks for.
+    """
+    if view is None or parts is None:
+        return  # no view, or items differ (each is checked when read)
+    view_layers({p: torch.empty(0) for p in parts if p} if parts != ("",) else None, view)
+
+
+def view_layers(item: Any, view: LayerView) -> Any:
+    """``item`` (a dict of ``layerK`` parts) as ``view`` asks; unchanged when ``view`` is None.
+
+    Raises:
+        ConfigError: the item holds no such layer (name the layers the bake stored).
+    """
+    if view is None:
+        return item
+    if not isinstance(item, Mapping):
+        raise ConfigError(_NO_LAYERS)
+    if isinstance(view, str):  # STACK, the one string check_layer_view lets through
+        stored = sorted((k, p) for p in item if (k := layer_of_part(p)) is not None)
+        if not stored:
+            raise ConfigError(_NO_LAYERS)
+        return torch.stack([item[p] for _, p in stored])
+    if isinstance(view, int):
+        return _layer(item, view)
+    return torch.stack([_layer(item, k) for k in view])
+
+
+def _layer(item: Mapping[str, torch.Tensor], k: int) -> torch.Tensor:
+    name = part_name(k)
+    if name not in item:
+        stored = ", ".join(sorted(item)) or "none"
+        raise ConfigError(f"layer {k} is not stored for this item (stored: {stored})")
+    return item[name]
+
+
+# == revalidate ====================================================================================
+# ``revalidate=True``: serve a file's feature as the file is now, not as it was indexed.
+#
+# A dataset maps each item to a key once, when it is made (:mod:`featbake.serve.index`); by
+# default a file rewritten later keeps its old feature for that item. With ``revalidate=True``
+# each read of an item first compares its file's stat (size, mtime_ns, inode, ctime_ns: one
+# ``stat`` call) with the one its key was hashed at; when they differ the file is hashed again
+# (through the hash cache), the item is re-keyed in this process, and the read goes on as usual:
+# a hit when the store holds the new bytes' feature, else a miss under ``on_miss``. A file gone
+# since keeps serving its stored feature, as without ``revalidate``.
+def revalidate(index: Index, st: ProcessState, idx: Iterable[int]) -> None:
+    """Re-key every item of ``idx`` whose file changed since its key was hashed.
+
+    Raises:
+        SourceError: a changed file cannot be read now (its old feature is not served).
+    """
+    stats = index.stats
+    for i in idx:
+        path = index.path(i)
+        try:
+            now = FileStat.of(path)
+        except OSError:
+            continue  # gone: its stored feature is served, as when the dataset was made
+        if now != tuple(stats[i]):
+            _rekey(index, st, i, path)
+
+
+def _rekey(index: Index, st: ProcessState, i: int, path: str) -> None:
+    """Hash item ``i``'s file again, find its new key's feature, forget what was read of it."""
+    hashed: dict[str, FileStat] = {}
+    with st.catalogs.scoped() as catalog:
+        digests, failed = hash_inputs(catalog, [path], stats=hashed)
+        raise_unreadable([p for p in (path,) if p in failed], failed)
+        key = index.spec.key(digests[path])
+        locs = catalog.locate_many([key]).get(key) or []
+    shards = {loc.shard for loc in locs}
+    index.rekey(i, key, hashed[path], shards.pop() if len(shards) == 1 else None)
+    st.forget(i)
+
+
+def refuse_revalidate_of_objects(data: Any, revalidate: bool) -> None:
+    """Raise when ``revalidate=True`` is asked of inputs a ``stat`` cannot revalidate.
+
+    Raises:
+        ConfigError: ``data`` is a bucket prefix: checking each object's ETag at every read
+            would cost a request per item.
+    """
+    if not revalidate or not isinstance(data, str | os.PathLike):
+        return
+    inputs = inputs_at(data)
+    if not inputs.stat_tells_change:
+        raise ConfigError(
+            f"revalidate=True is not built for inputs in a bucket ({inputs.where}): the dataset "
+            "keys each object by the ETag it had when the dataset was made. Make a new dataset "
+            "(or run `featbake build`) after objects change"
+        )
+
+
+# == dataset =======================================================================================
 def _tell_published(ds_ref: weakref.ref[CachedFeatureDataset], shard: SealedShard) -> None:
     if (ds := ds_ref()) is not None:
         ds._published(shard)
@@ -122,7 +313,7 @@ class CachedFeatureDataset(Dataset):
         layer_view: with ``layers``, serve one layer (``6``: ``[T, D]``), a stacked subset
             (``[0, 6]``: ``[L, T, D]``, in that order) or the layers stacked in the order
             ``layers`` lists them (``"stack"``; layer order for ``layers="all"``) instead of the
-            dict of parts (see :mod:`featbake.serve.layer_views`). Applied to single items and
+            dict of parts (see :mod:`featbake.serve.dataset`). Applied to single items and
             batches alike; a view the store cannot give is a ConfigError at every read (from
             the constructor when stored items already tell).
         serve_dtype, dequantize: int8/fp8 items are served in ``serve_dtype`` (float16, float32
@@ -352,11 +543,16 @@ class CachedFeatureDataset(Dataset):
                 st.open_readers.move_to_end(loc.path)
                 st.last_path = loc.path
             out = torch.empty(loc.nbytes, dtype=torch.uint8)
-            loc.reader.read_span(loc.offset, out.numpy())  # the store's one read, checked before
-            st.store_reads += 1
-            st.touch(i)
-            hit = out.view(loc.dtype).view(loc.shape)
-            return hit if self._served is None else self._served.item(hit)
+            try:
+                loc.reader.read_span(loc.offset, out.numpy())  # the store's one read
+            except ShardMissing:  # gone since (a bucket's gc): the general path looks it up
+                st.loc[i] = None
+                st.handles.forget(loc.path)
+            else:
+                st.store_reads += 1
+                st.touch(i)
+                hit = out.view(loc.dtype).view(loc.shape)
+                return hit if self._served is None else self._served.item(hit)
         if st.use_lru:
             value = st.lru.get(i)
             if value is not None:
@@ -399,3 +595,18 @@ class CachedFeatureDataset(Dataset):
     def _published(self, shard: SealedShard) -> None:
         """A write-back shard was sealed: point its items at it (this process's state only)."""
         self._misses.published(self._state, shard)
+
+
+__all__ = [
+    "TOUCH_FLUSH_ITEMS",
+    "TOUCH_FLUSH_SECONDS",
+    "TOUCH_REPEAT_SECONDS",
+    "WRITEBACK_BYTES",
+    "WRITEBACK_ITEMS",
+    "WRITEBACK_SECONDS",
+    "CachedFeatureDataset",
+    "ServeStats",
+    "ram_budget_for_process",
+    "refuse_revalidate_of_objects",
+    "revalidate",
+]

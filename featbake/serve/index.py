@@ -2,7 +2,7 @@
 
 Where the keys come from. A folder that ``featbake build`` baked has a *root*: the manifest of
 (relative path, key) that the build wrote for (folder, encoder as named, recipe). The dataset
-finds it without loading the encoder (see :mod:`featbake.serve.live` for the encoder's
+finds it without loading the encoder (see :mod:`featbake.serve.misses` for the encoder's
 fingerprint). Input files are looked up in the hash cache; a changed file is hashed again and
 gets its new key (which then misses and is encoded), a file deleted after the build keeps its
 manifest key and is still served from the store. Without a root (no build ran, or a list of
@@ -26,8 +26,7 @@ from featbake.encode.inputs import Inputs, inputs_at
 from featbake.encode.sources import check_input_files
 from featbake.errors import SourceError
 from featbake.keys import feature_key, root_id, sha256_hex
-from featbake.store.catalog import FileStat, RootSpec
-from featbake.store.catalog_api import ServingStore
+from featbake.store.catalog import FileStat, RootSpec, ServingStore
 
 __all__ = ["NO_STAT", "Index", "IndexSpec", "ItemPlacement", "build_index"]
 

@@ -13,7 +13,7 @@ included when ``ds`` is a ``StackDataset(features, labels)``; or batches by leng
 (``batch_frames``), or blocks of shards (``shuffle="blocks"``: give a bucket store's tier room
 for two windows, since a batch may straddle two), planned from the catalog without a read.
 Every epoch is a function of the options, seed and epoch, so :meth:`FeatureLoader.state_dict`
-is a few ints (see :mod:`featbake.serve.resume`).
+is a few ints (see :mod:`featbake.serve.loader`).
 
 Cold reads: on a store larger than the page cache each read waits for the disk, and one read
 at a time ran at half to two thirds of the disk's bandwidth here (0.7x mmap'd safetensors
@@ -38,30 +38,333 @@ those want processes of their own.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import itertools
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
+from torch.utils.data import Sampler, StackDataset, Subset
 
 import featbake.device as dev
 from featbake.errors import ConfigError, FeatbakeError
-from featbake.serve.blocks import distributed, rank_and_world
 from featbake.serve.collate import pad_collate, pinned_batches
+from featbake.serve.index import ItemPlacement
 from featbake.serve.prefetch import map_tensors
-from featbake.serve.read_ahead import (
-    READ_AHEAD,
-    SAMPLE,
-    WARM_STREAK,
-    ReadAhead,
-    hint_of,
-    placement_of,
-)
-from featbake.serve.resume import Resume
 from featbake.serve.sampling import Order, Shuffle, shuffle_of
 
+# == read_ahead ====================================================================================
+# What the loader asks of its dataset, reached through ``StackDataset`` and ``Subset``: the
+# reads to start ahead of a batch (:class:`ReadAhead`, :func:`hint_of`) and each item's length
+# and shard (:func:`placement_of`), which plan epochs by length and by block.
+#: Items whose reads are started ahead of the batch being read (measured on a cold store of
+#: ~600 KB items: 16-64 in flight all gave about the disk's bandwidth; 1 gave half of it).
+READ_AHEAD = 32
+#: Items in a row found cached after which only every SAMPLE-th item is hinted (see ReadAhead).
+WARM_STREAK = 256
+SAMPLE = 8
+
+
+class ReadAhead:
+    """Which items to hint before each batch: those up to ``window`` past the batch's end.
+
+    The batches are one rank's epoch in order; each item is hinted once, before its batch is
+    read and at most ``window`` items ahead of that batch's end. ``hint`` returns
+    how many reads it started. Once ``WARM_STREAK`` items in a row were all cached (a store in
+    the page cache), only every ``SAMPLE``-th item is hinted, which is enough to notice the
+    store going cold: the first sampled item that starts a read has the items skipped since the
+    last sample hinted too, and ends the streak. (A hint per item made a warm epoch of one item
+    per step 5-10% slower here.)
+    """
+
+    def __init__(
+        self,
+        batches: Sequence[Sequence[int]],
+        window: int,
+        hint: Callable[[list[int]], int] | None,
+        streak: int = 0,
+    ) -> None:
+        self._flat = [i for idx in batches for i in idx] if hint is not None and window else []
+        self._ends = list(itertools.accumulate(len(idx) for idx in batches))
+        self._window = window
+        self._chunk = max(1, window // 4)
+        self._hint = hint
+        self._done = 0  # items of the flat order hinted (or skipped as warm) so far
+        self.streak = streak  # items in a row whose hints found them cached (an epoch's
+        # last is the next one's first: a warm store is not probed item by item every epoch)
+        self._skipped: list[int] = []  # items not hinted since the last sample (warm)
+
+    def before(self, b: int) -> None:
+        """Hint the items not hinted yet, up to ``window`` past the end of batch ``b``.
+
+        Batch ``b``'s own items are always hinted by now; past them, hints wait until a
+        quarter of the window is due, so one item per step makes one call per few items (each
+        call's probe lets the training thread take the GIL, which it may then hold for a while).
+        """
+        if self._hint is None or not self._flat:
+            return
+        start, upto = self._done, min(len(self._flat), self._ends[b] + self._window)
+        if upto - start < self._chunk and start >= self._ends[b]:
+            return
+        self._done = upto
+        flat = self._flat
+        if self.streak < WARM_STREAK:
+            started = self._hint(flat[start:upto])
+        else:
+            self._skipped += [flat[p] for p in range(start, upto) if p % SAMPLE]
+            sample = [flat[p] for p in range(start, upto) if not p % SAMPLE]
+            if not sample:
+                return
+            started = self._hint(sample)
+            if started:  # cold again: the items skipped since the last sample too
+                self._hint(self._skipped)
+            self._skipped = []
+        self.streak = 0 if started else self.streak + upto - start
+
+
+def hint_of(dataset: Any) -> Callable[[list[int]], int] | None:
+    """The dataset's ``will_need``, or one that reaches it through ``StackDataset`` members
+    (which all take the same index) or a ``Subset`` (which maps it); None when it has none."""
+    hint = getattr(dataset, "will_need", None)
+    if callable(hint):
+        return hint
+    if isinstance(dataset, Subset):
+        inner = hint_of(dataset.dataset)
+        if inner is None:
+            return None
+        mapping = dataset.indices
+        return lambda idx: inner([mapping[i] for i in idx])
+    if isinstance(dataset, StackDataset):
+        members = dataset.datasets
+        found = [hint_of(m) for m in (members.values() if isinstance(members, dict) else members)]
+        hints = [h for h in found if h is not None]
+        if hints:
+            return lambda idx: sum(h(idx) for h in hints)
+    return None
+
+
+def placement_of(dataset: Any) -> ItemPlacement | None:
+    """Each item's length and shard as the catalog holds them (no feature read), through
+    ``StackDataset`` (its first member that knows) and ``Subset``; None when none knows."""
+    placement = getattr(dataset, "placement", None)
+    if callable(placement):
+        found: ItemPlacement = placement()
+        return found
+    if isinstance(dataset, Subset):
+        inner = placement_of(dataset.dataset)
+        if inner is None:
+            return None
+        idx = np.asarray(dataset.indices, dtype=np.int64)
+        return ItemPlacement(inner.lengths[idx], inner.shards[idx])
+    if isinstance(dataset, StackDataset):
+        members = dataset.datasets
+        for m in members.values() if isinstance(members, dict) else members:
+            if (inner := placement_of(m)) is not None:
+                return inner
+    return None
+
+
+# == resume ========================================================================================
+# Where a :class:`~featbake.serve.loader.FeatureLoader` stands in its epochs, to resume.
+#
+# A state is small and plain: the epoch, how many of its batches were handed out, the seed, the
+# rank and world size, and a fingerprint of the options that shape the order. Every epoch's
+# batches are a pure function of those (:mod:`featbake.serve.sampling`), so a new loader with
+# the same arguments recomputes the epoch and skips what was handed out: nothing is read twice
+# or skipped, and the epochs after it are the uninterrupted loader's.
+#: The keys of a state and their types.
+STATE_KEYS = {
+    "epoch": int,
+    "position": int,
+    "seed": int,
+    "rank": int,
+    "world_size": int,
+    "fingerprint": str,
+}
+
+
+@dataclass
+class Progress:
+    """The epoch being read: its number, batches handed out so far, and how many it has."""
+
+    epoch: int
+    done: int
+    total: int
+
+
+@dataclass
+class Resume:
+    """The loader's resume state, kept on the training thread.
+
+    Attributes:
+        pending: (epoch, batches to skip) loaded and not started yet.
+        current: the epoch being read (or the last one read).
+    """
+
+    pending: tuple[int, int] | None = None
+    current: Progress | None = None
+
+    def choose(self, epoch: int) -> None:
+        """``set_epoch(epoch)``: a loaded position holds only for its own epoch."""
+        if self.pending is not None and self.pending[0] != epoch:
+            self.pending = None
+
+    def start(self, epoch: int, total: int) -> int:
+        """Epoch ``epoch`` (``total`` batches) starts: how many of its batches to skip."""
+        skip = 0
+        if self.pending is not None and self.pending[0] == epoch:
+            skip = min(self.pending[1], total)
+        self.pending = None
+        self.current = Progress(epoch, skip, total)
+        return skip
+
+    def handed_out(self) -> None:
+        """One more batch reached the training loop."""
+        assert self.current is not None
+        self.current.done += 1
+
+    def where(self, next_epoch: int) -> tuple[int, int]:
+        """(epoch, batches of it handed out) to save, ``next_epoch`` being the loader's next."""
+        if self.pending is not None:
+            return self.pending
+        c = self.current
+        if c is not None and c.epoch == next_epoch - 1 and c.done < c.total:
+            return c.epoch, c.done
+        return next_epoch, 0
+
+    def load(self, order: Order, state: Any) -> tuple[Order, int]:
+        """Take ``state``: the order with its seed, and the epoch to read next.
+
+        Raises:
+            ConfigError: not a state, another world size, or options that shape another order.
+        """
+        checked = _checked(state)
+        if checked["world_size"] != order.world:
+            raise ConfigError(
+                f"this loader state was saved over {checked['world_size']} ranks and this run "
+                f"has {order.world}: resume on {checked['world_size']} ranks (another world "
+                "size splits every epoch differently), or start without load_state_dict"
+            )
+        order = dataclasses.replace(order, seed=checked["seed"])
+        if order.fingerprint() != checked["fingerprint"]:
+            raise ConfigError(
+                "this loader state was saved with options that give another order (batch_size, "
+                "batch_frames, shuffle, window, drop_last, even_batches, or a dataset of "
+                "another length): make the loader with the arguments of the saved run"
+            )
+        self.pending = (checked["epoch"], checked["position"])
+        self.current = None
+        return order, checked["epoch"]
+
+
+def _checked(state: Any) -> dict[str, Any]:
+    """``state`` if it is a loader state (every key, of its type), else a ConfigError."""
+    if not isinstance(state, dict):
+        raise ConfigError(f"a loader state is a dict from state_dict(), got {type(state).__name__}")
+    for key, kind in STATE_KEYS.items():
+        value = state.get(key)
+        if (
+            not isinstance(value, kind)
+            or isinstance(value, bool)
+            or (isinstance(value, int) and value < 0)
+        ):
+            raise ConfigError(
+                f"not a FeatureLoader state: {key!r} is {value!r}; pass what state_dict() returned"
+            )
+    return state
+
+
+# == blocks ========================================================================================
+# ``BlockSampler``: the block shuffle as a sampler for ``DataLoader``, and the rank and world
+# size that a sampler or loader takes from ``torch.distributed`` when not given.
+class BlockSampler(Sampler[int]):
+    """Indices in blocks of shards, for ``DataLoader`` users: what ``FeatureLoader(ds,
+    shuffle="blocks")`` reads, as a sampler.
+
+    Each epoch visits the shards in a new order (``seed`` and the epoch), ``window`` shards at a
+    time, the items of each window shuffled together: a reader needs only ``window`` shards at
+    once, so a bucket store's tier of a few shards serves the epoch fetching each about once.
+    What it gives up against a full shuffle is in :mod:`featbake.serve.sampling`. Split over
+    ranks as ``DistributedSampler`` (``num_replicas``, ``rank`` default from
+    ``torch.distributed``; the first items repeated so every rank takes as many).
+
+    Args:
+        dataset: a :class:`~featbake.CachedFeatureDataset` (or one in a ``StackDataset`` or
+            ``Subset``): its catalog says each item's shard, nothing is read.
+        seed: the order's seed (the same on every rank).
+        window: shards open at a time.
+        num_replicas, rank: this process's share, as ``DistributedSampler``.
+        drop_last: drop the items that do not divide evenly among ranks instead of repeating.
+
+    Example:
+        >>> sampler = BlockSampler(ds, seed=0, window=4)  # doctest: +SKIP
+        >>> loader = DataLoader(ds, 32, sampler=sampler, collate_fn=pad_collate)  # doctest: +SKIP
+        >>> for epoch in range(10):  # doctest: +SKIP
+        ...     sampler.set_epoch(epoch)
+        ...     for padded, lengths in loader: ...
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        seed: int = 0,
+        window: int = 4,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        drop_last: bool = False,
+    ) -> None:
+        placement = placement_of(dataset)
+        if placement is None:
+            raise ConfigError(
+                "BlockSampler needs a CachedFeatureDataset (or one in a StackDataset or Subset), "
+                "whose catalog knows each item's shard"
+            )
+        self._shards = placement.shards.tolist()
+        rank, world = rank_and_world(rank, num_replicas)
+        self._order = Order(len(dataset), 1, Shuffle.BLOCKS, seed, rank, world, drop_last,
+                            window=window)  # fmt: skip
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Draw epoch ``epoch``'s order next (call it before each epoch, as DistributedSampler)."""
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        batches = self._order.batches(self.epoch, shards=self._shards)
+        return iter([i for b in batches for i in b])
+
+    def __len__(self) -> int:
+        return self._order.item_plan(self.epoch).per_rank()
+
+
+def rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """The rank and world size given, else torch.distributed's, else the whole dataset."""
+    if rank is not None and world_size is not None:
+        return rank, world_size
+    if distributed():
+        dist = torch.distributed
+        return (
+            dist.get_rank() if rank is None else rank,
+            dist.get_world_size() if world_size is None else world_size,
+        )
+    if rank is not None or world_size is not None:
+        raise ConfigError(
+            "give both rank and world_size (or neither, to take them from torch.distributed)"
+        )
+    return 0, 1
+
+
+def distributed() -> bool:
+    """True inside an initialised ``torch.distributed`` process group."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+# == loader ========================================================================================
 #: How long the reader waits to hand over a batch before it looks at the stop flag again.
 _POLL_SECONDS = 0.1
 
@@ -78,16 +381,6 @@ class _Failed:
 
 
 _END = object()
-
-__all__ = [
-    "READ_AHEAD",
-    "SAMPLE",
-    "WARM_STREAK",
-    "FeatureLoader",
-    "ReadAhead",
-    "ReaderDied",
-    "hint_of",
-]
 
 
 class FeatureLoader:
@@ -336,3 +629,14 @@ def _items(dataset: Any, idx: list[int]) -> Sequence[Any]:
     if getitems is not None:
         return getitems(idx)
     return [dataset[i] for i in idx]
+
+
+__all__ = [
+    "READ_AHEAD",
+    "SAMPLE",
+    "WARM_STREAK",
+    "FeatureLoader",
+    "ReadAhead",
+    "ReaderDied",
+    "hint_of",
+]

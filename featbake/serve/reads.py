@@ -1,8 +1,8 @@
 """How a dataset finds its items' bytes: one item, a batch in place, the located hit paths.
 
-Every path reads with the store's one read path (:func:`~featbake.store.reader.read_spans`, a
+Every path reads with the store's one read path (:func:`~featbake.store.shard.read_spans`, a
 single tensor being a batch of one) from this process's open shards
-(:class:`~featbake.store.handles.ShardHandles`, least recently used closed first), and follows
+(:class:`~featbake.store.features.ShardHandles`, least recently used closed first), and follows
 gc by the store's one rule (:func:`~featbake.store.features.relocated`): a shard that vanished
 is looked up again in the catalog, and a feature whose shard is gone for good (deleted by hand,
 lost in a partial copy) becomes a miss, which the dataset encodes again when it may.
@@ -13,29 +13,290 @@ A ``None`` from a batch path means "take the general path", never "not stored".
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+from torch.utils.data import get_worker_info
 
-from featbake.errors import ShardMissing, StoreError
+from featbake.device import process_cpus
+from featbake.errors import ConfigError, ShardMissing, StoreError
+from featbake.keys import root_id
+from featbake.process import PerProcess
+from featbake.quantize import SCALE_BYTES, ScaleSpan, Scheme, Unpacked, dequantize_unpacked, unpack
+from featbake.recipe import STORED_DTYPES, Recipe
 from featbake.serve.collate import PaddedBatch, alloc_batch
 from featbake.serve.index import Index
-from featbake.serve.process import mapped_empty
-from featbake.serve.row_pool import read_rows
-from featbake.serve.state import Located, ProcessState
-from featbake.store.catalog import Location
+from featbake.serve.state import Located, ProcessState, mapped_empty
+from featbake.store.catalog import SERVED, Location, recorded_serve_dtype
 from featbake.store.features import read_locations, relocated
 from featbake.store.layout import Layout
-from featbake.store.reader import ShardReader, Span, read_spans
-from featbake.store.shard_format import ST_TO_DTYPE, tensor_buffer, tensor_name
+from featbake.store.shard import (
+    ST_TO_DTYPE,
+    ShardReader,
+    Span,
+    read_spans,
+    tensor_buffer,
+    tensor_name,
+)
 
-__all__ = ["Reads"]
+# == served ========================================================================================
+# What a dataset serves from an ``int8`` / ``fp8`` store: dequantised, or raw.
+#
+# Every read path (located hits, the RAM tier, padded batches, misses) works on the stored form,
+# the packed tensor of :mod:`featbake.quantize` (the RAM tier so holds 4x the items float32
+# would); :class:`Served` turns it into what the user asked for at the dataset's exits:
+#
+# * ``dequantize=True`` (the default): ``codes * scale`` in ``serve_dtype`` (float16 unless
+#   asked otherwise), shape ``[T, D]`` as a float store would serve it;
+# * ``dequantize=False``: the packed ``[T, D + 4]`` tensor as stored, to copy to the GPU as is
+#   (a quarter of float32's bytes) and dequantise there with :func:`featbake.quantize.dequantize`.
+#   :func:`~featbake.serve.collate.pad_collate` pads packed items with zero rows, whose scale is
+#   0, so a padded raw batch dequantises to zeros past each length (leave ``pad_value`` at 0).
+#
+# No ``inf`` is served from finite features, and no cast rounds coarser than the codes: each item
+# and batch is checked against the dtype it is served in (:meth:`ScaleSpan.holds`, a look at one
+# scale a row) and refused in one line if it does not fit. Left to choose (``serve_dtype=None``),
+# a dataset serves the dtype its build found holds every value (:meth:`Served.for_index`):
+# float16, or
+# float32 for features past float16's range (~1e7) or below its precision (~1e-6).
+#: Dtypes a quantised store may be served in.
+SERVE_DTYPES = {name: STORED_DTYPES[name] for name in ("float32", "float16", "bfloat16")}
 
 
+@dataclass(frozen=True)
+class Served:
+    """Dequantises stored items and batches of one scheme into one dtype."""
+
+    scheme: Scheme
+    dtype: torch.dtype
+    chosen: bool = True  # the user named the dtype (else the default, or the build's record)
+
+    def item(self, value: Any) -> Any:
+        """An item (a packed tensor, or a dict of them) dequantised.
+
+        Raises:
+            ConfigError: the item holds values the served dtype cannot (see the module).
+        """
+        if isinstance(value, torch.Tensor):
+            return self.tensor(value)
+        return {name: self.tensor(t) for name, t in value.items()}
+
+    def tensor(self, packed: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """One packed tensor dequantised (into ``out`` if given), its scales checked first."""
+        parts = self.fitting(unpack(packed, self.scheme))
+        return dequantize_unpacked(parts, self.scheme, self.dtype, out)
+
+    def fitting(self, parts: Unpacked) -> Unpacked:
+        """``parts``, once their row scales are checked to fit the served dtype.
+
+        Raises:
+            ConfigError: a value would be served as ``inf``, or rounded coarser than its codes.
+        """
+        if self.dtype == torch.float32:  # quantize caps every scale to float32's range
+            return parts
+        span = ScaleSpan.of(parts.scales)
+        if span.holds(self.dtype, self.scheme):
+            return parts
+        name = str(self.dtype).removeprefix("torch.")
+        default = "" if self.chosen else " (the default serve_dtype)"
+        raise ConfigError(
+            f"this {self.scheme.value} store holds {span.describe(self.scheme)}, which "
+            f"{name}{default} cannot serve without an inf or a rounding coarser than its codes: "
+            "pass serve_dtype='float32' (or 'bfloat16': the same range in half the bytes)"
+        )
+
+    def for_index(self, layout: Layout, index: Index) -> Served:
+        """This, or float32 where the user named no dtype and the build of the root ``index``
+        serves recorded that float16 cannot hold its values."""
+        if self.chosen or index.data_dir is None:
+            return self
+        root = root_id(index.data_dir, index.spec.enc_label, index.spec.recipe_fp)
+        if recorded_serve_dtype(layout, root) != "float32":
+            return self
+        return Served(self.scheme, SERVED["float32"], chosen=False)
+
+    def batch(self, batch: PaddedBatch) -> PaddedBatch:
+        """A padded batch of packed rows dequantised into a new padded batch (in shared memory
+        inside a DataLoader worker, as the read path's own batch is)."""
+        packed = batch.padded
+        out = alloc_batch(
+            torch.empty(0, dtype=self.dtype), (*packed.shape[:-1], packed.shape[-1] - SCALE_BYTES)
+        )
+        self.tensor(packed, out)
+        return PaddedBatch.of(out, batch.lengths.tolist())
+
+
+def served_for(
+    recipe: Recipe, serve_dtype: str | torch.dtype | None, dequantize_items: bool
+) -> Served | None:
+    """How a dataset of ``recipe`` serves its items: None when as stored (float dtypes, or a
+    quantised one with ``dequantize=False``).
+
+    Raises:
+        ConfigError: ``serve_dtype`` or ``dequantize=False`` for a float store, an unknown
+            ``serve_dtype``, or both ``serve_dtype`` and ``dequantize=False``.
+
+    Example:
+        >>> served_for(Recipe(dtype="int8"), None, True).dtype
+        torch.float16
+    """
+    scheme = recipe.scheme
+    if scheme is None:
+        if serve_dtype is not None or not dequantize_items:
+            raise ConfigError(
+                f"serve_dtype and dequantize=False apply to int8 and fp8 stores; this dataset "
+                f"stores {recipe.dtype} (cast the items yourself, or build with --dtype int8)"
+            )
+        return None
+    if not dequantize_items:
+        if serve_dtype is not None:
+            raise ConfigError(
+                "dequantize=False serves the stored int8/fp8 tensors as they are; drop "
+                "serve_dtype, or keep dequantize=True to serve that dtype"
+            )
+        return None
+    return Served(scheme, _serve_dtype(serve_dtype), chosen=serve_dtype is not None)
+
+
+def _serve_dtype(asked: str | torch.dtype | None) -> torch.dtype:
+    if asked is None:
+        return torch.float16
+    if isinstance(asked, torch.dtype) and asked in SERVE_DTYPES.values():
+        return asked
+    if isinstance(asked, str) and asked in SERVE_DTYPES:
+        return SERVE_DTYPES[asked]
+    raise ConfigError(
+        f"serve_dtype must be one of {', '.join(SERVE_DTYPES)}, got {asked!r} "
+        "(e.g. serve_dtype='float32')"
+    )
+
+
+# == row_pool ======================================================================================
+# Reading the rows of one batch on several threads (the main process only).
+#
+# A row's read is a ``pread`` from the page cache and, on its first read in a process, a CRC-32C
+# of the bytes: both release the GIL, and together they are ~95% of a batch's time. On 2 CPUs,
+# two threads read a batch of 32 fp32 ``[T, 768]`` rows in about half the time. All bookkeeping
+# (which rows were checked, the handles' LRU order, the RAM tier) stays on the caller's thread:
+# a row job touches only its own slice of the batch and the shard's read-only file descriptor.
+#
+# No pool inside a DataLoader worker: there, ``num_workers`` processes already share the CPUs.
+#: Below this many bytes a batch is read on the caller's thread: a hand-off costs ~20 us.
+MIN_PARALLEL_BYTES = 4 << 20
+#: More threads than this only contend for memory bandwidth.
+MAX_THREADS = 4
+
+RowJob = Callable[[], None]
+
+
+def _new_pool() -> ThreadPoolExecutor:
+    # MAX_THREADS at most; a run submits threads - 1 parts, and threads start only when needed.
+    return ThreadPoolExecutor(MAX_THREADS, thread_name_prefix="featbake-read")
+
+
+#: This process's pool: a forked child makes its own (the parent's threads are not there), and
+#: the holder's lock is held across fork(), so a parent thread making the pool at that moment
+#: cannot leave the child a lock held forever (its first batch would hang).
+_pools: PerProcess[ThreadPoolExecutor] = PerProcess(_new_pool, lock=True)
+#: The CPUs this process may use (affinity + cgroup files, ~76 us), counted once per process.
+_cpus: PerProcess[int] = PerProcess(process_cpus)
+
+
+def read_threads() -> int:
+    """Threads a batch may be read on here: the CPUs this process may use, 1 in a worker."""
+    if get_worker_info() is not None:
+        return 1
+    return max(1, min(MAX_THREADS, _cpus.get()))
+
+
+def run_rows(jobs: Sequence[RowJob], nbytes: int, threads: int | None = None) -> None:
+    """Run every row job, on ``threads`` threads when the batch is large enough.
+
+    Each thread runs a contiguous run of rows. The first exception raised by a job (a short
+    read, a checksum mismatch) is raised here after every job has finished, so no thread is
+    still writing into the batch when the caller sees it.
+    """
+    run = RowRun(nbytes, threads)
+    parts = run.split(len(jobs))
+    for part in parts[:-1]:
+        run.submit(jobs[part])
+    run.run_here(jobs[parts[-1]] if parts else [])
+
+
+def read_rows(
+    rows: Sequence[Any], nbytes: int, span_of: Callable[[Any], Span] | None = None
+) -> None:
+    """Read a batch's rows with :func:`~featbake.store.shard.read_spans`, a run per thread.
+
+    ``rows`` are spans, or made into spans by ``span_of``, on this thread, just before their
+    run is handed to the pool: making the last run's spans (Python, under the GIL: checksum
+    descriptors) then overlaps the pool reading the first ones. Errors are raised as by
+    :func:`run_rows`, after every run has finished.
+    """
+    run = RowRun(nbytes)
+    parts = run.split(len(rows))
+    for k, part in enumerate(parts):
+        chunk = rows[part]
+        spans = chunk if span_of is None else [span_of(r) for r in chunk]
+        job = functools.partial(read_spans, spans)
+        if k < len(parts) - 1:
+            run.submit([job])
+        else:
+            run.run_here([job])
+
+
+class RowRun:
+    """One batch's row jobs: the first runs handed to the pool, the last run on this thread.
+
+    The caller may build each run's jobs just before handing it over, so that building the
+    last run's jobs (Python, under the GIL) overlaps the pool reading the first ones.
+    """
+
+    def __init__(self, nbytes: int, threads: int | None = None) -> None:
+        threads = read_threads() if threads is None else threads
+        self.threads = 1 if nbytes < MIN_PARALLEL_BYTES else max(1, threads)
+        self._futures: list[Future[None]] = []
+
+    def split(self, n: int) -> list[slice]:
+        """``n`` rows as contiguous runs, one per thread (the last one is this thread's)."""
+        k = max(1, min(self.threads, n))
+        step = -(-n // k) if n else 0
+        return [slice(s, min(n, s + step)) for s in range(0, n, step)] if n else []
+
+    def submit(self, jobs: Sequence[RowJob]) -> None:
+        """Hand a run of jobs to the pool (run here when there is no pool)."""
+        if self.threads <= 1:
+            _run_all(jobs)
+            return
+        self._futures.append(_pools.get().submit(_run_all, jobs))
+
+    def run_here(self, jobs: Sequence[RowJob]) -> None:
+        """Run the last run here, then wait for the pool's; raise the first error of any."""
+        errors: list[BaseException] = []
+        try:
+            _run_all(jobs)
+        except Exception as e:
+            errors.append(e)
+        for f in self._futures:
+            failed = f.exception()
+            if failed is not None:
+                errors.append(failed)
+        self._futures = []
+        if errors:
+            raise errors[0]
+
+
+def _run_all(jobs: Sequence[RowJob]) -> None:
+    for job in jobs:
+        job()
+
+
+# == reads =========================================================================================
 @dataclass(frozen=True)
 class _Source:
     """Where one row of a padded batch comes from: a RAM-tier tensor, or a stored tensor."""
@@ -377,3 +638,8 @@ class _RowRead(NamedTuple):
     dest: np.ndarray
     tail: np.ndarray
     check: bool
+
+
+__all__ = [
+    "Reads",
+]

@@ -2,38 +2,548 @@
 
 The state holds the catalog connection, the open shards (an LRU of handles), the RAM tier, the
 live encoder once loaded, the write-back, the last-use queue, and each item's location once it
-was read. It never crosses ``fork`` or pickling: see :mod:`featbake.serve.process` for the rule.
+was read. It never crosses ``fork`` or pickling: see :mod:`featbake.serve.state` for the rule.
 """
 
 from __future__ import annotations
 
+import contextlib
+import mmap
+import os
+import sqlite3
+import threading
 import time
 import warnings
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
 from featbake.encode.encoders import LoadedEncoder
-from featbake.perprocess import ProcessStamp
-from featbake.serve.lastuse import LastUse
-from featbake.serve.process import (
-    Clock,
-    ServeStats,
-    SharedFlags,
-    ThreadCatalog,
-    ram_tier,
-    wall_clock,
-)
-from featbake.serve.writeback import WriteBack
-from featbake.store.handles import ShardHandles
-from featbake.store.reader import ShardReader
+from featbake.errors import StoreError
+from featbake.lru import ByteLRU, CacheInfo
+from featbake.process import ProcessStamp
+from featbake.store.catalog import Access, ServingStore, access_for
+from featbake.store.features import ShardHandles
+from featbake.store.fragments import open_serving_catalog
+from featbake.store.layout import Layout
+from featbake.store.shard import SealedShard, ShardReader, ShardWriter
 
-__all__ = ["Located", "ProcessState"]
+# == process =======================================================================================
+# Per-process serving state, and the one rule for "is this state stale after ``fork``?".
+#
+# Everything a dataset opens (shard handles, the catalog connection, the RAM tier, the live
+# encoder, the write-back shard) belongs to the process that opened it. DataLoader workers are
+# forked from the process that made the dataset, and a forked child must neither use nor save its
+# parent's state: its file descriptors are copies, its pending write-back is the parent's to seal.
+#
+# The rule is featbake's one rule (:mod:`featbake.process`): state is stamped with the pid
+# that made it (:class:`~featbake.process.ProcessStamp`) and is stale in any other process.
+# In a forked child, :func:`_after_fork_in_child` also drops every registered owner's state
+# (closing the copied descriptors), so the hit path only tests ``state is None`` and pays
+# nothing for the rule.
+Clock = Callable[[], float]
 
 
+#: Objects whose per-process state a forked child drops (weakly held).
+_OWNERS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+class StateOwner(Protocol):
+    """An object whose per-process state a forked child drops (see :func:`forget_after_fork`)."""
+
+    def drop_inherited_state(self) -> None: ...
+
+
+def _after_fork_in_child() -> None:
+    for owner in list(_OWNERS):
+        owner.drop_inherited_state()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def forget_after_fork(owner: StateOwner) -> None:
+    """Have ``owner.drop_inherited_state()`` called in every forked child (weakly held)."""
+    _OWNERS.add(owner)
+
+
+def store_read_only(layout: Layout) -> bool:
+    """True when this process cannot write ``layout``'s catalog: a read-only mount, no write
+    permission, or ``$FEATBAKE_READ_ONLY=1``. A dataset then serves the store as it is."""
+    return access_for(layout) is not Access.READ_WRITE
+
+
+def read_only_misses(layout: Layout, misses: int) -> str:
+    """The warning of a dataset over a read-only store that will encode ``misses`` items."""
+    return (
+        f"featbake: the store {layout.root} is read-only here, and {misses} item(s) are not in "
+        "it: they are encoded live at every read and not stored; bake them with `featbake "
+        "build` where the store is writable, or pass on_miss='error'"
+    )
+
+
+class ThreadCatalog:
+    """The catalog connection of the thread that made this object, or a fresh one elsewhere.
+
+    SQLite connections are bound to their thread; a finalizer may run in whichever thread the
+    garbage collector runs in, so other threads get a connection of their own for one use.
+    With ``shared`` (a store on a shared filesystem) each is the read-only stand-in that writes
+    fragments (:class:`~featbake.store.fragments.FragmentServingCatalog`).
+    """
+
+    def __init__(self, layout: Layout, *, shared: bool = False) -> None:
+        self.layout = layout
+        self.shared = shared
+        self.thread = threading.get_ident()
+        self.home = open_serving_catalog(layout, shared=shared)
+
+    @contextlib.contextmanager
+    def scoped(self) -> Iterator[ServingStore]:
+        """This thread's connection, closed afterwards when it was opened for this use."""
+        if threading.get_ident() == self.thread:
+            yield self.home
+            return
+        catalog = open_serving_catalog(self.layout, shared=self.shared)
+        try:
+            yield catalog
+        finally:
+            catalog.close()
+
+    def close(self) -> None:
+        if threading.get_ident() == self.thread:
+            self.home.close()
+
+
+@dataclass(frozen=True)
+class ServeStats:
+    """What one process's dataset did (DataLoader workers each count their own).
+
+    Attributes:
+        ram: the RAM LRU's counters (hits, misses, evictions, bytes, budget).
+        store_reads: items read from shards.
+        encoded: items encoded live (misses).
+        written: items written back to this process's shards (sealed or pending).
+    """
+
+    ram: CacheInfo
+    store_reads: int
+    encoded: int
+    written: int
+
+    @property
+    def hits(self) -> int:
+        return self.ram.hits
+
+    @property
+    def misses(self) -> int:
+        return self.ram.misses
+
+    @property
+    def evictions(self) -> int:
+        return self.ram.evictions
+
+    @property
+    def bytes(self) -> int:
+        return self.ram.bytes
+
+    @property
+    def items(self) -> int:
+        return self.ram.items
+
+
+class SharedFlags:
+    """Per-item flags in anonymous shared memory that forked workers inherit.
+
+    Byte layout of a mapping for ``n`` items::
+
+        [0, n)            verified: uint8, the item's checksum was checked in this dataset
+        [n, 2n)           touched:  bool, the item's last use was recorded since ``epoch``
+        [align8(2n), +8)  epoch:    float64 wall time when ``touched`` was last cleared
+        [+8, +1)          workers:  uint8, 1 once a DataLoader worker used this dataset
+
+    Workers started afresh each epoch then neither check every checksum again nor record every
+    key's last use again; and the main process knows its own counters are not the workers'.
+    """
+
+    def __init__(self, buffer: Any, n: int) -> None:
+        self.buffer = buffer
+        self.verified = np.frombuffer(buffer, dtype=np.uint8, count=n)
+        self.touched = np.frombuffer(buffer, dtype=np.bool_, count=n, offset=n)
+        self.epoch = np.frombuffer(buffer, dtype=np.float64, count=1, offset=self.epoch_offset(n))
+        self.workers = np.frombuffer(
+            buffer, dtype=np.uint8, count=1, offset=self.epoch_offset(n) + 8
+        )
+
+    @staticmethod
+    def epoch_offset(n: int) -> int:
+        return (2 * n + 7) // 8 * 8
+
+    @classmethod
+    def nbytes(cls, n: int) -> int:
+        return cls.epoch_offset(n) + 9
+
+    @classmethod
+    def allocate(cls, n: int) -> mmap.mmap:
+        """A zeroed anonymous mapping for ``n`` items, shared with children forked later."""
+        return mmap.mmap(-1, cls.nbytes(n))
+
+
+#: RAM-tier entries at least this big get their own anonymous mapping (see mapped_empty).
+MAP_MIN_BYTES = 64 * 1024
+
+
+def mapped_empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor in its own anonymous memory mapping.
+
+    Entries of the RAM tier come and go in every size; from the heap, their evictions would leave
+    holes that malloc keeps (the worker's memory creeps above the budget). A mapping of its own
+    goes back to the OS the moment the entry is evicted and no batch still uses it.
+    """
+    numel = 1
+    for d in shape:
+        numel *= d
+    nbytes = numel * dtype.itemsize
+    if nbytes < MAP_MIN_BYTES:
+        return torch.empty(tuple(shape), dtype=dtype)
+    buf = mmap.mmap(-1, nbytes)
+    return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(dtype).reshape(shape)
+
+
+def resident_bytes(value: Any) -> int:
+    """What a RAM-tier entry really occupies: mapped entries take whole pages."""
+    if isinstance(value, Mapping):
+        return sum(resident_bytes(v) for v in value.values())
+    nbytes = value.nbytes
+    if nbytes < MAP_MIN_BYTES:
+        return nbytes
+    return -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+def ram_budget_for_process(total: int) -> int:
+    """The RAM tier's budget in this process: ``total`` split evenly between DataLoader workers.
+
+    Splitting keeps the whole pipeline's memory at ``total`` plus a fixed overhead, whatever
+    ``num_workers`` is (a per-worker budget would multiply it).
+
+    Example:
+        >>> ram_budget_for_process(1 << 30)  # in the main process
+        1073741824
+    """
+    info = get_worker_info()
+    return total if info is None else total // max(1, info.num_workers)
+
+
+def ram_tier(total: int) -> ByteLRU[int, Any]:
+    """This process's RAM tier: its share of ``total``, sized as entries really occupy memory."""
+    return ByteLRU(ram_budget_for_process(total), getsizeof=resident_bytes)
+
+
+def wall_clock() -> float:
+    """Seconds since the epoch: last-use times are compared across processes and runs."""
+    return time.time()
+
+
+# == lastuse =======================================================================================
+# Last-use times of served items, recorded in the catalog in coarse batches.
+#
+# gc's least-recently-used eviction needs days, not milliseconds, so a process records each key's
+# use at most once per :data:`TOUCH_REPEAT_SECONDS` (shared between forked workers through
+# :class:`~featbake.serve.state.SharedFlags`) and writes the queue at most every
+# :data:`TOUCH_FLUSH_SECONDS` or :data:`TOUCH_FLUSH_ITEMS`: never one write per read.
+#
+# On a shared filesystem each flush seals a fragment (store/serving_fragments.py) instead of a
+# catalog transaction; there the queue is written every :data:`TOUCH_FLUSH_SECONDS_SHARED`, so
+# many ranks and workers leave a few small files an hour each, not hundreds, until a merge.
+TOUCH_FLUSH_SECONDS = 30.0
+TOUCH_FLUSH_SECONDS_SHARED = 600.0
+TOUCH_REPEAT_SECONDS = 3600.0
+TOUCH_FLUSH_ITEMS = 50_000
+
+
+class LastUse:
+    """Items used in this process whose last use the catalog has not been told yet.
+
+    Args:
+        keys: the dataset's keys by item (``S64`` bytes).
+        flags: the shared per-item flags (``touched`` and its ``epoch``).
+        catalogs: where to write, from whichever thread flushes.
+        clock: monotonic seconds (when to flush).
+        wall: seconds since the epoch (when the shared ``touched`` flags expire).
+    """
+
+    def __init__(
+        self,
+        keys: np.ndarray,
+        flags: SharedFlags,
+        catalogs: ThreadCatalog,
+        clock: Clock,
+        wall: Clock,
+    ) -> None:
+        self.keys = keys
+        self.flags = flags
+        self.catalogs = catalogs
+        self.clock = clock
+        self.wall = wall
+        self.queue: list[int] = []  # appended on the hit path: one list, never replaced
+        self.last_flush = clock()
+        self.flush_seconds = TOUCH_FLUSH_SECONDS_SHARED if catalogs.shared else TOUCH_FLUSH_SECONDS
+        if not flags.epoch[0]:
+            flags.epoch[0] = wall()
+
+    def due(self, now: float) -> bool:
+        """True when the queue is long enough, or old enough, to be written."""
+        queue = self.queue
+        return len(queue) >= TOUCH_FLUSH_ITEMS or (
+            bool(queue) and now - self.last_flush >= self.flush_seconds
+        )
+
+    def flush(self) -> None:
+        """Write the queued items' last use now (a hint: a failure never fails a read)."""
+        self.last_flush = self.clock()
+        if not self.queue:
+            return
+        queue = self.queue[:]
+        self.queue.clear()
+        with contextlib.suppress(Exception), self.catalogs.scoped() as catalog:
+            catalog.touch(self.keys[i].decode() for i in queue)
+
+    def expire_shared(self) -> None:
+        """Forget which items were recorded once the shared epoch is an hour old."""
+        wall = self.wall()
+        if wall - self.flags.epoch[0] >= TOUCH_REPEAT_SECONDS:
+            self.flags.touched[:] = False
+            self.flags.epoch[0] = wall
+
+
+# == writeback =====================================================================================
+# The one write-back object: features encoded while serving, on their way to this process's
+# own shards, under one sealing policy for the dataset and :class:`CachedEncoder` alike.
+#
+# A pending feature is sealed into a shard when the pending shard is full (bytes or items) or
+# when its oldest feature is :data:`WRITEBACK_SECONDS` old, so a killed process loses little.
+# Sealing writes the shard, then commits its catalog rows (the caller's ``publish`` may add more
+# to that, e.g. a root), then tells the caller (``on_sealed``). On a shared filesystem the
+# "catalog" is the read-only stand-in of store/serving_fragments.py, which seals a fragment naming
+# the shard instead.
+#
+# Write-back is an optimisation: it never fails a read. When a shard cannot be written or
+# published (a full disk, an unwritable store), the pending features are dropped, encoded again
+# when next needed, and the failure is reported once per process as a warning.
+#: Write-back shards are sealed at this size, item count or age, so a killed worker loses little.
+WRITEBACK_BYTES = 64 * 1024 * 1024
+WRITEBACK_ITEMS = 256
+WRITEBACK_SECONDS = 5.0
+
+#: What a failed seal may raise: the store's own errors, the OS's, and SQLite's.
+_WRITE_FAILURES = (StoreError, OSError, sqlite3.Error)
+
+PartsIn = Mapping[str, torch.Tensor]
+Publish = Callable[[ServingStore, SealedShard], None]
+
+
+@dataclass(frozen=True)
+class SealPolicy:
+    """When a pending write-back shard is sealed: whichever limit is reached first."""
+
+    max_bytes: int = WRITEBACK_BYTES
+    max_items: int = WRITEBACK_ITEMS
+    max_seconds: float = WRITEBACK_SECONDS
+
+
+def add_rows(catalog: ServingStore, shard: SealedShard) -> None:
+    """The default publication: the shard's feature rows, nothing else."""
+    catalog.add_shard(shard)
+
+
+#: Every write-back of this process: what one reader wrote back and has not sealed yet, the
+#: others over the same store read at once (issue 18 item 4: two CachedEncoders over one store
+#: saw each other's features only after flush()).
+_LIVE: weakref.WeakSet[WriteBack] = weakref.WeakSet()
+_LIVE_LOCK = threading.Lock()
+
+
+def pending_in_process(own: WriteBack, key: str) -> PartsIn | None:
+    """``key``'s parts held, not sealed yet, by ``own`` or any other write-back of this process
+    over the same store; None when none holds it."""
+    parts = own.get(key)
+    if parts is not None:
+        return parts
+    with _LIVE_LOCK:
+        others = [w for w in _LIVE if w is not own and w.store_id == own.store_id]
+    for w in others:
+        if not w.lifetime.stale and (parts := w.get(key)) is not None:
+            return parts
+    return None
+
+
+class WriteBack:
+    """Features encoded in this process, written to shards of its own and published.
+
+    It holds no reference to its owner (a dataset or a CachedEncoder), so a finalizer that seals
+    it never keeps a dropped owner alive. Thread-safe: adds and seals take one lock.
+
+    Args:
+        layout: the store.
+        recipe_fp: the recipe fingerprint of every feature written.
+        publish: commits a sealed shard to the catalog (default: its feature rows).
+        on_sealed: told of each shard once it is published (e.g. to point an index at it).
+        clock: monotonic seconds; tests pass a fake one to age pending features at will.
+        policy: the sealing limits.
+        what: how warnings name what is written (``"written-back features"``).
+        catalogs: the owner's catalog connection (default: one of its own, opened on first
+            use in the thread that made this object).
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        recipe_fp: str,
+        *,
+        publish: Publish = add_rows,
+        on_sealed: Callable[[SealedShard], None] | None = None,
+        clock: Clock = time.monotonic,
+        policy: SealPolicy = SealPolicy(),
+        what: str = "written-back features",
+        catalogs: ThreadCatalog | None = None,
+    ) -> None:
+        self.layout = layout
+        self.recipe_fp = recipe_fp
+        self.publish = publish
+        self.on_sealed = on_sealed
+        self.clock = clock
+        self.policy = policy
+        self.what = what
+        self.lifetime = ProcessStamp()
+        self.lock = threading.Lock()
+        #: key -> parts of every feature added and not yet sealed (readable before sealing).
+        self.pending: dict[str, PartsIn] = {}
+        #: clock time of the oldest pending feature; 0.0 while nothing is pending.
+        self.first_pending = 0.0
+        self.written = 0
+        self.failures = 0
+        self._writer: ShardWriter | None = None
+        self._own_catalogs = catalogs is None
+        self._catalogs = catalogs if catalogs is not None else ThreadCatalog(layout)
+        self.store_id = os.path.realpath(layout.root)
+        with _LIVE_LOCK:
+            _LIVE.add(self)
+
+    def add(self, encoder_fp: str, key: str, parts: PartsIn) -> None:
+        """Queue one feature; seals when the shard is full or its oldest feature is due."""
+        if self.lifetime.stale:
+            self._adopt()
+        with self.lock:
+            if key in self.pending:
+                return
+            writer = self._writer_for(encoder_fp)
+            if writer is None:
+                return
+            self.pending[key] = parts
+            self.written += 1
+            if not self.first_pending:
+                self.first_pending = self.clock()
+            try:
+                writer.add(key, parts)  # seals (and publishes) when full
+            except _WRITE_FAILURES as e:
+                self._drop(e)
+        self.seal_if_due()
+
+    def get(self, key: str) -> PartsIn | None:
+        """A pending feature's parts (not yet sealed), or None."""
+        return self.pending.get(key)
+
+    @property
+    def due(self) -> bool:
+        """True when the oldest pending feature is older than the policy allows."""
+        first = self.first_pending
+        return bool(first) and self.clock() - first >= self.policy.max_seconds
+
+    def seal_if_due(self) -> None:
+        if self.due:
+            self.seal()
+
+    def seal(self) -> SealedShard | None:
+        """Seal what is pending now; None when nothing was (or it could not be) sealed."""
+        if self.lifetime.stale:
+            return None  # a forked copy of another process's write-back: that process seals it
+        with self.lock:
+            if self._writer is None:
+                return None
+            try:
+                return self._writer.seal()
+            except _WRITE_FAILURES as e:
+                self._drop(e)
+                return None
+
+    def close(self) -> None:
+        """Seal what is pending and close the catalog connection (once, by its own process)."""
+        if self.lifetime.stale:
+            return  # a forked copy of another process's write-back: that process saves it
+        self.seal()
+        if self._own_catalogs:
+            self._catalogs.close()
+
+    # -- internals ----------------------------------------------------------------------------
+    def _adopt(self) -> None:
+        """In a forked child: start afresh. What the parent had pending is the parent's to seal
+        (its copy here is dropped), and the lock may have been held by a parent thread."""
+        self.lifetime = ProcessStamp()
+        self.lock = threading.Lock()
+        self.pending = {}
+        self.first_pending = 0.0
+        self._writer = None
+        self._own_catalogs = True
+        self._catalogs = ThreadCatalog(self.layout, shared=self._catalogs.shared)
+
+    def _writer_for(self, encoder_fp: str) -> ShardWriter | None:
+        writer = self._writer
+        if writer is not None and writer.encoder_fp == encoder_fp:
+            return writer
+        if writer is not None:  # another encoder: its features go to a shard of their own
+            try:
+                writer.seal()
+            except _WRITE_FAILURES as e:
+                self._drop(e)
+        self._writer = ShardWriter(
+            self.layout,
+            encoder_fp,
+            self.recipe_fp,
+            target_bytes=self.policy.max_bytes,
+            max_items=self.policy.max_items,
+            on_seal=self._published,
+        )
+        return self._writer
+
+    def _published(self, shard: SealedShard) -> None:
+        with self._catalogs.scoped() as catalog:
+            self.publish(catalog, shard)
+        for entry in shard.entries:
+            self.pending.pop(entry.key, None)
+        self.first_pending = self.clock() if self.pending else 0.0
+        if self.on_sealed is not None:
+            self.on_sealed(shard)
+
+    def _drop(self, error: Exception) -> None:
+        """Forget what is pending after a failed seal; warn the first time only."""
+        self.pending.clear()
+        self.first_pending = 0.0
+        self.failures += 1
+        if self.failures == 1:
+            warnings.warn(
+                f"featbake: could not store {self.what} ({error}); they were dropped and are "
+                "encoded again when next needed (reads of stored features are unaffected)",
+                stacklevel=3,
+            )
+
+
+# == state =========================================================================================
 class Located(NamedTuple):
     """Where one item's single tensor lies, remembered on its first read in this process.
 
@@ -204,3 +714,26 @@ class ProcessState:
     def drop_inherited(self) -> None:
         """In a forked child: close this process's copies of the parent's shard files."""
         self.handles.close()
+
+
+__all__ = [
+    "TOUCH_FLUSH_ITEMS",
+    "TOUCH_FLUSH_SECONDS",
+    "TOUCH_FLUSH_SECONDS_SHARED",
+    "TOUCH_REPEAT_SECONDS",
+    "WRITEBACK_BYTES",
+    "WRITEBACK_ITEMS",
+    "WRITEBACK_SECONDS",
+    "LastUse",
+    "Located",
+    "ProcessState",
+    "SealPolicy",
+    "ServeStats",
+    "SharedFlags",
+    "ThreadCatalog",
+    "WriteBack",
+    "forget_after_fork",
+    "mapped_empty",
+    "ram_budget_for_process",
+    "resident_bytes",
+]

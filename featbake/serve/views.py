@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import Dataset
 
 from featbake.errors import ConfigError
-from featbake.image_options import View, view_steps
+from featbake.image_recipe import View, view_steps
 from featbake.recipe import Recipe
 from featbake.serve.dataset import CachedFeatureDataset
 

@@ -1,27 +1,29 @@
 """Opening a store by its directory or bucket URL: the layout, and the catalog with a clear error.
 
 A store that cannot be written here (a read-only mount, no write permission) opens read-only
-(see ``featbake.store.catalog.connection``): every command that only reads works on it. A
+(see ``featbake.store.catalog``): every command that only reads works on it. A
 bucket store (``s3://bucket/prefix``) opens as its local tier, with the newest published
-catalog brought into it (see :mod:`featbake.store.remote`).
+catalog brought into it (see :mod:`featbake.store.bucket`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from featbake.errors import ConfigError, StoreError
-from featbake.store.catalog import Catalog, Root
-from featbake.store.catalog.connection import READ_ONLY_ENV, read_only_forced
+from featbake.store.bucket import BucketStore, Change, publish_next
+from featbake.store.catalog import READ_ONLY_ENV, Catalog, Root, read_only_forced
 from featbake.store.fragments import sealed_fragments
 from featbake.store.layout import Layout, layout_at
-from featbake.store.remote.store import BucketStore
-from featbake.store.remote.url import BucketURL, endpoint, endpoint_folder, is_url
+from featbake.store.url import BucketURL, endpoint, endpoint_folder, is_url
 from featbake.units import parse_bytes
+
+T = TypeVar("T")
 
 #: The local tier's default budget (litdata's ``max_cache_size`` defaults to 100 GB too).
 DEFAULT_LOCAL_CACHE_SIZE = "100GiB"
@@ -157,6 +159,23 @@ def _require_catalog(layout: Layout) -> None:
         f"the store {layout.root} has no catalog.sqlite; run `featbake verify --repair` to "
         "rebuild it from the shards and root manifests"
     )
+
+
+def commit(layout: Layout, change: Callable[[Layout], Change[T]]) -> T:
+    """Apply a catalog ``change`` where the store keeps its catalog: in place for a directory
+    (the catalog's own transactions), as the next published version for a bucket (a copy of
+    the newest, published if absent; a published version is never edited). Upkeep writes its
+    catalog changes through here, whatever the place.
+
+    Raises:
+        StoreError: the catalog or the bucket cannot be written.
+    """
+    if isinstance(layout.remote, BucketStore):
+        return publish_next(layout.remote, change)
+    outcome = change(layout)
+    if outcome.changed and outcome.after_publish is not None:
+        outcome.after_publish()
+    return outcome.value
 
 
 def describe(layout: Layout) -> str:

@@ -24,28 +24,7 @@ working. (No submodule is named like a function it re-exports: ``featbake.upkeep
 
 from __future__ import annotations
 
-from featbake.upkeep.files import LooseFile
-from featbake.upkeep.gc import CRASH_ENV, CRASH_POINTS, GcResult, execute_gc
-from featbake.upkeep.gc_bucket import BucketGcResult, gc_bucket
-from featbake.upkeep.gc_plan import (
-    DEFAULT_COMPACT_BELOW,
-    DEFAULT_GRACE_S,
-    DropReason,
-    DropRoot,
-    GcOptions,
-    GcPlan,
-    plan_gc,
-)
-from featbake.upkeep.store_stats import (
-    EncoderStats,
-    RootStats,
-    StoreStats,
-    drop_root,
-    list_roots,
-    stats,
-)
-from featbake.upkeep.verify_checks import check_shard
-from featbake.upkeep.verify_findings import (
+from featbake.upkeep.check import (
     VERIFY_CLEAN,
     VERIFY_DAMAGED,
     VERIFY_REPAIRED,
@@ -57,9 +36,34 @@ from featbake.upkeep.verify_findings import (
     VerifyReport,
     VerifyScan,
     VerifyStatus,
+    check_shard,
+    scan_store,
 )
-from featbake.upkeep.verify_repair import repair, verify
-from featbake.upkeep.verify_scan import scan_store
+from featbake.upkeep.files import LooseFile
+from featbake.upkeep.gc import (
+    CRASH_ENV,
+    CRASH_POINTS,
+    DEFAULT_COMPACT_BELOW,
+    DEFAULT_GRACE_S,
+    BucketGcResult,
+    DropReason,
+    DropRoot,
+    GcOptions,
+    GcPlan,
+    GcResult,
+    execute_gc,
+    gc_bucket,
+    plan_gc,
+)
+from featbake.upkeep.repair import repair, verify
+from featbake.upkeep.store_stats import (
+    EncoderStats,
+    RootStats,
+    StoreStats,
+    drop_root,
+    list_roots,
+    stats,
+)
 
 __all__ = [
     "CRASH_ENV",

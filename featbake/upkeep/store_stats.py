@@ -9,12 +9,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from featbake.store.catalog import Catalog, Root, ShardRow, ShardUsage
-from featbake.store.fidelity import QUANTISED, read_fidelity
+from featbake.store.bucket import Change
+from featbake.store.catalog import QUANTISED, Catalog, Root, ShardRow, ShardUsage, read_fidelity
 from featbake.store.layout import Layout
-from featbake.store.open import StoreRef, open_catalog, resolve_root
-from featbake.store.remote.publish import Change, publish_next
-from featbake.store.remote.store import BucketStore
+from featbake.store.open import StoreRef, commit, open_catalog, resolve_root
 from featbake.upkeep.files import list_folder
 
 
@@ -240,16 +238,14 @@ def drop_root(cache: StoreRef, name: str) -> Root:
     Example:
         >>> drop_root(".featbake", "r-3f1c")  # doctest: +SKIP
     """
-    layout, catalog = open_catalog(cache)
-    if isinstance(layout.remote, BucketStore):  # a published version is never edited
-        catalog.close()
-        return publish_next(layout.remote, lambda work: _dropped(work, name))
-    return _dropped(layout, name, catalog).value
+    layout, catalog = open_catalog(cache)  # an existing store with a readable catalog
+    catalog.close()
+    return commit(layout, lambda work: _dropped(work, name))
 
 
-def _dropped(layout: Layout, name: str, catalog: Catalog | None = None) -> Change[Root]:
+def _dropped(layout: Layout, name: str) -> Change[Root]:
     """Drop root ``name`` from ``layout``'s catalog (a bucket's work copy, or a local store)."""
-    with catalog or Catalog(layout) as cat:
+    with Catalog(layout) as cat:
         root = resolve_root(cat, name)
         cat.drop_root(root.name)
         return Change(root, True)

@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from featbake.bake.pipeline import build
-from featbake.encode.bucket_inputs import BucketInputs, ObjectSource, object_stat
+from featbake.encode.inputs import BucketInputs, ObjectSource, object_stat
 from featbake.encode.sources import load_unchanged, source_for
 from featbake.errors import SourceError, StoreError
 from featbake.recipe import Recipe
+from featbake.store.bucket import Bucket, ObjectInfo
 from featbake.store.catalog import FileStat
-from featbake.store.remote.objects import Bucket, ObjectInfo
-from featbake.store.remote.url import BucketURL
+from featbake.store.url import BucketURL
 from featbake.testing import write_audio_folder
 from tests.conftest import live_features, run_cli
 from tests.helpers import stored_features

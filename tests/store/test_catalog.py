@@ -16,6 +16,7 @@ import torch
 
 from featbake.encode.fingerprints import hash_inputs
 from featbake.errors import StoreError
+from featbake.store import catalog as connection
 from featbake.store.catalog import (
     SCHEMA_VERSION,
     Catalog,
@@ -26,12 +27,10 @@ from featbake.store.catalog import (
     RootItem,
     RootSpec,
     ShardFeature,
-    connection,
     read_old_catalog,
 )
 from featbake.store.layout import Layout
-from featbake.store.reader import ShardReader
-from featbake.store.writer import write_shard
+from featbake.store.shard import ShardReader, write_shard
 
 EFP, RFP = "e" * 64, "r" * 64
 
@@ -343,7 +342,7 @@ def test_a_shard_gc_unlinked_before_its_rows_commit_is_written_again(
     seal byte-identical content at the same path. If gc's unlink lands between the writer's
     rename and its commit, the commit must not name a missing file."""
     from featbake.store.features import FeatureReader
-    from featbake.store.writer import ShardWriter
+    from featbake.store.shard import ShardWriter
 
     calls = []
 

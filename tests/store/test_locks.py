@@ -13,9 +13,8 @@ import pytest
 import torch
 
 from featbake.errors import StoreError
-from featbake.store.layout import Layout
-from featbake.store.locks import exclusive_write_lock, lock_path, shared_write_lock
-from featbake.store.writer import ShardWriter
+from featbake.store.layout import Layout, exclusive_write_lock, lock_path, shared_write_lock
+from featbake.store.shard import ShardWriter
 
 EFP, RFP = "e" * 64, "r" * 64
 

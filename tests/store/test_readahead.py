@@ -1,4 +1,4 @@
-"""Read-ahead hints (store/readahead.py): a range not in the page cache has its reads started
+"""Read-ahead hints (store/shard.py): a range not in the page cache has its reads started
 and is cached soon after without anyone reading it; a cached range is left alone; a hint never
 raises. Pages are dropped with ``posix_fadvise(DONTNEED)``, as the cold benchmark does.
 
@@ -17,9 +17,7 @@ from pathlib import Path
 import pytest
 
 from featbake.store.layout import Layout
-from featbake.store.readahead import cached, can_hint, will_need
-from featbake.store.reader import ShardReader
-from featbake.store.writer import write_shard
+from featbake.store.shard import ShardReader, cached, can_hint, will_need, write_shard
 
 needs_hints = pytest.mark.skipif(
     not can_hint() or not hasattr(os, "RWF_NOWAIT") or not sys.platform.startswith("linux"),

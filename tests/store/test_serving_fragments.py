@@ -25,19 +25,17 @@ from torch.utils.data import DataLoader
 from featbake.bake.pipeline import build
 from featbake.errors import StoreCorrupt, StoreError
 from featbake.serve.dataset import CachedFeatureDataset
-from featbake.serve.lastuse import TOUCH_FLUSH_SECONDS, TOUCH_FLUSH_SECONDS_SHARED
-from featbake.serve.writeback import WRITEBACK_SECONDS
+from featbake.serve.state import TOUCH_FLUSH_SECONDS, TOUCH_FLUSH_SECONDS_SHARED, WRITEBACK_SECONDS
 from featbake.store.catalog import Catalog, RootSpec
-from featbake.store.filesystem import SharedFilesystemWarning
 from featbake.store.fragments import (
     FragmentKind,
+    FragmentServingCatalog,
     fragment_shard_names,
+    merge,
     read_fragment,
     sealed_fragments,
 )
-from featbake.store.layout import Layout
-from featbake.store.merge import merge
-from featbake.store.serving_fragments import FragmentServingCatalog
+from featbake.store.layout import Layout, SharedFilesystemWarning
 from featbake.testing import make_tone, write_audio_folder
 from tests.conftest import REPO, live_features, run_cli
 
@@ -45,7 +43,7 @@ TOL = {"rtol": 1e-5, "atol": 1e-6}
 SHARED = {"FEATBAKE_SHARED_FS": "1"}
 
 # Said once per store and process; the tests that check the line catch it themselves.
-pytestmark = pytest.mark.filterwarnings("ignore::featbake.store.filesystem.SharedFilesystemWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::featbake.store.layout.SharedFilesystemWarning")
 
 
 class FakeClock:

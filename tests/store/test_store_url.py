@@ -12,7 +12,7 @@ from featbake.errors import ConfigError
 from featbake.serve.cached_encoder import CachedEncoder
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.store.open import open_store
-from featbake.store.remote.url import BucketURL
+from featbake.store.url import BucketURL
 from tests.conftest import run_cli
 
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from featbake.store.remote.objects import ObjectInfo
-from featbake.store.remote.versions import version_name
-from featbake.upkeep.bucket_sweep import kept_versions, sweep
+from featbake.store.bucket import ObjectInfo, version_name
+from featbake.upkeep.gc import kept_versions, sweep
 
 times = st.floats(min_value=0, max_value=1000, allow_nan=False)
 

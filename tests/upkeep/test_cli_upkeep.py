@@ -145,7 +145,7 @@ def test_stats_and_roots_fit_80_columns_and_count_one_way(
 
 
 def test_the_recipe_line_tells_roots_apart_by_layers_and_precision() -> None:
-    from featbake.cli.store import recipe_brief
+    from featbake.cli.upkeep import recipe_brief
     from featbake.recipe import Recipe
 
     plain = Recipe().as_dict()

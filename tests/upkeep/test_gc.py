@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 from featbake.store.catalog import Catalog, RootSpec
 from featbake.store.features import FeatureReader
 from featbake.store.layout import Layout
-from featbake.store.writer import write_shard
+from featbake.store.shard import write_shard
 from featbake.testing import TinyConvEncoder, save_torchscript, write_audio_folder
 from featbake.upkeep import CRASH_ENV, CRASH_POINTS, GcOptions, execute_gc, plan_gc, verify
 from tests.conftest import run_cli
@@ -373,7 +373,7 @@ def test_gc_and_verify_while_a_merge_folds_in_and_removes_a_fragment(
     plans to delete none of the merged shards (they moved into the catalog meanwhile)."""
     import featbake.store.fragments as fragments
     from featbake.bake.pipeline import build
-    from featbake.store.merge import merge
+    from featbake.store.fragments import merge
 
     store = tmp_path / "store"
     build(audio_dir / "fixed", encoder_file, cache=store, workers=0)  # the store's catalog

@@ -1,6 +1,6 @@
 """gc --older-than counts a dataset's reads as use of the root it reads (issue 28 item 7).
 
-Serving records last use per feature (serve/lastuse.py), never per root: a root built 40 days
+Serving records last use per feature (serve/state.py), never per root: a root built 40 days
 ago and read every day since must not look 40 days idle.
 """
 

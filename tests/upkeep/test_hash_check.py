@@ -21,7 +21,7 @@ from featbake.serve.dataset import CachedFeatureDataset
 from featbake.store.layout import Layout
 from featbake.testing import TinyConvEncoder, save_torchscript
 from featbake.upkeep import FindingKind, verify
-from featbake.upkeep.verify_scan import check_hash_cache
+from featbake.upkeep.check import check_hash_cache
 from tests.conftest import live_features, run_cli
 from tests.helpers import bake, manifest
 

@@ -10,7 +10,7 @@ import pytest
 from featbake.errors import ConfigError, StoreError
 from featbake.store.catalog import Catalog, read_root_file
 from featbake.store.layout import Layout
-from featbake.store.reader import ShardReader
+from featbake.store.shard import ShardReader
 from featbake.testing import TinyConvEncoder, save_torchscript
 from featbake.upkeep import GcOptions, drop_root, execute_gc, list_roots, plan_gc, stats
 from tests.helpers import bake, manifest, shard_files

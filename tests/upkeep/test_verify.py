@@ -12,7 +12,7 @@ from featbake.store.catalog import Catalog
 from featbake.store.features import FeatureReader
 from featbake.store.layout import Layout
 from featbake.store.open import open_catalog
-from featbake.store.reader import ShardReader
+from featbake.store.shard import ShardReader
 from featbake.upkeep import VERIFY_CLEAN, VERIFY_DAMAGED, VERIFY_REPAIRED, stats, verify
 from tests.helpers import Live, assert_serves, bake, manifest, shard_files
 

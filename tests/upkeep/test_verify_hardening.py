@@ -18,11 +18,9 @@ import pytest
 
 from featbake.errors import StoreError
 from featbake.progress import Progress
-from featbake.store.catalog import Catalog
-from featbake.store.catalog.upkeep_queries import REQUIRED_COLUMNS
-from featbake.store.layout import Layout
-from featbake.store.locks import lock_path, shared_write_lock
-from featbake.store.reader import ShardReader
+from featbake.store.catalog import REQUIRED_COLUMNS, Catalog
+from featbake.store.layout import Layout, lock_path, shared_write_lock
+from featbake.store.shard import ShardReader
 from featbake.testing import write_audio_folder
 from featbake.upkeep import VERIFY_REPAIRED, FindingKind, verify
 from tests.conftest import run_cli
@@ -77,8 +75,8 @@ def _format_1_store(audio_dir: Path, encoder_file: Path, store_dir: Path, monkey
     """A store built by the old writer: format-1 checksums cover a tensor's bytes only."""
     import functools
 
-    from featbake.store import writer as writer_mod
-    from featbake.store.shard_format import shard_metadata
+    from featbake.store import shard as writer_mod
+    from featbake.store.shard import shard_metadata
 
     with monkeypatch.context() as m:
         m.setattr(writer_mod, "shard_metadata", functools.partial(shard_metadata, version="1"))
@@ -311,7 +309,7 @@ def test_repair_refuses_while_a_writer_holds_the_lock(
     encoder_file: Path, audio_dir: Path, store_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     bake(audio_dir, encoder_file, store_dir)
-    monkeypatch.setattr("featbake.store.locks.EXCLUSIVE_WAIT_S", 0.2)
+    monkeypatch.setattr("featbake.store.layout.EXCLUSIVE_WAIT_S", 0.2)
     # A writer sealing a shard right now holds the lock shared.
     with shared_write_lock(Layout(store_dir)), pytest.raises(StoreError, match="writing shards"):
         verify(store_dir, repair_damage=True)

@@ -72,8 +72,8 @@ class S3:
 
     def objects(self, prefix: str = "") -> list[str]:
         """Object names under the store's prefix (through a fresh client, as a user would)."""
-        from featbake.store.remote.objects import Bucket
-        from featbake.store.remote.url import BucketURL
+        from featbake.store.bucket import Bucket
+        from featbake.store.url import BucketURL
 
         return sorted(o.name for o in Bucket(BucketURL.parse(self.url)).list(prefix))
 

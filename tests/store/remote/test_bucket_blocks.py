@@ -12,8 +12,8 @@ from torch.utils.data import StackDataset
 
 from featbake import CachedFeatureDataset, FeatureLoader
 from featbake.bake.pipeline import build
-from featbake.store.remote.objects import Bucket
-from featbake.store.remote.url import BucketURL
+from featbake.store.bucket import Bucket
+from featbake.store.url import BucketURL
 from featbake.testing import write_audio_folder
 from tests.conftest import live_features
 from tests.store.remote.conftest import S3

@@ -15,9 +15,8 @@ import torch
 
 from featbake import CachedFeatureDataset
 from featbake.encode.sources import source_for
+from featbake.store.bucket import BucketStore, merge_bucket
 from featbake.store.open import open_store
-from featbake.store.remote.publish import merge_bucket
-from featbake.store.remote.store import BucketStore
 from featbake.testing import TinyConvEncoder, write_audio_folder
 from tests.conftest import REPO, encoded_rows, live_features, run_cli
 from tests.store.remote.conftest import S3
@@ -139,7 +138,7 @@ def test_a_merge_killed_at_any_step_loses_nothing(
     killer = (
         "import os, sys\n"
         "from featbake.store.open import open_store\n"
-        "from featbake.store.remote.publish import merge_bucket\n"
+        "from featbake.store.bucket import merge_bucket\n"
         "def hook(step):\n"
         f"    if step == {step!r}: os.kill(os.getpid(), 9)\n"
         f"merge_bucket(open_store({s3.url!r}).remote, between=hook)\n"

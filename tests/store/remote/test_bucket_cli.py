@@ -10,8 +10,8 @@ import numpy as np
 import torch
 import zarr
 
-from featbake.store.remote.objects import Bucket
-from featbake.store.remote.url import BucketURL
+from featbake.store.bucket import Bucket
+from featbake.store.url import BucketURL
 from tests.conftest import live_features, run_cli
 from tests.store.remote.conftest import S3
 

@@ -13,8 +13,8 @@ import torch
 from featbake import CachedFeatureDataset
 from featbake.bake.pipeline import build
 from featbake.errors import ConfigError, StoreCorrupt, StoreError
-from featbake.store.remote.objects import Bucket
-from featbake.store.remote.url import BucketURL
+from featbake.store.bucket import Bucket
+from featbake.store.url import BucketURL
 from tests.conftest import live_features, run_cli
 from tests.store.remote.conftest import S3
 from tests.store.remote.faults import DroppingProxy
@@ -142,7 +142,7 @@ def test_denied_access_and_a_throttled_server_say_what_to_do() -> None:
     """moto does not enforce policies: botocore's own error objects stand in for AWS's answers."""
     from botocore.exceptions import ClientError
 
-    from featbake.store.remote.objects import raise_translated
+    from featbake.store.bucket import raise_translated
 
     bucket = Bucket(BucketURL.parse("s3://team/features"))
     denied = ClientError({"Error": {"Code": "AccessDenied", "Message": "no"}}, "GetObject")

@@ -11,10 +11,9 @@ import torch
 
 from featbake import CachedFeatureDataset
 from featbake.bake.pipeline import build
+from featbake.store.bucket import BucketStore
 from featbake.store.open import open_store
-from featbake.store.remote.store import BucketStore
-from featbake.upkeep.gc_bucket import gc_bucket
-from featbake.upkeep.gc_plan import GcOptions
+from featbake.upkeep.gc import GcOptions, gc_bucket
 from tests.conftest import live_features, run_cli
 from tests.store.remote.conftest import S3
 
@@ -50,13 +49,15 @@ def test_gc_keeps_what_an_older_version_names_until_the_retention_period_passes(
     )
     assert first.published and first.catalog.roots_dropped
     assert first.shards_deleted == 0 and first.versions_deleted == 0
-    assert s3.objects("shards/") == shards and len(s3.objects("catalog/")) == 2
+    # gc folded the readers' serving fragments first (version 2; issue 28 item 7), then
+    # published its own change (version 3).
+    assert s3.objects("shards/") == shards and len(s3.objects("catalog/")) == 3
     assert_live(holder, encoder_file)  # read from the bucket through version 1: stored, not live
     assert holder.cache_info().encoded == 0
 
     second = gc_bucket(bucket(s3.url, tmp_path / "gc"), retention=HOUR, now=later + 2 * HOUR)
-    assert second.versions_deleted == 1 and second.shards_deleted == len(shards)
-    assert not s3.objects("shards/") and s3.objects("catalog/") == ["catalog/v000000002.sqlite"]
+    assert second.versions_deleted == 2 and second.shards_deleted == len(shards)
+    assert not s3.objects("shards/") and s3.objects("catalog/") == ["catalog/v000000003.sqlite"]
     # A reader still on version 1 after the retention period: its shards are gone, so it
     # encodes live (this one never fetched them), and serves nothing wrong.
     assert_live(late, encoder_file)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from featbake.bake.padded import BatchingMode
+from featbake.bake.batching import BatchingMode
 from featbake.bake.pipeline import build
 from tests.store.remote.conftest import S3
 from tests.test_padded_redo import LittlePaddingLeaks, assert_serves_alone, clips

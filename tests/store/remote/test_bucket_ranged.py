@@ -12,9 +12,8 @@ from torch.utils.data import DataLoader
 from featbake import CachedFeatureDataset
 from featbake.bake.pipeline import build
 from featbake.errors import StoreCorrupt
-from featbake.store.remote.objects import Bucket
-from featbake.store.remote.ranged import RangedShardReader
-from featbake.store.remote.url import BucketURL
+from featbake.store.bucket import Bucket, RangedShardReader
+from featbake.store.url import BucketURL
 from tests.conftest import live_features
 from tests.store.remote.conftest import S3
 

@@ -13,8 +13,8 @@ from torch.utils.data import DataLoader
 
 from featbake import CachedFeatureDataset
 from featbake.bake.pipeline import build
+from featbake.store.bucket import version_of
 from featbake.store.open import open_store
-from featbake.store.remote.versions import version_of
 from tests.conftest import live_features
 from tests.store.remote.conftest import S3
 

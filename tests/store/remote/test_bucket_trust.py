@@ -20,14 +20,13 @@ import torch
 from featbake import CachedFeatureDataset
 from featbake.bake.pipeline import build
 from featbake.errors import ConfigError, StoreCorrupt
-from featbake.store.catalog.connection import open_sqlite
+from featbake.store.bucket import Bucket, newest, version_name, version_of
+from featbake.store.catalog import open_sqlite
 from featbake.store.open import open_store
-from featbake.store.remote.objects import Bucket
-from featbake.store.remote.url import BucketURL
-from featbake.store.remote.versions import newest, version_name, version_of
+from featbake.store.url import BucketURL
 from featbake.testing import write_audio_folder
 from featbake.upkeep import gc_bucket, verify
-from featbake.upkeep.gc_plan import GcOptions
+from featbake.upkeep.gc import GcOptions
 from tests.conftest import live_features, run_cli
 from tests.store.remote.conftest import S3
 
@@ -289,7 +288,7 @@ def test_a_dry_run_reports_what_the_run_does(
 def test_gc_lists_shards_before_versions_so_a_merge_in_between_loses_nothing(
     s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from featbake.store.remote.publish import merge_bucket
+    from featbake.store.bucket import merge_bucket
 
     # Two parts of a build: their shards and fragments are in the bucket, not yet merged.
     for part in ("0/2", "1/2"):
@@ -348,7 +347,7 @@ def test_a_read_only_build_into_a_bucket_writes_nothing(
 def test_a_damaged_fragment_object_is_named_and_blocks_no_other_build(
     s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
 ) -> None:
-    from featbake.store.remote.publish import DamagedFragmentWarning
+    from featbake.store.bucket import DamagedFragmentWarning
 
     for part in ("0/2", "1/2"):  # a build in parts, not merged yet
         build(audio_dir, encoder_file, cache=s3.url, workers=0, shard=part)
@@ -434,3 +433,66 @@ def test_a_nodes_processes_download_a_new_catalog_version_once(
     for t in threads:
         t.join(60)
     assert downloads == [version_name(2)]
+
+
+def test_one_output_after_a_whole_output_bucket_build_is_copied_not_encoded(
+    s3: S3, audio_dir: Path, multi_encoder_file: Path, tmp_path: Path
+) -> None:
+    from featbake.recipe import Recipe
+
+    whole = build(audio_dir, multi_encoder_file, cache=s3.url, workers=0)
+    assert whole.encoded == 16
+    store = open_store(s3.url, local_cache=tmp_path / "other-node")
+    part = build(
+        audio_dir, multi_encoder_file, cache=store, workers=0, recipe=Recipe(output="pooled")
+    )
+    assert (part.encoded, part.derived) == (0, 16)  # a local store copies; the bucket did not
+    ds = CachedFeatureDataset(
+        audio_dir, multi_encoder_file, cache=s3.url, local_cache=tmp_path / "r",
+        recipe=Recipe(output="pooled"), on_miss="error",
+    )  # fmt: skip
+    for i in range(len(ds)):
+        want = live_features(multi_encoder_file, Path(ds.path(i)), Recipe(output="pooled"))
+        torch.testing.assert_close(ds[i], want)
+
+
+def test_an_open_ranged_reader_finds_features_a_new_version_moved(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FEATBAKE_BUCKET_READS", "ranged")
+    build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
+    ds = CachedFeatureDataset(
+        audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "reader",
+        on_miss="error", ram_cache=0,
+    )  # fmt: skip
+    assert_live(ds, encoder_file)  # every shard's ranged reader is open now
+    bucket_of(s3).delete(s3.objects())  # the store is rebuilt with other shards
+    rebuilt = open_store(s3.url, local_cache=tmp_path / "builder")
+    build(audio_dir, encoder_file, cache=rebuilt, workers=0, shard_bytes=25_000)
+    assert_live(ds, encoder_file)  # found through the new version: no miss, nothing encoded
+    assert ds.cache_info().encoded == 0
+
+
+def test_gc_older_than_keeps_a_bucket_root_a_dataset_reads(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    build(audio_dir, encoder_file, cache=s3.url, workers=0)
+    aged = tmp_path / "aged.sqlite"  # the store as if built 40 days ago (the next version)
+    bucket_of(s3).download(version_name(1), aged)
+    then = time.time() - 40 * 86400
+    conn = open_sqlite(aged)
+    conn.execute("UPDATE roots SET created=?, last_used=?", (then, then))
+    conn.execute("UPDATE features SET last_used=?", (then,))
+    conn.close()
+    bucket_of(s3).upload(version_name(2), aged)
+    ds = CachedFeatureDataset(
+        audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "reader", on_miss="error"
+    )
+    assert_live(ds, encoder_file)  # a training job's day: every item served
+    ds.close()
+    gc = gc_bucket(open_store(s3.url, local_cache=tmp_path / "gc"), GcOptions(older_than=86400))
+    assert not gc.catalog.roots_dropped
+    reader = CachedFeatureDataset(
+        audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "r2", on_miss="error"
+    )
+    assert_live(reader, encoder_file)

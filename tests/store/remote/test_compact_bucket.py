@@ -10,10 +10,9 @@ import torch
 
 from featbake import CachedFeatureDataset
 from featbake.bake.pipeline import build
-from featbake.fidelity import Fidelity
-from featbake.quantize import Scheme, dequantize, quantize
+from featbake.quantize import Fidelity, Scheme, dequantize, quantize
 from featbake.recipe import Recipe
-from featbake.store.fidelity import read_fidelity
+from featbake.store.catalog import read_fidelity
 from featbake.store.open import open_store
 from tests.conftest import live_features
 from tests.store.remote.conftest import S3

@@ -13,11 +13,10 @@ import pytest
 import torch
 
 from featbake.errors import ConfigError, StoreCorrupt
-from featbake.store.handles import ShardHandles
+from featbake.store.features import ShardHandles
 from featbake.store.layout import Layout
-from featbake.store.reader import ShardReader
-from featbake.store.remote.tier import DiskTier
-from featbake.store.writer import write_shard
+from featbake.store.shard import ShardReader, write_shard
+from featbake.store.tier import DiskTier
 
 
 class Source:

@@ -1,0 +1,544 @@
+"""`featbake stats` and `featbake roots [drop NAME]`."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from featbake.cli.app import (
+    UPKEEP_EXIT_CODES,
+    CacheOpt,
+    JsonOpt,
+    LocalCacheOpt,
+    LocalCacheSizeOpt,
+    app,
+    console,
+    format_when,
+    out,
+    progress_bar,
+    tick_bar,
+)
+from featbake.image_recipe import describe_fields
+from featbake.units import format_bytes, parse_bytes
+
+if TYPE_CHECKING:
+    from featbake.store.layout import Layout
+    from featbake.upkeep import GcOptions, GcPlan
+from pathlib import Path
+
+
+# == store =========================================================================================
+@app.command(
+    epilog=(
+        "Examples:\n\n  featbake stats\n\n  featbake stats --cache /data/.featbake --json\n\n"
+        + UPKEEP_EXIT_CODES
+    )
+)
+def stats(
+    cache: CacheOpt = None,
+    local_cache: LocalCacheOpt = None,
+    local_cache_size: LocalCacheSizeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Show what the store holds: features, bytes, live and dead, per encoder and per root.
+
+    Reads the catalog's rows, never a shard (well under a second on a million features). Live
+    features are those some root reaches; dead ones are what `featbake gc` frees. On a bucket
+    store it names the bucket and this node's local tier (--local-cache, its budget).
+    """
+    from featbake.store.open import open_store
+    from featbake.upkeep import stats as run_stats
+
+    store = open_store(cache, local_cache=local_cache, local_cache_size=local_cache_size)
+    s = run_stats(store)
+    if as_json:
+        out.print_json(json.dumps(s.to_json()))
+        return
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("store", escape(s.path))
+    table.add_row(
+        "features",
+        f"{s.features:,} inputs, {s.tensors:,} tensors ({format_bytes(s.feature_bytes)})",
+    )
+    table.add_row("live", f"{s.live_features:,} ({format_bytes(s.live_bytes)})")
+    table.add_row("dead", f"{s.dead_features:,} ({format_bytes(s.dead_bytes)}): gc frees them")
+    table.add_row("shards", f"{s.shards:,} files, {format_bytes(s.disk_bytes)} on disk")
+    if s.unreferenced_bytes:
+        table.add_row("unreferenced", f"{format_bytes(s.unreferenced_bytes)} inside shards")
+    table.add_row("tmp/", f"{s.tmp_files} leftovers ({format_bytes(s.tmp_bytes)})")
+    table.add_row("catalog", format_bytes(s.catalog_bytes))
+    if s.tier is not None:
+        table.add_row(
+            "local tier",
+            f"{escape(s.tier.path)}: catalog version {s.tier.version}, "
+            f"{format_bytes(s.tier.bytes)} of {format_bytes(s.tier.budget)}",
+        )
+    out.print(table)
+    _print_encoders(s.encoders)
+    _print_roots(s.roots)
+    _print_pending(store)
+
+
+def recipe_brief(recipe: dict) -> str:
+    """e.g. ``audio 16kHz mono float32 crop 10s`` (the root's name covers the exact recipe)."""
+    bits = [str(recipe.get("source", "?"))]
+    if recipe.get("sample_rate"):
+        bits.append(f"{recipe['sample_rate'] / 1000:g}kHz")
+    if recipe.get("mono") is False:
+        bits.append("multichannel")
+    bits.append(str(recipe.get("dtype", "")))
+    if recipe.get("max_seconds"):
+        bits.append(f"crop {recipe['max_seconds']:g}s")
+    if recipe.get("output") is not None:
+        bits.append(f"output {recipe['output']}")
+    if isinstance(recipe.get("image"), dict):  # the whole transform: it decides the pixels
+        bits.append(describe_fields(recipe["image"]))
+    if recipe.get("layers"):  # two roots differing only in --layers must not look alike
+        bits.append("layers " + ",".join(str(x) for x in recipe["layers"]))
+    if recipe.get("precision") not in (None, "", "fp32"):
+        bits.append(f"{recipe['precision']} compute")
+    return " ".join(bits)
+
+
+def _record(head: str, fields: list[tuple[str, str]]) -> None:
+    """One thing as a head line and indented ``label  value`` lines (fits 80 columns: only a
+    long path runs past, and off a terminal nothing is ever split)."""
+    out.print(head)
+    for label, value in fields:
+        out.print(f"  {label:<8} {value}")
+
+
+def _print_encoders(encoders: Any) -> None:
+    out.print(f"[bold]encoders[/] ({len(encoders)})")
+    for e in encoders:
+        _record(
+            f"{e.fp[:12]}  {e.tensors:,} tensors, {format_bytes(e.bytes)}, "
+            f"last used {format_when(e.last_used)}",
+            [("encoder", escape(e.label)), ("kind", escape(e.kind))],
+        )
+
+
+def _print_roots(roots: Any) -> None:
+    out.print(f"[bold]roots[/] ({len(roots)})")
+    for r in roots:
+        missing = f"[yellow]{r.missing:,} missing[/]" if r.missing else "0 missing"
+        _record(
+            f"{r.name}  {r.items:,} items, {missing}, last used {format_when(r.last_used)}",
+            [
+                ("data", escape(r.data)),
+                ("encoder", escape(r.encoder_label)),
+                ("recipe", escape(recipe_brief(r.recipe))),
+                *_fidelity_row(r.fidelity),
+            ],
+        )
+
+
+def _fidelity_row(fidelity: dict | None) -> list[tuple[str, str]]:
+    """An int8/fp8 root's measured error against the encoder, as its build recorded it."""
+    if fidelity is None:
+        return []
+    from featbake.quantize import Fidelity
+
+    return [("fidelity", Fidelity.from_json(fidelity).summary())]
+
+
+roots_app = typer.Typer(
+    help="List the roots (one per data folder x encoder as named x recipe), or drop one.",
+    invoke_without_command=True,
+    no_args_is_help=False,
+)
+app.add_typer(roots_app, name="roots")
+
+
+@roots_app.callback(
+    epilog=(
+        "Examples:\n\n  featbake roots\n\n  featbake roots --json\n\n  featbake roots drop r-3f1c"
+    )
+)
+def roots(ctx: typer.Context, cache: CacheOpt = None, as_json: JsonOpt = False) -> None:
+    """List the roots: what each build published, and how many of its items are missing.
+
+    A root keeps its features live; `featbake roots drop NAME` lets gc free them.
+    """
+    if ctx.invoked_subcommand is not None:
+        ctx.obj = cache
+        return
+    from dataclasses import asdict
+
+    from featbake.upkeep import list_roots
+
+    rs = list_roots(cache)
+    if as_json:
+        out.print_json(json.dumps([asdict(r) for r in rs]))
+    else:
+        _print_roots(rs)
+        _print_pending(cache)
+
+
+def _print_pending(cache: Any) -> None:
+    """Sharded builds whose fragments are not merged yet: their roots are not published."""
+    from featbake.store.fragments import pending_builds, serving_fragments
+    from featbake.store.open import Need, open_store
+
+    layout = open_store(cache, need=Need.STORE)
+    for p in pending_builds(layout):
+        out.print(f"[yellow]pending[/] {escape(p.describe())}; `featbake merge` when all are done")
+    served = len(serving_fragments(layout))
+    if served:
+        out.print(
+            f"[yellow]pending[/] {served} serving fragments (write-back and last uses of datasets "
+            "on a shared filesystem); `featbake merge` folds them in"
+        )
+
+
+@roots_app.command(
+    "drop",
+    epilog="Examples:\n\n  featbake roots drop r-3f1c9a0e12ab\n\n  featbake roots drop r-3f1c",
+)
+def roots_drop(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="The root's name, or a unique prefix of it.")],
+    cache: CacheOpt = None,
+) -> None:
+    """Drop one root; its features stay until `featbake gc` frees them."""
+    from featbake.upkeep import drop_root
+
+    root = drop_root(cache if cache is not None else ctx.obj, name)
+    out.print(
+        f"dropped root {root.name} ({escape(root.data)}, {escape(root.encoder_label)}, "
+        f"{root.items:,} items); run `featbake gc` to free what nothing else reaches"
+    )
+
+
+# == gc ============================================================================================
+# `featbake gc`.
+@app.command(
+    epilog=(
+        "Examples:\n\n  featbake gc --dry-run\n\n  featbake gc\n\n"
+        "  featbake gc --older-than 30d --max-bytes 200GiB\n\n"
+        "  featbake gc --compact-below 0.8 --merge-small --json\n\n"
+        "  featbake gc --cache s3://team-bucket/features --older-than 30d --retention 7d\n\n"
+        + UPKEEP_EXIT_CODES
+    )
+)
+def gc(
+    cache: CacheOpt = None,
+    older_than: Annotated[
+        str | None,
+        typer.Option(
+            help="Drop roots neither built nor used for this long, e.g. 30d.", show_default=False
+        ),
+    ] = None,
+    max_bytes: Annotated[
+        str | None,
+        typer.Option(
+            help="Evict least-recently-used features until the shards fit, e.g. 200GiB.",
+            show_default=False,
+        ),
+    ] = None,
+    compact_below: Annotated[
+        float,
+        typer.Option(help="Rewrite a shard holding garbage once its live share falls under this."),
+    ] = 0.5,
+    merge_small: Annotated[
+        bool, typer.Option(help="Also merge shards smaller than a quarter of --shard-size.")
+    ] = False,
+    grace: Annotated[
+        str,
+        typer.Option(help="Leave unnamed shard files and tmp/ files alone until this old."),
+    ] = "1h",
+    shard_size: Annotated[
+        str, typer.Option(help="Target size of shards written by compaction.")
+    ] = "256MiB",
+    retention: Annotated[
+        str,
+        typer.Option(
+            help="A bucket store (s3://): keep what catalog versions retired less than this long "
+            "ago name, for readers still holding them."
+        ),
+    ] = "7d",
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print what would go and how many bytes it frees.")
+    ] = False,
+    local_cache: LocalCacheOpt = None,
+    local_cache_size: LocalCacheSizeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Free what no live root reaches; optionally drop old roots and fit a byte budget.
+
+    Removes features of old encoders, changed or deleted files and dropped roots; rewrites
+    shards that are mostly garbage; removes stale tmp/ leftovers. Safe to interrupt at any point
+    (a rerun finishes the job) and safe while training reads the store. On a bucket store it
+    publishes the catalog's new version, never rewrites shards, and deletes objects only once
+    no version younger than --retention names them.
+    """
+    from featbake.units import parse_duration
+    from featbake.upkeep import GcOptions, execute_gc, plan_gc
+
+    opts = GcOptions(
+        older_than=parse_duration(older_than) if older_than else None,
+        max_bytes=parse_bytes(max_bytes) if max_bytes else None,
+        compact_below=compact_below,
+        grace=parse_duration(grace),
+        shard_bytes=parse_bytes(shard_size),
+        merge_small=merge_small,
+    )
+    from featbake.store.open import Need, open_store
+
+    layout = open_store(
+        cache, need=Need.CATALOG, local_cache=local_cache, local_cache_size=local_cache_size
+    )
+    if layout.remote is not None:
+        _gc_bucket(layout, opts, parse_duration(retention), dry_run, as_json)
+        return
+    plan = plan_gc(layout, opts)
+    summary = plan.summary()
+    if dry_run or not as_json:
+        _print_gc_plan(plan, dry_run, as_json)
+    if dry_run:
+        return
+    bar = progress_bar()
+    with bar:
+        result = execute_gc(plan, progress=tick_bar(bar, {}))
+    if as_json:
+        out.print_json(json.dumps({"plan": summary, "result": result.to_json()}))
+    else:
+        out.print(
+            f"gc: dropped {len(result.roots_dropped)} roots, {result.rows_deleted:,} feature "
+            f"rows, {result.shards_deleted:,} shards; wrote {result.shards_written} shards "
+            f"({result.features_moved:,} moved); freed {format_bytes(max(0, result.bytes_freed))} "
+            f"in {result.seconds:.2f}s"
+        )
+    for p in result.problems:
+        console.print(f"[yellow]warning:[/] {escape(p)}")
+
+
+def _gc_bucket(
+    layout: Layout, opts: GcOptions, retention: float, dry_run: bool, as_json: bool
+) -> None:
+    """``featbake gc`` on a bucket store (featbake.upkeep.gc), and its one line."""
+    from featbake.upkeep.gc import gc_bucket
+
+    result = gc_bucket(layout, opts, retention=retention, dry_run=dry_run)
+    if as_json:
+        out.print_json(json.dumps({"dry_run": dry_run, "result": result.to_json()}))
+        return
+    c = result.catalog
+    verb = "would drop" if dry_run else "dropped"
+    out.print(
+        f"gc{' (dry run)' if dry_run else ''} of {layout.remote}: {verb} "
+        f"{len(c.roots_dropped)} roots and {c.rows_deleted:,} feature rows"
+        f"{' (a new catalog version)' if result.published else ''}; "
+        f"{'would delete' if dry_run else 'deleted'} {result.versions_deleted} old catalog "
+        f"versions and {result.shards_deleted} shards ({format_bytes(result.bytes_freed)}); "
+        f"{result.young_shards} unnamed shards kept until they pass the retention period"
+    )
+
+
+def _print_gc_plan(plan: GcPlan, dry_run: bool, as_json: bool) -> None:
+    """The plan as ``gc --json`` (only the plan) or as lines: what goes, and the bytes freed."""
+    s = plan.summary()
+    if as_json:
+        out.print_json(json.dumps({"plan": s}))
+        return
+    head = "would free" if dry_run else "frees"
+    if plan.nothing_to_do:
+        out.print(
+            "gc: nothing to do"
+            + (
+                f" ({s['orphan_shards_in_grace']} unnamed shards are within the grace period)"
+                if s["orphan_shards_in_grace"]
+                else ""
+            )
+        )
+        return
+    for d in plan.drop_roots:
+        out.print(f"drop root {d.name} ({escape(d.data)}, {escape(d.encoder_label)}): {d.reason}")
+    out.print(
+        f"{s['unreached_features']:,} unreached features ({format_bytes(s['unreached_bytes'])}), "
+        f"{s['evicted_features']:,} evicted ({format_bytes(s['evicted_bytes'])}); "
+        f"{s['shards_deleted']} shards deleted, {s['shards_rewritten']} rewritten, "
+        f"{s['orphan_shards']} unnamed shard files, {s['tmp_files']} tmp/ files: "
+        f"{head} about {format_bytes(plan.freed_bytes)} of {format_bytes(s['disk_bytes'])}"
+    )
+
+
+# == verify ========================================================================================
+# `featbake verify [--repair]`.
+# == upkeep: stats, roots, gc, verify, export ===================================================
+VERIFY_EXIT = """verify exit codes: 0 clean; 10 damage was found and repaired (--repair; features
+in quarantined shards are gone: rebuild to recompute them); 11 damage remains (run with --repair,
+or see the lines above). 5: the store cannot be opened at all."""
+
+
+@app.command(
+    epilog=(
+        "Examples:\n\n  featbake verify\n\n  featbake verify --repair --json\n\n"
+        "  featbake verify --cache s3://team-bucket/features\n\n" + VERIFY_EXIT
+    )
+)
+def verify(
+    cache: CacheOpt = None,
+    repair: Annotated[
+        bool,
+        typer.Option(
+            "--repair",
+            help="Rebuild the catalog from the shards and root manifests; quarantine damage.",
+        ),
+    ] = False,
+    local_cache: LocalCacheOpt = None,
+    local_cache_size: LocalCacheSizeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Check every shard's bytes and checksums, the catalog against the shards, and the hash
+    cache against the input files it vouches for (read again).
+
+    With --repair: intact tensors of a damaged shard are copied to a fresh shard, the damaged
+    file moves to quarantine/, the catalog drops rows that point nowhere and indexes shards it
+    lacked; a missing or unreadable catalog is rebuilt from the shard headers and roots/*.json;
+    wrong hash-cache rows and all cached encoder fingerprints are dropped (computed again).
+    --repair holds the store's write lock: builds, gc and write-back wait while it runs, and it
+    refuses (exit 5) if they keep sealing shards for 10 s. A folder that is not a store is
+    refused, never turned into one. A bucket store (s3://) is checked object by object (each
+    shard object downloaded into the local tier's tmp/ and deleted after its check, whatever
+    the tier holds), and named by its object key; there is no --repair there.
+    """
+    from featbake.upkeep import verify as run_verify
+
+    bar = progress_bar()
+    with bar:
+        report = run_verify(
+            cache,
+            repair_damage=repair,
+            progress=tick_bar(bar, {}),
+            local_cache=local_cache,
+            local_cache_size=local_cache_size,
+        )
+    if as_json:
+        out.print_json(json.dumps(report.to_json()))
+    else:
+        for f in report.findings:
+            style = "red" if f.damage else "dim"
+            out.print(f"[{style}]{f.kind}[/] {escape(f.subject)}: {escape(f.detail)}")
+        for a in report.actions:
+            out.print(f"[green]repair[/] {escape(a)}")
+        for f in report.remaining if report.status != "clean" and repair else []:
+            out.print(f"[red]remains[/] {f.kind} {escape(f.subject)}: {escape(f.detail)}")
+        out.print(
+            f"verify: {report.status} ({report.shards_checked} shards, "
+            f"{format_bytes(report.bytes_checked)} read in {report.seconds:.2f}s)"
+            + (
+                f"; {report.features_lost} feature rows lost, rebuild to recompute them"
+                if report.features_lost
+                else ""
+            )
+        )
+    if report.exit_code:
+        raise typer.Exit(report.exit_code)
+
+
+# == merge =========================================================================================
+# `featbake merge`: fold the catalog fragments of sharded builds into the catalog.
+@app.command(
+    epilog=(
+        "Examples:\n\n"
+        "  featbake merge\n\n"
+        "  sbatch --dependency=afterok:$ARRAY_JOB featbake-merge.sh   # after a SLURM array\n\n"
+        + UPKEEP_EXIT_CODES
+    )
+)
+def merge(cache: CacheOpt = None, as_json: JsonOpt = False) -> None:
+    """Fold every finished sharded build (`build --shard I/N`, SLURM arrays) into the catalog.
+
+    A build is merged once all its parts have sealed their fragment; builds still running are
+    left for a later merge and listed. Safe to run while parts still run, safe to kill, and a
+    second merge changes nothing. Under torchrun rank 0 merges by itself.
+    """
+    from featbake.store.bucket import merge_store
+    from featbake.store.open import Need, open_store
+
+    report = merge_store(open_store(cache, need=Need.STORE))
+    if as_json:
+        out.print_json(json.dumps(report.to_json()))
+        return
+    if report.roots or report.fragments:
+        out.print(
+            f"merged {report.fragments} fragments: {len(report.roots)} roots published, "
+            f"{report.new_features:,} new features in {report.shards} shards"
+        )
+    else:
+        out.print("nothing to merge")
+    for p in report.pending:
+        out.print(f"pending: {escape(p.describe())}")
+    if report.missing_shards:
+        console.print(
+            f"[red]{len(report.missing_shards)} shards named by fragments are gone[/]; their "
+            "features show as missing in `featbake roots`, and a rebuild encodes them again"
+        )
+
+
+# == export ========================================================================================
+# `featbake export`.
+@app.command(
+    epilog=(
+        "Examples:\n\n  featbake export --format zarr feats.zarr\n\n"
+        "  featbake export --format zarr feats.zarr --root r-3f1c --overwrite\n\n"
+        "Read it back without featbake:\n\n"
+        "  g = zarr.open_group('feats.zarr', mode='r'); o = g['offsets'][:]\n\n"
+        "  first = g['values'][o[0]:o[1]]\n\n" + UPKEEP_EXIT_CODES
+    )
+)
+def export(
+    out_path: Annotated[Path, typer.Argument(metavar="OUT", help="The Zarr store to create.")],
+    fmt: Annotated[str, typer.Option("--format", help="Output format: zarr.")] = "zarr",
+    root: Annotated[
+        str | None,
+        typer.Option(
+            help="Root to export (name or prefix); needed if there are several.", show_default=False
+        ),
+    ] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace OUT if it exists.")] = False,
+    cache: CacheOpt = None,
+    local_cache: LocalCacheOpt = None,
+    local_cache_size: LocalCacheSizeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Export a root's features to Zarr (v3), readable by zarr, xarray or dask without featbake.
+
+    Variable-length features become values [sum T, D] + offsets [N+1] + lengths; fixed-size ones
+    a dense values [N, ...]; keys and paths [N] follow the root's file order.
+    """
+    from featbake.errors import ConfigError, StoreError
+    from featbake.export.zarr import export_zarr
+    from featbake.store.open import open_store
+
+    if fmt != "zarr":
+        raise ConfigError(f"unknown --format {fmt!r}; featbake exports zarr")
+    store = open_store(cache, local_cache=local_cache, local_cache_size=local_cache_size)
+    bar = progress_bar()
+    try:
+        with bar:
+            report = export_zarr(
+                out_path, cache=store, root=root, overwrite=overwrite, progress=tick_bar(bar, {})
+            )
+    except OSError as e:  # the OS refused a path: OUT's folder is missing, read-only, not a folder
+        where = e.filename if e.filename is not None else out_path
+        raise StoreError(
+            f"cannot write the export {out_path}: {e.strerror or e} ({where}); choose an OUT "
+            "inside a folder you can write to"
+        ) from e
+    if as_json:
+        out.print_json(json.dumps(report.to_json()))
+    else:
+        out.print(
+            f"exported {report.items:,} items of root {report.root} "
+            f"({', '.join(f'{p or chr(39) * 2}: {k}' for p, k in report.layouts.items())}; "
+            f"{format_bytes(report.bytes)}) to {escape(report.out)}"
+            + (f"; {report.missing} items not stored were left out" if report.missing else "")
+        )

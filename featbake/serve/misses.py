@@ -1,0 +1,614 @@
+"""What a refused miss tells the user: which option differs from what the store holds (pure).
+
+A ``CacheMiss`` used to say "not in the store for this encoder and recipe" and suggest a build
+without ``--dtype`` or ``--cache``: a dataset asking ``dtype="float16"`` of a float32 bake was
+left to guess. The store's roots say how each folder was built; comparing their recipes with
+the dataset's names the field, and the suggested command carries every option that matters.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import featbake.device as dev
+from featbake.encode.encoders import LoadedEncoder, from_module
+from featbake.encode.fingerprints import (
+    cached_file_encoder_fp,
+    encoder_fingerprint,
+    file_fingerprint,
+)
+from featbake.encode.hf import is_hf_folder
+from featbake.encode.inputs import inputs_at
+from featbake.encode.loaders import is_import_path, load_encoder
+from featbake.encode.outputs import encode_batch, stored_parts
+from featbake.encode.sources import Source, load_unchanged
+from featbake.errors import CacheMiss, EncoderLoadError, FeatbakeError, SourceError
+from featbake.keys import feature_key
+from featbake.recipe import Recipe
+from featbake.serve.index import Index
+from featbake.serve.reads import Reads
+from featbake.serve.state import ProcessState, pending_in_process
+from featbake.store.catalog import Catalog, FileStat, HashEntry, ServingStore
+from featbake.store.features import Parts
+from featbake.store.fragments import open_serving_catalog
+from featbake.store.layout import Layout
+from featbake.store.open import describe
+from featbake.store.shard import SealedShard
+from featbake.store.url import is_url
+
+# == miss_advice ===================================================================================
+#: Recipe field -> the `featbake build` option that sets it (mono is --mono/--no-mono).
+CLI_OPTION = {
+    "source": "--source",
+    "sample_rate": "--sample-rate",
+    "max_seconds": "--max-seconds",
+    "output": "--output",
+    "dtype": "--dtype",
+    "precision": "--precision",
+    "layers": "--layers",
+}
+
+
+@dataclass(frozen=True)
+class StoredBuild:
+    """How the store built a folder: the encoder as named and its recipe (from its root)."""
+
+    encoder_label: str
+    recipe: Mapping[str, Any]
+
+
+def recipe_differences(asked: Mapping[str, Any], stored: Mapping[str, Any]) -> list[str]:
+    """``field=stored (asked value)`` for each recipe field that differs, by field name.
+
+    Example:
+        >>> recipe_differences({"dtype": "float16"}, {"dtype": "float32"})
+        ["dtype='float32' in the store, 'float16' asked"]
+    """
+    fields = sorted((set(asked) | set(stored)) - {"version"})
+    return [
+        f"{f}={stored.get(f)!r} in the store, {asked.get(f)!r} asked"
+        for f in fields
+        if asked.get(f) != stored.get(f)
+    ]
+
+
+def build_options(recipe: Mapping[str, Any]) -> list[str]:
+    """The `featbake build` options that reproduce ``recipe`` (defaults left out).
+
+    Example:
+        >>> build_options({**Recipe().as_dict(), "dtype": "float16", "mono": False})
+        ['--dtype float16', '--no-mono']
+    """
+    default = Recipe().as_dict()
+    out = []
+    for field, option in CLI_OPTION.items():
+        value = recipe.get(field)
+        if value is None or value == default.get(field):
+            continue
+        shown = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else value
+        out.append(f"{option} {shown}")
+    if recipe.get("mono") is False:
+        out.append("--no-mono")
+    return out
+
+
+def miss_message(
+    path: str,
+    store: str,
+    encoder: str,
+    data: str,
+    asked: Mapping[str, Any],
+    builds: Sequence[StoredBuild],
+) -> str:
+    """The CacheMiss text: what is missing, what the store holds instead, and the command."""
+    head = f"{path} is not in the store {store} for this encoder and recipe"
+    same_encoder = [b for b in builds if b.encoder_label == encoder]
+    if same_encoder:
+        diffs = recipe_differences(asked, same_encoder[0].recipe)
+        if diffs:
+            head += f"; the store built {data} with other options: {'; '.join(diffs)}"
+    elif builds:
+        others = ", ".join(sorted({b.encoder_label for b in builds}))
+        head += f"; the store built {data} with another encoder ({others}), not {encoder}"
+    command = " ".join(
+        ["featbake build --encoder", encoder, "--data", data, "--cache", store,
+         *build_options(asked)]
+    )  # fmt: skip
+    return (
+        f"{head}. Run `{command}`, pass the store's options to the dataset, or use on_miss='encode'"
+    )
+
+
+def flat_recipe(recipe: Mapping[str, Any]) -> dict[str, Any]:
+    """``recipe`` with its nested steps flattened: ``{"image": {"crop": ...}}`` gives
+    ``image.crop``, so a difference names the one step that differs.
+
+    Example:
+        >>> flat_recipe({"dtype": "float32", "image": {"crop": [224, 224]}})
+        {'dtype': 'float32', 'image.crop': [224, 224]}
+    """
+    out: dict[str, Any] = {}
+    for field, value in recipe.items():
+        if isinstance(value, Mapping):
+            out.update({f"{field}.{k}": v for k, v in value.items() if k != "version"})
+        else:
+            out[field] = value
+    return out
+
+
+def copied_not_encoded(asked: Mapping[str, Any], stored: Mapping[str, Any]) -> bool:
+    """True when ``asked`` differs from ``stored`` only by naming one ``output`` of a
+    whole-output build: its misses are copied from the store, not encoded (serve/derived.py)."""
+    differs = {f for f in set(asked) | set(stored) if asked.get(f) != stored.get(f)}
+    return differs == {"output"} and stored.get("output") is None
+
+
+def live_encoding_warning(
+    data: str,
+    missing: int,
+    total: int,
+    encoder: str,
+    asked: Mapping[str, Any],
+    builds: Sequence[StoredBuild],
+) -> str | None:
+    """The warning for a dataset about to encode ``missing`` items live while the store holds
+    the same data from the same encoder under other options (issue 32 item 2: a recipe that
+    differed from the build's encoded everything again, in silence); None when there is no
+    such build, or when its misses are copied from it instead.
+
+    Example:
+        >>> built = StoredBuild("enc", {"dtype": "float32", "image": {"crop": [224, 224]}})
+        >>> live_encoding_warning(
+        ...     "imgs", 2, 2, "enc", {"dtype": "float32", "image": {"crop": [196, 196]}}, [built]
+        ... )  # doctest: +ELLIPSIS
+        "featbake: 2 of 2 items of imgs ... other options: image.crop=[224, 224] in the store..."
+    """
+    same = [b for b in builds if b.encoder_label == encoder and dict(b.recipe) != dict(asked)]
+    if not missing or not same or copied_not_encoded(asked, same[0].recipe):
+        return None
+    diffs = recipe_differences(flat_recipe(asked), flat_recipe(same[0].recipe))
+    return (
+        f"featbake: {missing} of {total} items of {data} are not in the store for this recipe "
+        f"and will be encoded live on first read, although the store built {data} with this "
+        f"encoder under other options: {'; '.join(diffs)}. Pass the store's options to the "
+        "dataset to read what it holds, or build this recipe once with `featbake build`"
+    )
+
+
+# == derived =======================================================================================
+# Misses served from a whole-output root: a part copied, not encoded (issue 32 item 2).
+#
+# A store built without ``--output`` holds every part of each input's output (``pooled``,
+# ``tokens``, ...). A dataset asking ``Recipe(output="pooled")`` of it used to miss on every item
+# and encode it again, in silence: ``output`` is part of the key. The part is the same tensor,
+# though (the same encoder on the same bytes with the same preprocessing and dtype), so a miss
+# first looks up the input's *whole-output key* and, when the store holds the part there, serves
+# and writes back a copy of it; ``featbake build --output`` does the same
+# (:mod:`featbake.bake.derive`). The input's digest comes from the hash cache (its stat
+# unchanged) or, when that does not say, from hashing the file: its bytes, never its decoding.
+def whole_output_fingerprint(recipe: Recipe) -> str | None:
+    """The fingerprint of ``recipe`` without ``output``; None when nothing can be copied (the
+    recipe stores the whole output, or quantises it: an int8 part has scales of its own)."""
+    if recipe.output is None or recipe.scheme is not None:
+        return None
+    return recipe.replace(output=None).fingerprint()
+
+
+def current_digest(cached: Mapping[str, HashEntry], path: str) -> str | None:
+    """The SHA-256 of ``path`` now: from the hash cache while its stat is unchanged, else read
+    (None when it cannot be read, or changes while it is)."""
+    try:
+        now = FileStat.of(path)
+        entry = cached.get(path)
+        if entry is not None and entry.stat == now:
+            return entry.sha256
+        sha = file_fingerprint(path)
+        return sha if FileStat.of(path) == now else None
+    except OSError:
+        return None
+
+
+def copied_parts(
+    st: ProcessState,
+    reads: Reads,
+    index: Index,
+    fps: tuple[str, str],
+    recipe: Recipe,
+    idx: Sequence[int],
+) -> dict[int, Parts]:
+    """item -> ``{"": part}`` for each of ``idx`` whose part the store holds under its
+    whole-output key; ``fps`` is (encoder, recipe) fingerprint. Items whose file changed since
+    the dataset was made (its digest no longer gives the item's key) are left to be encoded."""
+    whole_fp = whole_output_fingerprint(recipe)
+    if whole_fp is None or not idx:
+        return {}
+    part = str(recipe.output)
+    paths = [index.path(i) for i in idx]
+    with st.catalogs.scoped() as catalog:
+        cached = catalog.cached_hashes(paths)
+    out: dict[int, Parts] = {}
+    for i, path in zip(idx, paths, strict=True):
+        sha = current_digest(cached, path)
+        if sha is None or feature_key(fps[0], fps[1], sha) != index.key(i):
+            continue
+        whole = reads.locate(st, feature_key(fps[0], whole_fp, sha))
+        locs = [loc for loc in whole if loc.part == part]
+        if not locs:
+            continue
+        try:
+            value = reads.located_value(st, locs)
+        except FeatbakeError:
+            continue  # gone since, or damaged: encoded like any miss
+        out[i] = {"": value[part]}
+    return out
+
+
+# == live ==========================================================================================
+# Live encoding on a miss: the encoder (fingerprinted once, loaded lazily) and the inputs.
+#
+# A file encoder is loaded only when the first miss happens in a process (or once, in the
+# process that makes the dataset, to fingerprint it when the store has never seen this file). An
+# in-process module runs where it lives.
+@dataclass
+class LiveEncoder:
+    """The dataset's encoder: how it was given, its fingerprint, and (lazily) the loaded one.
+
+    ``spec`` is the file or import path, or None for an in-process module (``loaded`` then).
+    """
+
+    layout: Layout
+    spec: str | None
+    weights: str | None
+    trust_pickle: bool
+    device: str
+    layers: tuple[int, ...] | str | None = None
+    fingerprint: str = ""
+    label: str = ""
+    loaded: LoadedEncoder | None = None
+    shared: bool = False  # the store is on a shared filesystem: never write its catalog
+
+    def identify(self, encoder: Any, catalog: ServingStore) -> None:
+        """Set :attr:`fingerprint` and :attr:`label`, loading the encoder only if it must.
+
+        Raises:
+            EncoderLoadError: the encoder file is missing or cannot be loaded.
+        """
+        if isinstance(encoder, LoadedEncoder):
+            self.loaded, self.label = encoder, encoder.label
+            self.fingerprint = encoder_fingerprint(encoder, catalog, self.weights)
+            return
+        if isinstance(encoder, torch.nn.Module):
+            self.loaded = from_module(encoder, device=None)
+            self.fingerprint, self.label = self.loaded.fingerprint, self.loaded.label
+            return
+        spec = self.spec = os.fspath(encoder)
+        self.label = spec  # an import path: the architecture lives in code, only loading it tells
+        if not is_import_path(spec):
+            if not os.path.isfile(spec) and not is_hf_folder(spec):
+                raise EncoderLoadError(
+                    f"encoder {spec} not found; give the TorchScript (.pt) or torch.export "
+                    "(.pt2) file or the import path you passed to `featbake build --encoder`"
+                )
+            self.label = str(Path(spec).resolve())
+            fp = cached_file_encoder_fp(catalog, spec) if self.weights is None else None
+            if fp is not None:
+                self.fingerprint = fp
+                return
+        enc = self.load(torch.device("cpu"))
+        catalog.record_encoder(enc.fingerprint, enc.label, enc.kind)
+        self.loaded, self.fingerprint = enc, enc.fingerprint  # reused for misses here
+
+    def load(self, device: torch.device) -> LoadedEncoder:
+        """Load the encoder from its file or import path onto ``device``."""
+        assert self.spec is not None
+        enc = load_encoder(
+            self.spec,
+            weights=self.weights,
+            device=device,
+            trust_pickle=self.trust_pickle,
+            layers=self.layers,
+        )
+        catalog = open_serving_catalog(self.layout, shared=self.shared)
+        try:
+            encoder_fingerprint(enc, catalog, self.weights)
+        finally:
+            catalog.close()
+        return enc
+
+    def for_this_process(self) -> LoadedEncoder:
+        """The encoder to run misses with here (loaded on first use in this process).
+
+        Raises:
+            EncoderLoadError: it cannot run here, or it changed since the dataset was made.
+        """
+        enc = self.loaded
+        if self.spec is None:  # an in-process module: it runs where it lives
+            assert enc is not None
+            if enc.device.type == "cuda" and not dev.cuda_usable_here():
+                raise EncoderLoadError(
+                    "a miss must be encoded in a DataLoader worker forked after CUDA started, "
+                    "where CUDA cannot run, but the encoder module lives on the GPU; pass the "
+                    "encoder as a file, or use DataLoader(..., multiprocessing_context='spawn')"
+                )
+        else:
+            device = dev.resolve_device(self.device)
+            if device.type == "cuda" and not dev.cuda_usable_here():
+                device = torch.device("cpu")  # forked after CUDA started: CUDA cannot start here
+            if enc is None or enc.device != device:
+                enc = self.load(device)
+        if enc.fingerprint != self.fingerprint:
+            raise EncoderLoadError(
+                f"the encoder {self.label} changed since this dataset was created "
+                f"(fingerprint {enc.fingerprint[:12]}, expected {self.fingerprint[:12]}); "
+                "create the dataset again so its keys match the encoder"
+            )
+        return enc
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        if self.spec is not None:
+            state["loaded"] = None  # reloaded from the file on the first miss
+        return state
+
+
+def encode_inputs(enc: LoadedEncoder, inputs: list[torch.Tensor], recipe: Recipe) -> list[Parts]:
+    """Each input's output parts; inputs of equal shape are encoded as one batch."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for j, x in enumerate(inputs):
+        groups.setdefault(tuple(x.shape), []).append(j)
+    results: list[Parts] = [{} for _ in inputs]
+    for members in groups.values():
+        batch = [inputs[j] for j in members]
+        for j, parts in zip(members, encode_batch(enc, batch, recipe), strict=True):
+            results[j] = parts
+    return results
+
+
+def check_unchanged(
+    catalog: ServingStore, paths: list[str], keys: list[str], fps: tuple[str, str]
+) -> None:
+    """Raise if a file decoded for a miss no longer holds the bytes its key was hashed from.
+
+    Keys are hashed when the dataset is created and the file is decoded later: one rewritten in
+    between must not be encoded and stored under the old bytes' key (which every other copy of
+    the old bytes shares). Checked after decoding, against the hash cache (same stat) or, when
+    that does not say, a fresh hash of the file. ``fps`` is (encoder, recipe) fingerprint.
+
+    Raises:
+        SourceError: a file changed since the dataset was created.
+    """
+    cached = catalog.cached_hashes(paths)
+    for path, key in zip(paths, keys, strict=True):
+        try:
+            now = FileStat.of(path)
+            stat, sha = cached.get(path) or (None, "")
+            if stat != now:
+                sha = file_fingerprint(path)
+                if FileStat.of(path) != now:
+                    sha = ""  # changing while it is read
+        except OSError:
+            sha = ""
+        if feature_key(fps[0], fps[1], sha) != key:
+            raise SourceError(
+                f"{path} changed since this dataset was created (its bytes no longer match "
+                "the key they were indexed under), so its feature is not stored; create the "
+                "dataset again once the file stops changing"
+            )
+
+
+class Misses:
+    """Items the store does not hold: read back from this process's write-back, found again
+    in the catalog (another process wrote them), or decoded, encoded and written back.
+
+    Args:
+        index: the dataset's index (its shard column is pointed at written-back shards).
+        reads: the dataset's read paths (to look an item up again).
+        live: the encoder.
+        source: decodes inputs as the recipe says.
+        recipe: the recipe (dtype of stored outputs).
+
+    Attributes:
+        on_miss: ``"encode"`` or ``"error"`` (raise :class:`CacheMiss`).
+        write_back: store what is encoded.
+    """
+
+    def __init__(
+        self, index: Index, reads: Reads, live: LiveEncoder, source: Source, recipe: Recipe
+    ) -> None:
+        self.index = index
+        self.reads = reads
+        self.live = live
+        where = index.data_dir or ""
+        self.objects = is_url(where)  # a bucket's inputs: read whole, decoded from bytes
+        self.source = inputs_at(where).source(source) if self.objects else source
+        self.recipe = recipe
+        self.recipe_fp = recipe.fingerprint()
+        self.on_miss = "encode"
+        self.write_back = True
+
+    def configure(self, on_miss: str, write_back: bool) -> None:
+        """Set what a miss does; warn once when misses will be encoded although the store
+        built the same data with this encoder under other options (naming them)."""
+        self.on_miss, self.write_back = on_miss, write_back
+        missing = int((self.index.shard < 0).sum())
+        data = self.index.data_dir
+        if on_miss != "encode" or not missing or data is None:
+            return
+        builds = stored_builds(self.live.layout, data)
+        asked = self.recipe.as_dict()
+        text = live_encoding_warning(data, missing, len(self.index), self.live.label, asked, builds)
+        if text is not None:
+            warnings.warn(text, stacklevel=3)
+
+    @property
+    def fps(self) -> tuple[str, str]:
+        """(encoder, recipe) fingerprint: what each item's key is made of, with its digest."""
+        return self.live.fingerprint, self.recipe_fp
+
+    def cache_miss(self, i: int) -> CacheMiss:
+        """The error for item ``i`` with ``on_miss="error"``: what is missing, which option
+        differs from how the store built this data, and the command (see miss_advice)."""
+        path = self.index.path(i)
+        data = self.index.data_dir or os.path.dirname(path)
+        return CacheMiss(
+            miss_message(
+                path,
+                describe(self.live.layout),  # a bucket store by its URL, never its tier folder
+                self.live.label,
+                data,
+                self.recipe.as_dict(),
+                stored_builds(self.live.layout, data),
+            )
+        )
+
+    def read_one(self, st: ProcessState, i: int) -> Any:
+        """Item ``i`` from the store or (a miss) encoded, kept in the RAM tier: the general path
+        of one item whose RAM tier the caller looked in (:meth:`read_each` without its lists).
+        """
+        sid = int(self.index.shard[i])
+        value = self.reads.one(st, i, sid) if sid >= 0 else None
+        if value is None:
+            value = self.values(st, [i])[0]
+        else:
+            st.touch(i)
+        if st.use_lru:
+            st.lru.put(i, value)
+        return value
+
+    def read_each(self, st: ProcessState, idx: list[int]) -> list[Any]:
+        """Items ``idx`` read one by one (RAM tier, then store), the misses encoded together.
+
+        The general path of a batch: misses, dict outputs, mixed shapes.
+        """
+        out: list[Any] = [None] * len(idx)
+        missing: list[int] = []
+        for j, i in enumerate(idx):
+            value = self.stored(st, i)
+            if value is None:
+                missing.append(j)
+            else:
+                out[j] = value
+        if missing:
+            miss_idx = [idx[j] for j in missing]
+            for j, i, value in zip(missing, miss_idx, self.values(st, miss_idx), strict=True):
+                out[j] = value
+                if st.use_lru:
+                    st.lru.put(i, value)
+        return out
+
+    def stored(self, st: ProcessState, i: int) -> Any:
+        """Item ``i`` from the RAM tier or the store (kept in the RAM tier), marked used; None
+        when neither holds it."""
+        value = st.lru.get(i) if st.use_lru else None
+        if value is None:
+            sid = int(self.index.shard[i])
+            value = self.reads.one(st, i, sid) if sid >= 0 else None
+            if value is None:
+                return None
+            if st.use_lru:
+                st.lru.put(i, value)
+        st.touch(i)
+        return value
+
+    def values(self, st: ProcessState, idx: list[int]) -> list[Any]:
+        """The values of items ``idx``, none of which was found where the index said.
+
+        Raises:
+            CacheMiss: (``on_miss="error"``) an item is not in the store.
+            SourceError: an input changed since the dataset was made.
+        """
+        out: dict[int, Any] = {}
+        todo: list[int] = []
+        for i in idx:
+            pending = pending_in_process(st.writeback, self.index.key(i))
+            if pending is not None:
+                out[i] = unpack(pending)
+                continue
+            value = self.reads.relocate(st, i)  # another process may have written it since
+            if value is None:
+                todo.append(i)
+            else:
+                st.touch(i)
+                out[i] = value
+        # A part a whole-output build stored is copied, not encoded (see serve/derived.py).
+        copied = copied_parts(st, self.reads, self.index, self.fps, self.recipe, todo)
+        todo = [i for i in todo if i not in copied]
+        if todo and self.on_miss == "error":
+            raise self.cache_miss(todo[0])
+        encoded = zip(todo, self.encode(st, todo), strict=True) if todo else iter(())
+        for i, parts in [*copied.items(), *encoded]:
+            out[i] = unpack(parts)
+            if self.write_back:
+                self.store(st, i, parts)
+        return [out[i] for i in idx]
+
+    def encode(self, st: ProcessState, idx: list[int]) -> list[Parts]:
+        """Decode and encode items ``idx`` now (checking their files did not change)."""
+        if st.encoder is None:
+            st.encoder = self.live.for_this_process()
+        paths = [self.index.path(i) for i in idx]
+        if self.objects:  # each checked by the response that carried its bytes (its ETag)
+            stats = [FileStat(*map(int, self.index.stats[i])) for i in idx]
+            inputs = [load_unchanged(self.source, p, s) for p, s in zip(paths, stats, strict=True)]
+        else:
+            inputs = [self.source.load(p) for p in paths]
+            keys = [self.index.key(i) for i in idx]
+            with st.catalogs.scoped() as catalog:
+                check_unchanged(catalog, paths, keys, self.fps)
+        results = encode_inputs(st.encoder, inputs, self.recipe)
+        st.encoded += len(idx)
+        return [stored_parts(parts, self.recipe) for parts in results]  # int8/fp8: packed
+
+    def store(self, st: ProcessState, i: int, parts: Parts) -> None:
+        """Write item ``i``'s encoded parts back (once per key while pending)."""
+        key = self.index.key(i)
+        if st.writeback.get(key) is None:
+            st.pending_idx.setdefault(key, []).append(i)
+            st.writeback.add(self.live.fingerprint, key, parts)
+
+    def published(self, st: ProcessState | None, shard: SealedShard) -> None:
+        """A write-back shard was sealed: point the items written to it at it."""
+        ix = self.index
+        sid = ix.sid(shard.name)
+        for entry in shard.entries:
+            for i in st.pending_idx.pop(entry.key, ()) if st is not None else ():
+                ix.shard[i] = sid
+                ix.length[i] = max(int(ix.length[i]), entry.shape[0] if entry.shape else 1)
+        if ix.parts is None:
+            ix.parts = tuple(sorted({e.part for e in shard.entries}))
+
+
+def unpack(parts: Mapping[str, torch.Tensor]) -> Any:
+    """A dataset item from its parts: the tensor itself, or a dict of parts."""
+    return parts[""] if len(parts) == 1 and "" in parts else dict(parts)
+
+
+def stored_builds(layout: Layout, data: str) -> list[StoredBuild]:
+    """How the store built ``data`` (every root of that folder), newest first; none when its
+    catalog cannot be read (the miss is reported all the same)."""
+    if not layout.catalog.exists():
+        return []
+    try:
+        with Catalog(layout, read_only=True) as catalog:
+            roots = [r for r in catalog.roots() if r.data == data]
+    except (FeatbakeError, sqlite3.Error):
+        return []
+    roots.sort(key=lambda r: r.last_used, reverse=True)
+    return [StoredBuild(r.encoder_label, r.recipe) for r in roots]
+
+
+__all__ = [
+    "LiveEncoder",
+    "Misses",
+    "check_unchanged",
+    "encode_inputs",
+    "unpack",
+]

@@ -1,0 +1,1081 @@
+"""The store in an S3-compatible bucket: one more place under ``store/``, with a local disk tier.
+
+A bucket store is the local store's layout as objects (``shards/ab/<name>.safetensors``,
+``fragments/<name>.sqlite``) plus catalogs published as immutable, numbered versions
+(``catalog/v<N>.sqlite``). Every process works through a *local tier*: a local store directory
+holding the newest catalog version, the shards it has fetched (byte-budgeted, least recently
+used evicted) and the fragments it writes before they are uploaded. See docs/object_store.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import sqlite3
+import struct
+import threading
+import time
+import uuid
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar
+
+import numpy as np
+
+from featbake.errors import ConfigError, ShardMissing, StoreCorrupt, StoreError
+from featbake.process import PerProcess
+from featbake.store.catalog import Access, open_sqlite
+from featbake.store.fragments import MergeReport, fragments_dir, merge, parse_name, sealed_fragments
+from featbake.store.layout import (
+    Layout,
+    TierUsage,
+    checked_shard_name,
+    fsync_dir,
+    is_shard_name,
+)
+from featbake.store.shard import (
+    MAX_HEADER_BYTES,
+    ShardReader,
+    SpanCheck,
+    VerifyMode,
+    corrupt_shard,
+    parse_header,
+)
+from featbake.store.tier import DiskTier, locked
+from featbake.store.url import BucketURL, endpoint, endpoint_label, redact
+
+# == remote ========================================================================================
+
+
+# == versions ======================================================================================
+# The names of a bucket store's published catalogs, ``catalog/v<N>.sqlite``; pure.
+#
+# A catalog in a bucket is never written in place: ``featbake merge`` publishes each new state as
+# the next version, created only if absent (``If-None-Match: *``), so two merges never both win
+# and a reader opens the newest *complete* version (an S3 object appears whole or not at all).
+class _Named(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+ObjectLike = TypeVar("ObjectLike", bound=_Named)
+
+PREFIX = "catalog/"
+#: Nine digits or more: a store past version 999,999,999 keeps working (``newest`` compares
+#: numbers, never names).
+_NAME = re.compile(r"^catalog/v(\d{9,18})\.sqlite$")
+
+
+def version_name(n: int) -> str:
+    """The object name of catalog version ``n``.
+
+    Example:
+        >>> version_name(12)
+        'catalog/v000000012.sqlite'
+    """
+    return f"{PREFIX}v{n:09d}.sqlite"
+
+
+def version_of(name: str) -> int | None:
+    """The version an object name holds; None for anything else under ``catalog/``."""
+    m = _NAME.match(name)
+    return int(m.group(1)) if m else None
+
+
+def newest_object(objects: Iterable[ObjectLike]) -> ObjectLike | None:
+    """The object of the highest version among ``objects`` (None: none is published yet)."""
+    best: tuple[int, ObjectLike] | None = None
+    for o in objects:
+        v = version_of(o.name)
+        if v is not None and (best is None or v > best[0]):
+            best = (v, o)
+    return best[1] if best else None
+
+
+def newest(names: Iterable[str]) -> int:
+    """The highest version among ``names`` (0: none is published yet).
+
+    Example:
+        >>> newest(["catalog/v000000002.sqlite", "catalog/v000000010.sqlite", "catalog/x"])
+        10
+    """
+    return max((v for v in map(version_of, names) if v is not None), default=0)
+
+
+# == objects =======================================================================================
+# The bucket: the few object calls a store makes, through boto3, one client per process.
+#
+# Chosen by measurement (``benchmarks/s3_clients.py``, docs/object_store.md). obstore spends a
+# third of boto3's client CPU per ranged GET, but its Rust runtime is process-global: after a
+# ``fork`` (DataLoader's default on Linux) any obstore call in the child hangs, even through a
+# client made in the child, once the parent has used obstore (measured: killed by an alarm after
+# 10 s; obstore#441). A bucket store reads whole shards into its local tier, where one request
+# moves megabytes and the per-request CPU does not show; there boto3 was as fast or faster (a
+# 64 MiB GET in 91 ms against 179), works after fork and spawn, and reads the whole AWS
+# configuration (``AWS_PROFILE``, SSO, instance roles) as users expect.
+#
+# Configuration is S3's standard environment: ``AWS_ENDPOINT_URL`` (MinIO, R2, Ceph, a loopback
+# server), ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` or ``AWS_PROFILE``, ``AWS_REGION``.
+# Endpoints other than AWS are addressed path-style, as litdata does. Throttling, 5xx answers and
+# connection errors are retried with backoff by botocore ("standard" mode); a download cut
+# mid-body is retried whole by :meth:`Bucket.download`. Each process makes its own client on
+# first use (:class:`~featbake.process.PerProcess`); a pickled :class:`Bucket` carries only
+# its URL.
+#: Whole-object downloads cut short (a dropped connection mid-body) are tried this many times.
+DOWNLOAD_TRIES = 4
+#: Read size of a streaming download.
+CHUNK = 8 << 20
+#: Seconds to wait for a connection, and for an answer once connected
+#: (``$FEATBAKE_S3_TIMEOUT`` sets the second): a stalled endpoint is one line, never a hang.
+CONNECT_TIMEOUT_S = 10
+READ_TIMEOUT_ENV = "FEATBAKE_S3_TIMEOUT"
+READ_TIMEOUT_S = 20.0
+#: Requests botocore sends before it gives up (throttling, 5xx answers, connection errors).
+MAX_ATTEMPTS = 4
+
+
+class ObjectInfo(NamedTuple):
+    """One object: its name inside the store, size in bytes, last change (epoch s), ETag."""
+
+    name: str
+    size: int
+    modified: float
+    etag: str
+
+
+class ObjectBytes(NamedTuple):
+    """An object's bytes and what the response that carried them said of it."""
+
+    info: ObjectInfo
+    data: bytes
+
+
+_T = TypeVar("_T")
+
+
+class Bucket:
+    """A store's objects under ``s3://bucket/prefix``; names are relative to the prefix.
+
+    Example:
+        >>> b = Bucket(BucketURL.parse("s3://team/features"))  # doctest: +SKIP
+        >>> [o.name for o in b.list("catalog/")]  # doctest: +SKIP
+    """
+
+    def __init__(self, url: BucketURL) -> None:
+        self.url = url
+        self._client: PerProcess[Any] = PerProcess(self._connect, lock=True)
+
+    def __getstate__(self) -> dict:
+        return {"url": self.url}  # the client never crosses a process boundary
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["url"])  # type: ignore[misc]
+
+    def _connect(self) -> Any:
+        try:
+            import boto3
+            from botocore import exceptions as bx
+            from botocore.config import Config
+        except ImportError:
+            raise ConfigError(
+                f"{self.url} is a bucket store, which needs the s3 extra: "
+                "pip install 'featbake[s3]' (boto3)"
+            ) from None
+        url = endpoint()
+        config = Config(
+            retries={"max_attempts": MAX_ATTEMPTS, "mode": "standard"},
+            s3={"addressing_style": "path"} if url else {},
+            connect_timeout=CONNECT_TIMEOUT_S,
+            read_timeout=read_timeout(),
+        )
+        try:
+            session = boto3.session.Session()
+            region = session.region_name or "us-east-1"
+            return session.client("s3", endpoint_url=url, region_name=region, config=config)
+        except bx.ProfileNotFound as e:
+            raise ConfigError(
+                f"{e} (AWS_PROFILE={os.environ.get('AWS_PROFILE', '')!r}); name a profile in "
+                "~/.aws/config, or unset AWS_PROFILE and set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY"
+            ) from None
+        except (ValueError, bx.BotoCoreError) as e:
+            raise ConfigError(
+                f"cannot make an S3 client for {self.url} at {endpoint_label()}: "
+                f"{redact(str(e))}; check AWS_ENDPOINT_URL, AWS_REGION and AWS_PROFILE"
+            ) from None
+
+    @property
+    def client(self) -> Any:
+        """This process's boto3 client (made on first use, again after fork)."""
+        return self._client.get()
+
+    def key(self, name: str) -> str:
+        """The object key of ``name`` under the store's prefix."""
+        return self.url.key(name)
+
+    def where(self, name: str) -> str:
+        """``s3://bucket/prefix/name``: how messages name an object."""
+        return f"{self.url}/{name}"
+
+    # -- reads ---------------------------------------------------------------------------------
+    def list(self, prefix: str) -> list[ObjectInfo]:
+        """The objects whose names start with ``prefix`` (e.g. ``"catalog/"``)."""
+        strip = len(self.key(""))
+        out = []
+        with self.errors(prefix):
+            pages = self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.url.bucket, Prefix=self.key(prefix)
+            )
+            for page in pages:
+                for o in page.get("Contents", ()):
+                    out.append(
+                        ObjectInfo(
+                            o["Key"][strip:],
+                            int(o["Size"]),
+                            o["LastModified"].timestamp(),
+                            o.get("ETag", "").strip('"'),
+                        )
+                    )
+        return out
+
+    def head(self, name: str) -> ObjectInfo | None:
+        """The object ``name``, or None if there is none."""
+        try:
+            with self.errors(name):
+                h = self.client.head_object(Bucket=self.url.bucket, Key=self.key(name))
+        except _Absent:
+            return None
+        return ObjectInfo(
+            name, int(h["ContentLength"]), h["LastModified"].timestamp(), h["ETag"].strip('"')
+        )
+
+    def download(self, name: str, dest: Path) -> int:
+        """Stream object ``name`` into file ``dest``; its size. Tried whole again when the
+        connection drops mid-body (botocore retries only a request's start).
+
+        Raises:
+            FileNotFoundError: there is no such object.
+            StoreError: it could not be read (after :data:`DOWNLOAD_TRIES` tries).
+        """
+        return self._tried(name, lambda: self._download_once(name, dest))
+
+    def read(self, name: str) -> ObjectBytes:
+        """Object ``name``'s bytes, whole, in memory, with the size, last change and ETag of
+        the response that carried them (so the bytes and the ETag belong together, whatever
+        was written since a listing). Tried whole again when the connection drops mid-body.
+
+        Raises:
+            FileNotFoundError: there is no such object.
+            StoreError: it could not be read (after :data:`DOWNLOAD_TRIES` tries).
+        """
+        return self._tried(name, lambda: self._read_once(name))
+
+    def read_range(self, name: str, start: int, length: int) -> bytes:
+        """``length`` bytes of object ``name`` from ``start`` (fewer at its end): one ranged GET.
+
+        Raises:
+            FileNotFoundError: there is no such object.
+            StoreError: it could not be read (after :data:`DOWNLOAD_TRIES` tries).
+        """
+        return self._tried(name, lambda: self._range_once(name, start, length))
+
+    def _range_once(self, name: str, start: int, length: int) -> bytes:
+        if length <= 0:
+            return b""
+        data, _ = self._get_whole(name, Range=f"bytes={start}-{start + length - 1}")
+        return data
+
+    def _get_whole(self, name: str, **options: str) -> tuple[bytes, dict[str, Any]]:
+        """One GET of object ``name`` (``options``: e.g. ``Range``), its body read whole, and
+        the response.
+
+        Raises:
+            _Transient: the body ended before its ``Content-Length``.
+        """
+        with self.errors(name, retried=True):
+            got = self.client.get_object(Bucket=self.url.bucket, Key=self.key(name), **options)
+            body = got["Body"]
+            try:
+                data = body.read()
+            finally:
+                body.close()
+        if len(data) != int(got["ContentLength"]):
+            raise _Transient(f"{self.where(name)} ended after {len(data)} bytes")
+        return bytes(data), got
+
+    def _tried(self, name: str, once: Callable[[], _T]) -> _T:
+        """``once()``, again (with backoff) while a body is cut short."""
+        last: BaseException | None = None
+        for attempt in range(DOWNLOAD_TRIES):
+            try:
+                return once()
+            except _Absent:
+                raise FileNotFoundError(self.where(name)) from None
+            except _Transient as e:
+                last = e.__cause__ or e
+                time.sleep(0.1 * 2**attempt)
+        raise StoreError(
+            f"cannot download {self.where(name)} after {DOWNLOAD_TRIES} tries "
+            f"({redact(str(last))}); check "
+            "the network and the endpoint (AWS_ENDPOINT_URL), then run this again"
+        ) from last
+
+    def _read_once(self, name: str) -> ObjectBytes:
+        data, got = self._get_whole(name)
+        modified = got["LastModified"].timestamp()
+        return ObjectBytes(ObjectInfo(name, len(data), modified, got["ETag"].strip('"')), data)
+
+    def _download_once(self, name: str, dest: Path) -> int:
+        size = 0
+        # Into the file as it is (its space may be reserved), cut to the object's size after.
+        with open(dest, "r+b" if dest.exists() else "wb") as f, self.errors(name, retried=True):
+            got = self.client.get_object(Bucket=self.url.bucket, Key=self.key(name))
+            expected = int(got["ContentLength"])
+            body = got["Body"]
+            try:
+                for chunk in body.iter_chunks(CHUNK):
+                    size += f.write(chunk)
+            finally:
+                body.close()
+            f.truncate(size)
+            if size != expected:
+                raise _Transient(f"{self.where(name)} ended after {size} of {expected} bytes")
+        return size
+
+    # -- writes --------------------------------------------------------------------------------
+    def upload(self, name: str, src: Path, *, create: bool = False) -> bool:
+        """Put file ``src`` as object ``name``. With ``create``, only if no object of that name
+        exists (``If-None-Match: *``; one request, so up to 5 GB): False when one did. Without,
+        big files go up in parts (multipart upload).
+
+        Raises:
+            StoreError: the upload failed (the message says why and what to do).
+        """
+        try:
+            with self.errors(name):
+                if create:
+                    with open(src, "rb") as f:
+                        self.client.put_object(
+                            Bucket=self.url.bucket, Key=self.key(name), Body=f, IfNoneMatch="*"
+                        )
+                else:
+                    self.client.upload_file(os.fspath(src), self.url.bucket, self.key(name))
+        except _Exists:
+            return False
+        return True
+
+    def delete(self, names: Iterable[str]) -> None:
+        """Delete objects (one that is already gone is no error)."""
+        batch = list(names)
+        for i in range(0, len(batch), 1000):
+            objects = [{"Key": self.key(n)} for n in batch[i : i + 1000]]
+            with self.errors(batch[i]):
+                self.client.delete_objects(
+                    Bucket=self.url.bucket, Delete={"Objects": objects, "Quiet": True}
+                )
+
+    # -- errors --------------------------------------------------------------------------------
+    def errors(self, name: str, *, retried: bool = False) -> _Errors:
+        """A context that turns the client's exceptions into one actionable line. ``retried``:
+        the caller tries again on a cut body or a read timeout (:meth:`_tried`); elsewhere
+        those are one line too."""
+        return _Errors(self, name, retried)
+
+
+class _Absent(Exception):
+    """The object asked for does not exist (the bucket does)."""
+
+
+class _Exists(Exception):
+    """A create-if-absent put found the object there."""
+
+
+class _Transient(Exception):
+    """A read cut short: worth trying again."""
+
+
+class _Errors:
+    """Translates botocore's exceptions (see :meth:`Bucket.errors`)."""
+
+    def __init__(self, bucket: Bucket, name: str, retried: bool) -> None:
+        self.bucket = bucket
+        self.name = name
+        self.retried = retried
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, e: BaseException | None, tb: Any) -> None:
+        if e is not None and not isinstance(e, StoreError | ConfigError | _Transient):
+            try:
+                raise_translated(self.bucket, self.name, e)
+            except _Transient as t:
+                if self.retried:
+                    raise
+                raise unanswered(self.bucket, self.name, t) from None
+        if isinstance(e, _Transient) and not self.retried:
+            raise unanswered(self.bucket, self.name, e) from None
+
+
+def raise_translated(bucket: Bucket, name: str, e: BaseException) -> None:
+    """Raise what a user can act on for the client's error ``e`` (re-raise what is not one)."""
+    from botocore import exceptions as bx
+
+    if isinstance(e, bx.NoCredentialsError | bx.PartialCredentialsError):
+        raise StoreError(
+            f"no credentials for {bucket.url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+            "(or AWS_PROFILE), and AWS_ENDPOINT_URL for a server other than AWS; then run this "
+            "again"
+        ) from None
+    if isinstance(e, bx.IncompleteReadError | bx.ResponseStreamingError | bx.ReadTimeoutError):
+        raise _Transient(str(e)) from e
+    if isinstance(e, bx.ConnectTimeoutError):
+        raise StoreError(
+            f"{endpoint_label()} accepted no connection within {CONNECT_TIMEOUT_S} s for "
+            f"{bucket.where(name)}; check AWS_ENDPOINT_URL and the network"
+        ) from None
+    if isinstance(e, bx.EndpointConnectionError | bx.ConnectionClosedError):
+        raise StoreError(
+            f"cannot reach {endpoint_label()} for {bucket.where(name)} ({redact(str(e))}); "
+            "check AWS_ENDPOINT_URL and the network"
+        ) from None
+    if not isinstance(e, bx.ClientError):
+        raise e
+    code = str(e.response.get("Error", {}).get("Code", ""))
+    if code == "NoSuchBucket":
+        raise StoreError(
+            f"the bucket {bucket.url.bucket!r} does not exist at {endpoint_label()}; create it, or "
+            "fix the URL or AWS_ENDPOINT_URL"
+        ) from None
+    if code in ("404", "NoSuchKey", "NotFound"):
+        raise _Absent(name) from None
+    if code in ("412", "PreconditionFailed", "ConditionalRequestConflict"):
+        raise _Exists(name) from None
+    if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+        raise StoreError(
+            f"access to {bucket.where(name)} was denied ({code}); check the credentials "
+            "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY or AWS_PROFILE) and the bucket's policy"
+        ) from None
+    raise StoreError(f"{bucket.where(name)}: {code or type(e).__name__}: {redact(str(e))}") from e
+
+
+def unanswered(bucket: Bucket, name: str, e: BaseException) -> StoreError:
+    """The one line for a request whose answer never came (or came cut short) after botocore's
+    tries: a stalled endpoint must not hang a command or end it with an internal error."""
+    return StoreError(
+        f"{endpoint_label()} did not answer for {bucket.where(name)} within {read_timeout():g} s "
+        f"after {MAX_ATTEMPTS} tries ({redact(str(e.__cause__ or e))}); check the endpoint and "
+        f"the network, or raise ${READ_TIMEOUT_ENV}"
+    )
+
+
+def read_timeout() -> float:
+    """Seconds a request waits for an answer (``$FEATBAKE_S3_TIMEOUT``, default 20).
+
+    Raises:
+        ConfigError: the variable is not a positive number.
+    """
+    raw = os.environ.get(READ_TIMEOUT_ENV)
+    if not raw:
+        return READ_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise ConfigError(f"${READ_TIMEOUT_ENV} must be a number of seconds above 0, got {raw!r}")
+    return value
+
+
+# == ranged ========================================================================================
+# Reading a shard in a bucket without fetching it: its header once, then each tensor's bytes
+# with one ranged GET (HTTP ``Range``), checked with the shard format's CRC like every read.
+#
+# Used when the local tier cannot hold what the store holds (see
+# :meth:`featbake.store.bucket.BucketStore.reads_ranged`): a shuffled epoch over shards
+# that keep being evicted would download each shard many times over (bench_bucket: 234 shard
+# downloads for 400 items over 8 shards with a 3-shard budget), while a ranged GET moves one
+# item's bytes. A span whose bytes fail their CRC is fetched once more, then the error names
+# the object.
+#: (start, length) -> the object's bytes there (fewer at its end).
+RangeGet = Callable[[int, int], bytes]
+
+#: Ranged GETs in flight for read-ahead, per process (their latency overlaps; boto3's client
+#: is shared by threads).
+AHEAD_THREADS = 8
+#: Read-ahead GETs one reader keeps before dropping the oldest (each holds one tensor's bytes).
+MAX_AHEAD = 256
+
+_POOL: PerProcess[ThreadPoolExecutor] = PerProcess(
+    lambda: ThreadPoolExecutor(AHEAD_THREADS, thread_name_prefix="featbake-ranged"), lock=True
+)
+
+
+class RangedShardReader(ShardReader):
+    """A :class:`ShardReader` over a shard object, read by ranges (see the module docstring).
+
+    Args:
+        path: the shard's path in the local tier (its name there; no file is made).
+        get: reads a byte range of the object.
+        size: the object's size.
+        where: the object's URL, for messages.
+    """
+
+    def __init__(
+        self, path: Path, get: RangeGet, size: int, where: str, verify: VerifyMode | str
+    ) -> None:
+        self.path = Path(path)
+        self.verify = VerifyMode.parse(verify)
+        self._fd = -1
+        self._get = get
+        self._size = size
+        self.where = where
+        self.metadata, self.tensors = self._read_header()
+        self.version = self.metadata["format_version"]
+        self._verified: set[str] = set()
+        self._ahead: OrderedDict[int, Future[bytes]] = OrderedDict()  # begin -> its GET
+        self._ahead_lock = threading.Lock()  # hints on the loader's thread, reads on others
+
+    def _read_header(self) -> tuple[dict[str, str], dict[str, Any]]:
+        head = self._get(0, 8)
+        if len(head) < 8:
+            raise corrupt_shard(self.path, f"{self.where} is shorter than a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER_BYTES or 8 + n > self._size:
+            raise corrupt_shard(self.path, f"header length {n} does not fit {self.where}")
+        raw = self._get(8, n)
+        if len(raw) != n:
+            raise corrupt_shard(self.path, f"the header of {self.where} is cut short")
+        return parse_header(self.path, raw, 8 + n, self._size)
+
+    def _read_bytes(self, begin: int, dest: Any) -> int:
+        with self._ahead_lock:
+            ahead = self._ahead.pop(begin, None)
+        data = ahead.result() if ahead is not None else self._get(begin, dest.nbytes)
+        got = np.frombuffer(data, dtype=np.uint8)
+        dest.reshape(-1)[: got.size] = got
+        return got.size
+
+    def read_span(self, begin: int, dest: Any, check: SpanCheck | None = None) -> None:
+        """One ranged GET (and its check); a CRC mismatch is fetched once more.
+
+        Raises:
+            StoreCorrupt: the bytes fail their checksum twice (the message names the object).
+        """
+        try:
+            super().read_span(begin, dest, check)
+        except StoreCorrupt:
+            try:
+                super().read_span(begin, dest, check)
+            except StoreCorrupt as e:
+                raise StoreCorrupt(
+                    f"{self.where}: {e} on two reads: the object is damaged in the bucket and "
+                    "its bytes are not served; delete it, then build again"
+                ) from e
+
+    def unlinked(self) -> bool:
+        return False  # nothing on disk
+
+    def will_need(self, name: str) -> bool:
+        """Start tensor ``name``'s ranged GET on this process's read-ahead threads: the read
+        then takes its bytes (FeatureLoader hints its next items; latency overlaps). True when
+        a GET was started."""
+        info = self.tensors.get(name)
+        if info is None:
+            return False
+        with self._ahead_lock:
+            if info.begin in self._ahead:
+                return False
+            while len(self._ahead) >= MAX_AHEAD:  # hints never read: keep memory bounded
+                self._ahead.popitem(last=False)[1].cancel()
+            got = _POOL.get().submit(self._get, info.begin, info.end - info.begin)
+            self._ahead[info.begin] = got
+        return True
+
+    def close(self) -> None:
+        return None
+
+
+# == store =========================================================================================
+# A store in a bucket, worked through a local tier: what every command and dataset opens.
+#
+# :class:`BucketStore` is the :class:`~featbake.store.layout.RemotePlace` of the tier's
+# :class:`~featbake.store.layout.Layout`: the local store code runs unchanged on the tier (the
+# newest catalog version as ``catalog.sqlite``, read-only; fetched shards; fragments written
+# here first), and calls back here for what must reach the bucket or come from it:
+#
+# - a shard missing from the tier is fetched whole into it (:class:`DiskTier`);
+# - a sealed fragment is uploaded after the shards it names (write first, publish second), so a
+#   build killed at any moment keeps every fragment it sealed, on any node;
+# - :meth:`sync_catalog` brings the newest published catalog version into the tier.
+#
+# Merging and gc, which publish new versions, are in :mod:`featbake.store.bucket`.
+SHARDS = "shards/"
+#: ``whole``, ``ranged`` or ``auto``: how shards missing from the tier are read.
+READS_ENV = "FEATBAKE_BUCKET_READS"
+FRAGMENTS = "fragments/"
+
+
+class PinnedVersion(NamedTuple):
+    """The published catalog version a tier holds, and the ETag of the object it came from."""
+
+    version: int
+    etag: str
+
+
+def shard_object(name: str) -> str:
+    """The object name of shard ``name`` (the local store's relative path).
+
+    Raises:
+        StoreCorrupt: ``name`` is not a shard name.
+    """
+    return f"{SHARDS}{checked_shard_name(name)[:2]}/{name}.safetensors"
+
+
+class BucketStore:
+    """A bucket store and this node's tier of it (see the module docstring).
+
+    Args:
+        url: ``s3://bucket/prefix``.
+        tier: the local tier's directory (``local_cache``).
+        budget: the most bytes the tier's shards may take (``local_cache_size``).
+    """
+
+    def __init__(self, url: BucketURL, tier: Path, budget: int) -> None:
+        self.url = url
+        self.bucket = Bucket(url)
+        self.layout = Layout(tier, remote=self)
+        self.tier = DiskTier(self.layout, budget)
+        self._sizes: dict[str, int] | None = None  # shard name -> bytes, listed once
+        self._ranged: bool | None = None  # see reads_ranged
+        self._fills_tier = False  # auto mode reading by ranges: shards that fit are kept
+        self._uploaded: set[str] = set()  # shards this process uploaded: copies in the tier
+
+    def __getstate__(self) -> dict:
+        return {"url": self.url, "tier": self.layout.root, "budget": self.tier.budget}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["url"], state["tier"], state["budget"])  # type: ignore[misc]
+
+    def __str__(self) -> str:
+        return str(self.url)
+
+    # -- RemotePlace: shards ---------------------------------------------------------------------
+    def _listed(self) -> dict[str, int]:
+        """Shard name -> bytes in the bucket, listed once per process (merge's checks)."""
+        return self._sizes if self._sizes is not None else self.shard_objects()
+
+    def _size_of(self, name: str) -> int | None:
+        """Shard ``name``'s size in the bucket (from the listing if one was made, else a HEAD:
+        a reader fetching a few shards never lists the whole bucket)."""
+        if self._sizes is not None and name in self._sizes:
+            return self._sizes[name]
+        info = self.bucket.head(shard_object(name))
+        return None if info is None else info.size
+
+    def fetch_shard(self, name: str, evicted: Callable[[], None] | None = None) -> Path | None:
+        size = self._size_of(name)
+        if size is None:
+            # gc deleted it: bring in the newest version, through which the reader's lookup
+            # of the feature runs again (a rebuild may have stored it in another shard).
+            self.sync_catalog()
+            return None
+        obj = shard_object(name)
+        try:
+            return self.tier.fetch(
+                name,
+                size,
+                lambda dest: self.bucket.download(obj, dest),
+                self.bucket.where(obj),
+                evicted,
+            )
+        except FileNotFoundError:
+            return None
+
+    def reads_ranged(self) -> bool:
+        """Whether shards not in the tier are read by ranges rather than fetched whole.
+
+        ``$FEATBAKE_BUCKET_READS`` says ``whole`` or ``ranged``; by default (``auto``) ranged
+        once the shards the catalog names outweigh the tier's budget: fetching whole shards
+        into a tier that cannot keep them downloads each many times over a shuffled epoch. In
+        ``auto`` the tier still keeps whole the shards that fit its budget without evicting.
+        """
+        if self._ranged is None:
+            mode = os.environ.get(READS_ENV, "auto")
+            if mode not in ("auto", "whole", "ranged"):
+                raise ConfigError(f"${READS_ENV} must be auto, whole or ranged, got {mode!r}")
+            if mode == "auto":
+                self._ranged = sum(catalog_shards(self.layout.catalog).values()) > self.tier.budget
+                self._fills_tier = self._ranged
+            else:
+                self._ranged = mode == "ranged"
+        return self._ranged
+
+    def ranged_reader(self, name: str, path: Path, verify: VerifyMode | str) -> ShardReader | None:
+        """A reader of shard ``name`` by ranged GETs, or None when it is fetched whole: always
+        in ``whole`` mode, and in ``ranged`` mode while the tier has room for it without evicting
+        (a tier smaller than the store keeps what fits, so repeated items hit it).
+
+        Raises:
+            ShardMissing: the bucket has no such shard (gc deleted it).
+        """
+        if not self.reads_ranged():
+            return None
+        size = self._size_of(name)
+        if size is not None and self._fills_tier and self.tier.has_room(size):
+            return None  # auto: the tier keeps what fits, so repeated reads of it hit the disk
+        if size is None:
+            self.sync_catalog()  # as fetch_shard: the reader looks the feature up again
+            raise ShardMissing(f"shard {name} is gone from {self.url} (deleted by gc)")
+        obj = shard_object(name)
+
+        def get(start: int, length: int) -> bytes:
+            try:
+                return self.bucket.read_range(obj, start, length)
+            except FileNotFoundError:
+                # gc relocated or dropped it while this reader was open: bring in the newest
+                # version, through which the reader's lookup of the feature runs again.
+                self.sync_catalog()
+                raise ShardMissing(f"shard {name} is gone from {self.url}") from None
+
+        return RangedShardReader(path, get, size, self.bucket.where(obj), verify)
+
+    def has_shard(self, name: str) -> bool:
+        return name in self._listed() or self._size_of(name) is not None
+
+    def opened(self, path: Path) -> None:
+        self.tier.touch(path)
+
+    def publish_fragment(self, fragment: Path, shards: Sequence[str]) -> None:
+        for name in shards:
+            if self._sizes is not None and name in self._sizes:
+                continue
+            path = self.layout.shard_path(name)
+            if not path.is_file():
+                if self.bucket.head(shard_object(name)) is not None:
+                    continue  # evicted after another process uploaded the same bytes
+                raise ShardMissing(
+                    f"shard {name} left the local tier before its upload; it is written again"
+                )
+            self.bucket.upload(shard_object(name), path)  # content-named: same bytes if again
+            if self._sizes is not None:
+                self._sizes[name] = path.stat().st_size
+        self.bucket.upload(f"{FRAGMENTS}{fragment.name}", fragment)
+        self._uploaded.update(shards)
+        if shards:  # uploaded: a build bigger than this disk must not fill it
+            self.tier.trim(uploaded=self._uploaded)
+
+    def tier_usage(self) -> TierUsage:
+        return TierUsage(self.local_version(), self.tier.used_bytes(), self.tier.budget)
+
+    def shard_objects(self) -> dict[str, int]:
+        listed = {
+            name: o.size
+            for o in self.bucket.list(SHARDS)
+            if is_shard_name(name := Path(o.name).name.removesuffix(".safetensors"))
+        }
+        self._sizes = dict(listed)
+        return listed
+
+    def download_shard(self, name: str, dest: Path) -> None:
+        self.bucket.download(shard_object(name), dest)
+
+    def shard_where(self, name: str) -> str:
+        return self.bucket.where(shard_object(name))
+
+    # -- catalog versions and fragments ---------------------------------------------------------
+    @property
+    def version_file(self) -> Path:
+        """``<tier>/catalog.version``: which published version the tier's catalog is, and the
+        ETag the bucket gave that version's object (JSON)."""
+        return self.layout.root / "catalog.version"
+
+    def _pinned(self) -> PinnedVersion | None:
+        """The version and ETag the tier's catalog was downloaded as; None when the tier has no
+        catalog, or only a number (a tier from before ETags were kept: fetched again)."""
+        if not self.layout.catalog.is_file():
+            return None
+        try:
+            raw = json.loads(self.version_file.read_text())
+            pinned = PinnedVersion(int(raw["version"]), str(raw["etag"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return pinned if pinned.version > 0 and pinned.etag else None
+
+    def local_version(self) -> int:
+        """The version of the tier's ``catalog.sqlite`` (0: none, or none this tier can vouch
+        for)."""
+        pinned = self._pinned()
+        return pinned.version if pinned else 0
+
+    def published_version(self) -> int:
+        """The newest version in the bucket (0: none published yet)."""
+        return newest(o.name for o in self.bucket.list(PREFIX))
+
+    def sync_catalog(self) -> int:
+        """Bring the newest published catalog into the tier (if it is not there); its version.
+
+        The tier's copy is trusted only when it is the bucket's newest version *as the bucket
+        holds it*: the same number and the same ETag. A tier whose catalog went missing, or
+        one from before the prefix was wiped and rebuilt (same number, other bytes), fetches
+        again: every publish starts from the bucket's newest version, so a stale tier can
+        never publish over everyone else's work. The tier's ``catalog.sqlite`` is replaced by
+        rename: a process reading the older one keeps reading it until it reopens.
+        """
+        self.layout.ensure()
+        self._mark_tier()
+        # One download per node: the node's processes (DataLoader workers that all found a
+        # shard gone) wait here, and the first one's catalog serves the rest.
+        with locked(self.layout.tmp / "catalog.lock"):
+            return self._sync_catalog_locked()
+
+    def _sync_catalog_locked(self) -> int:
+        newest_obj = newest_object(self.bucket.list(PREFIX))
+        if newest_obj is None:
+            if self.layout.catalog.exists() or self.version_file.exists():
+                self._forget_catalog()  # the bucket was emptied: the tier's is not its catalog
+            return 0
+        want = PinnedVersion(version_of(newest_obj.name) or 0, newest_obj.etag)
+        if self._pinned() == want:
+            return want.version
+        tmp = self.layout.tmp / f"catalog-v{want.version}.{os.getpid()}.download"
+        try:
+            try:
+                self.bucket.download(newest_obj.name, tmp)
+            except FileNotFoundError:
+                return self._sync_catalog_locked()  # retired between the listing and the read
+            check_catalog_file(tmp, self.bucket.where(newest_obj.name))
+            self.install_catalog(tmp, want.version, want.etag)
+        finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        return want.version
+
+    def _mark_tier(self) -> None:
+        """Write ``tier.json`` (the bucket's URL) once: a tier given as ``--cache`` is refused."""
+        mark = self.layout.root / "tier.json"
+        if not mark.exists():
+            tmp = self.layout.tmp / f"tier.json.{os.getpid()}"
+            tmp.write_text(json.dumps({"url": str(self.url)}))
+            os.replace(tmp, mark)
+
+    def _forget_catalog(self) -> None:
+        """Drop the tier's catalog (its shards stay: content-named and checked, they are right
+        for whatever store names them)."""
+        with contextlib.suppress(OSError):
+            self.version_file.unlink()
+        self._unlink_catalog_files(("", "-wal", "-shm", "-journal"))
+
+    def _unlink_catalog_files(self, suffixes: tuple[str, ...]) -> None:
+        """Remove the tier's ``catalog.sqlite<suffix>`` files that exist."""
+        for suffix in suffixes:
+            with contextlib.suppress(OSError):
+                os.unlink(f"{self.layout.catalog}{suffix}")
+
+    def install_catalog(self, path: Path, version: int, etag: str | None = None) -> None:
+        """Make ``path`` the tier's catalog, as published version ``version`` whose object has
+        ``etag`` (asked of the bucket when not given: a version this process just published)."""
+        if etag is None:
+            info = self.bucket.head(version_name(version))
+            etag = info.etag if info else ""
+        self._unlink_catalog_files(("-wal", "-shm", "-journal"))
+        os.replace(path, self.layout.catalog)
+        tmp = self.layout.tmp / f"catalog.version.{os.getpid()}"
+        tmp.write_text(json.dumps(PinnedVersion(version, etag)._asdict()))
+        os.replace(tmp, self.version_file)
+        fsync_dir(self.layout.root)
+
+    def sync_fragments(self) -> int:
+        """Download the bucket's fragments the tier lacks (other nodes' ranks); how many."""
+        here = fragments_dir(self.layout)
+        here.mkdir(parents=True, exist_ok=True)
+        got = 0
+        for o in self.bucket.list(FRAGMENTS):
+            name = Path(o.name).name
+            final = here / name
+            if parse_name(final) is None or final.exists():
+                continue
+            tmp = self.layout.tmp / f"{name}.{os.getpid()}.download"
+            self.bucket.download(o.name, tmp)
+            os.replace(tmp, final)
+            got += 1
+        return got
+
+
+def catalog_shards(catalog: Path) -> dict[str, int]:
+    """The shards a catalog file names, with their bytes (none without the file): what gc,
+    verify and the read mode of a bucket store ask of a catalog version.
+
+    Raises:
+        StoreCorrupt: it names something that is not a shard name (a damaged or planted
+            version): gc then deletes nothing rather than trust the rest of it.
+    """
+    if not catalog.exists():
+        return {}
+    conn = open_sqlite(catalog, Access.IMMUTABLE)
+    try:
+        named = dict(conn.execute("SELECT name, bytes FROM shards"))
+    finally:
+        conn.close()
+    for name in named:
+        checked_shard_name(name)
+    return named
+
+
+def check_catalog_file(path: Path, where: str) -> None:
+    """Raise unless ``path`` is a readable SQLite catalog (a published version downloaded from
+    ``where``).
+
+    Raises:
+        StoreCorrupt: it is not: the message names the bucket object and what to do.
+    """
+    try:
+        conn = open_sqlite(path, Access.IMMUTABLE)
+        try:
+            conn.execute("SELECT count(*) FROM shards").fetchone()
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as e:
+        raise StoreCorrupt(
+            f"the catalog version {where} is damaged ({e}); delete that object so the version "
+            "before it serves again (`featbake verify --cache URL` then lists what it lacks), "
+            "and rebuild what went missing"
+        ) from None
+
+
+# == publish =======================================================================================
+# Publishing a bucket store's next catalog version: merges and gc go through here.
+#
+# The tier's catalog is never written in place (readers of this node may have it open): a change
+# runs on a copy in ``tmp/work-<id>/`` (:func:`publish_next`), and the result is published as
+# version N+1 only if nobody published N+1 first (``If-None-Match: *``). A change that loses
+# that race starts again from the newer version: merging is idempotent (first row wins, a root's
+# newer manifest wins), and gc re-plans. What a change retires in the bucket (folded fragments)
+# is deleted only after the version is published, so a merge killed at any moment loses
+# nothing: its rerun folds them again.
+T = TypeVar("T")
+
+
+class DamagedFragmentWarning(UserWarning):
+    """A build fragment in a bucket cannot be read: it was left unmerged (named, with what to
+    do), and every other build merged."""
+
+
+#: A test hook: called with the name of each step a merge finished.
+Between = Callable[[str], None] | None
+
+#: Changes that lose the race for the next version before one gives up.
+TRIES = 5
+
+
+@dataclass
+class Change(Generic[T]):
+    """What a change made of a work copy: its report, whether the catalog changed (else
+    nothing is published), and what to do once the new version is published."""
+
+    value: T
+    changed: bool
+    after_publish: Callable[[], None] | None = None
+
+
+def publish_next(store: BucketStore, change: Callable[[Layout], Change[T]]) -> T:
+    """Apply ``change`` to a copy of the newest version and publish it as the next one.
+
+    Raises:
+        StoreError: the bucket cannot be read or written, or others kept publishing first.
+    """
+    for _ in range(TRIES):
+        version = store.sync_catalog()
+        work = Layout(store.layout.tmp / f"work-{uuid.uuid4().hex[:12]}", remote=store)
+        try:
+            work.ensure()
+            if store.layout.catalog.exists():
+                shutil.copyfile(store.layout.catalog, work.catalog)
+            outcome = change(work)
+            if not outcome.changed:
+                return outcome.value
+            _standalone(work)
+            if store.bucket.upload(version_name(version + 1), work.catalog, create=True):
+                if outcome.after_publish:
+                    outcome.after_publish()
+                _keep_roots(work, store.layout)
+                store.install_catalog(work.catalog, version + 1)
+                return outcome.value
+        finally:
+            shutil.rmtree(work.root, ignore_errors=True)
+    raise StoreError(
+        f"other merges or gc runs published {TRIES} catalog versions of {store} while this one "
+        "ran; run it again when they are done"
+    )
+
+
+def merge_store(layout: Layout) -> MergeReport:
+    """Merge the store ``layout`` is: a bucket store's next version, or a local catalog."""
+    if isinstance(layout.remote, BucketStore):
+        return merge_bucket(layout.remote)
+    return merge(layout)
+
+
+def merge_bucket(store: BucketStore, *, between: Between = None) -> MergeReport:
+    """Fold the bucket's fragments into a new catalog version (see the module docstring).
+
+    ``between`` is a test hook, called with the local merge's steps, then ``published``.
+
+    Raises:
+        StoreError: the bucket cannot be read or written, or others kept publishing first.
+    """
+
+    def fold(work: Layout) -> Change[MergeReport]:
+        store.sync_fragments()
+        here = fragments_dir(store.layout)
+        fragments_dir(work).mkdir()
+        folding = {f.path.name for f in sealed_fragments(store.layout)}
+        for name in folding:
+            os.link(here / name, fragments_dir(work) / name)
+        report = merge(work, between=between, skip_damaged=True)
+        folded = folding - {f.path.name for f in sealed_fragments(work)}
+        for name in report.damaged:
+            warnings.warn(
+                f"the build fragment {store.bucket.where(FRAGMENTS + name)} is damaged and was "
+                "not merged (everything else was); delete that object and rerun the part that "
+                "wrote it: it encodes again what the fragment named",
+                DamagedFragmentWarning,
+                stacklevel=2,
+            )
+
+        def retire() -> None:
+            if between:
+                between("published")
+            store.bucket.delete(f"{FRAGMENTS}{name}" for name in folded)
+            for name in folded:
+                with contextlib.suppress(OSError):
+                    (here / name).unlink()
+
+        return Change(report, bool(folded), retire)
+
+    return publish_next(store, fold)
+
+
+def _standalone(work: Layout) -> None:
+    """Make the new catalog one self-contained file (no WAL beside it) before its upload."""
+    conn = open_sqlite(work.catalog)
+    try:
+        conn.execute("PRAGMA journal_mode=DELETE")
+    finally:
+        conn.close()
+
+
+def _keep_roots(work: Layout, tier: Layout) -> None:
+    """Move the root manifests the change wrote into the tier (they go with its catalog)."""
+    if not work.roots.is_dir():
+        return
+    tier.roots.mkdir(parents=True, exist_ok=True)
+    for f in work.roots.iterdir():
+        os.replace(f, tier.roots / f.name)

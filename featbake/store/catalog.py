@@ -1,0 +1,2127 @@
+"""The SQLite catalog: an index over the shards (features, shards, encoders, roots, hash cache).
+
+Split by job: ``schema`` (tables, version, migrations), ``rows`` (typed records), ``connection``
+(per-thread and per-process connections, read-only opening, the transaction helper),
+``feature_rows`` (feature rows, hash cache, encoders), ``roots`` (root rows and ``roots/*.json``),
+``maintenance`` (what stats, gc and verify need). Each job module has one class over the
+connection (``FeatureRows``, ``RootRows``, ``UpkeepRows``); :class:`Catalog` combines the three;
+``Catalog(layout, read_only=True)`` opens it ``mode=ro`` (stats, export, inspection, a store on
+a read-only mount), where SQLite itself refuses every write.
+
+Example:
+    >>> with Catalog(Layout(Path(".featbake")).ensure()) as cat:  # doctest: +SKIP
+    ...     cat.locate("3f...")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import sqlite3
+import threading
+import time
+import urllib.parse
+import uuid
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, NamedTuple, Protocol
+
+import torch
+
+from featbake.errors import ShardMissing, StoreCorrupt, StoreError
+from featbake.process import ProcessStamp
+from featbake.quantize import Fidelity, FidelityTally, ScaleSpan, Scheme
+from featbake.store.layout import (
+    Layout,
+    checked_root_name,
+    fsync_dir,
+    remove_file,
+    set_journal_mode,
+)
+from featbake.store.shard import SealedShard, ShardEntry, tensor_name
+
+# == schema ========================================================================================
+# The catalog's tables, its schema version and the migrations between versions.
+#
+# Versions:
+#     2: ``shards.data_bytes``; ``features_shard`` covers (nbytes, last_used).
+#     3: ``hash_cache.ctime_ns`` and ``hash_cache.recorded_ns`` (issue 11, item 1: a file copied
+#        over with ``cp -p`` keeps size, mtime and inode, not ctime; an entry recorded within a
+#        second of its file's mtime is "racy" and not trusted). Rows migrated from version 2 get
+#        0 in both columns, so their files are simply hashed again once.
+SCHEMA_VERSION = 3
+
+DDL = """
+CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS shards (
+    id INTEGER PRIMARY KEY,
+    name TEXT NOT NULL UNIQUE,          -- sha256 of the shard file's bytes
+    bytes INTEGER NOT NULL,
+    items INTEGER NOT NULL,
+    encoder_fp TEXT NOT NULL,
+    recipe_fp TEXT NOT NULL,
+    created REAL NOT NULL,
+    data_bytes INTEGER NOT NULL DEFAULT 0 -- sum of the tensors' bytes (file bytes minus header)
+);
+CREATE TABLE IF NOT EXISTS features (
+    key TEXT NOT NULL,
+    part TEXT NOT NULL DEFAULT '',      -- '' for single-output encoders, else the output's name
+    shard_id INTEGER NOT NULL REFERENCES shards(id),
+    dtype TEXT NOT NULL,                -- safetensors dtype string (F32, F16, BF16, ...)
+    shape TEXT NOT NULL,                -- JSON list
+    nbytes INTEGER NOT NULL,
+    last_used REAL NOT NULL,
+    PRIMARY KEY (key, part)
+) WITHOUT ROWID;
+-- Covering: per-shard counts, bytes and last use (stats, gc) scan this index alone.
+CREATE INDEX IF NOT EXISTS features_shard ON features(shard_id, nbytes, last_used);
+CREATE TABLE IF NOT EXISTS encoders (
+    fp TEXT PRIMARY KEY,
+    label TEXT NOT NULL,                -- the encoder as the user named it (path or import string)
+    kind TEXT NOT NULL,
+    first_seen REAL NOT NULL,
+    last_used REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS roots (
+    name TEXT PRIMARY KEY,              -- keys.root_id(data, encoder_label, recipe_fp)
+    data TEXT NOT NULL,
+    encoder_label TEXT NOT NULL,
+    encoder_fp TEXT NOT NULL,
+    recipe_fp TEXT NOT NULL,
+    recipe TEXT NOT NULL,               -- canonical JSON of the recipe
+    items INTEGER NOT NULL,
+    created REAL NOT NULL,
+    last_used REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS root_items (
+    root TEXT NOT NULL,
+    idx INTEGER NOT NULL,
+    path TEXT NOT NULL,                 -- relative to the root's data folder
+    key TEXT NOT NULL,
+    PRIMARY KEY (root, idx)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS root_items_key ON root_items(key);
+CREATE TABLE IF NOT EXISTS hash_cache (
+    path TEXT PRIMARY KEY,              -- absolute path (or a namespaced id, e.g. encoder:...)
+    size INTEGER NOT NULL,
+    mtime_ns INTEGER NOT NULL,
+    inode INTEGER NOT NULL,
+    sha256 TEXT NOT NULL,
+    ctime_ns INTEGER NOT NULL DEFAULT 0,    -- schema 3, 0 if unknown (hashed again)
+    recorded_ns INTEGER NOT NULL DEFAULT 0  -- when the file was stat'ed for this hash
+) WITHOUT ROWID;
+"""
+
+
+def _migrate_2_to_3(conn: sqlite3.Connection) -> None:
+    conn.execute("ALTER TABLE hash_cache ADD COLUMN ctime_ns INTEGER NOT NULL DEFAULT 0")
+    conn.execute("ALTER TABLE hash_cache ADD COLUMN recorded_ns INTEGER NOT NULL DEFAULT 0")
+
+
+#: from version -> the step that brings a catalog to the next version (inside one transaction).
+MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {2: _migrate_2_to_3}
+
+
+def schema_version(conn: sqlite3.Connection) -> int | None:
+    """The catalog's schema version, or None for a database without one (a new catalog).
+
+    Raises:
+        sqlite3.OperationalError: anything but a missing table (a hot journal a read-only
+            connection cannot roll back reads "attempt to write a readonly database").
+    """
+    try:
+        row = conn.execute("SELECT value FROM meta WHERE name='schema_version'").fetchone()
+    except sqlite3.OperationalError as e:
+        if "no such table" in str(e):
+            return None
+        raise
+    return None if row is None else int(row[0])
+
+
+def ensure_schema(conn: sqlite3.Connection, path: Path, *, writable: bool) -> None:
+    """Create the tables of a new catalog, or migrate an older one; check the version.
+
+    Raises:
+        StoreError: a version this featbake does not read, or (read-only) one it would have to
+            create or migrate.
+    """
+    version = schema_version(conn)
+    if version == SCHEMA_VERSION:
+        return
+    if version is not None and (version > SCHEMA_VERSION or version not in MIGRATIONS):
+        raise StoreError(
+            f"the catalog {path} has schema version {version}, this featbake reads "
+            f"{SCHEMA_VERSION}; upgrade featbake, or rebuild with `featbake verify --repair`"
+        )
+    if not writable:
+        what = "no tables" if version is None else f"schema version {version}"
+        raise StoreError(
+            f"the catalog {path} has {what} and is read-only here, so it cannot be "
+            f"{'created' if version is None else 'upgraded'}; open the store once where it is "
+            "writable (any featbake command that writes upgrades it)"
+        )
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        _create_or_migrate(conn)
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+
+
+def _create_or_migrate(conn: sqlite3.Connection) -> None:
+    # Read again under the write lock: another process may have created or migrated it.
+    version = schema_version(conn)
+    if version is None:
+        # executescript() would COMMIT on its own: run the statements one by one.
+        for stmt in DDL.split(";"):
+            if stmt.strip():
+                conn.execute(stmt)
+        conn.execute(
+            "INSERT OR IGNORE INTO meta(name, value) VALUES ('schema_version', ?)",
+            (str(SCHEMA_VERSION),),
+        )
+        return
+    while version in MIGRATIONS:
+        MIGRATIONS[version](conn)
+        version += 1
+    conn.execute("UPDATE meta SET value=? WHERE name='schema_version'", (str(version),))
+
+
+# == rows ==========================================================================================
+# Typed records of the catalog's rows: every column read or written by name, never by position.
+#
+# Records that callers used to receive as plain tuples (root items, encoder rows, feature rows of a
+# shard) are ``NamedTuple``s, so ``path, key = item`` and ``dict(items)`` keep working while new
+# code reads ``item.key``. Each record that maps a table row says which columns it reads
+# (:func:`columns`), so a ``SELECT`` is built from the record's fields, not typed twice.
+#: A cached hash is "racy" when its file's mtime lies within this long of the moment the hash was
+#: recorded: a write in that window can leave (size, mtime, ctime, inode) unchanged on file systems
+#: with coarse timestamps (git's index has the same rule, with the same one-second margin).
+RACY_NS = 1_000_000_000
+
+#: Hash-cache ids under which encoder fingerprints are cached (``encoder-fp:file:PATH``, ...).
+ENCODER_FP_PREFIX = "encoder-fp:"
+
+
+def columns(record: type[Any]) -> str:
+    """The comma-separated column list of a NamedTuple record (its fields, in order)."""
+    return ", ".join(record._fields)
+
+
+class FileStat(NamedTuple):
+    """What the hash cache compares to say a file is unchanged since it was hashed.
+
+    ``ctime_ns`` is there because no user tool can set it: ``cp -p`` (or unpacking an archive
+    with fixed dates) over an existing file keeps its size, mtime and inode, but not its ctime.
+    (A NamedTuple, not a dataclass: a million of them are made when a large folder is indexed.)
+    """
+
+    size: int
+    mtime_ns: int
+    inode: int
+    ctime_ns: int = 0
+
+    @classmethod
+    def of(cls, path: str | os.PathLike[str]) -> FileStat:
+        st = os.stat(path)
+        return cls(st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
+
+    def racy(self, recorded_ns: int) -> bool:
+        """True if a hash recorded at ``recorded_ns`` cannot vouch for this stat.
+
+        A file modified within :data:`RACY_NS` of the recording (or "in the future", a clock
+        skew) may have changed after it was read without its stat changing.
+        """
+        return self.mtime_ns > recorded_ns - RACY_NS or self.ctime_ns > recorded_ns - RACY_NS
+
+
+class HashEntry(NamedTuple):
+    """A trusted hash-cache entry: the file's stat when it was hashed, and its digest."""
+
+    stat: FileStat
+    sha256: str
+
+
+class HashRow(NamedTuple):
+    """One row to remember in the hash cache: ``path`` with ``stat`` hashed to ``sha256``."""
+
+    path: str
+    stat: FileStat
+    sha256: str
+
+
+class HashCache(Protocol):
+    """The hash cache as builds and datasets use it: the catalog's, or that of a stand-in that
+    writes fragments (a rank of a sharded build, a serving process on a shared filesystem)."""
+
+    def cached_hashes(self, paths: Sequence[str]) -> dict[str, HashEntry]: ...
+
+    def put_hashes(self, rows: Iterable[HashRow], *, recorded_ns: int | None = None) -> None: ...
+
+
+class HashCacheRow(NamedTuple):
+    """A ``hash_cache`` row as stored (``ctime_ns`` and ``recorded_ns`` are 0 in old rows)."""
+
+    path: str
+    size: int
+    mtime_ns: int
+    inode: int
+    ctime_ns: int
+    sha256: str
+    recorded_ns: int
+
+    @classmethod
+    def of(cls, path: str, stat: FileStat, sha256: str, recorded_ns: int) -> HashCacheRow:
+        """The row: ``path`` with ``stat`` hashed to ``sha256``, stat taken at ``recorded_ns``."""
+        return cls(path, stat.size, stat.mtime_ns, stat.inode, stat.ctime_ns, sha256, recorded_ns)
+
+    @property
+    def stat(self) -> FileStat:
+        return FileStat(self.size, self.mtime_ns, self.inode, self.ctime_ns)
+
+    def trusted(self) -> HashEntry | None:
+        """The entry, or None if it is racy or predates ctime (then the file is hashed again)."""
+        return trusted_entry(self)
+
+
+def trusted_entry(row: tuple) -> HashEntry | None:
+    """:meth:`HashCacheRow.trusted` of a raw row (the loop of a large folder's lookup)."""
+    _, size, mtime, inode, ctime, sha, recorded = row
+    if recorded <= 0 or ctime <= 0 or max(mtime, ctime) > recorded - RACY_NS:
+        return None
+    return HashEntry(FileStat(size, mtime, inode, ctime), sha)
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where one tensor of a feature lives."""
+
+    key: str
+    part: str
+    shard: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+    @property
+    def tensor(self) -> str:
+        return tensor_name(self.key, self.part)
+
+
+class RootItem(NamedTuple):
+    """One item of a root's manifest: the input's path (relative to the data folder) and key."""
+
+    path: str
+    key: str
+
+
+@dataclass(frozen=True)
+class RootSpec:
+    """What a root is a build of: its name, data folder, encoder and recipe (a ``roots`` row
+    without its counts and times). Every writer of roots takes one."""
+
+    name: str
+    data: str
+    encoder_label: str
+    encoder_fp: str
+    recipe_fp: str
+    recipe: dict
+
+    def root(self, items: int, created: float, last_used: float) -> Root:
+        """The ``roots`` row of this spec with ``items`` items."""
+        return Root(
+            self.name, self.data, self.encoder_label, self.encoder_fp, self.recipe_fp,
+            self.recipe, items, created, last_used,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Root:
+    """A named manifest: the keys one build of (data, encoder, recipe) produced, in file order."""
+
+    name: str
+    data: str
+    encoder_label: str
+    encoder_fp: str
+    recipe_fp: str
+    recipe: dict
+    items: int
+    created: float
+    last_used: float
+
+    #: The ``roots`` table's columns, in the order :meth:`row` gives them.
+    COLUMNS = (
+        "name",
+        "data",
+        "encoder_label",
+        "encoder_fp",
+        "recipe_fp",
+        "recipe",
+        "items",
+        "created",
+        "last_used",
+    )
+
+    def row(self) -> tuple[Any, ...]:
+        """The values of :attr:`COLUMNS` (the recipe as canonical JSON)."""
+        return (
+            self.name,
+            self.data,
+            self.encoder_label,
+            self.encoder_fp,
+            self.recipe_fp,
+            json.dumps(self.recipe, sort_keys=True),
+            self.items,
+            self.created,
+            self.last_used,
+        )
+
+    @classmethod
+    def from_row(cls, values: Any) -> Root:
+        """A root from the values of a ``SELECT`` of :attr:`COLUMNS`, matched by name."""
+        row = dict(zip(cls.COLUMNS, values, strict=True))
+        return cls(
+            name=row["name"],
+            data=row["data"],
+            encoder_label=row["encoder_label"],
+            encoder_fp=row["encoder_fp"],
+            recipe_fp=row["recipe_fp"],
+            recipe=json.loads(row["recipe"]),
+            items=row["items"],
+            created=row["created"],
+            last_used=row["last_used"],
+        )
+
+
+class EncoderRow(NamedTuple):
+    """An encoder the store has seen, and how the user named it."""
+
+    fp: str
+    label: str
+    kind: str
+    first_seen: float
+    last_used: float
+
+
+@dataclass(frozen=True)
+class ShardRow:
+    """A shard as the catalog records it."""
+
+    id: int
+    name: str
+    bytes: int
+    data_bytes: int
+    items: int
+    encoder_fp: str
+    recipe_fp: str
+    created: float
+
+    COLUMNS = ("id", "name", "bytes", "data_bytes", "items", "encoder_fp", "recipe_fp", "created")
+
+
+@dataclass(frozen=True)
+class ShardUsage:
+    """The feature rows that point into one shard."""
+
+    rows: int
+    nbytes: int
+    last_used: float
+
+
+@dataclass(frozen=True)
+class FeatureTotals:
+    """Counts over distinct keys: all stored, and those some root reaches."""
+
+    features: int
+    nbytes: int
+    live_features: int
+    live_nbytes: int
+
+
+@dataclass(frozen=True)
+class FeatureRef:
+    """One feature row, exactly (gc deletes by (key, part, shard) so a moved row is spared)."""
+
+    key: str
+    part: str
+    shard_id: int
+    nbytes: int
+    last_used: float
+
+    COLUMNS = ("key", "part", "shard_id", "nbytes", "last_used")
+
+
+class ShardFeature(NamedTuple):
+    """A feature row as seen from its shard (``shape`` is the stored JSON list)."""
+
+    key: str
+    part: str
+    dtype: str
+    shape: str
+    nbytes: int
+
+
+class FeatureRow(NamedTuple):
+    """A whole ``features`` row (``shape`` is the stored JSON list), as verify compares it with
+    its shard's header."""
+
+    key: str
+    part: str
+    shard_id: int
+    dtype: str
+    shape: str
+    nbytes: int
+
+    @property
+    def tensor(self) -> str:
+        return tensor_name(self.key, self.part)
+
+    def matches(self, dtype: str, shape: tuple[int, ...]) -> bool:
+        """Whether the header's dtype and shape are what this row records."""
+        try:
+            return self.dtype == dtype and json.loads(self.shape) == list(shape)
+        except (ValueError, RecursionError):
+            return False
+
+
+class MovedRow(NamedTuple):
+    """A feature row compaction moves: it is repointed only if it still names ``old_shard_id``."""
+
+    key: str
+    part: str
+    old_shard_id: int
+
+
+# == connection ====================================================================================
+# The catalog's connections: one per thread and per process, opened and dropped in one place.
+#
+# SQLite connections belong to the thread that opened them, and must never be used, nor closed,
+# in a process that inherited them across ``fork()`` (SQLite's "How To Corrupt Your Database
+# Files", 2.6: the child would release or clobber the parent's POSIX locks). So a catalog keeps
+# one connection per thread, remembers the process that opened it, and in a forked child simply
+# opens a fresh one. Every connection open at a fork, whichever thread opened it, is kept
+# referenced in the child (:data:`INHERITED_ACROSS_FORK`): never used, never closed, never
+# collected (Python's sqlite3 closes a connection when it is collected, and a forked child frees
+# the other threads' thread-locals right after the fork).
+#
+# A store that cannot be written (a read-only mount, a shared file system without write
+# permission) is opened read-only: ``mode=ro`` when the directory can hold SQLite's ``-shm`` file,
+# else ``immutable=1``. In read-only mode the caches a reader fills (the hash cache, last use,
+# encoder labels) are skipped, and every other write raises a :class:`StoreError`.
+#: Set to 1 to open every catalog read-only (what a read-only mount forces), e.g. to check that a
+#: command only reads.
+READ_ONLY_ENV = "FEATBAKE_READ_ONLY"
+
+#: In a forked child, the connections inherited from the parent: kept so they are never closed.
+INHERITED_ACROSS_FORK: list[sqlite3.Connection] = []
+
+
+class Slot:
+    """One thread's connection and the process that opened it (weakly tracked for fork)."""
+
+    __slots__ = ("__weakref__", "conn", "stamp")
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn: sqlite3.Connection | None = conn
+        self.stamp = ProcessStamp()
+
+
+_SLOTS: weakref.WeakSet[Slot] = weakref.WeakSet()
+_SLOTS_LOCK = threading.Lock()
+_AT_FORK: list[sqlite3.Connection] = []
+
+
+def _hold_connections_before_fork() -> None:
+    # Strong references taken in the parent survive into the child, where the other threads'
+    # thread-locals (and so their Slots) are freed before any after-fork hook could run. The
+    # lock is held across fork() so that no other thread's hold on it is copied into the child.
+    _SLOTS_LOCK.acquire()
+    _AT_FORK[:] = [s.conn for s in _SLOTS if s.conn is not None]
+
+
+def _release_after_fork_in_parent() -> None:
+    _AT_FORK.clear()
+    _SLOTS_LOCK.release()
+
+
+def _keep_inherited_in_child() -> None:
+    INHERITED_ACROSS_FORK.extend(_AT_FORK)
+    _AT_FORK.clear()
+    _SLOTS_LOCK.release()
+
+
+os.register_at_fork(
+    before=_hold_connections_before_fork,
+    after_in_parent=_release_after_fork_in_parent,
+    after_in_child=_keep_inherited_in_child,
+)
+
+
+class Access(StrEnum):
+    """How a catalog file is opened."""
+
+    READ_WRITE = "read-write"
+    READ_ONLY = "read-only"  # mode=ro: sees other writers' commits (needs a usable -shm file)
+    IMMUTABLE = "immutable"  # immutable=1: a directory nobody can write, read as a snapshot
+
+
+def read_only_forced() -> bool:
+    """Whether ``$FEATBAKE_READ_ONLY`` says this process must not write to any store."""
+    return os.environ.get(READ_ONLY_ENV, "") not in ("", "0")
+
+
+def access_for(layout: Layout, *, read_only: bool = False) -> Access:
+    """How this process can open ``layout``'s catalog (root ignores permission bits, not mounts)."""
+    path = layout.catalog
+    forced = read_only or read_only_forced()
+    file_ok = os.access(path, os.W_OK) or not path.exists()
+    dir_ok = os.access(path.parent, os.W_OK | os.X_OK) or not path.parent.exists()
+    if not forced and file_ok and dir_ok:
+        return Access.READ_WRITE
+    return read_only_access(path)
+
+
+def read_only_access(path: Path) -> Access:
+    """``mode=ro`` where SQLite can use a ``-shm`` file beside ``path``, else ``immutable=1``."""
+    wal_files = all(os.path.exists(f"{path}{s}") for s in ("-wal", "-shm"))
+    if os.access(path.parent, os.W_OK | os.X_OK) or wal_files:
+        return Access.READ_ONLY
+    return Access.IMMUTABLE
+
+
+def _uri(path: Path, access: Access) -> str:
+    """``file:`` URI of ``path`` for a read-only ``access``, quoted (a ``?`` or ``#`` in a folder
+    name would otherwise end the path)."""
+    flag = "mode=ro&immutable=1" if access is Access.IMMUTABLE else "mode=ro"
+    return f"file:{urllib.parse.quote(str(Path(path).absolute()))}?{flag}"
+
+
+def open_sqlite(
+    path: Path | str, access: Access = Access.READ_WRITE, *, timeout: float = 5.0
+) -> sqlite3.Connection:
+    """A connection to the SQLite file at ``path``: the one place featbake connects.
+
+    ``Access.READ_ONLY`` sees other writers' commits; ``Access.IMMUTABLE`` reads a file nobody
+    changes (a sealed fragment, a downloaded catalog version) with no lock at all.
+    """
+    if access is Access.READ_WRITE:
+        return sqlite3.connect(path, timeout=timeout, isolation_level=None)
+    return sqlite3.connect(
+        _uri(Path(path), access), uri=True, timeout=timeout, isolation_level=None
+    )
+
+
+class Transaction:
+    """An open write transaction: run statements, and queue file removals for after COMMIT.
+
+    Files a transaction retires (tombstones, replaced files) are removed only once the rows that
+    stopped naming them are committed (diskcache's ``_transact`` does the same), so a crash or a
+    ROLLBACK never leaves a row that names a removed file.
+    """
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+        self.callbacks: list[Callable[[], Any]] = []
+
+    def execute(self, sql: str, params: Any = ()) -> sqlite3.Cursor:
+        return self.conn.execute(sql, params)
+
+    def executemany(self, sql: str, params: Any) -> sqlite3.Cursor:
+        return self.conn.executemany(sql, params)
+
+    @property
+    def total_changes(self) -> int:
+        return self.conn.total_changes
+
+    def after_commit(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` once the transaction has committed (never if it rolls back)."""
+        self.callbacks.append(fn)
+
+
+class CatalogConnection:
+    """A store's ``catalog.sqlite``: per-thread, per-process connections and transactions.
+
+    Use it as a context manager (``with Catalog(layout) as cat:``) to close this thread's
+    connection at the end; other threads' connections close when their thread ends.
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        *,
+        timeout: float = 60.0,
+        read_only: bool = False,
+        rebuild: bool = False,
+        fragment: Path | None = None,
+    ) -> None:
+        self.layout = layout
+        # A fragment (store/fragments.py) is a catalog in a file of its own: written by one
+        # process before it is sealed by a rename, read as an immutable snapshot after.
+        self.fragment = fragment
+        self.path = layout.catalog if fragment is None else fragment
+        self.timeout = timeout
+        self.read_only_requested = read_only
+        self.access = self._access()
+        self.rebuild = rebuild  # verify --repair makes a new catalog beside surviving shards
+        self._local = threading.local()
+
+    def _access(self) -> Access:
+        if self.fragment is None:
+            return access_for(self.layout, read_only=self.read_only_requested)
+        return Access.IMMUTABLE if self.read_only_requested else Access.READ_WRITE
+
+    @property
+    def read_only(self) -> bool:
+        return self.access is not Access.READ_WRITE
+
+    # -- connections -------------------------------------------------------------------------
+    @property
+    def conn(self) -> sqlite3.Connection:
+        """This thread's connection in this process, opened (schema checked) on first use."""
+        slot: Slot | None = getattr(self._local, "slot", None)
+        if slot is not None and slot.conn is not None and not slot.stamp.stale:
+            return slot.conn
+        self._drop(slot)
+        conn = self._connect()
+        slot = Slot(conn)
+        with _SLOTS_LOCK:
+            _SLOTS.add(slot)
+        self._local.slot = slot
+        return conn
+
+    def _drop(self, slot: Slot | None) -> None:
+        """Forget this thread's connection: closed if this process opened it, else only kept."""
+        self._local.slot = None
+        if slot is None or slot.conn is None:
+            return
+        conn, slot.conn = slot.conn, None
+        if not slot.stamp.stale:
+            conn.close()
+        else:  # inherited across fork: never use it, never close it
+            INHERITED_ACROSS_FORK.append(conn)
+
+    def _connect(self) -> sqlite3.Connection:
+        if self.fragment is None and self.access is Access.READ_WRITE and not self.path.exists():
+            self.layout.refuse_fresh_catalog(allow=self.rebuild)
+        try:
+            conn = self._open()
+            # A sealed fragment is read by column name whatever schema version wrote it.
+            if self.fragment is None or self.access is Access.READ_WRITE:
+                ensure_schema(conn, self.path, writable=self.access is Access.READ_WRITE)
+        except sqlite3.DatabaseError as e:
+            raise self.unreadable(e) from e
+        return conn
+
+    def unreadable(self, error: sqlite3.DatabaseError) -> StoreError:
+        """The error for a catalog SQLite refused to read, with the fix for the likely cause."""
+        fix = (
+            "if it is damaged, move it aside and run `featbake verify --repair` to rebuild it "
+            "from the shards"
+        )
+        if self.read_only and os.path.exists(f"{self.path}-journal"):
+            # A rollback journal left by a writer killed mid-transaction: only a read-write
+            # connection can roll it back (SQLite does on its first read).
+            fix = (
+                f"a writer was killed mid-transaction and left {self.path.name}-journal, which "
+                "a read-only reader cannot roll back; run `featbake merge` once where the store "
+                "is writable (it rolls it back), then retry"
+            )
+        return StoreError(
+            f"cannot read the catalog {self.path} ({self.access.value}): {error}; {fix}"
+        )
+
+    def _open(self) -> sqlite3.Connection:
+        if self.access is Access.READ_WRITE:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        conn = open_sqlite(self.path, self.access, timeout=self.timeout)
+        conn.execute(f"PRAGMA busy_timeout={int(self.timeout * 1000)}")
+        if self.fragment is not None and self.access is Access.READ_WRITE:
+            # One writer, a file no one sees until it is fsynced and renamed: no journal needed.
+            conn.execute("PRAGMA journal_mode=OFF")
+            conn.execute("PRAGMA synchronous=OFF")
+        elif self.access is Access.READ_WRITE:
+            set_journal_mode(conn, self.path, self.timeout)  # WAL, or DELETE on a shared FS
+            # NORMAL in WAL mode: a power cut may lose the last commits, never corrupt the file;
+            # a lost row only means a feature is encoded again (the shard itself was fsynced).
+            conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute("PRAGMA foreign_keys=OFF")
+        return conn
+
+    def close(self) -> None:
+        """Close this thread's connection (a connection inherited across fork is only dropped)."""
+        self._drop(getattr(self._local, "slot", None))
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict:
+        # Connections never cross a process boundary: the copy opens its own.
+        state = dict(self.__dict__)
+        del state["_local"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._local = threading.local()
+        # Another process (or machine) may see the store differently: look again.
+        self.access = self._access()
+
+    # -- transactions ------------------------------------------------------------------------
+    @contextmanager
+    def transaction(self) -> Iterator[Transaction]:
+        """A short write transaction: BEGIN IMMEDIATE ... COMMIT, ROLLBACK on error.
+
+        Callbacks queued with :meth:`Transaction.after_commit` run after COMMIT, in order.
+
+        Raises:
+            StoreError: the catalog is read-only here, or locked past the timeout.
+        """
+        if self.read_only:
+            raise StoreError(
+                f"the store {self.layout.root} is read-only here (a read-only mount, no write "
+                f"permission, or {READ_ONLY_ENV}=1) and this needs to write to it; run it where "
+                "the store is writable"
+            )
+        conn = self.conn
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as e:
+            raise StoreError(f"the catalog {self.path} is locked or unwritable: {e}") from e
+        txn = Transaction(conn)
+        try:
+            yield txn
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+        for fn in txn.callbacks:
+            fn()
+
+
+# == fidelity ======================================================================================
+# A root's measured fidelity: ``roots/<name>.fidelity``, written by a quantised build.
+#
+# Why a file beside the manifest and not a catalog column: the measurement belongs to the root
+# (its data, encoder and recipe), is written once per build and read only by ``stats`` and
+# ``roots``; a small JSON file needs no schema migration, and the manifest itself is written
+# before encoding starts (so readers can map items to keys), when nothing has been measured yet.
+# Dropping a root removes it with the manifest (:mod:`featbake.store.catalog`).
+#
+# A build done in parts (``--shard I/N``, torchrun ranks, any build into a bucket) has no root
+# file to write while it runs: each rank carries its :class:`Measured` sums in its ``done``
+# fragment (:mod:`featbake.store.fragments`), and the merge pools them and writes the record.
+#: The dtypes whose roots carry a fidelity record.
+QUANTISED = ("int8", "fp8")
+
+
+#: The dtypes a quantised store is measured and served in: float16 (the default) when it holds
+#: every stored value, float32 when it does not (see :meth:`ScaleSpan.holds`).
+SERVED = {"float16": torch.float16, "float32": torch.float32}
+
+
+def _empty_tallies() -> dict[str, FidelityTally]:
+    return {d: FidelityTally() for d in SERVED}
+
+
+@dataclass
+class Measured:
+    """What a quantised build (or one part of it) measured: a tally per dtype it may be served
+    in, and the span of every stored row's scale (every item, not only the sampled ones).
+
+    Example:
+        >>> m = Measured(Scheme.INT8)
+        >>> m.merged(Measured(Scheme.INT8)).served()
+        'float16'
+    """
+
+    scheme: Scheme
+    tallies: dict[str, FidelityTally] = field(default_factory=_empty_tallies)
+    span: ScaleSpan = field(default_factory=ScaleSpan)
+
+    def served(self) -> str:
+        """The dtype this store is served in by default: float16 unless a value does not fit."""
+        return "float16" if self.span.holds(torch.float16, self.scheme) else "float32"
+
+    def fidelity(self) -> Fidelity | None:
+        """The fidelity of what is served by default, or None (nothing measured)."""
+        tally = self.tallies[self.served()]
+        return tally.result(self.served()) if tally.items else None
+
+    def merged(self, other: Measured) -> Measured:
+        """Both measurements as one (the parts of one build)."""
+        tallies = {d: t.merged(other.tallies[d]) for d, t in self.tallies.items()}
+        return Measured(self.scheme, tallies, self.span.merged(other.span))
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready: the running sums, so that parts merge exactly."""
+        tallies = {d: t.to_json() for d, t in self.tallies.items()}
+        span = [self.span.low, self.span.high] if self.span.low < float("inf") else None
+        return {"scheme": self.scheme.value, "tallies": tallies, "span": span}
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> Measured:
+        """Inverse of :meth:`to_json`.
+
+        Raises:
+            KeyError, ValueError, TypeError: not a record :meth:`to_json` wrote.
+        """
+        tallies = {d: FidelityTally.from_json(doc["tallies"][d]) for d in SERVED}
+        span = ScaleSpan(*map(float, doc["span"])) if doc["span"] else ScaleSpan()
+        return cls(Scheme(doc["scheme"]), tallies, span)
+
+
+def fidelity_file(layout: Layout, name: str) -> Path:
+    """``roots/<name>.fidelity`` (not ``.json``: upkeep reads every ``*.json`` as a manifest)."""
+    return layout.roots / f"{checked_root_name(name)}.fidelity"
+
+
+def write_fidelity(layout: Layout, name: str, measured: Measured, bound: float | None) -> None:
+    """Record what a build measured (tmp, rename: a reader sees the old record or the new);
+    nothing when nothing was measured.
+
+    Raises:
+        StoreError: the store is not writable.
+
+    Example:
+        >>> write_fidelity(layout, "r-3f1c", compactor.measured, 0.05)  # doctest: +SKIP
+    """
+    fidelity = measured.fidelity()
+    if fidelity is None:
+        return
+    served = measured.served()
+    doc: dict[str, Any] = {"fidelity": fidelity.to_json(), "bound": bound, "serve_dtype": served}
+    final = fidelity_file(layout, name)
+    tmp = layout.tmp / f"fidelity-{uuid.uuid4().hex}.part"
+    try:
+        layout.tmp.mkdir(parents=True, exist_ok=True)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(doc, sort_keys=True), encoding="utf-8")
+        os.replace(tmp, final)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise StoreError(
+            f"could not record the measured fidelity in {final}: {e.strerror or e}; "
+            "check that the cache directory is writable"
+        ) from e
+
+
+def read_fidelity(layout: Layout, name: str) -> Fidelity | None:
+    """The fidelity recorded for root ``name``, or None (none measured, or unreadable).
+
+    Example:
+        >>> read_fidelity(Layout(Path(".featbake")), "r-3f1c").rel_rms  # doctest: +SKIP
+        0.0077
+    """
+    try:
+        doc = json.loads(fidelity_file(layout, name).read_text(encoding="utf-8"))
+        return Fidelity.from_json(doc["fidelity"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def recorded_serve_dtype(layout: Layout, name: str) -> str | None:
+    """The dtype root ``name``'s build found holds its values (``"float16"`` or
+    ``"float32"``), or None (no record, or one from before it was recorded)."""
+    try:
+        doc = json.loads(fidelity_file(layout, name).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    served = doc.get("serve_dtype") if isinstance(doc, dict) else None
+    return served if served in SERVED else None
+
+
+# == feature_rows ==================================================================================
+# Feature rows, the hash cache and encoder rows: what builds and datasets read and add.
+CHUNK = 500  # keys per IN (...) query, far below SQLite's variable limit
+
+#: The ``features`` columns every insert names (from Python values, or copied from a fragment).
+FEATURE_COLUMNS = "key, part, shard_id, dtype, shape, nbytes, last_used"
+#: The one statement that adds feature rows from Python values (a build, write-back).
+INSERT_FEATURES = f"INSERT OR IGNORE INTO features({FEATURE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)"
+
+
+class ShardSize(NamedTuple):
+    """What a shard row records of its tensors: how many, and their bytes."""
+
+    items: int
+    data_bytes: int
+
+    @classmethod
+    def of(cls, shard: SealedShard) -> ShardSize:
+        """The size of a shard that comes with its entries."""
+        return cls(len(shard.entries), sum(e.nbytes for e in shard.entries))
+
+
+#: Adds a shard's feature rows inside ``add_shard``'s transaction (given the shard's row id).
+RowCopy = Callable[[Transaction, int], object]
+
+
+def chunks(seq: Sequence[str], n: int = CHUNK) -> Iterator[Sequence[str]]:
+    for i in range(0, len(seq), n):
+        yield seq[i : i + n]
+
+
+def insert_shard(c: Transaction, shard: SealedShard, now: float, size: ShardSize) -> int:
+    """Record a sealed shard (once: its name is its content) and return its row id.
+
+    ``size`` is its tensors' count and bytes (:meth:`ShardSize.of` a shard with its entries).
+    """
+    c.execute(
+        "INSERT OR IGNORE INTO shards"
+        "(name, bytes, items, encoder_fp, recipe_fp, created, data_bytes)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?)",
+        (
+            shard.name,
+            shard.nbytes,
+            size.items,
+            shard.encoder_fp,
+            shard.recipe_fp,
+            now,
+            size.data_bytes,
+        ),
+    )
+    (shard_id,) = c.execute("SELECT id FROM shards WHERE name=?", (shard.name,)).fetchone()
+    return shard_id
+
+
+def lost_shards(
+    conn: sqlite3.Connection | Transaction, layout: Layout, shard_ids: Iterable[int]
+) -> set[int]:
+    """The ids among ``shard_ids`` whose file is gone (or that name no shard row at all)."""
+    ids = sorted(set(shard_ids))
+    found: set[int] = set()
+    lost: set[int] = set()
+    for i in range(0, len(ids), CHUNK):
+        chunk = ids[i : i + CHUNK]
+        q = ",".join("?" * len(chunk))
+        for sid, name in conn.execute(f"SELECT id, name FROM shards WHERE id IN ({q})", chunk):
+            found.add(sid)
+            if not layout.has_shard(name):
+                lost.add(sid)
+    return lost | (set(ids) - found)
+
+
+def repoint_lost_rows(c: Transaction, layout: Layout, shard: SealedShard, shard_id: int) -> int:
+    """Point the rows of ``shard``'s tensors that name a lost shard file at ``shard_id``.
+
+    Runs inside ``add_shard``'s transaction, under the write lock: gc removes a shard's rows
+    before its file, and unlinks only under this lock, so a row naming a missing file here
+    means the file was lost, not that gc is moving it. Returns the rows repointed.
+    """
+    entries = {(e.key, e.part): e for e in shard.entries}
+    others: list[tuple[str, str, int]] = []
+    keys = sorted({e.key for e in shard.entries})
+    for chunk in chunks(keys):
+        q = ",".join("?" * len(chunk))
+        others += c.execute(
+            f"SELECT key, part, shard_id FROM features WHERE key IN ({q}) AND shard_id != ?",
+            (*chunk, shard_id),
+        ).fetchall()
+    lost = lost_shards(c, layout, {sid for _, _, sid in others})
+    moves = [
+        (shard_id, e.dtype, json.dumps(list(e.shape)), e.nbytes, key, part, sid)
+        for key, part, sid in others
+        if sid in lost and (e := entries.get((key, part))) is not None
+    ]
+    if not moves:
+        return 0
+    before = c.total_changes
+    c.executemany(
+        "UPDATE features SET shard_id=?, dtype=?, shape=?, nbytes=? "
+        "WHERE key=? AND part=? AND shard_id=?",
+        moves,
+    )
+    moved = c.total_changes - before
+    c.executemany(
+        "DELETE FROM shards WHERE id=? AND NOT EXISTS (SELECT 1 FROM features WHERE shard_id=?)",
+        [(sid, sid) for sid in lost],
+    )
+    return moved
+
+
+@dataclass
+class FragmentRowsAdded:
+    """What :meth:`FeatureRows.add_fragment_shards` added: feature rows, shards, and the
+    shards whose files were gone."""
+
+    features: int = 0
+    shards: int = 0
+    missing: list[str] = field(default_factory=list)
+
+
+def _copy_from(schema: str, fragment_shard_id: int) -> RowCopy:
+    """Copy one shard's feature rows from an attached fragment, in key order (the order of the
+    catalog's key index: inserts touch each B-tree page once)."""
+
+    def copy(c: Transaction, shard_id: int) -> None:
+        c.execute(
+            f"INSERT OR IGNORE INTO main.features({FEATURE_COLUMNS})"
+            f" SELECT key, part, ?, dtype, shape, nbytes, last_used FROM {schema}.features"
+            " WHERE shard_id = ? ORDER BY key, part",
+            (shard_id, fragment_shard_id),
+        )
+
+    return copy
+
+
+def _entries_from(
+    conn: sqlite3.Connection, schema: str, shard: SealedShard, fragment_shard_id: int
+) -> Callable[[], SealedShard]:
+    """``shard`` with its entries read from the attached fragment (only when rows must move)."""
+
+    def entries() -> SealedShard:
+        rows = conn.execute(
+            f"SELECT {columns(ShardFeature)} FROM {schema}.features WHERE shard_id = ?",
+            (fragment_shard_id,),
+        )
+        found = tuple(
+            ShardEntry(f.key, f.part, f.dtype, tuple(json.loads(f.shape)), f.nbytes)
+            for f in map(ShardFeature._make, rows)
+        )
+        return dataclasses.replace(shard, entries=found)
+
+    return entries
+
+
+class FeatureRows(CatalogConnection):
+    """Feature rows, the hash cache and encoders: where a key's tensors are, which keys are
+    stored, what the hash cache knows; and what builds and write-back add (shards with their
+    feature rows, hashes, encoders, last use)."""
+
+    def present_keys(self, keys: Sequence[str]) -> set[str]:
+        """The subset of ``keys`` that are stored: cataloged, in shard files that exist.
+
+        A key whose shard file is gone although rows still name it (deleted by hand, lost in a
+        partial copy of the store) is not present: a build encodes it again, and
+        :meth:`FeatureRows.add_shard` points its rows at the new copy. One ``stat`` per
+        distinct shard of the keys found.
+        """
+        shards_of: dict[str, set[int]] = {}
+        for chunk in chunks(list(keys)):
+            q = ",".join("?" * len(chunk))
+            for key, sid in self.conn.execute(
+                f"SELECT key, shard_id FROM features WHERE key IN ({q})", tuple(chunk)
+            ):
+                shards_of.setdefault(key, set()).add(sid)
+        lost = lost_shards(self.conn, self.layout, {s for ids in shards_of.values() for s in ids})
+        return {k for k, ids in shards_of.items() if not ids & lost}
+
+    def locate_many(self, keys: Sequence[str]) -> dict[str, list[Location]]:
+        """key -> its tensors' locations, for the keys that are stored."""
+        out: dict[str, list[Location]] = {}
+        for chunk in chunks(list(keys)):
+            q = ",".join("?" * len(chunk))
+            rows = self.conn.execute(
+                "SELECT f.key, f.part, s.name, f.dtype, f.shape, f.nbytes FROM features f "
+                f"JOIN shards s ON s.id = f.shard_id WHERE f.key IN ({q}) ORDER BY f.key, f.part",
+                tuple(chunk),
+            )
+            for key, part, shard, dtype, shape, nbytes in rows:
+                loc = Location(key, part, shard, dtype, tuple(json.loads(shape)), nbytes)
+                out.setdefault(key, []).append(loc)
+        return out
+
+    def locate(self, key: str) -> list[Location]:
+        """The locations of one key's tensors (empty if it is not stored)."""
+        return self.locate_many([key]).get(key, [])
+
+    def shard_path(self, shard: str) -> Path:
+        """The file of the shard named ``shard``."""
+        return self.layout.shard_path(shard)
+
+    def hash_rows(self, paths: Sequence[str]) -> dict[str, HashCacheRow]:
+        """The hash-cache rows of ``paths`` as stored, trusted or not."""
+        return {r[0]: HashCacheRow._make(r) for r in self._hash_cache_rows(paths)}
+
+    def _hash_cache_rows(self, paths: Sequence[str]) -> Iterator[tuple]:
+        """The ``hash_cache`` rows of ``paths``, in :class:`HashCacheRow`'s column order (plain
+        tuples: the hit path reads a million of them when a large folder is indexed)."""
+        for chunk in chunks(list(paths)):
+            q = ",".join("?" * len(chunk))
+            yield from self.conn.execute(
+                f"SELECT {columns(HashCacheRow)} FROM hash_cache WHERE path IN ({q})",
+                tuple(chunk),
+            )
+
+    def cached_hashes(self, paths: Sequence[str]) -> dict[str, HashEntry]:
+        """Trusted hash-cache entries of ``paths``: path -> (stat when hashed, sha256).
+
+        A caller trusts an entry only if the file's :class:`FileStat` now equals ``stat``.
+        Entries that are racy (recorded within a second of the file's mtime or ctime) or that
+        predate ctime are left out: their files are hashed again.
+        """
+        out: dict[str, HashEntry] = {}
+        for row in self._hash_cache_rows(paths):
+            entry = trusted_entry(row)
+            if entry is not None:
+                out[row[0]] = entry
+        return out
+
+    # -- writes --------------------------------------------------------------------------------
+
+    def add_shard(self, shard: SealedShard, now: float | None = None) -> int:
+        """Record a sealed shard and its features in one transaction; returns new feature rows.
+
+        Features already present keep their existing row (first wins), so two writers that
+        encoded the same input leave one row and one unreferenced copy for gc. A row whose
+        shard file is gone (deleted by hand, lost in a partial copy) is no feature: it is
+        pointed at this shard instead, and the lost shard's row goes once nothing names it.
+        """
+        now = time.time() if now is None else now
+        values = [
+            (e.key, e.part, e.dtype, json.dumps(list(e.shape)), e.nbytes) for e in shard.entries
+        ]
+
+        def insert(c: Transaction, shard_id: int) -> None:
+            c.executemany(
+                INSERT_FEATURES, [(k, p, shard_id, d, s, n, now) for k, p, d, s, n in values]
+            )
+
+        return self._add_shard(shard, now, insert, lambda: shard, ShardSize.of(shard))
+
+    def add_fragment_shards(self, fragment: Path, schema: str = "fragment") -> FragmentRowsAdded:
+        """Add every shard of a sealed fragment (a catalog file, store/fragments.py), as
+        :meth:`add_shard` does, its rows copied SQL-side through ``ATTACH`` (none passes
+        through Python) with the fragment's own timestamps. A shard whose file is gone is
+        listed, not added (its features are encoded again when next needed)."""
+        conn = self.conn
+        conn.execute(f"ATTACH DATABASE ? AS {schema}", (str(fragment),))
+        out = FragmentRowsAdded()
+        try:
+            rows = conn.execute(
+                f"SELECT {', '.join(ShardRow.COLUMNS)} FROM {schema}.shards ORDER BY name"
+            ).fetchall()
+            for row in (ShardRow(*r) for r in rows):
+                shard = SealedShard(
+                    row.name, self.layout.shard_path(row.name), row.bytes, row.encoder_fp,
+                    row.recipe_fp, (),
+                )  # fmt: skip
+                copy = _copy_from(schema, row.id)
+                entries = _entries_from(conn, schema, shard, row.id)
+                size = ShardSize(row.items, row.data_bytes)
+                try:
+                    out.features += self._add_shard(shard, row.created, copy, entries, size)
+                    out.shards += 1
+                except ShardMissing:
+                    out.missing.append(row.name)
+        finally:
+            conn.execute(f"DETACH DATABASE {schema}")
+        return out
+
+    def _add_shard(
+        self,
+        shard: SealedShard,
+        now: float,
+        copy: RowCopy,
+        with_entries: Callable[[], SealedShard],
+        size: ShardSize,
+    ) -> int:
+        with self.transaction() as c:
+            # Checked under the write lock, as gc unlinks under it (unlink_shard_file): a file
+            # gc removed after our rename (it held a byte-identical shard of the same name) is
+            # seen here, and the caller writes it again instead of committing rows to nothing.
+            if not self.layout.has_shard(shard.name):
+                raise ShardMissing(
+                    f"shard {shard.name} vanished before its rows were committed (gc removed an "
+                    "identical shard); it is written again"
+                )
+            shard_id = insert_shard(c, shard, now, size)
+            before = c.total_changes
+            copy(c, shard_id)
+            added = c.total_changes - before
+            if added < size.items:  # some rows exist: those naming a lost file move
+                added += repoint_lost_rows(c, self.layout, with_entries(), shard_id)
+            return added
+
+    def put_hashes(
+        self, rows: Iterable[HashRow | tuple], *, recorded_ns: int | None = None
+    ) -> None:
+        """Remember that ``path`` with ``stat`` hashed to ``sha256`` (a cache: skipped read-only).
+
+        Args:
+            rows: (path, FileStat, sha256) records.
+            recorded_ns: when the stats were taken (``time.time_ns()``), before the files were
+                read; now if not given. Entries whose files changed within a second of it are
+                not trusted later (see :meth:`FileStat.racy`).
+        """
+        recorded = time.time_ns() if recorded_ns is None else recorded_ns
+        self.put_hash_rows(HashCacheRow.of(*row, recorded) for row in map(HashRow._make, rows))
+
+    def put_hash_rows(self, rows: Iterable[HashCacheRow]) -> None:
+        """Store hash-cache rows as given, each with its own recording time (a fragment's rows
+        being merged); a row for the same path is replaced. Skipped read-only."""
+        data = list(rows)
+        if not data or self.read_only:
+            return
+        with self.transaction() as c:
+            c.executemany(
+                f"INSERT OR REPLACE INTO hash_cache({columns(HashCacheRow)}) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                data,
+            )
+
+    def touch(self, keys: Iterable[str], when: float | None = None) -> None:
+        """Record a coarse last use of ``keys`` (callers batch these; skipped read-only)."""
+        when = time.time() if when is None else when
+        data = [(when, k) for k in set(keys)]
+        if data and not self.read_only:
+            with self.transaction() as c:
+                c.executemany("UPDATE features SET last_used=? WHERE key=?", data)
+
+    def record_uses(self, uses: Iterable[tuple[str, float]]) -> None:
+        """Fold last uses recorded elsewhere ((key, when) from serving fragments): a feature's
+        time only moves forward, so folding them in any order, or twice, gives the same rows."""
+        data = [(when, key) for key, when in uses]
+        if data and not self.read_only:
+            with self.transaction() as c:
+                c.executemany("UPDATE features SET last_used=max(last_used, ?) WHERE key=?", data)
+
+    def record_encoder(self, fp: str, label: str, kind: str, now: float | None = None) -> None:
+        """Remember an encoder fingerprint and how the user named it (skipped read-only)."""
+        now = time.time() if now is None else now
+        if self.read_only:
+            return
+        with self.transaction() as c:
+            c.execute(
+                "INSERT INTO encoders(fp, label, kind, first_seen, last_used) VALUES (?,?,?,?,?) "
+                "ON CONFLICT(fp) DO UPDATE SET last_used=excluded.last_used, label=excluded.label",
+                (fp, label, kind, now, now),
+            )
+
+
+# == roots =========================================================================================
+# Roots: their catalog rows and their ``roots/<name>.json`` manifest files.
+#
+# A root's row and items are written in ONE place (:func:`write_root_rows`), inside the same write
+# transaction as its manifest file, so two builds of one root cannot leave them disagreeing.
+#: The latest last use of a root's features. Serving records use per feature (coarsely, see
+#: serve/lastuse.py), never per root: this is how a root a dataset reads counts as used.
+ROOT_READ_SELECT = (
+    "SELECT max(f.last_used) FROM root_items ri JOIN features f ON f.key = ri.key WHERE ri.root=?"
+)
+
+ROOT_FORMAT = "featbake-root"
+ROOT_FORMAT_VERSION = 1
+ROOT_SELECT = f"SELECT {', '.join(Root.COLUMNS)} FROM roots"
+ITEMS_SELECT = f"SELECT {columns(RootItem)} FROM root_items WHERE root=? ORDER BY idx"
+
+
+def roots_dir(layout: Layout) -> Path:
+    """``<store>/roots``: one JSON manifest per root, so roots survive the loss of the catalog."""
+    return layout.roots
+
+
+def root_file(layout: Layout, name: str) -> Path:
+    return roots_dir(layout) / f"{checked_root_name(name)}.json"
+
+
+def items_file(layout: Layout, name: str) -> Path:
+    """``roots/<name>.items``: items appended to a root's manifest since its file was written
+    whole (one ``[path, key]`` JSON array per line), so that extending a root costs what is
+    added, not the whole manifest. Read with the manifest; gone when the file is written whole.
+    """
+    return roots_dir(layout) / f"{checked_root_name(name)}.items"
+
+
+def tombstone_file(layout: Layout, name: str) -> Path:
+    """Left by a root drop while it runs; a crash leaves it for gc to finish the drop."""
+    return roots_dir(layout) / f"{checked_root_name(name)}.dropped"
+
+
+def root_payload(root: Root, items: Sequence[tuple[str, str]]) -> dict:
+    """The JSON document of a root manifest file."""
+    return {
+        "format": ROOT_FORMAT,
+        "format_version": ROOT_FORMAT_VERSION,
+        "name": root.name,
+        "data": root.data,
+        "encoder_label": root.encoder_label,
+        "encoder_fp": root.encoder_fp,
+        "recipe_fp": root.recipe_fp,
+        "recipe": root.recipe,
+        "created": root.created,
+        "last_used": root.last_used,
+        "items": [[p, k] for p, k in items],
+    }
+
+
+def write_root_file(layout: Layout, root: Root, items: Sequence[tuple[str, str]]) -> Path:
+    """Write a root's manifest file durably (tmp, fsync, rename, fsync dir) and drop its tombstone.
+
+    Raises:
+        StoreError: the store is not writable.
+    """
+    final = root_file(layout, root.name)
+    tmp = layout.tmp / f"root-{uuid.uuid4().hex}.part"
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        layout.tmp.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(root_payload(root, items), f, separators=(",", ":"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        # The whole manifest holds the appended items now. (A crash before this unlink leaves
+        # them twice: verify reports the file stale and --repair rewrites it; none is lost.)
+        for stale in (items_file(layout, root.name), tombstone_file(layout, root.name)):
+            with contextlib.suppress(FileNotFoundError):
+                stale.unlink()
+        fsync_dir(final.parent)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise StoreError(
+            f"could not write the root manifest {final}: {e.strerror or e}; "
+            "check that the cache directory is writable and has space"
+        ) from e
+    return final
+
+
+def append_root_items(layout: Layout, name: str, items: Sequence[tuple[str, str]]) -> None:
+    """Append ``items`` to root ``name``'s manifest durably (write, fsync), in its ``.items``
+    file. Called inside the transaction that adds their rows, as the whole file is.
+
+    Raises:
+        StoreError: the store is not writable.
+    """
+    path = items_file(layout, name)
+    try:
+        created = not path.exists()
+        with open(path, "a", encoding="utf-8") as f:
+            f.write("".join(json.dumps([p, k], separators=(",", ":")) + "\n" for p, k in items))
+            f.flush()
+            os.fsync(f.fileno())
+        if created:
+            fsync_dir(path.parent)
+    except OSError as e:
+        raise StoreError(
+            f"could not append to the root manifest {path}: {e.strerror or e}; "
+            "check that the cache directory is writable and has space"
+        ) from e
+
+
+def _appended_items(path: Path) -> list[RootItem]:
+    """The items of a manifest's ``.items`` file; a last line cut short by a crash (written
+    before its transaction committed, so never in the catalog) is ignored."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    lines = text.split("\n")[:-1]  # only lines that were ended
+    return [RootItem(str(p), str(k)) for p, k in map(json.loads, lines)]
+
+
+def read_root_file(path: Path) -> tuple[Root, list[RootItem]]:
+    """Parse a root manifest file (and the items appended to it since, in its ``.items``).
+
+    Raises:
+        StoreCorrupt: the file is not a readable featbake root manifest.
+    """
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        if doc.get("format") != ROOT_FORMAT:
+            raise ValueError("not a featbake root manifest")
+        items = [RootItem(str(p), str(k)) for p, k in doc["items"]]
+        items += _appended_items(path.with_suffix(".items"))
+        root = Root(
+            name=doc["name"],
+            data=doc["data"],
+            encoder_label=doc["encoder_label"],
+            encoder_fp=doc["encoder_fp"],
+            recipe_fp=doc["recipe_fp"],
+            recipe=doc["recipe"],
+            items=len(items),
+            created=float(doc["created"]),
+            last_used=float(doc["last_used"]),
+        )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise StoreCorrupt(
+            f"root manifest {path} is unreadable ({e}); `featbake verify --repair` moves it to "
+            "quarantine/, and rebuilding that data folder publishes the root again"
+        ) from e
+    return root, items
+
+
+def write_root_rows(
+    c: Transaction,
+    root: Root,
+    items: Sequence[tuple[str, str]],
+    *,
+    first: int = 0,
+    indices: Sequence[int] | None = None,
+) -> None:
+    """Write a root's row, and ``items`` as its items from index ``first`` on (the only writer
+    of both; ``first`` > 0 appends to the items already there). ``indices`` gives each item's
+    index instead (a rank's fragment holds its slice of the whole build's manifest)."""
+    c.execute(
+        f"INSERT OR REPLACE INTO roots({', '.join(Root.COLUMNS)}) VALUES (?,?,?,?,?,?,?,?,?)",
+        root.row(),
+    )
+    where = range(first, first + len(items)) if indices is None else indices
+    c.executemany(
+        "INSERT INTO root_items(root, idx, path, key) VALUES (?,?,?,?)",
+        [(root.name, i, p, k) for i, (p, k) in zip(where, items, strict=True)],
+    )
+
+
+def _named_keys(c: Transaction, name: str, keys: Sequence[str]) -> set[str]:
+    """Which of ``keys`` root ``name`` names already (through the key index: no item scan)."""
+    named: set[str] = set()
+    for s in range(0, len(keys), 500):  # well under SQLite's bound on parameters
+        chunk = keys[s : s + 500]
+        marks = ",".join("?" * len(chunk))
+        rows = c.execute(
+            f"SELECT key FROM root_items WHERE key IN ({marks}) AND root=?", (*chunk, name)
+        )
+        named.update(k for (k,) in rows)
+    return named
+
+
+class RootRows(CatalogConnection):
+    """Roots and their manifests: reading them, publishing them (builds, datasets,
+    CachedEncoder: never a delete of features) and dropping them (gc, ``featbake roots drop``)."""
+
+    def root(self, name: str) -> Root | None:
+        """The root named ``name``, or None."""
+        row = self.conn.execute(f"{ROOT_SELECT} WHERE name=?", (name,)).fetchone()
+        return Root.from_row(row) if row else None
+
+    def roots(self) -> list[Root]:
+        """Every root, most recently built first."""
+        rows = self.conn.execute(f"{ROOT_SELECT} ORDER BY last_used DESC").fetchall()
+        return [Root.from_row(r) for r in rows]
+
+    def root_items(self, name: str) -> list[RootItem]:
+        """A root's manifest: (relative path, key) in file order."""
+        return [RootItem._make(r) for r in self.conn.execute(ITEMS_SELECT, (name,))]
+
+    def with_reads(self, root: Root) -> Root:
+        """``root`` with ``last_used`` the later of its build (or publish) and the last read
+        of any of its features, so ``gc --older-than`` keeps a root a dataset reads.
+
+        A feature several roots name counts for each (a read of it is a use of them all).
+        """
+        read = self.conn.execute(ROOT_READ_SELECT, (root.name,)).fetchone()[0] or 0.0
+        return dataclasses.replace(root, last_used=max(root.last_used, read))
+
+    # -- publishing ----------------------------------------------------------------------------
+
+    def replace_root(
+        self, spec: RootSpec, items: Sequence[tuple[str, str]], now: float | None = None
+    ) -> None:
+        """Replace root ``spec.name``'s manifest with ``items`` ((relative path, key), in
+        order)."""
+        now = time.time() if now is None else now
+        name = spec.name
+        with self.transaction() as c:
+            old = c.execute("SELECT created FROM roots WHERE name=?", (name,)).fetchone()
+            root = spec.root(len(items), old[0] if old else now, now)
+            c.execute("DELETE FROM root_items WHERE root=?", (name,))
+            write_root_rows(c, root, items)
+            # The manifest file is what `verify --repair` rebuilds roots from (roots are not in
+            # shards). Written while this transaction holds the write lock, so two builds of one
+            # root cannot leave the file and the row disagreeing.
+            write_root_file(self.layout, root, items)
+
+    def extend_root(self, spec: RootSpec, keys: Sequence[str], now: float | None = None) -> int:
+        """Append ``keys`` not yet named to root ``name`` (made if absent); returns how many.
+
+        For writers with no data folder to rebuild a manifest from (``CachedEncoder``): what
+        they store stays reachable, so gc keeps it until the root is dropped (``featbake roots
+        drop`` or ``gc --older-than``). Items get an empty path. Call it before
+        :meth:`add_shard` for those keys, so gc never sees their rows unreached. Its cost is
+        that of the keys added: they are looked up through the key index and appended to the
+        manifest's ``.items`` file (fsynced, inside the transaction), never the whole manifest
+        read or rewritten (which made a CachedEncoder's write-back quadratic in its root).
+
+        Example:
+            >>> spec = RootSpec("cached-encoder-3f1c", "cached-encoder:3f1c", "MyEncoder",
+            ...     fp, rfp, {})  # doctest: +SKIP
+            >>> cat.extend_root(spec, ["9a..."])  # doctest: +SKIP
+        """
+        now = time.time() if now is None else now
+        name = spec.name
+        wanted = list(dict.fromkeys(keys))
+        with self.transaction() as c:
+            old = c.execute("SELECT created FROM roots WHERE name=?", (name,)).fetchone()
+            named = _named_keys(c, name, wanted) if old is not None else set()
+            new = [RootItem("", k) for k in wanted if k not in named]
+            if old is not None and not new:
+                c.execute("UPDATE roots SET last_used=? WHERE name=?", (now, name))
+                return 0
+            first = c.execute(
+                "SELECT COALESCE(MAX(idx) + 1, 0) FROM root_items WHERE root=?", (name,)
+            ).fetchone()[0]
+            root = spec.root(first + len(new), old[0] if old else now, now)
+            write_root_rows(c, root, new, first=first)
+            if first and root_file(self.layout, name).exists():
+                append_root_items(self.layout, name, new)  # what was added, not the manifest
+            else:  # a new root (or its file lost): the whole manifest, once
+                items = [RootItem._make(r) for r in c.execute(ITEMS_SELECT, (name,))]
+                write_root_file(self.layout, root, items)
+        return len(new)
+
+    # -- dropping ------------------------------------------------------------------------------
+
+    def drop_root(
+        self,
+        name: str,
+        *,
+        unused_before: float | None = None,
+        between: Callable[[str], None] | None = None,
+    ) -> bool:
+        """Drop root ``name`` (row, manifest and file); returns False if it was not dropped.
+
+        Order: inside one write transaction the manifest file is renamed to a tombstone
+        (``roots/<name>.dropped``), then the rows go; after COMMIT the tombstone is unlinked. A
+        crash leaves either the root intact with a tombstone beside it (gc finishes the drop) or
+        no root and a tombstone (gc unlinks it); never a root whose manifest file is lost.
+        ``unused_before`` drops it only if it was not built or read since then (a build that
+        refreshed it, or a dataset that read its features, meanwhile wins). ``between`` is a
+        test hook called between the steps.
+        """
+        live, dead = root_file(self.layout, name), tombstone_file(self.layout, name)
+        with self.transaction() as c:
+            row = c.execute("SELECT last_used FROM roots WHERE name=?", (name,)).fetchone()
+            if row is None or (unused_before is not None and row[0] >= unused_before):
+                return False
+            read = c.execute(ROOT_READ_SELECT, (name,)).fetchone()[0] or 0.0
+            if unused_before is not None and read >= unused_before:
+                return False  # read since the plan: still in use
+            if live.exists():
+                os.replace(live, dead)
+                fsync_dir(live.parent)
+            if between:
+                between("drop-root-renamed")
+            c.execute("DELETE FROM root_items WHERE root=?", (name,))
+            c.execute("DELETE FROM roots WHERE name=?", (name,))
+            if between:
+                c.after_commit(lambda: between("drop-root-committed"))
+            c.after_commit(lambda: unlink_quietly(dead))
+            c.after_commit(lambda: unlink_quietly(items_file(self.layout, name)))
+            c.after_commit(lambda: unlink_quietly(fidelity_file(self.layout, name)))
+        return True
+
+    def finish_drop(self, name: str) -> bool:
+        """Finish a drop that a crash interrupted (a tombstone is left); True if rows went.
+
+        If the root was built again since (its manifest file is back), only the tombstone goes.
+        """
+        dead = tombstone_file(self.layout, name)
+        if root_file(self.layout, name).exists():
+            unlink_quietly(dead)
+            return False
+        with self.transaction() as c:
+            c.execute("DELETE FROM root_items WHERE root=?", (name,))
+            dropped = c.execute("DELETE FROM roots WHERE name=?", (name,)).rowcount > 0
+            c.after_commit(lambda: unlink_quietly(dead))
+            c.after_commit(lambda: unlink_quietly(items_file(self.layout, name)))
+            c.after_commit(lambda: unlink_quietly(fidelity_file(self.layout, name)))
+        return dropped
+
+
+def unlink_quietly(path: Path) -> None:
+    """Remove a file that may already be gone."""
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+
+
+# == maintenance ===================================================================================
+# What ``featbake stats``, ``gc`` and ``verify --repair`` read and change in the catalog.
+#
+# Queries that touch every feature walk the tables in key order (ORDER BY key), so their lookups
+# into the other table go in key order too and stay in cache: ~0.4 s per million rows instead of
+# ~2 s. Deletes run in short transactions, so builds and readers are never locked out for long.
+_FEATURE_REFS = f"SELECT {', '.join('f.' + c for c in FeatureRef.COLUMNS)} FROM features f"
+
+
+class UpkeepRows(CatalogConnection):
+    """What stats, gc and verify need: store-wide reads, then gc's and repair's changes
+    (deleting rows and files, moving rows, restoring rows)."""
+
+    def shard_rows(self) -> list[ShardRow]:
+        """Every shard row, by id."""
+        rows = self.conn.execute(f"SELECT {', '.join(ShardRow.COLUMNS)} FROM shards ORDER BY id")
+        return [ShardRow(*r) for r in rows]
+
+    def shard_usage(self) -> dict[int, ShardUsage]:
+        """shard id -> (feature rows, their bytes, their latest use), from the covering index."""
+        return {
+            sid: ShardUsage(rows=n, nbytes=b or 0, last_used=lu or 0.0)
+            for sid, n, b, lu in self.conn.execute(
+                "SELECT shard_id, count(*), sum(nbytes), max(last_used) FROM features "
+                "GROUP BY shard_id"
+            )
+        }
+
+    def feature_totals(self) -> FeatureTotals:
+        """Features (distinct keys), bytes, and how many some root reaches, in one pass.
+
+        A row counts as a feature if it is its key's first part; the CASE spares single-output
+        stores (part '') the extra lookup. ~0.5 s per million rows.
+        """
+        features, nbytes, live, live_nbytes = self.conn.execute(
+            "SELECT coalesce(sum(first), 0), coalesce(sum(nbytes), 0), "
+            "coalesce(sum(first * live), 0), coalesce(sum(live * nbytes), 0) FROM ("
+            "SELECT f.nbytes, CASE WHEN f.part = '' THEN 1 ELSE NOT EXISTS (SELECT 1 FROM "
+            "features g WHERE g.key = f.key AND g.part < f.part) END AS first, "
+            "EXISTS (SELECT 1 FROM root_items r WHERE r.key = f.key) AS live "
+            "FROM features f ORDER BY f.key, f.part)"
+        ).fetchone()
+        return FeatureTotals(
+            features=features, nbytes=nbytes, live_features=live, live_nbytes=live_nbytes
+        )
+
+    def missing_per_root(self) -> dict[str, int]:
+        """root -> items of its manifest with no stored feature (roots missing none left out)."""
+        return dict(
+            self.conn.execute(
+                "SELECT r.root, count(*) FROM root_items r INDEXED BY root_items_key "
+                "WHERE NOT EXISTS (SELECT 1 FROM features f WHERE f.key = r.key) GROUP BY r.root"
+            ).fetchall()
+        )
+
+    def unreached_features(self) -> list[FeatureRef]:
+        """Feature rows whose key no root's manifest names (what gc drops)."""
+        rows = self.conn.execute(
+            f"{_FEATURE_REFS} WHERE NOT EXISTS (SELECT 1 FROM root_items r WHERE r.key = f.key) "
+            "ORDER BY f.key, f.part"
+        )
+        return [FeatureRef(*r) for r in rows]
+
+    def reached_features(self) -> list[FeatureRef]:
+        """Feature rows some root reaches, in key order (what a byte budget evicts from)."""
+        rows = self.conn.execute(
+            f"{_FEATURE_REFS} WHERE EXISTS (SELECT 1 FROM root_items r WHERE r.key = f.key) "
+            "ORDER BY f.key, f.part"
+        )
+        return [FeatureRef(*r) for r in rows]
+
+    def features_of_shard(self, shard_id: int) -> list[ShardFeature]:
+        """(key, part, dtype, shape JSON, nbytes) of each row pointing into shard ``shard_id``."""
+        rows = self.conn.execute(
+            f"SELECT {columns(ShardFeature)} FROM features WHERE shard_id=? ORDER BY key, part",
+            (shard_id,),
+        )
+        return [ShardFeature._make(r) for r in rows]
+
+    def encoder_rows(self) -> list[EncoderRow]:
+        """(fp, label, kind, first_seen, last_used) of every encoder seen."""
+        rows = self.conn.execute(f"SELECT {columns(EncoderRow)} FROM encoders ORDER BY first_seen")
+        return [EncoderRow._make(r) for r in rows]
+
+    def dangling_feature_rows(self) -> int:
+        """Feature rows whose shard id names no shard row (a catalog edited by hand)."""
+        (n,) = self.conn.execute(
+            "SELECT count(*) FROM features f WHERE NOT EXISTS "
+            "(SELECT 1 FROM shards s WHERE s.id = f.shard_id)"
+        ).fetchone()
+        return n
+
+    def all_feature_rows(self) -> Iterator[FeatureRow]:
+        """(key, part, shard id, dtype, shape JSON, nbytes) of every row, by shard."""
+        rows = self.conn.execute(f"SELECT {columns(FeatureRow)} FROM features ORDER BY shard_id")
+        return map(FeatureRow._make, rows)
+
+    # -- gc's and repair's changes ----------------------------------------------------------
+
+    def delete_features(self, refs: Sequence[FeatureRef], *, only_unreached: bool) -> int:
+        """Delete these exact rows (key, part, shard) in short transactions; returns rows deleted.
+
+        With ``only_unreached`` a row goes only if still no root names its key, checked in the
+        same statement: a build that just published a root naming it keeps it.
+        """
+        sql = "DELETE FROM features WHERE key=? AND part=? AND shard_id=?"
+        if only_unreached:
+            sql += " AND NOT EXISTS (SELECT 1 FROM root_items r WHERE r.key = features.key)"
+        done = 0
+        for i in range(0, len(refs), 5000):
+            with self.transaction() as c:
+                before = c.total_changes
+                c.executemany(sql, [(r.key, r.part, r.shard_id) for r in refs[i : i + 5000]])
+                done += c.total_changes - before
+        return done
+
+    def forget_keys(self, keys: Sequence[str]) -> int:
+        """Delete every row of these keys (a build replacing features it stored inexactly, see
+        bake/redo.py); their shards' bytes stay until gc finds them unreferenced."""
+        done = 0
+        for i in range(0, len(keys), 500):
+            chunk = list(keys[i : i + 500])
+            with self.transaction() as c:
+                q = ",".join("?" * len(chunk))
+                done += c.execute(f"DELETE FROM features WHERE key IN ({q})", chunk).rowcount
+        return done
+
+    def unlink_shard_file(self, name: str) -> int:
+        """Remove shard ``name``'s file unless a row names it again; returns the bytes freed.
+
+        Shard names are content hashes, so a writer may seal a byte-identical shard at the same
+        path after gc deleted its row. The unlink happens deliberately UNDER the write lock (not
+        after COMMIT like every other removal), and add_shard checks the file under the same
+        lock, so one of the two always sees the other.
+        """
+        with self.transaction() as c:
+            if c.execute("SELECT 1 FROM shards WHERE name=?", (name,)).fetchone():
+                return 0
+            return remove_file(self.layout.shard_path(name))
+
+    def delete_shards_if_empty(self, shard_ids: Iterable[int]) -> list[str]:
+        """Delete the rows of those shards no feature row points into; returns their names."""
+        gone = []
+        with self.transaction() as c:
+            for sid in shard_ids:
+                row = c.execute(
+                    "SELECT name FROM shards WHERE id=? AND NOT EXISTS "
+                    "(SELECT 1 FROM features WHERE shard_id=?)",
+                    (sid, sid),
+                ).fetchone()
+                if row:
+                    c.execute("DELETE FROM shards WHERE id=?", (sid,))
+                    gone.append(row[0])
+        return gone
+
+    def commit_moved(
+        self, shard: SealedShard, moved: Sequence[tuple[str, str, int]], now: float | None = None
+    ) -> int:
+        """Record a shard written by compaction and point the moved rows at it, atomically.
+
+        ``moved`` holds :class:`MovedRow` (key, part, old shard id); a row that changed
+        meanwhile is left as is. Returns how many rows now point at the new shard.
+        """
+        now = time.time() if now is None else now
+        with self.transaction() as c:
+            sid = insert_shard(c, shard, now, ShardSize.of(shard))
+            before = c.total_changes
+            c.executemany(
+                "UPDATE features SET shard_id=? WHERE key=? AND part=? AND shard_id=?",
+                [(sid, m.key, m.part, m.old_shard_id) for m in map(MovedRow._make, moved)],
+            )
+            return c.total_changes - before
+
+    def forget_unused_encoders(self) -> int:
+        """Delete encoder rows that no shard and no root mentions; returns how many."""
+        with self.transaction() as c:
+            before = c.total_changes
+            c.execute(
+                "DELETE FROM encoders WHERE fp NOT IN (SELECT encoder_fp FROM shards) "
+                "AND fp NOT IN (SELECT encoder_fp FROM roots)"
+            )
+            return c.total_changes - before
+
+    def delete_rows_of_shards(self, shard_ids: Sequence[int]) -> int:
+        """Forget shards entirely (their feature rows, then them); returns feature rows deleted."""
+        done = 0
+        with self.transaction() as c:
+            for sid in shard_ids:
+                done += c.execute("DELETE FROM features WHERE shard_id=?", (sid,)).rowcount
+                c.execute("DELETE FROM shards WHERE id=?", (sid,))
+        return done
+
+    def delete_dangling_feature_rows(self) -> int:
+        with self.transaction() as c:
+            return c.execute(
+                "DELETE FROM features WHERE shard_id NOT IN (SELECT id FROM shards)"
+            ).rowcount
+
+    def insert_root(self, root: Root, items: Sequence[tuple[str, str]]) -> None:
+        """Put a root back exactly as given (``verify --repair`` restoring it from its file)."""
+        with self.transaction() as c:
+            c.execute("DELETE FROM root_items WHERE root=?", (root.name,))
+            write_root_rows(c, replace(root, items=len(items)), items)
+
+    def set_last_used(self, rows: Sequence[tuple[str, float]]) -> None:
+        """Set (key, last_used) exactly, e.g. carried over from an old catalog by a rebuild."""
+        for i in range(0, len(rows), 20000):
+            with self.transaction() as c:
+                c.executemany(
+                    "UPDATE features SET last_used=? WHERE key=?",
+                    [(t, k) for k, t in rows[i : i + 20000]],
+                )
+
+    def put_encoder_row(self, fp: str, label: str, kind: str, first: float, last: float) -> None:
+        """Insert an encoder row as is, unless one exists."""
+        with self.transaction() as c:
+            c.execute(
+                f"INSERT OR IGNORE INTO encoders({columns(EncoderRow)}) VALUES (?,?,?,?,?)",
+                (fp, label, kind, first, last),
+            )
+
+    def restore_hashes(self, rows: Iterable[Sequence]) -> None:
+        """Carry hash-cache rows over from an old catalog (:class:`HashCacheRow`s).
+
+        Rows of 5 values (path, size, mtime_ns, inode, sha256: schema 2, or an old reader) come
+        without ctime and recording time: they are kept but never trusted, so each such file is
+        hashed once more, then cached as usual.
+        """
+        full = [
+            HashCacheRow._make(r) if len(r) == len(HashCacheRow._fields) else _from_v2(r)
+            for r in rows
+        ]
+        with self.transaction() as c:
+            c.executemany(
+                f"INSERT OR IGNORE INTO hash_cache({columns(HashCacheRow)}) VALUES (?,?,?,?,?,?,?)",
+                full,
+            )
+
+    def delete_hash_rows(self, rows: Sequence[tuple[str, str]]) -> int:
+        """Delete hash-cache rows by (path, sha256) (a row recorded again since is kept)."""
+        with self.transaction() as c:
+            before = c.total_changes
+            c.executemany("DELETE FROM hash_cache WHERE path=? AND sha256=?", rows)
+            return c.total_changes - before
+
+    def drop_hash_rows_with_prefix(self, prefix: str) -> int:
+        """Delete the hash-cache rows whose id starts with ``prefix``; returns how many."""
+        with self.transaction() as c:
+            return c.execute(
+                "DELETE FROM hash_cache WHERE substr(path, 1, ?) = ?", (len(prefix), prefix)
+            ).rowcount
+
+
+def _from_v2(r: Sequence) -> HashCacheRow:
+    path, size, mtime_ns, inode, sha256 = r
+    return HashCacheRow(path, size, mtime_ns, inode, 0, sha256, 0)
+
+
+@dataclass
+class OldCatalog:
+    """What can still be read from a catalog that cannot be used as is (any schema)."""
+
+    last_used: list[tuple[str, float]] = field(default_factory=list)
+    hash_rows: list[HashCacheRow] = field(default_factory=list)
+    encoders: list[EncoderRow] = field(default_factory=list)
+    roots: list[tuple[Root, list[RootItem]]] = field(default_factory=list)
+
+
+def read_old_catalog(path: Path) -> OldCatalog:
+    """Read what survives of a damaged or foreign catalog, each table by column name.
+
+    Each part is read on its own: a table that is missing or unreadable leaves its part empty.
+    """
+    out = OldCatalog()
+    try:
+        conn = open_sqlite(path, read_only_access(path))
+    except sqlite3.Error:
+        return out
+    conn.text_factory = lambda b: b.decode("utf-8", "replace")  # damaged pages hold any bytes
+    unreadable = (sqlite3.Error, ValueError, TypeError, RecursionError)
+    try:
+        with contextlib.suppress(*unreadable):
+            out.last_used = conn.execute(
+                "SELECT key, max(last_used) FROM features GROUP BY key"
+            ).fetchall()
+        with contextlib.suppress(*unreadable):
+            have = {r[1] for r in conn.execute("PRAGMA table_info(hash_cache)")}
+            cols = [c if c in have else "0" for c in HashCacheRow._fields]
+            rows = conn.execute(f"SELECT {', '.join(cols)} FROM hash_cache")
+            out.hash_rows = [HashCacheRow._make(r) for r in rows]
+        with contextlib.suppress(*unreadable):
+            rows = conn.execute(f"SELECT {columns(EncoderRow)} FROM encoders")
+            out.encoders = [EncoderRow._make(r) for r in rows]
+        with contextlib.suppress(*unreadable):
+            out.roots = [_old_root(conn, r) for r in conn.execute(ROOT_SELECT).fetchall()]
+    finally:
+        conn.close()
+    return out
+
+
+def _old_root(conn: sqlite3.Connection, row: Sequence) -> tuple[Root, list[RootItem]]:
+    items = [RootItem._make(r) for r in conn.execute(ITEMS_SELECT, (row[0],))]
+    return replace(Root.from_row(row), items=len(items)), items
+
+
+# == catalog =======================================================================================
+class Catalog(UpkeepRows, RootRows, FeatureRows):
+    """A store's ``catalog.sqlite``, every operation (one connection per thread and process).
+
+    Example:
+        >>> with Catalog(Layout(Path(".featbake")).ensure()) as cat:  # doctest: +SKIP
+        ...     cat.locate("3f...")
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        *,
+        timeout: float = 60.0,
+        read_only: bool = False,
+        rebuild: bool = False,
+        fragment: Path | None = None,
+    ) -> None:
+        CatalogConnection.__init__(
+            self, layout, timeout=timeout, read_only=read_only, rebuild=rebuild, fragment=fragment
+        )
+
+
+# == upkeep_queries ================================================================================
+# Catalog queries that only ``featbake.upkeep`` runs (verify, repair, rebuild), by column name.
+#
+# They were raw SQL inside upkeep; here they sit with the catalog, as functions taking a
+# :class:`Catalog` (or a path, for a catalog too damaged to open as one), so that upkeep reads typed
+# rows and never a positional ``SELECT *``.
+#: Every table the catalog needs and the columns upkeep and the catalog read from it (checked
+#: against a freshly created catalog by tests/upkeep/test_verify_hardening.py).
+REQUIRED_COLUMNS: dict[str, frozenset[str]] = {
+    "meta": frozenset({"name", "value"}),
+    "shards": frozenset(
+        {"id", "name", "bytes", "items", "encoder_fp", "recipe_fp", "created", "data_bytes"}
+    ),
+    "features": frozenset({"key", "part", "shard_id", "dtype", "shape", "nbytes", "last_used"}),
+    "encoders": frozenset(EncoderRow._fields),
+    "roots": frozenset(Root.COLUMNS),
+    "root_items": frozenset({"root", "idx", "path", "key"}),
+    "hash_cache": frozenset({"path", "size", "mtime_ns", "inode", "sha256"}),
+}
+
+
+def _schema_problems(conn: sqlite3.Connection) -> list[str]:
+    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    out = []
+    for table, columns in REQUIRED_COLUMNS.items():
+        if table not in tables:
+            out.append(f"no table {table}")
+            continue
+        have = {r[1] for r in conn.execute(f"PRAGMA table_info({table})")}
+        out.extend(f"no column {table}.{c}" for c in sorted(columns - have))
+    return out
+
+
+def catalog_file_problems(path: Path) -> list[str]:
+    """Why the catalog file at ``path`` cannot be used (empty if it can), read-only.
+
+    SQLite's ``quick_check`` finds damaged pages; a catalog that opens but lacks a table or a
+    column (edited by hand, or another program's database) is named too, before anything runs a
+    query on it that would fail halfway.
+    """
+    try:
+        conn = open_sqlite(path, read_only_access(path), timeout=10)
+    except sqlite3.Error as e:
+        return [f"unreadable: {e}"]
+    conn.text_factory = lambda b: b.decode("utf-8", "replace")  # damaged pages hold any bytes
+    try:
+        (res,) = conn.execute("PRAGMA quick_check").fetchone()
+        if res != "ok":
+            return [f"damaged: {res}"]
+        return _schema_problems(conn)
+    except (sqlite3.Error, ValueError) as e:
+        return [f"unreadable: {e}"]
+    finally:
+        conn.close()
+
+
+def feature_rows(catalog: Catalog) -> Iterator[FeatureRow]:
+    """Every feature row, by shard."""
+    return catalog.all_feature_rows()
+
+
+def hash_cache_rows(cat: Catalog) -> list[HashCacheRow]:
+    """Every hash-cache row as stored (inputs and cached encoder fingerprints)."""
+    cols = ", ".join(HashCacheRow._fields)
+    rows = cat.conn.execute(f"SELECT {cols} FROM hash_cache ORDER BY path")
+    return [HashCacheRow._make(r) for r in rows]
+
+
+# == catalog_api ===================================================================================
+# What builds and datasets call on a catalog, as Protocols: the catalog itself, or a stand-in.
+#
+# Three objects answer these calls: :class:`~featbake.store.catalog.Catalog` (the store's own
+# ``catalog.sqlite``), :class:`~featbake.store.fragments.RankCatalog` (a rank of a sharded
+# build) and :class:`~featbake.store.fragments.FragmentServingCatalog` (a dataset on a
+# shared filesystem). The stand-ins read the catalog read-only and seal what they would have
+# written into fragments, which are catalogs themselves (store/fragments.py). Typing the callers
+# against these Protocols, not a union of classes, is what lets mypy check that each stand-in
+# answers every call with the catalog's own signature.
+class CatalogWrites(Protocol):
+    """What every writer adds: hash-cache rows, encoders, root manifests and sealed shards."""
+
+    def cached_hashes(self, paths: Sequence[str]) -> dict[str, HashEntry]: ...
+
+    def put_hashes(
+        self, rows: Iterable[HashRow | tuple], *, recorded_ns: int | None = None
+    ) -> None: ...
+
+    def record_encoder(self, fp: str, label: str, kind: str, now: float | None = None) -> None: ...
+
+    def replace_root(
+        self, spec: RootSpec, items: Sequence[tuple[str, str]], now: float | None = None
+    ) -> None: ...
+
+    def add_shard(self, shard: SealedShard, now: float | None = None) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class BuildCatalog(CatalogWrites, Protocol):
+    """What the build pipeline calls: also which keys are stored, and dropping its root."""
+
+    def present_keys(self, keys: Sequence[str]) -> set[str]: ...
+
+    def drop_root(self, name: str) -> bool: ...
+
+
+class ServingStore(CatalogWrites, Protocol):
+    """What serving calls: lookups, root manifests and last uses."""
+
+    def root(self, name: str) -> Root | None: ...
+
+    def root_items(self, name: str) -> list[RootItem]: ...
+
+    def locate_many(self, keys: Sequence[str]) -> dict[str, list[Location]]: ...
+
+    def locate(self, key: str) -> list[Location]: ...
+
+    def touch(self, keys: Iterable[str], when: float | None = None) -> None: ...
+
+
+__all__ = [
+    "ENCODER_FP_PREFIX",
+    "READ_ONLY_ENV",
+    "REQUIRED_COLUMNS",
+    "ROOT_FORMAT",
+    "ROOT_FORMAT_VERSION",
+    "SCHEMA_VERSION",
+    "Access",
+    "Catalog",
+    "CatalogConnection",
+    "EncoderRow",
+    "FeatureRef",
+    "FeatureRow",
+    "FeatureTotals",
+    "FileStat",
+    "HashCache",
+    "HashCacheRow",
+    "HashEntry",
+    "HashRow",
+    "Location",
+    "MovedRow",
+    "OldCatalog",
+    "Root",
+    "RootItem",
+    "RootSpec",
+    "ShardFeature",
+    "ShardRow",
+    "ShardUsage",
+    "Transaction",
+    "catalog_file_problems",
+    "feature_rows",
+    "hash_cache_rows",
+    "read_old_catalog",
+    "read_root_file",
+    "root_file",
+    "root_payload",
+    "roots_dir",
+    "tombstone_file",
+    "write_root_file",
+]

@@ -1,0 +1,326 @@
+"""The local disk tier: whole shards fetched from the bucket, checked, kept within a byte budget.
+
+A shard is fetched into ``tmp/fetch/<name>.part`` (space reserved first, so the budget holds while
+downloads are in flight), every tensor's CRC is checked, and it is renamed into
+``shards/ab/<name>.safetensors``: the same place a local store keeps it, so every read after
+that is the local store's read path (``pread`` + CRC), at the local store's speed. Processes of
+one node share the tier: a ``.part`` file is ``flock``-ed while it downloads (a second process
+wanting the same shard waits, then reads the first one's file; one killed mid-download leaves a
+``.part`` nobody holds, which the next eviction deletes). Evicting is least recently used first,
+by file time: a fetch or an open stamps it. A file evicted while a reader has it open stays
+readable to that reader (POSIX unlink), so eviction never breaks a read in flight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import time
+from collections.abc import Callable, Collection, Iterator, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+from featbake.errors import ConfigError, StoreCorrupt, StoreError
+from featbake.store.layout import Layout, fsync_dir, is_shard_name, remove_file
+from featbake.store.shard import ShardReader, VerifyMode
+from featbake.units import format_bytes
+
+
+# == eviction ======================================================================================
+# Which files the local tier evicts to admit a new one: least recently used first; pure.
+class TierFile(NamedTuple):
+    """A file in the local tier: its name, size in bytes, last use (epoch seconds), and whether
+    it may be evicted (a download in flight may not)."""
+
+    name: str
+    size: int
+    used: float
+    evictable: bool = True
+
+
+def evictions(files: Sequence[TierFile], budget: int, incoming: int) -> list[TierFile]:
+    """The files to delete, least recently used first, so ``incoming`` more bytes fit ``budget``.
+
+    Raises:
+        ConfigError: ``incoming`` cannot fit even with every evictable file gone (a budget
+            smaller than a shard, or one filled by downloads in flight).
+
+    Example:
+        >>> old, new = TierFile("a", 60, 1.0), TierFile("b", 30, 2.0)
+        >>> [f.name for f in evictions([new, old], budget=100, incoming=40)]
+        ['a']
+    """
+    total = sum(f.size for f in files)
+    over = total + incoming - budget
+    if over <= 0:
+        return []
+    chosen: list[TierFile] = []
+    for f in sorted((f for f in files if f.evictable), key=lambda f: (f.used, f.name)):
+        chosen.append(f)
+        over -= f.size
+        if over <= 0:
+            return chosen
+    pinned = sum(f.size for f in files if not f.evictable)
+    raise ConfigError(
+        f"the local cache's budget ({format_bytes(budget)}) cannot hold a "
+        f"{format_bytes(incoming)} shard beside {format_bytes(pinned)} being downloaded; "
+        "raise local_cache_size (--local-cache-size, $FEATBAKE_LOCAL_CACHE_SIZE) to at least "
+        "4x the largest shard, or build with smaller shards (--shard-size)"
+    )
+
+
+# == tier ==========================================================================================
+PART = ".part"
+
+#: A shard written (or used) this recently is never evicted by :meth:`DiskTier.trim`.
+TRIM_AGE_S = 600.0
+
+#: Seconds a fetch waits for downloads in flight to leave room in the budget before it fails.
+ROOM_WAIT_S = 300.0
+
+#: Fetches of one shard whose bytes fail their checksums before the error is raised.
+CHECKED_TRIES = 2
+
+
+class DiskTier:
+    """The shards of a bucket store kept on this node's disk (see the module docstring).
+
+    Args:
+        layout: the tier's directory, laid out as a local store.
+        budget: the most bytes its shards (and downloads in flight) may take.
+    """
+
+    def __init__(self, layout: Layout, budget: int) -> None:
+        self.layout = layout
+        self.budget = budget
+        self.fetched = 0  # shards this process downloaded (a second epoch that fits: none)
+        self.fetched_bytes = 0
+
+    @property
+    def downloads(self) -> Path:
+        """``tmp/fetch/``: shards being downloaded (``<name>.part``, flock-ed while they are)."""
+        return self.layout.tmp / "fetch"
+
+    def touch(self, path: Path) -> None:
+        """Stamp ``path`` as just used (least recently used is evicted first)."""
+        with contextlib.suppress(OSError):
+            os.utime(path)
+
+    def fetch(
+        self,
+        name: str,
+        size: int,
+        download: Callable[[Path], int],
+        where: str,
+        evicted: Callable[[], None] | None = None,
+    ) -> Path:
+        """Shard ``name`` on this disk: fetched (``download`` writes a file) unless it is here.
+
+        Raises:
+            FileNotFoundError: the bucket has no such shard (gc deleted it).
+            StoreCorrupt: its bytes failed their checksums on :data:`CHECKED_TRIES` fetches.
+            ConfigError: it cannot fit in the budget.
+        """
+        final = self.layout.shard_path(name)
+        if final.is_file():
+            self.touch(final)
+            return final
+        self.downloads.mkdir(parents=True, exist_ok=True)
+        part = self.downloads / f"{name}{PART}"
+        with _locked_current(part) as fd:
+            if final.is_file():  # another process fetched it while we waited
+                with contextlib.suppress(OSError):
+                    os.unlink(part)
+                return final
+            try:
+                self._download_checked(size, download, where, fd, part, evicted)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(part)  # its reserved space goes back to the budget at once
+                raise
+            os.fsync(fd)  # the bytes are on disk before the name says the shard is here
+            final.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(part, final)
+            fsync_dir(final.parent)
+            self.fetched += 1
+        return final
+
+    def _download_checked(
+        self,
+        size: int,
+        download: Callable[[Path], int],
+        where: str,
+        fd: int,
+        part: Path,
+        evicted: Callable[[], None] | None,
+    ) -> None:
+        """Reserve ``size`` bytes, download into ``part`` and check every tensor's CRC, fetching
+        once more on a mismatch.
+
+        Raises:
+            StoreCorrupt: the bytes failed their checksums on every try.
+        """
+        self._reserve(fd, part, size)
+        if evicted:  # the caller closes what it held open of the evicted files
+            evicted()
+        for attempt in range(CHECKED_TRIES):
+            self.fetched_bytes += download(part)
+            bad = _failing_tensors(part)
+            if not bad:
+                break
+            if attempt == CHECKED_TRIES - 1:
+                raise StoreCorrupt(
+                    f"{where} fails its checksums (tensors {', '.join(bad[:3])}) on "
+                    f"{CHECKED_TRIES} downloads: the object is damaged in the bucket and "
+                    "nothing of it is served; delete it, then build again (a build encodes "
+                    "again what a missing shard held)"
+                )
+
+    def _reserve(self, fd: int, part: Path, size: int) -> None:
+        """Evict what must go so ``size`` more bytes fit, then reserve them in ``part``.
+
+        While downloads in flight (other workers') hold the room, wait for them: they end
+        within a download's time, and a budget of a few shards serves any number of workers.
+        Only a shard that cannot fit even in an empty tier is an error at once.
+
+        Raises:
+            ConfigError: ``size`` exceeds the budget, or no room came in :data:`ROOM_WAIT_S`.
+        """
+        deadline = time.monotonic() + ROOM_WAIT_S
+        pause = 0.02
+        while True:
+            with locked(self.downloads / "tier.lock"):
+                files = list(self._files(skip=part))
+                try:
+                    doomed = evictions(files, self.budget, size)
+                except ConfigError:
+                    if size > self.budget or time.monotonic() > deadline:
+                        raise
+                else:
+                    for f in doomed:
+                        remove_file(self._path_of(f.name))
+                    with contextlib.suppress(OSError):
+                        os.posix_fallocate(fd, 0, max(size, 1))
+                    return
+            time.sleep(pause)  # outside the lock: the downloads holding the room finish
+            pause = min(pause * 2, 0.5)
+
+    def trim(self, min_age: float = TRIM_AGE_S, uploaded: Collection[str] = ()) -> int:
+        """Evict least recently used shards, none younger than ``min_age`` seconds unless this
+        process ``uploaded`` them, until the tier fits its budget; the bytes freed.
+
+        A build into a bucket writes its shards here first: once they are uploaded they are
+        copies like any fetched shard, and a build bigger than this disk must not fill it.
+        ``min_age`` spares a shard another process of the node has just written and not yet
+        uploaded (it uploads within seconds of writing); this process's own uploads are copies
+        at once, so a build leaves the tier within its budget.
+        """
+        self.downloads.mkdir(parents=True, exist_ok=True)
+        with locked(self.downloads / "tier.lock"):
+            young = time.time() - min_age
+            files = [
+                f
+                if f.used <= young or f.name.removesuffix(".safetensors") in uploaded
+                else f._replace(evictable=False)
+                for f in self._files(skip=Path())
+            ]
+            try:
+                doomed = evictions(files, self.budget, 0)
+            except ConfigError:  # downloads in flight hold the rest: evict what may go
+                doomed = [f for f in files if f.evictable]
+            return sum(remove_file(self._path_of(f.name)) for f in doomed)
+
+    def _files(self, *, skip: Path) -> Iterator[TierFile]:
+        """The tier's shards, and downloads in flight (not evictable; abandoned ones deleted)."""
+        with contextlib.suppress(FileNotFoundError), os.scandir(self.downloads) as it:
+            for e in it:
+                if not e.name.endswith(PART) or e.path == os.fspath(skip):
+                    continue
+                if _abandoned(Path(e.path)):
+                    remove_file(Path(e.path))
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    st = e.stat()
+                    yield TierFile(e.name, st.st_size, st.st_mtime, evictable=False)
+        with contextlib.suppress(FileNotFoundError), os.scandir(self.layout.shards) as dirs:
+            for d in dirs:
+                gone = (NotADirectoryError, FileNotFoundError)
+                with contextlib.suppress(*gone), os.scandir(d) as it:
+                    for e in it:
+                        if not is_shard_name(e.name.removesuffix(".safetensors")):
+                            continue  # not a shard: never followed, never evicted
+                        with contextlib.suppress(FileNotFoundError):
+                            st = e.stat()
+                            yield TierFile(e.name, st.st_size, st.st_mtime)
+
+    def _path_of(self, file_name: str) -> Path:
+        return self.layout.shard_path(file_name.removesuffix(".safetensors"))
+
+    def has_room(self, size: int) -> bool:
+        """Whether ``size`` more bytes fit the budget without evicting anything."""
+        return self.used_bytes() + size <= self.budget
+
+    def used_bytes(self) -> int:
+        """Bytes the tier's shards and downloads in flight take now."""
+        return sum(f.size for f in self._files(skip=Path()))
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[int]:
+    """``path`` opened (created) and ``flock``-ed alone for the block; its descriptor."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise StoreError(
+            f"cannot write the local cache at {path.parent}: {e.strerror}; point local_cache "
+            "(--local-cache, $FEATBAKE_LOCAL_CACHE) at a writable local disk"
+        ) from e
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield fd
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _locked_current(part: Path) -> Iterator[int]:
+    """Like :func:`locked`, but the file locked is the one at ``part`` once the lock is held
+    (a process that failed its download unlinks its ``.part``; a waiter that locked the
+    unlinked file tries again on the path's new one)."""
+    while True:
+        with locked(part) as fd:
+            try:
+                current = os.stat(part).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                current = False
+            if current:
+                yield fd
+                return
+
+
+def _abandoned(part: Path) -> bool:
+    """True if no process holds ``part``'s lock: its download was killed."""
+    try:
+        fd = os.open(part, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False  # held: a download in flight
+    else:
+        # Not held now; a .part younger than a second may be about to be locked by its maker.
+        return time.time() - os.fstat(fd).st_mtime > 1.0
+    finally:
+        os.close(fd)
+
+
+def _failing_tensors(path: Path) -> list[str]:
+    """Names of the tensors in the shard at ``path`` that fail their checksums ("header": the
+    file is not a readable shard)."""
+    try:
+        with ShardReader(path, verify=VerifyMode.ALWAYS) as reader:
+            return reader.verify_all()
+    except StoreCorrupt:
+        return ["header"]

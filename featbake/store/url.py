@@ -1,0 +1,160 @@
+"""A store's URL (``s3://bucket/prefix``) read into its parts; pure, no I/O."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from featbake.errors import ConfigError
+
+# == url ===========================================================================================
+#: ``s3://``, ``gs://``, ``az://``, ``https://``...: a URL rather than a directory (one slash is
+#: enough: a URL that went through ``pathlib.Path`` reads ``s3:/bucket``).
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):/+(.*)$")
+
+#: The schemes featbake's object store speaks (S3's API: AWS, MinIO, R2, Ceph, GCS's interop).
+SCHEMES = ("s3",)
+
+#: A scheme alone (``s3:``, ``s3:/``): what ``--cache s3://$EMPTY`` becomes once a shell or
+#: ``pathlib`` folds its slashes. A URL with no bucket, never a folder named ``s3:``.
+_BARE_SCHEME = re.compile(r"^(s3):/*$", re.IGNORECASE)
+
+#: What S3-compatible servers accept in a bucket name (AWS's rules are stricter; legacy buckets
+#: and some servers allow capitals and underscores).
+_BUCKET = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{1,254}$")
+
+#: ``scheme://user:password@`` inside any text: what :func:`redact` hides.
+_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s\"']+@")
+
+#: The variables that name an S3 endpoint, most specific first (botocore's order).
+ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+
+
+def is_url(where: str) -> bool:
+    """True if ``where`` names a URL (``s3://...``) rather than a directory.
+
+    Example:
+        >>> is_url("s3://bucket/features"), is_url("/data/features")
+        (True, False)
+    """
+    return _URL.match(where) is not None or _BARE_SCHEME.match(where) is not None
+
+
+def redact(text: str) -> str:
+    """``text`` with the credentials of any URL in it hidden (``http://***@host``): an endpoint
+    may carry them, and they must reach neither a message nor a folder name.
+
+    Example:
+        >>> redact("cannot reach http://ak:secret@minio:9000/b")
+        'cannot reach http://***@minio:9000/b'
+    """
+    return _USERINFO.sub(r"\g<scheme>***@", text)
+
+
+def endpoint_from(env: Mapping[str, str]) -> str | None:
+    """The S3 endpoint ``env`` names (``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``), checked;
+    None for AWS itself.
+
+    Raises:
+        ConfigError: an endpoint boto3 would reject with an internal error (no scheme, no host,
+            a port out of range), named without its credentials.
+
+    Example:
+        >>> endpoint_from({"AWS_ENDPOINT_URL": "http://127.0.0.1:9000"})
+        'http://127.0.0.1:9000'
+    """
+    var, value = next(((v, env[v]) for v in ENDPOINT_VARS if env.get(v)), ("", ""))
+    if not value:
+        return None
+    shown = redact(value)
+    parts = urlsplit(value)
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == -1:
+        raise ConfigError(
+            f"{var}={shown!r} is not an endpoint URL; write it as http://host:port or "
+            "https://host (a port from 1 to 65535), e.g. AWS_ENDPOINT_URL=http://127.0.0.1:9000"
+        )
+    return value
+
+
+def endpoint() -> str | None:
+    """This process's S3 endpoint (:func:`endpoint_from` over ``os.environ``)."""
+    return endpoint_from(os.environ)
+
+
+def endpoint_label() -> str:
+    """How messages name the endpoint: its URL without credentials, or AWS."""
+    value = next((os.environ[v] for v in ENDPOINT_VARS if os.environ.get(v)), None)
+    return redact(value) if value else "AWS (no AWS_ENDPOINT_URL is set)"
+
+
+def endpoint_folder(value: str | None) -> str:
+    """The tier's folder for an endpoint: two servers with a bucket of one name (a MinIO and
+    AWS, a test server) must not share a tier's catalog; credentials never name a folder.
+
+    Example:
+        >>> endpoint_folder("http://ak:secret@127.0.0.1:9000")
+        '127.0.0.1_9000'
+    """
+    if not value:
+        return "aws"
+    parts = urlsplit(value)
+    where = (parts.hostname or "") + (f":{parts.port}" if parts.port else "") + parts.path
+    return re.sub(r"[^A-Za-z0-9.-]+", "_", where).strip("_") or "endpoint"
+
+
+@dataclass(frozen=True)
+class BucketURL:
+    """``s3://bucket/prefix``: a bucket and a key prefix inside it (no leading or trailing /)."""
+
+    bucket: str
+    prefix: str = ""
+
+    @classmethod
+    def parse(cls, where: str) -> BucketURL:
+        """``where`` read as an ``s3://bucket[/prefix]`` URL.
+
+        Raises:
+            ConfigError: not a URL, a scheme featbake does not speak, or no bucket.
+
+        Example:
+            >>> BucketURL.parse("s3://team-features/wav2vec2/")
+            BucketURL(bucket='team-features', prefix='wav2vec2')
+        """
+        if _BARE_SCHEME.match(where):
+            raise ConfigError(
+                f"{where!r} names no bucket (an empty variable in --cache s3://$BUCKET?); write "
+                "s3://bucket/prefix"
+            )
+        m = _URL.match(where)
+        if m is None:
+            raise ConfigError(f"{where!r} is not a URL; a bucket store is s3://bucket/prefix")
+        scheme, rest = m.group(1).lower(), m.group(2)
+        if scheme not in SCHEMES:
+            raise ConfigError(
+                f"featbake stores speak S3 ({', '.join(s + '://' for s in SCHEMES)}), not "
+                f"{scheme}://; for Google Cloud Storage use its S3 interoperability endpoint "
+                "(AWS_ENDPOINT_URL=https://storage.googleapis.com with HMAC keys) and s3://"
+            )
+        bucket, _, prefix = rest.partition("/")
+        if not bucket:
+            raise ConfigError(f"{where!r} names no bucket; write s3://bucket/prefix")
+        if not _BUCKET.match(bucket):
+            raise ConfigError(
+                f"{bucket!r} is not a bucket name (letters, digits, '.', '-' and '_', 2 to 255 "
+                "of them, starting with a letter or digit); fix the s3:// URL"
+            )
+        return cls(bucket, prefix.strip("/"))
+
+    def key(self, name: str) -> str:
+        """The object key of ``name`` (a path inside the store) under this URL's prefix."""
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def __str__(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
