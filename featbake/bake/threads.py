@@ -380,8 +380,12 @@ class WriterThread:
         as it is due, the caller's batch not yet handed over included."""
         while True:
             wait = self._seconds_until_due()
+            # Nothing pending yet: look again after seal_seconds anyway, since the caller's
+            # next batch starts without waking this thread (a slow encoder may not hand it
+            # over before it is due).
+            wait = self._seal_seconds if wait is None else wait
             try:
-                return self._q.get(timeout=None if wait is None else max(wait, 0.01))
+                return self._q.get(timeout=min(max(wait, 0.01), 3600.0))
             except queue.Empty:
                 if self._seconds_until_due() == 0.0:
                     for key, parts in self._take_batch()[0]:
