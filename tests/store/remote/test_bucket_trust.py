@@ -496,3 +496,35 @@ def test_gc_older_than_keeps_a_bucket_root_a_dataset_reads(
         audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "r2", on_miss="error"
     )
     assert_live(reader, encoder_file)
+
+
+def test_a_damaged_catalog_version_is_named_with_what_to_do(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    build(audio_dir, encoder_file, cache=s3.url, workers=0)
+    (tmp_path / "junk").write_bytes(b"SQLite format 3\x00" + b"\x17" * 5000)
+    bucket_of(s3).upload(version_name(2), tmp_path / "junk")
+    got = run_cli("stats", "--cache", s3.url, "--local-cache", tmp_path / "t")
+    assert got.returncode == 6, got.stderr
+    assert f"{s3.url}/{version_name(2)}" in got.stderr and "delete that object" in got.stderr
+    assert "internal error" not in got.stderr
+
+
+def test_a_planted_root_name_is_never_followed_to_a_path(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    build(audio_dir, encoder_file, cache=s3.url, workers=0)
+    victim = tmp_path / "victim.json"
+    victim.write_text("precious")
+    planted = tmp_path / "planted.sqlite"
+    bucket_of(s3).download(version_name(1), planted)
+    hostile = "../" * 12 + str(victim.with_suffix("")).lstrip("/")
+    conn = open_sqlite(planted)
+    conn.execute("UPDATE roots SET name = ?", (hostile,))
+    conn.execute("UPDATE root_items SET root = ?", (hostile,))
+    conn.close()
+    bucket_of(s3).upload(version_name(2), planted)
+    time.sleep(1.1)  # the root is older than --older-than 1s
+    got = run_cli("gc", "--cache", s3.url, "--older-than", "1s", "--local-cache", tmp_path / "t")
+    assert got.returncode == 6 and "not a root name" in got.stderr, got.stderr
+    assert victim.read_text() == "precious"
