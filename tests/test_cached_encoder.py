@@ -444,3 +444,37 @@ def test_numpy_ids_are_keyed_like_tensor_ids(tmp_path) -> None:
     assert "int64" not in str(refused.value)
     with pytest.raises(ConfigError, match="dtype object"):
         ce(x[:1], ids=[np.array([object()], dtype=object)])  # one row, its id an array
+
+
+def test_on_a_shared_filesystem_it_writes_fragments_never_the_catalog(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 27: CachedEncoder consulted no serving mode, so on NFS/Lustre it wrote
+    catalog.sqlite from every host. It now writes fragments as a dataset does; a merge folds
+    them, and a second encoder then serves every row from the store."""
+    import sqlite3
+
+    from featbake.store.fragments import merge
+    from featbake.store.layout import Layout
+    from featbake.upkeep import list_roots
+
+    monkeypatch.setenv("FEATBAKE_SHARED_FS", "1")
+    store = tmp_path / "store"
+    enc = frozen(Counting(TinyConvEncoder()))
+    ce = CachedEncoder(enc, cache=store)
+    x = waves(4)
+    ids = [f"utt{i}" for i in range(4)]
+    same(ce(x, ids=ids), enc.inner(x))
+    ce.flush()
+    if (store / "catalog.sqlite").exists():  # only the read-only opening may have made it
+        with sqlite3.connect(store / "catalog.sqlite") as conn:
+            assert conn.execute("SELECT count(*) FROM features").fetchone() == (0,)
+    assert list((store / "fragments").glob("*.serve.sqlite"))  # recorded for the merge
+    monkeypatch.setenv("FEATBAKE_SHARED_FS", "0")
+    merge(Layout(store))
+    roots = [r for r in list_roots(store) if r.data.startswith("cached-encoder:")]
+    assert len(roots) == 1 and roots[0].items == 4
+    enc2 = frozen(Counting(TinyConvEncoder()))
+    ce2 = CachedEncoder(enc2, cache=store, ram_cache=0)
+    same(ce2(x, ids=ids), enc2.inner(x))
+    assert enc2.rows == 0, "the merged fragments did not serve"

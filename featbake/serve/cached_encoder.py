@@ -46,6 +46,7 @@ from featbake.serve.reads import Served, served_for
 from featbake.serve.state import WriteBack, pending_in_process
 from featbake.store.catalog import Catalog, RootSpec
 from featbake.store.features import FeatureReader
+from featbake.store.fragments import serving_mode
 from featbake.store.open import Need, open_store
 from featbake.store.shard import SealedShard, tensor_buffer
 from featbake.units import parse_bytes
@@ -333,6 +334,8 @@ class CachedEncoder(nn.Module):
         self._warned_for: tuple[str, ...] = ()  # what kept caching off when last said
         # LOCAL: it commits each sealed shard to its catalog in place (no bucket store).
         self._layout = open_store(cache, need=Need.LOCAL).ensure() if store else None
+        # On a shared filesystem: the catalog only read, write-backs in fragments (a merge).
+        self._shared = self._layout is not None and serving_mode(self._layout)
         self._reader: FeatureReader | None = None
         self._writeback = self._new_writeback()
         self.stats = {
@@ -447,7 +450,12 @@ class CachedEncoder(nn.Module):
         return rows, todo
 
     def _from_store(self, keys: list[str]) -> dict[str, dict[str, torch.Tensor]]:
-        """What the store holds of ``keys``; a feature whose shard is gone is a miss."""
+        """What the store holds of ``keys``; a feature whose shard is gone is a miss. On a
+        shared filesystem the catalog is only read (a store with none yet holds nothing), and
+        what other processes wrote back is found once ``featbake merge`` folded it in."""
+        layout = self._layout
+        if layout is None or (self._shared and not layout.catalog.exists()):
+            return {}
         return self._store_reader().get_many(keys)
 
     def _stand_aside_reasons(self, x: torch.Tensor) -> tuple[str, ...]:
@@ -505,7 +513,9 @@ class CachedEncoder(nn.Module):
 
     def _store_reader(self) -> FeatureReader:
         if self._reader is None:
-            self._reader = FeatureReader(self._layout)  # type: ignore[arg-type]
+            layout = self._layout
+            assert layout is not None, "a store reader exists only with store=True"
+            self._reader = FeatureReader(layout, read_only=self._shared)
         return self._reader
 
     def __getstate__(self) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from featbake.lru import ByteLRU, CacheInfo
 from featbake.process import ProcessStamp
 from featbake.store.catalog import Access, ServingStore, access_for
 from featbake.store.features import ShardHandles
-from featbake.store.fragments import open_serving_catalog
+from featbake.store.fragments import open_serving_catalog, serving_mode
 from featbake.store.layout import Layout
 from featbake.store.shard import SealedShard, ShardReader, ShardWriter
 
@@ -430,7 +430,11 @@ class WriteBack:
         self.failures = 0
         self._writer: ShardWriter | None = None
         self._own_catalogs = catalogs is None
-        self._catalogs = catalogs if catalogs is not None else ThreadCatalog(layout)
+        # On a shared filesystem the write-back's own catalog is the fragment-writing stand-in
+        # (a CachedEncoder's; a dataset passes its own): SQLite is never written from many hosts.
+        self._catalogs = (
+            catalogs if catalogs is not None else ThreadCatalog(layout, shared=serving_mode(layout))
+        )
         self.store_id = os.path.realpath(layout.root)
         with _LIVE_LOCK:
             _LIVE.add(self)

@@ -760,6 +760,24 @@ class FragmentServingCatalog:
                 locs.append(Location(e.key, e.part, shard.name, e.dtype, e.shape, e.nbytes))
 
     # -- writes: sealed into this process's fragments ----------------------------------------
+    def extend_root(self, spec: RootSpec, keys: Sequence[str], now: float | None = None) -> int:
+        """Hold root ``spec.name`` grown by the ``keys`` it does not name yet (a CachedEncoder's
+        write-back), for the next fragment: its items as the catalog (or this process's held
+        manifest) has them, then the new keys. The merge publishes it unless a newer manifest of
+        the root was published meanwhile; then keys appended on another host are left out of it,
+        which only lets gc free their features (encoded again when next needed), never serves
+        one wrong. Returns how many keys were added.
+        """
+        if self._root is not None and self._root[0].name == spec.name:
+            held = [(i.path, i.key) for i in self._root[1]]
+        else:
+            held = [(i.path, i.key) for i in self.root_items(spec.name)]
+        named = {k for _, k in held}
+        new = [("", k) for k in dict.fromkeys(keys) if k not in named]
+        if new:
+            self.replace_root(spec, held + new, now)
+        return len(new)
+
     def add_shard(self, shard: SealedShard, now: float | None = None) -> int:
         """Seal a fragment naming a write-back shard; returns its features (new or not).
 
