@@ -24,6 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
@@ -37,8 +38,8 @@ from featbake.store.layout import (
     Layout,
     TierUsage,
     checked_shard_name,
-    fsync_dir,
     is_shard_name,
+    publish_file,
 )
 from featbake.store.shard import (
     MAX_HEADER_BYTES,
@@ -862,9 +863,8 @@ class BucketStore:
         """Write ``tier.json`` (the bucket's URL) once: a tier given as ``--cache`` is refused."""
         mark = self.layout.root / "tier.json"
         if not mark.exists():
-            tmp = self.layout.tmp / f"tier.json.{os.getpid()}"
-            tmp.write_text(json.dumps({"url": str(self.url)}))
-            os.replace(tmp, mark)
+            doc = json.dumps({"url": str(self.url)})
+            publish_file(mark, lambda tmp: tmp.write_text(doc), tmp_dir=self.layout.tmp)
 
     def _forget_catalog(self) -> None:
         """Drop the tier's catalog (its shards stay: content-named and checked, they are right
@@ -887,10 +887,8 @@ class BucketStore:
             etag = info.etag if info else ""
         self._unlink_catalog_files(("-wal", "-shm", "-journal"))
         os.replace(path, self.layout.catalog)
-        tmp = self.layout.tmp / f"catalog.version.{os.getpid()}"
-        tmp.write_text(json.dumps(PinnedVersion(version, etag)._asdict()))
-        os.replace(tmp, self.version_file)
-        fsync_dir(self.layout.root)
+        pin = json.dumps(PinnedVersion(version, etag)._asdict())
+        publish_file(self.version_file, lambda tmp: tmp.write_text(pin), tmp_dir=self.layout.tmp)
 
     def sync_fragments(self) -> int:
         """Download the bucket's fragments the tier lacks (other nodes' ranks); how many."""
@@ -902,9 +900,7 @@ class BucketStore:
             final = here / name
             if parse_name(final) is None or final.exists():
                 continue
-            tmp = self.layout.tmp / f"{name}.{os.getpid()}.download"
-            self.bucket.download(o.name, tmp)
-            os.replace(tmp, final)
+            publish_file(final, partial(self.bucket.download, o.name), tmp_dir=self.layout.tmp)
             got += 1
         return got
 

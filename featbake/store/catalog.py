@@ -23,7 +23,6 @@ import sqlite3
 import threading
 import time
 import urllib.parse
-import uuid
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -41,6 +40,7 @@ from featbake.store.layout import (
     Layout,
     checked_root_name,
     fsync_dir,
+    publish_file,
     remove_file,
     set_journal_mode,
 )
@@ -901,15 +901,13 @@ def write_fidelity(layout: Layout, name: str, measured: Measured, bound: float |
     served = measured.served()
     doc: dict[str, Any] = {"fidelity": fidelity.to_json(), "bound": bound, "serve_dtype": served}
     final = fidelity_file(layout, name)
-    tmp = layout.tmp / f"fidelity-{uuid.uuid4().hex}.part"
     try:
-        layout.tmp.mkdir(parents=True, exist_ok=True)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(doc, sort_keys=True), encoding="utf-8")
-        os.replace(tmp, final)
+        publish_file(
+            final,
+            lambda tmp: tmp.write_text(json.dumps(doc, sort_keys=True), encoding="utf-8"),
+            tmp_dir=layout.tmp,
+        )
     except OSError as e:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
         raise StoreError(
             f"could not record the measured fidelity in {final}: {e.strerror or e}; "
             "check that the cache directory is writable"
@@ -1357,21 +1355,17 @@ def root_payload(root: Root, items: Sequence[tuple[str, str]]) -> dict:
 
 
 def write_root_file(layout: Layout, root: Root, items: Sequence[tuple[str, str]]) -> Path:
-    """Write a root's manifest file durably (tmp, fsync, rename, fsync dir) and drop its tombstone.
+    """Write a root's manifest file durably (:func:`publish_file`) and drop its tombstone.
 
     Raises:
         StoreError: the store is not writable.
     """
     final = root_file(layout, root.name)
-    tmp = layout.tmp / f"root-{uuid.uuid4().hex}.part"
+    payload = json.dumps(root_payload(root, items), separators=(",", ":"))
     try:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        layout.tmp.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(root_payload(root, items), f, separators=(",", ":"))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
+        publish_file(
+            final, lambda tmp: tmp.write_text(payload, encoding="utf-8"), tmp_dir=layout.tmp
+        )
         # The whole manifest holds the appended items now. (A crash before this unlink leaves
         # them twice: verify reports the file stale and --repair rewrites it; none is lost.)
         for stale in (items_file(layout, root.name), tombstone_file(layout, root.name)):
@@ -1379,8 +1373,6 @@ def write_root_file(layout: Layout, root: Root, items: Sequence[tuple[str, str]]
                 stale.unlink()
         fsync_dir(final.parent)
     except OSError as e:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
         raise StoreError(
             f"could not write the root manifest {final}: {e.strerror or e}; "
             "check that the cache directory is writable and has space"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,6 +84,39 @@ def fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def publish_file(
+    final: Path, write: Callable[[Path], object], *, tmp_dir: Path, durable: bool = True
+) -> None:
+    """Write a file whole, then make it appear at ``final`` at once: ``write`` fills a unique
+    temporary file in ``tmp_dir`` (same filesystem), which is fsynced (``durable``), renamed
+    over ``final`` and its folder fsynced. A reader sees the old file or the new, never half of
+    one; a crash leaves at most a temporary file (gc removes ``tmp/`` leftovers). The one
+    write-then-publish of small store files (manifests, fidelity records, the tier's marks,
+    downloaded fragments); shards and fragments being sealed have their own, streamed.
+
+    Raises:
+        OSError: the write or the rename failed (the temporary file is removed).
+    """
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_dir / f"{final.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.part"
+    try:
+        write(tmp)
+        if durable:
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        os.replace(tmp, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    if durable:
+        fsync_dir(final.parent)
 
 
 class TierUsage(NamedTuple):
