@@ -49,7 +49,7 @@ from featbake.store.shard import (
     corrupt_shard,
     parse_header,
 )
-from featbake.store.tier import DiskTier, locked
+from featbake.store.tier import DiskTier, tier_locked
 from featbake.store.url import BucketURL, endpoint, endpoint_label, redact
 
 # == remote ========================================================================================
@@ -834,7 +834,7 @@ class BucketStore:
         self._mark_tier()
         # One download per node: the node's processes (DataLoader workers that all found a
         # shard gone) wait here, and the first one's catalog serves the rest.
-        with locked(self.layout.tmp / "catalog.lock"):
+        with tier_locked(self.layout.tmp / "catalog.lock"):
             return self._sync_catalog_locked()
 
     def _sync_catalog_locked(self) -> int:

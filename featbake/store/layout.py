@@ -568,12 +568,45 @@ def lock_path(layout: Layout) -> Path:
     return layout.root / "write.lock"
 
 
-def _open_lock(layout: Layout) -> int | None:
-    """The lock file's descriptor; None where it cannot be created (a read-only store)."""
+def open_lock_file(path: Path) -> int | None:
+    """A lock file's descriptor (created if missing); None where it cannot be created."""
     try:
-        return os.open(lock_path(layout), os.O_RDWR | os.O_CREAT, 0o644)
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError:
         return None
+
+
+@contextlib.contextmanager
+def locked(path: Path, *, shared: bool = False, wait: float | None = None) -> Iterator[int | None]:
+    """``flock`` on the file at ``path`` (created), shared or alone, held for the block: the one
+    lock primitive (the store's write lock, the tier's budget, its downloads and its catalog).
+
+    ``wait`` None blocks until the lock is free; a number tries for that many seconds, then
+    raises :class:`TimeoutError`. The kernel drops the lock when its holder dies. A filesystem
+    without locks (see above) is run unlocked; a file that cannot be created yields None (the
+    caller decides whether that is an error).
+    """
+    fd = open_lock_file(path)
+    if fd is None:
+        yield None
+        return
+    op = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+    try:
+        if wait is None:
+            _flock(fd, op)
+        else:
+            deadline = time.monotonic() + wait
+            while True:
+                try:
+                    _flock(fd, op | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise TimeoutError(f"{path} is held by another process") from None
+                    time.sleep(0.05)
+        yield fd
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
 
 
 @contextlib.contextmanager
@@ -583,15 +616,8 @@ def shared_write_lock(layout: Layout) -> Iterator[None]:
     A store where the lock file cannot be created is not writable either: the write that follows
     fails with its own clear error, so this does not add one.
     """
-    fd = _open_lock(layout)
-    if fd is None:
+    with locked(lock_path(layout), shared=True):
         yield
-        return
-    try:
-        _flock(fd, fcntl.LOCK_SH)
-        yield
-    finally:
-        os.close(fd)  # closing the descriptor releases the lock
 
 
 def _flock(fd: int, op: int) -> None:
@@ -612,25 +638,18 @@ def exclusive_write_lock(layout: Layout, wait_s: float | None = None) -> Iterato
             and did not stop within ``wait_s`` seconds (default :data:`EXCLUSIVE_WAIT_S`); or
             the lock file cannot be created.
     """
-    fd = _open_lock(layout)
-    if fd is None:
-        raise StoreError(
-            f"cannot create {lock_path(layout)}: the store is not writable, so it cannot be "
-            "repaired; run `featbake verify` without --repair to check it"
-        )
-    try:
-        deadline = time.monotonic() + (EXCLUSIVE_WAIT_S if wait_s is None else wait_s)
-        while True:
-            try:
-                _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise StoreError(
-                        f"a build, gc or write-back is writing shards into {layout.root}; run "
-                        "`featbake verify --repair` again once it has finished"
-                    ) from None
-                time.sleep(0.05)
+    wait = EXCLUSIVE_WAIT_S if wait_s is None else wait_s
+    with contextlib.ExitStack() as stack:
+        try:
+            fd = stack.enter_context(locked(lock_path(layout), wait=wait))
+        except TimeoutError:
+            raise StoreError(
+                f"a build, gc or write-back is writing shards into {layout.root}; run "
+                "`featbake verify --repair` again once it has finished"
+            ) from None
+        if fd is None:
+            raise StoreError(
+                f"cannot create {lock_path(layout)}: the store is not writable, so it cannot be "
+                "repaired; run `featbake verify` without --repair to check it"
+            )
         yield
-    finally:
-        os.close(fd)

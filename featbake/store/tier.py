@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from featbake.errors import ConfigError, StoreCorrupt, StoreError
-from featbake.store.layout import Layout, fsync_dir, is_shard_name, remove_file
+from featbake.store.layout import Layout, fsync_dir, is_shard_name, locked, remove_file
 from featbake.store.shard import ShardReader, VerifyMode
 from featbake.units import format_bytes
 
@@ -190,7 +190,7 @@ class DiskTier:
         deadline = time.monotonic() + ROOM_WAIT_S
         pause = 0.02
         while True:
-            with locked(self.downloads / "tier.lock"):
+            with tier_locked(self.downloads / "tier.lock"):
                 files = list(self._files(skip=part))
                 try:
                     doomed = evictions(files, self.budget, size)
@@ -217,7 +217,7 @@ class DiskTier:
         at once, so a build leaves the tier within its budget.
         """
         self.downloads.mkdir(parents=True, exist_ok=True)
-        with locked(self.downloads / "tier.lock"):
+        with tier_locked(self.downloads / "tier.lock"):
             young = time.time() - min_age
             files = [
                 f
@@ -267,29 +267,28 @@ class DiskTier:
 
 
 @contextlib.contextmanager
-def locked(path: Path) -> Iterator[int]:
-    """``path`` opened (created) and ``flock``-ed alone for the block; its descriptor."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:
-        raise StoreError(
-            f"cannot write the local cache at {path.parent}: {e.strerror}; point local_cache "
-            "(--local-cache, $FEATBAKE_LOCAL_CACHE) at a writable local disk"
-        ) from e
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+def tier_locked(path: Path) -> Iterator[int]:
+    """:func:`~featbake.store.layout.locked` alone on a tier file; its descriptor.
+
+    Raises:
+        StoreError: the file cannot be created (the tier's disk is not writable).
+    """
+    with locked(path) as fd:
+        if fd is None:
+            raise StoreError(
+                f"cannot write the local cache at {path.parent}; point local_cache "
+                "(--local-cache, $FEATBAKE_LOCAL_CACHE) at a writable local disk"
+            )
         yield fd
-    finally:
-        os.close(fd)
 
 
 @contextlib.contextmanager
 def _locked_current(part: Path) -> Iterator[int]:
-    """Like :func:`locked`, but the file locked is the one at ``part`` once the lock is held
+    """Like :func:`tier_locked`, but the file locked is the one at ``part`` once the lock is held
     (a process that failed its download unlinks its ``.part``; a waiter that locked the
     unlinked file tries again on the path's new one)."""
     while True:
-        with locked(part) as fd:
+        with tier_locked(part) as fd:
             try:
                 current = os.stat(part).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:
