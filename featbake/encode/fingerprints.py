@@ -6,11 +6,11 @@ import os
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from featbake.encode.encoders import PICKLE, LoadedEncoder, detect_kind
 from featbake.keys import sha256_file, sha256_hex
+from featbake.process import map_in_threads
 from featbake.progress import Progress
 from featbake.store.catalog import ENCODER_FP_PREFIX, FileStat, HashCache, HashRow
 
@@ -103,9 +103,6 @@ def resolve_path(path: str | os.PathLike[str]) -> str:
     return str(Path(path).expanduser().resolve())
 
 
-HASH_THREADS = 4
-
-
 # -- planning --------------------------------------------------------------------------------
 def hash_inputs(
     catalog: HashCache,
@@ -155,16 +152,15 @@ def hash_inputs(
         except OSError as e:
             return p, None, f"cannot read: {e.strerror}"
 
-    with ThreadPoolExecutor(HASH_THREADS) as pool:
-        for p, sha, err in pool.map(one, todo):
-            done += 1
-            if sha is None:
-                failed[p] = err or "unreadable"
-            else:
-                digests[p] = sha
-                fresh.append(HashRow(p, stats[p], sha))
-            if progress and (done % 256 == 0 or done == len(paths)):
-                progress(Progress("hash", done, len(paths)))
+    for p, sha, err in map_in_threads(one, todo):
+        done += 1
+        if sha is None:
+            failed[p] = err or "unreadable"
+        else:
+            digests[p] = sha
+            fresh.append(HashRow(p, stats[p], sha))
+        if progress and (done % 256 == 0 or done == len(paths)):
+            progress(Progress("hash", done, len(paths)))
     catalog.put_hashes(fresh, recorded_ns=stat_time)
     return digests, failed
 

@@ -13,7 +13,6 @@ import io
 import os
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import BinaryIO, Protocol
 
 import torch
@@ -21,6 +20,7 @@ import torch
 from featbake.encode.fingerprints import HeldBytes, hash_inputs, resolve_path
 from featbake.encode.sources import ScanResult, Source, scan_inputs
 from featbake.errors import SourceError, StoreError
+from featbake.process import OBJECT_THREADS, map_in_threads
 from featbake.progress import Progress
 from featbake.store.bucket import Bucket, ObjectBytes, ObjectInfo
 from featbake.store.catalog import RACY_NS, FileStat, HashCache, HashRow
@@ -150,8 +150,6 @@ def inputs_at(data: str | os.PathLike[str]) -> Inputs:
 # Credentials, endpoint and region come from the standard AWS environment (see
 # :mod:`featbake.store.bucket`), whose errors (no credentials, no such bucket, access
 # denied) are one line each.
-#: Objects read at once while hashing (each whole, in memory; the requests overlap).
-HASH_THREADS = 8
 
 
 def object_stat(info: ObjectInfo) -> FileStat:
@@ -247,13 +245,12 @@ class BucketInputs:
         fresh: list[HashRow] = []
         if progress:
             progress(Progress("hash", len(digests), len(paths)))
-        with ThreadPoolExecutor(HASH_THREADS) as pool:
-            for p, got in zip(todo, pool.map(self._digest, todo), strict=True):
-                if isinstance(got, str):
-                    failed[p] = got
-                else:
-                    stats[p], digests[p] = got
-                    fresh.append(HashRow(p, *got))
+        for p, got in zip(todo, map_in_threads(self._digest, todo, OBJECT_THREADS), strict=True):
+            if isinstance(got, str):
+                failed[p] = got
+            else:
+                stats[p], digests[p] = got
+                fresh.append(HashRow(p, *got))
                 done = len(digests) + len(failed)
                 if progress and (done % 256 == 0 or done == len(paths)):
                     progress(Progress("hash", done, len(paths)))

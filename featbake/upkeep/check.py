@@ -15,7 +15,6 @@ import sqlite3
 import stat
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any, NamedTuple
 
 from featbake.errors import ConfigError, StoreCorrupt, StoreError
 from featbake.keys import sha256_file
+from featbake.process import map_in_threads
 from featbake.progress import GcProgress
 from featbake.store.bucket import catalog_shards
 from featbake.store.catalog import (
@@ -473,7 +473,6 @@ def check_root_files(layout: Layout) -> list[Finding]:
 # checked here: that would mean loading the encoder, which upkeep never does. Only regular files
 # are read, through a non-blocking open: a FIFO at a row's path never hangs the check, a symlink
 # loop or an unreadable file is skipped (a reader would hash it again anyway).
-HASH_THREADS = 4  # hashlib releases the GIL: a few threads keep a disk (or an NFS mount) busy
 
 Progress = Callable[[GcProgress], None] | None
 
@@ -646,16 +645,15 @@ def check_hash_cache(layout: Layout, progress: Progress = None) -> HashCheck:
         rows = [r for r in hash_cache_rows(cat) if _trusted_now(r)]
     wrong: list[HashMismatch] = []
     files = nbytes = 0
-    with ThreadPoolExecutor(HASH_THREADS) as pool:
-        results = pool.map(lambda r: (r, _sha256_of_regular_file(r.path)), rows)
-        for done, (row, got) in enumerate(results, 1):
-            if got is not None:
-                files += 1
-                nbytes += got[1]
-                if got[0] != row.sha256:
-                    wrong.append(HashMismatch(row.path, row.sha256, got[0]))
-            if progress:
-                progress(GcProgress("inputs", done, len(rows)))
+    results = map_in_threads(lambda r: (r, _sha256_of_regular_file(r.path)), rows)
+    for done, (row, got) in enumerate(results, 1):
+        if got is not None:
+            files += 1
+            nbytes += got[1]
+            if got[0] != row.sha256:
+                wrong.append(HashMismatch(row.path, row.sha256, got[0]))
+        if progress:
+            progress(GcProgress("inputs", done, len(rows)))
     return HashCheck(tuple(wrong), files, nbytes)
 
 
