@@ -455,11 +455,13 @@ class Reads:
             reader = readers.get(path)
             if reader is None:
                 # A bucket store's shard not open yet would be fetched whole here: a hint never
-                # waits for that (read by ranges, opening reads its header, and GETs start).
+                # waits for that; it starts the fetch in the background instead (read by
+                # ranges, opening reads its header, and GETs start).
                 remote = self.layout.remote
-                if len(readers) >= st.handles.max_open or (
-                    remote is not None and not remote.reads_ranged()
-                ):
+                if remote is not None and not remote.reads_ranged():
+                    remote.prefetch(path.name.removesuffix(".safetensors"))
+                    continue
+                if len(readers) >= st.handles.max_open:
                     continue
                 try:
                     reader = st.reader(path)

@@ -30,7 +30,7 @@ from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
-from featbake.errors import ConfigError, ShardMissing, StoreCorrupt, StoreError
+from featbake.errors import ConfigError, FeatbakeError, ShardMissing, StoreCorrupt, StoreError
 from featbake.process import PerProcess
 from featbake.store.catalog import Access, open_sqlite
 from featbake.store.fragments import MergeReport, fragments_dir, merge, parse_name, sealed_fragments
@@ -518,6 +518,12 @@ _POOL: PerProcess[ThreadPoolExecutor] = PerProcess(
     lambda: ThreadPoolExecutor(AHEAD_THREADS, thread_name_prefix="featbake-ranged"), lock=True
 )
 
+#: Whole-shard fetches a process runs ahead of its reads (litdata keeps two chunks ahead).
+PREFETCH_AHEAD = 2
+_PREFETCH_POOL: PerProcess[ThreadPoolExecutor] = PerProcess(
+    lambda: ThreadPoolExecutor(PREFETCH_AHEAD, thread_name_prefix="featbake-prefetch"), lock=True
+)
+
 
 class RangedShardReader(ShardReader):
     """A :class:`ShardReader` over a shard object, read by ranges (see the module docstring).
@@ -658,6 +664,8 @@ class BucketStore:
         self._ranged: bool | None = None  # see reads_ranged
         self._fills_tier = False  # auto mode reading by ranges: shards that fit are kept
         self._uploaded: set[str] = set()  # shards this process uploaded: copies in the tier
+        self._prefetch_lock = threading.Lock()
+        self._prefetching: set[str] = set()  # shards a background fetch is bringing in
 
     def __getstate__(self) -> dict:
         return {"url": self.url, "tier": self.layout.root, "budget": self.tier.budget}
@@ -753,6 +761,40 @@ class BucketStore:
 
     def opened(self, path: Path) -> None:
         self.tier.touch(path)
+
+    def prefetch(self, name: str) -> bool:
+        """Start fetching shard ``name`` whole into the tier on a background thread, not
+        waiting (a reader's hint for its coming items: epoch 1 too). Nothing when shards are
+        read by ranges, when the tier holds it, when it does not fit the tier's budget without
+        evicting (a prefetch never pushes out a shard the reads still need), or while
+        :data:`PREFETCH_AHEAD` fetches of this process are in flight. A failed prefetch is
+        silent: the read itself fetches again and says why.
+        Returns whether a fetch was started."""
+        if self.reads_ranged() or self.layout.shard_path(name).is_file():
+            return False
+        size = self._size_of(name)
+        if size is None or not self.tier.has_room(size):
+            return False  # never evicts for a guess: what the reads still need stays
+        with self._prefetch_lock:
+            if name in self._prefetching or len(self._prefetching) >= PREFETCH_AHEAD:
+                return False
+            self._prefetching.add(name)
+        _PREFETCH_POOL.get().submit(self._prefetch_one, name)
+        return True
+
+    def _prefetch_one(self, name: str) -> None:
+        try:
+            self.fetch_shard(name)
+        except FeatbakeError:
+            pass  # the read that needs it fetches again and reports the cause
+        finally:
+            with self._prefetch_lock:
+                self._prefetching.discard(name)
+
+    def prefetches_in_flight(self) -> int:
+        """Background fetches of this process not finished yet."""
+        with self._prefetch_lock:
+            return len(self._prefetching)
 
     def publish_fragment(self, fragment: Path, shards: Sequence[str]) -> None:
         for name in shards:

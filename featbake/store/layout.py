@@ -152,6 +152,10 @@ class RemotePlace(Protocol):
         """A reader opened tier file ``path`` (its last use, for eviction)."""
         ...
 
+    def prefetch(self, name: str) -> bool:
+        """Start bringing shard ``name`` into the tier without waiting; whether it started."""
+        ...
+
     def publish_fragment(self, fragment: Path, shards: Sequence[str]) -> None:
         """Upload a sealed fragment after the shards it names."""
         ...

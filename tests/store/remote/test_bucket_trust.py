@@ -528,3 +528,37 @@ def test_a_planted_root_name_is_never_followed_to_a_path(
     got = run_cli("gc", "--cache", s3.url, "--older-than", "1s", "--local-cache", tmp_path / "t")
     assert got.returncode == 6 and "not a root name" in got.stderr, got.stderr
     assert victim.read_text() == "precious"
+
+
+def test_hints_fetch_the_coming_shards_in_the_background(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 30 item 4: with whole-shard reads a reader's hints (FeatureLoader's read-ahead)
+    start the coming shards' fetches on a background thread, epoch 1 included; the reads then
+    find them in the tier."""
+    from featbake.store.bucket import PREFETCH_AHEAD
+
+    monkeypatch.setenv("FEATBAKE_BUCKET_READS", "whole")
+    build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
+    tier = tmp_path / "reader"
+    ds = CachedFeatureDataset(
+        audio_dir, encoder_file, cache=s3.url, local_cache=tier, on_miss="error", ram_cache=0
+    )
+    store = ds._layout.remote
+    assert store is not None and not list(tier.rglob("*.safetensors"))
+    first = [i for i in range(len(ds)) if ds._index.shard[i] == ds._index.shard[0]]
+    ds.will_need(range(len(ds)))  # a hint: nothing read, nothing waited for
+    deadline = time.monotonic() + 60
+    while store.prefetches_in_flight() and time.monotonic() < deadline:  # type: ignore[attr-defined]
+        time.sleep(0.05)
+    held = list(tier.rglob("*.safetensors"))
+    # The first shards came in ahead of any read: at least PREFETCH_AHEAD of them (more when
+    # earlier fetches finished while the hint was still being walked).
+    assert len(held) >= PREFETCH_AHEAD
+    first_shard = ds._index.shard_names[int(ds._index.shard[first[0]])]
+    assert any(p.name.startswith(first_shard) for p in held)
+    fetched = store.tier.fetched  # type: ignore[attr-defined]
+    for i in first:  # the first item's shard came in ahead: reading it fetches nothing
+        torch.testing.assert_close(ds[i], live_features(encoder_file, Path(ds.path(i))))
+    assert store.tier.fetched == fetched  # type: ignore[attr-defined]
+    assert_live(ds, encoder_file)
