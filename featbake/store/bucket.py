@@ -518,8 +518,10 @@ _POOL: PerProcess[ThreadPoolExecutor] = PerProcess(
     lambda: ThreadPoolExecutor(AHEAD_THREADS, thread_name_prefix="featbake-ranged"), lock=True
 )
 
-#: Whole-shard fetches a process runs ahead of its reads (litdata keeps two chunks ahead).
+#: Whole-shard fetches a process runs ahead of its reads (litdata keeps two chunks ahead);
+#: ``$FEATBAKE_BUCKET_PREFETCH=0`` turns them off (``make bench`` measures both).
 PREFETCH_AHEAD = 2
+PREFETCH_ENV = "FEATBAKE_BUCKET_PREFETCH"
 _PREFETCH_POOL: PerProcess[ThreadPoolExecutor] = PerProcess(
     lambda: ThreadPoolExecutor(PREFETCH_AHEAD, thread_name_prefix="featbake-prefetch"), lock=True
 )
@@ -664,6 +666,7 @@ class BucketStore:
         self._ranged: bool | None = None  # see reads_ranged
         self._fills_tier = False  # auto mode reading by ranges: shards that fit are kept
         self._uploaded: set[str] = set()  # shards this process uploaded: copies in the tier
+        self._heads: dict[str, int | None] = {}  # shard sizes prefetch asked the bucket for
         self._prefetch_lock = threading.Lock()
         self._prefetching: set[str] = set()  # shards a background fetch is bringing in
 
@@ -770,9 +773,18 @@ class BucketStore:
         :data:`PREFETCH_AHEAD` fetches of this process are in flight. A failed prefetch is
         silent: the read itself fetches again and says why.
         Returns whether a fetch was started."""
-        if self.reads_ranged() or self.layout.shard_path(name).is_file():
+        if os.environ.get(PREFETCH_ENV, "1") == "0":
             return False
-        size = self._size_of(name)
+        if self.reads_ranged():
+            return False
+        with self._prefetch_lock:  # cheap checks first: a hint names the same shards often
+            if name in self._prefetching or len(self._prefetching) >= PREFETCH_AHEAD:
+                return False
+        if self.layout.shard_path(name).is_file():
+            return False
+        if name not in self._heads:  # one HEAD per shard a process hints (sizes never change)
+            self._heads[name] = self._size_of(name)
+        size = self._heads[name]
         if size is None or not self.tier.has_room(size):
             return False  # never evicts for a guess: what the reads still need stays
         with self._prefetch_lock:
