@@ -161,24 +161,33 @@ app.add_typer(roots_app, name="roots")
         "Examples:\n\n  featbake roots\n\n  featbake roots --json\n\n  featbake roots drop r-3f1c"
     )
 )
-def roots(ctx: typer.Context, cache: CacheOpt = None, as_json: JsonOpt = False) -> None:
+def roots(
+    ctx: typer.Context,
+    cache: CacheOpt = None,
+    local_cache: LocalCacheOpt = None,
+    local_cache_size: LocalCacheSizeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
     """List the roots: what each build published, and how many of its items are missing.
 
     A root keeps its features live; `featbake roots drop NAME` lets gc free them.
     """
+    from featbake.store.open import open_store
+
     if ctx.invoked_subcommand is not None:
-        ctx.obj = cache
+        ctx.obj = (cache, local_cache, local_cache_size)
         return
     from dataclasses import asdict
 
     from featbake.upkeep import list_roots
 
-    rs = list_roots(cache)
+    store = open_store(cache, local_cache=local_cache, local_cache_size=local_cache_size)
+    rs = list_roots(store)
     if as_json:
         out.print_json(json.dumps([asdict(r) for r in rs]))
     else:
         _print_roots(rs)
-        _print_pending(cache)
+        _print_pending(store)
 
 
 def _print_pending(cache: Any) -> None:
@@ -205,11 +214,20 @@ def roots_drop(
     ctx: typer.Context,
     name: Annotated[str, typer.Argument(help="The root's name, or a unique prefix of it.")],
     cache: CacheOpt = None,
+    local_cache: LocalCacheOpt = None,
+    local_cache_size: LocalCacheSizeOpt = None,
 ) -> None:
     """Drop one root; its features stay until `featbake gc` frees them."""
+    from featbake.store.open import open_store
     from featbake.upkeep import drop_root
 
-    root = drop_root(cache if cache is not None else ctx.obj, name)
+    outer = ctx.obj or (None, None, None)  # what `featbake roots --cache ... drop` said
+    store = open_store(
+        cache if cache is not None else outer[0],
+        local_cache=local_cache or outer[1],
+        local_cache_size=local_cache_size or outer[2],
+    )
+    root = drop_root(store, name)
     out.print(
         f"dropped root {root.name} ({escape(root.data)}, {escape(root.encoder_label)}, "
         f"{root.items:,} items); run `featbake gc` to free what nothing else reaches"
@@ -453,7 +471,12 @@ def verify(
         + UPKEEP_EXIT_CODES
     )
 )
-def merge(cache: CacheOpt = None, as_json: JsonOpt = False) -> None:
+def merge(
+    cache: CacheOpt = None,
+    local_cache: LocalCacheOpt = None,
+    local_cache_size: LocalCacheSizeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
     """Fold every finished sharded build (`build --shard I/N`, SLURM arrays) into the catalog.
 
     A build is merged once all its parts have sealed their fragment; builds still running are
@@ -463,7 +486,11 @@ def merge(cache: CacheOpt = None, as_json: JsonOpt = False) -> None:
     from featbake.store.bucket import merge_store
     from featbake.store.open import Need, open_store
 
-    report = merge_store(open_store(cache, need=Need.STORE))
+    report = merge_store(
+        open_store(
+            cache, need=Need.STORE, local_cache=local_cache, local_cache_size=local_cache_size
+        )
+    )
     if as_json:
         out.print_json(json.dumps(report.to_json()))
         return

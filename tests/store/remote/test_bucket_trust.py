@@ -330,6 +330,12 @@ def test_stats_and_export_take_the_local_cache_options(
     exported = run_cli("export", out, "--cache", s3.url, "--local-cache", tier)
     assert exported.returncode == 0, exported.stderr
     shutil.rmtree(out)
+    for args in (["roots"], ["merge"]):
+        got = run_cli(*args, "--cache", s3.url, "--local-cache", tier, "--local-cache-size", "1GiB")
+        assert got.returncode == 0, (args, got.stderr)
+    name = json.loads(run_cli("roots", "--cache", s3.url, "--json").stdout)[0]["name"]
+    dropped = run_cli("roots", "drop", name, "--cache", s3.url, "--local-cache", tier)
+    assert dropped.returncode == 0 and name in dropped.stdout, dropped.stderr
 
 
 def test_a_read_only_build_into_a_bucket_writes_nothing(
