@@ -669,6 +669,7 @@ class BucketStore:
         self._heads: dict[str, int | None] = {}  # shard sizes prefetch asked the bucket for
         self._prefetch_lock = threading.Lock()
         self._prefetching: set[str] = set()  # shards a background fetch is bringing in
+        self._fits: bool | None = None  # see _store_fits_tier
 
     def __getstate__(self) -> dict:
         return {"url": self.url, "tier": self.layout.root, "budget": self.tier.budget}
@@ -768,14 +769,15 @@ class BucketStore:
     def prefetch(self, name: str) -> bool:
         """Start fetching shard ``name`` whole into the tier on a background thread, not
         waiting (a reader's hint for its coming items: epoch 1 too). Nothing when shards are
-        read by ranges, when the tier holds it, when it does not fit the tier's budget without
-        evicting (a prefetch never pushes out a shard the reads still need), or while
+        read by ranges, when the tier holds it, when the store does not fit the tier's budget
+        whole or the shard does not fit it now without evicting (a prefetch never pushes out a
+        shard the reads still need), or while
         :data:`PREFETCH_AHEAD` fetches of this process are in flight. A failed prefetch is
         silent: the read itself fetches again and says why.
         Returns whether a fetch was started."""
         if os.environ.get(PREFETCH_ENV, "1") == "0":
             return False
-        if self.reads_ranged():
+        if self.reads_ranged() or not self._store_fits_tier():
             return False
         with self._prefetch_lock:  # cheap checks first: a hint names the same shards often
             if name in self._prefetching or len(self._prefetching) >= PREFETCH_AHEAD:
@@ -793,6 +795,14 @@ class BucketStore:
             self._prefetching.add(name)
         _PREFETCH_POOL.get().submit(self._prefetch_one, name)
         return True
+
+    def _store_fits_tier(self) -> bool:
+        """Whether every shard the catalog names fits the tier's budget at once (asked once per
+        process). Only then does a prefetch never push out a shard fetched for a read still to
+        come; a tier smaller than the store fetches on demand (a blocks epoch: once each)."""
+        if self._fits is None:
+            self._fits = sum(catalog_shards(self.layout.catalog).values()) <= self.tier.budget
+        return self._fits
 
     def _prefetch_one(self, name: str) -> None:
         try:
