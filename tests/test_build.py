@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import random
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -161,7 +162,7 @@ def test_a_full_disk_during_a_build_is_a_store_error(
     def enospc_for_shards(fd: int) -> None:
         # Only shard files fill the disk here (the root manifest, written first, still fits).
         name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
-        if name.endswith(".part") and not name.startswith("root-"):
+        if re.fullmatch(r"[0-9a-f]{32}\.part", name):  # a shard being written
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real_fsync(fd)
 
