@@ -632,6 +632,11 @@ READS_ENV = "FEATBAKE_BUCKET_READS"
 FRAGMENTS = "fragments/"
 
 
+#: ``<tier>/tier.json``: marks a folder as a bucket store's local tier, naming its bucket (a
+#: tier given as ``--cache`` is refused: :func:`featbake.store.open.open_store`).
+TIER_MARK = "tier.json"
+
+
 class PinnedVersion(NamedTuple):
     """The published catalog version a tier holds, and the ETag of the object it came from."""
 
@@ -666,10 +671,10 @@ class BucketStore:
         self._ranged: bool | None = None  # see reads_ranged
         self._fills_tier = False  # auto mode reading by ranges: shards that fit are kept
         self._uploaded: set[str] = set()  # shards this process uploaded: copies in the tier
-        self._heads: dict[str, int | None] = {}  # shard sizes prefetch asked the bucket for
         self._prefetch_lock = threading.Lock()
         self._prefetching: set[str] = set()  # shards a background fetch is bringing in
-        self._fits: bool | None = None  # see _store_fits_tier
+        self._named: dict[str, int] | None = None  # see _named_shards
+        self._named_total = 0
 
     def __getstate__(self) -> dict:
         return {"url": self.url, "tier": self.layout.root, "budget": self.tier.budget}
@@ -725,7 +730,7 @@ class BucketStore:
             if mode not in ("auto", "whole", "ranged"):
                 raise ConfigError(f"${READS_ENV} must be auto, whole or ranged, got {mode!r}")
             if mode == "auto":
-                self._ranged = sum(catalog_shards(self.layout.catalog).values()) > self.tier.budget
+                self._ranged = self._named_bytes() > self.tier.budget
                 self._fills_tier = self._ranged
             else:
                 self._ranged = mode == "ranged"
@@ -784,9 +789,7 @@ class BucketStore:
                 return False
         if self.layout.shard_path(name).is_file():
             return False
-        if name not in self._heads:  # one HEAD per shard a process hints (sizes never change)
-            self._heads[name] = self._size_of(name)
-        size = self._heads[name]
+        size = self._named_shards().get(name)  # the catalog says its bytes: no HEAD per hint
         if size is None or not self.tier.has_room(size):
             return False  # never evicts for a guess: what the reads still need stays
         with self._prefetch_lock:
@@ -797,12 +800,23 @@ class BucketStore:
         return True
 
     def _store_fits_tier(self) -> bool:
-        """Whether every shard the catalog names fits the tier's budget at once (asked once per
-        process). Only then does a prefetch never push out a shard fetched for a read still to
-        come; a tier smaller than the store fetches on demand (a blocks epoch: once each)."""
-        if self._fits is None:
-            self._fits = sum(catalog_shards(self.layout.catalog).values()) <= self.tier.budget
-        return self._fits
+        """Whether every shard the catalog names fits the tier's budget at once. Only then does
+        a prefetch never push out a shard fetched for a read still to come; a tier smaller than
+        the store fetches on demand (a blocks epoch: once each)."""
+        return self._named_bytes() <= self.tier.budget
+
+    def _named_shards(self) -> dict[str, int]:
+        """The shards the tier's catalog names, with their bytes: read once per process (the
+        read mode and prefetch ask it; both are settled per process, as they were)."""
+        if self._named is None:
+            self._named = catalog_shards(self.layout.catalog)
+            self._named_total = sum(self._named.values())
+        return self._named
+
+    def _named_bytes(self) -> int:
+        """The bytes of every shard the tier's catalog names (see :meth:`_named_shards`)."""
+        self._named_shards()
+        return self._named_total
 
     def _prefetch_one(self, name: str) -> None:
         try:
@@ -925,7 +939,7 @@ class BucketStore:
 
     def _mark_tier(self) -> None:
         """Write ``tier.json`` (the bucket's URL) once: a tier given as ``--cache`` is refused."""
-        mark = self.layout.root / "tier.json"
+        mark = self.layout.root / TIER_MARK
         if not mark.exists():
             doc = json.dumps({"url": str(self.url)})
             publish_file(mark, lambda tmp: tmp.write_text(doc), tmp_dir=self.layout.tmp)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from featbake.errors import ConfigError, StoreError
-from featbake.store.bucket import BucketStore, Change, publish_next
+from featbake.store.bucket import TIER_MARK, BucketStore, Change, publish_next
 from featbake.store.catalog import READ_ONLY_ENV, Catalog, Root, read_only_forced
 from featbake.store.fragments import sealed_fragments
 from featbake.store.layout import Layout, layout_at
@@ -31,9 +31,6 @@ DEFAULT_LOCAL_CACHE_SIZE = "100GiB"
 # -- opening a store ---------------------------------------------------------------------------
 #: A store as callers name it: its layout, its directory or bucket URL, or None for the default.
 StoreRef = Layout | str | os.PathLike[str] | None
-
-#: ``<tier>/tier.json``: marks a folder as a bucket store's local tier, naming its bucket.
-TIER_MARK = "tier.json"
 
 
 class Need(Enum):
