@@ -54,6 +54,11 @@ def redact(text: str) -> str:
     return _USERINFO.sub(r"\g<scheme>***@", text)
 
 
+def named_endpoint(env: Mapping[str, str]) -> tuple[str, str]:
+    """(variable, value) of the endpoint ``env`` names, unchecked; ``("", "")`` for AWS."""
+    return next(((v, env[v]) for v in ENDPOINT_VARS if env.get(v)), ("", ""))
+
+
 def endpoint_from(env: Mapping[str, str]) -> str | None:
     """The S3 endpoint ``env`` names (``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``), checked;
     None for AWS itself.
@@ -66,7 +71,7 @@ def endpoint_from(env: Mapping[str, str]) -> str | None:
         >>> endpoint_from({"AWS_ENDPOINT_URL": "http://127.0.0.1:9000"})
         'http://127.0.0.1:9000'
     """
-    var, value = next(((v, env[v]) for v in ENDPOINT_VARS if env.get(v)), ("", ""))
+    var, value = named_endpoint(env)
     if not value:
         return None
     shown = redact(value)
@@ -90,7 +95,7 @@ def endpoint() -> str | None:
 
 def endpoint_label() -> str:
     """How messages name the endpoint: its URL without credentials, or AWS."""
-    value = next((os.environ[v] for v in ENDPOINT_VARS if os.environ.get(v)), None)
+    _, value = named_endpoint(os.environ)
     return redact(value) if value else "AWS (no AWS_ENDPOINT_URL is set)"
 
 
