@@ -45,6 +45,23 @@ def flip_a_byte(s3: S3, name: str, tmp: Path) -> None:
     bucket_of(s3).upload(name, tmp)
 
 
+def publish_edited_version(s3: S3, work: Path, *statements: tuple[str, tuple]) -> None:
+    """Publish version 2 as version 1 with ``statements`` run on it: what anyone with write
+    access to the bucket can do."""
+    edited = work / "edited.sqlite"
+    bucket_of(s3).download(version_name(1), edited)
+    conn = open_sqlite(edited)
+    for sql, params in statements:
+        conn.execute(sql, params)
+    conn.close()
+    bucket_of(s3).upload(version_name(2), edited)
+
+
+def outside(victim: Path) -> str:
+    """A name that walks from any folder of the store up to ``victim`` (its suffix left off)."""
+    return "../" * 12 + str(victim.with_suffix("")).lstrip("/")
+
+
 def assert_live(ds: CachedFeatureDataset, encoder: Path) -> None:
     for i in range(len(ds)):
         torch.testing.assert_close(ds[i], live_features(encoder, Path(ds.path(i))))
@@ -165,14 +182,11 @@ def test_a_planted_catalog_naming_a_path_outside_the_store_touches_nothing(
     victim = tmp_path / "victim" / "model.safetensors"
     victim.parent.mkdir()
     victim.write_bytes(b"precious")
-    bucket = bucket_of(s3)
-    planted = tmp_path / "planted.sqlite"
-    bucket.download(version_name(1), planted)
-    hostile = "../" * 12 + str(victim.with_suffix("")).lstrip("/")
-    conn = open_sqlite(planted)
-    conn.execute("UPDATE shards SET name = ? WHERE id = (SELECT min(id) FROM shards)", (hostile,))
-    conn.close()
-    bucket.upload(version_name(2), planted)
+    publish_edited_version(
+        s3,
+        tmp_path,
+        ("UPDATE shards SET name = ? WHERE id = (SELECT min(id) FROM shards)", (outside(victim),)),
+    )
     gc_node = open_store(s3.url, local_cache=tmp_path / "gc-node")
     with pytest.raises(StoreCorrupt, match="not a shard name"):
         gc_bucket(gc_node, GcOptions(older_than=1.0), retention=0.0, now=time.time() + HOUR)
@@ -483,14 +497,13 @@ def test_gc_older_than_keeps_a_bucket_root_a_dataset_reads(
     s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
 ) -> None:
     build(audio_dir, encoder_file, cache=s3.url, workers=0)
-    aged = tmp_path / "aged.sqlite"  # the store as if built 40 days ago (the next version)
-    bucket_of(s3).download(version_name(1), aged)
-    then = time.time() - 40 * 86400
-    conn = open_sqlite(aged)
-    conn.execute("UPDATE roots SET created=?, last_used=?", (then, then))
-    conn.execute("UPDATE features SET last_used=?", (then,))
-    conn.close()
-    bucket_of(s3).upload(version_name(2), aged)
+    then = time.time() - 40 * 86400  # the next version: the store as if built 40 days ago
+    publish_edited_version(
+        s3,
+        tmp_path,
+        ("UPDATE roots SET created=?, last_used=?", (then, then)),
+        ("UPDATE features SET last_used=?", (then,)),
+    )
     ds = CachedFeatureDataset(
         audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "reader", on_miss="error"
     )
@@ -522,14 +535,13 @@ def test_a_planted_root_name_is_never_followed_to_a_path(
     build(audio_dir, encoder_file, cache=s3.url, workers=0)
     victim = tmp_path / "victim.json"
     victim.write_text("precious")
-    planted = tmp_path / "planted.sqlite"
-    bucket_of(s3).download(version_name(1), planted)
-    hostile = "../" * 12 + str(victim.with_suffix("")).lstrip("/")
-    conn = open_sqlite(planted)
-    conn.execute("UPDATE roots SET name = ?", (hostile,))
-    conn.execute("UPDATE root_items SET root = ?", (hostile,))
-    conn.close()
-    bucket_of(s3).upload(version_name(2), planted)
+    hostile = outside(victim)
+    publish_edited_version(
+        s3,
+        tmp_path,
+        ("UPDATE roots SET name = ?", (hostile,)),
+        ("UPDATE root_items SET root = ?", (hostile,)),
+    )
     time.sleep(1.1)  # the root is older than --older-than 1s
     got = run_cli("gc", "--cache", s3.url, "--older-than", "1s", "--local-cache", tmp_path / "t")
     assert got.returncode == 6 and "not a root name" in got.stderr, got.stderr
