@@ -170,11 +170,13 @@ def manifest_item(
     Raises:
         BadRow: no input column, or a bad path, start, end or channel.
     """
-    if column not in fields or fields[column] is None:
+    if column not in fields:
         given = ", ".join(str(k) for k in fields) or "none"
         raise BadRow(f"no {column!r} column (columns: {given}); name the input with --column")
     if None in fields:  # a CSV record with more fields than the header
         raise BadRow("more fields than the header names")
+    if None in fields.values():  # ... or fewer
+        raise BadRow("fewer fields than the header names")
     file = input_file(fields[column], base, column)
     span = span_of(fields.get("start"), fields.get("end"), channel_of(fields.get("channel")))
     ident = fields.get("id")
@@ -354,7 +356,9 @@ class SegmentSource:
         Raises:
             SourceError: the file cannot be decoded, or the span is not in it.
         """
-        item = self.rows[os.fspath(path)]
+        item = self.rows.get(os.fspath(path))
+        if item is None:  # served from a root after its manifest lost the row
+            raise SourceError(f"{path}: not a row of the manifest now; build it again")
         file, span = item.file, item.span
         try:
             if span is None:
@@ -379,7 +383,7 @@ class SegmentSource:
             SourceError: the file changed since it was hashed, is gone, or cannot be decoded.
         """
         x = self.load(path)
-        file = self.rows[path].file
+        file = self.rows[path].file  # there: load found it
         try:
             now: FileStat | None = FileStat.of(file)
         except OSError:

@@ -205,7 +205,8 @@ def test_lhotse_cuts_are_read_without_lhotse(
         cuts.append(json.dumps(cut))
     with gzip.open(corpus / "cuts.jsonl.gz", "wt") as f:
         f.write("\n".join(cuts) + "\n")
-    report = build(corpus / "cuts.jsonl.gz", encoder_file, cache=store_dir, workers=0)
+    # Decode workers: the segments' source travels to worker processes.
+    report = build(corpus / "cuts.jsonl.gz", encoder_file, cache=store_dir, workers=2)
     assert not report.failed and report.files == 6
     ds = quiet_dataset(corpus / "cuts.jsonl.gz", encoder_file, store_dir, on_miss="error")
     assert_items_are_segments(ds, encoder_file, corpus)
@@ -365,3 +366,22 @@ def test_export_names_items_by_their_ids(corpus: Path, encoder_file: Path, store
     export_zarr(corpus / "f.zarr", cache=store_dir)
     g = zarr.open_group(str(corpus / "f.zarr"), mode="r")
     assert list(g["paths"][:]) == [u for u, *_ in SEGMENTS]
+
+
+def test_tsv_line_numbers_and_revalidate_refused(
+    corpus: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    lines = ["path\tstart\tend\tword", "wavs/recA.wav\t0.5\t1.5\tyes", "wavs/recA.wav\t2.0"]
+    lines += ["wavs/recA.wav\t2.0\t3.0\tno\textra", "wavs/recA.wav\t4.0\t4.5\tmaybe"]
+    (corpus / "words.tsv").write_text("\n".join(lines) + "\n")
+    report = build(corpus / "words.tsv", encoder_file, cache=store_dir, workers=0)
+    assert dict(report.failed) == {
+        "words.tsv:3": "fewer fields than the header names",
+        "words.tsv:4": "more fields than the header names",
+    }
+    ds = quiet_dataset(corpus / "words.tsv", encoder_file, store_dir, on_miss="error")
+    assert [ds.row(i) for i in range(len(ds))] == [{"word": "yes"}, {"word": "maybe"}]
+    want = reference(encoder_file, corpus / "wavs/recA.wav", 4.0, 4.5)
+    torch.testing.assert_close(ds[1], want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ConfigError, match="revalidate=True is not built for inputs .* manifest"):
+        quiet_dataset(corpus / "words.tsv", encoder_file, store_dir, revalidate=True)
