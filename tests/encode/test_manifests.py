@@ -383,5 +383,5 @@ def test_tsv_line_numbers_and_revalidate_refused(
     assert [ds.row(i) for i in range(len(ds))] == [{"word": "yes"}, {"word": "maybe"}]
     want = reference(encoder_file, corpus / "wavs/recA.wav", 4.0, 4.5)
     torch.testing.assert_close(ds[1], want, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ConfigError, match="revalidate=True is not built for inputs .* manifest"):
+    with pytest.raises(ConfigError, match=r"revalidate=True is not built for inputs .* manifest"):
         quiet_dataset(corpus / "words.tsv", encoder_file, store_dir, revalidate=True)
