@@ -8,12 +8,14 @@ Three layouts name their items this way (``--data`` picks one, see
   optional ``start`` and ``end`` (seconds) make the row a segment, ``channel`` picks one channel,
   ``id`` names the item (default: the path as written, plus ``#start-end`` for a segment), and
   every other column is carried (:meth:`RowInputs.row`).
-* :class:`KaldiInputs`: a Kaldi data folder. ``wav.scp`` maps recording ids to files; with a
+* :class:`KaldiInputs`: a Kaldi data folder. ``wav.scp`` maps recording ids to files (a relative
+  path is taken from the data folder, not the working directory Kaldi's scripts ran in); with a
   ``segments`` file each utterance is a segment (``utt rec start end``) and its id is the
   utterance id, else each recording is an item under its id. ``text`` and ``utt2spk`` are carried.
 * :class:`CutsInputs`: a lhotse cut manifest (``cuts.jsonl.gz``), read with gzip and json (no
-  lhotse): a cut's ``recording.sources`` of type ``file``, ``start``, ``duration``, ``channel``;
-  its supervisions' text and speaker are carried.
+  lhotse): a cut's ``recording.sources`` of type ``file`` (a relative path taken from the
+  manifest's folder), ``start``, ``duration``, ``channel``; its supervisions' text and speaker
+  are carried.
 
 **Items are the rows, in the manifest's order**, each named by its id (unique: a repeated id is
 refused with one line naming both rows). A row's full name (:meth:`RowInputs.path`, what messages
