@@ -32,16 +32,24 @@ all its segments, never once per segment.
 **Bad rows** are skipped, one line each naming the manifest's line (the build then exits 3):
 malformed JSON, a missing input column, a bad ``start``/``end``, a segment with ``start >= end``
 (at the scan); a missing or unreadable file, a segment past the end of its recording, a channel
-the file lacks (when hashing). Paths in a bucket (``s3://``) are not read from a manifest yet: such
-a row is a bad row saying so.
+the file lacks (when hashing).
+
+**Files in a bucket.** A row may name ``s3://bucket/key``: the object is hashed through the hash
+cache by (size, last change, ETag) as ``--data s3://prefix/`` hashes its objects (one HEAD per
+object and build; read whole only when the cache does not know it), and decoded from its bytes,
+kept per process within :data:`OBJECT_CACHE_BYTES` so that its segments read it once. Its
+segments' bounds are checked when they are decoded (a segment past the end fails then, naming
+its line, and is skipped all the same).
 """
 
 from __future__ import annotations
 
 import csv
 import gzip
+import io
 import json
 import os
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
@@ -49,12 +57,15 @@ from typing import Any, BinaryIO
 import torch
 
 from featbake.encode.fingerprints import hash_inputs, resolve_path
+from featbake.encode.objects import BucketInputs, object_stat, read_object
 from featbake.encode.sources import ScanResult, SkippedInput, Source, Span, span_problem
-from featbake.errors import SourceError
+from featbake.errors import ConfigError, SourceError, StoreError
 from featbake.keys import item_digest
+from featbake.lru import ByteLRU
 from featbake.progress import Progress
+from featbake.store.bucket import Bucket, ObjectBytes
 from featbake.store.catalog import FileStat, HashCache
-from featbake.store.url import is_url
+from featbake.store.url import BucketURL, is_url
 
 #: The input column when ``--column`` is not given.
 DEFAULT_COLUMN = "path"
@@ -62,6 +73,9 @@ DEFAULT_COLUMN = "path"
 OWN_COLUMNS = ("start", "end", "id", "channel")
 #: A guess at a segment's bytes per second (16 kHz, 16-bit), to balance a build's parts.
 SEGMENT_BYTES_PER_SECOND = 32_000
+#: Bytes of bucket objects a decoding process keeps, so the segments of one recording in a
+#: bucket read it once, not once per segment (a larger object is read per segment).
+OBJECT_CACHE_BYTES = 512 << 20
 
 
 # == rows ==========================================================================================
@@ -156,11 +170,14 @@ def input_file(value: Any, base: str, column: str) -> str:
     """
     if not isinstance(value, str) or not value:
         raise BadRow(f"column {column!r} holds {value!r}, not a path")
-    if is_url(value) or "://" in value:
-        raise BadRow(
-            f"{value}: files in a bucket are not read from a manifest yet; copy them to a "
-            "local folder and name them by path, or build the prefix with --data s3://..."
-        )
+    if is_url(value):
+        try:
+            BucketURL.parse(value.rpartition("/")[0])
+        except ConfigError as e:
+            raise BadRow(str(e)) from None
+        return value
+    if "://" in value:
+        raise BadRow(f"{value}: featbake reads local paths and s3:// URLs, not this scheme")
     return os.path.normpath(os.path.join(base, os.path.expanduser(value)))
 
 
@@ -277,12 +294,17 @@ class RowInputs:
         items = [self.by_path[p] for p in paths]
         files = list(dict.fromkeys(it.file for it in items))
         file_stats: dict[str, FileStat] = {}
-        digests, failed = hash_inputs(catalog, files, progress, file_stats)
-        headers = audio_headers({it.file for it in items if it.span and it.file in digests})
+        local = [f for f in files if not is_url(f)]
+        digests, failed = hash_inputs(catalog, local, progress, file_stats)
+        got, lost = object_digests(catalog, [f for f in files if is_url(f)], file_stats)
+        digests.update(got)
+        failed.update(lost)
+        spans = {it.file for it in items if it.span and it.file in digests and not is_url(it.file)}
+        headers = audio_headers(spans)
         out: dict[str, str] = {}
         bad: dict[str, str] = {}
         for path, it in zip(paths, items, strict=True):
-            why = failed.get(it.file) or (headers[it.file] if it.span else None)
+            why = failed.get(it.file) or headers.get(it.file) if it.span else failed.get(it.file)
             if isinstance(why, AudioHeader):
                 why = why.problem(it.span)
             if why is not None:
@@ -295,6 +317,35 @@ class RowInputs:
 
     def source(self, inner: Source) -> Source:
         return SegmentSource(inner, self.by_path)
+
+
+def object_digests(
+    catalog: HashCache, urls: Sequence[str], stats: dict[str, FileStat]
+) -> tuple[dict[str, str], dict[str, str]]:
+    """(url -> SHA-256, url -> why not) of objects named one by one: each HEAD'ed for the
+    (size, last change, ETag) the hash cache compares, and read only when it does not know it
+    (:meth:`featbake.encode.objects.BucketInputs.hash`, one place per folder of objects)."""
+    digests: dict[str, str] = {}
+    failed: dict[str, str] = {}
+    folders: dict[str, list[str]] = {}
+    for url in urls:
+        folders.setdefault(url.rpartition("/")[0], []).append(url)
+    for folder, group in folders.items():
+        place = BucketInputs.at(folder)
+        for url in group:
+            try:
+                info = place.bucket.head(place.rel(url))
+            except StoreError as e:
+                failed[url] = str(e)
+                continue
+            if info is None:
+                failed[url] = "object not found"
+                continue
+            place.listed[place.rel(url)] = info
+        got, lost = place.hash(catalog, [u for u in group if u not in failed], None, stats)
+        digests.update(got)
+        failed.update(lost)
+    return digests, failed
 
 
 def segment_digest(file_sha256: str, span: Span) -> str:
@@ -351,6 +402,7 @@ class SegmentSource:
         self.rows = rows
         self.kind = inner.kind
         self.extensions = inner.extensions
+        self.objects = HeldObjects()
 
     def load(self, path: str | os.PathLike[str], data: BinaryIO | None = None) -> torch.Tensor:
         """Decode row ``path``: its file, or the span of it the row names.
@@ -362,6 +414,8 @@ class SegmentSource:
         if item is None:  # served from a root after its manifest lost the row
             raise SourceError(f"{path}: not a row of the manifest now; build it again")
         file, span = item.file, item.span
+        if data is None and is_url(file):
+            data = io.BytesIO(self.objects.get(file, path).data)
         try:
             if span is None:
                 return self.inner.load(file, data)
@@ -372,7 +426,7 @@ class SegmentSource:
                     f"the manifest for --source {self.kind}"
                 )
             if span.end == float("inf"):
-                span = whole_file_span(file, span.channel)
+                span = whole_file_span(file if data is None else data, span.channel)
             out: torch.Tensor = load_span(file, span, data)
             return out
         except SourceError as e:
@@ -384,6 +438,13 @@ class SegmentSource:
         Raises:
             SourceError: the file changed since it was hashed, is gone, or cannot be decoded.
         """
+        item = self.rows.get(path)
+        if item is not None and is_url(item.file):  # checked by the response's ETag
+            got = self.objects.get(item.file, path)
+            if stat is None or object_stat(got.info) != stat:
+                self.objects.forget(item.file)
+                raise SourceError(f"{path}: {item.file} changed since it was hashed; rerun")
+            return self.load(path, io.BytesIO(got.data))
         x = self.load(path)
         file = self.rows[path].file  # there: load found it
         try:
@@ -395,12 +456,56 @@ class SegmentSource:
         return x
 
 
-def whole_file_span(file: str, channel: int | None) -> Span:
-    """``[0, duration)`` of ``file``: a channel picked from a whole recording."""
+def whole_file_span(file: str | BinaryIO, channel: int | None) -> Span:
+    """``[0, duration)`` of ``file`` (a path, or its bytes): a channel picked from a whole
+    recording."""
     import soundfile
 
-    info = soundfile.info(file)
-    return Span(0.0, info.frames / info.samplerate, channel)
+    with soundfile.SoundFile(file) as f:
+        span = Span(0.0, f.frames / f.samplerate, channel)
+    if not isinstance(file, str):
+        file.seek(0)
+    return span
+
+
+class HeldObjects:
+    """Bucket objects read whole in this process, kept within :data:`OBJECT_CACHE_BYTES`
+    (least recently used out first): a recording's segments read it once."""
+
+    def __init__(self) -> None:
+        self.held: ByteLRU[str, ObjectBytes] = ByteLRU(OBJECT_CACHE_BYTES, lambda o: len(o.data))
+        self.buckets: dict[str, Bucket] = {}
+        self.lock = threading.Lock()
+
+    def get(self, url: str, path: str | os.PathLike[str]) -> ObjectBytes:
+        """Object ``url``'s bytes and response (``path``: the row, for messages).
+
+        Raises:
+            SourceError: it is gone or cannot be read.
+        """
+        with self.lock:
+            got = self.held.get(url)
+        if got is not None:
+            return got
+        folder, _, name = url.rpartition("/")
+        bucket = self.buckets.get(folder) or Bucket(BucketURL.parse(folder))
+        self.buckets[folder] = bucket
+        read = read_object(bucket, name)
+        if isinstance(read, str):
+            raise SourceError(f"{path}: {url}: {read}")
+        with self.lock:
+            self.held.put(url, read)
+        return read
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}  # bytes, clients and the lock stay in their process
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
+
+    def forget(self, url: str) -> None:
+        with self.lock:
+            self.held.pop(url, None)
 
 
 # == manifest ======================================================================================

@@ -34,9 +34,12 @@ from featbake.errors import ConfigError, SourceError
 from featbake.export.zarr import export_zarr
 from featbake.keys import item_digest
 from featbake.serve.dataset import CachedFeatureDataset
+from featbake.store.bucket import Bucket
+from featbake.store.url import BucketURL
 from featbake.testing import make_tone
 from tests.conftest import run_cli
 from tests.helpers import manifest
+from tests.store.remote.conftest import S3
 
 RATE = 16000  # the recipe's rate
 
@@ -290,7 +293,7 @@ def test_each_bad_row_is_skipped_with_its_line_and_the_rest_builds(
         {"path": "wavs/recA.wav", "start": 5.5, "end": 6.5},  # 6: past the end (6 s)
         {"path": "wavs/recA.wav", "start": 1.0},  # 7: no end
         {"path": "wavs/recB.flac", "start": 0.0, "end": 1.0, "channel": 2},  # 8: no channel 2
-        {"path": "s3://bucket/a.wav"},  # 9: a bucket path
+        {"path": "gs://bucket/a.wav"},  # 9: a scheme featbake does not read
         {"path": "wavs/recB.flac", "start": "x", "end": 1.0},  # 10: not seconds
         {"path": "wavs/recA.wav", "start": 1.0, "end": 2.0, "label": 1},  # 11: good
     ]
@@ -308,7 +311,7 @@ def test_each_bad_row_is_skipped_with_its_line_and_the_rest_builds(
     assert "both start and end" in reasons["bad.jsonl:7"]
     assert "bad.jsonl:8" in reasons["wavs/recB.flac#0.0-1.0"]
     assert "channel 2 is not one of the recording's 2 channels" in reasons["wavs/recB.flac#0.0-1.0"]
-    assert "not read from a manifest yet" in reasons["bad.jsonl:9"]
+    assert "speak S3 (s3://), not gs://" in reasons["bad.jsonl:9"]
     assert "not a number of seconds" in reasons["bad.jsonl:10"]
 
     with pytest.warns(UserWarning, match="3 row"):  # gone, past the end, no such channel
@@ -385,3 +388,50 @@ def test_tsv_line_numbers_and_revalidate_refused(
     torch.testing.assert_close(ds[1], want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ConfigError, match=r"revalidate=True is not built for inputs .* manifest"):
         quiet_dataset(corpus / "words.tsv", encoder_file, store_dir, revalidate=True)
+
+
+def test_rows_in_a_bucket_are_hashed_once_decoded_from_held_bytes_and_served(
+    s3: S3, corpus: Path, encoder_file: Path, store_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``s3://`` rows: each object read once to hash and once to decode all its segments; the
+    features equal the same segments read locally (the same keys), and a rebuild reads none."""
+    bucket = Bucket(BucketURL.parse(f"s3://{s3.bucket}/wavs"))
+    for name in ("recA.wav", "recB.flac"):
+        bucket.upload(name, corpus / "wavs" / name)
+    reads: list[str] = []
+    real = Bucket.read
+    monkeypatch.setattr(Bucket, "read", lambda b, name: reads.append(name) or real(b, name))
+    files = {"recA": f"s3://{s3.bucket}/wavs/recA.wav", "recB": f"s3://{s3.bucket}/wavs/recB.flac"}
+    rows: list[Any] = [
+        {"id": u, "path": files[r], "start": s, "end": e, "label": lab}
+        for u, r, s, e, lab, _ in SEGMENTS
+    ]
+    rows.append({"path": files["recA"], "start": 5.5, "end": 6.5})  # past the end: line 7
+    rows.append({"path": f"s3://{s3.bucket}/wavs/gone.wav"})  # line 8
+    write_jsonl(corpus / "s3.jsonl", rows)
+    report = build(corpus / "s3.jsonl", encoder_file, cache=store_dir, workers=0)
+    assert report.encoded == 5 and report.duplicates == 1
+    reasons = dict(report.failed)
+    assert "s3.jsonl:7" in reasons[f"{files['recA']}#5.5-6.5"]
+    assert "past the end of its recording" in reasons[f"{files['recA']}#5.5-6.5"]
+    assert "s3.jsonl:8" in reasons[f"s3://{s3.bucket}/wavs/gone.wav"]
+    assert sorted(reads) == ["recA.wav", "recA.wav", "recB.flac", "recB.flac"]
+
+    local = quiet_dataset(corpus / "train.jsonl", encoder_file, store_dir, on_miss="error")
+    assert local.stored() == 6  # the same segments' keys, wherever their bytes were read
+    reads.clear()
+    with pytest.warns(UserWarning, match="1 row"):
+        ds = CachedFeatureDataset(corpus / "s3.jsonl", encoder_file, cache=store_dir)
+    assert len(ds) == 7 and ds.stored() == 6 and reads == []  # the hash cache knew both
+    assert_items_are_segments(local, encoder_file, corpus)
+    for i in range(6):
+        torch.testing.assert_close(ds[i], local[i])
+    assert ds.row(0) == {"label": 3}
+    with pytest.raises(SourceError, match=r"s3.jsonl:7: .*past the end of its recording"):
+        ds[6]  # its bounds are checked when it is decoded
+
+    live = quiet_dataset(corpus / "s3.jsonl", encoder_file, corpus / "other-store")
+    reads.clear()
+    torch.testing.assert_close(live[1], local[1])  # a miss: the segment decoded from the bucket
+    torch.testing.assert_close(live[3], local[3])
+    assert reads == ["recA.wav"]  # held for its next segment
