@@ -354,7 +354,8 @@ def test_cli_build_of_a_manifest_exits_3_naming_the_lines(
 ) -> None:
     rows: list[Any] = [{"path": "wavs/recA.wav", "start": 0, "end": 1}, "[1, 2", {"path": "no.wav"}]
     write_jsonl(corpus / "train.jsonl", rows)
-    got = run_cli("build", "-e", encoder_file, "-d", corpus / "train.jsonl", "--cache", store_dir)
+    data = ("-d", corpus / "train.jsonl", "--column", "path")  # the default column, named
+    got = run_cli("build", "-e", encoder_file, *data, "--cache", store_dir)
     assert got.returncode == 3, got.stderr
     text = got.stdout + got.stderr
     assert "train.jsonl:2: malformed JSON" in text
