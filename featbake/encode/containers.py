@@ -756,6 +756,7 @@ class Table:
         self.column = column
         self.kinds: list[CellKind] = []  # per file
         self.items: dict[str, Row] = {}  # id -> where, in the table's order
+        self.positions: dict[str, int] = {}  # file path -> its index (see file_index)
 
     @property
     def stat_tells_change(self) -> bool:
@@ -883,7 +884,7 @@ class Table:
 
     def _read(self, file: str, refs: list[ItemRef]) -> dict[str, str | tuple[str]]:
         """The digests of ``refs``' cells in ``file``, one row group at a time."""
-        index = next(i for i, f in enumerate(self.files) if f.path == file)
+        index = self.file_index(file)
         f, kind = self.files[index], self.kinds[index]
         wanted = {r.where: r.path for r in refs}
         out: dict[str, str | tuple[str]] = {}
@@ -901,27 +902,36 @@ class Table:
         return out
 
     def source(self, inner: Source) -> Source:
-        return CellSource(inner, str(self.column), self.files, self.kinds)
+        return CellSource(inner, self)
+
+    def file_index(self, file: str) -> int:
+        """The index of the data file ``file`` among the table's (after its scan).
+
+        Raises:
+            SourceError: ``file`` is not one of the table's files.
+        """
+        if not self.positions:
+            self.positions = {f.path: i for i, f in enumerate(self.files)}
+        found = self.positions.get(file)
+        if found is None or found >= len(self.kinds):
+            raise SourceError(f"{file}: not a scanned file of the table {self.where}")
+        return found
 
 
 class CellSource:
     """The recipe's source over a table's cells: each read from its row group (kept while the
-    next rows are decoded) and decoded from its bytes. A file not among ``files`` (a dataset
-    made before this process scanned) is opened when first named."""
+    next rows are decoded) and decoded from its bytes.
 
-    def __init__(
-        self,
-        inner: Source,
-        column: str,
-        files: Sequence[TableFile] = (),
-        kinds: Sequence[CellKind] = (),
-    ) -> None:
+    It reads through its :class:`Table`, whose column and files its scan settles (a build
+    makes the source before it scans); pickled with it into decode workers, where each file is
+    opened again.
+    """
+
+    def __init__(self, inner: Source, table: Table) -> None:
         self.inner = inner
         self.kind = inner.kind
         self.extensions = inner.extensions
-        self.column = column
-        self.files = {f.path: f for f in files}
-        self.kinds = {f.path: k for f, k in zip(files, kinds, strict=True)}
+        self.table = table
 
     def read(self, path: str) -> bytes:
         """The bytes of the cell named ``path`` (``file:row``).
@@ -930,12 +940,13 @@ class CellSource:
             SourceError: the file or row cannot be read, or the cell holds no bytes.
         """
         file, row = split_item_path(path)
-        f = self.files.setdefault(file, TableFile(file))
+        column = str(self.table.column)
+        index = self.table.file_index(file)
+        f, kind = self.table.files[index], self.table.kinds[index]
         try:
-            kind = self.kinds.get(file) or cell_kind(f.schema().field(self.column).type)
-            cell = f.cells(int(row), [self.column])[self.column]
+            cell = f.cells(int(row), [column])[column]
         except (OSError, ValueError, KeyError) as e:
-            raise SourceError(f"{path}: cannot read column {self.column!r} ({e})") from e
+            raise SourceError(f"{path}: cannot read column {column!r} ({e})") from e
         got = cell_bytes(cell, kind)
         if isinstance(got, str):
             raise SourceError(f"{path}: {got}")

@@ -17,6 +17,7 @@ from typing import Any, BinaryIO, Protocol
 
 import torch
 
+from featbake.encode.containers import is_table, is_webdataset, table_at, webdataset_at
 from featbake.encode.fingerprints import HeldBytes, hash_inputs, resolve_path
 from featbake.encode.sources import ScanResult, Source, scan_inputs
 from featbake.errors import ConfigError, SourceError, StoreError
@@ -179,6 +180,8 @@ OPENERS: list[tuple[Callable[[str], bool], Opener]] = [
     (_is_cuts, _open_cuts),  # before .jsonl: cuts.jsonl.gz
     (_is_manifest, _open_manifest),
     (_is_kaldi_dir, _open_kaldi_dir),
+    (is_webdataset, webdataset_at),  # before is_url: tars in a bucket are refused in one line
+    (is_table, table_at),
     (is_url, _open_bucket),
 ]
 

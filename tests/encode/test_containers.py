@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import tarfile
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import soundfile
 import torch
 from PIL import Image, ImageOps
 
+from featbake.bake.pipeline import build
 from featbake.encode.containers import (
     MemberSource,
     Table,
@@ -28,15 +30,18 @@ from featbake.encode.containers import (
     is_webdataset,
     key_and_extension,
 )
+from featbake.encode.encoders import torchscript_quietly
 from featbake.encode.sources import source_for
 from featbake.errors import ConfigError, SourceError
 from featbake.image_recipe import ImageRecipe, Resize, ResizeKind
 from featbake.keys import sha256_hex
 from featbake.recipe import Recipe
+from featbake.serve.dataset import CachedFeatureDataset
 from featbake.store.catalog import Catalog
 from featbake.store.layout import Layout
 from featbake.testing import make_tone, write_image_folder
-from tests.helpers import real_photos
+from tests.conftest import run_cli
+from tests.helpers import real_photos, stored_features
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -342,3 +347,119 @@ def test_a_dataset_saved_to_disk_is_read_without_datasets(tmp_path: Path) -> Non
     (tmp_path / "dd" / "dataset_dict.json").write_text('{"splits": ["train", "test"]}')
     with pytest.raises(SourceError, match=r"DatasetDict .* --data: .*dd/train"):
         Table(str(tmp_path / "dd"))
+
+
+# == builds, datasets and the CLI ==================================================================
+def test_a_tar_of_photographs_builds_and_serves_what_the_encoder_gives_now(
+    tmp_path: Path,
+) -> None:
+    images = photographs(tmp_path)
+    tar = write_tar(tmp_path / "shard-000.tar", image_samples(images))
+    encoder, store = image_encoder(), tmp_path / "store"
+    report = build(tar, encoder, cache=store, recipe=IMAGE_RECIPE, workers=0)
+    assert (report.encoded, report.failed) == (len(images), [])
+    stored = stored_features(store, report.root)
+    assert list(stored) == [f"sample{i:04d}" for i in range(len(images))]  # tar order, by key
+    for (key, parts), data in zip(stored.items(), images, strict=True):
+        assert torch.equal(parts[""], run_now(encoder, image_tensor(data))), key
+    again = build(tar, encoder, cache=store, recipe=IMAGE_RECIPE, workers=0)
+    assert (again.encoded, again.reused) == (0, len(images))
+    ds = CachedFeatureDataset(tar, encoder, cache=store, recipe=IMAGE_RECIPE, on_miss="error")
+    assert len(ds) == len(images)
+    for i, data in enumerate(images):
+        assert ds.item_id(i) == f"sample{i:04d}"
+        assert ds.row(i) == {"txt": f"a photo number {i}", "cls": i % 3, "json": {"n": i}}
+        assert torch.equal(ds[i], run_now(encoder, image_tensor(data)))
+    # The same JPEGs as files have the same keys: a folder build reuses every one.
+    folder = tmp_path / "as_files"
+    folder.mkdir()
+    for i, data in enumerate(images):
+        (folder / f"{i}.jpg").write_bytes(data)
+    files = build(folder, encoder, cache=store, recipe=IMAGE_RECIPE, workers=0)
+    assert (files.encoded, files.reused) == (0, len(images))
+
+
+def test_a_dataset_over_a_shard_encodes_misses_live_from_the_tar(tmp_path: Path) -> None:
+    images = photographs(tmp_path)
+    tar = write_tar(tmp_path / "s.tar", image_samples(images))
+    encoder = image_encoder()
+    store = tmp_path / "store"
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(tar, encoder, cache=store, recipe=IMAGE_RECIPE)
+    assert len(ds) == len(images) and ds.stored() == 0
+    for i, data in enumerate(images):
+        assert torch.equal(ds[i], run_now(encoder, image_tensor(data))), i
+    # Written back: a second dataset serves them from the store without encoding.
+    again = CachedFeatureDataset(tar, encoder, cache=store, recipe=IMAGE_RECIPE, on_miss="error")
+    assert [torch.equal(again[i], ds[i]) for i in range(len(ds))] == [True] * len(images)
+
+
+def test_an_hf_dataset_saved_to_disk_builds_and_serves(tmp_path: Path) -> None:
+    images = photographs(tmp_path)
+    folder = save_to_disk(tmp_path / "hf", images, [i % 2 for i in range(len(images))])
+    encoder, store = image_encoder(), tmp_path / "store"
+    report = build(folder, encoder, cache=store, recipe=IMAGE_RECIPE, workers=2, column="image")
+    assert (report.encoded, report.failed) == (len(images), [])
+    ds = CachedFeatureDataset(
+        folder, encoder, cache=store, recipe=IMAGE_RECIPE, column="image", on_miss="error"
+    )
+    assert len(ds) == len(images)
+    for i, data in enumerate(images):
+        assert ds.row(i) == {"label": i % 2}
+        assert torch.equal(ds[i], run_now(encoder, image_tensor(data))), ds.item_id(i)
+
+
+def test_a_parquet_of_audio_bytes_builds_with_bad_rows_skipped_and_serves(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    clips: list[bytes | None] = [wav_bytes(0.3 + 0.1 * i, i) for i in range(5)]
+    clips[1] = None  # a null cell
+    clips[3] = b"RIFF not audio at all"  # an undecodable cell
+    ids = [f"utt{i}" for i in range(5)]
+    path = write_audio_parquet(tmp_path / "train.parquet", clips, id=ids, speaker=list("ababa"))
+    store = tmp_path / "store"
+    report = build(path, encoder_file, cache=store, workers=0, column="audio")
+    assert report.encoded == 3
+    reasons = dict(report.failed)
+    assert set(reasons) == {"utt1", "utt3"}
+    assert f"{path}:1: the cell is null" in reasons["utt1"]
+    assert "cannot decode audio" in reasons["utt3"] and f"{path}:3" in reasons["utt3"]
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
+    with pytest.warns(UserWarning, match=r"utt1: .*train.parquet:1: the cell is null"):
+        ds = CachedFeatureDataset(path, encoder_file, cache=store, column="audio")
+    # The null cell is no item; the undecodable one is (its bytes have a key), failing if read.
+    assert [ds.item_id(i) for i in range(len(ds))] == ["utt0", "utt2", "utt3", "utt4"]
+    for i, n in enumerate([0, 2, 4, 4]):
+        if i == 2:
+            with pytest.raises(SourceError, match=r"train.parquet:3: cannot decode audio"):
+                ds[i]
+            continue
+        assert ds.row(i) == {"speaker": "ab"[n % 2]}
+        want = run_now(module, audio_tensor(clips[n]))  # type: ignore[arg-type]
+        assert torch.equal(ds[i], want), n
+
+
+def test_the_cli_builds_a_shard_with_a_truncated_member_and_exits_3(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    clips = [wav_bytes(0.4, i) for i in range(4)]
+    tar = write_tar(tmp_path / "speech.tar", [(f"u{i}", {"wav": c}) for i, c in enumerate(clips)])
+    whole = tar.read_bytes()
+    tar.write_bytes(whole[: whole.find(clips[-1]) + 100])
+    out = run_cli(
+        "build", "--encoder", encoder_file, "--data", tar, "--cache", tmp_path / "store",
+        "--column", "wav", "--workers", "0",
+    )  # fmt: skip
+    assert out.returncode == 3, out.stdout + out.stderr
+    text = out.stdout + out.stderr
+    assert f"{tar}:u3.wav: truncated tar member (100 of" in text, text
+    assert re.search(r"^encoded\s+3$", text, re.MULTILINE) and "failed u3: " in text, text
+    root = re.search(r"^root\s+(\S+)$", text, re.MULTILINE)
+    assert root, text
+    stored = stored_features(tmp_path / "store", root.group(1))
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
+    assert list(stored) == ["u0", "u1", "u2"]
+    for (key, parts), clip in zip(stored.items(), clips, strict=False):  # batched by 3
+        torch.testing.assert_close(parts[""], run_now(module, audio_tensor(clip)), msg=key)
