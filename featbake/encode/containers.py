@@ -322,11 +322,34 @@ def is_webdataset(where: str) -> bool:
     folder whose visible files are all ``.tar`` (one at least)."""
     if where.lower().endswith(".tar"):
         return True
-    if is_url(where) or not os.path.isdir(where):
+    return not is_url(where) and holds_only(where, (".tar",))
+
+
+def holds_only(where: str, wanted: tuple[str, ...], also: tuple[str, ...] = ()) -> bool:
+    """Whether the folder ``where`` holds a visible file ending with ``wanted``, and no visible
+    file ending otherwise (but with ``also``). It stops at the first other file: asked of every
+    ``--data`` folder, it must not stat a million clips to say no."""
+    found = False
+    try:
+        with os.scandir(where) as it:
+            for entry in it:
+                if entry.name.startswith(".") or not _is_file(entry):
+                    continue
+                name = entry.name.lower()
+                if name.endswith(wanted):
+                    found = True
+                elif not name.endswith(also):
+                    return False
+    except OSError:
+        return False  # not a folder (or unreadable): the folder scan says why
+    return found
+
+
+def _is_file(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_file()
+    except OSError:
         return False
-    names = [n for n in os.listdir(where) if not n.startswith(".")]
-    files = [n for n in names if os.path.isfile(os.path.join(where, n))]
-    return bool(files) and all(n.lower().endswith(".tar") for n in files)
 
 
 def refuse_url(where: str, what: str) -> None:
@@ -627,15 +650,13 @@ def is_table(where: str) -> bool:
     DatasetDict's, refused with its splits named), or a folder of parquet files only."""
     if where.lower().endswith((".parquet", ".arrow")):
         return True
-    if is_url(where) or not os.path.isdir(where):
+    if is_url(where):
         return False
-    names = {n for n in os.listdir(where) if not n.startswith(".")}
-    if "dataset_dict.json" in names or {"state.json", "dataset_info.json"} <= names:
+    if os.path.isfile(os.path.join(where, "dataset_dict.json")):
         return True
-    files = [n for n in names if os.path.isfile(os.path.join(where, n))]
-    return any(n.endswith(".parquet") for n in files) and all(
-        n.endswith((".parquet", ".md", ".json")) for n in files
-    )
+    if all(os.path.isfile(os.path.join(where, n)) for n in ("state.json", "dataset_info.json")):
+        return True
+    return holds_only(where, (".parquet",), (".md", ".json"))
 
 
 def table_files(where: str) -> list[str]:

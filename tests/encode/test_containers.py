@@ -187,6 +187,23 @@ def test_keys_split_as_webdataset_splits_them() -> None:
     ]  # fmt: skip
 
 
+def test_which_folders_are_containers(tmp_path: Path) -> None:
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "a.tar").write_bytes(b"")
+    (tmp_path / "shards" / ".hidden").write_bytes(b"")
+    (tmp_path / "table").mkdir()
+    for name in ("train-00000.parquet", "README.md", "dataset_infos.json"):
+        (tmp_path / "table" / name).write_bytes(b"")
+    (tmp_path / "audio").mkdir()
+    for name in ("a.tar", "b.wav", "c.parquet"):
+        (tmp_path / "audio" / name).write_bytes(b"")
+    assert is_webdataset(str(tmp_path / "shards")) and not is_table(str(tmp_path / "shards"))
+    assert is_table(str(tmp_path / "table")) and not is_webdataset(str(tmp_path / "table"))
+    audio = str(tmp_path / "audio")  # a folder with other files is a folder of files
+    assert not is_webdataset(audio) and not is_table(audio)
+    assert not is_webdataset(str(tmp_path / "missing")) and is_webdataset("s3://b/x.tar")
+
+
 def test_a_shard_is_read_in_tar_order_with_its_members_carried(tmp_path: Path) -> None:
     images = photographs(tmp_path)
     tar = write_tar(tmp_path / "shard-000.tar", image_samples(images))
