@@ -87,7 +87,7 @@ class ItemRef(NamedTuple):
     path: str
     cache_id: str
     container: str
-    where: int  # a tar member's data offset, or a table's row
+    where: int  # a table's row (0 for a tar member, found by its name)
 
 
 #: container, the refs to read in it -> ref path -> digest, or why it cannot be read.
@@ -360,7 +360,7 @@ def refuse_url(where: str, what: str) -> None:
     """
     raise ConfigError(
         f"{what} in a bucket ({where}) are not read in place yet; copy them to a local folder "
-        "(e.g. `aws s3 cp --recursive`) and pass that as --data"
+        "(e.g. with `aws s3 sync`) and pass that as --data"
     )
 
 
