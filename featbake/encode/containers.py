@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
 
 import torch
 
-from featbake.encode.fingerprints import resolve_path
+from featbake.encode.fingerprints import HeldBytes, resolve_path
 from featbake.encode.sources import ScanResult, SkippedInput, Source
 from featbake.errors import ConfigError, SourceError
 from featbake.progress import Progress
@@ -261,8 +261,14 @@ def truncated(tar: str, member: Member, got: int) -> str:
     )
 
 
-def member_digests(tar: str, members: list[Member]) -> dict[str, str | tuple[str]]:
-    """member name -> SHA-256 of its bytes (streamed in tar order), or a 1-tuple: why not."""
+def member_digests(
+    tar: str, members: list[Member], held: HeldBytes | None = None
+) -> dict[str, str | tuple[str]]:
+    """member name -> SHA-256 of its bytes (in tar order), or a 1-tuple: why not.
+
+    With ``held``, a member that fits its budget is read whole and its bytes kept there for the
+    build to decode (a first build reads each member once); others are streamed in chunks.
+    """
     out: dict[str, str | tuple[str]] = {}
     try:
         f = open(tar, "rb")  # noqa: SIM115  (closed below, after every member)
@@ -271,6 +277,14 @@ def member_digests(tar: str, members: list[Member]) -> dict[str, str | tuple[str
     with f:
         for m in sorted(members, key=lambda m: m.offset):
             f.seek(m.offset)
+            if held is not None and held.size + m.size <= held.budget:
+                data = f.read(m.size)
+                if len(data) != m.size:
+                    out[m.name] = (truncated(tar, m, len(data)),)
+                    continue
+                held.keep(f"{tar}:{m.name}", data)
+                out[m.name] = hashlib.sha256(data).hexdigest()
+                continue
             sha, left = hashlib.sha256(), m.size
             while left > 0 and (chunk := f.read(min(CHUNK, left))):
                 sha.update(chunk)
@@ -409,6 +423,8 @@ class WebDataset:
             SourceError: no shard holds a sample with the member to encode, or two samples
                 share a key.
         """
+        self.samples, self.chosen = {}, {}  # a scan starts afresh
+        self.index.listed.clear()  # in place: a source made before the scan reads through it
         skipped: list[SkippedInput] = []
         seen: dict[str, str] = {}
         for tar in self.tars:
@@ -493,18 +509,25 @@ class WebDataset:
         paths: Sequence[str],
         progress: Callable[[Progress], None] | None = None,
         stats: dict[str, FileStat] | None = None,
+        held: HeldBytes | None = None,
     ) -> tuple[dict[str, str], dict[str, str]]:
         """SHA-256 of each member, reading only shards whose stat the hash cache does not know
-        (see :func:`hash_items`)."""
+        (see :func:`hash_items`); ``held`` keeps the bytes read, for the build to decode."""
         refs = [ItemRef(p, p, split_item_path(p)[0], 0) for p in paths]
-        return hash_items(catalog, refs, self._read, progress, stats)
 
-    def _read(self, tar: str, refs: list[ItemRef]) -> dict[str, str | tuple[str]]:
+        def read(tar: str, wanted: list[ItemRef]) -> dict[str, str | tuple[str]]:
+            return self._read(tar, wanted, held)
+
+        return hash_items(catalog, refs, read, progress, stats)
+
+    def _read(
+        self, tar: str, refs: list[ItemRef], held: HeldBytes | None
+    ) -> dict[str, str | tuple[str]]:
         try:
             members = [self.index.member(r.path)[1] for r in refs]
         except SourceError as e:
             return {r.path: (str(e),) for r in refs}
-        got = member_digests(tar, members)
+        got = member_digests(tar, members, held)
         return {r.path: got.get(m.name, ("not read",)) for r, m in zip(refs, members, strict=True)}
 
     def source(self, inner: Source) -> Source:
@@ -800,6 +823,7 @@ class Table:
             raise SourceError(self.no_column(schemas))
         skipped: list[SkippedInput] = []
         seen: dict[str, str] = {}
+        self.items = {}  # a scan starts afresh
         for i, (f, schema) in enumerate(zip(self.files, schemas, strict=True)):
             ids = self._ids(f, schema)
             why = self._unusable(schema, self.kinds[i])
@@ -894,16 +918,24 @@ class Table:
         paths: Sequence[str],
         progress: Callable[[Progress], None] | None = None,
         stats: dict[str, FileStat] | None = None,
+        held: HeldBytes | None = None,
     ) -> tuple[dict[str, str], dict[str, str]]:
         """SHA-256 of each cell, reading only files whose stat the hash cache does not know
-        (see :func:`hash_items`); a row's entry is keyed by its name and the column."""
+        (see :func:`hash_items`); a row's entry is keyed by its name and the column. ``held``
+        keeps the cells' bytes, for the build to decode."""
         refs = []
         for p in paths:
             file, row = split_item_path(p)
             refs.append(ItemRef(p, f"{p}:{self.column}", file, int(row)))
-        return hash_items(catalog, refs, self._read, progress, stats)
 
-    def _read(self, file: str, refs: list[ItemRef]) -> dict[str, str | tuple[str]]:
+        def read(file: str, wanted: list[ItemRef]) -> dict[str, str | tuple[str]]:
+            return self._read(file, wanted, held)
+
+        return hash_items(catalog, refs, read, progress, stats)
+
+    def _read(
+        self, file: str, refs: list[ItemRef], held: HeldBytes | None
+    ) -> dict[str, str | tuple[str]]:
         """The digests of ``refs``' cells in ``file``, one row group at a time."""
         index = self.file_index(file)
         f, kind = self.files[index], self.kinds[index]
@@ -915,6 +947,8 @@ class Table:
                     got = cell_bytes(chunk[j].as_py(), kind)
                     if isinstance(got, bytes):
                         out[wanted[first + j]] = hashlib.sha256(got).hexdigest()
+                        if held is not None:
+                            held.keep(wanted[first + j], got)
                     else:
                         out[wanted[first + j]] = (f"{file}:{first + j}: {got}",)
         except (OSError, ValueError) as e:

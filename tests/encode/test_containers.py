@@ -241,7 +241,7 @@ def test_an_unchanged_shard_is_not_read_again(
     import featbake.encode.containers as containers
 
     read: list[str] = []
-    monkeypatch.setattr(containers, "member_digests", lambda t, m: read.append(t) or {})
+    monkeypatch.setattr(containers, "member_digests", lambda t, m, held: read.append(t) or {})
     again, failed = WebDataset(str(tar)).hash(cat, paths)
     assert (again, failed, read) == (first, {}, [])
     os.utime(tar, None)  # touched: its stat changed, so it is read again
@@ -394,6 +394,34 @@ def test_a_tar_of_photographs_builds_and_serves_what_the_encoder_gives_now(
         (folder / f"{i}.jpg").write_bytes(data)
     files = build(folder, encoder, cache=store, recipe=IMAGE_RECIPE, workers=0)
     assert (files.encoded, files.reused) == (0, len(images))
+
+
+def test_a_first_build_reads_each_member_and_cell_once(
+    tmp_path: Path, encoder_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bytes hashed for the key are decoded (held), not read from the container again."""
+    import featbake.encode.containers as containers
+
+    again: list[str] = []
+    real_member, real_cells = containers.read_member, containers.TableFile.cells
+
+    def member(tar: str, m: containers.Member) -> bytes:
+        again.append(f"{tar}:{m.name}")
+        return real_member(tar, m)
+
+    def cells(self: containers.TableFile, row: int, columns: Any) -> dict[str, Any]:
+        again.append(f"{self.path}:{row}")
+        return real_cells(self, row, columns)
+
+    monkeypatch.setattr(containers, "read_member", member)
+    monkeypatch.setattr(containers.TableFile, "cells", cells)
+    clips = [wav_bytes(0.3 + 0.1 * i, i) for i in range(4)]
+    tar = write_tar(tmp_path / "a.tar", [(f"u{i}", {"wav": c}) for i, c in enumerate(clips)])
+    table = write_audio_parquet(tmp_path / "a.parquet", list(clips))
+    for data in (tar, table):
+        report = build(data, encoder_file, cache=tmp_path / f"s-{data.name}", workers=0)
+        assert (report.encoded, report.failed) == (4, [])
+    assert again == []
 
 
 def test_a_dataset_over_a_shard_encodes_misses_live_from_the_tar(tmp_path: Path) -> None:
