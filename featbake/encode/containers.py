@@ -479,6 +479,10 @@ class WebDataset:
         return next((m for last, m in kinds if last in exts), None)
 
     def path(self, rel: str) -> str:
+        """``shard.tar:member`` of sample ``rel``; ``<where>#<rel>`` for a sample no scan found
+        (a root names it, its shard is gone: its feature is served from the store)."""
+        if rel not in self.chosen:
+            return f"{self.where}#{rel}"
         return f"{self.samples[rel].tar}:{self.chosen[rel].name}"
 
     def rel(self, path: str) -> str:
@@ -496,6 +500,8 @@ class WebDataset:
         Raises:
             SourceError: a member cannot be read (its tar is truncated there).
         """
+        if rel not in self.chosen:
+            raise SourceError(f"{self.where}: no sample {rel!r} (its shard is gone or changed)")
         sample, chosen = self.samples[rel], self.chosen[rel]
         return {
             ext: carried_value(ext, read_member(sample.tar, m))
@@ -899,15 +905,19 @@ class Table:
         )
 
     def path(self, rel: str) -> str:
-        at = self.items[rel]
-        return f"{self.files[at.file].path}:{at.row}"
+        """``file:row`` of item ``rel``; ``<where>#<rel>`` for a row no scan found (a root names
+        it, its file is gone: its feature is served from the store)."""
+        at = self.items.get(rel)
+        return f"{self.where}#{rel}" if at is None else f"{self.files[at.file].path}:{at.row}"
 
     def size(self, rel: str) -> int:
         return 0  # not known before the cell is read
 
     def row(self, rel: str) -> dict[str, Any]:
         """The row's other columns as Python values (its ``id`` and encoded column left out)."""
-        at = self.items[rel]
+        at = self.items.get(rel)
+        if at is None:
+            raise SourceError(f"{self.where}: no row {rel!r} (its file is gone or changed)")
         f = self.files[at.file]
         names = [n for n in f.schema().names if n not in (self.column, "id")]
         return f.cells(at.row, names) if names else {}

@@ -424,6 +424,20 @@ def test_a_first_build_reads_each_member_and_cell_once(
     assert again == []
 
 
+def test_a_built_shard_deleted_since_is_served_from_the_store(tmp_path: Path) -> None:
+    images = photographs(tmp_path)
+    tar = write_tar(tmp_path / "s.tar", image_samples(images))
+    encoder, store = image_encoder(), tmp_path / "store"
+    build(tar, encoder, cache=store, recipe=IMAGE_RECIPE, workers=0)
+    tar.unlink()
+    ds = CachedFeatureDataset(tar, encoder, cache=store, recipe=IMAGE_RECIPE, on_miss="error")
+    assert [ds.item_id(i) for i in range(len(ds))] == [f"sample{i:04d}" for i in range(len(images))]
+    for i, data in enumerate(images):
+        assert torch.equal(ds[i], run_now(encoder, image_tensor(data)))
+    with pytest.raises(SourceError, match="no sample 'sample0000'"):
+        ds.row(0)
+
+
 def test_a_dataset_over_a_shard_encodes_misses_live_from_the_tar(tmp_path: Path) -> None:
     images = photographs(tmp_path)
     tar = write_tar(tmp_path / "s.tar", image_samples(images))
