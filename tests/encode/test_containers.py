@@ -499,6 +499,27 @@ def test_a_parquet_of_audio_bytes_builds_with_bad_rows_skipped_and_serves(
         assert torch.equal(ds[i], want), n
 
 
+def test_dataloader_workers_encode_misses_from_a_table_and_a_shard(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """Misses decoded in forked DataLoader workers: each reads its container itself."""
+    from torch.utils.data import DataLoader
+
+    clips = [wav_bytes(0.3 + 0.05 * i, i) for i in range(6)]
+    table = write_audio_parquet(tmp_path / "a.parquet", list(clips))
+    tar = write_tar(tmp_path / "a.tar", [(f"u{i}", {"wav": c}) for i, c in enumerate(clips)])
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
+    for data in (table, tar):
+        with pytest.warns(UserWarning, match="no featbake store"):
+            ds = CachedFeatureDataset(data, encoder_file, cache=tmp_path / f"s-{data.name}")
+        loader = DataLoader(ds, batch_size=None, num_workers=2)
+        got = list(loader)
+        assert len(got) == len(clips)
+        for x, clip in zip(got, clips, strict=True):
+            assert torch.equal(x, run_now(module, audio_tensor(clip)))
+
+
 def test_the_cli_builds_a_shard_with_a_truncated_member_and_exits_3(
     tmp_path: Path, encoder_file: Path
 ) -> None:
