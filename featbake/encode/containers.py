@@ -897,12 +897,20 @@ class Table:
         raise SourceError(self.no_column(schemas))
 
     def no_column(self, schemas: Sequence[pa.Schema]) -> str:
+        """Why the table has nothing to encode: the asked column is missing or holds no bytes
+        in any file, or (none asked) no column holds bytes."""
         names = sorted({n for s in schemas for n in s.names})
-        asked = f"column {self.column!r}" if self.column else "no column"
-        return (
-            f"{asked} of {self.where} holds bytes or an Audio/Image struct ({{bytes, path}}) "
-            f"(columns: {', '.join(names)}); name one that does with --column"
-        )
+        listed = f"(columns: {', '.join(names)})"
+        if self.column is None:
+            what = f"no column of {self.where} holds bytes or an Audio/Image struct {listed}"
+        elif self.column not in names:
+            what = f"{self.where} has no column {self.column!r} {listed}"
+        else:
+            what = (
+                f"column {self.column!r} of {self.where} holds neither bytes nor an Audio/Image "
+                f"struct ({{bytes, path}}) in any file {listed}"
+            )
+        return f"{what}; name the column to encode with --column"
 
     def path(self, rel: str) -> str:
         """``file:row`` of item ``rel``; ``<where>#<rel>`` for a row no scan found (a root names

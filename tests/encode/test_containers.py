@@ -335,8 +335,10 @@ def test_bad_cells_and_columns_are_bad_rows_with_their_row(tmp_path: Path) -> No
     paths = [inputs.path(r) for r in scanned.inputs]
     _, failed = inputs.hash(catalog(tmp_path), paths)
     assert failed == {paths[1]: f"{folder / 'a.parquet'}:1: the cell is null"}
-    with pytest.raises(SourceError, match=r"column .speaker. of .* --column"):
+    with pytest.raises(SourceError, match=r"has no column 'speaker' \(columns: audio, id\)"):
         Table(str(folder), column="speaker").scan([".wav"])
+    with pytest.raises(SourceError, match=r"column 'id' of .* holds neither bytes nor .*--column"):
+        Table(str(folder), column="id").scan([".wav"])
     write_audio_parquet(folder / "c.parquet", clips[:1], id=["x"])
     with pytest.raises(SourceError, match="two rows have the id 'x'"):
         Table(str(folder)).scan([".wav"])
