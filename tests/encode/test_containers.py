@@ -522,6 +522,30 @@ def test_dataloader_workers_encode_misses_from_a_table_and_a_shard(
             assert torch.equal(x, run_now(module, audio_tensor(clip)))
 
 
+def test_loader_roots_and_export_over_a_table(tmp_path: Path, encoder_file: Path) -> None:
+    """FeatureLoader and its padding work unchanged; roots name the table, export its ids."""
+    import zarr
+
+    from featbake.export.zarr import export_zarr
+    from featbake.serve.loader import FeatureLoader
+
+    clips = [wav_bytes(0.3 + 0.1 * i, i) for i in range(5)]
+    ids = [f"utt{i}" for i in range(5)]
+    table = write_audio_parquet(tmp_path / "t.parquet", list(clips), id=ids)
+    store = tmp_path / "store"
+    build(table, encoder_file, cache=store, workers=0)
+    ds = CachedFeatureDataset(table, encoder_file, cache=store, on_miss="error")
+    batches = list(FeatureLoader(ds, batch_size=2, shuffle=False))
+    assert [int(n) for _, lengths in batches for n in lengths] == [len(ds[i]) for i in range(5)]
+    for j, (padded, lengths) in enumerate(batches):
+        for k, n in enumerate(lengths):
+            assert torch.equal(padded[k, : int(n)], ds[2 * j + k])
+    roots = run_cli("roots", "--cache", store, "--json")
+    assert json.loads(roots.stdout)[0]["data"] == str(table)
+    export_zarr(tmp_path / "f.zarr", cache=store)
+    assert list(zarr.open_group(str(tmp_path / "f.zarr"), mode="r")["paths"][:]) == ids
+
+
 def test_the_cli_builds_a_shard_with_a_truncated_member_and_exits_3(
     tmp_path: Path, encoder_file: Path
 ) -> None:
