@@ -20,15 +20,20 @@
    ``featbake.build`` against a bare loop that seeks to each segment, reads it with soundfile and
    encodes it (ConvStack, batch 16). Target: <= 1.10x; and the recording is hashed once and each
    of its samples decoded at most once (counted in a ``workers=0`` build).
+5. **Parquet against files** (issue 29): the same clips as wav files and as one parquet file
+   whose ``audio`` column holds each clip's bytes (a Hugging Face Audio struct), built by
+   ``featbake.build`` with the small encoder and default options; median over rounds of the
+   parquet's build time over the folder's. Target: <= 1.10x.
 
-Run: ``python benchmarks/bench_build.py [overhead|small|rebuild|fingerprint|segments ...]
-[--quick]``.
+Run: ``python benchmarks/bench_build.py [overhead|small|rebuild|fingerprint|segments|
+parquet ...] [--quick]``.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -429,12 +434,60 @@ def bench_segments(work: Path, quick: bool) -> list[dict]:
     ]  # fmt: skip
 
 
+# -- 5. a parquet of clips against the same files ------------------------------------------------
+def write_parquet(folder: Path, path: Path) -> Path:
+    """One parquet file of ``folder``'s clips, as the Hub stores audio: an ``audio`` column of
+    {bytes, path} structs (row groups of 100 rows, as ``datasets`` writes media), beside a
+    ``speaker`` column."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    clips = sorted(folder.rglob("*.wav"))
+    media = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    cells = [{"bytes": p.read_bytes(), "path": p.name} for p in clips]
+    features = {"audio": {"_type": "Audio", "sampling_rate": None}}
+    meta = {b"huggingface": json.dumps({"info": {"features": features}}).encode()}
+    table = pa.table(
+        {"audio": pa.array(cells, type=media), "speaker": [f"s{i % 7}" for i in range(len(clips))]}
+    ).replace_schema_metadata(meta)
+    pq.write_table(table, path, row_group_size=100)
+    return path
+
+
+def bench_parquet(work: Path, quick: bool) -> list[dict]:
+    """featbake.build over a parquet of clips against the same build over the files."""
+    n, reps = (64, 1) if quick else (1700, 3)
+    data = work / "parquet_audio"
+    write_audio_folder(data, n, seconds=(1.0, 6.0), sample_rate=8000, seed=23)
+    table = write_parquet(data, work / "clips.parquet")
+    enc_path = save_torchscript(ConvStack(SMALL_CHANNELS), work / "convstack_pq.pt")
+    featbake_build(data, enc_path, work / "warm", workers=None)  # warm: caches, lazy imports
+    runs: dict[str, list[float]] = {"files": [], "parquet": []}
+    for i in range(reps):
+        order = ["files", "parquet"] if i % 2 == 0 else ["parquet", "files"]
+        for name in order:
+            where = data if name == "files" else table
+            runs[name].append(featbake_build(where, enc_path, work / f"pq{i}", workers=None))
+    pairs = zip(runs["parquet"], runs["files"], strict=True)
+    ratio = statistics.median(p / f for p, f in pairs)
+    note = (
+        f"{n} clips of 1-6 s at 8 kHz (resampled to 16 kHz) as wav files and as one parquet of "
+        f"Audio structs, ConvStack({SMALL_CHANNELS}ch), default options, CPU; median over "
+        f"{reps} rounds; wall (s): files {_fmt(runs['files'])}, parquet {_fmt(runs['parquet'])}"
+    )
+    metric = "audio build from a parquet / from the same files"
+    return [_row(metric, ratio, "x", "<= 1.10x", ratio <= 1.10, note)]
+
+
 PARTS = {
     "overhead": bench_overhead,
     "small": bench_small_encoder,
     "rebuild": bench_rebuild,
     "fingerprint": bench_fingerprint,
     "segments": bench_segments,
+    "parquet": bench_parquet,
 }
 
 

@@ -41,6 +41,7 @@ from featbake.bake.threads import (
     worker_death,
 )
 from featbake.device import check_device, process_cpus, torch_threads
+from featbake.encode.containers import Table, WebDataset
 from featbake.encode.encoders import LoadedEncoder, from_module
 from featbake.encode.fingerprints import HeldBytes, encoder_fingerprint
 from featbake.encode.hf import check_recipe_supported, recipe_for_encoder
@@ -414,7 +415,7 @@ class _Bake:
             key -> the absolute path of the first input with that key.
         """
         abs_paths = [self.place.path(p) for p in rel_paths]
-        if isinstance(self.place, Folder):  # the bytes hashed are kept to decode: read once
+        if isinstance(self.place, (Folder, WebDataset, Table)):  # bytes hashed kept: read once
             digests, unreadable = self.place.hash(
                 self.catalog, abs_paths, self.progress, self.hashed_stats, self.held
             )

@@ -79,14 +79,16 @@ def build(
             "(objects listed and read from S3; credentials and endpoint from the AWS_* "
             "environment), or a manifest (train.jsonl, .csv, .tsv: a row per item, optional "
             "start/end seconds and id), a Kaldi data folder (wav.scp [+ segments]) or a lhotse "
-            "cut manifest (cuts.jsonl.gz).",
+            "cut manifest (cuts.jsonl.gz), webdataset shards (a .tar, a folder of them, "
+            "'shard-{000..009}.tar'), or parquet / a datasets.save_to_disk folder.",
         ),
     ],
     column: Annotated[
         str | None,
         typer.Option(
             help="The manifest column that names each item's input file (default: path), "
-            "e.g. --column audio_filepath.",
+            "e.g. --column audio_filepath; a tar sample's member (--column jpg) or a table's "
+            "Audio/Image/bytes column (--column audio) to encode.",
             show_default=False,
         ),
     ] = None,

@@ -12,6 +12,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from featbake.encode.containers import is_table, is_webdataset, table_at, webdataset_at
 from featbake.encode.fingerprints import HeldBytes, hash_inputs, resolve_path
 from featbake.encode.objects import BucketInputs, ObjectSource, object_stat, read_object
 from featbake.encode.sources import ScanResult, Source, scan_inputs
@@ -186,6 +187,8 @@ OPENERS: list[tuple[Callable[[str], bool], Opener]] = [
     (_is_cuts, _open_cuts),  # before .jsonl: cuts.jsonl.gz
     (_is_manifest, _open_manifest),
     (_is_kaldi_dir, _open_kaldi_dir),
+    (is_webdataset, webdataset_at),  # before is_url: tars in a bucket are refused in one line
+    (is_table, table_at),
     (is_url, _open_bucket),
 ]
 
