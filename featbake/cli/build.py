@@ -53,7 +53,10 @@ from featbake.units import format_bytes, parse_bytes
         "  OMP_NUM_THREADS=1 featbake build --encoder vad.pt --data ./audio   # or --threads 1"
         "\n\n"
         "  featbake build --encoder ckpt.pt --data s3://bucket/audio/ --cache ./features   # "
-        "inputs in a bucket\n\n" + EXIT_CODES
+        "inputs in a bucket\n\n"
+        "  featbake build --encoder ckpt.pt --data train.jsonl   # rows: path, start, end, id\n\n"
+        "  featbake build --encoder ckpt.pt --data data/train   # Kaldi wav.scp + segments\n\n"
+        + EXIT_CODES
     )
 )
 def build(
@@ -74,9 +77,19 @@ def build(
             "-d",
             help="Folder of inputs (scanned recursively), or a bucket prefix s3://bucket/audio/ "
             "(objects listed and read from S3; credentials and endpoint from the AWS_* "
-            "environment).",
+            "environment), or a manifest (train.jsonl, .csv, .tsv: a row per item, optional "
+            "start/end seconds and id), a Kaldi data folder (wav.scp [+ segments]) or a lhotse "
+            "cut manifest (cuts.jsonl.gz).",
         ),
     ],
+    column: Annotated[
+        str | None,
+        typer.Option(
+            help="The manifest column that names each item's input file (default: path), "
+            "e.g. --column audio_filepath.",
+            show_default=False,
+        ),
+    ] = None,
     cache: CacheOpt = None,
     local_cache: LocalCacheOpt = None,
     local_cache_size: LocalCacheSizeOpt = None,
@@ -358,6 +371,7 @@ def build(
             threads=threads,
             max_error=max_error,
             seal_every=seal_every,
+            column=column,
         )
     _report(reports, as_json)
 

@@ -13,13 +13,13 @@ import io
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import BinaryIO, Protocol
+from typing import Any, BinaryIO, Protocol
 
 import torch
 
 from featbake.encode.fingerprints import HeldBytes, hash_inputs, resolve_path
 from featbake.encode.sources import ScanResult, Source, scan_inputs
-from featbake.errors import SourceError, StoreError
+from featbake.errors import ConfigError, SourceError, StoreError
 from featbake.process import OBJECT_THREADS, map_in_threads
 from featbake.progress import Progress
 from featbake.store.bucket import Bucket, ObjectBytes, ObjectInfo
@@ -67,6 +67,10 @@ class Inputs(Protocol):
         """``inner`` (the recipe's source), made to read inputs from this place."""
         ...
 
+    def row(self, rel: str) -> dict[str, Any]:
+        """Item ``rel``'s carried columns (labels, speaker, caption); ``{}`` for files."""
+        ...
+
 
 class Folder:
     """Inputs in a local folder, scanned recursively (see :func:`scan_inputs`)."""
@@ -107,23 +111,106 @@ class Folder:
     def source(self, inner: Source) -> Source:
         return inner
 
+    def row(self, rel: str) -> dict[str, Any]:
+        return {}
 
-def inputs_at(data: str | os.PathLike[str]) -> Inputs:
-    """The inputs at ``data``: a folder, or a bucket prefix for an ``s3://`` URL.
+
+# == dispatch ======================================================================================
+# Which kind of data ``--data`` names, tried in order: the first test that holds opens it.
+#
+# Each entry is (test, opener): the test looks at the name (and at most the folder's listing),
+# the opener makes the :class:`Inputs` and reads nothing yet (a manifest is parsed by its
+# ``scan``). Kinds with a module of their own are imported by their opener, so that module may
+# import this one. A folder is the last resort: a name no test claims is read as a folder (and a
+# missing one is refused by the scan, as before).
+Opener = Callable[[str, str | None], Inputs]
+
+
+def _is_manifest(where: str) -> bool:
+    return not is_url(where) and where.lower().endswith((".jsonl", ".csv", ".tsv"))
+
+
+def _is_cuts(where: str) -> bool:
+    return not is_url(where) and where.lower().endswith(".jsonl.gz")
+
+
+def _is_kaldi_dir(where: str) -> bool:
+    return not is_url(where) and os.path.isfile(os.path.join(where, "wav.scp"))
+
+
+def _open_manifest(where: str, column: str | None) -> Inputs:
+    from featbake.encode.manifests import ManifestInputs
+
+    return ManifestInputs(where, column)
+
+
+def _open_cuts(where: str, column: str | None) -> Inputs:
+    from featbake.encode.manifests import CutsInputs
+
+    return CutsInputs(where, column)
+
+
+def _open_kaldi_dir(where: str, column: str | None) -> Inputs:
+    from featbake.encode.manifests import KaldiInputs
+
+    return KaldiInputs(where, column)
+
+
+def _open_bucket(where: str, column: str | None) -> Inputs:
+    _no_column(where, column)
+    return BucketInputs.at(where)
+
+
+def _open_folder(where: str, column: str | None) -> Inputs:
+    _no_column(where, column)
+    return Folder(where)
+
+
+def _no_column(where: str, column: str | None) -> None:
+    if column is not None:
+        raise ConfigError(
+            f"--column {column} names a column of a manifest or table, and {where} is a folder "
+            "of files (each file is one item); drop --column, or point --data at the manifest"
+        )
+
+
+#: (test, opener) in order; the first test that holds picks the kind of ``--data``.
+OPENERS: list[tuple[Callable[[str], bool], Opener]] = [
+    (_is_cuts, _open_cuts),  # before .jsonl: cuts.jsonl.gz
+    (_is_manifest, _open_manifest),
+    (_is_kaldi_dir, _open_kaldi_dir),
+    (is_url, _open_bucket),
+]
+
+
+def inputs_at(data: str | os.PathLike[str], column: str | None = None) -> Inputs:
+    """The inputs at ``data``: the first kind in :data:`OPENERS` that claims it, else a folder.
+
+    Args:
+        data: a folder, a bucket prefix ``s3://bucket/audio/``, a manifest (``.jsonl``,
+            ``.csv``, ``.tsv``), a Kaldi data folder (holding ``wav.scp``), a lhotse cut
+            manifest (``*.jsonl.gz``), and the kinds later entries add.
+        column: the manifest's or table's column that names each item's input (default
+            ``path``); refused for a folder or a bucket prefix.
 
     Raises:
-        ConfigError: a URL of a scheme featbake does not speak.
+        ConfigError: a URL of a scheme featbake does not speak, or ``column`` for a folder.
 
     Example:
         >>> inputs_at("s3://team/audio/").where
         's3://team/audio'
     """
     where = os.fspath(data)
-    if is_url(where):
-        from featbake.encode.inputs import BucketInputs
+    for test, opener in OPENERS:
+        if test(where):
+            return opener(where, column)
+    return _open_folder(where, column)
 
-        return BucketInputs.at(where)
-    return Folder(where)
+
+def keeps_order(inputs: Inputs) -> bool:
+    """Whether ``inputs`` are served in the data's own order (a manifest's rows, a tar's
+    samples) rather than sorted by name (a folder's files, a bucket's objects)."""
+    return not isinstance(inputs, (Folder, BucketInputs))
 
 
 # == bucket_inputs =================================================================================
@@ -268,6 +355,9 @@ class BucketInputs:
 
     def source(self, inner: Source) -> Source:
         return ObjectSource(inner, self.bucket)
+
+    def row(self, rel: str) -> dict[str, Any]:
+        return {}
 
 
 def read_object(bucket: Bucket, rel: str) -> ObjectBytes | str:

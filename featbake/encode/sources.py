@@ -87,8 +87,43 @@ def _soundfile_extensions() -> tuple[str, ...]:
     return tuple(exts)
 
 
+class Span(NamedTuple):
+    """``[start, end)`` seconds of a recording, and the one channel to take (None: all of them,
+    mixed or kept as the recipe says): an item that is a segment of a file."""
+
+    start: float
+    end: float
+    channel: int | None = None
+
+    def frames(self, rate: int) -> tuple[int, int]:
+        """The first and the past-the-last sample at ``rate``: ``round(start * rate)`` and
+        ``round(end * rate)`` (Python's ``round``), at the file's own rate.
+
+        Example:
+            >>> Span(1.5, 2.0).frames(16000)
+            (24000, 32000)
+        """
+        return round(self.start * rate), round(self.end * rate)
+
+
+def span_problem(span: Span, frames: int, rate: int, channels: int) -> str | None:
+    """Why ``span`` is not part of a recording of ``frames`` samples at ``rate`` with
+    ``channels`` channels, or None when it is (checked from the file's header alone)."""
+    first, last = span.frames(rate)
+    if first >= last:
+        return f"the segment [{span.start}, {span.end}) holds no sample at {rate} Hz"
+    if last > frames:
+        return (
+            f"the segment [{span.start}, {span.end}) ends past the end of its recording "
+            f"({frames / rate:.3f} s); fix its end"
+        )
+    if span.channel is not None and not 0 <= span.channel < channels:
+        return f"channel {span.channel} is not one of the recording's {channels} channels"
+    return None
+
+
 class AudioSource:
-    """Audio files -> mono float32 waveforms at the recipe's sample rate."""
+    """Audio files (or segments of them) -> mono float32 waveforms at the recipe's sample rate."""
 
     kind = "audio"
 
@@ -102,36 +137,68 @@ class AudioSource:
         Raises:
             SourceError: the file is missing, unreadable, empty or not audio.
         """
-        import soundfile
-        import soxr
+        return self.load_span(path, None, data)
 
-        try:
-            # Opened once: rate, then samples.
-            with soundfile.SoundFile(os.fspath(path) if data is None else data) as f:
-                rate = f.samplerate
-                frames = -1
-                if self.recipe.max_seconds is not None:
-                    # A little more than needed, so the resampler has context at the crop point.
-                    frames = int(np.ceil(self.recipe.max_seconds * rate)) + 64
-                audio = f.read(frames, dtype="float32", always_2d=True)
-        except FileNotFoundError as e:
-            raise SourceError(f"{path}: file not found") from e
-        except (soundfile.LibsndfileError, RuntimeError, OSError, ValueError) as e:
-            why = _unreadable(path) if data is None else None
-            raise SourceError(f"{path}: {why or 'cannot decode audio'} ({_reason(e)})") from e
+    def load_span(
+        self, path: str | os.PathLike[str], span: Span | None, data: BinaryIO | None = None
+    ) -> torch.Tensor:
+        """Decode ``span`` of a file (seeking to it, reading only its samples; None: the whole
+        file), then mix, resample, crop and normalise it exactly as a whole file is.
+
+        Raises:
+            SourceError: the file is missing, unreadable or not audio, or the span is not in it.
+        """
+        rate, audio = self._read(path, span, data)
         if audio.shape[0] == 0:
             raise SourceError(f"{path}: the file holds no audio samples")
         if not np.isfinite(audio).all():
             raise SourceError(f"{path}: the audio holds NaN or infinite samples")
+        if span is not None and span.channel is not None:
+            audio = audio[:, span.channel : span.channel + 1]  # that channel, not the mix
         audio = audio.mean(axis=1, keepdims=True) if self.recipe.mono else audio
         if rate != self.recipe.sample_rate:
-            audio = soxr.resample(audio, rate, self.recipe.sample_rate, quality="HQ")
+            audio = soxr_resample(audio, rate, self.recipe.sample_rate)
         if self.recipe.max_seconds is not None:
             audio = audio[: round(self.recipe.max_seconds * self.recipe.sample_rate)]
         audio = np.ascontiguousarray(audio.T, dtype=np.float32)  # [C, T]
         if self.recipe.normalize:
             audio = zero_mean_unit_var(audio)
         return torch.from_numpy(audio[0] if self.recipe.mono else audio)
+
+    def _read(
+        self, path: str | os.PathLike[str], span: Span | None, data: BinaryIO | None
+    ) -> tuple[int, np.ndarray]:
+        """(the file's rate, ``[T, C]`` float32 samples of ``span`` or of the whole file)."""
+        import soundfile
+
+        try:
+            # Opened once: rate, then samples.
+            with soundfile.SoundFile(os.fspath(path) if data is None else data) as f:
+                rate = f.samplerate
+                first, last = span.frames(rate) if span is not None else (0, -1)
+                if span is not None and (why := span_problem(span, f.frames, rate, f.channels)):
+                    raise SourceError(f"{path}: {why}")
+                frames = last - first if span is not None else -1
+                if self.recipe.max_seconds is not None:
+                    # A little more than needed, so the resampler has context at the crop point.
+                    crop = int(np.ceil(self.recipe.max_seconds * rate)) + 64
+                    frames = crop if frames < 0 else min(frames, crop)
+                if first:
+                    f.seek(first)
+                return rate, f.read(frames, dtype="float32", always_2d=True)
+        except FileNotFoundError as e:
+            raise SourceError(f"{path}: file not found") from e
+        except (soundfile.LibsndfileError, RuntimeError, OSError, ValueError) as e:
+            why = _unreadable(path) if data is None else None
+            raise SourceError(f"{path}: {why or 'cannot decode audio'} ({_reason(e)})") from e
+
+
+def soxr_resample(audio: np.ndarray, rate: int, to: int) -> np.ndarray:
+    """``[T, C]`` samples from ``rate`` to ``to`` Hz with soxr's HQ quality (featbake's one
+    resampler: whole files and segments alike)."""
+    import soxr
+
+    return soxr.resample(audio, rate, to, quality="HQ")
 
 
 def zero_mean_unit_var(audio: np.ndarray) -> np.ndarray:
