@@ -431,3 +431,99 @@ def test_cli_builds_a_folder_of_texts_and_skips_bad_ones(
     )
     assert short.returncode == 0, short.stderr
     assert json.loads(short.stdout)["encoded"] == len(TEXTS) + 1  # other keys: encoded again
+
+
+# == texts named by a manifest =====================================================================
+def write_captions(path: Path, extra: list[str] = ()) -> None:  # type: ignore[assignment]
+    """A JSON-lines manifest: one caption per row with an id and a label, then ``extra`` lines."""
+    rows = [json.dumps({"id": f"c{i}", "caption": t, "label": i}) for i, t in enumerate(TEXTS)]
+    path.write_bytes(("\n".join([*rows, *extra]) + "\n").encode("utf-8", "surrogateescape"))
+
+
+def assert_rows_served_equal(ds: CachedFeatureDataset, model: TextModel, texts: list[str]) -> None:
+    assert len(ds) == len(texts)
+    for i, text in enumerate(texts):
+        want = transformers_outputs(model, text)
+        got = ds[i]
+        assert got["tokens"].shape[0] == len(want.ids), text
+        for part, value in want.parts.items():
+            assert rel_error(got[part], value) < TOLERANCE, (text, part)
+
+
+def test_manifest_column_texts_equal_transformers_and_bad_rows_are_skipped(
+    models: dict[str, TextModel], tmp_path: Path
+) -> None:
+    manifest = tmp_path / "captions.jsonl"
+    bad = [
+        '{"id": "n", "caption": 7}',
+        '{"id": "e", "caption": ""}',
+        "{not json",
+        '{"id": "m", "text": "no caption column"}',
+        '{"id": "u", "caption": "caf\udce9"}',  # the byte 0xe9 alone: not UTF-8
+    ]
+    write_captions(manifest, bad)
+    bert = models["bert"]
+    report = build(manifest, bert.folder, cache=tmp_path / "store", column="caption")
+    assert report.encoded == len(TEXTS)
+    reasons = dict(report.failed)
+    assert set(reasons) == {f"captions.jsonl:{n}" for n in range(6, 11)}, reasons
+    assert "holds int 7, not text" in reasons["captions.jsonl:6"]
+    assert "is empty" in reasons["captions.jsonl:7"]
+    assert "malformed JSON" in reasons["captions.jsonl:8"]
+    assert "no 'caption' column" in reasons["captions.jsonl:9"]
+    assert "not UTF-8 text (byte 0xe9)" in reasons["captions.jsonl:10"]
+    ds = CachedFeatureDataset(
+        manifest, encoder=bert.folder, cache=tmp_path / "store", source="text",
+        column="caption", on_miss="error",
+    )  # fmt: skip
+    assert [ds.item_id(i) for i in range(len(ds))] == [f"c{i}" for i in range(len(TEXTS))]
+    assert [ds.row(i) for i in range(len(ds))] == [{"label": i} for i in range(len(TEXTS))]
+    assert_rows_served_equal(ds, bert, TEXTS)
+
+
+def test_csv_texts_are_served_live_in_the_manifests_order(
+    models: dict[str, TextModel], tmp_path: Path
+) -> None:
+    manifest = tmp_path / "captions.csv"
+    ordered = [TEXTS[3], TEXTS[0], 'a "red" dog, big', TEXTS[2]]
+    lines = ["text,split"] + [
+        '"' + t.replace('"', '""') + '",train' for t in ordered
+    ]  # the default column for text: "text"
+    manifest.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    t5 = models["t5"]
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(manifest, encoder=t5.folder, cache=tmp_path / "s", source="text")
+    assert [ds.row(i) for i in range(len(ds))] == [{"split": "train"}] * len(ordered)
+    assert_rows_served_equal(ds, t5, ordered)
+
+
+def test_a_manifest_text_and_the_same_text_in_a_file_share_a_key(
+    models: dict[str, TextModel], texts: Path, tmp_path: Path
+) -> None:
+    manifest = tmp_path / "captions.jsonl"
+    write_captions(manifest)
+    folder = tmp_path / "files"
+    folder.mkdir()
+    for i in range(len(TEXTS)):
+        shutil.copy(texts / f"caption{i}.txt", folder)
+    clip = models["clip"].folder
+    first = build(manifest, clip, cache=tmp_path / "store", column="caption")
+    assert first.encoded == len(TEXTS)
+    again = build(folder, clip, cache=tmp_path / "store")
+    assert (again.encoded, again.reused) == (0, len(TEXTS))  # SHA-256 of the same UTF-8 bytes
+
+
+def test_cli_builds_a_manifests_texts(models: dict[str, TextModel], tmp_path: Path) -> None:
+    manifest = tmp_path / "captions.jsonl"
+    write_captions(manifest, ['{"id": "x", "caption": "  "}'])
+    bert = models["bert"].folder
+    store = tmp_path / "store"
+    args = ["build", "--encoder", bert, "--data", manifest, "--cache", store]
+    result = run_cli(*args, "--source", "text", "--column", "caption")
+    assert result.returncode == 3, result.stderr
+    failed = [line for line in result.stderr.splitlines() if line.startswith("failed")]
+    assert failed == ["failed captions.jsonl:6: column 'caption' is empty"]
+    ds = CachedFeatureDataset(
+        manifest, encoder=bert, cache=store, source="text", column="caption", on_miss="error"
+    )
+    assert_rows_served_equal(ds, models["bert"], TEXTS)
