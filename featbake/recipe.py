@@ -95,6 +95,27 @@ class TextRecipe:
         return dataclasses.replace(self, **changes)
 
 
+def text_brief(fields: dict[str, Any]) -> str:
+    """A stored text recipe's tokenizer in words, for ``featbake roots`` and ``stats``.
+
+    Example:
+        >>> text_brief({"tokenizer": "ab" * 32, "max_length": 77, "truncate": True,
+        ...             "lowercase": True, "special_tokens": True})
+        'tokenizer ababababababab max 77 tokens lowercase'
+    """
+    bits = [
+        f"tokenizer {str(fields.get('tokenizer'))[:14]}",
+        f"max {fields.get('max_length')} tokens",
+    ]
+    if fields.get("truncate") is False:
+        bits.append("no-truncate")
+    if fields.get("lowercase"):
+        bits.append("lowercase")
+    if fields.get("special_tokens") is False:
+        bits.append("no-special-tokens")
+    return " ".join(bits)
+
+
 @dataclass(frozen=True)
 class Recipe:
     """How a file becomes features.

@@ -527,3 +527,64 @@ def test_cli_builds_a_manifests_texts(models: dict[str, TextModel], tmp_path: Pa
         manifest, encoder=bert, cache=store, source="text", column="caption", on_miss="error"
     )
     assert_rows_served_equal(ds, models["bert"], TEXTS)
+
+
+def test_roots_show_each_text_roots_tokenizer_and_limit(
+    models: dict[str, TextModel], texts: Path, tmp_path: Path
+) -> None:
+    """Two roots that differ only in ``--max-tokens`` must not look alike in ``featbake roots``."""
+    bert = models["bert"].folder
+    store = tmp_path / "store"
+    build(texts, bert, cache=store)
+    steps = recipe_for_encoder(bert, Recipe(source="text")).text
+    assert steps is not None
+    build(texts, bert, cache=store, recipe=Recipe(source="text", text=steps.replace(max_length=4)))
+    shown = run_cli("roots", "--cache", store)
+    assert shown.returncode == 0, shown.stderr
+    tokenizer = f"tokenizer {steps.tokenizer[:14]}"
+    assert f"text float32 {tokenizer} max 64 tokens" in shown.stdout
+    assert f"text float32 {tokenizer} max 4 tokens" in shown.stdout
+
+
+def test_a_masked_lm_folder_serves_its_base_models_tokens(
+    models: dict[str, TextModel], texts: Path, tmp_path: Path
+) -> None:
+    """A BERT download is a ``BertForMaskedLM`` (no pooler, an unused ``cls.*`` head): its base
+    model is run, the head's weights dropped (nothing random), and only ``tokens`` served."""
+    folder = tmp_path / "mlm"
+    torch.manual_seed(3)
+    config = transformers.BertConfig.from_pretrained(str(models["bert"].folder))
+    transformers.BertForMaskedLM(config).eval().save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(str(models["bert"].folder)).save_pretrained(folder)
+    build(texts, folder, cache=tmp_path / "store")
+    ds = CachedFeatureDataset(
+        texts, encoder=folder, cache=tmp_path / "store", source="text", on_miss="error"
+    )
+    base = transformers.BertModel.from_pretrained(str(folder), add_pooling_layer=False).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    for i in range(len(ds)):
+        enc = tokenizer(Path(ds.path(i)).read_text(), truncation=True, max_length=64)
+        with torch.inference_mode():
+            want = base(input_ids=torch.tensor([enc["input_ids"]])).last_hidden_state[0]
+        assert set(ds[i]) == {"tokens"}
+        assert rel_error(ds[i]["tokens"], want) < TOLERANCE
+
+
+def test_every_layer_of_a_t5_encoder(
+    models: dict[str, TextModel], texts: Path, tmp_path: Path
+) -> None:
+    t5 = models["t5"]
+    build(texts, t5.folder, cache=tmp_path / "store", recipe=Recipe(layers="all"))
+    ds = CachedFeatureDataset(
+        texts, encoder=t5.folder, cache=tmp_path / "store", source="text", layers="all",
+        on_miss="error",
+    )  # fmt: skip
+    model = transformers.T5EncoderModel.from_pretrained(str(t5.folder)).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(t5.folder))
+    for i in range(len(ds)):
+        enc = tokenizer(Path(ds.path(i)).read_text(), return_tensors="pt")
+        with torch.inference_mode():
+            hidden = model(input_ids=enc["input_ids"], output_hidden_states=True).hidden_states
+        assert set(ds[i]) == {"layer0", "layer1", "layer2"}
+        for k in range(3):
+            assert rel_error(ds[i][f"layer{k}"], hidden[k][0]) < TOLERANCE
