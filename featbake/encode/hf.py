@@ -502,6 +502,11 @@ def recipe_for_folder(folder: str | os.PathLike[str], recipe: Recipe) -> Recipe:
     image transform, unless the recipe already holds one (``Recipe(image=...)``).
     """
     changes: dict[str, Any]
+    if recipe.source in ("image", "npy") and is_text_folder(folder):
+        raise ConfigError(
+            f"{folder} is a text model (a tokenizer, no preprocessor); it encodes --source "
+            f"text, not {recipe.source}"
+        )
     if recipe.source == "text" or (recipe.source == "audio" and is_text_folder(folder)):
         changes = {"source": "text", "text": recipe.text or _folder_text_steps(folder)}
     elif is_vision_folder(folder):

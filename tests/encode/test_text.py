@@ -588,3 +588,10 @@ def test_every_layer_of_a_t5_encoder(
         assert set(ds[i]) == {"layer0", "layer1", "layer2"}
         for k in range(3):
             assert rel_error(ds[i][f"layer{k}"], hidden[k][0]) < TOLERANCE
+
+
+def test_a_text_folder_for_images_is_refused_in_one_line(models: dict[str, TextModel]) -> None:
+    with pytest.raises(ConfigError, match=r"is a text model .* not image"):
+        recipe_for_encoder(models["bert"].folder, Recipe(source="image"))
+    # No --source: a text folder implies text, as a vision folder implies image.
+    assert recipe_for_encoder(models["bert"].folder, Recipe()).source == "text"
