@@ -8,12 +8,14 @@ Three layouts name their items this way (``--data`` picks one, see
   optional ``start`` and ``end`` (seconds) make the row a segment, ``channel`` picks one channel,
   ``id`` names the item (default: the path as written, plus ``#start-end`` for a segment), and
   every other column is carried (:meth:`RowInputs.row`).
-* :class:`KaldiInputs`: a Kaldi data folder. ``wav.scp`` maps recording ids to files; with a
+* :class:`KaldiInputs`: a Kaldi data folder. ``wav.scp`` maps recording ids to files (a relative
+  path is taken from the data folder, not the working directory Kaldi's scripts ran in); with a
   ``segments`` file each utterance is a segment (``utt rec start end``) and its id is the
   utterance id, else each recording is an item under its id. ``text`` and ``utt2spk`` are carried.
 * :class:`CutsInputs`: a lhotse cut manifest (``cuts.jsonl.gz``), read with gzip and json (no
-  lhotse): a cut's ``recording.sources`` of type ``file``, ``start``, ``duration``, ``channel``;
-  its supervisions' text and speaker are carried.
+  lhotse): a cut's ``recording.sources`` of type ``file`` (a relative path taken from the
+  manifest's folder), ``start``, ``duration``, ``channel``; its supervisions' text and speaker
+  are carried.
 
 **Items are the rows, in the manifest's order**, each named by its id (unique: a repeated id is
 refused with one line naming both rows). A row's full name (:meth:`RowInputs.path`, what messages
@@ -170,11 +172,13 @@ def manifest_item(
     Raises:
         BadRow: no input column, or a bad path, start, end or channel.
     """
-    if column not in fields or fields[column] is None:
+    if column not in fields:
         given = ", ".join(str(k) for k in fields) or "none"
         raise BadRow(f"no {column!r} column (columns: {given}); name the input with --column")
     if None in fields:  # a CSV record with more fields than the header
         raise BadRow("more fields than the header names")
+    if None in fields.values():  # ... or fewer
+        raise BadRow("fewer fields than the header names")
     file = input_file(fields[column], base, column)
     span = span_of(fields.get("start"), fields.get("end"), channel_of(fields.get("channel")))
     ident = fields.get("id")
@@ -354,7 +358,9 @@ class SegmentSource:
         Raises:
             SourceError: the file cannot be decoded, or the span is not in it.
         """
-        item = self.rows[os.fspath(path)]
+        item = self.rows.get(os.fspath(path))
+        if item is None:  # served from a root after its manifest lost the row
+            raise SourceError(f"{path}: not a row of the manifest now; build it again")
         file, span = item.file, item.span
         try:
             if span is None:
@@ -379,7 +385,7 @@ class SegmentSource:
             SourceError: the file changed since it was hashed, is gone, or cannot be decoded.
         """
         x = self.load(path)
-        file = self.rows[path].file
+        file = self.rows[path].file  # there: load found it
         try:
             now: FileStat | None = FileStat.of(file)
         except OSError:
