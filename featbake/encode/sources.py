@@ -319,6 +319,7 @@ class TextSource:
                 add_special_tokens=steps.special_tokens,
                 truncation=steps.truncate,
                 max_length=cut,
+                verbose=False,  # "longer than the maximum": featbake refuses it in its words
             )["input_ids"]
         if not ids:
             raise SourceError(f"{name}: the text gives no tokens; remove it from the data")
