@@ -325,7 +325,8 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
     )  # fmt: skip
     options.check_recipe(recipe)
     layout = open_store(cache, need=Need.WRITE).ensure()
-    place = inputs_at(data, column)  # a folder, a bucket prefix, a manifest (see OPENERS)
+    # A folder, a bucket prefix, a manifest (see OPENERS); a manifest's texts for source text.
+    place = inputs_at(data, column, recipe.source)
     source = place.source(source_for(recipe))
     scanned = place.scan(source.extensions)
     catalog, inputs = catalog_for_part(layout, spec, place, scanned.inputs)

@@ -101,8 +101,9 @@ def build(
     source: Annotated[
         str,
         typer.Option(
-            help="Input kind: audio, npy or image (JPEG, PNG, WebP, BMP, TIFF); a Hugging Face "
-            "vision folder implies image."
+            help="Input kind: audio, npy, image (JPEG, PNG, WebP, BMP, TIFF) or text (UTF-8 "
+            ".txt files, tokenised by the model folder's tokenizer); a Hugging Face vision "
+            "folder implies image, a text folder (a tokenizer, no preprocessor) text."
         ),
     ] = "audio",
     sample_rate: Annotated[int, typer.Option(help="Resample audio to this rate (Hz).")] = 16000,
@@ -235,6 +236,37 @@ def build(
             show_default=False,
         ),
     ] = None,
+    max_tokens: Annotated[
+        int | None,
+        typer.Option(
+            help="Text: tokens per text at most, special tokens included. [default: the "
+            "tokenizer's and model's limit, e.g. 512 for BERT, 77 for CLIP]",
+            show_default=False,
+        ),
+    ] = None,
+    truncate: Annotated[
+        bool | None,
+        typer.Option(
+            help="Text: cut a longer text to --max-tokens (--no-truncate: skip it as a bad "
+            "input). [default: truncate]",
+            show_default=False,
+        ),
+    ] = None,
+    lowercase: Annotated[
+        bool | None,
+        typer.Option(
+            help="Text: lowercase each text before the tokenizer. [default: no-lowercase]",
+            show_default=False,
+        ),
+    ] = None,
+    special_tokens: Annotated[
+        bool | None,
+        typer.Option(
+            help="Text: add the tokenizer's special tokens ([CLS] ... [SEP], </s>). "
+            "[default: special-tokens]",
+            show_default=False,
+        ),
+    ] = None,
     workers: Annotated[
         int | None,
         typer.Option(
@@ -286,7 +318,7 @@ def build(
     """
     from featbake.bake.batching import Batching
     from featbake.bake.views import build_views
-    from featbake.encode.hf import image_steps_for
+    from featbake.encode.hf import TEXT_OPTIONS, image_steps_for, text_steps_for
     from featbake.encode.outputs import parse_layers
     from featbake.image_recipe import IMAGE_OPTIONS, parse_image_options, parse_views
     from featbake.recipe import Recipe
@@ -310,6 +342,7 @@ def build(
         precision=precision,
         layers=chosen,
         image=image_steps_for(encoder, source, image_changes),
+        text=text_steps_for(encoder, {k: ctx.params[k] for k in TEXT_OPTIONS}),
     )
     try:
         shard_bytes = parse_bytes(shard_size)

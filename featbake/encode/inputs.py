@@ -193,7 +193,9 @@ OPENERS: list[tuple[Callable[[str], bool], Opener]] = [
 ]
 
 
-def inputs_at(data: str | os.PathLike[str], column: str | None = None) -> Inputs:
+def inputs_at(
+    data: str | os.PathLike[str], column: str | None = None, source: str | None = None
+) -> Inputs:
     """The inputs at ``data``: the first kind in :data:`OPENERS` that claims it, else a folder.
 
     Args:
@@ -202,6 +204,8 @@ def inputs_at(data: str | os.PathLike[str], column: str | None = None) -> Inputs
             manifest (``*.jsonl.gz``), and the kinds later entries add.
         column: the manifest's or table's column that names each item's input (default
             ``path``); refused for a folder or a bucket prefix.
+        source: the recipe's source kind: for ``text`` a manifest's column holds each item's
+            text itself, not a path (:class:`featbake.encode.texts.TextRows`).
 
     Raises:
         ConfigError: a URL of a scheme featbake does not speak, or ``column`` for a folder.
@@ -211,6 +215,10 @@ def inputs_at(data: str | os.PathLike[str], column: str | None = None) -> Inputs
         's3://team/audio'
     """
     where = os.fspath(data)
+    if source == "text" and _is_manifest(where):
+        from featbake.encode.texts import TextRows
+
+        return TextRows(where, column)
     for test, opener in OPENERS:
         if test(where):
             return opener(where, column)

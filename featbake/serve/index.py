@@ -194,7 +194,8 @@ def build_index(
         StoreError: ``data`` is a bucket URL that cannot be listed (credentials, no bucket).
     """
     if isinstance(data, (str, os.PathLike)):
-        return _index_place(inputs_at(data, column), spec, catalog, publish, new_root)
+        inputs = inputs_at(data, column, spec.recipe.get("source"))
+        return _index_place(inputs, spec, catalog, publish, new_root)
     # The folder scan's own checks first: a FIFO or a device in the list would block the
     # first read forever, a symlink loop would fail the resolve below with a RuntimeError.
     paths = [resolve_path(p) for p in check_input_files(data)]  # type: ignore[arg-type]
