@@ -12,7 +12,8 @@ setup(
             "featbake.kernels",
             sources=["featbake/kernels.c"],
             # Exact float32 products, rounded once: no fused multiply-adds, no fast-math.
-            extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math"],
+            extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math", "-pthread"],
+            extra_link_args=["-pthread"],
             optional=True,
         )
     ]

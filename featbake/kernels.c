@@ -11,7 +11,7 @@
  *     low, high: the smallest non-zero and the largest row scale (inf, 0.0: none), which tell
  *     whether the served dtype holds every value (featbake.quantize.ScaleSpan).
  *
- * read_rows(spans, crc_fn, scheme, out, d)
+ * read_rows(spans, crc_fn, scheme, out, d, threads=1)
  *     Each span (fd, offset, nbytes, dest, tail, tail_bytes, head, want) is read with pread;
  *     when want >= 0 its bytes' CRC-32C extending `head` (computed by crc_fn, the address of
  *     google_crc32c's crc32c_extend) must equal want; the padding after it, tail_bytes at tail,
@@ -19,13 +19,16 @@
  *     buffer (cache-sized: the bytes are read once from the page cache and once from cache) and
  *     dequantised into dest. Returns (failure, low, high): failure None, or (index, kind, errno)
  *     for the first span that failed (kind 1 a short read, 2 a checksum mismatch, 3 a failed
- *     read with errno; the spans after it are not read); low, high as dequant's, over the rows
- *     dequantised.
+ *     read with errno; the spans after it in its run are not read); low, high as dequant's,
+ *     over the rows dequantised. With threads > 1 the spans are cut into that many contiguous
+ *     runs (8 at most), the first ones read on threads started here, the last on the caller's:
+ *     still one release of the GIL for the whole batch.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include <errno.h>
+#include <pthread.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -40,6 +43,7 @@
 #endif
 
 enum { SCHEME_INT8 = 0, SCHEME_FP8 = 1 };
+enum { MAX_THREADS = 8 }; /* read_rows' threads at most */
 enum { OUT_F32 = 0, OUT_F16 = 1, OUT_BF16 = 2 };
 
 static inline uint32_t f32_bits(float f) {
@@ -403,12 +407,74 @@ static int parse_spans(PyObject *seq, span_t *spans, Py_ssize_t n, int need_crc)
     return 1;
 }
 
+/* One thread's run of spans: [from, to), its scratch buffer, its first failure and its scales. */
+typedef struct {
+    const span_t *spans;
+    Py_ssize_t from, to;
+    crc_fn_t crc;
+    int scheme, out;
+    size_t d, most;
+    failure_t fail;
+    scale_span_t span;
+    int nomem;
+} run_t;
+
+static void *run_spans(void *arg) {
+    run_t *run = arg;
+    uint8_t *scratch = NULL;
+    if (run->scheme >= 0 && (scratch = malloc(run->most ? run->most : 1)) == NULL) {
+        run->nomem = 1;
+        return NULL;
+    }
+    for (Py_ssize_t i = run->from; i < run->to; i++) {
+        const int kind = read_one(&run->spans[i], run->crc, scratch, run->scheme, run->out, run->d,
+                                  &run->fail.err, &run->span);
+        if (kind) {
+            run->fail.index = i;
+            run->fail.kind = kind;
+            break;
+        }
+    }
+    free(scratch);
+    return NULL;
+}
+
+/* Every run to its end: the first ones on new threads, the last on this one (a thread that
+ * cannot be started runs here too). Called without the GIL. */
+static void run_all(run_t *runs, int k) {
+    pthread_t tid[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int t = 0; t < k - 1; t++)
+        started[t] = pthread_create(&tid[t], NULL, run_spans, &runs[t]) == 0;
+    run_spans(&runs[k - 1]);
+    for (int t = 0; t < k - 1; t++) {
+        if (started[t])
+            pthread_join(tid[t], NULL);
+        else
+            run_spans(&runs[t]);
+    }
+}
+
+static int check_packed(const span_t *spans, Py_ssize_t n, int scheme, Py_ssize_t d,
+                        size_t *most) {
+    *most = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (scheme >= 0 && spans[i].nbytes % (d + 4)) {
+            PyErr_SetString(PyExc_ValueError, "a packed span is not whole rows of d + 4 bytes");
+            return 0;
+        }
+        if ((size_t)spans[i].nbytes > *most) *most = (size_t)spans[i].nbytes;
+    }
+    return 1;
+}
+
 static PyObject *read_rows(PyObject *self, PyObject *args) {
     PyObject *arg, *seq;
     unsigned long long crc_addr;
-    int scheme, out;
+    int scheme, out, threads = 1;
     Py_ssize_t d;
-    if (!PyArg_ParseTuple(args, "OKiin", &arg, &crc_addr, &scheme, &out, &d)) return NULL;
+    if (!PyArg_ParseTuple(args, "OKiin|i", &arg, &crc_addr, &scheme, &out, &d, &threads))
+        return NULL;
     if (scheme >= 0 && (!valid_kind(scheme, out) || d < 0)) return NULL;
     seq = PySequence_Fast(arg, "spans must be a sequence of tuples");
     if (seq == NULL) return NULL;
@@ -418,41 +484,37 @@ static PyObject *read_rows(PyObject *self, PyObject *args) {
         Py_DECREF(seq);
         return PyErr_NoMemory();
     }
-    const int ok = parse_spans(seq, spans, n, crc_addr != 0);
-    Py_DECREF(seq);
     size_t most = 0;
-    for (Py_ssize_t i = 0; ok && i < n; i++) {
-        if (scheme >= 0 && spans[i].nbytes % (d + 4)) {
-            PyErr_SetString(PyExc_ValueError, "a packed span is not whole rows of d + 4 bytes");
-            PyMem_RawFree(spans);
-            return NULL;
-        }
-        if ((size_t)spans[i].nbytes > most) most = (size_t)spans[i].nbytes;
-    }
-    uint8_t *scratch = NULL;
-    if (ok && scheme >= 0 && (scratch = PyMem_RawMalloc(most ? most : 1)) == NULL) {
-        PyMem_RawFree(spans);
-        return PyErr_NoMemory();
-    }
+    const int ok =
+        parse_spans(seq, spans, n, crc_addr != 0) && check_packed(spans, n, scheme, d, &most);
+    Py_DECREF(seq);
     if (!ok) {
         PyMem_RawFree(spans);
         return NULL;
     }
+    int k = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+    if (k > n) k = n ? (int)n : 1;
+    run_t runs[MAX_THREADS];
+    const Py_ssize_t step = (n + k - 1) / k;
+    for (int t = 0; t < k; t++) {
+        const Py_ssize_t from = t * step, to = from + step < n ? from + step : n;
+        runs[t] = (run_t){spans, from, to, (crc_fn_t)(uintptr_t)crc_addr, scheme, out, (size_t)d,
+                          most, {-1, 0, 0}, {INFINITY, 0.0f}, 0};
+    }
+    Py_BEGIN_ALLOW_THREADS;
+    run_all(runs, k);
+    Py_END_ALLOW_THREADS;
+    PyMem_RawFree(spans);
     failure_t fail = {-1, 0, 0};
     scale_span_t span = {INFINITY, 0.0f};
-    Py_BEGIN_ALLOW_THREADS;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const int kind = read_one(&spans[i], (crc_fn_t)(uintptr_t)crc_addr, scratch, scheme, out,
-                                  (size_t)d, &fail.err, &span);
-        if (kind) {
-            fail.index = i;
-            fail.kind = kind;
-            break;
-        }
+    int nomem = 0;
+    for (int t = 0; t < k; t++) {
+        nomem |= runs[t].nomem;
+        if (fail.index < 0 && runs[t].fail.index >= 0) fail = runs[t].fail;
+        if (runs[t].span.low < span.low) span.low = runs[t].span.low;
+        if (runs[t].span.high > span.high) span.high = runs[t].span.high;
     }
-    Py_END_ALLOW_THREADS;
-    PyMem_RawFree(scratch);
-    PyMem_RawFree(spans);
+    if (nomem) return PyErr_NoMemory();
     if (fail.index < 0) return Py_BuildValue("(Odd)", Py_None, (double)span.low, (double)span.high);
     return Py_BuildValue("((nii)dd)", fail.index, fail.kind, fail.err, (double)span.low,
                          (double)span.high);

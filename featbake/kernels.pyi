@@ -9,5 +9,6 @@ def read_rows(
     scheme: int,
     out: int,
     d: int,
+    threads: int = 1,
 ) -> tuple[tuple[int, int, int] | None, float, float]: ...
 def set_width(width: int) -> int: ...

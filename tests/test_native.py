@@ -37,7 +37,9 @@ from featbake.store.layout import Layout
 from featbake.store.shard import ShardReader, read_spans, write_shard
 from tests.conftest import live_features
 
-compiled = pytest.mark.skipif(not native.built(), reason="featbake.kernels was not built here")
+compiled = pytest.mark.skipif(
+    native.kernels() is None, reason="featbake.kernels is not built here, or FEATBAKE_NATIVE=0"
+)
 SERVED = (torch.float16, torch.bfloat16, torch.float32)
 EFP, RFP = "e" * 64, "r" * 64
 
@@ -131,7 +133,8 @@ def test_fallback_turns_the_kernels_off_and_the_environment_too() -> None:
         assert native.kernels() is None
         packed = quantize(torch.randn(3, 8), Scheme.INT8)
         assert dequantize_native(packed, Scheme.INT8, torch.empty(3, 8)) is None
-    assert (native.kernels() is not None) == native.built()
+    if os.environ.get("FEATBAKE_NATIVE", "1") != "0":
+        assert (native.kernels() is not None) == native.built()
     code = "from featbake import native; print(native.kernels() is None)"
     env = {**os.environ, "FEATBAKE_NATIVE": "0"}
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
@@ -144,7 +147,7 @@ def _shard(tmp_path: Path, tensors: dict[str, torch.Tensor]) -> Path:
 
 
 def _read_padded(
-    path: Path, names: list[str], packed: PackedRows | None, item: int
+    path: Path, names: list[str], packed: PackedRows | None, item: int, threads: int = 1
 ) -> tuple[np.ndarray, ScaleSpan]:
     """A padded batch of ``names`` read with read_spans, its bytes poisoned first."""
     with ShardReader(path) as r:
@@ -157,7 +160,7 @@ def _read_padded(
         for j, (name, shape) in enumerate(zip(names, shapes, strict=True)):
             n = shape[0] * width * item
             spans.append(r.span(name, rows[j, :n], tail=rows[j, n:], packed=packed, verify=j != 1))
-        got = read_spans(spans, packed)
+        got = read_spans(spans, packed, threads)
         assert r._verified == {n for j, n in enumerate(names) if j != 1}
     return rows, got
 
@@ -172,9 +175,11 @@ def test_a_batch_read_dequantised_gives_the_python_paths_bytes(
     path = _shard(tmp_path, items)
     packed = PackedRows(scheme, dtype, 24)
     got, span = _read_padded(path, list(items), packed, dtype.itemsize)
+    on3, span3 = _read_padded(path, list(items), packed, dtype.itemsize, threads=3)
     with native.fallback():
         want, want_span = _read_padded(path, list(items), packed, dtype.itemsize)
     assert np.array_equal(got, want) and span == want_span
+    assert np.array_equal(on3, want) and span3 == want_span
     served = torch.from_numpy(got).view(dtype).view(4, -1, 24)
     for j, t in enumerate(items.values()):
         n = t.shape[0]
@@ -188,6 +193,7 @@ def test_a_batch_read_as_stored_gives_the_python_paths_bytes(tmp_path: Path) -> 
     items = {f"k{i}": torch.randn(2 + 3 * i, 12, dtype=torch.float16) for i in range(5)}
     path = _shard(tmp_path, items)
     got, _ = _read_padded(path, list(items), None, 2)
+    assert np.array_equal(_read_padded(path, list(items), None, 2, threads=4)[0], got)
     with native.fallback():
         want, _ = _read_padded(path, list(items), None, 2)
     assert np.array_equal(got, want)
@@ -197,8 +203,8 @@ def test_a_batch_read_as_stored_gives_the_python_paths_bytes(tmp_path: Path) -> 
 
 @pytest.mark.parametrize("native_on", [True, False])
 def test_a_flipped_byte_and_a_cut_shard_fail_alike(tmp_path: Path, native_on: bool) -> None:
-    if native_on and not native.built():
-        pytest.skip("featbake.kernels was not built here")
+    if native_on and native.kernels() is None:
+        pytest.skip("featbake.kernels is not built here, or FEATBAKE_NATIVE=0")
     items = {f"k{i}": quantize(torch.randn(4, 8), Scheme.INT8) for i in range(3)}
     path = _shard(tmp_path, items)
     with ShardReader(path) as r:
@@ -212,6 +218,8 @@ def test_a_flipped_byte_and_a_cut_shard_fail_alike(tmp_path: Path, native_on: bo
     ctx = contextlib.nullcontext if native_on else native.fallback
     with ctx(), pytest.raises(StoreCorrupt, match="checksum mismatch in tensor k1"):
         _read_padded(path, ["k0", "k2", "k1"], packed, 2)
+    with ctx(), pytest.raises(StoreCorrupt, match="checksum mismatch in tensor k1"):
+        _read_padded(path, ["k1", "k0", "k2"], packed, 2, threads=2)  # a later run succeeds
     with ShardReader(path) as r, ctx():
         os.truncate(path, r.tensors["k2"].end - 5)  # after opening: k2's read comes short
         dest = np.zeros(4 * 8 * 2, dtype=np.uint8)
@@ -258,8 +266,8 @@ def test_a_dataset_serves_the_same_bytes_with_the_kernels_and_without(
 def test_values_float16_cannot_hold_are_refused_on_the_batch_path(
     tmp_path: Path, native_on: bool
 ) -> None:
-    if native_on and not native.built():
-        pytest.skip("featbake.kernels was not built here")
+    if native_on and native.kernels() is None:
+        pytest.skip("featbake.kernels is not built here, or FEATBAKE_NATIVE=0")
     items = {"k0": quantize(torch.randn(4, 8), Scheme.INT8),
              "k1": quantize(torch.randn(3, 8) * 1e7, Scheme.INT8)}  # fmt: skip
     path = _shard(tmp_path, items)
@@ -270,3 +278,37 @@ def test_values_float16_cannot_hold_are_refused_on_the_batch_path(
             served.check(span)
         with pytest.raises(ConfigError, match="cannot serve without an inf"):
             served.tensor(items["k1"])
+
+
+class _Counting:
+    """The compiled kernels, counting calls of read_rows."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def read_rows(self, *args: object) -> object:
+        self.calls += 1
+        return self.inner.read_rows(*args)  # type: ignore[attr-defined]
+
+
+@compiled
+def test_a_batch_is_one_call_of_the_compiled_read(
+    audio_dir: Path, encoder_file: Path, store_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GIL is released once per batch, on its planned and its located path alike (the
+    Python path took it back after every row's read and check)."""
+    report = build(audio_dir, encoder_file, cache=store_dir, recipe=Recipe(dtype="int8"))
+    assert report.ok
+    ds = CachedFeatureDataset(
+        audio_dir, encoder_file, cache=store_dir, dtype="int8", on_miss="error"
+    )
+    counting = _Counting(native.kernels())
+    monkeypatch.setitem(native._state, "kernels", counting)
+    for k in range(1, 4):  # planned (checked on first read), then located twice
+        batch = ds.__getitems__(list(range(k, 16, 2)))
+        assert isinstance(batch, PaddedBatch) and batch.padded.dtype == torch.float16
+        assert counting.calls == k

@@ -26,6 +26,7 @@ from torch.utils.data import get_worker_info
 from featbake.device import process_cpus
 from featbake.errors import ConfigError, ShardMissing, StoreError
 from featbake.keys import root_id
+from featbake.native import kernels
 from featbake.process import PerProcess
 from featbake.quantize import (
     SCALE_BYTES,
@@ -48,6 +49,7 @@ from featbake.store.shard import (
     ST_TO_DTYPE,
     ShardReader,
     Span,
+    native_readable,
     read_spans,
     tensor_buffer,
     tensor_name,
@@ -266,11 +268,20 @@ def read_rows(
 
     ``rows`` are spans, or made into spans by ``span_of``, on this thread, just before their
     run is handed to the pool: making the last run's spans (Python, under the GIL: checksum
-    descriptors) then overlaps the pool reading the first ones. With ``packed`` the rows are
-    dequantised as they are read; the span of their scales is returned. Errors are raised as
-    by :func:`run_rows`, after every run has finished.
+    descriptors) then overlaps the pool reading the first ones. With the compiled kernels
+    (:mod:`featbake.native`) the batch is instead one call, on as many threads, that releases
+    the GIL once: behind a Python-bound training step each taking of the GIL back waits for
+    the step to yield it (up to ``sys.getswitchinterval()``, 5 ms), so a read that took it
+    back after every row fell behind the step. With ``packed`` the rows are dequantised as
+    they are read; the span of their scales is returned. Errors are raised as by
+    :func:`run_rows`, after every run has finished.
     """
     run = RowRun(nbytes)
+    if kernels() is not None:  # the whole batch in one call, one release of the GIL
+        spans = rows if span_of is None else [span_of(r) for r in rows]
+        if all(native_readable(s) for s in spans):
+            return read_spans(spans, packed, run.threads)
+        rows, span_of = spans, None
     parts = run.split(len(rows))
     got: list[ScaleSpan] = []
     for k, part in enumerate(parts):

@@ -938,7 +938,9 @@ class Span(NamedTuple):
     check: SpanCheck | None
 
 
-def read_spans(spans: Sequence[Span], packed: PackedRows | None = None) -> ScaleSpan:
+def read_spans(
+    spans: Sequence[Span], packed: PackedRows | None = None, threads: int = 1
+) -> ScaleSpan:
     """Read (and check) each span into its buffer, zeroing its padding: the one read path.
 
     A single tensor is a batch of one; a batch's rows are runs of spans, one run per thread
@@ -954,6 +956,10 @@ def read_spans(spans: Sequence[Span], packed: PackedRows | None = None) -> Scale
             ``rows * (packed.width + 4)``.
         packed: the rows are packed int8/fp8, dequantised as they are read (one pass through
             a cache-sized buffer, no packed batch in between); None: bytes copied as stored.
+        threads: with the compiled kernels, the spans are read on this many threads (contiguous
+            runs; threads the kernel starts, all within the one release of the GIL). The
+            Python path reads on the calling thread (``featbake.serve.reads`` runs it on its
+            pool instead).
 
     Returns:
         The span of the row scales dequantised (:class:`~featbake.quantize.ScaleSpan`; empty
@@ -966,8 +972,8 @@ def read_spans(spans: Sequence[Span], packed: PackedRows | None = None) -> Scale
     if packed is not None and not packed.width:
         raise ConfigError("packed rows of no values cannot be served dequantised")
     native = kernels()
-    if native is not None and _EXTEND_ADDR is not None and all(_native_ok(s) for s in spans):
-        return _read_native(native, spans, packed)
+    if native is not None and all(native_readable(s) for s in spans):
+        return _read_native(native, spans, packed, threads)
     got = ScaleSpan()
     for reader, begin, dest, tail, check in spans:
         if packed is None:
@@ -979,12 +985,15 @@ def read_spans(spans: Sequence[Span], packed: PackedRows | None = None) -> Scale
     return got
 
 
-def _native_ok(span: Span) -> bool:
-    """Whether the compiled read can take ``span``: a local shard (a bucket's ranged reader
-    reads over HTTP) and a format-2 check (CRC-32C) that promises a value, or none."""
+def native_readable(span: Span) -> bool:
+    """Whether the compiled read can take ``span`` (when the kernels are built): a local shard
+    (a bucket's ranged reader reads over HTTP) and a format-2 check (CRC-32C, whose C function
+    google_crc32c exposes) that promises a value, or none."""
     check = span.check
-    return type(span.reader) is ShardReader and (
-        check is None or (check.digest is crc32c and check.want is not None)
+    if type(span.reader) is not ShardReader:
+        return False
+    return check is None or (
+        _EXTEND_ADDR is not None and check.digest is crc32c and check.want is not None
     )
 
 
@@ -1001,7 +1010,9 @@ def _read_packed(
     return ScaleSpan.of(parts.scales)
 
 
-def _read_native(native: Any, spans: Sequence[Span], packed: PackedRows | None) -> ScaleSpan:
+def _read_native(
+    native: Any, spans: Sequence[Span], packed: PackedRows | None, threads: int
+) -> ScaleSpan:
     """:func:`read_spans` as one call of the compiled kernels (see its docstring)."""
     rows: list[tuple[int, int, int, int, int, int, int, int]] = []
     item = packed.dtype.itemsize * packed.width if packed is not None else 0
@@ -1015,7 +1026,7 @@ def _read_native(native: Any, spans: Sequence[Span], packed: PackedRows | None) 
             check.want if check is not None and check.want is not None else -1,
         ))  # fmt: skip
     scheme, out, width = (-1, 0, 0) if packed is None else packed.kernel_codes()
-    failed, low, high = native.read_rows(rows, _EXTEND_ADDR, scheme, out, width)
+    failed, low, high = native.read_rows(rows, _EXTEND_ADDR or 0, scheme, out, width, threads)
     done = len(spans) if failed is None else failed[0]
     for span in spans[:done]:
         if span.check is not None:
