@@ -248,8 +248,8 @@ def test_a_dataset_serves_the_same_bytes_with_the_kernels_and_without(
         want.append(dequantize_unpacked(unpack(quantize(live, scheme), scheme), scheme, serve))
     idx = [3, 0, 7, 12, 5]
     seen = []
-    # Planned (first reads, checked) and located batches, with the kernels and without.
-    for on in (False, True, True, False):
+    # Planned (first reads, checked) with the kernels, then located batches with and without.
+    for on in (True, False, True, False):
         with contextlib.nullcontext() if on else native.fallback():
             batch = ds.__getitems__(idx)
             items = [ds[i] for i in idx]
