@@ -9,7 +9,9 @@ of 32 through ``pad_collate``, page cache warm), measured side by side in one ru
    Target: >= 3x the DataLoader with 2 workers.
 2. **Reads hidden behind the step**: a small probe's training step (two linear layers over
    every frame, backward, SGD) that costs about as much as reading its batch. Epoch time of
-   loader + step against the larger of read-only and step-only time. Target: <= 1.1x.
+   loader + step against the larger of read-only and step-only time. Target: <= 1.1x. With
+   the step on 1 thread, FeatureLoader is measured again on the pure-Python read path
+   (``featbake.native.fallback()``: the GIL taken once per row, not once per batch).
 
 Run: ``python benchmarks/bench_loader.py [--quick]``.
 """
@@ -35,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _rows import hidden_rows, row
 from _serve_readers import DIM, LENGTHS, identity_encoder, recipe, warm_page_cache
 
+from featbake import native
 from featbake.bake.pipeline import build
 from featbake.serve.collate import pad_collate
 from featbake.serve.dataset import CachedFeatureDataset
@@ -170,6 +173,13 @@ def bench_hidden(base: Path, dtype: str, epochs: int) -> list[dict]:
             f"and SGD on {threads} torch thread(s), 2 CPUs; best of {epochs}"
         )
         rows += hidden_rows("loader", f"{dtype}, {where}", read, step_only, both, setup)
+        if threads == 1:  # the Python read path (no compiled kernels): the GIL once per row
+            with native.fallback():
+                read_py = min(epoch_seconds(loader) for _ in range(epochs))
+                both_py = {"FeatureLoader": min(epoch_seconds(loader, step) for _ in range(epochs))}
+            rows += hidden_rows(
+                "loader", f"{dtype}, {where}, Python read path", read_py, step_only, both_py, setup
+            )
     torch.set_num_threads(2)
     return rows
 

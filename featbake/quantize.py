@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from featbake.errors import ConfigError, EncodeError
+from featbake.native import kernels
 
 
 # == fidelity ======================================================================================
@@ -327,8 +328,9 @@ def dequantize(
 ) -> torch.Tensor:
     """The feature a packed tensor holds, in ``dtype``: ``codes * scale`` computed in float32.
 
-    On the CPU it runs on the calling thread, a chunk of rows at a time (see
-    :func:`dequantize_unpacked`); on a GPU it is two ops.
+    On the CPU one pass of the compiled kernel (:func:`dequantize_native`) where it is built,
+    else on the calling thread a chunk of rows at a time (see :func:`dequantize_unpacked`), with
+    the same bits; on a GPU it is two ops.
 
     Args:
         packed: what :func:`quantize` made (or a zero-padded batch of it), on any device.
@@ -340,7 +342,75 @@ def dequantize(
         >>> dequantize(quantize(torch.tensor([[2.0, -1.0]]), Scheme.FP8), Scheme.FP8)
         tensor([[ 2., -1.]], dtype=torch.float16)
     """
+    if out is None and packed.device.type == "cpu" and packed.dim() and packed.shape[-1] >= 4:
+        out = torch.empty((*packed.shape[:-1], packed.shape[-1] - SCALE_BYTES), dtype=dtype)
+    if out is not None and dequantize_native(packed, scheme, out) is not None:
+        return out
     return dequantize_unpacked(unpack(packed, scheme), scheme, dtype, out)
+
+
+#: The compiled kernel's codes for a scheme and a served dtype (featbake/kernels.c).
+_KERNEL_SCHEME = {Scheme.INT8: 0, Scheme.FP8: 1}
+_KERNEL_OUT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+class PackedRows(NamedTuple):
+    """Stored packed rows served dequantised as they are read (``featbake.store.shard``'s
+    ``read_spans``): their scheme, the dtype served, and ``width``, the values of a row (D)."""
+
+    scheme: Scheme
+    dtype: torch.dtype
+    width: int
+
+    def kernel_codes(self) -> tuple[int, int, int]:
+        """The compiled kernels' arguments: scheme code, dtype code, D.
+
+        Raises:
+            ConfigError: ``dtype`` is not float32, float16 or bfloat16.
+        """
+        code = _KERNEL_OUT.get(self.dtype)
+        if code is None:
+            raise ConfigError(
+                f"int8/fp8 rows are served as float32, float16 or bfloat16, not {self.dtype}"
+            )
+        return _KERNEL_SCHEME[self.scheme], code, self.width
+
+
+def dequantize_native(packed: torch.Tensor, scheme: Scheme, out: torch.Tensor) -> ScaleSpan | None:
+    """``packed`` dequantised into ``out`` in one pass by the compiled kernel, outside the GIL:
+    the span of its row scales, to check against ``out``'s dtype (:meth:`ScaleSpan.holds`).
+
+    The same bits as :func:`dequantize_unpacked` (each value ``float32(code) * scale``, rounded
+    once to ``out``'s dtype; the tests compare both bit for bit), with no float32 buffer between:
+    measured ~8 us for a ``[200, 768]`` int8 item into float16 (a float16 copy of it: ~5 us).
+
+    Returns:
+        None where the kernel does not apply (not built or turned off, not on the CPU, a layout
+        other than contiguous packed rows into a contiguous ``out`` of their shape): nothing is
+        written then, and the caller takes the Python path.
+    """
+    native = kernels()
+    code = _KERNEL_OUT.get(out.dtype)
+    if (
+        native is None
+        or code is None
+        or packed.dtype != scheme.packed_dtype
+        or packed.device.type != "cpu"
+        or out.device.type != "cpu"
+        or not packed.dim()
+        or packed.shape[-1] < SCALE_BYTES
+        or out.shape != (*packed.shape[:-1], packed.shape[-1] - SCALE_BYTES)
+        or not packed.is_contiguous()
+        or not out.is_contiguous()
+    ):
+        return None
+    width = packed.shape[-1]
+    rows = packed.numel() // width if width else 0
+    low, high = native.dequant(
+        packed.data_ptr(), width, rows, width - SCALE_BYTES, out.data_ptr(),
+        _KERNEL_SCHEME[scheme], code,
+    )  # fmt: skip
+    return ScaleSpan(low, high)
 
 
 def dequantize_unpacked(

@@ -26,6 +26,8 @@ LEAVES = {
     "version",
     "process",
     "quantize",
+    "native",
+    "kernels",
     "image_recipe",
 }
 ALLOWED: dict[str, set[str]] = {

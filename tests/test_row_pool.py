@@ -1,7 +1,8 @@
 """Batches read on several threads (serve/reads.py): the same rows, the same errors.
 
 ``MIN_PARALLEL_BYTES`` is lowered to 0 so the tiny test stores take the threaded path; each
-batch is compared with live encoding, first epoch (checked rows) and later epoch (located rows).
+batch is compared with live encoding, first epoch (checked rows) and later epoch (located rows),
+read by the Python path on the pool and by the compiled read on threads it starts itself.
 """
 
 from __future__ import annotations
@@ -9,14 +10,17 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
 import featbake.serve.reads as row_pool
+from featbake import native
 from featbake.bake.pipeline import build
 from featbake.errors import StoreCorrupt
 from featbake.process import PerProcess
@@ -26,8 +30,9 @@ from tests.conftest import live_features
 
 
 @pytest.fixture
-def threaded(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Every batch on 2 threads; returns the list that counts batches run on the pool."""
+def threaded(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """Every batch on 2 threads of the pool, the Python read path's (the compiled read starts
+    its own threads: ``compiled_threads``); yields the list that counts batches run on it."""
     calls: list[int] = []
     run_all = row_pool._run_all
 
@@ -39,12 +44,42 @@ def threaded(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     monkeypatch.setattr(row_pool, "MIN_PARALLEL_BYTES", 0)
     monkeypatch.setattr(row_pool, "read_threads", lambda: 2)
     monkeypatch.setattr(row_pool, "_run_all", counted)
-    return calls
+    with native.fallback():
+        yield calls
 
 
+class _ThreadsAsked:
+    """The compiled kernels, recording the threads each batch read was asked to run on."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self.threads: list[int] = []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def read_rows(self, *args: Any) -> Any:
+        self.threads.append(args[5])
+        return self.inner.read_rows(*args)  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def compiled_threads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every batch on 2 threads of the compiled read; yields the threads each call was given."""
+    if native.kernels() is None:
+        pytest.skip("featbake.kernels is not built here, or FEATBAKE_NATIVE=0")
+    asked = _ThreadsAsked(native.kernels())
+    monkeypatch.setattr(row_pool, "MIN_PARALLEL_BYTES", 0)
+    monkeypatch.setattr(row_pool, "read_threads", lambda: 2)
+    monkeypatch.setitem(native._state, "kernels", asked)
+    return asked.threads
+
+
+@pytest.mark.parametrize("path", ["threaded", "compiled_threads"])
 def test_threaded_batches_equal_live_encoding_first_and_later_epochs(
-    audio_dir: Path, encoder_file: Path, store_dir: Path, threaded: list[int]
+    audio_dir: Path, encoder_file: Path, store_dir: Path, path: str, request: pytest.FixtureRequest
 ) -> None:
+    threaded = request.getfixturevalue(path)
     # Small shards: a batch spans several shard files, read by different threads.
     build(audio_dir, encoder_file, cache=store_dir, workers=0, shard_bytes=20_000)
     assert len(list((store_dir / "shards").rglob("*.safetensors"))) > 2
@@ -61,12 +96,15 @@ def test_threaded_batches_equal_live_encoding_first_and_later_epochs(
                 seen += 1
         assert seen == len(ds)
     assert threaded, "no batch ran on the pool"
+    assert path == "threaded" or set(threaded) == {2}  # the compiled read: 2 threads a batch
     assert ds.cache_info().store_reads == 2 * len(ds)  # every row read from the store
 
 
+@pytest.mark.parametrize("path", ["threaded", "compiled_threads"])
 def test_a_corrupt_row_read_on_a_thread_raises_and_is_never_served(
-    audio_dir: Path, encoder_file: Path, store_dir: Path, threaded: list[int]
+    audio_dir: Path, encoder_file: Path, store_dir: Path, path: str, request: pytest.FixtureRequest
 ) -> None:
+    threaded = request.getfixturevalue(path)
     build(audio_dir, encoder_file, cache=store_dir, workers=0)
     (shard,) = list((store_dir / "shards").rglob("*.safetensors"))
     blob = bytearray(shard.read_bytes())

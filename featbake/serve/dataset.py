@@ -602,9 +602,9 @@ class CachedFeatureDataset(Dataset):
         if self.revalidate:
             revalidate(self._index, st, idx)
         if self._index.parts == ("",) and idx and self._layer_view is None:
-            batch = self._reads.padded(st, idx)
+            batch = self._reads.padded(st, idx, self._served)  # served: dequantised as read
             if batch is not None:
-                return batch if self._served is None else self._served.batch(batch)
+                return batch
         values = self._misses.read_each(st, idx)
         return [self._as_asked(v) for v in values] if self._asked else values
 

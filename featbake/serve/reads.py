@@ -26,8 +26,18 @@ from torch.utils.data import get_worker_info
 from featbake.device import process_cpus
 from featbake.errors import ConfigError, ShardMissing, StoreError
 from featbake.keys import root_id
+from featbake.native import kernels
 from featbake.process import PerProcess
-from featbake.quantize import SCALE_BYTES, ScaleSpan, Scheme, Unpacked, dequantize_unpacked, unpack
+from featbake.quantize import (
+    SCALE_BYTES,
+    PackedRows,
+    ScaleSpan,
+    Scheme,
+    Unpacked,
+    dequantize_native,
+    dequantize_unpacked,
+    unpack,
+)
 from featbake.recipe import STORED_DTYPES, Recipe
 from featbake.serve.collate import PaddedBatch, alloc_batch
 from featbake.serve.index import Index
@@ -39,6 +49,7 @@ from featbake.store.shard import (
     ST_TO_DTYPE,
     ShardReader,
     Span,
+    native_readable,
     read_spans,
     tensor_buffer,
     tensor_name,
@@ -87,21 +98,36 @@ class Served:
         return {name: self.tensor(t) for name, t in value.items()}
 
     def tensor(self, packed: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """One packed tensor dequantised (into ``out`` if given), its scales checked first."""
-        parts = self.fitting(unpack(packed, self.scheme))
-        return dequantize_unpacked(parts, self.scheme, self.dtype, out)
+        """One packed tensor dequantised (into ``out`` if given), its scales checked.
+
+        On the CPU one pass of the compiled kernel where it is built, its scales checked from
+        the span it returns (written first: an ``out`` of a refused item is discarded with it).
+        """
+        if out is None and packed.dim() and packed.shape[-1] >= SCALE_BYTES:
+            shape = (*packed.shape[:-1], packed.shape[-1] - SCALE_BYTES)
+            out = torch.empty(shape, dtype=self.dtype, device=packed.device)
+        span = dequantize_native(packed, self.scheme, out) if out is not None else None
+        if span is None:
+            parts = self.fitting(unpack(packed, self.scheme))
+            return dequantize_unpacked(parts, self.scheme, self.dtype, out)
+        self.check(span)
+        assert out is not None
+        return out
 
     def fitting(self, parts: Unpacked) -> Unpacked:
-        """``parts``, once their row scales are checked to fit the served dtype.
+        """``parts``, once their row scales are checked to fit the served dtype (:meth:`check`)."""
+        if self.dtype != torch.float32:  # quantize caps every scale to float32's range
+            self.check(ScaleSpan.of(parts.scales))
+        return parts
+
+    def check(self, span: ScaleSpan) -> None:
+        """Refuse rows whose scales ``span`` the served dtype cannot serve.
 
         Raises:
             ConfigError: a value would be served as ``inf``, or rounded coarser than its codes.
         """
-        if self.dtype == torch.float32:  # quantize caps every scale to float32's range
-            return parts
-        span = ScaleSpan.of(parts.scales)
-        if span.holds(self.dtype, self.scheme):
-            return parts
+        if self.dtype == torch.float32 or span.holds(self.dtype, self.scheme):
+            return
         name = str(self.dtype).removeprefix("torch.")
         default = "" if self.chosen else " (the default serve_dtype)"
         raise ConfigError(
@@ -109,6 +135,10 @@ class Served:
             f"{name}{default} cannot serve without an inf or a rounding coarser than its codes: "
             "pass serve_dtype='float32' (or 'bfloat16': the same range in half the bytes)"
         )
+
+    def rows(self, trailing: tuple[int, ...]) -> PackedRows:
+        """How packed rows of trailing shape ``trailing`` (``(..., D + 4)``) are read served."""
+        return PackedRows(self.scheme, self.dtype, trailing[-1] - SCALE_BYTES)
 
     def for_index(self, layout: Layout, index: Index) -> Served:
         """This, or float32 where the user named no dtype and the build of the root ``index``
@@ -229,25 +259,44 @@ def run_rows(jobs: Sequence[RowJob], nbytes: int, threads: int | None = None) ->
 
 
 def read_rows(
-    rows: Sequence[Any], nbytes: int, span_of: Callable[[Any], Span] | None = None
-) -> None:
+    rows: Sequence[Any],
+    nbytes: int,
+    span_of: Callable[[Any], Span] | None = None,
+    packed: PackedRows | None = None,
+) -> ScaleSpan:
     """Read a batch's rows with :func:`~featbake.store.shard.read_spans`, a run per thread.
 
     ``rows`` are spans, or made into spans by ``span_of``, on this thread, just before their
     run is handed to the pool: making the last run's spans (Python, under the GIL: checksum
-    descriptors) then overlaps the pool reading the first ones. Errors are raised as by
+    descriptors) then overlaps the pool reading the first ones. With the compiled kernels
+    (:mod:`featbake.native`) the batch is instead one call, on as many threads, that releases
+    the GIL once: behind a Python-bound training step each taking of the GIL back waits for
+    the step to yield it (up to ``sys.getswitchinterval()``, 5 ms), so a read that took it
+    back after every row fell behind the step. With ``packed`` the rows are dequantised as
+    they are read; the span of their scales is returned. Errors are raised as by
     :func:`run_rows`, after every run has finished.
     """
     run = RowRun(nbytes)
+    if kernels() is not None:  # the whole batch in one call, one release of the GIL
+        spans = rows if span_of is None else [span_of(r) for r in rows]
+        if all(native_readable(s) for s in spans):
+            return read_spans(spans, packed, run.threads)
+        rows, span_of = spans, None
     parts = run.split(len(rows))
+    got: list[ScaleSpan] = []
     for k, part in enumerate(parts):
         chunk = rows[part]
         spans = chunk if span_of is None else [span_of(r) for r in chunk]
-        job = functools.partial(read_spans, spans)
+        job = functools.partial(_read_run, spans, packed, got)
         if k < len(parts) - 1:
             run.submit([job])
         else:
             run.run_here([job])
+    return functools.reduce(ScaleSpan.merged, got, ScaleSpan())
+
+
+def _read_run(spans: Sequence[Span], packed: PackedRows | None, got: list[ScaleSpan]) -> None:
+    got.append(read_spans(spans, packed))  # list.append is atomic: runs on several threads
 
 
 class RowRun:
@@ -472,11 +521,14 @@ class Reads:
         return started
 
     # -- a batch in place ---------------------------------------------------------------------
-    def padded_located(self, st: ProcessState, idx: list[int]) -> PaddedBatch | None:
+    def padded_located(
+        self, st: ProcessState, idx: list[int], served: Served | None = None
+    ) -> PaddedBatch | None:
         """The hit path of a batch whose items were all read (and checked) before here.
 
-        One pread per item straight into its row of the batch, no per-item tensor or view;
-        None (take the general path) if any item is not located, not yet checked, or moved.
+        One pread per item straight into its row of the batch, no per-item tensor or view
+        (with ``served``, dequantised as it is read: :func:`served_rows`); None (take the
+        general path) if any item is not located, not yet checked, or moved.
         """
         locs = st.loc
         readers = st.open_readers
@@ -501,9 +553,11 @@ class Reads:
                 return None
             got.append(loc)
         lengths = [loc.shape[0] for loc in got]
-        padded = alloc_batch(torch.empty(0, dtype=dtype), (len(idx), max(lengths), *trailing))
+        packed = served_rows(served, dtype, trailing)
+        padded = alloc_batch(*_batch_of(dtype, trailing, packed, len(idx), max(lengths)))
         flat = np.asarray(tensor_buffer(padded))
         row_bytes = padded[0].nbytes
+        step_bytes = padded[0][0].nbytes if len(padded[0]) else 0
         touch = st.touch
         last = st.last_path
         spans = []
@@ -511,19 +565,31 @@ class Reads:
             if loc.path is not last:  # keep the handles' LRU order
                 readers.move_to_end(loc.path)
                 last = st.last_path = loc.path
-            start, end = j * row_bytes, j * row_bytes + loc.nbytes
+            start, end = j * row_bytes, j * row_bytes + loc.shape[0] * step_bytes
             spans.append(
                 Span(loc.reader, loc.offset, flat[start:end], flat[end : start + row_bytes], None)
             )
             touch(i)
-        read_rows(spans, padded.nbytes)
+        scales = read_rows(spans, padded.nbytes, packed=packed)
+        if served is not None and packed is not None:
+            served.check(scales)
         st.store_reads += len(idx)
-        return PaddedBatch.of(padded, lengths)
+        return as_served(padded, lengths, served, packed)
 
-    def padded(self, st: ProcessState, idx: list[int]) -> PaddedBatch | None:
-        """The batch read in place into a padded tensor, or None to take the general path."""
+    def padded(
+        self, st: ProcessState, idx: list[int], served: Served | None = None
+    ) -> PaddedBatch | None:
+        """The batch read in place into a padded tensor, or None to take the general path.
+
+        With ``served`` (an int8/fp8 store served dequantised) the batch is served: each row
+        dequantised as it is read, straight into the served batch. With the RAM tier on, which
+        keeps packed rows, the packed batch is read and then dequantised.
+        """
+        if served is not None and st.use_lru:
+            batch = self.padded(st, idx)
+            return None if batch is None else served.batch(batch)
         if not st.use_lru and not st.check_always:
-            batch = self.padded_located(st, idx)
+            batch = self.padded_located(st, idx, served)
             if batch is not None:
                 return batch
         shard = self.index.shard
@@ -533,7 +599,7 @@ class Reads:
         elif (shard[idx] < 0).any():
             return None
         plan = self._plan(st, idx)
-        return self._fill(st, idx, plan) if plan is not None else None
+        return self._fill(st, idx, plan, served) if plan is not None else None
 
     def _plan(self, st: ProcessState, idx: list[int]) -> _Plan | None:
         """Each row's source, if all rows share trailing shape and dtype; else None."""
@@ -565,17 +631,21 @@ class Reads:
         assert want is not None and want[1] is not None
         return _Plan(out, want[0], want[1])
 
-    def _fill(self, st: ProcessState, idx: list[int], plan: _Plan) -> PaddedBatch | None:
+    def _fill(
+        self, st: ProcessState, idx: list[int], plan: _Plan, served: Served | None = None
+    ) -> PaddedBatch | None:
         """Fill a padded batch: RAM-tier rows copied here, stored rows read by ``run_rows``.
 
         Every shard is opened (and every row's check decided) before any read, on this thread;
         the reads run on the read pool, into byte slices of the batch (no torch op per row: one
         would wake torch's OpenMP threads, which then spin on the CPUs the readers need); what
-        was read is recorded here after.
+        was read is recorded here after. With ``served`` (never with the RAM tier: see
+        :meth:`padded`) the rows are dequantised as they are read.
         """
         lengths = [s.length for s in plan.sources]
         t_max = max(lengths)
-        padded = alloc_batch(torch.empty(0, dtype=plan.dtype), (len(idx), t_max, *plan.trailing))
+        packed = served_rows(served, plan.dtype, plan.trailing)
+        padded = alloc_batch(*_batch_of(plan.dtype, plan.trailing, packed, len(idx), t_max))
         flat = np.asarray(tensor_buffer(padded))
         step_bytes = padded[0][0].nbytes if t_max else 0  # one time step of one row
         row_bytes = step_bytes * t_max
@@ -593,10 +663,16 @@ class Reads:
             start, end = j * row_bytes, j * row_bytes + src.length * step_bytes
             dest, tail = flat[start:end], flat[end : start + row_bytes]
             read.append(_RowRead(i, src.sid, path, reader, j, dest, tail, check))
+        span_of = functools.partial(self._span, packed=packed)
+        scales: ScaleSpan | None
         if all(st.open_readers.get(r.path) is r.reader for r in read):
-            read_rows(read, padded.nbytes, self._span)
-        elif not self._read_each(st, read):
+            scales = read_rows(read, padded.nbytes, span_of, packed)
+        else:
+            scales = self._read_each(st, read, span_of, packed)
+        if scales is None:
             return None
+        if served is not None and packed is not None:
+            served.check(scales)
         for r in read:
             self.remember(st, r.i, r.sid, r.path, r.reader)
             if r.check:
@@ -607,25 +683,66 @@ class Reads:
         st.store_reads += len(read)
         for i in idx:
             st.touch(i)
-        return PaddedBatch.of(padded, lengths)
+        return as_served(padded, lengths, served, packed)
 
-    def _span(self, r: _RowRead) -> Span:
-        return r.reader.span(self.index.key(r.i), r.dest, verify=r.check, tail=r.tail)
+    def _span(self, r: _RowRead, packed: PackedRows | None = None) -> Span:
+        key = self.index.key(r.i)
+        return r.reader.span(key, r.dest, verify=r.check, tail=r.tail, packed=packed)
 
-    def _read_each(self, st: ProcessState, read: list[_RowRead]) -> bool:
-        """Read the rows one by one, each shard opened just before its read (False: one moved).
+    def _read_each(
+        self,
+        st: ProcessState,
+        read: list[_RowRead],
+        span_of: Callable[[_RowRead], Span],
+        packed: PackedRows | None,
+    ) -> ScaleSpan | None:
+        """Read the rows one by one, each shard opened just before its read (None: one moved).
 
         For a batch over more shards than this process keeps open: opening the last ones
         closed the first before their rows were read.
         """
+        got = ScaleSpan()
         for j, r in enumerate(read):
             try:
                 path, reader = self._open(st, r.sid)
             except ShardMissing:
-                return False
+                return None
             read[j] = r = r._replace(path=path, reader=reader)
-            read_spans((self._span(r),))
-        return True
+            got = got.merged(read_spans((span_of(r),), packed))
+        return got
+
+
+def served_rows(
+    served: Served | None, dtype: torch.dtype, trailing: tuple[int, ...]
+) -> PackedRows | None:
+    """How a batch's stored rows (``dtype``, trailing shape ``trailing``) are read: dequantised
+    by ``served`` as they are read, or None: as stored (then :func:`as_served` dequantises the
+    batch after, or refuses rows that are not packed rows of ``served``'s scheme)."""
+    if (
+        served is None
+        or dtype != served.scheme.packed_dtype
+        or not trailing
+        or trailing[-1] <= SCALE_BYTES
+    ):
+        return None
+    return served.rows(trailing)
+
+
+def as_served(
+    padded: torch.Tensor, lengths: list[int], served: Served | None, packed: PackedRows | None
+) -> PaddedBatch:
+    """A filled batch as it is served: dequantised after the reads where it was not as read."""
+    batch = PaddedBatch.of(padded, lengths)
+    return served.batch(batch) if served is not None and packed is None else batch
+
+
+def _batch_of(
+    dtype: torch.dtype, trailing: tuple[int, ...], packed: PackedRows | None, n: int, t_max: int
+) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """``alloc_batch``'s arguments for a batch of ``n`` rows: stored, or served by ``packed``."""
+    if packed is None:
+        return torch.empty(0, dtype=dtype), (n, t_max, *trailing)
+    return torch.empty(0, dtype=packed.dtype), (n, t_max, *trailing[:-1], packed.width)
 
 
 class _RowRead(NamedTuple):

@@ -42,6 +42,14 @@ import numpy as np
 import torch
 
 from featbake.errors import ConfigError, ShardMissing, StoreCorrupt, StoreError
+from featbake.native import kernels
+from featbake.quantize import (
+    SCALE_BYTES,
+    PackedRows,
+    ScaleSpan,
+    dequantize_unpacked,
+    unpack,
+)
 from featbake.store.layout import Layout, fsync_dir, shared_write_lock
 
 # == shard_format ==================================================================================
@@ -119,6 +127,12 @@ def _crc32c_extend_at() -> Callable[[int, int, int], int] | None:
 
 
 _EXTEND_AT = _crc32c_extend_at()
+#: Its address, for the compiled batch read (featbake/kernels.c), which calls it outside the GIL.
+_EXTEND_ADDR: int | None = (
+    ctypes.cast(_EXTEND_AT, ctypes.c_void_p).value  # type: ignore[arg-type]  # a CFuncPtr
+    if _EXTEND_AT is not None
+    else None
+)
 
 
 def crc32c(buf: Any, crc: int = 0) -> int:
@@ -787,24 +801,34 @@ class ShardReader:
         dest = out.view(-1).view(torch.uint8).numpy()
         self.read_span(info.begin, dest, self._check(name, info) if verify else None)
 
-    def span(self, name: str, dest: Any, *, verify: bool = True, tail: Any = None) -> Span:
+    def span(
+        self,
+        name: str,
+        dest: Any,
+        *,
+        verify: bool = True,
+        tail: Any = None,
+        packed: PackedRows | None = None,
+    ) -> Span:
         """Tensor ``name``'s :class:`Span` into ``dest``, to read with :func:`read_spans`.
 
         ``dest`` is a contiguous ``uint8`` numpy array of exactly the tensor's byte size (a
-        slice of a batch's bytes); ``tail``, the padding after it in a batch row, is zeroed.
-        Everything that builds the checksum's descriptor happens here, on the caller's thread;
-        the read itself is a ``pread`` and a CRC, both outside the GIL, so a batch's rows read
-        on several threads do not queue for it (see ``featbake.serve.reads``).
+        slice of a batch's bytes), or with ``packed`` of the byte size its rows have served
+        (dequantised as they are read); ``tail``, the padding after it in a batch row, is
+        zeroed. Everything that builds the checksum's descriptor happens here, on the caller's
+        thread; the read itself is a ``pread`` and a CRC, both outside the GIL, so a batch's
+        rows read on several threads do not queue for it (see ``featbake.serve.reads``).
 
         Raises:
             StoreCorrupt: no such tensor (the read raises short reads and checksum mismatches).
             ConfigError: ``dest`` is not of the tensor's byte size.
         """
         info = self._info(name)
-        if dest.nbytes != info.end - info.begin:
-            raise ConfigError(
-                f"a read of {name} needs {info.end - info.begin} bytes, got {dest.nbytes}"
-            )
+        want = info.end - info.begin
+        if packed is not None:  # the served bytes of its rows
+            want = want // (packed.width + SCALE_BYTES) * packed.width * packed.dtype.itemsize
+        if dest.nbytes != want:
+            raise ConfigError(f"a read of {name} needs {want} bytes, got {dest.nbytes}")
         return Span(self, info.begin, dest, tail, self._check(name, info) if verify else None)
 
     def _check(self, name: str, info: TensorInfo) -> SpanCheck:
@@ -914,21 +938,113 @@ class Span(NamedTuple):
     check: SpanCheck | None
 
 
-def read_spans(spans: Sequence[Span]) -> None:
+def read_spans(
+    spans: Sequence[Span], packed: PackedRows | None = None, threads: int = 1
+) -> ScaleSpan:
     """Read (and check) each span into its buffer, zeroing its padding: the one read path.
 
     A single tensor is a batch of one; a batch's rows are runs of spans, one run per thread
     (``featbake.serve.reads``). Runs on any thread: it touches only the spans' buffers, the
-    shards' read-only file descriptors and their verified sets.
+    shards' read-only file descriptors and their verified sets. Where the compiled kernels are
+    built (:mod:`featbake.native`) the whole run is one call that holds the GIL once: its
+    preads, CRC-32C checks, dequantising and padding all run outside it (the Python path,
+    which gives the same bytes, takes the GIL back after each row's read and check).
+
+    Args:
+        spans: the reads. With ``packed``, each span's ``dest`` is where its rows go *served*
+            (``rows * packed.width`` values of ``packed.dtype``); the stored bytes read are
+            ``rows * (packed.width + 4)``.
+        packed: the rows are packed int8/fp8, dequantised as they are read (one pass through
+            a cache-sized buffer, no packed batch in between); None: bytes copied as stored.
+        threads: with the compiled kernels, the spans are read on this many threads (contiguous
+            runs; threads the kernel starts, all within the one release of the GIL). The
+            Python path reads on the calling thread (``featbake.serve.reads`` runs it on its
+            pool instead).
+
+    Returns:
+        The span of the row scales dequantised (:class:`~featbake.quantize.ScaleSpan`; empty
+        without ``packed``): whether the served dtype holds them is the caller's to check.
 
     Raises:
         StoreCorrupt: a short read or a checksum mismatch (the spans after it are not read).
         StoreError: a read fails.
     """
+    if packed is not None and not packed.width:
+        raise ConfigError("packed rows of no values cannot be served dequantised")
+    native = kernels()
+    if native is not None and all(native_readable(s) for s in spans):
+        return _read_native(native, spans, packed, threads)
+    got = ScaleSpan()
     for reader, begin, dest, tail, check in spans:
-        reader.read_span(begin, dest, check)
+        if packed is None:
+            reader.read_span(begin, dest, check)
+        else:
+            got = got.merged(_read_packed(reader, begin, dest, check, packed))
         if tail is not None and tail.nbytes:
             tail.fill(0)
+    return got
+
+
+def native_readable(span: Span) -> bool:
+    """Whether the compiled read can take ``span`` (when the kernels are built): a local shard
+    (a bucket's ranged reader reads over HTTP) and a format-2 check (CRC-32C, whose C function
+    google_crc32c exposes) that promises a value, or none."""
+    check = span.check
+    if type(span.reader) is not ShardReader:
+        return False
+    return check is None or (
+        _EXTEND_ADDR is not None and check.digest is crc32c and check.want is not None
+    )
+
+
+def _read_packed(
+    reader: ShardReader, begin: int, dest: Any, check: SpanCheck | None, packed: PackedRows
+) -> ScaleSpan:
+    """The Python path of one packed span: read into a buffer, check, dequantise into dest."""
+    rows = dest.nbytes // (packed.width * packed.dtype.itemsize)
+    raw = torch.empty((rows, packed.width + SCALE_BYTES), dtype=packed.scheme.packed_dtype)
+    reader.read_span(begin, raw.view(-1).view(torch.uint8).numpy(), check)
+    parts = unpack(raw, packed.scheme)
+    out = torch.from_numpy(dest).view(packed.dtype).view(rows, packed.width)
+    dequantize_unpacked(parts, packed.scheme, packed.dtype, out)
+    return ScaleSpan.of(parts.scales)
+
+
+def _read_native(
+    native: Any, spans: Sequence[Span], packed: PackedRows | None, threads: int
+) -> ScaleSpan:
+    """:func:`read_spans` as one call of the compiled kernels (see its docstring)."""
+    rows: list[tuple[int, int, int, int, int, int, int, int]] = []
+    item = packed.dtype.itemsize * packed.width if packed is not None else 0
+    for reader, begin, dest, tail, check in spans:
+        n = dest.nbytes if packed is None else dest.nbytes // item * (packed.width + SCALE_BYTES)
+        has_tail = tail is not None and tail.nbytes > 0
+        rows.append((
+            reader._fd, begin, n, dest.ctypes.data, tail.ctypes.data if has_tail else 0,
+            tail.nbytes if has_tail else 0,
+            check.head if check is not None else 0,
+            check.want if check is not None and check.want is not None else -1,
+        ))  # fmt: skip
+    scheme, out, width = (-1, 0, 0) if packed is None else packed.kernel_codes()
+    failed, low, high = native.read_rows(rows, _EXTEND_ADDR or 0, scheme, out, width, threads)
+    done = len(spans) if failed is None else failed[0]
+    for span in spans[:done]:
+        if span.check is not None:
+            span.reader._verified.add(span.check.name)
+    if failed is not None:
+        raise _read_failure(spans[failed[0]], failed[1], failed[2])
+    return ScaleSpan(low, high) if packed is not None else ScaleSpan()
+
+
+def _read_failure(span: Span, kind: int, err: int) -> StoreError:
+    """The error the Python path raises for a span the compiled read could not read."""
+    reader, check = span.reader, span.check
+    name = check.name if check is not None else reader._name_at(span.begin)
+    if kind == 1:
+        return reader.cut_short(name)
+    if kind == 2:
+        return corrupt_shard(reader.path, f"checksum mismatch in tensor {name}")
+    return StoreError(f"cannot read shard {reader.path}: {os.strerror(err)}")
 
 
 def _hex(crc: str | None) -> int | None:

@@ -1,0 +1,545 @@
+/* featbake.kernels: a batch's reads and int8/fp8 dequantising, each in one call outside the GIL.
+ *
+ * Optional: setup.py builds it where a C compiler is present, and featbake falls back to its
+ * pure-Python path (numpy/torch, bit-identical results, tested against this) where it is not.
+ *
+ * dequant(src, row_stride, rows, d, dst, scheme, out) -> (low, high)
+ *     Packed rows (d codes then a little-endian float32 scale, every row_stride bytes from src)
+ *     into `rows * d` contiguous values of `out` at dst. The value is float32(code) * scale,
+ *     computed in float32 and rounded once to the served dtype: the same bits as
+ *     torch.mul(codes, scales, out=...) (fp8 codes decoded exactly, as featbake.quantize does).
+ *     low, high: the smallest non-zero and the largest row scale (inf, 0.0: none), which tell
+ *     whether the served dtype holds every value (featbake.quantize.ScaleSpan).
+ *
+ * read_rows(spans, crc_fn, scheme, out, d, threads=1)
+ *     Each span (fd, offset, nbytes, dest, tail, tail_bytes, head, want) is read with pread;
+ *     when want >= 0 its bytes' CRC-32C extending `head` (computed by crc_fn, the address of
+ *     google_crc32c's crc32c_extend) must equal want; the padding after it, tail_bytes at tail,
+ *     is zeroed. With scheme >= 0 each span is packed rows of width d + 4: read into a scratch
+ *     buffer (cache-sized: the bytes are read once from the page cache and once from cache) and
+ *     dequantised into dest. Returns (failure, low, high): failure None, or (index, kind, errno)
+ *     for the first span that failed (kind 1 a short read, 2 a checksum mismatch, 3 a failed
+ *     read with errno; the spans after it in its run are not read); low, high as dequant's,
+ *     over the rows dequantised. With threads > 1 the spans are cut into that many contiguous
+ *     runs (8 at most), the first ones read on threads started here, the last on the caller's:
+ *     still one release of the GIL for the whole batch.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <pthread.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define FB_X86 1
+#else
+#define FB_X86 0
+#endif
+
+enum { SCHEME_INT8 = 0, SCHEME_FP8 = 1 };
+enum { MAX_THREADS = 8 }; /* read_rows' threads at most */
+enum { OUT_F32 = 0, OUT_F16 = 1, OUT_BF16 = 2 };
+
+static inline uint32_t f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+static inline float bits_f32(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* float32 -> IEEE half, round to nearest even (c10's fp16_ieee_from_fp32_value). */
+static inline uint16_t f16_of(float f) {
+    const float scale_to_inf = 0x1.0p+112f;
+    const float scale_to_zero = 0x1.0p-110f;
+    float base = (__builtin_fabsf(f) * scale_to_inf) * scale_to_zero;
+    const uint32_t w = f32_bits(f);
+    const uint32_t shl1_w = w + w;
+    const uint32_t sign = w & UINT32_C(0x80000000);
+    uint32_t bias = shl1_w & UINT32_C(0xFF000000);
+    if (bias < UINT32_C(0x71000000)) bias = UINT32_C(0x71000000);
+    base = bits_f32((bias >> 1) + UINT32_C(0x07800000)) + base;
+    const uint32_t bits = f32_bits(base);
+    const uint32_t exp_bits = (bits >> 13) & UINT32_C(0x00007C00);
+    const uint32_t mantissa_bits = bits & UINT32_C(0x00000FFF);
+    const uint32_t nonsign = exp_bits + mantissa_bits;
+    return (uint16_t)((sign >> 16) | (shl1_w > UINT32_C(0xFF000000) ? UINT16_C(0x7E00) : nonsign));
+}
+
+/* float32 -> bfloat16, round to nearest even (c10's round_to_nearest_even). */
+static inline uint16_t bf16_of(float f) {
+    if (f != f) return UINT16_C(0x7FC0);
+    const uint32_t u = f32_bits(f);
+    return (uint16_t)((u + UINT32_C(0x7FFF) + ((u >> 16) & 1)) >> 16);
+}
+
+/* An e4m3fn code as float32, exactly: its magnitude is the integer N = (e ? 8 + m << e - 1 : m)
+ * times 2**-9, so no step passes through a float32 subnormal (which costs a microcode assist on
+ * x86: featbake.quantize's bit move does). The two NaN codes, never written, read as +-480 as
+ * there. */
+static inline float fp8_value(uint8_t c) {
+    const uint32_t e = (c >> 3) & 15, m = c & 7, nz = e ? 1 : 0;
+    const float v = (float)((m | nz << 3) << (e - nz)) * 0x1.0p-9f;
+    return bits_f32(f32_bits(v) | (uint32_t)(c & 0x80) << 24);
+}
+
+static inline float code_value(const uint8_t *src, size_t j, int scheme) {
+    return scheme == SCHEME_INT8 ? (float)(int8_t)src[j] : fp8_value(src[j]);
+}
+
+/* Inlined into the SIMD loops for their tails: called from them, a function compiled without
+ * AVX ran with the vector registers' upper halves dirty and cost ~200 cycles a row. */
+static inline __attribute__((always_inline)) void row_scalar(const uint8_t *src, float s,
+                                                             void *dst, size_t from, size_t d,
+                                                             int scheme, int out) {
+    for (size_t j = from; j < d; j++) {
+        const float v = code_value(src, j, scheme) * s;
+        if (out == OUT_F32)
+            ((float *)dst)[j] = v;
+        else if (out == OUT_F16)
+            ((uint16_t *)dst)[j] = f16_of(v);
+        else
+            ((uint16_t *)dst)[j] = bf16_of(v);
+    }
+}
+
+#if FB_X86
+#define FB_AVX2 __attribute__((target("avx2,f16c")))
+
+/* Eight e4m3fn codes (zero-extended to 16 bits) as float32, exactly: the code's bits moved into
+ * an IEEE half (4 exponent bits in its 5, bias 15 against 7) read by the F16C conversion, which
+ * takes subnormal halves without a microcode assist, then times 2**8 (exact). */
+FB_AVX2 static inline __m256 fp8_halves(__m128i c) {
+    const __m128i mag = _mm_slli_epi16(_mm_and_si128(c, _mm_set1_epi16(0x7F)), 7);
+    const __m128i sign = _mm_slli_epi16(_mm_and_si128(c, _mm_set1_epi16(0x80)), 8);
+    return _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(mag, sign)), _mm256_set1_ps(256.0f));
+}
+
+/* Eight codes at src as float32 values (exact). */
+FB_AVX2 static inline __m256 codes8(const uint8_t *src, int scheme) {
+    const __m128i b = _mm_loadl_epi64((const __m128i *)src);
+    if (scheme == SCHEME_INT8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    return fp8_halves(_mm_cvtepu8_epi16(b));
+}
+
+/* Eight float32 values as bfloat16, round to nearest even (no NaN reaches here). */
+FB_AVX2 static inline __m128i bf16x8(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), odd), 16);
+    const __m128i lo = _mm256_castsi256_si128(r), hi = _mm256_extracti128_si256(r, 1);
+    return _mm_packus_epi32(lo, hi);
+}
+
+FB_AVX2 static inline __attribute__((always_inline)) void row_avx2_of(const uint8_t *src, float s, void *dst, size_t d, int scheme,
+                             int out) {
+    const __m256 vs = _mm256_set1_ps(s);
+    size_t j = 0;
+    for (; j + 8 <= d; j += 8) {
+        const __m256 p = _mm256_mul_ps(codes8(src + j, scheme), vs);
+        if (out == OUT_F32)
+            _mm256_storeu_ps((float *)dst + j, p);
+        else if (out == OUT_F16)
+            _mm_storeu_si128((__m128i *)((uint16_t *)dst + j),
+                             _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT));
+        else
+            _mm_storeu_si128((__m128i *)((uint16_t *)dst + j), bf16x8(p));
+    }
+    row_scalar(src, s, dst, j, d, scheme, out);
+}
+
+/* Packed rows into `out` values, each row by row_avx2_of with its scheme and dtype constant (each
+ * loop compiled without branches). */
+FB_AVX2 static inline __attribute__((always_inline)) void rows_avx2_of(
+    const uint8_t *src, size_t row_stride, size_t rows, size_t d, uint8_t *dst, int scheme,
+    int out) {
+    const size_t out_row = d * (out == OUT_F32 ? 4 : 2);
+    for (size_t r = 0; r < rows; r++) {
+        float s;
+        memcpy(&s, src + r * row_stride + d, 4);
+        row_avx2_of(src + r * row_stride, s, dst + r * out_row, d, scheme, out);
+    }
+}
+
+FB_AVX2 static void rows_avx2(const uint8_t *src, size_t row_stride, size_t rows, size_t d,
+                            uint8_t *dst, int scheme, int out) {
+    if (scheme == SCHEME_INT8) {
+        if (out == OUT_F16) rows_avx2_of(src, row_stride, rows, d, dst, SCHEME_INT8, OUT_F16);
+        else if (out == OUT_F32) rows_avx2_of(src, row_stride, rows, d, dst, SCHEME_INT8, OUT_F32);
+        else rows_avx2_of(src, row_stride, rows, d, dst, SCHEME_INT8, OUT_BF16);
+    } else {
+        if (out == OUT_F16) rows_avx2_of(src, row_stride, rows, d, dst, SCHEME_FP8, OUT_F16);
+        else if (out == OUT_F32) rows_avx2_of(src, row_stride, rows, d, dst, SCHEME_FP8, OUT_F32);
+        else rows_avx2_of(src, row_stride, rows, d, dst, SCHEME_FP8, OUT_BF16);
+    }
+}
+
+#define FB_AVX512 __attribute__((target("avx512f,avx512bw")))
+
+/* Sixteen codes at src as float32 values (exact; fp8 as fp8_halves does). */
+FB_AVX512 static inline __m512 codes16(const uint8_t *src, int scheme) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)src);
+    if (scheme == SCHEME_INT8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+    const __m256i c = _mm256_cvtepu8_epi16(b);
+    const __m256i mag = _mm256_slli_epi16(_mm256_and_si256(c, _mm256_set1_epi16(0x7F)), 7);
+    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(c, _mm256_set1_epi16(0x80)), 8);
+    return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(mag, sign)), _mm512_set1_ps(256.0f));
+}
+
+FB_AVX512 static inline __attribute__((always_inline)) void row_avx512_of(const uint8_t *src, float s, void *dst, size_t d, int scheme,
+                                 int out) {
+    const __m512 vs = _mm512_set1_ps(s);
+    size_t j = 0;
+    for (; j + 16 <= d; j += 16) {
+        const __m512 p = _mm512_mul_ps(codes16(src + j, scheme), vs);
+        if (out == OUT_F32) {
+            _mm512_storeu_ps((float *)dst + j, p);
+        } else if (out == OUT_F16) {
+            _mm256_storeu_si256((__m256i *)((uint16_t *)dst + j),
+                                _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT));
+        } else {
+            const __m512i u = _mm512_castps_si512(p);
+            const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+            const __m512i r = _mm512_srli_epi32(
+                _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
+            _mm256_storeu_si256((__m256i *)((uint16_t *)dst + j), _mm512_cvtepi32_epi16(r));
+        }
+    }
+    row_scalar(src, s, dst, j, d, scheme, out);
+}
+
+/* Packed rows into `out` values, each row by row_avx512_of with its scheme and dtype constant (each
+ * loop compiled without branches). */
+FB_AVX512 static inline __attribute__((always_inline)) void rows_avx512_of(
+    const uint8_t *src, size_t row_stride, size_t rows, size_t d, uint8_t *dst, int scheme,
+    int out) {
+    const size_t out_row = d * (out == OUT_F32 ? 4 : 2);
+    for (size_t r = 0; r < rows; r++) {
+        float s;
+        memcpy(&s, src + r * row_stride + d, 4);
+        row_avx512_of(src + r * row_stride, s, dst + r * out_row, d, scheme, out);
+    }
+}
+
+FB_AVX512 static void rows_avx512(const uint8_t *src, size_t row_stride, size_t rows, size_t d,
+                            uint8_t *dst, int scheme, int out) {
+    if (scheme == SCHEME_INT8) {
+        if (out == OUT_F16) rows_avx512_of(src, row_stride, rows, d, dst, SCHEME_INT8, OUT_F16);
+        else if (out == OUT_F32) rows_avx512_of(src, row_stride, rows, d, dst, SCHEME_INT8, OUT_F32);
+        else rows_avx512_of(src, row_stride, rows, d, dst, SCHEME_INT8, OUT_BF16);
+    } else {
+        if (out == OUT_F16) rows_avx512_of(src, row_stride, rows, d, dst, SCHEME_FP8, OUT_F16);
+        else if (out == OUT_F32) rows_avx512_of(src, row_stride, rows, d, dst, SCHEME_FP8, OUT_F32);
+        else rows_avx512_of(src, row_stride, rows, d, dst, SCHEME_FP8, OUT_BF16);
+    }
+}
+
+static int have_avx512(void) {
+    static int known = -1;
+    if (known < 0) {
+        __builtin_cpu_init();
+        known = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+    }
+    return known;
+}
+
+static int have_avx2(void) {
+    static int known = -1;
+    if (known < 0) {
+        __builtin_cpu_init();
+        known = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    }
+    return known;
+}
+#endif
+
+/* The widest loop this CPU runs: 0 portable, 1 AVX2 + F16C, 2 AVX-512; set_width() lowers it
+ * (the tests check every loop this machine has against the Python path). */
+static int width = -1;
+
+static int widest(void) {
+#if FB_X86
+    return have_avx512() ? 2 : have_avx2() ? 1 : 0;
+#else
+    return 0;
+#endif
+}
+
+/* The smallest non-zero and the largest row scale, as featbake.quantize.ScaleSpan keeps them. */
+typedef struct {
+    float low, high;
+} scale_span_t;
+
+static void span_rows(const uint8_t *src, size_t row_stride, size_t rows, size_t d,
+                      scale_span_t *span) {
+    for (size_t r = 0; r < rows; r++) {
+        float s;
+        memcpy(&s, src + r * row_stride + d, 4);
+        if (s > 0 && s < span->low) span->low = s;
+        if (s > span->high) span->high = s;
+    }
+}
+
+static void dequant_rows(const uint8_t *src, size_t row_stride, size_t rows, size_t d,
+                         uint8_t *dst, int scheme, int out, scale_span_t *span) {
+    span_rows(src, row_stride, rows, d, span);
+    if (width < 0) width = widest();
+#if FB_X86
+    if (width == 2) {
+        rows_avx512(src, row_stride, rows, d, dst, scheme, out);
+        return;
+    }
+    if (width == 1) {
+        rows_avx2(src, row_stride, rows, d, dst, scheme, out);
+        return;
+    }
+#endif
+    const size_t out_row = d * (out == OUT_F32 ? 4 : 2);
+    for (size_t r = 0; r < rows; r++) {
+        const uint8_t *row = src + r * row_stride;
+        float s;
+        memcpy(&s, row + d, 4);
+        row_scalar(row, s, dst + r * out_row, 0, d, scheme, out);
+    }
+}
+
+static int valid_kind(int scheme, int out) {
+    if (scheme != SCHEME_INT8 && scheme != SCHEME_FP8) {
+        PyErr_SetString(PyExc_ValueError, "scheme must be 0 (int8) or 1 (fp8)");
+        return 0;
+    }
+    if (out != OUT_F32 && out != OUT_F16 && out != OUT_BF16) {
+        PyErr_SetString(PyExc_ValueError, "out must be 0 (float32), 1 (float16) or 2 (bfloat16)");
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *dequant(PyObject *self, PyObject *args) {
+    unsigned long long src, dst;
+    Py_ssize_t row_stride, rows, d;
+    int scheme, out;
+    if (!PyArg_ParseTuple(args, "KnnnKii", &src, &row_stride, &rows, &d, &dst, &scheme, &out))
+        return NULL;
+    if (!valid_kind(scheme, out)) return NULL;
+    if (rows < 0 || d < 0 || row_stride < d + 4) {
+        PyErr_SetString(PyExc_ValueError, "rows, d >= 0 and row_stride >= d + 4");
+        return NULL;
+    }
+    scale_span_t span = {INFINITY, 0.0f};
+    Py_BEGIN_ALLOW_THREADS;
+    dequant_rows((const uint8_t *)(uintptr_t)src, (size_t)row_stride, (size_t)rows, (size_t)d,
+                 (uint8_t *)(uintptr_t)dst, scheme, out, &span);
+    Py_END_ALLOW_THREADS;
+    return Py_BuildValue("(dd)", (double)span.low, (double)span.high);
+}
+
+typedef uint32_t (*crc_fn_t)(uint32_t, const void *, size_t);
+
+typedef struct {
+    int fd;
+    long long offset;
+    Py_ssize_t nbytes;
+    unsigned long long dest, tail;
+    Py_ssize_t tail_bytes;
+    unsigned int head;
+    long long want;
+} span_t;
+
+typedef struct {
+    Py_ssize_t index;
+    int kind, err;
+} failure_t;
+
+/* Read `n` bytes at `offset` into buf: 0, or 1 (short) / 3 (failed, errno in *err). */
+static int read_exact(int fd, long long offset, uint8_t *buf, size_t n, int *err) {
+    size_t got = 0;
+    while (got < n) {
+        const ssize_t k = pread(fd, buf + got, n - got, (off_t)(offset + (long long)got));
+        if (k < 0) {
+            if (errno == EINTR) continue;
+            *err = errno;
+            return 3;
+        }
+        if (k == 0) return 1;
+        got += (size_t)k;
+    }
+    return 0;
+}
+
+static int read_one(const span_t *sp, crc_fn_t crc, uint8_t *scratch, int scheme, int out,
+                    size_t d, int *err, scale_span_t *span) {
+    uint8_t *into = scheme >= 0 ? scratch : (uint8_t *)(uintptr_t)sp->dest;
+    const int kind = read_exact(sp->fd, sp->offset, into, (size_t)sp->nbytes, err);
+    if (kind) return kind;
+    if (sp->want >= 0 && crc((uint32_t)sp->head, into, (size_t)sp->nbytes) != (uint32_t)sp->want)
+        return 2;
+    if (scheme >= 0)
+        dequant_rows(into, d + 4, (size_t)sp->nbytes / (d + 4), d, (uint8_t *)(uintptr_t)sp->dest,
+                     scheme, out, span);
+    if (sp->tail_bytes > 0) memset((void *)(uintptr_t)sp->tail, 0, (size_t)sp->tail_bytes);
+    return 0;
+}
+
+static int parse_spans(PyObject *seq, span_t *spans, Py_ssize_t n, int need_crc) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        span_t *sp = &spans[i];
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "iLnKKnIL", &sp->fd, &sp->offset,
+                              &sp->nbytes, &sp->dest, &sp->tail, &sp->tail_bytes, &sp->head,
+                              &sp->want))
+            return 0;
+        if (sp->nbytes < 0 || sp->tail_bytes < 0 || (sp->want >= 0 && !need_crc)) {
+            PyErr_SetString(PyExc_ValueError, "a span's sizes are negative, or a check has no crc_fn");
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* One thread's run of spans: [from, to), its scratch buffer, its first failure and its scales. */
+typedef struct {
+    const span_t *spans;
+    Py_ssize_t from, to;
+    crc_fn_t crc;
+    int scheme, out;
+    size_t d, most;
+    failure_t fail;
+    scale_span_t span;
+    int nomem;
+} run_t;
+
+static void *run_spans(void *arg) {
+    run_t *run = arg;
+    uint8_t *scratch = NULL;
+    if (run->scheme >= 0 && (scratch = malloc(run->most ? run->most : 1)) == NULL) {
+        run->nomem = 1;
+        return NULL;
+    }
+    for (Py_ssize_t i = run->from; i < run->to; i++) {
+        const int kind = read_one(&run->spans[i], run->crc, scratch, run->scheme, run->out, run->d,
+                                  &run->fail.err, &run->span);
+        if (kind) {
+            run->fail.index = i;
+            run->fail.kind = kind;
+            break;
+        }
+    }
+    free(scratch);
+    return NULL;
+}
+
+/* Every run to its end: the first ones on new threads, the last on this one (a thread that
+ * cannot be started runs here too). Called without the GIL. */
+static void run_all(run_t *runs, int k) {
+    pthread_t tid[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int t = 0; t < k - 1; t++)
+        started[t] = pthread_create(&tid[t], NULL, run_spans, &runs[t]) == 0;
+    run_spans(&runs[k - 1]);
+    for (int t = 0; t < k - 1; t++) {
+        if (started[t])
+            pthread_join(tid[t], NULL);
+        else
+            run_spans(&runs[t]);
+    }
+}
+
+static int check_packed(const span_t *spans, Py_ssize_t n, int scheme, Py_ssize_t d,
+                        size_t *most) {
+    *most = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (scheme >= 0 && spans[i].nbytes % (d + 4)) {
+            PyErr_SetString(PyExc_ValueError, "a packed span is not whole rows of d + 4 bytes");
+            return 0;
+        }
+        if ((size_t)spans[i].nbytes > *most) *most = (size_t)spans[i].nbytes;
+    }
+    return 1;
+}
+
+static PyObject *read_rows(PyObject *self, PyObject *args) {
+    PyObject *arg, *seq;
+    unsigned long long crc_addr;
+    int scheme, out, threads = 1;
+    Py_ssize_t d;
+    if (!PyArg_ParseTuple(args, "OKiin|i", &arg, &crc_addr, &scheme, &out, &d, &threads))
+        return NULL;
+    if (scheme >= 0 && (!valid_kind(scheme, out) || d < 0)) return NULL;
+    seq = PySequence_Fast(arg, "spans must be a sequence of tuples");
+    if (seq == NULL) return NULL;
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    span_t *spans = PyMem_RawMalloc(sizeof(span_t) * (size_t)(n ? n : 1));
+    if (spans == NULL) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    size_t most = 0;
+    const int ok =
+        parse_spans(seq, spans, n, crc_addr != 0) && check_packed(spans, n, scheme, d, &most);
+    Py_DECREF(seq);
+    if (!ok) {
+        PyMem_RawFree(spans);
+        return NULL;
+    }
+    int k = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+    if (k > n) k = n ? (int)n : 1;
+    run_t runs[MAX_THREADS];
+    const Py_ssize_t step = (n + k - 1) / k;
+    for (int t = 0; t < k; t++) {
+        const Py_ssize_t from = t * step, to = from + step < n ? from + step : n;
+        runs[t] = (run_t){spans, from, to, (crc_fn_t)(uintptr_t)crc_addr, scheme, out, (size_t)d,
+                          most, {-1, 0, 0}, {INFINITY, 0.0f}, 0};
+    }
+    Py_BEGIN_ALLOW_THREADS;
+    run_all(runs, k);
+    Py_END_ALLOW_THREADS;
+    PyMem_RawFree(spans);
+    failure_t fail = {-1, 0, 0};
+    scale_span_t span = {INFINITY, 0.0f};
+    int nomem = 0;
+    for (int t = 0; t < k; t++) {
+        nomem |= runs[t].nomem;
+        if (fail.index < 0 && runs[t].fail.index >= 0) fail = runs[t].fail;
+        if (runs[t].span.low < span.low) span.low = runs[t].span.low;
+        if (runs[t].span.high > span.high) span.high = runs[t].span.high;
+    }
+    if (nomem) return PyErr_NoMemory();
+    if (fail.index < 0) return Py_BuildValue("(Odd)", Py_None, (double)span.low, (double)span.high);
+    return Py_BuildValue("((nii)dd)", fail.index, fail.kind, fail.err, (double)span.low,
+                         (double)span.high);
+}
+
+/* set_width(n): use the loop of width min(n, widest) (0 portable, 1 AVX2, 2 AVX-512); returns
+ * the width now used. set_width(-1) returns it unchanged. */
+static PyObject *set_width(PyObject *self, PyObject *arg) {
+    const long asked = PyLong_AsLong(arg);
+    if (asked == -1 && PyErr_Occurred()) return NULL;
+    const int most = widest();
+    if (asked >= 0) width = asked < most ? (int)asked : most;
+    else if (width < 0) width = most;
+    return PyLong_FromLong(width);
+}
+
+static PyMethodDef methods[] = {
+    {"dequant", dequant, METH_VARARGS, "Packed int8/fp8 rows into float32/float16/bfloat16."},
+    {"read_rows", read_rows, METH_VARARGS, "A batch's preads, checks, dequantising, padding."},
+    {"set_width", set_width, METH_O, "The SIMD width used: 0 portable, 1 AVX2, 2 AVX-512."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "featbake.kernels",
+                                    "A batch's reads and dequantising outside the GIL.", -1,
+                                    methods};
+
+PyMODINIT_FUNC PyInit_kernels(void) { return PyModule_Create(&module); }

@@ -1,0 +1,14 @@
+# Type stub of the optional C extension built from featbake/kernels.c (see featbake/native.py).
+
+def dequant(
+    src: int, row_stride: int, rows: int, d: int, dst: int, scheme: int, out: int
+) -> tuple[float, float]: ...
+def read_rows(
+    spans: list[tuple[int, int, int, int, int, int, int, int]],
+    crc_fn: int,
+    scheme: int,
+    out: int,
+    d: int,
+    threads: int = 1,
+) -> tuple[tuple[int, int, int] | None, float, float]: ...
+def set_width(width: int) -> int: ...
