@@ -9,58 +9,21 @@ from __future__ import annotations
 
 import os
 import stat
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from featbake.errors import StoreCorrupt, StoreError
 from featbake.store.catalog import Root, RootItem, read_root_file
-from featbake.store.layout import Layout
-from featbake.store.open import Need, StoreRef, open_store
-
-
-@dataclass(frozen=True)
-class LooseFile:
-    """A file in the store that the catalog does not name (an orphan shard, a tmp leftover)."""
-
-    path: Path
-    bytes: int
-    mtime: float
-
-
-@dataclass(frozen=True)
-class FolderListing:
-    """Regular files matching a pattern, and the other things found there (links, FIFOs)."""
-
-    files: tuple[LooseFile, ...]
-    special: tuple[Path, ...]  # paths that are not regular files: never read, never followed
-
-
-def list_folder(folder: Path, pattern: str) -> FolderListing:
-    """What matches ``pattern`` in ``folder``, by ``lstat`` (a symlink loop or a FIFO is listed
-    as special, never opened: opening a FIFO would hang, following a loop would raise)."""
-    files, special = [], []
-    if folder.is_dir():
-        for p in sorted(folder.glob(pattern)):
-            try:
-                st = os.lstat(p)
-            except OSError:
-                continue  # gone meanwhile
-            if stat.S_ISREG(st.st_mode):
-                files.append(LooseFile(p, st.st_size, st.st_mtime))
-            elif not stat.S_ISDIR(st.st_mode):
-                special.append(p)
-    return FolderListing(tuple(files), tuple(special))
-
-
-def shard_name(path: Path) -> str:
-    """The shard name a ``shards/ab/<name>.safetensors`` path gives."""
-    return path.name.removesuffix(".safetensors")
-
-
-def shard_files(layout: Layout) -> dict[str, LooseFile]:
-    """shard name -> file, for every regular ``shards/ab/<name>.safetensors``."""
-    return {shard_name(f.path): f for f in list_folder(layout.shards, "*/*.safetensors").files}
+from featbake.store.layout import (
+    FolderListing,
+    Layout,
+    LooseFile,
+    VerifyScope,
+    list_folder,
+    shard_files,
+    shard_name,
+)
+from featbake.store.open import Need, StoreRef, open_store, place_of
 
 
 def quarantine(layout: Layout, path: Path) -> Path:
@@ -92,7 +55,8 @@ def existing_store(store: StoreRef, **place: Any) -> Layout:
             folder into a store.
     """
     layout = open_store(store, need=Need.STORE, **place)
-    if layout.remote is None and not looks_like_store(layout):
+    folder = place_of(layout).verify_scope() is VerifyScope.FOLDER  # else: objects elsewhere
+    if folder and not looks_like_store(layout):
         raise StoreError(
             f"{layout.root} is not a featbake store (no catalog.sqlite, shards/ or roots/); "
             "point --cache (or $FEATBAKE_CACHE) at a store"
@@ -122,3 +86,16 @@ def read_manifest(path: Path) -> tuple[Root, list[RootItem]]:
             f"root manifest {path} is unreadable ({type(e).__name__}); `featbake verify "
             "--repair` moves it to quarantine/"
         ) from e
+
+
+__all__ = [
+    "FolderListing",
+    "LooseFile",
+    "existing_store",
+    "list_folder",
+    "looks_like_store",
+    "quarantine",
+    "read_manifest",
+    "shard_files",
+    "shard_name",
+]
