@@ -25,6 +25,7 @@ the functions; the modules ``gc`` and ``repair`` are reached by import statement
 
 from __future__ import annotations
 
+from featbake.store.layout import LooseFile
 from featbake.upkeep.check import (
     VERIFY_CLEAN,
     VERIFY_DAMAGED,
@@ -40,7 +41,6 @@ from featbake.upkeep.check import (
     check_shard,
     scan_store,
 )
-from featbake.upkeep.files import LooseFile
 from featbake.upkeep.gc import (
     CRASH_ENV,
     CRASH_POINTS,

@@ -39,16 +39,10 @@ from featbake.store.catalog import (
     tombstone_file,
 )
 from featbake.store.fragments import fragment_shard_names
-from featbake.store.layout import Layout, Place
+from featbake.store.layout import FolderListing, Layout, Place, list_folder, shard_name
 from featbake.store.open import place_of
 from featbake.store.shard import ST_TO_DTYPE, ShardEntry, ShardReader, TensorInfo, split_tensor_name
-from featbake.upkeep.files import (
-    FolderListing,
-    existing_store,
-    list_folder,
-    read_manifest,
-    shard_name,
-)
+from featbake.upkeep.files import existing_store, read_manifest
 
 # == verify_findings ===============================================================================
 VERIFY_CLEAN = 0

@@ -1,8 +1,8 @@
 """The store folder as upkeep reads it: regular files only, never followed links.
 
-Shared by stats, gc and verify: listing a folder (a FIFO or a symlink loop is listed, never
-opened), moving a file to ``quarantine/``, refusing a folder that is not a store, and reading a
-root manifest so that no content of its can crash upkeep.
+Shared by verify and repair: moving a file to ``quarantine/``, refusing a folder that is not
+a store, and reading a root manifest so that no content of its can crash upkeep. (Listing a
+folder safely, ``list_folder``, is the store's: :mod:`featbake.store.layout`.)
 """
 
 from __future__ import annotations
@@ -14,15 +14,7 @@ from typing import Any
 
 from featbake.errors import StoreCorrupt, StoreError
 from featbake.store.catalog import Root, RootItem, read_root_file
-from featbake.store.layout import (
-    FolderListing,
-    Layout,
-    LooseFile,
-    VerifyScope,
-    list_folder,
-    shard_files,
-    shard_name,
-)
+from featbake.store.layout import Layout, VerifyScope
 from featbake.store.open import Need, StoreRef, open_store, place_of
 
 
@@ -86,16 +78,3 @@ def read_manifest(path: Path) -> tuple[Root, list[RootItem]]:
             f"root manifest {path} is unreadable ({type(e).__name__}); `featbake verify "
             "--repair` moves it to quarantine/"
         ) from e
-
-
-__all__ = [
-    "FolderListing",
-    "LooseFile",
-    "existing_store",
-    "list_folder",
-    "looks_like_store",
-    "quarantine",
-    "read_manifest",
-    "shard_files",
-    "shard_name",
-]

@@ -10,9 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from featbake.store.catalog import QUANTISED, Catalog, Root, ShardRow, ShardUsage, read_fidelity
-from featbake.store.layout import Change, Layout
+from featbake.store.layout import Change, Layout, list_folder
 from featbake.store.open import StoreRef, commit, open_catalog, place_of, resolve_root
-from featbake.upkeep.files import list_folder
 
 
 @dataclass(frozen=True)
