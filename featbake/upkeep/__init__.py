@@ -11,8 +11,8 @@ The modules, named for the command they serve:
 - ``check`` -> ``repair``: ``scan_store`` finds, ``repair`` fixes, ``verify`` scans and, asked
   to, repairs, reading what the place names (``verify_named``: a bucket's own objects) and
   repairing where the place allows it.
-- ``files``: what all three share: listing the store folder safely (regular files only),
-  quarantine, refusing a folder that is not a store, reading root manifests safely.
+- ``files``: what verify and repair share: quarantine, refusing a folder that is not a store,
+  reading root manifests safely (listing a folder safely is ``featbake.store.layout``'s).
 
 A store is a :class:`featbake.store.layout.Layout` throughout; a path given by the caller
 becomes one once, at the public function it is given to.
