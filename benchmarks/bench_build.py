@@ -16,14 +16,24 @@
    was against first builds of 13-17 s; they take ~5 s now, the rebuild ~0.2 s as then.
 3. **Encoder fingerprint**: hashing a ~100M-parameter fp32 model's weights (first time) against
    the hash-cache hit that a rebuild takes (the file's stat is unchanged).
+4. **Segments** (issue 29): a 30-minute recording with 600 segments listed in a JSONL manifest,
+   ``featbake.build`` against a bare loop that seeks to each segment, reads it with soundfile and
+   encodes it (ConvStack, batch 16). Target: <= 1.10x; and the recording is hashed once and each
+   of its samples decoded at most once (counted in a ``workers=0`` build).
+5. **Parquet against files** (issue 29): the same clips as wav files and as one parquet file
+   whose ``audio`` column holds each clip's bytes (a Hugging Face Audio struct), built by
+   ``featbake.build`` with the small encoder and default options; median over rounds of the
+   parquet's build time over the folder's. Target: <= 1.10x.
 
-Run: ``python benchmarks/bench_build.py [overhead|small|rebuild|fingerprint ...] [--quick]``.
+Run: ``python benchmarks/bench_build.py [overhead|small|rebuild|fingerprint|segments|
+parquet ...] [--quick]``.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -313,11 +323,171 @@ def bench_fingerprint(work: Path, quick: bool) -> list[dict]:
     ]
 
 
+# -- 4. segments of one long recording ---------------------------------------------------------
+def long_recording(path: Path, minutes: float) -> tuple[Path, int]:
+    """A mono 16 kHz recording of ``minutes`` built from 10 s tones; returns (path, frames)."""
+    import numpy as np
+    import soundfile
+
+    from featbake.testing import make_tone
+
+    chunks = [make_tone(10.0, 16000, seed=i) for i in range(round(minutes * 6))]
+    soundfile.write(path, np.concatenate(chunks), 16000)
+    return path, sum(len(c) for c in chunks)
+
+
+def segment_loop(recording: Path, bounds: list[tuple[float, float]], encoder_path: Path) -> float:
+    """The loop a user writes: per segment, seek, read its samples, mix, encode (batches of equal
+    shapes); no featbake code. Returns seconds."""
+    import soundfile
+
+    t0 = time.perf_counter()
+    with torchscript_quietly():
+        enc = torch.jit.load(str(encoder_path)).eval()
+    pending: list[torch.Tensor] = []
+    with torch.inference_mode(), soundfile.SoundFile(recording) as f:
+        for start, end in bounds:
+            first, last = round(start * f.samplerate), round(end * f.samplerate)
+            f.seek(first)
+            x = torch.from_numpy(f.read(last - first, dtype="float32", always_2d=True).mean(1))
+            if pending and x.shape != pending[0].shape:
+                enc(torch.stack(pending))
+                pending = []
+            pending.append(x)
+            if len(pending) == BATCH:
+                enc(torch.stack(pending))
+                pending = []
+        if pending:
+            enc(torch.stack(pending))
+    return time.perf_counter() - t0
+
+
+def counted_build(manifest: Path, encoder_path: Path, cache: Path) -> tuple[float, int, int]:
+    """A workers=0 build of ``manifest`` counting files hashed and audio frames decoded:
+    (seconds, files hashed, frames decoded)."""
+    import soundfile
+
+    import featbake.encode.fingerprints as fingerprints
+
+    seen = {"hashed": 0, "frames": 0}
+    real_hash, real_read = fingerprints.file_fingerprint, soundfile.SoundFile.read
+
+    def hashed(path: Any) -> str:
+        seen["hashed"] += 1
+        return real_hash(path)
+
+    def read(self: Any, frames: int = -1, *args: Any, **kw: Any) -> Any:
+        out = real_read(self, frames, *args, **kw)
+        seen["frames"] += len(out)
+        return out
+
+    fingerprints.file_fingerprint = hashed  # type: ignore[assignment]
+    soundfile.SoundFile.read = read  # type: ignore[method-assign]
+    try:
+        seconds = featbake_build(manifest, encoder_path, cache, workers=0)
+    finally:
+        fingerprints.file_fingerprint = real_hash  # type: ignore[assignment]
+        soundfile.SoundFile.read = real_read  # type: ignore[method-assign]
+    return seconds, seen["hashed"], seen["frames"]
+
+
+def bench_segments(work: Path, quick: bool) -> list[dict]:
+    """A 30-minute recording with ~600 segments (a JSONL manifest): build against the bare
+    seek-and-encode loop, and how much of the recording the build reads."""
+    import json
+
+    minutes, reps = (3.0, 1) if quick else (30.0, 3)
+    recording, frames = long_recording(work / "long.wav", minutes)
+    bounds = [(3.0 * i, 3.0 * i + 2.9) for i in range(round(minutes * 20))]  # 600 for 30 min
+    manifest = work / "segments.jsonl"
+    rows = [{"path": "long.wav", "start": a, "end": b} for a, b in bounds]
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    enc_path = save_torchscript(ConvStack(), work / "conv_segments.pt")
+    segment_loop(recording, bounds, enc_path)  # warm: page cache, lazy imports, thread pools
+    runs: dict[str, list[float]] = {"bare": [], "default": [], "w0": []}
+    hashed = decoded = 0
+    for i in range(reps):  # interleaved, so drifting load hits every variant alike
+        runs["bare"].append(segment_loop(recording, bounds, enc_path))
+        runs["default"].append(featbake_build(manifest, enc_path, work / f"seg{i}", workers=None))
+        seconds, hashed, decoded = counted_build(manifest, enc_path, work / f"seg{i}")
+        runs["w0"].append(seconds)
+    best = {k: min(v) for k, v in runs.items()}
+    note = (
+        f"{len(bounds)} segments of 2.9 s of one {minutes:.0f}-minute 16 kHz wav, ConvStack "
+        f"TorchScript, batch {BATCH}, CPU; best of {reps}: bare loop {best['bare']:.2f} s; all "
+        f"runs (s): " + ", ".join(f"{k} {_fmt(v)}" for k, v in runs.items())
+    )
+    ratio = [
+        _row(f"segments: build, {label} / bare seek loop", best[k] / best["bare"], "x",
+             "<= 1.10x", best[k] / best["bare"] <= 1.10, note)
+        for k, label in (("default", "default options"), ("w0", "--workers 0"))
+    ]  # fmt: skip
+    covered = sum(round(b * 16000) - round(a * 16000) for a, b in bounds)
+    read_note = (
+        f"workers=0 build: {hashed} file hashed (one full read, for the key), {decoded:,} of "
+        f"{frames:,} samples decoded (the segments cover {covered:,})"
+    )
+    return [
+        *ratio,
+        _row("segments: recording decoded / its length", decoded / frames, "x", "<= 1.0x",
+             decoded <= frames and hashed == 1, read_note),
+    ]  # fmt: skip
+
+
+# -- 5. a parquet of clips against the same files ------------------------------------------------
+def write_parquet(folder: Path, path: Path) -> Path:
+    """One parquet file of ``folder``'s clips, as the Hub stores audio: an ``audio`` column of
+    {bytes, path} structs (row groups of 100 rows, as ``datasets`` writes media), beside a
+    ``speaker`` column."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    clips = sorted(folder.rglob("*.wav"))
+    media = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    cells = [{"bytes": p.read_bytes(), "path": p.name} for p in clips]
+    features = {"audio": {"_type": "Audio", "sampling_rate": None}}
+    meta = {b"huggingface": json.dumps({"info": {"features": features}}).encode()}
+    table = pa.table(
+        {"audio": pa.array(cells, type=media), "speaker": [f"s{i % 7}" for i in range(len(clips))]}
+    ).replace_schema_metadata(meta)
+    pq.write_table(table, path, row_group_size=100)
+    return path
+
+
+def bench_parquet(work: Path, quick: bool) -> list[dict]:
+    """featbake.build over a parquet of clips against the same build over the files."""
+    n, reps = (64, 1) if quick else (1700, 3)
+    data = work / "parquet_audio"
+    write_audio_folder(data, n, seconds=(1.0, 6.0), sample_rate=8000, seed=23)
+    table = write_parquet(data, work / "clips.parquet")
+    enc_path = save_torchscript(ConvStack(SMALL_CHANNELS), work / "convstack_pq.pt")
+    featbake_build(data, enc_path, work / "warm", workers=None)  # warm: caches, lazy imports
+    runs: dict[str, list[float]] = {"files": [], "parquet": []}
+    for i in range(reps):
+        order = ["files", "parquet"] if i % 2 == 0 else ["parquet", "files"]
+        for name in order:
+            where = data if name == "files" else table
+            runs[name].append(featbake_build(where, enc_path, work / f"pq{i}", workers=None))
+    pairs = zip(runs["parquet"], runs["files"], strict=True)
+    ratio = statistics.median(p / f for p, f in pairs)
+    note = (
+        f"{n} clips of 1-6 s at 8 kHz (resampled to 16 kHz) as wav files and as one parquet of "
+        f"Audio structs, ConvStack({SMALL_CHANNELS}ch), default options, CPU; median over "
+        f"{reps} rounds; wall (s): files {_fmt(runs['files'])}, parquet {_fmt(runs['parquet'])}"
+    )
+    metric = "audio build from a parquet / from the same files"
+    return [_row(metric, ratio, "x", "<= 1.10x", ratio <= 1.10, note)]
+
+
 PARTS = {
     "overhead": bench_overhead,
     "small": bench_small_encoder,
     "rebuild": bench_rebuild,
     "fingerprint": bench_fingerprint,
+    "segments": bench_segments,
+    "parquet": bench_parquet,
 }
 
 
@@ -334,7 +504,7 @@ if __name__ == "__main__":
     from rich.console import Console
     from rich.table import Table
 
-    # python bench_build.py [overhead] [small] [rebuild] [fingerprint] [--quick]
+    # python bench_build.py [overhead] [small] [rebuild] [fingerprint] [segments] [--quick]
     only = [a for a in sys.argv[1:] if not a.startswith("--")]
     unknown = set(only) - set(PARTS)
     if unknown:

@@ -12,11 +12,17 @@
    ``.npy`` per image (clip-retrieval's layout, per item) through the same ``DataLoader``
    (batch 32, shuffled, ``num_workers=0``, warm page cache); median of alternating epochs.
 
-Run: ``python benchmarks/bench_images.py [build|reads ...] [--quick]``.
+3. **Tar shard against files** (issue 29): the same JPEGs as a folder and as one webdataset
+   shard (each with a ``.txt`` caption), built by ``featbake.build`` with the same DINOv2 and
+   default options; median over rounds of the shard's build time over the folder's. Target:
+   <= 1.10x.
+
+Run: ``python benchmarks/bench_images.py [build|reads|tar ...] [--quick]``.
 """
 
 from __future__ import annotations
 
+import io
 import shutil
 import sys
 import tempfile
@@ -265,7 +271,46 @@ def bench_reads(work: Path, quick: bool) -> list[dict]:
     return rows
 
 
-PARTS = {"build": bench_build, "reads": bench_reads}
+# -- 3. a webdataset shard of the same JPEGs against the folder ----------------------------------
+def write_shard(folder: Path, tar: Path) -> Path:
+    """One webdataset shard of ``folder``'s JPEGs (``img_00000.jpg`` with ``img_00000.txt``)."""
+    import tarfile
+
+    with tarfile.open(tar, "w") as tf:
+        for path in sorted(folder.glob("*.jpg")):
+            tf.add(path, arcname=path.name)
+            caption = f"a photo {path.stem}".encode()
+            info = tarfile.TarInfo(f"{path.stem}.txt")
+            info.size = len(caption)
+            tf.addfile(info, io.BytesIO(caption))
+    return tar
+
+
+def bench_tar(work: Path, quick: bool) -> list[dict]:
+    """featbake.build over a tar shard against the same build over the folder, per round."""
+    n, reps = (64, 1) if quick else (1500, 3)
+    data = work / "tar_jpegs"
+    write_image_folder(data, n, size=(160, 213), seed=7)
+    tar = write_shard(data, work / "shard-000.tar")
+    folder = save_dinov2(work / "dinov2_tar")
+    featbake_build(data, folder, work / "warm", workers=None)  # warm: caches, lazy imports
+    runs: dict[str, list[float]] = {"files": [], "tar": []}
+    for i in range(reps):
+        order = ["files", "tar"] if i % 2 == 0 else ["tar", "files"]
+        for name in order:
+            where = data if name == "files" else tar
+            runs[name].append(featbake_build(where, folder, work / f"t{i}", workers=None))
+    ratio = float(np.median([t / f for t, f in zip(runs["tar"], runs["files"], strict=True)]))
+    note = (
+        f"{n} JPEGs ~160x213 as files and as one webdataset shard (with .txt captions), DINOv2 "
+        f"6x192 from a folder, default options, CPU; median over {reps} rounds; wall (s): "
+        f"{_runs(runs)}"
+    )
+    metric = "image build from a tar shard / from the same files"
+    return [_row(metric, ratio, "x", "<= 1.10x", ratio <= 1.10, note)]
+
+
+PARTS = {"build": bench_build, "reads": bench_reads, "tar": bench_tar}
 
 
 def main(quick: bool = False, parts: list[str] | None = None) -> list[dict]:

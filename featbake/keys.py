@@ -62,6 +62,31 @@ def sha256_file(path: str | os.PathLike[str] | int) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def item_digest(kind: str, *parts: object) -> str:
+    """The digest of an item made from parts of an input (a segment of a file, a table cell).
+
+    SHA-256 over ``featbake-item-v1``, the kind and each part as text, NUL-separated: a tag
+    per kind, so no two kinds of item can share a digest by accident, and never a file's own
+    digest (the same bytes as a whole file keep the file's key). Floats are written with
+    as floats with ``repr`` (the shortest exact form: ``3`` and ``3.0`` are one bound), ``None``
+    as an empty part.
+
+    Example:
+        >>> item_digest("segment", "ab" * 32, 1.5, 3.0, None)[:12]
+        '2403c84b9d68'
+    """
+    text = "\0".join(["featbake-item-v1", kind, *(_part_text(p) for p in parts)])
+    return sha256_hex(text.encode())
+
+
+def _part_text(part: object) -> str:
+    if part is None:
+        return ""
+    if isinstance(part, (int, float)) and not isinstance(part, bool):
+        return repr(float(part))
+    return str(part)
+
+
 def feature_key(encoder_fp: str, recipe_fp: str, input_fp: str) -> str:
     """The store key of one input's features under one encoder and recipe.
 

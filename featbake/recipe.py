@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,7 +33,9 @@ STORED_DTYPES: dict[str, torch.dtype] = {
     "int8": Scheme.INT8.packed_dtype,
     "fp8": Scheme.FP8.packed_dtype,
 }
-SOURCE_KINDS = ("audio", "npy", "image")
+SOURCE_KINDS = ("audio", "npy", "image", "text")
+#: Bump when featbake's text decoding or tokenising changes ids for the same text recipe.
+TEXT_VERSION = 1
 #: The highest rate audio hardware records (Hz); above it a typo allocates gigabytes per clip.
 MAX_SAMPLE_RATE = 768_000
 #: Autocast precisions for the encoder call (``fp32``: no autocast).
@@ -46,12 +48,82 @@ def _is_number(value: object) -> bool:
 
 
 @dataclass(frozen=True)
+class TextRecipe:
+    """How a text becomes token ids: the tokenizer and its options (part of the key).
+
+    Built from a Hugging Face model folder by
+    :func:`featbake.encode.hf.text_recipe_for_folder`, which hashes the tokenizer's files, so a
+    different vocabulary, normaliser or special-token map gives other keys.
+
+    Attributes:
+        tokenizer: SHA-256 over the tokenizer's class and files (each file's name and bytes).
+        max_length: tokens per text at most, special tokens included.
+        truncate: cut a longer text to ``max_length`` tokens; ``False`` refuses it as a bad input.
+        lowercase: lowercase the text before the tokenizer (for a cased tokenizer).
+        special_tokens: add the tokenizer's special tokens (``[CLS] ... [SEP]``, ``</s>``).
+        folder: where the tokenizer is loaded from; not in the key (the digest names it).
+    """
+
+    tokenizer: str
+    max_length: int
+    truncate: bool = True
+    lowercase: bool = False
+    special_tokens: bool = True
+    folder: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        n = self.max_length
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ConfigError(f"--max-tokens must be a whole number >= 1, got {n!r}")
+        for name in ("truncate", "lowercase", "special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+    def key_fields(self) -> dict[str, Any]:
+        """The fields that change token ids (not the folder, which is only where they are)."""
+        return {
+            "version": TEXT_VERSION,
+            "tokenizer": self.tokenizer,
+            "max_length": self.max_length,
+            "truncate": self.truncate,
+            "lowercase": self.lowercase,
+            "special_tokens": self.special_tokens,
+        }
+
+    def replace(self, **changes: Any) -> TextRecipe:
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+
+def text_brief(fields: dict[str, Any]) -> str:
+    """A stored text recipe's tokenizer in words, for ``featbake roots`` and ``stats``.
+
+    Example:
+        >>> text_brief({"tokenizer": "ab" * 32, "max_length": 77, "truncate": True,
+        ...             "lowercase": True, "special_tokens": True})
+        'tokenizer ababababababab max 77 tokens lowercase'
+    """
+    bits = [
+        f"tokenizer {str(fields.get('tokenizer'))[:14]}",
+        f"max {fields.get('max_length')} tokens",
+    ]
+    if fields.get("truncate") is False:
+        bits.append("no-truncate")
+    if fields.get("lowercase"):
+        bits.append("lowercase")
+    if fields.get("special_tokens") is False:
+        bits.append("no-special-tokens")
+    return " ".join(bits)
+
+
+@dataclass(frozen=True)
 class Recipe:
     """How a file becomes features.
 
     Attributes:
-        source: ``"audio"`` (decode, mono mixdown, resample), ``"npy"`` (arrays as they are) or
-            ``"image"`` (decode, then :attr:`image`'s transform).
+        source: ``"audio"`` (decode, mono mixdown, resample), ``"npy"`` (arrays as they are),
+            ``"image"`` (decode, then :attr:`image`'s transform) or ``"text"`` (UTF-8, then
+            :attr:`text`'s tokenizer to token ids).
         sample_rate: audio is resampled to this rate (Hz) before encoding.
         mono: mix all channels to one (``False`` keeps ``[C, T]`` for multi-channel encoders).
         max_seconds: crop audio to its first ``max_seconds`` seconds (``None``: whole file).
@@ -69,6 +141,8 @@ class Recipe:
         image: the image transform (source ``"image"`` only); ``None``: the encoder folder's
             image processor (see :func:`featbake.encode.hf.recipe_for_folder`), else
             :class:`ImageRecipe`'s defaults.
+        text: the tokenizer and its options (source ``"text"`` only); ``None``: the encoder
+            folder's tokenizer (see :func:`featbake.encode.hf.recipe_for_folder`).
 
     ``precision``, ``layers`` and ``normalize`` enter the key only when set away from their
     defaults, so the keys of recipes that do not use them stay what they were.
@@ -88,6 +162,7 @@ class Recipe:
     layers: tuple[int, ...] | str | None = None
     normalize: bool = False
     image: ImageRecipe | None = None
+    text: TextRecipe | None = None
 
     def __post_init__(self) -> None:
         # Normalise numbers so that equal options give equal keys: canonical JSON writes 10 and
@@ -117,6 +192,10 @@ class Recipe:
             raise ConfigError(
                 f"image must be an ImageRecipe (featbake.image_recipe), got "
                 f"{type(self.image).__name__}"
+            )
+        if self.text is not None and not isinstance(self.text, TextRecipe):
+            raise ConfigError(
+                f"text must be a TextRecipe (featbake.recipe), got {type(self.text).__name__}"
             )
 
     def _check_numbers(self) -> None:
@@ -192,6 +271,8 @@ class Recipe:
                 fields["normalize"] = True
         if self.source == "image":  # image steps join image keys only: audio keys stay
             fields["image"] = self.image_steps.key_fields()
+        if self.source == "text":  # the tokenizer joins text keys only
+            fields["text"] = None if self.text is None else self.text.key_fields()
         # Newer options join the key only when used: a recipe that leaves them at their
         # defaults keeps the key it had before they existed.
         if self.precision != "fp32":

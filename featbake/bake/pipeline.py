@@ -41,6 +41,7 @@ from featbake.bake.threads import (
     worker_death,
 )
 from featbake.device import check_device, process_cpus, torch_threads
+from featbake.encode.containers import Table, WebDataset
 from featbake.encode.encoders import LoadedEncoder, from_module
 from featbake.encode.fingerprints import HeldBytes, encoder_fingerprint
 from featbake.encode.hf import check_recipe_supported, recipe_for_encoder
@@ -249,13 +250,16 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
     threads: int | None = None,
     max_error: float | None = DEFAULT_MAX_ERROR,
     seal_every: float = DEFAULT_SEAL_SECONDS,
+    column: str | None = None,
 ) -> BuildReport:
     """Run ``encoder`` over every input under ``data`` once and store the features.
 
     Args:
         data: the data folder (scanned recursively, in sorted order), or a bucket prefix
             ``s3://bucket/audio/`` (its objects listed in name order, each read from its bytes;
-            see :mod:`featbake.encode.inputs`).
+            see :mod:`featbake.encode.inputs`), or a manifest, Kaldi data folder or lhotse cut
+            manifest (one item per row or segment, in the data's order; see
+            :mod:`featbake.encode.manifests`).
         encoder: a TorchScript/.pt2 path, an import path, or an already loaded encoder.
         cache: the store directory (default ``$FEATBAKE_CACHE`` or ``./.featbake``), a bucket
             (``s3://bucket/prefix``), or a layout from :func:`featbake.store.open.open_store`.
@@ -287,6 +291,7 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
         seal_every: seconds after which a shard being filled is sealed whatever its size, so
             that a process killed with SIGKILL (preemption, the OOM killer) loses at most about
             this much encoding; a rerun encodes only what was not sealed.
+        column: the manifest's column that names each item's input (default ``path``).
 
     Returns:
         A :class:`BuildReport`; ``report.failed`` names each input that was skipped.
@@ -320,7 +325,8 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
     )  # fmt: skip
     options.check_recipe(recipe)
     layout = open_store(cache, need=Need.WRITE).ensure()
-    place = inputs_at(data)  # a folder, or a bucket prefix (s3://bucket/audio/)
+    # A folder, a bucket prefix, a manifest (see OPENERS); a manifest's texts for source text.
+    place = inputs_at(data, column, recipe.source)
     source = place.source(source_for(recipe))
     scanned = place.scan(source.extensions)
     catalog, inputs = catalog_for_part(layout, spec, place, scanned.inputs)
@@ -386,6 +392,7 @@ class _Bake:
     manifest: list[tuple[str, str]] = field(default_factory=list)
     hashed_stats: dict[str, FileStat] = field(default_factory=dict)
     digests: dict[str, str] = field(default_factory=dict)  # key -> its input's SHA-256
+    rel_of: dict[str, str] = field(default_factory=dict)  # path -> the item's name (its id)
     compactor: Compactor = field(init=False)  # quantises int8/fp8 and measures their fidelity
     held: HeldBytes = field(default_factory=HeldBytes)  # input bytes from hashing, to decode
 
@@ -409,7 +416,7 @@ class _Bake:
             key -> the absolute path of the first input with that key.
         """
         abs_paths = [self.place.path(p) for p in rel_paths]
-        if isinstance(self.place, Folder):  # the bytes hashed are kept to decode: read once
+        if isinstance(self.place, (Folder, WebDataset, Table)):  # bytes hashed kept: read once
             digests, unreadable = self.place.hash(
                 self.catalog, abs_paths, self.progress, self.hashed_stats, self.held
             )
@@ -419,6 +426,7 @@ class _Bake:
             )
         todo: dict[str, str] = {}
         for rel, path in zip(rel_paths, abs_paths, strict=True):
+            self.rel_of[path] = rel
             if path in unreadable:
                 self.skip(rel, unreadable[path], SourceError(f"{rel}: {unreadable[path]}"))
                 continue
@@ -574,7 +582,9 @@ class _EncodeRun:
     padded: list[PaddedItem] = field(default_factory=list)  # stored from padded batches
 
     def rel(self, i: int) -> str:
-        return os.path.relpath(self.paths[i], self.bake.place.where)
+        """Item ``i``'s name as the data names it (a manifest row's id, not its path)."""
+        path = self.paths[i]
+        return self.bake.rel_of.get(path) or os.path.relpath(path, self.bake.place.where)
 
     def fail(self, i: int, reason: str, exc: type[FeatbakeError]) -> None:
         self.done += 1

@@ -53,7 +53,10 @@ from featbake.units import format_bytes, parse_bytes
         "  OMP_NUM_THREADS=1 featbake build --encoder vad.pt --data ./audio   # or --threads 1"
         "\n\n"
         "  featbake build --encoder ckpt.pt --data s3://bucket/audio/ --cache ./features   # "
-        "inputs in a bucket\n\n" + EXIT_CODES
+        "inputs in a bucket\n\n"
+        "  featbake build --encoder ckpt.pt --data train.jsonl   # rows: path, start, end, id\n\n"
+        "  featbake build --encoder ckpt.pt --data data/train   # Kaldi wav.scp + segments\n\n"
+        + EXIT_CODES
     )
 )
 def build(
@@ -74,9 +77,21 @@ def build(
             "-d",
             help="Folder of inputs (scanned recursively), or a bucket prefix s3://bucket/audio/ "
             "(objects listed and read from S3; credentials and endpoint from the AWS_* "
-            "environment).",
+            "environment), or a manifest (train.jsonl, .csv, .tsv: a row per item, optional "
+            "start/end seconds and id), a Kaldi data folder (wav.scp [+ segments]) or a lhotse "
+            "cut manifest (cuts.jsonl.gz), webdataset shards (a .tar, a folder of them, "
+            "'shard-{000..009}.tar'), or parquet / a datasets.save_to_disk folder.",
         ),
     ],
+    column: Annotated[
+        str | None,
+        typer.Option(
+            help="The manifest column that names each item's input file (default: path), "
+            "e.g. --column audio_filepath; a tar sample's member (--column jpg) or a table's "
+            "Audio/Image/bytes column (--column audio) to encode.",
+            show_default=False,
+        ),
+    ] = None,
     cache: CacheOpt = None,
     local_cache: LocalCacheOpt = None,
     local_cache_size: LocalCacheSizeOpt = None,
@@ -86,8 +101,9 @@ def build(
     source: Annotated[
         str,
         typer.Option(
-            help="Input kind: audio, npy or image (JPEG, PNG, WebP, BMP, TIFF); a Hugging Face "
-            "vision folder implies image."
+            help="Input kind: audio, npy, image (JPEG, PNG, WebP, BMP, TIFF) or text (UTF-8 "
+            ".txt files, tokenised by the model folder's tokenizer); a Hugging Face vision "
+            "folder implies image, a text folder (a tokenizer, no preprocessor) text."
         ),
     ] = "audio",
     sample_rate: Annotated[int, typer.Option(help="Resample audio to this rate (Hz).")] = 16000,
@@ -220,6 +236,37 @@ def build(
             show_default=False,
         ),
     ] = None,
+    max_tokens: Annotated[
+        int | None,
+        typer.Option(
+            help="Text: tokens per text at most, special tokens included. [default: the "
+            "tokenizer's and model's limit, e.g. 512 for BERT, 77 for CLIP]",
+            show_default=False,
+        ),
+    ] = None,
+    truncate: Annotated[
+        bool | None,
+        typer.Option(
+            help="Text: cut a longer text to --max-tokens (--no-truncate: skip it as a bad "
+            "input). [default: truncate]",
+            show_default=False,
+        ),
+    ] = None,
+    lowercase: Annotated[
+        bool | None,
+        typer.Option(
+            help="Text: lowercase each text before the tokenizer. [default: no-lowercase]",
+            show_default=False,
+        ),
+    ] = None,
+    special_tokens: Annotated[
+        bool | None,
+        typer.Option(
+            help="Text: add the tokenizer's special tokens ([CLS] ... [SEP], </s>). "
+            "[default: special-tokens]",
+            show_default=False,
+        ),
+    ] = None,
     workers: Annotated[
         int | None,
         typer.Option(
@@ -271,7 +318,7 @@ def build(
     """
     from featbake.bake.batching import Batching
     from featbake.bake.views import build_views
-    from featbake.encode.hf import image_steps_for
+    from featbake.encode.hf import TEXT_OPTIONS, image_steps_for, text_steps_for
     from featbake.encode.outputs import parse_layers
     from featbake.image_recipe import IMAGE_OPTIONS, parse_image_options, parse_views
     from featbake.recipe import Recipe
@@ -295,6 +342,7 @@ def build(
         precision=precision,
         layers=chosen,
         image=image_steps_for(encoder, source, image_changes),
+        text=text_steps_for(encoder, {k: ctx.params[k] for k in TEXT_OPTIONS}),
     )
     try:
         shard_bytes = parse_bytes(shard_size)
@@ -325,6 +373,7 @@ def build(
             threads=threads,
             max_error=max_error,
             seal_every=seal_every,
+            column=column,
         )
     _report(reports, as_json)
 

@@ -98,6 +98,10 @@ def recipe_brief(recipe: dict) -> str:
         bits.append(f"output {recipe['output']}")
     if isinstance(recipe.get("image"), dict):  # the whole transform: it decides the pixels
         bits.append(describe_fields(recipe["image"]))
+    if isinstance(recipe.get("text"), dict):  # the tokenizer and its options decide the ids
+        from featbake.recipe import text_brief  # torch: only where a text root is shown
+
+        bits.append(text_brief(recipe["text"]))
     if recipe.get("layers"):  # two roots differing only in --layers must not look alike
         bits.append("layers " + ",".join(str(x) for x in recipe["layers"]))
     if recipe.get("precision") not in (None, "", "fp32"):

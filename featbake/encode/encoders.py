@@ -167,9 +167,14 @@ def split_lengths_result(result: Any, rows: int) -> tuple[Any, torch.Tensor]:
 
 
 def trim_rows(
-    named: Mapping[str, torch.Tensor], out_lengths: torch.Tensor, dtype: torch.dtype
+    named: Mapping[str, torch.Tensor],
+    out_lengths: torch.Tensor,
+    dtype: torch.dtype,
+    whole: frozenset[str] = frozenset(),
 ) -> list[dict[str, torch.Tensor]]:
     """Each row's parts cut to its own output length, on the CPU in ``dtype``, own storage.
+
+    Parts named in ``whole`` hold one row per input (a pooled vector): each row is kept whole.
 
     Raises:
         EncodeError: a part is not ``[B, T', ...]`` or is shorter than an output length.
@@ -178,6 +183,11 @@ def trim_rows(
     lengths = out_lengths.tolist()
     out: list[dict[str, torch.Tensor]] = [{} for _ in range(rows)]
     for part, value in named.items():
+        if part in whole and value.dim() >= 1 and value.shape[0] == rows:
+            value = value.detach().to("cpu", dtype)
+            for i in range(rows):
+                out[i][part] = value[i].clone()
+            continue
         if value.dim() < 2 or value.shape[0] != rows or value.shape[1] < max(lengths):
             raise EncodeError(
                 f"encoder output {part or 'tensor'} has shape {tuple(value.shape)}; the lengths "
@@ -288,6 +298,8 @@ class LoadedEncoder:
             (e.g. a group-norm wav2vec2 that must not get an attention mask), else ``None``.
         absent_outputs: outputs its kind gives but it cannot, with why (a ViT saved without
             its pooler has no ``pooled``): ``--output`` naming one is refused with that reason.
+        whole_parts: outputs of a lengths-protocol encoder with one row per input, not one per
+            frame (a text model's ``pooled`` ``[B, D]``): kept whole when rows are trimmed.
     """
 
     module: Any
@@ -299,6 +311,7 @@ class LoadedEncoder:
     takes_lengths: bool = False
     unpaddable: str | None = None
     absent_outputs: dict[str, str] = field(default_factory=dict)
+    whole_parts: frozenset[str] = frozenset()
 
     @property
     def fingerprint(self) -> str:

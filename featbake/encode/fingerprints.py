@@ -72,6 +72,16 @@ class HeldBytes:
             self._data[path] = data
         return sha256_hex(data)
 
+    def keep(self, path: str, data: bytes) -> bool:
+        """Keep ``data``, the bytes just hashed for the input named ``path`` (a tar member, a
+        table's cell), if they fit in the budget; whether they were kept."""
+        with self._lock:
+            if self.size + len(data) > self.budget:
+                return False
+            self.size += len(data)
+            self._data[path] = data
+        return True
+
     def take(self, path: str) -> bytes | None:
         """The bytes kept for ``path`` (given once, then dropped), or None."""
         with self._lock:

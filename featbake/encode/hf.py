@@ -25,12 +25,12 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from featbake.encode.encoders import LoadedEncoder, from_module
+from featbake.encode.encoders import LoadedEncoder, first_line, from_module
 from featbake.encode.outputs import layers_to_run, part_name, resolve_layers
 from featbake.errors import ConfigError, EncoderLoadError
 from featbake.image_recipe import ImageRecipe
-from featbake.keys import module_fingerprint
-from featbake.recipe import Recipe
+from featbake.keys import canonical_json, module_fingerprint, sha256_file, sha256_hex
+from featbake.recipe import Recipe, TextRecipe
 
 # == hf_vision =====================================================================================
 # Hugging Face vision folders: ViT, DINOv2, CLIP/SigLIP vision towers (``pixel_values`` in).
@@ -191,6 +191,249 @@ def image_steps_for(encoder: object, source: str, changes: dict[str, Any]) -> Im
     return ImageRecipe(**changes)
 
 
+# == hf_text =======================================================================================
+# Hugging Face text folders: BERT-style encoders, the CLIP text tower, the T5 encoder
+# (``input_ids`` in).
+#
+# A text folder holds a tokenizer (``tokenizer_config.json`` or ``tokenizer.json``) and no
+# preprocessor (a wav2vec2 CTC folder holds both: it stays audio). Its tokenizer and options make
+# the recipe's :class:`~featbake.recipe.TextRecipe` (:func:`text_recipe_for_folder`): the files'
+# SHA-256 is in the key, so another vocabulary or normaliser never shares stored features. The
+# model runs behind :class:`HFTextEncoder`, which follows the lengths protocol (a batch of token
+# ids padded on the right, the attention mask built from the lengths), so texts of different
+# lengths share a padded batch and the exactness guard checks it as it checks audio. Parts:
+#
+# * ``tokens``: the last hidden state ``[N, D]``, cut to the text's own tokens (no padding rows);
+# * ``pooled``: the model's ``pooler_output`` where it has one (BERT's tanh head on [CLS], CLIP's
+#   final-layernormed end-of-text token) ``[D]``; T5's encoder has none;
+# * ``text_embeds``: CLIPTextModelWithProjection's projection of ``pooled`` ``[D']``;
+# * ``layer6`` ...: ``hidden_states[6]`` with ``--layers``.
+TEXT_EMBEDS = "text_embeds"
+#: Files a tokenizer is read from; those present are hashed into the recipe.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "tokenizer.model",
+)
+#: Tokens per text when neither the tokenizer nor the model states a limit.
+DEFAULT_MAX_TOKENS = 512
+#: Encoder-only classes of encoder-decoder families: ``AutoModel`` would build the decoder too,
+#: whose weights a ``T5EncoderModel`` folder lacks.
+ENCODER_ONLY = {"t5": "T5EncoderModel", "mt5": "MT5EncoderModel", "umt5": "UMT5EncoderModel"}
+#: Classes whose folders featbake loads by their own class (``AutoModel`` drops the projection).
+TEXT_CLASSES = frozenset({"CLIPTextModelWithProjection", *ENCODER_ONLY.values()})
+
+
+def is_text_folder(folder: str | os.PathLike[str]) -> bool:
+    """A model folder with a tokenizer and no preprocessor (audio and vision folders have one)."""
+    path = Path(folder)
+    has_tokenizer = any((path / n).is_file() for n in ("tokenizer_config.json", "tokenizer.json"))
+    return has_tokenizer and not (path / PREPROCESSOR_FILE).is_file()
+
+
+def tokenizer_files_digest(folder: str | os.PathLike[str], tokenizer_class: str) -> str:
+    """SHA-256 over the tokenizer's class and each of its files present (name and bytes)."""
+    path = Path(folder)
+    files = {n: sha256_file(path / n) for n in TOKENIZER_FILES if (path / n).is_file()}
+    return sha256_hex(canonical_json({"class": tokenizer_class, "files": files}))
+
+
+def load_tokenizer(folder: str | os.PathLike[str]) -> Any:
+    """transformers' tokenizer of ``folder``, offline and quietly.
+
+    Raises:
+        EncoderLoadError: transformers is missing or cannot read the folder's tokenizer.
+    """
+    try:
+        from transformers import AutoTokenizer
+        from transformers.utils import logging as hf_logging
+    except ImportError as e:
+        raise EncoderLoadError(
+            f"{folder} holds a Hugging Face tokenizer; install transformers: "
+            "pip install 'featbake[hf]'"
+        ) from e
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # "sequence longer than max length": featbake says it
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as e:
+        raise EncoderLoadError(
+            f"transformers cannot load the tokenizer in {folder}: {first_line(e)}; save it "
+            "beside the model (tokenizer.save_pretrained)"
+        ) from e
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def text_recipe_for_folder(folder: str | os.PathLike[str], **changes: Any) -> TextRecipe:
+    """The tokenizer of a text folder as a :class:`TextRecipe`, with ``changes`` on top.
+
+    ``max_length`` defaults to the smaller of the tokenizer's ``model_max_length`` and the
+    model's ``max_position_embeddings`` (CLIP: 77, BERT: 512), so a long text is cut where the
+    model would fail; :data:`DEFAULT_MAX_TOKENS` when neither states one (T5).
+
+    Raises:
+        EncoderLoadError: the folder has no tokenizer transformers can read.
+        ConfigError: an option out of range.
+
+    Example:
+        >>> steps = text_recipe_for_folder("./bert-base", max_length=128)  # doctest: +SKIP
+    """
+    path = Path(folder).resolve()
+    if not is_text_folder(path):
+        raise EncoderLoadError(
+            f"{folder} has no tokenizer (tokenizer_config.json or tokenizer.json); save one "
+            "beside the model with tokenizer.save_pretrained"
+        )
+    tokenizer = load_tokenizer(path)
+    limits = [int(getattr(tokenizer, "model_max_length", 0) or 0)]
+    limits.append(int(tower_config(_read_config(path)).get("max_position_embeddings", 0) or 0))
+    known = [n for n in limits if 0 < n < 1_000_000]  # transformers' "no limit" is 1e30
+    steps = TextRecipe(
+        tokenizer=tokenizer_files_digest(path, type(tokenizer).__name__),
+        max_length=min(known) if known else DEFAULT_MAX_TOKENS,
+        folder=str(path),
+    )
+    return steps.replace(**changes) if changes else steps
+
+
+#: ``featbake build``'s text options -> the :class:`TextRecipe` field each sets.
+TEXT_OPTIONS = {
+    "max_tokens": "max_length",
+    "truncate": "truncate",
+    "lowercase": "lowercase",
+    "special_tokens": "special_tokens",
+}
+
+
+def text_steps_for(encoder: object, options: dict[str, Any]) -> TextRecipe | None:
+    """The tokenizer with the text options given (by :data:`TEXT_OPTIONS` name; None: not
+    given) on top of the encoder folder's; None when none was given (the recipe then takes the
+    folder's tokenizer as it is).
+
+    Raises:
+        ConfigError: text options without a Hugging Face text folder to tokenize with.
+    """
+    changes = {TEXT_OPTIONS[k]: v for k, v in options.items() if v is not None}
+    if not changes:
+        return None
+    folder = isinstance(encoder, (str, os.PathLike)) and os.path.isdir(encoder)
+    if folder and is_text_folder(encoder):  # type: ignore[arg-type]
+        return text_recipe_for_folder(encoder, **changes)  # type: ignore[arg-type]
+    raise ConfigError(
+        "text options (--max-tokens, --truncate, --lowercase, --special-tokens) need a Hugging "
+        f"Face text model folder with its tokenizer as --encoder, not {encoder}"
+    )
+
+
+def _read_config(folder: Path) -> dict[str, Any]:
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise EncoderLoadError(f"cannot read {folder}/config.json: {e}") from e
+    if not isinstance(config, dict):
+        raise EncoderLoadError(f"{folder}/config.json holds a JSON {type(config).__name__}")
+    return config
+
+
+def text_class_name(config: dict[str, Any]) -> str:
+    """The transformers class a text folder is loaded as: its own where ``AutoModel`` would
+    build another (T5's decoder, CLIP without its projection), else ``AutoModel``."""
+    architectures = config.get("architectures") or []
+    named = architectures[0] if architectures else None
+    if named in TEXT_CLASSES:
+        return str(named)
+    return ENCODER_ONLY.get(str(config.get("model_type")), "AutoModel")
+
+
+class HFTextEncoder(nn.Module):
+    """A transformers text model behind ``forward(input_ids, lengths) -> (parts, lengths)``.
+
+    Rows are padded on the right; positions past a row's length get the tokenizer's pad id and
+    are masked out, as the tokenizer's own padding would give. ``parts``: ``tokens``
+    ``[B, N, D]``, ``pooled`` ``[B, D]`` where the model pools, ``text_embeds`` for a CLIP text
+    model with projection; with ``layers``, ``{"layer6": hidden_states[6], ...}``.
+    """
+
+    def __init__(
+        self, model: Any, layers: tuple[int, ...] | None, pad_id: int, projection: Any = None
+    ) -> None:
+        super().__init__()
+        self.model = model
+        self.layers = layers
+        self.pad_id = pad_id
+        self.projection = projection
+
+    def forward(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        positions = torch.arange(input_ids.shape[-1], device=input_ids.device)
+        mask = positions[None, :] < lengths[:, None]
+        ids = torch.where(mask, input_ids, torch.full_like(input_ids, self.pad_id))
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask.to(torch.long),
+            output_hidden_states=self.layers is not None,
+        )
+        if self.layers is not None:
+            return {part_name(k): out.hidden_states[k] for k in self.layers}, lengths
+        parts = {TOKENS: out.last_hidden_state}
+        pooled = getattr(out, "pooler_output", None)
+        if pooled is not None:
+            parts[POOLED] = pooled
+            if self.projection is not None:
+                parts[TEXT_EMBEDS] = self.projection(pooled)
+        return parts, lengths
+
+
+def _load_text_model(folder: Path) -> Any:  # a transformers PreTrainedModel
+    """The folder's text model; unexpected weights pass only where the folder's class is a head
+    model whose base featbake runs (a BertForMaskedLM download: its ``cls.*`` head is unused)."""
+    config = _read_config(folder)
+    name = text_class_name(config)
+    model, info = _from_pretrained(folder, model_class=name)
+    if only_pooler_missing(model, info):
+        model, info = _from_pretrained(folder, model_class=name, add_pooling_layer=False)
+    architectures = config.get("architectures") or []
+    if architectures and architectures[0] != type(model).__name__:
+        info = {**info, "unexpected_keys": []}  # a head's weights, dropped: nothing random
+    check_loading_info(folder, info)
+    if getattr(model, "main_input_name", None) != "input_ids":
+        raise EncoderLoadError(
+            f"{folder} holds a {type(model).__name__}, which does not take token ids; featbake "
+            "runs BERT-style encoders, CLIP text models and T5 encoders from a text folder"
+        )
+    return model.eval()
+
+
+def _text_encoder(
+    path: Path, layers: tuple[int, ...] | str | None, device: str | torch.device
+) -> LoadedEncoder:
+    """A text folder's model as a lengths-protocol encoder (its tokenizer is in the recipe)."""
+    model = _load_text_model(path)
+    num = int(getattr(model.config, "num_hidden_layers", 0) or 0)
+    chosen = None if layers is None else resolve_layers(layers, num)
+    projection = getattr(model, "text_projection", None)
+    runs = model.text_model if projection is not None else model  # CLIP: pooled, then project
+    pad_id = getattr(model.config, "pad_token_id", None)
+    wrapper = HFTextEncoder(runs, chosen, int(pad_id or 0), projection)
+    identity = folder_identity(path, model, Preprocessor())
+    enc = from_module(wrapper, label=str(path), kind=HF, identity=identity, device=device)
+    enc._fingerprint = module_fingerprint(wrapper, identity)
+    enc.whole_parts = frozenset({POOLED, TEXT_EMBEDS})
+    if getattr(runs, "pooler", False) is None or ENCODER_ONLY.get(model.config.model_type):
+        enc.absent_outputs[POOLED] = (
+            f"{path} holds a {type(model).__name__}, which has no pooler output; ask for "
+            f"--output {TOKENS} and pool the rows yourself"
+        )
+    return enc
+
+
 # == hf ============================================================================================
 HF = "hf"
 #: Bump when the adapter below changes what it computes from the same folder.
@@ -259,7 +502,14 @@ def recipe_for_folder(folder: str | os.PathLike[str], recipe: Recipe) -> Recipe:
     image transform, unless the recipe already holds one (``Recipe(image=...)``).
     """
     changes: dict[str, Any]
-    if is_vision_folder(folder):
+    if recipe.source in ("image", "npy") and is_text_folder(folder):
+        raise ConfigError(
+            f"{folder} is a text model (a tokenizer, no preprocessor); it encodes --source "
+            f"text, not {recipe.source}"
+        )
+    if recipe.source == "text" or (recipe.source == "audio" and is_text_folder(folder)):
+        changes = {"source": "text", "text": recipe.text or _folder_text_steps(folder)}
+    elif is_vision_folder(folder):
         source = "image" if recipe.source == "audio" else recipe.source
         changes = {"source": source, "image": recipe.image or image_recipe_for_folder(folder)}
     else:
@@ -268,6 +518,20 @@ def recipe_for_folder(folder: str | os.PathLike[str], recipe: Recipe) -> Recipe:
     if recipe.layers is not None:
         changes["layers"] = resolve_layers(recipe.layers, _num_layers(folder))
     return recipe.replace(**changes)
+
+
+def _folder_text_steps(folder: str | os.PathLike[str]) -> TextRecipe:
+    """The folder's tokenizer for a text recipe; a folder without one is refused in words.
+
+    Raises:
+        ConfigError: ``--source text`` with a model folder that has no tokenizer.
+    """
+    if not is_text_folder(folder):
+        raise ConfigError(
+            f"--source text needs a text model folder with its tokenizer; {folder} has no "
+            "tokenizer_config.json / tokenizer.json (or is an audio or vision folder)"
+        )
+    return text_recipe_for_folder(folder)
 
 
 def recipe_for_encoder(spec: Any, recipe: Recipe) -> Recipe:
@@ -298,6 +562,8 @@ def _num_layers(folder: str | os.PathLike[str]) -> int:
     except (OSError, ValueError) as e:
         raise EncoderLoadError(f"cannot read {folder}/config.json: {e}") from e
     config = tower_config(config)
+    if "num_hidden_layers" not in config and "num_layers" in config:  # T5's name for it
+        return int(config["num_layers"])
     if "num_hidden_layers" not in config:
         raise ConfigError(f"{folder} has no num_hidden_layers in config.json; --layers needs it")
     return int(config["num_hidden_layers"])
@@ -333,10 +599,13 @@ class HFSpeechEncoder(nn.Module):
 POOLER_PREFIX = "pooler."
 
 
-def _from_pretrained(folder: Path, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
-    """transformers' model and loading info for ``folder``, quietly and offline."""
+def _from_pretrained(
+    folder: Path, model_class: str = "AutoModel", **kwargs: Any
+) -> tuple[Any, dict[str, Any]]:
+    """transformers' model (as ``model_class``) and loading info for ``folder``, quietly and
+    offline."""
     try:
-        from transformers import AutoModel
+        import transformers
     except ImportError as e:
         raise EncoderLoadError(
             f"{folder} is a Hugging Face model folder; install transformers: "
@@ -349,7 +618,7 @@ def _from_pretrained(folder: Path, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
     # transformers logs a multi-line load report for missing weights; featbake says it once.
     hf_logging.set_verbosity_error()
     try:
-        model, info = AutoModel.from_pretrained(
+        model, info = getattr(transformers, model_class).from_pretrained(
             str(folder),
             local_files_only=True,
             dtype=torch.float32,
@@ -493,6 +762,8 @@ def load_hf_folder(
         ConfigError: a layer past the model's last.
     """
     path = Path(folder).resolve()
+    if is_text_folder(path):
+        return _text_encoder(path, layers, device)
     model = _load_model(path)
     pre = Preprocessor.of_folder(path)
     num = int(tower_config(model.config.to_dict())["num_hidden_layers"])

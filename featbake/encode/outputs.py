@@ -192,7 +192,11 @@ def encode_padded(
     with autocast_for(encoder.device, recipe.precision):
         result = encoder.run(batch.inputs, batch.lengths)
     features, out_lengths = split_lengths_result(result, len(inputs))
-    return trim_rows(split_outputs(features, recipe.output), out_lengths, recipe.encode_dtype)
+    named = split_outputs(features, recipe.output)
+    whole = encoder.whole_parts
+    if recipe.output is not None:  # the one part kept is stored under ""
+        whole = frozenset({""}) if recipe.output in whole else frozenset()
+    return trim_rows(named, out_lengths, recipe.encode_dtype, whole)
 
 
 def split_outputs(result: Any, output: str | None) -> dict[str, torch.Tensor]:

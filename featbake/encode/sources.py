@@ -8,6 +8,8 @@ A source knows files and decoding, never models. Three ship today:
 * :class:`NpySource`: ``.npy`` arrays loaded as they are (float32), without pickles.
 * :class:`featbake.encode.images.ImageSource`: JPEG, PNG, WebP, BMP, TIFF decoded with Pillow,
   then the recipe's image transform. Output: ``[C, H, W]`` float32.
+* :class:`TextSource`: UTF-8 text (a ``.txt`` file, or a manifest's cell), tokenised with the
+  recipe's tokenizer. Output: ``[N]`` int64 token ids.
 
 Adding a source (video) means a new class with ``extensions`` and ``load``; the build
 pipeline, keys and dataset do not change.
@@ -17,15 +19,17 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import BinaryIO, NamedTuple, Protocol, runtime_checkable
+from typing import Any, BinaryIO, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
+from featbake.encode.hf import load_tokenizer, tokenizer_files_digest
 from featbake.errors import ConfigError, SourceError
-from featbake.recipe import Recipe
+from featbake.recipe import Recipe, TextRecipe
 from featbake.store.catalog import FileStat
 
 
@@ -83,8 +87,43 @@ def _soundfile_extensions() -> tuple[str, ...]:
     return tuple(exts)
 
 
+class Span(NamedTuple):
+    """``[start, end)`` seconds of a recording, and the one channel to take (None: all of them,
+    mixed or kept as the recipe says): an item that is a segment of a file."""
+
+    start: float
+    end: float
+    channel: int | None = None
+
+    def frames(self, rate: int) -> tuple[int, int]:
+        """The first and the past-the-last sample at ``rate``: ``round(start * rate)`` and
+        ``round(end * rate)`` (Python's ``round``), at the file's own rate.
+
+        Example:
+            >>> Span(1.5, 2.0).frames(16000)
+            (24000, 32000)
+        """
+        return round(self.start * rate), round(self.end * rate)
+
+
+def span_problem(span: Span, frames: int, rate: int, channels: int) -> str | None:
+    """Why ``span`` is not part of a recording of ``frames`` samples at ``rate`` with
+    ``channels`` channels, or None when it is (checked from the file's header alone)."""
+    first, last = span.frames(rate)
+    if first >= last:
+        return f"the segment [{span.start}, {span.end}) holds no sample at {rate} Hz"
+    if last > frames:
+        return (
+            f"the segment [{span.start}, {span.end}) ends past the end of its recording "
+            f"({frames / rate:.3f} s); fix its end"
+        )
+    if span.channel is not None and not 0 <= span.channel < channels:
+        return f"channel {span.channel} is not one of the recording's {channels} channels"
+    return None
+
+
 class AudioSource:
-    """Audio files -> mono float32 waveforms at the recipe's sample rate."""
+    """Audio files (or segments of them) -> mono float32 waveforms at the recipe's sample rate."""
 
     kind = "audio"
 
@@ -98,36 +137,68 @@ class AudioSource:
         Raises:
             SourceError: the file is missing, unreadable, empty or not audio.
         """
-        import soundfile
-        import soxr
+        return self.load_span(path, None, data)
 
-        try:
-            # Opened once: rate, then samples.
-            with soundfile.SoundFile(os.fspath(path) if data is None else data) as f:
-                rate = f.samplerate
-                frames = -1
-                if self.recipe.max_seconds is not None:
-                    # A little more than needed, so the resampler has context at the crop point.
-                    frames = int(np.ceil(self.recipe.max_seconds * rate)) + 64
-                audio = f.read(frames, dtype="float32", always_2d=True)
-        except FileNotFoundError as e:
-            raise SourceError(f"{path}: file not found") from e
-        except (soundfile.LibsndfileError, RuntimeError, OSError, ValueError) as e:
-            why = _unreadable(path) if data is None else None
-            raise SourceError(f"{path}: {why or 'cannot decode audio'} ({_reason(e)})") from e
+    def load_span(
+        self, path: str | os.PathLike[str], span: Span | None, data: BinaryIO | None = None
+    ) -> torch.Tensor:
+        """Decode ``span`` of a file (seeking to it, reading only its samples; None: the whole
+        file), then mix, resample, crop and normalise it exactly as a whole file is.
+
+        Raises:
+            SourceError: the file is missing, unreadable or not audio, or the span is not in it.
+        """
+        rate, audio = self._read(path, span, data)
         if audio.shape[0] == 0:
             raise SourceError(f"{path}: the file holds no audio samples")
         if not np.isfinite(audio).all():
             raise SourceError(f"{path}: the audio holds NaN or infinite samples")
+        if span is not None and span.channel is not None:
+            audio = audio[:, span.channel : span.channel + 1]  # that channel, not the mix
         audio = audio.mean(axis=1, keepdims=True) if self.recipe.mono else audio
         if rate != self.recipe.sample_rate:
-            audio = soxr.resample(audio, rate, self.recipe.sample_rate, quality="HQ")
+            audio = soxr_resample(audio, rate, self.recipe.sample_rate)
         if self.recipe.max_seconds is not None:
             audio = audio[: round(self.recipe.max_seconds * self.recipe.sample_rate)]
         audio = np.ascontiguousarray(audio.T, dtype=np.float32)  # [C, T]
         if self.recipe.normalize:
             audio = zero_mean_unit_var(audio)
         return torch.from_numpy(audio[0] if self.recipe.mono else audio)
+
+    def _read(
+        self, path: str | os.PathLike[str], span: Span | None, data: BinaryIO | None
+    ) -> tuple[int, np.ndarray]:
+        """(the file's rate, ``[T, C]`` float32 samples of ``span`` or of the whole file)."""
+        import soundfile
+
+        try:
+            # Opened once: rate, then samples.
+            with soundfile.SoundFile(os.fspath(path) if data is None else data) as f:
+                rate = f.samplerate
+                first, last = span.frames(rate) if span is not None else (0, -1)
+                if span is not None and (why := span_problem(span, f.frames, rate, f.channels)):
+                    raise SourceError(f"{path}: {why}")
+                frames = last - first if span is not None else -1
+                if self.recipe.max_seconds is not None:
+                    # A little more than needed, so the resampler has context at the crop point.
+                    crop = int(np.ceil(self.recipe.max_seconds * rate)) + 64
+                    frames = crop if frames < 0 else min(frames, crop)
+                if first:
+                    f.seek(first)
+                return rate, f.read(frames, dtype="float32", always_2d=True)
+        except FileNotFoundError as e:
+            raise SourceError(f"{path}: file not found") from e
+        except (soundfile.LibsndfileError, RuntimeError, OSError, ValueError) as e:
+            why = _unreadable(path) if data is None else None
+            raise SourceError(f"{path}: {why or 'cannot decode audio'} ({_reason(e)})") from e
+
+
+def soxr_resample(audio: np.ndarray, rate: int, to: int) -> np.ndarray:
+    """``[T, C]`` samples from ``rate`` to ``to`` Hz with soxr's HQ quality (featbake's one
+    resampler: whole files and segments alike)."""
+    import soxr
+
+    return soxr.resample(audio, rate, to, quality="HQ")
 
 
 def zero_mean_unit_var(audio: np.ndarray) -> np.ndarray:
@@ -185,8 +256,134 @@ class NpySource:
         return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
 
 
+class TextSource:
+    """UTF-8 texts -> int64 token ids ``[N]``, by the recipe's tokenizer.
+
+    The text is the file's (or cell's) bytes decoded as UTF-8, as they are: the key hashes those
+    bytes, so what is tokenised is exactly what the key was made from. The tokenizer is loaded
+    when the source is made (a missing or changed one is said once, not per text), again on
+    first use in a worker it is pickled to, and called under a lock: a Rust tokenizer's
+    truncation settings are per call but shared state, and two threads setting them at once
+    raise "Already borrowed".
+    """
+
+    kind = "text"
+    extensions: tuple[str, ...] = (".txt",)
+
+    def __init__(self, recipe: Recipe) -> None:
+        self.recipe = recipe
+        self.steps = text_steps(recipe)
+        self._tokenizer: Any = load_text_tokenizer(self.steps)
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"recipe": self.recipe, "steps": self.steps}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.recipe, self.steps = state["recipe"], state["steps"]
+        self._tokenizer = None  # loaded on first use in this process
+        self._lock = threading.Lock()
+
+    def load(self, path: str | os.PathLike[str], data: BinaryIO | None = None) -> torch.Tensor:
+        """Read one text (from ``path``, or ``data``, its bytes) and tokenise it.
+
+        Raises:
+            SourceError: missing, not UTF-8, empty, or (without truncation) too long.
+        """
+        try:
+            if data is None:
+                with open(path, "rb") as f:
+                    raw = f.read()
+            else:
+                raw = data.read()
+        except FileNotFoundError as e:
+            raise SourceError(f"{path}: file not found") from e
+        except OSError as e:
+            raise SourceError(f"{path}: cannot read: {e.strerror or _reason(e)}") from e
+        return self.token_ids(decoded_text(raw, path), path)
+
+    def token_ids(self, text: str, name: str | os.PathLike[str]) -> torch.Tensor:
+        """The token ids of ``text`` (``name`` only names it in messages).
+
+        Raises:
+            SourceError: the text gives no tokens, or more than ``max_length`` without truncation.
+        """
+        steps = self.steps
+        if steps.lowercase:
+            text = text.lower()
+        cut = steps.max_length if steps.truncate else None
+        with self._lock:
+            tokenizer = self._tokenizer = self._tokenizer or load_text_tokenizer(steps)
+            ids = tokenizer(
+                text,
+                add_special_tokens=steps.special_tokens,
+                truncation=steps.truncate,
+                max_length=cut,
+                verbose=False,  # "longer than the maximum": featbake refuses it in its words
+            )["input_ids"]
+        if not ids:
+            raise SourceError(f"{name}: the text gives no tokens; remove it from the data")
+        if len(ids) > steps.max_length:
+            raise SourceError(
+                f"{name}: the text is {len(ids)} tokens, over max_length {steps.max_length}; "
+                "shorten it, or let featbake cut it (drop --no-truncate)"
+            )
+        return torch.tensor(ids, dtype=torch.int64)
+
+
+def decoded_text(raw: bytes, name: str | os.PathLike[str]) -> str:
+    """``raw`` as UTF-8 text, refused in one line when it is not UTF-8 or holds no text.
+
+    Raises:
+        SourceError: invalid UTF-8 (the offset named), or empty / only whitespace.
+    """
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SourceError(
+            f"{name}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
+            "convert it to UTF-8 (e.g. iconv -t UTF-8)"
+        ) from e
+    if not text.strip():
+        raise SourceError(f"{name}: the text is empty; remove it from the data")
+    return text
+
+
+def text_steps(recipe: Recipe) -> TextRecipe:
+    """The recipe's tokenizer steps; a text recipe without them is refused in words.
+
+    Raises:
+        ConfigError: no tokenizer (the encoder is not a Hugging Face text folder).
+    """
+    if recipe.text is None:
+        raise ConfigError(
+            "--source text needs a tokenizer: give a Hugging Face text model folder as "
+            "--encoder (its tokenizer is used), or Recipe(text=text_recipe_for_folder(folder))"
+        )
+    return recipe.text
+
+
+def load_text_tokenizer(steps: TextRecipe) -> Any:
+    """The tokenizer ``steps`` names, checked against its digest (files changed since the recipe
+    was made would tokenise under the old files' key).
+
+    Raises:
+        ConfigError: the tokenizer's files changed since the recipe was made.
+        EncoderLoadError: transformers cannot read the tokenizer.
+    """
+    tokenizer = load_tokenizer(steps.folder)
+    if tokenizer_files_digest(steps.folder, type(tokenizer).__name__) != steps.tokenizer:
+        raise ConfigError(
+            f"the tokenizer in {steps.folder} changed since this build's recipe was made; "
+            "rerun the build"
+        )
+    return tokenizer
+
+
 def source_for(recipe: Recipe) -> Source:
     """The source adapter that the recipe names."""
+    if recipe.source == "text":
+        return TextSource(recipe)
     if recipe.source == "image":
         try:
             from featbake.encode.images import ImageSource  # Pillow only for image builds

@@ -241,19 +241,20 @@ def _rekey(index: Index, st: ProcessState, i: int, path: str) -> None:
     st.forget(i)
 
 
-def refuse_revalidate_of_objects(data: Any, revalidate: bool) -> None:
+def refuse_revalidate_of_objects(data: Any, revalidate: bool, column: str | None = None) -> None:
     """Raise when ``revalidate=True`` is asked of inputs a ``stat`` cannot revalidate.
 
     Raises:
-        ConfigError: ``data`` is a bucket prefix: checking each object's ETag at every read
-            would cost a request per item.
+        ConfigError: ``data`` is a bucket prefix (checking each object's ETag at every read
+            would cost a request per item) or a manifest (its items are not files).
     """
     if not revalidate or not isinstance(data, str | os.PathLike):
         return
-    inputs = inputs_at(data)
+    inputs = inputs_at(data, column)
     if not inputs.stat_tells_change:
         raise ConfigError(
-            f"revalidate=True is not built for inputs in a bucket ({inputs.where}): the dataset "
+            f"revalidate=True is not built for inputs in a bucket or named by a manifest "
+            f"({inputs.where}): the dataset "
             "keys each object by the ETag it had when the dataset was made. Make a new dataset "
             "(or run `featbake build`) after objects change"
         )
@@ -278,8 +279,10 @@ class CachedFeatureDataset(Dataset):
     deleted later is served from the store; ``revalidate=True`` serves changed files as they are.
 
     Args:
-        data: a data folder (scanned recursively, sorted as ``featbake build`` does), or a
-            sequence of file paths (served in the given order).
+        data: a data folder (scanned recursively, sorted as ``featbake build`` does), a
+            sequence of file paths (served in the given order), or a manifest, Kaldi data
+            folder or lhotse cut manifest (its rows or segments, in its order: a miss encodes
+            the segment live; :meth:`item_id` and :meth:`row` give each row's id and columns).
         encoder: as ``featbake build --encoder`` takes it, a loaded encoder, or an
             ``nn.Module``. A file encoder is loaded at the first miss (or once, to fingerprint
             it, when the store has never seen this file).
@@ -318,6 +321,8 @@ class CachedFeatureDataset(Dataset):
             the constructor when stored items already tell).
         serve_dtype, dequantize: int8/fp8 items are served in ``serve_dtype`` (float16, float32
             where the build found float16 cannot hold them) or packed with ``dequantize=False``.
+        column: a manifest's column naming each item's input (default ``path``), as
+            ``featbake build --column``.
 
     Raises:
         ConfigError: an invalid option.
@@ -362,6 +367,7 @@ class CachedFeatureDataset(Dataset):
         revalidate: bool = False,
         serve_dtype: str | torch.dtype | None = None,
         dequantize: bool = True,
+        column: str | None = None,
     ) -> None:
         check_options(on_miss, verify, max_open_shards)
         options: dict[str, Any] = {"source": source, "sample_rate": sample_rate, "mono": mono}
@@ -374,7 +380,7 @@ class CachedFeatureDataset(Dataset):
         self.verify, self.max_open_shards = verify, max_open_shards
         self._clock = clock
         self.revalidate = revalidate
-        refuse_revalidate_of_objects(data, revalidate)
+        refuse_revalidate_of_objects(data, revalidate, column)
         self._ram_total = parse_bytes(ram_cache)
         dev.resolve_device(device)  # validate now, not at the first miss
         self._layout = serving_layout(cache, on_miss, local_cache, local_cache_size)
@@ -406,7 +412,9 @@ class CachedFeatureDataset(Dataset):
             )
             # A refused miss must leave no root behind: on_miss="error" only refreshes one.
             new = on_miss == "encode"
-            self._index = build_index(data, spec, catalog, publish=not self.read_only, new_root=new)
+            self._index = build_index(
+                data, spec, catalog, publish=not self.read_only, new_root=new, column=column
+            )
         finally:
             catalog.close()
         self._served = self._served and self._served.for_index(self._layout, self._index)
@@ -430,8 +438,24 @@ class CachedFeatureDataset(Dataset):
         return self._index.key(self._index.position(i))
 
     def path(self, i: int) -> str:
-        """The absolute path of item ``i``'s input file."""
+        """The absolute path of item ``i``'s input file (for a manifest's row, where the
+        manifest names it: ``/data/train.jsonl:12``)."""
         return self._index.path(self._index.position(i))
+
+    def item_id(self, i: int) -> str:
+        """Item ``i``'s id: its path relative to the folder, a manifest row's ``id`` (else its
+        path, plus ``#start-end`` for a segment), a Kaldi utterance id, a cut's id."""
+        return self._index.rel(self._index.position(i))
+
+    def row(self, i: int) -> dict[str, Any]:
+        """Item ``i``'s other columns (labels, speaker, text); ``{}`` for a folder's files.
+
+        Example:
+            >>> ds = CachedFeatureDataset("train.jsonl", "ckpt.pt")  # doctest: +SKIP
+            >>> ds.row(0)["label"]  # doctest: +SKIP
+        """
+        inputs = self._index.inputs
+        return inputs.row(self._index.rel(self._index.position(i))) if inputs else {}
 
     @property
     def encoder_fingerprint(self) -> str:

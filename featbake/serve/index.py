@@ -15,6 +15,7 @@ not copy them page by page as reference counts change.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -22,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 
 from featbake.encode.fingerprints import hash_inputs, resolve_path
-from featbake.encode.inputs import Inputs, inputs_at
+from featbake.encode.inputs import Inputs, inputs_at, keeps_order
 from featbake.encode.sources import check_input_files
 from featbake.errors import SourceError
 from featbake.keys import feature_key, root_id, sha256_hex
@@ -69,7 +70,9 @@ class Index:
         shard: shard id per item (an index into :attr:`shard_names`), -1 when not stored.
         parts: the output parts every item has (``("",)`` for one tensor), or None when they
             differ and each item's are looked up.
-        data_dir: the resolved folder, or None for a list of absolute paths.
+        data_dir: the resolved folder (or manifest), or None for a list of absolute paths.
+        inputs: where the items come from (names each item's path and carried row), or None
+            for a list of paths.
     """
 
     def __init__(
@@ -80,10 +83,12 @@ class Index:
         catalog: ServingStore,
         spec: IndexSpec,
         stats: Sequence[FileStat | None],
+        inputs: Inputs | None = None,
     ) -> None:
         n = len(keys)
         self.spec = spec
         self.data_dir = data_dir
+        self.inputs = inputs
         self.stats = np.array([st or NO_STAT for st in stats], dtype=np.int64).reshape(n, 4)
         self.keys = np.array(keys, dtype="S64") if n else np.zeros(0, dtype="S64")
         blob = "\0".join(rel_paths).encode("utf-8", "surrogateescape")
@@ -129,11 +134,19 @@ class Index:
             raise IndexError(f"index {i} is out of range for a dataset of {n} items")
         return j
 
-    def path(self, i: int) -> str:
+    def rel(self, i: int) -> str:
+        """Item ``i``'s name in its data: a relative path, a manifest row's id, or (a list of
+        paths) the path itself."""
         start = int(self.path_end[i - 1]) + 1 if i else 0
         rel = self.path_blob[start : int(self.path_end[i])].tobytes()
-        rel_s = rel.decode("utf-8", "surrogateescape")
-        return os.path.join(self.data_dir, rel_s) if self.data_dir else rel_s
+        return rel.decode("utf-8", "surrogateescape")
+
+    def path(self, i: int) -> str:
+        """Item ``i``'s full name: its file, or where a manifest names it (``train.jsonl:12``)."""
+        rel = self.rel(i)
+        if self.inputs is not None:
+            return self.inputs.path(rel)
+        return os.path.join(self.data_dir, rel) if self.data_dir else rel
 
     def sid(self, shard: str) -> int:
         """The id of shard ``shard`` (named by content), new ids for shards seen first now."""
@@ -164,6 +177,7 @@ def build_index(
     *,
     publish: bool = True,
     new_root: bool = True,
+    column: str | None = None,
 ) -> Index:
     """Index a folder (through its build's root) or a list of files, and publish its root.
 
@@ -172,14 +186,16 @@ def build_index(
     process cannot write) nothing is published: files the root does not name are indexed under
     their content keys all the same, and are misses unless the store holds them. With
     ``new_root=False`` (a dataset that refuses misses) only an existing root is refreshed: a
-    dataset that serves nothing must not leave a root behind.
+    dataset that serves nothing must not leave a root behind. ``column`` names a manifest's
+    input column (see :func:`featbake.encode.inputs.inputs_at`).
 
     Raises:
         SourceError: no inputs, or inputs that are not in the store cannot be read.
         StoreError: ``data`` is a bucket URL that cannot be listed (credentials, no bucket).
     """
     if isinstance(data, (str, os.PathLike)):
-        return _index_place(inputs_at(data), spec, catalog, publish, new_root)
+        inputs = inputs_at(data, column, spec.recipe.get("source"))
+        return _index_place(inputs, spec, catalog, publish, new_root)
     # The folder scan's own checks first: a FIFO or a device in the list would block the
     # first read forever, a symlink loop would fail the resolve below with a RuntimeError.
     paths = [resolve_path(p) for p in check_input_files(data)]  # type: ignore[arg-type]
@@ -212,7 +228,7 @@ def _index_place(
         if not manifest:
             raise
         scanned = []  # the inputs are gone, the features are not
-    rel_paths = sorted(set(scanned) | set(manifest)) if manifest else scanned
+    rel_paths = item_names(inputs, scanned, list(manifest))
     stats: dict[str, FileStat] = {}
     paths = [inputs.path(r) for r in scanned]
     digests, failed = inputs.hash(catalog, paths, stats=stats)
@@ -229,11 +245,48 @@ def _index_place(
         else:
             bad.append(path)
             keys.append("")
-    raise_unreadable(bad, failed)
+    if bad and keeps_order(inputs):  # a manifest's bad rows are left out, as the build skips them
+        rel_paths, keys, hashed = _without_bad_rows(inputs, rel_paths, keys, hashed, failed)
+    else:
+        raise_unreadable(bad, failed)
     if publish:
         items = list(zip(rel_paths, keys, strict=True))
         _publish_root(catalog, spec, data_dir, items, name, new=new_root)
-    return Index(rel_paths, keys, data_dir, catalog, spec, hashed)
+    return Index(rel_paths, keys, data_dir, catalog, spec, hashed, inputs)
+
+
+def _without_bad_rows(
+    inputs: Inputs,
+    rel_paths: list[str],
+    keys: list[str],
+    hashed: list[FileStat | None],
+    failed: Mapping[str, str],
+) -> tuple[list[str], list[str], list[FileStat | None]]:
+    """The items that have a key, after one warning naming (up to five of) the rows that do
+    not (a missing file, a segment past the end of its recording): the dataset serves the
+    manifest's good rows in order, as the build stored them, rather than none."""
+    bad = [i for i, k in enumerate(keys) if not k]
+    shown = "; ".join(f"{rel_paths[i]}: {failed.get(inputs.path(rel_paths[i]))}" for i in bad[:5])
+    more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+    warnings.warn(
+        f"{len(bad)} row(s) of {inputs.where} cannot be read and are not in the store, so they "
+        f"are not items of this dataset: {shown}{more}; fix the rows to include them",
+        stacklevel=4,
+    )
+    good = [i for i, k in enumerate(keys) if k]
+    return [rel_paths[i] for i in good], [keys[i] for i in good], [hashed[i] for i in good]
+
+
+def item_names(inputs: Inputs, scanned: list[str], built: list[str]) -> list[str]:
+    """The items a dataset serves: what the scan found, and what the build's root names.
+
+    A folder's or a bucket's items are the sorted union (a file deleted since the build is
+    still served from the store). A manifest's items are its rows in its order; the root's
+    names stand in only when the manifest itself is gone (the root keeps the rows' order).
+    """
+    if keeps_order(inputs):
+        return scanned or built
+    return sorted(set(scanned) | set(built)) if built else scanned
 
 
 def _publish_root(

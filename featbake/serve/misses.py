@@ -26,10 +26,9 @@ from featbake.encode.fingerprints import (
     file_fingerprint,
 )
 from featbake.encode.hf import is_hf_folder
-from featbake.encode.inputs import inputs_at
 from featbake.encode.loaders import is_import_path, load_encoder
 from featbake.encode.outputs import encode_batch, stored_parts
-from featbake.encode.sources import Source, load_unchanged
+from featbake.encode.sources import CheckingSource, Source, load_unchanged
 from featbake.errors import CacheMiss, EncoderLoadError, FeatbakeError, SourceError
 from featbake.keys import feature_key
 from featbake.recipe import Recipe
@@ -42,7 +41,6 @@ from featbake.store.fragments import open_serving_catalog
 from featbake.store.layout import Layout
 from featbake.store.open import describe
 from featbake.store.shard import SealedShard
-from featbake.store.url import is_url
 
 # == miss_advice ===================================================================================
 #: Recipe field -> the `featbake build` option that sets it (mono is --mono/--no-mono).
@@ -426,9 +424,10 @@ class Misses:
         self.index = index
         self.reads = reads
         self.live = live
-        where = index.data_dir or ""
-        self.objects = is_url(where)  # a bucket's inputs: read whole, decoded from bytes
-        self.source = inputs_at(where).source(source) if self.objects else source
+        # A bucket's objects and a manifest's rows are read through their inputs' source, which
+        # checks by itself that an item is the one hashed (the response's ETag, the file's stat).
+        self.source = index.inputs.source(source) if index.inputs is not None else source
+        self.objects = isinstance(self.source, CheckingSource)
         self.recipe = recipe
         self.recipe_fp = recipe.fingerprint()
         self.on_miss = "encode"

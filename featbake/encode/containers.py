@@ -1,0 +1,1056 @@
+"""Inputs inside containers: webdataset tar shards, and tables (parquet files and Hugging Face
+datasets saved to disk), each row or sample one item (issue 29 item 3).
+
+Both are :class:`featbake.encode.inputs.Inputs` behind the same seam as a folder: the build and
+the dataset ask them for the items (in the data's own order), each item's full name, its digest
+through the hash cache, and a source that decodes it. An item is named ``<container>:<inner>``:
+``/data/shard-000.tar:sample0001.jpg`` (a tar member) or ``/data/train.parquet:12`` (a table's row),
+and its digest is the SHA-256 of the member's or the cell's bytes, so the same image as a file and
+as a tar member (or a parquet cell) has the same key and is stored once.
+
+**Hash cache.** An item's entry is keyed by its full name (a table's also by its column) and
+compared on its container's stat (size, mtime, inode, ctime), as a file's is: a rebuild over
+unchanged containers reads no member or cell (a tar's member headers are listed, a table's ids
+read). Entries follow git's "racy" rule as files do (see ``FileStat.racy``).
+
+**Decoding** reads the one member (a seek and a read in the tar) or the cell (its row group, kept
+while the next rows are decoded) and hands the bytes to the recipe's source; nothing is extracted
+to disk. The container's stat must still be the one the digest was taken with, or the item fails
+as a file changed mid-build does.
+
+**Bad rows**: a truncated tar member, a sample without the asked member, a null cell, a cell
+without bytes, a table file whose column holds neither bytes nor an Audio/Image struct; each is
+one line naming the container and member or row, skipped, and the build exits 3.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import tarfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
+
+import torch
+
+from featbake.encode.fingerprints import HeldBytes, resolve_path
+from featbake.encode.sources import ScanResult, SkippedInput, Source
+from featbake.errors import ConfigError, SourceError
+from featbake.progress import Progress
+from featbake.store.catalog import FileStat, HashCache, HashRow
+from featbake.store.url import is_url
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+#: How many bytes a member is hashed by at a time (a large video member is never whole in memory).
+CHUNK = 1 << 20
+
+#: Where a container's name ends and the item's inner name starts, in an item's full name.
+CONTAINER_SUFFIXES = (".tar", ".parquet", ".arrow")
+
+
+def split_item_path(path: str) -> tuple[str, str]:
+    """(container, inner name) of an item's full name, e.g. ``/d/a.tar:s1.jpg``.
+
+    The container is cut at the first ``.tar:``, ``.parquet:`` or ``.arrow:``, so a member name
+    may hold a colon.
+
+    Example:
+        >>> split_item_path("/data/shard-000.tar:images/0001.jpg")
+        ('/data/shard-000.tar', 'images/0001.jpg')
+    """
+    cuts = [i + len(s) for s in CONTAINER_SUFFIXES if (i := path.find(s + ":")) >= 0]
+    if not cuts:
+        raise SourceError(f"{path}: not the name of an item in a tar or a table")
+    cut = min(cuts)
+    return path[:cut], path[cut + 1 :]
+
+
+def _stat_or_none(path: str) -> FileStat | None:
+    try:
+        return FileStat.of(path)
+    except OSError:
+        return None
+
+
+# == hashing =======================================================================================
+class ItemRef(NamedTuple):
+    """One item to hash: its full name, its hash-cache id, its container and where inside it."""
+
+    path: str
+    cache_id: str
+    container: str
+    where: int  # a table's row (0 for a tar member, found by its name)
+
+
+#: container, the refs to read in it -> ref path -> digest, or why it cannot be read.
+ReadDigests = Callable[[str, list[ItemRef]], dict[str, str | tuple[str]]]
+
+
+def hash_items(
+    catalog: HashCache,
+    refs: Sequence[ItemRef],
+    read: ReadDigests,
+    progress: Callable[[Progress], None] | None = None,
+    stats: dict[str, FileStat] | None = None,
+) -> tuple[dict[str, str], dict[str, str]]:
+    """SHA-256 of each item, reading only the containers whose stat the hash cache does not know.
+
+    ``read(container, refs)`` reads the items of one container (in its order) and returns each
+    digest, or a 1-tuple with why the item cannot be read. ``stats`` is filled with each item's
+    container stat, which decoding checks again.
+
+    Returns:
+        (path -> sha256, path -> reason for items that could not be read)
+    """
+    stats = {} if stats is None else stats
+    failed: dict[str, str] = {}
+    stat_time = time.time_ns()  # before the stats: what a racy entry is measured against
+    by_container: dict[str, list[ItemRef]] = {}
+    for ref in refs:
+        by_container.setdefault(ref.container, []).append(ref)
+    container_stat = {c: _stat_or_none(c) for c in by_container}
+    cached = catalog.cached_hashes([r.cache_id for r in refs])
+    digests: dict[str, str] = {}
+    todo: dict[str, list[ItemRef]] = {}
+    for ref in refs:
+        st = container_stat[ref.container]
+        if st is None:
+            failed[ref.path] = f"cannot stat {ref.container}"
+            continue
+        stats[ref.path] = st
+        hit = cached.get(ref.cache_id)
+        if hit is not None and hit.stat == st:
+            digests[ref.path] = hit.sha256
+        else:
+            todo.setdefault(ref.container, []).append(ref)
+    if progress:
+        progress(Progress("hash", len(digests), len(refs)))
+    fresh: list[HashRow] = []
+    for container, wanted in todo.items():
+        got = read(container, wanted)
+        if _stat_or_none(container) != container_stat[container]:
+            got = {r.path: (f"{container} changed while featbake was reading it",) for r in wanted}
+        for ref in wanted:
+            one = got.get(ref.path, ("not read",))
+            if isinstance(one, tuple):
+                failed[ref.path] = one[0]
+            else:
+                digests[ref.path] = one
+                fresh.append(HashRow(ref.cache_id, stats[ref.path], one))
+        if progress:
+            progress(Progress("hash", len(digests) + len(failed), len(refs)))
+    catalog.put_hashes(fresh, recorded_ns=stat_time)
+    return digests, failed
+
+
+# == webdataset ====================================================================================
+# A webdataset shard is a plain tar; the members of one sample are consecutive and share a key:
+# the member's name up to the first dot of its last path component (webdataset's
+# ``base_plus_ext``: ``images/0001.seg.png`` is key ``images/0001``, extension ``seg.png``).
+# Names without a dot, and top-level ``__name__`` metadata members, belong to no sample, as in
+# webdataset. The member a build encodes is ``--column EXT`` (``jpg``, ``flac``) or, by default,
+# the sample's first member whose last extension the recipe's source reads.
+_KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)[.]([^/]*)$")
+
+
+def key_and_extension(name: str) -> tuple[str, str] | None:
+    """(sample key, extension in lower case) of a member's name, or None (no sample's).
+
+    Example:
+        >>> key_and_extension("images/0001.seg.PNG")
+        ('images/0001', 'seg.png')
+    """
+    if "/" not in name and name.startswith("__") and name.endswith("__"):
+        return None
+    match = _KEY_EXT.match(name)
+    return (match.group(1), match.group(2).lower()) if match else None
+
+
+class Member(NamedTuple):
+    """A tar member's name, where its data starts and how many bytes it holds."""
+
+    name: str
+    offset: int
+    size: int
+
+
+@dataclass
+class Sample:
+    """One webdataset sample: its key, its tar, and its members by extension (in tar order)."""
+
+    key: str
+    tar: str
+    members: dict[str, Member] = field(default_factory=dict)
+
+
+def list_members(tar: str) -> list[Member]:
+    """The regular-file members of ``tar``, in order, from their headers only (data skipped by
+    seeks, so listing a shard reads a 512-byte header per member).
+
+    Raises:
+        SourceError: the file cannot be opened or is not a tar.
+    """
+    members: list[Member] = []
+    try:
+        with tarfile.open(tar, mode="r:") as tf:
+            while True:
+                try:
+                    m = tf.next()
+                except tarfile.ReadError:
+                    break  # the tar ends inside the last member: hashing it says so
+                if m is None:
+                    break
+                if m.isreg():
+                    members.append(Member(m.name, m.offset_data, m.size))
+    except FileNotFoundError as e:
+        raise SourceError(f"{tar}: file not found") from e
+    except (tarfile.TarError, OSError) as e:
+        raise SourceError(f"{tar}: not a readable tar file ({e})") from e
+    return members
+
+
+def samples_of(tar: str, members: Sequence[Member]) -> tuple[list[Sample], list[SkippedInput]]:
+    """The samples of one tar (consecutive members sharing a key), and members set aside (a
+    second member with the same extension in one sample)."""
+    samples: list[Sample] = []
+    skipped: list[SkippedInput] = []
+    for m in members:
+        split = key_and_extension(m.name)
+        if split is None:
+            continue
+        key, ext = split
+        if not samples or samples[-1].key != key:
+            samples.append(Sample(key, tar))
+        held = samples[-1].members
+        if ext in held:
+            skipped.append(SkippedInput(f"{tar}:{m.name}", f"a second .{ext} member of {key}"))
+            continue
+        held[ext] = m
+    return samples, skipped
+
+
+def read_member(tar: str, member: Member) -> bytes:
+    """The bytes of one member (a seek and a read).
+
+    Raises:
+        SourceError: the tar cannot be read, or ends inside the member (truncated).
+    """
+    try:
+        with open(tar, "rb") as f:
+            f.seek(member.offset)
+            data = f.read(member.size)
+    except OSError as e:
+        raise SourceError(f"{tar}:{member.name}: cannot read: {e.strerror}") from e
+    if len(data) != member.size:
+        raise SourceError(truncated(tar, member, len(data)))
+    return data
+
+
+def truncated(tar: str, member: Member, got: int) -> str:
+    return (
+        f"{tar}:{member.name}: truncated tar member ({got} of {member.size} bytes); "
+        "rewrite or re-download the shard"
+    )
+
+
+def member_digests(
+    tar: str, members: list[Member], held: HeldBytes | None = None
+) -> dict[str, str | tuple[str]]:
+    """member name -> SHA-256 of its bytes (in tar order), or a 1-tuple: why not.
+
+    With ``held``, a member that fits its budget is read whole and its bytes kept there for the
+    build to decode (a first build reads each member once); others are streamed in chunks.
+    """
+    out: dict[str, str | tuple[str]] = {}
+    try:
+        f = open(tar, "rb")  # noqa: SIM115  (closed below, after every member)
+    except OSError as e:
+        return {m.name: (f"cannot read {tar}: {e.strerror}",) for m in members}
+    with f:
+        for m in sorted(members, key=lambda m: m.offset):
+            f.seek(m.offset)
+            if held is not None and held.size + m.size <= held.budget:
+                data = f.read(m.size)
+                if len(data) != m.size:
+                    out[m.name] = (truncated(tar, m, len(data)),)
+                    continue
+                held.keep(f"{tar}:{m.name}", data)
+                out[m.name] = hashlib.sha256(data).hexdigest()
+                continue
+            sha, left = hashlib.sha256(), m.size
+            while left > 0 and (chunk := f.read(min(CHUNK, left))):
+                sha.update(chunk)
+                left -= len(chunk)
+            out[m.name] = (truncated(tar, m, m.size - left),) if left else sha.hexdigest()
+    return out
+
+
+def carried_value(ext: str, data: bytes) -> Any:
+    """A carried member as a Python value: ``.txt`` str, ``.cls`` int, ``.json`` decoded, others
+    the bytes (also a ``.cls``/``.json``/``.txt`` that does not decode as such)."""
+    last = ext.rsplit(".", 1)[-1]
+    try:
+        if last == "txt":
+            return data.decode("utf-8")
+        if last == "cls":
+            return int(data.decode("utf-8").strip())
+        if last == "json":
+            return json.loads(data)
+    except (UnicodeDecodeError, ValueError):
+        return data
+    return data
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """The names a brace pattern stands for: ``{000..009}`` (zero-padded as written) and
+    ``{a,b}``, as webdataset's shard lists (the ``braceexpand`` package) spell them.
+
+    Example:
+        >>> expand_braces("s-{08..10}-{a,b}.tar")
+        ['s-08-a.tar', 's-08-b.tar', 's-09-a.tar', 's-09-b.tar', 's-10-a.tar', 's-10-b.tar']
+    """
+    match = re.search(r"\{([^{}]*)\}", pattern)
+    if match is None:
+        return [pattern]
+    head, body, tail = pattern[: match.start()], match.group(1), pattern[match.end() :]
+    span = re.fullmatch(r"(\d+)\.\.(\d+)", body)
+    if span:
+        lo, hi = span.groups()
+        width = len(lo) if lo.startswith("0") or len(lo) == len(hi) else 0
+        choices = [str(n).zfill(width) for n in range(int(lo), int(hi) + 1)]
+    else:
+        choices = body.split(",")
+    return [name for c in choices for name in expand_braces(head + c + tail)]
+
+
+def is_webdataset(where: str) -> bool:
+    """Whether ``--data`` names webdataset shards: a ``.tar`` (file, URL or brace pattern), or a
+    folder whose visible files are all ``.tar`` (one at least)."""
+    if where.lower().endswith(".tar"):
+        return True
+    return not is_url(where) and holds_only(where, (".tar",))
+
+
+def holds_only(where: str, wanted: tuple[str, ...], also: tuple[str, ...] = ()) -> bool:
+    """Whether the folder ``where`` holds a visible file ending with ``wanted``, and no visible
+    file ending otherwise (but with ``also``). It stops at the first other file: asked of every
+    ``--data`` folder, it must not stat a million clips to say no."""
+    found = False
+    try:
+        with os.scandir(where) as it:
+            for entry in it:
+                if entry.name.startswith(".") or not _is_file(entry):
+                    continue
+                name = entry.name.lower()
+                if name.endswith(wanted):
+                    found = True
+                elif not name.endswith(also):
+                    return False
+    except OSError:
+        return False  # not a folder (or unreadable): the folder scan says why
+    return found
+
+
+def _is_file(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_file()
+    except OSError:
+        return False
+
+
+def refuse_url(where: str, what: str) -> None:
+    """Raise: containers in a bucket are not read in place yet.
+
+    Raises:
+        ConfigError: always, with what to do instead.
+    """
+    raise ConfigError(
+        f"{what} in a bucket ({where}) are not read in place yet; copy them to a local folder "
+        "(e.g. with `aws s3 sync`) and pass that as --data"
+    )
+
+
+class WebDataset:
+    """Webdataset tar shards as a build's inputs (an ``Inputs``): each sample one item, named by
+    its key, in shard and tar order.
+
+    Args:
+        data: a ``.tar``, a folder of ``.tar`` files, or a brace pattern ``shard-{000..009}.tar``.
+        column: the extension of the member to encode (``jpg``); None: the sample's first member
+            of the source's kind.
+    """
+
+    def __init__(self, data: str, column: str | None = None) -> None:
+        if is_url(data):
+            refuse_url(data, "webdataset shards")
+        self.column = column.lower().lstrip(".") if column else None
+        folder, name = os.path.split(os.path.expanduser(data))
+        if "{" in name:
+            self.folder = resolve_path(folder or ".")
+            self.where = os.path.join(self.folder, name)
+            self.tars = [os.path.join(self.folder, n) for n in expand_braces(name)]
+        elif os.path.isdir(data):
+            self.where = self.folder = resolve_path(data)
+            self.tars = sorted(
+                os.path.join(self.folder, n)
+                for n in os.listdir(self.folder)
+                if n.lower().endswith(".tar") and not n.startswith(".")
+            )
+        else:
+            self.where = resolve_path(data)
+            self.folder = os.path.dirname(self.where)
+            self.tars = [self.where]
+        self.samples: dict[str, Sample] = {}  # key -> sample, in the data's order
+        self.chosen: dict[str, Member] = {}  # key -> the member encoded
+        self.index = MemberIndex()  # full name -> member, for hashing and decoding
+
+    @property
+    def stat_tells_change(self) -> bool:
+        return False  # an item's stat is its shard's: revalidate cannot stat a member
+
+    def scan(self, extensions: Sequence[str]) -> ScanResult:
+        """The samples of every shard, in order, and what is set aside (with why).
+
+        Raises:
+            SourceError: no shard holds a sample with the member to encode, or two samples
+                share a key.
+        """
+        self.samples, self.chosen = {}, {}  # a scan starts afresh
+        self.index.listed.clear()  # in place: a source made before the scan reads through it
+        skipped: list[SkippedInput] = []
+        seen: dict[str, str] = {}
+        for tar in self.tars:
+            try:
+                samples, odd = samples_of(tar, list_members(tar))
+            except SourceError as e:
+                skipped.append(SkippedInput(os.path.relpath(tar, self.folder), str(e)))
+                continue
+            skipped += odd
+            for sample in samples:
+                self._add(sample, extensions, seen, skipped)
+        if not self.chosen:
+            wanted = f".{self.column}" if self.column else ", ".join(extensions)
+            shown = "; ".join(f"{s.path}: {s.reason}" for s in skipped[:3])
+            raise SourceError(
+                f"no sample with a member to encode ({wanted}) in {self.where}"
+                + (f" ({shown})" if shown else "")
+                + "; name the member with --column (e.g. --column jpg) or pick --source"
+            )
+        return ScanResult(list(self.chosen), skipped)
+
+    def _add(
+        self,
+        sample: Sample,
+        extensions: Sequence[str],
+        seen: dict[str, str],
+        skipped: list[SkippedInput],
+    ) -> None:
+        member = self.pick(sample, extensions)
+        first = next(iter(sample.members.values()))
+        if member is None:
+            has = ", ".join(f".{e}" for e in sample.members)
+            wanted = f"a .{self.column} member" if self.column else "a member of the source's kind"
+            skipped.append(SkippedInput(sample.key, f"{sample.tar}: no {wanted} (it has {has})"))
+            return
+        if sample.key in seen:
+            raise SourceError(
+                f"two samples have the key {sample.key!r}: {seen[sample.key]} and "
+                f"{sample.tar}:{first.name}; webdataset keys must be unique (rename one)"
+            )
+        seen[sample.key] = f"{sample.tar}:{first.name}"
+        self.samples[sample.key] = sample
+        self.chosen[sample.key] = member
+        self.index.listed[f"{sample.tar}:{member.name}"] = member
+
+    def pick(self, sample: Sample, extensions: Sequence[str]) -> Member | None:
+        """The member of ``sample`` to encode, or None."""
+        if self.column is not None:
+            return sample.members.get(self.column)
+        exts = {e.lower() for e in extensions}
+        kinds = ((f".{e.rsplit('.', 1)[-1]}", m) for e, m in sample.members.items())
+        return next((m for last, m in kinds if last in exts), None)
+
+    def path(self, rel: str) -> str:
+        """``shard.tar:member`` of sample ``rel``; ``<where>#<rel>`` for a sample no scan found
+        (a root names it, its shard is gone: its feature is served from the store)."""
+        if rel not in self.chosen:
+            return f"{self.where}#{rel}"
+        return f"{self.samples[rel].tar}:{self.chosen[rel].name}"
+
+    def rel(self, path: str) -> str:
+        name = split_item_path(path)[1]
+        split = key_and_extension(name)
+        return split[0] if split else name
+
+    def size(self, rel: str) -> int:
+        member = self.chosen.get(rel)
+        return member.size if member else 0
+
+    def row(self, rel: str) -> dict[str, Any]:
+        """The sample's other members, decoded (see :func:`carried_value`), by extension.
+
+        Raises:
+            SourceError: a member cannot be read (its tar is truncated there).
+        """
+        if rel not in self.chosen:
+            raise SourceError(f"{self.where}: no sample {rel!r} (its shard is gone or changed)")
+        sample, chosen = self.samples[rel], self.chosen[rel]
+        return {
+            ext: carried_value(ext, read_member(sample.tar, m))
+            for ext, m in sample.members.items()
+            if m is not chosen
+        }
+
+    def hash(
+        self,
+        catalog: HashCache,
+        paths: Sequence[str],
+        progress: Callable[[Progress], None] | None = None,
+        stats: dict[str, FileStat] | None = None,
+        held: HeldBytes | None = None,
+    ) -> tuple[dict[str, str], dict[str, str]]:
+        """SHA-256 of each member, reading only shards whose stat the hash cache does not know
+        (see :func:`hash_items`); ``held`` keeps the bytes read, for the build to decode."""
+        refs = [ItemRef(p, p, split_item_path(p)[0], 0) for p in paths]
+
+        def read(tar: str, wanted: list[ItemRef]) -> dict[str, str | tuple[str]]:
+            return self._read(tar, wanted, held)
+
+        return hash_items(catalog, refs, read, progress, stats)
+
+    def _read(
+        self, tar: str, refs: list[ItemRef], held: HeldBytes | None
+    ) -> dict[str, str | tuple[str]]:
+        try:
+            members = [self.index.member(r.path)[1] for r in refs]
+        except SourceError as e:
+            return {r.path: (str(e),) for r in refs}
+        got = member_digests(tar, members, held)
+        return {r.path: got.get(m.name, ("not read",)) for r, m in zip(refs, members, strict=True)}
+
+    def source(self, inner: Source) -> Source:
+        return MemberSource(inner, self.index)
+
+
+class MemberIndex:
+    """Full name (``shard.tar:name``) -> member: what a scan found, and the members of any other
+    tar named, found by listing that tar once (a dataset's worker, or a process that did not
+    scan)."""
+
+    def __init__(self, listed: dict[str, Member] | None = None) -> None:
+        self.listed = dict(listed or {})
+
+    def member(self, path: str) -> tuple[str, Member]:
+        """(tar, member) of the item named ``path``.
+
+        Raises:
+            SourceError: the tar has no such member (or cannot be read).
+        """
+        tar = split_item_path(path)[0]
+        found = self.listed.get(path)
+        if found is None:
+            for m in list_members(tar):
+                self.listed.setdefault(f"{tar}:{m.name}", m)
+            found = self.listed.get(path)
+        if found is None:
+            raise SourceError(f"{path}: no such member in {tar} (rewritten since?)")
+        return tar, found
+
+
+class MemberSource:
+    """The recipe's source over tar members: each read with a seek and decoded from its bytes
+    (members found through a :class:`MemberIndex`)."""
+
+    def __init__(self, inner: Source, index: MemberIndex | None = None) -> None:
+        self.inner = inner
+        self.kind = inner.kind
+        self.extensions = inner.extensions
+        self.index = index or MemberIndex()
+
+    def read(self, path: str) -> bytes:
+        return read_member(*self.index.member(path))
+
+    def load(self, path: str | os.PathLike[str], data: BinaryIO | None = None) -> torch.Tensor:
+        """Read member ``path`` (``shard.tar:name``) and decode its bytes.
+
+        Raises:
+            SourceError: it cannot be read (truncated, gone) or decoded.
+        """
+        name = os.fspath(path)
+        return self.inner.load(name, io.BytesIO(self.read(name)) if data is None else data)
+
+    def load_unchanged(self, path: str, stat: FileStat | None) -> torch.Tensor:
+        """Decode member ``path`` if its tar still has the stat its digest was taken at.
+
+        Raises:
+            SourceError: the tar changed since it was hashed, or the member cannot be decoded.
+        """
+        data = self.read(path)
+        if stat is None or _stat_or_none(split_item_path(path)[0]) != stat:
+            raise SourceError(f"{path}: changed while featbake was reading it; rerun the build")
+        return self.inner.load(path, io.BytesIO(data))
+
+
+# == tables ========================================================================================
+# Parquet files (one, or a folder of them) and Hugging Face datasets saved with
+# ``save_to_disk`` (a folder of Arrow IPC *stream* files ``data-*.arrow`` listed in ``state.json``,
+# beside ``dataset_info.json``), read with pyarrow, never through the ``datasets`` package. Each row
+# is an item; ``--column`` names the cell to encode: an Audio or Image column (a struct of
+# ``bytes`` and ``path``, as the Hub stores them) or a binary column. An item's id is its ``id``
+# column when the table has one, else ``<file>:<row>``; its other columns are carried.
+class CellKind(Enum):
+    """What a column's cells hold, as far as encoding them goes."""
+
+    STRUCT = "struct"  # {bytes, path}: the Hub's Audio and Image
+    BINARY = "binary"
+    OTHER = "other"
+
+
+def pyarrow_module() -> Any:
+    """pyarrow, or a one-line error saying how to install it.
+
+    Raises:
+        ConfigError: pyarrow is not installed.
+    """
+    try:
+        import pyarrow
+        import pyarrow.parquet  # the submodule: pyarrow.parquet.ParquetFile below
+    except ImportError as e:
+        raise ConfigError(
+            f"parquet files and Hugging Face datasets need pyarrow ({e}); install it: "
+            "pip install 'featbake[tables]'"
+        ) from e
+    return pyarrow
+
+
+def cell_kind(kind: pa.DataType) -> CellKind:
+    """Whether cells of type ``kind`` hold bytes to encode, and how."""
+    pa = pyarrow_module()
+    if pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
+        return CellKind.BINARY
+    if pa.types.is_struct(kind):
+        names = [kind.field(i).name for i in range(kind.num_fields)]
+        if "bytes" in names:
+            inner = kind.field(names.index("bytes")).type
+            if pa.types.is_binary(inner) or pa.types.is_large_binary(inner):
+                return CellKind.STRUCT
+    return CellKind.OTHER
+
+
+def hf_feature_types(schema: pa.Schema) -> dict[str, str]:
+    """column -> the ``datasets`` feature type (``Audio``, ``Image``, ``Value``) recorded in the
+    schema's ``huggingface`` metadata (written by ``datasets`` and the Hub), where there is one."""
+    meta = (schema.metadata or {}).get(b"huggingface")
+    try:
+        features = json.loads(meta)["info"]["features"] if meta else {}
+    except (ValueError, KeyError, TypeError):
+        return {}
+    if not isinstance(features, dict):
+        return {}
+    return {k: v.get("_type", "") for k, v in features.items() if isinstance(v, dict)}
+
+
+def cell_bytes(cell: Any, kind: CellKind) -> bytes | str:
+    """The bytes of one cell (a Python value), or why it has none."""
+    if cell is None:
+        return "the cell is null"
+    if kind is CellKind.STRUCT:
+        data = cell.get("bytes")
+        if data is None:
+            where = cell.get("path")
+            return (
+                f"the cell holds no bytes (only the path {where!r}); embed the bytes "
+                "(datasets' embed_table_storage) or build the files with a manifest"
+            )
+        return bytes(data)
+    return bytes(cell)
+
+
+def is_table(where: str) -> bool:
+    """Whether ``--data`` names a table: a ``.parquet`` file, a ``save_to_disk`` folder (or a
+    DatasetDict's, refused with its splits named), or a folder of parquet files only."""
+    if where.lower().endswith((".parquet", ".arrow")):
+        return True
+    if is_url(where):
+        return False
+    if os.path.isfile(os.path.join(where, "dataset_dict.json")):
+        return True
+    if all(os.path.isfile(os.path.join(where, n)) for n in ("state.json", "dataset_info.json")):
+        return True
+    return holds_only(where, (".parquet",), (".md", ".json"))
+
+
+def table_files(where: str) -> list[str]:
+    """The data files of a table, in the dataset's order.
+
+    Raises:
+        SourceError: a DatasetDict folder (one split must be named), or a ``state.json`` that
+            names no data file.
+    """
+    if os.path.isfile(where):
+        return [where]
+    if os.path.isfile(os.path.join(where, "dataset_dict.json")):
+        try:
+            with open(os.path.join(where, "dataset_dict.json")) as f:
+                splits = list(json.load(f).get("splits", []))
+        except (OSError, ValueError, AttributeError):
+            splits = []
+        named = ", ".join(os.path.join(where, s) for s in splits) or "one of its split folders"
+        raise SourceError(
+            f"{where} is a DatasetDict (several splits); pass one split as --data: {named}"
+        )
+    state = os.path.join(where, "state.json")
+    if os.path.isfile(state):
+        try:
+            with open(state) as f:
+                files = [d["filename"] for d in json.load(f)["_data_files"]]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise SourceError(f"{state}: not a datasets state.json ({e})") from e
+        if not files:
+            raise SourceError(f"{state} names no data file")
+        return [os.path.join(where, n) for n in files]
+    return sorted(os.path.join(where, n) for n in os.listdir(where) if n.endswith(".parquet"))
+
+
+class TableFile:
+    """One data file of a table, opened lazily: a parquet file (read by row group) or an Arrow
+    stream (memory-mapped, zero copy). Dropped when pickled: each process opens its own."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.parquet = not path.endswith(".arrow")
+        self._pf: Any = None
+        self._stream: Any = None
+        #: the row group read last: its first row, and the columns read of it
+        self._group: tuple[int, dict[str, Any]] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_pf": None, "_stream": None, "_group": None}
+
+    def schema(self) -> pa.Schema:
+        return self._parquet().schema_arrow if self.parquet else self._arrow().schema
+
+    def rows(self) -> int:
+        return self._parquet().metadata.num_rows if self.parquet else self._arrow().num_rows
+
+    def _parquet(self) -> Any:
+        if self._pf is None:
+            self._pf = pyarrow_module().parquet.ParquetFile(self.path)
+        return self._pf
+
+    def _arrow(self) -> Any:
+        if self._stream is None:
+            pa = pyarrow_module()
+            self._stream = pa.ipc.open_stream(pa.memory_map(self.path)).read_all()
+        return self._stream
+
+    def column(self, name: str) -> Iterator[tuple[int, Any]]:
+        """(first row, the column's chunk) for each row group (one chunk for an Arrow stream)."""
+        if not self.parquet:
+            yield 0, self._arrow().column(name)
+            return
+        pf, first = self._parquet(), 0
+        for g in range(pf.metadata.num_row_groups):
+            yield first, pf.read_row_group(g, columns=[name]).column(name)
+            first += pf.metadata.row_group(g).num_rows
+
+    def cells(self, row: int, columns: Sequence[str]) -> dict[str, Any]:
+        """The Python values of ``columns`` at ``row`` (its row group kept for the next rows)."""
+        if not self.parquet:
+            table = self._arrow()
+            return {c: table.column(c)[row].as_py() for c in columns}
+        pf, first = self._parquet(), 0
+        for g in range(pf.metadata.num_row_groups):
+            n = pf.metadata.row_group(g).num_rows
+            if row < first + n:
+                held = self._group
+                if held is None or held[0] != first or not set(columns) <= set(held[1]):
+                    group = pf.read_row_group(g, columns=list(columns))
+                    held = self._group = (first, {c: group.column(c) for c in columns})
+                return {c: held[1][c][row - first].as_py() for c in columns}
+            first += n
+        raise SourceError(f"{self.path}:{row}: no such row")
+
+
+class Row(NamedTuple):
+    """Where an item of a table lives: its file (index into the table's files) and row."""
+
+    file: int
+    row: int
+
+
+class Table:
+    """A table's rows as a build's inputs (an ``Inputs``): see the section's comment.
+
+    Args:
+        data: a ``.parquet`` file, a folder of them, or a folder ``save_to_disk`` wrote.
+        column: the column to encode; None: the first Audio/Image (by the source's kind) or
+            bytes column.
+    """
+
+    def __init__(self, data: str, column: str | None = None) -> None:
+        if is_url(data):
+            refuse_url(data, "parquet files and Hugging Face datasets")
+        pyarrow_module()
+        self.where = resolve_path(data)
+        self.folder = self.where if os.path.isdir(self.where) else os.path.dirname(self.where)
+        self.files = [TableFile(p) for p in table_files(self.where)]
+        self.column = column
+        self.kinds: list[CellKind] = []  # per file
+        self.items: dict[str, Row] = {}  # id -> where, in the table's order
+        self.positions: dict[str, int] = {}  # file path -> its index (see file_index)
+
+    @property
+    def stat_tells_change(self) -> bool:
+        return False  # an item's stat is its file's: revalidate cannot stat a row
+
+    def scan(self, extensions: Sequence[str]) -> ScanResult:
+        """The rows of every file, in order, with ids; rows that cannot be items are set aside.
+
+        Raises:
+            SourceError: no file has the column (or a column of bytes to choose), or two rows
+                share an id.
+        """
+        schemas = [self._schema(f) for f in self.files]
+        self.column = self.column or self.default_column(schemas, extensions)
+        self.kinds = [
+            cell_kind(s.field(self.column).type) if self.column in s.names else CellKind.OTHER
+            for s in schemas
+        ]
+        if all(k is CellKind.OTHER for k in self.kinds):
+            raise SourceError(self.no_column(schemas))
+        skipped: list[SkippedInput] = []
+        seen: dict[str, str] = {}
+        self.items = {}  # a scan starts afresh
+        for i, (f, schema) in enumerate(zip(self.files, schemas, strict=True)):
+            ids = self._ids(f, schema)
+            why = self._unusable(schema, self.kinds[i])
+            for row, ident in enumerate(ids):
+                name = f"{f.path}:{row}"
+                if why is not None:
+                    skipped.append(SkippedInput(f"{self.rel_file(f)}:{row}", why))
+                elif ident in seen:
+                    raise SourceError(
+                        f"two rows have the id {ident!r}: {seen[ident]} and {name}; ids must be "
+                        "unique (fix the id column, or drop it to name rows <file>:<row>)"
+                    )
+                else:
+                    seen[ident] = name
+                    self.items[ident] = Row(i, row)
+        return ScanResult(list(self.items), skipped)
+
+    def _schema(self, f: TableFile) -> pa.Schema:
+        try:
+            return f.schema()
+        except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+            raise SourceError(f"{f.path}: not a readable parquet or arrow file ({e})") from e
+
+    def rel_file(self, f: TableFile) -> str:
+        return os.path.relpath(f.path, self.folder)
+
+    def _ids(self, f: TableFile, schema: pa.Schema) -> list[str]:
+        """Each row's id: its ``id`` cell as text, else ``<file>:<row>``."""
+        if "id" not in schema.names:
+            return [f"{self.rel_file(f)}:{row}" for row in range(f.rows())]
+        values = [v for _, chunk in f.column("id") for v in chunk.to_pylist()]
+        return [
+            f"{self.rel_file(f)}:{row}" if v is None else str(v) for row, v in enumerate(values)
+        ]
+
+    def _unusable(self, schema: pa.Schema, kind: CellKind) -> str | None:
+        if self.column not in schema.names:
+            return f"no column {self.column!r} in this file (it has {', '.join(schema.names)})"
+        if kind is CellKind.OTHER:
+            held = schema.field(self.column).type
+            return (
+                f"column {self.column!r} holds {held}, neither bytes nor an Audio/Image struct "
+                "({bytes, path})"
+            )
+        return None
+
+    def default_column(self, schemas: Sequence[pa.Schema], extensions: Sequence[str]) -> str:
+        """The column to encode when none is named: the first whose Hugging Face feature type
+        is the source's (Audio for audio, Image for image), else the first of bytes.
+
+        Raises:
+            SourceError: no column holds bytes: name one with --column.
+        """
+        schema = schemas[0] if schemas else None
+        if schema is None:
+            raise SourceError(f"{self.where}: no data file (parquet or arrow) found")
+        wanted = "Image" if ".jpg" in extensions else "Audio"
+        typed = hf_feature_types(schema)
+        media = [n for n in schema.names if cell_kind(schema.field(n).type) is not CellKind.OTHER]
+        for name in media:
+            if typed.get(name) == wanted:
+                return name
+        if media:
+            return media[0]
+        raise SourceError(self.no_column(schemas))
+
+    def no_column(self, schemas: Sequence[pa.Schema]) -> str:
+        """Why the table has nothing to encode: the asked column is missing or holds no bytes
+        in any file, or (none asked) no column holds bytes."""
+        names = sorted({n for s in schemas for n in s.names})
+        listed = f"(columns: {', '.join(names)})"
+        if self.column is None:
+            what = f"no column of {self.where} holds bytes or an Audio/Image struct {listed}"
+        elif self.column not in names:
+            what = f"{self.where} has no column {self.column!r} {listed}"
+        else:
+            what = (
+                f"column {self.column!r} of {self.where} holds neither bytes nor an Audio/Image "
+                f"struct ({{bytes, path}}) in any file {listed}"
+            )
+        return f"{what}; name the column to encode with --column"
+
+    def path(self, rel: str) -> str:
+        """``file:row`` of item ``rel``; ``<where>#<rel>`` for a row no scan found (a root names
+        it, its file is gone: its feature is served from the store)."""
+        at = self.items.get(rel)
+        return f"{self.where}#{rel}" if at is None else f"{self.files[at.file].path}:{at.row}"
+
+    def size(self, rel: str) -> int:
+        return 0  # not known before the cell is read
+
+    def row(self, rel: str) -> dict[str, Any]:
+        """The row's other columns as Python values (its ``id`` and encoded column left out)."""
+        at = self.items.get(rel)
+        if at is None:
+            raise SourceError(f"{self.where}: no row {rel!r} (its file is gone or changed)")
+        f = self.files[at.file]
+        names = [n for n in f.schema().names if n not in (self.column, "id")]
+        return f.cells(at.row, names) if names else {}
+
+    def hash(
+        self,
+        catalog: HashCache,
+        paths: Sequence[str],
+        progress: Callable[[Progress], None] | None = None,
+        stats: dict[str, FileStat] | None = None,
+        held: HeldBytes | None = None,
+    ) -> tuple[dict[str, str], dict[str, str]]:
+        """SHA-256 of each cell, reading only files whose stat the hash cache does not know
+        (see :func:`hash_items`); a row's entry is keyed by its name and the column. ``held``
+        keeps the cells' bytes, for the build to decode."""
+        refs = []
+        for p in paths:
+            file, row = split_item_path(p)
+            refs.append(ItemRef(p, f"{p}:{self.column}", file, int(row)))
+
+        def read(file: str, wanted: list[ItemRef]) -> dict[str, str | tuple[str]]:
+            return self._read(file, wanted, held)
+
+        return hash_items(catalog, refs, read, progress, stats)
+
+    def _read(
+        self, file: str, refs: list[ItemRef], held: HeldBytes | None
+    ) -> dict[str, str | tuple[str]]:
+        """The digests of ``refs``' cells in ``file``, one row group at a time."""
+        index = self.file_index(file)
+        f, kind = self.files[index], self.kinds[index]
+        wanted = {r.where: r.path for r in refs}
+        out: dict[str, str | tuple[str]] = {}
+        try:
+            for first, chunk in f.column(str(self.column)):
+                for j in [r - first for r in wanted if first <= r < first + len(chunk)]:
+                    got = cell_bytes(chunk[j].as_py(), kind)
+                    if isinstance(got, bytes):
+                        out[wanted[first + j]] = hashlib.sha256(got).hexdigest()
+                        if held is not None:
+                            held.keep(wanted[first + j], got)
+                    else:
+                        out[wanted[first + j]] = (f"{file}:{first + j}: {got}",)
+        except (OSError, ValueError) as e:
+            why = f"{file}: cannot read column {self.column!r} ({e})"
+            return {p: (why,) for p in wanted.values()}
+        return out
+
+    def source(self, inner: Source) -> Source:
+        return CellSource(inner, self)
+
+    def file_index(self, file: str) -> int:
+        """The index of the data file ``file`` among the table's (after its scan).
+
+        Raises:
+            SourceError: ``file`` is not one of the table's files.
+        """
+        if not self.positions:
+            self.positions = {f.path: i for i, f in enumerate(self.files)}
+        found = self.positions.get(file)
+        if found is None or found >= len(self.kinds):
+            raise SourceError(f"{file}: not a scanned file of the table {self.where}")
+        return found
+
+
+class CellSource:
+    """The recipe's source over a table's cells: each read from its row group (kept while the
+    next rows are decoded) and decoded from its bytes.
+
+    It reads through its :class:`Table`, whose column and files its scan settles (a build
+    makes the source before it scans); pickled with it into decode workers, where each file is
+    opened again.
+    """
+
+    def __init__(self, inner: Source, table: Table) -> None:
+        self.inner = inner
+        self.kind = inner.kind
+        self.extensions = inner.extensions
+        self.table = table
+
+    def read(self, path: str) -> bytes:
+        """The bytes of the cell named ``path`` (``file:row``).
+
+        Raises:
+            SourceError: the file or row cannot be read, or the cell holds no bytes.
+        """
+        file, row = split_item_path(path)
+        column = str(self.table.column)
+        index = self.table.file_index(file)
+        f, kind = self.table.files[index], self.table.kinds[index]
+        try:
+            cell = f.cells(int(row), [column])[column]
+        except (OSError, ValueError, KeyError) as e:
+            raise SourceError(f"{path}: cannot read column {column!r} ({e})") from e
+        got = cell_bytes(cell, kind)
+        if isinstance(got, str):
+            raise SourceError(f"{path}: {got}")
+        return got
+
+    def load(self, path: str | os.PathLike[str], data: BinaryIO | None = None) -> torch.Tensor:
+        """Read cell ``path`` and decode its bytes.
+
+        Raises:
+            SourceError: it cannot be read or decoded.
+        """
+        name = os.fspath(path)
+        return self.inner.load(name, io.BytesIO(self.read(name)) if data is None else data)
+
+    def load_unchanged(self, path: str, stat: FileStat | None) -> torch.Tensor:
+        """Decode cell ``path`` if its file still has the stat its digest was taken at.
+
+        Raises:
+            SourceError: the file changed since it was hashed, or the cell cannot be decoded.
+        """
+        data = self.read(path)
+        if stat is None or _stat_or_none(split_item_path(path)[0]) != stat:
+            raise SourceError(f"{path}: changed while featbake was reading it; rerun the build")
+        return self.inner.load(path, io.BytesIO(data))
+
+
+def webdataset_at(data: str, column: str | None = None) -> WebDataset:
+    """The webdataset shards at ``data`` (see :class:`WebDataset`)."""
+    return WebDataset(data, column)
+
+
+def table_at(data: str, column: str | None = None) -> Table:
+    """The table at ``data`` (see :class:`Table`)."""
+    return Table(data, column)

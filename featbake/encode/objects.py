@@ -1,0 +1,220 @@
+"""Inputs in a bucket: the objects under ``s3://bucket/prefix/``, listed, hashed, decoded.
+
+Its own module (beside :mod:`featbake.encode.inputs`, which re-exports it) so that kinds of
+data that name objects one by one (a manifest's ``s3://`` rows, tar shards in a bucket) read
+them with the same code, without importing the dispatch that imports them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, BinaryIO
+
+import torch
+
+from featbake.encode.sources import ScanResult, Source
+from featbake.errors import SourceError, StoreError
+from featbake.process import OBJECT_THREADS, map_in_threads
+from featbake.progress import Progress
+from featbake.store.bucket import Bucket, ObjectBytes, ObjectInfo
+from featbake.store.catalog import RACY_NS, FileStat, HashCache, HashRow
+from featbake.store.url import BucketURL
+
+# == bucket_inputs =================================================================================
+# Inputs in a bucket: ``--data s3://bucket/audio/`` listed, hashed once, decoded from bytes.
+#
+# The objects under the prefix with the source's extensions are the inputs, sorted by name
+# (as a folder scan sorts its relative paths; names with a hidden part, ``.x/`` or ``.x``, are
+# passed over as the scan passes hidden files). Each is named ``s3://bucket/audio/<rel>``.
+#
+# **Hash cache.** An object's entry is keyed by its URL and compared on (size, last change,
+# ETag): :func:`object_stat` puts them in a :class:`FileStat`, the ETag as a number in the
+# inode's place. An unchanged object (same listing) reuses its digest and is never read, so a
+# rebuild downloads nothing for what the store already holds. A digest is recorded against the
+# ETag of the very response whose bytes were hashed (not the listing's), so the pair cannot
+# disagree; that is also why such rows are never "racy": git's rule guards a file rewritten
+# within a timestamp tick without its stat changing, and an object's ETag changes with its bytes.
+#
+# **Decoding** reads each object whole into memory (one clip or image) and hands the bytes to the
+# recipe's source (soundfile and Pillow read file objects): nothing is written to disk. The
+# response's ETag must still be the one hashed, or the item fails as a file changed mid-build
+# does (:func:`featbake.encode.sources.load_unchanged`). A new object is read twice in its first
+# build (to hash it, then in a decode worker), never again while it is unchanged.
+#
+# Credentials, endpoint and region come from the standard AWS environment (see
+# :mod:`featbake.store.bucket`), whose errors (no credentials, no such bucket, access
+# denied) are one line each.
+
+
+def object_stat(info: ObjectInfo) -> FileStat:
+    """What the hash cache compares for an object: (size, last change, ETag).
+
+    The last change is counted in whole seconds (a GET's ``Last-Modified`` header has no
+    more); the ETag, a string, becomes a 60-bit number in the inode's place.
+
+    Example:
+        >>> object_stat(ObjectInfo("a.wav", 4, 1700000000.25, "abc")).mtime_ns
+        1700000000000000000
+    """
+    modified_ns = int(info.modified) * 1_000_000_000
+    etag = int(hashlib.sha256(info.etag.encode()).hexdigest()[:15], 16)
+    return FileStat(info.size, modified_ns, etag, modified_ns)
+
+
+def _hidden(name: str) -> bool:
+    return any(part.startswith(".") for part in name.split("/"))
+
+
+class BucketInputs:
+    """The objects under ``s3://bucket/prefix/`` as a build's inputs (an ``Inputs``)."""
+
+    def __init__(self, bucket: Bucket) -> None:
+        self.bucket = bucket
+        self.listed: dict[str, ObjectInfo] = {}  # relative name -> the listing's info
+
+    @classmethod
+    def at(cls, where: str) -> BucketInputs:
+        """The inputs under the URL ``where`` (``s3://bucket/prefix/``); nothing is read yet."""
+        return cls(Bucket(BucketURL.parse(where)))
+
+    @property
+    def where(self) -> str:
+        return str(self.bucket.url)
+
+    @property
+    def stat_tells_change(self) -> bool:
+        return False  # an object's ETag needs a request per item: revalidate is refused
+
+    def path(self, rel: str) -> str:
+        return self.bucket.where(rel)
+
+    def rel(self, path: str) -> str:
+        return path[len(self.where) + 1 :]
+
+    def size(self, rel: str) -> int:
+        info = self.listed.get(rel)
+        return info.size if info else 0
+
+    def scan(self, extensions: Sequence[str]) -> ScanResult:
+        """The objects under the prefix with one of ``extensions``, sorted by name.
+
+        Raises:
+            SourceError: none (an empty or missing prefix, or objects of other kinds).
+            StoreError: the bucket cannot be listed (no credentials, no such bucket, denied).
+        """
+        exts = tuple(e.lower() for e in extensions)
+        listing = self.bucket.list("")
+        self.listed = {
+            o.name: o for o in listing if o.name.lower().endswith(exts) and not _hidden(o.name)
+        }
+        if not self.listed:
+            found = f"{len(listing)} objects, none of them" if listing else "no objects, so no"
+            raise SourceError(
+                f"{found} input files ({', '.join(sorted(exts))}) under {self.where}/; check "
+                "the URL (the prefix, e.g. s3://bucket/audio/), or pick the source kind with "
+                "--source"
+            )
+        return ScanResult(sorted(self.listed), [])
+
+    def hash(
+        self,
+        catalog: HashCache,
+        paths: Sequence[str],
+        progress: Callable[[Progress], None] | None = None,
+        stats: dict[str, FileStat] | None = None,
+    ) -> tuple[dict[str, str], dict[str, str]]:
+        """SHA-256 of each object, reading only those whose (size, last change, ETag) the
+        hash cache does not know. ``stats`` is filled with each digest's :func:`object_stat`.
+
+        Returns:
+            (path -> sha256, path -> reason for objects that could not be read)
+        """
+        stats = {} if stats is None else stats
+        for p in paths:
+            stats[p] = object_stat(self.listed[self.rel(p)])
+        cached = catalog.cached_hashes(list(paths))
+        digests = {p: e.sha256 for p in paths if (e := cached.get(p)) and e.stat == stats[p]}
+        todo = [p for p in paths if p not in digests]
+        failed: dict[str, str] = {}
+        fresh: list[HashRow] = []
+        if progress:
+            progress(Progress("hash", len(digests), len(paths)))
+        for p, got in zip(todo, map_in_threads(self._digest, todo, OBJECT_THREADS), strict=True):
+            if isinstance(got, str):
+                failed[p] = got
+            else:
+                stats[p], digests[p] = got
+                fresh.append(HashRow(p, *got))
+                done = len(digests) + len(failed)
+                if progress and (done % 256 == 0 or done == len(paths)):
+                    progress(Progress("hash", done, len(paths)))
+        # Never racy (see the module's docstring): recorded as of a tick after the newest change.
+        newest = max((r.stat.mtime_ns for r in fresh), default=0)
+        catalog.put_hashes(fresh, recorded_ns=max(time.time_ns(), newest + RACY_NS + 1))
+        return digests, failed
+
+    def _digest(self, path: str) -> tuple[FileStat, str] | str:
+        """(stat, SHA-256) of the bytes one GET returned, or why the object cannot be read."""
+        got = read_object(self.bucket, self.rel(path))
+        if isinstance(got, str):
+            return got
+        return object_stat(got.info), hashlib.sha256(got.data).hexdigest()
+
+    def source(self, inner: Source) -> Source:
+        return ObjectSource(inner, self.bucket)
+
+    def row(self, rel: str) -> dict[str, Any]:
+        return {}
+
+
+def read_object(bucket: Bucket, rel: str) -> ObjectBytes | str:
+    """Object ``rel``, whole, or why it cannot be read (gone, or the bucket's one line)."""
+    try:
+        return bucket.read(rel)
+    except FileNotFoundError:
+        return "object not found (deleted since the listing?)"
+    except StoreError as e:
+        return str(e)
+
+
+class ObjectSource:
+    """The recipe's source over a bucket's objects: each read whole, decoded from its bytes.
+
+    Pickled into decode workers by its bucket's URL: each process makes its own client.
+    """
+
+    def __init__(self, inner: Source, bucket: Bucket) -> None:
+        self.inner = inner
+        self.bucket = bucket
+        self.kind = inner.kind
+        self.extensions = inner.extensions
+
+    def _read(self, path: str | os.PathLike[str]) -> ObjectBytes:
+        got = read_object(self.bucket, os.fspath(path)[len(str(self.bucket.url)) + 1 :])
+        if isinstance(got, str):
+            raise SourceError(f"{path}: {got}")
+        return got
+
+    def load(self, path: str | os.PathLike[str], data: BinaryIO | None = None) -> torch.Tensor:
+        """Read object ``path`` (an ``s3://`` URL under the bucket) and decode its bytes.
+
+        Raises:
+            SourceError: it is gone, cannot be read, or cannot be decoded.
+        """
+        return self.inner.load(path, io.BytesIO(self._read(path).data) if data is None else data)
+
+    def load_unchanged(self, path: str, stat: FileStat | None) -> torch.Tensor:
+        """Decode object ``path`` if the response carrying its bytes has the stat (ETag, size,
+        last change) its digest was taken with.
+
+        Raises:
+            SourceError: it changed since it was hashed, is gone, or cannot be decoded.
+        """
+        got = self._read(path)
+        if stat is None or object_stat(got.info) != stat:
+            raise SourceError(f"{path}: changed while featbake was reading it; rerun the build")
+        return self.inner.load(path, io.BytesIO(got.data))

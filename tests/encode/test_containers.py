@@ -1,0 +1,571 @@
+"""Containers as inputs (issue 29 item 3): webdataset tar shards, a Hugging Face dataset saved to
+disk, and parquet files with embedded audio bytes, all made in the test.
+
+Every served or stored item is checked against the encoder run now on that item's bytes decoded
+without featbake's code (Pillow or soundfile, then the encoder module directly).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import soundfile
+import torch
+from PIL import Image, ImageOps
+
+from featbake.bake.pipeline import build
+from featbake.encode.containers import (
+    MemberSource,
+    Table,
+    WebDataset,
+    expand_braces,
+    is_table,
+    is_webdataset,
+    key_and_extension,
+)
+from featbake.encode.encoders import torchscript_quietly
+from featbake.encode.sources import source_for
+from featbake.errors import ConfigError, SourceError
+from featbake.image_recipe import ImageRecipe, Resize, ResizeKind
+from featbake.keys import sha256_hex
+from featbake.recipe import Recipe
+from featbake.serve.dataset import CachedFeatureDataset
+from featbake.store.catalog import Catalog
+from featbake.store.layout import Layout
+from featbake.testing import make_tone, write_image_folder
+from tests.conftest import run_cli
+from tests.helpers import real_photos, stored_features
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+#: Decoded pixels as they are (no resize, crop or normalisation): the reference needs no featbake.
+PLAIN = ImageRecipe(resize=Resize(ResizeKind.NONE, 0, 0), crop=None, rescale=None).replace(
+    mean=None, std=None
+)
+IMAGE_RECIPE = Recipe(source="image", image=PLAIN)
+
+
+# == data made in the test =========================================================================
+def photographs(tmp_path: Path, n: int = 4) -> list[bytes]:
+    """JPEG bytes: the machine's real photographs (where there are any) and seeded photo-like
+    images of varied sizes."""
+    made = write_image_folder(tmp_path / "made", n, size=(40, 56), seed=5)
+    return [Path(p).read_bytes() for p in real_photos()] + [p.read_bytes() for p in made]
+
+
+def write_tar(path: Path, samples: list[tuple[str, dict[str, bytes]]]) -> Path:
+    """A webdataset shard: each sample's members in order, named ``key.ext``."""
+    with tarfile.open(path, "w") as tf:
+        for key, members in samples:
+            for ext, data in members.items():
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(data)
+                info.mtime = 1_700_000_000
+                tf.addfile(info, io.BytesIO(data))
+    return path
+
+
+def image_samples(images: list[bytes], start: int = 0) -> list[tuple[str, dict[str, bytes]]]:
+    return [
+        (
+            f"sample{start + i:04d}",
+            {
+                "jpg": data,
+                "txt": f"a photo number {start + i}".encode(),
+                "cls": str((start + i) % 3).encode(),
+                "json": json.dumps({"n": start + i}).encode(),
+            },
+        )
+        for i, data in enumerate(images)
+    ]
+
+
+def wav_bytes(seconds: float, seed: int, fmt: str = "WAV") -> bytes:
+    out = io.BytesIO()
+    soundfile.write(out, make_tone(seconds, 16000, seed=seed), 16000, format=fmt)
+    return out.getvalue()
+
+
+def hf_metadata(features: dict[str, Any]) -> dict[bytes, bytes]:
+    """The schema metadata ``datasets`` writes: its features under ``huggingface``."""
+    return {b"huggingface": json.dumps({"info": {"features": features}}).encode()}
+
+
+MEDIA = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+
+
+def write_audio_parquet(path: Path, clips: list[bytes | None], **extra: list[Any]) -> Path:
+    """A parquet file as the Hub stores audio: an ``audio`` struct {bytes, path} column."""
+    cells = [
+        None if c is None else {"bytes": c, "path": f"clip{i}.wav"} for i, c in enumerate(clips)
+    ]
+    columns = {"audio": pa.array(cells, type=MEDIA), **{k: pa.array(v) for k, v in extra.items()}}
+    features = {"audio": {"_type": "Audio", "sampling_rate": 16000}}
+    table = pa.table(columns).replace_schema_metadata(hf_metadata(features))
+    pq.write_table(table, path, row_group_size=2)  # several row groups
+    return path
+
+
+def save_to_disk(folder: Path, images: list[bytes], labels: list[int], shards: int = 2) -> Path:
+    """A folder laid out as ``Dataset.save_to_disk`` writes it: Arrow IPC stream shards
+    ``data-0000N-of-0000M.arrow``, ``state.json`` naming them, ``dataset_info.json``."""
+    folder.mkdir(parents=True)
+    features = {"image": {"_type": "Image"}, "label": {"_type": "Value", "dtype": "int64"}}
+    cells = [{"bytes": b, "path": None} for b in images]
+    table = pa.table({"image": pa.array(cells, type=MEDIA), "label": pa.array(labels)})
+    table = table.replace_schema_metadata(hf_metadata(features))
+    per = -(-len(images) // shards)
+    names = []
+    for s in range(shards):
+        name = f"data-{s:05d}-of-{shards:05d}.arrow"
+        with pa.ipc.new_stream(folder / name, table.schema) as writer:
+            writer.write_table(table.slice(s * per, per))
+        names.append(name)
+    state = {
+        "_data_files": [{"filename": n} for n in names],
+        "_fingerprint": "0" * 16,
+        "_format_columns": None,
+        "_format_kwargs": {},
+        "_format_type": None,
+        "_output_all_columns": False,
+        "_split": None,
+    }
+    (folder / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
+    (folder / "dataset_info.json").write_text(json.dumps({"features": features}, indent=2))
+    return folder
+
+
+# == references: featbake's code not used =========================================================
+def image_tensor(data: bytes) -> torch.Tensor:
+    with Image.open(io.BytesIO(data)) as opened:
+        image = ImageOps.exif_transpose(opened).convert("RGB")
+    return torch.from_numpy(np.array(image, dtype=np.float32)).permute(2, 0, 1).contiguous()
+
+
+def audio_tensor(data: bytes) -> torch.Tensor:
+    samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    assert rate == 16000
+    return torch.from_numpy(np.ascontiguousarray(samples.mean(axis=1), dtype=np.float32))
+
+
+def image_encoder() -> torch.nn.Module:
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 4, 8, 8)
+    return torch.nn.Sequential(conv, torch.nn.AdaptiveAvgPool2d(2), torch.nn.Flatten()).eval()
+
+
+def run_now(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return module(x.unsqueeze(0))[0]
+
+
+def catalog(tmp_path: Path) -> Catalog:
+    return Catalog(Layout(tmp_path / "store").ensure())
+
+
+# == webdataset: reading ===========================================================================
+def test_keys_split_as_webdataset_splits_them() -> None:
+    assert key_and_extension("a/b/0001.seg.PNG") == ("a/b/0001", "seg.png")
+    assert key_and_extension("0001.jpg") == ("0001", "jpg")
+    assert key_and_extension("README") is None  # no extension: no sample's
+    assert key_and_extension("__index__") is None  # webdataset's metadata members
+    assert expand_braces("shard-{000..002}.tar") == [
+        "shard-000.tar",
+        "shard-001.tar",
+        "shard-002.tar",
+    ]
+    assert expand_braces("x-{a,b}-{8..10}.tar") == [
+        "x-a-8.tar", "x-a-9.tar", "x-a-10.tar", "x-b-8.tar", "x-b-9.tar", "x-b-10.tar",
+    ]  # fmt: skip
+
+
+def test_which_folders_are_containers(tmp_path: Path) -> None:
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "a.tar").write_bytes(b"")
+    (tmp_path / "shards" / ".hidden").write_bytes(b"")
+    (tmp_path / "table").mkdir()
+    for name in ("train-00000.parquet", "README.md", "dataset_infos.json"):
+        (tmp_path / "table" / name).write_bytes(b"")
+    (tmp_path / "audio").mkdir()
+    for name in ("a.tar", "b.wav", "c.parquet"):
+        (tmp_path / "audio" / name).write_bytes(b"")
+    assert is_webdataset(str(tmp_path / "shards")) and not is_table(str(tmp_path / "shards"))
+    assert is_table(str(tmp_path / "table")) and not is_webdataset(str(tmp_path / "table"))
+    audio = str(tmp_path / "audio")  # a folder with other files is a folder of files
+    assert not is_webdataset(audio) and not is_table(audio)
+    assert not is_webdataset(str(tmp_path / "missing")) and is_webdataset("s3://b/x.tar")
+
+
+def test_a_shard_is_read_in_tar_order_with_its_members_carried(tmp_path: Path) -> None:
+    images = photographs(tmp_path)
+    tar = write_tar(tmp_path / "shard-000.tar", image_samples(images))
+    inputs = WebDataset(str(tar))
+    scanned = inputs.scan(source_for(IMAGE_RECIPE).extensions)
+    assert scanned.inputs == [f"sample{i:04d}" for i in range(len(images))] and not scanned.skipped
+    assert inputs.path("sample0001") == f"{tar}:sample0001.jpg"
+    assert inputs.row("sample0002") == {"txt": "a photo number 2", "cls": 2, "json": {"n": 2}}
+    cat = catalog(tmp_path)
+    paths = [inputs.path(r) for r in scanned.inputs]
+    digests, failed = inputs.hash(cat, paths)
+    assert not failed
+    assert [digests[p] for p in paths] == [sha256_hex(b) for b in images]  # = as files
+    source = inputs.source(source_for(IMAGE_RECIPE))
+    for p, data in zip(paths, images, strict=True):
+        assert torch.equal(source.load(p), image_tensor(data)), p
+    # A process that did not scan (a DataLoader worker, a dataset made later) finds the member.
+    assert torch.equal(
+        MemberSource(source_for(IMAGE_RECIPE)).load(paths[0]), image_tensor(images[0])
+    )
+
+
+def test_an_unchanged_shard_is_not_read_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+    import time
+
+    tar = write_tar(tmp_path / "s.tar", image_samples(photographs(tmp_path)))
+    time.sleep(1.1)  # a file changed within the second its hash is cached is hashed again (racy)
+    inputs = WebDataset(str(tar))
+    paths = [inputs.path(r) for r in inputs.scan([".jpg"]).inputs]
+    cat = catalog(tmp_path)
+    first, _ = inputs.hash(cat, paths)
+    import featbake.encode.containers as containers
+
+    read: list[str] = []
+    monkeypatch.setattr(containers, "member_digests", lambda t, m, held: read.append(t) or {})
+    again, failed = WebDataset(str(tar)).hash(cat, paths)
+    assert (again, failed, read) == (first, {}, [])
+    os.utime(tar, None)  # touched: its stat changed, so it is read again
+    _, failed = WebDataset(str(tar)).hash(cat, paths)
+    assert read == [str(tar)] and failed  # (the stub read nothing)
+
+
+def test_a_truncated_member_is_a_bad_row_naming_tar_and_member(tmp_path: Path) -> None:
+    images = photographs(tmp_path)
+    tar = write_tar(tmp_path / "s.tar", image_samples(images))
+    whole = tar.read_bytes()
+    cut = whole.find(images[-1]) + len(images[-1]) // 2  # inside the last sample's jpg
+    tar.write_bytes(whole[:cut])
+    inputs = WebDataset(str(tar))
+    scanned = inputs.scan([".jpg"])
+    paths = [inputs.path(r) for r in scanned.inputs]
+    digests, failed = inputs.hash(catalog(tmp_path), paths)
+    last = paths[-1]
+    assert list(failed) == [last] and f"{tar}:sample{len(images) - 1:04d}.jpg" in failed[last]
+    assert "truncated tar member" in failed[last]
+    assert [digests[p] for p in paths[:-1]] == [sha256_hex(b) for b in images[:-1]]
+
+
+def test_column_picks_the_member_and_samples_without_it_are_set_aside(tmp_path: Path) -> None:
+    clips = [wav_bytes(0.5, i) for i in range(3)]
+    samples = [(f"u{i}", {"flac": clips[i], "txt": b"hi"}) for i in range(2)]
+    samples.append(("u2", {"txt": b"no audio"}))
+    tar = write_tar(tmp_path / "a.tar", samples)
+    inputs = WebDataset(str(tar), column="flac")
+    scanned = inputs.scan([".wav", ".flac"])
+    assert scanned.inputs == ["u0", "u1"]
+    assert [(s.path, "no a .flac member" in s.reason) for s in scanned.skipped] == [("u2", True)]
+    with pytest.raises(SourceError, match="--column"):
+        WebDataset(str(tar), column="mp4").scan([".wav"])
+
+
+def test_shards_by_folder_and_brace_pattern_and_duplicate_keys(tmp_path: Path) -> None:
+    images = photographs(tmp_path)
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    write_tar(folder / "shard-000.tar", image_samples(images[:2]))
+    write_tar(folder / "shard-001.tar", image_samples(images[2:], start=2))
+    assert is_webdataset(str(folder)) and is_webdataset(str(folder / "shard-{000..001}.tar"))
+    want = [f"sample{i:04d}" for i in range(len(images))]
+    assert WebDataset(str(folder)).scan([".jpg"]).inputs == want
+    braces = WebDataset(str(folder / "shard-{000..002}.tar"))
+    scanned = braces.scan([".jpg"])
+    assert scanned.inputs == want
+    assert [(s.path, s.reason.endswith("file not found")) for s in scanned.skipped] == [
+        ("shard-002.tar", True)
+    ]
+    write_tar(folder / "shard-002.tar", image_samples(images[:1]))
+    with pytest.raises(SourceError, match="two samples have the key 'sample0000'"):
+        WebDataset(str(folder)).scan([".jpg"])
+    with pytest.raises(ConfigError, match="not read in place"):
+        WebDataset("s3://bucket/shard-{000..009}.tar")
+
+
+# == tables: reading ===============================================================================
+def test_a_parquet_file_of_audio_structs(tmp_path: Path) -> None:
+    clips = [wav_bytes(0.4 + 0.1 * i, i, "FLAC" if i % 2 else "WAV") for i in range(5)]
+    path = write_audio_parquet(
+        tmp_path / "train.parquet", clips, speaker=["a", "b", "a", "c", "b"], n=[1, 2, 3, 4, 5]
+    )
+    assert is_table(str(path))
+    inputs = Table(str(path))
+    scanned = inputs.scan(source_for(Recipe()).extensions)
+    assert inputs.column == "audio"  # the Audio column, found without --column
+    assert scanned.inputs == [f"train.parquet:{i}" for i in range(5)] and not scanned.skipped
+    assert inputs.path("train.parquet:3") == f"{path}:3"
+    assert inputs.row("train.parquet:3") == {"speaker": "c", "n": 4}
+    paths = [inputs.path(r) for r in scanned.inputs]
+    digests, failed = inputs.hash(catalog(tmp_path), paths)
+    assert not failed and [digests[p] for p in paths] == [sha256_hex(c) for c in clips]
+    source = inputs.source(source_for(Recipe()))
+    for p, clip in zip(paths, clips, strict=True):
+        assert torch.equal(source.load(p), audio_tensor(clip)), p
+
+
+def test_bad_cells_and_columns_are_bad_rows_with_their_row(tmp_path: Path) -> None:
+    clips: list[bytes | None] = [wav_bytes(0.3, 0), None, wav_bytes(0.3, 2)]
+    folder = tmp_path / "table"
+    folder.mkdir()
+    write_audio_parquet(folder / "a.parquet", clips, id=["x", "y", "z"])
+    pq.write_table(pa.table({"audio": ["not", "bytes"], "id": ["p", "q"]}), folder / "b.parquet")
+    inputs = Table(str(folder), column="audio")
+    scanned = inputs.scan([".wav"])
+    assert scanned.inputs == ["x", "y", "z"]  # ids from the id column
+    assert [s.path for s in scanned.skipped] == ["b.parquet:0", "b.parquet:1"]
+    assert "neither bytes nor an Audio/Image struct" in scanned.skipped[0].reason
+    paths = [inputs.path(r) for r in scanned.inputs]
+    _, failed = inputs.hash(catalog(tmp_path), paths)
+    assert failed == {paths[1]: f"{folder / 'a.parquet'}:1: the cell is null"}
+    with pytest.raises(SourceError, match=r"has no column 'speaker' \(columns: audio, id\)"):
+        Table(str(folder), column="speaker").scan([".wav"])
+    with pytest.raises(SourceError, match=r"column 'id' of .* holds neither bytes nor .*--column"):
+        Table(str(folder), column="id").scan([".wav"])
+    write_audio_parquet(folder / "c.parquet", clips[:1], id=["x"])
+    with pytest.raises(SourceError, match="two rows have the id 'x'"):
+        Table(str(folder)).scan([".wav"])
+
+
+def test_a_dataset_saved_to_disk_is_read_without_datasets(tmp_path: Path) -> None:
+    images = photographs(tmp_path)
+    labels = list(range(len(images)))
+    folder = save_to_disk(tmp_path / "hf", images, labels)
+    assert is_table(str(folder))
+    inputs = Table(str(folder))
+    scanned = inputs.scan(source_for(IMAGE_RECIPE).extensions)
+    n = -(-len(images) // 2)
+    want = [f"data-00000-of-00002.arrow:{i}" for i in range(n)]
+    want += [f"data-00001-of-00002.arrow:{i}" for i in range(len(images) - n)]
+    assert inputs.column == "image" and scanned.inputs == want
+    assert [inputs.row(r)["label"] for r in scanned.inputs] == labels
+    paths = [inputs.path(r) for r in scanned.inputs]
+    digests, _ = inputs.hash(catalog(tmp_path), paths)
+    assert [digests[p] for p in paths] == [sha256_hex(b) for b in images]
+    source = inputs.source(source_for(IMAGE_RECIPE))
+    for p, data in zip(paths, images, strict=True):
+        assert torch.equal(source.load(p), image_tensor(data)), p
+    (tmp_path / "dd").mkdir()
+    (tmp_path / "dd" / "dataset_dict.json").write_text('{"splits": ["train", "test"]}')
+    with pytest.raises(SourceError, match=r"DatasetDict .* --data: .*dd/train"):
+        Table(str(tmp_path / "dd"))
+
+
+# == builds, datasets and the CLI ==================================================================
+def test_a_tar_of_photographs_builds_and_serves_what_the_encoder_gives_now(
+    tmp_path: Path,
+) -> None:
+    images = photographs(tmp_path)
+    tar = write_tar(tmp_path / "shard-000.tar", image_samples(images))
+    encoder, store = image_encoder(), tmp_path / "store"
+    report = build(tar, encoder, cache=store, recipe=IMAGE_RECIPE, workers=0)
+    assert (report.encoded, report.failed) == (len(images), [])
+    stored = stored_features(store, report.root)
+    assert list(stored) == [f"sample{i:04d}" for i in range(len(images))]  # tar order, by key
+    for (key, parts), data in zip(stored.items(), images, strict=True):
+        assert torch.equal(parts[""], run_now(encoder, image_tensor(data))), key
+    again = build(tar, encoder, cache=store, recipe=IMAGE_RECIPE, workers=0)
+    assert (again.encoded, again.reused) == (0, len(images))
+    ds = CachedFeatureDataset(tar, encoder, cache=store, recipe=IMAGE_RECIPE, on_miss="error")
+    assert len(ds) == len(images)
+    for i, data in enumerate(images):
+        assert ds.item_id(i) == f"sample{i:04d}"
+        assert ds.row(i) == {"txt": f"a photo number {i}", "cls": i % 3, "json": {"n": i}}
+        assert torch.equal(ds[i], run_now(encoder, image_tensor(data)))
+    # The same JPEGs as files have the same keys: a folder build reuses every one.
+    folder = tmp_path / "as_files"
+    folder.mkdir()
+    for i, data in enumerate(images):
+        (folder / f"{i}.jpg").write_bytes(data)
+    files = build(folder, encoder, cache=store, recipe=IMAGE_RECIPE, workers=0)
+    assert (files.encoded, files.reused) == (0, len(images))
+
+
+def test_a_first_build_reads_each_member_and_cell_once(
+    tmp_path: Path, encoder_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bytes hashed for the key are decoded (held), not read from the container again."""
+    import featbake.encode.containers as containers
+
+    again: list[str] = []
+    real_member, real_cells = containers.read_member, containers.TableFile.cells
+
+    def member(tar: str, m: containers.Member) -> bytes:
+        again.append(f"{tar}:{m.name}")
+        return real_member(tar, m)
+
+    def cells(self: containers.TableFile, row: int, columns: Any) -> dict[str, Any]:
+        again.append(f"{self.path}:{row}")
+        return real_cells(self, row, columns)
+
+    monkeypatch.setattr(containers, "read_member", member)
+    monkeypatch.setattr(containers.TableFile, "cells", cells)
+    clips = [wav_bytes(0.3 + 0.1 * i, i) for i in range(4)]
+    tar = write_tar(tmp_path / "a.tar", [(f"u{i}", {"wav": c}) for i, c in enumerate(clips)])
+    table = write_audio_parquet(tmp_path / "a.parquet", list(clips))
+    for data in (tar, table):
+        report = build(data, encoder_file, cache=tmp_path / f"s-{data.name}", workers=0)
+        assert (report.encoded, report.failed) == (4, [])
+    assert again == []
+
+
+def test_a_built_shard_deleted_since_is_served_from_the_store(tmp_path: Path) -> None:
+    images = photographs(tmp_path)
+    tar = write_tar(tmp_path / "s.tar", image_samples(images))
+    encoder, store = image_encoder(), tmp_path / "store"
+    build(tar, encoder, cache=store, recipe=IMAGE_RECIPE, workers=0)
+    tar.unlink()
+    ds = CachedFeatureDataset(tar, encoder, cache=store, recipe=IMAGE_RECIPE, on_miss="error")
+    assert [ds.item_id(i) for i in range(len(ds))] == [f"sample{i:04d}" for i in range(len(images))]
+    for i, data in enumerate(images):
+        assert torch.equal(ds[i], run_now(encoder, image_tensor(data)))
+    with pytest.raises(SourceError, match="no sample 'sample0000'"):
+        ds.row(0)
+
+
+def test_a_dataset_over_a_shard_encodes_misses_live_from_the_tar(tmp_path: Path) -> None:
+    images = photographs(tmp_path)
+    tar = write_tar(tmp_path / "s.tar", image_samples(images))
+    encoder = image_encoder()
+    store = tmp_path / "store"
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(tar, encoder, cache=store, recipe=IMAGE_RECIPE)
+    assert len(ds) == len(images) and ds.stored() == 0
+    for i, data in enumerate(images):
+        assert torch.equal(ds[i], run_now(encoder, image_tensor(data))), i
+    # Written back: a second dataset serves them from the store without encoding.
+    again = CachedFeatureDataset(tar, encoder, cache=store, recipe=IMAGE_RECIPE, on_miss="error")
+    assert [torch.equal(again[i], ds[i]) for i in range(len(ds))] == [True] * len(images)
+
+
+def test_an_hf_dataset_saved_to_disk_builds_and_serves(tmp_path: Path) -> None:
+    images = photographs(tmp_path)
+    folder = save_to_disk(tmp_path / "hf", images, [i % 2 for i in range(len(images))])
+    encoder, store = image_encoder(), tmp_path / "store"
+    report = build(folder, encoder, cache=store, recipe=IMAGE_RECIPE, workers=2, column="image")
+    assert (report.encoded, report.failed) == (len(images), [])
+    ds = CachedFeatureDataset(
+        folder, encoder, cache=store, recipe=IMAGE_RECIPE, column="image", on_miss="error"
+    )
+    assert len(ds) == len(images)
+    for i, data in enumerate(images):
+        assert ds.row(i) == {"label": i % 2}
+        assert torch.equal(ds[i], run_now(encoder, image_tensor(data))), ds.item_id(i)
+
+
+def test_a_parquet_of_audio_bytes_builds_with_bad_rows_skipped_and_serves(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    clips: list[bytes | None] = [wav_bytes(0.3 + 0.1 * i, i) for i in range(5)]
+    clips[1] = None  # a null cell
+    clips[3] = b"RIFF not audio at all"  # an undecodable cell
+    ids = [f"utt{i}" for i in range(5)]
+    path = write_audio_parquet(tmp_path / "train.parquet", clips, id=ids, speaker=list("ababa"))
+    store = tmp_path / "store"
+    report = build(path, encoder_file, cache=store, workers=0, column="audio")
+    assert report.encoded == 3
+    reasons = dict(report.failed)
+    assert set(reasons) == {"utt1", "utt3"}
+    assert f"{path}:1: the cell is null" in reasons["utt1"]
+    assert "cannot decode audio" in reasons["utt3"] and f"{path}:3" in reasons["utt3"]
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
+    with pytest.warns(UserWarning, match=r"utt1: .*train.parquet:1: the cell is null"):
+        ds = CachedFeatureDataset(path, encoder_file, cache=store, column="audio")
+    # The null cell is no item; the undecodable one is (its bytes have a key), failing if read.
+    assert [ds.item_id(i) for i in range(len(ds))] == ["utt0", "utt2", "utt3", "utt4"]
+    for i, n in enumerate([0, 2, 4, 4]):
+        if i == 2:
+            with pytest.raises(SourceError, match=r"train.parquet:3: cannot decode audio"):
+                ds[i]
+            continue
+        assert ds.row(i) == {"speaker": "ab"[n % 2]}
+        want = run_now(module, audio_tensor(clips[n]))  # type: ignore[arg-type]
+        assert torch.equal(ds[i], want), n
+
+
+def test_dataloader_workers_encode_misses_from_a_table_and_a_shard(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """Misses decoded in forked DataLoader workers: each reads its container itself."""
+    from torch.utils.data import DataLoader
+
+    clips = [wav_bytes(0.3 + 0.05 * i, i) for i in range(6)]
+    table = write_audio_parquet(tmp_path / "a.parquet", list(clips))
+    tar = write_tar(tmp_path / "a.tar", [(f"u{i}", {"wav": c}) for i, c in enumerate(clips)])
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
+    for data in (table, tar):
+        with pytest.warns(UserWarning, match="no featbake store"):
+            ds = CachedFeatureDataset(data, encoder_file, cache=tmp_path / f"s-{data.name}")
+        loader = DataLoader(ds, batch_size=None, num_workers=2)
+        got = list(loader)
+        assert len(got) == len(clips)
+        for x, clip in zip(got, clips, strict=True):
+            assert torch.equal(x, run_now(module, audio_tensor(clip)))
+
+
+def test_loader_roots_and_export_over_a_table(tmp_path: Path, encoder_file: Path) -> None:
+    """FeatureLoader and its padding work unchanged; roots name the table, export its ids."""
+    import zarr
+
+    from featbake.export.zarr import export_zarr
+    from featbake.serve.loader import FeatureLoader
+
+    clips = [wav_bytes(0.3 + 0.1 * i, i) for i in range(5)]
+    ids = [f"utt{i}" for i in range(5)]
+    table = write_audio_parquet(tmp_path / "t.parquet", list(clips), id=ids)
+    store = tmp_path / "store"
+    build(table, encoder_file, cache=store, workers=0)
+    ds = CachedFeatureDataset(table, encoder_file, cache=store, on_miss="error")
+    batches = list(FeatureLoader(ds, batch_size=2, shuffle=False))
+    assert [int(n) for _, lengths in batches for n in lengths] == [len(ds[i]) for i in range(5)]
+    for j, (padded, lengths) in enumerate(batches):
+        for k, n in enumerate(lengths):
+            assert torch.equal(padded[k, : int(n)], ds[2 * j + k])
+    roots = run_cli("roots", "--cache", store, "--json")
+    assert json.loads(roots.stdout)[0]["data"] == str(table)
+    export_zarr(tmp_path / "f.zarr", cache=store)
+    assert list(zarr.open_group(str(tmp_path / "f.zarr"), mode="r")["paths"][:]) == ids
+
+
+def test_the_cli_builds_a_shard_with_a_truncated_member_and_exits_3(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    clips = [wav_bytes(0.4, i) for i in range(4)]
+    tar = write_tar(tmp_path / "speech.tar", [(f"u{i}", {"wav": c}) for i, c in enumerate(clips)])
+    whole = tar.read_bytes()
+    tar.write_bytes(whole[: whole.find(clips[-1]) + 100])
+    out = run_cli(
+        "build", "--encoder", encoder_file, "--data", tar, "--cache", tmp_path / "store",
+        "--column", "wav", "--workers", "0",
+    )  # fmt: skip
+    assert out.returncode == 3, out.stdout + out.stderr
+    text = out.stdout + out.stderr
+    assert f"{tar}:u3.wav: truncated tar member (100 of" in text, text
+    assert re.search(r"^encoded\s+3$", text, re.MULTILINE) and "failed u3: " in text, text
+    root = re.search(r"^root\s+(\S+)$", text, re.MULTILINE)
+    assert root, text
+    stored = stored_features(tmp_path / "store", root.group(1))
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
+    assert list(stored) == ["u0", "u1", "u2"]
+    for (key, parts), clip in zip(stored.items(), clips, strict=False):  # batched by 3
+        torch.testing.assert_close(parts[""], run_now(module, audio_tensor(clip)), msg=key)

@@ -1,0 +1,438 @@
+"""Manifests, Kaldi data folders and lhotse cuts: items that are rows, many of them segments of
+long recordings (issue 29 items 1, 2, 5 and 6).
+
+The recordings are made here by concatenating clips (two recordings at rates other than the
+recipe's, one of them stereo); every served item is checked against a reference computed
+without featbake's code: soundfile reads the span, numpy mixes (or picks the channel), soxr
+resamples, and the TorchScript encoder, loaded afresh, runs on it.
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import json
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import soundfile
+import soxr
+import torch
+import zarr
+
+import featbake.encode.fingerprints as fingerprints
+from featbake.bake.pipeline import build
+from featbake.encode.encoders import torchscript_quietly
+from featbake.encode.inputs import Folder, inputs_at
+from featbake.encode.manifests import CutsInputs, KaldiInputs, ManifestInputs
+from featbake.errors import ConfigError, SourceError
+from featbake.export.zarr import export_zarr
+from featbake.keys import item_digest
+from featbake.serve.dataset import CachedFeatureDataset
+from featbake.store.bucket import Bucket
+from featbake.store.url import BucketURL
+from featbake.testing import make_tone
+from tests.conftest import run_cli
+from tests.helpers import manifest
+from tests.store.remote.conftest import S3
+
+RATE = 16000  # the recipe's rate
+
+
+# -- data made here --------------------------------------------------------------------------
+def long_recording(path: Path, seconds: int, rate: int, seed: int, channels: int = 1) -> Path:
+    """A recording concatenated from one-second clips of different "speakers" (seeds)."""
+    clips = [make_tone(1.0, rate, seed=seed * 100 + i, channels=channels) for i in range(seconds)]
+    soundfile.write(path, np.concatenate(clips), rate)
+    return path
+
+
+#: (utterance, recording, start, end, label, speaker): deliberately not in id order.
+SEGMENTS = [
+    ("utt-z", "recA", 0.25, 1.5, 3, "spk1"),
+    ("utt-b", "recA", 1.5, 2.75, 1, "spk2"),
+    ("utt-m", "recB", 0.0, 0.9, 0, "spk1"),
+    ("utt-a", "recA", 3.1, 5.0, 2, "spk3"),
+    ("utt-k", "recB", 2.2, 4.05, 1, "spk2"),
+    ("utt-c", "recA", 0.25, 1.5, 3, "spk1"),  # the same span as utt-z: one key, one feature
+]
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> Path:
+    """``wavs/recA.wav`` (22.05 kHz mono, 6 s), ``wavs/recB.flac`` (8 kHz stereo, 5 s), a Kaldi
+    folder ``kaldi/`` over them and the same segments as ``train.jsonl`` with labels."""
+    wavs = tmp_path / "wavs"
+    wavs.mkdir()
+    long_recording(wavs / "recA.wav", 6, 22050, seed=1)
+    long_recording(wavs / "recB.flac", 5, 8000, seed=2, channels=2)
+    kaldi = tmp_path / "kaldi"
+    kaldi.mkdir()
+    (kaldi / "wav.scp").write_text(f"recA {wavs / 'recA.wav'}\nrecB ../wavs/recB.flac\n")
+    lines = [f"{u} {r} {s} {e}" for u, r, s, e, _, _ in SEGMENTS]
+    (kaldi / "segments").write_text("\n".join(lines) + "\n")
+    (kaldi / "text").write_text("".join(f"{u} words of {u}\n" for u, *_ in SEGMENTS))
+    (kaldi / "utt2spk").write_text("".join(f"{u} {spk}\n" for u, *_, spk in SEGMENTS))
+    files = {"recA": "wavs/recA.wav", "recB": "wavs/recB.flac"}
+    rows = [
+        {"id": u, "path": files[r], "start": s, "end": e, "label": lab, "speaker": spk}
+        for u, r, s, e, lab, spk in SEGMENTS
+    ]
+    write_jsonl(tmp_path / "train.jsonl", rows)
+    return tmp_path
+
+
+def write_jsonl(path: Path, rows: list[Any]) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+# -- the reference, without featbake ---------------------------------------------------------
+def reference(
+    encoder: Path, file: Path, start: float | None, end: float | None, channel: int | None = None
+) -> torch.Tensor:
+    """The encoder run now on a span soundfile read, mixed (or one channel), soxr-resampled."""
+    info = soundfile.info(str(file))
+    rate = info.samplerate
+    first = 0 if start is None else round(start * rate)
+    last = info.frames if end is None else round(end * rate)
+    audio, _ = soundfile.read(str(file), start=first, stop=last, dtype="float32", always_2d=True)
+    mono = audio[:, channel] if channel is not None else audio.mean(axis=1)
+    if rate != RATE:
+        mono = soxr.resample(mono[:, None], rate, RATE, quality="HQ")[:, 0]
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder))
+    with torch.inference_mode():
+        return module(torch.from_numpy(np.ascontiguousarray(mono, dtype=np.float32))[None])[0]
+
+
+def assert_items_are_segments(ds: CachedFeatureDataset, encoder: Path, corpus: Path) -> None:
+    """Every item of ``ds`` equals the encoder run now on its segment (SEGMENTS, in order)."""
+    files = {"recA": corpus / "wavs" / "recA.wav", "recB": corpus / "wavs" / "recB.flac"}
+    assert [ds.item_id(i) for i in range(len(ds))] == [u for u, *_ in SEGMENTS]
+    for i, (_, rec, start, end, *_) in enumerate(SEGMENTS):
+        want = reference(encoder, files[rec], start, end)
+        torch.testing.assert_close(ds[i], want, rtol=1e-5, atol=1e-5)
+
+
+def quiet_dataset(data: Path, encoder: Path, cache: Path, **kw: Any) -> CachedFeatureDataset:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "creating a store", live encoding
+        return CachedFeatureDataset(data, encoder, cache=cache, **kw)
+
+
+# -- dispatch and plumbing ---------------------------------------------------------------------
+def test_inputs_at_picks_the_kind_of_data(corpus: Path) -> None:
+    assert isinstance(inputs_at(corpus / "train.jsonl"), ManifestInputs)
+    assert isinstance(inputs_at(corpus / "kaldi"), KaldiInputs)
+    assert isinstance(inputs_at(corpus / "cuts.jsonl.gz"), CutsInputs)
+    assert isinstance(inputs_at(corpus / "wavs"), Folder)
+    assert Folder(corpus / "wavs").row("recA.wav") == {}
+    with pytest.raises(ConfigError, match="--column audio names a column of a manifest"):
+        inputs_at(corpus / "wavs", column="audio")
+
+
+def test_segment_digest_covers_file_bounds_and_channel() -> None:
+    sha = "ab" * 32
+    d = item_digest("segment", sha, 1.5, 3.0, None)
+    assert d == item_digest("segment", sha, 1.5, 3, None)  # 3 and 3.0 are one bound
+    others = [
+        item_digest("segment", sha, 1.5, 3.25, None),
+        item_digest("segment", sha, 1.0, 3.0, None),
+        item_digest("segment", sha, 1.5, 3.0, 0),
+        item_digest("segment", "cd" * 32, 1.5, 3.0, None),
+        item_digest("cell", sha, 1.5, 3.0, None),
+    ]
+    assert len({d, *others}) == 6 and sha not in others
+
+
+# -- serving: Kaldi, JSONL and cuts over the same segments ------------------------------------
+def test_kaldi_build_then_jsonl_serves_every_segment_as_the_encoder_now(
+    corpus: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    report = build(corpus / "kaldi", encoder_file, cache=store_dir, workers=0)
+    assert not report.failed and report.files == 6
+    assert report.encoded == 5 and report.duplicates == 1  # utt-c is utt-z's span
+    # The root names the utterances in the segments file's order, not sorted.
+    assert [rel for rel, _ in manifest(store_dir, report.root)] == [u for u, *_ in SEGMENTS]
+
+    ds = quiet_dataset(corpus / "kaldi", encoder_file, store_dir, on_miss="error")
+    assert len(ds) == 6 and ds.stored() == 6
+    assert_items_are_segments(ds, encoder_file, corpus)
+    assert ds.row(0) == {"recording": "recA", "text": "words of utt-z", "speaker": "spk1"}
+    assert ds.path(2).endswith("kaldi/segments:3")
+
+    # The same segments as a JSONL manifest have the same keys: served with no encoding.
+    js = quiet_dataset(corpus / "train.jsonl", encoder_file, store_dir, on_miss="error")
+    assert [js.key(i) for i in range(6)] == [ds.key(i) for i in range(6)]
+    assert js.stored() == 6
+    assert_items_are_segments(js, encoder_file, corpus)
+    assert [js.row(i)["label"] for i in range(6)] == [lab for *_, lab, _ in SEGMENTS]
+    assert js.row(1) == {"label": 1, "speaker": "spk2"}
+
+
+def test_a_manifest_never_built_encodes_its_segments_live(
+    corpus: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    ds = quiet_dataset(corpus / "train.jsonl", encoder_file, store_dir)
+    assert ds.stored() == 0 and len(ds) == 6
+    assert_items_are_segments(ds, encoder_file, corpus)
+    ds.flush()
+    again = quiet_dataset(corpus / "train.jsonl", encoder_file, store_dir, on_miss="error")
+    assert again.stored() == 6  # written back under the segments' keys
+    assert_items_are_segments(again, encoder_file, corpus)
+
+
+def test_lhotse_cuts_are_read_without_lhotse(
+    corpus: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    files = {"recA": ("wavs/recA.wav", [0]), "recB": (str(corpus / "wavs/recB.flac"), [0, 1])}
+    cuts = []
+    for u, rec, start, end, _, spk in SEGMENTS:
+        source, channels = files[rec]
+        recording = {
+            "id": rec,
+            "sources": [{"type": "file", "channels": channels, "source": source}],
+            "sampling_rate": 22050 if rec == "recA" else 8000,
+        }
+        sup = {"id": u, "recording_id": rec, "start": 0.0, "duration": end - start,
+               "text": f"words of {u}", "speaker": spk}  # fmt: skip
+        cut = {"id": u, "start": start, "duration": end - start, "recording": recording,
+               "supervisions": [sup], "type": "MonoCut",
+               "channel": channels if rec == "recB" else 0}  # fmt: skip
+        cuts.append(json.dumps(cut))
+    with gzip.open(corpus / "cuts.jsonl.gz", "wt") as f:
+        f.write("\n".join(cuts) + "\n")
+    # Decode workers: the segments' source travels to worker processes.
+    report = build(corpus / "cuts.jsonl.gz", encoder_file, cache=store_dir, workers=2)
+    assert not report.failed and report.files == 6
+    ds = quiet_dataset(corpus / "cuts.jsonl.gz", encoder_file, store_dir, on_miss="error")
+    assert_items_are_segments(ds, encoder_file, corpus)
+    assert ds.row(3) == {"recording": "recA", "text": "words of utt-a", "speaker": "spk3"}
+
+
+def test_csv_with_another_column_channels_and_whole_files(
+    corpus: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    """A CSV names its input with --column; a row without start/end is the whole file (the same
+    key as the file in a folder), ``channel`` picks one channel of a stereo file."""
+    rows = [
+        {"audio": "wavs/recB.flac", "start": "1.0", "end": "2.5", "channel": "1", "lab": "x"},
+        {"audio": "wavs/recA.wav", "start": "", "end": "", "channel": "", "lab": "y"},
+    ]
+    with open(corpus / "clips.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    report = build(corpus / "clips.csv", encoder_file, cache=store_dir, column="audio", workers=0)
+    assert not report.failed and report.encoded == 2
+    ds = quiet_dataset(corpus / "clips.csv", encoder_file, store_dir, column="audio")
+    assert ds.item_id(0) == "wavs/recB.flac#1.0-2.5" and ds.item_id(1) == "wavs/recA.wav"
+    assert ds.row(0) == {"lab": "x"}
+    wav_b, wav_a = corpus / "wavs/recB.flac", corpus / "wavs/recA.wav"
+    torch.testing.assert_close(ds[0], reference(encoder_file, wav_b, 1.0, 2.5, channel=1))
+    torch.testing.assert_close(ds[1], reference(encoder_file, wav_a, None, None))
+    folder = quiet_dataset(corpus / "wavs", encoder_file, store_dir)
+    assert folder.key(0) == ds.key(1)  # recA.wav whole: one key, in a folder or a manifest
+
+
+# -- read once -------------------------------------------------------------------------------
+@pytest.fixture
+def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]:
+    """Counts files hashed and audio frames decoded (soundfile reads) in this process."""
+    seen = {"hashed": 0, "frames": 0}
+    real_hash, real_read = fingerprints.file_fingerprint, soundfile.SoundFile.read
+
+    def hashed(path: Any) -> str:
+        seen["hashed"] += 1
+        return real_hash(path)
+
+    def read(self: soundfile.SoundFile, frames: int = -1, *args: Any, **kw: Any) -> Any:
+        out = real_read(self, frames, *args, **kw)
+        seen["frames"] += len(out)
+        return out
+
+    monkeypatch.setattr(fingerprints, "file_fingerprint", hashed)
+    monkeypatch.setattr(soundfile.SoundFile, "read", read)
+    yield seen
+
+
+def test_many_segments_hash_a_recording_once_and_read_only_their_spans(
+    tmp_path: Path, encoder_file: Path, store_dir: Path, counted: dict[str, int]
+) -> None:
+    rec = long_recording(tmp_path / "long.wav", 20, 16000, seed=3)
+    time.sleep(1.1)  # a file changed within the second its hash is cached is hashed again (racy)
+    bounds = [(0.5 * i, 0.5 * i + 0.5) for i in range(40)]
+    write_jsonl(
+        tmp_path / "m.jsonl", [{"path": "long.wav", "start": s, "end": e} for s, e in bounds]
+    )
+    report = build(tmp_path / "m.jsonl", encoder_file, cache=store_dir, workers=0)
+    assert report.encoded == 40 and not report.failed
+    assert counted["hashed"] == 1  # one recording, hashed once for its 40 segments
+    frames = soundfile.info(str(rec)).frames
+    assert counted["frames"] == frames  # the spans tile it: every sample read exactly once
+    again = build(tmp_path / "m.jsonl", encoder_file, cache=store_dir, workers=0)
+    assert again.reused == 40 and counted["hashed"] == 1 and counted["frames"] == frames
+
+
+# -- bad rows --------------------------------------------------------------------------------
+def test_each_bad_row_is_skipped_with_its_line_and_the_rest_builds(
+    corpus: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    rows: list[Any] = [
+        {"path": "wavs/recA.wav", "start": 0.0, "end": 1.0, "label": 0},  # 1: good
+        "{not json",  # 2
+        {"file": "wavs/recA.wav"},  # 3: no path column
+        {"path": "wavs/recA.wav", "start": 2.0, "end": 2.0},  # 4: start >= end
+        {"path": "wavs/gone.wav"},  # 5: missing file
+        {"path": "wavs/recA.wav", "start": 5.5, "end": 6.5},  # 6: past the end (6 s)
+        {"path": "wavs/recA.wav", "start": 1.0},  # 7: no end
+        {"path": "wavs/recB.flac", "start": 0.0, "end": 1.0, "channel": 2},  # 8: no channel 2
+        {"path": "gs://bucket/a.wav"},  # 9: a scheme featbake does not read
+        {"path": "wavs/recB.flac", "start": "x", "end": 1.0},  # 10: not seconds
+        {"path": "wavs/recA.wav", "start": 1.0, "end": 2.0, "label": 1},  # 11: good
+    ]
+    write_jsonl(corpus / "bad.jsonl", rows)
+    report = build(corpus / "bad.jsonl", encoder_file, cache=store_dir, workers=0)
+    assert report.encoded == 2 and report.files == 11
+    reasons = dict(report.failed)
+    assert len(reasons) == 9
+    assert "malformed JSON" in reasons["bad.jsonl:2"]
+    assert "no 'path' column" in reasons["bad.jsonl:3"]
+    assert "not before end" in reasons["bad.jsonl:4"]
+    assert "bad.jsonl:5" in reasons["wavs/gone.wav"] and "gone.wav" in reasons["wavs/gone.wav"]
+    past = reasons["wavs/recA.wav#5.5-6.5"]
+    assert "bad.jsonl:6" in past and "past the end of its recording (6.000 s)" in past
+    assert "both start and end" in reasons["bad.jsonl:7"]
+    assert "bad.jsonl:8" in reasons["wavs/recB.flac#0.0-1.0"]
+    assert "channel 2 is not one of the recording's 2 channels" in reasons["wavs/recB.flac#0.0-1.0"]
+    assert "speak S3 (s3://), not gs://" in reasons["bad.jsonl:9"]
+    assert "not a number of seconds" in reasons["bad.jsonl:10"]
+
+    with pytest.warns(UserWarning, match="3 row"):  # gone, past the end, no such channel
+        ds = CachedFeatureDataset(corpus / "bad.jsonl", encoder_file, cache=store_dir)
+    assert [ds.row(i)["label"] for i in range(len(ds))] == [0, 1] and ds.stored() == 2
+    want = reference(encoder_file, corpus / "wavs/recA.wav", 1.0, 2.0)
+    torch.testing.assert_close(ds[1], want, rtol=1e-5, atol=1e-5)
+
+
+def test_duplicate_ids_and_piped_wav_scp_are_refused_in_one_line(
+    corpus: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    rows = [
+        {"id": "a", "path": "wavs/recA.wav"},
+        {"id": "b", "path": "x"},
+        {"id": "a", "path": "y"},
+    ]
+    write_jsonl(corpus / "dup.jsonl", rows)
+    with pytest.raises(SourceError, match=r"id 'a' is on two rows \(.*dup.jsonl:1 and .*:3\)"):
+        build(corpus / "dup.jsonl", encoder_file, cache=store_dir)
+    (corpus / "kaldi" / "wav.scp").write_text("recA sox in.sph -t wav - |\n")
+    with pytest.raises(SourceError, match=r"wav.scp:1: recording recA is a command .* wav file"):
+        build(corpus / "kaldi", encoder_file, cache=store_dir)
+
+
+def test_kaldi_bad_segments_lines_are_skipped(
+    corpus: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    segments = corpus / "kaldi" / "segments"
+    segments.write_text(segments.read_text() + "utt-x recZ 0 1\nutt-y recA 1\n")
+    report = build(corpus / "kaldi", encoder_file, cache=store_dir, workers=0)
+    reasons = dict(report.failed)
+    assert "recording 'recZ' is not in wav.scp" in reasons["segments:7"]
+    assert "3 fields, not 4" in reasons["segments:8"]
+    assert report.encoded == 5 and len(reasons) == 2
+
+
+def test_cli_build_of_a_manifest_exits_3_naming_the_lines(
+    corpus: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    rows: list[Any] = [{"path": "wavs/recA.wav", "start": 0, "end": 1}, "[1, 2", {"path": "no.wav"}]
+    write_jsonl(corpus / "train.jsonl", rows)
+    data = ("-d", corpus / "train.jsonl", "--column", "path")  # the default column, named
+    got = run_cli("build", "-e", encoder_file, *data, "--cache", store_dir)
+    assert got.returncode == 3, got.stderr
+    text = got.stdout + got.stderr
+    assert "train.jsonl:2: malformed JSON" in text
+    assert "train.jsonl:3" in text and "no.wav" in text
+    assert "2 of 3 inputs failed" in text
+    roots = run_cli("roots", "--cache", store_dir, "--json")
+    assert json.loads(roots.stdout)[0]["data"] == str(corpus / "train.jsonl")
+
+
+def test_export_names_items_by_their_ids(corpus: Path, encoder_file: Path, store_dir: Path) -> None:
+    build(corpus / "kaldi", encoder_file, cache=store_dir, workers=0)
+    export_zarr(corpus / "f.zarr", cache=store_dir)
+    g = zarr.open_group(str(corpus / "f.zarr"), mode="r")
+    assert list(g["paths"][:]) == [u for u, *_ in SEGMENTS]
+
+
+def test_tsv_line_numbers_and_revalidate_refused(
+    corpus: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    lines = ["path\tstart\tend\tword", "wavs/recA.wav\t0.5\t1.5\tyes", "wavs/recA.wav\t2.0"]
+    lines += ["wavs/recA.wav\t2.0\t3.0\tno\textra", "wavs/recA.wav\t4.0\t4.5\tmaybe"]
+    (corpus / "words.tsv").write_text("\n".join(lines) + "\n")
+    report = build(corpus / "words.tsv", encoder_file, cache=store_dir, workers=0)
+    assert dict(report.failed) == {
+        "words.tsv:3": "fewer fields than the header names",
+        "words.tsv:4": "more fields than the header names",
+    }
+    ds = quiet_dataset(corpus / "words.tsv", encoder_file, store_dir, on_miss="error")
+    assert [ds.row(i) for i in range(len(ds))] == [{"word": "yes"}, {"word": "maybe"}]
+    want = reference(encoder_file, corpus / "wavs/recA.wav", 4.0, 4.5)
+    torch.testing.assert_close(ds[1], want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ConfigError, match=r"revalidate=True is not built for inputs .* manifest"):
+        quiet_dataset(corpus / "words.tsv", encoder_file, store_dir, revalidate=True)
+
+
+def test_rows_in_a_bucket_are_hashed_once_decoded_from_held_bytes_and_served(
+    s3: S3, corpus: Path, encoder_file: Path, store_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``s3://`` rows: each object read once to hash and once to decode all its segments; the
+    features equal the same segments read locally (the same keys), and a rebuild reads none."""
+    bucket = Bucket(BucketURL.parse(f"s3://{s3.bucket}/wavs"))
+    for name in ("recA.wav", "recB.flac"):
+        bucket.upload(name, corpus / "wavs" / name)
+    reads: list[str] = []
+    real = Bucket.read
+    monkeypatch.setattr(Bucket, "read", lambda b, name: reads.append(name) or real(b, name))
+    files = {"recA": f"s3://{s3.bucket}/wavs/recA.wav", "recB": f"s3://{s3.bucket}/wavs/recB.flac"}
+    rows: list[Any] = [
+        {"id": u, "path": files[r], "start": s, "end": e, "label": lab}
+        for u, r, s, e, lab, _ in SEGMENTS
+    ]
+    rows.append({"path": files["recA"], "start": 5.5, "end": 6.5})  # past the end: line 7
+    rows.append({"path": f"s3://{s3.bucket}/wavs/gone.wav"})  # line 8
+    write_jsonl(corpus / "s3.jsonl", rows)
+    report = build(corpus / "s3.jsonl", encoder_file, cache=store_dir, workers=0)
+    assert report.encoded == 5 and report.duplicates == 1
+    reasons = dict(report.failed)
+    assert "s3.jsonl:7" in reasons[f"{files['recA']}#5.5-6.5"]
+    assert "past the end of its recording" in reasons[f"{files['recA']}#5.5-6.5"]
+    assert "s3.jsonl:8" in reasons[f"s3://{s3.bucket}/wavs/gone.wav"]
+    assert sorted(reads) == ["recA.wav", "recA.wav", "recB.flac", "recB.flac"]
+
+    local = quiet_dataset(corpus / "train.jsonl", encoder_file, store_dir, on_miss="error")
+    assert local.stored() == 6  # the same segments' keys, wherever their bytes were read
+    reads.clear()
+    with pytest.warns(UserWarning, match="1 row"):
+        ds = CachedFeatureDataset(corpus / "s3.jsonl", encoder_file, cache=store_dir)
+    assert len(ds) == 7 and ds.stored() == 6 and reads == []  # the hash cache knew both
+    assert_items_are_segments(local, encoder_file, corpus)
+    for i in range(6):
+        torch.testing.assert_close(ds[i], local[i])
+    assert ds.row(0) == {"label": 3}
+    with pytest.raises(SourceError, match=r"s3.jsonl:7: .*past the end of its recording"):
+        ds[6]  # its bounds are checked when it is decoded
+
+    live = quiet_dataset(corpus / "s3.jsonl", encoder_file, corpus / "other-store")
+    reads.clear()
+    torch.testing.assert_close(live[1], local[1])  # a miss: the segment decoded from the bucket
+    torch.testing.assert_close(live[3], local[3])
+    assert reads == ["recA.wav"]  # held for its next segment

@@ -1,0 +1,597 @@
+"""``--source text``: captions through Hugging Face text folders (a BERT-style encoder with a real
+WordPiece tokenizer, a CLIP text model with projection, a T5 encoder), each built from a config
+and saved with save_pretrained beside its tokenizer.
+
+The reference is transformers itself: the tokenizer called directly on the file's text and the
+model run now, with no featbake code between them.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+import shutil
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+
+from featbake.bake.pipeline import build
+from featbake.encode.hf import HFTextEncoder, recipe_for_encoder
+from featbake.encode.loaders import load_encoder
+from featbake.encode.outputs import encode_batch, encode_padded
+from featbake.encode.sources import TextSource
+from featbake.errors import ConfigError, SourceError
+from featbake.recipe import Recipe
+from featbake.serve.dataset import CachedFeatureDataset
+from tests.conftest import run_cli
+from tests.helpers import rel_error
+
+transformers = pytest.importorskip("transformers")
+
+WORDS = [
+    "the",
+    "a",
+    "cat",
+    "dog",
+    "sat",
+    "on",
+    "mat",
+    "red",
+    "blue",
+    "big",
+    "small",
+    "and",
+    "ran",
+    ".",
+    "photo",
+    "of",
+    "two",
+]
+TEXTS = [
+    "The cat sat on the mat.",
+    "a big red dog ran",
+    "two small blue cats and a big dog sat on the red mat and the dog ran",
+    "dog",
+    "A photo of two cats.",
+]
+#: Relative error a padded batch may show against the same text alone (fp32: summation order).
+TOLERANCE = 1e-5
+
+
+class TextModel(NamedTuple):
+    """A saved text folder and how to run it without featbake."""
+
+    folder: Path
+    kind: str  # bert, clip or t5
+    max_length: int  # the recipe's default: the smaller of the tokenizer's and model's limits
+
+
+def bert_tokenizer(where: Path, words: list[str]) -> Any:
+    """A real WordPiece tokenizer from a vocab file written here (BERT's special tokens first)."""
+    where.mkdir(parents=True)
+    pieces = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words, "##s", "##ed"]
+    (where / "vocab.txt").write_text("\n".join(pieces) + "\n")
+    return transformers.BertTokenizer.from_pretrained(str(where))
+
+
+def save_bert(folder: Path, words: list[str] = WORDS) -> Path:
+    tokenizer = bert_tokenizer(folder.parent / f"{folder.name}-vocab", words)
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=64,
+    )  # fmt: skip
+    transformers.BertModel(config).eval().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def clip_tokenizer() -> Any:
+    """A byte-pair tokenizer of CLIP's kind: letters, end-of-word letters and a few merges."""
+    letters = list("abcdefghijklmnopqrstuvwxyz.")
+    vocab = {c: i for i, c in enumerate(letters)}
+    vocab.update({c + "</w>": len(letters) + i for i, c in enumerate(letters)})
+    merges = [("t", "h"), ("th", "e</w>"), ("c", "a"), ("ca", "t</w>"), ("d", "o"), ("do", "g</w>")]
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    vocab["<|startoftext|>"] = len(vocab)
+    vocab["<|endoftext|>"] = len(vocab)
+    return transformers.CLIPTokenizer(vocab=vocab, merges=merges)
+
+
+def save_clip(folder: Path) -> Path:
+    tokenizer = clip_tokenizer()
+    torch.manual_seed(1)
+    config = transformers.CLIPTextConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, max_position_embeddings=24, projection_dim=16,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    transformers.CLIPTextModelWithProjection(config).eval().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def save_t5(folder: Path) -> Path:
+    """A T5 encoder with a unigram tokenizer built by the tokenizers library (no sentencepiece)."""
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
+    pieces += [("\u2581" + w, -1.0 - 0.1 * i) for i, w in enumerate(WORDS)]
+    pieces += [(c, -8.0) for c in "abcdefghijklmnopqrstuvwxyz.\u2581"]
+    tokenizer = transformers.T5Tokenizer(vocab=pieces, extra_ids=0)
+    torch.manual_seed(2)
+    config = transformers.T5Config(
+        vocab_size=len(tokenizer), d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    transformers.T5EncoderModel(config).eval().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TextModel]:
+    root = tmp_path_factory.mktemp("text-models")
+    return {
+        "bert": TextModel(save_bert(root / "bert"), "bert", 64),
+        "clip": TextModel(save_clip(root / "clip"), "clip", 24),
+        "t5": TextModel(save_t5(root / "t5"), "t5", 512),
+    }
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("captions")
+    for i, text in enumerate(TEXTS):
+        (root / f"caption{i}.txt").write_text(text, encoding="utf-8")
+    # Longer than CLIP's 24 positions: cut by the tokenizer, as the user's own call would.
+    (root / "long.txt").write_text(" ".join(["the cat sat on the mat"] * 8), encoding="utf-8")
+    return root
+
+
+class Reference(NamedTuple):
+    """transformers' own outputs for one text: the parts featbake serves."""
+
+    ids: list[int]
+    parts: dict[str, torch.Tensor]
+
+
+def transformers_outputs(model: TextModel, text: str, **options: Any) -> Reference:
+    """Tokenizer called directly, model run now: no featbake code."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(model.folder))
+    enc = tokenizer(text, truncation=True, max_length=model.max_length, return_tensors="pt")
+    enc = {k: v for k, v in enc.items() if k in ("input_ids", "attention_mask")}
+    with torch.inference_mode():
+        if model.kind == "bert":
+            out = transformers.BertModel.from_pretrained(str(model.folder)).eval()(**enc)
+            parts = {"tokens": out.last_hidden_state[0], "pooled": out.pooler_output[0]}
+        elif model.kind == "clip":
+            net = transformers.CLIPTextModelWithProjection.from_pretrained(str(model.folder))
+            out = net.eval()(**enc)
+            pooled = net.text_model(**enc).pooler_output[0]
+            parts = {"tokens": out.last_hidden_state[0], "pooled": pooled}
+            parts["text_embeds"] = out.text_embeds[0]
+        else:
+            out = transformers.T5EncoderModel.from_pretrained(str(model.folder)).eval()(**enc)
+            parts = {"tokens": out.last_hidden_state[0]}
+    return Reference(enc["input_ids"][0].tolist(), parts)
+
+
+def assert_served_equal(
+    ds: CachedFeatureDataset, model: TextModel, bad: frozenset[str] = frozenset()
+) -> None:
+    """Every item but those named in ``bad`` equals transformers' outputs for its text."""
+    for i in range(len(ds)):
+        path = ds.path(i)
+        if Path(path).name in bad:
+            continue
+        want = transformers_outputs(model, Path(path).read_text(encoding="utf-8"))
+        got = ds[i]
+        assert set(got) == set(want.parts), path
+        # No padding rows: one row per token of this text alone.
+        assert got["tokens"].shape[0] == len(want.ids), path
+        for part, value in want.parts.items():
+            assert rel_error(got[part], value) < TOLERANCE, (path, part)
+
+
+# == served == transformers run now ================================================================
+@pytest.mark.parametrize("kind", ["bert", "clip", "t5"])
+def test_built_text_features_equal_transformers_run_now(
+    kind: str, models: dict[str, TextModel], texts: Path, tmp_path: Path
+) -> None:
+    model = models[kind]
+    report = build(texts, model.folder, cache=tmp_path / "store", batching="padded")
+    assert report.encoded == len(TEXTS) + 1 and not report.failed
+    assert report.batching == "padded", report.batching_note
+    ds = CachedFeatureDataset(
+        texts, encoder=model.folder, cache=tmp_path / "store", source="text", on_miss="error"
+    )
+    assert ds.recipe.source == "text" and ds.recipe.text is not None
+    assert ds.recipe.text.max_length == model.max_length
+    assert_served_equal(ds, model)
+
+
+def test_long_text_is_cut_to_the_models_positions(
+    models: dict[str, TextModel], texts: Path
+) -> None:
+    clip = models["clip"]
+    recipe = recipe_for_encoder(clip.folder, Recipe(source="text"))
+    ids = TextSource(recipe).load(texts / "long.txt")
+    assert ids.shape == (24,)  # the whole text is over 40 tokens; CLIP's table has 24 rows
+    assert ids.tolist() == transformers_outputs(clip, (texts / "long.txt").read_text()).ids
+
+
+def test_dataset_encodes_text_live_equal_to_transformers(
+    models: dict[str, TextModel], texts: Path, tmp_path: Path
+) -> None:
+    """``CachedFeatureDataset(folder, encoder=bert_folder, cache=..., source="text")`` with
+    nothing built: each miss is tokenised and encoded live, and written back."""
+    bert = models["bert"]
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(
+            texts, encoder=bert.folder, cache=tmp_path / "store", source="text"
+        )
+    assert_served_equal(ds, bert)
+    again = CachedFeatureDataset(
+        texts, encoder=bert.folder, cache=tmp_path / "store", source="text", on_miss="error"
+    )
+    assert_served_equal(again, bert)  # written back under the keys a build would use
+
+
+# == padded batches ================================================================================
+@pytest.mark.parametrize("kind", ["bert", "clip", "t5"])
+def test_padded_text_batch_equals_each_text_alone(
+    kind: str, models: dict[str, TextModel], texts: Path
+) -> None:
+    folder = models[kind].folder
+    recipe = recipe_for_encoder(folder, Recipe(source="text"))
+    source = TextSource(recipe)
+    ids = [source.load(p) for p in sorted(texts.glob("*.txt"))]
+    assert len({len(x) for x in ids}) > 2  # the batch really pads
+    encoder = load_encoder(folder)
+    padded = encode_padded(encoder, ids, recipe)
+    for x, got in zip(ids, padded, strict=True):
+        alone = encode_batch(encoder, [x], recipe)[0]
+        assert got["tokens"].shape[0] == len(x)
+        assert set(got) == set(alone)
+        for part in alone:
+            assert rel_error(got[part], alone[part]) < TOLERANCE, part
+
+
+def test_padded_pooled_alone_with_output(models: dict[str, TextModel], texts: Path) -> None:
+    """``--output pooled`` keeps each text's pooled vector whole in a padded batch (it has one
+    row per text, not one per token)."""
+    folder = models["bert"].folder
+    recipe = recipe_for_encoder(folder, Recipe(source="text", output="pooled"))
+    source = TextSource(recipe)
+    ids = [source.load(p) for p in sorted(texts.glob("caption*.txt"))]
+    encoder = load_encoder(folder)
+    for x, got in zip(ids, encode_padded(encoder, ids, recipe), strict=True):
+        assert got[""].shape == (32,)
+        assert rel_error(got[""], encode_batch(encoder, [x], recipe)[0][""]) < TOLERANCE
+
+
+def test_guard_falls_back_where_padding_changes_text_features(
+    models: dict[str, TextModel], texts: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A text model run without its attention mask attends to the padding: the exactness guard
+    sees it, the build goes on one text at a time, and every stored feature is the exact one."""
+
+    def unmasked(self: HFTextEncoder, input_ids: torch.Tensor, lengths: torch.Tensor) -> Any:
+        out = self.model(input_ids=input_ids)
+        return {"tokens": out.last_hidden_state, "pooled": out.pooler_output}, lengths
+
+    monkeypatch.setattr(HFTextEncoder, "forward", unmasked)
+    bert = models["bert"]
+    report = build(texts, bert.folder, cache=tmp_path / "store", batching="padded", batch_size=8)
+    assert report.batching == "exact", report.batching_note
+    assert "not exact" in report.batching_note
+    ds = CachedFeatureDataset(
+        texts, encoder=bert.folder, cache=tmp_path / "store", source="text", on_miss="error"
+    )
+    assert_served_equal(ds, bert)  # unmasked alone == masked alone: no padding to attend to
+
+
+# == keys ==========================================================================================
+def text_recipe_fp(folder: Path, **changes: Any) -> str:
+    base = recipe_for_encoder(folder, Recipe(source="text"))
+    assert base.text is not None
+    return (
+        base.replace(text=base.text.replace(**changes)).fingerprint()
+        if changes
+        else (base.fingerprint())
+    )
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"max_length": 8}, {"truncate": False}, {"lowercase": True}, {"special_tokens": False}],
+)
+def test_a_tokenizer_option_changes_the_key(
+    change: dict[str, Any], models: dict[str, TextModel]
+) -> None:
+    folder = models["bert"].folder
+    assert text_recipe_fp(folder, **change) != text_recipe_fp(folder)
+
+
+def test_another_tokenizer_gives_other_keys_and_a_copy_the_same(
+    models: dict[str, TextModel], tmp_path: Path
+) -> None:
+    bert = models["bert"].folder
+    copy = tmp_path / "elsewhere" / "bert"
+    shutil.copytree(bert, copy)
+    assert text_recipe_fp(copy) == text_recipe_fp(bert)  # the path is not in the key
+    # The same weights beside another vocabulary: another tokenizer, other keys.
+    other = tmp_path / "other"
+    shutil.copytree(bert, other)
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    config["do_lower_case"] = False
+    (other / "tokenizer_config.json").write_text(json.dumps(config))
+    assert text_recipe_fp(other) != text_recipe_fp(bert)
+
+
+def test_a_changed_option_bakes_other_keys(
+    models: dict[str, TextModel], texts: Path, tmp_path: Path
+) -> None:
+    bert = models["bert"].folder
+    first = build(texts, bert, cache=tmp_path / "store")
+    again = build(texts, bert, cache=tmp_path / "store")
+    assert (first.encoded, again.encoded, again.reused) == (6, 0, 6)
+    steps = recipe_for_encoder(bert, Recipe(source="text")).text
+    assert steps is not None
+    short = Recipe(source="text", text=steps.replace(max_length=4))
+    assert build(texts, bert, cache=tmp_path / "store", recipe=short).encoded == 6
+
+
+def test_a_tokenizer_changed_after_the_recipe_is_refused(
+    models: dict[str, TextModel], tmp_path: Path
+) -> None:
+    folder = tmp_path / "bert"
+    shutil.copytree(models["bert"].folder, folder)
+    recipe = recipe_for_encoder(folder, Recipe(source="text"))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "do_lower_case": False}))
+    with pytest.raises(ConfigError, match="changed since"):
+        TextSource(recipe)
+
+
+# == bad texts =====================================================================================
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"caf\xe9 au lait", "not UTF-8 text (byte 0xe9 at offset 3)"),
+        (b"", "the text is empty"),
+        (b" \n\t\n", "the text is empty"),
+    ],
+)
+def test_a_bad_text_is_one_line(
+    content: bytes, message: str, models: dict[str, TextModel], tmp_path: Path
+) -> None:
+    path = tmp_path / "bad.txt"
+    path.write_bytes(content)
+    source = TextSource(recipe_for_encoder(models["bert"].folder, Recipe(source="text")))
+    with pytest.raises(SourceError, match=re.escape(message)) as err:
+        source.load(path)
+    assert "\n" not in str(err.value)
+
+
+def test_without_truncation_a_long_text_is_refused(
+    models: dict[str, TextModel], texts: Path
+) -> None:
+    steps = recipe_for_encoder(models["clip"].folder, Recipe(source="text")).text
+    assert steps is not None
+    source = TextSource(Recipe(source="text", text=steps.replace(truncate=False)))
+    with pytest.raises(SourceError, match=r"over max_length 24"):
+        source.load(texts / "long.txt")
+    assert source.load(texts / "caption0.txt").shape[0] < 24
+
+
+def test_text_source_survives_pickling_to_a_worker(
+    models: dict[str, TextModel], texts: Path
+) -> None:
+    source = TextSource(recipe_for_encoder(models["t5"].folder, Recipe(source="text")))
+    moved = pickle.loads(pickle.dumps(source))
+    path = texts / "caption2.txt"
+    assert torch.equal(moved.load(path), source.load(path))
+
+
+def test_source_text_without_a_tokenizer_says_what_to_give(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="needs a tokenizer"):
+        TextSource(Recipe(source="text"))
+
+
+# == the CLI =======================================================================================
+def test_cli_builds_a_folder_of_texts_and_skips_bad_ones(
+    models: dict[str, TextModel], texts: Path, tmp_path: Path
+) -> None:
+    data = tmp_path / "captions"
+    shutil.copytree(texts, data)
+    (data / "latin1.txt").write_bytes(b"na\xefve")
+    (data / "blank.txt").write_text("\n")
+    bert = models["bert"].folder
+    store = tmp_path / "store"
+    result = run_cli(
+        "build", "--encoder", bert, "--data", data, "--cache", store, "--source", "text"
+    )
+    assert result.returncode == 3, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("failed")]
+    assert len(lines) == 2
+    assert any("latin1.txt" in line and "not UTF-8" in line for line in lines)
+    assert any("blank.txt" in line and "empty" in line for line in lines)
+    ds = CachedFeatureDataset(data, encoder=bert, cache=store, source="text", on_miss="error")
+    assert len(ds) == len(TEXTS) + 3
+    assert_served_equal(ds, models["bert"], bad=frozenset({"latin1.txt", "blank.txt"}))
+    (data / "latin1.txt").unlink()
+    (data / "blank.txt").unlink()
+    short = run_cli(
+        "build", "--encoder", bert, "--data", data, "--cache", store, "--max-tokens", "4", "--json"
+    )
+    assert short.returncode == 0, short.stderr
+    assert json.loads(short.stdout)["encoded"] == len(TEXTS) + 1  # other keys: encoded again
+
+
+# == texts named by a manifest =====================================================================
+def write_captions(path: Path, extra: list[str] = ()) -> None:  # type: ignore[assignment]
+    """A JSON-lines manifest: one caption per row with an id and a label, then ``extra`` lines."""
+    rows = [json.dumps({"id": f"c{i}", "caption": t, "label": i}) for i, t in enumerate(TEXTS)]
+    path.write_bytes(("\n".join([*rows, *extra]) + "\n").encode("utf-8", "surrogateescape"))
+
+
+def assert_rows_served_equal(ds: CachedFeatureDataset, model: TextModel, texts: list[str]) -> None:
+    assert len(ds) == len(texts)
+    for i, text in enumerate(texts):
+        want = transformers_outputs(model, text)
+        got = ds[i]
+        assert got["tokens"].shape[0] == len(want.ids), text
+        for part, value in want.parts.items():
+            assert rel_error(got[part], value) < TOLERANCE, (text, part)
+
+
+def test_manifest_column_texts_equal_transformers_and_bad_rows_are_skipped(
+    models: dict[str, TextModel], tmp_path: Path
+) -> None:
+    manifest = tmp_path / "captions.jsonl"
+    bad = [
+        '{"id": "n", "caption": 7}',
+        '{"id": "e", "caption": ""}',
+        "{not json",
+        '{"id": "m", "text": "no caption column"}',
+        '{"id": "u", "caption": "caf\udce9"}',  # the byte 0xe9 alone: not UTF-8
+    ]
+    write_captions(manifest, bad)
+    bert = models["bert"]
+    report = build(manifest, bert.folder, cache=tmp_path / "store", column="caption")
+    assert report.encoded == len(TEXTS)
+    reasons = dict(report.failed)
+    assert set(reasons) == {f"captions.jsonl:{n}" for n in range(6, 11)}, reasons
+    assert "holds int 7, not text" in reasons["captions.jsonl:6"]
+    assert "is empty" in reasons["captions.jsonl:7"]
+    assert "malformed JSON" in reasons["captions.jsonl:8"]
+    assert "no 'caption' column" in reasons["captions.jsonl:9"]
+    assert "not UTF-8 text (byte 0xe9)" in reasons["captions.jsonl:10"]
+    ds = CachedFeatureDataset(
+        manifest, encoder=bert.folder, cache=tmp_path / "store", source="text",
+        column="caption", on_miss="error",
+    )  # fmt: skip
+    assert [ds.item_id(i) for i in range(len(ds))] == [f"c{i}" for i in range(len(TEXTS))]
+    assert [ds.row(i) for i in range(len(ds))] == [{"label": i} for i in range(len(TEXTS))]
+    assert_rows_served_equal(ds, bert, TEXTS)
+
+
+def test_csv_texts_are_served_live_in_the_manifests_order(
+    models: dict[str, TextModel], tmp_path: Path
+) -> None:
+    manifest = tmp_path / "captions.csv"
+    ordered = [TEXTS[3], TEXTS[0], 'a "red" dog, big', TEXTS[2]]
+    lines = ["text,split"] + [
+        '"' + t.replace('"', '""') + '",train' for t in ordered
+    ]  # the default column for text: "text"
+    manifest.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    t5 = models["t5"]
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(manifest, encoder=t5.folder, cache=tmp_path / "s", source="text")
+    assert [ds.row(i) for i in range(len(ds))] == [{"split": "train"}] * len(ordered)
+    assert_rows_served_equal(ds, t5, ordered)
+
+
+def test_a_manifest_text_and_the_same_text_in_a_file_share_a_key(
+    models: dict[str, TextModel], texts: Path, tmp_path: Path
+) -> None:
+    manifest = tmp_path / "captions.jsonl"
+    write_captions(manifest)
+    folder = tmp_path / "files"
+    folder.mkdir()
+    for i in range(len(TEXTS)):
+        shutil.copy(texts / f"caption{i}.txt", folder)
+    clip = models["clip"].folder
+    first = build(manifest, clip, cache=tmp_path / "store", column="caption")
+    assert first.encoded == len(TEXTS)
+    again = build(folder, clip, cache=tmp_path / "store")
+    assert (again.encoded, again.reused) == (0, len(TEXTS))  # SHA-256 of the same UTF-8 bytes
+
+
+def test_cli_builds_a_manifests_texts(models: dict[str, TextModel], tmp_path: Path) -> None:
+    manifest = tmp_path / "captions.jsonl"
+    write_captions(manifest, ['{"id": "x", "caption": "  "}'])
+    bert = models["bert"].folder
+    store = tmp_path / "store"
+    args = ["build", "--encoder", bert, "--data", manifest, "--cache", store]
+    result = run_cli(*args, "--source", "text", "--column", "caption")
+    assert result.returncode == 3, result.stderr
+    failed = [line for line in result.stderr.splitlines() if line.startswith("failed")]
+    assert failed == ["failed captions.jsonl:6: column 'caption' is empty"]
+    ds = CachedFeatureDataset(
+        manifest, encoder=bert, cache=store, source="text", column="caption", on_miss="error"
+    )
+    assert_rows_served_equal(ds, models["bert"], TEXTS)
+
+
+def test_roots_show_each_text_roots_tokenizer_and_limit(
+    models: dict[str, TextModel], texts: Path, tmp_path: Path
+) -> None:
+    """Two roots that differ only in ``--max-tokens`` must not look alike in ``featbake roots``."""
+    bert = models["bert"].folder
+    store = tmp_path / "store"
+    build(texts, bert, cache=store)
+    steps = recipe_for_encoder(bert, Recipe(source="text")).text
+    assert steps is not None
+    build(texts, bert, cache=store, recipe=Recipe(source="text", text=steps.replace(max_length=4)))
+    shown = run_cli("roots", "--cache", store)
+    assert shown.returncode == 0, shown.stderr
+    tokenizer = f"tokenizer {steps.tokenizer[:14]}"
+    assert f"text float32 {tokenizer} max 64 tokens" in shown.stdout
+    assert f"text float32 {tokenizer} max 4 tokens" in shown.stdout
+
+
+def test_a_masked_lm_folder_serves_its_base_models_tokens(
+    models: dict[str, TextModel], texts: Path, tmp_path: Path
+) -> None:
+    """A BERT download is a ``BertForMaskedLM`` (no pooler, an unused ``cls.*`` head): its base
+    model is run, the head's weights dropped (nothing random), and only ``tokens`` served."""
+    folder = tmp_path / "mlm"
+    torch.manual_seed(3)
+    config = transformers.BertConfig.from_pretrained(str(models["bert"].folder))
+    transformers.BertForMaskedLM(config).eval().save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(str(models["bert"].folder)).save_pretrained(folder)
+    build(texts, folder, cache=tmp_path / "store")
+    ds = CachedFeatureDataset(
+        texts, encoder=folder, cache=tmp_path / "store", source="text", on_miss="error"
+    )
+    base = transformers.BertModel.from_pretrained(str(folder), add_pooling_layer=False).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    for i in range(len(ds)):
+        enc = tokenizer(Path(ds.path(i)).read_text(), truncation=True, max_length=64)
+        with torch.inference_mode():
+            want = base(input_ids=torch.tensor([enc["input_ids"]])).last_hidden_state[0]
+        assert set(ds[i]) == {"tokens"}
+        assert rel_error(ds[i]["tokens"], want) < TOLERANCE
+
+
+def test_every_layer_of_a_t5_encoder(
+    models: dict[str, TextModel], texts: Path, tmp_path: Path
+) -> None:
+    t5 = models["t5"]
+    build(texts, t5.folder, cache=tmp_path / "store", recipe=Recipe(layers="all"))
+    ds = CachedFeatureDataset(
+        texts, encoder=t5.folder, cache=tmp_path / "store", source="text", layers="all",
+        on_miss="error",
+    )  # fmt: skip
+    model = transformers.T5EncoderModel.from_pretrained(str(t5.folder)).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(t5.folder))
+    for i in range(len(ds)):
+        enc = tokenizer(Path(ds.path(i)).read_text(), return_tensors="pt")
+        with torch.inference_mode():
+            hidden = model(input_ids=enc["input_ids"], output_hidden_states=True).hidden_states
+        assert set(ds[i]) == {"layer0", "layer1", "layer2"}
+        for k in range(3):
+            assert rel_error(ds[i][f"layer{k}"], hidden[k][0]) < TOLERANCE
+
+
+def test_a_text_folder_for_images_is_refused_in_one_line(models: dict[str, TextModel]) -> None:
+    with pytest.raises(ConfigError, match=r"is a text model .* not image"):
+        recipe_for_encoder(models["bert"].folder, Recipe(source="image"))
+    # No --source: a text folder implies text, as a vision folder implies image.
+    assert recipe_for_encoder(models["bert"].folder, Recipe()).source == "text"
