@@ -26,8 +26,7 @@ from featbake.image_recipe import describe_fields
 from featbake.units import format_bytes, parse_bytes
 
 if TYPE_CHECKING:
-    from featbake.store.layout import Layout
-    from featbake.upkeep import GcOptions, GcPlan
+    from featbake.upkeep import GcPlan
 from pathlib import Path
 
 
@@ -301,66 +300,63 @@ def gc(
     no version younger than --retention names them.
     """
     from featbake.units import parse_duration
-    from featbake.upkeep import GcOptions, execute_gc, plan_gc
+    from featbake.upkeep import GcOptions
+    from featbake.upkeep import gc as run_gc
 
     opts = GcOptions(
         older_than=parse_duration(older_than) if older_than else None,
         max_bytes=parse_bytes(max_bytes) if max_bytes else None,
         compact_below=compact_below,
         grace=parse_duration(grace),
+        retention=parse_duration(retention),
         shard_bytes=parse_bytes(shard_size),
         merge_small=merge_small,
     )
-    from featbake.store.open import Need, open_store
+    plans: list[GcPlan] = []
 
-    layout = open_store(
-        cache, need=Need.CATALOG, local_cache=local_cache, local_cache_size=local_cache_size
-    )
-    if layout.remote is not None:
-        _gc_bucket(layout, opts, parse_duration(retention), dry_run, as_json)
-        return
-    plan = plan_gc(layout, opts)
-    summary = plan.summary()
-    if dry_run or not as_json:
-        _print_gc_plan(plan, dry_run, as_json)
-    if dry_run:
-        return
+    def show(plan: GcPlan) -> None:
+        plans.append(plan)
+        if dry_run or not as_json:
+            _print_gc_plan(plan, dry_run, as_json)
+
     bar = progress_bar()
     with bar:
-        result = execute_gc(plan, progress=tick_bar(bar, {}))
+        result = run_gc(
+            cache,
+            opts,
+            dry_run=dry_run,
+            progress=tick_bar(bar, {}),
+            on_plan=show,
+            local_cache=local_cache,
+            local_cache_size=local_cache_size,
+        )
+    if dry_run:
+        return
     if as_json:
-        out.print_json(json.dumps({"plan": summary, "result": result.to_json()}))
+        out.print_json(json.dumps({"plan": plans[0].summary(), "result": result.to_json()}))
     else:
         out.print(
             f"gc: dropped {len(result.roots_dropped)} roots, {result.rows_deleted:,} feature "
-            f"rows, {result.shards_deleted:,} shards; wrote {result.shards_written} shards "
-            f"({result.features_moved:,} moved); freed {format_bytes(max(0, result.bytes_freed))} "
-            f"in {result.seconds:.2f}s"
+            f"rows, {result.shards_deleted:,} shards"
+            + (
+                f", {result.versions_deleted} old catalog versions"
+                if plans[0].sweep.versioned
+                else ""
+            )
+            + f"; wrote {result.shards_written} shards ({result.features_moved:,} moved); freed "
+            f"{format_bytes(max(0, result.bytes_freed))} in {result.seconds:.2f}s"
+            + _kept(result.young_shards, plans[0])
         )
     for p in result.problems:
         console.print(f"[yellow]warning:[/] {escape(p)}")
 
 
-def _gc_bucket(
-    layout: Layout, opts: GcOptions, retention: float, dry_run: bool, as_json: bool
-) -> None:
-    """``featbake gc`` on a bucket store (featbake.upkeep.gc), and its one line."""
-    from featbake.upkeep.gc import gc_bucket
-
-    result = gc_bucket(layout, opts, retention=retention, dry_run=dry_run)
-    if as_json:
-        out.print_json(json.dumps({"dry_run": dry_run, "result": result.to_json()}))
-        return
-    c = result.catalog
-    verb = "would drop" if dry_run else "dropped"
-    out.print(
-        f"gc{' (dry run)' if dry_run else ''} of {layout.remote}: {verb} "
-        f"{len(c.roots_dropped)} roots and {c.rows_deleted:,} feature rows"
-        f"{' (a new catalog version)' if result.published else ''}; "
-        f"{'would delete' if dry_run else 'deleted'} {result.versions_deleted} old catalog "
-        f"versions and {result.shards_deleted} shards ({format_bytes(result.bytes_freed)}); "
-        f"{result.young_shards} unnamed shards kept until they pass the retention period"
-    )
+def _kept(young: int, plan: GcPlan) -> str:
+    """``; N unnamed shards kept until ...``: always where the place keeps catalog versions
+    (a bucket), else when some are kept."""
+    if not (young or plan.sweep.versioned):
+        return ""
+    return f"; {young} unnamed shards kept until they pass the {plan.sweep.age}"
 
 
 def _print_gc_plan(plan: GcPlan, dry_run: bool, as_json: bool) -> None:
@@ -372,9 +368,9 @@ def _print_gc_plan(plan: GcPlan, dry_run: bool, as_json: bool) -> None:
     head = "would free" if dry_run else "frees"
     if plan.nothing_to_do:
         out.print(
-            "gc: nothing to do"
+            f"gc{' (dry run)' if dry_run else ''} of {escape(s['store'])}: nothing to do"
             + (
-                f" ({s['orphan_shards_in_grace']} unnamed shards are within the grace period)"
+                f" ({s['orphan_shards_in_grace']} unnamed shards are within the {plan.sweep.age})"
                 if s["orphan_shards_in_grace"]
                 else ""
             )
@@ -382,13 +378,20 @@ def _print_gc_plan(plan: GcPlan, dry_run: bool, as_json: bool) -> None:
         return
     for d in plan.drop_roots:
         out.print(f"drop root {d.name} ({escape(d.data)}, {escape(d.encoder_label)}): {d.reason}")
+    versions = f"{s['old_versions']} old catalog versions, " if plan.sweep.versioned else ""
     out.print(
+        f"gc{' (dry run)' if dry_run else ''} of {escape(s['store'])}: "
         f"{s['unreached_features']:,} unreached features ({format_bytes(s['unreached_bytes'])}), "
         f"{s['evicted_features']:,} evicted ({format_bytes(s['evicted_bytes'])}); "
         f"{s['shards_deleted']} shards deleted, {s['shards_rewritten']} rewritten, "
         f"{s['orphan_shards']} unnamed shard files, {s['tmp_files']} tmp/ files: "
         f"{head} about {format_bytes(plan.freed_bytes)} of {format_bytes(s['disk_bytes'])}"
     )
+    if plan.sweep.versioned:
+        out.print(
+            f"sweep: {'would delete' if dry_run else 'deletes'} {versions}"
+            f"{s['orphan_shards']} unnamed shards" + _kept(plan.young_orphans, plan)
+        )
 
 
 # == verify ========================================================================================

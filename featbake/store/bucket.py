@@ -21,25 +21,37 @@ import time
 import uuid
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Generic, NamedTuple, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
 from featbake.errors import ConfigError, FeatbakeError, ShardMissing, StoreCorrupt, StoreError
 from featbake.process import PerProcess
 from featbake.store.catalog import Access, open_sqlite
-from featbake.store.fragments import MergeReport, fragments_dir, merge, parse_name, sealed_fragments
+from featbake.store.fragments import (
+    MergeReport,
+    fragment_shard_names,
+    fragments_dir,
+    merge,
+    parse_name,
+    sealed_fragments,
+)
 from featbake.store.layout import (
+    Change,
+    Held,
     Layout,
+    Sweep,
+    Swept,
     TierUsage,
+    VerifyScope,
     checked_shard_name,
     is_shard_name,
     publish_file,
+    unnamed_past,
 )
 from featbake.store.shard import (
     MAX_HEADER_BYTES,
@@ -108,6 +120,51 @@ def newest(names: Iterable[str]) -> int:
         10
     """
     return max((v for v in map(version_of, names) if v is not None), default=0)
+
+
+def kept_versions(versions: Sequence[ObjectInfo], now: float, retention: float) -> list[int]:
+    """The versions readers may still hold: the newest, and each whose successor is younger
+    than ``retention`` (a reader that opened a version has had that long to finish its run).
+
+    Example:
+        >>> v = [ObjectInfo(f"catalog/v00000000{n}.sqlite", 1, t, "") for n, t in
+        ...      [(1, 0.0), (2, 50.0), (3, 90.0)]]
+        >>> kept_versions(v, now=100.0, retention=20.0)
+        [2, 3]
+    """
+    numbered = sorted((n, o.modified) for o in versions if (n := version_of(o.name)) is not None)
+    kept = []
+    for (n, _), successor in zip(numbered, [*numbered[1:], None], strict=True):
+        if successor is None or now - successor[1] < retention:
+            kept.append(n)
+    return kept
+
+
+def sweep(
+    versions: Sequence[ObjectInfo],
+    shards: Iterable[ObjectInfo],
+    named_by: Mapping[int, set[str]],
+    pending: set[str],
+    now: float,
+    retention: float,
+) -> Sweep:
+    """What gc's sweep deletes from a bucket, given the shard names each kept version holds
+    (``named_by``, keyed by :func:`kept_versions`) and those pending fragments hold: retired
+    versions, and shard objects nothing names once older than ``retention``
+    (:func:`~featbake.store.layout.unnamed_past`)."""
+    old = tuple(
+        Held(o.name, o.size, o.modified)
+        for o in versions
+        if (n := version_of(o.name)) is not None and n not in named_by
+    )
+    named = set(pending).union(*named_by.values())
+    held = [Held(o.name, o.size, o.modified) for o in shards]
+    doomed, young = unnamed_past(held, _object_shard, named, now, retention)
+    return Sweep(tuple(doomed), (), old, young, age="retention period", versioned=True)
+
+
+def _object_shard(object_name: str) -> str:
+    return object_name.rsplit("/", 1)[-1].removesuffix(".safetensors")
 
 
 # == objects =======================================================================================
@@ -869,6 +926,73 @@ class BucketStore:
     def shard_where(self, name: str) -> str:
         return self.bucket.where(shard_object(name))
 
+    # -- Place: what upkeep asks of the bucket --------------------------------------------------
+    def commit(self, change: Callable[[Layout], Change[T]]) -> T:
+        """The change, on a copy of the newest version, published as the next one."""
+        return publish_next(self, change)
+
+    def settle(self) -> None:
+        """Fold the bucket's fragments in first (readers' last uses wait in serving fragments,
+        and a root read every day is not idle: issue 28 item 7), then bring the newest version
+        into the tier (another merge may have published it meanwhile)."""
+        merge_bucket(self)
+        self.sync_catalog()
+
+    def rewrites_shards(self) -> bool:
+        return False  # compaction would download and upload every shard it touches
+
+    def plan_sweep(self, now: float, grace: float, retention: float) -> Sweep:
+        """Retired versions and unnamed shard objects past ``retention`` (``grace`` is the
+        directory's age; the bucket's is the retention period, for readers of older versions).
+
+        The order is what makes it safe beside a merge: shards are listed first, then
+        fragments, then catalog versions. A shard in the first listing is named by a fragment
+        still pending or, once a merge folded that fragment, by a version published before the
+        last listing; a shard uploaded after the first listing is not in it, so never deleted.
+
+        Raises:
+            StoreCorrupt: a kept version names something that is not a shard name (nothing
+                is deleted on a planted version's word).
+        """
+        shards = self.bucket.list(SHARDS)
+        self.sync_fragments()
+        pending = fragment_shard_names(self.layout)
+        versions = self.bucket.list(PREFIX)
+        keep = kept_versions(versions, now, retention)
+        named_by = {n: self._version_shards(n) for n in keep}
+        return sweep(versions, shards, named_by, pending, now, retention)
+
+    def _version_shards(self, version: int) -> set[str]:
+        """The shard names catalog version ``version`` holds (the tier's copy when it is it)."""
+        if version == self.local_version():
+            return set(catalog_shards(self.layout.catalog))
+        tmp = self.layout.tmp / f"gc-v{version}.{uuid.uuid4().hex[:8]}.sqlite"
+        try:
+            self.bucket.download(version_name(version), tmp)
+            return set(catalog_shards(tmp))
+        finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
+    def sweep(self, plan: Sweep, crash: Callable[[str], None]) -> Swept:
+        """Delete the plan's shard objects, then its retired versions."""
+        self.bucket.delete(h.name for h in plan.shards)
+        self.bucket.delete(h.name for h in plan.versions)
+        return Swept(len(plan.shards), 0, len(plan.versions), plan.bytes)
+
+    def repair_refusal(self) -> str | None:
+        return (
+            f"--repair is not built for a bucket store ({self.url}); run `featbake verify "
+            "--cache URL` to list damaged or missing shard objects, delete a damaged object, "
+            "then build again (a build encodes again what a missing shard held)"
+        )
+
+    def verify_scope(self) -> VerifyScope:
+        return VerifyScope.NAMED_SHARDS  # the bucket's objects: a tier's copy says nothing
+
+    def named_shards(self) -> dict[str, int]:
+        return catalog_shards(self.layout.catalog)
+
     # -- catalog versions and fragments ---------------------------------------------------------
     @property
     def version_file(self) -> Path:
@@ -1047,16 +1171,6 @@ Between = Callable[[str], None] | None
 
 #: Changes that lose the race for the next version before one gives up.
 TRIES = 5
-
-
-@dataclass
-class Change(Generic[T]):
-    """What a change made of a work copy: its report, whether the catalog changed (else
-    nothing is published), and what to do once the new version is published."""
-
-    value: T
-    changed: bool
-    after_publish: Callable[[], None] | None = None
 
 
 def publish_next(store: BucketStore, change: Callable[[Layout], Change[T]]) -> T:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Generic, NamedTuple, Protocol, TypeVar
 
 from featbake.errors import ConfigError, StoreCorrupt, StoreError
 from featbake.store.url import is_url
@@ -127,7 +129,203 @@ class TierUsage(NamedTuple):
     budget: int
 
 
-class RemotePlace(Protocol):
+# == place =========================================================================================
+# Where a store's shards, fragments and catalog last: a local directory
+# (:class:`featbake.store.open.LocalPlace`), or a bucket seen through this node's tier
+# (:class:`featbake.store.bucket.BucketStore`). Upkeep runs one algorithm over either: gc plans,
+# commits its catalog change through :meth:`Place.commit`, then sweeps what the place holds that
+# nothing names (:func:`unnamed_past`, one rule with the place's age); verify reads what the
+# place names; repair runs where the place allows it.
+T = TypeVar("T")
+
+
+@dataclass
+class Change(Generic[T]):
+    """What a catalog change made of its copy: its report, whether the catalog changed (else
+    nothing is published), and what to do once the change is committed."""
+
+    value: T
+    changed: bool
+    after_publish: Callable[[], None] | None = None
+
+
+class Held(NamedTuple):
+    """Something a place holds that gc may sweep: how the place names it (a file's path, an
+    object's name), its bytes, and its last change (epoch s)."""
+
+    name: str
+    size: int
+    modified: float
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """What gc's sweep deletes from a place, in this order: unnamed shards past the place's
+    age, leftovers of interrupted writes, catalog versions retired for longer than the age; and
+    how many unnamed shards are still younger (kept).
+
+    ``age`` names the period ("grace period" for a directory, "retention period" for a
+    bucket); ``versioned``: the place keeps numbered catalog versions."""
+
+    shards: tuple[Held, ...] = ()
+    loose: tuple[Held, ...] = ()
+    versions: tuple[Held, ...] = ()
+    young_shards: int = 0
+    age: str = "grace period"
+    versioned: bool = False
+
+    @property
+    def bytes(self) -> int:
+        return sum(h.size for h in (*self.shards, *self.loose, *self.versions))
+
+    @property
+    def empty(self) -> bool:
+        return not (self.shards or self.loose or self.versions)
+
+
+class Swept(NamedTuple):
+    """What a sweep deleted: shards, leftovers, catalog versions, and their bytes."""
+
+    shards: int = 0
+    loose: int = 0
+    versions: int = 0
+    bytes: int = 0
+
+
+def unnamed_past(
+    held: Iterable[Held],
+    shard: Callable[[str], str],
+    named: AbstractSet[str],
+    now: float,
+    age: float,
+) -> tuple[list[Held], int]:
+    """gc's one rule for a place's shards: one that no kept catalog (version) and no pending
+    fragment names goes once older than ``age``: the grace period in a directory, the retention
+    period in a bucket (a build writes a shard before anything names it). ``shard`` turns a
+    held name into its shard name. Returns (what goes, how many unnamed ones are younger).
+
+    Example:
+        >>> held = [Held("a", 1, 0.0), Held("b", 1, 90.0), Held("c", 1, 0.0)]
+        >>> unnamed_past(held, str, {"c"}, now=100.0, age=50.0)
+        ([Held(name='a', size=1, modified=0.0)], 1)
+    """
+    unnamed = [h for h in held if shard(h.name) not in named]
+    doomed = [h for h in unnamed if now - h.modified >= age]
+    return doomed, len(unnamed) - len(doomed)
+
+
+@dataclass(frozen=True)
+class LooseFile:
+    """A file in the store that the catalog does not name (an orphan shard, a tmp leftover)."""
+
+    path: Path
+    bytes: int
+    mtime: float
+
+
+@dataclass(frozen=True)
+class FolderListing:
+    """Regular files matching a pattern, and the other things found there (links, FIFOs)."""
+
+    files: tuple[LooseFile, ...]
+    special: tuple[Path, ...]  # paths that are not regular files: never read, never followed
+
+
+def list_folder(folder: Path, pattern: str) -> FolderListing:
+    """What matches ``pattern`` in ``folder``, by ``lstat`` (a symlink loop or a FIFO is listed
+    as special, never opened: opening a FIFO would hang, following a loop would raise)."""
+    files, special = [], []
+    if folder.is_dir():
+        for p in sorted(folder.glob(pattern)):
+            try:
+                st = os.lstat(p)
+            except OSError:
+                continue  # gone meanwhile
+            if stat.S_ISREG(st.st_mode):
+                files.append(LooseFile(p, st.st_size, st.st_mtime))
+            elif not stat.S_ISDIR(st.st_mode):
+                special.append(p)
+    return FolderListing(tuple(files), tuple(special))
+
+
+def shard_name(path: Path) -> str:
+    """The shard name a ``shards/ab/<name>.safetensors`` path gives."""
+    return path.name.removesuffix(".safetensors")
+
+
+def shard_files(layout: Layout) -> dict[str, LooseFile]:
+    """shard name -> file, for every regular ``shards/ab/<name>.safetensors``."""
+    return {shard_name(f.path): f for f in list_folder(layout.shards, "*/*.safetensors").files}
+
+
+class VerifyScope(StrEnum):
+    """What ``featbake verify`` reads of a place."""
+
+    FOLDER = "folder"  # every file of the store folder, its catalog, roots and hash cache
+    NAMED_SHARDS = "named-shards"  # the place's own bytes of every shard the catalog names
+
+
+class Place(Protocol):
+    """Where a store lasts, as upkeep sees it (see the section comment)."""
+
+    def commit(self, change: Callable[[Layout], Change[T]]) -> T:
+        """Apply a catalog change where the place keeps its catalog."""
+        ...
+
+    def settle(self) -> None:
+        """Fold into the catalog what readers recorded elsewhere, and bring its newest state here
+        (gc plans on it next)."""
+        ...
+
+    def rewrites_shards(self) -> bool:
+        """Whether gc may rewrite shards here (compaction)."""
+        ...
+
+    def plan_sweep(self, now: float, grace: float, retention: float) -> Sweep:
+        """What gc's sweep would delete now (:func:`unnamed_past` with the place's age)."""
+        ...
+
+    def sweep(self, plan: Sweep, crash: Callable[[str], None]) -> Swept:
+        """Delete what ``plan`` names, re-checked where the place allows it; ``crash`` is
+        called with the name of each step done (gc's crash points)."""
+        ...
+
+    def repair_refusal(self) -> str | None:
+        """None where ``verify --repair`` runs here; else the one line that says why not and
+        what to do instead."""
+        ...
+
+    def verify_scope(self) -> VerifyScope:
+        """What verify reads here."""
+        ...
+
+    def tier_usage(self) -> TierUsage | None:
+        """This node's tier of the place (its catalog version, bytes and budget), or None
+        where the place has none (a directory)."""
+        ...
+
+    def named_shards(self) -> dict[str, int]:
+        """The shards the store's catalog names, with their bytes."""
+        ...
+
+    def shard_objects(self) -> dict[str, int]:
+        """Every shard the place holds (listed now, not a tier's copies): name -> bytes."""
+        ...
+
+    def download_shard(self, name: str, dest: Path) -> None:
+        """The place's own bytes of shard ``name`` into file ``dest`` (never a tier's copy).
+
+        Raises:
+            FileNotFoundError: the place has no such shard.
+        """
+        ...
+
+    def shard_where(self, name: str) -> str:
+        """How messages name shard ``name`` (the file or object a user would delete)."""
+        ...
+
+
+class RemotePlace(Place, Protocol):
     """Where a store's shards and fragments last when the store is a bucket
     (:class:`featbake.store.bucket.BucketStore`); the layout is then its local tier."""
 
@@ -166,22 +364,6 @@ class RemotePlace(Protocol):
 
     def tier_usage(self) -> TierUsage:
         """This node's tier of the place: its catalog version and the bytes it holds."""
-        ...
-
-    def shard_objects(self) -> dict[str, int]:
-        """Every shard the place holds (listed now, not the tier's copies): name -> bytes."""
-        ...
-
-    def download_shard(self, name: str, dest: Path) -> None:
-        """The place's own bytes of shard ``name`` into file ``dest`` (never the tier's copy).
-
-        Raises:
-            FileNotFoundError: the place has no such shard.
-        """
-        ...
-
-    def shard_where(self, name: str) -> str:
-        """How messages name shard ``name`` (the object key a user would delete)."""
         ...
 
 

@@ -10,16 +10,34 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Callable
+from contextlib import closing
 from enum import Enum
 from pathlib import Path
 from typing import Any, TypeVar
 
 from featbake.errors import ConfigError, StoreError
-from featbake.store.bucket import TIER_MARK, BucketStore, Change, publish_next
+from featbake.store.bucket import TIER_MARK, BucketStore
 from featbake.store.catalog import READ_ONLY_ENV, Catalog, Root, read_only_forced
-from featbake.store.fragments import sealed_fragments
-from featbake.store.layout import Layout, layout_at
+from featbake.store.fragments import fragment_shard_names, sealed_fragments
+from featbake.store.layout import (
+    Change,
+    Held,
+    Layout,
+    Place,
+    Sweep,
+    Swept,
+    TierUsage,
+    VerifyScope,
+    layout_at,
+    list_folder,
+    remove_file,
+    shard_files,
+    shard_name,
+    shared_write_lock,
+    unnamed_past,
+)
 from featbake.store.url import BucketURL, endpoint, endpoint_folder, is_url
 from featbake.units import parse_bytes
 
@@ -159,20 +177,97 @@ def _require_catalog(layout: Layout) -> None:
 
 
 def commit(layout: Layout, change: Callable[[Layout], Change[T]]) -> T:
-    """Apply a catalog ``change`` where the store keeps its catalog: in place for a directory
-    (the catalog's own transactions), as the next published version for a bucket (a copy of
-    the newest, published if absent; a published version is never edited). Upkeep writes its
+    """Apply a catalog ``change`` where the store keeps its catalog (:meth:`Place.commit`):
+    in place for a directory, as the next published version for a bucket. Upkeep writes its
     catalog changes through here, whatever the place.
 
     Raises:
         StoreError: the catalog or the bucket cannot be written.
     """
-    if isinstance(layout.remote, BucketStore):
-        return publish_next(layout.remote, change)
-    outcome = change(layout)
-    if outcome.changed and outcome.after_publish is not None:
-        outcome.after_publish()
-    return outcome.value
+    return place_of(layout).commit(change)
+
+
+def place_of(layout: Layout) -> Place:
+    """Where the store ``layout`` lasts: its bucket (the layout is its tier), or the directory."""
+    return layout.remote if layout.remote is not None else LocalPlace(layout)
+
+
+class LocalPlace:
+    """A store directory as a :class:`~featbake.store.layout.Place`: its catalog is changed in
+    place (the catalog's own transactions, under the write lock), its unnamed shard files and
+    ``tmp/`` leftovers go once older than the grace period, and verify reads every file of it
+    and repairs it."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+
+    def __str__(self) -> str:
+        return str(self.layout.root)
+
+    def commit(self, change: Callable[[Layout], Change[T]]) -> T:
+        outcome = change(self.layout)
+        if outcome.changed and outcome.after_publish is not None:
+            outcome.after_publish()
+        return outcome.value
+
+    def settle(self) -> None:
+        return None  # readers' serving fragments wait for `featbake merge`
+
+    def rewrites_shards(self) -> bool:
+        return True
+
+    def plan_sweep(self, now: float, grace: float, retention: float) -> Sweep:
+        """Shard files nothing names and ``tmp/`` files, once older than ``grace``.
+
+        Shards of sharded builds not merged yet are named by fragments, not rows: not garbage.
+        The catalog is read again after the fragments: a merge that folded a fragment in and
+        removed it meanwhile moved its shards into the catalog, where this second read finds
+        them.
+        """
+        with closing(Catalog(self.layout)) as catalog:
+            named = {s.name for s in catalog.shard_rows()} | fragment_shard_names(self.layout)
+            named |= {s.name for s in catalog.shard_rows()}
+        files = [Held(str(f.path), f.bytes, f.mtime) for f in shard_files(self.layout).values()]
+        orphans, young = unnamed_past(files, lambda p: shard_name(Path(p)), named, now, grace)
+        tmp = [Held(str(f.path), f.bytes, f.mtime) for f in list_folder(self.layout.tmp, "*").files]
+        loose = [h for h in tmp if now - h.modified >= grace]
+        return Sweep(tuple(orphans), tuple(loose), (), young)
+
+    def sweep(self, plan: Sweep, crash: Callable[[str], None]) -> Swept:
+        """Unlink the plan's shard files (re-checked under the write lock: one indexed since
+        the plan, by a late commit or ``verify --repair``, is no longer unnamed), then its
+        ``tmp/`` files."""
+        shards = freed = 0
+        with shared_write_lock(self.layout), closing(Catalog(self.layout)) as catalog:
+            for h in plan.shards:
+                got = catalog.unlink_shard_file(shard_name(Path(h.name)))
+                if got:
+                    shards, freed = shards + 1, freed + got
+                    crash("orphan-unlinked")
+        loose = [remove_file(Path(h.name)) for h in plan.loose]
+        return Swept(shards, len(loose), 0, freed + sum(loose))
+
+    def repair_refusal(self) -> str | None:
+        return None
+
+    def verify_scope(self) -> VerifyScope:
+        return VerifyScope.FOLDER
+
+    def tier_usage(self) -> TierUsage | None:
+        return None  # a directory is read where it is
+
+    def named_shards(self) -> dict[str, int]:
+        with closing(Catalog(self.layout)) as catalog:
+            return {s.name: s.bytes for s in catalog.shard_rows()}
+
+    def shard_objects(self) -> dict[str, int]:
+        return {name: f.bytes for name, f in shard_files(self.layout).items()}
+
+    def download_shard(self, name: str, dest: Path) -> None:
+        shutil.copyfile(self.layout.shard_path(name), dest)
+
+    def shard_where(self, name: str) -> str:
+        return str(self.layout.shard_path(name))
 
 
 def describe(layout: Layout) -> str:

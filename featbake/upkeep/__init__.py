@@ -4,26 +4,28 @@ The modules, named for the command they serve:
 
 - ``store_stats``: ``stats``, ``list_roots`` and ``drop_root`` (read the catalog's rows, never a
   shard; the catalog is opened read-write so that an older catalog is migrated first).
-- ``gc_plan`` -> ``gc``: ``plan_gc`` works out what to remove (a frozen :class:`GcPlan`),
-  ``execute_gc`` carries it out step by step, with named crash points for the crash tests.
-- ``verify_scan`` (over ``verify_checks``) -> ``verify_repair`` (over ``verify_catalog``):
-  ``scan_store`` finds, ``repair`` fixes, ``verify`` scans and, asked to, repairs;
-  ``verify_findings`` holds their typed records and states.
-- ``gc_bucket`` and ``verify_bucket``: the same commands on a bucket store (``verify`` takes
-  either kind of store and checks a bucket's own objects; ``plan_gc`` refuses a bucket URL).
-- ``files``: what all three share: listing the store folder safely (regular files only),
-  quarantine, refusing a folder that is not a store, reading root manifests safely.
+- ``gc`` (module ``gc``): plan -> commit -> sweep on any place (a directory, a bucket):
+  ``plan_gc`` works out what to remove (a frozen :class:`GcPlan`, with the place's sweep),
+  ``execute_gc`` commits the catalog's steps through the place (named crash points for the
+  crash tests), then sweeps; ``gc`` runs both, as the CLI does.
+- ``check`` -> ``repair``: ``scan_store`` finds, ``repair`` fixes, ``verify`` scans and, asked
+  to, repairs, reading what the place names (``verify_named``: a bucket's own objects) and
+  repairing where the place allows it.
+- ``files``: what verify and repair share: quarantine, refusing a folder that is not a store,
+  reading root manifests safely (listing a folder safely is ``featbake.store.layout``'s).
 
 A store is a :class:`featbake.store.layout.Layout` throughout; a path given by the caller
 becomes one once, at the public function it is given to.
 
 This module only re-exports the public names, so ``from featbake.upkeep import verify`` keeps
-working. (No submodule is named like a function it re-exports: ``featbake.upkeep.stats`` and
-``featbake.upkeep.verify`` are the functions, never shadowed modules.)
+working. ``featbake.upkeep.gc``, ``featbake.upkeep.stats`` and ``featbake.upkeep.verify`` are
+the functions; the modules ``gc`` and ``repair`` are reached by import statements
+(``from featbake.upkeep.gc import GcOptions``).
 """
 
 from __future__ import annotations
 
+from featbake.store.layout import LooseFile
 from featbake.upkeep.check import (
     VERIFY_CLEAN,
     VERIFY_DAMAGED,
@@ -39,20 +41,19 @@ from featbake.upkeep.check import (
     check_shard,
     scan_store,
 )
-from featbake.upkeep.files import LooseFile
 from featbake.upkeep.gc import (
     CRASH_ENV,
     CRASH_POINTS,
     DEFAULT_COMPACT_BELOW,
     DEFAULT_GRACE_S,
-    BucketGcResult,
+    DEFAULT_RETENTION_S,
     DropReason,
     DropRoot,
     GcOptions,
     GcPlan,
     GcResult,
     execute_gc,
-    gc_bucket,
+    gc,
     plan_gc,
 )
 from featbake.upkeep.repair import repair, verify
@@ -70,10 +71,10 @@ __all__ = [
     "CRASH_POINTS",
     "DEFAULT_COMPACT_BELOW",
     "DEFAULT_GRACE_S",
+    "DEFAULT_RETENTION_S",
     "VERIFY_CLEAN",
     "VERIFY_DAMAGED",
     "VERIFY_REPAIRED",
-    "BucketGcResult",
     "CatalogHealth",
     "CatalogState",
     "DropReason",
@@ -94,7 +95,7 @@ __all__ = [
     "check_shard",
     "drop_root",
     "execute_gc",
-    "gc_bucket",
+    "gc",
     "list_roots",
     "plan_gc",
     "repair",

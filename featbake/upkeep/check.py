@@ -20,11 +20,10 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from featbake.errors import ConfigError, StoreCorrupt, StoreError
+from featbake.errors import StoreCorrupt, StoreError
 from featbake.keys import sha256_file
 from featbake.process import map_in_threads
 from featbake.progress import GcProgress
-from featbake.store.bucket import catalog_shards
 from featbake.store.catalog import (
     ENCODER_FP_PREFIX,
     Catalog,
@@ -40,16 +39,10 @@ from featbake.store.catalog import (
     tombstone_file,
 )
 from featbake.store.fragments import fragment_shard_names
-from featbake.store.layout import Layout, RemotePlace
-from featbake.store.open import describe
+from featbake.store.layout import FolderListing, Layout, Place, list_folder, shard_name
+from featbake.store.open import place_of
 from featbake.store.shard import ST_TO_DTYPE, ShardEntry, ShardReader, TensorInfo, split_tensor_name
-from featbake.upkeep.files import (
-    FolderListing,
-    existing_store,
-    list_folder,
-    read_manifest,
-    shard_name,
-)
+from featbake.upkeep.files import existing_store, read_manifest
 
 # == verify_findings ===============================================================================
 VERIFY_CLEAN = 0
@@ -672,46 +665,32 @@ def hash_findings(check: HashCheck) -> list[Finding]:
     ]
 
 
-# == verify_bucket =================================================================================
-# ``featbake verify`` on a bucket store: the bucket's own objects, checked from any node.
+# == verify_named ==================================================================================
+# ``featbake verify`` where the place's catalog names what to check (a bucket store, from any
+# node): the place's own bytes of every shard the catalog names.
 #
-# Every shard the newest catalog version names must be an object in the bucket whose bytes hash to
-# its name and pass their header and checksums. Each object is downloaded into the tier's
-# ``tmp/verify/`` (one at a time, deleted after its check), never read from the tier's copy: a
-# tier holding a good copy of a shard says nothing about the object other nodes fetch. Shard
-# objects no kept version names are a note (gc removes them after ``--retention``). Repair is not
-# done on a bucket: the report names each damaged or missing object and what to do (delete it,
-# build again: a build encodes what a missing shard held).
-def refuse_bucket_repair(layout: Layout) -> None:
-    """Raise: ``verify --repair`` is built for a local store only.
+# Each shard must be held by the place, and its bytes must hash to its name and pass their header
+# and checksums. Each is brought into the tier's ``tmp/verify/`` through the place (one at a time,
+# deleted after its check), never read from a tier's copy: a tier holding a good copy of a shard
+# says nothing about the object other nodes fetch. Shards no catalog names are a note (gc deletes
+# them once older than the place's age). Where the place refuses repair, the report names each
+# damaged or missing shard and what to do (delete it, build again: a build encodes what a missing
+# shard held).
+def verify_named(layout: Layout, progress: Progress = None) -> VerifyReport:
+    """Check the place's bytes of every shard the catalog names (see the section comment).
 
     Raises:
-        ConfigError: always, with what to do instead.
+        StoreError: the place cannot be read.
     """
-    raise ConfigError(
-        f"--repair is not built for a bucket store ({describe(layout)}); run `featbake verify "
-        "--cache URL` to list damaged or missing shard objects, delete a damaged object, then "
-        "build again (a build encodes again what a missing shard held)"
-    )
-
-
-def verify_bucket(layout: Layout, progress: Progress = None) -> VerifyReport:
-    """Check every shard object the newest version names (see the module docstring).
-
-    Raises:
-        StoreError: the bucket cannot be read.
-    """
-    place = layout.remote
-    if place is None:
-        raise ConfigError(f"{layout.root} is not a bucket store")
+    place = place_of(layout)
     t0 = time.perf_counter()
-    named = catalog_shards(layout.catalog)
+    named = place.named_shards()
     listed = place.shard_objects()
-    report = VerifyReport(describe(layout), VerifyStatus.CLEAN, 0, 0, [])
+    report = VerifyReport(str(place), VerifyStatus.CLEAN, 0, 0, [])
     scratch = layout.tmp / "verify"
     try:
         for i, name in enumerate(sorted(named)):
-            finding = _check_object(place, scratch, name, name in listed)
+            finding = _check_held(place, scratch, name, name in listed)
             if finding is None:
                 report.shards_checked += 1
                 report.bytes_checked += listed[name]
@@ -727,7 +706,8 @@ def verify_bucket(layout: Layout, progress: Progress = None) -> VerifyReport:
             Finding(
                 FindingKind.ORPHAN_SHARD,
                 f"{len(unnamed)} shard objects",
-                "no catalog version names them; gc deletes them once older than --retention",
+                "no catalog version names them; gc deletes them once older than --retention "
+                "(--grace in a directory)",
                 False,
             )
         )
@@ -737,15 +717,15 @@ def verify_bucket(layout: Layout, progress: Progress = None) -> VerifyReport:
     return report
 
 
-def _check_object(place: RemotePlace, scratch: Path, name: str, listed: bool) -> Finding | None:
-    """The finding for shard object ``name`` (None when it is sound)."""
+def _check_held(place: Place, scratch: Path, name: str, listed: bool) -> Finding | None:
+    """The finding for the place's shard ``name`` (None when it is sound)."""
     where = place.shard_where(name)
     if not listed:
         return Finding(
             FindingKind.MISSING_SHARD,
             where,
-            "the catalog names it, the bucket has no such object; build again to encode what "
-            "it held",
+            "the catalog names it, the store holds no such shard (object); build again to "
+            "encode what it held",
             True,
         )
     path = scratch / name[:2] / f"{name}.safetensors"

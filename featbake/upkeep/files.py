@@ -1,66 +1,21 @@
 """The store folder as upkeep reads it: regular files only, never followed links.
 
-Shared by stats, gc and verify: listing a folder (a FIFO or a symlink loop is listed, never
-opened), moving a file to ``quarantine/``, refusing a folder that is not a store, and reading a
-root manifest so that no content of its can crash upkeep.
+Shared by verify and repair: moving a file to ``quarantine/``, refusing a folder that is not
+a store, and reading a root manifest so that no content of its can crash upkeep. (Listing a
+folder safely, ``list_folder``, is the store's: :mod:`featbake.store.layout`.)
 """
 
 from __future__ import annotations
 
 import os
 import stat
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from featbake.errors import StoreCorrupt, StoreError
 from featbake.store.catalog import Root, RootItem, read_root_file
-from featbake.store.layout import Layout
-from featbake.store.open import Need, StoreRef, open_store
-
-
-@dataclass(frozen=True)
-class LooseFile:
-    """A file in the store that the catalog does not name (an orphan shard, a tmp leftover)."""
-
-    path: Path
-    bytes: int
-    mtime: float
-
-
-@dataclass(frozen=True)
-class FolderListing:
-    """Regular files matching a pattern, and the other things found there (links, FIFOs)."""
-
-    files: tuple[LooseFile, ...]
-    special: tuple[Path, ...]  # paths that are not regular files: never read, never followed
-
-
-def list_folder(folder: Path, pattern: str) -> FolderListing:
-    """What matches ``pattern`` in ``folder``, by ``lstat`` (a symlink loop or a FIFO is listed
-    as special, never opened: opening a FIFO would hang, following a loop would raise)."""
-    files, special = [], []
-    if folder.is_dir():
-        for p in sorted(folder.glob(pattern)):
-            try:
-                st = os.lstat(p)
-            except OSError:
-                continue  # gone meanwhile
-            if stat.S_ISREG(st.st_mode):
-                files.append(LooseFile(p, st.st_size, st.st_mtime))
-            elif not stat.S_ISDIR(st.st_mode):
-                special.append(p)
-    return FolderListing(tuple(files), tuple(special))
-
-
-def shard_name(path: Path) -> str:
-    """The shard name a ``shards/ab/<name>.safetensors`` path gives."""
-    return path.name.removesuffix(".safetensors")
-
-
-def shard_files(layout: Layout) -> dict[str, LooseFile]:
-    """shard name -> file, for every regular ``shards/ab/<name>.safetensors``."""
-    return {shard_name(f.path): f for f in list_folder(layout.shards, "*/*.safetensors").files}
+from featbake.store.layout import Layout, VerifyScope
+from featbake.store.open import Need, StoreRef, open_store, place_of
 
 
 def quarantine(layout: Layout, path: Path) -> Path:
@@ -92,7 +47,8 @@ def existing_store(store: StoreRef, **place: Any) -> Layout:
             folder into a store.
     """
     layout = open_store(store, need=Need.STORE, **place)
-    if layout.remote is None and not looks_like_store(layout):
+    folder = place_of(layout).verify_scope() is VerifyScope.FOLDER  # else: objects elsewhere
+    if folder and not looks_like_store(layout):
         raise StoreError(
             f"{layout.root} is not a featbake store (no catalog.sqlite, shards/ or roots/); "
             "point --cache (or $FEATBAKE_CACHE) at a store"

@@ -1,17 +1,27 @@
-"""``featbake gc``, second half: carry out a :class:`GcPlan` (``gc_plan.py``); safe to kill at
-any point and to run again.
+"""``featbake gc``, for any place (a directory, or a bucket through this node's tier): plan ->
+commit -> sweep. :func:`gc` is the one entry point the CLI and the Python API call.
 
-Order (each step commits before the next begins):
+1. Plan (:func:`plan_gc`, reads only; ``--dry-run`` prints it): the catalog's part (roots to
+   drop, rows to delete or evict, shards emptied or rewritten) and the place's sweep
+   (:meth:`~featbake.store.layout.Place.plan_sweep`: shards nothing names once older than the
+   place's age, i.e. the grace period in a directory, the retention period in a bucket; tmp/
+   leftovers; retired catalog versions). The plan is frozen.
+2. Commit (:func:`execute_gc`, through :meth:`~featbake.store.layout.Place.commit`: the
+   catalog's transactions in a directory, the next published version in a bucket), each step
+   committing before the next begins:
 
-1. Drop roots: the manifest file becomes a tombstone, the rows go, the tombstone goes.
-2. Delete feature rows no kept root reaches (re-checked in the DELETE itself, so a build that
-   just published a root naming a key keeps it), then the evicted rows.
-3. Shards left without rows: catalog row first, then the file.
-4. Compaction: copy the live features of low-occupancy (and small) shards into fresh shards
-   (sealed: tmp, fsync, rename), commit rows pointing at them, then delete the old rows and
-   files. A reader holding the old location re-resolves the key once and finds the new one.
-5. Shard files no row names and ``tmp/`` files, once older than the grace period.
-6. Encoder rows nothing mentions any more.
+   a. Drop roots: the manifest file becomes a tombstone, the rows go, the tombstone goes.
+   b. Delete feature rows no kept root reaches (re-checked in the DELETE itself, so a build
+      that just published a root naming a key keeps it), then the evicted rows.
+   c. Shards left without rows: catalog row first, then the file (where the place holds it:
+      a bucket's objects wait for the sweep, readers of older versions may still use them).
+   d. Compaction, where the place rewrites shards: copy the live features of low-occupancy
+      (and small) shards into fresh shards (sealed: tmp, fsync, rename), commit rows pointing
+      at them, then delete the old rows and files. A reader holding the old location
+      re-resolves the key once and finds the new one.
+   e. Encoder rows nothing mentions any more.
+3. Sweep (:meth:`~featbake.store.layout.Place.sweep`): the planned shards (re-checked where
+   the place allows it), then leftovers, then retired catalog versions.
 
 The crash tests kill gc between steps at the named points of :data:`CRASH_POINTS`
 (``FEATBAKE_TEST_CRASH_AT``), then check that a rerun finishes the job and loses nothing.
@@ -19,38 +29,32 @@ The crash tests kill gc between steps at the named points of :data:`CRASH_POINTS
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import signal
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable
 from contextlib import closing
 from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
-from typing import Any, cast
+from typing import Any
 
 from featbake.errors import ConfigError, ShardMissing, StoreCorrupt, StoreError
 from featbake.progress import GcProgress
-from featbake.store.bucket import (
-    PREFIX,
-    SHARDS,
-    BucketStore,
-    Change,
-    ObjectInfo,
-    catalog_shards,
-    merge_bucket,
-    publish_next,
-    version_name,
-    version_of,
-)
 from featbake.store.catalog import Catalog, FeatureRef, Root, ShardRow, ShardUsage
 from featbake.store.catalog import root_file as manifest_file
 from featbake.store.catalog import roots_dir as manifests_dir
-from featbake.store.fragments import fragment_shard_names
-from featbake.store.layout import Layout, fsync_dir, remove_file, shared_write_lock
-from featbake.store.open import StoreRef, open_catalog
+from featbake.store.layout import (
+    Change,
+    Held,
+    Layout,
+    Sweep,
+    fsync_dir,
+    remove_file,
+    shared_write_lock,
+)
+from featbake.store.open import Need, StoreRef, open_catalog, open_store, place_of
 from featbake.store.shard import (
     DEFAULT_SHARD_BYTES,
     DEFAULT_SHARD_ITEMS,
@@ -59,7 +63,6 @@ from featbake.store.shard import (
     ShardWriter,
     tensor_name,
 )
-from featbake.upkeep.files import LooseFile, list_folder, shard_files, shard_name
 
 # == gc_plan =======================================================================================
 # ``featbake gc``, first half: work out what a run will remove, reading only (``--dry-run``).
@@ -71,6 +74,10 @@ DEFAULT_GRACE_S = 3600.0
 
 
 DEFAULT_COMPACT_BELOW = 0.5
+
+#: How long gc keeps what an older catalog version of a bucket store names, and shard objects
+#: nothing names yet (Delta Lake's VACUUM: 7 days).
+DEFAULT_RETENTION_S = 7 * 86400.0
 
 
 HEADER_SLACK = 16  # bytes per tensor a rewritten header may grow by (longer offsets)
@@ -86,6 +93,9 @@ class GcOptions:
         compact_below: rewrite a shard that holds garbage once its live share of bytes is under
             this fraction (0 never, 1 always).
         grace: leave shard files no row names, and ``tmp/`` files, alone until this old.
+        retention: a bucket store keeps what catalog versions retired less than this long ago
+            name, and shard objects nothing names until this old (the bucket's age for the
+            sweep's one rule, as ``grace`` is a directory's).
         shard_bytes: target size of shards written by compaction.
         merge_small: also merge shards under a quarter of ``shard_bytes`` (two or more of one
             encoder and recipe), e.g. the small tail shards that many short builds leave.
@@ -95,6 +105,7 @@ class GcOptions:
     max_bytes: int | None = None
     compact_below: float = DEFAULT_COMPACT_BELOW
     grace: float = DEFAULT_GRACE_S
+    retention: float = DEFAULT_RETENTION_S
     shard_bytes: int = DEFAULT_SHARD_BYTES
     max_items: int = DEFAULT_SHARD_ITEMS
     merge_small: bool = False
@@ -104,6 +115,8 @@ class GcOptions:
             raise ConfigError(f"--compact-below must be in [0, 1], got {self.compact_below}")
         if self.grace < 0:
             raise ConfigError(f"--grace must not be negative (e.g. --grace 1h), got {self.grace}")
+        if self.retention < 0:
+            raise ConfigError(f"--retention must not be negative (e.g. 7d), got {self.retention}")
         if self.older_than is not None and self.older_than <= 0:
             raise ConfigError(f"--older-than must be positive (e.g. 30d), got {self.older_than}")
         if self.shard_bytes <= 0 or self.max_items <= 0:
@@ -144,10 +157,12 @@ class DropRoot:
 
 @dataclass(frozen=True)
 class GcPlan:
-    """What one gc run will do, computed without changing anything.
+    """What one gc run will do, computed without changing anything: the catalog's part, and
+    the place's ``sweep``.
 
     ``freed_bytes`` is the estimate ``--dry-run`` prints: whole shards deleted, the dead share of
-    rewritten shards, orphan shard files and ``tmp/`` leftovers.
+    rewritten shards, and what the sweep deletes (unnamed shards, ``tmp/`` leftovers, retired
+    catalog versions).
     """
 
     layout: Layout
@@ -159,36 +174,46 @@ class GcPlan:
     empty_shards: tuple[ShardRow, ...]
     compact: tuple[ShardRow, ...]
     compact_keep_bytes: int
-    orphan_shards: tuple[LooseFile, ...]
-    young_orphans: int
-    tmp_files: tuple[LooseFile, ...]
+    sweep: Sweep
     disk_bytes: int
+
+    @property
+    def orphan_shards(self) -> tuple[Held, ...]:
+        """Shards nothing names, past the place's age (the sweep deletes them)."""
+        return self.sweep.shards
+
+    @property
+    def young_orphans(self) -> int:
+        """Shards nothing names yet, younger than the place's age (kept)."""
+        return self.sweep.young_shards
+
+    @property
+    def tmp_files(self) -> tuple[Held, ...]:
+        return self.sweep.loose
 
     @property
     def freed_bytes(self) -> int:
         return (
             sum(s.bytes for s in self.empty_shards)
             + max(0, sum(s.bytes for s in self.compact) - self.compact_keep_bytes)
-            + sum(f.bytes for f in self.orphan_shards)
-            + sum(f.bytes for f in self.tmp_files)
+            + self.sweep.bytes
+        )
+
+    @property
+    def changes_catalog(self) -> bool:
+        """Whether the commit step has work (else the catalog stays as it is)."""
+        return bool(
+            self.drop_roots or self.unreached or self.evict or self.empty_shards or self.compact
         )
 
     @property
     def nothing_to_do(self) -> bool:
-        return not (
-            self.drop_roots
-            or self.unreached
-            or self.evict
-            or self.empty_shards
-            or self.compact
-            or self.orphan_shards
-            or self.tmp_files
-        )
+        return not self.changes_catalog and self.sweep.empty
 
     def summary(self) -> dict[str, Any]:
         """Counts and bytes (``gc --json``; the full lists stay in the object)."""
         return {
-            "store": str(self.layout.root),
+            "store": str(place_of(self.layout)),
             "roots_dropped": [d.to_json() for d in self.drop_roots],
             "unreached_features": len({r.key for r in self.unreached}),
             "unreached_bytes": sum(r.nbytes for r in self.unreached),
@@ -196,9 +221,10 @@ class GcPlan:
             "evicted_bytes": sum(r.nbytes for r in self.evict),
             "shards_deleted": len(self.empty_shards),
             "shards_rewritten": len(self.compact),
-            "orphan_shards": len(self.orphan_shards),
-            "orphan_shards_in_grace": self.young_orphans,
-            "tmp_files": len(self.tmp_files),
+            "orphan_shards": len(self.sweep.shards),
+            "orphan_shards_in_grace": self.sweep.young_shards,
+            "tmp_files": len(self.sweep.loose),
+            "old_versions": len(self.sweep.versions),
             "disk_bytes": self.disk_bytes,
             "freed_bytes": self.freed_bytes,
         }
@@ -211,11 +237,13 @@ def plan_gc(
     now: float | None = None,
     drop: Iterable[str] = (),
 ) -> GcPlan:
-    """Work out what gc would remove (reads only; ``featbake gc --dry-run`` prints this).
+    """Work out what gc would remove, on any place (reads only; ``featbake gc --dry-run``
+    prints this).
 
     Args:
-        cache: the store.
-        options: thresholds and budgets (:class:`GcOptions`).
+        cache: the store (a directory, a bucket URL, or its :class:`Layout`).
+        options: thresholds and budgets (:class:`GcOptions`); a place that does not rewrite
+            shards (a bucket) plans no compaction.
         now: the time "now" (tests pass one to age things without waiting).
         drop: names of roots to drop besides those ``older_than`` selects.
 
@@ -226,12 +254,9 @@ def plan_gc(
     opts = options or GcOptions()
     now = time.time() if now is None else now
     layout, catalog = open_catalog(cache)
-    if layout.remote is not None and not isinstance(cache, Layout):
-        catalog.close()
-        raise ConfigError(
-            f"{layout.remote} is a bucket store: its gc publishes a new catalog version and "
-            "sweeps objects; run featbake.upkeep.gc(...) or `featbake gc --cache URL`"
-        )
+    place = place_of(layout)
+    if not place.rewrites_shards():
+        opts = dataclasses.replace(opts, compact_below=0.0, merge_small=False)
     with closing(catalog):
         roots = catalog.roots()
         if opts.older_than is not None:  # a root a dataset reads is in use (features' last use)
@@ -250,15 +275,7 @@ def plan_gc(
             opts,
             _must_rewrite(opts, evict, shard_rows),
         )
-        # Shards of sharded builds not merged yet are named by fragments, not rows: not garbage.
-        # The catalog is read again after the fragments: a merge that folded a fragment in and
-        # removed it meanwhile moved its shards into the catalog, where this second read finds
-        # them.
-        named = {s.name for s in shard_rows} | fragment_shard_names(layout)
-        named |= {s.name for s in catalog.shard_rows()}
-    loose = [f for name, f in shard_files(layout).items() if name not in named]
-    orphans = [f for f in loose if now - f.mtime >= opts.grace]
-    tmp = [f for f in list_folder(layout.tmp, "*").files if now - f.mtime >= opts.grace]
+    sweep = place.plan_sweep(now, opts.grace, opts.retention)
     return GcPlan(
         layout=layout,
         options=opts,
@@ -269,10 +286,8 @@ def plan_gc(
         empty_shards=fates.empty,
         compact=fates.compact,
         compact_keep_bytes=fates.keep_bytes,
-        orphan_shards=tuple(orphans),
-        young_orphans=len(loose) - len(orphans),
-        tmp_files=tuple(tmp),
-        disk_bytes=sum(s.bytes for s in shard_rows) + sum(f.bytes for f in orphans),
+        sweep=sweep,
+        disk_bytes=sum(s.bytes for s in shard_rows) + sum(h.size for h in sweep.shards),
     )
 
 
@@ -452,9 +467,14 @@ def crash_point(step: str) -> None:
 
 @dataclass
 class GcResult:
-    """What gc did. ``problems`` names shards it had to skip (run ``featbake verify``).
+    """What gc did, on any place. ``problems`` names shards it had to skip (run ``featbake
+    verify``).
 
-    Each step of a run returns its own GcResult; the run adds them up (``+``).
+    ``shards_deleted`` counts every shard file or object deleted, ``orphans_removed`` those of
+    them the sweep took (nothing named them); ``young_shards`` are unnamed shards kept until
+    they pass the place's age; ``versions_deleted`` retired catalog versions (a bucket);
+    ``published``: the catalog changed (in a bucket: a new version). Each step of a run returns
+    its own GcResult; the run adds them up (``+``).
     """
 
     roots_dropped: list[str] = field(default_factory=list)
@@ -464,48 +484,128 @@ class GcResult:
     features_moved: int = 0
     orphans_removed: int = 0
     tmp_removed: int = 0
+    versions_deleted: int = 0
+    young_shards: int = 0
     bytes_freed: int = 0
+    published: bool = False
     problems: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
     def __add__(self, other: GcResult) -> GcResult:
-        return GcResult(
-            **{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
-        )
+        added = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
+        return GcResult(**{**added, "published": self.published or other.published})
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def execute_gc(plan: GcPlan, progress: Callable[[GcProgress], None] | None = None) -> GcResult:
-    """Carry out a :class:`GcPlan`: the steps of the module docstring, in order; each commits
-    before the next begins.
+def gc(
+    cache: StoreRef = None,
+    options: GcOptions | None = None,
+    *,
+    now: float | None = None,
+    drop: Iterable[str] = (),
+    dry_run: bool = False,
+    progress: Callable[[GcProgress], None] | None = None,
+    on_plan: Callable[[GcPlan], None] | None = None,
+    **place: Any,
+) -> GcResult:
+    """Run gc on the store at ``cache``, whatever its place: plan -> commit -> sweep (see the
+    module docstring). ``featbake gc`` calls this.
 
-    The whole run holds the store's write lock shared (store/locks.py): ``verify --repair``
-    does not run meanwhile (it would index a shard file gc is about to unlink).
+    Args:
+        cache: a directory, ``s3://bucket/prefix``, or a store's :class:`Layout`.
+        options: thresholds, budgets and ages (:class:`GcOptions`).
+        now: the time "now" (tests pass one to age things without waiting).
+        drop: names of roots to drop besides those ``older_than`` selects.
+        dry_run: plan only; the result says what the run would do.
+        progress: called with :class:`GcProgress` of each step.
+        on_plan: called with the frozen plan before anything changes (the CLI prints it).
+        place: :func:`open_store`'s ``local_cache`` and ``local_cache_size`` (a bucket
+            store's tier).
+
+    Raises:
+        StoreError: no store there, or its catalog or bucket cannot be read or written.
+
+    Example:
+        >>> gc("s3://team/features", GcOptions(older_than=30 * 86400))  # doctest: +SKIP
+    """
+    layout = open_store(cache, need=Need.STORE, **place)
+    if not dry_run:
+        place_of(layout).settle()
+    plan = plan_gc(layout, options, now=now, drop=drop)
+    if on_plan is not None:
+        on_plan(plan)
+    return planned_result(plan) if dry_run else execute_gc(plan, progress)
+
+
+def planned_result(plan: GcPlan) -> GcResult:
+    """What executing ``plan`` would report (a dry run's numbers are the run's)."""
+    s = plan.summary()
+    return GcResult(
+        roots_dropped=[d.name for d in plan.drop_roots],
+        rows_deleted=int(s["unreached_features"]) + int(s["evicted_features"]),
+        shards_deleted=len(plan.sweep.shards),
+        orphans_removed=len(plan.sweep.shards),
+        tmp_removed=len(plan.sweep.loose),
+        versions_deleted=len(plan.sweep.versions),
+        young_shards=plan.sweep.young_shards,
+        bytes_freed=plan.freed_bytes,
+        published=plan.changes_catalog,
+    )
+
+
+def execute_gc(plan: GcPlan, progress: Callable[[GcProgress], None] | None = None) -> GcResult:
+    """Carry out a :class:`GcPlan` on its place: the catalog's steps committed through the
+    place, then the sweep (the module docstring's order).
+
+    In a directory the steps hold the store's write lock shared (store/locks.py):
+    ``verify --repair`` does not run meanwhile (it would index a shard file gc is about to
+    unlink). In a bucket they run on a copy of the newest version, published as the next one
+    (a race lost to another publisher runs them again on the newer version: each step
+    re-checks what it deletes).
     """
     t0 = time.perf_counter()
-    layout = plan.layout
+    place = place_of(plan.layout)
 
     def tick(phase: str, done: int, total: int) -> None:
         if progress:
             progress(GcProgress(phase, done, total))
 
-    with shared_write_lock(layout), closing(Catalog(layout)) as catalog:
-        result = _drop_roots(catalog, plan, tick)
-        result += _delete_rows(catalog, plan, tick)
-        result += _delete_empty_shards(layout, catalog, [s.id for s in plan.empty_shards], tick)
-        if plan.compact:
-            compaction = Compaction(catalog, plan).run(tick)
-            result += compaction.as_result() + _delete_compacted(layout, catalog, compaction)
-        result += _remove_loose_files(catalog, plan)
-        tick("files", 1, 1)
-        catalog.forget_unused_encoders()
+    def change(work: Layout) -> Change[GcResult]:
+        return Change(_commit_steps(plan, work, tick), plan.changes_catalog)
+
+    result = place.commit(change)
+    result.published = plan.changes_catalog
+    swept = place.sweep(plan.sweep, crash_point)
+    result += GcResult(
+        shards_deleted=swept.shards,
+        orphans_removed=swept.shards,
+        tmp_removed=swept.loose,
+        versions_deleted=swept.versions,
+        young_shards=plan.sweep.young_shards,
+        bytes_freed=swept.bytes,
+    )
+    tick("files", 1, 1)
     result.seconds = time.perf_counter() - t0
     return result
 
 
-def _drop_roots(catalog: Catalog, plan: GcPlan, tick: Tick) -> GcResult:
+def _commit_steps(plan: GcPlan, work: Layout, tick: Tick) -> GcResult:
+    """The catalog's steps, on ``work``: the store's own layout, or a copy of a bucket's
+    newest version."""
+    with shared_write_lock(work), closing(Catalog(work)) as catalog:
+        result = _drop_roots(catalog, plan, work, tick)
+        result += _delete_rows(catalog, plan, tick)
+        result += _delete_empty_shards(work, catalog, [s.id for s in plan.empty_shards], tick)
+        if plan.compact:
+            compaction = Compaction(catalog, plan, work).run(tick)
+            result += compaction.as_result() + _delete_compacted(work, catalog, compaction)
+        catalog.forget_unused_encoders()
+    return result
+
+
+def _drop_roots(catalog: Catalog, plan: GcPlan, work: Layout, tick: Tick) -> GcResult:
     """Step 1: drop the plan's roots, then unlink tombstones of drops already committed."""
     cutoff = None if plan.options.older_than is None else plan.now - plan.options.older_than
     dropped = []
@@ -519,7 +619,7 @@ def _drop_roots(catalog: Catalog, plan: GcPlan, tick: Tick) -> GcResult:
             dropped.append(d.name)
         tick("drop", i + 1, len(plan.drop_roots))
     # Tombstones of roots already gone (a crash after COMMIT) only need unlinking.
-    for p in manifests_dir(plan.layout).glob("*.dropped"):
+    for p in manifests_dir(work).glob("*.dropped"):
         if catalog.root(p.name.removesuffix(".dropped")) is None:
             remove_file(p)
     return GcResult(roots_dropped=dropped)
@@ -545,30 +645,13 @@ def _delete_empty_shards(
     if gone:
         crash_point("shard-rows-deleted")
     for i, name in enumerate(gone):
-        out.bytes_freed += catalog.unlink_shard_file(name)
-        out.shards_deleted += 1
+        freed = catalog.unlink_shard_file(name)  # 0 where the place keeps no file (a bucket)
+        out.bytes_freed += freed
+        out.shards_deleted += int(freed > 0)
         crash_point("shard-file-unlinked")
         tick("shards", i + 1, len(gone))
     for d in {layout.shard_path(n).parent for n in gone}:
         fsync_dir(d)
-    return out
-
-
-def _remove_loose_files(catalog: Catalog, plan: GcPlan) -> GcResult:
-    """Step 5: shard files no row names and ``tmp/`` files, past the grace period."""
-    out = GcResult()
-    for f in plan.orphan_shards:
-        # Re-checked under the write lock: indexed since the plan (a late commit, verify
-        # --repair) means it is no longer an orphan.
-        freed = catalog.unlink_shard_file(shard_name(f.path))
-        if not freed:
-            continue
-        out.bytes_freed += freed
-        out.orphans_removed += 1
-        crash_point("orphan-unlinked")
-    for f in plan.tmp_files:
-        out.bytes_freed += remove_file(f.path)
-        out.tmp_removed += 1
     return out
 
 
@@ -618,8 +701,8 @@ class Compaction:
     whole shard.
     """
 
-    def __init__(self, catalog: Catalog, plan: GcPlan) -> None:
-        self.layout, self.catalog, self.plan = plan.layout, catalog, plan
+    def __init__(self, catalog: Catalog, plan: GcPlan, work: Layout) -> None:
+        self.layout, self.catalog, self.plan = work, catalog, plan
         self.out = CompactionResult()
         self._pending: dict[tuple[str, str], int] = {}  # (key, part) -> old shard id
 
@@ -672,190 +755,3 @@ class Compaction:
             for key, part, _, _, _ in rows:
                 out[key][part] = reader.read(tensor_name(key, part))
         return out
-
-
-# == bucket_sweep ==================================================================================
-# Which objects of a bucket store gc may delete: pure, over listings and names.
-#
-# A catalog version is retired once the version after it is older than the retention period: a
-# reader that opened it has had that long to finish its run. A shard object may go once no kept
-# version and no pending fragment names it, and it is itself older than the retention period (a
-# build uploads its shards before the fragment naming them).
-#: How long gc keeps what an older catalog version names (Delta Lake's VACUUM: 7 days).
-DEFAULT_RETENTION_S = 7 * 86400.0
-
-
-@dataclass(frozen=True)
-class Sweep:
-    """The objects a gc run deletes, and the unnamed shards it keeps for the retention period."""
-
-    versions: tuple[ObjectInfo, ...]
-    shards: tuple[ObjectInfo, ...]
-    young_shards: int
-
-    @property
-    def bytes(self) -> int:
-        return sum(o.size for o in (*self.versions, *self.shards))
-
-
-def kept_versions(versions: Sequence[ObjectInfo], now: float, retention: float) -> list[int]:
-    """The versions readers may still hold: the newest, and each whose successor is younger
-    than ``retention``.
-
-    Example:
-        >>> v = [ObjectInfo(f"catalog/v00000000{n}.sqlite", 1, t, "") for n, t in
-        ...      [(1, 0.0), (2, 50.0), (3, 90.0)]]
-        >>> kept_versions(v, now=100.0, retention=20.0)
-        [2, 3]
-    """
-    numbered = sorted((n, o.modified) for o in versions if (n := version_of(o.name)) is not None)
-    kept = []
-    for (n, _), successor in zip(numbered, [*numbered[1:], None], strict=True):
-        if successor is None or now - successor[1] < retention:
-            kept.append(n)
-    return kept
-
-
-def sweep(
-    versions: Sequence[ObjectInfo],
-    shards: Iterable[ObjectInfo],
-    named_by: Mapping[int, set[str]],
-    pending: set[str],
-    now: float,
-    retention: float,
-) -> Sweep:
-    """What to delete, given the shard names each kept version holds (``named_by``, keyed by
-    :func:`kept_versions`) and those pending fragments hold."""
-    keep = set(named_by)
-    old = tuple(o for o in versions if (n := version_of(o.name)) is not None and n not in keep)
-    named = set(pending).union(*named_by.values()) if named_by else set(pending)
-    unnamed = [o for o in shards if _shard_name(o.name) not in named]
-    doomed = tuple(o for o in unnamed if now - o.modified >= retention)
-    return Sweep(old, doomed, len(unnamed) - len(doomed))
-
-
-def _shard_name(object_name: str) -> str:
-    return object_name.rsplit("/", 1)[-1].removesuffix(".safetensors")
-
-
-# == gc_bucket =====================================================================================
-# ``featbake gc`` on a bucket store: the catalog's part as a new version, then a sweep.
-#
-# 1. The local gc (:func:`plan_gc` -> :func:`execute_gc`, unchanged) runs on a copy of the newest
-#    catalog version, which is published as the next version if it changed (drop roots, delete
-#    rows no kept root reaches, evict to ``max_bytes``). Shards are never rewritten on a bucket
-#    (compaction would download and upload every shard it touches): a shard whose rows all went
-#    is deleted by the sweep, a shard with some left stays whole.
-# 2. The sweep (:mod:`featbake.upkeep.gc`) deletes catalog versions retired for longer
-#    than the retention period, then shard objects no kept version and no pending fragment
-#    names, once older than the retention period. Readers hold the version they opened for the
-#    length of their run; a reader that still finds a shard gone (a run longer than the
-#    retention period) looks its features up in the newest version (a rebuild may hold them),
-#    else treats them as misses: encoded live, or an error with ``on_miss="error"``. Nothing
-#    the newest version names is ever deleted.
-@dataclass
-class BucketGcResult:
-    """What gc did to a bucket store: the catalog's part, and the objects swept."""
-
-    catalog: GcResult = field(default_factory=GcResult)
-    published: bool = False
-    versions_deleted: int = 0
-    shards_deleted: int = 0
-    bytes_freed: int = 0
-    young_shards: int = 0  # unnamed shard objects kept until they pass the retention period
-
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-def gc_bucket(
-    target: BucketStore | Layout,
-    options: GcOptions | None = None,
-    *,
-    retention: float = DEFAULT_RETENTION_S,
-    now: float | None = None,
-    dry_run: bool = False,
-) -> BucketGcResult:
-    """Run gc on a bucket store (see the module docstring); with ``dry_run``, change nothing.
-
-    Raises:
-        StoreError: the bucket cannot be read or written.
-    """
-    store = bucket_of(target) if isinstance(target, Layout) else target
-    now = time.time() if now is None else now
-    opts = dataclasses.replace(options or GcOptions(), compact_below=0.0, merge_small=False)
-    result = BucketGcResult()
-
-    def collect(work: Layout) -> Change[GcPlan]:
-        plan = plan_gc(work, opts, now=now)
-        if dry_run or plan.nothing_to_do:
-            result.catalog = planned_result(plan)  # what the run would do, said by a dry run
-            return Change(plan, False)
-        result.catalog = execute_gc(plan)
-        return Change(plan, True)
-
-    if not dry_run:
-        # Readers' last uses wait in serving fragments: folded first, a root read every day
-        # is not idle (issue 28 item 7). A dry run plans on the catalog as it is.
-        merge_bucket(store)
-    if store.local_version():
-        plan = publish_next(store, collect)
-        result.published = not dry_run and not plan.nothing_to_do
-    planned = plan_sweep(store, now, retention)
-    result.young_shards = planned.young_shards
-    result.versions_deleted = len(planned.versions)
-    result.shards_deleted = len(planned.shards)
-    result.bytes_freed = planned.bytes
-    if not dry_run:
-        store.bucket.delete(o.name for o in (*planned.versions, *planned.shards))
-    return result
-
-
-def bucket_of(layout: Layout) -> BucketStore:
-    """The bucket store ``layout`` is the tier of.
-
-    Raises:
-        ConfigError: ``layout`` is a local store.
-    """
-    if layout.remote is None:
-        raise ConfigError(f"{layout.root} is not a bucket store; gc it with plan_gc/execute_gc")
-    return cast(BucketStore, layout.remote)
-
-
-def planned_result(plan: GcPlan) -> GcResult:
-    """What executing ``plan`` would report (a dry run's numbers are the run's)."""
-    s = plan.summary()
-    return GcResult(
-        roots_dropped=[d.name for d in plan.drop_roots],
-        rows_deleted=int(s["unreached_features"]) + int(s["evicted_features"]),
-    )
-
-
-def plan_sweep(store: BucketStore, now: float, retention: float) -> Sweep:
-    """The sweep: listings of the bucket, and the shard names of every kept version.
-
-    The order is what makes it safe beside a merge: shards are listed first, then fragments,
-    then catalog versions. A shard in the first listing is named by a fragment still pending
-    or, once a merge folded that fragment, by a version published before the last listing; a
-    shard uploaded after the first listing is not in it, so is never deleted.
-    """
-    shards = store.bucket.list(SHARDS)
-    store.sync_fragments()
-    pending = fragment_shard_names(store.layout)
-    versions = store.bucket.list(PREFIX)
-    keep = kept_versions(versions, now, retention)
-    named_by = {n: _shard_names(store, n) for n in keep}
-    return sweep(versions, shards, named_by, pending, now, retention)
-
-
-def _shard_names(store: BucketStore, version: int) -> set[str]:
-    """The shard names catalog version ``version`` holds (the tier's copy when it is that one)."""
-    if version == store.local_version():
-        return set(catalog_shards(store.layout.catalog))
-    tmp = store.layout.tmp / f"gc-v{version}.sqlite"
-    try:
-        store.bucket.download(version_name(version), tmp)
-        return set(catalog_shards(tmp))
-    finally:
-        with contextlib.suppress(OSError):
-            tmp.unlink()

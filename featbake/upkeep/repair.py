@@ -21,7 +21,7 @@ from contextlib import closing
 from pathlib import Path
 from typing import NamedTuple
 
-from featbake.errors import StoreCorrupt, StoreError
+from featbake.errors import ConfigError, StoreCorrupt, StoreError
 from featbake.keys import feature_key, sha256_file
 from featbake.progress import GcProgress
 from featbake.store.catalog import (
@@ -36,8 +36,8 @@ from featbake.store.catalog import (
     tombstone_file,
     write_root_file,
 )
-from featbake.store.layout import Layout, exclusive_write_lock, remove_file
-from featbake.store.open import StoreRef
+from featbake.store.layout import Layout, VerifyScope, exclusive_write_lock, remove_file
+from featbake.store.open import StoreRef, place_of
 from featbake.store.shard import (
     SealedShard,
     ShardReader,
@@ -56,11 +56,10 @@ from featbake.upkeep.check import (
     VerifyScan,
     VerifyStatus,
     check_hash_cache,
-    refuse_bucket_repair,
     rows_naming_what_shards_lack,
     scan_store,
     sound_headers,
-    verify_bucket,
+    verify_named,
 )
 from featbake.upkeep.files import existing_store, quarantine, read_manifest
 
@@ -340,11 +339,13 @@ def verify(
 ) -> VerifyReport:
     """Check a store (and with ``repair_damage`` fix it); ``report.exit_code`` is 0, 10 or 11.
 
-    A bucket store (``s3://...``) is checked object by object, from any node, whatever this
-    node's tier holds (:mod:`featbake.upkeep.check`); it is never repaired.
+    Verify reads what the store's place names (:meth:`~featbake.store.layout.Place.verify_scope`):
+    a directory's every file, catalog, roots and hash cache; a bucket's own objects of every
+    shard its catalog names, from any node, whatever this node's tier holds. Repair runs where
+    the place allows it, and is refused in one line elsewhere (a bucket).
 
     Raises:
-        ConfigError: ``repair_damage`` on a bucket store.
+        ConfigError: ``repair_damage`` where the place refuses repair.
         StoreError: no store there, a folder that is not a store, or (with ``repair_damage``) a
             writer keeps sealing shards into it.
 
@@ -354,10 +355,12 @@ def verify(
     """
     t0 = time.perf_counter()
     layout = existing_store(cache, local_cache=local_cache, local_cache_size=local_cache_size)
-    if layout.remote is not None:
-        if repair_damage:
-            refuse_bucket_repair(layout)
-        return verify_bucket(layout, progress)
+    place = place_of(layout)
+    refusal = place.repair_refusal()
+    if repair_damage and refusal is not None:
+        raise ConfigError(refusal)
+    if place.verify_scope() is VerifyScope.NAMED_SHARDS:
+        return verify_named(layout, progress)
     if repair_damage:
         return repair(layout, progress)
     scan = scan_store(layout, progress)

@@ -9,11 +9,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from featbake.store.bucket import Change
 from featbake.store.catalog import QUANTISED, Catalog, Root, ShardRow, ShardUsage, read_fidelity
-from featbake.store.layout import Layout
-from featbake.store.open import StoreRef, commit, open_catalog, resolve_root
-from featbake.upkeep.files import list_folder
+from featbake.store.layout import Change, Layout, list_folder
+from featbake.store.open import StoreRef, commit, open_catalog, place_of, resolve_root
 
 
 @dataclass(frozen=True)
@@ -80,10 +78,10 @@ class TierStats:
 
     @classmethod
     def of(cls, layout: Layout) -> TierStats | None:
-        """The tier ``layout`` is, or None for a local store."""
-        if layout.remote is None:
+        """The tier ``layout`` is, or None where the place has none (a directory)."""
+        usage = place_of(layout).tier_usage()
+        if usage is None:
             return None
-        usage = layout.remote.tier_usage()
         return cls(str(layout.root), usage.version, usage.bytes, usage.budget)
 
 
@@ -201,7 +199,7 @@ def stats(cache: StoreRef = None) -> StoreStats:
     tmp = list_folder(layout.tmp, "*").files
     rows_bytes = sum(u.nbytes for u in usage.values())
     return StoreStats(
-        path=str(layout.remote or layout.root),
+        path=str(place_of(layout)),
         features=totals.features,
         tensors=sum(u.rows for u in usage.values()),
         feature_bytes=totals.nbytes,

@@ -5,8 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from featbake.store.bucket import ObjectInfo, version_name
-from featbake.upkeep.gc import kept_versions, sweep
+from featbake.store.bucket import ObjectInfo, kept_versions, sweep, version_name
 
 times = st.floats(min_value=0, max_value=1000, allow_nan=False)
 

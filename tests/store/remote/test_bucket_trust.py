@@ -25,8 +25,7 @@ from featbake.store.catalog import open_sqlite
 from featbake.store.open import open_store
 from featbake.store.url import BucketURL
 from featbake.testing import write_audio_folder
-from featbake.upkeep import gc_bucket, verify
-from featbake.upkeep.gc import GcOptions
+from featbake.upkeep import GcOptions, gc, verify
 from tests.conftest import live_features, run_cli
 from tests.store.remote.conftest import S3
 
@@ -189,7 +188,7 @@ def test_a_planted_catalog_naming_a_path_outside_the_store_touches_nothing(
     )
     gc_node = open_store(s3.url, local_cache=tmp_path / "gc-node")
     with pytest.raises(StoreCorrupt, match="not a shard name"):
-        gc_bucket(gc_node, GcOptions(older_than=1.0), retention=0.0, now=time.time() + HOUR)
+        gc(gc_node, GcOptions(older_than=1.0, retention=0.0), now=time.time() + HOUR)
     cli = run_cli("gc", "--cache", s3.url, "--retention", "0s", "--local-cache", tmp_path / "c")
     assert cli.returncode == 6 and "not a shard name" in cli.stderr, cli.stderr
     assert victim.read_bytes() == b"precious"
@@ -291,12 +290,12 @@ def test_a_dry_run_reports_what_the_run_does(
     build(audio_dir, encoder_file, cache=s3.url, workers=0)
     later = time.time() + HOUR
     store = open_store(s3.url, local_cache=tmp_path / "gc")
-    dry = gc_bucket(store, GcOptions(older_than=1.0), retention=HOUR, now=later, dry_run=True)
+    dry = gc(store, GcOptions(older_than=1.0, retention=HOUR), now=later, dry_run=True)
     assert len(s3.objects("catalog/")) == 1  # nothing published
-    done = gc_bucket(store, GcOptions(older_than=1.0), retention=HOUR, now=later)
-    assert done.catalog.rows_deleted == 16 and done.published
-    assert dry.catalog.rows_deleted == done.catalog.rows_deleted
-    assert dry.catalog.roots_dropped == done.catalog.roots_dropped
+    done = gc(store, GcOptions(older_than=1.0, retention=HOUR), now=later)
+    assert done.rows_deleted == 16 and done.published
+    assert dry.rows_deleted == done.rows_deleted
+    assert dry.roots_dropped == done.roots_dropped
 
 
 def test_gc_lists_shards_before_versions_so_a_merge_in_between_loses_nothing(
@@ -321,7 +320,7 @@ def test_gc_lists_shards_before_versions_so_a_merge_in_between_loses_nothing(
         return got
 
     monkeypatch.setattr(Bucket, "list", list_then_merge)
-    gc_bucket(gc_node, retention=0.0, now=time.time() + HOUR)
+    gc(gc_node, GcOptions(retention=0.0), now=time.time() + HOUR)
     monkeypatch.setattr(Bucket, "list", real_list)
     ds = CachedFeatureDataset(
         audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "reader", on_miss="error"
@@ -509,8 +508,8 @@ def test_gc_older_than_keeps_a_bucket_root_a_dataset_reads(
     )
     assert_live(ds, encoder_file)  # a training job's day: every item served
     ds.close()
-    gc = gc_bucket(open_store(s3.url, local_cache=tmp_path / "gc"), GcOptions(older_than=86400))
-    assert not gc.catalog.roots_dropped
+    done = gc(open_store(s3.url, local_cache=tmp_path / "gc"), GcOptions(older_than=86400))
+    assert not done.roots_dropped
     reader = CachedFeatureDataset(
         audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "r2", on_miss="error"
     )
