@@ -7,9 +7,14 @@ the store is a directory with safetensors shards and a SQLite catalog, and CLI t
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import io
 import os
+import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -26,6 +31,31 @@ from featbake.testing import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+class TickingClock:
+    """A pace clock on which every reading is one tick after the last.
+
+    A padded batch and the guard's run alone then each take one tick, so per input sample a
+    padded batch (several items' samples) always costs less than an item alone: ``auto`` stays
+    padded whatever the load of the machine running the tests. On the real clock a busy machine
+    once timed padded batches 1.18x slower and a build went exact-shape, failing a test about
+    padding (tests/test_padded_redo.py).
+    """
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+@pytest.fixture(autouse=True)
+def pace_never_reads_the_wall_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every in-process build times its batches on a :class:`TickingClock`; tests of the pace
+    verdict put a modelled device clock there instead (tests/test_pace.py)."""
+    monkeypatch.setattr("featbake.bake.batching.pace_clock", TickingClock())
 
 
 @pytest.fixture
@@ -81,6 +111,91 @@ def run_cli(*args: str | os.PathLike[str], env: dict[str, str] | None = None, **
         timeout=kw.pop("timeout", 300),
         **kw,
     )
+
+
+def cli(*args: str | os.PathLike[str], env: dict[str, str] | None = None, **kw: object):
+    """Run the ``featbake`` command in this process: what :func:`run_cli` returns, without
+    starting an interpreter and importing torch for each call (1-3 s each on a busy machine).
+
+    For tests of what a command does and prints. What only a process shows stays with
+    :func:`run_cli`: the build's watching parent (signals, an encoder that ends the process, a
+    killed build), tracebacks and ``FEATBAKE_DEBUG``, import-time cost, and a few end-to-end
+    calls. As in :func:`run_cli`, ``env`` is added to the environment (``PYTHONPATH`` entries to
+    ``sys.path``), the output is 200 columns wide and Python's warnings print as featbake's one
+    line on stderr; everything is restored afterwards.
+    """
+    from featbake.cli import app as cli_app
+    from featbake.cli.main import main
+
+    argv = [str(a) for a in args]
+    saved_env, saved_path, saved_cwd = dict(os.environ), list(sys.path), os.getcwd()
+    saved_sigterm, saved_format = signal.getsignal(signal.SIGTERM), warnings.formatwarning
+    widths = [(c, c._width) for c in (cli_app.console, cli_app.out)]
+    stdout, stderr = io.StringIO(), io.StringIO()
+    added = [p for p in (env or {}).get("PYTHONPATH", "").split(os.pathsep) if p]
+    code: object = 0
+    try:
+        os.environ.update({"COLUMNS": "200", **(env or {}), "FEATBAKE_NO_SUPERVISOR": "1"})
+        os.environ.pop("FEATBAKE_DEBUG", None)
+        sys.path[:0] = added
+        importlib.invalidate_caches()
+        if kw.get("cwd") is not None:
+            os.chdir(str(kw["cwd"]))
+        for console, _ in widths:
+            console.width = cli_app.piped_width(os.environ)
+        with (
+            contextlib.redirect_stdout(stdout),
+            contextlib.redirect_stderr(stderr),
+            warnings.catch_warnings(),
+        ):
+            warnings.resetwarnings()  # then Python's own start-up filters
+            warnings.simplefilter("default")
+            for category in (ResourceWarning, ImportWarning, PendingDeprecationWarning):
+                warnings.simplefilter("ignore", category)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
+            warnings.showwarning = _warning_to_stderr
+            try:
+                main(argv)
+            except SystemExit as e:
+                code = e.code
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        sys.path[:] = saved_path
+        forget_modules_under([p for p in added if Path(p).resolve() != REPO])
+        os.chdir(saved_cwd)
+        signal.signal(signal.SIGTERM, saved_sigterm)
+        warnings.formatwarning = saved_format
+        for console, width in widths:
+            console._width = width
+    if code is not None and not isinstance(code, int):
+        stderr.write(f"{code}\n")
+        code = 1
+    return subprocess.CompletedProcess(
+        ["featbake", *argv], code or 0, stdout.getvalue(), stderr.getvalue()
+    )
+
+
+def forget_modules_under(folders: list[str]) -> None:
+    """Drop the imported modules whose files lie under ``folders`` (a test's own encoder
+    packages): the next call imports the file as it is then, as a new process would."""
+    roots = [str(Path(f).resolve()) + os.sep for f in folders]
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if file and any(str(Path(file).resolve()).startswith(r) for r in roots):
+            del sys.modules[name]
+
+
+def _warning_to_stderr(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: object = None,
+    line: str | None = None,
+) -> None:
+    sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
 
 
 COUNTING_ENCODER = '''
