@@ -113,7 +113,7 @@ def run_cli(*args: str | os.PathLike[str], env: dict[str, str] | None = None, **
     )
 
 
-def cli(*args: str | os.PathLike[str], env: dict[str, str] | None = None, **kw: object):
+def invoke(*args: str | os.PathLike[str], env: dict[str, str] | None = None, **kw: object):
     """Run the ``featbake`` command in this process: what :func:`run_cli` returns, without
     starting an interpreter and importing torch for each call (1-3 s each on a busy machine).
 

@@ -1,5 +1,5 @@
 """`featbake build`: reports and exit codes through the command run in this process
-(tests.conftest.cli); kill -9, Ctrl-C, signals, killed workers and concurrency in real
+(tests.conftest.invoke); kill -9, Ctrl-C, signals, killed workers and concurrency in real
 subprocesses."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from featbake.encode.sources import AudioSource
 from featbake.recipe import Recipe
 from featbake.testing import TinyConvEncoder, write_audio_folder
-from tests.conftest import REPO, cli, live_features, run_cli
+from tests.conftest import REPO, invoke, live_features, run_cli
 from tests.helpers import assert_store_consistent, can_mount_privately, stored_features
 
 # An import-path encoder that is TinyConvEncoder(seed=0) but slow, and logs each call, so a test
@@ -112,10 +112,10 @@ def _assert_all_stored_and_live(cache: Path, root: str, data: Path, n: int) -> N
 # -- the everyday surface -------------------------------------------------------------------------
 def test_json_report_and_rebuild(tmp_path: Path, encoder_file: Path, audio_dir: Path) -> None:
     args = ["build", "-e", encoder_file, "-d", audio_dir, "--cache", tmp_path / "c", "--json"]
-    first = _json(cli(*args))
+    first = _json(invoke(*args))
     assert first["files"] == first["encoded"] == 16 and first["failed"] == []
     assert len(first["encoder_fp"]) == 64 and first["root"].startswith("r-")
-    again = cli(*args)
+    again = invoke(*args)
     assert again.returncode == 0
     report = _json(again)
     assert (report["encoded"], report["reused"], report["bytes_written"]) == (0, 16, 0)
@@ -126,7 +126,7 @@ def test_json_report_and_rebuild(tmp_path: Path, encoder_file: Path, audio_dir: 
 def test_summary_and_cache_from_the_environment(
     tmp_path: Path, encoder_file: Path, audio_dir: Path
 ) -> None:
-    res = cli(
+    res = invoke(
         "build", "-e", encoder_file, "-d", audio_dir, env={"FEATBAKE_CACHE": str(tmp_path / "env")}
     )
     assert res.returncode == 0, res.stderr
@@ -186,14 +186,14 @@ def test_corrupt_audio_exit_3_lists_it_and_stores_the_rest(
 ) -> None:
     (audio_dir / "part0" / "broken.wav").write_bytes(b"RIFF\x00\x00junk")
     args = ["build", "-e", encoder_file, "-d", audio_dir, "--cache", tmp_path / "c"]
-    res = cli(*args)
+    res = invoke(*args)
     assert res.returncode == 3
     assert "part0/broken.wav" in res.stderr and "cannot decode audio" in res.stderr
     assert "1 of 17 inputs failed" in res.stderr
-    report = _json(cli(*args, "--json"))  # exit 3 again, with the JSON on stdout
+    report = _json(invoke(*args, "--json"))  # exit 3 again, with the JSON on stdout
     assert report["encoded"] == 0 and report["reused"] == 16
     assert report["failed"][0]["path"] == "part0/broken.wav"
-    strict = cli(*args, "--strict")
+    strict = invoke(*args, "--strict")
     assert strict.returncode == 8 and "broken.wav" in strict.stderr
 
 
@@ -204,7 +204,7 @@ def test_every_input_failing_alike_blames_the_encoder_or_options_not_the_inputs(
     told the user to fix or remove the inputs. A 17th, broken file fails differently: the
     inputs are then at fault, as before."""
     args = ["build", "-e", encoder_file, "-d", audio_dir, "--cache", tmp_path / "c", "--no-mono"]
-    res = cli(*args)
+    res = invoke(*args)
     assert res.returncode == 3
     last = res.stderr.strip().splitlines()[-1]
     assert last.startswith("error: every input (16) failed the same way: the encoder")
@@ -214,9 +214,9 @@ def test_every_input_failing_alike_blames_the_encoder_or_options_not_the_inputs(
     assert len(listed) == 16
     assert not [ln for ln in listed if re.match(r"failed (\S+): \1:", ln)]  # named once
     (audio_dir / "broken.wav").write_bytes(b"RIFF\x00\x00junk")
-    mixed = cli(*args)
+    mixed = invoke(*args)
     assert mixed.returncode == 3 and "17 of 17 inputs failed" in mixed.stderr
-    ok = cli(*args[:-1], "--json")  # mono, as the encoder expects
+    ok = invoke(*args[:-1], "--json")  # mono, as the encoder expects
     assert ok.returncode == 3 and _json(ok)["encoded"] == 16
 
 
@@ -354,7 +354,7 @@ def test_no_mono_keeps_channels_and_is_its_own_key(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     reports = {}
     for flag in ("--mono", "--no-mono"):
-        res = cli("build", "-e", "chan_enc:build", "-d", data, "--cache", cache, flag,
+        res = invoke("build", "-e", "chan_enc:build", "-d", data, "--cache", cache, flag,
                       "--workers", "0", "--json", env=env)  # fmt: skip
         assert res.returncode == 0, res.stderr
         reports[flag] = _json(res)
@@ -374,7 +374,7 @@ def test_fifo_symlink_loop_and_non_utf8_name_are_skipped_not_hung(
     os.mkfifo(data / "x.wav")  # reading it would block the build forever
     os.symlink(".", data / "link")  # os.walk(followlinks=True) repeated every file 40 times
     os.link(os.fsencode(data / "clip00000.wav"), os.path.join(os.fsencode(data), b"t\xe9.wav"))
-    res = cli("build", "-e", encoder_file, "-d", data, "--cache", tmp_path / "c", "--json",
+    res = invoke("build", "-e", encoder_file, "-d", data, "--cache", tmp_path / "c", "--json",
                   "--workers", "2", timeout=120)  # fmt: skip
     assert res.returncode == 3, res.stderr
     report = _json(res)
@@ -409,7 +409,7 @@ def test_fifo_symlink_loop_and_non_utf8_name_are_skipped_not_hung(
 def test_absurd_options_are_config_errors_before_any_work(
     tmp_path: Path, encoder_file: Path, audio_dir: Path, option: str, value: str, needle: str
 ) -> None:
-    res = cli("build", "-e", encoder_file, "-d", audio_dir, "--cache", tmp_path / "c",
+    res = invoke("build", "-e", encoder_file, "-d", audio_dir, "--cache", tmp_path / "c",
                   option, value, timeout=60)  # fmt: skip
     assert res.returncode == 2, res.stderr
     assert needle in res.stderr and "internal error" not in res.stderr
@@ -490,10 +490,10 @@ def test_names_and_errors_print_literally_without_emoji(tmp_path: Path, encoder_
     data = tmp_path / "audio"
     write_audio_folder(data, 2, seconds=0.3, seed=34)
     (data / ":x: take1.wav").write_bytes(b"RIFF not audio")
-    res = cli("build", "-e", encoder_file, "-d", data, "--cache", tmp_path / "c")
+    res = invoke("build", "-e", encoder_file, "-d", data, "--cache", tmp_path / "c")
     assert res.returncode == 3
     assert ":x: take1.wav" in res.stderr and "\u274c" not in res.stderr
-    res = cli("build", "-e", "nopkg_xyz:factory:", "-d", data, "--cache", tmp_path / "c")
+    res = invoke("build", "-e", "nopkg_xyz:factory:", "-d", data, "--cache", tmp_path / "c")
     assert res.returncode == 4
     assert "nopkg_xyz:factory:" in res.stderr and "\U0001f3ed" not in res.stderr
 
@@ -524,12 +524,12 @@ def test_non_finite_features_exit_3_unless_allowed(tmp_path: Path, audio_dir: Pa
         "    return Nan()\n"
     )
     args = ["build", "-e", "nan_enc:build", "-d", audio_dir, "--cache", tmp_path / "c", "--json"]
-    res = cli(*args, env={"PYTHONPATH": env["PYTHONPATH"]})
+    res = invoke(*args, env={"PYTHONPATH": env["PYTHONPATH"]})
     assert res.returncode == 3
     report = _json(res)
     assert report["encoded"] == 0 and len(report["failed"]) == 16
     assert _feature_count(tmp_path / "c") == 0
-    res = cli(*args, "--allow-nonfinite", env={"PYTHONPATH": env["PYTHONPATH"]})
+    res = invoke(*args, "--allow-nonfinite", env={"PYTHONPATH": env["PYTHONPATH"]})
     assert res.returncode == 0 and _json(res)["encoded"] == 16
 
 
@@ -537,9 +537,9 @@ def test_export_to_a_path_that_cannot_be_created_is_one_line(
     tmp_path: Path, encoder_file: Path, audio_dir: Path
 ) -> None:
     cache = tmp_path / "c"
-    assert cli("build", "-e", encoder_file, "-d", audio_dir, "--cache", cache).returncode == 0
+    assert invoke("build", "-e", encoder_file, "-d", audio_dir, "--cache", cache).returncode == 0
     (tmp_path / "afile").write_text("x")
-    res = cli("export", tmp_path / "afile" / "feats.zarr", "--cache", cache)
+    res = invoke("export", tmp_path / "afile" / "feats.zarr", "--cache", cache)
     assert res.returncode == 5, res.stderr
     assert "cannot write the export" in res.stderr and "internal error" not in res.stderr
 
@@ -550,21 +550,21 @@ def test_roots_verify_and_gc_do_not_hard_wrap_off_a_terminal(
     data = tmp_path / ("a_rather_long_folder_name_for_the_clips_" * 3) / "audio"
     write_audio_folder(data, 2, seconds=0.3, seed=35)
     cache = tmp_path / "c"
-    assert cli("build", "-e", encoder_file, "-d", data, "--cache", cache).returncode == 0
+    assert invoke("build", "-e", encoder_file, "-d", data, "--cache", cache).returncode == 0
     shard = next((cache / "shards").rglob("*.safetensors"))
     with open(shard, "r+b") as f:  # damage a data byte: verify names the shard's path
         f.seek(-3, os.SEEK_END)
         f.write(b"\xff\xff\xff")
     env = {"COLUMNS": ""}  # as from cron or a pipe: rich would assume 80 columns
-    roots = cli("roots", "--cache", cache, env=env)
+    roots = invoke("roots", "--cache", cache, env=env)
     assert str(data) in roots.stdout, roots.stdout
-    res = cli("verify", "--cache", cache, env=env)
+    res = invoke("verify", "--cache", cache, env=env)
     assert res.returncode == 11
     assert any(shard.name in line for line in res.stdout.splitlines()), res.stdout
     assert all(len(line) <= 80 or shard.name in line or str(data) in line
                for line in res.stdout.splitlines())  # fmt: skip
     time.sleep(1.1)  # the root was built (and used) over a second ago
-    gc = cli("gc", "--cache", cache, "--older-than", "1s", "--dry-run", env=env)
+    gc = invoke("gc", "--cache", cache, "--older-than", "1s", "--dry-run", env=env)
     assert gc.returncode == 0, gc.stderr
     assert any(str(data) in line for line in gc.stdout.splitlines()), gc.stdout
 
@@ -585,7 +585,7 @@ def test_a_shard_deleted_by_hand_is_encoded_again_by_the_next_build(
 
     cache = tmp_path / "c"
     args = ["build", "-e", encoder_file, "-d", audio_dir, "--cache", cache, "--json"]
-    first = _json(cli(*args, "--shard-size", "60KB"))
+    first = _json(invoke(*args, "--shard-size", "60KB"))
     assert first["encoded"] == 16
     shards = sorted((cache / "shards").glob("*/*.safetensors"))
     lost = _keys_of_shard(shards[0]) | _keys_of_shard(shards[-1])
@@ -595,12 +595,12 @@ def test_a_shard_deleted_by_hand_is_encoded_again_by_the_next_build(
     # A new input too: the re-encoded features then seal into a shard of new content, and the
     # rows that named the lost shards must point at it (not "first row wins" to a lost file).
     write_audio_folder(audio_dir / "new", 1, seconds=0.5, seed=91)
-    again = cli(*args)
+    again = invoke(*args)
     assert again.returncode == 0, again.stderr
     report = _json(again)
     assert (report["encoded"], report["reused"]) == (len(lost) + 1, 16 - len(lost))
-    assert _json(cli(*args))["encoded"] == 0
-    check = cli("verify", "--cache", cache)
+    assert _json(invoke(*args))["encoded"] == 0
+    check = invoke("verify", "--cache", cache)
     assert check.returncode == 0, check.stdout
     ds = CachedFeatureDataset(audio_dir, encoder_file, cache=cache, on_miss="error")
     assert len(ds) == 17
@@ -702,7 +702,7 @@ def test_an_encoder_failing_on_some_inputs_skips_them_and_exits_3(
         if AudioSource(Recipe()).load(p).shape[0] > 16000
     }
     assert 0 < len(long) < 16
-    res = cli("build", "-e", encoder, "-d", audio_dir, "--cache", tmp_path / "c", "--json",
+    res = invoke("build", "-e", encoder, "-d", audio_dir, "--cache", tmp_path / "c", "--json",
                   "--batch-size", "4", env={"PYTHONPATH": env["PYTHONPATH"]})  # fmt: skip
     assert res.returncode == 3, res.stderr
     assert "internal error" not in res.stderr and "Traceback" not in res.stderr

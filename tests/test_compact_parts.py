@@ -17,7 +17,7 @@ from featbake.serve.dataset import CachedFeatureDataset
 from featbake.store.catalog import read_fidelity
 from featbake.store.fragments import sealed_fragments
 from featbake.store.layout import Layout
-from tests.conftest import REPO, live_features, run_cli
+from tests.conftest import REPO, invoke, live_features
 from tests.helpers import assert_store_consistent
 from tests.test_ranks import torchrun
 
@@ -35,7 +35,7 @@ def _one_process(data: Path, encoder: Path, store: Path, dtype: str) -> Fidelity
 
 
 def _root(store: Path) -> str:
-    out = run_cli("roots", "--json", "--cache", store)
+    out = invoke("roots", "--json", "--cache", store)
     assert out.returncode == 0, out.stderr
     (root,) = json.loads(out.stdout)
     return root["name"]
@@ -51,7 +51,7 @@ def _assert_merged_and_served(
     assert (pooled.items, pooled.served) == (alone.items, alone.served)
     for field in ("rel_rms", "worst_rel_rms", "mean_cosine", "min_cosine"):
         assert getattr(pooled, field) == pytest.approx(getattr(alone, field), rel=1e-9)
-    shown = run_cli("roots", "--cache", store)
+    shown = invoke("roots", "--cache", store)
     assert f"{pooled.rel_rms:.2%} rel. RMS error" in shown.stdout
     scheme = Scheme(dtype)
     ds = CachedFeatureDataset(data, encoder, cache=store, on_miss="error", dtype=dtype)
@@ -68,10 +68,10 @@ def test_shard_parts_record_fidelity_and_the_merge_pools_it(
 ) -> None:
     store = tmp_path / "parts"
     for part in ("0/2", "1/2"):
-        done = run_cli(*_args(audio_dir, encoder_file, store, dtype), "--shard", part)
+        done = invoke(*_args(audio_dir, encoder_file, store, dtype), "--shard", part)
         assert done.returncode == 0, done.stderr  # main: exit 5, "could not record ... fidelity"
     assert len(sealed_fragments(Layout(store))) >= 2
-    merged = run_cli("merge", "--cache", store)
+    merged = invoke("merge", "--cache", store)
     assert merged.returncode == 0, merged.stderr
     alone = _one_process(audio_dir, encoder_file, tmp_path / "alone", dtype)
     _assert_merged_and_served(store, audio_dir, encoder_file, dtype, alone)

@@ -17,7 +17,7 @@ from featbake.serve.dataset import CachedFeatureDataset
 from featbake.store.catalog import read_fidelity
 from featbake.store.layout import Layout
 from featbake.testing import TinyConvEncoder
-from tests.conftest import encoded_rows, live_features, run_cli
+from tests.conftest import encoded_rows, invoke, live_features
 
 
 def test_output_h_after_a_whole_output_build_encodes_nothing_and_serves_live(
@@ -49,7 +49,7 @@ def test_a_part_build_first_still_encodes_and_the_cli_says_what_it_copied(
     assert (first.encoded, first.derived) == (16, 0)  # nothing to copy from
     whole = build(audio_dir, multi_encoder_file, cache=store_dir, workers=0)
     assert whole.encoded == 16  # a part cannot stand in for the whole output
-    res = run_cli(
+    res = invoke(
         "build", "-e", multi_encoder_file, "-d", audio_dir, "--cache", store_dir,
         "--output", "hidden",
     )  # fmt: skip
@@ -79,14 +79,14 @@ def test_a_dtype_build_after_float32_converts_the_store_and_encodes_nothing(
 ) -> None:
     store, fresh = tmp_path / "store", tmp_path / "fresh"
     base = ["build", "-e", "countenc:build", "-d", audio_dir, "--workers", "0", "--json"]
-    first = _json_report(run_cli(*base, "--cache", store, env=counting_encoder))
+    first = _json_report(invoke(*base, "--cache", store, env=counting_encoder))
     assert first["encoded"] == 16
     calls = len(encoded_rows(counting_encoder))
     pkg = counting_encoder["PYTHONPATH"].split(os.pathsep)[-1]
     src, enc = AudioSource(Recipe()), TinyConvEncoder().eval()
     for dtype, tol in (("float16", 1e-3), ("int8", None)):
         report = _json_report(
-            run_cli(*base, "--cache", store, "--dtype", dtype, env=counting_encoder)
+            invoke(*base, "--cache", store, "--dtype", dtype, env=counting_encoder)
         )
         # It used to run the encoder on all 16 inputs again.
         assert (report["encoded"], report["converted"], report["reused"]) == (0, 16, 0)
@@ -102,7 +102,7 @@ def test_a_dtype_build_after_float32_converts_the_store_and_encodes_nothing(
             else:  # int8: within its quantisation error of the encoder's output
                 assert (got - live).norm() / live.norm() < 0.02
     # The int8 conversion stores what an int8 build encodes, and records the same fidelity.
-    built = _json_report(run_cli(*base, "--cache", fresh, "--dtype", "int8", env=counting_encoder))
+    built = _json_report(invoke(*base, "--cache", fresh, "--dtype", "int8", env=counting_encoder))
     assert built["encoded"] == 16
     assert report["fidelity"]["items"] == built["fidelity"]["items"] == 16
     assert abs(report["fidelity"]["rel_rms"] - built["fidelity"]["rel_rms"]) < 1e-6

@@ -24,7 +24,7 @@ from featbake.errors import ConfigError
 from featbake.recipe import Recipe
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.testing import write_audio_folder
-from tests.conftest import run_cli
+from tests.conftest import invoke
 from tests.helpers import rel_error, stored_features
 
 transformers = pytest.importorskip("transformers")
@@ -208,14 +208,14 @@ def test_cli_builds_a_folder_with_layers_and_refuses_bad_ones(
 ) -> None:
     folder = save_model(tmp_path / "m")
     base = ["build", "-d", clips, "--cache", tmp_path / "s", "--workers", "0"]
-    res = run_cli(*base, "-e", folder, "--layers", "2,0", "--precision", "bf16", "--json")
+    res = invoke(*base, "-e", folder, "--layers", "2,0", "--precision", "bf16", "--json")
     assert res.returncode == 0, res.stderr
     report = json.loads(res.stdout)
     assert report["batching"] == "padded" and report["encoded"] == 8
-    res = run_cli(*base, "-e", folder, "--layer", "9")
+    res = invoke(*base, "-e", folder, "--layer", "9")
     assert res.returncode != 0 and "has 3 layers" in res.stderr
     assert "Traceback" not in res.stderr
-    res = run_cli(*base, "-e", encoder_file, "--layers", "1")
+    res = invoke(*base, "-e", encoder_file, "--layers", "1")
     assert res.returncode != 0 and "hidden states" in res.stderr
 
 
@@ -274,7 +274,7 @@ def test_weights_that_do_not_cover_the_config_are_refused_with_their_names(
     with pytest.raises(WeightsMismatch, match=rf"\d+ {kind} \(.*encoder\.layers\.") as err:
         load_encoder(folder)
     assert "more" in str(err.value) and "num_hidden_layers" in str(err.value)
-    res = run_cli("build", "-e", folder, "-d", clips, "--cache", tmp_path / "s")
+    res = invoke("build", "-e", folder, "-d", clips, "--cache", tmp_path / "s")
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert res.returncode == 4 and len(lines) == 1 and f"{kind} (" in lines[0], res.stderr
 
@@ -293,7 +293,7 @@ def test_a_preprocessor_config_that_is_not_settings_is_one_line(
 ) -> None:
     folder = save_model(tmp_path / "m")
     (folder / "preprocessor_config.json").write_text(text)
-    res = run_cli("build", "-e", folder, "-d", clips, "--cache", tmp_path / "s")
+    res = invoke("build", "-e", folder, "-d", clips, "--cache", tmp_path / "s")
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert res.returncode == 4 and len(lines) == 1 and needle in lines[0], res.stderr
     assert "internal error" not in res.stderr

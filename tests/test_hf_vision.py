@@ -27,7 +27,7 @@ from featbake.image_recipe import Size
 from featbake.recipe import Recipe
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.testing import write_image_folder
-from tests.conftest import run_cli
+from tests.conftest import invoke
 from tests.helpers import real_photos, rel_error
 
 transformers = pytest.importorskip("transformers")
@@ -196,13 +196,13 @@ def test_cli_builds_with_workers_and_options_and_roots_show_the_transform(
 ) -> None:
     store = tmp_path / "s"
     base = ("build", "-d", images, "--cache", store, "--workers", "1", "--json")
-    res = run_cli(*base, "-e", folders["dinov2"])
+    res = invoke(*base, "-e", folders["dinov2"])
     assert res.returncode == 3, res.stderr  # two bad files: skipped with their reasons
     report = json.loads(res.stdout)
     assert report["encoded"] == GOOD and len(report["failed"]) == 2
-    res = run_cli(*base, "-e", folders["dinov2"], "--crop", "24", "--interpolation", "bilinear")
+    res = invoke(*base, "-e", folders["dinov2"], "--crop", "24", "--interpolation", "bilinear")
     assert json.loads(res.stdout)["encoded"] == GOOD  # another transform: another key
-    roots = run_cli("roots", "--cache", store)
+    roots = invoke("roots", "--cache", store)
     assert roots.returncode == 0, roots.stderr
     assert "short 40 bicubic crop 32x32" in roots.stdout
     assert "short 40 bilinear crop 24x24" in roots.stdout
@@ -218,7 +218,7 @@ def test_cli_builds_with_workers_and_options_and_roots_show_the_transform(
         ),
     )
     assert ds[0]["tokens"].shape == (10, 32)  # CLS + 3x3 patches of the 24 px crop
-    bad = run_cli(*base, "-e", folders["dinov2"], "--crop", "24x")
+    bad = invoke(*base, "-e", folders["dinov2"], "--crop", "24x")
     assert bad.returncode == 2 and "224x224" in bad.stderr and "Traceback" not in bad.stderr
 
 

@@ -33,7 +33,7 @@ from featbake.store.fragments import (
 from featbake.store.layout import Layout
 from featbake.store.shard import SealedShard, ShardEntry
 from featbake.testing import write_audio_folder
-from tests.conftest import REPO, live_features, run_cli
+from tests.conftest import REPO, invoke, live_features, run_cli
 from tests.helpers import assert_store_consistent, stored_features
 
 
@@ -127,7 +127,7 @@ def test_a_build_with_a_part_missing_stays_pending(
     assert report.pending[0].ranks_done == (1,) and report.pending[0].world == 2
     assert len(Catalog(Layout(store)).roots()) == 1  # not published: it would be partial
     for command in ("roots", "stats"):
-        shown = run_cli(command, "--cache", store)
+        shown = invoke(command, "--cache", store)
         assert shown.returncode == 0, shown.stderr
         assert "pending" in shown.stdout and "1 of 2 ranks done" in shown.stdout
 
@@ -135,7 +135,7 @@ def test_a_build_with_a_part_missing_stays_pending(
     assert all(
         f.kind in (FragmentKind.PART, FragmentKind.DONE) for f in sealed_fragments(Layout(store))
     )
-    merged = run_cli("merge", "--cache", store)
+    merged = invoke("merge", "--cache", store)
     assert merged.returncode == 0 and "1 roots published" in merged.stdout
     assert pending_builds(Layout(store)) == []
     assert len(Catalog(Layout(store)).roots()) == 2
@@ -241,7 +241,7 @@ def test_gc_keeps_the_shards_of_a_build_not_merged_yet(
     write_audio_folder(other, 3, seconds=0.4, seed=4)
     build(other, encoder_file, cache=store, workers=0)
     build_parts(audio_dir, encoder_file, store, 2, ranks=[0])
-    gc = run_cli("gc", "--grace", "0s", "--cache", store)  # no grace: only fragments protect
+    gc = invoke("gc", "--grace", "0s", "--cache", store)  # no grace: only fragments protect
     assert gc.returncode == 0, gc.stderr
     build_parts(audio_dir, encoder_file, store, 2, ranks=[1])
     report = merge(Layout(store))

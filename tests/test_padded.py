@@ -37,7 +37,7 @@ from featbake.encode.sources import source_for
 from featbake.errors import ConfigError, EncodeError
 from featbake.recipe import Recipe
 from featbake.testing import LengthsEncoder, save_torchscript, write_audio_folder
-from tests.conftest import run_cli
+from tests.conftest import invoke
 from tests.helpers import rel_error, root_keys, stored_features
 
 
@@ -322,20 +322,20 @@ def test_cli_build_reports_the_batching_mode(
     tmp_path: Path, lengths_encoder_file: Path, varied_audio: Path
 ) -> None:
     args = ["build", "-e", lengths_encoder_file, "-d", varied_audio, "--cache", tmp_path / "s"]
-    res = run_cli(*args, "--json", "--batch-seconds", "3", "--workers", "0")
+    res = invoke(*args, "--json", "--batch-seconds", "3", "--workers", "0")
     assert res.returncode == 0, res.stderr
     report = json.loads(res.stdout)  # auto: padded, unless padding was timed slower here
     assert report["batching"] in ("padded", "exact") and report["encoded"] == 14
     assert ("padded length-sorted" if report["batching"] == "padded" else "time per input") in (
         report["batching_note"]
     )
-    res = run_cli(*args, "--json", "--batch-seconds", "3", "--batching", "padded")
+    res = invoke(*args, "--json", "--batch-seconds", "3", "--batching", "padded")
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["batching"] == "padded"
-    res = run_cli(*args, "--batching", "exact")
+    res = invoke(*args, "--batching", "exact")
     assert res.returncode == 0, res.stderr
     assert "exact-shape batching (--batching exact)" in res.stdout
-    res = run_cli(*args, "--precision", "fp8")
+    res = invoke(*args, "--precision", "fp8")
     assert res.returncode != 0 and "precision" in res.stderr and "Traceback" not in res.stderr
 
 

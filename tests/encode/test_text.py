@@ -26,7 +26,7 @@ from featbake.encode.sources import TextSource
 from featbake.errors import ConfigError, SourceError
 from featbake.recipe import Recipe
 from featbake.serve.dataset import CachedFeatureDataset
-from tests.conftest import run_cli
+from tests.conftest import invoke
 from tests.helpers import rel_error
 
 transformers = pytest.importorskip("transformers")
@@ -413,7 +413,7 @@ def test_cli_builds_a_folder_of_texts_and_skips_bad_ones(
     (data / "blank.txt").write_text("\n")
     bert = models["bert"].folder
     store = tmp_path / "store"
-    result = run_cli(
+    result = invoke(
         "build", "--encoder", bert, "--data", data, "--cache", store, "--source", "text"
     )
     assert result.returncode == 3, result.stderr
@@ -426,7 +426,7 @@ def test_cli_builds_a_folder_of_texts_and_skips_bad_ones(
     assert_served_equal(ds, models["bert"], bad=frozenset({"latin1.txt", "blank.txt"}))
     (data / "latin1.txt").unlink()
     (data / "blank.txt").unlink()
-    short = run_cli(
+    short = invoke(
         "build", "--encoder", bert, "--data", data, "--cache", store, "--max-tokens", "4", "--json"
     )
     assert short.returncode == 0, short.stderr
@@ -519,7 +519,7 @@ def test_cli_builds_a_manifests_texts(models: dict[str, TextModel], tmp_path: Pa
     bert = models["bert"].folder
     store = tmp_path / "store"
     args = ["build", "--encoder", bert, "--data", manifest, "--cache", store]
-    result = run_cli(*args, "--source", "text", "--column", "caption")
+    result = invoke(*args, "--source", "text", "--column", "caption")
     assert result.returncode == 3, result.stderr
     failed = [line for line in result.stderr.splitlines() if line.startswith("failed")]
     assert failed == ["failed captions.jsonl:6: column 'caption' is empty"]
@@ -539,7 +539,7 @@ def test_roots_show_each_text_roots_tokenizer_and_limit(
     steps = recipe_for_encoder(bert, Recipe(source="text")).text
     assert steps is not None
     build(texts, bert, cache=store, recipe=Recipe(source="text", text=steps.replace(max_length=4)))
-    shown = run_cli("roots", "--cache", store)
+    shown = invoke("roots", "--cache", store)
     assert shown.returncode == 0, shown.stderr
     tokenizer = f"tokenizer {steps.tokenizer[:14]}"
     assert f"text float32 {tokenizer} max 64 tokens" in shown.stdout

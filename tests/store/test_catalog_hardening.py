@@ -23,7 +23,7 @@ from featbake.serve.dataset import CachedFeatureDataset
 from featbake.store.catalog import SCHEMA_VERSION, Access, Catalog, FileStat, HashRow, RootSpec
 from featbake.store.layout import Layout
 from featbake.testing import TinyConvEncoder, save_torchscript
-from tests.conftest import REPO, live_features, run_cli
+from tests.conftest import REPO, invoke, live_features
 from tests.helpers import can_mount_privately
 
 #: A root the tests publish before they take the catalog away or make the store read-only.
@@ -185,20 +185,20 @@ def test_a_new_catalog_beside_root_manifests_is_refused(tmp_path: Path) -> None:
 def test_build_refuses_to_start_over_when_the_catalog_is_lost(
     audio_dir: Path, encoder_file: Path, store_dir: Path
 ) -> None:
-    first = run_cli(
+    first = invoke(
         "build", "--data", audio_dir, "--encoder", encoder_file, "--cache", store_dir, "--json"
     )
     assert first.returncode == 0, first.stderr
     shards = sorted(p.name for p in store_dir.rglob("*.safetensors"))
     _delete_catalog(store_dir)
-    again = run_cli("build", "--data", audio_dir, "--encoder", encoder_file, "--cache", store_dir)
+    again = invoke("build", "--data", audio_dir, "--encoder", encoder_file, "--cache", store_dir)
     assert again.returncode == 5, again.stdout + again.stderr
     assert "featbake verify --repair" in again.stderr and "Traceback" not in again.stderr
     assert not (store_dir / "catalog.sqlite").exists()  # nothing started over
     assert sorted(p.name for p in store_dir.rglob("*.safetensors")) == shards
-    repaired = run_cli("verify", "--cache", store_dir, "--repair")
+    repaired = invoke("verify", "--cache", store_dir, "--repair")
     assert repaired.returncode == 10, repaired.stdout + repaired.stderr
-    res = run_cli(
+    res = invoke(
         "build", "--data", audio_dir, "--encoder", encoder_file, "--cache", store_dir, "--json"
     )
     assert res.returncode == 0 and '"encoded": 0' in res.stdout, res.stdout + res.stderr
@@ -291,7 +291,7 @@ def test_a_store_opened_read_only_is_read_and_writes_say_so(
         capture_output=True, text=True, env=env, timeout=300, check=False,
     )  # fmt: skip
     _check_read_only_run(proc, out, audio_dir, encoder_file)
-    res = run_cli("build", "--data", audio_dir, "--encoder", encoder_file, "--cache", store_dir,
+    res = invoke("build", "--data", audio_dir, "--encoder", encoder_file, "--cache", store_dir,
                   env={"FEATBAKE_READ_ONLY": "1"})  # fmt: skip
     assert res.returncode == 5 and "read-only" in res.stderr, res.stdout + res.stderr
     assert "Traceback" not in res.stderr

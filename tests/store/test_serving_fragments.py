@@ -37,7 +37,7 @@ from featbake.store.fragments import (
 )
 from featbake.store.layout import Layout, SharedFilesystemWarning
 from featbake.testing import make_tone, write_audio_folder
-from tests.conftest import REPO, live_features, run_cli
+from tests.conftest import REPO, invoke, live_features, run_cli
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 SHARED = {"FEATBAKE_SHARED_FS": "1"}
@@ -120,14 +120,14 @@ def test_a_dataset_reads_the_catalog_only_and_writes_back_to_fragments_that_merg
     again.close()
     assert catalog_state(store_dir) == before
 
-    roots = run_cli("roots", "--cache", store_dir, env=SHARED)
+    roots = invoke("roots", "--cache", store_dir, env=SHARED)
     assert roots.returncode == 0 and "serving fragments" in roots.stdout, roots.stderr
     # gc keeps shards that only unmerged fragments name, even with no grace period.
-    gc = run_cli("gc", "--grace", "0s", "--cache", store_dir, env=SHARED)
+    gc = invoke("gc", "--grace", "0s", "--cache", store_dir, env=SHARED)
     assert gc.returncode == 0, gc.stderr
     assert all(Layout(store_dir).shard_path(n).is_file() for n in written)
 
-    merged = run_cli("merge", "--cache", store_dir, env=SHARED)
+    merged = invoke("merge", "--cache", store_dir, env=SHARED)
     assert merged.returncode == 0, merged.stderr
     assert "merged" in merged.stdout and serve_fragments(store_dir) == []
     assert written <= cataloged_shards(store_dir)
@@ -137,13 +137,13 @@ def test_a_dataset_reads_the_catalog_only_and_writes_back_to_fragments_that_merg
     assert fresh.cache_info().encoded == 0
     fresh.close()  # seals its last uses (and hash rows no longer racy): folded by a merge
     assert serve_fragments(store_dir)
-    assert run_cli("merge", "--cache", store_dir, env=SHARED).returncode == 0
-    gc = run_cli("gc", "--grace", "0s", "--cache", store_dir, env=SHARED)
+    assert invoke("merge", "--cache", store_dir, env=SHARED).returncode == 0
+    gc = invoke("gc", "--grace", "0s", "--cache", store_dir, env=SHARED)
     assert gc.returncode == 0, gc.stderr
     assert all(Layout(store_dir).shard_path(n).is_file() for n in written)  # the root has them
-    verify = run_cli("verify", "--cache", store_dir, env=SHARED)
+    verify = invoke("verify", "--cache", store_dir, env=SHARED)
     assert verify.returncode == 0, verify.stdout + verify.stderr
-    assert run_cli("merge", "--cache", store_dir, env=SHARED).stdout.strip() == "nothing to merge"
+    assert invoke("merge", "--cache", store_dir, env=SHARED).stdout.strip() == "nothing to merge"
 
 
 def test_the_writer_serves_its_write_back_and_last_uses_reach_the_catalog_through_merge(

@@ -9,7 +9,7 @@ import pytest
 import zarr
 
 from featbake.testing import TinyConvEncoder, save_torchscript
-from tests.conftest import run_cli
+from tests.conftest import invoke
 from tests.helpers import bake, shard_files
 
 
@@ -29,44 +29,44 @@ def _json(proc) -> dict:
 @pytest.mark.slow
 def test_stats_roots_gc_export_round(baked: dict, store_dir: Path, tmp_path: Path) -> None:
     a, b = baked["a"], baked["b"]
-    s = _json(run_cli("stats", "--cache", store_dir, "--json"))
+    s = _json(invoke("stats", "--cache", store_dir, "--json"))
     assert s["features"] == 20 and s["dead_features"] == 0
     assert {r["name"] for r in s["roots"]} == {a.root, b.root}
-    text = run_cli("stats", "--cache", store_dir)
+    text = invoke("stats", "--cache", store_dir)
     assert text.returncode == 0 and a.root in text.stdout and "encoders" in text.stdout
 
-    roots = _json(run_cli("roots", "--cache", store_dir, "--json"))
+    roots = _json(invoke("roots", "--cache", store_dir, "--json"))
     assert {r["name"]: r["items"] for r in roots} == {a.root: 16, b.root: 4}
-    drop = run_cli("roots", "--cache", store_dir, "drop", b.root[:8])
+    drop = invoke("roots", "--cache", store_dir, "drop", b.root[:8])
     assert drop.returncode == 0 and b.root in drop.stdout, drop.stderr
 
-    dry = _json(run_cli("gc", "--cache", store_dir, "--dry-run", "--json"))
+    dry = _json(invoke("gc", "--cache", store_dir, "--dry-run", "--json"))
     assert dry["plan"]["unreached_features"] == 4
     before = shard_files(store_dir)
-    done = _json(run_cli("gc", "--cache", store_dir, "--json"))
+    done = _json(invoke("gc", "--cache", store_dir, "--json"))
     assert done["result"]["rows_deleted"] == 4
     assert done["result"]["bytes_freed"] == dry["plan"]["freed_bytes"]
     assert sum(before.values()) - sum(shard_files(store_dir).values()) == dry["plan"]["freed_bytes"]
 
     out = tmp_path / "a.zarr"
-    exp = run_cli("export", "--format", "zarr", out, "--cache", store_dir)
+    exp = invoke("export", "--format", "zarr", out, "--cache", store_dir)
     assert exp.returncode == 0, exp.stderr
     assert zarr.open_group(str(out), mode="r")["keys"].shape == (16,)
-    bad = run_cli("export", "--format", "hdf5", tmp_path / "x", "--cache", store_dir)
+    bad = invoke("export", "--format", "hdf5", tmp_path / "x", "--cache", store_dir)
     assert bad.returncode == 2 and "zarr" in bad.stderr
 
 
 @pytest.mark.slow
 def test_verify_exit_codes_clean_damaged_repaired(baked: dict, store_dir: Path) -> None:
-    assert run_cli("verify", "--cache", store_dir).returncode == 0
+    assert invoke("verify", "--cache", store_dir).returncode == 0
     victim = sorted(shard_files(store_dir))[0]
     with open(victim, "r+b") as f:
         f.truncate(victim.stat().st_size - 7)
-    damaged = run_cli("verify", "--cache", store_dir)
+    damaged = invoke("verify", "--cache", store_dir)
     assert damaged.returncode == 11 and "corrupt-shard" in damaged.stdout
-    repaired = _json_rc(run_cli("verify", "--cache", store_dir, "--repair", "--json"), 10)
+    repaired = _json_rc(invoke("verify", "--cache", store_dir, "--repair", "--json"), 10)
     assert repaired["status"] == "repaired" and repaired["exit_code"] == 10
-    assert run_cli("verify", "--cache", store_dir).returncode == 0
+    assert invoke("verify", "--cache", store_dir).returncode == 0
 
 
 def _json_rc(proc, rc: int) -> dict:
@@ -75,10 +75,10 @@ def _json_rc(proc, rc: int) -> dict:
 
 
 def test_commands_on_a_missing_store_print_one_line(tmp_path: Path) -> None:
-    proc = run_cli("stats", "--cache", tmp_path / "none")
+    proc = invoke("stats", "--cache", tmp_path / "none")
     assert proc.returncode == 5
     assert proc.stderr.strip().startswith("error:") and len(proc.stderr.strip().splitlines()) == 1
-    help_text = run_cli("verify", "--help")
+    help_text = invoke("verify", "--help")
     assert "10" in help_text.stdout and "11" in help_text.stdout
 
 
@@ -102,16 +102,16 @@ def test_repair_gives_swapped_shard_names_back_and_loses_nothing(
         p.rename(stage / str(i))
     for i in range(cycle):
         (stage / str(i)).rename(moved[(i + 1) % cycle])
-    damaged = run_cli("verify", "--cache", store_dir)
+    damaged = invoke("verify", "--cache", store_dir)
     assert damaged.returncode == 11, damaged.stderr
-    repaired = run_cli("verify", "--cache", store_dir, "--repair", "--json")
+    repaired = invoke("verify", "--cache", store_dir, "--repair", "--json")
     assert repaired.returncode == 10, repaired.stderr
     out = json.loads(repaired.stdout)
     assert out["features_lost"] == 0
     assert sum("back to its content name" in a for a in out["actions"]) == cycle
     assert not (store_dir / "quarantine").exists() or not any((store_dir / "quarantine").iterdir())
     assert sorted(shard_files(store_dir)) == paths
-    assert run_cli("verify", "--cache", store_dir).returncode == 0
+    assert invoke("verify", "--cache", store_dir).returncode == 0
     assert assert_serves(store_dir, report.root, audio_dir, encoder_file, Live()) == 16
 
 
@@ -129,7 +129,7 @@ def test_stats_and_roots_fit_80_columns_and_count_one_way(
     report = bake(data, multi_encoder_file, store_dir)  # 2 outputs: 2 tensors per feature
     env = {"COLUMNS": "80"}
     for cmd in ("stats", "roots"):
-        res = run_cli(cmd, "--cache", store_dir, env=env)
+        res = invoke(cmd, "--cache", store_dir, env=env)
         assert res.returncode == 0, res.stderr
         lines = res.stdout.splitlines()
         paths = (str(data), str(multi_encoder_file))  # a path is never split: it may run past
@@ -139,7 +139,7 @@ def test_stats_and_roots_fit_80_columns_and_count_one_way(
         head = next(ln for ln in lines if ln.startswith(report.root))
         assert re.search(r"last used \d{4}-\d\d-\d\d \d\d:\d\d$", head), head
         assert any(ln.strip() == f"data     {data}" for ln in lines)  # the path whole
-    stats = run_cli("stats", "--cache", store_dir, env=env).stdout
+    stats = invoke("stats", "--cache", store_dir, env=env).stdout
     assert "16 inputs, 32 tensors" in stats
     assert re.search(r"^[0-9a-f]{12}  32 tensors, ", stats, re.MULTILINE), stats
 

@@ -19,7 +19,7 @@ from featbake.store.layout import Layout
 from featbake.store.shard import write_shard
 from featbake.testing import TinyConvEncoder, save_torchscript, write_audio_folder
 from featbake.upkeep import CRASH_ENV, CRASH_POINTS, GcOptions, execute_gc, plan_gc, verify
-from tests.conftest import run_cli
+from tests.conftest import invoke, run_cli
 from tests.helpers import (
     Live,
     age,
@@ -280,7 +280,7 @@ def test_dry_run_changes_nothing_and_young_files_wait_for_the_grace_period(
     Catalog(Layout(store_dir)).drop_root(report.root)
     before = shard_files(store_dir)
 
-    proc = run_cli("gc", "--cache", store_dir, "--dry-run")
+    proc = invoke("gc", "--cache", store_dir, "--dry-run")
     assert proc.returncode == 0, proc.stderr
     assert "would free" in proc.stdout and shard_files(store_dir) == before
 
@@ -395,7 +395,7 @@ def test_gc_and_verify_while_a_merge_folds_in_and_removes_a_fragment(
     monkeypatch.setattr(fragments, "sealed_fragments", listed_then_merged)
     plan = plan_gc(store, GcOptions(grace=0))
     assert not plan.orphan_shards
-    assert run_cli("verify", "--cache", store).returncode == 0  # merged: a clean store
+    assert invoke("verify", "--cache", store).returncode == 0  # merged: a clean store
     monkeypatch.setattr(fragments, "sealed_fragments", listed_then_merged)
     checked = verify(store)
     assert checked.status == "clean", checked.findings
@@ -412,7 +412,7 @@ def test_gc_max_bytes_on_a_row_whose_shard_row_is_gone_says_to_repair(
         conn.execute("PRAGMA foreign_keys=OFF")
         first = "(SELECT MIN(key) FROM features)"
         conn.execute(f"UPDATE features SET shard_id = 999999 WHERE key = {first}")
-    res = run_cli("gc", "--cache", store_dir, "--max-bytes", "1KiB")
+    res = invoke("gc", "--cache", store_dir, "--max-bytes", "1KiB")
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert res.returncode == 5 and len(lines) == 1, res.stderr
     assert "verify --repair" in lines[0] and "Traceback" not in res.stderr

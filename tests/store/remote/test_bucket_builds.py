@@ -18,7 +18,7 @@ from featbake.encode.sources import source_for
 from featbake.store.bucket import BucketStore, merge_bucket
 from featbake.store.open import open_store
 from featbake.testing import TinyConvEncoder, write_audio_folder
-from tests.conftest import REPO, encoded_rows, live_features, run_cli
+from tests.conftest import REPO, encoded_rows, invoke, live_features, run_cli
 from tests.store.remote.conftest import S3
 
 ENCODER = "countenc:build"
@@ -109,13 +109,13 @@ def test_parts_built_on_two_nodes_are_merged_from_a_third(
 ) -> None:
     monkeypatch.syspath_prepend(counting_encoder["PYTHONPATH"].split(os.pathsep)[1])
     for i, name in enumerate("ab"):
-        part = run_cli(
+        part = invoke(
             *build_args(clips, s3.url), "--shard", f"{i}/2",
             env=node(s3, name, tmp_path, counting_encoder),
         )  # fmt: skip
         assert part.returncode == 0, part.stderr
     assert not s3.objects("catalog/") and s3.objects("fragments/")
-    merged = run_cli("merge", "--cache", s3.url, env=node(s3, "c", tmp_path, counting_encoder))
+    merged = invoke("merge", "--cache", s3.url, env=node(s3, "c", tmp_path, counting_encoder))
     assert merged.returncode == 0, merged.stderr
     assert "1 roots published" in merged.stdout or "roots published" in merged.stdout
     assert s3.objects("catalog/") == ["catalog/v000000001.sqlite"]
@@ -168,7 +168,7 @@ def test_misses_served_from_a_bucket_are_written_back_and_merged(
     ds.close()  # seals the write-back shard: its fragment and shard go to the bucket
     assert s3.objects("fragments/") and s3.objects("shards/")
     other_node = {**s3.env, "FEATBAKE_LOCAL_CACHE": str(tmp_path / "t2")}
-    merged = run_cli("merge", "--cache", s3.url, env=other_node)
+    merged = invoke("merge", "--cache", s3.url, env=other_node)
     assert merged.returncode == 0, merged.stderr
     again = CachedFeatureDataset(
         audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "t3", on_miss="error"

@@ -22,7 +22,7 @@ from featbake.store.shard import write_shard
 from featbake.store.url import BucketURL
 from featbake.upkeep import GcOptions, execute_gc, gc, plan_gc, verify
 from featbake.upkeep.check import verify_named
-from tests.conftest import live_features, run_cli
+from tests.conftest import invoke, live_features
 from tests.store.remote.conftest import S3
 
 HOUR = 3600.0
@@ -79,10 +79,10 @@ def test_gc_keeps_young_unnamed_shards_and_the_cli_says_so(
 ) -> None:
     build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
     time.sleep(1.5)  # the root is now unused for longer than --older-than 1s
-    dry = run_cli("gc", "--cache", s3.url, "--older-than", "1s", "--dry-run")
+    dry = invoke("gc", "--cache", s3.url, "--older-than", "1s", "--dry-run")
     assert dry.returncode == 0, dry.stderr
     assert "dry run" in dry.stdout and "would delete 0 old catalog versions" in dry.stdout
-    done = run_cli("gc", "--cache", s3.url, "--older-than", "1s")
+    done = invoke("gc", "--cache", s3.url, "--older-than", "1s")
     assert done.returncode == 0, done.stderr
     # The root went in a new version; its shards are unnamed now but young: kept (7 days).
     assert "unnamed shards kept" in done.stdout and s3.objects("shards/")
@@ -158,14 +158,14 @@ def test_the_python_gc_and_the_cli_agree_on_either_place(
     report = build(audio_dir, encoder_file, cache=place_store, workers=0, shard_bytes=60_000)
     time.sleep(1.1)  # the root is now unused for longer than --older-than 1s
     args = ("gc", "--cache", place_store, "--older-than", "1s", "--json")
-    dry = run_cli(*args, "--dry-run")
+    dry = invoke(*args, "--dry-run")
     assert dry.returncode == 0, dry.stderr
     said = json.loads(dry.stdout)["plan"]
     planned = gc(place_store, GcOptions(older_than=1.0), dry_run=True)
     assert [d["name"] for d in said["roots_dropped"]] == planned.roots_dropped == [report.root]
     assert said["unreached_features"] == planned.rows_deleted == 16
     assert said["store"] == str(place_of(open_store(place_store)))
-    done = run_cli(*args)
+    done = invoke(*args)
     assert done.returncode == 0, done.stderr
     got = json.loads(done.stdout)["result"]
     assert got["roots_dropped"] == planned.roots_dropped and got["published"]

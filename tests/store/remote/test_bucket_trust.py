@@ -26,7 +26,7 @@ from featbake.store.open import open_store
 from featbake.store.url import BucketURL
 from featbake.testing import write_audio_folder
 from featbake.upkeep import GcOptions, gc, verify
-from tests.conftest import live_features, run_cli
+from tests.conftest import invoke, live_features
 from tests.store.remote.conftest import S3
 
 HOUR = 3600.0
@@ -81,7 +81,7 @@ def test_verify_reads_the_objects_not_the_tier_that_holds_good_copies(
     (bad,) = report.remaining
     assert bad.subject == f"{s3.url}/{shard}" and "delete this object" in bad.detail
     assert report.shards_checked == len(s3.objects("shards/")) - 1 and report.bytes_checked > 0
-    cli = run_cli("verify", "--cache", s3.url, "--local-cache", tier)
+    cli = invoke("verify", "--cache", s3.url, "--local-cache", tier)
     assert cli.returncode == 11, cli.stderr
     assert f"{s3.url}/{shard}" in cli.stdout and "corrupt-shard" in cli.stdout
 
@@ -167,7 +167,7 @@ def test_a_tier_folder_given_as_a_store_is_refused(
     tier = tmp_path / "tier"
     build(audio_dir, encoder_file, cache=open_store(s3.url, local_cache=tier), workers=0)
     (catalog,) = tier.rglob("catalog.sqlite")
-    refused = run_cli("build", "-e", encoder_file, "-d", audio_dir, "--cache", catalog.parent)
+    refused = invoke("build", "-e", encoder_file, "-d", audio_dir, "--cache", catalog.parent)
     assert refused.returncode == 2, refused.stderr
     assert "local tier of the bucket store" in refused.stderr and s3.url in refused.stderr
 
@@ -189,7 +189,7 @@ def test_a_planted_catalog_naming_a_path_outside_the_store_touches_nothing(
     gc_node = open_store(s3.url, local_cache=tmp_path / "gc-node")
     with pytest.raises(StoreCorrupt, match="not a shard name"):
         gc(gc_node, GcOptions(older_than=1.0, retention=0.0), now=time.time() + HOUR)
-    cli = run_cli("gc", "--cache", s3.url, "--retention", "0s", "--local-cache", tmp_path / "c")
+    cli = invoke("gc", "--cache", s3.url, "--retention", "0s", "--local-cache", tmp_path / "c")
     assert cli.returncode == 6 and "not a shard name" in cli.stderr, cli.stderr
     assert victim.read_bytes() == b"precious"
     assert len(s3.objects("shards/")) == shards  # nothing deleted on a planted version's word
@@ -203,7 +203,7 @@ def test_catalog_version_numbers_keep_working_past_nine_digits() -> None:
 
 # -- URLs, endpoints and credentials --------------------------------------------------------------
 def test_an_empty_bucket_in_the_url_is_refused_and_makes_no_folder(tmp_path: Path) -> None:
-    got = run_cli("stats", "--cache", "s3://", cwd=tmp_path)
+    got = invoke("stats", "--cache", "s3://", cwd=tmp_path)
     assert got.returncode == 2 and "names no bucket" in got.stderr, got.stderr
     assert not any(tmp_path.iterdir())
 
@@ -218,7 +218,7 @@ def test_an_empty_bucket_in_the_url_is_refused_and_makes_no_folder(tmp_path: Pat
 def test_a_malformed_endpoint_or_profile_is_one_line(
     env: dict[str, str], says: str, tmp_path: Path
 ) -> None:
-    got = run_cli(
+    got = invoke(
         "stats", "--cache", "s3://bucket/p", "--local-cache", tmp_path,
         env={"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", **env},
     )  # fmt: skip
@@ -227,13 +227,13 @@ def test_a_malformed_endpoint_or_profile_is_one_line(
 
 
 def test_a_bad_bucket_name_is_one_line(tmp_path: Path) -> None:
-    got = run_cli("stats", "--cache", "s3://Bad_Bucket!/p", "--local-cache", tmp_path)
+    got = invoke("stats", "--cache", "s3://Bad_Bucket!/p", "--local-cache", tmp_path)
     assert got.returncode == 2 and "not a bucket name" in got.stderr, got.stderr
 
 
 def test_credentials_in_the_endpoint_reach_no_message_and_no_folder(s3: S3, tmp_path: Path) -> None:
     endpoint = s3.endpoint.replace("http://", "http://someone:hunter2secret@")
-    got = run_cli(
+    got = invoke(
         "stats", "--cache", "s3://no-such-bucket-here/p", "--local-cache", tmp_path / "t",
         env={"AWS_ENDPOINT_URL": endpoint},
     )  # fmt: skip
@@ -273,7 +273,7 @@ def stalled_endpoint() -> Iterator[str]:
 
 
 def test_a_stalled_endpoint_is_one_line_not_a_hang(stalled_endpoint: str, tmp_path: Path) -> None:
-    got = run_cli(
+    got = invoke(
         "stats", "--cache", "s3://bucket/p", "--local-cache", tmp_path,
         env={"AWS_ENDPOINT_URL": stalled_endpoint, "AWS_ACCESS_KEY_ID": "k",
              "AWS_SECRET_ACCESS_KEY": "s", "FEATBAKE_S3_TIMEOUT": "0.5"},
@@ -333,28 +333,28 @@ def test_stats_and_export_take_the_local_cache_options(
 ) -> None:
     build(audio_dir, encoder_file, cache=s3.url, workers=0)
     tier = tmp_path / "named-tier"
-    got = run_cli(
+    got = invoke(
         "stats", "--cache", s3.url, "--local-cache", tier, "--local-cache-size", "20MiB", "--json"
     )
     assert got.returncode == 0, got.stderr
     held = json.loads(got.stdout)["tier"]
     assert held["budget"] == 20 << 20 and held["path"].startswith(str(tier))
     out = tmp_path / "f.zarr"
-    exported = run_cli("export", out, "--cache", s3.url, "--local-cache", tier)
+    exported = invoke("export", out, "--cache", s3.url, "--local-cache", tier)
     assert exported.returncode == 0, exported.stderr
     shutil.rmtree(out)
     for args in (["roots"], ["merge"]):
-        got = run_cli(*args, "--cache", s3.url, "--local-cache", tier, "--local-cache-size", "1GiB")
+        got = invoke(*args, "--cache", s3.url, "--local-cache", tier, "--local-cache-size", "1GiB")
         assert got.returncode == 0, (args, got.stderr)
-    name = json.loads(run_cli("roots", "--cache", s3.url, "--json").stdout)[0]["name"]
-    dropped = run_cli("roots", "drop", name, "--cache", s3.url, "--local-cache", tier)
+    name = json.loads(invoke("roots", "--cache", s3.url, "--json").stdout)[0]["name"]
+    dropped = invoke("roots", "drop", name, "--cache", s3.url, "--local-cache", tier)
     assert dropped.returncode == 0 and name in dropped.stdout, dropped.stderr
 
 
 def test_a_read_only_build_into_a_bucket_writes_nothing(
     s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
 ) -> None:
-    got = run_cli(
+    got = invoke(
         "build", "-e", encoder_file, "-d", audio_dir, "--cache", s3.url,
         "--local-cache", tmp_path / "t", env={"FEATBAKE_READ_ONLY": "1"},
     )  # fmt: skip
@@ -522,7 +522,7 @@ def test_a_damaged_catalog_version_is_named_with_what_to_do(
     build(audio_dir, encoder_file, cache=s3.url, workers=0)
     (tmp_path / "junk").write_bytes(b"SQLite format 3\x00" + b"\x17" * 5000)
     bucket_of(s3).upload(version_name(2), tmp_path / "junk")
-    got = run_cli("stats", "--cache", s3.url, "--local-cache", tmp_path / "t")
+    got = invoke("stats", "--cache", s3.url, "--local-cache", tmp_path / "t")
     assert got.returncode == 6, got.stderr
     assert f"{s3.url}/{version_name(2)}" in got.stderr and "delete that object" in got.stderr
     assert "internal error" not in got.stderr
@@ -542,7 +542,7 @@ def test_a_planted_root_name_is_never_followed_to_a_path(
         ("UPDATE root_items SET root = ?", (hostile,)),
     )
     time.sleep(1.1)  # the root is older than --older-than 1s
-    got = run_cli("gc", "--cache", s3.url, "--older-than", "1s", "--local-cache", tmp_path / "t")
+    got = invoke("gc", "--cache", s3.url, "--older-than", "1s", "--local-cache", tmp_path / "t")
     assert got.returncode == 6 and "not a root name" in got.stderr, got.stderr
     assert victim.read_text() == "precious"
 
