@@ -16,6 +16,7 @@ from featbake import CachedFeatureDataset
 from featbake.bake.pipeline import build
 from featbake.errors import ConfigError
 from featbake.store.bucket import Bucket, BucketStore, shard_object
+from featbake.store.catalog import RACY_NS
 from featbake.store.layout import Layout
 from featbake.store.open import open_store, place_of
 from featbake.store.shard import write_shard
@@ -23,6 +24,7 @@ from featbake.store.url import BucketURL
 from featbake.upkeep import GcOptions, execute_gc, gc, plan_gc, verify
 from featbake.upkeep.check import verify_named
 from tests.conftest import invoke, live_features
+from tests.helpers import age
 from tests.store.remote.conftest import S3
 
 HOUR = 3600.0
@@ -39,11 +41,24 @@ def assert_live(ds: CachedFeatureDataset, encoder: Path) -> None:
         torch.testing.assert_close(ds[i], live_features(encoder, Path(ds.path(i))))
 
 
+def readers_hash_the_inputs_again(data: Path) -> None:
+    """Give the inputs a stat the build's hash rows do not match, older than the racy window
+    when the readers open: the readers then record hash rows, and seal them in serving
+    fragments, whatever the machine's speed. Before, whether they did depended on it: files
+    hashed by the build within 1 s of being written are racy, their rows dropped, and the
+    readers recorded them; on a busy machine the build came later, kept the rows, the readers
+    had nothing to record, and gc found no fragment (2 catalog versions, not 3)."""
+    for wav in data.rglob("*.wav"):
+        age(wav, 60.0)  # same bytes, same keys; a new mtime (and ctime)
+    time.sleep(RACY_NS / 1e9 + 0.1)  # a lower bound on time passed: the same on any machine
+
+
 def test_gc_keeps_what_an_older_version_names_until_the_retention_period_passes(
     s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
 ) -> None:
     build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
     shards = s3.objects("shards/")
+    readers_hash_the_inputs_again(audio_dir)
     # Two readers open the store now (version 1), before gc drops the root.
     holder = CachedFeatureDataset(
         audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "r1", on_miss="error"
