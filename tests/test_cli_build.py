@@ -374,7 +374,7 @@ def test_fifo_symlink_loop_and_non_utf8_name_are_skipped_not_hung(
     os.mkfifo(data / "x.wav")  # reading it would block the build forever
     os.symlink(".", data / "link")  # os.walk(followlinks=True) repeated every file 40 times
     os.link(os.fsencode(data / "clip00000.wav"), os.path.join(os.fsencode(data), b"t\xe9.wav"))
-    res = invoke("build", "-e", encoder_file, "-d", data, "--cache", tmp_path / "c", "--json",
+    res = run_cli("build", "-e", encoder_file, "-d", data, "--cache", tmp_path / "c", "--json",
                   "--workers", "2", timeout=120)  # fmt: skip
     assert res.returncode == 3, res.stderr
     report = _json(res)

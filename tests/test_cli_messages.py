@@ -10,7 +10,7 @@ import pytest
 from featbake.bake.pipeline import build
 from featbake.errors import EncoderLoadError
 from featbake.testing import write_image_folder
-from tests.conftest import run_cli
+from tests.conftest import invoke
 
 
 def test_a_missing_encoder_folder_is_named_before_the_data(tmp_path: Path) -> None:
@@ -19,7 +19,7 @@ def test_a_missing_encoder_folder_is_named_before_the_data(tmp_path: Path) -> No
     images = tmp_path / "images"
     write_image_folder(images, 2)
     missing = tmp_path / "dinov2-small"
-    res = run_cli("build", "-d", images, "-e", missing, "--cache", tmp_path / "c")
+    res = invoke("build", "-d", images, "-e", missing, "--cache", tmp_path / "c")
     assert res.returncode == 4, res.stderr
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and f"encoder {missing} not found" in lines[0], lines
@@ -29,7 +29,7 @@ def test_a_missing_encoder_folder_is_named_before_the_data(tmp_path: Path) -> No
 
 
 def _exit_codes(command: str) -> str:
-    res = run_cli(*command.split(), "--help")
+    res = invoke(*command.split(), "--help")
     assert res.returncode == 0, res.stderr
     text = " ".join(res.stdout.split())  # help text wraps at any word
     return text[text.index("Exit codes:") :]

@@ -17,7 +17,7 @@ from featbake.encode.sources import source_for
 from featbake.recipe import Recipe
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.testing import write_audio_folder
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, invoke
 
 MOD = textwrap.dedent(
     """
@@ -65,13 +65,13 @@ def test_editing_a_helper_module_rebakes_and_serves_the_new_features(
     write_audio_folder(data, 4, seconds=0.3, seed=41)
     env = {"PYTHONPATH": f"{REPO}:{root}"}
     args = ["build", "-e", "pkg.mod:make", "-d", data, "--cache", tmp_path / "c", "--json"]
-    first = json.loads(run_cli(*args, env=env).stdout)
-    again = json.loads(run_cli(*args, env=env).stdout)  # another process, nothing changed
+    first = json.loads(invoke(*args, env=env).stdout)
+    again = json.loads(invoke(*args, env=env).stdout)  # another process, nothing changed
     assert (first["encoded"], again["encoded"], again["reused"]) == (4, 0, 4)
     assert again["encoder_fp"] == first["encoder_fp"]
 
     (root / "pkg" / "other.py").write_text("def helper(x):\n    return x * 3.0\n")
-    edited = json.loads(run_cli(*args, env=env).stdout)
+    edited = json.loads(invoke(*args, env=env).stdout)
     assert edited["encoder_fp"] != first["encoder_fp"] and edited["encoded"] == 4
 
     monkeypatch.syspath_prepend(str(root))

@@ -18,7 +18,7 @@ from featbake.store.catalog import fidelity_file, read_fidelity
 from featbake.store.layout import Layout
 from featbake.testing import TinyConvEncoder
 from featbake.upkeep import drop_root, list_roots, stats
-from tests.conftest import live_features, run_cli
+from tests.conftest import invoke, live_features
 from tests.helpers import assert_store_consistent, root_keys, stored_features
 
 FLOAT = Recipe()  # the encoder's float32 output, what int8 and fp8 are quantised from
@@ -106,10 +106,10 @@ def test_fidelity_is_recorded_with_the_root_and_shown_by_stats_and_roots(
     assert by_name[report.root].fidelity == report.fidelity
     assert by_name[plain.root].fidelity is None
     assert {r.name: r.fidelity for r in stats(cache).roots}[report.root] == report.fidelity
-    shown = run_cli("roots", "--cache", cache)
+    shown = invoke("roots", "--cache", cache)
     assert shown.returncode == 0, shown.stderr
     assert f"{recorded.rel_rms:.2%} rel. RMS error" in shown.stdout
-    as_json = json.loads(run_cli("stats", "--cache", cache, "--json").stdout)
+    as_json = json.loads(invoke("stats", "--cache", cache, "--json").stdout)
     assert {r["name"]: r["fidelity"] for r in as_json["roots"]}[report.root] == report.fidelity
     drop_root(cache, report.root)  # the record goes with its root
     assert not fidelity_file(Layout(cache), report.root).exists()
@@ -125,7 +125,7 @@ def test_a_build_over_the_error_bound_says_so(
         audio_dir, encoder_file, cache=tmp_path / "b", recipe=recipe, workers=0, max_error=0.01
     )
     assert "over the bound of 1.00%" in loud.fidelity_warning and loud.ok
-    cli = run_cli(
+    cli = invoke(
         "build", "--encoder", encoder_file, "--data", audio_dir, "--cache", tmp_path / "c",
         "--dtype", "fp8", "--max-error", "0.01",
     )  # fmt: skip

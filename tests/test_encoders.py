@@ -29,7 +29,7 @@ from featbake.store.catalog import Catalog
 from featbake.store.features import FeatureReader
 from featbake.store.layout import Layout
 from featbake.testing import MultiOutputEncoder, TinyConvEncoder
-from tests.conftest import live_features, run_cli
+from tests.conftest import invoke, live_features
 
 ENC_MODULE = textwrap.dedent(
     """
@@ -167,7 +167,7 @@ def test_cli_builds_an_import_path_encoder_with_weights(tmp_path: Path, audio_di
     save_file(TinyConvEncoder(seed=7).state_dict(), str(weights))
     repo = Path(__file__).resolve().parents[1]
     args = ["build", "-e", "tiny_enc_mod:build", "--weights", weights, "-d", audio_dir]
-    res = run_cli(*args, "--cache", tmp_path / "c", "--json", env={"PYTHONPATH": f"{repo}:{pkg}"})
+    res = invoke(*args, "--cache", tmp_path / "c", "--json", env={"PYTHONPATH": f"{repo}:{pkg}"})
     assert res.returncode == 0, res.stderr
     src = AudioSource(Recipe())
     import json
@@ -283,11 +283,11 @@ def test_cli_refuses_a_pickle_with_exit_4_and_accepts_it_when_trusted(
 ) -> None:
     path = tmp_path / "model.pt"
     torch.save(_eager(), path)
-    res = run_cli("build", "-e", path, "-d", audio_dir, "--cache", tmp_path / "c")
+    res = invoke("build", "-e", path, "-d", audio_dir, "--cache", tmp_path / "c")
     assert res.returncode == 4
     assert "--trust-pickle" in res.stderr and "Traceback" not in res.stderr
     assert not (tmp_path / "c" / "shards").exists() or not any((tmp_path / "c").rglob("*.st*"))
-    ok = run_cli("build", "-e", path, "-d", audio_dir, "--cache", tmp_path / "c", "--trust-pickle")
+    ok = invoke("build", "-e", path, "-d", audio_dir, "--cache", tmp_path / "c", "--trust-pickle")
     assert ok.returncode == 0, ok.stderr
 
 

@@ -132,7 +132,7 @@ def test_on_a_shared_filesystem_the_catalog_is_never_wal_and_says_so_once(
 
 
 def test_the_cli_says_it_switched_mode_in_one_line(tmp_path: Path, encoder_file: Path) -> None:
-    from tests.conftest import run_cli
+    from tests.conftest import invoke
 
     data = tmp_path / "one"
     from featbake.testing import write_audio_folder
@@ -140,7 +140,7 @@ def test_the_cli_says_it_switched_mode_in_one_line(tmp_path: Path, encoder_file:
     write_audio_folder(data, 2, seconds=0.3, seed=3)
     store = tmp_path / "s"
     env = {"FEATBAKE_SHARED_FS": "1"}
-    done = run_cli("build", "-e", encoder_file, "-d", data, "--cache", store, env=env)
+    done = invoke("build", "-e", encoder_file, "-d", data, "--cache", store, env=env)
     assert done.returncode == 0, done.stderr
     notes = [line for line in done.stderr.splitlines() if "shared filesystem" in line]
     assert len(notes) == 1 and notes[0].startswith("featbake: ") and "WAL" in notes[0]

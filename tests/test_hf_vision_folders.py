@@ -19,7 +19,7 @@ from featbake.errors import ConfigError
 from featbake.recipe import Recipe
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.testing import write_image_folder
-from tests.conftest import run_cli
+from tests.conftest import invoke
 from tests.helpers import rel_error
 
 transformers = pytest.importorskip("transformers")
@@ -78,7 +78,7 @@ def test_asking_a_headless_vit_for_pooled_is_one_line(
 ) -> None:
     with pytest.raises(ConfigError, match="without its pooling layer"):
         build(images, headless_vit, cache=tmp_path / "s", recipe=Recipe(output="pooled"))
-    res = run_cli("build", "-d", images, "-e", headless_vit, "--cache", tmp_path / "c",
+    res = invoke("build", "-d", images, "-e", headless_vit, "--cache", tmp_path / "c",
                   "--output", "pooled")  # fmt: skip
     assert res.returncode == 2, res.stderr
     lines = [line for line in res.stderr.splitlines() if line.strip()]
@@ -142,7 +142,7 @@ def test_image_embeds_alone_and_layers_from_a_whole_clip_folder(
     tmp_path: Path, images: Path
 ) -> None:
     folder = save_whole_model(tmp_path / "clip", "clip")
-    res = run_cli("build", "-d", images, "-e", folder, "--cache", tmp_path / "s",
+    res = invoke("build", "-d", images, "-e", folder, "--cache", tmp_path / "s",
                   "--output", "image_embeds", "--workers", "0")  # fmt: skip
     assert res.returncode == 0, res.stderr
     one = Recipe(output="image_embeds")

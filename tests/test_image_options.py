@@ -18,7 +18,7 @@ from featbake.image_recipe import (
     parse_image_options,
 )
 from featbake.testing import write_image_folder
-from tests.conftest import run_cli
+from tests.conftest import invoke
 
 
 def test_options_parse_to_recipe_changes() -> None:
@@ -82,7 +82,7 @@ def test_absurd_image_options_are_one_line_and_exit_2_before_any_work(
     tmp_path: Path, encoder_file: Path, options: tuple[str, ...], needle: str
 ) -> None:
     write_image_folder(tmp_path / "images", 2)
-    res = run_cli("build", "-e", encoder_file, "-d", tmp_path / "images", "--source", "image",
+    res = invoke("build", "-e", encoder_file, "-d", tmp_path / "images", "--source", "image",
                   "--cache", tmp_path / "c", *options, timeout=60)  # fmt: skip
     assert res.returncode == 2, res.stderr
     lines = [line for line in res.stderr.splitlines() if line.strip()]

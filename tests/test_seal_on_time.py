@@ -23,7 +23,7 @@ from featbake.serve.dataset import CachedFeatureDataset
 from featbake.store.layout import Layout
 from featbake.store.shard import ShardWriter
 from featbake.testing import TinyConvEncoder, write_audio_folder
-from tests.conftest import encoded_rows, run_cli
+from tests.conftest import encoded_rows, invoke, run_cli
 from tests.helpers import assert_store_consistent
 
 EFP, RFP = "e" * 64, "r" * 64
@@ -51,7 +51,7 @@ def test_the_writer_thread_seals_a_small_shard_once_it_waited_seal_seconds(
 def test_shard_writer_seal_seconds_must_be_positive(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--seal-every must be positive"):
         ShardWriter(Layout(tmp_path), EFP, RFP, seal_seconds=0)
-    bad = run_cli("build", "-e", "x:y", "-d", tmp_path, "--seal-every", "nan")
+    bad = invoke("build", "-e", "x:y", "-d", tmp_path, "--seal-every", "nan")
     assert bad.returncode != 0 and "--seal-every" in bad.stderr
 
 

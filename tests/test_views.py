@@ -20,7 +20,7 @@ from featbake.image_recipe import View, parse_views
 from featbake.recipe import Recipe
 from featbake.serve.views import ViewsDataset, picks_flipped
 from featbake.testing import write_audio_folder, write_image_folder
-from tests.conftest import run_cli
+from tests.conftest import invoke
 from tests.helpers import rel_error
 
 transformers = pytest.importorskip("transformers")
@@ -63,7 +63,7 @@ def test_flipped_views_are_baked_and_served_as_transformers_computes_them(tmp_pa
     write_image_folder(images, 6, size=(37, 53), seed=3)  # odd margins around the crop
     folder = _clip_folder(tmp_path / "clip")
     store = tmp_path / "s"
-    res = run_cli(
+    res = invoke(
         "build", "-e", folder, "-d", images, "--cache", store, "--views", "hflip", "--json"
     )
     assert res.returncode == 0, res.stderr
@@ -127,6 +127,6 @@ def test_views_need_image_inputs(tmp_path: Path, encoder_file: Path) -> None:
     with pytest.raises(ConfigError, match="views must be one of"):
         ViewsDataset(tmp_path / "audio", encoder_file, views="sometimes")
     write_image_folder(tmp_path / "images", 2)
-    res = run_cli("build", "-e", encoder_file, "-d", tmp_path / "audio", "--views", "hflip")
+    res = invoke("build", "-e", encoder_file, "-d", tmp_path / "audio", "--views", "hflip")
     assert res.returncode == 2 and "applies to image inputs" in res.stderr
     assert Recipe(source="image").image_steps.hflip is False

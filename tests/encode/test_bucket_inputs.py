@@ -21,7 +21,7 @@ from featbake.store.bucket import Bucket, ObjectInfo
 from featbake.store.catalog import FileStat
 from featbake.store.url import BucketURL
 from featbake.testing import write_audio_folder
-from tests.conftest import live_features, run_cli
+from tests.conftest import invoke, live_features
 from tests.helpers import stored_features
 from tests.store.remote.conftest import S3
 
@@ -199,7 +199,7 @@ def test_the_cli_builds_from_a_bucket_with_decode_workers(
     url = f"s3://{s3.bucket}/audio/"
     upload(audio_dir, url)
     store = tmp_path / "store"
-    done = run_cli(
+    done = invoke(
         "build", "--encoder", encoder_file, "--data", url, "--cache", store, "--workers", "2",
         "--json", env=s3.env,
     )  # fmt: skip
@@ -211,7 +211,7 @@ def test_the_cli_builds_from_a_bucket_with_decode_workers(
 def test_the_cli_names_a_missing_bucket_in_one_line(
     s3: S3, encoder_file: Path, tmp_path: Path
 ) -> None:
-    done = run_cli(
+    done = invoke(
         "build", "--encoder", encoder_file, "--data", "s3://no-such-bucket/audio/",
         "--cache", tmp_path / "store", env=s3.env,
     )  # fmt: skip

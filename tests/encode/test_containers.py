@@ -40,7 +40,7 @@ from featbake.serve.dataset import CachedFeatureDataset
 from featbake.store.catalog import Catalog
 from featbake.store.layout import Layout
 from featbake.testing import make_tone, write_image_folder
-from tests.conftest import run_cli
+from tests.conftest import invoke
 from tests.helpers import real_photos, stored_features
 
 pa = pytest.importorskip("pyarrow")
@@ -540,7 +540,7 @@ def test_loader_roots_and_export_over_a_table(tmp_path: Path, encoder_file: Path
     for j, (padded, lengths) in enumerate(batches):
         for k, n in enumerate(lengths):
             assert torch.equal(padded[k, : int(n)], ds[2 * j + k])
-    roots = run_cli("roots", "--cache", store, "--json")
+    roots = invoke("roots", "--cache", store, "--json")
     assert json.loads(roots.stdout)[0]["data"] == str(table)
     export_zarr(tmp_path / "f.zarr", cache=store)
     assert list(zarr.open_group(str(tmp_path / "f.zarr"), mode="r")["paths"][:]) == ids
@@ -553,7 +553,7 @@ def test_the_cli_builds_a_shard_with_a_truncated_member_and_exits_3(
     tar = write_tar(tmp_path / "speech.tar", [(f"u{i}", {"wav": c}) for i, c in enumerate(clips)])
     whole = tar.read_bytes()
     tar.write_bytes(whole[: whole.find(clips[-1]) + 100])
-    out = run_cli(
+    out = invoke(
         "build", "--encoder", encoder_file, "--data", tar, "--cache", tmp_path / "store",
         "--column", "wav", "--workers", "0",
     )  # fmt: skip

@@ -37,7 +37,7 @@ from featbake.serve.dataset import CachedFeatureDataset
 from featbake.store.bucket import Bucket
 from featbake.store.url import BucketURL
 from featbake.testing import make_tone
-from tests.conftest import run_cli
+from tests.conftest import invoke
 from tests.helpers import manifest
 from tests.store.remote.conftest import S3
 
@@ -355,13 +355,13 @@ def test_cli_build_of_a_manifest_exits_3_naming_the_lines(
     rows: list[Any] = [{"path": "wavs/recA.wav", "start": 0, "end": 1}, "[1, 2", {"path": "no.wav"}]
     write_jsonl(corpus / "train.jsonl", rows)
     data = ("-d", corpus / "train.jsonl", "--column", "path")  # the default column, named
-    got = run_cli("build", "-e", encoder_file, *data, "--cache", store_dir)
+    got = invoke("build", "-e", encoder_file, *data, "--cache", store_dir)
     assert got.returncode == 3, got.stderr
     text = got.stdout + got.stderr
     assert "train.jsonl:2: malformed JSON" in text
     assert "train.jsonl:3" in text and "no.wav" in text
     assert "2 of 3 inputs failed" in text
-    roots = run_cli("roots", "--cache", store_dir, "--json")
+    roots = invoke("roots", "--cache", store_dir, "--json")
     assert json.loads(roots.stdout)[0]["data"] == str(corpus / "train.jsonl")
 
 

@@ -13,7 +13,7 @@ from featbake.serve.cached_encoder import CachedEncoder
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.store.open import open_store
 from featbake.store.url import BucketURL
-from tests.conftest import run_cli
+from tests.conftest import invoke
 
 
 @pytest.mark.parametrize(
@@ -45,7 +45,7 @@ def test_build_and_stats_refuse_another_scheme_and_create_no_folder(
         ["build", "-e", encoder_file, "-d", audio_dir, "--cache", "gs://bucket/features"],
         ["stats", "--cache", "gs://bucket/features"],
     ):
-        done = run_cli(*args, cwd=tmp_path)
+        done = invoke(*args, cwd=tmp_path)
         assert done.returncode == 2, done.stderr
         lines = [line for line in done.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and "speak S3" in lines[0] and "Traceback" not in done.stderr

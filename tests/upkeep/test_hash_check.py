@@ -22,7 +22,7 @@ from featbake.store.layout import Layout
 from featbake.testing import TinyConvEncoder, save_torchscript
 from featbake.upkeep import FindingKind, verify
 from featbake.upkeep.check import check_hash_cache
-from tests.conftest import live_features, run_cli
+from tests.conftest import invoke, live_features
 from tests.helpers import bake, manifest
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -70,13 +70,13 @@ def test_a_row_giving_a_file_anothers_digest_is_found_and_re_derived(
     rel_a = os.path.relpath(a, audio_dir)
     assert dict(manifest(store_dir, report.root))[rel_a] == wrong_key
 
-    found = run_cli("verify", "--cache", store_dir)
+    found = invoke("verify", "--cache", store_dir)
     assert found.returncode == 11, found.stdout + found.stderr
     assert "hash-cache" in found.stdout and a in found.stdout
-    fixed = run_cli("verify", "--repair", "--cache", store_dir)
+    fixed = invoke("verify", "--repair", "--cache", store_dir)
     assert fixed.returncode == 10, fixed.stdout + fixed.stderr
     assert "re-keyed 1 manifest items" in fixed.stdout, fixed.stdout
-    again = run_cli("verify", "--cache", store_dir)
+    again = invoke("verify", "--cache", store_dir)
     assert again.returncode == 0, again.stdout
     assert a not in _rows(store_dir) or _rows(store_dir)[a] == rows[a]
     right_key = feature_key(report.encoder_fp, report.recipe_fp, rows[a])

@@ -23,7 +23,7 @@ from featbake.store.layout import Layout, lock_path, shared_write_lock
 from featbake.store.shard import ShardReader
 from featbake.testing import write_audio_folder
 from featbake.upkeep import VERIFY_REPAIRED, FindingKind, verify
-from tests.conftest import run_cli
+from tests.conftest import invoke
 from tests.helpers import Live, assert_serves, bake, manifest, shard_files
 
 
@@ -236,7 +236,7 @@ def test_a_nested_json_shard_through_the_cli_is_one_line_and_exit_10(
 ) -> None:
     bake(audio_dir, encoder_file, store_dir)
     _nested_arrays(_victim(store_dir))
-    proc = run_cli("verify", "--cache", store_dir, "--repair")
+    proc = invoke("verify", "--cache", store_dir, "--repair")
     assert proc.returncode == 10, proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
     assert "corrupt-shard" in proc.stdout
@@ -298,7 +298,7 @@ def test_repair_refuses_a_folder_that_is_not_a_store(tmp_path: Path) -> None:
     for repair in (False, True):
         with pytest.raises(StoreError, match="not a featbake store"):
             verify(home, repair_damage=repair)
-    proc = run_cli("verify", "--cache", home, "--repair")
+    proc = invoke("verify", "--cache", home, "--repair")
     assert proc.returncode == 5 and "not a featbake store" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert sorted(p.name for p in home.iterdir()) == before  # nothing created

@@ -15,7 +15,7 @@ from featbake.bake.pipeline import build
 from featbake.errors import ConfigError, StoreCorrupt, StoreError
 from featbake.store.bucket import Bucket
 from featbake.store.url import BucketURL
-from tests.conftest import live_features, run_cli
+from tests.conftest import invoke, live_features
 from tests.store.remote.conftest import S3
 from tests.store.remote.faults import DroppingProxy
 
@@ -99,12 +99,12 @@ def test_a_server_that_always_drops_gives_one_clear_error(
 def test_no_credentials_and_no_bucket_are_one_line_each(
     s3: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    missing = run_cli("stats", "--cache", "s3://no-such-bucket-here/x", cwd=tmp_path)
+    missing = invoke("stats", "--cache", "s3://no-such-bucket-here/x", cwd=tmp_path)
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
         monkeypatch.delenv(name, raising=False)
     nowhere = str(tmp_path / "none")
     env = {"AWS_SHARED_CREDENTIALS_FILE": nowhere, "AWS_CONFIG_FILE": nowhere}
-    done = run_cli("stats", "--cache", s3.url, env={**env, "AWS_EC2_METADATA_DISABLED": "true"})
+    done = invoke("stats", "--cache", s3.url, env={**env, "AWS_EC2_METADATA_DISABLED": "true"})
     for proc, words in ((done, "no credentials"), (missing, "does not exist")):
         lines = [line for line in proc.stderr.splitlines() if line.strip()]
         assert proc.returncode == 5, proc.stderr

@@ -26,7 +26,7 @@ from featbake.store.open import open_store
 from featbake.store.url import BucketURL
 from featbake.testing import write_audio_folder
 from featbake.upkeep import GcOptions, gc, verify
-from tests.conftest import invoke, live_features
+from tests.conftest import invoke, live_features, run_cli
 from tests.store.remote.conftest import S3
 
 HOUR = 3600.0
@@ -273,7 +273,7 @@ def stalled_endpoint() -> Iterator[str]:
 
 
 def test_a_stalled_endpoint_is_one_line_not_a_hang(stalled_endpoint: str, tmp_path: Path) -> None:
-    got = invoke(
+    got = run_cli(
         "stats", "--cache", "s3://bucket/p", "--local-cache", tmp_path,
         env={"AWS_ENDPOINT_URL": stalled_endpoint, "AWS_ACCESS_KEY_ID": "k",
              "AWS_SECRET_ACCESS_KEY": "s", "FEATBAKE_S3_TIMEOUT": "0.5"},
