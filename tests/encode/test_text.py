@@ -595,3 +595,45 @@ def test_a_text_folder_for_images_is_refused_in_one_line(models: dict[str, TextM
         recipe_for_encoder(models["bert"].folder, Recipe(source="image"))
     # No --source: a text folder implies text, as a vision folder implies image.
     assert recipe_for_encoder(models["bert"].folder, Recipe()).source == "text"
+
+
+def test_a_text_miss_advises_the_column_and_text_options_and_they_build_it(
+    models: dict[str, TextModel], texts: Path, tmp_path: Path
+) -> None:
+    """The miss advice named neither --column nor the tokenizer options: the command it gave
+    built other keys (or refused the manifest), and the dataset kept missing."""
+    import shlex
+
+    from featbake.errors import CacheMiss
+
+    bert = models["bert"]
+    store = tmp_path / "store"
+    build(texts, bert.folder, cache=store)  # a store, built with other options
+    manifest = tmp_path / "captions.jsonl"
+    write_captions(manifest)
+    steps = recipe_for_encoder(bert.folder, Recipe(source="text")).text
+    assert steps is not None
+    short = Recipe(source="text", text=steps.replace(max_length=4, lowercase=True))
+    ds = CachedFeatureDataset(
+        manifest, bert.folder, cache=store, column="caption", recipe=short, on_miss="error"
+    )
+    with pytest.raises(CacheMiss) as err:
+        ds[0]
+    command = re.search(r"Run `([^`]*)`", str(err.value))
+    assert command is not None, str(err.value)
+    args = shlex.split(command.group(1))
+    for option in ("--column caption", "--source text", "--max-tokens 4", "--lowercase"):
+        assert option in command.group(1), command.group(1)
+    assert args[:2] == ["featbake", "build"]
+    result = run_cli(*args[1:])
+    assert result.returncode == 0, result.stderr
+    served = CachedFeatureDataset(
+        manifest, bert.folder, cache=store, column="caption", recipe=short, on_miss="error"
+    )
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(bert.folder))
+    net = transformers.BertModel.from_pretrained(str(bert.folder)).eval()
+    for i, text in enumerate(TEXTS):
+        enc = tokenizer(text.lower(), truncation=True, max_length=4, return_tensors="pt")
+        with torch.inference_mode():
+            want = net(enc["input_ids"], attention_mask=enc["attention_mask"])
+        assert rel_error(served[i]["tokens"], want.last_hidden_state[0]) < TOLERANCE
