@@ -611,6 +611,7 @@ class CellKind(Enum):
 
     STRUCT = "struct"  # {bytes, path}: the Hub's Audio and Image
     BINARY = "binary"
+    TEXT = "text"  # a string column, for --source text: the cell's UTF-8 bytes
     OTHER = "other"
 
 
@@ -631,9 +632,14 @@ def pyarrow_module() -> Any:
     return pyarrow
 
 
-def cell_kind(kind: pa.DataType) -> CellKind:
-    """Whether cells of type ``kind`` hold bytes to encode, and how."""
+def cell_kind(kind: pa.DataType, text: bool = False) -> CellKind:
+    """Whether cells of type ``kind`` hold bytes to encode, and how: with ``text`` (the source
+    is text) a string column's and only those; else a binary column's or an Audio/Image struct's.
+    """
     pa = pyarrow_module()
+    if text:
+        is_text = pa.types.is_string(kind) or pa.types.is_large_string(kind)
+        return CellKind.TEXT if is_text else CellKind.OTHER
     if pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
         return CellKind.BINARY
     if pa.types.is_struct(kind):
@@ -662,6 +668,9 @@ def cell_bytes(cell: Any, kind: CellKind) -> bytes | str:
     """The bytes of one cell (a Python value), or why it has none."""
     if cell is None:
         return "the cell is null"
+    if kind is CellKind.TEXT:
+        # The same bytes as a .txt file of this text: the same key. Arrow strings are UTF-8.
+        return str(cell).encode("utf-8") if str(cell).strip() else "the cell's text is empty"
     if kind is CellKind.STRUCT:
         data = cell.get("bytes")
         if data is None:
@@ -805,6 +814,7 @@ class Table:
         self.files = [TableFile(p) for p in table_files(self.where)]
         self.column = column
         self.kinds: list[CellKind] = []  # per file
+        self.text = False  # the source is text: the column holds strings (set by the scan)
         self.items: dict[str, Row] = {}  # id -> where, in the table's order
         self.positions: dict[str, int] = {}  # file path -> its index (see file_index)
 
@@ -820,9 +830,12 @@ class Table:
                 share an id.
         """
         schemas = [self._schema(f) for f in self.files]
+        self.text = ".txt" in extensions  # the text source's: each cell is a text
         self.column = self.column or self.default_column(schemas, extensions)
         self.kinds = [
-            cell_kind(s.field(self.column).type) if self.column in s.names else CellKind.OTHER
+            cell_kind(s.field(self.column).type, self.text)
+            if self.column in s.names
+            else CellKind.OTHER
             for s in schemas
         ]
         if all(k is CellKind.OTHER for k in self.kinds):
@@ -870,6 +883,8 @@ class Table:
             return f"no column {self.column!r} in this file (it has {', '.join(schema.names)})"
         if kind is CellKind.OTHER:
             held = schema.field(self.column).type
+            if self.text:
+                return f"column {self.column!r} holds {held}, not text (a string column)"
             return (
                 f"column {self.column!r} holds {held}, neither bytes nor an Audio/Image struct "
                 "({bytes, path})"
@@ -888,9 +903,13 @@ class Table:
             raise SourceError(f"{self.where}: no data file (parquet or arrow) found")
         wanted = "Image" if ".jpg" in extensions else "Audio"
         typed = hf_feature_types(schema)
-        media = [n for n in schema.names if cell_kind(schema.field(n).type) is not CellKind.OTHER]
+        media = [
+            n
+            for n in schema.names
+            if cell_kind(schema.field(n).type, self.text) is not CellKind.OTHER
+        ]
         for name in media:
-            if typed.get(name) == wanted:
+            if typed.get(name) == wanted or (self.text and name == "text"):
                 return name
         if media:
             return media[0]
@@ -901,10 +920,13 @@ class Table:
         in any file, or (none asked) no column holds bytes."""
         names = sorted({n for s in schemas for n in s.names})
         listed = f"(columns: {', '.join(names)})"
+        held = "text (a string column)" if self.text else "bytes or an Audio/Image struct"
         if self.column is None:
-            what = f"no column of {self.where} holds bytes or an Audio/Image struct {listed}"
+            what = f"no column of {self.where} holds {held} {listed}"
         elif self.column not in names:
             what = f"{self.where} has no column {self.column!r} {listed}"
+        elif self.text:
+            what = f"column {self.column!r} of {self.where} holds no {held} {listed}"
         else:
             what = (
                 f"column {self.column!r} of {self.where} holds neither bytes nor an Audio/Image "
