@@ -40,11 +40,13 @@ from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
 import torch
 
 from featbake.encode.fingerprints import HeldBytes, resolve_path
+from featbake.encode.objects import object_stat
 from featbake.encode.sources import ScanResult, SkippedInput, Source
-from featbake.errors import ConfigError, SourceError
+from featbake.errors import ConfigError, SourceError, StoreError
 from featbake.progress import Progress
-from featbake.store.catalog import FileStat, HashCache, HashRow
-from featbake.store.url import is_url
+from featbake.store.bucket import Bucket, ObjectInfo
+from featbake.store.catalog import RACY_NS, FileStat, HashCache, HashRow
+from featbake.store.url import BucketURL, is_url
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -74,6 +76,14 @@ def split_item_path(path: str) -> tuple[str, str]:
 
 
 def _stat_or_none(path: str) -> FileStat | None:
+    """A container's stat: a file's, or an object's (size, last change, ETag) by one HEAD."""
+    if is_url(path):
+        bucket, name = object_at(path)
+        try:
+            info = bucket.head(name)
+        except StoreError:
+            return None
+        return None if info is None else object_stat(info)
     try:
         return FileStat.of(path)
     except OSError:
@@ -100,12 +110,14 @@ def hash_items(
     read: ReadDigests,
     progress: Callable[[Progress], None] | None = None,
     stats: dict[str, FileStat] | None = None,
+    stat_of: Callable[[str], FileStat | None] = _stat_or_none,
 ) -> tuple[dict[str, str], dict[str, str]]:
     """SHA-256 of each item, reading only the containers whose stat the hash cache does not know.
 
     ``read(container, refs)`` reads the items of one container (in its order) and returns each
     digest, or a 1-tuple with why the item cannot be read. ``stats`` is filled with each item's
-    container stat, which decoding checks again.
+    container stat, which decoding checks again. ``stat_of`` gives a container's stat before
+    it is read (a bucket's tars: from the scan's listing, no request).
 
     Returns:
         (path -> sha256, path -> reason for items that could not be read)
@@ -116,7 +128,7 @@ def hash_items(
     by_container: dict[str, list[ItemRef]] = {}
     for ref in refs:
         by_container.setdefault(ref.container, []).append(ref)
-    container_stat = {c: _stat_or_none(c) for c in by_container}
+    container_stat = {c: stat_of(c) for c in by_container}
     cached = catalog.cached_hashes([r.cache_id for r in refs])
     digests: dict[str, str] = {}
     todo: dict[str, list[ItemRef]] = {}
@@ -147,6 +159,9 @@ def hash_items(
                 fresh.append(HashRow(ref.cache_id, stats[ref.path], one))
         if progress:
             progress(Progress("hash", len(digests) + len(failed), len(refs)))
+    if any(is_url(r.path) for r in fresh):  # never racy: see encode/objects.py (an ETag)
+        newest = max(r.stat.mtime_ns for r in fresh)
+        stat_time = max(time.time_ns(), newest + RACY_NS + 1)
     catalog.put_hashes(fresh, recorded_ns=stat_time)
     return digests, failed
 
@@ -191,16 +206,17 @@ class Sample:
     members: dict[str, Member] = field(default_factory=dict)
 
 
-def list_members(tar: str) -> list[Member]:
+def list_members(tar: str, size: int | None = None) -> list[Member]:
     """The regular-file members of ``tar``, in order, from their headers only (data skipped by
-    seeks, so listing a shard reads a 512-byte header per member).
+    seeks, so listing a shard reads a 512-byte header per member; a tar in a bucket by ranged
+    GETs of :data:`HEADER_BLOCK` bytes, see :class:`RangedObject`).
 
     Raises:
         SourceError: the file cannot be opened or is not a tar.
     """
     members: list[Member] = []
     try:
-        with tarfile.open(tar, mode="r:") as tf:
+        with _open_tar(tar, size) as tf:
             while True:
                 try:
                     m = tf.next()
@@ -212,9 +228,16 @@ def list_members(tar: str) -> list[Member]:
                     members.append(Member(m.name, m.offset_data, m.size))
     except FileNotFoundError as e:
         raise SourceError(f"{tar}: file not found") from e
-    except (tarfile.TarError, OSError) as e:
+    except (tarfile.TarError, OSError, StoreError) as e:
         raise SourceError(f"{tar}: not a readable tar file ({e})") from e
     return members
+
+
+def _open_tar(tar: str, size: int | None) -> tarfile.TarFile:
+    """``tar`` opened to read its headers: a file, or an object by ranged GETs."""
+    if is_url(tar):
+        return tarfile.open(fileobj=RangedObject.at(tar, size), mode="r:")
+    return tarfile.open(tar, mode="r:")
 
 
 def samples_of(tar: str, members: Sequence[Member]) -> tuple[list[Sample], list[SkippedInput]]:
@@ -243,6 +266,11 @@ def read_member(tar: str, member: Member) -> bytes:
     Raises:
         SourceError: the tar cannot be read, or ends inside the member (truncated).
     """
+    if is_url(tar):
+        data = object_range(tar, member.offset, member.size)
+        if len(data) != member.size:
+            raise SourceError(truncated(tar, member, len(data)))
+        return data
     try:
         with open(tar, "rb") as f:
             f.seek(member.offset)
@@ -269,6 +297,8 @@ def member_digests(
     With ``held``, a member that fits its budget is read whole and its bytes kept there for the
     build to decode (a first build reads each member once); others are streamed in chunks.
     """
+    if is_url(tar):
+        return object_member_digests(tar, members, held)
     out: dict[str, str | tuple[str]] = {}
     try:
         f = open(tar, "rb")  # noqa: SIM115  (closed below, after every member)
@@ -291,6 +321,166 @@ def member_digests(
                 left -= len(chunk)
             out[m.name] = (truncated(tar, m, m.size - left),) if left else sha.hexdigest()
     return out
+
+
+# -- tars in a bucket ------------------------------------------------------------------------------
+# ``--data 's3://b/shards/shard-{000..009}.tar'``: the shards are listed with one LIST of their
+# folder, and each is read in place by ranged GETs, never downloaded whole:
+#
+# * its **member listing** (names, data offsets, sizes) from its headers, read through
+#   :class:`RangedObject` (one GET per :data:`HEADER_BLOCK`, so small members' headers come
+#   many per GET), and cached in the store's hash cache under ``tar-members:<url>``, compared on
+#   the object's (size, last change, ETag) as bucket inputs' digests are (encode/objects.py): the
+#   row's digest column holds the listing as canonical JSON. A rebuild over unchanged shards reads
+#   the listing from there, and the members' digests too: it reads nothing beyond the LIST.
+# * each **member** to hash by one ranged GET per run of members of at most :data:`RUN_BYTES`
+#   (a sample's members are adjacent), to decode by one ranged GET of its bytes.
+#
+# A shard rewritten since it was listed has another ETag: its listing and digests are read again.
+# A member decoded is checked against the shard's stat by a HEAD (a ranged GET's ETag is the
+# object's), as a local member is by its tar's stat.
+
+#: Bytes one GET reads while listing a tar's headers (a header is 512 bytes).
+HEADER_BLOCK = 1 << 16
+#: At most this many bytes of adjacent members are hashed from one ranged GET.
+RUN_BYTES = 64 << 20
+#: The hash-cache id prefix of a tar's member listing (the row's digest column is the listing).
+LISTING_PREFIX = "tar-members:"
+
+_BUCKETS: dict[str, Bucket] = {}  # folder URL -> its bucket (a client per process, made lazily)
+
+
+def object_at(url: str) -> tuple[Bucket, str]:
+    """(the bucket of ``url``'s folder, the object's name in it).
+
+    Example:
+        >>> object_at("s3://team/shards/shard-000.tar")[1]
+        'shard-000.tar'
+    """
+    folder, name = url.rsplit("/", 1)
+    bucket = _BUCKETS.get(folder)
+    if bucket is None:
+        bucket = _BUCKETS[folder] = Bucket(BucketURL.parse(folder))
+    return bucket, name
+
+
+def object_range(url: str, start: int, length: int) -> bytes:
+    """``length`` bytes of object ``url`` from ``start`` (fewer at its end): one ranged GET.
+
+    Raises:
+        SourceError: the object is gone or cannot be read.
+    """
+    bucket, name = object_at(url)
+    try:
+        return bucket.read_range(name, start, length)
+    except FileNotFoundError:
+        raise SourceError(f"{url}: object not found (deleted since the listing?)") from None
+    except StoreError as e:
+        raise SourceError(str(e)) from e
+
+
+class RangedObject(io.RawIOBase):
+    """An object in a bucket as a seekable read-only file, for ``tarfile`` to read headers: a
+    read outside the block held fetches :data:`HEADER_BLOCK` bytes from there by a ranged GET.
+    """
+
+    def __init__(self, url: str, size: int) -> None:
+        super().__init__()
+        self.url, self.size, self.pos = url, size, 0
+        self.block_at, self.block = 0, b""
+
+    @classmethod
+    def at(cls, url: str, size: int | None = None) -> RangedObject:
+        """The object ``url`` (its size from a HEAD when not given).
+
+        Raises:
+            SourceError: there is no such object.
+        """
+        if size is None:
+            bucket, name = object_at(url)
+            info = bucket.head(name)
+            if info is None:
+                raise SourceError(f"{url}: object not found")
+            size = info.size
+        return cls(url, size)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        want = min(len(buffer), max(0, self.size - self.pos))
+        if want == 0:
+            return 0
+        end = self.block_at + len(self.block)
+        if not (self.block_at <= self.pos and self.pos + want <= end):
+            self.block_at = self.pos
+            self.block = object_range(self.url, self.pos, max(want, HEADER_BLOCK))
+        got = self.block[self.pos - self.block_at : self.pos - self.block_at + want]
+        buffer[: len(got)] = got
+        self.pos += len(got)
+        return len(got)
+
+
+def member_runs(members: Sequence[Member]) -> list[list[Member]]:
+    """``members`` by offset, cut into runs of adjacent members (gaps of headers only) of at
+    most :data:`RUN_BYTES` (a member larger than that is a run alone)."""
+    runs: list[list[Member]] = []
+    for m in sorted(members, key=lambda m: m.offset):
+        if runs:
+            run = runs[-1]
+            near = m.offset - (run[-1].offset + run[-1].size) <= HEADER_BLOCK
+            if near and m.offset + m.size - run[0].offset <= RUN_BYTES:
+                run.append(m)
+                continue
+        runs.append([m])
+    return runs
+
+
+def object_member_digests(
+    url: str, members: list[Member], held: HeldBytes | None = None
+) -> dict[str, str | tuple[str]]:
+    """:func:`member_digests` of a tar in a bucket: one ranged GET per run of members."""
+    out: dict[str, str | tuple[str]] = {}
+    for run in member_runs(members):
+        start = run[0].offset
+        try:
+            data = object_range(url, start, run[-1].offset + run[-1].size - start)
+        except SourceError as e:
+            out.update({m.name: (str(e),) for m in run})
+            continue
+        for m in run:
+            got = data[m.offset - start : m.offset - start + m.size]
+            if len(got) != m.size:
+                out[m.name] = (truncated(url, m, len(got)),)
+                continue
+            if held is not None and held.size + m.size <= held.budget:
+                held.keep(f"{url}:{m.name}", got)
+            out[m.name] = hashlib.sha256(got).hexdigest()
+    return out
+
+
+def listing_text(members: Sequence[Member]) -> str:
+    """A tar's member listing as canonical JSON (what its hash-cache row holds)."""
+    return json.dumps([list(m) for m in members], separators=(",", ":"))
+
+
+def listing_of(text: str) -> list[Member] | None:
+    """The member listing a hash-cache row holds, or None (not one: read the tar again)."""
+    try:
+        return [Member(str(n), int(o), int(z)) for n, o, z in json.loads(text)]
+    except (ValueError, TypeError):
+        return None
 
 
 def carried_value(ext: str, data: bytes) -> Any:
@@ -389,11 +579,18 @@ class WebDataset:
     """
 
     def __init__(self, data: str, column: str | None = None) -> None:
-        if is_url(data):
-            refuse_url(data, "webdataset shards")
         self.column = column.lower().lstrip(".") if column else None
+        #: a tar in a bucket -> its stat from the scan's listing (see "tars in a bucket")
+        self.listed: dict[str, FileStat] = {}
+        #: the store's hash cache, where the scan looks up tars' member listings (set by the
+        #: build or the dataset for the scan), and the listings read to be recorded there
+        self.known: HashCache | None = None
+        self.fresh: list[HashRow] = []
         folder, name = os.path.split(os.path.expanduser(data))
-        if "{" in name:
+        if is_url(data):
+            self.where, self.folder = data, folder
+            self.tars = [f"{folder}/{n}" for n in expand_braces(name)]
+        elif "{" in name:
             self.folder = resolve_path(folder or ".")
             self.where = os.path.join(self.folder, name)
             self.tars = [os.path.join(self.folder, n) for n in expand_braces(name)]
@@ -427,9 +624,10 @@ class WebDataset:
         self.index.listed.clear()  # in place: a source made before the scan reads through it
         skipped: list[SkippedInput] = []
         seen: dict[str, str] = {}
+        objects = self._list_objects()
         for tar in self.tars:
             try:
-                samples, odd = samples_of(tar, list_members(tar))
+                samples, odd = samples_of(tar, self._members(tar, objects))
             except SourceError as e:
                 skipped.append(SkippedInput(os.path.relpath(tar, self.folder), str(e)))
                 continue
@@ -445,6 +643,44 @@ class WebDataset:
                 + "; name the member with --column (e.g. --column jpg) or pick --source"
             )
         return ScanResult(list(self.chosen), skipped)
+
+    @property
+    def remote(self) -> bool:
+        """Whether the shards are objects in a bucket."""
+        return is_url(self.where)
+
+    def _list_objects(self) -> dict[str, ObjectInfo]:
+        """The objects of the shards' folder in a bucket, by URL (one LIST); {} for files.
+
+        Raises:
+            StoreError: the bucket cannot be listed (no credentials, no such bucket, denied).
+        """
+        if not self.remote:
+            return {}
+        bucket = Bucket(BucketURL.parse(self.folder))
+        return {bucket.where(o.name): o for o in bucket.list("")}
+
+    def _members(self, tar: str, objects: dict[str, ObjectInfo]) -> list[Member]:
+        """The members of ``tar``: a file's from its headers; an object's from the hash cache
+        when its (size, last change, ETag) is the one listed there, else from its headers
+        (recorded by :meth:`hash`).
+
+        Raises:
+            SourceError: the tar is missing or cannot be read as a tar.
+        """
+        if not self.remote:
+            return list_members(tar)
+        info = objects.get(tar)
+        if info is None:
+            raise SourceError(f"{tar}: object not found")
+        st = self.listed[tar] = object_stat(info)
+        cache_id = LISTING_PREFIX + tar
+        hit = self.known.cached_hashes([cache_id]).get(cache_id) if self.known else None
+        if hit is not None and hit.stat == st and (members := listing_of(hit.sha256)):
+            return members
+        members = list_members(tar, info.size)
+        self.fresh.append(HashRow(cache_id, st, listing_text(members)))
+        return members
 
     def _add(
         self,
@@ -524,7 +760,14 @@ class WebDataset:
         def read(tar: str, wanted: list[ItemRef]) -> dict[str, str | tuple[str]]:
             return self._read(tar, wanted, held)
 
-        return hash_items(catalog, refs, read, progress, stats)
+        if not self.remote:
+            return hash_items(catalog, refs, read, progress, stats)
+        got = hash_items(catalog, refs, read, progress, stats, self.listed.get)
+        if self.fresh:  # the listings the scan read: a rebuild reads them from here
+            newest = max(r.stat.mtime_ns for r in self.fresh)
+            catalog.put_hashes(self.fresh, recorded_ns=max(time.time_ns(), newest + RACY_NS + 1))
+            self.fresh = []
+        return got
 
     def _read(
         self, tar: str, refs: list[ItemRef], held: HeldBytes | None

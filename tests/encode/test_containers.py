@@ -22,6 +22,7 @@ from PIL import Image, ImageOps
 
 from featbake.bake.pipeline import build
 from featbake.encode.containers import (
+    HEADER_BLOCK,
     MemberSource,
     Table,
     WebDataset,
@@ -32,7 +33,7 @@ from featbake.encode.containers import (
 )
 from featbake.encode.encoders import torchscript_quietly
 from featbake.encode.sources import source_for
-from featbake.errors import ConfigError, SourceError
+from featbake.errors import SourceError
 from featbake.image_recipe import ImageRecipe, Resize, ResizeKind
 from featbake.keys import sha256_hex
 from featbake.recipe import Recipe
@@ -296,8 +297,8 @@ def test_shards_by_folder_and_brace_pattern_and_duplicate_keys(tmp_path: Path) -
     write_tar(folder / "shard-002.tar", image_samples(images[:1]))
     with pytest.raises(SourceError, match="two samples have the key 'sample0000'"):
         WebDataset(str(folder)).scan([".jpg"])
-    with pytest.raises(ConfigError, match="not read in place"):
-        WebDataset("s3://bucket/shard-{000..009}.tar")
+    in_bucket = WebDataset("s3://bucket/shards/shard-{000..001}.tar")  # read by ranged GETs
+    assert in_bucket.tars == [f"s3://bucket/shards/shard-00{i}.tar" for i in range(2)]
 
 
 # == tables: reading ===============================================================================
@@ -569,3 +570,98 @@ def test_the_cli_builds_a_shard_with_a_truncated_member_and_exits_3(
     assert list(stored) == ["u0", "u1", "u2"]
     for (key, parts), clip in zip(stored.items(), clips, strict=False):  # batched by 3
         torch.testing.assert_close(parts[""], run_now(module, audio_tensor(clip)), msg=key)
+
+
+# == webdataset shards in a bucket =================================================================
+@pytest.fixture
+def gets(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """(object, bytes asked) of every GET this process makes of a bucket object (whole or
+    ranged), in order."""
+    from featbake.store.bucket import Bucket
+
+    got: list[tuple[str, int]] = []
+    whole, ranged = Bucket.read, Bucket.read_range
+
+    def read(self: Bucket, name: str) -> Any:
+        got.append((name, -1))
+        return whole(self, name)
+
+    def read_range(self: Bucket, name: str, start: int, length: int) -> bytes:
+        got.append((name, length))
+        return ranged(self, name, start, length)
+
+    monkeypatch.setattr(Bucket, "read", read)
+    monkeypatch.setattr(Bucket, "read_range", read_range)
+    return got
+
+
+def upload_shards(url: str, shards: dict[str, Path]) -> None:
+    from featbake.store.bucket import Bucket
+    from featbake.store.url import BucketURL
+
+    bucket = Bucket(BucketURL.parse(url))
+    for name, path in shards.items():
+        bucket.upload(name, path)
+
+
+def test_shards_in_a_bucket_are_read_by_ranged_gets_and_a_rebuild_reads_no_byte(
+    s3: Any, tmp_path: Path, gets: list[tuple[str, int]]
+) -> None:
+    """Tars in a bucket were refused in one line. Now: headers listed and members hashed by
+    ranged GETs (never a whole shard), served equal to the encoder run now; the listing and
+    digests cached by the shard's ETag, so a rebuild and a dataset read no object byte."""
+    images = photographs(tmp_path)
+    half = len(images) // 2
+    shards = {
+        "shard-000.tar": write_tar(tmp_path / "a.tar", image_samples(images[:half])),
+        "shard-001.tar": write_tar(tmp_path / "b.tar", image_samples(images[half:], half)),
+    }
+    folder = f"s3://{s3.bucket}/shards"
+    upload_shards(folder, shards)
+    data = folder + "/shard-{000..001}.tar"
+    encoder, store = image_encoder(), tmp_path / "store"
+    report = build(data, encoder, cache=store, recipe=IMAGE_RECIPE, workers=0)
+    assert (report.encoded, report.failed) == (len(images), [])
+    assert gets and all(n > 0 for _, n in gets)  # ranged GETs only, never a whole object
+    headers = [n for _, n in gets if n == HEADER_BLOCK]
+    members = sum(n for _, n in gets if n != HEADER_BLOCK)  # runs of adjacent members
+    assert len(headers) <= 4 * len(images)  # a header GET per member at most, once
+    assert members <= sum(p.stat().st_size for p in shards.values())  # each member read once
+    stored = stored_features(store, report.root)
+    assert list(stored) == [f"sample{i:04d}" for i in range(len(images))]
+    for (key, parts), jpg in zip(stored.items(), images, strict=True):
+        assert torch.equal(parts[""], run_now(encoder, image_tensor(jpg))), key
+
+    gets.clear()
+    again = build(data, encoder, cache=store, recipe=IMAGE_RECIPE, workers=0)
+    assert (again.encoded, again.reused, again.root) == (0, len(images), report.root)
+    ds = CachedFeatureDataset(data, encoder, cache=store, recipe=IMAGE_RECIPE, on_miss="error")
+    served = [ds[i] for i in range(len(ds))]
+    assert gets == []  # listings and digests from the hash cache, by ETag, size and date
+    for i, jpg in enumerate(images):
+        assert ds.item_id(i) == f"sample{i:04d}"
+        assert torch.equal(served[i], run_now(encoder, image_tensor(jpg)))
+    assert ds.row(half) == {"txt": f"a photo number {half}", "cls": half % 3, "json": {"n": half}}
+
+    # A shard rewritten (another ETag) is listed and hashed again; the other is not read.
+    gets.clear()
+    changed = write_tar(tmp_path / "c.tar", image_samples(images[half:][::-1], half))
+    upload_shards(folder, {"shard-001.tar": changed})
+    third = build(data, encoder, cache=store, recipe=IMAGE_RECIPE, workers=0)
+    assert third.reused >= half and not third.failed
+    assert {name for name, _ in gets} == {"shard-001.tar"}
+
+
+def test_a_dataset_encodes_a_bucket_shards_misses_live_from_ranged_reads(
+    s3: Any, tmp_path: Path
+) -> None:
+    images = photographs(tmp_path, 2)
+    folder = f"s3://{s3.bucket}/shards"
+    upload_shards(folder, {"only.tar": write_tar(tmp_path / "a.tar", image_samples(images))})
+    encoder = image_encoder()
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(
+            folder + "/only.tar", encoder, cache=tmp_path / "store", recipe=IMAGE_RECIPE
+        )
+    for i, jpg in enumerate(images):
+        assert torch.equal(ds[i], run_now(encoder, image_tensor(jpg)))
