@@ -665,3 +665,37 @@ def test_a_dataset_encodes_a_bucket_shards_misses_live_from_ranged_reads(
         )
     for i, jpg in enumerate(images):
         assert torch.equal(ds[i], run_now(encoder, image_tensor(jpg)))
+
+
+# == verify: the hash rows of members and cells ====================================================
+def test_verify_checks_the_hash_rows_of_tar_members_and_table_cells(tmp_path: Path) -> None:
+    """verify hashed again only rows naming a file: a tar member's (``tar:member``) and a cell's
+    (``file:row:column``) were skipped, so a row edited to another item's digest stayed trusted
+    and served that item's feature. Now each is read (header, cell) and hashed again."""
+    import sqlite3
+    import time
+
+    from featbake.upkeep import FindingKind, verify
+
+    images = photographs(tmp_path, 2)[:2]
+    tar = write_tar(tmp_path / "shard.tar", image_samples(images))
+    parquet = tmp_path / "images.parquet"
+    pq.write_table(pa.table({"image": pa.array(images, pa.binary())}), parquet)
+    time.sleep(1.1)  # past the racy window: the rows are trusted
+    encoder, store = image_encoder(), tmp_path / "store"
+    for data in (tar, parquet):  # the same images: the parquet's are reused
+        assert not build(data, encoder, cache=store, recipe=IMAGE_RECIPE, workers=0).failed
+    member, cell = f"{tar}:sample0000.jpg", f"{parquet}:0:image"
+    with sqlite3.connect(store / "catalog.sqlite") as c:
+        rows = dict(c.execute("SELECT path, sha256 FROM hash_cache").fetchall())
+        assert rows[member] == rows[cell] == sha256_hex(images[0])
+        other = sha256_hex(images[1])
+        for path in (member, cell):
+            c.execute("UPDATE hash_cache SET sha256=? WHERE path=?", (other, path))
+    assert verify(store, repair_damage=False).status != "clean"
+    found = verify(store).findings
+    named = {f.subject for f in found if f.kind is FindingKind.HASH_CACHE}
+    assert named == {member, cell}, found
+    fixed = verify(store, repair_damage=True)
+    assert any("dropped 2 wrong hash-cache rows" in a for a in fixed.actions), fixed.actions
+    assert verify(store).status == "clean"
