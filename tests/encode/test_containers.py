@@ -675,6 +675,7 @@ def test_verify_checks_the_hash_rows_of_tar_members_and_table_cells(tmp_path: Pa
     import sqlite3
     import time
 
+    from featbake.encode.inputs import redigested
     from featbake.upkeep import FindingKind, verify
 
     images = photographs(tmp_path, 2)[:2]
@@ -683,8 +684,11 @@ def test_verify_checks_the_hash_rows_of_tar_members_and_table_cells(tmp_path: Pa
     pq.write_table(pa.table({"image": pa.array(images, pa.binary())}), parquet)
     time.sleep(1.1)  # past the racy window: the rows are trusted
     encoder, store = image_encoder(), tmp_path / "store"
+    roots = {}
     for data in (tar, parquet):  # the same images: the parquet's are reused
-        assert not build(data, encoder, cache=store, recipe=IMAGE_RECIPE, workers=0).failed
+        report = build(data, encoder, cache=store, recipe=IMAGE_RECIPE, workers=0)
+        assert not report.failed
+        roots[report.root] = stored_items(store, report.root)
     member, cell = f"{tar}:sample0000.jpg", f"{parquet}:0:image"
     with sqlite3.connect(store / "catalog.sqlite") as c:
         rows = dict(c.execute("SELECT path, sha256 FROM hash_cache").fetchall())
@@ -692,10 +696,20 @@ def test_verify_checks_the_hash_rows_of_tar_members_and_table_cells(tmp_path: Pa
         other = sha256_hex(images[1])
         for path in (member, cell):
             c.execute("UPDATE hash_cache SET sha256=? WHERE path=?", (other, path))
-    assert verify(store, repair_damage=False).status != "clean"
+    for data in (tar, parquet):  # rebuilt: the first item of each is keyed as the second
+        build(data, encoder, cache=store, recipe=IMAGE_RECIPE, workers=0)
+    assert all(stored_items(store, r) != items for r, items in roots.items())
     found = verify(store).findings
     named = {f.subject for f in found if f.kind is FindingKind.HASH_CACHE}
     assert named == {member, cell}, found
-    fixed = verify(store, repair_damage=True)
+    fixed = verify(store, repair_damage=True, redigest=redigested)  # as the CLI calls it
     assert any("dropped 2 wrong hash-cache rows" in a for a in fixed.actions), fixed.actions
+    assert any("re-keyed 2 manifest items" in a for a in fixed.actions), fixed.actions
+    assert all(stored_items(store, r) == items for r, items in roots.items())
     assert verify(store).status == "clean"
+
+
+def stored_items(store: Path, root: str) -> list[tuple[str, str]]:
+    """A root's (item id, key) pairs, in order."""
+    with Catalog(Layout(store), read_only=True) as cat:
+        return [tuple(x) for x in cat.root_items(root)]
