@@ -99,7 +99,7 @@ def scanned_inputs(place: Inputs, layout: Layout, extensions: Sequence[str]) -> 
     """``place``'s scan; tars in a bucket look up their member listings in the store's hash
     cache (read-only here: the build records new ones as it hashes), so a rebuild over unchanged
     shards reads no tar header again."""
-    if not (isinstance(place, WebDataset) and place.remote):
+    if not (isinstance(place, (WebDataset, Table)) and place.remote):
         return place.scan(extensions)
     try:
         known = Catalog(layout, read_only=True)

@@ -25,6 +25,7 @@ one line naming the container and member or row, skipped, and the build exits 3.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import io
 import json
@@ -346,6 +347,8 @@ HEADER_BLOCK = 1 << 16
 RUN_BYTES = 64 << 20
 #: The hash-cache id prefix of a tar's member listing (the row's digest column is the listing).
 LISTING_PREFIX = "tar-members:"
+#: The same for a bucket's parquet file: its schema and row ids (see :meth:`Table._listing`).
+TABLE_PREFIX = "table-rows:"
 
 _BUCKETS: dict[str, Bucket] = {}  # folder URL -> its bucket (a client per process, made lazily)
 
@@ -979,6 +982,9 @@ class TableFile:
     def __init__(self, path: str) -> None:
         self.path = path
         self.parquet = not path.endswith(".arrow")
+        #: an object's schema from the hash cache, and its size (a bucket's parquet file)
+        self.known_schema: pa.Schema | None = None
+        self.size: int | None = None
         self._pf: Any = None
         self._stream: Any = None
         #: the row group read last: its first row, and the columns read of it
@@ -988,6 +994,8 @@ class TableFile:
         return {**self.__dict__, "_pf": None, "_stream": None, "_group": None}
 
     def schema(self) -> pa.Schema:
+        if self.known_schema is not None:
+            return self.known_schema
         return self._parquet().schema_arrow if self.parquet else self._arrow().schema
 
     def rows(self) -> int:
@@ -995,7 +1003,9 @@ class TableFile:
 
     def _parquet(self) -> Any:
         if self._pf is None:
-            self._pf = pyarrow_module().parquet.ParquetFile(self.path)
+            # A bucket's file by ranged GETs: its footer, then each row group's column chunks.
+            where = RangedObject.at(self.path, self.size) if is_url(self.path) else self.path
+            self._pf = pyarrow_module().parquet.ParquetFile(where)
         return self._pf
 
     def _arrow(self) -> Any:
@@ -1049,12 +1059,20 @@ class Table:
     """
 
     def __init__(self, data: str, column: str | None = None) -> None:
-        if is_url(data):
-            refuse_url(data, "parquet files and Hugging Face datasets")
         pyarrow_module()
-        self.where = resolve_path(data)
-        self.folder = self.where if os.path.isdir(self.where) else os.path.dirname(self.where)
-        self.files = [TableFile(p) for p in table_files(self.where)]
+        #: a bucket's parquet file -> its stat, and the listings to record (see :meth:`_listing`)
+        self.listed: dict[str, FileStat] = {}
+        self.known: HashCache | None = None
+        self.fresh: list[HashRow] = []
+        if is_url(data):
+            if not data.lower().endswith(".parquet"):
+                refuse_url(data, "Arrow files and Hugging Face datasets")
+            self.where, self.folder = data, data.rsplit("/", 1)[0]
+            self.files = [TableFile(data)]
+        else:
+            self.where = resolve_path(data)
+            self.folder = self.where if os.path.isdir(self.where) else os.path.dirname(self.where)
+            self.files = [TableFile(p) for p in table_files(self.where)]
         self.column = column
         self.kinds: list[CellKind] = []  # per file
         self.text = False  # the source is text: the column holds strings (set by the scan)
@@ -1072,7 +1090,8 @@ class Table:
             SourceError: no file has the column (or a column of bytes to choose), or two rows
                 share an id.
         """
-        schemas = [self._schema(f) for f in self.files]
+        listings = [self._listing(f) for f in self.files]
+        schemas = [schema for schema, _ in listings]
         self.text = ".txt" in extensions  # the text source's: each cell is a text
         self.column = self.column or self.default_column(schemas, extensions)
         self.kinds = [
@@ -1086,8 +1105,7 @@ class Table:
         skipped: list[SkippedInput] = []
         seen: dict[str, str] = {}
         self.items = {}  # a scan starts afresh
-        for i, (f, schema) in enumerate(zip(self.files, schemas, strict=True)):
-            ids = self._ids(f, schema)
+        for i, (f, (schema, ids)) in enumerate(zip(self.files, listings, strict=True)):
             why = self._unusable(schema, self.kinds[i])
             for row, ident in enumerate(ids):
                 name = f"{f.path}:{row}"
@@ -1102,6 +1120,45 @@ class Table:
                     seen[ident] = name
                     self.items[ident] = Row(i, row)
         return ScanResult(list(self.items), skipped)
+
+    @property
+    def remote(self) -> bool:
+        """Whether the table is a parquet file in a bucket."""
+        return is_url(self.where)
+
+    def _listing(self, f: TableFile) -> tuple[pa.Schema, list[str]]:
+        """(schema, each row's id) of one file: an object's from the hash cache when its (size,
+        last change, ETag) is the one recorded there (a row ``table-rows:<url>``: the schema
+        as Arrow IPC in base64 and the ids, as JSON), else read (footer and ``id`` column, by
+        ranged GETs) and recorded by :meth:`hash`.
+
+        Raises:
+            SourceError: the file (object) is missing or not a readable table file.
+        """
+        if not self.remote:
+            schema = self._schema(f)
+            return schema, self._ids(f, schema)
+        bucket, name = object_at(f.path)
+        info = bucket.head(name)
+        if info is None:
+            raise SourceError(f"{f.path}: object not found; check --data")
+        st = self.listed[f.path] = object_stat(info)
+        f.size, pa = info.size, pyarrow_module()
+        cache_id = TABLE_PREFIX + f.path
+        hit = self.known.cached_hashes([cache_id]).get(cache_id) if self.known else None
+        if hit is not None and hit.stat == st:
+            try:
+                held = json.loads(hit.sha256)
+                raw = base64.b64decode(held["schema"])
+                f.known_schema = pa.ipc.read_schema(pa.py_buffer(raw))
+                return f.known_schema, [str(i) for i in held["ids"]]
+            except (ValueError, KeyError, TypeError):
+                pass  # not a listing: read the file again
+        schema = self._schema(f)
+        ids = self._ids(f, schema)
+        text = base64.b64encode(schema.serialize().to_pybytes()).decode()
+        self.fresh.append(HashRow(cache_id, st, json.dumps({"schema": text, "ids": ids})))
+        return schema, ids
 
     def _schema(self, f: TableFile) -> pa.Schema:
         try:
@@ -1214,7 +1271,14 @@ class Table:
         def read(file: str, wanted: list[ItemRef]) -> dict[str, str | tuple[str]]:
             return self._read(file, wanted, held)
 
-        return hash_items(catalog, refs, read, progress, stats)
+        if not self.remote:
+            return hash_items(catalog, refs, read, progress, stats)
+        got = hash_items(catalog, refs, read, progress, stats, self.listed.get)
+        if self.fresh:  # the listings the scan read: a rebuild reads them from here
+            newest = max(r.stat.mtime_ns for r in self.fresh)
+            catalog.put_hashes(self.fresh, recorded_ns=max(time.time_ns(), newest + RACY_NS + 1))
+            self.fresh = []
+        return got
 
     def _read(
         self, file: str, refs: list[ItemRef], held: HeldBytes | None

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from featbake.encode.containers import WebDataset
+from featbake.encode.containers import Table, WebDataset
 from featbake.encode.fingerprints import hash_inputs, resolve_path
 from featbake.encode.inputs import Inputs, inputs_at, keeps_order
 from featbake.encode.sources import check_input_files
@@ -223,8 +223,8 @@ def _index_place(
     manifest: dict[str, str] = {}
     if root is not None and root.encoder_fp == spec.enc_fp:
         manifest = dict(catalog.root_items(name))
-    if isinstance(inputs, WebDataset):
-        inputs.known = catalog  # tars in a bucket: member listings from the hash cache
+    if isinstance(inputs, (WebDataset, Table)):
+        inputs.known = catalog  # a bucket's tars and tables: listings from the hash cache
     try:
         scanned = inputs.scan(spec.extensions).inputs
     except SourceError:

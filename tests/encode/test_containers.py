@@ -713,3 +713,45 @@ def stored_items(store: Path, root: str) -> list[tuple[str, str]]:
     """A root's (item id, key) pairs, in order."""
     with Catalog(Layout(store), read_only=True) as cat:
         return [tuple(x) for x in cat.root_items(root)]
+
+
+def test_a_parquet_file_in_a_bucket_is_read_by_ranged_gets_and_a_rebuild_reads_no_byte(
+    s3: Any, tmp_path: Path, gets: list[tuple[str, int]]
+) -> None:
+    """A parquet file in a bucket was refused in one line. Now its footer and row groups are
+    read by ranged GETs, its schema and ids cached by its ETag, so a rebuild and a dataset make
+    no GET; every served row equals the encoder run now on its image."""
+    images = photographs(tmp_path, 4)
+    labels = list(range(len(images)))
+    table = pa.table({"image": pa.array(images, pa.binary()), "label": labels})
+    local = tmp_path / "images.parquet"
+    pq.write_table(table, local, row_group_size=2)
+    folder = f"s3://{s3.bucket}/tables"
+    upload_shards(folder, {"images.parquet": local})
+    url = folder + "/images.parquet"
+    encoder, store = image_encoder(), tmp_path / "store"
+    report = build(url, encoder, cache=store, recipe=IMAGE_RECIPE, workers=0, column="image")
+    assert (report.encoded, report.failed) == (len(images), [])
+    assert gets and all(n > 0 for _, n in gets)  # ranged GETs only
+    stored = stored_features(store, report.root)
+    assert list(stored) == [f"images.parquet:{i}" for i in range(len(images))]
+    for (key, parts), jpg in zip(stored.items(), images, strict=True):
+        assert torch.equal(parts[""], run_now(encoder, image_tensor(jpg))), key
+
+    gets.clear()
+    again = build(url, encoder, cache=store, recipe=IMAGE_RECIPE, workers=0, column="image")
+    assert (again.encoded, again.reused, again.root) == (0, len(images), report.root)
+    ds = CachedFeatureDataset(
+        url, encoder, cache=store, recipe=IMAGE_RECIPE, column="image", on_miss="error"
+    )
+    served = [ds[i] for i in range(len(ds))]
+    assert gets == []  # schema, ids and digests from the hash cache, by ETag, size and date
+    for i, jpg in enumerate(images):
+        assert torch.equal(served[i], run_now(encoder, image_tensor(jpg)))
+    assert ds.row(3) == {"label": 3}
+    with pytest.warns(UserWarning, match="no featbake store"):  # misses encoded from the bucket
+        live = CachedFeatureDataset(
+            url, encoder, cache=tmp_path / "fresh", recipe=IMAGE_RECIPE, column="image"
+        )
+    for i, jpg in enumerate(images):
+        assert torch.equal(live[i], run_now(encoder, image_tensor(jpg)))
