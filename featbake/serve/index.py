@@ -231,6 +231,9 @@ def _index_place(
         if not manifest:
             raise
         scanned = []  # the inputs are gone, the features are not
+    finally:
+        if isinstance(inputs, (WebDataset, Table)):
+            inputs.known = None  # the catalog is not pickled into workers with the inputs
     rel_paths = item_names(inputs, scanned, list(manifest))
     stats: dict[str, FileStat] = {}
     paths = [inputs.path(r) for r in scanned]

@@ -477,11 +477,12 @@ def check_root_files(layout: Layout) -> list[Finding]:
 #   ``bytes``, a binary cell, a string's UTF-8) are hashed.
 # - a manifest's rows and segments: their rows are their files' (a recording's digest, from which
 #   a segment's is derived), checked as any file; a manifest's texts have no row (never cached).
-# - ``s3://`` objects (bucket inputs, a manifest's bucket rows, tar members in a bucket): not
-#   checked, as that means downloading every object of the data; each row is keyed by the ETag
-#   of the response whose bytes were hashed.
-# - ``tar-members:`` rows (a bucket tar's member listing, not a digest): not checked; the scan
-#   reads the headers again when the shard's ETag changes.
+# - ``s3://`` objects (bucket inputs, a manifest's bucket rows, members and cells of tars and
+#   parquet files in a bucket): not checked, as that means downloading every object of the data;
+#   each row is keyed by its object's ETag.
+# - ``tar-members:`` and ``table-rows:`` rows (a bucket tar's member listing, a bucket parquet
+#   file's schema and ids: no digests): not checked; the scan reads them again when the object's
+#   ETag changes.
 
 Progress = Callable[[GcProgress], None] | None
 

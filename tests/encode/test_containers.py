@@ -755,3 +755,42 @@ def test_a_parquet_file_in_a_bucket_is_read_by_ranged_gets_and_a_rebuild_reads_n
         )
     for i, jpg in enumerate(images):
         assert torch.equal(live[i], run_now(encoder, image_tensor(jpg)))
+
+
+def test_a_bucket_table_and_shard_in_the_cli_and_in_dataloader_workers(
+    s3: Any, tmp_path: Path, encoder_file: Path
+) -> None:
+    """Decode workers (the CLI's) and forked DataLoader workers each read the bucket's objects
+    by ranged GETs with their own client: nothing unpicklable crosses (the catalog a scan
+    looked listings up in is dropped after it)."""
+    from torch.utils.data import DataLoader
+
+    clips = [wav_bytes(0.3 + 0.05 * i, i) for i in range(4)]
+    folder = f"s3://{s3.bucket}/audio"
+    upload_shards(
+        folder,
+        {
+            "a.parquet": write_audio_parquet(tmp_path / "a.parquet", list(clips)),
+            "a.tar": write_tar(
+                tmp_path / "a.tar", [(f"u{i}", {"wav": c}) for i, c in enumerate(clips)]
+            ),
+        },
+    )
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
+    for name in ("a.parquet", "a.tar"):
+        store = tmp_path / f"s-{name}"
+        done = run_cli(
+            "build", "--encoder", encoder_file, "--data", f"{folder}/{name}", "--cache", store,
+            "--workers", "2", "--json", env=s3.env,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert f'"encoded": {len(clips)}' in done.stdout
+        with pytest.warns(UserWarning, match="no featbake store"):
+            ds = CachedFeatureDataset(
+                f"{folder}/{name}", encoder_file, cache=tmp_path / f"l-{name}"
+            )
+        got = list(DataLoader(ds, batch_size=None, num_workers=2))
+        assert len(got) == len(clips)
+        for x, clip in zip(got, clips, strict=True):
+            assert torch.equal(x, run_now(module, audio_tensor(clip)))
