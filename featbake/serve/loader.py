@@ -52,9 +52,10 @@ from torch.utils.data import Sampler, StackDataset, Subset
 
 import featbake.device as dev
 from featbake.errors import ConfigError, FeatbakeError
-from featbake.serve.collate import pad_collate, pinned_batches
+from featbake.serve.collate import BatchPool, pad_collate, pinned_batches, pooled_batches
 from featbake.serve.index import ItemPlacement
 from featbake.serve.prefetch import map_tensors
+from featbake.serve.reads import read_threads_at_most
 from featbake.serve.sampling import Order, Shuffle, shuffle_of
 
 # == read_ahead ====================================================================================
@@ -457,6 +458,11 @@ class FeatureLoader:
         self.dataset = dataset
         self.collate_fn = collate_fn
         self.prefetch = prefetch
+        # Every batch alive at once has a buffer of its own, reused from batch to batch: the
+        # queue's, the one the reader builds (or waits to hand over), the training loop's
+        # current and previous batch (its loop variable holds that one while next() runs), and
+        # the dataset's batch that a collate copies from (pad_collate of StackDataset items).
+        self._buffers = BatchPool(keep=prefetch + 4)
         self.device = None if device is None else dev.resolve_device(device)
         rank, world = rank_and_world(rank, world_size)
         if seed is None:  # ranks must draw one order: DistributedSampler's default seed, 0
@@ -569,7 +575,7 @@ class FeatureLoader:
         to_gpu = self.device is not None and self.device.type == "cuda"
         try:
             ahead = ReadAhead(batches, self.read_ahead, hint_of(self.dataset), self._streak)
-            with pinned_batches() if to_gpu else contextlib.nullcontext():
+            with pinned_batches() if to_gpu else pooled_batches(self._buffers):
                 self._read_batches(batches, ready, stop, ahead, to_gpu)
         except BaseException as e:  # handed to the training thread, raised there
             _put(ready, _Failed(e), stop)
@@ -589,7 +595,8 @@ class FeatureLoader:
             if stop.is_set():
                 return
             ahead.before(b)
-            batch = self.collate_fn(_items(self.dataset, idx))
+            with read_threads_at_most(threads_cap(ready.qsize())):
+                batch = self.collate_fn(_items(self.dataset, idx))
             if to_gpu:  # built pinned already (pinned_batches); labels and custom collates not
                 batch = map_tensors(dev.pin, batch)
             if not _put(ready, batch, stop):
@@ -601,6 +608,12 @@ class FeatureLoader:
             return batch
         target = self.device
         return map_tensors(lambda t: t.to(target, non_blocking=True), batch)
+
+
+def threads_cap(queued: int) -> int | None:
+    """The cap on a batch's read threads (:func:`read_threads_at_most`) with ``queued`` batches
+    ready: one while the training loop has a batch to go on with, none once it may wait."""
+    return 1 if queued else None
 
 
 def _put(ready: queue.Queue, item: Any, stop: threading.Event) -> bool:
