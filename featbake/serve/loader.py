@@ -410,7 +410,9 @@ class FeatureLoader:
             ``batch_frames``) so that every rank takes as many steps, as ``DistributedSampler``
             does and DDP needs; ``False`` (for evaluation) reads each item once, and ranks may
             take one batch more than others (Accelerate's ``even_batches``).
-        prefetch: batches read ahead of the one the training step holds.
+        prefetch: batches read ahead of the one the training step holds. On the CPU each batch
+            alive at once has a buffer of the loader's own, reused: ``prefetch + 4`` batches'
+            memory stay with the loader between epochs.
         read_ahead: items past the batch being read whose reads are started early (a hint to
             the kernel, for a store that is not in the page cache); 0 starts none. Used when
             the dataset has ``will_need`` (a :class:`~featbake.CachedFeatureDataset`, or one
