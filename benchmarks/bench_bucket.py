@@ -93,7 +93,7 @@ SHARD_BYTES = 8 << 20
 RECIPE = Recipe(dtype="float16")
 NO_LITDATA = (
     "litdata is not installed: its columns are skipped (pip install --no-deps litdata "
-    "lightning-utilities: its plain install replaces torch, see docs/benchmarks.md)"
+    "lightning-utilities obstore: its plain install replaces torch, see docs/benchmarks.md)"
 )
 #: Later epochs per round (they are short: a warm epoch of 400 items takes 15-50 ms here).
 LATER = 8
