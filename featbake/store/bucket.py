@@ -701,7 +701,7 @@ class BlockPlan:
         >>> plan.opened("c"), plan.opened("a")
         (1, None)
         >>> plan.current = 1
-        >>> sorted(plan.passed(1)), plan.keep(1)  # "b" is not read yet: a batch may want it
+        >>> plan.passed(1), plan.keep(1)  # "b" is not read yet: a batch may want it
         (['a'], ('c', 'd', 'e', 'b'))
     """
 
@@ -728,11 +728,12 @@ class BlockPlan:
         behind = [n for n in self.windows[k - 1] if n not in self.read] if k >= 1 else []
         return tuple(dict.fromkeys([*ahead, *behind]))
 
-    def passed(self, k: int) -> set[str]:
+    def passed(self, k: int) -> list[str]:
         """Shards of the windows before ``k`` that were read and no window from ``k`` on
-        reads again: the tier's room for what comes."""
-        before = {n for w in self.windows[: max(k, 0)] for n in w} & self.read
-        return before - {n for w in self.windows[max(k, 0) :] for n in w}
+        reads again, the oldest window's first: the tier's room for what comes."""
+        later = {n for w in self.windows[max(k, 0) :] for n in w}
+        before = (n for w in self.windows[: max(k, 0)] for n in w)
+        return list(dict.fromkeys(n for n in before if n in self.read and n not in later))
 
 
 def windows_over(windows: Sequence[Sequence[str]], sizes: Mapping[str, int], budget: int) -> int:
@@ -982,14 +983,32 @@ class BucketStore:
         return plan if plan is not None and not self._plan_stamp.stale else None
 
     def _enter(self, plan: BlockPlan, k: int) -> None:
-        """The reads are in window ``k`` now (plan lock held): evict the windows passed, fetch
-        the current and next windows' missing shards in the background."""
+        """The reads are in window ``k`` now (plan lock held): evict what the windows passed
+        left, as much as the current and next windows need, and fetch their missing shards
+        in the background."""
         plan.current = k
-        self.tier.evict(plan.passed(k))
+        self.tier.evict(self._room_for(plan, k))
         if os.environ.get(PREFETCH_ENV, "1") == "0":
             return
         for name in plan.keep(k):
             self._submit(name, partial(self._prefetch_planned, plan))
+
+    def _room_for(self, plan: BlockPlan, k: int) -> list[str]:
+        """The passed windows' shards to evict, oldest window first, so that window ``k``'s
+        and the next one's shards fit the tier beside what it holds (none when they fit: a
+        tier that holds the store keeps it for the next epoch)."""
+        sizes = self._named_shards()
+        here = [n for n in plan.keep(k) if self.layout.shard_path(n).is_file()]
+        need = sum(sizes.get(n, 0) for n in plan.keep(k)) - sum(sizes.get(n, 0) for n in here)
+        over = self.tier.used_bytes() + need - self.tier.budget
+        doomed = []
+        for name in plan.passed(k):
+            if over <= 0:
+                break
+            if self.layout.shard_path(name).is_file():
+                doomed.append(name)
+                over -= sizes.get(name, 0)
+        return doomed
 
     def _protected(self) -> tuple[str, ...]:
         """The shards a fetch must not evict: the current and next windows of the plan being

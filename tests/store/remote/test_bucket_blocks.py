@@ -70,9 +70,11 @@ def test_a_block_shuffled_epoch_through_a_third_of_the_data_fetches_each_shard_a
                 seen.append(int(i))
         assert sorted(seen) == list(range(len(ds)))
         per_epoch[shuffle] = len(fetched)
-    # Each shard once. (Before the open shards were stamped in their order of use, one coarse
-    # clock tick stamped them all alike and the tier evicted by name: 25 fetches here.)
-    assert per_epoch["blocks"] <= len(shards)
+    # Each shard about once. (Before the open shards were stamped in their order of use, one
+    # coarse clock tick stamped them all alike and the tier evicted by name: 25 fetches here.
+    # The passed windows now make room for the next one's prefetch: a batch straddling two
+    # windows, read on several threads, may open a shard of the one just evicted again.)
+    assert per_epoch["blocks"] <= 1.1 * len(shards)
     assert per_epoch[True] > per_epoch["blocks"]  # what a full shuffle costs the same tier
 
 
@@ -184,8 +186,8 @@ def test_the_next_windows_shards_are_fetched_ahead_of_their_first_read(
     """Each time the reads enter a window the store queues the current and next windows'
     missing shards on its prefetch threads. The test waits for those fetches where the store
     queued them (a hook, no timing): then every shard is downloaded by a prefetch thread before
-    any read opens it, the reads download nothing, each shard once, and the tier never holds
-    a shard of a window the reads have moved past."""
+    any read opens it, the reads download nothing, each shard once, and the tier stays within
+    its budget (the windows passed make room)."""
     audio = tmp_path / "audio"
     write_audio_folder(audio, 48, seconds=(0.5, 1.5), seed=4)
     sizes = _store(s3, audio, encoder_file)
@@ -222,8 +224,7 @@ def test_the_next_windows_shards_are_fetched_ahead_of_their_first_read(
         if not plans or plans[-1] is not plan:
             plans.append(plan)
         _drain(ds)  # the hook: this window's and the next one's fetches are done
-        held = {p.name.removesuffix(".safetensors") for p in store.layout.shards.glob("*/*")}
-        assert not held & plan.passed(k)
+        assert store.tier.used_bytes() <= third  # the passed windows made room
 
     monkeypatch.setattr(Bucket, "download", counted)
     monkeypatch.setattr(BucketStore, "opened", opening)
