@@ -60,7 +60,7 @@ from featbake.serve.collate import BatchPool, pad_collate, pinned_batches, poole
 from featbake.serve.index import ItemPlacement
 from featbake.serve.prefetch import map_tensors
 from featbake.serve.reads import read_threads_at_most
-from featbake.serve.sampling import Order, Shuffle, shuffle_of
+from featbake.serve.sampling import Order, Shuffle, follow_blocks, shuffle_of
 
 # == read_ahead ====================================================================================
 # What the loader asks of its dataset, reached through ``StackDataset`` and ``Subset``: the
@@ -330,6 +330,7 @@ class BlockSampler(Sampler[int]):
                 "whose catalog knows each item's shard"
             )
         self._shards = placement.shards.tolist()
+        self._dataset = dataset  # told each epoch's windows (a bucket store fetches by them)
         rank, world = rank_and_world(rank, num_replicas)
         self._order = Order(len(dataset), 1, Shuffle.BLOCKS, seed, rank, world, drop_last,
                             window=window)  # fmt: skip
@@ -341,6 +342,7 @@ class BlockSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         batches = self._order.batches(self.epoch, shards=self._shards)
+        follow_blocks(self._dataset, self._order.block_plan(self.epoch, batches, self._shards))
         return iter([i for b in batches for i in b])
 
     def __len__(self) -> int:
@@ -482,6 +484,7 @@ class FeatureLoader:
         )  # fmt: skip
         self.epoch = 0
         self._resume = Resume()
+        self._shards: list[int] | None = None  # each item's shard, for a block order's plan
 
     @property
     def seed(self) -> int:
@@ -530,7 +533,9 @@ class FeatureLoader:
         epoch = self.epoch
         self.epoch += 1
         batches = self._batches(epoch)
-        return self._epoch(batches, self._resume.start(epoch, len(batches)))
+        skip = self._resume.start(epoch, len(batches))
+        follow_blocks(self.dataset, self._order.block_plan(epoch, batches[skip:], self._shards))
+        return self._epoch(batches, skip)
 
     def _batches(self, epoch: int) -> list[list[int]]:
         """This rank's batches of epoch ``epoch`` (lengths and shards from the catalog when the
@@ -544,7 +549,8 @@ class FeatureLoader:
                 "batch_frames and shuffle='blocks' need a CachedFeatureDataset (or one in a "
                 "StackDataset or Subset), whose catalog knows each item's length and shard"
             )
-        return o.batches(epoch, placement.lengths.tolist(), placement.shards.tolist())
+        self._shards = placement.shards.tolist()
+        return o.batches(epoch, placement.lengths.tolist(), self._shards)
 
     def _epoch(self, batches: list[list[int]], skip: int) -> Iterator[Any]:
         batches = batches[skip:]
