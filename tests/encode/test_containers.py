@@ -780,7 +780,7 @@ def test_a_bucket_table_and_shard_in_the_cli_and_in_dataloader_workers(
         module = torch.jit.load(str(encoder_file))
     for name in ("a.parquet", "a.tar"):
         store = tmp_path / f"s-{name}"
-        done = run_cli(
+        done = invoke(
             "build", "--encoder", encoder_file, "--data", f"{folder}/{name}", "--cache", store,
             "--workers", "2", "--json", env=s3.env,
         )  # fmt: skip

@@ -625,7 +625,7 @@ def test_a_text_miss_advises_the_column_and_text_options_and_they_build_it(
     for option in ("--column caption", "--source text", "--max-tokens 4", "--lowercase"):
         assert option in command.group(1), command.group(1)
     assert args[:2] == ["featbake", "build"]
-    result = run_cli(*args[1:])
+    result = invoke(*args[1:])
     assert result.returncode == 0, result.stderr
     served = CachedFeatureDataset(
         manifest, bert.folder, cache=store, column="caption", recipe=short, on_miss="error"
@@ -660,7 +660,7 @@ def test_a_parquet_string_column_is_text_keyed_as_the_same_txt_file(
     pq.write_table(table, parquet, row_group_size=3)
     bert = models["bert"]
     store = tmp_path / "store"
-    result = run_cli(
+    result = invoke(
         "build", "--encoder", bert.folder, "--data", parquet, "--cache", store,
         "--source", "text", "--column", "caption",
     )  # fmt: skip

@@ -192,8 +192,8 @@ def test_repair_re_keys_a_manifest_roots_items_and_segments_through_its_inputs(
     assert [k for _, k in wrong] != [k for _, k in right]
     assert wrong[2] == right[2]
 
-    fixed = run_cli("verify", "--repair", "--cache", store_dir)
+    fixed = invoke("verify", "--repair", "--cache", store_dir)
     assert fixed.returncode == 10, fixed.stdout + fixed.stderr
     assert "re-keyed 2 manifest items" in fixed.stdout, fixed.stdout
     assert manifest(store_dir, report.root) == right
-    assert run_cli("verify", "--cache", store_dir).returncode == 0
+    assert invoke("verify", "--cache", store_dir).returncode == 0
