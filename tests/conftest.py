@@ -1,8 +1,9 @@
 """Shared fixtures: a tiny deterministic TorchScript encoder, real audio files, a tmp store.
 
 Everything is real: encoders are saved with ``torch.jit.save``, audio is written with soundfile,
-the store is a directory with safetensors shards and a SQLite catalog, and CLI tests run
-``python -m featbake`` in a subprocess.
+the store is a directory with safetensors shards and a SQLite catalog. CLI tests run
+``python -m featbake`` in a subprocess (:func:`run_cli`) where the process is the point, and the
+same command in this process (:func:`invoke`) where what it prints and exits with is.
 """
 
 from __future__ import annotations
