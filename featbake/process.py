@@ -386,13 +386,18 @@ class ProcessLocalState:
     connections and clients never cross a process boundary)."""
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
+        # Cooperative: a base's own rule (``nn.Module`` drops its compiled call) runs first.
+        state: dict[str, Any] = dict(super().__getstate__())  # type: ignore[call-overload]
         for key in process_local_keys(type(self)):
             state.pop(key, None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        restore = getattr(super(), "__setstate__", None)
+        if restore is None:
+            self.__dict__.update(state)
+        else:
+            restore(state)
 
 
 class PerProcess(Generic[T]):

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 import numpy as np
 
 from featbake.errors import ConfigError, FeatbakeError, ShardMissing, StoreCorrupt, StoreError
-from featbake.process import PerProcess
+from featbake.process import PerProcess, ProcessLocal, ProcessLocalState
 from featbake.store.catalog import Access, open_sqlite
 from featbake.store.fragments import (
     MergeReport,
@@ -184,7 +184,7 @@ def _object_shard(object_name: str) -> str:
 # Endpoints other than AWS are addressed path-style, as litdata does. Throttling, 5xx answers and
 # connection errors are retried with backoff by botocore ("standard" mode); a download cut
 # mid-body is retried whole by :meth:`Bucket.download`. Each process makes its own client on
-# first use (:class:`~featbake.process.PerProcess`); a pickled :class:`Bucket` carries only
+# first use (:class:`~featbake.process.ProcessLocal`); a pickled :class:`Bucket` carries only
 # its URL.
 #: Whole-object downloads cut short (a dropped connection mid-body) are tried this many times.
 DOWNLOAD_TRIES = 4
@@ -218,7 +218,7 @@ class ObjectBytes(NamedTuple):
 _T = TypeVar("_T")
 
 
-class Bucket:
+class Bucket(ProcessLocalState):
     """A store's objects under ``s3://bucket/prefix``; names are relative to the prefix.
 
     Example:
@@ -228,13 +228,6 @@ class Bucket:
 
     def __init__(self, url: BucketURL) -> None:
         self.url = url
-        self._client: PerProcess[Any] = PerProcess(self._connect, lock=True)
-
-    def __getstate__(self) -> dict:
-        return {"url": self.url}  # the client never crosses a process boundary
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state["url"])  # type: ignore[misc]
 
     def _connect(self) -> Any:
         try:
@@ -269,10 +262,8 @@ class Bucket:
                 f"{redact(str(e))}; check AWS_ENDPOINT_URL, AWS_REGION and AWS_PROFILE"
             ) from None
 
-    @property
-    def client(self) -> Any:
-        """This process's boto3 client (made on first use, again after fork)."""
-        return self._client.get()
+    #: This process's boto3 client (made on first use, again after fork; never pickled).
+    client: ProcessLocal[Any] = ProcessLocal(_connect, lock=True)
 
     def key(self, name: str) -> str:
         """The object key of ``name`` under the store's prefix."""
