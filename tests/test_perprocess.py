@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing
 import os
 import pickle
 import threading
 import time
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
+import torch
 
+import featbake
 from featbake.process import PerProcess, ProcessLocal, ProcessLocalState, ProcessStamp
+from featbake.store.catalog import Catalog
+from featbake.store.features import FeatureReader
+from featbake.store.layout import Layout
+from tests.conftest import live_features
+from tests.helpers import bake
+
+TOL = {"rtol": 1e-5, "atol": 1e-6}  # the CPU kernels may round differently by batch size
 
 
 def _in_child(check) -> int:
@@ -219,3 +230,89 @@ def test_the_lock_is_free_in_a_child_forked_while_another_thread_makes() -> None
     code = _in_child(lambda: b.value is not None)
     t.join()
     assert code == 0
+
+
+# == the classes that hold per-process state =======================================================
+def test_every_class_holding_a_process_local_has_the_one_pickling_rule() -> None:
+    """No class writes its own pair to drop handles: each holder mixes in ProcessLocalState,
+    and no module but featbake.process (and the catalog's hold of inherited connections)
+    registers a fork hook."""
+    package = Path(featbake.__file__).parent
+    holders = []
+    for path in sorted(package.rglob("*.py")):
+        name = ".".join(path.relative_to(package.parent).with_suffix("").parts)
+        if name.endswith("__main__"):
+            continue
+        module = importlib.import_module(name)
+        for obj in vars(module).values():
+            made_here = isinstance(obj, type) and obj.__module__ == name
+            if made_here and any(isinstance(v, ProcessLocal) for v in vars(obj).values()):
+                holders.append(obj)
+        text = path.read_text()
+        if "register_at_fork(" in text:
+            assert name in {"featbake.process", "featbake.store.catalog"}, name
+    assert len(holders) >= 5  # the bucket client, shard handles, catalog, dataset, CachedEncoder
+    assert all(issubclass(h, ProcessLocalState) for h in holders), holders
+
+
+def test_a_pickled_read_only_reader_stays_read_only_and_reads_the_store(
+    audio_dir: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    """A FeatureReader's pickled copy kept only layout, max_open and verify, so a reader told to
+    only read came back read-write (its catalog then wrote caches to a store it must not)."""
+    result = bake(audio_dir, encoder_file, store_dir)
+    layout = Layout(store_dir)
+    with Catalog(layout) as cat:
+        items = cat.root_items(result.root)
+    reader = FeatureReader(layout, read_only=True, max_open=3)
+    rel, key = items[0]
+    first = reader.get(key)
+    assert first is not None and reader.catalog.read_only
+    copy = pickle.loads(pickle.dumps(reader))
+    assert copy.catalog.read_only and copy.handles.max_open == 3
+    assert not list(copy.handles)  # no open shard crossed
+    for rel, key in items:
+        got = copy.get(key)
+        assert got is not None
+        torch.testing.assert_close(got[""], live_features(encoder_file, audio_dir / rel))
+    assert list(reader.handles)  # the original's readers are its own, still open
+    copy.close()
+    reader.close()
+
+
+def _target(fd: str) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return ""
+
+
+def test_a_forked_child_reads_through_its_own_readers(
+    audio_dir: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    """The child closes its copies of the parent's shard fds on first use and opens its own;
+    the parent's stay open and keep reading."""
+    result = bake(audio_dir, encoder_file, store_dir)
+    layout = Layout(store_dir)
+    with Catalog(layout) as cat:
+        items = cat.root_items(result.root)
+    reader = FeatureReader(layout)
+    for _, key in items:
+        reader.get(key)
+    parents = {p: r.fd for p, r in reader.handles.open_readers.items()}
+    assert parents
+    want = [live_features(encoder_file, audio_dir / rel) for rel, _ in items]
+
+    def child() -> bool:
+        torch.set_num_threads(1)  # as DataLoader workers do: OpenMP's pool is not fork-safe
+        mine = [reader.get(key) for _, key in items]  # first use: the inherited fds closed
+        shards = {str(p) for p in store_dir.rglob("*.safetensors")}
+        open_here = [fd for fd in os.listdir("/proc/self/fd") if _target(fd) in shards]
+        assert len(open_here) == len(reader.handles.open_readers)  # its own, none of the parent's
+        return all(torch.allclose(m[""], w, **TOL) for m, w in zip(mine, want, strict=True))
+
+    assert _in_child(child) == 0
+    assert {p: r.fd for p, r in reader.handles.open_readers.items()} == parents
+    assert all(_target(str(fd)) == str(p) for p, fd in parents.items())  # open in the parent
+    assert reader.get(items[0][1]) is not None
+    reader.close()
