@@ -6,6 +6,7 @@ import importlib
 import multiprocessing
 import os
 import pickle
+import signal
 import threading
 import time
 from pathlib import Path
@@ -16,9 +17,11 @@ import torch
 
 import featbake
 from featbake.process import PerProcess, ProcessLocal, ProcessLocalState, ProcessStamp
+from featbake.store.bucket import BucketStore
 from featbake.store.catalog import Catalog
 from featbake.store.features import FeatureReader
 from featbake.store.layout import Layout
+from featbake.store.url import BucketURL
 from tests.conftest import live_features
 from tests.helpers import bake
 
@@ -316,3 +319,31 @@ def test_a_forked_child_reads_through_its_own_readers(
     assert all(_target(str(fd)) == str(p) for p, fd in parents.items())  # open in the parent
     assert reader.get(items[0][1]) is not None
     reader.close()
+
+
+def test_a_child_forked_during_bucket_prefetches_starts_its_own(tmp_path: Path) -> None:
+    """A DataLoader worker forked while the parent's two background fetches ran inherited
+    their names (and so never prefetched: the threads that would clear them are not in the
+    child) and their lock, held by a parent thread (so the child's next hint hung)."""
+    store = BucketStore(BucketURL.parse("s3://team/features"), tmp_path / "tier", 1 << 20)
+    store._prefetching.update({"a" * 64, "b" * 64})  # two fetches in flight here
+    holding, done = threading.Event(), threading.Event()
+
+    def fetch_thread() -> None:  # a fetch thread inside the lock as the process forks
+        with store._prefetch_lock:
+            holding.set()
+            done.wait(30)
+
+    t = threading.Thread(target=fetch_thread)
+    t.start()
+    holding.wait(10)
+
+    def child() -> bool:
+        signal.alarm(20)  # a hang fails the test instead of stalling it
+        return store.prefetches_in_flight() == 0
+
+    code = _in_child(child)
+    done.set()
+    t.join()
+    assert code == 0
+    assert store.prefetches_in_flight() == 2  # the parent's own, untouched

@@ -701,7 +701,7 @@ def shard_object(name: str) -> str:
     return f"{SHARDS}{checked_shard_name(name)[:2]}/{name}.safetensors"
 
 
-class BucketStore:
+class BucketStore(ProcessLocalState):
     """A bucket store and this node's tier of it (see the module docstring).
 
     Args:
@@ -719,12 +719,19 @@ class BucketStore:
         self._ranged: bool | None = None  # see reads_ranged
         self._fills_tier = False  # auto mode reading by ranges: shards that fit are kept
         self._uploaded: set[str] = set()  # shards this process uploaded: copies in the tier
-        self._prefetch_lock = threading.Lock()
-        self._prefetching: set[str] = set()  # shards a background fetch is bringing in
         self._named: dict[str, int] | None = None  # see _named_shards
         self._named_total = 0
 
+    #: This process's background fetches (the shards they bring in) and their lock: a forked
+    #: child has neither the parent's fetch threads nor a lock one of them may hold.
+    _prefetch_lock: ProcessLocal[threading.Lock] = ProcessLocal(
+        lambda self: threading.Lock(), lock=True
+    )
+    _prefetching: ProcessLocal[set[str]] = ProcessLocal(lambda self: set(), lock=True)
+
     def __getstate__(self) -> dict:
+        # The extra rule: a copy starts from its three arguments; what this process learned
+        # of the bucket (listings, read mode, its uploads) is looked up again where it lands.
         return {"url": self.url, "tier": self.layout.root, "budget": self.tier.budget}
 
     def __setstate__(self, state: dict) -> None:
