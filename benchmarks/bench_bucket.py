@@ -24,6 +24,19 @@ and in an untimed shuffled epoch under a budget of three shards (~40% of the dat
 step, both in its folder and on disk (evicted shards this process still holds open included);
 featbake's shard downloads in later epochs (target: none); litdata's re-downloaded chunks.
 
+A small tier (issue 30 items 3-4): the features built again with shards a quarter the size
+(2 MiB; litdata chunks the same), read through a tier (and a litdata ``max_cache_size``) of a
+third of the data by ``FeatureLoader(ds, batch_size=1, shuffle="blocks")``, by
+``DataLoader(ds, sampler=featbake.BlockSampler(ds))``, both also with whole-shard reads forced
+(``$FEATBAKE_BUCKET_READS=whole``; the default, auto, reads by ranges once the store outweighs
+the tier), by ``FeatureLoader(shuffle=True)`` for the record, and by litdata's
+``StreamingDataset(shuffle=True)``: two epochs per reader, every round from empty folders, the
+readers alternating. The requests of each epoch are counted in the server's access log (moto
+runs with its werkzeug log in a file): GETs of whole shards or chunks, ranged GETs, the rest
+(HEADs, listings, catalog, index). Then epoch 1 with shards fetched ahead and without
+(``$FEATBAKE_BUCKET_PREFETCH=0``), the whole store fitting the tier, in order on the rounds'
+store and block-shuffled on the small-tier store.
+
 litdata talks to moto through its defaults, with one change: its chunk downloads go through
 obstore, whose client options litdata fixes without ``allow_http``, so it refuses an
 ``http://`` endpoint; the benchmark adds ``allow_http`` to them (nothing else is patched).
@@ -37,14 +50,18 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -57,14 +74,16 @@ if str(ROOT) not in sys.path:
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _rows import row
-from s3_clients import start_moto
+from s3_clients import free_port, start_moto
 
 from featbake.bake.pipeline import build
 from featbake.encode.encoders import LoadedEncoder, from_module
 from featbake.recipe import Recipe
 from featbake.serve.dataset import CachedFeatureDataset
-from featbake.serve.loader import FeatureLoader
+from featbake.serve.loader import BlockSampler, FeatureLoader
+from featbake.store.bucket import PREFETCH_ENV, READS_ENV, Bucket
 from featbake.store.open import open_store
+from featbake.store.url import BucketURL
 from featbake.testing import TinyConvEncoder, write_audio_folder
 
 BENCH = "bucket"
@@ -74,7 +93,7 @@ SHARD_BYTES = 8 << 20
 RECIPE = Recipe(dtype="float16")
 NO_LITDATA = (
     "litdata is not installed: its columns are skipped (pip install --no-deps litdata "
-    "lightning-utilities: its plain install replaces torch, see docs/benchmarks.md)"
+    "lightning-utilities obstore: its plain install replaces torch, see docs/benchmarks.md)"
 )
 #: Later epochs per round (they are short: a warm epoch of 400 items takes 15-50 ms here).
 LATER = 8
@@ -94,10 +113,11 @@ def _row(metric: str, value: float, unit: str, target: str = "", ok: bool | None
 
 # -- the server and its environment ------------------------------------------------------------
 @contextlib.contextmanager
-def s3_server() -> Iterator[str]:
+def s3_server(log: Path | None = None) -> Iterator[str]:
     """moto on loopback, a bucket in it, and the AWS environment pointing at it (restored after:
-    ``make bench`` runs every benchmark in one process)."""
-    server, endpoint = start_moto()
+    ``make bench`` runs every benchmark in one process). With ``log``, the server's access log
+    (one line per request) goes to that file (see :class:`ServerLog`)."""
+    server, endpoint = start_moto() if log is None else start_logged_moto(log)
     env = {
         "AWS_ENDPOINT_URL": endpoint,
         "AWS_ACCESS_KEY_ID": "bench",
@@ -118,6 +138,88 @@ def s3_server() -> Iterator[str]:
                 os.environ[k] = v
         server.terminate()
         server.wait(10)
+
+
+def start_logged_moto(log: Path) -> tuple[subprocess.Popen, str]:
+    """moto's server as ``s3_clients.start_moto`` starts it, its stderr (werkzeug's access log)
+    written to ``log``."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "moto.server", "-p", str(port)]
+    with log.open("wb") as out:  # the child holds its own descriptor
+        server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=out)
+    for _ in range(100):
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    return server, f"http://127.0.0.1:{port}"
+
+
+#: One access-log line of werkzeug (moto's server), colour codes allowed around the request.
+_LOGGED = re.compile(r'"(?:\x1b\[[0-9;]*m)*([A-Z]+) (\S+) HTTP/[0-9.]+(?:\x1b\[[0-9;]*m)*" (\d{3})')
+
+
+class Kind(StrEnum):
+    """What one request to the server was, for one reader's objects."""
+
+    WHOLE = "whole"  #: a GET of a whole data object (a shard, a chunk): status 200
+    RANGED = "ranged"  #: a ranged GET of a data object: status 206
+    OTHER = "other"  #: any other request naming the reader's prefix (HEAD, list, catalog, index)
+
+
+@dataclass(frozen=True)
+class Requests:
+    """Requests the server answered for one reader's prefix, by :class:`Kind`."""
+
+    whole: int = 0
+    ranged: int = 0
+    other: int = 0
+
+    @property
+    def gets(self) -> int:
+        """GETs of data objects, whole or by range."""
+        return self.whole + self.ranged
+
+    def text(self) -> str:
+        return f"{self.gets} GETs ({self.whole} whole, {self.ranged} ranged), {self.other} other"
+
+
+def kind_of(method: str, target: str, status: int, prefix: str) -> Kind | None:
+    """The kind of one logged request for the objects under ``prefix`` (None: not theirs).
+    Data objects: featbake's shards (``shards/``) and litdata's chunks (``*.bin``)."""
+    path, _, query = target.partition("?")
+    mine = f"/{BUCKET}/{prefix}/"
+    if not path.startswith(mine):
+        return Kind.OTHER if f"prefix={prefix}" in query else None
+    data = "/shards/" in path[len(mine) - 1 :] or path.endswith(".bin")
+    if method != "GET" or not data or status not in (200, 206):
+        return Kind.OTHER
+    return Kind.WHOLE if status == 200 else Kind.RANGED
+
+
+class ServerLog:
+    """moto's access log, read between two marks: what the server answered for a reader.
+
+    werkzeug writes a request's line as it sends the response's headers (before the body), so
+    a reader that got its bytes has its requests in the log."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def mark(self) -> int:
+        return self.path.stat().st_size
+
+    def since(self, mark: int, prefix: str) -> Requests:
+        with self.path.open("rb") as f:
+            f.seek(mark)
+            text = f.read().decode("utf-8", "replace")
+        counts = dict.fromkeys(Kind, 0)
+        for method, target, status in _LOGGED.findall(text):
+            kind = kind_of(method, target, int(status), prefix)
+            if kind is not None:
+                counts[kind] += 1
+        return Requests(counts[Kind.WHOLE], counts[Kind.RANGED], counts[Kind.OTHER])
 
 
 # -- litdata -----------------------------------------------------------------------------------
@@ -157,7 +259,7 @@ def litdata_over_http() -> Iterator[None]:
         downloader._OBSTORE_CLIENT_OPTIONS = saved
 
 
-def litdata_ds(cache_dir: Path, budget: int) -> IterableDataset:
+def litdata_ds(cache_dir: Path, budget: int, prefix: str = "litdata") -> IterableDataset:
     from litdata import StreamingDataset
 
     # litdata logs a warning for any budget under 25 GB; the budget here is the benchmark's.
@@ -166,7 +268,7 @@ def litdata_ds(cache_dir: Path, budget: int) -> IterableDataset:
     log.setLevel(logging.ERROR)
     try:
         return StreamingDataset(
-            f"s3://{BUCKET}/litdata", cache_dir=str(cache_dir), shuffle=True,
+            f"s3://{BUCKET}/{prefix}", cache_dir=str(cache_dir), shuffle=True,
             max_cache_size=budget,
         )  # fmt: skip
     finally:
@@ -271,9 +373,9 @@ class Setup:
     litdata: bool
     shard_bytes: int
 
-    def bucket_ds(self, tier: Path, budget: int) -> CachedFeatureDataset:
+    def bucket_ds(self, tier: Path, budget: int, prefix: str = "featbake") -> CachedFeatureDataset:
         return CachedFeatureDataset(
-            self.clips, self.encoder, cache=f"s3://{BUCKET}/featbake", recipe=RECIPE,
+            self.clips, self.encoder, cache=f"s3://{BUCKET}/{prefix}", recipe=RECIPE,
             local_cache=tier, local_cache_size=budget, on_miss="error",
         )  # fmt: skip
 
@@ -414,27 +516,260 @@ def under_pressure(s: Setup, shards: int, use_litdata: bool) -> Pressure:
     return result
 
 
-def prefetch_epochs(s: Setup, budget: int, rounds: int) -> dict[str, float]:
+@dataclass(frozen=True)
+class Ahead:
+    """Epoch 1 with shards fetched ahead (``on``) and without (``off``): median seconds, and
+    the whole-shard GETs the server answered in each epoch."""
+
+    on: float
+    off: float
+    gets: dict[str, list[int]]
+
+    def note(self, shards: int, what: str) -> str:
+        counts = ", ".join(f"{mode} {sorted(set(g))}" for mode, g in self.gets.items())
+        return (
+            f"{what}: {self.on:.2f} s with prefetch, {self.off:.2f} s without "
+            f"($FEATBAKE_BUCKET_PREFETCH=0); whole-shard GETs per epoch ({shards} shards): "
+            f"{counts}; a 2 ms step per batch of 8; moto on loopback has no network latency "
+            "to hide"
+        )
+
+
+def prefetch_epochs(s: Setup, budget: int, rounds: int, log: ServerLog, prefix: str = "featbake",
+                    shuffle: bool | str = False) -> Ahead:  # fmt: skip
     """Epoch 1 through FeatureLoader with whole-shard reads, the coming shards fetched in the
-    background (issue 30 item 4) or not: seconds, median of ``rounds``, each from an empty tier,
-    the two alternating. A 2 ms step per batch of 8 stands for the training step the fetches
-    hide behind."""
+    background (issue 30 item 4) or not: seconds, median of ``rounds``, each from an empty tier
+    that holds the whole store (prefetch runs only then), the two alternating. A 2 ms step per
+    batch of 8 stands for the training step the fetches hide behind."""
     times: dict[str, list[float]] = {"on": [], "off": []}
-    os.environ["FEATBAKE_BUCKET_READS"] = "whole"
+    gets: dict[str, list[int]] = {"on": [], "off": []}
+    os.environ[READS_ENV] = "whole"
     try:
         for r in range(rounds):
-            for mode in ("on", "off"):
-                os.environ["FEATBAKE_BUCKET_PREFETCH"] = "1" if mode == "on" else "0"
-                ds = s.bucket_ds(s.work / f"prefetch-{mode}-{r}", budget)
+            for mode in ("on", "off") if r % 2 == 0 else ("off", "on"):
+                os.environ[PREFETCH_ENV] = "1" if mode == "on" else "0"
+                ds = s.bucket_ds(s.work / f"prefetch-{prefix}-{mode}-{r}", budget, prefix)
+                mark = log.mark()
                 t0 = time.perf_counter()
-                for _ in FeatureLoader(ds, batch_size=8, shuffle=False, read_ahead=32):
+                for _ in FeatureLoader(ds, batch_size=8, shuffle=shuffle, read_ahead=32, seed=r):
                     time.sleep(0.002)
                 times[mode].append(time.perf_counter() - t0)
                 ds.close()
+                gets[mode].append(log.since(mark, prefix).whole)
     finally:
-        os.environ.pop("FEATBAKE_BUCKET_READS", None)
-        os.environ.pop("FEATBAKE_BUCKET_PREFETCH", None)
-    return {mode: statistics.median(t) for mode, t in times.items()}
+        os.environ.pop(READS_ENV, None)
+        os.environ.pop(PREFETCH_ENV, None)
+    return Ahead(statistics.median(times["on"]), statistics.median(times["off"]), gets)
+
+
+# -- a small tier: the block shuffle against litdata's chunk-wise shuffle (issue 30 item 3) ------
+# A store of its own, with shards a quarter the rounds' size (as many litdata chunks), so that a
+# tier of a third of the data holds two windows of shards (a batch may straddle two windows).
+#: The small-tier store's shards and litdata's chunks (--quick: 512 KiB).
+SMALL_SHARD_BYTES = 2 << 20
+SMALL_PREFIX = "featbake-blocks"
+SMALL_LIT_PREFIX = "litdata-blocks"
+
+
+class Via(StrEnum):
+    """How a reader of the small tier steps through an epoch, one item per step."""
+
+    FEATURE_LOADER = "FeatureLoader(batch_size=1)"
+    BLOCK_SAMPLER = "DataLoader(sampler=BlockSampler)"
+    LITDATA = "litdata StreamingDataset(shuffle=True)"
+
+
+@dataclass(frozen=True)
+class SmallReader:
+    """One reader of the small-tier epochs."""
+
+    via: Via
+    shuffle: bool | str = "blocks"
+    whole: bool = False  # $FEATBAKE_BUCKET_READS=whole (else the default: auto)
+
+    @property
+    def name(self) -> str:
+        if self.via is Via.LITDATA:
+            return "litdata"
+        shuffle = "blocks" if self.shuffle == "blocks" else f"shuffle={self.shuffle}"
+        reads = ", whole-shard reads" if self.whole else ""
+        return f"featbake {shuffle}, {self.via.value}{reads}"
+
+
+#: The first two carry the issue's target (the defaults a user gets); the rest are the record.
+SMALL_READERS = (
+    SmallReader(Via.FEATURE_LOADER),
+    SmallReader(Via.BLOCK_SAMPLER),
+    SmallReader(Via.FEATURE_LOADER, whole=True),
+    SmallReader(Via.BLOCK_SAMPLER, whole=True),
+    SmallReader(Via.FEATURE_LOADER, shuffle=True),
+    SmallReader(Via.LITDATA),
+)
+
+
+@dataclass(frozen=True)
+class SmallTier:
+    """The small-tier store: its shards, litdata's chunks, the tier's budget (a third of the
+    data, for both) and the block shuffle's window (two windows fit the budget)."""
+
+    shard_bytes: int
+    shards: int
+    chunks: int
+    data_bytes: int
+    budget: int
+    window: int
+
+
+def prepare_small_tier(s: Setup, shard_bytes: int) -> SmallTier:
+    """The features built again into ``SMALL_PREFIX`` with smaller shards (and as litdata
+    chunks of the same size under ``SMALL_LIT_PREFIX``)."""
+    url = f"s3://{BUCKET}/{SMALL_PREFIX}"
+    builder = open_store(url, local_cache=s.work / "builder-tier-blocks")
+    build(s.clips, s.encoder, cache=builder, recipe=RECIPE, workers=0, shard_bytes=shard_bytes,
+          threads=1)  # fmt: skip
+    sizes = [o.size for o in Bucket(BucketURL.parse(url)).list("shards/")]
+    chunks = 0
+    if s.litdata:
+        out = s.work / "litdata-blocks-out"
+        write_litdata(s.local_ds(), out, SMALL_LIT_PREFIX, shard_bytes)
+        chunks = len(list(out.glob("*.bin")))
+    budget = sum(sizes) // 3
+    window = min(4, max(1, budget // (2 * max(sizes))))
+    return SmallTier(shard_bytes, len(sizes), chunks, sum(sizes), budget, window)
+
+
+def pinned_bucket_ds(s: Setup, tier: Path, budget: int, prefix: str,
+                     whole: bool) -> CachedFeatureDataset:  # fmt: skip
+    """A bucket dataset whose read mode is settled now: ``whole`` forces whole-shard fetches,
+    else the default (auto: by ranges once the store outweighs the tier)."""
+    saved = os.environ.pop(READS_ENV, None)
+    if whole:
+        os.environ[READS_ENV] = "whole"
+    try:
+        ds = s.bucket_ds(tier, budget, prefix)
+        ds._layout.remote.reads_ranged()  # type: ignore[union-attr]  # settled per process
+    finally:
+        os.environ.pop(READS_ENV, None)
+        if saved is not None:
+            os.environ[READS_ENV] = saved
+    return ds
+
+
+@dataclass
+class Opened:
+    """A small-tier reader, open: ``run`` reads one epoch and returns the items it saw."""
+
+    run: Callable[[], int]
+    close: Callable[[], None]
+    prefix: str
+    fetched: Callable[[], int]  # whole shards its tier downloaded so far (litdata: 0)
+
+
+def open_small(r: SmallReader, s: Setup, t: SmallTier, folder: Path) -> Opened:
+    if r.via is Via.LITDATA:
+        lit = DataLoader(litdata_ds(folder / "litdata-cache", t.budget, SMALL_LIT_PREFIX),
+                         batch_size=None)  # fmt: skip
+        return Opened(lambda: sum(1 for _ in lit), lambda: None, SMALL_LIT_PREFIX, lambda: 0)
+    ds = pinned_bucket_ds(s, folder / "tier", t.budget, SMALL_PREFIX, r.whole)
+    tier = ds._layout.remote.tier  # type: ignore[union-attr]
+    if r.via is Via.BLOCK_SAMPLER:
+        sampler = BlockSampler(ds, seed=0, window=t.window)
+        loader = DataLoader(ds, batch_size=None, sampler=sampler)
+        epochs = iter(range(1 << 30))
+
+        def run() -> int:
+            sampler.set_epoch(next(epochs))
+            return sum(1 for _ in loader)
+
+    else:
+        fl = FeatureLoader(ds, batch_size=1, shuffle=r.shuffle, window=t.window, seed=0)
+
+        def run() -> int:
+            return sum(1 for _ in fl)  # batches of one
+
+    return Opened(run, ds.close, SMALL_PREFIX, lambda: tier.fetched)
+
+
+@dataclass(frozen=True)
+class SmallEpoch:
+    """One reader's epoch through the small tier: its time and what it asked the server."""
+
+    round: int
+    epoch: int
+    seconds: float
+    items: int
+    requests: Requests
+    fetched: int  # whole shards the tier downloaded (featbake's own count)
+
+
+def small_tier_epochs(s: Setup, t: SmallTier, log: ServerLog, rounds: int,
+                      epochs: int) -> dict[str, list[SmallEpoch]]:  # fmt: skip
+    """``epochs`` epochs of every reader, each round from empty tiers and cache folders, the
+    readers alternating within an epoch (their order reversed every other round)."""
+    readers = [r for r in SMALL_READERS if s.litdata or r.via is not Via.LITDATA]
+    out: dict[str, list[SmallEpoch]] = {r.name: [] for r in readers}
+    for k in range(rounds):
+        base = s.work / f"small{k}"
+        opened = {r.name: open_small(r, s, t, base / str(i)) for i, r in enumerate(readers)}
+        order = list(opened) if k % 2 == 0 else list(reversed(opened))
+        for e in range(epochs):
+            for name in order:
+                o = opened[name]
+                mark, fetched = log.mark(), o.fetched()
+                t0 = time.perf_counter()
+                items = o.run()
+                seconds = time.perf_counter() - t0
+                out[name].append(SmallEpoch(k, e, seconds, items, log.since(mark, o.prefix),
+                                            o.fetched() - fetched))  # fmt: skip
+        for o in opened.values():
+            o.close()
+        shutil.rmtree(base, ignore_errors=True)
+    return out
+
+
+def small_tier_rows(s: Setup, t: SmallTier, got: dict[str, list[SmallEpoch]]
+                    ) -> list[dict[str, Any]]:  # fmt: skip
+    """Items/s and GETs per epoch of each reader; featbake / litdata, median of paired epochs."""
+    setting = (
+        f"{s.n} items ({_mib(t.data_bytes)} in {t.shards} featbake shards / {t.chunks} litdata "
+        f"chunks of <= {_mib(t.shard_bytes)}), a tier / max_cache_size of a third of the data "
+        f"({_mib(t.budget)}) for both, window={t.window}, one item per step, num_workers=0, "
+        "moto on loopback"
+    )
+    out = []
+    for r in SMALL_READERS:
+        name, eps = r.name, got.get(r.name)
+        if eps is None:
+            continue
+        rate, spread = _rate([e.seconds for e in eps], s.n)
+        gets = [e.requests.gets for e in eps]
+        per = "; ".join(
+            f"r{e.round}e{e.epoch}: {e.requests.text()}, tier fetched {e.fetched}" for e in eps
+        )
+        out.append(_row(f"small tier: {name}", rate, "items/s",
+                        note=f"{setting}; {len(eps)} epochs {spread} items/s"))  # fmt: skip
+        out.append(_row(f"small tier: {name}: GETs per epoch", statistics.median(gets), "GETs",
+                        "report", None, f"{setting}; {per}"))  # fmt: skip
+        if r.shuffle == "blocks" and r.whole:  # the issue's test: each shard about once
+            most = max(e.requests.whole for e in eps)
+            out.append(_row(f"small tier: {name}: shard downloads per epoch, most / shards",
+                            most / t.shards, "x", "<= 1.1x", most <= 1.1 * t.shards,
+                            f"{most} of {t.shards} shards; {per}"))  # fmt: skip
+        if any(e.items != s.n for e in eps):
+            out.append(_row(f"small tier: {name}: epochs with an item missing or repeated",
+                            sum(e.items != s.n for e in eps), "", "0", False, setting))  # fmt: skip
+    lit = got.get("litdata")
+    if lit is None:
+        return [*out, _row("small tier: litdata not measured", 0, "", note=NO_LITDATA)]
+    for r in SMALL_READERS[:-1]:
+        ratios = sorted(o.seconds / f.seconds for f, o in zip(got[r.name], lit, strict=True))
+        value = statistics.median(ratios)
+        target = r.shuffle == "blocks" and not r.whole
+        note = f"{setting}; {len(ratios)} paired epochs {ratios[0]:.2f}-{ratios[-1]:.2f}"
+        out.append(_row(f"small tier: {r.name} / litdata", value, "x",
+                        ">= 1.0x" if target else "report", value >= 1.0 if target else None,
+                        note))  # fmt: skip
+    return out
 
 
 # -- rows --------------------------------------------------------------------------------------
@@ -528,16 +863,37 @@ def rows_from(s: Setup, rates: Rates, checks: Checks, p: Pressure, rounds: int,
     return out
 
 
+def prefetch_rows(s: Setup, t: SmallTier, log: ServerLog, rounds: int) -> list[dict[str, Any]]:
+    """Epoch 1 with and without prefetch, the whole store fitting the tier (issue 30 item 4):
+    in the dataset's order over the rounds' store, and block-shuffled over the small-tier
+    store (more, smaller shards)."""
+    out = []
+    for metric, prefix, shuffle, shards, data in (
+        ("epoch 1, whole shards, FeatureLoader: shards fetched ahead / not", "featbake", False,
+         None, s.data_bytes),
+        ('epoch 1, whole shards, FeatureLoader(shuffle="blocks"), small shards: fetched ahead '
+         "/ not", SMALL_PREFIX, "blocks", t.shards, t.data_bytes),
+    ):  # fmt: skip
+        ahead = prefetch_epochs(s, 2 * data, rounds, log, prefix, shuffle)
+        what = f"{'in order' if shuffle is False else 'blocks'}, tier {_mib(2 * data)}"
+        out.append(_row(metric, ahead.off / ahead.on, "x", ">= 1.0", ahead.off >= ahead.on,
+                        ahead.note(shards or max(ahead.gets["off"]), what)))  # fmt: skip
+    return out
+
+
 def main(quick: bool = False) -> list[dict[str, Any]]:
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     n, rounds, later = (48, 1, 2) if quick else (400, 5, LATER)
     shard_bytes = (1 << 20) if quick else SHARD_BYTES
+    small_bytes = (512 << 10) if quick else SMALL_SHARD_BYTES
+    small_rounds = 1 if quick else 3
     use_litdata = litdata_available()
     if not use_litdata:
         print(f"  {NO_LITDATA}")
     with contextlib.ExitStack() as stack:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="featbake-bucket-")))
-        stack.enter_context(s3_server())
+        log = ServerLog(work / "moto.log")
+        stack.enter_context(s3_server(log.path))
         if use_litdata:
             stack.enter_context(litdata_over_http())
         setup = prepare(work, n, use_litdata, shard_bytes)
@@ -546,13 +902,9 @@ def main(quick: bool = False) -> list[dict[str, Any]]:
         shards = max(checks.first_fetches)
         pressure = under_pressure(setup, shards, use_litdata)
         rows = rows_from(setup, rates, checks, pressure, rounds, later)
-        ahead = prefetch_epochs(setup, budget, max(rounds, 2))
-        rows.append(_row(
-            "epoch 1, whole shards, FeatureLoader: shards fetched ahead / not",
-            ahead["off"] / ahead["on"], "x", ">= 1.0", ahead["off"] >= ahead["on"],
-            f"{ahead['on']:.2f} s with prefetch, {ahead['off']:.2f} s without (a 2 ms step "
-            "per batch of 8; moto on loopback has no network latency to hide)",
-        ))  # fmt: skip
+        small = prepare_small_tier(setup, small_bytes)
+        rows += small_tier_rows(setup, small, small_tier_epochs(setup, small, log, small_rounds, 2))
+        rows += prefetch_rows(setup, small, log, max(rounds, 2))
         return rows
 
 

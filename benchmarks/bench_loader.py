@@ -11,7 +11,10 @@ of 32 through ``pad_collate``, page cache warm), measured side by side in one ru
    every frame, backward, SGD) that costs about as much as reading its batch. Epoch time of
    loader + step against the larger of read-only and step-only time. Target: <= 1.1x. With
    the step on 1 thread, FeatureLoader is measured again on the pure-Python read path
-   (``featbake.native.fallback()``: the GIL taken once per row, not once per batch).
+   (``featbake.native.fallback()``: the GIL taken once per row, not once per batch). Each
+   row's note also gives the CPU seconds of every thread: on a machine shared with other work
+   the wall-clock ratio follows the load, while CPU(loader + step) against CPU(read) +
+   CPU(step) says what reading beside the step costs (page faults, contention).
 
 Run: ``python benchmarks/bench_loader.py [--quick]``.
 """
@@ -100,11 +103,19 @@ def make_step(hidden: int) -> Callable[[Any], None]:
 
 
 def epoch_seconds(loader: Iterable[Any], step: Callable[[Any], None] | None = None) -> float:
-    t0 = time.perf_counter()
+    return epoch_times(loader, step)[0]
+
+
+def epoch_times(
+    loader: Iterable[Any], step: Callable[[Any], None] | None = None
+) -> tuple[float, float]:
+    """Wall and CPU seconds (every thread of this process) of one epoch: on a machine shared
+    with other work the CPU seconds say what the reads cost the step, where the wall does not."""
+    t0, c0 = time.perf_counter(), time.process_time()
     for batch in loader:
         if step is not None:
             step(batch)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def loaders(ds: CachedFeatureDataset) -> dict[str, Iterable[Any]]:
@@ -149,7 +160,7 @@ def bench_hidden(base: Path, dtype: str, epochs: int) -> list[dict]:
     ds = dataset(base, dtype)
     loader = FeatureLoader(ds, BATCH, seed=0)
     epoch_seconds(loader)  # open and check every shard once
-    read = min(epoch_seconds(loader) for _ in range(epochs))
+    read, read_cpu = min(epoch_times(loader) for _ in range(epochs))
     batches = list(FeatureLoader(ds, BATCH, seed=1))
     rows = []
     for threads in (2, 1):
@@ -158,28 +169,34 @@ def bench_hidden(base: Path, dtype: str, epochs: int) -> list[dict]:
         while True:  # widen the probe until a step-only epoch costs about a read-only one
             step = make_step(hidden)
             step(batches[0])  # warm: autograd and the optimizer's state
-            step_only = min(epoch_seconds(batches, step) for _ in range(2))
+            step_only, step_cpu = min(epoch_times(batches, step) for _ in range(2))
             if step_only >= 0.8 * read or hidden >= 4096:
                 break
             hidden *= 2
-        both = {
-            name: min(epoch_seconds(loader_, step) for _ in range(epochs))
+        timed = {
+            name: min(epoch_times(loader_, step) for _ in range(epochs))
             for name, loader_ in loaders(ds).items()
             if name != "DataLoader w0"
         }
+        both = {name: wall for name, (wall, _) in timed.items()}
         where = "step on every core" if threads == 2 else "step on 1 thread, a core free"
         setup = (
             f"{len(ds)} items {dtype}, batches of {BATCH}; probe 768->{hidden}->8 with backward "
-            f"and SGD on {threads} torch thread(s), 2 CPUs; best of {epochs}"
+            f"and SGD on {threads} torch thread(s), 2 CPUs; best of {epochs}; CPU s (all "
+            f"threads): read-only {read_cpu:.2f}, step-only {step_cpu:.2f}, FeatureLoader + "
+            f"step {timed['FeatureLoader'][1]:.2f}"
         )
         rows += hidden_rows("loader", f"{dtype}, {where}", read, step_only, both, setup)
         if threads == 1:  # the Python read path (no compiled kernels): the GIL once per row
             with native.fallback():
-                read_py = min(epoch_seconds(loader) for _ in range(epochs))
-                both_py = {"FeatureLoader": min(epoch_seconds(loader, step) for _ in range(epochs))}
-            rows += hidden_rows(
-                "loader", f"{dtype}, {where}, Python read path", read_py, step_only, both_py, setup
+                read_py, read_py_cpu = min(epoch_times(loader) for _ in range(epochs))
+                both_py, both_py_cpu = min(epoch_times(loader, step) for _ in range(epochs))
+            setup_py = setup.split("; CPU s")[0] + (
+                f"; CPU s (all threads): read-only {read_py_cpu:.2f}, step-only {step_cpu:.2f}, "
+                f"FeatureLoader + step {both_py_cpu:.2f}"
             )
+            rows += hidden_rows("loader", f"{dtype}, {where}, Python read path", read_py,
+                                step_only, {"FeatureLoader": both_py}, setup_py)  # fmt: skip
     torch.set_num_threads(2)
     return rows
 

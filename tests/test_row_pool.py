@@ -195,3 +195,47 @@ def test_a_fork_while_another_thread_makes_the_pool_leaves_the_child_a_free_lock
         pytest.fail("the forked child hung on the row pool's lock")
     holder.join()
     assert os.waitstatus_to_exitcode(status[1]) == 0 and forked_after_release
+
+
+def test_the_read_thread_cap_holds_on_its_own_thread_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(row_pool, "_cpus", PerProcess(lambda: 4))
+    assert row_pool.read_threads() == 4
+    seen: list[int] = []
+    with row_pool.read_threads_at_most(1):
+        assert row_pool.read_threads() == 1
+        other = threading.Thread(target=lambda: seen.append(row_pool.read_threads()))
+        other.start()
+        other.join()
+        with row_pool.read_threads_at_most(None):
+            assert row_pool.read_threads() == 4
+        assert row_pool.read_threads() == 1
+    assert row_pool.read_threads() == 4 and seen == [4]
+
+
+def test_the_loader_reads_on_one_thread_while_the_loop_has_a_batch_waiting(
+    audio_dir: Path, encoder_file: Path, store_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A second read thread beside a training step on its own CPUs only takes turns with it:
+    # the loader reads wide while the loop may be waiting (an empty queue), narrow while not.
+    from featbake import FeatureLoader
+
+    if native.kernels() is None:
+        pytest.skip("featbake.kernels is not built here, or FEATBAKE_NATIVE=0")
+    asked = _ThreadsAsked(native.kernels())
+    monkeypatch.setattr(row_pool, "MIN_PARALLEL_BYTES", 0)
+    monkeypatch.setattr(row_pool, "_cpus", PerProcess(lambda: 2))
+    monkeypatch.setitem(native._state, "kernels", asked)
+    build(audio_dir, encoder_file, cache=store_dir, workers=0)
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    want = [live_features(encoder_file, Path(ds.path(i))) for i in range(len(ds))]
+    for _epoch in range(2):  # first: checked reads (_fill); later: located reads
+        asked.threads.clear()
+        seen = 0
+        for b, (padded, lengths) in enumerate(FeatureLoader(ds, 2, shuffle=False, prefetch=2)):
+            time.sleep(0.05)  # a step: the reader fills the queue meanwhile
+            for j, n in enumerate(lengths.tolist()):
+                torch.testing.assert_close(padded[j, :n], want[2 * b + j])
+                seen += 1
+        assert seen == len(ds)
+        assert asked.threads[0] == 2  # the first batch: the loop waits for it
+        assert 1 in asked.threads  # later ones while the loop had a batch to go on with

@@ -10,7 +10,14 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from featbake.serve.sampling import EpochPlan, Order, Shuffle, block_windows, share_batches
+from featbake.serve.sampling import (
+    EpochPlan,
+    Order,
+    Shuffle,
+    block_plan,
+    block_windows,
+    share_batches,
+)
 
 SHUFFLES = st.sampled_from([Shuffle.ITEMS, Shuffle.NONE, Shuffle.BLOCKS])
 
@@ -135,3 +142,30 @@ def test_uneven_ranks_read_each_index_exactly_once(
     assert [len(p.indices()) for p in plans] == [p.per_rank() for p in plans]
     cut = [EpochPlan(n, 3, shuffle, seed, 1, r, world, drop_last, False) for r in range(world)]
     assert [len(p.batches()) for p in cut] == [p.batch_count() for p in cut]
+
+
+@settings(max_examples=300, deadline=None)
+@given(frame_orders(), st.integers(0, 3))
+def test_a_block_plan_names_each_windows_shards_in_reading_order(
+    drawn: tuple[Order, list[int], list[int]], epoch: int
+) -> None:
+    """What a bucket store is told of a rank's block-ordered epoch, against a plain loop: the
+    rank's items cut where their window changes, each run's stored shards in first-read order."""
+    order, _, shards = drawn
+    order = Order(**{**order.__dict__, "shuffle": Shuffle.BLOCKS, "batch_frames": None})
+    batches = order.batches(epoch, shards=shards)
+    windows = block_windows(shards, order.seed, epoch, order.window)
+    window_of = {i: k for k, w in enumerate(windows) for i in w}
+    want: list[list[int]] = []
+    last = None
+    for i in (i for b in batches for i in b):
+        if window_of[i] != last:
+            want.append([])
+            last = window_of[i]
+        if shards[i] >= 0 and shards[i] not in want[-1]:
+            want[-1].append(shards[i])
+    assert order.block_plan(epoch, batches, shards) == want
+    assert block_plan(windows, batches, shards) == want
+    assert all(len(run) <= order.window for run in want)
+    plain = Order(**{**order.__dict__, "shuffle": Shuffle.ITEMS})
+    assert plain.block_plan(epoch, batches, shards) is None

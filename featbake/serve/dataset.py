@@ -468,6 +468,19 @@ class CachedFeatureDataset(ProcessLocalState, Dataset):
         """Each item's length and shard, from the catalog (no read): what loaders plan from."""
         return self._index.placement()
 
+    def follow_blocks(self, windows: Sequence[Sequence[int]] | None) -> bool:
+        """Tell a bucket store the shards (ids from :meth:`placement`) each window of a block
+        order reads, in order, or None when the reads follow none: it then fetches a window's
+        shards whole, the next window's ahead (see ``BucketStore.follow_blocks``). Whether the
+        store follows it (a local store has nothing to fetch)."""
+        remote = self._layout.remote
+        if remote is None:
+            return False
+        names = self._index.shard_names
+        return remote.follow_blocks(
+            None if windows is None else [[names[s] for s in w] for w in windows]
+        )
+
     def will_need(self, indices: Sequence[int]) -> int:
         """Start reading items ``indices`` from disk, not waiting: a hint that lets a cold store's
         reads overlap (:class:`FeatureLoader` hints its next items). Returns the reads started."""

@@ -30,9 +30,13 @@ How it uses the CPUs: one reader thread calls ``ds.__getitems__`` for one batch 
 are encoded live on that thread with torch's thread count, beside the training step. The
 thread shares the GIL with the step: measured on 2 cores beside a small probe's step (many
 small torch calls, each giving up and taking back the GIL), the reads were not hidden and the
-epoch took 1.8-2.5x the step alone. Keep ``DataLoader`` with workers when items need heavy
-Python work per item (augmentation), when the step is Python-heavy, or when most items miss:
-those want processes of their own.
+epoch took 1.8-2.5x the step alone. Much of that was not the GIL (the reader took it back
+10-20 us after each batch's compiled read) but page faults: the batches alive behind a step
+outnumbered the process's 3 pooled buffers, so each batch was a fresh mapping (3.4x the read's
+CPU). The loader now keeps ``prefetch + 4`` buffers of its own, and reads on one thread while
+its queue holds a batch, so the step keeps the CPUs it chose. Keep ``DataLoader`` with workers
+when items need heavy Python work per item (augmentation), when the step is Python-heavy, or
+when most items miss: those want processes of their own.
 """
 
 from __future__ import annotations
@@ -52,10 +56,11 @@ from torch.utils.data import Sampler, StackDataset, Subset
 
 import featbake.device as dev
 from featbake.errors import ConfigError, FeatbakeError
-from featbake.serve.collate import pad_collate, pinned_batches
+from featbake.serve.collate import BatchPool, pad_collate, pinned_batches, pooled_batches
 from featbake.serve.index import ItemPlacement
 from featbake.serve.prefetch import map_tensors
-from featbake.serve.sampling import Order, Shuffle, shuffle_of
+from featbake.serve.reads import read_threads_at_most
+from featbake.serve.sampling import Order, Shuffle, follow_blocks, shuffle_of
 
 # == read_ahead ====================================================================================
 # What the loader asks of its dataset, reached through ``StackDataset`` and ``Subset``: the
@@ -325,6 +330,7 @@ class BlockSampler(Sampler[int]):
                 "whose catalog knows each item's shard"
             )
         self._shards = placement.shards.tolist()
+        self._dataset = dataset  # told each epoch's windows (a bucket store fetches by them)
         rank, world = rank_and_world(rank, num_replicas)
         self._order = Order(len(dataset), 1, Shuffle.BLOCKS, seed, rank, world, drop_last,
                             window=window)  # fmt: skip
@@ -336,6 +342,7 @@ class BlockSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         batches = self._order.batches(self.epoch, shards=self._shards)
+        follow_blocks(self._dataset, self._order.block_plan(self.epoch, batches, self._shards))
         return iter([i for b in batches for i in b])
 
     def __len__(self) -> int:
@@ -405,7 +412,9 @@ class FeatureLoader:
             ``batch_frames``) so that every rank takes as many steps, as ``DistributedSampler``
             does and DDP needs; ``False`` (for evaluation) reads each item once, and ranks may
             take one batch more than others (Accelerate's ``even_batches``).
-        prefetch: batches read ahead of the one the training step holds.
+        prefetch: batches read ahead of the one the training step holds. On the CPU each batch
+            alive at once has a buffer of the loader's own, reused: ``prefetch + 4`` batches'
+            memory stay with the loader between epochs.
         read_ahead: items past the batch being read whose reads are started early (a hint to
             the kernel, for a store that is not in the page cache); 0 starts none. Used when
             the dataset has ``will_need`` (a :class:`~featbake.CachedFeatureDataset`, or one
@@ -457,6 +466,11 @@ class FeatureLoader:
         self.dataset = dataset
         self.collate_fn = collate_fn
         self.prefetch = prefetch
+        # Every batch alive at once has a buffer of its own, reused from batch to batch: the
+        # queue's, the one the reader builds (or waits to hand over), the training loop's
+        # current and previous batch (its loop variable holds that one while next() runs), and
+        # the dataset's batch that a collate copies from (pad_collate of StackDataset items).
+        self._buffers = BatchPool(keep=prefetch + 4)
         self.device = None if device is None else dev.resolve_device(device)
         rank, world = rank_and_world(rank, world_size)
         if seed is None:  # ranks must draw one order: DistributedSampler's default seed, 0
@@ -470,6 +484,7 @@ class FeatureLoader:
         )  # fmt: skip
         self.epoch = 0
         self._resume = Resume()
+        self._shards: list[int] | None = None  # each item's shard, for a block order's plan
 
     @property
     def seed(self) -> int:
@@ -518,7 +533,9 @@ class FeatureLoader:
         epoch = self.epoch
         self.epoch += 1
         batches = self._batches(epoch)
-        return self._epoch(batches, self._resume.start(epoch, len(batches)))
+        skip = self._resume.start(epoch, len(batches))
+        follow_blocks(self.dataset, self._order.block_plan(epoch, batches[skip:], self._shards))
+        return self._epoch(batches, skip)
 
     def _batches(self, epoch: int) -> list[list[int]]:
         """This rank's batches of epoch ``epoch`` (lengths and shards from the catalog when the
@@ -532,7 +549,8 @@ class FeatureLoader:
                 "batch_frames and shuffle='blocks' need a CachedFeatureDataset (or one in a "
                 "StackDataset or Subset), whose catalog knows each item's length and shard"
             )
-        return o.batches(epoch, placement.lengths.tolist(), placement.shards.tolist())
+        self._shards = placement.shards.tolist()
+        return o.batches(epoch, placement.lengths.tolist(), self._shards)
 
     def _epoch(self, batches: list[list[int]], skip: int) -> Iterator[Any]:
         batches = batches[skip:]
@@ -569,7 +587,7 @@ class FeatureLoader:
         to_gpu = self.device is not None and self.device.type == "cuda"
         try:
             ahead = ReadAhead(batches, self.read_ahead, hint_of(self.dataset), self._streak)
-            with pinned_batches() if to_gpu else contextlib.nullcontext():
+            with pinned_batches() if to_gpu else pooled_batches(self._buffers):
                 self._read_batches(batches, ready, stop, ahead, to_gpu)
         except BaseException as e:  # handed to the training thread, raised there
             _put(ready, _Failed(e), stop)
@@ -589,7 +607,8 @@ class FeatureLoader:
             if stop.is_set():
                 return
             ahead.before(b)
-            batch = self.collate_fn(_items(self.dataset, idx))
+            with read_threads_at_most(threads_cap(ready.qsize())):
+                batch = self.collate_fn(_items(self.dataset, idx))
             if to_gpu:  # built pinned already (pinned_batches); labels and custom collates not
                 batch = map_tensors(dev.pin, batch)
             if not _put(ready, batch, stop):
@@ -601,6 +620,12 @@ class FeatureLoader:
             return batch
         target = self.device
         return map_tensors(lambda t: t.to(target, non_blocking=True), batch)
+
+
+def threads_cap(queued: int) -> int | None:
+    """The cap on a batch's read threads (:func:`read_threads_at_most`) with ``queued`` batches
+    ready: one while the training loop has a batch to go on with, none once it may wait."""
+    return 1 if queued else None
 
 
 def _put(ready: queue.Queue, item: Any, stop: threading.Event) -> bool:

@@ -12,8 +12,10 @@ A ``None`` from a batch path means "take the general path", never "not stored".
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -237,11 +239,37 @@ _pools: PerProcess[ThreadPoolExecutor] = PerProcess(_new_pool, lock=True)
 _cpus: PerProcess[int] = PerProcess(process_cpus)
 
 
+class _Cap(threading.local):
+    most: int | None = None  # this thread's cap on a batch's read threads (read_threads_at_most)
+
+
+_cap = _Cap()
+
+
+@contextlib.contextmanager
+def read_threads_at_most(most: int | None) -> Iterator[None]:
+    """On this thread, batches are read on at most ``most`` threads (None: no cap).
+
+    ``FeatureLoader`` reads on one thread while the training loop has a batch waiting: its
+    step then runs on the CPUs it chose (``torch.set_num_threads``), and a second read thread
+    would only take turns with it on one of them; the reads go wide again as soon as the loop
+    waits for a batch.
+    """
+    before, _cap.most = _cap.most, most
+    try:
+        yield
+    finally:
+        _cap.most = before
+
+
 def read_threads() -> int:
-    """Threads a batch may be read on here: the CPUs this process may use, 1 in a worker."""
+    """Threads a batch may be read on here: the CPUs this process may use, 1 in a worker,
+    at most this thread's cap (:func:`read_threads_at_most`)."""
     if get_worker_info() is not None:
         return 1
-    return max(1, min(MAX_THREADS, _cpus.get()))
+    most = max(1, min(MAX_THREADS, _cpus.get()))
+    cap = _cap.most
+    return most if cap is None else max(1, min(most, cap))
 
 
 def run_rows(jobs: Sequence[RowJob], nbytes: int, threads: int | None = None) -> None:
@@ -761,4 +789,6 @@ class _RowRead(NamedTuple):
 
 __all__ = [
     "Reads",
+    "read_threads",
+    "read_threads_at_most",
 ]

@@ -1,4 +1,5 @@
-"""Which items an epoch reads, in which order, on which rank (pure: no I/O, no threads).
+"""Which items an epoch reads, in which order, on which rank (pure: no I/O, no threads; one
+function, :func:`follow_blocks`, hands a block order's plan to the dataset that reads it).
 
 :class:`~featbake.serve.loader.FeatureLoader` yields what ``DataLoader(ds,
 sampler=DistributedSampler(ds, ...), batch_size=B, drop_last=...)`` yields, so a training
@@ -31,7 +32,9 @@ DistributedSampler's (see :class:`Order`):
   in time (items baked together, often from one folder, stay near each other). What it keeps:
   every item once per epoch, a new shard order and new batches every epoch, and a reader that
   needs only ``window`` shards at a time (a tier of a few shards serves an epoch fetching each
-  shard about once).
+  shard about once). A bucket store is told each epoch's windows (:func:`block_plan`,
+  :func:`follow_blocks`): it fetches their shards whole, the next window's in the background,
+  and evicts a window's once the reads have moved on.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from enum import StrEnum
 
 import numpy as np
 import torch
+from torch.utils.data import StackDataset, Subset
 
 from featbake.errors import ConfigError
 
@@ -187,6 +191,17 @@ class Order:
             self.even_batches,
         )  # fmt: skip
 
+    def block_plan(
+        self, epoch: int, batches: Sequence[Sequence[int]], shards: Sequence[int] | None
+    ) -> list[list[int]] | None:
+        """The shards ``batches`` (this rank's, of epoch ``epoch``, from where it starts
+        reading) read window by window (:func:`block_plan`); None unless the order is by
+        block."""
+        if self.shuffle is not Shuffle.BLOCKS:
+            return None
+        shards = _given(shards, "shards", self.n)
+        return block_plan(block_windows(shards, self.seed, epoch, self.window), batches, shards)
+
     def batches(
         self, epoch: int, lengths: Sequence[int] | None = None, shards: Sequence[int] | None = None
     ) -> list[list[int]]:
@@ -237,6 +252,63 @@ def block_windows(shards: Sequence[int], seed: int, epoch: int, window: int) -> 
         items = np.concatenate([members[j] for j in visit[k : k + window]])
         out.append([int(i) for i in rng.permutation(items)])
     return out
+
+
+def block_plan(
+    windows: Sequence[Sequence[int]], batches: Sequence[Sequence[int]], shards: Sequence[int]
+) -> list[list[int]]:
+    """The shards a rank reads, window by window, in its reading order: ``batches`` cut where
+    an item's window (of the epoch's ``windows``) changes, each run's shards in their first
+    read's order (items not stored, shard -1, name none). A rank's share repeats the first
+    items at its end to even out the ranks: they are one more run.
+
+    Example:
+        >>> block_plan([[0, 1], [2, 3]], [[1, 0], [3], [2, 0]], shards=[5, 5, 7, 8])
+        [[5], [8, 7], [5]]
+    """
+    flat = np.asarray([i for b in batches for i in b], dtype=np.int64)
+    if not len(flat):
+        return []
+    window_of = np.empty(len(shards), dtype=np.int64)
+    for k, w in enumerate(windows):
+        window_of[np.asarray(w, dtype=np.int64)] = k
+    sid = np.asarray(shards, dtype=np.int64)[flat]
+    cuts = np.flatnonzero(np.diff(window_of[flat])) + 1
+    plan = []
+    for run in np.split(sid, cuts):
+        stored = run[run >= 0]
+        names, first = np.unique(stored, return_index=True)
+        plan.append([int(s) for s in names[np.argsort(first)]])
+    return plan
+
+
+def follow_blocks(dataset: object, plan: list[list[int]] | None) -> bool:
+    """Hand ``plan`` (:func:`block_plan`; None: no block order) to the dataset that reads it:
+    ``dataset`` or, through ``Subset`` and ``StackDataset``, the member whose shards the plan
+    names (the first that has ``follow_blocks``, as loaders take the first that knows each
+    item's placement). Whether a store follows it."""
+    follow = getattr(dataset, "follow_blocks", None)
+    if callable(follow):
+        return bool(follow(plan))
+    if isinstance(dataset, Subset):
+        return follow_blocks(dataset.dataset, plan)
+    if isinstance(dataset, StackDataset):
+        members = dataset.datasets
+        for m in members.values() if isinstance(members, dict) else members:
+            if _has_follower(m):
+                return follow_blocks(m, plan)
+    return False
+
+
+def _has_follower(dataset: object) -> bool:
+    if callable(getattr(dataset, "follow_blocks", None)):
+        return True
+    if isinstance(dataset, Subset):
+        return _has_follower(dataset.dataset)
+    if isinstance(dataset, StackDataset):
+        members = dataset.datasets
+        return any(map(_has_follower, members.values() if isinstance(members, dict) else members))
+    return False
 
 
 def frame_batches(

@@ -21,7 +21,7 @@ import time
 import uuid
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -30,7 +30,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 import numpy as np
 
 from featbake.errors import ConfigError, FeatbakeError, ShardMissing, StoreCorrupt, StoreError
-from featbake.process import PerProcess, ProcessLocal, ProcessLocalState
+from featbake.process import PerProcess, ProcessLocal, ProcessLocalState, ProcessStamp
 from featbake.store.catalog import Access, open_sqlite
 from featbake.store.fragments import (
     MergeReport,
@@ -63,6 +63,7 @@ from featbake.store.shard import (
 )
 from featbake.store.tier import DiskTier, tier_locked
 from featbake.store.url import BucketURL, endpoint, endpoint_label, redact
+from featbake.units import format_bytes
 
 # == remote ========================================================================================
 
@@ -660,6 +661,82 @@ class RangedShardReader(ShardReader):
         return None
 
 
+# == blocks ========================================================================================
+# What a bucket store follows while the reads come in a block order (``FeatureLoader(ds,
+# shuffle="blocks")``, ``featbake.BlockSampler``): the shards each window of the epoch reads, in
+# order; pure.
+#
+# Such an order needs only a window of shards at a time, and the tier is sized to hold two
+# (docs/object_store.md), so the store reads whole shards (never ranges), fetches the next
+# window's shards on a background thread while the current one is read, and evicts a window's
+# shards once the reads have moved past it. The reads say where they are by opening shards: the
+# first read of a shard of a later window moves the plan there.
+class BlockWindowWarning(UserWarning):
+    """A block order's window outweighs the local tier: the store reads as it would without
+    the order (said once per store and process)."""
+
+
+class BlockPlan:
+    """The shards one rank's block-ordered epoch reads, window by window, the window the reads
+    are in (``current``; -1 before the first) and the shards they have opened.
+
+    A batch may straddle two windows, and its items are read on several threads: a shard of
+    the window just passed may still be opened after a shard of the next one. So a window's
+    shards are kept (:meth:`keep`) until read, and only those read are evicted (:meth:`passed`).
+
+    Example:
+        >>> plan = BlockPlan([["a", "b"], ["c"], ["d", "e"]])
+        >>> plan.opened("a")  # the first read: window 0
+        0
+        >>> plan.current = 0
+        >>> plan.opened("c"), plan.opened("a")
+        (1, None)
+        >>> plan.current = 1
+        >>> plan.passed(1), plan.keep(1)  # "b" is not read yet: a batch may want it
+        (['a'], ('c', 'd', 'e', 'b'))
+    """
+
+    def __init__(self, windows: Sequence[Sequence[str]]) -> None:
+        self.windows = [tuple(dict.fromkeys(w)) for w in windows]
+        self.current = -1
+        self.read: set[str] = set()
+        self._at: dict[str, list[int]] = {}
+        for k, w in enumerate(self.windows):
+            for name in w:
+                self._at.setdefault(name, []).append(k)
+
+    def opened(self, name: str) -> int | None:
+        """Note that a read opened shard ``name``; the window that moves the reads to, or None
+        when it moves nothing (a shard of the current window, of one passed, or of none)."""
+        self.read.add(name)
+        later = [k for k in self._at.get(name, ()) if k > self.current]
+        return later[0] if later else None
+
+    def keep(self, k: int) -> tuple[str, ...]:
+        """What the tier holds while the reads are in window ``k``: the shards of window ``k``,
+        then of window ``k + 1``, then those of window ``k - 1`` not read yet."""
+        ahead = [n for w in self.windows[max(k, 0) : k + 2] for n in w]
+        behind = [n for n in self.windows[k - 1] if n not in self.read] if k >= 1 else []
+        return tuple(dict.fromkeys([*ahead, *behind]))
+
+    def passed(self, k: int) -> list[str]:
+        """Shards of the windows before ``k`` that were read and no window from ``k`` on
+        reads again, the oldest window's first: the tier's room for what comes."""
+        later = {n for w in self.windows[max(k, 0) :] for n in w}
+        before = (n for w in self.windows[: max(k, 0)] for n in w)
+        return list(dict.fromkeys(n for n in before if n in self.read and n not in later))
+
+
+def windows_over(windows: Sequence[Sequence[str]], sizes: Mapping[str, int], budget: int) -> int:
+    """How many of ``windows`` outweigh ``budget`` bytes (``sizes`` of their shards).
+
+    Example:
+        >>> windows_over([["a"], ["a", "b"]], {"a": 6, "b": 6}, budget=10)
+        1
+    """
+    return sum(sum(sizes.get(n, 0) for n in set(w)) > budget for w in windows)
+
+
 # == store =========================================================================================
 # A store in a bucket, worked through a local tier: what every command and dataset opens.
 #
@@ -721,6 +798,9 @@ class BucketStore(ProcessLocalState):
         self._uploaded: set[str] = set()  # shards this process uploaded: copies in the tier
         self._named: dict[str, int] | None = None  # see _named_shards
         self._named_total = 0
+        self._plan: BlockPlan | None = None  # see follow_blocks
+        self._plan_stamp = ProcessStamp()  # a forked child never follows its parent's plan
+        self._warned_window = False
 
     #: This process's background fetches (the shards they bring in) and their lock: a forked
     #: child has neither the parent's fetch threads nor a lock one of them may hold.
@@ -728,6 +808,10 @@ class BucketStore(ProcessLocalState):
         lambda self: threading.Lock(), lock=True
     )
     _prefetching: ProcessLocal[set[str]] = ProcessLocal(lambda self: set(), lock=True)
+    #: Taken by the reads' threads to move the plan (this process's: see _prefetch_lock).
+    _plan_lock: ProcessLocal[threading.Lock] = ProcessLocal(
+        lambda self: threading.Lock(), lock=True
+    )
 
     def __getstate__(self) -> dict:
         # The extra rule: a copy starts from its three arguments; what this process learned
@@ -753,14 +837,32 @@ class BucketStore(ProcessLocalState):
         info = self.bucket.head(shard_object(name))
         return None if info is None else info.size
 
-    def fetch_shard(self, name: str, evicted: Callable[[], None] | None = None) -> Path | None:
-        size = self._size_of(name)
+    def _known_size(self, name: str) -> int | None:
+        """Shard ``name``'s size as the tier's catalog says it (no request), else as the bucket
+        says it (:meth:`_size_of`: a shard the catalog does not name, e.g. one just built)."""
+        size = self._named_shards().get(name)
+        return size if size is not None else self._size_of(name)
+
+    def fetch_shard(
+        self,
+        name: str,
+        evicted: Callable[[], None] | None = None,
+        *,
+        keep: Collection[str] = (),
+        wait: bool = True,
+    ) -> Path | None:
+        """Shard ``name`` fetched whole into the tier (see :meth:`DiskTier.fetch` for ``keep``
+        and ``wait``); None when the bucket has none. One GET: the size comes from the catalog
+        (a HEAD only for a shard it does not name)."""
+        size = self._known_size(name)
         if size is None:
             # gc deleted it: bring in the newest version, through which the reader's lookup
             # of the feature runs again (a rebuild may have stored it in another shard).
             self.sync_catalog()
             return None
         obj = shard_object(name)
+        if not keep:  # a read's fetch: never evicts what the block order holds either
+            keep = self._protected()
         try:
             return self.tier.fetch(
                 name,
@@ -768,8 +870,11 @@ class BucketStore(ProcessLocalState):
                 lambda dest: self.bucket.download(obj, dest),
                 self.bucket.where(obj),
                 evicted,
+                keep=keep,
+                wait=wait,
             )
         except FileNotFoundError:
+            self.sync_catalog()  # as above: the catalog named a shard gc has deleted
             return None
 
     def reads_ranged(self) -> bool:
@@ -779,7 +884,10 @@ class BucketStore(ProcessLocalState):
         once the shards the catalog names outweigh the tier's budget: fetching whole shards
         into a tier that cannot keep them downloads each many times over a shuffled epoch. In
         ``auto`` the tier still keeps whole the shards that fit its budget without evicting.
+        While the reads follow a block order (:meth:`follow_blocks`), whole.
         """
+        if self._following() is not None:
+            return False  # a window at a time fits the tier: each shard is fetched once
         if self._ranged is None:
             mode = os.environ.get(READS_ENV, "auto")
             if mode not in ("auto", "whole", "ranged"):
@@ -801,7 +909,7 @@ class BucketStore(ProcessLocalState):
         """
         if not self.reads_ranged():
             return None
-        size = self._size_of(name)
+        size = self._known_size(name)
         if size is not None and self._fills_tier and self.tier.has_room(size):
             return None  # auto: the tier keeps what fits, so repeated reads of it hit the disk
         if size is None:
@@ -824,7 +932,105 @@ class BucketStore(ProcessLocalState):
         return name in self._listed() or self._size_of(name) is not None
 
     def opened(self, path: Path) -> None:
+        """A read opened tier file ``path``: stamped as used; under a block order, the first
+        read of a later window's shard moves the plan there (see :meth:`follow_blocks`)."""
         self.tier.touch(path)
+        plan = self._following()
+        if plan is None:
+            return
+        with self._plan_lock:
+            k = plan.opened(path.name.removesuffix(".safetensors"))
+            if k is not None and plan is self._plan:
+                self._enter(plan, k)
+
+    # -- block orders ------------------------------------------------------------------------
+    def follow_blocks(self, windows: Sequence[Sequence[str]] | None) -> bool:
+        """Follow a block order's epoch: ``windows`` are the shards each of its windows reads,
+        in reading order (this process's share); None stops following. Whether it follows.
+
+        While it follows, shards are fetched whole (``auto`` reads no ranges), the current
+        and next windows' shards are fetched on a background thread (at most
+        :data:`PREFETCH_AHEAD` at once, only into room that leaves both windows in the tier)
+        and a window's shards are evicted once the reads have opened a later window's. A
+        window that outweighs the tier is said once (:class:`BlockWindowWarning`) and the
+        reads go on as without the order; so does ``$FEATBAKE_BUCKET_READS=ranged``.
+        """
+        with self._plan_lock:
+            self._plan = None
+            self._plan_stamp = ProcessStamp()
+        if windows is None or os.environ.get(READS_ENV, "auto") == "ranged":
+            return False
+        over = windows_over(windows, self._named_shards(), self.tier.budget)
+        if over:
+            if not self._warned_window:
+                self._warned_window = True
+                warnings.warn(
+                    f"featbake: {over} block window(s) of {self.url} outweigh the local cache "
+                    f"({format_bytes(self.tier.budget)}), so shards are not fetched a window at "
+                    "a time; give a smaller window (window=) or raise local_cache_size",
+                    BlockWindowWarning,
+                    stacklevel=3,
+                )
+            return False
+        plan = BlockPlan(windows)
+        with self._plan_lock:
+            self._plan = plan
+            self._enter(plan, 0)
+        return True
+
+    def _following(self) -> BlockPlan | None:
+        """The block plan the reads of this process follow (None: none)."""
+        plan = self._plan
+        return plan if plan is not None and not self._plan_stamp.stale else None
+
+    def _enter(self, plan: BlockPlan, k: int) -> None:
+        """The reads are in window ``k`` now (plan lock held): evict what the windows passed
+        left, as much as the current and next windows need, and fetch their missing shards
+        in the background."""
+        plan.current = k
+        self.tier.evict(self._room_for(plan, k))
+        if os.environ.get(PREFETCH_ENV, "1") == "0":
+            return
+        for name in plan.keep(k):
+            self._submit(name, partial(self._prefetch_planned, plan))
+
+    def _room_for(self, plan: BlockPlan, k: int) -> list[str]:
+        """The passed windows' shards to evict, oldest window first, so that window ``k``'s
+        and the next one's shards fit the tier beside what it holds (none when they fit: a
+        tier that holds the store keeps it for the next epoch)."""
+        sizes = self._named_shards()
+        here = [n for n in plan.keep(k) if self.layout.shard_path(n).is_file()]
+        need = sum(sizes.get(n, 0) for n in plan.keep(k)) - sum(sizes.get(n, 0) for n in here)
+        over = self.tier.used_bytes() + need - self.tier.budget
+        doomed = []
+        for name in plan.passed(k):
+            if over <= 0:
+                break
+            if self.layout.shard_path(name).is_file():
+                doomed.append(name)
+                over -= sizes.get(name, 0)
+        return doomed
+
+    def _protected(self) -> tuple[str, ...]:
+        """The shards a fetch must not evict: the current and next windows of the plan being
+        followed, when both fit the tier (else none: the reads' fetches evict as before)."""
+        plan = self._following()
+        if plan is None:
+            return ()
+        keep = plan.keep(plan.current)
+        sizes = self._named_shards()
+        return keep if sum(sizes.get(n, 0) for n in keep) <= self.tier.budget else ()
+
+    def _prefetch_planned(self, plan: BlockPlan, name: str) -> None:
+        """Fetch ``name`` if the reads still need it in the tier (current or next window) and
+        it fits beside them; a fetch that finds no room gives up (the read fetches it)."""
+        keep = plan.keep(plan.current)
+        size = self._named_shards().get(name)
+        if plan is not self._plan or name not in keep or size is None:
+            return
+        if self.layout.shard_path(name).is_file() or not self.tier.fits_beside(keep, size):
+            return
+        self.fetch_shard(name, keep=keep, wait=False)
 
     def prefetch(self, name: str) -> bool:
         """Start fetching shard ``name`` whole into the tier on a background thread, not
@@ -833,9 +1039,10 @@ class BucketStore(ProcessLocalState):
         whole or the shard does not fit it now without evicting (a prefetch never pushes out a
         shard the reads still need), or while
         :data:`PREFETCH_AHEAD` fetches of this process are in flight. A failed prefetch is
-        silent: the read itself fetches again and says why.
+        silent: the read itself fetches again and says why. Under a block order
+        (:meth:`follow_blocks`) nothing either: the order's windows say what comes.
         Returns whether a fetch was started."""
-        if os.environ.get(PREFETCH_ENV, "1") == "0":
+        if os.environ.get(PREFETCH_ENV, "1") == "0" or self._following() is not None:
             return False
         if self.reads_ranged() or not self._store_fits_tier():
             return False
@@ -848,10 +1055,21 @@ class BucketStore(ProcessLocalState):
         if size is None or not self.tier.has_room(size):
             return False  # never evicts for a guess: what the reads still need stays
         with self._prefetch_lock:
-            if name in self._prefetching or len(self._prefetching) >= PREFETCH_AHEAD:
+            if len(self._prefetching) >= PREFETCH_AHEAD:
+                return False
+        return self._submit(name, self.fetch_shard)
+
+    def _submit(self, name: str, fetch: Callable[[str], object]) -> bool:
+        """Run ``fetch(name)`` on this process's prefetch threads unless one is queued for
+        ``name`` or the tier holds it; failures are silent (the read fetches again and says
+        why). Whether it was queued."""
+        if self.layout.shard_path(name).is_file():
+            return False
+        with self._prefetch_lock:
+            if name in self._prefetching:
                 return False
             self._prefetching.add(name)
-        _PREFETCH_POOL.get().submit(self._prefetch_one, name)
+        _PREFETCH_POOL.get().submit(self._prefetch_one, name, fetch)
         return True
 
     def _store_fits_tier(self) -> bool:
@@ -873,9 +1091,9 @@ class BucketStore(ProcessLocalState):
         self._named_shards()
         return self._named_total
 
-    def _prefetch_one(self, name: str) -> None:
+    def _prefetch_one(self, name: str, fetch: Callable[[str], object]) -> None:
         try:
-            self.fetch_shard(name)
+            fetch(name)
         except FeatbakeError:
             pass  # the read that needs it fetches again and reports the cause
         finally:
@@ -883,7 +1101,7 @@ class BucketStore(ProcessLocalState):
                 self._prefetching.discard(name)
 
     def prefetches_in_flight(self) -> int:
-        """Background fetches of this process not finished yet."""
+        """Background fetches of this process queued or running, not finished yet."""
         with self._prefetch_lock:
             return len(self._prefetching)
 

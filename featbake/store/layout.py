@@ -354,6 +354,11 @@ class RemotePlace(Place, Protocol):
         """Start bringing shard ``name`` into the tier without waiting; whether it started."""
         ...
 
+    def follow_blocks(self, windows: Sequence[Sequence[str]] | None) -> bool:
+        """Read in a block order whose windows read these shards, in order (None: stop);
+        whether the place follows it (fetching windows whole, the next one ahead)."""
+        ...
+
     def publish_fragment(self, fragment: Path, shards: Sequence[str]) -> None:
         """Upload a sealed fragment after the shards it names."""
         ...

@@ -70,6 +70,28 @@ def evictions(files: Sequence[TierFile], budget: int, incoming: int) -> list[Tie
     )
 
 
+def shard_of(f: TierFile) -> str:
+    """The shard name of a tier file (``<name>.safetensors``, or ``<name>.part`` downloading).
+
+    Example:
+        >>> shard_of(TierFile("ab12.safetensors", 1, 0.0))
+        'ab12'
+    """
+    return f.name.removesuffix(PART).removesuffix(".safetensors")
+
+
+class Room(NamedTuple):
+    """What a fetch asks of the tier: ``size`` bytes, never evicting a shard named in ``keep``,
+    waiting for downloads in flight to leave room or (``wait`` False) failing at once."""
+
+    size: int
+    keep: frozenset[str] = frozenset()
+    wait: bool = True
+
+    def keeps(self, f: TierFile) -> bool:
+        return bool(self.keep) and shard_of(f) in self.keep
+
+
 # == tier ==========================================================================================
 PART = ".part"
 
@@ -114,8 +136,14 @@ class DiskTier:
         download: Callable[[Path], int],
         where: str,
         evicted: Callable[[], None] | None = None,
+        *,
+        keep: Collection[str] = (),
+        wait: bool = True,
     ) -> Path:
         """Shard ``name`` on this disk: fetched (``download`` writes a file) unless it is here.
+        Shards named in ``keep`` are never evicted to make room for it (a block order's
+        current and next windows); without ``wait`` a fetch that finds no room fails at once
+        instead of waiting for downloads in flight (a prefetch: the read fetches it later).
 
         Raises:
             FileNotFoundError: the bucket has no such shard (gc deleted it).
@@ -134,7 +162,8 @@ class DiskTier:
                     os.unlink(part)
                 return final
             try:
-                self._download_checked(size, download, where, fd, part, evicted)
+                room = Room(size, frozenset(keep), wait)
+                self._download_checked(room, download, where, fd, part, evicted)
             except BaseException:
                 with contextlib.suppress(OSError):
                     os.unlink(part)  # its reserved space goes back to the budget at once
@@ -148,20 +177,20 @@ class DiskTier:
 
     def _download_checked(
         self,
-        size: int,
+        room: Room,
         download: Callable[[Path], int],
         where: str,
         fd: int,
         part: Path,
         evicted: Callable[[], None] | None,
     ) -> None:
-        """Reserve ``size`` bytes, download into ``part`` and check every tensor's CRC, fetching
+        """Reserve ``room``, download into ``part`` and check every tensor's CRC, fetching
         once more on a mismatch.
 
         Raises:
             StoreCorrupt: the bytes failed their checksums on every try.
         """
-        self._reserve(fd, part, size)
+        self._reserve(fd, part, room)
         if evicted:  # the caller closes what it held open of the evicted files
             evicted()
         for attempt in range(CHECKED_TRIES):
@@ -177,25 +206,29 @@ class DiskTier:
                     "again what a missing shard held)"
                 )
 
-    def _reserve(self, fd: int, part: Path, size: int) -> None:
-        """Evict what must go so ``size`` more bytes fit, then reserve them in ``part``.
+    def _reserve(self, fd: int, part: Path, room: Room) -> None:
+        """Evict what must go (never a shard ``room`` keeps) so ``room.size`` more bytes fit,
+        then reserve them in ``part``.
 
         While downloads in flight (other workers') hold the room, wait for them: they end
         within a download's time, and a budget of a few shards serves any number of workers.
-        Only a shard that cannot fit even in an empty tier is an error at once.
+        Only a shard that cannot fit even in an empty tier is an error at once (and any that
+        finds no room, without ``room.wait``).
 
         Raises:
             ConfigError: ``size`` exceeds the budget, or no room came in :data:`ROOM_WAIT_S`.
         """
+        size = room.size
         deadline = time.monotonic() + ROOM_WAIT_S
         pause = 0.02
         while True:
             with tier_locked(self.downloads / "tier.lock"):
-                files = list(self._files(skip=part))
+                files = [f if not room.keeps(f) else f._replace(evictable=False)
+                         for f in self._files(skip=part)]  # fmt: skip
                 try:
                     doomed = evictions(files, self.budget, size)
                 except ConfigError:
-                    if size > self.budget or time.monotonic() > deadline:
+                    if size > self.budget or not room.wait or time.monotonic() > deadline:
                         raise
                 else:
                     for f in doomed:
@@ -256,6 +289,23 @@ class DiskTier:
 
     def _path_of(self, file_name: str) -> Path:
         return self.layout.shard_path(file_name.removesuffix(".safetensors"))
+
+    def evict(self, names: Collection[str]) -> int:
+        """Delete the shards ``names`` from the tier (those it holds); the bytes freed. A block
+        order's windows the reads have moved past: their room goes to the next window."""
+        if not names:
+            return 0
+        self.downloads.mkdir(parents=True, exist_ok=True)
+        with tier_locked(self.downloads / "tier.lock"):
+            return sum(remove_file(self.layout.shard_path(n)) for n in names)
+
+    def fits_beside(self, keep: Collection[str], size: int) -> bool:
+        """Whether ``size`` more bytes fit the budget beside the shards named in ``keep`` and
+        the downloads in flight, once everything else were evicted."""
+        held = sum(
+            f.size for f in self._files(skip=Path()) if not f.evictable or shard_of(f) in keep
+        )
+        return held + size <= self.budget
 
     def has_room(self, size: int) -> bool:
         """Whether ``size`` more bytes fit the budget without evicting anything."""

@@ -84,3 +84,20 @@ def test_a_second_epoch_that_fits_the_tier_downloads_nothing(
     for i in range(len(ds)):
         ds[i]
     assert tier.fetched == first
+
+
+def test_a_whole_shard_fetch_is_one_get_and_no_head(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The catalog holds each shard's size, so fetching a shard whole asks the server nothing
+    else (a HEAD for the size per shard before): counted in the server's access log."""
+    bake(audio_dir, encoder_file, s3.url)
+    monkeypatch.setenv("FEATBAKE_BUCKET_READS", "whole")
+    ds = CachedFeatureDataset(
+        audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "tier", on_miss="error"
+    )
+    mark = s3.log_mark()
+    assert_dataset_is_live(ds, encoder_file)
+    shards = [r for r in s3.requests(mark) if r.shard]
+    assert [r.method for r in shards] == ["GET"] * len(s3.objects("shards/"))
+    assert all(r.status == 200 for r in shards)

@@ -197,3 +197,23 @@ def test_workers_wait_for_room_and_refetch_what_others_evicted(tmp_path: Path) -
         t.join(60)
     assert not errors, errors
     assert source.calls >= 8 and peak[0] <= 2 * size
+
+
+def test_a_fetch_never_evicts_what_it_is_told_to_keep(source: Source, tmp_path: Path) -> None:
+    """A block order's current and next windows stay in the tier: a fetch evicts around them
+    (least recently used among the rest), and one that finds no room beside them fails at
+    once without ``wait`` (a prefetch gives up; the read fetches later)."""
+    size = source.size(source.names[0])
+    tier = DiskTier(Layout(tmp_path / "tier"), budget=3 * size + size // 2)
+    a, b, c, d = source.names[:4]
+    for name in (a, b, c):
+        source.fetch(tier, name)
+    assert tier.fits_beside({a, b}, size) and not tier.fits_beside({a, b, c}, size)
+    keep = {a, b}  # a is the least recently used, c is not kept: c goes
+    tier.fetch(d, size, source.download(d), d, keep=keep)
+    held = {n for n in source.names if tier.layout.shard_path(n).is_file()}
+    assert held == {a, b, d}
+    with pytest.raises(ConfigError):
+        tier.fetch(c, size, source.download(c), c, keep={a, b, d}, wait=False)
+    assert tier.evict([a, b, c]) == 2 * size
+    assert tier.used_bytes() == size
