@@ -60,6 +60,11 @@ def test_the_message_for_another_encoder_and_the_options_it_carries() -> None:
 
     asked = {**Recipe().as_dict(), "layers": [0, 6], "mono": False, "max_seconds": 4.0}
     assert build_options(asked) == ["--max-seconds 4.0", "--layers 0,6", "--no-mono"]
+    text_fields = {"max_length": 77, "truncate": True, "lowercase": False, "special_tokens": False}
+    texts = {**Recipe(source="text").as_dict(), "text": text_fields}
+    assert build_options(texts) == ["--source text", "--max-tokens 77", "--no-special-tokens"]
+    manifest = miss_message("/d/c.jsonl:3", "/s", "bert", "/d/c.jsonl", texts, [], "caption")
+    assert "--data /d/c.jsonl --column caption --cache /s --source text" in manifest
 
 
 def test_cache_info_in_the_main_process_says_workers_count_apart(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import sqlite3
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -47,8 +48,8 @@ from featbake.encode.fingerprints import HeldBytes, encoder_fingerprint
 from featbake.encode.hf import check_recipe_supported, recipe_for_encoder
 from featbake.encode.inputs import Folder, Inputs, inputs_at
 from featbake.encode.loaders import load_encoder
-from featbake.encode.sources import Source, source_for
-from featbake.errors import ConfigError, EncodeError, FeatbakeError, SourceError
+from featbake.encode.sources import ScanResult, Source, source_for
+from featbake.errors import ConfigError, EncodeError, FeatbakeError, SourceError, StoreError
 from featbake.keys import feature_key, root_id
 from featbake.process import gc_paused
 from featbake.progress import Progress
@@ -92,6 +93,26 @@ def catalog_for_part(
     listing = list(zip(rel_paths, sizes, strict=True))
     mine = my_part(sizes, spec) if spec.sharded else list(range(len(rel_paths)))
     return RankCatalog(layout, spec.rank, spec.world, listing), [rel_paths[i] for i in mine]
+
+
+def scanned_inputs(place: Inputs, layout: Layout, extensions: Sequence[str]) -> ScanResult:
+    """``place``'s scan; tars in a bucket look up their member listings in the store's hash
+    cache (read-only here: the build records new ones as it hashes), so a rebuild over unchanged
+    shards reads no tar header again."""
+    if not (isinstance(place, (WebDataset, Table)) and place.remote):
+        return place.scan(extensions)
+    try:
+        known = Catalog(layout, read_only=True)
+        if not known.path.exists():
+            return place.scan(extensions)  # no catalog yet: nothing is known
+    except (StoreError, sqlite3.Error):
+        return place.scan(extensions)
+    with contextlib.closing(known):
+        place.known = known
+        try:
+            return place.scan(extensions)
+        finally:
+            place.known = None
 
 
 @contextmanager
@@ -328,7 +349,7 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
     # A folder, a bucket prefix, a manifest (see OPENERS); a manifest's texts for source text.
     place = inputs_at(data, column, recipe.source)
     source = place.source(source_for(recipe))
-    scanned = place.scan(source.extensions)
+    scanned = scanned_inputs(place, layout, source.extensions)
     catalog, inputs = catalog_for_part(layout, spec, place, scanned.inputs)
     with contextlib.closing(catalog):
         enc = loaded_encoder(encoder, weights, dev, trust_pickle, recipe)

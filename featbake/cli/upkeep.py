@@ -434,6 +434,7 @@ def verify(
     shard object downloaded into the local tier's tmp/ and deleted after its check, whatever
     the tier holds), and named by its object key; there is no --repair there.
     """
+    from featbake.encode.inputs import redigested
     from featbake.upkeep import verify as run_verify
 
     bar = progress_bar()
@@ -444,6 +445,7 @@ def verify(
             progress=tick_bar(bar, {}),
             local_cache=local_cache,
             local_cache_size=local_cache_size,
+            redigest=redigested,  # re-keys manifest, tar and table roots' items too
         )
     if as_json:
         out.print_json(json.dumps(report.to_json()))

@@ -25,6 +25,7 @@ one line naming the container and member or row, skipped, and the build exits 3.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import io
 import json
@@ -40,11 +41,13 @@ from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
 import torch
 
 from featbake.encode.fingerprints import HeldBytes, resolve_path
+from featbake.encode.objects import object_stat
 from featbake.encode.sources import ScanResult, SkippedInput, Source
-from featbake.errors import ConfigError, SourceError
+from featbake.errors import ConfigError, SourceError, StoreError
 from featbake.progress import Progress
-from featbake.store.catalog import FileStat, HashCache, HashRow
-from featbake.store.url import is_url
+from featbake.store.bucket import Bucket, ObjectInfo
+from featbake.store.catalog import RACY_NS, FileStat, HashCache, HashRow
+from featbake.store.url import BucketURL, is_url
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -74,6 +77,14 @@ def split_item_path(path: str) -> tuple[str, str]:
 
 
 def _stat_or_none(path: str) -> FileStat | None:
+    """A container's stat: a file's, or an object's (size, last change, ETag) by one HEAD."""
+    if is_url(path):
+        bucket, name = object_at(path)
+        try:
+            info = bucket.head(name)
+        except StoreError:
+            return None
+        return None if info is None else object_stat(info)
     try:
         return FileStat.of(path)
     except OSError:
@@ -100,12 +111,14 @@ def hash_items(
     read: ReadDigests,
     progress: Callable[[Progress], None] | None = None,
     stats: dict[str, FileStat] | None = None,
+    stat_of: Callable[[str], FileStat | None] = _stat_or_none,
 ) -> tuple[dict[str, str], dict[str, str]]:
     """SHA-256 of each item, reading only the containers whose stat the hash cache does not know.
 
     ``read(container, refs)`` reads the items of one container (in its order) and returns each
     digest, or a 1-tuple with why the item cannot be read. ``stats`` is filled with each item's
-    container stat, which decoding checks again.
+    container stat, which decoding checks again. ``stat_of`` gives a container's stat before
+    it is read (a bucket's tars: from the scan's listing, no request).
 
     Returns:
         (path -> sha256, path -> reason for items that could not be read)
@@ -116,7 +129,7 @@ def hash_items(
     by_container: dict[str, list[ItemRef]] = {}
     for ref in refs:
         by_container.setdefault(ref.container, []).append(ref)
-    container_stat = {c: _stat_or_none(c) for c in by_container}
+    container_stat = {c: stat_of(c) for c in by_container}
     cached = catalog.cached_hashes([r.cache_id for r in refs])
     digests: dict[str, str] = {}
     todo: dict[str, list[ItemRef]] = {}
@@ -147,6 +160,9 @@ def hash_items(
                 fresh.append(HashRow(ref.cache_id, stats[ref.path], one))
         if progress:
             progress(Progress("hash", len(digests) + len(failed), len(refs)))
+    if any(is_url(r.path) for r in fresh):  # never racy: see encode/objects.py (an ETag)
+        newest = max(r.stat.mtime_ns for r in fresh)
+        stat_time = max(time.time_ns(), newest + RACY_NS + 1)
     catalog.put_hashes(fresh, recorded_ns=stat_time)
     return digests, failed
 
@@ -191,16 +207,17 @@ class Sample:
     members: dict[str, Member] = field(default_factory=dict)
 
 
-def list_members(tar: str) -> list[Member]:
+def list_members(tar: str, size: int | None = None) -> list[Member]:
     """The regular-file members of ``tar``, in order, from their headers only (data skipped by
-    seeks, so listing a shard reads a 512-byte header per member).
+    seeks, so listing a shard reads a 512-byte header per member; a tar in a bucket by ranged
+    GETs of :data:`HEADER_BLOCK` bytes, see :class:`RangedObject`).
 
     Raises:
         SourceError: the file cannot be opened or is not a tar.
     """
     members: list[Member] = []
     try:
-        with tarfile.open(tar, mode="r:") as tf:
+        with _open_tar(tar, size) as tf:
             while True:
                 try:
                     m = tf.next()
@@ -212,9 +229,16 @@ def list_members(tar: str) -> list[Member]:
                     members.append(Member(m.name, m.offset_data, m.size))
     except FileNotFoundError as e:
         raise SourceError(f"{tar}: file not found") from e
-    except (tarfile.TarError, OSError) as e:
+    except (tarfile.TarError, OSError, StoreError) as e:
         raise SourceError(f"{tar}: not a readable tar file ({e})") from e
     return members
+
+
+def _open_tar(tar: str, size: int | None) -> tarfile.TarFile:
+    """``tar`` opened to read its headers: a file, or an object by ranged GETs."""
+    if is_url(tar):
+        return tarfile.open(fileobj=RangedObject.at(tar, size), mode="r:")
+    return tarfile.open(tar, mode="r:")
 
 
 def samples_of(tar: str, members: Sequence[Member]) -> tuple[list[Sample], list[SkippedInput]]:
@@ -243,6 +267,11 @@ def read_member(tar: str, member: Member) -> bytes:
     Raises:
         SourceError: the tar cannot be read, or ends inside the member (truncated).
     """
+    if is_url(tar):
+        data = object_range(tar, member.offset, member.size)
+        if len(data) != member.size:
+            raise SourceError(truncated(tar, member, len(data)))
+        return data
     try:
         with open(tar, "rb") as f:
             f.seek(member.offset)
@@ -269,6 +298,8 @@ def member_digests(
     With ``held``, a member that fits its budget is read whole and its bytes kept there for the
     build to decode (a first build reads each member once); others are streamed in chunks.
     """
+    if is_url(tar):
+        return object_member_digests(tar, members, held)
     out: dict[str, str | tuple[str]] = {}
     try:
         f = open(tar, "rb")  # noqa: SIM115  (closed below, after every member)
@@ -291,6 +322,168 @@ def member_digests(
                 left -= len(chunk)
             out[m.name] = (truncated(tar, m, m.size - left),) if left else sha.hexdigest()
     return out
+
+
+# -- tars in a bucket ------------------------------------------------------------------------------
+# ``--data 's3://b/shards/shard-{000..009}.tar'``: the shards are listed with one LIST of their
+# folder, and each is read in place by ranged GETs, never downloaded whole:
+#
+# * its **member listing** (names, data offsets, sizes) from its headers, read through
+#   :class:`RangedObject` (one GET per :data:`HEADER_BLOCK`, so small members' headers come
+#   many per GET), and cached in the store's hash cache under ``tar-members:<url>``, compared on
+#   the object's (size, last change, ETag) as bucket inputs' digests are (encode/objects.py): the
+#   row's digest column holds the listing as canonical JSON. A rebuild over unchanged shards reads
+#   the listing from there, and the members' digests too: it reads nothing beyond the LIST.
+# * each **member** to hash by one ranged GET per run of members of at most :data:`RUN_BYTES`
+#   (a sample's members are adjacent), to decode by one ranged GET of its bytes.
+#
+# A shard rewritten since it was listed has another ETag: its listing and digests are read again.
+# A member decoded is checked against the shard's stat by a HEAD (a ranged GET's ETag is the
+# object's), as a local member is by its tar's stat.
+
+#: Bytes one GET reads while listing a tar's headers (a header is 512 bytes).
+HEADER_BLOCK = 1 << 16
+#: At most this many bytes of adjacent members are hashed from one ranged GET.
+RUN_BYTES = 64 << 20
+#: The hash-cache id prefix of a tar's member listing (the row's digest column is the listing).
+LISTING_PREFIX = "tar-members:"
+#: The same for a bucket's parquet file: its schema and row ids (see :meth:`Table._listing`).
+TABLE_PREFIX = "table-rows:"
+
+_BUCKETS: dict[str, Bucket] = {}  # folder URL -> its bucket (a client per process, made lazily)
+
+
+def object_at(url: str) -> tuple[Bucket, str]:
+    """(the bucket of ``url``'s folder, the object's name in it).
+
+    Example:
+        >>> object_at("s3://team/shards/shard-000.tar")[1]
+        'shard-000.tar'
+    """
+    folder, name = url.rsplit("/", 1)
+    bucket = _BUCKETS.get(folder)
+    if bucket is None:
+        bucket = _BUCKETS[folder] = Bucket(BucketURL.parse(folder))
+    return bucket, name
+
+
+def object_range(url: str, start: int, length: int) -> bytes:
+    """``length`` bytes of object ``url`` from ``start`` (fewer at its end): one ranged GET.
+
+    Raises:
+        SourceError: the object is gone or cannot be read.
+    """
+    bucket, name = object_at(url)
+    try:
+        return bucket.read_range(name, start, length)
+    except FileNotFoundError:
+        raise SourceError(f"{url}: object not found (deleted since the listing?)") from None
+    except StoreError as e:
+        raise SourceError(str(e)) from e
+
+
+class RangedObject(io.RawIOBase):
+    """An object in a bucket as a seekable read-only file, for ``tarfile`` to read headers: a
+    read outside the block held fetches :data:`HEADER_BLOCK` bytes from there by a ranged GET.
+    """
+
+    def __init__(self, url: str, size: int) -> None:
+        super().__init__()
+        self.url, self.size, self.pos = url, size, 0
+        self.block_at, self.block = 0, b""
+
+    @classmethod
+    def at(cls, url: str, size: int | None = None) -> RangedObject:
+        """The object ``url`` (its size from a HEAD when not given).
+
+        Raises:
+            SourceError: there is no such object.
+        """
+        if size is None:
+            bucket, name = object_at(url)
+            info = bucket.head(name)
+            if info is None:
+                raise SourceError(f"{url}: object not found")
+            size = info.size
+        return cls(url, size)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        want = min(len(buffer), max(0, self.size - self.pos))
+        if want == 0:
+            return 0
+        end = self.block_at + len(self.block)
+        if not (self.block_at <= self.pos and self.pos + want <= end):
+            self.block_at = self.pos
+            self.block = object_range(self.url, self.pos, max(want, HEADER_BLOCK))
+        got = self.block[self.pos - self.block_at : self.pos - self.block_at + want]
+        buffer[: len(got)] = got
+        self.pos += len(got)
+        return len(got)
+
+
+def member_runs(members: Sequence[Member]) -> list[list[Member]]:
+    """``members`` by offset, cut into runs of adjacent members (gaps of headers only) of at
+    most :data:`RUN_BYTES` (a member larger than that is a run alone)."""
+    runs: list[list[Member]] = []
+    for m in sorted(members, key=lambda m: m.offset):
+        if runs:
+            run = runs[-1]
+            near = m.offset - (run[-1].offset + run[-1].size) <= HEADER_BLOCK
+            if near and m.offset + m.size - run[0].offset <= RUN_BYTES:
+                run.append(m)
+                continue
+        runs.append([m])
+    return runs
+
+
+def object_member_digests(
+    url: str, members: list[Member], held: HeldBytes | None = None
+) -> dict[str, str | tuple[str]]:
+    """:func:`member_digests` of a tar in a bucket: one ranged GET per run of members."""
+    out: dict[str, str | tuple[str]] = {}
+    for run in member_runs(members):
+        start = run[0].offset
+        try:
+            data = object_range(url, start, run[-1].offset + run[-1].size - start)
+        except SourceError as e:
+            out.update({m.name: (str(e),) for m in run})
+            continue
+        for m in run:
+            got = data[m.offset - start : m.offset - start + m.size]
+            if len(got) != m.size:
+                out[m.name] = (truncated(url, m, len(got)),)
+                continue
+            if held is not None and held.size + m.size <= held.budget:
+                held.keep(f"{url}:{m.name}", got)
+            out[m.name] = hashlib.sha256(got).hexdigest()
+    return out
+
+
+def listing_text(members: Sequence[Member]) -> str:
+    """A tar's member listing as canonical JSON (what its hash-cache row holds)."""
+    return json.dumps([list(m) for m in members], separators=(",", ":"))
+
+
+def listing_of(text: str) -> list[Member] | None:
+    """The member listing a hash-cache row holds, or None (not one: read the tar again)."""
+    try:
+        return [Member(str(n), int(o), int(z)) for n, o, z in json.loads(text)]
+    except (ValueError, TypeError):
+        return None
 
 
 def carried_value(ext: str, data: bytes) -> Any:
@@ -389,11 +582,18 @@ class WebDataset:
     """
 
     def __init__(self, data: str, column: str | None = None) -> None:
-        if is_url(data):
-            refuse_url(data, "webdataset shards")
         self.column = column.lower().lstrip(".") if column else None
+        #: a tar in a bucket -> its stat from the scan's listing (see "tars in a bucket")
+        self.listed: dict[str, FileStat] = {}
+        #: the store's hash cache, where the scan looks up tars' member listings (set by the
+        #: build or the dataset for the scan), and the listings read to be recorded there
+        self.known: HashCache | None = None
+        self.fresh: list[HashRow] = []
         folder, name = os.path.split(os.path.expanduser(data))
-        if "{" in name:
+        if is_url(data):
+            self.where, self.folder = data, folder
+            self.tars = [f"{folder}/{n}" for n in expand_braces(name)]
+        elif "{" in name:
             self.folder = resolve_path(folder or ".")
             self.where = os.path.join(self.folder, name)
             self.tars = [os.path.join(self.folder, n) for n in expand_braces(name)]
@@ -427,9 +627,10 @@ class WebDataset:
         self.index.listed.clear()  # in place: a source made before the scan reads through it
         skipped: list[SkippedInput] = []
         seen: dict[str, str] = {}
+        objects = self._list_objects()
         for tar in self.tars:
             try:
-                samples, odd = samples_of(tar, list_members(tar))
+                samples, odd = samples_of(tar, self._members(tar, objects))
             except SourceError as e:
                 skipped.append(SkippedInput(os.path.relpath(tar, self.folder), str(e)))
                 continue
@@ -445,6 +646,44 @@ class WebDataset:
                 + "; name the member with --column (e.g. --column jpg) or pick --source"
             )
         return ScanResult(list(self.chosen), skipped)
+
+    @property
+    def remote(self) -> bool:
+        """Whether the shards are objects in a bucket."""
+        return is_url(self.where)
+
+    def _list_objects(self) -> dict[str, ObjectInfo]:
+        """The objects of the shards' folder in a bucket, by URL (one LIST); {} for files.
+
+        Raises:
+            StoreError: the bucket cannot be listed (no credentials, no such bucket, denied).
+        """
+        if not self.remote:
+            return {}
+        bucket = Bucket(BucketURL.parse(self.folder))
+        return {bucket.where(o.name): o for o in bucket.list("")}
+
+    def _members(self, tar: str, objects: dict[str, ObjectInfo]) -> list[Member]:
+        """The members of ``tar``: a file's from its headers; an object's from the hash cache
+        when its (size, last change, ETag) is the one listed there, else from its headers
+        (recorded by :meth:`hash`).
+
+        Raises:
+            SourceError: the tar is missing or cannot be read as a tar.
+        """
+        if not self.remote:
+            return list_members(tar)
+        info = objects.get(tar)
+        if info is None:
+            raise SourceError(f"{tar}: object not found")
+        st = self.listed[tar] = object_stat(info)
+        cache_id = LISTING_PREFIX + tar
+        hit = self.known.cached_hashes([cache_id]).get(cache_id) if self.known else None
+        if hit is not None and hit.stat == st and (members := listing_of(hit.sha256)):
+            return members
+        members = list_members(tar, info.size)
+        self.fresh.append(HashRow(cache_id, st, listing_text(members)))
+        return members
 
     def _add(
         self,
@@ -524,7 +763,14 @@ class WebDataset:
         def read(tar: str, wanted: list[ItemRef]) -> dict[str, str | tuple[str]]:
             return self._read(tar, wanted, held)
 
-        return hash_items(catalog, refs, read, progress, stats)
+        if not self.remote:
+            return hash_items(catalog, refs, read, progress, stats)
+        got = hash_items(catalog, refs, read, progress, stats, self.listed.get)
+        if self.fresh:  # the listings the scan read: a rebuild reads them from here
+            newest = max(r.stat.mtime_ns for r in self.fresh)
+            catalog.put_hashes(self.fresh, recorded_ns=max(time.time_ns(), newest + RACY_NS + 1))
+            self.fresh = []
+        return got
 
     def _read(
         self, tar: str, refs: list[ItemRef], held: HeldBytes | None
@@ -611,6 +857,7 @@ class CellKind(Enum):
 
     STRUCT = "struct"  # {bytes, path}: the Hub's Audio and Image
     BINARY = "binary"
+    TEXT = "text"  # a string column, for --source text: the cell's UTF-8 bytes
     OTHER = "other"
 
 
@@ -631,9 +878,14 @@ def pyarrow_module() -> Any:
     return pyarrow
 
 
-def cell_kind(kind: pa.DataType) -> CellKind:
-    """Whether cells of type ``kind`` hold bytes to encode, and how."""
+def cell_kind(kind: pa.DataType, text: bool = False) -> CellKind:
+    """Whether cells of type ``kind`` hold bytes to encode, and how: with ``text`` (the source
+    is text) a string column's and only those; else a binary column's or an Audio/Image struct's.
+    """
     pa = pyarrow_module()
+    if text:
+        is_text = pa.types.is_string(kind) or pa.types.is_large_string(kind)
+        return CellKind.TEXT if is_text else CellKind.OTHER
     if pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
         return CellKind.BINARY
     if pa.types.is_struct(kind):
@@ -662,6 +914,9 @@ def cell_bytes(cell: Any, kind: CellKind) -> bytes | str:
     """The bytes of one cell (a Python value), or why it has none."""
     if cell is None:
         return "the cell is null"
+    if kind is CellKind.TEXT:
+        # The same bytes as a .txt file of this text: the same key. Arrow strings are UTF-8.
+        return str(cell).encode("utf-8") if str(cell).strip() else "the cell's text is empty"
     if kind is CellKind.STRUCT:
         data = cell.get("bytes")
         if data is None:
@@ -727,6 +982,9 @@ class TableFile:
     def __init__(self, path: str) -> None:
         self.path = path
         self.parquet = not path.endswith(".arrow")
+        #: an object's schema from the hash cache, and its size (a bucket's parquet file)
+        self.known_schema: pa.Schema | None = None
+        self.size: int | None = None
         self._pf: Any = None
         self._stream: Any = None
         #: the row group read last: its first row, and the columns read of it
@@ -736,6 +994,8 @@ class TableFile:
         return {**self.__dict__, "_pf": None, "_stream": None, "_group": None}
 
     def schema(self) -> pa.Schema:
+        if self.known_schema is not None:
+            return self.known_schema
         return self._parquet().schema_arrow if self.parquet else self._arrow().schema
 
     def rows(self) -> int:
@@ -743,7 +1003,9 @@ class TableFile:
 
     def _parquet(self) -> Any:
         if self._pf is None:
-            self._pf = pyarrow_module().parquet.ParquetFile(self.path)
+            # A bucket's file by ranged GETs: its footer, then each row group's column chunks.
+            where = RangedObject.at(self.path, self.size) if is_url(self.path) else self.path
+            self._pf = pyarrow_module().parquet.ParquetFile(where)
         return self._pf
 
     def _arrow(self) -> Any:
@@ -797,14 +1059,23 @@ class Table:
     """
 
     def __init__(self, data: str, column: str | None = None) -> None:
-        if is_url(data):
-            refuse_url(data, "parquet files and Hugging Face datasets")
         pyarrow_module()
-        self.where = resolve_path(data)
-        self.folder = self.where if os.path.isdir(self.where) else os.path.dirname(self.where)
-        self.files = [TableFile(p) for p in table_files(self.where)]
+        #: a bucket's parquet file -> its stat, and the listings to record (see :meth:`_listing`)
+        self.listed: dict[str, FileStat] = {}
+        self.known: HashCache | None = None
+        self.fresh: list[HashRow] = []
+        if is_url(data):
+            if not data.lower().endswith(".parquet"):
+                refuse_url(data, "Arrow files and Hugging Face datasets")
+            self.where, self.folder = data, data.rsplit("/", 1)[0]
+            self.files = [TableFile(data)]
+        else:
+            self.where = resolve_path(data)
+            self.folder = self.where if os.path.isdir(self.where) else os.path.dirname(self.where)
+            self.files = [TableFile(p) for p in table_files(self.where)]
         self.column = column
         self.kinds: list[CellKind] = []  # per file
+        self.text = False  # the source is text: the column holds strings (set by the scan)
         self.items: dict[str, Row] = {}  # id -> where, in the table's order
         self.positions: dict[str, int] = {}  # file path -> its index (see file_index)
 
@@ -819,10 +1090,14 @@ class Table:
             SourceError: no file has the column (or a column of bytes to choose), or two rows
                 share an id.
         """
-        schemas = [self._schema(f) for f in self.files]
+        listings = [self._listing(f) for f in self.files]
+        schemas = [schema for schema, _ in listings]
+        self.text = ".txt" in extensions  # the text source's: each cell is a text
         self.column = self.column or self.default_column(schemas, extensions)
         self.kinds = [
-            cell_kind(s.field(self.column).type) if self.column in s.names else CellKind.OTHER
+            cell_kind(s.field(self.column).type, self.text)
+            if self.column in s.names
+            else CellKind.OTHER
             for s in schemas
         ]
         if all(k is CellKind.OTHER for k in self.kinds):
@@ -830,8 +1105,7 @@ class Table:
         skipped: list[SkippedInput] = []
         seen: dict[str, str] = {}
         self.items = {}  # a scan starts afresh
-        for i, (f, schema) in enumerate(zip(self.files, schemas, strict=True)):
-            ids = self._ids(f, schema)
+        for i, (f, (schema, ids)) in enumerate(zip(self.files, listings, strict=True)):
             why = self._unusable(schema, self.kinds[i])
             for row, ident in enumerate(ids):
                 name = f"{f.path}:{row}"
@@ -846,6 +1120,45 @@ class Table:
                     seen[ident] = name
                     self.items[ident] = Row(i, row)
         return ScanResult(list(self.items), skipped)
+
+    @property
+    def remote(self) -> bool:
+        """Whether the table is a parquet file in a bucket."""
+        return is_url(self.where)
+
+    def _listing(self, f: TableFile) -> tuple[pa.Schema, list[str]]:
+        """(schema, each row's id) of one file: an object's from the hash cache when its (size,
+        last change, ETag) is the one recorded there (a row ``table-rows:<url>``: the schema
+        as Arrow IPC in base64 and the ids, as JSON), else read (footer and ``id`` column, by
+        ranged GETs) and recorded by :meth:`hash`.
+
+        Raises:
+            SourceError: the file (object) is missing or not a readable table file.
+        """
+        if not self.remote:
+            schema = self._schema(f)
+            return schema, self._ids(f, schema)
+        bucket, name = object_at(f.path)
+        info = bucket.head(name)
+        if info is None:
+            raise SourceError(f"{f.path}: object not found; check --data")
+        st = self.listed[f.path] = object_stat(info)
+        f.size, pa = info.size, pyarrow_module()
+        cache_id = TABLE_PREFIX + f.path
+        hit = self.known.cached_hashes([cache_id]).get(cache_id) if self.known else None
+        if hit is not None and hit.stat == st:
+            try:
+                held = json.loads(hit.sha256)
+                raw = base64.b64decode(held["schema"])
+                f.known_schema = pa.ipc.read_schema(pa.py_buffer(raw))
+                return f.known_schema, [str(i) for i in held["ids"]]
+            except (ValueError, KeyError, TypeError):
+                pass  # not a listing: read the file again
+        schema = self._schema(f)
+        ids = self._ids(f, schema)
+        text = base64.b64encode(schema.serialize().to_pybytes()).decode()
+        self.fresh.append(HashRow(cache_id, st, json.dumps({"schema": text, "ids": ids})))
+        return schema, ids
 
     def _schema(self, f: TableFile) -> pa.Schema:
         try:
@@ -870,6 +1183,8 @@ class Table:
             return f"no column {self.column!r} in this file (it has {', '.join(schema.names)})"
         if kind is CellKind.OTHER:
             held = schema.field(self.column).type
+            if self.text:
+                return f"column {self.column!r} holds {held}, not text (a string column)"
             return (
                 f"column {self.column!r} holds {held}, neither bytes nor an Audio/Image struct "
                 "({bytes, path})"
@@ -888,9 +1203,13 @@ class Table:
             raise SourceError(f"{self.where}: no data file (parquet or arrow) found")
         wanted = "Image" if ".jpg" in extensions else "Audio"
         typed = hf_feature_types(schema)
-        media = [n for n in schema.names if cell_kind(schema.field(n).type) is not CellKind.OTHER]
+        media = [
+            n
+            for n in schema.names
+            if cell_kind(schema.field(n).type, self.text) is not CellKind.OTHER
+        ]
         for name in media:
-            if typed.get(name) == wanted:
+            if typed.get(name) == wanted or (self.text and name == "text"):
                 return name
         if media:
             return media[0]
@@ -901,10 +1220,13 @@ class Table:
         in any file, or (none asked) no column holds bytes."""
         names = sorted({n for s in schemas for n in s.names})
         listed = f"(columns: {', '.join(names)})"
+        held = "text (a string column)" if self.text else "bytes or an Audio/Image struct"
         if self.column is None:
-            what = f"no column of {self.where} holds bytes or an Audio/Image struct {listed}"
+            what = f"no column of {self.where} holds {held} {listed}"
         elif self.column not in names:
             what = f"{self.where} has no column {self.column!r} {listed}"
+        elif self.text:
+            what = f"column {self.column!r} of {self.where} holds no {held} {listed}"
         else:
             what = (
                 f"column {self.column!r} of {self.where} holds neither bytes nor an Audio/Image "
@@ -949,7 +1271,14 @@ class Table:
         def read(file: str, wanted: list[ItemRef]) -> dict[str, str | tuple[str]]:
             return self._read(file, wanted, held)
 
-        return hash_items(catalog, refs, read, progress, stats)
+        if not self.remote:
+            return hash_items(catalog, refs, read, progress, stats)
+        got = hash_items(catalog, refs, read, progress, stats, self.listed.get)
+        if self.fresh:  # the listings the scan read: a rebuild reads them from here
+            newest = max(r.stat.mtime_ns for r in self.fresh)
+            catalog.put_hashes(self.fresh, recorded_ns=max(time.time_ns(), newest + RACY_NS + 1))
+            self.fresh = []
+        return got
 
     def _read(
         self, file: str, refs: list[ItemRef], held: HeldBytes | None

@@ -9,16 +9,16 @@ bytes in a folder and in a bucket give the same key, so their features are store
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from featbake.encode.containers import is_table, is_webdataset, table_at, webdataset_at
 from featbake.encode.fingerprints import HeldBytes, hash_inputs, resolve_path
 from featbake.encode.objects import BucketInputs, ObjectSource, object_stat, read_object
 from featbake.encode.sources import ScanResult, Source, scan_inputs
-from featbake.errors import ConfigError
+from featbake.errors import ConfigError, FeatbakeError
 from featbake.progress import Progress
-from featbake.store.catalog import FileStat, HashCache
+from featbake.store.catalog import FileStat, HashCache, HashEntry, HashRow
 from featbake.store.url import is_url
 
 #: Names other modules import from here (bucket inputs live in :mod:`featbake.encode.objects`).
@@ -32,6 +32,7 @@ __all__ = [
     "keeps_order",
     "object_stat",
     "read_object",
+    "redigested",
 ]
 
 
@@ -229,3 +230,66 @@ def keeps_order(inputs: Inputs) -> bool:
     """Whether ``inputs`` are served in the data's own order (a manifest's rows, a tar's
     samples) rather than sorted by name (a folder's files, a bucket's objects)."""
     return not isinstance(inputs, (Folder, BucketInputs))
+
+
+# == redigested ====================================================================================
+# ``featbake verify --repair`` drops hash-cache rows whose digest is wrong and re-keys the root
+# items keyed from them. A folder's item names its file, but a manifest's, a tar's or a table's
+# item is an id whose digest comes through its inputs (a segment's is derived from its
+# recording's digest): only the inputs seam knows which rows an item's digest came from. So the
+# repair (upkeep, which imports no encode code) is handed :func:`redigested` by the CLI.
+class DigestView:
+    """The hash cache as a reader sees it, with some rows' digests replaced, writing nothing:
+    the digests items would get had those rows said ``overrides``."""
+
+    def __init__(self, catalog: HashCache, overrides: Mapping[str, str]) -> None:
+        self.catalog = catalog
+        self.overrides = overrides
+
+    def cached_hashes(self, paths: Sequence[str]) -> dict[str, HashEntry]:
+        got = self.catalog.cached_hashes(paths)
+        return {
+            p: e._replace(sha256=self.overrides[p]) if p in self.overrides else e
+            for p, e in got.items()
+        }
+
+    def put_hashes(self, rows: Iterable[HashRow], *, recorded_ns: int | None = None) -> None:
+        return None  # a what-if: nothing is recorded
+
+
+def source_extensions(kind: str) -> tuple[str, ...]:
+    """The extensions a source kind reads (``source_for``'s sources, without making one)."""
+    if kind == "image":
+        from featbake.encode.images import IMAGE_EXTENSIONS
+
+        return IMAGE_EXTENSIONS
+    return {"text": (".txt",), "npy": (".npy",)}.get(kind, (".wav", ".flac", ".ogg", ".mp3"))
+
+
+def redigested(
+    data: str, source: str, catalog: HashCache, actual: Mapping[str, str]
+) -> dict[str, tuple[str, str]]:
+    """item id -> (its digest through the hash cache now, its digest had the rows ``actual``
+    names held those digests), for the items of ``data`` whose digest the rows change.
+
+    ``data`` is opened through :func:`inputs_at` with its default column; data that cannot be
+    opened or scanned any more, and a folder of files (re-keyed by their rows), give ``{}``
+    (a build with another ``--column`` keys other digests: its items stay, the next build
+    re-keys them). Items
+    whose rows the hash cache lacks are read to be hashed (twice: what-ifs record nothing).
+
+    Example:
+        >>> redigested("/data/train.jsonl", "audio", catalog, {"/data/a.wav": "ab" * 32})
+        ... # doctest: +SKIP
+    """
+    try:
+        inputs = inputs_at(data, None, source)
+        if isinstance(inputs, (Folder, BucketInputs)):
+            return {}  # a file's item names it: the repair re-keys it by its own row
+        rels = inputs.scan(source_extensions(source)).inputs
+        paths = {inputs.path(r): r for r in rels}
+        now, _ = inputs.hash(DigestView(catalog, {}), list(paths))
+        right, _ = inputs.hash(DigestView(catalog, actual), list(paths))
+    except FeatbakeError:
+        return {}
+    return {paths[p]: (d, right[p]) for p, d in now.items() if right.get(p, d) != d}

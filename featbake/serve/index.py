@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from featbake.encode.containers import Table, WebDataset
 from featbake.encode.fingerprints import hash_inputs, resolve_path
 from featbake.encode.inputs import Inputs, inputs_at, keeps_order
 from featbake.encode.sources import check_input_files
@@ -222,12 +223,17 @@ def _index_place(
     manifest: dict[str, str] = {}
     if root is not None and root.encoder_fp == spec.enc_fp:
         manifest = dict(catalog.root_items(name))
+    if isinstance(inputs, (WebDataset, Table)):
+        inputs.known = catalog  # a bucket's tars and tables: listings from the hash cache
     try:
         scanned = inputs.scan(spec.extensions).inputs
     except SourceError:
         if not manifest:
             raise
         scanned = []  # the inputs are gone, the features are not
+    finally:
+        if isinstance(inputs, (WebDataset, Table)):
+            inputs.known = None  # the catalog is not pickled into workers with the inputs
     rel_paths = item_names(inputs, scanned, list(manifest))
     stats: dict[str, FileStat] = {}
     paths = [inputs.path(r) for r in scanned]

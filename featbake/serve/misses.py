@@ -95,6 +95,25 @@ def build_options(recipe: Mapping[str, Any]) -> list[str]:
         out.append(f"{option} {shown}")
     if recipe.get("mono") is False:
         out.append("--no-mono")
+    return out + text_options(recipe.get("text"))
+
+
+def text_options(text: Mapping[str, Any] | None) -> list[str]:
+    """The `featbake build` text options that reproduce a text recipe's tokenizer options
+    (``--max-tokens`` always: its default is the tokenizer's, which the recipe does not name).
+
+    Example:
+        >>> text_options({"max_length": 77, "truncate": False, "lowercase": True})
+        ['--max-tokens 77', '--no-truncate', '--lowercase']
+    """
+    if not text:
+        return []
+    out = [f"--max-tokens {text['max_length']}"] if text.get("max_length") else []
+    flags = (("truncate", True), ("lowercase", False), ("special_tokens", True))
+    for name, default in flags:
+        if text.get(name, default) != default:
+            shown = name.replace("_", "-")
+            out.append(f"--{shown}" if text[name] else f"--no-{shown}")
     return out
 
 
@@ -105,8 +124,10 @@ def miss_message(
     data: str,
     asked: Mapping[str, Any],
     builds: Sequence[StoredBuild],
+    column: str | None = None,
 ) -> str:
-    """The CacheMiss text: what is missing, what the store holds instead, and the command."""
+    """The CacheMiss text: what is missing, what the store holds instead, and the command
+    (with ``--column`` when the data is a manifest's or table's column)."""
     head = f"{path} is not in the store {store} for this encoder and recipe"
     same_encoder = [b for b in builds if b.encoder_label == encoder]
     if same_encoder:
@@ -116,8 +137,9 @@ def miss_message(
     elif builds:
         others = ", ".join(sorted({b.encoder_label for b in builds}))
         head += f"; the store built {data} with another encoder ({others}), not {encoder}"
+    named = ["--column", column] if column else []
     command = " ".join(
-        ["featbake build --encoder", encoder, "--data", data, "--cache", store,
+        ["featbake build --encoder", encoder, "--data", data, *named, "--cache", store,
          *build_options(asked)]
     )  # fmt: skip
     return (
@@ -465,6 +487,7 @@ class Misses:
                 data,
                 self.recipe.as_dict(),
                 stored_builds(self.live.layout, data),
+                getattr(self.index.inputs, "column", None),  # a manifest's or table's column
             )
         )
 

@@ -8,11 +8,13 @@ acts on them.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import os
 import shutil
 import sqlite3
 import stat
+import tarfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -466,6 +468,21 @@ def check_root_files(layout: Layout) -> list[Finding]:
 # checked here: that would mean loading the encoder, which upkeep never does. Only regular files
 # are read, through a non-blocking open: a FIFO at a row's path never hangs the check, a symlink
 # loop or an unreadable file is skipped (a reader would hash it again anyway).
+#
+# Rows of items inside containers and manifests (issue 29), per kind:
+# - ``shard.tar:member`` (a tar member): checked. Its tar's stat must be the row's; the member is
+#   found by its header (tarfile) and its bytes hashed.
+# - ``file.parquet:row:column`` / ``.arrow:row:column`` (a table cell): checked where pyarrow is
+#   installed. The file's stat must be the row's; the cell's bytes (an Audio/Image struct's
+#   ``bytes``, a binary cell, a string's UTF-8) are hashed.
+# - a manifest's rows and segments: their rows are their files' (a recording's digest, from which
+#   a segment's is derived), checked as any file; a manifest's texts have no row (never cached).
+# - ``s3://`` objects (bucket inputs, a manifest's bucket rows, members and cells of tars and
+#   parquet files in a bucket): not checked, as that means downloading every object of the data;
+#   each row is keyed by its object's ETag.
+# - ``tar-members:`` and ``table-rows:`` rows (a bucket tar's member listing, a bucket parquet
+#   file's schema and ids: no digests): not checked; the scan reads them again when the object's
+#   ETag changes.
 
 Progress = Callable[[GcProgress], None] | None
 
@@ -601,13 +618,37 @@ class HashCheck(NamedTuple):
     bytes_read: int
 
 
+#: Where a container's name ends in an item's hash-cache id (``/d/a.tar:s1.jpg``).
+CONTAINER_SUFFIXES = (".tar", ".parquet", ".arrow")
+
+
+def container_item(path: str) -> tuple[str, str] | None:
+    """(container, inner name) of a row naming an item inside a local tar or table, else None
+    (a file, or a URL: see the section's comment).
+
+    Example:
+        >>> container_item("/d/shard.tar:images/1.jpg")
+        ('/d/shard.tar', 'images/1.jpg')
+    """
+    if "://" in path or os.path.lexists(path):
+        return None
+    cuts = [i + len(s) for s in CONTAINER_SUFFIXES if (i := path.find(s + ":")) >= 0]
+    return (path[: min(cuts)], path[min(cuts) + 1 :]) if cuts else None
+
+
+def _stat_file(path: str) -> str:
+    """The file whose stat a row was recorded with: the item's container, or the file."""
+    inside = container_item(path)
+    return inside[0] if inside else path
+
+
 def _trusted_now(row: HashCacheRow) -> bool:
     """Whether a reader would trust ``row`` now: not racy, and its file's stat unchanged."""
     if not isinstance(row.path, str) or row.path.startswith(ENCODER_FP_PREFIX):
         return False
     try:
         entry = row.trusted()
-        return entry is not None and FileStat.of(row.path) == entry.stat
+        return entry is not None and FileStat.of(_stat_file(row.path)) == entry.stat
     except (OSError, ValueError, TypeError):  # gone, a symlink loop, a NUL, hostile columns
         return False
 
@@ -628,6 +669,69 @@ def _sha256_of_regular_file(path: str) -> tuple[str, int] | None:
             return None
 
 
+def _sha256_of_member(tar: str, name: str) -> tuple[str, int] | None:
+    """(SHA-256, bytes) of member ``name`` of the tar file ``tar``, else None."""
+    try:
+        with tarfile.open(tar, mode="r:") as tf:
+            member = tf.getmember(name)
+            data = tf.extractfile(member) if member.isreg() else None
+            if data is None:
+                return None
+            sha = hashlib.sha256()
+            while chunk := data.read(1 << 20):
+                sha.update(chunk)
+            return sha.hexdigest(), member.size
+    except (OSError, KeyError, tarfile.TarError):
+        return None
+
+
+def _sha256_of_cell(table: str, inner: str) -> tuple[str, int] | None:
+    """(SHA-256, bytes) of cell ``row:column`` of a parquet file or Arrow stream, else None."""
+    row_text, _, column = inner.partition(":")
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        return None  # no pyarrow here: a reader of the table has it, and hashes it again
+    try:
+        row = int(row_text)
+        if table.endswith(".arrow"):
+            cell = pa.ipc.open_stream(pa.memory_map(table)).read_all().column(column)[row]
+        else:
+            pf, first = pq.ParquetFile(table), 0
+            for g in range(pf.metadata.num_row_groups):
+                n = pf.metadata.row_group(g).num_rows
+                if row < first + n:
+                    cell = pf.read_row_group(g, columns=[column]).column(column)[row - first]
+                    break
+                first += n
+            else:
+                return None  # no such row (the file changed: its stat said otherwise)
+    except (OSError, ValueError, KeyError, IndexError):
+        return None
+    data = _cell_bytes(cell.as_py())
+    return None if data is None else (hashlib.sha256(data).hexdigest(), len(data))
+
+
+def _cell_bytes(value: Any) -> bytes | None:
+    """The bytes a cell's digest is taken of (as a build reads them), or None (none: a bad row)."""
+    if isinstance(value, dict):
+        value = value.get("bytes")
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    return bytes(value) if isinstance(value, (bytes, bytearray)) else None
+
+
+def _sha256_of_input(path: str) -> tuple[str, int] | None:
+    """(SHA-256, bytes) of the input a row names: a file, a tar member or a table cell."""
+    inside = container_item(path)
+    if inside is None:
+        return _sha256_of_regular_file(path)
+    if inside[0].endswith(".tar"):
+        return _sha256_of_member(*inside)
+    return _sha256_of_cell(*inside)
+
+
 def check_hash_cache(layout: Layout, progress: Progress = None) -> HashCheck:
     """Hash again every file whose hash-cache row a reader would trust now; report mismatches.
 
@@ -638,7 +742,7 @@ def check_hash_cache(layout: Layout, progress: Progress = None) -> HashCheck:
         rows = [r for r in hash_cache_rows(cat) if _trusted_now(r)]
     wrong: list[HashMismatch] = []
     files = nbytes = 0
-    results = map_in_threads(lambda r: (r, _sha256_of_regular_file(r.path)), rows)
+    results = map_in_threads(lambda r: (r, _sha256_of_input(r.path)), rows)
     for done, (row, got) in enumerate(results, 1):
         if got is not None:
             files += 1

@@ -16,7 +16,7 @@ import json
 import os
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import closing
 from pathlib import Path
 from typing import NamedTuple
@@ -45,6 +45,7 @@ from featbake.store.shard import (
     tensor_name,
     write_shard,
 )
+from featbake.store.url import is_url
 from featbake.upkeep.check import (
     HOSTILE_HEADER_ERRORS,
     CatalogState,
@@ -243,17 +244,35 @@ def rebuild_catalog(scan: VerifyScan, salvaged: list[SealedShard]) -> RepairOutc
 
 
 # -- the hash cache, re-derived -----------------------------------------------------------------
-def _rekey_manifests(layout: Layout, cat: Catalog, wrong: tuple[HashMismatch, ...]) -> int:
-    """Re-key manifest items keyed from a wrong digest (file unchanged since: provably wrong)."""
+#: (a root's data, its source kind, the hash cache, row id -> its right digest) -> item id ->
+#: (its digest now, its right digest): how a manifest's, tar's or table's items come by their
+#: digests, which upkeep cannot read (it imports no encode code); the CLI passes
+#: :func:`featbake.encode.inputs.redigested`.
+Redigest = Callable[[str, str, Catalog, Mapping[str, str]], Mapping[str, tuple[str, str]]]
+
+
+def _rekey_manifests(
+    layout: Layout,
+    cat: Catalog,
+    wrong: tuple[HashMismatch, ...],
+    redigest: Redigest | None = None,
+) -> int:
+    """Re-key root items keyed from a wrong digest (file unchanged since: provably wrong): a
+    folder's item by its file's row, any other local data's through ``redigest``."""
     by_path = {m.path: m for m in wrong}
+    actual = {m.path: m.actual for m in wrong}
     changed = 0
     for root in cat.roots():
         items = [tuple(x) for x in cat.root_items(root.name)]
+        source = str(root.recipe.get("source", "audio"))
+        local = not is_url(root.data)  # a bucket's objects: each would be downloaded
+        digests = redigest(root.data, source, cat, actual) if redigest and local else {}
         new = []
         for rel, key in items:
             m = by_path.get(os.path.join(root.data, rel))
-            if m is not None and key == feature_key(root.encoder_fp, root.recipe_fp, m.recorded):
-                key = feature_key(root.encoder_fp, root.recipe_fp, m.actual)
+            was, right = (m.recorded, m.actual) if m else digests.get(rel, ("", ""))
+            if was and key == feature_key(root.encoder_fp, root.recipe_fp, was):
+                key = feature_key(root.encoder_fp, root.recipe_fp, right)
                 changed += 1
             new.append((rel, key))
         if new != items:
@@ -263,13 +282,16 @@ def _rekey_manifests(layout: Layout, cat: Catalog, wrong: tuple[HashMismatch, ..
 
 
 def repair_hash_cache(
-    layout: Layout, cat: Catalog, wrong: tuple[HashMismatch, ...]
+    layout: Layout,
+    cat: Catalog,
+    wrong: tuple[HashMismatch, ...],
+    redigest: Redigest | None = None,
 ) -> RepairOutcome:
-    """Drop wrong rows (re-keying the manifests built from them) and every cached encoder
-    fingerprint (which upkeep cannot check)."""
+    """Drop wrong rows (re-keying the manifests built from them, see :data:`Redigest`) and every
+    cached encoder fingerprint (which upkeep cannot check)."""
     out = RepairOutcome()
     if wrong:
-        rekeyed = _rekey_manifests(layout, cat, wrong)
+        rekeyed = _rekey_manifests(layout, cat, wrong, redigest)
         cat.delete_hash_rows([(m.path, m.recorded) for m in wrong])
         out.actions.append(
             f"dropped {len(wrong)} wrong hash-cache rows (each file is hashed again on next use)"
@@ -336,8 +358,13 @@ def verify(
     progress: Progress = None,
     local_cache: str | os.PathLike[str] | None = None,
     local_cache_size: int | str | None = None,
+    redigest: Redigest | None = None,
 ) -> VerifyReport:
     """Check a store (and with ``repair_damage`` fix it); ``report.exit_code`` is 0, 10 or 11.
+
+    ``redigest`` (the CLI passes :func:`featbake.encode.inputs.redigested`) lets the repair
+    re-key the items of manifest, tar and table roots built from a wrong hash-cache row, as it
+    re-keys a folder's; without it only a folder's are (the next build re-keys the others).
 
     Verify reads what the store's place names (:meth:`~featbake.store.layout.Place.verify_scope`):
     a directory's every file, catalog, roots and hash cache; a bucket's own objects of every
@@ -362,7 +389,7 @@ def verify(
     if place.verify_scope() is VerifyScope.NAMED_SHARDS:
         return verify_named(layout, progress)
     if repair_damage:
-        return repair(layout, progress)
+        return repair(layout, progress, redigest)
     scan = scan_store(layout, progress)
     report = VerifyReport(
         str(layout.root),
@@ -376,7 +403,9 @@ def verify(
     return report
 
 
-def repair(scan: VerifyScan | Layout, progress: Progress = None) -> VerifyReport:
+def repair(
+    scan: VerifyScan | Layout, progress: Progress = None, redigest: Redigest | None = None
+) -> VerifyReport:
     """Fix what a scan finds: the steps of the module docstring, in order.
 
     Args:
@@ -390,10 +419,12 @@ def repair(scan: VerifyScan | Layout, progress: Progress = None) -> VerifyReport
     layout = scan.layout if isinstance(scan, VerifyScan) else scan
     reuse = {c.path: c for c in scan.shards} if isinstance(scan, VerifyScan) else {}
     with exclusive_write_lock(layout):
-        return repair_locked(scan_store(layout, progress, reuse=reuse), progress)
+        return repair_locked(scan_store(layout, progress, reuse=reuse), progress, redigest)
 
 
-def repair_locked(scan: VerifyScan, progress: Progress = None) -> VerifyReport:
+def repair_locked(
+    scan: VerifyScan, progress: Progress = None, redigest: Redigest | None = None
+) -> VerifyReport:
     """Repair, the caller holding the exclusive write lock and ``scan`` made under it."""
     t0 = time.perf_counter()
     layout = scan.layout
@@ -424,7 +455,7 @@ def repair_locked(scan: VerifyScan, progress: Progress = None) -> VerifyReport:
         done += repair_catalog(scan, salvaged)
         wrong = scan.wrong_hashes
     with closing(Catalog(layout)) as cat:
-        done += repair_hash_cache(layout, cat, wrong)
+        done += repair_hash_cache(layout, cat, wrong, redigest)
     done += _quarantine_damage(scan, salvaged)
     sound = {c.path: c for c in scan.shards if c.sound}
     again = scan_store(layout, progress, reuse=sound, check_hashes=False)

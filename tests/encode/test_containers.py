@@ -22,6 +22,7 @@ from PIL import Image, ImageOps
 
 from featbake.bake.pipeline import build
 from featbake.encode.containers import (
+    HEADER_BLOCK,
     MemberSource,
     Table,
     WebDataset,
@@ -32,7 +33,7 @@ from featbake.encode.containers import (
 )
 from featbake.encode.encoders import torchscript_quietly
 from featbake.encode.sources import source_for
-from featbake.errors import ConfigError, SourceError
+from featbake.errors import SourceError
 from featbake.image_recipe import ImageRecipe, Resize, ResizeKind
 from featbake.keys import sha256_hex
 from featbake.recipe import Recipe
@@ -296,8 +297,8 @@ def test_shards_by_folder_and_brace_pattern_and_duplicate_keys(tmp_path: Path) -
     write_tar(folder / "shard-002.tar", image_samples(images[:1]))
     with pytest.raises(SourceError, match="two samples have the key 'sample0000'"):
         WebDataset(str(folder)).scan([".jpg"])
-    with pytest.raises(ConfigError, match="not read in place"):
-        WebDataset("s3://bucket/shard-{000..009}.tar")
+    in_bucket = WebDataset("s3://bucket/shards/shard-{000..001}.tar")  # read by ranged GETs
+    assert in_bucket.tars == [f"s3://bucket/shards/shard-00{i}.tar" for i in range(2)]
 
 
 # == tables: reading ===============================================================================
@@ -569,3 +570,227 @@ def test_the_cli_builds_a_shard_with_a_truncated_member_and_exits_3(
     assert list(stored) == ["u0", "u1", "u2"]
     for (key, parts), clip in zip(stored.items(), clips, strict=False):  # batched by 3
         torch.testing.assert_close(parts[""], run_now(module, audio_tensor(clip)), msg=key)
+
+
+# == webdataset shards in a bucket =================================================================
+@pytest.fixture
+def gets(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """(object, bytes asked) of every GET this process makes of a bucket object (whole or
+    ranged), in order."""
+    from featbake.store.bucket import Bucket
+
+    got: list[tuple[str, int]] = []
+    whole, ranged = Bucket.read, Bucket.read_range
+
+    def read(self: Bucket, name: str) -> Any:
+        got.append((name, -1))
+        return whole(self, name)
+
+    def read_range(self: Bucket, name: str, start: int, length: int) -> bytes:
+        got.append((name, length))
+        return ranged(self, name, start, length)
+
+    monkeypatch.setattr(Bucket, "read", read)
+    monkeypatch.setattr(Bucket, "read_range", read_range)
+    return got
+
+
+def upload_shards(url: str, shards: dict[str, Path]) -> None:
+    from featbake.store.bucket import Bucket
+    from featbake.store.url import BucketURL
+
+    bucket = Bucket(BucketURL.parse(url))
+    for name, path in shards.items():
+        bucket.upload(name, path)
+
+
+def test_shards_in_a_bucket_are_read_by_ranged_gets_and_a_rebuild_reads_no_byte(
+    s3: Any, tmp_path: Path, gets: list[tuple[str, int]]
+) -> None:
+    """Tars in a bucket were refused in one line. Now: headers listed and members hashed by
+    ranged GETs (never a whole shard), served equal to the encoder run now; the listing and
+    digests cached by the shard's ETag, so a rebuild and a dataset read no object byte."""
+    images = photographs(tmp_path)
+    half = len(images) // 2
+    shards = {
+        "shard-000.tar": write_tar(tmp_path / "a.tar", image_samples(images[:half])),
+        "shard-001.tar": write_tar(tmp_path / "b.tar", image_samples(images[half:], half)),
+    }
+    folder = f"s3://{s3.bucket}/shards"
+    upload_shards(folder, shards)
+    data = folder + "/shard-{000..001}.tar"
+    encoder, store = image_encoder(), tmp_path / "store"
+    report = build(data, encoder, cache=store, recipe=IMAGE_RECIPE, workers=0)
+    assert (report.encoded, report.failed) == (len(images), [])
+    assert gets and all(n > 0 for _, n in gets)  # ranged GETs only, never a whole object
+    headers = [n for _, n in gets if n == HEADER_BLOCK]
+    members = sum(n for _, n in gets if n != HEADER_BLOCK)  # runs of adjacent members
+    assert len(headers) <= 4 * len(images)  # a header GET per member at most, once
+    assert members <= sum(p.stat().st_size for p in shards.values())  # each member read once
+    stored = stored_features(store, report.root)
+    assert list(stored) == [f"sample{i:04d}" for i in range(len(images))]
+    for (key, parts), jpg in zip(stored.items(), images, strict=True):
+        assert torch.equal(parts[""], run_now(encoder, image_tensor(jpg))), key
+
+    gets.clear()
+    again = build(data, encoder, cache=store, recipe=IMAGE_RECIPE, workers=0)
+    assert (again.encoded, again.reused, again.root) == (0, len(images), report.root)
+    ds = CachedFeatureDataset(data, encoder, cache=store, recipe=IMAGE_RECIPE, on_miss="error")
+    served = [ds[i] for i in range(len(ds))]
+    assert gets == []  # listings and digests from the hash cache, by ETag, size and date
+    for i, jpg in enumerate(images):
+        assert ds.item_id(i) == f"sample{i:04d}"
+        assert torch.equal(served[i], run_now(encoder, image_tensor(jpg)))
+    assert ds.row(half) == {"txt": f"a photo number {half}", "cls": half % 3, "json": {"n": half}}
+
+    # A shard rewritten (another ETag) is listed and hashed again; the other is not read.
+    gets.clear()
+    changed = write_tar(tmp_path / "c.tar", image_samples(images[half:][::-1], half))
+    upload_shards(folder, {"shard-001.tar": changed})
+    third = build(data, encoder, cache=store, recipe=IMAGE_RECIPE, workers=0)
+    assert third.reused >= half and not third.failed
+    assert {name for name, _ in gets} == {"shard-001.tar"}
+
+
+def test_a_dataset_encodes_a_bucket_shards_misses_live_from_ranged_reads(
+    s3: Any, tmp_path: Path
+) -> None:
+    images = photographs(tmp_path, 2)
+    folder = f"s3://{s3.bucket}/shards"
+    upload_shards(folder, {"only.tar": write_tar(tmp_path / "a.tar", image_samples(images))})
+    encoder = image_encoder()
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(
+            folder + "/only.tar", encoder, cache=tmp_path / "store", recipe=IMAGE_RECIPE
+        )
+    for i, jpg in enumerate(images):
+        assert torch.equal(ds[i], run_now(encoder, image_tensor(jpg)))
+
+
+# == verify: the hash rows of members and cells ====================================================
+def test_verify_checks_the_hash_rows_of_tar_members_and_table_cells(tmp_path: Path) -> None:
+    """verify hashed again only rows naming a file: a tar member's (``tar:member``) and a cell's
+    (``file:row:column``) were skipped, so a row edited to another item's digest stayed trusted
+    and served that item's feature. Now each is read (header, cell) and hashed again."""
+    import sqlite3
+    import time
+
+    from featbake.encode.inputs import redigested
+    from featbake.upkeep import FindingKind, verify
+
+    images = photographs(tmp_path, 2)[:2]
+    tar = write_tar(tmp_path / "shard.tar", image_samples(images))
+    parquet = tmp_path / "images.parquet"
+    pq.write_table(pa.table({"image": pa.array(images, pa.binary())}), parquet)
+    time.sleep(1.1)  # past the racy window: the rows are trusted
+    encoder, store = image_encoder(), tmp_path / "store"
+    roots = {}
+    for data in (tar, parquet):  # the same images: the parquet's are reused
+        report = build(data, encoder, cache=store, recipe=IMAGE_RECIPE, workers=0)
+        assert not report.failed
+        roots[report.root] = stored_items(store, report.root)
+    member, cell = f"{tar}:sample0000.jpg", f"{parquet}:0:image"
+    with sqlite3.connect(store / "catalog.sqlite") as c:
+        rows = dict(c.execute("SELECT path, sha256 FROM hash_cache").fetchall())
+        assert rows[member] == rows[cell] == sha256_hex(images[0])
+        other = sha256_hex(images[1])
+        for path in (member, cell):
+            c.execute("UPDATE hash_cache SET sha256=? WHERE path=?", (other, path))
+    for data in (tar, parquet):  # rebuilt: the first item of each is keyed as the second
+        build(data, encoder, cache=store, recipe=IMAGE_RECIPE, workers=0)
+    assert all(stored_items(store, r) != items for r, items in roots.items())
+    found = verify(store).findings
+    named = {f.subject for f in found if f.kind is FindingKind.HASH_CACHE}
+    assert named == {member, cell}, found
+    fixed = verify(store, repair_damage=True, redigest=redigested)  # as the CLI calls it
+    assert any("dropped 2 wrong hash-cache rows" in a for a in fixed.actions), fixed.actions
+    assert any("re-keyed 2 manifest items" in a for a in fixed.actions), fixed.actions
+    assert all(stored_items(store, r) == items for r, items in roots.items())
+    assert verify(store).status == "clean"
+
+
+def stored_items(store: Path, root: str) -> list[tuple[str, str]]:
+    """A root's (item id, key) pairs, in order."""
+    with Catalog(Layout(store), read_only=True) as cat:
+        return [tuple(x) for x in cat.root_items(root)]
+
+
+def test_a_parquet_file_in_a_bucket_is_read_by_ranged_gets_and_a_rebuild_reads_no_byte(
+    s3: Any, tmp_path: Path, gets: list[tuple[str, int]]
+) -> None:
+    """A parquet file in a bucket was refused in one line. Now its footer and row groups are
+    read by ranged GETs, its schema and ids cached by its ETag, so a rebuild and a dataset make
+    no GET; every served row equals the encoder run now on its image."""
+    images = photographs(tmp_path, 4)
+    labels = list(range(len(images)))
+    table = pa.table({"image": pa.array(images, pa.binary()), "label": labels})
+    local = tmp_path / "images.parquet"
+    pq.write_table(table, local, row_group_size=2)
+    folder = f"s3://{s3.bucket}/tables"
+    upload_shards(folder, {"images.parquet": local})
+    url = folder + "/images.parquet"
+    encoder, store = image_encoder(), tmp_path / "store"
+    report = build(url, encoder, cache=store, recipe=IMAGE_RECIPE, workers=0, column="image")
+    assert (report.encoded, report.failed) == (len(images), [])
+    assert gets and all(n > 0 for _, n in gets)  # ranged GETs only
+    stored = stored_features(store, report.root)
+    assert list(stored) == [f"images.parquet:{i}" for i in range(len(images))]
+    for (key, parts), jpg in zip(stored.items(), images, strict=True):
+        assert torch.equal(parts[""], run_now(encoder, image_tensor(jpg))), key
+
+    gets.clear()
+    again = build(url, encoder, cache=store, recipe=IMAGE_RECIPE, workers=0, column="image")
+    assert (again.encoded, again.reused, again.root) == (0, len(images), report.root)
+    ds = CachedFeatureDataset(
+        url, encoder, cache=store, recipe=IMAGE_RECIPE, column="image", on_miss="error"
+    )
+    served = [ds[i] for i in range(len(ds))]
+    assert gets == []  # schema, ids and digests from the hash cache, by ETag, size and date
+    for i, jpg in enumerate(images):
+        assert torch.equal(served[i], run_now(encoder, image_tensor(jpg)))
+    assert ds.row(3) == {"label": 3}
+    with pytest.warns(UserWarning, match="no featbake store"):  # misses encoded from the bucket
+        live = CachedFeatureDataset(
+            url, encoder, cache=tmp_path / "fresh", recipe=IMAGE_RECIPE, column="image"
+        )
+    for i, jpg in enumerate(images):
+        assert torch.equal(live[i], run_now(encoder, image_tensor(jpg)))
+
+
+def test_a_bucket_table_and_shard_in_the_cli_and_in_dataloader_workers(
+    s3: Any, tmp_path: Path, encoder_file: Path
+) -> None:
+    """Decode workers (the CLI's) and forked DataLoader workers each read the bucket's objects
+    by ranged GETs with their own client: nothing unpicklable crosses (the catalog a scan
+    looked listings up in is dropped after it)."""
+    from torch.utils.data import DataLoader
+
+    clips = [wav_bytes(0.3 + 0.05 * i, i) for i in range(4)]
+    folder = f"s3://{s3.bucket}/audio"
+    upload_shards(
+        folder,
+        {
+            "a.parquet": write_audio_parquet(tmp_path / "a.parquet", list(clips)),
+            "a.tar": write_tar(
+                tmp_path / "a.tar", [(f"u{i}", {"wav": c}) for i, c in enumerate(clips)]
+            ),
+        },
+    )
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
+    for name in ("a.parquet", "a.tar"):
+        store = tmp_path / f"s-{name}"
+        done = run_cli(
+            "build", "--encoder", encoder_file, "--data", f"{folder}/{name}", "--cache", store,
+            "--workers", "2", "--json", env=s3.env,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert f'"encoded": {len(clips)}' in done.stdout
+        with pytest.warns(UserWarning, match="no featbake store"):
+            ds = CachedFeatureDataset(
+                f"{folder}/{name}", encoder_file, cache=tmp_path / f"l-{name}"
+            )
+        got = list(DataLoader(ds, batch_size=None, num_workers=2))
+        assert len(got) == len(clips)
+        for x, clip in zip(got, clips, strict=True):
+            assert torch.equal(x, run_now(module, audio_tensor(clip)))

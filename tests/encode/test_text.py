@@ -595,3 +595,94 @@ def test_a_text_folder_for_images_is_refused_in_one_line(models: dict[str, TextM
         recipe_for_encoder(models["bert"].folder, Recipe(source="image"))
     # No --source: a text folder implies text, as a vision folder implies image.
     assert recipe_for_encoder(models["bert"].folder, Recipe()).source == "text"
+
+
+def test_a_text_miss_advises_the_column_and_text_options_and_they_build_it(
+    models: dict[str, TextModel], texts: Path, tmp_path: Path
+) -> None:
+    """The miss advice named neither --column nor the tokenizer options: the command it gave
+    built other keys (or refused the manifest), and the dataset kept missing."""
+    import shlex
+
+    from featbake.errors import CacheMiss
+
+    bert = models["bert"]
+    store = tmp_path / "store"
+    build(texts, bert.folder, cache=store)  # a store, built with other options
+    manifest = tmp_path / "captions.jsonl"
+    write_captions(manifest)
+    steps = recipe_for_encoder(bert.folder, Recipe(source="text")).text
+    assert steps is not None
+    short = Recipe(source="text", text=steps.replace(max_length=4, lowercase=True))
+    ds = CachedFeatureDataset(
+        manifest, bert.folder, cache=store, column="caption", recipe=short, on_miss="error"
+    )
+    with pytest.raises(CacheMiss) as err:
+        ds[0]
+    command = re.search(r"Run `([^`]*)`", str(err.value))
+    assert command is not None, str(err.value)
+    args = shlex.split(command.group(1))
+    for option in ("--column caption", "--source text", "--max-tokens 4", "--lowercase"):
+        assert option in command.group(1), command.group(1)
+    assert args[:2] == ["featbake", "build"]
+    result = run_cli(*args[1:])
+    assert result.returncode == 0, result.stderr
+    served = CachedFeatureDataset(
+        manifest, bert.folder, cache=store, column="caption", recipe=short, on_miss="error"
+    )
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(bert.folder))
+    net = transformers.BertModel.from_pretrained(str(bert.folder)).eval()
+    for i, text in enumerate(TEXTS):
+        enc = tokenizer(text.lower(), truncation=True, max_length=4, return_tensors="pt")
+        with torch.inference_mode():
+            want = net(enc["input_ids"], attention_mask=enc["attention_mask"])
+        assert rel_error(served[i]["tokens"], want.last_hidden_state[0]) < TOLERANCE
+
+
+def test_a_parquet_string_column_is_text_keyed_as_the_same_txt_file(
+    models: dict[str, TextModel], texts: Path, tmp_path: Path
+) -> None:
+    """``--source text --column caption`` over a parquet file: each cell's UTF-8 bytes are the
+    text (a string column was 'neither bytes nor an Audio/Image struct' before), keyed as a
+    ``.txt`` file of the same bytes; a null or empty cell is a bad row naming its row."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    captions = [*TEXTS, None, "  "]
+    table = pa.table(
+        {
+            "id": [f"c{i}" for i in range(len(captions))],
+            "caption": pa.array(captions, pa.string()),
+            "label": list(range(len(captions))),
+        }
+    )
+    parquet = tmp_path / "captions.parquet"
+    pq.write_table(table, parquet, row_group_size=3)
+    bert = models["bert"]
+    store = tmp_path / "store"
+    result = run_cli(
+        "build", "--encoder", bert.folder, "--data", parquet, "--cache", store,
+        "--source", "text", "--column", "caption",
+    )  # fmt: skip
+    assert result.returncode == 3, result.stderr
+    failed = sorted(line for line in result.stderr.splitlines() if line.startswith("failed"))
+    assert failed == [
+        f"failed c5: {parquet}:5: the cell is null",
+        f"failed c6: {parquet}:6: the cell's text is empty",
+    ], failed
+    with pytest.warns(UserWarning, match="2 row"):  # the two bad rows are no items
+        ds = CachedFeatureDataset(
+            parquet, bert.folder, cache=store, source="text", column="caption", on_miss="error"
+        )
+    assert [ds.item_id(i) for i in range(len(ds))] == [f"c{i}" for i in range(len(TEXTS))]
+    assert ds.row(2) == {"label": 2}
+    for i, text in enumerate(TEXTS):
+        want = transformers_outputs(bert, text)
+        for part, value in want.parts.items():
+            assert rel_error(ds[i][part], value) < TOLERANCE, (text, part)
+    files = tmp_path / "files"
+    files.mkdir()
+    for i in range(len(TEXTS)):
+        shutil.copy(texts / f"caption{i}.txt", files)
+    again = build(files, bert.folder, cache=store)
+    assert (again.encoded, again.reused) == (0, len(TEXTS))  # the same bytes: the same keys

@@ -163,3 +163,37 @@ def test_only_rows_that_would_be_trusted_are_read_and_hostile_paths_are_skipped(
     assert check.files_read == 14  # 16 built, one changed, one deleted
     kinds = {f.kind for f in verify(store_dir).findings if f.damage}
     assert FindingKind.HASH_CACHE not in kinds
+
+
+def test_repair_re_keys_a_manifest_roots_items_and_segments_through_its_inputs(
+    encoder_file: Path, audio_dir: Path, store_dir: Path, tmp_path: Path
+) -> None:
+    """`_rekey_manifests` joined the root's data with the item's name: for a manifest root
+    (`train.jsonl` + `u0`) that names no file, so items keyed from a wrong row kept the wrong
+    key after `verify --repair`. Through the inputs seam, a row of the manifest and a segment of
+    the same recording are both re-keyed."""
+    import json
+
+    a, b = sorted(str(p) for p in audio_dir.rglob("*.wav"))[:2]
+    rows = [
+        {"id": "u0", "path": a},
+        {"id": "u1", "path": a, "start": 0.1, "end": 0.3},
+        {"id": "u2", "path": b},
+    ]
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _settle()
+    report = bake(train, encoder_file, store_dir)
+    assert report.encoded == 3 and not report.failed
+    right = manifest(store_dir, report.root)
+    _set_digest(store_dir, a, _rows(store_dir)[b])
+    bake(train, encoder_file, store_dir)  # a rebuild keys u0 and u1 from b's digest
+    wrong = manifest(store_dir, report.root)
+    assert [k for _, k in wrong] != [k for _, k in right]
+    assert wrong[2] == right[2]
+
+    fixed = run_cli("verify", "--repair", "--cache", store_dir)
+    assert fixed.returncode == 10, fixed.stdout + fixed.stderr
+    assert "re-keyed 2 manifest items" in fixed.stdout, fixed.stdout
+    assert manifest(store_dir, report.root) == right
+    assert run_cli("verify", "--cache", store_dir).returncode == 0
