@@ -7,7 +7,6 @@ rules live here, so they are tested over plain values.
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import math
 import os
@@ -259,44 +258,6 @@ def fork_safe_lock() -> threading.Lock:
     return lock
 
 
-class Maker(NamedTuple):
-    """How one per-process value is made: the shared code of ProcessLocal and PerProcess."""
-
-    make: Callable[[], Any]
-    on_inherited: Callable[[Any], None] | None
-    lock: threading.Lock | None
-
-
-def held_here(store: dict[str, Any], key: str, maker: Maker) -> Any:
-    """``store[key]``'s value if this process made it, else a new one made (thread-safe with
-    ``maker.lock``), after handing an inherited one to ``maker.on_inherited``."""
-    held = store.get(key)
-    if held is not None and held[0] == _pid:
-        return held[1]
-    if maker.lock is None:
-        return _replace(store, key, maker)
-    with maker.lock:
-        held = store.get(key)
-        if held is not None and held[0] == _pid:
-            return held[1]
-        return _replace(store, key, maker)
-
-
-def _replace(store: dict[str, Any], key: str, maker: Maker) -> Any:
-    old = store.pop(key, None)
-    if old is not None and maker.on_inherited is not None:
-        maker.on_inherited(old[1])
-    value = maker.make()
-    store[key] = Held(_pid, value)
-    return value
-
-
-def peek_here(store: dict[str, Any], key: str) -> Any:
-    """``store[key]``'s value if this process made it, else None (never makes one)."""
-    held = store.get(key)
-    return held[1] if held is not None and held[0] == _pid else None
-
-
 class ProcessLocal(Generic[T]):
     """An attribute whose value is made on first use in each process, never pickled.
 
@@ -343,17 +304,29 @@ class ProcessLocal(Generic[T]):
         held = instance.__dict__.get(self.key)
         if held is not None and held[0] == _pid:  # the hit path: one lookup, one comparison
             return held[1]
-        return held_here(instance.__dict__, self.key, self.maker(instance))
+        if self.lock is None:
+            return self._replace(instance)
+        with self.lock:  # made once: another thread may have made it while this one waited
+            held = instance.__dict__.get(self.key)
+            if held is not None and held[0] == _pid:
+                return held[1]
+            return self._replace(instance)
+
+    def _replace(self, instance: object) -> T:
+        old = instance.__dict__.pop(self.key, None)  # None, or a forked child's inherited one
+        if old is not None and self.on_inherited is not None:
+            self.on_inherited(old[1])
+        value = self.make(instance)
+        instance.__dict__[self.key] = Held(_pid, value)
+        return value
 
     def __set__(self, instance: object, value: T) -> None:
         instance.__dict__[self.key] = Held(_pid, value)
 
-    def maker(self, instance: object) -> Maker:
-        return Maker(functools.partial(self.make, instance), self.on_inherited, self.lock)
-
     def peek(self, instance: object) -> T | None:
         """This process's value if it made one, else None (never makes one)."""
-        return peek_here(instance.__dict__, self.key)
+        held = instance.__dict__.get(self.key)
+        return held[1] if held is not None and held[0] == _pid else None
 
     def reset(self, instance: object) -> T | None:
         """Forget this process's value and return it (for the caller to close); the next use
@@ -401,15 +374,9 @@ class ProcessLocalState:
 
 
 class PerProcess(Generic[T]):
-    """A module-level value made on first use in each process; a forked child makes its own.
-
-    The same code as :class:`ProcessLocal`, for a value with no instance to hang it on (a
-    module's thread pool).
-
-    Args:
-        make: makes the value (called once per process, on first :meth:`get`).
-        on_inherited: called with a value a forked child inherited, before it is replaced.
-        lock: made thread-safe (the lock is held across ``fork``).
+    """A module-level value made on first use in each process; a forked child makes its own:
+    a :class:`ProcessLocal` on a holder of its own, for a value with no instance to hang it on
+    (a module's thread pool). Arguments as :class:`ProcessLocal`'s, ``make`` taking none.
 
     Example:
         >>> pool = PerProcess(list)
@@ -424,16 +391,16 @@ class PerProcess(Generic[T]):
         on_inherited: Callable[[T], None] | None = None,
         lock: bool = False,
     ) -> None:
-        self._maker = Maker(make, on_inherited, fork_safe_lock() if lock else None)
-        self._held: dict[str, Any] = {}
+        self._local = ProcessLocal(lambda _: make(), on_inherited=on_inherited, lock=lock)
+        self._local.key = "_value_held"
 
     def get(self) -> T:
         """This process's value, made now if this process has none yet."""
-        return held_here(self._held, "value", self._maker)
+        return self._local.__get__(self)
 
     def peek(self) -> T | None:
         """This process's value if it made one, else None (never makes one)."""
-        return peek_here(self._held, "value")
+        return self._local.peek(self)
 
 
 __all__ = [

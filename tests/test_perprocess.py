@@ -347,3 +347,33 @@ def test_a_child_forked_during_bucket_prefetches_starts_its_own(tmp_path: Path) 
     t.join()
     assert code == 0
     assert store.prefetches_in_flight() == 2  # the parent's own, untouched
+
+
+class _Empty(ProcessLocalState):
+    """A per-process value that is falsy (an empty set, as a bucket's in-flight prefetches)."""
+
+    calls: ClassVar[list[int]] = []
+
+    def _make(self) -> set[str]:
+        _Empty.calls.append(1)
+        time.sleep(0.01)
+        return set()
+
+    value: ProcessLocal[set[str]] = ProcessLocal(_make, lock=True)
+
+
+def test_an_empty_value_made_under_the_lock_is_made_once() -> None:
+    e = _Empty()
+    barrier = threading.Barrier(6)
+    got: list[set[str]] = []
+
+    def worker() -> None:
+        barrier.wait()
+        got.append(e.value)
+
+    threads = [threading.Thread(target=worker) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert _Empty.calls == [1] and all(g is got[0] for g in got)
