@@ -188,21 +188,17 @@ def gc_paused() -> Iterator[None]:
 # == perprocess ====================================================================================
 # The one rule for state that must not cross ``fork`` or pickling: hold it in a ProcessLocal.
 #
-# DataLoader workers are forked from the process that made a dataset or a ``CachedEncoder``. A
-# forked child inherits copies of everything its parent held: SQLite connections (using one is
-# how databases get corrupted), shard file descriptors, a thread pool whose threads did not come
-# along, a write-back shard that is the parent's to seal, and object-store clients that are not
-# fork-safe. Every such thing is an attribute declared as a :class:`ProcessLocal` (made lazily,
-# once per process, stamped with the pid that made it): a child sees a pid that is not its own
-# and makes its own, handing the inherited value to ``on_inherited`` (to close its copies of the
-# parent's descriptors), never using, saving or closing it as its own. A class that holds one
-# mixes in :class:`ProcessLocalState`, the one pickling rule: the copy carries everything but
-# its ProcessLocal values and makes its own on first use. A module-level value (a thread pool)
-# is a :class:`PerProcess`, the same code over one holder. :class:`ProcessStamp` marks an object
-# whose finalizer must run only in the process that made it (a write-back's seal at exit).
-#
-# diskcache does the same with one pid-stamped property. The pid is read from a variable a fork
-# hook refreshes (``os.getpid()`` is a system call): checking costs one comparison.
+# DataLoader workers are forked from the process that made a dataset or a ``CachedEncoder``, and
+# inherit copies of what it held: SQLite connections (using one corrupts databases), shard file
+# descriptors, thread pools without their threads, locks a parent thread held, a write-back
+# that is the parent's to seal, object-store clients. Each is a :class:`ProcessLocal` attribute,
+# made on first use and stamped with the pid that made it: a child makes its own, handing the
+# inherited value to ``on_inherited`` (to close its copies of the parent's fds), never using,
+# saving or closing it as its own. A holder mixes in :class:`ProcessLocalState`, the one
+# pickling rule (a copy carries the rest). A module-level value is a :class:`PerProcess`;
+# :class:`ProcessStamp` marks an object whose finalizer runs only where it was made.
+# diskcache does the same with one pid-stamped property. The pid is a variable a fork hook
+# refreshes (``os.getpid()`` is a system call): the check is one comparison.
 T = TypeVar("T")
 
 _pid = os.getpid()
