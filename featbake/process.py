@@ -12,7 +12,7 @@ import math
 import os
 import threading
 from collections.abc import Callable, Collection, Iterator
-from typing import Generic, NamedTuple, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar, overload
 
 # == cpus ==========================================================================================
 #: More decode workers than this only adds start-up time and memory.
@@ -186,18 +186,30 @@ def gc_paused() -> Iterator[None]:
 
 
 # == perprocess ====================================================================================
-# The one rule for state that must not cross ``fork``: stamp it with the pid that made it.
+# The one rule for state that must not cross ``fork`` or pickling: hold it in a ProcessLocal.
 #
-# DataLoader workers are forked from the process that made a dataset or a ``CachedEncoder``. A
-# forked child inherits copies of everything its parent held: SQLite connections (using one is
-# how databases get corrupted), shard file descriptors, a thread pool whose threads did not come
-# along, a write-back shard that is the parent's to seal, and (soon) object-store clients that are
-# not fork-safe. Every such thing is held by a :class:`PerProcess` (made lazily, once per process)
-# or stamped with a :class:`ProcessStamp` (made eagerly, checked before use): a child sees a pid
-# that is not its own and makes its own, never using, saving or closing the parent's.
-#
-# diskcache does the same with one pid-stamped property; checking costs one ``os.getpid()``.
+# DataLoader workers are forked from the process that made a dataset or a ``CachedEncoder``, and
+# inherit copies of what it held: SQLite connections (using one corrupts databases), shard file
+# descriptors, thread pools without their threads, locks a parent thread held, a write-back
+# that is the parent's to seal, object-store clients. Each is a :class:`ProcessLocal` attribute,
+# made on first use and stamped with the pid that made it: a child makes its own, handing the
+# inherited value to ``on_inherited`` (to close its copies of the parent's fds), never using,
+# saving or closing it as its own. A holder mixes in :class:`ProcessLocalState`, the one
+# pickling rule (a copy carries the rest). A module-level value is a :class:`PerProcess`;
+# :class:`ProcessStamp` marks an object whose finalizer runs only where it was made.
+# diskcache does the same with one pid-stamped property. The pid is a variable a fork hook
+# refreshes (``os.getpid()`` is a system call): the check is one comparison.
 T = TypeVar("T")
+
+_pid = os.getpid()
+
+
+def _refresh_pid() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_refresh_pid)
 
 
 class ProcessStamp:
@@ -219,16 +231,148 @@ class ProcessStamp:
         return self.pid != os.getpid()
 
 
-class PerProcess(Generic[T]):
-    """A value made on first use in each process; a forked child makes its own.
+class Held(NamedTuple):
+    """A per-process value and the pid that made it; refuses to be pickled (see
+    :class:`ProcessLocalState`), so no copy ever takes another process's value for its own."""
+
+    pid: int
+    value: Any
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "a featbake per-process value (a connection, open files, a client) cannot be "
+            "pickled; the class holding it must mix in featbake.process.ProcessLocalState"
+        )
+
+
+def fork_safe_lock() -> threading.Lock:
+    """A lock held across ``fork``, so a child never inherits it held by a thread it lacks."""
+    lock = threading.Lock()
+    os.register_at_fork(
+        before=lock.acquire, after_in_parent=lock.release, after_in_child=lock.release
+    )
+    return lock
+
+
+class ProcessLocal(Generic[T]):
+    """An attribute whose value is made on first use in each process, never pickled.
 
     Args:
-        make: makes the value (called once per process, on first :meth:`get`).
+        make: makes the value from the instance (called once per process and instance).
         on_inherited: called with a value a forked child inherited, before it is replaced
             (e.g. to close this process's copies of the parent's file descriptors). Never
             called on the value in the process that made it.
-        lock: made thread-safe: two threads of one process never make two values. The lock
-            is held across ``fork`` so a child never inherits it held by a thread it lacks.
+        lock: made thread-safe: two threads never make two values for one instance (one lock
+            per attribute, held across ``fork``).
+
+    The holding class mixes in :class:`ProcessLocalState` (pickling a held value raises).
+
+    Example:
+        >>> class Pool(ProcessLocalState):
+        ...     items: ProcessLocal[list[int]] = ProcessLocal(lambda self: [])
+        >>> p = Pool()
+        >>> p.items is p.items
+        True
+    """
+
+    def __init__(
+        self,
+        make: Callable[[Any], T],
+        *,
+        on_inherited: Callable[[T], None] | None = None,
+        lock: bool = False,
+    ) -> None:
+        self.make = make
+        self.on_inherited = on_inherited
+        self.lock = fork_safe_lock() if lock else None
+        self.key = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.key = f"_{name}_held"  # where the instance's Held record lives in its __dict__
+
+    @overload
+    def __get__(self, instance: None, owner: type | None = None) -> ProcessLocal[T]: ...
+    @overload
+    def __get__(self, instance: object, owner: type | None = None) -> T: ...
+    def __get__(self, instance: object | None, owner: type | None = None) -> Any:
+        if instance is None:
+            return self
+        held = instance.__dict__.get(self.key)
+        if held is not None and held[0] == _pid:  # the hit path: one lookup, one comparison
+            return held[1]
+        if self.lock is None:
+            return self._replace(instance)
+        with self.lock:  # made once: another thread may have made it while this one waited
+            held = instance.__dict__.get(self.key)
+            if held is not None and held[0] == _pid:
+                return held[1]
+            return self._replace(instance)
+
+    def _replace(self, instance: object) -> T:
+        old = instance.__dict__.pop(self.key, None)  # None, or a forked child's inherited one
+        if old is not None and self.on_inherited is not None:
+            self.on_inherited(old[1])
+        value = self.make(instance)
+        instance.__dict__[self.key] = Held(_pid, value)
+        return value
+
+    def __set__(self, instance: object, value: T) -> None:
+        instance.__dict__[self.key] = Held(_pid, value)
+
+    def peek(self, instance: object) -> T | None:
+        """This process's value if it made one, else None (never makes one)."""
+        held = instance.__dict__.get(self.key)
+        return held[1] if held is not None and held[0] == _pid else None
+
+    def reset(self, instance: object) -> T | None:
+        """Forget this process's value and return it (for the caller to close); the next use
+        makes a new one. An inherited value is handed to ``on_inherited`` and None returned."""
+        held = instance.__dict__.pop(self.key, None)
+        if held is None:
+            return None
+        if held[0] == _pid:
+            return held[1]
+        if self.on_inherited is not None:
+            self.on_inherited(held[1])
+        return None
+
+
+_KEYS: dict[type, tuple[str, ...]] = {}
+
+
+def process_local_keys(cls: type) -> tuple[str, ...]:
+    """Where instances of ``cls`` keep their ProcessLocal values (all its bases' too)."""
+    keys = _KEYS.get(cls)
+    if keys is None:
+        found = (v for k in cls.__mro__ for v in vars(k).values() if isinstance(v, ProcessLocal))
+        keys = _KEYS[cls] = tuple(v.key for v in found)
+    return keys
+
+
+class ProcessLocalState:
+    """The one pickling rule of a class holding :class:`ProcessLocal` attributes: a copy
+    carries everything else and makes its own per-process values on first use (handles,
+    connections and clients never cross a process boundary)."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Cooperative: a base's own rule (``nn.Module`` drops its compiled call) runs first.
+        state: dict[str, Any] = dict(super().__getstate__())  # type: ignore[call-overload]
+        for key in process_local_keys(type(self)):
+            state.pop(key, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        restore = getattr(super(), "__setstate__", None)
+        if restore is None:
+            self.__dict__.update(state)
+        else:
+            restore(state)
+
+
+class PerProcess(Generic[T]):
+    """A module-level value made on first use in each process; a forked child makes its own:
+    a :class:`ProcessLocal` on a holder of its own, for a value with no instance to hang it on
+    (a module's thread pool). Arguments as :class:`ProcessLocal`'s, ``make`` taking none.
 
     Example:
         >>> pool = PerProcess(list)
@@ -243,44 +387,21 @@ class PerProcess(Generic[T]):
         on_inherited: Callable[[T], None] | None = None,
         lock: bool = False,
     ) -> None:
-        self._make = make
-        self._on_inherited = on_inherited
-        self._pid = -1
-        self._value: T | None = None
-        self._lock = threading.Lock() if lock else None
-        if self._lock is not None:
-            held = self._lock
-            os.register_at_fork(
-                before=held.acquire, after_in_parent=held.release, after_in_child=held.release
-            )
+        self._local = ProcessLocal(lambda _: make(), on_inherited=on_inherited, lock=lock)
+        self._local.key = "_value_held"
 
     def get(self) -> T:
         """This process's value, made now if this process has none yet."""
-        value = self._value
-        if value is not None and self._pid == os.getpid():
-            return value
-        if self._lock is None:
-            return self._replace()
-        with self._lock:
-            value = self._value
-            if value is not None and self._pid == os.getpid():
-                return value
-            return self._replace()
+        return self._local.__get__(self)
 
     def peek(self) -> T | None:
         """This process's value if it made one, else None (never makes one)."""
-        return self._value if self._pid == os.getpid() else None
-
-    def _replace(self) -> T:
-        old = self._value
-        if old is not None and self._on_inherited is not None:
-            self._on_inherited(old)
-        value = self._make()
-        self._value, self._pid = value, os.getpid()
-        return value
+        return self._local.peek(self)
 
 
 __all__ = [
     "PerProcess",
+    "ProcessLocal",
+    "ProcessLocalState",
     "ProcessStamp",
 ]

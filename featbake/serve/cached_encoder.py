@@ -41,6 +41,7 @@ from featbake.encode.outputs import is_tuple_parts, join_outputs, name_outputs, 
 from featbake.errors import ConfigError, EncodeError
 from featbake.keys import feature_key, module_fingerprint, recipe_fingerprint
 from featbake.lru import ByteLRU, CacheInfo
+from featbake.process import ProcessLocal, ProcessLocalState
 from featbake.recipe import Recipe
 from featbake.serve.reads import Served, served_for
 from featbake.serve.state import WriteBack, pending_in_process
@@ -269,7 +270,7 @@ def publish_with_root(label: str, catalog: Catalog, shard: SealedShard) -> None:
     catalog.add_shard(shard)
 
 
-class CachedEncoder(nn.Module):
+class CachedEncoder(ProcessLocalState, nn.Module):
     """Wrap a frozen encoder so each input row is encoded once, ever.
 
     Args:
@@ -336,8 +337,6 @@ class CachedEncoder(nn.Module):
         self._layout = open_store(cache, need=Need.LOCAL).ensure() if store else None
         # On a shared filesystem: the catalog only read, write-backs in fragments (a merge).
         self._shared = self._layout is not None and serving_mode(self._layout)
-        self._reader: FeatureReader | None = None
-        self._writeback = self._new_writeback()
         self.stats = {
             "hits_device": 0, "hits_ram": 0, "hits_store": 0, "hits_pending": 0, "encoded": 0
         }  # fmt: skip
@@ -354,6 +353,10 @@ class CachedEncoder(nn.Module):
         )
         weakref.finalize(self, writeback.close)  # the write-back never refers to the wrapper
         return writeback
+
+    #: This process's write-back (None without a store): a forked child writes shards of its
+    #: own and never seals the parent's pending features (the parent does).
+    _writeback: ProcessLocal[WriteBack | None] = ProcessLocal(_new_writeback)
 
     # -- state --------------------------------------------------------------------------------
     def active(self) -> bool:
@@ -511,22 +514,16 @@ class CachedEncoder(nn.Module):
         if self._writeback is not None:
             self._writeback.add(enc_fp, key, host)
 
+    def _new_reader(self) -> FeatureReader:
+        layout = self._layout
+        assert layout is not None, "a store reader exists only with store=True"
+        return FeatureReader(layout, read_only=self._shared)
+
+    #: This process's reader of the store (connection, open shards), made on first read.
+    _reader: ProcessLocal[FeatureReader] = ProcessLocal(_new_reader)
+
     def _store_reader(self) -> FeatureReader:
-        if self._reader is None:
-            layout = self._layout
-            assert layout is not None, "a store reader exists only with store=True"
-            self._reader = FeatureReader(layout, read_only=self._shared)
         return self._reader
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_reader"] = None
-        state["_writeback"] = None
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._writeback = self._new_writeback()
 
 
 __all__ = [

@@ -30,6 +30,7 @@ from featbake.encode.inputs import inputs_at
 from featbake.encode.outputs import layer_of_part, part_name
 from featbake.encode.sources import source_for
 from featbake.errors import ConfigError, ShardMissing, StoreError
+from featbake.process import ProcessLocal, ProcessLocalState
 from featbake.recipe import Recipe
 from featbake.serve.index import Index, IndexSpec, ItemPlacement, build_index, raise_unreadable
 from featbake.serve.misses import LiveEncoder, Misses
@@ -47,7 +48,6 @@ from featbake.serve.state import (
     SharedFlags,
     ThreadCatalog,
     WriteBack,
-    forget_after_fork,
     ram_budget_for_process,
     read_only_misses,
     save_at_exit,
@@ -266,7 +266,7 @@ def _tell_published(ds_ref: weakref.ref[CachedFeatureDataset], shard: SealedShar
         ds._published(shard)
 
 
-class CachedFeatureDataset(Dataset):
+class CachedFeatureDataset(ProcessLocalState, Dataset):
     """A map-style Dataset of a folder's (or a list of files') encoder features.
 
     ``ds[i]`` is the feature tensor of item ``i`` (a dict of tensors for an encoder with several
@@ -390,7 +390,6 @@ class CachedFeatureDataset(Dataset):
         self._shared = not self.read_only and serving_mode(self._layout)  # writes go to fragments
         self._recipe_fp = self.recipe.fingerprint()
         self._source = source_for(self.recipe)
-        self._state: ProcessState | None = None
         self._live = LiveEncoder(
             self._layout,
             None,
@@ -427,7 +426,6 @@ class CachedFeatureDataset(Dataset):
         # Which items had their checksum checked and their last use recorded, in anonymous
         # shared memory that forked workers inherit (see SharedFlags).
         self._shared_map: Any = SharedFlags.allocate(len(self._index))
-        forget_after_fork(self)
 
     # -- the public surface -------------------------------------------------------------------
     def __len__(self) -> int:
@@ -487,7 +485,7 @@ class CachedFeatureDataset(Dataset):
         """Start reading items ``indices`` from disk, not waiting: a hint that lets a cold store's
         reads overlap (:class:`FeatureLoader` hints its next items). Returns the reads started."""
         idx = [self._index.position(i) for i in indices]
-        return self._reads.will_need(self._state or self._proc(), idx)
+        return self._reads.will_need(self._state, idx)
 
     def cache_info(self) -> ServeStats:
         """This process's counters: RAM tier hits, misses, evictions and bytes, reads, encodes.
@@ -495,72 +493,72 @@ class CachedFeatureDataset(Dataset):
         DataLoader workers count in their own processes (a warning says so here once they have):
         read it inside a worker, or read with ``num_workers=0`` or :class:`FeatureLoader`.
         """
-        return self._proc().stats()
+        return self._state.stats()
 
     def flush(self) -> None:
         """Seal this process's write-back shard and record last-use times now.
 
         Called automatically at process exit (workers included) and by :meth:`close`.
         """
-        if self._state is not None:
-            self._state.saver.flush()
+        st = CachedFeatureDataset._state.peek(self)
+        if st is not None:
+            st.saver.flush()
 
     def close(self) -> None:
         """Flush, then close this process's shard files and catalog connection."""
-        st, self._state = self._state, None
+        st = CachedFeatureDataset._state.reset(self)  # a forked child's: closed, never saved
         if st is not None:
             st.close()
 
-    def drop_inherited_state(self) -> None:
-        """In a forked child: drop (never save) the parent's per-process state."""
-        if (st := self._state) is not None:
-            self._state = None
-            st.drop_inherited()
-
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_state"] = None  # handles, connections and caches never cross processes
+        # Handles, connections and caches never cross processes (ProcessLocalState). The extra
+        # rule: the shared flags are anonymous memory that only forked workers share; a
+        # pickled (spawned) copy keeps flags of its own.
+        state = super().__getstate__()
         state["_shared_map"] = None
         return state
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        forget_after_fork(self)
-
     # -- reading ------------------------------------------------------------------------------
     def _proc(self) -> ProcessState:
-        """This process's state, made on first use (a forked child's was dropped at fork)."""
-        st = self._state
-        if st is None:
-            catalogs = ThreadCatalog(self._layout, shared=self._shared)
-            writeback = WriteBack(
-                self._layout,
-                self._recipe_fp,
-                on_sealed=functools.partial(_tell_published, weakref.ref(self)),
-                clock=self._clock,
-                policy=SealPolicy(),
-                catalogs=catalogs,
-            )
-            st = self._state = ProcessState(
-                len(self),
-                self._shared_map,
-                writeback,
-                catalogs,
-                self._index.keys,
-                self._ram_total,
-                self.verify,
-                self.max_open_shards,
-                self._clock,
-            )
-            # Runs at interpreter exit and in multiprocessing children (DataLoader workers)
-            # when their loop ends, so a worker's last write-back shard is sealed.
-            mp_util.Finalize(st, save_at_exit, args=(st.saver,), exitpriority=10)
+        """This process's state (made on first use here)."""
+        return self._state
+
+    def _new_state(self) -> ProcessState:
+        """A new process's state; a finalizer saves its write-back and last uses at exit."""
+        catalogs = ThreadCatalog(self._layout, shared=self._shared)
+        writeback = WriteBack(
+            self._layout,
+            self._recipe_fp,
+            on_sealed=functools.partial(_tell_published, weakref.ref(self)),
+            clock=self._clock,
+            policy=SealPolicy(),
+            catalogs=catalogs,
+        )
+        st = ProcessState(
+            len(self),
+            self._shared_map,
+            writeback,
+            catalogs,
+            self._index.keys,
+            self._ram_total,
+            self.verify,
+            self.max_open_shards,
+            self._clock,
+        )
+        # Runs at interpreter exit and in multiprocessing children (DataLoader workers)
+        # when their loop ends, so a worker's last write-back shard is sealed.
+        mp_util.Finalize(st, save_at_exit, args=(st.saver,), exitpriority=10)
         return st
+
+    #: Everything this process opened to serve the dataset (handles, connection, RAM tier,
+    #: write-back); a forked DataLoader worker closes its copies of the parent's shard files
+    #: and makes its own, never saving the parent's write-back.
+    _state: ProcessLocal[ProcessState] = ProcessLocal(
+        _new_state, on_inherited=ProcessState.drop_inherited
+    )
 
     def __getitem__(self, i: int) -> Any:
         st = self._state
-        if st is None:
-            st = self._proc()
         if type(i) is not int or not 0 <= i < len(self._index.keys):
             i = self._index.position(i)
         if self.revalidate:
@@ -608,8 +606,6 @@ class CachedFeatureDataset(Dataset):
         on its own, and misses in the batch are encoded together.
         """
         st = self._state
-        if st is None:
-            st = self._proc()
         n = len(self._index.keys)
         idx = [i if type(i) is int and 0 <= i < n else self._index.position(i) for i in indices]
         if self.revalidate:
@@ -631,7 +627,7 @@ class CachedFeatureDataset(Dataset):
 
     def _published(self, shard: SealedShard) -> None:
         """A write-back shard was sealed: point its items at it (this process's state only)."""
-        self._misses.published(self._state, shard)
+        self._misses.published(CachedFeatureDataset._state.peek(self), shard)
 
 
 __all__ = [

@@ -18,7 +18,7 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -42,36 +42,12 @@ from featbake.store.shard import SealedShard, ShardReader, ShardWriter
 # forked from the process that made the dataset, and a forked child must neither use nor save its
 # parent's state: its file descriptors are copies, its pending write-back is the parent's to seal.
 #
-# The rule is featbake's one rule (:mod:`featbake.process`): state is stamped with the pid
-# that made it (:class:`~featbake.process.ProcessStamp`) and is stale in any other process.
-# In a forked child, :func:`_after_fork_in_child` also drops every registered owner's state
-# (closing the copied descriptors), so the hit path only tests ``state is None`` and pays
-# nothing for the rule.
+# The rule is featbake's one rule (:mod:`featbake.process`): the dataset holds this state in a
+# :class:`~featbake.process.ProcessLocal`, stamped with the pid that made it; a forked child's
+# first use closes its copies of the parent's shard files (:meth:`ProcessState.drop_inherited`)
+# and makes its own. What a finalizer saves (write-back, last uses) carries a
+# :class:`~featbake.process.ProcessStamp`, so a child never seals its parent's shard.
 Clock = Callable[[], float]
-
-
-#: Objects whose per-process state a forked child drops (weakly held).
-_OWNERS: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
-class StateOwner(Protocol):
-    """An object whose per-process state a forked child drops (see :func:`forget_after_fork`)."""
-
-    def drop_inherited_state(self) -> None: ...
-
-
-def _after_fork_in_child() -> None:
-    for owner in list(_OWNERS):
-        owner.drop_inherited_state()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def forget_after_fork(owner: StateOwner) -> None:
-    """Have ``owner.drop_inherited_state()`` called in every forked child (weakly held)."""
-    _OWNERS.add(owner)
 
 
 def store_read_only(layout: Layout) -> bool:
@@ -440,9 +416,10 @@ class WriteBack:
             _LIVE.add(self)
 
     def add(self, encoder_fp: str, key: str, parts: PartsIn) -> None:
-        """Queue one feature; seals when the shard is full or its oldest feature is due."""
-        if self.lifetime.stale:
-            self._adopt()
+        """Queue one feature; seals when the shard is full or its oldest feature is due.
+
+        Only in the process that made it: its owner holds it in a ProcessLocal, so a forked
+        child makes a write-back of its own."""
         with self.lock:
             if key in self.pending:
                 return
@@ -495,17 +472,6 @@ class WriteBack:
             self._catalogs.close()
 
     # -- internals ----------------------------------------------------------------------------
-    def _adopt(self) -> None:
-        """In a forked child: start afresh. What the parent had pending is the parent's to seal
-        (its copy here is dropped), and the lock may have been held by a parent thread."""
-        self.lifetime = ProcessStamp()
-        self.lock = threading.Lock()
-        self.pending = {}
-        self.first_pending = 0.0
-        self._writer = None
-        self._own_catalogs = True
-        self._catalogs = ThreadCatalog(self.layout, shared=self._catalogs.shared)
-
     def _writer_for(self, encoder_fp: str) -> ShardWriter | None:
         writer = self._writer
         if writer is not None and writer.encoder_fp == encoder_fp:
@@ -637,7 +603,6 @@ class ProcessState:
         max_open_shards: int,
         clock: Clock = time.monotonic,
     ) -> None:
-        self.lifetime = ProcessStamp()
         self.catalogs = catalogs
         self.writeback = writeback
         self.handles = ShardHandles(
@@ -709,9 +674,8 @@ class ProcessState:
         self.lastuse.expire_shared()
 
     def close(self) -> None:
-        """Seal, record last uses, close shard files and the catalog (this process only)."""
-        if self.lifetime.stale:
-            return
+        """Seal, record last uses, close shard files and the catalog (the dataset's
+        ProcessLocal hands this process's own state only; see :meth:`drop_inherited`)."""
         self.saver.close()
         self.handles.close()
 
@@ -736,7 +700,6 @@ __all__ = [
     "SharedFlags",
     "ThreadCatalog",
     "WriteBack",
-    "forget_after_fork",
     "mapped_empty",
     "ram_budget_for_process",
     "resident_bytes",

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 import numpy as np
 
 from featbake.errors import ConfigError, FeatbakeError, ShardMissing, StoreCorrupt, StoreError
-from featbake.process import PerProcess, ProcessStamp
+from featbake.process import PerProcess, ProcessLocal, ProcessLocalState, ProcessStamp
 from featbake.store.catalog import Access, open_sqlite
 from featbake.store.fragments import (
     MergeReport,
@@ -185,7 +185,7 @@ def _object_shard(object_name: str) -> str:
 # Endpoints other than AWS are addressed path-style, as litdata does. Throttling, 5xx answers and
 # connection errors are retried with backoff by botocore ("standard" mode); a download cut
 # mid-body is retried whole by :meth:`Bucket.download`. Each process makes its own client on
-# first use (:class:`~featbake.process.PerProcess`); a pickled :class:`Bucket` carries only
+# first use (:class:`~featbake.process.ProcessLocal`); a pickled :class:`Bucket` carries only
 # its URL.
 #: Whole-object downloads cut short (a dropped connection mid-body) are tried this many times.
 DOWNLOAD_TRIES = 4
@@ -219,7 +219,7 @@ class ObjectBytes(NamedTuple):
 _T = TypeVar("_T")
 
 
-class Bucket:
+class Bucket(ProcessLocalState):
     """A store's objects under ``s3://bucket/prefix``; names are relative to the prefix.
 
     Example:
@@ -229,13 +229,6 @@ class Bucket:
 
     def __init__(self, url: BucketURL) -> None:
         self.url = url
-        self._client: PerProcess[Any] = PerProcess(self._connect, lock=True)
-
-    def __getstate__(self) -> dict:
-        return {"url": self.url}  # the client never crosses a process boundary
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state["url"])  # type: ignore[misc]
 
     def _connect(self) -> Any:
         try:
@@ -270,10 +263,8 @@ class Bucket:
                 f"{redact(str(e))}; check AWS_ENDPOINT_URL, AWS_REGION and AWS_PROFILE"
             ) from None
 
-    @property
-    def client(self) -> Any:
-        """This process's boto3 client (made on first use, again after fork)."""
-        return self._client.get()
+    #: This process's boto3 client (made on first use, again after fork; never pickled).
+    client: ProcessLocal[Any] = ProcessLocal(_connect, lock=True)
 
     def key(self, name: str) -> str:
         """The object key of ``name`` under the store's prefix."""
@@ -787,7 +778,7 @@ def shard_object(name: str) -> str:
     return f"{SHARDS}{checked_shard_name(name)[:2]}/{name}.safetensors"
 
 
-class BucketStore:
+class BucketStore(ProcessLocalState):
     """A bucket store and this node's tier of it (see the module docstring).
 
     Args:
@@ -805,16 +796,26 @@ class BucketStore:
         self._ranged: bool | None = None  # see reads_ranged
         self._fills_tier = False  # auto mode reading by ranges: shards that fit are kept
         self._uploaded: set[str] = set()  # shards this process uploaded: copies in the tier
-        self._prefetch_lock = threading.Lock()
-        self._prefetching: set[str] = set()  # shards a background fetch is bringing in
         self._named: dict[str, int] | None = None  # see _named_shards
         self._named_total = 0
         self._plan: BlockPlan | None = None  # see follow_blocks
         self._plan_stamp = ProcessStamp()  # a forked child never follows its parent's plan
-        self._plan_lock = threading.Lock()  # the reads' threads move the plan
         self._warned_window = False
 
+    #: This process's background fetches (the shards they bring in) and their lock: a forked
+    #: child has neither the parent's fetch threads nor a lock one of them may hold.
+    _prefetch_lock: ProcessLocal[threading.Lock] = ProcessLocal(
+        lambda self: threading.Lock(), lock=True
+    )
+    _prefetching: ProcessLocal[set[str]] = ProcessLocal(lambda self: set(), lock=True)
+    #: Taken by the reads' threads to move the plan (this process's: see _prefetch_lock).
+    _plan_lock: ProcessLocal[threading.Lock] = ProcessLocal(
+        lambda self: threading.Lock(), lock=True
+    )
+
     def __getstate__(self) -> dict:
+        # The extra rule: a copy starts from its three arguments; what this process learned
+        # of the bucket (listings, read mode, its uploads) is looked up again where it lands.
         return {"url": self.url, "tier": self.layout.root, "budget": self.tier.budget}
 
     def __setstate__(self, state: dict) -> None:

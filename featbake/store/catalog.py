@@ -34,7 +34,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from featbake.errors import ShardMissing, StoreCorrupt, StoreError
-from featbake.process import ProcessStamp
+from featbake.process import ProcessLocal, ProcessLocalState
 from featbake.quantize import Fidelity, FidelityTally, ScaleSpan, Scheme
 from featbake.store.layout import (
     Layout,
@@ -505,11 +505,13 @@ class MovedRow(NamedTuple):
 # SQLite connections belong to the thread that opened them, and must never be used, nor closed,
 # in a process that inherited them across ``fork()`` (SQLite's "How To Corrupt Your Database
 # Files", 2.6: the child would release or clobber the parent's POSIX locks). So a catalog keeps
-# one connection per thread, remembers the process that opened it, and in a forked child simply
-# opens a fresh one. Every connection open at a fork, whichever thread opened it, is kept
-# referenced in the child (:data:`INHERITED_ACROSS_FORK`): never used, never closed, never
-# collected (Python's sqlite3 closes a connection when it is collected, and a forked child frees
-# the other threads' thread-locals right after the fork).
+# one connection per thread in a per-process ``threading.local`` (a
+# :class:`~featbake.process.ProcessLocal`), and a forked child simply opens a fresh one. Every
+# connection open at a fork, whichever thread opened it, is kept referenced in the child
+# (:data:`INHERITED_ACROSS_FORK`): never used, never closed, never collected (Python's sqlite3
+# closes a connection when it is collected, and a forked child frees the other threads'
+# thread-locals right after the fork, before any code of ours runs: hence the one fork hook
+# below, which takes the references in the parent).
 #
 # A store that cannot be written (a read-only mount, a shared file system without write
 # permission) is opened read-only: ``mode=ro`` when the directory can hold SQLite's ``-shm`` file,
@@ -524,13 +526,22 @@ INHERITED_ACROSS_FORK: list[sqlite3.Connection] = []
 
 
 class Slot:
-    """One thread's connection and the process that opened it (weakly tracked for fork)."""
+    """One thread's connection (weakly tracked for fork); a catalog keeps one per thread in a
+    per-process :class:`threading.local`."""
 
-    __slots__ = ("__weakref__", "conn", "stamp")
+    __slots__ = ("__weakref__", "conn")
 
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn: sqlite3.Connection | None = conn
-        self.stamp = ProcessStamp()
+
+
+def keep_inherited(local: threading.local) -> None:
+    """In a forked child: keep (never use, never close) the connection of the parent's
+    thread that forked; the other threads' were kept at fork (see below)."""
+    slot: Slot | None = getattr(local, "slot", None)
+    if slot is not None and slot.conn is not None:
+        INHERITED_ACROSS_FORK.append(slot.conn)
+        slot.conn = None
 
 
 _SLOTS: weakref.WeakSet[Slot] = weakref.WeakSet()
@@ -645,7 +656,7 @@ class Transaction:
         self.callbacks.append(fn)
 
 
-class CatalogConnection:
+class CatalogConnection(ProcessLocalState):
     """A store's ``catalog.sqlite``: per-thread, per-process connections and transactions.
 
     Use it as a context manager (``with Catalog(layout) as cat:``) to close this thread's
@@ -670,7 +681,11 @@ class CatalogConnection:
         self.read_only_requested = read_only
         self.access = self._access()
         self.rebuild = rebuild  # verify --repair makes a new catalog beside surviving shards
-        self._local = threading.local()
+
+    #: This process's connections, one per thread (a forked child keeps the parent's unused).
+    _local: ProcessLocal[threading.local] = ProcessLocal(
+        lambda self: threading.local(), on_inherited=keep_inherited
+    )
 
     def _access(self) -> Access:
         if self.fragment is None:
@@ -685,27 +700,24 @@ class CatalogConnection:
     @property
     def conn(self) -> sqlite3.Connection:
         """This thread's connection in this process, opened (schema checked) on first use."""
-        slot: Slot | None = getattr(self._local, "slot", None)
-        if slot is not None and slot.conn is not None and not slot.stamp.stale:
+        local = self._local
+        slot: Slot | None = getattr(local, "slot", None)
+        if slot is not None and slot.conn is not None:
             return slot.conn
-        self._drop(slot)
         conn = self._connect()
         slot = Slot(conn)
         with _SLOTS_LOCK:
             _SLOTS.add(slot)
-        self._local.slot = slot
+        local.slot = slot
         return conn
 
     def _drop(self, slot: Slot | None) -> None:
-        """Forget this thread's connection: closed if this process opened it, else only kept."""
+        """Forget and close this thread's connection (this process's own: see ``_local``)."""
         self._local.slot = None
         if slot is None or slot.conn is None:
             return
         conn, slot.conn = slot.conn, None
-        if not slot.stamp.stale:
-            conn.close()
-        else:  # inherited across fork: never use it, never close it
-            INHERITED_ACROSS_FORK.append(conn)
+        conn.close()
 
     def _connect(self) -> sqlite3.Connection:
         if self.fragment is None and self.access is Access.READ_WRITE and not self.path.exists():
@@ -764,16 +776,10 @@ class CatalogConnection:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __getstate__(self) -> dict:
-        # Connections never cross a process boundary: the copy opens its own.
-        state = dict(self.__dict__)
-        del state["_local"]
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._local = threading.local()
-        # Another process (or machine) may see the store differently: look again.
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Connections never cross (ProcessLocalState). The extra rule: another process (or
+        # machine) may see the store differently (a read-only mount there), so look again.
+        super().__setstate__(state)
         self.access = self._access()
 
     # -- transactions ------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from typing import TypeVar
 import torch
 
 from featbake.errors import ShardMissing
-from featbake.process import ProcessStamp
+from featbake.process import ProcessLocal, ProcessLocalState
 from featbake.store.catalog import Catalog, Location
 from featbake.store.layout import Layout, RemotePlace
 from featbake.store.shard import ShardReader, VerifyMode
@@ -35,7 +35,7 @@ TEND_SECONDS = 1.0
 FETCH_TRIES = 3
 
 
-class ShardHandles:
+class ShardHandles(ProcessLocalState):
     """A per-process cache of open :class:`ShardReader` objects, bounded in open files.
 
     After ``fork`` (DataLoader workers) the child drops its parent's handles and opens its own.
@@ -52,26 +52,30 @@ class ShardHandles:
         self.remote = remote
         self._tended = 0.0
         self.verify = VerifyMode.parse(verify)  # a ConfigError now, not at the first read
-        self._readers: OrderedDict[Path, ShardReader] = OrderedDict()
-        self._stamp = ProcessStamp()
+
+    @staticmethod
+    def _close_inherited(readers: OrderedDict[Path, ShardReader]) -> None:
+        # The parent's readers are its bookkeeping, but the fds are this process's own
+        # copies: close them, or each forked worker keeps up to max_open files open.
+        for r in readers.values():
+            r.close()
+
+    #: This process's open readers by path, least recently used first.
+    _readers: ProcessLocal[OrderedDict[Path, ShardReader]] = ProcessLocal(
+        lambda self: OrderedDict(), on_inherited=_close_inherited
+    )
 
     def get(self, path: Path) -> ShardReader:
         """An open reader for ``path``, opening (and evicting the least recent) as needed."""
-        if self._stamp.stale:
-            # The parent's readers are its bookkeeping, but the fds are this process's own
-            # copies: close them, or each forked worker keeps up to max_open files open.
-            for r in self._readers.values():
-                r.close()
-            self._readers = OrderedDict()
-            self._stamp = ProcessStamp()
-        reader = self._readers.get(path)
+        readers = self._readers
+        reader = readers.get(path)
         if reader is not None:
-            self._readers.move_to_end(path)
+            readers.move_to_end(path)
             return reader
         reader = self._open(path)
-        self._readers[path] = reader
-        while len(self._readers) > self.max_open:
-            _, old = self._readers.popitem(last=False)
+        readers[path] = reader
+        while len(readers) > self.max_open:
+            _, old = readers.popitem(last=False)
             old.close()
         return reader
 
@@ -269,14 +273,3 @@ class FeatureReader:
     def close(self) -> None:
         self.handles.close()
         self.catalog.close()
-
-    def __getstate__(self) -> dict:
-        # Handles and connections never cross a process boundary: the copy opens its own.
-        return {
-            "layout": self.layout,
-            "max_open": self.handles.max_open,
-            "verify": self.handles.verify,
-        }
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state["layout"], max_open=state["max_open"], verify=state["verify"])  # type: ignore[misc]
