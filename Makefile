@@ -19,8 +19,12 @@ $(STAMP): pyproject.toml setup.py featbake/kernels.c
 demo: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) examples/demo.py
 
+# One pytest worker per core, each test file on one worker (its module fixtures and moto server
+# stay with it); TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= auto
+
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # A bounded 60 s soak (benchmarks/soak.py, not collected by pytest): 2 writers, 2 readers with
 # DataLoader workers and a gc loop on one store; then verify clean and every feature = live.
