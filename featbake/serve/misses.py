@@ -109,11 +109,16 @@ def text_options(text: Mapping[str, Any] | None) -> list[str]:
     if not text:
         return []
     out = [f"--max-tokens {text['max_length']}"] if text.get("max_length") else []
-    flags = (("truncate", True), ("lowercase", False), ("special_tokens", True))
-    for name, default in flags:
+    # (recipe field, its default, the option turning it on, the option turning it off): each
+    # option spelled whole, so tests/test_option_names.py checks that the CLI takes it.
+    flags = (
+        ("truncate", True, "--truncate", "--no-truncate"),
+        ("lowercase", False, "--lowercase", "--no-lowercase"),
+        ("special_tokens", True, "--special-tokens", "--no-special-tokens"),
+    )
+    for name, default, on, off in flags:
         if text.get(name, default) != default:
-            shown = name.replace("_", "-")
-            out.append(f"--{shown}" if text[name] else f"--no-{shown}")
+            out.append(on if text[name] else off)
     return out
 
 
