@@ -170,7 +170,11 @@ class DiskTier:
                 raise
             os.fsync(fd)  # the bytes are on disk before the name says the shard is here
             final.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(part, final)
+            # Under the tier's lock: a count of its bytes (a reservation, used_bytes) lists the
+            # downloads, then the shards; a rename between the two listings counted the shard
+            # twice (a test saw 4 shards' bytes in a 2-shard tier that never held more than 2).
+            with tier_locked(self.downloads / "tier.lock"):
+                os.replace(part, final)
             fsync_dir(final.parent)
             self.fetched += 1
         return final
@@ -312,8 +316,11 @@ class DiskTier:
         return self.used_bytes() + size <= self.budget
 
     def used_bytes(self) -> int:
-        """Bytes the tier's shards and downloads in flight take now."""
-        return sum(f.size for f in self._files(skip=Path()))
+        """Bytes the tier's shards and downloads in flight take now (counted under the tier's
+        lock, so a download becoming a shard is counted once)."""
+        self.downloads.mkdir(parents=True, exist_ok=True)
+        with tier_locked(self.downloads / "tier.lock"):
+            return sum(f.size for f in self._files(skip=Path()))
 
 
 @contextlib.contextmanager
