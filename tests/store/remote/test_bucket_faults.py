@@ -35,13 +35,14 @@ def assert_live(ds: CachedFeatureDataset, encoder: Path) -> None:
         torch.testing.assert_close(ds[i], live_features(encoder, Path(ds.path(i))))
 
 
-def deleted_open_bytes() -> int:
-    """Bytes of unlinked shard files this process still holds open."""
+def deleted_open_bytes(under: Path) -> int:
+    """Bytes of unlinked shard files under ``under`` this process still holds open (only there:
+    an earlier test in the same process may hold its own store's deleted shards)."""
     held = 0
     for fd in os.listdir("/proc/self/fd"):
         try:
             target = os.readlink(f"/proc/self/fd/{fd}")
-            if target.endswith(".safetensors (deleted)"):
+            if target.startswith(f"{under}/") and target.endswith(".safetensors (deleted)"):
                 held += os.fstat(int(fd)).st_size
         except OSError:
             continue
@@ -131,7 +132,7 @@ def test_the_tier_stays_within_its_budget_and_refuses_one_smaller_than_a_shard(
             assert tier.used_bytes() <= budget
             # Evicted files this process held open are closed before the download that
             # needed their space (an open file keeps it): on disk, too, within budget.
-            assert tier.used_bytes() + deleted_open_bytes() <= budget
+            assert tier.used_bytes() + deleted_open_bytes(tmp_path / "tier") <= budget
     assert tier.fetched > len(sizes)  # shards were evicted and fetched again
     tiny = serve(s3, audio_dir, encoder_file, tmp_path / "tiny", local_cache_size=100)
     with pytest.raises(ConfigError, match=r"budget .* cannot hold"):
