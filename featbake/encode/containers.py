@@ -36,17 +36,17 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
+from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, Protocol
 
 import torch
 
 from featbake.encode.fingerprints import HeldBytes, resolve_path
-from featbake.encode.objects import object_stat
+from featbake.encode.objects import never_racy_ns, object_stat
 from featbake.encode.sources import ScanResult, SkippedInput, Source
 from featbake.errors import ConfigError, SourceError, StoreError
 from featbake.progress import Progress
 from featbake.store.bucket import Bucket, ObjectInfo
-from featbake.store.catalog import RACY_NS, FileStat, HashCache, HashRow
+from featbake.store.catalog import FileStat, HashCache, HashRow
 from featbake.store.url import BucketURL, is_url
 
 if TYPE_CHECKING:
@@ -161,10 +161,40 @@ def hash_items(
         if progress:
             progress(Progress("hash", len(digests) + len(failed), len(refs)))
     if any(is_url(r.path) for r in fresh):  # never racy: see encode/objects.py (an ETag)
-        newest = max(r.stat.mtime_ns for r in fresh)
-        stat_time = max(time.time_ns(), newest + RACY_NS + 1)
+        stat_time = never_racy_ns(fresh)
     catalog.put_hashes(fresh, recorded_ns=stat_time)
     return digests, failed
+
+
+class Listed(Protocol):
+    """Container inputs whose containers may be bucket objects (:class:`WebDataset`,
+    :class:`Table`): their scan's stats, and the listings it read and has not recorded yet."""
+
+    @property
+    def remote(self) -> bool: ...
+
+    listed: dict[str, FileStat]
+    fresh: list[HashRow]
+
+
+def hash_listed(
+    inputs: Listed,
+    catalog: HashCache,
+    refs: Sequence[ItemRef],
+    read: ReadDigests,
+    progress: Callable[[Progress], None] | None,
+    stats: dict[str, FileStat] | None,
+) -> tuple[dict[str, str], dict[str, str]]:
+    """:func:`hash_items` over ``inputs``' containers: in a bucket with the stats its scan
+    listed (no request), then recording the listings the scan read (a rebuild reads them from
+    the hash cache)."""
+    if not inputs.remote:
+        return hash_items(catalog, refs, read, progress, stats)
+    got = hash_items(catalog, refs, read, progress, stats, inputs.listed.get)
+    if inputs.fresh:
+        catalog.put_hashes(inputs.fresh, recorded_ns=never_racy_ns(inputs.fresh))
+        inputs.fresh = []
+    return got
 
 
 # == webdataset ====================================================================================
@@ -763,14 +793,7 @@ class WebDataset:
         def read(tar: str, wanted: list[ItemRef]) -> dict[str, str | tuple[str]]:
             return self._read(tar, wanted, held)
 
-        if not self.remote:
-            return hash_items(catalog, refs, read, progress, stats)
-        got = hash_items(catalog, refs, read, progress, stats, self.listed.get)
-        if self.fresh:  # the listings the scan read: a rebuild reads them from here
-            newest = max(r.stat.mtime_ns for r in self.fresh)
-            catalog.put_hashes(self.fresh, recorded_ns=max(time.time_ns(), newest + RACY_NS + 1))
-            self.fresh = []
-        return got
+        return hash_listed(self, catalog, refs, read, progress, stats)
 
     def _read(
         self, tar: str, refs: list[ItemRef], held: HeldBytes | None
@@ -1271,14 +1294,7 @@ class Table:
         def read(file: str, wanted: list[ItemRef]) -> dict[str, str | tuple[str]]:
             return self._read(file, wanted, held)
 
-        if not self.remote:
-            return hash_items(catalog, refs, read, progress, stats)
-        got = hash_items(catalog, refs, read, progress, stats, self.listed.get)
-        if self.fresh:  # the listings the scan read: a rebuild reads them from here
-            newest = max(r.stat.mtime_ns for r in self.fresh)
-            catalog.put_hashes(self.fresh, recorded_ns=max(time.time_ns(), newest + RACY_NS + 1))
-            self.fresh = []
-        return got
+        return hash_listed(self, catalog, refs, read, progress, stats)
 
     def _read(
         self, file: str, refs: list[ItemRef], held: HeldBytes | None

@@ -65,6 +65,17 @@ def object_stat(info: ObjectInfo) -> FileStat:
     return FileStat(info.size, modified_ns, etag, modified_ns)
 
 
+def never_racy_ns(rows: Sequence[HashRow]) -> int:
+    """When hash rows of objects are recorded as taken: a tick after the newest change.
+
+    Git's racy rule guards a file rewritten within a timestamp tick without its stat changing;
+    an object's stat holds its ETag, which changes with its bytes, so its rows are never racy
+    (see the module's docstring).
+    """
+    newest = max((r.stat.mtime_ns for r in rows), default=0)
+    return max(time.time_ns(), newest + RACY_NS + 1)
+
+
 def _hidden(name: str) -> bool:
     return any(part.startswith(".") for part in name.split("/"))
 
@@ -152,9 +163,7 @@ class BucketInputs:
                 done = len(digests) + len(failed)
                 if progress and (done % 256 == 0 or done == len(paths)):
                     progress(Progress("hash", done, len(paths)))
-        # Never racy (see the module's docstring): recorded as of a tick after the newest change.
-        newest = max((r.stat.mtime_ns for r in fresh), default=0)
-        catalog.put_hashes(fresh, recorded_ns=max(time.time_ns(), newest + RACY_NS + 1))
+        catalog.put_hashes(fresh, recorded_ns=never_racy_ns(fresh))
         return digests, failed
 
     def _digest(self, path: str) -> tuple[FileStat, str] | str:
