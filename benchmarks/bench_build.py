@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -120,19 +121,25 @@ def bare_loop(data: Path, encoder_path: Path, workers: int = WORKERS) -> float:
         if workers
         else (ds[i] for i in range(len(ds)))
     )
-    pending: list[torch.Tensor] = []
     with torch.inference_mode():
-        for _, x in loader:
-            if pending and x.shape != pending[0].shape:  # varied lengths: a batch per shape run
-                enc(torch.stack(pending))
-                pending = []
-            pending.append(x)
-            if len(pending) == BATCH:
-                enc(torch.stack(pending))
-                pending = []
-        if pending:
-            enc(torch.stack(pending))
+        encode_in_shape_runs(enc, (x for _, x in loader))
     return time.perf_counter() - t0
+
+
+def encode_in_shape_runs(enc: Any, inputs: Iterable[torch.Tensor]) -> None:
+    """The bare loops' batching: consecutive inputs of one shape, up to BATCH, in one call
+    (varied lengths: a batch per run of one shape)."""
+    pending: list[torch.Tensor] = []
+    for x in inputs:
+        if pending and x.shape != pending[0].shape:
+            enc(torch.stack(pending))
+            pending = []
+        pending.append(x)
+        if len(pending) == BATCH:
+            enc(torch.stack(pending))
+            pending = []
+    if pending:
+        enc(torch.stack(pending))
 
 
 def featbake_build(
@@ -344,21 +351,17 @@ def segment_loop(recording: Path, bounds: list[tuple[float, float]], encoder_pat
     t0 = time.perf_counter()
     with torchscript_quietly():
         enc = torch.jit.load(str(encoder_path)).eval()
-    pending: list[torch.Tensor] = []
     with torch.inference_mode(), soundfile.SoundFile(recording) as f:
-        for start, end in bounds:
-            first, last = round(start * f.samplerate), round(end * f.samplerate)
-            f.seek(first)
-            x = torch.from_numpy(f.read(last - first, dtype="float32", always_2d=True).mean(1))
-            if pending and x.shape != pending[0].shape:
-                enc(torch.stack(pending))
-                pending = []
-            pending.append(x)
-            if len(pending) == BATCH:
-                enc(torch.stack(pending))
-                pending = []
-        if pending:
-            enc(torch.stack(pending))
+
+        def segments() -> Iterator[torch.Tensor]:
+            for start, end in bounds:
+                first, last = round(start * f.samplerate), round(end * f.samplerate)
+                f.seek(first)
+                yield torch.from_numpy(
+                    f.read(last - first, dtype="float32", always_2d=True).mean(1)
+                )
+
+        encode_in_shape_runs(enc, segments())
     return time.perf_counter() - t0
 
 
