@@ -42,7 +42,7 @@ import torch
 
 from featbake.encode.fingerprints import HeldBytes, resolve_path
 from featbake.encode.objects import never_racy_ns, object_stat
-from featbake.encode.sources import ScanResult, SkippedInput, Source
+from featbake.encode.sources import ScanResult, SkippedInput, Source, file_stat_or_none
 from featbake.errors import ConfigError, SourceError, StoreError
 from featbake.progress import Progress
 from featbake.store.bucket import Bucket, ObjectInfo
@@ -85,10 +85,7 @@ def _stat_or_none(path: str) -> FileStat | None:
         except StoreError:
             return None
         return None if info is None else object_stat(info)
-    try:
-        return FileStat.of(path)
-    except OSError:
-        return None
+    return file_stat_or_none(path)
 
 
 # == hashing =======================================================================================

@@ -58,7 +58,14 @@ import torch
 
 from featbake.encode.fingerprints import hash_inputs, resolve_path
 from featbake.encode.objects import BucketInputs, object_stat, read_object
-from featbake.encode.sources import ScanResult, SkippedInput, Source, Span, span_problem
+from featbake.encode.sources import (
+    ScanResult,
+    SkippedInput,
+    Source,
+    Span,
+    file_stat_or_none,
+    span_problem,
+)
 from featbake.errors import ConfigError, SourceError, StoreError
 from featbake.keys import item_digest
 from featbake.lru import ByteLRU
@@ -447,11 +454,7 @@ class SegmentSource:
             return self.load(path, io.BytesIO(got.data))
         x = self.load(path)
         file = self.rows[path].file  # there: load found it
-        try:
-            now: FileStat | None = FileStat.of(file)
-        except OSError:
-            now = None
-        if stat is None or now != stat:
+        if stat is None or file_stat_or_none(file) != stat:
             raise SourceError(f"{path}: {file} changed while featbake was reading it; rerun")
         return x
 

@@ -69,13 +69,18 @@ def load_unchanged(source: Source, path: str, stat: FileStat | None) -> torch.Te
     if isinstance(source, CheckingSource):
         return source.load_unchanged(path, stat)
     x = source.load(path)
-    try:
-        now: FileStat | None = FileStat.of(path)
-    except OSError:
-        now = None
-    if stat is None or now != stat:
+    if stat is None or file_stat_or_none(path) != stat:
         raise SourceError(f"{path}: changed while featbake was reading it; rerun the build")
     return x
+
+
+def file_stat_or_none(path: str | os.PathLike[str]) -> FileStat | None:
+    """The file's stat now, as the hash cache compares it, or None where it cannot be stat'ed
+    (gone): what an input hashed earlier is checked against after it is decoded."""
+    try:
+        return FileStat.of(path)
+    except OSError:
+        return None
 
 
 def _soundfile_extensions() -> tuple[str, ...]:
