@@ -556,13 +556,17 @@ class FeatureLoader:
         batches = batches[skip:]
         ready: queue.Queue[Any] = queue.Queue(maxsize=self.prefetch)
         stop = threading.Event()
+        waiting = Waiting(now=True)  # the loop's first act is to wait for a batch
         reader = threading.Thread(
-            target=self._read, args=(batches, ready, stop), name="featbake-loader", daemon=True
+            target=self._read,
+            args=(batches, ready, stop, waiting),
+            name="featbake-loader",
+            daemon=True,
         )
         reader.start()
         try:
             while True:
-                item = _next_from(ready, reader)
+                item = _next_from(ready, reader, waiting)
                 if item is _END:
                     return
                 if isinstance(item, _Failed):
@@ -576,7 +580,13 @@ class FeatureLoader:
                     ready.get_nowait()
             reader.join()
 
-    def _read(self, batches: list[list[int]], ready: queue.Queue, stop: threading.Event) -> None:
+    def _read(
+        self,
+        batches: list[list[int]],
+        ready: queue.Queue,
+        stop: threading.Event,
+        waiting: Waiting,
+    ) -> None:
         """The reader thread: read, collate (and pin) each batch, in order, until told to stop.
 
         Everything it runs is inside the ``try``: a dataset that opens its store on first use
@@ -588,7 +598,7 @@ class FeatureLoader:
         try:
             ahead = ReadAhead(batches, self.read_ahead, hint_of(self.dataset), self._streak)
             with pinned_batches() if to_gpu else pooled_batches(self._buffers):
-                self._read_batches(batches, ready, stop, ahead, to_gpu)
+                self._read_batches(batches, ready, stop, ahead, to_gpu, waiting)
         except BaseException as e:  # handed to the training thread, raised there
             _put(ready, _Failed(e), stop)
         finally:
@@ -602,12 +612,13 @@ class FeatureLoader:
         stop: threading.Event,
         ahead: ReadAhead,
         to_gpu: bool,
+        waiting: Waiting,
     ) -> None:
         for b, idx in enumerate(batches):
             if stop.is_set():
                 return
             ahead.before(b)
-            with read_threads_at_most(threads_cap(ready.qsize())):
+            with read_threads_at_most(threads_cap(ready.qsize(), waiting.now)):
                 batch = self.collate_fn(_items(self.dataset, idx))
             if to_gpu:  # built pinned already (pinned_batches); labels and custom collates not
                 batch = map_tensors(dev.pin, batch)
@@ -622,10 +633,25 @@ class FeatureLoader:
         return map_tensors(lambda t: t.to(target, non_blocking=True), batch)
 
 
-def threads_cap(queued: int) -> int | None:
+@dataclass
+class Waiting:
+    """Whether the training thread is waiting for the reader's next batch: set by it around
+    its wait on the queue (:func:`_next_from`), read by the reader (:func:`threads_cap`)."""
+
+    now: bool = False
+
+
+def threads_cap(queued: int, waiting: bool = False) -> int | None:
     """The cap on a batch's read threads (:func:`read_threads_at_most`) with ``queued`` batches
-    ready: one while the training loop has a batch to go on with, none once it may wait."""
-    return 1 if queued else None
+    ready: one while the training loop has a batch to go on with, none once it may wait.
+
+    A loop ``waiting`` for a batch has none to go on with, even with one queued: that one is
+    the batch the reader has just handed over, which the loop has not taken yet: it needs the
+    GIL, which the reader may hold from its ``put`` to this check. Read as "a batch to go on
+    with", it capped most batches of a read-only epoch at one thread (FeatureLoader at ~0.55x
+    ``DataLoader(num_workers=0)`` on 2 CPUs, issue 31).
+    """
+    return 1 if queued > int(waiting) else None
 
 
 def _put(ready: queue.Queue, item: Any, stop: threading.Event) -> bool:
@@ -637,15 +663,22 @@ def _put(ready: queue.Queue, item: Any, stop: threading.Event) -> bool:
     return False
 
 
-def _next_from(ready: queue.Queue, reader: threading.Thread) -> Any:
+def _next_from(ready: queue.Queue, reader: threading.Thread, waiting: Waiting) -> Any:
     """The reader's next batch, ``_END`` or ``_Failed``; a reader that died without handing
-    either over (it cannot, short of the interpreter stopping it) is an error, not a hang."""
-    while True:
-        with contextlib.suppress(queue.Empty):
-            return ready.get(timeout=_POLL_SECONDS)
-        if not reader.is_alive() and ready.empty():
-            why = "FeatureLoader's reader thread ended without a batch or an error"
-            return _Failed(ReaderDied(f"{why} (stopped from outside); iterate the loader again"))
+    either over (it cannot, short of the interpreter stopping it) is an error, not a hang.
+    ``waiting`` says meanwhile that the training thread waits (see :func:`threads_cap`)."""
+    waiting.now = True
+    try:
+        while True:
+            with contextlib.suppress(queue.Empty):
+                return ready.get(timeout=_POLL_SECONDS)
+            if not reader.is_alive() and ready.empty():
+                why = "FeatureLoader's reader thread ended without a batch or an error"
+                return _Failed(
+                    ReaderDied(f"{why} (stopped from outside); iterate the loader again")
+                )
+    finally:
+        waiting.now = False
 
 
 def _items(dataset: Any, idx: list[int]) -> Sequence[Any]:
