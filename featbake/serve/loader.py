@@ -34,7 +34,8 @@ epoch took 1.8-2.5x the step alone. Much of that was not the GIL (the reader too
 10-20 us after each batch's compiled read) but page faults: the batches alive behind a step
 outnumbered the process's 3 pooled buffers, so each batch was a fresh mapping (3.4x the read's
 CPU). The loader now keeps ``prefetch + 4`` buffers of its own, and reads on one thread while
-its queue holds a batch, so the step keeps the CPUs it chose. Keep ``DataLoader`` with workers
+the loop has a batch to go on with (queued beyond the one it may be waiting to take: see
+:func:`threads_cap`), so the step keeps the CPUs it chose. Keep ``DataLoader`` with workers
 when items need heavy Python work per item (augmentation), when the step is Python-heavy, or
 when most items miss: those want processes of their own.
 """
