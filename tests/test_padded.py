@@ -709,3 +709,25 @@ def test_a_batch_padded_more_than_any_checked_is_checked_and_its_leak_caught(
     plain = LatePaddingLeak(threshold=16000)
     plain.load_state_dict(module.state_dict())
     assert_stores_each_clip_alone(tmp_path / "s", report.root, tmp_path / "clips", plain)
+
+
+def test_a_hugging_face_folder_padded_to_stepped_lengths_equals_transformers_per_clip(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a GPU build of a wav2vec2 folder now does (stepped lengths, forced here on the CPU):
+    the extra padding is masked like the rest, and each stored clip equals transformers run on
+    that clip alone."""
+    pytest.importorskip("transformers")
+    from tests.test_hf import reference, save_model
+
+    monkeypatch.setattr(batching, "PAD_LENGTHS", PadLengths.STEPPED)
+    clips = tmp_path / "clips"
+    write_audio_folder(clips, 8, seconds=(0.2, 1.5), seed=3)
+    folder = save_model(tmp_path / "w2v2")
+    report = build(clips, folder, cache=tmp_path / "s", workers=0, batch_size=4,
+                   batching="padded")  # fmt: skip
+    assert report.ok and report.batching == BatchingMode.PADDED, report.batching_note
+    assert "stepped" in report.batching_note
+    for rel, parts in stored_features(tmp_path / "s", report.root).items():
+        want = reference(folder, clips / rel).last_hidden_state[0]
+        assert rel_error(parts[""], want) < 1e-4, rel
