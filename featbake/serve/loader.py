@@ -650,7 +650,10 @@ def threads_cap(queued: int, waiting: bool = False) -> int | None:
     the batch the reader has just handed over, which the loop has not taken yet: it needs the
     GIL, which the reader may hold from its ``put`` to this check. Read as "a batch to go on
     with", it capped most batches of a read-only epoch at one thread (FeatureLoader at ~0.55x
-    ``DataLoader(num_workers=0)`` on 2 CPUs, issue 31).
+    ``DataLoader(num_workers=0)`` on 2 CPUs, issue 31). Behind a 1-thread step as long as a
+    read, or 2x or 10x as long, both rules ran alike (medians within noise, 12-20 epochs); a
+    rule that also capped that batch when the loop's last step took a quarter of a read or
+    more ran 5-9% slower there.
     """
     return 1 if queued > int(waiting) else None
 
