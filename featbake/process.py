@@ -215,6 +215,11 @@ os.register_at_fork(after_in_child=_refresh_pid)
 class ProcessStamp:
     """The process something was made in: :attr:`stale` in a forked copy of that process.
 
+    For finalizers (a write-back's seal at exit or collection), not a :class:`ProcessLocal`:
+    an inherited object is not replaced on use but must never act, and a forked child may
+    collect one while it clears the parent's other threads, before any fork hook has run, so
+    :attr:`stale` asks the kernel (``os.getpid()``), not the pid the hook refreshes.
+
     Example:
         >>> ProcessStamp().stale
         False

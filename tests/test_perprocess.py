@@ -17,7 +17,7 @@ import torch
 
 import featbake
 from featbake.process import PerProcess, ProcessLocal, ProcessLocalState, ProcessStamp
-from featbake.store.bucket import BucketStore
+from featbake.store.bucket import BlockPlan, BucketStore
 from featbake.store.catalog import Catalog
 from featbake.store.features import FeatureReader
 from featbake.store.layout import Layout
@@ -239,8 +239,11 @@ def test_the_lock_is_free_in_a_child_forked_while_another_thread_makes() -> None
 def test_every_class_holding_a_process_local_has_the_one_pickling_rule() -> None:
     """No class writes its own pair to drop handles: each holder mixes in ProcessLocalState,
     and no module but featbake.process (and the catalog's hold of inherited connections)
-    registers a fork hook."""
+    registers a fork hook. A class with pickling methods of its own is a ProcessLocalState (an
+    extra rule beside the one) or holds a cache that stays valid in a forked child and only a
+    pickled copy must compute again (a loaded encoder, a module's fingerprint)."""
     package = Path(featbake.__file__).parent
+    caches = {"LiveEncoder", "ModuleWatch"}
     holders = []
     for path in sorted(package.rglob("*.py")):
         name = ".".join(path.relative_to(package.parent).with_suffix("").parts)
@@ -251,6 +254,9 @@ def test_every_class_holding_a_process_local_has_the_one_pickling_rule() -> None
             made_here = isinstance(obj, type) and obj.__module__ == name
             if made_here and any(isinstance(v, ProcessLocal) for v in vars(obj).values()):
                 holders.append(obj)
+            own_rule = made_here and {"__getstate__", "__setstate__"} & set(vars(obj))
+            if own_rule and obj.__name__ not in caches and name != "featbake.process":
+                assert issubclass(obj, ProcessLocalState), obj
         text = path.read_text()
         if "register_at_fork(" in text:
             assert name in {"featbake.process", "featbake.store.catalog"}, name
@@ -347,6 +353,19 @@ def test_a_child_forked_during_bucket_prefetches_starts_its_own(tmp_path: Path) 
     t.join()
     assert code == 0
     assert store.prefetches_in_flight() == 2  # the parent's own, untouched
+
+
+def test_a_forked_child_never_follows_its_parents_block_plan(tmp_path: Path) -> None:
+    """The plan a bucket store's reads follow is this process's (a ProcessLocal, as its
+    prefetches): a forked worker reads as without a plan until it is given its own."""
+    store = BucketStore(BucketURL.parse("s3://team/features"), tmp_path / "tier", 1 << 20)
+    plan = BlockPlan([["a" * 64], ["b" * 64]])
+    store._plan = plan
+    assert store._following() is plan
+    assert _in_child(lambda: store._following() is None) == 0
+    assert store._following() is plan  # the parent's own, untouched
+    copy = pickle.loads(pickle.dumps(store))
+    assert copy._following() is None
 
 
 class _Empty(ProcessLocalState):

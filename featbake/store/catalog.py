@@ -511,7 +511,8 @@ class MovedRow(NamedTuple):
 # (:data:`INHERITED_ACROSS_FORK`): never used, never closed, never collected (Python's sqlite3
 # closes a connection when it is collected, and a forked child frees the other threads'
 # thread-locals right after the fork, before any code of ours runs: hence the one fork hook
-# below, which takes the references in the parent).
+# below, which takes the references in the parent; a ProcessLocal's ``on_inherited`` runs in
+# the child, too late for them).
 #
 # A store that cannot be written (a read-only mount, a shared file system without write
 # permission) is opened read-only: ``mode=ro`` when the directory can hold SQLite's ``-shm`` file,
