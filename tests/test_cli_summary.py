@@ -7,11 +7,20 @@ imported typer, rich and every command before starting the child that imports th
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
+import pytest
+import torch
+from rich.console import Console
+
+from featbake.bake.pipeline import build
+from featbake.cli import app as cli_app
+from featbake.testing import TinyConvEncoder
 from tests.conftest import REPO, run_cli
 
 
@@ -60,3 +69,32 @@ def test_a_noop_rebuild_starts_one_python_and_the_watcher_imports_no_typer_rich_
     # What the watching process imported before it forked: lines printed up to its own module.
     before_fork = set(loaded[: loaded.index("featbake.cli.supervise") + 1])
     assert not {"typer", "rich", "torch", "numpy", "featbake.cli.main"} & before_fork
+
+
+def test_the_progress_bar_starts_no_thread_and_is_drawn_between_batches(
+    tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 31 item 4: rich redrew the bar from a thread of its own, 10 times a second, while
+    the encoder ran (it held the GIL for each redraw, and on a busy node took a CPU from the
+    encoder's OpenMP team). Now the only threads beside the build's are featbake's own."""
+    screen = io.StringIO()
+    terminal = Console(file=screen, force_terminal=True, width=160, highlight=False)
+    monkeypatch.setattr(cli_app, "console", terminal)
+    alive_in_forward: list[set[threading.Thread]] = []
+
+    class Watched(TinyConvEncoder):
+        def forward(self, wav: torch.Tensor) -> torch.Tensor:
+            alive_in_forward.append(set(threading.enumerate()))
+            return super().forward(wav)
+
+    before = set(threading.enumerate())
+    bar = cli_app.progress_bar()
+    with bar:
+        tick = cli_app.tick_bar(bar, {})
+        report = build(audio_dir, Watched(), cache=tmp_path / "c", progress=tick, workers=0)
+    assert report.encoded == report.files == 16
+    assert alive_in_forward
+    started = {t.name for alive in alive_in_forward for t in alive - before}
+    assert started and all(name.startswith("featbake-") for name in started), started
+    drawn = screen.getvalue()
+    assert "encode" in drawn and "16/16" in drawn  # the bar was drawn, to its last item
