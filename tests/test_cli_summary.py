@@ -98,3 +98,23 @@ def test_the_progress_bar_starts_no_thread_and_is_drawn_between_batches(
     assert started and all(name.startswith("featbake-") for name in started), started
     drawn = screen.getvalue()
     assert "encode" in drawn and "16/16" in drawn  # the bar was drawn, to its last item
+
+
+def test_a_build_is_forked_only_from_a_process_that_may_fork() -> None:
+    """A program that imported torch (its CUDA cannot be used in a forked child) or runs
+    threads calls `featbake.cli.main.main(["build", ...])`: the build runs in its process."""
+    from featbake.cli.supervise import wants_supervisor
+
+    assert "torch" in sys.modules  # as in such a program
+    assert not wants_supervisor(["build", "-e", "enc.pt", "-d", "data"])
+    code = (
+        "import sys; from featbake.cli.supervise import wants_supervisor as w; "
+        "sys.exit(0 if w(['build', '-e', 'e.pt']) and not w(['stats']) else 1)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "FEATBAKE_NO_SUPERVISOR"}
+    assert (
+        subprocess.run(
+            [sys.executable, "-c", code], env={**env, "PYTHONPATH": str(REPO)}
+        ).returncode
+        == 0
+    )

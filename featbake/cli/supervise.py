@@ -39,8 +39,16 @@ _PR_SET_PDEATHSIG = 1
 
 
 def wants_supervisor(argv: Sequence[str]) -> bool:
-    """True for a ``build`` command run from the shell, not already a supervised child."""
+    """True for a ``build`` command run from the shell, not already a supervised child.
+
+    Only a process that may fork safely forks the build: one thread, torch not imported (a
+    caller's CUDA cannot be used in a forked child, and a lock another thread held stays held
+    there). ``featbake build`` from the shell always may; a program calling
+    :func:`featbake.cli.main.main` from its threads runs the build in its own process.
+    """
     if os.environ.get(STATUS_FD_ENV) or os.environ.get(NO_SUPERVISOR_ENV):
+        return False
+    if threading.active_count() > 1 or "torch" in sys.modules:
         return False
     words = [a for a in argv if not a.startswith("-")]
     return bool(words) and words[0] == "build" and not {"-h", "--help"} & set(argv)
