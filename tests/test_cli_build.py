@@ -123,6 +123,73 @@ def test_json_report_and_rebuild(tmp_path: Path, encoder_file: Path, audio_dir: 
         assert torch.allclose(parts[""], live_features(encoder_file, audio_dir / rel), atol=1e-6)
 
 
+def _wait_past_racy() -> None:
+    """Sleep until files written before now are past the hash cache's racy window."""
+    from featbake.store.catalog import RACY_NS
+
+    time.sleep(RACY_NS / 1e9 + 0.05)
+
+
+def test_a_noop_rebuild_does_not_load_the_encoder_and_a_new_input_does(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 31 item 4: a rebuild that finds every feature stored loaded the TorchScript file
+    only for the summary's batching line (a large checkpoint's load outweighed the rest of
+    such a rebuild). Its key is the file's cached digest: no load is needed for it."""
+    import featbake.encode.loaders as loaders
+
+    loads: list[Path] = []
+    real_load = loaders._load_torchscript
+
+    def counted(path: Path) -> object:
+        loads.append(path)
+        return real_load(path)
+
+    monkeypatch.setattr(loaders, "_load_torchscript", counted)
+    # A file changed within a second of its hashing is hashed again (git's racy rule): the
+    # encoder was written a moment ago, a checkpoint on disk is older.
+    _wait_past_racy()
+    args = ["build", "-e", encoder_file, "-d", audio_dir, "--cache", tmp_path / "c"]
+    first = invoke(*args)
+    assert first.returncode == 0 and "batching" in first.stdout and len(loads) == 1
+    noop = invoke(*args)
+    assert noop.returncode == 0, noop.stderr
+    summary = dict(line.split(maxsplit=1) for line in noop.stdout.splitlines())
+    assert (summary["encoded"], summary["reused"]) == ("0", "16")
+    assert "batching" not in summary  # nothing was batched: no line says how
+    assert len(loads) == 1, "a no-op rebuild loaded the encoder"
+    report = _json(invoke(*args, "--json"))
+    assert (report["reused"], report["batching"], len(loads)) == (16, "", 1)
+    # One new input: the encoder is loaded (once), encodes it alone, and says how it batched.
+    write_audio_folder(audio_dir / "new", 1, seconds=0.7, seed=9)
+    grown = _json(invoke(*args, "--json"))
+    assert (grown["encoded"], grown["reused"], len(loads)) == (1, 16, 2)
+    assert grown["batching"] == "exact" and grown["encoder_fp"] == report["encoder_fp"]
+    stored = stored_features(tmp_path / "c", grown["root"])
+    assert len(stored) == 17
+    for rel, parts in stored.items():
+        assert torch.allclose(parts[""], live_features(encoder_file, audio_dir / rel), atol=1e-6)
+
+
+def test_a_noop_rebuild_of_a_changed_encoder_file_loads_it_and_encodes_again(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    """The unloaded key is the file's cached digest only while its stat is unchanged: an
+    encoder file replaced in place is loaded, fingerprinted anew, and everything re-encoded."""
+    from featbake.testing import save_torchscript
+
+    enc = save_torchscript(TinyConvEncoder(seed=0), tmp_path / "enc.pt")
+    _wait_past_racy()  # its cached digest is trusted (see the test above)
+    args = ["build", "-e", enc, "-d", audio_dir, "--cache", tmp_path / "c", "--json"]
+    first = _json(invoke(*args))
+    save_torchscript(TinyConvEncoder(seed=1), tmp_path / "other.pt").replace(enc)
+    again = _json(invoke(*args))
+    assert again["encoder_fp"] != first["encoder_fp"]
+    assert (again["encoded"], again["reused"], again["batching"]) == (16, 0, "exact")
+    for rel, parts in stored_features(tmp_path / "c", again["root"]).items():
+        assert torch.allclose(parts[""], live_features(enc, audio_dir / rel), atol=1e-6)
+
+
 def test_summary_and_cache_from_the_environment(
     tmp_path: Path, encoder_file: Path, audio_dir: Path
 ) -> None:

@@ -461,10 +461,13 @@ def test_cli_build_reports_the_batching_mode(
     assert ("padded length-sorted" if report["batching"] == "padded" else "time per input") in (
         report["batching_note"]
     )
-    res = invoke(*args, "--json", "--batch-seconds", "3", "--batching", "padded")
+    # A rebuild batches nothing (and says nothing of batching): each mode into a new store.
+    res = invoke(
+        *args[:-1], tmp_path / "p", "--json", "--batch-seconds", "3", "--batching", "padded"
+    )
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["batching"] == "padded"
-    res = invoke(*args, "--batching", "exact")
+    res = invoke(*args[:-1], tmp_path / "e", "--batching", "exact")
     assert res.returncode == 0, res.stderr
     assert "exact-shape batching (--batching exact)" in res.stdout
     res = invoke(*args, "--precision", "fp8")

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -43,11 +44,11 @@ from featbake.bake.threads import (
 )
 from featbake.device import check_device, process_cpus, torch_threads
 from featbake.encode.containers import Table, WebDataset
-from featbake.encode.encoders import LoadedEncoder, from_module
-from featbake.encode.fingerprints import HeldBytes, encoder_fingerprint
+from featbake.encode.encoders import LoadedEncoder, detect_kind, from_module
+from featbake.encode.fingerprints import HeldBytes, cached_file_encoder_fp, encoder_fingerprint
 from featbake.encode.hf import check_recipe_supported, recipe_for_encoder
 from featbake.encode.inputs import Inputs, inputs_at
-from featbake.encode.loaders import load_encoder
+from featbake.encode.loaders import is_import_path, load_encoder
 from featbake.encode.sources import ScanResult, Source, source_for
 from featbake.errors import ConfigError, EncodeError, FeatbakeError, SourceError, StoreError
 from featbake.keys import feature_key, root_id
@@ -55,7 +56,7 @@ from featbake.process import gc_paused
 from featbake.progress import Progress
 from featbake.recipe import Recipe
 from featbake.store.bucket import merge_store
-from featbake.store.catalog import BuildCatalog, Catalog, FileStat, RootSpec
+from featbake.store.catalog import BuildCatalog, Catalog, FileStat, HashCache, RootSpec
 from featbake.store.features import Parts
 from featbake.store.fragments import RankCatalog
 from featbake.store.layout import Layout
@@ -352,17 +353,18 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
     scanned = scanned_inputs(place, layout, source.extensions)
     catalog, inputs = catalog_for_part(layout, spec, place, scanned.inputs)
     with contextlib.closing(catalog):
-        enc = loaded_encoder(encoder, weights, dev, trust_pickle, recipe)
+        enc = BuildEncoder.named(encoder, weights, dev, trust_pickle, recipe, catalog)
         budget = budget_samples(recipe, batch_seconds, batch_samples)
-        runner = BatchRunner(enc, recipe, batching, batch_size, budget)
-        bake = _Bake(catalog, layout, enc, recipe, source, place, options, runner, progress)
+        runs = RunnerSpec(batching, batch_size, budget)
+        bake = _Bake(catalog, layout, enc, recipe, source, place, options, runs, progress)
         # Files skipped at the scan (not regular files) are reported by one part only.
         skipped = scanned.skipped if spec.rank == 0 else []
-        bake.start(len(inputs), skipped, os.fspath(weights) if weights else None)
+        bake.start(len(inputs), skipped)
         bake.report.part = spec.describe() if spec.sharded else ""
         with rank_group(spec):
             with gc_paused():  # tens of thousands of small rows, no cycles: see gcpause.py
                 todo = bake.plan(inputs)
+                bake.load_encoder_unless_stored(todo)  # before the manifest, as it always was
                 bake.publish_manifest()
             bake.encode_missing(bake.leave_to_other_ranks(todo, spec))
             if isinstance(catalog, RankCatalog):
@@ -396,18 +398,111 @@ def loaded_encoder(
     return enc
 
 
+class RunnerSpec(NamedTuple):
+    """How the build batches (the :class:`BatchRunner` made once the encoder is loaded)."""
+
+    batching: str
+    batch_size: int
+    budget: int
+
+
+@dataclass
+class BuildEncoder:
+    """The build's encoder, loaded only when the build needs it.
+
+    A rebuild that finds every feature stored encodes nothing, and needs of the encoder only
+    its key: a TorchScript or ``.pt2`` file's fingerprint is its bytes' digest, remembered in
+    the hash cache against the file's stat, so it is known unloaded (loading a large
+    checkpoint took longer than the rest of such a rebuild; issue 31 item 4). An import path,
+    a pickle or a Hugging Face folder is identified by its code and modules too: it is loaded
+    at once, as before.
+    """
+
+    spec: str | os.PathLike[str] | LoadedEncoder | torch.nn.Module
+    weights: str | os.PathLike[str] | None
+    device: torch.device
+    trust_pickle: bool
+    recipe: Recipe
+    label: str
+    kind: str
+    known_fp: str | None = None  # the fingerprint, known without loading (None once loaded)
+    loaded: LoadedEncoder | None = None
+
+    @classmethod
+    def named(
+        cls,
+        spec: str | os.PathLike[str] | LoadedEncoder | torch.nn.Module,
+        weights: str | os.PathLike[str] | None,
+        device: torch.device,
+        trust_pickle: bool,
+        recipe: Recipe,
+        cache: HashCache,
+    ) -> BuildEncoder:
+        """The encoder ``spec`` names, left unloaded when its file's fingerprint is cached.
+
+        Raises:
+            EncoderLoadError, ConfigError: it was loaded here, and could not be (see
+                :func:`loaded_encoder`).
+        """
+        args = (spec, weights, device, trust_pickle, recipe)
+        path = unloaded_file(spec, weights)
+        fp = None if path is None else cached_file_encoder_fp(cache, path)
+        if path is None or fp is None:
+            enc = loaded_encoder(*args)
+            return cls(*args, enc.label, enc.kind, loaded=enc)
+        return cls(*args, str(Path(path).resolve()), detect_kind(Path(path)), known_fp=fp)
+
+    def fingerprint(self, catalog: HashCache) -> str:
+        """``encoder_fp``: from the hash cache, or from the loaded encoder (and cached there)."""
+        if self.loaded is None:
+            assert self.known_fp is not None
+            return self.known_fp
+        return encoder_fingerprint(self.loaded, catalog, _weights_str(self.weights))
+
+    def load(self) -> LoadedEncoder:
+        """The encoder ready to run, loaded on the first call.
+
+        Its fingerprint stays the one the hash cache gave for the file's unchanged stat, the
+        trust :func:`encoder_fingerprint` gives a loaded encoder's file as well.
+        """
+        if self.loaded is None:
+            self.loaded = loaded_encoder(self.spec, self.weights, self.device,
+                                         self.trust_pickle, self.recipe)  # fmt: skip
+            if self.known_fp is not None:
+                self.loaded._fingerprint = self.known_fp  # same file, same stat: same bytes
+        return self.loaded
+
+
+def unloaded_file(
+    spec: str | os.PathLike[str] | LoadedEncoder | torch.nn.Module,
+    weights: str | os.PathLike[str] | None,
+) -> str | None:
+    """The file an encoder can be keyed by unloaded (TorchScript or ``.pt2``; a pickle's key
+    needs its class's code), else None."""
+    if weights is not None or not isinstance(spec, (str, os.PathLike)):
+        return None
+    path = os.fspath(spec)
+    if is_import_path(path) or not os.path.isfile(path):
+        return None
+    return path
+
+
+def _weights_str(weights: str | os.PathLike[str] | None) -> str | None:
+    return os.fspath(weights) if weights is not None else None
+
+
 @dataclass
 class _Bake:
     """One build's state between its steps (see :func:`build` for their order)."""
 
     catalog: BuildCatalog
     layout: Layout
-    enc: LoadedEncoder
+    enc: BuildEncoder
     recipe: Recipe
     source: Source
     place: Inputs
     options: BakeOptions
-    runner: BatchRunner
+    runs: RunnerSpec
     progress: ProgressFn | None
     report: BuildReport = field(init=False)
     manifest: list[tuple[str, str]] = field(default_factory=list)
@@ -416,17 +511,40 @@ class _Bake:
     rel_of: dict[str, str] = field(default_factory=dict)  # path -> the item's name (its id)
     compactor: Compactor = field(init=False)  # quantises int8/fp8 and measures their fidelity
     held: HeldBytes = field(default_factory=HeldBytes)  # input bytes from hashing, to decode
+    made_runner: BatchRunner | None = None  # made with the loaded encoder (see :attr:`runner`)
+    stored: set[str] | None = None  # keys found stored before the manifest (see plan)
 
-    def start(self, inputs: int, skipped: Sequence[tuple[str, str]], weights: str | None) -> None:
+    @property
+    def runner(self) -> BatchRunner:
+        """The batch runner (see :meth:`ready_runner`)."""
+        return self.ready_runner()
+
+    def ready_runner(self) -> BatchRunner:
+        """The batch runner, made (and the encoder loaded) on the first call.
+
+        Raises:
+            EncoderLoadError: the encoder cannot be loaded.
+            ConfigError: ``--batching padded`` for an encoder that takes no lengths, or
+                layers or an output it cannot give.
+        """
+        if self.made_runner is None:
+            runs = self.runs
+            enc = self.enc.load()
+            self.made_runner = BatchRunner(enc, self.recipe, runs.batching, runs.batch_size,
+                                           runs.budget)  # fmt: skip
+        return self.made_runner
+
+    def start(self, inputs: int, skipped: Sequence[tuple[str, str]]) -> None:
         """Fingerprint the encoder and recipe, and open the report with the skipped files."""
-        enc_fp = encoder_fingerprint(self.enc, self.catalog, weights)
+        enc_fp = self.enc.fingerprint(self.catalog)
         recipe_fp = self.recipe.fingerprint()
         self.catalog.record_encoder(enc_fp, self.enc.label, self.enc.kind)
         name = root_id(self.place.where, self.enc.label, recipe_fp)
         files = inputs + len(skipped)
         self.report = BuildReport(name, self.place.where, self.enc.label, enc_fp, recipe_fp, files)
         self.compactor = Compactor(self.recipe)
-        self.report.batching, self.report.batching_note = self.runner.mode, self.runner.note
+        # How inputs were batched is said once something was (see encode): a rebuild that
+        # encodes nothing batches nothing, and may never load the encoder that decides it.
         for rel, reason in skipped:
             self.skip(rel, reason, SourceError(f"{rel}: {reason}"))
 
@@ -454,6 +572,19 @@ class _Bake:
             self.digests.setdefault(key, digests[path])
         return todo
 
+    def load_encoder_unless_stored(self, todo: Mapping[str, str]) -> None:
+        """Load the encoder (and make the runner) unless every key in ``todo`` is stored.
+
+        Before the manifest is published, as the encoder always was: an encoder that cannot
+        load (or a ``--batching`` it cannot take) leaves the store as it was. A no-op rebuild
+        of a file encoder whose fingerprint was cached loads nothing.
+        """
+        if self.enc.loaded is None:
+            self.stored = self.catalog.present_keys(list(todo))
+            if len(self.stored) == len(todo):
+                return
+        self.ready_runner()  # loaded (for its key, or to encode): its errors come now
+
     def leave_to_other_ranks(self, todo: dict[str, str], spec: RankSpec) -> dict[str, str]:
         """``todo`` less the keys another torchrun rank encodes (counted as duplicates)."""
         theirs = keys_for_other_ranks(spec, list(todo))
@@ -480,7 +611,10 @@ class _Bake:
 
     def encode_missing(self, todo: dict[str, str]) -> None:
         """Encode the keys the store lacks; a wrong option un-publishes the manifest."""
-        present = self.catalog.present_keys(list(todo))
+        # Keys found stored when the encoder's load was decided are not asked for again: the
+        # same race as a key found stored here, and gc sweeps only past its grace period.
+        known = self.stored if self.stored is not None else set()
+        present = known & set(todo) | self.catalog.present_keys([k for k in todo if k not in known])
         self.report.reused = len(present)
         work = [(k, p) for k, p in todo.items() if k not in present]
         # An --output or --dtype build copies or converts what the store holds (bake/derive.py).
@@ -502,6 +636,7 @@ class _Bake:
     ) -> None:
         """Derive ``plan``'s keys from the store, then decode, batch, encode, write ``work``
         (key, path) and what could not be derived; sealed work survives Ctrl-C."""
+        runner = self.runner  # the encoder loaded, before any shard is begun
         writer = self.writer()
         run = _EncodeRun(self, writer, [], [])
         threads = self.options.threads()
@@ -512,7 +647,7 @@ class _Bake:
                 stats = [self.hashed_stats.get(p) for p in run.paths]
                 source = HeldSource(self.source, self.held) if len(self.held) else self.source
                 items = decoded_items(run.paths, source, threads.decode_workers, stats)
-                run.feed(items, self.runner, checkpoint)
+                run.feed(items, runner, checkpoint)
             except RuntimeError as e:  # torch's SIGCHLD handler can raise it anywhere
                 raise (worker_death(e) or e) from None
             finally:
@@ -521,8 +656,8 @@ class _Bake:
                 writer.close()
                 self.report.bytes_written = writer.bytes_written
                 self.report.shards_written = writer.shards
-                self.report.batching, self.report.batching_note = self.runner.mode, self.runner.note
-        if self.runner.inexact and run.padded:  # padding failed a later check: redo the rest
+                self.report.batching, self.report.batching_note = runner.mode, runner.note
+        if runner.inexact and run.padded:  # padding failed a later check: redo the rest
             self.encode_padded_again(run.padded)
         run.tick()  # the last word: every byte sealed, none pending
         self.compactor.record(self.report, self.catalog, self.layout, self.options.max_error)
@@ -570,7 +705,7 @@ class _Bake:
     def writer(self) -> WriterThread:
         """A writer thread for this build's features (a rank's records its shards in fragments)."""
         sink = self.catalog if isinstance(self.catalog, RankCatalog) else None
-        fps = (self.enc.fingerprint, self.report.recipe_fp)
+        fps = (self.report.encoder_fp, self.report.recipe_fp)
         opts = self.options
         return WriterThread(self.layout, *fps, opts.shard_bytes, sink, opts.seal_seconds)
 
