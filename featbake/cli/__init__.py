@@ -12,7 +12,10 @@ def main(argv: list[str] | None = None) -> None:
     process that only watches needs none of them (0.1-0.2 s of every build; issue 32 item 15).
     """
     from featbake.cli.supervise import supervise_if_build
+    from featbake.process import pause_gc_for_startup
 
+    if argv is None:  # the command line: this process is the command's own (featbake/process.py)
+        pause_gc_for_startup()
     supervise_if_build(sys.argv[1:] if argv is None else argv)
     from featbake.cli.main import main as run
 

@@ -22,6 +22,7 @@ from rich.progress import (
 )
 from rich.text import Text
 
+from featbake.process import end_startup
 from featbake.progress import MIN_RATE_SECONDS, bytes_text, progress_line
 from featbake.units import format_bytes
 from featbake.version import __version__
@@ -152,6 +153,7 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
+    ctx: typer.Context,
     version: Annotated[
         bool,
         typer.Option(
@@ -160,6 +162,8 @@ def _root(
     ] = False,
 ) -> None:
     """Compute a frozen encoder's features once; serve them at training time."""
+    if ctx.invoked_subcommand != "build":  # a build's start-up ends after it imports torch
+        end_startup()
 
 
 # == render ========================================================================================

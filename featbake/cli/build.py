@@ -24,6 +24,7 @@ from featbake.cli.app import (
     tick_bar,
 )
 from featbake.errors import BuildIncomplete, ConfigError
+from featbake.process import end_startup
 from featbake.units import format_bytes, parse_bytes
 
 
@@ -324,6 +325,7 @@ def build(
     from featbake.recipe import Recipe
     from featbake.store.open import open_store
 
+    end_startup()  # torch and the build's modules are imported: the collector resumes
     if layer is not None and layers is not None:
         raise ConfigError("give --layer or --layers, not both")
     if batching not in set(Batching):
@@ -344,10 +346,7 @@ def build(
         image=image_steps_for(encoder, source, image_changes),
         text=text_steps_for(encoder, {k: ctx.params[k] for k in TEXT_OPTIONS}),
     )
-    try:
-        shard_bytes = parse_bytes(shard_size)
-    except ConfigError as e:
-        raise ConfigError(f"--shard-size: {e}") from e
+    shard_bytes = _shard_bytes(shard_size)
     bar = progress_bar()
     # Under torchrun only rank 0 draws a bar (it shows its own part), not N bars interleaved.
     on_progress = tick_bar(bar, {}) if os.environ.get("RANK", "0") == "0" else None
@@ -376,6 +375,14 @@ def build(
             column=column,
         )
     _report(reports, as_json)
+
+
+def _shard_bytes(shard_size: str) -> int:
+    """``--shard-size`` in bytes (its error names the option)."""
+    try:
+        return parse_bytes(shard_size)
+    except ConfigError as e:
+        raise ConfigError(f"--shard-size: {e}") from e
 
 
 def _report(reports: list[Any], as_json: bool) -> None:
