@@ -554,10 +554,30 @@ def expand_braces(pattern: str) -> list[str]:
 
 def is_webdataset(where: str) -> bool:
     """Whether ``--data`` names webdataset shards: a ``.tar`` (file, URL or brace pattern), or a
-    folder whose visible files are all ``.tar`` (one at least)."""
+    folder or bucket prefix whose visible files are all ``.tar`` (one at least)."""
     if where.lower().endswith(".tar"):
         return True
-    return not is_url(where) and holds_only(where, (".tar",))
+    if is_url(where):
+        return bucket_holds_only(where, (".tar",))
+    return holds_only(where, (".tar",))
+
+
+def bucket_holds_only(where: str, wanted: tuple[str, ...]) -> bool:
+    """Whether the bucket prefix ``where`` holds a visible object ending with ``wanted``, and no
+    visible object ending otherwise (one LIST; the scan lists again, as it does for any prefix).
+    A prefix that cannot be listed is no container: the bucket's own scan says why."""
+    try:
+        listing = Bucket(BucketURL.parse(where)).list("")
+    except (StoreError, ConfigError):
+        return False
+    names = [o.name.lower() for o in listing if not hidden_name(o.name)]
+    return bool(names) and all(n.endswith(wanted) for n in names)
+
+
+def hidden_name(name: str) -> bool:
+    """Whether an object's name has a hidden part (``.x/`` or ``.x``), passed over as a folder
+    scan passes hidden files."""
+    return any(part.startswith(".") for part in name.split("/"))
 
 
 def holds_only(where: str, wanted: tuple[str, ...], also: tuple[str, ...] = ()) -> bool:
@@ -604,7 +624,8 @@ class WebDataset:
     its key, in shard and tar order.
 
     Args:
-        data: a ``.tar``, a folder of ``.tar`` files, or a brace pattern ``shard-{000..009}.tar``.
+        data: a ``.tar``, a folder of ``.tar`` files, a brace pattern ``shard-{000..009}.tar``,
+            or a bucket prefix holding only ``.tar`` objects (``s3://bucket/shards/``).
         column: the extension of the member to encode (``jpg``); None: the sample's first member
             of the source's kind.
     """
@@ -618,7 +639,12 @@ class WebDataset:
         self.known: HashCache | None = None
         self.fresh: list[HashRow] = []
         folder, name = os.path.split(os.path.expanduser(data))
-        if is_url(data):
+        #: a bucket prefix of tars only: its shards are the scan's listing's ``.tar`` objects
+        self.prefix = is_url(data) and not data.lower().endswith(".tar")
+        if self.prefix:
+            self.where = self.folder = str(BucketURL.parse(data))
+            self.tars = []  # listed by the scan
+        elif is_url(data):
             self.where, self.folder = data, folder
             self.tars = [f"{folder}/{n}" for n in expand_braces(name)]
         elif "{" in name:
@@ -656,6 +682,12 @@ class WebDataset:
         skipped: list[SkippedInput] = []
         seen: dict[str, str] = {}
         objects = self._list_objects()
+        if self.prefix:
+            self.tars = sorted(
+                url
+                for url in objects
+                if url.lower().endswith(".tar") and not hidden_name(url[len(self.folder) + 1 :])
+            )
         for tar in self.tars:
             try:
                 samples, odd = samples_of(tar, self._members(tar, objects))

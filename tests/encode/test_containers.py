@@ -683,6 +683,44 @@ def test_shards_in_a_bucket_are_read_by_ranged_gets_and_a_rebuild_reads_no_byte(
     assert {name for name, _ in gets} == {"shard-001.tar"}
 
 
+def test_a_bucket_prefix_of_tars_only_is_read_as_shards_as_a_local_folder_is(
+    s3: Any, tmp_path: Path, gets: list[tuple[str, int]]
+) -> None:
+    """``--data s3://bucket/shards/`` holding only ``.tar`` objects was read as plain objects
+    (each tar one item, refused as no image); now it is the shards, in name order, as a local
+    folder of tars is: each sample one item, served equal to the encoder run now. A prefix
+    with any other object stays a prefix of objects."""
+    from featbake.encode.containers import WebDataset
+    from featbake.encode.inputs import BucketInputs, inputs_at
+
+    images = photographs(tmp_path)
+    half = len(images) // 2
+    shards = {
+        "shard-000.tar": write_tar(tmp_path / "a.tar", image_samples(images[:half])),
+        "sub/shard-001.tar": write_tar(tmp_path / "b.tar", image_samples(images[half:], half)),
+        ".hidden.json": tmp_path / "a.tar",  # hidden: passed over, as a folder scan does
+    }
+    prefix = f"s3://{s3.bucket}/shards/"
+    upload_shards(prefix, shards)
+    assert isinstance(inputs_at(prefix), WebDataset)
+    encoder, store = image_encoder(), tmp_path / "store"
+    report = build(prefix, encoder, cache=store, recipe=IMAGE_RECIPE, workers=0)
+    assert (report.encoded, report.failed) == (len(images), [])
+    assert report.data == f"s3://{s3.bucket}/shards"
+    assert gets and all(n > 0 for _, n in gets)  # ranged GETs only, never a whole object
+    stored = stored_features(store, report.root)
+    assert list(stored) == [f"sample{i:04d}" for i in range(len(images))]
+    for (key, parts), jpg in zip(stored.items(), images, strict=True):
+        assert torch.equal(parts[""], run_now(encoder, image_tensor(jpg))), key
+    ds = CachedFeatureDataset(prefix, encoder, cache=store, recipe=IMAGE_RECIPE, on_miss="error")
+    assert [ds.item_id(i) for i in range(len(ds))] == list(stored)
+    assert torch.equal(ds[half], run_now(encoder, image_tensor(images[half])))
+
+    upload_shards(prefix, {"cover.jpg": tmp_path / "a.tar"})  # not only tars now
+    assert isinstance(inputs_at(prefix), BucketInputs)
+    assert isinstance(inputs_at(f"s3://{s3.bucket}/none/"), BucketInputs)  # empty: objects
+
+
 def test_a_dataset_encodes_a_bucket_shards_misses_live_from_ranged_reads(
     s3: Any, tmp_path: Path
 ) -> None:
