@@ -29,7 +29,8 @@ hashed once through the hash cache (keyed by the file's path), however many segm
 and its header read once to check every segment's bounds. Decoding a segment seeks to it and
 reads only its samples (:meth:`featbake.encode.sources.AudioSource.load_span`), then mixes,
 resamples, crops and normalises it exactly as a whole file: a recording is read about once for
-all its segments, never once per segment.
+all its segments, never once per segment. A file only whole-file rows name is read once in a
+first build: hashed from bytes kept (within the build's budget) to decode its rows.
 
 **Bad rows** are skipped, one line each naming the manifest's line (the build then exits 3):
 malformed JSON, a missing input column, a bad ``start``/``end``, a segment with ``start >= end``
@@ -305,9 +306,10 @@ class RowInputs:
     ) -> tuple[dict[str, str], dict[str, str]]:
         """Each row's digest (its file's SHA-256, or its segment's :func:`item_digest`), every
         file hashed once through the hash cache and its header read once for the bounds.
-        ``held``, if given, keeps each ``s3://`` object's bytes read for its digest under its
-        rows' paths (one copy, counted once), for the build to decode them without a second
-        GET; a local file's segments are read by seeking, as before.
+        ``held``, if given, keeps each ``s3://`` object's bytes read for its digest, and each
+        local file's that only whole-file rows name, under its rows' paths (one copy, counted
+        once, within the budget), for the build to decode them without a second GET or read;
+        a local file's segments are read by seeking, as before.
 
         Returns:
             (path -> digest, path -> why the row cannot be an item); ``stats`` is filled with
@@ -318,7 +320,8 @@ class RowInputs:
         files = list(dict.fromkeys(it.file for it in items))
         file_stats: dict[str, FileStat] = {}
         local = [f for f in files if not is_url(f)]
-        digests, failed = hash_inputs(catalog, local, progress, file_stats)
+        whole = whole_files(items) if held is not None else set()
+        digests, failed = hash_inputs(catalog, local, progress, file_stats, held, whole)
         urls = [f for f in files if is_url(f)]
         got, lost = object_digests(catalog, urls, file_stats, held)
         digests.update(got)
@@ -339,17 +342,26 @@ class RowInputs:
             out[path] = sha if it.span is None else segment_digest(sha, it.span)
         if held is not None:
             good = {p: it.file for p, it in zip(paths, items, strict=True) if p in out}
-            held_by_row(held, urls, good)
+            held_by_row(held, [*urls, *(f for f in local if f in whole)], good)
         return out, bad
 
     def source(self, inner: Source) -> Source:
         return SegmentSource(inner, self.by_path)
 
 
+def whole_files(items: Sequence[Item]) -> set[str]:
+    """The local files every row of which is the whole file: a first build hashes them from
+    bytes it keeps to decode (read once, issue 31 item 3). A file with a segment row is hashed
+    streamed and its segments decoded by seeking: holding a long recording whole is what
+    segments exist to avoid."""
+    spans = {it.file for it in items if it.span is not None}
+    return {it.file for it in items if it.file not in spans and not is_url(it.file)}
+
+
 def held_by_row(held: HeldBytes, urls: Sequence[str], file_of: Mapping[str, str]) -> None:
-    """Move each object's bytes in ``held`` from its URL (kept so while hashing) to the paths
-    of its rows (``file_of``: row path -> its file; a row failed before is left out): the
-    build decodes by row, each row of one object from the same bytes."""
+    """Move each object's (or whole local file's) bytes in ``held`` from its URL or path (kept
+    so while hashing) to the paths of its rows (``file_of``: row path -> its file; a row failed
+    before is left out): the build decodes by row, each row of one object from the same bytes."""
     rows: dict[str, list[str]] = {url: [] for url in urls}
     for path, file in file_of.items():
         if file in rows:
