@@ -311,6 +311,29 @@ def read_member(tar: str, member: Member) -> bytes:
     return data
 
 
+def read_member_checked(tar: str, member: Member) -> tuple[bytes, FileStat | None]:
+    """The bytes of one member and its tar's stat as of reading them (None: a file gone): an
+    object's from the ranged GET that carried the bytes (one request, no HEAD beside it), a
+    file's stat'ed after the read.
+
+    Raises:
+        SourceError: the tar cannot be read, or ends inside the member (truncated).
+    """
+    if not is_url(tar):
+        data = read_member(tar, member)
+        return data, file_stat_or_none(tar)
+    bucket, name = object_at(tar)
+    try:
+        got = bucket.read_range_of(name, member.offset, member.size)
+    except FileNotFoundError:
+        raise SourceError(f"{tar}: object not found (deleted since the listing?)") from None
+    except StoreError as e:
+        raise SourceError(str(e)) from e
+    if len(got.data) != member.size:
+        raise SourceError(truncated(tar, member, len(got.data)))
+    return got.data, object_stat(got.info)
+
+
 def truncated(tar: str, member: Member, got: int) -> str:
     return (
         f"{tar}:{member.name}: truncated tar member ({got} of {member.size} bytes); "
@@ -366,8 +389,9 @@ def member_digests(
 #   (a sample's members are adjacent), to decode by one ranged GET of its bytes.
 #
 # A shard rewritten since it was listed has another ETag: its listing and digests are read again.
-# A member decoded is checked against the shard's stat by a HEAD (a ranged GET's ETag is the
-# object's), as a local member is by its tar's stat.
+# A member decoded is checked against the shard's stat as the ranged GET of its bytes gives it (a
+# ranged response's ETag, Last-Modified and Content-Range total are the object's): one request
+# per member, no HEAD; a local member is checked by its tar's stat.
 
 #: Bytes one GET reads while listing a tar's headers (a header is 512 bytes).
 HEADER_BLOCK = 1 << 16
@@ -892,8 +916,8 @@ class MemberSource:
         Raises:
             SourceError: the tar changed since it was hashed, or the member cannot be decoded.
         """
-        data = self.read(path)
-        if stat is None or _stat_or_none(split_item_path(path)[0]) != stat:
+        data, now = read_member_checked(*self.index.member(path))
+        if stat is None or now != stat:
             raise SourceError(f"{path}: changed while featbake was reading it; rerun the build")
         return self.inner.load(path, io.BytesIO(data))
 

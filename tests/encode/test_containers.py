@@ -721,6 +721,47 @@ def test_a_bucket_prefix_of_tars_only_is_read_as_shards_as_a_local_folder_is(
     assert isinstance(inputs_at(f"s3://{s3.bucket}/none/"), BucketInputs)  # empty: objects
 
 
+def test_a_bucket_member_decoded_costs_one_ranged_get_and_no_head(
+    s3: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A member decoded from a bucket shard was read by a ranged GET and checked against the
+    shard's stat by a HEAD: two requests per member. Now the GET's own response (ETag, last
+    change, Content-Range total) is the stat checked: one request per member, counted by the
+    server; a shard rewritten since its digests still fails the member, naming it."""
+    import featbake.encode.fingerprints
+    from featbake.encode.containers import WebDataset
+
+    images = photographs(tmp_path)
+    prefix = f"s3://{s3.bucket}/shards"
+    upload_shards(prefix, {"only.tar": write_tar(tmp_path / "a.tar", image_samples(images))})
+    data = f"{prefix}/only.tar"
+    target = f"/{s3.bucket}/shards/only.tar"
+    # No bytes held from hashing: every member is decoded from the bucket, checked.
+    monkeypatch.setattr(featbake.encode.fingerprints, "HELD_BYTES", 0)
+    encoder, store = image_encoder(), tmp_path / "store"
+    mark = s3.log_mark()
+    report = build(data, encoder, cache=store, recipe=IMAGE_RECIPE, workers=0)
+    assert (report.encoded, report.failed) == (len(images), [])
+    asked = [r for r in s3.requests(mark) if r.name.partition("?")[0] == target]
+    heads = [r for r in asked if r.method == "HEAD"]
+    assert len(heads) == 1  # the hash's check that the shard held still; none per member
+    stored = stored_features(store, report.root)
+    for (key, parts), jpg in zip(stored.items(), images, strict=True):
+        assert torch.equal(parts[""], run_now(encoder, image_tensor(jpg))), key
+
+    shards = WebDataset(data)
+    rels = shards.scan(source_for(IMAGE_RECIPE).extensions).inputs
+    source = shards.source(source_for(IMAGE_RECIPE))
+    stat, path = shards.listed[data], shards.path(rels[1])
+    mark = s3.log_mark()
+    got = source.load_unchanged(path, stat)  # type: ignore[attr-defined]
+    assert torch.equal(got, image_tensor(images[1]))
+    assert [(r.method, r.status) for r in s3.requests(mark)] == [("GET", 206)]
+    upload_shards(prefix, {"only.tar": write_tar(tmp_path / "b.tar", image_samples(images[::-1]))})
+    with pytest.raises(SourceError, match=r"only.tar:sample0001.jpg: changed while"):
+        source.load_unchanged(path, stat)  # type: ignore[attr-defined]
+
+
 def test_a_dataset_encodes_a_bucket_shards_misses_live_from_ranged_reads(
     s3: Any, tmp_path: Path
 ) -> None:
