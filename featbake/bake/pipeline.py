@@ -85,10 +85,9 @@ def catalog_for_part(
     written in place), after bringing in the bucket's fragments: a rerun on another node skips
     what the killed run sealed.
     """
-    if not spec.sharded and layout.remote is None:
+    if not spec.sharded and layout.catalog_in_place:
         return Catalog(layout), rel_paths
-    if layout.remote is not None:
-        layout.remote.sync_fragments()
+    layout.sync_fragments()
     sizes = [inputs.size(p) for p in rel_paths]
     listing = list(zip(rel_paths, sizes, strict=True))
     mine = my_part(sizes, spec) if spec.sharded else list(range(len(rel_paths)))
@@ -158,7 +157,7 @@ def finish_part(layout: Layout, spec: RankSpec) -> bool:
     when they are all done (a SLURM job with ``--dependency=afterok`` on the array). A single
     process building into a bucket store merges (publishes the next catalog version) itself.
     """
-    if not spec.sharded and layout.remote is not None:
+    if not spec.sharded and not layout.catalog_in_place:
         merge_store(layout)
         return True
     if not spec.launched_together:

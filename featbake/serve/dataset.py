@@ -103,7 +103,7 @@ def serving_layout(
     """
     layout = open_store(cache, local_cache=local_cache, local_cache_size=local_cache_size)
     if not layout.catalog.exists() and not layout.shards.exists():
-        where = layout.remote or layout.root.absolute()
+        where = layout.describe()
         if on_miss == "error":
             raise StoreError(
                 f"there is no featbake store at {where}; check cache= (or $FEATBAKE_CACHE), "
@@ -473,11 +473,8 @@ class CachedFeatureDataset(ProcessLocalState, Dataset):
         order reads, in order, or None when the reads follow none: it then fetches a window's
         shards whole, the next window's ahead (see ``BucketStore.follow_blocks``). Whether the
         store follows it (a local store has nothing to fetch)."""
-        remote = self._layout.remote
-        if remote is None:
-            return False
         names = self._index.shard_names
-        return remote.follow_blocks(
+        return self._layout.follow_blocks(
             None if windows is None else [[names[s] for s in w] for w in windows]
         )
 

@@ -534,9 +534,7 @@ class Reads:
                 # A bucket store's shard not open yet would be fetched whole here: a hint never
                 # waits for that; it starts the fetch in the background instead (read by
                 # ranges, opening reads its header, and GETs start).
-                remote = self.layout.remote
-                if remote is not None and not remote.reads_ranged():
-                    remote.prefetch(path.name.removesuffix(".safetensors"))
+                if self.layout.fetch_ahead(path.name.removesuffix(".safetensors")):
                     continue
                 if len(readers) >= st.handles.max_open:
                     continue

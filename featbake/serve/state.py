@@ -605,9 +605,7 @@ class ProcessState:
     ) -> None:
         self.catalogs = catalogs
         self.writeback = writeback
-        self.handles = ShardHandles(
-            max_open=max_open_shards, verify=verify, remote=catalogs.layout.remote
-        )
+        self.handles = ShardHandles.of(catalogs.layout, max_open_shards, verify)
         self.open_readers = self.handles.open_readers  # checked by the hit path
         self.last_path: Path | None = None
         self.lru = ram_tier(ram_total)
