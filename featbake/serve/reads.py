@@ -476,8 +476,7 @@ class Reads:
     @staticmethod
     def locate(st: ProcessState, key: str) -> list[Location]:
         """The catalog's current locations of ``key`` (empty: not stored)."""
-        with st.catalogs.scoped() as catalog:
-            return catalog.locate(key)
+        return st.catalog.locate(key)
 
     def located_value(self, st: ProcessState, locs: Sequence[Location]) -> Any:
         """A feature read from catalog locations ``locs``: its tensor, or a dict of parts.

@@ -29,7 +29,7 @@ from featbake.serve.state import TOUCH_FLUSH_SECONDS, TOUCH_FLUSH_SECONDS_SHARED
 from featbake.store.catalog import Catalog, RootSpec
 from featbake.store.fragments import (
     FragmentKind,
-    FragmentServingCatalog,
+    FragmentCatalog,
     fragment_shard_names,
     merge,
     read_fragment,
@@ -201,13 +201,13 @@ def test_merge_keeps_a_root_built_after_the_dataset_made_its_manifest(
     args = {"data": "/d", "encoder_label": "e", "encoder_fp": "e" * 64, "recipe_fp": "r" * 64}
     with Catalog(layout) as cat:
         cat.replace_root(RootSpec("r", **args, recipe={}), [("a.wav", "k1")], now=1.0)
-    served = FragmentServingCatalog(layout)
+    served = FragmentCatalog(layout)
     served.replace_root(RootSpec("r", **args, recipe={}), [("a.wav", "k1"), ("b.wav", "k2")])
     served.close()
     merge(Layout(layout.root))
     with Catalog(layout) as cat:  # the dataset's manifest is newer than the catalog's: it wins
         assert [tuple(x) for x in cat.root_items("r")] == [("a.wav", "k1"), ("b.wav", "k2")]
-        served = FragmentServingCatalog(layout)
+        served = FragmentCatalog(layout)
         served.replace_root(RootSpec("r", **args, recipe={}), [("old.wav", "k0")])
         served.close()  # its fragment is sealed now ...
         later = time.time() + 60
@@ -312,7 +312,7 @@ def test_an_unreadable_serving_fragment_is_named_with_what_moving_it_aside_loses
     tmp_path: Path,
 ) -> None:
     layout = Layout(tmp_path / "store").ensure()
-    FragmentServingCatalog(layout).touch(["k" * 64])
+    FragmentCatalog(layout).touch(["k" * 64])
     (path,) = serve_fragments(layout.root)
     path.write_bytes(b"not sqlite" * 100)
     with pytest.raises(StoreCorrupt, match=r"serving fragment .* encoded again when next needed"):
