@@ -799,6 +799,7 @@ class FragmentCatalog:
             self.layout, self._info(), kind, shards, items, hashes, uses, fidelity
         )
         self._pending = {}
+        self._seen.add(path.name)  # its shards are known here: refresh reads it not again
         if carries:  # sealed once: a fragment stands alone
             self._hashes, self._encoder, self._spec, self._items = {}, None, None, []
         self.fragments.append(path.name)

@@ -13,6 +13,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -28,14 +29,16 @@ from featbake.serve.dataset import CachedFeatureDataset
 from featbake.serve.state import TOUCH_FLUSH_SECONDS, TOUCH_FLUSH_SECONDS_SHARED, WRITEBACK_SECONDS
 from featbake.store.catalog import Catalog, RootSpec
 from featbake.store.fragments import (
-    FragmentKind,
     FragmentCatalog,
+    FragmentKind,
+    RankPart,
     fragment_shard_names,
     merge,
     read_fragment,
     sealed_fragments,
 )
 from featbake.store.layout import Layout, SharedFilesystemWarning
+from featbake.store.shard import write_shard
 from featbake.testing import make_tone, write_audio_folder
 from tests.conftest import REPO, invoke, live_features, run_cli
 
@@ -362,3 +365,44 @@ def test_a_writer_killed_mid_transaction_is_named_and_the_next_merge_rolls_it_ba
     ds.close()
     verify = run_cli("verify", "--cache", store_dir, env=SHARED)
     assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def test_one_fragment_catalog_seals_a_ranks_part_and_done_and_a_readers_serve_fragments(
+    tmp_path: Path,
+) -> None:
+    """Issue 27: one FragmentCatalog, one seal path, for a build rank (``part`` per shard, then
+    ``done`` with its manifest slice) and a serving process (``serve``), told apart by its
+    ``fragmented`` property, not its class; a serving one is used from any thread (a
+    finalizer's), and what another thread sealed is read back here before any merge."""
+    layout = Layout(tmp_path / "store").ensure()
+    efp, rfp = "e" * 64, "r" * 64
+    built, served = "a" * 64, "b" * 64
+    spec = RootSpec("r", "/d", "enc", efp, rfp, {})
+    rank = FragmentCatalog(layout, RankPart(0, 1, [("a.wav", 10)]))
+    with Catalog(layout) as cat:
+        assert rank.fragmented and not cat.fragmented
+    rank.record_encoder(efp, "enc", "torchscript")
+    rank.replace_root(spec, [("a.wav", built)])
+    rank.add_shard(write_shard(layout, {built: torch.ones(3)}, efp, rfp))
+    assert rank.finish() is not None
+    rank.close()
+    assert sorted(n.kind for n in sealed_fragments(layout)) == [
+        FragmentKind.DONE,
+        FragmentKind.PART,
+    ]
+
+    reader = FragmentCatalog(layout)
+    assert reader.fragmented and reader.kind is FragmentKind.SERVE
+    shard = write_shard(layout, {served: torch.full((2,), 2.0)}, efp, rfp)
+    sealer = threading.Thread(target=reader.add_shard, args=(shard,))  # e.g. a finalizer
+    sealer.start()
+    sealer.join()
+    assert [loc.shard for loc in reader.locate(served)] == [shard.name]  # no merge yet
+    reader.close()
+    serve = [n for n in sealed_fragments(layout) if n.kind is FragmentKind.SERVE]
+    assert len(serve) == 1 and serve[0].build_id == reader.serve_id
+
+    merge(layout)
+    with Catalog(layout) as cat:
+        assert [tuple(i)[-2:] for i in cat.root_items("r")] == [("a.wav", built)]
+        assert cat.present_keys([built, served]) == {built, served}
