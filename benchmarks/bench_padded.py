@@ -11,9 +11,15 @@ transformer layers with a padding mask; 256 wide, 4 layers), three ways, side by
 3. a bare loop: decode each clip and run the encoder on it alone, storing nothing (what a
    hand-written extraction script does at batch 1).
 
-Reported as items/s and the ratios padded / bare and padded / exact. ``--model hf-base`` runs
-a wav2vec2-base-sized Hugging Face model (95M parameters, built from a config, random weights)
-instead, for the GPU target (>= 2.5x batch 1); ``--device cuda --precision bf16`` runs it there.
+Reported as items/s and the ratios padded / bare and padded / exact, with what each arm ran:
+the distinct input lengths the encoder saw (on a GPU each new one's first call costs ~55 ms of
+kernel choice), the padded batches and the guard's runs alone. Two more padded builds: the same
+with the padded lengths exact (on a GPU the default steps them, ``PadLengths.STEPPED``; on the
+CPU both are exact) and with the guard off (the guard's share of the build).
+
+``--model hf-base`` runs a wav2vec2-base-sized Hugging Face model (95M parameters, built from a
+config, random weights) instead, for the GPU target (>= 2.5x batch 1); ``--device cuda
+--precision bf16`` runs it there.
 
 Run: ``python benchmarks/bench_padded.py [--quick] [--device cuda] [--precision bf16]
 [--model hf-base]``.
@@ -22,10 +28,12 @@ Run: ``python benchmarks/bench_padded.py [--quick] [--device cuda] [--precision 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +43,7 @@ sys.path.insert(0, str(REPO))
 from featbake.bake import batching as padded
 from featbake.bake.pipeline import build
 from featbake.device import synchronize
+from featbake.encode import encoders
 from featbake.encode.encoders import LoadedEncoder
 from featbake.encode.loaders import load_encoder
 from featbake.encode.outputs import encode_batch
@@ -65,6 +74,47 @@ def make_encoder(work: Path, model: str) -> Path:
     return save_torchscript(LengthsEncoder(dim=256, layers=4), work / "lengths.pt")
 
 
+class Calls:
+    """The input shapes of every encoder call in a block (``LoadedEncoder.run`` wrapped)."""
+
+    def __init__(self) -> None:
+        self.shapes: list[tuple[int, ...]] = []
+
+    def lengths(self) -> int:
+        """Distinct input lengths run (padded batches and runs alone together)."""
+        return len({shape[-1] for shape in self.shapes})
+
+    def batches(self) -> int:
+        """Calls of more than one row."""
+        return sum(1 for shape in self.shapes if shape[0] > 1)
+
+    def alone(self) -> int:
+        """Calls of one row (in a padded build: the guard's runs, and batches of one clip)."""
+        return sum(1 for shape in self.shapes if shape[0] == 1)
+
+    def summary(self) -> str:
+        return (
+            f"{self.lengths()} distinct lengths run, {len(set(self.shapes))} shapes; "
+            f"{self.batches()} batches, {self.alone()} runs of one clip"
+        )
+
+
+@contextlib.contextmanager
+def recorded_calls() -> Iterator[Calls]:
+    """Every ``LoadedEncoder.run`` in the block adds its batch's shape to the ``Calls``."""
+    calls, run = Calls(), encoders.LoadedEncoder.run
+
+    def recording(self: LoadedEncoder, batch: Any, lengths: Any = None) -> Any:
+        calls.shapes.append(tuple(batch.shape))
+        return run(self, batch, lengths)
+
+    encoders.LoadedEncoder.run = recording  # type: ignore[method-assign]
+    try:
+        yield calls
+    finally:
+        encoders.LoadedEncoder.run = run  # type: ignore[method-assign]
+
+
 def bare_loop(data: Path, enc: LoadedEncoder, recipe: Recipe) -> float:
     """Seconds to decode and encode every clip alone (batch 1), storing nothing."""
     source = source_for(recipe)
@@ -92,7 +142,8 @@ def main(
         # selects its kernels (~55 ms a new length for wav2vec2-base on an H200, measured), so an
         # arm that ran after another on the same clips would be spared that cost, as real data
         # never spares it (the bare loop ran last and was timed 3.8x faster than on new clips).
-        data = {arm: work / arm for arm in ("padded", "exact", "unguarded", "bare")}
+        arms = ("padded", "padded-exact-lengths", "exact", "unguarded", "bare")
+        data = {arm: work / arm for arm in arms}
         for seed, folder in enumerate(data.values(), start=9):
             write_audio_folder(folder, n, seconds=seconds, seed=seed)
         encoder = make_encoder(work, model)
@@ -102,9 +153,14 @@ def main(
         # loading) are billed to no side, as the bare loop's warm-up run does for it.
         write_audio_folder(work / "warm", 4, seconds=(1.0, 3.0), seed=30)
         timed_build(work / "warm", encoder, work / "warm-store", recipe, **common)
-        t_pad, rep_pad = timed_build(
-            data["padded"], encoder, work / "pad", recipe, batching="padded", **common
-        )
+        with recorded_calls() as pad_calls:
+            t_pad, rep_pad = timed_build(
+                data["padded"], encoder, work / "pad", recipe, batching="padded", **common
+            )
+        with recorded_calls() as exact_lengths_calls:
+            t_exact_lengths = exact_lengths_build(
+                data["padded-exact-lengths"], encoder, work / "pel-store", recipe, **common
+            )
         t_exact, rep_exact = timed_build(
             data["exact"], encoder, work / "exact-store", recipe, batching="exact", **common
         )
@@ -114,7 +170,8 @@ def main(
         enc = load_encoder(encoder, device=device)
         bare_recipe = recipe.replace(normalize=model == "hf-base")
         bare_loop(work / "warm", enc, bare_recipe)  # the process's first-call costs, as above
-        t_bare = bare_loop(data["bare"], enc, bare_recipe)
+        with recorded_calls() as bare_calls:
+            t_bare = bare_loop(data["bare"], enc, bare_recipe)
         assert rep_pad.encoded == n and rep_exact.encoded == n
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -136,14 +193,39 @@ def main(
         row("padded", "padded vs exact-shape batching", t_exact / t_pad, "x", note=what),
         row(
             "padded",
-            "guard cost: padded build, every batch checked vs the guard off",
+            "padded: distinct input lengths run (padded batches and guard runs)",
+            pad_calls.lengths(),
+            "lengths",
+            note=f"{pad_calls.summary()}; bare loop: {bare_calls.summary()}",
+        ),
+        row(
+            "padded",
+            "padded (default lengths) vs padded to exact lengths",
+            t_exact_lengths / t_pad,
+            "x",
+            target="report (the same build on the CPU)" if device == "cpu" else "report",
+            note=f"padded to exact lengths: {exact_lengths_calls.summary()}; {what}",
+        ),
+        row(
+            "padded",
+            "guard cost: padded build, the guard's chosen batches checked vs the guard off",
             100 * (t_pad / t_unguarded - 1),
             "%",
             target="< 10% (the build-overhead target)",
             ok=t_pad / t_unguarded - 1 < 0.10,
-            note=what,
+            note=f"{pad_calls.alone()} guard runs for {pad_calls.batches()} batches; {what}",
         ),
     ]
+
+
+def exact_lengths_build(data: Path, encoder: Path, store: Path, recipe: Recipe, **kw: Any) -> float:
+    """Seconds of the same padded build with each batch padded to its longest clip exactly."""
+    saved, padded.PAD_LENGTHS = padded.PAD_LENGTHS, padded.PadLengths.EXACT
+    try:
+        seconds, _ = timed_build(data, encoder, store, recipe, batching="padded", **kw)
+    finally:
+        padded.PAD_LENGTHS = saved
+    return seconds
 
 
 def unguarded_build(data: Path, encoder: Path, store: Path, recipe: Recipe, **kw: Any) -> float:

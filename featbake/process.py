@@ -11,6 +11,7 @@ import gc
 import math
 import os
 import threading
+import weakref
 from collections.abc import Callable, Collection, Iterator
 from typing import Any, Generic, NamedTuple, TypeVar, overload
 
@@ -195,8 +196,10 @@ def gc_paused() -> Iterator[None]:
 # made on first use and stamped with the pid that made it: a child makes its own, handing the
 # inherited value to ``on_inherited`` (to close its copies of the parent's fds), never using,
 # saving or closing it as its own. A holder mixes in :class:`ProcessLocalState`, the one
-# pickling rule (a copy carries the rest). A module-level value is a :class:`PerProcess`;
-# :class:`ProcessStamp` marks an object whose finalizer runs only where it was made.
+# pickling rule (a copy carries the rest). A module-level value is a :class:`PerProcess`, a
+# per-thread one (a SQLite connection) a :class:`PerThread`, whose values this module's one
+# fork hook keeps referenced in a child; :class:`ProcessStamp` marks an object whose
+# finalizer runs only where it was made.
 # diskcache does the same with one pid-stamped property. The pid is a variable a fork hook
 # refreshes (``os.getpid()`` is a system call): the check is one comparison.
 T = TypeVar("T")
@@ -204,16 +207,60 @@ T = TypeVar("T")
 _pid = os.getpid()
 
 
-def _refresh_pid() -> None:
+class _Slot:
+    """One thread's :class:`PerThread` value, tracked weakly so a fork can keep it."""
+
+    __slots__ = ("__weakref__", "value")
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+#: In a forked child, every thread's :class:`PerThread` values inherited from the parent: kept
+#: referenced, never used nor closed (a SQLite connection closed in a child would release or
+#: clobber its parent's locks).
+INHERITED_ACROSS_FORK: list[Any] = []
+_SLOTS: weakref.WeakSet[_Slot] = weakref.WeakSet()
+_SLOTS_LOCK = threading.Lock()
+_AT_FORK: list[Any] = []
+
+
+def _hold_before_fork() -> None:
+    # A forked child frees the parent's other threads' thread-locals (their slots) before any
+    # after-fork hook runs (collecting a sqlite3 connection closes it), so the references are
+    # taken here, in the parent. The lock is held across fork() so that no other thread's hold
+    # on it is copied into the child.
+    _SLOTS_LOCK.acquire()
+    _AT_FORK[:] = [s.value for s in _SLOTS]
+
+
+def _after_fork_in_parent() -> None:
+    _AT_FORK.clear()
+    _SLOTS_LOCK.release()
+
+
+def _after_fork_in_child() -> None:
     global _pid
     _pid = os.getpid()
+    INHERITED_ACROSS_FORK.extend(_AT_FORK)
+    _AT_FORK.clear()
+    _SLOTS_LOCK.release()
 
 
-os.register_at_fork(after_in_child=_refresh_pid)
+os.register_at_fork(
+    before=_hold_before_fork,
+    after_in_parent=_after_fork_in_parent,
+    after_in_child=_after_fork_in_child,
+)
 
 
 class ProcessStamp:
     """The process something was made in: :attr:`stale` in a forked copy of that process.
+
+    For finalizers (a write-back's seal at exit or collection), not a :class:`ProcessLocal`:
+    an inherited object is not replaced on use but must never act, and a forked child may
+    collect one while it clears the parent's other threads, before any fork hook has run, so
+    :attr:`stale` asks the kernel (``os.getpid()``), not the pid the hook refreshes.
 
     Example:
         >>> ProcessStamp().stale
@@ -337,14 +384,77 @@ class ProcessLocal(Generic[T]):
         return None
 
 
+class PerThread(Generic[T]):
+    """An attribute with one value per thread and per process (a SQLite connection), made on
+    first use in the thread, never pickled: a :class:`ProcessLocal` ``threading.local``.
+
+    A thread's value is dropped (so collected) when the thread ends. Across ``fork`` every
+    thread's value is kept referenced in the child (:data:`INHERITED_ACROSS_FORK`), never used
+    nor closed there; the child's threads make their own.
+
+    Example:
+        >>> class Conns(ProcessLocalState):
+        ...     conn: PerThread[list[int]] = PerThread(lambda self: [])
+        >>> c = Conns()
+        >>> c.conn is c.conn, Conns.conn.reset(c) is not None, Conns.conn.peek(c)
+        (True, True, None)
+    """
+
+    def __init__(self, make: Callable[[Any], T]) -> None:
+        self.make = make
+        self.locals: ProcessLocal[threading.local] = ProcessLocal(lambda _: threading.local())
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.locals.__set_name__(owner, name)
+
+    @property
+    def key(self) -> str:
+        return self.locals.key
+
+    @overload
+    def __get__(self, instance: None, owner: type | None = None) -> PerThread[T]: ...
+    @overload
+    def __get__(self, instance: object, owner: type | None = None) -> T: ...
+    def __get__(self, instance: object | None, owner: type | None = None) -> Any:
+        if instance is None:
+            return self
+        local = self.locals.__get__(instance)
+        slot: _Slot | None = getattr(local, "slot", None)
+        if slot is not None:
+            return slot.value
+        value = self.make(instance)
+        slot = _Slot(value)
+        with _SLOTS_LOCK:
+            _SLOTS.add(slot)
+        local.slot = slot
+        return value
+
+    def peek(self, instance: object) -> T | None:
+        """This thread's value in this process, else None (never makes one)."""
+        slot = getattr(self.locals.peek(instance), "slot", None)
+        return None if slot is None else slot.value
+
+    def reset(self, instance: object) -> T | None:
+        """Forget this thread's value in this process and return it (for the caller to close);
+        None when it has none (an inherited one is kept, see :data:`INHERITED_ACROSS_FORK`)."""
+        local = self.locals.peek(instance)
+        slot: _Slot | None = getattr(local, "slot", None)
+        if slot is None:
+            return None
+        local.slot = None  # type: ignore[union-attr]
+        return slot.value
+
+
 _KEYS: dict[type, tuple[str, ...]] = {}
 
 
 def process_local_keys(cls: type) -> tuple[str, ...]:
-    """Where instances of ``cls`` keep their ProcessLocal values (all its bases' too)."""
+    """Where instances of ``cls`` keep their ProcessLocal (and PerThread) values (all its
+    bases' too)."""
     keys = _KEYS.get(cls)
     if keys is None:
-        found = (v for k in cls.__mro__ for v in vars(k).values() if isinstance(v, ProcessLocal))
+        kinds = (ProcessLocal, PerThread)
+        found = (v for k in cls.__mro__ for v in vars(k).values() if isinstance(v, kinds))
         keys = _KEYS[cls] = tuple(v.key for v in found)
     return keys
 
@@ -400,7 +510,9 @@ class PerProcess(Generic[T]):
 
 
 __all__ = [
+    "INHERITED_ACROSS_FORK",
     "PerProcess",
+    "PerThread",
     "ProcessLocal",
     "ProcessLocalState",
     "ProcessStamp",

@@ -15,12 +15,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from featbake.bake import batching
 from featbake.bake.batching import (
+    FEWER_BY,
+    FIRST_CHECKED,
+    PAD_STEPS,
     BatchingMode,
     BatchRunner,
+    GuardChoice,
     LengthBatcher,
+    Padding,
+    PadLengths,
     budget_samples,
+    pad_lengths_for,
     plan_by_length,
+    stepped_length,
 )
 from featbake.bake.pipeline import build
 from featbake.encode.encoders import (
@@ -42,17 +51,19 @@ from tests.helpers import rel_error, root_keys, stored_features
 
 
 # -- the planner (pure) ---------------------------------------------------------------------------
-def check_plan(lengths: list[int], plan: list[list[int]], batch_size: int, budget: int) -> None:
+def check_plan(
+    lengths: list[int], plan: list[list[int]], batch_size: int, budget: int, pad_to=int
+) -> None:
     flat = [i for batch in plan for i in batch]
     assert sorted(flat) == list(range(len(lengths)))  # every item exactly once
     assert flat == sorted(range(len(lengths)), key=lambda i: (lengths[i], i))  # length order
     for n, batch in enumerate(plan):
         assert 1 <= len(batch) <= batch_size
-        cost = len(batch) * max(lengths[i] for i in batch)
+        cost = len(batch) * pad_to(max(lengths[i] for i in batch))
         assert cost <= budget or len(batch) == 1  # over budget only alone
         if n + 1 < len(plan):  # greedy: the next item would not have fitted
             nxt = plan[n + 1][0]
-            assert len(batch) == batch_size or lengths[nxt] * (len(batch) + 1) > budget
+            assert len(batch) == batch_size or pad_to(lengths[nxt]) * (len(batch) + 1) > budget
 
 
 @settings(max_examples=300, deadline=None)
@@ -63,6 +74,19 @@ def check_plan(lengths: list[int], plan: list[list[int]], batch_size: int, budge
 )
 def test_plan_by_length_against_its_rules(lengths: list[int], batch_size: int, budget: int) -> None:
     check_plan(lengths, plan_by_length(lengths, batch_size, budget), batch_size, budget)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(1, 5000), max_size=60),
+    st.integers(1, 9),
+    st.integers(1, 20000),
+)
+def test_a_plan_padded_to_stepped_lengths_keeps_its_budget(
+    lengths: list[int], batch_size: int, budget: int
+) -> None:
+    plan = plan_by_length(lengths, batch_size, budget, stepped_length)
+    check_plan(lengths, plan, batch_size, budget, stepped_length)
 
 
 def test_plan_by_length_small_cases_exhaustively() -> None:
@@ -93,6 +117,107 @@ def test_length_batcher_releases_every_item_once_with_bounded_memory(
         seen.extend(batch)
     assert sorted(seen) == list(range(len(lengths)))
     assert batcher.pending == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(1, 4000), max_size=120), st.integers(1, 6), st.integers(50, 30000))
+def test_a_length_batcher_padding_to_stepped_lengths_keeps_its_budget(
+    lengths: list[int], batch_size: int, budget: int
+) -> None:
+    batcher = LengthBatcher(batch_size, budget, pad_to=stepped_length)
+    seen: list[int] = []
+    for batch in [b for i, n in enumerate(lengths) for b in batcher.add(n, i)] + batcher.flush():
+        seen.extend(batch)
+        longest = stepped_length(max(lengths[j] for j in batch))
+        assert len(batch) == 1 or len(batch) * longest <= budget
+    assert sorted(seen) == list(range(len(lengths)))
+
+
+# -- stepped padded lengths (pure) -------------------------------------------------------------
+def test_stepped_lengths_exhaustively() -> None:
+    """Every length up to 2**15: at least the longest, under 1/PAD_STEPS more, the same for a
+    stepped length, never less for a longer one, and PAD_STEPS lengths an octave."""
+    previous = 0
+    for n in range(1, 2**15 + 1):
+        padded = stepped_length(n)
+        assert n <= padded < n + n / PAD_STEPS or padded == n, n
+        assert stepped_length(padded) == padded and padded >= previous, n
+        previous = padded
+    for e in range(4, 15):  # the top of an octave steps to the next one's first length
+        octave = {stepped_length(n) for n in range(2**e, 2 ** (e + 1))}
+        assert len(octave - {2 ** (e + 1)}) == PAD_STEPS, e
+    assert stepped_length(16000) == 16384 and stepped_length(16001) == 16384
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 2**40))
+def test_stepped_lengths_of_long_inputs(n: int) -> None:
+    padded = stepped_length(n)
+    assert n <= padded < n * (1 + 1 / PAD_STEPS) or padded == n
+    assert stepped_length(padded) == padded
+
+
+def test_padded_lengths_step_for_audio_on_a_gpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert pad_lengths_for("cuda") is PadLengths.STEPPED
+    assert pad_lengths_for("cpu") is PadLengths.EXACT
+    assert pad_lengths_for("cuda", "text") is PadLengths.EXACT  # CLIP ends at 77 positions
+    monkeypatch.setattr(batching, "PAD_LENGTHS", PadLengths.STEPPED)
+    assert pad_lengths_for("cpu") is PadLengths.STEPPED
+    assert pad_lengths_for("cpu", "npy") is PadLengths.EXACT
+
+
+# -- the guard's choice of batches (pure) ---------------------------------------------------------
+def naive_wants(checked: list[Padding], padding: Padding, first: int) -> bool:
+    """The rule as written: the first batches, then padding unlike any checked."""
+    if len(checked) < first or not checked:
+        return True
+    return (
+        padding.samples > max(c.samples for c in checked)
+        or padding.fraction > max(c.fraction for c in checked)
+        or padding.samples * FEWER_BY < min(c.samples for c in checked)
+    )
+
+
+paddings = st.builds(
+    lambda n, extra: Padding(n, n + extra), st.integers(0, 5000), st.integers(1, 5000)
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(paddings, max_size=40), st.integers(0, 4))
+def test_guard_choice_against_the_rule(batches: list[Padding], first: int) -> None:
+    choice, checked = GuardChoice(first=first), []
+    for padding in batches:
+        wants = choice.wants(padding)
+        assert wants == naive_wants(checked, padding, first)
+        if wants:
+            choice.add(padding)
+            checked.append(padding)
+        else:  # what it skips, checked batches covered: no more padded, not much less
+            assert padding.samples <= max(c.samples for c in checked)
+            assert padding.fraction <= max(c.fraction for c in checked)
+            assert padding.samples * FEWER_BY >= min(c.samples for c in checked)
+    assert choice.checked == len(checked) >= min(first, len(batches))
+
+
+def test_the_guard_checks_few_of_many_batches_padded_alike() -> None:
+    """1024 clips of 1-20 s in batches of 16 (the GPU bench's shape): the guard's runs stop
+    growing with the batches (main checked all 94)."""
+    import random
+
+    gen, rate = random.Random(3), 16000
+    batcher = LengthBatcher(16, 160 * rate, pad_to=stepped_length)
+    lengths = [int(gen.uniform(1, 20) * rate) for _ in range(1024)]
+    plan = [b for n in lengths for b in batcher.add(n, n)] + batcher.flush()
+    choice = GuardChoice()
+    wanted = 0
+    for batch in plan:
+        padding = Padding.of(batch, stepped_length(max(batch)))
+        if choice.wants(padding):
+            wanted += 1
+            choice.add(padding)
+    assert len(plan) > 90 and FIRST_CHECKED <= wanted <= 15
+    assert len({stepped_length(max(b)) for b in plan}) <= 4.5 * PAD_STEPS  # 16000..320000
 
 
 def test_a_three_hour_file_is_released_alone_at_once() -> None:
@@ -239,8 +364,15 @@ class LeakyLengthsEncoder(nn.Module):
         return self.inner(wav, lengths)
 
 
+@pytest.fixture(params=[PadLengths.EXACT, PadLengths.STEPPED], ids=["exact", "stepped"])
+def pad_lengths(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> PadLengths:
+    """Padded lengths exact (the CPU's) and stepped (a GPU's), both run here on the CPU."""
+    monkeypatch.setattr(batching, "PAD_LENGTHS", request.param)
+    return request.param
+
+
 def test_the_guard_falls_back_to_exact_shapes_when_padding_leaks(
-    tmp_path: Path, varied_audio: Path
+    tmp_path: Path, varied_audio: Path, pad_lengths: PadLengths
 ) -> None:
     path = save_torchscript(LeakyLengthsEncoder(), tmp_path / "leaky.pt")
     report = build(varied_audio, path, cache=tmp_path / "s", workers=0, batch_size=8)
@@ -465,7 +597,7 @@ def write_clips(folder: Path, seconds: list[float], rate: int = 16000) -> None:
 
 
 def test_every_padded_batch_is_checked_so_a_late_padding_leak_stores_nothing_wrong(
-    tmp_path: Path,
+    tmp_path: Path, pad_lengths: PadLengths
 ) -> None:
     """Issue 16 item 1: the guard sampled the first two batches only. Here padding leaks only
     past 1 s of padding, which only the third (longest) batch reaches: every stored feature
@@ -490,10 +622,112 @@ def test_every_padded_batch_is_checked_so_a_late_padding_leak_stores_nothing_wro
         assert rel_error(parts[""], alone(plain, tmp_path / "clips" / rel, recipe)) < 1e-4, rel
 
 
-def test_with_every_batch_checked_the_note_says_so(tmp_path: Path, varied_audio: Path) -> None:
+def test_the_note_says_what_the_guard_checked(tmp_path: Path, varied_audio: Path) -> None:
     report = build(
         varied_audio, LengthsEncoder(), cache=tmp_path / "s", workers=0, batch_size=4,
         batching="padded",  # auto may time padding slower on this CPU and go exact
     )  # fmt: skip
     assert report.batching == BatchingMode.PADDED
-    assert "every batch checked" in report.batching_note
+    note = report.batching_note
+    assert "4 batches padded to 4 lengths; 4 checked, the first 3" in note, note
+    assert "stepped" not in note  # on the CPU padded lengths stay exact
+
+
+# -- stepped padded lengths and the guard's choice, in builds --------------------------------------
+def record_calls(module: nn.Module) -> list[tuple[int, int]]:
+    """(rows, padded length) of every call of ``module``."""
+    calls: list[tuple[int, int]] = []
+    module.register_forward_hook(lambda _m, args, _out: calls.append(tuple(args[0].shape)))
+    return calls
+
+
+def assert_stores_each_clip_alone(store: Path, root: str, clips: Path, module: nn.Module) -> None:
+    stored = stored_features(store, root)
+    assert stored
+    for rel, parts in stored.items():
+        assert rel_error(parts[""], alone(module, clips / rel, Recipe())) < 1e-4, rel
+
+
+def test_stepped_padded_lengths_recur_and_store_each_clip_as_run_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 31 item 5: on a GPU a new length's first call costs ~55 ms, and batches padded to
+    their longest clip ran a new length nearly every time. Stepped (as on a GPU, forced here on
+    the CPU), 40 clips of 1-1.4 s in batches of 4 run at most 5 padded lengths (exact: 10)."""
+    monkeypatch.setattr(batching, "PAD_LENGTHS", PadLengths.STEPPED)
+    gen = torch.Generator().manual_seed(11)
+    write_clips(tmp_path / "clips", [1.0 + 0.4 * float(u) for u in torch.rand(40, generator=gen)])
+    module = LengthsEncoder()
+    calls = record_calls(module)
+    report = build(tmp_path / "clips", module, cache=tmp_path / "s", workers=0, batch_size=4,
+                   batching="padded")  # fmt: skip
+    assert report.ok and report.encoded == 40 and report.batching == BatchingMode.PADDED
+    padded = [length for rows, length in calls if rows > 1]
+    assert len(padded) == 10 and all(stepped_length(n) == n for n in padded)
+    assert len(set(padded)) <= 5 < len(padded), padded
+    assert "stepped" in report.batching_note
+    assert f"10 batches padded to {len(set(padded))} lengths" in report.batching_note
+    assert_stores_each_clip_alone(tmp_path / "s", report.root, tmp_path / "clips", module)
+
+
+#: Batches of 4 in length order: three padded 0.2 s, then three padded less (0.15-0.12 s, a
+#: smaller fraction each): the guard checks the first three only.
+LESS_PADDED_LATER = [1.0, 1.1, 1.1, 1.2, 1.3, 1.4, 1.45, 1.5, 1.6, 1.7, 1.75, 1.8,
+                     1.9, 1.95, 2.0, 2.05, 2.1, 2.15, 2.2, 2.25, 2.3, 2.35, 2.4, 2.42]  # fmt: skip
+
+
+def test_the_guard_skips_batches_padded_less_than_one_checked(tmp_path: Path) -> None:
+    """Issue 31 item 5: one check per padded batch cost 49.5% of a GPU build (each a new length
+    alone). Batches padded less, by samples and by fraction, than one already checked are not
+    checked again (main: 6 checks for 6 batches)."""
+    write_clips(tmp_path / "clips", LESS_PADDED_LATER)
+    module = LengthsEncoder()
+    calls = record_calls(module)
+    report = build(tmp_path / "clips", module, cache=tmp_path / "s", workers=0, batch_size=4,
+                   batching="padded")  # fmt: skip
+    assert report.ok and report.batching == BatchingMode.PADDED
+    assert [rows for rows, _ in calls] == [4, 1, 4, 1, 4, 1, 4, 4, 4]
+    assert "6 batches padded to 6 lengths; 3 checked" in report.batching_note
+    assert_stores_each_clip_alone(tmp_path / "s", report.root, tmp_path / "clips", module)
+
+
+def test_a_batch_padded_more_than_any_checked_is_checked_and_its_leak_caught(
+    tmp_path: Path, pad_lengths: PadLengths
+) -> None:
+    """The guard's trust with fewer checks: after three checked batches and two skipped ones,
+    a last batch padded by 1.5 s (more than any checked) is checked; padding leaks past 1 s,
+    so the build falls back and every stored feature equals the encoder run alone."""
+    write_clips(tmp_path / "clips", [*LESS_PADDED_LATER[:20], 2.5, 2.6, 2.7, 4.0])
+    module = LatePaddingLeak(threshold=16000)
+    calls = record_calls(module)
+    report = build(tmp_path / "clips", module, cache=tmp_path / "s", workers=0, batch_size=4,
+                   batching="padded")  # fmt: skip
+    assert report.ok and report.encoded == 24
+    assert report.batching == BatchingMode.EXACT and "not exact" in report.batching_note
+    if pad_lengths is PadLengths.EXACT:
+        assert [rows for rows, _ in calls[:9]] == [4, 1, 4, 1, 4, 1, 4, 4, 4]
+    plain = LatePaddingLeak(threshold=16000)
+    plain.load_state_dict(module.state_dict())
+    assert_stores_each_clip_alone(tmp_path / "s", report.root, tmp_path / "clips", plain)
+
+
+def test_a_hugging_face_folder_padded_to_stepped_lengths_equals_transformers_per_clip(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a GPU build of a wav2vec2 folder now does (stepped lengths, forced here on the CPU):
+    the extra padding is masked like the rest, and each stored clip equals transformers run on
+    that clip alone."""
+    pytest.importorskip("transformers")
+    from tests.test_hf import reference, save_model
+
+    monkeypatch.setattr(batching, "PAD_LENGTHS", PadLengths.STEPPED)
+    clips = tmp_path / "clips"
+    write_audio_folder(clips, 8, seconds=(0.2, 1.5), seed=3)
+    folder = save_model(tmp_path / "w2v2")
+    report = build(clips, folder, cache=tmp_path / "s", workers=0, batch_size=4,
+                   batching="padded")  # fmt: skip
+    assert report.ok and report.batching == BatchingMode.PADDED, report.batching_note
+    assert "stepped" in report.batching_note
+    for rel, parts in stored_features(tmp_path / "s", report.root).items():
+        want = reference(folder, clips / rel).last_hidden_state[0]
+        assert rel_error(parts[""], want) < 1e-4, rel

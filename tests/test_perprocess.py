@@ -16,8 +16,14 @@ import pytest
 import torch
 
 import featbake
-from featbake.process import PerProcess, ProcessLocal, ProcessLocalState, ProcessStamp
-from featbake.store.bucket import BucketStore
+from featbake.process import (
+    PerProcess,
+    PerThread,
+    ProcessLocal,
+    ProcessLocalState,
+    ProcessStamp,
+)
+from featbake.store.bucket import BlockPlan, BucketStore
 from featbake.store.catalog import Catalog
 from featbake.store.features import FeatureReader
 from featbake.store.layout import Layout
@@ -238,9 +244,12 @@ def test_the_lock_is_free_in_a_child_forked_while_another_thread_makes() -> None
 # == the classes that hold per-process state =======================================================
 def test_every_class_holding_a_process_local_has_the_one_pickling_rule() -> None:
     """No class writes its own pair to drop handles: each holder mixes in ProcessLocalState,
-    and no module but featbake.process (and the catalog's hold of inherited connections)
-    registers a fork hook."""
+    and no module but featbake.process registers a fork hook. A class with pickling methods
+    of its own is a ProcessLocalState (an extra rule beside the one) or holds a cache that
+    stays valid in a forked child and only a pickled copy must compute again (a loaded
+    encoder, a module's fingerprint)."""
     package = Path(featbake.__file__).parent
+    caches = {"LiveEncoder", "ModuleWatch"}
     holders = []
     for path in sorted(package.rglob("*.py")):
         name = ".".join(path.relative_to(package.parent).with_suffix("").parts)
@@ -249,11 +258,15 @@ def test_every_class_holding_a_process_local_has_the_one_pickling_rule() -> None
         module = importlib.import_module(name)
         for obj in vars(module).values():
             made_here = isinstance(obj, type) and obj.__module__ == name
-            if made_here and any(isinstance(v, ProcessLocal) for v in vars(obj).values()):
+            kinds = (ProcessLocal, PerThread)
+            if made_here and any(isinstance(v, kinds) for v in vars(obj).values()):
                 holders.append(obj)
+            own_rule = made_here and {"__getstate__", "__setstate__"} & set(vars(obj))
+            if own_rule and obj.__name__ not in caches and name != "featbake.process":
+                assert issubclass(obj, ProcessLocalState), obj
         text = path.read_text()
         if "register_at_fork(" in text:
-            assert name in {"featbake.process", "featbake.store.catalog"}, name
+            assert name == "featbake.process", name
     assert len(holders) >= 5  # the bucket client, shard handles, catalog, dataset, CachedEncoder
     assert all(issubclass(h, ProcessLocalState) for h in holders), holders
 
@@ -347,6 +360,61 @@ def test_a_child_forked_during_bucket_prefetches_starts_its_own(tmp_path: Path) 
     t.join()
     assert code == 0
     assert store.prefetches_in_flight() == 2  # the parent's own, untouched
+
+
+def test_a_forked_child_never_follows_its_parents_block_plan(tmp_path: Path) -> None:
+    """The plan a bucket store's reads follow is this process's (a ProcessLocal, as its
+    prefetches): a forked worker reads as without a plan until it is given its own."""
+    store = BucketStore(BucketURL.parse("s3://team/features"), tmp_path / "tier", 1 << 20)
+    plan = BlockPlan([["a" * 64], ["b" * 64]])
+    store._plan = plan
+    assert store._following() is plan
+    assert _in_child(lambda: store._following() is None) == 0
+    assert store._following() is plan  # the parent's own, untouched
+    copy = pickle.loads(pickle.dumps(store))
+    assert copy._following() is None
+
+
+class _Conns(ProcessLocalState):
+    """One value per thread and process (a list standing in for a SQLite connection)."""
+
+    conn: PerThread[list[str]] = PerThread(lambda self: [threading.current_thread().name])
+
+
+def test_each_thread_makes_its_own_and_a_forked_child_keeps_every_threads_unused() -> None:
+    """A child frees the parent's other threads' thread-locals before any fork hook runs
+    (collecting a SQLite connection closes it): every thread's value is kept referenced there,
+    never handed out; the child's threads make their own. A pickled copy makes its own."""
+    from featbake.process import INHERITED_ACROSS_FORK
+
+    c = _Conns()
+    mine = c.conn
+    assert c.conn is mine and _Conns.conn.peek(c) is mine
+    made, done = threading.Event(), threading.Event()
+    theirs: list[list[str]] = []
+
+    def other() -> None:
+        theirs.append(c.conn)
+        made.set()
+        done.wait(30)
+
+    t = threading.Thread(target=other, name="other")
+    t.start()
+    made.wait(10)
+    assert theirs[0] is not mine and theirs[0] == ["other"]
+
+    def child() -> bool:
+        kept = [id(v) for v in INHERITED_ACROSS_FORK]
+        fresh = _Conns.conn.peek(c) is None and c.conn is not mine
+        return fresh and id(mine) in kept and id(theirs[0]) in kept
+
+    code = _in_child(child)
+    done.set()
+    t.join()
+    assert code == 0 and c.conn is mine
+    assert pickle.loads(pickle.dumps(c)).conn is not mine
+    assert _Conns.conn.reset(c) is mine and _Conns.conn.peek(c) is None
+    assert c.conn is not mine
 
 
 class _Empty(ProcessLocalState):

@@ -96,6 +96,69 @@ class PaceTally:
         return Pace.ALONE_FASTER if self.ratio() > SLOWER_BY else Pace.PADDED_PAYS
 
 
+# == pad lengths ===================================================================================
+# Padded lengths that repeat (pure). On a GPU the first call at a new input length costs ~55 ms
+# (kernel selection; wav2vec2-base on an H200, measured): a batch padded to exactly its longest
+# item runs a new length nearly every time, and paid it in every batch. Rounding the padded
+# length up to one of 8 lengths per octave bounds the extra padding (under 1/8 of the longest
+# item) while the lengths recur: a build runs at most 8 lengths an octave, however many batches.
+# On a CPU a new length costs nothing extra, so the padding stays exact there.
+#: Padded lengths per octave (a power of two): the extra padding is under 1/PAD_STEPS.
+PAD_STEPS = 8
+
+
+class PadLengths(enum.Enum):
+    """What a padded batch is padded to."""
+
+    EXACT = "exact"  # its longest item's length
+    STEPPED = "stepped"  # that, rounded up to one of PAD_STEPS lengths per octave
+
+
+#: The padded lengths of every audio build in this process; None picks them by the device
+#: (:func:`pad_lengths_for`). Tests set STEPPED to run the stepped lengths on the CPU; only
+#: ``benchmarks/bench_padded.py`` sets EXACT on a GPU, to measure what stepping saves.
+PAD_LENGTHS: PadLengths | None = None
+
+
+def pad_lengths_for(device_type: str, source: str = "audio") -> PadLengths:
+    """Stepped lengths for audio on a GPU (``cuda``, whose new shapes cost a kernel choice),
+    else exact.
+
+    Other sources stay exact: text lengths are token counts, few and recurring already, and a
+    text model's positions end at its own limit (CLIP's 77), which a stepped length could pass;
+    arrays (``npy``) may be anything.
+    """
+    if source != "audio":
+        return PadLengths.EXACT
+    if PAD_LENGTHS is not None:
+        return PAD_LENGTHS
+    return PadLengths.STEPPED if device_type == "cuda" else PadLengths.EXACT
+
+
+def stepped_length(longest: int, steps: int = PAD_STEPS) -> int:
+    """``longest`` rounded up to one of ``steps`` lengths per octave (``steps`` a power of two).
+
+    For ``longest`` in ``[2**e, 2**(e+1))`` the lengths are the multiples of ``2**e / steps``,
+    so the result is under ``longest * (1 + 1/steps)`` and an octave holds ``steps`` of them.
+
+    Example:
+        >>> [stepped_length(n) for n in (7, 16, 17, 100, 16000, 16001)]
+        [7, 16, 18, 104, 16384, 16384]
+    """
+    if steps < 1 or steps & (steps - 1):
+        raise ValueError(f"steps must be a power of two, got {steps}")
+    shift = longest.bit_length() - steps.bit_length()  # log2(2**e / steps)
+    if shift <= 0:
+        return longest
+    step = 1 << shift
+    return -(-longest // step) * step
+
+
+def length_to_pad(pad_lengths: PadLengths) -> Callable[[int], int]:
+    """The function from a batch's longest length to the length it is padded to."""
+    return stepped_length if pad_lengths is PadLengths.STEPPED else int
+
+
 # == batching ======================================================================================
 # -- batching (pure) ---------------------------------------------------------------------------
 class ShapeBatcher:
@@ -149,15 +212,23 @@ class LengthBatcher:
         batch_size: the cap on items per batch.
         budget: padded samples per batch (``rows * longest``); an item longer than this runs alone.
         pool_items: items held before planning (default ``8 * batch_size``).
+        pad_to: a batch's padded length from its longest item's (see :func:`length_to_pad`).
     """
 
-    def __init__(self, batch_size: int, budget: int, pool_items: int | None = None) -> None:
+    def __init__(
+        self,
+        batch_size: int,
+        budget: int,
+        pool_items: int | None = None,
+        pad_to: Callable[[int], int] = int,
+    ) -> None:
         if batch_size < 1:
             raise ConfigError(f"--batch-size must be at least 1, got {batch_size}")
         if budget < 1:
             raise ConfigError(f"the batch budget must be at least 1 sample, got {budget}")
         self.batch_size = batch_size
         self.budget = budget
+        self.pad_to = pad_to
         self.pool_items = pool_items or 8 * batch_size
         self.pool_samples = 4 * budget
         self._lengths: list[int] = []
@@ -181,7 +252,7 @@ class LengthBatcher:
         return self._release(keep_last=False)
 
     def _release(self, *, keep_last: bool) -> list[list[Any]]:
-        plan = plan_by_length(self._lengths, self.batch_size, self.budget)
+        plan = plan_by_length(self._lengths, self.batch_size, self.budget, self.pad_to)
         kept: list[int] = []
         if keep_last and plan and self._can_grow(plan[-1]):
             kept = plan.pop()
@@ -193,16 +264,19 @@ class LengthBatcher:
         return batches
 
     def _can_grow(self, batch: list[int]) -> bool:
-        longest = max(self._lengths[i] for i in batch)
+        longest = self.pad_to(max(self._lengths[i] for i in batch))
         return len(batch) < self.batch_size and longest * (len(batch) + 1) <= self.budget
 
 
-def plan_by_length(lengths: Sequence[int], batch_size: int, budget: int) -> list[list[int]]:
+def plan_by_length(
+    lengths: Sequence[int], batch_size: int, budget: int, pad_to: Callable[[int], int] = int
+) -> list[list[int]]:
     """Indices sorted by length, cut greedily into batches of padded cost <= ``budget``.
 
-    A batch's padded cost is ``rows * longest``. Each batch holds at most ``batch_size`` items;
-    an item longer than ``budget`` gets a batch of its own. Ties keep input order, so the plan is
-    deterministic.
+    A batch's padded cost is ``rows * pad_to(longest)`` (``pad_to``: the length a batch is
+    padded to, nondecreasing; the longest itself by default). Each batch holds at most
+    ``batch_size`` items; an item whose padded length is over ``budget`` gets a batch of its
+    own. Ties keep input order, so the plan is deterministic.
 
     Example:
         >>> plan_by_length([5, 1, 4, 2], batch_size=2, budget=100)
@@ -212,13 +286,89 @@ def plan_by_length(lengths: Sequence[int], batch_size: int, budget: int) -> list
     batches: list[list[int]] = []
     current: list[int] = []
     for i in order:  # ascending: the item added is the batch's longest
-        if current and (len(current) >= batch_size or lengths[i] * (len(current) + 1) > budget):
+        too_long = pad_to(lengths[i]) * (len(current) + 1) > budget
+        if current and (len(current) >= batch_size or too_long):
             batches.append(current)
             current = []
         current.append(i)
     if current:
         batches.append(current)
     return batches
+
+
+# == guard choice ==================================================================================
+# Which padded batches the exactness guard checks (pure). Checking every batch cost half a GPU
+# build (each check runs one clip alone: a new length, ~55 ms of kernel choice on an H200), and
+# most checks proved nothing new: a batch padded less than one already checked, by samples and
+# by fraction, tests what that one tested. The guard checks the first FIRST_CHECKED padded
+# batches (the pace is timed from them), then a batch only when its most padded item is padded
+# unlike any checked: by more samples or a larger fraction than any (an encoder whose output
+# drifts with the padding drifts most there), or by under half the fewest samples checked (an
+# encoder wrong only for a little padding: tests/test_padded_redo.py). Over 256 clips of 1-20 s
+# in batches of 16 that is 4-9 checks of 24 batches, 6-12 of 95 over 1024 clips. Any failed
+# check still sends the whole build to exact shapes and encodes every item padded before again
+# alone (bake/pipeline.py), the unchecked batches' items included.
+#: Padded batches checked whatever their padding: the pace's warm-up and counted batches.
+FIRST_CHECKED = WARMUP_BATCHES + DECIDE_AFTER
+#: A batch padded by fewer than the fewest samples checked over this is checked.
+FEWER_BY = 2
+
+
+@dataclass(frozen=True)
+class Padding:
+    """How a padded batch pads its most padded item (its shortest, the one the guard re-runs)."""
+
+    samples: int  # padding added to that item
+    padded_to: int  # the batch's padded length
+
+    @classmethod
+    def of(cls, lengths: Sequence[int], padded_to: int) -> Padding:
+        """The padding of the shortest of ``lengths`` in a batch padded to ``padded_to``."""
+        return cls(padded_to - min(lengths), padded_to)
+
+    @property
+    def fraction(self) -> float:
+        """The share of that item's padded row that is padding."""
+        return self.samples / self.padded_to if self.padded_to else 0.0
+
+
+@dataclass
+class GuardChoice:
+    """The padded batches the guard checks, and the padding they covered (see above).
+
+    Example:
+        >>> choice = GuardChoice(first=1)
+        >>> choice.wants(Padding(800, 16000)), choice.add(Padding(800, 16000))
+        (True, None)
+        >>> [choice.wants(Padding(n, 16000)) for n in (500, 900, 399)]
+        [False, True, True]
+        >>> choice.wants(Padding(500, 8000))  # a larger fraction than any checked
+        True
+    """
+
+    first: int = FIRST_CHECKED
+    checked: int = 0
+    most_samples: int = 0
+    most_fraction: float = 0.0
+    fewest_samples: int | None = None
+
+    def wants(self, padding: Padding) -> bool:
+        """Whether a batch of this padding is checked."""
+        if self.checked < self.first or self.fewest_samples is None:
+            return True
+        return (
+            padding.samples > self.most_samples
+            or padding.fraction > self.most_fraction
+            or padding.samples * FEWER_BY < self.fewest_samples
+        )
+
+    def add(self, padding: Padding) -> None:
+        """A batch of this padding was checked (and passed)."""
+        self.checked += 1
+        self.most_samples = max(self.most_samples, padding.samples)
+        self.most_fraction = max(self.most_fraction, padding.fraction)
+        fewest = self.fewest_samples
+        self.fewest_samples = padding.samples if fewest is None else min(fewest, padding.samples)
 
 
 # == padded ========================================================================================
@@ -228,16 +378,19 @@ def plan_by_length(lengths: Sequence[int], batch_size: int, budget: int) -> list
 # an ``encode`` for the batches they release, so the pipeline needs no branch per mode.
 #
 # Padded batching runs only for encoders that take lengths (:mod:`featbake.encode.encoders`). The
-# exactness guard checks EVERY padded batch before any of its features is handed on to be
-# sealed: it re-runs the batch's most padded item (the shortest, so the cheapest) alone, at the
-# batch's precision, and compares within :data:`featbake.encode.encoders.EXACT_TOLERANCE`. An
-# encoder whose output drifts with the amount of padding drifts most there; checking only the
-# first batches missed encoders whose drift starts past a padding length only later, longer
-# batches reach. If the check fails, that batch is re-encoded on exact shapes (nothing inexact is
-# stored; every batch sealed before was checked itself) and the rest of the build batches exact
-# shapes, with one line saying why; the items earlier padded batches sealed are encoded again
-# alone and replace theirs (:mod:`featbake.bake.pipeline`): a check passed on a batch's most padded
-# item does not prove its less padded ones. Keys never depend on the mode: it is not in the recipe.
+# exactness guard checks the padded batches :class:`GuardChoice` picks (the first ones, then each
+# padded unlike any checked) before any of that batch's features is handed on to be sealed: it
+# re-runs the batch's most padded item (the shortest, so the cheapest) alone, at the batch's
+# precision, and compares within :data:`featbake.encode.encoders.EXACT_TOLERANCE`. An encoder
+# whose output drifts with the amount of padding drifts most there; checking only the first
+# batches missed encoders whose drift starts past a padding length only later, longer batches
+# reach (those are padded more than any checked, so they are checked). If the check fails, that
+# batch is re-encoded on exact shapes (nothing inexact is stored) and the rest of the build
+# batches exact shapes, with one line saying why; the items earlier padded batches sealed,
+# checked or not, are encoded again alone and replace theirs (:mod:`featbake.bake.pipeline`): a
+# check passed on a batch's most padded item does not prove its less padded ones. On a GPU the
+# padded length is stepped (:func:`stepped_length`), so lengths recur. Keys never depend on the
+# mode or the padded length: neither is in the recipe.
 #
 # Under ``auto`` the guard's runs also time the device: when padded batches cost more per input
 # sample than items run alone (a CPU, where one clip already keeps the cores busy), the build
@@ -339,11 +492,16 @@ class BatchRunner:
         self.mode, self.note = initial_mode(encoder, choice, recipe.source)
         self.pace = PaceTally() if choice is Batching.AUTO else None
         self.clock = pace_clock  # read at construction: tests inject a modelled device clock
+        self.pad_lengths = pad_lengths_for(encoder.device.type, recipe.source)
+        self.pad_to = length_to_pad(self.pad_lengths)
         self.shapes = ShapeBatcher(batch_size)
-        self.lengths = LengthBatcher(batch_size, budget)
+        self.lengths = LengthBatcher(batch_size, budget, pad_to=self.pad_to)
         self.batch_size = batch_size
         self.tolerance = EXACT_TOLERANCE[recipe.precision]
         self.checks: list[GuardCheck] = []
+        self.choice = GuardChoice()
+        self.padded_lengths: set[int] = set()  # the lengths padded batches were padded to
+        self.padded_batches = 0  # padded batches encoded (checked or not)
         self.inexact = False  # a guard check failed: padding is known inexact for the encoder
         self.last_padded = False  # the last encode() returned a padded batch's outputs
         self._ready: list[list[Any]] = []  # batches released by a fall-back, not yet handed out
@@ -370,14 +528,23 @@ class BatchRunner:
         self.last_padded = False
         if self.mode is BatchingMode.EXACT or len(shapes) == 1:
             return self.encode_exact(inputs)
+        lengths = [int(x.shape[-1]) for x in inputs]
+        padded_to = self.pad_to(max(lengths))
         start = self.clock()
-        results = encode_padded(self.encoder, inputs, self.recipe)  # on the host: synchronised
+        results = encode_padded(self.encoder, inputs, self.recipe, pad_to=padded_to)  # synced
         seconds = self.clock() - start
-        failed = self._guard(inputs, results)  # before anything of this batch is sealed
-        if failed is not None:
-            self._fall_back(failed)
-            return self.encode_exact(inputs)
-        self._weigh_pace(inputs, seconds)
+        padding = Padding.of(lengths, padded_to)
+        if GUARD_ITEMS > 0 and self.choice.wants(padding):
+            failed = self._guard(inputs, results, padded_to)  # before any of it is sealed
+            if failed is not None:
+                self._fall_back(failed)
+                return self.encode_exact(inputs)
+            self.choice.add(padding)
+            self._weigh_pace(inputs, seconds)
+        self.padded_batches += 1
+        self.padded_lengths.add(padded_to)
+        if self.mode is BatchingMode.PADDED:
+            self.note = self.padded_note()
         self.last_padded = True
         return results
 
@@ -400,12 +567,9 @@ class BatchRunner:
 
     # -- the exactness guard ----------------------------------------------------------------------
     def _guard(
-        self, inputs: Sequence[torch.Tensor], results: list[dict[str, torch.Tensor]]
+        self, inputs: Sequence[torch.Tensor], results: list[dict[str, torch.Tensor]], padded_to: int
     ) -> GuardCheck | None:
         """Re-run the most padded items alone; the first check over tolerance, or None."""
-        if GUARD_ITEMS <= 0:
-            return None
-        padded_to = max(int(x.shape[-1]) for x in inputs)
         by_padding = sorted(range(len(inputs)), key=lambda i: int(inputs[i].shape[-1]))
         for i in by_padding[:GUARD_ITEMS]:
             start = self.clock()
@@ -416,14 +580,21 @@ class BatchRunner:
             self.checks.append(check)
             if error > self.tolerance.relative:
                 return check
-        if self.mode is BatchingMode.PADDED:  # the note says what was checked so far
-            worst = max(c.error for c in self.checks)
-            self.note = (
-                f"padded length-sorted batches (every batch checked: its most padded item "
-                f"against a run alone, {len(self.checks)} in all, max relative error "
-                f"{worst:.1e} <= {self.tolerance.relative:g} for {self.recipe.precision})"
-            )
         return None
+
+    def padded_note(self) -> str:
+        """What the padded batches so far were padded to and what the guard checked."""
+        stepped = ", stepped" if self.pad_lengths is PadLengths.STEPPED else ""
+        batches = f"{self.padded_batches} batches padded to {len(self.padded_lengths)} lengths"
+        if not self.checks:
+            return f"padded length-sorted batches ({batches}{stepped}; the guard is off)"
+        worst = max(c.error for c in self.checks)
+        return (
+            f"padded length-sorted batches ({batches}{stepped}; {self.choice.checked} checked, "
+            f"the first {self.choice.first} and each padded unlike any before: its most padded "
+            f"item against a run alone, max relative error {worst:.1e} <= "
+            f"{self.tolerance.relative:g} for {self.recipe.precision})"
+        )
 
     def _weigh_pace(self, inputs: Sequence[torch.Tensor], seconds: float) -> None:
         """Add this batch's timings (and its guard run's); go exact once batches lose."""

@@ -44,6 +44,7 @@ from featbake.encode.fingerprints import HeldBytes, resolve_path
 from featbake.encode.objects import never_racy_ns, object_stat
 from featbake.encode.sources import ScanResult, SkippedInput, Source, file_stat_or_none
 from featbake.errors import ConfigError, SourceError, StoreError
+from featbake.process import ProcessLocal, ProcessLocalState
 from featbake.progress import Progress
 from featbake.store.bucket import Bucket, ObjectInfo
 from featbake.store.catalog import FileStat, HashCache, HashRow
@@ -995,9 +996,11 @@ def table_files(where: str) -> list[str]:
     return sorted(os.path.join(where, n) for n in os.listdir(where) if n.endswith(".parquet"))
 
 
-class TableFile:
-    """One data file of a table, opened lazily: a parquet file (read by row group) or an Arrow
-    stream (memory-mapped, zero copy). Dropped when pickled: each process opens its own."""
+class TableFile(ProcessLocalState):
+    """One data file of a table, opened lazily in each process: a parquet file (read by row
+    group) or an Arrow stream (memory-mapped, zero copy). A copy pickled or forked into a
+    worker opens its own (:class:`~featbake.process.ProcessLocal`): never the parent's reader,
+    whose Python file (a bucket's :class:`RangedObject`) a parent's thread may hold locked."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -1005,41 +1008,35 @@ class TableFile:
         #: an object's schema from the hash cache, and its size (a bucket's parquet file)
         self.known_schema: pa.Schema | None = None
         self.size: int | None = None
-        self._pf: Any = None
-        self._stream: Any = None
-        #: the row group read last: its first row, and the columns read of it
-        self._group: tuple[int, dict[str, Any]] | None = None
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_pf": None, "_stream": None, "_group": None}
+    def _open_parquet(self) -> Any:
+        # A bucket's file by ranged GETs: its footer, then each row group's column chunks.
+        where = RangedObject.at(self.path, self.size) if is_url(self.path) else self.path
+        return pyarrow_module().parquet.ParquetFile(where)
+
+    def _open_arrow(self) -> Any:
+        pa = pyarrow_module()
+        return pa.ipc.open_stream(pa.memory_map(self.path)).read_all()
+
+    _pf: ProcessLocal[Any] = ProcessLocal(_open_parquet)
+    _stream: ProcessLocal[Any] = ProcessLocal(_open_arrow)
+    #: the row group read last: its first row, and the columns read of it
+    _group: ProcessLocal[tuple[int, dict[str, Any]] | None] = ProcessLocal(lambda self: None)
 
     def schema(self) -> pa.Schema:
         if self.known_schema is not None:
             return self.known_schema
-        return self._parquet().schema_arrow if self.parquet else self._arrow().schema
+        return self._pf.schema_arrow if self.parquet else self._stream.schema
 
     def rows(self) -> int:
-        return self._parquet().metadata.num_rows if self.parquet else self._arrow().num_rows
-
-    def _parquet(self) -> Any:
-        if self._pf is None:
-            # A bucket's file by ranged GETs: its footer, then each row group's column chunks.
-            where = RangedObject.at(self.path, self.size) if is_url(self.path) else self.path
-            self._pf = pyarrow_module().parquet.ParquetFile(where)
-        return self._pf
-
-    def _arrow(self) -> Any:
-        if self._stream is None:
-            pa = pyarrow_module()
-            self._stream = pa.ipc.open_stream(pa.memory_map(self.path)).read_all()
-        return self._stream
+        return self._pf.metadata.num_rows if self.parquet else self._stream.num_rows
 
     def column(self, name: str) -> Iterator[tuple[int, Any]]:
         """(first row, the column's chunk) for each row group (one chunk for an Arrow stream)."""
         if not self.parquet:
-            yield 0, self._arrow().column(name)
+            yield 0, self._stream.column(name)
             return
-        pf, first = self._parquet(), 0
+        pf, first = self._pf, 0
         for g in range(pf.metadata.num_row_groups):
             yield first, pf.read_row_group(g, columns=[name]).column(name)
             first += pf.metadata.row_group(g).num_rows
@@ -1047,9 +1044,9 @@ class TableFile:
     def cells(self, row: int, columns: Sequence[str]) -> dict[str, Any]:
         """The Python values of ``columns`` at ``row`` (its row group kept for the next rows)."""
         if not self.parquet:
-            table = self._arrow()
+            table = self._stream
             return {c: table.column(c)[row].as_py() for c in columns}
-        pf, first = self._parquet(), 0
+        pf, first = self._pf, 0
         for g in range(pf.metadata.num_row_groups):
             n = pf.metadata.row_group(g).num_rows
             if row < first + n:

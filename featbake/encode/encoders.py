@@ -122,12 +122,15 @@ class PaddedInputs:
         return int(self.inputs.numel())
 
 
-def pad_inputs(inputs: Sequence[torch.Tensor], *, pinned: bool = False) -> PaddedInputs:
+def pad_inputs(
+    inputs: Sequence[torch.Tensor], *, pinned: bool = False, length: int | None = None
+) -> PaddedInputs:
     """Stack inputs of different last-dimension lengths into one zero-padded batch.
 
     Args:
         inputs: tensors equal in every dimension but the last (time).
         pinned: build the batch in page-locked memory (for a non-blocking copy to a GPU).
+        length: the padded length (default, and at least, the longest input's).
 
     Raises:
         EncodeError: the inputs differ in a dimension other than time.
@@ -136,7 +139,7 @@ def pad_inputs(inputs: Sequence[torch.Tensor], *, pinned: bool = False) -> Padde
     if len(lead) != 1:
         raise EncodeError(f"cannot pad inputs that differ outside time: {sorted(lead)}")
     lengths = [int(x.shape[-1]) for x in inputs]
-    shape = (len(inputs), *inputs[0].shape[:-1], max(lengths))
+    shape = (len(inputs), *inputs[0].shape[:-1], max([*lengths, length or 0]))
     dtype = inputs[0].dtype
     batch = alloc_pinned(shape, dtype) if pinned else torch.empty(shape, dtype=dtype)
     for row, (x, n) in enumerate(zip(inputs, lengths, strict=True)):

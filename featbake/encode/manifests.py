@@ -69,6 +69,7 @@ from featbake.encode.sources import (
 from featbake.errors import ConfigError, SourceError, StoreError
 from featbake.keys import item_digest
 from featbake.lru import ByteLRU
+from featbake.process import ProcessLocal, ProcessLocalState
 from featbake.progress import Progress
 from featbake.store.bucket import Bucket, ObjectBytes
 from featbake.store.catalog import FileStat, HashCache
@@ -394,7 +395,7 @@ def audio_headers(files: set[str]) -> dict[str, AudioHeader | str]:
     return out
 
 
-class SegmentSource:
+class SegmentSource(ProcessLocalState):
     """The recipe's source over a manifest's rows: a whole file as the recipe reads it, a
     segment decoded by seeking (:meth:`featbake.encode.sources.AudioSource.load_span`).
 
@@ -409,7 +410,10 @@ class SegmentSource:
         self.rows = rows
         self.kind = inner.kind
         self.extensions = inner.extensions
-        self.objects = HeldObjects()
+
+    #: Bucket objects read here: per process, so a decode or DataLoader worker (forked or
+    #: pickled) never takes a lock a parent's thread held at fork, nor carries held bytes.
+    objects: ProcessLocal[HeldObjects] = ProcessLocal(lambda self: HeldObjects(), lock=True)
 
     def load(self, path: str | os.PathLike[str], data: BinaryIO | None = None) -> torch.Tensor:
         """Decode row ``path``: its file, or the span of it the row names.
@@ -473,7 +477,8 @@ def whole_file_span(file: str | BinaryIO, channel: int | None) -> Span:
 
 class HeldObjects:
     """Bucket objects read whole in this process, kept within :data:`OBJECT_CACHE_BYTES`
-    (least recently used out first): a recording's segments read it once."""
+    (least recently used out first): a recording's segments read it once. Held in a
+    :class:`~featbake.process.ProcessLocal` (see :class:`SegmentSource`)."""
 
     def __init__(self) -> None:
         self.held: ByteLRU[str, ObjectBytes] = ByteLRU(OBJECT_CACHE_BYTES, lambda o: len(o.data))
@@ -499,12 +504,6 @@ class HeldObjects:
         with self.lock:
             self.held.put(url, read)
         return read
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {}  # bytes, clients and the lock stay in their process
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__()  # type: ignore[misc]
 
     def forget(self, url: str) -> None:
         with self.lock:

@@ -173,12 +173,16 @@ def encode_batch(
 
 
 def encode_padded(
-    encoder: LoadedEncoder, inputs: Sequence[torch.Tensor], recipe: Recipe
+    encoder: LoadedEncoder,
+    inputs: Sequence[torch.Tensor],
+    recipe: Recipe,
+    pad_to: int | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Encode inputs of different lengths in one zero-padded batch (lengths protocol).
 
     The batch is built in pinned memory when the encoder runs on a GPU, so the copy to the
-    device does not block; each row's outputs are cut to its own output length.
+    device does not block; each row's outputs are cut to its own output length. ``pad_to``
+    pads past the longest input (a length that recurs: ``featbake.bake.batching``).
 
     Raises:
         EncodeError: the encoder failed, does not take lengths, or broke the protocol.
@@ -188,7 +192,7 @@ def encode_padded(
             f"the encoder {encoder.label} does not take lengths; padded batches need "
             "forward(x, lengths) -> (features, out_lengths)"
         )
-    batch = pad_inputs(inputs, pinned=encoder.device.type == "cuda")
+    batch = pad_inputs(inputs, pinned=encoder.device.type == "cuda", length=pad_to)
     with autocast_for(encoder.device, recipe.precision):
         result = encoder.run(batch.inputs, batch.lengths)
     features, out_lengths = split_lengths_result(result, len(inputs))

@@ -29,6 +29,7 @@ import torch
 
 from featbake.encode.hf import load_tokenizer, tokenizer_files_digest
 from featbake.errors import ConfigError, SourceError
+from featbake.process import ProcessLocal, ProcessLocalState
 from featbake.recipe import Recipe, TextRecipe
 from featbake.store.catalog import FileStat
 
@@ -261,15 +262,16 @@ class NpySource:
         return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
 
 
-class TextSource:
+class TextSource(ProcessLocalState):
     """UTF-8 texts -> int64 token ids ``[N]``, by the recipe's tokenizer.
 
     The text is the file's (or cell's) bytes decoded as UTF-8, as they are: the key hashes those
     bytes, so what is tokenised is exactly what the key was made from. The tokenizer is loaded
     when the source is made (a missing or changed one is said once, not per text), again on
-    first use in a worker it is pickled to, and called under a lock: a Rust tokenizer's
+    first use in each worker (forked or pickled), and called under a lock: a Rust tokenizer's
     truncation settings are per call but shared state, and two threads setting them at once
-    raise "Already borrowed".
+    raise "Already borrowed". Both are per process: a worker forked while a thread of its
+    parent tokenised would otherwise inherit the lock held, and hang on its first text.
     """
 
     kind = "text"
@@ -278,16 +280,12 @@ class TextSource:
     def __init__(self, recipe: Recipe) -> None:
         self.recipe = recipe
         self.steps = text_steps(recipe)
-        self._tokenizer: Any = load_text_tokenizer(self.steps)
-        self._lock = threading.Lock()
+        self._tokenizer = load_text_tokenizer(self.steps)
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {"recipe": self.recipe, "steps": self.steps}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.recipe, self.steps = state["recipe"], state["steps"]
-        self._tokenizer = None  # loaded on first use in this process
-        self._lock = threading.Lock()
+    _tokenizer: ProcessLocal[Any] = ProcessLocal(
+        lambda self: load_text_tokenizer(self.steps), lock=True
+    )
+    _lock: ProcessLocal[threading.Lock] = ProcessLocal(lambda self: threading.Lock(), lock=True)
 
     def load(self, path: str | os.PathLike[str], data: BinaryIO | None = None) -> torch.Tensor:
         """Read one text (from ``path``, or ``data``, its bytes) and tokenise it.
@@ -317,8 +315,8 @@ class TextSource:
         if steps.lowercase:
             text = text.lower()
         cut = steps.max_length if steps.truncate else None
+        tokenizer = self._tokenizer
         with self._lock:
-            tokenizer = self._tokenizer = self._tokenizer or load_text_tokenizer(steps)
             ids = tokenizer(
                 text,
                 add_special_tokens=steps.special_tokens,

@@ -377,6 +377,9 @@ class LiveEncoder:
         return enc
 
     def __getstate__(self) -> dict[str, Any]:
+        # Not a ProcessLocal: a loaded module stays valid in a forked worker, which runs its
+        # misses with it and loads nothing (a CUDA one is reloaded by for_this_process); only
+        # a pickled copy drops a file's encoder (too big to pickle) and reloads it on a miss.
         state = self.__dict__.copy()
         if self.spec is not None:
             state["loaded"] = None  # reloaded from the file on the first miss

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 import numpy as np
 
 from featbake.errors import ConfigError, FeatbakeError, ShardMissing, StoreCorrupt, StoreError
-from featbake.process import PerProcess, ProcessLocal, ProcessLocalState, ProcessStamp
+from featbake.process import PerProcess, ProcessLocal, ProcessLocalState
 from featbake.store.catalog import Access, open_sqlite
 from featbake.store.fragments import (
     MergeReport,
@@ -798,8 +798,6 @@ class BucketStore(ProcessLocalState):
         self._uploaded: set[str] = set()  # shards this process uploaded: copies in the tier
         self._named: dict[str, int] | None = None  # see _named_shards
         self._named_total = 0
-        self._plan: BlockPlan | None = None  # see follow_blocks
-        self._plan_stamp = ProcessStamp()  # a forked child never follows its parent's plan
         self._warned_window = False
 
     #: This process's background fetches (the shards they bring in) and their lock: a forked
@@ -808,7 +806,9 @@ class BucketStore(ProcessLocalState):
         lambda self: threading.Lock(), lock=True
     )
     _prefetching: ProcessLocal[set[str]] = ProcessLocal(lambda self: set(), lock=True)
-    #: Taken by the reads' threads to move the plan (this process's: see _prefetch_lock).
+    #: The block plan this process's reads follow (see follow_blocks; a forked child never
+    #: follows its parent's), and the lock the reads' threads take to move it.
+    _plan: ProcessLocal[BlockPlan | None] = ProcessLocal(lambda self: None)
     _plan_lock: ProcessLocal[threading.Lock] = ProcessLocal(
         lambda self: threading.Lock(), lock=True
     )
@@ -957,7 +957,6 @@ class BucketStore(ProcessLocalState):
         """
         with self._plan_lock:
             self._plan = None
-            self._plan_stamp = ProcessStamp()
         if windows is None or os.environ.get(READS_ENV, "auto") == "ranged":
             return False
         over = windows_over(windows, self._named_shards(), self.tier.budget)
@@ -980,8 +979,7 @@ class BucketStore(ProcessLocalState):
 
     def _following(self) -> BlockPlan | None:
         """The block plan the reads of this process follow (None: none)."""
-        plan = self._plan
-        return plan if plan is not None and not self._plan_stamp.stale else None
+        return self._plan
 
     def _enter(self, plan: BlockPlan, k: int) -> None:
         """The reads are in window ``k`` now (plan lock held): evict what the windows passed

@@ -20,10 +20,8 @@ import dataclasses
 import json
 import os
 import sqlite3
-import threading
 import time
 import urllib.parse
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -34,7 +32,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from featbake.errors import ShardMissing, StoreCorrupt, StoreError
-from featbake.process import ProcessLocal, ProcessLocalState
+from featbake.process import PerThread, ProcessLocalState
 from featbake.quantize import Fidelity, FidelityTally, ScaleSpan, Scheme
 from featbake.store.layout import (
     Layout,
@@ -505,13 +503,9 @@ class MovedRow(NamedTuple):
 # SQLite connections belong to the thread that opened them, and must never be used, nor closed,
 # in a process that inherited them across ``fork()`` (SQLite's "How To Corrupt Your Database
 # Files", 2.6: the child would release or clobber the parent's POSIX locks). So a catalog keeps
-# one connection per thread in a per-process ``threading.local`` (a
-# :class:`~featbake.process.ProcessLocal`), and a forked child simply opens a fresh one. Every
-# connection open at a fork, whichever thread opened it, is kept referenced in the child
-# (:data:`INHERITED_ACROSS_FORK`): never used, never closed, never collected (Python's sqlite3
-# closes a connection when it is collected, and a forked child frees the other threads'
-# thread-locals right after the fork, before any code of ours runs: hence the one fork hook
-# below, which takes the references in the parent).
+# one connection per thread and per process (a :class:`~featbake.process.PerThread`): a forked
+# child opens fresh ones, and keeps every connection open at the fork, whichever thread opened
+# it, referenced and unused (:data:`featbake.process.INHERITED_ACROSS_FORK`).
 #
 # A store that cannot be written (a read-only mount, a shared file system without write
 # permission) is opened read-only: ``mode=ro`` when the directory can hold SQLite's ``-shm`` file,
@@ -520,59 +514,6 @@ class MovedRow(NamedTuple):
 #: Set to 1 to open every catalog read-only (what a read-only mount forces), e.g. to check that a
 #: command only reads.
 READ_ONLY_ENV = "FEATBAKE_READ_ONLY"
-
-#: In a forked child, the connections inherited from the parent: kept so they are never closed.
-INHERITED_ACROSS_FORK: list[sqlite3.Connection] = []
-
-
-class Slot:
-    """One thread's connection (weakly tracked for fork); a catalog keeps one per thread in a
-    per-process :class:`threading.local`."""
-
-    __slots__ = ("__weakref__", "conn")
-
-    def __init__(self, conn: sqlite3.Connection) -> None:
-        self.conn: sqlite3.Connection | None = conn
-
-
-def keep_inherited(local: threading.local) -> None:
-    """In a forked child: keep (never use, never close) the connection of the parent's
-    thread that forked; the other threads' were kept at fork (see below)."""
-    slot: Slot | None = getattr(local, "slot", None)
-    if slot is not None and slot.conn is not None:
-        INHERITED_ACROSS_FORK.append(slot.conn)
-        slot.conn = None
-
-
-_SLOTS: weakref.WeakSet[Slot] = weakref.WeakSet()
-_SLOTS_LOCK = threading.Lock()
-_AT_FORK: list[sqlite3.Connection] = []
-
-
-def _hold_connections_before_fork() -> None:
-    # Strong references taken in the parent survive into the child, where the other threads'
-    # thread-locals (and so their Slots) are freed before any after-fork hook could run. The
-    # lock is held across fork() so that no other thread's hold on it is copied into the child.
-    _SLOTS_LOCK.acquire()
-    _AT_FORK[:] = [s.conn for s in _SLOTS if s.conn is not None]
-
-
-def _release_after_fork_in_parent() -> None:
-    _AT_FORK.clear()
-    _SLOTS_LOCK.release()
-
-
-def _keep_inherited_in_child() -> None:
-    INHERITED_ACROSS_FORK.extend(_AT_FORK)
-    _AT_FORK.clear()
-    _SLOTS_LOCK.release()
-
-
-os.register_at_fork(
-    before=_hold_connections_before_fork,
-    after_in_parent=_release_after_fork_in_parent,
-    after_in_child=_keep_inherited_in_child,
-)
 
 
 class Access(StrEnum):
@@ -682,10 +623,8 @@ class CatalogConnection(ProcessLocalState):
         self.access = self._access()
         self.rebuild = rebuild  # verify --repair makes a new catalog beside surviving shards
 
-    #: This process's connections, one per thread (a forked child keeps the parent's unused).
-    _local: ProcessLocal[threading.local] = ProcessLocal(
-        lambda self: threading.local(), on_inherited=keep_inherited
-    )
+    #: This thread's connection in this process, opened (schema checked) on first use.
+    conn: PerThread[sqlite3.Connection] = PerThread(lambda self: self._connect())
 
     def _access(self) -> Access:
         if self.fragment is None:
@@ -697,28 +636,6 @@ class CatalogConnection(ProcessLocalState):
         return self.access is not Access.READ_WRITE
 
     # -- connections -------------------------------------------------------------------------
-    @property
-    def conn(self) -> sqlite3.Connection:
-        """This thread's connection in this process, opened (schema checked) on first use."""
-        local = self._local
-        slot: Slot | None = getattr(local, "slot", None)
-        if slot is not None and slot.conn is not None:
-            return slot.conn
-        conn = self._connect()
-        slot = Slot(conn)
-        with _SLOTS_LOCK:
-            _SLOTS.add(slot)
-        local.slot = slot
-        return conn
-
-    def _drop(self, slot: Slot | None) -> None:
-        """Forget and close this thread's connection (this process's own: see ``_local``)."""
-        self._local.slot = None
-        if slot is None or slot.conn is None:
-            return
-        conn, slot.conn = slot.conn, None
-        conn.close()
-
     def _connect(self) -> sqlite3.Connection:
         if self.fragment is None and self.access is Access.READ_WRITE and not self.path.exists():
             self.layout.refuse_fresh_catalog(allow=self.rebuild)
@@ -768,7 +685,9 @@ class CatalogConnection(ProcessLocalState):
 
     def close(self) -> None:
         """Close this thread's connection (a connection inherited across fork is only dropped)."""
-        self._drop(getattr(self._local, "slot", None))
+        conn = CatalogConnection.conn.reset(self)
+        if conn is not None:
+            conn.close()
 
     def __enter__(self) -> Any:
         return self

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import tarfile
 from pathlib import Path
@@ -502,10 +503,12 @@ def test_a_parquet_of_audio_bytes_builds_with_bad_rows_skipped_and_serves(
         assert torch.equal(ds[i], want), n
 
 
+@pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_dataloader_workers_encode_misses_from_a_table_and_a_shard(
-    tmp_path: Path, encoder_file: Path
+    tmp_path: Path, encoder_file: Path, context: str
 ) -> None:
-    """Misses decoded in forked DataLoader workers: each reads its container itself."""
+    """Misses decoded in DataLoader workers (forked, or the dataset pickled to spawned ones):
+    each reads its container itself."""
     from torch.utils.data import DataLoader
 
     clips = [wav_bytes(0.3 + 0.05 * i, i) for i in range(6)]
@@ -516,11 +519,39 @@ def test_dataloader_workers_encode_misses_from_a_table_and_a_shard(
     for data in (table, tar):
         with pytest.warns(UserWarning, match="no featbake store"):
             ds = CachedFeatureDataset(data, encoder_file, cache=tmp_path / f"s-{data.name}")
-        loader = DataLoader(ds, batch_size=None, num_workers=2)
+        loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context=context)
         got = list(loader)
         assert len(got) == len(clips)
         for x, clip in zip(got, clips, strict=True):
             assert torch.equal(x, run_now(module, audio_tensor(clip)))
+
+
+def test_a_forked_child_reads_a_table_through_a_parquet_file_of_its_own(tmp_path: Path) -> None:
+    """A table's open parquet reader is the process's that opened it: a forked child (a
+    DataLoader worker) opens its own, never reads through its parent's, and the parent's stays
+    open and keeps reading. A bucket's file is read through a Python file object whose lock a
+    parent's thread may hold at fork; the child never touches it."""
+    clips = [wav_bytes(0.3 + 0.05 * i, i) for i in range(4)]
+    path = write_audio_parquet(tmp_path / "t.parquet", list(clips))
+    inputs = Table(str(path))
+    paths = [inputs.path(r) for r in inputs.scan(source_for(Recipe()).extensions).inputs]
+    source = inputs.source(source_for(Recipe()))
+    assert torch.equal(source.load(paths[0]), audio_tensor(clips[0]))
+    table_file = inputs.files[0]
+    parents = id(table_file._pf)  # opened by the scan, kept for the reads
+
+    def child() -> bool:
+        read = [source.load(p) for p in paths]
+        own = id(table_file._pf) != parents  # the child opened its own
+        pairs = zip(read, clips, strict=True)
+        return own and all(torch.equal(x, audio_tensor(c)) for x, c in pairs)
+
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if child() else 3)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    assert id(table_file._pf) == parents  # the parent's own, still its
+    assert torch.equal(source.load(paths[3]), audio_tensor(clips[3]))
 
 
 def test_loader_roots_and_export_over_a_table(tmp_path: Path, encoder_file: Path) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import gzip
 import json
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -436,3 +437,44 @@ def test_rows_in_a_bucket_are_hashed_once_decoded_from_held_bytes_and_served(
     torch.testing.assert_close(live[1], local[1])  # a miss: the segment decoded from the bucket
     torch.testing.assert_close(live[3], local[3])
     assert reads == ["recA.wav"]  # held for its next segment
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_dataloader_workers_decode_bucket_rows_with_objects_of_their_own(
+    s3: S3, corpus: Path, encoder_file: Path, store_dir: Path, context: str
+) -> None:
+    """``s3://`` rows encoded live in DataLoader workers, forked while a thread of the parent
+    held the bytes' lock (a build's decode thread, a dataset's miss): each worker reads the
+    objects with a lock and bytes of its own (the inherited lock held hung a forked worker's
+    first row), and every feature equals the encoder run now on its segment."""
+    from torch.utils.data import DataLoader
+
+    bucket = Bucket(BucketURL.parse(f"s3://{s3.bucket}/wavs"))
+    for name in ("recA.wav", "recB.flac"):
+        bucket.upload(name, corpus / "wavs" / name)
+    files = {"recA": f"s3://{s3.bucket}/wavs/recA.wav", "recB": f"s3://{s3.bucket}/wavs/recB.flac"}
+    rows = [{"id": u, "path": files[r], "start": s, "end": e} for u, r, s, e, *_ in SEGMENTS]
+    write_jsonl(corpus / "s3.jsonl", rows)
+    ds = quiet_dataset(corpus / "s3.jsonl", encoder_file, store_dir)
+    objects = ds._misses.source.objects  # type: ignore[attr-defined]
+    holding, done = threading.Event(), threading.Event()
+
+    def reading() -> None:  # a thread inside the held bytes' lock as the workers fork
+        with objects.lock:
+            holding.set()
+            done.wait(60)
+
+    thread = threading.Thread(target=reading)
+    thread.start()
+    holding.wait(10)
+    try:
+        loader = DataLoader(
+            ds, batch_size=None, num_workers=2, multiprocessing_context=context, timeout=30
+        )
+        got = list(loader)
+    finally:
+        done.set()
+        thread.join()
+    local = {"recA": corpus / "wavs" / "recA.wav", "recB": corpus / "wavs" / "recB.flac"}
+    for x, (_, rec, start, end, *_) in zip(got, SEGMENTS, strict=True):
+        torch.testing.assert_close(x, reference(encoder_file, local[rec], start, end))

@@ -9,9 +9,12 @@ model run now, with no featbake code between them.
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import re
 import shutil
+import signal
+import threading
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -396,6 +399,59 @@ def test_text_source_survives_pickling_to_a_worker(
     moved = pickle.loads(pickle.dumps(source))
     path = texts / "caption2.txt"
     assert torch.equal(moved.load(path), source.load(path))
+
+
+def test_a_child_forked_while_a_thread_tokenises_tokenises_with_its_own(
+    models: dict[str, TextModel], texts: Path
+) -> None:
+    """A DataLoader worker forked while a thread of its parent held the tokenizer's lock (a
+    build's decode thread, a dataset's miss) inherited the lock held, and hung on its first
+    text. The tokenizer and its lock are per process: the child loads and locks its own."""
+    source = TextSource(recipe_for_encoder(models["bert"].folder, Recipe(source="text")))
+    path = texts / "caption1.txt"
+    want = source.load(path)
+    parents = id(source._tokenizer)
+    holding, done = threading.Event(), threading.Event()
+
+    def tokenising() -> None:  # a thread inside the tokenizer's lock as the process forks
+        with source._lock:
+            holding.set()
+            done.wait(30)
+
+    thread = threading.Thread(target=tokenising)
+    thread.start()
+    holding.wait(10)
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(20)  # a hang fails the test instead of stalling it
+        ok = torch.equal(source.load(path), want) and id(source._tokenizer) != parents
+        os._exit(0 if ok else 3)
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    done.set()
+    thread.join()
+    assert code == 0
+    assert id(source._tokenizer) == parents and torch.equal(source.load(path), want)
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_dataloader_workers_encode_texts_equal_to_transformers(
+    models: dict[str, TextModel], texts: Path, tmp_path: Path, context: str
+) -> None:
+    """Misses tokenised and encoded in DataLoader workers, forked or spawned (the dataset
+    pickled): each worker loads its own tokenizer."""
+    from torch.utils.data import DataLoader
+
+    bert = models["bert"]
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(
+            texts, encoder=bert.folder, cache=tmp_path / "store", source="text"
+        )
+    loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context=context)
+    for i, got in enumerate(loader):
+        want = transformers_outputs(bert, Path(ds.path(i)).read_text(encoding="utf-8"))
+        assert set(got) == set(want.parts)
+        for part, value in want.parts.items():
+            assert rel_error(got[part], value) < TOLERANCE, (ds.path(i), part)
 
 
 def test_source_text_without_a_tokenizer_says_what_to_give(tmp_path: Path) -> None:

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from featbake import process
 from featbake.encode.fingerprints import hash_inputs
 from featbake.errors import StoreError
-from featbake.store import catalog as connection
 from featbake.store.catalog import (
     SCHEMA_VERSION,
     Catalog,
@@ -219,7 +219,7 @@ def test_no_connection_of_any_thread_is_closed_in_a_forked_child(cat: Catalog) -
     if pid == 0:  # pragma: no cover - runs in the child
         gc.collect()
         cat.record_encoder(EFP, "child", "torchscript")  # the child's own, fresh connection
-        kept = connection.INHERITED_ACROSS_FORK
+        kept = process.INHERITED_ACROSS_FORK
         try:
             ok = len(kept) >= 2 and not any(c.in_transaction for c in kept)  # raises if closed
         except sqlite3.ProgrammingError:
