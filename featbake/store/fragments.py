@@ -585,7 +585,8 @@ class FragmentCatalog:
         """The read-only catalog; None while there is none (a fresh store, before a merge).
 
         Raises:
-            StoreError: the catalog was lost but root manifests remain (run verify --repair).
+            StoreError: a reader's catalog was lost but root manifests remain (run verify
+                --repair).
         """
         with self._lock:
             catalog = self._catalog
@@ -594,7 +595,8 @@ class FragmentCatalog:
                 self._catalog = None
             if self._catalog is None:
                 if not self.layout.catalog.exists():
-                    self.layout.refuse_fresh_catalog()
+                    if self.part is None:  # a build's merge makes the catalog, and says so
+                        self.layout.refuse_fresh_catalog()
                     return None
                 self._catalog = Catalog(self.layout, timeout=self.timeout, read_only=True)
                 self._inode = _inode(self.layout.catalog)
