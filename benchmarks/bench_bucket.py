@@ -42,7 +42,13 @@ obstore, whose client options litdata fixes without ``allow_http``, so it refuse
 ``http://`` endpoint; the benchmark adds ``allow_http`` to them (nothing else is patched).
 Without litdata installed, its columns are skipped with a line saying so.
 
-Run: ``python benchmarks/bench_bucket.py [--quick]``.
+A first build from inputs in a bucket (issue 31 item 3): clips uploaded to
+``s3://<bucket>/inputs/`` and built with ``--data`` there, the GETs of the data and their bytes
+counted in the server's access log against the objects' count and size, with the bytes hashed
+kept for decoding (the default) and without (as before: each object GET twice); then a
+rebuild's GETs (none).
+
+Run: ``python benchmarks/bench_bucket.py [once] [--quick]`` (``once``: only the last part).
 """
 
 from __future__ import annotations
@@ -881,6 +887,65 @@ def prefetch_rows(s: Setup, t: SmallTier, log: ServerLog, rounds: int) -> list[d
     return out
 
 
+# -- inputs in a bucket, read once (issue 31 item 3) -------------------------------------------
+#: Where the clips a build reads from the bucket are uploaded (``--data s3://BUCKET/inputs/``).
+INPUTS_PREFIX = "inputs"
+
+
+def object_gets(log: ServerLog, mark: int, prefix: str) -> list[str]:
+    """The objects under ``prefix`` the server answered a whole GET of since ``mark`` (the
+    listing, ``GET /bucket?list-type=2``, is not one)."""
+    with log.path.open("rb") as f:
+        f.seek(mark)
+        text = f.read().decode("utf-8", "replace")
+    under = f"/{BUCKET}/{prefix}/"
+    return [
+        target.partition("?")[0][len(under) :]
+        for method, target, status in _LOGGED.findall(text)
+        if method == "GET" and status == "200" and target.startswith(under)
+    ]
+
+
+def read_once_rows(work: Path, log: ServerLog, n: int) -> list[dict[str, Any]]:
+    """A first build from ``--data s3://.../inputs/``: the GETs and bytes of data it took, against
+    the data's object count and size, with the bytes hashed kept for decoding (the default) and
+    without (``HELD_BYTES=0``: each object GET to hash, then again to decode, as before);
+    then a rebuild's GETs (target: none). Counted in the server's access log."""
+    from featbake.encode import fingerprints
+
+    clips = work / "once-clips"
+    write_audio_folder(clips, n, seconds=(2.0, 4.0), seed=7)
+    sizes = {p.relative_to(clips).as_posix(): p.stat().st_size for p in clips.rglob("*.wav")}
+    bucket = Bucket(BucketURL.parse(f"s3://{BUCKET}/{INPUTS_PREFIX}"))
+    for name in sizes:
+        bucket.upload(name, clips / name)
+    data, enc, total = f"s3://{BUCKET}/{INPUTS_PREFIX}/", encoder(), sum(sizes.values())
+    opts: dict[str, Any] = {"recipe": RECIPE, "workers": 0, "threads": 1}
+    got: dict[str, list[str]] = {}
+    for held, budget in (("kept", fingerprints.HELD_BYTES), ("not kept", 0)):
+        saved, fingerprints.HELD_BYTES = fingerprints.HELD_BYTES, budget
+        try:
+            mark = log.mark()
+            build(data, enc, cache=work / f"once-{budget}", **opts)
+            got[held] = object_gets(log, mark, INPUTS_PREFIX)
+        finally:
+            fingerprints.HELD_BYTES = saved
+    mark = log.mark()
+    build(data, enc, cache=work / f"once-{fingerprints.HELD_BYTES}", **opts)
+    rebuild = object_gets(log, mark, INPUTS_PREFIX)
+    out = []
+    for held, gets in got.items():
+        read = sum(sizes[g] for g in gets)
+        ok = read <= 1.05 * total if held == "kept" else None
+        note = (f"{len(gets)} GETs, {_mib(read)} for {len(sizes)} objects, {_mib(total)}; "
+                f"bytes hashed {held} for decoding")  # fmt: skip
+        note += f"; a rebuild: {len(rebuild)} GETs" if held == "kept" else " (as before)"
+        out.append(_row(f"first build from a bucket, bytes hashed {held}: data GET / its size",
+                        read / total, "x", "~1.0x" if held == "kept" else "report", ok,
+                        note))  # fmt: skip
+    return out
+
+
 def main(quick: bool = False) -> list[dict[str, Any]]:
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     n, rounds, later = (48, 1, 2) if quick else (400, 5, LATER)
@@ -905,11 +970,22 @@ def main(quick: bool = False) -> list[dict[str, Any]]:
         small = prepare_small_tier(setup, small_bytes)
         rows += small_tier_rows(setup, small, small_tier_epochs(setup, small, log, small_rounds, 2))
         rows += prefetch_rows(setup, small, log, max(rounds, 2))
+        rows += read_once_rows(work, log, 16 if quick else 200)
         return rows
 
 
+def main_read_once(quick: bool = False) -> list[dict[str, Any]]:
+    """Only :func:`read_once_rows` (``python bench_bucket.py once [--quick]``)."""
+    with contextlib.ExitStack() as stack:
+        work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="featbake-bucket-")))
+        log = ServerLog(work / "moto.log")
+        stack.enter_context(s3_server(log.path))
+        return read_once_rows(work, log, 16 if quick else 200)
+
+
 if __name__ == "__main__":
-    for r in main(quick="--quick" in sys.argv):
+    only_once = "once" in sys.argv[1:]  # python bench_bucket.py [once] [--quick]
+    for r in (main_read_once if only_once else main)(quick="--quick" in sys.argv):
         ok = "" if r["ok"] is None else ("ok" if r["ok"] else "MISS")
         print(f"{r['metric']:<58} {r['value']:>10,.2f} {r['unit']:<8} {r['target']:<8} {ok:<4} "
               f"{r['note']}")  # fmt: skip

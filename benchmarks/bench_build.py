@@ -20,18 +20,24 @@
    ``featbake.build`` against a bare loop that seeks to each segment, reads it with soundfile and
    encodes it (ConvStack, batch 16). Target: <= 1.10x; and the recording is hashed once and each
    of its samples decoded at most once (counted in a ``workers=0`` build).
+2b. **No-op rebuild, CLI** (issue 31 item 4): ``featbake build`` of 20 clips already built,
+   a fresh process each time, against ``python -c "import torch"`` (and against importing torch
+   without the interpreter's teardown, which a build's child skips); medians of interleaved runs,
+   wall and CPU time (``getrusage`` of the children: steadier than wall time on a busy node),
+   bytecode caching on as for an installed package. Target: <= 1.05x ``import torch``.
 5. **Parquet against files** (issue 29): the same clips as wav files and as one parquet file
    whose ``audio`` column holds each clip's bytes (a Hugging Face Audio struct), built by
    ``featbake.build`` with the small encoder and default options; median over rounds of the
    parquet's build time over the folder's. Target: <= 1.10x.
 
-Run: ``python benchmarks/bench_build.py [overhead|small|rebuild|fingerprint|segments|
+Run: ``python benchmarks/bench_build.py [overhead|small|rebuild|noop|fingerprint|segments|
 parquet ...] [--quick]``.
 """
 
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -279,6 +285,56 @@ def bench_rebuild(work: Path, quick: bool) -> list[dict]:
     ]
 
 
+# -- 2b. a no-op rebuild from the command line, against importing torch --------------------------
+def _timed_run(cmd: list[str], env: dict[str, str]) -> tuple[float, float]:
+    """(wall, CPU) seconds of one process run to its end (CPU: its own and its children's)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t = time.perf_counter()
+    subprocess.run(cmd, env=env, check=True, capture_output=True)
+    wall = time.perf_counter() - t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+
+
+def bench_noop(work: Path, quick: bool) -> list[dict]:
+    reps = 5 if quick else 15
+    data = work / "noop_audio"
+    write_audio_folder(data, 20, seconds=0.5, seed=23)
+    enc_path = save_torchscript(TinyConvEncoder(), work / "noop_tiny.pt")
+    # As an installed package runs: bytecode cached (a source compile per module otherwise).
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPATH"] = str(REPO)
+    cmds = {
+        "no-op rebuild": [sys.executable, "-m", "featbake", "build", "-e", str(enc_path),
+                          "-d", str(data), "--cache", str(work / "noop_cache")],
+        "import torch": [sys.executable, "-c", "import torch"],
+        "import torch, no teardown": [sys.executable, "-c", "import torch, os; os._exit(0)"],
+    }  # fmt: skip
+    subprocess.run(cmds["no-op rebuild"], env=env, check=True, capture_output=True)  # the build
+    walls: dict[str, list[float]] = {k: [] for k in cmds}
+    cpus: dict[str, list[float]] = {k: [] for k in cmds}
+    for _ in range(reps):  # interleaved: drifting load hits each alike
+        for name, cmd in cmds.items():
+            wall, cpu = _timed_run(cmd, env)
+            walls[name].append(wall)
+            cpus[name].append(cpu)
+    wall = {k: statistics.median(v) for k, v in walls.items()}
+    cpu = {k: statistics.median(v) for k, v in cpus.items()}
+    ratio = wall["no-op rebuild"] / wall["import torch"]
+    noop_cpu = cpu["no-op rebuild"]
+    note = (
+        f"20 clips of 0.5 s built, TinyConvEncoder, a fresh `featbake build` each run; medians "
+        f"of {reps} interleaved runs; wall (s) "
+        + ", ".join(f"{k} {v:.3f}" for k, v in wall.items())
+        + "; CPU (s) "
+        + ", ".join(f"{k} {v:.3f}" for k, v in cpu.items())
+        + f"; no-op / import torch in CPU {noop_cpu / cpu['import torch']:.3f}x, against "
+        f"torch without teardown {noop_cpu / cpu['import torch, no teardown']:.3f}x"
+    )
+    metric = 'CLI no-op rebuild / `python -c "import torch"` (wall, median)'
+    return [_row(metric, ratio, "x", "<= 1.05x", ratio <= 1.05, note)]
+
+
 # -- 3. encoder fingerprint ----------------------------------------------------------------------
 def bench_fingerprint(work: Path, quick: bool) -> list[dict]:
     width, depth = (2048, 6) if quick else (4096, 6)
@@ -488,6 +544,7 @@ PARTS = {
     "overhead": bench_overhead,
     "small": bench_small_encoder,
     "rebuild": bench_rebuild,
+    "noop": bench_noop,
     "fingerprint": bench_fingerprint,
     "segments": bench_segments,
     "parquet": bench_parquet,
@@ -507,7 +564,7 @@ if __name__ == "__main__":
     from rich.console import Console
     from rich.table import Table
 
-    # python bench_build.py [overhead] [small] [rebuild] [fingerprint] [segments] [--quick]
+    # python bench_build.py [overhead] [small] [rebuild] [noop] [fingerprint] [segments] [--quick]
     only = [a for a in sys.argv[1:] if not a.startswith("--")]
     unknown = set(only) - set(PARTS)
     if unknown:

@@ -9,6 +9,8 @@ is only touched when a CUDA device was actually asked for.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import os
 import re
 from collections.abc import Iterator
@@ -390,3 +392,37 @@ def torch_threads(n: int) -> Iterator[None]:
     finally:
         if torch.get_num_threads() != before:
             torch.set_num_threads(before)
+
+
+def one_intra_op_thread_here() -> bool:
+    """Run torch's parallel ops on the calling thread alone; every other thread keeps its count.
+
+    torch built on OpenMP gives each thread that runs a parallel op its own OpenMP team, of
+    ``torch.get_num_threads()`` threads: featbake's decode-ahead thread resizing an image with
+    ``interpolate`` started a second team beside the encoder's, twice as many busy threads as
+    CPUs, each team waiting at its barriers for threads the other had preempted (issue 31 item
+    4). ``torch.set_num_threads`` is process-wide (the encoder's count: the user's); OpenMP's
+    own count is per thread, so it is set here, after torch's per-thread set-up (the first
+    ``torch.get_num_threads()`` on a thread sets OpenMP's count from torch's).
+
+    Returns:
+        True if torch's ops on this thread now run on it alone; False (nothing changed) when
+        torch is not built on OpenMP or its runtime is not found.
+    """
+    if torch.get_num_threads() == 1:  # also torch's per-thread set-up, which must come first
+        return True
+    setter = _openmp_set_num_threads()
+    if setter is None:
+        return False
+    setter(1)
+    return torch.get_num_threads() == 1
+
+
+@functools.cache
+def _openmp_set_num_threads() -> Any:
+    """The OpenMP runtime's ``omp_set_num_threads`` that torch loaded globally, or None."""
+    with contextlib.suppress(OSError, AttributeError):
+        setter = ctypes.CDLL(None).omp_set_num_threads
+        setter.argtypes, setter.restype = [ctypes.c_int], None
+        return setter
+    return None

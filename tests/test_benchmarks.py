@@ -52,3 +52,13 @@ def test_bucket_bench_counts_a_deleted_file_while_it_is_open(tmp_path: Path) -> 
         shard.unlink()
         assert held_deleted(tmp_path) == 4096
     assert held_deleted(tmp_path) == 0
+
+
+def test_bucket_bench_counts_a_first_builds_gets_of_its_inputs() -> None:
+    """The read-once row counts what the server answered: one GET per object with the bytes
+    hashed kept (1.0x the data's size), two without, none in a rebuild."""
+    pytest.importorskip("moto")
+    rows = _load("bench_bucket").main_read_once(quick=True)
+    assert [round(r["value"], 3) for r in rows] == [1.0, 2.0]
+    assert rows[0]["note"].startswith("16 GETs") and rows[0]["note"].endswith("rebuild: 0 GETs")
+    assert rows[1]["note"].startswith("32 GETs")

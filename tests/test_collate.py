@@ -274,3 +274,19 @@ def test_pad_collate_pooled_batches_are_fully_rewritten() -> None:
     assert collate._pool.reused == reused + 1
     assert torch.equal(padded, pad_sequence(feats, batch_first=True))
     assert lengths.tolist() == [300, 599]
+
+
+def test_batch_pool_hands_out_the_newest_free_buffer() -> None:
+    # Newest first: batches are dropped in the order made, so that buffer was freed last, the
+    # likeliest to be in the CPU's caches (oldest first, a loader's 8 buffers behind a loop
+    # holding 2 each took the coldest: issue 31).
+    from featbake.serve.collate import BatchPool
+
+    pool = BatchPool(keep=4, min_bytes=1024)
+    first = [pool.empty((64, 64), torch.float32) for _ in range(3)]
+    ptrs = [t.data_ptr() for t in first]
+    del first  # all three free, the last one handed out is the newest
+    again = pool.empty((64, 64), torch.float32)
+    assert again.data_ptr() == ptrs[2] and pool.reused == 1
+    del again
+    assert pool.empty((64, 64), torch.float32).data_ptr() == ptrs[2]

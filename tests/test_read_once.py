@@ -63,3 +63,42 @@ def test_a_first_build_reads_its_inputs_once(
         with torch.no_grad():
             live = enc(src.load(data / name).unsqueeze(0))[0]
         torch.testing.assert_close(parts[""], live, rtol=1e-5, atol=1e-6)
+
+
+def test_held_bytes_count_one_object_kept_under_many_rows_once() -> None:
+    """An object's bytes moved to its rows (a recording's segments) count once against the
+    budget, and are uncounted when the last row takes them (checked against a plain model)."""
+    import random
+
+    from featbake.encode.fingerprints import HeldBytes
+
+    rng = random.Random(0)
+    held = HeldBytes(budget=1000)
+    model: dict[str, bytes] = {}
+    for step in range(400):
+        op = rng.choice(["keep", "share", "take", "keep_only"])
+        name = f"o{rng.randrange(6)}"
+        if op == "keep":
+            data = bytes(rng.randrange(1, 300))
+            kept = held.keep(name, data)
+            live = {id(v): len(v) for v in model.values()}  # a name kept again: checked first
+            assert kept == (sum(live.values()) + len(data) <= 1000)
+            if kept:
+                model[name] = data
+        elif op == "share":
+            rows = [f"{name}:{i}" for i in range(rng.randrange(4))]
+            held.share(name, rows)
+            if name in model:
+                data = model.pop(name)
+                model.update(dict.fromkeys(rows, data))
+        elif op == "take":
+            key = rng.choice([*model, name])
+            assert held.take(key) == model.pop(key, None)
+        else:
+            keep = set(rng.sample(sorted(model), len(model) // 2))
+            held.keep_only(keep)
+            model = {k: v for k, v in model.items() if k in keep}
+        assert len(held) == len(model), step
+        assert held.size == sum({id(v): len(v) for v in model.values()}.values()), step
+    held.clear()
+    assert (len(held), held.size) == (0, 0)

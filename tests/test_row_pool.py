@@ -7,7 +7,9 @@ read by the Python path on the pool and by the compiled read on threads it start
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -239,3 +241,72 @@ def test_the_loader_reads_on_one_thread_while_the_loop_has_a_batch_waiting(
         assert seen == len(ds)
         assert asked.threads[0] == 2  # the first batch: the loop waits for it
         assert 1 in asked.threads  # later ones while the loop had a batch to go on with
+
+
+class _AfterTheLoopTook(torch.utils.data.Dataset):
+    """A dataset whose batch ``k`` (``k >= 1``) is read once the loop took batch ``k - 1``."""
+
+    def __init__(self, inner: CachedFeatureDataset) -> None:
+        self.inner = inner
+        self.taken = threading.Semaphore(0)  # released by the loop for each batch it takes
+        self.calls = 0
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitems__(self, idx: list[int]) -> Any:
+        if self.calls:
+            assert self.taken.acquire(timeout=60), "the loop never took the batch before"
+        self.calls += 1
+        return self.inner.__getitems__(idx)
+
+
+@pytest.mark.parametrize("path", ["compiled", "python"])
+def test_a_loop_waiting_for_every_batch_has_each_read_wide(
+    audio_dir: Path,
+    encoder_file: Path,
+    store_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    path: str,
+) -> None:
+    # Read only: the loop waits for every batch. The reader holds the GIL from handing batch k
+    # over to batch k + 1's check (nothing between them releases it; a long switch interval),
+    # so the waiting loop has not taken batch k yet: that is not a batch to go on with, and
+    # batch k + 1 is read wide. The old rule (any batch queued: one thread) read every batch
+    # after the first on one thread: FeatureLoader read-only at ~0.55x DataLoader(num_workers=0)
+    # on 2 CPUs (issue 31). The dataset waits for the loop to take batch k - 1 before it reads
+    # batch k, so the reader is never a batch ahead of a loop that keeps up.
+    from featbake import FeatureLoader
+
+    if path == "compiled" and native.kernels() is None:
+        pytest.skip("featbake.kernels is not built here, or FEATBAKE_NATIVE=0")
+    monkeypatch.setattr(row_pool, "MIN_PARALLEL_BYTES", 0)
+    monkeypatch.setattr(row_pool, "_cpus", PerProcess(lambda: 2))
+    asked: list[int] = []
+    read_threads = row_pool.read_threads
+
+    def recorded() -> int:
+        asked.append(read_threads())
+        return asked[-1]
+
+    monkeypatch.setattr(row_pool, "read_threads", recorded)
+    build(audio_dir, encoder_file, cache=store_dir, workers=0)
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    want = [live_features(encoder_file, Path(ds.path(i))) for i in range(len(ds))]
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(0.1)
+    try:
+        with native.fallback() if path == "python" else contextlib.nullcontext():
+            for _epoch in range(2):  # first: checked reads (_fill); later: located reads
+                asked.clear()
+                slow = _AfterTheLoopTook(ds)
+                got: list[torch.Tensor] = []
+                for padded, lengths in FeatureLoader(slow, 2, shuffle=False, prefetch=2):
+                    slow.taken.release()  # nothing else: the loop waits for the next batch
+                    got += [padded[j, :n] for j, n in enumerate(lengths.tolist())]
+                assert len(asked) == slow.calls > 1 and all(t == 2 for t in asked), asked
+                assert len(got) == len(ds)
+                for g, w in zip(got, want, strict=True):
+                    torch.testing.assert_close(g, w)
+    finally:
+        sys.setswitchinterval(switch)

@@ -46,7 +46,7 @@ from featbake.encode.containers import Table, WebDataset
 from featbake.encode.encoders import LoadedEncoder, from_module
 from featbake.encode.fingerprints import HeldBytes, encoder_fingerprint
 from featbake.encode.hf import check_recipe_supported, recipe_for_encoder
-from featbake.encode.inputs import Folder, Inputs, inputs_at
+from featbake.encode.inputs import Inputs, inputs_at
 from featbake.encode.loaders import load_encoder
 from featbake.encode.sources import ScanResult, Source, source_for
 from featbake.errors import ConfigError, EncodeError, FeatbakeError, SourceError, StoreError
@@ -437,14 +437,9 @@ class _Bake:
             key -> the absolute path of the first input with that key.
         """
         abs_paths = [self.place.path(p) for p in rel_paths]
-        if isinstance(self.place, (Folder, WebDataset, Table)):  # bytes hashed kept: read once
-            digests, unreadable = self.place.hash(
-                self.catalog, abs_paths, self.progress, self.hashed_stats, self.held
-            )
-        else:
-            digests, unreadable = self.place.hash(
-                self.catalog, abs_paths, self.progress, self.hashed_stats
-            )
+        digests, unreadable = self.place.hash(  # the bytes hashed are kept: read once
+            self.catalog, abs_paths, self.progress, self.hashed_stats, self.held
+        )
         todo: dict[str, str] = {}
         for rel, path in zip(rel_paths, abs_paths, strict=True):
             self.rel_of[path] = rel

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from featbake.device import one_intra_op_thread_here
 from featbake.encode.fingerprints import HeldBytes
 from featbake.encode.sources import Source, load_unchanged
 from featbake.errors import SourceError
@@ -256,8 +257,14 @@ class _WorkerWatch:
 
 def _decoded_ahead(ds: DecodeDataset) -> Iterator[tuple[int, Any]]:
     """``ds``'s items in order, each decoded on one thread of this process while the caller
-    encodes the one before (soundfile, soxr and Pillow release the GIL while they work)."""
-    with ThreadPoolExecutor(1, thread_name_prefix="featbake-decode") as pool:
+    encodes the one before (soundfile, soxr and Pillow release the GIL while they work).
+
+    The thread runs torch's ops (an image resized by ``interpolate``) on itself alone: it starts
+    no OpenMP team beside the encoder's (see :func:`featbake.device.one_intra_op_thread_here`).
+    """
+    with ThreadPoolExecutor(
+        1, thread_name_prefix="featbake-decode", initializer=one_intra_op_thread_here
+    ) as pool:
         pending: deque[Future[tuple[int, Any]]] = deque()
         try:
             for i in range(len(ds)):

@@ -200,6 +200,14 @@ class _Bytes(ProgressColumn):
 
 
 def progress_bar() -> Progress:
+    """The build's progress bar: drawn by :func:`tick_bar` from the build's own callback.
+
+    rich redraws a live bar from a thread of its own, 10 times a second: a thread that woke
+    during the encoder's calls and held the GIL for each redraw (~1.7% of a core, measured),
+    and on a busy node preempted a thread of the encoder's OpenMP team, which the rest of
+    the team then waits for (issue 31 item 4). Here no thread is started: the bar is redrawn
+    on the build's thread, between its batches, at most every :data:`DRAW_EVERY_S`.
+    """
     return Progress(
         TextColumn("[bold]{task.description:<7}"),
         BarColumn(),
@@ -211,6 +219,7 @@ def progress_bar() -> Progress:
         console=console,
         transient=False,
         disable=not console.is_terminal,
+        auto_refresh=False,
     )
 
 
@@ -239,6 +248,8 @@ def format_when(ts: float) -> str:
 
 #: Without a terminal (CI logs, nohup), progress is one plain line per phase this often.
 LOG_EVERY_S = 10.0
+#: On a terminal, the bar is redrawn at most this often (seconds), from the progress callback.
+DRAW_EVERY_S = 0.1
 
 
 def tick_bar(bar: Progress, tasks: dict[str, Any]) -> Any:
@@ -246,6 +257,7 @@ def tick_bar(bar: Progress, tasks: dict[str, Any]) -> Any:
     # rich asks isatty() on every is_terminal read (~90 us): once per build is enough.
     on_terminal = console.is_terminal
     last_line: dict[str, float] = {}
+    last_draw = [0.0]
     started: dict[str, float] = {}
     finished: set[str] = set()
 
@@ -269,6 +281,10 @@ def tick_bar(bar: Progress, tasks: dict[str, Any]) -> Any:
                 bytes=getattr(p, "bytes_written", 0),
                 pending=getattr(p, "bytes_pending", 0),
             )
+            now = time.monotonic()
+            if now - last_draw[0] >= DRAW_EVERY_S or (p.total and p.done >= p.total):
+                last_draw[0] = now
+                bar.refresh()  # on this thread: the bar starts none of its own
             return
         if not p.total or p.phase in finished:
             return

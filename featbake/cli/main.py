@@ -8,7 +8,6 @@ import signal
 import sys
 import threading
 import warnings
-from typing import NoReturn
 
 import typer
 from rich.markup import escape
@@ -24,11 +23,9 @@ from featbake.cli.app import app, console
 from featbake.cli.supervise import (
     in_part,
     leave_child,
-    report_abrupt_end,
     report_clean_exit,
-    run_supervised,
     status_channel,
-    wants_supervisor,
+    supervise_if_build,
 )
 from featbake.errors import FeatbakeError, Terminated
 
@@ -40,7 +37,7 @@ def _one_line_warning(message: object, category: type, *_: object, **__: object)
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the app, turning featbake errors into one red line and an exit code.
 
-    ``featbake build`` runs in a child process this one watches (see
+    ``featbake build`` runs in a child process this one forks and watches (see
     :mod:`featbake.cli.supervise`), so a build process ended by its encoder is still reported.
     """
     warnings.formatwarning = _one_line_warning
@@ -111,21 +108,14 @@ def _run(argv: list[str] | None) -> None:
 
 
 def _supervise_or_report(args: list[str]) -> bool:
-    """Run a build in a watched child (never returns), or, in that child, report a clean exit.
+    """Fork a build's watched child (this process waits and exits with its code), or, in that
+    child, report a clean exit.
 
     Returns:
         True in the watched child.
     """
-    if wants_supervisor(args):
-        _supervise(args)
+    supervise_if_build(args)
     status = status_channel()
     if status is not None:
         atexit.register(report_clean_exit, status)
     return status is not None
-
-
-def _supervise(args: list[str]) -> NoReturn:
-    outcome = run_supervised(args)
-    if outcome.abrupt:
-        report_abrupt_end(outcome.code)
-    sys.exit(outcome.code)

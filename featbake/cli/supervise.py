@@ -3,7 +3,11 @@
 The encoder runs in the build's own process (it owns the GPU), and its code can end that process
 in ways no ``try`` sees: ``os._exit(7)`` in ``forward`` skips every handler and ``finally``, and
 the exit status 7 would read as featbake's documented "cache miss". So the command's process
-only starts the build as a child and waits for it. The child reports through an inherited pipe
+only starts the build as a child and waits for it. The child is forked, not a second Python
+started: it goes on from where the command's process stands (nothing imported beyond the
+standard library, no thread yet), so no interpreter starts twice and no module is imported
+twice (a second interpreter and its imports were ~0.05 s of CPU in every build, a no-op rebuild
+included; issue 31 item 4). The child reports through an inherited pipe
 that it is leaving through featbake's own exit path (one line and a documented code); a child
 that ends without that word was ended from outside featbake's control (``os._exit``, a signal,
 the kernel's OOM killer), and this process says so in one line and exits with
@@ -20,11 +24,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
-import multiprocessing
 import os
 import signal
-import subprocess
 import sys
 import threading
 from collections.abc import Sequence
@@ -38,20 +39,31 @@ _PR_SET_PDEATHSIG = 1
 
 
 def wants_supervisor(argv: Sequence[str]) -> bool:
-    """True for a ``build`` command run from the shell, not already a supervised child."""
+    """True for a ``build`` command run from the shell, not already a supervised child.
+
+    Only a process that may fork safely forks the build: one thread, torch not imported (a
+    caller's CUDA cannot be used in a forked child, and a lock another thread held stays held
+    there). ``featbake build`` from the shell always may; a program calling
+    :func:`featbake.cli.main.main` from its threads runs the build in its own process.
+    """
     if os.environ.get(STATUS_FD_ENV) or os.environ.get(NO_SUPERVISOR_ENV):
+        return False
+    if threading.active_count() > 1 or "torch" in sys.modules:
         return False
     words = [a for a in argv if not a.startswith("-")]
     return bool(words) and words[0] == "build" and not {"-h", "--help"} & set(argv)
 
 
 def supervise_if_build(args: Sequence[str]) -> None:
-    """For a build run from the shell: run it in a watched child and exit with its code (an
-    abrupt end reported in one line); else return. Imports nothing beyond the standard
-    library unless the child ended abruptly."""
+    """For a build run from the shell: fork the watched child, which returns from here to run
+    the command, while this process waits and exits with the child's code (an abrupt end
+    reported in one line). Any other command returns at once. Imports nothing beyond the
+    standard library unless the child ended abruptly."""
     if not wants_supervisor(args):
         return
-    outcome = run_supervised(args)
+    outcome = run_supervised()
+    if outcome is None:
+        return  # the forked child: run the build
     if outcome.abrupt:
         report_abrupt_end(outcome.code)
     sys.exit(outcome.code)
@@ -132,6 +144,8 @@ def leave_child(code: object) -> NoReturn:
     0.05 s (issue 32 item 15). Only the child the supervisor started leaves this way: a process
     that called :func:`featbake.cli.main` itself gets its ``SystemExit``.
     """
+    import multiprocessing  # loaded by torch already: the child only
+
     if multiprocessing.active_children():  # workers still up (held in a cycle): the usual way
         raise SystemExit(code)
     status = exit_code_of(code)
@@ -150,43 +164,58 @@ class Outcome(NamedTuple):
     abrupt: bool
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+def _die_with_parent() -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes  # the child only
+
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
-def run_supervised(argv: Sequence[str]) -> Outcome:
-    """Run ``featbake ARGV`` in a child and wait for it.
+def _become_child(parent: int, read_end: int, write_end: int) -> None:
+    """In the forked child: its own process group, killed with its parent, and the status
+    pipe's write end named in the environment (where :func:`status_channel` finds it)."""
+    os.close(read_end)
+    os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the parent, which passes it on
+    _die_with_parent()
+    if os.getppid() != parent:  # the parent died before the line above took effect
+        os._exit(128 + signal.SIGKILL)
+    os.environ[STATUS_FD_ENV] = str(write_end)
 
-    Returns the child's own code when it left through featbake's exit path, ``128 + N`` when it
-    died of a signal N passed on from here, else its status (negative: killed by a signal)
-    marked abrupt.
+
+def run_supervised() -> Outcome | None:
+    """Fork the build's child and, in this process, wait for it.
+
+    Returns:
+        None in the child, which goes on to run the command. In this process: the child's own
+        code when it left through featbake's exit path, ``128 + N`` when it died of a signal N
+        passed on from here, else its status (negative: killed by a signal) marked abrupt.
     """
     read_end, write_end = os.pipe()
     os.set_blocking(read_end, False)  # decode workers may hold the write end open past the end
-    env = {**os.environ, STATUS_FD_ENV: str(write_end)}
-    forwarded: list[int] = []
-    child = subprocess.Popen(
-        [sys.executable, "-m", "featbake", *argv],
-        env=env,
-        pass_fds=(write_end,),
-        process_group=0 if os.name == "posix" else None,
-        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
-    )
+    parent = os.getpid()
+    sys.stdout.flush()
+    sys.stderr.flush()  # nothing buffered is written twice
+    child = os.fork()
+    if child == 0:
+        _become_child(parent, read_end, write_end)
+        return None
     os.close(write_end)
+    forwarded: list[int] = []
 
     def forward(signum: int, _frame: FrameType | None) -> None:
         forwarded.append(signum)
         with contextlib.suppress(ProcessLookupError):
             if signum == signal.SIGINT:
-                os.killpg(child.pid, signum)  # what a terminal's Ctrl-C does to a group
+                os.killpg(child, signum)  # what a terminal's Ctrl-C does to a group
             else:
-                child.send_signal(signum)
+                os.kill(child, signum)
 
-    for name in ("SIGINT", "SIGTERM", "SIGHUP"):  # no SIGHUP on Windows
-        if hasattr(signal, name):
-            signal.signal(getattr(signal, name), forward)
-    code = child.wait()
+    for name in ("SIGINT", "SIGTERM", "SIGHUP"):
+        signal.signal(getattr(signal, name), forward)
+    _, status = os.waitpid(child, 0)  # retried after a signal's handler (PEP 475)
+    code = os.waitstatus_to_exitcode(status)
     try:
         clean = os.read(read_end, 1) == b"1"
     except BlockingIOError:

@@ -29,6 +29,9 @@ HELD_BYTES = 256 << 20
 class HeldBytes:
     """path -> the bytes hashed for its key, up to ``budget`` bytes in all (thread-safe).
 
+    One bytes object may be kept under several paths (:meth:`share`: the segments of one
+    object in a bucket); it is counted against the budget once, until its last path lets go.
+
     Example:
         >>> held = HeldBytes(budget=1 << 20)
         >>> import tempfile, pathlib
@@ -42,6 +45,7 @@ class HeldBytes:
         self.budget = HELD_BYTES if budget is None else budget
         self.size = 0
         self._data: dict[str, bytes] = {}
+        self._users: dict[int, int] = {}  # id of a bytes object kept -> how many paths keep it
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -68,38 +72,70 @@ class HeldBytes:
                 self.size -= size
             raise
         with self._lock:
-            self.size += len(data) - size  # the file may have grown or shrunk since the stat
-            self._data[path] = data
+            self.size -= size  # the reservation becomes the bytes read (the file may have
+            self._put(path, data)  # grown or shrunk since the stat)
         return sha256_hex(data)
 
     def keep(self, path: str, data: bytes) -> bool:
         """Keep ``data``, the bytes just hashed for the input named ``path`` (a tar member, a
-        table's cell), if they fit in the budget; whether they were kept."""
+        table's cell, an object), if they fit in the budget; whether they were kept."""
         with self._lock:
             if self.size + len(data) > self.budget:
                 return False
-            self.size += len(data)
-            self._data[path] = data
+            self._put(path, data)
         return True
+
+    def share(self, path: str, names: Collection[str]) -> None:
+        """Keep the bytes kept for ``path`` under each of ``names`` instead (the rows that
+        decode from one object), counted once; nothing if none were kept for ``path``."""
+        with self._lock:
+            data = self._data.get(path)
+            if data is None:
+                return
+            for name in names:
+                self._put(name, data)
+            self._drop(path)
 
     def take(self, path: str) -> bytes | None:
         """The bytes kept for ``path`` (given once, then dropped), or None."""
         with self._lock:
-            data = self._data.pop(path, None)
+            data = self._data.get(path)
             if data is not None:
-                self.size -= len(data)
+                self._drop(path)
             return data
 
     def keep_only(self, paths: Collection[str]) -> None:
         """Drop what was kept for inputs not in ``paths`` (stored already: never decoded)."""
         with self._lock:
             for path in [p for p in self._data if p not in paths]:
-                self.size -= len(self._data.pop(path))
+                self._drop(path)
 
     def clear(self) -> None:
         with self._lock:
             self._data.clear()
+            self._users.clear()
             self.size = 0
+
+    def _put(self, path: str, data: bytes) -> None:
+        """Keep ``data`` under ``path``, counting its bytes if no other path keeps it (the
+        lock held)."""
+        if path in self._data:
+            self._drop(path)
+        users = self._users.get(id(data), 0)
+        if users == 0:
+            self.size += len(data)
+        self._users[id(data)] = users + 1
+        self._data[path] = data
+
+    def _drop(self, path: str) -> None:
+        """Forget ``path``'s bytes, uncounting them when no other path keeps them (the lock
+        held)."""
+        data = self._data.pop(path)
+        users = self._users.pop(id(data)) - 1
+        if users:
+            self._users[id(data)] = users
+        else:
+            self.size -= len(data)
 
 
 # == fingerprints ==================================================================================

@@ -63,8 +63,14 @@ class Inputs(Protocol):
         paths: Sequence[str],
         progress: Callable[[Progress], None] | None = None,
         stats: dict[str, FileStat] | None = None,
+        held: HeldBytes | None = None,
     ) -> tuple[dict[str, str], dict[str, str]]:
-        """(path -> SHA-256, path -> why it could not be read), as :func:`hash_inputs` says."""
+        """(path -> SHA-256, path -> why it could not be read), as :func:`hash_inputs` says.
+
+        With ``held``, the bytes read for a digest are kept there (within its budget) under
+        the input's path, for the build to decode them: a first build reads each input once
+        (issue 31 item 3). A kind whose bytes are held otherwise may keep none.
+        """
         ...
 
     @property

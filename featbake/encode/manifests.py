@@ -36,8 +36,10 @@ the file lacks (when hashing).
 
 **Files in a bucket.** A row may name ``s3://bucket/key``: the object is hashed through the hash
 cache by (size, last change, ETag) as ``--data s3://prefix/`` hashes its objects (one HEAD per
-object and build; read whole only when the cache does not know it), and decoded from its bytes,
-kept per process within :data:`OBJECT_CACHE_BYTES` so that its segments read it once. Its
+object and build; read whole only when the cache does not know it), and decoded from its bytes:
+in a first build the bytes of the GET that hashed it (one GET in all, see
+:meth:`RowInputs.hash`), else kept per process within :data:`OBJECT_CACHE_BYTES` so that its
+segments read it once. Its
 segments' bounds are checked when they are decoded (a segment past the end fails then, naming
 its line, and is skipped all the same).
 """
@@ -56,7 +58,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from featbake.encode.fingerprints import hash_inputs, resolve_path
+from featbake.encode.fingerprints import HeldBytes, hash_inputs, resolve_path
 from featbake.encode.objects import BucketInputs, object_stat, read_object
 from featbake.encode.sources import (
     ScanResult,
@@ -290,9 +292,13 @@ class RowInputs:
         paths: Sequence[str],
         progress: Callable[[Progress], None] | None = None,
         stats: dict[str, FileStat] | None = None,
+        held: HeldBytes | None = None,
     ) -> tuple[dict[str, str], dict[str, str]]:
         """Each row's digest (its file's SHA-256, or its segment's :func:`item_digest`), every
         file hashed once through the hash cache and its header read once for the bounds.
+        ``held``, if given, keeps each ``s3://`` object's bytes read for its digest under its
+        rows' paths (one copy, counted once), for the build to decode them without a second
+        GET; a local file's segments are read by seeking, as before.
 
         Returns:
             (path -> digest, path -> why the row cannot be an item); ``stats`` is filled with
@@ -304,7 +310,8 @@ class RowInputs:
         file_stats: dict[str, FileStat] = {}
         local = [f for f in files if not is_url(f)]
         digests, failed = hash_inputs(catalog, local, progress, file_stats)
-        got, lost = object_digests(catalog, [f for f in files if is_url(f)], file_stats)
+        urls = [f for f in files if is_url(f)]
+        got, lost = object_digests(catalog, urls, file_stats, held)
         digests.update(got)
         failed.update(lost)
         spans = {it.file for it in items if it.span and it.file in digests and not is_url(it.file)}
@@ -321,18 +328,37 @@ class RowInputs:
             stats[path] = file_stats[it.file]
             sha = digests[it.file]
             out[path] = sha if it.span is None else segment_digest(sha, it.span)
+        if held is not None:
+            good = {p: it.file for p, it in zip(paths, items, strict=True) if p in out}
+            held_by_row(held, urls, good)
         return out, bad
 
     def source(self, inner: Source) -> Source:
         return SegmentSource(inner, self.by_path)
 
 
+def held_by_row(held: HeldBytes, urls: Sequence[str], file_of: Mapping[str, str]) -> None:
+    """Move each object's bytes in ``held`` from its URL (kept so while hashing) to the paths
+    of its rows (``file_of``: row path -> its file; a row failed before is left out): the
+    build decodes by row, each row of one object from the same bytes."""
+    rows: dict[str, list[str]] = {url: [] for url in urls}
+    for path, file in file_of.items():
+        if file in rows:
+            rows[file].append(path)
+    for url, paths in rows.items():
+        held.share(url, paths)
+
+
 def object_digests(
-    catalog: HashCache, urls: Sequence[str], stats: dict[str, FileStat]
+    catalog: HashCache,
+    urls: Sequence[str],
+    stats: dict[str, FileStat],
+    held: HeldBytes | None = None,
 ) -> tuple[dict[str, str], dict[str, str]]:
     """(url -> SHA-256, url -> why not) of objects named one by one: each HEAD'ed for the
     (size, last change, ETag) the hash cache compares, and read only when it does not know it
-    (:meth:`featbake.encode.objects.BucketInputs.hash`, one place per folder of objects)."""
+    (:meth:`featbake.encode.objects.BucketInputs.hash`, one place per folder of objects; the
+    bytes read kept in ``held`` by URL)."""
     digests: dict[str, str] = {}
     failed: dict[str, str] = {}
     folders: dict[str, list[str]] = {}
@@ -350,7 +376,7 @@ def object_digests(
                 failed[url] = "object not found"
                 continue
             place.listed[place.rel(url)] = info
-        got, lost = place.hash(catalog, [u for u in group if u not in failed], None, stats)
+        got, lost = place.hash(catalog, [u for u in group if u not in failed], None, stats, held)
         digests.update(got)
         failed.update(lost)
     return digests, failed

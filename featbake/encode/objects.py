@@ -7,6 +7,7 @@ them with the same code, without importing the dispatch that imports them.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import os
@@ -16,6 +17,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from featbake.encode.fingerprints import HeldBytes
 from featbake.encode.sources import ScanResult, Source
 from featbake.errors import SourceError, StoreError
 from featbake.process import OBJECT_THREADS, map_in_threads
@@ -42,8 +44,15 @@ from featbake.store.url import BucketURL
 # **Decoding** reads each object whole into memory (one clip or image) and hands the bytes to the
 # recipe's source (soundfile and Pillow read file objects): nothing is written to disk. The
 # response's ETag must still be the one hashed, or the item fails as a file changed mid-build
-# does (:func:`featbake.encode.sources.load_unchanged`). A new object is read twice in its first
-# build (to hash it, then in a decode worker), never again while it is unchanged.
+# does (:func:`featbake.encode.sources.load_unchanged`).
+#
+# **One GET per new object** (issue 31 item 3). A build hands :meth:`BucketInputs.hash` its
+# :class:`~featbake.encode.fingerprints.HeldBytes`: the bytes of the response that was hashed
+# are kept there (within its budget) and decoded from there, so a first build GETs each new
+# object once, and a rebuild none. The ETag check holds by construction for them: the bytes
+# decoded ARE the hashed response's, whose ETag the digest was recorded against, so an object
+# rewritten since cannot be stored under the old key. Objects past the budget are GET again
+# to decode, and checked by that response's ETag as above.
 #
 # Credentials, endpoint and region come from the standard AWS environment (see
 # :mod:`featbake.store.bucket`), whose errors (no credentials, no such bucket, access
@@ -137,9 +146,11 @@ class BucketInputs:
         paths: Sequence[str],
         progress: Callable[[Progress], None] | None = None,
         stats: dict[str, FileStat] | None = None,
+        held: HeldBytes | None = None,
     ) -> tuple[dict[str, str], dict[str, str]]:
         """SHA-256 of each object, reading only those whose (size, last change, ETag) the
-        hash cache does not know. ``stats`` is filled with each digest's :func:`object_stat`.
+        hash cache does not know. ``stats`` is filled with each digest's :func:`object_stat`;
+        ``held``, if given, keeps the bytes read (within its budget) for the build to decode.
 
         Returns:
             (path -> sha256, path -> reason for objects that could not be read)
@@ -154,7 +165,8 @@ class BucketInputs:
         fresh: list[HashRow] = []
         if progress:
             progress(Progress("hash", len(digests), len(paths)))
-        for p, got in zip(todo, map_in_threads(self._digest, todo, OBJECT_THREADS), strict=True):
+        digest = functools.partial(self._digest, held=held)
+        for p, got in zip(todo, map_in_threads(digest, todo, OBJECT_THREADS), strict=True):
             if isinstance(got, str):
                 failed[p] = got
             else:
@@ -166,11 +178,14 @@ class BucketInputs:
         catalog.put_hashes(fresh, recorded_ns=never_racy_ns(fresh))
         return digests, failed
 
-    def _digest(self, path: str) -> tuple[FileStat, str] | str:
-        """(stat, SHA-256) of the bytes one GET returned, or why the object cannot be read."""
+    def _digest(self, path: str, held: HeldBytes | None = None) -> tuple[FileStat, str] | str:
+        """(stat, SHA-256) of the bytes one GET returned, or why the object cannot be read;
+        those bytes kept in ``held`` under ``path`` if they fit."""
         got = read_object(self.bucket, self.rel(path))
         if isinstance(got, str):
             return got
+        if held is not None:
+            held.keep(path, got.data)  # the very bytes hashed below: see the module's comment
         return object_stat(got.info), hashlib.sha256(got.data).hexdigest()
 
     def source(self, inner: Source) -> Source:

@@ -23,6 +23,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from featbake.encode.fingerprints import HeldBytes
 from featbake.encode.manifests import (
     OWN_COLUMNS,
     BadRow,
@@ -125,10 +126,12 @@ class TextRows(RowInputs):
         paths: Sequence[str],
         progress: Callable[[Progress], None] | None = None,
         stats: dict[str, FileStat] | None = None,
+        held: HeldBytes | None = None,
     ) -> tuple[dict[str, str], dict[str, str]]:
         """Each row's digest: the SHA-256 of its text's UTF-8 bytes (no file is read).
 
-        ``stats`` gets the manifest's stat for each row (the texts were read from it).
+        ``stats`` gets the manifest's stat for each row (the texts were read from it);
+        ``held`` keeps nothing: the texts are held since the parse.
         """
         stats = {} if stats is None else stats
         digests: dict[str, str] = {}

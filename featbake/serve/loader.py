@@ -34,7 +34,8 @@ epoch took 1.8-2.5x the step alone. Much of that was not the GIL (the reader too
 10-20 us after each batch's compiled read) but page faults: the batches alive behind a step
 outnumbered the process's 3 pooled buffers, so each batch was a fresh mapping (3.4x the read's
 CPU). The loader now keeps ``prefetch + 4`` buffers of its own, and reads on one thread while
-its queue holds a batch, so the step keeps the CPUs it chose. Keep ``DataLoader`` with workers
+the loop has a batch to go on with (queued beyond the one it may be waiting to take: see
+:func:`threads_cap`), so the step keeps the CPUs it chose. Keep ``DataLoader`` with workers
 when items need heavy Python work per item (augmentation), when the step is Python-heavy, or
 when most items miss: those want processes of their own.
 """
@@ -556,13 +557,17 @@ class FeatureLoader:
         batches = batches[skip:]
         ready: queue.Queue[Any] = queue.Queue(maxsize=self.prefetch)
         stop = threading.Event()
+        waiting = Waiting(now=True)  # the loop's first act is to wait for a batch
         reader = threading.Thread(
-            target=self._read, args=(batches, ready, stop), name="featbake-loader", daemon=True
+            target=self._read,
+            args=(batches, ready, stop, waiting),
+            name="featbake-loader",
+            daemon=True,
         )
         reader.start()
         try:
             while True:
-                item = _next_from(ready, reader)
+                item = _next_from(ready, reader, waiting)
                 if item is _END:
                     return
                 if isinstance(item, _Failed):
@@ -576,7 +581,13 @@ class FeatureLoader:
                     ready.get_nowait()
             reader.join()
 
-    def _read(self, batches: list[list[int]], ready: queue.Queue, stop: threading.Event) -> None:
+    def _read(
+        self,
+        batches: list[list[int]],
+        ready: queue.Queue,
+        stop: threading.Event,
+        waiting: Waiting,
+    ) -> None:
         """The reader thread: read, collate (and pin) each batch, in order, until told to stop.
 
         Everything it runs is inside the ``try``: a dataset that opens its store on first use
@@ -588,7 +599,7 @@ class FeatureLoader:
         try:
             ahead = ReadAhead(batches, self.read_ahead, hint_of(self.dataset), self._streak)
             with pinned_batches() if to_gpu else pooled_batches(self._buffers):
-                self._read_batches(batches, ready, stop, ahead, to_gpu)
+                self._read_batches(batches, ready, stop, ahead, to_gpu, waiting)
         except BaseException as e:  # handed to the training thread, raised there
             _put(ready, _Failed(e), stop)
         finally:
@@ -602,12 +613,13 @@ class FeatureLoader:
         stop: threading.Event,
         ahead: ReadAhead,
         to_gpu: bool,
+        waiting: Waiting,
     ) -> None:
         for b, idx in enumerate(batches):
             if stop.is_set():
                 return
             ahead.before(b)
-            with read_threads_at_most(threads_cap(ready.qsize())):
+            with read_threads_at_most(threads_cap(ready.qsize(), waiting.now)):
                 batch = self.collate_fn(_items(self.dataset, idx))
             if to_gpu:  # built pinned already (pinned_batches); labels and custom collates not
                 batch = map_tensors(dev.pin, batch)
@@ -622,10 +634,28 @@ class FeatureLoader:
         return map_tensors(lambda t: t.to(target, non_blocking=True), batch)
 
 
-def threads_cap(queued: int) -> int | None:
+@dataclass
+class Waiting:
+    """Whether the training thread is waiting for the reader's next batch: set by it around
+    its wait on the queue (:func:`_next_from`), read by the reader (:func:`threads_cap`)."""
+
+    now: bool = False
+
+
+def threads_cap(queued: int, waiting: bool = False) -> int | None:
     """The cap on a batch's read threads (:func:`read_threads_at_most`) with ``queued`` batches
-    ready: one while the training loop has a batch to go on with, none once it may wait."""
-    return 1 if queued else None
+    ready: one while the training loop has a batch to go on with, none once it may wait.
+
+    A loop ``waiting`` for a batch has none to go on with, even with one queued: that one is
+    the batch the reader has just handed over, which the loop has not taken yet: it needs the
+    GIL, which the reader may hold from its ``put`` to this check. Read as "a batch to go on
+    with", it capped most batches of a read-only epoch at one thread (FeatureLoader at ~0.55x
+    ``DataLoader(num_workers=0)`` on 2 CPUs, issue 31). Behind a 1-thread step as long as a
+    read, or 2x or 10x as long, both rules ran alike (medians within noise, 12-20 epochs); a
+    rule that also capped that batch when the loop's last step took a quarter of a read or
+    more ran 5-9% slower there.
+    """
+    return 1 if queued > int(waiting) else None
 
 
 def _put(ready: queue.Queue, item: Any, stop: threading.Event) -> bool:
@@ -637,15 +667,22 @@ def _put(ready: queue.Queue, item: Any, stop: threading.Event) -> bool:
     return False
 
 
-def _next_from(ready: queue.Queue, reader: threading.Thread) -> Any:
+def _next_from(ready: queue.Queue, reader: threading.Thread, waiting: Waiting) -> Any:
     """The reader's next batch, ``_END`` or ``_Failed``; a reader that died without handing
-    either over (it cannot, short of the interpreter stopping it) is an error, not a hang."""
-    while True:
-        with contextlib.suppress(queue.Empty):
-            return ready.get(timeout=_POLL_SECONDS)
-        if not reader.is_alive() and ready.empty():
-            why = "FeatureLoader's reader thread ended without a batch or an error"
-            return _Failed(ReaderDied(f"{why} (stopped from outside); iterate the loader again"))
+    either over (it cannot, short of the interpreter stopping it) is an error, not a hang.
+    ``waiting`` says meanwhile that the training thread waits (see :func:`threads_cap`)."""
+    waiting.now = True
+    try:
+        while True:
+            with contextlib.suppress(queue.Empty):
+                return ready.get(timeout=_POLL_SECONDS)
+            if not reader.is_alive() and ready.empty():
+                why = "FeatureLoader's reader thread ended without a batch or an error"
+                return _Failed(
+                    ReaderDied(f"{why} (stopped from outside); iterate the loader again")
+                )
+    finally:
+        waiting.now = False
 
 
 def _items(dataset: Any, idx: list[int]) -> Sequence[Any]:

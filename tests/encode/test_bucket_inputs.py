@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import featbake.encode.fingerprints
 from featbake.bake.pipeline import build
 from featbake.encode.inputs import BucketInputs, ObjectSource, object_stat
 from featbake.encode.sources import load_unchanged, source_for
@@ -69,7 +70,7 @@ def test_a_build_from_a_bucket_stores_the_live_features_and_a_rebuild_reads_noth
     report = bake(url, encoder_file, store)
     assert report.encoded == len(names) == 16 and not report.failed
     assert report.data == f"s3://{s3.bucket}/audio"  # the root is keyed by the URL
-    assert sorted(reads) == sorted(names * 2)  # once to hash, once to decode
+    assert sorted(reads) == sorted(names)  # once: hashed and decoded from one response
     assert_live(store, report.root, encoder_file, audio_dir, 16)
 
     reads.clear()
@@ -94,8 +95,44 @@ def test_a_changed_object_is_hashed_and_encoded_again(
     reads.clear()
     report = bake(url, encoder_file, store)
     assert (report.encoded, report.reused) == (1, 15)
-    assert reads == [changed, changed]
+    assert reads == [changed]
     assert_live(store, report.root, encoder_file, audio_dir, 16)
+
+
+def _object_gets(s3: S3, mark: int, prefix: str) -> list[str]:
+    """The objects under ``prefix`` the server answered a GET of (from its access log) since
+    ``mark``: the listing (``GET /bucket?list-type=2``) is not one."""
+    under = f"/{s3.bucket}/{prefix}/"
+    return [
+        r.name[len(under) :]
+        for r in s3.requests(mark)
+        if r.method == "GET" and r.status == 200 and r.name.startswith(under)
+    ]
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_a_first_build_gets_each_object_once_and_a_rebuild_none(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, held: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """Issue 31 item 3: counted by the server, a first build GETs each new object once (its
+    digest and its decode from one response); past the held budget twice, as before."""
+    url = f"s3://{s3.bucket}/audio/"
+    names = upload(audio_dir, url)
+    if not held:  # the old way: no bytes kept, every object GET again to decode
+        monkeypatch.setattr(featbake.encode.fingerprints, "HELD_BYTES", 0)
+    store = tmp_path / "store"
+    mark = s3.log_mark()
+    report = bake(url, encoder_file, store)
+    assert report.encoded == len(names) == 16 and not report.failed
+    gets = _object_gets(s3, mark, "audio")
+    assert sorted(gets) == sorted(names if held else names * 2)
+    assert_live(store, report.root, encoder_file, audio_dir, 16)
+
+    mark = s3.log_mark()
+    again = bake(url, encoder_file, store)
+    assert (again.encoded, again.reused) == (0, 16)
+    assert _object_gets(s3, mark, "audio") == []  # digests from the hash cache, by ETag
 
 
 def test_a_bucket_build_is_the_same_store_as_a_folder_build(
