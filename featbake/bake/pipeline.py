@@ -57,7 +57,7 @@ from featbake.recipe import Recipe
 from featbake.store.bucket import merge_store
 from featbake.store.catalog import BuildCatalog, Catalog, FileStat, RootSpec
 from featbake.store.features import Parts
-from featbake.store.fragments import RankCatalog
+from featbake.store.fragments import FragmentCatalog, RankPart
 from featbake.store.layout import Layout
 from featbake.store.open import Need, StoreRef, open_store
 from featbake.store.shard import DEFAULT_SHARD_BYTES
@@ -66,7 +66,7 @@ from featbake.store.shard import DEFAULT_SHARD_BYTES
 # A build done in parts: pick this rank's inputs, and merge once every rank is done.
 #
 # The pure half (which rank, which inputs) is bake/ranks.py; this module does the I/O around it:
-# stat the inputs to balance parts by bytes, hand the pipeline a :class:`RankCatalog` (so the
+# stat the inputs to balance parts by bytes, hand the pipeline a :class:`FragmentCatalog` (so the
 # rank writes fragments, never the shared catalog), and under torchrun hold a barrier so that
 # rank 0 merges once every rank has sealed its fragment, and every rank returns with the store
 # merged.
@@ -85,14 +85,14 @@ def catalog_for_part(
     written in place), after bringing in the bucket's fragments: a rerun on another node skips
     what the killed run sealed.
     """
-    if not spec.sharded and layout.remote is None:
+    if not spec.sharded and layout.catalog_in_place:
         return Catalog(layout), rel_paths
-    if layout.remote is not None:
-        layout.remote.sync_fragments()
+    layout.sync_fragments()
     sizes = [inputs.size(p) for p in rel_paths]
     listing = list(zip(rel_paths, sizes, strict=True))
     mine = my_part(sizes, spec) if spec.sharded else list(range(len(rel_paths)))
-    return RankCatalog(layout, spec.rank, spec.world, listing), [rel_paths[i] for i in mine]
+    part = RankPart(spec.rank, spec.world, listing)
+    return FragmentCatalog(layout, part), [rel_paths[i] for i in mine]
 
 
 def scanned_inputs(place: Inputs, layout: Layout, extensions: Sequence[str]) -> ScanResult:
@@ -158,7 +158,7 @@ def finish_part(layout: Layout, spec: RankSpec) -> bool:
     when they are all done (a SLURM job with ``--dependency=afterok`` on the array). A single
     process building into a bucket store merges (publishes the next catalog version) itself.
     """
-    if not spec.sharded and layout.remote is not None:
+    if not spec.sharded and not layout.catalog_in_place:
         merge_store(layout)
         return True
     if not spec.launched_together:
@@ -365,7 +365,7 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
                 todo = bake.plan(inputs)
                 bake.publish_manifest()
             bake.encode_missing(bake.leave_to_other_ranks(todo, spec))
-            if isinstance(catalog, RankCatalog):
+            if catalog.fragmented:
                 bake.report.fragment = catalog.finish()
                 bake.report.merged = finish_part(layout, spec)
     bake.report.seconds = time.perf_counter() - t0
@@ -525,7 +525,7 @@ class _Bake:
         if self.runner.inexact and run.padded:  # padding failed a later check: redo the rest
             self.encode_padded_again(run.padded)
         run.tick()  # the last word: every byte sealed, none pending
-        self.compactor.record(self.report, self.catalog, self.layout, self.options.max_error)
+        self.compactor.record(self.report, self.catalog, self.options.max_error)
 
     def put_derived(
         self,
@@ -569,7 +569,7 @@ class _Bake:
 
     def writer(self) -> WriterThread:
         """A writer thread for this build's features (a rank's records its shards in fragments)."""
-        sink = self.catalog if isinstance(self.catalog, RankCatalog) else None
+        sink = self.catalog if self.catalog.fragmented else None
         fps = (self.enc.fingerprint, self.report.recipe_fp)
         opts = self.options
         return WriterThread(self.layout, *fps, opts.shard_bytes, sink, opts.seal_seconds)

@@ -257,8 +257,7 @@ def copied_parts(
         return {}
     part = str(recipe.output)
     paths = [index.path(i) for i in idx]
-    with st.catalogs.scoped() as catalog:
-        cached = catalog.cached_hashes(paths)
+    cached = st.catalog.cached_hashes(paths)
     out: dict[int, Parts] = {}
     for i, path in zip(idx, paths, strict=True):
         sha = current_digest(cached, path)
@@ -591,8 +590,7 @@ class Misses:
         else:
             inputs = [self.source.load(p) for p in paths]
             keys = [self.index.key(i) for i in idx]
-            with st.catalogs.scoped() as catalog:
-                check_unchanged(catalog, paths, keys, self.fps)
+            check_unchanged(st.catalog, paths, keys, self.fps)
         results = encode_inputs(st.encoder, inputs, self.recipe)
         st.encoded += len(idx)
         return [stored_parts(parts, self.recipe) for parts in results]  # int8/fp8: packed

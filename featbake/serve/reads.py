@@ -476,8 +476,7 @@ class Reads:
     @staticmethod
     def locate(st: ProcessState, key: str) -> list[Location]:
         """The catalog's current locations of ``key`` (empty: not stored)."""
-        with st.catalogs.scoped() as catalog:
-            return catalog.locate(key)
+        return st.catalog.locate(key)
 
     def located_value(self, st: ProcessState, locs: Sequence[Location]) -> Any:
         """A feature read from catalog locations ``locs``: its tensor, or a dict of parts.
@@ -534,9 +533,7 @@ class Reads:
                 # A bucket store's shard not open yet would be fetched whole here: a hint never
                 # waits for that; it starts the fetch in the background instead (read by
                 # ranges, opening reads its header, and GETs start).
-                remote = self.layout.remote
-                if remote is not None and not remote.reads_ranged():
-                    remote.prefetch(path.name.removesuffix(".safetensors"))
+                if self.layout.fetch_ahead(path.name.removesuffix(".safetensors")):
                     continue
                 if len(readers) >= st.handles.max_open:
                     continue
