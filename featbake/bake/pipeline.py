@@ -184,7 +184,7 @@ def finish_part(layout: Layout, spec: RankSpec) -> bool:
 # stored one: the catalog's rows of those keys are dropped first (their old bytes are unreferenced
 # and gc reclaims them), so the new rows go in. A rank of a build in parts cannot change its
 # sealed fragments: its new rows go into later fragments, and the merge folds a build's newer
-# fragments first (store/merge.py), so they win.
+# fragments first (store/fragments.py), so they win.
 class PaddedItem(NamedTuple):
     """An item a padded batch stored: its key, its input, and the stat its key was hashed at
     (decoding it again checks the file did not change since)."""

@@ -99,7 +99,7 @@ class Compactor:
         self, key: str, parts: dict[str, torch.Tensor], *, measure: bool = True
     ) -> dict[str, torch.Tensor]:
         """``parts`` as stored (packed for int8/fp8), measured when the key is sampled (and
-        ``measure``: an item stored again, see bake/redo.py, was measured the first time)."""
+        ``measure``: an item stored again, see bake/pipeline.py, was measured the first time)."""
         m = self.measured
         if m is None:
             return parts

@@ -171,7 +171,7 @@ def flat_recipe(recipe: Mapping[str, Any]) -> dict[str, Any]:
 
 def copied_not_encoded(asked: Mapping[str, Any], stored: Mapping[str, Any]) -> bool:
     """True when ``asked`` differs from ``stored`` only by naming one ``output`` of a
-    whole-output build: its misses are copied from the store, not encoded (serve/derived.py)."""
+    whole-output build: its misses are copied from the store, not encoded (serve/misses.py)."""
     differs = {f for f in set(asked) | set(stored) if asked.get(f) != stored.get(f)}
     return differs == {"output"} and stored.get("output") is None
 
@@ -567,7 +567,7 @@ class Misses:
             else:
                 st.touch(i)
                 out[i] = value
-        # A part a whole-output build stored is copied, not encoded (see serve/derived.py).
+        # A part a whole-output build stored is copied, not encoded (see serve/misses.py).
         copied = copied_parts(st, self.reads, self.index, self.fps, self.recipe, todo)
         todo = [i for i in todo if i not in copied]
         if todo and self.on_miss == "error":

@@ -202,7 +202,7 @@ def wall_clock() -> float:
 # :class:`~featbake.serve.state.SharedFlags`) and writes the queue at most every
 # :data:`TOUCH_FLUSH_SECONDS` or :data:`TOUCH_FLUSH_ITEMS`: never one write per read.
 #
-# On a shared filesystem each flush seals a fragment (store/serving_fragments.py) instead of a
+# On a shared filesystem each flush seals a fragment (store/fragments.py) instead of a
 # catalog transaction; there the queue is written every :data:`TOUCH_FLUSH_SECONDS_SHARED`, so
 # many ranks and workers leave a few small files an hour each, not hundreds, until a merge.
 TOUCH_FLUSH_SECONDS = 30.0
@@ -276,7 +276,7 @@ class LastUse:
 # when its oldest feature is :data:`WRITEBACK_SECONDS` old, so a killed process loses little.
 # Sealing writes the shard, then commits its catalog rows (the caller's ``publish`` may add more
 # to that, e.g. a root), then tells the caller (``on_sealed``). On a shared filesystem the
-# "catalog" is the read-only stand-in of store/serving_fragments.py, which seals a fragment naming
+# "catalog" is the read-only stand-in of store/fragments.py, which seals a fragment naming
 # the shard instead.
 #
 # Write-back is an optimisation: it never fails a read. When a shard cannot be written or

@@ -1229,7 +1229,7 @@ class FeatureRows(CatalogConnection):
 # A root's row and items are written in ONE place (:func:`write_root_rows`), inside the same write
 # transaction as its manifest file, so two builds of one root cannot leave them disagreeing.
 #: The latest last use of a root's features. Serving records use per feature (coarsely, see
-#: serve/lastuse.py), never per root: this is how a root a dataset reads counts as used.
+#: serve/state.py), never per root: this is how a root a dataset reads counts as used.
 ROOT_READ_SELECT = (
     "SELECT max(f.last_used) FROM root_items ri JOIN features f ON f.key = ri.key WHERE ri.root=?"
 )
@@ -1672,7 +1672,7 @@ class UpkeepRows(CatalogConnection):
 
     def forget_keys(self, keys: Sequence[str]) -> int:
         """Delete every row of these keys (a build replacing features it stored inexactly, see
-        bake/redo.py); their shards' bytes stay until gc finds them unreferenced."""
+        bake/pipeline.py); their shards' bytes stay until gc finds them unreferenced."""
         done = 0
         for i in range(0, len(keys), 500):
             chunk = list(keys[i : i + 500])

@@ -13,7 +13,7 @@ fragments/<build>.r<rank>-of-<world>.<id>.<kind>.sqlite
     meta      the catalog's schema_version, and the fragment's own: format, format_version,
               kind, created, build id, rank, world, root, data, encoder, recipe; in a
               ``done`` fragment of an int8/fp8 build, ``fidelity``: what the rank measured
-              (store/fidelity.py's Measured sums and the bound), pooled by the merge
+              (store/catalog.py's Measured sums and the bound), pooled by the merge
     uses      key, used   (kind "serve" only: last-use times, seconds since the epoch)
 ```
 
@@ -26,14 +26,14 @@ A fragment is written to ``tmp/``, fsynced and renamed into ``fragments/`` (seal
 like a shard), and is never changed after: readers open it with ``immutable=1``, which takes
 no lock, so it is safe on any filesystem. A rank seals a ``part`` fragment every few shards or
 seconds (a rank killed mid-run keeps them: its rerun skips their keys) and a ``done`` fragment at
-the end with its manifest slice. ``featbake merge`` (store/merge.py) folds a build's fragments
+the end with its manifest slice. ``featbake merge`` (:func:`merge`, below) folds a build's fragments
 into the catalog once every rank's ``done`` fragment is there.
 
 A ``serve`` fragment is what a dataset on a shared filesystem would have written to the catalog
 (a :class:`FragmentCatalog`): a write-back shard, last-use times, or the hash rows and root
 manifest it made at its start. Each stands alone (its own build id, rank 0 of 1) and is merged
 as soon as it is sealed. Format 3 made a fragment a catalog; fragments of formats 1 and 2 (tables
-of their own) are still read (store/fragment_legacy.py).
+of their own) are still read (:func:`read_legacy_body`).
 """
 
 from __future__ import annotations
@@ -738,7 +738,7 @@ class FragmentCatalog:
 
     def record_fidelity(self, root: str, measured: Measured, bound: float | None) -> None:
         """Hold what this rank measured of an int8/fp8 build for its ``done`` fragment: the
-        merge pools every rank's sums into the root's record (store/fidelity.py)."""
+        merge pools every rank's sums into the root's record (store/catalog.py)."""
         self._fidelity = json.dumps({"measured": measured.to_json(), "bound": bound})
 
     def add_shard(self, shard: SealedShard, now: float | None = None) -> int:
@@ -838,7 +838,7 @@ def _inode(path: Path) -> int:
 # 3. the hash-cache rows;
 # 4. only then the fragment files are unlinked.
 #
-# Then the ``serve`` fragments of datasets on a shared filesystem (store/serving_fragments.py),
+# Then the ``serve`` fragments of datasets on a shared filesystem,
 # each on its own, oldest first: its encoder, its root manifest (unless the catalog's root is
 # newer),
 # its write-back shard's rows and its hash rows; then every last use they recorded (a feature's last
@@ -1003,7 +1003,7 @@ def _fold_build(
     if between:
         between("root")
     # Newest first: a rank that stored a feature again (padding found inexact later, see
-    # bake/redo.py) sealed the new row in a later fragment, and the first row folded wins.
+    # bake/pipeline.py) sealed the new row in a later fragment, and the first row folded wins.
     for f in sorted(frags, key=lambda f: f.created, reverse=True):
         _add_shards(catalog, f, report)
     if between:
