@@ -355,7 +355,9 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
         enc = loaded_encoder(encoder, weights, dev, trust_pickle, recipe)
         budget = budget_samples(recipe, batch_seconds, batch_samples)
         runner = BatchRunner(enc, recipe, batching, batch_size, budget)
-        bake = _Bake(catalog, layout, enc, recipe, source, place, options, runner, progress)
+        bake = _Bake(
+            catalog, layout, enc, recipe, source, place, options, runner, progress, column=column
+        )
         # Files skipped at the scan (not regular files) are reported by one part only.
         skipped = scanned.skipped if spec.rank == 0 else []
         bake.start(len(inputs), skipped, os.fspath(weights) if weights else None)
@@ -416,13 +418,14 @@ class _Bake:
     rel_of: dict[str, str] = field(default_factory=dict)  # path -> the item's name (its id)
     compactor: Compactor = field(init=False)  # quantises int8/fp8 and measures their fidelity
     held: HeldBytes = field(default_factory=HeldBytes)  # input bytes from hashing, to decode
+    column: str | None = None  # the manifest's or table's column the user named (the root's)
 
     def start(self, inputs: int, skipped: Sequence[tuple[str, str]], weights: str | None) -> None:
         """Fingerprint the encoder and recipe, and open the report with the skipped files."""
         enc_fp = encoder_fingerprint(self.enc, self.catalog, weights)
         recipe_fp = self.recipe.fingerprint()
         self.catalog.record_encoder(enc_fp, self.enc.label, self.enc.kind)
-        name = root_id(self.place.where, self.enc.label, recipe_fp)
+        name = root_id(self.place.where, self.enc.label, recipe_fp, self.column)
         files = inputs + len(skipped)
         self.report = BuildReport(name, self.place.where, self.enc.label, enc_fp, recipe_fp, files)
         self.compactor = Compactor(self.recipe)

@@ -27,7 +27,6 @@ from torch.utils.data import get_worker_info
 
 from featbake.device import process_cpus
 from featbake.errors import ConfigError, ShardMissing, StoreError
-from featbake.keys import root_id
 from featbake.native import kernels
 from featbake.process import PerProcess
 from featbake.quantize import (
@@ -145,10 +144,9 @@ class Served:
     def for_index(self, layout: Layout, index: Index) -> Served:
         """This, or float32 where the user named no dtype and the build of the root ``index``
         serves recorded that float16 cannot hold its values."""
-        if self.chosen or index.data_dir is None:
+        if self.chosen or index.root is None:
             return self
-        root = root_id(index.data_dir, index.spec.enc_label, index.spec.recipe_fp)
-        if recorded_serve_dtype(layout, root) != "float32":
+        if recorded_serve_dtype(layout, index.root) != "float32":
             return self
         return Served(self.scheme, SERVED["float32"], chosen=False)
 

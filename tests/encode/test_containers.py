@@ -904,3 +904,29 @@ def test_a_bucket_table_and_shard_in_the_cli_and_in_dataloader_workers(
         assert len(got) == len(clips)
         for x, clip in zip(got, clips, strict=True):
             assert torch.equal(x, run_now(module, audio_tensor(clip)))
+
+
+def test_two_columns_of_one_table_are_two_roots_and_gc_keeps_both(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """Old main named the root by (table, encoder, recipe) alone: the build of ``--column far``
+    replaced the root of ``--column audio``, and gc then freed every feature of the first."""
+    from featbake.upkeep import GcOptions, execute_gc, plan_gc
+
+    near = [wav_bytes(0.3 + 0.1 * i, i) for i in range(4)]
+    far = [wav_bytes(0.5 + 0.1 * i, 10 + i) for i in range(4)]
+    table = write_audio_parquet(tmp_path / "t.parquet", list(near), far=far)
+    store = tmp_path / "store"
+    for column in ("audio", "far"):
+        assert build(table, encoder_file, cache=store, workers=0, column=column).encoded == 4
+    roots = json.loads(invoke("roots", "--cache", store, "--json").stdout)
+    assert len(roots) == 2 and {r["data"] for r in roots} == {str(table)}
+    plan = plan_gc(store, GcOptions())
+    execute_gc(plan)
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
+    for column, clips in (("audio", near), ("far", far)):
+        ds = CachedFeatureDataset(table, encoder_file, cache=store, column=column, on_miss="error")
+        for i, clip in enumerate(clips):
+            assert torch.equal(ds[i], run_now(module, audio_tensor(clip))), (column, i)
+    assert build(table, encoder_file, cache=store, workers=0, column="far").encoded == 0
