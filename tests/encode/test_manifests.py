@@ -12,7 +12,6 @@ from __future__ import annotations
 import csv
 import gzip
 import json
-import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -39,7 +38,7 @@ from featbake.store.bucket import Bucket
 from featbake.store.url import BucketURL
 from featbake.testing import make_tone
 from tests.conftest import invoke
-from tests.helpers import manifest
+from tests.helpers import held_by_a_thread, manifest
 from tests.store.remote.conftest import S3
 
 RATE = 16000  # the recipe's rate
@@ -504,24 +503,11 @@ def test_dataloader_workers_decode_bucket_rows_with_objects_of_their_own(
     write_jsonl(corpus / "s3.jsonl", rows)
     ds = quiet_dataset(corpus / "s3.jsonl", encoder_file, store_dir)
     objects = ds._misses.source.objects  # type: ignore[attr-defined]
-    holding, done = threading.Event(), threading.Event()
-
-    def reading() -> None:  # a thread inside the held bytes' lock as the workers fork
-        with objects.lock:
-            holding.set()
-            done.wait(60)
-
-    thread = threading.Thread(target=reading)
-    thread.start()
-    holding.wait(10)
-    try:
+    with held_by_a_thread(objects.lock):  # a thread inside the held bytes' lock at the fork
         loader = DataLoader(
             ds, batch_size=None, num_workers=2, multiprocessing_context=context, timeout=30
         )
         got = list(loader)
-    finally:
-        done.set()
-        thread.join()
     local = {"recA": corpus / "wavs" / "recA.wav", "recB": corpus / "wavs" / "recB.flac"}
     for x, (_, rec, start, end, *_) in zip(got, SEGMENTS, strict=True):
         torch.testing.assert_close(x, reference(encoder_file, local[rec], start, end))
