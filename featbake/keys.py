@@ -164,11 +164,19 @@ def module_fingerprint(module: torch.nn.Module, identity: str) -> str:
     return state_dict_fingerprint(named.items(), identity)
 
 
-def root_id(data: str, encoder_label: str, recipe_fp: str) -> str:
-    """A stable short name for the root of (data folder, encoder as named, recipe).
+def root_id(data: str, encoder_label: str, recipe_fp: str, column: str | None = None) -> str:
+    """A stable short name for the root of (data, encoder as named, recipe, and the column of
+    a manifest or table the items were read from, where the user named one).
+
+    Two builds of one parquet file with ``--column a`` and ``--column b`` are two roots (one
+    name would have made the second replace the first, and gc free the first's features); with
+    no column the name is what it always was.
 
     Example:
         >>> root_id("/data/audio", "ckpt.pt", "0" * 64)[:2]
         'r-'
+        >>> root_id("/d/t.parquet", "m", "0" * 64) != root_id("/d/t.parquet", "m", "0" * 64, "b")
+        True
     """
-    return "r-" + sha256_hex(canonical_json([data, encoder_label, recipe_fp]))[:12]
+    named = [data, encoder_label, recipe_fp] + ([column] if column is not None else [])
+    return "r-" + sha256_hex(canonical_json(named))[:12]

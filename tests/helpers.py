@@ -6,12 +6,16 @@ compared with live encoding).
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import os
 import shutil
 import subprocess
+import threading
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -191,3 +195,24 @@ def real_photos() -> list[str]:
     found = sorted(p for pattern in PHOTO_GLOBS for p in glob.glob(pattern))
     by_name = {os.path.basename(p): p for p in found if os.path.getsize(p) > 50_000}
     return sorted(by_name.values())[:3]
+
+
+@contextlib.contextmanager
+def held_by_a_thread(lock: Any) -> Iterator[None]:
+    """``lock`` held by another thread for the block's length (a fork inside the block copies
+    it held: what a child must never wait on), released and the thread joined after."""
+    holding, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with lock:
+            holding.set()
+            done.wait(60)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    holding.wait(10)
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()

@@ -29,7 +29,7 @@ from featbake.store.features import FeatureReader
 from featbake.store.layout import Layout
 from featbake.store.url import BucketURL
 from tests.conftest import live_features
-from tests.helpers import bake
+from tests.helpers import bake, held_by_a_thread
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}  # the CPU kernels may round differently by batch size
 
@@ -340,24 +340,13 @@ def test_a_child_forked_during_bucket_prefetches_starts_its_own(tmp_path: Path) 
     child) and their lock, held by a parent thread (so the child's next hint hung)."""
     store = BucketStore(BucketURL.parse("s3://team/features"), tmp_path / "tier", 1 << 20)
     store._prefetching.update({"a" * 64, "b" * 64})  # two fetches in flight here
-    holding, done = threading.Event(), threading.Event()
-
-    def fetch_thread() -> None:  # a fetch thread inside the lock as the process forks
-        with store._prefetch_lock:
-            holding.set()
-            done.wait(30)
-
-    t = threading.Thread(target=fetch_thread)
-    t.start()
-    holding.wait(10)
 
     def child() -> bool:
         signal.alarm(20)  # a hang fails the test instead of stalling it
         return store.prefetches_in_flight() == 0
 
-    code = _in_child(child)
-    done.set()
-    t.join()
+    with held_by_a_thread(store._prefetch_lock):  # a fetch thread inside the lock at the fork
+        code = _in_child(child)
     assert code == 0
     assert store.prefetches_in_flight() == 2  # the parent's own, untouched
 

@@ -102,3 +102,35 @@ def test_held_bytes_count_one_object_kept_under_many_rows_once() -> None:
         assert held.size == sum({id(v): len(v) for v in model.values()}.values()), step
     held.clear()
     assert (len(held), held.size) == (0, 0)
+
+
+def test_a_first_build_of_a_manifest_of_whole_files_reads_each_file_once(tmp_path: Path) -> None:
+    """A manifest's whole-file rows were hashed from the file, then decoded from it again (2x
+    the data read); now hashed from bytes kept for decoding, so ~1.0x, one file named by two
+    rows included (its bytes kept once, for both). Every stored feature is the encoder's now."""
+    import json
+
+    data = tmp_path / "audio"
+    files = write_audio_folder(data, 16, seconds=8.0, seed=4)  # 4 MiB of wav
+    size = sum(p.stat().st_size for p in files)
+    rows = [{"id": f"c{i}", "path": f"audio/{p.name}", "label": i} for i, p in enumerate(files)]
+    rows.append({"id": "again", "path": f"audio/{files[0].name}"})  # a second row, one file
+    manifest = tmp_path / "train.jsonl"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    enc = TinyConvEncoder().eval()
+    build(manifest, enc, cache=tmp_path / "warm", workers=0)  # imports and loaders made once
+    before = _read_so_far()
+    report = build(manifest, enc, cache=tmp_path / "store", workers=0)
+    read = _read_so_far() - before
+    assert report.ok and (report.encoded, report.duplicates) == (16, 1)
+    print(f"manifest: read {read:,} bytes for {size:,} bytes of inputs ({read / size:.2f}x)")
+    assert read < 1.25 * size, (read, size)  # ~1.0x (2.0x before)
+
+    src = AudioSource(Recipe())
+    stored = stored_features(tmp_path / "store", report.root)
+    assert list(stored) == [r["id"] for r in rows]
+    for row in rows:
+        with torch.no_grad():
+            live = enc(src.load(tmp_path / row["path"]).unsqueeze(0))[0]
+        torch.testing.assert_close(stored[row["id"]][""], live, rtol=1e-5, atol=1e-6)

@@ -613,7 +613,7 @@ class BatchRunner:
 
     def _fall_back(self, failed: GuardCheck) -> None:
         """Switch to exact shapes after a failed check, saying why (the items of earlier padded
-        batches are encoded again alone: bake/redo.py)."""
+        batches are encoded again alone: bake/pipeline.py)."""
         self.inexact = True
         self._switch_to_exact(
             f"exact-shape batching: padded batches were not exact for this encoder (relative "

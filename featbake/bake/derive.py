@@ -22,9 +22,8 @@ from dataclasses import dataclass
 from featbake.errors import FeatbakeError
 from featbake.keys import feature_key
 from featbake.recipe import Recipe
-from featbake.store.catalog import Location
+from featbake.store.catalog import BuildCatalog, Location
 from featbake.store.features import FeatureReader, Parts
-from featbake.store.fragments import RankCatalog
 from featbake.store.layout import Layout
 
 #: Keys read from the store at once while deriving (features in memory at a time).
@@ -80,12 +79,12 @@ def derivation_plan(
     recipe: Recipe,
     encoder_fp: str,
     digests: Mapping[str, str],
-    catalog: object = None,
+    catalog: BuildCatalog | None = None,
 ) -> dict[str, StoredSource]:
     """key -> its stored source, for each key (input digest in ``digests``) the store holds
     under a recipe it derives from, with the part it needs. Empty for a recipe nothing derives
     to; a store that cannot be read gives nothing to reuse. A build that writes fragments (a
-    part of a sharded build, any build into a bucket: ``catalog`` a :class:`RankCatalog`) reads
+    part of a sharded build, any build into a bucket: ``catalog`` a ``FragmentCatalog``) reads
     the catalog read-only: it never writes it (a bucket's is a published version)."""
     ways = source_recipes(recipe)
     if not ways or not digests or not layout.catalog.exists():
@@ -107,9 +106,9 @@ def derivation_plan(
     return plan
 
 
-def _fragments(catalog: object) -> bool:
+def _fragments(catalog: BuildCatalog | None) -> bool:
     """Whether the build writes fragments (its catalog is never opened for writing)."""
-    return isinstance(catalog, RankCatalog)
+    return catalog is not None and catalog.fragmented
 
 
 def _holds(locations: list[Location], part: str | None) -> bool:
@@ -117,7 +116,7 @@ def _holds(locations: list[Location], part: str | None) -> bool:
 
 
 def stored_sources(
-    layout: Layout, plan: Mapping[str, StoredSource], catalog: object = None
+    layout: Layout, plan: Mapping[str, StoredSource], catalog: BuildCatalog | None = None
 ) -> Iterator[tuple[str, StoredSource, Parts | None]]:
     """(key, source, the source's parts as stored, or None when they could not be read) for
     each key of ``plan``, read :data:`CHUNK_KEYS` at a time with their checksums checked."""

@@ -58,7 +58,7 @@ from featbake.recipe import Recipe
 from featbake.store.bucket import merge_store
 from featbake.store.catalog import BuildCatalog, Catalog, FileStat, HashCache, RootSpec
 from featbake.store.features import Parts
-from featbake.store.fragments import RankCatalog
+from featbake.store.fragments import FragmentCatalog, RankPart
 from featbake.store.layout import Layout
 from featbake.store.open import Need, StoreRef, open_store
 from featbake.store.shard import DEFAULT_SHARD_BYTES
@@ -67,7 +67,7 @@ from featbake.store.shard import DEFAULT_SHARD_BYTES
 # A build done in parts: pick this rank's inputs, and merge once every rank is done.
 #
 # The pure half (which rank, which inputs) is bake/ranks.py; this module does the I/O around it:
-# stat the inputs to balance parts by bytes, hand the pipeline a :class:`RankCatalog` (so the
+# stat the inputs to balance parts by bytes, hand the pipeline a :class:`FragmentCatalog` (so the
 # rank writes fragments, never the shared catalog), and under torchrun hold a barrier so that
 # rank 0 merges once every rank has sealed its fragment, and every rank returns with the store
 # merged.
@@ -86,14 +86,14 @@ def catalog_for_part(
     written in place), after bringing in the bucket's fragments: a rerun on another node skips
     what the killed run sealed.
     """
-    if not spec.sharded and layout.remote is None:
+    if not spec.sharded and layout.catalog_in_place:
         return Catalog(layout), rel_paths
-    if layout.remote is not None:
-        layout.remote.sync_fragments()
+    layout.sync_fragments()
     sizes = [inputs.size(p) for p in rel_paths]
     listing = list(zip(rel_paths, sizes, strict=True))
     mine = my_part(sizes, spec) if spec.sharded else list(range(len(rel_paths)))
-    return RankCatalog(layout, spec.rank, spec.world, listing), [rel_paths[i] for i in mine]
+    part = RankPart(spec.rank, spec.world, listing)
+    return FragmentCatalog(layout, part), [rel_paths[i] for i in mine]
 
 
 def scanned_inputs(place: Inputs, layout: Layout, extensions: Sequence[str]) -> ScanResult:
@@ -159,7 +159,7 @@ def finish_part(layout: Layout, spec: RankSpec) -> bool:
     when they are all done (a SLURM job with ``--dependency=afterok`` on the array). A single
     process building into a bucket store merges (publishes the next catalog version) itself.
     """
-    if not spec.sharded and layout.remote is not None:
+    if not spec.sharded and not layout.catalog_in_place:
         merge_store(layout)
         return True
     if not spec.launched_together:
@@ -185,7 +185,7 @@ def finish_part(layout: Layout, spec: RankSpec) -> bool:
 # stored one: the catalog's rows of those keys are dropped first (their old bytes are unreferenced
 # and gc reclaims them), so the new rows go in. A rank of a build in parts cannot change its
 # sealed fragments: its new rows go into later fragments, and the merge folds a build's newer
-# fragments first (store/merge.py), so they win.
+# fragments first (store/fragments.py), so they win.
 class PaddedItem(NamedTuple):
     """An item a padded batch stored: its key, its input, and the stat its key was hashed at
     (decoding it again checks the file did not change since)."""
@@ -356,7 +356,9 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
         enc = BuildEncoder.named(encoder, weights, dev, trust_pickle, recipe, catalog)
         budget = budget_samples(recipe, batch_seconds, batch_samples)
         runs = RunnerSpec(batching, batch_size, budget)
-        bake = _Bake(catalog, layout, enc, recipe, source, place, options, runs, progress)
+        bake = _Bake(
+            catalog, layout, enc, recipe, source, place, options, runs, progress, column=column
+        )
         # Files skipped at the scan (not regular files) are reported by one part only.
         skipped = scanned.skipped if spec.rank == 0 else []
         bake.start(len(inputs), skipped)
@@ -367,7 +369,7 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
                 bake.load_encoder_unless_stored(todo)  # before the manifest, as it always was
                 bake.publish_manifest()
             bake.encode_missing(bake.leave_to_other_ranks(todo, spec))
-            if isinstance(catalog, RankCatalog):
+            if catalog.fragmented:
                 bake.report.fragment = catalog.finish()
                 bake.report.merged = finish_part(layout, spec)
     bake.report.seconds = time.perf_counter() - t0
@@ -511,6 +513,7 @@ class _Bake:
     rel_of: dict[str, str] = field(default_factory=dict)  # path -> the item's name (its id)
     compactor: Compactor = field(init=False)  # quantises int8/fp8 and measures their fidelity
     held: HeldBytes = field(default_factory=HeldBytes)  # input bytes from hashing, to decode
+    column: str | None = None  # the manifest's or table's column the user named (the root's)
     made_runner: BatchRunner | None = None  # made with the loaded encoder (see :attr:`runner`)
     stored: set[str] | None = None  # keys found stored before the manifest (see plan)
 
@@ -539,7 +542,7 @@ class _Bake:
         enc_fp = self.enc.fingerprint(self.catalog)
         recipe_fp = self.recipe.fingerprint()
         self.catalog.record_encoder(enc_fp, self.enc.label, self.enc.kind)
-        name = root_id(self.place.where, self.enc.label, recipe_fp)
+        name = root_id(self.place.where, self.enc.label, recipe_fp, self.column)
         files = inputs + len(skipped)
         self.report = BuildReport(name, self.place.where, self.enc.label, enc_fp, recipe_fp, files)
         self.compactor = Compactor(self.recipe)
@@ -660,7 +663,7 @@ class _Bake:
         if runner.inexact and run.padded:  # padding failed a later check: redo the rest
             self.encode_padded_again(run.padded)
         run.tick()  # the last word: every byte sealed, none pending
-        self.compactor.record(self.report, self.catalog, self.layout, self.options.max_error)
+        self.compactor.record(self.report, self.catalog, self.options.max_error)
 
     def put_derived(
         self,
@@ -704,7 +707,7 @@ class _Bake:
 
     def writer(self) -> WriterThread:
         """A writer thread for this build's features (a rank's records its shards in fragments)."""
-        sink = self.catalog if isinstance(self.catalog, RankCatalog) else None
+        sink = self.catalog if self.catalog.fragmented else None
         fps = (self.report.encoder_fp, self.report.recipe_fp)
         opts = self.options
         return WriterThread(self.layout, *fps, opts.shard_bytes, sink, opts.seal_seconds)

@@ -11,9 +11,7 @@ from featbake.bake.report import BuildReport
 from featbake.encode.outputs import stored_parts
 from featbake.quantize import Fidelity, ScaleSpan, dequantize, unpack
 from featbake.recipe import Recipe
-from featbake.store.catalog import SERVED, BuildCatalog, Measured, write_fidelity
-from featbake.store.fragments import RankCatalog
-from featbake.store.layout import Layout
+from featbake.store.catalog import SERVED, BuildCatalog, Measured
 
 
 # == finite ========================================================================================
@@ -101,7 +99,7 @@ class Compactor:
         self, key: str, parts: dict[str, torch.Tensor], *, measure: bool = True
     ) -> dict[str, torch.Tensor]:
         """``parts`` as stored (packed for int8/fp8), measured when the key is sampled (and
-        ``measure``: an item stored again, see bake/redo.py, was measured the first time)."""
+        ``measure``: an item stored again, see bake/pipeline.py, was measured the first time)."""
         m = self.measured
         if m is None:
             return parts
@@ -118,9 +116,7 @@ class Compactor:
         """What was measured on what is served, or None (a float dtype, or nothing encoded)."""
         return self.measured.fidelity() if self.measured is not None else None
 
-    def record(
-        self, report: BuildReport, catalog: BuildCatalog, layout: Layout, max_error: float | None
-    ) -> None:
+    def record(self, report: BuildReport, catalog: BuildCatalog, max_error: float | None) -> None:
         """Put what int8/fp8 cost in the report and beside the root (``featbake roots``); a
         part of a build holds it for its done fragment, whose merge records it."""
         fidelity, measured = self.fidelity(), self.measured
@@ -129,10 +125,7 @@ class Compactor:
         report.fidelity = fidelity.to_json()
         notes = (over_bound(fidelity, max_error), served_note(measured))
         report.fidelity_warning = "; ".join(n for n in notes if n)
-        if isinstance(catalog, RankCatalog):
-            catalog.hold_fidelity(measured, max_error)
-        else:
-            write_fidelity(layout, report.root, measured, max_error)
+        catalog.record_fidelity(report.root, measured, max_error)
 
 
 def over_bound(fidelity: Fidelity | None, bound: float | None) -> str:

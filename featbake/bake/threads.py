@@ -26,8 +26,7 @@ from featbake.device import one_intra_op_thread_here
 from featbake.encode.fingerprints import HeldBytes
 from featbake.encode.sources import Source, load_unchanged
 from featbake.errors import SourceError
-from featbake.store.catalog import Catalog, FileStat
-from featbake.store.fragments import RankCatalog
+from featbake.store.catalog import BuildCatalog, Catalog, FileStat
 from featbake.store.layout import Layout
 from featbake.store.shard import DEFAULT_SHARD_ITEMS, ShardWriter
 
@@ -308,7 +307,7 @@ class WriterThread:
         encoder_fp: str,
         recipe_fp: str,
         shard_bytes: int,
-        sink: RankCatalog | None = None,
+        sink: BuildCatalog | None = None,
         seal_seconds: float = DEFAULT_SEAL_SECONDS,
     ) -> None:
         self.layout = layout

@@ -311,6 +311,29 @@ def read_member(tar: str, member: Member) -> bytes:
     return data
 
 
+def read_member_checked(tar: str, member: Member) -> tuple[bytes, FileStat | None]:
+    """The bytes of one member and its tar's stat as of reading them (None: a file gone): an
+    object's from the ranged GET that carried the bytes (one request, no HEAD beside it), a
+    file's stat'ed after the read.
+
+    Raises:
+        SourceError: the tar cannot be read, or ends inside the member (truncated).
+    """
+    if not is_url(tar):
+        data = read_member(tar, member)
+        return data, file_stat_or_none(tar)
+    bucket, name = object_at(tar)
+    try:
+        got = bucket.read_range_of(name, member.offset, member.size)
+    except FileNotFoundError:
+        raise SourceError(f"{tar}: object not found (deleted since the listing?)") from None
+    except StoreError as e:
+        raise SourceError(str(e)) from e
+    if len(got.data) != member.size:
+        raise SourceError(truncated(tar, member, len(got.data)))
+    return got.data, object_stat(got.info)
+
+
 def truncated(tar: str, member: Member, got: int) -> str:
     return (
         f"{tar}:{member.name}: truncated tar member ({got} of {member.size} bytes); "
@@ -366,8 +389,9 @@ def member_digests(
 #   (a sample's members are adjacent), to decode by one ranged GET of its bytes.
 #
 # A shard rewritten since it was listed has another ETag: its listing and digests are read again.
-# A member decoded is checked against the shard's stat by a HEAD (a ranged GET's ETag is the
-# object's), as a local member is by its tar's stat.
+# A member decoded is checked against the shard's stat as the ranged GET of its bytes gives it (a
+# ranged response's ETag, Last-Modified and Content-Range total are the object's): one request
+# per member, no HEAD; a local member is checked by its tar's stat.
 
 #: Bytes one GET reads while listing a tar's headers (a header is 512 bytes).
 HEADER_BLOCK = 1 << 16
@@ -554,10 +578,30 @@ def expand_braces(pattern: str) -> list[str]:
 
 def is_webdataset(where: str) -> bool:
     """Whether ``--data`` names webdataset shards: a ``.tar`` (file, URL or brace pattern), or a
-    folder whose visible files are all ``.tar`` (one at least)."""
+    folder or bucket prefix whose visible files are all ``.tar`` (one at least)."""
     if where.lower().endswith(".tar"):
         return True
-    return not is_url(where) and holds_only(where, (".tar",))
+    if is_url(where):
+        return bucket_holds_only(where, (".tar",))
+    return holds_only(where, (".tar",))
+
+
+def bucket_holds_only(where: str, wanted: tuple[str, ...]) -> bool:
+    """Whether the bucket prefix ``where`` holds a visible object ending with ``wanted``, and no
+    visible object ending otherwise (one LIST; the scan lists again, as it does for any prefix).
+    A prefix that cannot be listed is no container: the bucket's own scan says why."""
+    try:
+        listing = Bucket(BucketURL.parse(where)).list("")
+    except (StoreError, ConfigError):
+        return False
+    names = [o.name.lower() for o in listing if not hidden_name(o.name)]
+    return bool(names) and all(n.endswith(wanted) for n in names)
+
+
+def hidden_name(name: str) -> bool:
+    """Whether an object's name has a hidden part (``.x/`` or ``.x``), passed over as a folder
+    scan passes hidden files."""
+    return any(part.startswith(".") for part in name.split("/"))
 
 
 def holds_only(where: str, wanted: tuple[str, ...], also: tuple[str, ...] = ()) -> bool:
@@ -604,7 +648,8 @@ class WebDataset:
     its key, in shard and tar order.
 
     Args:
-        data: a ``.tar``, a folder of ``.tar`` files, or a brace pattern ``shard-{000..009}.tar``.
+        data: a ``.tar``, a folder of ``.tar`` files, a brace pattern ``shard-{000..009}.tar``,
+            or a bucket prefix holding only ``.tar`` objects (``s3://bucket/shards/``).
         column: the extension of the member to encode (``jpg``); None: the sample's first member
             of the source's kind.
     """
@@ -618,7 +663,12 @@ class WebDataset:
         self.known: HashCache | None = None
         self.fresh: list[HashRow] = []
         folder, name = os.path.split(os.path.expanduser(data))
-        if is_url(data):
+        #: a bucket prefix of tars only: its shards are the scan's listing's ``.tar`` objects
+        self.prefix = is_url(data) and not data.lower().endswith(".tar")
+        if self.prefix:
+            self.where = self.folder = str(BucketURL.parse(data))
+            self.tars = []  # listed by the scan
+        elif is_url(data):
             self.where, self.folder = data, folder
             self.tars = [f"{folder}/{n}" for n in expand_braces(name)]
         elif "{" in name:
@@ -656,6 +706,12 @@ class WebDataset:
         skipped: list[SkippedInput] = []
         seen: dict[str, str] = {}
         objects = self._list_objects()
+        if self.prefix:
+            self.tars = sorted(
+                url
+                for url in objects
+                if url.lower().endswith(".tar") and not hidden_name(url[len(self.folder) + 1 :])
+            )
         for tar in self.tars:
             try:
                 samples, odd = samples_of(tar, self._members(tar, objects))
@@ -860,8 +916,8 @@ class MemberSource:
         Raises:
             SourceError: the tar changed since it was hashed, or the member cannot be decoded.
         """
-        data = self.read(path)
-        if stat is None or _stat_or_none(split_item_path(path)[0]) != stat:
+        data, now = read_member_checked(*self.index.member(path))
+        if stat is None or now != stat:
             raise SourceError(f"{path}: changed while featbake was reading it; rerun the build")
         return self.inner.load(path, io.BytesIO(data))
 

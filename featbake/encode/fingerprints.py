@@ -156,6 +156,7 @@ def hash_inputs(
     progress: Callable[[Progress], None] | None = None,
     stats: dict[str, FileStat] | None = None,
     held: HeldBytes | None = None,
+    hold: Collection[str] | None = None,
 ) -> tuple[dict[str, str], dict[str, str]]:
     """SHA-256 of each file, re-reading only files whose (size, mtime, ctime, inode) changed.
 
@@ -170,6 +171,8 @@ def hash_inputs(
             reader can tell whether the file changed since (see :class:`DecodeDataset`).
         held: if given, keeps the bytes of the files read, for a build to decode them from
             (see :mod:`featbake.encode.fingerprints`).
+        hold: with ``held``, the only paths whose bytes it keeps (None: all of them); the
+            others are hashed streamed (a recording whose segments are decoded by seeking).
 
     Returns:
         (path -> sha256, path -> reason for files that could not be read)
@@ -194,7 +197,9 @@ def hash_inputs(
 
     def one(p: str) -> tuple[str, str | None, str | None]:
         try:
-            return p, file_fingerprint(p) if held is None else held.digest(p), None
+            if held is not None and (hold is None or p in hold):
+                return p, held.digest(p), None
+            return p, file_fingerprint(p), None
         except OSError as e:
             return p, None, f"cannot read: {e.strerror}"
 

@@ -133,7 +133,8 @@ class Folder:
 # == dispatch ======================================================================================
 # Which kind of data ``--data`` names, tried in order: the first test that holds opens it.
 #
-# Each entry is (test, opener): the test looks at the name (and at most the folder's listing),
+# Each entry is (test, opener): the test looks at the name (and at most the folder's listing, a
+# bucket prefix's by one LIST),
 # the opener makes the :class:`Inputs` and reads nothing yet (a manifest is parsed by its
 # ``scan``). Kinds with a module of their own are imported by their opener, so that module may
 # import this one. A folder is the last resort: a name no test claims is read as a folder (and a
@@ -194,7 +195,7 @@ OPENERS: list[tuple[Callable[[str], bool], Opener]] = [
     (_is_cuts, _open_cuts),  # before .jsonl: cuts.jsonl.gz
     (_is_manifest, _open_manifest),
     (_is_kaldi_dir, _open_kaldi_dir),
-    (is_webdataset, webdataset_at),  # before is_url: tars in a bucket are refused in one line
+    (is_webdataset, webdataset_at),  # before is_url: a prefix of tars only is shards
     (is_table, table_at),
     (is_url, _open_bucket),
 ]

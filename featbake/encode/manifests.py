@@ -5,12 +5,14 @@ Three layouts name their items this way (``--data`` picks one, see
 
 * :class:`ManifestInputs`: ``train.jsonl`` / ``.csv`` / ``.tsv``. The input column (``path``, or
   ``--column NAME``) holds a path relative to the manifest's folder, or an absolute one;
-  optional ``start`` and ``end`` (seconds) make the row a segment, ``channel`` picks one channel,
+  optional ``start`` and ``end`` (seconds) make the row a segment (no ``start``: from 0, no
+  ``end``: to the recording's end), ``channel`` picks one channel,
   ``id`` names the item (default: the path as written, plus ``#start-end`` for a segment), and
   every other column is carried (:meth:`RowInputs.row`).
 * :class:`KaldiInputs`: a Kaldi data folder. ``wav.scp`` maps recording ids to files (a relative
   path is taken from the data folder, not the working directory Kaldi's scripts ran in); with a
-  ``segments`` file each utterance is a segment (``utt rec start end``) and its id is the
+  ``segments`` file each utterance is a segment (``utt rec start end``; ``end`` -1, Kaldi's
+  convention, runs to the recording's end) and its id is the
   utterance id, else each recording is an item under its id. ``text`` and ``utt2spk`` are carried.
 * :class:`CutsInputs`: a lhotse cut manifest (``cuts.jsonl.gz``), read with gzip and json (no
   lhotse): a cut's ``recording.sources`` of type ``file`` (a relative path taken from the
@@ -27,7 +29,8 @@ hashed once through the hash cache (keyed by the file's path), however many segm
 and its header read once to check every segment's bounds. Decoding a segment seeks to it and
 reads only its samples (:meth:`featbake.encode.sources.AudioSource.load_span`), then mixes,
 resamples, crops and normalises it exactly as a whole file: a recording is read about once for
-all its segments, never once per segment.
+all its segments, never once per segment. A file only whole-file rows name is read once in a
+first build: hashed from bytes kept (within the build's budget) to decode its rows.
 
 **Bad rows** are skipped, one line each naming the manifest's line (the build then exits 3):
 malformed JSON, a missing input column, a bad ``start``/``end``, a segment with ``start >= end``
@@ -157,19 +160,26 @@ def channel_of(value: Any) -> int | None:
 
 
 def span_of(start: Any, end: Any, channel: int | None) -> Span | None:
-    """The segment a row names (None: the whole file).
+    """The segment a row names (None: the whole file). No start is 0; no end is the
+    recording's end (an infinite end, checked against the file's header when it is hashed or
+    decoded), so ``[0, end of file)`` of all channels is the whole file, keyed as the file.
+
+    Example:
+        >>> span_of("1.5", None, None)
+        Span(start=1.5, end=inf, channel=None)
+        >>> span_of(0, None, None) is None
+        True
 
     Raises:
-        BadRow: only one of start and end, either not seconds, or ``start >= end``.
+        BadRow: start or end not seconds, or ``start >= end``.
     """
-    if start in (None, "") and end in (None, ""):
-        return None if channel is None else Span(0.0, float("inf"), channel)
-    if start in (None, "") or end in (None, ""):
-        raise BadRow("a segment needs both start and end (seconds); give both, or neither")
-    span = Span(seconds(start, "start"), seconds(end, "end"), channel)
-    if span.start >= span.end:
-        raise BadRow(f"start {span.start} is not before end {span.end}")
-    return span
+    first = 0.0 if start in (None, "") else seconds(start, "start")
+    last = float("inf") if end in (None, "") else seconds(end, "end")
+    if first >= last:
+        raise BadRow(f"start {first} is not before end {last}")
+    if first == 0.0 and last == float("inf") and channel is None:
+        return None
+    return Span(first, last, channel)
 
 
 def input_file(value: Any, base: str, column: str) -> str:
@@ -275,7 +285,7 @@ class RowInputs:
         item = self.items.get(rel)
         if item is None:
             return 0
-        if item.span is not None and item.span.end != float("inf"):
+        if item.span is not None and not item.span.to_end:
             return max(1, round((item.span.end - item.span.start) * SEGMENT_BYTES_PER_SECOND))
         try:
             return os.stat(item.file).st_size
@@ -296,9 +306,10 @@ class RowInputs:
     ) -> tuple[dict[str, str], dict[str, str]]:
         """Each row's digest (its file's SHA-256, or its segment's :func:`item_digest`), every
         file hashed once through the hash cache and its header read once for the bounds.
-        ``held``, if given, keeps each ``s3://`` object's bytes read for its digest under its
-        rows' paths (one copy, counted once), for the build to decode them without a second
-        GET; a local file's segments are read by seeking, as before.
+        ``held``, if given, keeps each ``s3://`` object's bytes read for its digest, and each
+        local file's that only whole-file rows name, under its rows' paths (one copy, counted
+        once, within the budget), for the build to decode them without a second GET or read;
+        a local file's segments are read by seeking, as before.
 
         Returns:
             (path -> digest, path -> why the row cannot be an item); ``stats`` is filled with
@@ -309,7 +320,8 @@ class RowInputs:
         files = list(dict.fromkeys(it.file for it in items))
         file_stats: dict[str, FileStat] = {}
         local = [f for f in files if not is_url(f)]
-        digests, failed = hash_inputs(catalog, local, progress, file_stats)
+        whole = whole_files(items) if held is not None else set()
+        digests, failed = hash_inputs(catalog, local, progress, file_stats, held, whole)
         urls = [f for f in files if is_url(f)]
         got, lost = object_digests(catalog, urls, file_stats, held)
         digests.update(got)
@@ -330,17 +342,26 @@ class RowInputs:
             out[path] = sha if it.span is None else segment_digest(sha, it.span)
         if held is not None:
             good = {p: it.file for p, it in zip(paths, items, strict=True) if p in out}
-            held_by_row(held, urls, good)
+            held_by_row(held, [*urls, *(f for f in local if f in whole)], good)
         return out, bad
 
     def source(self, inner: Source) -> Source:
         return SegmentSource(inner, self.by_path)
 
 
+def whole_files(items: Sequence[Item]) -> set[str]:
+    """The local files every row of which is the whole file: a first build hashes them from
+    bytes it keeps to decode (read once, issue 31 item 3). A file with a segment row is hashed
+    streamed and its segments decoded by seeking: holding a long recording whole is what
+    segments exist to avoid."""
+    spans = {it.file for it in items if it.span is not None}
+    return {it.file for it in items if it.file not in spans and not is_url(it.file)}
+
+
 def held_by_row(held: HeldBytes, urls: Sequence[str], file_of: Mapping[str, str]) -> None:
-    """Move each object's bytes in ``held`` from its URL (kept so while hashing) to the paths
-    of its rows (``file_of``: row path -> its file; a row failed before is left out): the
-    build decodes by row, each row of one object from the same bytes."""
+    """Move each object's (or whole local file's) bytes in ``held`` from its URL or path (kept
+    so while hashing) to the paths of its rows (``file_of``: row path -> its file; a row failed
+    before is left out): the build decodes by row, each row of one object from the same bytes."""
     rows: dict[str, list[str]] = {url: [] for url in urls}
     for path, file in file_of.items():
         if file in rows:
@@ -401,8 +422,6 @@ class AudioHeader:
     def problem(self, span: Span | None) -> str | None:
         if span is None:
             return None
-        if span.end == float("inf"):  # a channel of the whole file
-            span = Span(0.0, self.frames / self.rate, span.channel)
         return span_problem(span, self.frames, self.rate, self.channels)
 
 
@@ -462,8 +481,6 @@ class SegmentSource(ProcessLocalState):
                     f"{file}: segments (start, end, channel) are audio only; drop them from "
                     f"the manifest for --source {self.kind}"
                 )
-            if span.end == float("inf"):
-                span = whole_file_span(file if data is None else data, span.channel)
             out: torch.Tensor = load_span(file, span, data)
             return out
         except SourceError as e:
@@ -487,18 +504,6 @@ class SegmentSource(ProcessLocalState):
         if stat is None or file_stat_or_none(file) != stat:
             raise SourceError(f"{path}: {file} changed while featbake was reading it; rerun")
         return x
-
-
-def whole_file_span(file: str | BinaryIO, channel: int | None) -> Span:
-    """``[0, duration)`` of ``file`` (a path, or its bytes): a channel picked from a whole
-    recording."""
-    import soundfile
-
-    with soundfile.SoundFile(file) as f:
-        span = Span(0.0, f.frames / f.samplerate, channel)
-    if not isinstance(file, str):
-        file.seek(0)
-    return span
 
 
 class HeldObjects:
@@ -693,10 +698,10 @@ def segment_item(
     utt, rec, start, end = fields
     if rec not in recordings:
         raise BadRow(f"recording {rec!r} is not in wav.scp")
-    if end == "-1":
-        raise BadRow("end -1 (to the recording's end) is not read; write the end time")
     row = {"recording": rec, **kaldi_row(utt, carried)}
-    return utt, Item(recordings[rec][0], span_of(start, end, None), where, row)
+    # Kaldi's end -1: to the end of the recording (the span's end is then the file's).
+    span = span_of(start, None if end == "-1" else end, None)
+    return utt, Item(recordings[rec][0], span, where, row)
 
 
 # == cuts ==========================================================================================
@@ -751,7 +756,8 @@ def cut_item(cut: Mapping[str, Any], base: str, where: str) -> tuple[str, Item]:
             raise BadRow(f"channels {channel} of {channels}: a cut of several channels")
     picked = None if len(channels) <= 1 else channel_of(channel)
     start = seconds(cut.get("start", 0.0), "start")
-    end = start + seconds(cut.get("duration"), "duration")
+    duration = cut.get("duration")  # none: to the recording's end
+    end = None if duration is None else start + seconds(duration, "duration")
     span = span_of(start, end, picked)
     return str(cut["id"]), Item(file, span, where, cut_row(cut))
 

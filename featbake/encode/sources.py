@@ -95,27 +95,41 @@ def _soundfile_extensions() -> tuple[str, ...]:
 
 class Span(NamedTuple):
     """``[start, end)`` seconds of a recording, and the one channel to take (None: all of them,
-    mixed or kept as the recipe says): an item that is a segment of a file."""
+    mixed or kept as the recipe says): an item that is a segment of a file. ``end`` infinite
+    runs to the recording's end (Kaldi's ``end = -1``, a row with a start and no end)."""
 
     start: float
     end: float
     channel: int | None = None
 
-    def frames(self, rate: int) -> tuple[int, int]:
+    @property
+    def to_end(self) -> bool:
+        """Whether the span runs to the end of its recording (its end is known from the file)."""
+        return self.end == float("inf")
+
+    def frames(self, rate: int, total: int) -> tuple[int, int]:
         """The first and the past-the-last sample at ``rate``: ``round(start * rate)`` and
-        ``round(end * rate)`` (Python's ``round``), at the file's own rate.
+        ``round(end * rate)`` (Python's ``round``), at the file's own rate; ``total`` (the
+        recording's samples) for a span that runs to the end.
 
         Example:
-            >>> Span(1.5, 2.0).frames(16000)
+            >>> Span(1.5, 2.0).frames(16000, 96000)
             (24000, 32000)
+            >>> Span(1.5, float("inf")).frames(16000, 96000)
+            (24000, 96000)
         """
-        return round(self.start * rate), round(self.end * rate)
+        return round(self.start * rate), total if self.to_end else round(self.end * rate)
 
 
 def span_problem(span: Span, frames: int, rate: int, channels: int) -> str | None:
     """Why ``span`` is not part of a recording of ``frames`` samples at ``rate`` with
     ``channels`` channels, or None when it is (checked from the file's header alone)."""
-    first, last = span.frames(rate)
+    first, last = span.frames(rate, frames)
+    if span.to_end and first >= last:
+        return (
+            f"the segment starts at {span.start} s, at or past the end of its recording "
+            f"({frames / rate:.3f} s); fix its start"
+        )
     if first >= last:
         return f"the segment [{span.start}, {span.end}) holds no sample at {rate} Hz"
     if last > frames:
@@ -181,7 +195,7 @@ class AudioSource:
             # Opened once: rate, then samples.
             with soundfile.SoundFile(os.fspath(path) if data is None else data) as f:
                 rate = f.samplerate
-                first, last = span.frames(rate) if span is not None else (0, -1)
+                first, last = span.frames(rate, f.frames) if span is not None else (0, -1)
                 if span is not None and (why := span_problem(span, f.frames, rate, f.channels)):
                     raise SourceError(f"{path}: {why}")
                 frames = last - first if span is not None else -1

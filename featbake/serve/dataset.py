@@ -46,7 +46,6 @@ from featbake.serve.state import (
     SealPolicy,
     ServeStats,
     SharedFlags,
-    ThreadCatalog,
     WriteBack,
     ram_budget_for_process,
     read_only_misses,
@@ -103,7 +102,7 @@ def serving_layout(
     """
     layout = open_store(cache, local_cache=local_cache, local_cache_size=local_cache_size)
     if not layout.catalog.exists() and not layout.shards.exists():
-        where = layout.remote or layout.root.absolute()
+        where = layout.describe()
         if on_miss == "error":
             raise StoreError(
                 f"there is no featbake store at {where}; check cache= (or $FEATBAKE_CACHE), "
@@ -231,11 +230,10 @@ def revalidate(index: Index, st: ProcessState, idx: Iterable[int]) -> None:
 def _rekey(index: Index, st: ProcessState, i: int, path: str) -> None:
     """Hash item ``i``'s file again, find its new key's feature, forget what was read of it."""
     hashed: dict[str, FileStat] = {}
-    with st.catalogs.scoped() as catalog:
-        digests, failed = hash_inputs(catalog, [path], stats=hashed)
-        raise_unreadable([p for p in (path,) if p in failed], failed)
-        key = index.spec.key(digests[path])
-        locs = catalog.locate_many([key]).get(key) or []
+    digests, failed = hash_inputs(st.catalog, [path], stats=hashed)
+    raise_unreadable([p for p in (path,) if p in failed], failed)
+    key = index.spec.key(digests[path])
+    locs = st.catalog.locate_many([key]).get(key) or []
     shards = {loc.shard for loc in locs}
     index.rekey(i, key, hashed[path], shards.pop() if len(shards) == 1 else None)
     st.forget(i)
@@ -473,11 +471,8 @@ class CachedFeatureDataset(ProcessLocalState, Dataset):
         order reads, in order, or None when the reads follow none: it then fetches a window's
         shards whole, the next window's ahead (see ``BucketStore.follow_blocks``). Whether the
         store follows it (a local store has nothing to fetch)."""
-        remote = self._layout.remote
-        if remote is None:
-            return False
         names = self._index.shard_names
-        return remote.follow_blocks(
+        return self._layout.follow_blocks(
             None if windows is None else [[names[s] for s in w] for w in windows]
         )
 
@@ -525,20 +520,20 @@ class CachedFeatureDataset(ProcessLocalState, Dataset):
 
     def _new_state(self) -> ProcessState:
         """A new process's state; a finalizer saves its write-back and last uses at exit."""
-        catalogs = ThreadCatalog(self._layout, shared=self._shared)
+        catalog = open_serving_catalog(self._layout, shared=self._shared)
         writeback = WriteBack(
             self._layout,
             self._recipe_fp,
             on_sealed=functools.partial(_tell_published, weakref.ref(self)),
             clock=self._clock,
             policy=SealPolicy(),
-            catalogs=catalogs,
+            catalog=catalog,
         )
         st = ProcessState(
             len(self),
             self._shared_map,
             writeback,
-            catalogs,
+            catalog,
             self._index.keys,
             self._ram_total,
             self.verify,

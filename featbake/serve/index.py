@@ -74,6 +74,7 @@ class Index:
         data_dir: the resolved folder (or manifest), or None for a list of absolute paths.
         inputs: where the items come from (names each item's path and carried row), or None
             for a list of paths.
+        root: the name of the root these items are (None for a list of paths).
     """
 
     def __init__(
@@ -85,11 +86,13 @@ class Index:
         spec: IndexSpec,
         stats: Sequence[FileStat | None],
         inputs: Inputs | None = None,
+        root: str | None = None,
     ) -> None:
         n = len(keys)
         self.spec = spec
         self.data_dir = data_dir
         self.inputs = inputs
+        self.root = root
         self.stats = np.array([st or NO_STAT for st in stats], dtype=np.int64).reshape(n, 4)
         self.keys = np.array(keys, dtype="S64") if n else np.zeros(0, dtype="S64")
         blob = "\0".join(rel_paths).encode("utf-8", "surrogateescape")
@@ -196,7 +199,7 @@ def build_index(
     """
     if isinstance(data, (str, os.PathLike)):
         inputs = inputs_at(data, column, spec.recipe.get("source"))
-        return _index_place(inputs, spec, catalog, publish, new_root)
+        return _index_place(inputs, spec, catalog, publish, new_root, column)
     # The folder scan's own checks first: a FIFO or a device in the list would block the
     # first read forever, a symlink loop would fail the resolve below with a RuntimeError.
     paths = [resolve_path(p) for p in check_input_files(data)]  # type: ignore[arg-type]
@@ -213,12 +216,17 @@ def build_index(
 
 
 def _index_place(
-    inputs: Inputs, spec: IndexSpec, catalog: ServingStore, publish: bool, new_root: bool
+    inputs: Inputs,
+    spec: IndexSpec,
+    catalog: ServingStore,
+    publish: bool,
+    new_root: bool,
+    column: str | None = None,
 ) -> Index:
     """The index of a folder's or a bucket prefix's inputs (a bucket's objects are named by
     URL; an unchanged listing reuses every digest from the hash cache, reading nothing)."""
     data_dir = inputs.where
-    name = root_id(data_dir, spec.enc_label, spec.recipe_fp)
+    name = root_id(data_dir, spec.enc_label, spec.recipe_fp, column)
     root = catalog.root(name)
     manifest: dict[str, str] = {}
     if root is not None and root.encoder_fp == spec.enc_fp:
@@ -258,7 +266,7 @@ def _index_place(
     if publish:
         items = list(zip(rel_paths, keys, strict=True))
         _publish_root(catalog, spec, data_dir, items, name, new=new_root)
-    return Index(rel_paths, keys, data_dir, catalog, spec, hashed, inputs)
+    return Index(rel_paths, keys, data_dir, catalog, spec, hashed, inputs, name)
 
 
 def _without_bad_rows(

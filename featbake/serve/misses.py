@@ -171,7 +171,7 @@ def flat_recipe(recipe: Mapping[str, Any]) -> dict[str, Any]:
 
 def copied_not_encoded(asked: Mapping[str, Any], stored: Mapping[str, Any]) -> bool:
     """True when ``asked`` differs from ``stored`` only by naming one ``output`` of a
-    whole-output build: its misses are copied from the store, not encoded (serve/derived.py)."""
+    whole-output build: its misses are copied from the store, not encoded (serve/misses.py)."""
     differs = {f for f in set(asked) | set(stored) if asked.get(f) != stored.get(f)}
     return differs == {"output"} and stored.get("output") is None
 
@@ -257,8 +257,7 @@ def copied_parts(
         return {}
     part = str(recipe.output)
     paths = [index.path(i) for i in idx]
-    with st.catalogs.scoped() as catalog:
-        cached = catalog.cached_hashes(paths)
+    cached = st.catalog.cached_hashes(paths)
     out: dict[int, Parts] = {}
     for i, path in zip(idx, paths, strict=True):
         sha = current_digest(cached, path)
@@ -568,7 +567,7 @@ class Misses:
             else:
                 st.touch(i)
                 out[i] = value
-        # A part a whole-output build stored is copied, not encoded (see serve/derived.py).
+        # A part a whole-output build stored is copied, not encoded (see serve/misses.py).
         copied = copied_parts(st, self.reads, self.index, self.fps, self.recipe, todo)
         todo = [i for i in todo if i not in copied]
         if todo and self.on_miss == "error":
@@ -591,8 +590,7 @@ class Misses:
         else:
             inputs = [self.source.load(p) for p in paths]
             keys = [self.index.key(i) for i in idx]
-            with st.catalogs.scoped() as catalog:
-                check_unchanged(catalog, paths, keys, self.fps)
+            check_unchanged(st.catalog, paths, keys, self.fps)
         results = encode_inputs(st.encoder, inputs, self.recipe)
         st.encoded += len(idx)
         return [stored_parts(parts, self.recipe) for parts in results]  # int8/fp8: packed

@@ -27,7 +27,6 @@ from torch.utils.data import get_worker_info
 
 from featbake.device import process_cpus
 from featbake.errors import ConfigError, ShardMissing, StoreError
-from featbake.keys import root_id
 from featbake.native import kernels
 from featbake.process import PerProcess
 from featbake.quantize import (
@@ -145,10 +144,9 @@ class Served:
     def for_index(self, layout: Layout, index: Index) -> Served:
         """This, or float32 where the user named no dtype and the build of the root ``index``
         serves recorded that float16 cannot hold its values."""
-        if self.chosen or index.data_dir is None:
+        if self.chosen or index.root is None:
             return self
-        root = root_id(index.data_dir, index.spec.enc_label, index.spec.recipe_fp)
-        if recorded_serve_dtype(layout, root) != "float32":
+        if recorded_serve_dtype(layout, index.root) != "float32":
             return self
         return Served(self.scheme, SERVED["float32"], chosen=False)
 
@@ -476,8 +474,7 @@ class Reads:
     @staticmethod
     def locate(st: ProcessState, key: str) -> list[Location]:
         """The catalog's current locations of ``key`` (empty: not stored)."""
-        with st.catalogs.scoped() as catalog:
-            return catalog.locate(key)
+        return st.catalog.locate(key)
 
     def located_value(self, st: ProcessState, locs: Sequence[Location]) -> Any:
         """A feature read from catalog locations ``locs``: its tensor, or a dict of parts.
@@ -534,9 +531,7 @@ class Reads:
                 # A bucket store's shard not open yet would be fetched whole here: a hint never
                 # waits for that; it starts the fetch in the background instead (read by
                 # ranges, opening reads its header, and GETs start).
-                remote = self.layout.remote
-                if remote is not None and not remote.reads_ranged():
-                    remote.prefetch(path.name.removesuffix(".safetensors"))
+                if self.layout.fetch_ahead(path.name.removesuffix(".safetensors")):
                     continue
                 if len(readers) >= st.handles.max_open:
                     continue

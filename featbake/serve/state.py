@@ -15,7 +15,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -30,7 +30,7 @@ from featbake.lru import ByteLRU, CacheInfo
 from featbake.process import ProcessStamp
 from featbake.store.catalog import Access, ServingStore, access_for
 from featbake.store.features import ShardHandles
-from featbake.store.fragments import open_serving_catalog, serving_mode
+from featbake.store.fragments import open_serving_catalog
 from featbake.store.layout import Layout
 from featbake.store.shard import SealedShard, ShardReader, ShardWriter
 
@@ -63,38 +63,6 @@ def read_only_misses(layout: Layout, misses: int) -> str:
         "it: they are encoded live at every read and not stored; bake them with `featbake "
         "build` where the store is writable, or pass on_miss='error'"
     )
-
-
-class ThreadCatalog:
-    """The catalog connection of the thread that made this object, or a fresh one elsewhere.
-
-    SQLite connections are bound to their thread; a finalizer may run in whichever thread the
-    garbage collector runs in, so other threads get a connection of their own for one use.
-    With ``shared`` (a store on a shared filesystem) each is the read-only stand-in that writes
-    fragments (:class:`~featbake.store.fragments.FragmentServingCatalog`).
-    """
-
-    def __init__(self, layout: Layout, *, shared: bool = False) -> None:
-        self.layout = layout
-        self.shared = shared
-        self.thread = threading.get_ident()
-        self.home = open_serving_catalog(layout, shared=shared)
-
-    @contextlib.contextmanager
-    def scoped(self) -> Iterator[ServingStore]:
-        """This thread's connection, closed afterwards when it was opened for this use."""
-        if threading.get_ident() == self.thread:
-            yield self.home
-            return
-        catalog = open_serving_catalog(self.layout, shared=self.shared)
-        try:
-            yield catalog
-        finally:
-            catalog.close()
-
-    def close(self) -> None:
-        if threading.get_ident() == self.thread:
-            self.home.close()
 
 
 @dataclass(frozen=True)
@@ -234,7 +202,7 @@ def wall_clock() -> float:
 # :class:`~featbake.serve.state.SharedFlags`) and writes the queue at most every
 # :data:`TOUCH_FLUSH_SECONDS` or :data:`TOUCH_FLUSH_ITEMS`: never one write per read.
 #
-# On a shared filesystem each flush seals a fragment (store/serving_fragments.py) instead of a
+# On a shared filesystem each flush seals a fragment (store/fragments.py) instead of a
 # catalog transaction; there the queue is written every :data:`TOUCH_FLUSH_SECONDS_SHARED`, so
 # many ranks and workers leave a few small files an hour each, not hundreds, until a merge.
 TOUCH_FLUSH_SECONDS = 30.0
@@ -249,7 +217,7 @@ class LastUse:
     Args:
         keys: the dataset's keys by item (``S64`` bytes).
         flags: the shared per-item flags (``touched`` and its ``epoch``).
-        catalogs: where to write, from whichever thread flushes.
+        catalog: where to write, from whichever thread flushes (one connection per thread).
         clock: monotonic seconds (when to flush).
         wall: seconds since the epoch (when the shared ``touched`` flags expire).
     """
@@ -258,18 +226,20 @@ class LastUse:
         self,
         keys: np.ndarray,
         flags: SharedFlags,
-        catalogs: ThreadCatalog,
+        catalog: ServingStore,
         clock: Clock,
         wall: Clock,
     ) -> None:
         self.keys = keys
         self.flags = flags
-        self.catalogs = catalogs
+        self.catalog = catalog
         self.clock = clock
         self.wall = wall
         self.queue: list[int] = []  # appended on the hit path: one list, never replaced
         self.last_flush = clock()
-        self.flush_seconds = TOUCH_FLUSH_SECONDS_SHARED if catalogs.shared else TOUCH_FLUSH_SECONDS
+        self.flush_seconds = (
+            TOUCH_FLUSH_SECONDS_SHARED if catalog.fragmented else TOUCH_FLUSH_SECONDS
+        )
         if not flags.epoch[0]:
             flags.epoch[0] = wall()
 
@@ -287,8 +257,8 @@ class LastUse:
             return
         queue = self.queue[:]
         self.queue.clear()
-        with contextlib.suppress(Exception), self.catalogs.scoped() as catalog:
-            catalog.touch(self.keys[i].decode() for i in queue)
+        with contextlib.suppress(Exception):
+            self.catalog.touch(self.keys[i].decode() for i in queue)
 
     def expire_shared(self) -> None:
         """Forget which items were recorded once the shared epoch is an hour old."""
@@ -306,7 +276,7 @@ class LastUse:
 # when its oldest feature is :data:`WRITEBACK_SECONDS` old, so a killed process loses little.
 # Sealing writes the shard, then commits its catalog rows (the caller's ``publish`` may add more
 # to that, e.g. a root), then tells the caller (``on_sealed``). On a shared filesystem the
-# "catalog" is the read-only stand-in of store/serving_fragments.py, which seals a fragment naming
+# "catalog" is the read-only stand-in of store/fragments.py, which seals a fragment naming
 # the shard instead.
 #
 # Write-back is an optimisation: it never fails a read. When a shard cannot be written or
@@ -373,8 +343,8 @@ class WriteBack:
         clock: monotonic seconds; tests pass a fake one to age pending features at will.
         policy: the sealing limits.
         what: how warnings name what is written (``"written-back features"``).
-        catalogs: the owner's catalog connection (default: one of its own, opened on first
-            use in the thread that made this object).
+        catalog: the owner's catalog (default: one of its own, a FragmentCatalog where
+            serving writes fragments), used from whichever thread seals.
     """
 
     def __init__(
@@ -387,7 +357,7 @@ class WriteBack:
         clock: Clock = time.monotonic,
         policy: SealPolicy = SealPolicy(),
         what: str = "written-back features",
-        catalogs: ThreadCatalog | None = None,
+        catalog: ServingStore | None = None,
     ) -> None:
         self.layout = layout
         self.recipe_fp = recipe_fp
@@ -405,12 +375,10 @@ class WriteBack:
         self.written = 0
         self.failures = 0
         self._writer: ShardWriter | None = None
-        self._own_catalogs = catalogs is None
-        # On a shared filesystem the write-back's own catalog is the fragment-writing stand-in
-        # (a CachedEncoder's; a dataset passes its own): SQLite is never written from many hosts.
-        self._catalogs = (
-            catalogs if catalogs is not None else ThreadCatalog(layout, shared=serving_mode(layout))
-        )
+        self._own_catalog = catalog is None
+        # On a shared filesystem the write-back's own catalog is a FragmentCatalog (a
+        # CachedEncoder's; a dataset passes its own): SQLite is never written from many hosts.
+        self._catalog = catalog if catalog is not None else open_serving_catalog(layout)
         self.store_id = os.path.realpath(layout.root)
         with _LIVE_LOCK:
             _LIVE.add(self)
@@ -468,8 +436,8 @@ class WriteBack:
         if self.lifetime.stale:
             return  # a forked copy of another process's write-back: that process saves it
         self.seal()
-        if self._own_catalogs:
-            self._catalogs.close()
+        if self._own_catalog:
+            self._catalog.close()
 
     # -- internals ----------------------------------------------------------------------------
     def _writer_for(self, encoder_fp: str) -> ShardWriter | None:
@@ -492,8 +460,7 @@ class WriteBack:
         return self._writer
 
     def _published(self, shard: SealedShard) -> None:
-        with self._catalogs.scoped() as catalog:
-            self.publish(catalog, shard)
+        self.publish(self._catalog, shard)
         for entry in shard.entries:
             self.pending.pop(entry.key, None)
         self.first_pending = self.clock() if self.pending else 0.0
@@ -538,11 +505,11 @@ class Saver:
     (at process exit, or when the state is collected) never keeps a dropped dataset alive.
     """
 
-    def __init__(self, writeback: WriteBack, lastuse: LastUse, catalogs: ThreadCatalog) -> None:
+    def __init__(self, writeback: WriteBack, lastuse: LastUse, catalog: ServingStore) -> None:
         self.lifetime = ProcessStamp()
         self.writeback = writeback
         self.lastuse = lastuse
-        self.catalogs = catalogs
+        self.catalog = catalog
         self.closed = False
 
     def flush(self) -> None:
@@ -556,7 +523,7 @@ class Saver:
         self.closed = True
         self.flush()
         self.writeback.close()
-        self.catalogs.close()
+        self.catalog.close()
 
 
 def save_at_exit(saver: Saver) -> None:
@@ -583,7 +550,7 @@ class ProcessState:
         n: items in the dataset.
         shared: the dataset's shared flag mapping (None in a spawned copy: keep our own).
         writeback: this process's write-back.
-        catalogs: this process's catalog connection.
+        catalog: this process's catalog (used from any thread).
         keys: the dataset's keys (for last-use records).
         ram_total: the RAM tier's budget for the whole pipeline.
         verify: ``"first"``, ``"always"`` or ``"never"``.
@@ -596,18 +563,16 @@ class ProcessState:
         n: int,
         shared: Any,
         writeback: WriteBack,
-        catalogs: ThreadCatalog,
+        catalog: ServingStore,
         keys: np.ndarray,
         ram_total: int,
         verify: str,
         max_open_shards: int,
         clock: Clock = time.monotonic,
     ) -> None:
-        self.catalogs = catalogs
+        self.catalog = catalog
         self.writeback = writeback
-        self.handles = ShardHandles(
-            max_open=max_open_shards, verify=verify, remote=catalogs.layout.remote
-        )
+        self.handles = ShardHandles.of(writeback.layout, max_open_shards, verify)
         self.open_readers = self.handles.open_readers  # checked by the hit path
         self.last_path: Path | None = None
         self.lru = ram_tier(ram_total)
@@ -619,8 +584,8 @@ class ProcessState:
             self.flags.workers[0] = 1  # cache_info() in the main process is then not the sum
         self.verified = self.flags.verified
         self.touched = self.flags.touched
-        self.lastuse = LastUse(keys, self.flags, catalogs, clock, wall_clock)
-        self.saver = Saver(writeback, self.lastuse, catalogs)
+        self.lastuse = LastUse(keys, self.flags, catalog, clock, wall_clock)
+        self.saver = Saver(writeback, self.lastuse, catalog)
         self.touch_queue = self.lastuse.queue  # the same list: appended on the hot path
         self.check_first = verify == "first"
         self.check_always = verify == "always"
@@ -698,7 +663,6 @@ __all__ = [
     "SealPolicy",
     "ServeStats",
     "SharedFlags",
-    "ThreadCatalog",
     "WriteBack",
     "mapped_empty",
     "ram_budget_for_process",

@@ -1229,7 +1229,7 @@ class FeatureRows(CatalogConnection):
 # A root's row and items are written in ONE place (:func:`write_root_rows`), inside the same write
 # transaction as its manifest file, so two builds of one root cannot leave them disagreeing.
 #: The latest last use of a root's features. Serving records use per feature (coarsely, see
-#: serve/lastuse.py), never per root: this is how a root a dataset reads counts as used.
+#: serve/state.py), never per root: this is how a root a dataset reads counts as used.
 ROOT_READ_SELECT = (
     "SELECT max(f.last_used) FROM root_items ri JOIN features f ON f.key = ri.key WHERE ri.root=?"
 )
@@ -1672,7 +1672,7 @@ class UpkeepRows(CatalogConnection):
 
     def forget_keys(self, keys: Sequence[str]) -> int:
         """Delete every row of these keys (a build replacing features it stored inexactly, see
-        bake/redo.py); their shards' bytes stay until gc finds them unreferenced."""
+        bake/pipeline.py); their shards' bytes stay until gc finds them unreferenced."""
         done = 0
         for i in range(0, len(keys), 500):
             chunk = list(keys[i : i + 500])
@@ -1881,6 +1881,21 @@ class Catalog(UpkeepRows, RootRows, FeatureRows):
             self, layout, timeout=timeout, read_only=read_only, rebuild=rebuild, fragment=fragment
         )
 
+    # -- what a build asks of any catalog (a FragmentCatalog seals fragments here) ------------
+    #: Writes go to this file, not to fragments (see :class:`BuildCatalog`).
+    fragmented = False
+
+    def record_fidelity(self, root: str, measured: Measured, bound: float | None) -> None:
+        """Record what an int8/fp8 build measured beside ``root`` (``featbake roots``)."""
+        write_fidelity(self.layout, root, measured, bound)
+
+    def flush(self) -> None:
+        """Nothing to do: each shard's rows were committed as it came."""
+
+    def finish(self) -> str | None:
+        """Nothing to seal (a build's rows are committed): None."""
+        return None
+
 
 # == upkeep_queries ================================================================================
 # Catalog queries that only ``featbake.upkeep`` runs (verify, repair, rebuild), by column name.
@@ -1953,15 +1968,20 @@ def hash_cache_rows(cat: Catalog) -> list[HashCacheRow]:
 # == catalog_api ===================================================================================
 # What builds and datasets call on a catalog, as Protocols: the catalog itself, or a stand-in.
 #
-# Three objects answer these calls: :class:`~featbake.store.catalog.Catalog` (the store's own
-# ``catalog.sqlite``), :class:`~featbake.store.fragments.RankCatalog` (a rank of a sharded
-# build) and :class:`~featbake.store.fragments.FragmentServingCatalog` (a dataset on a
-# shared filesystem). The stand-ins read the catalog read-only and seal what they would have
-# written into fragments, which are catalogs themselves (store/fragments.py). Typing the callers
-# against these Protocols, not a union of classes, is what lets mypy check that each stand-in
-# answers every call with the catalog's own signature.
+# Two objects answer these calls: :class:`~featbake.store.catalog.Catalog` (the store's own
+# ``catalog.sqlite``) and :class:`~featbake.store.fragments.FragmentCatalog` (a rank of a
+# sharded build or any build into a bucket; a dataset or CachedEncoder on a shared filesystem
+# or a bucket's tier), which reads the catalog read-only and seals what it would have written
+# into fragments, catalogs themselves (store/fragments.py). Typing the callers against these
+# Protocols, not a union of classes, is what lets mypy check that both answer every call with
+# the catalog's own signature; ``fragmented`` says which one a caller holds.
 class CatalogWrites(Protocol):
     """What every writer adds: hash-cache rows, encoders, root manifests and sealed shards."""
+
+    @property
+    def fragmented(self) -> bool:
+        """True when writes are sealed into fragments (folded in by ``featbake merge``)."""
+        ...
 
     def cached_hashes(self, paths: Sequence[str]) -> dict[str, HashEntry]: ...
 
@@ -1986,6 +2006,12 @@ class BuildCatalog(CatalogWrites, Protocol):
     def present_keys(self, keys: Sequence[str]) -> set[str]: ...
 
     def drop_root(self, name: str) -> bool: ...
+
+    def record_fidelity(self, root: str, measured: Measured, bound: float | None) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def finish(self) -> str | None: ...
 
 
 class ServingStore(CatalogWrites, Protocol):

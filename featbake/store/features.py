@@ -53,6 +53,14 @@ class ShardHandles(ProcessLocalState):
         self._tended = 0.0
         self.verify = VerifyMode.parse(verify)  # a ConfigError now, not at the first read
 
+    @classmethod
+    def of(
+        cls, layout: Layout, max_open: int = 64, verify: VerifyMode | str = VerifyMode.FIRST
+    ) -> ShardHandles:
+        """The handles of the store ``layout``: its shards fetched from its place first where
+        that is a bucket."""
+        return cls(max_open=max_open, verify=verify, remote=layout.remote)
+
     @staticmethod
     def _close_inherited(readers: OrderedDict[Path, ShardReader]) -> None:
         # The parent's readers are its bookkeeping, but the fds are this process's own
@@ -227,7 +235,7 @@ class FeatureReader:
     ) -> None:
         self.layout = layout
         self.catalog = Catalog(layout, read_only=read_only)
-        self.handles = ShardHandles(max_open=max_open, verify=verify, remote=layout.remote)
+        self.handles = ShardHandles.of(layout, max_open, verify)
 
     def get(self, key: str) -> dict[str, torch.Tensor] | None:
         """The tensors stored for ``key`` by output part, or None if the key is not stored.

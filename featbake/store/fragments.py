@@ -13,7 +13,7 @@ fragments/<build>.r<rank>-of-<world>.<id>.<kind>.sqlite
     meta      the catalog's schema_version, and the fragment's own: format, format_version,
               kind, created, build id, rank, world, root, data, encoder, recipe; in a
               ``done`` fragment of an int8/fp8 build, ``fidelity``: what the rank measured
-              (store/fidelity.py's Measured sums and the bound), pooled by the merge
+              (store/catalog.py's Measured sums and the bound), pooled by the merge
     uses      key, used   (kind "serve" only: last-use times, seconds since the epoch)
 ```
 
@@ -26,14 +26,14 @@ A fragment is written to ``tmp/``, fsynced and renamed into ``fragments/`` (seal
 like a shard), and is never changed after: readers open it with ``immutable=1``, which takes
 no lock, so it is safe on any filesystem. A rank seals a ``part`` fragment every few shards or
 seconds (a rank killed mid-run keeps them: its rerun skips their keys) and a ``done`` fragment at
-the end with its manifest slice. ``featbake merge`` (store/merge.py) folds a build's fragments
+the end with its manifest slice. ``featbake merge`` (:func:`merge`, below) folds a build's fragments
 into the catalog once every rank's ``done`` fragment is there.
 
 A ``serve`` fragment is what a dataset on a shared filesystem would have written to the catalog
-(store/serving_fragments.py): a write-back shard, last-use times, or the hash rows and root
+(a :class:`FragmentCatalog`): a write-back shard, last-use times, or the hash rows and root
 manifest it made at its start. Each stands alone (its own build id, rank 0 of 1) and is merged
 as soon as it is sealed. Format 3 made a fragment a catalog; fragments of formats 1 and 2 (tables
-of their own) are still read (store/fragment_legacy.py).
+of their own) are still read (:func:`read_legacy_body`).
 """
 
 from __future__ import annotations
@@ -56,7 +56,6 @@ from featbake.errors import ShardMissing, StoreCorrupt, StoreError
 from featbake.store.catalog import (
     Access,
     Catalog,
-    FileStat,
     HashCacheRow,
     HashEntry,
     HashRow,
@@ -458,163 +457,26 @@ def fragment_shard_names(layout: Layout) -> set[str]:
     return names
 
 
-# == rank_catalog ==================================================================================
-# What one rank of a sharded build uses in place of the catalog: read-only reads, fragment writes.
+# == fragment_catalog ==============================================================================
+# The catalog of a writer that must not write ``catalog.sqlite``: it reads the catalog read-only
+# and seals everything it would have written into fragments of its own for ``featbake merge``.
 #
-# It answers the calls the build pipeline makes on a :class:`Catalog` (hash cache, encoder, root
-# manifest, present keys, sealed shards), but never writes ``catalog.sqlite``: reads go to a
-# read-only connection (none at all while the store has no catalog yet, so ranks starting on a
-# fresh store cannot race to create it), and everything the rank would have written is sealed into
-# its fragments (store/fragments.py) for ``featbake merge``.
-class RankCatalog:
-    """A rank's stand-in for the catalog: the same calls, but writes go to its own fragments.
-
-    Args:
-        layout: the store.
-        rank, world: this rank and the number of ranks.
-        listing: (relative path, bytes) of *every* input of the build, in sorted order; every
-            rank passes the same one, so they agree on the build id and manifest indices.
-
-    Each sealed shard is recorded in a ``part`` fragment as soon as it is sealed (shard file
-    first, fragment second), so a rank killed at any moment, by any signal (SIGKILL included),
-    keeps every shard it sealed: its rerun encodes only what no fragment names.
-
-    Example:
-        >>> cat = RankCatalog(layout, 1, 4, listing)  # doctest: +SKIP
-        >>> cat.replace_root(spec, my_items)  # doctest: +SKIP
-        >>> cat.add_shard(sealed); cat.finish()  # doctest: +SKIP
-    """
-
-    def __init__(
-        self,
-        layout: Layout,
-        rank: int,
-        world: int,
-        listing: Sequence[tuple[str, int]],
-    ) -> None:
-        self.layout = layout
-        self.rank, self.world = rank, world
-        self.listing = listing
-        self.info: BuildInfo | None = None
-        self.fragments: list[str] = []
-        self._index = {rel: i for i, (rel, _) in enumerate(listing)}
-        self._catalog = Catalog(layout, read_only=True) if layout.catalog.exists() else None
-        self._encoder = ("", "")
-        self._items: list[ManifestItem] = []
-        self._hashes: dict[str, HashCacheRow] = {}
-        self._pending: list[SealedShard] = []
-        self._fidelity = ""  # what an int8/fp8 rank measured, for its done fragment
-        self._lock = threading.Lock()
-
-    # -- reads: the catalog as it is (read-only), plus this build's own sealed fragments ------
-    def cached_hashes(self, paths: Sequence[str]) -> dict[str, HashEntry]:
-        out = self._catalog.cached_hashes(paths) if self._catalog else {}
-        for p in paths:
-            h = self._hashes.get(p)
-            entry = h.trusted() if h is not None else None
-            if entry is not None:
-                out[p] = entry
-        return out
-
-    def present_keys(self, keys: Sequence[str]) -> set[str]:
-        """Keys in the catalog or in a fragment this build already sealed (a rerun's skip)."""
-        found = self._catalog.present_keys(keys) if self._catalog else set()
-        if self.info is not None:
-            bid = self.info.build_id
-            mine = [f.path for f in sealed_fragments(self.layout) if f.build_id == bid]
-            found |= fragment_keys(mine) & set(keys)
-        return found
-
-    # -- writes: buffered, then sealed into fragments ----------------------------------------
-    def put_hashes(
-        self, rows: Iterable[tuple[str, FileStat, str]], *, recorded_ns: int | None = None
-    ) -> None:
-        """Hold hash rows for the ``done`` fragment (``recorded_ns``: when the stats were taken)."""
-        recorded = time.time_ns() if recorded_ns is None else recorded_ns
-        for p, st, sha in rows:
-            self._hashes[p] = HashCacheRow.of(p, st, sha, recorded)
-
-    def record_encoder(self, fp: str, label: str, kind: str, now: float | None = None) -> None:
-        self._encoder = (label, kind)
-
-    def replace_root(
-        self, spec: RootSpec, items: Sequence[tuple[str, str]], now: float | None = None
-    ) -> None:
-        """Hold this rank's slice of the manifest for its ``done`` fragment (merge publishes)."""
-        bid = build_id(spec.name, spec.encoder_fp, spec.recipe_fp, self.world, self.listing)
-        self.info = BuildInfo.of(bid, self.rank, self.world, spec, self._encoder[1])
-        self._items = [ManifestItem(self._index[p], p, k) for p, k in items]
-
-    def drop_root(self, name: str) -> bool:
-        """The build stopped on a config error: publish nothing."""
-        self.info = None
-        return True
-
-    def add_shard(self, shard: SealedShard, now: float | None = None) -> int:
-        """Called by the writer thread per sealed shard: recorded in a ``part`` fragment now."""
-        with self._lock:
-            self._pending.append(shard)
-            self._seal(FragmentKind.PART)
-        return len(shard.entries)
-
-    def flush(self) -> None:
-        """Seal what is pending into a ``part`` fragment (the writer thread stopping)."""
-        with self._lock:
-            if self._pending:
-                self._seal(FragmentKind.PART)
-
-    def hold_fidelity(self, measured: Measured, bound: float | None) -> None:
-        """Hold what this rank measured of an int8/fp8 build for its ``done`` fragment: the
-        merge pools every rank's sums into the root's record (store/fidelity.py)."""
-        self._fidelity = json.dumps({"measured": measured.to_json(), "bound": bound})
-
-    def finish(self) -> str | None:
-        """Seal the ``done`` fragment: the rest, the manifest slice, the hash rows. Its path."""
-        if self.info is None:
-            return None
-        with self._lock:
-            return self._seal(FragmentKind.DONE)
-
-    def _seal(self, kind: FragmentKind) -> str:
-        if self.info is None:  # the writer never starts before replace_root
-            raise StoreError("a shard was sealed before the build's manifest was known (a bug)")
-        done = kind is FragmentKind.DONE
-        path = write_fragment(
-            self.layout,
-            self.info,
-            kind,
-            self._pending,
-            self._items if done else (),
-            list(self._hashes.values()) if done else (),
-            fidelity=self._fidelity if done else "",
-        )
-        self._pending = []
-        self.fragments.append(path.name)
-        return path.name
-
-    def close(self) -> None:
-        if self._catalog is not None:
-            self._catalog.close()
-
-
-# == serving_fragments =============================================================================
-# What a serving process uses in place of the catalog on a shared filesystem.
-#
-# On NFS, Lustre, GPFS, CIFS or FUSE (store/filesystem.py) the training processes of many nodes
-# must not write one SQLite file. A dataset there reads the catalog read-only and seals what it
-# would have written into ``serve`` fragments of its own (store/fragments.py), which
-# ``featbake merge`` folds in:
-#
-# - each write-back shard, in a fragment sealed right after the shard (so gc keeps the shard, and
-#   a process killed later loses nothing it sealed);
-# - last-use times, one fragment per flush (serve/lastuse.py flushes every 10 minutes there);
-# - what the dataset learned at its start: hash-cache rows, the encoder, and the root manifest
-#   when the catalog's differs (so what it writes back is reachable, and kept by gc, once merged).
-#
-# Reads go to the catalog first, then to the ``serve`` fragments not merged yet, this process's
-# and other processes' (re-listed at most once a second), so a feature one DataLoader worker or
-# rank wrote back is read, not encoded again, by the others before any merge. Features of sharded
-# builds not merged yet stay misses: their fragments can be large, and merge publishes them.
+# - A rank of a sharded build, or any build into a bucket (``part`` given), records each sealed
+#   shard in a ``part`` fragment at once (shard file first, fragment second), so a rank killed at
+#   any moment, by any signal (SIGKILL included), keeps every shard it sealed: its rerun encodes
+#   only what no fragment of its build names. :meth:`FragmentCatalog.finish` seals the ``done``
+#   fragment with its manifest slice (at the whole build's indices), its hash rows and what an
+#   int8/fp8 rank measured. While the store has no catalog yet reads find nothing, so ranks
+#   starting on a fresh store never race to create it.
+# - A dataset or CachedEncoder on a shared filesystem (NFS, Lustre, GPFS, CIFS or FUSE: SQLite
+#   must not be written from many hosts) or on a bucket's tier (``part`` None) seals each
+#   write-back shard, and each flush of last uses, into a ``serve`` fragment at once (so gc keeps
+#   the shard, and a process killed later loses nothing it sealed), with what it learned
+#   meanwhile: hash rows, the encoder, and the root manifest when the catalog's differs (so what
+#   it writes back is reachable, and kept by gc, once merged). Its reads go to the catalog, then
+#   to the ``serve`` fragments not merged yet, this process's and others' (re-listed at most once
+#   a second), so a feature one DataLoader worker or rank wrote back is read, not encoded again,
+#   before any merge. Features of sharded builds not merged yet stay misses: merge publishes them.
 T = TypeVar("T")
 
 #: Other processes' serve fragments are looked for at most this often (a listing per miss would
@@ -631,7 +493,7 @@ def serving_mode(layout: Layout) -> bool:
     Raises:
         ConfigError: ``$FEATBAKE_SHARED_FS`` holds something other than 1, 0 or auto.
     """
-    if layout.remote is not None:  # a bucket store: its tier's catalog is a published version
+    if not layout.catalog_in_place:  # a bucket store: its tier's catalog is a published version
         return True
     mode = detect(layout.root)
     if mode.shared:
@@ -645,58 +507,100 @@ def serving_mode(layout: Layout) -> bool:
     return mode.shared
 
 
-def open_serving_catalog(layout: Layout, *, shared: bool) -> ServingStore:
-    """The catalog a dataset reads and adds to: itself, or on a shared filesystem its stand-in."""
-    return FragmentServingCatalog(layout) if shared else Catalog(layout)
+def open_serving_catalog(layout: Layout, *, shared: bool | None = None) -> ServingStore:
+    """The catalog a dataset or CachedEncoder reads and adds to, from any thread: the catalog
+    itself, or where serving writes fragments (``shared``; default :func:`serving_mode`) a
+    :class:`FragmentCatalog`."""
+    shared = serving_mode(layout) if shared is None else shared
+    return FragmentCatalog(layout) if shared else Catalog(layout)
 
 
-class FragmentServingCatalog:
-    """A serving process's catalog on a shared filesystem: read-only, its writes in fragments.
+@dataclass(frozen=True)
+class RankPart:
+    """The part of a build a :class:`FragmentCatalog` writes: rank ``rank`` of ``world``, and
+    (relative path, bytes) of *every* input of the build in sorted order; every rank passes the
+    same listing, so they agree on the build id and the manifest's indices."""
 
-    It answers the calls serving makes on a :class:`Catalog` (lookups, hash cache, roots, write-
-    back shards, last use). Shards and last uses are sealed into a fragment at once; hash rows,
-    the encoder and the root manifest wait for the next fragment or :meth:`close`. Like a
-    catalog, one object belongs to one thread.
+    rank: int
+    world: int
+    listing: Sequence[tuple[str, int]]
+
+
+class FragmentCatalog:
+    """A stand-in for the catalog that reads it read-only and seals its writes into fragments
+    (see the section comment): a build rank's ``part`` and ``done`` fragments, or a serving
+    process's ``serve`` fragments.
+
+    It answers the calls a build and serving make on a :class:`Catalog`, with the catalog's own
+    signatures. Thread-safe: one lock orders its writes, and its read-only catalog keeps one
+    connection per thread.
+
+    Args:
+        layout: the store.
+        part: the build rank this writes for; None for a serving process.
+        timeout: how long reads wait for a locked catalog (seconds).
 
     Example:
-        >>> cat = FragmentServingCatalog(layout)  # doctest: +SKIP
-        >>> cat.locate_many(keys); cat.add_shard(sealed); cat.close()  # doctest: +SKIP
+        >>> cat = FragmentCatalog(layout, RankPart(1, 4, listing))  # doctest: +SKIP
+        >>> cat.replace_root(spec, my_items); cat.add_shard(sealed); cat.finish()  # doctest: +SKIP
+        >>> served = FragmentCatalog(layout)  # doctest: +SKIP
+        >>> served.locate_many(keys); served.add_shard(sealed); served.close()  # doctest: +SKIP
     """
 
-    def __init__(self, layout: Layout, *, timeout: float = 60.0) -> None:
-        self.layout = layout
-        self.timeout = timeout
-        self.serve_id = f"serve-{uuid.uuid4().hex[:16]}"  # this object's fragments' build id
-        self._catalog: Catalog | None = None
-        self._found: dict[str, list[Location]] = {}  # key -> its tensors in unmerged fragments
-        self._seen: set[str] = set()  # fragment files already read
-        self._listed = float("-inf")
-        self._hashes: dict[str, HashCacheRow] = {}
-        self._encoder: tuple[str, str, str] | None = None  # fp, label, kind
-        self._root: tuple[Root, list[ManifestItem]] | None = None
-        self._inode = 0  # the catalog file read: a bucket's tier replaces it by rename
+    fragmented = True
 
+    def __init__(self, layout: Layout, part: RankPart | None = None, *, timeout: float = 60.0):
+        self.layout = layout
+        self.part = part
+        self.timeout = timeout
+        self.serve_id = f"serve-{uuid.uuid4().hex[:16]}"  # a serving process's build id
+        self.fragments: list[str] = []  # the names of the fragments sealed
+        self._index = {rel: i for i, (rel, _) in enumerate(part.listing)} if part else {}
+        self._build = self.serve_id  # a rank's build id, once its manifest is known
+        self._catalog: Catalog | None = None
+        self._inode = 0  # the catalog file read: a bucket's tier replaces it by rename
+        self._found: dict[str, list[Location]] = {}  # key -> its tensors in serve fragments
+        self._seen: set[str] = set()  # serve fragments already read
+        self._listed = float("-inf")
+        # Held for the next fragment that carries them (``done`` or ``serve``):
+        self._spec: RootSpec | None = None
+        self._items: list[ManifestItem] = []
+        self._encoder: tuple[str, str, str] | None = None  # fp, label, kind
+        self._hashes: dict[str, HashCacheRow] = {}
+        self._fidelity = ""  # what an int8/fp8 rank measured
+        self._pending: dict[str, SealedShard] = {}  # sealed shards no fragment names yet
+        self._lock = threading.RLock()
+
+    @property
+    def kind(self) -> FragmentKind:
+        """The kind of fragment a sealed shard goes into (a rank's last one is ``done``)."""
+        return FragmentKind.SERVE if self.part is None else FragmentKind.PART
+
+    # -- reads: the catalog as it is (read-only), then fragments not merged yet --------------
     def _replaced(self) -> bool:
         """True if a bucket's tier renamed a newer catalog version over the one read here."""
-        return self.layout.remote is not None and _inode(self.layout.catalog) != self._inode
+        return not self.layout.catalog_in_place and _inode(self.layout.catalog) != self._inode
 
-    # -- reads: the catalog as it is (read-only), then unmerged serve fragments ----------------
     def _reader(self) -> Catalog | None:
         """The read-only catalog; None while there is none (a fresh store, before a merge).
 
         Raises:
-            StoreError: the catalog was lost but root manifests remain (run verify --repair).
+            StoreError: a reader's catalog was lost but root manifests remain (run verify
+                --repair).
         """
-        if self._catalog is not None and self._replaced():
-            self._catalog.close()  # a bucket's tier holds a newer version now: read that one
-            self._catalog = None
-        if self._catalog is None:
-            if not self.layout.catalog.exists():
-                self.layout.refuse_fresh_catalog()
-                return None
-            self._catalog = Catalog(self.layout, timeout=self.timeout, read_only=True)
-            self._inode = _inode(self.layout.catalog)
-        return self._catalog
+        with self._lock:
+            catalog = self._catalog
+            if catalog is not None and self._replaced():
+                catalog.close()  # a bucket's tier holds a newer version now: read that one
+                self._catalog = None
+            if self._catalog is None:
+                if not self.layout.catalog.exists():
+                    if self.part is None:  # a build's merge makes the catalog, and says so
+                        self.layout.refuse_fresh_catalog()
+                    return None
+                self._catalog = Catalog(self.layout, timeout=self.timeout, read_only=True)
+                self._inode = _inode(self.layout.catalog)
+            return self._catalog
 
     def _read(self, query: Callable[[Catalog], T], default: T) -> T:
         """``query`` on the read-only catalog (``default`` while there is none).
@@ -713,7 +617,22 @@ class FragmentServingCatalog:
             raise catalog.unreadable(e) from e
 
     def cached_hashes(self, paths: Sequence[str]) -> dict[str, HashEntry]:
-        return self._read(lambda c: c.cached_hashes(paths), {})
+        """The catalog's trusted hash rows of ``paths``, and those held here."""
+        none: dict[str, HashEntry] = {}
+        out = self._read(lambda c: c.cached_hashes(paths), none)
+        for p in paths:
+            h = self._hashes.get(p)
+            entry = h.trusted() if h is not None else None
+            if entry is not None:
+                out[p] = entry
+        return out
+
+    def present_keys(self, keys: Sequence[str]) -> set[str]:
+        """Keys in the catalog or in a fragment this build already sealed (a rerun's skip)."""
+        nothing: set[str] = set()
+        found = self._read(lambda c: c.present_keys(keys), nothing)
+        mine = [f.path for f in sealed_fragments(self.layout) if f.build_id == self._build]
+        return found | (fragment_keys(mine) & set(keys))
 
     def root(self, name: str) -> Root | None:
         return self._read(lambda c: c.root(name), None)
@@ -722,7 +641,7 @@ class FragmentServingCatalog:
         return self._read(lambda c: c.root_items(name), [])
 
     def locate_many(self, keys: Sequence[str]) -> dict[str, list[Location]]:
-        """key -> its tensors' locations: from the catalog, else from an unmerged fragment."""
+        """key -> its tensors' locations: from the catalog, else from a serve fragment."""
         empty: dict[str, list[Location]] = {}
         out = self._read(lambda c: c.locate_many(keys), empty)
         if len(out) < len(set(keys)):
@@ -736,20 +655,21 @@ class FragmentServingCatalog:
 
     def refresh(self) -> None:
         """Read the ``serve`` fragments sealed since the last look (at most once a second)."""
-        now = time.monotonic()
-        if now - self._listed < REFRESH_SECONDS:
-            return
-        self._listed = now
-        for name in sealed_fragments(self.layout):
-            if name.kind is not FragmentKind.SERVE or name.path.name in self._seen:
-                continue
-            self._seen.add(name.path.name)
-            try:
-                fragment = read_fragment(name.path, self.layout)
-            except StoreCorrupt:
-                continue  # merged and removed since the listing (so in the catalog), or damaged
-            for shard in fragment.shards:
-                self._found_in(shard)
+        with self._lock:
+            now = time.monotonic()
+            if now - self._listed < REFRESH_SECONDS:
+                return
+            self._listed = now
+            for name in sealed_fragments(self.layout):
+                if name.kind is not FragmentKind.SERVE or name.path.name in self._seen:
+                    continue
+                self._seen.add(name.path.name)
+                try:
+                    fragment = read_fragment(name.path, self.layout)
+                except StoreCorrupt:
+                    continue  # merged and removed since the listing (so in the catalog), or damaged
+                for shard in fragment.shards:
+                    self._found_in(shard)
 
     def _found_in(self, shard: SealedShard) -> None:
         # In (key, part) order, as the catalog returns them; a key in several shards (two
@@ -759,7 +679,38 @@ class FragmentServingCatalog:
             if not locs or locs[0].shard == shard.name:
                 locs.append(Location(e.key, e.part, shard.name, e.dtype, e.shape, e.nbytes))
 
-    # -- writes: sealed into this process's fragments ----------------------------------------
+    # -- writes: held, then sealed into fragments --------------------------------------------
+    def put_hashes(
+        self, rows: Iterable[HashRow | tuple], *, recorded_ns: int | None = None
+    ) -> None:
+        """Hold hash rows (``recorded_ns``: when their stats were taken) for the next fragment
+        that carries them. A serving process drops racy ones (never trusted, and not worth a
+        fragment of their own); a rank keeps them, as the catalog does."""
+        recorded = time.time_ns() if recorded_ns is None else recorded_ns
+        with self._lock:
+            for path, stat, sha in map(HashRow._make, rows):
+                if self.part is not None or not stat.racy(recorded):
+                    self._hashes[path] = HashCacheRow.of(path, stat, sha, recorded)
+
+    def record_encoder(self, fp: str, label: str, kind: str, now: float | None = None) -> None:
+        with self._lock:
+            self._encoder = (fp, label, kind)
+
+    def replace_root(
+        self, spec: RootSpec, items: Sequence[tuple[str, str]], now: float | None = None
+    ) -> None:
+        """Hold a root manifest for the next fragment that carries it: a rank's slice at the
+        whole build's indices (its ``done`` fragment), or a dataset's whole manifest (merge
+        publishes it unless a later build of that root was published meanwhile)."""
+        with self._lock:
+            self._spec = spec
+            if self.part is None:
+                self._items = [ManifestItem(i, p, k) for i, (p, k) in enumerate(items)]
+                return
+            self._items = [ManifestItem(self._index[p], p, k) for p, k in items]
+            world, listing = self.part.world, self.part.listing
+            self._build = build_id(spec.name, spec.encoder_fp, spec.recipe_fp, world, listing)
+
     def extend_root(self, spec: RootSpec, keys: Sequence[str], now: float | None = None) -> int:
         """Hold root ``spec.name`` grown by the ``keys`` it does not name yet (a CachedEncoder's
         write-back), for the next fragment: its items as the catalog (or this process's held
@@ -768,28 +719,44 @@ class FragmentServingCatalog:
         which only lets gc free their features (encoded again when next needed), never serves
         one wrong. Returns how many keys were added.
         """
-        if self._root is not None and self._root[0].name == spec.name:
-            held = [(i.path, i.key) for i in self._root[1]]
-        else:
-            held = [(i.path, i.key) for i in self.root_items(spec.name)]
-        named = {k for _, k in held}
-        new = [("", k) for k in dict.fromkeys(keys) if k not in named]
-        if new:
-            self.replace_root(spec, held + new, now)
-        return len(new)
+        with self._lock:
+            if self._spec is not None and self._spec.name == spec.name:
+                held = [(i.path, i.key) for i in self._items]
+            else:
+                held = [(i.path, i.key) for i in self.root_items(spec.name)]
+            named = {k for _, k in held}
+            new = [("", k) for k in dict.fromkeys(keys) if k not in named]
+            if new:
+                self.replace_root(spec, held + new, now)
+            return len(new)
+
+    def drop_root(self, name: str) -> bool:
+        """The build stopped on a config error: publish no manifest."""
+        with self._lock:
+            self._spec, self._items = None, []
+        return True
+
+    def record_fidelity(self, root: str, measured: Measured, bound: float | None) -> None:
+        """Hold what this rank measured of an int8/fp8 build for its ``done`` fragment: the
+        merge pools every rank's sums into the root's record (store/catalog.py)."""
+        self._fidelity = json.dumps({"measured": measured.to_json(), "bound": bound})
 
     def add_shard(self, shard: SealedShard, now: float | None = None) -> int:
-        """Seal a fragment naming a write-back shard; returns its features (new or not).
+        """Seal a fragment naming a shard just sealed; returns its features (new or not).
 
         Raises:
             ShardMissing: the shard file vanished (gc removed a byte-identical copy): the
                 writer seals it again.
-            StoreError: the fragment could not be written.
+            StoreError: the fragment could not be written (a rank's next seal names it).
         """
-        self._seal([shard])
+        with self._lock:
+            self._pending[shard.name] = shard
+            self._seal(self.kind)
         if not self.layout.has_shard(shard.name):
             raise ShardMissing(f"shard {shard.name} vanished before its fragment was sealed")
-        self._found_in(shard)
+        if self.part is None:  # read back before any merge (a rank's, by present_keys)
+            with self._lock:
+                self._found_in(shard)
         return len(shard.entries)
 
     def touch(self, keys: Iterable[str], when: float | None = None) -> None:
@@ -797,52 +764,58 @@ class FragmentServingCatalog:
         when = time.time() if when is None else when
         uses = [Use(k, when) for k in dict.fromkeys(keys)]
         if uses:
-            self._seal((), uses)
+            with self._lock:
+                self._seal(self.kind, uses)
 
-    def put_hashes(
-        self, rows: Iterable[HashRow | tuple], *, recorded_ns: int | None = None
-    ) -> None:
-        """Hold hash rows for the next fragment; racy ones are dropped (never trusted anyway)."""
-        recorded = time.time_ns() if recorded_ns is None else recorded_ns
-        for path, stat, sha in map(HashRow._make, rows):
-            if not stat.racy(recorded):
-                self._hashes[path] = HashCacheRow.of(path, stat, sha, recorded)
+    def flush(self) -> None:
+        """Seal what is pending (a rank's writer thread stopping; a serving process's held
+        hash rows, encoder and manifest)."""
+        with self._lock:
+            self._seal(self.kind)
 
-    def record_encoder(self, fp: str, label: str, kind: str, now: float | None = None) -> None:
-        self._encoder = (fp, label, kind)
-
-    def replace_root(
-        self, spec: RootSpec, items: Sequence[tuple[str, str]], now: float | None = None
-    ) -> None:
-        """Hold a root manifest for the next fragment (merge publishes it, unless a later
-        build of that root was published meanwhile)."""
-        now = time.time() if now is None else now
-        self._root = (
-            spec.root(len(items), now, now),
-            [ManifestItem(i, p, k) for i, (p, k) in enumerate(items)],
-        )
+    def finish(self) -> str | None:
+        """Seal a rank's ``done`` fragment: the rest, the manifest slice, the hash rows and what
+        it measured. Its name; None when the build published no manifest."""
+        with self._lock:
+            return None if self._spec is None else self._seal(FragmentKind.DONE)
 
     def close(self) -> None:
         """Seal what is held (a hint: an unwritable store skips it) and close the catalog."""
         with contextlib.suppress(StoreError):
-            self._seal()
+            self.flush()
         if self._catalog is not None:
             self._catalog.close()
 
-    def _seal(self, shards: Sequence[SealedShard] = (), uses: Sequence[Use] = ()) -> None:
-        if not (shards or uses or self._hashes or self._encoder or self._root):
-            return
-        root, items = self._root if self._root is not None else (None, [])
+    def _seal(self, kind: FragmentKind, uses: Sequence[Use] = ()) -> str | None:
+        """Write the one fragment of ``kind``: the pending shards, ``uses``, and (``done``,
+        ``serve``) what is held; None when there is nothing to seal."""
+        carries = kind is not FragmentKind.PART
+        held = carries and bool(self._hashes or self._encoder or self._spec)
+        if kind is not FragmentKind.DONE and not (self._pending or uses or held):
+            return None
+        shards = list(self._pending.values())
+        items = self._items if carries else ()
+        hashes = list(self._hashes.values()) if carries else ()
+        fidelity = self._fidelity if kind is FragmentKind.DONE else ""
+        path = write_fragment(
+            self.layout, self._info(), kind, shards, items, hashes, uses, fidelity
+        )
+        self._pending = {}
+        self._seen.add(path.name)  # its shards are known here: refresh reads it not again
+        if carries:  # sealed once: a fragment stands alone
+            self._hashes, self._encoder, self._spec, self._items = {}, None, None, []
+        self.fragments.append(path.name)
+        return path.name
+
+    def _info(self) -> BuildInfo:
+        """What the next fragment says of its build (a serving process's: rank 0 of 1)."""
         fp, label, kind = self._encoder or ("", "", "")
-        if root is not None:  # kind stays empty unless the encoder was recorded
-            fp, label = root.encoder_fp, root.encoder_label
-        info = BuildInfo(
-            self.serve_id, 0, 1, root.name if root else "", root.data if root else "", label,
-            kind, fp, root.recipe_fp if root else "", root.recipe if root else {},
-        )  # fmt: skip
-        hashes = list(self._hashes.values())
-        write_fragment(self.layout, info, FragmentKind.SERVE, shards, items, hashes, uses)
-        self._hashes, self._encoder, self._root = {}, None, None
+        if self.part is None:  # the manifest held, or none: the encoder alone
+            spec = self._spec or RootSpec("", "", label, fp, "", {})
+            return BuildInfo.of(self._build, 0, 1, spec, kind)
+        if self._spec is None:  # the writer never starts before replace_root
+            raise StoreError("a shard was sealed before the build's manifest was known (a bug)")
+        return BuildInfo.of(self._build, self.part.rank, self.part.world, self._spec, kind)
 
 
 def _inode(path: Path) -> int:
@@ -865,7 +838,7 @@ def _inode(path: Path) -> int:
 # 3. the hash-cache rows;
 # 4. only then the fragment files are unlinked.
 #
-# Then the ``serve`` fragments of datasets on a shared filesystem (store/serving_fragments.py),
+# Then the ``serve`` fragments of datasets on a shared filesystem,
 # each on its own, oldest first: its encoder, its root manifest (unless the catalog's root is
 # newer),
 # its write-back shard's rows and its hash rows; then every last use they recorded (a feature's last
@@ -1030,7 +1003,7 @@ def _fold_build(
     if between:
         between("root")
     # Newest first: a rank that stored a feature again (padding found inexact later, see
-    # bake/redo.py) sealed the new row in a later fragment, and the first row folded wins.
+    # bake/pipeline.py) sealed the new row in a later fragment, and the first row folded wins.
     for f in sorted(frags, key=lambda f: f.created, reverse=True):
         _add_shards(catalog, f, report)
     if between:

@@ -446,6 +446,37 @@ class Layout:
             return True
         return self.remote is not None and self.remote.has_shard(name)
 
+    @property
+    def catalog_in_place(self) -> bool:
+        """Whether the catalog here is written in place (a directory). A bucket's tier holds a
+        published catalog version, never written in place: every build there writes fragments
+        and publishes the next version itself."""
+        return self.remote is None
+
+    def describe(self) -> str:
+        """How messages name the store: its bucket URL (never the tier folder), or its
+        directory."""
+        return str(self.remote) if self.remote is not None else str(self.root.absolute())
+
+    def sync_fragments(self) -> int:
+        """Bring the place's sealed fragments here (a bucket's: other nodes' ranks, so a rerun
+        skips what a killed run sealed); how many. A directory holds its own: 0."""
+        return 0 if self.remote is None else self.remote.sync_fragments()
+
+    def follow_blocks(self, windows: Sequence[Sequence[str]] | None) -> bool:
+        """Tell the place the shards each window of a block order reads (None: stop); whether
+        it follows them (a bucket fetches windows whole; a directory has nothing to fetch)."""
+        return self.remote is not None and self.remote.follow_blocks(windows)
+
+    def fetch_ahead(self, name: str) -> bool:
+        """Whether shard ``name`` is fetched whole before it can be opened (a bucket store not
+        reading by ranges); its fetch is then started in the background, and the caller does
+        not open it now (a hint never waits for a download)."""
+        if self.remote is None or self.remote.reads_ranged():
+            return False
+        self.remote.prefetch(name)
+        return True
+
     def ensure(self) -> Layout:
         """Create the directories, or raise a StoreError that says why it could not."""
         try:

@@ -94,7 +94,7 @@ def open_store(
     layout = _layout_of(ref, need, local_cache, local_cache_size)
     if need is Need.WRITE and read_only_forced():
         raise StoreError(
-            f"the store {describe(layout)} is read-only here ({READ_ONLY_ENV}=1), and a build "
+            f"the store {layout.describe()} is read-only here ({READ_ONLY_ENV}=1), and a build "
             f"writes to it; unset {READ_ONLY_ENV} to build (nothing was written)"
         )
     if need in (Need.STORE, Need.CATALOG) and layout.remote is None:
@@ -161,12 +161,12 @@ def _require_catalog(layout: Layout) -> None:
         return
     if sealed_fragments(layout):
         raise StoreError(
-            f"the store {describe(layout)} holds only unmerged build fragments; run `featbake "
+            f"the store {layout.describe()} holds only unmerged build fragments; run `featbake "
             "merge` once every part of the build is done"
         )
     if layout.remote is not None:
         raise StoreError(
-            f"the store {describe(layout)} has no published catalog yet; build into it "
+            f"the store {layout.describe()} has no published catalog yet; build into it "
             "(`featbake build --cache URL`), or run `featbake merge --cache URL` after a build "
             "in parts"
         )
@@ -271,8 +271,8 @@ class LocalPlace:
 
 
 def describe(layout: Layout) -> str:
-    """How messages name a store: its directory, or its bucket URL."""
-    return str(layout.remote) if layout.remote is not None else str(layout.root)
+    """How messages name a store (:meth:`Layout.describe`)."""
+    return layout.describe()
 
 
 def open_catalog(ref: StoreRef, **place: Any) -> tuple[Layout, Catalog]:

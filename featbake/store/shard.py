@@ -509,7 +509,7 @@ class ShardWriter:
         tensors, self._tensors, self._pending_bytes = self._tensors, {}, 0
         for attempt in range(3):
             # Shared with other writers, exclusive of `verify --repair`: it must never see this
-            # shard's file without the rows we are about to commit (store/locks.py).
+            # shard's file without the rows we are about to commit (store/layout.py).
             with shared_write_lock(self.layout):
                 shard = write_shard(self.layout, tensors, self.encoder_fp, self.recipe_fp)
                 try:

@@ -559,7 +559,7 @@ def execute_gc(plan: GcPlan, progress: Callable[[GcProgress], None] | None = Non
     """Carry out a :class:`GcPlan` on its place: the catalog's steps committed through the
     place, then the sweep (the module docstring's order).
 
-    In a directory the steps hold the store's write lock shared (store/locks.py):
+    In a directory the steps hold the store's write lock shared (store/layout.py):
     ``verify --repair`` does not run meanwhile (it would index a shard file gc is about to
     unlink). In a bucket they run on a copy of the newest version, published as the next one
     (a race lost to another publisher runs them again on the newer version: each step

@@ -311,7 +311,7 @@ def repair_hash_cache(
 # ``featbake verify``, second half: make the catalog agree with the sound shards, quarantining
 # damage; and :func:`verify` itself (a scan, and with ``repair_damage`` a repair).
 #
-# Order (:func:`repair`), all under the store's exclusive write lock (store/locks.py), so no
+# Order (:func:`repair`), all under the store's exclusive write lock (store/layout.py), so no
 # writer seals a shard meanwhile; the scan is refreshed under the lock (unchanged files are not
 # re-read):
 #

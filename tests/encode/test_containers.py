@@ -683,6 +683,85 @@ def test_shards_in_a_bucket_are_read_by_ranged_gets_and_a_rebuild_reads_no_byte(
     assert {name for name, _ in gets} == {"shard-001.tar"}
 
 
+def test_a_bucket_prefix_of_tars_only_is_read_as_shards_as_a_local_folder_is(
+    s3: Any, tmp_path: Path, gets: list[tuple[str, int]]
+) -> None:
+    """``--data s3://bucket/shards/`` holding only ``.tar`` objects was read as plain objects
+    (each tar one item, refused as no image); now it is the shards, in name order, as a local
+    folder of tars is: each sample one item, served equal to the encoder run now. A prefix
+    with any other object stays a prefix of objects."""
+    from featbake.encode.containers import WebDataset
+    from featbake.encode.inputs import BucketInputs, inputs_at
+
+    images = photographs(tmp_path)
+    half = len(images) // 2
+    shards = {
+        "shard-000.tar": write_tar(tmp_path / "a.tar", image_samples(images[:half])),
+        "sub/shard-001.tar": write_tar(tmp_path / "b.tar", image_samples(images[half:], half)),
+        ".hidden.json": tmp_path / "a.tar",  # hidden: passed over, as a folder scan does
+    }
+    prefix = f"s3://{s3.bucket}/shards/"
+    upload_shards(prefix, shards)
+    assert isinstance(inputs_at(prefix), WebDataset)
+    encoder, store = image_encoder(), tmp_path / "store"
+    report = build(prefix, encoder, cache=store, recipe=IMAGE_RECIPE, workers=0)
+    assert (report.encoded, report.failed) == (len(images), [])
+    assert report.data == f"s3://{s3.bucket}/shards"
+    assert gets and all(n > 0 for _, n in gets)  # ranged GETs only, never a whole object
+    stored = stored_features(store, report.root)
+    assert list(stored) == [f"sample{i:04d}" for i in range(len(images))]
+    for (key, parts), jpg in zip(stored.items(), images, strict=True):
+        assert torch.equal(parts[""], run_now(encoder, image_tensor(jpg))), key
+    ds = CachedFeatureDataset(prefix, encoder, cache=store, recipe=IMAGE_RECIPE, on_miss="error")
+    assert [ds.item_id(i) for i in range(len(ds))] == list(stored)
+    assert torch.equal(ds[half], run_now(encoder, image_tensor(images[half])))
+
+    upload_shards(prefix, {"cover.jpg": tmp_path / "a.tar"})  # not only tars now
+    assert isinstance(inputs_at(prefix), BucketInputs)
+    assert isinstance(inputs_at(f"s3://{s3.bucket}/none/"), BucketInputs)  # empty: objects
+
+
+def test_a_bucket_member_decoded_costs_one_ranged_get_and_no_head(
+    s3: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A member decoded from a bucket shard was read by a ranged GET and checked against the
+    shard's stat by a HEAD: two requests per member. Now the GET's own response (ETag, last
+    change, Content-Range total) is the stat checked: one request per member, counted by the
+    server; a shard rewritten since its digests still fails the member, naming it."""
+    import featbake.encode.fingerprints
+    from featbake.encode.containers import WebDataset
+
+    images = photographs(tmp_path)
+    prefix = f"s3://{s3.bucket}/shards"
+    upload_shards(prefix, {"only.tar": write_tar(tmp_path / "a.tar", image_samples(images))})
+    data = f"{prefix}/only.tar"
+    target = f"/{s3.bucket}/shards/only.tar"
+    # No bytes held from hashing: every member is decoded from the bucket, checked.
+    monkeypatch.setattr(featbake.encode.fingerprints, "HELD_BYTES", 0)
+    encoder, store = image_encoder(), tmp_path / "store"
+    mark = s3.log_mark()
+    report = build(data, encoder, cache=store, recipe=IMAGE_RECIPE, workers=0)
+    assert (report.encoded, report.failed) == (len(images), [])
+    asked = [r for r in s3.requests(mark) if r.name.partition("?")[0] == target]
+    heads = [r for r in asked if r.method == "HEAD"]
+    assert len(heads) == 1  # the hash's check that the shard held still; none per member
+    stored = stored_features(store, report.root)
+    for (key, parts), jpg in zip(stored.items(), images, strict=True):
+        assert torch.equal(parts[""], run_now(encoder, image_tensor(jpg))), key
+
+    shards = WebDataset(data)
+    rels = shards.scan(source_for(IMAGE_RECIPE).extensions).inputs
+    source = shards.source(source_for(IMAGE_RECIPE))
+    stat, path = shards.listed[data], shards.path(rels[1])
+    mark = s3.log_mark()
+    got = source.load_unchanged(path, stat)  # type: ignore[attr-defined]
+    assert torch.equal(got, image_tensor(images[1]))
+    assert [(r.method, r.status) for r in s3.requests(mark)] == [("GET", 206)]
+    upload_shards(prefix, {"only.tar": write_tar(tmp_path / "b.tar", image_samples(images[::-1]))})
+    with pytest.raises(SourceError, match=r"only.tar:sample0001.jpg: changed while"):
+        source.load_unchanged(path, stat)  # type: ignore[attr-defined]
+
+
 def test_a_dataset_encodes_a_bucket_shards_misses_live_from_ranged_reads(
     s3: Any, tmp_path: Path
 ) -> None:
@@ -825,3 +904,29 @@ def test_a_bucket_table_and_shard_in_the_cli_and_in_dataloader_workers(
         assert len(got) == len(clips)
         for x, clip in zip(got, clips, strict=True):
             assert torch.equal(x, run_now(module, audio_tensor(clip)))
+
+
+def test_two_columns_of_one_table_are_two_roots_and_gc_keeps_both(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """Old main named the root by (table, encoder, recipe) alone: the build of ``--column far``
+    replaced the root of ``--column audio``, and gc then freed every feature of the first."""
+    from featbake.upkeep import GcOptions, execute_gc, plan_gc
+
+    near = [wav_bytes(0.3 + 0.1 * i, i) for i in range(4)]
+    far = [wav_bytes(0.5 + 0.1 * i, 10 + i) for i in range(4)]
+    table = write_audio_parquet(tmp_path / "t.parquet", list(near), far=far)
+    store = tmp_path / "store"
+    for column in ("audio", "far"):
+        assert build(table, encoder_file, cache=store, workers=0, column=column).encoded == 4
+    roots = json.loads(invoke("roots", "--cache", store, "--json").stdout)
+    assert len(roots) == 2 and {r["data"] for r in roots} == {str(table)}
+    plan = plan_gc(store, GcOptions())
+    execute_gc(plan)
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
+    for column, clips in (("audio", near), ("far", far)):
+        ds = CachedFeatureDataset(table, encoder_file, cache=store, column=column, on_miss="error")
+        for i, clip in enumerate(clips):
+            assert torch.equal(ds[i], run_now(module, audio_tensor(clip))), (column, i)
+    assert build(table, encoder_file, cache=store, workers=0, column="far").encoded == 0

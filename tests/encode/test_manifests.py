@@ -12,7 +12,6 @@ from __future__ import annotations
 import csv
 import gzip
 import json
-import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -39,7 +38,7 @@ from featbake.store.bucket import Bucket
 from featbake.store.url import BucketURL
 from featbake.testing import make_tone
 from tests.conftest import invoke
-from tests.helpers import manifest
+from tests.helpers import held_by_a_thread, manifest
 from tests.store.remote.conftest import S3
 
 RATE = 16000  # the recipe's rate
@@ -292,7 +291,7 @@ def test_each_bad_row_is_skipped_with_its_line_and_the_rest_builds(
         {"path": "wavs/recA.wav", "start": 2.0, "end": 2.0},  # 4: start >= end
         {"path": "wavs/gone.wav"},  # 5: missing file
         {"path": "wavs/recA.wav", "start": 5.5, "end": 6.5},  # 6: past the end (6 s)
-        {"path": "wavs/recA.wav", "start": 1.0},  # 7: no end
+        {"path": "wavs/recA.wav", "start": 6.5},  # 7: to the end, from past the end
         {"path": "wavs/recB.flac", "start": 0.0, "end": 1.0, "channel": 2},  # 8: no channel 2
         {"path": "gs://bucket/a.wav"},  # 9: a scheme featbake does not read
         {"path": "wavs/recB.flac", "start": "x", "end": 1.0},  # 10: not seconds
@@ -309,17 +308,64 @@ def test_each_bad_row_is_skipped_with_its_line_and_the_rest_builds(
     assert "bad.jsonl:5" in reasons["wavs/gone.wav"] and "gone.wav" in reasons["wavs/gone.wav"]
     past = reasons["wavs/recA.wav#5.5-6.5"]
     assert "bad.jsonl:6" in past and "past the end of its recording (6.000 s)" in past
-    assert "both start and end" in reasons["bad.jsonl:7"]
+    late = reasons["wavs/recA.wav#6.5-inf"]
+    assert "bad.jsonl:7" in late and "starts at 6.5 s, at or past the end" in late
     assert "bad.jsonl:8" in reasons["wavs/recB.flac#0.0-1.0"]
     assert "channel 2 is not one of the recording's 2 channels" in reasons["wavs/recB.flac#0.0-1.0"]
     assert "speak S3 (s3://), not gs://" in reasons["bad.jsonl:9"]
     assert "not a number of seconds" in reasons["bad.jsonl:10"]
 
-    with pytest.warns(UserWarning, match="3 row"):  # gone, past the end, no such channel
+    with pytest.warns(UserWarning, match="4 row"):  # gone, past the end (2), no such channel
         ds = CachedFeatureDataset(corpus / "bad.jsonl", encoder_file, cache=store_dir)
     assert [ds.row(i)["label"] for i in range(len(ds))] == [0, 1] and ds.stored() == 2
     want = reference(encoder_file, corpus / "wavs/recA.wav", 1.0, 2.0)
     torch.testing.assert_close(ds[1], want, rtol=1e-5, atol=1e-5)
+
+
+def test_segments_to_the_end_of_the_recording_kaldi_minus_one_and_rows_without_end(
+    corpus: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    """Kaldi's ``end`` -1 and a JSONL row with no ``end`` run to the recording's end; a row
+    with no ``start`` starts at 0; ``0 -1`` is the whole file, keyed as the file in a folder;
+    a lhotse cut with no duration runs to the end. Before, -1 and a row with one bound were
+    refused."""
+    wav_a, flac_b = corpus / "wavs/recA.wav", corpus / "wavs/recB.flac"
+    segments = corpus / "kaldi" / "segments"
+    segments.write_text("utt-1 recA 4.5 -1\nutt-2 recB 3.25 -1\nutt-3 recA 0 -1\n")
+    for name in ("text", "utt2spk"):
+        (corpus / "kaldi" / name).unlink()
+    report = build(corpus / "kaldi", encoder_file, cache=store_dir, workers=0)
+    assert not report.failed and report.encoded == 3
+    ds = quiet_dataset(corpus / "kaldi", encoder_file, store_dir, on_miss="error")
+    torch.testing.assert_close(ds[0], reference(encoder_file, wav_a, 4.5, None))
+    torch.testing.assert_close(ds[1], reference(encoder_file, flac_b, 3.25, None))
+    torch.testing.assert_close(ds[2], reference(encoder_file, wav_a, None, None))
+    folder = quiet_dataset(corpus / "wavs", encoder_file, store_dir)
+    assert folder.key(0) == ds.key(2)  # recA whole: one key, in Kaldi or a folder
+
+    rows = [
+        {"id": "a", "path": "wavs/recA.wav", "start": 4.5},  # as utt-1: the same key
+        {"id": "b", "path": "wavs/recB.flac", "end": 1.25, "channel": 1},
+        {"id": "c", "path": "wavs/recB.flac", "start": 2.0, "channel": 0},
+    ]
+    write_jsonl(corpus / "open.jsonl", rows)
+    report = build(corpus / "open.jsonl", encoder_file, cache=store_dir, workers=2)
+    assert not report.failed and report.encoded == 2 and report.reused == 1
+    js = quiet_dataset(corpus / "open.jsonl", encoder_file, store_dir, on_miss="error")
+    assert js.key(0) == ds.key(0)
+    torch.testing.assert_close(js[0], reference(encoder_file, wav_a, 4.5, None))
+    torch.testing.assert_close(js[1], reference(encoder_file, flac_b, None, 1.25, channel=1))
+    torch.testing.assert_close(js[2], reference(encoder_file, flac_b, 2.0, None, channel=0))
+
+    recording = {"id": "recB", "sources": [{"type": "file", "channels": [0, 1],
+                 "source": str(flac_b)}], "sampling_rate": 8000}  # fmt: skip
+    cut = {"id": "cut-1", "start": 3.25, "recording": recording, "type": "MonoCut"}
+    with gzip.open(corpus / "cuts.jsonl.gz", "wt") as f:
+        f.write(json.dumps(cut) + "\n")
+    report = build(corpus / "cuts.jsonl.gz", encoder_file, cache=store_dir, workers=0)
+    assert not report.failed and report.reused == 1  # utt-2's span
+    cuts = quiet_dataset(corpus / "cuts.jsonl.gz", encoder_file, store_dir, on_miss="error")
+    torch.testing.assert_close(cuts[0], reference(encoder_file, flac_b, 3.25, None))
 
 
 def test_duplicate_ids_and_piped_wav_scp_are_refused_in_one_line(
@@ -457,24 +503,11 @@ def test_dataloader_workers_decode_bucket_rows_with_objects_of_their_own(
     write_jsonl(corpus / "s3.jsonl", rows)
     ds = quiet_dataset(corpus / "s3.jsonl", encoder_file, store_dir)
     objects = ds._misses.source.objects  # type: ignore[attr-defined]
-    holding, done = threading.Event(), threading.Event()
-
-    def reading() -> None:  # a thread inside the held bytes' lock as the workers fork
-        with objects.lock:
-            holding.set()
-            done.wait(60)
-
-    thread = threading.Thread(target=reading)
-    thread.start()
-    holding.wait(10)
-    try:
+    with held_by_a_thread(objects.lock):  # a thread inside the held bytes' lock at the fork
         loader = DataLoader(
             ds, batch_size=None, num_workers=2, multiprocessing_context=context, timeout=30
         )
         got = list(loader)
-    finally:
-        done.set()
-        thread.join()
     local = {"recA": corpus / "wavs" / "recA.wav", "recB": corpus / "wavs" / "recB.flac"}
     for x, (_, rec, start, end, *_) in zip(got, SEGMENTS, strict=True):
         torch.testing.assert_close(x, reference(encoder_file, local[rec], start, end))

@@ -14,7 +14,6 @@ import pickle
 import re
 import shutil
 import signal
-import threading
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -30,7 +29,7 @@ from featbake.errors import ConfigError, SourceError
 from featbake.recipe import Recipe
 from featbake.serve.dataset import CachedFeatureDataset
 from tests.conftest import invoke
-from tests.helpers import rel_error
+from tests.helpers import held_by_a_thread, rel_error
 
 transformers = pytest.importorskip("transformers")
 
@@ -411,24 +410,13 @@ def test_a_child_forked_while_a_thread_tokenises_tokenises_with_its_own(
     path = texts / "caption1.txt"
     want = source.load(path)
     parents = id(source._tokenizer)
-    holding, done = threading.Event(), threading.Event()
-
-    def tokenising() -> None:  # a thread inside the tokenizer's lock as the process forks
-        with source._lock:
-            holding.set()
-            done.wait(30)
-
-    thread = threading.Thread(target=tokenising)
-    thread.start()
-    holding.wait(10)
-    pid = os.fork()
-    if pid == 0:
-        signal.alarm(20)  # a hang fails the test instead of stalling it
-        ok = torch.equal(source.load(path), want) and id(source._tokenizer) != parents
-        os._exit(0 if ok else 3)
-    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-    done.set()
-    thread.join()
+    with held_by_a_thread(source._lock):  # a thread inside the tokenizer's lock at the fork
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(20)  # a hang fails the test instead of stalling it
+            ok = torch.equal(source.load(path), want) and id(source._tokenizer) != parents
+            os._exit(0 if ok else 3)
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     assert code == 0
     assert id(source._tokenizer) == parents and torch.equal(source.load(path), want)
 

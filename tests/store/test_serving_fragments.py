@@ -13,6 +13,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -28,14 +29,16 @@ from featbake.serve.dataset import CachedFeatureDataset
 from featbake.serve.state import TOUCH_FLUSH_SECONDS, TOUCH_FLUSH_SECONDS_SHARED, WRITEBACK_SECONDS
 from featbake.store.catalog import Catalog, RootSpec
 from featbake.store.fragments import (
+    FragmentCatalog,
     FragmentKind,
-    FragmentServingCatalog,
+    RankPart,
     fragment_shard_names,
     merge,
     read_fragment,
     sealed_fragments,
 )
 from featbake.store.layout import Layout, SharedFilesystemWarning
+from featbake.store.shard import write_shard
 from featbake.testing import make_tone, write_audio_folder
 from tests.conftest import REPO, invoke, live_features, run_cli
 
@@ -201,13 +204,13 @@ def test_merge_keeps_a_root_built_after_the_dataset_made_its_manifest(
     args = {"data": "/d", "encoder_label": "e", "encoder_fp": "e" * 64, "recipe_fp": "r" * 64}
     with Catalog(layout) as cat:
         cat.replace_root(RootSpec("r", **args, recipe={}), [("a.wav", "k1")], now=1.0)
-    served = FragmentServingCatalog(layout)
+    served = FragmentCatalog(layout)
     served.replace_root(RootSpec("r", **args, recipe={}), [("a.wav", "k1"), ("b.wav", "k2")])
     served.close()
     merge(Layout(layout.root))
     with Catalog(layout) as cat:  # the dataset's manifest is newer than the catalog's: it wins
         assert [tuple(x) for x in cat.root_items("r")] == [("a.wav", "k1"), ("b.wav", "k2")]
-        served = FragmentServingCatalog(layout)
+        served = FragmentCatalog(layout)
         served.replace_root(RootSpec("r", **args, recipe={}), [("old.wav", "k0")])
         served.close()  # its fragment is sealed now ...
         later = time.time() + 60
@@ -312,7 +315,7 @@ def test_an_unreadable_serving_fragment_is_named_with_what_moving_it_aside_loses
     tmp_path: Path,
 ) -> None:
     layout = Layout(tmp_path / "store").ensure()
-    FragmentServingCatalog(layout).touch(["k" * 64])
+    FragmentCatalog(layout).touch(["k" * 64])
     (path,) = serve_fragments(layout.root)
     path.write_bytes(b"not sqlite" * 100)
     with pytest.raises(StoreCorrupt, match=r"serving fragment .* encoded again when next needed"):
@@ -362,3 +365,44 @@ def test_a_writer_killed_mid_transaction_is_named_and_the_next_merge_rolls_it_ba
     ds.close()
     verify = run_cli("verify", "--cache", store_dir, env=SHARED)
     assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def test_one_fragment_catalog_seals_a_ranks_part_and_done_and_a_readers_serve_fragments(
+    tmp_path: Path,
+) -> None:
+    """Issue 27: one FragmentCatalog, one seal path, for a build rank (``part`` per shard, then
+    ``done`` with its manifest slice) and a serving process (``serve``), told apart by its
+    ``fragmented`` property, not its class; a serving one is used from any thread (a
+    finalizer's), and what another thread sealed is read back here before any merge."""
+    layout = Layout(tmp_path / "store").ensure()
+    efp, rfp = "e" * 64, "r" * 64
+    built, served = "a" * 64, "b" * 64
+    spec = RootSpec("r", "/d", "enc", efp, rfp, {})
+    rank = FragmentCatalog(layout, RankPart(0, 1, [("a.wav", 10)]))
+    with Catalog(layout) as cat:
+        assert rank.fragmented and not cat.fragmented
+    rank.record_encoder(efp, "enc", "torchscript")
+    rank.replace_root(spec, [("a.wav", built)])
+    rank.add_shard(write_shard(layout, {built: torch.ones(3)}, efp, rfp))
+    assert rank.finish() is not None
+    rank.close()
+    assert sorted(n.kind for n in sealed_fragments(layout)) == [
+        FragmentKind.DONE,
+        FragmentKind.PART,
+    ]
+
+    reader = FragmentCatalog(layout)
+    assert reader.fragmented and reader.kind is FragmentKind.SERVE
+    shard = write_shard(layout, {served: torch.full((2,), 2.0)}, efp, rfp)
+    sealer = threading.Thread(target=reader.add_shard, args=(shard,))  # e.g. a finalizer
+    sealer.start()
+    sealer.join()
+    assert [loc.shard for loc in reader.locate(served)] == [shard.name]  # no merge yet
+    reader.close()
+    serve = [n for n in sealed_fragments(layout) if n.kind is FragmentKind.SERVE]
+    assert len(serve) == 1 and serve[0].build_id == reader.serve_id
+
+    merge(layout)
+    with Catalog(layout) as cat:
+        assert [tuple(i)[-2:] for i in cat.root_items("r")] == [("a.wav", built)]
+        assert cat.present_keys([built, served]) == {built, served}
