@@ -10,10 +10,13 @@ def main(argv: list[str] | None = None) -> None:
 
     A build is handed to its watched child before typer, rich or torch are imported: the
     process that only watches needs none of them (0.1-0.2 s of every build; issue 32 item 15).
+    Only the command line's own build (``argv`` None) is: a program passing ``argv`` runs the
+    command in its own process (a forked child must never return into the program's code).
     """
     from featbake.cli.supervise import supervise_if_build
 
-    supervise_if_build(sys.argv[1:] if argv is None else argv)
+    if argv is None:
+        supervise_if_build(sys.argv[1:])
     from featbake.cli.main import main as run
 
     run(argv)
