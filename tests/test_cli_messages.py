@@ -47,3 +47,37 @@ def test_build_help_lists_every_exit_code() -> None:
     codes = _exit_codes("build")
     for code in ("3 some inputs failed", "4 encoder", "8 input unreadable", "9 the build"):
         assert code in codes, codes
+
+
+@pytest.mark.parametrize("debug", ["", "1"])
+def test_a_program_calling_main_runs_the_build_in_its_own_process(
+    tmp_path: Path, debug: str
+) -> None:
+    """Review: a program calling ``featbake.cli.main.main(["build", ...])`` (one thread, no
+    torch) had its process forked for the watched build, and with FEATBAKE_DEBUG=1 the child's
+    re-raised error returned into the program's own code, which then ran twice (in two pids)
+    and its parent exited 0 for a failed build. Only the command line's build is forked."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    script = (
+        "import os\n"
+        "from featbake.cli.main import main\n"
+        "try:\n"
+        f"    main(['build', '-d', {str(tmp_path / 'nodata')!r}, '-e', 'x.pt', '--cache', "
+        f"{str(tmp_path / 's')!r}])\n"
+        "except BaseException as e:\n"
+        "    print('caught', type(e).__name__, os.getpid(), flush=True)\n"
+        "print('next step', os.getpid(), flush=True)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FEATBAKE_")}
+    env.update(PYTHONPATH=str(REPO), FEATBAKE_DEBUG=debug)
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    steps = [line.split() for line in res.stdout.splitlines() if line.startswith("next step")]
+    assert len(steps) == 1, res.stdout + res.stderr
+    caught = [line.split() for line in res.stdout.splitlines() if line.startswith("caught")]
+    assert len(caught) == 1 and caught[0][-1] == steps[0][-1], res.stdout

@@ -172,14 +172,17 @@ def naive_wants(checked: list[Padding], padding: Padding, first: int) -> bool:
     if len(checked) < first or not checked:
         return True
     return (
-        padding.samples > max(c.samples for c in checked)
+        padding.padded_to not in {c.padded_to for c in checked}
+        or padding.samples > max(c.samples for c in checked)
         or padding.fraction > max(c.fraction for c in checked)
         or padding.samples * FEWER_BY < min(c.samples for c in checked)
     )
 
 
-paddings = st.builds(
-    lambda n, extra: Padding(n, n + extra), st.integers(0, 5000), st.integers(1, 5000)
+paddings = st.builds(  # few padded lengths, as stepped lengths recur
+    lambda length, share: Padding(length * share // 100, length),
+    st.sampled_from([8000, 12000, 16000, 24000]),
+    st.integers(0, 90),
 )
 
 
@@ -193,7 +196,8 @@ def test_guard_choice_against_the_rule(batches: list[Padding], first: int) -> No
         if wants:
             choice.add(padding)
             checked.append(padding)
-        else:  # what it skips, checked batches covered: no more padded, not much less
+        else:  # what it skips, checked batches covered: its length, no more padded, not much less
+            assert padding.padded_to in {c.padded_to for c in checked}
             assert padding.samples <= max(c.samples for c in checked)
             assert padding.fraction <= max(c.fraction for c in checked)
             assert padding.samples * FEWER_BY >= min(c.samples for c in checked)
@@ -216,7 +220,7 @@ def test_the_guard_checks_few_of_many_batches_padded_alike() -> None:
         if choice.wants(padding):
             wanted += 1
             choice.add(padding)
-    assert len(plan) > 90 and FIRST_CHECKED <= wanted <= 15
+    assert len(plan) > 90 and FIRST_CHECKED <= wanted <= 25  # a check per length, few more
     assert len({stepped_length(max(b)) for b in plan}) <= 4.5 * PAD_STEPS  # 16000..320000
 
 
@@ -679,19 +683,65 @@ LESS_PADDED_LATER = [1.0, 1.1, 1.1, 1.2, 1.3, 1.4, 1.45, 1.5, 1.6, 1.7, 1.75, 1.
                      1.9, 1.95, 2.0, 2.05, 2.1, 2.15, 2.2, 2.25, 2.3, 2.35, 2.4, 2.42]  # fmt: skip
 
 
-def test_the_guard_skips_batches_padded_less_than_one_checked(tmp_path: Path) -> None:
+def test_the_guard_skips_batches_padded_less_than_one_checked_at_a_length_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Issue 31 item 5: one check per padded batch cost 49.5% of a GPU build (each a new length
-    alone). Batches padded less, by samples and by fraction, than one already checked are not
-    checked again (main: 6 checks for 6 batches)."""
-    write_clips(tmp_path / "clips", LESS_PADDED_LATER)
+    alone). Stepped (as on a GPU), the last three batches are all padded to 36,864 samples: the
+    first of them is checked (a new length), the two padded less after it are not (main: 6
+    checks for 6 batches)."""
+    monkeypatch.setattr(batching, "PAD_LENGTHS", PadLengths.STEPPED)
+    write_clips(tmp_path / "clips", [*LESS_PADDED_LATER[:12], *SAME_STEPPED_LENGTH])
     module = LengthsEncoder()
     calls = record_calls(module)
     report = build(tmp_path / "clips", module, cache=tmp_path / "s", workers=0, batch_size=4,
                    batching="padded")  # fmt: skip
     assert report.ok and report.batching == BatchingMode.PADDED
-    assert [rows for rows, _ in calls] == [4, 1, 4, 1, 4, 1, 4, 4, 4]
-    assert "6 batches padded to 6 lengths; 3 checked" in report.batching_note
+    assert [rows for rows, _ in calls] == [4, 1, 4, 1, 4, 1, 4, 1, 4, 4]
+    assert [n for rows, n in calls if rows == 4][-3:] == [36864] * 3
+    assert "6 batches padded to 4 lengths, stepped; 4 checked" in report.batching_note
     assert_stores_each_clip_alone(tmp_path / "s", report.root, tmp_path / "clips", module)
+
+
+#: Twelve clips of 2.06-2.18 s: three batches of 4 whose longest steps up to 36,864 samples,
+#: each padded less than the one before (2.06 s is 3,904 samples short of it, 2.17 s 2,144).
+SAME_STEPPED_LENGTH = [2.06, 2.08, 2.1, 2.12, 2.13, 2.14, 2.15, 2.16, 2.17, 2.175, 2.18, 2.18]
+
+
+def test_a_batch_padded_to_a_length_no_checked_batch_was_is_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An encoder may choose its code path by its input's length (chunked attention past a
+    length, say). Stepped, the last batch's clips (all under 2.048 s) are padded past 32,768
+    samples, where this one adds 0.5; that batch is padded by fewer samples and a smaller
+    fraction than batches checked before, and the review's build stored its clips wrong. A new
+    padded length is always checked: the build falls back and stores each clip as run alone."""
+    monkeypatch.setattr(batching, "PAD_LENGTHS", PadLengths.STEPPED)
+    seconds = [0.5, 0.6, 0.9, 1.0, 1.1, 1.2, 1.3, 1.35, 1.4, 1.98, 1.99, 2.0]
+    write_clips(tmp_path / "clips", seconds)
+    module = ChangesPastLength(32768)
+    report = build(tmp_path / "clips", module, cache=tmp_path / "s", workers=0, batch_size=3,
+                   batching="padded")  # fmt: skip
+    assert report.ok and report.encoded == 12
+    assert report.batching == BatchingMode.EXACT and "not exact" in report.batching_note
+    assert_stores_each_clip_alone(tmp_path / "s", report.root, tmp_path / "clips", module)
+
+
+class ChangesPastLength(nn.Module):
+    """:class:`LengthsEncoder`, plus 0.5 once its input (padded or not) is ``length`` long."""
+
+    def __init__(self, length: int) -> None:
+        super().__init__()
+        self.length = length
+        self.inner = LengthsEncoder()
+
+    def forward(
+        self, wav: torch.Tensor, lengths: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        feats, out_lengths = self.inner(wav, lengths)
+        if wav.shape[-1] >= self.length:
+            feats = feats + 0.5
+        return feats, out_lengths
 
 
 def test_a_batch_padded_more_than_any_checked_is_checked_and_its_leak_caught(
@@ -702,13 +752,10 @@ def test_a_batch_padded_more_than_any_checked_is_checked_and_its_leak_caught(
     so the build falls back and every stored feature equals the encoder run alone."""
     write_clips(tmp_path / "clips", [*LESS_PADDED_LATER[:20], 2.5, 2.6, 2.7, 4.0])
     module = LatePaddingLeak(threshold=16000)
-    calls = record_calls(module)
     report = build(tmp_path / "clips", module, cache=tmp_path / "s", workers=0, batch_size=4,
                    batching="padded")  # fmt: skip
     assert report.ok and report.encoded == 24
     assert report.batching == BatchingMode.EXACT and "not exact" in report.batching_note
-    if pad_lengths is PadLengths.EXACT:
-        assert [rows for rows, _ in calls[:9]] == [4, 1, 4, 1, 4, 1, 4, 4, 4]
     plain = LatePaddingLeak(threshold=16000)
     plain.load_state_dict(module.state_dict())
     assert_stores_each_clip_alone(tmp_path / "s", report.root, tmp_path / "clips", plain)

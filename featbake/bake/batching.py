@@ -10,7 +10,7 @@ import enum
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -301,11 +301,15 @@ def plan_by_length(
 # build (each check runs one clip alone: a new length, ~55 ms of kernel choice on an H200), and
 # most checks proved nothing new: a batch padded less than one already checked, by samples and
 # by fraction, tests what that one tested. The guard checks the first FIRST_CHECKED padded
-# batches (the pace is timed from them), then a batch only when its most padded item is padded
-# unlike any checked: by more samples or a larger fraction than any (an encoder whose output
-# drifts with the padding drifts most there), or by under half the fewest samples checked (an
-# encoder wrong only for a little padding: tests/test_padded_redo.py). Over 256 clips of 1-20 s
-# in batches of 16 that is 4-9 checks of 24 batches, 6-12 of 95 over 1024 clips. Any failed
+# batches (the pace is timed from them), then a batch only when it is padded to a length no
+# checked batch was (an encoder may choose its code path by its input's length: chunked
+# attention past a length, say; stepped lengths recur, so this is a few checks an octave), or
+# its most padded item is padded unlike any checked: by more samples or a larger fraction than
+# any (an encoder whose output drifts with the padding drifts most there), or by under half the
+# fewest samples checked (an encoder wrong only for a little padding: tests/test_padded_redo.py).
+# Stepped, over 256 clips of 1-20 s in batches of 16, that is 11-14 checks of 24 batches, 18-22
+# of 95 over 1024 clips; with exact lengths (a CPU) nearly every batch is a new length, so nearly
+# every batch is checked, as before issue 31 item 5. Any failed
 # check still sends the whole build to exact shapes and encodes every item padded before again
 # alone (bake/pipeline.py), the unchecked batches' items included.
 #: Padded batches checked whatever their padding: the pace's warm-up and counted batches.
@@ -342,7 +346,7 @@ class GuardChoice:
         (True, None)
         >>> [choice.wants(Padding(n, 16000)) for n in (500, 900, 399)]
         [False, True, True]
-        >>> choice.wants(Padding(500, 8000))  # a larger fraction than any checked
+        >>> choice.wants(Padding(500, 8000))  # a padded length not checked yet
         True
     """
 
@@ -351,13 +355,15 @@ class GuardChoice:
     most_samples: int = 0
     most_fraction: float = 0.0
     fewest_samples: int | None = None
+    lengths: set[int] = field(default_factory=set)  # the padded lengths checked
 
     def wants(self, padding: Padding) -> bool:
         """Whether a batch of this padding is checked."""
         if self.checked < self.first or self.fewest_samples is None:
             return True
         return (
-            padding.samples > self.most_samples
+            padding.padded_to not in self.lengths
+            or padding.samples > self.most_samples
             or padding.fraction > self.most_fraction
             or padding.samples * FEWER_BY < self.fewest_samples
         )
@@ -365,6 +371,7 @@ class GuardChoice:
     def add(self, padding: Padding) -> None:
         """A batch of this padding was checked (and passed)."""
         self.checked += 1
+        self.lengths.add(padding.padded_to)
         self.most_samples = max(self.most_samples, padding.samples)
         self.most_fraction = max(self.most_fraction, padding.fraction)
         fewest = self.fewest_samples

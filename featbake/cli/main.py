@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 import warnings
 
 import typer
@@ -37,11 +38,15 @@ def _one_line_warning(message: object, category: type, *_: object, **__: object)
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the app, turning featbake errors into one red line and an exit code.
 
-    ``featbake build`` runs in a child process this one forks and watches (see
+    ``featbake build`` from the command line (``argv`` None: the console script, ``python -m
+    featbake``) runs in a child process this one forks and watches (see
     :mod:`featbake.cli.supervise`), so a build process ended by its encoder is still reported.
+    A program that passes ``argv`` runs the command in its own process: a forked child of it
+    must never return into the program's code.
     """
     warnings.formatwarning = _one_line_warning
-    if not _supervise_or_report(sys.argv[1:] if argv is None else argv):
+    args = sys.argv[1:] if argv is None else argv
+    if not _supervise_or_report(args, command_line=argv is None):
         _run(argv)
         return
     code: object = 0
@@ -49,6 +54,9 @@ def main(argv: list[str] | None = None) -> None:
         _run(argv)
     except SystemExit as e:
         code = e.code
+    except BaseException:  # FEATBAKE_DEBUG's re-raise, or anything _run let through
+        traceback.print_exc()
+        code = 1
     # Out of the except block: the traceback and the frames it held are freed first, so what
     # they owned (a DataLoader's workers) shuts down as it does on a normal exit.
     leave_child(code)
@@ -107,14 +115,15 @@ def _run(argv: list[str] | None) -> None:
         sys.exit(1)
 
 
-def _supervise_or_report(args: list[str]) -> bool:
-    """Fork a build's watched child (this process waits and exits with its code), or, in that
-    child, report a clean exit.
+def _supervise_or_report(args: list[str], *, command_line: bool) -> bool:
+    """Fork a build's watched child (this process waits and exits with its code) when the
+    command came from the command line, or, in that child, report a clean exit.
 
     Returns:
         True in the watched child.
     """
-    supervise_if_build(args)
+    if command_line:
+        supervise_if_build(args)
     status = status_channel()
     if status is not None:
         atexit.register(report_clean_exit, status)

@@ -201,6 +201,8 @@ def run_supervised() -> Outcome | None:
     if child == 0:
         _become_child(parent, read_end, write_end)
         return None
+    with contextlib.suppress(OSError):  # the child's group exists before a Ctrl-C is passed on
+        os.setpgid(child, child)  # (it does the same itself; whichever runs first)
     os.close(write_end)
     forwarded: list[int] = []
 

@@ -646,8 +646,9 @@ class FragmentCatalog:
         out = self._read(lambda c: c.locate_many(keys), empty)
         if len(out) < len(set(keys)):
             self.refresh()
-            found = self._found
-            out.update({k: found[k] for k in keys if k not in out and k in found})
+            with self._lock:  # never a key half added by another thread's add_shard or refresh
+                found = self._found
+                out.update({k: list(found[k]) for k in keys if k not in out and k in found})
         return out
 
     def locate(self, key: str) -> list[Location]:
@@ -797,9 +798,13 @@ class FragmentCatalog:
         items = self._items if carries else ()
         hashes = list(self._hashes.values()) if carries else ()
         fidelity = self._fidelity if kind is FragmentKind.DONE else ""
-        path = write_fragment(
-            self.layout, self._info(), kind, shards, items, hashes, uses, fidelity
-        )
+        try:
+            path = write_fragment(
+                self.layout, self._info(), kind, shards, items, hashes, uses, fidelity
+            )
+        except ShardMissing:  # never named again by every later seal: the writer rewrites it
+            self._pending = {n: s for n, s in self._pending.items() if self.layout.has_shard(n)}
+            raise
         self._pending = {}
         self._seen.add(path.name)  # its shards are known here: refresh reads it not again
         if carries:  # sealed once: a fragment stands alone

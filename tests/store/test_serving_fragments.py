@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from featbake.bake.pipeline import build
-from featbake.errors import StoreCorrupt, StoreError
+from featbake.errors import ShardMissing, StoreCorrupt, StoreError
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.serve.state import TOUCH_FLUSH_SECONDS, TOUCH_FLUSH_SECONDS_SHARED, WRITEBACK_SECONDS
 from featbake.store.catalog import Catalog, RootSpec
@@ -406,3 +406,25 @@ def test_one_fragment_catalog_seals_a_ranks_part_and_done_and_a_readers_serve_fr
     with Catalog(layout) as cat:
         assert [tuple(i)[-2:] for i in cat.root_items("r")] == [("a.wav", built)]
         assert cat.present_keys([built, served]) == {built, served}
+
+
+def test_a_shard_gone_before_its_fragment_never_stops_later_seals(tmp_path: Path) -> None:
+    """Review: a shard whose file vanished before its fragment was sealed stayed pending, so
+    every later seal named it again and failed (the write-back's and last-use fragments, whose
+    errors are passed over, were lost for the rest of the run)."""
+    layout = Layout(tmp_path / "store").ensure()
+    efp, rfp = "e" * 64, "r" * 64
+    gone, kept = "a" * 64, "b" * 64
+    reader = FragmentCatalog(layout)
+    reader.record_encoder(efp, "enc", "torchscript")
+    shard = write_shard(layout, {gone: torch.ones(3)}, efp, rfp)
+    layout.shard_path(shard.name).unlink()  # gc removed a byte-identical copy meanwhile
+    with pytest.raises(ShardMissing):
+        reader.add_shard(shard)
+    other = write_shard(layout, {kept: torch.full((2,), 2.0)}, efp, rfp)
+    reader.add_shard(other)  # sealed: the vanished shard is no longer pending
+    reader.touch([kept])
+    reader.close()
+    merge(layout)
+    with Catalog(layout) as cat:
+        assert cat.present_keys([gone, kept]) == {kept}
