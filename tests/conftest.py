@@ -41,7 +41,7 @@ class TickingClock:
     padded batch (several items' samples) always costs less than an item alone: ``auto`` stays
     padded whatever the load of the machine running the tests. On the real clock a busy machine
     once timed padded batches 1.18x slower and a build went exact-shape, failing a test about
-    padding (tests/test_padded_redo.py).
+    padding (tests/bake/test_batching.py).
     """
 
     def __init__(self) -> None:
@@ -55,7 +55,7 @@ class TickingClock:
 @pytest.fixture(autouse=True)
 def pace_never_reads_the_wall_clock(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every in-process build times its batches on a :class:`TickingClock`; tests of the pace
-    verdict put a modelled device clock there instead (tests/test_pace.py)."""
+    verdict put a modelled device clock there instead (tests/bake/test_batching.py)."""
     monkeypatch.setattr("featbake.bake.batching.pace_clock", TickingClock())
 
 

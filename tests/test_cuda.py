@@ -98,7 +98,7 @@ def test_a_hugging_face_folder_builds_padded_on_cuda_equal_to_transformers(
     tmp_path: Path, clips: Path
 ) -> None:
     pytest.importorskip("transformers")
-    from tests.test_hf import reference, save_model
+    from tests.encode.test_hf import reference, save_model
 
     folder = save_model(tmp_path / "w2v")
     report = build(

@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
+from torch.utils.data import DataLoader
 
+from featbake.bake.pipeline import build
+from featbake.bake.stored import FIRST_ITEMS, SAMPLE_EVERY, sampled
 from featbake.errors import ConfigError, EncodeError
 from featbake.quantize import (
     SCALE_BYTES,
     TINY,
     Fidelity,
     FidelityTally,
+    ScaleSpan,
     Scheme,
     dequantize,
     packed_shape,
@@ -23,6 +30,18 @@ from featbake.quantize import (
     scheme_of,
     unpack,
 )
+from featbake.recipe import Recipe
+from featbake.serve.collate import PaddedBatch, pad_collate
+from featbake.serve.dataset import CachedFeatureDataset
+from featbake.serve.loader import FeatureLoader
+from featbake.store.catalog import fidelity_file, read_fidelity, recorded_serve_dtype
+from featbake.store.fragments import sealed_fragments
+from featbake.store.layout import Layout
+from featbake.testing import TinyConvEncoder, save_torchscript
+from featbake.upkeep import drop_root, list_roots, stats
+from tests.bake.test_ranks import torchrun
+from tests.conftest import REPO, invoke, live_features
+from tests.helpers import assert_store_consistent, root_keys, stored_features
 
 SCHEMES = list(Scheme)
 
@@ -228,3 +247,517 @@ def test_measured_error_orders_the_schemes() -> None:
         result[scheme] = tally.result()
     assert 0.002 < result[Scheme.INT8].rel_rms < 0.01 < result[Scheme.FP8].rel_rms < 0.05
     assert result[Scheme.INT8].mean_cosine > 0.9999 and result[Scheme.FP8].mean_cosine > 0.999
+
+
+# == test_compact_build ============================================================================
+# ``--dtype int8`` / ``fp8`` builds: stored bytes equal quantising the encoder's output now,
+# keys per dtype, fidelity measured and shown, bounds said, NaN refused.
+
+FLOAT = Recipe()  # the encoder's float32 output, what int8 and fp8 are quantised from
+
+
+@pytest.mark.parametrize("dtype", ["int8", "fp8"])
+def test_stored_tensors_are_the_live_output_quantised(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, dtype: str
+) -> None:
+    scheme = Scheme(dtype)
+    recipe = Recipe(dtype=dtype)
+    # batch_size=1 runs the computation live encoding does: the packed bytes are equal.
+    report = build(audio_dir, encoder_file, cache=tmp_path / "c", recipe=recipe, batch_size=1)
+    assert report.encoded == 16 and report.ok
+    stored = stored_features(tmp_path / "c", report.root)
+    assert len(stored) == 16
+    tally = FidelityTally()
+    for rel, parts in stored.items():
+        live = live_features(encoder_file, audio_dir / rel, FLOAT)
+        assert isinstance(live, torch.Tensor)
+        assert parts[""].dtype == scheme.packed_dtype
+        assert torch.equal(parts[""], quantize(live, scheme)), rel
+        tally.add(live, dequantize(parts[""], scheme, torch.float16))  # what is served
+    # The build measured every item (16 < FIRST_ITEMS) against the same live output, as served.
+    assert report.fidelity is not None
+    measured = Fidelity.from_json(report.fidelity)
+    assert measured.items == 16 and measured.served == "float16"
+    assert measured.rel_rms == pytest.approx(tally.result().rel_rms, rel=1e-6)
+    assert 0 < measured.rel_rms < (0.01 if dtype == "int8" else 0.04)
+    assert_store_consistent(tmp_path / "c")
+
+
+def test_int8_bytes_are_about_a_quarter_of_float32(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    sizes = {}
+    for dtype in ("float32", "float16", "int8", "fp8"):
+        r = build(audio_dir, encoder_file, cache=tmp_path / dtype, recipe=Recipe(dtype=dtype))
+        sizes[dtype] = sum(t[""].nbytes for t in stored_features(tmp_path / dtype, r.root).values())
+    # TinyConvEncoder has 64 dims: (64 + 4) / 256 bytes a frame; 768 dims give 772 / 3072.
+    assert sizes["int8"] / sizes["float32"] == pytest.approx(68 / 256)
+    assert sizes["fp8"] == sizes["int8"] and sizes["float16"] == sizes["float32"] // 2
+
+
+def test_each_dtype_has_its_own_keys_and_root(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    cache = tmp_path / "c"
+    reports = {
+        d: build(audio_dir, encoder_file, cache=cache, recipe=Recipe(dtype=d), workers=0)
+        for d in ("float16", "int8", "fp8")
+    }
+    assert len({r.root for r in reports.values()}) == 3
+    keys = {d: set(root_keys(cache, r.root).values()) for d, r in reports.items()}
+    assert not keys["int8"] & keys["fp8"] and not keys["int8"] & keys["float16"]
+    again = build(audio_dir, encoder_file, cache=cache, recipe=Recipe(dtype="int8"), workers=0)
+    assert (again.encoded, again.reused) == (0, 16)
+
+
+def test_multi_output_parts_are_each_quantised(
+    tmp_path: Path, multi_encoder_file: Path, audio_dir: Path
+) -> None:
+    recipe = Recipe(dtype="int8")
+    report = build(audio_dir, multi_encoder_file, cache=tmp_path / "c", recipe=recipe)
+    assert report.ok
+    for rel, parts in stored_features(tmp_path / "c", report.root).items():
+        live = live_features(multi_encoder_file, audio_dir / rel, FLOAT)
+        assert isinstance(live, dict) and set(parts) == set(live)
+        for name, value in live.items():  # batched: within half a step, not bit for bit
+            got = dequantize(parts[name], Scheme.INT8, torch.float32)
+            step = value.abs().amax(-1, keepdim=True) / 127
+            assert bool(((got - value).abs() <= step * 0.51 + 1e-6).all()), (rel, name)
+
+
+def test_fidelity_is_recorded_with_the_root_and_shown_by_stats_and_roots(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    cache = tmp_path / "c"
+    report = build(audio_dir, encoder_file, cache=cache, recipe=Recipe(dtype="fp8"), workers=0)
+    plain = build(audio_dir, encoder_file, cache=cache, workers=0)
+    recorded = read_fidelity(Layout(cache), report.root)
+    assert recorded is not None and recorded.to_json() == report.fidelity
+    assert plain.fidelity is None and not fidelity_file(Layout(cache), plain.root).exists()
+    by_name = {r.name: r for r in list_roots(cache)}
+    assert by_name[report.root].fidelity == report.fidelity
+    assert by_name[plain.root].fidelity is None
+    assert {r.name: r.fidelity for r in stats(cache).roots}[report.root] == report.fidelity
+    shown = invoke("roots", "--cache", cache)
+    assert shown.returncode == 0, shown.stderr
+    assert f"{recorded.rel_rms:.2%} rel. RMS error" in shown.stdout
+    as_json = json.loads(invoke("stats", "--cache", cache, "--json").stdout)
+    assert {r["name"]: r["fidelity"] for r in as_json["roots"]}[report.root] == report.fidelity
+    drop_root(cache, report.root)  # the record goes with its root
+    assert not fidelity_file(Layout(cache), report.root).exists()
+
+
+def test_a_build_over_the_error_bound_says_so(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    recipe = Recipe(dtype="fp8")
+    quiet = build(audio_dir, encoder_file, cache=tmp_path / "a", recipe=recipe, workers=0)
+    assert quiet.fidelity_warning == ""  # fp8 is ~2.4% on this encoder, under the 5% default
+    loud = build(
+        audio_dir, encoder_file, cache=tmp_path / "b", recipe=recipe, workers=0, max_error=0.01
+    )
+    assert "over the bound of 1.00%" in loud.fidelity_warning and loud.ok
+    cli = invoke(
+        "build", "--encoder", encoder_file, "--data", audio_dir, "--cache", tmp_path / "c",
+        "--dtype", "fp8", "--max-error", "0.01",
+    )  # fmt: skip
+    assert cli.returncode == 0, cli.stderr
+    assert "over the bound of 1.00%" in cli.stderr and "fidelity" in cli.stdout
+
+
+def test_bad_bounds_and_nonfinite_options_are_config_errors(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ConfigError, match="--max-error"):
+            build(audio_dir, encoder_file, cache=tmp_path / "c", max_error=bad)
+    with pytest.raises(ConfigError, match="--allow-nonfinite cannot store NaN"):
+        build(
+            audio_dir,
+            encoder_file,
+            cache=tmp_path / "c",
+            recipe=Recipe(dtype="int8"),
+            allow_nonfinite=True,
+        )
+
+
+class _NanOnLong(TinyConvEncoder):
+    """TinyConvEncoder, except that inputs over 1 s come out as NaN."""
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        out = super().forward(wav)
+        return out * float("nan") if wav.shape[1] > 16000 else out
+
+
+def test_nonfinite_features_are_refused_as_for_float_dtypes(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    report = build(
+        audio_dir, _NanOnLong(), cache=tmp_path / "c", recipe=Recipe(dtype="int8"), workers=0
+    )
+    assert report.failed and all("NaN or infinite values" in r for _, r in report.failed)
+    assert len(stored_features(tmp_path / "c", report.root)) == 16 - len(report.failed)
+
+
+def test_the_sample_is_the_first_items_then_one_key_in_sample_every() -> None:
+    keys = [f"{i:08x}" + "0" * 56 for i in range(4096)]
+    assert all(sampled(k, 0) for k in keys)  # the first items are all measured
+    later = [k for k in keys if sampled(k, FIRST_ITEMS)]
+    assert len(later) == len(keys) // SAMPLE_EVERY
+
+
+# == test_compact_parts ============================================================================
+# int8 / fp8 builds done in parts: `--shard i/2` processes and torchrun ranks each carry what
+# they measured in their ``done`` fragment; the merge pools it into the root's fidelity record,
+# equal to what one process measures, and every feature is served equal to live encoding.
+
+
+def _args(data: Path, encoder: Path, store: Path, dtype: str) -> tuple[object, ...]:
+    # --batch-size 1: each part runs what live encoding runs, so stored codes are equal.
+    return ("build", "-e", encoder, "-d", data, "--cache", store, "--workers", "0",
+            "--dtype", dtype, "--batch-size", "1")  # fmt: skip
+
+
+def _one_process(data: Path, encoder: Path, store: Path, dtype: str) -> Fidelity:
+    report = build(data, encoder, cache=store, recipe=Recipe(dtype=dtype), batch_size=1)
+    assert report.ok and report.fidelity is not None
+    return Fidelity.from_json(report.fidelity)
+
+
+def _root(store: Path) -> str:
+    out = invoke("roots", "--json", "--cache", store)
+    assert out.returncode == 0, out.stderr
+    (root,) = json.loads(out.stdout)
+    return root["name"]
+
+
+def _assert_merged_and_served(
+    store: Path, data: Path, encoder: Path, dtype: str, alone: Fidelity
+) -> None:
+    """The pooled record equals one process's measurement; every item is served as live."""
+    assert sealed_fragments(Layout(store)) == []
+    pooled = read_fidelity(Layout(store), _root(store))
+    assert pooled is not None
+    assert (pooled.items, pooled.served) == (alone.items, alone.served)
+    for field in ("rel_rms", "worst_rel_rms", "mean_cosine", "min_cosine"):
+        assert getattr(pooled, field) == pytest.approx(getattr(alone, field), rel=1e-9)
+    shown = invoke("roots", "--cache", store)
+    assert f"{pooled.rel_rms:.2%} rel. RMS error" in shown.stdout
+    scheme = Scheme(dtype)
+    ds = CachedFeatureDataset(data, encoder, cache=store, on_miss="error", dtype=dtype)
+    for i in range(len(ds)):
+        live = live_features(encoder, Path(ds.path(i)), Recipe())
+        assert isinstance(live, torch.Tensor)
+        assert torch.equal(ds[i], dequantize(quantize(live, scheme), scheme, torch.float16)), i
+    assert_store_consistent(store)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "fp8"])
+def test_shard_parts_record_fidelity_and_the_merge_pools_it(
+    tmp_path: Path, audio_dir: Path, encoder_file: Path, dtype: str
+) -> None:
+    store = tmp_path / "parts"
+    for part in ("0/2", "1/2"):
+        done = invoke(*_args(audio_dir, encoder_file, store, dtype), "--shard", part)
+        assert done.returncode == 0, done.stderr  # main: exit 5, "could not record ... fidelity"
+    assert len(sealed_fragments(Layout(store))) >= 2
+    merged = invoke("merge", "--cache", store)
+    assert merged.returncode == 0, merged.stderr
+    alone = _one_process(audio_dir, encoder_file, tmp_path / "alone", dtype)
+    _assert_merged_and_served(store, audio_dir, encoder_file, dtype, alone)
+
+
+def test_torchrun_ranks_build_int8_and_merge_its_fidelity(
+    tmp_path: Path, audio_dir: Path, encoder_file: Path
+) -> None:
+    store = tmp_path / "ranks"
+    done = torchrun(*_args(audio_dir, encoder_file, store, "int8"), env={"PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    alone = _one_process(audio_dir, encoder_file, tmp_path / "alone", "int8")
+    _assert_merged_and_served(store, audio_dir, encoder_file, "int8", alone)
+
+
+# == test_compact_range ============================================================================
+# int8 / fp8 stores whose values float16 cannot hold (features ~1e7, or ~1e-6): the build
+# measures fidelity on what is served (after the cast), records the dtype that holds the values,
+# datasets serve that dtype by default, and no ``inf`` (or a rounding coarser than the codes) is
+# ever served: float16 asked for such a store is refused in one line.
+
+
+class Scaled(nn.Module):
+    """TinyConvEncoder's frames times ``k`` (its own output is ~0.1)."""
+
+    def __init__(self, k: float) -> None:
+        super().__init__()
+        self.enc = TinyConvEncoder()
+        self.k = k
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        return self.enc(wav) * self.k
+
+
+def _live(encoder: Path, ds: CachedFeatureDataset) -> list[torch.Tensor]:
+    out = []
+    for i in range(len(ds)):
+        live = live_features(encoder, Path(ds.path(i)), FLOAT)
+        assert isinstance(live, torch.Tensor)
+        out.append(live)
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("k", [1e8, 1e-5])
+def test_values_float16_cannot_hold_are_served_as_float32_and_measured_so(
+    tmp_path: Path, audio_dir: Path, dtype: str, k: float
+) -> None:
+    scheme = Scheme(dtype)
+    encoder = save_torchscript(Scaled(k), tmp_path / "scaled.pt")
+    store = tmp_path / "store"
+    report = build(audio_dir, encoder, cache=store, recipe=Recipe(dtype=dtype), batch_size=1)
+    assert report.ok and report.fidelity is not None
+    measured = Fidelity.from_json(report.fidelity)
+    assert measured.served == "float32"
+    assert "float16" in report.fidelity_warning and "float32" in report.fidelity_warning
+    assert recorded_serve_dtype(Layout(store), report.root) == "float32"
+
+    ds = CachedFeatureDataset(audio_dir, encoder, cache=store, dtype=dtype, on_miss="error")
+    live = _live(encoder, ds)
+    tally = FidelityTally()
+    for i in range(len(ds)):
+        got = ds[i]
+        assert got.dtype == torch.float32 and bool(torch.isfinite(got).all()), i
+        want = dequantize(quantize(live[i], scheme), scheme, torch.float32)
+        assert torch.equal(got, want), i
+        tally.add(live[i], got)
+    # The build's line is the error of what is served (every item measured: 16 < 64).
+    assert measured.items == 16
+    assert measured.rel_rms == pytest.approx(tally.result().rel_rms, rel=1e-6)
+    assert measured.rel_rms < (0.01 if dtype == "int8" else 0.04)
+    batch = ds.__getitems__([0, 5, 9])
+    assert batch.padded.dtype == torch.float32 and bool(torch.isfinite(batch.padded).all())
+
+    # float16 named explicitly would serve inf (or lose the values' precision): refused.
+    f16 = CachedFeatureDataset(
+        audio_dir, encoder, cache=store, dtype=dtype, on_miss="error", serve_dtype="float16"
+    )
+    with pytest.raises(ConfigError, match="serve_dtype='float32'"):
+        f16[0]
+    with pytest.raises(ConfigError, match="float16"):
+        f16.__getitems__([0, 1])
+    # bfloat16 holds float32's range: served, finite, and as close as its 8 bits allow.
+    bf16 = CachedFeatureDataset(
+        audio_dir, encoder, cache=store, dtype=dtype, on_miss="error", serve_dtype="bfloat16"
+    )
+    got = bf16[3]
+    assert got.dtype == torch.bfloat16 and bool(torch.isfinite(got.float()).all())
+    want32 = dequantize(quantize(live[3], scheme), scheme, torch.float32)
+    assert torch.equal(got, want32.to(torch.bfloat16))
+
+
+def test_values_float16_holds_are_measured_as_float16(tmp_path: Path, audio_dir: Path) -> None:
+    encoder = save_torchscript(Scaled(1.0), tmp_path / "plain.pt")
+    store = tmp_path / "store"
+    report = build(audio_dir, encoder, cache=store, recipe=Recipe(dtype="int8"), batch_size=1)
+    assert report.fidelity is not None and report.fidelity_warning == ""
+    measured = Fidelity.from_json(report.fidelity)
+    assert measured.served == "float16"
+    fidelity = read_fidelity(Layout(store), report.root)
+    assert fidelity is not None and fidelity.served == "float16"
+    ds = CachedFeatureDataset(audio_dir, encoder, cache=store, dtype="int8", on_miss="error")
+    tally = FidelityTally()
+    for i, live in enumerate(_live(encoder, ds)):
+        got = ds[i]
+        assert got.dtype == torch.float16
+        tally.add(live, got)
+    assert measured.rel_rms == pytest.approx(tally.result().rel_rms, rel=1e-6)
+
+
+def _added_error(scheme: Scheme, dtype: torch.dtype, magnitude: float) -> tuple[float, bool]:
+    """What the cast to ``dtype`` adds to the codes' own error (a ratio), and if all is finite."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(20, 64, generator=g, dtype=torch.float64)
+    x = (x / x.abs().amax(-1, keepdim=True) * magnitude).float()
+    packed = quantize(x, scheme)
+    exact = dequantize(packed, scheme, torch.float32).double()
+    got = dequantize(packed, scheme, dtype).double()
+    own = float((exact - x.double()).norm())
+    return float((got - exact).norm()) / own, bool(torch.isfinite(got).all())
+
+
+@pytest.mark.parametrize("scheme", list(Scheme))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("magnitude", [1e-9, 1e-7, 1e-6, 1e-3, 1.0, 6e4, 1e5, 1e30, 3e38])
+def test_holds_agrees_with_casting(scheme: Scheme, dtype: torch.dtype, magnitude: float) -> None:
+    """``ScaleSpan.holds`` says yes exactly where the cast serves every value finite and adds
+    no more error than it adds at magnitude 1 (bfloat16's 8 bits cost the same everywhere)."""
+    added, finite = _added_error(scheme, dtype, magnitude)
+    at_unit, _ = _added_error(scheme, dtype, 1.0)
+    fine = finite and added <= max(0.1, 2 * at_unit)
+    packed = quantize(torch.full((1, 4), magnitude), scheme)
+    assert ScaleSpan.of(unpack(packed, scheme).scales).holds(dtype, scheme) is fine
+
+
+# == test_compact_serve ============================================================================
+# Serving int8 / fp8 stores: every read path serves the encoder's output now, quantised, then
+# dequantised (or raw, packed, with ``dequantize=False``); misses quantise what they write back.
+
+
+def _want(encoder: Path, ds: CachedFeatureDataset, scheme: Scheme) -> list[torch.Tensor]:
+    """Each item's stored form, from running the encoder now and quantising it."""
+    out = []
+    for i in range(len(ds)):
+        live = live_features(encoder, Path(ds.path(i)), FLOAT)
+        assert isinstance(live, torch.Tensor)
+        out.append(quantize(live, scheme))
+    return out
+
+
+def _built(audio_dir: Path, encoder: Path, store: Path, dtype: str) -> None:
+    # batch_size=1: the build runs what live encoding runs, so stored bytes are equal.
+    report = build(audio_dir, encoder, cache=store, recipe=Recipe(dtype=dtype), batch_size=1)
+    assert report.ok and report.encoded == 16
+
+
+@pytest.mark.parametrize("dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("ram_cache", [0, "64MiB"])
+def test_every_read_path_serves_the_live_output_quantised_then_dequantised(
+    audio_dir: Path, encoder_file: Path, store_dir: Path, dtype: str, ram_cache: object
+) -> None:
+    scheme = Scheme(dtype)
+    _built(audio_dir, encoder_file, store_dir, dtype)
+    ds = CachedFeatureDataset(
+        audio_dir, encoder_file, cache=store_dir, dtype=dtype, on_miss="error", ram_cache=ram_cache
+    )
+    want = [dequantize(p, scheme, torch.float16) for p in _want(encoder_file, ds, scheme)]
+    for _ in range(2):  # the general path, then the located hit path (or the RAM tier)
+        for i in range(len(ds)):
+            got = ds[i]
+            assert got.dtype == torch.float16 and torch.equal(got, want[i]), i
+    for _ in range(2):  # padded batches: planned, then located
+        batch = ds.__getitems__([3, 0, 7, 12])
+        assert isinstance(batch, PaddedBatch) and batch.padded.dtype == torch.float16
+        for j, i in enumerate([3, 0, 7, 12]):
+            assert torch.equal(batch[j], want[i])
+        padded, lengths = pad_collate(batch)
+        assert padded is batch.padded and not padded[1, lengths[1] :].any()
+    assert ds.cache_info().encoded == 0
+
+
+def test_workers_and_serve_dtype(audio_dir: Path, encoder_file: Path, store_dir: Path) -> None:
+    _built(audio_dir, encoder_file, store_dir, "int8")
+    ds = CachedFeatureDataset(
+        audio_dir, encoder_file, cache=store_dir, dtype="int8", serve_dtype="float32"
+    )
+    want = [dequantize(p, Scheme.INT8, torch.float32) for p in _want(encoder_file, ds, Scheme.INT8)]
+    loader = DataLoader(ds, batch_size=5, num_workers=2, collate_fn=pad_collate)
+    seen = 0
+    for b, (padded, lengths) in enumerate(loader):
+        assert padded.dtype == torch.float32
+        for j, n in enumerate(lengths.tolist()):
+            assert torch.equal(padded[j, :n], want[b * 5 + j])
+            assert not padded[j, n:].any()
+            seen += 1
+    assert seen == 16
+
+
+def test_raw_items_are_the_stored_packed_tensors_and_dequantise_after_collate(
+    audio_dir: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    _built(audio_dir, encoder_file, store_dir, "fp8")
+    ds = CachedFeatureDataset(
+        audio_dir, encoder_file, cache=store_dir, dtype="fp8", dequantize=False
+    )
+    want = _want(encoder_file, ds, Scheme.FP8)
+    for i in range(len(ds)):
+        assert torch.equal(ds[i], want[i])
+    # Items of several lengths through pad_collate: zero rows pad, and dequantise to zero.
+    items = [ds[i] for i in range(len(ds))]
+    padded, lengths = pad_collate(items)
+    assert padded.dtype == torch.uint8 and padded.shape[-1] == 64 + SCALE_BYTES
+    served = dequantize(padded, Scheme.FP8, torch.float16)  # e.g. on the GPU, after the copy
+    for j, n in enumerate(lengths.tolist()):
+        assert torch.equal(served[j, :n], dequantize(want[j], Scheme.FP8, torch.float16))
+        assert not served[j, n:].any()
+    batch = ds.__getitems__([0, 5, 9])
+    assert isinstance(batch, PaddedBatch) and batch.padded.dtype == torch.uint8
+    assert all(torch.equal(batch[j], want[i]) for j, i in enumerate([0, 5, 9]))
+
+
+def test_misses_are_quantised_written_back_and_then_hit(
+    audio_dir: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, dtype="int8")
+    assert ds.stored() == 0
+    want = [dequantize(p, Scheme.INT8, torch.float16) for p in _want(encoder_file, ds, Scheme.INT8)]
+    for i in range(len(ds)):
+        assert torch.equal(ds[i], want[i])  # encoded one at a time: bit for bit
+    assert ds.cache_info().encoded == 16
+    ds.close()  # seals the write-back shard
+    again = CachedFeatureDataset(
+        audio_dir, encoder_file, cache=store_dir, dtype="int8", on_miss="error"
+    )
+    assert again.stored() == 16
+    assert all(torch.equal(again[i], want[i]) for i in range(len(again)))
+    raw = CachedFeatureDataset(
+        audio_dir, encoder_file, cache=store_dir, dtype="int8", dequantize=False, on_miss="error"
+    )
+    assert raw[0].dtype == torch.int8 and raw[0].shape[-1] == 64 + SCALE_BYTES
+
+
+def test_dict_outputs_are_dequantised_part_by_part(
+    audio_dir: Path, multi_encoder_file: Path, store_dir: Path
+) -> None:
+    build(audio_dir, multi_encoder_file, cache=store_dir, recipe=Recipe(dtype="int8"), batch_size=1)
+    ds = CachedFeatureDataset(
+        audio_dir, multi_encoder_file, cache=store_dir, dtype="int8", on_miss="error"
+    )
+    for i in range(len(ds)):
+        live = live_features(multi_encoder_file, Path(ds.path(i)), FLOAT)
+        assert isinstance(live, dict)
+        got = ds[i]
+        assert set(got) == set(live)
+        for name, value in live.items():
+            want = dequantize(quantize(value, Scheme.INT8), Scheme.INT8, torch.float16)
+            assert torch.equal(got[name], want), (i, name)
+
+
+def test_serving_options_are_checked(audio_dir: Path, encoder_file: Path, store_dir: Path) -> None:
+    build(audio_dir, encoder_file, cache=store_dir, workers=0)
+    with pytest.raises(ConfigError, match="apply to int8 and fp8 stores"):
+        CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, serve_dtype="float32")
+    with pytest.raises(ConfigError, match="apply to int8 and fp8 stores"):
+        CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, dequantize=False)
+    with pytest.raises(ConfigError, match="serve_dtype must be one of"):
+        CachedFeatureDataset(
+            audio_dir, encoder_file, cache=store_dir, dtype="int8", serve_dtype="int8"
+        )
+    with pytest.raises(ConfigError, match="drop serve_dtype"):
+        CachedFeatureDataset(
+            audio_dir,
+            encoder_file,
+            cache=store_dir,
+            dtype="int8",
+            serve_dtype=torch.float32,
+            dequantize=False,
+        )
+
+
+@pytest.mark.parametrize("raw", [False, True])
+def test_feature_loader_batches_dequantised_or_raw(
+    audio_dir: Path, encoder_file: Path, store_dir: Path, raw: bool
+) -> None:
+    _built(audio_dir, encoder_file, store_dir, "int8")
+    extra = {"dequantize": False} if raw else {}
+    ds = CachedFeatureDataset(
+        audio_dir, encoder_file, cache=store_dir, dtype="int8", on_miss="error", **extra
+    )
+    want = [dequantize(p, Scheme.INT8, torch.float16) for p in _want(encoder_file, ds, Scheme.INT8)]
+    seen = 0
+    for b, (padded, lengths) in enumerate(FeatureLoader(ds, batch_size=6, shuffle=False)):
+        assert padded.dtype == (torch.int8 if raw else torch.float16)
+        served = dequantize(padded, Scheme.INT8, torch.float16) if raw else padded
+        for j, n in enumerate(lengths.tolist()):
+            assert torch.equal(served[j, :n], want[b * 6 + j]) and not served[j, n:].any()
+            seen += 1
+    assert seen == len(ds)

@@ -306,7 +306,7 @@ def plan_by_length(
 # attention past a length, say; stepped lengths recur, so this is a few checks an octave), or
 # its most padded item is padded unlike any checked: by more samples or a larger fraction than
 # any (an encoder whose output drifts with the padding drifts most there), or by under half the
-# fewest samples checked (an encoder wrong only for a little padding: tests/test_padded_redo.py).
+# fewest samples checked (an encoder wrong only for a little padding: tests/bake/test_batching.py).
 # Stepped, over 256 clips of 1-20 s in batches of 16, that is 11-14 checks of 24 batches, 18-22
 # of 95 over 1024 clips; with exact lengths (a CPU) nearly every batch is a new length, so nearly
 # every batch is checked, as before issue 31 item 5. Any failed

@@ -110,7 +110,7 @@ def text_options(text: Mapping[str, Any] | None) -> list[str]:
         return []
     out = [f"--max-tokens {text['max_length']}"] if text.get("max_length") else []
     # (recipe field, its default, the option turning it on, the option turning it off): each
-    # option spelled whole, so tests/test_option_names.py checks that the CLI takes it.
+    # option spelled whole, so tests/cli/test_options.py checks that the CLI takes it.
     flags = (
         ("truncate", True, "--truncate", "--no-truncate"),
         ("lowercase", False, "--lowercase", "--no-lowercase"),

@@ -1904,7 +1904,7 @@ class Catalog(UpkeepRows, RootRows, FeatureRows):
 # :class:`Catalog` (or a path, for a catalog too damaged to open as one), so that upkeep reads typed
 # rows and never a positional ``SELECT *``.
 #: Every table the catalog needs and the columns upkeep and the catalog read from it (checked
-#: against a freshly created catalog by tests/upkeep/test_verify_hardening.py).
+#: against a freshly created catalog by tests/upkeep/test_verify.py).
 REQUIRED_COLUMNS: dict[str, frozenset[str]] = {
     "meta": frozenset({"name", "value"}),
     "shards": frozenset(

@@ -24,7 +24,7 @@ from featbake.store.url import BucketURL
 from featbake.testing import write_audio_folder
 from tests.conftest import invoke, live_features
 from tests.helpers import stored_features
-from tests.store.remote.conftest import S3
+from tests.store.bucket.conftest import S3
 
 
 def upload(folder: Path, url: str) -> list[str]:

@@ -39,7 +39,7 @@ from featbake.store.url import BucketURL
 from featbake.testing import make_tone
 from tests.conftest import invoke
 from tests.helpers import held_by_a_thread, manifest
-from tests.store.remote.conftest import S3
+from tests.store.bucket.conftest import S3
 
 RATE = 16000  # the recipe's rate
 

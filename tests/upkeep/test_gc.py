@@ -11,8 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch.utils.data import DataLoader, Dataset
 
+from featbake.serve.dataset import CachedFeatureDataset
+from featbake.store.bucket import ObjectInfo, kept_versions, sweep, version_name
 from featbake.store.catalog import Catalog, RootSpec
 from featbake.store.features import FeatureReader
 from featbake.store.layout import Layout
@@ -416,3 +420,101 @@ def test_gc_max_bytes_on_a_row_whose_shard_row_is_gone_says_to_repair(
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert res.returncode == 5 and len(lines) == 1, res.stderr
     assert "verify --repair" in lines[0] and "Traceback" not in res.stderr
+
+
+# == test_gc_reads =================================================================================
+# gc --older-than counts a dataset's reads as use of the root it reads (issue 28 item 7).
+#
+# Serving records last use per feature (serve/state.py), never per root: a root built 40 days
+# ago and read every day since must not look 40 days idle.
+
+
+def _built_days_ago(store: Path, root: str, days: float) -> None:
+    """Make ``root`` look built, and last read, ``days`` ago (its row and its features)."""
+    then = time.time() - days * DAY
+    with sqlite3.connect(store / "catalog.sqlite") as c:
+        c.execute("UPDATE roots SET last_used=? WHERE name=?", (then, root))
+        c.execute(
+            "UPDATE features SET last_used=? WHERE key IN "
+            "(SELECT key FROM root_items WHERE root=?)",
+            (then, root),
+        )
+
+
+def _read_everything(data: Path, encoder: Path, store: Path) -> None:
+    """A training job's day: every item served, last uses flushed."""
+    ds = CachedFeatureDataset(data, encoder, cache=store, on_miss="error")
+    for i in range(len(ds)):
+        ds[i]
+    ds.close()
+
+
+def test_a_root_read_today_is_kept_by_older_than(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, store_dir: Path
+) -> None:
+    other = save_torchscript(TinyConvEncoder(seed=3), tmp_path / "other.pt")
+    read = bake(audio_dir, encoder_file, store_dir)
+    idle = bake(audio_dir, other, store_dir)
+    for root in (read.root, idle.root):
+        _built_days_ago(store_dir, root, 40)
+    _read_everything(audio_dir, encoder_file, store_dir)
+
+    plan = plan_gc(store_dir, GcOptions(older_than=DAY))
+    assert [d.name for d in plan.drop_roots] == [idle.root]
+    # Two days on, with no read since, the read root is idle too (time given, not waited).
+    later = plan_gc(store_dir, GcOptions(older_than=DAY), now=time.time() + 2 * DAY)
+    assert {d.name for d in later.drop_roots} == {read.root, idle.root}
+    assert execute_gc(plan).roots_dropped == [idle.root]
+    assert assert_serves(store_dir, read.root, audio_dir, encoder_file, Live()) == 16
+
+
+def test_a_root_read_after_the_plan_is_not_dropped_by_it(
+    encoder_file: Path, audio_dir: Path, store_dir: Path
+) -> None:
+    """The drop re-checks reads, as it re-checks builds: a job that started meanwhile wins."""
+    read = bake(audio_dir, encoder_file, store_dir)
+    _built_days_ago(store_dir, read.root, 40)
+    plan = plan_gc(store_dir, GcOptions(older_than=DAY))
+    assert [d.name for d in plan.drop_roots] == [read.root]
+    _read_everything(audio_dir, encoder_file, store_dir)
+    assert execute_gc(plan).roots_dropped == []
+    assert assert_serves(store_dir, read.root, audio_dir, encoder_file, Live()) == 16
+
+
+# == test_bucket_sweep =============================================================================
+# The bucket sweep's rules, checked against a naive model over random listings.
+
+times = st.floats(min_value=0, max_value=1000, allow_nan=False)
+
+
+@given(st.lists(times, min_size=1, max_size=8), times, st.floats(min_value=0, max_value=500))
+def test_the_newest_version_is_always_kept_and_a_version_goes_once_its_successor_is_old(
+    published: list[float], now: float, retention: float
+) -> None:
+    ordered = sorted(published)
+    versions = [ObjectInfo(version_name(i + 1), 1, t, "") for i, t in enumerate(ordered)]
+    kept = kept_versions(versions, now + 1000, retention)
+    assert len(ordered) in kept
+    for n in range(1, len(ordered)):
+        retired_for = now + 1000 - ordered[n]  # version n was replaced when n+1 appeared
+        assert (n in kept) == (retired_for < retention)
+
+
+@given(
+    st.dictionaries(st.text("ab", min_size=1, max_size=3), times, max_size=8),
+    st.sets(st.text("ab", min_size=1, max_size=3)),
+    st.sets(st.text("ab", min_size=1, max_size=3)),
+    st.floats(min_value=0, max_value=500),
+)
+def test_a_shard_goes_only_when_nothing_names_it_and_it_is_older_than_the_retention(
+    shards: dict[str, float], named: set[str], pending: set[str], retention: float
+) -> None:
+    now = 1000.0
+    listing = [ObjectInfo(f"shards/{n[:2]}/{n}.safetensors", 10, t, "") for n, t in shards.items()]
+    got = sweep([], listing, {1: named}, pending, now, retention)
+    deleted = {o.name.rsplit("/", 1)[1].removesuffix(".safetensors") for o in got.shards}
+    want = {n for n, t in shards.items() if n not in named | pending and now - t >= retention}
+    assert deleted == want
+    assert got.young_shards == sum(
+        1 for n, t in shards.items() if n not in named | pending and now - t < retention
+    )

@@ -1,0 +1,516 @@
+"""The bake as a library: reuse, equality with live encoding, bad inputs, strictness, batching."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import re
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+import torch
+
+import featbake.encode.fingerprints
+import featbake.store.shard as store_mod
+from featbake.bake.batching import ShapeBatcher
+from featbake.bake.pipeline import build
+from featbake.bake.threads import AHEAD, decoded_items
+from featbake.encode.encoders import from_module
+from featbake.encode.outputs import encode_batch
+from featbake.encode.sources import source_for
+from featbake.errors import ConfigError, EncodeError, SourceError, StoreError
+from featbake.progress import Progress
+from featbake.recipe import Recipe
+from featbake.store.catalog import Catalog, FileStat
+from featbake.store.layout import Layout
+from featbake.testing import TinyConvEncoder, write_audio_folder
+from tests.conftest import live_features
+from tests.helpers import assert_store_consistent, stored_features
+
+
+def test_rebuild_encodes_nothing_and_features_equal_live(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    cache = tmp_path / "c"
+    first = build(audio_dir, encoder_file, cache=cache, batch_size=4, workers=2)
+    assert (first.files, first.encoded, first.reused, first.failed) == (16, 16, 0, [])
+    assert first.shards_written == 1 and first.bytes_written > 0
+    again = build(audio_dir, encoder_file, cache=cache, batch_size=4, workers=2)
+    assert (again.encoded, again.reused, again.bytes_written, again.shards_written) == (0, 16, 0, 0)
+    stored = stored_features(cache, first.root)
+    assert len(stored) == 16
+    for rel, parts in stored.items():
+        live = live_features(encoder_file, audio_dir / rel)
+        assert parts[""].dtype == torch.float32
+        assert torch.allclose(parts[""], live, rtol=1e-5, atol=1e-6), rel
+    assert_store_consistent(cache)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_stored_dtype_equals_live_output_cast(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, dtype: str
+) -> None:
+    recipe = Recipe(dtype=dtype)
+    # batch_size=1 runs the exact computation live encoding does: equality is bit for bit.
+    report = build(audio_dir, encoder_file, cache=tmp_path / "c", recipe=recipe, batch_size=1)
+    assert report.encoded == 16
+    for rel, parts in stored_features(tmp_path / "c", report.root).items():
+        live = live_features(encoder_file, audio_dir / rel, recipe)
+        assert parts[""].dtype == recipe.torch_dtype
+        assert torch.equal(parts[""], live), rel
+
+
+def test_batched_encoding_is_within_the_stored_dtype(tmp_path: Path, encoder_file: Path) -> None:
+    data = tmp_path / "same"
+    write_audio_folder(data, 20, seconds=1.0, seed=9)  # one shape: real batches of 8
+    recipe = Recipe(dtype="float16")
+    report = build(data, encoder_file, cache=tmp_path / "c", recipe=recipe, batch_size=8)
+    for rel, parts in stored_features(tmp_path / "c", report.root).items():
+        live = live_features(encoder_file, data / rel, recipe)
+        assert torch.allclose(parts[""].float(), live.float(), rtol=2e-3, atol=1e-4), rel
+
+
+def test_corrupt_audio_is_reported_and_the_rest_stored(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    (audio_dir / "bad.wav").write_bytes(b"RIFF....WAVEfmt garbage")
+    (audio_dir / "empty.flac").write_bytes(b"")
+    soundfile.write(audio_dir / "silent.wav", np.zeros(0, dtype=np.float32), 16000)
+    report = build(audio_dir, encoder_file, cache=tmp_path / "c", workers=2)
+    assert report.encoded == 16 and report.files == 19
+    failed = dict(report.failed)
+    assert set(failed) == {"bad.wav", "empty.flac", "silent.wav"}
+    assert "cannot decode audio" in failed["bad.wav"]
+    assert "no audio samples" in failed["silent.wav"]
+    assert not report.ok
+    stored = stored_features(tmp_path / "c", report.root)
+    assert set(stored) == {
+        p for p, _ in Catalog(Layout(tmp_path / "c")).root_items(report.root)
+    } - set(failed)
+    # A rerun retries only the failures.
+    again = build(audio_dir, encoder_file, cache=tmp_path / "c")
+    assert again.encoded == 0 and len(again.failed) == 3
+
+
+def test_an_encoder_error_on_one_item_skips_only_that_item(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    data = tmp_path / "d"
+    write_audio_folder(data, 6, seconds=0.5, seed=3)
+    # 0.01 s is shorter than the encoder's first conv kernel (400 samples): it raises on that
+    # input alone, inside a batch of equal shapes with a good neighbour.
+    soundfile.write(data / "tiny1.wav", np.full(160, 0.1, np.float32), 16000)
+    soundfile.write(data / "tiny2.wav", np.full(160, 0.2, np.float32), 16000)
+    report = build(data, encoder_file, cache=tmp_path / "c", batch_size=4)
+    assert report.encoded == 6
+    assert [p for p, _ in report.failed] == ["tiny1.wav", "tiny2.wav"]
+    assert "failed on a batch of shape (1, 160)" in report.failed[0][1]
+
+
+def test_strict_stops_at_the_first_failure_and_keeps_what_was_encoded(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    data = tmp_path / "d"
+    write_audio_folder(data, 10, seconds=0.5, seed=4)
+    (data / "clip00005.wav").write_bytes(b"broken")
+    with pytest.raises(SourceError, match=r"clip00005\.wav"):
+        build(data, encoder_file, cache=tmp_path / "c", batch_size=1, workers=0, strict=True)
+    cat = Catalog(Layout(tmp_path / "c"))
+    stored = cat.conn.execute("SELECT COUNT(*) FROM features").fetchone()[0]
+    cat.close()
+    assert stored == 5  # the five before it were sealed, nothing after it was encoded
+    report = build(data, encoder_file, cache=tmp_path / "c", workers=0)
+    assert report.encoded == 4 and len(report.failed) == 1
+
+
+def test_npy_inputs(tmp_path: Path) -> None:
+    data = tmp_path / "arrays"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(5):
+        np.save(data / f"a{i}.npy", rng.standard_normal((3, 8)).astype(np.float32))
+    lin = torch.nn.Linear(8, 4)
+    report = build(data, lin, cache=tmp_path / "c", recipe=Recipe(source="npy"), batch_size=2)
+    assert report.encoded == 5
+    src = source_for(Recipe(source="npy"))
+    for rel, parts in stored_features(tmp_path / "c", report.root).items():
+        with torch.no_grad():
+            live = lin(src.load(data / rel))
+        assert torch.allclose(parts[""], live, atol=1e-6)
+
+
+def test_progress_reports_hash_and_encode(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    seen: list[Progress] = []
+    build(audio_dir, encoder_file, cache=tmp_path / "c", progress=seen.append)
+    phases = Counter(p.phase for p in seen)
+    assert phases["hash"] >= 1 and phases["encode"] >= 1
+    last = [p for p in seen if p.phase == "encode"][-1]
+    assert (last.done, last.total) == (16, 16)
+    assert last.bytes_written > 0
+
+
+def test_a_full_disk_during_a_build_is_a_store_error(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_fsync = os.fsync
+
+    def enospc_for_shards(fd: int) -> None:
+        # Only shard files fill the disk here (the root manifest, written first, still fits).
+        name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+        if re.fullmatch(r"[0-9a-f]{32}\.part", name):  # a shard being written
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_fsync(fd)
+
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("needs /proc to tell shard files apart")
+    monkeypatch.setattr(store_mod.os, "fsync", enospc_for_shards)
+    with pytest.raises(StoreError, match="disk is full"):
+        build(audio_dir, encoder_file, cache=tmp_path / "c", workers=0)
+    assert list((tmp_path / "c" / "tmp").iterdir()) == []
+    monkeypatch.undo()
+    report = build(audio_dir, encoder_file, cache=tmp_path / "c", workers=0)
+    assert report.encoded == 16  # nothing half-written was taken for done
+
+
+def test_bad_options(tmp_path: Path, encoder_file: Path, audio_dir: Path) -> None:
+    with pytest.raises(ConfigError, match="--workers"):
+        build(audio_dir, encoder_file, cache=tmp_path / "c", workers=-1)
+    with pytest.raises(ConfigError, match="--batch-size"):
+        build(audio_dir, encoder_file, cache=tmp_path / "c", batch_size=0)
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="no CUDA device"):
+            build(audio_dir, encoder_file, cache=tmp_path / "c", device="cuda")
+
+
+def test_encode_batch_gives_each_item_its_own_storage() -> None:
+    enc = from_module(TinyConvEncoder())
+    out = encode_batch(enc, [torch.randn(1600) for _ in range(3)], Recipe(dtype="bfloat16"))
+    assert len(out) == 3 and all(o[""].dtype == torch.bfloat16 for o in out)
+    assert len({o[""].untyped_storage().data_ptr() for o in out}) == 3
+    assert out[0][""].untyped_storage().nbytes() == out[0][""].numel() * 2
+
+    class NoBatch(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.sum()
+
+    with pytest.raises(EncodeError, match="leading batch dimension"):
+        encode_batch(from_module(NoBatch()), [torch.ones(3)], Recipe())
+
+
+# -- batching -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", range(5))
+def test_shape_batcher_against_a_plain_model(seed: int) -> None:
+    rng = random.Random(seed)
+    bs = rng.randint(1, 6)
+    b = ShapeBatcher(bs)
+    shapes = [(rng.choice([100, 200, 300, 400, 500, 600, 700]),) for _ in range(300)]
+    out: list[list[tuple[tuple[int, ...], int]]] = []
+    for i, s in enumerate(shapes):
+        out.extend(b.add(s, (s, i)))
+        assert b._pending <= b.max_pending  # memory stays bounded
+    out.extend(b.flush())
+    items = [i for batch in out for _, i in batch]
+    assert sorted(items) == list(range(300))  # every item exactly once
+    for batch in out:
+        assert 1 <= len(batch) <= bs
+        assert len({s for s, _ in batch}) == 1  # one shape per batch
+    assert b.flush() == []
+
+
+def test_a_batch_of_one_is_a_view_of_its_input_and_encodes_as_in_a_batch() -> None:
+    seen: list[int] = []
+
+    class Scale(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(x.data_ptr())
+            return x * 2
+
+    class Same(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    x, y = torch.randn(48_000), torch.randn(48_000)  # above torch's parallel grain: no copy
+    (alone,) = encode_batch(from_module(Scale()), [x], Recipe())
+    assert seen == [x.data_ptr()]  # the encoder got the input itself, batched as a view
+    together = encode_batch(from_module(Scale()), [x, y], Recipe())
+    torch.testing.assert_close(alone[""], together[0][""], rtol=0, atol=0)
+    (echo,) = encode_batch(from_module(Same()), [x], Recipe())
+    assert echo[""].data_ptr() != x.data_ptr()  # what is stored never aliases the input
+    torch.testing.assert_close(echo[""], x, rtol=0, atol=0)
+
+
+def test_shape_batcher_fills_batches_of_one_shape() -> None:
+    b = ShapeBatcher(3)
+    assert b.add((5,), "a") == [] and b.add((5,), "b") == []
+    assert b.add((5,), "c") == [["a", "b", "c"]]
+
+
+@pytest.mark.parametrize("held", [True, False])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_file_rewritten_after_hashing_is_failed_not_stored_under_its_old_key(
+    tmp_path: Path, encoder_file: Path, workers: int, held: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The key names the hashed bytes; features of newer bytes must never be stored under it.
+
+    With the hashed bytes kept (featbake/encode/fingerprints.py) the old bytes are what is
+    decoded, so the input is stored under its key; past the budget (``held=False``) it is read
+    again and fails as changed."""
+    if not held:
+        monkeypatch.setattr(featbake.encode.fingerprints, "HELD_BYTES", 0)
+    data, backup = tmp_path / "a", tmp_path / "b"
+    write_audio_folder(data, 3, seconds=1.0, seed=5)
+    write_audio_folder(backup, 3, seconds=1.0, seed=5)  # the same bytes: the same keys
+    victim = data / sorted(p.name for p in data.iterdir())[0]
+    cache = tmp_path / "store"
+
+    rewritten: list[bool] = []
+
+    def rewrite_after_hashing(p: Progress) -> None:
+        if p.phase == "hash" and p.done == p.total and not rewritten:
+            rewritten.append(True)
+            write_audio_folder(tmp_path / "new", 1, seconds=0.7, seed=9)
+            os.replace(next((tmp_path / "new").iterdir()), victim)
+
+    report = build(data, encoder_file, cache=cache, workers=workers, progress=rewrite_after_hashing)
+    if held:
+        assert report.ok and report.encoded == 3  # from the bytes its key was made from
+    else:
+        assert [p for p, _ in report.failed] == [victim.name]
+        assert "changed while featbake was reading it" in report.failed[0][1]
+        assert report.encoded == 2
+    # The backup holds the old bytes: whatever the store serves for it is their live encoding.
+    again = build(backup, encoder_file, cache=cache, workers=0)
+    assert again.ok and again.reused + again.encoded == 3
+    assert again.reused == (3 if held else 2)
+    got = stored_features(cache, again.root)
+    for name, parts in got.items():
+        torch.testing.assert_close(parts[""], live_features(encoder_file, backup / name))
+    # A rerun picks up the new bytes under their own key.
+    rerun = build(data, encoder_file, cache=cache, workers=0)
+    assert rerun.ok and rerun.encoded == 1
+    torch.testing.assert_close(
+        stored_features(cache, rerun.root)[victim.name][""], live_features(encoder_file, victim)
+    )
+
+
+def test_a_wrong_output_name_stops_the_build_with_a_config_error(
+    tmp_path: Path, multi_encoder_file: Path, audio_dir: Path
+) -> None:
+    """A missing --output is the user's option, not every input failing: stop, leave no root."""
+    cache = tmp_path / "store"
+    with pytest.raises(ConfigError, match=r"no output 'nope'.*'hidden', 'pooled'"):
+        build(audio_dir, multi_encoder_file, cache=cache, recipe=Recipe(output="nope"), workers=0)
+    cat = Catalog(Layout(cache))
+    try:
+        assert cat.conn.execute("SELECT COUNT(*) FROM roots").fetchone() == (0,)
+    finally:
+        cat.close()
+    good = build(audio_dir, multi_encoder_file, cache=cache, recipe=Recipe(output="pooled"))
+    assert good.ok and good.encoded == 16
+
+
+class _NanOnLong(TinyConvEncoder):
+    """TinyConvEncoder(seed=0), except that inputs over 1 s come out as NaN (or +inf)."""
+
+    def __init__(self, bad: float = float("nan")) -> None:
+        super().__init__()
+        self.bad = bad
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        out = super().forward(wav)
+        return out * self.bad if wav.shape[1] > 16000 else out
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_features_are_refused_unless_allowed(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, bad: float
+) -> None:
+    recipe = Recipe()
+    lengths = {
+        str(p.relative_to(audio_dir)): source_for(recipe).load(p).shape[0]
+        for p in audio_dir.rglob("*.wav")
+    }
+    long = {rel for rel, n in lengths.items() if n > 16000}
+    assert 0 < len(long) < len(lengths)
+    report = build(audio_dir, _NanOnLong(bad), cache=tmp_path / "c", workers=0)
+    assert {p for p, _ in report.failed} == long
+    assert all("NaN or infinite values" in r and "--allow-nonfinite" in r for _, r in report.failed)
+    stored = stored_features(tmp_path / "c", report.root)
+    assert set(stored) == set(lengths) - long
+    for rel, parts in stored.items():
+        live = live_features(encoder_file, audio_dir / rel)  # TorchScript vs eager, batched
+        assert torch.allclose(parts[""], live, rtol=1e-5, atol=1e-6), rel
+    allowed = build(audio_dir, _NanOnLong(bad), cache=tmp_path / "c", allow_nonfinite=True)
+    assert allowed.ok and allowed.encoded == len(long)
+    stored = stored_features(tmp_path / "c", report.root)
+    assert all(not torch.isfinite(stored[rel][""]).all() for rel in long)
+
+
+def test_an_encoder_raising_a_keyerror_skips_those_items_and_stores_the_rest(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    class KeyErrorOnLong(TinyConvEncoder):
+        def forward(self, wav: torch.Tensor) -> torch.Tensor:
+            if wav.shape[1] > 16000:
+                raise KeyError("speaker")  # e.g. a lookup table in an import-path module
+            return super().forward(wav)
+
+    report = build(audio_dir, KeyErrorOnLong(), cache=tmp_path / "c", batch_size=4, workers=0)
+    assert report.failed and report.encoded == report.files - len(report.failed)
+    assert all("KeyError: 'speaker'" in reason for _, reason in report.failed)
+    for rel, parts in stored_features(tmp_path / "c", report.root).items():
+        live = live_features(encoder_file, audio_dir / rel)  # TorchScript vs eager, batched
+        assert torch.allclose(parts[""], live, rtol=1e-5, atol=1e-6), rel
+
+
+def test_auto_workers_leave_the_callers_torch_threads_as_they_were(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        report = build(audio_dir, encoder_file, cache=tmp_path / "c")  # workers=None: chosen
+        assert report.ok and report.encoded == report.files
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(
+    ("option", "needle"),
+    [
+        ({"batching": "x"}, "--batching must be one of auto, padded, exact"),
+        ({"batching": None}, "--batching must be one of auto, padded, exact"),
+        ({"batch_size": 0}, "--batch-size must be"),
+        ({"batch_size": True}, "--batch-size must be"),
+        ({"shard_bytes": 0}, "--shard-size must be positive"),
+        ({"workers": -1}, "--workers must be 0 or more"),
+        ({"workers": 10**6}, "is more than featbake starts"),
+        ({"batch_seconds": float("nan")}, "--batch-seconds must be a positive, finite"),
+        ({"batch_seconds": float("inf")}, "--batch-seconds must be a positive, finite"),
+        ({"batch_samples": 0}, "batch_samples must be"),
+        ({"shard": "0/1000000000"}, "more than featbake splits"),
+    ],
+)
+def test_the_public_build_refuses_bad_arguments_before_any_work(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, option: dict, needle: str
+) -> None:
+    """build(batching="x") raised a bare ValueError from the Batching enum, after hashing."""
+    with pytest.raises(ConfigError, match=needle):
+        build(audio_dir, encoder_file, cache=tmp_path / "c", **option)
+    assert not (tmp_path / "c").exists()
+
+
+def test_an_empty_encoder_name_is_refused_not_read_as_the_current_folder(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    with pytest.raises(ConfigError, match="--encoder is empty"):
+        build(audio_dir, "", cache=tmp_path / "c")
+
+
+# == test_decode ===================================================================================
+# Decoding for a build without decode workers: on one thread of the process, a few inputs
+# ahead of the encoder, in order, each input's failure its own (real wav files).
+
+
+class Recording:
+    """The audio source, recording which thread decoded each file."""
+
+    def __init__(self) -> None:
+        self.inner = source_for(Recipe())
+        self.kind, self.extensions = self.inner.kind, self.inner.extensions
+        self.threads: list[str] = []
+
+    def load(self, path, data=None):  # type: ignore[no-untyped-def]
+        self.threads.append(threading.current_thread().name)
+        return self.inner.load(path, data)
+
+
+def test_without_workers_inputs_are_decoded_ahead_on_a_thread_in_order(tmp_path: Path) -> None:
+    write_audio_folder(tmp_path / "a", 10, seconds=(0.2, 0.4), seed=3)
+    paths = sorted(str(p) for p in (tmp_path / "a").rglob("*.wav"))
+    (tmp_path / "a" / "bad.wav").write_bytes(b"not audio")
+    paths.insert(4, str(tmp_path / "a" / "bad.wav"))
+    stats = [FileStat.of(p) for p in paths]
+    source = Recording()
+    got = decoded_items(paths, source, 0, stats)  # type: ignore[arg-type]
+    first = next(got)
+    time.sleep(0.5)  # the caller encodes item 0: meanwhile the next ones are decoded
+    assert first[0] == 0 and len(source.threads) == AHEAD + 1
+    items = [first, *got]
+    assert [i for i, _ in items] == list(range(len(paths)))
+    assert isinstance(items[4][1], str) and "bad.wav" in items[4][1]  # its own failure
+    for (_, x), path in zip(items, paths, strict=True):
+        if path.endswith("bad.wav"):
+            continue
+        torch.testing.assert_close(x, source_for(Recipe()).load(path))
+    assert set(source.threads) == {"featbake-decode_0"}
+
+
+def test_a_build_stopped_early_leaves_no_decode_running(tmp_path: Path) -> None:
+    write_audio_folder(tmp_path / "a", 12, seconds=(0.2, 0.4), seed=4)
+    paths = sorted(str(p) for p in (tmp_path / "a").rglob("*.wav"))
+    source = Recording()
+    got = decoded_items(paths, source, 0, [FileStat.of(p) for p in paths])  # type: ignore[arg-type]
+    next(got)
+    got.close()  # the pipeline stopped (an error, SIGTERM): pending decodes are cancelled
+    assert len(source.threads) <= AHEAD + 2
+    assert not [t for t in threading.enumerate() if t.name.startswith("featbake-decode")]
+
+
+class TorchResizing(Recording):
+    """The audio source, then a torch op big enough to run in parallel (as an image resize by
+    ``interpolate`` does), recording torch's thread count on the decoding thread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.torch_threads: list[int] = []
+
+    def load(self, path, data=None):  # type: ignore[no-untyped-def]
+        self.torch_threads.append(torch.get_num_threads())
+        big = torch.rand(1, 3, 600, 600)
+        torch.nn.functional.interpolate(big, size=(1200, 1200), mode="bilinear")
+        return super().load(path, data)
+
+
+def _os_threads_settled(at_most: int) -> int:
+    """This process's OS threads, once a thread that just ended has left (within 5 s)."""
+    deadline = time.monotonic() + 5
+    while len(os.listdir("/proc/self/task")) > at_most and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(
+    not Path("/proc/self/task").is_dir() or "OpenMP" not in torch.__config__.parallel_info(),
+    reason="counts OpenMP threads through /proc",
+)
+def test_the_decode_thread_starts_no_openmp_team_beside_the_encoders(tmp_path: Path) -> None:
+    """Issue 31 item 4: torch's parallel ops on the decode-ahead thread started an OpenMP team
+    of its own (torch.get_num_threads() threads) beside the encoder's, and left it behind."""
+    write_audio_folder(tmp_path / "a", 6, seconds=(0.2, 0.4), seed=5)
+    paths = sorted(str(p) for p in (tmp_path / "a").rglob("*.wav"))
+    source = TorchResizing()
+    caller = torch.get_num_threads()
+    torch.set_num_threads(2)  # the encoder's team: two threads, whatever the machine
+    try:
+        torch.nn.functional.interpolate(torch.rand(1, 3, 600, 600), size=(1200, 1200))
+        before = len(os.listdir("/proc/self/task"))  # the caller's team is up
+        got = list(decoded_items(paths, source, 0, [FileStat.of(p) for p in paths]))  # type: ignore[arg-type]
+        after = _os_threads_settled(before)
+        assert torch.get_num_threads() == 2  # the encoder's count is untouched
+    finally:
+        torch.set_num_threads(caller)
+    assert source.torch_threads == [1] * len(paths)
+    assert after == before  # the decode thread is gone, and no team of its own is left
+    assert set(source.threads) == {"featbake-decode_0"}
+    for (_, x), path in zip(got, paths, strict=True):
+        torch.testing.assert_close(x, source_for(Recipe()).load(path))

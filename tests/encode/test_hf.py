@@ -1,0 +1,736 @@
+"""Hugging Face model folders: tiny models built from configs here and saved with save_pretrained.
+
+The reference is always transformers itself, run now on one clip with the folder's own feature
+extractor (``Wav2Vec2FeatureExtractor.from_pretrained``), never the store.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from featbake.bake.batching import BatchingMode
+from featbake.bake.pipeline import build
+from featbake.encode.hf import WeightsMismatch, load_hf_folder, recipe_for_folder
+from featbake.encode.images import decode_image
+from featbake.encode.loaders import load_encoder
+from featbake.encode.sources import source_for
+from featbake.errors import ConfigError
+from featbake.image_recipe import Size
+from featbake.recipe import Recipe
+from featbake.serve.dataset import CachedFeatureDataset
+from featbake.testing import write_audio_folder, write_image_folder
+from tests.conftest import invoke
+from tests.helpers import real_photos, rel_error, stored_features
+
+transformers = pytest.importorskip("transformers")
+
+TINY = {
+    "hidden_size": 32,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 2,
+    "intermediate_size": 64,
+    "conv_dim": (16, 16, 16),
+    "conv_stride": (5, 2, 2),
+    "conv_kernel": (10, 3, 3),
+    "num_conv_pos_embeddings": 16,
+    "num_conv_pos_embedding_groups": 2,
+}
+
+
+def save_model(
+    folder: Path,
+    kind: str = "wav2vec2",
+    *,
+    norm: str = "layer",
+    stable: bool = True,
+    mask: bool = True,
+    normalize: bool = True,
+    rate: int = 16000,
+) -> Path:
+    """A seeded tiny audio model and its feature extractor, saved as a real model folder."""
+    torch.manual_seed(0)
+    if kind == "wavlm":
+        config: Any = transformers.WavLMConfig(
+            **TINY, feat_extract_norm=norm, do_stable_layer_norm=stable
+        )
+        model: Any = transformers.WavLMModel(config)
+    else:
+        config = transformers.Wav2Vec2Config(
+            **TINY, feat_extract_norm=norm, do_stable_layer_norm=stable
+        )
+        model = transformers.Wav2Vec2Model(config)
+    model.eval().save_pretrained(folder)
+    transformers.Wav2Vec2FeatureExtractor(
+        sampling_rate=rate, return_attention_mask=mask, do_normalize=normalize
+    ).save_pretrained(folder)
+    return folder
+
+
+@functools.lru_cache(maxsize=4)
+def load_reference(folder: str) -> tuple[Any, Any]:
+    """The folder's model and feature extractor, loaded by transformers (once per folder)."""
+    model = transformers.AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+    return model, transformers.Wav2Vec2FeatureExtractor.from_pretrained(folder)
+
+
+def reference(folder: Path, audio: Path) -> Any:
+    """transformers on one clip now: the model and the folder's own feature extractor."""
+    model, extractor = load_reference(str(folder))
+    wav = source_for(Recipe(sample_rate=extractor.sampling_rate)).load(audio).numpy()
+    inputs = extractor(wav, sampling_rate=extractor.sampling_rate, return_tensors="pt")
+    with torch.inference_mode():
+        return model(**inputs, output_hidden_states=True)
+
+
+@pytest.fixture
+def clips(tmp_path: Path) -> Path:
+    root = tmp_path / "clips"
+    write_audio_folder(root, 8, seconds=(0.2, 1.5), seed=3)
+    return root
+
+
+@pytest.mark.parametrize("kind", ["wav2vec2", "wavlm"])
+def test_a_padded_build_equals_transformers_run_on_each_clip(
+    tmp_path: Path, clips: Path, kind: str
+) -> None:
+    folder = save_model(tmp_path / kind, kind)
+    report = build(clips, folder, cache=tmp_path / "s", workers=0, batch_size=4)
+    assert report.ok and report.encoded == 8
+    assert report.batching == BatchingMode.PADDED, report.batching_note
+    assert report.recipe_fp == Recipe(normalize=True).fingerprint()  # do_normalize went in
+    for rel, parts in stored_features(tmp_path / "s", report.root).items():
+        want = reference(folder, clips / rel).last_hidden_state[0]
+        assert rel_error(parts[""], want) < 1e-4, rel
+
+
+def test_a_group_norm_model_runs_on_exact_shapes_and_says_why(tmp_path: Path, clips: Path) -> None:
+    folder = save_model(tmp_path / "group", norm="group", stable=False, mask=False)
+    report = build(clips, folder, cache=tmp_path / "s", workers=0)
+    assert report.batching == BatchingMode.EXACT
+    assert "return_attention_mask=false" in report.batching_note
+    for rel, parts in stored_features(tmp_path / "s", report.root).items():
+        assert rel_error(parts[""], reference(folder, clips / rel).last_hidden_state[0]) < 1e-4
+    # Forced to pad, the guard catches it, and still nothing inexact is stored.
+    forced = build(clips, folder, cache=tmp_path / "f", workers=0, batching="padded")
+    assert forced.batching == BatchingMode.EXACT and "not exact" in forced.batching_note
+    for rel, parts in stored_features(tmp_path / "f", forced.root).items():
+        assert rel_error(parts[""], reference(folder, clips / rel).last_hidden_state[0]) < 1e-4
+
+
+@pytest.mark.parametrize("stable", [True, False], ids=["pre-norm", "post-norm"])
+@pytest.mark.parametrize("layers", [(0, 2), (1,), "all"])
+def test_layers_equal_output_hidden_states_of_the_full_model(
+    tmp_path: Path, clips: Path, stable: bool, layers: Any
+) -> None:
+    folder = save_model(tmp_path / "m", stable=stable)
+    report = build(clips, folder, cache=tmp_path / "s", recipe=Recipe(layers=layers), workers=0)
+    assert report.ok and report.batching == BatchingMode.PADDED
+    want_layers = (0, 1, 2, 3) if layers == "all" else layers
+    for rel, parts in stored_features(tmp_path / "s", report.root).items():
+        assert set(parts) == {f"layer{k}" for k in want_layers}
+        hidden = reference(folder, clips / rel).hidden_states
+        for k in want_layers:
+            assert rel_error(parts[f"layer{k}"], hidden[k][0]) < 1e-4, (rel, k)
+
+
+@pytest.mark.parametrize(("stable", "runs"), [(True, 2), (False, 1)])
+def test_the_encoder_stops_at_the_last_layer_asked_for(
+    tmp_path: Path, stable: bool, runs: int
+) -> None:
+    folder = save_model(tmp_path / "m", stable=stable)
+    enc = load_hf_folder(folder, layers=(1,))
+    # A pre-norm encoder runs one layer more: its final LayerNorm only touches the last state.
+    assert len(enc.module.model.encoder.layers) == runs
+    assert len(load_hf_folder(folder).module.model.encoder.layers) == 3
+
+
+def test_the_fingerprint_covers_config_and_weights(tmp_path: Path) -> None:
+    folder = save_model(tmp_path / "m")
+    fp = load_encoder(folder).fingerprint
+    assert load_encoder(folder).fingerprint == fp
+    assert load_encoder(folder, layers=(1,)).fingerprint == fp  # the recipe tells layers apart
+
+    from safetensors.torch import load_file, save_file
+
+    weights = folder / "model.safetensors"
+    state = load_file(str(weights))
+    name = next(k for k in state if k.endswith("feature_projection.projection.weight"))
+    state[name][0, 0] += 1e-3
+    save_file(state, str(weights), metadata={"format": "pt"})
+    assert load_encoder(folder).fingerprint != fp
+
+    other = save_model(tmp_path / "eps")
+    config = json.loads((other / "config.json").read_text())
+    config["layer_norm_eps"] = 1e-6
+    (other / "config.json").write_text(json.dumps(config))
+    assert load_encoder(other).fingerprint not in (
+        fp,
+        load_encoder(save_model(tmp_path / "x")).fingerprint,
+    )
+
+
+def test_the_preprocessor_config_goes_into_the_recipe(tmp_path: Path) -> None:
+    folder = save_model(tmp_path / "m", normalize=False, rate=8000)
+    recipe = recipe_for_folder(folder, Recipe(layers="all"))
+    assert recipe.sample_rate == 8000 and recipe.normalize is False
+    assert recipe.layers == (0, 1, 2, 3)
+    with pytest.raises(ConfigError, match="has 3 layers"):
+        recipe_for_folder(folder, Recipe(layers=(7,)))
+
+
+def test_the_dataset_serves_one_layer_several_or_a_stack(tmp_path: Path, clips: Path) -> None:
+    folder = save_model(tmp_path / "m")
+    build(clips, folder, cache=tmp_path / "s", recipe=Recipe(layers=(0, 2, 3)), workers=0)
+    common: dict[str, Any] = {"cache": tmp_path / "s", "layers": (0, 2, 3), "on_miss": "error"}
+    as_dict = CachedFeatureDataset(clips, folder, **common)
+    one = CachedFeatureDataset(clips, folder, layer_view=2, **common)
+    stack = CachedFeatureDataset(clips, folder, layer_view=[3, 0], **common)
+    every = CachedFeatureDataset(clips, folder, layer_view="stack", **common)
+    for i in range(len(as_dict)):
+        hidden = reference(folder, Path(as_dict.path(i))).hidden_states
+        assert set(as_dict[i]) == {"layer0", "layer2", "layer3"}
+        assert rel_error(one[i], hidden[2][0]) < 1e-4
+        assert stack[i].shape[0] == 2 and rel_error(stack[i][0], hidden[3][0]) < 1e-4
+        assert torch.equal(every[i], torch.stack([as_dict[i][f"layer{k}"] for k in (0, 2, 3)]))
+    batch = one.__getitems__([0, 1])
+    assert all(torch.equal(a, b) for a, b in zip(batch, [one[0], one[1]], strict=True))
+    with pytest.raises(ConfigError, match="layer 5 is not stored"):
+        CachedFeatureDataset(clips, folder, layer_view=5, **common)[0]
+
+
+def test_cli_builds_a_folder_with_layers_and_refuses_bad_ones(
+    tmp_path: Path, clips: Path, encoder_file: Path
+) -> None:
+    folder = save_model(tmp_path / "m")
+    base = ["build", "-d", clips, "--cache", tmp_path / "s", "--workers", "0"]
+    res = invoke(*base, "-e", folder, "--layers", "2,0", "--precision", "bf16", "--json")
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    assert report["batching"] == "padded" and report["encoded"] == 8
+    res = invoke(*base, "-e", folder, "--layer", "9")
+    assert res.returncode != 0 and "has 3 layers" in res.stderr
+    assert "Traceback" not in res.stderr
+    res = invoke(*base, "-e", encoder_file, "--layers", "1")
+    assert res.returncode != 0 and "hidden states" in res.stderr
+
+
+def test_audio_sample_padding_is_normalised_per_clip() -> None:
+    """do_normalize uses the clip's own statistics, as the feature extractor does unpadded."""
+    from featbake.encode.sources import zero_mean_unit_var
+
+    x = np.random.default_rng(0).normal(3.0, 2.0, (1, 1000)).astype(np.float32)
+    ours = zero_mean_unit_var(x)[0]
+    theirs = transformers.Wav2Vec2FeatureExtractor.zero_mean_unit_var_norm([x[0]], None)[0]
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_stack_keeps_the_order_layers_asked_for_single_and_batched(
+    tmp_path: Path, clips: Path
+) -> None:
+    """Issue 16 item 12: ``layers=[3, 1]`` with ``layer_view="stack"`` gave layers 1, 3 while
+    ``layer_view=[3, 1]`` gave 3, 1. Both now keep the order asked for, item by item, through
+    ``__getitems__`` and through a DataLoader with the RAM tier on."""
+    from torch.utils.data import DataLoader
+
+    folder = save_model(tmp_path / "m")
+    build(clips, folder, cache=tmp_path / "s", recipe=Recipe(layers=(1, 3)), workers=0)
+    common: dict[str, Any] = {"cache": tmp_path / "s", "layers": [3, 1], "on_miss": "error"}
+    stack = CachedFeatureDataset(clips, folder, layer_view="stack", **common)
+    listed = CachedFeatureDataset(clips, folder, layer_view=[3, 1], **common)
+    cached = CachedFeatureDataset(clips, folder, layer_view="stack", ram_cache="64MiB", **common)
+    want = []
+    for i in range(len(stack)):
+        hidden = reference(folder, Path(stack.path(i))).hidden_states
+        want.append(torch.stack([hidden[3][0], hidden[1][0]]))
+        for ds in (stack, listed, cached, cached):  # cached twice: from the store, then RAM
+            assert ds[i].shape == want[i].shape and rel_error(ds[i], want[i]) < 1e-4
+    for ds in (stack, listed, cached):
+        for got, w in zip(ds.__getitems__([3, 0, 5]), [want[3], want[0], want[5]], strict=True):
+            assert rel_error(got, w) < 1e-4
+        loader = DataLoader(ds, batch_size=4, collate_fn=list)
+        got = [item for batch in loader for item in batch]
+        assert all(rel_error(g, w) < 1e-4 for g, w in zip(got, want, strict=True))
+    all_layers = CachedFeatureDataset(
+        clips, folder, cache=tmp_path / "s", recipe=Recipe(layers=(3, 1)), layer_view="stack"
+    )  # a recipe's layers are sorted (one key): "stack" is then layer order
+    assert rel_error(all_layers[0], want[0].flip(0)) < 1e-4
+
+
+@pytest.mark.parametrize(("layers", "kind"), [(5, "missing"), (2, "unexpected")])
+def test_weights_that_do_not_cover_the_config_are_refused_with_their_names(
+    tmp_path: Path, clips: Path, layers: int, kind: str
+) -> None:
+    """A config asking for more (or fewer) layers than model.safetensors holds: no random init."""
+    folder = save_model(tmp_path / "m")
+    load_encoder(folder)  # the folder as saved loads
+    config = json.loads((folder / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(WeightsMismatch, match=rf"\d+ {kind} \(.*encoder\.layers\.") as err:
+        load_encoder(folder)
+    assert "more" in str(err.value) and "num_hidden_layers" in str(err.value)
+    res = invoke("build", "-e", folder, "-d", clips, "--cache", tmp_path / "s")
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 4 and len(lines) == 1 and f"{kind} (" in lines[0], res.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ('{"sampling_rate": "16k"}', "sampling_rate must be a whole number of Hz"),
+        ('{"sampling_rate": null}', "sampling_rate must be a whole number of Hz"),
+        ('{"sampling_rate": true}', "sampling_rate must be a whole number of Hz"),
+        ("[16000]", "holds a JSON list"),
+    ],
+)
+def test_a_preprocessor_config_that_is_not_settings_is_one_line(
+    tmp_path: Path, clips: Path, text: str, needle: str
+) -> None:
+    folder = save_model(tmp_path / "m")
+    (folder / "preprocessor_config.json").write_text(text)
+    res = invoke("build", "-e", folder, "-d", clips, "--cache", tmp_path / "s")
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 4 and len(lines) == 1 and needle in lines[0], res.stderr
+    assert "internal error" not in res.stderr
+
+
+def test_int8_layers_are_served_dequantised_in_the_order_asked(tmp_path: Path, clips: Path) -> None:
+    """--layers all with --dtype int8: each layer stored packed, served dequantised, stacked;
+    within half a code step of the model's hidden states now (the build pads its batches)."""
+    from featbake.quantize import Scheme, dequantize, quantize
+
+    folder = save_model(tmp_path / "m")
+    recipe = Recipe(layers=(0, 3), dtype="int8")
+    report = build(clips, folder, cache=tmp_path / "s", recipe=recipe, workers=0)
+    assert report.ok and report.fidelity is not None and report.fidelity["rel_rms"] < 0.01
+    common: dict[str, Any] = {"cache": tmp_path / "s", "layers": (3, 0), "on_miss": "error"}
+    stack = CachedFeatureDataset(clips, folder, dtype="int8", layer_view="stack", **common)
+    raw = CachedFeatureDataset(clips, folder, dtype="int8", dequantize=False, **common)
+    for i in range(len(stack)):
+        hidden = reference(folder, Path(stack.path(i))).hidden_states
+        got = stack[i]
+        assert got.dtype == torch.float16 and got.shape[0] == 2
+        stored = raw[i]
+        for j, k in enumerate((3, 0)):
+            assert torch.equal(got[j], dequantize(stored[f"layer{k}"], Scheme.INT8))
+            want = hidden[k][0]
+            step = want.abs().amax(-1, keepdim=True) / 127
+            assert bool(((got[j].float() - want).abs() <= step * 0.6 + 1e-3).all())
+            assert rel_error(dequantize(quantize(want, Scheme.INT8), Scheme.INT8), got[j]) < 0.01
+
+
+# == test_hf_vision ================================================================================
+# Hugging Face vision folders end to end: tiny ViT, DINOv2 and CLIP-vision models built from
+# configs and saved with save_pretrained, beside their image processors.
+#
+# The reference is transformers itself, run now on each image: the folder's own processor
+# (``AutoImageProcessor``) and model, on the picture featbake decodes; never the store.
+
+TINY_VISION = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2}
+IMAGENET = {"image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225]}
+MODELS = ("vit", "dinov2", "clip")
+
+
+def processor_class(kind: str) -> Any:
+    """transformers' PIL-backend image processor (``...Pil`` in transformers 5)."""
+    return getattr(transformers, f"{kind}ImageProcessorPil", None) or getattr(
+        transformers, f"{kind}ImageProcessor"
+    )
+
+
+def save_vision_model(folder: Path, kind: str) -> Path:
+    """A seeded tiny vision model and its image processor, saved as a real model folder."""
+    torch.manual_seed(0)
+    patch = {"image_size": 32, "patch_size": 8}
+    if kind == "vit":
+        model: Any = transformers.ViTModel(
+            transformers.ViTConfig(**TINY_VISION, **patch, intermediate_size=64)
+        )
+        proc = processor_class("ViT")(size={"height": 32, "width": 32}, resample=2)
+    elif kind == "dinov2":
+        model = transformers.Dinov2Model(
+            transformers.Dinov2Config(**TINY_VISION, **patch, mlp_ratio=2)
+        )
+        proc = processor_class("Bit")(
+            size={"shortest_edge": 40}, crop_size={"height": 32, "width": 32}, **IMAGENET
+        )
+    else:
+        model = transformers.CLIPVisionModel(
+            transformers.CLIPVisionConfig(**TINY_VISION, **patch, intermediate_size=64)
+        )
+        proc = processor_class("CLIP")(
+            size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
+        )
+    model.eval().save_pretrained(folder)
+    proc.save_pretrained(folder)
+    return folder
+
+
+@functools.lru_cache(maxsize=8)
+def load_vision_reference(folder: str) -> tuple[Any, Any]:
+    """The folder's model and image processor, loaded by transformers (once per folder)."""
+    model = transformers.AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+    return model, transformers.AutoImageProcessor.from_pretrained(folder)
+
+
+def vision_reference(folder: Path, image_path: Path, recipe: Recipe) -> Any:
+    """transformers' processor + model now, on the image as featbake decodes it."""
+    model, proc = load_vision_reference(str(folder))
+    image = decode_image(image_path, recipe.image_steps)
+    with torch.inference_mode():
+        return model(**proc(images=image, return_tensors="pt"), output_hidden_states=True)
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Generated photos of several sizes, the awkward files, and two bad ones."""
+    root = tmp_path_factory.mktemp("images")
+    write_image_folder(root, 4, size=(40, 56), seed=1)
+    rng = np.random.default_rng(5)
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    noise = rng.integers(0, 256, (24, 50, 3), dtype=np.uint8)
+    Image.fromarray(noise).save(root / "rotated.jpg", exif=exif)
+    Image.fromarray(noise).convert("CMYK").save(root / "cmyk.jpg")
+    Image.fromarray(noise[..., 0]).save(root / "grey.png")
+    Image.fromarray(noise[..., 0].astype(np.uint16) * 257).save(root / "deep.png")
+    buf = io.BytesIO()
+    Image.fromarray(noise).save(buf, format="JPEG")
+    (root / "truncated.jpg").write_bytes(buf.getvalue()[: len(buf.getvalue()) // 2])
+    (root / "notes.jpg").write_text("not a picture\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {kind: save_vision_model(root / kind, kind) for kind in MODELS}
+
+
+GOOD = 8  # files in `images` that decode
+BAD = {"notes.jpg", "truncated.jpg"}
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_served_features_equal_transformers_processor_and_model(
+    tmp_path: Path, images: Path, folders: dict[str, Path], kind: str
+) -> None:
+    folder = folders[kind]
+    report = build(images, folder, cache=tmp_path / "s", workers=0, batch_size=3)
+    assert report.encoded == GOOD and {p for p, _ in report.failed} == BAD
+    ds = CachedFeatureDataset(images, folder, cache=tmp_path / "s", on_miss="error")
+    assert ds.recipe.source == "image" and len(ds) == GOOD + len(BAD)  # as for bad audio
+    for i in range(len(ds)):
+        if Path(ds.path(i)).name in BAD:
+            continue
+        parts = ds[i]
+        want = vision_reference(folder, Path(ds.path(i)), ds.recipe)
+        assert set(parts) == {"pooled", "tokens"}
+        assert parts["tokens"].shape == (17, 32)  # CLS + 4x4 patches
+        assert rel_error(parts["tokens"], want.last_hidden_state[0]) < 1e-5, ds.path(i)
+        assert rel_error(parts["pooled"], want.pooler_output[0]) < 1e-5, ds.path(i)
+
+
+@pytest.mark.parametrize("kind", ["dinov2", "clip"])
+def test_layers_and_one_output_are_parts_as_for_audio(
+    tmp_path: Path, images: Path, folders: dict[str, Path], kind: str
+) -> None:
+    folder = folders[kind]
+    recipe = Recipe(layers="all", dtype="float16")
+    build(images, folder, cache=tmp_path / "s", recipe=recipe, workers=0)
+    ds = CachedFeatureDataset(images, folder, cache=tmp_path / "s", recipe=recipe, on_miss="error")
+    for i in range(3):
+        parts = ds[i]
+        hidden = vision_reference(folder, Path(ds.path(i)), ds.recipe).hidden_states
+        assert set(parts) == {"layer0", "layer1", "layer2"}
+        for k in range(3):
+            assert parts[f"layer{k}"].dtype == torch.float16
+            assert rel_error(parts[f"layer{k}"].float(), hidden[k][0]) < 2e-3
+    pooled = Recipe(output="pooled")
+    build(images, folder, cache=tmp_path / "s", recipe=pooled, workers=0)
+    one = CachedFeatureDataset(images, folder, cache=tmp_path / "s", recipe=pooled, on_miss="error")
+    want = vision_reference(folder, Path(one.path(0)), one.recipe).pooler_output[0]
+    assert one[0].shape == (32,) and rel_error(one[0], want) < 1e-5
+
+
+def test_an_edited_processor_changes_the_key(tmp_path: Path, folders: dict[str, Path]) -> None:
+    folder = shutil.copytree(folders["clip"], tmp_path / "clip")
+    before = recipe_for_folder(folder, Recipe())
+    config_path = folder / "preprocessor_config.json"
+    original = json.loads(config_path.read_text())
+    edits = {
+        "crop_size": {"height": 24, "width": 24},
+        "size": {"shortest_edge": 36},
+        "resample": 2,
+        "image_mean": [0.5, 0.5, 0.5],
+        "do_center_crop": False,
+    }
+    seen = {before.fingerprint()}
+    for field, value in edits.items():
+        config_path.write_text(json.dumps({**original, field: value}))
+        seen.add(recipe_for_folder(folder, Recipe()).fingerprint())
+    assert len(seen) == len(edits) + 1
+    # Options given by the caller win over the folder's processor, and are keyed as such.
+    config_path.write_text(json.dumps(original))
+    mine = Recipe(image=before.image_steps.replace(crop=Size(28, 28)))
+    assert recipe_for_folder(folder, mine).image_steps.crop == (28, 28)
+
+
+def test_a_processor_featbake_cannot_reproduce_is_refused(
+    tmp_path: Path, folders: dict[str, Path]
+) -> None:
+    folder = shutil.copytree(folders["vit"], tmp_path / "vit")
+    config = json.loads((folder / "preprocessor_config.json").read_text())
+    config["image_processor_type"] = "ConvNextImageProcessor"
+    (folder / "preprocessor_config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="ConvNextImageProcessor"):
+        recipe_for_folder(folder, Recipe())
+
+
+def test_cli_builds_with_workers_and_options_and_roots_show_the_transform(
+    tmp_path: Path, images: Path, folders: dict[str, Path]
+) -> None:
+    store = tmp_path / "s"
+    base = ("build", "-d", images, "--cache", store, "--workers", "1", "--json")
+    res = invoke(*base, "-e", folders["dinov2"])
+    assert res.returncode == 3, res.stderr  # two bad files: skipped with their reasons
+    report = json.loads(res.stdout)
+    assert report["encoded"] == GOOD and len(report["failed"]) == 2
+    res = invoke(*base, "-e", folders["dinov2"], "--crop", "24", "--interpolation", "bilinear")
+    assert json.loads(res.stdout)["encoded"] == GOOD  # another transform: another key
+    roots = invoke("roots", "--cache", store)
+    assert roots.returncode == 0, roots.stderr
+    assert "short 40 bicubic crop 32x32" in roots.stdout
+    assert "short 40 bilinear crop 24x24" in roots.stdout
+    ds = CachedFeatureDataset(
+        images,
+        folders["dinov2"],
+        cache=store,
+        on_miss="error",
+        recipe=Recipe(
+            image=recipe_for_folder(folders["dinov2"], Recipe()).image_steps.replace(
+                crop=Size(24, 24), interpolation="bilinear"
+            )
+        ),
+    )
+    assert ds[0]["tokens"].shape == (10, 32)  # CLS + 3x3 patches of the 24 px crop
+    bad = invoke(*base, "-e", folders["dinov2"], "--crop", "24x")
+    assert bad.returncode == 2 and "224x224" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_miss_is_encoded_live_as_transformers_computes_it(
+    tmp_path: Path, images: Path, folders: dict[str, Path]
+) -> None:
+    """Nothing built: each item is encoded on first read (and written back) like a build."""
+    folder = folders["vit"]
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(images, folder, cache=tmp_path / "s", on_miss="encode")
+    for i in range(len(ds)):
+        if Path(ds.path(i)).name in BAD:
+            continue
+        want = vision_reference(folder, Path(ds.path(i)), ds.recipe)
+        assert rel_error(ds[i]["tokens"], want.last_hidden_state[0]) < 1e-5
+
+
+def test_an_image_root_exports_to_zarr_unchanged(
+    tmp_path: Path, images: Path, folders: dict[str, Path]
+) -> None:
+    zarr = pytest.importorskip("zarr")
+    from featbake.export.zarr import export_zarr
+
+    folder = folders["dinov2"]
+    report = build(images, folder, cache=tmp_path / "s", workers=0)
+    out = export_zarr(tmp_path / "f.zarr", cache=tmp_path / "s", root=report.root[:8])
+    assert out.layouts == {"pooled": "dense", "tokens": "dense"}
+    group = zarr.open_group(str(tmp_path / "f.zarr"), mode="r")
+    pooled, tokens = group["pooled/values"][:], group["tokens/values"][:]
+    assert pooled.shape == (GOOD, 32) and tokens.shape == (GOOD, 17, 32)
+    recipe = recipe_for_folder(folder, Recipe())
+    for i, rel in enumerate(group["paths"][:]):
+        want = vision_reference(folder, images / str(rel), recipe)
+        assert rel_error(torch.from_numpy(pooled[i]), want.pooler_output[0]) < 1e-5
+        assert rel_error(torch.from_numpy(tokens[i]), want.last_hidden_state[0]) < 1e-5
+
+
+def test_real_photographs_equal_transformers_too(tmp_path: Path, folders: dict[str, Path]) -> None:
+    """Photographs from a camera (progressive JPEG, EXIF and Photoshop blocks), where found."""
+    photos = real_photos()
+    if not photos:
+        pytest.skip("no photographs on this machine (see PHOTO_GLOBS in tests/helpers.py)")
+    data = tmp_path / "photos"
+    data.mkdir()
+    for i, photo in enumerate(photos):
+        shutil.copy(photo, data / f"photo{i}{Path(photo).suffix}")
+    folder = folders["clip"]
+    report = build(data, folder, cache=tmp_path / "s", workers=0)
+    assert report.ok and report.encoded == len(photos)
+    ds = CachedFeatureDataset(data, folder, cache=tmp_path / "s", on_miss="error")
+    for i in range(len(ds)):
+        want = vision_reference(folder, Path(ds.path(i)), ds.recipe)
+        assert rel_error(ds[i]["tokens"], want.last_hidden_state[0]) < 1e-5
+        assert rel_error(ds[i]["pooled"], want.pooler_output[0]) < 1e-5
+
+
+# == test_hf_vision_folders ========================================================================
+# Vision folders as users download them: a ViT saved without its pooling layer (DINO, MAE) and
+# a whole CLIP model (text and vision towers), each built from a config and saved with
+# save_pretrained, beside its image processor.
+#
+# The reference is transformers itself, run now on each image as featbake decodes it.
+
+TINY_FOLDERS = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2}
+PATCH = {"image_size": 32, "patch_size": 8}
+
+
+def processor(kind: str, **kw: Any) -> Any:
+    """transformers' PIL-backend image processor (``...Pil`` in transformers 5)."""
+    cls = getattr(transformers, f"{kind}ImageProcessorPil", None)
+    return (cls or getattr(transformers, f"{kind}ImageProcessor"))(**kw)
+
+
+@pytest.fixture(scope="module")
+def vision_images(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("images")
+    write_image_folder(root, 4, size=(40, 56), seed=3)
+    return root
+
+
+@pytest.fixture(scope="module")
+def headless_vit(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A ViT saved as DINO and MAE checkpoints are: ``add_pooling_layer=False``."""
+    folder = tmp_path_factory.mktemp("models") / "dino"
+    torch.manual_seed(0)
+    config = transformers.ViTConfig(**TINY_FOLDERS, **PATCH, intermediate_size=64)
+    transformers.ViTModel(config, add_pooling_layer=False).eval().save_pretrained(folder)
+    processor("ViT", size={"height": 32, "width": 32}, resample=2).save_pretrained(folder)
+    return folder
+
+
+def served_tokens_equal_transformers(ds: CachedFeatureDataset, model: Any, proc: Any) -> None:
+    for i in range(len(ds)):
+        image = decode_image(Path(ds.path(i)), ds.recipe.image_steps)
+        with torch.inference_mode():
+            want = model(**proc(images=image, return_tensors="pt")).last_hidden_state[0]
+        assert rel_error(ds[i]["tokens"], want) < 1e-5, ds.path(i)
+
+
+def test_a_vit_saved_without_its_pooler_serves_its_tokens(
+    tmp_path: Path, vision_images: Path, headless_vit: Path
+) -> None:
+    """Old main refused the folder: "2 missing (pooler.dense.bias, pooler.dense.weight)"."""
+    report = build(vision_images, headless_vit, cache=tmp_path / "s", workers=0, batch_size=3)
+    assert report.ok and report.encoded == 4
+    ds = CachedFeatureDataset(vision_images, headless_vit, cache=tmp_path / "s", on_miss="error")
+    assert set(ds[0]) == {"tokens"}  # no pooled part: its head would be random
+    model = transformers.ViTModel.from_pretrained(headless_vit, add_pooling_layer=False).eval()
+    proc = transformers.AutoImageProcessor.from_pretrained(headless_vit)
+    served_tokens_equal_transformers(ds, model, proc)
+
+
+def test_asking_a_headless_vit_for_pooled_is_one_line(
+    tmp_path: Path, vision_images: Path, headless_vit: Path
+) -> None:
+    with pytest.raises(ConfigError, match="without its pooling layer"):
+        build(
+            vision_images,
+            headless_vit,
+            cache=tmp_path / "s",
+            recipe=Recipe(output="pooled"),
+        )
+    res = invoke("build", "-d", vision_images, "-e", headless_vit, "--cache", tmp_path / "c",
+                  "--output", "pooled")  # fmt: skip
+    assert res.returncode == 2, res.stderr
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "--output tokens" in lines[0], res.stderr
+    shards = [p for p in (tmp_path / "c").rglob("*") if p.is_file() and "shards" in p.parts]
+    assert not shards  # refused before any work
+
+
+def save_whole_model(folder: Path, kind: str) -> Path:
+    """A whole image-text model (both towers), saved as a download gives it."""
+    torch.manual_seed(0)
+    vision = {**TINY_FOLDERS, **PATCH, "intermediate_size": 64}
+    text = {**TINY_FOLDERS, "intermediate_size": 64, "vocab_size": 99}
+    if kind == "clip":
+        config = transformers.CLIPConfig(vision_config=vision, text_config=text, projection_dim=16)
+        model: Any = transformers.CLIPModel(config)
+        proc = processor("CLIP", size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    else:
+        model = transformers.SiglipModel(
+            transformers.SiglipConfig(vision_config=vision, text_config=text)
+        )
+        proc = processor("Siglip", size={"height": 32, "width": 32})
+    model.eval().save_pretrained(folder)
+    proc.save_pretrained(folder)
+    return folder
+
+
+def image_features(model: Any, pixels: torch.Tensor) -> torch.Tensor:
+    """``get_image_features`` as this transformers gives it (a tensor, or an output in 5.x)."""
+    out = model.get_image_features(pixel_values=pixels)
+    return out if isinstance(out, torch.Tensor) else out.pooler_output
+
+
+@pytest.mark.parametrize("kind", ["clip", "siglip"])
+def test_a_whole_clip_or_siglip_folder_serves_its_vision_tower_and_image_embeds(
+    tmp_path: Path, vision_images: Path, kind: str
+) -> None:
+    """Old main refused the folder ("save its vision_model alone")."""
+    folder = save_whole_model(tmp_path / kind, kind)
+    report = build(vision_images, folder, cache=tmp_path / "s", workers=0, batch_size=3)
+    assert report.ok and report.encoded == 4
+    ds = CachedFeatureDataset(vision_images, folder, cache=tmp_path / "s", on_miss="error")
+    model = transformers.AutoModel.from_pretrained(folder).eval()
+    proc = transformers.AutoImageProcessor.from_pretrained(folder)
+    width = 16 if kind == "clip" else 32  # CLIP projects to projection_dim; SigLIP does not
+    for i in range(len(ds)):
+        image = decode_image(Path(ds.path(i)), ds.recipe.image_steps)
+        pixels = proc(images=image, return_tensors="pt")["pixel_values"]
+        with torch.inference_mode():
+            tower = model.vision_model(pixel_values=pixels)
+            embeds = image_features(model, pixels)[0]
+        parts = ds[i]
+        assert set(parts) == {"pooled", "tokens", "image_embeds"}
+        assert rel_error(parts["tokens"], tower.last_hidden_state[0]) < 1e-5, ds.path(i)
+        assert rel_error(parts["pooled"], tower.pooler_output[0]) < 1e-5, ds.path(i)
+        assert parts["image_embeds"].shape == (width,)
+        assert rel_error(parts["image_embeds"], embeds) < 1e-5, ds.path(i)
+
+
+def test_image_embeds_alone_and_layers_from_a_whole_clip_folder(
+    tmp_path: Path, vision_images: Path
+) -> None:
+    folder = save_whole_model(tmp_path / "clip", "clip")
+    res = invoke("build", "-d", vision_images, "-e", folder, "--cache", tmp_path / "s",
+                  "--output", "image_embeds", "--workers", "0")  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    one = Recipe(output="image_embeds")
+    ds = CachedFeatureDataset(
+        vision_images, folder, cache=tmp_path / "s", recipe=one, on_miss="error"
+    )
+    layers = Recipe(layers="all")
+    store = tmp_path / "s"
+    build(vision_images, folder, cache=store, recipe=layers, workers=0)
+    deep = CachedFeatureDataset(vision_images, folder, cache=store, recipe=layers, on_miss="error")
+    model = transformers.AutoModel.from_pretrained(folder).eval()
+    proc = transformers.AutoImageProcessor.from_pretrained(folder)
+    for i in range(len(ds)):
+        image = decode_image(Path(ds.path(i)), ds.recipe.image_steps)
+        pixels = proc(images=image, return_tensors="pt")["pixel_values"]
+        with torch.inference_mode():
+            hidden = model.vision_model(pixel_values=pixels, output_hidden_states=True)
+            want = image_features(model, pixels)[0]
+        assert ds[i].shape == (16,) and rel_error(ds[i], want) < 1e-5
+        assert set(deep[i]) == {"layer0", "layer1", "layer2"}
+        for k in range(3):
+            assert rel_error(deep[i][f"layer{k}"], hidden.hidden_states[k][0]) < 1e-5

@@ -1,0 +1,565 @@
+"""CachedEncoder against calling the bare encoder: mixed hits and misses, tiers, standing aside."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from featbake.errors import ConfigError
+from featbake.quantize import Scheme, dequantize, quantize
+from featbake.serve.cached_encoder import CachedEncoder
+from featbake.store.catalog import Catalog
+from featbake.store.features import FeatureReader
+from featbake.store.layout import Layout
+from featbake.testing import MultiOutputEncoder, TinyConvEncoder, make_tone
+from tests.conftest import live_features
+
+
+def frozen(module: nn.Module) -> nn.Module:
+    module.eval()
+    for p in module.parameters():
+        p.requires_grad_(False)
+    return module
+
+
+class Counting(nn.Module):
+    """Counts the rows the wrapped encoder really sees."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.rows = 0
+
+    def forward(self, x: torch.Tensor):
+        self.rows += x.shape[0]
+        return self.inner(x)
+
+
+class TupleEncoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.front = TinyConvEncoder(dim=16, seed=4)
+
+    def forward(self, x: torch.Tensor):
+        h = self.front(x)
+        return h, h.mean(dim=1)
+
+
+def waves(n: int, seconds: float = 0.5, seed: int = 0) -> torch.Tensor:
+    return torch.stack(
+        [torch.from_numpy(make_tone(seconds, seed=seed + i)[:, 0]) for i in range(n)]
+    )
+
+
+def same(a, b) -> None:
+    if isinstance(b, dict):
+        assert isinstance(a, dict) and a.keys() == b.keys()
+        for k in b:
+            same(a[k], b[k])
+    elif isinstance(b, tuple):
+        assert isinstance(a, tuple) and len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            same(x, y)
+    else:
+        assert a.dtype == b.dtype and a.shape == b.shape
+        # Misses run as a smaller batch: allow the kernels' batch-size-dependent rounding.
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_mixed_hits_and_misses_equal_bare_encoder(tmp_path) -> None:
+    enc = frozen(Counting(TinyConvEncoder()))
+    ce = CachedEncoder(enc, cache=tmp_path / "store")
+    x = waves(6)
+    ids = [f"utt{i}" for i in range(6)]
+    same(ce(x[:3], ids=ids[:3]), enc.inner(x[:3]))
+    assert enc.rows == 3
+    mixed = ce(x[[4, 0, 5, 1]], ids=[ids[4], ids[0], ids[5], ids[1]])
+    same(mixed, enc.inner(x[[4, 0, 5, 1]]))
+    assert enc.rows == 5  # only the two new rows were encoded, in one batch
+    info = ce.cache_info()
+    assert info["hits_ram"] == 2 and info["encoded"] == 5
+    ce.flush()
+    # A new process (a new wrapper) finds every row in the store and encodes nothing.
+    enc2 = frozen(Counting(TinyConvEncoder()))
+    ce2 = CachedEncoder(enc2, cache=tmp_path / "store", ram_cache=0)
+    same(ce2(x[[0, 1, 4, 5, 2]], ids=[ids[k] for k in (0, 1, 4, 5, 2)]),
+         enc2.inner(x[[0, 1, 4, 5, 2]]))  # fmt: skip
+    assert enc2.rows == 0 and ce2.cache_info()["hits_store"] == 5
+
+
+def test_two_wrappers_over_one_store_see_each_others_features_before_any_flush(
+    tmp_path,
+) -> None:
+    """Issue 18 item 4: a second CachedEncoder in the same process encoded again what the
+    first had written back, until flush(). Written back in a process = readable in it."""
+    x, ids = waves(4), [f"utt{i}" for i in range(4)]
+    first = frozen(Counting(TinyConvEncoder()))
+    ce1 = CachedEncoder(first, cache=tmp_path / "store", ram_cache=0)
+    same(ce1(x[:3], ids=ids[:3]), first.inner(x[:3]))
+    second = frozen(Counting(TinyConvEncoder()))
+    ce2 = CachedEncoder(second, cache=tmp_path / "store", ram_cache=0)
+    same(ce2(x, ids=ids), second.inner(x))
+    assert second.rows == 1  # only utt3, which the first never saw
+    assert ce2.cache_info()["hits_pending"] == 3
+    assert not list((tmp_path / "store" / "shards").rglob("*.safetensors"))  # nothing sealed
+    other = CachedEncoder(frozen(Counting(TinyConvEncoder(seed=5))), cache=tmp_path / "store")
+    assert other.cache_info()["hits_pending"] == 0
+    other(x[:1], ids=ids[:1])  # another encoder: its keys differ, nothing is shared
+    assert other.cache_info()["encoded"] == 1
+
+
+def test_two_datasets_in_one_process_share_what_one_wrote_back(
+    audio_dir, encoder_file, tmp_path
+) -> None:
+    from featbake.serve.dataset import CachedFeatureDataset
+
+    store = tmp_path / "store"
+    with pytest.warns(UserWarning, match="no featbake store"):
+        a = CachedFeatureDataset(audio_dir, encoder_file, cache=store)
+    b = CachedFeatureDataset(audio_dir, encoder_file, cache=store)
+    got = a[2]
+    assert a.cache_info().encoded == 1
+    same(b[2], got)
+    assert b.cache_info().encoded == 0  # read from a's pending write-back, not encoded again
+    same(got, live_features(encoder_file, Path(a.path(2))))
+
+
+def test_keys_from_row_bytes_without_ids(tmp_path) -> None:
+    enc = frozen(Counting(TinyConvEncoder()))
+    ce = CachedEncoder(enc, cache=tmp_path / "store")
+    x = waves(4)
+    ce(x)
+    y = x.clone()
+    y[2, 100] += 0.25  # one changed sample: that row is a new input
+    same(ce(y), enc.inner(y))
+    assert enc.rows == 5
+
+
+def test_dict_and_tuple_outputs(tmp_path) -> None:
+    for module in (MultiOutputEncoder(), TupleEncoder()):
+        enc = frozen(module)
+        ce = CachedEncoder(enc, cache=tmp_path / type(module).__name__)
+        x = waves(5, seed=10)
+        ce(x[:2])
+        same(ce(x), enc(x))
+        ce.flush()
+        fresh = CachedEncoder(enc, cache=tmp_path / type(module).__name__, ram_cache=0)
+        same(fresh(x[:2]), enc(x[:2]))
+        assert fresh.cache_info()["hits_store"] == 2
+
+
+def test_trainable_encoder_runs_untouched_and_warns_once(tmp_path) -> None:
+    enc = Counting(TinyConvEncoder())  # requires grad, training mode
+    ce = CachedEncoder(enc, cache=tmp_path / "store")
+    x = waves(3)
+    with pytest.warns(UserWarning, match="uncached"):
+        out = ce(x)
+    assert out.requires_grad  # the gradient still flows: nothing was served from a cache
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ce(x)  # warned once only
+    assert enc.rows == 6 and ce.cache_info()["encoded"] == 0
+    assert not list((tmp_path / "store" / "shards").rglob("*.safetensors"))
+    frozen(enc)
+    ce(x)
+    assert ce.cache_info()["encoded"] == 3  # active as soon as it is frozen
+
+
+def test_the_warning_names_all_that_keeps_caching_off_and_speaks_again_until_on(
+    tmp_path,
+) -> None:
+    """Issue 18 item 3: the warning said "call .eval()"; after .eval() the parameters still
+    required grad, caching stayed off, and nothing more was said."""
+    enc = Counting(TinyConvEncoder())  # training mode, parameters require grad
+    ce = CachedEncoder(enc, cache=tmp_path / "store")
+    x = waves(2)
+    with pytest.warns(UserWarning) as first:
+        ce(x)
+    (msg,) = [str(w.message) for w in first]
+    assert ".eval()" in msg and "requires_grad_(False)" in msg  # both, in one message
+    enc.eval()
+    with pytest.warns(UserWarning) as second:
+        ce(x)
+    (msg,) = [str(w.message) for w in second]
+    assert "requires_grad_(False)" in msg and "training mode" not in msg
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ce(x)  # the same state: said once
+        enc.requires_grad_(False)
+        out = ce(x)  # on now: nothing to say
+    assert ce.cache_info()["encoded"] == 2
+    torch.testing.assert_close(out, enc(x))
+
+
+def test_disabled_and_eval_mode_checks(tmp_path) -> None:
+    enc = frozen(Counting(TinyConvEncoder()))
+    off = CachedEncoder(enc, store=False, enabled=False)
+    x = waves(2)
+    with pytest.warns(UserWarning, match="enabled=False"):
+        off(x)
+    off(x)
+    assert enc.rows == 4
+    on = CachedEncoder(enc, store=False)
+    enc.train()
+    with pytest.warns(UserWarning, match="training mode"):
+        on(x)
+    assert not on.active()
+
+
+def test_weights_changed_in_place_are_never_served_stale(tmp_path) -> None:
+    enc = frozen(TinyConvEncoder())
+    ce = CachedEncoder(enc, cache=tmp_path / "store")
+    x = waves(2)
+    before = ce(x, ids=["a", "b"])
+    fp = ce.fingerprint()
+    with torch.no_grad():
+        enc.conv2.weight.mul_(2.0)  # e.g. load_state_dict of a new checkpoint
+    after = ce(x, ids=["a", "b"])
+    assert ce.fingerprint() != fp
+    same(after, enc(x))
+    assert not torch.equal(before, after)
+
+
+def test_ids_must_match_rows(tmp_path) -> None:
+    ce = CachedEncoder(frozen(TinyConvEncoder()), store=False)
+    with pytest.raises(ConfigError, match="2 ids for a batch of 3"):
+        ce(waves(3), ids=["a", "b"])
+
+
+def test_ram_only_budget_and_module_behaviour(tmp_path) -> None:
+    enc = frozen(TinyConvEncoder())
+    ce = CachedEncoder(enc, store=False, ram_cache=40_000)
+    for start in range(0, 12, 3):
+        x = waves(3, seed=start)
+        same(ce(x), enc(x))
+        assert ce.cache_info()["ram"].bytes <= 40_000
+    assert ce.cache_info()["ram"].evictions > 0
+    assert "encoder.conv1.weight" in ce.state_dict()  # still a normal module around the encoder
+
+
+def test_edited_encoder_code_is_never_served_from_the_old_cache(tmp_path, monkeypatch) -> None:
+    """The key covers the wrapped encoder's source, as for from_module: a new forward re-encodes."""
+    import importlib
+    import sys
+
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    monkeypatch.syspath_prepend(str(pkg))
+    x = waves(3)
+    for factor in (1.0, 3.0):
+        (pkg / "ce_enc_mod.py").write_text(
+            "from featbake.testing import TinyConvEncoder\n\n\n"
+            "class Scaled(TinyConvEncoder):\n"
+            "    def forward(self, wav):\n"
+            f"        return super().forward(wav) * {factor}\n"
+        )
+        sys.modules.pop("ce_enc_mod", None)
+        mod = importlib.import_module("ce_enc_mod")
+        bare = frozen(mod.Scaled())
+        ce = CachedEncoder(bare, cache=tmp_path / "store", ram_cache=0)
+        out = ce(x)
+        ce.flush()
+        assert ce.stats["encoded"] == 3 and ce.stats["hits_store"] == 0
+        with torch.no_grad():
+            same(out, bare(x))
+    sys.modules.pop("ce_enc_mod", None)
+
+
+@pytest.mark.parametrize("store", [True, False])
+def test_a_dropped_cached_encoder_is_collected_with_its_model(tmp_path, store) -> None:
+    """Nothing global keeps the wrapper (and so the model and its tiers) alive once dropped."""
+    import gc
+    import weakref
+
+    model = frozen(TinyConvEncoder())
+    ce = CachedEncoder(model, cache=tmp_path / "s" if store else None, store=store)
+    ce(waves(2))
+    refs = (weakref.ref(ce), weakref.ref(model))
+    del ce, model
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
+
+
+def test_gc_keeps_what_cached_encoder_stored_until_its_root_is_dropped(tmp_path) -> None:
+    from featbake.upkeep import GcOptions, drop_root, execute_gc, list_roots, plan_gc
+
+    store = tmp_path / "store"
+    enc = frozen(Counting(TinyConvEncoder()))
+    ce = CachedEncoder(enc, cache=store)
+    x = waves(4)
+    ids = [f"utt{i}" for i in range(4)]
+    ce(x, ids=ids)
+    ce.flush()
+    roots = [r for r in list_roots(store) if r.data.startswith("cached-encoder:")]
+    assert len(roots) == 1 and roots[0].items == 4 and roots[0].missing == 0
+
+    execute_gc(plan_gc(store, GcOptions(grace=0)))
+    enc2 = frozen(Counting(TinyConvEncoder()))
+    ce2 = CachedEncoder(enc2, cache=store, ram_cache=0)
+    same(ce2(x, ids=ids), enc2.inner(x))
+    assert enc2.rows == 0, "gc deleted features a CachedEncoder had stored"
+
+    drop_root(store, roots[0].name)
+    result = execute_gc(plan_gc(store, GcOptions(grace=0)))
+    assert result.rows_deleted == 4
+
+
+def test_long_tensor_ids_are_keyed_by_their_bytes(tmp_path) -> None:
+    """str() of a 2,000-element tensor abbreviates it: two ids differing in one element in the
+    middle must still get their own features."""
+    enc = frozen(TinyConvEncoder())
+    ce = CachedEncoder(enc, cache=tmp_path / "store")
+    a = torch.arange(2000)
+    b = a.clone()
+    b[1000] = -1
+    assert str(a) == str(b)  # what the keys used to be made of
+    x = waves(2)
+    same(ce(x[:1], ids=[a]), enc(x[:1]))
+    same(ce(x[1:], ids=[b]), enc(x[1:]))
+    same(ce(x, ids=[a, b]), enc(x))
+    assert ce.stats["encoded"] == 2
+    same(ce(x[:1], ids=[(1, "a")]), enc(x[:1]))  # tuples, numbers and strings are ids too
+    with pytest.raises(ConfigError, match="ids must be"):
+        ce(x[:1], ids=[object()])
+
+
+def test_weights_updated_through_data_are_never_served_stale(tmp_path) -> None:
+    """An EMA teacher updated with p.data.mul_(), which bypasses the version counters."""
+    enc = frozen(TinyConvEncoder())
+    ce = CachedEncoder(enc, cache=tmp_path / "store")
+    x = waves(2)
+    before = ce(x, ids=["a", "b"])
+    same(before, enc(x))
+    for p in enc.parameters():
+        p.data.mul_(0.5)
+    after = ce(x, ids=["a", "b"])
+    same(after, enc(x))
+    assert not torch.allclose(before, after)
+    ce.flush()
+    fresh = CachedEncoder(enc, cache=tmp_path / "store", ram_cache=0)
+    same(fresh(x, ids=["a", "b"]), enc(x))
+
+
+class Scaled(nn.Module):
+    """Uses a plain attribute in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = TinyConvEncoder(dim=16, seed=5)
+        self.scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) * self.scale
+
+
+def test_attribute_changed_after_wrapping_is_never_served_stale(tmp_path) -> None:
+    enc = frozen(Scaled())
+    ce = CachedEncoder(enc, cache=tmp_path / "store")
+    x = waves(2)
+    before = ce(x, ids=["a", "b"])
+    enc.scale = 3.0
+    after = ce(x, ids=["a", "b"])
+    same(after, enc(x))
+    torch.testing.assert_close(after, before * 3.0, rtol=1e-5, atol=1e-5)
+
+
+def test_counters_the_encoder_keeps_do_not_defeat_the_cache(tmp_path) -> None:
+    """Attributes the module changes itself while running (a call counter) are bookkeeping."""
+    enc = frozen(Counting(TinyConvEncoder()))
+    ce = CachedEncoder(enc, cache=tmp_path / "store")
+    x = waves(3)
+    for _ in range(3):
+        same(ce(x, ids=["a", "b", "c"]), enc.inner(x))
+    assert enc.rows == 3 and ce.stats["encoded"] == 3
+
+
+def test_a_shard_deleted_by_hand_is_encoded_again(tmp_path) -> None:
+    enc = frozen(TinyConvEncoder())
+    store = tmp_path / "store"
+    ce = CachedEncoder(enc, cache=store)
+    x = waves(4)
+    ce(x[:2], ids=["a", "b"])
+    ce.flush()
+    (lost,) = list(store.rglob("*.safetensors"))
+    ce(x[2:], ids=["c", "d"])
+    ce.flush()
+    lost.unlink()
+    fresh = CachedEncoder(enc, cache=store, ram_cache=0)
+    same(fresh(x, ids=["a", "b", "c", "d"]), enc(x))
+    assert fresh.stats["hits_store"] == 2 and fresh.stats["encoded"] == 2
+
+
+def test_a_forked_child_seals_only_its_own_write_back(tmp_path) -> None:
+    """A child forked while the parent has features pending neither seals nor loses them: the
+    parent seals its own, the child seals what it encoded."""
+    import os
+
+    from featbake.store.shard import ShardReader
+
+    enc = frozen(TinyConvEncoder())
+    store = tmp_path / "store"
+    ce = CachedEncoder(enc, cache=store)
+    x = waves(2)
+    ce(x[:1], ids=["parent"])  # pending in the parent
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            torch.set_num_threads(1)  # as DataLoader workers do: OpenMP's pool is not fork-safe
+            ce(x[1:], ids=["child"])
+            ce.flush()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    (child_shard,) = list(store.rglob("*.safetensors"))
+    with ShardReader(child_shard) as r:
+        assert len(r.tensors) == 1  # the child's row only, not the parent's pending one
+    ce.flush()
+    assert len(list(store.rglob("*.safetensors"))) == 2
+    fresh = CachedEncoder(enc, cache=store, ram_cache=0)
+    same(fresh(x, ids=["parent", "child"]), enc(x))
+    assert fresh.stats["hits_store"] == 2
+
+
+def test_numpy_ids_are_keyed_like_tensor_ids(tmp_path) -> None:
+    """Issue 16 item 10: an id array (``ids=np.array([3, 4])``) and numpy scalar ids are keyed
+    by dtype and bytes, as a tensor of ids is, and what is still refused is named truly."""
+    np = pytest.importorskip("numpy")
+    enc = frozen(TinyConvEncoder())
+    ce = CachedEncoder(enc, cache=tmp_path / "store")
+    x = waves(2)
+    same(ce(x, ids=np.array([3, 4])), enc(x))
+    assert ce.stats["encoded"] == 2
+    same(ce(x, ids=[np.int64(3), np.int64(4)]), enc(x))  # the array's elements: the same keys
+    same(ce(x[:1], ids=(np.float32(3.0),)), enc(x[:1]))  # another dtype: another key
+    assert ce.stats["encoded"] == 3
+    ce.flush()
+    fresh = CachedEncoder(frozen(TinyConvEncoder()), cache=tmp_path / "store")
+    same(fresh(x[[1, 0]], ids=np.array([4, 3])), enc(x[[1, 0]]))  # from the store
+    assert fresh.stats["encoded"] == 0 and fresh.stats["hits_store"] == 2
+    with pytest.raises(ConfigError, match=r"type builtins\.dict") as refused:
+        ce(x[:1], ids=[{"utt": 1}])
+    assert "int64" not in str(refused.value)
+    with pytest.raises(ConfigError, match="dtype object"):
+        ce(x[:1], ids=[np.array([object()], dtype=object)])  # one row, its id an array
+
+
+def test_on_a_shared_filesystem_it_writes_fragments_never_the_catalog(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 27: CachedEncoder consulted no serving mode, so on NFS/Lustre it wrote
+    catalog.sqlite from every host. It now writes fragments as a dataset does; a merge folds
+    them, and a second encoder then serves every row from the store."""
+    import sqlite3
+
+    from featbake.store.fragments import merge
+    from featbake.store.layout import Layout
+    from featbake.upkeep import list_roots
+
+    monkeypatch.setenv("FEATBAKE_SHARED_FS", "1")
+    store = tmp_path / "store"
+    enc = frozen(Counting(TinyConvEncoder()))
+    ce = CachedEncoder(enc, cache=store)
+    x = waves(4)
+    ids = [f"utt{i}" for i in range(4)]
+    same(ce(x, ids=ids), enc.inner(x))
+    ce.flush()
+    if (store / "catalog.sqlite").exists():  # only the read-only opening may have made it
+        with sqlite3.connect(store / "catalog.sqlite") as conn:
+            assert conn.execute("SELECT count(*) FROM features").fetchone() == (0,)
+    assert list((store / "fragments").glob("*.serve.sqlite"))  # recorded for the merge
+    monkeypatch.setenv("FEATBAKE_SHARED_FS", "0")
+    merge(Layout(store))
+    roots = [r for r in list_roots(store) if r.data.startswith("cached-encoder:")]
+    assert len(roots) == 1 and roots[0].items == 4
+    enc2 = frozen(Counting(TinyConvEncoder()))
+    ce2 = CachedEncoder(enc2, cache=store, ram_cache=0)
+    same(ce2(x, ids=ids), enc2.inner(x))
+    assert enc2.rows == 0, "the merged fragments did not serve"
+
+
+# == test_cached_encoder_dtypes ====================================================================
+# CachedEncoder with ``dtype=``: rows stored (in RAM and in shards) as a build stores them,
+# served dequantised; misses and hits agree; each dtype has its own keys.
+
+
+def dtype_waves(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.stack([torch.from_numpy(make_tone(0.5, seed=seed + i)[:, 0]) for i in range(n)])
+
+
+def _quantised_now(encoder: nn.Module, x: torch.Tensor, scheme: Scheme, dtype: torch.dtype):
+    """The encoder's output now, each row quantised then dequantised (what a hit serves)."""
+    with torch.no_grad():
+        out = encoder(x)
+    return torch.stack([dequantize(quantize(row, scheme), scheme, dtype) for row in out])
+
+
+@pytest.mark.parametrize("dtype", ["int8", "fp8"])
+def test_misses_and_hits_serve_the_output_quantised(tmp_path: Path, dtype: str) -> None:
+    scheme = Scheme(dtype)
+    enc = frozen(TinyConvEncoder())
+    x = dtype_waves(4)
+    want = _quantised_now(enc, x, scheme, torch.float16)
+    cached = CachedEncoder(enc, cache=tmp_path / "c", dtype=dtype)
+    first = cached(x)  # every row a miss: encoded, quantised, kept packed
+    assert first.dtype == torch.float16 and torch.equal(first, want)
+    assert torch.equal(cached(x), want) and cached.cache_info()["hits_ram"] == 4
+    cached.flush()
+    # A fresh wrapper with no RAM tier reads the rows from the store's shards.
+    reader = CachedEncoder(enc, cache=tmp_path / "c", dtype=dtype, ram_cache=0)
+    assert torch.equal(reader(x), want) and reader.cache_info()["hits_store"] == 4
+    # What the shards hold is the packed form, byte for byte.
+    layout = Layout(tmp_path / "c")
+    with Catalog(layout) as cat:
+        keys = [k for (k,) in cat.conn.execute("SELECT key FROM features").fetchall()]
+    stored = FeatureReader(layout).get_many(keys)
+    assert {t[""].dtype for t in stored.values()} == {scheme.packed_dtype}
+    with torch.no_grad():
+        rows = enc(x)
+    packed = {quantize(r, scheme).numpy().tobytes() for r in rows}
+    assert {t[""].numpy().tobytes() for t in stored.values()} == packed
+
+
+def test_dtypes_have_their_own_keys_and_the_default_keeps_its_own(tmp_path: Path) -> None:
+    enc = frozen(TinyConvEncoder())
+    x = dtype_waves(2)
+    plain = CachedEncoder(enc, cache=tmp_path / "c")
+    with torch.no_grad():
+        assert torch.equal(plain(x), enc(x))  # unchanged: the encoder's own dtype and keys
+    plain.flush()
+    int8 = CachedEncoder(enc, cache=tmp_path / "c", dtype="int8", ram_cache=0)
+    int8(x)
+    assert int8.cache_info()["encoded"] == 2  # not served from the float rows
+    half = CachedEncoder(enc, cache=tmp_path / "c", dtype="float16", ram_cache=0)
+    with torch.no_grad():
+        assert torch.equal(half(x), enc(x).half())
+
+
+def test_serve_dtype_and_dict_outputs(tmp_path: Path) -> None:
+    enc = frozen(MultiOutputEncoder())
+    x = dtype_waves(3)
+    cached = CachedEncoder(enc, cache=tmp_path / "c", dtype="int8", serve_dtype="float32")
+    got = cached(x)
+    with torch.no_grad():
+        out = enc(x)
+    for name, value in out.items():
+        want = torch.stack(
+            [dequantize(quantize(r, Scheme.INT8), Scheme.INT8, torch.float32) for r in value]
+        )
+        assert got[name].dtype == torch.float32 and torch.equal(got[name], want), name
+
+
+def test_bad_dtype_options(tmp_path: Path) -> None:
+    enc = frozen(TinyConvEncoder())
+    with pytest.raises(ConfigError, match="unsupported stored dtype"):
+        CachedEncoder(enc, cache=tmp_path / "c", dtype="int4")
+    with pytest.raises(ConfigError, match="serve_dtype applies"):
+        CachedEncoder(enc, cache=tmp_path / "c", serve_dtype="float16")
+    with pytest.raises(ConfigError, match="apply to int8 and fp8"):
+        CachedEncoder(enc, cache=tmp_path / "c", dtype="float16", serve_dtype="float32")

@@ -1,0 +1,767 @@
+"""FeatureLoader (issue 19, items 2 and 3): batches read ahead on a thread, no worker processes,
+and the next items' reads started early for a store that is not in the page cache.
+
+It must yield exactly what a DataLoader over the same sampler order yields (labels through
+StackDataset included), every item equal to running the encoder now, and split epochs over
+ranks as DistributedSampler does; it hints each item of its own share once, before reading it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DataLoader, DistributedSampler, StackDataset, Subset
+
+from featbake import BlockSampler, CachedFeatureDataset, FeatureLoader, build, pad_collate
+from featbake.errors import CacheMiss, ConfigError, StoreError
+from featbake.serve.loader import SAMPLE, WARM_STREAK, ReadAhead
+from featbake.serve.sampling import EpochPlan
+from featbake.testing import drop_page_cache, write_audio_folder
+from tests.conftest import live_features
+
+
+class _Indexable(torch.utils.data.Dataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    n=st.integers(0, 40),
+    world=st.integers(1, 5),
+    data=st.data(),
+    shuffle=st.booleans(),
+    drop_last=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+    epoch=st.integers(0, 5),
+)
+def test_epoch_plan_is_distributed_samplers_order(
+    n: int, world: int, data: st.DataObject, shuffle: bool, drop_last: bool, seed: int, epoch: int
+) -> None:
+    rank = data.draw(st.integers(0, world - 1))
+    if n == 0 and not drop_last and world > 1:
+        return  # DistributedSampler itself divides by zero padding an empty dataset
+    sampler = DistributedSampler(
+        _Indexable(n),
+        num_replicas=world,
+        rank=rank,
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=drop_last,
+    )
+    sampler.set_epoch(epoch)
+    plan = EpochPlan(n, 3, shuffle, seed, epoch, rank, world, drop_last)
+    assert plan.indices() == list(sampler)
+    want = [b for b in DataLoader(_Indexable(n), 3, sampler=sampler, drop_last=drop_last)]
+    assert plan.batches() == [b.tolist() for b in want]
+    assert plan.batch_count() == len(want)
+
+
+def test_ranks_cover_every_index_each_epoch() -> None:
+    for epoch in range(3):
+        seen = [i for r in range(3) for i in EpochPlan(10, 4, True, 7, epoch, r, 3).indices()]
+        assert sorted(set(seen)) == list(range(10)) and len(seen) == 12  # 2 repeated to even out
+
+
+@pytest.fixture
+def baked(audio_dir: Path, encoder_file: Path, store_dir: Path) -> CachedFeatureDataset:
+    build(audio_dir, encoder_file, cache=store_dir, workers=0)
+    return CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+
+
+def _dataloader_batches(ds: object, seed: int, epoch: int, drop_last: bool = False) -> list:
+    sampler = DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=seed)  # type: ignore[arg-type]
+    sampler.set_epoch(epoch)
+    loader = DataLoader(
+        ds,  # type: ignore[arg-type]
+        batch_size=5,
+        sampler=sampler,
+        collate_fn=pad_collate,
+        drop_last=drop_last,
+    )
+    return list(loader)
+
+
+def _assert_same_batches(got: list, want: list) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert len(g) == len(w)
+        for a, b in zip(g, w, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_yields_the_dataloaders_batches_with_labels_and_live_features(
+    baked: CachedFeatureDataset, encoder_file: Path
+) -> None:
+    labels = torch.arange(len(baked)) * 10
+    ds = StackDataset(baked, labels)
+    loader = FeatureLoader(ds, batch_size=5, seed=3, prefetch=2)
+    assert len(loader) == 4  # 16 items
+    for epoch in range(2):
+        got = list(loader)  # each iter() is the next epoch
+        _assert_same_batches(got, _dataloader_batches(ds, 3, epoch))
+        seen = []
+        for padded, lengths, labs in got:
+            for row, n, label in zip(padded, lengths, labs, strict=True):
+                i = int(label) // 10
+                seen.append(i)
+                want = live_features(encoder_file, Path(baked.path(i)))
+                torch.testing.assert_close(row[:n], want, rtol=1e-5, atol=1e-5)
+                assert not row[n:].any()  # padding is zeros
+        assert sorted(seen) == list(range(len(baked)))
+    loader.set_epoch(0)
+    _assert_same_batches(list(loader), _dataloader_batches(ds, 3, 0))
+
+
+def test_drop_last_and_no_shuffle(baked: CachedFeatureDataset) -> None:
+    loader = FeatureLoader(baked, batch_size=5, shuffle=False, drop_last=True)
+    batches = list(loader)
+    assert len(batches) == len(loader) == 3
+    plain = DataLoader(baked, batch_size=5, collate_fn=pad_collate, drop_last=True)
+    _assert_same_batches(batches, list(plain))
+
+
+def test_misses_are_encoded_on_the_reader_thread(
+    audio_dir: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir)  # nothing built
+    for padded, _lengths in FeatureLoader(ds, batch_size=4, shuffle=False):
+        assert padded.shape[0] == 4
+    assert ds.cache_info().encoded == len(ds)
+    for i, (padded, lengths) in enumerate(FeatureLoader(ds, batch_size=1, shuffle=False)):
+        want = live_features(encoder_file, Path(ds.path(i)))
+        torch.testing.assert_close(padded[0, : lengths[0]], want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_read_error_reaches_the_training_loop_and_leaves_no_thread(
+    audio_dir: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    build(audio_dir / "fixed", encoder_file, cache=store_dir, workers=0)  # 4 of the 16 clips
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    with pytest.raises(CacheMiss):
+        for _ in FeatureLoader(ds, batch_size=4):
+            pass
+    assert not [t for t in threading.enumerate() if t.name == "featbake-loader"]
+
+
+class _OpensOnFirstUse(torch.utils.data.Dataset):
+    """Opens its CachedFeatureDataset at the first attribute it is asked for, in whichever
+    thread asks (as datasets that open their store lazily do): here, the loader's reader."""
+
+    def __init__(self, audio_dir: Path, encoder_file: Path, cache: Path) -> None:
+        self.args = (audio_dir, encoder_file, cache)
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getattr__(self, name: str) -> object:
+        if name.startswith("__") or name == "args":
+            raise AttributeError(name)
+        audio_dir, encoder_file, cache = self.args
+        return getattr(CachedFeatureDataset(audio_dir, encoder_file, cache=cache), name)
+
+    def __getitem__(self, i: int) -> object:
+        return self.__getattr__("will_need") and None
+
+
+def test_a_store_that_fails_to_open_in_the_reader_reaches_the_training_loop(
+    audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    (tmp_path / "a-file").write_text("not a store")
+    ds = _OpensOnFirstUse(audio_dir, encoder_file, tmp_path / "a-file" / "store")
+    raised: list[BaseException] = []
+
+    def train() -> None:
+        try:
+            for _ in FeatureLoader(ds, batch_size=4):
+                pass
+        except BaseException as e:  # whatever reached the loop is checked below
+            raised.append(e)
+
+    loop = threading.Thread(target=train, daemon=True)
+    loop.start()
+    loop.join(60)  # the old loader waited forever here
+    assert not loop.is_alive(), "the training loop is still waiting for a batch"
+    assert len(raised) == 1 and isinstance(raised[0], StoreError)
+    assert "cannot create the cache directory" in str(raised[0])
+    assert not [t for t in threading.enumerate() if t.name == "featbake-loader"]
+
+
+def test_stopping_early_stops_the_reader(baked: CachedFeatureDataset) -> None:
+    for _batch in FeatureLoader(baked, batch_size=2, prefetch=1):
+        break
+    assert not [t for t in threading.enumerate() if t.name == "featbake-loader"]
+
+
+def test_rank_and_world_come_from_torch_distributed(
+    baked: CachedFeatureDataset, tmp_path: Path
+) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        loader = FeatureLoader(baked, batch_size=4)
+        assert loader.seed == 0  # every rank must draw the same order: no random seed
+        assert len(loader) == 4
+    finally:
+        dist.destroy_process_group()
+    shard = FeatureLoader(baked, batch_size=4, rank=1, world_size=2, seed=5)
+    want = EpochPlan(len(baked), 4, True, 5, 0, 1, 2).batches()
+    got = [lengths.tolist() for _, lengths in shard]
+    assert [len(b) for b in want] == [len(g) for g in got]
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"prefetch": 0}, "prefetch"),
+        ({"read_ahead": -1}, "read_ahead"),
+        ({"read_ahead": True}, "read_ahead"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"rank": 1}, "both rank and world_size"),
+        ({"rank": 2, "world_size": 2}, "rank must be from 0"),
+        ({"shuffle": "shards"}, 'shuffle must be True, False or "blocks"'),
+        ({"batch_frames": 0}, "batch_frames must be a whole number from 1"),
+        ({"shuffle": "blocks", "window": 0}, "window must be a whole number from 1"),
+    ],
+)
+def test_bad_options_are_refused(baked: CachedFeatureDataset, kw: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        FeatureLoader(baked, **kw)
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(0, 30), batch=st.integers(1, 7), window=st.integers(0, 10))
+def test_read_ahead_hints_each_item_once_before_its_batch(n: int, batch: int, window: int) -> None:
+    batches = EpochPlan(n, batch, True, 1, 0).batches()
+    hinted: list[int] = []
+    ahead = ReadAhead(batches, window, hinted.extend)
+    order = [i for b in batches for i in b]
+    for b in range(len(batches)):
+        ahead.before(b)
+        if window:
+            end = sum(len(x) for x in batches[: b + 1])
+            assert hinted == order[: len(hinted)]  # in reading order, each once
+            assert end <= len(hinted) <= end + window  # this batch's items, and few more
+    assert hinted == (order if window else [])  # each once, in reading order
+
+
+def test_a_warm_store_is_hinted_by_sample_until_it_goes_cold() -> None:
+    n = WARM_STREAK + 20 * SAMPLE
+    batches = [[i] for i in range(n)]  # one item per step, in order
+    cold_from = WARM_STREAK + 10 * SAMPLE + 3  # items from here are not in the page cache
+    hinted: list[int] = []
+
+    def hint(idx: list[int]) -> int:
+        hinted.extend(idx)
+        return sum(i >= cold_from for i in idx)
+
+    ahead = ReadAhead(batches, 4, hint)
+    for b in range(n):
+        ahead.before(b)
+    last_warm = cold_from - cold_from % SAMPLE  # the last sample that found its item cached
+    assert hinted[:WARM_STREAK] == list(range(WARM_STREAK))  # every item, until the streak
+    sampled = [i for i in hinted if WARM_STREAK <= i <= last_warm]
+    assert sampled == list(range(WARM_STREAK, last_warm + 1, SAMPLE))  # then every SAMPLE-th
+    assert set(range(last_warm, n)) <= set(hinted)  # cold again: every item since that sample
+    assert len(hinted) == len(set(hinted))  # none twice
+
+
+def _spy(ds: CachedFeatureDataset, monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """Record each ``will_need`` call on ``ds`` (and still make it)."""
+    calls: list[list[int]] = []
+    real = ds.will_need
+
+    def will_need(indices: list[int]) -> int:
+        calls.append(list(indices))
+        return real(indices)
+
+    monkeypatch.setattr(ds, "will_need", will_need)
+    return calls
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="posix_fadvise is Linux's")
+def test_a_cold_store_is_read_ahead_and_served_as_encoded(
+    baked: CachedFeatureDataset,
+    encoder_file: Path,
+    store_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = _spy(baked, monkeypatch)
+    labels = torch.arange(len(baked)) * 10
+    ds = StackDataset(baked, labels)
+    for epoch, batch in enumerate((5, 1)):
+        drop_page_cache(store_dir)
+        calls.clear()
+        loader = FeatureLoader(ds, batch_size=batch, seed=4, read_ahead=3)
+        loader.set_epoch(epoch)
+        got = list(loader)
+        plan = EpochPlan(len(baked), batch, True, 4, epoch)
+        assert [i for c in calls for i in c] == plan.indices()  # each item hinted once, in order
+        assert calls[0] == plan.indices()[: batch + 3]  # the first batch and 3 items past it
+        sampler = DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=4)  # type: ignore[arg-type]
+        sampler.set_epoch(epoch)
+        want = list(DataLoader(ds, batch, sampler=sampler, collate_fn=pad_collate))  # type: ignore[arg-type]
+        _assert_same_batches(got, want)
+        for padded, lengths, labs in got:
+            for row, n, label in zip(padded, lengths, labs, strict=True):
+                live = live_features(encoder_file, Path(baked.path(int(label) // 10)))
+                torch.testing.assert_close(row[:n], live, rtol=1e-5, atol=1e-5)
+    assert baked.will_need(range(len(baked))) == 0  # all read: every page is cached now
+
+
+def test_ranks_and_subsets_hint_their_own_items(
+    baked: CachedFeatureDataset, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = _spy(baked, monkeypatch)
+    seen = []
+    labelled = StackDataset(baked, torch.arange(len(baked)))
+    for rank in range(3):
+        calls.clear()
+        loader = FeatureLoader(labelled, 4, seed=2, rank=rank, world_size=3)
+        labels = [int(i) for _, _, labs in loader for i in labs]
+        assert labels == EpochPlan(16, 4, True, 2, 0, rank, 3).indices()
+        assert [i for c in calls for i in c] == labels  # its own share, each once
+        seen += labels
+    assert set(seen) == set(range(len(baked)))  # every index once an epoch (2 repeated to even out)
+    calls.clear()
+    subset = Subset(baked, [15, 3, 9])
+    got = list(FeatureLoader(subset, 2, shuffle=False))
+    assert [i for c in calls for i in c] == [15, 3, 9]
+    torch.testing.assert_close(got[0][0][1, : got[0][1][1]], baked[3])
+    calls.clear()
+    assert len(list(FeatureLoader(baked, 2, read_ahead=0))) == 8 and calls == []
+
+
+RANK_SCRIPT = """\
+import json, sys
+import torch
+import torch.distributed as dist
+from torch.utils.data import StackDataset
+from featbake import CachedFeatureDataset, FeatureLoader
+
+data, encoder, store, out = sys.argv[1:5]
+dist.init_process_group("gloo")
+ds = CachedFeatureDataset(data, encoder, cache=store, on_miss="error")
+loader = FeatureLoader(StackDataset(ds, torch.arange(len(ds))), batch_size=3)
+epochs = []
+for epoch in range(2):
+    loader.set_epoch(epoch)
+    mine = [int(i) for _, _, labels in loader for i in labels]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    epochs.append(every)
+if dist.get_rank() == 0:
+    with open(out, "w") as f:
+        json.dump(epochs, f)
+dist.destroy_process_group()
+"""
+
+
+def test_two_torchrun_ranks_read_every_index_each_epoch(
+    baked: CachedFeatureDataset,
+    audio_dir: Path,
+    encoder_file: Path,
+    store_dir: Path,
+    tmp_path: Path,
+) -> None:
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "ranks.py"
+    script.write_text(RANK_SCRIPT)
+    out = tmp_path / "seen.json"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    repo = str(Path(__file__).resolve().parents[2])
+    args = [torchrun, "--nproc-per-node", "2", "--standalone", script]
+    res = subprocess.run(
+        [str(a) for a in (*args, audio_dir, encoder_file, store_dir, out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": repo},
+    )
+    assert res.returncode == 0, res.stderr
+    epochs = json.loads(out.read_text())
+    n = len(baked)  # 16: divides over 2 ranks, so each index is read exactly once
+    orders = []
+    for every in epochs:
+        assert [len(m) for m in every] == [n // 2, n // 2]
+        assert sorted(every[0] + every[1]) == list(range(n))
+        orders.append(every[0])
+    assert orders[0] != orders[1]  # set_epoch reshuffles
+
+
+def _npy_store(tmp_path: Path, n: int) -> tuple[CachedFeatureDataset, torch.nn.Module, Path]:
+    """A store of ``n`` items of ``[300, 1024]`` float32 (1.2 MB: batches of 2 are pooled)."""
+    import numpy as np
+
+    from featbake.recipe import Recipe
+
+    data = tmp_path / "arrays"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        np.save(data / f"a{i:02d}.npy", rng.standard_normal((300, 8)).astype(np.float32))
+    lin = torch.nn.Linear(8, 1024)
+    recipe = Recipe(source="npy")
+    build(data, lin, cache=tmp_path / "c", recipe=recipe, workers=0)
+    ds = CachedFeatureDataset(data, lin, cache=tmp_path / "c", recipe=recipe, on_miss="error")
+    return ds, lin, data
+
+
+def test_a_training_loop_reuses_the_loaders_batch_buffers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Behind a step the queue is full: prefetch batches, the reader's, the dataset's batch a
+    # collate copies from, and the loop's current and previous one are alive at once. The
+    # process's pool kept 3 buffers, so most batches were fresh mappings, page-faulted as they
+    # were read (3.4x the read's CPU time per batch on 2 CPUs).
+    import mmap
+    import time
+
+    from featbake.encode.sources import source_for
+    from featbake.recipe import Recipe
+
+    ds, lin, data = _npy_store(tmp_path, 16)
+    src = source_for(Recipe(source="npy"))
+    with torch.no_grad():
+        want = [lin(src.load(data / f"a{i:02d}.npy")) for i in range(len(ds))]
+
+    def check(batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        padded, lengths, idx = batch
+        assert padded.nbytes >= 1 << 20  # pooled, not the ordinary allocator's
+        for j, (n, i) in enumerate(zip(lengths.tolist(), idx.tolist(), strict=True)):
+            torch.testing.assert_close(padded[j, :n], want[i], rtol=1e-5, atol=1e-5)
+
+    made: list[int] = []
+    real = mmap.mmap
+
+    def counted(*args: object, **kw: object) -> mmap.mmap:
+        made.append(1)
+        return real(*args, **kw)  # type: ignore[arg-type]
+
+    loader = FeatureLoader(StackDataset(ds, torch.arange(len(ds))), batch_size=2, prefetch=2)
+    for epoch in range(2):
+        monkeypatch.setattr(mmap, "mmap", counted)
+        made.clear()
+        previous = None
+        for batch in loader:
+            time.sleep(0.03)  # a step: the reader fills the queue meanwhile
+            check(batch)
+            if previous is not None:
+                check(previous)  # the loop's previous batch was not written over
+            previous = batch
+        monkeypatch.undo()
+        if epoch == 1:  # the buffers of the first epoch serve the second: no new mapping
+            assert made == []
+
+
+# == test_loader_orders ============================================================================
+# FeatureLoader's orders beyond DistributedSampler's, on a real store (issue 30 items 2 and 3):
+# batches by length (``batch_frames``), planned from the catalog's lengths with no feature read, and
+# blocks of shards (``shuffle="blocks"``); every served feature checked against the encoder now.
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """48 clips of 0.5-15 s (speech-like mixed lengths: 50-1500 frames) baked in small shards."""
+    from featbake.testing import TinyConvEncoder, save_torchscript
+
+    root = tmp_path_factory.mktemp("mixed")
+    write_audio_folder(root / "audio", 48, seconds=(0.5, 15.0), seed=5)
+    enc = save_torchscript(TinyConvEncoder(), root / "encoder.pt")
+    build(root / "audio", enc, cache=root / "store", workers=0, shard_bytes=1 << 20)
+    return root / "audio", enc, root / "store"
+
+
+def test_batch_frames_keep_the_budget_with_little_padding_and_no_read_to_plan(
+    mixed: tuple[Path, Path, Path],
+) -> None:
+    audio, enc, store = mixed
+    ds = CachedFeatureDataset(audio, enc, cache=store, on_miss="error")
+    loader = FeatureLoader(ds, batch_frames=6000, seed=1)
+    assert len(loader) > 0 and ds.cache_info().store_reads == 0  # planned from the catalog
+    orders = []
+    for _ in range(2):
+        seen, real, padded_frames = [], 0, 0
+        batches = list(loader)
+        for padded, lengths in batches:
+            assert padded.shape[0] * padded.shape[1] <= 6000
+            real += int(lengths.sum())
+            padded_frames += padded.shape[0] * padded.shape[1]
+            seen.append([int(n) for n in lengths])
+        print(f"real frames {real / padded_frames:.3f}")
+        assert real / padded_frames >= 0.85
+        assert sum(len(s) for s in seen) == len(ds)
+        orders.append(seen)
+    assert orders[0] != orders[1]  # shuffled by epoch
+
+
+def test_batch_frames_serve_every_item_once_equal_to_live(mixed: tuple[Path, Path, Path]) -> None:
+    audio, enc, store = mixed
+    ds = CachedFeatureDataset(audio, enc, cache=store, on_miss="error")
+    labelled = torch.utils.data.StackDataset(ds, torch.arange(len(ds)))
+    seen = []
+    for padded, lengths, labels in FeatureLoader(labelled, batch_frames=6000, seed=2):
+        for row, n, i in zip(padded, lengths, labels, strict=True):
+            want = live_features(enc, Path(ds.path(int(i))))
+            torch.testing.assert_close(row[:n], want, rtol=1e-5, atol=1e-5)
+            seen.append(int(i))
+    assert sorted(seen) == list(range(len(ds)))
+
+
+def test_batch_frames_refuse_an_item_over_budget_and_items_not_stored(
+    mixed: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    audio, enc, store = mixed
+    ds = CachedFeatureDataset(audio, enc, cache=store, on_miss="error")
+    with pytest.raises(ConfigError, match="more than batch_frames=100"):
+        list(FeatureLoader(ds, batch_frames=100))
+    with pytest.warns(UserWarning, match="no featbake store"):
+        fresh = CachedFeatureDataset(audio, enc, cache=tmp_path / "empty")  # nothing stored
+    with pytest.raises(ConfigError, match="not stored yet"):
+        len(FeatureLoader(fresh, batch_frames=6000))
+    with pytest.raises(ConfigError, match="need a CachedFeatureDataset"):
+        len(FeatureLoader(list(range(10)), batch_frames=6000))
+
+
+def test_items_written_back_get_their_lengths_for_batch_frames(
+    audio_dir: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir)  # nothing built yet
+    for _ in FeatureLoader(ds, batch_size=4):  # epoch 1 encodes every item and writes it back
+        pass
+    ds.flush()  # sealed: the index points the items at their shard, with their lengths
+    got = []
+    for padded, lengths in FeatureLoader(ds, batch_frames=400):
+        assert padded.shape[0] * padded.shape[1] <= 400
+        got += lengths.tolist()
+    assert len(got) == len(ds) and ds.cache_info().encoded == len(ds)  # none encoded twice
+
+
+def open_at_once(shards: list[int]) -> int:
+    """The most shards "open" at one point of a reading order: a shard is open from its first
+    item read to its last."""
+    first = {s: shards.index(s) for s in set(shards)}
+    last = {s: len(shards) - 1 - shards[::-1].index(s) for s in set(shards)}
+    return max(
+        (sum(first[s] <= p <= last[s] for s in first) for p in range(len(shards))), default=0
+    )
+
+
+def test_block_shuffle_reads_every_item_once_a_window_of_shards_at_a_time(
+    mixed: tuple[Path, Path, Path],
+) -> None:
+    audio, enc, store = mixed
+    ds = CachedFeatureDataset(audio, enc, cache=store, on_miss="error")
+    shard_of = ds.placement().shards.tolist()
+    assert len(set(shard_of)) >= 6
+    labelled = torch.utils.data.StackDataset(ds, torch.arange(len(ds)))
+    loader = FeatureLoader(labelled, batch_size=4, shuffle="blocks", window=2, seed=3)
+    orders = []
+    for _ in range(2):
+        order = []
+        for padded, lengths, labels in loader:
+            for row, n, i in zip(padded, lengths, labels, strict=True):
+                want = live_features(enc, Path(ds.path(int(i))))
+                torch.testing.assert_close(row[:n], want, rtol=1e-5, atol=1e-5)
+                order.append(int(i))
+        assert sorted(order) == list(range(len(ds)))
+        assert open_at_once([shard_of[i] for i in order]) <= 2
+        orders.append(order)
+    assert orders[0] != orders[1]
+    # The same order for DataLoader users, through BlockSampler and set_epoch.
+    sampler = BlockSampler(labelled, seed=3, window=2)
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        assert list(sampler) == orders[epoch] and len(sampler) == len(ds)
+    dl = DataLoader(labelled, batch_size=4, sampler=sampler, collate_fn=pad_collate)
+    assert [int(i) for *_, labels in dl for i in labels] == orders[1]
+
+
+# == test_loader_resume ============================================================================
+# FeatureLoader's state (issue 30 item 1): stopped anywhere and resumed by a new loader with the
+# same arguments, it yields exactly the rest of the epoch (same items, order and batches, labels
+# included), then the epochs the uninterrupted loader would; under two gloo ranks each rank's own.
+# A state from another world size, or from options that give another order, is refused.
+
+KINDS = [
+    {"batch_size": 3},
+    {"batch_size": 3, "shuffle": False, "drop_last": True},
+    {"batch_frames": 400},
+    {"batch_size": 2, "shuffle": "blocks", "window": 2},
+]
+
+
+@pytest.fixture
+def resumable(audio_dir: Path, encoder_file: Path, store_dir: Path) -> CachedFeatureDataset:
+    build(audio_dir, encoder_file, cache=store_dir, workers=0, shard_bytes=4096)
+    return CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+
+
+def _epoch(loader: FeatureLoader, stop: int | None = None) -> list[tuple]:
+    """An epoch's batches, or its first ``stop`` (the training loop takes no more)."""
+    return list(itertools.islice(loader, stop))
+
+
+def _same(got: list[tuple], want: list[tuple]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        for a, b in zip(g, w, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kw", KINDS)
+def test_a_resumed_loader_yields_the_rest_of_the_epoch_then_the_next_ones(
+    resumable: CachedFeatureDataset, encoder_file: Path, kw: dict
+) -> None:
+    ds = StackDataset(resumable, torch.arange(len(resumable)))
+    whole = FeatureLoader(ds, seed=11, **kw)
+    epochs = [_epoch(whole) for _ in range(3)]
+    assert len(set(resumable.placement().shards.tolist())) >= 4  # blocks have shards to visit
+    for stop in range(len(epochs[1]) + 1):
+        first = FeatureLoader(ds, seed=11, **kw)
+        _epoch(first)
+        _epoch(first, stop)  # preempted after `stop` batches of epoch 1
+        state = json.loads(json.dumps(first.state_dict()))  # plain: survives any checkpoint
+        assert state["epoch"] == (1 if stop < len(epochs[1]) else 2)
+        again = FeatureLoader(ds, **kw)  # its own random seed: the state's wins
+        again.load_state_dict(state)
+        if state["epoch"] == 1:
+            rest = _epoch(again)
+            _same(rest, epochs[1][stop:])
+        _same(_epoch(again), epochs[2])
+    for padded, lengths, labels in epochs[1]:
+        for row, n, i in zip(padded, lengths, labels, strict=True):
+            want = live_features(encoder_file, Path(resumable.path(int(i))))
+            torch.testing.assert_close(row[:n], want, rtol=1e-5, atol=1e-5)
+
+
+def test_set_epoch_keeps_a_resumed_epoch_and_drops_it_for_another(
+    resumable: CachedFeatureDataset,
+) -> None:
+    first = FeatureLoader(resumable, batch_size=3, seed=2)
+    whole = [_epoch(first) for _ in range(2)]
+    first.set_epoch(1)
+    _epoch(first, 2)
+    state = first.state_dict()
+    assert (state["epoch"], state["position"]) == (1, 2)
+    again = FeatureLoader(resumable, batch_size=3, seed=2)
+    again.load_state_dict(state)
+    again.set_epoch(1)  # the usual loop calls set_epoch before each epoch
+    _same(_epoch(again), whole[1][2:])
+    again.load_state_dict(state)
+    again.set_epoch(0)
+    _same(_epoch(again), whole[0])
+
+
+def test_a_state_from_other_ranks_or_options_is_refused(
+    resumable: CachedFeatureDataset,
+) -> None:
+    state = FeatureLoader(resumable, batch_size=4, rank=0, world_size=2).state_dict()
+    with pytest.raises(ConfigError, match="saved over 2 ranks and this run has 1"):
+        FeatureLoader(resumable, batch_size=4).load_state_dict(state)
+    with pytest.raises(ConfigError, match="another order"):
+        FeatureLoader(resumable, batch_size=5, rank=1, world_size=2).load_state_dict(state)
+    with pytest.raises(ConfigError, match="another order"):
+        FeatureLoader(
+            resumable, batch_size=4, rank=1, world_size=2, even_batches=False
+        ).load_state_dict(state)
+    for bad in ({**state, "position": -1}, {**state, "epoch": "1"}, [1, 2]):
+        with pytest.raises(ConfigError, match="state"):
+            FeatureLoader(resumable, batch_size=4, rank=0, world_size=2).load_state_dict(bad)  # type: ignore[arg-type]
+
+
+RESUME_RANK_SCRIPT = """\
+import itertools, json, sys
+import torch
+import torch.distributed as dist
+from torch.utils.data import StackDataset, Subset
+from featbake import CachedFeatureDataset, FeatureLoader
+
+data, encoder, store, out = sys.argv[1:5]
+dist.init_process_group("gloo")
+ds = CachedFeatureDataset(data, encoder, cache=store, on_miss="error")
+ds = Subset(StackDataset(ds, torch.arange(len(ds))), range(15))  # 15: 2 ranks cannot split it
+labels = lambda loader, stop=None: [b[2].tolist() for b in itertools.islice(loader, stop)]
+report = {}
+for name, kw in {"items": {"batch_size": 3}, "frames": {"batch_frames": 300},
+                 "uneven": {"batch_size": 3, "even_batches": False},
+                 "frames-uneven": {"batch_frames": 300, "even_batches": False}}.items():
+    whole = FeatureLoader(ds, **kw)
+    epochs = [labels(whole) for _ in range(2)]
+    first = FeatureLoader(ds, **kw)
+    stop = dist.get_rank() + 1  # each rank stops at its own place
+    labels(first, stop)
+    again = FeatureLoader(ds, **kw)
+    again.load_state_dict(first.state_dict())
+    resumed = [labels(again), labels(again)]
+    mine = {"epochs": epochs, "resumed": resumed, "stop": stop}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    report[name] = every
+if dist.get_rank() == 0:
+    with open(out, "w") as f:
+        json.dump(report, f)
+dist.destroy_process_group()
+"""
+
+
+def _torchrun(script: str, tmp_path: Path, *args: object) -> dict:
+    path = tmp_path / "ranks.py"
+    path.write_text(script)
+    out = tmp_path / "report.json"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    repo = str(Path(__file__).resolve().parents[2])
+    cmd = [torchrun, "--nproc-per-node", "2", "--standalone", path, *args, out]
+    res = subprocess.run(
+        [str(a) for a in cmd],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": repo},
+    )
+    assert res.returncode == 0, res.stderr
+    report: dict = json.loads(out.read_text())
+    return report
+
+
+def test_two_gloo_ranks_resume_their_own_epochs_and_even_batches_false_repeats_nothing(
+    resumable: CachedFeatureDataset,
+    audio_dir: Path,
+    encoder_file: Path,
+    store_dir: Path,
+    tmp_path: Path,
+) -> None:
+    report = _torchrun(RESUME_RANK_SCRIPT, tmp_path, audio_dir, encoder_file, store_dir)
+    n = 15  # of the 16 items: one over an even split
+    for name, ranks in report.items():
+        for r in ranks:
+            stop = r["stop"]
+            assert r["resumed"] == [r["epochs"][0][stop:], r["epochs"][1]], name
+        counts = [len(r["epochs"][0]) for r in ranks]
+        seen = sorted(i for r in ranks for b in r["epochs"][0] for i in b)
+        if name.endswith("uneven"):  # for evaluation: each item read exactly once
+            assert seen == list(range(n)), name
+        else:  # every rank takes as many steps, as DDP needs (items or batches repeated)
+            assert counts[0] == counts[1] and set(seen) == set(range(n)), name
+    assert [sum(map(len, r["epochs"][0])) for r in report["uneven"]] == [8, 7]
+    assert [sum(map(len, r["epochs"][0])) for r in report["items"]] == [8, 8]

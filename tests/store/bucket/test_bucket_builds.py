@@ -1,0 +1,177 @@
+"""Builds into a bucket that are killed, split over nodes, merged, killed mid-merge, and
+served misses written back: every run ends with every feature served equal to live encoding."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from featbake import CachedFeatureDataset
+from featbake.encode.sources import source_for
+from featbake.store.bucket import BucketStore, merge_bucket
+from featbake.store.open import open_store
+from featbake.testing import TinyConvEncoder, write_audio_folder
+from tests.conftest import REPO, encoded_rows, invoke, live_features, run_cli
+from tests.store.bucket.conftest import S3
+
+ENCODER = "countenc:build"
+
+
+def build_args(data: Path, url: str) -> list[object]:
+    args: list[object] = ["build", "-e", ENCODER, "-d", data, "--cache", url, "--workers", "0"]
+    return [*args, "--shard-size", "1KiB", "--batch-size", "1"]  # one shard per input
+
+
+def node(s3: S3, name: str, tmp_path: Path, counting: dict[str, str]) -> dict[str, str]:
+    """The environment of a process on node ``name``: its own local tier."""
+    return {**s3.env, **counting, "FEATBAKE_LOCAL_CACHE": str(tmp_path / f"node-{name}")}
+
+
+def assert_bucket_serves_live(s3: S3, data: Path, tmp_path: Path) -> None:
+    """A fresh node serves every input from the bucket (on_miss="error"), equal to live
+    encoding by the same encoder (the counting encoder is a TinyConvEncoder, seed 0)."""
+    ds = CachedFeatureDataset(
+        data, ENCODER, cache=s3.url, local_cache=tmp_path / "reader", on_miss="error"
+    )
+    module = TinyConvEncoder().eval()
+    source = source_for(ds.recipe)
+    for i in range(len(ds)):
+        with torch.inference_mode():
+            want = module(source.load(Path(ds.path(i))).unsqueeze(0))[0]
+        torch.testing.assert_close(ds[i], want)
+
+
+@pytest.fixture
+def clips(tmp_path: Path) -> Path:
+    data = tmp_path / "clips"
+    write_audio_folder(data, 24, seconds=(0.2, 0.4), seed=11)
+    return data
+
+
+@pytest.mark.slow
+def test_a_build_killed_mid_run_is_finished_by_a_rerun_on_another_node(
+    s3: S3, clips: Path, tmp_path: Path, counting_encoder: dict[str, str], monkeypatch
+) -> None:
+    monkeypatch.syspath_prepend(counting_encoder["PYTHONPATH"].split(os.pathsep)[1])
+    env = {**os.environ, **node(s3, "a", tmp_path, counting_encoder), "COUNT_DELAY": "0.15"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "featbake", *map(str, build_args(clips, s3.url))],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while len(s3.objects("fragments/")) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    uploaded = len(s3.objects("fragments/"))
+    first_run = len(encoded_rows(counting_encoder))
+    assert uploaded >= 3 and first_run < 24
+    assert not s3.objects("catalog/")  # killed before it published anything
+
+    rerun = run_cli(*build_args(clips, s3.url), env=node(s3, "b", tmp_path, counting_encoder))
+    assert rerun.returncode == 0, rerun.stderr
+    # The rerun, on a node with an empty tier, skipped what the killed run's uploaded
+    # fragments held (one input each): at most what was in the writer's hands is encoded twice.
+    assert len(encoded_rows(counting_encoder)) <= 24 + (first_run - uploaded)
+    assert not s3.objects("fragments/")
+    assert_bucket_serves_live(s3, clips, tmp_path)
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_build_into_a_bucket_and_rank_0_publishes(
+    s3: S3, clips: Path, tmp_path: Path, counting_encoder: dict[str, str], monkeypatch
+) -> None:
+    monkeypatch.syspath_prepend(counting_encoder["PYTHONPATH"].split(os.pathsep)[1])
+    env = {**os.environ, **node(s3, "a", tmp_path, counting_encoder), "OMP_NUM_THREADS": "1"}
+    torchrun = Path(sys.executable).with_name("torchrun")
+    args = [torchrun, "--nproc-per-node", "2", "--standalone", "-m", "featbake"]
+    done = subprocess.run(
+        [str(a) for a in [*args, *build_args(clips, s3.url)]],
+        capture_output=True, text=True, env=env, timeout=300, cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted(encoded_rows(counting_encoder)) == sorted(set(encoded_rows(counting_encoder)))
+    assert len(encoded_rows(counting_encoder)) == 24  # each input once, across both ranks
+    assert s3.objects("catalog/") == ["catalog/v000000001.sqlite"]
+    assert not s3.objects("fragments/")
+    assert_bucket_serves_live(s3, clips, tmp_path)
+
+
+def test_parts_built_on_two_nodes_are_merged_from_a_third(
+    s3: S3, clips: Path, tmp_path: Path, counting_encoder: dict[str, str], monkeypatch
+) -> None:
+    monkeypatch.syspath_prepend(counting_encoder["PYTHONPATH"].split(os.pathsep)[1])
+    for i, name in enumerate("ab"):
+        part = invoke(
+            *build_args(clips, s3.url), "--shard", f"{i}/2",
+            env=node(s3, name, tmp_path, counting_encoder),
+        )  # fmt: skip
+        assert part.returncode == 0, part.stderr
+    assert not s3.objects("catalog/") and s3.objects("fragments/")
+    merged = invoke("merge", "--cache", s3.url, env=node(s3, "c", tmp_path, counting_encoder))
+    assert merged.returncode == 0, merged.stderr
+    assert "1 roots published" in merged.stdout or "roots published" in merged.stdout
+    assert s3.objects("catalog/") == ["catalog/v000000001.sqlite"]
+    assert not s3.objects("fragments/")
+    assert len(encoded_rows(counting_encoder)) == 24
+    assert_bucket_serves_live(s3, clips, tmp_path)
+
+
+@pytest.mark.parametrize("step", ["rows", "published"])
+def test_a_merge_killed_at_any_step_loses_nothing(
+    s3: S3, clips: Path, tmp_path: Path, counting_encoder: dict[str, str], step: str, monkeypatch
+) -> None:
+    monkeypatch.syspath_prepend(counting_encoder["PYTHONPATH"].split(os.pathsep)[1])
+    for i in range(2):
+        part = run_cli(
+            *build_args(clips, s3.url), "--shard", f"{i}/2",
+            env=node(s3, "a", tmp_path, counting_encoder),
+        )  # fmt: skip
+        assert part.returncode == 0, part.stderr
+    killer = (
+        "import os, sys\n"
+        "from featbake.store.open import open_store\n"
+        "from featbake.store.bucket import merge_bucket\n"
+        "def hook(step):\n"
+        f"    if step == {step!r}: os.kill(os.getpid(), 9)\n"
+        f"merge_bucket(open_store({s3.url!r}).remote, between=hook)\n"
+    )
+    env = {**os.environ, **node(s3, "m", tmp_path, counting_encoder), "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", killer], env=env, capture_output=True)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    assert s3.objects("fragments/")  # nothing deleted before the version was published
+    rerun = merge_bucket(_store(s3.url, tmp_path / "node-m2"))
+    assert rerun.fragments >= 2
+    assert not s3.objects("fragments/")
+    assert_bucket_serves_live(s3, clips, tmp_path)
+
+
+def _store(url: str, tier: Path) -> BucketStore:
+    store = open_store(url, local_cache=tier).remote
+    assert isinstance(store, BucketStore)
+    return store
+
+
+def test_misses_served_from_a_bucket_are_written_back_and_merged(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "t1")
+    for i in range(len(ds)):
+        torch.testing.assert_close(ds[i], live_features(encoder_file, Path(ds.path(i))))
+    ds.close()  # seals the write-back shard: its fragment and shard go to the bucket
+    assert s3.objects("fragments/") and s3.objects("shards/")
+    other_node = {**s3.env, "FEATBAKE_LOCAL_CACHE": str(tmp_path / "t2")}
+    merged = invoke("merge", "--cache", s3.url, env=other_node)
+    assert merged.returncode == 0, merged.stderr
+    again = CachedFeatureDataset(
+        audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "t3", on_miss="error"
+    )
+    for i in range(len(again)):
+        torch.testing.assert_close(again[i], live_features(encoder_file, Path(again.path(i))))

@@ -1,0 +1,172 @@
+"""A bucket store meets faults: a corrupted object, a server that drops connections mid-body,
+no credentials, a missing bucket, a tier budget smaller than the data. Nothing wrong is served."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from featbake import CachedFeatureDataset
+from featbake.bake.pipeline import build
+from featbake.errors import ConfigError, StoreCorrupt, StoreError
+from featbake.store.bucket import Bucket
+from featbake.store.url import BucketURL
+from tests.conftest import invoke, live_features
+from tests.store.bucket.conftest import S3
+from tests.store.bucket.faults import DroppingProxy
+
+
+def bake(data: Path, encoder: Path, where: object, **kw: object):
+    return build(data, encoder, cache=where, workers=0, shard_bytes=60_000, **kw)
+
+
+def serve(s3: S3, data: Path, encoder: Path, tier: Path, **kw: object) -> CachedFeatureDataset:
+    return CachedFeatureDataset(
+        data, encoder, cache=s3.url, local_cache=tier, on_miss="error", **kw
+    )
+
+
+def assert_live(ds: CachedFeatureDataset, encoder: Path) -> None:
+    for i in range(len(ds)):
+        torch.testing.assert_close(ds[i], live_features(encoder, Path(ds.path(i))))
+
+
+def deleted_open_bytes(under: Path) -> int:
+    """Bytes of unlinked shard files under ``under`` this process still holds open (only there:
+    an earlier test in the same process may hold its own store's deleted shards)."""
+    held = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith(f"{under}/") and target.endswith(".safetensors (deleted)"):
+                held += os.fstat(int(fd)).st_size
+        except OSError:
+            continue
+    return held
+
+
+def shard_objects(s3: S3) -> list[str]:
+    return [o for o in s3.objects("shards/")]
+
+
+def test_a_corrupted_object_is_fetched_again_then_named_in_the_error(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    bake(audio_dir, encoder_file, s3.url)
+    bucket = Bucket(BucketURL.parse(s3.url))
+    victim = shard_objects(s3)[0]
+    local = tmp_path / "victim"
+    bucket.download(victim, local)
+    data = bytearray(local.read_bytes())
+    data[-10] ^= 0xFF  # a tensor's bytes, past the header
+    local.write_bytes(bytes(data))
+    bucket.upload(victim, local)
+    ds = serve(s3, audio_dir, encoder_file, tmp_path / "tier")
+    with pytest.raises(StoreCorrupt, match=rf"{victim} fails its checksums .* on 2 downloads"):
+        for i in range(len(ds)):
+            ds[i]
+    assert not list((tmp_path / "tier").rglob(Path(victim).name))  # never kept in the tier
+
+
+def test_connections_dropped_mid_body_are_retried_and_nothing_wrong_is_served(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bake(audio_dir, encoder_file, s3.url)
+    upstream = int(s3.endpoint.rsplit(":", 1)[1])
+    with DroppingProxy(upstream, drops=3, after=20_000) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        ds = serve(s3, audio_dir, encoder_file, tmp_path / "tier")
+        assert_live(ds, encoder_file)
+        assert proxy.dropped == 3
+
+
+def test_a_server_that_always_drops_gives_one_clear_error(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bake(audio_dir, encoder_file, s3.url)
+    upstream = int(s3.endpoint.rsplit(":", 1)[1])
+    with DroppingProxy(upstream, drops=0, after=20_000) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        ds = serve(s3, audio_dir, encoder_file, tmp_path / "tier")  # the catalog came whole
+        proxy.drops_left = 10_000  # from now on every answer is cut after 20 kB
+        with pytest.raises(StoreError, match=r"cannot download s3://.*shards/.*after 4 tries"):
+            ds[0]
+
+
+def test_no_credentials_and_no_bucket_are_one_line_each(
+    s3: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    missing = invoke("stats", "--cache", "s3://no-such-bucket-here/x", cwd=tmp_path)
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    nowhere = str(tmp_path / "none")
+    env = {"AWS_SHARED_CREDENTIALS_FILE": nowhere, "AWS_CONFIG_FILE": nowhere}
+    done = invoke("stats", "--cache", s3.url, env={**env, "AWS_EC2_METADATA_DISABLED": "true"})
+    for proc, words in ((done, "no credentials"), (missing, "does not exist")):
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert proc.returncode == 5, proc.stderr
+        assert len(lines) == 1 and words in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_the_tier_stays_within_its_budget_and_refuses_one_smaller_than_a_shard(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whole-shard fetches into a tier smaller than the store (by default such a tier reads
+    by ranges: tests/store/bucket/test_bucket.py)."""
+    monkeypatch.setenv("FEATBAKE_BUCKET_READS", "whole")
+    bake(audio_dir, encoder_file, s3.url)
+    sizes = [o.size for o in Bucket(BucketURL.parse(s3.url)).list("shards/")]
+    assert len(sizes) >= 3
+    budget = max(sizes) * 2
+    ds = serve(s3, audio_dir, encoder_file, tmp_path / "tier", local_cache_size=budget)
+    tier = ds._layout.remote.tier  # type: ignore[union-attr]
+    order = list(range(len(ds)))
+    random.Random(0).shuffle(order)
+    for _ in range(2):
+        for i in order:
+            torch.testing.assert_close(ds[i], live_features(encoder_file, Path(ds.path(i))))
+            assert tier.used_bytes() <= budget
+            # Evicted files this process held open are closed before the download that
+            # needed their space (an open file keeps it): on disk, too, within budget.
+            assert tier.used_bytes() + deleted_open_bytes(tmp_path / "tier") <= budget
+    assert tier.fetched > len(sizes)  # shards were evicted and fetched again
+    tiny = serve(s3, audio_dir, encoder_file, tmp_path / "tiny", local_cache_size=100)
+    with pytest.raises(ConfigError, match=r"budget .* cannot hold"):
+        tiny[0]
+
+
+def test_denied_access_and_a_throttled_server_say_what_to_do() -> None:
+    """moto does not enforce policies: botocore's own error objects stand in for AWS's answers."""
+    from botocore.exceptions import ClientError
+
+    from featbake.store.bucket import raise_translated
+
+    bucket = Bucket(BucketURL.parse("s3://team/features"))
+    denied = ClientError({"Error": {"Code": "AccessDenied", "Message": "no"}}, "GetObject")
+    with pytest.raises(StoreError, match=r"access to s3://team/features/x was denied.*AWS_PROFILE"):
+        raise_translated(bucket, "x", denied)
+    slow = ClientError({"Error": {"Code": "SlowDown", "Message": "rate"}}, "GetObject")
+    with pytest.raises(StoreError, match=r"s3://team/features/x: SlowDown"):
+        raise_translated(bucket, "x", slow)  # what is left after botocore's retries
+
+
+def test_a_tier_whose_bucket_was_emptied_is_not_trusted(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    """The tier held version 1 of a bucket that was then emptied (or replaced by another
+    store of the same name): a build must encode again, not reuse the tier's catalog."""
+    tier = tmp_path / "tier"
+    from featbake.store.open import open_store
+
+    bake(audio_dir, encoder_file, open_store(s3.url, local_cache=tier))
+    bucket = Bucket(BucketURL.parse(s3.url))
+    bucket.delete(o.name for o in bucket.list(""))
+    report = bake(audio_dir, encoder_file, open_store(s3.url, local_cache=tier))
+    assert report.encoded == 16 and report.reused == 0
+    fresh = serve(s3, audio_dir, encoder_file, tmp_path / "fresh")
+    for i in range(len(fresh)):
+        torch.testing.assert_close(fresh[i], live_features(encoder_file, Path(fresh.path(i))))

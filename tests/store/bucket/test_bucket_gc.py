@@ -1,0 +1,216 @@
+"""gc on a bucket store while readers hold an older catalog version: nothing a kept version
+names is deleted within the retention period; after it, a reader of the old version encodes
+what it lost live. Every served feature is compared with running the encoder now. gc and verify
+are one algorithm over a place: the same tests run on a directory and on a bucket."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from featbake import CachedFeatureDataset
+from featbake.bake.pipeline import build
+from featbake.errors import ConfigError
+from featbake.store.bucket import Bucket, BucketStore, shard_object
+from featbake.store.catalog import RACY_NS
+from featbake.store.layout import Layout
+from featbake.store.open import open_store, place_of
+from featbake.store.shard import write_shard
+from featbake.store.url import BucketURL
+from featbake.upkeep import GcOptions, execute_gc, gc, plan_gc, verify
+from featbake.upkeep.check import verify_named
+from tests.conftest import invoke, live_features
+from tests.helpers import age
+from tests.store.bucket.conftest import S3
+
+HOUR = 3600.0
+
+
+def bucket(url: str, tier: Path) -> BucketStore:
+    store = open_store(url, local_cache=tier).remote
+    assert isinstance(store, BucketStore)
+    return store
+
+
+def assert_live(ds: CachedFeatureDataset, encoder: Path) -> None:
+    for i in range(len(ds)):
+        torch.testing.assert_close(ds[i], live_features(encoder, Path(ds.path(i))))
+
+
+def readers_hash_the_inputs_again(data: Path) -> None:
+    """Give the inputs a stat the build's hash rows do not match, older than the racy window
+    when the readers open: the readers then record hash rows, and seal them in serving
+    fragments, whatever the machine's speed. Before, whether they did depended on it: files
+    hashed by the build within 1 s of being written are racy, their rows dropped, and the
+    readers recorded them; on a busy machine the build came later, kept the rows, the readers
+    had nothing to record, and gc found no fragment (2 catalog versions, not 3)."""
+    for wav in data.rglob("*.wav"):
+        age(wav, 60.0)  # same bytes, same keys; a new mtime (and ctime)
+    time.sleep(RACY_NS / 1e9 + 0.1)  # a lower bound on time passed: the same on any machine
+
+
+def test_gc_keeps_what_an_older_version_names_until_the_retention_period_passes(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
+    shards = s3.objects("shards/")
+    readers_hash_the_inputs_again(audio_dir)
+    # Two readers open the store now (version 1), before gc drops the root.
+    holder = CachedFeatureDataset(
+        audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "r1", on_miss="error"
+    )
+    late = CachedFeatureDataset(
+        audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "r2", write_back=False
+    )
+    later = time.time() + 100  # the root is unused for 100 s: --older-than 1s drops it
+    first = gc(
+        bucket(s3.url, tmp_path / "gc").layout, GcOptions(older_than=1.0, retention=HOUR), now=later
+    )
+    assert first.published and first.roots_dropped
+    assert first.shards_deleted == 0 and first.versions_deleted == 0
+    # gc folded the readers' serving fragments first (version 2; issue 28 item 7), then
+    # published its own change (version 3).
+    assert s3.objects("shards/") == shards and len(s3.objects("catalog/")) == 3
+    assert_live(holder, encoder_file)  # read from the bucket through version 1: stored, not live
+    assert holder.cache_info().encoded == 0
+
+    second = gc(
+        bucket(s3.url, tmp_path / "gc").layout, GcOptions(retention=HOUR), now=later + 2 * HOUR
+    )
+    assert second.versions_deleted == 2 and second.shards_deleted == len(shards)
+    assert not s3.objects("shards/") and s3.objects("catalog/") == ["catalog/v000000003.sqlite"]
+    # A reader still on version 1 after the retention period: its shards are gone, so it
+    # encodes live (this one never fetched them), and serves nothing wrong.
+    assert_live(late, encoder_file)
+    assert late.cache_info().encoded == len(late)
+
+
+def test_gc_keeps_young_unnamed_shards_and_the_cli_says_so(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
+    time.sleep(1.5)  # the root is now unused for longer than --older-than 1s
+    dry = invoke("gc", "--cache", s3.url, "--older-than", "1s", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert "dry run" in dry.stdout and "would delete 0 old catalog versions" in dry.stdout
+    done = invoke("gc", "--cache", s3.url, "--older-than", "1s")
+    assert done.returncode == 0, done.stderr
+    # The root went in a new version; its shards are unnamed now but young: kept (7 days).
+    assert "unnamed shards kept" in done.stdout and s3.objects("shards/")
+    assert len(s3.objects("catalog/")) == 2
+
+
+def test_a_reader_whose_shards_gc_deleted_finds_a_rebuild_through_the_newest_version(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
+    reader = CachedFeatureDataset(
+        audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "r", write_back=False
+    )
+    later = time.time() + 100
+    store = bucket(s3.url, tmp_path / "gc")
+    gc(store.layout, GcOptions(older_than=1.0, retention=HOUR), now=later)
+    gc(store.layout, GcOptions(retention=HOUR), now=later + 2 * HOUR)
+    assert not s3.objects("shards/")
+    # Built again by another node, into other shards (another shard size: other names).
+    again = open_store(s3.url, local_cache=tmp_path / "other")
+    build(audio_dir, encoder_file, cache=again, workers=0, shard_bytes=200_000)
+    assert s3.objects("shards/")
+    assert_live(reader, encoder_file)  # its version-1 shards are gone: looked up in the newest
+    assert reader.cache_info().encoded == 0
+
+
+# -- one gc, one verify, any place (issue 27 item 1) ----------------------------------------------
+@pytest.fixture(params=["directory", "bucket"])
+def place_store(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A store to build into: a directory, or a bucket on the loopback server."""
+    if request.param == "bucket":
+        return request.getfixturevalue("s3").url
+    return str(tmp_path / "store")
+
+
+def plant_unnamed_shard(store: str, tmp: Path) -> str:
+    """A sound shard the place holds and nothing names (a build killed before its commit)."""
+    layout = open_store(store)
+    scratch = layout if layout.remote is None else Layout(tmp / "scratch")
+    sealed = write_shard(scratch, {"a" * 64: torch.ones(3)}, "e" * 64, "r" * 64)
+    if layout.remote is not None:
+        Bucket(BucketURL.parse(store)).upload(shard_object(sealed.name), sealed.path)
+    return sealed.name
+
+
+def test_one_gc_plans_commits_and_sweeps_a_directory_and_a_bucket_alike(
+    place_store: str, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    report = build(audio_dir, encoder_file, cache=place_store, workers=0, shard_bytes=60_000)
+    orphan = plant_unnamed_shard(place_store, tmp_path)
+    later = time.time() + 2 * HOUR  # the root is unused, the orphan older than either age
+    opts = GcOptions(older_than=1.0, grace=HOUR, retention=HOUR)
+
+    plan = plan_gc(place_store, opts, now=later)  # the same frozen plan, whatever the place
+    assert [d.name for d in plan.drop_roots] == [report.root]
+    assert [Path(h.name).stem for h in plan.orphan_shards] == [orphan]
+    assert len(plan.unreached) == 16 and plan.changes_catalog
+    result = execute_gc(plan)
+    assert result.roots_dropped == [report.root] and result.rows_deleted == 16
+    assert result.published and result.orphans_removed == 1
+    place = place_of(open_store(place_store))
+    assert orphan not in place.shard_objects()
+    # The next run sweeps what the dropped root's shards were (a directory already deleted
+    # them with their rows; a bucket's retired version named them): nothing is left.
+    gc(place_store, GcOptions(grace=HOUR, retention=HOUR), now=later + 2 * HOUR)
+    assert place.shard_objects() == {} and place.named_shards() == {}
+    assert plan_gc(place_store, opts, now=later + 2 * HOUR).nothing_to_do
+
+
+def test_the_python_gc_and_the_cli_agree_on_either_place(
+    place_store: str, audio_dir: Path, encoder_file: Path
+) -> None:
+    report = build(audio_dir, encoder_file, cache=place_store, workers=0, shard_bytes=60_000)
+    time.sleep(1.1)  # the root is now unused for longer than --older-than 1s
+    args = ("gc", "--cache", place_store, "--older-than", "1s", "--json")
+    dry = invoke(*args, "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    said = json.loads(dry.stdout)["plan"]
+    planned = gc(place_store, GcOptions(older_than=1.0), dry_run=True)
+    assert [d["name"] for d in said["roots_dropped"]] == planned.roots_dropped == [report.root]
+    assert said["unreached_features"] == planned.rows_deleted == 16
+    assert said["store"] == str(place_of(open_store(place_store)))
+    done = invoke(*args)
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout)["result"]
+    assert got["roots_dropped"] == planned.roots_dropped and got["published"]
+    assert got["rows_deleted"] == planned.rows_deleted
+    assert gc(place_store, GcOptions(older_than=1.0), dry_run=True).rows_deleted == 0
+
+
+def test_verify_reads_what_either_place_names_and_repair_is_the_place_s_call(
+    place_store: str, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    build(audio_dir, encoder_file, cache=place_store, workers=0, shard_bytes=60_000)
+    layout = open_store(place_store)
+    place = place_of(layout)
+    assert verify_named(layout).status == "clean"  # one check of the place's own bytes
+    name = sorted(place.named_shards())[0]
+    bad = tmp_path / "bad.safetensors"
+    place.download_shard(name, bad)
+    data = bytearray(bad.read_bytes())
+    data[-10] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    if layout.remote is None:
+        layout.shard_path(name).chmod(0o644)
+        layout.shard_path(name).write_bytes(bytes(data))
+    else:
+        Bucket(BucketURL.parse(place_store)).upload(shard_object(name), bad)
+    (finding,) = verify_named(layout).remaining
+    assert finding.subject == place.shard_where(name) and finding.kind == "corrupt-shard"
+    assert verify(place_store).status == "damaged"
+    if place.repair_refusal() is None:
+        assert verify(place_store, repair_damage=True).status == "repaired"
+    else:
+        with pytest.raises(ConfigError, match="not built for a bucket store"):
+            verify(place_store, repair_damage=True)

@@ -1,0 +1,734 @@
+"""`featbake merge`: fragments of sharded builds folded into the catalog, idempotently.
+
+Parts are built in-process with ``build(..., shard="i/N")`` (the same code path as the CLI's
+``--shard``); readers and the merge itself run as separate processes where concurrency is
+what is tested.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import soundfile
+import torch
+from torch.utils.data import DataLoader
+
+from featbake.bake.pipeline import build
+from featbake.errors import ShardMissing, StoreCorrupt, StoreError
+from featbake.serve.dataset import CachedFeatureDataset
+from featbake.serve.state import TOUCH_FLUSH_SECONDS, TOUCH_FLUSH_SECONDS_SHARED, WRITEBACK_SECONDS
+from featbake.store.catalog import Catalog, RootSpec, hash_cache_rows
+from featbake.store.fragments import (
+    BuildInfo,
+    FragmentCatalog,
+    FragmentKind,
+    RankPart,
+    fragment_shard_names,
+    merge,
+    pending_builds,
+    read_fragment,
+    sealed_fragments,
+    write_fragment,
+)
+from featbake.store.layout import Layout, SharedFilesystemWarning
+from featbake.store.shard import SealedShard, ShardEntry, write_shard
+from featbake.testing import make_tone, write_audio_folder
+from tests.conftest import REPO, invoke, live_features, run_cli
+from tests.helpers import assert_store_consistent, stored_features
+
+
+def catalog_dump(store: Path) -> dict[str, list[tuple]]:
+    """Every row of every table, sorted, plus the root manifest files: the store's whole index."""
+    conn = sqlite3.connect(store / "catalog.sqlite")
+    try:
+        tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+        dump = {t: sorted(conn.execute(f"SELECT * FROM {t}").fetchall()) for t in tables}
+    finally:
+        conn.close()
+    dump["root files"] = sorted(
+        (p.name, p.read_text()) for p in (store / "roots").glob("*.json")
+    )  # fmt: skip
+    return dump
+
+
+def build_parts(data: Path, encoder: Path, store: Path, world: int, ranks=None) -> None:
+    for rank in range(world) if ranks is None else ranks:
+        report = build(data, encoder, cache=store, workers=0, shard=f"{rank}/{world}")
+        assert report.ok and report.fragment
+
+
+def assert_equals_live(store: Path, data: Path, encoder: Path) -> None:
+    (root,) = Catalog(Layout(store)).roots()
+    got = stored_features(store, root.name)
+    assert sorted(got) == sorted(p.relative_to(data).as_posix() for p in data.rglob("*.wav"))
+    for rel, parts in got.items():
+        torch.testing.assert_close(parts[""], live_features(encoder, data / rel))
+    assert_store_consistent(store)
+
+
+def test_merge_publishes_the_whole_manifest_and_twice_changes_nothing(
+    tmp_path: Path, audio_dir: Path, encoder_file: Path
+) -> None:
+    store = tmp_path / "store"
+    build_parts(audio_dir, encoder_file, store, 3)
+    assert not (store / "catalog.sqlite").exists()
+    report = merge(Layout(store))
+    assert len(report.roots) == 1 and report.fragments >= 3 and not report.pending
+    assert sealed_fragments(Layout(store)) == []
+    assert_equals_live(store, audio_dir, encoder_file)
+    # The manifest is the one a single process publishes: same paths, same keys, same order.
+    single = tmp_path / "single"
+    build(audio_dir, encoder_file, cache=single, workers=0)
+    name = Catalog(Layout(single)).roots()[0].name
+    assert Catalog(Layout(store)).root_items(name) == Catalog(Layout(single)).root_items(name)
+
+    first = catalog_dump(store)
+    again = merge(Layout(store))
+    assert (again.roots, again.fragments, again.new_features) == ([], 0, 0)
+    assert catalog_dump(store) == first
+
+
+class Killed(Exception):
+    """Stands for SIGKILL at one step of a merge."""
+
+
+@pytest.mark.parametrize("step", ["root", "rows", "hashes"])
+def test_a_merge_killed_at_any_step_then_rerun_gives_the_same_catalog(
+    tmp_path: Path, audio_dir: Path, encoder_file: Path, step: str
+) -> None:
+    store = tmp_path / "store"
+    build_parts(audio_dir, encoder_file, store, 2)
+    straight = tmp_path / "straight"
+    shutil.copytree(store, straight)
+    merge(Layout(straight))
+
+    def die(at: str) -> None:
+        if at == step:
+            raise Killed(at)
+
+    with pytest.raises(Killed):
+        merge(Layout(store), between=die)
+    assert len(sealed_fragments(Layout(store))) >= 2  # fragments go only after the fold
+    merge(Layout(store))
+    assert catalog_dump(store) == catalog_dump(straight)
+    assert_equals_live(store, audio_dir, encoder_file)
+
+
+def test_a_build_with_a_part_missing_stays_pending(
+    tmp_path: Path, audio_dir: Path, encoder_file: Path
+) -> None:
+    store = tmp_path / "store"
+    other = tmp_path / "other"
+    write_audio_folder(other, 3, seconds=0.4, seed=4)
+    build(other, encoder_file, cache=store, workers=0)  # a catalog with one root already
+    build_parts(audio_dir, encoder_file, store, 2, ranks=[1])
+    report = merge(Layout(store))
+    assert report.roots == [] and len(report.pending) == 1
+    assert report.pending[0].ranks_done == (1,) and report.pending[0].world == 2
+    assert len(Catalog(Layout(store)).roots()) == 1  # not published: it would be partial
+    for command in ("roots", "stats"):
+        shown = invoke(command, "--cache", store)
+        assert shown.returncode == 0, shown.stderr
+        assert "pending" in shown.stdout and "1 of 2 ranks done" in shown.stdout
+
+    build_parts(audio_dir, encoder_file, store, 2, ranks=[0])
+    assert all(
+        f.kind in (FragmentKind.PART, FragmentKind.DONE) for f in sealed_fragments(Layout(store))
+    )
+    merged = invoke("merge", "--cache", store)
+    assert merged.returncode == 0 and "1 roots published" in merged.stdout
+    assert pending_builds(Layout(store)) == []
+    assert len(Catalog(Layout(store)).roots()) == 2
+
+
+def file_digest(path: Path) -> str:
+    """The bytes' digest; a missing file counts as empty (a read-only reader of a WAL database
+    may create the empty -wal file SQLite expects, which writes nothing)."""
+    return hashlib.sha256(path.read_bytes() if path.exists() else b"").hexdigest()
+
+
+def test_a_rank_never_writes_the_shared_catalog(
+    tmp_path: Path, audio_dir: Path, encoder_file: Path
+) -> None:
+    store = tmp_path / "store"
+    other = tmp_path / "other"
+    write_audio_folder(other, 3, seconds=0.4, seed=4)
+    build(other, encoder_file, cache=store, workers=0)
+    files = [store / "catalog.sqlite", store / "catalog.sqlite-wal"]
+    before = [file_digest(p) for p in files]
+    build_parts(audio_dir, encoder_file, store, 2)
+    assert [file_digest(p) for p in files] == before
+    assert merge(Layout(store)).roots
+
+
+READER = """
+import sys, time
+from pathlib import Path
+import torch
+from featbake import CachedFeatureDataset
+from featbake.encode.encoders import torchscript_quietly
+from featbake.encode.sources import source_for
+from featbake.recipe import Recipe
+
+data, encoder, store, stop, ready = sys.argv[1:6]
+with torchscript_quietly():
+    module = torch.jit.load(encoder)
+ds = CachedFeatureDataset(data, encoder=encoder, cache=store, on_miss="error")
+src = source_for(Recipe())
+with torch.inference_mode():
+    want = [module(src.load(ds.path(i)).unsqueeze(0))[0] for i in range(len(ds))]
+Path(ready).touch()
+passes = 0
+while not Path(stop).exists() or passes == 0:
+    for i in range(len(ds)):
+        torch.testing.assert_close(ds[i], want[i])
+    passes += 1
+print(passes)
+"""
+
+
+@pytest.mark.filterwarnings("ignore::featbake.store.layout.SharedFilesystemWarning")
+@pytest.mark.parametrize("shared_fs", ["0", "1"])
+def test_two_processes_read_one_store_while_a_merge_runs(
+    tmp_path: Path, audio_dir: Path, encoder_file: Path, shared_fs: str, monkeypatch
+) -> None:
+    monkeypatch.setenv("FEATBAKE_SHARED_FS", shared_fs)
+    store = tmp_path / "store"
+    served = tmp_path / "served"
+    write_audio_folder(served, 6, seconds=(0.3, 0.8), seed=8)
+    build(served, encoder_file, cache=store, workers=0)
+    # Many small shards, so the merge has many transactions to interleave with the readers.
+    for rank in range(2):
+        build(audio_dir, encoder_file, cache=store, workers=0, shard=f"{rank}/2", shard_bytes=1)
+    (tmp_path / "reader.py").write_text(READER)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "FEATBAKE_SHARED_FS": shared_fs}
+
+    def stop_ready(i: int) -> list[Path]:
+        return [tmp_path / "stop", tmp_path / f"ready{i}"]
+
+    readers = [
+        subprocess.Popen(
+            [sys.executable, tmp_path / "reader.py", served, encoder_file, store, *stop_ready(i)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"ready{i}").exists() for i in range(2)):
+        assert time.monotonic() < deadline and all(r.poll() is None for r in readers)
+        time.sleep(0.05)
+    merged = run_cli("merge", "--cache", store, env={"FEATBAKE_SHARED_FS": shared_fs})
+    (tmp_path / "stop").touch()
+    for r in readers:
+        out, err = r.communicate(timeout=120)
+        assert r.returncode == 0, err
+        assert int(out.split()[-1]) >= 1
+    assert merged.returncode == 0, merged.stderr
+    assert "1 roots published" in merged.stdout
+    assert len(Catalog(Layout(store)).roots()) == 2
+    mode = sqlite3.connect(store / "catalog.sqlite").execute("PRAGMA journal_mode").fetchone()
+    assert mode == (("delete",) if shared_fs == "1" else ("wal",))
+
+
+def test_gc_keeps_the_shards_of_a_build_not_merged_yet(
+    tmp_path: Path, audio_dir: Path, encoder_file: Path
+) -> None:
+    store = tmp_path / "store"
+    other = tmp_path / "other"
+    write_audio_folder(other, 3, seconds=0.4, seed=4)
+    build(other, encoder_file, cache=store, workers=0)
+    build_parts(audio_dir, encoder_file, store, 2, ranks=[0])
+    gc = invoke("gc", "--grace", "0s", "--cache", store)  # no grace: only fragments protect
+    assert gc.returncode == 0, gc.stderr
+    build_parts(audio_dir, encoder_file, store, 2, ranks=[1])
+    report = merge(Layout(store))
+    assert report.missing_shards == [] and report.roots
+    name = next(r.name for r in Catalog(Layout(store)).roots() if r.data == str(audio_dir))
+    assert len(stored_features(store, name)) == len(list(audio_dir.rglob("*.wav")))
+
+
+def write_as_legacy_fragment(path: Path, version: int) -> None:
+    """Rewrite a sealed fragment in the tables of fragment format 1 or 2 (before format 3 made
+    a fragment a catalog), as a featbake of that format wrote them."""
+    conn = sqlite3.connect(path)
+    conn.executescript(
+        """
+        CREATE TABLE entries AS SELECT s.name AS shard, f.key, f.part, f.dtype, f.shape, f.nbytes
+            FROM features f JOIN shards s ON s.id = f.shard_id;
+        CREATE TABLE old_shards AS SELECT name, bytes, encoder_fp, recipe_fp FROM shards;
+        CREATE TABLE items AS SELECT idx, path, key FROM root_items;
+        CREATE TABLE hashes AS SELECT path, size, mtime_ns, inode, sha256, ctime_ns, recorded_ns
+            FROM hash_cache;
+        DROP TABLE features; DROP TABLE shards; DROP TABLE root_items; DROP TABLE roots;
+        DROP TABLE hash_cache; DROP TABLE encoders;
+        ALTER TABLE old_shards RENAME TO shards;
+        DELETE FROM meta WHERE name = 'schema_version';
+        """
+    )
+    if version == 1:
+        conn.execute("DROP TABLE uses")
+    conn.execute("UPDATE meta SET value=? WHERE name='format_version'", (str(version),))
+    conn.commit()
+    conn.close()
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_fragments_of_older_formats_are_still_merged(
+    tmp_path: Path, audio_dir: Path, encoder_file: Path, version: int
+) -> None:
+    store = tmp_path / "store"
+    build_parts(audio_dir, encoder_file, store, 2)
+    for frag in sealed_fragments(Layout(store)):
+        write_as_legacy_fragment(frag.path, version)
+    assert merge(Layout(store)).roots
+    with Catalog(Layout(store)) as cat:  # the hash rows came over too
+        assert len(hash_cache_rows(cat)) >= len(list(audio_dir.rglob("*.wav")))
+    assert_equals_live(store, audio_dir, encoder_file)
+
+
+def test_a_merge_points_rows_of_a_lost_shard_file_at_the_new_copy(
+    tmp_path: Path, audio_dir: Path, encoder_file: Path
+) -> None:
+    """A catalog row naming a lost shard file, and a fragment holding that tensor in another
+    shard: the merge (rows copied through ATTACH) points the row at the new shard."""
+    store = tmp_path / "store"
+    layout = Layout(store)
+    build_parts(audio_dir, encoder_file, store, 2)
+    merge(layout)
+    with Catalog(layout) as cat:
+        lost = cat.shard_rows()[0]
+        entries = tuple(
+            ShardEntry(f.key, f.part, f.dtype, tuple(json.loads(f.shape)), f.nbytes)
+            for f in cat.features_of_shard(lost.id)
+        )
+    # The same bytes under another name stand for a shard another writer sealed meanwhile.
+    moved = hashlib.sha256(lost.name.encode()).hexdigest()
+    layout.shard_path(moved).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(layout.shard_path(lost.name), layout.shard_path(moved))
+    layout.shard_path(lost.name).unlink()
+    shard = SealedShard(
+        moved, layout.shard_path(moved), lost.bytes, lost.encoder_fp, lost.recipe_fp, entries
+    )
+    info = BuildInfo("c" * 32, 0, 1, "", "", "", "", lost.encoder_fp, "", {})
+    write_fragment(layout, info, FragmentKind.SERVE, [shard])
+
+    report = merge(layout)
+    assert report.new_features == len(entries) > 0
+    with Catalog(layout) as cat:
+        assert {loc.shard for e in entries for loc in cat.locate(e.key)} == {moved}
+        assert lost.name not in {s.name for s in cat.shard_rows()}
+        (root,) = cat.roots()
+    got = stored_features(store, root.name)
+    for rel, parts in got.items():
+        torch.testing.assert_close(parts[""], live_features(encoder_file, audio_dir / rel))
+    assert len(got) == len(list(audio_dir.rglob("*.wav")))
+
+
+# == test_serving_fragments ========================================================================
+# Serving on a shared filesystem (issue 10, items 3 and 4): the catalog only read, writes in
+# ``serve`` fragments, ``featbake merge`` folding them in, and DDP ranks reading while it runs.
+#
+# ``FEATBAKE_SHARED_FS=1`` forces the mode. Everything is real: builds, SQLite files, DataLoader
+# workers, ``featbake merge`` / ``gc`` / ``verify`` as subprocesses, torchrun with gloo; every
+# served feature is compared with running the encoder now.
+
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+SHARED = {"FEATBAKE_SHARED_FS": "1"}
+
+# Said once per store and process; the tests that check the line catch it themselves.
+pytestmark = pytest.mark.filterwarnings("ignore::featbake.store.layout.SharedFilesystemWarning")
+
+
+class FakeClock:
+    """A monotonic clock that moves only when told to."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def add_new_files(data: Path, n: int, seed: int = 70) -> list[Path]:
+    """Files the build never saw: a dataset over ``data`` misses them."""
+    new = [data / f"zz_new{j}.wav" for j in range(n)]
+    for j, path in enumerate(new):
+        soundfile.write(path, make_tone(0.4 + 0.1 * j, seed=seed + j), 16000)
+    return new
+
+
+def catalog_state(store: Path) -> tuple[bytes, int, list[str]]:
+    """The catalog's bytes, its mtime and the SQLite files beside it."""
+    cat = store / "catalog.sqlite"
+    return cat.read_bytes(), cat.stat().st_mtime_ns, sorted(p.name for p in store.glob("catalog*"))
+
+
+def serve_fragments(store: Path) -> list[Path]:
+    return [f.path for f in sealed_fragments(Layout(store)) if f.kind is FragmentKind.SERVE]
+
+
+def cataloged_shards(store: Path) -> set[str]:
+    conn = sqlite3.connect(f"file:{store / 'catalog.sqlite'}?mode=ro", uri=True)
+    try:
+        return {name for (name,) in conn.execute("SELECT name FROM shards")}
+    finally:
+        conn.close()
+
+
+def assert_serves_live(ds: CachedFeatureDataset, encoder: Path) -> None:
+    for i in range(len(ds)):
+        torch.testing.assert_close(ds[i], live_features(encoder, Path(ds.path(i))), **TOL)
+
+
+def test_a_dataset_reads_the_catalog_only_and_writes_back_to_fragments_that_merge_folds_in(
+    audio_dir: Path, encoder_file: Path, store_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FEATBAKE_SHARED_FS", "1")  # DataLoader workers inherit it
+    build(audio_dir, encoder_file, cache=store_dir, workers=0)
+    new = add_new_files(audio_dir, 3)
+    before = catalog_state(store_dir)
+    with pytest.warns(SharedFilesystemWarning) as said:
+        ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir)
+    lines = [str(w.message) for w in said if "read-only" in str(w.message)]
+    assert len(lines) == 1 and "featbake merge" in lines[0] and "\n" not in lines[0]
+    assert ds.stored() == len(ds) - len(new)
+
+    # One epoch in two workers: hits are read, the misses encoded and written back.
+    loader = DataLoader(ds, batch_size=3, num_workers=2, collate_fn=list)
+    got = [item for batch in loader for item in batch]
+    for i, feat in enumerate(got):
+        torch.testing.assert_close(feat, live_features(encoder_file, Path(ds.path(i))), **TOL)
+    assert catalog_state(store_dir) == before  # not a byte written, no journal left behind
+    frags = serve_fragments(store_dir)
+    written = fragment_shard_names(Layout(store_dir)) - cataloged_shards(store_dir)
+    assert frags and written  # the workers' shards are named by fragments, not by rows
+    assert all(Layout(store_dir).shard_path(n).is_file() for n in written)
+
+    # Before any merge another dataset finds them in the fragments (on_miss="error": no encoding).
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SharedFilesystemWarning)  # said once per store
+        again = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    assert again.stored() == len(again)
+    assert_serves_live(again, encoder_file)
+    again.close()
+    assert catalog_state(store_dir) == before
+
+    roots = invoke("roots", "--cache", store_dir, env=SHARED)
+    assert roots.returncode == 0 and "serving fragments" in roots.stdout, roots.stderr
+    # gc keeps shards that only unmerged fragments name, even with no grace period.
+    gc = invoke("gc", "--grace", "0s", "--cache", store_dir, env=SHARED)
+    assert gc.returncode == 0, gc.stderr
+    assert all(Layout(store_dir).shard_path(n).is_file() for n in written)
+
+    merged = invoke("merge", "--cache", store_dir, env=SHARED)
+    assert merged.returncode == 0, merged.stderr
+    assert "merged" in merged.stdout and serve_fragments(store_dir) == []
+    assert written <= cataloged_shards(store_dir)
+    fresh = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    assert fresh.stored() == len(fresh)
+    assert_serves_live(fresh, encoder_file)
+    assert fresh.cache_info().encoded == 0
+    fresh.close()  # seals its last uses (and hash rows no longer racy): folded by a merge
+    assert serve_fragments(store_dir)
+    assert invoke("merge", "--cache", store_dir, env=SHARED).returncode == 0
+    gc = invoke("gc", "--grace", "0s", "--cache", store_dir, env=SHARED)
+    assert gc.returncode == 0, gc.stderr
+    assert all(Layout(store_dir).shard_path(n).is_file() for n in written)  # the root has them
+    verify = invoke("verify", "--cache", store_dir, env=SHARED)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    assert invoke("merge", "--cache", store_dir, env=SHARED).stdout.strip() == "nothing to merge"
+
+
+def test_the_writer_serves_its_write_back_and_last_uses_reach_the_catalog_through_merge(
+    audio_dir: Path, encoder_file: Path, store_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FEATBAKE_SHARED_FS", "1")
+    build(audio_dir, encoder_file, cache=store_dir, workers=0)
+    with Catalog(Layout(store_dir)) as cat:
+        cat.conn.execute("UPDATE features SET last_used=0")
+    (new,) = add_new_files(audio_dir, 1)
+    before = catalog_state(store_dir)
+    clock = FakeClock()
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, clock=clock)
+    miss = next(i for i in range(len(ds)) if ds.path(i) == str(new))
+    want = live_features(encoder_file, new)
+    torch.testing.assert_close(ds[miss], want, **TOL)
+    clock.now += WRITEBACK_SECONDS + 1
+    hits = [i for i in range(len(ds)) if i != miss]
+    ds[hits[0]]  # past its age: the write-back shard is sealed, with a fragment naming it
+    assert len(serve_fragments(store_dir)) >= 1 and ds.stored() == len(ds)
+    reads = ds.cache_info().store_reads
+    torch.testing.assert_close(ds[miss], want, **TOL)  # read back from its shard, not encoded
+    assert ds.cache_info().encoded == 1 and ds.cache_info().store_reads == reads + 1
+
+    # Last uses: not every 30 s as in the catalog, but every 10 minutes, one fragment each.
+    def with_uses() -> int:
+        return sum(
+            bool(read_fragment(p, Layout(store_dir)).uses) for p in serve_fragments(store_dir)
+        )
+
+    clock.now += TOUCH_FLUSH_SECONDS
+    for _ in range(300):  # past 256 reads: upkeep runs
+        ds[hits[1]]
+    assert with_uses() == 0
+    clock.now += TOUCH_FLUSH_SECONDS_SHARED
+    for _ in range(300):
+        ds[hits[1]]
+    assert with_uses() == 1
+    assert catalog_state(store_dir) == before
+    ds.close()
+
+    report = merge(Layout(store_dir))
+    assert report.serving_fragments >= 2 and report.new_features == 1
+    with Catalog(Layout(store_dir)) as cat:
+        used = dict(cat.conn.execute("SELECT key, last_used FROM features").fetchall())
+    assert used[ds.key(hits[1])] > 0 and used[ds.key(miss)] > 0  # the miss: its shard's time
+    assert used[ds.key(hits[2])] == 0  # never read
+
+
+def test_merge_keeps_a_root_built_after_the_dataset_made_its_manifest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FEATBAKE_SHARED_FS", "1")
+    layout = Layout(tmp_path / "store").ensure()
+    args = {"data": "/d", "encoder_label": "e", "encoder_fp": "e" * 64, "recipe_fp": "r" * 64}
+    with Catalog(layout) as cat:
+        cat.replace_root(RootSpec("r", **args, recipe={}), [("a.wav", "k1")], now=1.0)
+    served = FragmentCatalog(layout)
+    served.replace_root(RootSpec("r", **args, recipe={}), [("a.wav", "k1"), ("b.wav", "k2")])
+    served.close()
+    merge(Layout(layout.root))
+    with Catalog(layout) as cat:  # the dataset's manifest is newer than the catalog's: it wins
+        assert [tuple(x) for x in cat.root_items("r")] == [("a.wav", "k1"), ("b.wav", "k2")]
+        served = FragmentCatalog(layout)
+        served.replace_root(RootSpec("r", **args, recipe={}), [("old.wav", "k0")])
+        served.close()  # its fragment is sealed now ...
+        later = time.time() + 60
+        cat.replace_root(
+            RootSpec("r", **args, recipe={}), [("c.wav", "k3")], now=later
+        )  # ... a build
+    report = merge(Layout(layout.root))
+    assert report.serving_fragments == 1 and report.roots == []
+    with Catalog(layout) as cat:
+        assert [tuple(x) for x in cat.root_items("r")] == [("c.wav", "k3")]
+
+
+DDP_READER = """
+import sys
+from pathlib import Path
+import torch
+import torch.distributed as dist
+from torch.utils.data import DistributedSampler
+from featbake.serve.dataset import CachedFeatureDataset
+from featbake.encode.encoders import torchscript_quietly
+from featbake.encode.sources import source_for
+from featbake.recipe import Recipe
+
+data, encoder, store, tmp = sys.argv[1:5]
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+with torchscript_quietly():
+    module = torch.jit.load(encoder)
+ds = CachedFeatureDataset(data, encoder=encoder, cache=store)
+src = source_for(Recipe())
+with torch.inference_mode():
+    want = [module(src.load(ds.path(i)).unsqueeze(0))[0] for i in range(len(ds))]
+sampler = DistributedSampler(ds, shuffle=True, seed=0)
+Path(tmp, f"ready{rank}").touch()
+epoch = reads = 0
+while not Path(tmp, "stop").exists() or epoch < 3:
+    sampler.set_epoch(epoch)
+    for i in sampler:
+        torch.testing.assert_close(ds[i], want[i], rtol=1e-5, atol=1e-6)
+        reads += 1
+    ds.flush()  # seal this epoch's write-back (a fragment), as a worker does when it exits
+    epoch += 1
+    Path(tmp, f"epoch{rank}").touch()
+dist.barrier()
+Path(tmp, f"result{rank}").write_text(f"{reads} {ds.cache_info().encoded}")
+ds.close()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_two_ddp_ranks_read_one_shared_store_while_a_merge_runs(
+    tmp_path: Path, audio_dir: Path, encoder_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FEATBAKE_SHARED_FS", "1")
+    store = tmp_path / "store"
+    served = tmp_path / "served"
+    write_audio_folder(served, 6, seconds=(0.3, 0.8), seed=8)
+    build(served, encoder_file, cache=store, workers=0)
+    new = add_new_files(served, 3)  # misses: each rank writes back what it meets
+    # A sharded build not merged yet, in many small shards: the merge has much to fold.
+    for rank in range(2):
+        build(audio_dir, encoder_file, cache=store, workers=0, shard=f"{rank}/2", shard_bytes=1)
+    (tmp_path / "reader.py").write_text(DDP_READER)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **SHARED}
+    torchrun = Path(sys.executable).with_name("torchrun")
+    ranks = subprocess.Popen(
+        [torchrun, "--nproc-per-node", "2", "--standalone", tmp_path / "reader.py", served,
+         encoder_file, store, tmp_path],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+    )  # fmt: skip
+    deadline = time.monotonic() + 240
+    while not all((tmp_path / f"epoch{r}").exists() for r in range(2)):
+        assert time.monotonic() < deadline and ranks.poll() is None, ranks.communicate()
+        time.sleep(0.05)
+    assert serve_fragments(store)  # the ranks' write-back, waiting for a merge
+    merged = run_cli("merge", "--cache", store, "--json", env=SHARED)  # while both ranks read
+    (tmp_path / "stop").touch()
+    out, err = ranks.communicate(timeout=240)
+    assert ranks.returncode == 0, out + err
+    assert merged.returncode == 0, merged.stderr
+    report = json.loads(merged.stdout)
+    assert report["serving_fragments"] >= 2 and report["roots"] and not report["missing_shards"]
+    results = [(tmp_path / f"result{r}").read_text().split() for r in range(2)]
+    assert all(int(reads) > 0 for reads, _ in results)
+    assert sum(int(encoded) for _, encoded in results) >= len(new)  # each miss, once or twice
+
+    final = run_cli("merge", "--cache", store, env=SHARED)  # what they wrote after the merge
+    assert final.returncode == 0, final.stderr
+    verify = run_cli("verify", "--cache", store, env=SHARED)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    ds = CachedFeatureDataset(served, encoder_file, cache=store, on_miss="error")
+    assert ds.stored() == len(ds) == 9
+    assert_serves_live(ds, encoder_file)
+    ds.close()
+    other = CachedFeatureDataset(audio_dir, encoder_file, cache=store, on_miss="error")
+    assert other.stored() == len(other) == 16
+    other.close()
+
+
+def test_an_unreadable_serving_fragment_is_named_with_what_moving_it_aside_loses(
+    tmp_path: Path,
+) -> None:
+    layout = Layout(tmp_path / "store").ensure()
+    FragmentCatalog(layout).touch(["k" * 64])
+    (path,) = serve_fragments(layout.root)
+    path.write_bytes(b"not sqlite" * 100)
+    with pytest.raises(StoreCorrupt, match=r"serving fragment .* encoded again when next needed"):
+        merge(layout)
+    path.rename(tmp_path / "aside.sqlite")
+    assert merge(layout).serving_fragments == 0
+
+
+KILLED_WRITER = """
+import sqlite3, sys, time
+conn = sqlite3.connect(sys.argv[1], isolation_level=None)
+conn.execute("PRAGMA cache_size=1")  # dirty pages spill into the file: the journal is hot
+conn.execute("BEGIN IMMEDIATE")
+conn.executemany(
+    "INSERT INTO hash_cache(path, size, mtime_ns, inode, sha256) VALUES (?, 0, 0, 0, '')",
+    [(f"/killed/{i:05d}/" + "x" * 200,) for i in range(3000)],
+)
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.slow
+def test_a_writer_killed_mid_transaction_is_named_and_the_next_merge_rolls_it_back(
+    tmp_path: Path, audio_dir: Path, encoder_file: Path, store_dir: Path, monkeypatch
+) -> None:
+    """In rollback-journal mode a writer killed mid-transaction leaves a hot journal that a
+    read-only reader cannot roll back: the dataset says what to run, and merge does it."""
+    monkeypatch.setenv("FEATBAKE_SHARED_FS", "1")
+    build(audio_dir, encoder_file, cache=store_dir, workers=0)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", KILLED_WRITER, store_dir / "catalog.sqlite"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert writer.stdout is not None and writer.stdout.readline().strip() == "ready"
+    writer.kill()
+    writer.wait()
+    assert (store_dir / "catalog.sqlite-journal").exists()
+    with pytest.raises(StoreError, match=r"killed mid-transaction.*featbake merge"):
+        CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    merged = run_cli("merge", "--cache", store_dir, env=SHARED)
+    assert merged.returncode == 0, merged.stderr
+    assert not (store_dir / "catalog.sqlite-journal").exists()
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    assert ds.stored() == len(ds) == 16
+    assert_serves_live(ds, encoder_file)
+    ds.close()
+    verify = run_cli("verify", "--cache", store_dir, env=SHARED)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def test_one_fragment_catalog_seals_a_ranks_part_and_done_and_a_readers_serve_fragments(
+    tmp_path: Path,
+) -> None:
+    """Issue 27: one FragmentCatalog, one seal path, for a build rank (``part`` per shard, then
+    ``done`` with its manifest slice) and a serving process (``serve``), told apart by its
+    ``fragmented`` property, not its class; a serving one is used from any thread (a
+    finalizer's), and what another thread sealed is read back here before any merge."""
+    layout = Layout(tmp_path / "store").ensure()
+    efp, rfp = "e" * 64, "r" * 64
+    built, served = "a" * 64, "b" * 64
+    spec = RootSpec("r", "/d", "enc", efp, rfp, {})
+    rank = FragmentCatalog(layout, RankPart(0, 1, [("a.wav", 10)]))
+    with Catalog(layout) as cat:
+        assert rank.fragmented and not cat.fragmented
+    rank.record_encoder(efp, "enc", "torchscript")
+    rank.replace_root(spec, [("a.wav", built)])
+    rank.add_shard(write_shard(layout, {built: torch.ones(3)}, efp, rfp))
+    assert rank.finish() is not None
+    rank.close()
+    assert sorted(n.kind for n in sealed_fragments(layout)) == [
+        FragmentKind.DONE,
+        FragmentKind.PART,
+    ]
+
+    reader = FragmentCatalog(layout)
+    assert reader.fragmented and reader.kind is FragmentKind.SERVE
+    shard = write_shard(layout, {served: torch.full((2,), 2.0)}, efp, rfp)
+    sealer = threading.Thread(target=reader.add_shard, args=(shard,))  # e.g. a finalizer
+    sealer.start()
+    sealer.join()
+    assert [loc.shard for loc in reader.locate(served)] == [shard.name]  # no merge yet
+    reader.close()
+    serve = [n for n in sealed_fragments(layout) if n.kind is FragmentKind.SERVE]
+    assert len(serve) == 1 and serve[0].build_id == reader.serve_id
+
+    merge(layout)
+    with Catalog(layout) as cat:
+        assert [tuple(i)[-2:] for i in cat.root_items("r")] == [("a.wav", built)]
+        assert cat.present_keys([built, served]) == {built, served}
+
+
+def test_a_shard_gone_before_its_fragment_never_stops_later_seals(tmp_path: Path) -> None:
+    """Review: a shard whose file vanished before its fragment was sealed stayed pending, so
+    every later seal named it again and failed (the write-back's and last-use fragments, whose
+    errors are passed over, were lost for the rest of the run)."""
+    layout = Layout(tmp_path / "store").ensure()
+    efp, rfp = "e" * 64, "r" * 64
+    gone, kept = "a" * 64, "b" * 64
+    reader = FragmentCatalog(layout)
+    reader.record_encoder(efp, "enc", "torchscript")
+    shard = write_shard(layout, {gone: torch.ones(3)}, efp, rfp)
+    layout.shard_path(shard.name).unlink()  # gc removed a byte-identical copy meanwhile
+    with pytest.raises(ShardMissing):
+        reader.add_shard(shard)
+    other = write_shard(layout, {kept: torch.full((2,), 2.0)}, efp, rfp)
+    reader.add_shard(other)  # sealed: the vanished shard is no longer pending
+    reader.touch([kept])
+    reader.close()
+    merge(layout)
+    with Catalog(layout) as cat:
+        assert cat.present_keys([gone, kept]) == {kept}
