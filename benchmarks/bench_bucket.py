@@ -58,9 +58,7 @@ import logging
 import os
 import re
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -80,7 +78,7 @@ if str(ROOT) not in sys.path:
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _rows import row
-from s3_clients import free_port, start_moto
+from s3_clients import start_moto
 
 from featbake.bake.pipeline import build
 from featbake.encode.encoders import LoadedEncoder, from_module
@@ -123,7 +121,7 @@ def s3_server(log: Path | None = None) -> Iterator[str]:
     """moto on loopback, a bucket in it, and the AWS environment pointing at it (restored after:
     ``make bench`` runs every benchmark in one process). With ``log``, the server's access log
     (one line per request) goes to that file (see :class:`ServerLog`)."""
-    server, endpoint = start_moto() if log is None else start_logged_moto(log)
+    server, endpoint = start_moto(log)
     env = {
         "AWS_ENDPOINT_URL": endpoint,
         "AWS_ACCESS_KEY_ID": "bench",
@@ -144,22 +142,6 @@ def s3_server(log: Path | None = None) -> Iterator[str]:
                 os.environ[k] = v
         server.terminate()
         server.wait(10)
-
-
-def start_logged_moto(log: Path) -> tuple[subprocess.Popen, str]:
-    """moto's server as ``s3_clients.start_moto`` starts it, its stderr (werkzeug's access log)
-    written to ``log``."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "moto.server", "-p", str(port)]
-    with log.open("wb") as out:  # the child holds its own descriptor
-        server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=out)
-    for _ in range(100):
-        try:
-            socket.create_connection(("127.0.0.1", port), 0.2).close()
-            break
-        except OSError:
-            time.sleep(0.1)
-    return server, f"http://127.0.0.1:{port}"
 
 
 #: One access-log line of werkzeug (moto's server), colour codes allowed around the request.

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 BUCKET = "featbake-clients"
 SMALL, SPAN, BIG = 2 << 20, 96 << 10, 64 << 20
@@ -35,10 +36,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_moto() -> tuple[subprocess.Popen, str]:
+def start_moto(log: Path | None = None) -> tuple[subprocess.Popen, str]:
+    """moto's server on a free loopback port, and its URL; its stderr (werkzeug's access log,
+    a line per request) written to ``log`` when given."""
     port = free_port()
     cmd = [sys.executable, "-m", "moto.server", "-p", str(port)]
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if log is None:
+        server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    else:
+        with log.open("wb") as out:  # the child holds its own descriptor
+            server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=out)
     for _ in range(100):
         try:
             socket.create_connection(("127.0.0.1", port), 0.2).close()
