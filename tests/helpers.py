@@ -11,6 +11,7 @@ import glob
 import hashlib
 import os
 import shutil
+import signal
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -216,3 +217,20 @@ def held_by_a_thread(lock: Any) -> Iterator[None]:
     finally:
         done.set()
         thread.join()
+
+
+@contextlib.contextmanager
+def fails_after(seconds: int, what: str = "the block") -> Iterator[None]:
+    """Fail (rather than hang the suite) if the block takes longer than ``seconds``: a
+    TimeoutError naming ``what`` (SIGALRM, so the main thread only)."""
+
+    def hang(*_: object) -> None:
+        raise TimeoutError(f"{what} did not finish within {seconds} s (a hang)")
+
+    old = signal.signal(signal.SIGALRM, hang)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)

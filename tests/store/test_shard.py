@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import functools
@@ -52,6 +51,7 @@ from featbake.store.shard import (
     will_need,
     write_shard,
 )
+from tests.helpers import fails_after
 
 EFP, RFP = "e" * 64, "r" * 64
 
@@ -555,22 +555,6 @@ def test_verify_mode_is_an_enum_and_an_unknown_mode_is_a_config_error(layout: La
 
 
 # -- only regular files are shards (issue 11, item 7) ----------------------------------------------
-@contextlib.contextmanager
-def _within(seconds: int):
-    """Fail (rather than hang the suite) if the block takes longer than ``seconds``."""
-
-    def _hang(*_: object) -> None:
-        raise TimeoutError(f"hung for more than {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, _hang)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-
-
 def test_a_fifo_directory_or_device_at_a_shard_path_is_refused_at_once(tmp_path: Path) -> None:
     fifo = tmp_path / "fifo.safetensors"
     os.mkfifo(fifo)
@@ -579,7 +563,7 @@ def test_a_fifo_directory_or_device_at_a_shard_path_is_refused_at_once(tmp_path:
     device = tmp_path / "dev.safetensors"
     device.symlink_to("/dev/zero")
     cases = {fifo: "FIFO", folder: "directory", device: "character device"}
-    with _within(10):
+    with fails_after(10):
         for path, kind in cases.items():
             with pytest.raises(StoreCorrupt, match=f"not a regular file but a {kind}"):
                 ShardReader(path)
@@ -673,7 +657,7 @@ def test_a_fifo_in_place_of_a_shard_fails_the_dataset_and_export_reads_at_once(
     os.mkfifo(shard)
     i = next(i for i in range(len(ds)) if ds.key(i) == key)
     reader = FeatureReader(Layout(store_dir), verify="always")  # what `export` reads through
-    with _within(20):
+    with fails_after(20):
         with pytest.raises(StoreCorrupt, match="not a regular file but a FIFO"):
             ds[i]
         with pytest.raises(StoreCorrupt, match="not a regular file but a FIFO"):

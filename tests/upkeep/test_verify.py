@@ -5,14 +5,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import sqlite3
 import struct
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -41,7 +39,7 @@ from featbake.upkeep import (
 )
 from featbake.upkeep.check import check_hash_cache
 from tests.conftest import invoke, live_features
-from tests.helpers import Live, assert_serves, bake, manifest, shard_files
+from tests.helpers import Live, assert_serves, bake, fails_after, manifest, shard_files
 
 
 def _flip_data_byte(path: Path, tensor: str) -> None:
@@ -595,27 +593,13 @@ def base_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return store
 
 
-@contextmanager
-def _alarm(seconds: int) -> Iterator[None]:
-    def hang(*_: object) -> None:
-        raise TimeoutError(f"verify did not finish within {seconds}s (a hang)")
-
-    old = signal.signal(signal.SIGALRM, hang)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-
-
 def _survives(base: Path, damage: Callable[[Path], None]) -> None:
     """Damage a copy of ``base``; verify, repair and verify again may only report or refuse."""
     with tempfile.TemporaryDirectory() as d:
         store = Path(d) / "store"
         shutil.copytree(base, store)
         damage(store)
-        with _alarm(EXAMPLE_TIMEOUT_S):
+        with fails_after(EXAMPLE_TIMEOUT_S, "verify"):
             for repair in (False, True, False):
                 try:
                     report = verify(store, repair_damage=repair)
