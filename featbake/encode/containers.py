@@ -33,7 +33,7 @@ import os
 import re
 import tarfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, Protocol
@@ -46,7 +46,7 @@ from featbake.encode.sources import ScanResult, SkippedInput, Source, file_stat_
 from featbake.errors import ConfigError, SourceError, StoreError
 from featbake.process import ProcessLocal, ProcessLocalState
 from featbake.progress import Progress
-from featbake.store.bucket import Bucket, ObjectInfo
+from featbake.store.bucket import Bucket, ObjectBytes, ObjectInfo
 from featbake.store.catalog import FileStat, HashCache, HashRow
 from featbake.store.url import BucketURL, is_url
 
@@ -99,8 +99,18 @@ class ItemRef(NamedTuple):
     where: int  # a table's row (0 for a tar member, found by its name)
 
 
-#: container, the refs to read in it -> ref path -> digest, or why it cannot be read.
-ReadDigests = Callable[[str, list[ItemRef]], dict[str, str | tuple[str]]]
+class ReadBack(NamedTuple):
+    """What reading one container's items gave: ref path -> digest (or a 1-tuple: why not),
+    and the container's stat as of the reading: a file's stat'ed after it, an object's the one
+    every response that carried its bytes gave (no HEAD beside the GETs); None when it is gone,
+    or the responses disagree (rewritten during the reading)."""
+
+    digests: dict[str, str | tuple[str]]
+    stat: FileStat | None
+
+
+#: container, the refs to read in it -> what the reading gave (see :class:`ReadBack`).
+ReadDigests = Callable[[str, list[ItemRef]], ReadBack]
 
 
 def hash_items(
@@ -114,9 +124,11 @@ def hash_items(
     """SHA-256 of each item, reading only the containers whose stat the hash cache does not know.
 
     ``read(container, refs)`` reads the items of one container (in its order) and returns each
-    digest, or a 1-tuple with why the item cannot be read. ``stats`` is filled with each item's
-    container stat, which decoding checks again. ``stat_of`` gives a container's stat before
-    it is read (a bucket's tars: from the scan's listing, no request).
+    digest, or a 1-tuple with why the item cannot be read, with the container's stat as of the
+    reading (:class:`ReadBack`): digests whose bytes came from another stat than the one looked
+    up fail. ``stats`` is filled with each item's container stat, which decoding checks again.
+    ``stat_of`` gives a container's stat before it is read (a bucket's tars: from the scan's
+    listing, no request).
 
     Returns:
         (path -> sha256, path -> reason for items that could not be read)
@@ -147,10 +159,11 @@ def hash_items(
     fresh: list[HashRow] = []
     for container, wanted in todo.items():
         got = read(container, wanted)
-        if _stat_or_none(container) != container_stat[container]:
-            got = {r.path: (f"{container} changed while featbake was reading it",) for r in wanted}
+        changed = got.stat != container_stat[container]
         for ref in wanted:
-            one = got.get(ref.path, ("not read",))
+            one = got.digests.get(ref.path, ("not read",))
+            if changed and not isinstance(one, tuple):
+                one = (f"{container} changed while featbake was reading it",)
             if isinstance(one, tuple):
                 failed[ref.path] = one[0]
             else:
@@ -341,10 +354,9 @@ def truncated(tar: str, member: Member, got: int) -> str:
     )
 
 
-def member_digests(
-    tar: str, members: list[Member], held: HeldBytes | None = None
-) -> dict[str, str | tuple[str]]:
-    """member name -> SHA-256 of its bytes (in tar order), or a 1-tuple: why not.
+def member_digests(tar: str, members: list[Member], held: HeldBytes | None = None) -> ReadBack:
+    """member name -> SHA-256 of its bytes (in tar order), or a 1-tuple: why not; and the
+    tar's stat as of the reading (see :class:`ReadBack`).
 
     With ``held``, a member that fits its budget is read whole and its bytes kept there for the
     build to decode (a first build reads each member once); others are streamed in chunks.
@@ -355,7 +367,7 @@ def member_digests(
     try:
         f = open(tar, "rb")  # noqa: SIM115  (closed below, after every member)
     except OSError as e:
-        return {m.name: (f"cannot read {tar}: {e.strerror}",) for m in members}
+        return ReadBack({m.name: (f"cannot read {tar}: {e.strerror}",) for m in members}, None)
     with f:
         for m in sorted(members, key=lambda m: m.offset):
             f.seek(m.offset)
@@ -372,7 +384,7 @@ def member_digests(
                 sha.update(chunk)
                 left -= len(chunk)
             out[m.name] = (truncated(tar, m, m.size - left),) if left else sha.hexdigest()
-    return out
+    return ReadBack(out, file_stat_or_none(tar))  # stat'ed after the reading
 
 
 # -- tars in a bucket ------------------------------------------------------------------------------
@@ -391,7 +403,11 @@ def member_digests(
 # A shard rewritten since it was listed has another ETag: its listing and digests are read again.
 # A member decoded is checked against the shard's stat as the ranged GET of its bytes gives it (a
 # ranged response's ETag, Last-Modified and Content-Range total are the object's): one request
-# per member, no HEAD; a local member is checked by its tar's stat.
+# per member, no HEAD; a local member is checked by its tar's stat. Hashing is checked the same
+# way: the digests of a shard stand only if every ranged GET that carried their bytes gave the
+# stat the listing gave (:class:`ReadBack`), so a first build makes LISTs and GETs, no HEAD. A
+# bucket's parquet file is read likewise (:class:`RangedObject` keeps its responses' stats): one
+# HEAD at the scan for its stat (a single file is not listed), none for its hash or its cells.
 
 #: Bytes one GET reads while listing a tar's headers (a header is 512 bytes).
 HEADER_BLOCK = 1 << 16
@@ -434,15 +450,44 @@ def object_range(url: str, start: int, length: int) -> bytes:
         raise SourceError(str(e)) from e
 
 
+def object_range_of(url: str, start: int, length: int) -> ObjectBytes:
+    """As :func:`object_range`, with what that one response said of the object (size, last
+    change, ETag): a reader checks the bytes' version by it, with no HEAD beside the GET.
+
+    Raises:
+        SourceError: the object is gone or cannot be read.
+    """
+    bucket, name = object_at(url)
+    try:
+        return bucket.read_range_of(name, start, length)
+    except FileNotFoundError:
+        raise SourceError(f"{url}: object not found (deleted since the listing?)") from None
+    except StoreError as e:
+        raise SourceError(str(e)) from e
+
+
+def one_stat(seen: Collection[FileStat]) -> FileStat | None:
+    """The stat every response that carried an object's bytes gave, or None (none read, or
+    they disagree: the object was rewritten between two of them)."""
+    return next(iter(seen)) if len(seen) == 1 else None
+
+
 class RangedObject(io.RawIOBase):
-    """An object in a bucket as a seekable read-only file, for ``tarfile`` to read headers: a
-    read outside the block held fetches :data:`HEADER_BLOCK` bytes from there by a ranged GET.
+    """An object in a bucket as a seekable read-only file, for ``tarfile`` to read headers and
+    pyarrow a parquet file: a read outside the block held fetches :data:`HEADER_BLOCK` bytes
+    (or more) from there by a ranged GET. The stat of each response is kept (:meth:`stat`),
+    so a reader knows which version of the object its bytes came from without a HEAD.
     """
 
     def __init__(self, url: str, size: int) -> None:
         super().__init__()
         self.url, self.size, self.pos = url, size, 0
         self.block_at, self.block = 0, b""
+        self.seen: set[FileStat] = set()  # the stats of the responses read so far
+
+    def stat(self) -> FileStat | None:
+        """The object's stat as every byte read so far came with it (see :func:`one_stat`)."""
+        return one_stat(self.seen)
 
     @classmethod
     def at(cls, url: str, size: int | None = None) -> RangedObject:
@@ -479,8 +524,9 @@ class RangedObject(io.RawIOBase):
             return 0
         end = self.block_at + len(self.block)
         if not (self.block_at <= self.pos and self.pos + want <= end):
-            self.block_at = self.pos
-            self.block = object_range(self.url, self.pos, max(want, HEADER_BLOCK))
+            fetched = object_range_of(self.url, self.pos, max(want, HEADER_BLOCK))
+            self.seen.add(object_stat(fetched.info))
+            self.block_at, self.block = self.pos, fetched.data
         got = self.block[self.pos - self.block_at : self.pos - self.block_at + want]
         buffer[: len(got)] = got
         self.pos += len(got)
@@ -504,16 +550,20 @@ def member_runs(members: Sequence[Member]) -> list[list[Member]]:
 
 def object_member_digests(
     url: str, members: list[Member], held: HeldBytes | None = None
-) -> dict[str, str | tuple[str]]:
-    """:func:`member_digests` of a tar in a bucket: one ranged GET per run of members."""
+) -> ReadBack:
+    """:func:`member_digests` of a tar in a bucket: one ranged GET per run of members, the
+    tar's stat the one those responses gave (no HEAD after them)."""
     out: dict[str, str | tuple[str]] = {}
+    seen: set[FileStat] = set()
     for run in member_runs(members):
         start = run[0].offset
         try:
-            data = object_range(url, start, run[-1].offset + run[-1].size - start)
+            one = object_range_of(url, start, run[-1].offset + run[-1].size - start)
         except SourceError as e:
             out.update({m.name: (str(e),) for m in run})
             continue
+        seen.add(object_stat(one.info))
+        data = one.data
         for m in run:
             got = data[m.offset - start : m.offset - start + m.size]
             if len(got) != m.size:
@@ -522,7 +572,7 @@ def object_member_digests(
             if held is not None and held.size + m.size <= held.budget:
                 held.keep(f"{url}:{m.name}", got)
             out[m.name] = hashlib.sha256(got).hexdigest()
-    return out
+    return ReadBack(out, one_stat(seen))
 
 
 def listing_text(members: Sequence[Member]) -> str:
@@ -581,6 +631,8 @@ def is_webdataset(where: str) -> bool:
     folder or bucket prefix whose visible files are all ``.tar`` (one at least)."""
     if where.lower().endswith(".tar"):
         return True
+    if is_url(where) and where.lower().endswith(CONTAINER_SUFFIXES):
+        return False  # a table file (see is_table): no LIST to tell
     if is_url(where):
         return bucket_holds_only(where, (".tar",))
     return holds_only(where, (".tar",))
@@ -844,20 +896,21 @@ class WebDataset:
         (see :func:`hash_items`); ``held`` keeps the bytes read, for the build to decode."""
         refs = [ItemRef(p, p, split_item_path(p)[0], 0) for p in paths]
 
-        def read(tar: str, wanted: list[ItemRef]) -> dict[str, str | tuple[str]]:
+        def read(tar: str, wanted: list[ItemRef]) -> ReadBack:
             return self._read(tar, wanted, held)
 
         return hash_listed(self, catalog, refs, read, progress, stats)
 
-    def _read(
-        self, tar: str, refs: list[ItemRef], held: HeldBytes | None
-    ) -> dict[str, str | tuple[str]]:
+    def _read(self, tar: str, refs: list[ItemRef], held: HeldBytes | None) -> ReadBack:
         try:
             members = [self.index.member(r.path)[1] for r in refs]
         except SourceError as e:
-            return {r.path: (str(e),) for r in refs}
+            return ReadBack({r.path: (str(e),) for r in refs}, None)
         got = member_digests(tar, members, held)
-        return {r.path: got.get(m.name, ("not read",)) for r, m in zip(refs, members, strict=True)}
+        by_ref = zip(refs, members, strict=True)
+        return ReadBack(
+            {r.path: got.digests.get(m.name, ("not read",)) for r, m in by_ref}, got.stat
+        )
 
     def source(self, inner: Source) -> Source:
         return MemberSource(inner, self.index)
@@ -1065,19 +1118,31 @@ class TableFile(ProcessLocalState):
         self.known_schema: pa.Schema | None = None
         self.size: int | None = None
 
+    def _open_ranged(self) -> RangedObject:
+        return RangedObject.at(self.path, self.size)
+
     def _open_parquet(self) -> Any:
         # A bucket's file by ranged GETs: its footer, then each row group's column chunks.
-        where = RangedObject.at(self.path, self.size) if is_url(self.path) else self.path
+        where = self._ranged if is_url(self.path) else self.path
         return pyarrow_module().parquet.ParquetFile(where)
 
     def _open_arrow(self) -> Any:
         pa = pyarrow_module()
         return pa.ipc.open_stream(pa.memory_map(self.path)).read_all()
 
+    #: a bucket's file as this process reads it (its responses' stats kept: see :meth:`stat`)
+    _ranged: ProcessLocal[RangedObject] = ProcessLocal(_open_ranged)
     _pf: ProcessLocal[Any] = ProcessLocal(_open_parquet)
     _stream: ProcessLocal[Any] = ProcessLocal(_open_arrow)
     #: the row group read last: its first row, and the columns read of it
     _group: ProcessLocal[tuple[int, dict[str, Any]] | None] = ProcessLocal(lambda self: None)
+
+    def stat(self) -> FileStat | None:
+        """The file's stat as of what was read of it: a file's stat'ed now, an object's the one
+        every ranged GET this process made of it gave (no HEAD; None if they disagree)."""
+        if not is_url(self.path):
+            return file_stat_or_none(self.path)
+        return self._ranged.stat()
 
     def schema(self) -> pa.Schema:
         if self.known_schema is not None:
@@ -1229,6 +1294,8 @@ class Table:
                 pass  # not a listing: read the file again
         schema = self._schema(f)
         ids = self._ids(f, schema)
+        if f.stat() != st:  # the footer and ids came from another version than the HEAD's
+            raise SourceError(f"{f.path}: changed while featbake was reading it; rerun the build")
         text = base64.b64encode(schema.serialize().to_pybytes()).decode()
         self.fresh.append(HashRow(cache_id, st, json.dumps({"schema": text, "ids": ids})))
         return schema, ids
@@ -1341,15 +1408,14 @@ class Table:
             file, row = split_item_path(p)
             refs.append(ItemRef(p, f"{p}:{self.column}", file, int(row)))
 
-        def read(file: str, wanted: list[ItemRef]) -> dict[str, str | tuple[str]]:
+        def read(file: str, wanted: list[ItemRef]) -> ReadBack:
             return self._read(file, wanted, held)
 
         return hash_listed(self, catalog, refs, read, progress, stats)
 
-    def _read(
-        self, file: str, refs: list[ItemRef], held: HeldBytes | None
-    ) -> dict[str, str | tuple[str]]:
-        """The digests of ``refs``' cells in ``file``, one row group at a time."""
+    def _read(self, file: str, refs: list[ItemRef], held: HeldBytes | None) -> ReadBack:
+        """The digests of ``refs``' cells in ``file``, one row group at a time, and the file's
+        stat as of the reading (an object's from the GETs' responses: no HEAD)."""
         index = self.file_index(file)
         f, kind = self.files[index], self.kinds[index]
         wanted = {r.where: r.path for r in refs}
@@ -1366,8 +1432,8 @@ class Table:
                         out[wanted[first + j]] = (f"{file}:{first + j}: {got}",)
         except (OSError, ValueError) as e:
             why = f"{file}: cannot read column {self.column!r} ({e})"
-            return {p: (why,) for p in wanted.values()}
-        return out
+            return ReadBack({p: (why,) for p in wanted.values()}, None)
+        return ReadBack(out, f.stat())
 
     def source(self, inner: Source) -> Source:
         return CellSource(inner, self)
@@ -1407,6 +1473,15 @@ class CellSource:
         Raises:
             SourceError: the file or row cannot be read, or the cell holds no bytes.
         """
+        return self.read_checked(path)[0]
+
+    def read_checked(self, path: str) -> tuple[bytes, FileStat | None]:
+        """The bytes of the cell named ``path`` and its file's stat as of reading them (see
+        :meth:`TableFile.stat`: an object's from the ranged GETs that carried them, no HEAD).
+
+        Raises:
+            SourceError: the file or row cannot be read, or the cell holds no bytes.
+        """
         file, row = split_item_path(path)
         column = str(self.table.column)
         index = self.table.file_index(file)
@@ -1418,7 +1493,7 @@ class CellSource:
         got = cell_bytes(cell, kind)
         if isinstance(got, str):
             raise SourceError(f"{path}: {got}")
-        return got
+        return got, f.stat()
 
     def load(self, path: str | os.PathLike[str], data: BinaryIO | None = None) -> torch.Tensor:
         """Read cell ``path`` and decode its bytes.
@@ -1430,14 +1505,23 @@ class CellSource:
         return self.inner.load(name, io.BytesIO(self.read(name)) if data is None else data)
 
     def load_unchanged(self, path: str, stat: FileStat | None) -> torch.Tensor:
-        """Decode cell ``path`` if its file still has the stat its digest was taken at.
+        """Decode cell ``path`` if its bytes came from its file as it was when its digest was
+        taken (a file stat'ed after the read; an object by the responses that carried them).
 
         Raises:
             SourceError: the file changed since it was hashed, or the cell cannot be decoded.
         """
-        data = self.read(path)
-        if stat is None or _stat_or_none(split_item_path(path)[0]) != stat:
-            raise SourceError(f"{path}: changed while featbake was reading it; rerun the build")
+        changed = SourceError(f"{path}: changed while featbake was reading it; rerun the build")
+        try:
+            data, now = self.read_checked(path)
+        except SourceError:
+            # A file rewritten since its scan may not parse at all (its footer moved): say so.
+            file = self.table.files[self.table.file_index(split_item_path(path)[0])]
+            if (now := file.stat()) is not None and now != stat:
+                raise changed from None
+            raise
+        if stat is None or now != stat:
+            raise changed
         return self.inner.load(path, io.BytesIO(data))
 
 

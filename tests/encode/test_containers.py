@@ -243,7 +243,11 @@ def test_an_unchanged_shard_is_not_read_again(
     import featbake.encode.containers as containers
 
     read: list[str] = []
-    monkeypatch.setattr(containers, "member_digests", lambda t, m, held: read.append(t) or {})
+    monkeypatch.setattr(
+        containers,
+        "member_digests",
+        lambda t, m, held: containers.ReadBack(read.append(t) or {}, None),
+    )
     again, failed = WebDataset(str(tar)).hash(cat, paths)
     assert (again, failed, read) == (first, {}, [])
     os.utime(tar, None)  # touched: its stat changed, so it is read again
@@ -611,7 +615,7 @@ def gets(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
     from featbake.store.bucket import Bucket
 
     got: list[tuple[str, int]] = []
-    whole, ranged = Bucket.read, Bucket.read_range
+    whole, ranged, ranged_of = Bucket.read, Bucket.read_range, Bucket.read_range_of
 
     def read(self: Bucket, name: str) -> Any:
         got.append((name, -1))
@@ -621,8 +625,13 @@ def gets(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
         got.append((name, length))
         return ranged(self, name, start, length)
 
+    def read_range_of(self: Bucket, name: str, start: int, length: int) -> Any:
+        got.append((name, length))
+        return ranged_of(self, name, start, length)
+
     monkeypatch.setattr(Bucket, "read", read)
     monkeypatch.setattr(Bucket, "read_range", read_range)
+    monkeypatch.setattr(Bucket, "read_range_of", read_range_of)
     return got
 
 
@@ -744,7 +753,7 @@ def test_a_bucket_member_decoded_costs_one_ranged_get_and_no_head(
     assert (report.encoded, report.failed) == (len(images), [])
     asked = [r for r in s3.requests(mark) if r.name.partition("?")[0] == target]
     heads = [r for r in asked if r.method == "HEAD"]
-    assert len(heads) == 1  # the hash's check that the shard held still; none per member
+    assert heads == []  # none per member, nor for the hash: the GETs' responses are checked
     stored = stored_features(store, report.root)
     for (key, parts), jpg in zip(stored.items(), images, strict=True):
         assert torch.equal(parts[""], run_now(encoder, image_tensor(jpg))), key
@@ -904,6 +913,113 @@ def test_a_bucket_table_and_shard_in_the_cli_and_in_dataloader_workers(
         assert len(got) == len(clips)
         for x, clip in zip(got, clips, strict=True):
             assert torch.equal(x, run_now(module, audio_tensor(clip)))
+
+
+# == requests: no HEAD where a GET's response or the listing answers ===============================
+def object_requests(s3: Any, mark: int, target: str) -> list[tuple[str, int]]:
+    """(method, status) of the requests the server answered since ``mark`` for the object at
+    ``target`` (``/bucket/key``), and ``("LIST", status)`` for each listing of the bucket."""
+    out = []
+    for r in s3.requests(mark):
+        if "list-type=2" in r.name:
+            out.append(("LIST", r.status))
+        elif r.name.partition("?")[0] == target:
+            out.append((r.method, r.status))
+    return out
+
+
+def test_a_bucket_parquet_costs_one_head_a_build_and_none_per_cell_decoded(
+    s3: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bucket parquet's build made a LIST (asked whether it was tar shards), a HEAD at the
+    scan, a HEAD after hashing, and a HEAD per cell decoded (each checked against the file's
+    stat): 1 LIST + 10 HEADs for 8 cells. Now the scan's HEAD is the only one: the hash and
+    each cell are checked by the ranged GETs' own responses (ETag, last change, size), and a
+    rebuild makes that one request. Counted by the server; every row served is the encoder's
+    now, and a file rewritten since its digests still fails its cells, by name."""
+    import pickle
+
+    import featbake.encode.fingerprints
+    from featbake.encode.containers import Table
+
+    images = photographs(tmp_path, 8)
+    local = tmp_path / "images.parquet"
+    pq.write_table(pa.table({"image": pa.array(images, pa.binary())}), local, row_group_size=2)
+    folder = f"s3://{s3.bucket}/tables"
+    upload_shards(folder, {"images.parquet": local})
+    url, target = f"{folder}/images.parquet", f"/{s3.bucket}/tables/images.parquet"
+    # No bytes held from hashing: every cell is decoded from the bucket, checked.
+    monkeypatch.setattr(featbake.encode.fingerprints, "HELD_BYTES", 0)
+    encoder, store = image_encoder(), tmp_path / "store"
+    mark = s3.log_mark()
+    report = build(url, encoder, cache=store, recipe=IMAGE_RECIPE, workers=0, column="image")
+    assert (report.encoded, report.failed) == (len(images), [])
+    asked = object_requests(s3, mark, target)
+    assert [a for a in asked if a[0] != "GET"] == [("HEAD", 200)], asked  # the scan's, alone
+    assert all(a == ("GET", 206) for a in asked if a[0] == "GET"), asked  # ranged reads only
+    stored = stored_features(store, report.root)
+    for (key, parts), jpg in zip(stored.items(), images, strict=True):
+        assert torch.equal(parts[""], run_now(encoder, image_tensor(jpg))), key
+
+    mark = s3.log_mark()
+    again = build(url, encoder, cache=store, recipe=IMAGE_RECIPE, workers=0, column="image")
+    assert (again.encoded, again.reused) == (0, len(images))
+    assert object_requests(s3, mark, target) == [("HEAD", 200)]  # schema, ids, digests cached
+
+    table = Table(url, "image")
+    rels = table.scan(source_for(IMAGE_RECIPE).extensions).inputs
+    source = table.source(source_for(IMAGE_RECIPE))
+    stat, path = table.listed[url], table.path(rels[5])
+    worker = pickle.loads(pickle.dumps(source))  # as a decode worker gets it: opens its own
+    mark = s3.log_mark()
+    got = worker.load_unchanged(path, stat)
+    assert torch.equal(got, image_tensor(images[5]))
+    assert {a for a in object_requests(s3, mark, target)} == {("GET", 206)}  # no HEAD
+    rewritten = tmp_path / "other.parquet"
+    pq.write_table(pa.table({"image": pa.array(images[::-1], pa.binary())}), rewritten)
+    upload_shards(folder, {"images.parquet": rewritten})
+    late = pickle.loads(pickle.dumps(source))
+    with pytest.raises(SourceError, match=r"images.parquet:5: changed while"):
+        late.load_unchanged(path, stat)
+
+
+def test_bucket_shards_are_hashed_with_no_head_and_a_rewrite_still_fails_them(
+    s3: Any, tmp_path: Path
+) -> None:
+    """Hashing a bucket's tar shards made a HEAD of each after reading it (its stat, to check
+    it held still), though the listing had its stat and every ranged GET's response carries
+    the object's ETag, last change and size. Now those responses are checked against the
+    listing: a first build makes LISTs and ranged GETs only. A shard rewritten between the
+    listing and the hashing still fails its samples, naming it; the other shard's stand."""
+    from featbake.encode.containers import WebDataset
+
+    images = photographs(tmp_path)
+    half = len(images) // 2
+    shards = {
+        "shard-000.tar": write_tar(tmp_path / "a.tar", image_samples(images[:half])),
+        "shard-001.tar": write_tar(tmp_path / "b.tar", image_samples(images[half:], half)),
+    }
+    prefix = f"s3://{s3.bucket}/shards"
+    upload_shards(prefix, shards)
+    encoder, store = image_encoder(), tmp_path / "store"
+    mark = s3.log_mark()
+    report = build(prefix + "/", encoder, cache=store, recipe=IMAGE_RECIPE, workers=0)
+    assert (report.encoded, report.failed) == (len(images), [])
+    methods = [(r.method, r.status) for r in s3.requests(mark)]
+    assert ("HEAD", 200) not in methods, methods  # one per shard before
+    assert {m for m, _ in methods} == {"GET"}
+    stored = stored_features(store, report.root)
+    for (key, parts), jpg in zip(stored.items(), images, strict=True):
+        assert torch.equal(parts[""], run_now(encoder, image_tensor(jpg))), key
+
+    shards_now = WebDataset(prefix + "/")
+    paths = [shards_now.path(r) for r in shards_now.scan([".jpg"]).inputs]
+    other = write_tar(tmp_path / "c.tar", image_samples(images[half:][::-1], half))
+    upload_shards(prefix, {"shard-001.tar": other})  # after the listing, before the hashing
+    digests, failed = shards_now.hash(catalog(tmp_path / "fresh"), paths)
+    assert sorted(digests) == paths[:half]
+    assert sorted(failed) == paths[half:]
+    assert all("shard-001.tar changed while featbake was reading it" in w for w in failed.values())
 
 
 def test_two_columns_of_one_table_are_two_roots_and_gc_keeps_both(
