@@ -96,6 +96,11 @@ class HeldBytes:
                 self._put(name, data)
             self._drop(path)
 
+    def peek(self, path: str) -> bytes | None:
+        """The bytes kept for ``path``, or None; still kept (a header read from them)."""
+        with self._lock:
+            return self._data.get(path)
+
     def take(self, path: str) -> bytes | None:
         """The bytes kept for ``path`` (given once, then dropped), or None."""
         with self._lock:

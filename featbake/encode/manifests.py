@@ -29,8 +29,9 @@ hashed once through the hash cache (keyed by the file's path), however many segm
 and its header read once to check every segment's bounds. Decoding a segment seeks to it and
 reads only its samples (:meth:`featbake.encode.sources.AudioSource.load_span`), then mixes,
 resamples, crops and normalises it exactly as a whole file: a recording is read about once for
-all its segments, never once per segment. A file only whole-file rows name is read once in a
-first build: hashed from bytes kept (within the build's budget) to decode its rows.
+all its segments, never once per segment. A file a whole-file row names is read once in a
+first build: hashed from bytes kept (within the build's budget) to decode its rows, its segment
+rows too (their bounds checked from those bytes).
 
 **Bad rows** are skipped, one line each naming the manifest's line (the build then exits 3):
 malformed JSON, a missing input column, a bad ``start``/``end``, a segment with ``start >= end``
@@ -327,7 +328,7 @@ class RowInputs:
         digests.update(got)
         failed.update(lost)
         spans = {it.file for it in items if it.span and it.file in digests and not is_url(it.file)}
-        headers = audio_headers(spans)
+        headers = audio_headers(spans, held)
         out: dict[str, str] = {}
         bad: dict[str, str] = {}
         for path, it in zip(paths, items, strict=True):
@@ -350,12 +351,12 @@ class RowInputs:
 
 
 def whole_files(items: Sequence[Item]) -> set[str]:
-    """The local files every row of which is the whole file: a first build hashes them from
-    bytes it keeps to decode (read once, issue 31 item 3). A file with a segment row is hashed
-    streamed and its segments decoded by seeking: holding a long recording whole is what
-    segments exist to avoid."""
-    spans = {it.file for it in items if it.span is not None}
-    return {it.file for it in items if it.file not in spans and not is_url(it.file)}
+    """The local files a row names whole: a first build hashes them from bytes it keeps to
+    decode (read once, issue 31 item 3), the file's segment rows too (a span decoded from the
+    bytes in memory), since its whole-file row decodes all of it anyway. A file named by
+    segment rows only is hashed streamed and its segments decoded by seeking: holding a long
+    recording whole is what segments exist to avoid."""
+    return {it.file for it in items if it.span is None and not is_url(it.file)}
 
 
 def held_by_row(held: HeldBytes, urls: Sequence[str], file_of: Mapping[str, str]) -> None:
@@ -425,16 +426,20 @@ class AudioHeader:
         return span_problem(span, self.frames, self.rate, self.channels)
 
 
-def audio_headers(files: set[str]) -> dict[str, AudioHeader | str]:
-    """file -> its header (one read of the header each), or why it cannot be read as audio."""
+def audio_headers(files: set[str], held: HeldBytes | None = None) -> dict[str, AudioHeader | str]:
+    """file -> its header (one read of the header each; from the bytes ``held`` keeps for
+    it, if any: no read), or why it cannot be read as audio."""
     import soundfile
 
     out: dict[str, AudioHeader | str] = {}
     for file in files:
+        kept = held.peek(file) if held is not None else None
+        opened = file if kept is None else io.BytesIO(kept)
         try:
-            info = soundfile.info(file)
+            info = soundfile.info(opened)
         except (soundfile.LibsndfileError, RuntimeError, OSError) as e:
-            out[file] = f"cannot read its audio header ({str(e).strip() or type(e).__name__})"
+            why = str(e).strip().replace(repr(opened), repr(file)) or type(e).__name__
+            out[file] = f"cannot read its audio header ({why})"
             continue
         out[file] = AudioHeader(int(info.frames), int(info.samplerate), int(info.channels))
     return out

@@ -210,7 +210,9 @@ class AudioSource:
             raise SourceError(f"{path}: file not found") from e
         except (soundfile.LibsndfileError, RuntimeError, OSError, ValueError) as e:
             why = _unreadable(path) if data is None else None
-            raise SourceError(f"{path}: {why or 'cannot decode audio'} ({_reason(e)})") from e
+            # Bytes in memory are named by libsndfile as <_io.BytesIO object at 0x...>: the path.
+            reason = _reason(e).replace(repr(data), repr(os.fspath(path)))
+            raise SourceError(f"{path}: {why or 'cannot decode audio'} ({reason})") from e
 
 
 def soxr_resample(audio: np.ndarray, rate: int, to: int) -> np.ndarray:

@@ -322,6 +322,24 @@ def test_each_bad_row_is_skipped_with_its_line_and_the_rest_builds(
     torch.testing.assert_close(ds[1], want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_bad_file_named_whole_and_by_a_segment_is_named_in_both_reasons(
+    tmp_path: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    """A file named whole is decoded from the bytes kept from hashing it, its segments' bounds
+    read from them too: libsndfile then names ``<_io.BytesIO object at 0x...>``; the reasons
+    name the file, as when it is read from its path."""
+    (tmp_path / "bad.wav").write_bytes(b"not audio at all" * 64)
+    rows = [{"id": "whole", "path": "bad.wav"}, {"id": "part", "path": "bad.wav", "end": 0.1}]
+    write_jsonl(tmp_path / "m.jsonl", rows)
+    report = build(tmp_path / "m.jsonl", encoder_file, cache=store_dir, workers=0)
+    reasons = dict(report.failed)
+    assert sorted(reasons) == ["part", "whole"]
+    for why in reasons.values():
+        assert f"'{tmp_path / 'bad.wav'}'" in why and "BytesIO" not in why, why
+    assert "cannot decode audio" in reasons["whole"]
+    assert "cannot read its audio header" in reasons["part"]
+
+
 def test_segments_to_the_end_of_the_recording_kaldi_minus_one_and_rows_without_end(
     corpus: Path, encoder_file: Path, store_dir: Path
 ) -> None:

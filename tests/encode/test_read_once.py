@@ -134,3 +134,45 @@ def test_a_first_build_of_a_manifest_of_whole_files_reads_each_file_once(tmp_pat
         with torch.no_grad():
             live = enc(src.load(tmp_path / row["path"]).unsqueeze(0))[0]
         torch.testing.assert_close(stored[row["id"]][""], live, rtol=1e-5, atol=1e-6)
+
+
+def test_a_file_named_whole_and_by_segments_is_read_once(tmp_path: Path) -> None:
+    """A local file named by a whole-file row and by segment rows was hashed streamed, then
+    read whole again for its whole-file row and in part again for each segment (~2.5x the data
+    here); now its bytes are kept from the hashing and all its rows decode from them (its
+    segments' bounds checked from them too): ~1.0x. Every stored feature is the encoder's now."""
+    import json
+
+    from featbake.encode.sources import Span
+
+    data = tmp_path / "audio"
+    files = write_audio_folder(data, 8, seconds=8.0, seed=5)  # 2 MiB of wav
+    size = sum(p.stat().st_size for p in files)
+    rows: list[dict[str, object]] = []
+    for i, p in enumerate(files):
+        rows.append({"id": f"w{i}", "path": f"audio/{p.name}"})
+        rows.append({"id": f"a{i}", "path": f"audio/{p.name}", "start": 0.5, "end": 2.5})
+        rows.append({"id": f"b{i}", "path": f"audio/{p.name}", "start": 4.0, "end": 6.0})
+    manifest = tmp_path / "train.jsonl"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    enc = TinyConvEncoder().eval()
+    build(manifest, enc, cache=tmp_path / "warm", workers=0)  # imports and loaders made once
+    before = _read_so_far()
+    report = build(manifest, enc, cache=tmp_path / "store", workers=0)
+    read = _read_so_far() - before
+    assert report.ok and report.encoded == len(rows)
+    print(
+        f"whole + segments: read {read:,} bytes for {size:,} bytes of inputs ({read / size:.2f}x)"
+    )
+    assert read < 1.25 * size, (read, size)  # ~1.0x (~2.5x before)
+
+    src = AudioSource(Recipe())
+    stored = stored_features(tmp_path / "store", report.root)
+    assert list(stored) == [r["id"] for r in rows]
+    for row in rows:
+        file = tmp_path / str(row["path"])
+        span = Span(float(row["start"]), float(row["end"]), None) if "start" in row else None
+        with torch.no_grad():
+            live = enc(src.load_span(file, span).unsqueeze(0))[0]
+        torch.testing.assert_close(stored[str(row["id"])][""], live, rtol=1e-5, atol=1e-6)
