@@ -46,7 +46,9 @@ A first build from inputs in a bucket (issue 31 item 3): clips uploaded to
 ``s3://<bucket>/inputs/`` and built with ``--data`` there, the GETs of the data and their bytes
 counted in the server's access log against the objects' count and size, with the bytes hashed
 kept for decoding (the default) and without (as before: each object GET twice); then a
-rebuild's GETs (none).
+rebuild's GETs (none). The same clips as one parquet table in the bucket: the requests of a first
+build per cell (HEADs, ranged GETs, LISTs), cells decoded from bytes kept and from the bucket,
+and a rebuild's.
 
 Run: ``python benchmarks/bench_bucket.py [once] [--quick]`` (``once``: only the last part).
 """
@@ -928,6 +930,73 @@ def read_once_rows(work: Path, log: ServerLog, n: int) -> list[dict[str, Any]]:
     return out
 
 
+#: Where the clips are uploaded as one parquet table (``--data s3://BUCKET/tables/clips.parquet``).
+TABLES_PREFIX = "tables"
+
+
+def requests_of(log: ServerLog, mark: int, name: str) -> dict[str, int]:
+    """Requests the server answered since ``mark`` for object ``name`` by method (a ranged GET
+    as ``GET 206``), and listings of its folder as ``LIST``."""
+    with log.path.open("rb") as f:
+        f.seek(mark)
+        text = f.read().decode("utf-8", "replace")
+    folder, _, _ = name.rpartition("/")
+    out: dict[str, int] = {}
+    for method, target, status in _LOGGED.findall(text):
+        path, _, query = target.partition("?")
+        if path == f"/{BUCKET}/{name}":
+            what = f"{method} {status}" if method == "GET" else method
+        elif path == f"/{BUCKET}" and "list-type=2" in query and f"prefix={folder}" in query:
+            what = "LIST"
+        else:
+            continue
+        out[what] = out.get(what, 0) + 1
+    return out
+
+
+def table_request_rows(work: Path, log: ServerLog, n: int) -> list[dict[str, Any]]:
+    """A first build from a parquet table in a bucket (``n`` clips, one per row, 8 rows a row
+    group), its cells decoded from bytes kept from hashing and from the bucket (``HELD_BYTES=0``):
+    the requests of the object per cell (every kind: HEAD, ranged GET, LIST), then a rebuild's
+    (target: one, the HEAD for its stat)."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        return [_row("first build from a bucket parquet: requests per cell", 0.0, "/cell",
+                     "report", None, "pyarrow is not installed: skipped")]  # fmt: skip
+    from featbake.encode import fingerprints
+
+    clips = work / "table-clips"
+    files = write_audio_folder(clips, n, seconds=(2.0, 4.0), seed=8)
+    local = work / "clips.parquet"
+    cells = pa.array([p.read_bytes() for p in files], pa.binary())
+    pq.write_table(pa.table({"audio": cells}), local, row_group_size=8)
+    name = f"{TABLES_PREFIX}/clips.parquet"
+    Bucket(BucketURL.parse(f"s3://{BUCKET}/{TABLES_PREFIX}")).upload("clips.parquet", local)
+    data, enc = f"s3://{BUCKET}/{name}", encoder()
+    opts: dict[str, Any] = {"recipe": RECIPE, "workers": 0, "threads": 1, "column": "audio"}
+    out = []
+    for held, budget in (("kept", fingerprints.HELD_BYTES), ("not kept", 0)):
+        saved, fingerprints.HELD_BYTES = fingerprints.HELD_BYTES, budget
+        try:
+            mark = log.mark()
+            build(data, enc, cache=work / f"table-{budget}", **opts)
+            first = requests_of(log, mark, name)
+            mark = log.mark()
+            build(data, enc, cache=work / f"table-{budget}", **opts)
+            again = requests_of(log, mark, name)
+        finally:
+            fingerprints.HELD_BYTES = saved
+        shown = ", ".join(f"{v} {k}" for k, v in sorted(first.items()))
+        note = (f"{shown} for {n} cells ({_mib(local.stat().st_size)}), cells decoded from "
+                f"bytes {held} from hashing; a rebuild: "
+                f"{', '.join(f'{v} {k}' for k, v in sorted(again.items())) or 'none'}")  # fmt: skip
+        out.append(_row(f"first build from a bucket parquet, bytes {held}: requests per cell",
+                        sum(first.values()) / n, "/cell", "report", None, note))  # fmt: skip
+    return out
+
+
 def main(quick: bool = False) -> list[dict[str, Any]]:
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     n, rounds, later = (48, 1, 2) if quick else (400, 5, LATER)
@@ -953,6 +1022,7 @@ def main(quick: bool = False) -> list[dict[str, Any]]:
         rows += small_tier_rows(setup, small, small_tier_epochs(setup, small, log, small_rounds, 2))
         rows += prefetch_rows(setup, small, log, max(rounds, 2))
         rows += read_once_rows(work, log, 16 if quick else 200)
+        rows += table_request_rows(work, log, 16 if quick else 200)
         return rows
 
 
@@ -962,7 +1032,8 @@ def main_read_once(quick: bool = False) -> list[dict[str, Any]]:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="featbake-bucket-")))
         log = ServerLog(work / "moto.log")
         stack.enter_context(s3_server(log.path))
-        return read_once_rows(work, log, 16 if quick else 200)
+        rows = read_once_rows(work, log, 16 if quick else 200)
+        return rows + table_request_rows(work, log, 16 if quick else 200)
 
 
 if __name__ == "__main__":
