@@ -928,6 +928,51 @@ def object_requests(s3: Any, mark: int, target: str) -> list[tuple[str, int]]:
     return out
 
 
+def test_listing_and_hashing_a_bucket_shard_of_large_members_fetches_it_about_once(
+    s3: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Listing a bucket tar's headers fetched 64 KiB at each header, so a shard of members
+    larger than that was fetched 1.61x to be listed and hashed (the bytes of each member
+    after its header, skipped, then fetched again to hash). Now a block skipped past after its
+    first few KiB is followed by small ones: ~1.0x, counted in the GETs' bodies. The digests
+    are the members' SHA-256 (and a shard of small members still lists in a GET or two)."""
+    import random
+
+    from featbake.encode.containers import WebDataset
+    from featbake.encode.fingerprints import HeldBytes
+    from featbake.store.bucket import Bucket
+
+    rng = random.Random(3)
+    big = [(f"s{i:03d}", {"bin": rng.randbytes(100_000 + 977 * i)}) for i in range(12)]
+    small = [(f"t{i:03d}", {"bin": rng.randbytes(700)}) for i in range(40)]
+    prefix = f"s3://{s3.bucket}/shards"
+    shards = {"big.tar": write_tar(tmp_path / "big.tar", big),
+              "small.tar": write_tar(tmp_path / "small.tar", small)}  # fmt: skip
+    upload_shards(prefix, shards)
+    fetched: list[int] = []
+    real = Bucket.read_range_of
+
+    def counted(self: Bucket, name: str, start: int, length: int) -> Any:
+        got = real(self, name, start, length)
+        fetched.append(len(got.data))
+        return got
+
+    monkeypatch.setattr(Bucket, "read_range_of", counted)
+    for name, samples in (("big.tar", big), ("small.tar", small)):
+        fetched.clear()
+        shard = WebDataset(f"{prefix}/{name}")
+        paths = [shard.path(r) for r in shard.scan([".bin"]).inputs]
+        listing = len(fetched)
+        digests, failed = shard.hash(catalog(tmp_path / f"c-{name}"), paths, held=HeldBytes())
+        assert not failed
+        assert [digests[p] for p in paths] == [sha256_hex(m["bin"]) for _, m in samples]
+        size = shards[name].stat().st_size
+        if name == "big.tar":
+            assert sum(fetched) < 1.1 * size, (sum(fetched), size)  # 1.61x before
+        else:  # 40 headers in the first 64 KiB (their data with them: hashed from a run GET)
+            assert listing <= 2, fetched
+
+
 def test_a_bucket_parquet_costs_one_head_a_build_and_none_per_cell_decoded(
     s3: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
