@@ -1484,19 +1484,20 @@ class CellSource:
         Raises:
             SourceError: the file or row cannot be read, or the cell holds no bytes.
         """
-        return self.read_checked(path)[0]
+        return self._cell(path, self.file_of(path))
 
-    def read_checked(self, path: str) -> tuple[bytes, FileStat | None]:
-        """The bytes of the cell named ``path`` and its file's stat as of reading them (see
-        :meth:`TableFile.stat`: an object's from the ranged GETs that carried them, no HEAD).
+    def file_of(self, path: str) -> TableFile:
+        """The data file of the cell named ``path``.
 
         Raises:
-            SourceError: the file or row cannot be read, or the cell holds no bytes.
+            SourceError: it is not one of the table's scanned files.
         """
-        file, row = split_item_path(path)
+        return self.table.files[self.table.file_index(split_item_path(path)[0])]
+
+    def _cell(self, path: str, f: TableFile) -> bytes:
+        row = split_item_path(path)[1]
         column = str(self.table.column)
-        index = self.table.file_index(file)
-        f, kind = self.table.files[index], self.table.kinds[index]
+        kind = self.table.kinds[self.table.file_index(f.path)]
         try:
             cell = f.cells(int(row), [column])[column]
         except (OSError, ValueError, KeyError) as e:
@@ -1504,7 +1505,7 @@ class CellSource:
         got = cell_bytes(cell, kind)
         if isinstance(got, str):
             raise SourceError(f"{path}: {got}")
-        return got, f.stat()
+        return got
 
     def load(self, path: str | os.PathLike[str], data: BinaryIO | None = None) -> torch.Tensor:
         """Read cell ``path`` and decode its bytes.
@@ -1517,21 +1518,22 @@ class CellSource:
 
     def load_unchanged(self, path: str, stat: FileStat | None) -> torch.Tensor:
         """Decode cell ``path`` if its bytes came from its file as it was when its digest was
-        taken (a file stat'ed after the read; an object by the responses that carried them).
+        taken: a file stat'ed after the read, an object by the stat the ranged GETs that
+        carried them gave (:meth:`TableFile.stat`; no HEAD).
 
         Raises:
             SourceError: the file changed since it was hashed, or the cell cannot be decoded.
         """
         changed = SourceError(f"{path}: changed while featbake was reading it; rerun the build")
+        f = self.file_of(path)
         try:
-            data, now = self.read_checked(path)
+            data = self._cell(path, f)
         except SourceError:
             # A file rewritten since its scan may not parse at all (its footer moved): say so.
-            file = self.table.files[self.table.file_index(split_item_path(path)[0])]
-            if (now := file.stat()) is not None and now != stat:
+            if (now := f.stat()) is not None and now != stat:
                 raise changed from None
             raise
-        if stat is None or now != stat:
+        if stat is None or f.stat() != stat:
             raise changed
         return self.inner.load(path, io.BytesIO(data))
 
