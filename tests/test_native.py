@@ -312,3 +312,48 @@ def test_a_batch_is_one_call_of_the_compiled_read(
         batch = ds.__getitems__(list(range(k, 16, 2)))
         assert isinstance(batch, PaddedBatch) and batch.padded.dtype == torch.float16
         assert counting.calls == k
+
+
+@pytest.mark.parametrize("native_on", [True, False])
+@pytest.mark.parametrize("scheme", list(Scheme))
+def test_a_located_item_is_read_dequantised_in_one_pass_and_a_cut_one_fails(
+    tmp_path: Path, scheme: Scheme, native_on: bool
+) -> None:
+    """The dataset's hit path (``ShardReader.read_packed_span``): the same bits as the Python
+    dequantise, the scales' span for the served check, and a short read named."""
+    if native_on and native.kernels() is None:
+        pytest.skip("featbake.kernels is not built here, or FEATBAKE_NATIVE=0")
+    items = {"k0": quantize(_rows(24), scheme), "k1": quantize(torch.randn(9, 24) * 1e7, scheme)}
+    path = _shard(tmp_path, items)
+    packed = PackedRows(scheme, torch.float16, 24)
+    ctx = contextlib.nullcontext if native_on else native.fallback
+    with ShardReader(path) as r, ctx():
+        out = torch.full((37, 24), 7.0, dtype=torch.float16)
+        span = r.read_packed_span(r.tensors["k0"].begin, out, packed)
+        want = unpack(items["k0"], scheme)
+        assert span == ScaleSpan.of(want.scales)
+        assert torch.equal(_bits(out), _bits(dequantize_unpacked(want, scheme, torch.float16)))
+        big = torch.empty(9, 24, dtype=torch.float16)
+        assert not r.read_packed_span(r.tensors["k1"].begin, big, packed).holds(
+            torch.float16, scheme
+        )
+        os.truncate(path, r.tensors["k1"].end - 5)
+        with pytest.raises(StoreCorrupt, match="tensor k1 is cut short"):
+            r.read_packed_span(r.tensors["k1"].begin, big, packed)
+
+
+@compiled
+def test_an_item_served_dequantised_is_one_call_of_the_compiled_read(
+    audio_dir: Path, encoder_file: Path, store_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One item per step, located: its pread and dequantise in one call, no packed copy."""
+    assert build(audio_dir, encoder_file, cache=store_dir, recipe=Recipe(dtype="int8")).ok
+    ds = CachedFeatureDataset(
+        audio_dir, encoder_file, cache=store_dir, dtype="int8", on_miss="error"
+    )
+    first = ds[4]  # planned: located and checked here
+    counting = _Counting(native.kernels())
+    monkeypatch.setitem(native._state, "kernels", counting)
+    again = [ds[4] for _ in range(3)]
+    assert counting.calls == 3
+    assert all(torch.equal(_bits(a), _bits(first)) for a in again)

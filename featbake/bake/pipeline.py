@@ -225,8 +225,7 @@ def encode_padded_again(
     the rows dropped are theirs). ``runner`` is in exact mode by now.
     """
     keys = [it.key for it in items]
-    if isinstance(catalog, Catalog):
-        catalog.forget_keys(keys)
+    catalog.forget_keys(keys)  # a rank's fragments: its newest rows win at the merge
     stored = 0
     try:
         paths, stats = [it.path for it in items], [it.stat for it in items]

@@ -42,6 +42,7 @@ from featbake.serve.state import (
     WRITEBACK_BYTES,
     WRITEBACK_ITEMS,
     WRITEBACK_SECONDS,
+    Located,
     ProcessState,
     SealPolicy,
     ServeStats,
@@ -572,17 +573,15 @@ class CachedFeatureDataset(ProcessLocalState, Dataset):
             if loc.path is not st.last_path:  # keep the handles' LRU order (one C call)
                 st.open_readers.move_to_end(loc.path)
                 st.last_path = loc.path
-            out = torch.empty(loc.nbytes, dtype=torch.uint8)
             try:
-                loc.reader.read_span(loc.offset, out.numpy())  # the store's one read
+                hit = self._read_located(loc)  # the store's one read
             except ShardMissing:  # gone since (a bucket's gc): the general path looks it up
                 st.loc[i] = None
                 st.handles.forget(loc.path)
             else:
                 st.store_reads += 1
                 st.touch(i)
-                hit = out.view(loc.dtype).view(loc.shape)
-                return hit if self._served is None else self._served.item(hit)
+                return hit
         if st.use_lru:
             value = st.lru.get(i)
             if value is not None:
@@ -590,6 +589,14 @@ class CachedFeatureDataset(ProcessLocalState, Dataset):
                 return self._as_asked(value) if self._asked else value
         value = self._misses.read_one(st, i)
         return self._as_asked(value) if self._asked else value
+
+    def _read_located(self, loc: Located) -> torch.Tensor:
+        """A located item's tensor, read as stored, or served dequantised as it is read."""
+        if self._served is not None:
+            return self._served.located(loc)
+        out = torch.empty(loc.nbytes, dtype=torch.uint8)
+        loc.reader.read_span(loc.offset, out.numpy())
+        return out.view(loc.dtype).view(loc.shape)
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """Read a batch at once: the DataLoader calls this with each batch's indices.

@@ -765,6 +765,12 @@ class FragmentCatalog:
             self._spec, self._items = None, []
         return True
 
+    def forget_keys(self, keys: Sequence[str]) -> int:
+        """Nothing to delete: a build's rows replace earlier ones at its merge, which folds a
+        build's newest fragments first (features encoded again after a failed padding check
+        win over the padded ones sealed before). Returns 0."""
+        return 0
+
     def record_fidelity(self, root: str, measured: Measured, bound: float | None) -> None:
         """Hold what this rank measured of an int8/fp8 build for its ``done`` fragment: the
         merge pools every rank's sums into the root's record (store/catalog.py)."""

@@ -859,6 +859,33 @@ class ShardReader:
                 raise corrupt_shard(self.path, f"checksum mismatch in tensor {check.name}")
             self._verified.add(check.name)
 
+    def read_packed_span(self, begin: int, out: torch.Tensor, packed: PackedRows) -> ScaleSpan:
+        """The one read of a located packed item (checked before): its rows at ``begin`` read
+        and dequantised into ``out`` (contiguous, ``[..., packed.width]`` of ``packed.dtype``),
+        in one call of the compiled kernels where built; the span of its row scales.
+
+        What :meth:`read_span` is to a stored item, for one served dequantised: the dataset's
+        hit path pays no span list (measured one ``[200, 768]`` int8 item per step: a pread
+        then a dequantise 0.84-0.89x fp16's read).
+
+        Raises:
+            StoreCorrupt: a short read.
+            StoreError: the read fails.
+        """
+        rows = out.numel() // packed.width if packed.width else 0
+        native = kernels()
+        if native is None:
+            dest = out.reshape(-1).view(torch.uint8).numpy()
+            return _read_packed(self, begin, dest, None, packed)
+        scheme, code, width = packed.kernel_codes()
+        stored = rows * (width + SCALE_BYTES)
+        span = (self._fd, begin, stored, out.data_ptr(), 0, 0, 0, -1)
+        failed, low, high = native.read_rows([span], 0, scheme, code, width, 1)
+        if failed is not None:
+            dest = out.reshape(-1).view(torch.uint8).numpy()
+            raise _read_failure(Span(self, begin, dest, None, None), failed[1], failed[2])
+        return ScaleSpan(low, high)
+
     def _read_bytes(self, begin: int, dest: Any) -> int:
         """Read ``dest.nbytes`` bytes at ``begin`` into ``dest``; how many came.
 
