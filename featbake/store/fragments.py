@@ -526,14 +526,34 @@ class RankPart:
     listing: Sequence[tuple[str, int]]
 
 
+@dataclass(frozen=True)
+class SealContents:
+    """What one seal of a :class:`FragmentCatalog` writes, taken under its lock: ``shards``
+    pending (by name), ``uses``, and what a ``done`` or ``serve`` fragment carries (the held
+    manifest, encoder and hash rows; ``carries``), each as it was when taken."""
+
+    info: BuildInfo
+    shards: dict[str, SealedShard]
+    uses: tuple[Use, ...]
+    spec: RootSpec | None
+    items: list[ManifestItem]
+    encoder: tuple[str, str, str] | None
+    hashes: dict[str, HashCacheRow]
+    fidelity: str
+    carries: bool
+
+
 class FragmentCatalog:
     """A stand-in for the catalog that reads it read-only and seals its writes into fragments
     (see the section comment): a build rank's ``part`` and ``done`` fragments, or a serving
     process's ``serve`` fragments.
 
     It answers the calls a build and serving make on a :class:`Catalog`, with the catalog's own
-    signatures. Thread-safe: one lock orders its writes, and its read-only catalog keeps one
-    connection per thread.
+    signatures. Thread-safe: ``_lock`` guards what it holds and has read, only for moments;
+    ``_seal_lock`` makes its seals one at a time, in order. A seal takes what it writes under
+    ``_lock`` and writes (and, into a bucket, uploads) its fragment outside it, so a read in
+    another thread (a serving loader's read thread) never waits for a seal. Its read-only
+    catalog keeps one connection per thread.
 
     Args:
         layout: the store.
@@ -561,6 +581,7 @@ class FragmentCatalog:
         self._inode = 0  # the catalog file read: a bucket's tier replaces it by rename
         self._found: dict[str, list[Location]] = {}  # key -> its tensors in serve fragments
         self._seen: set[str] = set()  # serve fragments already read
+        self._indexed: set[str] = set()  # shards whose tensors ``_found`` holds
         self._listed = float("-inf")
         # Held for the next fragment that carries them (``done`` or ``serve``):
         self._spec: RootSpec | None = None
@@ -569,7 +590,9 @@ class FragmentCatalog:
         self._hashes: dict[str, HashCacheRow] = {}
         self._fidelity = ""  # what an int8/fp8 rank measured
         self._pending: dict[str, SealedShard] = {}  # sealed shards no fragment names yet
+        # Lock order: ``_seal_lock``, then ``_lock``; a seal is never started with ``_lock`` held.
         self._lock = threading.RLock()
+        self._seal_lock = threading.Lock()
 
     @property
     def kind(self) -> FragmentKind:
@@ -675,6 +698,11 @@ class FragmentCatalog:
     def _found_in(self, shard: SealedShard) -> None:
         # In (key, part) order, as the catalog returns them; a key in several shards (two
         # processes wrote it) is read from the first seen, as its tensors must share a shard.
+        # Once per shard: a refresh may read this process's own fragment between its rename
+        # and the seal recording it (the seal writes outside the lock).
+        if shard.name in self._indexed:
+            return
+        self._indexed.add(shard.name)
         for e in sorted(shard.entries, key=lambda e: (e.key, e.part)):
             locs = self._found.setdefault(e.key, [])
             if not locs or locs[0].shard == shard.name:
@@ -758,12 +786,9 @@ class FragmentCatalog:
         """
         with self._lock:
             self._pending[shard.name] = shard
-            self._seal(self.kind)
+        self._seal(self.kind)  # (another thread's seal, waiting too, may name it first)
         if not self.layout.has_shard(shard.name):
             raise ShardMissing(f"shard {shard.name} vanished before its fragment was sealed")
-        if self.part is None:  # read back before any merge (a rank's, by present_keys)
-            with self._lock:
-                self._found_in(shard)
         return len(shard.entries)
 
     def touch(self, keys: Iterable[str], when: float | None = None) -> None:
@@ -771,20 +796,17 @@ class FragmentCatalog:
         when = time.time() if when is None else when
         uses = [Use(k, when) for k in dict.fromkeys(keys)]
         if uses:
-            with self._lock:
-                self._seal(self.kind, uses)
+            self._seal(self.kind, uses)
 
     def flush(self) -> None:
         """Seal what is pending (a rank's writer thread stopping; a serving process's held
         hash rows, encoder and manifest)."""
-        with self._lock:
-            self._seal(self.kind)
+        self._seal(self.kind)
 
     def finish(self) -> str | None:
         """Seal a rank's ``done`` fragment: the rest, the manifest slice, the hash rows and what
         it measured. Its name; None when the build published no manifest."""
-        with self._lock:
-            return None if self._spec is None else self._seal(FragmentKind.DONE)
+        return self._seal(FragmentKind.DONE)
 
     def close(self) -> None:
         """Seal what is held (a hint: an unwritable store skips it) and close the catalog."""
@@ -795,28 +817,72 @@ class FragmentCatalog:
 
     def _seal(self, kind: FragmentKind, uses: Sequence[Use] = ()) -> str | None:
         """Write the one fragment of ``kind``: the pending shards, ``uses``, and (``done``,
-        ``serve``) what is held; None when there is nothing to seal."""
+        ``serve``) what is held; None when there is nothing to seal (``done``: no manifest).
+
+        What it writes is taken under ``_lock`` and written outside it, one seal at a time; it
+        is let go only once written, so a failed seal leaves it all to the next one, and what
+        other threads add meanwhile is the next seal's.
+        """
+        with self._seal_lock:
+            with self._lock:
+                taken = self._take(kind, uses)
+            if taken is None:
+                return None
+            try:
+                path = write_fragment(
+                    self.layout, taken.info, kind, list(taken.shards.values()), taken.items,
+                    list(taken.hashes.values()), taken.uses, taken.fidelity,
+                )  # fmt: skip
+            except ShardMissing:  # never named again by every later seal: the writer rewrites it
+                gone = {n for n in taken.shards if not self.layout.has_shard(n)}
+                with self._lock:
+                    self._let_go({n: taken.shards[n] for n in gone})
+                raise
+            with self._lock:
+                self._sealed(taken, path)
+            return path.name
+
+    def _take(self, kind: FragmentKind, uses: Sequence[Use]) -> SealContents | None:
+        """What a seal of ``kind`` writes now (``_lock`` held); None when nothing is to seal."""
         carries = kind is not FragmentKind.PART
         held = carries and bool(self._hashes or self._encoder or self._spec)
+        if kind is FragmentKind.DONE and self._spec is None:
+            return None  # the build published no manifest: no ``done`` fragment
         if kind is not FragmentKind.DONE and not (self._pending or uses or held):
             return None
-        shards = list(self._pending.values())
-        items = self._items if carries else ()
-        hashes = list(self._hashes.values()) if carries else ()
-        fidelity = self._fidelity if kind is FragmentKind.DONE else ""
-        try:
-            path = write_fragment(
-                self.layout, self._info(), kind, shards, items, hashes, uses, fidelity
-            )
-        except ShardMissing:  # never named again by every later seal: the writer rewrites it
-            self._pending = {n: s for n, s in self._pending.items() if self.layout.has_shard(n)}
-            raise
-        self._pending = {}
+        return SealContents(
+            info=self._info(),
+            shards=dict(self._pending),
+            uses=tuple(uses),
+            spec=self._spec if carries else None,
+            items=self._items if carries else [],
+            encoder=self._encoder if carries else None,
+            hashes=dict(self._hashes) if carries else {},
+            fidelity=self._fidelity if kind is FragmentKind.DONE else "",
+            carries=carries,
+        )
+
+    def _sealed(self, taken: SealContents, path: Path) -> None:
+        """Let go of what the fragment at ``path`` holds (``_lock`` held); what was added or
+        replaced since it was taken stays held for the next seal."""
+        self._let_go(taken.shards)
         self._seen.add(path.name)  # its shards are known here: refresh reads it not again
-        if carries:  # sealed once: a fragment stands alone
-            self._hashes, self._encoder, self._spec, self._items = {}, None, None, []
+        if self.part is None:  # read back before any merge (a rank's, by present_keys)
+            for shard in taken.shards.values():
+                self._found_in(shard)
+        if taken.carries:  # sealed once: a fragment stands alone
+            self._hashes = {p: r for p, r in self._hashes.items() if taken.hashes.get(p) != r}
+            if self._encoder == taken.encoder:
+                self._encoder = None
+            if self._spec is taken.spec and self._items is taken.items:
+                self._spec, self._items = None, []
         self.fragments.append(path.name)
-        return path.name
+
+    def _let_go(self, shards: dict[str, SealedShard]) -> None:
+        """No longer hold ``shards`` pending (``_lock`` held), unless one was added again since."""
+        for name, shard in shards.items():
+            if self._pending.get(name) is shard:
+                del self._pending[name]
 
     def _info(self) -> BuildInfo:
         """What the next fragment says of its build (a serving process's: rank 0 of 1)."""

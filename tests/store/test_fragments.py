@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,13 +29,15 @@ from featbake.bake.pipeline import build
 from featbake.errors import ShardMissing, StoreCorrupt, StoreError
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.serve.state import TOUCH_FLUSH_SECONDS, TOUCH_FLUSH_SECONDS_SHARED, WRITEBACK_SECONDS
-from featbake.store.catalog import Catalog, RootSpec, hash_cache_rows
+from featbake.store import fragments as fragments_module
+from featbake.store.catalog import Catalog, FileStat, HashRow, RootSpec, hash_cache_rows
 from featbake.store.fragments import (
     BuildInfo,
     FragmentCatalog,
     FragmentKind,
     RankPart,
     fragment_shard_names,
+    fragments_dir,
     merge,
     pending_builds,
     read_fragment,
@@ -732,3 +735,174 @@ def test_a_shard_gone_before_its_fragment_never_stops_later_seals(tmp_path: Path
     merge(layout)
     with Catalog(layout) as cat:
         assert cat.present_keys([gone, kept]) == {kept}
+
+
+class HeldUp:
+    """``write_fragment`` held up at its start until released (the one point patched): what a
+    slow upload of a fragment into a bucket looks like to the threads around it. Records the
+    shards and hash rows each call was given."""
+
+    def __init__(self, after: Callable[[], None] = lambda: None) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.calls: list[tuple[list[str], list[str]]] = []  # (shard names, hashed paths)
+        self.real = fragments_module.write_fragment
+        self.after = after  # called once the fragment is renamed into place
+
+    def __call__(self, layout, info, kind, shards, items=(), hashes=(), uses=(), fidelity=""):
+        self.calls.append(([s.name for s in shards], [h.path for h in hashes]))
+        self.entered.set()
+        self.release.wait(timeout=120)  # released by the test; bounded so nothing hangs for good
+        path = self.real(layout, info, kind, shards, items, hashes, uses, fidelity)
+        self.after()
+        return path
+
+
+def test_a_read_never_waits_for_a_seal_writing_its_fragment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A FragmentCatalog held its one lock while a seal wrote (and into a bucket uploaded) its
+    fragment, so a serving loader's read thread waited for each write-back's seal. A read of a
+    key in the catalog and of one in another process's serve fragment now returns while a seal
+    is held up in write_fragment; released, that seal completes and its shard is found."""
+    layout = Layout(tmp_path / "store").ensure()
+    efp, rfp = "e" * 64, "r" * 64
+    in_catalog, in_fragment, written = "a" * 64, "b" * 64, "c" * 64
+    with Catalog(layout) as cat:
+        cat.add_shard(write_shard(layout, {in_catalog: torch.ones(3)}, efp, rfp))
+    earlier = FragmentCatalog(layout)  # another process's write-back, not merged yet
+    kept = write_shard(layout, {in_fragment: torch.full((2,), 2.0)}, efp, rfp)
+    earlier.add_shard(kept)
+    earlier.close()
+
+    held = HeldUp()
+    monkeypatch.setattr(fragments_module, "write_fragment", held)
+    serving = FragmentCatalog(layout)
+    shard = write_shard(layout, {written: torch.full((4,), 3.0)}, efp, rfp)
+    sealer = threading.Thread(target=serving.add_shard, args=(shard,))
+    found: dict = {}
+    reader = threading.Thread(
+        target=lambda: found.update(serving.locate_many([in_catalog, in_fragment]))
+    )
+    try:
+        sealer.start()
+        assert held.entered.wait(timeout=60), "the seal never reached write_fragment"
+        reader.start()
+        reader.join(timeout=30)  # a bound on a hang, not a speed: it returns in milliseconds
+        assert not reader.is_alive(), "a read waited for another thread's seal to be written"
+        assert sealer.is_alive() and not held.release.is_set()  # the seal is still held up
+    finally:
+        held.release.set()
+        sealer.join(timeout=60)
+        reader.join(timeout=60)
+    assert [loc.shard for loc in found[in_fragment]] == [kept.name]
+    assert len(found[in_catalog]) == 1
+    assert not sealer.is_alive() and len(serving.fragments) == 1
+    assert [loc.shard for loc in serving.locate(written)] == [shard.name]  # no merge yet
+    serving.close()
+    merge(layout)
+    with Catalog(layout) as cat:
+        assert cat.present_keys([in_catalog, in_fragment, written]) == {
+            in_catalog,
+            in_fragment,
+            written,
+        }
+
+
+def test_what_other_threads_add_during_a_seal_is_sealed_next_and_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A seal takes what it writes and writes outside the lock: a shard another thread adds
+    and a hash row put while it writes are not in its fragment, are not let go when it
+    succeeds, and are sealed by the next seal, each shard in exactly one fragment."""
+    layout = Layout(tmp_path / "store").ensure()
+    efp, rfp = "e" * 64, "r" * 64
+    one, two = "a" * 64, "b" * 64
+    held = HeldUp()
+    monkeypatch.setattr(fragments_module, "write_fragment", held)
+    serving = FragmentCatalog(layout)
+    serving.record_encoder(efp, "enc", "torchscript")
+    first = write_shard(layout, {one: torch.ones(3)}, efp, rfp)
+    second = write_shard(layout, {two: torch.full((2,), 2.0)}, efp, rfp)
+    row = HashRow("/d/late.wav", FileStat(10, 1, 7, 1), "f" * 64)  # hashed long ago: trusted
+    sealer = threading.Thread(target=serving.add_shard, args=(first,))
+    adder = threading.Thread(target=serving.add_shard, args=(second,))
+    try:
+        sealer.start()
+        assert held.entered.wait(timeout=60), "the seal never reached write_fragment"
+        adder.start()
+        deadline = time.monotonic() + 30  # a bound on a hang: it is added at once
+        while second.name not in serving._pending and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert second.name in serving._pending, "add_shard waited for another thread's seal"
+        serving.put_hashes([row])
+        assert sealer.is_alive() and adder.is_alive()  # the first seal is still held up
+    finally:
+        held.release.set()
+        sealer.join(timeout=60)
+        adder.join(timeout=60)
+    assert held.calls == [([first.name], []), ([second.name], [row.path])]
+    serving.flush()  # nothing is left held: no third fragment
+    assert len(serving.fragments) == 2
+    frags = [read_fragment(fragments_dir(layout) / n, layout) for n in serving.fragments]
+    assert [[s.name for s in f.shards] for f in frags] == [[first.name], [second.name]]
+    assert [f.info.encoder_kind for f in frags] == ["torchscript", ""]  # carried once
+    assert {loc.shard for k in (one, two) for loc in serving.locate(k)} == {
+        first.name,
+        second.name,
+    }
+    serving.close()
+    merge(layout)
+    with Catalog(layout) as cat:
+        assert cat.present_keys([one, two]) == {one, two}
+        assert [r.path for r in hash_cache_rows(cat)] == [row.path]
+
+
+def test_a_seal_that_cannot_be_written_keeps_what_it_held_for_the_next(tmp_path: Path) -> None:
+    """A seal whose fragment cannot be written (fragments/ is a file here) raises StoreError
+    and lets go of nothing: the next seal carries the shard, the manifest, the encoder and
+    the hash rows, and merge publishes them."""
+    layout = Layout(tmp_path / "store").ensure()
+    efp, rfp = "e" * 64, "r" * 64
+    key = "a" * 64
+    serving = FragmentCatalog(layout)
+    serving.record_encoder(efp, "enc", "torchscript")
+    serving.replace_root(RootSpec("r", "/d", "enc", efp, rfp, {}), [("/d/a.wav", key)])
+    serving.put_hashes([HashRow("/d/a.wav", FileStat(10, 1, 7, 1), "f" * 64)])
+    shard = write_shard(layout, {key: torch.ones(3)}, efp, rfp)
+    blocker = fragments_dir(layout)
+    shutil.rmtree(blocker, ignore_errors=True)
+    blocker.write_text("not a folder")
+    with pytest.raises(StoreError, match="could not write the catalog fragment"):
+        serving.add_shard(shard)
+    assert serving.fragments == []
+    blocker.unlink()
+    serving.flush()
+    assert len(serving.fragments) == 1
+    frag = read_fragment(blocker / serving.fragments[0], layout)
+    assert [s.name for s in frag.shards] == [shard.name]
+    assert [(i.path, i.key) for i in frag.items] == [("/d/a.wav", key)]
+    assert [h.path for h in frag.hashes] == ["/d/a.wav"] and frag.info.encoder_kind
+    serving.close()
+    merge(layout)
+    with Catalog(layout) as cat:
+        assert [tuple(i)[-2:] for i in cat.root_items("r")] == [("/d/a.wav", key)]
+        assert cat.present_keys([key]) == {key}
+        assert [r.path for r in hash_cache_rows(cat)] == ["/d/a.wav"]
+
+
+def test_a_refresh_between_a_fragments_rename_and_its_seal_finds_each_tensor_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The seal writes outside the lock, so a refresh may read this process's own fragment
+    once it is renamed into place and before the seal records it: its shard's tensors are
+    still located once, not twice."""
+    layout = Layout(tmp_path / "store").ensure()
+    efp, rfp, key = "e" * 64, "r" * 64, "a" * 64
+    serving = FragmentCatalog(layout)
+    held = HeldUp(after=serving.refresh)  # the refresh a reader thread makes in that moment
+    held.release.set()
+    monkeypatch.setattr(fragments_module, "write_fragment", held)
+    shard = write_shard(layout, {key: torch.ones(3)}, efp, rfp)
+    serving.add_shard(shard)
+    assert [(loc.shard, loc.part) for loc in serving.locate(key)] == [(shard.name, "")]
+    serving.close()

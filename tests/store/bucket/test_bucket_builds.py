@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -16,7 +17,10 @@ import torch
 from featbake import CachedFeatureDataset
 from featbake.encode.sources import source_for
 from featbake.store.bucket import BucketStore, merge_bucket
+from featbake.store.catalog import Catalog
+from featbake.store.fragments import FragmentCatalog
 from featbake.store.open import open_store
+from featbake.store.shard import write_shard
 from featbake.testing import TinyConvEncoder, write_audio_folder
 from tests.conftest import REPO, encoded_rows, invoke, live_features, run_cli
 from tests.store.bucket.conftest import S3
@@ -175,3 +179,57 @@ def test_misses_served_from_a_bucket_are_written_back_and_merged(
     )
     for i in range(len(again)):
         torch.testing.assert_close(again[i], live_features(encoder_file, Path(again.path(i))))
+
+
+def test_a_read_never_waits_for_a_write_back_fragments_upload(
+    s3: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A serving FragmentCatalog over a bucket store uploads each write-back's shard and
+    fragment as it seals them; it held its lock through the upload, so every read of the
+    process's other threads (a loader's read thread) waited for it. With the fragment's upload
+    held up, a read of a key in an earlier fragment returns; released, the fragment reaches the
+    bucket and a merge from another node publishes both features."""
+    layout = open_store(s3.url, local_cache=tmp_path / "tier")
+    efp, rfp = "e" * 64, "r" * 64
+    earlier_key, written_key = "a" * 64, "b" * 64
+    earlier = FragmentCatalog(layout)  # this node's earlier write-back, not merged yet
+    kept = write_shard(layout, {earlier_key: torch.ones(3)}, efp, rfp)
+    earlier.add_shard(kept)
+    earlier.close()
+
+    assert layout.remote is not None
+    bucket = layout.remote.bucket
+    real_upload, entered, release = bucket.upload, threading.Event(), threading.Event()
+
+    def held_up(name: str, src: Path, **kw: bool) -> bool:  # the one point patched
+        if name.startswith("fragments/"):
+            entered.set()
+            release.wait(timeout=120)  # released by the test; bounded so nothing hangs for good
+        return real_upload(name, src, **kw)
+
+    monkeypatch.setattr(bucket, "upload", held_up)
+    serving = FragmentCatalog(layout)
+    shard = write_shard(layout, {written_key: torch.full((2,), 2.0)}, efp, rfp)
+    sealer = threading.Thread(target=serving.add_shard, args=(shard,))
+    found: dict = {}
+    reader = threading.Thread(target=lambda: found.update(serving.locate_many([earlier_key])))
+    try:
+        sealer.start()
+        assert entered.wait(timeout=60), "the seal never uploaded its fragment"
+        reader.start()
+        reader.join(timeout=30)  # a bound on a hang, not a speed: it returns in milliseconds
+        assert not reader.is_alive(), "a read waited for another thread's fragment upload"
+        assert sealer.is_alive() and len(s3.objects("fragments/")) == 1  # still held up
+    finally:
+        release.set()
+        sealer.join(timeout=60)
+        reader.join(timeout=60)
+    assert [loc.shard for loc in found[earlier_key]] == [kept.name]
+    assert not sealer.is_alive() and len(serving.fragments) == 1
+    assert len(s3.objects("fragments/")) == 2
+    serving.close()
+    merge_bucket(_store(s3.url, tmp_path / "node-m"))
+    fresh = _store(s3.url, tmp_path / "node-r")
+    fresh.sync_catalog()
+    with Catalog(fresh.layout, read_only=True) as cat:
+        assert cat.present_keys([earlier_key, written_key]) == {earlier_key, written_key}
