@@ -444,13 +444,7 @@ def object_range(url: str, start: int, length: int) -> bytes:
     Raises:
         SourceError: the object is gone or cannot be read.
     """
-    bucket, name = object_at(url)
-    try:
-        return bucket.read_range(name, start, length)
-    except FileNotFoundError:
-        raise SourceError(f"{url}: object not found (deleted since the listing?)") from None
-    except StoreError as e:
-        raise SourceError(str(e)) from e
+    return object_range_of(url, start, length).data
 
 
 def object_range_of(url: str, start: int, length: int) -> ObjectBytes:

@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 import featbake.encode.fingerprints
 from featbake.bake.pipeline import build
+from featbake.bake.report import BuildReport
 from featbake.encode.sources import AudioSource
 from featbake.recipe import Recipe
 from featbake.testing import TinyConvEncoder, write_audio_folder
@@ -104,6 +106,15 @@ def test_held_bytes_count_one_object_kept_under_many_rows_once() -> None:
     assert (len(held), held.size) == (0, 0)
 
 
+def _first_build_reading(manifest: Path, enc: nn.Module, tmp_path: Path) -> tuple[BuildReport, int]:
+    """A first build of ``manifest`` into ``tmp_path / "store"`` and the bytes this process read
+    for it (a warm-up build into another store first: imports and loaders made once)."""
+    build(manifest, enc, cache=tmp_path / "warm", workers=0)
+    before = _read_so_far()
+    report = build(manifest, enc, cache=tmp_path / "store", workers=0)
+    return report, _read_so_far() - before
+
+
 def test_a_first_build_of_a_manifest_of_whole_files_reads_each_file_once(tmp_path: Path) -> None:
     """A manifest's whole-file rows were hashed from the file, then decoded from it again (2x
     the data read); now hashed from bytes kept for decoding, so ~1.0x, one file named by two
@@ -119,10 +130,7 @@ def test_a_first_build_of_a_manifest_of_whole_files_reads_each_file_once(tmp_pat
     manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     enc = TinyConvEncoder().eval()
-    build(manifest, enc, cache=tmp_path / "warm", workers=0)  # imports and loaders made once
-    before = _read_so_far()
-    report = build(manifest, enc, cache=tmp_path / "store", workers=0)
-    read = _read_so_far() - before
+    report, read = _first_build_reading(manifest, enc, tmp_path)
     assert report.ok and (report.encoded, report.duplicates) == (16, 1)
     print(f"manifest: read {read:,} bytes for {size:,} bytes of inputs ({read / size:.2f}x)")
     assert read < 1.25 * size, (read, size)  # ~1.0x (2.0x before)
@@ -157,10 +165,7 @@ def test_a_file_named_whole_and_by_segments_is_read_once(tmp_path: Path) -> None
     manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     enc = TinyConvEncoder().eval()
-    build(manifest, enc, cache=tmp_path / "warm", workers=0)  # imports and loaders made once
-    before = _read_so_far()
-    report = build(manifest, enc, cache=tmp_path / "store", workers=0)
-    read = _read_so_far() - before
+    report, read = _first_build_reading(manifest, enc, tmp_path)
     assert report.ok and report.encoded == len(rows)
     print(
         f"whole + segments: read {read:,} bytes for {size:,} bytes of inputs ({read / size:.2f}x)"
