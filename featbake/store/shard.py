@@ -862,7 +862,9 @@ class ShardReader:
     def read_packed_span(self, begin: int, out: torch.Tensor, packed: PackedRows) -> ScaleSpan:
         """The one read of a located packed item (checked before): its rows at ``begin`` read
         and dequantised into ``out`` (contiguous, ``[..., packed.width]`` of ``packed.dtype``),
-        in one call of the compiled kernels where built; the span of its row scales.
+        in one call of the compiled kernels where built (a local shard's: a bucket's ranged
+        reader reads by its own :meth:`read_span`, see :func:`native_readable`); the span of
+        its row scales.
 
         What :meth:`read_span` is to a stored item, for one served dequantised: the dataset's
         hit path pays no span list (measured one ``[200, 768]`` int8 item per step: a pread
@@ -874,7 +876,7 @@ class ShardReader:
         """
         rows = out.numel() // packed.width if packed.width else 0
         native = kernels()
-        if native is None:
+        if native is None or type(self) is not ShardReader:  # a bucket's ranged reader: no fd
             dest = out.reshape(-1).view(torch.uint8).numpy()
             return _read_packed(self, begin, dest, None, packed)
         scheme, code, width = packed.kernel_codes()

@@ -211,6 +211,26 @@ def test_a_first_int8_build_into_a_bucket_records_fidelity_and_serves_live(
         assert torch.equal(ds[i], want), i
 
 
+def test_an_int8_item_read_again_by_ranges_is_served_live(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The located hit path of an int8 store read by ranged GETs: the second read of an item
+    (remembered where it lies) dequantises the bytes of a ranged GET, not a local file's (a
+    ranged reader has none: the compiled read of its descriptor failed, 'Bad file descriptor')."""
+    monkeypatch.setenv("FEATBAKE_BUCKET_READS", "ranged")
+    recipe = Recipe(dtype="int8")
+    assert build(audio_dir, encoder_file, cache=s3.url, recipe=recipe, batch_size=1, workers=0).ok
+    ds = serve(s3, audio_dir, encoder_file, tmp_path / "tier", on_miss="error", dtype="int8")
+    for i in range(len(ds)):
+        live = live_features(encoder_file, Path(ds.path(i)), Recipe())
+        assert isinstance(live, torch.Tensor)
+        want = dequantize(quantize(live, Scheme.INT8), Scheme.INT8, torch.float16)
+        assert torch.equal(ds[i], want), i  # planned: read, then located
+        assert torch.equal(ds[i], want), i  # the located hit path
+    readers = ds._proc().handles.open_readers.values()
+    assert readers and all(isinstance(r, RangedShardReader) for r in readers)
+
+
 # == test_bucket_ranged ============================================================================
 # A bucket store read by ranged GETs: when the tier cannot hold the store, each tensor's bytes
 # come in one ranged GET (CRC-checked), nothing is fetched whole. Every item equals live.
