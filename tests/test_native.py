@@ -357,3 +357,30 @@ def test_an_item_served_dequantised_is_one_call_of_the_compiled_read(
     again = [ds[4] for _ in range(3)]
     assert counting.calls == 3
     assert all(torch.equal(_bits(a), _bits(first)) for a in again)
+
+
+@pytest.mark.parametrize("native_on", [True, False])
+@pytest.mark.parametrize("scheme", list(Scheme))
+def test_a_located_item_of_no_rows_or_one_dimension_is_served_as_the_stored_one(
+    tmp_path: Path, scheme: Scheme, native_on: bool
+) -> None:
+    """``read_packed_span`` of an item of no rows (``[0, D + 4]``), a 1-D one and a 3-D one:
+    what ``Served.item`` makes of the stored tensor, bit for bit, on both paths (the Python
+    path raised torch's RuntimeError for no rows: an empty array viewed as float16)."""
+    if native_on and native.kernels() is None:
+        pytest.skip("featbake.kernels is not built here, or FEATBAKE_NATIVE=0")
+    items = {
+        "none": quantize(torch.randn(0, 24), scheme),
+        "flat": quantize(torch.randn(24), scheme),
+        "deep": quantize(torch.randn(2, 3, 24), scheme),
+    }
+    path = _shard(tmp_path, items)
+    packed = PackedRows(scheme, torch.float16, 24)
+    served = Served(scheme, torch.float16)
+    ctx = contextlib.nullcontext if native_on else native.fallback
+    with ShardReader(path) as r, ctx():
+        for name, stored in items.items():
+            out = torch.empty((*stored.shape[:-1], 24), dtype=torch.float16)
+            span = r.read_packed_span(r.tensors[name].begin, out, packed)
+            assert span == ScaleSpan.of(unpack(stored, scheme).scales), name
+            assert torch.equal(_bits(out), _bits(served.item(stored))), name

@@ -1031,6 +1031,9 @@ def _read_packed(
 ) -> ScaleSpan:
     """The Python path of one packed span: read into a buffer, check, dequantise into dest."""
     rows = dest.nbytes // (packed.width * packed.dtype.itemsize)
+    if not rows:  # an item of no rows: its (empty) read checked, nothing to dequantise (torch
+        reader.read_span(begin, dest, check)  # views no empty array of stride 0 as float16)
+        return ScaleSpan()
     raw = torch.empty((rows, packed.width + SCALE_BYTES), dtype=packed.scheme.packed_dtype)
     reader.read_span(begin, raw.view(-1).view(torch.uint8).numpy(), check)
     parts = unpack(raw, packed.scheme)
