@@ -1128,12 +1128,22 @@ class TableFile(ProcessLocalState):
 
     def _open_parquet(self) -> Any:
         # A bucket's file by ranged GETs: its footer, then each row group's column chunks.
-        where = self._ranged if is_url(self.path) else self.path
-        return pyarrow_module().parquet.ParquetFile(where)
+        if is_url(self.path):
+            return pyarrow_module().parquet.ParquetFile(self._ranged)
+        return self._open_local(pyarrow_module().parquet.ParquetFile)
 
     def _open_arrow(self) -> Any:
         pa = pyarrow_module()
-        return pa.ipc.open_stream(pa.memory_map(self.path)).read_all()
+        return self._open_local(lambda path: pa.ipc.open_stream(pa.memory_map(path)).read_all())
+
+    def _open_local(self, opener: Callable[[str], Any]) -> Any:
+        """``opener(path)``, noting the stat of the file it opened (the same before and after
+        the open; None if the file was replaced meanwhile): the reader keeps that file, its
+        footer read once, whatever is renamed over the path later (see :meth:`stat`)."""
+        before = file_stat_or_none(self.path)
+        opened = opener(self.path)
+        self._opened = before if file_stat_or_none(self.path) == before else None
+        return opened
 
     #: a bucket's file as this process reads it (its responses' stats kept: see :meth:`stat`)
     _ranged: ProcessLocal[RangedObject] = ProcessLocal(_open_ranged)
@@ -1141,12 +1151,17 @@ class TableFile(ProcessLocalState):
     _stream: ProcessLocal[Any] = ProcessLocal(_open_arrow)
     #: the row group read last: its first row, and the columns read of it
     _group: ProcessLocal[tuple[int, dict[str, Any]] | None] = ProcessLocal(lambda self: None)
+    #: the stat of the local file this process's reader opened (None: none, or replaced then)
+    _opened: ProcessLocal[FileStat | None] = ProcessLocal(lambda self: None)
 
     def stat(self) -> FileStat | None:
-        """The file's stat as of what was read of it: a file's stat'ed now, an object's the one
-        every ranged GET this process made of it gave (no HEAD; None if they disagree)."""
+        """The file's stat as of what was read of it: a file's stat'ed now if it is the file
+        this process's reader opened (else None: replaced or rewritten since, its bytes read
+        here may be the old file's, through a footer read before); an object's the one every
+        ranged GET this process made of it gave (no HEAD; None if they disagree)."""
         if not is_url(self.path):
-            return file_stat_or_none(self.path)
+            now = file_stat_or_none(self.path)
+            return now if now == self._opened else None
         return self._ranged.stat()
 
     def schema(self) -> pa.Schema:

@@ -327,6 +327,33 @@ def test_a_parquet_file_of_audio_structs(tmp_path: Path) -> None:
         assert torch.equal(source.load(p), audio_tensor(clip)), p
 
 
+def test_a_table_file_replaced_after_its_scan_fails_its_cells_and_caches_no_digest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A parquet file renamed over (a new version written beside it, then moved in place)
+    between the scan and the hashing: the reader opened at the scan still reads the old file
+    through its footer, so its cells fail as changed; before, the old cells' digests were
+    recorded under the new file's stat, and a rebuild trusted them (the old features served
+    for the new cells). A fresh scan hashes the new cells."""
+    old = [wav_bytes(0.4 + 0.1 * i, i, "WAV") for i in range(3)]
+    new = [wav_bytes(0.4 + 0.1 * i, i + 7, "WAV") for i in range(3)]
+    path = write_audio_parquet(tmp_path / "train.parquet", old)
+    inputs = Table(str(path))
+    paths = [inputs.path(r) for r in inputs.scan(source_for(Recipe()).extensions).inputs]
+    write_audio_parquet(tmp_path / "next.parquet", new)
+    os.replace(tmp_path / "next.parquet", path)
+    cat = catalog(tmp_path)
+    monkeypatch.setattr("featbake.store.catalog.RACY_NS", 0)  # rows trusted at once, as later
+    digests, failed = inputs.hash(cat, paths)
+    assert not digests and set(failed) == set(paths)
+    assert all("changed while featbake was reading it" in why for why in failed.values())
+    assert not cat.cached_hashes([f"{p}:audio" for p in paths])
+    again = Table(str(path))
+    again.scan(source_for(Recipe()).extensions)
+    digests, failed = again.hash(cat, paths)
+    assert not failed and [digests[p] for p in paths] == [sha256_hex(c) for c in new]
+
+
 def test_bad_cells_and_columns_are_bad_rows_with_their_row(tmp_path: Path) -> None:
     clips: list[bytes | None] = [wav_bytes(0.3, 0), None, wav_bytes(0.3, 2)]
     folder = tmp_path / "table"
