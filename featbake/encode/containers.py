@@ -760,6 +760,7 @@ class WebDataset:
         """
         self.samples, self.chosen = {}, {}  # a scan starts afresh
         self.index.listed.clear()  # in place: a source made before the scan reads through it
+        self.index.at.clear()
         skipped: list[SkippedInput] = []
         seen: dict[str, str] = {}
         objects = self._list_objects()
@@ -813,7 +814,7 @@ class WebDataset:
             SourceError: the tar is missing or cannot be read as a tar.
         """
         if not self.remote:
-            return list_members(tar)
+            return self.index.listing(tar)
         info = objects.get(tar)
         if info is None:
             raise SourceError(f"{tar}: object not found")
@@ -912,9 +913,13 @@ class WebDataset:
         except SourceError as e:
             return ReadBack({r.path: (str(e),) for r in refs}, None)
         got = member_digests(tar, members, held)
+        # A local tar's members were read at the offsets listed: their digests stand only if
+        # the tar is still the version listed (one renamed over it since reads other bytes).
+        listed = got.stat == self.index.at.get(tar) or is_url(tar)
         by_ref = zip(refs, members, strict=True)
         return ReadBack(
-            {r.path: got.digests.get(m.name, ("not read",)) for r, m in by_ref}, got.stat
+            {r.path: got.digests.get(m.name, ("not read",)) for r, m in by_ref},
+            got.stat if listed else None,
         )
 
     def source(self, inner: Source) -> Source:
@@ -928,6 +933,22 @@ class MemberIndex:
 
     def __init__(self, listed: dict[str, Member] | None = None) -> None:
         self.listed = dict(listed or {})
+        #: a local tar -> its stat when its members were listed here (None: it changed while
+        #: listed): the version their offsets are of, which hashing checks (see ``_read``)
+        self.at: dict[str, FileStat | None] = {}
+
+    def listing(self, tar: str) -> list[Member]:
+        """:func:`list_members` of ``tar``, a local tar's stat as listed noted in :attr:`at`.
+
+        Raises:
+            SourceError: the file cannot be opened or is not a tar.
+        """
+        if is_url(tar):  # an object's version: the scan's listing stat, checked by hashing
+            return list_members(tar)
+        before = file_stat_or_none(tar)
+        members = list_members(tar)
+        self.at[tar] = before if file_stat_or_none(tar) == before else None
+        return members
 
     def member(self, path: str) -> tuple[str, Member]:
         """(tar, member) of the item named ``path``.
@@ -938,7 +959,7 @@ class MemberIndex:
         tar = split_item_path(path)[0]
         found = self.listed.get(path)
         if found is None:
-            for m in list_members(tar):
+            for m in self.listing(tar):
                 self.listed.setdefault(f"{tar}:{m.name}", m)
             found = self.listed.get(path)
         if found is None:
