@@ -590,6 +590,9 @@ class FragmentCatalog:
         self._hashes: dict[str, HashCacheRow] = {}
         self._fidelity = ""  # what an int8/fp8 rank measured
         self._pending: dict[str, SealedShard] = {}  # sealed shards no fragment names yet
+        # A root's manifest as this process last sealed it (merged or not): what extend_root
+        # grows next, beside the catalog's, so a later fragment never publishes it without them.
+        self._sealed_roots: dict[str, list[ManifestItem]] = {}
         # Lock order: ``_seal_lock``, then ``_lock``; a seal is never started with ``_lock`` held.
         self._lock = threading.RLock()
         self._seal_lock = threading.Lock()
@@ -743,16 +746,20 @@ class FragmentCatalog:
     def extend_root(self, spec: RootSpec, keys: Sequence[str], now: float | None = None) -> int:
         """Hold root ``spec.name`` grown by the ``keys`` it does not name yet (a CachedEncoder's
         write-back), for the next fragment: its items as the catalog (or this process's held
-        manifest) has them, then the new keys. The merge publishes it unless a newer manifest of
-        the root was published meanwhile; then keys appended on another host are left out of it,
-        which only lets gc free their features (encoded again when next needed), never serves
-        one wrong. Returns how many keys were added.
+        manifest) has them, with those this process sealed before (not merged yet, or merged
+        under a newer manifest), then the new keys. The merge publishes it unless a newer
+        manifest of the root was published meanwhile; then keys appended on another host are
+        left out of it, which only lets gc free their features (encoded again when next
+        needed), never serves one wrong. Returns how many keys were added.
         """
         with self._lock:
             if self._spec is not None and self._spec.name == spec.name:
                 held = [(i.path, i.key) for i in self._items]
-            else:
+            else:  # the catalog's items, then those this process sealed that it lacks yet
                 held = [(i.path, i.key) for i in self.root_items(spec.name)]
+                named = {k for _, k in held}
+                sealed = self._sealed_roots.get(spec.name, [])
+                held += [(i.path, i.key) for i in sealed if i.key not in named]
             named = {k for _, k in held}
             new = [("", k) for k in dict.fromkeys(keys) if k not in named]
             if new:
@@ -870,6 +877,8 @@ class FragmentCatalog:
         if self.part is None:  # read back before any merge (a rank's, by present_keys)
             for shard in taken.shards.values():
                 self._found_in(shard)
+        if taken.carries and taken.spec is not None:
+            self._sealed_roots[taken.spec.name] = taken.items
         if taken.carries:  # sealed once: a fragment stands alone
             self._hashes = {p: r for p, r in self._hashes.items() if taken.hashes.get(p) != r}
             if self._encoder == taken.encoder:

@@ -906,3 +906,31 @@ def test_a_refresh_between_a_fragments_rename_and_its_seal_finds_each_tensor_onc
     serving.add_shard(shard)
     assert [(loc.shard, loc.part) for loc in serving.locate(key)] == [(shard.name, "")]
     serving.close()
+
+
+def test_a_root_grown_by_two_seals_before_a_merge_names_the_keys_of_both(tmp_path: Path) -> None:
+    """A serving process's write-back grows its root (``extend_root``, as a CachedEncoder's
+    does) and seals, then again before any merge: the second fragment's manifest was the
+    catalog's items and the second keys only, and the merge (newest manifest wins) published
+    it, so the root lost the first keys and gc could free their features. It now names both,
+    and a third seal after a merge still names all three."""
+    layout = Layout(tmp_path / "store").ensure()
+    with Catalog(layout) as cat:
+        cat.roots()  # a merged catalog, as serving needs
+    efp, rfp = "e" * 64, "r" * 64
+    spec = RootSpec("cached-encoder-e-r", "cached-encoder:e", "enc", efp, rfp, {})
+    serving = FragmentCatalog(layout)
+    keys = ["a" * 64, "b" * 64, "c" * 64]
+    for key in keys[:2]:
+        assert serving.extend_root(spec, [key]) == 1
+        serving.add_shard(write_shard(layout, {key: torch.ones(2)}, efp, rfp))
+    merge(layout)
+    with Catalog(layout) as cat:
+        assert [i.key for i in cat.root_items(spec.name)] == keys[:2]
+    assert serving.extend_root(spec, [keys[2]]) == 1
+    serving.add_shard(write_shard(layout, {keys[2]: torch.ones(2)}, efp, rfp))
+    serving.close()
+    merge(layout)
+    with Catalog(layout) as cat:
+        assert [i.key for i in cat.root_items(spec.name)] == keys
+        assert cat.present_keys(keys) == set(keys)
