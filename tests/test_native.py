@@ -257,6 +257,7 @@ def test_a_dataset_serves_the_same_bytes_with_the_kernels_and_without(
         for j, i in enumerate(idx):
             assert torch.equal(_bits(batch[j]), _bits(want[i])), (on, i)
             assert torch.equal(_bits(items[j]), _bits(want[i])), (on, i)
+            assert not batch.padded[j, len(want[i]) :].any(), (on, i)  # each row's tail zeroed
         seen.append(batch.padded.clone())
     assert all(torch.equal(_bits(s), _bits(seen[0])) for s in seen)
     assert ds.cache_info().encoded == 0

@@ -600,6 +600,7 @@ class Reads:
         packed = served_rows(served, dtype, trailing)
         padded = alloc_batch(*_batch_of(dtype, trailing, packed, len(idx), max(lengths)))
         flat = np.asarray(tensor_buffer(padded))
+        base = padded.data_ptr()  # flat's address: the compiled read takes each row's from it
         row_bytes = padded[0].nbytes
         step_bytes = padded[0][0].nbytes if len(padded[0]) else 0
         touch = st.touch
@@ -611,7 +612,10 @@ class Reads:
                 last = st.last_path = loc.path
             start, end = j * row_bytes, j * row_bytes + loc.shape[0] * step_bytes
             spans.append(
-                Span(loc.reader, loc.offset, flat[start:end], flat[end : start + row_bytes], None)
+                Span(
+                    loc.reader, loc.offset, flat[start:end], flat[end : start + row_bytes], None,
+                    base + start,
+                )
             )
             touch(i)
         scales = read_rows(spans, padded.nbytes, packed=packed)
