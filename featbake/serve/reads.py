@@ -613,7 +613,11 @@ class Reads:
             start, end = j * row_bytes, j * row_bytes + loc.shape[0] * step_bytes
             spans.append(
                 Span(
-                    loc.reader, loc.offset, flat[start:end], flat[end : start + row_bytes], None,
+                    loc.reader,
+                    loc.offset,
+                    flat[start:end],
+                    flat[end : start + row_bytes],
+                    None,
                     base + start,
                 )
             )
