@@ -595,7 +595,10 @@ class FragmentCatalog:
         self._sealed_roots: dict[str, list[ManifestItem]] = {}
         # Lock order: ``_seal_lock``, then ``_lock``; a seal is never started with ``_lock`` held.
         self._lock = threading.RLock()
-        self._seal_lock = threading.Lock()
+        # Re-entrant: a seal that runs code sealing this catalog again on its own thread (a
+        # finalizer's flush run by a garbage collection during the write) writes a second
+        # fragment naming the same shards (the merge adds a shard once), never waits for itself.
+        self._seal_lock = threading.RLock()
 
     @property
     def kind(self) -> FragmentKind:

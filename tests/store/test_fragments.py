@@ -19,6 +19,7 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import soundfile
@@ -48,7 +49,7 @@ from featbake.store.layout import Layout, SharedFilesystemWarning
 from featbake.store.shard import SealedShard, ShardEntry, write_shard
 from featbake.testing import make_tone, write_audio_folder
 from tests.conftest import REPO, invoke, live_features, run_cli
-from tests.helpers import assert_store_consistent, stored_features
+from tests.helpers import assert_store_consistent, fails_after, stored_features
 
 
 def catalog_dump(store: Path) -> dict[str, list[tuple]]:
@@ -934,3 +935,32 @@ def test_a_root_grown_by_two_seals_before_a_merge_names_the_keys_of_both(tmp_pat
     with Catalog(layout) as cat:
         assert [i.key for i in cat.root_items(spec.name)] == keys
         assert cat.present_keys(keys) == set(keys)
+
+
+def test_a_seal_entered_again_on_its_own_thread_completes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A seal that runs code which seals the same catalog again on the same thread (a
+    finalizer's flush run by a garbage collection during the write, say) finishes: with a
+    plain lock around seals it waited for itself forever. The shard is published once."""
+    layout = Layout(tmp_path / "store").ensure()
+    key = "a" * 64
+    real = fragments_module.write_fragment
+    serving = FragmentCatalog(layout)
+    nested: list[str | None] = []
+
+    def writes_and_flushes(*args: Any, **kwargs: Any) -> Path:
+        if not nested:
+            nested.append(None)
+            serving.flush()  # the same catalog, the same thread, inside a seal
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fragments_module, "write_fragment", writes_and_flushes)
+    shard = write_shard(layout, {key: torch.ones(5)}, "e" * 64, "r" * 64)
+    with fails_after(20, "a seal entered again on its own thread"):
+        serving.add_shard(shard)
+    serving.close()
+    merge(layout)
+    with Catalog(layout) as cat:
+        assert cat.present_keys([key]) == {key}
+        assert [loc.shard for loc in cat.locate(key)] == [shard.name]
