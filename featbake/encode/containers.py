@@ -900,12 +900,16 @@ class WebDataset:
     ) -> tuple[dict[str, str], dict[str, str]]:
         """SHA-256 of each member, reading only shards whose stat the hash cache does not know
         (see :func:`hash_items`); ``held`` keeps the bytes read, for the build to decode."""
-        refs = [ItemRef(p, p, split_item_path(p)[0], 0) for p in paths]
+        tars = {p: split_item_path(p)[0] for p in paths}
+        replaced = self.index.replaced({t for t in tars.values() if not is_url(t)})
+        refs = [ItemRef(p, p, tar, 0) for p, tar in tars.items() if tar not in replaced]
 
         def read(tar: str, wanted: list[ItemRef]) -> ReadBack:
             return self._read(tar, wanted, held)
 
-        return hash_listed(self, catalog, refs, read, progress, stats)
+        digests, failed = hash_listed(self, catalog, refs, read, progress, stats)
+        failed.update({p: replaced[tar] for p, tar in tars.items() if tar in replaced})
+        return digests, failed
 
     def _read(self, tar: str, refs: list[ItemRef], held: HeldBytes | None) -> ReadBack:
         try:
@@ -950,6 +954,17 @@ class MemberIndex:
         self.at[tar] = before if file_stat_or_none(tar) == before else None
         return members
 
+    def replaced(self, tars: Collection[str]) -> dict[str, str]:
+        """tar -> why, for each local tar of ``tars`` listed here that is not the version
+        listed any more (renamed over, or rewritten, since): its members' offsets are another
+        file's, so no digest the hash cache holds for the file now may be decoded at them (a
+        folder swapped back to a version hashed before keeps its files' stats)."""
+        return {
+            tar: replaced_since_listed(tar)
+            for tar in tars
+            if tar in self.at and file_stat_or_none(tar) != self.at[tar]
+        }
+
     def member(self, path: str) -> tuple[str, Member]:
         """(tar, member) of the item named ``path``.
 
@@ -965,6 +980,14 @@ class MemberIndex:
         if found is None:
             raise SourceError(f"{path}: no such member in {tar} (rewritten since?)")
         return tar, found
+
+
+def replaced_since_listed(tar: str) -> str:
+    """Why a member of a local tar renamed over (or rewritten) after its listing fails."""
+    return (
+        f"{tar} was replaced since its members were listed (renamed over, or rewritten): "
+        "its members' offsets are the other version's; rerun the build"
+    )
 
 
 class MemberSource:
@@ -995,7 +1018,10 @@ class MemberSource:
         Raises:
             SourceError: the tar changed since it was hashed, or the member cannot be decoded.
         """
-        data, now = read_member_checked(*self.index.member(path))
+        tar, member = self.index.member(path)
+        if not is_url(tar) and self.index.at.get(tar) != stat:
+            raise SourceError(f"{path}: {replaced_since_listed(tar)}")
+        data, now = read_member_checked(tar, member)
         if stat is None or now != stat:
             raise SourceError(f"{path}: changed while featbake was reading it; rerun the build")
         return self.inner.load(path, io.BytesIO(data))

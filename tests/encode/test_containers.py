@@ -276,7 +276,7 @@ def test_a_shard_renamed_over_after_its_listing_fails_its_members_and_caches_no_
     monkeypatch.setattr("featbake.store.catalog.RACY_NS", 0)  # rows trusted at once, as later
     digests, failed = shards.hash(cat, paths)
     assert not digests and set(failed) == set(paths)
-    assert all("changed while featbake was reading it" in why for why in failed.values())
+    assert all("replaced since its members were listed" in why for why in failed.values())
     assert not cat.cached_hashes(paths)
     again = WebDataset(str(folder))
     again.scan([".wav"])
@@ -1147,3 +1147,47 @@ def test_two_columns_of_one_table_are_two_roots_and_gc_keeps_both(
         for i, clip in enumerate(clips):
             assert torch.equal(ds[i], run_now(module, audio_tensor(clip))), (column, i)
     assert build(table, encoder_file, cache=store, workers=0, column="far").encoded == 0
+
+
+def test_a_shard_swapped_back_after_its_listing_is_not_decoded_at_the_other_versions_offsets(
+    tmp_path: Path, encoder_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A build scans shard version A (its members' offsets), then the folder is swapped back
+    to version B, whose member digests the hash cache holds (hashed earlier: a dataset or a
+    build over it). B holds the same members in the other order, so the digests come from
+    the cache (B's stat is unchanged: a directory rename keeps its files' stats), and each
+    member was decoded at A's offset in B: the other member's bytes, stored under this one's
+    key. Now such a member fails by name; every feature stored is the encoder's now."""
+    clips = {f"k{i}": wav_bytes(0.5, 20 + i) for i in range(2)}
+    data, other = tmp_path / "shards", tmp_path / "shards-a"
+    data.mkdir(), other.mkdir()
+    write_tar(data / "s.tar", [(k, {"wav": clips[k]}) for k in ("k1", "k0")])  # version B
+    write_tar(other / "s.tar", [(k, {"wav": wav_bytes(0.5, 30)}) for k in ("k0", "k1")])  # A
+    store = tmp_path / "store"
+    monkeypatch.setattr("featbake.store.catalog.RACY_NS", 0)  # rows trusted at once, as later
+    known = WebDataset(str(data))
+    paths = [known.path(r) for r in known.scan([".wav"]).inputs]
+    with Catalog(Layout(store).ensure()) as cat:
+        assert not known.hash(cat, paths)[1]  # B's digests cached
+
+    def swap() -> None:
+        os.rename(data, tmp_path / "swap")
+        os.rename(other, data)
+        os.rename(tmp_path / "swap", other)
+
+    swap()  # A in place for the build's scan, B back in place after it
+    real_scan = WebDataset.scan
+
+    def scan_then_swap(self: WebDataset, extensions: Any) -> Any:
+        got = real_scan(self, extensions)
+        swap()
+        return got
+
+    monkeypatch.setattr(WebDataset, "scan", scan_then_swap)
+    report = build(data, encoder_file, cache=store, workers=0)
+    assert report.encoded == 0 and sorted(k for k, _ in report.failed) == ["k0", "k1"]
+    assert all("replaced since its members were listed" in why for _, why in report.failed)
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
+    for key, parts in stored_features(store, report.root).items():
+        assert torch.equal(parts[""], run_now(module, audio_tensor(clips[key]))), key
