@@ -23,7 +23,7 @@ from featbake.errors import SourceError, StoreError
 from featbake.process import OBJECT_THREADS, map_in_threads
 from featbake.progress import Progress
 from featbake.store.bucket import Bucket, ObjectBytes, ObjectInfo
-from featbake.store.catalog import RACY_NS, FileStat, HashCache, HashRow
+from featbake.store.catalog import COARSE_RACY_FACTOR, RACY_NS, FileStat, HashCache, HashRow
 from featbake.store.url import BucketURL
 
 # == bucket_inputs =================================================================================
@@ -82,7 +82,7 @@ def never_racy_ns(rows: Sequence[HashRow]) -> int:
     (see the module's docstring).
     """
     newest = max((r.stat.mtime_ns for r in rows), default=0)
-    return max(time.time_ns(), newest + RACY_NS + 1)
+    return max(time.time_ns(), newest + RACY_NS * COARSE_RACY_FACTOR + 1)  # whole seconds
 
 
 def _hidden(name: str) -> bool:

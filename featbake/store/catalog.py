@@ -203,6 +203,20 @@ def _create_or_migrate(conn: sqlite3.Connection) -> None:
 #: recorded: a write in that window can leave (size, mtime, ctime, inode) unchanged on file systems
 #: with coarse timestamps (git's index has the same rule, with the same one-second margin).
 RACY_NS = 1_000_000_000
+#: Stamps in whole seconds may come from a file system that keeps them to 2 s (FAT, where ctime
+#: is mtime): a write up to 2 s after the stamp's tick keeps the whole stat, so such an entry is
+#: racy for twice :data:`RACY_NS` (a finer file system's stamps are whole seconds only by chance,
+#: and then cost one more read at most).
+COARSE_RACY_FACTOR = 2
+
+
+def racy_window_ns(mtime_ns: int, ctime_ns: int) -> int:
+    """How long after a file's stamps a hash recorded still cannot vouch for it: the stamps'
+    tick (git's racy rule, which compares with its index file's own stamp, of the same tick)."""
+    if mtime_ns % 1_000_000_000 == 0 and ctime_ns % 1_000_000_000 == 0:
+        return RACY_NS * COARSE_RACY_FACTOR
+    return RACY_NS
+
 
 #: Hash-cache ids under which encoder fingerprints are cached (``encoder-fp:file:PATH``, ...).
 ENCODER_FP_PREFIX = "encoder-fp:"
@@ -234,10 +248,12 @@ class FileStat(NamedTuple):
     def racy(self, recorded_ns: int) -> bool:
         """True if a hash recorded at ``recorded_ns`` cannot vouch for this stat.
 
-        A file modified within :data:`RACY_NS` of the recording (or "in the future", a clock
-        skew) may have changed after it was read without its stat changing.
+        A file modified within :data:`RACY_NS` of the recording (2 s for stamps in whole
+        seconds, :func:`racy_window_ns`; or "in the future", a clock skew) may have changed
+        after it was read without its stat changing.
         """
-        return self.mtime_ns > recorded_ns - RACY_NS or self.ctime_ns > recorded_ns - RACY_NS
+        window = racy_window_ns(self.mtime_ns, self.ctime_ns)
+        return max(self.mtime_ns, self.ctime_ns) > recorded_ns - window
 
 
 class HashEntry(NamedTuple):
@@ -292,7 +308,7 @@ class HashCacheRow(NamedTuple):
 def trusted_entry(row: tuple) -> HashEntry | None:
     """:meth:`HashCacheRow.trusted` of a raw row (the loop of a large folder's lookup)."""
     _, size, mtime, inode, ctime, sha, recorded = row
-    if recorded <= 0 or ctime <= 0 or max(mtime, ctime) > recorded - RACY_NS:
+    if recorded <= 0 or ctime <= 0 or max(mtime, ctime) > recorded - racy_window_ns(mtime, ctime):
         return None
     return HashEntry(FileStat(size, mtime, inode, ctime), sha)
 

@@ -31,6 +31,7 @@ from featbake.store.catalog import (
     Catalog,
     EncoderRow,
     FileStat,
+    HashEntry,
     HashRow,
     OldCatalog,
     RootItem,
@@ -491,6 +492,27 @@ def test_a_hash_recorded_within_a_second_of_the_files_change_is_not_trusted(
         # Recorded well after the change, the same entry is trusted (the file is not read).
         cat.put_hashes([HashRow(str(f), st, "0" * 64)], recorded_ns=st.ctime_ns + 2 * 10**9)
         assert hash_inputs(cat, [str(f)])[0][str(f)] == "0" * 64
+
+
+def test_a_hash_recorded_within_two_seconds_of_a_fat_stamp_is_not_trusted(tmp_path: Path) -> None:
+    """The racy window is the stamps' tick: FAT keeps mtime to 2 s (and ctime is mtime), so a
+    file hashed 1.5 s after its stamp's tick and rewritten within the same 2 s (same size)
+    keeps its whole stat; git compares with its index file's own stamp, of the same tick.
+    Before, a one-second window trusted the old digest for the new bytes."""
+    f = tmp_path / "clip.wav"
+    f.write_bytes(b"new bytes")
+    real = FileStat.of(f)
+    tick = (real.mtime_ns // 2_000_000_000) * 2_000_000_000
+    fat = FileStat(real.size, tick, real.inode, tick)  # as a FAT volume stats the file
+    with Catalog(Layout(tmp_path / "store").ensure()) as cat:
+        cat.put_hashes([HashRow(str(f), fat, "0" * 64)], recorded_ns=tick + 1_500_000_000)
+        assert cat.cached_hashes([str(f)]) == {}  # the file may have changed since: read it
+        assert fat.racy(tick + 1_500_000_000)
+        cat.put_hashes([HashRow(str(f), fat, "0" * 64)], recorded_ns=tick + 2_000_000_001)
+        assert cat.cached_hashes([str(f)]) == {str(f): HashEntry(fat, "0" * 64)}
+        # A file system of finer stamps keeps the one-second window.
+        cat.put_hashes([HashRow(str(f), real, "1" * 64)], recorded_ns=real.ctime_ns + 1_500_000_000)
+        assert cat.cached_hashes([str(f)]) == {str(f): HashEntry(real, "1" * 64)}
 
 
 def test_a_retrained_checkpoint_copied_over_with_cp_p_is_fingerprinted_again(
