@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
+import time
 import warnings
 import zipfile
 from collections.abc import Iterator, Mapping, Sequence
@@ -25,6 +27,7 @@ from featbake.encode.identity import (
 )
 from featbake.errors import EncodeError, EncoderLoadError, FeatbakeError
 from featbake.keys import module_fingerprint
+from featbake.store.catalog import FileStat
 
 
 # == failures ======================================================================================
@@ -285,6 +288,27 @@ PICKLE = "pickle"
 MODULE = "module"  # an in-process nn.Module handed to the API
 
 
+class LoadedFrom(NamedTuple):
+    """The stat of the file an encoder's weights were read from, taken before the read, and
+    when (the racy rule's moment): its fingerprint may be cached for that file only while the
+    file still has this stat (a checkpoint renamed over during the load is another file)."""
+
+    stat: FileStat
+    taken_ns: int
+
+    @classmethod
+    def of(cls, path: str | os.PathLike[str] | None) -> LoadedFrom | None:
+        """The stat of ``path`` now, before it is read (None: no file, or it cannot be
+        stat'ed; the load then says why)."""
+        if path is None:
+            return None
+        taken = time.time_ns()  # before the stat: what a racy entry is measured against
+        try:
+            return cls(FileStat.of(path), taken)
+        except OSError:
+            return None
+
+
 @dataclass
 class LoadedEncoder:
     """A ready-to-run encoder with what identifies it.
@@ -303,6 +327,8 @@ class LoadedEncoder:
             its pooler has no ``pooled``): ``--output`` naming one is refused with that reason.
         whole_parts: outputs of a lengths-protocol encoder with one row per input, not one per
             frame (a text model's ``pooled`` ``[B, D]``): kept whole when rows are trimmed.
+        loaded_from: the stat of the file its weights were read from, before the read (None:
+            no file, or an in-process module).
     """
 
     module: Any
@@ -315,6 +341,7 @@ class LoadedEncoder:
     unpaddable: str | None = None
     absent_outputs: dict[str, str] = field(default_factory=dict)
     whole_parts: frozenset[str] = frozenset()
+    loaded_from: LoadedFrom | None = None
 
     @property
     def fingerprint(self) -> str:

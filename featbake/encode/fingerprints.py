@@ -268,18 +268,25 @@ def encoder_fingerprint(encoder: LoadedEncoder, catalog: HashCache, weights: str
 
     Hashing a large checkpoint's weights costs a full pass over them; an unchanged file (same
     size, mtime, ctime and inode, not changed within a second of hashing) reuses the last
-    result, as input files do.
+    result, as input files do. The file's stat is the one taken before it was loaded
+    (:attr:`LoadedEncoder.loaded_from`): a file changed since is another version, for which
+    nothing is cached (the loaded module's own fingerprint is used).
     """
     cache = encoder_cache_id(encoder, weights)
     if cache is None:
         return encoder.fingerprint
     ident, backing = cache
-    stat_time = time.time_ns()
+    seen = encoder.loaded_from
+    stat_time = time.time_ns() if seen is None else seen.taken_ns
     st = FileStat.of(backing)
+    # The fingerprint is the loaded module's: it may stand for the file only if the file is
+    # still the one loaded (a checkpoint renamed over during the load is another version).
+    same = seen is None or seen.stat == st
     hit = catalog.cached_hashes([ident]).get(ident)
-    if hit and hit.stat == st:
+    if same and hit and hit.stat == st:
         encoder._fingerprint = hit.sha256
         return hit.sha256
     fp = encoder.fingerprint
-    catalog.put_hashes([HashRow(ident, st, fp)], recorded_ns=stat_time)
+    if same:
+        catalog.put_hashes([HashRow(ident, st, fp)], recorded_ns=stat_time)
     return fp

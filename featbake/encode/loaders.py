@@ -27,6 +27,7 @@ from featbake.encode.encoders import (
     IMPORT,
     TORCHSCRIPT,
     LoadedEncoder,
+    LoadedFrom,
     detect_kind,
     encoder_not_found,
     first_line,
@@ -215,6 +216,7 @@ def load_encoder(
     dev = torch.device(device)
     weights_p = Path(weights) if weights is not None else None
     if is_import_path(spec_s):
+        seen = LoadedFrom.of(weights_p)
         module, identity = _load_import(spec_s, weights_p)
         kind, label = IMPORT, spec_s
     elif Path(spec_s).is_dir():
@@ -230,6 +232,7 @@ def load_encoder(
         if weights_p is not None:
             raise ConfigError("--weights applies only to an import-path encoder (pkg.mod:factory)")
         kind = detect_kind(path)
+        seen = LoadedFrom.of(path)
         try:
             if kind == TORCHSCRIPT:
                 module, identity = _load_torchscript(path)
@@ -242,4 +245,6 @@ def load_encoder(
         except Exception as e:
             raise EncoderLoadError(f"cannot load encoder {path} as {kind}: {first_line(e)}") from e
         label = str(path.resolve())
-    return from_module(module, label=label, kind=kind, identity=identity, device=dev)
+    enc = from_module(module, label=label, kind=kind, identity=identity, device=dev)
+    enc.loaded_from = seen
+    return enc

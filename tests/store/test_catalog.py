@@ -8,6 +8,7 @@ import gc
 import hashlib
 import os
 import pickle
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -533,6 +535,42 @@ def test_a_retrained_checkpoint_copied_over_with_cp_p_is_fingerprinted_again(
         assert cached_file_encoder_fp(cat, enc) is None  # ctime changed: cannot vouch
         fp2 = encoder_fingerprint(load_encoder(enc), cat, None)
     assert fp2 != fp1 and fp2 == load_encoder(v2).fingerprint
+
+
+def test_a_checkpoint_renamed_over_while_it_is_loaded_is_not_fingerprinted_as_the_new_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A training job publishes a new checkpoint (written beside, renamed over) while a build
+    loads the old one: the build encodes with the module it loaded, under that module's
+    fingerprint, and caches nothing for the file now there. Before, the loaded module's
+    fingerprint was recorded under the new file's stat (taken after the load), so the next
+    build trusted it without loading: "reused 3", the old encoder's features served as the
+    new one's."""
+    import featbake.bake.pipeline as pipeline
+    from featbake.testing import write_audio_folder
+
+    v1 = save_torchscript(TinyConvEncoder(seed=0), tmp_path / "v1.pt")
+    v2 = save_torchscript(TinyConvEncoder(seed=1), tmp_path / "v2.pt")
+    enc, data, store = tmp_path / "enc.pt", tmp_path / "data", tmp_path / "store"
+    shutil.copyfile(v1, enc)
+    write_audio_folder(data, 3, seconds=0.5, seed=1)
+    real = pipeline.loaded_encoder
+
+    def load_then_publish(*args: Any, **kwargs: Any) -> Any:
+        loaded = real(*args, **kwargs)
+        os.replace(shutil.copyfile(v2, tmp_path / "next.pt"), enc)
+        return loaded
+
+    monkeypatch.setattr(pipeline, "loaded_encoder", load_then_publish)
+    first = build(data, enc, cache=store, workers=0)
+    assert first.encoded == 3
+    monkeypatch.setattr(pipeline, "loaded_encoder", real)
+    monkeypatch.setattr("featbake.store.catalog.RACY_NS", 0)  # rows trusted at once, as later
+    again = build(data, enc, cache=store, workers=0)
+    assert again.encoded == 3  # v2's keys are new: encoded by v2
+    ds = CachedFeatureDataset(data, enc, cache=store, on_miss="error")
+    for i in range(len(ds)):
+        torch.testing.assert_close(ds[i], live_features(v2, Path(ds.path(i))))
 
 
 def test_build_and_dataset_after_cp_p_serve_the_new_version(
