@@ -514,3 +514,146 @@ def test_the_decode_thread_starts_no_openmp_team_beside_the_encoders(tmp_path: P
     assert set(source.threads) == {"featbake-decode_0"}
     for (_, x), path in zip(got, paths, strict=True):
         torch.testing.assert_close(x, source_for(Recipe()).load(path))
+
+
+# == an input changed in place at every stage, for every local kind ================================
+# Each kind's items are 16 kHz clips of one length (so a new version is the same size), ids u0..:
+# the victim's bytes are overwritten in place where they lie (its file, its tar member, its table
+# cell: parquet written uncompressed), size and mtime kept (``cp -p``-like; only ctime moves).
+CLIP_S = 0.5
+#: A manifest's segment rows: id -> (clip, start, end seconds).
+SEGMENTS = {"u0-seg": ("u0", 0.0, 0.25), "u1-seg": ("u1", 0.125, 0.375)}
+
+
+def _clip(seed: int) -> bytes:
+    import io
+
+    out = io.BytesIO()
+    samples = np.random.default_rng(seed).uniform(-0.5, 0.5, int(16000 * CLIP_S))
+    soundfile.write(out, samples.astype(np.float32), 16000, format="WAV", subtype="FLOAT")
+    return out.getvalue()
+
+
+def _write_kind(kind: str, folder: Path, clips: list[bytes]) -> Path:
+    """``clips`` as data of ``kind`` in ``folder``; the path to build (``--data``)."""
+    import io
+    import json
+    import tarfile
+
+    folder.mkdir(parents=True)
+    ids = [f"u{i}" for i in range(len(clips))]
+    if kind in ("folder", "manifest", "segments"):
+        for i, c in zip(ids, clips, strict=True):
+            (folder / f"{i}.wav").write_bytes(c)
+        if kind == "folder":
+            return folder
+        # u0 named by a whole row, another and a segment row (decoded from the bytes kept);
+        # with "segments", u1 is named by a segment row only (decoded by seeking)
+        rows = [{"id": i, "path": f"{i}.wav"} for i in ids if kind == "manifest" or i != "u1"]
+        for ident, (name, start, end) in SEGMENTS.items():
+            if kind == "segments" or name == "u0":
+                rows.append({"id": ident, "path": f"{name}.wav", "start": start, "end": end})
+        rows.append({"id": "again", "path": "u0.wav"})
+        (folder / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return folder / "m.jsonl"
+    if kind == "tar":
+        with tarfile.open(folder / "s.tar", "w") as tf:
+            for i, c in zip(ids, clips, strict=True):
+                info = tarfile.TarInfo(f"{i}.wav")
+                info.size = len(c)
+                tf.addfile(info, io.BytesIO(c))
+        return folder / "s.tar"
+    pa = pytest.importorskip("pyarrow")
+    media = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    cells = [{"bytes": c, "path": f"{i}.wav"} for i, c in zip(ids, clips, strict=True)]
+    table = pa.table({"id": ids, "audio": pa.array(cells, type=media)})
+    if kind == "parquet":
+        pytest.importorskip("pyarrow.parquet").write_table(
+            table, folder / "t.parquet", compression="none", row_group_size=2
+        )
+        return folder / "t.parquet"
+    with pa.ipc.new_stream(folder / "t.arrow", table.schema) as writer:
+        writer.write_table(table)
+    return folder / "t.arrow"
+
+
+def _rewrite_in_place(folder: Path, old: bytes, new: bytes) -> None:
+    """Overwrite ``old``'s bytes with ``new`` (the same length) in the one file of ``folder``
+    that holds them, keeping its size, inode and mtime."""
+    for f in sorted(p for p in folder.iterdir() if p.is_file()):
+        data = f.read_bytes()
+        at = data.find(old)
+        if at < 0:
+            continue
+        before = f.stat()
+        with open(f, "r+b") as out:
+            out.seek(at)
+            out.write(new)
+        os.utime(f, ns=(before.st_atime_ns, before.st_mtime_ns))
+        assert (f.stat().st_size, f.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+        return
+    raise AssertionError(f"no file of {folder} holds the clip")
+
+
+def _assert_serves_now(
+    cache: Path, root: str, clips: dict[str, bytes], ref: Path, enc: Path
+) -> None:
+    """Every stored item of ``root`` is the encoder run now on the bytes its id holds."""
+    import io
+
+    stored = stored_features(cache, root)
+    assert stored
+    for rel, parts in stored.items():
+        name, start, end = SEGMENTS.get(rel, ("u0" if rel == "again" else Path(rel).stem, 0, 0))
+        ref_file = ref / f"{rel.replace('/', '_')}.wav"
+        if end:  # a segment: its samples, cut without featbake
+            samples, rate = soundfile.read(io.BytesIO(clips[name]), dtype="float32")
+            cut = samples[round(start * rate) : round(end * rate)]
+            soundfile.write(ref_file, cut, rate, format="WAV", subtype="FLOAT")
+        else:
+            ref_file.write_bytes(clips[name])
+        torch.testing.assert_close(parts[""], live_features(enc, ref_file), msg=rel)
+
+
+@pytest.mark.parametrize("held", [True, False])
+@pytest.mark.parametrize("kind", ["folder", "manifest", "segments", "tar", "parquet", "arrow"])
+def test_an_input_rewritten_in_place_after_hashing_or_between_builds_is_never_stored_stale(
+    tmp_path: Path, encoder_file: Path, kind: str, held: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each local kind, one clip rewritten in place (same size, same mtime) right after the
+    build hashed it: its features are those of the bytes hashed (kept, ``held``) or it fails
+    as changed, never the new bytes under the old key (checked through a copy of the old data,
+    which reuses what was stored); the next build, whose hash cache holds the old digest under
+    the old stat (trusted at once here), reads it again and stores the new bytes' features."""
+    monkeypatch.setattr("featbake.store.catalog.RACY_NS", 0)  # rows trusted at once, as later
+    if not held:
+        monkeypatch.setattr(featbake.encode.fingerprints, "HELD_BYTES", 0)
+    old = {f"u{i}": _clip(i) for i in range(3)}
+    data = _write_kind(kind, tmp_path / "data", list(old.values()))
+    backup = _write_kind(kind, tmp_path / "backup", list(old.values()))  # the same keys
+    victim = "u1" if kind == "segments" else "u0"
+    now = {**old, victim: _clip(99)}
+    cache, ref = tmp_path / "store", tmp_path / "ref"
+    ref.mkdir()
+    done: list[bool] = []
+
+    def rewrite_after_hashing(p: Progress) -> None:
+        if p.phase == "hash" and p.done == p.total and not done:
+            done.append(True)
+            _rewrite_in_place(tmp_path / "data", old[victim], now[victim])
+
+    first = build(data, encoder_file, cache=cache, workers=0, progress=rewrite_after_hashing)
+    assert done
+    failed = dict(first.failed)
+    if held and kind != "segments":  # a file only segment rows name is never held
+        assert first.ok, failed
+    else:
+        assert {victim, f"{victim}-seg"} & {Path(p).stem for p in failed} and all(
+            "changed" in why for why in failed.values()
+        ), failed
+    copy = build(backup, encoder_file, cache=cache, workers=0)
+    assert copy.ok and copy.reused == first.encoded
+    _assert_serves_now(cache, copy.root, old, ref, encoder_file)
+    again = build(data, encoder_file, cache=cache, workers=0)
+    assert again.ok, again.failed
+    _assert_serves_now(cache, again.root, now, ref, encoder_file)
