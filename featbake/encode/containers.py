@@ -1283,6 +1283,10 @@ class Table:
         self.text = False  # the source is text: the column holds strings (set by the scan)
         self.items: dict[str, Row] = {}  # id -> where, in the table's order
         self.positions: dict[str, int] = {}  # file path -> its index (see file_index)
+        #: a local file -> its stat when the scan read its rows (None: it changed meanwhile):
+        #: the version each id's row is of, which hashing and decoding check (carried into
+        #: decode workers, which open the file afresh: see :meth:`replaced`)
+        self.scanned: dict[str, FileStat | None] = {}
 
     @property
     def stat_tells_change(self) -> bool:
@@ -1296,6 +1300,7 @@ class Table:
                 share an id.
         """
         listings = [self._listing(f) for f in self.files]
+        self.scanned = {f.path: f.stat() for f in self.files if not is_url(f.path)}
         schemas = [schema for schema, _ in listings]
         self.text = ".txt" in extensions  # the text source's: each cell is a text
         self.column = self.column or self.default_column(schemas, extensions)
@@ -1470,15 +1475,31 @@ class Table:
         """SHA-256 of each cell, reading only files whose stat the hash cache does not know
         (see :func:`hash_items`); a row's entry is keyed by its name and the column. ``held``
         keeps the cells' bytes, for the build to decode."""
-        refs = []
-        for p in paths:
-            file, row = split_item_path(p)
-            refs.append(ItemRef(p, f"{p}:{self.column}", file, int(row)))
+        files = {p: split_item_path(p) for p in paths}
+        replaced = self.replaced({file for file, _ in files.values()})
+        refs = [
+            ItemRef(p, f"{p}:{self.column}", file, int(row))
+            for p, (file, row) in files.items()
+            if file not in replaced
+        ]
 
         def read(file: str, wanted: list[ItemRef]) -> ReadBack:
             return self._read(file, wanted, held)
 
-        return hash_listed(self, catalog, refs, read, progress, stats)
+        digests, failed = hash_listed(self, catalog, refs, read, progress, stats)
+        failed.update({p: replaced[file] for p, (file, _) in files.items() if file in replaced})
+        return digests, failed
+
+    def replaced(self, files: Collection[str]) -> dict[str, str]:
+        """file -> why, for each local file of ``files`` the scan read that is not that
+        version any more (renamed over, or rewritten, since): the ids' rows are the other
+        version's, so no digest the hash cache holds for the file now may stand for them (a
+        folder swapped back to a version hashed before keeps its files' stats)."""
+        return {
+            file: replaced_since_scan(file)
+            for file in files
+            if file in self.scanned and file_stat_or_none(file) != self.scanned[file]
+        }
 
     def _read(self, file: str, refs: list[ItemRef], held: HeldBytes | None) -> ReadBack:
         """The digests of ``refs``' cells in ``file``, one row group at a time, and the file's
@@ -1517,6 +1538,14 @@ class Table:
         if found is None or found >= len(self.kinds):
             raise SourceError(f"{file}: not a scanned file of the table {self.where}")
         return found
+
+
+def replaced_since_scan(file: str) -> str:
+    """Why a row of a local table file renamed over (or rewritten) after the scan fails."""
+    return (
+        f"{file} was replaced since its rows were read (renamed over, or rewritten): each "
+        "id's row is the other version's; rerun the build"
+    )
 
 
 class CellSource:
@@ -1582,6 +1611,8 @@ class CellSource:
         """
         changed = SourceError(f"{path}: changed while featbake was reading it; rerun the build")
         f = self.file_of(path)
+        if f.path in self.table.scanned and self.table.scanned[f.path] != stat:
+            raise SourceError(f"{path}: {replaced_since_scan(f.path)}")
         try:
             data = self._cell(path, f)
         except SourceError:

@@ -375,7 +375,7 @@ def test_a_table_file_replaced_after_its_scan_fails_its_cells_and_caches_no_dige
     monkeypatch.setattr("featbake.store.catalog.RACY_NS", 0)  # rows trusted at once, as later
     digests, failed = inputs.hash(cat, paths)
     assert not digests and set(failed) == set(paths)
-    assert all("changed while featbake was reading it" in why for why in failed.values())
+    assert all("replaced since its rows were read" in why for why in failed.values())
     assert not cat.cached_hashes([f"{p}:audio" for p in paths])
     again = Table(str(path))
     again.scan(source_for(Recipe()).extensions)
@@ -1187,6 +1187,50 @@ def test_a_shard_swapped_back_after_its_listing_is_not_decoded_at_the_other_vers
     report = build(data, encoder_file, cache=store, workers=0)
     assert report.encoded == 0 and sorted(k for k, _ in report.failed) == ["k0", "k1"]
     assert all("replaced since its members were listed" in why for _, why in report.failed)
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
+    for key, parts in stored_features(store, report.root).items():
+        assert torch.equal(parts[""], run_now(module, audio_tensor(clips[key]))), key
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_table_swapped_back_after_its_scan_serves_each_id_its_own_cell(
+    tmp_path: Path, encoder_file: Path, workers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A build scans table version A (each id's row), then the folder is swapped back to
+    version B, whose cells the hash cache knows (its stat is unchanged by the directory
+    renames), holding the same ids in the other order. Each id's row is A's, so B's cells
+    must not stand for them: they fail by name. Before, a decode worker opened B afresh and
+    found it unchanged since its digest, so id u0 was stored and served with u1's features."""
+    clips = {f"u{i}": wav_bytes(0.5, 40 + i) for i in range(2)}
+    data, other = tmp_path / "table", tmp_path / "table-a"
+    data.mkdir(), other.mkdir()
+    write_audio_parquet(data / "t.parquet", [clips["u1"], clips["u0"]], id=["u1", "u0"])  # B
+    write_audio_parquet(other / "t.parquet", [clips["u0"], clips["u1"]], id=["u0", "u1"])  # A
+    store = tmp_path / "store"
+    monkeypatch.setattr("featbake.store.catalog.RACY_NS", 0)  # rows trusted at once, as later
+    known = Table(str(data))
+    paths = [known.path(r) for r in known.scan(source_for(Recipe()).extensions).inputs]
+    with Catalog(Layout(store).ensure()) as cat:
+        assert not known.hash(cat, paths)[1]  # B's cells cached
+
+    def swap() -> None:
+        os.rename(data, tmp_path / "swap")
+        os.rename(other, data)
+        os.rename(tmp_path / "swap", other)
+
+    swap()  # A in place for the build's scan, B back in place after it
+    real_scan = Table.scan
+
+    def scan_then_swap(self: Table, extensions: Any) -> Any:
+        got = real_scan(self, extensions)
+        swap()
+        return got
+
+    monkeypatch.setattr(Table, "scan", scan_then_swap)
+    report = build(data, encoder_file, cache=store, workers=workers)
+    assert report.encoded == 0 and sorted(k for k, _ in report.failed) == ["u0", "u1"]
+    assert all("replaced since its rows were read" in why for _, why in report.failed), report
     with torchscript_quietly():
         module = torch.jit.load(str(encoder_file))
     for key, parts in stored_features(store, report.root).items():
