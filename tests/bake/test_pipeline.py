@@ -542,10 +542,13 @@ def _write_kind(kind: str, folder: Path, clips: list[bytes]) -> Path:
 
     folder.mkdir(parents=True)
     ids = [f"u{i}" for i in range(len(clips))]
-    if kind in ("folder", "manifest", "segments"):
+    if kind in ("folder", "manifest", "segments", "kaldi"):
         for i, c in zip(ids, clips, strict=True):
             (folder / f"{i}.wav").write_bytes(c)
         if kind == "folder":
+            return folder
+        if kind == "kaldi":  # a Kaldi data folder: wav.scp of recordings, no segments file
+            (folder / "wav.scp").write_text("".join(f"{i} {i}.wav\n" for i in ids))
             return folder
         # u0 named by a whole row, another and a segment row (decoded from the bytes kept);
         # with "segments", u1 is named by a segment row only (decoded by seeking)
@@ -616,7 +619,9 @@ def _assert_serves_now(
 
 
 @pytest.mark.parametrize("held", [True, False])
-@pytest.mark.parametrize("kind", ["folder", "manifest", "segments", "tar", "parquet", "arrow"])
+@pytest.mark.parametrize(
+    "kind", ["folder", "manifest", "segments", "kaldi", "tar", "parquet", "arrow"]
+)
 def test_an_input_rewritten_in_place_after_hashing_or_between_builds_is_never_stored_stale(
     tmp_path: Path, encoder_file: Path, kind: str, held: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
