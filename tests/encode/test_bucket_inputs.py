@@ -20,14 +20,13 @@ from featbake.encode.inputs import BucketInputs, ObjectSource, object_stat
 from featbake.encode.objects import LIST_PAGE_HEADS, common_prefix, just_before, stat_objects
 from featbake.encode.sources import load_unchanged, source_for
 from featbake.errors import SourceError, StoreError
-from featbake.process import map_in_threads
 from featbake.recipe import Recipe
 from featbake.store.bucket import Bucket, ListedPage, ObjectInfo
 from featbake.store.catalog import FileStat
 from featbake.store.url import BucketURL
 from featbake.testing import write_audio_folder
 from tests.conftest import invoke, live_features
-from tests.helpers import stored_features
+from tests.helpers import put_many, stored_features
 from tests.store.bucket.conftest import S3
 
 
@@ -442,12 +441,3 @@ def test_on_a_server_a_listed_stat_is_a_headed_one_and_the_listing_stops_when_sp
         assert not isinstance(info, str)
         assert object_stat(info) == object_stat(bucket.head(name)), name
         assert object_stat(info) == object_stat(bucket.read(name).info), name
-
-
-def put_many(bucket: Bucket, names: list[str], body: bytes = b"") -> None:
-    """Objects ``names`` (``body`` each), put 16 at a time (3,000 in seconds, not a minute)."""
-
-    def put(name: str) -> None:
-        bucket.client.put_object(Bucket=bucket.url.bucket, Key=bucket.key(name), Body=body)
-
-    list(map_in_threads(put, names, 16))

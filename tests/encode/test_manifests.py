@@ -38,8 +38,7 @@ from featbake.store.bucket import Bucket
 from featbake.store.url import BucketURL
 from featbake.testing import make_tone, write_audio_folder
 from tests.conftest import invoke, live_features
-from tests.encode.test_bucket_inputs import put_many
-from tests.helpers import held_by_a_thread, manifest, stored_features
+from tests.helpers import held_by_a_thread, manifest, put_many, stored_features
 from tests.store.bucket.conftest import S3
 
 RATE = 16000  # the recipe's rate
