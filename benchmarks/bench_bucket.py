@@ -48,7 +48,9 @@ counted in the server's access log against the objects' count and size, with the
 kept for decoding (the default) and without (as before: each object GET twice); then a
 rebuild's GETs (none). The same clips as one parquet table in the bucket: the requests of a first
 build per cell (HEADs, ranged GETs, LISTs), cells decoded from bytes kept and from the bucket,
-and a rebuild's.
+and a rebuild's. A JSONL manifest naming the same clips as ``s3://`` rows: the requests per object
+of a first build and of a rebuild (its folder's LIST pages), and of a rebuild stat'ing each row
+by a HEAD (as before).
 
 Run: ``python benchmarks/bench_bucket.py [once] [--quick]`` (``once``: only the last part).
 """
@@ -997,6 +999,56 @@ def table_request_rows(work: Path, log: ServerLog, n: int) -> list[dict[str, Any
     return out
 
 
+def prefix_requests(log: ServerLog, mark: int, prefix: str) -> dict[str, int]:
+    """Requests the server answered since ``mark`` for the objects under ``prefix``, by kind:
+    ``LIST`` (a listing whose prefix starts there), ``HEAD``, ``GET`` (of an object)."""
+    with log.path.open("rb") as f:
+        f.seek(mark)
+        text = f.read().decode("utf-8", "replace")
+    out = {"LIST": 0, "HEAD": 0, "GET": 0}
+    for method, target, _ in _LOGGED.findall(text):
+        path, _, query = target.partition("?")
+        if path == f"/{BUCKET}" and "list-type=2" in query and f"prefix={prefix}" in query:
+            out["LIST"] += 1
+        elif path.startswith(f"/{BUCKET}/{prefix}/") and method in ("HEAD", "GET"):
+            out[method] += 1
+    return out
+
+
+def manifest_request_rows(work: Path, log: ServerLog) -> list[dict[str, Any]]:
+    """A JSONL manifest naming :func:`read_once_rows`' objects as ``s3://`` rows: a first build,
+    a rebuild (target: ``ceil(n / 1000)`` LISTs and no HEAD), and a rebuild with each row stat'ed
+    by a HEAD, as before (a page priced past any folder's rows). Requests per object."""
+    from featbake.encode import objects
+
+    names = sorted(
+        o.name for o in Bucket(BucketURL.parse(f"s3://{BUCKET}/{INPUTS_PREFIX}")).list("")
+    )
+    rows = "".join(f'{{"path": "s3://{BUCKET}/{INPUTS_PREFIX}/{n}"}}\n' for n in names)
+    (work / "rows.jsonl").write_text(rows)
+    opts: dict[str, Any] = {"recipe": RECIPE, "workers": 0, "threads": 1, "cache": work / "rows"}
+    got: dict[str, dict[str, int]] = {}
+    for run, page_heads in (("first", None), ("rebuild", None), ("rebuild, HEADs", 1 << 30)):
+        saved = objects.LIST_PAGE_HEADS
+        objects.LIST_PAGE_HEADS = page_heads or saved
+        try:
+            mark = log.mark()
+            build(work / "rows.jsonl", encoder(), **opts)
+            got[run] = prefix_requests(log, mark, INPUTS_PREFIX)
+        finally:
+            objects.LIST_PAGE_HEADS = saved
+    n, pages = len(names), -(-len(names) // 1000)
+    out = []
+    for run, sent in got.items():
+        shown = ", ".join(f"{v} {k}" for k, v in sent.items())
+        ok = sent == {"LIST": pages, "HEAD": 0, "GET": 0} if run == "rebuild" else None
+        note = f"{shown} for {n} rows" + (" (as before: a HEAD per row)" if "HEAD" in run else "")
+        out.append(_row(f"manifest of s3:// rows, {run}: requests per object",
+                        sum(sent.values()) / n, "/object",
+                        f"{pages} LIST" if run == "rebuild" else "report", ok, note))  # fmt: skip
+    return out
+
+
 def main(quick: bool = False) -> list[dict[str, Any]]:
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     n, rounds, later = (48, 1, 2) if quick else (400, 5, LATER)
@@ -1023,7 +1075,7 @@ def main(quick: bool = False) -> list[dict[str, Any]]:
         rows += prefetch_rows(setup, small, log, max(rounds, 2))
         rows += read_once_rows(work, log, 16 if quick else 200)
         rows += table_request_rows(work, log, 16 if quick else 200)
-        return rows
+        return rows + manifest_request_rows(work, log)
 
 
 def main_read_once(quick: bool = False) -> list[dict[str, Any]]:
@@ -1033,7 +1085,8 @@ def main_read_once(quick: bool = False) -> list[dict[str, Any]]:
         log = ServerLog(work / "moto.log")
         stack.enter_context(s3_server(log.path))
         rows = read_once_rows(work, log, 16 if quick else 200)
-        return rows + table_request_rows(work, log, 16 if quick else 200)
+        rows += table_request_rows(work, log, 16 if quick else 200)
+        return rows + manifest_request_rows(work, log)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,9 @@ from typing import Any
 import torch
 
 from featbake.bake.pipeline import build
+from featbake.process import map_in_threads
 from featbake.recipe import Recipe
+from featbake.store.bucket import Bucket
 from featbake.store.catalog import Catalog
 from featbake.store.features import FeatureReader
 from featbake.store.layout import Layout
@@ -234,3 +236,12 @@ def fails_after(seconds: int, what: str = "the block") -> Iterator[None]:
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
+
+
+def put_many(bucket: Bucket, names: list[str], body: bytes = b"") -> None:
+    """Objects ``names`` (``body`` each), put 16 at a time (3,000 in seconds, not a minute)."""
+
+    def put(name: str) -> None:
+        bucket.client.put_object(Bucket=bucket.url.bucket, Key=bucket.key(name), Body=body)
+
+    list(map_in_threads(put, names, 16))

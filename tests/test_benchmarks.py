@@ -57,13 +57,19 @@ def test_bucket_bench_counts_a_deleted_file_while_it_is_open(tmp_path: Path) -> 
 def test_bucket_bench_counts_a_first_builds_gets_of_its_inputs() -> None:
     """The read-once row counts what the server answered: one GET per object with the bytes
     hashed kept (1.0x the data's size), two without, none in a rebuild; a bucket parquet's
-    requests per cell: the scan's one HEAD and ranged GETs, no LIST, a rebuild's one HEAD."""
+    requests per cell: the scan's one HEAD and ranged GETs, no LIST, a rebuild's one HEAD; a
+    manifest's s3:// rows: one LIST of their folder, no HEAD (a HEAD each as before)."""
     pytest.importorskip("moto")
     rows = _load("bench_bucket").main_read_once(quick=True)
     assert [round(r["value"], 3) for r in rows[:2]] == [1.0, 2.0]
-    assert len(rows) == 4 and rows[2]["value"] < rows[3]["value"]  # cells kept: fewer GETs
-    for r in rows[2:]:
+    assert len(rows) == 7 and rows[2]["value"] < rows[3]["value"]  # cells kept: fewer GETs
+    for r in rows[2:4]:
         assert ", 1 HEAD for 16 cells" in r["note"] and "LIST" not in r["note"], r["note"]
         assert r["note"].endswith("a rebuild: 1 HEAD"), r["note"]
     assert rows[0]["note"].startswith("16 GETs") and rows[0]["note"].endswith("rebuild: 0 GETs")
     assert rows[1]["note"].startswith("32 GETs")
+    # a manifest of the 16 objects as s3:// rows: its folder listed, a HEAD per row only as before
+    assert [r["note"].split(" for ")[0] for r in rows[4:]] == [
+        "1 LIST, 0 HEAD, 16 GET", "1 LIST, 0 HEAD, 0 GET", "0 LIST, 16 HEAD, 0 GET"
+    ]  # fmt: skip
+    assert rows[5]["ok"] is True

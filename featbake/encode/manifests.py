@@ -39,13 +39,13 @@ malformed JSON, a missing input column, a bad ``start``/``end``, a segment with 
 the file lacks (when hashing).
 
 **Files in a bucket.** A row may name ``s3://bucket/key``: the object is hashed through the hash
-cache by (size, last change, ETag) as ``--data s3://prefix/`` hashes its objects (one HEAD per
-object and build; read whole only when the cache does not know it), and decoded from its bytes:
-in a first build the bytes of the GET that hashed it (one GET in all, see
-:meth:`RowInputs.hash`), else kept per process within :data:`OBJECT_CACHE_BYTES` so that its
-segments read it once. Its
-segments' bounds are checked when they are decoded (a segment past the end fails then, naming
-its line, and is skipped all the same).
+cache by (size, last change, ETag) as ``--data s3://prefix/`` hashes its objects (from a LIST
+of its folder where its rows name many of its objects, else a HEAD, the HEADs concurrent: see
+:func:`featbake.encode.objects.stat_objects`; read whole only when the cache does not know it),
+and decoded from its bytes: in a first build the bytes of the GET that hashed it (one GET in
+all, see :meth:`RowInputs.hash`), else kept per process within :data:`OBJECT_CACHE_BYTES` so
+that its segments read it once. Its segments' bounds are checked when they are decoded (a
+segment past the end fails then, naming its line, and is skipped all the same).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ from typing import Any, BinaryIO
 import torch
 
 from featbake.encode.fingerprints import HeldBytes, hash_inputs, resolve_path
-from featbake.encode.objects import BucketInputs, object_stat, read_object
+from featbake.encode.objects import BucketInputs, object_stat, read_object, stat_objects
 from featbake.encode.sources import (
     ScanResult,
     SkippedInput,
@@ -72,7 +72,7 @@ from featbake.encode.sources import (
     file_stat_or_none,
     span_problem,
 )
-from featbake.errors import ConfigError, SourceError, StoreError
+from featbake.errors import ConfigError, SourceError
 from featbake.keys import item_digest
 from featbake.lru import ByteLRU
 from featbake.process import ProcessLocal, ProcessLocalState
@@ -377,27 +377,27 @@ def object_digests(
     stats: dict[str, FileStat],
     held: HeldBytes | None = None,
 ) -> tuple[dict[str, str], dict[str, str]]:
-    """(url -> SHA-256, url -> why not) of objects named one by one: each HEAD'ed for the
-    (size, last change, ETag) the hash cache compares, and read only when it does not know it
-    (:meth:`featbake.encode.objects.BucketInputs.hash`, one place per folder of objects; the
-    bytes read kept in ``held`` by URL)."""
+    """(url -> SHA-256, url -> why not) of objects named one by one: each one's (size, last
+    change, ETag), which the hash cache compares, from a listing of its folder or a HEAD,
+    whichever takes fewer requests (:func:`featbake.encode.objects.stat_objects`: a rebuild
+    of a manifest naming a folder's objects costs a LIST per 1,000, not a HEAD each), and
+    read only when the cache does not know it (:meth:`featbake.encode.objects.BucketInputs.hash`,
+    one place and one client per bucket; the bytes read kept in ``held`` by URL). An object
+    missing or unreadable fails by its URL, as its HEAD says."""
     digests: dict[str, str] = {}
     failed: dict[str, str] = {}
-    folders: dict[str, list[str]] = {}
+    buckets: dict[str, list[str]] = {}
     for url in urls:
-        folders.setdefault(url.rpartition("/")[0], []).append(url)
-    for folder, group in folders.items():
-        place = BucketInputs.at(folder)
+        buckets.setdefault(BucketURL.parse(url.rpartition("/")[0]).bucket, []).append(url)
+    for name, group in buckets.items():
+        place = BucketInputs.at(f"s3://{name}")
+        infos = stat_objects(place.bucket, [place.rel(u) for u in group])
         for url in group:
-            try:
-                info = place.bucket.head(place.rel(url))
-            except StoreError as e:
-                failed[url] = str(e)
-                continue
-            if info is None:
-                failed[url] = "object not found"
-                continue
-            place.listed[place.rel(url)] = info
+            info = infos[place.rel(url)]
+            if isinstance(info, str):
+                failed[url] = info
+            else:
+                place.listed[place.rel(url)] = info
         got, lost = place.hash(catalog, [u for u in group if u not in failed], None, stats, held)
         digests.update(got)
         failed.update(lost)

@@ -198,6 +198,12 @@ READ_TIMEOUT_ENV = "FEATBAKE_S3_TIMEOUT"
 READ_TIMEOUT_S = 20.0
 #: Requests botocore sends before it gives up (throttling, 5xx answers, connection errors).
 MAX_ATTEMPTS = 4
+#: Connections one client keeps open: as many as the threads that share it at most (a
+#: manifest's HEADs, :data:`featbake.encode.objects.HEAD_THREADS`); past botocore's default
+#: pool (10) a thread's connection would be dropped after each request and opened again.
+CLIENT_CONNECTIONS = 16
+#: Objects one ListObjectsV2 request names at most (S3's cap, and its default).
+LIST_PAGE_KEYS = 1000
 
 
 class ObjectInfo(NamedTuple):
@@ -207,6 +213,27 @@ class ObjectInfo(NamedTuple):
     size: int
     modified: float
     etag: str
+
+
+class ListedPage(NamedTuple):
+    """One page of a listing (one ListObjectsV2 request): its objects in name order, the last
+    name it covered (an object's, or a sub-folder's that the delimiter rolled up, ``a/b/``:
+    every name after it sorts after all of that sub-folder's), and whether names follow."""
+
+    objects: list[ObjectInfo]
+    last: str
+    truncated: bool
+
+
+def listed_info(entry: Mapping[str, Any], strip: int) -> ObjectInfo:
+    """An object as a listing names it (``Contents[]``; its key less ``strip`` characters):
+    the same size, last change and ETag as a HEAD or a GET of it gives."""
+    return ObjectInfo(
+        entry["Key"][strip:],
+        int(entry["Size"]),
+        entry["LastModified"].timestamp(),
+        entry.get("ETag", "").strip('"'),
+    )
 
 
 class ObjectBytes(NamedTuple):
@@ -246,6 +273,7 @@ class Bucket(ProcessLocalState):
             s3={"addressing_style": "path"} if url else {},
             connect_timeout=CONNECT_TIMEOUT_S,
             read_timeout=read_timeout(),
+            max_pool_connections=CLIENT_CONNECTIONS,
         )
         try:
             session = boto3.session.Session()
@@ -278,22 +306,45 @@ class Bucket(ProcessLocalState):
     def list(self, prefix: str) -> list[ObjectInfo]:
         """The objects whose names start with ``prefix`` (e.g. ``"catalog/"``)."""
         strip = len(self.key(""))
-        out = []
+        out: list[ObjectInfo] = []
         with self.errors(prefix):
             pages = self.client.get_paginator("list_objects_v2").paginate(
                 Bucket=self.url.bucket, Prefix=self.key(prefix)
             )
             for page in pages:
-                for o in page.get("Contents", ()):
-                    out.append(
-                        ObjectInfo(
-                            o["Key"][strip:],
-                            int(o["Size"]),
-                            o["LastModified"].timestamp(),
-                            o.get("ETag", "").strip('"'),
-                        )
-                    )
+                out.extend(listed_info(o, strip) for o in page.get("Contents", ()))
         return out
+
+    def list_page(
+        self, prefix: str, after: str = "", *, keys: int = LIST_PAGE_KEYS, delimiter: str = ""
+    ) -> ListedPage:
+        """One request's page: up to ``keys`` names that start with ``prefix`` and sort after
+        ``after`` (S3's ``StartAfter``: a listing can start anywhere, not only where the last
+        page ended), names holding ``delimiter`` past the prefix rolled up into one sub-folder.
+
+        Example:
+            >>> b.list_page("audio/clip", after="audio/clip0999.wav")  # doctest: +SKIP
+            ListedPage(objects=[ObjectInfo(name='audio/clip1000.wav', ...), ...], ...)
+
+        Raises:
+            StoreError: the bucket cannot be listed (the client's error in one line).
+        """
+        strip = len(self.key(""))
+        options: dict[str, Any] = {
+            "Bucket": self.url.bucket,
+            "Prefix": self.key(prefix),
+            "MaxKeys": keys,
+        }
+        if after:
+            options["StartAfter"] = self.key(after)
+        if delimiter:
+            options["Delimiter"] = delimiter
+        with self.errors(prefix):
+            got = self.client.list_objects_v2(**options)
+        objects = [listed_info(o, strip) for o in got.get("Contents", ())]
+        folders = [str(p["Prefix"])[strip:] for p in got.get("CommonPrefixes", ())]
+        last = max([o.name for o in objects[-1:]] + folders[-1:], default="")
+        return ListedPage(objects, last, bool(got.get("IsTruncated")))
 
     def head(self, name: str) -> ObjectInfo | None:
         """The object ``name``, or None if there is none."""

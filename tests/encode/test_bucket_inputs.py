@@ -6,6 +6,8 @@ stored feature is compared with running the encoder now on the same file.
 
 from __future__ import annotations
 
+import bisect
+import random
 import shutil
 from pathlib import Path
 
@@ -15,15 +17,16 @@ import torch
 import featbake.encode.fingerprints
 from featbake.bake.pipeline import build
 from featbake.encode.inputs import BucketInputs, ObjectSource, object_stat
+from featbake.encode.objects import LIST_PAGE_HEADS, common_prefix, just_before, stat_objects
 from featbake.encode.sources import load_unchanged, source_for
 from featbake.errors import SourceError, StoreError
 from featbake.recipe import Recipe
-from featbake.store.bucket import Bucket, ObjectInfo
+from featbake.store.bucket import Bucket, ListedPage, ObjectInfo
 from featbake.store.catalog import FileStat
 from featbake.store.url import BucketURL
 from featbake.testing import write_audio_folder
 from tests.conftest import invoke, live_features
-from tests.helpers import stored_features
+from tests.helpers import put_many, stored_features
 from tests.store.bucket.conftest import S3
 
 
@@ -308,3 +311,133 @@ def test_a_dataset_does_not_encode_an_object_rewritten_since_it_was_indexed(
     first = next(i for i in range(len(ds)) if ds.path(i).endswith(names[0]))
     with pytest.raises(SourceError, match="changed while featbake was reading it"):
         ds[first]
+
+
+# -- objects named one by one: a folder's LIST pages or a HEAD each ----------------------------
+class ModelBucket:
+    """A bucket as a sorted list of names in memory, answering ListObjectsV2 (prefix,
+    ``StartAfter``, ``MaxKeys``, a delimiter) and HEAD as S3 documents them, counting both;
+    ``refuse``: every listing is denied (a policy without ``s3:ListBucket``)."""
+
+    def __init__(self, names: list[str], refuse: bool = False) -> None:
+        self.infos = {n: ObjectInfo(n, len(n), 1_700_000_000.0 + i, f"e{i}")
+                      for i, n in enumerate(sorted(names))}  # fmt: skip
+        self.keys = sorted(self.infos)
+        self.refuse = refuse
+        self.lists = 0
+        self.heads = 0
+
+    def list_page(self, prefix: str, after: str = "", *, keys: int = 1000,
+                  delimiter: str = "") -> ListedPage:  # fmt: skip
+        self.lists += 1
+        if self.refuse:
+            raise StoreError("access to s3://model was denied (AccessDenied)")
+        entries: list[str] = []  # names, and sub-folders rolled up ("a/b/"), in name order
+        for key in self.keys[bisect.bisect_right(self.keys, after) :]:
+            if not key.startswith(prefix):
+                continue
+            cut = key.find(delimiter, len(prefix)) if delimiter else -1
+            entry = key if cut < 0 else key[: cut + 1]
+            if not entries or entries[-1] != entry:
+                entries.append(entry)
+        page = entries[:keys]
+        objects = [self.infos[e] for e in page if e in self.infos]
+        return ListedPage(objects, page[-1] if page else "", len(entries) > keys)
+
+    def head(self, name: str) -> ObjectInfo | None:
+        self.heads += 1
+        return self.infos.get(name)
+
+
+def _truth(bucket: ModelBucket, names: list[str]) -> dict[str, ObjectInfo | str]:
+    return {n: bucket.infos.get(n, "object not found") for n in names}
+
+
+def test_a_folder_named_whole_is_listed_a_page_per_thousand_with_no_head() -> None:
+    names = [f"clips/c{i:05d}.wav" for i in range(2_500)]
+    bucket = ModelBucket([*names, "clips/sub/x.wav", "other/y.wav"])
+    got = stat_objects(bucket, names)  # type: ignore[arg-type]
+    assert got == _truth(bucket, names)
+    assert (bucket.lists, bucket.heads) == (3, 0)
+
+
+def test_few_names_in_a_big_folder_are_headed_and_sparse_ones_stop_the_listing() -> None:
+    folder = [f"big/c{i:05d}.wav" for i in range(30_000)]
+    bucket = ModelBucket(folder)
+    two = [folder[0], folder[-1]]
+    assert stat_objects(bucket, two) == _truth(bucket, two)  # type: ignore[arg-type]
+    assert (bucket.lists, bucket.heads) == (0, 2)  # fewer than a page's price: HEADs
+    bucket.heads = 0
+    sparse = folder[::2_000]  # 15 names, one per 2,000 objects: a page finds one each
+    assert stat_objects(bucket, sparse) == _truth(bucket, sparse)  # type: ignore[arg-type]
+    assert (bucket.lists, bucket.heads) == (2, 13)  # a page more than it saved: the rest HEADed
+    assert bucket.lists + bucket.heads <= len(sparse) + 1
+
+
+def test_a_listing_jumps_to_the_next_name_and_narrows_to_the_names_common_prefix() -> None:
+    """The names' longest common prefix is listed, from just before the first name not yet
+    found: a folder's stretches no row names, and its sub-folders, cost no page."""
+    names = [f"a/x{i:04d}.wav" for i in range(20)] + [f"a/z{i:04d}.wav" for i in range(20)]
+    others = [f"a/y{i:05d}.wav" for i in range(5_000)] + [f"a/x/{i}" for i in range(5_000)]
+    bucket = ModelBucket([*names, *others])
+    assert stat_objects(bucket, names) == _truth(bucket, names)  # type: ignore[arg-type]
+    assert (bucket.lists, bucket.heads) == (2, 0)  # a/x0000.. then a jump to a/z0000..
+    assert just_before("a/z0000.wav") == "a/z0000.wau"
+    assert common_prefix("a/x0000.wav", "a/x0019.wav") == "a/x00"
+
+
+def test_a_refused_listing_heads_every_name_and_missing_ones_fail_by_name() -> None:
+    names = [f"d/c{i:03d}.wav" for i in range(40)]
+    bucket = ModelBucket(names[:-3], refuse=True)
+    got = stat_objects(bucket, names)  # type: ignore[arg-type]
+    assert got == _truth(bucket, names)
+    assert [n for n, v in got.items() if v == "object not found"] == names[-3:]
+    assert (bucket.lists, bucket.heads) == (1, 40)  # one refusal: no folder lists again
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_stat_objects_matches_a_head_per_name_within_its_worst_case(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Random folders, sub-folders, names (some missing) and page sizes: every result is what
+    a HEAD of the name says, and no folder costs more than a HEAD each plus one request (plus
+    two pages in price)."""
+    rng = random.Random(seed)
+    monkeypatch.setattr("featbake.encode.objects.LIST_PAGE_KEYS", rng.choice([1, 3, 10, 1000]))
+    ends = [".wav", "/x.wav", ""]  # an object, one in a sub-folder, one named as that folder
+    objects = [
+        f"f{rng.randrange(3)}/{rng.choice('abc')}{rng.randrange(400):03d}{rng.choice(ends)}"
+        for _ in range(rng.randrange(1, 900))
+    ]
+    bucket = ModelBucket(objects)
+    density = rng.choice([0.01, 0.1, 0.5, 1.0])
+    wanted = [o for o in sorted(set(objects)) if "/" not in o[3:] and rng.random() < density]
+    wanted += [f"f{rng.randrange(3)}/gone{i}" for i in range(rng.randrange(4))]
+    assert stat_objects(bucket, wanted) == _truth(bucket, wanted)  # type: ignore[arg-type]
+    folders = len({n.rpartition("/")[0] for n in wanted})
+    assert bucket.lists + bucket.heads <= len(wanted) + folders
+    price = bucket.lists * LIST_PAGE_HEADS + bucket.heads  # in HEADs
+    assert price < len(wanted) + 2 * LIST_PAGE_HEADS * max(folders, 1)
+
+
+def test_on_a_server_a_listed_stat_is_a_headed_one_and_the_listing_stops_when_sparse(
+    s3: S3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Against moto: 300 objects, pages of 10 (S3's 1,000 scaled down); 13 names one per 23
+    objects: two pages find one each, then HEADs; every stat as its HEAD's, a missing name
+    failed by its HEAD. Counted in the server's log."""
+    monkeypatch.setattr("featbake.encode.objects.LIST_PAGE_KEYS", 10)
+    bucket = Bucket(BucketURL.parse(f"s3://{s3.bucket}"))
+    keys = [f"sparse/c{i:04d}.wav" for i in range(300)]
+    put_many(bucket, keys)
+    names = [*keys[::23], "sparse/gone.wav"]
+    mark = s3.log_mark()
+    got = stat_objects(bucket, names)
+    sent = s3.requests(mark)
+    assert sum(r.method == "GET" and "list-type=2" in r.name for r in sent) == 2
+    assert sum(r.method == "HEAD" for r in sent) == len(names) - 2
+    assert got.pop("sparse/gone.wav") == "object not found"
+    for name, info in got.items():
+        assert not isinstance(info, str)
+        assert object_stat(info) == object_stat(bucket.head(name)), name
+        assert object_stat(info) == object_stat(bucket.read(name).info), name

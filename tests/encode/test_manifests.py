@@ -36,9 +36,9 @@ from featbake.keys import item_digest
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.store.bucket import Bucket
 from featbake.store.url import BucketURL
-from featbake.testing import make_tone
-from tests.conftest import invoke
-from tests.helpers import held_by_a_thread, manifest
+from featbake.testing import make_tone, write_audio_folder
+from tests.conftest import invoke, live_features
+from tests.helpers import held_by_a_thread, manifest, put_many, stored_features
 from tests.store.bucket.conftest import S3
 
 RATE = 16000  # the recipe's rate
@@ -481,7 +481,8 @@ def test_rows_in_a_bucket_are_hashed_once_decoded_from_held_bytes_and_served(
     assert "s3.jsonl:7" in reasons[f"{files['recA']}#5.5-6.5"]
     assert "past the end of its recording" in reasons[f"{files['recA']}#5.5-6.5"]
     assert "s3.jsonl:8" in reasons[f"s3://{s3.bucket}/wavs/gone.wav"]
-    assert sorted(reads) == ["recA.wav", "recB.flac"]  # one GET each: hashed, then decoded
+    # one GET each: hashed (by the bucket's client: names are keys), then decoded from its bytes
+    assert sorted(reads) == ["wavs/recA.wav", "wavs/recB.flac"]
 
     local = quiet_dataset(corpus / "train.jsonl", encoder_file, store_dir, on_miss="error")
     assert local.stored() == 6  # the same segments' keys, wherever their bytes were read
@@ -529,3 +530,84 @@ def test_dataloader_workers_decode_bucket_rows_with_objects_of_their_own(
     local = {"recA": corpus / "wavs" / "recA.wav", "recB": corpus / "wavs" / "recB.flac"}
     for x, (_, rec, start, end, *_) in zip(got, SEGMENTS, strict=True):
         torch.testing.assert_close(x, reference(encoder_file, local[rec], start, end))
+
+
+# -- rows naming many objects of a folder: its LIST pages, not a HEAD each --------------------
+def bucket_requests(s3: S3, mark: int) -> dict[str, list[str]]:
+    """The requests for this test's bucket the server answered since ``mark`` by kind: LIST
+    (``GET /bucket?list-type=2``), HEAD and GET (of an object), each with its target."""
+    out: dict[str, list[str]] = {"LIST": [], "HEAD": [], "GET": []}
+    for r in s3.requests(mark):
+        kind = "LIST" if r.method == "GET" and "list-type=2" in r.name else r.method
+        out.setdefault(kind, []).append(r.name)
+    return out
+
+
+def assert_rows_live(store: Path, root: str, encoder: Path, files: dict[str, Path]) -> None:
+    """Every stored item (named by its URL) equals the encoder run now on its local twin."""
+    stored = stored_features(store, root)
+    assert sorted(stored) == sorted(files)
+    for url, parts in stored.items():
+        torch.testing.assert_close(parts[""], live_features(encoder, files[url]), msg=url)
+
+
+@pytest.mark.parametrize("page", [1000, 10])
+def test_a_manifest_of_a_folders_objects_lists_it_and_heads_only_the_missing_row(
+    s3: S3, tmp_path: Path, encoder_file: Path, store_dir: Path, page: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """A manifest naming a folder's 24 objects: a first build and a rebuild stat them with one
+    LIST per page (``page``: S3's 1,000, and 10 to make several pages), not a HEAD per row one
+    after another (the old code: 25 HEADs per build); only the missing row is HEADed, and fails
+    by its line. The two objects an earlier build hashed by their HEADs are not read again: a
+    listed stat is the stat their GET recorded. Every stored feature is the encoder's now."""
+    monkeypatch.setattr("featbake.encode.objects.LIST_PAGE_KEYS", page)
+    clips = write_audio_folder(tmp_path / "clips", 24, seconds=(0.2, 0.4), seed=5)
+    bucket = Bucket(BucketURL.parse(f"s3://{s3.bucket}/clips"))
+    for clip in clips:
+        bucket.upload(clip.name, clip)
+    files = {f"s3://{s3.bucket}/clips/{c.name}": c for c in clips}
+    urls = list(files)
+    gone = f"s3://{s3.bucket}/clips/gone.wav"
+
+    write_jsonl(tmp_path / "two.jsonl", [{"path": u} for u in urls[:2]])
+    mark = s3.log_mark()
+    two = build(tmp_path / "two.jsonl", encoder_file, cache=store_dir, workers=0)
+    sent = bucket_requests(s3, mark)
+    assert (two.encoded, len(sent["LIST"]), len(sent["HEAD"]), len(sent["GET"])) == (2, 0, 2, 2)
+
+    write_jsonl(tmp_path / "all.jsonl", [*({"path": u} for u in urls), {"path": gone}])
+    for new in (22, 0):  # a first build of the 22 others, then a rebuild
+        mark = s3.log_mark()
+        report = build(tmp_path / "all.jsonl", encoder_file, cache=store_dir, workers=0)
+        sent = bucket_requests(s3, mark)
+        assert (report.encoded, report.reused) == (new, 24 - new)
+        assert len(sent["LIST"]) == -(-24 // page)  # 1 page, or 3 of 10
+        assert sent["HEAD"] == [f"/{s3.bucket}/clips/gone.wav"]  # the row the listing lacked
+        assert len(sent["GET"]) == new  # each object read once, and only if new
+        reasons = dict(report.failed)
+        assert list(reasons) == [gone]
+        assert "all.jsonl:25" in reasons[gone] and "object not found" in reasons[gone]
+    assert_rows_live(store_dir, report.root, encoder_file, files)
+
+
+def test_two_rows_of_a_folder_of_thousands_are_two_heads_not_its_listing(
+    s3: S3, tmp_path: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    """Two rows in a folder of 3,002 objects: two HEADs (concurrent), not the folder's three
+    LIST pages; the features are the encoder's now."""
+    bucket = Bucket(BucketURL.parse(f"s3://{s3.bucket}/crowd"))
+    put_many(bucket, [f"n{i:05d}.bin" for i in range(3_000)])
+    clips = write_audio_folder(tmp_path / "clips", 2, seconds=0.3, seed=6)
+    for clip, name in zip(clips, ("a.wav", "z.wav"), strict=True):
+        bucket.upload(name, clip)
+    files = {f"s3://{s3.bucket}/crowd/a.wav": clips[0], f"s3://{s3.bucket}/crowd/z.wav": clips[1]}
+    write_jsonl(tmp_path / "two.jsonl", [{"path": u} for u in files])
+    mark = s3.log_mark()
+    report = build(tmp_path / "two.jsonl", encoder_file, cache=store_dir, workers=0)
+    sent = bucket_requests(s3, mark)
+    assert report.encoded == 2 and not report.failed
+    assert (len(sent["LIST"]), sorted(sent["HEAD"])) == (
+        0, [f"/{s3.bucket}/crowd/a.wav", f"/{s3.bucket}/crowd/z.wav"]
+    )  # fmt: skip
+    assert_rows_live(store_dir, report.root, encoder_file, files)
