@@ -878,17 +878,23 @@ class WebDataset:
     def row(self, rel: str) -> dict[str, Any]:
         """The sample's other members, decoded (see :func:`carried_value`), by extension.
 
+        A local tar's members are read at the offsets its listing gave, so they stand only
+        while the tar is the version listed (checked after the reads: a dataset asks for a
+        row long after its scan, and a shard renamed over since holds other bytes there).
+
         Raises:
-            SourceError: a member cannot be read (its tar is truncated there).
+            SourceError: a member cannot be read (its tar is truncated there), or the tar was
+                replaced since its members were listed.
         """
         if rel not in self.chosen:
             raise SourceError(f"{self.where}: no sample {rel!r} (its shard is gone or changed)")
         sample, chosen = self.samples[rel], self.chosen[rel]
-        return {
-            ext: carried_value(ext, read_member(sample.tar, m))
-            for ext, m in sample.members.items()
-            if m is not chosen
+        carried = {
+            ext: read_member(sample.tar, m) for ext, m in sample.members.items() if m is not chosen
         }
+        if self.index.replaced([sample.tar] if not is_url(sample.tar) else []):
+            raise SourceError(f"{self.path(rel)}: {replaced_since_listed(sample.tar)}")
+        return {ext: carried_value(ext, data) for ext, data in carried.items()}
 
     def hash(
         self,

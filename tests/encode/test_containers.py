@@ -1235,3 +1235,26 @@ def test_a_table_swapped_back_after_its_scan_serves_each_id_its_own_cell(
         module = torch.jit.load(str(encoder_file))
     for key, parts in stored_features(store, report.root).items():
         assert torch.equal(parts[""], run_now(module, audio_tensor(clips[key]))), key
+
+
+def test_a_samples_carried_members_are_not_read_from_a_shard_renamed_over_since(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """A dataset reads a sample's other members (its label) when asked, perhaps hours after
+    its scan listed their offsets. A shard renamed over since holds other bytes there: the
+    label fails naming the shard, never another sample's label. Before, sample k0 was given
+    k1's class (the new shard holds the samples in the other order)."""
+    clips = {f"k{i}": wav_bytes(0.5, 50 + i) for i in range(2)}
+
+    def shard(path: Path, order: list[str]) -> Path:
+        return write_tar(path, [(k, {"wav": clips[k], "cls": k[1:].encode()}) for k in order])
+
+    tar = shard(tmp_path / "s.tar", ["k0", "k1"])
+    store = tmp_path / "store"
+    assert build(tar, encoder_file, cache=store, workers=0).ok
+    ds = CachedFeatureDataset(tar, encoder_file, cache=store, on_miss="error")
+    assert [ds.row(i) for i in range(2)] == [{"cls": 0}, {"cls": 1}]
+    os.replace(shard(tmp_path / "next.tar", ["k1", "k0"]), tar)
+    for i in range(2):
+        with pytest.raises(SourceError, match="replaced since its members were listed"):
+            ds.row(i)
