@@ -1462,13 +1462,25 @@ class Table:
         return 0  # not known before the cell is read
 
     def row(self, rel: str) -> dict[str, Any]:
-        """The row's other columns as Python values (its ``id`` and encoded column left out)."""
+        """The row's other columns as Python values (its ``id`` and encoded column left out).
+
+        They are read through the reader the scan opened, so a local file's stand only while
+        the file is still that version (checked after the read: a dataset asks for a row long
+        after its scan, and an Arrow file rewritten in place shows its new bytes at the old
+        offsets).
+
+        Raises:
+            SourceError: the row is unknown, or its file was replaced since its rows were read.
+        """
         at = self.items.get(rel)
         if at is None:
             raise SourceError(f"{self.where}: no row {rel!r} (its file is gone or changed)")
         f = self.files[at.file]
         names = [n for n in f.schema().names if n not in (self.column, "id")]
-        return f.cells(at.row, names) if names else {}
+        values = f.cells(at.row, names) if names else {}
+        if not is_url(f.path) and (f.stat() is None or self.replaced([f.path])):
+            raise SourceError(f"{self.path(rel)}: {replaced_since_scan(f.path)}")
+        return values
 
     def hash(
         self,

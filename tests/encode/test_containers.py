@@ -1258,3 +1258,36 @@ def test_a_samples_carried_members_are_not_read_from_a_shard_renamed_over_since(
     for i in range(2):
         with pytest.raises(SourceError, match="replaced since its members were listed"):
             ds.row(i)
+
+
+def test_a_rows_carried_columns_are_not_read_from_a_table_file_rewritten_since(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """A dataset reads a row's other columns (its label) when asked, through the reader its
+    scan opened. An Arrow file rewritten in place since (the reader's memory map shows the
+    new bytes at the old offsets) fails naming the file, never another row's label. Before,
+    row u0 was given u1's label (the new file holds the rows in the other order)."""
+    clips = {f"u{i}": wav_bytes(0.5, 60 + i) for i in range(2)}
+    media = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+
+    def arrow(path: Path, order: list[str]) -> Path:
+        cells = [{"bytes": clips[u], "path": f"{u}.wav"} for u in order]
+        table = pa.table(
+            {"id": order, "audio": pa.array(cells, type=media), "label": [int(u[1]) for u in order]}
+        )
+        with pa.ipc.new_stream(path, table.schema) as writer:
+            writer.write_table(table)
+        return path
+
+    path = arrow(tmp_path / "t.arrow", ["u0", "u1"])
+    store = tmp_path / "store"
+    assert build(path, encoder_file, cache=store, workers=0).ok
+    ds = CachedFeatureDataset(path, encoder_file, cache=store, on_miss="error")
+    assert [ds.row(i) for i in range(2)] == [{"label": 0}, {"label": 1}]
+    new = arrow(tmp_path / "next.arrow", ["u1", "u0"]).read_bytes()
+    assert len(new) == path.stat().st_size
+    with open(path, "r+b") as f:  # in place: the same file the reader maps
+        f.write(new)
+    for i in range(2):
+        with pytest.raises(SourceError, match="replaced since its rows were read"):
+            ds.row(i)
