@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 from featbake.encode.encoders import PICKLE, LoadedEncoder, detect_kind
 from featbake.keys import sha256_file, sha256_hex
@@ -51,29 +52,36 @@ class HeldBytes:
     def __len__(self) -> int:
         return len(self._data)
 
-    def digest(self, path: str) -> str:
+    def digest(self, path: str, expect: FileStat | None = None) -> str | None:
         """SHA-256 of the file at ``path``, its bytes kept when they fit in the budget.
+
+        With ``expect``, only the file that stat names is read: None (nothing kept) when the
+        file opened is another version, or changes while it is read (see :func:`digest_as`).
 
         Raises:
             OSError: the file cannot be read.
         """
-        size = os.stat(path).st_size
-        with self._lock:
-            fits = self.size + size <= self.budget
-            if fits:
-                self.size += size  # reserved before reading: threads hash in parallel
-        if not fits:
-            return sha256_file(path)
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except OSError:
+        with open(path, "rb") as f:
+            if expect is not None and open_stat(f) != expect:
+                return None
+            size = os.fstat(f.fileno()).st_size
             with self._lock:
-                self.size -= size
-            raise
+                fits = self.size + size <= self.budget
+                if fits:
+                    self.size += size  # reserved before reading: threads hash in parallel
+            if not fits:
+                sha = sha256_file(f.fileno())
+                return sha if expect is None or open_stat(f) == expect else None
+            try:
+                data = f.read()
+                same = expect is None or open_stat(f) == expect
+            finally:
+                with self._lock:
+                    self.size -= size  # the reservation becomes the bytes read, if kept
+        if not same:
+            return None
         with self._lock:
-            self.size -= size  # the reservation becomes the bytes read (the file may have
-            self._put(path, data)  # grown or shrunk since the stat)
+            self._put(path, data)
         return sha256_hex(data)
 
     def keep(self, path: str, data: bytes) -> bool:
@@ -144,9 +152,35 @@ class HeldBytes:
 
 
 # == fingerprints ==================================================================================
-def file_fingerprint(path: str | os.PathLike[str]) -> str:
-    """SHA-256 of a file's bytes, streamed (never the whole file in memory)."""
+def file_fingerprint(path: str | os.PathLike[str] | int) -> str:
+    """SHA-256 of a file's bytes (a path, or an open descriptor read from its position),
+    streamed (never the whole file in memory)."""
     return sha256_file(path)
+
+
+def open_stat(f: BinaryIO) -> FileStat:
+    """The :class:`FileStat` of the file ``f`` has open (whatever is at its path now)."""
+    st = os.fstat(f.fileno())
+    return FileStat(st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
+
+
+def digest_as(path: str, expect: FileStat) -> str | None:
+    """SHA-256 of the file at ``path`` if it is the version ``expect`` names, unchanged while
+    it is read (streamed), else None.
+
+    A digest is recorded in the hash cache under the stat taken before it was read, so it
+    must be that file's: the stat of the file opened is compared before and after the read
+    (not the path's: a folder swapped for another version, whose files keep their stats,
+    would pass a path's stat taken after as well as git's index would).
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    with open(path, "rb") as f:
+        if open_stat(f) != expect:
+            return None
+        sha = file_fingerprint(f.fileno())
+        return sha if open_stat(f) == expect else None
 
 
 def resolve_path(path: str | os.PathLike[str]) -> str:
@@ -155,6 +189,13 @@ def resolve_path(path: str | os.PathLike[str]) -> str:
 
 
 # -- planning --------------------------------------------------------------------------------
+#: Why an input whose file was replaced or rewritten between its stat and its read fails.
+CHANGED_WHILE_READ = (
+    "changed while featbake was reading it (replaced or rewritten after it was stat'ed); "
+    "rerun the build once it stops changing"
+)
+
+
 def hash_inputs(
     catalog: HashCache,
     paths: Sequence[str],
@@ -203,10 +244,12 @@ def hash_inputs(
     def one(p: str) -> tuple[str, str | None, str | None]:
         try:
             if held is not None and (hold is None or p in hold):
-                return p, held.digest(p), None
-            return p, file_fingerprint(p), None
+                sha = held.digest(p, stats[p])
+            else:
+                sha = digest_as(p, stats[p])
         except OSError as e:
             return p, None, f"cannot read: {e.strerror}"
+        return p, sha, None if sha else CHANGED_WHILE_READ
 
     for p, sha, err in map_in_threads(one, todo):
         done += 1

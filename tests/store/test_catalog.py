@@ -597,6 +597,56 @@ def test_build_and_dataset_after_cp_p_serve_the_new_version(
     torch.testing.assert_close(ds[i], live_features(encoder_file, target))
 
 
+@pytest.mark.parametrize("held", [True, False])
+def test_a_folder_swapped_while_it_is_hashed_caches_no_digest_for_the_other_version(
+    tmp_path: Path, encoder_file: Path, held: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The data folder is swapped for another version (a directory renamed over, which keeps
+    its files' stats) after the build stat'ed the files and before it read them. Each
+    digest must be recorded only under the stat of the file it was read from. Before, B's
+    digests were recorded under A's stats: once A was swapped back, a rebuild trusted them
+    ("reused 2": B's features served for A's files), or, where B failed to decode, stored A's
+    features under B's keys (served for B)."""
+    from featbake.testing import write_audio_folder
+
+    if not held:
+        monkeypatch.setattr("featbake.encode.fingerprints.HELD_BYTES", 0)
+    data, other, store = tmp_path / "data", tmp_path / "other", tmp_path / "store"
+    write_audio_folder(data, 2, seconds=0.5, seed=1)  # version A
+    write_audio_folder(other, 2, seconds=0.5, seed=7)  # version B: the same names
+    assert sorted(p.name for p in data.iterdir()) == sorted(p.name for p in other.iterdir())
+    monkeypatch.setattr("featbake.store.catalog.RACY_NS", 0)  # rows trusted at once, as later
+
+    def swap() -> None:
+        os.rename(data, tmp_path / "swap")
+        os.rename(other, data)
+        os.rename(tmp_path / "swap", other)
+
+    real = Catalog.cached_hashes
+    swapped: list[bool] = []
+
+    def swap_after_the_stats(self: Catalog, paths: Any) -> Any:
+        if not swapped and any(str(p).startswith(str(data)) for p in paths):
+            swapped.append(True)  # hash_inputs has stat'ed every file: now it reads them
+            swap()
+        return real(self, paths)
+
+    monkeypatch.setattr(Catalog, "cached_hashes", swap_after_the_stats)
+    first = build(data, encoder_file, cache=store, workers=0)
+    assert swapped and not first.ok
+    assert all("changed while featbake was reading it" in why for _, why in first.failed)
+    monkeypatch.setattr(Catalog, "cached_hashes", real)
+    swap()  # A back in place
+    again = build(data, encoder_file, cache=store, workers=0)
+    assert again.ok and again.encoded == 2
+    b = build(other, encoder_file, cache=store, workers=0)  # B's keys: never A's features
+    assert b.ok
+    for folder in (data, other):
+        ds = CachedFeatureDataset(folder, encoder_file, cache=store, on_miss="error")
+        for i in range(len(ds)):
+            torch.testing.assert_close(ds[i], live_features(encoder_file, Path(ds.path(i))))
+
+
 def test_a_schema_2_catalog_is_migrated_and_its_hash_rows_are_hashed_again(tmp_path: Path) -> None:
     layout = Layout(tmp_path / "store").ensure()
     f = tmp_path / "f.bin"
