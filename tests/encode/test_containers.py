@@ -1123,6 +1123,30 @@ def test_bucket_shards_are_hashed_with_no_head_and_a_rewrite_still_fails_them(
     assert all("shard-001.tar changed while featbake was reading it" in w for w in failed.values())
 
 
+def swap_folders(a: Path, b: Path) -> None:
+    """Exchange folders ``a`` and ``b`` by renames (their files keep their stats)."""
+    spare = a.parent / f"{a.name}.swap"
+    os.rename(a, spare)
+    os.rename(b, a)
+    os.rename(spare, b)
+
+
+def swap_back_after_scan(
+    kind: Any, data: Path, other: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Put ``other`` in ``data``'s place now, for the build's scan (``kind.scan``), and swap
+    the two back right after that scan: the version hashed before is in place again."""
+    swap_folders(data, other)
+    real_scan = kind.scan
+
+    def scan_then_swap(self: Any, extensions: Any) -> Any:
+        got = real_scan(self, extensions)
+        swap_folders(data, other)
+        return got
+
+    monkeypatch.setattr(kind, "scan", scan_then_swap)
+
+
 def test_two_columns_of_one_table_are_two_roots_and_gc_keeps_both(
     tmp_path: Path, encoder_file: Path
 ) -> None:
@@ -1170,20 +1194,7 @@ def test_a_shard_swapped_back_after_its_listing_is_not_decoded_at_the_other_vers
     with Catalog(Layout(store).ensure()) as cat:
         assert not known.hash(cat, paths)[1]  # B's digests cached
 
-    def swap() -> None:
-        os.rename(data, tmp_path / "swap")
-        os.rename(other, data)
-        os.rename(tmp_path / "swap", other)
-
-    swap()  # A in place for the build's scan, B back in place after it
-    real_scan = WebDataset.scan
-
-    def scan_then_swap(self: WebDataset, extensions: Any) -> Any:
-        got = real_scan(self, extensions)
-        swap()
-        return got
-
-    monkeypatch.setattr(WebDataset, "scan", scan_then_swap)
+    swap_back_after_scan(WebDataset, data, other, monkeypatch)
     report = build(data, encoder_file, cache=store, workers=0)
     assert report.encoded == 0 and sorted(k for k, _ in report.failed) == ["k0", "k1"]
     assert all("replaced since its members were listed" in why for _, why in report.failed)
@@ -1214,20 +1225,7 @@ def test_a_table_swapped_back_after_its_scan_serves_each_id_its_own_cell(
     with Catalog(Layout(store).ensure()) as cat:
         assert not known.hash(cat, paths)[1]  # B's cells cached
 
-    def swap() -> None:
-        os.rename(data, tmp_path / "swap")
-        os.rename(other, data)
-        os.rename(tmp_path / "swap", other)
-
-    swap()  # A in place for the build's scan, B back in place after it
-    real_scan = Table.scan
-
-    def scan_then_swap(self: Table, extensions: Any) -> Any:
-        got = real_scan(self, extensions)
-        swap()
-        return got
-
-    monkeypatch.setattr(Table, "scan", scan_then_swap)
+    swap_back_after_scan(Table, data, other, monkeypatch)
     report = build(data, encoder_file, cache=store, workers=workers)
     assert report.encoded == 0 and sorted(k for k, _ in report.failed) == ["u0", "u1"]
     assert all("replaced since its rows were read" in why for _, why in report.failed), report
