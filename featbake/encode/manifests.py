@@ -532,9 +532,13 @@ class HeldObjects:
         if got is not None:
             return got
         folder, _, name = url.rpartition("/")
-        bucket = self.buckets.get(folder) or Bucket(BucketURL.parse(folder))
-        self.buckets[folder] = bucket
-        read = read_object(bucket, name)
+        where = BucketURL.parse(folder)
+        # One client per bucket, not per folder (making one costs ~0.1-0.2 s): names are keys.
+        with self.lock:
+            bucket = self.buckets.get(where.bucket)
+            if bucket is None:
+                bucket = self.buckets[where.bucket] = Bucket(BucketURL(where.bucket))
+        read = read_object(bucket, where.key(name))
         if isinstance(read, str):
             raise SourceError(f"{path}: {url}: {read}")
         with self.lock:

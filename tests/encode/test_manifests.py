@@ -501,7 +501,37 @@ def test_rows_in_a_bucket_are_hashed_once_decoded_from_held_bytes_and_served(
     reads.clear()
     torch.testing.assert_close(live[1], local[1])  # a miss: the segment decoded from the bucket
     torch.testing.assert_close(live[3], local[3])
-    assert reads == ["recA.wav"]  # held for its next segment
+    assert reads == ["wavs/recA.wav"]  # held for its next segment (the bucket's client: a key)
+
+
+def test_live_decoding_of_rows_in_several_folders_makes_one_client_per_bucket(
+    s3: S3, corpus: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dataset decoding ``s3://`` rows live made a client per folder of its rows (~0.1-0.2 s
+    each); it makes one per bucket, and every feature is the encoder's on that segment now."""
+    local = {"wavs": corpus / "wavs" / "recA.wav", "more": corpus / "wavs" / "recB.flac"}
+    for folder, file in local.items():
+        Bucket(BucketURL.parse(f"s3://{s3.bucket}/{folder}")).upload(file.name, file)
+    rows = [
+        {"id": f"{folder}-{k}", "path": f"s3://{s3.bucket}/{folder}/{file.name}", "start": k,
+         "end": k + 1.0}
+        for folder, file in local.items() for k in (0.0, 1.0)
+    ]  # fmt: skip
+    write_jsonl(corpus / "two.jsonl", rows)
+    ds = quiet_dataset(corpus / "two.jsonl", encoder_file, tmp_path / "store")
+    made: list[str] = []
+    real_init = Bucket.__init__
+
+    def counted(self: Bucket, *args: Any, **kwargs: Any) -> None:
+        made.append(str(args[0]) if args else "")
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(Bucket, "__init__", counted)
+    got = [ds[i] for i in range(len(ds))]  # misses: decoded from the bucket
+    assert made == [f"s3://{s3.bucket}"], made  # one per folder before
+    for x, row in zip(got, rows, strict=True):
+        want = reference(encoder_file, local[row["id"].split("-")[0]], row["start"], row["end"])
+        torch.testing.assert_close(x, want)
 
 
 @pytest.mark.parametrize("context", ["fork", "spawn"])
