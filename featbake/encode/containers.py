@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, Protocol
 import torch
 
 from featbake.encode.fingerprints import HeldBytes, resolve_path
-from featbake.encode.objects import never_racy_ns, object_stat
+from featbake.encode.objects import never_racy_ns, object_at, object_stat
 from featbake.encode.sources import ScanResult, SkippedInput, Source, file_stat_or_none
 from featbake.errors import ConfigError, SourceError, StoreError
 from featbake.process import ProcessLocal, ProcessLocalState
@@ -420,22 +420,6 @@ RUN_BYTES = 64 << 20
 LISTING_PREFIX = "tar-members:"
 #: The same for a bucket's parquet file: its schema and row ids (see :meth:`Table._listing`).
 TABLE_PREFIX = "table-rows:"
-
-_BUCKETS: dict[str, Bucket] = {}  # folder URL -> its bucket (a client per process, made lazily)
-
-
-def object_at(url: str) -> tuple[Bucket, str]:
-    """(the bucket of ``url``'s folder, the object's name in it).
-
-    Example:
-        >>> object_at("s3://team/shards/shard-000.tar")[1]
-        'shard-000.tar'
-    """
-    folder, name = url.rsplit("/", 1)
-    bucket = _BUCKETS.get(folder)
-    if bucket is None:
-        bucket = _BUCKETS[folder] = Bucket(BucketURL.parse(folder))
-    return bucket, name
 
 
 def object_range(url: str, start: int, length: int) -> bytes:

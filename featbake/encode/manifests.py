@@ -63,7 +63,13 @@ from typing import Any, BinaryIO
 import torch
 
 from featbake.encode.fingerprints import HeldBytes, hash_inputs, resolve_path
-from featbake.encode.objects import BucketInputs, object_stat, read_object, stat_objects
+from featbake.encode.objects import (
+    BucketInputs,
+    object_at,
+    object_stat,
+    read_object,
+    stat_objects,
+)
 from featbake.encode.sources import (
     ScanResult,
     SkippedInput,
@@ -77,7 +83,7 @@ from featbake.keys import item_digest
 from featbake.lru import ByteLRU
 from featbake.process import ProcessLocal, ProcessLocalState
 from featbake.progress import Progress
-from featbake.store.bucket import Bucket, ObjectBytes
+from featbake.store.bucket import ObjectBytes
 from featbake.store.catalog import FileStat, HashCache
 from featbake.store.url import BucketURL, is_url
 
@@ -518,7 +524,6 @@ class HeldObjects:
 
     def __init__(self) -> None:
         self.held: ByteLRU[str, ObjectBytes] = ByteLRU(OBJECT_CACHE_BYTES, lambda o: len(o.data))
-        self.buckets: dict[str, Bucket] = {}
         self.lock = threading.Lock()
 
     def get(self, url: str, path: str | os.PathLike[str]) -> ObjectBytes:
@@ -531,14 +536,7 @@ class HeldObjects:
             got = self.held.get(url)
         if got is not None:
             return got
-        folder, _, name = url.rpartition("/")
-        where = BucketURL.parse(folder)
-        # One client per bucket, not per folder (making one costs ~0.1-0.2 s): names are keys.
-        with self.lock:
-            bucket = self.buckets.get(where.bucket)
-            if bucket is None:
-                bucket = self.buckets[where.bucket] = Bucket(BucketURL(where.bucket))
-        read = read_object(bucket, where.key(name))
+        read = read_object(*object_at(url))
         if isinstance(read, str):
             raise SourceError(f"{path}: {url}: {read}")
         with self.lock:
