@@ -42,7 +42,6 @@ from featbake.serve.state import (
     WRITEBACK_BYTES,
     WRITEBACK_ITEMS,
     WRITEBACK_SECONDS,
-    Located,
     ProcessState,
     SealPolicy,
     ServeStats,
@@ -574,7 +573,8 @@ class CachedFeatureDataset(ProcessLocalState, Dataset):
                 st.open_readers.move_to_end(loc.path)
                 st.last_path = loc.path
             try:
-                hit = self._read_located(loc)  # the store's one read
+                served = self._served  # the store's one read (dequantised as it is read)
+                hit = loc.read_stored() if served is None else served.located(loc)
             except ShardMissing:  # gone since (a bucket's gc): the general path looks it up
                 st.loc[i] = None
                 st.handles.forget(loc.path)
@@ -589,14 +589,6 @@ class CachedFeatureDataset(ProcessLocalState, Dataset):
                 return self._as_asked(value) if self._asked else value
         value = self._misses.read_one(st, i)
         return self._as_asked(value) if self._asked else value
-
-    def _read_located(self, loc: Located) -> torch.Tensor:
-        """A located item's tensor, read as stored, or served dequantised as it is read."""
-        if self._served is not None:
-            return self._served.located(loc)
-        out = torch.empty(loc.nbytes, dtype=torch.uint8)
-        loc.reader.read_span(loc.offset, out.numpy())
-        return out.view(loc.dtype).view(loc.shape)
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """Read a batch at once: the DataLoader calls this with each batch's indices.

@@ -129,9 +129,7 @@ class Served:
         """
         packed = served_rows(self, loc.dtype, loc.shape)
         if packed is None:  # not packed rows of this scheme: read as stored, then served
-            raw = torch.empty(loc.nbytes, dtype=torch.uint8)
-            loc.reader.read_span(loc.offset, raw.numpy())
-            return self.item(raw.view(loc.dtype).view(loc.shape))
+            return self.item(loc.read_stored())
         out = torch.empty((*loc.shape[:-1], packed.width), dtype=self.dtype)
         self.check(loc.reader.read_packed_span(loc.offset, out, packed))
         return out

@@ -497,6 +497,16 @@ class Located(NamedTuple):
     dtype: torch.dtype
     shape: tuple[int, ...]
 
+    def read_stored(self) -> torch.Tensor:
+        """The item's tensor as stored: one pread into memory the caller owns.
+
+        Raises:
+            StoreError: the read failed (``ShardMissing``: the shard is gone).
+        """
+        out = torch.empty(self.nbytes, dtype=torch.uint8)
+        self.reader.read_span(self.offset, out.numpy())
+        return out.view(self.dtype).view(self.shape)
+
 
 class Saver:
     """What must be saved even when a dataset is dropped: its write-back and last-use times.
