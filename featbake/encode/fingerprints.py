@@ -62,22 +62,21 @@ class HeldBytes:
             OSError: the file cannot be read.
         """
         with open(path, "rb") as f:
-            if expect is not None and open_stat(f) != expect:
+            opened = FileStat.of(f.fileno())
+            if expect is not None and opened != expect:
                 return None
-            size = os.fstat(f.fileno()).st_size
             with self._lock:
-                fits = self.size + size <= self.budget
+                fits = self.size + opened.size <= self.budget
                 if fits:
-                    self.size += size  # reserved before reading: threads hash in parallel
+                    self.size += opened.size  # reserved before reading: threads hash in parallel
             if not fits:
-                sha = sha256_file(f.fileno())
-                return sha if expect is None or open_stat(f) == expect else None
+                return streamed_digest(f, expect)
             try:
                 data = f.read()
-                same = expect is None or open_stat(f) == expect
+                same = unchanged(f, expect)
             finally:
                 with self._lock:
-                    self.size -= size  # the reservation becomes the bytes read, if kept
+                    self.size -= opened.size  # the reservation becomes the bytes read, if kept
         if not same:
             return None
         with self._lock:
@@ -158,10 +157,16 @@ def file_fingerprint(path: str | os.PathLike[str] | int) -> str:
     return sha256_file(path)
 
 
-def open_stat(f: BinaryIO) -> FileStat:
-    """The :class:`FileStat` of the file ``f`` has open (whatever is at its path now)."""
-    st = os.fstat(f.fileno())
-    return FileStat(st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
+def unchanged(f: BinaryIO, expect: FileStat | None) -> bool:
+    """Whether the file ``f`` has open still has the stat ``expect`` (always, without one)."""
+    return expect is None or FileStat.of(f.fileno()) == expect
+
+
+def streamed_digest(f: BinaryIO, expect: FileStat | None) -> str | None:
+    """SHA-256 of the open file ``f`` from its position, streamed; None if it no longer has
+    the stat ``expect`` once read (it changed while it was read)."""
+    sha = file_fingerprint(f.fileno())
+    return sha if unchanged(f, expect) else None
 
 
 def digest_as(path: str, expect: FileStat) -> str | None:
@@ -177,10 +182,7 @@ def digest_as(path: str, expect: FileStat) -> str | None:
         OSError: the file cannot be read.
     """
     with open(path, "rb") as f:
-        if open_stat(f) != expect:
-            return None
-        sha = file_fingerprint(f.fileno())
-        return sha if open_stat(f) == expect else None
+        return streamed_digest(f, expect) if unchanged(f, expect) else None
 
 
 def resolve_path(path: str | os.PathLike[str]) -> str:

@@ -241,7 +241,8 @@ class FileStat(NamedTuple):
     ctime_ns: int = 0
 
     @classmethod
-    def of(cls, path: str | os.PathLike[str]) -> FileStat:
+    def of(cls, path: str | os.PathLike[str] | int) -> FileStat:
+        """The stat of ``path``, or of the file an open descriptor names."""
         st = os.stat(path)
         return cls(st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
 
