@@ -33,10 +33,10 @@ import os
 import re
 import tarfile
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, Protocol, TypeVar
 
 import torch
 
@@ -87,6 +87,9 @@ def _stat_or_none(path: str) -> FileStat | None:
             return None
         return None if info is None else object_stat(info)
     return file_stat_or_none(path)
+
+
+_T = TypeVar("_T")
 
 
 # == hashing =======================================================================================
@@ -939,9 +942,7 @@ class MemberIndex:
         """
         if is_url(tar):  # an object's version: the scan's listing stat, checked by hashing
             return list_members(tar)
-        before = file_stat_or_none(tar)
-        members = list_members(tar)
-        self.at[tar] = before if file_stat_or_none(tar) == before else None
+        members, self.at[tar] = stat_around(tar, lambda: list_members(tar))
         return members
 
     def replaced(self, tars: Collection[str]) -> dict[str, str]:
@@ -949,11 +950,7 @@ class MemberIndex:
         listed any more (renamed over, or rewritten, since): its members' offsets are another
         file's, so no digest the hash cache holds for the file now may be decoded at them (a
         folder swapped back to a version hashed before keeps its files' stats)."""
-        return {
-            tar: replaced_since_listed(tar)
-            for tar in tars
-            if tar in self.at and file_stat_or_none(tar) != self.at[tar]
-        }
+        return replaced_files(self.at, tars, replaced_since_listed)
 
     def member(self, path: str) -> tuple[str, Member]:
         """(tar, member) of the item named ``path``.
@@ -970,6 +967,22 @@ class MemberIndex:
         if found is None:
             raise SourceError(f"{path}: no such member in {tar} (rewritten since?)")
         return tar, found
+
+
+def stat_around(path: str, read: Callable[[], _T]) -> tuple[_T, FileStat | None]:
+    """``read()`` of the local file at ``path``, and the file's stat if it was the same before
+    and after (None: renamed over or rewritten meanwhile): the version what was read is of."""
+    before = file_stat_or_none(path)
+    got = read()
+    return got, before if file_stat_or_none(path) == before else None
+
+
+def replaced_files(
+    noted: Mapping[str, FileStat | None], files: Collection[str], why: Callable[[str], str]
+) -> dict[str, str]:
+    """file -> ``why(file)``, for each of ``files`` whose version was ``noted`` (its stat when
+    it was read: :func:`stat_around`) and is not the file at its path any more."""
+    return {f: why(f) for f in files if f in noted and file_stat_or_none(f) != noted[f]}
 
 
 def replaced_since_listed(tar: str) -> str:
@@ -1177,9 +1190,7 @@ class TableFile(ProcessLocalState):
         """``opener(path)``, noting the stat of the file it opened (the same before and after
         the open; None if the file was replaced meanwhile): the reader keeps that file, its
         footer read once, whatever is renamed over the path later (see :meth:`stat`)."""
-        before = file_stat_or_none(self.path)
-        opened = opener(self.path)
-        self._opened = before if file_stat_or_none(self.path) == before else None
+        opened, self._opened = stat_around(self.path, lambda: opener(self.path))
         return opened
 
     #: a bucket's file as this process reads it (its responses' stats kept: see :meth:`stat`)
@@ -1497,11 +1508,7 @@ class Table:
         version any more (renamed over, or rewritten, since): the ids' rows are the other
         version's, so no digest the hash cache holds for the file now may stand for them (a
         folder swapped back to a version hashed before keeps its files' stats)."""
-        return {
-            file: replaced_since_scan(file)
-            for file in files
-            if file in self.scanned and file_stat_or_none(file) != self.scanned[file]
-        }
+        return replaced_files(self.scanned, files, replaced_since_scan)
 
     def _read(self, file: str, refs: list[ItemRef], held: HeldBytes | None) -> ReadBack:
         """The digests of ``refs``' cells in ``file``, one row group at a time, and the file's
