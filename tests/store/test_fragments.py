@@ -66,6 +66,14 @@ def catalog_dump(store: Path) -> dict[str, list[tuple]]:
     return dump
 
 
+def store_with_a_root(tmp_path: Path, encoder_file: Path) -> Path:
+    """``tmp_path / "store"``, a catalog with one root already (3 clips built the plain way)."""
+    store, other = tmp_path / "store", tmp_path / "other"
+    write_audio_folder(other, 3, seconds=0.4, seed=4)
+    build(other, encoder_file, cache=store, workers=0)
+    return store
+
+
 def build_parts(data: Path, encoder: Path, store: Path, world: int, ranks=None) -> None:
     for rank in range(world) if ranks is None else ranks:
         report = build(data, encoder, cache=store, workers=0, shard=f"{rank}/{world}")
@@ -132,10 +140,7 @@ def test_a_merge_killed_at_any_step_then_rerun_gives_the_same_catalog(
 def test_a_build_with_a_part_missing_stays_pending(
     tmp_path: Path, audio_dir: Path, encoder_file: Path
 ) -> None:
-    store = tmp_path / "store"
-    other = tmp_path / "other"
-    write_audio_folder(other, 3, seconds=0.4, seed=4)
-    build(other, encoder_file, cache=store, workers=0)  # a catalog with one root already
+    store = store_with_a_root(tmp_path, encoder_file)
     build_parts(audio_dir, encoder_file, store, 2, ranks=[1])
     report = merge(Layout(store))
     assert report.roots == [] and len(report.pending) == 1
@@ -165,10 +170,7 @@ def file_digest(path: Path) -> str:
 def test_a_rank_never_writes_the_shared_catalog(
     tmp_path: Path, audio_dir: Path, encoder_file: Path
 ) -> None:
-    store = tmp_path / "store"
-    other = tmp_path / "other"
-    write_audio_folder(other, 3, seconds=0.4, seed=4)
-    build(other, encoder_file, cache=store, workers=0)
+    store = store_with_a_root(tmp_path, encoder_file)
     files = [store / "catalog.sqlite", store / "catalog.sqlite-wal"]
     before = [file_digest(p) for p in files]
     build_parts(audio_dir, encoder_file, store, 2)
@@ -251,10 +253,7 @@ def test_two_processes_read_one_store_while_a_merge_runs(
 def test_gc_keeps_the_shards_of_a_build_not_merged_yet(
     tmp_path: Path, audio_dir: Path, encoder_file: Path
 ) -> None:
-    store = tmp_path / "store"
-    other = tmp_path / "other"
-    write_audio_folder(other, 3, seconds=0.4, seed=4)
-    build(other, encoder_file, cache=store, workers=0)
+    store = store_with_a_root(tmp_path, encoder_file)
     build_parts(audio_dir, encoder_file, store, 2, ranks=[0])
     gc = invoke("gc", "--grace", "0s", "--cache", store)  # no grace: only fragments protect
     assert gc.returncode == 0, gc.stderr
