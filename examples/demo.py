@@ -65,12 +65,13 @@ def main() -> None:
     )
     loader = DataLoader(ds, batch_size=8, shuffle=True, num_workers=2, collate_fn=pad_collate)
     t0 = time.perf_counter()
-    seen, shapes = 0, set()
+    seen, dims = 0, set()
     for feats, lengths in loader:
         seen += len(lengths)
-        shapes.add(feats.shape[-1])
+        dims.add(int(feats.shape[-1]))
     dt = time.perf_counter() - t0
-    print(f"served {seen} items in {dt * 1000:.0f} ms in batches of 8 (feature dim {shapes})")
+    dim = ", ".join(map(str, sorted(dims)))
+    print(f"served {seen} items in {dt * 1000:.0f} ms in batches of 8 (feature dim {dim})")
 
     # Served features equal running the encoder now on the same preprocessed audio.
     with torchscript_quietly():
