@@ -521,22 +521,56 @@ def merge(
 
 # == export ========================================================================================
 # `featbake export`.
+#: The formats `featbake export` writes, each a module of featbake.export.
+EXPORT_FORMATS = ("zarr", "parquet", "webdataset")
+
+
 @app.command(
     epilog=(
         "Examples:\n\n  featbake export --format zarr feats.zarr\n\n"
-        "  featbake export --format zarr feats.zarr --root r-3f1c --overwrite\n\n"
-        "Read it back without featbake:\n\n"
+        "  featbake export --format parquet feats.parquet --root r-3f1c --overwrite\n\n"
+        "  featbake export --format webdataset feats-wds --layers 6,12\n\n"
+        "Read them back without featbake:\n\n"
         "  g = zarr.open_group('feats.zarr', mode='r'); o = g['offsets'][:]\n\n"
-        "  first = g['values'][o[0]:o[1]]\n\n" + UPKEEP_EXIT_CODES
+        "  datasets.load_dataset('parquet', data_files='feats.parquet')\n\n"
+        "  webdataset.WebDataset('feats-wds/shard-000000.tar').decode()\n\n" + UPKEEP_EXIT_CODES
     )
 )
 def export(
-    out_path: Annotated[Path, typer.Argument(metavar="OUT", help="The Zarr store to create.")],
-    fmt: Annotated[str, typer.Option("--format", help="Output format: zarr.")] = "zarr",
+    out_path: Annotated[
+        Path,
+        typer.Argument(
+            metavar="OUT",
+            help="What to create: a Zarr folder, a Parquet file, or a folder of tar shards.",
+        ),
+    ],
+    fmt: Annotated[
+        str, typer.Option("--format", help="Output format: zarr, parquet or webdataset.")
+    ] = "zarr",
     root: Annotated[
         str | None,
         typer.Option(
-            help="Root to export (name or prefix); needed if there are several.", show_default=False
+            help="Root to export (name or prefix); needed if there are several (`featbake roots`).",
+            show_default=False,
+        ),
+    ] = None,
+    output: Annotated[
+        str | None,
+        typer.Option(
+            help="Export only this stored part (e.g. pooled, tokens).", show_default=False
+        ),
+    ] = None,
+    layers: Annotated[
+        str | None,
+        typer.Option(
+            help="Export only these stored hidden layers, e.g. 0,6,12.", show_default=False
+        ),
+    ] = None,
+    column: Annotated[
+        str | None,
+        typer.Option(
+            help="The column the build named with --column, to read the rows' other columns.",
+            show_default=False,
         ),
     ] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace OUT if it exists.")] = False,
@@ -545,24 +579,28 @@ def export(
     local_cache_size: LocalCacheSizeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Export a root's features to Zarr (v3), readable by zarr, xarray or dask without featbake.
+    """Export a root's features, with each item's id and the columns its row carries (labels),
+    to Zarr (v3), Parquet or webdataset shards, readable without featbake.
 
-    Variable-length features become values [sum T, D] + offsets [N+1] + lengths; fixed-size ones
-    a dense values [N, ...]; keys and paths [N] follow the root's file order.
+    Zarr: variable-length features become values [sum T, D] + offsets [N+1] + lengths, fixed-size
+    ones a dense values [N, ...]; keys, paths and columns/ [N] follow the root's order. Parquet:
+    one row per item (id, key, one list column per part and its shape, the row's columns).
+    webdataset: one sample per item (<id>.npy or <id>.<part>.npy, and <id>.json).
     """
     from featbake.errors import ConfigError, StoreError
-    from featbake.export.zarr import export_zarr
     from featbake.store.open import open_store
 
-    if fmt != "zarr":
-        raise ConfigError(f"unknown --format {fmt!r}; featbake exports zarr")
+    if fmt not in EXPORT_FORMATS:
+        raise ConfigError(f"unknown --format {fmt!r}; featbake exports {', '.join(EXPORT_FORMATS)}")
+    chosen = _export_layers(layers)
     store = open_store(cache, local_cache=local_cache, local_cache_size=local_cache_size)
     bar = progress_bar()
     try:
         with bar:
-            report = export_zarr(
-                out_path, cache=store, root=root, overwrite=overwrite, progress=tick_bar(bar, {})
-            )
+            report = _exporter(fmt)(
+                out_path, cache=store, root=root, overwrite=overwrite, output=output,
+                layers=chosen, rows_for=_root_rows(column), progress=tick_bar(bar, {}),
+            )  # fmt: skip
     except OSError as e:  # the OS refused a path: OUT's folder is missing, read-only, not a folder
         where = e.filename if e.filename is not None else out_path
         raise StoreError(
@@ -578,3 +616,51 @@ def export(
             f"{format_bytes(report.bytes)}) to {escape(report.out)}"
             + (f"; {report.missing} items not stored were left out" if report.missing else "")
         )
+
+
+def _export_layers(text: str | None) -> tuple[int, ...] | None:
+    """``--layers`` as layer numbers (``all``, or none given: every stored part)."""
+    from featbake.encode.outputs import parse_layers
+
+    if text is None:
+        return None
+    layers = parse_layers(text)
+    return None if isinstance(layers, str) else layers
+
+
+def _exporter(fmt: str) -> Any:
+    """The export function of a format."""
+    if fmt == "parquet":
+        from featbake.export.parquet import export_parquet
+
+        return export_parquet
+    if fmt == "webdataset":
+        from featbake.export.webdataset import export_webdataset
+
+        return export_webdataset
+    from featbake.export.zarr import export_zarr
+
+    return export_zarr
+
+
+def _root_rows(column: str | None) -> Any:
+    """The reader of a root's carried rows (export/ never opens inputs): the root's data opened
+    as the build opened it; where it cannot be, one warning and no row columns."""
+
+    def rows_for(root: Any) -> Any:
+        from featbake.encode.inputs import inputs_at, source_extensions
+        from featbake.errors import FeatbakeError
+
+        source = root.recipe.get("source")
+        try:
+            inputs = inputs_at(root.data, column, source)
+            inputs.scan(source_extensions(source))  # a manifest's rows are read by its scan
+        except (FeatbakeError, OSError) as e:
+            console.print(
+                f"[yellow]the rows' columns are left out: the root's data {escape(root.data)} "
+                f"cannot be opened ({escape(str(e))}); keys and ids are exported[/]"
+            )
+            return None
+        return inputs.row
+
+    return rows_for

@@ -8,9 +8,13 @@ group for a single-output encoder, else one sub-group per part):
   ``values[offsets[i]:offsets[i + 1]]``) and ``lengths [N]``;
 * fixed size: a dense ``values [N, ...]``;
 
-and ``keys [N]``, ``paths [N]`` (relative to the root's data folder) at the top, in the
-manifest's order; items not stored are left out and counted in ``missing``. Values are chunked
-to ~8 MiB along the first axis, written to ``OUT.partial`` and renamed into place when complete.
+and ``keys [N]``, ``paths [N]`` (each item's id: its path relative to the root's data folder, a
+manifest row's id) at the top, in the manifest's order, and under ``columns/`` one array per
+column the items' rows carry (a manifest's labels, a tar's ``.cls``: int64 where every item has
+a whole number, float64 where every value is a number, NaN where missing, else text, with JSON
+for nested values). Items not stored are left out and counted in ``missing``. Values are
+chunked to ~8 MiB along the first axis, written to ``OUT.partial`` and renamed into place when
+complete.
 """
 
 from __future__ import annotations
@@ -19,56 +23,37 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from featbake.errors import ConfigError, StoreError
-from featbake.progress import GcProgress
-from featbake.store.catalog import QUANTISED, Catalog, Location, Root
-from featbake.store.features import FeatureReader
-from featbake.store.layout import Layout
-from featbake.store.open import StoreRef, open_catalog, resolve_root
+from featbake.errors import ConfigError
+from featbake.export.source import (
+    ExportReport,
+    ExportSource,
+    PartLayout,
+    ProgressFn,
+    RowsFor,
+    as_numpy,
+    inside_store,
+    open_source,
+    part_layouts,
+    publish,
+    row_columns,
+    rows_of,
+    stream,
+)
+from featbake.store.open import StoreRef
 from featbake.version import __version__
 
 CHUNK_BYTES = 8 * 1024 * 1024
-_READ_BATCH = 256
 _NUMPY_DTYPE = {  # zarr has no bfloat16: BF16 is widened exactly to float32
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "float32", "I64": "int64",
     "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
 }  # fmt: skip
-
-
-@dataclass(frozen=True)
-class PartLayout:
-    """How one output part is laid out: ragged or dense, its shapes and dtype."""
-
-    part: str
-    dtype: str  # safetensors dtype as stored
-    ragged: bool
-    trailing: tuple[int, ...]  # shape after the first axis (ragged) or the whole item (dense)
-    lengths: tuple[int, ...]  # first-axis length per item (ragged only)
-
-
-@dataclass(frozen=True)
-class ExportReport:
-    """What an export wrote."""
-
-    out: str
-    root: str
-    items: int
-    missing: int
-    parts: tuple[str, ...]
-    layouts: dict[str, str]
-    bytes: int
-    seconds: float
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 #: Dimension names (zarr v3 ``dimension_names``, which xarray.open_zarr needs): one per item
@@ -87,29 +72,6 @@ def value_dims(ragged: bool, trailing: int) -> tuple[str, ...]:
     lead = FRAME if ragged else ITEM
     middle = tuple(f"axis{i}" for i in range(1, trailing))
     return (lead, *middle, FEATURE) if trailing else (lead,)
-
-
-def plan_layout(part: str, dtype: str, shapes: Sequence[tuple[int, ...]]) -> PartLayout:
-    """Decide ragged vs dense for one part from its items' shapes (pure).
-
-    Raises:
-        ConfigError: the items differ in more than their first dimension.
-
-    Example:
-        >>> plan_layout("", "F32", [(3, 4), (5, 4)]).ragged
-        True
-        >>> plan_layout("", "F32", [(8,), (8,)]).ragged
-        False
-    """
-    first = shapes[0]
-    if all(s == first for s in shapes):
-        return PartLayout(part, dtype, False, tuple(first), ())
-    if any(len(s) == 0 or len(s) != len(first) or s[1:] != first[1:] for s in shapes):
-        raise ConfigError(
-            f"cannot export output {part or 'features'!r}: items differ in more than their "
-            "first dimension, so neither a dense nor a ragged array fits"
-        )
-    return PartLayout(part, dtype, True, tuple(first[1:]), tuple(s[0] for s in shapes))
 
 
 def _rows_per_chunk(row_bytes: int) -> int:
@@ -133,10 +95,8 @@ def check_destination(out: Path, store: Path, *, overwrite: bool) -> None:
     Example:
         >>> check_destination(Path("f.zarr"), Path(".featbake"), overwrite=True)  # doctest: +SKIP
     """
-    store_r = store.resolve()
     for path in (out, out.with_name(out.name + ".partial")):
-        path_r = path.resolve()
-        if path_r == store_r or store_r in path_r.parents or path_r in store_r.parents:
+        if inside_store(path, store):
             raise ConfigError(
                 f"{path} is, holds or lies inside the store {store}; export to a path outside it"
             )
@@ -159,7 +119,10 @@ def export_zarr(
     cache: StoreRef = None,
     root: str | None = None,
     overwrite: bool = False,
-    progress: Callable[[GcProgress], None] | None = None,
+    output: str | None = None,
+    layers: Sequence[int] | None = None,
+    rows_for: RowsFor | None = None,
+    progress: ProgressFn | None = None,
 ) -> ExportReport:
     """Write the features of one root to a Zarr v3 store at ``out``.
 
@@ -168,6 +131,9 @@ def export_zarr(
         cache: the store.
         root: the root's name or a unique prefix; may be left out when the store has one root.
         overwrite: replace ``out`` if it exists.
+        output: export only this part (``--output``); layers: only these hidden layers.
+        rows_for: the chosen root's rows, each item's by its path (the CLI reads them from the
+            root's inputs); None: no ``columns/`` group.
         progress: called with ``GcProgress("export", items done, items)``.
 
     Raises:
@@ -182,20 +148,20 @@ def export_zarr(
     """
     t0 = time.perf_counter()
     out = Path(out)
-    src = _source(out, cache, root, overwrite)
+    src = open_source(
+        cache, root, output=output, layers=layers,
+        check=lambda layout: check_destination(out, layout.root, overwrite=overwrite),
+    )  # fmt: skip
     layouts = part_layouts(src)
     partial = out.with_name(out.name + ".partial")
-    writers = _open_partial(partial, src, layouts)
+    writers = _open_partial(partial, src, layouts, rows_of(src, rows_for))
     written = _copy_features(src, writers, progress)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(partial, out)
-    n = len(src.present)
+    publish(partial, out)
     return ExportReport(
         str(out),
         src.root.name,
-        n,
-        len(src.manifest) - n,
+        len(src.present),
+        src.missing,
         tuple(layouts),
         {p: "ragged" if lay.ragged else "dense" for p, lay in layouts.items()},
         written,
@@ -203,72 +169,11 @@ def export_zarr(
     )
 
 
-@dataclass(frozen=True)
-class ExportSource:
-    """What one export reads: the root, its manifest, and where its stored features are."""
-
-    layout: Layout
-    root: Root
-    manifest: list[tuple[str, str]]  # (path, key) in manifest order
-    present: list[tuple[str, str]]  # the items with a stored feature
-    located: dict[str, list[Location]]
-
-
-def _choose_root(catalog: Catalog, root: str | None) -> Root:
-    roots = [resolve_root(catalog, root)] if root is not None else catalog.roots()
-    if len(roots) != 1:
-        names = ", ".join(r.name for r in roots) or "none"
-        raise ConfigError(
-            f"the store has {len(roots)} roots ({names}); choose one with --root NAME"
-        )
-    if (dtype := roots[0].recipe.get("dtype")) in QUANTISED:  # packed: codes + scale bytes
-        raise ConfigError(
-            f"root {roots[0].name} stores {dtype}, which zarr export does not dequantise yet; "
-            "export a float16 build of the folder (featbake build --dtype float16)"
-        )
-    return roots[0]
-
-
-def _source(out: Path, cache: StoreRef, root: str | None, overwrite: bool) -> ExportSource:
-    layout, catalog = open_catalog(cache)
-    try:
-        check_destination(out, layout.root, overwrite=overwrite)
-        chosen = _choose_root(catalog, root)
-        manifest = [(p, k) for p, k in catalog.root_items(chosen.name)]
-        located = catalog.locate_many([k for _, k in manifest])
-    finally:
-        catalog.close()
-    present = [(p, k) for p, k in manifest if k in located]
-    if not present:
-        raise StoreError(
-            f"root {chosen.name} has no stored features to export; run `featbake build` first"
-        )
-    return ExportSource(layout, chosen, manifest, present, located)
-
-
-def part_layouts(src: ExportSource) -> dict[str, PartLayout]:
-    """The layout of each output part, by part name (sorted).
-
-    Raises:
-        StoreError: some features lack a part.
-        ConfigError: a part is stored in several dtypes, or its shapes fit no layout.
-    """
-    parts = sorted({loc.part for locs in src.located.values() for loc in locs})
-    layouts = {}
-    for part in parts:
-        locs = [next((x for x in src.located[k] if x.part == part), None) for _, k in src.present]
-        found = [loc for loc in locs if loc is not None]
-        if len(found) != len(locs):
-            raise StoreError(f"some features lack output {part!r}; rebuild root {src.root.name}")
-        dtypes = {loc.dtype for loc in found}
-        if len(dtypes) != 1:
-            raise ConfigError(f"output {part!r} is stored in several dtypes: {sorted(dtypes)}")
-        layouts[part] = plan_layout(part, dtypes.pop(), [loc.shape for loc in found])
-    return layouts
-
-
 def _open_partial(
-    partial: Path, src: ExportSource, layouts: dict[str, PartLayout]
+    partial: Path,
+    src: ExportSource,
+    layouts: dict[str, PartLayout],
+    rows: Sequence[Mapping[str, Any]] | None,
 ) -> dict[str, _PartWriter]:
     """Create ``OUT.partial`` with its attributes, keys and paths; a writer per part."""
     import zarr
@@ -298,39 +203,63 @@ def _open_partial(
         group.create_array(
             name, shape=(n,), chunks=(str_chunk,), dtype=str, dimension_names=(ITEM,)
         )[:] = np.array(values)
+    if rows is not None:
+        _write_columns(group, rows)
     return {
         part: _PartWriter(group if part == "" else group.create_group(part), lay, n)
         for part, lay in layouts.items()
     }
 
 
-def _copy_features(
-    src: ExportSource,
-    writers: dict[str, _PartWriter],
-    progress: Callable[[GcProgress], None] | None,
-) -> int:
+def _write_columns(group: Any, rows: Sequence[Mapping[str, Any]]) -> None:
+    """The rows' columns under ``columns/``, one array per column (see the module's doc)."""
+    columns = row_columns(rows)
+    if not columns:
+        return
+    sub = group.create_group("columns")
+    n = len(rows)
+    for name, values in columns.items():
+        array = column_array(values)
+        sub.create_array(
+            name, shape=(n,), chunks=(min(max(n, 1), 65536),), dtype=array.dtype
+            if array.dtype != object else str, dimension_names=(ITEM,),
+        )[:] = array  # fmt: skip
+
+
+def column_array(values: Sequence[Any]) -> np.ndarray:
+    """A column's values as one typed array (pure): int64 where each is a whole number, float64
+    where each is a number or missing (NaN), else text (missing: "", nested values as JSON).
+
+    Example:
+        >>> column_array([1, 2]).dtype, column_array([1, None]).tolist()[1], column_array(["a", 2])
+        (dtype('int64'), nan, array(['a', '2'], dtype=object))
+    """
+    numbers = [v for v in values if v is not None]
+    whole = all(isinstance(v, int) and not isinstance(v, bool) for v in numbers)
+    if numbers and whole and len(numbers) == len(values):
+        return np.array(values, dtype=np.int64)
+    if numbers and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers):
+        return np.array([np.nan if v is None else float(v) for v in values], dtype=np.float64)
+    return np.array([_text(v) for v in values], dtype=object)
+
+
+def _text(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def _copy_features(src: ExportSource, writers: dict[str, _PartWriter], progress: Any) -> int:
     """Read every present feature (checksummed) into the writers; returns the bytes written."""
-    reader = FeatureReader(src.layout, verify="always")
-    n, written = len(src.present), 0
-    try:
-        for start in range(0, n, _READ_BATCH):
-            keys = [k for _, k in src.present[start : start + _READ_BATCH]]
-            got = reader.get_many(keys)
-            for key in keys:
-                if key not in got:
-                    raise StoreError(
-                        f"feature {key} vanished during the export (gc ran, or its shard was "
-                        "removed by hand); run the export again, after `featbake verify "
-                        "--repair` if this persists"
-                    )
-                for part, t in got[key].items():
-                    written += writers[part].add(t)
-            if progress:
-                progress(GcProgress("export", min(n, start + _READ_BATCH), n))
-        for w in writers.values():
-            w.flush()
-    finally:
-        reader.close()
+    written = 0
+    for items in stream(src, progress):
+        for item in items:
+            for part, t in item.parts.items():
+                written += writers[part].add(t)
+    for w in writers.values():
+        w.flush()
     return written
 
 
@@ -367,7 +296,7 @@ class _PartWriter:
         self.at = 0  # rows written
 
     def add(self, t: torch.Tensor) -> int:
-        a = t.to(torch.float32).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+        a = as_numpy(t)
         if not self.lay.ragged:
             a = a[None]
         self.buf.append(a)

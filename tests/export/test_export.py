@@ -10,7 +10,8 @@ import torch
 import zarr
 
 from featbake.errors import ConfigError
-from featbake.export.zarr import CHUNK_BYTES, export_zarr, plan_layout
+from featbake.export.source import plan_layout
+from featbake.export.zarr import CHUNK_BYTES, export_zarr
 from featbake.progress import GcProgress
 from tests.helpers import Live, bake, manifest
 
@@ -170,6 +171,6 @@ def test_an_int8_root_is_refused_not_exported_as_packed_codes(
 
     store = tmp_path / "store"
     report = bake(audio_dir, encoder_file, store, recipe=Recipe(dtype="int8"))
-    with pytest.raises(ConfigError, match="stores int8, which zarr export does not dequantise"):
+    with pytest.raises(ConfigError, match="stores int8, which export does not dequantise"):
         export_zarr(tmp_path / "out.zarr", cache=store, root=report.root)
     assert not (tmp_path / "out.zarr").exists()

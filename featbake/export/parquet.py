@@ -1,0 +1,272 @@
+"""``featbake export --format parquet``: a root's features as one Parquet file, one row per item.
+
+Readable by pyarrow, pandas, DuckDB and ``datasets.load_dataset("parquet", data_files=OUT)``
+without featbake. Columns, in this order:
+
+* ``id``: the item's id (its path relative to the root's data folder, a manifest row's id);
+* ``key``: its content key in the store;
+* one column per exported part (``features`` for a single-output encoder, else the part's name:
+  ``pooled``, ``tokens``, ``layer6``), in the stored dtype (bfloat16, which Arrow lacks, widened
+  exactly to float32), nested to the item's rank: ``[T, D]`` is a list of fixed-size lists of D,
+  so ``datasets`` gives it back as ``T`` rows of ``D`` values; and ``<part>_shape``, the shape;
+* the columns the items' rows carry (a manifest's labels, a lhotse cut's ``text``), under their
+  own names (``row_<name>`` where a name is taken above), null where an item lacks one.
+
+The file is written one row group per batch of items (no whole store in memory) to
+``OUT.partial`` and renamed to ``OUT`` when complete; its schema metadata names the root, the
+encoder and the recipe (``featbake`` key, JSON).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from featbake.errors import ConfigError
+from featbake.export.source import (
+    ExportItem,
+    ExportReport,
+    ExportSource,
+    PartLayout,
+    ProgressFn,
+    RowsFor,
+    as_numpy,
+    discard,
+    inside_store,
+    open_source,
+    part_layouts,
+    publish,
+    row_columns,
+    rows_of,
+    stream,
+)
+from featbake.store.open import StoreRef
+from featbake.version import __version__
+
+#: The names the export itself gives columns; a carried column of one of these is renamed.
+RESERVED = ("id", "key")
+
+
+def part_column(part: str) -> str:
+    """The column a part is written to.
+
+    Example:
+        >>> part_column(""), part_column("layer6")
+        ('features', 'layer6')
+    """
+    return part or "features"
+
+
+def column_names(parts: Sequence[str], carried: Sequence[str]) -> dict[str, str]:
+    """Each carried column's name in the file (pure): its own, or ``row_<name>`` where the
+    export's own columns take it.
+
+    Example:
+        >>> column_names(["pooled"], ["label", "key", "pooled_shape"])
+        {'label': 'label', 'key': 'row_key', 'pooled_shape': 'row_pooled_shape'}
+    """
+    taken = set(RESERVED)
+    for part in parts:
+        taken |= {part_column(part), part_column(part) + "_shape"}
+    return {name: f"row_{name}" if name in taken else name for name in carried}
+
+
+def check_destination(out: Path, store: Path, *, overwrite: bool) -> None:
+    """Refuse a destination the export would overwrite wrongly.
+
+    Raises:
+        ConfigError: ``out`` (or ``OUT.partial``) is in the store, a folder or a link, or
+            exists without ``overwrite``.
+    """
+    for path in (out, out.with_name(out.name + ".partial")):
+        if inside_store(path, store):
+            raise ConfigError(
+                f"{path} is, holds or lies inside the store {store}; export to a path outside it"
+            )
+        if path.is_symlink() or path.is_dir():
+            raise ConfigError(
+                f"{path} is a folder or a link, not a Parquet file; choose another OUT "
+                "(a file name such as feats.parquet)"
+            )
+    if out.exists() and not overwrite:
+        raise ConfigError(f"{out} exists; choose another OUT or pass --overwrite")
+
+
+def export_parquet(
+    out: str | os.PathLike[str],
+    *,
+    cache: StoreRef = None,
+    root: str | None = None,
+    overwrite: bool = False,
+    output: str | None = None,
+    layers: Sequence[int] | None = None,
+    rows_for: RowsFor | None = None,
+    progress: ProgressFn | None = None,
+) -> ExportReport:
+    """Write the features of one root to the Parquet file ``out`` (see the module's doc).
+
+    Args:
+        out: the file to create (``feats.parquet``).
+        cache: the store.
+        root: the root's name or a unique prefix; may be left out when the store has one root.
+        overwrite: replace ``out`` if it exists.
+        output: export only this part (``--output``); layers: only these hidden layers.
+        rows_for: the chosen root's rows, each item's by its path; None: no carried columns.
+        progress: called with ``GcProgress("export", items done, items)``.
+
+    Raises:
+        ConfigError: no such root, several roots and none chosen, ``out`` exists, shapes that
+            fit no layout.
+        StoreCorrupt: a stored feature fails its checksum.
+
+    Example:
+        >>> export_parquet("feats.parquet", cache=".featbake")  # doctest: +SKIP
+        >>> import datasets; ds = datasets.load_dataset("parquet", data_files="feats.parquet")
+        ... # doctest: +SKIP
+    """
+    import pyarrow.parquet as pq
+
+    t0 = time.perf_counter()
+    out = Path(out)
+    src = open_source(
+        cache, root, output=output, layers=layers,
+        check=lambda layout: check_destination(out, layout.root, overwrite=overwrite),
+    )  # fmt: skip
+    layouts = part_layouts(src)
+    carried = _carried_table(src, rows_of(src, rows_for))
+    partial = out.with_name(out.name + ".partial")
+    discard(partial)
+    written, at = 0, 0
+    schema = _schema(src, layouts, carried)
+    # Dictionaries and min/max statistics over feature values cost 2-5x the write and buy
+    # nothing (random floats neither repeat nor prune): only the id, key and row columns get them.
+    small = [f.name for f in schema if f.name == "id" or f.name == "key" or _carried(f, layouts)]
+    with pq.ParquetWriter(
+        str(partial), schema, use_dictionary=small, write_statistics=small
+    ) as writer:
+        for items in stream(src, progress):
+            table = _batch_table(items, layouts, carried, at)
+            writer.write_table(table.cast(writer.schema))
+            written += sum(as_numpy(t).nbytes for item in items for t in item.parts.values())
+            at += len(items)
+    publish(partial, out)
+    return ExportReport(
+        str(out),
+        src.root.name,
+        len(src.present),
+        src.missing,
+        tuple(layouts),
+        {p: "ragged" if lay.ragged else "dense" for p, lay in layouts.items()},
+        written,
+        time.perf_counter() - t0,
+    )
+
+
+def _carried_table(src: ExportSource, rows: Sequence[Mapping[str, Any]] | None) -> Any:
+    """Every item's carried columns as one Arrow table (types inferred over all items, so each
+    row group has the same schema), renamed clear of the export's own columns; None: none."""
+    import pyarrow as pa
+
+    if not rows:
+        return None
+    columns = row_columns(rows)
+    if not columns:
+        return None
+    names = column_names(src.parts, list(columns))
+    return pa.table({names[n]: pa.array([_plain(v) for v in vs]) for n, vs in columns.items()})
+
+
+def _plain(value: Any) -> Any:
+    """A carried value Arrow can type across rows: nested values as JSON text."""
+    if isinstance(value, (dict, list, tuple)):
+        return json.dumps(value, sort_keys=True, default=str)
+    return value
+
+
+def _carried(field: Any, layouts: Mapping[str, PartLayout]) -> bool:
+    """Whether a schema field is a carried row column (not a part or its shape)."""
+    ours = {part_column(p) for p in layouts} | {part_column(p) + "_shape" for p in layouts}
+    return field.name not in ours
+
+
+def _arrow_type(lay: PartLayout) -> Any:
+    """A part's column type: its dtype nested to the item's rank (pure)."""
+    import pyarrow as pa
+
+    dtype = pa.from_numpy_dtype(np.dtype("float32" if lay.dtype == "BF16" else _NP[lay.dtype]))
+    for size in reversed(lay.trailing):
+        dtype = pa.list_(dtype, size)
+    return pa.list_(dtype) if lay.ragged else dtype
+
+
+_NP = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "I64": "int64", "I32": "int32",
+    "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+}  # fmt: skip
+
+
+def _schema(src: ExportSource, layouts: Mapping[str, PartLayout], carried: Any) -> Any:
+    import pyarrow as pa
+
+    fields = [pa.field("id", pa.string()), pa.field("key", pa.string())]
+    for part, lay in layouts.items():
+        fields.append(pa.field(part_column(part), _arrow_type(lay)))
+        fields.append(pa.field(part_column(part) + "_shape", pa.list_(pa.int64())))
+    if carried is not None:
+        fields.extend(carried.schema)
+    meta = {
+        "featbake_version": __version__,
+        "root": src.root.name,
+        "data": src.root.data,
+        "encoder": src.root.encoder_label,
+        "encoder_fp": src.root.encoder_fp,
+        "recipe_fp": src.root.recipe_fp,
+        "recipe": src.root.recipe,
+        "parts": list(layouts),
+    }
+    return pa.schema(fields, metadata={"featbake": json.dumps(meta, sort_keys=True)})
+
+
+def _part_array(arrays: Sequence[np.ndarray], lay: PartLayout) -> Any:
+    """One part of a batch as an Arrow array of its column's type."""
+    import pyarrow as pa
+
+    flat = np.concatenate([a.reshape(-1) for a in arrays]) if arrays else np.zeros(0)
+    values: Any = pa.array(flat)
+    for size in reversed(lay.trailing):
+        values = pa.FixedSizeListArray.from_arrays(values, size)
+    if not lay.ragged:
+        return values
+    offsets = np.concatenate([[0], np.cumsum([a.shape[0] for a in arrays])]).astype(np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets), values)
+
+
+def _batch_table(
+    items: Sequence[ExportItem], layouts: Mapping[str, PartLayout], carried: Any, at: int
+) -> Any:
+    """One row group: the batch's ids, keys, parts and shapes, and its slice of the carried
+    columns (rows ``at`` to ``at + len(items)``)."""
+    import pyarrow as pa
+
+    columns: dict[str, Any] = {
+        "id": pa.array([item.path for item in items], pa.string()),
+        "key": pa.array([item.key for item in items], pa.string()),
+    }
+    for part, lay in layouts.items():
+        arrays = [as_numpy(item.parts[part]) for item in items]
+        columns[part_column(part)] = _part_array(arrays, lay)
+        columns[part_column(part) + "_shape"] = pa.array(
+            [list(a.shape) for a in arrays], pa.list_(pa.int64())
+        )
+    table = pa.table(columns)
+    if carried is not None:
+        part_of = carried.slice(at, len(items))
+        for name in part_of.column_names:
+            table = table.append_column(name, part_of.column(name))
+    return table

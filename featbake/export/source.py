@@ -1,0 +1,317 @@
+"""What every ``featbake export`` format reads: one root's stored features, streamed in order.
+
+An export chooses one root (by name or prefix; the only one where the store has one), lists its
+manifest, locates each item's stored parts, and hands the formats batches of items in the
+root's order, each read with its checksum checked, so no format holds more than one batch of
+features in memory (:func:`stream`). Items the store does not hold are left out and counted.
+The rows an item's inputs carry (a manifest's columns, a tar's ``.cls``) are read above this
+layer, by whoever opens the inputs, and passed in as a :data:`RowsOf` callable: ``export/``
+never imports ``encode/``.
+
+Example:
+    >>> chosen_parts(["layer0", "layer6", "layer12"], output=None, layers=[12, 0])
+    ['layer12', 'layer0']
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from featbake.errors import ConfigError, StoreError
+from featbake.progress import GcProgress
+from featbake.store.catalog import QUANTISED, Catalog, Location, Root
+from featbake.store.features import FeatureReader
+from featbake.store.layout import Layout
+from featbake.store.open import StoreRef, open_catalog, resolve_root
+
+#: Items read per catalog query and per batch handed to a format.
+READ_BATCH = 256
+
+#: The carried row of an item, by its path in the root's manifest ({} where it carries none).
+RowsOf = Callable[[str], Mapping[str, Any]]
+
+#: The rows of a chosen root's items, or None where its inputs cannot be opened (export/ never
+#: opens inputs itself: the CLI passes :func:`featbake.cli.upkeep`'s reader of the root's data).
+RowsFor = Callable[[Root], RowsOf | None]
+
+#: Where a format's progress goes: ``GcProgress("export", items done, items)``.
+ProgressFn = Callable[[GcProgress], None]
+
+
+@dataclass(frozen=True)
+class ExportSource:
+    """What one export reads: the root, its manifest, and where its stored features are."""
+
+    layout: Layout
+    root: Root
+    manifest: list[tuple[str, str]]  # (path, key) in manifest order
+    present: list[tuple[str, str]]  # the items with a stored feature
+    located: dict[str, list[Location]]
+    parts: tuple[str, ...]  # the parts exported, in the order asked for (else sorted)
+
+    @property
+    def missing(self) -> int:
+        """Items of the manifest the store does not hold."""
+        return len(self.manifest) - len(self.present)
+
+
+@dataclass(frozen=True)
+class ExportItem:
+    """One exported item: its path in the manifest, its key and its parts' tensors."""
+
+    path: str
+    key: str
+    parts: dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class PartLayout:
+    """How one output part is laid out: ragged or dense, its shapes and dtype."""
+
+    part: str
+    dtype: str  # safetensors dtype as stored
+    ragged: bool
+    trailing: tuple[int, ...]  # shape after the first axis (ragged) or the whole item (dense)
+    lengths: tuple[int, ...]  # first-axis length per item (ragged only)
+
+
+@dataclass(frozen=True)
+class ExportReport:
+    """What an export wrote."""
+
+    out: str
+    root: str
+    items: int
+    missing: int
+    parts: tuple[str, ...]
+    layouts: dict[str, str]
+    bytes: int
+    seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def plan_layout(part: str, dtype: str, shapes: Sequence[tuple[int, ...]]) -> PartLayout:
+    """Decide ragged vs dense for one part from its items' shapes (pure).
+
+    Raises:
+        ConfigError: the items differ in more than their first dimension.
+
+    Example:
+        >>> plan_layout("", "F32", [(3, 4), (5, 4)]).ragged
+        True
+        >>> plan_layout("", "F32", [(8,), (8,)]).ragged
+        False
+    """
+    first = shapes[0]
+    if all(s == first for s in shapes):
+        return PartLayout(part, dtype, False, tuple(first), ())
+    if any(len(s) == 0 or len(s) != len(first) or s[1:] != first[1:] for s in shapes):
+        raise ConfigError(
+            f"cannot export output {part or 'features'!r}: items differ in more than their "
+            "first dimension, so neither a dense nor a ragged array fits"
+        )
+    return PartLayout(part, dtype, True, tuple(first[1:]), tuple(s[0] for s in shapes))
+
+
+def part_layouts(src: ExportSource) -> dict[str, PartLayout]:
+    """The layout of each exported part, by part name.
+
+    Raises:
+        StoreError: some features lack a part.
+        ConfigError: a part is stored in several dtypes, or its shapes fit no layout.
+    """
+    layouts = {}
+    for part in src.parts:
+        found = part_locations(src, part)
+        dtypes = {loc.dtype for loc in found}
+        if len(dtypes) != 1:
+            raise ConfigError(f"output {part!r} is stored in several dtypes: {sorted(dtypes)}")
+        layouts[part] = plan_layout(part, dtypes.pop(), [loc.shape for loc in found])
+    return layouts
+
+
+def choose_root(catalog: Catalog, root: str | None) -> Root:
+    """The root to export: ``root`` by name or prefix, else the store's only root.
+
+    Raises:
+        ConfigError: no such root; several roots and none chosen (the message lists them);
+            a root stored packed (int8/fp8), which no export dequantises yet.
+    """
+    roots = [resolve_root(catalog, root)] if root is not None else catalog.roots()
+    if len(roots) != 1:
+        names = ", ".join(r.name for r in roots) or "none"
+        raise ConfigError(
+            f"the store has {len(roots)} roots ({names}); choose one with --root NAME"
+        )
+    if (dtype := roots[0].recipe.get("dtype")) in QUANTISED:  # packed: codes + scale bytes
+        raise ConfigError(
+            f"root {roots[0].name} stores {dtype}, which export does not dequantise yet; "
+            "export a float16 build of the folder (featbake build --dtype float16)"
+        )
+    return roots[0]
+
+
+def chosen_parts(
+    available: Sequence[str], *, output: str | None, layers: Sequence[int] | None
+) -> list[str]:
+    """The parts to export, from those stored (pure).
+
+    ``output`` names one part; ``layers`` names hidden layers (parts ``layer<K>``), in the
+    order given; neither: every part, sorted.
+
+    Raises:
+        ConfigError: a part or layer that is not stored, naming those that are.
+
+    Example:
+        >>> chosen_parts(["pooled", "tokens"], output="pooled", layers=None)
+        ['pooled']
+    """
+    have = sorted(available)
+    if output is not None and layers:
+        raise ConfigError("give --output or --layers, not both")
+    wanted = [output] if output is not None else [f"layer{k}" for k in layers or ()]
+    if not wanted:
+        return have
+    absent = [p for p in wanted if p not in have]
+    if absent:
+        stored = ", ".join(repr(p) for p in have) or "none"
+        raise ConfigError(
+            f"the root stores no part {', '.join(map(repr, absent))} (it stores {stored}); "
+            "choose among those with --output or --layers"
+        )
+    return wanted
+
+
+def open_source(
+    cache: StoreRef,
+    root: str | None,
+    *,
+    output: str | None = None,
+    layers: Sequence[int] | None = None,
+    check: Callable[[Layout], None] | None = None,
+) -> ExportSource:
+    """The root to export and where its features are; ``check(layout)`` runs first (a format's
+    check of its destination against the store).
+
+    Raises:
+        ConfigError: see :func:`choose_root` and :func:`chosen_parts`.
+        StoreError: the root holds no stored features.
+    """
+    layout, catalog = open_catalog(cache)
+    try:
+        if check is not None:
+            check(layout)
+        chosen = choose_root(catalog, root)
+        manifest = [(p, k) for p, k in catalog.root_items(chosen.name)]
+        located = catalog.locate_many([k for _, k in manifest])
+    finally:
+        catalog.close()
+    present = [(p, k) for p, k in manifest if k in located]
+    if not present:
+        raise StoreError(
+            f"root {chosen.name} has no stored features to export; run `featbake build` first"
+        )
+    stored = {loc.part for locs in located.values() for loc in locs}
+    parts = chosen_parts(sorted(stored), output=output, layers=layers)
+    return ExportSource(layout, chosen, manifest, present, located, tuple(parts))
+
+
+def part_locations(src: ExportSource, part: str) -> list[Location]:
+    """Each present item's location of ``part``, in order.
+
+    Raises:
+        StoreError: some items lack the part (a partial rebuild): rebuild the root.
+    """
+    locs = [next((x for x in src.located[k] if x.part == part), None) for _, k in src.present]
+    found = [loc for loc in locs if loc is not None]
+    if len(found) != len(locs):
+        raise StoreError(f"some features lack output {part!r}; rebuild root {src.root.name}")
+    return found
+
+
+def stream(src: ExportSource, progress: ProgressFn | None = None) -> Iterator[list[ExportItem]]:
+    """The present items in the root's order, :data:`READ_BATCH` at a time, each part read
+    with its checksum checked; only the parts :attr:`ExportSource.parts` names.
+
+    Raises:
+        StoreError: a feature vanished during the export (gc, or a shard removed by hand).
+        StoreCorrupt: a stored feature fails its checksum.
+    """
+    reader = FeatureReader(src.layout, verify="always")
+    n = len(src.present)
+    try:
+        for start in range(0, n, READ_BATCH):
+            batch = src.present[start : start + READ_BATCH]
+            got = reader.get_many([k for _, k in batch])
+            items = []
+            for path, key in batch:
+                if key not in got:
+                    raise StoreError(
+                        f"feature {key} vanished during the export (gc ran, or its shard was "
+                        "removed by hand); run the export again, after `featbake verify "
+                        "--repair` if this persists"
+                    )
+                items.append(ExportItem(path, key, {p: got[key][p] for p in src.parts}))
+            yield items
+            if progress:
+                progress(GcProgress("export", start + len(batch), n))
+    finally:
+        reader.close()
+
+
+def as_numpy(t: torch.Tensor) -> np.ndarray:
+    """A stored tensor as numpy: bfloat16, which numpy, Arrow and Zarr lack, widened exactly to
+    float32; every other dtype as stored."""
+    return t.to(torch.float32).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def rows_of(src: ExportSource, rows_for: RowsFor | None) -> list[Mapping[str, Any]] | None:
+    """The carried row of each present item in order, or None where there are none to read."""
+    rows = rows_for(src.root) if rows_for is not None else None
+    return None if rows is None else [rows(path) for path, _ in src.present]
+
+
+def row_columns(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:
+    """The rows as columns (pure): every key any row has, in first-seen order, with None where
+    a row lacks it.
+
+    Example:
+        >>> row_columns([{"label": 1}, {"label": 2, "text": "hi"}])
+        {'label': [1, 2], 'text': [None, 'hi']}
+    """
+    names: dict[str, None] = {}
+    for row in rows:
+        names.update(dict.fromkeys(row))
+    return {name: [row.get(name) for row in rows] for name in names}
+
+
+def inside_store(path: Path, store: Path) -> bool:
+    """Whether ``path`` is, holds or lies inside the store folder ``store``."""
+    path_r, store_r = path.resolve(), store.resolve()
+    return path_r == store_r or store_r in path_r.parents or path_r in store_r.parents
+
+
+def publish(partial: Path, out: Path) -> None:
+    """Move a finished ``partial`` file or folder to ``out``, replacing what was there: a
+    killed export leaves only ``partial`` (replaced by the next run), never half an ``out``."""
+    if out.is_dir() and not out.is_symlink():
+        shutil.rmtree(out)
+    os.replace(partial, out)
+
+
+def discard(partial: Path) -> None:
+    """Remove what an earlier, killed export left at ``partial``."""
+    if partial.is_dir() and not partial.is_symlink():
+        shutil.rmtree(partial)
+    elif partial.exists() or partial.is_symlink():
+        partial.unlink()

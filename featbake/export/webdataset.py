@@ -1,0 +1,234 @@
+"""``featbake export --format webdataset``: a root's features as webdataset tar shards.
+
+``OUT/`` holds ``shard-000000.tar``, ``shard-000001.tar``, ... (a new shard past
+:data:`SHARD_BYTES`), readable by ``webdataset.WebDataset("OUT/shard-{000000..00000N}.tar")
+.decode()`` and by plain ``tarfile``. One sample per item, in the root's order, keyed by its id
+(see :func:`sample_key`), with the members
+
+* ``<key>.npy`` (a single-output encoder) or ``<key>.<part>.npy`` per exported part (``pooled``,
+  ``tokens``, ``layer6``): the feature in its stored dtype (bfloat16 widened exactly to
+  float32), as ``numpy.save`` writes it;
+* ``<key>.json``: ``{"id": ..., "key": ...}`` and the columns the item's row carries (its
+  labels), so a loader needs nothing beside the shards.
+
+A webdataset key ends at the first dot of a member's name, so an id's dots (``clip.wav``) and
+any character outside ``[A-Za-z0-9_-/]`` become ``_``; the JSON keeps the id as it is. The
+shards are written into ``OUT.partial/`` and the folder is renamed to ``OUT`` when complete.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import tarfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from featbake.errors import ConfigError
+from featbake.export.source import (
+    ExportItem,
+    ExportReport,
+    ProgressFn,
+    RowsFor,
+    as_numpy,
+    discard,
+    inside_store,
+    open_source,
+    part_layouts,
+    publish,
+    rows_of,
+    stream,
+)
+from featbake.store.open import StoreRef
+
+#: A shard is closed once it holds this many bytes (webdataset's advice: 100 MB to 1 GB).
+SHARD_BYTES = 512 * 1024 * 1024
+_UNSAFE = re.compile(r"[^A-Za-z0-9_\-/]")
+
+
+def sample_key(item_id: str) -> str:
+    """The webdataset key of an item id (pure): dots and unsafe characters as ``_``, no
+    leading ``/`` and no empty path part, so the key is one sample and a relative member name.
+
+    Example:
+        >>> sample_key("sub/clip.wav"), sample_key("../a b.flac"), sample_key("/x//y")
+        ('sub/clip_wav', '__/a_b_flac', 'x/y')
+    """
+    parts = [p for p in _UNSAFE.sub("_", item_id).split("/") if p]
+    return "/".join(parts) or "_"
+
+
+def unique_keys(ids: Sequence[str]) -> list[str]:
+    """Each id's :func:`sample_key`, with ``-2``, ``-3`` ... added where two ids would share
+    one (pure): every sample stays its own.
+
+    Example:
+        >>> unique_keys(["a.wav", "a_wav", "b"])
+        ['a_wav', 'a_wav-2', 'b']
+    """
+    seen: set[str] = set()
+    keys = []
+    for item_id in ids:
+        base = key = sample_key(item_id)
+        n = 2
+        while key in seen:
+            key, n = f"{base}-{n}", n + 1
+        seen.add(key)
+        keys.append(key)
+    return keys
+
+
+def member_names(key: str, parts: Sequence[str]) -> dict[str, str]:
+    """Each part's member name in a sample (pure).
+
+    Example:
+        >>> member_names("a", [""]), member_names("a", ["pooled", "tokens"])
+        ({'': 'a.npy'}, {'pooled': 'a.pooled.npy', 'tokens': 'a.tokens.npy'})
+    """
+    if list(parts) == [""]:
+        return {"": f"{key}.npy"}
+    return {p: f"{key}.{p or 'features'}.npy" for p in parts}
+
+
+def check_destination(out: Path, store: Path, *, overwrite: bool) -> None:
+    """Refuse a destination the export would overwrite wrongly.
+
+    Raises:
+        ConfigError: ``out`` or ``OUT.partial`` is in the store, a file or a link, a folder
+            holding anything but tar shards, or exists without ``overwrite``.
+    """
+    for path in (out, out.with_name(out.name + ".partial")):
+        if inside_store(path, store):
+            raise ConfigError(
+                f"{path} is, holds or lies inside the store {store}; export to a path outside it"
+            )
+        if path.is_symlink() or (path.exists() and not path.is_dir()):
+            raise ConfigError(
+                f"{path} is a file or a link, not a folder of shards; choose another OUT"
+            )
+        if path.is_dir() and any(not f.name.endswith(".tar") for f in path.iterdir()):
+            raise ConfigError(
+                f"{path} holds files other than tar shards; the export would delete them, so "
+                "choose another OUT (or move that folder away)"
+            )
+    if out.exists() and not overwrite:
+        raise ConfigError(f"{out} exists; choose another OUT or pass --overwrite")
+
+
+class _ShardWriter:
+    """Writes samples into numbered tar shards, starting a new one past ``limit`` bytes."""
+
+    def __init__(self, folder: Path, limit: int) -> None:
+        self.folder, self.limit = folder, limit
+        self.count, self.size = 0, 0
+        self.tar: tarfile.TarFile | None = None
+
+    def add(self, members: Mapping[str, bytes]) -> None:
+        if self.tar is None or self.size >= self.limit:
+            self.close()
+            shard = self.folder / f"shard-{self.count:06d}.tar"
+            # closed by close(): one shard is open at a time, across add() calls
+            self.tar = tarfile.open(shard, "w", format=tarfile.PAX_FORMAT)  # noqa: SIM115
+            self.count, self.size = self.count + 1, 0
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime = len(data), 0o644, 0
+            self.tar.addfile(info, io.BytesIO(data))
+            self.size += len(data) + 512
+
+    def close(self) -> None:
+        if self.tar is not None:
+            self.tar.close()
+            self.tar = None
+
+
+def _npy(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=False)
+    return buf.getvalue()
+
+
+def _sample(
+    item: ExportItem, key: str, names: Mapping[str, str], row: Mapping[str, Any]
+) -> dict[str, bytes]:
+    """One sample's members: each part as ``.npy``, then the JSON of its id, key and row."""
+    members = {names[p]: _npy(as_numpy(t)) for p, t in item.parts.items()}
+    meta = {**row, "id": item.path, "key": item.key}
+    members[f"{key}.json"] = json.dumps(meta, sort_keys=True, default=str).encode()
+    return members
+
+
+def export_webdataset(
+    out: str | os.PathLike[str],
+    *,
+    cache: StoreRef = None,
+    root: str | None = None,
+    overwrite: bool = False,
+    output: str | None = None,
+    layers: Sequence[int] | None = None,
+    rows_for: RowsFor | None = None,
+    progress: ProgressFn | None = None,
+) -> ExportReport:
+    """Write the features of one root as webdataset shards in the folder ``out`` (see the
+    module's doc).
+
+    Args:
+        out: the folder to create.
+        cache: the store.
+        root: the root's name or a unique prefix; may be left out when the store has one root.
+        overwrite: replace ``out`` if it exists.
+        output: export only this part (``--output``); layers: only these hidden layers.
+        rows_for: the chosen root's rows, each item's by its path; None: ids and keys only.
+        progress: called with ``GcProgress("export", items done, items)``.
+
+    Raises:
+        ConfigError: no such root, several roots and none chosen, ``out`` exists.
+        StoreCorrupt: a stored feature fails its checksum.
+
+    Example:
+        >>> export_webdataset("feats-wds", cache=".featbake")  # doctest: +SKIP
+        >>> import webdataset as wds  # doctest: +SKIP
+        >>> next(iter(wds.WebDataset("feats-wds/shard-000000.tar").decode()))  # doctest: +SKIP
+    """
+    t0 = time.perf_counter()
+    out = Path(out)
+    src = open_source(
+        cache, root, output=output, layers=layers,
+        check=lambda layout: check_destination(out, layout.root, overwrite=overwrite),
+    )  # fmt: skip
+    layouts = part_layouts(src)
+    rows = rows_of(src, rows_for)
+    keys = unique_keys([path for path, _ in src.present])
+    partial = out.with_name(out.name + ".partial")
+    discard(partial)
+    partial.mkdir()
+    shards = _ShardWriter(partial, SHARD_BYTES)
+    written, at = 0, 0
+    try:
+        for items in stream(src, progress):
+            for item in items:
+                key = keys[at]
+                names = member_names(key, list(src.parts))
+                members = _sample(item, key, names, rows[at] if rows is not None else {})
+                shards.add(members)
+                written += sum(len(b) for b in members.values())
+                at += 1
+    finally:
+        shards.close()
+    publish(partial, out)
+    return ExportReport(
+        str(out),
+        src.root.name,
+        len(src.present),
+        src.missing,
+        tuple(layouts),
+        {p: "ragged" if lay.ragged else "dense" for p, lay in layouts.items()},
+        written,
+        time.perf_counter() - t0,
+    )
