@@ -7,6 +7,7 @@ Public API::
     featbake.pad_collate, featbake.DevicePrefetcher    # batching and device prefetch
     featbake.CachedEncoder(encoder, cache=...)         # intercept a frozen encoder in-process
     featbake.ViewsDataset(data, encoder, views=...)    # baked image views (--views hflip)
+    featbake.MixedDataset([ds_a, ds_b], weights=...)   # datasets mixed at set proportions
     featbake.Recipe(sample_rate=16000, ...)            # preprocessing options, part of every key
 
 Names are imported on first use (PEP 562), so ``featbake --help`` does not pay for importing torch.
@@ -30,6 +31,7 @@ _EXPORTS = {
     "BlockSampler": "featbake.serve.loader",
     "ServeStats": "featbake.serve.dataset",
     "ViewsDataset": "featbake.serve.views",
+    "MixedDataset": "featbake.serve.mixing",
     "BuildIncomplete": "featbake.errors",
     "CacheMiss": "featbake.errors",
     "ConfigError": "featbake.errors",
@@ -59,6 +61,7 @@ __all__ = [
     "EncoderLoadError",
     "FeatbakeError",
     "FeatureLoader",
+    "MixedDataset",
     "PaddedBatch",
     "Recipe",
     "ServeStats",
@@ -93,6 +96,7 @@ if TYPE_CHECKING:
     from featbake.serve.collate import PaddedBatch, pad_collate
     from featbake.serve.dataset import CachedFeatureDataset, ServeStats
     from featbake.serve.loader import BlockSampler, FeatureLoader
+    from featbake.serve.mixing import MixedDataset
     from featbake.serve.prefetch import DevicePrefetcher
     from featbake.serve.views import ViewsDataset
 
