@@ -10,21 +10,25 @@ Three layouts name their items this way (``--data`` picks one, see
   ``id`` names the item (default: the path as written, plus ``#start-end`` for a segment), and
   every other column is carried (:meth:`RowInputs.row`).
 * :class:`KaldiInputs`: a Kaldi data folder. ``wav.scp`` maps recording ids to files (a relative
-  path is taken from the data folder, not the working directory Kaldi's scripts ran in); with a
+  path is taken from the working directory, as Kaldi's scripts take it); with a
   ``segments`` file each utterance is a segment (``utt rec start end``; ``end`` -1, Kaldi's
   convention, runs to the recording's end) and its id is the
   utterance id, else each recording is an item under its id. ``text`` and ``utt2spk`` are carried.
-* :class:`CutsInputs`: a lhotse cut manifest (``cuts.jsonl.gz``), read with gzip and json (no
-  lhotse): a cut's ``recording.sources`` of type ``file`` (a relative path taken from the
-  manifest's folder), ``start``, ``duration``, ``channel``; its supervisions' text and speaker
-  are carried.
+* :class:`CutsInputs`: a lhotse cut manifest (``cuts.jsonl.gz``), read with gzip and json: a
+  cut's ``start``, ``duration``, ``channel``, and of its recording the source of type ``file``
+  that lists the channel (one file per channel, AMI and CHiME; a relative path is taken from
+  the working directory, as lhotse takes it); a cut over channels of several sources is a bad
+  row. A recording with ``transforms`` (speed, volume) is decoded by lhotse's own code
+  (:class:`LhotseAudio`; a bad row where lhotse is not installed). Its supervisions' text and
+  speaker are carried.
 
 **Items are the rows, in the manifest's order**, each named by its id (unique: a repeated id is
 refused with one line naming both rows). A row's full name (:meth:`RowInputs.path`, what messages
 and the decoders use) is ``<manifest>:<line>``.
 
 **Keys.** A whole-file row is keyed by its file's SHA-256 (the same bytes in a folder give the
-same key); a segment by ``item_digest("segment", file_sha256, start, end, channel)``. Each file is
+same key); a segment by its sample bounds at the file's own rate (:func:`segment_digest`: a
+lhotse cut, a Kaldi segment and a row naming the same samples share it). Each file is
 hashed once through the hash cache (keyed by the file's path), however many segments it holds,
 and its header read once to check every segment's bounds. Decoding a segment seeks to it and
 reads only its samples (:meth:`featbake.encode.sources.AudioSource.load_span`), then mixes,
