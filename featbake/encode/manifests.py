@@ -738,6 +738,7 @@ class KaldiInputs(RowInputs):
         """
         scp = os.path.join(self.origin, "wav.scp")
         out: dict[str, Placed | Unplaced] = {}
+        paths = ToolPaths(scp)
         for line, fields in kaldi_lines(scp):
             if len(fields) < 2:
                 parsed.skipped.append(SkippedInput(f"wav.scp:{line}", "no file after the id"))
@@ -750,7 +751,7 @@ class KaldiInputs(RowInputs):
                     "in.sph out.wav`) and point wav.scp at the files"
                 )
             try:
-                out[rec] = Placed(cut_path(value, scp), f"{scp}:{line}")
+                out[rec] = Placed(paths.file(value), f"{scp}:{line}")
             except BadRow as e:
                 out[rec] = Unplaced(f"wav.scp:{line}", str(e))
         return out
@@ -840,6 +841,7 @@ class CutsInputs(RowInputs):
             )
         name = os.path.basename(self.origin)
         parsed = Parsed()
+        paths = ToolPaths(self.origin)
         try:
             with gzip.open(self.origin, "rt", encoding="utf-8") as f:
                 for line, cut in json_records(f):
@@ -847,7 +849,7 @@ class CutsInputs(RowInputs):
                         if isinstance(cut, BadRow):
                             raise cut
                         where = f"{self.origin}:{line}"
-                        parsed.items.append(cut_item(cut, self.origin, where))
+                        parsed.items.append(cut_item(cut, paths, where))
                     except BadRow as e:
                         parsed.skipped.append(SkippedInput(f"{name}:{line}", str(e)))
         except FileNotFoundError:
@@ -866,7 +868,7 @@ class CutSource:
     picked: int | None
 
 
-def cut_source(rec: Mapping[str, Any], channel: Any, manifest: str) -> CutSource:
+def cut_source(rec: Mapping[str, Any], channel: Any, paths: ToolPaths) -> CutSource:
     """The source holding a cut's channel(s), as lhotse's ``Recording.load_audio`` picks it:
     each source holds the channels its ``channels`` lists (AMI, CHiME: one file per channel),
     and a channel is the file's channel at its index in that list.
@@ -890,7 +892,7 @@ def cut_source(rec: Mapping[str, Any], channel: Any, manifest: str) -> CutSource
     source = holding[0]
     if source.get("type") != "file":
         raise BadRow(f"channel {channel} is in a source of type {source.get('type')}, not file")
-    file = cut_path(source.get("source"), manifest)
+    file = paths.file(source.get("source"))
     channels = list(source.get("channels") or [0])
     if wanted is None or sorted(wanted) == sorted(channels):
         return CutSource(file, None)
@@ -899,29 +901,56 @@ def cut_source(rec: Mapping[str, Any], channel: Any, manifest: str) -> CutSource
     return CutSource(file, channel_of(channels.index(wanted[0])))
 
 
-def cut_path(value: Any, manifest: str) -> str:
-    """The absolute file a cut's source (or a ``wav.scp`` entry) names: a relative path is
-    taken from the working directory, as lhotse and Kaldi take it (icefall keeps
+class ToolPaths:
+    """The files a cut manifest's sources (or a ``wav.scp``'s entries) name, as lhotse and
+    Kaldi find them: a relative path is taken from the working directory (icefall keeps
     ``download/...`` paths in cuts under ``data/fbank/``), not from the manifest's folder.
+    One per parse: each distinct path is looked at once, however many cuts name it.
 
-    Raises:
-        BadRow: not a path, or a relative path missing from the working directory that the
-            manifest's folder holds (run from the folder the paths are relative to).
+    Args:
+        manifest: the cut manifest or ``wav.scp`` (its folder is where a user may have meant).
     """
-    file = input_file(value, os.getcwd(), "recording.sources[].source")
-    if is_url(file) or os.path.isabs(os.path.expanduser(value)) or os.path.exists(file):
+
+    def __init__(self, manifest: str) -> None:
+        self.manifest = manifest
+        self.cwd = os.getcwd()
+        self.seen: dict[str, str | BadRow] = {}
+
+    def file(self, value: Any) -> str:
+        """The absolute file ``value`` names.
+
+        Raises:
+            BadRow: not a path, or a relative path missing from the working directory that
+                the manifest's folder holds (run from the folder the paths are relative to).
+        """
+        got = self.seen.get(value) if isinstance(value, str) else None
+        if got is None:
+            try:
+                got = self._placed(value)
+            except BadRow as e:
+                got = e
+            if isinstance(value, str):
+                self.seen[value] = got
+        if isinstance(got, BadRow):
+            raise BadRow(str(got))
+        return got
+
+    def _placed(self, value: Any) -> str:
+        file = input_file(value, self.cwd, "recording.sources[].source")
+        if is_url(file) or os.path.isabs(os.path.expanduser(value)) or os.path.exists(file):
+            return file
+        folder = os.path.dirname(self.manifest)
+        beside = os.path.normpath(os.path.join(folder, value))
+        if os.path.exists(beside):
+            raise BadRow(
+                f"{value} is not in the working directory ({self.cwd}), which relative paths "
+                f"are taken from as lhotse and Kaldi take them, but is beside the manifest "
+                f"({beside}): run from {folder} or write absolute paths"
+            )
         return file
-    beside = os.path.normpath(os.path.join(os.path.dirname(manifest), value))
-    if os.path.exists(beside):
-        raise BadRow(
-            f"{value} is not in the working directory ({os.getcwd()}), which relative paths are "
-            f"taken from as lhotse and Kaldi take them, but is beside the manifest ({beside}): "
-            f"run from {os.path.dirname(manifest)} or write absolute paths"
-        )
-    return file
 
 
-def cut_item(cut: Mapping[str, Any], manifest: str, where: str) -> tuple[str, Item]:
+def cut_item(cut: Mapping[str, Any], paths: ToolPaths, where: str) -> tuple[str, Item]:
     """(cut id, item) of one lhotse cut: the source holding its channel, its start and
     duration; a recording with ``transforms`` (speed, volume) decoded by lhotse.
 
@@ -933,7 +962,7 @@ def cut_item(cut: Mapping[str, Any], manifest: str, where: str) -> tuple[str, It
     if not isinstance(rec, Mapping) or "id" not in cut:
         raise BadRow("not a cut (no id or recording); featbake reads MonoCut lines")
     try:
-        source = cut_source(rec, cut.get("channel"), manifest)
+        source = cut_source(rec, cut.get("channel"), paths)
         start = seconds(cut.get("start", 0.0), "start")
         duration = cut.get("duration")  # none: to the recording's end
         end = None if duration is None else start + seconds(duration, "duration")
