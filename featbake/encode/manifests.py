@@ -1012,9 +1012,9 @@ class LhotseAudio:
         """
         from lhotse import Recording
 
-        rec = Recording.from_dict(json.loads(self.recording))
         channel = list(self.channel) if isinstance(self.channel, tuple) else self.channel
         try:
+            rec = Recording.from_dict(json.loads(self.recording))
             audio = rec.load_audio(channels=channel, offset=self.start, duration=self.duration)
         except Exception as e:  # lhotse raises plain exceptions (AssertionError, ValueError...)
             why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
