@@ -10,21 +10,25 @@ Three layouts name their items this way (``--data`` picks one, see
   ``id`` names the item (default: the path as written, plus ``#start-end`` for a segment), and
   every other column is carried (:meth:`RowInputs.row`).
 * :class:`KaldiInputs`: a Kaldi data folder. ``wav.scp`` maps recording ids to files (a relative
-  path is taken from the data folder, not the working directory Kaldi's scripts ran in); with a
+  path is taken from the working directory, as Kaldi's scripts take it); with a
   ``segments`` file each utterance is a segment (``utt rec start end``; ``end`` -1, Kaldi's
   convention, runs to the recording's end) and its id is the
   utterance id, else each recording is an item under its id. ``text`` and ``utt2spk`` are carried.
-* :class:`CutsInputs`: a lhotse cut manifest (``cuts.jsonl.gz``), read with gzip and json (no
-  lhotse): a cut's ``recording.sources`` of type ``file`` (a relative path taken from the
-  manifest's folder), ``start``, ``duration``, ``channel``; its supervisions' text and speaker
-  are carried.
+* :class:`CutsInputs`: a lhotse cut manifest (``cuts.jsonl.gz``), read with gzip and json: a
+  cut's ``start``, ``duration``, ``channel``, and of its recording the source of type ``file``
+  that lists the channel (one file per channel, AMI and CHiME; a relative path is taken from
+  the working directory, as lhotse takes it); a cut over channels of several sources is a bad
+  row. A recording with ``transforms`` (speed, volume) is decoded by lhotse's own code
+  (:class:`LhotseAudio`; a bad row where lhotse is not installed). Its supervisions' text and
+  speaker are carried.
 
 **Items are the rows, in the manifest's order**, each named by its id (unique: a repeated id is
 refused with one line naming both rows). A row's full name (:meth:`RowInputs.path`, what messages
 and the decoders use) is ``<manifest>:<line>``.
 
 **Keys.** A whole-file row is keyed by its file's SHA-256 (the same bytes in a folder give the
-same key); a segment by ``item_digest("segment", file_sha256, start, end, channel)``. Each file is
+same key); a segment by its sample bounds at the file's own rate (:func:`segment_digest`: a
+lhotse cut, a Kaldi segment and a row naming the same samples share it). Each file is
 hashed once through the hash cache (keyed by the file's path), however many segments it holds,
 and its header read once to check every segment's bounds. Decoding a segment seeks to it and
 reads only its samples (:meth:`featbake.encode.sources.AudioSource.load_span`), then mixes,
@@ -52,14 +56,16 @@ from __future__ import annotations
 
 import csv
 import gzip
+import importlib.util
 import io
 import json
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
+import numpy as np
 import torch
 
 from featbake.encode.fingerprints import HeldBytes, hash_inputs, resolve_path
@@ -78,7 +84,7 @@ from featbake.encode.sources import (
     file_stat_or_none,
     span_problem,
 )
-from featbake.errors import ConfigError, SourceError
+from featbake.errors import ConfigError, FeatbakeError, SourceError
 from featbake.keys import item_digest
 from featbake.lru import ByteLRU
 from featbake.process import ProcessLocal, ProcessLocalState
@@ -102,12 +108,14 @@ OBJECT_CACHE_BYTES = 512 << 20
 @dataclass(frozen=True)
 class Item:
     """One row: its file (absolute), its segment (None: the whole file), where the manifest
-    names it (``train.jsonl:12``), and its carried columns."""
+    names it (``train.jsonl:12``), its carried columns, and, for a lhotse cut with
+    transforms, how lhotse decodes it (None: featbake reads the span itself)."""
 
     file: str
     span: Span | None
     where: str
     row: dict[str, Any] = field(default_factory=dict)
+    effects: LhotseAudio | None = None
 
 
 class BadRow(Exception):
@@ -333,20 +341,21 @@ class RowInputs:
         got, lost = object_digests(catalog, urls, file_stats, held)
         digests.update(got)
         failed.update(lost)
-        spans = {it.file for it in items if it.span and it.file in digests and not is_url(it.file)}
-        headers = audio_headers(spans, held)
+        spans = {it.file for it in items if it.span and not it.effects and it.file in digests}
+        headers = audio_headers({f for f in spans if not is_url(f)}, held)
+        headers.update(object_headers({f: digests[f] for f in spans if is_url(f)}, held))
         out: dict[str, str] = {}
         bad: dict[str, str] = {}
         for path, it in zip(paths, items, strict=True):
-            why = failed.get(it.file) or headers.get(it.file) if it.span else failed.get(it.file)
-            if isinstance(why, AudioHeader):
-                why = why.problem(it.span)
+            header = headers.get(it.file) if it.span and not it.effects else None
+            why = failed.get(it.file) or (header if isinstance(header, str) else None)
+            if why is None and isinstance(header, AudioHeader):
+                why = header.problem(it.span)
             if why is not None:
                 bad[path] = f"{it.where}: {it.file}: {why}"
                 continue
             stats[path] = file_stats[it.file]
-            sha = digests[it.file]
-            out[path] = sha if it.span is None else segment_digest(sha, it.span)
+            out[path] = row_digest(digests[it.file], it, header)
         if held is not None:
             good = {p: it.file for p, it in zip(paths, items, strict=True) if p in out}
             held_by_row(held, [*urls, *(f for f in local if f in whole)], good)
@@ -410,24 +419,65 @@ def object_digests(
     return digests, failed
 
 
-def segment_digest(file_sha256: str, span: Span) -> str:
-    """The digest of a segment of a file: its file's digest and its bounds (and channel).
+#: The kind :func:`segment_digest` hashes under: ``segment-v2`` keys sample bounds at the
+#: file's own rate (``segment``, before, hashed the bounds' float seconds).
+SEGMENT_KIND = "segment-v2"
+#: The kind of a lhotse cut decoded by lhotse (its recording's transforms in the key).
+LHOTSE_KIND = "lhotse-transformed-v1"
 
-    A channel picked from a whole file (no start/end) is the span ``[0, inf)``.
+
+def row_digest(file_sha256: str, item: Item, header: AudioHeader | str | None) -> str:
+    """A row's digest: its file's (a whole file), its segment's (:func:`segment_digest`), or
+    its lhotse cut's (the file, the transforms, the bounds in samples after them)."""
+    if item.effects is not None:
+        first, last = item.effects.bounds()
+        channel = item.effects.channel
+        parts = (item.effects.transforms, item.effects.rate, first, last, repr(channel))
+        return item_digest(LHOTSE_KIND, file_sha256, *parts)
+    if item.span is None:
+        return file_sha256
+    assert isinstance(header, AudioHeader)  # a segment's file's header was read, or it failed
+    return segment_digest(file_sha256, item.span, header)
+
+
+def segment_digest(file_sha256: str, span: Span, header: AudioHeader) -> str:
+    """The digest of a segment of a file: its file's digest, its first and past-the-last
+    sample at the file's own rate (what is decoded: a lhotse cut, a Kaldi segment and a
+    manifest row naming the same samples share it, however their seconds are written), and
+    its channel. A segment to the file's end is keyed by no end; one of all of a file's
+    samples and channels is the file (its digest). A mono file's channel 0 is the file.
+
+    ``header.frames`` is None for an object in a bucket (its header read from its first
+    bytes): its end is its own bound, its file's end is not looked up.
+
+    Example:
+        >>> sha = "ab" * 32
+        >>> a = segment_digest(sha, Span(0.1 + 0.2, 1.0), AudioHeader(16000, 16000, 1))
+        >>> a == segment_digest(sha, Span(0.3, 1.0), AudioHeader(16000, 16000, 1))
+        True
+        >>> segment_digest(sha, Span(0.0, 1.0), AudioHeader(16000, 16000, 1)) == sha
+        True
     """
-    return item_digest("segment", file_sha256, span.start, span.end, span.channel)
+    total = header.frames if header.frames is not None else -1
+    first, last = span.frames(header.rate, total)
+    end = None if span.to_end or last == header.frames else last
+    channel = None if header.channels == 1 else span.channel
+    if first == 0 and end is None and channel is None:
+        return file_sha256
+    return item_digest(SEGMENT_KIND, file_sha256, header.rate, first, end, channel)
 
 
 @dataclass(frozen=True)
 class AudioHeader:
-    """A recording's header: what a segment's bounds are checked against."""
+    """A recording's header: what a segment's bounds are checked against (``frames`` None:
+    not known, an object's header read from its first bytes; checked when decoded)."""
 
-    frames: int
+    frames: int | None
     rate: int
     channels: int
 
     def problem(self, span: Span | None) -> str | None:
-        if span is None:
+        if span is None or self.frames is None:
             return None
         return span_problem(span, self.frames, self.rate, self.channels)
 
@@ -448,6 +498,42 @@ def audio_headers(files: set[str], held: HeldBytes | None = None) -> dict[str, A
             out[file] = f"cannot read its audio header ({why})"
             continue
         out[file] = AudioHeader(int(info.frames), int(info.samplerate), int(info.channels))
+    return out
+
+
+#: Bytes of an object's head read for its header (rate, channels) when its bytes are not held.
+HEADER_BYTES = 64 << 10
+#: (object URL, its digest) -> its header, read once per process.
+_OBJECT_HEADERS: dict[tuple[str, str], AudioHeader] = {}
+
+
+def object_headers(urls: Mapping[str, str], held: HeldBytes | None) -> dict[str, AudioHeader | str]:
+    """url -> its rate and channels (frames None), from the bytes ``held`` keeps for it, else
+    from one ranged GET of its first :data:`HEADER_BYTES` (once per process and digest), or
+    why not (``urls``: url -> its digest). Its bounds are checked when a segment of it is
+    decoded, as before."""
+    import soundfile
+
+    out: dict[str, AudioHeader | str] = {}
+    for url, sha in urls.items():
+        known = _OBJECT_HEADERS.get((url, sha))
+        if known is not None:
+            out[url] = known
+            continue
+        kept = held.peek(url) if held is not None else None
+        try:
+            if kept is None:
+                bucket, key = object_at(url)
+                kept = bucket.read_range(key, 0, HEADER_BYTES)
+            info = soundfile.info(io.BytesIO(kept))
+        except FileNotFoundError:
+            out[url] = "object not found (deleted since the listing?)"
+            continue
+        except (soundfile.LibsndfileError, RuntimeError, OSError, FeatbakeError) as e:
+            out[url] = f"cannot read its audio header ({str(e).strip() or type(e).__name__})"
+            continue
+        header = AudioHeader(None, int(info.samplerate), int(info.channels))
+        out[url] = _OBJECT_HEADERS[url, sha] = header
     return out
 
 
@@ -481,6 +567,11 @@ class SegmentSource(ProcessLocalState):
         if item is None:  # served from a root after its manifest lost the row
             raise SourceError(f"{path}: not a row of the manifest now; build it again")
         file, span = item.file, item.span
+        if item.effects is not None:
+            try:
+                return self.inner.load(file, lhotse_wav(item.effects))
+            except SourceError as e:
+                raise SourceError(f"{path}: {e}") from None
         if data is None and is_url(file):
             data = io.BytesIO(self.objects.get(file, path).data)
         try:
@@ -622,8 +713,13 @@ class KaldiInputs(RowInputs):
         carried = {n: kaldi_table(os.path.join(self.origin, n)) for n in ("text", "utt2spk")}
         segments = os.path.join(self.origin, "segments")
         if not os.path.isfile(segments):
-            for rec, (file, where) in recordings.items():
-                parsed.items.append((rec, Item(file, None, where, kaldi_row(rec, carried))))
+            for rec, got in recordings.items():
+                if isinstance(got, Placed):
+                    parsed.items.append(
+                        (rec, Item(got.file, None, got.where, kaldi_row(rec, carried)))
+                    )
+                else:
+                    parsed.skipped.append(SkippedInput(got.where, f"recording {rec}: {got.why}"))
             return parsed
         for line, fields in kaldi_lines(segments):
             where = f"{segments}:{line}"
@@ -633,14 +729,16 @@ class KaldiInputs(RowInputs):
                 parsed.skipped.append(SkippedInput(f"segments:{line}", str(e)))
         return parsed
 
-    def _recordings(self, parsed: Parsed) -> dict[str, tuple[str, str]]:
-        """recording id -> (file, where wav.scp names it); a piped entry refuses the folder.
+    def _recordings(self, parsed: Parsed) -> dict[str, Placed | Unplaced]:
+        """recording id -> its file and where wav.scp names it (or why its file is not taken:
+        each of its segments fails with that); a piped entry refuses the folder.
 
         Raises:
             SourceError: an entry is a command (``cmd |``), not a file.
         """
         scp = os.path.join(self.origin, "wav.scp")
-        out: dict[str, tuple[str, str]] = {}
+        out: dict[str, Placed | Unplaced] = {}
+        paths = ToolPaths(scp)
         for line, fields in kaldi_lines(scp):
             if len(fields) < 2:
                 parsed.skipped.append(SkippedInput(f"wav.scp:{line}", "no file after the id"))
@@ -652,9 +750,25 @@ class KaldiInputs(RowInputs):
                     "reads files only: run each command once to write a wav file (e.g. `sox "
                     "in.sph out.wav`) and point wav.scp at the files"
                 )
-            file = os.path.normpath(os.path.join(self.origin, value))
-            out[rec] = (file, f"{scp}:{line}")
+            try:
+                out[rec] = Placed(paths.file(value), f"{scp}:{line}")
+            except BadRow as e:
+                out[rec] = Unplaced(f"wav.scp:{line}", str(e))
         return out
+
+
+class Placed(NamedTuple):
+    """A ``wav.scp`` recording's file (absolute) and its line (``.../wav.scp:3``)."""
+
+    file: str
+    where: str
+
+
+class Unplaced(NamedTuple):
+    """A ``wav.scp`` recording whose file is not taken: its line (``wav.scp:3``) and why."""
+
+    where: str
+    why: str
 
 
 def kaldi_lines(path: str) -> Iterator[tuple[int, list[str]]]:
@@ -691,7 +805,7 @@ def kaldi_row(ident: str, carried: Mapping[str, Mapping[str, str]]) -> dict[str,
 
 def segment_item(
     fields: list[str],
-    recordings: Mapping[str, tuple[str, str]],
+    recordings: Mapping[str, Placed | Unplaced],
     where: str,
     carried: Mapping[str, Mapping[str, str]],
 ) -> tuple[str, Item]:
@@ -703,17 +817,21 @@ def segment_item(
     if len(fields) != 4:
         raise BadRow(f"{len(fields)} fields, not 4 (utterance recording start end)")
     utt, rec, start, end = fields
-    if rec not in recordings:
+    placed = recordings.get(rec)
+    if placed is None:
         raise BadRow(f"recording {rec!r} is not in wav.scp")
+    if isinstance(placed, Unplaced):
+        raise BadRow(f"recording {rec} ({placed.where}): {placed.why}")
     row = {"recording": rec, **kaldi_row(utt, carried)}
     # Kaldi's end -1: to the end of the recording (the span's end is then the file's).
     span = span_of(start, None if end == "-1" else end, None)
-    return utt, Item(recordings[rec][0], span, where, row)
+    return utt, Item(placed.file, span, where, row)
 
 
 # == cuts ==========================================================================================
 class CutsInputs(RowInputs):
-    """A lhotse cut manifest (``cuts.jsonl.gz``), read without lhotse."""
+    """A lhotse cut manifest (``cuts.jsonl.gz``): read with gzip and json; a cut whose
+    recording has ``transforms`` is decoded by lhotse itself (see :class:`LhotseAudio`)."""
 
     def parse(self) -> Parsed:
         if self.column is not None:
@@ -721,16 +839,17 @@ class CutsInputs(RowInputs):
                 f"--column {self.column} names a manifest column; a lhotse cut manifest "
                 f"({self.origin}) names its audio in recording.sources: drop --column"
             )
-        base = os.path.dirname(self.origin)
         name = os.path.basename(self.origin)
         parsed = Parsed()
+        paths = ToolPaths(self.origin)
         try:
             with gzip.open(self.origin, "rt", encoding="utf-8") as f:
                 for line, cut in json_records(f):
                     try:
                         if isinstance(cut, BadRow):
                             raise cut
-                        parsed.items.append(cut_item(cut, base, f"{self.origin}:{line}"))
+                        where = f"{self.origin}:{line}"
+                        parsed.items.append(cut_item(cut, paths, where))
                     except BadRow as e:
                         parsed.skipped.append(SkippedInput(f"{name}:{line}", str(e)))
         except FileNotFoundError:
@@ -740,33 +859,118 @@ class CutsInputs(RowInputs):
         return parsed
 
 
-def cut_item(cut: Mapping[str, Any], base: str, where: str) -> tuple[str, Item]:
-    """(cut id, item) of one lhotse cut: its recording's file source, start and duration.
+@dataclass(frozen=True)
+class CutSource:
+    """The one recording source a cut reads: its file (absolute) and the channel to pick
+    from it (None: all of the file's channels, mixed as the recipe says)."""
+
+    file: str
+    picked: int | None
+
+
+def cut_source(rec: Mapping[str, Any], channel: Any, paths: ToolPaths) -> CutSource:
+    """The source holding a cut's channel(s), as lhotse's ``Recording.load_audio`` picks it:
+    each source holds the channels its ``channels`` lists (AMI, CHiME: one file per channel),
+    and a channel is the file's channel at its index in that list.
 
     Raises:
-        BadRow: no id or recording, no file source, or bad times.
+        BadRow: no file source holds the channel, or the cut takes channels of several
+            sources (lhotse stacks them; featbake encodes one file's channel or mix).
+    """
+    sources = [s for s in rec.get("sources") or [] if isinstance(s, Mapping)]
+    wanted = channel if isinstance(channel, list) else None if channel is None else [channel]
+    holding = [s for s in sources if wanted is None or set(wanted) & set(s.get("channels") or [0])]
+    if len(holding) > 1:
+        held = "; ".join(f"{s.get('channels')} in {s.get('source')}" for s in holding)
+        raise BadRow(
+            f"the cut takes channels {wanted if wanted is not None else 'all'} of {len(holding)} "
+            f"sources ({held}), and featbake encodes one source's channel or mix: make a cut per "
+            "channel (cut.with_channels(c))"
+        )
+    if not holding:
+        raise BadRow(f"no source of the recording holds channel {channel}")
+    source = holding[0]
+    if source.get("type") != "file":
+        raise BadRow(f"channel {channel} is in a source of type {source.get('type')}, not file")
+    file = paths.file(source.get("source"))
+    channels = list(source.get("channels") or [0])
+    if wanted is None or sorted(wanted) == sorted(channels):
+        return CutSource(file, None)
+    if len(wanted) > 1:
+        raise BadRow(f"channels {wanted} of {channels}: a cut of several channels of one file")
+    return CutSource(file, channel_of(channels.index(wanted[0])))
+
+
+class ToolPaths:
+    """The files a cut manifest's sources (or a ``wav.scp``'s entries) name, as lhotse and
+    Kaldi find them: a relative path is taken from the working directory (icefall keeps
+    ``download/...`` paths in cuts under ``data/fbank/``), not from the manifest's folder.
+    One per parse: each distinct path is looked at once, however many cuts name it.
+
+    Args:
+        manifest: the cut manifest or ``wav.scp`` (its folder is where a user may have meant).
+    """
+
+    def __init__(self, manifest: str) -> None:
+        self.manifest = manifest
+        self.cwd = os.getcwd()
+        self.seen: dict[str, str | BadRow] = {}
+
+    def file(self, value: Any) -> str:
+        """The absolute file ``value`` names.
+
+        Raises:
+            BadRow: not a path, or a relative path missing from the working directory that
+                the manifest's folder holds (run from the folder the paths are relative to).
+        """
+        got = self.seen.get(value) if isinstance(value, str) else None
+        if got is None:
+            try:
+                got = self._placed(value)
+            except BadRow as e:
+                got = e
+            if isinstance(value, str):
+                self.seen[value] = got
+        if isinstance(got, BadRow):
+            raise BadRow(str(got))
+        return got
+
+    def _placed(self, value: Any) -> str:
+        file = input_file(value, self.cwd, "recording.sources[].source")
+        if is_url(file) or os.path.isabs(os.path.expanduser(value)) or os.path.exists(file):
+            return file
+        folder = os.path.dirname(self.manifest)
+        beside = os.path.normpath(os.path.join(folder, value))
+        if os.path.exists(beside):
+            raise BadRow(
+                f"{value} is not in the working directory ({self.cwd}), which relative paths "
+                f"are taken from as lhotse and Kaldi take them, but is beside the manifest "
+                f"({beside}): run from {folder} or write absolute paths"
+            )
+        return file
+
+
+def cut_item(cut: Mapping[str, Any], paths: ToolPaths, where: str) -> tuple[str, Item]:
+    """(cut id, item) of one lhotse cut: the source holding its channel, its start and
+    duration; a recording with ``transforms`` (speed, volume) decoded by lhotse.
+
+    Raises:
+        BadRow: no id or recording, no file source holds the channel, bad times, or
+            transforms without lhotse installed.
     """
     rec = cut.get("recording")
     if not isinstance(rec, Mapping) or "id" not in cut:
         raise BadRow("not a cut (no id or recording); featbake reads MonoCut lines")
-    channel = cut.get("channel")
-    sources = [s for s in rec.get("sources") or [] if isinstance(s, Mapping)]
-    files = [s for s in sources if s.get("type") == "file"]
-    if not files:
-        kinds = ", ".join(sorted({str(s.get("type")) for s in sources})) or "none"
-        raise BadRow(f"the recording has no source of type file (types: {kinds})")
-    file = input_file(files[0].get("source"), base, "recording.sources[].source")
-    channels = files[0].get("channels") or [0]
-    if isinstance(channel, list):
-        channel = None if sorted(channel) == sorted(channels) else channel
-        if isinstance(channel, list):
-            raise BadRow(f"channels {channel} of {channels}: a cut of several channels")
-    picked = None if len(channels) <= 1 else channel_of(channel)
-    start = seconds(cut.get("start", 0.0), "start")
-    duration = cut.get("duration")  # none: to the recording's end
-    end = None if duration is None else start + seconds(duration, "duration")
-    span = span_of(start, end, picked)
-    return str(cut["id"]), Item(file, span, where, cut_row(cut))
+    try:
+        source = cut_source(rec, cut.get("channel"), paths)
+        start = seconds(cut.get("start", 0.0), "start")
+        duration = cut.get("duration")  # none: to the recording's end
+        end = None if duration is None else start + seconds(duration, "duration")
+        span = span_of(start, end, source.picked)
+        effects = lhotse_audio(cut, rec, source.file) if rec.get("transforms") else None
+    except BadRow as e:
+        raise BadRow(f"cut {cut['id']}: {e}") from None
+    return str(cut["id"]), Item(source.file, span, where, cut_row(cut), effects)
 
 
 def cut_row(cut: Mapping[str, Any]) -> dict[str, Any]:
@@ -780,3 +984,100 @@ def cut_row(cut: Mapping[str, Any]) -> dict[str, Any]:
     if speakers:
         row["speaker"] = speakers[0]
     return row
+
+
+# == lhotse_audio ==================================================================================
+@dataclass(frozen=True)
+class LhotseAudio:
+    """A cut whose recording has ``transforms`` (``perturb_speed``, ``perturb_volume``):
+    decoded by lhotse's own ``Recording.load_audio`` (the transforms applied exactly as lhotse
+    applies them), then mixed, resampled and normalised by the recipe as any file.
+
+    ``recording`` is the recording's JSON with each file source's path made absolute;
+    ``transforms`` (canonical JSON) and the bounds in samples at ``rate`` (the recording's
+    rate, after its transforms) enter the key."""
+
+    recording: str
+    channel: int | tuple[int, ...] | None
+    start: float
+    duration: float | None
+    rate: int
+    transforms: str
+
+    def load(self) -> np.ndarray:
+        """``[C, T]`` float32 samples of the cut as lhotse's ``cut.load_audio()`` gives them.
+
+        Raises:
+            SourceError: lhotse cannot load it.
+        """
+        from lhotse import Recording
+
+        channel = list(self.channel) if isinstance(self.channel, tuple) else self.channel
+        try:
+            rec = Recording.from_dict(json.loads(self.recording))
+            audio = rec.load_audio(channels=channel, offset=self.start, duration=self.duration)
+        except Exception as e:  # lhotse raises plain exceptions (AssertionError, ValueError...)
+            why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise SourceError(f"lhotse cannot load the cut's audio ({why})") from None
+        return np.asarray(audio, dtype=np.float32)
+
+    def bounds(self) -> tuple[int, int | None]:
+        """The cut's first and past-the-last sample at the recording's rate (None: to its end)."""
+        first = round(self.start * self.rate)
+        last = None if self.duration is None else first + round(self.duration * self.rate)
+        return first, last
+
+
+def lhotse_audio(cut: Mapping[str, Any], rec: Mapping[str, Any], file: str) -> LhotseAudio:
+    """The lhotse decoding of a cut with transforms.
+
+    Raises:
+        BadRow: lhotse is not installed, the source is in a bucket, or no sampling rate.
+    """
+    transforms = json.dumps(rec["transforms"], sort_keys=True, separators=(",", ":"))
+    if importlib.util.find_spec("lhotse") is None:
+        raise BadRow(
+            f"recording transforms ({transform_names(rec['transforms'])}) are applied by "
+            "lhotse's own code: pip install lhotse, or drop the perturbed cuts"
+        )
+    if is_url(file):
+        raise BadRow("recording transforms of a source in a bucket are not read; copy it locally")
+    rate = rec.get("sampling_rate")
+    if not isinstance(rate, int) or rate <= 0:
+        raise BadRow(f"recording sampling_rate {rate!r} is not a rate in Hz")
+    sources = [dict(s) for s in rec.get("sources") or [] if isinstance(s, Mapping)]
+    for s in sources:
+        if s.get("type") == "file" and isinstance(s.get("source"), str):
+            s["source"] = os.path.abspath(os.path.expanduser(s["source"]))
+    recording = json.dumps({**rec, "sources": sources}, sort_keys=True)
+    channel = cut.get("channel")
+    duration = cut.get("duration")
+    return LhotseAudio(
+        recording,
+        tuple(channel) if isinstance(channel, list) else channel,
+        float(cut.get("start", 0.0)),
+        None if duration is None else float(duration),
+        rate,
+        transforms,
+    )
+
+
+def transform_names(transforms: Any) -> str:
+    """The transforms as a person names them: ``speed 1.1, volume 2.0``."""
+    out = []
+    for t in transforms if isinstance(transforms, list) else [transforms]:
+        name = str(t.get("name", "?")).lower() if isinstance(t, Mapping) else "?"
+        kwargs = t.get("kwargs", {}) if isinstance(t, Mapping) else {}
+        out.append(" ".join([name, *(str(v) for v in kwargs.values())]))
+    return ", ".join(out)
+
+
+def lhotse_wav(audio: LhotseAudio) -> io.BytesIO:
+    """The cut's audio as lhotse loads it, as float32 WAV bytes in memory (lossless): the
+    recipe's source decodes it as any file (mix, resample, crop, normalise)."""
+    import soundfile
+
+    out = io.BytesIO()
+    soundfile.write(out, audio.load().T, audio.rate, format="WAV", subtype="FLOAT")
+    out.seek(0)
+    return out

@@ -548,7 +548,8 @@ def _write_kind(kind: str, folder: Path, clips: list[bytes]) -> Path:
         if kind == "folder":
             return folder
         if kind == "kaldi":  # a Kaldi data folder: wav.scp of recordings, no segments file
-            (folder / "wav.scp").write_text("".join(f"{i} {i}.wav\n" for i in ids))
+            # absolute: Kaldi takes a relative path from the working directory, not the folder
+            (folder / "wav.scp").write_text("".join(f"{i} {folder / i}.wav\n" for i in ids))
             return folder
         # u0 named by a whole row, another and a segment row (decoded from the bytes kept);
         # with "segments", u1 is named by a segment row only (decoded by seeking)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import gzip
+import importlib.util
 import json
 import time
 import warnings
@@ -37,7 +38,7 @@ from featbake.serve.dataset import CachedFeatureDataset
 from featbake.store.bucket import Bucket
 from featbake.store.url import BucketURL
 from featbake.testing import make_tone, write_audio_folder
-from tests.conftest import invoke, live_features
+from tests.conftest import invoke, live_features, run_cli
 from tests.helpers import held_by_a_thread, manifest, put_many, stored_features
 from tests.store.bucket.conftest import S3
 
@@ -64,16 +65,19 @@ SEGMENTS = [
 
 
 @pytest.fixture
-def corpus(tmp_path: Path) -> Path:
+def corpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """``wavs/recA.wav`` (22.05 kHz mono, 6 s), ``wavs/recB.flac`` (8 kHz stereo, 5 s), a Kaldi
-    folder ``kaldi/`` over them and the same segments as ``train.jsonl`` with labels."""
+    folder ``kaldi/`` over them and the same segments as ``train.jsonl`` with labels. The
+    working directory is ``tmp_path``, as a Kaldi or icefall recipe runs from the folder
+    that its ``wav.scp`` and cuts' relative paths are relative to."""
+    monkeypatch.chdir(tmp_path)
     wavs = tmp_path / "wavs"
     wavs.mkdir()
     long_recording(wavs / "recA.wav", 6, 22050, seed=1)
     long_recording(wavs / "recB.flac", 5, 8000, seed=2, channels=2)
     kaldi = tmp_path / "kaldi"
     kaldi.mkdir()
-    (kaldi / "wav.scp").write_text(f"recA {wavs / 'recA.wav'}\nrecB ../wavs/recB.flac\n")
+    (kaldi / "wav.scp").write_text(f"recA {wavs / 'recA.wav'}\nrecB wavs/recB.flac\n")
     lines = [f"{u} {r} {s} {e}" for u, r, s, e, _, _ in SEGMENTS]
     (kaldi / "segments").write_text("\n".join(lines) + "\n")
     (kaldi / "text").write_text("".join(f"{u} words of {u}\n" for u, *_ in SEGMENTS))
@@ -518,7 +522,6 @@ def test_live_decoding_of_rows_in_several_folders_makes_one_client_per_bucket(
         for folder, file in local.items() for k in (0.0, 1.0)
     ]  # fmt: skip
     write_jsonl(corpus / "two.jsonl", rows)
-    ds = quiet_dataset(corpus / "two.jsonl", encoder_file, tmp_path / "store")
     made: list[str] = []
     real_init = Bucket.__init__
 
@@ -527,8 +530,12 @@ def test_live_decoding_of_rows_in_several_folders_makes_one_client_per_bucket(
         real_init(self, *args, **kwargs)
 
     monkeypatch.setattr(Bucket, "__init__", counted)
+    # Opening reads each object's header (its rate keys the segments), decoding its bytes.
+    ds = quiet_dataset(corpus / "two.jsonl", encoder_file, tmp_path / "store")
     got = [ds[i] for i in range(len(ds))]  # misses: decoded from the bucket
-    assert made == [f"s3://{s3.bucket}"], made  # one per folder before
+    # One for the stat of the rows' objects, one that reads their headers (their rates key
+    # the segments) and decodes every row: one per folder before.
+    assert made == [f"s3://{s3.bucket}"] * 2, made
     for x, row in zip(got, rows, strict=True):
         want = reference(encoder_file, local[row["id"].split("-")[0]], row["start"], row["end"])
         torch.testing.assert_close(x, want)
@@ -641,3 +648,178 @@ def test_two_rows_of_a_folder_of_thousands_are_two_heads_not_its_listing(
         0, [f"/{s3.bucket}/crowd/a.wav", f"/{s3.bucket}/crowd/z.wav"]
     )  # fmt: skip
     assert_rows_live(store_dir, report.root, encoder_file, files)
+
+
+# -- round four: lhotse's own cuts (multi-source recordings, transforms), shared keys, paths ----
+def encoded_now(encoder: Path, audio: np.ndarray, rate: int) -> torch.Tensor:
+    """The encoder, loaded afresh, on ``[C, T]`` samples at ``rate`` (lhotse's
+    ``cut.load_audio()``): channels averaged and soxr-resampled to the recipe's rate, as
+    featbake's recipe prepares any file."""
+    mono = np.asarray(audio, dtype=np.float32).mean(axis=0)
+    if rate != RATE:
+        mono = soxr.resample(mono[:, None], rate, RATE, quality="HQ")[:, 0]
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder))
+    with torch.inference_mode():
+        return module(torch.from_numpy(np.ascontiguousarray(mono, dtype=np.float32))[None])[0]
+
+
+def noise_wav(path: Path, seconds: float, rate: int, seed: int) -> Path:
+    """``seconds`` of seeded noise at ``rate`` (float32 WAV, so no quantisation blurs it)."""
+    samples = np.random.default_rng(seed).uniform(-0.5, 0.5, round(seconds * rate))
+    soundfile.write(path, samples.astype(np.float32), rate, subtype="FLOAT")
+    return path
+
+
+def test_a_cut_on_one_channel_of_a_recording_stored_one_file_per_channel(
+    tmp_path: Path, encoder_file: Path, store_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An AMI/CHiME-style recording, one file per channel: a cut on channel 1 is encoded from
+    the file holding channel 1 (before: from the first file, so channel 1's cut was channel
+    0's features and counted as a duplicate); a cut over both files is refused in one line."""
+    lhotse = pytest.importorskip("lhotse")
+    monkeypatch.chdir(tmp_path)
+    for c in range(2):
+        noise_wav(tmp_path / f"mic{c}.wav", 3.0, 16000, seed=10 + c)
+    sources = [lhotse.AudioSource("file", [c], f"mic{c}.wav") for c in range(2)]
+    rec = lhotse.Recording("meeting", sources, 16000, 48000, 3.0)
+    cuts = lhotse.CutSet.from_cuts(
+        [lhotse.MonoCut(f"ch{c}", 0.5, 1.5, channel=c, recording=rec) for c in range(2)]
+        + [rec.to_cut()]  # a MultiCut of channels [0, 1]: two files
+    )
+    cuts.to_file(tmp_path / "cuts.jsonl.gz")
+    report = build(tmp_path / "cuts.jsonl.gz", encoder_file, cache=store_dir, workers=0)
+    assert report.encoded == 2 and report.duplicates == 0
+    (where, why), = report.failed  # fmt: skip
+    assert where == "cuts.jsonl.gz:3" and "\n" not in why
+    assert why.startswith("cut meeting: the cut takes channels [0, 1] of 2 sources"), why
+    ds = quiet_dataset(tmp_path / "cuts.jsonl.gz", encoder_file, store_dir, on_miss="error")
+    assert ds.key(0) != ds.key(1)
+    for i, cut in enumerate(list(cuts)[:2]):
+        want = encoded_now(encoder_file, cut.load_audio(), 16000)
+        torch.testing.assert_close(ds[i], want, rtol=1e-5, atol=1e-5)
+
+
+def perturbed_cuts(tmp_path: Path) -> Any:
+    """A 22.05 kHz recording's cut, and it speed-perturbed (1.1, 0.9: icefall's
+    ``cuts.perturb_speed``) and volume-perturbed (2.0), in ``cuts.jsonl.gz`` written by lhotse."""
+    lhotse = pytest.importorskip("lhotse")
+    noise_wav(tmp_path / "utt.wav", 4.0, 22050, seed=20)
+    cut = lhotse.Recording.from_file("utt.wav").to_cut().truncate(offset=1.5, duration=2.5)
+    cuts = lhotse.CutSet.from_cuts([cut])
+    cuts = cuts + cuts.perturb_speed(1.1) + cuts.perturb_speed(0.9) + cuts.perturb_volume(2.0)
+    cuts.to_file(tmp_path / "cuts.jsonl.gz")
+    return cuts
+
+
+def test_perturbed_cuts_are_served_the_audio_lhotse_loads_for_them(
+    tmp_path: Path, encoder_file: Path, store_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``recording.transforms`` (speed, volume) are applied as lhotse applies them: each cut is
+    served the encoder run now on lhotse's own ``cut.load_audio()``, under a key of its own.
+    Before, the transforms were ignored: the unperturbed audio at the perturbed times (max
+    abs difference ~5), and ``_sp0.9`` failed as past the end of its recording."""
+    monkeypatch.chdir(tmp_path)
+    cuts = perturbed_cuts(tmp_path)
+    report = build(tmp_path / "cuts.jsonl.gz", encoder_file, cache=store_dir, workers=2)
+    assert not report.failed and report.encoded == 4
+    ds = quiet_dataset(tmp_path / "cuts.jsonl.gz", encoder_file, store_dir, on_miss="error")
+    assert len({ds.key(i) for i in range(4)}) == 4
+    for i, cut in enumerate(cuts):
+        want = encoded_now(encoder_file, cut.load_audio(), cut.sampling_rate)
+        torch.testing.assert_close(ds[i], want, rtol=1e-5, atol=1e-5, msg=cut.id)
+
+
+def test_perturbed_cuts_without_lhotse_are_refused_one_line_each(
+    tmp_path: Path, encoder_file: Path, store_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where lhotse is not installed, each cut with transforms is skipped in one line naming
+    the cut and its transforms; the plain cut builds."""
+    monkeypatch.chdir(tmp_path)
+    cuts = list(perturbed_cuts(tmp_path))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "lhotse" else real(name, *a)
+    )
+    report = build(tmp_path / "cuts.jsonl.gz", encoder_file, cache=store_dir, workers=0)
+    assert report.encoded == 1
+    reasons = dict(report.failed)
+    assert sorted(reasons) == ["cuts.jsonl.gz:2", "cuts.jsonl.gz:3", "cuts.jsonl.gz:4"]
+    for line, what in ((2, "speed 1.1"), (3, "speed 0.9"), (4, "volume 2.0")):
+        why = reasons[f"cuts.jsonl.gz:{line}"]
+        assert why.startswith(f"cut {cuts[line - 1].id}: recording transforms ({what})"), why
+        assert "pip install lhotse" in why and "\n" not in why
+
+
+def test_a_lhotse_cut_and_a_kaldi_segment_of_the_same_samples_share_a_key(
+    tmp_path: Path, encoder_file: Path, store_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Keys hash a segment's sample bounds at its file's rate, not its float seconds: a 6 s
+    recording cut into 40 windows by lhotse (``start + duration`` in floats) and the same
+    windows as a Kaldi ``segments`` file (``%.2f``, the last one ``-1``) are one set of keys,
+    so the second build encodes nothing (before: 40 of them again); a cut of the whole
+    recording is the file's key, as in a folder."""
+    lhotse = pytest.importorskip("lhotse")
+    monkeypatch.chdir(tmp_path)
+    noise_wav(tmp_path / "long.wav", 6.0, 16000, seed=30)
+    whole = lhotse.Recording.from_file("long.wav").to_cut()
+    windows = list(whole.cut_into_windows(0.15))
+    assert len(windows) == 40
+    kaldi = tmp_path / "kaldi"
+    kaldi.mkdir()
+    (kaldi / "wav.scp").write_text(f"long {tmp_path / 'long.wav'}\n")
+    ends = [f"{w.end:.2f}" for w in windows[:-1]] + ["-1"]
+    pairs = enumerate(zip(windows, ends, strict=True))
+    lines = [f"w{i:02d} long {w.start:.2f} {end}" for i, (w, end) in pairs]
+    (kaldi / "segments").write_text("\n".join(lines) + "\n")
+    first = build(kaldi, encoder_file, cache=store_dir, workers=0)
+    assert first.encoded == 40 and not first.failed
+
+    lhotse.CutSet.from_cuts([*windows, whole]).to_file(tmp_path / "cuts.jsonl.gz")
+    again = build(tmp_path / "cuts.jsonl.gz", encoder_file, cache=store_dir, workers=0)
+    assert (again.encoded, again.reused, again.failed) == (1, 40, [])  # only the whole file
+    ds = quiet_dataset(tmp_path / "cuts.jsonl.gz", encoder_file, store_dir, on_miss="error")
+    folder = quiet_dataset(tmp_path, encoder_file, store_dir, on_miss="error")
+    assert ds.key(40) == folder.key(0)  # long.wav whole: the file's key
+    for i in (0, 7, 39, 40):
+        want = encoded_now(encoder_file, [*windows, whole][i].load_audio(), 16000)
+        torch.testing.assert_close(ds[i], want, rtol=1e-5, atol=1e-5)
+
+
+def test_relative_paths_of_cuts_and_wav_scp_are_taken_from_the_working_directory(
+    tmp_path: Path, encoder_file: Path, store_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """icefall's layout: cuts under ``data/fbank/`` name ``download/...`` paths, relative to
+    the recipe's folder the build runs from, as lhotse and Kaldi take them (before: taken from
+    the manifest's folder, so every row failed as a missing file). A dataset opened from the
+    same folder serves them; run from elsewhere, a path found only beside the manifest is
+    refused in one line that says where relative paths are taken from."""
+    lhotse = pytest.importorskip("lhotse")
+    (tmp_path / "download").mkdir()
+    (tmp_path / "data" / "fbank").mkdir(parents=True)
+    (tmp_path / "data" / "train").mkdir()
+    noise_wav(tmp_path / "download" / "a.wav", 2.0, 16000, seed=40)
+    monkeypatch.chdir(tmp_path)
+    cut = lhotse.Recording.from_file("download/a.wav").to_cut().truncate(offset=0.5, duration=1)
+    assert cut.recording.sources[0].source == "download/a.wav"
+    lhotse.CutSet.from_cuts([cut]).to_file(tmp_path / "data/fbank/cuts.jsonl.gz")
+    (tmp_path / "data/train/wav.scp").write_text("a download/a.wav\n")
+    (tmp_path / "data/train/segments").write_text("u a 0.5 1.5\n")
+
+    got = run_cli("build", "-e", encoder_file, "-d", "data/fbank/cuts.jsonl.gz",
+                  "--cache", store_dir, cwd=tmp_path)  # fmt: skip
+    assert got.returncode == 0, got.stdout + got.stderr
+    kaldi = build("data/train", encoder_file, cache=store_dir, workers=0)
+    assert not kaldi.failed and kaldi.reused == 1  # the same samples of the same file
+    ds = quiet_dataset(Path("data/fbank/cuts.jsonl.gz"), encoder_file, store_dir, on_miss="error")
+    want = encoded_now(encoder_file, cut.load_audio(), 16000)
+    torch.testing.assert_close(ds[0], want, rtol=1e-5, atol=1e-5)
+
+    # The same cuts beside download/, built from another folder: lhotse would not find them.
+    lhotse.CutSet.from_cuts([cut]).to_file(tmp_path / "cuts.jsonl.gz")
+    monkeypatch.chdir(tmp_path / "data")
+    report = build(tmp_path / "cuts.jsonl.gz", encoder_file, cache=store_dir, workers=0)
+    (where, why), = report.failed  # fmt: skip
+    assert where == "cuts.jsonl.gz:1" and "\n" not in why
+    assert f"download/a.wav is not in the working directory ({tmp_path / 'data'})" in why
+    assert f"run from {tmp_path} or write absolute paths" in why
