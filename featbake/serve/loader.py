@@ -328,11 +328,14 @@ def _inputs(order: Order, state: dict[str, Any]) -> PlanInputs | None:
     return inputs
 
 
-def _checked(state: Any) -> dict[str, Any]:
-    """``state`` if it is a loader state (every key, of its type), else a ConfigError."""
+def _checked(
+    state: Any, keys: dict[str, type] = STATE_KEYS, what: str = "FeatureLoader"
+) -> dict[str, Any]:
+    """``state`` if it is a ``what`` state (every key of ``keys``, of its type), else a
+    ConfigError."""
     if not isinstance(state, dict):
-        raise ConfigError(f"a loader state is a dict from state_dict(), got {type(state).__name__}")
-    for key, kind in STATE_KEYS.items():
+        raise ConfigError(f"a {what} state is a dict from state_dict(), got {type(state).__name__}")
+    for key, kind in keys.items():
         value = state.get(key)
         if (
             not isinstance(value, kind)
@@ -340,9 +343,20 @@ def _checked(state: Any) -> dict[str, Any]:
             or (isinstance(value, int) and value < 0)
         ):
             raise ConfigError(
-                f"not a FeatureLoader state: {key!r} is {value!r}; pass what state_dict() returned"
+                f"not a {what} state: {key!r} is {value!r}; pass what state_dict() returned"
             )
     return state
+
+
+#: The keys of a BlockSampler's state and their types.
+SAMPLER_KEYS = {
+    "epoch": int,
+    "yielded": int,
+    "seed": int,
+    "world_size": int,
+    "fingerprint": str,
+    "plan": str,
+}
 
 
 # == blocks ========================================================================================
@@ -366,6 +380,12 @@ class BlockSampler(Sampler[int]):
         window: shards open at a time.
         num_replicas, rank: this process's share, as ``DistributedSampler``.
         drop_last: drop the items that do not divide evenly among ranks instead of repeating.
+
+    The placement is read once, when the sampler is made, and every epoch is planned from it.
+    :meth:`state_dict` carries it with the indices of the epoch handed out so far
+    (``yielded``), so a sampler made after a build, a gc or a write-back that loads the state
+    yields the rest of that epoch, then draws the orders the first would have: the protocol of
+    torchdata's ``StatefulDistributedSampler``, which its ``StatefulDataLoader`` follows.
 
     Example:
         >>> sampler = BlockSampler(ds, seed=0, window=4)  # doctest: +SKIP
@@ -396,19 +416,72 @@ class BlockSampler(Sampler[int]):
         rank, world = rank_and_world(rank, num_replicas)
         self._order = Order(len(dataset), 1, Shuffle.BLOCKS, seed, rank, world, drop_last,
                             window=window)  # fmt: skip
+        self._inputs = self._order.inputs(shards=self._shards)  # what every epoch is drawn from
         self.epoch = 0
+        self.yielded = 0  # indices of the epoch being read handed out so far
+        self._pending: Position | None = None  # loaded: (epoch, indices to skip)
 
     def set_epoch(self, epoch: int) -> None:
-        """Draw epoch ``epoch``'s order next (call it before each epoch, as DistributedSampler)."""
+        """Draw epoch ``epoch``'s order next (call it before each epoch, as DistributedSampler);
+        a loaded state's rest holds only for its own epoch."""
         self.epoch = epoch
+        if self._pending is not None and self._pending.epoch != epoch:
+            self._pending = None
 
     def __iter__(self) -> Iterator[int]:
-        batches = self._order.batches(self.epoch, shards=self._shards)
-        follow_blocks(self._dataset, self._order.block_plan(self.epoch, batches, self._shards))
-        return iter([i for b in batches for i in b])
+        skip = 0
+        if self._pending is not None and self._pending.epoch == self.epoch:
+            skip = self._pending.done
+        self._pending = None
+        batches = self._order.plan(self.epoch, self._inputs)
+        order = [i for b in batches for i in b]
+        rest = [order[skip:]]
+        follow_blocks(
+            self._dataset, self._order.block_plan(self.epoch, rest, self._shards, self._inputs)
+        )
+        self.yielded = min(skip, len(order))
+        return self._counted(order[skip:])
+
+    def _counted(self, order: list[int]) -> Iterator[int]:
+        """``order``, counting in :attr:`yielded` each index as it is handed out."""
+        for i in order:
+            self.yielded += 1
+            yield i
 
     def __len__(self) -> int:
         return self._order.item_plan(self.epoch).per_rank()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The epoch, its indices handed out so far, the seed, a fingerprint of the options
+        and the placement the orders are drawn from (plain ints and strings): what
+        :meth:`load_state_dict` goes on from."""
+        o = self._order
+        at = self._pending or Position(self.epoch, self.yielded)
+        return {"epoch": at.epoch, "yielded": at.done, "seed": o.seed, "world_size": o.world,
+                "fingerprint": o.fingerprint(), "plan": self._inputs.encode()}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on from ``state`` (:meth:`state_dict` of a sampler with the same arguments over
+        the same dataset): the next ``iter()`` yields the rest of its epoch, and every epoch is
+        drawn from its seed and its placement, whatever the store holds now.
+
+        Raises:
+            ConfigError: not such a state, or saved over another world size or with options
+                that give another order.
+        """
+        checked = _checked(state, SAMPLER_KEYS, "BlockSampler")
+        order = dataclasses.replace(self._order, seed=checked["seed"])
+        if checked["world_size"] != order.world or order.fingerprint() != checked["fingerprint"]:
+            raise ConfigError(
+                "this BlockSampler state was saved over another world size or with options that "
+                "give another order (window, drop_last, a dataset of another length): make the "
+                "sampler with the arguments of the saved run"
+            )
+        inputs = PlanInputs.decode(checked["plan"], order.n)
+        if inputs.blocks is None:
+            raise ConfigError("not a BlockSampler state: its 'plan' has no blocks")
+        self._order, self._inputs, self.epoch = order, inputs, checked["epoch"]
+        self._pending = Position(checked["epoch"], checked["yielded"])
 
 
 def rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:

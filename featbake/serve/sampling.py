@@ -56,6 +56,9 @@ from torch.utils.data import StackDataset, Subset
 
 from featbake.errors import ConfigError
 
+#: Each item's int (a shard id, a length), as a list or a numpy array.
+Ints = Sequence[int] | np.ndarray
+
 
 @dataclass(frozen=True)
 class EpochPlan:
@@ -208,10 +211,10 @@ class Order:
         given, else of ``shards``; the shards named are ``shards`` (where the items are now)."""
         if self.shuffle is not Shuffle.BLOCKS:
             return None
-        shards = _given(shards, "shards", self.n)
-        blocks = (inputs or self.inputs(None, shards)).blocks
+        now = _given(shards, "shards", self.n)
+        blocks = (inputs or self.inputs(None, now)).blocks
         windows = block_windows(_given(blocks, "shards", self.n), self.seed, epoch, self.window)
-        return block_plan(windows, batches, shards)
+        return block_plan(windows, batches, now)
 
     def batches(
         self, epoch: int, lengths: Sequence[int] | None = None, shards: Sequence[int] | None = None
@@ -220,9 +223,7 @@ class Order:
         the catalog holds them now)."""
         return self.plan(epoch, self.inputs(lengths, shards))
 
-    def inputs(
-        self, lengths: Sequence[int] | None = None, shards: Sequence[int] | None = None
-    ) -> PlanInputs:
+    def inputs(self, lengths: Ints | None = None, shards: Ints | None = None) -> PlanInputs:
         """What this order's epochs are planned from of a placement (:class:`PlanInputs`):
         each item's block for ``Shuffle.BLOCKS``, each item's length for ``batch_frames``."""
         blocks = None
@@ -355,8 +356,8 @@ def _unpacked(packed: str, n: int) -> np.ndarray:
 
 def _bad_plan(why: str) -> ConfigError:
     return ConfigError(
-        f"not a FeatureLoader state: its 'plan' is not one ({why}); pass what state_dict() "
-        "returned, to a loader over the same dataset"
+        f"not a loader's or sampler's state: its 'plan' is not one ({why}); pass what "
+        "state_dict() returned, to one over the same dataset"
     )
 
 
@@ -364,7 +365,7 @@ def _shuffled(batches: list[list[int]], rng: np.random.Generator | None) -> list
     return batches if rng is None else [batches[j] for j in rng.permutation(len(batches))]
 
 
-def _given(values: Sequence[int] | None, name: str, n: int) -> Sequence[int]:
+def _given(values: Ints | None, name: str, n: int) -> Ints:
     if values is None or len(values) != n:
         raise ConfigError(f"this order needs each of the {n} items' {name}")
     return values
@@ -375,7 +376,7 @@ def _rng(seed: int, epoch: int, salt: int) -> np.random.Generator:
     return np.random.default_rng([seed, epoch, salt])
 
 
-def block_windows(shards: Sequence[int], seed: int, epoch: int, window: int) -> list[list[int]]:
+def block_windows(shards: Ints, seed: int, epoch: int, window: int) -> list[list[int]]:
     """Items grouped by shard, the shards in a random order, ``window`` shards at a time, the
     items of each window shuffled together (items not stored, shard -1, are one more block)."""
     sid = np.asarray(shards, dtype=np.int64)
@@ -392,7 +393,7 @@ def block_windows(shards: Sequence[int], seed: int, epoch: int, window: int) -> 
 
 
 def block_plan(
-    windows: Sequence[Sequence[int]], batches: Sequence[Sequence[int]], shards: Sequence[int]
+    windows: Sequence[Sequence[int]], batches: Sequence[Sequence[int]], shards: Ints
 ) -> list[list[int]]:
     """The shards a rank reads, window by window, in its reading order: ``batches`` cut where
     an item's window (of the epoch's ``windows``) changes, each run's shards in their first
@@ -450,7 +451,7 @@ def _has_follower(dataset: object) -> bool:
 
 def frame_batches(
     items: Sequence[int],
-    lengths: Sequence[int],
+    lengths: Ints,
     budget: int,
     rng: np.random.Generator | None,
     max_items: int | None = None,

@@ -805,6 +805,18 @@ def _compact(store: Path) -> None:
     gc(store, GcOptions(compact_below=1.0, merge_small=True, grace=0, shard_bytes=1 << 20))
 
 
+def _change_three_ways(audio: Path, encoder: Path, store: Path) -> None:
+    """The store changes three ways before the run resumes: misses of part2 encoded and written
+    back by a dataset with misses enabled, a build adding the rest of part2, gc moving every
+    item into one shard."""
+    other = CachedFeatureDataset(audio / "part2", encoder, cache=store)
+    for i in range(3):
+        other[i]
+    other.flush()
+    build(audio, encoder, cache=store, workers=0, shard_bytes=4096)
+    _compact(store)
+
+
 @pytest.mark.parametrize(
     "kw", [{"batch_size": 2, "shuffle": "blocks", "window": 2}, {"batch_size": 2}]
 )
@@ -819,13 +831,7 @@ def test_an_epoch_resumed_after_write_back_a_build_and_gc_serves_each_item_once(
     first = FeatureLoader(StackDataset(ds, torch.arange(len(ds))), seed=5, **kw)
     head = _epoch(first, 4)  # preempted after 4 of the epoch's 9 batches
     state = json.loads(json.dumps(first.state_dict()))
-    # The store changes three ways before the run resumes.
-    other = CachedFeatureDataset(audio / "part2", enc, cache=store)  # misses encoded and
-    for i in range(3):  # written back by a dataset with misses enabled
-        other[i]
-    other.flush()
-    build(audio, enc, cache=store, workers=0, shard_bytes=4096)  # the rest of part2 added
-    _compact(store)  # gc moves every item into one shard
+    _change_three_ways(audio, enc, store)
     again_ds = CachedFeatureDataset(audio, enc, cache=store, on_miss="error")
     assert again_ds.placement().shards.tolist() != before
     again = FeatureLoader(StackDataset(again_ds, torch.arange(len(again_ds))), **kw)
@@ -886,9 +892,50 @@ def test_a_state_without_its_epochs_placement_is_refused_part_way_and_not_at_the
     again = FeatureLoader(resumable, **kw)
     again.load_state_dict({**old, "position": 0})
     _same(_epoch(again), whole)
+    not_a_state = r"not a (FeatureLoader|loader's or sampler's) state"
     for bad in ("plan0;x", "plan1;blocks=<u2:AAAA", "plan1;lengths=<i8:" + "A" * 8, 7):
-        with pytest.raises(ConfigError, match="not a FeatureLoader state"):
+        with pytest.raises(ConfigError, match=not_a_state):
             FeatureLoader(resumable, **kw).load_state_dict({**state, "plan": bad})
     items = FeatureLoader(resumable, batch_size=2, seed=1)  # a plain shuffle needs none
     _epoch(items, 3)
     assert items.state_dict()["plan"] == ""
+
+
+def test_a_block_sampler_loaded_after_the_store_changed_yields_the_rest_of_its_epoch(
+    parts: tuple[Path, Path, Path],
+) -> None:
+    """DataLoader users: a BlockSampler made after a write-back, a build and gc that loads the
+    state of the one before yields the rest of that epoch (``yielded`` counts the indices
+    handed out, as torchdata's StatefulDistributedSampler), then the epochs the first would."""
+    audio, enc, store = parts
+    for part in ("part0", "part1"):
+        build(audio / part, enc, cache=store, workers=0, shard_bytes=4096)
+    ds = CachedFeatureDataset(audio, enc, cache=store)
+    labelled = StackDataset(ds, torch.arange(len(ds)))
+    sampler = BlockSampler(labelled, seed=5, window=2)
+    sampler.set_epoch(1)
+    whole = list(sampler)
+    sampler.set_epoch(2)
+    after = list(sampler)
+    sampler.set_epoch(1)
+    loader = DataLoader(labelled, 2, sampler=sampler, collate_fn=pad_collate)
+    head = _served(list(itertools.islice(loader, 4)))
+    state = json.loads(json.dumps(sampler.state_dict()))
+    assert (state["epoch"], state["yielded"]) == (1, 8) and head == whole[:8]
+    _change_three_ways(audio, enc, store)
+    again_ds = CachedFeatureDataset(audio, enc, cache=store, on_miss="error")
+    again_labelled = StackDataset(again_ds, torch.arange(len(again_ds)))
+    fresh = BlockSampler(again_labelled, seed=5, window=2)
+    fresh.set_epoch(1)
+    assert list(fresh) != whole  # planned from today's placement: another order
+    fresh.load_state_dict(state)
+    fresh.set_epoch(1)
+    rest = list(DataLoader(again_labelled, 2, sampler=fresh, collate_fn=pad_collate))
+    assert head + _served(rest) == whole and sorted(whole) == list(range(18))
+    _assert_live(rest, again_ds, enc)
+    fresh.set_epoch(2)
+    assert list(fresh) == after  # the epochs after it: the first sampler's
+    with pytest.raises(ConfigError, match="another order"):
+        BlockSampler(again_labelled, seed=5, window=3).load_state_dict(state)
+    with pytest.raises(ConfigError, match="not a BlockSampler state"):
+        fresh.load_state_dict({**state, "plan": 3})
