@@ -12,8 +12,9 @@ collate_fn=pad_collate, drop_last=...)`` yields (see :mod:`featbake.serve.sampli
 included when ``ds`` is a ``StackDataset(features, labels)``; or batches by length
 (``batch_frames``), or blocks of shards (``shuffle="blocks"``: give a bucket store's tier room
 for two windows, since a batch may straddle two), planned from the catalog without a read.
-Every epoch is a function of the options, seed and epoch, so :meth:`FeatureLoader.state_dict`
-is a few ints (see :mod:`featbake.serve.loader`).
+Every epoch is a function of the options, seed and epoch (and, by length or by block, of the
+store's placement when it started), so :meth:`FeatureLoader.state_dict` is a few ints (and that
+placement, compressed: see :mod:`featbake.serve.loader`).
 
 Cold reads: on a store larger than the page cache each read waits for the disk, and one read
 at a time ran at half to two thirds of the disk's bandwidth here (0.7x mmap'd safetensors
@@ -61,7 +62,7 @@ from featbake.serve.collate import BatchPool, pad_collate, pinned_batches, poole
 from featbake.serve.index import ItemPlacement
 from featbake.serve.prefetch import map_tensors
 from featbake.serve.reads import read_threads_at_most
-from featbake.serve.sampling import Order, Shuffle, follow_blocks, shuffle_of
+from featbake.serve.sampling import Order, PlanInputs, Shuffle, follow_blocks, shuffle_of
 
 # == read_ahead ====================================================================================
 # What the loader asks of its dataset, reached through ``StackDataset`` and ``Subset``: the
@@ -178,11 +179,15 @@ def placement_of(dataset: Any) -> ItemPlacement | None:
 # Where a :class:`~featbake.serve.loader.FeatureLoader` stands in its epochs, to resume.
 #
 # A state is small and plain: the epoch, how many of its batches were handed out, the seed, the
-# rank and world size, and a fingerprint of the options that shape the order. Every epoch's
-# batches are a pure function of those (:mod:`featbake.serve.sampling`), so a new loader with
-# the same arguments recomputes the epoch and skips what was handed out: nothing is read twice
-# or skipped, and the epochs after it are the uninterrupted loader's.
-#: The keys of a state and their types.
+# rank and world size, a fingerprint of the options that shape the order, and (by length or by
+# block) the placement the epoch was planned from. Every epoch's batches are a pure function of
+# those (:mod:`featbake.serve.sampling`), so a new loader with the same arguments recomputes the
+# epoch and skips what was handed out: nothing is read twice or skipped, and the epochs after
+# it are the uninterrupted loader's. The placement is the one of the epoch's start, not the
+# store's now: a build, a gc or the write-back of misses moves items between shards, and a
+# plan recomputed from where they are now is another order (issue "round four", item 5).
+#: The keys of a state and their types ("plan", the placement, is read on its own: states
+#: saved before it was kept lack it).
 STATE_KEYS = {
     "epoch": int,
     "position": int,
@@ -195,11 +200,23 @@ STATE_KEYS = {
 
 @dataclass
 class Progress:
-    """The epoch being read: its number, batches handed out so far, and how many it has."""
+    """The epoch being read: its number, batches handed out so far, how many it has, and what
+    it was planned from (None when its order needs no placement)."""
 
     epoch: int
     done: int
     total: int
+    inputs: PlanInputs | None = None
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where a loader stands: the epoch to read, its batches already handed out, and what that
+    epoch was planned from (None: planned when it starts, from the placement then)."""
+
+    epoch: int
+    done: int
+    inputs: PlanInputs | None = None
 
 
 @dataclass
@@ -207,25 +224,33 @@ class Resume:
     """The loader's resume state, kept on the training thread.
 
     Attributes:
-        pending: (epoch, batches to skip) loaded and not started yet.
+        pending: the position loaded and not started yet.
         current: the epoch being read (or the last one read).
     """
 
-    pending: tuple[int, int] | None = None
+    pending: Position | None = None
     current: Progress | None = None
 
     def choose(self, epoch: int) -> None:
         """``set_epoch(epoch)``: a loaded position holds only for its own epoch."""
-        if self.pending is not None and self.pending[0] != epoch:
+        if self.pending is not None and self.pending.epoch != epoch:
             self.pending = None
 
-    def start(self, epoch: int, total: int) -> int:
-        """Epoch ``epoch`` (``total`` batches) starts: how many of its batches to skip."""
+    def inputs_for(self, epoch: int) -> PlanInputs | None:
+        """What epoch ``epoch`` must be planned from: the loaded state's when it resumes that
+        epoch, else None (planned from the store's placement now)."""
+        if self.pending is not None and self.pending.epoch == epoch:
+            return self.pending.inputs
+        return None
+
+    def start(self, epoch: int, total: int, inputs: PlanInputs | None = None) -> int:
+        """Epoch ``epoch`` (``total`` batches, planned from ``inputs``) starts: how many of its
+        batches to skip."""
         skip = 0
-        if self.pending is not None and self.pending[0] == epoch:
-            skip = min(self.pending[1], total)
+        if self.pending is not None and self.pending.epoch == epoch:
+            skip = min(self.pending.done, total)
         self.pending = None
-        self.current = Progress(epoch, skip, total)
+        self.current = Progress(epoch, skip, total, inputs)
         return skip
 
     def handed_out(self) -> None:
@@ -233,20 +258,22 @@ class Resume:
         assert self.current is not None
         self.current.done += 1
 
-    def where(self, next_epoch: int) -> tuple[int, int]:
-        """(epoch, batches of it handed out) to save, ``next_epoch`` being the loader's next."""
+    def where(self, next_epoch: int) -> Position:
+        """The position to save, ``next_epoch`` being the loader's next."""
         if self.pending is not None:
             return self.pending
         c = self.current
         if c is not None and c.epoch == next_epoch - 1 and c.done < c.total:
-            return c.epoch, c.done
-        return next_epoch, 0
+            return Position(c.epoch, c.done, c.inputs)
+        return Position(next_epoch, 0)
 
     def load(self, order: Order, state: Any) -> tuple[Order, int]:
         """Take ``state``: the order with its seed, and the epoch to read next.
 
         Raises:
-            ConfigError: not a state, another world size, or options that shape another order.
+            ConfigError: not a state, another world size, options that shape another order,
+                or a state part way through an epoch by length or by block that lacks the
+                placement the epoch was planned from.
         """
         checked = _checked(state)
         if checked["world_size"] != order.world:
@@ -262,16 +289,53 @@ class Resume:
                 "batch_frames, shuffle, window, drop_last, even_batches, or a dataset of "
                 "another length): make the loader with the arguments of the saved run"
             )
-        self.pending = (checked["epoch"], checked["position"])
+        self.pending = Position(checked["epoch"], checked["position"], _inputs(order, checked))
         self.current = None
         return order, checked["epoch"]
 
 
-def _checked(state: Any) -> dict[str, Any]:
-    """``state`` if it is a loader state (every key, of its type), else a ConfigError."""
+def _inputs(order: Order, state: dict[str, Any]) -> PlanInputs | None:
+    """The placement ``state``'s epoch was planned from, None when it needs none (its order
+    needs no placement, or no batch of it was handed out: planned afresh when it starts).
+
+    Raises:
+        ConfigError: the state is part way through an epoch by length or by block and does not
+            say what it was planned from (saved before states kept it), or its plan is not one.
+    """
+    text = state.get("plan", "")
+    if not isinstance(text, str):
+        raise ConfigError(
+            f"not a FeatureLoader state: 'plan' is {text!r}; pass what state_dict() returned"
+        )
+    if not order.needs_placement() or state["position"] == 0:
+        return None
+    if not text:
+        raise ConfigError(
+            f"this loader state is {state['position']} batches into epoch {state['epoch']} and "
+            "does not hold the shard placement and lengths that epoch was planned from (saved "
+            "by an older featbake), and a build, gc or write-back since would change its order: "
+            "load it with position 0 to start the epoch over"
+        )
+    inputs = PlanInputs.decode(text, order.n)
+    lacks = (order.shuffle is Shuffle.BLOCKS and inputs.blocks is None) or (
+        order.batch_frames is not None and inputs.lengths is None
+    )
+    if lacks:
+        raise ConfigError(
+            "not a FeatureLoader state: its 'plan' lacks what this order is planned from; pass "
+            "what state_dict() returned"
+        )
+    return inputs
+
+
+def _checked(
+    state: Any, keys: dict[str, type] = STATE_KEYS, what: str = "FeatureLoader"
+) -> dict[str, Any]:
+    """``state`` if it is a ``what`` state (every key of ``keys``, of its type), else a
+    ConfigError."""
     if not isinstance(state, dict):
-        raise ConfigError(f"a loader state is a dict from state_dict(), got {type(state).__name__}")
-    for key, kind in STATE_KEYS.items():
+        raise ConfigError(f"a {what} state is a dict from state_dict(), got {type(state).__name__}")
+    for key, kind in keys.items():
         value = state.get(key)
         if (
             not isinstance(value, kind)
@@ -279,9 +343,20 @@ def _checked(state: Any) -> dict[str, Any]:
             or (isinstance(value, int) and value < 0)
         ):
             raise ConfigError(
-                f"not a FeatureLoader state: {key!r} is {value!r}; pass what state_dict() returned"
+                f"not a {what} state: {key!r} is {value!r}; pass what state_dict() returned"
             )
     return state
+
+
+#: The keys of a BlockSampler's state and their types.
+SAMPLER_KEYS = {
+    "epoch": int,
+    "yielded": int,
+    "seed": int,
+    "world_size": int,
+    "fingerprint": str,
+    "plan": str,
+}
 
 
 # == blocks ========================================================================================
@@ -305,6 +380,12 @@ class BlockSampler(Sampler[int]):
         window: shards open at a time.
         num_replicas, rank: this process's share, as ``DistributedSampler``.
         drop_last: drop the items that do not divide evenly among ranks instead of repeating.
+
+    The placement is read once, when the sampler is made, and every epoch is planned from it.
+    :meth:`state_dict` carries it with the indices of the epoch handed out so far
+    (``yielded``), so a sampler made after a build, a gc or a write-back that loads the state
+    yields the rest of that epoch, then draws the orders the first would have: the protocol of
+    torchdata's ``StatefulDistributedSampler``, which its ``StatefulDataLoader`` follows.
 
     Example:
         >>> sampler = BlockSampler(ds, seed=0, window=4)  # doctest: +SKIP
@@ -335,19 +416,72 @@ class BlockSampler(Sampler[int]):
         rank, world = rank_and_world(rank, num_replicas)
         self._order = Order(len(dataset), 1, Shuffle.BLOCKS, seed, rank, world, drop_last,
                             window=window)  # fmt: skip
+        self._inputs = self._order.inputs(shards=self._shards)  # what every epoch is drawn from
         self.epoch = 0
+        self.yielded = 0  # indices of the epoch being read handed out so far
+        self._pending: Position | None = None  # loaded: (epoch, indices to skip)
 
     def set_epoch(self, epoch: int) -> None:
-        """Draw epoch ``epoch``'s order next (call it before each epoch, as DistributedSampler)."""
+        """Draw epoch ``epoch``'s order next (call it before each epoch, as DistributedSampler);
+        a loaded state's rest holds only for its own epoch."""
         self.epoch = epoch
+        if self._pending is not None and self._pending.epoch != epoch:
+            self._pending = None
 
     def __iter__(self) -> Iterator[int]:
-        batches = self._order.batches(self.epoch, shards=self._shards)
-        follow_blocks(self._dataset, self._order.block_plan(self.epoch, batches, self._shards))
-        return iter([i for b in batches for i in b])
+        skip = 0
+        if self._pending is not None and self._pending.epoch == self.epoch:
+            skip = self._pending.done
+        self._pending = None
+        batches = self._order.plan(self.epoch, self._inputs)
+        order = [i for b in batches for i in b]
+        rest = [order[skip:]]
+        follow_blocks(
+            self._dataset, self._order.block_plan(self.epoch, rest, self._shards, self._inputs)
+        )
+        self.yielded = min(skip, len(order))
+        return self._counted(order[skip:])
+
+    def _counted(self, order: list[int]) -> Iterator[int]:
+        """``order``, counting in :attr:`yielded` each index as it is handed out."""
+        for i in order:
+            self.yielded += 1
+            yield i
 
     def __len__(self) -> int:
         return self._order.item_plan(self.epoch).per_rank()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The epoch, its indices handed out so far, the seed, a fingerprint of the options
+        and the placement the orders are drawn from (plain ints and strings): what
+        :meth:`load_state_dict` goes on from."""
+        o = self._order
+        at = self._pending or Position(self.epoch, self.yielded)
+        return {"epoch": at.epoch, "yielded": at.done, "seed": o.seed, "world_size": o.world,
+                "fingerprint": o.fingerprint(), "plan": self._inputs.encode()}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on from ``state`` (:meth:`state_dict` of a sampler with the same arguments over
+        the same dataset): the next ``iter()`` yields the rest of its epoch, and every epoch is
+        drawn from its seed and its placement, whatever the store holds now.
+
+        Raises:
+            ConfigError: not such a state, or saved over another world size or with options
+                that give another order.
+        """
+        checked = _checked(state, SAMPLER_KEYS, "BlockSampler")
+        order = dataclasses.replace(self._order, seed=checked["seed"])
+        if checked["world_size"] != order.world or order.fingerprint() != checked["fingerprint"]:
+            raise ConfigError(
+                "this BlockSampler state was saved over another world size or with options that "
+                "give another order (window, drop_last, a dataset of another length): make the "
+                "sampler with the arguments of the saved run"
+            )
+        inputs = PlanInputs.decode(checked["plan"], order.n)
+        if inputs.blocks is None:
+            raise ConfigError("not a BlockSampler state: its 'plan' has no blocks")
+        self._order, self._inputs, self.epoch = order, inputs, checked["epoch"]
+        self._pending = Position(checked["epoch"], checked["yielded"])
 
 
 def rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -485,7 +619,7 @@ class FeatureLoader:
         )  # fmt: skip
         self.epoch = 0
         self._resume = Resume()
-        self._shards: list[int] | None = None  # each item's shard, for a block order's plan
+        self._shards: list[int] | None = None  # each item's shard now, for a block order's plan
 
     @property
     def seed(self) -> int:
@@ -501,57 +635,70 @@ class FeatureLoader:
         """Batches in the next epoch (the whole epoch, even when resumed part way)."""
         if self._order.batch_frames is None:  # blocks too: a permutation, split alike
             return self._order.item_plan(self.epoch).batch_count()
-        return len(self._batches(self.epoch))
+        return len(self._batches(self.epoch)[0])
 
     def state_dict(self) -> dict[str, Any]:
         """Where this loader stands: the epoch, the batches of it handed out (those read ahead
-        but not handed out are read again), the seed, the world size and a fingerprint of the
-        options that shape the order. Plain ints and strings, for any checkpoint.
+        but not handed out are read again), the seed, the world size, a fingerprint of the
+        options that shape the order, and ``plan``: for an epoch by length or by block, the
+        placement it was planned from (each item's block and length as the catalog held them
+        when it started; compressed, a few bytes per shard for a store built in order), so
+        that a build, gc or write-back since does not change the rest of it. Plain ints and
+        strings, for any checkpoint.
 
         Example:
             >>> state = {"model": model.state_dict(), "data": loader.state_dict()}  # doctest: +SKIP
             >>> loader.load_state_dict(state["data"])  # a new run, same arguments  # doctest: +SKIP
         """
-        epoch, position = self._resume.where(self.epoch)
+        at = self._resume.where(self.epoch)
         o = self._order
-        return {"epoch": epoch, "position": position, "seed": o.seed, "rank": o.rank,
-                "world_size": o.world, "fingerprint": o.fingerprint()}  # fmt: skip
+        plan = "" if at.inputs is None else at.inputs.encode()
+        return {"epoch": at.epoch, "position": at.done, "seed": o.seed, "rank": o.rank,
+                "world_size": o.world, "fingerprint": o.fingerprint(), "plan": plan}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Go on from ``state`` (:meth:`state_dict` of a loader with the same arguments): the
         next ``iter()`` yields the rest of that epoch, the ones after it the next epochs.
 
         The seed is the state's (a loader made with ``seed=None`` draws its own). Each rank
-        loads its own state (rank 0's serves every rank too while batches are even).
+        loads its own state (rank 0's serves every rank too while batches are even). The rest
+        of an epoch by length or by block is planned from the placement the state holds, the
+        epochs after it from the store as it is then, as the uninterrupted loader's were.
 
         Raises:
             ConfigError: the state is not one, or was saved over another world size or with
-                options that give another order.
+                options that give another order, or is part way through an epoch by length or
+                by block and was saved without its placement (by an older featbake).
         """
         self._order, self.epoch = self._resume.load(self._order, state)
 
     def __iter__(self) -> Iterator[Any]:
         epoch = self.epoch
         self.epoch += 1
-        batches = self._batches(epoch)
-        skip = self._resume.start(epoch, len(batches))
-        follow_blocks(self.dataset, self._order.block_plan(epoch, batches[skip:], self._shards))
+        batches, inputs = self._batches(epoch)
+        skip = self._resume.start(epoch, len(batches), inputs)
+        plan = self._order.block_plan(epoch, batches[skip:], self._shards, inputs)
+        follow_blocks(self.dataset, plan)
         return self._epoch(batches, skip)
 
-    def _batches(self, epoch: int) -> list[list[int]]:
-        """This rank's batches of epoch ``epoch`` (lengths and shards from the catalog when the
-        order needs them: no feature is read to plan an epoch)."""
+    def _batches(self, epoch: int) -> tuple[list[list[int]], PlanInputs | None]:
+        """This rank's batches of epoch ``epoch`` and what they were planned from: a loaded
+        state's placement for the epoch it resumes, else lengths and shards from the catalog
+        now when the order needs them (no feature is read to plan an epoch)."""
         o = self._order
-        if o.batch_frames is None and o.shuffle is not Shuffle.BLOCKS:
-            return o.batches(epoch)
+        if not o.needs_placement():
+            return o.batches(epoch), None
         placement = placement_of(self.dataset)
         if placement is None:
             raise ConfigError(
                 "batch_frames and shuffle='blocks' need a CachedFeatureDataset (or one in a "
                 "StackDataset or Subset), whose catalog knows each item's length and shard"
             )
-        self._shards = placement.shards.tolist()
-        return o.batches(epoch, placement.lengths.tolist(), self._shards)
+        self._shards = placement.shards.tolist()  # where the items are now: what to fetch
+        inputs = self._resume.inputs_for(epoch)
+        if inputs is None:
+            inputs = o.inputs(placement.lengths, placement.shards)
+        return o.plan(epoch, inputs), inputs
 
     def _epoch(self, batches: list[list[int]], skip: int) -> Iterator[Any]:
         batches = batches[skip:]

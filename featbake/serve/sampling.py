@@ -39,18 +39,25 @@ DistributedSampler's (see :class:`Order`):
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import json
 import math
+import zlib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from enum import StrEnum
+from functools import cached_property
 
 import numpy as np
 import torch
 from torch.utils.data import StackDataset, Subset
 
 from featbake.errors import ConfigError
+
+#: Each item's int (a shard id, a length), as a list or a numpy array.
+Ints = Sequence[int] | np.ndarray
 
 
 @dataclass(frozen=True)
@@ -192,27 +199,60 @@ class Order:
         )  # fmt: skip
 
     def block_plan(
-        self, epoch: int, batches: Sequence[Sequence[int]], shards: Sequence[int] | None
+        self,
+        epoch: int,
+        batches: Sequence[Sequence[int]],
+        shards: Sequence[int] | None,
+        inputs: PlanInputs | None = None,
     ) -> list[list[int]] | None:
         """The shards ``batches`` (this rank's, of epoch ``epoch``, from where it starts
         reading) read window by window (:func:`block_plan`); None unless the order is by
-        block."""
+        block. The windows are those of ``inputs`` (what the epoch was planned from) when
+        given, else of ``shards``; the shards named are ``shards`` (where the items are now)."""
         if self.shuffle is not Shuffle.BLOCKS:
             return None
-        shards = _given(shards, "shards", self.n)
-        return block_plan(block_windows(shards, self.seed, epoch, self.window), batches, shards)
+        now = _given(shards, "shards", self.n)
+        blocks = (inputs or self.inputs(None, now)).blocks
+        windows = block_windows(_given(blocks, "shards", self.n), self.seed, epoch, self.window)
+        return block_plan(windows, batches, now)
 
     def batches(
         self, epoch: int, lengths: Sequence[int] | None = None, shards: Sequence[int] | None = None
     ) -> list[list[int]]:
-        """This rank's batches of epoch ``epoch``."""
+        """This rank's batches of epoch ``epoch``, planned from ``lengths`` and ``shards`` (as
+        the catalog holds them now)."""
+        return self.plan(epoch, self.inputs(lengths, shards))
+
+    def inputs(self, lengths: Ints | None = None, shards: Ints | None = None) -> PlanInputs:
+        """What this order's epochs are planned from of a placement (:class:`PlanInputs`):
+        each item's block for ``Shuffle.BLOCKS``, each item's length for ``batch_frames``."""
+        blocks = None
+        if self.shuffle is Shuffle.BLOCKS:
+            sid = np.asarray(_given(shards, "shards", self.n), dtype=np.int64)
+            # Ranks of the shard ids: the same windows as the ids (block_windows groups and
+            # visits them in id order), and small ints whatever the ids are.
+            blocks = np.unique(sid, return_inverse=True)[1].reshape(-1).astype(np.int64)
+        lens = None
+        if self.batch_frames is not None:
+            lens = np.asarray(_given(lengths, "lengths", self.n), dtype=np.int64)
+        return PlanInputs(blocks, lens)
+
+    def needs_placement(self) -> bool:
+        """Whether an epoch's plan depends on the store's placement (blocks or lengths), not
+        only on the options, the seed and the epoch."""
+        return self.shuffle is Shuffle.BLOCKS or self.batch_frames is not None
+
+    def plan(self, epoch: int, inputs: PlanInputs) -> list[list[int]]:
+        """This rank's batches of epoch ``epoch``, planned from ``inputs`` (:meth:`inputs`):
+        a pure function of the options, the seed, the epoch and ``inputs``."""
         plan = self.item_plan(epoch)
         windows = None
         if self.shuffle is Shuffle.BLOCKS:
-            windows = block_windows(_given(shards, "shards", self.n), self.seed, epoch, self.window)
+            blocks = _given(inputs.blocks, "shards", self.n)
+            windows = block_windows(blocks, self.seed, epoch, self.window)
         if self.batch_frames is None:
             return plan.batches([i for w in windows for i in w] if windows is not None else None)
-        lengths = _given(lengths, "lengths", self.n)
+        lengths = _given(inputs.lengths, "lengths", self.n)
         rng = None if self.shuffle is Shuffle.NONE else _rng(self.seed, epoch, 1)
         cut: list[list[int]] = []
         for group in windows if windows is not None else [list(range(self.n))]:
@@ -223,11 +263,109 @@ class Order:
         return share_batches(cut, self.rank, self.world, self.drop_last, self.even_batches)
 
 
+#: What an encoded :class:`PlanInputs` starts with (its format's version).
+PLAN_FORMAT = "plan1"
+#: The integer types an encoded :class:`PlanInputs` array may have (little-endian).
+_PLAN_DTYPES = ("|u1", "<u2", "<u4", "<u8", "|i1", "<i2", "<i4", "<i8")
+
+
+@dataclass(frozen=True, eq=False)
+class PlanInputs:
+    """What an epoch's plan is built from besides the options, the seed and the epoch: the
+    store's placement as it was when the epoch started (:meth:`Order.inputs`).
+
+    A build, a gc or a write-back moves items between shards (and gc can drop them), so a
+    plan recomputed from today's placement is another order: a resumed epoch would repeat some
+    items and skip others. A loader's state carries these (:meth:`encode`, a short string for
+    a store built in order: runs of one block compress to a few bytes) and plans the rest of
+    the epoch from them.
+
+    Attributes:
+        blocks: each item's block (its shard's rank among the shard ids, -1 first) for a block
+            order, else None.
+        lengths: each item's length (-1: not stored) for ``batch_frames``, else None.
+    """
+
+    blocks: np.ndarray | None = None
+    lengths: np.ndarray | None = None
+
+    @cached_property
+    def text(self) -> str:
+        """:meth:`encode`, made once (a loader's state is saved often, its epoch's inputs once)."""
+        fields = [
+            f"{name}={_packed(values)}"
+            for name, values in (("blocks", self.blocks), ("lengths", self.lengths))
+            if values is not None
+        ]
+        return ";".join([PLAN_FORMAT, *fields]) if fields else ""
+
+    def encode(self) -> str:
+        """These inputs as a plain string (ASCII; "" when the order needs none).
+
+        Example:
+            >>> PlanInputs(np.array([0, 0, 1])).encode()[:12]
+            'plan1;blocks'
+        """
+        return self.text
+
+    @classmethod
+    def decode(cls, text: str, n: int) -> PlanInputs:
+        """The inputs :meth:`encode` gave ``text`` for ``n`` items.
+
+        Raises:
+            ConfigError: ``text`` is not what :meth:`encode` gives for ``n`` items.
+        """
+        if not text:
+            return cls()
+        head, *fields = text.split(";")
+        if head != PLAN_FORMAT:
+            raise _bad_plan(f"it starts with {head[:20]!r}, not {PLAN_FORMAT!r}")
+        found: dict[str, np.ndarray] = {}
+        for field in fields:
+            name, _, packed = field.partition("=")
+            if name not in ("blocks", "lengths") or name in found:
+                raise _bad_plan(f"it has a field {name[:20]!r}")
+            found[name] = _unpacked(packed, n)
+        if "blocks" in found and (found["blocks"] < 0).any():
+            raise _bad_plan("it gives an item a negative block")
+        return cls(found.get("blocks"), found.get("lengths"))
+
+
+def _packed(values: np.ndarray) -> str:
+    """``values`` (ints) as ``dtype:base64(zlib(bytes))``, in the smallest type that holds them."""
+    lo, hi = (int(values.min()), int(values.max())) if len(values) else (0, 0)
+    dtype = np.result_type(np.min_scalar_type(lo), np.min_scalar_type(hi)).newbyteorder("<")
+    raw = np.ascontiguousarray(values, dtype=dtype).tobytes()
+    return f"{dtype.str}:{base64.b64encode(zlib.compress(raw, 9)).decode('ascii')}"
+
+
+def _unpacked(packed: str, n: int) -> np.ndarray:
+    """The ``n`` ints :func:`_packed` wrote, as int64."""
+    dtype, _, data = packed.partition(":")
+    if dtype not in _PLAN_DTYPES:
+        raise _bad_plan(f"an array's type is {dtype[:20]!r}")
+    try:
+        raw = zlib.decompress(base64.b64decode(data, validate=True))
+    except (binascii.Error, zlib.error, ValueError) as e:
+        raise _bad_plan(f"an array does not decode ({e})") from None
+    width = np.dtype(dtype).itemsize
+    if len(raw) != n * width:
+        raise _bad_plan(f"an array has {len(raw) // width} items, and this dataset {n}")
+    return np.frombuffer(raw, dtype=dtype).astype(np.int64)
+
+
+def _bad_plan(why: str) -> ConfigError:
+    return ConfigError(
+        f"not a loader's or sampler's state: its 'plan' is not one ({why}); pass what "
+        "state_dict() returned, to one over the same dataset"
+    )
+
+
 def _shuffled(batches: list[list[int]], rng: np.random.Generator | None) -> list[list[int]]:
     return batches if rng is None else [batches[j] for j in rng.permutation(len(batches))]
 
 
-def _given(values: Sequence[int] | None, name: str, n: int) -> Sequence[int]:
+def _given(values: Ints | None, name: str, n: int) -> Ints:
     if values is None or len(values) != n:
         raise ConfigError(f"this order needs each of the {n} items' {name}")
     return values
@@ -238,7 +376,7 @@ def _rng(seed: int, epoch: int, salt: int) -> np.random.Generator:
     return np.random.default_rng([seed, epoch, salt])
 
 
-def block_windows(shards: Sequence[int], seed: int, epoch: int, window: int) -> list[list[int]]:
+def block_windows(shards: Ints, seed: int, epoch: int, window: int) -> list[list[int]]:
     """Items grouped by shard, the shards in a random order, ``window`` shards at a time, the
     items of each window shuffled together (items not stored, shard -1, are one more block)."""
     sid = np.asarray(shards, dtype=np.int64)
@@ -255,7 +393,7 @@ def block_windows(shards: Sequence[int], seed: int, epoch: int, window: int) -> 
 
 
 def block_plan(
-    windows: Sequence[Sequence[int]], batches: Sequence[Sequence[int]], shards: Sequence[int]
+    windows: Sequence[Sequence[int]], batches: Sequence[Sequence[int]], shards: Ints
 ) -> list[list[int]]:
     """The shards a rank reads, window by window, in its reading order: ``batches`` cut where
     an item's window (of the epoch's ``windows``) changes, each run's shards in their first
@@ -313,7 +451,7 @@ def _has_follower(dataset: object) -> bool:
 
 def frame_batches(
     items: Sequence[int],
-    lengths: Sequence[int],
+    lengths: Ints,
     budget: int,
     rng: np.random.Generator | None,
     max_items: int | None = None,

@@ -765,3 +765,177 @@ def test_two_gloo_ranks_resume_their_own_epochs_and_even_batches_false_repeats_n
             assert counts[0] == counts[1] and set(seen) == set(range(n)), name
     assert [sum(map(len, r["epochs"][0])) for r in report["uneven"]] == [8, 7]
     assert [sum(map(len, r["epochs"][0])) for r in report["items"]] == [8, 8]
+
+
+# == test_loader_resume_after_the_store_changed ===================================================
+# Round four, item 5: an epoch by block or by length is planned from the store's placement (each
+# item's shard, each item's length). A build, a gc or the write-back of misses moves items between
+# shards (gc can drop them), so an epoch resumed after one of those and re-planned from today's
+# placement repeated some items and skipped others (7 of 18 each). The state now carries the
+# placement the epoch was planned from: the rest of the epoch is exactly what the first run did
+# not serve, every item equal to the encoder run now.
+
+
+@pytest.fixture
+def parts(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """18 clips in three folders of 6 (audio/part0..part2), a TinyConvEncoder, a store path."""
+    from featbake.testing import TinyConvEncoder, save_torchscript
+
+    write_audio_folder(tmp_path / "audio", 18, seconds=(0.3, 1.0), subdirs=3, seed=4)
+    enc = save_torchscript(TinyConvEncoder(), tmp_path / "encoder.pt")
+    return tmp_path / "audio", enc, tmp_path / "store"
+
+
+def _served(batches: list[tuple]) -> list[int]:
+    return [int(i) for *_, labels in batches for i in labels]
+
+
+def _assert_live(batches: list[tuple], ds: CachedFeatureDataset, encoder: Path) -> None:
+    for padded, lengths, labels in batches:
+        for row, n, i in zip(padded, lengths, labels, strict=True):
+            want = live_features(encoder, Path(ds.path(int(i))))
+            torch.testing.assert_close(row[:n], want, rtol=1e-5, atol=1e-5)
+
+
+def _compact(store: Path) -> None:
+    """gc rewriting every shard into one (every item moves)."""
+    from featbake.upkeep import GcOptions
+    from featbake.upkeep.gc import gc
+
+    gc(store, GcOptions(compact_below=1.0, merge_small=True, grace=0, shard_bytes=1 << 20))
+
+
+def _change_three_ways(audio: Path, encoder: Path, store: Path) -> None:
+    """The store changes three ways before the run resumes: misses of part2 encoded and written
+    back by a dataset with misses enabled, a build adding the rest of part2, gc moving every
+    item into one shard."""
+    other = CachedFeatureDataset(audio / "part2", encoder, cache=store)
+    for i in range(3):
+        other[i]
+    other.flush()
+    build(audio, encoder, cache=store, workers=0, shard_bytes=4096)
+    _compact(store)
+
+
+@pytest.mark.parametrize(
+    "kw", [{"batch_size": 2, "shuffle": "blocks", "window": 2}, {"batch_size": 2}]
+)
+def test_an_epoch_resumed_after_write_back_a_build_and_gc_serves_each_item_once(
+    parts: tuple[Path, Path, Path], kw: dict
+) -> None:
+    audio, enc, store = parts
+    for part in ("part0", "part1"):  # part2 is not stored: its items are misses
+        build(audio / part, enc, cache=store, workers=0, shard_bytes=4096)
+    ds = CachedFeatureDataset(audio, enc, cache=store)
+    before = ds.placement().shards.tolist()
+    first = FeatureLoader(StackDataset(ds, torch.arange(len(ds))), seed=5, **kw)
+    head = _epoch(first, 4)  # preempted after 4 of the epoch's 9 batches
+    state = json.loads(json.dumps(first.state_dict()))
+    _change_three_ways(audio, enc, store)
+    again_ds = CachedFeatureDataset(audio, enc, cache=store, on_miss="error")
+    assert again_ds.placement().shards.tolist() != before
+    again = FeatureLoader(StackDataset(again_ds, torch.arange(len(again_ds))), **kw)
+    again.load_state_dict(state)
+    rest = _epoch(again)
+    assert sorted(_served(head) + _served(rest)) == list(range(18))  # each item once
+    _assert_live(head, ds, enc)
+    _assert_live(rest, again_ds, enc)
+    assert sorted(_served(_epoch(again))) == list(range(18))  # the next epoch: today's plan
+
+
+@pytest.mark.parametrize(
+    "kw", [{"batch_frames": 300}, {"batch_frames": 300, "shuffle": "blocks", "window": 2}]
+)
+def test_an_epoch_by_length_resumed_after_gc_moved_and_dropped_items_serves_each_once(
+    parts: tuple[Path, Path, Path], kw: dict
+) -> None:
+    """gc compacts every shard, then evicts half the bytes: the dropped items have no length
+    in the catalog now, and the rest of the epoch serves them encoded live, in its order."""
+    from featbake.upkeep import GcOptions
+    from featbake.upkeep.gc import gc
+
+    audio, enc, store = parts
+    build(audio, enc, cache=store, workers=0, shard_bytes=4096)
+    ds = CachedFeatureDataset(audio, enc, cache=store)
+    first = FeatureLoader(StackDataset(ds, torch.arange(len(ds))), seed=6, **kw)
+    total = len(first)
+    head = _epoch(first, total // 2)
+    state = json.loads(json.dumps(first.state_dict()))
+    _compact(store)
+    budget = sum(p.stat().st_size for p in (store / "shards").glob("*/*.safetensors")) // 2
+    gc(store, GcOptions(max_bytes=budget, grace=0))
+    again_ds = CachedFeatureDataset(audio, enc, cache=store)
+    assert (again_ds.placement().lengths < 0).any()  # some items dropped
+    again = FeatureLoader(StackDataset(again_ds, torch.arange(len(again_ds))), **kw)
+    again.load_state_dict(state)
+    assert len(again) == total
+    rest = _epoch(again)
+    assert len(head) + len(rest) == total
+    assert sorted(_served(head) + _served(rest)) == list(range(18))
+    _assert_live(head, ds, enc)
+    _assert_live(rest, again_ds, enc)
+
+
+def test_a_state_without_its_epochs_placement_is_refused_part_way_and_not_at_the_start(
+    resumable: CachedFeatureDataset,
+) -> None:
+    kw: dict = {"batch_size": 2, "shuffle": "blocks", "window": 2}
+    first = FeatureLoader(resumable, seed=1, **kw)
+    whole = _epoch(FeatureLoader(resumable, seed=1, **kw))
+    _epoch(first, 3)
+    state = first.state_dict()
+    assert state["plan"].startswith("plan1;blocks=")
+    old = {k: v for k, v in state.items() if k != "plan"}  # as an older featbake saved it
+    with pytest.raises(ConfigError, match="start the epoch over") as e:
+        FeatureLoader(resumable, **kw).load_state_dict(old)
+    assert "\n" not in str(e.value)
+    again = FeatureLoader(resumable, **kw)
+    again.load_state_dict({**old, "position": 0})
+    _same(_epoch(again), whole)
+    not_a_state = r"not a (FeatureLoader|loader's or sampler's) state"
+    for bad in ("plan0;x", "plan1;blocks=<u2:AAAA", "plan1;lengths=<i8:" + "A" * 8, 7):
+        with pytest.raises(ConfigError, match=not_a_state):
+            FeatureLoader(resumable, **kw).load_state_dict({**state, "plan": bad})
+    items = FeatureLoader(resumable, batch_size=2, seed=1)  # a plain shuffle needs none
+    _epoch(items, 3)
+    assert items.state_dict()["plan"] == ""
+
+
+def test_a_block_sampler_loaded_after_the_store_changed_yields_the_rest_of_its_epoch(
+    parts: tuple[Path, Path, Path],
+) -> None:
+    """DataLoader users: a BlockSampler made after a write-back, a build and gc that loads the
+    state of the one before yields the rest of that epoch (``yielded`` counts the indices
+    handed out, as torchdata's StatefulDistributedSampler), then the epochs the first would."""
+    audio, enc, store = parts
+    for part in ("part0", "part1"):
+        build(audio / part, enc, cache=store, workers=0, shard_bytes=4096)
+    ds = CachedFeatureDataset(audio, enc, cache=store)
+    labelled = StackDataset(ds, torch.arange(len(ds)))
+    sampler = BlockSampler(labelled, seed=5, window=2)
+    sampler.set_epoch(1)
+    whole = list(sampler)
+    sampler.set_epoch(2)
+    after = list(sampler)
+    sampler.set_epoch(1)
+    loader = DataLoader(labelled, 2, sampler=sampler, collate_fn=pad_collate)
+    head = _served(list(itertools.islice(loader, 4)))
+    state = json.loads(json.dumps(sampler.state_dict()))
+    assert (state["epoch"], state["yielded"]) == (1, 8) and head == whole[:8]
+    _change_three_ways(audio, enc, store)
+    again_ds = CachedFeatureDataset(audio, enc, cache=store, on_miss="error")
+    again_labelled = StackDataset(again_ds, torch.arange(len(again_ds)))
+    fresh = BlockSampler(again_labelled, seed=5, window=2)
+    fresh.set_epoch(1)
+    assert list(fresh) != whole  # planned from today's placement: another order
+    fresh.load_state_dict(state)
+    fresh.set_epoch(1)
+    rest = list(DataLoader(again_labelled, 2, sampler=fresh, collate_fn=pad_collate))
+    assert head + _served(rest) == whole and sorted(whole) == list(range(18))
+    _assert_live(rest, again_ds, enc)
+    fresh.set_epoch(2)
+    assert list(fresh) == after  # the epochs after it: the first sampler's
+    with pytest.raises(ConfigError, match="another order"):
+        BlockSampler(again_labelled, seed=5, window=3).load_state_dict(state)
+    with pytest.raises(ConfigError, match="not a BlockSampler state"):
+        fresh.load_state_dict({**state, "plan": 3})

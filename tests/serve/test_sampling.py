@@ -7,12 +7,14 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from featbake.serve.sampling import (
     EpochPlan,
     Order,
+    PlanInputs,
     Shuffle,
     block_plan,
     block_windows,
@@ -169,3 +171,58 @@ def test_a_block_plan_names_each_windows_shards_in_reading_order(
     assert all(len(run) <= order.window for run in want)
     plain = Order(**{**order.__dict__, "shuffle": Shuffle.ITEMS})
     assert plain.block_plan(epoch, batches, shards) is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(frame_orders(), st.booleans(), st.integers(0, 3), st.data())
+def test_a_resumed_epoch_is_the_uninterrupted_remainder_whatever_the_placement_is_now(
+    drawn: tuple[Order, list[int], list[int]], by_length: bool, epoch: int, data: st.DataObject
+) -> None:
+    """Round four, item 5: the rest of an epoch is planned from the placement it started with,
+    carried in the state as a string, whatever the store's placement is when it resumes: the
+    batches served before the cut and those after it are the uninterrupted epoch's."""
+    order, lengths, shards = drawn
+    if not by_length:
+        order = Order(**{**order.__dict__, "batch_frames": None})
+    whole = order.batches(epoch, lengths, shards)
+    cut = data.draw(st.integers(0, len(whole)))
+    saved = order.inputs(lengths, shards).encode()
+    assert saved.isascii() and (saved == "") == (not order.needs_placement())
+    # The store changed since (a build, gc or write-back moved items): the plan does not take
+    # today's placement, only the hints to a bucket store name where the items are now.
+    now_shards = data.draw(st.lists(st.integers(-1, 9), min_size=order.n, max_size=order.n))
+    inputs = PlanInputs.decode(saved, order.n)
+    rest = order.plan(epoch, inputs)[cut:]
+    assert whole[:cut] + rest == whole
+    served = Counter(i for b in whole[:cut] + rest for i in b)
+    assert served == Counter(i for b in whole for i in b)
+    if order.shuffle is Shuffle.BLOCKS and not by_length:  # the hints name the shards now
+        hints = order.block_plan(epoch, rest, now_shards, inputs)
+        windows = block_windows(inputs.blocks, order.seed, epoch, order.window)  # type: ignore[arg-type]
+        assert hints == block_plan(windows, rest, now_shards)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-1, 2**40), max_size=80), st.integers(0, 2**31 - 1), st.integers(1, 4))
+def test_blocks_by_shard_rank_give_the_windows_of_the_shard_ids(
+    shards: list[int], seed: int, window: int
+) -> None:
+    """A state carries each item's block as its shard's rank (small ints, whatever the ids): the
+    windows are those of the ids themselves."""
+    order = Order(len(shards), 2, Shuffle.BLOCKS, seed, window=window)
+    blocks = PlanInputs.decode(order.inputs(shards=shards).encode(), len(shards)).blocks
+    assert blocks is not None and blocks.max(initial=0) < max(len(set(shards)), 1)
+    for epoch in range(2):
+        want = block_windows(shards, seed, epoch, window)
+        assert block_windows(blocks, seed, epoch, window) == want
+
+
+def test_a_placement_built_in_order_is_a_short_string() -> None:
+    """A million items in 4,000 shards built in order, each 50-1500 frames long."""
+    n = 1_000_000
+    shards = np.repeat(np.arange(4000), n // 4000)
+    lengths = np.random.default_rng(0).integers(50, 1500, n)
+    blocks = Order(n, 32, Shuffle.BLOCKS, 0).inputs(shards=shards).encode()
+    both = Order(n, 32, Shuffle.BLOCKS, 0, batch_frames=4000).inputs(lengths, shards).encode()
+    print(f"blocks {len(blocks)} chars, blocks and lengths {len(both)} chars")
+    assert len(blocks) < 20_000 and len(both) < 2 * 2 * n  # lengths: ~11 bits each
