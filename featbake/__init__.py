@@ -8,6 +8,8 @@ Public API::
     featbake.CachedEncoder(encoder, cache=...)         # intercept a frozen encoder in-process
     featbake.ViewsDataset(data, encoder, views=...)    # baked image views (--views hflip)
     featbake.MixedDataset([ds_a, ds_b], weights=...)   # datasets mixed at set proportions
+    featbake.FeatureLoader(ds, batch_frames=...)       # batches read ahead on a thread
+    featbake.LengthBatchSampler(ds, batch_frames)      # batches by length for a DataLoader
     featbake.Recipe(sample_rate=16000, ...)            # preprocessing options, part of every key
 
 Names are imported on first use (PEP 562), so ``featbake --help`` does not pay for importing torch.
@@ -29,6 +31,7 @@ _EXPORTS = {
     "CachedFeatureDataset": "featbake.serve.dataset",
     "FeatureLoader": "featbake.serve.loader",
     "BlockSampler": "featbake.serve.loader",
+    "LengthBatchSampler": "featbake.serve.loader",
     "ServeStats": "featbake.serve.dataset",
     "ViewsDataset": "featbake.serve.views",
     "MixedDataset": "featbake.serve.mixing",
@@ -61,6 +64,7 @@ __all__ = [
     "EncoderLoadError",
     "FeatbakeError",
     "FeatureLoader",
+    "LengthBatchSampler",
     "MixedDataset",
     "PaddedBatch",
     "Recipe",
@@ -95,7 +99,7 @@ if TYPE_CHECKING:
     from featbake.serve.cached_encoder import CachedEncoder
     from featbake.serve.collate import PaddedBatch, pad_collate
     from featbake.serve.dataset import CachedFeatureDataset, ServeStats
-    from featbake.serve.loader import BlockSampler, FeatureLoader
+    from featbake.serve.loader import BlockSampler, FeatureLoader, LengthBatchSampler
     from featbake.serve.mixing import MixedDataset
     from featbake.serve.prefetch import DevicePrefetcher
     from featbake.serve.views import ViewsDataset

@@ -48,6 +48,7 @@ import dataclasses
 import itertools
 import queue
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -62,7 +63,15 @@ from featbake.serve.collate import BatchPool, pad_collate, pinned_batches, poole
 from featbake.serve.index import ItemPlacement
 from featbake.serve.prefetch import map_tensors
 from featbake.serve.reads import read_threads_at_most
-from featbake.serve.sampling import Order, PlanInputs, Shuffle, follow_blocks, shuffle_of
+from featbake.serve.sampling import (
+    Order,
+    PlanInputs,
+    Shuffle,
+    Stage,
+    follow_blocks,
+    shuffle_of,
+    too_long,
+)
 
 # == read_ahead ====================================================================================
 # What the loader asks of its dataset, reached through ``StackDataset`` and ``Subset``: the
@@ -154,15 +163,21 @@ def hint_of(dataset: Any) -> Callable[[list[int]], int] | None:
     return None
 
 
-def placement_of(dataset: Any) -> ItemPlacement | None:
+def placement_of(dataset: Any, epoch: int | None = None) -> ItemPlacement | None:
     """Each item's length and shard as the catalog holds them (no feature read), through
-    ``StackDataset`` (its first member that knows) and ``Subset``; None when none knows."""
+    ``StackDataset`` (its first member that knows) and ``Subset``; None when none knows.
+
+    ``epoch``: for a dataset that draws its items per epoch (it has ``set_epoch``, as a
+    :class:`~featbake.MixedDataset`), that epoch's placement, without drawing it: a loader
+    plans an epoch (or ``len()`` of the next) while its reader thread reads the current one.
+    """
     placement = getattr(dataset, "placement", None)
     if callable(placement):
-        found: ItemPlacement = placement()
+        per_epoch = epoch is not None and callable(getattr(dataset, "set_epoch", None))
+        found: ItemPlacement = placement(epoch) if per_epoch else placement()
         return found
     if isinstance(dataset, Subset):
-        inner = placement_of(dataset.dataset)
+        inner = placement_of(dataset.dataset, epoch)
         if inner is None:
             return None
         idx = np.asarray(dataset.indices, dtype=np.int64)
@@ -170,9 +185,59 @@ def placement_of(dataset: Any) -> ItemPlacement | None:
     if isinstance(dataset, StackDataset):
         members = dataset.datasets
         for m in members.values() if isinstance(members, dict) else members:
-            if (inner := placement_of(m)) is not None:
+            if (inner := placement_of(m, epoch)) is not None:
                 return inner
     return None
+
+
+def _members(dataset: StackDataset) -> list[Any]:
+    members = dataset.datasets
+    return list(members.values() if isinstance(members, dict) else members)
+
+
+def set_epoch_of(dataset: Any, epoch: int) -> None:
+    """Tell the dataset which epoch is read (a :class:`~featbake.MixedDataset` draws its
+    items per epoch): its ``set_epoch``, or its members' through ``StackDataset`` and
+    ``Subset``. A loader calls it before planning each epoch: the epoch's placement is the
+    dataset's of that epoch."""
+    setter = getattr(dataset, "set_epoch", None)
+    if callable(setter):
+        setter(epoch)
+    elif isinstance(dataset, Subset):
+        set_epoch_of(dataset.dataset, epoch)
+    elif isinstance(dataset, StackDataset):
+        for m in _members(dataset):
+            set_epoch_of(m, epoch)
+
+
+def fingerprint_of(dataset: Any) -> str:
+    """The dataset's own ``fingerprint()`` (a mixture's datasets' lengths, weights, items per
+    epoch and seed), reached through ``StackDataset`` and ``Subset``; "" when none has one.
+    A loader folds it into its state's fingerprint: a state of another mixture is refused."""
+    fingerprint = getattr(dataset, "fingerprint", None)
+    if callable(fingerprint):
+        return str(fingerprint())
+    if isinstance(dataset, Subset):
+        return fingerprint_of(dataset.dataset)
+    if isinstance(dataset, StackDataset):
+        return next((f for f in map(fingerprint_of, _members(dataset)) if f), "")
+    return ""
+
+
+def warn_too_long(inputs: PlanInputs, budget: int | None) -> bool:
+    """Warn (one line) when items are longer than ``budget`` frames: each is read as a batch
+    of its own. Whether it warned."""
+    if budget is None or inputs.lengths is None:
+        return False
+    count, longest = too_long(inputs.lengths, budget)
+    if count:
+        warnings.warn(
+            f"{count} items are longer than batch_frames={budget} (the longest has {longest} "
+            f"frames): each is read as a batch of its own; give batch_frames at least "
+            f"{longest} to batch them",
+            stacklevel=4,  # the user's iter(), len() or DataLoader
+        )
+    return bool(count)
 
 
 # == resume ========================================================================================
@@ -186,8 +251,8 @@ def placement_of(dataset: Any) -> ItemPlacement | None:
 # it are the uninterrupted loader's. The placement is the one of the epoch's start, not the
 # store's now: a build, a gc or the write-back of misses moves items between shards, and a
 # plan recomputed from where they are now is another order (issue "round four", item 5).
-#: The keys of a state and their types ("plan", the placement, is read on its own: states
-#: saved before it was kept lack it).
+#: The keys of a state and their types ("plan", the placement, and "resumed", the runs over
+#: other world sizes the epoch was resumed from, are read on their own: older states lack them).
 STATE_KEYS = {
     "epoch": int,
     "position": int,
@@ -207,16 +272,20 @@ class Progress:
     done: int
     total: int
     inputs: PlanInputs | None = None
+    stages: tuple[Stage, ...] = ()
 
 
 @dataclass(frozen=True)
 class Position:
-    """Where a loader stands: the epoch to read, its batches already handed out, and what that
-    epoch was planned from (None: planned when it starts, from the placement then)."""
+    """Where a loader stands: the epoch to read, its batches already handed out, what that
+    epoch was planned from (None: planned when it starts, from the placement then), and the
+    runs over other world sizes it was resumed from (each its world size and the batches each
+    of its ranks handed out: :meth:`Order.plan` shares out the rest)."""
 
     epoch: int
     done: int
     inputs: PlanInputs | None = None
+    stages: tuple[Stage, ...] = ()
 
 
 @dataclass
@@ -243,14 +312,20 @@ class Resume:
             return self.pending.inputs
         return None
 
+    def stages_for(self, epoch: int) -> tuple[Stage, ...]:
+        """The runs over other world sizes epoch ``epoch`` resumes from (none unless loaded)."""
+        if self.pending is not None and self.pending.epoch == epoch:
+            return self.pending.stages
+        return ()
+
     def start(self, epoch: int, total: int, inputs: PlanInputs | None = None) -> int:
         """Epoch ``epoch`` (``total`` batches, planned from ``inputs``) starts: how many of its
         batches to skip."""
-        skip = 0
+        skip, stages = 0, self.stages_for(epoch)
         if self.pending is not None and self.pending.epoch == epoch:
             skip = min(self.pending.done, total)
         self.pending = None
-        self.current = Progress(epoch, skip, total, inputs)
+        self.current = Progress(epoch, skip, total, inputs, stages)
         return skip
 
     def handed_out(self) -> None:
@@ -264,34 +339,72 @@ class Resume:
             return self.pending
         c = self.current
         if c is not None and c.epoch == next_epoch - 1 and c.done < c.total:
-            return Position(c.epoch, c.done, c.inputs)
+            return Position(c.epoch, c.done, c.inputs, c.stages)
         return Position(next_epoch, 0)
+
+    def within(self, epoch: int) -> Position:
+        """The position to save for a sampler on epoch ``epoch`` (which it does not leave by
+        itself): the batches of it handed out, all of them once it is read."""
+        c = self.current
+        if self.pending is None and c is not None and c.epoch == epoch:
+            return Position(c.epoch, c.done, c.inputs, c.stages)
+        return self.pending or Position(epoch, 0)
+
+    @staticmethod
+    def saved(order: Order, at: Position) -> dict[str, Any]:
+        """The state to save at ``at`` (see :meth:`FeatureLoader.state_dict`)."""
+        plan = "" if at.inputs is None else at.inputs.encode()
+        return {"epoch": at.epoch, "position": at.done, "seed": order.seed, "rank": order.rank,
+                "world_size": order.world, "fingerprint": order.fingerprint(), "plan": plan,
+                "resumed": [list(stage) for stage in at.stages]}  # fmt: skip
 
     def load(self, order: Order, state: Any) -> tuple[Order, int]:
         """Take ``state``: the order with its seed, and the epoch to read next.
 
+        A state saved over another world size (by any rank, at the step the run stopped)
+        resumes its epoch over this one: the items (batches, by length) its ranks had not read
+        are shared out over this run's ranks (:func:`~featbake.serve.sampling.rest_of_epoch`).
+
         Raises:
-            ConfigError: not a state, another world size, options that shape another order,
-                or a state part way through an epoch by length or by block that lacks the
+            ConfigError: not a state, options (or a mixture) that shape another order, or a
+                state part way through an epoch by length or by block that lacks the
                 placement the epoch was planned from.
         """
         checked = _checked(state)
-        if checked["world_size"] != order.world:
-            raise ConfigError(
-                f"this loader state was saved over {checked['world_size']} ranks and this run "
-                f"has {order.world}: resume on {checked['world_size']} ranks (another world "
-                "size splits every epoch differently), or start without load_state_dict"
-            )
+        saved_world = checked["world_size"]
         order = dataclasses.replace(order, seed=checked["seed"])
-        if order.fingerprint() != checked["fingerprint"]:
+        as_saved = dataclasses.replace(order, world=saved_world, rank=0)
+        if as_saved.fingerprint() != checked["fingerprint"]:
             raise ConfigError(
                 "this loader state was saved with options that give another order (batch_size, "
-                "batch_frames, shuffle, window, drop_last, even_batches, or a dataset of "
-                "another length): make the loader with the arguments of the saved run"
+                "batch_frames, shuffle, window, drop_last, even_batches, a dataset of another "
+                "length, or a MixedDataset of other datasets, weights, epoch_items or seed): "
+                "make the loader with the arguments of the saved run"
             )
-        self.pending = Position(checked["epoch"], checked["position"], _inputs(order, checked))
+        stages, done = _stages(checked), checked["position"]
+        if saved_world != order.world and done:
+            stages, done = (*stages, (saved_world, done)), 0
+        inputs = _inputs(order, checked)
+        self.pending = Position(checked["epoch"], done, inputs, stages)
         self.current = None
         return order, checked["epoch"]
+
+
+def _stages(state: dict[str, Any]) -> tuple[Stage, ...]:
+    """The state's ``resumed`` runs (none in a state saved before they were kept)."""
+    runs = state.get("resumed", [])
+    ok = isinstance(runs, list) and all(
+        isinstance(r, list | tuple)
+        and len(r) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in r)
+        and r[0] >= 1
+        for r in runs
+    )
+    if not ok:
+        raise ConfigError(
+            f"not a FeatureLoader state: 'resumed' is {runs!r}; pass what state_dict() returned"
+        )
+    return tuple((int(w), int(d)) for w, d in runs)
 
 
 def _inputs(order: Order, state: dict[str, Any]) -> PlanInputs | None:
@@ -307,7 +420,7 @@ def _inputs(order: Order, state: dict[str, Any]) -> PlanInputs | None:
         raise ConfigError(
             f"not a FeatureLoader state: 'plan' is {text!r}; pass what state_dict() returned"
         )
-    if not order.needs_placement() or state["position"] == 0:
+    if not order.needs_placement() or (state["position"] == 0 and not state.get("resumed")):
         return None
     if not text:
         raise ConfigError(
@@ -484,6 +597,128 @@ class BlockSampler(Sampler[int]):
         self._pending = Position(checked["epoch"], checked["yielded"])
 
 
+class LengthBatchSampler(Sampler[list[int]]):
+    """Batches by length for ``DataLoader(batch_sampler=...)`` and torchdata's
+    ``StatefulDataLoader``: what ``FeatureLoader(ds, batch_frames=...)`` reads, as lists of
+    indices.
+
+    Items of similar length go together, each batch's padded size (items x longest) at most
+    ``batch_frames`` frames and at most ``batch_size`` items when given, planned from each
+    item's length as the catalog holds it (``ds.placement().lengths``: rows of the stored
+    features; nothing is read). An item longer than ``batch_frames`` is a batch of its own
+    (one warning says how many), as lhotse's samplers do.
+
+    Args:
+        dataset: a :class:`~featbake.CachedFeatureDataset` or :class:`~featbake.MixedDataset`
+            (or one in a ``StackDataset`` or ``Subset``).
+        batch_frames: the padded size a batch stays within, in frames (time steps).
+        batch_size: at most this many items a batch.
+        shuffle: a new order each epoch (``seed`` and the epoch); False: batches in length
+            order.
+        seed: the order's seed (the same on every rank).
+        rank, world_size: this process's share (whole batches), as ``DistributedSampler``.
+        drop_last: over several ranks, drop the batches that do not divide evenly instead of
+            repeating the first ones.
+        even_batches: False reads each batch once, ranks taking one batch more than others.
+
+    Each epoch is planned when it starts, from the placement then (call :meth:`set_epoch`
+    before each, as with ``DistributedSampler``; it is handed on to a dataset that draws its
+    items per epoch). :meth:`state_dict` is a :class:`FeatureLoader`'s state (the epoch, the
+    batches handed out, the placement it was planned from): a new sampler that loads it yields
+    the rest of that epoch, even over another world size (the rest shared out anew).
+
+    Example:
+        >>> sampler = LengthBatchSampler(ds, batch_frames=20_000, seed=0)  # doctest: +SKIP
+        >>> loader = StatefulDataLoader(  # doctest: +SKIP
+        ...     ds, batch_sampler=sampler, collate_fn=pad_collate
+        ... )
+        >>> for epoch in range(10):  # doctest: +SKIP
+        ...     sampler.set_epoch(epoch)
+        ...     for padded, lengths in loader: ...
+    """
+
+    def __init__(  # noqa: PLR0913 - the options FeatureLoader takes for batch_frames
+        self,
+        dataset: Any,
+        batch_frames: int,
+        *,
+        batch_size: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        drop_last: bool = False,
+        even_batches: bool = True,
+    ) -> None:
+        if batch_frames is None:
+            raise ConfigError("LengthBatchSampler needs batch_frames, a whole number from 1")
+        rank, world = rank_and_world(rank, world_size)
+        self._dataset = dataset
+        self._order = Order(
+            len(dataset), batch_size, shuffle_of(bool(shuffle)), seed, rank, world, drop_last,
+            even_batches, batch_frames, source=fingerprint_of(dataset),
+        )  # fmt: skip
+        self.epoch = 0
+        self._resume = Resume()
+        self._warned = False
+
+    def set_epoch(self, epoch: int) -> None:
+        """Plan epoch ``epoch`` next; a loaded state's rest holds only for its own epoch."""
+        self.epoch = epoch
+        self._resume.choose(epoch)
+        set_epoch_of(self._dataset, epoch)
+
+    def _planned(self) -> list[list[int]]:
+        """This rank's batches of the epoch: from the loaded state's placement when it
+        resumes that epoch, else from the dataset's now."""
+        inputs = self._resume.inputs_for(self.epoch)
+        if inputs is None:
+            placement = placement_of(self._dataset, self.epoch)
+            if placement is None:
+                raise ConfigError(
+                    "LengthBatchSampler needs a CachedFeatureDataset (or a MixedDataset of "
+                    "them, or one in a StackDataset or Subset), whose catalog knows each length"
+                )
+            inputs = self._order.inputs(placement.lengths)
+        self._warned = self._warned or warn_too_long(inputs, self._order.batch_frames)
+        self._inputs = inputs
+        return self._order.plan(self.epoch, inputs, self._resume.stages_for(self.epoch))
+
+    def __iter__(self) -> Iterator[list[int]]:
+        set_epoch_of(self._dataset, self.epoch)  # a mixture draws the epoch read
+        batches = self._planned()
+        skip = self._resume.start(self.epoch, len(batches), self._inputs)
+        return self._counted(batches[skip:])
+
+    def _counted(self, batches: list[list[int]]) -> Iterator[list[int]]:
+        """``batches``, each counted as handed out once the loader asks for it."""
+        for batch in batches:
+            self._resume.handed_out()
+            yield batch
+
+    def __len__(self) -> int:
+        """Batches in the epoch to plan next (its whole share, even when resumed part way)."""
+        return len(self._planned())
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the sampler stands, as :meth:`FeatureLoader.state_dict` (plain ints and
+        strings): the epoch, its batches handed out, the seed, the world size, a fingerprint
+        of the options and the placement the epoch was planned from."""
+        return self._resume.saved(self._order, self._resume.within(self.epoch))
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on from ``state`` (:meth:`state_dict` of a sampler with the same options over
+        the same dataset, or a :class:`FeatureLoader`'s with ``batch_frames``): the next
+        ``iter()`` yields the rest of its epoch.
+
+        Raises:
+            ConfigError: not such a state, or saved with options (or over a mixture) that
+                give another order.
+        """
+        self._order, self.epoch = self._resume.load(self._order, state)
+        set_epoch_of(self._dataset, self.epoch)
+
+
 def rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     """The rank and world size given, else torch.distributed's, else the whole dataset."""
     if rank is not None and world_size is not None:
@@ -615,11 +850,12 @@ class FeatureLoader:
         # Order checks batch_size, batch_frames, window, rank and world.
         self._order = Order(
             len(dataset), batch_size, shuffle_of(shuffle), seed, rank, world, drop_last,
-            even_batches, batch_frames, window,
+            even_batches, batch_frames, window, fingerprint_of(dataset),
         )  # fmt: skip
         self.epoch = 0
         self._resume = Resume()
         self._shards: list[int] | None = None  # each item's shard now, for a block order's plan
+        self._warned = False  # about items longer than batch_frames: once per loader
 
     @property
     def seed(self) -> int:
@@ -630,11 +866,13 @@ class FeatureLoader:
         a resumed epoch is kept when ``epoch`` is that epoch."""
         self.epoch = epoch
         self._resume.choose(epoch)
+        set_epoch_of(self.dataset, epoch)
 
     def __len__(self) -> int:
-        """Batches in the next epoch (the whole epoch, even when resumed part way)."""
-        if self._order.batch_frames is None:  # blocks too: a permutation, split alike
-            return self._order.item_plan(self.epoch).batch_count()
+        """Batches in the next epoch (the whole epoch, even when resumed part way; resumed
+        over another world size, this rank's share of the rest)."""
+        if self._order.batch_frames is None and not self._resume.stages_for(self.epoch):
+            return self._order.item_plan(self.epoch).batch_count()  # blocks too: split alike
         return len(self._batches(self.epoch)[0])
 
     def state_dict(self) -> dict[str, Any]:
@@ -650,11 +888,7 @@ class FeatureLoader:
             >>> state = {"model": model.state_dict(), "data": loader.state_dict()}  # doctest: +SKIP
             >>> loader.load_state_dict(state["data"])  # a new run, same arguments  # doctest: +SKIP
         """
-        at = self._resume.where(self.epoch)
-        o = self._order
-        plan = "" if at.inputs is None else at.inputs.encode()
-        return {"epoch": at.epoch, "position": at.done, "seed": o.seed, "rank": o.rank,
-                "world_size": o.world, "fingerprint": o.fingerprint(), "plan": plan}  # fmt: skip
+        return self._resume.saved(self._order, self._resume.where(self.epoch))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Go on from ``state`` (:meth:`state_dict` of a loader with the same arguments): the
@@ -671,10 +905,12 @@ class FeatureLoader:
                 by block and was saved without its placement (by an older featbake).
         """
         self._order, self.epoch = self._resume.load(self._order, state)
+        set_epoch_of(self.dataset, self.epoch)
 
     def __iter__(self) -> Iterator[Any]:
         epoch = self.epoch
         self.epoch += 1
+        set_epoch_of(self.dataset, epoch)  # a mixture draws the epoch read
         batches, inputs = self._batches(epoch)
         skip = self._resume.start(epoch, len(batches), inputs)
         plan = self._order.block_plan(epoch, batches[skip:], self._shards, inputs)
@@ -686,19 +922,22 @@ class FeatureLoader:
         state's placement for the epoch it resumes, else lengths and shards from the catalog
         now when the order needs them (no feature is read to plan an epoch)."""
         o = self._order
+        stages = self._resume.stages_for(epoch)
         if not o.needs_placement():
-            return o.batches(epoch), None
-        placement = placement_of(self.dataset)
+            return o.plan(epoch, PlanInputs(), stages), None
+        placement = placement_of(self.dataset, epoch)  # a mixture's: that epoch's
         if placement is None:
             raise ConfigError(
-                "batch_frames and shuffle='blocks' need a CachedFeatureDataset (or one in a "
-                "StackDataset or Subset), whose catalog knows each item's length and shard"
+                "batch_frames and shuffle='blocks' need a CachedFeatureDataset (or a "
+                "MixedDataset of them, or one in a StackDataset or Subset), whose catalog knows "
+                "each item's length and shard"
             )
         self._shards = placement.shards.tolist()  # where the items are now: what to fetch
         inputs = self._resume.inputs_for(epoch)
         if inputs is None:
             inputs = o.inputs(placement.lengths, placement.shards)
-        return o.plan(epoch, inputs), inputs
+        self._warned = self._warned or warn_too_long(inputs, o.batch_frames)
+        return o.plan(epoch, inputs, stages), inputs
 
     def _epoch(self, batches: list[list[int]], skip: int) -> Iterator[Any]:
         batches = batches[skip:]
@@ -845,6 +1084,7 @@ __all__ = [
     "SAMPLE",
     "WARM_STREAK",
     "FeatureLoader",
+    "LengthBatchSampler",
     "ReadAhead",
     "ReaderDied",
     "hint_of",

@@ -26,6 +26,8 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -157,6 +159,15 @@ class MixedDataset(Dataset):
         """Each dataset's share of an epoch (summing to 1)."""
         return self.plan.weights
 
+    def fingerprint(self) -> str:
+        """A digest of what draws the epochs (each dataset's length, the weights, items per
+        epoch, the seed): a loader folds it into its state's fingerprint, so a state saved
+        over another mixture is refused rather than resumed into other items."""
+        p = self.plan
+        shape = [list(p.lengths), list(p.weights), p.epoch_items, p.seed]
+        blob = json.dumps(shape, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
     def set_epoch(self, epoch: int) -> None:
         """Draw epoch ``epoch`` (a function of the seed and the epoch alone)."""
         if epoch != self.epoch:
@@ -204,9 +215,11 @@ class MixedDataset(Dataset):
                 started += hint(items)
         return started
 
-    def placement(self) -> ItemPlacement:
-        """Each position's length and shard this epoch, from the datasets that know (else -1),
-        each dataset's shard ids kept apart, so block orders group items per dataset."""
+    def placement(self, epoch: int | None = None) -> ItemPlacement:
+        """Each position's length and shard this epoch (or epoch ``epoch``, without drawing
+        it: a loader plans the next epoch while the current one is read), from the datasets
+        that know (else -1), each dataset's shard ids kept apart, so block orders group items
+        per dataset."""
         from featbake.serve.loader import placement_of
 
         per = [placement_of(d) for d in self.datasets]
@@ -216,7 +229,8 @@ class MixedDataset(Dataset):
             at += int(p.shards.max()) + 1 if p is not None and len(p.shards) else 0
         lengths = np.full(len(self), -1, dtype=np.int64)
         shards = np.full(len(self), -1, dtype=np.int64)
-        for i, (k, j) in enumerate(self._order):
+        order = self._order if epoch is None or epoch == self.epoch else self.plan.epoch(epoch)
+        for i, (k, j) in enumerate(order):
             p = per[k]
             if p is not None:
                 lengths[i] = p.lengths[j]

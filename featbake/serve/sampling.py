@@ -49,6 +49,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from functools import cached_property
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -58,6 +59,11 @@ from featbake.errors import ConfigError
 
 #: Each item's int (a shard id, a length), as a list or a numpy array.
 Ints = Sequence[int] | np.ndarray
+#: What ranks share out: an epoch's items (ints) or its batches (lists of ints).
+Unit = TypeVar("Unit")
+#: A resume over another world size: the world size a state was saved over and how many
+#: batches each of its ranks had handed out (see :func:`rest_of_epoch`).
+Stage = tuple[int, int]
 
 
 @dataclass(frozen=True)
@@ -174,6 +180,7 @@ class Order:
     even_batches: bool = True
     batch_frames: int | None = None
     window: int = 4
+    source: str = ""  # the dataset's own fingerprint (a MixedDataset's mixture), "" for none
 
     def __post_init__(self) -> None:
         for name in ("batch_frames", "window"):
@@ -184,8 +191,10 @@ class Order:
 
     def fingerprint(self) -> str:
         """A digest of what shapes the order (all but the seed and the rank): a state saved
-        under other options must not resume here."""
+        under other options, or over another mixture of datasets, must not resume here."""
         shape = {k: v for k, v in asdict(self).items() if k not in ("seed", "rank")}
+        if not self.source:  # an order over a plain dataset keeps the digest it always had
+            del shape["source"]
         blob = json.dumps(shape, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -242,16 +251,43 @@ class Order:
         only on the options, the seed and the epoch."""
         return self.shuffle is Shuffle.BLOCKS or self.batch_frames is not None
 
-    def plan(self, epoch: int, inputs: PlanInputs) -> list[list[int]]:
+    def plan(self, epoch: int, inputs: PlanInputs, stages: Sequence[Stage] = ()) -> list[list[int]]:
         """This rank's batches of epoch ``epoch``, planned from ``inputs`` (:meth:`inputs`):
-        a pure function of the options, the seed, the epoch and ``inputs``."""
-        plan = self.item_plan(epoch)
+        a pure function of the options, the seed, the epoch and ``inputs``. ``stages``: the
+        runs over other world sizes this epoch was resumed from (each its world size and the
+        batches each of its ranks handed out); this rank's batches are then its share of
+        the epoch's rest (:func:`rest_of_epoch`)."""
+        units = self.epoch_units(epoch, inputs)
+        if self.batch_frames is not None:
+            for world, done in stages:
+                units = self._rest(units, world, done)
+            return share_batches(units, self.rank, self.world, self.drop_last, self.even_batches)
+        if not stages:
+            return self.item_plan(epoch).batches(units)
+        size = self.item_plan(epoch).batch_size
+        for world, done in stages:
+            units = self._rest(units, world, done * size)
+        mine = share_batches(units, self.rank, self.world, self.drop_last, self.even_batches)
+        cut = [mine[i : i + size] for i in range(0, len(mine), size)]
+        if self.drop_last and cut and len(cut[-1]) < size:
+            cut.pop()
+        return cut
+
+    def _rest(self, units: list[Unit], world: int, done: int) -> list[Unit]:
+        rest = rest_of_epoch(len(units), world, done, self.even_batches, self.drop_last)
+        return [units[p] for p in rest]
+
+    def epoch_units(self, epoch: int, inputs: PlanInputs) -> list:
+        """The whole epoch before ranks share it out: its items in order (cut into batches of
+        ``batch_size`` after sharing), or with ``batch_frames`` its batches."""
         windows = None
         if self.shuffle is Shuffle.BLOCKS:
             blocks = _given(inputs.blocks, "shards", self.n)
             windows = block_windows(blocks, self.seed, epoch, self.window)
         if self.batch_frames is None:
-            return plan.batches([i for w in windows for i in w] if windows is not None else None)
+            if windows is not None:
+                return [i for w in windows for i in w]
+            return self.item_plan(epoch).order()
         lengths = _given(inputs.lengths, "lengths", self.n)
         rng = None if self.shuffle is Shuffle.NONE else _rng(self.seed, epoch, 1)
         cut: list[list[int]] = []
@@ -260,7 +296,7 @@ class Order:
             cut += _shuffled(part, rng) if windows is not None else part  # within its window
         if self.shuffle is Shuffle.ITEMS:
             cut = _shuffled(cut, rng)
-        return share_batches(cut, self.rank, self.world, self.drop_last, self.even_batches)
+        return cut
 
 
 #: What an encoded :class:`PlanInputs` starts with (its format's version).
@@ -460,10 +496,12 @@ def frame_batches(
 
     Sorted by length (with noise on log(length) when ``rng`` is given, so that each epoch's
     batches differ), then cut greedily: a batch ends where the next item would take it over
-    ``budget`` (or ``max_items``). Returns the batches in length order.
+    ``budget`` (or ``max_items``). An item longer than ``budget`` on its own is a batch of its
+    own (as lhotse's samplers do; the loaders warn, :func:`too_long`). Returns the batches in
+    length order.
 
     Raises:
-        ConfigError: an item is longer than ``budget`` on its own.
+        ConfigError: an item's length is not stored yet.
     """
     if not len(items):
         return []
@@ -474,11 +512,6 @@ def frame_batches(
             f"batch_frames needs each item's length from the store, and {(lens < 0).sum()} "
             "items are not stored yet: run `featbake build` on the data first (or read one "
             "epoch with batch_size, then ds.flush())"
-        )
-    if int(lens.max()) > budget:
-        raise ConfigError(
-            f"item {int(ix[lens.argmax()])} has {int(lens.max())} frames, more than "
-            f"batch_frames={budget}: give batch_frames at least {int(lens.max())}"
         )
     key = np.log(np.maximum(lens, 1).astype(np.float64))
     if rng is not None:
@@ -499,11 +532,11 @@ def frame_batches(
 
 
 def share_batches(
-    batches: list[list[int]], rank: int, world: int, drop_last: bool, even: bool
-) -> list[list[int]]:
-    """Rank ``rank``'s share of an epoch's batches: every ``world``-th from ``rank``; with
-    ``even`` every rank takes as many (the first batches repeated to even out, or with
-    ``drop_last`` the last ones dropped)."""
+    batches: list[Unit], rank: int, world: int, drop_last: bool, even: bool
+) -> list[Unit]:
+    """Rank ``rank``'s share of an epoch's batches (or items: DistributedSampler's rule):
+    every ``world``-th from ``rank``; with ``even`` every rank takes as many (the first
+    batches repeated to even out, or with ``drop_last`` the last ones dropped)."""
     if world == 1 or not batches:
         return batches
     if even and len(batches) % world:
@@ -513,3 +546,39 @@ def share_batches(
             pad = world - len(batches) % world
             batches = batches + (batches * math.ceil(pad / len(batches)))[:pad]
     return batches[rank::world]
+
+
+def too_long(lengths: Ints, budget: int) -> tuple[int, int]:
+    """How many items are longer than ``budget`` frames (each a batch of its own), and the
+    longest length (0 for none)."""
+    lens = np.asarray(lengths, dtype=np.int64)
+    return int((lens > budget).sum()), int(lens.max()) if len(lens) else 0
+
+
+def shared_length(n: int, world: int, even: bool, drop_last: bool) -> int:
+    """How many units (items, or batches by length) ``world`` ranks read of an epoch's ``n``
+    together (:func:`share_batches`): with ``even`` a multiple of ``world`` (the first ones
+    repeated, or with ``drop_last`` the last ones dropped), else ``n``."""
+    if world == 1 or not even or not n or n % world == 0:
+        return n
+    return (n // world) * world if drop_last else math.ceil(n / world) * world
+
+
+def rest_of_epoch(n: int, world: int, done: int, even: bool, drop_last: bool) -> list[int]:
+    """The positions of an epoch's ``n`` units that ``world`` ranks had not read once each
+    had read the first ``done`` units of its share, in order: what a resume over another
+    world size shares out anew.
+
+    Rank ``r`` reads positions ``r, r + world, ...`` of the shared sequence (a position past
+    ``n`` repeats position ``p % n``, one past the dropped tail is never read), so the first
+    ``done`` of every rank are the positions below ``done * world``.
+
+    Example:
+        >>> rest_of_epoch(7, world=2, done=2, even=True, drop_last=False)
+        [4, 5, 6]
+    """
+    total = shared_length(n, world, even, drop_last)
+    read = np.zeros(n, dtype=bool)
+    if n:
+        read[np.arange(min(done * world, total)) % n] = True
+    return [int(p) for p in np.flatnonzero(~read[: min(n, total)])]

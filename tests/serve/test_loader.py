@@ -527,13 +527,23 @@ def test_batch_frames_serve_every_item_once_equal_to_live(mixed: tuple[Path, Pat
     assert sorted(seen) == list(range(len(ds)))
 
 
-def test_batch_frames_refuse_an_item_over_budget_and_items_not_stored(
+def test_batch_frames_read_an_item_over_budget_alone_and_refuse_items_not_stored(
     mixed: tuple[Path, Path, Path], tmp_path: Path
 ) -> None:
+    """An item longer than batch_frames is a batch of its own, one warning saying how many
+    (as lhotse's samplers; before, the loader refused to start). Items not stored are refused."""
     audio, enc, store = mixed
     ds = CachedFeatureDataset(audio, enc, cache=store, on_miss="error")
-    with pytest.raises(ConfigError, match="more than batch_frames=100"):
-        list(FeatureLoader(ds, batch_frames=100))
+    lengths = ds.placement().lengths
+    budget = int(sorted(lengths)[-4])  # the three longest are over it
+    over = int((lengths > budget).sum())
+    loader = FeatureLoader(ds, batch_frames=budget, seed=3)
+    with pytest.warns(UserWarning, match=f"^{over} items are longer than batch_frames={budget}"):
+        batches = list(loader)
+    alone = [int(n[0]) for padded, n in batches if int(n.max()) > budget]
+    assert sorted(alone) == sorted(int(x) for x in lengths if x > budget)  # each on its own
+    assert sum(len(n) for _, n in batches) == len(ds)
+    assert all(p.shape[0] * p.shape[1] <= budget for p, n in batches if int(n.max()) <= budget)
     with pytest.warns(UserWarning, match="no featbake store"):
         fresh = CachedFeatureDataset(audio, enc, cache=tmp_path / "empty")  # nothing stored
     with pytest.raises(ConfigError, match="not stored yet"):
@@ -677,15 +687,16 @@ def test_a_state_from_other_ranks_or_options_is_refused(
     resumable: CachedFeatureDataset,
 ) -> None:
     state = FeatureLoader(resumable, batch_size=4, rank=0, world_size=2).state_dict()
-    with pytest.raises(ConfigError, match="saved over 2 ranks and this run has 1"):
-        FeatureLoader(resumable, batch_size=4).load_state_dict(state)
+    with pytest.raises(ConfigError, match="another order"):
+        FeatureLoader(resumable, batch_size=5).load_state_dict(state)  # and another world size
     with pytest.raises(ConfigError, match="another order"):
         FeatureLoader(resumable, batch_size=5, rank=1, world_size=2).load_state_dict(state)
     with pytest.raises(ConfigError, match="another order"):
         FeatureLoader(
             resumable, batch_size=4, rank=1, world_size=2, even_batches=False
         ).load_state_dict(state)
-    for bad in ({**state, "position": -1}, {**state, "epoch": "1"}, [1, 2]):
+    bad_runs = ({**state, "resumed": [[0, 1]]}, {**state, "resumed": "2"})
+    for bad in ({**state, "position": -1}, {**state, "epoch": "1"}, [1, 2], *bad_runs):
         with pytest.raises(ConfigError, match="state"):
             FeatureLoader(resumable, batch_size=4, rank=0, world_size=2).load_state_dict(bad)  # type: ignore[arg-type]
 
@@ -939,3 +950,117 @@ def test_a_block_sampler_loaded_after_the_store_changed_yields_the_rest_of_its_e
         BlockSampler(again_labelled, seed=5, window=3).load_state_dict(state)
     with pytest.raises(ConfigError, match="not a BlockSampler state"):
         fresh.load_state_dict({**state, "plan": 3})
+
+
+# == elastic resume ================================================================================
+# Round four: a state saved over one world size resumes over another. Each item the old ranks
+# had not read is shared out over the new ones (the first `position` batches of every old rank
+# are what was read: any rank's state says it, all being at the same step), so every item of
+# the epoch is read once across the runs with even_batches=False; with it, the only repeats are
+# those that even out each run's ranks. Before, such a state was refused.
+
+ELASTIC = [
+    {"batch_size": 3, "even_batches": False},
+    {"batch_frames": 150, "even_batches": False},
+    {"batch_size": 2, "shuffle": "blocks", "window": 2, "even_batches": False},
+    {"batch_frames": 150, "shuffle": "blocks", "window": 2, "even_batches": False},
+    {"batch_size": 3},
+    {"batch_frames": 150},
+]
+
+
+def _run(ds: object, world: int, kw: dict, state: dict | None, stop: int | None) -> tuple:
+    """``world`` ranks of epoch 1, each loading ``state`` (rank 0's of the run before) and
+    reading ``stop`` batches: the batches read, and each rank's state after."""
+    batches, states = [], []
+    for r in range(world):
+        loader = FeatureLoader(ds, seed=4, rank=r, world_size=world, **kw)
+        if state is not None:
+            loader.load_state_dict(state)
+        loader.set_epoch(1)
+        whole = len(loader)
+        got = _epoch(loader, stop)
+        assert stop is not None or len(got) == whole
+        batches += got
+        states.append(json.loads(json.dumps(loader.state_dict())))
+    return batches, states
+
+
+@pytest.mark.parametrize("kw", ELASTIC)
+def test_an_epoch_saved_over_two_ranks_resumes_over_three_then_one_reading_each_item_once(
+    resumable: CachedFeatureDataset, encoder_file: Path, kw: dict
+) -> None:
+    ds = StackDataset(resumable, torch.arange(len(resumable)))
+    first, states = _run(ds, 2, kw, None, 1)
+    second, states = _run(ds, 3, kw, states[0], 1)  # rank 0's: it has the most batches
+    assert (states[0]["epoch"], states[0]["resumed"], states[0]["world_size"]) == (1, [[2, 1]], 3)
+    third, _ = _run(ds, 1, kw, states[0], None)
+    read = _served(first) + _served(second) + _served(third)
+    if kw.get("even_batches", True):  # evened out: 2 and 3 ranks pad at most 1 and 2 units
+        assert set(read) == set(range(len(ds)))
+        unit = 3 if "batch_size" in kw else max(len(n) for _, n, _ in first + second + third)
+        assert len(read) - len(ds) <= 3 * unit
+    else:
+        assert sorted(read) == list(range(len(ds)))
+    _assert_live(second + third, resumable, encoder_file)
+    with pytest.raises(ConfigError, match="another order"):
+        other = FeatureLoader(ds, seed=4, rank=0, world_size=3, **{**kw, "drop_last": True})
+        other.load_state_dict(states[0])
+
+
+# == LengthBatchSampler ============================================================================
+# Round four: batches by length for DataLoader users, as FeatureLoader(batch_frames=) reads
+# them, resumed exactly through torchdata's StatefulDataLoader; an item longer than batch_frames
+# is a batch of its own with one warning (as lhotse), in the loader and the sampler alike.
+
+
+def test_a_length_batch_sampler_gives_the_loaders_batches_and_resumes_in_a_stateful_dataloader(
+    resumable: CachedFeatureDataset, encoder_file: Path
+) -> None:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from featbake import LengthBatchSampler
+
+    ds = StackDataset(resumable, torch.arange(len(resumable)))
+    kw = {"batch_size": 4, "seed": 6}
+    sampler = LengthBatchSampler(ds, 300, **kw)
+    sampler.set_epoch(1)
+    loader = FeatureLoader(ds, batch_frames=300, **kw)
+    loader.set_epoch(1)
+    whole = list(DataLoader(ds, batch_sampler=sampler, collate_fn=pad_collate))
+    _same(whole, _epoch(loader))
+    assert all(len(n) <= 4 and p.shape[0] * p.shape[1] <= 300 for p, n, _ in whole)
+    sampler.set_epoch(2)
+    after = list(sampler)
+    for stop in (0, 3, len(whole)):
+        first = LengthBatchSampler(ds, 300, **kw)
+        first.set_epoch(1)
+        stateful = StatefulDataLoader(ds, batch_sampler=first, collate_fn=pad_collate)
+        head = list(itertools.islice(stateful, stop))
+        state = json.loads(json.dumps(stateful.state_dict()))
+        again = LengthBatchSampler(ds, 300, **{**kw, "seed": 0})  # the state's seed wins
+        resumed = StatefulDataLoader(ds, batch_sampler=again, collate_fn=pad_collate)
+        resumed.load_state_dict(state)
+        rest = list(resumed)
+        _same(head + rest, whole)
+        _assert_live(rest, resumable, encoder_file)
+    again.set_epoch(2)
+    assert list(again) == after
+    with pytest.raises(ConfigError, match="another order"):
+        LengthBatchSampler(ds, 301, **kw).load_state_dict(first.state_dict())
+
+
+def test_a_sampler_reads_an_item_longer_than_batch_frames_alone_with_one_warning(
+    resumable: CachedFeatureDataset,
+) -> None:
+    from featbake import LengthBatchSampler
+
+    lengths = resumable.placement().lengths
+    budget = int(sorted(lengths)[-3])  # the two longest are over it
+    sampler = LengthBatchSampler(resumable, budget, seed=1)
+    with pytest.warns(UserWarning, match=f"^2 items are longer than batch_frames={budget}"):
+        batches = list(sampler)
+    assert sorted(i for b in batches for i in b) == list(range(len(resumable)))
+    for b in batches:
+        assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= budget
+    assert sum(1 for b in batches if max(lengths[i] for i in b) > budget) == 2

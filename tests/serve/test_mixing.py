@@ -3,6 +3,8 @@ epochs, and real stores mixed through DataLoader with every feature equal to the
 
 from __future__ import annotations
 
+import itertools
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -117,3 +119,86 @@ def test_two_stores_mixed_through_a_dataloader_serve_what_the_encoder_gives_now(
     shards_b = {int(s) for i, s in enumerate(placement.shards) if mixed.locate(i)[0] == 1}
     assert shards_a and shards_b and not shards_a & shards_b
     assert np.all(placement.lengths > 0)
+
+
+# -- through FeatureLoader: the epoch forwarded, resumed exactly, another mixture refused -----
+# Round four: FeatureLoader planned a MixedDataset's epoch e from the mixture's epoch 0 (it did
+# not forward its epoch), so its batches were not the mixture's epoch and a resumed epoch was
+# another; and a state saved over another mixture was taken. Each position's label is its
+# index in the epoch: the item served there must be the encoder's output, now, on the file
+# MixedDataset.locate names for that epoch.
+
+MIX_KINDS = [
+    {"batch_size": 3},
+    {"batch_frames": 200},
+    {"batch_size": 2, "shuffle": "blocks", "window": 1},
+    {"batch_frames": 200, "shuffle": "blocks", "window": 2},
+]
+
+
+@pytest.fixture
+def two_stores(tmp_path: Path, encoder_file: Path) -> tuple[Path, Path]:
+    """Two audio folders (6 and 4 clips of 0.3-0.8 s), each baked into its own store of a few
+    shards."""
+    for name, n, seed in (("a", 6, 4), ("b", 4, 5)):
+        write_audio_folder(tmp_path / name, n, seconds=(0.3, 0.8), seed=seed)
+        bake(tmp_path / name, encoder_file, tmp_path / f"store_{name}", shard_bytes=4096)
+    return tmp_path / "a", tmp_path / "b"
+
+
+def _mixture(folders: tuple[Path, Path], encoder: Path, weights: list[float]) -> MixedDataset:
+    """A new MixedDataset over new datasets of the two stores (as a restarted run makes)."""
+    sets = [
+        CachedFeatureDataset(f, encoder, cache=f.parent / f"store_{f.name}", on_miss="error")
+        for f in folders
+    ]
+    return MixedDataset(sets, weights=weights, epoch_items=14, seed=3)
+
+
+def _positions(batches: list) -> list[int]:
+    return [int(i) for *_, labels in batches for i in labels]
+
+
+def _assert_epoch_live(
+    batches: list, mixed: MixedDataset, epoch: int, encoder: Path, folders: tuple[Path, Path]
+) -> None:
+    live = Live()
+    mixed.set_epoch(epoch)
+    for padded, lengths, labels in batches:
+        for row, n, i in zip(padded, lengths, labels, strict=True):
+            k, j = mixed.locate(int(i))
+            want = live(encoder, folders[k] / mixed.datasets[k].path(j))
+            torch.testing.assert_close(row[:n], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kw", MIX_KINDS)
+def test_a_mixed_epoch_through_feature_loader_resumes_exactly_as_the_encoder_gives_it(
+    two_stores: tuple[Path, Path], encoder_file: Path, kw: dict
+) -> None:
+    from featbake import FeatureLoader
+
+    def loader(weights: list[float] = [1.0, 2.0]) -> FeatureLoader:  # noqa: B006
+        mixed = _mixture(two_stores, encoder_file, weights)
+        return FeatureLoader(StackDataset(mixed, torch.arange(len(mixed))), seed=5, **kw)
+
+    whole = loader()
+    epochs = [list(whole) for _ in range(2)]
+    probe = _mixture(two_stores, encoder_file, [1.0, 2.0])
+    for epoch, batches in enumerate(epochs):
+        assert sorted(_positions(batches)) == list(range(14))
+        _assert_epoch_live(batches, probe, epoch, encoder_file, two_stores)
+    for stop in (1, len(epochs[1]) // 2):
+        first = loader()
+        list(first)
+        head = list(itertools.islice(first, stop))  # epoch 1, preempted after `stop` batches
+        state = json.loads(json.dumps(first.state_dict()))
+        again = loader()
+        again.load_state_dict(state)
+        rest = list(again)
+        assert _positions(head + rest) == _positions(epochs[1])
+        for got, want in zip(head + rest, epochs[1], strict=True):
+            for a, b in zip(got, want, strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with pytest.raises(ConfigError, match="another order") as refused:
+        loader([2.0, 1.0]).load_state_dict(state)
+    assert "\n" not in str(refused.value) and "MixedDataset" in str(refused.value)

@@ -18,6 +18,8 @@ from featbake.serve.sampling import (
     Shuffle,
     block_plan,
     block_windows,
+    frame_batches,
+    rest_of_epoch,
     share_batches,
 )
 
@@ -226,3 +228,82 @@ def test_a_placement_built_in_order_is_a_short_string() -> None:
     both = Order(n, 32, Shuffle.BLOCKS, 0, batch_frames=4000).inputs(lengths, shards).encode()
     print(f"blocks {len(blocks)} chars, blocks and lengths {len(both)} chars")
     assert len(blocks) < 20_000 and len(both) < 2 * 2 * n  # lengths: ~11 bits each
+
+
+def _share(order: Order, world: int, epoch: int, inputs: PlanInputs, stages: tuple) -> list:
+    """Every rank's batches over ``world`` ranks (of the rest after ``stages``)."""
+    return [
+        Order(**{**order.__dict__, "rank": r, "world": world}).plan(epoch, inputs, stages)
+        for r in range(world)
+    ]
+
+
+@settings(max_examples=400, deadline=None)
+@given(frame_orders(), st.booleans(), st.integers(1, 5), st.integers(1, 5), st.data())
+def test_an_epoch_resumed_over_other_world_sizes_reads_each_item_once(
+    drawn: tuple[Order, list[int], list[int]],
+    by_length: bool,
+    world_b: int,
+    world_c: int,
+    data: st.DataObject,
+) -> None:
+    """Round four, elastic resume: ranks of one world size stop after ``cut`` batches each
+    (at the same step; a rank with fewer read them all), ranks of another share out the rest,
+    and maybe stop too and a third world size goes on. The batches read by all runs together
+    hold every item once with ``even_batches=False``; with it, every item at least once, the
+    repeats only those that even out each run's ranks; with ``drop_last``, no item twice."""
+    order, lengths, shards = drawn
+    if not by_length:
+        order = Order(**{**order.__dict__, "batch_frames": None})
+    epoch = data.draw(st.integers(0, 2))
+    inputs = order.inputs(lengths, shards)
+    stages: tuple = ()
+    read: list[int] = []
+    for world in (order.world, world_b, world_c):
+        ranks = _share(order, world, epoch, inputs, stages)
+        cut = data.draw(st.integers(0, max(map(len, ranks), default=0)))
+        if world == world_c:  # the last run reads to the end
+            cut = max(map(len, ranks), default=0)
+        read += [i for batches in ranks for b in batches[:cut] for i in b]
+        stages = (*stages, (world, cut))
+    counts = Counter(read)
+    assert set(counts) <= set(range(order.n))
+    if order.drop_last:
+        assert all(c == 1 for c in counts.values())
+    elif not order.even_batches:
+        assert counts == Counter(range(order.n))
+    else:
+        assert set(counts) == set(range(order.n))
+        unit = 1  # an item repeated, or by length the batch it is in
+        if order.batch_frames is not None:
+            unit = max((len(b) for b in order.epoch_units(epoch, inputs)), default=0)
+        assert sum(c - 1 for c in counts.values()) <= (world_b + world_c + order.world) * unit
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 50), st.integers(1, 6), st.integers(0, 60), st.booleans(), st.booleans())
+def test_the_rest_of_an_epoch_is_what_no_rank_read_in_order(
+    n: int, world: int, done: int, even: bool, drop_last: bool
+) -> None:
+    """The rest of an epoch of ``n`` units after ``world`` ranks read ``done`` each of their
+    shares (:func:`share_batches`) is exactly the units none of them read, in order."""
+    units = list(range(n))
+    read = {u for r in range(world) for u in share_batches(units, r, world, drop_last, even)[:done]}
+    reachable = {u for r in range(world) for u in share_batches(units, r, world, drop_last, even)}
+    rest = rest_of_epoch(n, world, done, even, drop_last)
+    assert rest == sorted(rest) and not read & set(rest)
+    assert read | set(rest) == reachable
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=40), st.integers(1, 200))
+def test_an_item_longer_than_the_budget_is_a_batch_of_its_own(
+    lengths: list[int], budget: int
+) -> None:
+    """As lhotse's samplers: an item over ``batch_frames`` is read alone (the loaders warn),
+    every other batch keeps the budget, every item once."""
+    batches = frame_batches(range(len(lengths)), lengths, budget, np.random.default_rng(0))
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for b in batches:
+        longest = max(lengths[i] for i in b)
+        assert len(b) * longest <= budget or len(b) == 1
