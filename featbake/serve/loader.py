@@ -361,9 +361,10 @@ class Resume:
     def load(self, order: Order, state: Any) -> tuple[Order, int]:
         """Take ``state``: the order with its seed, and the epoch to read next.
 
-        A state saved over another world size (by any rank, at the step the run stopped)
-        resumes its epoch over this one: the items (batches, by length) its ranks had not read
-        are shared out over this run's ranks (:func:`~featbake.serve.sampling.rest_of_epoch`).
+        A state saved over another world size (at the step the run stopped: rank 0's, which
+        has the most batches when they are uneven) resumes its epoch over this one: the items
+        (batches, by length) its ranks had not read are shared out over this run's ranks
+        (:func:`~featbake.serve.sampling.rest_of_epoch`).
 
         Raises:
             ConfigError: not a state, options (or a mixture) that shape another order, or a
@@ -668,7 +669,7 @@ class LengthBatchSampler(Sampler[list[int]]):
         self._resume.choose(epoch)
         set_epoch_of(self._dataset, epoch)
 
-    def _planned(self) -> list[list[int]]:
+    def _planned(self) -> tuple[list[list[int]], PlanInputs]:
         """This rank's batches of the epoch: from the loaded state's placement when it
         resumes that epoch, else from the dataset's now."""
         inputs = self._resume.inputs_for(self.epoch)
@@ -681,13 +682,12 @@ class LengthBatchSampler(Sampler[list[int]]):
                 )
             inputs = self._order.inputs(placement.lengths)
         self._warned = self._warned or warn_too_long(inputs, self._order.batch_frames)
-        self._inputs = inputs
-        return self._order.plan(self.epoch, inputs, self._resume.stages_for(self.epoch))
+        return self._order.plan(self.epoch, inputs, self._resume.stages_for(self.epoch)), inputs
 
     def __iter__(self) -> Iterator[list[int]]:
         set_epoch_of(self._dataset, self.epoch)  # a mixture draws the epoch read
-        batches = self._planned()
-        skip = self._resume.start(self.epoch, len(batches), self._inputs)
+        batches, inputs = self._planned()
+        skip = self._resume.start(self.epoch, len(batches), inputs)
         return self._counted(batches[skip:])
 
     def _counted(self, batches: list[list[int]]) -> Iterator[list[int]]:
@@ -698,7 +698,7 @@ class LengthBatchSampler(Sampler[list[int]]):
 
     def __len__(self) -> int:
         """Batches in the epoch to plan next (its whole share, even when resumed part way)."""
-        return len(self._planned())
+        return len(self._planned()[0])
 
     def state_dict(self) -> dict[str, Any]:
         """Where the sampler stands, as :meth:`FeatureLoader.state_dict` (plain ints and
@@ -764,7 +764,8 @@ class FeatureLoader:
     """An iterable over collated batches, read ahead on a thread of this process.
 
     Args:
-        dataset: a map-style dataset: a :class:`~featbake.CachedFeatureDataset`, or a
+        dataset: a map-style dataset: a :class:`~featbake.CachedFeatureDataset`, a
+            :class:`~featbake.MixedDataset` of several (told each epoch: ``set_epoch``), or a
             ``StackDataset`` of one with labels; anything with ``__getitems__`` or
             ``__getitem__`` and ``__len__``.
         batch_size: items per batch (default 32); with ``batch_frames``, at most this many.
@@ -774,7 +775,8 @@ class FeatureLoader:
             ``False``: the dataset's order.
         batch_frames: batches by length instead: items of similar length together, each
             batch's padded size (items x longest) at most this many frames (time steps), from
-            the lengths the catalog holds; every rank gets as many batches.
+            the lengths the catalog holds; every rank gets as many batches. An item longer
+            than this is a batch of its own (one warning says how many).
         window: shards open at a time for ``shuffle="blocks"``.
         drop_last: drop the last, short batch (and, over several ranks, the indices that do
             not divide evenly among them).
@@ -881,8 +883,9 @@ class FeatureLoader:
         options that shape the order, and ``plan``: for an epoch by length or by block, the
         placement it was planned from (each item's block and length as the catalog held them
         when it started; compressed, a few bytes per shard for a store built in order), so
-        that a build, gc or write-back since does not change the rest of it. Plain ints and
-        strings, for any checkpoint.
+        that a build, gc or write-back since does not change the rest of it; and ``resumed``,
+        the runs over other world sizes this epoch was resumed from. Plain ints and strings,
+        for any checkpoint.
 
         Example:
             >>> state = {"model": model.state_dict(), "data": loader.state_dict()}  # doctest: +SKIP
@@ -899,10 +902,16 @@ class FeatureLoader:
         of an epoch by length or by block is planned from the placement the state holds, the
         epochs after it from the store as it is then, as the uninterrupted loader's were.
 
+        A state saved over another world size resumes the epoch over this one (load rank 0's
+        on every rank): the items (batches, by length) the saved run's ranks had not read, in
+        the epoch's order, are shared out over this run's ranks. With ``even_batches=False``
+        each item of the epoch is read once across the runs; with the default, the only
+        repeats are those that give each run's ranks as many steps.
+
         Raises:
-            ConfigError: the state is not one, or was saved over another world size or with
-                options that give another order, or is part way through an epoch by length or
-                by block and was saved without its placement (by an older featbake).
+            ConfigError: the state is not one, or was saved with options (or over a
+                MixedDataset) that give another order, or is part way through an epoch by
+                length or by block and was saved without its placement (by an older featbake).
         """
         self._order, self.epoch = self._resume.load(self._order, state)
         set_epoch_of(self.dataset, self.epoch)

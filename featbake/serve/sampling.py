@@ -19,6 +19,12 @@ With ``even_batches=False`` (Accelerate's name) nothing is repeated or dropped t
 ranks: rank ``r`` takes every ``world``-th index from ``r``, so ranks may take one batch more
 than others (for evaluation, where a repeated item would count twice).
 
+Resumed over another world size (:meth:`Order.plan`'s ``stages``): every order is the whole
+epoch's sequence of units (items, or batches by length) shared out by that rule, so once each
+of ``world`` ranks has read its first ``done`` units the units read are the sequence's first
+``done * world`` positions; the rest (:func:`rest_of_epoch`, in the epoch's order) is shared
+out over the new ranks by the same rule, and again for each later run.
+
 Two other orders are planned here from what the catalog holds (no feature read), and are not
 DistributedSampler's (see :class:`Order`):
 

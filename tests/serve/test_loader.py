@@ -1032,14 +1032,18 @@ def test_a_length_batch_sampler_gives_the_loaders_batches_and_resumes_in_a_state
     assert all(len(n) <= 4 and p.shape[0] * p.shape[1] <= 300 for p, n, _ in whole)
     sampler.set_epoch(2)
     after = list(sampler)
-    for stop in (0, 3, len(whole)):
+    for stop, workers in ((0, 0), (3, 0), (3, 2), (len(whole), 0)):
         first = LengthBatchSampler(ds, 300, **kw)
         first.set_epoch(1)
-        stateful = StatefulDataLoader(ds, batch_sampler=first, collate_fn=pad_collate)
+        stateful = StatefulDataLoader(
+            ds, batch_sampler=first, collate_fn=pad_collate, num_workers=workers
+        )
         head = list(itertools.islice(stateful, stop))
         state = json.loads(json.dumps(stateful.state_dict()))
         again = LengthBatchSampler(ds, 300, **{**kw, "seed": 0})  # the state's seed wins
-        resumed = StatefulDataLoader(ds, batch_sampler=again, collate_fn=pad_collate)
+        resumed = StatefulDataLoader(
+            ds, batch_sampler=again, collate_fn=pad_collate, num_workers=workers
+        )
         resumed.load_state_dict(state)
         rest = list(resumed)
         _same(head + rest, whole)
