@@ -202,3 +202,33 @@ def test_a_mixed_epoch_through_feature_loader_resumes_exactly_as_the_encoder_giv
     with pytest.raises(ConfigError, match="another order") as refused:
         loader([2.0, 1.0]).load_state_dict(state)
     assert "\n" not in str(refused.value) and "MixedDataset" in str(refused.value)
+
+
+@pytest.mark.parametrize("kw", [{"batch_size": 2}, {"batch_frames": 120}])
+def test_a_mixed_epoch_saved_over_two_ranks_resumes_over_three_each_position_once(
+    two_stores: tuple[Path, Path], encoder_file: Path, kw: dict
+) -> None:
+    """Round four: a mixture's epoch stopped on 2 ranks and resumed on 3 (each over a new
+    MixedDataset) reads each of its positions once, as the encoder gives them."""
+    from featbake import FeatureLoader
+
+    def ranks(world: int, state: dict | None, stop: int | None) -> tuple[list, dict]:
+        batches, saved = [], {}
+        for r in range(world):
+            mixed = _mixture(two_stores, encoder_file, [1.0, 2.0])
+            labelled = StackDataset(mixed, torch.arange(len(mixed)))
+            loader = FeatureLoader(
+                labelled, seed=5, rank=r, world_size=world, even_batches=False, **kw
+            )
+            if state is not None:
+                loader.load_state_dict(state)
+            loader.set_epoch(1)
+            batches += list(itertools.islice(loader, stop))
+            saved = saved or json.loads(json.dumps(loader.state_dict()))  # rank 0's
+        return batches, saved
+
+    first, state = ranks(2, None, 1)
+    rest, _ = ranks(3, state, None)
+    assert sorted(_positions(first + rest)) == list(range(14))
+    probe = _mixture(two_stores, encoder_file, [1.0, 2.0])
+    _assert_epoch_live(first + rest, probe, 1, encoder_file, two_stores)
