@@ -673,6 +673,19 @@ class NumberedLines:
         return self.lines[self.at - 1]
 
 
+class UnquotedTSV(csv.excel_tab):
+    """A TSV manifest's dialect: tab-separated, a quote mark is text (nothing is quoted)."""
+
+    quoting = csv.QUOTE_NONE
+
+
+class StrictCSV(csv.excel):
+    """A CSV manifest's dialect: as Excel writes it, a malformed quote an error (not a cell run
+    on to the next closing quote)."""
+
+    strict = True
+
+
 def table_records(f: Any, delimiter: str) -> Iterator[tuple[int, Mapping[str, Any] | BadRow]]:
     """(line number, record) per row of a CSV/TSV file with a header line; each record names
     the line it starts on.
@@ -692,11 +705,11 @@ def table_records(f: Any, delimiter: str) -> Iterator[tuple[int, Mapping[str, An
     tsv = delimiter == "\t"
     kind = "TSV" if tsv else "CSV"
     lines = NumberedLines(f.readlines())
-    quoting = csv.QUOTE_NONE if tsv else csv.QUOTE_MINIMAL
+    dialect = UnquotedTSV if tsv else StrictCSV
     header: list[str] | None = None
     while lines.at < len(lines.lines):
         start = lines.at
-        reader = csv.reader(lines, delimiter=delimiter, quoting=quoting, strict=not tsv)
+        reader = csv.reader(lines, dialect)
         try:
             for fields in reader:
                 if header is None:
