@@ -825,6 +825,7 @@ def test_relative_paths_of_cuts_and_wav_scp_are_taken_from_the_working_directory
     assert f"download/a.wav is not in the working directory ({tmp_path / 'data'})" in why
     assert f"run from {tmp_path} or write absolute paths" in why
 
+
 # -- round four: how rows are read ---------------------------------------------------------------
 def clips_for_rows(folder: Path, n: int) -> list[Path]:
     """``n`` short clips of different lengths in ``folder/clips``, in name order."""
