@@ -23,7 +23,6 @@ from PIL import Image, ImageOps
 
 from featbake.bake.pipeline import build
 from featbake.encode.containers import (
-    HEADER_BLOCK,
     MemberSource,
     Table,
     WebDataset,
@@ -40,6 +39,7 @@ from featbake.keys import sha256_hex
 from featbake.recipe import Recipe
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.store.catalog import Catalog
+from featbake.store.containers import HEADER_BLOCK
 from featbake.store.layout import Layout
 from featbake.testing import make_tone, write_image_folder
 from tests.conftest import invoke
