@@ -277,6 +277,17 @@ def samples_of(tar: str, members: Sequence[Member]) -> tuple[list[Sample], list[
     return samples, skipped
 
 
+def unreadable_carried(sample: Sample, chosen: Member) -> list[SkippedInput]:
+    """One line for each carried member of ``sample`` that no reader takes (sparse, past the
+    tar's end): named at the scan, as ``row()`` names it when asked (the chosen member's own
+    problem fails it when it is hashed)."""
+    return [
+        SkippedInput(f"{sample.tar}:{m.name}", m.problem.removeprefix(f"{sample.tar}:{m.name}: "))
+        for m in sample.members.values()
+        if m.problem and m is not chosen
+    ]
+
+
 def read_member(tar: str, member: Member) -> bytes:
     """The bytes of one member: a file's by a seek and a read, an object's by one ranged GET.
 
@@ -632,6 +643,7 @@ class WebDataset:
                 f"{sample.tar}:{first.name}; webdataset keys must be unique (rename one)"
             )
         seen[sample.key] = f"{sample.tar}:{first.name}"
+        skipped.extend(unreadable_carried(sample, member))
         self.samples[sample.key] = sample
         self.chosen[sample.key] = member
         self.index.listed[f"{sample.tar}:{member.name}"] = member
