@@ -18,9 +18,15 @@ while the next rows are decoded) and hands the bytes to the recipe's source; not
 to disk. The container's stat must still be the one the digest was taken with, or the item fails
 as a file changed mid-build does.
 
-**Bad rows**: a truncated tar member, a sample without the asked member, a null cell, a cell
-without bytes, a table file whose column holds neither bytes nor an Audio/Image struct; each is
-one line naming the container and member or row, skipped, and the build exits 3.
+**Bad rows**: a truncated tar member (or one declaring more bytes than the tar holds), a sparse
+member (GNU ``tar -S``), a sample without the asked member, a null cell, a cell without bytes, a
+table file whose column holds neither bytes nor an Audio/Image struct; each is one line naming
+the container and member or row, skipped, and the build exits 3.
+
+The bytes are read by the store's one reader per container (``featbake.store.containers``,
+which ``verify`` reads them with too); this module gives it a bucket's ranged GETs
+(:func:`object_fetch`) and turns what it reads into items, digests through the hash cache, and
+tensors.
 """
 
 from __future__ import annotations

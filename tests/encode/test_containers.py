@@ -1419,3 +1419,7 @@ def test_gzip_tar_shards_are_read_as_one_stream_built_served_and_verified(
     assert [ds.row(i) for i in range(5)] == [{"cls": i} for i in (0, 1, 2, 0, 1)]
     assert check_hash_cache(Layout(store)).files_read == 5
     assert verify(store).status == "clean"
+    from featbake.encode.containers import list_members
+
+    with pytest.raises(SourceError, match=r"^s3://b/s\.tar\.gz: a gzip-compressed tar in a bucket"):
+        list_members("s3://b/s.tar.gz")  # refused before any request: one line naming it
