@@ -2,7 +2,7 @@
 check the hash cache's member rows, which must grow linearly with the members (each tar opened
 and listed once), not quadratically (the tar reopened, and its headers parsed again, per row).
 
-    python benchmarks/bench_verify_containers.py 500 2000 8000
+    python benchmarks/bench_verify_containers.py [--quick] [N ...]   (default 500 2000; quick 200)
 
 Each size builds its own store (a tiny TorchScript encoder over 0.05 s clips, not timed),
 waits out the hash cache's racy window so every row is trusted, then times ``verify`` whole
@@ -20,8 +20,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
 
 import soundfile
+from _rows import row
 
 from featbake.bake.pipeline import build
 from featbake.store.layout import Layout
@@ -60,11 +62,23 @@ def measure(n: int) -> tuple[float, float, int]:
         return whole, time.perf_counter() - t0, rows
 
 
-def main(sizes: list[int]) -> None:
+def main(quick: bool = False, sizes: list[int] | None = None) -> list[dict]:
+    """One row per size: ``verify``'s seconds, with the hash-cache check's in the note, and the
+    target that the check stays linear (per row no slower at the largest size than 2x the
+    smallest's)."""
+    sizes = sizes or ([200] if quick else [500, 2000])
+    rows, per_row = [], []
     for n in sizes:
-        whole, check, rows = measure(n)
-        print(f"{n:>6} members: verify {whole:7.2f} s, hash-cache check {check:7.2f} s ({rows} rows)")
+        whole, check, checked = measure(n)
+        per_row.append(check / max(checked, 1))
+        linear = per_row[-1] <= 2 * per_row[0] + 1e-4
+        note = f"hash-cache check {check:.2f} s for {checked} member rows"
+        rows.append(row("verify", f"verify, a tar of {n:,} members", whole, "s",
+                        "linear in members", linear, note))  # fmt: skip
+    return rows
 
 
 if __name__ == "__main__":
-    main([int(a) for a in sys.argv[1:]] or [500, 2000])
+    args = [a for a in sys.argv[1:] if a != "--quick"]
+    for r in main("--quick" in sys.argv, [int(a) for a in args] or None):
+        print(f"{r['metric']}: {r['value']:.2f} s ({r['note']})")
