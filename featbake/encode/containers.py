@@ -315,7 +315,7 @@ def read_member_checked(tar: str, member: Member) -> tuple[bytes, FileStat | Non
         SourceError: the member cannot be read, or the tar ends inside it (truncated).
     """
     if not is_url(tar):
-        return read_file_member(tar, member), file_stat_or_none(tar)
+        return read_member(tar, member), file_stat_or_none(tar)
     got = read_ranged_member(tar, member, object_fetch(tar))
     return got.data, got.stat
 

@@ -727,9 +727,9 @@ def _member_checks(tar: str, rows: list[HashCacheRow]) -> dict[str, tuple[str, i
     named = {r.path: listed.get(split_item_path(r.path)[1]) for r in rows}
     digests = member_digests(tar, [m for m in named.values() if m is not None]).digests
     out: dict[str, tuple[str, int]] = {}
-    for path, m in named.items():
-        if m is not None and isinstance(sha := digests.get(m.name), str):
-            out[path] = (sha, m.size)
+    for path, member in named.items():
+        if member is not None and isinstance(sha := digests.get(member.name), str):
+            out[path] = (sha, member.size)
     return out
 
 
