@@ -28,18 +28,20 @@ cell, a text cell's UTF-8).
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import io
 import json
 import os
 import tarfile
+import threading
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from enum import Enum
 from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, Protocol, TypeVar
 
 from featbake.errors import ConfigError, SourceError
-from featbake.process import ProcessLocal, ProcessLocalState
+from featbake.process import PerProcess, ProcessLocal, ProcessLocalState
 from featbake.store.catalog import FileStat
 
 if TYPE_CHECKING:
@@ -248,8 +250,55 @@ def open_stream(tar: str) -> BinaryIO:
     return open(tar, "rb")
 
 
+class GzipStreams:
+    """The decompressed streams of the gzip tars this process reads members from, each kept
+    where its last read ended: members read in tar order (a build decoding them, a dataset's
+    epoch in order) decompress a shard once, not once per member; a member before the position,
+    or a file that is not the one opened any more (another stat), starts the stream again.
+    At most :data:`KEPT` streams are kept open (the oldest closed first)."""
+
+    KEPT = 8
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()  # one reader of a stream at a time: its position is shared
+        self.streams: dict[str, tuple[FileStat | None, BinaryIO]] = {}
+
+    def read(self, tar: str, offset: int, size: int) -> bytes:
+        """``size`` bytes of the decompressed stream of ``tar`` from ``offset`` (fewer at its
+        end).
+
+        Raises:
+            OSError: the file cannot be read; EOFError: its stream is cut short.
+        """
+        with self.lock:
+            now = stat_or_none(tar)
+            held = self.streams.pop(tar, None)
+            if held is not None and (held[0] != now or held[1].tell() > offset):
+                held[1].close()
+                held = None
+            if held is None:
+                held = (now, open_stream(tar))
+            self.streams[tar] = held  # the newest last
+            while len(self.streams) > self.KEPT:
+                self.streams.pop(next(iter(self.streams)))[1].close()
+            held[1].seek(offset)
+            return held[1].read(size)
+
+    def close(self) -> None:
+        """Close every stream (a forked child's copies of its parent's)."""
+        for _, f in self.streams.values():
+            with contextlib.suppress(OSError):
+                f.close()
+        self.streams.clear()
+
+
+#: This process's gzip tar streams (a forked child closes its copies and opens its own).
+GZIP_STREAMS: PerProcess[GzipStreams] = PerProcess(GzipStreams, on_inherited=GzipStreams.close)
+
+
 def read_member(tar: str, member: Member) -> bytes:
-    """The bytes of one member of a local tar (a seek and a read).
+    """The bytes of one member of a local tar: a seek and a read, or, in a gzip tar, a read
+    from where this process's stream of it is (:class:`GzipStreams`).
 
     Raises:
         SourceError: the member cannot be read (its problem), the tar cannot be read, or it
@@ -258,9 +307,12 @@ def read_member(tar: str, member: Member) -> bytes:
     if member.problem:
         raise SourceError(member.problem)
     try:
-        with open_stream(tar) as f:
-            f.seek(member.offset)
-            data = f.read(member.size)
+        if is_gzip_tar(tar):
+            data = GZIP_STREAMS.get().read(tar, member.offset, member.size)
+        else:
+            with open(tar, "rb") as f:
+                f.seek(member.offset)
+                data = f.read(member.size)
     except (OSError, EOFError) as e:
         raise SourceError(f"{tar}:{member.name}: cannot read: {e}") from e
     if len(data) != member.size:

@@ -1423,3 +1423,37 @@ def test_gzip_tar_shards_are_read_as_one_stream_built_served_and_verified(
 
     with pytest.raises(SourceError, match=r"^s3://b/s\.tar\.gz: a gzip-compressed tar in a bucket"):
         list_members("s3://b/s.tar.gz")  # refused before any request: one line naming it
+
+
+def test_a_gzip_shards_members_read_in_order_decompress_it_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gzip tar's members are read from one stream kept where the last read ended: decoding
+    them in tar order (a build beyond its held bytes, a dataset's misses) opens the stream
+    once, not once per member (each a decompression from the start: quadratic); a member
+    before the position, or the file rewritten, starts it again. Bytes are the members'."""
+    import gzip
+
+    import featbake.store.containers as stored
+
+    clips = [wav_bytes(0.2, 30 + i) for i in range(6)]
+    plain = write_tar(tmp_path / "p.tar", [(f"u{i}", {"wav": c}) for i, c in enumerate(clips)])
+    tar = tmp_path / "s.tar.gz"
+    tar.write_bytes(gzip.compress(plain.read_bytes()))
+    opened: list[str] = []
+    real_open = stored.open_stream
+
+    def open_stream(path: str) -> Any:
+        opened.append(path)
+        return real_open(path)
+
+    monkeypatch.setattr(stored, "open_stream", open_stream)
+    inputs = WebDataset(str(tar))
+    paths = [inputs.path(r) for r in inputs.scan([".wav"]).inputs]
+    source = inputs.source(source_for(Recipe()))
+    assert [source.read(p) for p in paths] == clips
+    assert opened == [str(tar)]
+    assert source.read(paths[1]) == clips[1] and len(opened) == 2  # back: from the start
+    tar.write_bytes(gzip.compress(plain.read_bytes()))  # rewritten: another stat
+    os.utime(tar, ns=(1, 1))
+    assert source.read(paths[2]) == clips[2] and len(opened) == 3
