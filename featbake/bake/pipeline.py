@@ -33,7 +33,7 @@ from featbake.bake.ranks import (
     owned_by_lower_ranks,
     resolve_rank,
 )
-from featbake.bake.report import BuildReport
+from featbake.bake.report import BuildReport, FailureCause
 from featbake.bake.stored import DEFAULT_MAX_ERROR, Compactor, nonfinite_part
 from featbake.bake.threads import (
     DEFAULT_SEAL_SECONDS,
@@ -595,7 +595,7 @@ class _Bake:
 
     def skip(self, rel: str, reason: str, error: FeatbakeError) -> None:
         """Record a failed input; with ``strict``, stop the build with ``error``."""
-        self.report.failed.append((rel, reason))
+        self.report.fail(rel, reason, FailureCause.of(error))
         if self.options.strict:
             raise error
 

@@ -4,15 +4,37 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from typing import Any
+
+from featbake.errors import EncodeError, FeatbakeError
 
 #: Numbers in a failure's reason (shapes, sizes, indices) differ from input to input.
 _NUMBERS = re.compile(r"\d+")
 
 
+class FailureCause(StrEnum):
+    """Whose a failed input's failure is: what the summary points at when every input failed
+    alike (a build's advice follows it, not a blanket sentence)."""
+
+    #: The data: a row that cannot be an item (a manifest's bad row, a multi-file recording, a
+    #: table cell without bytes), a file missing or unreadable, an input that does not decode
+    #: as the source. Raised as :class:`~featbake.errors.SourceError`.
+    DATA = "data"
+    #: The encoder (or the options it is run with): it raised on the input, or returned what
+    #: cannot be stored. Raised as :class:`~featbake.errors.EncodeError`.
+    ENCODER = "encoder"
+
+    @classmethod
+    def of(cls, error: FeatbakeError) -> FailureCause:
+        """The cause of a failure raised (with ``--strict``) as ``error``."""
+        return cls.ENCODER if isinstance(error, EncodeError) else cls.DATA
+
+
 @dataclass
 class BuildReport:
-    """What a build did. ``failed`` lists (relative path, reason) for each skipped input."""
+    """What a build did. ``failed`` lists (relative path, reason) for each skipped input, and
+    ``causes`` each one's :class:`FailureCause`, in the same order (:meth:`fail` adds both)."""
 
     root: str
     data: str
@@ -26,6 +48,7 @@ class BuildReport:
     converted: int = 0  # cast or quantised from stored float32 features (--dtype; bake/derive.py)
     duplicates: int = 0
     failed: list[tuple[str, str]] = field(default_factory=list)
+    causes: list[FailureCause] = field(default_factory=list)
     bytes_written: int = 0
     shards_written: int = 0
     seconds: float = 0.0
@@ -40,6 +63,19 @@ class BuildReport:
     @property
     def ok(self) -> bool:
         return not self.failed
+
+    def fail(self, rel: str, reason: str, cause: FailureCause) -> None:
+        """Record a failed input, its reason and whose failure it is."""
+        self.failed.append((rel, reason))
+        self.causes.append(cause)
+
+    def common_cause(self) -> FailureCause | None:
+        """The cause every failure has (None: none failed, they differ, or one's is not
+        recorded)."""
+        kinds = set(self.causes)
+        if len(self.causes) != len(self.failed) or len(kinds) != 1:
+            return None
+        return kinds.pop()
 
     def common_failure(self) -> str | None:
         """The one reason every input failed for, when at least two all failed alike.
@@ -59,7 +95,11 @@ class BuildReport:
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict of the report (``featbake build --json``)."""
         d = asdict(self)
-        d["failed"] = [{"path": p, "reason": r} for p, r in self.failed]
+        cause = dict(enumerate(str(c) for c in self.causes))  # as recorded: see `fail`
+        d["failed"] = [
+            {"path": p, "reason": r, "cause": cause.get(i)} for i, (p, r) in enumerate(self.failed)
+        ]
+        del d["causes"]
         return d
 
 

@@ -10,6 +10,7 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 
+from featbake.bake.report import BuildReport, FailureCause
 from featbake.cli.app import (
     EXIT_CODES,
     CacheOpt,
@@ -398,16 +399,30 @@ def _report(reports: list[Any], as_json: bool) -> None:
             raise incomplete(report)
 
 
-def incomplete(report: Any) -> BuildIncomplete:
-    """The error for a build that skipped inputs: theirs, or the encoder's/options' when every
-    input failed the same way (see :meth:`BuildReport.common_failure`)."""
-    common = report.common_failure()
-    if common is not None:
+#: What every input failing alike points at, by whose failure it is: the encoder's (a mono
+#: encoder given --no-mono) or the data's (every row names a missing file, a typo'd column, a
+#: table without bytes). The advice names the options that change each.
+POINTS_AT = {
+    FailureCause.ENCODER: (
+        "That points at the encoder or the options (--mono/--no-mono, --sample-rate, "
+        "--max-seconds, --source, --output, --layers), not at the inputs: check them against "
+        "what the encoder expects and rerun"
+    ),
+    FailureCause.DATA: (
+        "That points at the data, not at the encoder: fix the inputs (the rows, files or "
+        "cells named above) or how they are read (--data, --column, --source) and rerun"
+    ),
+}
+
+
+def incomplete(report: BuildReport) -> BuildIncomplete:
+    """The error for a build that skipped inputs: each input's own, or, when every input
+    failed the same way (see :meth:`BuildReport.common_failure`), what their one cause points
+    at (:data:`POINTS_AT`, by :meth:`BuildReport.common_cause`)."""
+    common, cause = report.common_failure(), report.common_cause()
+    if common is not None and cause is not None:
         return BuildIncomplete(
-            f"every input ({report.files}) failed the same way: {common}. That points at the "
-            "encoder or the options (--mono/--no-mono, --sample-rate, --max-seconds, --source, "
-            "--output, --layers), not at the inputs: check them against what the encoder "
-            "expects and rerun"
+            f"every input ({report.files}) failed the same way: {common}. {POINTS_AT[cause]}"
         )
     return BuildIncomplete(
         f"{len(report.failed)} of {report.files} inputs failed (listed above); "

@@ -18,25 +18,28 @@ while the next rows are decoded) and hands the bytes to the recipe's source; not
 to disk. The container's stat must still be the one the digest was taken with, or the item fails
 as a file changed mid-build does.
 
-**Bad rows**: a truncated tar member, a sample without the asked member, a null cell, a cell
-without bytes, a table file whose column holds neither bytes nor an Audio/Image struct; each is
-one line naming the container and member or row, skipped, and the build exits 3.
+**Bad rows**: a truncated tar member (or one declaring more bytes than the tar holds), a sparse
+member (GNU ``tar -S``), a sample without the asked member, a null cell, a cell without bytes, a
+table file whose column holds neither bytes nor an Audio/Image struct; each is one line naming
+the container and member or row, skipped, and the build exits 3.
+
+The bytes are read by the store's one reader per container (``featbake.store.containers``,
+which ``verify`` reads them with too); this module gives it a bucket's ranged GETs
+(:func:`object_fetch`) and turns what it reads into items, digests through the hash cache, and
+tensors.
 """
 
 from __future__ import annotations
 
 import base64
-import hashlib
 import io
 import json
 import os
 import re
-import tarfile
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
-from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, Protocol
 
 import torch
 
@@ -44,37 +47,41 @@ from featbake.encode.fingerprints import HeldBytes, resolve_path
 from featbake.encode.objects import never_racy_ns, object_at, object_stat
 from featbake.encode.sources import ScanResult, SkippedInput, Source, file_stat_or_none
 from featbake.errors import ConfigError, SourceError, StoreError
-from featbake.process import ProcessLocal, ProcessLocalState
 from featbake.progress import Progress
-from featbake.store.bucket import Bucket, ObjectBytes, ObjectInfo
+from featbake.store.bucket import Bucket, ObjectInfo
 from featbake.store.catalog import FileStat, HashCache, HashRow
+from featbake.store.containers import (
+    CONTAINER_SUFFIXES,
+    TAR_SUFFIXES,
+    CellKind,
+    Fetch,
+    Member,
+    RangedObject,
+    RangeRead,
+    ReadBack,
+    TableFile,
+    cell_bytes,
+    cell_digests,
+    cell_kind,
+    is_gzip_tar,
+    is_tar,
+    listing_of,
+    listing_text,
+    pyarrow_module,
+    ranged_member_digests,
+    read_ranged_member,
+    replaced_files,
+    split_item_path,
+    stat_around,
+    table_files,
+)
+from featbake.store.containers import list_members as list_tar_members
+from featbake.store.containers import member_digests as file_member_digests
+from featbake.store.containers import read_member as read_file_member
 from featbake.store.url import BucketURL, is_url
 
 if TYPE_CHECKING:
     import pyarrow as pa
-
-#: How many bytes a member is hashed by at a time (a large video member is never whole in memory).
-CHUNK = 1 << 20
-
-#: Where a container's name ends and the item's inner name starts, in an item's full name.
-CONTAINER_SUFFIXES = (".tar", ".parquet", ".arrow")
-
-
-def split_item_path(path: str) -> tuple[str, str]:
-    """(container, inner name) of an item's full name, e.g. ``/d/a.tar:s1.jpg``.
-
-    The container is cut at the first ``.tar:``, ``.parquet:`` or ``.arrow:``, so a member name
-    may hold a colon.
-
-    Example:
-        >>> split_item_path("/data/shard-000.tar:images/0001.jpg")
-        ('/data/shard-000.tar', 'images/0001.jpg')
-    """
-    cuts = [i + len(s) for s in CONTAINER_SUFFIXES if (i := path.find(s + ":")) >= 0]
-    if not cuts:
-        raise SourceError(f"{path}: not the name of an item in a tar or a table")
-    cut = min(cuts)
-    return path[:cut], path[cut + 1 :]
 
 
 def _stat_or_none(path: str) -> FileStat | None:
@@ -89,9 +96,6 @@ def _stat_or_none(path: str) -> FileStat | None:
     return file_stat_or_none(path)
 
 
-_T = TypeVar("_T")
-
-
 # == hashing =======================================================================================
 class ItemRef(NamedTuple):
     """One item to hash: its full name, its hash-cache id, its container and where inside it."""
@@ -100,16 +104,6 @@ class ItemRef(NamedTuple):
     cache_id: str
     container: str
     where: int  # a table's row (0 for a tar member, found by its name)
-
-
-class ReadBack(NamedTuple):
-    """What reading one container's items gave: ref path -> digest (or a 1-tuple: why not),
-    and the container's stat as of the reading: a file's stat'ed after it, an object's the one
-    every response that carried its bytes gave (no HEAD beside the GETs); None when it is gone,
-    or the responses disagree (rewritten during the reading)."""
-
-    digests: dict[str, str | tuple[str]]
-    stat: FileStat | None
 
 
 #: container, the refs to read in it -> what the reading gave (see :class:`ReadBack`).
@@ -234,14 +228,6 @@ def key_and_extension(name: str) -> tuple[str, str] | None:
     return (match.group(1), match.group(2).lower()) if match else None
 
 
-class Member(NamedTuple):
-    """A tar member's name, where its data starts and how many bytes it holds."""
-
-    name: str
-    offset: int
-    size: int
-
-
 @dataclass
 class Sample:
     """One webdataset sample: its key, its tar, and its members by extension (in tar order)."""
@@ -252,37 +238,29 @@ class Sample:
 
 
 def list_members(tar: str, size: int | None = None) -> list[Member]:
-    """The regular-file members of ``tar``, in order, from their headers only (data skipped by
-    seeks, so listing a shard reads a 512-byte header per member; a tar in a bucket by ranged
-    GETs of :data:`HEADER_BLOCK` bytes, see :class:`RangedObject`).
+    """The regular-file members of ``tar``, in order, from their headers only (see
+    :func:`featbake.store.containers.list_members`); a tar in a bucket by ranged GETs of
+    :data:`~featbake.store.containers.HEADER_BLOCK` bytes (see :class:`RangedObject`).
 
     Raises:
-        SourceError: the file cannot be opened or is not a tar.
+        SourceError: the file cannot be opened or is not a tar, or it is a gzip tar in a bucket.
     """
-    members: list[Member] = []
+    if not is_url(tar):
+        return list_tar_members(tar)
+    if is_gzip_tar(tar):
+        raise SourceError(gzip_in_bucket(tar))
     try:
-        with _open_tar(tar, size) as tf:
-            while True:
-                try:
-                    m = tf.next()
-                except tarfile.ReadError:
-                    break  # the tar ends inside the last member: hashing it says so
-                if m is None:
-                    break
-                if m.isreg():
-                    members.append(Member(m.name, m.offset_data, m.size))
-    except FileNotFoundError as e:
-        raise SourceError(f"{tar}: file not found") from e
-    except (tarfile.TarError, OSError, StoreError) as e:
+        return list_tar_members(tar, ranged_object(tar, size))
+    except StoreError as e:
         raise SourceError(f"{tar}: not a readable tar file ({e})") from e
-    return members
 
 
-def _open_tar(tar: str, size: int | None) -> tarfile.TarFile:
-    """``tar`` opened to read its headers: a file, or an object by ranged GETs."""
-    if is_url(tar):
-        return tarfile.open(fileobj=RangedObject.at(tar, size), mode="r:")
-    return tarfile.open(tar, mode="r:")
+def gzip_in_bucket(tar: str) -> str:
+    """Why a gzip tar in a bucket is not read (its members cannot be read by ranges)."""
+    return (
+        f"{tar}: a gzip-compressed tar in a bucket is not read in place (its members cannot be "
+        "read by ranges); copy the shards to a local folder, or store them as plain .tar"
+    )
 
 
 def samples_of(tar: str, members: Sequence[Member]) -> tuple[list[Sample], list[SkippedInput]]:
@@ -305,26 +283,27 @@ def samples_of(tar: str, members: Sequence[Member]) -> tuple[list[Sample], list[
     return samples, skipped
 
 
+def unreadable_carried(sample: Sample, chosen: Member) -> list[SkippedInput]:
+    """One line for each carried member of ``sample`` that no reader takes (sparse, past the
+    tar's end): named at the scan, as ``row()`` names it when asked (the chosen member's own
+    problem fails it when it is hashed)."""
+    return [
+        SkippedInput(f"{sample.tar}:{m.name}", m.problem.removeprefix(f"{sample.tar}:{m.name}: "))
+        for m in sample.members.values()
+        if m.problem and m is not chosen
+    ]
+
+
 def read_member(tar: str, member: Member) -> bytes:
-    """The bytes of one member (a seek and a read).
+    """The bytes of one member: a file's by a seek and a read, an object's by one ranged GET.
 
     Raises:
-        SourceError: the tar cannot be read, or ends inside the member (truncated).
+        SourceError: the member cannot be read (sparse, past the tar's end), the tar cannot be
+            read, or it ends inside the member (truncated).
     """
     if is_url(tar):
-        data = object_range(tar, member.offset, member.size)
-        if len(data) != member.size:
-            raise SourceError(truncated(tar, member, len(data)))
-        return data
-    try:
-        with open(tar, "rb") as f:
-            f.seek(member.offset)
-            data = f.read(member.size)
-    except OSError as e:
-        raise SourceError(f"{tar}:{member.name}: cannot read: {e.strerror}") from e
-    if len(data) != member.size:
-        raise SourceError(truncated(tar, member, len(data)))
-    return data
+        return read_ranged_member(tar, member, object_fetch(tar)).data
+    return read_file_member(tar, member)
 
 
 def read_member_checked(tar: str, member: Member) -> tuple[bytes, FileStat | None]:
@@ -333,61 +312,25 @@ def read_member_checked(tar: str, member: Member) -> tuple[bytes, FileStat | Non
     file's stat'ed after the read.
 
     Raises:
-        SourceError: the tar cannot be read, or ends inside the member (truncated).
+        SourceError: the member cannot be read, or the tar ends inside it (truncated).
     """
     if not is_url(tar):
-        data = read_member(tar, member)
-        return data, file_stat_or_none(tar)
-    bucket, name = object_at(tar)
-    try:
-        got = bucket.read_range_of(name, member.offset, member.size)
-    except FileNotFoundError:
-        raise SourceError(f"{tar}: object not found (deleted since the listing?)") from None
-    except StoreError as e:
-        raise SourceError(str(e)) from e
-    if len(got.data) != member.size:
-        raise SourceError(truncated(tar, member, len(got.data)))
-    return got.data, object_stat(got.info)
-
-
-def truncated(tar: str, member: Member, got: int) -> str:
-    return (
-        f"{tar}:{member.name}: truncated tar member ({got} of {member.size} bytes); "
-        "rewrite or re-download the shard"
-    )
+        return read_member(tar, member), file_stat_or_none(tar)
+    got = read_ranged_member(tar, member, object_fetch(tar))
+    return got.data, got.stat
 
 
 def member_digests(tar: str, members: list[Member], held: HeldBytes | None = None) -> ReadBack:
     """member name -> SHA-256 of its bytes (in tar order), or a 1-tuple: why not; and the
-    tar's stat as of the reading (see :class:`ReadBack`).
+    tar's stat as of the reading (see :class:`ReadBack`): a file's through one open file, an
+    object's by one ranged GET per run of adjacent members.
 
     With ``held``, a member that fits its budget is read whole and its bytes kept there for the
     build to decode (a first build reads each member once); others are streamed in chunks.
     """
     if is_url(tar):
-        return object_member_digests(tar, members, held)
-    out: dict[str, str | tuple[str]] = {}
-    try:
-        f = open(tar, "rb")  # noqa: SIM115  (closed below, after every member)
-    except OSError as e:
-        return ReadBack({m.name: (f"cannot read {tar}: {e.strerror}",) for m in members}, None)
-    with f:
-        for m in sorted(members, key=lambda m: m.offset):
-            f.seek(m.offset)
-            if held is not None and held.size + m.size <= held.budget:
-                data = f.read(m.size)
-                if len(data) != m.size:
-                    out[m.name] = (truncated(tar, m, len(data)),)
-                    continue
-                held.keep(f"{tar}:{m.name}", data)
-                out[m.name] = hashlib.sha256(data).hexdigest()
-                continue
-            sha, left = hashlib.sha256(), m.size
-            while left > 0 and (chunk := f.read(min(CHUNK, left))):
-                sha.update(chunk)
-                left -= len(chunk)
-            out[m.name] = (truncated(tar, m, m.size - left),) if left else sha.hexdigest()
-    return ReadBack(out, file_stat_or_none(tar))  # stat'ed after the reading
+        return ranged_member_digests(tar, members, object_fetch(tar), held)
+    return file_member_digests(tar, members, held)
 
 
 # -- tars in a bucket ------------------------------------------------------------------------------
@@ -412,172 +355,44 @@ def member_digests(tar: str, members: list[Member], held: HeldBytes | None = Non
 # bucket's parquet file is read likewise (:class:`RangedObject` keeps its responses' stats): one
 # HEAD at the scan for its stat (a single file is not listed), none for its hash or its cells.
 
-#: Bytes one GET reads while listing a tar's headers (a header is 512 bytes).
-HEADER_BLOCK = 1 << 16
-#: Bytes one GET reads when the block before was skipped past after its first few KiB (a tar
-#: of members larger than a block: each header read alone, not with 64 KiB of skipped data).
-SMALL_BLOCK = 1 << 12
-#: At most this many bytes of adjacent members are hashed from one ranged GET.
-RUN_BYTES = 64 << 20
 #: The hash-cache id prefix of a tar's member listing (the row's digest column is the listing).
 LISTING_PREFIX = "tar-members:"
 #: The same for a bucket's parquet file: its schema and row ids (see :meth:`Table._listing`).
 TABLE_PREFIX = "table-rows:"
 
 
-def object_range(url: str, start: int, length: int) -> bytes:
-    """``length`` bytes of object ``url`` from ``start`` (fewer at its end): one ranged GET.
-
-    Raises:
-        SourceError: the object is gone or cannot be read.
-    """
-    return object_range_of(url, start, length).data
-
-
-def object_range_of(url: str, start: int, length: int) -> ObjectBytes:
-    """As :func:`object_range`, with what that one response said of the object (size, last
-    change, ETag): a reader checks the bytes' version by it, with no HEAD beside the GET.
-
-    Raises:
-        SourceError: the object is gone or cannot be read.
+def object_fetch(url: str) -> Fetch:
+    """Ranged reads of object ``url`` (one GET each) with the object's stat as each response
+    gives it, for the store's container readers (see :data:`~featbake.store.containers.Fetch`).
     """
     bucket, name = object_at(url)
-    try:
-        return bucket.read_range_of(name, start, length)
-    except FileNotFoundError:
-        raise SourceError(f"{url}: object not found (deleted since the listing?)") from None
-    except StoreError as e:
-        raise SourceError(str(e)) from e
 
-
-def one_stat(seen: Collection[FileStat]) -> FileStat | None:
-    """The stat every response that carried an object's bytes gave, or None (none read, or
-    they disagree: the object was rewritten between two of them)."""
-    return next(iter(seen)) if len(seen) == 1 else None
-
-
-class RangedObject(io.RawIOBase):
-    """An object in a bucket as a seekable read-only file, for ``tarfile`` to read headers and
-    pyarrow a parquet file: a read outside the block held fetches :data:`HEADER_BLOCK` bytes
-    (or more) from there by a ranged GET, or :data:`SMALL_BLOCK` bytes when the reading skips
-    forward past a block of which it used only the first :data:`SMALL_BLOCK` bytes (a tar of
-    large members: its headers are a member apart, and 64 KiB a header fetched 1.7x the data
-    to list and hash shards of ~90 KB members, 1.11x now). The stat of each
-    response is kept (:meth:`stat`), so a reader knows which version of the object its bytes
-    came from without a HEAD.
-    """
-
-    def __init__(self, url: str, size: int) -> None:
-        super().__init__()
-        self.url, self.size, self.pos = url, size, 0
-        self.block_at, self.block = 0, b""
-        self.used = 0  # how far into the block held reads went
-        self.seen: set[FileStat] = set()  # the stats of the responses read so far
-
-    def stat(self) -> FileStat | None:
-        """The object's stat as every byte read so far came with it (see :func:`one_stat`)."""
-        return one_stat(self.seen)
-
-    @classmethod
-    def at(cls, url: str, size: int | None = None) -> RangedObject:
-        """The object ``url`` (its size from a HEAD when not given).
-
-        Raises:
-            SourceError: there is no such object.
-        """
-        if size is None:
-            bucket, name = object_at(url)
-            info = bucket.head(name)
-            if info is None:
-                raise SourceError(f"{url}: object not found")
-            size = info.size
-        return cls(url, size)
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
-        self.pos = max(0, base + offset)
-        return self.pos
-
-    def readinto(self, buffer: Any) -> int:
-        want = min(len(buffer), max(0, self.size - self.pos))
-        if want == 0:
-            return 0
-        end = self.block_at + len(self.block)
-        if not (self.block_at <= self.pos and self.pos + want <= end):
-            sparse = self.block and self.used <= SMALL_BLOCK and self.pos >= end
-            ahead = SMALL_BLOCK if sparse else HEADER_BLOCK
-            fetched = object_range_of(self.url, self.pos, max(want, ahead))
-            self.seen.add(object_stat(fetched.info))
-            self.block_at, self.block, self.used = self.pos, fetched.data, 0
-        self.used = max(self.used, self.pos + want - self.block_at)
-        got = self.block[self.pos - self.block_at : self.pos - self.block_at + want]
-        buffer[: len(got)] = got
-        self.pos += len(got)
-        return len(got)
-
-
-def member_runs(members: Sequence[Member]) -> list[list[Member]]:
-    """``members`` by offset, cut into runs of adjacent members (gaps of headers only) of at
-    most :data:`RUN_BYTES` (a member larger than that is a run alone)."""
-    runs: list[list[Member]] = []
-    for m in sorted(members, key=lambda m: m.offset):
-        if runs:
-            run = runs[-1]
-            near = m.offset - (run[-1].offset + run[-1].size) <= HEADER_BLOCK
-            if near and m.offset + m.size - run[0].offset <= RUN_BYTES:
-                run.append(m)
-                continue
-        runs.append([m])
-    return runs
-
-
-def object_member_digests(
-    url: str, members: list[Member], held: HeldBytes | None = None
-) -> ReadBack:
-    """:func:`member_digests` of a tar in a bucket: one ranged GET per run of members, the
-    tar's stat the one those responses gave (no HEAD after them)."""
-    out: dict[str, str | tuple[str]] = {}
-    seen: set[FileStat] = set()
-    for run in member_runs(members):
-        start = run[0].offset
+    def fetch(start: int, length: int) -> RangeRead:
         try:
-            one = object_range_of(url, start, run[-1].offset + run[-1].size - start)
-        except SourceError as e:
-            out.update({m.name: (str(e),) for m in run})
-            continue
-        seen.add(object_stat(one.info))
-        data = one.data
-        for m in run:
-            got = data[m.offset - start : m.offset - start + m.size]
-            if len(got) != m.size:
-                out[m.name] = (truncated(url, m, len(got)),)
-                continue
-            if held is not None and held.size + m.size <= held.budget:
-                held.keep(f"{url}:{m.name}", got)
-            out[m.name] = hashlib.sha256(got).hexdigest()
-    return ReadBack(out, one_stat(seen))
+            got = bucket.read_range_of(name, start, length)
+        except FileNotFoundError:
+            raise SourceError(f"{url}: object not found (deleted since the listing?)") from None
+        except StoreError as e:
+            raise SourceError(str(e)) from e
+        return RangeRead(got.data, object_stat(got.info))
+
+    return fetch
 
 
-def listing_text(members: Sequence[Member]) -> str:
-    """A tar's member listing as canonical JSON (what its hash-cache row holds)."""
-    return json.dumps([list(m) for m in members], separators=(",", ":"))
+def ranged_object(url: str, size: int | None = None) -> RangedObject:
+    """The object ``url`` as a seekable file of ranged GETs (its size from a HEAD when not
+    given).
 
-
-def listing_of(text: str) -> list[Member] | None:
-    """The member listing a hash-cache row holds, or None (not one: read the tar again)."""
-    try:
-        return [Member(str(n), int(o), int(z)) for n, o, z in json.loads(text)]
-    except (ValueError, TypeError):
-        return None
+    Raises:
+        SourceError: there is no such object.
+    """
+    if size is None:
+        bucket, name = object_at(url)
+        info = bucket.head(name)
+        if info is None:
+            raise SourceError(f"{url}: object not found")
+        size = info.size
+    return RangedObject(url, size, object_fetch(url))
 
 
 def carried_value(ext: str, data: bytes) -> Any:
@@ -621,13 +436,13 @@ def expand_braces(pattern: str) -> list[str]:
 def is_webdataset(where: str) -> bool:
     """Whether ``--data`` names webdataset shards: a ``.tar`` (file, URL or brace pattern), or a
     folder or bucket prefix whose visible files are all ``.tar`` (one at least)."""
-    if where.lower().endswith(".tar"):
+    if is_tar(where):
         return True
     if is_url(where) and where.lower().endswith(CONTAINER_SUFFIXES):
         return False  # a table file (see is_table): no LIST to tell
     if is_url(where):
-        return bucket_holds_only(where, (".tar",))
-    return holds_only(where, (".tar",))
+        return bucket_holds_only(where, TAR_SUFFIXES)
+    return holds_only(where, TAR_SUFFIXES)
 
 
 def bucket_holds_only(where: str, wanted: tuple[str, ...]) -> bool:
@@ -708,7 +523,7 @@ class WebDataset:
         self.fresh: list[HashRow] = []
         folder, name = os.path.split(os.path.expanduser(data))
         #: a bucket prefix of tars only: its shards are the scan's listing's ``.tar`` objects
-        self.prefix = is_url(data) and not data.lower().endswith(".tar")
+        self.prefix = is_url(data) and not is_tar(data)
         if self.prefix:
             self.where = self.folder = str(BucketURL.parse(data))
             self.tars = []  # listed by the scan
@@ -724,7 +539,7 @@ class WebDataset:
             self.tars = sorted(
                 os.path.join(self.folder, n)
                 for n in os.listdir(self.folder)
-                if n.lower().endswith(".tar") and not n.startswith(".")
+                if is_tar(n) and not n.startswith(".")
             )
         else:
             self.where = resolve_path(data)
@@ -755,7 +570,7 @@ class WebDataset:
             self.tars = sorted(
                 url
                 for url in objects
-                if url.lower().endswith(".tar") and not hidden_name(url[len(self.folder) + 1 :])
+                if is_tar(url) and not hidden_name(url[len(self.folder) + 1 :])
             )
         for tar in self.tars:
             try:
@@ -834,6 +649,7 @@ class WebDataset:
                 f"{sample.tar}:{first.name}; webdataset keys must be unique (rename one)"
             )
         seen[sample.key] = f"{sample.tar}:{first.name}"
+        skipped.extend(unreadable_carried(sample, member))
         self.samples[sample.key] = sample
         self.chosen[sample.key] = member
         self.index.listed[f"{sample.tar}:{member.name}"] = member
@@ -969,22 +785,6 @@ class MemberIndex:
         return tar, found
 
 
-def stat_around(path: str, read: Callable[[], _T]) -> tuple[_T, FileStat | None]:
-    """``read()`` of the local file at ``path``, and the file's stat if it was the same before
-    and after (None: renamed over or rewritten meanwhile): the version what was read is of."""
-    before = file_stat_or_none(path)
-    got = read()
-    return got, before if file_stat_or_none(path) == before else None
-
-
-def replaced_files(
-    noted: Mapping[str, FileStat | None], files: Collection[str], why: Callable[[str], str]
-) -> dict[str, str]:
-    """file -> ``why(file)``, for each of ``files`` whose version was ``noted`` (its stat when
-    it was read: :func:`stat_around`) and is not the file at its path any more."""
-    return {f: why(f) for f in files if f in noted and file_stat_or_none(f) != noted[f]}
-
-
 def replaced_since_listed(tar: str) -> str:
     """Why a member of a local tar renamed over (or rewritten) after its listing fails."""
     return (
@@ -1037,51 +837,6 @@ class MemberSource:
 # is an item; ``--column`` names the cell to encode: an Audio or Image column (a struct of
 # ``bytes`` and ``path``, as the Hub stores them) or a binary column. An item's id is its ``id``
 # column when the table has one, else ``<file>:<row>``; its other columns are carried.
-class CellKind(Enum):
-    """What a column's cells hold, as far as encoding them goes."""
-
-    STRUCT = "struct"  # {bytes, path}: the Hub's Audio and Image
-    BINARY = "binary"
-    TEXT = "text"  # a string column, for --source text: the cell's UTF-8 bytes
-    OTHER = "other"
-
-
-def pyarrow_module() -> Any:
-    """pyarrow, or a one-line error saying how to install it.
-
-    Raises:
-        ConfigError: pyarrow is not installed.
-    """
-    try:
-        import pyarrow
-        import pyarrow.parquet  # the submodule: pyarrow.parquet.ParquetFile below
-    except ImportError as e:
-        raise ConfigError(
-            f"parquet files and Hugging Face datasets need pyarrow ({e}); install it: "
-            "pip install 'featbake[tables]'"
-        ) from e
-    return pyarrow
-
-
-def cell_kind(kind: pa.DataType, text: bool = False) -> CellKind:
-    """Whether cells of type ``kind`` hold bytes to encode, and how: with ``text`` (the source
-    is text) a string column's and only those; else a binary column's or an Audio/Image struct's.
-    """
-    pa = pyarrow_module()
-    if text:
-        is_text = pa.types.is_string(kind) or pa.types.is_large_string(kind)
-        return CellKind.TEXT if is_text else CellKind.OTHER
-    if pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
-        return CellKind.BINARY
-    if pa.types.is_struct(kind):
-        names = [kind.field(i).name for i in range(kind.num_fields)]
-        if "bytes" in names:
-            inner = kind.field(names.index("bytes")).type
-            if pa.types.is_binary(inner) or pa.types.is_large_binary(inner):
-                return CellKind.STRUCT
-    return CellKind.OTHER
-
-
 def hf_feature_types(schema: pa.Schema) -> dict[str, str]:
     """column -> the ``datasets`` feature type (``Audio``, ``Image``, ``Value``) recorded in the
     schema's ``huggingface`` metadata (written by ``datasets`` and the Hub), where there is one."""
@@ -1093,25 +848,6 @@ def hf_feature_types(schema: pa.Schema) -> dict[str, str]:
     if not isinstance(features, dict):
         return {}
     return {k: v.get("_type", "") for k, v in features.items() if isinstance(v, dict)}
-
-
-def cell_bytes(cell: Any, kind: CellKind) -> bytes | str:
-    """The bytes of one cell (a Python value), or why it has none."""
-    if cell is None:
-        return "the cell is null"
-    if kind is CellKind.TEXT:
-        # The same bytes as a .txt file of this text: the same key. Arrow strings are UTF-8.
-        return str(cell).encode("utf-8") if str(cell).strip() else "the cell's text is empty"
-    if kind is CellKind.STRUCT:
-        data = cell.get("bytes")
-        if data is None:
-            where = cell.get("path")
-            return (
-                f"the cell holds no bytes (only the path {where!r}); embed the bytes "
-                "(datasets' embed_table_storage) or build the files with a manifest"
-            )
-        return bytes(data)
-    return bytes(cell)
 
 
 def is_table(where: str) -> bool:
@@ -1126,126 +862,6 @@ def is_table(where: str) -> bool:
     if all(os.path.isfile(os.path.join(where, n)) for n in ("state.json", "dataset_info.json")):
         return True
     return holds_only(where, (".parquet",), (".md", ".json"))
-
-
-def table_files(where: str) -> list[str]:
-    """The data files of a table, in the dataset's order.
-
-    Raises:
-        SourceError: a DatasetDict folder (one split must be named), or a ``state.json`` that
-            names no data file.
-    """
-    if os.path.isfile(where):
-        return [where]
-    if os.path.isfile(os.path.join(where, "dataset_dict.json")):
-        try:
-            with open(os.path.join(where, "dataset_dict.json")) as f:
-                splits = list(json.load(f).get("splits", []))
-        except (OSError, ValueError, AttributeError):
-            splits = []
-        named = ", ".join(os.path.join(where, s) for s in splits) or "one of its split folders"
-        raise SourceError(
-            f"{where} is a DatasetDict (several splits); pass one split as --data: {named}"
-        )
-    state = os.path.join(where, "state.json")
-    if os.path.isfile(state):
-        try:
-            with open(state) as f:
-                files = [d["filename"] for d in json.load(f)["_data_files"]]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise SourceError(f"{state}: not a datasets state.json ({e})") from e
-        if not files:
-            raise SourceError(f"{state} names no data file")
-        return [os.path.join(where, n) for n in files]
-    return sorted(os.path.join(where, n) for n in os.listdir(where) if n.endswith(".parquet"))
-
-
-class TableFile(ProcessLocalState):
-    """One data file of a table, opened lazily in each process: a parquet file (read by row
-    group) or an Arrow stream (memory-mapped, zero copy). A copy pickled or forked into a
-    worker opens its own (:class:`~featbake.process.ProcessLocal`): never the parent's reader,
-    whose Python file (a bucket's :class:`RangedObject`) a parent's thread may hold locked."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.parquet = not path.endswith(".arrow")
-        #: an object's schema from the hash cache, and its size (a bucket's parquet file)
-        self.known_schema: pa.Schema | None = None
-        self.size: int | None = None
-
-    def _open_ranged(self) -> RangedObject:
-        return RangedObject.at(self.path, self.size)
-
-    def _open_parquet(self) -> Any:
-        # A bucket's file by ranged GETs: its footer, then each row group's column chunks.
-        if is_url(self.path):
-            return pyarrow_module().parquet.ParquetFile(self._ranged)
-        return self._open_local(pyarrow_module().parquet.ParquetFile)
-
-    def _open_arrow(self) -> Any:
-        pa = pyarrow_module()
-        return self._open_local(lambda path: pa.ipc.open_stream(pa.memory_map(path)).read_all())
-
-    def _open_local(self, opener: Callable[[str], Any]) -> Any:
-        """``opener(path)``, noting the stat of the file it opened (the same before and after
-        the open; None if the file was replaced meanwhile): the reader keeps that file, its
-        footer read once, whatever is renamed over the path later (see :meth:`stat`)."""
-        opened, self._opened = stat_around(self.path, lambda: opener(self.path))
-        return opened
-
-    #: a bucket's file as this process reads it (its responses' stats kept: see :meth:`stat`)
-    _ranged: ProcessLocal[RangedObject] = ProcessLocal(_open_ranged)
-    _pf: ProcessLocal[Any] = ProcessLocal(_open_parquet)
-    _stream: ProcessLocal[Any] = ProcessLocal(_open_arrow)
-    #: the row group read last: its first row, and the columns read of it
-    _group: ProcessLocal[tuple[int, dict[str, Any]] | None] = ProcessLocal(lambda self: None)
-    #: the stat of the local file this process's reader opened (None: none, or replaced then)
-    _opened: ProcessLocal[FileStat | None] = ProcessLocal(lambda self: None)
-
-    def stat(self) -> FileStat | None:
-        """The file's stat as of what was read of it: a file's stat'ed now if it is the file
-        this process's reader opened (else None: replaced or rewritten since, its bytes read
-        here may be the old file's, through a footer read before); an object's the one every
-        ranged GET this process made of it gave (no HEAD; None if they disagree)."""
-        if not is_url(self.path):
-            now = file_stat_or_none(self.path)
-            return now if now == self._opened else None
-        return self._ranged.stat()
-
-    def schema(self) -> pa.Schema:
-        if self.known_schema is not None:
-            return self.known_schema
-        return self._pf.schema_arrow if self.parquet else self._stream.schema
-
-    def rows(self) -> int:
-        return self._pf.metadata.num_rows if self.parquet else self._stream.num_rows
-
-    def column(self, name: str) -> Iterator[tuple[int, Any]]:
-        """(first row, the column's chunk) for each row group (one chunk for an Arrow stream)."""
-        if not self.parquet:
-            yield 0, self._stream.column(name)
-            return
-        pf, first = self._pf, 0
-        for g in range(pf.metadata.num_row_groups):
-            yield first, pf.read_row_group(g, columns=[name]).column(name)
-            first += pf.metadata.row_group(g).num_rows
-
-    def cells(self, row: int, columns: Sequence[str]) -> dict[str, Any]:
-        """The Python values of ``columns`` at ``row`` (its row group kept for the next rows)."""
-        if not self.parquet:
-            table = self._stream
-            return {c: table.column(c)[row].as_py() for c in columns}
-        pf, first = self._pf, 0
-        for g in range(pf.metadata.num_row_groups):
-            n = pf.metadata.row_group(g).num_rows
-            if row < first + n:
-                held = self._group
-                if held is None or held[0] != first or not set(columns) <= set(held[1]):
-                    group = pf.read_row_group(g, columns=list(columns))
-                    held = self._group = (first, {c: group.column(c) for c in columns})
-                return {c: held[1][c][row - first].as_py() for c in columns}
-            first += n
-        raise SourceError(f"{self.path}:{row}: no such row")
 
 
 class Row(NamedTuple):
@@ -1274,7 +890,7 @@ class Table:
             if not data.lower().endswith(".parquet"):
                 refuse_url(data, "Arrow files and Hugging Face datasets")
             self.where, self.folder = data, data.rsplit("/", 1)[0]
-            self.files = [TableFile(data)]
+            self.files = [TableFile(data, ranged_object)]
         else:
             self.where = resolve_path(data)
             self.folder = self.where if os.path.isdir(self.where) else os.path.dirname(self.where)
@@ -1515,22 +1131,7 @@ class Table:
         stat as of the reading (an object's from the GETs' responses: no HEAD)."""
         index = self.file_index(file)
         f, kind = self.files[index], self.kinds[index]
-        wanted = {r.where: r.path for r in refs}
-        out: dict[str, str | tuple[str]] = {}
-        try:
-            for first, chunk in f.column(str(self.column)):
-                for j in [r - first for r in wanted if first <= r < first + len(chunk)]:
-                    got = cell_bytes(chunk[j].as_py(), kind)
-                    if isinstance(got, bytes):
-                        out[wanted[first + j]] = hashlib.sha256(got).hexdigest()
-                        if held is not None:
-                            held.keep(wanted[first + j], got)
-                    else:
-                        out[wanted[first + j]] = (f"{file}:{first + j}: {got}",)
-        except (OSError, ValueError) as e:
-            why = f"{file}: cannot read column {self.column!r} ({e})"
-            return ReadBack({p: (why,) for p in wanted.values()}, None)
-        return ReadBack(out, f.stat())
+        return cell_digests(f, str(self.column), kind, {r.where: r.path for r in refs}, held)
 
     def source(self, inner: Source) -> Source:
         return CellSource(inner, self)

@@ -37,10 +37,18 @@ all its segments, never once per segment. A file a whole-file row names is read 
 first build: hashed from bytes kept (within the build's budget) to decode its rows, its segment
 rows too (their bounds checked from those bytes).
 
+**Reading rows.** A manifest is UTF-8, with or without the byte-order mark Excel's "CSV UTF-8"
+writes. A TSV is not quoted (a quote mark is text: Common Voice's sentences open quotes); a CSV
+is quoted as Excel writes it. A table's row names the line it starts on
+(:func:`table_records`).
+
 **Bad rows** are skipped, one line each naming the manifest's line (the build then exits 3):
-malformed JSON, a missing input column, a bad ``start``/``end``, a segment with ``start >= end``
-(at the scan); a missing or unreadable file, a segment past the end of its recording, a channel
-the file lacks (when hashing).
+malformed JSON or CSV, a table row with more or fewer fields than the header, a missing input
+column, a bad ``start``/``end``, a segment with ``start >= end`` (at the scan); a missing or
+unreadable file, a segment past the end of its recording, a channel the file lacks (when
+hashing). An input column that **no** row holds (``--column`` mistyped) is not a bad row per
+row but one :class:`~featbake.errors.SourceError` before any work, naming the columns there
+are (:class:`ColumnsSeen`), as a table without the column is.
 
 **Files in a bucket.** A row may name ``s3://bucket/key``: the object is hashed through the hash
 cache by (size, last change, ETag) as ``--data s3://prefix/`` hashes its objects (from a LIST
@@ -227,10 +235,6 @@ def manifest_item(
     if column not in fields:
         given = ", ".join(str(k) for k in fields) or "none"
         raise BadRow(f"no {column!r} column (columns: {given}); name the input with --column")
-    if None in fields:  # a CSV record with more fields than the header
-        raise BadRow("more fields than the header names")
-    if None in fields.values():  # ... or fewer
-        raise BadRow("fewer fields than the header names")
     file = input_file(fields[column], base, column)
     span = span_of(fields.get("start"), fields.get("end"), channel_of(fields.get("channel")))
     ident = fields.get("id")
@@ -648,30 +652,84 @@ class ManifestInputs(RowInputs):
         base = os.path.dirname(self.origin)
         name = os.path.basename(self.origin)
         parsed = Parsed()
-        for line, fields in self._records():
+        seen = ColumnsSeen(column)
+        for line, fields in manifest_records(self.origin):
             where = f"{self.origin}:{line}"
             try:
                 if isinstance(fields, BadRow):
                     raise fields
+                seen.note(fields)
                 parsed.items.append(manifest_item(fields, column, base, where))
             except BadRow as e:
                 parsed.skipped.append(SkippedInput(f"{name}:{line}", str(e)))
+        seen.check(self.origin, "name the input with --column")
         return parsed
 
-    def _records(self) -> Iterator[tuple[int, Mapping[str, Any] | BadRow]]:
-        """(line number, fields or why the line is not a row) of each row."""
-        try:
-            with open(self.origin, encoding="utf-8", newline="") as f:
-                if self.origin.lower().endswith(".jsonl"):
-                    yield from json_records(f)
-                else:
-                    yield from table_records(
-                        f, "\t" if self.origin.lower().endswith(".tsv") else ","
-                    )
-        except FileNotFoundError:
-            raise SourceError(f"manifest {self.origin} does not exist; check --data") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise SourceError(f"manifest {self.origin} cannot be read ({e})") from None
+
+#: How manifests are decoded: UTF-8, less the byte-order mark Excel's "CSV UTF-8" (and Notepad)
+#: writes first, which plain ``utf-8`` kept as part of the first column's name.
+MANIFEST_ENCODING = "utf-8-sig"
+#: The rows whose columns a "no such column" message lists (the columns a manifest has).
+COLUMNS_FROM_ROWS = 20
+
+
+def manifest_records(
+    path: str, errors: str = "strict"
+) -> Iterator[tuple[int, Mapping[str, Any] | BadRow]]:
+    """(line number, fields or why the line is not a row) of each row of a JSONL, CSV or TSV
+    manifest (by its name's ending), decoded as :data:`MANIFEST_ENCODING` with ``errors``.
+
+    Raises:
+        SourceError: the manifest does not exist or cannot be read (or decoded, with
+            ``errors="strict"``).
+    """
+    lower = path.lower()
+    try:
+        with open(path, encoding=MANIFEST_ENCODING, errors=errors, newline="") as f:
+            if lower.endswith(".jsonl"):
+                yield from json_records(f)
+            else:
+                yield from table_records(f, "\t" if lower.endswith(".tsv") else ",")
+    except FileNotFoundError:
+        raise SourceError(f"manifest {path} does not exist; check --data") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise SourceError(f"manifest {path} cannot be read ({e})") from None
+
+
+@dataclass
+class ColumnsSeen:
+    """Whether any row of a manifest holds ``column``, and the columns its first rows hold.
+
+    A column no row holds (``--column`` mistyped, or the default ``path`` where the manifest
+    calls it ``audio``) is the command's mistake, not each row's: one line before any work
+    (:meth:`check`), as a table without the column is
+    (:meth:`featbake.encode.containers.Table.no_column`), not a bad row per row.
+    """
+
+    column: str
+    found: bool = False
+    rows: int = 0
+    names: dict[str, None] = field(default_factory=dict)  # in order, from the first rows
+
+    def note(self, fields: Mapping[str, Any]) -> None:
+        """Count a row (a JSON object or a table's record) and its columns."""
+        self.found = self.found or self.column in fields
+        if self.rows < COLUMNS_FROM_ROWS:
+            self.names.update(dict.fromkeys(str(k) for k in fields))
+        self.rows += 1
+
+    def check(self, where: str, fix: str) -> None:
+        """Refuse the manifest if it has rows and none holds the column.
+
+        Raises:
+            SourceError: no row holds the column (the message lists the columns there are).
+        """
+        if self.found or not self.rows:
+            return
+        listed = ", ".join(self.names) or "none"
+        raise SourceError(
+            f"{where} has no column {self.column!r} in any row (columns: {listed}); {fix}"
+        )
 
 
 def json_records(lines: Iterator[str] | Any) -> Iterator[tuple[int, Mapping[str, Any] | BadRow]]:
@@ -688,14 +746,83 @@ def json_records(lines: Iterator[str] | Any) -> Iterator[tuple[int, Mapping[str,
         yield line, obj if isinstance(obj, dict) else BadRow("the line is not a JSON object")
 
 
+class NumberedLines:
+    """A file's lines, handed one at a time to a :func:`csv.reader`, counting them: the line a
+    record starts on (a quoted CSV cell may hold line breaks), and where to read on from."""
+
+    def __init__(self, lines: list[str]) -> None:
+        self.lines = lines
+        self.at = 0  # the index of the next line to hand out: lines read so far
+
+    def __iter__(self) -> NumberedLines:
+        return self
+
+    def __next__(self) -> str:
+        if self.at >= len(self.lines):
+            raise StopIteration
+        self.at += 1
+        return self.lines[self.at - 1]
+
+
+class UnquotedTSV(csv.excel_tab):
+    """A TSV manifest's dialect: tab-separated, a quote mark is text (nothing is quoted)."""
+
+    quoting = csv.QUOTE_NONE
+
+
+class StrictCSV(csv.excel):
+    """A CSV manifest's dialect: as Excel writes it, a malformed quote an error (not a cell run
+    on to the next closing quote)."""
+
+    strict = True
+
+
 def table_records(f: Any, delimiter: str) -> Iterator[tuple[int, Mapping[str, Any] | BadRow]]:
-    """(line number, record) per row of a CSV/TSV file with a header line."""
-    reader = csv.DictReader(f, delimiter=delimiter)
-    try:
-        for record in reader:
-            yield reader.line_num, record
-    except csv.Error as e:
-        yield reader.line_num, BadRow(f"malformed {'TSV' if delimiter == chr(9) else 'CSV'} ({e})")
+    """(line number, record) per row of a CSV/TSV file with a header line; each record names
+    the line it starts on.
+
+    **A TSV is not quoted** (:data:`csv.QUOTE_NONE`): a quote mark in a tab-separated manifest
+    is text (Common Voice's sentences open quotes), where CSV quoting made a sentence opening
+    one a cell that ran over the next rows: rows vanished without a line and a row got another
+    row's label. **A CSV is quoted as Excel writes it** (a quoted cell may hold commas, quotes
+    doubled and line breaks), strictly: a quote left open, or text after a closing quote, is a
+    bad row at the line it starts on, and reading goes on at the line after it (the rows such
+    a quote swallowed are each read, not lost). Either way a row with more or fewer fields than
+    the header is a bad row, never padded or merged.
+
+    Raises:
+        SourceError: the header line is malformed.
+    """
+    tsv = delimiter == "\t"
+    kind = "TSV" if tsv else "CSV"
+    lines = NumberedLines(f.readlines())
+    dialect = UnquotedTSV if tsv else StrictCSV
+    header: list[str] | None = None
+    while lines.at < len(lines.lines):
+        start = lines.at
+        reader = csv.reader(lines, dialect)
+        try:
+            for fields in reader:
+                if header is None:
+                    header = fields or None  # blank lines before the header are no header
+                elif fields:  # a blank line is no row
+                    yield start + 1, table_record(header, fields)
+                start = lines.at
+        except csv.Error as e:
+            if header is None:
+                where = getattr(f, "name", "the manifest")
+                raise SourceError(f"{where}:{start + 1}: not a {kind} header ({e})") from None
+            yield start + 1, BadRow(f"malformed {kind} ({e})")
+            lines.at = start + 1  # read on from the line after the one the record starts on
+
+
+def table_record(header: list[str], fields: list[str]) -> dict[str, str] | BadRow:
+    """A table row's fields by the header's names, or why its field count is not the header's."""
+    if len(fields) > len(header):
+        return BadRow(f"more fields than the header names ({len(fields)}, not {len(header)})")
+    if len(fields) < len(header):
+        return BadRow(f"fewer fields than the header names ({len(fields)}, not {len(header)})")
+    return dict(zip(header, fields, strict=True))
 
 
 # == kaldi =========================================================================================

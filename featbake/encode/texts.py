@@ -10,8 +10,11 @@ number), every other column carried, a repeated id refused.
 file (without a trailing newline) has the same key. The texts are held from the parse: what is
 tokenised is exactly what was hashed, whatever happens to the manifest meanwhile.
 
-**Bad rows** are skipped, one line each naming the manifest's line: malformed JSON, no such
-column, a cell that is not text (a number, a list) or is empty, a cell that is not valid UTF-8.
+**Bad rows** are skipped, one line each naming the manifest's line: malformed JSON or CSV, a
+table row of another field count than the header's, no such column, a cell that is not text (a
+number, a list) or is empty, a cell that is not valid UTF-8. The manifest is read as
+:func:`featbake.encode.manifests.manifest_records` reads it (a byte-order mark dropped, a TSV
+unquoted), and a column no row holds is one error before any work, not a bad row per row.
 """
 
 from __future__ import annotations
@@ -27,11 +30,11 @@ from featbake.encode.fingerprints import HeldBytes
 from featbake.encode.manifests import (
     OWN_COLUMNS,
     BadRow,
+    ColumnsSeen,
     Item,
     Parsed,
     RowInputs,
-    json_records,
-    table_records,
+    manifest_records,
 )
 from featbake.encode.sources import SkippedInput, Source
 from featbake.errors import SourceError
@@ -50,11 +53,9 @@ def text_cell(fields: Mapping[str, Any], column: str) -> str:
         BadRow: no such column, not text, empty, or not valid UTF-8 (a byte the manifest's
             decoding kept as a lone surrogate).
     """
-    if column not in fields or fields[column] is None:
-        given = ", ".join(str(k) for k in fields if k is not None) or "none"
+    if column not in fields:
+        given = ", ".join(str(k) for k in fields) or "none"
         raise BadRow(f"no {column!r} column (columns: {given}); name the text with --column")
-    if None in fields:  # a CSV record with more fields than the header
-        raise BadRow("more fields than the header names")
     value = fields[column]
     if not isinstance(value, str):
         raise BadRow(f"column {column!r} holds {type(value).__name__} {value!r}, not text")
@@ -83,11 +84,13 @@ class TextRows(RowInputs):
         name = os.path.basename(self.origin)
         parsed = Parsed()
         self.texts.clear()
+        seen = ColumnsSeen(column)
         for line, fields in self._text_records():
             where = f"{self.origin}:{line}"
             try:
                 if isinstance(fields, BadRow):
                     raise fields
+                seen.note(fields)
                 text = text_cell(fields, column)
             except BadRow as e:
                 parsed.skipped.append(SkippedInput(f"{name}:{line}", str(e)))
@@ -98,23 +101,23 @@ class TextRows(RowInputs):
             carried = {k: v for k, v in fields.items() if k not in skip}
             parsed.items.append((ident, Item(self.origin, None, where, carried)))
             self.texts[where] = text
+        seen.check(self.origin, "name the text with --column")
         return parsed
 
     def _text_records(self) -> Iterator[tuple[int, Mapping[str, Any] | BadRow]]:
         """(line number, fields) per row; bytes that are not UTF-8 are kept as lone surrogates,
-        so that only the rows holding them are bad (:func:`text_cell`), not the manifest."""
+        so that only the rows holding them are bad (:func:`text_cell`), not the manifest.
+
+        Raises:
+            SourceError: the manifest does not exist or cannot be read.
+        """
         try:
             self.manifest_stat = FileStat.of(self.origin)
-            with open(self.origin, encoding="utf-8", errors="surrogateescape", newline="") as f:
-                if self.origin.lower().endswith(".jsonl"):
-                    yield from json_records(f)
-                else:
-                    tab = self.origin.lower().endswith(".tsv")
-                    yield from table_records(f, "\t" if tab else ",")
         except FileNotFoundError:
             raise SourceError(f"manifest {self.origin} does not exist; check --data") from None
         except OSError as e:
             raise SourceError(f"manifest {self.origin} cannot be read ({e})") from None
+        return manifest_records(self.origin, errors="surrogateescape")
 
     def size(self, rel: str) -> int:
         item = self.items.get(rel)

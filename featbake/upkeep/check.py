@@ -8,13 +8,11 @@ acts on them.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import math
 import os
 import shutil
 import sqlite3
 import stat
-import tarfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -22,7 +20,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from featbake.errors import StoreCorrupt, StoreError
+from featbake.errors import ConfigError, SourceError, StoreCorrupt, StoreError
 from featbake.keys import sha256_file
 from featbake.process import map_in_threads
 from featbake.progress import GcProgress
@@ -39,6 +37,18 @@ from featbake.store.catalog import (
     root_file,
     roots_dir,
     tombstone_file,
+)
+from featbake.store.containers import (
+    Member,
+    TableFile,
+    cell_digests,
+    container_cut,
+    is_tar,
+    list_members,
+    member_digests,
+    pyarrow_module,
+    split_item_path,
+    stored_cell_kind,
 )
 from featbake.store.fragments import fragment_shard_names
 from featbake.store.layout import FolderListing, Layout, Place, list_folder, shard_name
@@ -470,11 +480,13 @@ def check_root_files(layout: Layout) -> list[Finding]:
 # loop or an unreadable file is skipped (a reader would hash it again anyway).
 #
 # Rows of items inside containers and manifests (issue 29), per kind:
-# - ``shard.tar:member`` (a tar member): checked. Its tar's stat must be the row's; the member is
-#   found by its header (tarfile) and its bytes hashed.
+# - ``shard.tar:member`` (a tar member, ``.tar.gz`` too): checked. Its tar's stat must be the
+#   row's; the tar is listed once for all its rows and its members hashed in order, by the
+#   build's own reader (``store/containers.py``): linear in the members, however many rows.
 # - ``file.parquet:row:column`` / ``.arrow:row:column`` (a table cell): checked where pyarrow is
-#   installed. The file's stat must be the row's; the cell's bytes (an Audio/Image struct's
-#   ``bytes``, a binary cell, a string's UTF-8) are hashed.
+#   installed. The file's stat must be the row's; the file is opened once for all its rows,
+#   each column read a row group at a time, and the cell's bytes (an Audio/Image struct's
+#   ``bytes``, a binary cell, a string's UTF-8: the build's cell rule) are hashed.
 # - a manifest's rows and segments: their rows are their files' (a recording's digest, from which
 #   a segment's is derived), checked as any file; a manifest's texts have no row (never cached).
 # - ``s3://`` objects (bucket inputs, a manifest's bucket rows, members and cells of tars and
@@ -618,10 +630,6 @@ class HashCheck(NamedTuple):
     bytes_read: int
 
 
-#: Where a container's name ends in an item's hash-cache id (``/d/a.tar:s1.jpg``).
-CONTAINER_SUFFIXES = (".tar", ".parquet", ".arrow")
-
-
 def container_item(path: str) -> tuple[str, str] | None:
     """(container, inner name) of a row naming an item inside a local tar or table, else None
     (a file, or a URL: see the section's comment).
@@ -632,8 +640,8 @@ def container_item(path: str) -> tuple[str, str] | None:
     """
     if "://" in path or os.path.lexists(path):
         return None
-    cuts = [i + len(s) for s in CONTAINER_SUFFIXES if (i := path.find(s + ":")) >= 0]
-    return (path[: min(cuts)], path[min(cuts) + 1 :]) if cuts else None
+    cut = container_cut(path)
+    return None if cut is None else (path[:cut], path[cut + 1 :])
 
 
 def _stat_file(path: str) -> str:
@@ -669,67 +677,102 @@ def _sha256_of_regular_file(path: str) -> tuple[str, int] | None:
             return None
 
 
-def _sha256_of_member(tar: str, name: str) -> tuple[str, int] | None:
-    """(SHA-256, bytes) of member ``name`` of the tar file ``tar``, else None."""
-    try:
-        with tarfile.open(tar, mode="r:") as tf:
-            member = tf.getmember(name)
-            data = tf.extractfile(member) if member.isreg() else None
-            if data is None:
-                return None
-            sha = hashlib.sha256()
-            while chunk := data.read(1 << 20):
-                sha.update(chunk)
-            return sha.hexdigest(), member.size
-    except (OSError, KeyError, tarfile.TarError):
-        return None
+class RowGroup(NamedTuple):
+    """Trusted rows checked together: one file's row (``container`` None), or every row naming
+    an item of one local tar or table (its container opened and listed once for all of them)."""
+
+    container: str | None
+    rows: list[HashCacheRow]
 
 
-def _sha256_of_cell(table: str, inner: str) -> tuple[str, int] | None:
-    """(SHA-256, bytes) of cell ``row:column`` of a parquet file or Arrow stream, else None."""
-    row_text, _, column = inner.partition(":")
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError:
-        return None  # no pyarrow here: a reader of the table has it, and hashes it again
-    try:
-        row = int(row_text)
-        if table.endswith(".arrow"):
-            cell = pa.ipc.open_stream(pa.memory_map(table)).read_all().column(column)[row]
+#: A row and what its input hashes to now: (SHA-256, bytes), or None (not read: skipped).
+RowCheck = tuple[HashCacheRow, "tuple[str, int] | None"]
+
+
+def row_groups(rows: list[HashCacheRow]) -> list[RowGroup]:
+    """``rows`` as groups to check: each file's row alone, each container's rows together."""
+    files: list[RowGroup] = []
+    inside: dict[str, list[HashCacheRow]] = {}
+    for row in rows:
+        item = container_item(row.path)
+        if item is None:
+            files.append(RowGroup(None, [row]))
         else:
-            pf, first = pq.ParquetFile(table), 0
-            for g in range(pf.metadata.num_row_groups):
-                n = pf.metadata.row_group(g).num_rows
-                if row < first + n:
-                    cell = pf.read_row_group(g, columns=[column]).column(column)[row - first]
-                    break
-                first += n
-            else:
-                return None  # no such row (the file changed: its stat said otherwise)
-    except (OSError, ValueError, KeyError, IndexError):
-        return None
-    data = _cell_bytes(cell.as_py())
-    return None if data is None else (hashlib.sha256(data).hexdigest(), len(data))
+            inside.setdefault(item[0], []).append(row)
+    return files + [RowGroup(c, group) for c, group in inside.items()]
 
 
-def _cell_bytes(value: Any) -> bytes | None:
-    """The bytes a cell's digest is taken of (as a build reads them), or None (none: a bad row)."""
-    if isinstance(value, dict):
-        value = value.get("bytes")
-    if isinstance(value, str):
-        return value.encode("utf-8")
-    return bytes(value) if isinstance(value, (bytes, bytearray)) else None
+def check_group(group: RowGroup) -> list[RowCheck]:
+    """What each row of ``group`` hashes to now, through the build's own readers: a
+    container's items read in order from one open of it (linear in its items)."""
+    if group.container is None:
+        return [(r, _sha256_of_regular_file(r.path)) for r in group.rows]
+    if is_tar(group.container):
+        got = _member_checks(group.container, group.rows)
+    else:
+        got = _cell_checks(group.container, group.rows)
+    return [(r, got.get(r.path)) for r in group.rows]
 
 
-def _sha256_of_input(path: str) -> tuple[str, int] | None:
-    """(SHA-256, bytes) of the input a row names: a file, a tar member or a table cell."""
-    inside = container_item(path)
-    if inside is None:
-        return _sha256_of_regular_file(path)
-    if inside[0].endswith(".tar"):
-        return _sha256_of_member(*inside)
-    return _sha256_of_cell(*inside)
+def _member_checks(tar: str, rows: list[HashCacheRow]) -> dict[str, tuple[str, int]]:
+    """row path -> (SHA-256, bytes) of the members ``rows`` name: the tar listed once, its
+    members hashed in tar order (a member listed twice: its first, as the build reads it).
+    Members that cannot be read are left out (a reader hashes them again)."""
+    try:
+        listed: dict[str, Member] = {}
+        for m in list_members(tar):
+            listed.setdefault(m.name, m)
+    except SourceError:
+        return {}
+    named = {r.path: listed.get(split_item_path(r.path)[1]) for r in rows}
+    digests = member_digests(tar, [m for m in named.values() if m is not None]).digests
+    out: dict[str, tuple[str, int]] = {}
+    for path, member in named.items():
+        if member is not None and isinstance(sha := digests.get(member.name), str):
+            out[path] = (sha, member.size)
+    return out
+
+
+class CellSizes:
+    """A :class:`~featbake.store.containers.Holder` that keeps no bytes, only how many each
+    cell read had (what the check reports as read)."""
+
+    size = 0
+    budget = 1 << 62
+
+    def __init__(self) -> None:
+        self.sizes: dict[str, int] = {}
+
+    def keep(self, path: str, data: bytes) -> None:
+        self.sizes[path] = len(data)
+
+
+def _cell_checks(table: str, rows: list[HashCacheRow]) -> dict[str, tuple[str, int]]:
+    """row path -> (SHA-256, bytes) of the cells ``rows`` name (``file:row:column``): the file
+    opened once, each column read a row group at a time, under the build's cell rule. Cells
+    that cannot be read are left out; so is everything without pyarrow (a reader of the table
+    has it, and hashes it again)."""
+    columns: dict[str, dict[int, str]] = {}
+    for r in rows:
+        row, _, column = split_item_path(r.path)[1].partition(":")
+        if row.isdigit():
+            columns.setdefault(column, {})[int(row)] = r.path
+    try:
+        pyarrow_module()
+    except ConfigError:
+        return {}
+    f, sizes = TableFile(table), CellSizes()
+    out: dict[str, tuple[str, int]] = {}
+    for column, wanted in columns.items():
+        try:
+            kind = stored_cell_kind(f.schema().field(column).type)
+        except (OSError, ValueError, KeyError):
+            continue
+        got = cell_digests(f, column, kind, wanted, sizes).digests
+        for path, sha in got.items():
+            if isinstance(sha, str):
+                out[path] = (sha, sizes.sizes[path])
+    return out
 
 
 def check_hash_cache(layout: Layout, progress: Progress = None) -> HashCheck:
@@ -741,14 +784,15 @@ def check_hash_cache(layout: Layout, progress: Progress = None) -> HashCheck:
     with contextlib.closing(Catalog(layout)) as cat:
         rows = [r for r in hash_cache_rows(cat) if _trusted_now(r)]
     wrong: list[HashMismatch] = []
-    files = nbytes = 0
-    results = map_in_threads(lambda r: (r, _sha256_of_input(r.path)), rows)
-    for done, (row, got) in enumerate(results, 1):
-        if got is not None:
-            files += 1
-            nbytes += got[1]
-            if got[0] != row.sha256:
-                wrong.append(HashMismatch(row.path, row.sha256, got[0]))
+    files = nbytes = done = 0
+    for checked in map_in_threads(check_group, row_groups(rows)):
+        for row, got in checked:
+            if got is not None:
+                files += 1
+                nbytes += got[1]
+                if got[0] != row.sha256:
+                    wrong.append(HashMismatch(row.path, row.sha256, got[0]))
+        done += len(checked)
         if progress:
             progress(GcProgress("inputs", done, len(rows)))
     return HashCheck(tuple(wrong), files, nbytes)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from featbake.bake.report import BuildReport
+from featbake.bake.report import BuildReport, FailureCause
+from featbake.errors import EncodeError, SourceError
 
 
 def _report(files: int, failed: list[tuple[str, str]]) -> BuildReport:
@@ -26,6 +27,21 @@ def test_failures_that_differ_or_leave_inputs_stored_are_the_inputs_fault() -> N
     assert _report(2, differ).common_failure() is None
     assert _report(1, alike[:1]).common_failure() is None  # one input says nothing
     assert _report(0, []).common_failure() is None
+
+
+def test_the_common_cause_is_the_one_every_recorded_failure_has() -> None:
+    """Round four item 14: the summary's advice follows whose failures they are."""
+    assert FailureCause.of(EncodeError("x")) is FailureCause.ENCODER
+    assert FailureCause.of(SourceError("x")) is FailureCause.DATA
+    report = _report(2, [])
+    report.fail("a.wav", "a.wav: cannot stat", FailureCause.DATA)
+    assert report.common_cause() is FailureCause.DATA
+    report.fail("b.wav", "b.wav: the encoder failed", FailureCause.ENCODER)
+    assert report.common_cause() is None  # they differ
+    assert [f["cause"] for f in report.to_json()["failed"]] == ["data", "encoder"]
+    unrecorded = _report(1, [("a.wav", "a.wav: cannot stat")])
+    assert unrecorded.common_cause() is None and unrecorded.to_json()["failed"][0]["cause"] is None
+    assert _report(0, []).common_cause() is None
 
 
 def test_progress_lines_are_labelled_and_show_no_rate_over_a_blink() -> None:

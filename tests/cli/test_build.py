@@ -292,6 +292,35 @@ def test_every_input_failing_alike_blames_the_encoder_or_options_not_the_inputs(
     assert mixed.returncode == 3 and "17 of 17 inputs failed" in mixed.stderr
     ok = invoke(*args[:-1], "--json")  # mono, as the encoder expects
     assert ok.returncode == 3 and _json(ok)["encoded"] == 16
+    causes = {f["path"]: f["cause"] for f in _json(invoke(*args, "--json"))["failed"]}
+    assert causes.pop("broken.wav") == "data" and set(causes.values()) == {"encoder"}
+
+
+def test_every_input_failing_alike_for_the_data_points_at_the_data_not_the_encoder(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """Round four item 14: every row naming a missing file, and every cell of a table written
+    by ``to_parquet`` without its bytes, were told "That points at the encoder or the
+    options". The advice follows the failures' cause (data or encoder), not a blanket
+    sentence."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = "".join(json.dumps({"path": f"gone/{i}.wav", "label": i}) + "\n" for i in range(3))
+    (tmp_path / "gone.jsonl").write_text(rows)
+    media = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    cells = pa.array([{"bytes": None, "path": f"clip{i}.wav"} for i in range(3)], media)
+    pq.write_table(pa.table({"audio": cells, "label": [0, 1, 2]}), tmp_path / "paths.parquet")
+    for data in ("gone.jsonl", "paths.parquet"):
+        args = ["build", "-e", encoder_file, "-d", tmp_path / data, "--cache", tmp_path / "c"]
+        res = invoke(*args)
+        assert res.returncode == 3, res.stderr
+        last = res.stderr.strip().splitlines()[-1]
+        assert last.startswith("error: every input (3) failed the same way: "), last
+        assert "That points at the data, not at the encoder" in last
+        assert "--column" in last and "encoder or the options" not in res.stderr
+        report = _json(invoke(*args, "--json"))
+        assert [f["cause"] for f in report["failed"]] == ["data"] * 3
 
 
 # -- interruption ---------------------------------------------------------------------------------

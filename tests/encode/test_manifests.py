@@ -13,6 +13,7 @@ import csv
 import gzip
 import importlib.util
 import json
+import re
 import time
 import warnings
 from collections.abc import Iterator
@@ -449,8 +450,8 @@ def test_tsv_line_numbers_and_revalidate_refused(
     (corpus / "words.tsv").write_text("\n".join(lines) + "\n")
     report = build(corpus / "words.tsv", encoder_file, cache=store_dir, workers=0)
     assert dict(report.failed) == {
-        "words.tsv:3": "fewer fields than the header names",
-        "words.tsv:4": "more fields than the header names",
+        "words.tsv:3": "fewer fields than the header names (2, not 4)",
+        "words.tsv:4": "more fields than the header names (5, not 4)",
     }
     ds = quiet_dataset(corpus / "words.tsv", encoder_file, store_dir, on_miss="error")
     assert [ds.row(i) for i in range(len(ds))] == [{"word": "yes"}, {"word": "maybe"}]
@@ -823,3 +824,130 @@ def test_relative_paths_of_cuts_and_wav_scp_are_taken_from_the_working_directory
     assert where == "cuts.jsonl.gz:1" and "\n" not in why
     assert f"download/a.wav is not in the working directory ({tmp_path / 'data'})" in why
     assert f"run from {tmp_path} or write absolute paths" in why
+
+
+# -- round four: how rows are read ---------------------------------------------------------------
+def clips_for_rows(folder: Path, n: int) -> list[Path]:
+    """``n`` short clips of different lengths in ``folder/clips``, in name order."""
+    write_audio_folder(folder / "clips", n, seconds=(0.3, 0.8), seed=7)
+    return sorted((folder / "clips").glob("*.wav"))
+
+
+def assert_rows_served(
+    data: Path, encoder: Path, store: Path, rows: list[dict[str, str]], clips: list[Path]
+) -> None:
+    """The dataset over ``data`` holds ``rows`` (carried columns, in order), each stored and
+    equal to the encoder run now on its clip."""
+    ds = quiet_dataset(data, encoder, store, on_miss="error")
+    assert [ds.row(i) for i in range(len(ds))] == rows
+    for i, clip in enumerate(clips):
+        torch.testing.assert_close(ds[i], reference(encoder, clip, None, None))
+
+
+def test_a_common_voice_tsv_keeps_its_quote_marks_and_a_short_row_is_named(
+    tmp_path: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    """Round four item 4: a Common Voice TSV whose sentence opened a quote was read with CSV
+    quoting: the cell ran over the next rows, 2 of 5 rows vanished without a line ("failed 0",
+    exit 0) and a row got another row's label. A TSV is not quoted; a row with the wrong
+    number of fields is a bad row at its line."""
+    clips = clips_for_rows(tmp_path, 5)
+    sentences = ['"Quoted start, never closed', "plain one", 'a "mid" quote', '"both"', "last"]
+    lines = ["client_id\tpath\tsentence\tlabel"]
+    lines += [
+        f"u{i}\tclips/{c.name}\t{s}\t{i}"
+        for i, (c, s) in enumerate(zip(clips, sentences, strict=True))
+    ]
+    lines.insert(3, "u9\tclips/x.wav\tshort")  # line 4: a field short
+    (tmp_path / "validated.tsv").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    report = build(tmp_path / "validated.tsv", encoder_file, cache=store_dir, workers=0)
+    assert (report.files, report.encoded) == (6, 5)
+    assert dict(report.failed) == {
+        "validated.tsv:4": "fewer fields than the header names (3, not 4)"
+    }
+    rows = [{"client_id": f"u{i}", "sentence": s, "label": str(i)} for i, s in enumerate(sentences)]
+    assert_rows_served(tmp_path / "validated.tsv", encoder_file, store_dir, rows, clips)
+
+
+def test_a_csv_row_with_an_open_quote_or_another_field_count_is_a_bad_row_at_its_line(
+    tmp_path: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    """Round four item 4, CSV: a quote left open is a bad row at its line and the rows after it
+    are each read (before, the cell ran to the end of the file: every later row gone, in
+    silence); a row of another field count than the header's is a bad row, never padded or
+    merged; cells Excel quotes (a comma, a doubled quote, a line break) are read as written."""
+    clips = clips_for_rows(tmp_path, 6)
+    names = [f"clips/{c.name}" for c in clips]
+    text = (
+        "path,label\n"
+        f'{names[0]},"open quote, never closed\n'  # line 2
+        f"{names[1]},one\n"
+        f"{names[2]},two,extra\n"  # line 4
+        f'{names[3]},"a, quoted ""cell"""\n'
+        f'{names[4]},"two\nlines"\n'  # lines 6-7: one record
+        f"{names[5]},last\n"
+    )
+    (tmp_path / "clips.csv").write_text(text, encoding="utf-8")
+    report = build(tmp_path / "clips.csv", encoder_file, cache=store_dir, workers=0)
+    failed = dict(report.failed)
+    assert (report.files, report.encoded, sorted(failed)) == (6, 4, ["clips.csv:2", "clips.csv:4"])
+    assert failed["clips.csv:2"].startswith("malformed CSV (")
+    assert failed["clips.csv:4"] == "more fields than the header names (3, not 2)"
+    labels = ["one", 'a, quoted "cell"', "two\nlines", "last"]
+    rows = [{"label": lab} for lab in labels]
+    served = [clips[1], clips[3], clips[4], clips[5]]
+    assert_rows_served(tmp_path / "clips.csv", encoder_file, store_dir, rows, served)
+
+
+def test_a_csv_saved_by_excel_with_a_byte_order_mark_reads_its_first_column(
+    tmp_path: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    """Round four item 14: Excel's "CSV UTF-8" starts with a byte-order mark (and ends lines
+    with CRLF); read as plain UTF-8 the first column was named "\\ufeffpath", and every row
+    failed as "no 'path' column (columns: path, label)". A JSONL saved by Notepad likewise."""
+    clips = clips_for_rows(tmp_path, 3)
+    body = "path,label\r\n" + "".join(f"clips/{c.name},{i}\r\n" for i, c in enumerate(clips))
+    (tmp_path / "excel.csv").write_bytes(b"\xef\xbb\xbf" + body.encode("utf-8"))
+    jsonl = "".join(
+        json.dumps({"path": f"clips/{c.name}", "label": i}) + "\n" for i, c in enumerate(clips)
+    )
+    (tmp_path / "notepad.jsonl").write_bytes(b"\xef\xbb\xbf" + jsonl.encode("utf-8"))
+    for name, label in (("excel.csv", str), ("notepad.jsonl", int)):
+        report = build(tmp_path / name, encoder_file, cache=store_dir, workers=0)
+        assert not report.failed and report.encoded + report.reused == 3, report.failed
+        rows = [{"label": label(i)} for i in range(3)]
+        assert_rows_served(tmp_path / name, encoder_file, store_dir, rows, clips)
+
+
+def test_a_column_no_row_holds_is_one_line_and_the_tables_exit_code_for_every_layout(
+    tmp_path: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    """Round four item 14: a typo'd ``--column`` over a JSONL was a bad-row line per row and
+    exit 3, over a parquet table one line and exit 8. Now every layout refuses it before any
+    work in one line naming the columns there are, with the table's code (8: the data has no
+    such column, as a tar without the member); a row alone without the column is still a bad
+    row."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    clips = clips_for_rows(tmp_path, 3)
+    names = [f"clips/{c.name}" for c in clips]
+    write_jsonl(tmp_path / "m.jsonl", [{"path": n, "label": i} for i, n in enumerate(names)])
+    for ext, sep in (("csv", ","), ("tsv", "\t")):
+        lines = [f"path{sep}label"] + [f"{n}{sep}{i}" for i, n in enumerate(names)]
+        (tmp_path / f"m.{ext}").write_text("\n".join(lines) + "\n")
+    cells = pa.array([c.read_bytes() for c in clips], pa.binary())
+    pq.write_table(pa.table({"path": cells, "label": [0, 1, 2]}), tmp_path / "m.parquet")
+    for ext in ("jsonl", "csv", "tsv", "parquet"):
+        data = tmp_path / f"m.{ext}"
+        got = invoke(
+            "build", "-e", encoder_file, "-d", data, "--cache", store_dir, "--column", "paht"
+        )
+        lines = [ln for ln in got.stderr.splitlines() if ln.strip()]
+        assert got.returncode == 8 and len(lines) == 1, (ext, got.stderr)
+        assert lines[0].startswith(f"error: {data} has no column 'paht'"), lines
+        assert re.search(r"\(columns: (path, label|label, path)\); .*--column", lines[0])
+    assert not (store_dir / "catalog.sqlite").exists()  # refused before any work
+    write_jsonl(tmp_path / "some.jsonl", [{"path": names[0]}, {"file": names[1]}])
+    report = build(tmp_path / "some.jsonl", encoder_file, cache=store_dir, workers=0)
+    assert report.encoded == 1 and [p for p, _ in report.failed] == ["some.jsonl:2"]

@@ -25,6 +25,7 @@ from featbake.encode.hf import HFTextEncoder, recipe_for_encoder
 from featbake.encode.loaders import load_encoder
 from featbake.encode.outputs import encode_batch, encode_padded
 from featbake.encode.sources import TextSource
+from featbake.encode.texts import TextRows
 from featbake.errors import ConfigError, SourceError
 from featbake.recipe import Recipe
 from featbake.serve.dataset import CachedFeatureDataset
@@ -730,3 +731,40 @@ def test_a_parquet_string_column_is_text_keyed_as_the_same_txt_file(
         shutil.copy(texts / f"caption{i}.txt", files)
     again = build(files, bert.folder, cache=store)
     assert (again.encoded, again.reused) == (0, len(TEXTS))  # the same bytes: the same keys
+
+
+def test_a_text_tsv_with_a_byte_order_mark_and_open_quotes_serves_every_row(
+    models: dict[str, TextModel], tmp_path: Path
+) -> None:
+    """Round four items 4 and 14 for texts: a TSV saved with a byte-order mark, whose captions
+    open quotes. Before, the mark named the first column "\\ufeffid" (every id lost to line
+    numbers) and CSV quoting ran the first caption over the next rows (rows gone in silence);
+    now each row is an item under its id, served equal to transformers run now."""
+    captions = ['"A quoted caption, never closed', *TEXTS[:3], 'say "cheese"']
+    lines = ["id\ttext\tlabel"] + [f"t{i}\t{c}\t{i}" for i, c in enumerate(captions)]
+    manifest = tmp_path / "captions.tsv"
+    manifest.write_bytes(b"\xef\xbb\xbf" + ("\r\n".join(lines) + "\r\n").encode("utf-8"))
+    bert = models["bert"]
+    report = build(manifest, bert.folder, cache=tmp_path / "store")
+    assert not report.failed and report.encoded == len(captions)
+    ds = CachedFeatureDataset(
+        manifest, encoder=bert.folder, cache=tmp_path / "store", source="text", on_miss="error"
+    )
+    assert [ds.item_id(i) for i in range(len(ds))] == [f"t{i}" for i in range(len(captions))]
+    assert [ds.row(i) for i in range(len(ds))] == [{"label": str(i)} for i in range(len(captions))]
+    assert_rows_served_equal(ds, bert, captions)
+
+
+def test_a_text_column_no_row_holds_is_one_error_before_any_work(tmp_path: Path) -> None:
+    """Round four item 14 for texts: a typo'd ``--column`` was a bad row per row (exit 3); now
+    it is one line naming the columns there are (exit 8, as a table's), for JSONL and TSV."""
+    jsonl = tmp_path / "captions.jsonl"
+    write_captions(jsonl)
+    with pytest.raises(
+        SourceError, match=r"no column 'captoin' in any row \(columns: id, caption, label\)"
+    ):
+        TextRows(str(jsonl), "captoin").scan([".txt"])
+    tsv = tmp_path / "captions.tsv"
+    tsv.write_text("id\tcaption\n" + "".join(f"c{i}\t{t}\n" for i, t in enumerate(TEXTS)))
+    with pytest.raises(SourceError, match=r"no column 'text' in any row \(columns: id, caption\)"):
+        TextRows(str(tsv)).scan([".txt"])  # the default column: text

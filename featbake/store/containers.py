@@ -1,0 +1,761 @@
+"""Containers' bytes: a tar's members and a table's cells, read the one way the build (hashing,
+decoding, a row's carried values) and ``verify`` (hashing a trusted hash-cache row again) both
+read them. Bytes only: what the bytes decode to is the build's business (``encode/``).
+
+**Tars** (webdataset shards, plain or gzip-compressed): :func:`list_members` lists a tar's
+regular-file members once from their headers (name, data offset, size), data skipped by seeks;
+:func:`member_digests` hashes members in tar order through one open file; :func:`read_member`
+reads one member. A member no reader can take as stored contiguously at its offset carries its
+``problem``, and every reader refuses it with that one line, reading none of its bytes:
+
+* a **sparse** member (GNU ``tar -S``): its stored bytes are the file's data blocks only, so
+  ``size`` bytes from its offset would run into the next member;
+* a member whose declared **size runs past the end** of the tar (a truncated shard): reading it
+  would allocate the declared size (a forged or torn header declaring 1 TiB), and the bytes are
+  not there anyway.
+
+A gzip-compressed tar (``.tar.gz``, ``.tgz``) is read as webdataset reads it, as one gzip stream:
+its offsets count the decompressed bytes, and members are read in order by seeking forward in
+the stream (hashing a shard decompresses it once). A tar in a bucket is read through
+:class:`RangedObject`, a seekable file over a ranged-read function the caller gives (the
+bucket's client stays with the caller).
+
+**Tables** (parquet files, Arrow IPC streams as ``save_to_disk`` writes them): :class:`TableFile`
+opens a data file once per process; :func:`cell_digests` hashes one column's cells a row group
+at a time; :func:`cell_bytes` is the cell rule (an Audio/Image struct's ``bytes``, a binary
+cell, a text cell's UTF-8).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import hashlib
+import io
+import json
+import os
+import tarfile
+import threading
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from enum import Enum
+from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, Protocol, TypeVar
+
+from featbake.errors import ConfigError, SourceError
+from featbake.process import PerProcess, ProcessLocal, ProcessLocalState
+from featbake.store.catalog import FileStat
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+#: How many bytes a member is hashed by at a time (a large video member is never whole in memory).
+CHUNK = 1 << 20
+#: The endings of a gzip-compressed tar, read as one stream.
+GZIP_TAR_SUFFIXES = (".tar.gz", ".tgz")
+#: The endings of a tar shard.
+TAR_SUFFIXES = (".tar", *GZIP_TAR_SUFFIXES)
+#: Where a container's name ends and the item's inner name starts, in an item's full name.
+CONTAINER_SUFFIXES = (*TAR_SUFFIXES, ".parquet", ".arrow")
+
+_T = TypeVar("_T")
+
+
+def split_item_path(path: str) -> tuple[str, str]:
+    """(container, inner name) of an item's full name, e.g. ``/d/a.tar:s1.jpg``.
+
+    The container is cut at the first ``.tar:`` (``.tar.gz:``, ``.tgz:``), ``.parquet:`` or
+    ``.arrow:``, so a member name may hold a colon.
+
+    Raises:
+        SourceError: ``path`` names no item inside a container.
+
+    Example:
+        >>> split_item_path("/data/shard-000.tar:images/0001.jpg")
+        ('/data/shard-000.tar', 'images/0001.jpg')
+    """
+    cut = container_cut(path)
+    if cut is None:
+        raise SourceError(f"{path}: not the name of an item in a tar or a table")
+    return path[:cut], path[cut + 1 :]
+
+
+def container_cut(path: str) -> int | None:
+    """Where the container's name ends in an item's full name, or None (not an item's)."""
+    cuts = [i + len(s) for s in CONTAINER_SUFFIXES if (i := path.find(s + ":")) >= 0]
+    return min(cuts) if cuts else None
+
+
+def is_tar(path: str) -> bool:
+    """Whether ``path`` names a tar shard (plain or gzip-compressed)."""
+    return path.lower().endswith(TAR_SUFFIXES)
+
+
+def is_gzip_tar(path: str) -> bool:
+    """Whether ``path`` names a gzip-compressed tar (read as one stream, never by ranges)."""
+    return path.lower().endswith(GZIP_TAR_SUFFIXES)
+
+
+def stat_or_none(path: str | os.PathLike[str]) -> FileStat | None:
+    """A local file's stat now, as the hash cache compares it, or None (gone, unreadable)."""
+    try:
+        return FileStat.of(path)
+    except OSError:
+        return None
+
+
+def stat_around(path: str, read: Callable[[], _T]) -> tuple[_T, FileStat | None]:
+    """``read()`` of the local file at ``path``, and the file's stat if it was the same before
+    and after (None: renamed over or rewritten meanwhile): the version what was read is of."""
+    before = stat_or_none(path)
+    got = read()
+    return got, before if stat_or_none(path) == before else None
+
+
+def replaced_files(
+    noted: Mapping[str, FileStat | None], files: Collection[str], why: Callable[[str], str]
+) -> dict[str, str]:
+    """file -> ``why(file)``, for each of ``files`` whose version was ``noted`` (its stat when
+    it was read: :func:`stat_around`) and is not the file at its path any more."""
+    return {f: why(f) for f in files if f in noted and stat_or_none(f) != noted[f]}
+
+
+class ReadBack(NamedTuple):
+    """What reading one container's items gave: item -> digest (or a 1-tuple: why not), and
+    the container's stat as of the reading: a file's stat'ed after it, an object's the one
+    every response that carried its bytes gave (no HEAD beside the GETs); None when it is gone,
+    or the responses disagree (rewritten during the reading)."""
+
+    digests: dict[str, str | tuple[str]]
+    stat: FileStat | None
+
+
+class Holder(Protocol):
+    """Where a reader keeps the bytes it hashed, for the build to decode without reading them
+    again (``encode.fingerprints.HeldBytes``): its bytes held, its budget, and keeping one."""
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def budget(self) -> int: ...
+
+    def keep(self, path: str, data: bytes) -> object: ...
+
+
+def fits(held: Holder | None, size: int) -> bool:
+    """Whether ``held`` takes ``size`` more bytes (within its budget)."""
+    return held is not None and held.size + size <= held.budget
+
+
+# == tars ==========================================================================================
+class Member(NamedTuple):
+    """A tar member's name, where its data starts and how many bytes it holds; ``problem``:
+    why no reader takes its bytes (sparse, runs past the tar's end), or "" (readable)."""
+
+    name: str
+    offset: int
+    size: int
+    problem: str = ""
+
+
+def sparse_member(tar: str, name: str) -> str:
+    """Why a sparse member (GNU ``tar -S``) is not read."""
+    return (
+        f"{tar}:{name}: a sparse member (GNU tar -S), whose stored bytes are not the file's; "
+        "rewrite the shard without -S"
+    )
+
+
+def truncated(tar: str, member: Member, got: int) -> str:
+    """Why a member the tar ends inside is not read (``got`` of its bytes are there)."""
+    return (
+        f"{tar}:{member.name}: truncated tar member ({max(got, 0)} of {member.size} bytes); "
+        "rewrite or re-download the shard"
+    )
+
+
+def list_members(tar: str, fileobj: RangedObject | None = None) -> list[Member]:
+    """The regular-file members of ``tar``, in order, from their headers only (data skipped by
+    seeks: listing a shard reads a 512-byte header per member); a tar in a bucket through
+    ``fileobj`` (a :class:`RangedObject`). Each member that cannot be read as stored carries
+    its ``problem`` (see the module's docstring).
+
+    Raises:
+        SourceError: the file cannot be opened or is not a tar.
+    """
+    try:
+        with open_tar(tar, fileobj) as tf:
+            found = list(_headers(tf))
+            end = _stream_end(tf.fileobj) if found else 0
+    except FileNotFoundError as e:
+        raise SourceError(f"{tar}: file not found") from e
+    except (tarfile.TarError, OSError, EOFError, SourceError) as e:
+        raise SourceError(f"{tar}: not a readable tar file ({e})") from e
+    out: list[Member] = []
+    for m in found:
+        if m.sparse is not None:
+            out.append(Member(m.name, m.offset_data, m.size, sparse_member(tar, m.name)))
+            continue
+        member = Member(m.name, m.offset_data, m.size)
+        if member.offset + member.size > end:  # never read: its declared size is not there
+            member = member._replace(problem=truncated(tar, member, end - member.offset))
+        out.append(member)
+    return out
+
+
+def open_tar(tar: str, fileobj: RangedObject | None = None) -> tarfile.TarFile:
+    """``tar`` opened to read its headers: a file (a gzip one as its stream), or ``fileobj``."""
+    if fileobj is not None:
+        return tarfile.open(fileobj=fileobj, mode="r:")
+    return tarfile.open(tar, mode="r:gz" if is_gzip_tar(tar) else "r:")
+
+
+def _headers(tf: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
+    """The regular-file members' headers, in order, up to the end (or where the tar ends inside
+    a member: that member is the last, its size checked against the end by the caller)."""
+    while True:
+        try:
+            m = tf.next()
+        except (tarfile.ReadError, EOFError):
+            return
+        if m is None:
+            return
+        if m.isreg():
+            yield m
+
+
+def _stream_end(f: Any) -> int:
+    """How many bytes the tar's stream holds: a file's size, a gzip stream's decompressed
+    length (read to its end: a truncated stream ends where its bytes do)."""
+    try:
+        return int(f.seek(0, io.SEEK_END))
+    except (OSError, ValueError):  # a gzip stream cannot seek from its end
+        pass
+    while True:
+        try:
+            if not f.read(CHUNK):
+                return int(f.tell())
+        except (EOFError, OSError, gzip.BadGzipFile):
+            return int(f.tell())
+
+
+def open_stream(tar: str) -> BinaryIO:
+    """A local tar's bytes as its members' offsets count them: the file, or a gzip tar's
+    decompressed stream (seeking forward decompresses up to there; backward starts again).
+
+    Raises:
+        OSError: the file cannot be opened.
+    """
+    if is_gzip_tar(tar):
+        return gzip.open(tar, "rb")  # type: ignore[return-value]
+    return open(tar, "rb")
+
+
+class GzipStreams:
+    """The decompressed streams of the gzip tars this process reads members from, each kept
+    where its last read ended: members read in tar order (a build decoding them, a dataset's
+    epoch in order) decompress a shard once, not once per member; a member before the position,
+    or a file that is not the one opened any more (another stat), starts the stream again.
+    At most :data:`KEPT` streams are kept open (the oldest closed first)."""
+
+    KEPT = 8
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()  # one reader of a stream at a time: its position is shared
+        self.streams: dict[str, tuple[FileStat | None, BinaryIO]] = {}
+
+    def read(self, tar: str, offset: int, size: int) -> bytes:
+        """``size`` bytes of the decompressed stream of ``tar`` from ``offset`` (fewer at its
+        end).
+
+        Raises:
+            OSError: the file cannot be read; EOFError: its stream is cut short.
+        """
+        with self.lock:
+            now = stat_or_none(tar)
+            held = self.streams.pop(tar, None)
+            if held is not None and (held[0] != now or held[1].tell() > offset):
+                held[1].close()
+                held = None
+            if held is None:
+                held = (now, open_stream(tar))
+            self.streams[tar] = held  # the newest last
+            while len(self.streams) > self.KEPT:
+                self.streams.pop(next(iter(self.streams)))[1].close()
+            held[1].seek(offset)
+            return held[1].read(size)
+
+    def close(self) -> None:
+        """Close every stream (a forked child's copies of its parent's)."""
+        for _, f in self.streams.values():
+            with contextlib.suppress(OSError):
+                f.close()
+        self.streams.clear()
+
+
+#: This process's gzip tar streams (a forked child closes its copies and opens its own).
+GZIP_STREAMS: PerProcess[GzipStreams] = PerProcess(GzipStreams, on_inherited=GzipStreams.close)
+
+
+def read_member(tar: str, member: Member) -> bytes:
+    """The bytes of one member of a local tar: a seek and a read, or, in a gzip tar, a read
+    from where this process's stream of it is (:class:`GzipStreams`).
+
+    Raises:
+        SourceError: the member cannot be read (its problem), the tar cannot be read, or it
+            ends inside the member (truncated).
+    """
+    if member.problem:
+        raise SourceError(member.problem)
+    try:
+        if is_gzip_tar(tar):
+            data = GZIP_STREAMS.get().read(tar, member.offset, member.size)
+        else:
+            with open(tar, "rb") as f:
+                f.seek(member.offset)
+                data = f.read(member.size)
+    except (OSError, EOFError) as e:
+        raise SourceError(f"{tar}:{member.name}: cannot read: {e}") from e
+    if len(data) != member.size:
+        raise SourceError(truncated(tar, member, len(data)))
+    return data
+
+
+def member_digests(tar: str, members: Sequence[Member], held: Holder | None = None) -> ReadBack:
+    """member name -> SHA-256 of its bytes, or a 1-tuple: why not; and the local tar's stat as
+    of the reading (see :class:`ReadBack`). One open file, members read in tar order (a gzip
+    tar's stream decompressed once).
+
+    With ``held``, a member that fits its budget is read whole and its bytes kept there (under
+    ``tar:name``) for the build to decode; others are streamed in chunks.
+    """
+    out: dict[str, str | tuple[str]] = {}
+    try:
+        f = open_stream(tar)
+    except OSError as e:
+        return ReadBack({m.name: (f"cannot read {tar}: {e.strerror}",) for m in members}, None)
+    with f:
+        for m in sorted(members, key=lambda m: m.offset):
+            out[m.name] = _member_digest(tar, f, m, held)
+    return ReadBack(out, stat_or_none(tar))  # stat'ed after the reading
+
+
+def _member_digest(tar: str, f: BinaryIO, m: Member, held: Holder | None) -> str | tuple[str]:
+    """The digest of member ``m`` read from ``f`` (its bytes kept in ``held`` if they fit)."""
+    if m.problem:
+        return (m.problem,)
+    try:
+        f.seek(m.offset)
+        if fits(held, m.size):
+            data = f.read(m.size)
+            if len(data) != m.size:
+                return (truncated(tar, m, len(data)),)
+            held.keep(f"{tar}:{m.name}", data)  # type: ignore[union-attr]
+            return hashlib.sha256(data).hexdigest()
+        sha, left = hashlib.sha256(), m.size
+        while left > 0 and (chunk := f.read(min(CHUNK, left))):
+            sha.update(chunk)
+            left -= len(chunk)
+    except (OSError, EOFError) as e:
+        return (f"{tar}:{m.name}: cannot read: {e}",)
+    return (truncated(tar, m, m.size - left),) if left else sha.hexdigest()
+
+
+def listing_text(members: Sequence[Member]) -> str:
+    """A tar's member listing as canonical JSON (what a bucket tar's hash-cache row holds)."""
+    rows = [list(m) if m.problem else list(m[:3]) for m in members]
+    return json.dumps(rows, separators=(",", ":"))
+
+
+def listing_of(text: str) -> list[Member] | None:
+    """The member listing a hash-cache row holds, or None (not one: read the tar again)."""
+    try:
+        rows = json.loads(text)
+        return [Member(str(r[0]), int(r[1]), int(r[2]), str(r[3]) if r[3:] else "") for r in rows]
+    except (ValueError, TypeError, IndexError, KeyError):
+        return None
+
+
+# -- tars in a bucket ------------------------------------------------------------------------------
+#: Bytes one GET reads while listing a tar's headers (a header is 512 bytes).
+HEADER_BLOCK = 1 << 16
+#: Bytes one GET reads when the block before was skipped past after its first few KiB (a tar
+#: of members larger than a block: each header read alone, not with 64 KiB of skipped data).
+SMALL_BLOCK = 1 << 12
+#: At most this many bytes of adjacent members are hashed from one ranged GET.
+RUN_BYTES = 64 << 20
+
+
+class RangeRead(NamedTuple):
+    """The bytes of one ranged read of an object, and the object's stat as that one response
+    gave it (size, last change, ETag)."""
+
+    data: bytes
+    stat: FileStat
+
+
+#: (start, length) -> the bytes there (fewer at the object's end) and the object's stat.
+#: Raises SourceError when the object is gone or cannot be read.
+Fetch = Callable[[int, int], RangeRead]
+
+
+def one_stat(seen: Collection[FileStat]) -> FileStat | None:
+    """The stat every response that carried an object's bytes gave, or None (none read, or
+    they disagree: the object was rewritten between two of them)."""
+    return next(iter(seen)) if len(seen) == 1 else None
+
+
+class RangedObject(io.RawIOBase):
+    """An object in a bucket as a seekable read-only file, for ``tarfile`` to read headers and
+    pyarrow a parquet file: a read outside the block held fetches :data:`HEADER_BLOCK` bytes
+    (or more) from there by one ranged read, or :data:`SMALL_BLOCK` bytes when the reading skips
+    forward past a block of which it used only the first :data:`SMALL_BLOCK` bytes (a tar of
+    large members: its headers are a member apart, and 64 KiB a header fetched 1.7x the data
+    to list and hash shards of ~90 KB members, 1.11x now). The stat of each response is kept
+    (:meth:`stat`), so a reader knows which version of the object its bytes came from without
+    a HEAD.
+
+    Args:
+        url: the object's name, for messages.
+        size: its size in bytes.
+        fetch: reads a range of it (the caller's client: see :data:`Fetch`).
+    """
+
+    def __init__(self, url: str, size: int, fetch: Fetch) -> None:
+        super().__init__()
+        self.url, self.size, self.pos, self.fetch = url, size, 0, fetch
+        self.block_at, self.block = 0, b""
+        self.used = 0  # how far into the block held reads went
+        self.seen: set[FileStat] = set()  # the stats of the responses read so far
+
+    def stat(self) -> FileStat | None:
+        """The object's stat as every byte read so far came with it (see :func:`one_stat`)."""
+        return one_stat(self.seen)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        want = min(len(buffer), max(0, self.size - self.pos))
+        if want == 0:
+            return 0
+        end = self.block_at + len(self.block)
+        if not (self.block_at <= self.pos and self.pos + want <= end):
+            sparse = self.block and self.used <= SMALL_BLOCK and self.pos >= end
+            ahead = SMALL_BLOCK if sparse else HEADER_BLOCK
+            fetched = self.fetch(self.pos, max(want, ahead))
+            self.seen.add(fetched.stat)
+            self.block_at, self.block, self.used = self.pos, fetched.data, 0
+        self.used = max(self.used, self.pos + want - self.block_at)
+        got = self.block[self.pos - self.block_at : self.pos - self.block_at + want]
+        buffer[: len(got)] = got
+        self.pos += len(got)
+        return len(got)
+
+
+def member_runs(members: Sequence[Member]) -> list[list[Member]]:
+    """``members`` by offset, cut into runs of adjacent members (gaps of headers only) of at
+    most :data:`RUN_BYTES` (a member larger than that is a run alone)."""
+    runs: list[list[Member]] = []
+    for m in sorted(members, key=lambda m: m.offset):
+        if runs:
+            run = runs[-1]
+            near = m.offset - (run[-1].offset + run[-1].size) <= HEADER_BLOCK
+            if near and m.offset + m.size - run[0].offset <= RUN_BYTES:
+                run.append(m)
+                continue
+        runs.append([m])
+    return runs
+
+
+def ranged_member_digests(
+    url: str, members: Sequence[Member], fetch: Fetch, held: Holder | None = None
+) -> ReadBack:
+    """:func:`member_digests` of a tar in a bucket: one ranged read per run of members, the
+    tar's stat the one those responses gave (no HEAD after them)."""
+    out: dict[str, str | tuple[str]] = {m.name: (m.problem,) for m in members if m.problem}
+    seen: set[FileStat] = set()
+    for run in member_runs([m for m in members if not m.problem]):
+        start = run[0].offset
+        try:
+            one = fetch(start, run[-1].offset + run[-1].size - start)
+        except SourceError as e:
+            out.update({m.name: (str(e),) for m in run})
+            continue
+        seen.add(one.stat)
+        for m in run:
+            got = one.data[m.offset - start : m.offset - start + m.size]
+            if len(got) != m.size:
+                out[m.name] = (truncated(url, m, len(got)),)
+                continue
+            if fits(held, m.size):
+                held.keep(f"{url}:{m.name}", got)  # type: ignore[union-attr]
+            out[m.name] = hashlib.sha256(got).hexdigest()
+    return ReadBack(out, one_stat(seen))
+
+
+def read_ranged_member(url: str, member: Member, fetch: Fetch) -> RangeRead:
+    """The bytes of one member of a tar in a bucket (one ranged read), with the tar's stat as
+    that response gave it.
+
+    Raises:
+        SourceError: the member cannot be read (its problem), the object is gone, or it ends
+            inside the member.
+    """
+    if member.problem:
+        raise SourceError(member.problem)
+    got = fetch(member.offset, member.size)
+    if len(got.data) != member.size:
+        raise SourceError(truncated(url, member, len(got.data)))
+    return got
+
+
+# == tables ========================================================================================
+class CellKind(Enum):
+    """What a column's cells hold, as far as encoding them goes."""
+
+    STRUCT = "struct"  # {bytes, path}: the Hub's Audio and Image
+    BINARY = "binary"
+    TEXT = "text"  # a string column, for --source text: the cell's UTF-8 bytes
+    OTHER = "other"
+
+
+def pyarrow_module() -> Any:
+    """pyarrow, or a one-line error saying how to install it.
+
+    Raises:
+        ConfigError: pyarrow is not installed.
+    """
+    try:
+        import pyarrow
+        import pyarrow.parquet  # the submodule: pyarrow.parquet.ParquetFile below
+    except ImportError as e:
+        raise ConfigError(
+            f"parquet files and Hugging Face datasets need pyarrow ({e}); install it: "
+            "pip install 'featbake[tables]'"
+        ) from e
+    return pyarrow
+
+
+def cell_kind(kind: pa.DataType, text: bool = False) -> CellKind:
+    """Whether cells of type ``kind`` hold bytes to encode, and how: with ``text`` (the source
+    is text) a string column's and only those; else a binary column's or an Audio/Image struct's.
+    """
+    pa = pyarrow_module()
+    if text:
+        is_text = pa.types.is_string(kind) or pa.types.is_large_string(kind)
+        return CellKind.TEXT if is_text else CellKind.OTHER
+    if pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
+        return CellKind.BINARY
+    if pa.types.is_struct(kind):
+        names = [kind.field(i).name for i in range(kind.num_fields)]
+        if "bytes" in names:
+            inner = kind.field(names.index("bytes")).type
+            if pa.types.is_binary(inner) or pa.types.is_large_binary(inner):
+                return CellKind.STRUCT
+    return CellKind.OTHER
+
+
+def stored_cell_kind(kind: pa.DataType) -> CellKind:
+    """What a column of type ``kind`` whose cells were hashed holds: a string column's cells
+    were texts (only a text build hashes them), any other's as :func:`cell_kind` says."""
+    text = cell_kind(kind, text=True)
+    return text if text is CellKind.TEXT else cell_kind(kind)
+
+
+def cell_bytes(cell: Any, kind: CellKind) -> bytes | str:
+    """The bytes of one cell (a Python value) as its digest is taken of them, or why it has
+    none: the cell rule the build and verify share."""
+    if cell is None:
+        return "the cell is null"
+    if kind is CellKind.TEXT:
+        # The same bytes as a .txt file of this text: the same key. Arrow strings are UTF-8.
+        return str(cell).encode("utf-8") if str(cell).strip() else "the cell's text is empty"
+    if kind is CellKind.STRUCT:
+        data = cell.get("bytes")
+        if data is None:
+            where = cell.get("path")
+            return (
+                f"the cell holds no bytes (only the path {where!r}); embed the bytes "
+                "(datasets' embed_table_storage) or build the files with a manifest"
+            )
+        return bytes(data)
+    if kind is CellKind.OTHER:
+        return "the column holds neither bytes nor an Audio/Image struct"
+    return bytes(cell)
+
+
+def table_files(where: str) -> list[str]:
+    """The data files of a local table, in the dataset's order.
+
+    Raises:
+        SourceError: a DatasetDict folder (one split must be named), or a ``state.json`` that
+            names no data file.
+    """
+    if os.path.isfile(where):
+        return [where]
+    if os.path.isfile(os.path.join(where, "dataset_dict.json")):
+        try:
+            with open(os.path.join(where, "dataset_dict.json")) as f:
+                splits = list(json.load(f).get("splits", []))
+        except (OSError, ValueError, AttributeError):
+            splits = []
+        named = ", ".join(os.path.join(where, s) for s in splits) or "one of its split folders"
+        raise SourceError(
+            f"{where} is a DatasetDict (several splits); pass one split as --data: {named}"
+        )
+    state = os.path.join(where, "state.json")
+    if os.path.isfile(state):
+        try:
+            with open(state) as f:
+                files = [d["filename"] for d in json.load(f)["_data_files"]]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise SourceError(f"{state}: not a datasets state.json ({e})") from e
+        if not files:
+            raise SourceError(f"{state} names no data file")
+        return [os.path.join(where, n) for n in files]
+    return sorted(os.path.join(where, n) for n in os.listdir(where) if n.endswith(".parquet"))
+
+
+#: (object URL, its size or None) -> the object as a seekable file (the caller's client); a
+#: module-level function, so a :class:`TableFile` holding it pickles into workers.
+OpenObject = Callable[[str, "int | None"], RangedObject]
+
+
+class TableFile(ProcessLocalState):
+    """One data file of a table, opened lazily in each process: a parquet file (read by row
+    group) or an Arrow stream (memory-mapped, zero copy). A copy pickled or forked into a
+    worker opens its own (:class:`~featbake.process.ProcessLocal`): never the parent's reader,
+    whose Python file (a bucket's :class:`RangedObject`) a parent's thread may hold locked.
+
+    Args:
+        path: the file, or a parquet object's URL (then ``open_object`` opens it).
+        open_object: how an object is opened (None: a local file only).
+    """
+
+    def __init__(self, path: str, open_object: OpenObject | None = None) -> None:
+        self.path = path
+        self.parquet = not path.endswith(".arrow")
+        self.open_object = open_object
+        #: an object's schema from the hash cache, and its size (a bucket's parquet file)
+        self.known_schema: pa.Schema | None = None
+        self.size: int | None = None
+
+    @property
+    def remote(self) -> bool:
+        return self.open_object is not None
+
+    def _open_ranged(self) -> RangedObject:
+        if self.open_object is None:
+            raise SourceError(f"{self.path}: not a local file")
+        return self.open_object(self.path, self.size)
+
+    def _open_parquet(self) -> Any:
+        # A bucket's file by ranged GETs: its footer, then each row group's column chunks.
+        if self.remote:
+            return pyarrow_module().parquet.ParquetFile(self._ranged)
+        return self._open_local(pyarrow_module().parquet.ParquetFile)
+
+    def _open_arrow(self) -> Any:
+        pa = pyarrow_module()
+        return self._open_local(lambda path: pa.ipc.open_stream(pa.memory_map(path)).read_all())
+
+    def _open_local(self, opener: Callable[[str], Any]) -> Any:
+        """``opener(path)``, noting the stat of the file it opened (the same before and after
+        the open; None if the file was replaced meanwhile): the reader keeps that file, its
+        footer read once, whatever is renamed over the path later (see :meth:`stat`)."""
+        opened, self._opened = stat_around(self.path, lambda: opener(self.path))
+        return opened
+
+    #: a bucket's file as this process reads it (its responses' stats kept: see :meth:`stat`)
+    _ranged: ProcessLocal[RangedObject] = ProcessLocal(_open_ranged)
+    _pf: ProcessLocal[Any] = ProcessLocal(_open_parquet)
+    _stream: ProcessLocal[Any] = ProcessLocal(_open_arrow)
+    #: the row group read last: its first row, and the columns read of it
+    _group: ProcessLocal[tuple[int, dict[str, Any]] | None] = ProcessLocal(lambda self: None)
+    #: the stat of the local file this process's reader opened (None: none, or replaced then)
+    _opened: ProcessLocal[FileStat | None] = ProcessLocal(lambda self: None)
+
+    def stat(self) -> FileStat | None:
+        """The file's stat as of what was read of it: a file's stat'ed now if it is the file
+        this process's reader opened (else None: replaced or rewritten since, its bytes read
+        here may be the old file's, through a footer read before); an object's the one every
+        ranged GET this process made of it gave (no HEAD; None if they disagree)."""
+        if not self.remote:
+            now = stat_or_none(self.path)
+            return now if now == self._opened else None
+        return self._ranged.stat()
+
+    def schema(self) -> pa.Schema:
+        if self.known_schema is not None:
+            return self.known_schema
+        return self._pf.schema_arrow if self.parquet else self._stream.schema
+
+    def rows(self) -> int:
+        return self._pf.metadata.num_rows if self.parquet else self._stream.num_rows
+
+    def column(self, name: str) -> Iterator[tuple[int, Any]]:
+        """(first row, the column's chunk) for each row group (one chunk for an Arrow stream)."""
+        if not self.parquet:
+            yield 0, self._stream.column(name)
+            return
+        pf, first = self._pf, 0
+        for g in range(pf.metadata.num_row_groups):
+            yield first, pf.read_row_group(g, columns=[name]).column(name)
+            first += pf.metadata.row_group(g).num_rows
+
+    def cells(self, row: int, columns: Sequence[str]) -> dict[str, Any]:
+        """The Python values of ``columns`` at ``row`` (its row group kept for the next rows)."""
+        if not self.parquet:
+            table = self._stream
+            return {c: table.column(c)[row].as_py() for c in columns}
+        pf, first = self._pf, 0
+        for g in range(pf.metadata.num_row_groups):
+            n = pf.metadata.row_group(g).num_rows
+            if row < first + n:
+                held = self._group
+                if held is None or held[0] != first or not set(columns) <= set(held[1]):
+                    group = pf.read_row_group(g, columns=list(columns))
+                    held = self._group = (first, {c: group.column(c) for c in columns})
+                return {c: held[1][c][row - first].as_py() for c in columns}
+            first += n
+        raise SourceError(f"{self.path}:{row}: no such row")
+
+
+def cell_digests(
+    f: TableFile,
+    column: str,
+    kind: CellKind,
+    wanted: Mapping[int, str],
+    held: Holder | None = None,
+) -> ReadBack:
+    """name -> SHA-256 of each wanted cell's bytes (``wanted``: row -> the name to give it), or
+    a 1-tuple: why not, reading ``column`` one row group at a time (the file opened once); and
+    the file's stat as of the reading (an object's from the GETs' responses: no HEAD). With
+    ``held``, the cells' bytes are kept there under their names, for the build to decode."""
+    out: dict[str, str | tuple[str]] = {}
+    try:
+        for first, chunk in f.column(column):
+            for j in [r - first for r in wanted if first <= r < first + len(chunk)]:
+                name = wanted[first + j]
+                got = cell_bytes(chunk[j].as_py(), kind)
+                if isinstance(got, str):
+                    out[name] = (f"{f.path}:{first + j}: {got}",)
+                    continue
+                out[name] = hashlib.sha256(got).hexdigest()
+                if held is not None:
+                    held.keep(name, got)
+    except (OSError, ValueError, KeyError) as e:  # pyarrow's ArrowInvalid is a ValueError
+        why = f"{f.path}: cannot read column {column!r} ({e})"
+        return ReadBack({name: (why,) for name in wanted.values()}, None)
+    return ReadBack(out, f.stat())
