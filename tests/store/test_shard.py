@@ -33,6 +33,9 @@ from featbake.store.catalog import Location
 from featbake.store.features import ShardHandles, relocated
 from featbake.store.layout import Layout
 from featbake.store.shard import (
+    Leases,
+    ReaderClosed,
+    ReaderState,
     ShardReader,
     ShardWriter,
     Span,
@@ -402,6 +405,29 @@ def test_handles_are_bounded_and_reopen_after_forget(layout: Layout) -> None:
     assert torch.equal(h.get(shards[0].path).read("x"), torch.tensor([0.0]))
     h.close()
     assert list(h) == []
+
+
+def test_an_evicted_reader_stays_open_until_its_last_lease_is_released(layout: Layout) -> None:
+    """Issue "round four" item 3: eviction closed a reader another thread was reading."""
+    shards = [write_shard(layout, {"x": torch.tensor([float(i)])}, EFP, RFP) for i in range(3)]
+    h = ShardHandles(max_open=1)
+    with Leases() as outer:
+        first = h.lease(shards[0].path, outer)
+        fd = first.fd
+        with Leases() as inner:
+            h.lease(shards[1].path, inner)  # evicts the first: retired, still leased twice
+            assert first.state is ReaderState.RETIRING and _fd_open(fd)
+        assert first.state is ReaderState.RETIRING and _fd_open(fd)
+        assert torch.equal(first.read("x"), torch.tensor([0.0]))  # its own file still
+    assert first.state is ReaderState.CLOSED and first.fd == -1  # the last release closed it
+    assert not first.acquire()  # a closed reader is never leased again, nor read
+    with pytest.raises(ReaderClosed, match="closed before this read"):
+        first.read("x")
+    h.get(shards[2].path)  # an idle reader is closed at its eviction
+    assert list(h) == [shards[2].path]
+    with Leases() as held:
+        assert torch.equal(h.lease(shards[0].path, held).read("x"), torch.tensor([0.0]))
+    h.close()
 
 
 def test_handles_close_inherited_fds_in_a_forked_child(layout: Layout) -> None:
