@@ -415,7 +415,7 @@ class CachedFeatureDataset(ProcessLocalState, Dataset):
         finally:
             catalog.close()
         self._served = self._served and self._served.for_index(self._layout, self._index)
-        self._reads = Reads(self._index, self._layout)
+        self._reads = Reads(self._index, self._layout, self._served)
         self._misses = Misses(self._index, self._reads, self._live, self._source, self.recipe)
         self._misses.configure(on_miss, self.write_back)  # warns of live encoding it can name
         check_stored_parts(self._layer_view, self._index.parts)  # a view the store cannot give

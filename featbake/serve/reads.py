@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from featbake.device import process_cpus
-from featbake.errors import ConfigError, ShardMissing, StoreError
+from featbake.errors import ConfigError, ShardMissing, StoreCorrupt, StoreError
 from featbake.native import kernels
 from featbake.process import PerProcess
 from featbake.quantize import (
@@ -51,6 +51,7 @@ from featbake.store.shard import (
     Leases,
     ShardReader,
     Span,
+    damaged_rows,
     native_readable,
     read_spans,
     tensor_buffer,
@@ -137,16 +138,38 @@ class Served:
 
     def fitting(self, parts: Unpacked) -> Unpacked:
         """``parts``, once their row scales are checked to fit the served dtype (:meth:`check`)."""
-        if self.dtype != torch.float32:  # quantize caps every scale to float32's range
-            self.check(ScaleSpan.of(parts.scales))
+        self.check(ScaleSpan.of(parts.scales))  # float32 too: a damaged row's scale
         return parts
+
+    def refuse_damaged(self, reader: ShardReader, name: str, value: Any) -> None:
+        """Raise if ``value``, tensor ``name`` read as stored from ``reader``, is packed rows of
+        this scheme with a scale that is not finite (the error names the shard).
+
+        Raises:
+            StoreCorrupt: a row's scale is not finite.
+        """
+        if (
+            isinstance(value, torch.Tensor)
+            and value.dtype == self.scheme.packed_dtype
+            and value.dim()
+            and value.shape[-1] >= SCALE_BYTES
+            and ScaleSpan.of(unpack(value, self.scheme).scales).damaged
+        ):
+            raise damaged_rows(reader.path, name)
 
     def check(self, span: ScaleSpan) -> None:
         """Refuse rows whose scales ``span`` the served dtype cannot serve.
 
         Raises:
+            StoreCorrupt: a row's scale is not finite (a damaged shard: never served as NaN).
             ConfigError: a value would be served as ``inf``, or rounded coarser than its codes.
         """
+        if span.damaged:  # the read paths name the shard; an item read as stored gets here
+            raise StoreCorrupt(
+                f"a stored {self.scheme.value} row has a scale that is not finite (its shard "
+                "is damaged); run `featbake verify --repair` to quarantine it, then `featbake "
+                "build` to recompute what it held"
+            )
         if self.dtype == torch.float32 or span.holds(self.dtype, self.scheme):
             return
         name = str(self.dtype).removeprefix("torch.")
@@ -415,9 +438,10 @@ class Reads:
     Process state (handles, flags, counters) is passed in: this object crosses pickling.
     """
 
-    def __init__(self, index: Index, layout: Layout) -> None:
+    def __init__(self, index: Index, layout: Layout, served: Served | None = None) -> None:
         self.index = index
         self.layout = layout
+        self.served = served  # how items are served: their rows' scales checked when read
         self._paths: list[Path] = []
 
     def shard_path(self, sid: int) -> Path:
@@ -480,7 +504,11 @@ class Reads:
         elif parts is not None:
             value = {p: reader.read(tensor_name(key, p), verify=mode) for p in parts}
         else:
-            value = self.located_value(st, self.locate(st, key))
+            return self.located_value(st, self.locate(st, key)), check
+        if self.served is not None:  # a damaged row is refused here, naming its shard
+            named = value if isinstance(value, dict) else {"": value}
+            for part, t in named.items():
+                self.served.refuse_damaged(reader, tensor_name(key, part), t)
         return value, check
 
     @staticmethod

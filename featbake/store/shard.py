@@ -280,6 +280,13 @@ def corrupt_shard(path: Path, why: str) -> StoreCorrupt:
     )
 
 
+def damaged_rows(path: Path, name: str) -> StoreCorrupt:
+    """The error for an int8/fp8 tensor with a row whose scale is NaN or infinite: quantize
+    never writes one, so the shard is damaged (read with ``verify="never"``, or a damage its
+    checksum missed); it is refused on every read path, never served as NaN or inf."""
+    return corrupt_shard(path, f"tensor {name} has a row scale that is not finite")
+
+
 def open_regular(path: Path) -> int:
     """A read-only fd of ``path``, refusing anything but a regular file without blocking.
 
@@ -974,7 +981,7 @@ class ShardReader:
             finally:
                 self.release()
             if got != n:
-                raise self.cut_short(check.name if check is not None else self._name_at(begin))
+                raise self.cut_short(check.name if check is not None else self.name_at(begin))
         if check is not None:
             if check.want is None or check.digest(dest, check.head) != check.want:
                 raise corrupt_shard(self.path, f"checksum mismatch in tensor {check.name}")
@@ -1048,7 +1055,7 @@ class ShardReader:
         finally:
             self.release()
 
-    def _name_at(self, begin: int) -> str:
+    def name_at(self, begin: int) -> str:
         """The name of the tensor whose bytes start at ``begin`` (for an error message)."""
         return next((n for n, info in self.tensors.items() if info.begin == begin), f"@{begin}")
 
@@ -1191,7 +1198,10 @@ def _read_packed(
     parts = unpack(raw, packed.scheme)
     out = torch.from_numpy(dest).view(packed.dtype).view(rows, packed.width)
     dequantize_unpacked(parts, packed.scheme, packed.dtype, out)
-    return ScaleSpan.of(parts.scales)
+    span = ScaleSpan.of(parts.scales)
+    if span.damaged:
+        raise damaged_rows(reader.path, check.name if check is not None else reader.name_at(begin))
+    return span
 
 
 def _read_native(
@@ -1227,11 +1237,13 @@ def _read_native(
 def _read_failure(span: Span, kind: int, err: int) -> StoreError:
     """The error the Python path raises for a span the compiled read could not read."""
     reader, check = span.reader, span.check
-    name = check.name if check is not None else reader._name_at(span.begin)
+    name = check.name if check is not None else reader.name_at(span.begin)
     if kind == 1:
         return reader.cut_short(name)
     if kind == 2:
         return corrupt_shard(reader.path, f"checksum mismatch in tensor {name}")
+    if kind == 4:
+        return damaged_rows(reader.path, name)
     return StoreError(f"cannot read shard {reader.path}: {os.strerror(err)}")
 
 
