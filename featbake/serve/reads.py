@@ -49,6 +49,7 @@ from featbake.store.layout import Layout
 from featbake.store.shard import (
     ST_TO_DTYPE,
     Leases,
+    ReaderClosed,
     ShardReader,
     Span,
     damaged_rows,
@@ -805,24 +806,22 @@ class Reads:
 
 
 def located_hit(st: ProcessState, loc: Located, served: Served | None) -> Any:
-    """A located item (checked before: the dataset's hit path) read as served, its reader
-    leased for the read; None when another thread closed the reader since it was checked
-    (take the general path, which opens the shard again).
+    """A located item (checked before: the dataset's hit path) read as served; None when
+    another thread closed its reader since it was checked (take the general path, which
+    opens the shard again). The read leases the reader itself, for its one pread (or
+    compiled read): a hit pays one lease.
 
     Raises:
         ConfigError: the item holds values the served dtype cannot.
         StoreError: the read failed (``ShardMissing``: the shard is gone).
     """
-    reader = loc.reader
-    if not reader.acquire():
-        return None
+    if loc.path is not st.last_path:  # keep the handles' LRU order (one C call)
+        st.handles.touch(loc.path)
+        st.last_path = loc.path
     try:
-        if loc.path is not st.last_path:  # keep the handles' LRU order (one C call)
-            st.handles.touch(loc.path)
-            st.last_path = loc.path
         return loc.read_stored() if served is None else served.located(loc)
-    finally:
-        reader.release()
+    except ReaderClosed:
+        return None
 
 
 def served_rows(

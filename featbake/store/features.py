@@ -80,11 +80,11 @@ class ShardHandles(ProcessLocalState):
 
     #: This process's open readers by path, least recently used first.
     _readers: ProcessLocal[OrderedDict[Path, ShardReader]] = ProcessLocal(
-        lambda self: OrderedDict(), on_inherited=_close_inherited
+        lambda self: OrderedDict(), on_inherited=_close_inherited, lock=True
     )
     #: Taken by every change of ``_readers`` (re-entrant: a bucket's fetch calls back into
     #: ``_close_evicted``); this process's own, so a fork never leaves it held.
-    _lock: ProcessLocal[threading.RLock] = ProcessLocal(lambda self: threading.RLock())
+    _lock: ProcessLocal[threading.RLock] = ProcessLocal(lambda self: threading.RLock(), lock=True)
 
     def lease(self, path: Path, held: Leases) -> ShardReader:
         """An open reader for ``path``, leased into ``held`` (open until ``held`` ends, even

@@ -715,6 +715,9 @@ class ReaderState(Enum):
     CLOSED = "closed"
 
 
+_OPEN, _RETIRING, _CLOSED = ReaderState.OPEN, ReaderState.RETIRING, ReaderState.CLOSED
+
+
 class ReaderClosed(StoreError):
     """A read was asked of a reader that is closed (evicted, or closed by its owner, before it
     was leased). Serving paths lease a reader when they look it up, so they never see this."""
@@ -735,7 +738,10 @@ class Leases:
         self.held: list[ShardReader] = []
 
     def take(self, reader: ShardReader) -> bool:
-        """Lease ``reader`` until this block ends; False (nothing held) when it is closed."""
+        """Lease ``reader`` until this block ends (once: a batch's rows share their shards);
+        False (nothing held) when it is closed."""
+        if reader in self.held:  # by identity; a batch holds a few shards
+            return True
         if not reader.acquire():
             return False
         self.held.append(reader)
@@ -798,29 +804,31 @@ class ShardReader:
         """Count one more user of the descriptor; False (nothing counted) once it is closed.
         A retired reader is still leased: it reads the file it opened until its last user."""
         with self._guard:
-            if self._state is ReaderState.CLOSED:
+            if self._state is _CLOSED:
                 return False
             self._users += 1
-            return True
+        return True
 
     def release(self) -> None:
         """One user is done; the last one closes a retired reader."""
         with self._guard:
             self._users -= 1
-            last = self._users == 0 and self._state is ReaderState.RETIRING
-        if last:
-            self.close()
+            if self._users or self._state is not _RETIRING:
+                return
+            self._state = _CLOSED  # under the lock: no lease is taken from here on
+        self.close()
 
     def retire(self) -> None:
         """Close the file once no read uses it: now, or when the last lease is released (an
         eviction from a process's open shards, which another thread may be reading)."""
         with self._guard:
-            if self._state is not ReaderState.OPEN:
+            if self._state is not _OPEN:
                 return
-            self._state = ReaderState.RETIRING
-            idle = self._users == 0
-        if idle:
-            self.close()
+            if self._users:
+                self._state = _RETIRING
+                return
+            self._state = _CLOSED  # under the lock: no lease is taken from here on
+        self.close()
 
     @property
     def state(self) -> ReaderState:
@@ -1009,10 +1017,13 @@ class ShardReader:
             return _read_packed(self, begin, dest, None, packed)
         scheme, code, width = packed.kernel_codes()
         stored = rows * (width + SCALE_BYTES)
-        with Leases() as held:  # the descriptor stays open for the whole kernel call
-            held.require(self)
+        if not self.acquire():  # the descriptor stays open for the whole kernel call
+            raise self.closed_error()
+        try:
             span = (self._fd, begin, stored, out.data_ptr(), 0, 0, 0, -1)
             failed, low, high = native.read_rows([span], 0, scheme, code, width, 1)
+        finally:
+            self.release()
         if failed is not None:
             dest = out.reshape(-1).view(torch.uint8).numpy()
             raise _read_failure(Span(self, begin, dest, None, None), failed[1], failed[2])
@@ -1072,7 +1083,7 @@ class ShardReader:
     def close(self) -> None:
         """Close the file now, whoever else holds a lease (the owner's close: an evicting
         process retires instead). Once only: the number may belong to another file after."""
-        self._state = ReaderState.CLOSED
+        self._state = _CLOSED
         fd, self._fd = self._fd, -1
         if fd >= 0:
             with contextlib.suppress(OSError):
@@ -1149,11 +1160,8 @@ def read_spans(
     if packed is not None and not packed.width:
         raise ConfigError("packed rows of no values cannot be served dequantised")
     with Leases() as held:  # every descriptor open for the whole read (see ReaderState)
-        last = None
-        for span in spans:
-            if span.reader is not last:
-                held.require(span.reader)
-                last = span.reader
+        for reader in {span.reader for span in spans}:
+            held.require(reader)
         return _read_held(spans, packed, threads)
 
 
