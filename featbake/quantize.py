@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -410,7 +410,7 @@ def dequantize_native(packed: torch.Tensor, scheme: Scheme, out: torch.Tensor) -
         packed.data_ptr(), width, rows, width - SCALE_BYTES, out.data_ptr(),
         _KERNEL_SCHEME[scheme], code,
     )  # fmt: skip
-    return ScaleSpan(low, high, damaged)
+    return ScaleSpan(low, high, damaged=damaged)
 
 
 def dequantize_unpacked(
@@ -498,7 +498,8 @@ class ScaleSpan:
 
     low: float = math.inf  # the smallest finite scale of a non-zero row (inf: none seen)
     high: float = 0.0  # the largest finite scale
-    damaged: int = 0  # rows whose scale is NaN or +-inf (quantize never writes one)
+    #: Rows whose scale is NaN or +-inf (quantize never writes one: a damaged shard's).
+    damaged: int = field(default=0, kw_only=True)
 
     @classmethod
     def of(cls, scales: torch.Tensor) -> ScaleSpan:
@@ -517,14 +518,16 @@ class ScaleSpan:
         if low <= 0:  # zero rows (padding): the smallest of the others
             live = scales[scales > 0]
             if not live.numel():
-                return cls(math.inf, high, damaged)
+                return cls(math.inf, high, damaged=damaged)
             low = float(live.min())
-        return cls(low, high, damaged)
+        return cls(low, high, damaged=damaged)
 
     def merged(self, other: ScaleSpan) -> ScaleSpan:
         """The span of both."""
         return ScaleSpan(
-            min(self.low, other.low), max(self.high, other.high), self.damaged + other.damaged
+            min(self.low, other.low),
+            max(self.high, other.high),
+            damaged=self.damaged + other.damaged,
         )
 
     def holds(self, dtype: torch.dtype, scheme: Scheme) -> bool:
