@@ -12,6 +12,7 @@ import os
 import signal
 import struct
 import sys
+import threading
 import time
 import zlib
 from collections.abc import Iterator
@@ -428,6 +429,30 @@ def test_an_evicted_reader_stays_open_until_its_last_lease_is_released(layout: L
     with Leases() as held:
         assert torch.equal(h.lease(shards[0].path, held).read("x"), torch.tensor([0.0]))
     h.close()
+
+
+def test_no_lease_is_taken_once_a_retired_reader_is_being_closed(layout: Layout) -> None:
+    """A retire (or last release) that decided to close the file lets its lock go before it
+    closes: a lease taken then would read while the file closes, so none is."""
+    reader = ShardReader(write_shard(layout, {"x": torch.ones(2)}, EFP, RFP).path)
+    closing, go = threading.Event(), threading.Event()
+    close = reader.close
+
+    def held_close() -> None:
+        closing.set()
+        go.wait(30)  # a bound for a broken test, never reached when it runs
+        close()
+
+    reader.close = held_close  # type: ignore[method-assign]
+    retiring = threading.Thread(target=reader.retire)
+    retiring.start()
+    try:
+        assert closing.wait(30)
+        assert not reader.acquire()
+    finally:
+        go.set()
+        retiring.join()
+    assert reader.state is ReaderState.CLOSED and reader.fd == -1
 
 
 def test_handles_close_inherited_fds_in_a_forked_child(layout: Layout) -> None:
