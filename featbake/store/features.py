@@ -190,9 +190,9 @@ class ShardHandles(ProcessLocalState):
 
     @property
     def open_readers(self) -> OrderedDict[Path, ShardReader]:
-        """The open readers by path, least recently used first. Read-only but for
-        ``move_to_end``: hit paths check a remembered reader with one lookup and, when they
-        switch shards, move it to the end to keep the LRU order."""
+        """The open readers by path, least recently used first. Read-only: hit paths check
+        a remembered reader with one lookup and, when they switch shards, keep the LRU order
+        with :meth:`touch` (another thread may have evicted it meanwhile)."""
         return self._readers
 
     def forget(self, path: Path) -> None:
