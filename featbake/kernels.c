@@ -8,8 +8,11 @@
  *     into `rows * d` contiguous values of `out` at dst. The value is float32(code) * scale,
  *     computed in float32 and rounded once to the served dtype: the same bits as
  *     torch.mul(codes, scales, out=...) (fp8 codes decoded exactly, as featbake.quantize does).
- *     low, high: the smallest non-zero and the largest row scale (inf, 0.0: none), which tell
- *     whether the served dtype holds every value (featbake.quantize.ScaleSpan).
+ *     low, high: the smallest non-zero and the largest finite row scale (inf, 0.0: none),
+ *     which tell whether the served dtype holds every value (featbake.quantize.ScaleSpan).
+ *     A row whose scale is not finite (NaN or +-inf: a damaged shard; quantize never writes
+ *     one) is written as the served dtype's quiet NaN in every value, on every loop, and
+ *     counted: dequant returns (low, high, damaged rows).
  *
  * read_rows(spans, crc_fn, scheme, out, d, threads=1)
  *     Each span (fd, offset, nbytes, dest, tail, tail_bytes, head, want) is read with pread;
@@ -19,7 +22,8 @@
  *     buffer (cache-sized: the bytes are read once from the page cache and once from cache) and
  *     dequantised into dest. Returns (failure, low, high): failure None, or (index, kind, errno)
  *     for the first span that failed (kind 1 a short read, 2 a checksum mismatch, 3 a failed
- *     read with errno; the spans after it in its run are not read); low, high as dequant's,
+ *     read with errno, 4 a row scale that is not finite; the spans after it in its run are
+ *     not read); low, high as dequant's,
  *     over the rows dequantised. With threads > 1 the spans are cut into that many contiguous
  *     runs (8 at most), the first ones read on threads started here, the last on the caller's:
  *     still one release of the GIL for the whole batch.
@@ -56,6 +60,22 @@ static inline float bits_f32(uint32_t u) {
     float f;
     memcpy(&f, &u, 4);
     return f;
+}
+
+/* Whether a row scale is finite (NaN and +-inf are a damaged row). */
+static inline int finite_scale(float s) {
+    return (f32_bits(s) & UINT32_C(0x7F800000)) != UINT32_C(0x7F800000);
+}
+
+/* A damaged row: every value the served dtype's quiet NaN (what torch.full(..., nan) holds),
+ * the same bits whatever the loop or the NaN's payload. */
+static void nan_row(void *dst, size_t d, int out) {
+    for (size_t j = 0; j < d; j++) {
+        if (out == 0)
+            ((uint32_t *)dst)[j] = UINT32_C(0x7FC00000);
+        else
+            ((uint16_t *)dst)[j] = out == 1 ? UINT16_C(0x7E00) : UINT16_C(0x7FC0);
+    }
 }
 
 /* float32 -> IEEE half, round to nearest even (c10's fp16_ieee_from_fp32_value). */
@@ -168,7 +188,10 @@ FB_AVX2 static inline __attribute__((always_inline)) void rows_avx2_of(
     for (size_t r = 0; r < rows; r++) {
         float s;
         memcpy(&s, src + r * row_stride + d, 4);
-        row_avx2_of(src + r * row_stride, s, dst + r * out_row, d, scheme, out);
+        if (finite_scale(s))
+            row_avx2_of(src + r * row_stride, s, dst + r * out_row, d, scheme, out);
+        else
+            nan_row(dst + r * out_row, d, out);
     }
 }
 
@@ -228,7 +251,10 @@ FB_AVX512 static inline __attribute__((always_inline)) void rows_avx512_of(
     for (size_t r = 0; r < rows; r++) {
         float s;
         memcpy(&s, src + r * row_stride + d, 4);
-        row_avx512_of(src + r * row_stride, s, dst + r * out_row, d, scheme, out);
+        if (finite_scale(s))
+            row_avx512_of(src + r * row_stride, s, dst + r * out_row, d, scheme, out);
+        else
+            nan_row(dst + r * out_row, d, out);
     }
 }
 
@@ -276,9 +302,11 @@ static int widest(void) {
 #endif
 }
 
-/* The smallest non-zero and the largest row scale, as featbake.quantize.ScaleSpan keeps them. */
+/* The smallest non-zero and the largest finite row scale, and the rows whose scale is not
+ * finite, as featbake.quantize.ScaleSpan keeps them. */
 typedef struct {
     float low, high;
+    long long damaged;
 } scale_span_t;
 
 static void span_rows(const uint8_t *src, size_t row_stride, size_t rows, size_t d,
@@ -286,6 +314,10 @@ static void span_rows(const uint8_t *src, size_t row_stride, size_t rows, size_t
     for (size_t r = 0; r < rows; r++) {
         float s;
         memcpy(&s, src + r * row_stride + d, 4);
+        if (!finite_scale(s)) {
+            span->damaged++;
+            continue;
+        }
         if (s > 0 && s < span->low) span->low = s;
         if (s > span->high) span->high = s;
     }
@@ -310,7 +342,10 @@ static void dequant_rows(const uint8_t *src, size_t row_stride, size_t rows, siz
         const uint8_t *row = src + r * row_stride;
         float s;
         memcpy(&s, row + d, 4);
-        row_scalar(row, s, dst + r * out_row, 0, d, scheme, out);
+        if (finite_scale(s))
+            row_scalar(row, s, dst + r * out_row, 0, d, scheme, out);
+        else
+            nan_row(dst + r * out_row, d, out);
     }
 }
 
@@ -326,23 +361,40 @@ static int valid_kind(int scheme, int out) {
     return 1;
 }
 
+/* d, the values of a packed row: >= 0, and d + 4 (its bytes) must not overflow. */
+static int valid_width(Py_ssize_t d) {
+    if (d < 0 || d > PY_SSIZE_T_MAX / 2) {
+        PyErr_Format(PyExc_ValueError,
+                     "d (the values of a packed row) must be >= 0 and < 2**62, got %zd", d);
+        return 0;
+    }
+    return 1;
+}
+
 static PyObject *dequant(PyObject *self, PyObject *args) {
     unsigned long long src, dst;
     Py_ssize_t row_stride, rows, d;
     int scheme, out;
     if (!PyArg_ParseTuple(args, "KnnnKii", &src, &row_stride, &rows, &d, &dst, &scheme, &out))
         return NULL;
-    if (!valid_kind(scheme, out)) return NULL;
-    if (rows < 0 || d < 0 || row_stride < d + 4) {
-        PyErr_SetString(PyExc_ValueError, "rows, d >= 0 and row_stride >= d + 4");
+    if (!valid_kind(scheme, out) || !valid_width(d)) return NULL;
+    if (rows < 0 || row_stride < d + 4) {
+        PyErr_Format(PyExc_ValueError,
+                     "dequant needs rows >= 0 and row_stride >= d + 4, got rows=%zd, "
+                     "row_stride=%zd, d=%zd",
+                     rows, row_stride, d);
         return NULL;
     }
-    scale_span_t span = {INFINITY, 0.0f};
+    if (rows > 0 && d > 0 && (src == 0 || dst == 0)) {
+        PyErr_SetString(PyExc_ValueError, "dequant needs the addresses of src and dst, got 0");
+        return NULL;
+    }
+    scale_span_t span = {INFINITY, 0.0f, 0};
     Py_BEGIN_ALLOW_THREADS;
     dequant_rows((const uint8_t *)(uintptr_t)src, (size_t)row_stride, (size_t)rows, (size_t)d,
                  (uint8_t *)(uintptr_t)dst, scheme, out, &span);
     Py_END_ALLOW_THREADS;
-    return Py_BuildValue("(dd)", (double)span.low, (double)span.high);
+    return Py_BuildValue("(ddL)", (double)span.low, (double)span.high, span.damaged);
 }
 
 typedef uint32_t (*crc_fn_t)(uint32_t, const void *, size_t);
@@ -385,9 +437,12 @@ static int read_one(const span_t *sp, crc_fn_t crc, uint8_t *scratch, int scheme
     if (kind) return kind;
     if (sp->want >= 0 && crc((uint32_t)sp->head, into, (size_t)sp->nbytes) != (uint32_t)sp->want)
         return 2;
-    if (scheme >= 0)
+    if (scheme >= 0) {
+        const long long damaged = span->damaged;
         dequant_rows(into, d + 4, (size_t)sp->nbytes / (d + 4), d, (uint8_t *)(uintptr_t)sp->dest,
                      scheme, out, span);
+        if (span->damaged != damaged) return 4;
+    }
     if (sp->tail_bytes > 0) memset((void *)(uintptr_t)sp->tail, 0, (size_t)sp->tail_bytes);
     return 0;
 }
@@ -399,8 +454,19 @@ static int parse_spans(PyObject *seq, span_t *spans, Py_ssize_t n, int need_crc)
                               &sp->nbytes, &sp->dest, &sp->tail, &sp->tail_bytes, &sp->head,
                               &sp->want))
             return 0;
-        if (sp->nbytes < 0 || sp->tail_bytes < 0 || (sp->want >= 0 && !need_crc)) {
-            PyErr_SetString(PyExc_ValueError, "a span's sizes are negative, or a check has no crc_fn");
+        if (sp->offset < 0 || sp->nbytes < 0 || sp->tail_bytes < 0) {
+            PyErr_Format(PyExc_ValueError,
+                         "span %zd: offset, nbytes and tail_bytes must be >= 0, got %lld, %zd, %zd",
+                         i, sp->offset, sp->nbytes, sp->tail_bytes);
+            return 0;
+        }
+        if ((sp->nbytes > 0 && sp->dest == 0) || (sp->tail_bytes > 0 && sp->tail == 0)) {
+            PyErr_Format(PyExc_ValueError, "span %zd: a dest or tail address of 0", i);
+            return 0;
+        }
+        if (sp->want > (long long)UINT32_MAX || (sp->want >= 0 && !need_crc)) {
+            PyErr_Format(PyExc_ValueError,
+                         "span %zd: want must be a CRC-32C (< 2**32) with a crc_fn, or -1", i);
             return 0;
         }
     }
@@ -475,7 +541,7 @@ static PyObject *read_rows(PyObject *self, PyObject *args) {
     Py_ssize_t d;
     if (!PyArg_ParseTuple(args, "OKiin|i", &arg, &crc_addr, &scheme, &out, &d, &threads))
         return NULL;
-    if (scheme >= 0 && (!valid_kind(scheme, out) || d < 0)) return NULL;
+    if (scheme >= 0 && (!valid_kind(scheme, out) || !valid_width(d))) return NULL;
     seq = PySequence_Fast(arg, "spans must be a sequence of tuples");
     if (seq == NULL) return NULL;
     const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -499,14 +565,14 @@ static PyObject *read_rows(PyObject *self, PyObject *args) {
     for (int t = 0; t < k; t++) {
         const Py_ssize_t from = t * step, to = from + step < n ? from + step : n;
         runs[t] = (run_t){spans, from, to, (crc_fn_t)(uintptr_t)crc_addr, scheme, out, (size_t)d,
-                          most, {-1, 0, 0}, {INFINITY, 0.0f}, 0};
+                          most, {-1, 0, 0}, {INFINITY, 0.0f, 0}, 0};
     }
     Py_BEGIN_ALLOW_THREADS;
     run_all(runs, k);
     Py_END_ALLOW_THREADS;
     PyMem_RawFree(spans);
     failure_t fail = {-1, 0, 0};
-    scale_span_t span = {INFINITY, 0.0f};
+    scale_span_t span = {INFINITY, 0.0f, 0};
     int nomem = 0;
     for (int t = 0; t < k; t++) {
         nomem |= runs[t].nomem;

@@ -2,7 +2,7 @@
 
 def dequant(
     src: int, row_stride: int, rows: int, d: int, dst: int, scheme: int, out: int
-) -> tuple[float, float]: ...
+) -> tuple[float, float, int]: ...
 def read_rows(
     spans: list[tuple[int, int, int, int, int, int, int, int]],
     crc_fn: int,

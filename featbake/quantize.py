@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -406,11 +406,11 @@ def dequantize_native(packed: torch.Tensor, scheme: Scheme, out: torch.Tensor) -
         return None
     width = packed.shape[-1]
     rows = packed.numel() // width if width else 0
-    low, high = native.dequant(
+    low, high, damaged = native.dequant(
         packed.data_ptr(), width, rows, width - SCALE_BYTES, out.data_ptr(),
         _KERNEL_SCHEME[scheme], code,
     )  # fmt: skip
-    return ScaleSpan(low, high)
+    return ScaleSpan(low, high, damaged=damaged)
 
 
 def dequantize_unpacked(
@@ -423,14 +423,31 @@ def dequantize_unpacked(
     scalar); into float16/bfloat16, one fused multiply (codes times float32 scales, rounded once
     to ``dtype``): the three vectorised passes through a cache-sized float32 chunk measured
     0.7-0.9x that on the loaded 2-CPU machine, as torch's per-op cost outweighs them there.
+
+    A row whose scale is not finite (a damaged shard's) is ``dtype``'s quiet NaN in every
+    value, as the compiled kernel writes it: torch's own casts keep a NaN's payload and sign
+    differently by CPU and loop, so its bits are set here, not left to them.
     """
     codes, scales = parts
     if out is None:
         out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
     if codes.device.type != "cpu":
-        return torch.mul(codes.to(torch.float32), scales.unsqueeze(-1), out=out)
+        torch.mul(codes.to(torch.float32), scales.unsqueeze(-1), out=out)
+        return out.masked_fill_(~torch.isfinite(scales).unsqueeze(-1), math.nan)
     if not out.is_contiguous():
         return out.copy_(dequantize_unpacked(parts, scheme, out.dtype))
+    _dequantize_rows(codes, scales, scheme, out)
+    damaged = ~torch.isfinite(scales)
+    if bool(damaged.any()):
+        out[damaged] = math.nan
+    return out
+
+
+def _dequantize_rows(
+    codes: torch.Tensor, scales: torch.Tensor, scheme: Scheme, out: torch.Tensor
+) -> None:
+    """:func:`dequantize_unpacked` on the CPU into a contiguous ``out``, a chunk of rows at a
+    time (see there)."""
     if scheme is Scheme.FP8:
         codes = codes.view(torch.uint8)
     rows, d = math.prod(codes.shape[:-1]), codes.shape[-1]
@@ -450,7 +467,6 @@ def dequantize_unpacked(
             dst.mul_(row_scales)
         else:
             torch.mul(src, row_scales, out=dst)
-    return out
 
 
 def _fp8_as_float32(codes: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
@@ -480,26 +496,39 @@ class ScaleSpan:
         (False, True)
     """
 
-    low: float = math.inf  # the smallest scale of a non-zero row (inf: none seen)
-    high: float = 0.0  # the largest scale
+    low: float = math.inf  # the smallest finite scale of a non-zero row (inf: none seen)
+    high: float = 0.0  # the largest finite scale
+    #: Rows whose scale is NaN or +-inf (quantize never writes one: a damaged shard's).
+    damaged: int = field(default=0, kw_only=True)
 
     @classmethod
     def of(cls, scales: torch.Tensor) -> ScaleSpan:
         """The span of one tensor's row scales (zero rows, a padding's or a silent frame's,
-        dequantise to zeros in any dtype and are left out)."""
+        dequantise to zeros in any dtype and are left out; rows whose scale is not finite
+        are counted as damaged)."""
         if not scales.numel():
             return cls()
+        finite = torch.isfinite(scales)
+        damaged = int(finite.numel() - finite.sum())
+        if damaged:
+            scales = scales[finite]
+            if not scales.numel():
+                return cls(damaged=damaged)
         low, high = (float(v) for v in torch.aminmax(scales))
         if low <= 0:  # zero rows (padding): the smallest of the others
             live = scales[scales > 0]
             if not live.numel():
-                return cls()
+                return cls(math.inf, high, damaged=damaged)
             low = float(live.min())
-        return cls(low, high)
+        return cls(low, high, damaged=damaged)
 
     def merged(self, other: ScaleSpan) -> ScaleSpan:
         """The span of both."""
-        return ScaleSpan(min(self.low, other.low), max(self.high, other.high))
+        return ScaleSpan(
+            min(self.low, other.low),
+            max(self.high, other.high),
+            damaged=self.damaged + other.damaged,
+        )
 
     def holds(self, dtype: torch.dtype, scheme: Scheme) -> bool:
         """Whether ``dtype`` serves these rows without an infinity or a loss of precision.

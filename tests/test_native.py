@@ -5,6 +5,7 @@ scheme and served dtype, errors raised alike, and the fallback taken where they 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import subprocess
 import sys
@@ -385,3 +386,72 @@ def test_a_located_item_of_no_rows_or_one_dimension_is_served_as_the_stored_one(
             span = r.read_packed_span(r.tensors[name].begin, out, packed)
             assert span == ScaleSpan.of(unpack(stored, scheme).scales), name
             assert torch.equal(_bits(out), _bits(served.item(stored))), name
+
+
+def _damaged_rows(scheme: Scheme) -> torch.Tensor:
+    """Packed rows of ``scheme`` whose scales are damaged: NaN (quiet, negative, signalling
+    with a payload), +inf, -inf; then two sound rows and a zero one."""
+    packed = quantize(_rows(21)[:8], scheme)
+    bits = [0x7FC00000, 0xFFC00000, 0x7FA00001, 0x7F800000, 0xFF800000]
+    scales = torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    packed[: len(bits), -SCALE_BYTES:] = scales.view(packed.dtype).reshape(len(bits), 4)
+    return packed
+
+
+@compiled
+@pytest.mark.usefixtures("width_reset")
+@pytest.mark.parametrize("scheme", list(Scheme))
+def test_a_row_whose_scale_is_not_finite_is_nan_on_every_loop_and_counted(scheme: Scheme) -> None:
+    """Issue "round four" item 7: the AVX2 loop gave bfloat16 +-0.0 where the portable loop
+    gave NaN, and torch's casts keep a NaN's payload: such a row is now the dtype's quiet NaN
+    in every value, on every loop and on the Python path, and the span counts it damaged."""
+    packed = _damaged_rows(scheme)
+    kernels = native.kernels()
+    assert kernels is not None
+    sound = ScaleSpan.of(unpack(packed[5:], scheme).scales)
+    for dtype in SERVED:
+        want = dequantize_unpacked(unpack(packed, scheme), scheme, dtype)
+        nan = torch.full((), math.nan, dtype=dtype)
+        assert torch.equal(_bits(want[:5]), _bits(nan).expand(5, 21)), dtype
+        for width in _widths():
+            kernels.set_width(width)
+            got = torch.full_like(want, 7.0)
+            span = dequantize_native(packed, scheme, got)
+            assert span == ScaleSpan(sound.low, sound.high, damaged=5)
+            assert torch.equal(_bits(got), _bits(want)), (width, dtype)
+    assert ScaleSpan.of(unpack(packed, scheme).scales) == span
+
+
+@compiled
+def test_kernel_arguments_out_of_range_are_one_value_error_each() -> None:
+    """Issue "round four" item 14: read_rows with a negative width raised SystemError."""
+    kernels = native.kernels()
+    assert kernels is not None
+    buf = torch.zeros(64, dtype=torch.uint8)
+    at = buf.data_ptr()
+    span = (0, 0, 8, at, 0, 0, 0, -1)
+    bad_calls = {
+        "read_rows d=-1": lambda: kernels.read_rows([span], 0, 0, 1, -1),
+        "read_rows d huge": lambda: kernels.read_rows([span], 0, 0, 1, sys.maxsize),
+        "read_rows scheme": lambda: kernels.read_rows([span], 0, 2, 1, 4),
+        "read_rows out": lambda: kernels.read_rows([span], 0, 0, 3, 4),
+        "span offset": lambda: kernels.read_rows([(0, -1, 8, at, 0, 0, 0, -1)], 0, -1, 0, 0),
+        "span nbytes": lambda: kernels.read_rows([(0, 0, -8, at, 0, 0, 0, -1)], 0, -1, 0, 0),
+        "span tail": lambda: kernels.read_rows([(0, 0, 8, at, 0, -1, 0, -1)], 0, -1, 0, 0),
+        "span dest 0": lambda: kernels.read_rows([(0, 0, 8, 0, 0, 0, 0, -1)], 0, -1, 0, 0),
+        "span tail 0": lambda: kernels.read_rows([(0, 0, 8, at, 0, 4, 0, -1)], 0, -1, 0, 0),
+        "span want": lambda: kernels.read_rows([(0, 0, 8, at, 0, 0, 0, 1 << 32)], 1, -1, 0, 0),
+        "span no crc": lambda: kernels.read_rows([(0, 0, 8, at, 0, 0, 0, 5)], 0, -1, 0, 0),
+        "dequant rows": lambda: kernels.dequant(at, 8, -1, 4, at, 0, 1),
+        "dequant d": lambda: kernels.dequant(at, 8, 1, -4, at, 0, 1),
+        "dequant d huge": lambda: kernels.dequant(at, 8, 1, sys.maxsize, at, 0, 1),
+        "dequant stride": lambda: kernels.dequant(at, 7, 1, 4, at, 0, 1),
+        "dequant src 0": lambda: kernels.dequant(0, 8, 1, 4, at, 0, 1),
+        "dequant scheme": lambda: kernels.dequant(at, 8, 1, 4, at, -1, 1),
+    }
+    for what, call in bad_calls.items():
+        with pytest.raises(ValueError) as caught:
+            call()
+        message = str(caught.value)
+        assert message and "\n" not in message, what
+    assert kernels.set_width(-5) == kernels.set_width(-1)  # negative: the width unchanged

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -14,9 +16,10 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.utils.data import DataLoader
 
+from featbake import native
 from featbake.bake.pipeline import build
 from featbake.bake.stored import FIRST_ITEMS, SAMPLE_EVERY, sampled
-from featbake.errors import ConfigError, EncodeError
+from featbake.errors import ConfigError, EncodeError, StoreCorrupt
 from featbake.quantize import (
     SCALE_BYTES,
     TINY,
@@ -30,6 +33,7 @@ from featbake.quantize import (
     scheme_of,
     unpack,
 )
+from featbake.recipe import STORED_DTYPES as SERVED_DTYPES
 from featbake.recipe import Recipe
 from featbake.serve.collate import PaddedBatch, pad_collate
 from featbake.serve.dataset import CachedFeatureDataset
@@ -37,6 +41,7 @@ from featbake.serve.loader import FeatureLoader
 from featbake.store.catalog import fidelity_file, read_fidelity, recorded_serve_dtype
 from featbake.store.fragments import sealed_fragments
 from featbake.store.layout import Layout
+from featbake.store.shard import ShardReader
 from featbake.testing import TinyConvEncoder, save_torchscript
 from featbake.upkeep import drop_root, list_roots, stats
 from tests.bake.test_ranks import torchrun
@@ -761,3 +766,80 @@ def test_feature_loader_batches_dequantised_or_raw(
             assert torch.equal(served[j, :n], want[b * 6 + j]) and not served[j, n:].any()
             seen += 1
     assert seen == len(ds)
+
+
+def _damage_a_scale(store: Path, key: str, row: int, scale: float) -> Path:
+    """Write ``scale`` over row ``row``'s scale of ``key``'s stored tensor (its checksum left
+    as it was: read with verify="never"); the shard's path."""
+    shards = list((store / "shards").rglob("*.safetensors"))
+    for path in shards:
+        with ShardReader(path) as reader:
+            info = reader.tensors.get(key)
+        if info is not None:
+            width = info.shape[-1]
+            at = info.begin + row * width + width - 4
+            blob = bytearray(path.read_bytes())
+            blob[at : at + 4] = np.float32(scale).tobytes()
+            path.chmod(0o644)
+            path.write_bytes(bytes(blob))
+            return path
+    raise AssertionError(f"no shard holds {key}")
+
+
+@pytest.mark.parametrize(
+    ("dtype", "scale", "serve_dtype", "ram_cache"),
+    [
+        ("int8", math.nan, "float16", 0),
+        ("int8", math.inf, "float32", 0),
+        ("fp8", -math.inf, "bfloat16", 0),
+        ("fp8", math.nan, "float32", "64MiB"),
+    ],
+)
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+def test_a_row_scale_that_is_not_finite_is_a_damaged_shard_on_every_path(
+    audio_dir: Path,
+    encoder_file: Path,
+    store_dir: Path,
+    dtype: str,
+    scale: float,
+    serve_dtype: str,
+    ram_cache: object,
+    compiled: bool,
+) -> None:
+    """Issue "round four" item 7: a NaN or inf scale was served as NaN/inf by the compiled
+    path and the Python batch paths (and refused as a float16 range problem by the Python
+    single-item path)."""
+    if compiled and native.kernels() is None:
+        pytest.skip("featbake.kernels is not built here, or FEATBAKE_NATIVE=0")
+    scheme = Scheme(dtype)
+    _built(audio_dir, encoder_file, store_dir, dtype)
+
+    def dataset() -> CachedFeatureDataset:
+        return CachedFeatureDataset(
+            audio_dir, encoder_file, cache=store_dir, dtype=dtype, on_miss="error",
+            verify="never", serve_dtype=serve_dtype, ram_cache=ram_cache,
+        )  # fmt: skip
+
+    ds = dataset()
+    want = [
+        dequantize(p, scheme, SERVED_DTYPES[serve_dtype]) for p in _want(encoder_file, ds, scheme)
+    ]
+    bad = 5
+    shard = _damage_a_scale(store_dir, ds._index.key(bad), row=1, scale=scale)
+    damaged = (
+        rf"shard {re.escape(str(shard))} is damaged \(tensor \S+ has a row scale that is not "
+        r"finite\); run `featbake verify --repair`"
+    )
+    # The RAM tier keeps packed rows: its batch is read as stored, then refused (unnamed).
+    in_batch = damaged if not ram_cache else r"not finite \(its shard is damaged\); run `featb"
+    with contextlib.nullcontext() if compiled else native.fallback():
+        for _ in range(2):  # read as stored, then located (or the RAM tier)
+            with pytest.raises(StoreCorrupt, match=damaged):
+                ds[bad]
+            assert torch.equal(ds[4], want[4])
+        ds = dataset()
+        for _ in range(2):  # padded batches: planned, then located
+            with pytest.raises(StoreCorrupt, match=in_batch):
+                ds.__getitems__([3, bad, 7])
+            got = ds.__getitems__([3, 7])
+            assert torch.equal(got[0], want[3]) and torch.equal(got[1], want[7])

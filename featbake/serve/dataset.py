@@ -34,7 +34,7 @@ from featbake.process import ProcessLocal, ProcessLocalState
 from featbake.recipe import Recipe
 from featbake.serve.index import Index, IndexSpec, ItemPlacement, build_index, raise_unreadable
 from featbake.serve.misses import LiveEncoder, Misses
-from featbake.serve.reads import Reads, served_for
+from featbake.serve.reads import Reads, located_hit, served_for
 from featbake.serve.state import (
     TOUCH_FLUSH_ITEMS,
     TOUCH_FLUSH_SECONDS,
@@ -415,7 +415,7 @@ class CachedFeatureDataset(ProcessLocalState, Dataset):
         finally:
             catalog.close()
         self._served = self._served and self._served.for_index(self._layout, self._index)
-        self._reads = Reads(self._index, self._layout)
+        self._reads = Reads(self._index, self._layout, self._served)
         self._misses = Misses(self._index, self._reads, self._live, self._source, self.recipe)
         self._misses.configure(on_miss, self.write_back)  # warns of live encoding it can name
         check_stored_parts(self._layer_view, self._index.parts)  # a view the store cannot give
@@ -569,19 +569,17 @@ class CachedFeatureDataset(ProcessLocalState, Dataset):
             and self._index.shard[i] == loc.sid
             and not st.check_always
         ):
-            if loc.path is not st.last_path:  # keep the handles' LRU order (one C call)
-                st.open_readers.move_to_end(loc.path)
-                st.last_path = loc.path
-            try:
-                served = self._served  # the store's one read (dequantised as it is read)
-                hit = loc.read_stored() if served is None else served.located(loc)
+            try:  # the store's one read (dequantised as it is read), its reader leased
+                hit = located_hit(st, loc, self._served)
             except ShardMissing:  # gone since (a bucket's gc): the general path looks it up
                 st.loc[i] = None
                 st.handles.forget(loc.path)
             else:
-                st.store_reads += 1
-                st.touch(i)
-                return hit
+                if hit is not None:
+                    st.store_reads += 1
+                    st.touch(i)
+                    return hit
+                st.loc[i] = None  # its reader closed since (another thread evicted it)
         if st.use_lru:
             value = st.lru.get(i)
             if value is not None:

@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from featbake.device import process_cpus
-from featbake.errors import ConfigError, ShardMissing, StoreError
+from featbake.errors import ConfigError, ShardMissing, StoreCorrupt, StoreError
 from featbake.native import kernels
 from featbake.process import PerProcess
 from featbake.quantize import (
@@ -48,8 +48,11 @@ from featbake.store.features import read_locations, relocated
 from featbake.store.layout import Layout
 from featbake.store.shard import (
     ST_TO_DTYPE,
+    Leases,
+    ReaderClosed,
     ShardReader,
     Span,
+    damaged_rows,
     native_readable,
     read_spans,
     tensor_buffer,
@@ -136,16 +139,38 @@ class Served:
 
     def fitting(self, parts: Unpacked) -> Unpacked:
         """``parts``, once their row scales are checked to fit the served dtype (:meth:`check`)."""
-        if self.dtype != torch.float32:  # quantize caps every scale to float32's range
-            self.check(ScaleSpan.of(parts.scales))
+        self.check(ScaleSpan.of(parts.scales))  # float32 too: a damaged row's scale
         return parts
+
+    def refuse_damaged(self, reader: ShardReader, name: str, value: Any) -> None:
+        """Raise if ``value``, tensor ``name`` read as stored from ``reader``, is packed rows of
+        this scheme with a scale that is not finite (the error names the shard).
+
+        Raises:
+            StoreCorrupt: a row's scale is not finite.
+        """
+        if (
+            isinstance(value, torch.Tensor)
+            and value.dtype == self.scheme.packed_dtype
+            and value.dim()
+            and value.shape[-1] >= SCALE_BYTES
+            and ScaleSpan.of(unpack(value, self.scheme).scales).damaged
+        ):
+            raise damaged_rows(reader.path, name)
 
     def check(self, span: ScaleSpan) -> None:
         """Refuse rows whose scales ``span`` the served dtype cannot serve.
 
         Raises:
+            StoreCorrupt: a row's scale is not finite (a damaged shard: never served as NaN).
             ConfigError: a value would be served as ``inf``, or rounded coarser than its codes.
         """
+        if span.damaged:  # the read paths name the shard; an item read as stored gets here
+            raise StoreCorrupt(
+                f"a stored {self.scheme.value} row has a scale that is not finite (its shard "
+                "is damaged); run `featbake verify --repair` to quarantine it, then `featbake "
+                "build` to recompute what it held"
+            )
         if self.dtype == torch.float32 or span.holds(self.dtype, self.scheme):
             return
         name = str(self.dtype).removeprefix("torch.")
@@ -414,9 +439,10 @@ class Reads:
     Process state (handles, flags, counters) is passed in: this object crosses pickling.
     """
 
-    def __init__(self, index: Index, layout: Layout) -> None:
+    def __init__(self, index: Index, layout: Layout, served: Served | None = None) -> None:
         self.index = index
         self.layout = layout
+        self.served = served  # how items are served: their rows' scales checked when read
         self._paths: list[Path] = []
 
     def shard_path(self, sid: int) -> Path:
@@ -426,41 +452,28 @@ class Reads:
             paths.append(self.layout.shard_path(names[len(paths)]))
         return paths[sid]
 
-    def _open(self, st: ProcessState, sid: int) -> tuple[Path, ShardReader]:
-        """The reader of shard ``sid``; one dict lookup when it is open already.
+    def _open(self, st: ProcessState, sid: int, held: Leases) -> tuple[Path, ShardReader]:
+        """The reader of shard ``sid``, leased into ``held`` (open until ``held`` ends); one
+        dict lookup and a lease when it is open already.
 
         Raises:
             ShardMissing: the file is gone.
         """
         path = self.shard_path(sid)
         reader = st.open_readers.get(path)
-        if reader is None:
-            reader = st.reader(path)
+        if reader is None or not held.take(reader):  # closed since by another thread's eviction
+            reader = st.reader(path, held)
         elif path is not st.last_path:  # keep the LRU order, with one C call per switch
-            st.open_readers.move_to_end(path)
+            st.handles.touch(path)
             st.last_path = path
         return path, reader
 
     # -- one item -----------------------------------------------------------------------------
     def one(self, st: ProcessState, i: int, sid: int) -> Any:
         """Item ``i`` from shard ``sid``; None when the store no longer has it."""
-        ix = self.index
         try:
-            path, reader = self._open(st, sid)
-            key = ix.key(i)
-            check = st.check_always or (st.check_first and not st.verified[i])
-            mode = "always" if check else "never"
-            parts = ix.parts
-            value: Any
-            if parts == ("",) and st.use_lru:
-                value = self._read_owned(reader, key, check)
-            elif parts == ("",):
-                value = reader.read(key, verify=mode)
-                self.remember(st, i, sid, path, reader)
-            elif parts is not None:
-                value = {p: reader.read(tensor_name(key, p), verify=mode) for p in parts}
-            else:
-                value = self.located_value(st, self.locate(st, key))
+            with Leases() as held:
+                value, check = self._one_held(st, i, sid, held)
         except ShardMissing:
             # gc compacted or dropped the shard after the index was built: look it up again.
             st.handles.forget(self.shard_path(sid))
@@ -469,6 +482,35 @@ class Reads:
             st.verified[i] = 1
         st.store_reads += 1
         return value
+
+    def _one_held(self, st: ProcessState, i: int, sid: int, held: Leases) -> tuple[Any, bool]:
+        """Item ``i`` read from shard ``sid`` (leased into ``held``), and whether its checksum
+        was checked.
+
+        Raises:
+            ShardMissing: the shard is gone.
+        """
+        ix = self.index
+        path, reader = self._open(st, sid, held)
+        key = ix.key(i)
+        check = st.check_always or (st.check_first and not st.verified[i])
+        mode = "always" if check else "never"
+        parts = ix.parts
+        value: Any
+        if parts == ("",) and st.use_lru:
+            value = self._read_owned(reader, key, check)
+        elif parts == ("",):
+            value = reader.read(key, verify=mode)
+            self.remember(st, i, sid, path, reader)
+        elif parts is not None:
+            value = {p: reader.read(tensor_name(key, p), verify=mode) for p in parts}
+        else:
+            return self.located_value(st, self.locate(st, key)), check
+        if self.served is not None:  # a damaged row is refused here, naming its shard
+            named = value if isinstance(value, dict) else {"": value}
+            for part, t in named.items():
+                self.served.refuse_damaged(reader, tensor_name(key, part), t)
+        return value, check
 
     @staticmethod
     def _read_owned(reader: ShardReader, key: str, check: bool) -> torch.Tensor:
@@ -503,7 +545,10 @@ class Reads:
         """
         if not locs:
             raise ShardMissing("the feature is no longer in the store")
-        value = read_locations(locs, lambda shard: self._open(st, self.index.sid(shard))[1])
+        with Leases() as held:
+            value = read_locations(
+                locs, lambda shard: self._open(st, self.index.sid(shard), held)[1]
+            )
         return value[""] if list(value) == [""] else value
 
     def relocate(self, st: ProcessState, i: int) -> Any:
@@ -538,6 +583,14 @@ class Reads:
         parts = ix.parts
         if parts is None:
             return 0
+        with Leases() as held:
+            return self._hint(st, idx, parts, held)
+
+    def _hint(
+        self, st: ProcessState, idx: Sequence[int], parts: tuple[str, ...], held: Leases
+    ) -> int:
+        """:meth:`will_need` with the shards it opens leased into ``held``."""
+        ix = self.index
         readers = st.open_readers
         started = 0
         for i in idx:
@@ -555,7 +608,7 @@ class Reads:
                 if len(readers) >= st.handles.max_open:
                     continue
                 try:
-                    reader = st.reader(path)
+                    reader = st.reader(path, held)
                 except StoreError:  # ShardMissing, StoreCorrupt: the read itself says so
                     continue
             key = ix.key(i)
@@ -570,8 +623,16 @@ class Reads:
 
         One pread per item straight into its row of the batch, no per-item tensor or view
         (with ``served``, dequantised as it is read: :func:`served_rows`); None (take the
-        general path) if any item is not located, not yet checked, or moved.
+        general path) if any item is not located, not yet checked, or moved, or its reader was
+        closed since (every reader is leased for the whole read).
         """
+        with Leases() as held:
+            return self._padded_held(st, idx, served, held)
+
+    def _padded_held(
+        self, st: ProcessState, idx: list[int], served: Served | None, held: Leases
+    ) -> PaddedBatch | None:
+        """:meth:`padded_located` with each item's reader leased into ``held``."""
         locs = st.loc
         readers = st.open_readers
         shard = self.index.shard
@@ -591,6 +652,7 @@ class Reads:
                 or shard[i] != loc.sid
                 or loc.dtype is not dtype
                 or loc.shape[1:] != trailing
+                or not held.take(loc.reader)
             ):
                 return None
             got.append(loc)
@@ -606,7 +668,7 @@ class Reads:
         spans = []
         for j, (i, loc) in enumerate(zip(idx, got, strict=True)):
             if loc.path is not last:  # keep the handles' LRU order
-                readers.move_to_end(loc.path)
+                st.handles.touch(loc.path)
                 last = st.last_path = loc.path
             start, end = j * row_bytes, j * row_bytes + loc.shape[0] * step_bytes
             spans.append(
@@ -648,11 +710,13 @@ class Reads:
                 return None  # a miss: checked before any lookup so hits are counted once
         elif (shard[idx] < 0).any():
             return None
-        plan = self._plan(st, idx)
-        return self._fill(st, idx, plan, served) if plan is not None else None
+        with Leases() as held:  # every shard read stays open until the batch is read
+            plan = self._plan(st, idx, held)
+            return self._fill(st, idx, plan, held, served) if plan is not None else None
 
-    def _plan(self, st: ProcessState, idx: list[int]) -> _Plan | None:
-        """Each row's source, if all rows share trailing shape and dtype; else None."""
+    def _plan(self, st: ProcessState, idx: list[int], held: Leases) -> _Plan | None:
+        """Each row's source, if all rows share trailing shape and dtype; else None. The
+        shards opened are leased into ``held``."""
         out: list[_Source] = []
         want: tuple[tuple[int, ...], torch.dtype | None] | None = None
         for i in idx:
@@ -664,7 +728,7 @@ class Reads:
                 if sid < 0:
                     return None
                 try:
-                    _, reader = self._open(st, sid)
+                    _, reader = self._open(st, sid, held)
                 except ShardMissing:
                     return None
                 info = reader.tensors.get(self.index.key(i))
@@ -682,11 +746,18 @@ class Reads:
         return _Plan(out, want[0], want[1])
 
     def _fill(
-        self, st: ProcessState, idx: list[int], plan: _Plan, served: Served | None = None
+        self,
+        st: ProcessState,
+        idx: list[int],
+        plan: _Plan,
+        held: Leases,
+        served: Served | None = None,
     ) -> PaddedBatch | None:
         """Fill a padded batch: RAM-tier rows copied here, stored rows read by ``run_rows``.
 
-        Every shard is opened (and every row's check decided) before any read, on this thread;
+        Every shard is opened and leased into ``held`` (and every row's check decided) before
+        any read, on this thread: a shard this batch's own opens evicted (a batch over more
+        shards than ``max_open_shards``), or another thread's did, stays open for the read;
         the reads run on the read pool, into byte slices of the batch (no torch op per row: one
         would wake torch's OpenMP threads, which then spin on the CPUs the readers need); what
         was read is recorded here after. With ``served`` (never with the RAM tier: see
@@ -706,7 +777,7 @@ class Reads:
                 padded[j, src.length :].zero_()
                 continue
             try:
-                path, reader = self._open(st, src.sid)
+                path, reader = self._open(st, src.sid, held)
             except ShardMissing:
                 return None  # moved meanwhile: the general path relocates it
             check = bool(st.check_always or (st.check_first and not st.verified[i]))
@@ -714,13 +785,7 @@ class Reads:
             dest, tail = flat[start:end], flat[end : start + row_bytes]
             read.append(_RowRead(i, src.sid, path, reader, j, dest, tail, check))
         span_of = functools.partial(self._span, packed=packed)
-        scales: ScaleSpan | None
-        if all(st.open_readers.get(r.path) is r.reader for r in read):
-            scales = read_rows(read, padded.nbytes, span_of, packed)
-        else:
-            scales = self._read_each(st, read, span_of, packed)
-        if scales is None:
-            return None
+        scales = read_rows(read, padded.nbytes, span_of, packed)
         if served is not None and packed is not None:
             served.check(scales)
         for r in read:
@@ -739,27 +804,24 @@ class Reads:
         key = self.index.key(r.i)
         return r.reader.span(key, r.dest, verify=r.check, tail=r.tail, packed=packed)
 
-    def _read_each(
-        self,
-        st: ProcessState,
-        read: list[_RowRead],
-        span_of: Callable[[_RowRead], Span],
-        packed: PackedRows | None,
-    ) -> ScaleSpan | None:
-        """Read the rows one by one, each shard opened just before its read (None: one moved).
 
-        For a batch over more shards than this process keeps open: opening the last ones
-        closed the first before their rows were read.
-        """
-        got = ScaleSpan()
-        for j, r in enumerate(read):
-            try:
-                path, reader = self._open(st, r.sid)
-            except ShardMissing:
-                return None
-            read[j] = r = r._replace(path=path, reader=reader)
-            got = got.merged(read_spans((span_of(r),), packed))
-        return got
+def located_hit(st: ProcessState, loc: Located, served: Served | None) -> Any:
+    """A located item (checked before: the dataset's hit path) read as served; None when
+    another thread closed its reader since it was checked (take the general path, which
+    opens the shard again). The read leases the reader itself, for its one pread (or
+    compiled read): a hit pays one lease.
+
+    Raises:
+        ConfigError: the item holds values the served dtype cannot.
+        StoreError: the read failed (``ShardMissing``: the shard is gone).
+    """
+    if loc.path is not st.last_path:  # keep the handles' LRU order (one C call)
+        st.handles.touch(loc.path)
+        st.last_path = loc.path
+    try:
+        return loc.read_stored() if served is None else served.located(loc)
+    except ReaderClosed:
+        return None
 
 
 def served_rows(
@@ -811,6 +873,7 @@ class _RowRead(NamedTuple):
 
 __all__ = [
     "Reads",
+    "located_hit",
     "read_threads",
     "read_threads_at_most",
 ]

@@ -32,7 +32,7 @@ from featbake.store.catalog import Access, ServingStore, access_for
 from featbake.store.features import ShardHandles
 from featbake.store.fragments import open_serving_catalog
 from featbake.store.layout import Layout
-from featbake.store.shard import SealedShard, ShardReader, ShardWriter
+from featbake.store.shard import Leases, SealedShard, ShardReader, ShardWriter
 
 # == process =======================================================================================
 # Per-process serving state, and the one rule for "is this state stale after ``fork``?".
@@ -486,7 +486,9 @@ class Located(NamedTuple):
 
     Valid while ``reader`` is still the open handle of ``path`` here and the index still puts
     the item in shard ``sid`` (gc may move it): the hit path then costs one list index and one
-    pread instead of key decoding and header lookups.
+    pread instead of key decoding and header lookups. A read leases ``reader`` first (another
+    thread may have evicted it since the check: the lease then fails and the item is looked up
+    again, see ``featbake.serve.reads.located_hit``).
     """
 
     sid: int
@@ -613,13 +615,14 @@ class ProcessState:
             warnings.warn(WORKERS_COUNT_APART, stacklevel=3)
         return ServeStats(self.lru.info(), self.store_reads, self.encoded, self.writeback.written)
 
-    def reader(self, path: Path) -> ShardReader:
-        """The open reader of ``path`` (opened, least recently used closed, as needed).
+    def reader(self, path: Path, held: Leases) -> ShardReader:
+        """The open reader of ``path``, leased into ``held`` (opened, least recently used
+        retired, as needed): another thread's eviction closes it only once ``held`` ends.
 
         Raises:
             ShardMissing: the shard file is gone.
         """
-        reader = self.handles.get(path)
+        reader = self.handles.lease(path, held)
         self.last_path = path
         return reader
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -21,10 +22,18 @@ from featbake.errors import ShardMissing
 from featbake.process import ProcessLocal, ProcessLocalState
 from featbake.store.catalog import Catalog, Location
 from featbake.store.layout import Layout, RemotePlace
-from featbake.store.shard import ShardReader, VerifyMode
+from featbake.store.shard import Leases, ShardReader, VerifyMode
 
 # == handles =======================================================================================
 # A per-process LRU of open shard readers, bounded in open files and reset after fork.
+#
+# Several threads of a process read through one set of handles (FeatureLoader's read thread and
+# the training loop's own ``ds[i]``): a reader is handed out leased (:meth:`ShardHandles.lease`)
+# and an eviction retires it, so its file closes when the last read using it is done, never
+# under one (see ``featbake.store.shard.ReaderState``). The LRU's changes (opens, evictions)
+# take one lock; a lookup of an open reader takes none. A batch holds the readers of all its
+# shards until its read is done: a batch over more shards than ``max_open`` keeps those it
+# evicted open that long.
 #: A bucket store's process looks for evicted files among its open readers at least this often
 #: (on every fetch, and at most once a second on other opens: up to 64 ``fstat`` calls).
 TEND_SECONDS = 1.0
@@ -49,7 +58,7 @@ class ShardHandles(ProcessLocalState):
         remote: RemotePlace | None = None,
     ) -> None:
         self.max_open = max_open
-        self.remote = remote
+        self.remote = remote  # a bucket store's place (its shards fetched on first use)
         self._tended = 0.0
         self.verify = VerifyMode.parse(verify)  # a ConfigError now, not at the first read
 
@@ -64,28 +73,55 @@ class ShardHandles(ProcessLocalState):
     @staticmethod
     def _close_inherited(readers: OrderedDict[Path, ShardReader]) -> None:
         # The parent's readers are its bookkeeping, but the fds are this process's own
-        # copies: close them, or each forked worker keeps up to max_open files open.
+        # copies: close them, or each forked worker keeps up to max_open files open. Closed
+        # outright: no thread of this process reads them (the parent's threads are not here).
         for r in readers.values():
             r.close()
 
     #: This process's open readers by path, least recently used first.
     _readers: ProcessLocal[OrderedDict[Path, ShardReader]] = ProcessLocal(
-        lambda self: OrderedDict(), on_inherited=_close_inherited
+        lambda self: OrderedDict(), on_inherited=_close_inherited, lock=True
     )
+    #: Taken by every change of ``_readers`` (re-entrant: a bucket's fetch calls back into
+    #: ``_close_evicted``); this process's own, so a fork never leaves it held.
+    _lock: ProcessLocal[threading.RLock] = ProcessLocal(lambda self: threading.RLock(), lock=True)
+
+    def lease(self, path: Path, held: Leases) -> ShardReader:
+        """An open reader for ``path``, leased into ``held`` (open until ``held`` ends, even
+        if another thread evicts it meanwhile), opening (and retiring the least recent) as
+        needed.
+
+        Raises:
+            ShardMissing: the shard is gone (from the bucket too).
+        """
+        reader = self._readers.get(path)
+        if reader is not None and held.take(reader):  # no lock: a lease fails once closed
+            self.touch(path)
+            return reader
+        with self._lock:
+            readers = self._readers
+            reader = readers.get(path)
+            if reader is not None and held.take(reader):  # another thread opened it meanwhile
+                readers.move_to_end(path)
+                return reader
+            reader = self._open(path)
+            held.require(reader)
+            readers[path] = reader
+            while len(readers) > self.max_open:
+                _, old = readers.popitem(last=False)
+                old.retire()
+            return reader
 
     def get(self, path: Path) -> ShardReader:
-        """An open reader for ``path``, opening (and evicting the least recent) as needed."""
-        readers = self._readers
-        reader = readers.get(path)
-        if reader is not None:
-            readers.move_to_end(path)
-            return reader
-        reader = self._open(path)
-        readers[path] = reader
-        while len(readers) > self.max_open:
-            _, old = readers.popitem(last=False)
-            old.close()
-        return reader
+        """An open reader for ``path`` (see :meth:`lease`), not leased: for looking at its
+        header; a read of it raises ``ReaderClosed`` if another thread evicted it first."""
+        with Leases() as held:
+            return self.lease(path, held)
+
+    def touch(self, path: Path) -> None:
+        """Mark ``path``'s reader as just used (a no-op once another thread evicted it)."""
+        with contextlib.suppress(KeyError):
+            self._readers.move_to_end(path)
 
     def _open(self, path: Path) -> ShardReader:
         """A new reader of ``path``; from a bucket store, fetched into its tier when missing.
@@ -146,28 +182,32 @@ class ShardHandles(ProcessLocalState):
 
     def _close_evicted(self) -> None:
         """Close the readers of files the tier unlinked (their space is freed only then)."""
-        for path, reader in list(self._readers.items()):
-            if reader.unlinked():
-                del self._readers[path]
-                reader.close()
+        with self._lock:
+            for path, reader in list(self._readers.items()):
+                if reader.unlinked():
+                    del self._readers[path]
+                    reader.retire()
 
     @property
     def open_readers(self) -> OrderedDict[Path, ShardReader]:
-        """The open readers by path, least recently used first. Read-only but for
-        ``move_to_end``: hit paths check a remembered reader with one lookup and, when they
-        switch shards, move it to the end to keep the LRU order."""
+        """The open readers by path, least recently used first. Read-only: hit paths check
+        a remembered reader with one lookup and, when they switch shards, keep the LRU order
+        with :meth:`touch` (another thread may have evicted it meanwhile)."""
         return self._readers
 
     def forget(self, path: Path) -> None:
-        """Close and drop the handle of a shard that moved or vanished."""
-        reader = self._readers.pop(path, None)
+        """Close and drop the handle of a shard that moved or vanished (once no read uses it)."""
+        with self._lock:
+            reader = self._readers.pop(path, None)
         if reader is not None:
-            reader.close()
+            reader.retire()
 
     def close(self) -> None:
-        while self._readers:
-            _, r = self._readers.popitem()
-            r.close()
+        """Close every reader, each once no read uses it."""
+        with self._lock:
+            while self._readers:
+                _, r = self._readers.popitem()
+                r.retire()
 
     def __iter__(self) -> Iterator[Path]:
         return iter(self._readers)
@@ -273,10 +313,10 @@ class FeatureReader:
         return got[1] if got is not None else None
 
     def _read(self, locations: Sequence[Location]) -> dict[str, torch.Tensor]:
-        return read_locations(locations, self._open)
-
-    def _open(self, shard: str) -> ShardReader:
-        return self.handles.get(self.layout.shard_path(shard))
+        with Leases() as held:
+            return read_locations(
+                locations, lambda shard: self.handles.lease(self.layout.shard_path(shard), held)
+            )
 
     def close(self) -> None:
         self.handles.close()

@@ -28,12 +28,13 @@ import math
 import os
 import stat
 import struct
+import threading
 import time
 import uuid
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
+from enum import Enum, StrEnum
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -277,6 +278,13 @@ def corrupt_shard(path: Path, why: str) -> StoreCorrupt:
         f"shard {path} is damaged ({why}); run `featbake verify --repair` to quarantine it, "
         "then `featbake build` to recompute what it held"
     )
+
+
+def damaged_rows(path: Path, name: str) -> StoreCorrupt:
+    """The error for an int8/fp8 tensor with a row whose scale is NaN or infinite: quantize
+    never writes one, so the shard is damaged (read with ``verify="never"``, or a damage its
+    checksum missed); it is refused on every read path, never served as NaN or inf."""
+    return corrupt_shard(path, f"tensor {name} has a row scale that is not finite")
 
 
 def open_regular(path: Path) -> int:
@@ -691,6 +699,72 @@ class VerifyMode(StrEnum):
 _MODES = frozenset(VerifyMode)
 
 
+# -- leases -----------------------------------------------------------------------------------
+# A reader's file descriptor is used outside the GIL (a pread, the compiled batch read), often
+# on another thread than the one that evicts the reader from a process's open shards. Closing it
+# there at once let such a read use a closed descriptor ("Bad file descriptor") or, once the
+# number was reused by the next open, another shard's bytes at the same offset (another item's
+# features served). So every use of the descriptor holds a lease (:meth:`ShardReader.acquire`,
+# :class:`Leases`), an eviction only retires the reader (:meth:`ShardReader.retire`), and the
+# last lease released closes it.
+class ReaderState(Enum):
+    """Where a reader is in its life: open, retired (closed when its last user is done), closed."""
+
+    OPEN = "open"
+    RETIRING = "retiring"
+    CLOSED = "closed"
+
+
+_OPEN, _RETIRING, _CLOSED = ReaderState.OPEN, ReaderState.RETIRING, ReaderState.CLOSED
+
+
+class ReaderClosed(StoreError):
+    """A read was asked of a reader that is closed (evicted, or closed by its owner, before it
+    was leased). Serving paths lease a reader when they look it up, so they never see this."""
+
+
+class Leases:
+    """The readers one read holds: each taken with :meth:`take`, all released on exit.
+
+    Example:
+        >>> with Leases() as held:  # doctest: +SKIP
+        ...     reader = handles.lease(path, held)
+        ...     read_spans([reader.span(name, dest)])
+    """
+
+    __slots__ = ("held",)
+
+    def __init__(self) -> None:
+        self.held: list[ShardReader] = []
+
+    def take(self, reader: ShardReader) -> bool:
+        """Lease ``reader`` until this block ends (once: a batch's rows share their shards);
+        False (nothing held) when it is closed."""
+        if reader in self.held:  # by identity; a batch holds a few shards
+            return True
+        if not reader.acquire():
+            return False
+        self.held.append(reader)
+        return True
+
+    def require(self, reader: ShardReader) -> None:
+        """Lease ``reader`` until this block ends.
+
+        Raises:
+            ReaderClosed: it is closed.
+        """
+        if not self.take(reader):
+            raise reader.closed_error()
+
+    def __enter__(self) -> Leases:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        held, self.held = self.held, []
+        for reader in reversed(held):
+            reader.release()
+
+
 class ShardReader:
     """Reads tensors out of one sealed shard; the header is parsed and checked once, on open.
 
@@ -698,7 +772,17 @@ class ShardReader:
     (``verify=VerifyMode.FIRST``), on every read (``ALWAYS``) or never (``NEVER``). Format 2
     checksums bind the tensor's name, dtype and shape as well as its bytes; format 1 (written by
     featbake before 2) binds the bytes only, and is still read and verified.
+
+    Thread-safe for reads: each use of the file descriptor holds a lease (see ``Leases``), and
+    :meth:`retire` (an eviction) closes the file only once the last lease is released.
     """
+
+    # Class defaults for a subclass that opens no file (a bucket's ranged reader sets up its
+    # own state and never calls this __init__): its counts then live on the instance at first
+    # use, guarded by this shared lock.
+    _state = ReaderState.OPEN
+    _users = 0
+    _guard = threading.Lock()
 
     def __init__(
         self, path: str | os.PathLike[str], verify: VerifyMode | str = VerifyMode.FIRST
@@ -713,6 +797,51 @@ class ShardReader:
             raise
         self.version = self.metadata["format_version"]
         self._verified: set[str] = set()
+        self._guard = threading.Lock()
+
+    # -- lifetime -------------------------------------------------------------------------------
+    def acquire(self) -> bool:
+        """Count one more user of the descriptor; False (nothing counted) once it is closed.
+        A retired reader is still leased: it reads the file it opened until its last user."""
+        with self._guard:
+            if self._state is _CLOSED:
+                return False
+            self._users += 1
+        return True
+
+    def release(self) -> None:
+        """One user is done; the last one closes a retired reader."""
+        with self._guard:
+            self._users -= 1
+            if self._users or self._state is not _RETIRING:
+                return
+            self._state = _CLOSED  # under the lock: no lease is taken from here on
+        self.close()
+
+    def retire(self) -> None:
+        """Close the file once no read uses it: now, or when the last lease is released (an
+        eviction from a process's open shards, which another thread may be reading)."""
+        with self._guard:
+            if self._state is not _OPEN:
+                return
+            if self._users:
+                self._state = _RETIRING
+                return
+            self._state = _CLOSED  # under the lock: no lease is taken from here on
+        self.close()
+
+    @property
+    def state(self) -> ReaderState:
+        """Open, retiring (closed when its last lease is released) or closed."""
+        return self._state
+
+    def closed_error(self) -> ReaderClosed:
+        """The error of a read asked of this reader once closed."""
+        return ReaderClosed(
+            f"the reader of shard {self.path} was closed before this read (evicted from the "
+            "open shards by another thread); read it through ShardHandles.lease, which keeps "
+            "it open until the read is done"
+        )
 
     def _read_header(self) -> tuple[dict[str, str], dict[str, TensorInfo]]:
         try:
@@ -852,8 +981,15 @@ class ShardReader:
             StoreError: the read fails.
         """
         n = dest.nbytes
-        if n and self._read_bytes(begin, dest) != n:
-            raise self.cut_short(check.name if check is not None else self._name_at(begin))
+        if n:
+            if not self.acquire():
+                raise self.closed_error()
+            try:
+                got = self._read_bytes(begin, dest)
+            finally:
+                self.release()
+            if got != n:
+                raise self.cut_short(check.name if check is not None else self.name_at(begin))
         if check is not None:
             if check.want is None or check.digest(dest, check.head) != check.want:
                 raise corrupt_shard(self.path, f"checksum mismatch in tensor {check.name}")
@@ -881,8 +1017,13 @@ class ShardReader:
             return _read_packed(self, begin, dest, None, packed)
         scheme, code, width = packed.kernel_codes()
         stored = rows * (width + SCALE_BYTES)
-        span = (self._fd, begin, stored, out.data_ptr(), 0, 0, 0, -1)
-        failed, low, high = native.read_rows([span], 0, scheme, code, width, 1)
+        if not self.acquire():  # the descriptor stays open for the whole kernel call
+            raise self.closed_error()
+        try:
+            span = (self._fd, begin, stored, out.data_ptr(), 0, 0, 0, -1)
+            failed, low, high = native.read_rows([span], 0, scheme, code, width, 1)
+        finally:
+            self.release()
         if failed is not None:
             dest = out.reshape(-1).view(torch.uint8).numpy()
             raise _read_failure(Span(self, begin, dest, None, None), failed[1], failed[2])
@@ -901,10 +1042,14 @@ class ShardReader:
 
     def unlinked(self) -> bool:
         """True once the file read here was deleted (its space is freed when this closes)."""
+        if not self.acquire():
+            return True
         try:
             return os.fstat(self._fd).st_nlink == 0
         except OSError:
             return True
+        finally:
+            self.release()
 
     def will_need(self, name: str) -> bool:
         """Start reading tensor ``name``'s bytes into the page cache, without waiting for them.
@@ -914,11 +1059,14 @@ class ShardReader:
         True when reads were started.
         """
         info = self.tensors.get(name)
-        if info is None:
+        if info is None or not self.acquire():
             return False
-        return will_need(self._fd, info.begin, info.end - info.begin)
+        try:
+            return will_need(self._fd, info.begin, info.end - info.begin)
+        finally:
+            self.release()
 
-    def _name_at(self, begin: int) -> str:
+    def name_at(self, begin: int) -> str:
         """The name of the tensor whose bytes start at ``begin`` (for an error message)."""
         return next((n for n, info in self.tensors.items() if info.begin == begin), f"@{begin}")
 
@@ -933,8 +1081,13 @@ class ShardReader:
         return bad
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            os.close(self._fd)
+        """Close the file now, whoever else holds a lease (the owner's close: an evicting
+        process retires instead). Once only: the number may belong to another file after."""
+        self._state = _CLOSED
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def __enter__(self) -> ShardReader:
         return self
@@ -1006,6 +1159,14 @@ def read_spans(
     """
     if packed is not None and not packed.width:
         raise ConfigError("packed rows of no values cannot be served dequantised")
+    with Leases() as held:  # every descriptor open for the whole read (see ReaderState)
+        for reader in {span.reader for span in spans}:
+            held.require(reader)
+        return _read_held(spans, packed, threads)
+
+
+def _read_held(spans: Sequence[Span], packed: PackedRows | None, threads: int) -> ScaleSpan:
+    """:func:`read_spans` once every span's reader is leased."""
     native = kernels()
     if native is not None and all(native_readable(s) for s in spans):
         return _read_native(native, spans, packed, threads)
@@ -1045,7 +1206,10 @@ def _read_packed(
     parts = unpack(raw, packed.scheme)
     out = torch.from_numpy(dest).view(packed.dtype).view(rows, packed.width)
     dequantize_unpacked(parts, packed.scheme, packed.dtype, out)
-    return ScaleSpan.of(parts.scales)
+    span = ScaleSpan.of(parts.scales)
+    if span.damaged:
+        raise damaged_rows(reader.path, check.name if check is not None else reader.name_at(begin))
+    return span
 
 
 def _read_native(
@@ -1081,11 +1245,13 @@ def _read_native(
 def _read_failure(span: Span, kind: int, err: int) -> StoreError:
     """The error the Python path raises for a span the compiled read could not read."""
     reader, check = span.reader, span.check
-    name = check.name if check is not None else reader._name_at(span.begin)
+    name = check.name if check is not None else reader.name_at(span.begin)
     if kind == 1:
         return reader.cut_short(name)
     if kind == 2:
         return corrupt_shard(reader.path, f"checksum mismatch in tensor {name}")
+    if kind == 4:
+        return damaged_rows(reader.path, name)
     return StoreError(f"cannot read shard {reader.path}: {os.strerror(err)}")
 
 

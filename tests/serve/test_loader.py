@@ -8,13 +8,16 @@ ranks as DistributedSampler does; it hints each item of its own share once, befo
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,7 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler, StackDataset, Subset
 
-from featbake import BlockSampler, CachedFeatureDataset, FeatureLoader, build, pad_collate
+from featbake import BlockSampler, CachedFeatureDataset, FeatureLoader, build, native, pad_collate
 from featbake.errors import CacheMiss, ConfigError, StoreError
 from featbake.serve.loader import SAMPLE, WARM_STREAK, ReadAhead
 from featbake.serve.sampling import EpochPlan
@@ -159,6 +162,130 @@ def test_a_read_error_reaches_the_training_loop_and_leaves_no_thread(
         for _ in FeatureLoader(ds, batch_size=4):
             pass
     assert not [t for t in threading.enumerate() if t.name == "featbake-loader"]
+
+
+class _HeldRead:
+    """Holds the loader thread's first read of each epoch between taking its shards'
+    descriptors and using them (``os.preadv`` called, or the compiled ``read_rows`` handed its
+    spans) until the test lets it go: meanwhile another thread evicts those shards."""
+
+    def __init__(self, epochs: int) -> None:
+        self.holding = [threading.Event() for _ in range(epochs)]
+        self.go = [threading.Event() for _ in range(epochs)]
+        self.armed: int | None = None  # the epoch whose first read is held next
+
+    def hold(self) -> None:
+        epoch = self.armed
+        if epoch is not None and threading.current_thread().name == "featbake-loader":
+            self.armed = None
+            self.holding[epoch].set()
+            self.go[epoch].wait(60)  # a bound for a broken test, never reached when it runs
+
+    def release_all(self) -> None:
+        for event in (*self.holding, *self.go):
+            event.set()
+
+
+class _HeldKernels:
+    """The compiled kernels, each batch read first passing ``hold``."""
+
+    def __init__(self, inner: Any, hold: Callable[[], None]) -> None:
+        self.inner = inner
+        self.hold = hold
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def read_rows(self, *args: Any) -> Any:
+        self.hold()
+        return self.inner.read_rows(*args)
+
+
+def _hold_reads(held: _HeldRead, compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every read of a shard passes ``held.hold`` once it has its descriptors."""
+    if compiled:
+        monkeypatch.setitem(native._state, "kernels", _HeldKernels(native.kernels(), held.hold))
+        return
+    preadv = os.preadv
+
+    def held_preadv(fd: int, buffers: Any, offset: int, *flags: int) -> int:
+        if not flags:  # a read (a page-cache probe passes RWF_NOWAIT)
+            held.hold()
+        return preadv(fd, buffers, offset, *flags)
+
+    monkeypatch.setattr(os, "preadv", held_preadv)
+
+
+def _read_every_item(
+    ds: CachedFeatureDataset, want: list[torch.Tensor], held: _HeldRead, stop: threading.Event
+) -> list[str]:
+    """The other thread: at each epoch's held read, ``ds[i]`` of every item (evicting the
+    loader's shards), then lets the read go and goes on reading until ``stop``; what it saw
+    wrong, one line each."""
+    wrong: list[str] = []
+    k = 0
+    for holding, go in zip(held.holding, held.go, strict=True):
+        holding.wait(60)
+        try:
+            for i in range(len(ds)):
+                wrong += _compared(ds, i, want)
+        finally:
+            go.set()
+    while not stop.is_set():
+        wrong += _compared(ds, k % len(ds), want)
+        k += 1
+    return wrong
+
+
+def _compared(ds: CachedFeatureDataset, i: int, want: list[torch.Tensor]) -> list[str]:
+    try:
+        got = ds[i]
+    except Exception as e:
+        return [f"ds[{i}]: {e}"]
+    same = got.shape == want[i].shape and torch.allclose(got, want[i], rtol=1e-5, atol=1e-5)
+    return [] if same else [f"ds[{i}] is not item {i}'s features"]
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+def test_a_shard_evicted_by_another_thread_is_never_closed_under_a_loaders_read(
+    audio_dir: Path,
+    encoder_file: Path,
+    store_dir: Path,
+    compiled: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue "round four" item 3: FeatureLoader reading while another thread calls ds[i], over
+    more shards than max_open_shards; the evicted reader was closed under the loader's read
+    (served another item's features, or "Bad file descriptor")."""
+    if compiled and native.kernels() is None:
+        pytest.skip("featbake.kernels is not built here, or FEATBAKE_NATIVE=0")
+    build(audio_dir, encoder_file, cache=store_dir, workers=0, shard_bytes=1)  # an item a shard
+    ds = CachedFeatureDataset(
+        audio_dir, encoder_file, cache=store_dir, on_miss="error", max_open_shards=2
+    )
+    n = len(ds)
+    want = [live_features(encoder_file, Path(ds.path(i))) for i in range(n)]
+    held, stop, wrong = _HeldRead(2), threading.Event(), []
+    _hold_reads(held, compiled, monkeypatch)
+    other = threading.Thread(target=lambda: wrong.extend(_read_every_item(ds, want, held, stop)))
+    loader = FeatureLoader(StackDataset(ds, torch.arange(n)), batch_size=4, seed=3)
+    seen: list[int] = []
+    with native.fallback() if not compiled else contextlib.nullcontext():
+        other.start()
+        try:
+            for epoch in range(2):  # first: checked reads; then located reads
+                held.armed = epoch
+                for padded, lengths, items in loader:
+                    for row, length, i in zip(padded, lengths, items.tolist(), strict=True):
+                        torch.testing.assert_close(row[:length], want[i], rtol=1e-5, atol=1e-5)
+                        seen.append(i)
+        finally:
+            stop.set()
+            held.release_all()
+            other.join()
+    assert held.armed is None  # each epoch's first read was held while the other evicted
+    assert wrong == []
+    assert sorted(seen) == sorted(list(range(n)) * 2)
 
 
 class _OpensOnFirstUse(torch.utils.data.Dataset):

@@ -142,11 +142,25 @@ def test_small_batches_and_workers_stay_on_the_callers_thread() -> None:
     assert len(threads) > 1
 
 
-def test_a_batch_over_more_shards_than_kept_open_is_read_one_by_one(
+def _open_shard_files(store: Path) -> int:
+    """Files of ``store`` this process has open now (its descriptors, as /proc lists them)."""
+    fds = Path("/proc/self/fd")
+    return sum(1 for fd in fds.iterdir() if _link(fd).startswith(f"{store.resolve()}/shards/"))
+
+
+def _link(fd: Path) -> str:
+    try:
+        return os.readlink(fd)
+    except OSError:  # the listing's own descriptor, closed by now
+        return ""
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc")
+def test_a_batch_over_more_shards_than_kept_open_reads_each_row_then_closes_them(
     audio_dir: Path, encoder_file: Path, store_dir: Path, threaded: list[int]
 ) -> None:
-    # One open shard at a time: opening the batch's last shard closed its first ones, so the
-    # rows are read each right after its shard is opened (never from a closed descriptor).
+    # One open shard at a time: opening the batch's last shard evicted its first ones, which
+    # stay leased (open) until the batch is read, each row from its own shard, and close after.
     build(audio_dir, encoder_file, cache=store_dir, workers=0, shard_bytes=1)
     ds = CachedFeatureDataset(
         audio_dir, encoder_file, cache=store_dir, on_miss="error", max_open_shards=1
@@ -156,7 +170,8 @@ def test_a_batch_over_more_shards_than_kept_open_is_read_one_by_one(
     padded, lengths = pad_collate(ds.__getitems__(idx))
     for row, i in enumerate(idx):
         torch.testing.assert_close(padded[row, : lengths[row]], want[i])
-    assert not threaded  # the fallback ran on this thread
+    assert len(ds._state.open_readers) == 1
+    assert _open_shard_files(store_dir) == 1  # the evicted ones closed once the batch was read
 
 
 def test_a_fork_while_another_thread_makes_the_pool_leaves_the_child_a_free_lock(

@@ -12,6 +12,7 @@ import os
 import signal
 import struct
 import sys
+import threading
 import time
 import zlib
 from collections.abc import Iterator
@@ -33,6 +34,9 @@ from featbake.store.catalog import Location
 from featbake.store.features import ShardHandles, relocated
 from featbake.store.layout import Layout
 from featbake.store.shard import (
+    Leases,
+    ReaderClosed,
+    ReaderState,
     ShardReader,
     ShardWriter,
     Span,
@@ -402,6 +406,53 @@ def test_handles_are_bounded_and_reopen_after_forget(layout: Layout) -> None:
     assert torch.equal(h.get(shards[0].path).read("x"), torch.tensor([0.0]))
     h.close()
     assert list(h) == []
+
+
+def test_an_evicted_reader_stays_open_until_its_last_lease_is_released(layout: Layout) -> None:
+    """Issue "round four" item 3: eviction closed a reader another thread was reading."""
+    shards = [write_shard(layout, {"x": torch.tensor([float(i)])}, EFP, RFP) for i in range(3)]
+    h = ShardHandles(max_open=1)
+    with Leases() as outer:
+        first = h.lease(shards[0].path, outer)
+        fd = first.fd
+        with Leases() as inner:
+            h.lease(shards[1].path, inner)  # evicts the first: retired, still leased twice
+            assert first.state is ReaderState.RETIRING and _fd_open(fd)
+        assert first.state is ReaderState.RETIRING and _fd_open(fd)
+        assert torch.equal(first.read("x"), torch.tensor([0.0]))  # its own file still
+    assert first.state is ReaderState.CLOSED and first.fd == -1  # the last release closed it
+    assert not first.acquire()  # a closed reader is never leased again, nor read
+    with pytest.raises(ReaderClosed, match="closed before this read"):
+        first.read("x")
+    h.get(shards[2].path)  # an idle reader is closed at its eviction
+    assert list(h) == [shards[2].path]
+    with Leases() as held:
+        assert torch.equal(h.lease(shards[0].path, held).read("x"), torch.tensor([0.0]))
+    h.close()
+
+
+def test_no_lease_is_taken_once_a_retired_reader_is_being_closed(layout: Layout) -> None:
+    """A retire (or last release) that decided to close the file lets its lock go before it
+    closes: a lease taken then would read while the file closes, so none is."""
+    reader = ShardReader(write_shard(layout, {"x": torch.ones(2)}, EFP, RFP).path)
+    closing, go = threading.Event(), threading.Event()
+    close = reader.close
+
+    def held_close() -> None:
+        closing.set()
+        go.wait(30)  # a bound for a broken test, never reached when it runs
+        close()
+
+    reader.close = held_close  # type: ignore[method-assign]
+    retiring = threading.Thread(target=reader.retire)
+    retiring.start()
+    try:
+        assert closing.wait(30)
+        assert not reader.acquire()
+    finally:
+        go.set()
+        retiring.join()
+    assert reader.state is ReaderState.CLOSED and reader.fd == -1
 
 
 def test_handles_close_inherited_fds_in_a_forked_child(layout: Layout) -> None:
