@@ -503,13 +503,21 @@ def merge(
     if as_json:
         out.print_json(json.dumps(report.to_json()))
         return
-    if report.roots or report.fragments:
+    if report.roots or report.fragments or report.new_features:
         out.print(
             f"merged {report.fragments} fragments: {len(report.roots)} roots published, "
-            f"{report.new_features:,} new features in {report.shards} shards"
+            f"{report.new_features:,} new features in {report.shards + report.waiting_shards} "
+            "shards"
         )
     else:
         out.print("nothing to merge")
+    if report.waiting_shards:
+        out.print(
+            f"parts not finished: {report.waiting_shards} shards they sealed are in the catalog "
+            "(a rerun in any shape reuses them)"
+        )
+    for root in report.superseded:
+        out.print(f"retired: the unfinished build of root {escape(root)} (built again since)")
     for p in report.pending:
         out.print(f"pending: {escape(p.describe())}")
     if report.missing_shards:

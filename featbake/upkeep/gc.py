@@ -45,6 +45,7 @@ from featbake.progress import GcProgress
 from featbake.store.catalog import Catalog, FeatureRef, Root, ShardRow, ShardUsage
 from featbake.store.catalog import root_file as manifest_file
 from featbake.store.catalog import roots_dir as manifests_dir
+from featbake.store.fragments import FragmentKind, fragment_keys, sealed_fragments
 from featbake.store.layout import (
     Change,
     Held,
@@ -348,12 +349,21 @@ def _must_rewrite(opts: GcOptions, evict: list[FeatureRef], shard_rows: list[Sha
 def _reach(
     catalog: Catalog, roots: list[Root], dropped: set[str], opts: GcOptions
 ) -> tuple[list[FeatureRef], list[FeatureRef] | None]:
-    """(rows no kept root reaches, rows kept roots reach); the latter only when needed."""
-    unreached = catalog.unreached_features()
+    """(rows no kept root reaches, rows kept roots reach); the latter only when needed.
+
+    Rows of keys a sealed build fragment names count as reached: a build in parts not merged
+    yet (a part killed before its end) had them folded in by a merge or a one-process build,
+    and its rerun or merge publishes the manifest naming them.
+    """
+    waiting = fragment_keys(
+        n.path for n in sealed_fragments(catalog.layout) if n.kind is not FragmentKind.SERVE
+    )
+    unreached = [r for r in catalog.unreached_features() if r.key not in waiting]
     if not dropped and opts.max_bytes is None:
         return unreached, None
     # Rows only the dropped roots name are unreached too.
     kept = {k for r in roots if r.name not in dropped for _, k in catalog.root_items(r.name)}
+    kept |= waiting
     reached: list[FeatureRef] = []
     for ref in catalog.reached_features():
         (reached if ref.key in kept else unreached).append(ref)
