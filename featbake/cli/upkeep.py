@@ -397,7 +397,8 @@ def _print_gc_plan(plan: GcPlan, dry_run: bool, as_json: bool) -> None:
 # == verify ========================================================================================
 # `featbake verify [--repair]`.
 # == upkeep: stats, roots, gc, verify, export ===================================================
-VERIFY_EXIT = """verify exit codes: 0 clean; 10 damage was found and repaired (--repair; features
+VERIFY_EXIT = """verify exit codes: 0 clean (notes, e.g. parts-waiting: a build in parts not
+merged yet, are not damage); 10 damage was found and repaired (--repair; features
 in quarantined shards are gone: rebuild to recompute them); 11 damage remains (run with --repair,
 or see the lines above). 5: the store cannot be opened at all."""
 

@@ -1014,6 +1014,28 @@ def serving_fragments(layout: Layout) -> list[FragmentName]:
     return [n for n in sealed_fragments(layout) if n.kind is FragmentKind.SERVE]
 
 
+def serving_uses(layout: Layout) -> dict[str, float]:
+    """key -> its latest last use that sealed ``serve`` fragments record, not merged yet.
+
+    gc counts them: a dataset on a shared filesystem or a bucket store records its reads there,
+    and a root read today is in use before any merge folds them into the catalog.
+    """
+    latest: dict[str, float] = {}
+    for name in serving_fragments(layout):
+        try:
+            conn = _open_sealed(name.path)
+        except sqlite3.Error:
+            continue  # merged and removed since the listing: its uses are in the catalog now
+        try:
+            for key, used in conn.execute("SELECT key, used FROM uses"):
+                latest[key] = max(used, latest.get(key, used))
+        except sqlite3.Error:
+            continue  # unreadable: the merge names it
+        finally:
+            conn.close()
+    return latest
+
+
 def _is_complete(names: list[FragmentName]) -> bool:
     world = names[0].world
     done = {n.rank for n in names if n.kind is FragmentKind.DONE and n.world == world}

@@ -276,6 +276,9 @@ def test_gc_older_than_keeps_a_bucket_root_a_fresh_process_read_and_drops_one_un
     names = {d: build(d, encoder_file, cache=s3.url, workers=0).root for d in (read, unread)}
     age_every_build(s3, tmp_path, days=40)
     read_in_a_fresh_process(s3, read, encoder_file, tmp_path / "reader")
+    # A dry run folds nothing in: it counts the uses waiting in the bucket's fragments.
+    node = open_store(s3.url, local_cache=tmp_path / "dry")
+    assert gc(node, GcOptions(older_than=DAY), dry_run=True).roots_dropped == [names[unread]]
     done = gc(open_store(s3.url, local_cache=tmp_path / "gc"), GcOptions(older_than=DAY))
     assert done.roots_dropped == [names[unread]]
     kept = CachedFeatureDataset(
