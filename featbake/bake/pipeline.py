@@ -58,7 +58,7 @@ from featbake.recipe import Recipe
 from featbake.store.bucket import merge_store
 from featbake.store.catalog import BuildCatalog, Catalog, FileStat, HashCache, RootSpec
 from featbake.store.features import Parts
-from featbake.store.fragments import FragmentCatalog, RankPart
+from featbake.store.fragments import FragmentCatalog, RankPart, adopt_sealed_parts
 from featbake.store.layout import Layout
 from featbake.store.open import Need, StoreRef, open_store
 from featbake.store.shard import DEFAULT_SHARD_BYTES
@@ -84,10 +84,18 @@ def catalog_for_part(
     Each rank stats every input (cheap) but hashes and encodes only its own part. A build into
     a bucket store always writes fragments (its tier's catalog is a published version, never
     written in place), after bringing in the bucket's fragments: a rerun on another node skips
-    what the killed run sealed.
+    what the killed run sealed. One process on a local store adds the shards that parts sealed
+    (a part killed before its end, parts not merged yet) to the catalog first, so it encodes
+    none of them again.
     """
     if not spec.sharded and layout.catalog_in_place:
-        return Catalog(layout), rel_paths
+        catalog = Catalog(layout)
+        try:
+            adopt_sealed_parts(catalog)
+        except BaseException:
+            catalog.close()
+            raise
+        return catalog, rel_paths
     layout.sync_fragments()
     sizes = [inputs.size(p) for p in rel_paths]
     listing = list(zip(rel_paths, sizes, strict=True))

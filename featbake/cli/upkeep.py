@@ -397,7 +397,8 @@ def _print_gc_plan(plan: GcPlan, dry_run: bool, as_json: bool) -> None:
 # == verify ========================================================================================
 # `featbake verify [--repair]`.
 # == upkeep: stats, roots, gc, verify, export ===================================================
-VERIFY_EXIT = """verify exit codes: 0 clean; 10 damage was found and repaired (--repair; features
+VERIFY_EXIT = """verify exit codes: 0 clean (notes, e.g. parts-waiting: a build in parts not
+merged yet, are not damage); 10 damage was found and repaired (--repair; features
 in quarantined shards are gone: rebuild to recompute them); 11 damage remains (run with --repair,
 or see the lines above). 5: the store cannot be opened at all."""
 
@@ -503,13 +504,21 @@ def merge(
     if as_json:
         out.print_json(json.dumps(report.to_json()))
         return
-    if report.roots or report.fragments:
+    if report.roots or report.fragments or report.new_features:
         out.print(
             f"merged {report.fragments} fragments: {len(report.roots)} roots published, "
-            f"{report.new_features:,} new features in {report.shards} shards"
+            f"{report.new_features:,} new features in {report.shards + report.waiting_shards} "
+            "shards"
         )
     else:
         out.print("nothing to merge")
+    if report.waiting_shards:
+        out.print(
+            f"parts not finished: {report.waiting_shards} shards they sealed are in the catalog "
+            "(a rerun in any shape reuses them)"
+        )
+    for root in report.superseded:
+        out.print(f"retired: the unfinished build of root {escape(root)} (built again since)")
     for p in report.pending:
         out.print(f"pending: {escape(p.describe())}")
     if report.missing_shards:

@@ -191,6 +191,9 @@ def _object_shard(object_name: str) -> str:
 DOWNLOAD_TRIES = 4
 #: Read size of a streaming download.
 CHUNK = 8 << 20
+#: Files smaller than this go up in one PutObject on the caller's thread (boto3's multipart
+#: threshold, so the same requests): fragments, catalog versions, small shards.
+SINGLE_PUT_BYTES = 8 << 20
 #: Seconds to wait for a connection, and for an answer once connected
 #: (``$FEATBAKE_S3_TIMEOUT`` sets the second): a stalled endpoint is one line, never a hang.
 CONNECT_TIMEOUT_S = 10
@@ -475,17 +478,22 @@ class Bucket(ProcessLocalState):
     def upload(self, name: str, src: Path, *, create: bool = False) -> bool:
         """Put file ``src`` as object ``name``. With ``create``, only if no object of that name
         exists (``If-None-Match: *``; one request, so up to 5 GB): False when one did. Without,
-        big files go up in parts (multipart upload).
+        a file of :data:`SINGLE_PUT_BYTES` or more goes up in parts (multipart upload), a
+        smaller one in one request, as boto3 would, but without its thread pool.
 
         Raises:
             StoreError: the upload failed (the message says why and what to do).
         """
         try:
             with self.errors(name):
-                if create:
+                if create or os.path.getsize(src) < SINGLE_PUT_BYTES:
+                    # One request on this thread: a dataset's last uses are uploaded by its
+                    # finalizer at exit, after the interpreter refuses new threads, which
+                    # upload_file's transfer pool needs (the uses were lost in silence).
                     with open(src, "rb") as f:
+                        extra = {"IfNoneMatch": "*"} if create else {}
                         self.client.put_object(
-                            Bucket=self.url.bucket, Key=self.key(name), Body=f, IfNoneMatch="*"
+                            Bucket=self.url.bucket, Key=self.key(name), Body=f, **extra
                         )
                 else:
                     self.client.upload_file(os.fspath(src), self.url.bucket, self.key(name))

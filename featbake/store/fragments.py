@@ -657,11 +657,18 @@ class FragmentCatalog:
         return out
 
     def present_keys(self, keys: Sequence[str]) -> set[str]:
-        """Keys in the catalog or in a fragment this build already sealed (a rerun's skip)."""
+        """Keys in the catalog or in a sealed fragment this process may build on: a rank's, in
+        any build's (a part killed before its end, rerun in another number of parts: the merge
+        folds every build's shards, so this build's manifest finds them); a serving
+        process's, in its own."""
         nothing: set[str] = set()
         found = self._read(lambda c: c.present_keys(keys), nothing)
-        mine = [f.path for f in sealed_fragments(self.layout) if f.build_id == self._build]
-        return found | (fragment_keys(mine) & set(keys))
+        names = sealed_fragments(self.layout)
+        if self.part is None:
+            sealed = [f.path for f in names if f.build_id == self._build]
+        else:
+            sealed = [f.path for f in names if f.kind is not FragmentKind.SERVE]
+        return found | (fragment_keys(sealed) & set(keys))
 
     def root(self, name: str) -> Root | None:
         return self._read(lambda c: c.root(name), None)
@@ -927,6 +934,12 @@ def _inode(path: Path) -> int:
 # 3. the hash-cache rows;
 # 4. only then the fragment files are unlinked.
 #
+# Then the builds not finished (a part killed, preempted, or still running): their shards'
+# rows only (:func:`fold_waiting`; their manifests wait for every rank), so a rerun in any shape
+# finds what they sealed, and gc keeps those rows while their fragments wait. A build whose root
+# was published again after its last fragment (a rerun of the same data, encoder and recipe in
+# another shape, or in one process) is retired: its fragments are unlinked.
+#
 # Then the ``serve`` fragments of datasets on a shared filesystem,
 # each on its own, oldest first: its encoder, its root manifest (unless the catalog's root is
 # newer),
@@ -968,6 +981,10 @@ class MergeReport:
     pending: list[PendingBuild] = field(default_factory=list)
     #: fragments left unmerged because they cannot be read (``skip_damaged``): file names
     damaged: list[str] = field(default_factory=list)
+    #: shards sealed by builds not finished (a part killed, or still running), in the catalog
+    waiting_shards: int = 0
+    #: roots whose unfinished build was retired: a later build of the root was published
+    superseded: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {
@@ -976,6 +993,8 @@ class MergeReport:
             "serving_fragments": self.serving_fragments,
             "shards": self.shards,
             "new_features": self.new_features,
+            "waiting_shards": self.waiting_shards,
+            "superseded": self.superseded,
             "missing_shards": self.missing_shards,
             "pending": [p.__dict__ | {"ranks_done": list(p.ranks_done)} for p in self.pending],
         }
@@ -995,6 +1014,28 @@ def serving_fragments(layout: Layout) -> list[FragmentName]:
     return [n for n in sealed_fragments(layout) if n.kind is FragmentKind.SERVE]
 
 
+def serving_uses(layout: Layout) -> dict[str, float]:
+    """key -> its latest last use that sealed ``serve`` fragments record, not merged yet.
+
+    gc counts them: a dataset on a shared filesystem or a bucket store records its reads there,
+    and a root read today is in use before any merge folds them into the catalog.
+    """
+    latest: dict[str, float] = {}
+    for name in serving_fragments(layout):
+        try:
+            conn = _open_sealed(name.path)
+        except sqlite3.Error:
+            continue  # merged and removed since the listing: its uses are in the catalog now
+        try:
+            for key, used in conn.execute("SELECT key, used FROM uses"):
+                latest[key] = max(used, latest.get(key, used))
+        except sqlite3.Error:
+            continue  # unreadable: the merge names it
+        finally:
+            conn.close()
+    return latest
+
+
 def _is_complete(names: list[FragmentName]) -> bool:
     world = names[0].world
     done = {n.rank for n in names if n.kind is FragmentKind.DONE and n.world == world}
@@ -1003,9 +1044,15 @@ def _is_complete(names: list[FragmentName]) -> bool:
 
 def pending_builds(layout: Layout) -> list[PendingBuild]:
     """Builds with sealed fragments that cannot be merged yet (``roots``/``stats`` show them)."""
+    return unmerged_builds(layout, complete=False)
+
+
+def unmerged_builds(layout: Layout, *, complete: bool = True) -> list[PendingBuild]:
+    """Builds with sealed fragments (``verify`` notes them): every one, or (``complete``
+    False) those some rank has not finished yet."""
     out = []
     for bid, names in sorted(_by_build(layout).items()):
-        if _is_complete(names):
+        if _is_complete(names) and not complete:
             continue
         try:
             root = read_fragment(names[0].path, layout, with_entries=False).info.root
@@ -1038,8 +1085,9 @@ def merge(
     report = MergeReport()
     builds = _by_build(layout)
     complete = {b: n for b, n in builds.items() if _is_complete(n)}
+    waiting = {b: n for b, n in builds.items() if b not in complete}
     serving = serving_fragments(layout)
-    if not complete and not serving:
+    if not builds and not serving:
         if layout.catalog.exists() and Path(f"{layout.catalog}-journal").exists():
             # Left by a writer killed mid-transaction (a merge, on a shared filesystem): readers
             # open the catalog read-only and cannot roll it back; a read-write read does.
@@ -1061,6 +1109,7 @@ def merge(
                     f.path.unlink()
             fsync_dir(fragments_dir(layout))
             report.fragments += len(frags[bid])
+        fold_waiting(catalog, waiting, report)
         if serving:
             _fold_serving(catalog, _readable_serving(serving, layout, skip_damaged, report), report)
     finally:
@@ -1100,6 +1149,64 @@ def _fold_build(
     put_fragment_hashes(catalog, [h for f in frags for h in f.hashes])
     if between:
         between("hashes")
+
+
+def fold_waiting(
+    catalog: Catalog, waiting: dict[str, list[FragmentName]], report: MergeReport
+) -> None:
+    """Fold the shards' rows of builds not finished yet (``waiting``: build id -> its sealed
+    fragments) into the catalog, and retire each such build a later build of its root
+    superseded. A build with an unreadable fragment is left as it is (``pending`` names it)."""
+    for names in waiting.values():
+        try:
+            frags = [_read(n.path, catalog.layout) for n in names]
+        except StoreCorrupt:
+            continue
+        folded = MergeReport()
+        for f in frags:
+            _add_shards(catalog, f, folded)
+        report.waiting_shards += folded.shards
+        report.new_features += folded.new_features
+        report.missing_shards += folded.missing_shards
+        if _superseded(catalog, frags):
+            for f in frags:
+                with contextlib.suppress(FileNotFoundError):
+                    f.path.unlink()
+            fsync_dir(fragments_dir(catalog.layout))
+            report.superseded.append(frags[0].info.root)
+            report.fragments += len(frags)
+
+
+def _superseded(catalog: Catalog, frags: Sequence[Fragment]) -> bool:
+    """True when the catalog's root of these fragments' build (same encoder and recipe) was
+    published after the last of them was sealed: its manifest names what they would."""
+    info = frags[0].info
+    root = catalog.root(info.root)
+    return (
+        root is not None
+        and (root.encoder_fp, root.recipe_fp) == (info.encoder_fp, info.recipe_fp)
+        and root.last_used >= max(f.created for f in frags)
+    )
+
+
+def adopt_sealed_parts(catalog: Catalog) -> int:
+    """Add to ``catalog`` the shards every sealed build fragment names (finished or not); the
+    number of feature rows new to it.
+
+    A build in one process writes the catalog itself: before it looks for what is stored, the
+    shards a part killed before its end sealed (or parts not merged yet) are its too, so it
+    encodes none of them again. Manifests are left to ``featbake merge``; a fragment merged
+    (and removed) meanwhile is skipped, its rows are in the catalog already.
+    """
+    adopted = MergeReport()
+    for name in sealed_fragments(catalog.layout):
+        if name.kind is FragmentKind.SERVE or not name.path.exists():
+            continue
+        try:
+            _add_shards(catalog, _read(name.path, catalog.layout), adopted)
+        except (StoreCorrupt, sqlite3.Error):
+            continue  # unreadable, or merged meanwhile: its keys are encoded or in the catalog
+    return adopted.new_features
 
 
 def _record_fidelity(layout: Layout, root: str, done: Sequence[Fragment]) -> None:

@@ -50,7 +50,7 @@ from featbake.store.containers import (
     split_item_path,
     stored_cell_kind,
 )
-from featbake.store.fragments import fragment_shard_names
+from featbake.store.fragments import fragment_shard_names, unmerged_builds
 from featbake.store.layout import FolderListing, Layout, Place, list_folder, shard_name
 from featbake.store.open import place_of
 from featbake.store.shard import ST_TO_DTYPE, ShardEntry, ShardReader, TensorInfo, split_tensor_name
@@ -80,6 +80,7 @@ class FindingKind(StrEnum):
     ROOT_FILE_CORRUPT = "root-file-corrupt"
     HASH_CACHE = "hash-cache"  # a trusted hash-cache row whose file hashes to something else
     TMP_LEFTOVERS = "tmp-leftovers"  # a note; gc removes them after the grace period
+    PARTS_WAITING = "parts-waiting"  # a note: a build in parts whose fragments wait for merge
 
 
 @dataclass(frozen=True)
@@ -539,12 +540,37 @@ def scan_store(
         else:
             findings.extend(hash_findings(hashes))
             wrong_hashes, nbytes = hashes.wrong, nbytes + hashes.bytes_read
-    if health.state is not CatalogState.OK:
+    waiting = waiting_findings(layout)
+    if health.state is not CatalogState.OK and not _made_by_merge(layout, health, waiting):
         detail = f"{health.detail}; --repair rebuilds it"
         findings.append(Finding(FindingKind.CATALOG, str(layout.catalog), detail, True))
+    findings.extend(waiting)
     findings.extend(check_root_files(layout))
     findings.extend(tmp_findings(layout))
     return VerifyScan(layout, health, tuple(checks.values()), tuple(findings), nbytes, wrong_hashes)
+
+
+def waiting_findings(layout: Layout) -> list[Finding]:
+    """A note per build whose parts sealed fragments not merged yet (a part killed, preempted
+    or still running): what they sealed is kept and reused, nothing is damaged."""
+    return [
+        Finding(
+            FindingKind.PARTS_WAITING,
+            b.root,
+            f"{len(b.ranks_done)} of {b.world} parts done, {b.fragments} fragments sealed "
+            "and kept (a rerun reuses them); run `featbake merge` or rerun the build",
+            False,
+        )
+        for b in unmerged_builds(layout)
+    ]
+
+
+def _made_by_merge(layout: Layout, health: CatalogHealth, waiting: list[Finding]) -> bool:
+    """True when the catalog is missing only because no merge has made it yet: parts sealed
+    fragments, and no root manifest says a catalog existed."""
+    if health.state is not CatalogState.MISSING or not waiting:
+        return False
+    return not any(roots_dir(layout).glob("*.json"))
 
 
 def _check_files(

@@ -45,6 +45,12 @@ from featbake.progress import GcProgress
 from featbake.store.catalog import Catalog, FeatureRef, Root, ShardRow, ShardUsage
 from featbake.store.catalog import root_file as manifest_file
 from featbake.store.catalog import roots_dir as manifests_dir
+from featbake.store.fragments import (
+    FragmentKind,
+    fragment_keys,
+    sealed_fragments,
+    serving_uses,
+)
 from featbake.store.layout import (
     Change,
     Held,
@@ -261,7 +267,8 @@ def plan_gc(
         roots = catalog.roots()
         if opts.older_than is not None:  # a root a dataset reads is in use (features' last use)
             stale = now - opts.older_than
-            roots = [catalog.with_reads(r) if r.last_used < stale else r for r in roots]
+            uses = recorded_uses(layout)
+            roots = [with_reads(catalog, r, uses) if r.last_used < stale else r for r in roots]
         drops = roots_to_drop(layout, roots, opts, now, set(drop))
         unreached, reached = _reach(catalog, roots, {d.name for d in drops}, opts)
         shard_rows = catalog.shard_rows()
@@ -289,6 +296,23 @@ def plan_gc(
         sweep=sweep,
         disk_bytes=sum(s.bytes for s in shard_rows) + sum(h.size for h in sweep.shards),
     )
+
+
+def recorded_uses(layout: Layout) -> dict[str, float]:
+    """Last uses that serving processes sealed into fragments not merged yet (a store on a
+    shared filesystem, or a bucket's, brought here first: a dry run folds nothing in)."""
+    layout.sync_fragments()
+    return serving_uses(layout)
+
+
+def with_reads(catalog: Catalog, root: Root, uses: dict[str, float]) -> Root:
+    """``root`` with ``last_used`` the later of its build and the last read of any of its
+    features, in the catalog or in ``uses`` (:func:`recorded_uses`)."""
+    root = catalog.with_reads(root)
+    if not uses:
+        return root
+    read = max((uses.get(k, 0.0) for _, k in catalog.root_items(root.name)), default=0.0)
+    return dataclasses.replace(root, last_used=max(root.last_used, read))
 
 
 def roots_to_drop(
@@ -348,12 +372,21 @@ def _must_rewrite(opts: GcOptions, evict: list[FeatureRef], shard_rows: list[Sha
 def _reach(
     catalog: Catalog, roots: list[Root], dropped: set[str], opts: GcOptions
 ) -> tuple[list[FeatureRef], list[FeatureRef] | None]:
-    """(rows no kept root reaches, rows kept roots reach); the latter only when needed."""
-    unreached = catalog.unreached_features()
+    """(rows no kept root reaches, rows kept roots reach); the latter only when needed.
+
+    Rows of keys a sealed build fragment names count as reached: a build in parts not merged
+    yet (a part killed before its end) had them folded in by a merge or a one-process build,
+    and its rerun or merge publishes the manifest naming them.
+    """
+    waiting = fragment_keys(
+        n.path for n in sealed_fragments(catalog.layout) if n.kind is not FragmentKind.SERVE
+    )
+    unreached = [r for r in catalog.unreached_features() if r.key not in waiting]
     if not dropped and opts.max_bytes is None:
         return unreached, None
     # Rows only the dropped roots name are unreached too.
     kept = {k for r in roots if r.name not in dropped for _, k in catalog.root_items(r.name)}
+    kept |= waiting
     reached: list[FeatureRef] = []
     for ref in catalog.reached_features():
         (reached if ref.key in kept else unreached).append(ref)

@@ -398,3 +398,116 @@ def test_merge_keeps_one_copy_of_content_two_concurrent_parts_both_encoded(
         assert len(list(cat.all_feature_rows())) == 5
     assert len(assert_serves_live(store, data)) == 10
     assert run_cli("verify", "--cache", store).returncode == 0
+
+
+# -- parts left unfinished (round four item 9) -----------------------------------------------
+def sealed_keys(store: Path) -> set[str]:
+    """The keys the store's sealed fragments hold tensors of (what killed parts kept)."""
+    return fragment_keys([f.path for f in sealed_fragments(Layout(store))])
+
+
+def wait_for_sealed(store: Path, proc: subprocess.Popen, at_least: int) -> None:
+    """Wait until the store's fragments hold ``at_least`` keys (polling the store's files)."""
+    deadline = time.monotonic() + 120
+    while len(sealed_keys(store)) < at_least:
+        assert proc.poll() is None, "the build ended before it sealed enough to be killed"
+        assert time.monotonic() < deadline, "the build sealed nothing in 120 s"
+        time.sleep(0.02)
+
+
+def verify_line(store: Path) -> tuple[int, str]:
+    """``featbake verify``'s exit code and output."""
+    res = run_cli("verify", "--cache", store)
+    return res.returncode, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_a_killed_shard_part_is_reused_by_a_one_process_rerun_merged_and_not_damage(
+    tmp_path: Path, counting_encoder: dict[str, str], sig: signal.Signals
+) -> None:
+    """Before: a one-process rerun encoded all 20 again, `merge` did nothing, and `verify`
+    called the store damaged (exit 11, "catalog missing") until `verify --repair`."""
+    data = tmp_path / "clips"
+    write_audio_folder(data, 20, seconds=(0.2, 0.4), seed=9)
+    store = tmp_path / "store"
+    args = ["build", "-e", ENCODER, "-d", data, "--cache", store, "--workers", "0"]
+    args += ["--batch-size", "1", "--seal-every", "0.05"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "featbake", *map(str, args), "--shard", "0/2"],
+        env={**os.environ, **counting_encoder, "COUNT_DELAY": "0.1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    wait_for_sealed(store, proc, 3)
+    proc.send_signal(sig)
+    assert proc.wait(timeout=60) != 0  # stopped mid-build, not finished
+    kept = sealed_keys(store)
+    assert 3 <= len(kept) < distinct_inputs(data)
+
+    # (c) verify before any merge: parts waiting, a note, not damage.
+    code, said = verify_line(store)
+    assert code == 0, said
+    assert "parts-waiting" in said and "run `featbake merge` or rerun the build" in said
+    assert "damaged" not in said
+
+    # (a) one process reuses what the part sealed and encodes only the rest.
+    before = len(encoded_rows(counting_encoder))
+    rerun = run_cli(*args, "--json", env=counting_encoder)
+    assert rerun.returncode == 0, rerun.stderr
+    report = json.loads(rerun.stdout)
+    assert report["reused"] == len(kept)
+    assert report["encoded"] == distinct_inputs(data) - len(kept)
+    assert len(encoded_rows(counting_encoder)) - before == distinct_inputs(data) - len(kept)
+
+    # (b) merge retires the unfinished build; verify is clean, with nothing waiting.
+    merged = run_cli("merge", "--cache", store)
+    assert merged.returncode == 0, merged.stderr
+    assert "retired" in merged.stdout
+    assert sealed_fragments(Layout(store)) == []
+    code, said = verify_line(store)
+    assert code == 0 and "verify: clean" in said and "parts-waiting" not in said, said
+    assert_serves_live(store, data)
+
+
+def test_a_sigtermd_torchrun_build_is_reused_by_a_rerun_in_another_number_of_parts(
+    tmp_path: Path, counting_encoder: dict[str, str]
+) -> None:
+    """torchrun stopped with SIGTERM (a preempted job): each rank seals what it encoded. A
+    rerun in three `--shard` parts reuses every sealed shard (before, only a rerun with the
+    same number of parts did), and the merge publishes the root and retires the old build."""
+    data = tmp_path / "clips"
+    write_audio_folder(data, 24, seconds=(0.2, 0.4), seed=10)
+    store = tmp_path / "store"
+    args = ["build", "-e", ENCODER, "-d", data, "--cache", store, "--workers", "0"]
+    args += ["--batch-size", "1", "--seal-every", "0.05"]
+    env = {**os.environ, "COLUMNS": "200", "OMP_NUM_THREADS": "1", **counting_encoder}
+    launcher = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", "2"]
+    proc = subprocess.Popen(
+        [*launcher, "--standalone", "-m", "featbake", *map(str, args)],
+        env={**env, "COUNT_DELAY": "0.1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=REPO,
+    )
+    wait_for_sealed(store, proc, 4)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) != 0
+    kept = sealed_keys(store)
+    assert 4 <= len(kept) < distinct_inputs(data)
+    code, said = verify_line(store)
+    assert code == 0 and "parts-waiting" in said and "damaged" not in said, said
+
+    before = len(encoded_rows(counting_encoder))
+    reused = 0
+    for shard in ("0/3", "1/3", "2/3"):
+        part = run_cli(*args, "--shard", shard, "--json", env=counting_encoder)
+        assert part.returncode == 0, part.stderr
+        reused += json.loads(part.stdout)["reused"]
+    assert reused == len(kept)
+    assert len(encoded_rows(counting_encoder)) - before == distinct_inputs(data) - len(kept)
+    merged = run_cli("merge", "--cache", store)
+    assert merged.returncode == 0 and "1 roots published" in merged.stdout, merged.stderr
+    assert sealed_fragments(Layout(store)) == []
+    code, said = verify_line(store)
+    assert code == 0 and "verify: clean" in said and "parts-waiting" not in said, said
+    assert_serves_live(store, data)

@@ -963,3 +963,41 @@ def test_a_seal_entered_again_on_its_own_thread_completes(
     with Catalog(layout) as cat:
         assert cat.present_keys([key]) == {key}
         assert [loc.shard for loc in cat.locate(key)] == [shard.name]
+
+
+def test_a_merge_folds_an_unfinished_builds_shards_gc_keeps_them_and_parts_in_another_shape_reuse(
+    tmp_path: Path, audio_dir: Path, encoder_file: Path
+) -> None:
+    """Round four item 9: what an unfinished build sealed is folded by `merge` (it did
+    nothing), kept by gc while its fragments wait, reused by a rerun in three parts (only the
+    same two parts did), and retired once that rerun's root is published."""
+    store = store_with_a_root(tmp_path, encoder_file)
+    layout = Layout(store)
+    build_parts(audio_dir, encoder_file, store, 2, ranks=[0])  # part 1 of 2 never ran
+    sealed = fragments_module.fragment_keys([f.path for f in sealed_fragments(layout)])
+    assert sealed
+    report = merge(layout)
+    assert report.waiting_shards > 0 and report.new_features == len(sealed)
+    assert len(report.pending) == 1 and report.superseded == []
+    assert Catalog(layout).present_keys(sorted(sealed)) == sealed
+    gc = invoke("gc", "--grace", "0s", "--cache", store)
+    assert gc.returncode == 0, gc.stderr
+    assert Catalog(layout).present_keys(sorted(sealed)) == sealed  # kept while it waits
+
+    reused = 0
+    for rank in range(3):
+        part = build(audio_dir, encoder_file, cache=store, workers=0, shard=f"{rank}/3")
+        reused += part.reused
+    assert reused == len(sealed)
+    done = merge(layout)
+    assert len(done.roots) == 1 and done.superseded == [done.roots[0]]
+    assert sealed_fragments(layout) == [] and pending_builds(layout) == []
+    assert invoke("verify", "--cache", store).returncode == 0
+    root = next(r for r in Catalog(layout).roots() if r.data == str(audio_dir))
+    got = stored_features(store, root.name)
+    assert sorted(got) == sorted(
+        p.relative_to(audio_dir).as_posix() for p in audio_dir.rglob("*.wav")
+    )
+    for rel, parts in got.items():
+        torch.testing.assert_close(parts[""], live_features(encoder_file, audio_dir / rel))
+    assert_store_consistent(store)

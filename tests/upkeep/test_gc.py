@@ -19,7 +19,8 @@ from featbake.serve.dataset import CachedFeatureDataset
 from featbake.store.bucket import ObjectInfo, kept_versions, sweep, version_name
 from featbake.store.catalog import Catalog, RootSpec
 from featbake.store.features import FeatureReader
-from featbake.store.layout import Layout
+from featbake.store.fragments import sealed_fragments
+from featbake.store.layout import Layout, SharedFilesystemWarning
 from featbake.store.shard import write_shard
 from featbake.testing import TinyConvEncoder, save_torchscript, write_audio_folder
 from featbake.upkeep import CRASH_ENV, CRASH_POINTS, GcOptions, execute_gc, plan_gc, verify
@@ -478,6 +479,32 @@ def test_a_root_read_after_the_plan_is_not_dropped_by_it(
     assert [d.name for d in plan.drop_roots] == [read.root]
     _read_everything(audio_dir, encoder_file, store_dir)
     assert execute_gc(plan).roots_dropped == []
+    assert assert_serves(store_dir, read.root, audio_dir, encoder_file, Live()) == 16
+
+
+def test_a_root_read_today_on_a_shared_filesystem_is_kept_before_any_merge(
+    tmp_path: Path,
+    encoder_file: Path,
+    audio_dir: Path,
+    store_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Round four item 10, on a store on a shared filesystem: a dataset records its reads in
+    serving fragments (it never writes the catalog there), and gc --older-than dropped the root
+    it read until someone ran `featbake merge`. gc counts the uses sealed fragments record."""
+    monkeypatch.setenv("FEATBAKE_SHARED_FS", "1")
+    other = save_torchscript(TinyConvEncoder(seed=3), tmp_path / "other.pt")
+    read = bake(audio_dir, encoder_file, store_dir)
+    idle = bake(audio_dir, other, store_dir)
+    for root in (read.root, idle.root):
+        _built_days_ago(store_dir, root, 40)
+    with pytest.warns(SharedFilesystemWarning):
+        _read_everything(audio_dir, encoder_file, store_dir)
+    assert sealed_fragments(Layout(store_dir))  # the reads wait in fragments, not merged
+
+    plan = plan_gc(store_dir, GcOptions(older_than=DAY))
+    assert [d.name for d in plan.drop_roots] == [idle.root]
+    assert execute_gc(plan).roots_dropped == [idle.root]
     assert assert_serves(store_dir, read.root, audio_dir, encoder_file, Live()) == 16
 
 

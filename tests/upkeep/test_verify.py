@@ -861,7 +861,9 @@ def test_repair_re_keys_a_manifest_roots_items_and_segments_through_its_inputs(
     assert invoke("verify", "--cache", store_dir).returncode == 0
 
 
-# == round four: containers ========================================================================
+# == round four: containers =================================================================
+
+
 def _tar_of_clips(path: Path, clips: list[bytes]) -> Path:
     """A webdataset shard of one ``.wav`` and one ``.txt`` member per sample."""
     import io
@@ -912,3 +914,32 @@ def test_verify_opens_each_container_once_not_once_per_member(
     assert sorted(opened) == sorted([str(tar), str(table)]), opened
     assert check.files_read == 2 * len(clips)
     assert [m.path for m in check.wrong] == [f"{tar}:u001.wav"]
+
+
+def test_parts_waiting_for_a_merge_are_a_note_and_a_lost_catalog_beside_them_is_still_damage(
+    encoder_file: Path, audio_dir: Path, tmp_path: Path
+) -> None:
+    """Round four item 9: a build in parts with one part unfinished is a `parts-waiting` note
+    (exit 0, with what to do), whether a catalog exists yet or not (before, a store holding
+    only parts' fragments was "damaged", exit 11). A catalog lost from a store whose root
+    manifests say it existed is damage still."""
+    from featbake.bake.pipeline import build
+
+    store = tmp_path / "store"
+    build(audio_dir, encoder_file, cache=store, workers=0, shard="0/2")
+    assert not (store / "catalog.sqlite").exists()
+    first = verify(store)
+    (note,) = first.findings
+    assert note.kind is FindingKind.PARTS_WAITING and not note.damage
+    assert "run `featbake merge` or rerun the build" in note.detail
+    assert (first.status, first.exit_code) == ("clean", VERIFY_CLEAN)
+
+    other = tmp_path / "other"
+    write_audio_folder(other, 2, seconds=0.3, seed=31)
+    build(other, encoder_file, cache=store, workers=0)  # a catalog and a root manifest now
+    assert [f.kind for f in verify(store).findings] == [FindingKind.PARTS_WAITING]
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{store}/catalog.sqlite{suffix}").unlink(missing_ok=True)
+    lost = verify(store)
+    assert lost.exit_code == VERIFY_DAMAGED
+    assert {f.kind for f in lost.findings} == {FindingKind.CATALOG, FindingKind.PARTS_WAITING}

@@ -6,6 +6,8 @@ are one algorithm over a place: the same tests run on a directory and on a bucke
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -15,15 +17,16 @@ import torch
 from featbake import CachedFeatureDataset
 from featbake.bake.pipeline import build
 from featbake.errors import ConfigError
-from featbake.store.bucket import Bucket, BucketStore, shard_object
-from featbake.store.catalog import RACY_NS
+from featbake.store.bucket import Bucket, BucketStore, newest, shard_object, version_name
+from featbake.store.catalog import RACY_NS, open_sqlite
 from featbake.store.layout import Layout
 from featbake.store.open import open_store, place_of
 from featbake.store.shard import write_shard
 from featbake.store.url import BucketURL
+from featbake.testing import write_audio_folder
 from featbake.upkeep import GcOptions, execute_gc, gc, plan_gc, verify
 from featbake.upkeep.check import verify_named
-from tests.conftest import invoke, live_features
+from tests.conftest import REPO, invoke, live_features
 from tests.helpers import age
 from tests.store.bucket.conftest import S3
 
@@ -214,3 +217,72 @@ def test_verify_reads_what_either_place_names_and_repair_is_the_place_s_call(
     else:
         with pytest.raises(ConfigError, match="not built for a bucket store"):
             verify(place_store, repair_damage=True)
+
+
+# -- reads count as use ----------------------------------------------------------------------
+DAY = 86400.0
+
+READ_ALL = """
+import sys
+from featbake import CachedFeatureDataset
+data, encoder, cache, tier = sys.argv[1:5]
+ds = CachedFeatureDataset(data, encoder, cache=cache, local_cache=tier, on_miss="error")
+for i in range(len(ds)):
+    ds[i]
+"""
+
+
+def read_in_a_fresh_process(s3: S3, data: Path, encoder: Path, tier: Path) -> None:
+    """Read every item of ``data``'s root from the bucket in a new Python process (on_miss
+    "error": each is a stored feature) that exits without closing the dataset."""
+    done = subprocess.run(
+        [sys.executable, "-c", READ_ALL, str(data), str(encoder), s3.url, str(tier)],
+        env={**s3.env, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def age_every_build(s3: S3, work: Path, days: float) -> None:
+    """Publish the next catalog version with every root built, and every feature last used,
+    ``days`` ago."""
+    bucket = Bucket(BucketURL.parse(s3.url))
+    version = newest(o.name for o in bucket.list("catalog/"))
+    edited = work / "aged.sqlite"
+    bucket.download(version_name(version), edited)
+    then = time.time() - days * DAY
+    conn = open_sqlite(edited)
+    conn.execute("UPDATE roots SET created=?, last_used=?", (then, then))
+    conn.execute("UPDATE features SET last_used=?", (then,))
+    conn.close()
+    bucket.upload(version_name(version + 1), edited, create=True)
+
+
+def test_gc_older_than_keeps_a_bucket_root_a_fresh_process_read_and_drops_one_unread(
+    s3: S3, encoder_file: Path, tmp_path: Path
+) -> None:
+    """Round four item 10: a bucket store dropped a root a dataset read that day. The reading
+    process sealed its last uses into a serving fragment at exit, but the upload (boto3's
+    upload_file, a thread pool) failed once the interpreter refused new threads, in silence;
+    a process that called close() was fine. Small objects now go up in one request on the
+    calling thread. The builds are aged by publishing the next catalog version with their
+    times 40 days back; the read is now, in a fresh process; gc runs on another node."""
+    read, unread = tmp_path / "read", tmp_path / "unread"
+    write_audio_folder(read, 3, seconds=0.3, seed=21)
+    write_audio_folder(unread, 3, seconds=0.3, seed=22)
+    names = {d: build(d, encoder_file, cache=s3.url, workers=0).root for d in (read, unread)}
+    age_every_build(s3, tmp_path, days=40)
+    read_in_a_fresh_process(s3, read, encoder_file, tmp_path / "reader")
+    # A dry run folds nothing in: it counts the uses waiting in the bucket's fragments.
+    node = open_store(s3.url, local_cache=tmp_path / "dry")
+    assert gc(node, GcOptions(older_than=DAY), dry_run=True).roots_dropped == [names[unread]]
+    done = gc(open_store(s3.url, local_cache=tmp_path / "gc"), GcOptions(older_than=DAY))
+    assert done.roots_dropped == [names[unread]]
+    kept = CachedFeatureDataset(
+        read, encoder_file, cache=s3.url, local_cache=tmp_path / "after", on_miss="error"
+    )
+    assert_live(kept, encoder_file)  # every feature of the kept root served, none encoded
+    kept.close()
