@@ -161,6 +161,14 @@ def gcs_clients(endpoint: str) -> dict[str, dict[str, Any]]:
             lambda: b.blob("small").upload_from_string(b"x", if_generation_match=0)
         ),
         "forked DataLoader workers": in_forked_workers(lambda: b.blob("small").download_as_bytes()),
+        "made in each forked worker": in_forked_workers(
+            lambda: (
+                storage.Client(project="bench", credentials=AnonymousCredentials())
+                .bucket(bucket)
+                .blob("small")
+                .download_as_bytes()
+            )
+        ),
     }
     out["gcsfs"] = {
         "import": import_ms("gcsfs"),
@@ -173,6 +181,11 @@ def gcs_clients(endpoint: str) -> dict[str, dict[str, Any]]:
             lambda: fs.pipe_file(f"{bucket}/small", b"x", mode="create")
         ),
         "forked DataLoader workers": in_forked_workers(lambda: fs.cat_file(f"{bucket}/small")),
+        "made in each forked worker": in_forked_workers(
+            lambda: gcsfs.GCSFileSystem(
+                endpoint_url=endpoint, token="anon", skip_instance_cache=True
+            ).cat_file(f"{bucket}/small")
+        ),
     }
     return out
 
@@ -197,6 +210,14 @@ def azure_clients(connection: str) -> dict[str, dict[str, Any]]:
         "HEAD": per_call_ms(big.get_blob_properties),
         "create-only PUT over an object": refused(lambda: small.upload_blob(b"x", overwrite=False)),
         "forked DataLoader workers": in_forked_workers(lambda: small.download_blob().readall()),
+        "made in each forked worker": in_forked_workers(
+            lambda: (
+                BlobServiceClient.from_connection_string(connection)
+                .get_blob_client(name, "small")
+                .download_blob()
+                .readall()
+            )
+        ),
     }
     out["adlfs"] = {
         "import": import_ms("adlfs"),
@@ -209,6 +230,11 @@ def azure_clients(connection: str) -> dict[str, dict[str, Any]]:
             lambda: fs.pipe_file(f"{name}/small", b"x", overwrite=False)
         ),
         "forked DataLoader workers": in_forked_workers(lambda: fs.cat_file(f"{name}/small")),
+        "made in each forked worker": in_forked_workers(
+            lambda: adlfs.AzureBlobFileSystem(
+                connection_string=connection, skip_instance_cache=True
+            ).cat_file(f"{name}/small")
+        ),
     }
     return out
 

@@ -1,4 +1,5 @@
-"""Inputs in a bucket (``--data s3://bucket/audio/``) on a real S3 server (moto, loopback).
+"""Inputs in a bucket (``--data s3://bucket/audio/``) on a real S3 server (moto, loopback); the
+representative tests also on ``gs://`` (fake-gcs-server) and ``az://`` (Azurite).
 
 Real wav files are written, uploaded, built from the bucket into a local store, and every
 stored feature is compared with running the encoder now on the same file.
@@ -27,7 +28,7 @@ from featbake.store.url import BucketURL
 from featbake.testing import write_audio_folder
 from tests.conftest import invoke, live_features
 from tests.helpers import put_many, stored_features
-from tests.store.bucket.conftest import S3
+from tests.store.bucket.conftest import S3, Remote
 
 
 def upload(folder: Path, url: str) -> list[str]:
@@ -65,14 +66,14 @@ def assert_live(store: Path, root: str, encoder: Path, folder: Path, n: int) -> 
 
 
 def test_a_build_from_a_bucket_stores_the_live_features_and_a_rebuild_reads_nothing(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, reads: list[str]
+    place: Remote | S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, reads: list[str]
 ) -> None:
-    url = f"s3://{s3.bucket}/audio/"
+    url = f"{place.scheme}://{place.bucket}/audio/"
     names = upload(audio_dir, url)
     store = tmp_path / "store"
     report = bake(url, encoder_file, store)
     assert report.encoded == len(names) == 16 and not report.failed
-    assert report.data == f"s3://{s3.bucket}/audio"  # the root is keyed by the URL
+    assert report.data == f"{place.scheme}://{place.bucket}/audio"  # the root is keyed by the URL
     assert sorted(reads) == sorted(names)  # once: hashed and decoded from one response
     assert_live(store, report.root, encoder_file, audio_dir, 16)
 
@@ -83,9 +84,9 @@ def test_a_build_from_a_bucket_stores_the_live_features_and_a_rebuild_reads_noth
 
 
 def test_a_changed_object_is_hashed_and_encoded_again(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, reads: list[str]
+    place: Remote | S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, reads: list[str]
 ) -> None:
-    url = f"s3://{s3.bucket}/audio"
+    url = f"{place.scheme}://{place.bucket}/audio"
     upload(audio_dir, url)
     store = tmp_path / "store"
     bake(url, encoder_file, store)
@@ -234,14 +235,14 @@ class _NoCache:
 
 
 def test_the_cli_builds_from_a_bucket_with_decode_workers(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+    place: Remote | S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
 ) -> None:
-    url = f"s3://{s3.bucket}/audio/"
+    url = f"{place.scheme}://{place.bucket}/audio/"
     upload(audio_dir, url)
     store = tmp_path / "store"
     done = invoke(
         "build", "--encoder", encoder_file, "--data", url, "--cache", store, "--workers", "2",
-        "--json", env=s3.env,
+        "--json", env=place.env,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert '"encoded": 16' in done.stdout
@@ -280,13 +281,13 @@ def test_a_dataset_over_a_bucket_serves_a_bucket_build_and_reads_no_object(
 
 
 def test_a_dataset_over_a_bucket_encodes_a_new_object_from_its_bytes(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, reads: list[str]
+    place: Remote | S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, reads: list[str]
 ) -> None:
     from torch.utils.data import DataLoader
 
     from featbake import CachedFeatureDataset
 
-    url = f"s3://{s3.bucket}/audio/"
+    url = f"{place.scheme}://{place.bucket}/audio/"
     upload(audio_dir, url)
     ds = CachedFeatureDataset(url, encoder_file, cache=tmp_path / "store")
     got = list(DataLoader(ds, batch_size=None, num_workers=2))  # forked workers read objects

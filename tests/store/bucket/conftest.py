@@ -104,6 +104,8 @@ class S3:
     local_cache: Path
     log: Path
 
+    scheme = "s3"
+
     @property
     def url(self) -> str:
         return f"s3://{self.bucket}/features"
