@@ -713,10 +713,18 @@ class GCSObjects(ObjectStore):
         return "gs_" + endpoint_folder(gcs_endpoint(os.environ))
 
     def _options(self) -> dict[str, Any]:
-        """Each call's timeouts, and its tries: the library's backoff, within the tries' time."""
-        from google.api_core.retry import Retry
+        """Each call's timeouts, and its tries: what the library retries (429, 5xx, dropped
+        connections) and an answer that did not come in time, backing off 1, 2, 4 s, within
+        :data:`MAX_ATTEMPTS` reads' time and those waits."""
+        import requests
+        from google.api_core.retry import Retry, if_transient_error
 
-        return {"timeout": timeouts(), "retry": Retry(timeout=read_timeout() * MAX_ATTEMPTS)}
+        def worth_again(e: Exception) -> bool:
+            return bool(if_transient_error(e)) or isinstance(e, requests.exceptions.Timeout)
+
+        deadline = read_timeout() * MAX_ATTEMPTS + 7
+        retry = Retry(predicate=worth_again, initial=1, multiplier=2, maximum=4, timeout=deadline)
+        return {"timeout": timeouts(), "retry": retry}
 
     def _info(self, blob: Any, strip: int) -> ObjectInfo:
         return ObjectInfo(
@@ -797,6 +805,8 @@ class GCSObjects(ObjectStore):
         from google.auth import exceptions as ax
         from google.cloud.storage import exceptions as sx
 
+        if isinstance(e, gx.RetryError) and isinstance(e.cause, Exception):
+            self.translate(name, e.cause)  # what the last try met, after the library's tries
         if isinstance(e, ax.DefaultCredentialsError | ax.RefreshError):
             raise self.no_credentials() from None
         if isinstance(e, gx.PreconditionFailed):
@@ -815,8 +825,7 @@ class GCSObjects(ObjectStore):
             e,
             requests.exceptions.ReadTimeout
             | requests.exceptions.ChunkedEncodingError
-            | sx.DataCorruption
-            | gx.RetryError,
+            | sx.DataCorruption,
         ):
             raise Transient(str(e)) from e
         if isinstance(e, requests.exceptions.ConnectionError):
@@ -844,7 +853,7 @@ class AzureObjects(ObjectStore):
 
     def connect(self) -> Any:
         try:
-            from azure.storage.blob import BlobServiceClient
+            from azure.storage.blob import BlobServiceClient, ExponentialRetry
         except ImportError:
             raise ConfigError(
                 f"{self.url} is an Azure Blob store, which needs the azure extra: "
@@ -853,21 +862,27 @@ class AzureObjects(ObjectStore):
         options: dict[str, Any] = {
             "connection_timeout": CONNECT_TIMEOUT_S,
             "read_timeout": read_timeout(),
-            "retry_total": MAX_ATTEMPTS - 1,
+            # The SDK's default waits 15 s, then 18, 24 before its tries: a stalled endpoint
+            # would take a minute to become one line. 1, 3 and 5 s here, as botocore's order.
+            "retry_policy": ExponentialRetry(
+                initial_backoff=1,
+                increment_base=2,
+                retry_total=MAX_ATTEMPTS - 1,
+                random_jitter_range=1,
+            ),
             "max_single_put_size": PART_BYTES,
             "max_block_size": 8 << 20,
             "max_single_get_size": PART_BYTES,
         }
         env = os.environ
+        connection = env.get("AZURE_STORAGE_CONNECTION_STRING", "")
+        account = None if connection else azure_blob_endpoint(env)
+        credential = None if connection else self._credential()
         try:
-            if env.get("AZURE_STORAGE_CONNECTION_STRING"):
-                service = BlobServiceClient.from_connection_string(
-                    env["AZURE_STORAGE_CONNECTION_STRING"], **options
-                )
+            if connection:
+                service = BlobServiceClient.from_connection_string(connection, **options)
             else:
-                service = BlobServiceClient(
-                    azure_blob_endpoint(env), credential=self._credential(), **options
-                )
+                service = BlobServiceClient(account, credential=credential, **options)
         except ValueError as e:
             raise ConfigError(
                 f"cannot make an Azure Blob client for {self.url}: {redact(str(e))}; check "

@@ -5,6 +5,7 @@ wins, deletes, and one-line errors for what is absent."""
 
 from __future__ import annotations
 
+import sys
 import threading
 from pathlib import Path
 
@@ -127,3 +128,31 @@ def test_connection_strings_reach_no_message_and_no_tier_folder(
     assert folder == "az_team.blob.core.windows.net" and secret not in folder
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:4443")
     assert ObjectStore(BucketURL.parse("gs://bb/p")).tier_folder() == "gs_127.0.0.1_4443"
+
+
+def test_an_azure_account_without_a_key_or_azure_identity_says_what_to_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for var in ("AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_NAME", "team")
+    monkeypatch.setitem(sys.modules, "azure.identity", None)  # not installed
+    with pytest.raises(
+        ConfigError,
+        match=r"^no credentials for az://features/p: set AZURE_STORAGE_CONNECTION_STRING, or "
+        r"AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_KEY \(or pip install azure-identity",
+    ):
+        ObjectStore(BucketURL.parse("az://features/p")).list("")
+
+
+def test_gcs_without_credentials_is_one_line_saying_what_to_run(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    pytest.importorskip("google.cloud.storage")
+    for var in ("STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path))  # no gcloud login here
+    monkeypatch.setenv("GCE_METADATA_HOST", "127.0.0.1:9")  # no VM's service account
+    monkeypatch.setenv("GCE_METADATA_IP", "127.0.0.1:9")
+    with pytest.raises(StoreError, match=r"^no credentials for gs://bb/p: run `gcloud auth"):
+        ObjectStore(BucketURL.parse("gs://bb/p")).list("")
