@@ -442,3 +442,30 @@ def test_on_a_server_a_listed_stat_is_a_headed_one_and_the_listing_stops_when_sp
         assert not isinstance(info, str)
         assert object_stat(info) == object_stat(bucket.head(name)), name
         assert object_stat(info) == object_stat(bucket.read(name).info), name
+
+
+def test_manifest_rows_naming_one_bucket_name_in_two_clouds_read_each_its_own(
+    s3: S3, gcs_server: str, audio_dir: Path, encoder_file: Path, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """A manifest's object rows are grouped by scheme and bucket: ``gs://B/x.wav`` is read from
+    Google Cloud Storage even when an S3 bucket ``B`` holds an ``x.wav`` too."""
+    import json
+
+    from featbake import CachedFeatureDataset
+    from tests.store.bucket.conftest import make_gcs_bucket
+
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server)
+    make_gcs_bucket(gcs_server, s3.bucket)  # the same name on both servers
+    clips = sorted(audio_dir.rglob("*.wav"))[:2]
+    for scheme, clip in zip(("s3", "gs"), clips, strict=True):
+        Bucket(BucketURL.parse(f"{scheme}://{s3.bucket}/m")).upload("x.wav", clip)
+    manifest = tmp_path / "rows.jsonl"
+    rows = [{"path": f"{scheme}://{s3.bucket}/m/x.wav"} for scheme in ("s3", "gs")]
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    store = tmp_path / "store"
+    report = build(manifest, encoder_file, cache=store, workers=0)
+    assert report.encoded == 2 and not report.failed
+    ds = CachedFeatureDataset(manifest, encoder_file, cache=store, on_miss="error")
+    for i, clip in enumerate(clips):
+        torch.testing.assert_close(ds[i], live_features(encoder_file, clip))
