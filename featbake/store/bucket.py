@@ -1,4 +1,5 @@
-"""The store in an S3-compatible bucket: one more place under ``store/``, with a local disk tier.
+"""The store in a bucket (``s3://``, ``gs://``, ``az://``): one more place under ``store/``, with
+a local disk tier. Its object calls go through the byte seam, :mod:`featbake.store.objects`.
 
 A bucket store is the local store's layout as objects (``shards/ab/<name>.safetensors``,
 ``fragments/<name>.sqlite``) plus catalogs published as immutable, numbered versions
