@@ -876,7 +876,7 @@ class AzureObjects(ObjectStore):
         }
         env = os.environ
         connection = env.get("AZURE_STORAGE_CONNECTION_STRING", "")
-        account = None if connection else azure_blob_endpoint(env)
+        account = "" if connection else azure_blob_endpoint(env)
         credential = None if connection else self._credential()
         try:
             if connection:
