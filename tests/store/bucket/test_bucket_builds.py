@@ -157,6 +157,44 @@ def test_a_merge_killed_at_any_step_loses_nothing(
     assert_bucket_serves_live(s3, clips, tmp_path)
 
 
+def test_two_merges_racing_for_one_version_lose_nothing(
+    place: Remote | S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    """Two nodes merge the same parts at once: the second publishes version 1 while the first
+    is between its rows and its publish. The first's create-only put of version 1 is refused
+    (on every cloud), it starts again from the newer version, and version 1 is never
+    overwritten; every item is served, equal to the encoder run now."""
+    from featbake.bake.pipeline import build
+    from featbake.store.objects import ObjectStore
+    from featbake.store.url import BucketURL
+
+    for part in ("0/2", "1/2"):
+        build(audio_dir, encoder_file, cache=place.url, workers=0, shard=part, shard_bytes=60_000)
+    first, second = _store(place.url, tmp_path / "m1"), _store(place.url, tmp_path / "m2")
+    objects = ObjectStore(BucketURL.parse(place.url))
+    published: list[str] = []
+
+    def meanwhile(step: str) -> None:
+        if step == "rows" and not published:
+            merge_bucket(second)  # the other node wins the race for version 1
+            info = objects.head("catalog/v000000001.sqlite")
+            assert info is not None
+            published.append(info.etag)
+
+    merge_bucket(first, between=meanwhile)
+    assert published  # the race happened
+    kept = objects.head("catalog/v000000001.sqlite")
+    assert kept is not None and kept.etag == published[0]  # never overwritten
+    assert place.objects("catalog/")[0] == "catalog/v000000001.sqlite"
+    assert not place.objects("fragments/")
+    ds = CachedFeatureDataset(
+        audio_dir, encoder_file, cache=place.url, local_cache=tmp_path / "reader", on_miss="error"
+    )
+    assert len(ds) == 16
+    for i in range(len(ds)):
+        torch.testing.assert_close(ds[i], live_features(encoder_file, Path(ds.path(i))))
+
+
 def _store(url: str, tier: Path) -> BucketStore:
     store = open_store(url, local_cache=tier).remote
     assert isinstance(store, BucketStore)
