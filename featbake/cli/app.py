@@ -221,7 +221,9 @@ CacheOpt = Annotated[
         "--cache",
         envvar="FEATBAKE_CACHE",
         help="Store directory, or a bucket: s3://bucket/prefix (AWS_ENDPOINT_URL, AWS_PROFILE "
-        "or keys as for any S3 tool). [default: $FEATBAKE_CACHE or ./.featbake]",
+        "or keys as for any S3 tool), gs://bucket/prefix (Application Default Credentials) or "
+        "az://container/prefix (AZURE_STORAGE_CONNECTION_STRING). "
+        "[default: $FEATBAKE_CACHE or ./.featbake]",
         show_default=False,
     ),
 ]

@@ -220,7 +220,9 @@ def input_file(value: Any, base: str, column: str) -> str:
             raise BadRow(str(e)) from None
         return value
     if "://" in value:
-        raise BadRow(f"{value}: featbake reads local paths and s3:// URLs, not this scheme")
+        raise BadRow(
+            f"{value}: featbake reads local paths and s3://, gs://, az:// URLs, not this scheme"
+        )
     return os.path.normpath(os.path.join(base, os.path.expanduser(value)))
 
 
@@ -405,11 +407,12 @@ def object_digests(
     missing or unreadable fails by its URL, as its HEAD says."""
     digests: dict[str, str] = {}
     failed: dict[str, str] = {}
-    buckets: dict[str, list[str]] = {}
+    buckets: dict[str, list[str]] = {}  # scheme://bucket -> its rows' URLs
     for url in urls:
-        buckets.setdefault(BucketURL.parse(url.rpartition("/")[0]).bucket, []).append(url)
+        where = BucketURL.parse(url.rpartition("/")[0])
+        buckets.setdefault(f"{where.scheme}://{where.bucket}", []).append(url)
     for name, group in buckets.items():
-        place = BucketInputs.at(f"s3://{name}")
+        place = BucketInputs.at(name)
         infos = stat_objects(place.bucket, [place.rel(u) for u in group])
         for url in group:
             info = infos[place.rel(url)]

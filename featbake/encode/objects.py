@@ -254,7 +254,7 @@ class ObjectSource:
         return self.inner.load(path, io.BytesIO(got.data))
 
 
-_BUCKETS: dict[str, Bucket] = {}  # bucket name -> its client (one per process, made lazily)
+_BUCKETS: dict[tuple[str, str], Bucket] = {}  # (scheme, bucket) -> its client, made lazily
 
 
 def object_at(url: str) -> tuple[Bucket, str]:
@@ -268,9 +268,10 @@ def object_at(url: str) -> tuple[Bucket, str]:
     """
     folder, name = url.rsplit("/", 1)
     where = BucketURL.parse(folder)
-    bucket = _BUCKETS.get(where.bucket)
-    if bucket is None:
-        bucket = _BUCKETS[where.bucket] = Bucket(BucketURL(where.bucket))
+    bucket = _BUCKETS.get((where.scheme, where.bucket))
+    if bucket is None:  # the object store of the URL's scheme (s3, gs, az)
+        bucket = Bucket(BucketURL(where.bucket, scheme=where.scheme))
+        _BUCKETS[where.scheme, where.bucket] = bucket
     return bucket, where.key(name)
 
 

@@ -38,7 +38,8 @@ from featbake.store.layout import (
     shared_write_lock,
     unnamed_past,
 )
-from featbake.store.url import BucketURL, endpoint, endpoint_folder, is_url
+from featbake.store.objects import ObjectStore
+from featbake.store.url import BucketURL, is_url
 from featbake.units import parse_bytes
 
 T = TypeVar("T")
@@ -122,7 +123,8 @@ def _layout_of(
     tier = Path(base) if base else Path.home() / ".cache" / "featbake" / "buckets"
     size = local_cache_size or os.environ.get("FEATBAKE_LOCAL_CACHE_SIZE")
     budget = parse_bytes(size or DEFAULT_LOCAL_CACHE_SIZE)
-    folder = tier / endpoint_folder(endpoint()) / url.bucket / url.prefix
+    # endpoint, bucket, prefix: never a credential (an s3 endpoint's folder is as it was)
+    folder = tier / ObjectStore(url).tier_folder() / url.bucket / url.prefix
     store = BucketStore(url, folder, budget)
     store.sync_catalog()
     return store.layout

@@ -1,4 +1,5 @@
-"""A store's URL (``s3://bucket/prefix``) read into its parts; pure, no I/O."""
+"""A store's URL (``s3://``, ``gs://``, ``az://bucket/prefix``) read into its parts, and the
+endpoints each cloud's own settings name; pure, no I/O (environments are passed in)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,13 @@ from featbake.errors import ConfigError
 #: enough: a URL that went through ``pathlib.Path`` reads ``s3:/bucket``).
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):/+(.*)$")
 
-#: The schemes featbake's object store speaks (S3's API: AWS, MinIO, R2, Ceph, GCS's interop).
-SCHEMES = ("s3",)
+#: The schemes featbake's object stores speak: S3's API (AWS, MinIO, R2, Ceph), Google Cloud
+#: Storage, Azure Blob Storage (``az://container/prefix``).
+SCHEMES = ("s3", "gs", "az")
 
 #: A scheme alone (``s3:``, ``s3:/``): what ``--cache s3://$EMPTY`` becomes once a shell or
 #: ``pathlib`` folds its slashes. A URL with no bucket, never a folder named ``s3:``.
-_BARE_SCHEME = re.compile(r"^(s3):/*$", re.IGNORECASE)
+_BARE_SCHEME = re.compile(r"^(s3|gs|az):/*$", re.IGNORECASE)
 
 #: What S3-compatible servers accept in a bucket name (AWS's rules are stricter; legacy buckets
 #: and some servers allow capitals and underscores).
@@ -28,6 +30,8 @@ _BUCKET = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{1,254}$")
 
 #: ``scheme://user:password@`` inside any text: what :func:`redact` hides.
 _USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s\"']+@")
+#: An Azure connection string's key or signature, a SAS URL's ``sig=``: hidden too.
+_SECRET_FIELD = re.compile(r"(?P<field>AccountKey|SharedAccessSignature|sig)=[^;&\s\"']+", re.I)
 
 #: The variables that name an S3 endpoint, most specific first (botocore's order).
 ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
@@ -51,7 +55,7 @@ def redact(text: str) -> str:
         >>> redact("cannot reach http://ak:secret@minio:9000/b")
         'cannot reach http://***@minio:9000/b'
     """
-    return _USERINFO.sub(r"\g<scheme>***@", text)
+    return _SECRET_FIELD.sub(r"\g<field>=***", _USERINFO.sub(r"\g<scheme>***@", text))
 
 
 def named_endpoint(env: Mapping[str, str]) -> tuple[str, str]:
@@ -114,52 +118,115 @@ def endpoint_folder(value: str | None) -> str:
     return re.sub(r"[^A-Za-z0-9.-]+", "_", where).strip("_") or "endpoint"
 
 
+#: Google Cloud Storage's endpoint (``STORAGE_EMULATOR_HOST`` names another: an emulator).
+GCS_ENDPOINT = "https://storage.googleapis.com"
+
+
+def gcs_endpoint(env: Mapping[str, str]) -> str:
+    """The endpoint a ``gs://`` store talks to: ``STORAGE_EMULATOR_HOST`` (an emulator, as
+    google-cloud-storage reads it), else Google's.
+
+    Example:
+        >>> gcs_endpoint({"STORAGE_EMULATOR_HOST": "http://127.0.0.1:4443"}), gcs_endpoint({})
+        ('http://127.0.0.1:4443', 'https://storage.googleapis.com')
+    """
+    host = env.get("STORAGE_EMULATOR_HOST", "")
+    if not host:
+        return GCS_ENDPOINT
+    return host if "://" in host else f"http://{host}"
+
+
+def connection_fields(text: str) -> dict[str, str]:
+    """An Azure connection string's ``Name=value`` fields (names as written).
+
+    Example:
+        >>> connection_fields("AccountName=a;AccountKey=k==;")["AccountKey"]
+        'k=='
+    """
+    fields = (part.partition("=") for part in text.split(";") if "=" in part)
+    return {name.strip(): value.strip() for name, _, value in fields}
+
+
+def azure_blob_endpoint(env: Mapping[str, str]) -> str:
+    """The blob endpoint an ``az://`` store talks to: the connection string's ``BlobEndpoint``
+    (Azurite's carries its account in the path), else its account's, else
+    ``AZURE_STORAGE_ACCOUNT_NAME``'s. Never a key: it names the tier's folder.
+
+    Raises:
+        ConfigError: the environment names no account (what to set, in one line).
+
+    Example:
+        >>> azure_blob_endpoint({"AZURE_STORAGE_ACCOUNT_NAME": "team"})
+        'https://team.blob.core.windows.net'
+    """
+    fields = connection_fields(env.get("AZURE_STORAGE_CONNECTION_STRING", ""))
+    if fields.get("BlobEndpoint"):
+        return fields["BlobEndpoint"].rstrip("/")
+    account = fields.get("AccountName") or env.get("AZURE_STORAGE_ACCOUNT_NAME", "")
+    if not account:
+        raise ConfigError(
+            "an az:// store needs its storage account: set AZURE_STORAGE_CONNECTION_STRING, or "
+            "AZURE_STORAGE_ACCOUNT_NAME (with AZURE_STORAGE_KEY, or azure-identity installed)"
+        )
+    protocol = fields.get("DefaultEndpointsProtocol", "https")
+    suffix = fields.get("EndpointSuffix", "core.windows.net")
+    return f"{protocol}://{account}.blob.{suffix}"
+
+
 @dataclass(frozen=True)
 class BucketURL:
-    """``s3://bucket/prefix``: a bucket and a key prefix inside it (no leading or trailing /)."""
+    """``scheme://bucket/prefix``: a bucket (an Azure container) and a key prefix inside it (no
+    leading or trailing /), in the object store of ``scheme`` (``s3``, ``gs``, ``az``)."""
 
     bucket: str
     prefix: str = ""
+    scheme: str = "s3"
 
     @classmethod
     def parse(cls, where: str) -> BucketURL:
-        """``where`` read as an ``s3://bucket[/prefix]`` URL.
+        """``where`` read as a ``scheme://bucket[/prefix]`` URL.
 
         Raises:
             ConfigError: not a URL, a scheme featbake does not speak, or no bucket.
 
         Example:
             >>> BucketURL.parse("s3://team-features/wav2vec2/")
-            BucketURL(bucket='team-features', prefix='wav2vec2')
+            BucketURL(bucket='team-features', prefix='wav2vec2', scheme='s3')
+            >>> str(BucketURL.parse("az://features/w2v"))
+            'az://features/w2v'
         """
         if _BARE_SCHEME.match(where):
             raise ConfigError(
                 f"{where!r} names no bucket (an empty variable in --cache s3://$BUCKET?); write "
-                "s3://bucket/prefix"
+                "scheme://bucket/prefix (s3://, gs:// or az://)"
             )
         m = _URL.match(where)
         if m is None:
-            raise ConfigError(f"{where!r} is not a URL; a bucket store is s3://bucket/prefix")
+            raise ConfigError(
+                f"{where!r} is not a URL; a bucket store is s3://bucket/prefix, "
+                "gs://bucket/prefix or az://container/prefix"
+            )
         scheme, rest = m.group(1).lower(), m.group(2)
         if scheme not in SCHEMES:
             raise ConfigError(
-                f"featbake stores speak S3 ({', '.join(s + '://' for s in SCHEMES)}), not "
-                f"{scheme}://; for Google Cloud Storage use its S3 interoperability endpoint "
-                "(AWS_ENDPOINT_URL=https://storage.googleapis.com with HMAC keys) and s3://"
+                f"featbake stores speak {', '.join(s + '://' for s in SCHEMES)}, not {scheme}://; "
+                "write s3://bucket/prefix (AWS, MinIO, R2), gs://bucket/prefix (Google Cloud "
+                "Storage) or az://container/prefix (Azure Blob Storage)"
             )
         bucket, _, prefix = rest.partition("/")
         if not bucket:
-            raise ConfigError(f"{where!r} names no bucket; write s3://bucket/prefix")
+            raise ConfigError(f"{where!r} names no bucket; write {scheme}://bucket/prefix")
         if not _BUCKET.match(bucket):
             raise ConfigError(
                 f"{bucket!r} is not a bucket name (letters, digits, '.', '-' and '_', 2 to 255 "
-                "of them, starting with a letter or digit); fix the s3:// URL"
+                f"of them, starting with a letter or digit); fix the {scheme}:// URL"
             )
-        return cls(bucket, prefix.strip("/"))
+        return cls(bucket, prefix.strip("/"), scheme)
 
     def key(self, name: str) -> str:
         """The object key of ``name`` (a path inside the store) under this URL's prefix."""
         return f"{self.prefix}/{name}" if self.prefix else name
 
     def __str__(self) -> str:
-        return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+        where = f"{self.scheme}://{self.bucket}"
+        return f"{where}/{self.prefix}" if self.prefix else where

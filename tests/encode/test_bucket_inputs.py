@@ -1,4 +1,5 @@
-"""Inputs in a bucket (``--data s3://bucket/audio/``) on a real S3 server (moto, loopback).
+"""Inputs in a bucket (``--data s3://bucket/audio/``) on a real S3 server (moto, loopback); the
+representative tests also on ``gs://`` (fake-gcs-server) and ``az://`` (Azurite).
 
 Real wav files are written, uploaded, built from the bucket into a local store, and every
 stored feature is compared with running the encoder now on the same file.
@@ -27,7 +28,7 @@ from featbake.store.url import BucketURL
 from featbake.testing import write_audio_folder
 from tests.conftest import invoke, live_features
 from tests.helpers import put_many, stored_features
-from tests.store.bucket.conftest import S3
+from tests.store.bucket.conftest import S3, Remote
 
 
 def upload(folder: Path, url: str) -> list[str]:
@@ -65,14 +66,14 @@ def assert_live(store: Path, root: str, encoder: Path, folder: Path, n: int) -> 
 
 
 def test_a_build_from_a_bucket_stores_the_live_features_and_a_rebuild_reads_nothing(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, reads: list[str]
+    place: Remote | S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, reads: list[str]
 ) -> None:
-    url = f"s3://{s3.bucket}/audio/"
+    url = f"{place.scheme}://{place.bucket}/audio/"
     names = upload(audio_dir, url)
     store = tmp_path / "store"
     report = bake(url, encoder_file, store)
     assert report.encoded == len(names) == 16 and not report.failed
-    assert report.data == f"s3://{s3.bucket}/audio"  # the root is keyed by the URL
+    assert report.data == f"{place.scheme}://{place.bucket}/audio"  # the root is keyed by the URL
     assert sorted(reads) == sorted(names)  # once: hashed and decoded from one response
     assert_live(store, report.root, encoder_file, audio_dir, 16)
 
@@ -83,9 +84,9 @@ def test_a_build_from_a_bucket_stores_the_live_features_and_a_rebuild_reads_noth
 
 
 def test_a_changed_object_is_hashed_and_encoded_again(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, reads: list[str]
+    place: Remote | S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, reads: list[str]
 ) -> None:
-    url = f"s3://{s3.bucket}/audio"
+    url = f"{place.scheme}://{place.bucket}/audio"
     upload(audio_dir, url)
     store = tmp_path / "store"
     bake(url, encoder_file, store)
@@ -234,14 +235,14 @@ class _NoCache:
 
 
 def test_the_cli_builds_from_a_bucket_with_decode_workers(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+    place: Remote | S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
 ) -> None:
-    url = f"s3://{s3.bucket}/audio/"
+    url = f"{place.scheme}://{place.bucket}/audio/"
     upload(audio_dir, url)
     store = tmp_path / "store"
     done = invoke(
         "build", "--encoder", encoder_file, "--data", url, "--cache", store, "--workers", "2",
-        "--json", env=s3.env,
+        "--json", env=place.env,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert '"encoded": 16' in done.stdout
@@ -280,13 +281,13 @@ def test_a_dataset_over_a_bucket_serves_a_bucket_build_and_reads_no_object(
 
 
 def test_a_dataset_over_a_bucket_encodes_a_new_object_from_its_bytes(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, reads: list[str]
+    place: Remote | S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, reads: list[str]
 ) -> None:
     from torch.utils.data import DataLoader
 
     from featbake import CachedFeatureDataset
 
-    url = f"s3://{s3.bucket}/audio/"
+    url = f"{place.scheme}://{place.bucket}/audio/"
     upload(audio_dir, url)
     ds = CachedFeatureDataset(url, encoder_file, cache=tmp_path / "store")
     got = list(DataLoader(ds, batch_size=None, num_workers=2))  # forked workers read objects
@@ -441,3 +442,30 @@ def test_on_a_server_a_listed_stat_is_a_headed_one_and_the_listing_stops_when_sp
         assert not isinstance(info, str)
         assert object_stat(info) == object_stat(bucket.head(name)), name
         assert object_stat(info) == object_stat(bucket.read(name).info), name
+
+
+def test_manifest_rows_naming_one_bucket_name_in_two_clouds_read_each_its_own(
+    s3: S3, gcs_server: str, audio_dir: Path, encoder_file: Path, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """A manifest's object rows are grouped by scheme and bucket: ``gs://B/x.wav`` is read from
+    Google Cloud Storage even when an S3 bucket ``B`` holds an ``x.wav`` too."""
+    import json
+
+    from featbake import CachedFeatureDataset
+    from tests.store.bucket.conftest import make_gcs_bucket
+
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server)
+    make_gcs_bucket(gcs_server, s3.bucket)  # the same name on both servers
+    clips = sorted(audio_dir.rglob("*.wav"))[:2]
+    for scheme, clip in zip(("s3", "gs"), clips, strict=True):
+        Bucket(BucketURL.parse(f"{scheme}://{s3.bucket}/m")).upload("x.wav", clip)
+    manifest = tmp_path / "rows.jsonl"
+    rows = [{"path": f"{scheme}://{s3.bucket}/m/x.wav"} for scheme in ("s3", "gs")]
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    store = tmp_path / "store"
+    report = build(manifest, encoder_file, cache=store, workers=0)
+    assert report.encoded == 2 and not report.failed
+    ds = CachedFeatureDataset(manifest, encoder_file, cache=store, on_miss="error")
+    for i, clip in enumerate(clips):
+        torch.testing.assert_close(ds[i], live_features(encoder_file, clip))

@@ -298,7 +298,7 @@ def test_each_bad_row_is_skipped_with_its_line_and_the_rest_builds(
         {"path": "wavs/recA.wav", "start": 5.5, "end": 6.5},  # 6: past the end (6 s)
         {"path": "wavs/recA.wav", "start": 6.5},  # 7: to the end, from past the end
         {"path": "wavs/recB.flac", "start": 0.0, "end": 1.0, "channel": 2},  # 8: no channel 2
-        {"path": "gs://bucket/a.wav"},  # 9: a scheme featbake does not read
+        {"path": "hdfs://bucket/a.wav"},  # 9: a scheme featbake does not read
         {"path": "wavs/recB.flac", "start": "x", "end": 1.0},  # 10: not seconds
         {"path": "wavs/recA.wav", "start": 1.0, "end": 2.0, "label": 1},  # 11: good
     ]
@@ -317,7 +317,7 @@ def test_each_bad_row_is_skipped_with_its_line_and_the_rest_builds(
     assert "bad.jsonl:7" in late and "starts at 6.5 s, at or past the end" in late
     assert "bad.jsonl:8" in reasons["wavs/recB.flac#0.0-1.0"]
     assert "channel 2 is not one of the recording's 2 channels" in reasons["wavs/recB.flac#0.0-1.0"]
-    assert "speak S3 (s3://), not gs://" in reasons["bad.jsonl:9"]
+    assert "speak s3://, gs://, az://, not hdfs://" in reasons["bad.jsonl:9"]
     assert "not a number of seconds" in reasons["bad.jsonl:10"]
 
     with pytest.warns(UserWarning, match="4 row"):  # gone, past the end (2), no such channel

@@ -1,5 +1,6 @@
-"""Stores named by a URL: ``s3://`` opens a bucket store; other schemes, and a URL where only a
-directory will do (CachedEncoder), are refused in one line, before anything is created."""
+"""Stores named by a URL: ``s3://``, ``gs://``, ``az://`` open a bucket store; other schemes,
+and a URL where only a directory will do (CachedEncoder), are refused in one line, before
+anything is created."""
 
 from __future__ import annotations
 
@@ -25,9 +26,16 @@ def test_an_s3_url_names_a_bucket_and_a_prefix(url: str, bucket: str, prefix: st
     assert BucketURL.parse(url) == BucketURL(bucket, prefix)
 
 
-@pytest.mark.parametrize("url", ["gs://b/p", "https://host/store", "az://c/p"])
+@pytest.mark.parametrize("scheme", ["gs", "az", "GS"])
+def test_gs_and_az_urls_name_a_bucket_a_prefix_and_their_scheme(scheme: str) -> None:
+    url = BucketURL.parse(f"{scheme}://team/a/b/")
+    assert url == BucketURL("team", "a/b", scheme.lower())
+    assert str(url) == f"{scheme.lower()}://team/a/b"
+
+
+@pytest.mark.parametrize("url", ["hdfs://b/p", "https://host/store", "abfs://c/p"])
 def test_a_url_of_another_scheme_is_refused_and_not_read_as_a_folder(url: str) -> None:
-    with pytest.raises(ConfigError, match=r"speak S3.*s3://"):
+    with pytest.raises(ConfigError, match=r"speak s3://, gs://, az://"):
         open_store(url)
     assert not Path(url.split(":")[0] + ":").exists()
 
@@ -42,17 +50,17 @@ def test_build_and_stats_refuse_another_scheme_and_create_no_folder(
     tmp_path: Path, audio_dir: Path, encoder_file: Path
 ) -> None:
     for args in (
-        ["build", "-e", encoder_file, "-d", audio_dir, "--cache", "gs://bucket/features"],
-        ["stats", "--cache", "gs://bucket/features"],
+        ["build", "-e", encoder_file, "-d", audio_dir, "--cache", "hdfs://bucket/features"],
+        ["stats", "--cache", "hdfs://bucket/features"],
     ):
         done = invoke(*args, cwd=tmp_path)
         assert done.returncode == 2, done.stderr
         lines = [line for line in done.stderr.splitlines() if line.strip()]
-        assert len(lines) == 1 and "speak S3" in lines[0] and "Traceback" not in done.stderr
-    assert not (tmp_path / "gs:").exists()
+        assert len(lines) == 1 and "speak s3://" in lines[0] and "Traceback" not in done.stderr
+    assert not (tmp_path / "hdfs:").exists()
 
 
 def test_a_dataset_refuses_another_scheme(audio_dir: Path, encoder_file: Path) -> None:
     paths = sorted(audio_dir.rglob("*.wav"))
-    with pytest.raises(ConfigError, match="speak S3"):
-        CachedFeatureDataset(paths, encoder_file, cache="gs://bucket/features")
+    with pytest.raises(ConfigError, match="speak s3://"):
+        CachedFeatureDataset(paths, encoder_file, cache="hdfs://bucket/features")

@@ -1,4 +1,5 @@
-"""A store in a bucket on a real S3 server (moto, loopback): build, rebuild, serve, merge.
+"""A store in a bucket on a real server on loopback (moto; the tests of the store's behaviour
+also on fake-gcs-server and Azurite, through ``place``): build, rebuild, serve, merge.
 
 Every served feature is compared with running the encoder now.
 """
@@ -26,7 +27,7 @@ from featbake.store.open import open_store
 from featbake.store.url import BucketURL
 from tests.bake.test_batching import LittlePaddingLeaks, assert_serves_alone, clips
 from tests.conftest import invoke, live_features
-from tests.store.bucket.conftest import S3
+from tests.store.bucket.conftest import S3, Remote
 
 
 def bake(data: Path, encoder: Path, where: object, **kw: object):
@@ -39,11 +40,11 @@ def assert_dataset_is_live(ds: CachedFeatureDataset, encoder: Path) -> None:
 
 
 def test_a_build_into_a_bucket_publishes_shards_and_a_catalog_version(
-    s3: S3, audio_dir: Path, encoder_file: Path
+    place: Remote | S3, audio_dir: Path, encoder_file: Path
 ) -> None:
-    report = bake(audio_dir, encoder_file, s3.url)
+    report = bake(audio_dir, encoder_file, place.url)
     assert report.encoded == 16 and report.merged
-    objects = s3.objects()
+    objects = place.objects()
     assert [o for o in objects if o.startswith("catalog/")] == ["catalog/v000000001.sqlite"]
     assert any(o.startswith("shards/") for o in objects)
     assert not [o for o in objects if o.startswith("fragments/")]  # folded, then deleted
@@ -60,14 +61,17 @@ def test_a_rebuild_from_a_fresh_node_encodes_nothing(
     assert versions == [1, 2]
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn"])
+@pytest.mark.parametrize(
+    ("place", "context"), [("s3", "fork"), ("s3", "spawn"), ("gs", "fork"), ("az", "fork")],
+    indirect=["place"],
+)  # fmt: skip
 def test_a_dataset_serves_a_bucket_store_through_workers(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, context: str
+    place: Remote | S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, context: str
 ) -> None:
-    bake(audio_dir, encoder_file, s3.url)
+    bake(audio_dir, encoder_file, place.url)
     tier = tmp_path / f"tier-{context}"
     ds = CachedFeatureDataset(
-        audio_dir, encoder_file, cache=s3.url, local_cache=tier, local_cache_size="1GiB",
+        audio_dir, encoder_file, cache=place.url, local_cache=tier, local_cache_size="1GiB",
         on_miss="error",
     )  # fmt: skip
     loader = DataLoader(
@@ -119,11 +123,11 @@ def test_a_whole_shard_fetch_is_one_get_and_no_head(
 
 
 def test_the_commands_take_a_bucket_url(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+    place: Remote | S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
 ) -> None:
     tier = ["--local-cache", tmp_path / "tier", "--local-cache-size", "50MiB"]
     built = invoke(
-        "build", "-e", encoder_file, "-d", audio_dir, "--cache", s3.url, *tier,
+        "build", "-e", encoder_file, "-d", audio_dir, "--cache", place.url, *tier,
         "--workers", "0", "--shard-size", "60KB", "--json",
     )  # fmt: skip
     assert built.returncode == 0, built.stderr
@@ -131,20 +135,24 @@ def test_the_commands_take_a_bucket_url(
     assert list((tmp_path / "tier").rglob("catalog.sqlite"))  # the named tier was used
 
     stats = invoke(
-        "stats", "--cache", s3.url, "--json", env={"FEATBAKE_LOCAL_CACHE": str(tmp_path / "tier")}
+        "stats",
+        "--cache",
+        place.url,
+        "--json",
+        env={"FEATBAKE_LOCAL_CACHE": str(tmp_path / "tier")},
     )
     assert stats.returncode == 0, stats.stderr
     held = json.loads(stats.stdout)
-    assert held["path"] == s3.url and held["features"] == 16
+    assert held["path"] == place.url and held["features"] == 16
     assert held["tier"]["version"] == 1 and held["tier"]["budget"] == 100 << 30
-    roots = invoke("roots", "--cache", s3.url)
+    roots = invoke("roots", "--cache", place.url)
     assert roots.returncode == 0 and "r-" in roots.stdout, roots.stderr
 
-    clean = invoke("verify", "--cache", s3.url)
+    clean = invoke("verify", "--cache", place.url)
     assert clean.returncode == 0 and "verify: clean" in clean.stdout, clean.stderr
 
     out = tmp_path / "feats.zarr"
-    exported = invoke("export", "--format", "zarr", out, "--cache", s3.url)
+    exported = invoke("export", "--format", "zarr", out, "--cache", place.url)
     assert exported.returncode == 0, exported.stderr
     group = zarr.open_group(str(out), mode="r")
     paths = [str(p) for p in group["paths"][:]]
@@ -154,17 +162,19 @@ def test_the_commands_take_a_bucket_url(
         torch.testing.assert_close(got, live_features(encoder_file, audio_dir / paths[i]))
 
     name = roots.stdout.split("r-", 1)[1].split()[0]
-    dropped = invoke("roots", "drop", f"r-{name}", "--cache", s3.url)
+    dropped = invoke("roots", "drop", f"r-{name}", "--cache", place.url)
     assert dropped.returncode == 0, dropped.stderr
-    assert len(s3.objects("catalog/")) == 2  # the drop went out as the next version
-    assert "r-" not in invoke("roots", "--cache", s3.url).stdout
+    assert len(place.objects("catalog/")) == 2  # the drop went out as the next version
+    assert "r-" not in invoke("roots", "--cache", place.url).stdout
 
-    shard = s3.objects("shards/")[0]
-    Bucket(BucketURL.parse(s3.url)).delete([shard])
-    damaged = invoke("verify", "--cache", s3.url, env={"FEATBAKE_LOCAL_CACHE": str(tmp_path / "v")})
+    shard = place.objects("shards/")[0]
+    Bucket(BucketURL.parse(place.url)).delete([shard])
+    damaged = invoke(
+        "verify", "--cache", place.url, env={"FEATBAKE_LOCAL_CACHE": str(tmp_path / "v")}
+    )
     assert damaged.returncode == 11, damaged.stderr
     assert "missing" in damaged.stdout and Path(shard).stem in damaged.stdout
-    refused = invoke("verify", "--cache", s3.url, "--repair")
+    refused = invoke("verify", "--cache", place.url, "--repair")
     assert refused.returncode == 2 and "not built for a bucket" in refused.stderr
 
 
@@ -236,16 +246,18 @@ def test_an_int8_item_read_again_by_ranges_is_served_live(
 # come in one ranged GET (CRC-checked), nothing is fetched whole. Every item equals live.
 
 
-def serve(s3: S3, data: Path, encoder: Path, tier: Path, **kw: object) -> CachedFeatureDataset:
-    return CachedFeatureDataset(data, encoder, cache=s3.url, local_cache=tier, **kw)
+def serve(
+    place: Remote | S3, data: Path, encoder: Path, tier: Path, **kw: object
+) -> CachedFeatureDataset:
+    return CachedFeatureDataset(data, encoder, cache=place.url, local_cache=tier, **kw)
 
 
 def test_a_tier_smaller_than_the_store_reads_items_by_ranges(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+    place: Remote | S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
 ) -> None:
-    build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
+    build(audio_dir, encoder_file, cache=place.url, workers=0, shard_bytes=60_000)
     tier = tmp_path / "tier"
-    ds = serve(s3, audio_dir, encoder_file, tier, local_cache_size="64KiB", on_miss="error")
+    ds = serve(place, audio_dir, encoder_file, tier, local_cache_size="64KiB", on_miss="error")
     assert ds._layout.remote.reads_ranged()  # type: ignore[union-attr]
     for i in range(len(ds)):
         torch.testing.assert_close(ds[i], live_features(encoder_file, Path(ds.path(i))))

@@ -24,7 +24,7 @@ from featbake.store.bucket import BlockPlan, BlockWindowWarning, Bucket, BucketS
 from featbake.store.url import BucketURL
 from featbake.testing import write_audio_folder
 from tests.conftest import live_features
-from tests.store.bucket.conftest import S3, Request
+from tests.store.bucket.conftest import S3, Remote, Request
 
 
 def _fetches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -79,14 +79,16 @@ def test_a_block_shuffled_epoch_through_a_third_of_the_data_fetches_each_shard_a
 
 
 # -- the default read mode under a block order (whole shards, the next window ahead) ----------
-def _store(s3: S3, audio: Path, encoder: Path, shard_bytes: int = 30_000) -> list[int]:
+def _store(place: Remote | S3, audio: Path, encoder: Path, shard_bytes: int = 30_000) -> list[int]:
     """Build ``audio`` into the test's bucket; the shard objects' sizes."""
-    build(audio, encoder, cache=s3.url, workers=0, shard_bytes=shard_bytes)
-    return [o.size for o in Bucket(BucketURL.parse(s3.url)).list("shards/")]
+    build(audio, encoder, cache=place.url, workers=0, shard_bytes=shard_bytes)
+    return [o.size for o in Bucket(BucketURL.parse(place.url)).list("shards/")]
 
 
-def _dataset(s3: S3, audio: Path, encoder: Path, tier: Path, budget: int) -> CachedFeatureDataset:
-    return CachedFeatureDataset(audio, encoder, cache=s3.url, local_cache=tier,
+def _dataset(
+    place: Remote | S3, audio: Path, encoder: Path, tier: Path, budget: int
+) -> CachedFeatureDataset:
+    return CachedFeatureDataset(audio, encoder, cache=place.url, local_cache=tier,
                                 local_cache_size=budget, on_miss="error")  # fmt: skip
 
 
@@ -181,7 +183,7 @@ def _drain(ds: CachedFeatureDataset) -> None:
 
 
 def test_the_next_windows_shards_are_fetched_ahead_of_their_first_read(
-    s3: S3, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    place: Remote | S3, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each time the reads enter a window the store queues the current and next windows'
     missing shards on its prefetch threads. The test waits for those fetches where the store
@@ -190,10 +192,10 @@ def test_the_next_windows_shards_are_fetched_ahead_of_their_first_read(
     its budget (the windows passed make room)."""
     audio = tmp_path / "audio"
     write_audio_folder(audio, 48, seconds=(0.5, 1.5), seed=4)
-    sizes = _store(s3, audio, encoder_file)
+    sizes = _store(place, audio, encoder_file)
     third = sum(sizes) // 3
     assert 4 * max(sizes) <= third  # two windows of two shards fit, whatever their sizes
-    ds = _dataset(s3, audio, encoder_file, tmp_path / "tier", third)
+    ds = _dataset(place, audio, encoder_file, tmp_path / "tier", third)
     store = ds._layout.remote
     assert isinstance(store, BucketStore)
     events: list[tuple[str, str, str]] = []  # (what, shard, thread)

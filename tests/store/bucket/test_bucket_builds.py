@@ -23,7 +23,7 @@ from featbake.store.open import open_store
 from featbake.store.shard import write_shard
 from featbake.testing import TinyConvEncoder, write_audio_folder
 from tests.conftest import REPO, encoded_rows, invoke, live_features, run_cli
-from tests.store.bucket.conftest import S3
+from tests.store.bucket.conftest import S3, Remote
 
 ENCODER = "countenc:build"
 
@@ -33,16 +33,16 @@ def build_args(data: Path, url: str) -> list[object]:
     return [*args, "--shard-size", "1KiB", "--batch-size", "1"]  # one shard per input
 
 
-def node(s3: S3, name: str, tmp_path: Path, counting: dict[str, str]) -> dict[str, str]:
+def node(place: Remote | S3, name: str, tmp_path: Path, counting: dict[str, str]) -> dict[str, str]:
     """The environment of a process on node ``name``: its own local tier."""
-    return {**s3.env, **counting, "FEATBAKE_LOCAL_CACHE": str(tmp_path / f"node-{name}")}
+    return {**place.env, **counting, "FEATBAKE_LOCAL_CACHE": str(tmp_path / f"node-{name}")}
 
 
-def assert_bucket_serves_live(s3: S3, data: Path, tmp_path: Path) -> None:
+def assert_bucket_serves_live(place: Remote | S3, data: Path, tmp_path: Path) -> None:
     """A fresh node serves every input from the bucket (on_miss="error"), equal to live
     encoding by the same encoder (the counting encoder is a TinyConvEncoder, seed 0)."""
     ds = CachedFeatureDataset(
-        data, ENCODER, cache=s3.url, local_cache=tmp_path / "reader", on_miss="error"
+        data, ENCODER, cache=place.url, local_cache=tmp_path / "reader", on_miss="error"
     )
     module = TinyConvEncoder().eval()
     source = source_for(ds.recipe)
@@ -109,23 +109,23 @@ def test_torchrun_two_ranks_build_into_a_bucket_and_rank_0_publishes(
 
 
 def test_parts_built_on_two_nodes_are_merged_from_a_third(
-    s3: S3, clips: Path, tmp_path: Path, counting_encoder: dict[str, str], monkeypatch
+    place: Remote | S3, clips: Path, tmp_path: Path, counting_encoder: dict[str, str], monkeypatch
 ) -> None:
     monkeypatch.syspath_prepend(counting_encoder["PYTHONPATH"].split(os.pathsep)[1])
     for i, name in enumerate("ab"):
         part = invoke(
-            *build_args(clips, s3.url), "--shard", f"{i}/2",
-            env=node(s3, name, tmp_path, counting_encoder),
+            *build_args(clips, place.url), "--shard", f"{i}/2",
+            env=node(place, name, tmp_path, counting_encoder),
         )  # fmt: skip
         assert part.returncode == 0, part.stderr
-    assert not s3.objects("catalog/") and s3.objects("fragments/")
-    merged = invoke("merge", "--cache", s3.url, env=node(s3, "c", tmp_path, counting_encoder))
+    assert not place.objects("catalog/") and place.objects("fragments/")
+    merged = invoke("merge", "--cache", place.url, env=node(place, "c", tmp_path, counting_encoder))
     assert merged.returncode == 0, merged.stderr
     assert "1 roots published" in merged.stdout or "roots published" in merged.stdout
-    assert s3.objects("catalog/") == ["catalog/v000000001.sqlite"]
-    assert not s3.objects("fragments/")
+    assert place.objects("catalog/") == ["catalog/v000000001.sqlite"]
+    assert not place.objects("fragments/")
     assert len(encoded_rows(counting_encoder)) == 24
-    assert_bucket_serves_live(s3, clips, tmp_path)
+    assert_bucket_serves_live(place, clips, tmp_path)
 
 
 @pytest.mark.parametrize("step", ["rows", "published"])
@@ -155,6 +155,44 @@ def test_a_merge_killed_at_any_step_loses_nothing(
     assert rerun.fragments >= 2
     assert not s3.objects("fragments/")
     assert_bucket_serves_live(s3, clips, tmp_path)
+
+
+def test_two_merges_racing_for_one_version_lose_nothing(
+    place: Remote | S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    """Two nodes merge the same parts at once: the second publishes version 1 while the first
+    is between its rows and its publish. The first's create-only put of version 1 is refused
+    (on every cloud), it starts again from the newer version, and version 1 is never
+    overwritten; every item is served, equal to the encoder run now."""
+    from featbake.bake.pipeline import build
+    from featbake.store.objects import ObjectStore
+    from featbake.store.url import BucketURL
+
+    for part in ("0/2", "1/2"):
+        build(audio_dir, encoder_file, cache=place.url, workers=0, shard=part, shard_bytes=60_000)
+    first, second = _store(place.url, tmp_path / "m1"), _store(place.url, tmp_path / "m2")
+    objects = ObjectStore(BucketURL.parse(place.url))
+    published: list[str] = []
+
+    def meanwhile(step: str) -> None:
+        if step == "rows" and not published:
+            merge_bucket(second)  # the other node wins the race for version 1
+            info = objects.head("catalog/v000000001.sqlite")
+            assert info is not None
+            published.append(info.etag)
+
+    merge_bucket(first, between=meanwhile)
+    assert published  # the race happened
+    kept = objects.head("catalog/v000000001.sqlite")
+    assert kept is not None and kept.etag == published[0]  # never overwritten
+    assert place.objects("catalog/")[0] == "catalog/v000000001.sqlite"
+    assert not place.objects("fragments/")
+    ds = CachedFeatureDataset(
+        audio_dir, encoder_file, cache=place.url, local_cache=tmp_path / "reader", on_miss="error"
+    )
+    assert len(ds) == 16
+    for i in range(len(ds)):
+        torch.testing.assert_close(ds[i], live_features(encoder_file, Path(ds.path(i))))
 
 
 def _store(url: str, tier: Path) -> BucketStore:

@@ -143,7 +143,7 @@ def test_denied_access_and_a_throttled_server_say_what_to_do() -> None:
     """moto does not enforce policies: botocore's own error objects stand in for AWS's answers."""
     from botocore.exceptions import ClientError
 
-    from featbake.store.bucket import raise_translated
+    from featbake.store.objects import raise_translated
 
     bucket = Bucket(BucketURL.parse("s3://team/features"))
     denied = ClientError({"Error": {"Code": "AccessDenied", "Message": "no"}}, "GetObject")

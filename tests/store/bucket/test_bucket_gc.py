@@ -28,7 +28,7 @@ from featbake.upkeep import GcOptions, execute_gc, gc, plan_gc, verify
 from featbake.upkeep.check import verify_named
 from tests.conftest import REPO, invoke, live_features
 from tests.helpers import age
-from tests.store.bucket.conftest import S3
+from tests.store.bucket.conftest import S3, Remote
 
 HOUR = 3600.0
 
@@ -57,35 +57,39 @@ def readers_hash_the_inputs_again(data: Path) -> None:
 
 
 def test_gc_keeps_what_an_older_version_names_until_the_retention_period_passes(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+    place: Remote | S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
 ) -> None:
-    build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
-    shards = s3.objects("shards/")
+    build(audio_dir, encoder_file, cache=place.url, workers=0, shard_bytes=60_000)
+    shards = place.objects("shards/")
     readers_hash_the_inputs_again(audio_dir)
     # Two readers open the store now (version 1), before gc drops the root.
     holder = CachedFeatureDataset(
-        audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "r1", on_miss="error"
+        audio_dir, encoder_file, cache=place.url, local_cache=tmp_path / "r1", on_miss="error"
     )
     late = CachedFeatureDataset(
-        audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "r2", write_back=False
+        audio_dir, encoder_file, cache=place.url, local_cache=tmp_path / "r2", write_back=False
     )
     later = time.time() + 100  # the root is unused for 100 s: --older-than 1s drops it
     first = gc(
-        bucket(s3.url, tmp_path / "gc").layout, GcOptions(older_than=1.0, retention=HOUR), now=later
+        bucket(place.url, tmp_path / "gc").layout,
+        GcOptions(older_than=1.0, retention=HOUR),
+        now=later,
     )
     assert first.published and first.roots_dropped
     assert first.shards_deleted == 0 and first.versions_deleted == 0
     # gc folded the readers' serving fragments first (version 2; issue 28 item 7), then
     # published its own change (version 3).
-    assert s3.objects("shards/") == shards and len(s3.objects("catalog/")) == 3
+    assert place.objects("shards/") == shards and len(place.objects("catalog/")) == 3
     assert_live(holder, encoder_file)  # read from the bucket through version 1: stored, not live
     assert holder.cache_info().encoded == 0
 
     second = gc(
-        bucket(s3.url, tmp_path / "gc").layout, GcOptions(retention=HOUR), now=later + 2 * HOUR
+        bucket(place.url, tmp_path / "gc").layout, GcOptions(retention=HOUR), now=later + 2 * HOUR
     )
     assert second.versions_deleted == 2 and second.shards_deleted == len(shards)
-    assert not s3.objects("shards/") and s3.objects("catalog/") == ["catalog/v000000003.sqlite"]
+    assert not place.objects("shards/") and place.objects("catalog/") == [
+        "catalog/v000000003.sqlite"
+    ]
     # A reader still on version 1 after the retention period: its shards are gone, so it
     # encodes live (this one never fetched them), and serves nothing wrong.
     assert_live(late, encoder_file)

@@ -1,0 +1,1032 @@
+"""The byte seam under a bucket store: one object-store interface, one class per URL scheme.
+
+A bucket store (:mod:`featbake.store.bucket`), bucket inputs and containers in a bucket make
+only the calls of :class:`ObjectStore`: list (paged, with a prefix and a start-after name),
+stat (size, ETag or generation, last change), get whole or a byte range, put (create-only for
+catalog versions; big files in parts), delete. Each scheme's class speaks its cloud through the
+cloud's own client library and turns that library's errors into the same featbake errors:
+absent (``FileNotFoundError`` / None), exists (a create-only put returns False), transient (a
+body cut short: tried again), and one actionable line for everything else (no credentials, no
+bucket, access denied, an unreachable or stalled endpoint).
+
+- ``s3://`` — :class:`S3Objects` (boto3): AWS, MinIO, R2, Ceph, GCS's S3 interoperability.
+- ``gs://`` — :class:`GCSObjects` (google-cloud-storage): Application Default Credentials,
+  ``STORAGE_EMULATOR_HOST`` for an emulator (anonymous there).
+- ``az://`` — :class:`AzureObjects` (azure-storage-blob): ``AZURE_STORAGE_CONNECTION_STRING``,
+  or ``AZURE_STORAGE_ACCOUNT_NAME`` with ``AZURE_STORAGE_KEY`` or azure-identity's
+  ``DefaultAzureCredential``.
+
+The client libraries were chosen by measurement (``benchmarks/cloud_clients.py``,
+docs/object_store.md): each vendor SDK works in a forked DataLoader worker and exposes the
+create-only condition directly (S3 ``If-None-Match: *``, GCS ``ifGenerationMatch=0``, Azure
+``If-None-Match: *``). Each process makes its own client on first use
+(:class:`~featbake.process.ProcessLocal`); a pickled store carries only its URL.
+
+Example:
+    >>> store = ObjectStore(BucketURL.parse("gs://team/features"))  # doctest: +SKIP
+    >>> type(store).__name__, [o.name for o in store.list("catalog/")]  # doctest: +SKIP
+    ('GCSObjects', ['catalog/v000000001.sqlite'])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any, ClassVar, NamedTuple, TypeVar
+
+from featbake.errors import ConfigError, StoreError
+from featbake.process import ProcessLocal, ProcessLocalState
+from featbake.store.url import (
+    BucketURL,
+    azure_blob_endpoint,
+    endpoint,
+    endpoint_folder,
+    endpoint_label,
+    gcs_endpoint,
+    redact,
+)
+
+# == objects =======================================================================================
+#: Whole-object downloads cut short (a dropped connection mid-body) are tried this many times.
+DOWNLOAD_TRIES = 4
+#: Read size of a streaming download.
+CHUNK = 8 << 20
+#: Files smaller than this go up to S3 in one PutObject on the caller's thread (boto3's
+#: multipart threshold, so the same requests): fragments, catalog versions, small shards.
+SINGLE_PUT_BYTES = 8 << 20
+#: Seconds to wait for a connection, and for an answer once connected
+#: (``$FEATBAKE_OBJECT_TIMEOUT``, else ``$FEATBAKE_S3_TIMEOUT``, sets the second): a stalled
+#: endpoint is one line, never a hang.
+CONNECT_TIMEOUT_S = 10
+READ_TIMEOUT_ENV = "FEATBAKE_OBJECT_TIMEOUT"
+S3_TIMEOUT_ENV = "FEATBAKE_S3_TIMEOUT"
+READ_TIMEOUT_S = 20.0
+#: Requests a client sends before it gives up (throttling, 5xx answers, connection errors).
+MAX_ATTEMPTS = 4
+#: Connections one client keeps open: as many as the threads that share it at most (a
+#: manifest's HEADs, :data:`featbake.encode.objects.HEAD_THREADS`); past botocore's default
+#: pool (10) a thread's connection would be dropped after each request and opened again.
+CLIENT_CONNECTIONS = 16
+#: Objects one listing request names at most (S3's cap, and its default).
+LIST_PAGE_KEYS = 1000
+#: Files above this go up in parts (S3 multipart, GCS resumable, Azure blocks).
+PART_BYTES = 64 << 20
+
+
+class ObjectInfo(NamedTuple):
+    """One object: its name inside the store, size in bytes, last change (epoch s), and its
+    version tag (S3 and Azure: the ETag; GCS: the generation), which changes with its bytes."""
+
+    name: str
+    size: int
+    modified: float
+    etag: str
+
+
+class ListedPage(NamedTuple):
+    """One page of a listing (one request): its objects in name order, the last name it
+    covered (an object's, or a sub-folder's that the delimiter rolled up, ``a/b/``: every name
+    after it sorts after all of that sub-folder's), and whether names follow."""
+
+    objects: list[ObjectInfo]
+    last: str
+    truncated: bool
+
+
+class ObjectBytes(NamedTuple):
+    """An object's bytes and what the response that carried them said of it."""
+
+    info: ObjectInfo
+    data: bytes
+
+
+_T = TypeVar("_T")
+
+
+class Absent(Exception):
+    """The object asked for does not exist (the bucket does)."""
+
+
+class Exists(Exception):
+    """A create-only put found the object there."""
+
+
+class Transient(Exception):
+    """A read cut short, or an answer that did not come in time: worth trying again."""
+
+
+_SCHEMES: dict[str, type[ObjectStore]] = {}
+
+
+def register(scheme: str) -> Callable[[type[_S]], type[_S]]:
+    """Make a class the object store of URLs ``scheme://...``."""
+
+    def add(cls: type[_S]) -> type[_S]:
+        cls.scheme = scheme
+        _SCHEMES[scheme] = cls
+        return cls
+
+    return add
+
+
+def store_class(scheme: str) -> type[ObjectStore]:
+    """The class registered for ``scheme`` (``s3``, ``gs``, ``az``).
+
+    Raises:
+        ConfigError: no class speaks that scheme.
+    """
+    try:
+        return _SCHEMES[scheme]
+    except KeyError:
+        known = ", ".join(f"{s}://" for s in _SCHEMES)
+        raise ConfigError(f"featbake speaks {known}, not {scheme}://") from None
+
+
+class ObjectStore(ProcessLocalState):
+    """The objects under ``scheme://bucket/prefix``; names are relative to the prefix.
+
+    ``ObjectStore(url)`` makes the class registered for ``url.scheme`` (:func:`register`).
+    Subclasses implement the one-request primitives (``list_page``, ``head``, ``get_once``,
+    ``download_once``, ``put``, ``delete``; here they raise ``NotImplementedError``) and
+    ``translate`` (their library's errors into featbake's); reads tried again on a cut body,
+    and the messages, live here. Not an ``abc.ABC``: ``ObjectStore(url)`` is how callers make
+    one, whatever the scheme.
+
+    Example:
+        >>> b = ObjectStore(BucketURL.parse("s3://team/features"))  # doctest: +SKIP
+        >>> [o.name for o in b.list("catalog/")]  # doctest: +SKIP
+    """
+
+    scheme: ClassVar[str] = ""
+    #: The setting to check when the endpoint does not answer (for messages).
+    ENDPOINT_HINT: ClassVar[str] = ""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> ObjectStore:
+        if cls is ObjectStore and args:  # the class of the URL's scheme
+            cls = store_class(args[0].scheme)
+        return super().__new__(cls)
+
+    def __init__(self, url: BucketURL) -> None:
+        self.url = url
+
+    #: This process's client (made on first use, again after fork; never pickled).
+    client: ProcessLocal[Any] = ProcessLocal(lambda self: self.connect(), lock=True)
+
+    def key(self, name: str) -> str:
+        """The object key of ``name`` under the store's prefix."""
+        return self.url.key(name)
+
+    def where(self, name: str) -> str:
+        """``scheme://bucket/prefix/name``: how messages name an object."""
+        return f"{self.url}/{name}"
+
+    # -- one request each, per scheme ------------------------------------------------------------
+    def connect(self) -> Any:
+        """A new client (or a bucket/container handle) for this process.
+
+        Raises:
+            ConfigError: the library is not installed, or its settings cannot make a client.
+        """
+        raise NotImplementedError
+
+    def endpoint_label(self) -> str:
+        """How messages name the endpoint, without credentials."""
+        raise NotImplementedError
+
+    def tier_folder(self) -> str:
+        """The local tier's folder for this endpoint (never credentials)."""
+        raise NotImplementedError
+
+    def list_page(
+        self, prefix: str, after: str = "", *, keys: int = LIST_PAGE_KEYS, delimiter: str = ""
+    ) -> ListedPage:
+        """One request's page: up to ``keys`` names that start with ``prefix`` and sort after
+        ``after`` (a listing can start anywhere, not only where the last page ended), names
+        holding ``delimiter`` past the prefix rolled up into one sub-folder.
+
+        Example:
+            >>> b.list_page("audio/clip", after="audio/clip0999.wav")  # doctest: +SKIP
+            ListedPage(objects=[ObjectInfo(name='audio/clip1000.wav', ...), ...], ...)
+
+        Raises:
+            StoreError: the bucket cannot be listed (the client's error in one line).
+        """
+        raise NotImplementedError
+
+    def head(self, name: str) -> ObjectInfo | None:
+        """The object ``name``, or None if there is none."""
+        raise NotImplementedError
+
+    def get_once(self, name: str, start: int = 0, length: int | None = None) -> ObjectBytes:
+        """One GET of ``name`` (whole, or ``length`` bytes from ``start``), its body read
+        whole; the info is the whole object's (its size, not the range's).
+
+        Raises:
+            Absent: there is no such object.
+            Transient: the body ended early or the answer did not come in time.
+        """
+        raise NotImplementedError
+
+    def download_once(self, name: str, dest: Path) -> int:
+        """One GET of ``name`` streamed into ``dest`` (written from its start, cut to size).
+
+        Raises:
+            Absent: there is no such object.
+            Transient: the body ended early.
+        """
+        raise NotImplementedError
+
+    def put(self, name: str, src: Path, *, create: bool) -> None:
+        """Put file ``src`` as ``name`` (in parts when big); ``create``: only if absent.
+
+        Raises:
+            Exists: ``create`` and an object of that name was there.
+        """
+        raise NotImplementedError
+
+    def delete(self, names: Iterable[str]) -> None:
+        """Delete objects (one that is already gone is no error)."""
+        raise NotImplementedError
+
+    def translate(self, name: str, e: BaseException) -> None:
+        """Raise what a user can act on for the library's error ``e`` (:class:`Absent`,
+        :class:`Exists`, :class:`Transient`, or a one-line ``StoreError``); re-raise ``e`` when
+        it is none of those."""
+        raise NotImplementedError
+
+    # -- reads -----------------------------------------------------------------------------------
+    def list(self, prefix: str) -> list[ObjectInfo]:
+        """The objects whose names start with ``prefix`` (e.g. ``"catalog/"``), in name order."""
+        out: list[ObjectInfo] = []
+        after = ""
+        while True:
+            page = self.list_page(prefix, after)
+            out.extend(page.objects)
+            if not page.truncated or not page.last:
+                return out
+            after = page.last
+
+    def download(self, name: str, dest: Path) -> int:
+        """Stream object ``name`` into file ``dest``; its size. Tried whole again when the
+        connection drops mid-body.
+
+        Raises:
+            FileNotFoundError: there is no such object.
+            StoreError: it could not be read (after :data:`DOWNLOAD_TRIES` tries).
+        """
+        return self._tried(name, lambda: self.download_once(name, dest))
+
+    def read(self, name: str) -> ObjectBytes:
+        """Object ``name``'s bytes, whole, in memory, with the size, last change and ETag of
+        the response that carried them (so the bytes and the ETag belong together, whatever
+        was written since a listing). Tried whole again when the connection drops mid-body.
+
+        Raises:
+            FileNotFoundError: there is no such object.
+            StoreError: it could not be read (after :data:`DOWNLOAD_TRIES` tries).
+        """
+        return self._tried(name, lambda: self.get_once(name))
+
+    def read_range(self, name: str, start: int, length: int) -> bytes:
+        """``length`` bytes of object ``name`` from ``start`` (fewer at its end): one ranged GET.
+
+        Raises:
+            FileNotFoundError: there is no such object.
+            StoreError: it could not be read (after :data:`DOWNLOAD_TRIES` tries).
+        """
+        if length <= 0:
+            return b""
+        return self._tried(name, lambda: self.get_once(name, start, length).data)
+
+    def read_range_of(self, name: str, start: int, length: int) -> ObjectBytes:
+        """As :meth:`read_range`, with the object's size, last change and ETag as that one
+        response gives them: a reader that checks the object is unchanged needs no HEAD beside
+        the GET.
+
+        Raises:
+            FileNotFoundError: there is no such object.
+            StoreError: it could not be read (after :data:`DOWNLOAD_TRIES` tries).
+        """
+        asked = max(1, length)  # a GET of no bytes is no request: ask one, keep none
+        got = self._tried(name, lambda: self.get_once(name, start, asked))
+        return ObjectBytes(got.info, got.data[:length])
+
+    def _tried(self, name: str, once: Callable[[], _T]) -> _T:
+        """``once()``, again (with backoff) while a body is cut short."""
+        last: BaseException | None = None
+        for attempt in range(DOWNLOAD_TRIES):
+            try:
+                with self.errors(name, retried=True):
+                    return once()
+            except Absent:
+                raise FileNotFoundError(self.where(name)) from None
+            except Transient as e:
+                last = e.__cause__ or e
+                time.sleep(0.1 * 2**attempt)
+        raise StoreError(
+            f"cannot download {self.where(name)} after {DOWNLOAD_TRIES} tries "
+            f"({redact(str(last))}); check the network and the endpoint ({self.ENDPOINT_HINT}), "
+            "then run this again"
+        ) from last
+
+    # -- writes ----------------------------------------------------------------------------------
+    def upload(self, name: str, src: Path, *, create: bool = False) -> bool:
+        """Put file ``src`` as object ``name``. With ``create``, only if no object of that name
+        exists (S3 and Azure ``If-None-Match: *``, GCS ``ifGenerationMatch=0``): False when
+        one did. Big files go up in parts.
+
+        Raises:
+            StoreError: the upload failed (the message says why and what to do).
+        """
+        try:
+            with self.errors(name):
+                self.put(name, src, create=create)
+        except Exists:
+            return False
+        return True
+
+    # -- errors ----------------------------------------------------------------------------------
+    def errors(self, name: str, *, retried: bool = False) -> _Errors:
+        """A context that turns the client's exceptions into one actionable line. ``retried``:
+        the caller tries again on a cut body or a read timeout (:meth:`_tried`); elsewhere
+        those are one line too."""
+        return _Errors(self, name, retried)
+
+    def unanswered(self, name: str, e: BaseException) -> StoreError:
+        """The one line for a request whose answer never came (or came cut short) after the
+        client's tries: a stalled endpoint must not hang a command or end it with an internal
+        error."""
+        return StoreError(
+            f"{self.endpoint_label()} did not answer for {self.where(name)} within "
+            f"{read_timeout():g} s after {MAX_ATTEMPTS} tries ({redact(str(e.__cause__ or e))}); "
+            f"check the endpoint and the network, or raise ${READ_TIMEOUT_ENV}"
+        )
+
+    def no_bucket(self) -> StoreError:
+        """The one line for a bucket (container) that is not there."""
+        return StoreError(
+            f"the bucket {self.url.bucket!r} does not exist at {self.endpoint_label()}; create "
+            f"it, or fix the URL or {self.ENDPOINT_HINT}"
+        )
+
+    def denied(self, name: str, why: str, fix: str) -> StoreError:
+        """The one line for a request the service refused."""
+        return StoreError(f"access to {self.where(name)} was denied ({why}); check {fix}")
+
+    def unreachable(self, name: str, e: BaseException) -> StoreError:
+        """The one line for an endpoint that refused the connection or does not resolve."""
+        return StoreError(
+            f"cannot reach {self.endpoint_label()} for {self.where(name)} ({redact(str(e))}); "
+            f"check {self.ENDPOINT_HINT} and the network"
+        )
+
+    def no_connection(self, name: str) -> StoreError:
+        """The one line for an endpoint that accepted no connection in time."""
+        return StoreError(
+            f"{self.endpoint_label()} accepted no connection within {CONNECT_TIMEOUT_S} s for "
+            f"{self.where(name)}; check {self.ENDPOINT_HINT} and the network"
+        )
+
+
+_S = TypeVar("_S", bound=ObjectStore)
+
+
+class _Errors:
+    """Translates a client library's exceptions (see :meth:`ObjectStore.errors`)."""
+
+    def __init__(self, store: ObjectStore, name: str, retried: bool) -> None:
+        self.store = store
+        self.name = name
+        self.retried = retried
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, e: BaseException | None, tb: Any) -> None:
+        if e is None or isinstance(e, Absent | Exists | FileNotFoundError):
+            return
+        if not isinstance(e, StoreError | ConfigError | Transient):
+            try:
+                self.store.translate(self.name, e)
+            except Transient as t:
+                if self.retried:
+                    raise
+                raise self.store.unanswered(self.name, t) from None
+        if isinstance(e, Transient) and not self.retried:
+            raise self.store.unanswered(self.name, e) from None
+
+
+def raise_translated(store: ObjectStore, name: str, e: BaseException) -> None:
+    """Raise what a user can act on for the client's error ``e`` (re-raise what is not one)."""
+    store.translate(name, e)
+
+
+def read_timeout() -> float:
+    """Seconds a request waits for an answer: ``$FEATBAKE_OBJECT_TIMEOUT``, else
+    ``$FEATBAKE_S3_TIMEOUT`` (its name before there were other clouds), else 20.
+
+    Raises:
+        ConfigError: the variable is not a positive number.
+    """
+    var = next((v for v in (READ_TIMEOUT_ENV, S3_TIMEOUT_ENV) if os.environ.get(v)), "")
+    if not var:
+        return READ_TIMEOUT_S
+    raw = os.environ[var]
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise ConfigError(f"${var} must be a number of seconds above 0, got {raw!r}")
+    return value
+
+
+def timeouts() -> tuple[float, float]:
+    """(connect, read) seconds, as the requests-based clients take them."""
+    return (CONNECT_TIMEOUT_S, read_timeout())
+
+
+def content_range_size(header: str | None, fallback: int) -> int:
+    """The whole object's size from a ``Content-Range: bytes 0-99/12345`` header.
+
+    Example:
+        >>> content_range_size("bytes 0-99/12345", 100), content_range_size(None, 7)
+        (12345, 7)
+    """
+    if not header:
+        return fallback
+    total = str(header).rpartition("/")[2]
+    return int(total) if total.isdigit() else fallback
+
+
+# == s3 ============================================================================================
+# The S3 API through boto3, one client per process.
+#
+# Chosen by measurement (``benchmarks/s3_clients.py``, docs/object_store.md). obstore spends a
+# third of boto3's client CPU per ranged GET, but its Rust runtime is process-global: after a
+# ``fork`` (DataLoader's default on Linux) any obstore call in the child hangs, even through a
+# client made in the child, once the parent has used obstore (measured: killed by an alarm after
+# 10 s; obstore#441). A bucket store reads whole shards into its local tier, where one request
+# moves megabytes and the per-request CPU does not show; there boto3 was as fast or faster (a
+# 64 MiB GET in 91 ms against 179), works after fork and spawn, and reads the whole AWS
+# configuration (``AWS_PROFILE``, SSO, instance roles) as users expect.
+#
+# Configuration is S3's standard environment: ``AWS_ENDPOINT_URL`` (MinIO, R2, Ceph, a loopback
+# server), ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` or ``AWS_PROFILE``, ``AWS_REGION``.
+# Endpoints other than AWS are addressed path-style, as litdata does. Throttling, 5xx answers and
+# connection errors are retried with backoff by botocore ("standard" mode); a download cut
+# mid-body is retried whole by :meth:`ObjectStore.download`.
+def listed_info(entry: Mapping[str, Any], strip: int) -> ObjectInfo:
+    """An object as a listing names it (``Contents[]``; its key less ``strip`` characters):
+    the same size, last change and ETag as a HEAD or a GET of it gives."""
+    return ObjectInfo(
+        entry["Key"][strip:],
+        int(entry["Size"]),
+        entry["LastModified"].timestamp(),
+        entry.get("ETag", "").strip('"'),
+    )
+
+
+@register("s3")
+class S3Objects(ObjectStore):
+    """``s3://bucket/prefix`` through boto3 (see the section's comment)."""
+
+    ENDPOINT_HINT = "AWS_ENDPOINT_URL"
+
+    def connect(self) -> Any:
+        try:
+            import boto3
+            from botocore import exceptions as bx
+            from botocore.config import Config
+        except ImportError:
+            raise ConfigError(
+                f"{self.url} is a bucket store, which needs the s3 extra: "
+                "pip install 'featbake[s3]' (boto3)"
+            ) from None
+        url = endpoint()
+        config = Config(
+            retries={"max_attempts": MAX_ATTEMPTS, "mode": "standard"},
+            s3={"addressing_style": "path"} if url else {},
+            connect_timeout=CONNECT_TIMEOUT_S,
+            read_timeout=read_timeout(),
+            max_pool_connections=CLIENT_CONNECTIONS,
+        )
+        try:
+            session = boto3.session.Session()
+            region = session.region_name or "us-east-1"
+            return session.client("s3", endpoint_url=url, region_name=region, config=config)
+        except bx.ProfileNotFound as e:
+            raise ConfigError(
+                f"{e} (AWS_PROFILE={os.environ.get('AWS_PROFILE', '')!r}); name a profile in "
+                "~/.aws/config, or unset AWS_PROFILE and set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY"
+            ) from None
+        except (ValueError, bx.BotoCoreError) as e:
+            raise ConfigError(
+                f"cannot make an S3 client for {self.url} at {endpoint_label()}: "
+                f"{redact(str(e))}; check AWS_ENDPOINT_URL, AWS_REGION and AWS_PROFILE"
+            ) from None
+
+    def endpoint_label(self) -> str:
+        return endpoint_label()
+
+    def tier_folder(self) -> str:
+        return endpoint_folder(endpoint())
+
+    def list_page(
+        self, prefix: str, after: str = "", *, keys: int = LIST_PAGE_KEYS, delimiter: str = ""
+    ) -> ListedPage:
+        strip = len(self.key(""))
+        options: dict[str, Any] = {
+            "Bucket": self.url.bucket,
+            "Prefix": self.key(prefix),
+            "MaxKeys": keys,
+        }
+        if after:
+            options["StartAfter"] = self.key(after)
+        if delimiter:
+            options["Delimiter"] = delimiter
+        with self.errors(prefix):
+            got = self.client.list_objects_v2(**options)
+        objects = [listed_info(o, strip) for o in got.get("Contents", ())]
+        folders = [str(p["Prefix"])[strip:] for p in got.get("CommonPrefixes", ())]
+        last = max([o.name for o in objects[-1:]] + folders[-1:], default="")
+        return ListedPage(objects, last, bool(got.get("IsTruncated")))
+
+    def head(self, name: str) -> ObjectInfo | None:
+        try:
+            with self.errors(name):
+                h = self.client.head_object(Bucket=self.url.bucket, Key=self.key(name))
+        except Absent:
+            return None
+        return ObjectInfo(
+            name, int(h["ContentLength"]), h["LastModified"].timestamp(), h["ETag"].strip('"')
+        )
+
+    def get_once(self, name: str, start: int = 0, length: int | None = None) -> ObjectBytes:
+        options = {} if length is None else {"Range": f"bytes={start}-{start + length - 1}"}
+        got = self.client.get_object(Bucket=self.url.bucket, Key=self.key(name), **options)
+        body = got["Body"]
+        try:
+            data = body.read()
+        finally:
+            body.close()
+        if len(data) != int(got["ContentLength"]):
+            raise Transient(f"{self.where(name)} ended after {len(data)} bytes")
+        size = len(data)
+        if length is not None:
+            if "ContentRange" in got:
+                size = content_range_size(got["ContentRange"], size)
+            else:  # the range ignored: the whole object came
+                data = data[start : start + length]
+        info = ObjectInfo(name, size, got["LastModified"].timestamp(), got["ETag"].strip('"'))
+        return ObjectBytes(info, bytes(data))
+
+    def download_once(self, name: str, dest: Path) -> int:
+        size = 0
+        # Into the file as it is (its space may be reserved), cut to the object's size after.
+        with open(dest, "r+b" if dest.exists() else "wb") as f:
+            got = self.client.get_object(Bucket=self.url.bucket, Key=self.key(name))
+            expected = int(got["ContentLength"])
+            body = got["Body"]
+            try:
+                for chunk in body.iter_chunks(CHUNK):
+                    size += f.write(chunk)
+            finally:
+                body.close()
+            f.truncate(size)
+        if size != expected:
+            raise Transient(f"{self.where(name)} ended after {size} of {expected} bytes")
+        return size
+
+    def put(self, name: str, src: Path, *, create: bool) -> None:
+        if create or os.path.getsize(src) < SINGLE_PUT_BYTES:
+            # One request on this thread (up to 5 GB): a dataset's last uses are uploaded by
+            # its finalizer at exit, after the interpreter refuses new threads, which
+            # upload_file's transfer pool needs (the uses were lost in silence).
+            with open(src, "rb") as f:
+                extra = {"IfNoneMatch": "*"} if create else {}
+                self.client.put_object(Bucket=self.url.bucket, Key=self.key(name), Body=f, **extra)
+        else:  # multipart above boto3's threshold
+            self.client.upload_file(os.fspath(src), self.url.bucket, self.key(name))
+
+    def delete(self, names: Iterable[str]) -> None:
+        batch = list(names)
+        for i in range(0, len(batch), 1000):
+            objects = [{"Key": self.key(n)} for n in batch[i : i + 1000]]
+            with self.errors(batch[i]):
+                self.client.delete_objects(
+                    Bucket=self.url.bucket, Delete={"Objects": objects, "Quiet": True}
+                )
+
+    def translate(self, name: str, e: BaseException) -> None:
+        from botocore import exceptions as bx
+
+        if isinstance(e, bx.NoCredentialsError | bx.PartialCredentialsError):
+            raise StoreError(
+                f"no credentials for {self.url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+                "(or AWS_PROFILE), and AWS_ENDPOINT_URL for a server other than AWS; then run "
+                "this again"
+            ) from None
+        if isinstance(e, bx.IncompleteReadError | bx.ResponseStreamingError | bx.ReadTimeoutError):
+            raise Transient(str(e)) from e
+        if isinstance(e, bx.ConnectTimeoutError):
+            raise self.no_connection(name) from None
+        if isinstance(e, bx.EndpointConnectionError | bx.ConnectionClosedError):
+            raise self.unreachable(name, e) from None
+        if not isinstance(e, bx.ClientError):
+            raise e
+        self._raise_client_error(name, e)
+
+    def _raise_client_error(self, name: str, e: Any) -> None:
+        code = str(e.response.get("Error", {}).get("Code", ""))
+        if code == "NoSuchBucket":
+            raise self.no_bucket() from None
+        if code in ("404", "NoSuchKey", "NotFound"):
+            raise Absent(name) from None
+        if code in ("412", "PreconditionFailed", "ConditionalRequestConflict"):
+            raise Exists(name) from None
+        if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+            raise self.denied(
+                name,
+                code,
+                "the credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY or AWS_PROFILE) and "
+                "the bucket's policy",
+            ) from None
+        raise StoreError(f"{self.where(name)}: {code or type(e).__name__}: {redact(str(e))}") from e
+
+
+# == gcs ===========================================================================================
+# Google Cloud Storage through google-cloud-storage (the JSON API over requests).
+#
+# Credentials are Application Default Credentials (``GOOGLE_APPLICATION_CREDENTIALS``, ``gcloud
+# auth application-default login``, a VM's service account); with ``STORAGE_EMULATOR_HOST``
+# set (fake-gcs-server, the tests) the client is anonymous and talks to that endpoint. A version
+# tag is the object's generation (a number that changes with each write), and a create-only put
+# is ``ifGenerationMatch=0``. Files above 8 MiB go up as resumable uploads (the library's rule).
+# A GET through the library does not give the object's size and last change, so a read that
+# must return them asks the metadata first and then GETs that very generation
+# (``ifGenerationMatch``): the bytes and the info belong together, at two requests.
+@register("gs")
+class GCSObjects(ObjectStore):
+    """``gs://bucket/prefix`` through google-cloud-storage (see the section's comment)."""
+
+    ENDPOINT_HINT = "STORAGE_EMULATOR_HOST or the Application Default Credentials"
+
+    def connect(self) -> Any:
+        try:
+            from google.auth import exceptions as ax
+            from google.auth.credentials import AnonymousCredentials
+            from google.cloud import storage
+        except ImportError:
+            raise ConfigError(
+                f"{self.url} is a Google Cloud Storage store, which needs the gcs extra: "
+                "pip install 'featbake[gcs]' (google-cloud-storage)"
+            ) from None
+        project = os.environ.get("GOOGLE_CLOUD_PROJECT") or None
+        try:
+            if os.environ.get("STORAGE_EMULATOR_HOST"):
+                client = storage.Client(
+                    project=project or "featbake", credentials=AnonymousCredentials()
+                )
+            else:
+                client = storage.Client(project=project)
+        except ax.DefaultCredentialsError:
+            raise self.no_credentials() from None
+        except (ValueError, OSError) as e:
+            raise ConfigError(
+                f"cannot make a Google Cloud Storage client for {self.url}: {redact(str(e))}; "
+                "check GOOGLE_CLOUD_PROJECT and the Application Default Credentials"
+            ) from None
+        return client.bucket(self.url.bucket)
+
+    def no_credentials(self) -> StoreError:
+        """The one line for no Application Default Credentials."""
+        return StoreError(
+            f"no credentials for {self.url}: run `gcloud auth application-default login`, or set "
+            "GOOGLE_APPLICATION_CREDENTIALS to a service account's key file "
+            "(STORAGE_EMULATOR_HOST for an emulator); then run this again"
+        )
+
+    def endpoint_label(self) -> str:
+        return redact(gcs_endpoint(os.environ))
+
+    def tier_folder(self) -> str:
+        return "gs_" + endpoint_folder(gcs_endpoint(os.environ))
+
+    def _options(self) -> dict[str, Any]:
+        """Each call's timeouts, and its tries: what the library retries (429, 5xx, dropped
+        connections) and an answer that did not come in time, backing off 1, 2, 4 s, within
+        :data:`MAX_ATTEMPTS` reads' time and those waits."""
+        import requests
+        from google.api_core.retry import Retry, if_transient_error
+
+        def worth_again(e: Exception) -> bool:
+            return bool(if_transient_error(e)) or isinstance(e, requests.exceptions.Timeout)
+
+        deadline = read_timeout() * MAX_ATTEMPTS + 7
+        retry = Retry(predicate=worth_again, initial=1, multiplier=2, maximum=4, timeout=deadline)
+        return {"timeout": timeouts(), "retry": retry}
+
+    def _info(self, blob: Any, strip: int) -> ObjectInfo:
+        return ObjectInfo(
+            blob.name[strip:], int(blob.size or 0), blob.updated.timestamp(), str(blob.generation)
+        )
+
+    def list_page(
+        self, prefix: str, after: str = "", *, keys: int = LIST_PAGE_KEYS, delimiter: str = ""
+    ) -> ListedPage:
+        strip = len(self.key(""))
+        start = self.key(after) if after else None
+        options = self._options()
+        with self.errors(prefix):
+            bucket = self.client
+            pages = bucket.client.list_blobs(
+                bucket,
+                prefix=self.key(prefix),
+                start_offset=start,  # GCS starts AT a name: the name itself is dropped below
+                page_size=keys + 1 if after else keys,
+                delimiter=delimiter or None,
+                **options,
+            )
+            try:
+                page = next(pages.pages)
+                blobs = [b for b in page if b.name != start]
+                rolled = sorted(p for p in page.prefixes if start is None or p > start)
+            except StopIteration:
+                blobs, rolled = [], []
+            truncated = pages.next_page_token is not None or len(blobs) > keys
+        objects = [self._info(b, strip) for b in blobs[:keys]]
+        folders = [p[strip:] for p in rolled]
+        last = max([o.name for o in objects[-1:]] + folders[-1:], default="")
+        return ListedPage(objects, last, truncated)
+
+    def head(self, name: str) -> ObjectInfo | None:
+        options = self._options()
+        with self.errors(name):
+            blob = self.client.get_blob(self.key(name), **options)
+        return None if blob is None else self._info(blob, len(self.key("")))
+
+    def get_once(self, name: str, start: int = 0, length: int | None = None) -> ObjectBytes:
+        info = self.head(name)
+        if info is None:
+            raise Absent(name)
+        blob = self.client.blob(self.key(name), generation=int(info.etag))
+        end = None if length is None else start + length - 1
+        if length is None:
+            data = blob.download_as_bytes(**self._options())
+        elif start >= info.size:
+            data = b""
+        else:
+            data = blob.download_as_bytes(start=start, end=end, checksum=None, **self._options())
+        if length is None and len(data) != info.size:
+            raise Transient(f"{self.where(name)} ended after {len(data)} of {info.size} bytes")
+        return ObjectBytes(info, data)
+
+    def download_once(self, name: str, dest: Path) -> int:
+        blob = self.client.blob(self.key(name))
+        with open(dest, "r+b" if dest.exists() else "wb") as f:
+            blob.download_to_file(f, **self._options())  # checked: MD5/CRC32C of the whole
+            size = f.tell()
+            f.truncate(size)
+        return size
+
+    def put(self, name: str, src: Path, *, create: bool) -> None:
+        blob = self.client.blob(self.key(name))
+        condition = {"if_generation_match": 0} if create else {}
+        blob.upload_from_filename(os.fspath(src), **condition, **self._options())
+
+    def delete(self, names: Iterable[str]) -> None:
+        for name in names:
+            with contextlib.suppress(Absent), self.errors(name):
+                self.client.delete_blob(self.key(name), **self._options())
+
+    def translate(self, name: str, e: BaseException) -> None:
+        import requests
+        from google.api_core import exceptions as gx
+        from google.auth import exceptions as ax
+        from google.cloud.storage import exceptions as sx
+
+        if isinstance(e, gx.RetryError) and isinstance(e.cause, Exception):
+            self.translate(name, e.cause)  # what the last try met, after the library's tries
+        if isinstance(e, ax.DefaultCredentialsError | ax.RefreshError):
+            raise self.no_credentials() from None
+        if isinstance(e, gx.PreconditionFailed):
+            raise Exists(name) from None
+        if isinstance(e, gx.NotFound):
+            if "bucket" in str(e).lower() or name.endswith("/") or not name:
+                raise self.no_bucket() from None
+            raise Absent(name) from None
+        if isinstance(e, gx.Forbidden | gx.Unauthorized):
+            raise self.denied(
+                name, f"{e.code}", "the Application Default Credentials and the bucket's IAM"
+            ) from None
+        if isinstance(e, requests.exceptions.ConnectTimeout):
+            raise self.no_connection(name) from None
+        if isinstance(
+            e,
+            requests.exceptions.ReadTimeout
+            | requests.exceptions.ChunkedEncodingError
+            | sx.DataCorruption,
+        ):
+            raise Transient(str(e)) from e
+        if isinstance(e, requests.exceptions.ConnectionError):
+            raise self.unreachable(name, e) from None
+        if isinstance(e, gx.GoogleAPICallError):
+            raise StoreError(f"{self.where(name)}: {e.code}: {redact(str(e.message))}") from e
+        raise e
+
+
+# == azure =========================================================================================
+# Azure Blob Storage through azure-storage-blob; ``az://container/prefix`` in the storage
+# account the environment names.
+#
+# ``AZURE_STORAGE_CONNECTION_STRING`` (Azurite's, or an account's from the portal), else
+# ``AZURE_STORAGE_ACCOUNT_NAME`` with ``AZURE_STORAGE_KEY``, else with azure-identity's
+# ``DefaultAzureCredential`` (managed identity, ``az login``) when that package is installed.
+# A create-only put is ``If-None-Match: *`` (``overwrite=False``); files above 64 MiB go up as
+# blocks. A listing cannot start after a name (Azure has no StartAfter), so a page asked to
+# start after one reads the listing from the prefix's start and passes over the names up to it.
+@register("az")
+class AzureObjects(ObjectStore):
+    """``az://container/prefix`` through azure-storage-blob (see the section's comment)."""
+
+    ENDPOINT_HINT = "AZURE_STORAGE_CONNECTION_STRING or AZURE_STORAGE_ACCOUNT_NAME"
+
+    def connect(self) -> Any:
+        try:
+            from azure.storage.blob import BlobServiceClient, ExponentialRetry
+        except ImportError:
+            raise ConfigError(
+                f"{self.url} is an Azure Blob store, which needs the azure extra: "
+                "pip install 'featbake[azure]' (azure-storage-blob)"
+            ) from None
+        options: dict[str, Any] = {
+            "connection_timeout": CONNECT_TIMEOUT_S,
+            "read_timeout": read_timeout(),
+            # The SDK's default waits 15 s, then 18, 24 before its tries: a stalled endpoint
+            # would take a minute to become one line. 1, 3 and 5 s here, as botocore's order.
+            "retry_policy": ExponentialRetry(
+                initial_backoff=1,
+                increment_base=2,
+                retry_total=MAX_ATTEMPTS - 1,
+                random_jitter_range=1,
+            ),
+            "max_single_put_size": PART_BYTES,
+            "max_block_size": 8 << 20,
+            "max_single_get_size": PART_BYTES,
+        }
+        env = os.environ
+        connection = env.get("AZURE_STORAGE_CONNECTION_STRING", "")
+        account = "" if connection else azure_blob_endpoint(env)
+        credential = None if connection else self._credential()
+        try:
+            if connection:
+                service = BlobServiceClient.from_connection_string(connection, **options)
+            else:
+                service = BlobServiceClient(account, credential=credential, **options)
+        except ValueError as e:
+            raise ConfigError(
+                f"cannot make an Azure Blob client for {self.url}: {redact(str(e))}; check "
+                "AZURE_STORAGE_CONNECTION_STRING (or AZURE_STORAGE_ACCOUNT_NAME)"
+            ) from None
+        return service.get_container_client(self.url.bucket)
+
+    def _credential(self) -> Any:
+        key = os.environ.get("AZURE_STORAGE_KEY")
+        if key:
+            return key
+        try:
+            from azure.identity import DefaultAzureCredential
+        except ImportError:
+            raise ConfigError(
+                f"no credentials for {self.url}: set AZURE_STORAGE_CONNECTION_STRING, or "
+                "AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_KEY (or pip install "
+                "azure-identity for DefaultAzureCredential)"
+            ) from None
+        return DefaultAzureCredential()
+
+    def endpoint_label(self) -> str:
+        try:
+            return redact(azure_blob_endpoint(os.environ))
+        except ConfigError:
+            return "Azure (no AZURE_STORAGE_CONNECTION_STRING or AZURE_STORAGE_ACCOUNT_NAME)"
+
+    def tier_folder(self) -> str:
+        return "az_" + endpoint_folder(azure_blob_endpoint(os.environ))
+
+    def _info(self, props: Any, name: str, size: int | None = None) -> ObjectInfo:
+        return ObjectInfo(
+            name,
+            int(props.size if size is None else size),
+            props.last_modified.timestamp(),
+            str(props.etag).strip('"'),
+        )
+
+    def list_page(
+        self, prefix: str, after: str = "", *, keys: int = LIST_PAGE_KEYS, delimiter: str = ""
+    ) -> ListedPage:
+        strip = len(self.key(""))
+        start = self.key(after) if after else ""
+        listed: list[tuple[str, Any]] = []  # (key, properties or None for a sub-folder)
+        truncated = False
+        with self.errors(prefix):
+            container = self.client
+            if delimiter:
+                items = container.walk_blobs(
+                    name_starts_with=self.key(prefix), delimiter=delimiter, results_per_page=keys
+                )
+            else:
+                items = container.list_blobs(
+                    name_starts_with=self.key(prefix), results_per_page=keys
+                )
+            for item in items:
+                if item.name <= start:
+                    continue
+                if len(listed) == keys:
+                    truncated = True
+                    break
+                folder = not hasattr(item, "last_modified")
+                listed.append((item.name, None if folder else item))
+        objects = [self._info(p, k[strip:]) for k, p in listed if p is not None]
+        folders = [k[strip:] for k, p in listed if p is None]
+        last = max([o.name for o in objects[-1:]] + folders[-1:], default="")
+        return ListedPage(objects, last, truncated)
+
+    def head(self, name: str) -> ObjectInfo | None:
+        try:
+            with self.errors(name):
+                props = self.client.get_blob_client(self.key(name)).get_blob_properties()
+        except Absent:
+            return None
+        return self._info(props, name)
+
+    def get_once(self, name: str, start: int = 0, length: int | None = None) -> ObjectBytes:
+        blob = self.client.get_blob_client(self.key(name))
+        if length is None:
+            got = blob.download_blob(max_concurrency=1)
+        else:
+            got = blob.download_blob(offset=start, length=length, max_concurrency=1)
+        data = got.readall()
+        if len(data) != got.size:
+            raise Transient(f"{self.where(name)} ended after {len(data)} of {got.size} bytes")
+        props = got.properties
+        size = len(data) if length is None else content_range_size(props.content_range, len(data))
+        return ObjectBytes(self._info(props, name, size), data)
+
+    def download_once(self, name: str, dest: Path) -> int:
+        blob = self.client.get_blob_client(self.key(name))
+        with open(dest, "r+b" if dest.exists() else "wb") as f:
+            got = blob.download_blob(max_concurrency=1)
+            size = got.readinto(f)
+            f.truncate(size)
+        if size != got.size:
+            raise Transient(f"{self.where(name)} ended after {size} of {got.size} bytes")
+        return size
+
+    def put(self, name: str, src: Path, *, create: bool) -> None:
+        blob = self.client.get_blob_client(self.key(name))
+        with open(src, "rb") as f:
+            blob.upload_blob(f, length=os.fstat(f.fileno()).st_size, overwrite=not create)
+
+    def delete(self, names: Iterable[str]) -> None:
+        for name in names:
+            with contextlib.suppress(Absent), self.errors(name):
+                self.client.delete_blob(self.key(name))
+
+    def translate(self, name: str, e: BaseException) -> None:
+        from azure.core import exceptions as zx
+
+        code = str(getattr(e, "error_code", "") or "")
+        if isinstance(e, zx.ResourceExistsError) or code in (
+            "ConditionNotMet",
+            "BlobAlreadyExists",
+        ):
+            raise Exists(name) from None
+        if isinstance(e, zx.ResourceNotFoundError):
+            if code == "ContainerNotFound":
+                raise self.no_bucket() from None
+            raise Absent(name) from None
+        if isinstance(e, zx.ClientAuthenticationError):
+            raise self.denied(
+                name,
+                code or type(e).__name__,
+                "AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT_NAME with "
+                "AZURE_STORAGE_KEY, and the container's access",
+            ) from None
+        if isinstance(e, zx.ServiceRequestTimeoutError):
+            raise self.no_connection(name) from None
+        if isinstance(e, zx.ServiceResponseError | zx.IncompleteReadError):
+            raise Transient(str(e)) from e
+        if isinstance(e, zx.ServiceRequestError):
+            raise self.unreachable(name, e) from None
+        if isinstance(e, zx.HttpResponseError):
+            if e.status_code == 403:
+                raise self.denied(name, code or "403", "the credentials") from None
+            raise StoreError(
+                f"{self.where(name)}: {code or e.status_code}: {redact(str(e.reason))}"
+            ) from e
+        raise e

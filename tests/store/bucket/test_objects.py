@@ -1,0 +1,158 @@
+"""The byte seam (``featbake.store.objects``): each scheme's class against its real server on
+loopback (moto, fake-gcs-server, Azurite) answers the same calls alike: paged listings with a
+start-after name and a delimiter, stat, whole and ranged GETs, create-only puts that one racer
+wins, deletes, and one-line errors for what is absent."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from featbake.errors import ConfigError, StoreError
+from featbake.store.objects import AzureObjects, GCSObjects, ObjectStore, S3Objects
+from featbake.store.url import BucketURL, azure_blob_endpoint, redact
+from tests.store.bucket.conftest import S3, Remote
+
+
+def store_of(place: Remote | S3) -> ObjectStore:
+    return ObjectStore(BucketURL.parse(place.url))
+
+
+def put(store: ObjectStore, tmp_path: Path, name: str, data: bytes, **kw: bool) -> bool:
+    src = tmp_path / "src.bin"
+    src.write_bytes(data)
+    return store.upload(name, src, **kw)
+
+
+def test_each_scheme_has_its_class() -> None:
+    kinds = {s: type(ObjectStore(BucketURL.parse(f"{s}://team/p"))) for s in ("s3", "gs", "az")}
+    assert kinds == {"s3": S3Objects, "gs": GCSObjects, "az": AzureObjects}
+
+
+def test_listing_stat_and_reads_agree_on_every_place(place: Remote | S3, tmp_path: Path) -> None:
+    store = store_of(place)
+    names = ["a/1.bin", "a/2.bin", "a/3.bin", "a/sub/4.bin", "b.bin"]
+    for i, name in enumerate(names):
+        assert put(store, tmp_path, name, bytes(range(i, i + 100)))
+    assert [o.name for o in store.list("a/")] == names[:4]
+    first = store.list_page("a/", keys=2)
+    assert [o.name for o in first.objects] == ["a/1.bin", "a/2.bin"] and first.truncated
+    rest = store.list_page("a/", after=first.last, keys=2)
+    assert [o.name for o in rest.objects] == ["a/3.bin", "a/sub/4.bin"]
+    rolled = store.list_page("a/", after="a/1.bin", delimiter="/")
+    assert [o.name for o in rolled.objects] == ["a/2.bin", "a/3.bin"]
+    assert rolled.last == "a/sub/" and not rolled.truncated
+
+    info = store.head("a/2.bin")
+    assert info is not None and info.size == 100 and info.etag
+    assert store.head("a/none.bin") is None
+    whole = store.read("a/2.bin")
+    assert whole.data == bytes(range(1, 101)) and whole.info == info
+    assert store.read_range("a/2.bin", 10, 5) == bytes(range(11, 16))
+    ranged = store.read_range_of("a/2.bin", 95, 10)  # fewer at its end
+    assert ranged.data == bytes(range(96, 101)) and ranged.info.size == 100
+    assert ranged.info.etag == info.etag
+    dest = tmp_path / "dest.bin"
+    dest.write_bytes(b"x" * 500)  # a reserved file: cut to the object's size
+    assert store.download("a/2.bin", dest) == 100 and dest.read_bytes() == whole.data
+    with pytest.raises(FileNotFoundError, match=r"a/none\.bin"):
+        store.read("a/none.bin")
+
+    store.delete(["a/1.bin", "a/none.bin"])  # one already gone is no error
+    assert [o.name for o in store.list("a/")] == names[1:4]
+
+
+def test_a_rewrite_changes_the_version_tag(place: Remote | S3, tmp_path: Path) -> None:
+    store = store_of(place)
+    put(store, tmp_path, "x.bin", b"one")
+    before = store.head("x.bin")
+    put(store, tmp_path, "x.bin", b"two")
+    after = store.head("x.bin")
+    assert before is not None and after is not None and before.etag != after.etag
+
+
+def test_of_two_racing_create_only_puts_one_wins(place: Remote | S3, tmp_path: Path) -> None:
+    """What keeps two merges from both publishing one catalog version."""
+    store = store_of(place)
+    won: dict[int, bool] = {}
+    start = threading.Barrier(2)
+
+    def racer(i: int) -> None:
+        src = tmp_path / f"v{i}.sqlite"
+        src.write_bytes(bytes([i]) * 1000)
+        start.wait()
+        won[i] = store.upload("catalog/v000000001.sqlite", src, create=True)
+
+    threads = [threading.Thread(target=racer, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(won.values()) == [False, True]
+    winner = next(i for i, w in won.items() if w)
+    assert store.read("catalog/v000000001.sqlite").data == bytes([winner]) * 1000
+    assert not put(store, tmp_path, "catalog/v000000001.sqlite", b"late", create=True)
+
+
+def test_a_missing_bucket_is_one_line(place: Remote | S3) -> None:
+    store = ObjectStore(BucketURL.parse(f"{place.url.split(':')[0]}://fb-nobucket-here/p"))
+    with pytest.raises(StoreError, match=r"the bucket 'fb-nobucket-here' does not exist"):
+        store.list("catalog/")
+
+
+def test_no_azure_account_is_one_line_saying_what_to_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT_NAME"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ConfigError, match=r"AZURE_STORAGE_CONNECTION_STRING.*ACCOUNT_NAME"):
+        ObjectStore(BucketURL.parse("az://features/p")).list("")
+
+
+def test_connection_strings_reach_no_message_and_no_tier_folder(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    secret = "c2VjcmV0a2V5"
+    connection = (
+        f"DefaultEndpointsProtocol=https;AccountName=team;AccountKey={secret};"
+        "EndpointSuffix=core.windows.net"
+    )
+    assert secret not in redact(f"cannot parse {connection}")
+    assert secret not in redact("https://team.blob.core.windows.net/c/x?sv=1&sig=c2VjcmV0a2V5")
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", connection)
+    assert azure_blob_endpoint({"AZURE_STORAGE_CONNECTION_STRING": connection}) == (
+        "https://team.blob.core.windows.net"
+    )
+    folder = ObjectStore(BucketURL.parse("az://features/p")).tier_folder()
+    assert folder == "az_team.blob.core.windows.net" and secret not in folder
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:4443")
+    assert ObjectStore(BucketURL.parse("gs://bb/p")).tier_folder() == "gs_127.0.0.1_4443"
+
+
+def test_an_azure_account_without_a_key_or_azure_identity_says_what_to_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for var in ("AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_NAME", "team")
+    monkeypatch.setitem(sys.modules, "azure.identity", None)  # not installed
+    with pytest.raises(
+        ConfigError,
+        match=r"^no credentials for az://features/p: set AZURE_STORAGE_CONNECTION_STRING, or "
+        r"AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_KEY \(or pip install azure-identity",
+    ):
+        ObjectStore(BucketURL.parse("az://features/p")).list("")
+
+
+def test_gcs_without_credentials_is_one_line_saying_what_to_run(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    pytest.importorskip("google.cloud.storage")
+    for var in ("STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path))  # no gcloud login here
+    monkeypatch.setenv("GCE_METADATA_HOST", "127.0.0.1:9")  # no VM's service account
+    monkeypatch.setenv("GCE_METADATA_IP", "127.0.0.1:9")
+    with pytest.raises(StoreError, match=r"^no credentials for gs://bb/p: run `gcloud auth"):
+        ObjectStore(BucketURL.parse("gs://bb/p")).list("")
