@@ -1103,16 +1103,34 @@ def cut_item(cut: Mapping[str, Any], paths: ToolPaths, where: str) -> tuple[str,
     return str(cut["id"]), Item(source.file, span, where, cut_row(cut), effects)
 
 
+#: What a cut's first supervision names that a cut's row carries under the same key.
+SUPERVISION_KEYS = ("speaker", "language", "gender")
+
+
 def cut_row(cut: Mapping[str, Any]) -> dict[str, Any]:
-    """A cut's carried columns: its supervisions' text and speaker, its recording's id."""
+    """A cut's carried columns: its recording's id; its supervisions' texts (joined by a space);
+    the first supervision's speaker, language and gender; and the ``custom`` fields of its
+    supervisions and of the cut itself (labels a recipe attached: ``cut.custom["label"]``),
+    the cut's last. featbake's own keys are never replaced by a custom field of that name.
+
+    Example:
+        >>> cut_row({"recording": {"id": "r"}, "custom": {"label": 3},
+        ...          "supervisions": [{"text": "hi", "language": "en"}]})
+        {'label': 3, 'recording': 'r', 'text': 'hi', 'language': 'en'}
+    """
     sups = [s for s in cut.get("supervisions") or [] if isinstance(s, Mapping)]
-    row: dict[str, Any] = {"recording": cut["recording"].get("id")}
+    custom: dict[str, Any] = {}
+    for fields in [s.get("custom") for s in sups] + [cut.get("custom")]:
+        if isinstance(fields, Mapping):
+            custom.update(fields)
+    row: dict[str, Any] = {**custom, "recording": cut["recording"].get("id")}
     texts = [str(s["text"]) for s in sups if s.get("text")]
     if texts:
         row["text"] = " ".join(texts)
-    speakers = [s["speaker"] for s in sups if s.get("speaker")]
-    if speakers:
-        row["speaker"] = speakers[0]
+    for key in SUPERVISION_KEYS:
+        named = [s[key] for s in sups if s.get(key)]
+        if named:
+            row[key] = named[0]
     return row
 
 

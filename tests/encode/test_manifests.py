@@ -951,3 +951,33 @@ def test_a_column_no_row_holds_is_one_line_and_the_tables_exit_code_for_every_la
     write_jsonl(tmp_path / "some.jsonl", [{"path": names[0]}, {"file": names[1]}])
     report = build(tmp_path / "some.jsonl", encoder_file, cache=store_dir, workers=0)
     assert report.encoded == 1 and [p for p, _ in report.failed] == ["some.jsonl:2"]
+
+
+def test_a_cuts_custom_fields_and_its_supervisions_language_and_gender_are_carried(
+    tmp_path: Path, encoder_file: Path, store_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lhotse cut's ``custom`` fields (the labels a recipe attaches), its supervision's
+    language, gender and custom fields reach ``ds.row(i)`` beside its text and speaker (before:
+    text, speaker and recording only, so a probe's labels were lost)."""
+    lhotse = pytest.importorskip("lhotse")
+    monkeypatch.chdir(tmp_path)
+    noise_wav(tmp_path / "utt.wav", 2.0, 16000, seed=21)
+    rec = lhotse.Recording.from_file("utt.wav")
+    sup = lhotse.SupervisionSegment(
+        "s0", rec.id, 0.0, 1.0, text="hello", speaker="spk1", language="en", gender="f",
+        custom={"emotion": "happy"},
+    )  # fmt: skip
+    cut = rec.to_cut().truncate(duration=1.0)
+    cut.supervisions = [sup]
+    cut.custom = {"label": 7, "emotion": "calm"}
+    lhotse.CutSet.from_cuts([cut]).to_file(tmp_path / "cuts.jsonl.gz")
+    report = build(tmp_path / "cuts.jsonl.gz", encoder_file, cache=store_dir, workers=0)
+    assert not report.failed and report.encoded == 1
+    ds = quiet_dataset(tmp_path / "cuts.jsonl.gz", encoder_file, store_dir, on_miss="error")
+    row = ds.row(0)
+    assert row["label"] == 7 and row["emotion"] == "calm"  # the cut's own custom field wins
+    assert (row["text"], row["speaker"], row["language"], row["gender"]) == (
+        "hello", "spk1", "en", "f",
+    )  # fmt: skip
+    want = encoded_now(encoder_file, cut.load_audio(), cut.sampling_rate)
+    torch.testing.assert_close(ds[0], want, rtol=1e-5, atol=1e-5)
