@@ -29,6 +29,7 @@ LEAVES = {
     "native",
     "kernels",
     "image_recipe",
+    "length_batches",
 }
 ALLOWED: dict[str, set[str]] = {
     "leaf": set(),

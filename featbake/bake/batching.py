@@ -19,6 +19,7 @@ import torch
 from featbake.encode.encoders import EXACT_TOLERANCE, LoadedEncoder, relative_error
 from featbake.encode.outputs import encode_batch, encode_padded
 from featbake.errors import ConfigError
+from featbake.length_batches import greedy_batches
 from featbake.recipe import Recipe
 
 # == pace ==========================================================================================
@@ -283,17 +284,7 @@ def plan_by_length(
         [[1, 3], [2, 0]]
     """
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-    batches: list[list[int]] = []
-    current: list[int] = []
-    for i in order:  # ascending: the item added is the batch's longest
-        too_long = pad_to(lengths[i]) * (len(current) + 1) > budget
-        if current and (len(current) >= batch_size or too_long):
-            batches.append(current)
-            current = []
-        current.append(i)
-    if current:
-        batches.append(current)
-    return batches
+    return greedy_batches(order, lengths, budget, batch_size, pad_to)
 
 
 # == guard choice ==================================================================================

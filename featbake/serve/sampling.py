@@ -62,6 +62,7 @@ import torch
 from torch.utils.data import StackDataset, Subset
 
 from featbake.errors import ConfigError
+from featbake.length_batches import greedy_batches
 
 #: Each item's int (a shard id, a length), as a list or a numpy array.
 Ints = Sequence[int] | np.ndarray
@@ -522,19 +523,9 @@ def frame_batches(
     key = np.log(np.maximum(lens, 1).astype(np.float64))
     if rng is not None:
         key = key + rng.uniform(0.0, LENGTH_NOISE, len(key))
-    out: list[list[int]] = []
-    batch: list[int] = []
-    longest = 0
-    cap = max_items or len(ix)
-    for j in np.argsort(key, kind="stable").tolist():
-        t = max(longest, int(lens[j]))
-        if batch and ((len(batch) + 1) * t > budget or len(batch) == cap):
-            out.append(batch)
-            batch, t = [], int(lens[j])
-        batch.append(int(ix[j]))
-        longest = t
-    out.append(batch)
-    return out
+    order = np.argsort(key, kind="stable").tolist()
+    cut = greedy_batches(order, lens.tolist(), budget, max_items or None)
+    return [[int(ix[j]) for j in batch] for batch in cut]
 
 
 def share_batches(
