@@ -657,7 +657,8 @@ def _root_rows(column: str | None) -> Any:
     as the build opened it; where it cannot be, one warning and no row columns."""
 
     def rows_for(root: Any) -> Any:
-        from featbake.encode.inputs import inputs_at, source_extensions
+        from featbake.encode.inputs import inputs_at
+        from featbake.encode.sources import source_extensions
         from featbake.errors import FeatbakeError
 
         source = root.recipe.get("source")

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from featbake.encode.containers import is_table, is_webdataset, table_at, webdataset_at
 from featbake.encode.fingerprints import HeldBytes, hash_inputs, resolve_path
 from featbake.encode.objects import BucketInputs, ObjectSource, object_stat, read_object
-from featbake.encode.sources import ScanResult, Source, scan_inputs
+from featbake.encode.sources import ScanResult, Source, scan_inputs, source_extensions
 from featbake.errors import ConfigError, FeatbakeError
 from featbake.progress import Progress
 from featbake.store.catalog import FileStat, HashCache, HashEntry, HashRow
@@ -262,15 +262,6 @@ class DigestView:
 
     def put_hashes(self, rows: Iterable[HashRow], *, recorded_ns: int | None = None) -> None:
         return None  # a what-if: nothing is recorded
-
-
-def source_extensions(kind: str) -> tuple[str, ...]:
-    """The extensions a source kind reads (``source_for``'s sources, without making one)."""
-    if kind == "image":
-        from featbake.encode.images import IMAGE_EXTENSIONS
-
-        return IMAGE_EXTENSIONS
-    return {"text": (".txt",), "npy": (".npy",)}.get(kind, (".wav", ".flac", ".ogg", ".mp3"))
 
 
 def redigested(

@@ -399,6 +399,23 @@ def load_text_tokenizer(steps: TextRecipe) -> Any:
     return tokenizer
 
 
+def source_extensions(kind: str) -> tuple[str, ...]:
+    """The extensions a source kind reads: :func:`source_for`'s source's ``extensions``,
+    without making one (no tokenizer loaded, no recipe needed).
+
+    Example:
+        >>> source_extensions("npy"), ".wav" in source_extensions("audio")
+        (('.npy',), True)
+    """
+    if kind == "image":
+        from featbake.encode.images import IMAGE_EXTENSIONS  # Pillow only for image builds
+
+        return IMAGE_EXTENSIONS
+    if kind == "text":
+        return TextSource.extensions
+    return NpySource.extensions if kind == "npy" else _soundfile_extensions()
+
+
 def source_for(recipe: Recipe) -> Source:
     """The source adapter that the recipe names."""
     if recipe.source == "text":
