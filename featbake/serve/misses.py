@@ -26,6 +26,7 @@ from featbake.encode.fingerprints import (
     file_fingerprint,
 )
 from featbake.encode.hf import is_hf_folder
+from featbake.encode.inputs import DigestView
 from featbake.encode.loaders import is_import_path, load_encoder
 from featbake.encode.outputs import encode_batch, stored_parts
 from featbake.encode.sources import CheckingSource, Source, load_unchanged
@@ -197,9 +198,12 @@ def live_encoding_warning(
         "featbake: 2 of 2 items of imgs ... other options: image.crop=[224, 224] in the store..."
     """
     same = [b for b in builds if b.encoder_label == encoder and dict(b.recipe) != dict(asked)]
-    if not missing or not same or copied_not_encoded(asked, same[0].recipe):
-        return None
-    diffs = recipe_differences(flat_recipe(asked), flat_recipe(same[0].recipe))
+    if not missing or not same or any(copied_not_encoded(asked, b.recipe) for b in same):
+        return None  # one whole-output build among them: its parts are copied, not encoded
+    # The build nearest the asked recipe names what to change (not whichever was listed first).
+    diffs = min(
+        (recipe_differences(flat_recipe(asked), flat_recipe(b.recipe)) for b in same), key=len
+    )
     return (
         f"featbake: {missing} of {total} items of {data} are not in the store for this recipe "
         f"and will be encoded live on first read, although the store built {data} with this "
@@ -241,6 +245,21 @@ def current_digest(cached: Mapping[str, HashEntry], path: str) -> str | None:
         return None
 
 
+def current_digests(st: ProcessState, index: Index, paths: Sequence[str]) -> dict[str, str]:
+    """path -> its digest now, for the ``paths`` that can be read: through the dataset's inputs
+    (a tar member's, a table cell's and a segment's digest are not their path's file's), the
+    hash cache consulted and nothing recorded; a list of files by :func:`current_digest`."""
+    if index.inputs is None:
+        cached = st.catalog.cached_hashes(paths)
+        found = {p: current_digest(cached, p) for p in paths}
+        return {p: d for p, d in found.items() if d is not None}
+    try:
+        digests, _ = index.inputs.hash(DigestView(st.catalog, {}), list(paths))
+    except FeatbakeError:
+        return {}  # unreadable now: such items are encoded like any miss
+    return digests
+
+
 def copied_parts(
     st: ProcessState,
     reads: Reads,
@@ -257,10 +276,10 @@ def copied_parts(
         return {}
     part = str(recipe.output)
     paths = [index.path(i) for i in idx]
-    cached = st.catalog.cached_hashes(paths)
+    digests = current_digests(st, index, paths)
     out: dict[int, Parts] = {}
     for i, path in zip(idx, paths, strict=True):
-        sha = current_digest(cached, path)
+        sha = digests.get(path)
         if sha is None or feature_key(fps[0], fps[1], sha) != index.key(i):
             continue
         whole = reads.locate(st, feature_key(fps[0], whole_fp, sha))

@@ -87,3 +87,53 @@ def test_cache_info_in_the_main_process_says_workers_count_apart(
     with pytest.warns(UserWarning, match="DataLoader workers count .* in their own processes"):
         info = ds.cache_info()
     assert info.store_reads == len(ds)  # this process's own, from the first epoch
+
+
+def test_one_part_of_a_whole_output_store_is_copied_for_webdataset_members_not_encoded(
+    tmp_path: Path, multi_encoder_file: Path, audio_dir: Path
+) -> None:
+    """A dataset asking one part (``Recipe(output="pooled")``) over webdataset shards whose
+    store holds the whole output copies the stored part, as it does over a folder: before, the
+    members' digests were looked up as if they were files, none was found, and every item was
+    encoded live without a word (issue 43 item 3)."""
+    import io
+    import tarfile
+
+    from featbake.bake.pipeline import build
+    from featbake.recipe import Recipe
+    from featbake.serve.dataset import CachedFeatureDataset
+    from tests.helpers import Live
+
+    clips = sorted(audio_dir.rglob("*.wav"))[:4]
+    shard = tmp_path / "shard-000.tar"
+    with tarfile.open(shard, "w") as tf:
+        for i, clip in enumerate(clips):
+            data = clip.read_bytes()
+            info = tarfile.TarInfo(f"s{i:02d}.wav")
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    store = tmp_path / "store"
+    assert build(shard, multi_encoder_file, cache=store, workers=0).encoded == 4
+    ds = CachedFeatureDataset(
+        shard, multi_encoder_file, cache=store, recipe=Recipe(output="pooled")
+    )
+    live = Live()
+    for i, clip in enumerate(clips):
+        torch.testing.assert_close(ds[i], live(multi_encoder_file, clip)["pooled"])
+    info = ds.cache_info()
+    assert info.encoded == 0, info  # every part was copied from the whole output
+
+
+def test_the_live_encoding_warning_looks_at_every_stored_build_of_the_data() -> None:
+    """With a whole-output build and another beside it, a dataset asking one part copies it
+    from the whole output: no warning. Before, only the first build listed was compared, so the
+    warning named that build's options and said items would be encoded live, and none was."""
+    from featbake.serve.misses import live_encoding_warning
+
+    asked = {"dtype": "float32", "output": "pooled", "crop": 196}
+    other = StoredBuild("enc", {"dtype": "float16", "output": "pooled", "crop": 224})
+    whole = StoredBuild("enc", {"dtype": "float32", "output": None, "crop": 196})
+    assert live_encoding_warning("imgs", 3, 3, "enc", asked, [other, whole]) is None
+    near = StoredBuild("enc", {"dtype": "float32", "output": "pooled", "crop": 224})
+    told = live_encoding_warning("imgs", 3, 3, "enc", asked, [other, near])
+    assert told is not None and "crop=224" in told and "dtype" not in told.split("options:")[1]
