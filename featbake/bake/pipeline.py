@@ -368,6 +368,7 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
                 bake.load_encoder_unless_stored(todo)  # before the manifest, as it always was
                 bake.publish_manifest()
             bake.encode_missing(bake.leave_to_other_ranks(todo, spec))
+            bake.record_undecodable()
             if catalog.fragmented:
                 bake.report.fragment = catalog.finish()
                 bake.report.merged = finish_part(layout, spec)
@@ -598,6 +599,15 @@ class _Bake:
         self.report.failed.append((rel, reason))
         if self.options.strict:
             raise error
+
+    def record_undecodable(self) -> None:
+        """Record beside the root the keys of the inputs its manifest names that this build
+        skipped (undecodable, or failing the encoder), so that a dataset leaves them out as
+        the build did instead of calling them misses (see store/catalog.py, ``undecodable``).
+        Inputs skipped before they had a key (unreadable, not regular files) are not named."""
+        reasons = dict(self.report.failed)
+        failed = {key: reasons[rel] for rel, key in self.manifest if rel in reasons}
+        self.catalog.record_undecodable(self.report.root, failed)
 
     def publish_manifest(self) -> None:
         """Publish the root's manifest before encoding.
