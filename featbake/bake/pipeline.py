@@ -40,7 +40,6 @@ from featbake.bake.threads import (
     HeldSource,
     WriterThread,
     decoded_items,
-    worker_death,
 )
 from featbake.device import check_device, process_cpus, torch_threads
 from featbake.encode.containers import Table, WebDataset
@@ -659,9 +658,8 @@ class _Bake:
                 stats = [self.hashed_stats.get(p) for p in run.paths]
                 source = HeldSource(self.source, self.held) if len(self.held) else self.source
                 items = decoded_items(run.paths, source, threads.decode_workers, stats)
-                run.feed(items, runner, checkpoint)
-            except RuntimeError as e:  # torch's SIGCHLD handler can raise it anywhere
-                raise (worker_death(e) or e) from None
+                with contextlib.closing(items):  # its workers shut down here, whatever is raised
+                    run.feed(items, runner, checkpoint)
             finally:
                 # Seal what was encoded, also on Ctrl-C or a strict failure: nothing is lost.
                 self.held.clear()
