@@ -311,7 +311,8 @@ def without_undecodable(
     named = [k for k in dict.fromkeys(keys) if k in failed]
     if not named:
         return rel_paths, keys, hashed
-    left_out = set(named) - set(catalog.locate_many(named))
+    stored = {k for k, locs in catalog.locate_many(named).items() if locs}
+    left_out = set(named) - stored
     out = [i for i, k in enumerate(keys) if k in left_out]
     if not out:
         return rel_paths, keys, hashed

@@ -891,8 +891,8 @@ def recorded_serve_dtype(layout: Layout, name: str) -> str | None:
 # bytes under that encoder and recipe only: a file fixed since hashes to another key, which the
 # record does not name (the next build encodes it). A file beside the manifest, as the fidelity
 # record is: written once per build, after encoding, without a schema migration; dropping the
-# root removes it. A build done in parts writes none (each part sees its own failures only):
-# a dataset then keeps treating those inputs as misses.
+# root removes it. A build through fragments (in parts, or into a bucket store) writes none
+# (a part sees its own failures only): a dataset then keeps treating those inputs as misses.
 def undecodable_file(layout: Layout, name: str) -> Path:
     """``roots/<name>.undecodable`` (not ``.json``: upkeep reads every ``*.json`` as a manifest)."""
     return layout.roots / f"{checked_root_name(name)}.undecodable"

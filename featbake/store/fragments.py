@@ -792,7 +792,8 @@ class FragmentCatalog:
         self._fidelity = json.dumps({"measured": measured.to_json(), "bound": bound})
 
     def record_undecodable(self, root: str, failed: dict[str, str]) -> None:
-        """Nothing: a part sees only its own failures, so a build in parts records none."""
+        """Nothing: a part sees only its own failures, so a build through fragments (in parts,
+        or into a bucket store) records none; its datasets call those inputs misses, as before."""
 
     def add_shard(self, shard: SealedShard, now: float | None = None) -> int:
         """Seal a fragment naming a shard just sealed; returns its features (new or not).
