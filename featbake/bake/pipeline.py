@@ -40,7 +40,6 @@ from featbake.bake.threads import (
     HeldSource,
     WriterThread,
     decoded_items,
-    worker_death,
 )
 from featbake.device import check_device, process_cpus, torch_threads
 from featbake.encode.containers import Table, WebDataset
@@ -376,6 +375,7 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
                 bake.load_encoder_unless_stored(todo)  # before the manifest, as it always was
                 bake.publish_manifest()
             bake.encode_missing(bake.leave_to_other_ranks(todo, spec))
+            bake.record_undecodable()
             if catalog.fragmented:
                 bake.report.fragment = catalog.finish()
                 bake.report.merged = finish_part(layout, spec)
@@ -607,6 +607,15 @@ class _Bake:
         if self.options.strict:
             raise error
 
+    def record_undecodable(self) -> None:
+        """Record beside the root the keys of the inputs its manifest names that this build
+        skipped (undecodable, or failing the encoder), so that a dataset leaves them out as
+        the build did instead of calling them misses (see store/catalog.py, ``undecodable``).
+        Inputs skipped before they had a key (unreadable, not regular files) are not named."""
+        reasons = dict(self.report.failed)
+        failed = {key: reasons[rel] for rel, key in self.manifest if rel in reasons}
+        self.catalog.record_undecodable(self.report.root, failed)
+
     def publish_manifest(self) -> None:
         """Publish the root's manifest before encoding.
 
@@ -657,9 +666,8 @@ class _Bake:
                 stats = [self.hashed_stats.get(p) for p in run.paths]
                 source = HeldSource(self.source, self.held) if len(self.held) else self.source
                 items = decoded_items(run.paths, source, threads.decode_workers, stats)
-                run.feed(items, runner, checkpoint)
-            except RuntimeError as e:  # torch's SIGCHLD handler can raise it anywhere
-                raise (worker_death(e) or e) from None
+                with contextlib.closing(items):  # its workers shut down here, whatever is raised
+                    run.feed(items, runner, checkpoint)
             finally:
                 # Seal what was encoded, also on Ctrl-C or a strict failure: nothing is lost.
                 self.held.clear()

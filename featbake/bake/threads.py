@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, BinaryIO
 
@@ -150,7 +150,7 @@ class _ArrayDataset(Dataset):
 
 def decoded_items(
     paths: Sequence[str], source: Source, workers: int, stats: Sequence[FileStat | None]
-) -> Iterator[tuple[int, Any]]:
+) -> Generator[tuple[int, Any], None, None]:
     """(index, tensor) for each path, or (index, reason) for one that cannot be decoded.
 
     Without decode workers (``workers=0``, the default on 2 CPUs beside a CPU encoder) the
@@ -174,20 +174,21 @@ def decoded_items(
         persistent_workers=False,
         worker_init_fn=functools.partial(init_worker, parent_pid=os.getpid()),
     )
-    with _WorkerWatch() as watch:
-        try:
-            for i, x in loader:
-                watch.arm()
-                yield i, (torch.from_numpy(x) if isinstance(x, np.ndarray) else x)
-        except RuntimeError as e:
-            raise (worker_death(e) or e) from None
+    with workers_unchecked_by_torch(loader) as batches, _WorkerWatch() as watch:
+        while True:
+            try:
+                with watch.waiting():
+                    i, x = next(batches)
+            except StopIteration:
+                return
+            except RuntimeError as e:  # torch's own status check in next(): a worker is gone
+                raise (worker_death(e) or e) from None
+            watch.arm()
+            yield i, (torch.from_numpy(x) if isinstance(x, np.ndarray) else x)
 
 
 def worker_death(e: BaseException) -> SourceError | None:
-    """The clear error for torch's "DataLoader worker ... killed" RuntimeError, else None.
-
-    torch raises it from a SIGCHLD handler, so it can surface anywhere in the main thread.
-    """
+    """The clear error for torch's "DataLoader worker ... killed" RuntimeError, else None."""
     text = str(e)
     if not isinstance(e, RuntimeError) or not text.startswith("DataLoader worker"):
         return None
@@ -202,14 +203,52 @@ def worker_died(what: str) -> SourceError:
     )
 
 
+@contextlib.contextmanager
+def workers_unchecked_by_torch(loader: DataLoader) -> Iterator[Iterator[Any]]:
+    """``loader``'s iterator, with torch's SIGCHLD check kept off while its workers are up.
+
+    torch installs (once per process) a SIGCHLD handler that raises "DataLoader worker ... is
+    killed by signal" wherever the main thread is when any child ends while a dead worker is
+    registered: in the iterator's ``__del__`` as it shuts the other workers down (an
+    "Exception ignored" traceback on stderr), in a ``finally``, in the CLI printing its line.
+    Which one it hit was a matter of timing (a busy machine printed the traceback). Here it
+    never runs while this iterator's workers are registered: SIGCHLD keeps its default action
+    (nothing) from before the iterator starts until it has shut its workers down, which
+    unregisters them; torch's handler comes back only then. A dead worker is found by
+    :class:`_WorkerWatch` and by torch's status check inside ``next`` instead, both raising in
+    :func:`decoded_items`'s loop. An iterator not shut down (torch failed while starting it)
+    leaves SIGCHLD at its default: restoring torch's handler would let it raise later.
+    """
+    main = threading.current_thread() is threading.main_thread()
+    after: Any = signal.getsignal(signal.SIGCHLD) if main else None  # torch's, if set before
+    if main:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    batches: Any = None
+    try:
+        batches = iter(loader)
+        if main and signal.getsignal(signal.SIGCHLD) is not signal.SIG_DFL:
+            after = signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's, set just now
+        yield batches
+    finally:
+        # torch's own shutdown (what __del__ calls), now, not when the last reference goes
+        shut = getattr(batches, "_shutdown_workers", None)
+        if shut is not None:
+            shut()  # does nothing at interpreter exit: its workers then stay registered
+            if main and getattr(batches, "_worker_pids_set", True) is False:
+                signal.signal(signal.SIGCHLD, after if after is not None else signal.SIG_DFL)
+
+
 class _WorkerWatch:
     """Ends any wait on a dead decode worker within a fraction of a second.
 
     A worker killed while writing a result leaves half a message in its pipe: the main
-    process then blocks reading the rest, forever, and torch's own SIGCHLD check may have
-    fired elsewhere (or in another thread). This thread polls the workers and, when one has
-    died, raises :class:`SourceError` in the main thread through a signal that interrupts
-    the blocked read. Outside the main thread it does nothing.
+    process then blocks reading the rest, forever. This thread polls the workers and, when one
+    has died, sends the main thread a signal every :data:`POLL_S` while it waits for an item
+    (:meth:`waiting`), until the watch ends; the handler raises :class:`SourceError` only
+    there. Elsewhere (the encoder) nothing interrupts it: the loop raises the same error
+    itself before it waits again (:meth:`check`). A raise that lands in a finalizer the
+    collector runs during the wait is kept off stderr (:meth:`_unraisable`) and the next
+    signal raises it in the wait. Outside the main thread it does nothing.
     """
 
     POLL_S = 0.2
@@ -218,6 +257,8 @@ class _WorkerWatch:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._previous: Any = None
+        self._previous_hook: Any = None
+        self._waiting = False
         self.dead: str | None = None
 
     def __enter__(self) -> _WorkerWatch:
@@ -229,30 +270,54 @@ class _WorkerWatch:
             return
         workers = [p for p in multiprocessing.active_children() if p.exitcode is None]
         self._previous = signal.signal(signal.SIGUSR1, self._raise)
+        self._previous_hook = sys.unraisablehook
+        sys.unraisablehook = self._unraisable
         self._thread = threading.Thread(
             target=self._poll, args=(workers, threading.main_thread().ident), daemon=True
         )
         self._thread.start()
 
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Around the main thread's wait for the next item: where the signal may raise."""
+        self.check()
+        self._waiting = True
+        try:
+            yield
+        finally:
+            self._waiting = False
+
+    def check(self) -> None:
+        """Raise the worker's death, if one was seen."""
+        if self.dead is not None:
+            raise worker_died(self.dead)
+
     def _poll(self, workers: list[Any], main_ident: int) -> None:
         while not self._stop.wait(self.POLL_S):
-            dead = [p for p in workers if p.exitcode not in (None, 0)]
-            if dead:
+            if self.dead is None:
+                dead = [p for p in workers if p.exitcode not in (None, 0)]
+                if not dead:
+                    continue
                 code = dead[0].exitcode
                 how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
                 self.dead = f"pid {dead[0].pid}, {how}"
-                signal.pthread_kill(main_ident, signal.SIGUSR1)
-                return
+            if self._waiting:  # elsewhere check() raises it; the encoder is not interrupted
+                signal.pthread_kill(main_ident, signal.SIGUSR1)  # again until the watch ends
 
     def _raise(self, signum: int, frame: Any) -> None:
-        if self.dead is not None and not self._stop.is_set():
-            raise worker_died(self.dead)
+        if self._waiting and not self._stop.is_set():
+            self.check()
+
+    def _unraisable(self, unraisable: Any) -> None:
+        if not (self.dead is not None and isinstance(unraisable.exc_value, SourceError)):
+            (self._previous_hook or sys.__unraisablehook__)(unraisable)
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
             signal.signal(signal.SIGUSR1, self._previous or signal.SIG_DFL)
+            sys.unraisablehook = self._previous_hook or sys.__unraisablehook__
 
 
 def _decoded_ahead(ds: DecodeDataset) -> Iterator[tuple[int, Any]]:

@@ -275,6 +275,8 @@ class CachedFeatureDataset(ProcessLocalState, Dataset):
     It serves the folder as it was when the dataset was made (each key hashes a file's bytes
     then): a file rewritten later keeps its old feature, one added later is not an item, one
     deleted later is served from the store; ``revalidate=True`` serves changed files as they are.
+    An input its ``featbake build`` could not decode (and recorded so) is not an item, as in the
+    build's report: one warning names it; once fixed (other bytes) it is an item again.
 
     Args:
         data: a data folder (scanned recursively, sorted as ``featbake build`` does), a

@@ -263,6 +263,10 @@ def _index_place(
         rel_paths, keys, hashed = _without_bad_rows(inputs, rel_paths, keys, hashed, failed)
     else:
         raise_unreadable(bad, failed)
+    if root is not None and root.encoder_fp == spec.enc_fp:  # what its build could not decode
+        rel_paths, keys, hashed = without_undecodable(
+            rel_paths, keys, hashed, catalog.undecodable(name), catalog, inputs.where
+        )
     if publish:
         items = list(zip(rel_paths, keys, strict=True))
         _publish_root(catalog, spec, data_dir, items, name, new=new_root)
@@ -289,6 +293,39 @@ def _without_bad_rows(
     )
     good = [i for i, k in enumerate(keys) if k]
     return [rel_paths[i] for i in good], [keys[i] for i in good], [hashed[i] for i in good]
+
+
+def without_undecodable(
+    rel_paths: list[str],
+    keys: list[str],
+    hashed: list[FileStat | None],
+    failed: Mapping[str, str],
+    catalog: ServingStore,
+    where: str,
+) -> tuple[list[str], list[str], list[FileStat | None]]:
+    """The items less those whose key the build recorded as undecodable (``failed``: key ->
+    the build's reason) and the store does not hold, after one warning naming (up to five of)
+    them: the dataset leaves out what the build skipped, as the build did, rather than calling
+    them misses that the build it advises skips again. A file fixed since has another key, which
+    no record names: it is an item (a miss until the next build encodes it)."""
+    named = [k for k in dict.fromkeys(keys) if k in failed]
+    if not named:
+        return rel_paths, keys, hashed
+    stored = {k for k, locs in catalog.locate_many(named).items() if locs}
+    left_out = set(named) - stored
+    out = [i for i, k in enumerate(keys) if k in left_out]
+    if not out:
+        return rel_paths, keys, hashed
+    shown = "; ".join(f"{rel_paths[i]} ({failed[keys[i]]})" for i in out[:5])
+    more = f" (and {len(out) - 5} more)" if len(out) > 5 else ""
+    warnings.warn(
+        f"{len(out)} input(s) of {where} could not be decoded when `featbake build` ran, so "
+        f"they are not items of this dataset: {shown}{more}; fix or replace them and run "
+        "`featbake build` again to include them",
+        stacklevel=4,
+    )
+    kept = [i for i, k in enumerate(keys) if k not in left_out]
+    return [rel_paths[i] for i in kept], [keys[i] for i in kept], [hashed[i] for i in kept]
 
 
 def item_names(inputs: Inputs, scanned: list[str], built: list[str]) -> list[str]:

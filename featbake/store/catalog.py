@@ -881,6 +881,57 @@ def recorded_serve_dtype(layout: Layout, name: str) -> str | None:
     return served if served in SERVED else None
 
 
+# == undecodable ===================================================================================
+# The inputs a root's last build could not decode or encode: ``roots/<name>.undecodable``.
+#
+# A build skips an input it cannot decode (a text file named ``.jpg``, a corrupt wav), says so
+# and exits 3; its manifest (published before encoding) still names the input's key, which is
+# never stored. A dataset then left the input in, and with ``on_miss="error"`` raised a miss
+# advising the build that skips it again. The record is keyed by feature key, so it names those
+# bytes under that encoder and recipe only: a file fixed since hashes to another key, which the
+# record does not name (the next build encodes it). A file beside the manifest, as the fidelity
+# record is: written once per build, after encoding, without a schema migration; dropping the
+# root removes it. A build through fragments (in parts, or into a bucket store) writes none
+# (a part sees its own failures only): a dataset then keeps treating those inputs as misses.
+def undecodable_file(layout: Layout, name: str) -> Path:
+    """``roots/<name>.undecodable`` (not ``.json``: upkeep reads every ``*.json`` as a manifest)."""
+    return layout.roots / f"{checked_root_name(name)}.undecodable"
+
+
+def write_undecodable(layout: Layout, name: str, failed: dict[str, str]) -> None:
+    """Record ``failed`` (key -> the build's reason) for root ``name``, replacing the last
+    build's record (tmp, rename); an empty ``failed`` removes it.
+
+    Raises:
+        StoreError: the store is not writable.
+    """
+    final = undecodable_file(layout, name)
+    if not failed:
+        unlink_quietly(final)
+        return
+    doc = json.dumps({"keys": failed}, sort_keys=True)
+    try:
+        publish_file(final, lambda tmp: tmp.write_text(doc, encoding="utf-8"), tmp_dir=layout.tmp)
+    except OSError as e:
+        raise StoreError(
+            f"could not record the inputs this build skipped in {final}: {e.strerror or e}; "
+            "check that the cache directory is writable"
+        ) from e
+
+
+def read_undecodable(layout: Layout, name: str) -> dict[str, str]:
+    """Key -> reason for each input root ``name``'s last build could not decode; ``{}`` when
+    there is no record (or it cannot be read: the inputs are then misses, as before)."""
+    try:
+        doc = json.loads(undecodable_file(layout, name).read_text(encoding="utf-8"))
+        keys = doc["keys"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    if not isinstance(keys, dict):
+        return {}
+    return {str(k): str(v) for k, v in keys.items()}
+
+
 # == feature_rows ==================================================================================
 # Feature rows, the hash cache and encoder rows: what builds and datasets read and add.
 CHUNK = 500  # keys per IN (...) query, far below SQLite's variable limit
@@ -1545,6 +1596,7 @@ class RootRows(CatalogConnection):
             c.after_commit(lambda: unlink_quietly(dead))
             c.after_commit(lambda: unlink_quietly(items_file(self.layout, name)))
             c.after_commit(lambda: unlink_quietly(fidelity_file(self.layout, name)))
+            c.after_commit(lambda: unlink_quietly(undecodable_file(self.layout, name)))
         return True
 
     def finish_drop(self, name: str) -> bool:
@@ -1562,6 +1614,7 @@ class RootRows(CatalogConnection):
             c.after_commit(lambda: unlink_quietly(dead))
             c.after_commit(lambda: unlink_quietly(items_file(self.layout, name)))
             c.after_commit(lambda: unlink_quietly(fidelity_file(self.layout, name)))
+            c.after_commit(lambda: unlink_quietly(undecodable_file(self.layout, name)))
         return dropped
 
 
@@ -1906,6 +1959,14 @@ class Catalog(UpkeepRows, RootRows, FeatureRows):
         """Record what an int8/fp8 build measured beside ``root`` (``featbake roots``)."""
         write_fidelity(self.layout, root, measured, bound)
 
+    def record_undecodable(self, root: str, failed: dict[str, str]) -> None:
+        """Record the keys ``root``'s build could not decode (key -> reason), for datasets."""
+        write_undecodable(self.layout, root, failed)
+
+    def undecodable(self, root: str) -> dict[str, str]:
+        """The keys ``root``'s last build could not decode (key -> reason); ``{}`` if none."""
+        return read_undecodable(self.layout, root)
+
     def flush(self) -> None:
         """Nothing to do: each shard's rows were committed as it came."""
 
@@ -2026,6 +2087,8 @@ class BuildCatalog(CatalogWrites, Protocol):
 
     def record_fidelity(self, root: str, measured: Measured, bound: float | None) -> None: ...
 
+    def record_undecodable(self, root: str, failed: dict[str, str]) -> None: ...
+
     def forget_keys(self, keys: Sequence[str]) -> int: ...
 
     def flush(self) -> None: ...
@@ -2039,6 +2102,8 @@ class ServingStore(CatalogWrites, Protocol):
     def root(self, name: str) -> Root | None: ...
 
     def root_items(self, name: str) -> list[RootItem]: ...
+
+    def undecodable(self, root: str) -> dict[str, str]: ...
 
     def locate_many(self, keys: Sequence[str]) -> dict[str, list[Location]]: ...
 

@@ -68,6 +68,7 @@ from featbake.store.catalog import (
     ShardFeature,
     columns,
     open_sqlite,
+    read_undecodable,
     write_fidelity,
     write_root_rows,
 )
@@ -676,6 +677,10 @@ class FragmentCatalog:
     def root_items(self, name: str) -> list[RootItem]:
         return self._read(lambda c: c.root_items(name), [])
 
+    def undecodable(self, root: str) -> dict[str, str]:
+        """The keys ``root``'s last build could not decode (see store/catalog.py)."""
+        return read_undecodable(self.layout, root)
+
     def locate_many(self, keys: Sequence[str]) -> dict[str, list[Location]]:
         """key -> its tensors' locations: from the catalog, else from a serve fragment."""
         empty: dict[str, list[Location]] = {}
@@ -792,6 +797,10 @@ class FragmentCatalog:
         """Hold what this rank measured of an int8/fp8 build for its ``done`` fragment: the
         merge pools every rank's sums into the root's record (store/catalog.py)."""
         self._fidelity = json.dumps({"measured": measured.to_json(), "bound": bound})
+
+    def record_undecodable(self, root: str, failed: dict[str, str]) -> None:
+        """Nothing: a part sees only its own failures, so a build through fragments (in parts,
+        or into a bucket store) records none; its datasets call those inputs misses, as before."""
 
     def add_shard(self, shard: SealedShard, now: float | None = None) -> int:
         """Seal a fragment naming a shard just sealed; returns its features (new or not).

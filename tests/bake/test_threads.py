@@ -333,3 +333,33 @@ def test_sigkill_keeps_what_was_sealed_on_time_and_the_rerun_encodes_only_the_re
         with torch.no_grad():
             live = enc(src.load(Path(ds.path(i))).unsqueeze(0))[0]
         torch.testing.assert_close(ds[i], live, rtol=1e-5, atol=1e-6)
+
+
+# Issue "Nothing wrong served, round four" item 12: a decode worker killed (the OOM killer) put a
+# traceback from torch's DataLoader shutdown under the one line, on a busy machine. The error
+# kept the loader's iterator alive (its traceback held torch's frames), so its workers were
+# shut down later, in ``__del__``, where torch's SIGCHLD handler raised about the dead worker
+# still registered. The workers are now shut down (and unregistered) before the error leaves
+# ``decoded_items``, with torch's handler off until then.
+def test_a_killed_decode_worker_is_reported_after_every_worker_is_shut_down(
+    tmp_path: Path,
+) -> None:
+    import multiprocessing
+
+    from featbake.bake.threads import decoded_items
+    from featbake.errors import SourceError
+
+    paths = write_audio_folder(tmp_path / "audio", 40, seconds=0.3, seed=51)
+    source = AudioSource(Recipe())
+    items = decoded_items([str(p) for p in paths], source, 2, [None] * len(paths))
+    with pytest.raises(SourceError, match="a decode worker died") as err:
+        for n, _ in enumerate(items):
+            if n == 0:
+                workers = multiprocessing.active_children()
+                assert workers, "no decode worker runs"
+                os.kill(workers[0].pid, signal.SIGKILL)  # type: ignore[arg-type]
+    # The error is still held (as the CLI holds it while it prints its line): its workers are
+    # gone all the same, the dead one reaped, none left for a finalizer to shut down later.
+    assert err.value is not None
+    assert multiprocessing.active_children() == []
+    assert signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None)

@@ -859,6 +859,8 @@ def test_a_build_killed_by_a_signal_is_reported_and_one_forwarded_is_not(
     output = (tmp_path / "build.log").read_text()
     assert proc.returncode == 9, output
     assert "ended abruptly" in output and "killed by SIGKILL" in output
+    assert "Traceback" not in output, output
+    assert len([ln for ln in output.splitlines() if ln.startswith("error:")]) == 1, output
 
 
 # == test_cli_messages =============================================================================

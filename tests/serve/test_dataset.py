@@ -28,7 +28,7 @@ from featbake.serve.dataset import CachedFeatureDataset, ram_budget_for_process
 from featbake.store.catalog import Catalog
 from featbake.store.layout import Layout
 from featbake.testing import TinyConvEncoder, make_tone, save_torchscript, write_audio_folder
-from tests.conftest import REPO, live_features
+from tests.conftest import REPO, invoke, live_features
 from tests.helpers import can_mount_privately
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}  # the CPU kernels may round differently by batch size
@@ -849,3 +849,38 @@ def test_a_view_of_a_store_without_layers_fails_every_read(
         CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, layer_view=view)
     cached = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, ram_cache="8MiB")
     assert cached[0].dim() == 2  # without a view: the [T, D] tensor, as before
+
+
+# Issue "Nothing wrong served, round four" item 11: a folder holding an input the build skipped
+# (a corrupt wav) made a dataset with on_miss="error" raise CacheMiss for it, advising the build
+# that skips it again. The build records what it could not decode; the dataset leaves it out.
+def test_an_input_the_build_could_not_decode_is_left_out_until_it_is_fixed(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    store = tmp_path / "c"
+    broken = audio_dir / "part0" / "broken.wav"
+    broken.write_bytes(b"RIFF\x00\x00junk")
+    args = ["build", "-e", encoder_file, "-d", audio_dir, "--cache", store, "--json"]
+    res = invoke(*args)
+    assert res.returncode == 3, res.stderr
+    report = json.loads(res.stdout)
+    assert [f["path"] for f in report["failed"]] == ["part0/broken.wav"]
+    with pytest.warns(UserWarning) as caught:
+        ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store, on_miss="error")
+    said = [str(w.message) for w in caught if "could not be decoded" in str(w.message)]
+    assert len(said) == 1 and "1 input(s)" in said[0] and "part0/broken.wav" in said[0], said
+    assert len(ds) == 16 and ds.stored() == 16
+    assert "part0/broken.wav" not in [ds.item_id(i) for i in range(len(ds))]
+    for i in range(len(ds)):
+        _assert_close(ds[i], live_features(encoder_file, Path(ds.path(i))))
+    # Fixed (a valid clip in its place): another key, which the record does not name.
+    write_audio_folder(tmp_path / "good", 1, seconds=0.5, seed=41)
+    shutil.copyfile(next((tmp_path / "good").rglob("*.wav")), broken)
+    fixed = invoke(*args)
+    assert fixed.returncode == 0, fixed.stderr
+    assert json.loads(fixed.stdout)["encoded"] == 1
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store, on_miss="error")
+    ids = [ds.item_id(i) for i in range(len(ds))]
+    assert len(ds) == 17 and ds.stored() == 17 and "part0/broken.wav" in ids
+    j = ids.index("part0/broken.wav")
+    _assert_close(ds[j], live_features(encoder_file, broken))
