@@ -549,15 +549,14 @@ def test_a_parquet_of_audio_bytes_builds_with_bad_rows_skipped_and_serves(
     assert "cannot decode audio" in reasons["utt3"] and f"{path}:3" in reasons["utt3"]
     with torchscript_quietly():
         module = torch.jit.load(str(encoder_file))
-    with pytest.warns(UserWarning, match=r"utt1: .*train.parquet:1: the cell is null"):
+    with pytest.warns(UserWarning) as told:
         ds = CachedFeatureDataset(path, encoder_file, cache=store, column="audio")
-    # The null cell is no item; the undecodable one is (its bytes have a key), failing if read.
-    assert [ds.item_id(i) for i in range(len(ds))] == ["utt0", "utt2", "utt3", "utt4"]
-    for i, n in enumerate([0, 2, 4, 4]):
-        if i == 2:
-            with pytest.raises(SourceError, match=r"train.parquet:3: cannot decode audio"):
-                ds[i]
-            continue
+    said = [str(w.message) for w in told]
+    assert any("utt1: " in s and "train.parquet:1: the cell is null" in s for s in said), said
+    assert any("could not be decoded" in s and "utt3" in s for s in said), said
+    # The null cell is no item; the undecodable one is left out, as its build recorded it.
+    assert [ds.item_id(i) for i in range(len(ds))] == ["utt0", "utt2", "utt4"]
+    for i, n in enumerate([0, 2, 4]):
         assert ds.row(i) == {"speaker": "ab"[n % 2]}
         want = run_now(module, audio_tensor(clips[n]))  # type: ignore[arg-type]
         assert torch.equal(ds[i], want), n

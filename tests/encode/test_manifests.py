@@ -494,13 +494,12 @@ def test_rows_in_a_bucket_are_hashed_once_decoded_from_held_bytes_and_served(
     reads.clear()
     with pytest.warns(UserWarning, match="1 row"):
         ds = CachedFeatureDataset(corpus / "s3.jsonl", encoder_file, cache=store_dir)
-    assert len(ds) == 7 and ds.stored() == 6 and reads == []  # the hash cache knew both
+    # the segment past its recording's end, which the build could not decode, is left out
+    assert len(ds) == 6 and ds.stored() == 6 and reads == []  # the hash cache knew both
     assert_items_are_segments(local, encoder_file, corpus)
     for i in range(6):
         torch.testing.assert_close(ds[i], local[i])
     assert ds.row(0) == {"label": 3}
-    with pytest.raises(SourceError, match=r"s3.jsonl:7: .*past the end of its recording"):
-        ds[6]  # its bounds are checked when it is decoded
 
     live = quiet_dataset(corpus / "s3.jsonl", encoder_file, corpus / "other-store")
     reads.clear()

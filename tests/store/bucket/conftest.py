@@ -72,8 +72,7 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         wait_for_port(port)
         yield Server(f"http://127.0.0.1:{port}", log)
     finally:
-        server.terminate()
-        server.wait(10)
+        stop(server)
 
 
 #: One access-log line: the request's method and target, and the status (colour codes allowed).
@@ -193,6 +192,17 @@ def fake_gcs_binary() -> str | None:
         return None
 
 
+def stop(server: subprocess.Popen[bytes]) -> None:
+    """End a loopback server: asked to stop, then killed if it has not within 10 s (Azurite's
+    node process can take longer than that to leave on a loaded machine)."""
+    server.terminate()
+    try:
+        server.wait(10)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+
+
 def started(args: list[str], port: int, log: Path) -> subprocess.Popen[bytes]:
     with log.open("wb") as out:
         server = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=log.parent)
@@ -217,8 +227,7 @@ def gcs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     try:
         yield url
     finally:
-        server.terminate()
-        server.wait(10)
+        stop(server)
 
 
 @pytest.fixture(scope="session")
@@ -242,8 +251,7 @@ def azurite_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             f"AccountKey={AZURITE_KEY};BlobEndpoint=http://127.0.0.1:{port}/{AZURITE_ACCOUNT};"
         )
     finally:
-        server.terminate()
-        server.wait(10)
+        stop(server)
 
 
 @dataclass(frozen=True)
