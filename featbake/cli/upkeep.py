@@ -638,18 +638,16 @@ def _export_layers(text: str | None) -> tuple[int, ...] | None:
 
 
 def _exporter(fmt: str) -> Any:
-    """The export function of a format."""
+    """The export function of a format (each imports its own libraries)."""
+    from featbake.export.source import export_with
+
     if fmt == "parquet":
-        from featbake.export.parquet import export_parquet
-
-        return export_parquet
-    if fmt == "webdataset":
-        from featbake.export.webdataset import export_webdataset
-
-        return export_webdataset
-    from featbake.export.zarr import export_zarr
-
-    return export_zarr
+        from featbake.export.parquet import Parquet as Format
+    elif fmt == "webdataset":
+        from featbake.export.webdataset import WebDataset as Format  # type: ignore[assignment]
+    else:
+        from featbake.export.zarr import Zarr as Format  # type: ignore[assignment]
+    return lambda out, **options: export_with(Format(), out, **options)
 
 
 def _root_rows(column: str | None) -> Any:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,22 +30,16 @@ import numpy as np
 from featbake.errors import ConfigError
 from featbake.export.source import (
     ExportItem,
+    ExportJob,
     ExportReport,
     ExportSource,
     PartLayout,
-    ProgressFn,
-    RowsFor,
     as_numpy,
-    discard,
+    export_with,
     inside_store,
-    open_source,
-    part_layouts,
-    publish,
     row_columns,
-    rows_of,
     stream,
 )
-from featbake.store.open import StoreRef
 from featbake.version import __version__
 
 #: The names the export itself gives columns; a carried column of one of these is renamed.
@@ -98,74 +91,41 @@ def check_destination(out: Path, store: Path, *, overwrite: bool) -> None:
         raise ConfigError(f"{out} exists; choose another OUT or pass --overwrite")
 
 
-def export_parquet(
-    out: str | os.PathLike[str],
-    *,
-    cache: StoreRef = None,
-    root: str | None = None,
-    overwrite: bool = False,
-    output: str | None = None,
-    layers: Sequence[int] | None = None,
-    rows_for: RowsFor | None = None,
-    progress: ProgressFn | None = None,
-) -> ExportReport:
-    """Write the features of one root to the Parquet file ``out`` (see the module's doc).
+class Parquet:
+    """The Parquet format (see the module's doc): one file, one row group per batch."""
 
-    Args:
-        out: the file to create (``feats.parquet``).
-        cache: the store.
-        root: the root's name or a unique prefix; may be left out when the store has one root.
-        overwrite: replace ``out`` if it exists.
-        output: export only this part (``--output``); layers: only these hidden layers.
-        rows_for: the chosen root's rows, each item's by its path; None: no carried columns.
-        progress: called with ``GcProgress("export", items done, items)``.
+    check_destination = staticmethod(check_destination)
 
-    Raises:
-        ConfigError: no such root, several roots and none chosen, ``out`` exists, shapes that
-            fit no layout.
-        StoreCorrupt: a stored feature fails its checksum.
+    def write(self, job: ExportJob) -> int:
+        import pyarrow.parquet as pq
+
+        carried = _carried_table(job.src, job.rows)
+        schema = _schema(job.src, job.layouts, carried)
+        # Dictionaries and min/max statistics over feature values cost 2-5x the write and buy
+        # nothing (random floats neither repeat nor prune): only id, key and rows get them.
+        small = [f.name for f in schema if f.name in RESERVED or _carried(f, job.layouts)]
+        written, at = 0, 0
+        with pq.ParquetWriter(
+            str(job.partial), schema, use_dictionary=small, write_statistics=small
+        ) as writer:
+            for items in stream(job.src, job.progress):
+                table = _batch_table(items, job.layouts, carried, at)
+                writer.write_table(table.cast(writer.schema))
+                written += sum(as_numpy(t).nbytes for item in items for t in item.parts.values())
+                at += len(items)
+        return written
+
+
+def export_parquet(out: str | os.PathLike[str], **options: Any) -> ExportReport:
+    """Write the features of one root to the Parquet file ``out`` (see the module's doc);
+    ``options`` are :func:`featbake.export.source.export_with`'s.
 
     Example:
         >>> export_parquet("feats.parquet", cache=".featbake")  # doctest: +SKIP
         >>> import datasets; ds = datasets.load_dataset("parquet", data_files="feats.parquet")
         ... # doctest: +SKIP
     """
-    import pyarrow.parquet as pq
-
-    t0 = time.perf_counter()
-    out = Path(out)
-    src = open_source(
-        cache, root, output=output, layers=layers,
-        check=lambda layout: check_destination(out, layout.root, overwrite=overwrite),
-    )  # fmt: skip
-    layouts = part_layouts(src)
-    carried = _carried_table(src, rows_of(src, rows_for))
-    partial = out.with_name(out.name + ".partial")
-    discard(partial)
-    written, at = 0, 0
-    schema = _schema(src, layouts, carried)
-    # Dictionaries and min/max statistics over feature values cost 2-5x the write and buy
-    # nothing (random floats neither repeat nor prune): only the id, key and row columns get them.
-    small = [f.name for f in schema if f.name == "id" or f.name == "key" or _carried(f, layouts)]
-    with pq.ParquetWriter(
-        str(partial), schema, use_dictionary=small, write_statistics=small
-    ) as writer:
-        for items in stream(src, progress):
-            table = _batch_table(items, layouts, carried, at)
-            writer.write_table(table.cast(writer.schema))
-            written += sum(as_numpy(t).nbytes for item in items for t in item.parts.values())
-            at += len(items)
-    publish(partial, out)
-    return ExportReport(
-        str(out),
-        src.root.name,
-        len(src.present),
-        src.missing,
-        tuple(layouts),
-        {p: "ragged" if lay.ragged else "dense" for p, lay in layouts.items()},
-        written,
-        time.perf_counter() - t0,
-    )
+    return export_with(Parquet(), out, **options)
 
 
 def _carried_table(src: ExportSource, rows: Sequence[Mapping[str, Any]] | None) -> Any:

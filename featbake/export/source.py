@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -315,3 +316,81 @@ def discard(partial: Path) -> None:
         shutil.rmtree(partial)
     elif partial.exists() or partial.is_symlink():
         partial.unlink()
+
+
+# == the seam ======================================================================================
+# Every format is one implementation of :class:`Format`; :func:`export_with` does the rest the
+# same way for all of them (the root chosen, its destination checked, its parts laid out, a
+# partial path written and renamed, the report).
+@dataclass(frozen=True)
+class ExportJob:
+    """What a format writes: the root's items (``src``), each part's layout, the carried rows
+    (None: none to write), and the partial path to write them to (nothing there yet)."""
+
+    src: ExportSource
+    layouts: dict[str, PartLayout]
+    rows: Sequence[Mapping[str, Any]] | None
+    partial: Path
+    progress: ProgressFn | None
+
+
+class Format(Protocol):
+    """One export format: where it may write, and how it writes a job; the bytes written."""
+
+    def check_destination(self, out: Path, store: Path, *, overwrite: bool) -> None: ...
+
+    def write(self, job: ExportJob) -> int: ...
+
+
+def export_with(  # noqa: PLR0913  (public API: one keyword per `featbake export` option)
+    fmt: Format,
+    out: str | os.PathLike[str],
+    *,
+    cache: StoreRef = None,
+    root: str | None = None,
+    overwrite: bool = False,
+    output: str | None = None,
+    layers: Sequence[int] | None = None,
+    rows_for: RowsFor | None = None,
+    progress: ProgressFn | None = None,
+) -> ExportReport:
+    """Write the features of one root to ``out`` in the format ``fmt``.
+
+    Args:
+        fmt: the format (:class:`featbake.export.zarr.Zarr`, ``parquet.Parquet``,
+            ``webdataset.WebDataset``).
+        out: what to create (a folder or a file, as the format writes).
+        cache: the store.
+        root: the root's name or a unique prefix; may be left out when the store has one root.
+        overwrite: replace ``out`` if it exists.
+        output: export only this part (``--output``); layers: only these hidden layers.
+        rows_for: the chosen root's rows, each item's by its path (the CLI reads them from the
+            root's inputs); None: no carried columns.
+        progress: called with ``GcProgress("export", items done, items)``.
+
+    Raises:
+        ConfigError: no such root, several roots and none chosen, ``out`` exists or is not the
+            format's, shapes that fit no layout.
+        StoreCorrupt: a stored feature fails its checksum.
+    """
+    started = time.perf_counter()
+    out = Path(out)
+    src = open_source(
+        cache, root, output=output, layers=layers,
+        check=lambda layout: fmt.check_destination(out, layout.root, overwrite=overwrite),
+    )  # fmt: skip
+    layouts = part_layouts(src)
+    partial = out.with_name(out.name + ".partial")
+    discard(partial)
+    written = fmt.write(ExportJob(src, layouts, rows_of(src, rows_for), partial, progress))
+    publish(partial, out)
+    return ExportReport(
+        str(out),
+        src.root.name,
+        len(src.present),
+        src.missing,
+        tuple(layouts),
+        {p: "ragged" if lay.ragged else "dense" for p, lay in layouts.items()},
+        written,
+        time.perf_counter() - started,
+    )

@@ -23,7 +23,6 @@ import json
 import os
 import re
 import tarfile
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,19 +32,13 @@ import numpy as np
 from featbake.errors import ConfigError
 from featbake.export.source import (
     ExportItem,
+    ExportJob,
     ExportReport,
-    ProgressFn,
-    RowsFor,
     as_numpy,
-    discard,
+    export_with,
     inside_store,
-    open_source,
-    part_layouts,
-    publish,
-    rows_of,
     stream,
 )
-from featbake.store.open import StoreRef
 
 #: A shard is closed once it holds this many bytes (webdataset's advice: 100 MB to 1 GB).
 SHARD_BYTES = 512 * 1024 * 1024
@@ -164,71 +157,37 @@ def _sample(
     return members
 
 
-def export_webdataset(
-    out: str | os.PathLike[str],
-    *,
-    cache: StoreRef = None,
-    root: str | None = None,
-    overwrite: bool = False,
-    output: str | None = None,
-    layers: Sequence[int] | None = None,
-    rows_for: RowsFor | None = None,
-    progress: ProgressFn | None = None,
-) -> ExportReport:
+class WebDataset:
+    """The webdataset format (see the module's doc): tar shards in a folder."""
+
+    check_destination = staticmethod(check_destination)
+
+    def write(self, job: ExportJob) -> int:
+        keys = unique_keys([path for path, _ in job.src.present])
+        job.partial.mkdir()
+        shards = _ShardWriter(job.partial, SHARD_BYTES)
+        written, at = 0, 0
+        try:
+            for items in stream(job.src, job.progress):
+                for item in items:
+                    names = member_names(keys[at], list(job.src.parts))
+                    row = job.rows[at] if job.rows is not None else {}
+                    members = _sample(item, keys[at], names, row)
+                    shards.add(members)
+                    written += sum(len(b) for b in members.values())
+                    at += 1
+        finally:
+            shards.close()
+        return written
+
+
+def export_webdataset(out: str | os.PathLike[str], **options: Any) -> ExportReport:
     """Write the features of one root as webdataset shards in the folder ``out`` (see the
-    module's doc).
-
-    Args:
-        out: the folder to create.
-        cache: the store.
-        root: the root's name or a unique prefix; may be left out when the store has one root.
-        overwrite: replace ``out`` if it exists.
-        output: export only this part (``--output``); layers: only these hidden layers.
-        rows_for: the chosen root's rows, each item's by its path; None: ids and keys only.
-        progress: called with ``GcProgress("export", items done, items)``.
-
-    Raises:
-        ConfigError: no such root, several roots and none chosen, ``out`` exists.
-        StoreCorrupt: a stored feature fails its checksum.
+    module's doc); ``options`` are :func:`featbake.export.source.export_with`'s.
 
     Example:
         >>> export_webdataset("feats-wds", cache=".featbake")  # doctest: +SKIP
         >>> import webdataset as wds  # doctest: +SKIP
         >>> next(iter(wds.WebDataset("feats-wds/shard-000000.tar").decode()))  # doctest: +SKIP
     """
-    t0 = time.perf_counter()
-    out = Path(out)
-    src = open_source(
-        cache, root, output=output, layers=layers,
-        check=lambda layout: check_destination(out, layout.root, overwrite=overwrite),
-    )  # fmt: skip
-    layouts = part_layouts(src)
-    rows = rows_of(src, rows_for)
-    keys = unique_keys([path for path, _ in src.present])
-    partial = out.with_name(out.name + ".partial")
-    discard(partial)
-    partial.mkdir()
-    shards = _ShardWriter(partial, SHARD_BYTES)
-    written, at = 0, 0
-    try:
-        for items in stream(src, progress):
-            for item in items:
-                key = keys[at]
-                names = member_names(key, list(src.parts))
-                members = _sample(item, key, names, rows[at] if rows is not None else {})
-                shards.add(members)
-                written += sum(len(b) for b in members.values())
-                at += 1
-    finally:
-        shards.close()
-    publish(partial, out)
-    return ExportReport(
-        str(out),
-        src.root.name,
-        len(src.present),
-        src.missing,
-        tuple(layouts),
-        {p: "ragged" if lay.ragged else "dense" for p, lay in layouts.items()},
-        written,
-        time.perf_counter() - t0,
-    )
+    return export_with(WebDataset(), out, **options)

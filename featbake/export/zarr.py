@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -32,21 +31,16 @@ import torch
 
 from featbake.errors import ConfigError
 from featbake.export.source import (
+    ExportJob,
     ExportReport,
     ExportSource,
     PartLayout,
-    ProgressFn,
-    RowsFor,
     as_numpy,
+    export_with,
     inside_store,
-    open_source,
-    part_layouts,
-    publish,
     row_columns,
-    rows_of,
     stream,
 )
-from featbake.store.open import StoreRef
 from featbake.version import __version__
 
 CHUNK_BYTES = 8 * 1024 * 1024
@@ -113,28 +107,20 @@ def check_destination(out: Path, store: Path, *, overwrite: bool) -> None:
         raise ConfigError(f"{out} exists; choose another OUT or pass --overwrite")
 
 
-def export_zarr(
-    out: str | os.PathLike[str],
-    *,
-    cache: StoreRef = None,
-    root: str | None = None,
-    overwrite: bool = False,
-    output: str | None = None,
-    layers: Sequence[int] | None = None,
-    rows_for: RowsFor | None = None,
-    progress: ProgressFn | None = None,
-) -> ExportReport:
-    """Write the features of one root to a Zarr v3 store at ``out``.
+class Zarr:
+    """The Zarr v3 format (see the module's doc)."""
 
-    Args:
-        out: the directory to create (``something.zarr``).
-        cache: the store.
-        root: the root's name or a unique prefix; may be left out when the store has one root.
-        overwrite: replace ``out`` if it exists.
-        output: export only this part (``--output``); layers: only these hidden layers.
-        rows_for: the chosen root's rows, each item's by its path (the CLI reads them from the
-            root's inputs); None: no ``columns/`` group.
-        progress: called with ``GcProgress("export", items done, items)``.
+    check_destination = staticmethod(check_destination)
+
+    def write(self, job: ExportJob) -> int:
+        writers = _open_partial(job.partial, job.src, job.layouts, job.rows)
+        return _copy_features(job.src, writers, job.progress)
+
+
+def export_zarr(out: str | os.PathLike[str], **options: Any) -> ExportReport:
+    """Write the features of one root to a Zarr v3 store at ``out`` (a folder, e.g.
+    ``feats.zarr``); ``options`` are :func:`featbake.export.source.export_with`'s (``cache``,
+    ``root``, ``overwrite``, ``output``, ``layers``, ``rows_for``, ``progress``).
 
     Raises:
         ConfigError: no such root, several roots and none chosen, ``out`` exists, or shapes that
@@ -146,27 +132,7 @@ def export_zarr(
         >>> import zarr; g = zarr.open_group("feats.zarr", mode="r")  # doctest: +SKIP
         >>> g["values"][g["offsets"][0] : g["offsets"][1]]  # doctest: +SKIP
     """
-    t0 = time.perf_counter()
-    out = Path(out)
-    src = open_source(
-        cache, root, output=output, layers=layers,
-        check=lambda layout: check_destination(out, layout.root, overwrite=overwrite),
-    )  # fmt: skip
-    layouts = part_layouts(src)
-    partial = out.with_name(out.name + ".partial")
-    writers = _open_partial(partial, src, layouts, rows_of(src, rows_for))
-    written = _copy_features(src, writers, progress)
-    publish(partial, out)
-    return ExportReport(
-        str(out),
-        src.root.name,
-        len(src.present),
-        src.missing,
-        tuple(layouts),
-        {p: "ragged" if lay.ragged else "dense" for p, lay in layouts.items()},
-        written,
-        time.perf_counter() - t0,
-    )
+    return export_with(Zarr(), out, **options)
 
 
 def _open_partial(
