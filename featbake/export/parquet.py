@@ -27,7 +27,6 @@ from typing import Any
 
 import numpy as np
 
-from featbake.errors import ConfigError
 from featbake.export.source import (
     ExportItem,
     ExportJob,
@@ -35,8 +34,8 @@ from featbake.export.source import (
     ExportSource,
     PartLayout,
     as_numpy,
+    check_free,
     export_with,
-    inside_store,
     row_columns,
     stream,
 )
@@ -77,18 +76,16 @@ def check_destination(out: Path, store: Path, *, overwrite: bool) -> None:
         ConfigError: ``out`` (or ``OUT.partial``) is in the store, a folder or a link, or
             exists without ``overwrite``.
     """
-    for path in (out, out.with_name(out.name + ".partial")):
-        if inside_store(path, store):
-            raise ConfigError(
-                f"{path} is, holds or lies inside the store {store}; export to a path outside it"
-            )
-        if path.is_symlink() or path.is_dir():
-            raise ConfigError(
-                f"{path} is a folder or a link, not a Parquet file; choose another OUT "
-                "(a file name such as feats.parquet)"
-            )
-    if out.exists() and not overwrite:
-        raise ConfigError(f"{out} exists; choose another OUT or pass --overwrite")
+    check_free(out, store, overwrite=overwrite, unfit=_not_a_file)
+
+
+def _not_a_file(path: Path) -> str | None:
+    if path.is_symlink() or path.is_dir():
+        return (
+            f"{path} is a folder or a link, not a Parquet file; choose another OUT "
+            "(a file name such as feats.parquet)"
+        )
+    return None
 
 
 class Parquet:

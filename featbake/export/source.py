@@ -296,6 +296,27 @@ def row_columns(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:
     return {name: [row.get(name) for row in rows] for name in names}
 
 
+def check_free(
+    out: Path, store: Path, *, overwrite: bool, unfit: Callable[[Path], str | None]
+) -> None:
+    """Refuse a destination the export would delete wrongly: ``out`` or ``OUT.partial`` in the
+    store (or holding it), one the format says is not its own (``unfit``: why, or None), or
+    ``out`` existing without ``overwrite``.
+
+    Raises:
+        ConfigError: with what to choose instead.
+    """
+    for path in (out, out.with_name(out.name + ".partial")):
+        if inside_store(path, store):
+            raise ConfigError(
+                f"{path} is, holds or lies inside the store {store}; export to a path outside it"
+            )
+        if (why := unfit(path)) is not None:
+            raise ConfigError(why)
+    if out.exists() and not overwrite:
+        raise ConfigError(f"{out} exists; choose another OUT or pass --overwrite")
+
+
 def inside_store(path: Path, store: Path) -> bool:
     """Whether ``path`` is, holds or lies inside the store folder ``store``."""
     path_r, store_r = path.resolve(), store.resolve()

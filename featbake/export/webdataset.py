@@ -29,14 +29,13 @@ from typing import Any
 
 import numpy as np
 
-from featbake.errors import ConfigError
 from featbake.export.source import (
     ExportItem,
     ExportJob,
     ExportReport,
     as_numpy,
+    check_free,
     export_with,
-    inside_store,
     stream,
 )
 
@@ -96,22 +95,18 @@ def check_destination(out: Path, store: Path, *, overwrite: bool) -> None:
         ConfigError: ``out`` or ``OUT.partial`` is in the store, a file or a link, a folder
             holding anything but tar shards, or exists without ``overwrite``.
     """
-    for path in (out, out.with_name(out.name + ".partial")):
-        if inside_store(path, store):
-            raise ConfigError(
-                f"{path} is, holds or lies inside the store {store}; export to a path outside it"
-            )
-        if path.is_symlink() or (path.exists() and not path.is_dir()):
-            raise ConfigError(
-                f"{path} is a file or a link, not a folder of shards; choose another OUT"
-            )
-        if path.is_dir() and any(not f.name.endswith(".tar") for f in path.iterdir()):
-            raise ConfigError(
-                f"{path} holds files other than tar shards; the export would delete them, so "
-                "choose another OUT (or move that folder away)"
-            )
-    if out.exists() and not overwrite:
-        raise ConfigError(f"{out} exists; choose another OUT or pass --overwrite")
+    check_free(out, store, overwrite=overwrite, unfit=_not_shards)
+
+
+def _not_shards(path: Path) -> str | None:
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        return f"{path} is a file or a link, not a folder of shards; choose another OUT"
+    if path.is_dir() and any(not f.name.endswith(".tar") for f in path.iterdir()):
+        return (
+            f"{path} holds files other than tar shards; the export would delete them, so "
+            "choose another OUT (or move that folder away)"
+        )
+    return None
 
 
 class _ShardWriter:

@@ -29,15 +29,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from featbake.errors import ConfigError
 from featbake.export.source import (
     ExportJob,
     ExportReport,
     ExportSource,
     PartLayout,
     as_numpy,
+    check_free,
     export_with,
-    inside_store,
     row_columns,
     stream,
 )
@@ -89,22 +88,18 @@ def check_destination(out: Path, store: Path, *, overwrite: bool) -> None:
     Example:
         >>> check_destination(Path("f.zarr"), Path(".featbake"), overwrite=True)  # doctest: +SKIP
     """
-    for path in (out, out.with_name(out.name + ".partial")):
-        if inside_store(path, store):
-            raise ConfigError(
-                f"{path} is, holds or lies inside the store {store}; export to a path outside it"
-            )
-        if path.is_symlink() or (path.exists() and not path.is_dir()):
-            raise ConfigError(
-                f"{path} is a file or a link, not a Zarr folder; remove it or choose another OUT"
-            )
-        if path.is_dir() and not _is_replaceable_export(path):
-            raise ConfigError(
-                f"{path} is a folder that is not a Zarr store; the export would delete its "
-                "contents, so choose another OUT (or move that folder away)"
-            )
-    if out.exists() and not overwrite:
-        raise ConfigError(f"{out} exists; choose another OUT or pass --overwrite")
+    check_free(out, store, overwrite=overwrite, unfit=_not_zarr)
+
+
+def _not_zarr(path: Path) -> str | None:
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        return f"{path} is a file or a link, not a Zarr folder; remove it or choose another OUT"
+    if path.is_dir() and not _is_replaceable_export(path):
+        return (
+            f"{path} is a folder that is not a Zarr store; the export would delete its "
+            "contents, so choose another OUT (or move that folder away)"
+        )
+    return None
 
 
 class Zarr:
