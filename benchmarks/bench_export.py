@@ -4,7 +4,9 @@ The store is the loader benchmark's (random ``[T, 768]`` items baked from .npy f
 identity encoder), fp16 and fp32. The read rate is every item read once in the root's order,
 checksummed, by :func:`featbake.export.source.stream` (what each export reads); each format's
 rate is the same bytes over its whole export, written to local disk. Target: each format at
-least half the read rate (issue 41). Rates are MB/s of feature bytes, warm page cache.
+least half the read rate (issue 41). A second ratio weighs each format against copying the
+store's shard files (the write floor: the same bytes, nothing encoded). Rates are MB/s of
+feature bytes, warm page cache.
 """
 
 from __future__ import annotations
@@ -38,6 +40,23 @@ def read_rate(store: Path) -> tuple[float, int]:
     return total / (time.perf_counter() - t0) / 1e6, total
 
 
+def copy_rate(store: Path) -> float:
+    """MB/s of copying the store's shard files to local disk (the write floor of any export:
+    the same bytes, no checksum, no format)."""
+    out = WORK / "copy"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    shards = sorted((store / "shards").glob("*/*.safetensors"))
+    t0 = time.perf_counter()
+    total = 0
+    for i, shard in enumerate(shards):
+        shutil.copyfile(shard, out / f"{i}.safetensors")
+        total += shard.stat().st_size
+    seconds = time.perf_counter() - t0
+    shutil.rmtree(out, ignore_errors=True)
+    return total / seconds / 1e6
+
+
 def main(quick: bool = False) -> list[dict]:
     n = 96 if quick else 1000
     rows = []
@@ -45,6 +64,7 @@ def main(quick: bool = False) -> list[dict]:
         store = prepare(n, dtype) / "store"
         read_rate(store)  # warm
         read, nbytes = read_rate(store)
+        copy = copy_rate(store)
         for name, export in (
             ("zarr", export_zarr),
             ("parquet", export_parquet),
@@ -65,6 +85,16 @@ def main(quick: bool = False) -> list[dict]:
                     ">= 0.5x",
                     rate / read >= 0.5,
                     note=f"read {read:,.0f} MB/s; {name} {rate:,.0f} MB/s",
+                )
+            )
+            rows.append(
+                row(
+                    "export",
+                    f"{name} export vs copying the shard files, {dtype}",
+                    rate / copy,
+                    "x",
+                    "report",
+                    note=f"copy {copy:,.0f} MB/s; {name} {rate:,.0f} MB/s",
                 )
             )
             shutil.rmtree(out, ignore_errors=True) if out.is_dir() else out.unlink()
