@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import closing
 from enum import Enum
 from pathlib import Path
@@ -20,12 +20,17 @@ from typing import Any, TypeVar
 from featbake.errors import ConfigError, StoreError
 from featbake.store.bucket import TIER_MARK, BucketStore
 from featbake.store.catalog import READ_ONLY_ENV, Catalog, Root, read_only_forced
-from featbake.store.fragments import fragment_shard_names, sealed_fragments
+from featbake.store.fragments import (
+    MergeReport,
+    fragment_shard_names,
+    merge,
+    sealed_fragments,
+    serving_mode,
+)
 from featbake.store.layout import (
     Change,
     Held,
     Layout,
-    Place,
     Sweep,
     Swept,
     TierUsage,
@@ -39,6 +44,7 @@ from featbake.store.layout import (
     unnamed_past,
 )
 from featbake.store.objects import ObjectStore
+from featbake.store.place import Place, remote_place
 from featbake.store.url import BucketURL, is_url
 from featbake.units import parse_bytes
 
@@ -191,14 +197,15 @@ def commit(layout: Layout, change: Callable[[Layout], Change[T]]) -> T:
 
 def place_of(layout: Layout) -> Place:
     """Where the store ``layout`` lasts: its bucket (the layout is its tier), or the directory."""
-    return layout.remote if layout.remote is not None else LocalPlace(layout)
+    return remote_place(layout) or LocalPlace(layout)
 
 
 class LocalPlace:
-    """A store directory as a :class:`~featbake.store.layout.Place`: its catalog is changed in
+    """A store directory as a :class:`~featbake.store.place.Place`: its catalog is changed in
     place (the catalog's own transactions, under the write lock), its unnamed shard files and
     ``tmp/`` leftovers go once older than the grace period, and verify reads every file of it
-    and repairs it."""
+    and repairs it. One process builds into the catalog itself, parts write fragments that
+    :meth:`merge` folds in; its shards are read where they are (nothing to fetch or follow)."""
 
     def __init__(self, layout: Layout) -> None:
         self.layout = layout
@@ -270,6 +277,27 @@ class LocalPlace:
 
     def shard_where(self, name: str) -> str:
         return str(self.layout.shard_path(name))
+
+    def builds_in_fragments(self) -> bool:
+        return False  # one process writes the catalog in place; parts write fragments
+
+    def sync_fragments(self) -> int:
+        return 0  # the directory holds its fragments already
+
+    def merge(self) -> MergeReport:
+        return merge(self.layout)
+
+    def serving_mode(self) -> bool:
+        return serving_mode(self.layout)  # fragments on a shared filesystem only
+
+    def follow_blocks(self, windows: Sequence[Sequence[str]] | None) -> bool:
+        return False  # shards are read where they are: nothing to fetch ahead
+
+    def fetch_ahead(self, name: str) -> bool:
+        return False
+
+    def publish_fragment(self, fragment: Path, shards: Sequence[str]) -> None:
+        return None  # sealed in the directory: there already
 
 
 def describe(layout: Layout) -> str:
