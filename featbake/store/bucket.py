@@ -221,6 +221,8 @@ class RangedShardReader(ShardReader):
         where: the object's URL, for messages.
     """
 
+    reads_descriptor = False  # its bytes come by ranged GETs: the Python read path
+
     def __init__(
         self, path: Path, get: RangeGet, size: int, where: str, verify: VerifyMode | str
     ) -> None:
