@@ -62,7 +62,6 @@ class Need(Enum):
     """What :func:`open_store` requires of the store it opens."""
 
     ANY = "any"  # a build or a dataset may create it
-    LOCAL = "local"  # a directory (created if missing): what writes its catalog in place
     WRITE = "write"  # a build: refused before anything is written where writes are not allowed
     STORE = "store"  # something of a store must be there (upkeep, merge)
     CATALOG = "catalog"  # a catalog to read (stats, gc, export)
@@ -98,7 +97,7 @@ def open_store(
         >>> open_store("/data/features").root
         PosixPath('/data/features')
     """
-    layout = _layout_of(ref, need, local_cache, local_cache_size)
+    layout = _layout_of(ref, local_cache, local_cache_size)
     if need is Need.WRITE and read_only_forced():
         raise StoreError(
             f"the store {layout.describe()} is read-only here ({READ_ONLY_ENV}=1), and a build "
@@ -113,14 +112,13 @@ def open_store(
 
 def _layout_of(
     ref: StoreRef,
-    need: Need,
     local_cache: str | os.PathLike[str] | None,
     local_cache_size: int | str | None,
 ) -> Layout:
     if isinstance(ref, Layout):
         return ref
     where = os.fspath(ref) if ref is not None else os.environ.get("FEATBAKE_CACHE", "")
-    if need is Need.LOCAL or not is_url(where):
+    if not is_url(where):
         layout = layout_at(ref)
         _refuse_tier(layout)
         return layout
