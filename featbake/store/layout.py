@@ -128,10 +128,11 @@ class TierUsage(NamedTuple):
 # == place =========================================================================================
 # Where a store's shards, fragments and catalog last: a local directory
 # (:class:`featbake.store.open.LocalPlace`), or a bucket seen through this node's tier
-# (:class:`featbake.store.bucket.BucketStore`). Upkeep runs one algorithm over either: gc plans,
-# commits its catalog change through :meth:`Place.commit`, then sweeps what the place holds that
-# nothing names (:func:`unnamed_past`, one rule with the place's age); verify reads what the
-# place names; repair runs where the place allows it.
+# (:class:`featbake.store.bucket.BucketStore`), both a :class:`featbake.store.place.Place`.
+# Upkeep runs one algorithm over either: gc plans, commits its catalog change through
+# ``Place.commit``, then sweeps what the place holds that nothing names (:func:`unnamed_past`,
+# one rule with the place's age); verify reads what the place names; repair runs where the
+# place allows it.
 T = TypeVar("T")
 
 

@@ -26,7 +26,9 @@ T = TypeVar("T")
 
 
 class Place(Protocol):
-    """Where a store lasts, as upkeep sees it (see the section comment)."""
+    """Where a store lasts, as every caller above the layout sees it (see the module doc):
+    upkeep's catalog changes, sweeps and verify scope (one algorithm over either place, see
+    ``featbake.store.layout``'s place section), and what builds, merge and serving ask."""
 
     def commit(self, change: Callable[[Layout], Change[T]]) -> T:
         """Apply a catalog change where the place keeps its catalog."""
@@ -42,7 +44,8 @@ class Place(Protocol):
         ...
 
     def plan_sweep(self, now: float, grace: float, retention: float) -> Sweep:
-        """What gc's sweep would delete now (:func:`unnamed_past` with the place's age)."""
+        """What gc's sweep would delete now (:func:`~featbake.store.layout.unnamed_past` with
+        the place's age)."""
         ...
 
     def sweep(self, plan: Sweep, crash: Callable[[str], None]) -> Swept:
