@@ -54,12 +54,11 @@ from featbake.keys import feature_key, root_id
 from featbake.process import gc_paused
 from featbake.progress import Progress
 from featbake.recipe import Recipe
-from featbake.store.bucket import merge_store
 from featbake.store.catalog import BuildCatalog, Catalog, FileStat, HashCache, RootSpec
 from featbake.store.features import Parts
 from featbake.store.fragments import FragmentCatalog, RankPart, adopt_sealed_parts
 from featbake.store.layout import Layout
-from featbake.store.open import Need, StoreRef, open_store
+from featbake.store.open import Need, StoreRef, open_store, place_of
 from featbake.store.shard import DEFAULT_SHARD_BYTES
 
 # == parts =========================================================================================
@@ -87,7 +86,8 @@ def catalog_for_part(
     (a part killed before its end, parts not merged yet) to the catalog first, so it encodes
     none of them again.
     """
-    if not spec.sharded and layout.catalog_in_place:
+    place = place_of(layout)
+    if not spec.sharded and not place.builds_in_fragments():
         catalog = Catalog(layout)
         try:
             adopt_sealed_parts(catalog)
@@ -95,7 +95,7 @@ def catalog_for_part(
             catalog.close()
             raise
         return catalog, rel_paths
-    layout.sync_fragments()
+    place.sync_fragments()
     sizes = [inputs.size(p) for p in rel_paths]
     listing = list(zip(rel_paths, sizes, strict=True))
     mine = my_part(sizes, spec) if spec.sharded else list(range(len(rel_paths)))
@@ -166,8 +166,8 @@ def finish_part(layout: Layout, spec: RankSpec) -> bool:
     when they are all done (a SLURM job with ``--dependency=afterok`` on the array). A single
     process building into a bucket store merges (publishes the next catalog version) itself.
     """
-    if not spec.sharded and not layout.catalog_in_place:
-        merge_store(layout)
+    if not spec.sharded and place_of(layout).builds_in_fragments():
+        place_of(layout).merge()
         return True
     if not spec.launched_together:
         return False
@@ -175,7 +175,7 @@ def finish_part(layout: Layout, spec: RankSpec) -> bool:
         dist.barrier()
         merged = spec.rank == 0
         if merged:
-            merge_store(layout)
+            place_of(layout).merge()
         dist.barrier()
     return merged
 

@@ -493,14 +493,13 @@ def merge(
     left for a later merge and listed. Safe to run while parts still run, safe to kill, and a
     second merge changes nothing. Under torchrun rank 0 merges by itself.
     """
-    from featbake.store.bucket import merge_store
-    from featbake.store.open import Need, open_store
+    from featbake.store.open import Need, open_store, place_of
 
-    report = merge_store(
+    report = place_of(
         open_store(
             cache, need=Need.STORE, local_cache=local_cache, local_cache_size=local_cache_size
         )
-    )
+    ).merge()
     if as_json:
         out.print_json(json.dumps(report.to_json()))
         return

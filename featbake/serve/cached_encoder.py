@@ -47,8 +47,7 @@ from featbake.serve.reads import Served, served_for
 from featbake.serve.state import WriteBack, pending_in_process
 from featbake.store.catalog import Catalog, RootSpec
 from featbake.store.features import FeatureReader
-from featbake.store.fragments import serving_mode
-from featbake.store.open import Need, open_store
+from featbake.store.open import open_store, place_of
 from featbake.store.shard import SealedShard, tensor_buffer
 from featbake.units import parse_bytes
 
@@ -276,8 +275,10 @@ class CachedEncoder(ProcessLocalState, nn.Module):
     Args:
         encoder: the module to wrap; called as ``encoder(x)`` on a batch ``[B, ...]`` that
             returns a tensor ``[B, ...]``, a tuple or a dict of them.
-        cache: the store directory (default ``$FEATBAKE_CACHE`` or ``./.featbake``); ``None``
-            with ``store=False`` keeps everything in memory.
+        cache: the store: a directory or a bucket URL (``s3://``, ``gs://``, ``az://``; read
+            through this node's local tier, write-backs sealed into fragments published to the
+            bucket for `featbake merge`), default ``$FEATBAKE_CACHE`` or ``./.featbake``;
+            ``None`` with ``store=False`` keeps everything in memory.
         enabled: turn caching off without unwrapping.
         ram_cache: byte budget of the host-memory tier (0 disables it).
         device_cache: byte budget of a tier on the outputs' device, for CUDA encoders (0: none).
@@ -333,10 +334,12 @@ class CachedEncoder(ProcessLocalState, nn.Module):
         self._watch = ModuleWatch(encoder, check_weights=check_weights)
         self._clock = clock
         self._warned_for: tuple[str, ...] = ()  # what kept caching off when last said
-        # LOCAL: it commits each sealed shard to its catalog in place (no bucket store).
-        self._layout = open_store(cache, need=Need.LOCAL).ensure() if store else None
-        # On a shared filesystem: the catalog only read, write-backs in fragments (a merge).
-        self._shared = self._layout is not None and serving_mode(self._layout)
+        # A directory or a bucket store (its local tier), as a dataset's write-back opens it.
+        self._layout = open_store(cache).ensure() if store else None
+        # Where the place says so (a bucket, a shared filesystem): the catalog only read,
+        # write-backs sealed into fragments the place keeps (a bucket: uploaded after their
+        # shards), found by other processes once `featbake merge` folded them in.
+        self._shared = self._layout is not None and place_of(self._layout).serving_mode()
         self.stats = {
             "hits_device": 0, "hits_ram": 0, "hits_store": 0, "hits_pending": 0, "encoded": 0
         }  # fmt: skip

@@ -53,9 +53,9 @@ from featbake.serve.state import (
     store_read_only,
 )
 from featbake.store.catalog import FileStat
-from featbake.store.fragments import open_serving_catalog, serving_mode
+from featbake.store.fragments import open_serving_catalog
 from featbake.store.layout import Layout
-from featbake.store.open import open_store
+from featbake.store.open import open_store, place_of
 from featbake.store.shard import SealedShard
 from featbake.units import parse_bytes
 
@@ -387,7 +387,9 @@ class CachedFeatureDataset(ProcessLocalState, Dataset):
         # A store this process cannot write is served as it is: nothing published or written.
         self.read_only = store_read_only(self._layout)
         self.write_back = write_back and not self.read_only
-        self._shared = not self.read_only and serving_mode(self._layout)  # writes go to fragments
+        self._shared = (
+            not self.read_only and place_of(self._layout).serving_mode()
+        )  # writes go to fragments
         self._recipe_fp = self.recipe.fingerprint()
         self._source = source_for(self.recipe)
         self._live = LiveEncoder(
@@ -474,7 +476,7 @@ class CachedFeatureDataset(ProcessLocalState, Dataset):
         shards whole, the next window's ahead (see ``BucketStore.follow_blocks``). Whether the
         store follows it (a local store has nothing to fetch)."""
         names = self._index.shard_names
-        return self._layout.follow_blocks(
+        return place_of(self._layout).follow_blocks(
             None if windows is None else [[names[s] for s in w] for w in windows]
         )
 

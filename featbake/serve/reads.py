@@ -46,6 +46,7 @@ from featbake.serve.state import Located, ProcessState, mapped_empty
 from featbake.store.catalog import SERVED, Location, recorded_serve_dtype
 from featbake.store.features import read_locations, relocated
 from featbake.store.layout import Layout
+from featbake.store.open import place_of
 from featbake.store.shard import (
     ST_TO_DTYPE,
     Leases,
@@ -592,7 +593,7 @@ class Reads:
         """:meth:`will_need` with the shards it opens leased into ``held``."""
         ix = self.index
         readers = st.open_readers
-        started = 0
+        started, place = 0, place_of(self.layout)
         for i in idx:
             sid = int(ix.shard[i])
             if sid < 0 or (st.use_lru and i in st.lru):
@@ -603,7 +604,7 @@ class Reads:
                 # A bucket store's shard not open yet would be fetched whole here: a hint never
                 # waits for that; it starts the fetch in the background instead (read by
                 # ranges, opening reads its header, and GETs start).
-                if self.layout.fetch_ahead(path.name.removesuffix(".safetensors")):
+                if place.fetch_ahead(path.name.removesuffix(".safetensors")):
                     continue
                 if len(readers) >= st.handles.max_open:
                     continue

@@ -221,6 +221,8 @@ class RangedShardReader(ShardReader):
         where: the object's URL, for messages.
     """
 
+    reads_descriptor = False  # its bytes come by ranged GETs: the Python read path
+
     def __init__(
         self, path: Path, get: RangeGet, size: int, where: str, verify: VerifyMode | str
     ) -> None:
@@ -375,7 +377,7 @@ def windows_over(windows: Sequence[Sequence[str]], sizes: Mapping[str, int], bud
 # == store =========================================================================================
 # A store in a bucket, worked through a local tier: what every command and dataset opens.
 #
-# :class:`BucketStore` is the :class:`~featbake.store.layout.RemotePlace` of the tier's
+# :class:`BucketStore` is the :class:`~featbake.store.place.RemotePlace` of the tier's
 # :class:`~featbake.store.layout.Layout`: the local store code runs unchanged on the tier (the
 # newest catalog version as ``catalog.sqlite``, read-only; fetched shards; fragments written
 # here first), and calls back here for what must reach the bucket or come from it:
@@ -565,6 +567,14 @@ class BucketStore(ProcessLocalState):
 
     def has_shard(self, name: str) -> bool:
         return name in self._listed() or self._size_of(name) is not None
+
+    def fetch_ahead(self, name: str) -> bool:
+        """Shards not read by ranges are fetched whole: shard ``name``'s fetch is started in
+        the background (see :meth:`prefetch`), and the caller does not open it now."""
+        if self.reads_ranged():
+            return False
+        self.prefetch(name)
+        return True
 
     def opened(self, path: Path) -> None:
         """A read opened tier file ``path``: stamped as used; under a block order, the first
@@ -941,6 +951,16 @@ class BucketStore(ProcessLocalState):
         pin = json.dumps(PinnedVersion(version, etag)._asdict())
         publish_file(self.version_file, lambda tmp: tmp.write_text(pin), tmp_dir=self.layout.tmp)
 
+    # -- Place: builds, merge, serving --------------------------------------------------------
+    def builds_in_fragments(self) -> bool:
+        return True  # the tier's catalog is a published version, never written in place
+
+    def merge(self) -> MergeReport:
+        return merge_bucket(self)
+
+    def serving_mode(self) -> bool:
+        return True  # written-back features go to fragments, published after their shards
+
     def sync_fragments(self) -> int:
         """Download the bucket's fragments the tier lacks (other nodes' ranks); how many."""
         here = fragments_dir(self.layout)
@@ -1051,13 +1071,6 @@ def publish_next(store: BucketStore, change: Callable[[Layout], Change[T]]) -> T
         f"other merges or gc runs published {TRIES} catalog versions of {store} while this one "
         "ran; run it again when they are done"
     )
-
-
-def merge_store(layout: Layout) -> MergeReport:
-    """Merge the store ``layout`` is: a bucket store's next version, or a local catalog."""
-    if isinstance(layout.remote, BucketStore):
-        return merge_bucket(layout.remote)
-    return merge(layout)
 
 
 def merge_bucket(store: BucketStore, *, between: Between = None) -> MergeReport:

@@ -21,7 +21,8 @@ import torch
 from featbake.errors import ShardMissing
 from featbake.process import ProcessLocal, ProcessLocalState
 from featbake.store.catalog import Catalog, Location
-from featbake.store.layout import Layout, RemotePlace
+from featbake.store.layout import Layout
+from featbake.store.place import RemotePlace, remote_place
 from featbake.store.shard import Leases, ShardReader, VerifyMode
 
 # == handles =======================================================================================
@@ -68,7 +69,7 @@ class ShardHandles(ProcessLocalState):
     ) -> ShardHandles:
         """The handles of the store ``layout``: its shards fetched from its place first where
         that is a bucket."""
-        return cls(max_open=max_open, verify=verify, remote=layout.remote)
+        return cls(max_open=max_open, verify=verify, remote=remote_place(layout))
 
     @staticmethod
     def _close_inherited(readers: OrderedDict[Path, ShardReader]) -> None:

@@ -494,7 +494,7 @@ def serving_mode(layout: Layout) -> bool:
     Raises:
         ConfigError: ``$FEATBAKE_SHARED_FS`` holds something other than 1, 0 or auto.
     """
-    if not layout.catalog_in_place:  # a bucket store: its tier's catalog is a published version
+    if layout.remote is not None:  # a bucket's tier: its catalog is a published version
         return True
     mode = detect(layout.root)
     if mode.shared:
@@ -609,7 +609,7 @@ class FragmentCatalog:
     # -- reads: the catalog as it is (read-only), then fragments not merged yet --------------
     def _replaced(self) -> bool:
         """True if a bucket's tier renamed a newer catalog version over the one read here."""
-        return not self.layout.catalog_in_place and _inode(self.layout.catalog) != self._inode
+        return self.layout.remote is not None and _inode(self.layout.catalog) != self._inode
 
     def _reader(self) -> Catalog | None:
         """The read-only catalog; None while there is none (a fresh store, before a merge).

@@ -2,29 +2,25 @@
 
 from __future__ import annotations
 
-import os
-import re
-import stat
-import uuid
-from collections.abc import Callable, Iterable, Sequence
-from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Generic, NamedTuple, Protocol, TypeVar
-
-from featbake.errors import ConfigError, StoreCorrupt, StoreError
-from featbake.store.url import is_url
-
-if TYPE_CHECKING:
-    from featbake.store.shard import ShardReader
 import contextlib
 import errno
 import fcntl
+import os
+import re
 import sqlite3
+import stat
 import time
+import uuid
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, field
 from enum import StrEnum
+from pathlib import Path
+from typing import Generic, NamedTuple, Protocol, TypeVar
+
+from featbake.errors import ConfigError, StoreCorrupt, StoreError
+from featbake.store.url import is_url
 
 # == layout ========================================================================================
 #: A shard's name: the SHA-256 of its bytes, in hex. Nothing else is ever followed to a path or
@@ -132,10 +128,11 @@ class TierUsage(NamedTuple):
 # == place =========================================================================================
 # Where a store's shards, fragments and catalog last: a local directory
 # (:class:`featbake.store.open.LocalPlace`), or a bucket seen through this node's tier
-# (:class:`featbake.store.bucket.BucketStore`). Upkeep runs one algorithm over either: gc plans,
-# commits its catalog change through :meth:`Place.commit`, then sweeps what the place holds that
-# nothing names (:func:`unnamed_past`, one rule with the place's age); verify reads what the
-# place names; repair runs where the place allows it.
+# (:class:`featbake.store.bucket.BucketStore`), both a :class:`featbake.store.place.Place`.
+# Upkeep runs one algorithm over either: gc plans, commits its catalog change through
+# ``Place.commit``, then sweeps what the place holds that nothing names (:func:`unnamed_past`,
+# one rule with the place's age); verify reads what the place names; repair runs where the
+# place allows it.
 T = TypeVar("T")
 
 
@@ -265,110 +262,18 @@ class VerifyScope(StrEnum):
     NAMED_SHARDS = "named-shards"  # the place's own bytes of every shard the catalog names
 
 
-class Place(Protocol):
-    """Where a store lasts, as upkeep sees it (see the section comment)."""
-
-    def commit(self, change: Callable[[Layout], Change[T]]) -> T:
-        """Apply a catalog change where the place keeps its catalog."""
-        ...
-
-    def settle(self) -> None:
-        """Fold into the catalog what readers recorded elsewhere, and bring its newest state here
-        (gc plans on it next)."""
-        ...
-
-    def rewrites_shards(self) -> bool:
-        """Whether gc may rewrite shards here (compaction)."""
-        ...
-
-    def plan_sweep(self, now: float, grace: float, retention: float) -> Sweep:
-        """What gc's sweep would delete now (:func:`unnamed_past` with the place's age)."""
-        ...
-
-    def sweep(self, plan: Sweep, crash: Callable[[str], None]) -> Swept:
-        """Delete what ``plan`` names, re-checked where the place allows it; ``crash`` is
-        called with the name of each step done (gc's crash points)."""
-        ...
-
-    def repair_refusal(self) -> str | None:
-        """None where ``verify --repair`` runs here; else the one line that says why not and
-        what to do instead."""
-        ...
-
-    def verify_scope(self) -> VerifyScope:
-        """What verify reads here."""
-        ...
-
-    def tier_usage(self) -> TierUsage | None:
-        """This node's tier of the place (its catalog version, bytes and budget), or None
-        where the place has none (a directory)."""
-        ...
-
-    def named_shards(self) -> dict[str, int]:
-        """The shards the store's catalog names, with their bytes."""
-        ...
-
-    def shard_objects(self) -> dict[str, int]:
-        """Every shard the place holds (listed now, not a tier's copies): name -> bytes."""
-        ...
-
-    def download_shard(self, name: str, dest: Path) -> None:
-        """The place's own bytes of shard ``name`` into file ``dest`` (never a tier's copy).
-
-        Raises:
-            FileNotFoundError: the place has no such shard.
-        """
-        ...
-
-    def shard_where(self, name: str) -> str:
-        """How messages name shard ``name`` (the file or object a user would delete)."""
-        ...
-
-
-class RemotePlace(Place, Protocol):
-    """Where a store's shards and fragments last when the store is a bucket
-    (:class:`featbake.store.bucket.BucketStore`); the layout is then its local tier."""
-
-    def fetch_shard(self, name: str, evicted: Callable[[], None] | None = None) -> Path | None:
-        """Shard ``name`` fetched into the local tier; None when the bucket has none.
-        ``evicted`` is called once the tier evicted to make room, before the download."""
-        ...
+class Remote(Protocol):
+    """What a layout and the store's writers know of a bucket the layout is the local tier of:
+    its name, whether it holds a shard, and where a sealed fragment goes. The whole place, for
+    code above the layout, is :func:`featbake.store.open.place_of` (a
+    :class:`featbake.store.place.Place`)."""
 
     def has_shard(self, name: str) -> bool:
-        """Whether the store holds shard ``name`` (locally or in the bucket)."""
-        ...
-
-    def reads_ranged(self) -> bool:
-        """Whether shards not in the tier are read by ranges (else fetched whole)."""
-        ...
-
-    def ranged_reader(self, name: str, path: Path, verify: str) -> ShardReader | None:
-        """A reader of shard ``name`` by ranges, or None when shards are fetched whole."""
-        ...
-
-    def opened(self, path: Path) -> None:
-        """A reader opened tier file ``path`` (its last use, for eviction)."""
-        ...
-
-    def prefetch(self, name: str) -> bool:
-        """Start bringing shard ``name`` into the tier without waiting; whether it started."""
-        ...
-
-    def follow_blocks(self, windows: Sequence[Sequence[str]] | None) -> bool:
-        """Read in a block order whose windows read these shards, in order (None: stop);
-        whether the place follows it (fetching windows whole, the next one ahead)."""
+        """Whether the bucket holds shard ``name``."""
         ...
 
     def publish_fragment(self, fragment: Path, shards: Sequence[str]) -> None:
         """Upload a sealed fragment after the shards it names."""
-        ...
-
-    def sync_fragments(self) -> int:
-        """Bring the place's sealed fragments (other nodes' ranks) into the tier; how many."""
-        ...
-
-    def tier_usage(self) -> TierUsage:
-        """This node's tier of the place: its catalog version and the bytes it holds."""
         ...
 
 
@@ -381,7 +286,7 @@ class Layout:
     """
 
     root: Path
-    remote: RemotePlace | None = field(default=None, compare=False, repr=False)
+    remote: Remote | None = field(default=None, compare=False, repr=False)
 
     @property
     def catalog(self) -> Path:
@@ -446,36 +351,10 @@ class Layout:
             return True
         return self.remote is not None and self.remote.has_shard(name)
 
-    @property
-    def catalog_in_place(self) -> bool:
-        """Whether the catalog here is written in place (a directory). A bucket's tier holds a
-        published catalog version, never written in place: every build there writes fragments
-        and publishes the next version itself."""
-        return self.remote is None
-
     def describe(self) -> str:
         """How messages name the store: its bucket URL (never the tier folder), or its
         directory."""
         return str(self.remote) if self.remote is not None else str(self.root.absolute())
-
-    def sync_fragments(self) -> int:
-        """Bring the place's sealed fragments here (a bucket's: other nodes' ranks, so a rerun
-        skips what a killed run sealed); how many. A directory holds its own: 0."""
-        return 0 if self.remote is None else self.remote.sync_fragments()
-
-    def follow_blocks(self, windows: Sequence[Sequence[str]] | None) -> bool:
-        """Tell the place the shards each window of a block order reads (None: stop); whether
-        it follows them (a bucket fetches windows whole; a directory has nothing to fetch)."""
-        return self.remote is not None and self.remote.follow_blocks(windows)
-
-    def fetch_ahead(self, name: str) -> bool:
-        """Whether shard ``name`` is fetched whole before it can be opened (a bucket store not
-        reading by ranges); its fetch is then started in the background, and the caller does
-        not open it now (a hint never waits for a download)."""
-        if self.remote is None or self.remote.reads_ranged():
-            return False
-        self.remote.prefetch(name)
-        return True
 
     def ensure(self) -> Layout:
         """Create the directories, or raise a StoreError that says why it could not."""
@@ -517,9 +396,9 @@ def layout_at(cache: str | os.PathLike[str] | None) -> Layout:
     where = where or ".featbake"
     if is_url(where):
         raise ConfigError(
-            f"{where!r} is a bucket URL, and this needs a store directory (CachedEncoder "
-            "writes its catalog in place); pass a directory, or serve a bucket store with "
-            "CachedFeatureDataset(cache='s3://...') and the featbake commands (--cache s3://...)"
+            f"{where!r} is a bucket URL, and this needs a store directory; pass a directory, or "
+            "open the bucket store with featbake.store.open.open_store (CachedEncoder, "
+            "CachedFeatureDataset and the featbake commands take --cache s3://... as it is)"
         )
     return Layout(Path(where))
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import closing
 from enum import Enum
 from pathlib import Path
@@ -20,12 +20,17 @@ from typing import Any, TypeVar
 from featbake.errors import ConfigError, StoreError
 from featbake.store.bucket import TIER_MARK, BucketStore
 from featbake.store.catalog import READ_ONLY_ENV, Catalog, Root, read_only_forced
-from featbake.store.fragments import fragment_shard_names, sealed_fragments
+from featbake.store.fragments import (
+    MergeReport,
+    fragment_shard_names,
+    merge,
+    sealed_fragments,
+    serving_mode,
+)
 from featbake.store.layout import (
     Change,
     Held,
     Layout,
-    Place,
     Sweep,
     Swept,
     TierUsage,
@@ -39,6 +44,7 @@ from featbake.store.layout import (
     unnamed_past,
 )
 from featbake.store.objects import ObjectStore
+from featbake.store.place import Place, remote_place
 from featbake.store.url import BucketURL, is_url
 from featbake.units import parse_bytes
 
@@ -56,7 +62,6 @@ class Need(Enum):
     """What :func:`open_store` requires of the store it opens."""
 
     ANY = "any"  # a build or a dataset may create it
-    LOCAL = "local"  # a directory (created if missing): what writes its catalog in place
     WRITE = "write"  # a build: refused before anything is written where writes are not allowed
     STORE = "store"  # something of a store must be there (upkeep, merge)
     CATALOG = "catalog"  # a catalog to read (stats, gc, export)
@@ -92,7 +97,7 @@ def open_store(
         >>> open_store("/data/features").root
         PosixPath('/data/features')
     """
-    layout = _layout_of(ref, need, local_cache, local_cache_size)
+    layout = _layout_of(ref, local_cache, local_cache_size)
     if need is Need.WRITE and read_only_forced():
         raise StoreError(
             f"the store {layout.describe()} is read-only here ({READ_ONLY_ENV}=1), and a build "
@@ -107,14 +112,13 @@ def open_store(
 
 def _layout_of(
     ref: StoreRef,
-    need: Need,
     local_cache: str | os.PathLike[str] | None,
     local_cache_size: int | str | None,
 ) -> Layout:
     if isinstance(ref, Layout):
         return ref
     where = os.fspath(ref) if ref is not None else os.environ.get("FEATBAKE_CACHE", "")
-    if need is Need.LOCAL or not is_url(where):
+    if not is_url(where):
         layout = layout_at(ref)
         _refuse_tier(layout)
         return layout
@@ -191,14 +195,15 @@ def commit(layout: Layout, change: Callable[[Layout], Change[T]]) -> T:
 
 def place_of(layout: Layout) -> Place:
     """Where the store ``layout`` lasts: its bucket (the layout is its tier), or the directory."""
-    return layout.remote if layout.remote is not None else LocalPlace(layout)
+    return remote_place(layout) or LocalPlace(layout)
 
 
 class LocalPlace:
-    """A store directory as a :class:`~featbake.store.layout.Place`: its catalog is changed in
+    """A store directory as a :class:`~featbake.store.place.Place`: its catalog is changed in
     place (the catalog's own transactions, under the write lock), its unnamed shard files and
     ``tmp/`` leftovers go once older than the grace period, and verify reads every file of it
-    and repairs it."""
+    and repairs it. One process builds into the catalog itself, parts write fragments that
+    :meth:`merge` folds in; its shards are read where they are (nothing to fetch or follow)."""
 
     def __init__(self, layout: Layout) -> None:
         self.layout = layout
@@ -270,6 +275,27 @@ class LocalPlace:
 
     def shard_where(self, name: str) -> str:
         return str(self.layout.shard_path(name))
+
+    def builds_in_fragments(self) -> bool:
+        return False  # one process writes the catalog in place; parts write fragments
+
+    def sync_fragments(self) -> int:
+        return 0  # the directory holds its fragments already
+
+    def merge(self) -> MergeReport:
+        return merge(self.layout)
+
+    def serving_mode(self) -> bool:
+        return serving_mode(self.layout)  # fragments on a shared filesystem only
+
+    def follow_blocks(self, windows: Sequence[Sequence[str]] | None) -> bool:
+        return False  # shards are read where they are: nothing to fetch ahead
+
+    def fetch_ahead(self, name: str) -> bool:
+        return False
+
+    def publish_fragment(self, fragment: Path, shards: Sequence[str]) -> None:
+        return None  # sealed in the directory: there already
 
 
 def describe(layout: Layout) -> str:

@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import google_crc32c
 import numpy as np
@@ -783,6 +783,9 @@ class ShardReader:
     _state = ReaderState.OPEN
     _users = 0
     _guard = threading.Lock()
+    #: Whether the shard's bytes are a local file descriptor the compiled read can take (a
+    #: bucket's ranged reader reads them over HTTP and says False).
+    reads_descriptor: ClassVar[bool] = True
 
     def __init__(
         self, path: str | os.PathLike[str], verify: VerifyMode | str = VerifyMode.FIRST
@@ -1012,7 +1015,7 @@ class ShardReader:
         """
         rows = out.numel() // packed.width if packed.width else 0
         native = kernels()
-        if native is None or type(self) is not ShardReader:  # a bucket's ranged reader: no fd
+        if native is None or not self.reads_descriptor:  # a bucket's ranged reader: no fd
             dest = out.reshape(-1).view(torch.uint8).numpy()
             return _read_packed(self, begin, dest, None, packed)
         scheme, code, width = packed.kernel_codes()
@@ -1186,7 +1189,7 @@ def native_readable(span: Span) -> bool:
     (a bucket's ranged reader reads over HTTP) and a format-2 check (CRC-32C, whose C function
     google_crc32c exposes) that promises a value, or none."""
     check = span.check
-    if type(span.reader) is not ShardReader:
+    if not span.reader.reads_descriptor:
         return False
     return check is None or (
         _EXTEND_ADDR is not None and check.digest is crc32c and check.want is not None

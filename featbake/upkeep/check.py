@@ -51,8 +51,9 @@ from featbake.store.containers import (
     stored_cell_kind,
 )
 from featbake.store.fragments import fragment_shard_names, unmerged_builds
-from featbake.store.layout import FolderListing, Layout, Place, list_folder, shard_name
+from featbake.store.layout import FolderListing, Layout, list_folder, shard_name
 from featbake.store.open import place_of
+from featbake.store.place import Place
 from featbake.store.shard import ST_TO_DTYPE, ShardEntry, ShardReader, TensorInfo, split_tensor_name
 from featbake.upkeep.files import existing_store, read_manifest
 

@@ -301,7 +301,7 @@ def plan_gc(
 def recorded_uses(layout: Layout) -> dict[str, float]:
     """Last uses that serving processes sealed into fragments not merged yet (a store on a
     shared filesystem, or a bucket's, brought here first: a dry run folds nothing in)."""
-    layout.sync_fragments()
+    place_of(layout).sync_fragments()
     return serving_uses(layout)
 
 

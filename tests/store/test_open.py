@@ -40,10 +40,12 @@ def test_a_url_of_another_scheme_is_refused_and_not_read_as_a_folder(url: str) -
     assert not Path(url.split(":")[0] + ":").exists()
 
 
-def test_cached_encoder_refuses_a_bucket_url() -> None:
-    with pytest.raises(ConfigError, match=r"bucket URL.*needs a store directory"):
-        CachedEncoder(torch.nn.Linear(2, 2), cache="s3://bucket/features")
-    assert not Path("s3:").exists()
+def test_cached_encoder_refuses_a_url_of_another_scheme_and_creates_no_folder() -> None:
+    """A bucket URL opens as a bucket store (tests/store/bucket/test_bucket_cached_encoder.py);
+    one featbake cannot open is refused in one line, never read as a folder."""
+    with pytest.raises(ConfigError, match=r"speak s3://, gs://, az://"):
+        CachedEncoder(torch.nn.Linear(2, 2), cache="hdfs://bucket/features")
+    assert not Path("hdfs:").exists()
 
 
 def test_build_and_stats_refuse_another_scheme_and_create_no_folder(
