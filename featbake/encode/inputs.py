@@ -18,6 +18,7 @@ from featbake.encode.objects import BucketInputs, ObjectSource, object_stat, rea
 from featbake.encode.sources import ScanResult, Source, scan_inputs, source_extensions
 from featbake.errors import ConfigError, FeatbakeError
 from featbake.progress import Progress
+from featbake.store.byteplace import bytes_at
 from featbake.store.catalog import FileStat, HashCache, HashEntry, HashRow
 from featbake.store.url import is_url
 
@@ -143,15 +144,15 @@ Opener = Callable[[str, str | None], Inputs]
 
 
 def _is_manifest(where: str) -> bool:
-    return not is_url(where) and where.lower().endswith((".jsonl", ".csv", ".tsv"))
+    return bytes_at(where).is_list_file(where, (".jsonl", ".csv", ".tsv"))
 
 
 def _is_cuts(where: str) -> bool:
-    return not is_url(where) and where.lower().endswith(".jsonl.gz")
+    return bytes_at(where).is_list_file(where, (".jsonl.gz",))
 
 
 def _is_kaldi_dir(where: str) -> bool:
-    return not is_url(where) and os.path.isfile(os.path.join(where, "wav.scp"))
+    return bytes_at(where).folder_has(where, "wav.scp")
 
 
 def _open_manifest(where: str, column: str | None) -> Inputs:

@@ -33,7 +33,9 @@ from featbake.store.bucket import (
     ObjectBytes,
     ObjectInfo,
 )
+from featbake.store.byteplace import object_at as object_at
 from featbake.store.catalog import COARSE_RACY_FACTOR, RACY_NS, FileStat, HashCache, HashRow
+from featbake.store.objects import object_stat as object_stat
 from featbake.store.url import BucketURL
 
 # == bucket_inputs =================================================================================
@@ -67,21 +69,6 @@ from featbake.store.url import BucketURL
 # Credentials, endpoint and region come from the standard AWS environment (see
 # :mod:`featbake.store.bucket`), whose errors (no credentials, no such bucket, access
 # denied) are one line each.
-
-
-def object_stat(info: ObjectInfo) -> FileStat:
-    """What the hash cache compares for an object: (size, last change, ETag).
-
-    The last change is counted in whole seconds (a GET's ``Last-Modified`` header has no
-    more); the ETag, a string, becomes a 60-bit number in the inode's place.
-
-    Example:
-        >>> object_stat(ObjectInfo("a.wav", 4, 1700000000.25, "abc")).mtime_ns
-        1700000000000000000
-    """
-    modified_ns = int(info.modified) * 1_000_000_000
-    etag = int(hashlib.sha256(info.etag.encode()).hexdigest()[:15], 16)
-    return FileStat(info.size, modified_ns, etag, modified_ns)
 
 
 def never_racy_ns(rows: Sequence[HashRow]) -> int:
@@ -252,27 +239,6 @@ class ObjectSource:
         if stat is None or object_stat(got.info) != stat:
             raise SourceError(f"{path}: changed while featbake was reading it; rerun the build")
         return self.inner.load(path, io.BytesIO(got.data))
-
-
-_BUCKETS: dict[tuple[str, str], Bucket] = {}  # (scheme, bucket) -> its client, made lazily
-
-
-def object_at(url: str) -> tuple[Bucket, str]:
-    """(the bucket of object ``url``, the object's key in it): one client per bucket, not per
-    folder (making one costs ~0.1-0.2 s; a manifest's rows or a dataset's shards may span many
-    folders).
-
-    Example:
-        >>> object_at("s3://team/shards/shard-000.tar")[1]
-        'shards/shard-000.tar'
-    """
-    folder, name = url.rsplit("/", 1)
-    where = BucketURL.parse(folder)
-    bucket = _BUCKETS.get((where.scheme, where.bucket))
-    if bucket is None:  # the object store of the URL's scheme (s3, gs, az)
-        bucket = Bucket(BucketURL(where.bucket, scheme=where.scheme))
-        _BUCKETS[where.scheme, where.bucket] = bucket
-    return bucket, where.key(name)
 
 
 # == object_stats ==================================================================================

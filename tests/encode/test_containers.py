@@ -747,6 +747,39 @@ def test_shards_in_a_bucket_are_read_by_ranged_gets_and_a_rebuild_reads_no_byte(
     assert {name for name, _ in gets} == {"shards/shard-001.tar"}  # the key: one client per bucket
 
 
+def test_tar_shards_and_a_parquet_file_are_read_in_place_on_every_cloud(
+    place: Any, tmp_path: Path
+) -> None:
+    """Tar shards (a prefix of tars only, and a brace pattern) and a parquet file in an S3, GCS
+    or Azure bucket are read through the one byte seam (``featbake.store.byteplace``): served
+    equal to the encoder run now, and a rebuild reuses every item by the objects' versions."""
+    images = photographs(tmp_path)
+    half = len(images) // 2
+    shards = {
+        "shard-000.tar": write_tar(tmp_path / "a.tar", image_samples(images[:half])),
+        "shard-001.tar": write_tar(tmp_path / "b.tar", image_samples(images[half:], half)),
+    }
+    root = f"{place.scheme}://{place.bucket}"
+    upload_shards(f"{root}/shards", shards)
+    table = pa.table({"image": pa.array(images, pa.binary())})
+    pq.write_table(table, tmp_path / "images.parquet", row_group_size=2)
+    upload_shards(f"{root}/tables", {"images.parquet": tmp_path / "images.parquet"})
+    encoder = image_encoder()
+    for data, column in (
+        (f"{root}/shards/", None),
+        (f"{root}/shards/shard-{{000..001}}.tar", None),
+        (f"{root}/tables/images.parquet", "image"),
+    ):
+        store = tmp_path / f"store-{len(column or '')}-{data.endswith('/')}"
+        report = build(data, encoder, cache=store, recipe=IMAGE_RECIPE, workers=0, column=column)
+        assert (report.encoded, report.failed) == (len(images), []), data
+        stored = stored_features(store, report.root)
+        for (key, parts), jpg in zip(stored.items(), images, strict=True):
+            assert torch.equal(parts[""], run_now(encoder, image_tensor(jpg))), (data, key)
+        again = build(data, encoder, cache=store, recipe=IMAGE_RECIPE, workers=0, column=column)
+        assert (again.encoded, again.reused, again.root) == (0, len(images), report.root), data
+
+
 def test_a_bucket_prefix_of_tars_only_is_read_as_shards_as_a_local_folder_is(
     s3: Any, tmp_path: Path, gets: list[tuple[str, int]]
 ) -> None:
