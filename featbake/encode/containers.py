@@ -24,9 +24,9 @@ table file whose column holds neither bytes nor an Audio/Image struct; each is o
 the container and member or row, skipped, and the build exits 3.
 
 The bytes are read by the store's one reader per container (``featbake.store.containers``,
-which ``verify`` reads them with too); this module gives it a bucket's ranged GETs
-(:func:`object_fetch`) and turns what it reads into items, digests through the hash cache, and
-tensors.
+which ``verify`` reads them with too) through the byte seam (``featbake.store.byteplace``: a
+local file, or an object by ranged GETs, a ``.tar.gz`` object whole); this module turns what
+they read into items, digests through the hash cache, and tensors.
 """
 
 from __future__ import annotations
@@ -50,7 +50,6 @@ from featbake.errors import SourceError
 from featbake.progress import Progress
 from featbake.store.byteplace import bytes_at, object_head
 from featbake.store.byteplace import expand_braces as expand_braces
-from featbake.store.byteplace import gzip_in_bucket as gzip_in_bucket
 from featbake.store.byteplace import hidden_name as hidden_name
 from featbake.store.byteplace import object_fetch as object_fetch
 from featbake.store.byteplace import ranged_object as ranged_object
@@ -231,7 +230,7 @@ def list_members(tar: str, size: int | None = None) -> list[Member]:
     <featbake.store.byteplace.BytePlace.tar_members>`).
 
     Raises:
-        SourceError: the file cannot be opened or is not a tar, or it is a gzip tar in a bucket.
+        SourceError: the file cannot be opened or is not a tar.
     """
     return bytes_at(tar).tar_members(tar, size)
 
@@ -320,6 +319,11 @@ def member_digests(tar: str, members: list[Member], held: HeldBytes | None = Non
 # stat the listing gave (:class:`ReadBack`), so a first build makes LISTs and GETs, no HEAD. A
 # bucket's parquet file is read likewise (:class:`RangedObject` keeps its responses' stats): one
 # HEAD at the scan for its stat (a single file is not listed), none for its hash or its cells.
+#
+# A ``.tar.gz`` shard in a bucket cannot be read by ranges: it is read whole (one GET) and
+# decompressed in memory to list it, again to hash it (a build decodes from the bytes hashed),
+# and once per member a dataset decodes (listings and digests come from the hash cache by ETag,
+# as a plain tar's do; see ``featbake.store.byteplace.gzip_object_fetch``).
 
 #: The hash-cache id prefix of a tar's member listing (the row's digest column is the listing).
 LISTING_PREFIX = "tar-members:"

@@ -1,8 +1,9 @@
 """Where an input's bytes live: a local path or an object URL, behind one interface.
 
-Every kind of input (a folder's files, a manifest's rows, tar shards, table files) reads its
-bytes through a :class:`BytePlace` (the byte seam): :func:`bytes_at` picks the place of a path once,
-by its scheme, and the callers ask it, never which it is. Each place answers in its own way:
+Inputs (tar shards, table files, a manifest's rows, the kind ``--data`` names) ask a
+:class:`BytePlace` (the byte seam) for their bytes, stats and listings: :func:`bytes_at` picks
+the place of a path once, by its scheme, and callers ask it, never which it is. Each place
+answers in its own way:
 
 * :class:`LocalFiles`: a file's stat (size, mtime, inode, ctime), read by open and seek; a
   file's stat can stay the same over a rewrite within one timestamp tick (git's "racy" rule), and
@@ -11,7 +12,8 @@ by its scheme, and the callers ask it, never which it is. Each place answers in 
 * :class:`Objects`: an object's stat is its (size, last change, ETag) as the store of its scheme
   maps it (:meth:`~featbake.store.objects.ObjectStore.file_stat`); every ranged GET's response
   carries it, so bytes and the version they are of come together without a HEAD, and the ETag
-  changes with the bytes (:attr:`BytePlace.versioned` is True: never racy).
+  changes with the bytes (:attr:`BytePlace.versioned` is True: never racy). A ``.tar.gz``
+  object cannot be read by ranges: it is read whole and decompressed (:func:`gzip_object_fetch`).
 
 Both read a tar's members and a table file through the store's container readers
 (:mod:`featbake.store.containers`), which take the place's ranged reads (:data:`Fetch`).
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import os
 import re
+import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import ClassVar, NamedTuple
@@ -338,12 +341,60 @@ def ranged_object(url: str, size: int | None = None) -> RangedObject:
     return RangedObject(url, size, object_fetch(url))
 
 
-def gzip_in_bucket(tar: str) -> str:
-    """Why a gzip tar in a bucket is not read (its members cannot be read by ranges)."""
-    return (
-        f"{tar}: a gzip-compressed tar in a bucket is not read in place (its members cannot be "
-        "read by ranges); copy the shards to a local folder, or store them as plain .tar"
-    )
+def gzip_object_fetch(url: str) -> Callable[[int, int], RangeRead]:
+    """Reads of ranges of the *decompressed* gzip tar ``url``, for the store's container
+    readers: a gzip stream cannot be read by ranges, so the first read GETs the object whole
+    (one request) and decompresses it, and every read after it slices those bytes, each with
+    the stat of that one response. One fetch serves one listing, one hashing or one member:
+    bytes are never kept past it, so a rewritten object is never read from a stale copy.
+
+    A truncated stream gives the bytes it holds (its last member then reads as truncated, as
+    a local gzip tar's does); a stream that is not gzip is one line.
+    """
+    got: list[Callable[[int, int], RangeRead]] = []
+
+    def fetch(start: int, length: int) -> RangeRead:
+        if not got:
+            got.append(sliced(gzip_object(url)))
+        return got[0](start, length)
+
+    return fetch
+
+
+def gzip_object(url: str) -> RangeRead:
+    """The gzip tar object ``url`` read whole (one GET) and decompressed, with that response's
+    stat.
+
+    Raises:
+        SourceError: it is gone, cannot be read, or is not a gzip stream.
+    """
+    bucket, name = object_at(url)
+    try:
+        response = bucket.read(name)
+    except FileNotFoundError:
+        raise SourceError(f"{url}: object not found (deleted since the listing?)") from None
+    except StoreError as e:
+        raise SourceError(str(e)) from e
+    try:
+        data = zlib.decompressobj(wbits=31).decompress(response.data)
+    except zlib.error as e:
+        raise SourceError(f"{url}: not a readable gzip tar file ({e})") from e
+    return RangeRead(data, bucket.file_stat(response.info))
+
+
+def sliced(whole: RangeRead) -> Callable[[int, int], RangeRead]:
+    """Ranged reads of bytes already in memory, each with the stat they were read at."""
+
+    def fetch(start: int, length: int) -> RangeRead:
+        return RangeRead(whole.data[start : start + length], whole.stat)
+
+    return fetch
+
+
+def tar_fetch(tar: str) -> Callable[[int, int], RangeRead]:
+    """Ranged reads of the tar stream of object ``tar``: by ranged GETs, or (a gzip tar)
+    from the object read whole once (:func:`gzip_object_fetch`)."""
+    return gzip_object_fetch(tar) if is_gzip_tar(tar) else object_fetch(tar)
 
 
 class Objects(BytePlace):
@@ -362,21 +413,22 @@ class Objects(BytePlace):
         return None if info is None else bucket.file_stat(info)
 
     def tar_members(self, tar: str, size: int | None = None) -> list[Member]:
-        if is_gzip_tar(tar):
-            raise SourceError(gzip_in_bucket(tar))
         try:
-            return list_members(tar, ranged_object(tar, size))
+            if not is_gzip_tar(tar):
+                return list_members(tar, ranged_object(tar, size))
+            whole = gzip_object(tar)  # one GET: its stream's length is known only once read
+            return list_members(tar, RangedObject(tar, len(whole.data), sliced(whole)))
         except StoreError as e:
             raise SourceError(f"{tar}: not a readable tar file ({e})") from e
 
     def read_member(self, tar: str, member: Member) -> tuple[bytes, FileStat | None]:
-        got = read_ranged_member(tar, member, object_fetch(tar))
+        got = read_ranged_member(tar, member, tar_fetch(tar))
         return got.data, got.stat
 
     def member_digests(
         self, tar: str, members: Sequence[Member], held: Holder | None = None
     ) -> ReadBack:
-        return ranged_member_digests(tar, members, object_fetch(tar), held)
+        return ranged_member_digests(tar, members, tar_fetch(tar), held)
 
     def holds_only(self, where: str, wanted: tuple[str, ...], also: tuple[str, ...] = ()) -> bool:
         # One LIST (the scan lists again, as it does for any prefix). A name ending as a table

@@ -1451,10 +1451,50 @@ def test_gzip_tar_shards_are_read_as_one_stream_built_served_and_verified(
     assert [ds.row(i) for i in range(5)] == [{"cls": i} for i in (0, 1, 2, 0, 1)]
     assert check_hash_cache(Layout(store)).files_read == 5
     assert verify(store).status == "clean"
-    from featbake.encode.containers import list_members
 
-    with pytest.raises(SourceError, match=r"^s3://b/s\.tar\.gz: a gzip-compressed tar in a bucket"):
-        list_members("s3://b/s.tar.gz")  # refused before any request: one line naming it
+
+def test_gzip_tar_shards_in_a_bucket_are_read_whole_once_built_and_served(
+    s3: Any, tmp_path: Path, encoder_file: Path, gets: list[tuple[str, int]]
+) -> None:
+    """A ``.tar.gz`` shard in a bucket was refused in one line ("not read in place"). Now it is
+    read whole through the byte seam (a gzip stream cannot be read by ranges) and decompressed
+    in memory: a first build GETs each shard once to list it and once to hash it (decoding
+    from the bytes hashed), a rebuild and a dataset over the store GET nothing; features and
+    carried members are the encoder's now, and a shard cut short fails its torn member only."""
+    import gzip
+
+    clips = [wav_bytes(0.3 + 0.1 * i, 10 + i) for i in range(5)]
+    shards = {}
+    for n, part in enumerate((clips[:3], clips[3:])):
+        plain = write_tar(
+            tmp_path / f"p{n}.tar",
+            [(f"s{n}-{i}", {"wav": c, "cls": str(i).encode()}) for i, c in enumerate(part)],
+        )
+        shards[f"shard-{n}.tar.gz"] = tmp_path / f"shard-{n}.tar.gz"
+        shards[f"shard-{n}.tar.gz"].write_bytes(gzip.compress(plain.read_bytes()))
+    prefix = f"s3://{s3.bucket}/shards"
+    upload_shards(prefix, shards)
+    store = tmp_path / "store"
+    report = build(prefix + "/", encoder_file, cache=store, workers=0)
+    assert (report.failed, report.encoded) == ([], 5), report.failed
+    assert sorted(gets) == sorted([(f"shards/{n}", -1) for n in shards] * 2)  # whole, twice
+    gets.clear()
+    again = build(prefix + "/", encoder_file, cache=store, workers=0)
+    assert (again.encoded, again.reused, again.root) == (0, 5, report.root)
+    ds = CachedFeatureDataset(prefix + "/", encoder_file, cache=store, on_miss="error")
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
+    for i, clip in enumerate(clips):
+        torch.testing.assert_close(ds[i], run_now(module, audio_tensor(clip)), msg=str(i))
+    assert gets == []  # listings and digests from the hash cache, by ETag, size and date
+    assert [ds.row(i) for i in range(5)] == [{"cls": i} for i in (0, 1, 2, 0, 1)]
+
+    torn = gzip.compress(write_tar(tmp_path / "t.tar", [("t-0", {"wav": clips[0]})]).read_bytes())
+    (tmp_path / "torn.tar.gz").write_bytes(torn[: len(torn) // 2])
+    upload_shards(f"s3://{s3.bucket}/torn", {"torn.tar.gz": tmp_path / "torn.tar.gz"})
+    cut = build(f"s3://{s3.bucket}/torn/torn.tar.gz", encoder_file, cache=store, workers=0)
+    assert cut.encoded == 0 and cut.failed, cut.failed
+    assert "truncated tar member" in cut.failed[0][1] and len(cut.failed) == 1, cut.failed
 
 
 def test_a_gzip_shards_members_read_in_order_decompress_it_once(
