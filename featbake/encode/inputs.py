@@ -20,7 +20,6 @@ from featbake.errors import ConfigError, FeatbakeError
 from featbake.progress import Progress
 from featbake.store.byteplace import bytes_at
 from featbake.store.catalog import FileStat, HashCache, HashEntry, HashRow
-from featbake.store.url import is_url
 
 #: Names other modules import from here (bucket inputs live in :mod:`featbake.encode.objects`).
 __all__ = [
@@ -151,6 +150,10 @@ def _is_cuts(where: str) -> bool:
     return bytes_at(where).is_list_file(where, (".jsonl.gz",))
 
 
+def _is_bucket_prefix(where: str) -> bool:
+    return bytes_at(where).remote
+
+
 def _is_kaldi_dir(where: str) -> bool:
     return bytes_at(where).folder_has(where, "wav.scp")
 
@@ -196,9 +199,9 @@ OPENERS: list[tuple[Callable[[str], bool], Opener]] = [
     (_is_cuts, _open_cuts),  # before .jsonl: cuts.jsonl.gz
     (_is_manifest, _open_manifest),
     (_is_kaldi_dir, _open_kaldi_dir),
-    (is_webdataset, webdataset_at),  # before is_url: a prefix of tars only is shards
+    (is_webdataset, webdataset_at),  # before a prefix: a prefix of tars only is shards
     (is_table, table_at),
-    (is_url, _open_bucket),
+    (_is_bucket_prefix, _open_bucket),
 ]
 
 

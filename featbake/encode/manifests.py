@@ -53,7 +53,7 @@ are (:class:`ColumnsSeen`), as a table without the column is.
 **Files in a bucket.** A row may name ``s3://bucket/key``: the object is hashed through the hash
 cache by (size, last change, ETag) as ``--data s3://prefix/`` hashes its objects (from a LIST
 of its folder where its rows name many of its objects, else a HEAD, the HEADs concurrent: see
-:func:`featbake.encode.objects.stat_objects`; read whole only when the cache does not know it),
+:func:`featbake.store.byteplace.stat_objects`; read whole only when the cache does not know it),
 and decoded from its bytes: in a first build the bytes of the GET that hashed it (one GET in
 all, see :meth:`RowInputs.hash`), else kept per process within :data:`OBJECT_CACHE_BYTES` so
 that its segments read it once. Its segments' bounds are checked when they are decoded (a
@@ -79,9 +79,7 @@ import torch
 from featbake.encode.fingerprints import HeldBytes, hash_inputs, resolve_path
 from featbake.encode.objects import (
     BucketInputs,
-    object_at,
     object_stat,
-    read_object,
     stat_objects,
 )
 from featbake.encode.sources import (
@@ -98,7 +96,7 @@ from featbake.lru import ByteLRU
 from featbake.process import ProcessLocal, ProcessLocalState
 from featbake.progress import Progress
 from featbake.store.bucket import ObjectBytes
-from featbake.store.byteplace import bytes_at
+from featbake.store.byteplace import bytes_at, object_bytes, object_range
 from featbake.store.catalog import FileStat, HashCache
 from featbake.store.url import BucketURL
 
@@ -412,7 +410,7 @@ def object_digests(
 ) -> tuple[dict[str, str], dict[str, str]]:
     """(url -> SHA-256, url -> why not) of objects named one by one: each one's (size, last
     change, ETag), which the hash cache compares, from a listing of its folder or a HEAD,
-    whichever takes fewer requests (:func:`featbake.encode.objects.stat_objects`: a rebuild
+    whichever takes fewer requests (:func:`featbake.store.byteplace.stat_objects`: a rebuild
     of a manifest naming a folder's objects costs a LIST per 1,000, not a HEAD each), and
     read only when the cache does not know it (:meth:`featbake.encode.objects.BucketInputs.hash`,
     one place and one client per bucket; the bytes read kept in ``held`` by URL). An object
@@ -542,8 +540,7 @@ def object_headers(urls: Mapping[str, str], held: HeldBytes | None) -> dict[str,
         kept = held.peek(url) if held is not None else None
         try:
             if kept is None:
-                bucket, key = object_at(url)
-                kept = bucket.read_range(key, 0, HEADER_BYTES)
+                kept = object_range(url, 0, HEADER_BYTES)
             info = soundfile.info(io.BytesIO(kept))
         except FileNotFoundError:
             out[url] = "object not found (deleted since the listing?)"
@@ -646,7 +643,7 @@ class HeldObjects:
             got = self.held.get(url)
         if got is not None:
             return got
-        read = read_object(*object_at(url))
+        read = object_bytes(url)
         if isinstance(read, str):
             raise SourceError(f"{path}: {url}: {read}")
         with self.lock:

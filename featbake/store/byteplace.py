@@ -21,14 +21,19 @@ Both read a tar's members and a table file through the store's container readers
 
 from __future__ import annotations
 
+import bisect
+import functools
 import os
 import re
+import threading
 import zlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, NamedTuple
 
 from featbake.errors import ConfigError, SourceError, StoreError
+from featbake.process import map_in_threads
 from featbake.store.catalog import FileStat
 from featbake.store.containers import (
     CONTAINER_SUFFIXES,
@@ -48,7 +53,14 @@ from featbake.store.containers import (
     stat_or_none,
     table_files,
 )
-from featbake.store.objects import ObjectInfo, ObjectStore
+from featbake.store.objects import (
+    CLIENT_CONNECTIONS,
+    LIST_PAGE_KEYS,
+    ListedPage,
+    ObjectBytes,
+    ObjectInfo,
+    ObjectStore,
+)
 from featbake.store.url import BucketURL, is_url
 
 
@@ -298,6 +310,29 @@ def object_at(url: str) -> tuple[ObjectStore, str]:
     return bucket, where.key(name)
 
 
+def object_bytes(url: str) -> ObjectBytes | str:
+    """Object ``url`` whole, with the stat of the response that carried it, or why it cannot
+    be read (gone, or the bucket's one line)."""
+    bucket, name = object_at(url)
+    try:
+        return bucket.read(name)
+    except FileNotFoundError:
+        return "object not found (deleted since the listing?)"
+    except StoreError as e:
+        return str(e)
+
+
+def object_range(url: str, start: int, length: int) -> bytes:
+    """``length`` bytes of object ``url`` from ``start`` (fewer at its end): one ranged GET.
+
+    Raises:
+        FileNotFoundError: there is no such object.
+        StoreError: it could not be read.
+    """
+    bucket, name = object_at(url)
+    return bucket.read_range(name, start, length)
+
+
 def object_fetch(url: str) -> Callable[[int, int], RangeRead]:
     """Ranged reads of object ``url`` (one GET each) with the object's stat as each response
     gives it, for the store's container readers (see :data:`~featbake.store.containers.Fetch`).
@@ -496,3 +531,170 @@ def bytes_at(path: str) -> BytePlace:
         (True, False)
     """
     return OBJECTS if is_url(path) else LOCAL_FILES
+
+
+# == object_stats ==================================================================================
+# The stat of objects named one by one (a manifest's ``s3://`` rows), what the hash cache compares
+# (:func:`object_stat`), in as few requests as a folder's layout allows, without knowing how many
+# objects a folder holds.
+#
+# **Per folder** (the names' common folder), the choice is one LIST page per up to
+# :data:`~featbake.store.objects.LIST_PAGE_KEYS` names (a page names each object's size, last
+# change and ETag, as a HEAD does) or a HEAD per name. A folder whose rows name most of it is
+# listed (a 100,000-row rebuild: 100 LISTs, not 100,000 HEADs); two rows in a folder of a million
+# objects are two HEADs, not a thousand pages. The rule, a ski-rental one:
+#
+# * a folder with fewer than :data:`LIST_PAGE_HEADS` names is HEADed: one page could save no more
+#   HEADs than its own price (AWS bills a LIST as 12.5 HEADs; a page of 1,000 entries is ~250 KB
+#   of XML to move and parse, and the next page waits for it);
+# * else it is listed page by page, each page from its names' longest common prefix (``a/clip0``,
+#   not only ``a/``; ``/`` as the delimiter, so a sub-folder is one entry) and starting just
+#   before the first name not yet settled (``StartAfter``: a stretch of the folder no row names
+#   is jumped over, not paged through), and a name the page's range passed without showing is
+#   HEADed (gone, most likely: its HEAD fails it as before);
+# * listing stops, and the names left are HEADed, once the pages spent cost a page more (in HEADs,
+#   at :data:`LIST_PAGE_HEADS` a page) than the HEADs they saved.
+#
+# **Worst case**, for a folder of ``n`` names: the listing stops before its pages cost two pages
+# more than the HEADs they saved, so the requests are at most ``n + 1`` (a HEAD each: ``n``) and
+# their price at most two pages over ``n`` HEADs; in the best case (the rows name the folder's
+# objects) ``ceil(n / 1000)`` LISTs and no HEAD. A LIST the bucket refuses (a policy granting
+# ``s3:GetObject`` without ``s3:ListBucket``) or that fails turns the bucket's names left to HEADs.
+#
+# The HEADs (of every folder) run :data:`HEAD_THREADS` at once, and the folders' listings as
+# many, through the one pool every hashing loop uses (:func:`featbake.process.map_in_threads`)
+# and one client per bucket (boto3's clients are thread-safe; making one costs ~0.1 s, so not one
+# per folder).
+
+#: What one LIST page costs, counted in HEADs (see above): a folder with fewer names is HEADed.
+LIST_PAGE_HEADS = 12
+#: HEADs (and folder listings) in flight at once: each waits mostly on its round trip.
+HEAD_THREADS = CLIENT_CONNECTIONS
+
+
+def just_before(name: str) -> str:
+    """A name that sorts before ``name`` with (almost) nothing between: its last character one
+    lower (S3 sorts keys by their UTF-8 bytes, which is code-point order), or dropped where one
+    lower is no character. Between the two lie only names that start with the result and go on
+    (``a/clip7.wau...``): they cost their place in a page, and ``name`` itself sorts after it.
+
+    Example:
+        >>> just_before("a/clip7.wav")
+        'a/clip7.wau'
+    """
+    if not name:
+        return ""
+    last = ord(name[-1]) - 1
+    if last < 0 or 0xD800 <= last <= 0xDFFF:
+        return name[:-1]
+    return name[:-1] + chr(last)
+
+
+def common_prefix(a: str, b: str) -> str:
+    """The longest start ``a`` and ``b`` share, character by character (not by path part: a
+    listing's prefix narrows to ``a/clip0``, not only ``a/``).
+
+    Example:
+        >>> common_prefix("a/clip0017.wav", "a/clip0423.wav")
+        'a/clip0'
+    """
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return a[:n]
+
+
+@dataclass
+class FolderListing:
+    """One folder's names, settled by listing it page by page while that pays (see the
+    section's comment): ``found`` from pages, ``passed`` (a page's range went past them and
+    did not show them) and ``todo`` (not reached) left for HEADs.
+
+    Args:
+        bucket: the bucket, names relative to it.
+        todo: the folder's names, sorted, none settled yet.
+        refused: set once a listing of this bucket failed: no folder lists again.
+    """
+
+    bucket: ObjectStore
+    todo: list[str]
+    refused: threading.Event
+    found: dict[str, ObjectInfo] = field(default_factory=dict)
+    passed: list[str] = field(default_factory=list)
+    pages: int = 0
+    last: str = ""
+
+    def pays(self) -> bool:
+        """Whether to list one more page: names are left, listing is not refused, and the pages
+        so far cost (in HEADs) less than a page more than the HEADs they saved."""
+        spent = self.pages * LIST_PAGE_HEADS - len(self.found)
+        return bool(self.todo) and not self.refused.is_set() and spent < LIST_PAGE_HEADS
+
+    def run(self) -> FolderListing:
+        """List pages while :meth:`pays`; itself, with what they settled."""
+        if len(self.todo) < LIST_PAGE_HEADS:
+            return self  # a page could not save its own price: all HEADs
+        while self.pays():
+            prefix = common_prefix(self.todo[0], self.todo[-1])  # sorted: theirs is all's
+            after = max(self.last, just_before(self.todo[0]))
+            try:
+                page = self.bucket.list_page(prefix, after, keys=LIST_PAGE_KEYS, delimiter="/")
+            except StoreError:
+                self.refused.set()  # denied or failing: the names left are HEADed, as before
+                return self
+            self.pages += 1
+            self.settle(page)
+        return self
+
+    def settle(self, page: ListedPage) -> None:
+        """The names ``page`` covers (up to its last name, or all when nothing follows it):
+        found where it shows them, passed where not."""
+        shown = {o.name: o for o in page.objects}
+        end = bisect.bisect_right(self.todo, page.last) if page.truncated else len(self.todo)
+        for name in self.todo[:end]:
+            if name in shown:
+                self.found[name] = shown[name]
+            else:
+                self.passed.append(name)
+        del self.todo[:end]
+        self.last = max(self.last, page.last)
+
+    @property
+    def unsettled(self) -> list[str]:
+        """The names a HEAD settles: passed by a page, or not reached."""
+        return [*self.passed, *self.todo]
+
+
+def head_or_why(bucket: ObjectStore, name: str) -> ObjectInfo | str:
+    """Object ``name``'s HEAD, or why there is none (not found, or the bucket's one line)."""
+    try:
+        info = bucket.head(name)
+    except StoreError as e:
+        return str(e)
+    return "object not found" if info is None else info
+
+
+def stat_objects(bucket: ObjectStore, names: Sequence[str]) -> dict[str, ObjectInfo | str]:
+    """Each named object's size, last change and ETag (from a LIST page or a HEAD: the same
+    :func:`object_stat` either way), or why it cannot be read, in the fewest requests the
+    section's rule finds (its comment states the worst case).
+
+    Example:
+        >>> stat_objects(ObjectStore(BucketURL.parse("s3://team")), ["a/x.wav"])  # doctest: +SKIP
+        {'a/x.wav': ObjectInfo(name='a/x.wav', size=32044, modified=..., etag='9b2c...')}
+    """
+    folders: dict[str, list[str]] = {}
+    for name in sorted(set(names)):
+        folders.setdefault(name.rpartition("/")[0], []).append(name)
+    refused = threading.Event()
+    listings = [FolderListing(bucket, group, refused) for group in folders.values()]
+    out: dict[str, ObjectInfo | str] = {}
+    heads: list[str] = []
+    for done in map_in_threads(FolderListing.run, listings, HEAD_THREADS):
+        out.update(done.found)
+        heads += done.unsettled
+    head = functools.partial(head_or_why, bucket)
+    out.update(zip(heads, map_in_threads(head, heads, HEAD_THREADS), strict=True))
+    return out

@@ -69,7 +69,7 @@ READ_TIMEOUT_S = 20.0
 #: Requests a client sends before it gives up (throttling, 5xx answers, connection errors).
 MAX_ATTEMPTS = 4
 #: Connections one client keeps open: as many as the threads that share it at most (a
-#: manifest's HEADs, :data:`featbake.encode.objects.HEAD_THREADS`); past botocore's default
+#: manifest's HEADs, :data:`featbake.store.byteplace.HEAD_THREADS`); past botocore's default
 #: pool (10) a thread's connection would be dropped after each request and opened again.
 CLIENT_CONNECTIONS = 16
 #: Objects one listing request names at most (S3's cap, and its default).
