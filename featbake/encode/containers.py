@@ -24,9 +24,9 @@ table file whose column holds neither bytes nor an Audio/Image struct; each is o
 the container and member or row, skipped, and the build exits 3.
 
 The bytes are read by the store's one reader per container (``featbake.store.containers``,
-which ``verify`` reads them with too); this module gives it a bucket's ranged GETs
-(:func:`object_fetch`) and turns what it reads into items, digests through the hash cache, and
-tensors.
+which ``verify`` reads them with too) through the byte seam (``featbake.store.byteplace``: a
+local file, or an object by ranged GETs, a ``.tar.gz`` object whole); this module turns what
+they read into items, digests through the hash cache, and tensors.
 """
 
 from __future__ import annotations
@@ -43,42 +43,35 @@ from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, Protocol
 
 import torch
 
-from featbake.encode.fingerprints import HeldBytes, resolve_path
-from featbake.encode.objects import never_racy_ns, object_at, object_stat
-from featbake.encode.sources import ScanResult, SkippedInput, Source, file_stat_or_none
-from featbake.errors import ConfigError, SourceError, StoreError
+from featbake.encode.fingerprints import HeldBytes
+from featbake.encode.objects import never_racy_ns
+from featbake.encode.sources import ScanResult, SkippedInput, Source
+from featbake.errors import SourceError
 from featbake.progress import Progress
-from featbake.store.bucket import Bucket, ObjectInfo
+from featbake.store.byteplace import bytes_at, object_head
+from featbake.store.byteplace import expand_braces as expand_braces
+from featbake.store.byteplace import hidden_name as hidden_name
+from featbake.store.byteplace import object_fetch as object_fetch
+from featbake.store.byteplace import ranged_object as ranged_object
 from featbake.store.catalog import FileStat, HashCache, HashRow
 from featbake.store.containers import (
-    CONTAINER_SUFFIXES,
     TAR_SUFFIXES,
     CellKind,
-    Fetch,
     Member,
-    RangedObject,
-    RangeRead,
     ReadBack,
     TableFile,
     cell_bytes,
     cell_digests,
     cell_kind,
-    is_gzip_tar,
     is_tar,
     listing_of,
     listing_text,
     pyarrow_module,
-    ranged_member_digests,
-    read_ranged_member,
     replaced_files,
     split_item_path,
     stat_around,
-    table_files,
 )
-from featbake.store.containers import list_members as list_tar_members
-from featbake.store.containers import member_digests as file_member_digests
-from featbake.store.containers import read_member as read_file_member
-from featbake.store.url import BucketURL, is_url
+from featbake.store.objects import ObjectInfo, object_stat
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -86,14 +79,7 @@ if TYPE_CHECKING:
 
 def _stat_or_none(path: str) -> FileStat | None:
     """A container's stat: a file's, or an object's (size, last change, ETag) by one HEAD."""
-    if is_url(path):
-        bucket, name = object_at(path)
-        try:
-            info = bucket.head(name)
-        except StoreError:
-            return None
-        return None if info is None else object_stat(info)
-    return file_stat_or_none(path)
+    return bytes_at(path).stat(path)
 
 
 # == hashing =======================================================================================
@@ -168,7 +154,7 @@ def hash_items(
                 fresh.append(HashRow(ref.cache_id, stats[ref.path], one))
         if progress:
             progress(Progress("hash", len(digests) + len(failed), len(refs)))
-    if any(is_url(r.path) for r in fresh):  # never racy: see encode/objects.py (an ETag)
+    if any(bytes_at(r.path).versioned for r in fresh):  # never racy: an ETag (store/byteplace.py)
         stat_time = never_racy_ns(fresh)
     catalog.put_hashes(fresh, recorded_ns=stat_time)
     return digests, failed
@@ -240,27 +226,13 @@ class Sample:
 def list_members(tar: str, size: int | None = None) -> list[Member]:
     """The regular-file members of ``tar``, in order, from their headers only (see
     :func:`featbake.store.containers.list_members`); a tar in a bucket by ranged GETs of
-    :data:`~featbake.store.containers.HEADER_BLOCK` bytes (see :class:`RangedObject`).
+    :data:`~featbake.store.containers.HEADER_BLOCK` bytes (see :meth:`BytePlace.tar_members
+    <featbake.store.byteplace.BytePlace.tar_members>`).
 
     Raises:
-        SourceError: the file cannot be opened or is not a tar, or it is a gzip tar in a bucket.
+        SourceError: the file cannot be opened or is not a tar.
     """
-    if not is_url(tar):
-        return list_tar_members(tar)
-    if is_gzip_tar(tar):
-        raise SourceError(gzip_in_bucket(tar))
-    try:
-        return list_tar_members(tar, ranged_object(tar, size))
-    except StoreError as e:
-        raise SourceError(f"{tar}: not a readable tar file ({e})") from e
-
-
-def gzip_in_bucket(tar: str) -> str:
-    """Why a gzip tar in a bucket is not read (its members cannot be read by ranges)."""
-    return (
-        f"{tar}: a gzip-compressed tar in a bucket is not read in place (its members cannot be "
-        "read by ranges); copy the shards to a local folder, or store them as plain .tar"
-    )
+    return bytes_at(tar).tar_members(tar, size)
 
 
 def samples_of(tar: str, members: Sequence[Member]) -> tuple[list[Sample], list[SkippedInput]]:
@@ -301,9 +273,7 @@ def read_member(tar: str, member: Member) -> bytes:
         SourceError: the member cannot be read (sparse, past the tar's end), the tar cannot be
             read, or it ends inside the member (truncated).
     """
-    if is_url(tar):
-        return read_ranged_member(tar, member, object_fetch(tar)).data
-    return read_file_member(tar, member)
+    return bytes_at(tar).read_member(tar, member)[0]
 
 
 def read_member_checked(tar: str, member: Member) -> tuple[bytes, FileStat | None]:
@@ -314,10 +284,7 @@ def read_member_checked(tar: str, member: Member) -> tuple[bytes, FileStat | Non
     Raises:
         SourceError: the member cannot be read, or the tar ends inside it (truncated).
     """
-    if not is_url(tar):
-        return read_member(tar, member), file_stat_or_none(tar)
-    got = read_ranged_member(tar, member, object_fetch(tar))
-    return got.data, got.stat
+    return bytes_at(tar).read_member(tar, member)
 
 
 def member_digests(tar: str, members: list[Member], held: HeldBytes | None = None) -> ReadBack:
@@ -328,9 +295,7 @@ def member_digests(tar: str, members: list[Member], held: HeldBytes | None = Non
     With ``held``, a member that fits its budget is read whole and its bytes kept there for the
     build to decode (a first build reads each member once); others are streamed in chunks.
     """
-    if is_url(tar):
-        return ranged_member_digests(tar, members, object_fetch(tar), held)
-    return file_member_digests(tar, members, held)
+    return bytes_at(tar).member_digests(tar, members, held)
 
 
 # -- tars in a bucket ------------------------------------------------------------------------------
@@ -354,45 +319,16 @@ def member_digests(tar: str, members: list[Member], held: HeldBytes | None = Non
 # stat the listing gave (:class:`ReadBack`), so a first build makes LISTs and GETs, no HEAD. A
 # bucket's parquet file is read likewise (:class:`RangedObject` keeps its responses' stats): one
 # HEAD at the scan for its stat (a single file is not listed), none for its hash or its cells.
+#
+# A ``.tar.gz`` shard in a bucket cannot be read by ranges: it is read whole (one GET) and
+# decompressed in memory to list it, again to hash it (a build decodes from the bytes hashed),
+# and once per member a dataset decodes (listings and digests come from the hash cache by ETag,
+# as a plain tar's do; see ``featbake.store.byteplace.gzip_object_fetch``).
 
 #: The hash-cache id prefix of a tar's member listing (the row's digest column is the listing).
 LISTING_PREFIX = "tar-members:"
 #: The same for a bucket's parquet file: its schema and row ids (see :meth:`Table._listing`).
 TABLE_PREFIX = "table-rows:"
-
-
-def object_fetch(url: str) -> Fetch:
-    """Ranged reads of object ``url`` (one GET each) with the object's stat as each response
-    gives it, for the store's container readers (see :data:`~featbake.store.containers.Fetch`).
-    """
-    bucket, name = object_at(url)
-
-    def fetch(start: int, length: int) -> RangeRead:
-        try:
-            got = bucket.read_range_of(name, start, length)
-        except FileNotFoundError:
-            raise SourceError(f"{url}: object not found (deleted since the listing?)") from None
-        except StoreError as e:
-            raise SourceError(str(e)) from e
-        return RangeRead(got.data, object_stat(got.info))
-
-    return fetch
-
-
-def ranged_object(url: str, size: int | None = None) -> RangedObject:
-    """The object ``url`` as a seekable file of ranged GETs (its size from a HEAD when not
-    given).
-
-    Raises:
-        SourceError: there is no such object.
-    """
-    if size is None:
-        bucket, name = object_at(url)
-        info = bucket.head(name)
-        if info is None:
-            raise SourceError(f"{url}: object not found")
-        size = info.size
-    return RangedObject(url, size, object_fetch(url))
 
 
 def carried_value(ext: str, data: bytes) -> Any:
@@ -411,95 +347,10 @@ def carried_value(ext: str, data: bytes) -> Any:
     return data
 
 
-def expand_braces(pattern: str) -> list[str]:
-    """The names a brace pattern stands for: ``{000..009}`` (zero-padded as written) and
-    ``{a,b}``, as webdataset's shard lists (the ``braceexpand`` package) spell them.
-
-    Example:
-        >>> expand_braces("s-{08..10}-{a,b}.tar")
-        ['s-08-a.tar', 's-08-b.tar', 's-09-a.tar', 's-09-b.tar', 's-10-a.tar', 's-10-b.tar']
-    """
-    match = re.search(r"\{([^{}]*)\}", pattern)
-    if match is None:
-        return [pattern]
-    head, body, tail = pattern[: match.start()], match.group(1), pattern[match.end() :]
-    span = re.fullmatch(r"(\d+)\.\.(\d+)", body)
-    if span:
-        lo, hi = span.groups()
-        width = len(lo) if lo.startswith("0") or len(lo) == len(hi) else 0
-        choices = [str(n).zfill(width) for n in range(int(lo), int(hi) + 1)]
-    else:
-        choices = body.split(",")
-    return [name for c in choices for name in expand_braces(head + c + tail)]
-
-
 def is_webdataset(where: str) -> bool:
     """Whether ``--data`` names webdataset shards: a ``.tar`` (file, URL or brace pattern), or a
     folder or bucket prefix whose visible files are all ``.tar`` (one at least)."""
-    if is_tar(where):
-        return True
-    if is_url(where) and where.lower().endswith(CONTAINER_SUFFIXES):
-        return False  # a table file (see is_table): no LIST to tell
-    if is_url(where):
-        return bucket_holds_only(where, TAR_SUFFIXES)
-    return holds_only(where, TAR_SUFFIXES)
-
-
-def bucket_holds_only(where: str, wanted: tuple[str, ...]) -> bool:
-    """Whether the bucket prefix ``where`` holds a visible object ending with ``wanted``, and no
-    visible object ending otherwise (one LIST; the scan lists again, as it does for any prefix).
-    A prefix that cannot be listed is no container: the bucket's own scan says why."""
-    try:
-        listing = Bucket(BucketURL.parse(where)).list("")
-    except (StoreError, ConfigError):
-        return False
-    names = [o.name.lower() for o in listing if not hidden_name(o.name)]
-    return bool(names) and all(n.endswith(wanted) for n in names)
-
-
-def hidden_name(name: str) -> bool:
-    """Whether an object's name has a hidden part (``.x/`` or ``.x``), passed over as a folder
-    scan passes hidden files."""
-    return any(part.startswith(".") for part in name.split("/"))
-
-
-def holds_only(where: str, wanted: tuple[str, ...], also: tuple[str, ...] = ()) -> bool:
-    """Whether the folder ``where`` holds a visible file ending with ``wanted``, and no visible
-    file ending otherwise (but with ``also``). It stops at the first other file: asked of every
-    ``--data`` folder, it must not stat a million clips to say no."""
-    found = False
-    try:
-        with os.scandir(where) as it:
-            for entry in it:
-                if entry.name.startswith(".") or not _is_file(entry):
-                    continue
-                name = entry.name.lower()
-                if name.endswith(wanted):
-                    found = True
-                elif not name.endswith(also):
-                    return False
-    except OSError:
-        return False  # not a folder (or unreadable): the folder scan says why
-    return found
-
-
-def _is_file(entry: os.DirEntry[str]) -> bool:
-    try:
-        return entry.is_file()
-    except OSError:
-        return False
-
-
-def refuse_url(where: str, what: str) -> None:
-    """Raise: containers in a bucket are not read in place yet.
-
-    Raises:
-        ConfigError: always, with what to do instead.
-    """
-    raise ConfigError(
-        f"{what} in a bucket ({where}) are not read in place yet; copy them to a local folder "
-        "(e.g. with `aws s3 sync`) and pass that as --data"
-    )
+    return is_tar(where) or bytes_at(where).holds_only(where, TAR_SUFFIXES)
 
 
 class WebDataset:
@@ -521,30 +372,11 @@ class WebDataset:
         #: build or the dataset for the scan), and the listings read to be recorded there
         self.known: HashCache | None = None
         self.fresh: list[HashRow] = []
-        folder, name = os.path.split(os.path.expanduser(data))
+        self.place = bytes_at(data)
+        self.where, self.folder, tars = self.place.shards(data)
         #: a bucket prefix of tars only: its shards are the scan's listing's ``.tar`` objects
-        self.prefix = is_url(data) and not is_tar(data)
-        if self.prefix:
-            self.where = self.folder = str(BucketURL.parse(data))
-            self.tars = []  # listed by the scan
-        elif is_url(data):
-            self.where, self.folder = data, folder
-            self.tars = [f"{folder}/{n}" for n in expand_braces(name)]
-        elif "{" in name:
-            self.folder = resolve_path(folder or ".")
-            self.where = os.path.join(self.folder, name)
-            self.tars = [os.path.join(self.folder, n) for n in expand_braces(name)]
-        elif os.path.isdir(data):
-            self.where = self.folder = resolve_path(data)
-            self.tars = sorted(
-                os.path.join(self.folder, n)
-                for n in os.listdir(self.folder)
-                if is_tar(n) and not n.startswith(".")
-            )
-        else:
-            self.where = resolve_path(data)
-            self.folder = os.path.dirname(self.where)
-            self.tars = [self.where]
+        self.prefix = tars is None
+        self.tars = tars or []
         self.samples: dict[str, Sample] = {}  # key -> sample, in the data's order
         self.chosen: dict[str, Member] = {}  # key -> the member encoded
         self.index = MemberIndex()  # full name -> member, for hashing and decoding
@@ -593,8 +425,9 @@ class WebDataset:
 
     @property
     def remote(self) -> bool:
-        """Whether the shards are objects in a bucket."""
-        return is_url(self.where)
+        """Whether the shards are objects in a bucket (their stats are versions: see
+        :attr:`featbake.store.byteplace.BytePlace.versioned`)."""
+        return self.place.versioned
 
     def _list_objects(self) -> dict[str, ObjectInfo]:
         """The objects of the shards' folder in a bucket, by URL (one LIST); {} for files.
@@ -602,10 +435,7 @@ class WebDataset:
         Raises:
             StoreError: the bucket cannot be listed (no credentials, no such bucket, denied).
         """
-        if not self.remote:
-            return {}
-        bucket = Bucket(BucketURL.parse(self.folder))
-        return {bucket.where(o.name): o for o in bucket.list("")}
+        return self.place.listed(self.folder)
 
     def _members(self, tar: str, objects: dict[str, ObjectInfo]) -> list[Member]:
         """The members of ``tar``: a file's from its headers; an object's from the hash cache
@@ -695,7 +525,7 @@ class WebDataset:
         carried = {
             ext: read_member(sample.tar, m) for ext, m in sample.members.items() if m is not chosen
         }
-        if self.index.replaced([sample.tar] if not is_url(sample.tar) else []):
+        if self.index.replaced([sample.tar]):  # a local tar's version as listed (see ``at``)
             raise SourceError(f"{self.path(rel)}: {replaced_since_listed(sample.tar)}")
         return {ext: carried_value(ext, data) for ext, data in carried.items()}
 
@@ -710,7 +540,7 @@ class WebDataset:
         """SHA-256 of each member, reading only shards whose stat the hash cache does not know
         (see :func:`hash_items`); ``held`` keeps the bytes read, for the build to decode."""
         tars = {p: split_item_path(p)[0] for p in paths}
-        replaced = self.index.replaced({t for t in tars.values() if not is_url(t)})
+        replaced = self.index.replaced(set(tars.values()))
         refs = [ItemRef(p, p, tar, 0) for p, tar in tars.items() if tar not in replaced]
 
         def read(tar: str, wanted: list[ItemRef]) -> ReadBack:
@@ -728,7 +558,7 @@ class WebDataset:
         got = member_digests(tar, members, held)
         # A local tar's members were read at the offsets listed: their digests stand only if
         # the tar is still the version listed (one renamed over it since reads other bytes).
-        listed = got.stat == self.index.at.get(tar) or is_url(tar)
+        listed = got.stat == self.index.at.get(tar) or bytes_at(tar).versioned
         by_ref = zip(refs, members, strict=True)
         return ReadBack(
             {r.path: got.digests.get(m.name, ("not read",)) for r, m in by_ref},
@@ -756,9 +586,10 @@ class MemberIndex:
         Raises:
             SourceError: the file cannot be opened or is not a tar.
         """
-        if is_url(tar):  # an object's version: the scan's listing stat, checked by hashing
-            return list_members(tar)
-        members, self.at[tar] = stat_around(tar, lambda: list_members(tar))
+        place = bytes_at(tar)
+        if place.versioned:  # an object's version: the scan's listing stat, checked by hashing
+            return place.tar_members(tar)
+        members, self.at[tar] = stat_around(tar, lambda: place.tar_members(tar))
         return members
 
     def replaced(self, tars: Collection[str]) -> dict[str, str]:
@@ -822,7 +653,7 @@ class MemberSource:
             SourceError: the tar changed since it was hashed, or the member cannot be decoded.
         """
         tar, member = self.index.member(path)
-        if not is_url(tar) and self.index.at.get(tar) != stat:
+        if not bytes_at(tar).versioned and self.index.at.get(tar) != stat:
             raise SourceError(f"{path}: {replaced_since_listed(tar)}")
         data, now = read_member_checked(tar, member)
         if stat is None or now != stat:
@@ -855,13 +686,7 @@ def is_table(where: str) -> bool:
     DatasetDict's, refused with its splits named), or a folder of parquet files only."""
     if where.lower().endswith((".parquet", ".arrow")):
         return True
-    if is_url(where):
-        return False
-    if os.path.isfile(os.path.join(where, "dataset_dict.json")):
-        return True
-    if all(os.path.isfile(os.path.join(where, n)) for n in ("state.json", "dataset_info.json")):
-        return True
-    return holds_only(where, (".parquet",), (".md", ".json"))
+    return bytes_at(where).is_table_folder(where)
 
 
 class Row(NamedTuple):
@@ -886,15 +711,10 @@ class Table:
         self.listed: dict[str, FileStat] = {}
         self.known: HashCache | None = None
         self.fresh: list[HashRow] = []
-        if is_url(data):
-            if not data.lower().endswith(".parquet"):
-                refuse_url(data, "Arrow files and Hugging Face datasets")
-            self.where, self.folder = data, data.rsplit("/", 1)[0]
-            self.files = [TableFile(data, ranged_object)]
-        else:
-            self.where = resolve_path(data)
-            self.folder = self.where if os.path.isdir(self.where) else os.path.dirname(self.where)
-            self.files = [TableFile(p) for p in table_files(self.where)]
+        self.place = bytes_at(data)
+        self.where = self.place.resolve(data)
+        self.folder = self.place.table_folder(self.where)
+        self.files = self.place.table_files(self.where)
         self.column = column
         self.kinds: list[CellKind] = []  # per file
         self.text = False  # the source is text: the column holds strings (set by the scan)
@@ -917,7 +737,7 @@ class Table:
                 share an id.
         """
         listings = [self._listing(f) for f in self.files]
-        self.scanned = {f.path: f.stat() for f in self.files if not is_url(f.path)}
+        self.scanned = {f.path: f.stat() for f in self.files if not f.remote}
         schemas = [schema for schema, _ in listings]
         self.text = ".txt" in extensions  # the text source's: each cell is a text
         self.column = self.column or self.default_column(schemas, extensions)
@@ -951,7 +771,7 @@ class Table:
     @property
     def remote(self) -> bool:
         """Whether the table is a parquet file in a bucket."""
-        return is_url(self.where)
+        return self.place.versioned
 
     def _listing(self, f: TableFile) -> tuple[pa.Schema, list[str]]:
         """(schema, each row's id) of one file: an object's from the hash cache when its (size,
@@ -965,8 +785,7 @@ class Table:
         if not self.remote:
             schema = self._schema(f)
             return schema, self._ids(f, schema)
-        bucket, name = object_at(f.path)
-        info = bucket.head(name)
+        info = object_head(f.path)
         if info is None:
             raise SourceError(f"{f.path}: object not found; check --data")
         st = self.listed[f.path] = object_stat(info)
@@ -1089,7 +908,7 @@ class Table:
         f = self.files[at.file]
         names = [n for n in f.schema().names if n not in (self.column, "id")]
         values = f.cells(at.row, names) if names else {}
-        if not is_url(f.path) and (f.stat() is None or self.replaced([f.path])):
+        if not f.remote and (f.stat() is None or self.replaced([f.path])):
             raise SourceError(f"{self.path(rel)}: {replaced_since_scan(f.path)}")
         return values
 

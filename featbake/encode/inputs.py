@@ -18,8 +18,8 @@ from featbake.encode.objects import BucketInputs, ObjectSource, object_stat, rea
 from featbake.encode.sources import ScanResult, Source, scan_inputs, source_extensions
 from featbake.errors import ConfigError, FeatbakeError
 from featbake.progress import Progress
+from featbake.store.byteplace import bytes_at
 from featbake.store.catalog import FileStat, HashCache, HashEntry, HashRow
-from featbake.store.url import is_url
 
 #: Names other modules import from here (bucket inputs live in :mod:`featbake.encode.objects`).
 __all__ = [
@@ -143,15 +143,19 @@ Opener = Callable[[str, str | None], Inputs]
 
 
 def _is_manifest(where: str) -> bool:
-    return not is_url(where) and where.lower().endswith((".jsonl", ".csv", ".tsv"))
+    return bytes_at(where).is_list_file(where, (".jsonl", ".csv", ".tsv"))
 
 
 def _is_cuts(where: str) -> bool:
-    return not is_url(where) and where.lower().endswith(".jsonl.gz")
+    return bytes_at(where).is_list_file(where, (".jsonl.gz",))
+
+
+def _is_bucket_prefix(where: str) -> bool:
+    return bytes_at(where).remote
 
 
 def _is_kaldi_dir(where: str) -> bool:
-    return not is_url(where) and os.path.isfile(os.path.join(where, "wav.scp"))
+    return bytes_at(where).folder_has(where, "wav.scp")
 
 
 def _open_manifest(where: str, column: str | None) -> Inputs:
@@ -195,9 +199,9 @@ OPENERS: list[tuple[Callable[[str], bool], Opener]] = [
     (_is_cuts, _open_cuts),  # before .jsonl: cuts.jsonl.gz
     (_is_manifest, _open_manifest),
     (_is_kaldi_dir, _open_kaldi_dir),
-    (is_webdataset, webdataset_at),  # before is_url: a prefix of tars only is shards
+    (is_webdataset, webdataset_at),  # before a prefix: a prefix of tars only is shards
     (is_table, table_at),
-    (is_url, _open_bucket),
+    (_is_bucket_prefix, _open_bucket),
 ]
 
 

@@ -53,7 +53,7 @@ are (:class:`ColumnsSeen`), as a table without the column is.
 **Files in a bucket.** A row may name ``s3://bucket/key``: the object is hashed through the hash
 cache by (size, last change, ETag) as ``--data s3://prefix/`` hashes its objects (from a LIST
 of its folder where its rows name many of its objects, else a HEAD, the HEADs concurrent: see
-:func:`featbake.encode.objects.stat_objects`; read whole only when the cache does not know it),
+:func:`featbake.store.byteplace.stat_objects`; read whole only when the cache does not know it),
 and decoded from its bytes: in a first build the bytes of the GET that hashed it (one GET in
 all, see :meth:`RowInputs.hash`), else kept per process within :data:`OBJECT_CACHE_BYTES` so
 that its segments read it once. Its segments' bounds are checked when they are decoded (a
@@ -79,9 +79,7 @@ import torch
 from featbake.encode.fingerprints import HeldBytes, hash_inputs, resolve_path
 from featbake.encode.objects import (
     BucketInputs,
-    object_at,
     object_stat,
-    read_object,
     stat_objects,
 )
 from featbake.encode.sources import (
@@ -98,8 +96,9 @@ from featbake.lru import ByteLRU
 from featbake.process import ProcessLocal, ProcessLocalState
 from featbake.progress import Progress
 from featbake.store.bucket import ObjectBytes
+from featbake.store.byteplace import bytes_at, object_bytes, object_range
 from featbake.store.catalog import FileStat, HashCache
-from featbake.store.url import BucketURL, is_url
+from featbake.store.url import BucketURL
 
 #: The input column when ``--column`` is not given.
 DEFAULT_COLUMN = "path"
@@ -213,7 +212,7 @@ def input_file(value: Any, base: str, column: str) -> str:
     """
     if not isinstance(value, str) or not value:
         raise BadRow(f"column {column!r} holds {value!r}, not a path")
-    if is_url(value):
+    if bytes_at(value).remote:
         try:
             BucketURL.parse(value.rpartition("/")[0])
         except ConfigError as e:
@@ -340,16 +339,16 @@ class RowInputs:
         items = [self.by_path[p] for p in paths]
         files = list(dict.fromkeys(it.file for it in items))
         file_stats: dict[str, FileStat] = {}
-        local = [f for f in files if not is_url(f)]
+        local, urls = split_remote(files)
         whole = whole_files(items) if held is not None else set()
         digests, failed = hash_inputs(catalog, local, progress, file_stats, held, whole)
-        urls = [f for f in files if is_url(f)]
         got, lost = object_digests(catalog, urls, file_stats, held)
         digests.update(got)
         failed.update(lost)
         spans = {it.file for it in items if it.span and not it.effects and it.file in digests}
-        headers = audio_headers({f for f in spans if not is_url(f)}, held)
-        headers.update(object_headers({f: digests[f] for f in spans if is_url(f)}, held))
+        local_spans, url_spans = split_remote(sorted(spans))
+        headers = audio_headers(set(local_spans), held)
+        headers.update(object_headers({f: digests[f] for f in url_spans}, held))
         out: dict[str, str] = {}
         bad: dict[str, str] = {}
         for path, it in zip(paths, items, strict=True):
@@ -371,13 +370,24 @@ class RowInputs:
         return SegmentSource(inner, self.by_path)
 
 
+def split_remote(files: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(local files, objects) of ``files``, each in order: a manifest hashes the first through
+    the files' hash loop and the second by their GETs' responses (see :func:`object_digests`).
+    """
+    local: list[str] = []
+    remote: list[str] = []
+    for f in files:
+        (remote if bytes_at(f).remote else local).append(f)
+    return local, remote
+
+
 def whole_files(items: Sequence[Item]) -> set[str]:
     """The local files a row names whole: a first build hashes them from bytes it keeps to
     decode (read once, issue 31 item 3), the file's segment rows too (a span decoded from the
     bytes in memory), since its whole-file row decodes all of it anyway. A file named by
     segment rows only is hashed streamed and its segments decoded by seeking: holding a long
     recording whole is what segments exist to avoid."""
-    return {it.file for it in items if it.span is None and not is_url(it.file)}
+    return {it.file for it in items if it.span is None and not bytes_at(it.file).remote}
 
 
 def held_by_row(held: HeldBytes, urls: Sequence[str], file_of: Mapping[str, str]) -> None:
@@ -400,7 +410,7 @@ def object_digests(
 ) -> tuple[dict[str, str], dict[str, str]]:
     """(url -> SHA-256, url -> why not) of objects named one by one: each one's (size, last
     change, ETag), which the hash cache compares, from a listing of its folder or a HEAD,
-    whichever takes fewer requests (:func:`featbake.encode.objects.stat_objects`: a rebuild
+    whichever takes fewer requests (:func:`featbake.store.byteplace.stat_objects`: a rebuild
     of a manifest naming a folder's objects costs a LIST per 1,000, not a HEAD each), and
     read only when the cache does not know it (:meth:`featbake.encode.objects.BucketInputs.hash`,
     one place and one client per bucket; the bytes read kept in ``held`` by URL). An object
@@ -530,8 +540,7 @@ def object_headers(urls: Mapping[str, str], held: HeldBytes | None) -> dict[str,
         kept = held.peek(url) if held is not None else None
         try:
             if kept is None:
-                bucket, key = object_at(url)
-                kept = bucket.read_range(key, 0, HEADER_BYTES)
+                kept = object_range(url, 0, HEADER_BYTES)
             info = soundfile.info(io.BytesIO(kept))
         except FileNotFoundError:
             out[url] = "object not found (deleted since the listing?)"
@@ -579,7 +588,7 @@ class SegmentSource(ProcessLocalState):
                 return self.inner.load(file, lhotse_wav(item.effects))
             except SourceError as e:
                 raise SourceError(f"{path}: {e}") from None
-        if data is None and is_url(file):
+        if data is None and bytes_at(file).remote:
             data = io.BytesIO(self.objects.get(file, path).data)
         try:
             if span is None:
@@ -602,7 +611,7 @@ class SegmentSource(ProcessLocalState):
             SourceError: the file changed since it was hashed, is gone, or cannot be decoded.
         """
         item = self.rows.get(path)
-        if item is not None and is_url(item.file):  # checked by the response's ETag
+        if item is not None and bytes_at(item.file).versioned:  # checked by the response's ETag
             got = self.objects.get(item.file, path)
             if stat is None or object_stat(got.info) != stat:
                 self.objects.forget(item.file)
@@ -634,7 +643,7 @@ class HeldObjects:
             got = self.held.get(url)
         if got is not None:
             return got
-        read = read_object(*object_at(url))
+        read = object_bytes(url)
         if isinstance(read, str):
             raise SourceError(f"{path}: {url}: {read}")
         with self.lock:
@@ -1067,7 +1076,8 @@ class ToolPaths:
 
     def _placed(self, value: Any) -> str:
         file = input_file(value, self.cwd, "recording.sources[].source")
-        if is_url(file) or os.path.isabs(os.path.expanduser(value)) or os.path.exists(file):
+        absolute = os.path.isabs(os.path.expanduser(value))
+        if bytes_at(file).remote or absolute or os.path.exists(file):
             return file
         folder = os.path.dirname(self.manifest)
         beside = os.path.normpath(os.path.join(folder, value))
@@ -1188,7 +1198,7 @@ def lhotse_audio(cut: Mapping[str, Any], rec: Mapping[str, Any], file: str) -> L
             f"recording transforms ({transform_names(rec['transforms'])}) are applied by "
             "lhotse's own code: pip install lhotse, or drop the perturbed cuts"
         )
-    if is_url(file):
+    if bytes_at(file).remote:
         raise BadRow("recording transforms of a source in a bucket are not read; copy it locally")
     rate = rec.get("sampling_rate")
     if not isinstance(rate, int) or rate <= 0:

@@ -7,15 +7,12 @@ them with the same code, without importing the dispatch that imports them.
 
 from __future__ import annotations
 
-import bisect
 import functools
 import hashlib
 import io
 import os
-import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 import torch
@@ -26,14 +23,20 @@ from featbake.errors import SourceError, StoreError
 from featbake.process import OBJECT_THREADS, map_in_threads
 from featbake.progress import Progress
 from featbake.store.bucket import (
-    CLIENT_CONNECTIONS,
-    LIST_PAGE_KEYS,
     Bucket,
-    ListedPage,
     ObjectBytes,
     ObjectInfo,
 )
+from featbake.store.byteplace import HEAD_THREADS as HEAD_THREADS
+from featbake.store.byteplace import LIST_PAGE_HEADS as LIST_PAGE_HEADS
+from featbake.store.byteplace import FolderListing as FolderListing
+from featbake.store.byteplace import common_prefix as common_prefix
+from featbake.store.byteplace import head_or_why as head_or_why
+from featbake.store.byteplace import just_before as just_before
+from featbake.store.byteplace import object_at as object_at
+from featbake.store.byteplace import stat_objects as stat_objects
 from featbake.store.catalog import COARSE_RACY_FACTOR, RACY_NS, FileStat, HashCache, HashRow
+from featbake.store.objects import object_stat as object_stat
 from featbake.store.url import BucketURL
 
 # == bucket_inputs =================================================================================
@@ -67,21 +70,6 @@ from featbake.store.url import BucketURL
 # Credentials, endpoint and region come from the standard AWS environment (see
 # :mod:`featbake.store.bucket`), whose errors (no credentials, no such bucket, access
 # denied) are one line each.
-
-
-def object_stat(info: ObjectInfo) -> FileStat:
-    """What the hash cache compares for an object: (size, last change, ETag).
-
-    The last change is counted in whole seconds (a GET's ``Last-Modified`` header has no
-    more); the ETag, a string, becomes a 60-bit number in the inode's place.
-
-    Example:
-        >>> object_stat(ObjectInfo("a.wav", 4, 1700000000.25, "abc")).mtime_ns
-        1700000000000000000
-    """
-    modified_ns = int(info.modified) * 1_000_000_000
-    etag = int(hashlib.sha256(info.etag.encode()).hexdigest()[:15], 16)
-    return FileStat(info.size, modified_ns, etag, modified_ns)
 
 
 def never_racy_ns(rows: Sequence[HashRow]) -> int:
@@ -252,191 +240,3 @@ class ObjectSource:
         if stat is None or object_stat(got.info) != stat:
             raise SourceError(f"{path}: changed while featbake was reading it; rerun the build")
         return self.inner.load(path, io.BytesIO(got.data))
-
-
-_BUCKETS: dict[tuple[str, str], Bucket] = {}  # (scheme, bucket) -> its client, made lazily
-
-
-def object_at(url: str) -> tuple[Bucket, str]:
-    """(the bucket of object ``url``, the object's key in it): one client per bucket, not per
-    folder (making one costs ~0.1-0.2 s; a manifest's rows or a dataset's shards may span many
-    folders).
-
-    Example:
-        >>> object_at("s3://team/shards/shard-000.tar")[1]
-        'shards/shard-000.tar'
-    """
-    folder, name = url.rsplit("/", 1)
-    where = BucketURL.parse(folder)
-    bucket = _BUCKETS.get((where.scheme, where.bucket))
-    if bucket is None:  # the object store of the URL's scheme (s3, gs, az)
-        bucket = Bucket(BucketURL(where.bucket, scheme=where.scheme))
-        _BUCKETS[where.scheme, where.bucket] = bucket
-    return bucket, where.key(name)
-
-
-# == object_stats ==================================================================================
-# The stat of objects named one by one (a manifest's ``s3://`` rows), what the hash cache compares
-# (:func:`object_stat`), in as few requests as a folder's layout allows, without knowing how many
-# objects a folder holds.
-#
-# **Per folder** (the names' common folder), the choice is one LIST page per up to
-# :data:`~featbake.store.bucket.LIST_PAGE_KEYS` names (a page names each object's size, last
-# change and ETag, as a HEAD does) or a HEAD per name. A folder whose rows name most of it is
-# listed (a 100,000-row rebuild: 100 LISTs, not 100,000 HEADs); two rows in a folder of a million
-# objects are two HEADs, not a thousand pages. The rule, a ski-rental one:
-#
-# * a folder with fewer than :data:`LIST_PAGE_HEADS` names is HEADed: one page could save no more
-#   HEADs than its own price (AWS bills a LIST as 12.5 HEADs; a page of 1,000 entries is ~250 KB
-#   of XML to move and parse, and the next page waits for it);
-# * else it is listed page by page, each page from its names' longest common prefix (``a/clip0``,
-#   not only ``a/``; ``/`` as the delimiter, so a sub-folder is one entry) and starting just
-#   before the first name not yet settled (``StartAfter``: a stretch of the folder no row names
-#   is jumped over, not paged through), and a name the page's range passed without showing is
-#   HEADed (gone, most likely: its HEAD fails it as before);
-# * listing stops, and the names left are HEADed, once the pages spent cost a page more (in HEADs,
-#   at :data:`LIST_PAGE_HEADS` a page) than the HEADs they saved.
-#
-# **Worst case**, for a folder of ``n`` names: the listing stops before its pages cost two pages
-# more than the HEADs they saved, so the requests are at most ``n + 1`` (a HEAD each: ``n``) and
-# their price at most two pages over ``n`` HEADs; in the best case (the rows name the folder's
-# objects) ``ceil(n / 1000)`` LISTs and no HEAD. A LIST the bucket refuses (a policy granting
-# ``s3:GetObject`` without ``s3:ListBucket``) or that fails turns the bucket's names left to HEADs.
-#
-# The HEADs (of every folder) run :data:`HEAD_THREADS` at once, and the folders' listings as
-# many, through the one pool every hashing loop uses (:func:`featbake.process.map_in_threads`)
-# and one client per bucket (boto3's clients are thread-safe; making one costs ~0.1 s, so not one
-# per folder).
-
-#: What one LIST page costs, counted in HEADs (see above): a folder with fewer names is HEADed.
-LIST_PAGE_HEADS = 12
-#: HEADs (and folder listings) in flight at once: each waits mostly on its round trip.
-HEAD_THREADS = CLIENT_CONNECTIONS
-
-
-def just_before(name: str) -> str:
-    """A name that sorts before ``name`` with (almost) nothing between: its last character one
-    lower (S3 sorts keys by their UTF-8 bytes, which is code-point order), or dropped where one
-    lower is no character. Between the two lie only names that start with the result and go on
-    (``a/clip7.wau...``): they cost their place in a page, and ``name`` itself sorts after it.
-
-    Example:
-        >>> just_before("a/clip7.wav")
-        'a/clip7.wau'
-    """
-    if not name:
-        return ""
-    last = ord(name[-1]) - 1
-    if last < 0 or 0xD800 <= last <= 0xDFFF:
-        return name[:-1]
-    return name[:-1] + chr(last)
-
-
-def common_prefix(a: str, b: str) -> str:
-    """The longest start ``a`` and ``b`` share, character by character (not by path part: a
-    listing's prefix narrows to ``a/clip0``, not only ``a/``).
-
-    Example:
-        >>> common_prefix("a/clip0017.wav", "a/clip0423.wav")
-        'a/clip0'
-    """
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return a[:n]
-
-
-@dataclass
-class FolderListing:
-    """One folder's names, settled by listing it page by page while that pays (see the
-    section's comment): ``found`` from pages, ``passed`` (a page's range went past them and
-    did not show them) and ``todo`` (not reached) left for HEADs.
-
-    Args:
-        bucket: the bucket, names relative to it.
-        todo: the folder's names, sorted, none settled yet.
-        refused: set once a listing of this bucket failed: no folder lists again.
-    """
-
-    bucket: Bucket
-    todo: list[str]
-    refused: threading.Event
-    found: dict[str, ObjectInfo] = field(default_factory=dict)
-    passed: list[str] = field(default_factory=list)
-    pages: int = 0
-    last: str = ""
-
-    def pays(self) -> bool:
-        """Whether to list one more page: names are left, listing is not refused, and the pages
-        so far cost (in HEADs) less than a page more than the HEADs they saved."""
-        spent = self.pages * LIST_PAGE_HEADS - len(self.found)
-        return bool(self.todo) and not self.refused.is_set() and spent < LIST_PAGE_HEADS
-
-    def run(self) -> FolderListing:
-        """List pages while :meth:`pays`; itself, with what they settled."""
-        if len(self.todo) < LIST_PAGE_HEADS:
-            return self  # a page could not save its own price: all HEADs
-        while self.pays():
-            prefix = common_prefix(self.todo[0], self.todo[-1])  # sorted: theirs is all's
-            after = max(self.last, just_before(self.todo[0]))
-            try:
-                page = self.bucket.list_page(prefix, after, keys=LIST_PAGE_KEYS, delimiter="/")
-            except StoreError:
-                self.refused.set()  # denied or failing: the names left are HEADed, as before
-                return self
-            self.pages += 1
-            self.settle(page)
-        return self
-
-    def settle(self, page: ListedPage) -> None:
-        """The names ``page`` covers (up to its last name, or all when nothing follows it):
-        found where it shows them, passed where not."""
-        shown = {o.name: o for o in page.objects}
-        end = bisect.bisect_right(self.todo, page.last) if page.truncated else len(self.todo)
-        for name in self.todo[:end]:
-            if name in shown:
-                self.found[name] = shown[name]
-            else:
-                self.passed.append(name)
-        del self.todo[:end]
-        self.last = max(self.last, page.last)
-
-    @property
-    def unsettled(self) -> list[str]:
-        """The names a HEAD settles: passed by a page, or not reached."""
-        return [*self.passed, *self.todo]
-
-
-def head_or_why(bucket: Bucket, name: str) -> ObjectInfo | str:
-    """Object ``name``'s HEAD, or why there is none (not found, or the bucket's one line)."""
-    try:
-        info = bucket.head(name)
-    except StoreError as e:
-        return str(e)
-    return "object not found" if info is None else info
-
-
-def stat_objects(bucket: Bucket, names: Sequence[str]) -> dict[str, ObjectInfo | str]:
-    """Each named object's size, last change and ETag (from a LIST page or a HEAD: the same
-    :func:`object_stat` either way), or why it cannot be read, in the fewest requests the
-    section's rule finds (its comment states the worst case).
-
-    Example:
-        >>> stat_objects(Bucket(BucketURL.parse("s3://team")), ["a/x.wav"])  # doctest: +SKIP
-        {'a/x.wav': ObjectInfo(name='a/x.wav', size=32044, modified=..., etag='9b2c...')}
-    """
-    folders: dict[str, list[str]] = {}
-    for name in sorted(set(names)):
-        folders.setdefault(name.rpartition("/")[0], []).append(name)
-    refused = threading.Event()
-    listings = [FolderListing(bucket, group, refused) for group in folders.values()]
-    out: dict[str, ObjectInfo | str] = {}
-    heads: list[str] = []
-    for done in map_in_threads(FolderListing.run, listings, HEAD_THREADS):
-        out.update(done.found)
-        heads += done.unsettled
-    head = functools.partial(head_or_why, bucket)
-    out.update(zip(heads, map_in_threads(head, heads, HEAD_THREADS), strict=True))
-    return out

@@ -31,6 +31,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -39,6 +40,7 @@ from typing import Any, ClassVar, NamedTuple, TypeVar
 
 from featbake.errors import ConfigError, StoreError
 from featbake.process import ProcessLocal, ProcessLocalState
+from featbake.store.catalog import FileStat
 from featbake.store.url import (
     BucketURL,
     azure_blob_endpoint,
@@ -67,7 +69,7 @@ READ_TIMEOUT_S = 20.0
 #: Requests a client sends before it gives up (throttling, 5xx answers, connection errors).
 MAX_ATTEMPTS = 4
 #: Connections one client keeps open: as many as the threads that share it at most (a
-#: manifest's HEADs, :data:`featbake.encode.objects.HEAD_THREADS`); past botocore's default
+#: manifest's HEADs, :data:`featbake.store.byteplace.HEAD_THREADS`); past botocore's default
 #: pool (10) a thread's connection would be dropped after each request and opened again.
 CLIENT_CONNECTIONS = 16
 #: Objects one listing request names at most (S3's cap, and its default).
@@ -145,6 +147,23 @@ def store_class(scheme: str) -> type[ObjectStore]:
         raise ConfigError(f"featbake speaks {known}, not {scheme}://") from None
 
 
+def object_stat(info: ObjectInfo) -> FileStat:
+    """What the hash cache compares for an object: (size, last change, ETag).
+
+    The last change is counted in whole seconds (a GET's ``Last-Modified`` header has no
+    more); the ETag, a string, becomes a 60-bit number in the inode's place. Each scheme's
+    store maps its own version tag into ``ObjectInfo.etag`` (S3's and Azure's ETag, GCS's
+    ETag too), so one mapping serves them all (:meth:`ObjectStore.file_stat`).
+
+    Example:
+        >>> object_stat(ObjectInfo("a.wav", 4, 1700000000.25, "abc")).mtime_ns
+        1700000000000000000
+    """
+    modified_ns = int(info.modified) * 1_000_000_000
+    etag = int(hashlib.sha256(info.etag.encode()).hexdigest()[:15], 16)
+    return FileStat(info.size, modified_ns, etag, modified_ns)
+
+
 class ObjectStore(ProcessLocalState):
     """The objects under ``scheme://bucket/prefix``; names are relative to the prefix.
 
@@ -182,6 +201,11 @@ class ObjectStore(ProcessLocalState):
     def where(self, name: str) -> str:
         """``scheme://bucket/prefix/name``: how messages name an object."""
         return f"{self.url}/{name}"
+
+    def file_stat(self, info: ObjectInfo) -> FileStat:
+        """What the hash cache compares for object ``info``: its size, last change and version
+        tag (:func:`object_stat`); a scheme whose version tag is not its ETag overrides it."""
+        return object_stat(info)
 
     # -- one request each, per scheme ------------------------------------------------------------
     def connect(self) -> Any:

@@ -24,6 +24,7 @@ from typing import NamedTuple
 from featbake.errors import ConfigError, StoreCorrupt, StoreError
 from featbake.keys import feature_key, sha256_file
 from featbake.progress import GcProgress
+from featbake.store.byteplace import bytes_at
 from featbake.store.catalog import (
     ENCODER_FP_PREFIX,
     Catalog,
@@ -45,7 +46,6 @@ from featbake.store.shard import (
     tensor_name,
     write_shard,
 )
-from featbake.store.url import is_url
 from featbake.upkeep.check import (
     HOSTILE_HEADER_ERRORS,
     CatalogState,
@@ -265,7 +265,7 @@ def _rekey_manifests(
     for root in cat.roots():
         items = [tuple(x) for x in cat.root_items(root.name)]
         source = str(root.recipe.get("source", "audio"))
-        local = not is_url(root.data)  # a bucket's objects: each would be downloaded
+        local = not bytes_at(root.data).remote  # a bucket's objects: each would be downloaded
         digests = redigest(root.data, source, cat, actual) if redigest and local else {}
         new = []
         for rel, key in items:

@@ -404,7 +404,7 @@ def test_stat_objects_matches_a_head_per_name_within_its_worst_case(
     a HEAD of the name says, and no folder costs more than a HEAD each plus one request (plus
     two pages in price)."""
     rng = random.Random(seed)
-    monkeypatch.setattr("featbake.encode.objects.LIST_PAGE_KEYS", rng.choice([1, 3, 10, 1000]))
+    monkeypatch.setattr("featbake.store.byteplace.LIST_PAGE_KEYS", rng.choice([1, 3, 10, 1000]))
     ends = [".wav", "/x.wav", ""]  # an object, one in a sub-folder, one named as that folder
     objects = [
         f"f{rng.randrange(3)}/{rng.choice('abc')}{rng.randrange(400):03d}{rng.choice(ends)}"
@@ -427,7 +427,7 @@ def test_on_a_server_a_listed_stat_is_a_headed_one_and_the_listing_stops_when_sp
     """Against moto: 300 objects, pages of 10 (S3's 1,000 scaled down); 13 names one per 23
     objects: two pages find one each, then HEADs; every stat as its HEAD's, a missing name
     failed by its HEAD. Counted in the server's log."""
-    monkeypatch.setattr("featbake.encode.objects.LIST_PAGE_KEYS", 10)
+    monkeypatch.setattr("featbake.store.byteplace.LIST_PAGE_KEYS", 10)
     bucket = Bucket(BucketURL.parse(f"s3://{s3.bucket}"))
     keys = [f"sparse/c{i:04d}.wav" for i in range(300)]
     put_many(bucket, keys)

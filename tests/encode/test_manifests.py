@@ -598,7 +598,7 @@ def test_a_manifest_of_a_folders_objects_lists_it_and_heads_only_the_missing_row
     after another (the old code: 25 HEADs per build); only the missing row is HEADed, and fails
     by its line. The two objects an earlier build hashed by their HEADs are not read again: a
     listed stat is the stat their GET recorded. Every stored feature is the encoder's now."""
-    monkeypatch.setattr("featbake.encode.objects.LIST_PAGE_KEYS", page)
+    monkeypatch.setattr("featbake.store.byteplace.LIST_PAGE_KEYS", page)
     clips = write_audio_folder(tmp_path / "clips", 24, seconds=(0.2, 0.4), seed=5)
     bucket = Bucket(BucketURL.parse(f"s3://{s3.bucket}/clips"))
     for clip in clips:

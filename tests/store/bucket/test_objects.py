@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import featbake
 from featbake.errors import ConfigError, StoreError
 from featbake.store.objects import AzureObjects, GCSObjects, ObjectStore, S3Objects
 from featbake.store.url import BucketURL, azure_blob_endpoint, redact
@@ -156,3 +157,18 @@ def test_gcs_without_credentials_is_one_line_saying_what_to_run(
     monkeypatch.setenv("GCE_METADATA_IP", "127.0.0.1:9")
     with pytest.raises(StoreError, match=r"^no credentials for gs://bb/p: run `gcloud auth"):
         ObjectStore(BucketURL.parse("gs://bb/p")).list("")
+
+
+def test_inputs_read_bytes_through_the_store_seam_and_never_branch_on_urls() -> None:
+    """Every input kind reads its bytes through ``featbake.store.byteplace`` (a local file or an
+    object behind one interface): outside ``featbake/store`` no code asks whether a path is a
+    URL (35 places did, each a branch of its own)."""
+    root = Path(featbake.__file__).parent
+    asking = [
+        f"{path.relative_to(root.parent)}:{n}"
+        for path in sorted(root.rglob("*.py"))
+        if path.parent.name != "store"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if "is_url(" in line
+    ]
+    assert asking == []

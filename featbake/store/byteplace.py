@@ -1,0 +1,700 @@
+"""Where an input's bytes live: a local path or an object URL, behind one interface.
+
+Inputs (tar shards, table files, a manifest's rows, the kind ``--data`` names) ask a
+:class:`BytePlace` (the byte seam) for their bytes, stats and listings: :func:`bytes_at` picks
+the place of a path once, by its scheme, and callers ask it, never which it is. Each place
+answers in its own way:
+
+* :class:`LocalFiles`: a file's stat (size, mtime, inode, ctime), read by open and seek; a
+  file's stat can stay the same over a rewrite within one timestamp tick (git's "racy" rule), and
+  a file renamed over keeps no trace of the old version, so callers note the stat a listing was
+  read at and check it again (:attr:`BytePlace.versioned` is False).
+* :class:`Objects`: an object's stat is its (size, last change, ETag) as the store of its scheme
+  maps it (:meth:`~featbake.store.objects.ObjectStore.file_stat`); every ranged GET's response
+  carries it, so bytes and the version they are of come together without a HEAD, and the ETag
+  changes with the bytes (:attr:`BytePlace.versioned` is True: never racy). A ``.tar.gz``
+  object cannot be read by ranges: it is read whole and decompressed (:func:`gzip_object_fetch`).
+
+Both read a tar's members and a table file through the store's container readers
+(:mod:`featbake.store.containers`), which take the place's ranged reads (:data:`Fetch`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import os
+import re
+import threading
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar, NamedTuple
+
+from featbake.errors import ConfigError, SourceError, StoreError
+from featbake.process import map_in_threads
+from featbake.store.catalog import FileStat
+from featbake.store.containers import (
+    CONTAINER_SUFFIXES,
+    Holder,
+    Member,
+    RangedObject,
+    RangeRead,
+    ReadBack,
+    TableFile,
+    is_gzip_tar,
+    is_tar,
+    list_members,
+    member_digests,
+    ranged_member_digests,
+    read_member,
+    read_ranged_member,
+    stat_or_none,
+    table_files,
+)
+from featbake.store.objects import (
+    CLIENT_CONNECTIONS,
+    LIST_PAGE_KEYS,
+    ListedPage,
+    ObjectBytes,
+    ObjectInfo,
+    ObjectStore,
+)
+from featbake.store.url import BucketURL, is_url
+
+
+def hidden_name(name: str) -> bool:
+    """Whether a relative name has a hidden part (``.x/`` or ``.x``), passed over as a folder
+    scan passes hidden files."""
+    return any(part.startswith(".") for part in name.split("/"))
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """The names a brace pattern stands for: ``{000..009}`` (zero-padded as written) and
+    ``{a,b}``, as webdataset's shard lists (the ``braceexpand`` package) spell them.
+
+    Example:
+        >>> expand_braces("s-{08..10}-{a,b}.tar")
+        ['s-08-a.tar', 's-08-b.tar', 's-09-a.tar', 's-09-b.tar', 's-10-a.tar', 's-10-b.tar']
+    """
+    match = re.search(r"\{([^{}]*)\}", pattern)
+    if match is None:
+        return [pattern]
+    head, body, tail = pattern[: match.start()], match.group(1), pattern[match.end() :]
+    span = re.fullmatch(r"(\d+)\.\.(\d+)", body)
+    if span:
+        lo, hi = span.groups()
+        width = len(lo) if lo.startswith("0") or len(lo) == len(hi) else 0
+        choices = [str(n).zfill(width) for n in range(int(lo), int(hi) + 1)]
+    else:
+        choices = body.split(",")
+    return [name for c in choices for name in expand_braces(head + c + tail)]
+
+
+def resolved(path: str) -> str:
+    """The absolute, symlink-free form of a local path, as the catalog stores it."""
+    return str(Path(path).expanduser().resolve())
+
+
+class Shards(NamedTuple):
+    """The tar shards ``--data`` names: how messages name them, their folder, and the tars
+    (None: every visible tar under the prefix ``where``, listed by the scan)."""
+
+    where: str
+    folder: str
+    tars: list[str] | None
+
+
+class BytePlace:
+    """Where some bytes live (see the module's docstring): the operations every input kind
+    reads through. Subclasses implement them; here they raise ``NotImplementedError``."""
+
+    #: Whether a path's stat changes with its bytes (an object's ETag): such stats are never
+    #: "racy", and what was read at one stat needs no check that the path was replaced since.
+    versioned: ClassVar[bool] = False
+    #: Whether reading bytes here means fetching them over the network (a request each): work
+    #: that would read every input (a repair's re-digest) is not done for such a place.
+    remote: ClassVar[bool] = False
+
+    def stat(self, path: str) -> FileStat | None:
+        """``path``'s stat now, as the hash cache compares it, or None (gone, unreadable)."""
+        raise NotImplementedError
+
+    def tar_members(self, tar: str, size: int | None = None) -> list[Member]:
+        """The regular-file members of ``tar`` from its headers (``size``: the object's, when
+        a listing gave it, saving a HEAD).
+
+        Raises:
+            SourceError: it cannot be opened or read as a tar.
+        """
+        raise NotImplementedError
+
+    def read_member(self, tar: str, member: Member) -> tuple[bytes, FileStat | None]:
+        """The bytes of one member of ``tar``, and the tar's stat as of reading them.
+
+        Raises:
+            SourceError: the member cannot be read, or the tar ends inside it.
+        """
+        raise NotImplementedError
+
+    def member_digests(
+        self, tar: str, members: Sequence[Member], held: Holder | None = None
+    ) -> ReadBack:
+        """member name -> SHA-256 (or a 1-tuple: why not), and the tar's stat as of the
+        reading; members that fit ``held``'s budget kept there."""
+        raise NotImplementedError
+
+    def holds_only(self, where: str, wanted: tuple[str, ...], also: tuple[str, ...] = ()) -> bool:
+        """Whether the folder (prefix) ``where`` holds a visible file ending with ``wanted``,
+        and no visible file ending otherwise (but with ``also``); False for no folder."""
+        raise NotImplementedError
+
+    def table_files(self, where: str) -> list[TableFile]:
+        """The data files of the table at ``where``, in the dataset's order, each opened
+        lazily where it is read.
+
+        Raises:
+            SourceError: a DatasetDict folder, or a ``state.json`` naming no data file.
+            ConfigError: a kind of table this place does not read in place.
+        """
+        raise NotImplementedError
+
+    def is_table_folder(self, where: str) -> bool:
+        """Whether ``where`` is a folder holding one table (``save_to_disk``'s, a DatasetDict's,
+        or parquet files only)."""
+        raise NotImplementedError
+
+    def resolve(self, where: str) -> str:
+        """``where`` as the catalog names it (a local path absolute and symlink-free)."""
+        raise NotImplementedError
+
+    def table_folder(self, where: str) -> str:
+        """The folder a table's file names are relative to (the table's folder, or the one
+        holding its single file)."""
+        raise NotImplementedError
+
+    def is_list_file(self, where: str, suffixes: tuple[str, ...]) -> bool:
+        """Whether ``where`` names a list of inputs read whole here (a manifest, a lhotse cut
+        list) ending with one of ``suffixes``: a local file's name; a bucket's object of such
+        a name is no list (``where`` is then taken as a prefix of inputs)."""
+        raise NotImplementedError
+
+    def folder_has(self, where: str, name: str) -> bool:
+        """Whether the folder ``where`` holds a file ``name`` (a Kaldi folder's ``wav.scp``);
+        False for a bucket prefix (its Kaldi lists are not read in place)."""
+        raise NotImplementedError
+
+    def listed(self, folder: str) -> dict[str, ObjectInfo]:
+        """The objects under the prefix ``folder`` by URL, with what one listing says of each
+        (size, last change, ETag); {} for a local folder (its files are stat'ed as read).
+
+        Raises:
+            StoreError: the bucket cannot be listed (no credentials, no such bucket, denied).
+        """
+        raise NotImplementedError
+
+    def shards(self, data: str) -> Shards:
+        """The tar shards ``data`` names: a ``.tar``, a brace pattern, or a folder (prefix)."""
+        raise NotImplementedError
+
+
+class LocalFiles(BytePlace):
+    """Files on this machine's file systems."""
+
+    versioned = False
+
+    def stat(self, path: str) -> FileStat | None:
+        return stat_or_none(path)
+
+    def tar_members(self, tar: str, size: int | None = None) -> list[Member]:
+        return list_members(tar)
+
+    def read_member(self, tar: str, member: Member) -> tuple[bytes, FileStat | None]:
+        return read_member(tar, member), stat_or_none(tar)  # stat'ed after the read
+
+    def member_digests(
+        self, tar: str, members: Sequence[Member], held: Holder | None = None
+    ) -> ReadBack:
+        return member_digests(tar, members, held)
+
+    def holds_only(self, where: str, wanted: tuple[str, ...], also: tuple[str, ...] = ()) -> bool:
+        # It stops at the first other file: asked of every ``--data`` folder, it must not stat
+        # a million clips to say no.
+        found = False
+        try:
+            with os.scandir(where) as it:
+                for entry in it:
+                    if entry.name.startswith(".") or not _is_file(entry):
+                        continue
+                    name = entry.name.lower()
+                    if name.endswith(wanted):
+                        found = True
+                    elif not name.endswith(also):
+                        return False
+        except OSError:
+            return False  # not a folder (or unreadable): the folder scan says why
+        return found
+
+    def table_files(self, where: str) -> list[TableFile]:
+        return [TableFile(p) for p in table_files(where)]
+
+    def is_table_folder(self, where: str) -> bool:
+        if os.path.isfile(os.path.join(where, "dataset_dict.json")):
+            return True
+        if all(os.path.isfile(os.path.join(where, n)) for n in ("state.json", "dataset_info.json")):
+            return True
+        return self.holds_only(where, (".parquet",), (".md", ".json"))
+
+    def resolve(self, where: str) -> str:
+        return resolved(where)
+
+    def table_folder(self, where: str) -> str:
+        return where if os.path.isdir(where) else os.path.dirname(where)
+
+    def is_list_file(self, where: str, suffixes: tuple[str, ...]) -> bool:
+        return where.lower().endswith(suffixes)
+
+    def folder_has(self, where: str, name: str) -> bool:
+        return os.path.isfile(os.path.join(where, name))
+
+    def listed(self, folder: str) -> dict[str, ObjectInfo]:
+        return {}
+
+    def shards(self, data: str) -> Shards:
+        folder, name = os.path.split(os.path.expanduser(data))
+        if "{" in name:
+            folder = resolved(folder or ".")
+            return Shards(
+                os.path.join(folder, name),
+                folder,
+                [os.path.join(folder, n) for n in expand_braces(name)],
+            )
+        if os.path.isdir(data):
+            folder = resolved(data)
+            tars = sorted(
+                os.path.join(folder, n)
+                for n in os.listdir(folder)
+                if is_tar(n) and not n.startswith(".")
+            )
+            return Shards(folder, folder, tars)
+        where = resolved(data)
+        return Shards(where, os.path.dirname(where), [where])
+
+
+def _is_file(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_file()
+    except OSError:
+        return False
+
+
+_BUCKETS: dict[tuple[str, str], ObjectStore] = {}  # (scheme, bucket) -> its client, made lazily
+
+
+def object_at(url: str) -> tuple[ObjectStore, str]:
+    """(the store of object ``url``'s bucket, the object's key in it): one client per bucket,
+    not per folder (making one costs ~0.1-0.2 s; a manifest's rows or a dataset's shards may
+    span many folders).
+
+    Example:
+        >>> object_at("s3://team/shards/shard-000.tar")[1]
+        'shards/shard-000.tar'
+    """
+    folder, name = url.rsplit("/", 1)
+    where = BucketURL.parse(folder)
+    bucket = _BUCKETS.get((where.scheme, where.bucket))
+    if bucket is None:  # the object store of the URL's scheme (s3, gs, az)
+        bucket = ObjectStore(BucketURL(where.bucket, scheme=where.scheme))
+        _BUCKETS[where.scheme, where.bucket] = bucket
+    return bucket, where.key(name)
+
+
+def object_bytes(url: str) -> ObjectBytes | str:
+    """Object ``url`` whole, with the stat of the response that carried it, or why it cannot
+    be read (gone, or the bucket's one line)."""
+    bucket, name = object_at(url)
+    try:
+        return bucket.read(name)
+    except FileNotFoundError:
+        return "object not found (deleted since the listing?)"
+    except StoreError as e:
+        return str(e)
+
+
+def object_range(url: str, start: int, length: int) -> bytes:
+    """``length`` bytes of object ``url`` from ``start`` (fewer at its end): one ranged GET.
+
+    Raises:
+        FileNotFoundError: there is no such object.
+        StoreError: it could not be read.
+    """
+    bucket, name = object_at(url)
+    return bucket.read_range(name, start, length)
+
+
+def object_fetch(url: str) -> Callable[[int, int], RangeRead]:
+    """Ranged reads of object ``url`` (one GET each) with the object's stat as each response
+    gives it, for the store's container readers (see :data:`~featbake.store.containers.Fetch`).
+    """
+    bucket, name = object_at(url)
+
+    def fetch(start: int, length: int) -> RangeRead:
+        try:
+            got = bucket.read_range_of(name, start, length)
+        except FileNotFoundError:
+            raise SourceError(f"{url}: object not found (deleted since the listing?)") from None
+        except StoreError as e:
+            raise SourceError(str(e)) from e
+        return RangeRead(got.data, bucket.file_stat(got.info))
+
+    return fetch
+
+
+def object_head(url: str) -> ObjectInfo | None:
+    """Object ``url``'s HEAD (None: there is none).
+
+    Raises:
+        StoreError: the bucket cannot be read (the store's one line).
+    """
+    bucket, name = object_at(url)
+    return bucket.head(name)
+
+
+def ranged_object(url: str, size: int | None = None) -> RangedObject:
+    """The object ``url`` as a seekable file of ranged GETs (its size from a HEAD when not
+    given).
+
+    Raises:
+        SourceError: there is no such object.
+    """
+    if size is None:
+        info = object_head(url)
+        if info is None:
+            raise SourceError(f"{url}: object not found")
+        size = info.size
+    return RangedObject(url, size, object_fetch(url))
+
+
+def gzip_object_fetch(url: str) -> Callable[[int, int], RangeRead]:
+    """Reads of ranges of the *decompressed* gzip tar ``url``, for the store's container
+    readers: a gzip stream cannot be read by ranges, so the first read GETs the object whole
+    (one request) and decompresses it, and every read after it slices those bytes, each with
+    the stat of that one response. One fetch serves one listing, one hashing or one member:
+    bytes are never kept past it, so a rewritten object is never read from a stale copy.
+
+    A truncated stream gives the bytes it holds (its last member then reads as truncated, as
+    a local gzip tar's does); a stream that is not gzip is one line.
+    """
+    got: list[Callable[[int, int], RangeRead]] = []
+
+    def fetch(start: int, length: int) -> RangeRead:
+        if not got:
+            got.append(sliced(gzip_object(url)))
+        return got[0](start, length)
+
+    return fetch
+
+
+def gzip_object(url: str) -> RangeRead:
+    """The gzip tar object ``url`` read whole (one GET) and decompressed, with that response's
+    stat.
+
+    Raises:
+        SourceError: it is gone, cannot be read, or is not a gzip stream.
+    """
+    bucket, name = object_at(url)
+    try:
+        response = bucket.read(name)
+    except FileNotFoundError:
+        raise SourceError(f"{url}: object not found (deleted since the listing?)") from None
+    except StoreError as e:
+        raise SourceError(str(e)) from e
+    try:
+        data = zlib.decompressobj(wbits=31).decompress(response.data)
+    except zlib.error as e:
+        raise SourceError(f"{url}: not a readable gzip tar file ({e})") from e
+    return RangeRead(data, bucket.file_stat(response.info))
+
+
+def sliced(whole: RangeRead) -> Callable[[int, int], RangeRead]:
+    """Ranged reads of bytes already in memory, each with the stat they were read at."""
+
+    def fetch(start: int, length: int) -> RangeRead:
+        return RangeRead(whole.data[start : start + length], whole.stat)
+
+    return fetch
+
+
+def tar_fetch(tar: str) -> Callable[[int, int], RangeRead]:
+    """Ranged reads of the tar stream of object ``tar``: by ranged GETs, or (a gzip tar)
+    from the object read whole once (:func:`gzip_object_fetch`)."""
+    return gzip_object_fetch(tar) if is_gzip_tar(tar) else object_fetch(tar)
+
+
+class Objects(BytePlace):
+    """Objects in a bucket, named by URL (``s3://``, ``gs://``, ``az://``): read by ranged GETs,
+    each response carrying the object's stat."""
+
+    versioned = True
+    remote = True
+
+    def stat(self, path: str) -> FileStat | None:
+        bucket, name = object_at(path)
+        try:
+            info = bucket.head(name)
+        except StoreError:
+            return None
+        return None if info is None else bucket.file_stat(info)
+
+    def tar_members(self, tar: str, size: int | None = None) -> list[Member]:
+        try:
+            if not is_gzip_tar(tar):
+                return list_members(tar, ranged_object(tar, size))
+            whole = gzip_object(tar)  # one GET: its stream's length is known only once read
+            return list_members(tar, RangedObject(tar, len(whole.data), sliced(whole)))
+        except StoreError as e:
+            raise SourceError(f"{tar}: not a readable tar file ({e})") from e
+
+    def read_member(self, tar: str, member: Member) -> tuple[bytes, FileStat | None]:
+        got = read_ranged_member(tar, member, tar_fetch(tar))
+        return got.data, got.stat
+
+    def member_digests(
+        self, tar: str, members: Sequence[Member], held: Holder | None = None
+    ) -> ReadBack:
+        return ranged_member_digests(tar, members, tar_fetch(tar), held)
+
+    def holds_only(self, where: str, wanted: tuple[str, ...], also: tuple[str, ...] = ()) -> bool:
+        # One LIST (the scan lists again, as it does for any prefix). A name ending as a table
+        # file names one object, not a prefix: no LIST to tell. A prefix that cannot be listed
+        # is no container: the bucket's own scan says why.
+        if where.lower().endswith(CONTAINER_SUFFIXES):
+            return False
+        try:
+            listing = ObjectStore(BucketURL.parse(where)).list("")
+        except (StoreError, ConfigError):
+            return False
+        names = [o.name.lower() for o in listing if not hidden_name(o.name)]
+        return (
+            bool(names)
+            and all(n.endswith(wanted) or n.endswith(also) for n in names)
+            and any(n.endswith(wanted) for n in names)
+        )
+
+    def table_files(self, where: str) -> list[TableFile]:
+        if not where.lower().endswith(".parquet"):
+            raise ConfigError(
+                f"Arrow files and Hugging Face datasets in a bucket ({where}) are not read in "
+                "place yet; copy them to a local folder (e.g. with `aws s3 sync`) and pass that "
+                "as --data"
+            )
+        return [TableFile(where, ranged_object)]
+
+    def is_table_folder(self, where: str) -> bool:
+        return False  # a bucket's table is one parquet object (see table_files)
+
+    def resolve(self, where: str) -> str:
+        return where
+
+    def table_folder(self, where: str) -> str:
+        return where.rsplit("/", 1)[0]
+
+    def is_list_file(self, where: str, suffixes: tuple[str, ...]) -> bool:
+        return False
+
+    def folder_has(self, where: str, name: str) -> bool:
+        return False
+
+    def listed(self, folder: str) -> dict[str, ObjectInfo]:
+        bucket = ObjectStore(BucketURL.parse(folder))
+        return {bucket.where(o.name): o for o in bucket.list("")}
+
+    def shards(self, data: str) -> Shards:
+        if not is_tar(data):  # a prefix of tars only: listed by the scan
+            where = str(BucketURL.parse(data))
+            return Shards(where, where, None)
+        folder, name = data.rsplit("/", 1)
+        return Shards(data, folder, [f"{folder}/{n}" for n in expand_braces(name)])
+
+
+#: The places, one each: stateless (a bucket's clients are kept by :func:`object_at`).
+LOCAL_FILES = LocalFiles()
+OBJECTS = Objects()
+
+
+def bytes_at(path: str) -> BytePlace:
+    """The place ``path`` names: an object URL's bucket, else local files.
+
+    Example:
+        >>> bytes_at("s3://team/a.wav").versioned, bytes_at("/data/a.wav").versioned
+        (True, False)
+    """
+    return OBJECTS if is_url(path) else LOCAL_FILES
+
+
+# == object_stats ==================================================================================
+# The stat of objects named one by one (a manifest's ``s3://`` rows), what the hash cache compares
+# (:func:`object_stat`), in as few requests as a folder's layout allows, without knowing how many
+# objects a folder holds.
+#
+# **Per folder** (the names' common folder), the choice is one LIST page per up to
+# :data:`~featbake.store.objects.LIST_PAGE_KEYS` names (a page names each object's size, last
+# change and ETag, as a HEAD does) or a HEAD per name. A folder whose rows name most of it is
+# listed (a 100,000-row rebuild: 100 LISTs, not 100,000 HEADs); two rows in a folder of a million
+# objects are two HEADs, not a thousand pages. The rule, a ski-rental one:
+#
+# * a folder with fewer than :data:`LIST_PAGE_HEADS` names is HEADed: one page could save no more
+#   HEADs than its own price (AWS bills a LIST as 12.5 HEADs; a page of 1,000 entries is ~250 KB
+#   of XML to move and parse, and the next page waits for it);
+# * else it is listed page by page, each page from its names' longest common prefix (``a/clip0``,
+#   not only ``a/``; ``/`` as the delimiter, so a sub-folder is one entry) and starting just
+#   before the first name not yet settled (``StartAfter``: a stretch of the folder no row names
+#   is jumped over, not paged through), and a name the page's range passed without showing is
+#   HEADed (gone, most likely: its HEAD fails it as before);
+# * listing stops, and the names left are HEADed, once the pages spent cost a page more (in HEADs,
+#   at :data:`LIST_PAGE_HEADS` a page) than the HEADs they saved.
+#
+# **Worst case**, for a folder of ``n`` names: the listing stops before its pages cost two pages
+# more than the HEADs they saved, so the requests are at most ``n + 1`` (a HEAD each: ``n``) and
+# their price at most two pages over ``n`` HEADs; in the best case (the rows name the folder's
+# objects) ``ceil(n / 1000)`` LISTs and no HEAD. A LIST the bucket refuses (a policy granting
+# ``s3:GetObject`` without ``s3:ListBucket``) or that fails turns the bucket's names left to HEADs.
+#
+# The HEADs (of every folder) run :data:`HEAD_THREADS` at once, and the folders' listings as
+# many, through the one pool every hashing loop uses (:func:`featbake.process.map_in_threads`)
+# and one client per bucket (boto3's clients are thread-safe; making one costs ~0.1 s, so not one
+# per folder).
+
+#: What one LIST page costs, counted in HEADs (see above): a folder with fewer names is HEADed.
+LIST_PAGE_HEADS = 12
+#: HEADs (and folder listings) in flight at once: each waits mostly on its round trip.
+HEAD_THREADS = CLIENT_CONNECTIONS
+
+
+def just_before(name: str) -> str:
+    """A name that sorts before ``name`` with (almost) nothing between: its last character one
+    lower (S3 sorts keys by their UTF-8 bytes, which is code-point order), or dropped where one
+    lower is no character. Between the two lie only names that start with the result and go on
+    (``a/clip7.wau...``): they cost their place in a page, and ``name`` itself sorts after it.
+
+    Example:
+        >>> just_before("a/clip7.wav")
+        'a/clip7.wau'
+    """
+    if not name:
+        return ""
+    last = ord(name[-1]) - 1
+    if last < 0 or 0xD800 <= last <= 0xDFFF:
+        return name[:-1]
+    return name[:-1] + chr(last)
+
+
+def common_prefix(a: str, b: str) -> str:
+    """The longest start ``a`` and ``b`` share, character by character (not by path part: a
+    listing's prefix narrows to ``a/clip0``, not only ``a/``).
+
+    Example:
+        >>> common_prefix("a/clip0017.wav", "a/clip0423.wav")
+        'a/clip0'
+    """
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return a[:n]
+
+
+@dataclass
+class FolderListing:
+    """One folder's names, settled by listing it page by page while that pays (see the
+    section's comment): ``found`` from pages, ``passed`` (a page's range went past them and
+    did not show them) and ``todo`` (not reached) left for HEADs.
+
+    Args:
+        bucket: the bucket, names relative to it.
+        todo: the folder's names, sorted, none settled yet.
+        refused: set once a listing of this bucket failed: no folder lists again.
+    """
+
+    bucket: ObjectStore
+    todo: list[str]
+    refused: threading.Event
+    found: dict[str, ObjectInfo] = field(default_factory=dict)
+    passed: list[str] = field(default_factory=list)
+    pages: int = 0
+    last: str = ""
+
+    def pays(self) -> bool:
+        """Whether to list one more page: names are left, listing is not refused, and the pages
+        so far cost (in HEADs) less than a page more than the HEADs they saved."""
+        spent = self.pages * LIST_PAGE_HEADS - len(self.found)
+        return bool(self.todo) and not self.refused.is_set() and spent < LIST_PAGE_HEADS
+
+    def run(self) -> FolderListing:
+        """List pages while :meth:`pays`; itself, with what they settled."""
+        if len(self.todo) < LIST_PAGE_HEADS:
+            return self  # a page could not save its own price: all HEADs
+        while self.pays():
+            prefix = common_prefix(self.todo[0], self.todo[-1])  # sorted: theirs is all's
+            after = max(self.last, just_before(self.todo[0]))
+            try:
+                page = self.bucket.list_page(prefix, after, keys=LIST_PAGE_KEYS, delimiter="/")
+            except StoreError:
+                self.refused.set()  # denied or failing: the names left are HEADed, as before
+                return self
+            self.pages += 1
+            self.settle(page)
+        return self
+
+    def settle(self, page: ListedPage) -> None:
+        """The names ``page`` covers (up to its last name, or all when nothing follows it):
+        found where it shows them, passed where not."""
+        shown = {o.name: o for o in page.objects}
+        end = bisect.bisect_right(self.todo, page.last) if page.truncated else len(self.todo)
+        for name in self.todo[:end]:
+            if name in shown:
+                self.found[name] = shown[name]
+            else:
+                self.passed.append(name)
+        del self.todo[:end]
+        self.last = max(self.last, page.last)
+
+    @property
+    def unsettled(self) -> list[str]:
+        """The names a HEAD settles: passed by a page, or not reached."""
+        return [*self.passed, *self.todo]
+
+
+def head_or_why(bucket: ObjectStore, name: str) -> ObjectInfo | str:
+    """Object ``name``'s HEAD, or why there is none (not found, or the bucket's one line)."""
+    try:
+        info = bucket.head(name)
+    except StoreError as e:
+        return str(e)
+    return "object not found" if info is None else info
+
+
+def stat_objects(bucket: ObjectStore, names: Sequence[str]) -> dict[str, ObjectInfo | str]:
+    """Each named object's size, last change and ETag (from a LIST page or a HEAD: the same
+    :func:`object_stat` either way), or why it cannot be read, in the fewest requests the
+    section's rule finds (its comment states the worst case).
+
+    Example:
+        >>> stat_objects(ObjectStore(BucketURL.parse("s3://team")), ["a/x.wav"])  # doctest: +SKIP
+        {'a/x.wav': ObjectInfo(name='a/x.wav', size=32044, modified=..., etag='9b2c...')}
+    """
+    folders: dict[str, list[str]] = {}
+    for name in sorted(set(names)):
+        folders.setdefault(name.rpartition("/")[0], []).append(name)
+    refused = threading.Event()
+    listings = [FolderListing(bucket, group, refused) for group in folders.values()]
+    out: dict[str, ObjectInfo | str] = {}
+    heads: list[str] = []
+    for done in map_in_threads(FolderListing.run, listings, HEAD_THREADS):
+        out.update(done.found)
+        heads += done.unsettled
+    head = functools.partial(head_or_why, bucket)
+    out.update(zip(heads, map_in_threads(head, heads, HEAD_THREADS), strict=True))
+    return out

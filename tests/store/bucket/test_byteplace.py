@@ -1,0 +1,64 @@
+"""The byte seam (``featbake.store.byteplace``): a local file and the same bytes as an object, on
+each cloud, answer alike (members, bytes, digests, listings), each with its own stat."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import tarfile
+from pathlib import Path
+
+from featbake.store.byteplace import LOCAL_FILES, OBJECTS, bytes_at
+from featbake.store.objects import ObjectStore
+from featbake.store.url import BucketURL
+from tests.store.bucket.conftest import S3, Remote
+
+
+def write_tar(path: Path, members: dict[str, bytes]) -> Path:
+    with tarfile.open(path, "w") as tf:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_a_tar_reads_alike_as_a_file_and_as_an_object_on_every_cloud(
+    place: Remote | S3, tmp_path: Path
+) -> None:
+    """Plain and gzip tars: the members listed, each member's bytes and the digests are the same
+    read from the file and from the object; the object's stat is the one its listing gives, and
+    a folder and a prefix of tars only are told as such."""
+    members = {f"s{i}.wav": bytes([i]) * (700 + 300 * i) for i in range(4)}
+    plain = write_tar(tmp_path / "s.tar", members)
+    packed = tmp_path / "s.tar.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    prefix = f"{place.scheme}://{place.bucket}/shards"
+    bucket = ObjectStore(BucketURL.parse(prefix))
+    for f in (plain, packed):
+        bucket.upload(f.name, f)
+    assert (bytes_at(str(plain)), bytes_at(f"{prefix}/s.tar")) == (LOCAL_FILES, OBJECTS)
+    listed = OBJECTS.listed(prefix)
+    assert sorted(listed) == [f"{prefix}/s.tar", f"{prefix}/s.tar.gz"]
+    for f in (plain, packed):
+        url = f"{prefix}/{f.name}"
+        local = LOCAL_FILES.tar_members(str(f))
+        remote = OBJECTS.tar_members(url)
+        assert [(m.name, m.offset, m.size) for m in remote] == [
+            (m.name, m.offset, m.size) for m in local
+        ]
+        assert [m.name for m in remote] == list(members)
+        stat = OBJECTS.stat(url)
+        assert stat is not None and stat == bucket.file_stat(listed[url])
+        for m in remote:
+            data, at = OBJECTS.read_member(url, m)
+            assert data == members[m.name] == LOCAL_FILES.read_member(str(f), m)[0]
+            assert at == stat
+        want = {n: hashlib.sha256(d).hexdigest() for n, d in members.items()}
+        got = OBJECTS.member_digests(url, remote)
+        assert (got.digests, got.stat) == (want, stat)
+        assert LOCAL_FILES.member_digests(str(f), local).digests == want
+    assert OBJECTS.holds_only(prefix + "/", (".tar", ".tar.gz"))
+    assert LOCAL_FILES.holds_only(str(tmp_path), (".tar", ".tar.gz"))
+    assert not OBJECTS.holds_only(prefix + "/", (".tar",))  # a .tar.gz is another kind
