@@ -1019,7 +1019,7 @@ def manifest_request_rows(work: Path, log: ServerLog) -> list[dict[str, Any]]:
     """A JSONL manifest naming :func:`read_once_rows`' objects as ``s3://`` rows: a first build,
     a rebuild (target: ``ceil(n / 1000)`` LISTs and no HEAD), and a rebuild with each row stat'ed
     by a HEAD, as before (a page priced past any folder's rows). Requests per object."""
-    from featbake.encode import objects
+    from featbake.store import byteplace as objects  # where the listing rule lives
 
     names = sorted(
         o.name for o in Bucket(BucketURL.parse(f"s3://{BUCKET}/{INPUTS_PREFIX}")).list("")
