@@ -35,6 +35,7 @@ from functools import lru_cache
 from typing import Any
 
 import numpy as np
+import torch
 from torch.utils.data import Dataset
 
 from featbake.errors import ConfigError
@@ -151,8 +152,16 @@ class MixedDataset(Dataset):
         if isinstance(items, bool) or not isinstance(items, int) or items < 1:
             raise ConfigError(f"epoch_items must be a whole number from 1, got {epoch_items!r}")
         self.plan = MixPlan(lengths, mix_weights(lengths, weights), items, int(seed))
-        self.epoch = 0
+        # Shared memory, not an int: a persistent DataLoader worker's copy sees set_epoch (as
+        # ViewsDataset's epoch); each copy draws the order of the epoch it reads there.
+        self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
+        self._drawn = 0
         self._order = self.plan.epoch(0)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch being read (the same in the main process and every worker)."""
+        return int(self._epoch)
 
     @property
     def weights(self) -> tuple[float, ...]:
@@ -169,10 +178,16 @@ class MixedDataset(Dataset):
         return hashlib.sha256(blob).hexdigest()[:16]
 
     def set_epoch(self, epoch: int) -> None:
-        """Draw epoch ``epoch`` (a function of the seed and the epoch alone)."""
-        if epoch != self.epoch:
-            self.epoch = epoch
-            self._order = self.plan.epoch(epoch)
+        """Read epoch ``epoch`` from now on, here and in every DataLoader worker (persistent
+        ones included): a function of the seed and the epoch alone."""
+        self._epoch.fill_(int(epoch))
+
+    def _current(self) -> list[tuple[int, int]]:
+        """This epoch's order, drawn again where another process set a new epoch."""
+        epoch = int(self._epoch)
+        if epoch != self._drawn:
+            self._order, self._drawn = self.plan.epoch(epoch), epoch
+        return self._order
 
     def __len__(self) -> int:
         return self.plan.epoch_items
@@ -181,7 +196,7 @@ class MixedDataset(Dataset):
         """Position ``i`` of this epoch as (dataset, item in it)."""
         if not -len(self) <= i < len(self):
             raise IndexError(f"index {i} out of range for {len(self)} items")
-        return self._order[i]
+        return self._current()[i]
 
     def __getitem__(self, i: int) -> Any:
         k, j = self.locate(i)
@@ -229,7 +244,8 @@ class MixedDataset(Dataset):
             at += int(p.shards.max()) + 1 if p is not None and len(p.shards) else 0
         lengths = np.full(len(self), -1, dtype=np.int64)
         shards = np.full(len(self), -1, dtype=np.int64)
-        order = self._order if epoch is None or epoch == self.epoch else self.plan.epoch(epoch)
+        now = self._current()
+        order = now if epoch is None or epoch == self._drawn else self.plan.epoch(epoch)
         for i, (k, j) in enumerate(order):
             p = per[k]
             if p is not None:

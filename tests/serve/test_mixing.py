@@ -232,3 +232,22 @@ def test_a_mixed_epoch_saved_over_two_ranks_resumes_over_three_each_position_onc
     assert sorted(_positions(first + rest)) == list(range(14))
     probe = _mixture(two_stores, encoder_file, [1.0, 2.0])
     _assert_epoch_live(first + rest, probe, 1, encoder_file, two_stores)
+
+
+def test_persistent_dataloader_workers_read_the_epoch_the_main_process_set() -> None:
+    """``set_epoch`` in the main process reaches persistent DataLoader workers (the epoch is in
+    shared memory, as ViewsDataset's): each epoch's items are that epoch's draw. Before, the
+    workers' copies kept the epoch they were forked with and served epoch 0's order again."""
+    small, large = [f"a{j}" for j in range(5)], [f"b{j}" for j in range(9)]
+    mixed = MixedDataset([small, large], weights=[1, 1], epoch_items=12, seed=4)
+    loader = DataLoader(
+        mixed, batch_size=4, num_workers=1, persistent_workers=True, collate_fn=list
+    )
+    seen = []
+    for epoch in range(3):
+        mixed.set_epoch(epoch)
+        got = [x for batch in loader for x in batch]
+        want = [(small, large)[k][j] for k, j in (mixed.locate(i) for i in range(12))]
+        assert got == want, epoch
+        seen.append(got)
+    assert seen[0] != seen[1] != seen[2]
