@@ -19,7 +19,7 @@ import torch
 
 from featbake.encode.fingerprints import HeldBytes
 from featbake.encode.sources import ScanResult, Source
-from featbake.errors import SourceError, StoreError
+from featbake.errors import SourceError
 from featbake.process import OBJECT_THREADS, map_in_threads
 from featbake.progress import Progress
 from featbake.store.bucket import (
@@ -34,6 +34,7 @@ from featbake.store.byteplace import common_prefix as common_prefix
 from featbake.store.byteplace import head_or_why as head_or_why
 from featbake.store.byteplace import just_before as just_before
 from featbake.store.byteplace import object_at as object_at
+from featbake.store.byteplace import read_object as read_object
 from featbake.store.byteplace import stat_objects as stat_objects
 from featbake.store.catalog import COARSE_RACY_FACTOR, RACY_NS, FileStat, HashCache, HashRow
 from featbake.store.objects import object_stat as object_stat
@@ -191,16 +192,6 @@ class BucketInputs:
 
     def row(self, rel: str) -> dict[str, Any]:
         return {}
-
-
-def read_object(bucket: Bucket, rel: str) -> ObjectBytes | str:
-    """Object ``rel``, whole, or why it cannot be read (gone, or the bucket's one line)."""
-    try:
-        return bucket.read(rel)
-    except FileNotFoundError:
-        return "object not found (deleted since the listing?)"
-    except StoreError as e:
-        return str(e)
 
 
 class ObjectSource:

@@ -310,16 +310,21 @@ def object_at(url: str) -> tuple[ObjectStore, str]:
     return bucket, where.key(name)
 
 
-def object_bytes(url: str) -> ObjectBytes | str:
-    """Object ``url`` whole, with the stat of the response that carried it, or why it cannot
-    be read (gone, or the bucket's one line)."""
-    bucket, name = object_at(url)
+def read_object(bucket: ObjectStore, name: str) -> ObjectBytes | str:
+    """Object ``name`` of ``bucket``, whole, or why it cannot be read (gone, or the bucket's
+    one line)."""
     try:
         return bucket.read(name)
     except FileNotFoundError:
         return "object not found (deleted since the listing?)"
     except StoreError as e:
         return str(e)
+
+
+def object_bytes(url: str) -> ObjectBytes | str:
+    """Object ``url`` whole, with the stat of the response that carried it, or why it cannot
+    be read (gone, or the bucket's one line)."""
+    return read_object(*object_at(url))
 
 
 def object_range(url: str, start: int, length: int) -> bytes:

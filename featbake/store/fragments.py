@@ -352,9 +352,28 @@ def _fill(
         cat.put_hash_rows(hashes)
 
 
+T = TypeVar("T")
+
+
 def _open_sealed(path: Path) -> sqlite3.Connection:
     # immutable=1: the file never changes once sealed, so SQLite takes no lock (safe on NFS).
     return open_sqlite(path, Access.IMMUTABLE)
+
+
+def _read_sealed(path: Path, read: Callable[[sqlite3.Connection], T]) -> T | None:
+    """``read`` over sealed fragment ``path``, or None where it cannot be: gone (merged and
+    removed since the listing: what it held is in the catalog now) or unreadable (the merge
+    names it); the connection closed either way."""
+    try:
+        conn = _open_sealed(path)
+    except sqlite3.Error:
+        return None
+    try:
+        return read(conn)
+    except sqlite3.Error:
+        return None
+    finally:
+        conn.close()
 
 
 def read_fragment(path: Path, layout: Layout, *, with_entries: bool = True) -> Fragment:
@@ -427,35 +446,21 @@ def _keys_of(conn: sqlite3.Connection) -> list[str]:
 def fragment_keys(paths: Iterable[Path]) -> set[str]:
     """The keys with a stored tensor in these sealed fragments."""
     keys: set[str] = set()
-    for path in paths:
-        try:
-            conn = _open_sealed(path)
-        except sqlite3.Error:
-            continue  # merged and removed since the listing: its keys are in the catalog now
-        try:
-            keys.update(_keys_of(conn))
-        except sqlite3.Error:
-            continue  # unreadable: its keys are simply encoded again
-        finally:
-            conn.close()
+    for path in paths:  # one not read: its keys are in the catalog, or simply encoded again
+        keys.update(_read_sealed(path, _keys_of) or ())
     return keys
 
 
 def fragment_shard_names(layout: Layout) -> set[str]:
     """Shards named by sealed fragments: not yet in the catalog, yet not garbage (for gc)."""
     names: set[str] = set()
-    for frag in sealed_fragments(layout):
-        try:
-            conn = _open_sealed(frag.path)
-        except sqlite3.Error:
-            continue  # merged and removed since the listing: its shards are in the catalog now
-        try:
-            names.update(r[0] for r in conn.execute("SELECT name FROM shards"))
-        except sqlite3.Error:
-            continue
-        finally:
-            conn.close()
+    for frag in sealed_fragments(layout):  # one merged since the listing: in the catalog now
+        names.update(_read_sealed(frag.path, _shard_names) or ())
     return names
+
+
+def _shard_names(conn: sqlite3.Connection) -> list[str]:
+    return [r[0] for r in conn.execute("SELECT name FROM shards")]
 
 
 # == fragment_catalog ==============================================================================
@@ -478,7 +483,6 @@ def fragment_shard_names(layout: Layout) -> set[str]:
 #   to the ``serve`` fragments not merged yet, this process's and others' (re-listed at most once
 #   a second), so a feature one DataLoader worker or rank wrote back is read, not encoded again,
 #   before any merge. Features of sharded builds not merged yet stay misses: merge publishes them.
-T = TypeVar("T")
 
 #: Other processes' serve fragments are looked for at most this often (a listing per miss would
 #: cost a metadata round trip on NFS for every item).
@@ -1030,19 +1034,14 @@ def serving_uses(layout: Layout) -> dict[str, float]:
     and a root read today is in use before any merge folds them into the catalog.
     """
     latest: dict[str, float] = {}
-    for name in serving_fragments(layout):
-        try:
-            conn = _open_sealed(name.path)
-        except sqlite3.Error:
-            continue  # merged and removed since the listing: its uses are in the catalog now
-        try:
-            for key, used in conn.execute("SELECT key, used FROM uses"):
-                latest[key] = max(used, latest.get(key, used))
-        except sqlite3.Error:
-            continue  # unreadable: the merge names it
-        finally:
-            conn.close()
+    for name in serving_fragments(layout):  # one merged since the listing: in the catalog now
+        for key, used in _read_sealed(name.path, _uses) or ():
+            latest[key] = max(used, latest.get(key, used))
     return latest
+
+
+def _uses(conn: sqlite3.Connection) -> list[tuple[str, float]]:
+    return conn.execute("SELECT key, used FROM uses").fetchall()
 
 
 def _is_complete(names: list[FragmentName]) -> bool:
