@@ -32,6 +32,7 @@ import numpy as np
 from featbake.errors import ConfigError, FeatbakeError, ShardMissing, StoreCorrupt, StoreError
 from featbake.process import PerProcess, ProcessLocal, ProcessLocalState
 from featbake.store.catalog import Access, open_sqlite
+from featbake.store.files import publish_file
 from featbake.store.fragments import (
     MergeReport,
     fragment_shard_names,
@@ -40,24 +41,13 @@ from featbake.store.fragments import (
     parse_name,
     sealed_fragments,
 )
-from featbake.store.layout import (
-    Change,
-    Held,
-    Layout,
-    Sweep,
-    Swept,
-    TierUsage,
-    VerifyScope,
-    checked_shard_name,
-    is_shard_name,
-    publish_file,
-    unnamed_past,
-)
+from featbake.store.layout import Layout, checked_shard_name, is_shard_name
 from featbake.store.objects import CLIENT_CONNECTIONS as CLIENT_CONNECTIONS
 from featbake.store.objects import LIST_PAGE_KEYS as LIST_PAGE_KEYS
 from featbake.store.objects import ListedPage as ListedPage
 from featbake.store.objects import ObjectBytes as ObjectBytes
 from featbake.store.objects import ObjectInfo, ObjectStore
+from featbake.store.place import Change, Held, Sweep, Swept, TierUsage, VerifyScope, unnamed_past
 from featbake.store.shard import (
     MAX_HEADER_BYTES,
     ShardReader,
@@ -157,7 +147,7 @@ def sweep(
     """What gc's sweep deletes from a bucket, given the shard names each kept version holds
     (``named_by``, keyed by :func:`kept_versions`) and those pending fragments hold: retired
     versions, and shard objects nothing names once older than ``retention``
-    (:func:`~featbake.store.layout.unnamed_past`)."""
+    (:func:`~featbake.store.place.unnamed_past`)."""
     old = tuple(
         Held(o.name, o.size, o.modified)
         for o in versions

@@ -34,14 +34,9 @@ import torch
 from featbake.errors import ShardMissing, StoreCorrupt, StoreError
 from featbake.process import PerThread, ProcessLocalState
 from featbake.quantize import Fidelity, FidelityTally, ScaleSpan, Scheme
-from featbake.store.layout import (
-    Layout,
-    checked_root_name,
-    fsync_dir,
-    publish_file,
-    remove_file,
-    set_journal_mode,
-)
+from featbake.store.files import fsync_dir, publish_file, remove_file
+from featbake.store.filesystem import set_journal_mode
+from featbake.store.layout import Layout, checked_root_name
 from featbake.store.shard import SealedShard, ShardEntry, tensor_name
 
 # == schema ========================================================================================

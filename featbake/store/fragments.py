@@ -72,7 +72,9 @@ from featbake.store.catalog import (
     write_fidelity,
     write_root_rows,
 )
-from featbake.store.layout import Layout, announce, detect, fsync_dir
+from featbake.store.files import fsync_dir
+from featbake.store.filesystem import announce, detect
+from featbake.store.layout import Layout
 from featbake.store.shard import SealedShard, ShardEntry
 
 

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from featbake.errors import ConfigError, StoreError
 from featbake.store.bucket import TIER_MARK, BucketStore
 from featbake.store.catalog import READ_ONLY_ENV, Catalog, Root, read_only_forced
+from featbake.store.files import list_folder, remove_file
 from featbake.store.fragments import (
     MergeReport,
     fragment_shard_names,
@@ -27,24 +28,20 @@ from featbake.store.fragments import (
     sealed_fragments,
     serving_mode,
 )
-from featbake.store.layout import (
+from featbake.store.layout import Layout, layout_at, shard_files, shard_name
+from featbake.store.locks import shared_write_lock
+from featbake.store.objects import ObjectStore
+from featbake.store.place import (
     Change,
     Held,
-    Layout,
+    Place,
     Sweep,
     Swept,
     TierUsage,
     VerifyScope,
-    layout_at,
-    list_folder,
-    remove_file,
-    shard_files,
-    shard_name,
-    shared_write_lock,
+    remote_place,
     unnamed_past,
 )
-from featbake.store.objects import ObjectStore
-from featbake.store.place import Place, remote_place
 from featbake.store.url import BucketURL, is_url
 from featbake.units import parse_bytes
 

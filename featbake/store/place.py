@@ -14,21 +14,125 @@ the shard reader imports the other's module for a type.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import Generic, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 from featbake.store.fragments import MergeReport
-from featbake.store.layout import Change, Layout, Sweep, Swept, TierUsage, VerifyScope
+from featbake.store.layout import Layout
 from featbake.store.shard import ShardReader
 
+# == records =======================================================================================
+# Where a store's shards, fragments and catalog last: a local directory
+# (:class:`featbake.store.open.LocalPlace`), or a bucket seen through this node's tier
+# (:class:`featbake.store.bucket.BucketStore`), both a :class:`Place`.
+# Upkeep runs one algorithm over either: gc plans, commits its catalog change through
+# ``Place.commit``, then sweeps what the place holds that nothing names (:func:`unnamed_past`,
+# one rule with the place's age); verify reads what the place names; repair runs where the
+# place allows it.
 T = TypeVar("T")
+
+
+class TierUsage(NamedTuple):
+    """A node's tier of a bucket store: which catalog version it holds, its bytes and budget."""
+
+    version: int
+    bytes: int
+    budget: int
+
+
+@dataclass
+class Change(Generic[T]):
+    """What a catalog change made of its copy: its report, whether the catalog changed (else
+    nothing is published), and what to do once the change is committed."""
+
+    value: T
+    changed: bool
+    after_publish: Callable[[], None] | None = None
+
+
+class Held(NamedTuple):
+    """Something a place holds that gc may sweep: how the place names it (a file's path, an
+    object's name), its bytes, and its last change (epoch s)."""
+
+    name: str
+    size: int
+    modified: float
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """What gc's sweep deletes from a place, in this order: unnamed shards past the place's
+    age, leftovers of interrupted writes, catalog versions retired for longer than the age; and
+    how many unnamed shards are still younger (kept).
+
+    ``age`` names the period ("grace period" for a directory, "retention period" for a
+    bucket); ``versioned``: the place keeps numbered catalog versions."""
+
+    shards: tuple[Held, ...] = ()
+    loose: tuple[Held, ...] = ()
+    versions: tuple[Held, ...] = ()
+    young_shards: int = 0
+    age: str = "grace period"
+    versioned: bool = False
+
+    @property
+    def bytes(self) -> int:
+        return sum(h.size for h in (*self.shards, *self.loose, *self.versions))
+
+    @property
+    def empty(self) -> bool:
+        return not (self.shards or self.loose or self.versions)
+
+
+class Swept(NamedTuple):
+    """What a sweep deleted: shards, leftovers, catalog versions, and their bytes."""
+
+    shards: int = 0
+    loose: int = 0
+    versions: int = 0
+    bytes: int = 0
+
+
+def unnamed_past(
+    held: Iterable[Held],
+    shard: Callable[[str], str],
+    named: AbstractSet[str],
+    now: float,
+    age: float,
+) -> tuple[list[Held], int]:
+    """gc's one rule for a place's shards: one that no kept catalog (version) and no pending
+    fragment names goes once older than ``age``: the grace period in a directory, the retention
+    period in a bucket (a build writes a shard before anything names it). ``shard`` turns a
+    held name into its shard name. Returns (what goes, how many unnamed ones are younger).
+
+    Example:
+        >>> held = [Held("a", 1, 0.0), Held("b", 1, 90.0), Held("c", 1, 0.0)]
+        >>> unnamed_past(held, str, {"c"}, now=100.0, age=50.0)
+        ([Held(name='a', size=1, modified=0.0)], 1)
+    """
+    unnamed = [h for h in held if shard(h.name) not in named]
+    doomed = [h for h in unnamed if now - h.modified >= age]
+    return doomed, len(unnamed) - len(doomed)
+
+
+class VerifyScope(StrEnum):
+    """What ``featbake verify`` reads of a place."""
+
+    FOLDER = "folder"  # every file of the store folder, its catalog, roots and hash cache
+    NAMED_SHARDS = "named-shards"  # the place's own bytes of every shard the catalog names
+
+
+# == protocols =====================================================================================
 
 
 class Place(Protocol):
     """Where a store lasts, as every caller above the layout sees it (see the module doc):
     upkeep's catalog changes, sweeps and verify scope (one algorithm over either place, see
-    ``featbake.store.layout``'s place section), and what builds, merge and serving ask."""
+    the records section above), and what builds, merge and serving ask."""
 
     def commit(self, change: Callable[[Layout], Change[T]]) -> T:
         """Apply a catalog change where the place keeps its catalog."""
@@ -44,7 +148,7 @@ class Place(Protocol):
         ...
 
     def plan_sweep(self, now: float, grace: float, retention: float) -> Sweep:
-        """What gc's sweep would delete now (:func:`~featbake.store.layout.unnamed_past` with
+        """What gc's sweep would delete now (:func:`unnamed_past` with
         the place's age)."""
         ...
 

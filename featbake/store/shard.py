@@ -51,7 +51,9 @@ from featbake.quantize import (
     dequantize_unpacked,
     unpack,
 )
-from featbake.store.layout import Layout, fsync_dir, shared_write_lock
+from featbake.store.files import fsync_dir
+from featbake.store.layout import Layout
+from featbake.store.locks import shared_write_lock
 
 # == shard_format ==================================================================================
 FORMAT_NAME = "featbake-shard"

@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import NamedTuple
 
 from featbake.errors import ConfigError, StoreCorrupt, StoreError
-from featbake.store.layout import Layout, fsync_dir, is_shard_name, locked, remove_file
+from featbake.store.files import fsync_dir, remove_file
+from featbake.store.layout import Layout, is_shard_name
+from featbake.store.locks import locked
 from featbake.store.shard import ShardReader, VerifyMode
 from featbake.units import format_bytes
 
@@ -325,7 +327,7 @@ class DiskTier:
 
 @contextlib.contextmanager
 def tier_locked(path: Path) -> Iterator[int]:
-    """:func:`~featbake.store.layout.locked` alone on a tier file; its descriptor.
+    """:func:`~featbake.store.locks.locked` alone on a tier file; its descriptor.
 
     Raises:
         StoreError: the file cannot be created (the tier's disk is not writable).

@@ -12,7 +12,7 @@ The modules, named for the command they serve:
   to, repairs, reading what the place names (``verify_named``: a bucket's own objects) and
   repairing where the place allows it.
 - ``files``: what verify and repair share: quarantine, refusing a folder that is not a store,
-  reading root manifests safely (listing a folder safely is ``featbake.store.layout``'s).
+  reading root manifests safely (listing a folder safely is ``featbake.store.files``').
 
 A store is a :class:`featbake.store.layout.Layout` throughout; a path given by the caller
 becomes one once, at the public function it is given to.
@@ -25,7 +25,7 @@ the functions; the modules ``gc`` and ``repair`` are reached by import statement
 
 from __future__ import annotations
 
-from featbake.store.layout import LooseFile
+from featbake.store.files import LooseFile
 from featbake.upkeep.check import (
     VERIFY_CLEAN,
     VERIFY_DAMAGED,

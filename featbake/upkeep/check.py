@@ -50,8 +50,9 @@ from featbake.store.containers import (
     split_item_path,
     stored_cell_kind,
 )
+from featbake.store.files import FolderListing, list_folder
 from featbake.store.fragments import fragment_shard_names, unmerged_builds
-from featbake.store.layout import FolderListing, Layout, list_folder, shard_name
+from featbake.store.layout import Layout, shard_name
 from featbake.store.open import place_of
 from featbake.store.place import Place
 from featbake.store.shard import ST_TO_DTYPE, ShardEntry, ShardReader, TensorInfo, split_tensor_name

@@ -2,7 +2,7 @@
 
 Shared by verify and repair: moving a file to ``quarantine/``, refusing a folder that is not
 a store, and reading a root manifest so that no content of its can crash upkeep. (Listing a
-folder safely, ``list_folder``, is the store's: :mod:`featbake.store.layout`.)
+folder safely, ``list_folder``, is the store's: :mod:`featbake.store.files`.)
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from typing import Any
 
 from featbake.errors import StoreCorrupt, StoreError
 from featbake.store.catalog import Root, RootItem, read_root_file
-from featbake.store.layout import Layout, VerifyScope
+from featbake.store.layout import Layout
 from featbake.store.open import Need, StoreRef, open_store, place_of
+from featbake.store.place import VerifyScope
 
 
 def quarantine(layout: Layout, path: Path) -> Path:

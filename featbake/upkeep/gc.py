@@ -3,10 +3,10 @@ commit -> sweep. :func:`gc` is the one entry point the CLI and the Python API ca
 
 1. Plan (:func:`plan_gc`, reads only; ``--dry-run`` prints it): the catalog's part (roots to
    drop, rows to delete or evict, shards emptied or rewritten) and the place's sweep
-   (:meth:`~featbake.store.layout.Place.plan_sweep`: shards nothing names once older than the
+   (:meth:`~featbake.store.place.Place.plan_sweep`: shards nothing names once older than the
    place's age, i.e. the grace period in a directory, the retention period in a bucket; tmp/
    leftovers; retired catalog versions). The plan is frozen.
-2. Commit (:func:`execute_gc`, through :meth:`~featbake.store.layout.Place.commit`: the
+2. Commit (:func:`execute_gc`, through :meth:`~featbake.store.place.Place.commit`: the
    catalog's transactions in a directory, the next published version in a bucket), each step
    committing before the next begins:
 
@@ -20,7 +20,7 @@ commit -> sweep. :func:`gc` is the one entry point the CLI and the Python API ca
       at them, then delete the old rows and files. A reader holding the old location
       re-resolves the key once and finds the new one.
    e. Encoder rows nothing mentions any more.
-3. Sweep (:meth:`~featbake.store.layout.Place.sweep`): the planned shards (re-checked where
+3. Sweep (:meth:`~featbake.store.place.Place.sweep`): the planned shards (re-checked where
    the place allows it), then leftovers, then retired catalog versions.
 
 The crash tests kill gc between steps at the named points of :data:`CRASH_POINTS`
@@ -45,22 +45,17 @@ from featbake.progress import GcProgress
 from featbake.store.catalog import Catalog, FeatureRef, Root, ShardRow, ShardUsage
 from featbake.store.catalog import root_file as manifest_file
 from featbake.store.catalog import roots_dir as manifests_dir
+from featbake.store.files import fsync_dir, remove_file
 from featbake.store.fragments import (
     FragmentKind,
     fragment_keys,
     sealed_fragments,
     serving_uses,
 )
-from featbake.store.layout import (
-    Change,
-    Held,
-    Layout,
-    Sweep,
-    fsync_dir,
-    remove_file,
-    shared_write_lock,
-)
+from featbake.store.layout import Layout
+from featbake.store.locks import shared_write_lock
 from featbake.store.open import Need, StoreRef, open_catalog, open_store, place_of
+from featbake.store.place import Change, Held, Sweep
 from featbake.store.shard import (
     DEFAULT_SHARD_BYTES,
     DEFAULT_SHARD_ITEMS,

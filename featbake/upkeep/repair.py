@@ -37,8 +37,11 @@ from featbake.store.catalog import (
     tombstone_file,
     write_root_file,
 )
-from featbake.store.layout import Layout, VerifyScope, exclusive_write_lock, remove_file
+from featbake.store.files import remove_file
+from featbake.store.layout import Layout
+from featbake.store.locks import exclusive_write_lock
 from featbake.store.open import StoreRef, place_of
+from featbake.store.place import VerifyScope
 from featbake.store.shard import (
     SealedShard,
     ShardReader,
@@ -366,7 +369,7 @@ def verify(
     re-key the items of manifest, tar and table roots built from a wrong hash-cache row, as it
     re-keys a folder's; without it only a folder's are (the next build re-keys the others).
 
-    Verify reads what the store's place names (:meth:`~featbake.store.layout.Place.verify_scope`):
+    Verify reads what the store's place names (:meth:`~featbake.store.place.Place.verify_scope`):
     a directory's every file, catalog, roots and hash cache; a bucket's own objects of every
     shard its catalog names, from any node, whatever this node's tier holds. Repair runs where
     the place allows it, and is refused in one line elsewhere (a bucket).

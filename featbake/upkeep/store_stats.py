@@ -10,8 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from featbake.store.catalog import QUANTISED, Catalog, Root, ShardRow, ShardUsage, read_fidelity
-from featbake.store.layout import Change, Layout, list_folder
+from featbake.store.files import list_folder
+from featbake.store.layout import Layout
 from featbake.store.open import StoreRef, commit, open_catalog, place_of, resolve_root
+from featbake.store.place import Change
 
 
 @dataclass(frozen=True)

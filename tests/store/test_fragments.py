@@ -32,6 +32,7 @@ from featbake.serve.dataset import CachedFeatureDataset
 from featbake.serve.state import TOUCH_FLUSH_SECONDS, TOUCH_FLUSH_SECONDS_SHARED, WRITEBACK_SECONDS
 from featbake.store import fragments as fragments_module
 from featbake.store.catalog import Catalog, FileStat, HashRow, RootSpec, hash_cache_rows
+from featbake.store.filesystem import SharedFilesystemWarning
 from featbake.store.fragments import (
     BuildInfo,
     FragmentCatalog,
@@ -45,7 +46,7 @@ from featbake.store.fragments import (
     sealed_fragments,
     write_fragment,
 )
-from featbake.store.layout import Layout, SharedFilesystemWarning
+from featbake.store.layout import Layout
 from featbake.store.shard import SealedShard, ShardEntry, write_shard
 from featbake.testing import make_tone, write_audio_folder
 from tests.conftest import REPO, invoke, live_features, run_cli
@@ -204,7 +205,7 @@ print(passes)
 """
 
 
-@pytest.mark.filterwarnings("ignore::featbake.store.layout.SharedFilesystemWarning")
+@pytest.mark.filterwarnings("ignore::featbake.store.filesystem.SharedFilesystemWarning")
 @pytest.mark.parametrize("shared_fs", ["0", "1"])
 def test_two_processes_read_one_store_while_a_merge_runs(
     tmp_path: Path, audio_dir: Path, encoder_file: Path, shared_fs: str, monkeypatch
@@ -353,7 +354,7 @@ TOL = {"rtol": 1e-5, "atol": 1e-6}
 SHARED = {"FEATBAKE_SHARED_FS": "1"}
 
 # Said once per store and process; the tests that check the line catch it themselves.
-pytestmark = pytest.mark.filterwarnings("ignore::featbake.store.layout.SharedFilesystemWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::featbake.store.filesystem.SharedFilesystemWarning")
 
 
 class FakeClock:

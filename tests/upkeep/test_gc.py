@@ -19,8 +19,9 @@ from featbake.serve.dataset import CachedFeatureDataset
 from featbake.store.bucket import ObjectInfo, kept_versions, sweep, version_name
 from featbake.store.catalog import Catalog, RootSpec
 from featbake.store.features import FeatureReader
+from featbake.store.filesystem import SharedFilesystemWarning
 from featbake.store.fragments import sealed_fragments
-from featbake.store.layout import Layout, SharedFilesystemWarning
+from featbake.store.layout import Layout
 from featbake.store.shard import write_shard
 from featbake.testing import TinyConvEncoder, save_torchscript, write_audio_folder
 from featbake.upkeep import CRASH_ENV, CRASH_POINTS, GcOptions, execute_gc, plan_gc, verify

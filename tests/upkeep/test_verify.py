@@ -24,7 +24,8 @@ from featbake.progress import Progress
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.store.catalog import REQUIRED_COLUMNS, Catalog
 from featbake.store.features import FeatureReader
-from featbake.store.layout import Layout, lock_path, shared_write_lock
+from featbake.store.layout import Layout
+from featbake.store.locks import lock_path, shared_write_lock
 from featbake.store.open import open_catalog
 from featbake.store.shard import ShardReader
 from featbake.testing import TinyConvEncoder, save_torchscript, write_audio_folder
@@ -492,7 +493,7 @@ def test_repair_refuses_while_a_writer_holds_the_lock(
     encoder_file: Path, audio_dir: Path, store_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     bake(audio_dir, encoder_file, store_dir)
-    monkeypatch.setattr("featbake.store.layout.EXCLUSIVE_WAIT_S", 0.2)
+    monkeypatch.setattr("featbake.store.locks.EXCLUSIVE_WAIT_S", 0.2)
     # A writer sealing a shard right now holds the lock shared.
     with shared_write_lock(Layout(store_dir)), pytest.raises(StoreError, match="writing shards"):
         verify(store_dir, repair_damage=True)

@@ -1,0 +1,127 @@
+"""The store's advisory write lock (writers share it, ``verify --repair`` takes it alone) over
+the one ``flock`` primitive, :func:`locked`, that the tier's locks use too."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from featbake.errors import StoreError
+from featbake.store.layout import Layout
+
+# A shard writer holds the lock *shared* while it seals a shard and commits its catalog rows; repair
+# holds it *exclusive* for its whole scan-and-fix. Repair therefore never sees a shard file whose
+# rows are about to be committed (and forgets them as "missing"), and a writer that seals while
+# repair runs waits until repair has finished. The lock is ``flock(2)`` on ``<store>/write.lock``:
+# the kernel drops it when its holder dies, so a killed build never leaves the store locked.
+#
+# On shared filesystems: Linux emulates ``flock`` on NFS (and on CIFS since 5.5) with byte-range
+# locks on the whole file, so it spans hosts where the server's locking works; Lustre mounted with
+# ``-o flock`` spans hosts, ``localflock`` (and NFS ``local_lock``) only one node, and a Lustre
+# mount with neither fails every ``flock`` with ENOSYS, as NFS without a lock daemon does with
+# ENOLCK. There the lock is skipped rather than failing every write: it only keeps repair away
+# from writers, and on a shared filesystem repair is run while nothing else uses the store.
+# Shards themselves need no lock: each is written under a unique temporary name and renamed to
+# its content name, which is atomic on every one of these filesystems.
+#: How long repair waits for writers that are sealing a shard right now before it refuses.
+EXCLUSIVE_WAIT_S = 10.0
+
+#: ``flock`` errors that mean "no locks on this filesystem", not "someone holds the lock".
+_NO_LOCKS = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP)
+
+
+def lock_path(layout: Layout) -> Path:
+    """``<store>/write.lock``: the file writers and repair ``flock``."""
+    return layout.root / "write.lock"
+
+
+def open_lock_file(path: Path) -> int | None:
+    """A lock file's descriptor (created if missing); None where it cannot be created."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        return None
+
+
+@contextlib.contextmanager
+def locked(path: Path, *, shared: bool = False, wait: float | None = None) -> Iterator[int | None]:
+    """``flock`` on the file at ``path`` (created), shared or alone, held for the block: the one
+    lock primitive (the store's write lock, the tier's budget, its downloads and its catalog).
+
+    ``wait`` None blocks until the lock is free; a number tries for that many seconds, then
+    raises :class:`TimeoutError`. The kernel drops the lock when its holder dies. A filesystem
+    without locks (see above) is run unlocked; a file that cannot be created yields None (the
+    caller decides whether that is an error).
+    """
+    fd = open_lock_file(path)
+    if fd is None:
+        yield None
+        return
+    op = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+    try:
+        if wait is None:
+            _flock(fd, op)
+        else:
+            deadline = time.monotonic() + wait
+            while True:
+                try:
+                    _flock(fd, op | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise TimeoutError(f"{path} is held by another process") from None
+                    time.sleep(0.05)
+        yield fd
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
+@contextlib.contextmanager
+def shared_write_lock(layout: Layout) -> Iterator[None]:
+    """Hold the store's lock shared (a writer sealing a shard); waits while repair runs.
+
+    A store where the lock file cannot be created is not writable either: the write that follows
+    fails with its own clear error, so this does not add one.
+    """
+    with locked(lock_path(layout), shared=True):
+        yield
+
+
+def _flock(fd: int, op: int) -> None:
+    """``flock(fd, op)``, or nothing where the filesystem has no locks (see the module doc)."""
+    try:
+        fcntl.flock(fd, op)
+    except OSError as e:
+        if e.errno not in _NO_LOCKS:
+            raise
+
+
+@contextlib.contextmanager
+def exclusive_write_lock(layout: Layout, wait_s: float | None = None) -> Iterator[None]:
+    """Hold the store's lock alone (``verify --repair``), or refuse if writers keep it.
+
+    Raises:
+        StoreError: a build, gc or a training loop's write-back is sealing shards into the store
+            and did not stop within ``wait_s`` seconds (default :data:`EXCLUSIVE_WAIT_S`); or
+            the lock file cannot be created.
+    """
+    wait = EXCLUSIVE_WAIT_S if wait_s is None else wait_s
+    with contextlib.ExitStack() as stack:
+        try:
+            fd = stack.enter_context(locked(lock_path(layout), wait=wait))
+        except TimeoutError:
+            raise StoreError(
+                f"a build, gc or write-back is writing shards into {layout.root}; run "
+                "`featbake verify --repair` again once it has finished"
+            ) from None
+        if fd is None:
+            raise StoreError(
+                f"cannot create {lock_path(layout)}: the store is not writable, so it cannot be "
+                "repaired; run `featbake verify` without --repair to check it"
+            )
+        yield

@@ -1,0 +1,84 @@
+"""store.locks: the store's write lock (writers share it, repair holds it alone)."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from featbake.errors import StoreError
+from featbake.store.layout import Layout
+from featbake.store.locks import exclusive_write_lock, lock_path, shared_write_lock
+from featbake.store.shard import ShardWriter
+
+# The store's write lock: writers share it, repair holds it alone (issue 11, item 10).
+
+EFP, RFP = "e" * 64, "r" * 64
+
+
+def test_writers_share_the_lock_and_repair_refuses_while_one_holds_it(tmp_path: Path) -> None:
+    layout = Layout(tmp_path / "store").ensure()
+    with shared_write_lock(layout), shared_write_lock(layout):  # two writers at once
+        t0 = time.monotonic()
+        with pytest.raises(StoreError, match="writing shards"), exclusive_write_lock(layout, 0.3):
+            pass
+        assert time.monotonic() - t0 >= 0.3  # it waited for the writers before refusing
+    with exclusive_write_lock(layout, 0.3):  # released: repair gets it
+        assert lock_path(layout).is_file()
+
+
+def test_a_shard_writer_waits_while_repair_holds_the_lock(tmp_path: Path) -> None:
+    layout = Layout(tmp_path / "store").ensure()
+    sealed: list[float] = []
+
+    def write() -> None:
+        with ShardWriter(layout, EFP, RFP, on_seal=lambda s: sealed.append(time.monotonic())) as w:
+            w.add("k" * 64, {"": torch.ones(4)})
+
+    with exclusive_write_lock(layout):
+        t = threading.Thread(target=write)
+        t.start()
+        time.sleep(0.5)
+        # Blocked before writing: repair never sees a shard file whose rows are not committed.
+        assert not sealed and not list(layout.shards.glob("*/*.safetensors"))
+        released = time.monotonic()
+    t.join(10)
+    assert len(sealed) == 1 and sealed[0] >= released
+    assert len(list(layout.shards.glob("*/*.safetensors"))) == 1
+
+
+@pytest.mark.parametrize("err", [errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP])
+def test_a_filesystem_without_flock_does_not_stop_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, err: int
+) -> None:
+    """Lustre without -o flock fails every flock with ENOSYS, NFS without lockd with ENOLCK:
+    shards are still sealed there (the lock only keeps repair away from writers)."""
+    layout = Layout(tmp_path / "store").ensure()
+
+    def no_locks(fd: int, op: int) -> None:
+        raise OSError(err, os.strerror(err))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    sealed = []
+    with ShardWriter(layout, EFP, RFP, on_seal=sealed.append) as w:
+        w.add("k" * 64, {"": torch.ones(4)})
+    assert len(sealed) == 1 and sealed[0].path.is_file()
+    with exclusive_write_lock(layout, 0.1):  # repair: run alone there, as the docs say
+        pass
+
+
+def test_other_flock_failures_are_not_hidden(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    layout = Layout(tmp_path / "store").ensure()
+
+    def broken(fd: int, op: int) -> None:
+        raise OSError(errno.EIO, "I/O error")
+
+    monkeypatch.setattr(fcntl, "flock", broken)
+    with pytest.raises(OSError, match="I/O error"), shared_write_lock(layout):
+        pass
