@@ -257,3 +257,12 @@ def test_no_import_circle() -> None:
     ]
     assert not cycles, f"import circles: {cycles}"
     assert import_cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+
+
+def test_the_layout_is_a_pure_path_object() -> None:
+    """``store/layout.py`` imports no store module but the name checks' and the listing's
+    (``store/url``, ``store/files``), lazily or not: the shard, the catalog and every place
+    import it, and a question it asked of them (``Layout.has_shard``, ``Layout.describe``)
+    made the circle layout <-> shard. Those questions are the place's (``store/place.py``)."""
+    store = {m for m in import_graph().get("featbake.store.layout", ()) if ".store." in m}
+    assert store <= {"featbake.store.url", "featbake.store.files"}, sorted(store)

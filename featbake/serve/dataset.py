@@ -55,7 +55,7 @@ from featbake.serve.state import (
 from featbake.store.catalog import FileStat
 from featbake.store.fragments import open_serving_catalog
 from featbake.store.layout import Layout
-from featbake.store.open import open_store, place_of
+from featbake.store.open import describe, open_store, place_of
 from featbake.store.shard import SealedShard
 from featbake.units import parse_bytes
 
@@ -102,7 +102,7 @@ def serving_layout(
     """
     layout = open_store(cache, local_cache=local_cache, local_cache_size=local_cache_size)
     if not layout.catalog.exists() and not layout.shards.exists():
-        where = layout.describe()
+        where = describe(layout)
         if on_miss == "error":
             raise StoreError(
                 f"there is no featbake store at {where}; check cache= (or $FEATBAKE_CACHE), "

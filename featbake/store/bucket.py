@@ -558,6 +558,9 @@ class BucketStore(ProcessLocalState):
     def has_shard(self, name: str) -> bool:
         return name in self._listed() or self._size_of(name) is not None
 
+    def describe(self) -> str:
+        return str(self.url)  # never the tier folder
+
     def fetch_ahead(self, name: str) -> bool:
         """Shards not read by ranges are fetched whole: shard ``name``'s fetch is started in
         the background (see :meth:`prefetch`), and the caller does not open it now."""

@@ -37,6 +37,7 @@ from featbake.quantize import Fidelity, FidelityTally, ScaleSpan, Scheme
 from featbake.store.files import fsync_dir, publish_file, remove_file
 from featbake.store.filesystem import set_journal_mode
 from featbake.store.layout import Layout, checked_root_name
+from featbake.store.place import holds_shard
 from featbake.store.shard import SealedShard, ShardEntry, tensor_name
 
 # == schema ========================================================================================
@@ -993,7 +994,7 @@ def lost_shards(
         q = ",".join("?" * len(chunk))
         for sid, name in conn.execute(f"SELECT id, name FROM shards WHERE id IN ({q})", chunk):
             found.add(sid)
-            if not layout.has_shard(name):
+            if not holds_shard(layout, name):
                 lost.add(sid)
     return lost | (set(ids) - found)
 
@@ -1217,7 +1218,7 @@ class FeatureRows(CatalogConnection):
             # Checked under the write lock, as gc unlinks under it (unlink_shard_file): a file
             # gc removed after our rename (it held a byte-identical shard of the same name) is
             # seen here, and the caller writes it again instead of committing rows to nothing.
-            if not self.layout.has_shard(shard.name):
+            if not holds_shard(self.layout, shard.name):
                 raise ShardMissing(
                     f"shard {shard.name} vanished before its rows were committed (gc removed an "
                     "identical shard); it is written again"

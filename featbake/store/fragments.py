@@ -75,6 +75,7 @@ from featbake.store.catalog import (
 from featbake.store.files import fsync_dir
 from featbake.store.filesystem import announce, detect
 from featbake.store.layout import Layout
+from featbake.store.place import holds_shard
 from featbake.store.shard import SealedShard, ShardEntry
 
 
@@ -819,7 +820,7 @@ class FragmentCatalog:
         with self._lock:
             self._pending[shard.name] = shard
         self._seal(self.kind)  # (another thread's seal, waiting too, may name it first)
-        if not self.layout.has_shard(shard.name):
+        if not holds_shard(self.layout, shard.name):
             raise ShardMissing(f"shard {shard.name} vanished before its fragment was sealed")
         return len(shard.entries)
 
@@ -866,7 +867,7 @@ class FragmentCatalog:
                     list(taken.hashes.values()), taken.uses, taken.fidelity,
                 )  # fmt: skip
             except ShardMissing:  # never named again by every later seal: the writer rewrites it
-                gone = {n for n in taken.shards if not self.layout.has_shard(n)}
+                gone = {n for n in taken.shards if not holds_shard(self.layout, n)}
                 with self._lock:
                     self._let_go({n: taken.shards[n] for n in gone})
                 raise

@@ -77,14 +77,10 @@ def shard_files(layout: Layout) -> dict[str, LooseFile]:
 
 
 class Remote(Protocol):
-    """What a layout and the store's writers know of a bucket the layout is the local tier of:
-    its name, whether it holds a shard, and where a sealed fragment goes. The whole place, for
-    code above the layout, is :func:`featbake.store.open.place_of` (a
-    :class:`featbake.store.place.Place`)."""
-
-    def has_shard(self, name: str) -> bool:
-        """Whether the bucket holds shard ``name``."""
-        ...
+    """What the store's writers know of a bucket the layout is the local tier of: where a sealed
+    fragment goes. The whole place (whether it holds a shard, how messages name it) is
+    :func:`featbake.store.open.place_of`, a :class:`featbake.store.place.Place`; the layout
+    itself never asks it anything."""
 
     def publish_fragment(self, fragment: Path, shards: Sequence[str]) -> None:
         """Upload a sealed fragment after the shards it names."""
@@ -95,8 +91,9 @@ class Remote(Protocol):
 class Layout:
     """Where things live inside a cache directory.
 
-    ``remote`` is set when the store is a bucket: this directory is then its local tier, and
-    shards missing here are fetched from ``remote`` (see :mod:`featbake.store.bucket`).
+    A pure path object: ``remote`` is set when the store is a bucket (this directory is then
+    its local tier, see :mod:`featbake.store.bucket`) and is carried, never asked: what the
+    store holds and how it is named are its place's answers (:mod:`featbake.store.place`).
     """
 
     root: Path
@@ -158,17 +155,6 @@ class Layout:
         """
         checked_shard_name(name)
         return self.shards / name[:2] / f"{name}.safetensors"
-
-    def has_shard(self, name: str) -> bool:
-        """Whether the store holds shard ``name``: its file here, else (a bucket store) there."""
-        if self.shard_path(name).is_file():
-            return True
-        return self.remote is not None and self.remote.has_shard(name)
-
-    def describe(self) -> str:
-        """How messages name the store: its bucket URL (never the tier folder), or its
-        directory."""
-        return str(self.remote) if self.remote is not None else str(self.root.absolute())
 
     def ensure(self) -> Layout:
         """Create the directories, or raise a StoreError that says why it could not."""

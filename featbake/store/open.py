@@ -97,7 +97,7 @@ def open_store(
     layout = _layout_of(ref, local_cache, local_cache_size)
     if need is Need.WRITE and read_only_forced():
         raise StoreError(
-            f"the store {layout.describe()} is read-only here ({READ_ONLY_ENV}=1), and a build "
+            f"the store {describe(layout)} is read-only here ({READ_ONLY_ENV}=1), and a build "
             f"writes to it; unset {READ_ONLY_ENV} to build (nothing was written)"
         )
     if need in (Need.STORE, Need.CATALOG) and layout.remote is None:
@@ -164,12 +164,12 @@ def _require_catalog(layout: Layout) -> None:
         return
     if sealed_fragments(layout):
         raise StoreError(
-            f"the store {layout.describe()} holds only unmerged build fragments; run `featbake "
+            f"the store {describe(layout)} holds only unmerged build fragments; run `featbake "
             "merge` once every part of the build is done"
         )
     if layout.remote is not None:
         raise StoreError(
-            f"the store {layout.describe()} has no published catalog yet; build into it "
+            f"the store {describe(layout)} has no published catalog yet; build into it "
             "(`featbake build --cache URL`), or run `featbake merge --cache URL` after a build "
             "in parts"
         )
@@ -273,6 +273,12 @@ class LocalPlace:
     def shard_where(self, name: str) -> str:
         return str(self.layout.shard_path(name))
 
+    def has_shard(self, name: str) -> bool:
+        return self.layout.shard_path(name).is_file()
+
+    def describe(self) -> str:
+        return str(self.layout.root.absolute())
+
     def builds_in_fragments(self) -> bool:
         return False  # one process writes the catalog in place; parts write fragments
 
@@ -296,8 +302,9 @@ class LocalPlace:
 
 
 def describe(layout: Layout) -> str:
-    """How messages name a store (:meth:`Layout.describe`)."""
-    return layout.describe()
+    """How messages name a store: its directory, or its bucket URL, never the tier folder
+    (:meth:`Place.describe`)."""
+    return place_of(layout).describe()
 
 
 def open_catalog(ref: StoreRef, **place: Any) -> tuple[Layout, Catalog]:

@@ -8,8 +8,10 @@ merge, follow a block order, fetch a shard ahead) and never test which place it 
 place answers with its own behaviour, a directory's mostly a no-op. :class:`RemotePlace` adds
 the read path of a place whose shards are fetched into the tier (the shard readers' seam).
 
-Kept apart from :mod:`featbake.store.layout` (a pure path object) so that neither the layout nor
-the shard reader imports the other's module for a type.
+Kept apart from :mod:`featbake.store.layout` (a pure path object, which asks its place nothing)
+and importing nothing of the store but the layout when it runs (its types of a merge report and
+a shard reader are for type checkers only): the catalog and the fragments ask
+:func:`holds_shard` here, below :func:`featbake.store.open.place_of`.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Generic, NamedTuple, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Generic, NamedTuple, Protocol, TypeVar, runtime_checkable
 
-from featbake.store.fragments import MergeReport
 from featbake.store.layout import Layout
-from featbake.store.shard import ShardReader
+
+if TYPE_CHECKING:
+    from featbake.store.fragments import MergeReport
+    from featbake.store.shard import ShardReader
 
 # == records =======================================================================================
 # Where a store's shards, fragments and catalog last: a local directory
@@ -191,6 +195,16 @@ class Place(Protocol):
         """How messages name shard ``name`` (the file or object a user would delete)."""
         ...
 
+    def has_shard(self, name: str) -> bool:
+        """Whether the place holds shard ``name`` (a directory: its file; a bucket: its object,
+        never a tier's copy; :func:`holds_shard` asks the tier first)."""
+        ...
+
+    def describe(self) -> str:
+        """How messages name the store: its directory, or its bucket URL (never the tier
+        folder)."""
+        ...
+
     def builds_in_fragments(self) -> bool:
         """Whether every build here writes fragments and publishes them itself (a bucket: its
         tier holds a published catalog version, never written in place), rather than writing
@@ -241,10 +255,6 @@ class RemotePlace(Place, Protocol):
         ``evicted`` is called once the tier evicted to make room, before the download."""
         ...
 
-    def has_shard(self, name: str) -> bool:
-        """Whether the store holds shard ``name`` (locally or in the bucket)."""
-        ...
-
     def reads_ranged(self) -> bool:
         """Whether shards not in the tier are read by ranges (else fetched whole)."""
         ...
@@ -271,3 +281,13 @@ def remote_place(layout: Layout) -> RemotePlace | None:
     layout is the tier of), else None (a directory's shards are read where they are)."""
     remote = layout.remote
     return remote if isinstance(remote, RemotePlace) else None
+
+
+def holds_shard(layout: Layout, name: str) -> bool:
+    """Whether the store holds shard ``name``: its file in ``layout`` (a directory's shard, a
+    tier's copy), else, where ``layout`` is a bucket's tier, the bucket's object (asked only
+    then). What the catalog and the fragments check before they name a shard."""
+    if layout.shard_path(name).is_file():
+        return True
+    remote = remote_place(layout)
+    return remote is not None and remote.has_shard(name)
