@@ -25,7 +25,8 @@ from featbake.process import (
     ProcessStamp,
     gc_paused,
 )
-from featbake.store.bucket import BlockPlan, BucketStore
+from featbake.store.blocks import BlockPlan
+from featbake.store.bucket import BucketStore
 from featbake.store.catalog import Catalog
 from featbake.store.features import FeatureReader
 from featbake.store.layout import Layout

@@ -22,11 +22,7 @@ from featbake.encode.sources import ScanResult, Source
 from featbake.errors import SourceError
 from featbake.process import OBJECT_THREADS, map_in_threads
 from featbake.progress import Progress
-from featbake.store.bucket import (
-    Bucket,
-    ObjectBytes,
-    ObjectInfo,
-)
+from featbake.store.bucket import Bucket, ObjectBytes
 from featbake.store.byteplace import HEAD_THREADS as HEAD_THREADS
 from featbake.store.byteplace import LIST_PAGE_HEADS as LIST_PAGE_HEADS
 from featbake.store.byteplace import FolderListing as FolderListing
@@ -37,6 +33,7 @@ from featbake.store.byteplace import object_at as object_at
 from featbake.store.byteplace import read_object as read_object
 from featbake.store.byteplace import stat_objects as stat_objects
 from featbake.store.catalog import COARSE_RACY_FACTOR, RACY_NS, FileStat, HashCache, HashRow
+from featbake.store.objects import ObjectInfo
 from featbake.store.objects import object_stat as object_stat
 from featbake.store.url import BucketURL
 

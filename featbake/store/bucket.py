@@ -6,6 +6,10 @@ A bucket store is the local store's layout as objects (``shards/ab/<name>.safete
 (``catalog/v<N>.sqlite``). Every process works through a *local tier*: a local store directory
 holding the newest catalog version, the shards it has fetched (byte-budgeted, least recently
 used evicted) and the fragments it writes before they are uploaded. See docs/object_store.md.
+
+Here: :class:`BucketStore` (the place) and publishing the next catalog version (merge, gc). The
+versions' names and gc's rule over them are :mod:`featbake.store.versions`, the reader by ranges
+:mod:`featbake.store.ranged`, the plan a block order is followed by :mod:`featbake.store.blocks`.
 """
 
 from __future__ import annotations
@@ -13,24 +17,20 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import shutil
 import sqlite3
-import struct
 import threading
 import uuid
 import warnings
-from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Collection, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol, TypeVar
-
-import numpy as np
+from typing import NamedTuple, TypeVar
 
 from featbake.errors import ConfigError, FeatbakeError, ShardMissing, StoreCorrupt, StoreError
 from featbake.process import PerProcess, ProcessLocal, ProcessLocalState
+from featbake.store.blocks import BlockPlan, BlockWindowWarning, windows_over
 from featbake.store.catalog import Access, open_sqlite
 from featbake.store.files import publish_file
 from featbake.store.fragments import (
@@ -46,322 +46,30 @@ from featbake.store.objects import CLIENT_CONNECTIONS as CLIENT_CONNECTIONS
 from featbake.store.objects import LIST_PAGE_KEYS as LIST_PAGE_KEYS
 from featbake.store.objects import ListedPage as ListedPage
 from featbake.store.objects import ObjectBytes as ObjectBytes
-from featbake.store.objects import ObjectInfo, ObjectStore
-from featbake.store.place import Change, Held, Sweep, Swept, TierUsage, VerifyScope, unnamed_past
+from featbake.store.objects import ObjectStore
+from featbake.store.place import Change, Sweep, Swept, TierUsage, VerifyScope
+from featbake.store.ranged import RangedShardReader
 from featbake.store.shard import (
-    MAX_HEADER_BYTES,
     ShardReader,
-    SpanCheck,
     VerifyMode,
-    corrupt_shard,
-    parse_header,
 )
 from featbake.store.tier import DiskTier, tier_locked
 from featbake.store.url import BucketURL
+from featbake.store.versions import (
+    PREFIX,
+    kept_versions,
+    newest,
+    newest_object,
+    sweep,
+    version_name,
+    version_of,
+)
 from featbake.units import format_bytes
-
-# == remote ========================================================================================
-
-
-# == versions ======================================================================================
-# The names of a bucket store's published catalogs, ``catalog/v<N>.sqlite``; pure.
-#
-# A catalog in a bucket is never written in place: ``featbake merge`` publishes each new state as
-# the next version, created only if absent (``If-None-Match: *``), so two merges never both win
-# and a reader opens the newest *complete* version (an S3 object appears whole or not at all).
-class _Named(Protocol):
-    @property
-    def name(self) -> str: ...
-
-
-ObjectLike = TypeVar("ObjectLike", bound=_Named)
-
-PREFIX = "catalog/"
-#: Nine digits or more: a store past version 999,999,999 keeps working (``newest`` compares
-#: numbers, never names).
-_NAME = re.compile(r"^catalog/v(\d{9,18})\.sqlite$")
-
-
-def version_name(n: int) -> str:
-    """The object name of catalog version ``n``.
-
-    Example:
-        >>> version_name(12)
-        'catalog/v000000012.sqlite'
-    """
-    return f"{PREFIX}v{n:09d}.sqlite"
-
-
-def version_of(name: str) -> int | None:
-    """The version an object name holds; None for anything else under ``catalog/``."""
-    m = _NAME.match(name)
-    return int(m.group(1)) if m else None
-
-
-def newest_object(objects: Iterable[ObjectLike]) -> ObjectLike | None:
-    """The object of the highest version among ``objects`` (None: none is published yet)."""
-    best: tuple[int, ObjectLike] | None = None
-    for o in objects:
-        v = version_of(o.name)
-        if v is not None and (best is None or v > best[0]):
-            best = (v, o)
-    return best[1] if best else None
-
-
-def newest(names: Iterable[str]) -> int:
-    """The highest version among ``names`` (0: none is published yet).
-
-    Example:
-        >>> newest(["catalog/v000000002.sqlite", "catalog/v000000010.sqlite", "catalog/x"])
-        10
-    """
-    return max((v for v in map(version_of, names) if v is not None), default=0)
-
-
-def kept_versions(versions: Sequence[ObjectInfo], now: float, retention: float) -> list[int]:
-    """The versions readers may still hold: the newest, and each whose successor is younger
-    than ``retention`` (a reader that opened a version has had that long to finish its run).
-
-    Example:
-        >>> v = [ObjectInfo(f"catalog/v00000000{n}.sqlite", 1, t, "") for n, t in
-        ...      [(1, 0.0), (2, 50.0), (3, 90.0)]]
-        >>> kept_versions(v, now=100.0, retention=20.0)
-        [2, 3]
-    """
-    numbered = sorted((n, o.modified) for o in versions if (n := version_of(o.name)) is not None)
-    kept = []
-    for (n, _), successor in zip(numbered, [*numbered[1:], None], strict=True):
-        if successor is None or now - successor[1] < retention:
-            kept.append(n)
-    return kept
-
-
-def sweep(
-    versions: Sequence[ObjectInfo],
-    shards: Iterable[ObjectInfo],
-    named_by: Mapping[int, set[str]],
-    pending: set[str],
-    now: float,
-    retention: float,
-) -> Sweep:
-    """What gc's sweep deletes from a bucket, given the shard names each kept version holds
-    (``named_by``, keyed by :func:`kept_versions`) and those pending fragments hold: retired
-    versions, and shard objects nothing names once older than ``retention``
-    (:func:`~featbake.store.place.unnamed_past`)."""
-    old = tuple(
-        Held(o.name, o.size, o.modified)
-        for o in versions
-        if (n := version_of(o.name)) is not None and n not in named_by
-    )
-    named = set(pending).union(*named_by.values())
-    held = [Held(o.name, o.size, o.modified) for o in shards]
-    doomed, young = unnamed_past(held, _object_shard, named, now, retention)
-    return Sweep(tuple(doomed), (), old, young, age="retention period", versioned=True)
-
-
-def _object_shard(object_name: str) -> str:
-    return object_name.rsplit("/", 1)[-1].removesuffix(".safetensors")
-
 
 # == objects =======================================================================================
 #: A bucket store's objects: the class of its URL's scheme (:mod:`featbake.store.objects`, the
 #: byte seam). ``Bucket(url)`` is ``ObjectStore(url)``: the name callers of the S3-only store used.
 Bucket = ObjectStore
-
-
-# == ranged ========================================================================================
-# Reading a shard in a bucket without fetching it: its header once, then each tensor's bytes
-# with one ranged GET (HTTP ``Range``), checked with the shard format's CRC like every read.
-#
-# Used when the local tier cannot hold what the store holds (see
-# :meth:`featbake.store.bucket.BucketStore.reads_ranged`): a shuffled epoch over shards
-# that keep being evicted would download each shard many times over (bench_bucket: 234 shard
-# downloads for 400 items over 8 shards with a 3-shard budget), while a ranged GET moves one
-# item's bytes. A span whose bytes fail their CRC is fetched once more, then the error names
-# the object.
-#: (start, length) -> the object's bytes there (fewer at its end).
-RangeGet = Callable[[int, int], bytes]
-
-#: Ranged GETs in flight for read-ahead, per process (their latency overlaps; boto3's client
-#: is shared by threads).
-AHEAD_THREADS = 8
-#: Read-ahead GETs one reader keeps before dropping the oldest (each holds one tensor's bytes).
-MAX_AHEAD = 256
-
-_POOL: PerProcess[ThreadPoolExecutor] = PerProcess(
-    lambda: ThreadPoolExecutor(AHEAD_THREADS, thread_name_prefix="featbake-ranged"), lock=True
-)
-
-#: Whole-shard fetches a process runs ahead of its reads (litdata keeps two chunks ahead);
-#: ``$FEATBAKE_BUCKET_PREFETCH=0`` turns them off (``make bench`` measures both).
-PREFETCH_AHEAD = 2
-PREFETCH_ENV = "FEATBAKE_BUCKET_PREFETCH"
-_PREFETCH_POOL: PerProcess[ThreadPoolExecutor] = PerProcess(
-    lambda: ThreadPoolExecutor(PREFETCH_AHEAD, thread_name_prefix="featbake-prefetch"), lock=True
-)
-
-
-class RangedShardReader(ShardReader):
-    """A :class:`ShardReader` over a shard object, read by ranges (see the module docstring).
-
-    Args:
-        path: the shard's path in the local tier (its name there; no file is made).
-        get: reads a byte range of the object.
-        size: the object's size.
-        where: the object's URL, for messages.
-    """
-
-    reads_descriptor = False  # its bytes come by ranged GETs: the Python read path
-
-    def __init__(
-        self, path: Path, get: RangeGet, size: int, where: str, verify: VerifyMode | str
-    ) -> None:
-        self.path = Path(path)
-        self.verify = VerifyMode.parse(verify)
-        self._fd = -1
-        self._get = get
-        self._size = size
-        self.where = where
-        self.metadata, self.tensors = self._read_header()
-        self.version = self.metadata["format_version"]
-        self._verified: set[str] = set()
-        self._ahead: OrderedDict[int, Future[bytes]] = OrderedDict()  # begin -> its GET
-        self._ahead_lock = threading.Lock()  # hints on the loader's thread, reads on others
-
-    def _read_header(self) -> tuple[dict[str, str], dict[str, Any]]:
-        head = self._get(0, 8)
-        if len(head) < 8:
-            raise corrupt_shard(self.path, f"{self.where} is shorter than a safetensors header")
-        (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER_BYTES or 8 + n > self._size:
-            raise corrupt_shard(self.path, f"header length {n} does not fit {self.where}")
-        raw = self._get(8, n)
-        if len(raw) != n:
-            raise corrupt_shard(self.path, f"the header of {self.where} is cut short")
-        return parse_header(self.path, raw, 8 + n, self._size)
-
-    def _read_bytes(self, begin: int, dest: Any) -> int:
-        with self._ahead_lock:
-            ahead = self._ahead.pop(begin, None)
-        data = ahead.result() if ahead is not None else self._get(begin, dest.nbytes)
-        got = np.frombuffer(data, dtype=np.uint8)
-        dest.reshape(-1)[: got.size] = got
-        return got.size
-
-    def read_span(self, begin: int, dest: Any, check: SpanCheck | None = None) -> None:
-        """One ranged GET (and its check); a CRC mismatch is fetched once more.
-
-        Raises:
-            StoreCorrupt: the bytes fail their checksum twice (the message names the object).
-        """
-        try:
-            super().read_span(begin, dest, check)
-        except StoreCorrupt:
-            try:
-                super().read_span(begin, dest, check)
-            except StoreCorrupt as e:
-                raise StoreCorrupt(
-                    f"{self.where}: {e} on two reads: the object is damaged in the bucket and "
-                    "its bytes are not served; delete it, then build again"
-                ) from e
-
-    def unlinked(self) -> bool:
-        return False  # nothing on disk
-
-    def will_need(self, name: str) -> bool:
-        """Start tensor ``name``'s ranged GET on this process's read-ahead threads: the read
-        then takes its bytes (FeatureLoader hints its next items; latency overlaps). True when
-        a GET was started."""
-        info = self.tensors.get(name)
-        if info is None:
-            return False
-        with self._ahead_lock:
-            if info.begin in self._ahead:
-                return False
-            while len(self._ahead) >= MAX_AHEAD:  # hints never read: keep memory bounded
-                self._ahead.popitem(last=False)[1].cancel()
-            got = _POOL.get().submit(self._get, info.begin, info.end - info.begin)
-            self._ahead[info.begin] = got
-        return True
-
-    def close(self) -> None:
-        return None
-
-
-# == blocks ========================================================================================
-# What a bucket store follows while the reads come in a block order (``FeatureLoader(ds,
-# shuffle="blocks")``, ``featbake.BlockSampler``): the shards each window of the epoch reads, in
-# order; pure.
-#
-# Such an order needs only a window of shards at a time, and the tier is sized to hold two
-# (docs/object_store.md), so the store reads whole shards (never ranges), fetches the next
-# window's shards on a background thread while the current one is read, and evicts a window's
-# shards once the reads have moved past it. The reads say where they are by opening shards: the
-# first read of a shard of a later window moves the plan there.
-class BlockWindowWarning(UserWarning):
-    """A block order's window outweighs the local tier: the store reads as it would without
-    the order (said once per store and process)."""
-
-
-class BlockPlan:
-    """The shards one rank's block-ordered epoch reads, window by window, the window the reads
-    are in (``current``; -1 before the first) and the shards they have opened.
-
-    A batch may straddle two windows, and its items are read on several threads: a shard of
-    the window just passed may still be opened after a shard of the next one. So a window's
-    shards are kept (:meth:`keep`) until read, and only those read are evicted (:meth:`passed`).
-
-    Example:
-        >>> plan = BlockPlan([["a", "b"], ["c"], ["d", "e"]])
-        >>> plan.opened("a")  # the first read: window 0
-        0
-        >>> plan.current = 0
-        >>> plan.opened("c"), plan.opened("a")
-        (1, None)
-        >>> plan.current = 1
-        >>> plan.passed(1), plan.keep(1)  # "b" is not read yet: a batch may want it
-        (['a'], ('c', 'd', 'e', 'b'))
-    """
-
-    def __init__(self, windows: Sequence[Sequence[str]]) -> None:
-        self.windows = [tuple(dict.fromkeys(w)) for w in windows]
-        self.current = -1
-        self.read: set[str] = set()
-        self._at: dict[str, list[int]] = {}
-        for k, w in enumerate(self.windows):
-            for name in w:
-                self._at.setdefault(name, []).append(k)
-
-    def opened(self, name: str) -> int | None:
-        """Note that a read opened shard ``name``; the window that moves the reads to, or None
-        when it moves nothing (a shard of the current window, of one passed, or of none)."""
-        self.read.add(name)
-        later = [k for k in self._at.get(name, ()) if k > self.current]
-        return later[0] if later else None
-
-    def keep(self, k: int) -> tuple[str, ...]:
-        """What the tier holds while the reads are in window ``k``: the shards of window ``k``,
-        then of window ``k + 1``, then those of window ``k - 1`` not read yet."""
-        ahead = [n for w in self.windows[max(k, 0) : k + 2] for n in w]
-        behind = [n for n in self.windows[k - 1] if n not in self.read] if k >= 1 else []
-        return tuple(dict.fromkeys([*ahead, *behind]))
-
-    def passed(self, k: int) -> list[str]:
-        """Shards of the windows before ``k`` that were read and no window from ``k`` on
-        reads again, the oldest window's first: the tier's room for what comes."""
-        later = {n for w in self.windows[max(k, 0) :] for n in w}
-        before = (n for w in self.windows[: max(k, 0)] for n in w)
-        return list(dict.fromkeys(n for n in before if n in self.read and n not in later))
-
-
-def windows_over(windows: Sequence[Sequence[str]], sizes: Mapping[str, int], budget: int) -> int:
-    """How many of ``windows`` outweigh ``budget`` bytes (``sizes`` of their shards).
-
-    Example:
-        >>> windows_over([["a"], ["a", "b"]], {"a": 6, "b": 6}, budget=10)
-        1
-    """
-    return sum(sum(sizes.get(n, 0) for n in set(w)) > budget for w in windows)
 
 
 # == store =========================================================================================
@@ -377,11 +85,18 @@ def windows_over(windows: Sequence[Sequence[str]], sizes: Mapping[str, int], bud
 #   build killed at any moment keeps every fragment it sealed, on any node;
 # - :meth:`sync_catalog` brings the newest published catalog version into the tier.
 #
-# Merging and gc, which publish new versions, are in :mod:`featbake.store.bucket`.
+# Merging and gc, which publish new versions, are below (publish).
 SHARDS = "shards/"
 #: ``whole``, ``ranged`` or ``auto``: how shards missing from the tier are read.
 READS_ENV = "FEATBAKE_BUCKET_READS"
 FRAGMENTS = "fragments/"
+#: Whole-shard fetches a process runs ahead of its reads (litdata keeps two chunks ahead);
+#: ``$FEATBAKE_BUCKET_PREFETCH=0`` turns them off (``make bench`` measures both).
+PREFETCH_AHEAD = 2
+PREFETCH_ENV = "FEATBAKE_BUCKET_PREFETCH"
+_PREFETCH_POOL: PerProcess[ThreadPoolExecutor] = PerProcess(
+    lambda: ThreadPoolExecutor(PREFETCH_AHEAD, thread_name_prefix="featbake-prefetch"), lock=True
+)
 
 
 #: ``<tier>/tier.json``: marks a folder as a bucket store's local tier, naming its bucket (a

@@ -16,13 +16,14 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, Dataset
 
 from featbake.serve.dataset import CachedFeatureDataset
-from featbake.store.bucket import ObjectInfo, kept_versions, sweep, version_name
 from featbake.store.catalog import Catalog, RootSpec
 from featbake.store.features import FeatureReader
 from featbake.store.filesystem import SharedFilesystemWarning
 from featbake.store.fragments import sealed_fragments
 from featbake.store.layout import Layout
+from featbake.store.objects import ObjectInfo
 from featbake.store.shard import write_shard
+from featbake.store.versions import kept_versions, sweep, version_name
 from featbake.testing import TinyConvEncoder, save_torchscript, write_audio_folder
 from featbake.upkeep import CRASH_ENV, CRASH_POINTS, GcOptions, execute_gc, plan_gc, verify
 from tests.conftest import invoke, run_cli

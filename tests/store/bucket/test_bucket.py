@@ -21,10 +21,12 @@ from featbake.bake.pipeline import build
 from featbake.errors import StoreCorrupt
 from featbake.quantize import Fidelity, Scheme, dequantize, quantize
 from featbake.recipe import Recipe
-from featbake.store.bucket import Bucket, RangedShardReader, version_of
+from featbake.store.bucket import Bucket
 from featbake.store.catalog import read_fidelity
 from featbake.store.open import open_store
+from featbake.store.ranged import RangedShardReader
 from featbake.store.url import BucketURL
+from featbake.store.versions import version_of
 from tests.bake.test_batching import LittlePaddingLeaks, assert_serves_alone, clips
 from tests.conftest import invoke, live_features
 from tests.store.bucket.conftest import S3, Remote

@@ -20,7 +20,8 @@ from torch.utils.data import DataLoader, StackDataset
 
 from featbake import BlockSampler, CachedFeatureDataset, FeatureLoader
 from featbake.bake.pipeline import build
-from featbake.store.bucket import BlockPlan, BlockWindowWarning, Bucket, BucketStore
+from featbake.store.blocks import BlockPlan, BlockWindowWarning
+from featbake.store.bucket import Bucket, BucketStore
 from featbake.store.url import BucketURL
 from featbake.testing import write_audio_folder
 from tests.conftest import live_features

@@ -17,12 +17,13 @@ import torch
 from featbake import CachedFeatureDataset
 from featbake.bake.pipeline import build
 from featbake.errors import ConfigError
-from featbake.store.bucket import Bucket, BucketStore, newest, shard_object, version_name
+from featbake.store.bucket import Bucket, BucketStore, shard_object
 from featbake.store.catalog import RACY_NS, open_sqlite
 from featbake.store.layout import Layout
 from featbake.store.open import open_store, place_of
 from featbake.store.shard import write_shard
 from featbake.store.url import BucketURL
+from featbake.store.versions import newest, version_name
 from featbake.testing import write_audio_folder
 from featbake.upkeep import GcOptions, execute_gc, gc, plan_gc, verify
 from featbake.upkeep.check import verify_named

@@ -20,10 +20,11 @@ import torch
 from featbake import CachedFeatureDataset
 from featbake.bake.pipeline import build
 from featbake.errors import ConfigError, StoreCorrupt
-from featbake.store.bucket import Bucket, newest, version_name, version_of
+from featbake.store.bucket import Bucket
 from featbake.store.catalog import open_sqlite
 from featbake.store.open import open_store
 from featbake.store.url import BucketURL
+from featbake.store.versions import newest, version_name, version_of
 from featbake.testing import write_audio_folder
 from featbake.upkeep import GcOptions, gc, verify
 from tests.conftest import invoke, live_features, run_cli
