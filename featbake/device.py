@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from featbake.cpus import encoder_threads, parse_cfs_quota, parse_cpu_max, usable_cpus
 from featbake.errors import ConfigError
-from featbake.process import encoder_threads, parse_cfs_quota, parse_cpu_max, usable_cpus
 
 __all__ = [
     "Event",
@@ -374,7 +374,7 @@ THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 def encoder_thread_count(asked: int | None, cpus: int) -> int:
     """The encoder's threads now: ``--threads``, else torch's count as the user left it.
 
-    See :func:`featbake.process.encoder_threads` for the rule (this reads torch and the
+    See :func:`featbake.cpus.encoder_threads` for the rule (this reads torch and the
     environment).
     """
     pinned = any(os.environ.get(v, "").strip() for v in THREAD_ENV)

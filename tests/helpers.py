@@ -21,13 +21,13 @@ from typing import Any
 import torch
 
 from featbake.bake.pipeline import build
-from featbake.process import map_in_threads
 from featbake.recipe import Recipe
 from featbake.store.bucket import Bucket
 from featbake.store.catalog import Catalog
 from featbake.store.features import FeatureReader
 from featbake.store.layout import Layout
 from featbake.store.shard import ShardReader
+from featbake.threadpool import map_in_threads
 from tests.conftest import live_features
 
 # == upkeep and export (tests/upkeep, tests/export): build, list shards, serve against live =====

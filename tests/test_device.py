@@ -8,9 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from featbake.device import cgroup_cpu_limit, check_device, process_cpus, torch_threads
-from featbake.errors import ConfigError
-from featbake.process import (
+from featbake.cpus import (
     BakeThreads,
     bake_threads,
     encoder_threads,
@@ -18,6 +16,8 @@ from featbake.process import (
     parse_cpu_max,
     usable_cpus,
 )
+from featbake.device import cgroup_cpu_limit, check_device, process_cpus, torch_threads
+from featbake.errors import ConfigError
 
 
 def _cgroup(root: Path, files: dict[str, str]) -> Path:

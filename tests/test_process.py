@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import importlib
 import multiprocessing
 import os
@@ -17,14 +16,7 @@ import pytest
 import torch
 
 import featbake
-from featbake.process import (
-    PerProcess,
-    PerThread,
-    ProcessLocal,
-    ProcessLocalState,
-    ProcessStamp,
-    gc_paused,
-)
+from featbake.process import PerProcess, PerThread, ProcessLocal, ProcessLocalState, ProcessStamp
 from featbake.store.blocks import BlockPlan
 from featbake.store.bucket import BucketStore
 from featbake.store.catalog import Catalog
@@ -437,28 +429,3 @@ def test_an_empty_value_made_under_the_lock_is_made_once() -> None:
     for t in threads:
         t.join()
     assert _Empty.calls == [1] and all(g is got[0] for g in got)
-
-
-# == test_gcpause ==================================================================================
-# ``gc_paused``: the collector is off inside, restored after (also after an error, and nested).
-
-
-def test_the_collector_is_paused_inside_and_restored_after_an_error() -> None:
-    assert gc.isenabled()
-    with pytest.raises(KeyError), gc_paused():
-        assert not gc.isenabled()
-        with gc_paused():
-            assert not gc.isenabled()
-        assert not gc.isenabled()  # the inner block leaves the outer one's pause alone
-        raise KeyError("boom")
-    assert gc.isenabled()
-
-
-def test_a_caller_that_turned_the_collector_off_keeps_it_off() -> None:
-    gc.disable()
-    try:
-        with gc_paused():
-            pass
-        assert not gc.isenabled()
-    finally:
-        gc.enable()

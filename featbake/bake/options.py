@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 from featbake.bake.stored import DEFAULT_MAX_ERROR
 from featbake.bake.threads import DEFAULT_SEAL_SECONDS
+from featbake.cpus import BakeThreads, bake_threads
 from featbake.device import encoder_thread_count, process_cpus
 from featbake.errors import ConfigError
-from featbake.process import BakeThreads, bake_threads
 from featbake.recipe import Recipe
 from featbake.store.shard import DEFAULT_SHARD_BYTES
 

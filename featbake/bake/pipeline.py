@@ -50,8 +50,8 @@ from featbake.encode.inputs import Inputs, inputs_at
 from featbake.encode.loaders import is_import_path, load_encoder
 from featbake.encode.sources import ScanResult, Source, source_for
 from featbake.errors import ConfigError, EncodeError, FeatbakeError, SourceError, StoreError
+from featbake.gcpause import gc_paused
 from featbake.keys import feature_key, root_id
-from featbake.process import gc_paused
 from featbake.progress import Progress
 from featbake.recipe import Recipe
 from featbake.store.catalog import BuildCatalog, Catalog, FileStat, HashCache, RootSpec
@@ -296,7 +296,7 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
         trust_pickle: allow a pickled whole-module checkpoint (runs its code).
         batch_size: inputs per encoder call at most.
         workers: DataLoader worker processes for decoding (0: decode in this process; None:
-            chosen from the CPUs this process may use, see :func:`featbake.process.bake_threads`).
+            chosen from the CPUs this process may use, see :func:`featbake.cpus.bake_threads`).
         device: where the encoder runs.
         strict: stop at the first bad input instead of skipping it.
         shard_bytes: target shard size.
@@ -312,7 +312,7 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
         threads: the encoder's torch intra-op threads while it encodes (restored after). None:
             the count torch has after the encoder loaded (``torch.set_num_threads``,
             ``OMP_NUM_THREADS`` or the encoder's own setting), lowered only when it exceeds
-            the CPUs this process may use; see :func:`featbake.process.encoder_threads`.
+            the CPUs this process may use; see :func:`featbake.cpus.encoder_threads`.
         max_error: for ``int8``/``fp8``, the relative RMS error (measured on a sample against
             the encoder's output, see :mod:`featbake.bake.stored`) above which the report
             says so (``report.fidelity_warning``); None: no bound.

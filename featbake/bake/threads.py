@@ -101,7 +101,7 @@ def init_worker(_worker_id: int, parent_pid: int | None = None) -> None:
     """
     die_with_parent(parent_pid)
     # A worker decodes one clip at a time: its own torch thread pool would only compete with
-    # the encoder's threads (see featbake.process.bake_threads).
+    # the encoder's threads (see featbake.cpus.bake_threads).
     torch.set_num_threads(1)
     # A terminal's Ctrl-C and SLURM's SIGTERM reach every process of the job: workers must
     # leave them to the main process, which stops at a safe point and shuts them down (see

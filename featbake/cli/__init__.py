@@ -14,9 +14,9 @@ def main(argv: list[str] | None = None) -> None:
     command in its own process (a forked child must never return into the program's code).
     """
     from featbake.cli.supervise import supervise_if_build
-    from featbake.process import pause_gc_for_startup
+    from featbake.gcpause import pause_gc_for_startup
 
-    if argv is None:  # the command line: this process is the command's own (featbake/process.py)
+    if argv is None:  # the command line: this process is the command's own (featbake/gcpause.py)
         pause_gc_for_startup()
         supervise_if_build(sys.argv[1:])
     from featbake.cli.main import main as run

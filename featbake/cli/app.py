@@ -24,7 +24,7 @@ from rich.progress import (
 )
 from rich.text import Text
 
-from featbake.process import end_startup
+from featbake.gcpause import end_startup
 from featbake.progress import MIN_RATE_SECONDS, bytes_text, progress_line
 from featbake.units import format_bytes
 from featbake.version import __version__

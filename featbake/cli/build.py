@@ -25,7 +25,7 @@ from featbake.cli.app import (
     tick_bar,
 )
 from featbake.errors import BuildIncomplete, ConfigError
-from featbake.process import end_startup
+from featbake.gcpause import end_startup
 from featbake.units import format_bytes, parse_bytes
 
 

@@ -20,7 +20,6 @@ import torch
 from featbake.encode.fingerprints import HeldBytes
 from featbake.encode.sources import ScanResult, Source
 from featbake.errors import SourceError
-from featbake.process import OBJECT_THREADS, map_in_threads
 from featbake.progress import Progress
 from featbake.store.bucket import Bucket, ObjectBytes
 from featbake.store.byteplace import HEAD_THREADS as HEAD_THREADS
@@ -36,6 +35,7 @@ from featbake.store.catalog import COARSE_RACY_FACTOR, RACY_NS, FileStat, HashCa
 from featbake.store.objects import ObjectInfo
 from featbake.store.objects import object_stat as object_stat
 from featbake.store.url import BucketURL
+from featbake.threadpool import OBJECT_THREADS, map_in_threads
 
 # == bucket_inputs =================================================================================
 # Inputs in a bucket: ``--data s3://bucket/audio/`` listed, hashed once, decoded from bytes.

@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import ClassVar, NamedTuple
 
 from featbake.errors import ConfigError, SourceError, StoreError
-from featbake.process import map_in_threads
 from featbake.store.catalog import FileStat
 from featbake.store.containers import (
     CONTAINER_SUFFIXES,
@@ -62,6 +61,7 @@ from featbake.store.objects import (
     ObjectStore,
 )
 from featbake.store.url import BucketURL, is_url
+from featbake.threadpool import map_in_threads
 
 
 def hidden_name(name: str) -> bool:
@@ -567,7 +567,7 @@ def bytes_at(path: str) -> BytePlace:
 # ``s3:GetObject`` without ``s3:ListBucket``) or that fails turns the bucket's names left to HEADs.
 #
 # The HEADs (of every folder) run :data:`HEAD_THREADS` at once, and the folders' listings as
-# many, through the one pool every hashing loop uses (:func:`featbake.process.map_in_threads`)
+# many, through the one pool every hashing loop uses (:func:`featbake.threadpool.map_in_threads`)
 # and one client per bucket (boto3's clients are thread-safe; making one costs ~0.1 s, so not one
 # per folder).
 

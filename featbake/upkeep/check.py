@@ -22,7 +22,6 @@ from typing import Any, NamedTuple
 
 from featbake.errors import ConfigError, SourceError, StoreCorrupt, StoreError
 from featbake.keys import sha256_file
-from featbake.process import map_in_threads
 from featbake.progress import GcProgress
 from featbake.store.catalog import (
     ENCODER_FP_PREFIX,
@@ -56,6 +55,7 @@ from featbake.store.layout import Layout, shard_name
 from featbake.store.open import place_of
 from featbake.store.place import Place
 from featbake.store.shard import ST_TO_DTYPE, ShardEntry, ShardReader, TensorInfo, split_tensor_name
+from featbake.threadpool import map_in_threads
 from featbake.upkeep.files import existing_store, read_manifest
 
 # == verify_findings ===============================================================================
