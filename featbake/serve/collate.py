@@ -24,12 +24,11 @@ import mmap
 import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils.data import default_collate, get_worker_info
 
-from featbake.device import alloc_pinned
 from featbake.errors import ConfigError
 
 __all__ = ["BatchPool", "PaddedBatch", "pad_collate"]
@@ -322,8 +321,15 @@ def _pad_tensors(
     return out, lengths
 
 
+class Buffers(Protocol):
+    """Where a thread's batches are built (:func:`pinned_batches`): a staging pool's
+    ``acquire`` (:class:`~featbake.serve.prefetch.PinnedPool`)."""
+
+    def acquire(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
+
+
 class _Placement(threading.local):
-    pinned = False
+    pinned: Buffers | None = None  # this thread's staging pool (pinned_batches)
     pool: BatchPool | None = None  # this thread's pool (pooled_batches), else the process's
     whole = False  # PaddedBatch.of leaves the item views to be made when asked (batches_whole)
 
@@ -332,13 +338,14 @@ _placement = _Placement()
 
 
 @contextlib.contextmanager
-def pinned_batches() -> Iterator[None]:
-    """On this thread, batches are allocated in page-locked memory (when CUDA is available).
+def pinned_batches(pool: Buffers) -> Iterator[None]:
+    """On this thread, batches are built in ``pool``'s buffers (page-locked where CUDA is).
 
-    ``FeatureLoader(device="cuda")`` reads on its thread inside this, so each batch is built
-    where the non-blocking copy to the GPU reads it from, instead of being copied there after.
+    ``FeatureLoader(device="cuda")`` reads on its thread inside this with its staging pool
+    (:class:`~featbake.serve.prefetch.Staging`), so each batch is built where the
+    non-blocking copy to the GPU reads it from, instead of being copied there after.
     """
-    before, _placement.pinned = _placement.pinned, True
+    before, _placement.pinned = _placement.pinned, pool
     try:
         yield
     finally:
@@ -382,8 +389,8 @@ def _alloc(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     inside :func:`pinned_batches`, else from the process's pool."""
     if get_worker_info() is None:
         if like.device.type == "cpu":
-            if _placement.pinned:
-                return alloc_pinned(shape, like.dtype)
+            if _placement.pinned is not None:
+                return _placement.pinned.acquire(shape, like.dtype)
             return (_placement.pool or _pool).empty(shape, like.dtype)
         return torch.empty(shape, dtype=like.dtype, device=like.device)
     # Same trick as torch's collate_tensor_fn: a worker's result is sent to the main

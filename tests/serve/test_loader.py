@@ -247,6 +247,35 @@ def test_pad_collate_takes_the_datasets_batch_with_no_item_views_made(
     assert all(torch.equal(f, w[0][0, : w[1][0]]) for f, w in zip(firsts, want, strict=True))
 
 
+def test_a_loader_for_a_device_stages_through_the_prefetchers_pool(
+    baked: CachedFeatureDataset,
+) -> None:
+    # FeatureLoader(device=...) and DevicePrefetcher share one Staging: the reader builds each
+    # batch in its pool (page-locked on CUDA) and the copy reads it there; lengths and labels
+    # are staged through the same pool. Run on the CPU with staging=True (plain copies).
+    labelled = StackDataset(baked, torch.arange(len(baked)))
+    for ds, staged_per_batch in ((baked, 1), (labelled, 2)):  # lengths (and labels)
+        staged = FeatureLoader(ds, 4, shuffle=False, device="cpu", staging=True)
+        assert staged.staging is not None
+        pool, made, plain = staged.staging.pool, [], FeatureLoader(ds, 4, shuffle=False)
+        for _ in range(2):
+            got = list(staged)
+            _assert_same_batches(got, list(plain))
+            for batch in got:
+                assert not any(pool.lent(t) for t in batch)  # copies, never a pool buffer
+            assert len({b[0].data_ptr() for b in got}) == len(got)
+            assert pool.stats().lent == 0  # every buffer given back
+            made.append(pool.stats().allocations)
+        assert made[1] == made[0]  # the same order again: the first epoch's buffers serve it
+        assert staged.staging.copied == staged_per_batch * len(got) * 2
+        it = iter(staged)
+        next(it), next(it)  # a batch more is started on the device ahead of the loop
+        assert staged.state_dict()["position"] == 2  # what the loop took, not what was staged
+        del it
+        assert not [t for t in threading.enumerate() if t.name == "featbake-loader"]
+        assert pool.stats().lent == 0
+
+
 class _HeldRead:
     """Holds the loader thread's first read of each epoch between taking its shards'
     descriptors and using them (``os.preadv`` called, or the compiled ``read_rows`` handed its
