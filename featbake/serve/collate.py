@@ -195,8 +195,7 @@ def pad_collate(
         >>> labels.tolist()
         [0, 1]
     """
-    whole = type(batch) is PaddedBatch
-    if (len(batch.lengths) if whole else len(batch)) == 0:
+    if (len(batch.lengths) if type(batch) is PaddedBatch else len(batch)) == 0:
         raise ConfigError(
             "pad_collate got an empty batch; check the Dataset's length and the sampler"
         )
@@ -208,7 +207,7 @@ def pad_collate(
         raise ConfigError(
             f"pad_to_multiple must be a positive integer such as 8, got {pad_to_multiple!r}"
         )
-    if whole:
+    if type(batch) is PaddedBatch:
         t_max = batch.padded.shape[1]
         if pad_value == 0 and (pad_to_multiple is None or t_max % pad_to_multiple == 0):
             return batch.padded, batch.lengths  # the dataset already built this batch in place

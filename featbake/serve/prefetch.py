@@ -106,8 +106,10 @@ class PinnedPool:
     Example:
         >>> pool = PinnedPool(max_bytes="1MiB", pin=False)
         >>> buf = pool.acquire((2, 3), torch.float32)
+        >>> where = buf.data_ptr()
         >>> pool.release([buf], None)
-        >>> pool.acquire((3, 2), torch.float32).data_ptr() == buf.data_ptr()
+        >>> del buf  # nothing of it alive: reusable
+        >>> pool.acquire((3, 2), torch.float32).data_ptr() == where
         True
     """
 
