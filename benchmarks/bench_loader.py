@@ -6,7 +6,7 @@ of 32 through ``pad_collate``, page cache warm), measured side by side in one ru
 1. **Read rate**: items/s of ``FeatureLoader(ds, 32)`` against ``DataLoader(ds, 32,
    num_workers=2, persistent_workers=True, collate_fn=pad_collate)`` and against the same with
    ``num_workers=0``; a later epoch of datasets reused across epochs (the workers started).
-   Target: >= 3x the DataLoader with 2 workers.
+   Targets (issue 42): >= 5x the DataLoader with 2 workers, >= 1x the one reading in-line.
 2. **Reads hidden behind the step**: a small probe's training step (two linear layers over
    every frame, backward, SGD) that costs about as much as reading its batch. Epoch time of
    loader + step against the larger of read-only and step-only time. Target: <= 1.1x (with
@@ -143,11 +143,12 @@ def bench_rates(base: Path, dtype: str, epochs: int) -> list[dict]:
         + ", ".join(f"{k} {v:,.0f}" for k, v in rates.items())
     )
     ratio = rates["FeatureLoader"] / rates["DataLoader w2"]
+    inline = rates["FeatureLoader"] / rates["DataLoader w0"]
     return [
-        row("loader", f"{dtype}: FeatureLoader / DataLoader(num_workers=2)", ratio, "x", ">= 3x",
-            ratio >= 3, note),
-        row("loader", f"{dtype}: FeatureLoader / DataLoader(num_workers=0)",
-            rates["FeatureLoader"] / rates["DataLoader w0"], "x", "", None, note),
+        row("loader", f"{dtype}: FeatureLoader / DataLoader(num_workers=2)", ratio, "x", ">= 5x",
+            ratio >= 5, note),
+        row("loader", f"{dtype}: FeatureLoader / DataLoader(num_workers=0)", inline, "x",
+            ">= 1x", inline >= 1, note),
     ]  # fmt: skip
 
 

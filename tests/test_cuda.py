@@ -22,7 +22,7 @@ from featbake.encode.sources import source_for
 from featbake.quantize import Scheme, dequantize
 from featbake.recipe import Recipe
 from featbake.serve.collate import pinned_batches
-from featbake.serve.prefetch import DevicePrefetcher
+from featbake.serve.prefetch import DevicePrefetcher, PinnedPool
 from featbake.testing import LengthsEncoder, TinyConvEncoder, save_torchscript, write_audio_folder
 from tests.helpers import rel_error, stored_features
 
@@ -128,10 +128,17 @@ def test_device_prefetcher_and_feature_loader_hand_over_cuda_batches_equal_to_th
     assert prefetcher.stats().tensors == 6
     labelled = StackDataset(ds, torch.arange(len(ds)))
     on_cpu = list(FeatureLoader(labelled, 4, seed=3))
-    on_gpu = list(FeatureLoader(labelled, 4, seed=3, device="cuda"))
+    loader = FeatureLoader(labelled, 4, seed=3, device="cuda")
+    on_gpu = list(loader)
     assert len(on_gpu) == len(on_cpu) == 3
-    with pinned_batches():  # how FeatureLoader(device="cuda") reads: built in pinned memory
-        assert ds.__getitems__([0, 1, 2]).padded.is_pinned()
+    # one staging with DevicePrefetcher's: features built in its pinned pool and copied from
+    # there, each batch's lengths and labels staged through it; every buffer given back
+    assert loader.staging is not None and loader.staging.copied == 2 * 3
+    assert loader.staging.pool.stats().lent == 0
+    pool = PinnedPool()  # how FeatureLoader(device="cuda") reads: into its staging pool
+    with pinned_batches(pool):
+        built = ds.__getitems__([0, 1, 2]).padded
+        assert built.is_pinned() and pool.lent(built)
     assert not ds.__getitems__([0, 1, 2]).padded.is_pinned()
     for (padded, lengths, idx), want in zip(on_gpu, on_cpu, strict=True):
         assert padded.device.type == "cuda" and idx.device.type == "cuda"

@@ -4,8 +4,10 @@
 to the GPU on a side CUDA stream, in the manner of NVIDIA apex's ``data_prefetcher``
 (``examples/imagenet/main_amp.py``). Batches that are not already in pinned memory
 are first copied into page-locked staging buffers taken from a :class:`PinnedPool`,
-which reuses buffers by ``(shape, dtype)`` because allocating pinned memory per batch
-is slow (it is a ``cudaHostAlloc`` plus page-locking) and fragments host memory.
+which reuses buffers by size because allocating pinned memory per batch is slow (it is
+a ``cudaHostAlloc`` plus page-locking) and fragments host memory. The copies are
+:class:`Staging`'s, which ``FeatureLoader(device="cuda")`` uses too: its reader builds
+each batch in the pool's buffers, and the copy reads it from there.
 
 On the CPU the prefetcher is a pass-through: same batches, same order, no copies.
 All CUDA calls go through :mod:`featbake.device`.
@@ -14,11 +16,14 @@ All CUDA calls go through :mod:`featbake.device`.
 from __future__ import annotations
 
 import functools
+import sys
+import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 import featbake.device as dev
@@ -27,12 +32,24 @@ from featbake.lru import ByteLRU, CacheInfo
 from featbake.units import parse_bytes
 
 # == pinned ========================================================================================
-# Reusable page-locked staging buffers for host-to-device copies, keyed by (shape, dtype).
+# Reusable page-locked staging buffers for host-to-device copies, by size.
 #
 # Allocating pinned memory per batch is slow (a ``cudaHostAlloc`` plus page-locking) and
-# fragments host memory, so :class:`~featbake.serve.prefetch.DevicePrefetcher` stages batches
-# through this pool. All CUDA calls go through :mod:`featbake.device`.
-PoolKey = tuple[tuple[int, ...], torch.dtype]
+# fragments host memory, so every host-to-device copy featbake makes (``DevicePrefetcher``'s and
+# ``FeatureLoader(device="cuda")``'s, both through :class:`Staging`) goes through this pool. All
+# CUDA calls go through :mod:`featbake.device`.
+#: A buffer's size class in bytes (see :func:`size_class`).
+PoolKey = int
+
+
+def size_class(nbytes: int) -> PoolKey:
+    """``nbytes`` rounded up to the pool's size class: a multiple of an eighth of its highest
+    power of two (at most 12.5% more), so batches whose longest item differs by a few frames
+    share buffers."""
+    if nbytes <= 8:
+        return nbytes
+    step = 1 << (nbytes.bit_length() - 4)
+    return -(-nbytes // step) * step
 
 
 @dataclass(frozen=True)
@@ -45,7 +62,8 @@ class PoolStats:
         evictions: Free buffers dropped to stay within the byte budget.
         free: Buffers ready for reuse.
         in_flight: Buffers released but whose copy may not have finished.
-        bytes: Bytes held by the pool (free and in-flight buffers).
+        bytes: Bytes held by the pool (free, in-flight and lent buffers).
+        lent: Buffers handed out and not back yet.
     """
 
     allocations: int
@@ -54,24 +72,32 @@ class PoolStats:
     free: int
     in_flight: int
     bytes: int
+    lent: int = 0
 
 
 class PinnedPool:
-    """Reusable host staging buffers keyed by ``(shape, dtype)``.
+    """Reusable host staging buffers by size class (:func:`size_class`).
 
-    A buffer is handed out by :meth:`acquire`, filled and used as the source of an
-    asynchronous copy, then given back with :meth:`release` together with an event
-    recorded after that copy. It becomes reusable only once the event has completed,
-    so a buffer is never overwritten while the GPU may still read it. Events are
-    anything with a ``query() -> bool`` method (CUDA events, or test doubles); ``None``
-    means the copy is already complete (the CPU case).
+    A buffer is handed out by :meth:`acquire` as a tensor of the shape and dtype asked (a view
+    of the buffer's first bytes), filled and used as the source of an asynchronous copy, then
+    given back with :meth:`release` together with an event recorded after that copy. It becomes
+    reusable only once the event has completed, so a buffer is never overwritten while the GPU
+    may still read it. Events are anything with a ``query() -> bool`` method (CUDA events, or
+    test doubles); ``None`` means the copy is already complete (the CPU case).
 
-    The byte budget bounds the memory kept around: free buffers are evicted least
-    recently used first to make room, and a buffer coming back while the pool is over
-    budget is dropped. Buffers in flight are never dropped, so the pool can exceed
-    the budget by at most what is in flight at once.
+    A buffer is also never handed out while a tensor, view or array of it is alive: each buffer
+    is a numpy array that every tensor made from it references (``torch.from_numpy``), so one
+    whose only reference is the pool's is unused (as :class:`~featbake.serve.collate.BatchPool`
+    does). A buffer whose tensors are all dropped without :meth:`release` (a batch read and
+    never copied: the loop stopped, or its read failed) is free again.
 
-    Not thread-safe: one pool belongs to one prefetcher.
+    The byte budget bounds the memory kept around: free buffers are evicted least recently used
+    first to make room, and a buffer coming back while the pool is over budget is dropped.
+    Buffers in flight or in use are never dropped, so the pool can exceed the budget by at most
+    what is in use at once.
+
+    Thread-safe: ``FeatureLoader``'s reader thread builds batches in its buffers while the
+    training thread copies and releases them.
 
     Args:
         max_bytes: Byte budget, as an int or a string such as ``"1GiB"``.
@@ -80,18 +106,22 @@ class PinnedPool:
     Example:
         >>> pool = PinnedPool(max_bytes="1MiB", pin=False)
         >>> buf = pool.acquire((2, 3), torch.float32)
+        >>> where = buf.data_ptr()
         >>> pool.release([buf], None)
-        >>> pool.acquire((2, 3), torch.float32) is buf
+        >>> del buf  # nothing of it alive: reusable
+        >>> pool.acquire((3, 2), torch.float32).data_ptr() == where
         True
     """
 
     def __init__(self, max_bytes: int | str = "1GiB", *, pin: bool = True) -> None:
         self._max_bytes = parse_bytes(max_bytes)
         self._pin = pin
-        # key -> free buffers; key order is recency of use, least recent first.
-        self._free: OrderedDict[PoolKey, list[torch.Tensor]] = OrderedDict()
+        self._lock = threading.Lock()
+        # size class -> free buffers; key order is recency of use, least recent first.
+        self._free: OrderedDict[PoolKey, list[_Buffer]] = OrderedDict()
         # FIFO of (event, buffers); copies on one stream complete in order.
-        self._in_flight: deque[tuple[Any, list[torch.Tensor]]] = deque()
+        self._in_flight: deque[tuple[Any, list[_Buffer]]] = deque()
+        self._lent: list[_Buffer] = []  # handed out, not released
         self._bytes = 0
         self._allocations = 0
         self._reuses = 0
@@ -103,64 +133,99 @@ class PinnedPool:
         return self._max_bytes
 
     def acquire(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        """Return a host buffer of ``shape`` and ``dtype`` that nothing else is using.
+        """Return a host tensor of ``shape`` and ``dtype`` whose memory nothing else uses.
 
-        Reuses a free buffer of the same key when one exists (after reclaiming those
+        Reuses a free buffer of the same size class when one exists (after reclaiming those
         whose copies have completed), otherwise allocates one.
 
         Args:
-            shape: The buffer's shape.
-            dtype: The buffer's dtype.
+            shape: The tensor's shape.
+            dtype: The tensor's dtype.
 
         Returns:
-            An uninitialised tensor, exclusively the caller's until :meth:`release`.
+            An uninitialised tensor, exclusively the caller's until :meth:`release`, or until
+            it and every view of it are dropped.
         """
-        key: PoolKey = (tuple(shape), dtype)
-        self._reclaim()
-        bucket = self._free.get(key)
-        if bucket:
-            buf = bucket.pop()
-            if not bucket:
-                del self._free[key]
-            else:
-                self._free.move_to_end(key)
-            self._reuses += 1
-            return buf
-        nbytes = _nbytes(key)
-        self._evict_until(self._max_bytes - nbytes)
-        buf = dev.alloc_pinned(key[0], dtype) if self._pin else torch.empty(key[0], dtype=dtype)
-        self._bytes += nbytes
-        self._allocations += 1
-        return buf
+        shape = tuple(shape)
+        nbytes = _nbytes(shape, dtype)
+        if not nbytes:  # nothing to copy from: no buffer (empty arrays share one address)
+            return torch.empty(shape, dtype=dtype)
+        with self._lock:  # made under the lock: until it exists the buffer looks unused
+            self._reclaim()
+            buf = self._take(size_class(nbytes))
+            out = torch.from_numpy(buf.array)[:nbytes].view(dtype).view(shape)
+            self._lent.append(buf)
+        return out
+
+    def lent(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` lies in a buffer handed out by :meth:`acquire` and not released."""
+        if t.device.type != "cpu":
+            return False
+        addr = t.untyped_storage().data_ptr()
+        with self._lock:
+            return any(b.addr == addr for b in self._lent)
 
     def release(self, buffers: Iterable[torch.Tensor], event: Any | None) -> None:
         """Give buffers back; they are reusable once ``event`` has completed.
 
         Args:
-            buffers: Buffers obtained from :meth:`acquire`.
+            buffers: Tensors obtained from :meth:`acquire` (a buffer given twice counts once).
             event: Recorded after the last use of ``buffers`` (``None``: already done).
         """
-        bufs = list(buffers)
-        if bufs:
-            self._in_flight.append((event, bufs))
+        addrs = {t.untyped_storage().data_ptr() for t in buffers}
+        with self._lock:
+            back = [b for b in self._lent if b.addr in addrs]
+            if back:
+                self._lent = [b for b in self._lent if b.addr not in addrs]
+                self._in_flight.append((event, back))
 
     def stats(self) -> PoolStats:
-        """Return the pool's counters."""
-        return PoolStats(
-            allocations=self._allocations,
-            reuses=self._reuses,
-            evictions=self._evictions,
-            free=sum(len(b) for b in self._free.values()),
-            in_flight=sum(len(b) for _, b in self._in_flight),
-            bytes=self._bytes,
-        )
+        """Return the pool's counters (buffers whose copies completed or whose tensors are
+        gone counted free)."""
+        with self._lock:
+            self._reclaim()
+            return PoolStats(
+                allocations=self._allocations,
+                reuses=self._reuses,
+                evictions=self._evictions,
+                free=sum(len(b) for b in self._free.values()),
+                in_flight=sum(len(b) for _, b in self._in_flight),
+                bytes=self._bytes,
+                lent=len(self._lent),
+            )
 
     def clear(self) -> None:
-        """Drop every free buffer (buffers in flight stay until they complete)."""
-        self._reclaim()
-        self._evict_until(-1)
+        """Drop every free buffer (buffers in flight or in use stay until they come back)."""
+        with self._lock:
+            self._reclaim()
+            self._evict_until(-1)
+
+    def _take(self, key: PoolKey) -> _Buffer:
+        """A free buffer of size class ``key`` nothing uses, else a new one (evicting free
+        buffers to stay within the budget)."""
+        bucket = self._free.get(key, [])
+        for k in range(len(bucket) - 1, -1, -1):
+            if bucket[k].unused():
+                buf = bucket.pop(k)
+                if not bucket:
+                    del self._free[key]
+                else:
+                    self._free.move_to_end(key)
+                self._reuses += 1
+                return buf
+        self._evict_until(self._max_bytes - key)
+        shape, byte = (key,), torch.uint8
+        made = dev.alloc_pinned(shape, byte) if self._pin else torch.empty(shape, dtype=byte)
+        self._bytes += key
+        self._allocations += 1
+        return _Buffer(made.numpy())
 
     def _reclaim(self) -> None:
+        """Buffers whose copies completed, and buffers dropped without a release, are free."""
+        dropped = [b for b in self._lent if b.unused()]
+        if dropped:
+            self._lent = [b for b in self._lent if b not in dropped]
+            self._in_flight.appendleft((None, dropped))
         while self._in_flight and dev.event_query(self._in_flight[0][0]):
             _, bufs = self._in_flight.popleft()
             for buf in bufs:
@@ -168,26 +233,47 @@ class PinnedPool:
                     self._bytes -= buf.nbytes
                     self._evictions += 1
                     continue
-                key: PoolKey = (tuple(buf.shape), buf.dtype)
+                key: PoolKey = buf.nbytes
                 self._free.setdefault(key, []).append(buf)
                 self._free.move_to_end(key)
 
     def _evict_until(self, limit: int) -> None:
-        """Drop least recently used free buffers until the pool holds <= ``limit`` bytes."""
-        while self._bytes > limit and self._free:
-            key, bucket = next(iter(self._free.items()))
-            buf = bucket.pop()
+        """Drop least recently used free buffers nothing uses until the pool holds <= ``limit``
+        bytes (or none is left to drop)."""
+        for key in list(self._free):
+            bucket = self._free[key]
+            for buf in [b for b in bucket if b.unused()]:
+                if self._bytes <= limit:
+                    return
+                bucket.remove(buf)
+                self._bytes -= buf.nbytes
+                self._evictions += 1
             if not bucket:
                 del self._free[key]
-            self._bytes -= buf.nbytes
-            self._evictions += 1
 
 
-def _nbytes(key: PoolKey) -> int:
+class _Buffer:
+    """One buffer of a :class:`PinnedPool`: a numpy array over its memory, which every tensor
+    made from it (``torch.from_numpy``) references while it lives."""
+
+    __slots__ = ("addr", "array", "nbytes")
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+        self.addr = int(array.ctypes.data)
+        self.nbytes = int(array.nbytes)
+
+    def unused(self) -> bool:
+        """Whether no tensor, view or array of the buffer is alive."""
+        # 2 references: this object's slot and getrefcount's own argument.
+        return sys.getrefcount(self.array) == 2
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     numel = 1
-    for s in key[0]:
+    for s in shape:
         numel *= s
-    return numel * key[1].itemsize
+    return numel * dtype.itemsize
 
 
 # == prefetch ======================================================================================
@@ -255,6 +341,98 @@ class PrefetchStats:
         return self.pool.reuses
 
 
+class Staging:
+    """Host-to-device copies of batches on a side stream, through one :class:`PinnedPool`: what
+    :class:`DevicePrefetcher` and ``FeatureLoader(device=...)`` both do to hand batches over
+    on the device.
+
+    :meth:`start` queues a batch's copies on the side stream: a tensor already in one of the
+    pool's buffers (``FeatureLoader``'s reader builds its batches there) or pinned by the user is
+    copied from where it lies; any other host tensor is first copied into a pool buffer. An
+    event recorded after the copies gives the buffers back to the pool. :meth:`hand_out` makes
+    the current stream wait for the side stream and ``record_stream``-s every tensor on it
+    (apex's ``data_prefetcher``). On the CPU with ``staged=True`` the same path runs with plain
+    copies (events and streams ``None``), which is how it is tested without a GPU.
+
+    Not thread-safe but for the pool: copies are started and handed out on one thread.
+
+    Args:
+        device: Where batches go.
+        pool_bytes: Byte budget of the pinned pool.
+        staged: Copy host tensors through the pool; ``None`` means "on CUDA only".
+    """
+
+    def __init__(
+        self, device: torch.device, pool_bytes: int | str = "1GiB", staged: bool | None = None
+    ) -> None:
+        self.device = device
+        self.staged = dev.is_cuda(device) if staged is None else staged
+        self.pool = PinnedPool(pool_bytes, pin=dev.is_cuda(device))
+        self.stream = dev.new_stream(device)
+        self.tensors = 0  # moved to the device
+        self.copied = 0  # copied into a pool buffer first
+
+    def start(self, batch: Any) -> Any:
+        """``batch`` with every tensor's copy to the device queued on the side stream."""
+        used: list[torch.Tensor] = []
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            self.tensors += 1
+            src, pooled = t, False
+            if t.device.type == "cpu" and self.staged:
+                pooled = self.pool.lent(t)  # built in the pool: copied from where it lies
+                if not pooled and not t.is_pinned():
+                    src, pooled = self.pool.acquire(t.shape, t.dtype), True
+                    src.copy_(t)
+                    self.copied += 1
+                if pooled:
+                    used.append(src)
+            # copy=True: on the CPU path the result must not alias a pool buffer.
+            return src.to(self.device, non_blocking=True, copy=pooled)
+
+        with dev.stream_context(self.stream):
+            out = map_tensors(move, batch)
+            event = dev.new_event(self.device)
+            dev.record_event(event, self.stream)
+        self.pool.release(used, event)
+        return out
+
+    def hand_out(self, batch: Any) -> Any:
+        """``batch`` (started by :meth:`start`) ready to use on the current stream."""
+        dev.wait_stream(self.device, self.stream)
+        current = dev.current_stream(self.device)
+        map_tensors(functools.partial(dev.record_stream, stream=current), batch)
+        return batch
+
+    def ahead(self, batches: Iterable[Any], depth: int) -> Iterator[Any]:
+        """``batches`` on the device, each one's copies started ``depth`` batches before it is
+        handed out (the next copy is queued before a batch is handed out, so that it overlaps
+        the step). Closing this iterator closes ``batches``'s."""
+        it = iter(batches)
+        started: deque[Any] = deque()
+
+        def fill() -> None:
+            while len(started) < depth:
+                batch = next(it, _DONE)
+                if batch is _DONE:
+                    return
+                started.append(self.start(batch))
+
+        try:
+            fill()
+            while started:
+                batch = self.hand_out(started.popleft())
+                fill()  # the next copy queued before this batch is handed out
+                yield batch
+        finally:
+            close = getattr(it, "close", None)
+            if close is not None:
+                close()
+
+
+_DONE = object()
+
+
 class DevicePrefetcher:
     """Iterate over batches already on ``device``, copied ``depth`` batches ahead.
 
@@ -306,17 +484,14 @@ class DevicePrefetcher:
         self._loader = loader
         self._device = dev.resolve_device(device)
         self._depth = depth
-        self._staging = dev.is_cuda(self._device) if staging is None else staging
-        self._pool = PinnedPool(pool_bytes, pin=dev.is_cuda(self._device))
-        self._stream = dev.new_stream(self._device)
+        self._stage = Staging(self._device, pool_bytes, staging)
         budget = parse_bytes(device_cache)
         self._items: ByteLRU[int, Any] | None = None
         if budget:
             self._check_item_loader(loader)
             self._items = ByteLRU(budget)
         self._batches = 0
-        self._tensors = 0
-        self._staged = 0
+        self._tensors = 0  # moved by the device tier (the staging counts its own)
 
     @property
     def device(self) -> torch.device:
@@ -330,7 +505,7 @@ class DevicePrefetcher:
         if self._items is not None:
             yield from self._iter_device_cached()
             return
-        if not self._staging and not dev.is_cuda(self._device):
+        if not self._stage.staged and not dev.is_cuda(self._device):
             for batch in self._loader:
                 self._batches += 1
                 yield batch
@@ -341,55 +516,16 @@ class DevicePrefetcher:
         """Return the counters: batches yielded, tensors moved, pool reuse."""
         return PrefetchStats(
             batches=self._batches,
-            tensors=self._tensors,
-            staged=self._staged,
-            pool=self._pool.stats(),
+            tensors=self._tensors + self._stage.tensors,
+            staged=self._stage.copied,
+            pool=self._stage.pool.stats(),
             device_cache=self._items.info() if self._items is not None else None,
         )
 
     def _iter_prefetch(self) -> Iterator[Any]:
-        it = iter(self._loader)
-        ahead: deque[Any] = deque()
-
-        def fill() -> None:
-            while len(ahead) < self._depth:
-                try:
-                    batch = next(it)
-                except StopIteration:
-                    return
-                ahead.append(self._start_copy(batch))
-
-        fill()
-        while ahead:
-            batch = ahead.popleft()
-            dev.wait_stream(self._device, self._stream)
-            current = dev.current_stream(self._device)
-            map_tensors(functools.partial(dev.record_stream, stream=current), batch)
-            # Queue the next copy before handing this batch out, so it overlaps the step.
-            fill()
+        for batch in self._stage.ahead(self._loader, self._depth):
             self._batches += 1
             yield batch
-
-    def _start_copy(self, batch: Any) -> Any:
-        staged: list[torch.Tensor] = []
-
-        def move(t: torch.Tensor) -> torch.Tensor:
-            self._tensors += 1
-            src = t
-            if t.device.type == "cpu" and self._staging and not t.is_pinned():
-                src = self._pool.acquire(t.shape, t.dtype)
-                src.copy_(t)
-                staged.append(src)
-                self._staged += 1
-            # copy=True: on the CPU path the result must not alias a pooled buffer.
-            return src.to(self._device, non_blocking=True, copy=src is not t)
-
-        with dev.stream_context(self._stream):
-            out = map_tensors(move, batch)
-            event = dev.new_event(self._device)
-            dev.record_event(event, self._stream)
-        self._pool.release(staged, event)
-        return out
 
     # -- the device tier ------------------------------------------------------------------------
     @staticmethod
@@ -419,9 +555,9 @@ class DevicePrefetcher:
             if missing:
                 wanted = [indices[j] for j in missing]
                 fetched = getitems(wanted) if getitems else [dataset[i] for i in wanted]
-                with dev.stream_context(self._stream):
+                with dev.stream_context(self._stage.stream):
                     moved = [map_tensors(self._to_device, item) for item in fetched]
-                dev.wait_stream(self._device, self._stream)
+                dev.wait_stream(self._device, self._stage.stream)
                 for j, i, item in zip(missing, wanted, moved, strict=True):
                     items[j] = item
                     self._items.put(i, item)
@@ -440,5 +576,7 @@ __all__ = [
     "PoolKey",
     "PoolStats",
     "PrefetchStats",
+    "Staging",
     "map_tensors",
+    "size_class",
 ]

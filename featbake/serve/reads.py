@@ -305,6 +305,37 @@ def read_threads_at_most(most: int | None) -> Iterator[None]:
         _cap.most = before
 
 
+class _HandOver(threading.local):
+    due: Callable[[], None] | None = None  # run once before this thread's next batch read
+
+
+_hand_over = _HandOver()
+
+
+@contextlib.contextmanager
+def handing_over(due: Callable[[], None]) -> Iterator[None]:
+    """On this thread, ``due`` runs once, just before the next batch's rows are read.
+
+    ``FeatureLoader`` hands its previous batch to the training thread there: that thread then
+    takes the GIL while this one reads with it released, instead of between this thread's
+    Python steps (each torch call of a batch's set-up lets it in, and this thread then waits
+    for it). A batch that reads no rows (misses, RAM-tier items) does not run it: the caller
+    runs it after the block (it must be harmless to run twice).
+    """
+    before, _hand_over.due = _hand_over.due, due
+    try:
+        yield
+    finally:
+        _hand_over.due = before
+
+
+def _due() -> None:
+    """Run this thread's :func:`handing_over` callable, once."""
+    due, _hand_over.due = _hand_over.due, None
+    if due is not None:
+        due()
+
+
 def read_threads() -> int:
     """Threads a batch may be read on here: the CPUs this process may use, 1 in a worker,
     at most this thread's cap (:func:`read_threads_at_most`)."""
@@ -351,8 +382,10 @@ def read_rows(
     if kernels() is not None:  # the whole batch in one call, one release of the GIL
         spans = rows if span_of is None else [span_of(r) for r in rows]
         if all(native_readable(s) for s in spans):
+            _due()
             return read_spans(spans, packed, run.threads)
         rows, span_of = spans, None
+    _due()
     parts = run.split(len(rows))
     got: list[ScaleSpan] = []
     for k, part in enumerate(parts):

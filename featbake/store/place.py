@@ -280,6 +280,8 @@ def remote_place(layout: Layout) -> RemotePlace | None:
     """The place ``layout`` reads its shards from when they are fetched into it (a bucket the
     layout is the tier of), else None (a directory's shards are read where they are)."""
     remote = layout.remote
+    if remote is None:  # a directory: no protocol check (~50 us on 3.11, per read-ahead hint)
+        return None
     return remote if isinstance(remote, RemotePlace) else None
 
 

@@ -164,6 +164,118 @@ def test_a_read_error_reaches_the_training_loop_and_leaves_no_thread(
     assert not [t for t in threading.enumerate() if t.name == "featbake-loader"]
 
 
+def test_the_batches_before_a_failed_read_reach_the_loop_in_order(
+    audio_dir: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    # The reader holds each batch until the next one's rows are read: a read that fails
+    # (here a miss with on_miss="error") hands the held batch over first, then the error.
+    build(audio_dir / "fixed", encoder_file, cache=store_dir, workers=0)  # 4 of the 16 clips
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    stored = (ds.placement().shards >= 0).tolist()
+    batches = [list(range(b, min(len(ds), b + 2))) for b in range(0, len(ds), 2)]
+    failing = next(k for k, idx in enumerate(batches) if not all(stored[i] for i in idx))
+    assert failing >= 1  # batches before it to hand over
+    got: list[tuple[torch.Tensor, torch.Tensor]] = []
+    with pytest.raises(CacheMiss):
+        for batch in FeatureLoader(ds, batch_size=2, shuffle=False, prefetch=1):
+            got.append(batch)
+    assert len(got) == failing
+    for idx, (padded, lengths) in zip(batches[:failing], got, strict=True):
+        for row, (i, n) in enumerate(zip(idx, lengths.tolist(), strict=True)):
+            want = live_features(encoder_file, Path(ds.path(i)))
+            torch.testing.assert_close(padded[row, :n], want, rtol=1e-5, atol=1e-5)
+    assert not [t for t in threading.enumerate() if t.name == "featbake-loader"]
+
+
+def test_a_batch_reaches_the_loop_while_the_next_ones_rows_are_read(
+    baked: CachedFeatureDataset, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Batch b is handed over just before batch b+1's rows are read, so the training thread
+    # takes it while the reader reads with the GIL released. A hand-over after that read would
+    # leave the second read waiting here for a batch the loop never got.
+    taken = threading.Event()
+    seen: list[bool] = []
+    reads = [0]
+
+    def hold() -> None:
+        if threading.current_thread().name != "featbake-loader":
+            return
+        reads[0] += 1
+        if reads[0] == 2:  # the second batch's rows: the first batch is the loop's by now
+            seen.append(taken.wait(60))  # a bound for a broken loader, never reached here
+
+    monkeypatch.setitem(native._state, "kernels", _HeldKernels(native.kernels(), hold))
+    got = []
+    for batch in FeatureLoader(baked, batch_size=4, shuffle=False, prefetch=2):
+        got.append(batch)
+        taken.set()
+    assert seen == [True]
+    _assert_same_batches(got, list(DataLoader(baked, batch_size=4, collate_fn=pad_collate)))
+
+
+def test_pad_collate_takes_the_datasets_batch_with_no_item_views_made(
+    baked: CachedFeatureDataset, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A batch read in place is handed to pad_collate as its padded tensor: the 32 item views
+    # PaddedBatch made (45-85 us a batch) were never read. Through a StackDataset the labels
+    # are paired with the items, so there they are made.
+    from featbake.serve.collate import PaddedBatch
+
+    made: list[int] = []
+    with_views = PaddedBatch.with_views
+
+    def counted(self: PaddedBatch) -> PaddedBatch:
+        made.append(len(self.lengths))
+        return with_views(self)
+
+    monkeypatch.setattr(PaddedBatch, "with_views", counted)
+    want = list(DataLoader(baked, batch_size=4, collate_fn=pad_collate))
+    made.clear()
+    _assert_same_batches(list(FeatureLoader(baked, batch_size=4, shuffle=False)), want)
+    subset = Subset(baked, list(range(8)))
+    _assert_same_batches(list(FeatureLoader(subset, batch_size=4, shuffle=False)), want[:2])
+    assert made == []
+    labels = torch.arange(len(baked))
+    stacked = list(FeatureLoader(StackDataset(baked, labels), batch_size=4, shuffle=False))
+    for k, ((padded, lengths, got), (w_padded, w_lengths)) in enumerate(
+        zip(stacked, want, strict=True)
+    ):
+        assert torch.equal(padded, w_padded) and torch.equal(lengths, w_lengths)
+        assert got.tolist() == list(range(4 * k, 4 * k + 4))
+    assert made and all(n == 4 for n in made)  # the views StackDataset pairs with labels
+    firsts = [items[0] for items in FeatureLoader(baked, 4, shuffle=False, collate_fn=list)]
+    assert all(torch.equal(f, w[0][0, : w[1][0]]) for f, w in zip(firsts, want, strict=True))
+
+
+def test_a_loader_for_a_device_stages_through_the_prefetchers_pool(
+    baked: CachedFeatureDataset,
+) -> None:
+    # FeatureLoader(device=...) and DevicePrefetcher share one Staging: the reader builds each
+    # batch in its pool (page-locked on CUDA) and the copy reads it there; lengths and labels
+    # are staged through the same pool. Run on the CPU with staging=True (plain copies).
+    labelled = StackDataset(baked, torch.arange(len(baked)))
+    for ds, staged_per_batch in ((baked, 1), (labelled, 2)):  # lengths (and labels)
+        staged = FeatureLoader(ds, 4, shuffle=False, device="cpu", staging=True)
+        assert staged.staging is not None
+        pool, made, plain = staged.staging.pool, [], FeatureLoader(ds, 4, shuffle=False)
+        for _ in range(2):
+            got = list(staged)
+            _assert_same_batches(got, list(plain))
+            for batch in got:
+                assert not any(pool.lent(t) for t in batch)  # copies, never a pool buffer
+            assert len({b[0].data_ptr() for b in got}) == len(got)
+            assert pool.stats().lent == 0  # every buffer given back
+            made.append(pool.stats().allocations)
+        assert made[1] == made[0]  # the same order again: the first epoch's buffers serve it
+        assert staged.staging.copied == staged_per_batch * len(got) * 2
+        it = iter(staged)
+        next(it), next(it)  # a batch more is started on the device ahead of the loop
+        assert staged.state_dict()["position"] == 2  # what the loop took, not what was staged
+        del it
+        assert not [t for t in threading.enumerate() if t.name == "featbake-loader"]
+        assert pool.stats().lent == 0
+
+
 class _HeldRead:
     """Holds the loader thread's first read of each epoch between taking its shards'
     descriptors and using them (``os.preadv`` called, or the compiled ``read_rows`` handed its
