@@ -53,6 +53,7 @@ from featbake.store.shard import (
     ShardReader,
     Span,
     SpanCheck,
+    TensorInfo,
     corrupt_shard,
     damaged_rows,
     native_readable,
@@ -439,7 +440,10 @@ def located_in(reader: ShardReader, path: Path, sid: int, name: str) -> Located:
     Raises:
         StoreCorrupt: the shard holds no such tensor, or not of a dtype served.
     """
-    info = reader.info(name)
+    return _located(reader, path, sid, name, reader.info(name))
+
+
+def _located(reader: ShardReader, path: Path, sid: int, name: str, info: TensorInfo) -> Located:
     dtype = ST_TO_DTYPE.get(info.dtype)
     if dtype is None:
         raise corrupt_shard(reader.path, f"tensor {name} has a dtype featbake does not serve")
@@ -454,8 +458,9 @@ def part_read(
     Raises:
         StoreCorrupt: the shard holds no such tensor.
     """
-    loc = located_in(reader, path, sid, name)
-    return PartRead(part, name, loc, reader.check_of(name, reader.info(name)) if check else None)
+    info = reader.info(name)
+    loc = _located(reader, path, sid, name, info)
+    return PartRead(part, name, loc, reader.check_of(name, info) if check else None)
 
 
 class Reads:
@@ -623,7 +628,10 @@ class Reads:
             else:
                 buf = (mapped_empty if st.use_lru else _owned_bytes)((loc.nbytes,), torch.uint8)
                 out = buf.view(loc.dtype).view(loc.shape)
-            spans.append(Span(loc.reader, loc.offset, buf.numpy(), None, part.check))
+            # Its address given: the compiled read takes no numpy ctypes of it (~1 us).
+            spans.append(
+                Span(loc.reader, loc.offset, buf.numpy(), None, part.check, buf.data_ptr())
+            )
             values.append(out)
         scales = read_leased(spans, packed)
         if packed is not None:

@@ -1185,7 +1185,9 @@ def read_leased(
         StoreError: a read fails.
     """
     native = kernels()
-    if native is not None and all(native_readable(s) for s in spans):
+    if native is not None and (
+        native_readable(spans[0]) if len(spans) == 1 else all(map(native_readable, spans))
+    ):
         return _read_native(native, spans, packed, threads)
     got = ScaleSpan()
     for reader, begin, dest, tail, check, _ in spans:
