@@ -418,9 +418,22 @@ class _Plan(NamedTuple):
     dtype: torch.dtype
 
 
-def _owned_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def _owned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A buffer the caller owns (``mapped_empty``'s signature: the RAM tier's is mapped)."""
     return torch.empty(shape, dtype=dtype)
+
+
+def _shared(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A buffer in shared memory: a DataLoader worker's item is sent to the main process
+    as it is (torch copies a tensor outside shared memory into it before it is sent)."""
+    return alloc_batch(torch.empty(0, dtype=dtype), shape)
+
+
+def item_buffers(st: ProcessState) -> Callable[[tuple[int, ...], torch.dtype], torch.Tensor]:
+    """Where this process reads an item into: its own mapping for the RAM tier (which keeps
+    it), shared memory in a DataLoader worker (one copy fewer per item: one item per step,
+    fp16 [T, 768], w=2, read at 0.84x mmap'd shards, at 1.0x with this), else the heap."""
+    return mapped_empty if st.use_lru else _shared if st.in_worker else _owned
 
 
 class PartRead(NamedTuple):
@@ -617,16 +630,17 @@ class Reads:
         buffer the caller's own (in its own mapping for the RAM tier: see ``mapped_empty``).
         """
         served = self.served if serve and not st.use_lru and len(plan) == 1 else None
+        alloc = item_buffers(st)
         spans, values = [], []
         packed = None
         for part in plan:
             loc = part.loc
             packed = served_rows(served, loc.dtype, loc.shape)
             if packed is not None:  # dequantised as read (served is not None: see served_rows)
-                out = torch.empty((*loc.shape[:-1], packed.width), dtype=packed.dtype)
+                out = alloc((*loc.shape[:-1], packed.width), packed.dtype)
                 buf = out.reshape(-1).view(torch.uint8)
             else:
-                buf = (mapped_empty if st.use_lru else _owned_bytes)((loc.nbytes,), torch.uint8)
+                buf = alloc((loc.nbytes,), torch.uint8)
                 out = buf.view(loc.dtype).view(loc.shape)
             # Its address given: the compiled read takes no numpy ctypes of it (~1 us).
             spans.append(

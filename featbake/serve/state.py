@@ -582,7 +582,9 @@ class ProcessState:
         self.encoder: LoadedEncoder | None = None
         self.pending_idx: dict[str, list[int]] = {}  # key -> items, written back, not sealed
         self.flags = SharedFlags(shared if shared is not None else SharedFlags.allocate(n), n)
-        if get_worker_info() is not None:
+        #: A DataLoader worker's state: its items are read into shared memory (see Reads).
+        self.in_worker = get_worker_info() is not None
+        if self.in_worker:
             self.flags.workers[0] = 1  # cache_info() in the main process is then not the sum
         self.verified = self.flags.verified
         self.touched = self.flags.touched
