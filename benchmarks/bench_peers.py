@@ -114,16 +114,11 @@ def one_epoch(reader: str, base: Path, workers: int, seed: int) -> dict[str, flo
     """One epoch in this (fresh) process: seconds to build the reader, and to read the epoch."""
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     t0 = time.perf_counter()
-    ds = make(reader.removesuffix("-loop"), base)
+    ds = make(reader, base)
     t1 = time.perf_counter()
-    if reader.endswith("-loop"):
-        order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed)).tolist()
-        for i in order:
-            touch(ds[i])
-    else:
-        g = torch.Generator().manual_seed(seed)
-        for item in DataLoader(ds, batch_size=None, shuffle=True, num_workers=workers, generator=g):
-            touch(item)
+    g = torch.Generator().manual_seed(seed)
+    for item in DataLoader(ds, batch_size=None, shuffle=True, num_workers=workers, generator=g):
+        touch(item)
     return {"construct": t1 - t0, "epoch": time.perf_counter() - t1}
 
 
