@@ -4,8 +4,9 @@ Item -> key (built once, from the root manifest and hash cache) -> RAM LRU -> sh
 on first read) -> miss (encoded live, written back). It delegates by job: ``index`` (item ->
 key and shard), ``state`` and ``process`` (what each process opens; the one rule for state
 made before a ``fork``), ``reads`` (the read paths), ``live`` (a miss), ``writeback`` (storing
-it), ``served`` (int8/fp8 dequantised) and ``lastuse``. Only the single-item hit path is
-written out here, so that a hit costs no call it does not need.
+it), ``served`` (int8/fp8 dequantised) and ``lastuse``. One item is a batch of one: the
+RAM tier or the store (``Reads.item``: planned, read once, served), else a miss
+(``Misses.values``), then the layer view.
 """
 
 from __future__ import annotations
@@ -29,12 +30,12 @@ from featbake.encode.hf import recipe_for_encoder
 from featbake.encode.inputs import inputs_at
 from featbake.encode.outputs import layer_of_part, part_name
 from featbake.encode.sources import source_for
-from featbake.errors import ConfigError, ShardMissing, StoreError
+from featbake.errors import ConfigError, StoreError
 from featbake.process import ProcessLocal, ProcessLocalState
 from featbake.recipe import Recipe
 from featbake.serve.index import Index, IndexSpec, ItemPlacement, build_index, raise_unreadable
 from featbake.serve.misses import LiveEncoder, Misses
-from featbake.serve.reads import Reads, located_hit, served_for
+from featbake.serve.reads import Reads, served_for
 from featbake.serve.state import (
     TOUCH_FLUSH_ITEMS,
     TOUCH_FLUSH_SECONDS,
@@ -375,7 +376,6 @@ class CachedFeatureDataset(ProcessLocalState, Dataset):
         self.recipe = recipe_for_encoder(encoder, recipe_from(recipe, options, layers))
         self._layer_view = check_layer_view(layer_view, layers)
         self._served = served_for(self.recipe, serve_dtype, dequantize)
-        self._asked = self._layer_view is not None or self._served is not None  # options set
         self.on_miss = on_miss
         self.verify, self.max_open_shards = verify, max_open_shards
         self._clock = clock
@@ -562,35 +562,11 @@ class CachedFeatureDataset(ProcessLocalState, Dataset):
             i = self._index.position(i)
         if self.revalidate:
             revalidate(self._index, st, (i,))
-        loc = st.loc[i]
-        # A remembered location is valid while its shard is open here and the item not moved.
-        if (
-            loc is not None
-            and self._layer_view is None
-            and not st.use_lru
-            and (st.verified[i] or not st.check_first)
-            and st.open_readers.get(loc.path) is loc.reader
-            and self._index.shard[i] == loc.sid
-            and not st.check_always
-        ):
-            try:  # the store's one read (dequantised as it is read), its reader leased
-                hit = located_hit(st, loc, self._served)
-            except ShardMissing:  # gone since (a bucket's gc): the general path looks it up
-                st.loc[i] = None
-                st.handles.forget(loc.path)
-            else:
-                if hit is not None:
-                    st.store_reads += 1
-                    st.touch(i)
-                    return hit
-                st.loc[i] = None  # its reader closed since (another thread evicted it)
-        if st.use_lru:
-            value = st.lru.get(i)
-            if value is not None:
-                st.touch(i)
-                return self._as_asked(value) if self._asked else value
-        value = self._misses.read_one(st, i)
-        return self._as_asked(value) if self._asked else value
+        value = self._reads.item(st, i)  # the RAM tier or the store, as served
+        if value is None:
+            value = self._reads.as_served(self._misses.values(st, [i])[0])
+        view = self._layer_view
+        return value if view is None else view_layers(value, view)
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """Read a batch at once: the DataLoader calls this with each batch's indices.
@@ -610,16 +586,15 @@ class CachedFeatureDataset(ProcessLocalState, Dataset):
             batch = self._reads.padded(st, idx, self._served)  # served: dequantised as read
             if batch is not None:
                 return batch
-        values = self._misses.read_each(st, idx)
-        return [self._as_asked(v) for v in values] if self._asked else values
-
-    def _as_asked(self, value: Any) -> Any:
-        """An item as the options ask (dequantised, then ``layer_view``), on every path but the
-        located and padded hits (run without a layer view, they dequantise what they return)."""
-        if self._served is not None:
-            value = self._served.item(value)
+        reads = self._reads
+        values = [reads.item(st, i) for i in idx]
+        missing = [j for j, v in enumerate(values) if v is None]
+        if missing:
+            found = self._misses.values(st, [idx[j] for j in missing])
+            for j, value in zip(missing, found, strict=True):
+                values[j] = reads.as_served(value)
         view = self._layer_view
-        return value if view is None else view_layers(value, view)
+        return values if view is None else [view_layers(v, view) for v in values]
 
     def _published(self, shard: SealedShard) -> None:
         """A write-back shard was sealed: point its items at it (this process's state only)."""

@@ -41,7 +41,7 @@ from featbake.store.features import Parts
 from featbake.store.fragments import open_serving_catalog
 from featbake.store.layout import Layout
 from featbake.store.open import describe
-from featbake.store.shard import SealedShard
+from featbake.store.shard import Leases, SealedShard
 
 # == miss_advice ===================================================================================
 #: Recipe field -> the `featbake build` option that sets it (mono is --mono/--no-mono).
@@ -287,7 +287,8 @@ def copied_parts(
         if not locs:
             continue
         try:
-            value = reads.located_value(st, locs)
+            with Leases() as held:
+                value = reads.read_locations(st, locs, held, not st.check_never)
         except FeatbakeError:
             continue  # gone since, or damaged: encoded like any miss
         out[i] = {"": value[part]}
@@ -517,57 +518,10 @@ class Misses:
             )
         )
 
-    def read_one(self, st: ProcessState, i: int) -> Any:
-        """Item ``i`` from the store or (a miss) encoded, kept in the RAM tier: the general path
-        of one item whose RAM tier the caller looked in (:meth:`read_each` without its lists).
-        """
-        sid = int(self.index.shard[i])
-        value = self.reads.one(st, i, sid) if sid >= 0 else None
-        if value is None:
-            value = self.values(st, [i])[0]
-        else:
-            st.touch(i)
-        if st.use_lru:
-            st.lru.put(i, value)
-        return value
-
-    def read_each(self, st: ProcessState, idx: list[int]) -> list[Any]:
-        """Items ``idx`` read one by one (RAM tier, then store), the misses encoded together.
-
-        The general path of a batch: misses, dict outputs, mixed shapes.
-        """
-        out: list[Any] = [None] * len(idx)
-        missing: list[int] = []
-        for j, i in enumerate(idx):
-            value = self.stored(st, i)
-            if value is None:
-                missing.append(j)
-            else:
-                out[j] = value
-        if missing:
-            miss_idx = [idx[j] for j in missing]
-            for j, i, value in zip(missing, miss_idx, self.values(st, miss_idx), strict=True):
-                out[j] = value
-                if st.use_lru:
-                    st.lru.put(i, value)
-        return out
-
-    def stored(self, st: ProcessState, i: int) -> Any:
-        """Item ``i`` from the RAM tier or the store (kept in the RAM tier), marked used; None
-        when neither holds it."""
-        value = st.lru.get(i) if st.use_lru else None
-        if value is None:
-            sid = int(self.index.shard[i])
-            value = self.reads.one(st, i, sid) if sid >= 0 else None
-            if value is None:
-                return None
-            if st.use_lru:
-                st.lru.put(i, value)
-        st.touch(i)
-        return value
-
     def values(self, st: ProcessState, idx: list[int]) -> list[Any]:
-        """The values of items ``idx``, none of which was found where the index said.
+        """The values of items ``idx`` (as stored), none of which was found where the index
+        said: pending in this process's write-back, found again in the catalog, copied from a
+        whole-output build, or encoded (misses encoded together); each kept in the RAM tier.
 
         Raises:
             CacheMiss: (``on_miss="error"``) an item is not in the store.
@@ -596,6 +550,9 @@ class Misses:
             out[i] = unpack(parts)
             if self.write_back:
                 self.store(st, i, parts)
+        if st.use_lru:
+            for i in idx:
+                st.lru.put(i, out[i])
         return [out[i] for i in idx]
 
     def encode(self, st: ProcessState, idx: list[int]) -> list[Parts]:

@@ -44,17 +44,20 @@ from featbake.serve.collate import PaddedBatch, alloc_batch
 from featbake.serve.index import Index
 from featbake.serve.state import Located, ProcessState, mapped_empty
 from featbake.store.catalog import SERVED, Location, recorded_serve_dtype
-from featbake.store.features import read_locations, relocated
+from featbake.store.features import relocated
 from featbake.store.layout import Layout
 from featbake.store.open import place_of
 from featbake.store.shard import (
     ST_TO_DTYPE,
     Leases,
-    ReaderClosed,
     ShardReader,
     Span,
+    SpanCheck,
+    TensorInfo,
+    corrupt_shard,
     damaged_rows,
     native_readable,
+    read_leased,
     read_spans,
     tensor_buffer,
     tensor_name,
@@ -117,25 +120,6 @@ class Served:
             return dequantize_unpacked(parts, self.scheme, self.dtype, out)
         self.check(span)
         assert out is not None
-        return out
-
-    def located(self, loc: Located) -> torch.Tensor:
-        """A located item (checked before: the dataset's hit path) read and served.
-
-        Packed rows of this scheme are read and dequantised in one pass (one call of the
-        compiled kernels where built, as a batch's rows are): no packed copy of the item is
-        made first. One ``[200, 768]`` int8 item per step read at 0.84x fp16 through a pread,
-        then a dequantise; in one pass, see ``make bench`` part ``compact``.
-
-        Raises:
-            ConfigError: the item holds values the served dtype cannot (see the module).
-            StoreError: the read failed (``ShardMissing``: the shard is gone).
-        """
-        packed = served_rows(self, loc.dtype, loc.shape)
-        if packed is None:  # not packed rows of this scheme: read as stored, then served
-            return self.item(loc.read_stored())
-        out = torch.empty((*loc.shape[:-1], packed.width), dtype=self.dtype)
-        self.check(loc.reader.read_packed_span(loc.offset, out, packed))
         return out
 
     def fitting(self, parts: Unpacked) -> Unpacked:
@@ -467,6 +451,64 @@ class _Plan(NamedTuple):
     dtype: torch.dtype
 
 
+def _owned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A buffer the caller owns (``mapped_empty``'s signature: the RAM tier's is mapped)."""
+    return torch.empty(shape, dtype=dtype)
+
+
+def _shared(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A buffer in shared memory: a DataLoader worker's item is sent to the main process
+    as it is (torch copies a tensor outside shared memory into it before it is sent)."""
+    return alloc_batch(torch.empty(0, dtype=dtype), shape)
+
+
+def item_buffers(st: ProcessState) -> Callable[[tuple[int, ...], torch.dtype], torch.Tensor]:
+    """Where this process reads an item into: its own mapping for the RAM tier (which keeps
+    it), shared memory in a DataLoader worker (one copy fewer per item: one item per step,
+    fp16 [T, 768], w=2, read at 0.84x mmap'd shards, at 1.0x with this), else the heap."""
+    return mapped_empty if st.use_lru else _shared if st.in_worker else _owned
+
+
+class PartRead(NamedTuple):
+    """One stored tensor of an item's planned read: its output part ("" for a single tensor),
+    its tensor name in the shard, where it lies (its reader leased by the plan), and its check
+    (None: not on this read)."""
+
+    part: str
+    name: str
+    loc: Located
+    check: SpanCheck | None
+
+
+def located_in(reader: ShardReader, path: Path, sid: int, name: str) -> Located:
+    """Where tensor ``name`` of shard ``sid`` (open as ``reader``) lies, from its header.
+
+    Raises:
+        StoreCorrupt: the shard holds no such tensor, or not of a dtype served.
+    """
+    return _located(reader, path, sid, name, reader.info(name))
+
+
+def _located(reader: ShardReader, path: Path, sid: int, name: str, info: TensorInfo) -> Located:
+    dtype = ST_TO_DTYPE.get(info.dtype)
+    if dtype is None:
+        raise corrupt_shard(reader.path, f"tensor {name} has a dtype featbake does not serve")
+    return Located(sid, path, reader, info.begin, info.end - info.begin, dtype, info.shape)
+
+
+def part_read(
+    reader: ShardReader, path: Path, sid: int, name: str, part: str, check: bool
+) -> PartRead:
+    """The planned read of tensor ``name`` (output ``part``) of shard ``sid``, checked or not.
+
+    Raises:
+        StoreCorrupt: the shard holds no such tensor.
+    """
+    info = reader.info(name)
+    loc = _located(reader, path, sid, name, info)
+    return PartRead(part, name, loc, reader.check_of(name, info) if check else None)
+
+
 class Reads:
     """The read paths over one dataset's :class:`Index`; stateless but for shard paths.
 
@@ -502,97 +544,169 @@ class Reads:
             st.last_path = path
         return path, reader
 
-    # -- one item -----------------------------------------------------------------------------
-    def one(self, st: ProcessState, i: int, sid: int) -> Any:
-        """Item ``i`` from shard ``sid``; None when the store no longer has it."""
+    # -- one item: plan, run, serve -----------------------------------------------------------
+    # An item is a batch of one. Its read is planned first (each stored tensor's location, its
+    # dtype and shape, whether this read checks its checksum, whether its rows are dequantised
+    # as they are read), run once (read_leased: the compiled read, or the Python fallback), then
+    # served. Every read of stored features goes through here or through a batch's plan, both
+    # with the one location check (:meth:`located`) and the one checksum rule (:meth:`checks`);
+    # every reader is leased by the plan (ShardHandles.lease) until the read is done.
+    def checks(self, st: ProcessState, i: int) -> bool:
+        """The one checksum rule: whether this read of item ``i`` checks its CRC. With
+        ``verify="first"``, the first read of it in this dataset (the flags forked workers
+        share, so a fresh worker does not check again what another checked); with
+        ``"always"`` every read; with ``"never"`` none."""
+        return st.check_always or (st.check_first and not st.verified[i])
+
+    def located(self, st: ProcessState, i: int, held: Leases) -> Located | None:
+        """The one location check: item ``i``'s remembered location, its reader leased into
+        ``held``, while it is valid: the reader is still the open one of its shard here (an
+        eviction, by this thread or another, closes it) and the index still puts the item in
+        that shard (gc may move it); None: plan from the shard's header.
+        """
+        loc = st.loc[i]
+        if (
+            loc is None
+            or self.index.shard[i] != loc.sid
+            or st.open_readers.get(loc.path) is not loc.reader
+            or not held.take(loc.reader)
+        ):
+            return None
+        if loc.path is not st.last_path:  # keep the handles' LRU order (one C call)
+            st.handles.touch(loc.path)
+            st.last_path = loc.path
+        return loc
+
+    def item(self, st: ProcessState, i: int) -> Any:
+        """Item ``i`` from the RAM tier or the store, as served (dequantised; no layer view),
+        marked used; None when neither holds it (a miss).
+
+        Raises:
+            StoreCorrupt: its bytes fail their checksum, or a row's scale is not finite.
+            ConfigError: it holds values the served dtype cannot.
+        """
+        if st.use_lru:
+            value = st.lru.get(i)
+            if value is not None:
+                st.touch(i)
+                return self.as_served(value)
+        sid = int(self.index.shard[i])
+        if sid < 0:
+            return None
         try:
             with Leases() as held:
-                value, check = self._one_held(st, i, sid, held)
+                value, served = self._item_held(st, i, sid, held)
         except ShardMissing:
             # gc compacted or dropped the shard after the index was built: look it up again.
             st.handles.forget(self.shard_path(sid))
-            return self.relocate(st, i)
-        if check:
-            st.verified[i] = 1
-        st.store_reads += 1
-        return value
+            value, served = self.relocate(st, i), False
+            if value is None:
+                return None
+        if st.use_lru:
+            st.lru.put(i, value)
+        st.touch(i)
+        return value if served else self.as_served(value)
 
-    def _one_held(self, st: ProcessState, i: int, sid: int, held: Leases) -> tuple[Any, bool]:
-        """Item ``i`` read from shard ``sid`` (leased into ``held``), and whether its checksum
-        was checked.
+    def as_served(self, value: Any) -> Any:
+        """A stored value as the dataset serves it (int8/fp8 dequantised)."""
+        return value if self.served is None else self.served.item(value)
+
+    def _item_held(self, st: ProcessState, i: int, sid: int, held: Leases) -> tuple[Any, bool]:
+        """Item ``i`` read from shard ``sid`` (its readers leased into ``held``), and whether it
+        was served as read (dequantised in one pass).
 
         Raises:
             ShardMissing: the shard is gone.
         """
-        ix = self.index
-        path, reader = self._open(st, sid, held)
-        key = ix.key(i)
-        check = st.check_always or (st.check_first and not st.verified[i])
-        mode = "always" if check else "never"
-        parts = ix.parts
-        value: Any
-        if parts == ("",) and st.use_lru:
-            value = self._read_owned(reader, key, check)
-        elif parts == ("",):
-            value = reader.read(key, verify=mode)
-            self.remember(st, i, sid, path, reader)
-        elif parts is not None:
-            value = {p: reader.read(tensor_name(key, p), verify=mode) for p in parts}
+        check = self.checks(st, i)
+        loc = None if check else self.located(st, i, held)
+        if loc is not None:  # a remembered location: one read, nothing looked up
+            name = self.index.key(i) if self.served is not None else ""  # names a damaged row
+            plan = [PartRead("", name, loc, None)]
         else:
-            return self.located_value(st, self.locate(st, key)), check
-        if self.served is not None:  # a damaged row is refused here, naming its shard
-            named = value if isinstance(value, dict) else {"": value}
-            for part, t in named.items():
-                self.served.refuse_damaged(reader, tensor_name(key, part), t)
-        return value, check
+            parts = self.index.parts
+            key = self.index.key(i)
+            if parts is None:  # not known yet (nothing stored when indexed): the catalog says
+                return self.read_locations(st, self.locate(st, key), held, check), False
+            path, reader = self._open(st, sid, held)
+            plan = [part_read(reader, path, sid, tensor_name(key, p), p, check) for p in parts]
+            if parts == ("",):
+                st.loc[i] = plan[0].loc
+        value, served = self._run(st, plan)
+        if check:
+            st.verified[i] = 1
+        st.store_reads += 1
+        return value, served
 
-    @staticmethod
-    def _read_owned(reader: ShardReader, key: str, check: bool) -> torch.Tensor:
-        """A tensor in its own mapping, for the RAM tier (see ``mapped_empty``)."""
-        info = reader.tensors.get(key)
-        dtype = ST_TO_DTYPE.get(info.dtype) if info is not None else None
-        if info is None or dtype is None:
-            return reader.read(key, verify="always" if check else "never")  # raises StoreCorrupt
-        value = mapped_empty(info.shape, dtype)
-        reader.read_into(key, value, verify=check)
-        return value
-
-    def remember(self, st: ProcessState, i: int, sid: int, path: Path, reader: ShardReader) -> None:
-        """Record where item ``i``'s tensor lies, for the located hit paths."""
-        info = reader.tensors.get(self.index.key(i))
-        dtype = ST_TO_DTYPE.get(info.dtype) if info is not None else None
-        if info is not None and dtype is not None:
-            st.loc[i] = Located(
-                sid, path, reader, info.begin, info.end - info.begin, dtype, info.shape
-            )
-
-    @staticmethod
-    def locate(st: ProcessState, key: str) -> list[Location]:
-        """The catalog's current locations of ``key`` (empty: not stored)."""
-        return st.catalog.locate(key)
-
-    def located_value(self, st: ProcessState, locs: Sequence[Location]) -> Any:
-        """A feature read from catalog locations ``locs``: its tensor, or a dict of parts.
+    def read_locations(
+        self, st: ProcessState, locs: Sequence[Location], held: Leases, check: bool
+    ) -> Any:
+        """A feature read from catalog locations ``locs`` (its readers leased into ``held``), as
+        stored: its tensor, or a dict of parts.
 
         Raises:
             ShardMissing: the catalog has no location, or a shard it names is gone.
         """
         if not locs:
             raise ShardMissing("the feature is no longer in the store")
-        with Leases() as held:
-            value = read_locations(
-                locs, lambda shard: self._open(st, self.index.sid(shard), held)[1]
+        plan = []
+        for loc in locs:
+            sid = self.index.sid(loc.shard)
+            path, reader = self._open(st, sid, held)
+            plan.append(part_read(reader, path, sid, loc.tensor, loc.part, check))
+        return self._run(st, plan, serve=False)[0]
+
+    def _run(self, st: ProcessState, plan: list[PartRead], serve: bool = True) -> tuple[Any, bool]:
+        """Run an item's planned reads once; its value (a tensor, or a dict of parts) and
+        whether it is served as read: a single tensor of packed rows, with no RAM tier (which
+        keeps the stored form), is dequantised in one pass; all else is read as stored, each
+        buffer the caller's own (in its own mapping for the RAM tier: see ``mapped_empty``).
+        """
+        served = self.served if serve and not st.use_lru and len(plan) == 1 else None
+        alloc = item_buffers(st)
+        spans, values = [], []
+        packed = None
+        for part in plan:
+            loc = part.loc
+            packed = served_rows(served, loc.dtype, loc.shape)
+            if packed is not None:  # dequantised as read (served is not None: see served_rows)
+                out = alloc((*loc.shape[:-1], packed.width), packed.dtype)
+                buf = out.reshape(-1).view(torch.uint8)
+            else:
+                buf = alloc((loc.nbytes,), torch.uint8)
+                out = buf.view(loc.dtype).view(loc.shape)
+            # Its address given: the compiled read takes no numpy ctypes of it (~1 us).
+            spans.append(
+                Span(loc.reader, loc.offset, buf.numpy(), None, part.check, buf.data_ptr())
             )
-        return value[""] if list(value) == [""] else value
+            values.append(out)
+        scales = read_leased(spans, packed)
+        if packed is not None:
+            assert served is not None
+            served.check(scales)
+        elif self.served is not None:  # a damaged row is refused here, naming its shard
+            for part, t in zip(plan, values, strict=True):
+                self.served.refuse_damaged(part.loc.reader, part.name, t)
+        if len(plan) == 1 and not plan[0].part:
+            return values[0], packed is not None
+        return {part.part: t for part, t in zip(plan, values, strict=True)}, False
+
+    @staticmethod
+    def locate(st: ProcessState, key: str) -> list[Location]:
+        """The catalog's current locations of ``key`` (empty: not stored)."""
+        return st.catalog.locate(key)
 
     def relocate(self, st: ProcessState, i: int) -> Any:
-        """Item ``i`` looked up again in the catalog (:func:`relocated`); None: a miss."""
+        """Item ``i`` looked up again in the catalog (:func:`relocated`) and read as stored;
+        None: a miss."""
         ix = self.index
-        got = relocated(
-            ix.key(i),
-            functools.partial(self.locate, st),
-            functools.partial(self.located_value, st),
-        )
+        check = self.checks(st, i)
+
+        def read(locs: list[Location]) -> Any:
+            with Leases() as held:
+                return self.read_locations(st, locs, held, check)
+
+        got = relocated(ix.key(i), functools.partial(self.locate, st), read)
         if got is None:
             ix.shard[i] = -1
             return None
@@ -600,6 +714,8 @@ class Reads:
         ix.shard[i] = ix.sid(locs[0].shard)
         if ix.parts is None:
             ix.parts = tuple(loc.part for loc in locs)
+        if check:
+            st.verified[i] = 1
         st.store_reads += 1
         return value
 
@@ -667,27 +783,16 @@ class Reads:
         self, st: ProcessState, idx: list[int], served: Served | None, held: Leases
     ) -> PaddedBatch | None:
         """:meth:`padded_located` with each item's reader leased into ``held``."""
-        locs = st.loc
-        readers = st.open_readers
-        shard = self.index.shard
-        verified = st.verified
-        check_first = st.check_first
-        first = locs[idx[0]]
+        first = st.loc[idx[0]]
         if first is None or not first.shape:
             return None
         dtype, trailing = first.dtype, first.shape[1:]
         got: list[Located] = []
         for i in idx:
-            loc = locs[i]
-            if (
-                loc is None
-                or (check_first and not verified[i])
-                or readers.get(loc.path) is not loc.reader
-                or shard[i] != loc.sid
-                or loc.dtype is not dtype
-                or loc.shape[1:] != trailing
-                or not held.take(loc.reader)
-            ):
+            if self.checks(st, i):  # this read checks it: the general path does
+                return None
+            loc = self.located(st, i, held)
+            if loc is None or loc.dtype is not dtype or loc.shape[1:] != trailing:
                 return None
             got.append(loc)
         lengths = [loc.shape[0] for loc in got]
@@ -698,12 +803,8 @@ class Reads:
         row_bytes = padded[0].nbytes
         step_bytes = padded[0][0].nbytes if len(padded[0]) else 0
         touch = st.touch
-        last = st.last_path
         spans = []
         for j, (i, loc) in enumerate(zip(idx, got, strict=True)):
-            if loc.path is not last:  # keep the handles' LRU order
-                st.handles.touch(loc.path)
-                last = st.last_path = loc.path
             start, end = j * row_bytes, j * row_bytes + loc.shape[0] * step_bytes
             spans.append(
                 Span(
@@ -814,7 +915,7 @@ class Reads:
                 path, reader = self._open(st, src.sid, held)
             except ShardMissing:
                 return None  # moved meanwhile: the general path relocates it
-            check = bool(st.check_always or (st.check_first and not st.verified[i]))
+            check = self.checks(st, i)
             start, end = j * row_bytes, j * row_bytes + src.length * step_bytes
             dest, tail = flat[start:end], flat[end : start + row_bytes]
             read.append(_RowRead(i, src.sid, path, reader, j, dest, tail, check))
@@ -823,7 +924,7 @@ class Reads:
         if served is not None and packed is not None:
             served.check(scales)
         for r in read:
-            self.remember(st, r.i, r.sid, r.path, r.reader)
+            st.loc[r.i] = located_in(r.reader, r.path, r.sid, self.index.key(r.i))
             if r.check:
                 st.verified[r.i] = 1
             if st.use_lru:  # the RAM tier owns its copy, not a view of this batch
@@ -837,25 +938,6 @@ class Reads:
     def _span(self, r: _RowRead, packed: PackedRows | None = None) -> Span:
         key = self.index.key(r.i)
         return r.reader.span(key, r.dest, verify=r.check, tail=r.tail, packed=packed)
-
-
-def located_hit(st: ProcessState, loc: Located, served: Served | None) -> Any:
-    """A located item (checked before: the dataset's hit path) read as served; None when
-    another thread closed its reader since it was checked (take the general path, which
-    opens the shard again). The read leases the reader itself, for its one pread (or
-    compiled read): a hit pays one lease.
-
-    Raises:
-        ConfigError: the item holds values the served dtype cannot.
-        StoreError: the read failed (``ShardMissing``: the shard is gone).
-    """
-    if loc.path is not st.last_path:  # keep the handles' LRU order (one C call)
-        st.handles.touch(loc.path)
-        st.last_path = loc.path
-    try:
-        return loc.read_stored() if served is None else served.located(loc)
-    except ReaderClosed:
-        return None
 
 
 def served_rows(
@@ -906,8 +988,8 @@ class _RowRead(NamedTuple):
 
 
 __all__ = [
+    "PartRead",
     "Reads",
-    "located_hit",
     "read_threads",
     "read_threads_at_most",
 ]

@@ -486,9 +486,9 @@ class Located(NamedTuple):
 
     Valid while ``reader`` is still the open handle of ``path`` here and the index still puts
     the item in shard ``sid`` (gc may move it): the hit path then costs one list index and one
-    pread instead of key decoding and header lookups. A read leases ``reader`` first (another
-    thread may have evicted it since the check: the lease then fails and the item is looked up
-    again, see ``featbake.serve.reads.located_hit``).
+    pread instead of key decoding and header lookups. ``featbake.serve.reads.Reads.located``
+    is the one check, and leases ``reader`` (another thread may have evicted it since: the
+    lease then fails and the item is planned from its shard's header again).
     """
 
     sid: int
@@ -498,16 +498,6 @@ class Located(NamedTuple):
     nbytes: int
     dtype: torch.dtype
     shape: tuple[int, ...]
-
-    def read_stored(self) -> torch.Tensor:
-        """The item's tensor as stored: one pread into memory the caller owns.
-
-        Raises:
-            StoreError: the read failed (``ShardMissing``: the shard is gone).
-        """
-        out = torch.empty(self.nbytes, dtype=torch.uint8)
-        self.reader.read_span(self.offset, out.numpy())
-        return out.view(self.dtype).view(self.shape)
 
 
 class Saver:
@@ -592,7 +582,9 @@ class ProcessState:
         self.encoder: LoadedEncoder | None = None
         self.pending_idx: dict[str, list[int]] = {}  # key -> items, written back, not sealed
         self.flags = SharedFlags(shared if shared is not None else SharedFlags.allocate(n), n)
-        if get_worker_info() is not None:
+        #: A DataLoader worker's state: its items are read into shared memory (see Reads).
+        self.in_worker = get_worker_info() is not None
+        if self.in_worker:
             self.flags.workers[0] = 1  # cache_info() in the main process is then not the sum
         self.verified = self.flags.verified
         self.touched = self.flags.touched
@@ -601,6 +593,7 @@ class ProcessState:
         self.touch_queue = self.lastuse.queue  # the same list: appended on the hot path
         self.check_first = verify == "first"
         self.check_always = verify == "always"
+        self.check_never = verify == "never"
         self.ops = 0
         self.store_reads = 0
         self.encoded = 0

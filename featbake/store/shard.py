@@ -895,7 +895,7 @@ class ShardReader:
             StoreCorrupt: the shard holds no such tensor, or its bytes fail their checksum.
             ConfigError: ``verify`` is not a :class:`VerifyMode`.
         """
-        info = self._info(name)
+        info = self.info(name)
         mode = self.verify if verify is None else verify
         if mode not in _MODES:
             mode = VerifyMode.parse(mode)
@@ -903,10 +903,15 @@ class ShardReader:
             mode == VerifyMode.FIRST and name not in self._verified
         )
         buf = torch.empty(info.end - info.begin, dtype=torch.uint8)
-        self.read_span(info.begin, buf.numpy(), self._check(name, info) if check else None)
+        self.read_span(info.begin, buf.numpy(), self.check_of(name, info) if check else None)
         return buf.view(ST_TO_DTYPE[info.dtype]).view(info.shape)
 
-    def _info(self, name: str) -> TensorInfo:
+    def info(self, name: str) -> TensorInfo:
+        """Where tensor ``name`` lies in this shard, and its checksum.
+
+        Raises:
+            StoreCorrupt: the shard holds no such tensor (the catalog says it does).
+        """
         info = self.tensors.get(name)
         if info is None:
             raise StoreCorrupt(
@@ -925,7 +930,7 @@ class ShardReader:
             StoreCorrupt: no such tensor, a short read, or (with ``verify``) a checksum mismatch.
             ConfigError: ``out`` is not a contiguous CPU tensor of the tensor's byte size.
         """
-        info = self._info(name)
+        info = self.info(name)
         nbytes = info.end - info.begin
         if out.device.type != "cpu" or not out.is_contiguous() or out.nbytes != nbytes:
             raise ConfigError(
@@ -933,7 +938,7 @@ class ShardReader:
                 f"{tuple(out.shape)} {out.dtype} on {out.device}"
             )
         dest = out.view(-1).view(torch.uint8).numpy()
-        self.read_span(info.begin, dest, self._check(name, info) if verify else None)
+        self.read_span(info.begin, dest, self.check_of(name, info) if verify else None)
 
     def span(
         self,
@@ -957,17 +962,18 @@ class ShardReader:
             StoreCorrupt: no such tensor (the read raises short reads and checksum mismatches).
             ConfigError: ``dest`` is not of the tensor's byte size.
         """
-        info = self._info(name)
+        info = self.info(name)
         want = info.end - info.begin
         if packed is not None:  # the served bytes of its rows
             want = want // (packed.width + SCALE_BYTES) * packed.width * packed.dtype.itemsize
         if dest.nbytes != want:
             raise ConfigError(f"a read of {name} needs {want} bytes, got {dest.nbytes}")
-        return Span(self, info.begin, dest, tail, self._check(name, info) if verify else None)
+        return Span(self, info.begin, dest, tail, self.check_of(name, info) if verify else None)
 
-    def _check(self, name: str, info: TensorInfo) -> SpanCheck:
-        """How ``name``'s bytes are checked: format 1's CRC-32 of the bytes, or format 2's
-        CRC-32C extending the CRC of the tensor's descriptor (name, dtype, shape)."""
+    def check_of(self, name: str, info: TensorInfo) -> SpanCheck:
+        """How tensor ``name`` (``info``, from :attr:`tensors`) is checked: format 1's CRC-32
+        of the bytes, or format 2's CRC-32C extending the CRC of the tensor's descriptor
+        (name, dtype, shape)."""
         want = _hex(info.crc)
         if self.version == "1":
             return SpanCheck(name, zlib.crc32, 0, want)
@@ -1167,13 +1173,23 @@ def read_spans(
     with Leases() as held:  # every descriptor open for the whole read (see ReaderState)
         for reader in {span.reader for span in spans}:
             held.require(reader)
-        return _read_held(spans, packed, threads)
+        return read_leased(spans, packed, threads)
 
 
-def _read_held(spans: Sequence[Span], packed: PackedRows | None, threads: int) -> ScaleSpan:
-    """:func:`read_spans` once every span's reader is leased."""
+def read_leased(
+    spans: Sequence[Span], packed: PackedRows | None = None, threads: int = 1
+) -> ScaleSpan:
+    """:func:`read_spans` where the caller holds a lease on every span's reader already (a
+    dataset's item, whose plan leased its readers): the same reads, no leases taken again.
+
+    Raises:
+        StoreCorrupt: a short read or a checksum mismatch.
+        StoreError: a read fails.
+    """
     native = kernels()
-    if native is not None and all(native_readable(s) for s in spans):
+    if native is not None and (
+        native_readable(spans[0]) if len(spans) == 1 else all(map(native_readable, spans))
+    ):
         return _read_native(native, spans, packed, threads)
     got = ScaleSpan()
     for reader, begin, dest, tail, check, _ in spans:

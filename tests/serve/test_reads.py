@@ -325,3 +325,27 @@ def test_a_loop_waiting_for_every_batch_has_each_read_wide(
                     torch.testing.assert_close(g, w)
     finally:
         sys.setswitchinterval(switch)
+
+
+def _with_sharing(item: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A worker's collate_fn for one item per step: the item, and whether it was read into
+    shared memory in the worker (before the DataLoader sends it)."""
+    return item, item.is_shared()
+
+
+def test_a_workers_item_is_read_into_shared_memory_and_served_as_live(
+    audio_dir: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    """One item per step through DataLoader workers: each item is read into shared memory in
+    its worker (torch would copy it there again before sending it), and still equals running
+    the encoder now, first epoch (checked) and later epoch (located) alike."""
+    build(audio_dir, encoder_file, cache=store_dir, workers=0)
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    want = [live_features(encoder_file, Path(ds.path(i))) for i in range(len(ds))]
+    for _epoch in range(2):
+        loader = DataLoader(ds, batch_size=None, num_workers=2, collate_fn=_with_sharing)
+        seen = [(item, shared) for item, shared in loader]
+        assert [shared for _, shared in seen] == [True] * len(ds)
+        for i, (item, _) in enumerate(seen):
+            torch.testing.assert_close(item, want[i])
+    assert ds[0].is_shared() is False  # the main process reads into its own memory
