@@ -21,6 +21,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+import featbake.serve.loader as loader_module
 import featbake.serve.reads as row_pool
 from featbake import native
 from featbake.bake.pipeline import build
@@ -28,6 +29,7 @@ from featbake.errors import StoreCorrupt
 from featbake.process import PerProcess
 from featbake.serve.collate import pad_collate
 from featbake.serve.dataset import CachedFeatureDataset
+from featbake.serve.loader import Waiting
 from tests.conftest import live_features
 
 
@@ -258,22 +260,49 @@ def test_the_loader_reads_on_one_thread_while_the_loop_has_a_batch_waiting(
         assert 1 in asked.threads  # later ones while the loop had a batch to go on with
 
 
-class _AfterTheLoopTook(torch.utils.data.Dataset):
-    """A dataset whose batch ``k`` (``k >= 1``) is read once the loop took batch ``k - 1``."""
+class _CountedWaits(Waiting):
+    """The loader's ``Waiting``, counting each time the training thread starts to wait for a
+    batch (its first wait included), so a test can see that the loop waits now."""
+
+    waits = 0
+    changed = threading.Condition()
+
+    @property  # type: ignore[override]
+    def now(self) -> bool:
+        return self.__dict__.get("_now", False)
+
+    @now.setter
+    def now(self, value: bool) -> None:
+        with _CountedWaits.changed:
+            if value and not self.__dict__.get("_now", False):
+                _CountedWaits.waits += 1
+                _CountedWaits.changed.notify_all()
+            self.__dict__["_now"] = value
+
+
+class _AfterTheLoopWaits(torch.utils.data.Dataset):
+    """A dataset whose batch ``k``, once read, waits until the loop took batch ``k - 1`` (handed
+    over during this read) and waits for batch ``k``: so the reader plans batch ``k + 1``'s
+    threads while the loop waits, with batch ``k`` held and none queued."""
 
     def __init__(self, inner: CachedFeatureDataset) -> None:
         self.inner = inner
-        self.taken = threading.Semaphore(0)  # released by the loop for each batch it takes
         self.calls = 0
+        with _CountedWaits.changed:
+            _CountedWaits.waits = 0
 
     def __len__(self) -> int:
         return len(self.inner)
 
     def __getitems__(self, idx: list[int]) -> Any:
-        if self.calls:
-            assert self.taken.acquire(timeout=60), "the loop never took the batch before"
+        got = self.inner.__getitems__(idx)
         self.calls += 1
-        return self.inner.__getitems__(idx)
+        with _CountedWaits.changed:
+            waited = _CountedWaits.changed.wait_for(
+                lambda: _CountedWaits.waits >= self.calls, timeout=60
+            )
+        assert waited, "the loop never came back to wait for the batch just read"
+        return got
 
 
 @pytest.mark.parametrize("path", ["compiled", "python"])
@@ -284,13 +313,12 @@ def test_a_loop_waiting_for_every_batch_has_each_read_wide(
     monkeypatch: pytest.MonkeyPatch,
     path: str,
 ) -> None:
-    # Read only: the loop waits for every batch. The reader holds the GIL from handing batch k
-    # over to batch k + 1's check (nothing between them releases it; a long switch interval),
-    # so the waiting loop has not taken batch k yet: that is not a batch to go on with, and
-    # batch k + 1 is read wide. The old rule (any batch queued: one thread) read every batch
-    # after the first on one thread: FeatureLoader read-only at ~0.55x DataLoader(num_workers=0)
-    # on 2 CPUs (issue 31). The dataset waits for the loop to take batch k - 1 before it reads
-    # batch k, so the reader is never a batch ahead of a loop that keeps up.
+    # Read only: the loop waits for every batch. The reader holds batch k until batch k + 1's
+    # rows are read, so a waiting loop has none to go on with though one batch is held: batch
+    # k + 1 is read wide. The old rule (any batch ready: one thread) read every batch after the
+    # first on one thread: FeatureLoader read-only at ~0.55x DataLoader(num_workers=0) on 2 CPUs
+    # (issue 31). The dataset returns batch k once the loop waits for it, so the reader plans
+    # each batch's threads while the loop waits, however the threads are scheduled.
     from featbake import FeatureLoader
 
     if path == "compiled" and native.kernels() is None:
@@ -305,6 +333,7 @@ def test_a_loop_waiting_for_every_batch_has_each_read_wide(
         return asked[-1]
 
     monkeypatch.setattr(row_pool, "read_threads", recorded)
+    monkeypatch.setattr(loader_module, "Waiting", _CountedWaits)
     build(audio_dir, encoder_file, cache=store_dir, workers=0)
     ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
     want = [live_features(encoder_file, Path(ds.path(i))) for i in range(len(ds))]
@@ -314,10 +343,9 @@ def test_a_loop_waiting_for_every_batch_has_each_read_wide(
         with native.fallback() if path == "python" else contextlib.nullcontext():
             for _epoch in range(2):  # first: checked reads (_fill); later: located reads
                 asked.clear()
-                slow = _AfterTheLoopTook(ds)
+                slow = _AfterTheLoopWaits(ds)
                 got: list[torch.Tensor] = []
                 for padded, lengths in FeatureLoader(slow, 2, shuffle=False, prefetch=2):
-                    slow.taken.release()  # nothing else: the loop waits for the next batch
                     got += [padded[j, :n] for j, n in enumerate(lengths.tolist())]
                 assert len(asked) == slow.calls > 1 and all(t == 2 for t in asked), asked
                 assert len(got) == len(ds)
