@@ -13,7 +13,7 @@ from featbake.encode.encoders import PICKLE, LoadedEncoder, detect_kind
 from featbake.keys import sha256_file, sha256_hex
 from featbake.process import map_in_threads
 from featbake.progress import Progress
-from featbake.store.catalog import ENCODER_FP_PREFIX, FileStat, HashCache, HashRow
+from featbake.store.hash_cache import ENCODER_FP_PREFIX, FileStat, HashCache, HashRow
 
 # == held ==========================================================================================
 # Input bytes kept from hashing for decoding: a first build reads each input once.

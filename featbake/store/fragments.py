@@ -56,23 +56,17 @@ from featbake.errors import ShardMissing, StoreCorrupt, StoreError
 from featbake.store.catalog import (
     Access,
     Catalog,
-    HashCacheRow,
-    HashEntry,
-    HashRow,
     Location,
-    Measured,
-    Root,
-    RootItem,
-    RootSpec,
     ServingStore,
     ShardFeature,
     columns,
     open_sqlite,
-    read_undecodable,
-    write_fidelity,
     write_root_rows,
 )
+from featbake.store.fidelity import Measured, write_fidelity
+from featbake.store.hash_cache import HashCacheRow, HashEntry, HashRow
 from featbake.store.layout import Layout, announce, detect, fsync_dir
+from featbake.store.roots import Root, RootItem, RootSpec, read_undecodable
 from featbake.store.shard import SealedShard, ShardEntry
 
 

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from featbake.errors import ConfigError, StoreError
 from featbake.store.bucket import TIER_MARK, BucketStore
-from featbake.store.catalog import READ_ONLY_ENV, Catalog, Root, read_only_forced
+from featbake.store.catalog import READ_ONLY_ENV, Catalog, read_only_forced
 from featbake.store.fragments import (
     MergeReport,
     fragment_shard_names,
@@ -45,6 +45,7 @@ from featbake.store.layout import (
 )
 from featbake.store.objects import ObjectStore
 from featbake.store.place import Place, remote_place
+from featbake.store.roots import Root
 from featbake.store.url import BucketURL, is_url
 from featbake.units import parse_bytes
 

@@ -25,18 +25,11 @@ from featbake.keys import sha256_file
 from featbake.process import map_in_threads
 from featbake.progress import GcProgress
 from featbake.store.catalog import (
-    ENCODER_FP_PREFIX,
     Catalog,
-    FileStat,
-    HashCacheRow,
-    Root,
     ShardRow,
     catalog_file_problems,
     feature_rows,
     hash_cache_rows,
-    root_file,
-    roots_dir,
-    tombstone_file,
 )
 from featbake.store.containers import (
     Member,
@@ -51,9 +44,11 @@ from featbake.store.containers import (
     stored_cell_kind,
 )
 from featbake.store.fragments import fragment_shard_names, unmerged_builds
+from featbake.store.hash_cache import ENCODER_FP_PREFIX, FileStat, HashCacheRow
 from featbake.store.layout import FolderListing, Layout, list_folder, shard_name
 from featbake.store.open import place_of
 from featbake.store.place import Place
+from featbake.store.roots import Root, root_file, roots_dir, tombstone_file
 from featbake.store.shard import ST_TO_DTYPE, ShardEntry, ShardReader, TensorInfo, split_tensor_name
 from featbake.upkeep.files import existing_store, read_manifest
 

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from featbake.errors import StoreCorrupt, StoreError
-from featbake.store.catalog import Root, RootItem, read_root_file
 from featbake.store.layout import Layout, VerifyScope
 from featbake.store.open import Need, StoreRef, open_store, place_of
+from featbake.store.roots import Root, RootItem, read_root_file
 
 
 def quarantine(layout: Layout, path: Path) -> Path:

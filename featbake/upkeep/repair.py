@@ -25,20 +25,12 @@ from featbake.errors import ConfigError, StoreCorrupt, StoreError
 from featbake.keys import feature_key, sha256_file
 from featbake.progress import GcProgress
 from featbake.store.byteplace import bytes_at
-from featbake.store.catalog import (
-    ENCODER_FP_PREFIX,
-    Catalog,
-    FeatureRef,
-    OldCatalog,
-    ShardRow,
-    read_old_catalog,
-    root_file,
-    roots_dir,
-    tombstone_file,
-    write_root_file,
-)
+from featbake.store.catalog import Catalog, FeatureRef, ShardRow
+from featbake.store.hash_cache import ENCODER_FP_PREFIX
 from featbake.store.layout import Layout, VerifyScope, exclusive_write_lock, remove_file
+from featbake.store.old_catalog import OldCatalog, read_old_catalog
 from featbake.store.open import StoreRef, place_of
+from featbake.store.roots import root_file, roots_dir, tombstone_file, write_root_file
 from featbake.store.shard import (
     SealedShard,
     ShardReader,

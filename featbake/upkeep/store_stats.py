@@ -9,9 +9,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from featbake.store.catalog import QUANTISED, Catalog, Root, ShardRow, ShardUsage, read_fidelity
+from featbake.store.catalog import Catalog, ShardRow, ShardUsage
+from featbake.store.fidelity import QUANTISED, read_fidelity
 from featbake.store.layout import Change, Layout, list_folder
 from featbake.store.open import StoreRef, commit, open_catalog, place_of, resolve_root
+from featbake.store.roots import Root
 
 
 @dataclass(frozen=True)

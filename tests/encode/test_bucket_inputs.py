@@ -23,7 +23,7 @@ from featbake.encode.sources import load_unchanged, source_for
 from featbake.errors import SourceError, StoreError
 from featbake.recipe import Recipe
 from featbake.store.bucket import Bucket, ListedPage, ObjectInfo
-from featbake.store.catalog import FileStat
+from featbake.store.hash_cache import FileStat
 from featbake.store.url import BucketURL
 from featbake.testing import write_audio_folder
 from tests.conftest import invoke, live_features

@@ -31,7 +31,7 @@ from featbake.errors import ShardMissing, StoreCorrupt, StoreError
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.serve.state import TOUCH_FLUSH_SECONDS, TOUCH_FLUSH_SECONDS_SHARED, WRITEBACK_SECONDS
 from featbake.store import fragments as fragments_module
-from featbake.store.catalog import Catalog, FileStat, HashRow, RootSpec, hash_cache_rows
+from featbake.store.catalog import Catalog, hash_cache_rows
 from featbake.store.fragments import (
     BuildInfo,
     FragmentCatalog,
@@ -45,7 +45,9 @@ from featbake.store.fragments import (
     sealed_fragments,
     write_fragment,
 )
+from featbake.store.hash_cache import FileStat, HashRow
 from featbake.store.layout import Layout, SharedFilesystemWarning
+from featbake.store.roots import RootSpec
 from featbake.store.shard import SealedShard, ShardEntry, write_shard
 from featbake.testing import make_tone, write_audio_folder
 from tests.conftest import REPO, invoke, live_features, run_cli

@@ -17,10 +17,11 @@ from torch.utils.data import DataLoader, Dataset
 
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.store.bucket import ObjectInfo, kept_versions, sweep, version_name
-from featbake.store.catalog import Catalog, RootSpec
+from featbake.store.catalog import Catalog
 from featbake.store.features import FeatureReader
 from featbake.store.fragments import sealed_fragments
 from featbake.store.layout import Layout, SharedFilesystemWarning
+from featbake.store.roots import RootSpec
 from featbake.store.shard import write_shard
 from featbake.testing import TinyConvEncoder, save_torchscript, write_audio_folder
 from featbake.upkeep import CRASH_ENV, CRASH_POINTS, GcOptions, execute_gc, plan_gc, verify
@@ -342,7 +343,7 @@ def test_gc_keeps_what_a_list_of_paths_dataset_wrote(
 def test_extend_root_keeps_features_written_without_a_folder(store_dir: Path) -> None:
     """Writers with no data folder (CachedEncoder) append their keys to a root: gc keeps them
     until that root is dropped, and the root's manifest file stays in step with the catalog."""
-    from featbake.store.catalog import read_root_file, root_file
+    from featbake.store.roots import read_root_file, root_file
 
     layout = Layout(store_dir).ensure()
     cat = Catalog(layout)
