@@ -56,9 +56,10 @@ from featbake.progress import Progress
 from featbake.recipe import Recipe
 from featbake.store.catalog import BuildCatalog, Catalog
 from featbake.store.features import Parts
-from featbake.store.fragments import FragmentCatalog, RankPart, adopt_sealed_parts
+from featbake.store.fragment_catalog import FragmentCatalog, RankPart
 from featbake.store.hash_cache import FileStat, HashCache
 from featbake.store.layout import Layout
+from featbake.store.merge import adopt_sealed_parts
 from featbake.store.open import Need, StoreRef, open_store, place_of
 from featbake.store.roots import RootSpec
 from featbake.store.shard import DEFAULT_SHARD_BYTES

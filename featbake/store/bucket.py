@@ -33,10 +33,8 @@ from featbake.errors import ConfigError, FeatbakeError, ShardMissing, StoreCorru
 from featbake.process import PerProcess, ProcessLocal, ProcessLocalState
 from featbake.store.catalog import Access, open_sqlite
 from featbake.store.fragments import (
-    MergeReport,
     fragment_shard_names,
     fragments_dir,
-    merge,
     parse_name,
     sealed_fragments,
 )
@@ -53,6 +51,7 @@ from featbake.store.layout import (
     publish_file,
     unnamed_past,
 )
+from featbake.store.merge import MergeReport, merge
 from featbake.store.objects import CLIENT_CONNECTIONS as CLIENT_CONNECTIONS
 from featbake.store.objects import LIST_PAGE_KEYS as LIST_PAGE_KEYS
 from featbake.store.objects import ListedPage as ListedPage

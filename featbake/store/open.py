@@ -20,13 +20,7 @@ from typing import Any, TypeVar
 from featbake.errors import ConfigError, StoreError
 from featbake.store.bucket import TIER_MARK, BucketStore
 from featbake.store.catalog import READ_ONLY_ENV, Catalog, read_only_forced
-from featbake.store.fragments import (
-    MergeReport,
-    fragment_shard_names,
-    merge,
-    sealed_fragments,
-    serving_mode,
-)
+from featbake.store.fragments import fragment_shard_names, sealed_fragments
 from featbake.store.layout import (
     Change,
     Held,
@@ -35,6 +29,8 @@ from featbake.store.layout import (
     Swept,
     TierUsage,
     VerifyScope,
+    announce,
+    detect,
     layout_at,
     list_folder,
     remove_file,
@@ -43,6 +39,7 @@ from featbake.store.layout import (
     shared_write_lock,
     unnamed_past,
 )
+from featbake.store.merge import MergeReport, merge
 from featbake.store.objects import ObjectStore
 from featbake.store.place import Place, remote_place
 from featbake.store.roots import Root
@@ -287,7 +284,23 @@ class LocalPlace:
         return merge(self.layout)
 
     def serving_mode(self) -> bool:
-        return serving_mode(self.layout)  # fragments on a shared filesystem only
+        """Fragments on a shared filesystem only, where SQLite must not be written from many
+        hosts; says so in one line (a :class:`~featbake.store.layout.SharedFilesystemWarning`),
+        once per store per process.
+
+        Raises:
+            ConfigError: ``$FEATBAKE_SHARED_FS`` holds something other than 1, 0 or auto.
+        """
+        mode = detect(self.layout.root)
+        if mode.shared:
+            announce(
+                f"serve:{self.layout.root}",
+                f"the store {self.layout.root} is on a shared filesystem ({mode.reason}): "
+                "datasets read its catalog read-only and record written-back features and "
+                "last-use times in fragments/ until `featbake merge` folds them in (SQLite cannot "
+                "be written safely from many hosts)",
+            )
+        return mode.shared
 
     def follow_blocks(self, windows: Sequence[Sequence[str]] | None) -> bool:
         return False  # shards are read where they are: nothing to fetch ahead

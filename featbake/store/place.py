@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol, TypeVar, runtime_checkable
 
-from featbake.store.fragments import MergeReport
 from featbake.store.layout import Change, Layout, Sweep, Swept, TierUsage, VerifyScope
+from featbake.store.merge import MergeReport
 from featbake.store.shard import ShardReader
 
 T = TypeVar("T")
@@ -106,7 +106,7 @@ class Place(Protocol):
     def serving_mode(self) -> bool:
         """Whether datasets and ``CachedEncoder`` write fragments here rather than the catalog
         (a bucket, or a directory on a shared filesystem: see
-        :func:`featbake.store.fragments.serving_mode`)."""
+        :meth:`featbake.store.open.LocalPlace.serving_mode`)."""
         ...
 
     def follow_blocks(self, windows: Sequence[Sequence[str]] | None) -> bool:

@@ -43,9 +43,10 @@ from featbake.store.containers import (
     split_item_path,
     stored_cell_kind,
 )
-from featbake.store.fragments import fragment_shard_names, unmerged_builds
+from featbake.store.fragments import fragment_shard_names
 from featbake.store.hash_cache import ENCODER_FP_PREFIX, FileStat, HashCacheRow
 from featbake.store.layout import FolderListing, Layout, list_folder, shard_name
+from featbake.store.merge import unmerged_builds
 from featbake.store.open import place_of
 from featbake.store.place import Place
 from featbake.store.roots import Root, root_file, roots_dir, tombstone_file

@@ -378,8 +378,9 @@ def test_gc_and_verify_while_a_merge_folds_in_and_removes_a_fragment(
     Here the merge runs at exactly that moment: gc and verify finish, and gc, even with no grace,
     plans to delete none of the merged shards (they moved into the catalog meanwhile)."""
     import featbake.store.fragments as fragments
+    import featbake.store.merge as merging
     from featbake.bake.pipeline import build
-    from featbake.store.fragments import merge
+    from featbake.store.merge import merge
 
     store = tmp_path / "store"
     build(audio_dir / "fixed", encoder_file, cache=store, workers=0)  # the store's catalog
@@ -390,19 +391,23 @@ def test_gc_and_verify_while_a_merge_folds_in_and_removes_a_fragment(
     layout = Layout(store)
     listing = fragments.sealed_fragments
 
+    def list_with(lister) -> None:  # every module that lists sealed fragments
+        for module in (fragments, merging):
+            monkeypatch.setattr(module, "sealed_fragments", lister)
+
     def listed_then_merged(lay: Layout):  # the listing a reader made, then the merge ran
         found = listing(lay)
         if found and any(f.path.exists() for f in found):
-            monkeypatch.setattr(fragments, "sealed_fragments", listing)
+            list_with(listing)
             merge(layout)
             assert not any(f.path.exists() for f in found)
         return found
 
-    monkeypatch.setattr(fragments, "sealed_fragments", listed_then_merged)
+    list_with(listed_then_merged)
     plan = plan_gc(store, GcOptions(grace=0))
     assert not plan.orphan_shards
     assert invoke("verify", "--cache", store).returncode == 0  # merged: a clean store
-    monkeypatch.setattr(fragments, "sealed_fragments", listed_then_merged)
+    list_with(listed_then_merged)
     checked = verify(store)
     assert checked.status == "clean", checked.findings
     execute_gc(plan)
