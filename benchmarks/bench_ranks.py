@@ -27,13 +27,13 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
-from featbake.store.catalog import FileStat, HashCacheRow
 from featbake.store.fragments import (
     BuildInfo,
     FragmentKind,
     ManifestItem,
     write_fragment,
 )
+from featbake.store.hash_cache import FileStat, HashCacheRow
 from featbake.store.layout import Layout
 from featbake.store.shard import SealedShard, ShardEntry
 from featbake.testing import TinyConvEncoder, save_torchscript, write_audio_folder

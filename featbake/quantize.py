@@ -42,7 +42,7 @@ from featbake.native import kernels
 #
 # A quantised build (``--dtype int8`` / ``fp8``) tallies a sample of items as it stores them
 # (:class:`FidelityTally`, whose running sums merge across the parts of a build done in parts) and
-# records the result (:class:`Fidelity`) beside its root (:mod:`featbake.store.catalog`).
+# records the result (:class:`Fidelity`) beside its root (:mod:`featbake.store.fidelity`).
 @dataclass(frozen=True)
 class Fidelity:
     """What quantisation did to a sample of items, against the encoder's float output.

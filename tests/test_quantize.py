@@ -38,7 +38,7 @@ from featbake.recipe import Recipe
 from featbake.serve.collate import PaddedBatch, pad_collate
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.serve.loader import FeatureLoader
-from featbake.store.catalog import fidelity_file, read_fidelity, recorded_serve_dtype
+from featbake.store.fidelity import fidelity_file, read_fidelity, recorded_serve_dtype
 from featbake.store.fragments import sealed_fragments
 from featbake.store.layout import Layout
 from featbake.store.shard import ShardReader

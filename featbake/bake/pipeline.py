@@ -54,11 +54,14 @@ from featbake.gcpause import gc_paused
 from featbake.keys import feature_key, root_id
 from featbake.progress import Progress
 from featbake.recipe import Recipe
-from featbake.store.catalog import BuildCatalog, Catalog, FileStat, HashCache, RootSpec
+from featbake.store.catalog import BuildCatalog, Catalog
 from featbake.store.features import Parts
-from featbake.store.fragments import FragmentCatalog, RankPart, adopt_sealed_parts
+from featbake.store.fragment_catalog import FragmentCatalog, RankPart
+from featbake.store.hash_cache import FileStat, HashCache
 from featbake.store.layout import Layout
+from featbake.store.merge import adopt_sealed_parts
 from featbake.store.open import Need, StoreRef, open_store, place_of
+from featbake.store.roots import RootSpec
 from featbake.store.shard import DEFAULT_SHARD_BYTES
 
 # == parts =========================================================================================
@@ -192,7 +195,7 @@ def finish_part(layout: Layout, spec: RankSpec) -> bool:
 # stored one: the catalog's rows of those keys are dropped first (their old bytes are unreferenced
 # and gc reclaims them), so the new rows go in. A rank of a build in parts cannot change its
 # sealed fragments: its new rows go into later fragments, and the merge folds a build's newer
-# fragments first (store/fragments.py), so they win.
+# fragments first (store/merge.py), so they win.
 class PaddedItem(NamedTuple):
     """An item a padded batch stored: its key, its input, and the stat its key was hashed at
     (decoding it again checks the file did not change since)."""
@@ -610,7 +613,7 @@ class _Bake:
     def record_undecodable(self) -> None:
         """Record beside the root the keys of the inputs its manifest names that this build
         skipped (undecodable, or failing the encoder), so that a dataset leaves them out as
-        the build did instead of calling them misses (see store/catalog.py, ``undecodable``).
+        the build did instead of calling them misses (see store/roots.py, ``undecodable``).
         Inputs skipped before they had a key (unreadable, not regular files) are not named."""
         reasons = dict(self.report.failed)
         failed = {key: reasons[rel] for rel, key in self.manifest if rel in reasons}

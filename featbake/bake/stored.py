@@ -11,7 +11,8 @@ from featbake.bake.report import BuildReport
 from featbake.encode.outputs import stored_parts
 from featbake.quantize import Fidelity, ScaleSpan, dequantize, unpack
 from featbake.recipe import Recipe
-from featbake.store.catalog import SERVED, BuildCatalog, Measured
+from featbake.store.catalog import BuildCatalog
+from featbake.store.fidelity import SERVED, Measured
 
 
 # == finite ========================================================================================

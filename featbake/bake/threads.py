@@ -26,7 +26,8 @@ from featbake.device import one_intra_op_thread_here
 from featbake.encode.fingerprints import HeldBytes
 from featbake.encode.sources import Source, load_unchanged
 from featbake.errors import SourceError
-from featbake.store.catalog import BuildCatalog, Catalog, FileStat
+from featbake.store.catalog import BuildCatalog, Catalog
+from featbake.store.hash_cache import FileStat
 from featbake.store.layout import Layout
 from featbake.store.shard import DEFAULT_SHARD_ITEMS, ShardWriter
 

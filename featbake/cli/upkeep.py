@@ -195,7 +195,8 @@ def roots(
 
 def _print_pending(cache: Any) -> None:
     """Sharded builds whose fragments are not merged yet: their roots are not published."""
-    from featbake.store.fragments import pending_builds, serving_fragments
+    from featbake.store.fragments import serving_fragments
+    from featbake.store.merge import pending_builds
     from featbake.store.open import Need, open_store
 
     layout = open_store(cache, need=Need.STORE)

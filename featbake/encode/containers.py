@@ -53,7 +53,6 @@ from featbake.store.byteplace import expand_braces as expand_braces
 from featbake.store.byteplace import hidden_name as hidden_name
 from featbake.store.byteplace import object_fetch as object_fetch
 from featbake.store.byteplace import ranged_object as ranged_object
-from featbake.store.catalog import FileStat, HashCache, HashRow
 from featbake.store.containers import (
     TAR_SUFFIXES,
     CellKind,
@@ -71,6 +70,7 @@ from featbake.store.containers import (
     split_item_path,
     stat_around,
 )
+from featbake.store.hash_cache import FileStat, HashCache, HashRow
 from featbake.store.objects import ObjectInfo, object_stat
 
 if TYPE_CHECKING:

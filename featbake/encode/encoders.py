@@ -27,7 +27,7 @@ from featbake.encode.identity import (
 )
 from featbake.errors import EncodeError, EncoderLoadError, FeatbakeError
 from featbake.keys import module_fingerprint
-from featbake.store.catalog import FileStat
+from featbake.store.hash_cache import FileStat
 
 
 # == failures ======================================================================================

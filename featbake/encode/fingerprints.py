@@ -12,7 +12,7 @@ from typing import BinaryIO
 from featbake.encode.encoders import PICKLE, LoadedEncoder, detect_kind
 from featbake.keys import sha256_file, sha256_hex
 from featbake.progress import Progress
-from featbake.store.catalog import ENCODER_FP_PREFIX, FileStat, HashCache, HashRow
+from featbake.store.hash_cache import ENCODER_FP_PREFIX, FileStat, HashCache, HashRow
 from featbake.threadpool import map_in_threads
 
 # == held ==========================================================================================

@@ -19,7 +19,7 @@ from featbake.encode.sources import ScanResult, Source, scan_inputs, source_exte
 from featbake.errors import ConfigError, FeatbakeError
 from featbake.progress import Progress
 from featbake.store.byteplace import bytes_at
-from featbake.store.catalog import FileStat, HashCache, HashEntry, HashRow
+from featbake.store.hash_cache import FileStat, HashCache, HashEntry, HashRow
 
 #: Names other modules import from here (bucket inputs live in :mod:`featbake.encode.objects`).
 __all__ = [

@@ -97,7 +97,7 @@ from featbake.process import ProcessLocal, ProcessLocalState
 from featbake.progress import Progress
 from featbake.store.bucket import ObjectBytes
 from featbake.store.byteplace import bytes_at, object_bytes, object_range
-from featbake.store.catalog import FileStat, HashCache
+from featbake.store.hash_cache import FileStat, HashCache
 from featbake.store.url import BucketURL
 
 #: The input column when ``--column`` is not given.

@@ -31,7 +31,7 @@ from featbake.store.byteplace import just_before as just_before
 from featbake.store.byteplace import object_at as object_at
 from featbake.store.byteplace import read_object as read_object
 from featbake.store.byteplace import stat_objects as stat_objects
-from featbake.store.catalog import COARSE_RACY_FACTOR, RACY_NS, FileStat, HashCache, HashRow
+from featbake.store.hash_cache import COARSE_RACY_FACTOR, RACY_NS, FileStat, HashCache, HashRow
 from featbake.store.objects import ObjectInfo
 from featbake.store.objects import object_stat as object_stat
 from featbake.store.url import BucketURL

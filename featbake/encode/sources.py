@@ -31,7 +31,7 @@ from featbake.encode.hf import load_tokenizer, tokenizer_files_digest
 from featbake.errors import ConfigError, SourceError
 from featbake.process import ProcessLocal, ProcessLocalState
 from featbake.recipe import Recipe, TextRecipe
-from featbake.store.catalog import FileStat
+from featbake.store.hash_cache import FileStat
 
 
 class Source(Protocol):

@@ -40,7 +40,7 @@ from featbake.encode.sources import SkippedInput, Source
 from featbake.errors import SourceError
 from featbake.keys import sha256_hex
 from featbake.progress import Progress
-from featbake.store.catalog import FileStat, HashCache
+from featbake.store.hash_cache import FileStat, HashCache
 
 #: The input column when ``--column`` is not given.
 TEXT_COLUMN = "text"

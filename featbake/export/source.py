@@ -28,10 +28,12 @@ import torch
 
 from featbake.errors import ConfigError, StoreError
 from featbake.progress import GcProgress
-from featbake.store.catalog import QUANTISED, Catalog, Location, Root
+from featbake.store.catalog import Catalog, Location
 from featbake.store.features import FeatureReader
+from featbake.store.fidelity import QUANTISED
 from featbake.store.layout import Layout
 from featbake.store.open import StoreRef, open_catalog, resolve_root
+from featbake.store.roots import Root
 
 #: Items read per catalog query and per batch handed to a format.
 READ_BATCH = 256

@@ -45,9 +45,10 @@ from featbake.process import ProcessLocal, ProcessLocalState
 from featbake.recipe import Recipe
 from featbake.serve.reads import Served, served_for
 from featbake.serve.state import WriteBack, pending_in_process
-from featbake.store.catalog import Catalog, RootSpec
+from featbake.store.catalog import Catalog
 from featbake.store.features import FeatureReader
 from featbake.store.open import open_store, place_of
+from featbake.store.roots import RootSpec
 from featbake.store.shard import SealedShard, tensor_buffer
 from featbake.units import parse_bytes
 

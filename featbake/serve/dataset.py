@@ -53,8 +53,8 @@ from featbake.serve.state import (
     save_at_exit,
     store_read_only,
 )
-from featbake.store.catalog import FileStat
-from featbake.store.fragments import open_serving_catalog
+from featbake.store.fragment_catalog import open_serving_catalog
+from featbake.store.hash_cache import FileStat
 from featbake.store.layout import Layout
 from featbake.store.open import describe, open_store, place_of
 from featbake.store.shard import SealedShard

@@ -28,7 +28,9 @@ from featbake.encode.inputs import Inputs, inputs_at, keeps_order
 from featbake.encode.sources import check_input_files
 from featbake.errors import SourceError
 from featbake.keys import feature_key, root_id, sha256_hex
-from featbake.store.catalog import FileStat, RootSpec, ServingStore
+from featbake.store.catalog import ServingStore
+from featbake.store.hash_cache import FileStat
+from featbake.store.roots import RootSpec
 
 __all__ = ["NO_STAT", "Index", "IndexSpec", "ItemPlacement", "build_index"]
 

@@ -36,9 +36,10 @@ from featbake.recipe import Recipe
 from featbake.serve.index import Index
 from featbake.serve.reads import Reads
 from featbake.serve.state import ProcessState, pending_in_process
-from featbake.store.catalog import Catalog, FileStat, HashEntry, ServingStore
+from featbake.store.catalog import Catalog, ServingStore
 from featbake.store.features import Parts
-from featbake.store.fragments import open_serving_catalog
+from featbake.store.fragment_catalog import open_serving_catalog
+from featbake.store.hash_cache import FileStat, HashEntry
 from featbake.store.layout import Layout
 from featbake.store.open import describe
 from featbake.store.shard import Leases, SealedShard

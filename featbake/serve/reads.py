@@ -43,8 +43,9 @@ from featbake.recipe import STORED_DTYPES, Recipe
 from featbake.serve.collate import PaddedBatch, alloc_batch
 from featbake.serve.index import Index
 from featbake.serve.state import Located, ProcessState, mapped_empty
-from featbake.store.catalog import SERVED, Location, recorded_serve_dtype
+from featbake.store.catalog import Location
 from featbake.store.features import relocated
+from featbake.store.fidelity import SERVED, recorded_serve_dtype
 from featbake.store.layout import Layout
 from featbake.store.open import place_of
 from featbake.store.shard import (

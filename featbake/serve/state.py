@@ -30,7 +30,7 @@ from featbake.lru import ByteLRU, CacheInfo
 from featbake.process import ProcessStamp
 from featbake.store.catalog import Access, ServingStore, access_for
 from featbake.store.features import ShardHandles
-from featbake.store.fragments import open_serving_catalog
+from featbake.store.fragment_catalog import open_serving_catalog
 from featbake.store.layout import Layout
 from featbake.store.shard import Leases, SealedShard, ShardReader, ShardWriter
 

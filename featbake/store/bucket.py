@@ -34,14 +34,13 @@ from featbake.store.blocks import BlockPlan, BlockWindowWarning, windows_over
 from featbake.store.catalog import Access, open_sqlite
 from featbake.store.files import publish_file
 from featbake.store.fragments import (
-    MergeReport,
     fragment_shard_names,
     fragments_dir,
-    merge,
     parse_name,
     sealed_fragments,
 )
 from featbake.store.layout import Layout, checked_shard_name, is_shard_name
+from featbake.store.merge import MergeReport, merge
 from featbake.store.objects import CLIENT_CONNECTIONS as CLIENT_CONNECTIONS
 from featbake.store.objects import LIST_PAGE_KEYS as LIST_PAGE_KEYS
 from featbake.store.objects import ListedPage as ListedPage

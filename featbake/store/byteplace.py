@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import ClassVar, NamedTuple
 
 from featbake.errors import ConfigError, SourceError, StoreError
-from featbake.store.catalog import FileStat
 from featbake.store.containers import (
     CONTAINER_SUFFIXES,
     Holder,
@@ -52,6 +51,7 @@ from featbake.store.containers import (
     stat_or_none,
     table_files,
 )
+from featbake.store.hash_cache import FileStat
 from featbake.store.objects import (
     CLIENT_CONNECTIONS,
     LIST_PAGE_KEYS,

@@ -1,12 +1,20 @@
 """The SQLite catalog: an index over the shards (features, shards, encoders, roots, hash cache).
 
-Split by job: ``schema`` (tables, version, migrations), ``rows`` (typed records), ``connection``
-(per-thread and per-process connections, read-only opening, the transaction helper),
-``feature_rows`` (feature rows, hash cache, encoders), ``roots`` (root rows and ``roots/*.json``),
-``maintenance`` (what stats, gc and verify need). Each job module has one class over the
-connection (``FeatureRows``, ``RootRows``, ``UpkeepRows``); :class:`Catalog` combines the three;
-``Catalog(layout, read_only=True)`` opens it ``mode=ro`` (stats, export, inspection, a store on
-a read-only mount), where SQLite itself refuses every write.
+The store's ``catalog.sqlite`` and every query on it, in this order: the schema (tables, version,
+migrations); the typed records of its rows; connections (per thread and per process, read-only
+opening, the transaction helper); feature rows, the hash cache and encoders
+(:class:`FeatureRows`); root rows (:class:`RootRows`, which writes a root's files through
+:mod:`featbake.store.roots` inside its transactions); what stats, gc and verify read and change
+(:class:`UpkeepRows`); :class:`Catalog`, which combines the three; the queries only upkeep runs;
+and the Protocols builds and datasets are typed against (:class:`BuildCatalog`,
+:class:`ServingStore`), which :class:`~featbake.store.fragment_catalog.FragmentCatalog` answers
+too. ``Catalog(layout, read_only=True)`` opens it ``mode=ro`` (stats, export, inspection, a store
+on a read-only mount), where SQLite itself refuses every write.
+
+What lives beside the catalog has modules of its own: the hash cache's records and trust rule
+(:mod:`featbake.store.hash_cache`), a root and its files (:mod:`featbake.store.roots`), a root's
+fidelity record (:mod:`featbake.store.fidelity`), and what survives of a catalog that cannot be
+used as is (:mod:`featbake.store.old_catalog`).
 
 Example:
     >>> with Catalog(Layout(Path(".featbake")).ensure()) as cat:  # doctest: +SKIP
@@ -15,7 +23,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -29,18 +36,30 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
-import torch
-
-from featbake.errors import ShardMissing, StoreCorrupt, StoreError
+from featbake.errors import ShardMissing, StoreError
 from featbake.process import PerThread, ProcessLocalState
-from featbake.quantize import Fidelity, FidelityTally, ScaleSpan, Scheme
-from featbake.store.files import fsync_dir, publish_file, remove_file
+from featbake.store.fidelity import Measured, fidelity_file, write_fidelity
+from featbake.store.files import fsync_dir, remove_file
 from featbake.store.filesystem import set_journal_mode
-from featbake.store.layout import Layout, checked_root_name
+from featbake.store.hash_cache import HashCacheRow, HashEntry, HashRow, trusted_entry
+from featbake.store.layout import Layout
 from featbake.store.place import holds_shard
+from featbake.store.roots import (
+    Root,
+    RootItem,
+    RootSpec,
+    append_root_items,
+    items_file,
+    read_undecodable,
+    root_file,
+    tombstone_file,
+    undecodable_file,
+    unlink_quietly,
+    write_root_file,
+    write_undecodable,
+)
 from featbake.store.shard import SealedShard, ShardEntry, tensor_name
 
-# == schema ========================================================================================
 # The catalog's tables, its schema version and the migrations between versions.
 #
 # Versions:
@@ -188,126 +207,16 @@ def _create_or_migrate(conn: sqlite3.Connection) -> None:
     conn.execute("UPDATE meta SET value=? WHERE name='schema_version'", (str(version),))
 
 
-# == rows ==========================================================================================
 # Typed records of the catalog's rows: every column read or written by name, never by position.
 #
-# Records that callers used to receive as plain tuples (root items, encoder rows, feature rows of a
-# shard) are ``NamedTuple``s, so ``path, key = item`` and ``dict(items)`` keep working while new
-# code reads ``item.key``. Each record that maps a table row says which columns it reads
-# (:func:`columns`), so a ``SELECT`` is built from the record's fields, not typed twice.
-#: A cached hash is "racy" when its file's mtime lies within this long of the moment the hash was
-#: recorded: a write in that window can leave (size, mtime, ctime, inode) unchanged on file systems
-#: with coarse timestamps (git's index has the same rule, with the same one-second margin).
-RACY_NS = 1_000_000_000
-#: Stamps in whole seconds may come from a file system that keeps them to 2 s (FAT, where ctime
-#: is mtime): a write up to 2 s after the stamp's tick keeps the whole stat, so such an entry is
-#: racy for twice :data:`RACY_NS` (a finer file system's stamps are whole seconds only by chance,
-#: and then cost one more read at most).
-COARSE_RACY_FACTOR = 2
-
-
-def racy_window_ns(mtime_ns: int, ctime_ns: int) -> int:
-    """How long after a file's stamps a hash recorded still cannot vouch for it: the stamps'
-    tick (git's racy rule, which compares with its index file's own stamp, of the same tick)."""
-    if mtime_ns % 1_000_000_000 == 0 and ctime_ns % 1_000_000_000 == 0:
-        return RACY_NS * COARSE_RACY_FACTOR
-    return RACY_NS
-
-
-#: Hash-cache ids under which encoder fingerprints are cached (``encoder-fp:file:PATH``, ...).
-ENCODER_FP_PREFIX = "encoder-fp:"
-
-
+# Records that callers used to receive as plain tuples (encoder rows, feature rows of a shard) are
+# ``NamedTuple``s, so tuple unpacking keeps working while new code reads ``row.key``. Each record
+# that maps a table row says which columns it reads (:func:`columns`), so a ``SELECT`` is built
+# from the record's fields, not typed twice. A root's records are in :mod:`featbake.store.roots`
+# (its manifest file holds them too), the hash cache's in :mod:`featbake.store.hash_cache`.
 def columns(record: type[Any]) -> str:
     """The comma-separated column list of a NamedTuple record (its fields, in order)."""
     return ", ".join(record._fields)
-
-
-class FileStat(NamedTuple):
-    """What the hash cache compares to say a file is unchanged since it was hashed.
-
-    ``ctime_ns`` is there because no user tool can set it: ``cp -p`` (or unpacking an archive
-    with fixed dates) over an existing file keeps its size, mtime and inode, but not its ctime.
-    (A NamedTuple, not a dataclass: a million of them are made when a large folder is indexed.)
-    """
-
-    size: int
-    mtime_ns: int
-    inode: int
-    ctime_ns: int = 0
-
-    @classmethod
-    def of(cls, path: str | os.PathLike[str] | int) -> FileStat:
-        """The stat of ``path``, or of the file an open descriptor names."""
-        st = os.stat(path)
-        return cls(st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
-
-    def racy(self, recorded_ns: int) -> bool:
-        """True if a hash recorded at ``recorded_ns`` cannot vouch for this stat.
-
-        A file modified within :data:`RACY_NS` of the recording (2 s for stamps in whole
-        seconds, :func:`racy_window_ns`; or "in the future", a clock skew) may have changed
-        after it was read without its stat changing.
-        """
-        window = racy_window_ns(self.mtime_ns, self.ctime_ns)
-        return max(self.mtime_ns, self.ctime_ns) > recorded_ns - window
-
-
-class HashEntry(NamedTuple):
-    """A trusted hash-cache entry: the file's stat when it was hashed, and its digest."""
-
-    stat: FileStat
-    sha256: str
-
-
-class HashRow(NamedTuple):
-    """One row to remember in the hash cache: ``path`` with ``stat`` hashed to ``sha256``."""
-
-    path: str
-    stat: FileStat
-    sha256: str
-
-
-class HashCache(Protocol):
-    """The hash cache as builds and datasets use it: the catalog's, or that of a stand-in that
-    writes fragments (a rank of a sharded build, a serving process on a shared filesystem)."""
-
-    def cached_hashes(self, paths: Sequence[str]) -> dict[str, HashEntry]: ...
-
-    def put_hashes(self, rows: Iterable[HashRow], *, recorded_ns: int | None = None) -> None: ...
-
-
-class HashCacheRow(NamedTuple):
-    """A ``hash_cache`` row as stored (``ctime_ns`` and ``recorded_ns`` are 0 in old rows)."""
-
-    path: str
-    size: int
-    mtime_ns: int
-    inode: int
-    ctime_ns: int
-    sha256: str
-    recorded_ns: int
-
-    @classmethod
-    def of(cls, path: str, stat: FileStat, sha256: str, recorded_ns: int) -> HashCacheRow:
-        """The row: ``path`` with ``stat`` hashed to ``sha256``, stat taken at ``recorded_ns``."""
-        return cls(path, stat.size, stat.mtime_ns, stat.inode, stat.ctime_ns, sha256, recorded_ns)
-
-    @property
-    def stat(self) -> FileStat:
-        return FileStat(self.size, self.mtime_ns, self.inode, self.ctime_ns)
-
-    def trusted(self) -> HashEntry | None:
-        """The entry, or None if it is racy or predates ctime (then the file is hashed again)."""
-        return trusted_entry(self)
-
-
-def trusted_entry(row: tuple) -> HashEntry | None:
-    """:meth:`HashCacheRow.trusted` of a raw row (the loop of a large folder's lookup)."""
-    _, size, mtime, inode, ctime, sha, recorded = row
-    if recorded <= 0 or ctime <= 0 or max(mtime, ctime) > recorded - racy_window_ns(mtime, ctime):
-        return None
-    return HashEntry(FileStat(size, mtime, inode, ctime), sha)
 
 
 @dataclass(frozen=True)
@@ -324,91 +233,6 @@ class Location:
     @property
     def tensor(self) -> str:
         return tensor_name(self.key, self.part)
-
-
-class RootItem(NamedTuple):
-    """One item of a root's manifest: the input's path (relative to the data folder) and key."""
-
-    path: str
-    key: str
-
-
-@dataclass(frozen=True)
-class RootSpec:
-    """What a root is a build of: its name, data folder, encoder and recipe (a ``roots`` row
-    without its counts and times). Every writer of roots takes one."""
-
-    name: str
-    data: str
-    encoder_label: str
-    encoder_fp: str
-    recipe_fp: str
-    recipe: dict
-
-    def root(self, items: int, created: float, last_used: float) -> Root:
-        """The ``roots`` row of this spec with ``items`` items."""
-        return Root(
-            self.name, self.data, self.encoder_label, self.encoder_fp, self.recipe_fp,
-            self.recipe, items, created, last_used,
-        )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Root:
-    """A named manifest: the keys one build of (data, encoder, recipe) produced, in file order."""
-
-    name: str
-    data: str
-    encoder_label: str
-    encoder_fp: str
-    recipe_fp: str
-    recipe: dict
-    items: int
-    created: float
-    last_used: float
-
-    #: The ``roots`` table's columns, in the order :meth:`row` gives them.
-    COLUMNS = (
-        "name",
-        "data",
-        "encoder_label",
-        "encoder_fp",
-        "recipe_fp",
-        "recipe",
-        "items",
-        "created",
-        "last_used",
-    )
-
-    def row(self) -> tuple[Any, ...]:
-        """The values of :attr:`COLUMNS` (the recipe as canonical JSON)."""
-        return (
-            self.name,
-            self.data,
-            self.encoder_label,
-            self.encoder_fp,
-            self.recipe_fp,
-            json.dumps(self.recipe, sort_keys=True),
-            self.items,
-            self.created,
-            self.last_used,
-        )
-
-    @classmethod
-    def from_row(cls, values: Any) -> Root:
-        """A root from the values of a ``SELECT`` of :attr:`COLUMNS`, matched by name."""
-        row = dict(zip(cls.COLUMNS, values, strict=True))
-        return cls(
-            name=row["name"],
-            data=row["data"],
-            encoder_label=row["encoder_label"],
-            encoder_fp=row["encoder_fp"],
-            recipe_fp=row["recipe_fp"],
-            recipe=json.loads(row["recipe"]),
-            items=row["items"],
-            created=row["created"],
-            last_used=row["last_used"],
-        )
 
 
 class EncoderRow(NamedTuple):
@@ -510,7 +334,6 @@ class MovedRow(NamedTuple):
     old_shard_id: int
 
 
-# == connection ====================================================================================
 # The catalog's connections: one per thread and per process, opened and dropped in one place.
 #
 # SQLite connections belong to the thread that opened them, and must never be used, nor closed,
@@ -746,189 +569,6 @@ class CatalogConnection(ProcessLocalState):
             fn()
 
 
-# == fidelity ======================================================================================
-# A root's measured fidelity: ``roots/<name>.fidelity``, written by a quantised build.
-#
-# Why a file beside the manifest and not a catalog column: the measurement belongs to the root
-# (its data, encoder and recipe), is written once per build and read only by ``stats`` and
-# ``roots``; a small JSON file needs no schema migration, and the manifest itself is written
-# before encoding starts (so readers can map items to keys), when nothing has been measured yet.
-# Dropping a root removes it with the manifest (:mod:`featbake.store.catalog`).
-#
-# A build done in parts (``--shard I/N``, torchrun ranks, any build into a bucket) has no root
-# file to write while it runs: each rank carries its :class:`Measured` sums in its ``done``
-# fragment (:mod:`featbake.store.fragments`), and the merge pools them and writes the record.
-#: The dtypes whose roots carry a fidelity record.
-QUANTISED = ("int8", "fp8")
-
-
-#: The dtypes a quantised store is measured and served in: float16 (the default) when it holds
-#: every stored value, float32 when it does not (see :meth:`ScaleSpan.holds`).
-SERVED = {"float16": torch.float16, "float32": torch.float32}
-
-
-def _empty_tallies() -> dict[str, FidelityTally]:
-    return {d: FidelityTally() for d in SERVED}
-
-
-@dataclass
-class Measured:
-    """What a quantised build (or one part of it) measured: a tally per dtype it may be served
-    in, and the span of every stored row's scale (every item, not only the sampled ones).
-
-    Example:
-        >>> m = Measured(Scheme.INT8)
-        >>> m.merged(Measured(Scheme.INT8)).served()
-        'float16'
-    """
-
-    scheme: Scheme
-    tallies: dict[str, FidelityTally] = field(default_factory=_empty_tallies)
-    span: ScaleSpan = field(default_factory=ScaleSpan)
-
-    def served(self) -> str:
-        """The dtype this store is served in by default: float16 unless a value does not fit."""
-        return "float16" if self.span.holds(torch.float16, self.scheme) else "float32"
-
-    def fidelity(self) -> Fidelity | None:
-        """The fidelity of what is served by default, or None (nothing measured)."""
-        tally = self.tallies[self.served()]
-        return tally.result(self.served()) if tally.items else None
-
-    def merged(self, other: Measured) -> Measured:
-        """Both measurements as one (the parts of one build)."""
-        tallies = {d: t.merged(other.tallies[d]) for d, t in self.tallies.items()}
-        return Measured(self.scheme, tallies, self.span.merged(other.span))
-
-    def to_json(self) -> dict[str, Any]:
-        """JSON-ready: the running sums, so that parts merge exactly."""
-        tallies = {d: t.to_json() for d, t in self.tallies.items()}
-        span = [self.span.low, self.span.high] if self.span.low < float("inf") else None
-        return {"scheme": self.scheme.value, "tallies": tallies, "span": span}
-
-    @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> Measured:
-        """Inverse of :meth:`to_json`.
-
-        Raises:
-            KeyError, ValueError, TypeError: not a record :meth:`to_json` wrote.
-        """
-        tallies = {d: FidelityTally.from_json(doc["tallies"][d]) for d in SERVED}
-        span = ScaleSpan(*map(float, doc["span"])) if doc["span"] else ScaleSpan()
-        return cls(Scheme(doc["scheme"]), tallies, span)
-
-
-def fidelity_file(layout: Layout, name: str) -> Path:
-    """``roots/<name>.fidelity`` (not ``.json``: upkeep reads every ``*.json`` as a manifest)."""
-    return layout.roots / f"{checked_root_name(name)}.fidelity"
-
-
-def write_fidelity(layout: Layout, name: str, measured: Measured, bound: float | None) -> None:
-    """Record what a build measured (tmp, rename: a reader sees the old record or the new);
-    nothing when nothing was measured.
-
-    Raises:
-        StoreError: the store is not writable.
-
-    Example:
-        >>> write_fidelity(layout, "r-3f1c", compactor.measured, 0.05)  # doctest: +SKIP
-    """
-    fidelity = measured.fidelity()
-    if fidelity is None:
-        return
-    served = measured.served()
-    doc: dict[str, Any] = {"fidelity": fidelity.to_json(), "bound": bound, "serve_dtype": served}
-    final = fidelity_file(layout, name)
-    try:
-        publish_file(
-            final,
-            lambda tmp: tmp.write_text(json.dumps(doc, sort_keys=True), encoding="utf-8"),
-            tmp_dir=layout.tmp,
-        )
-    except OSError as e:
-        raise StoreError(
-            f"could not record the measured fidelity in {final}: {e.strerror or e}; "
-            "check that the cache directory is writable"
-        ) from e
-
-
-def read_fidelity(layout: Layout, name: str) -> Fidelity | None:
-    """The fidelity recorded for root ``name``, or None (none measured, or unreadable).
-
-    Example:
-        >>> read_fidelity(Layout(Path(".featbake")), "r-3f1c").rel_rms  # doctest: +SKIP
-        0.0077
-    """
-    try:
-        doc = json.loads(fidelity_file(layout, name).read_text(encoding="utf-8"))
-        return Fidelity.from_json(doc["fidelity"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def recorded_serve_dtype(layout: Layout, name: str) -> str | None:
-    """The dtype root ``name``'s build found holds its values (``"float16"`` or
-    ``"float32"``), or None (no record, or one from before it was recorded)."""
-    try:
-        doc = json.loads(fidelity_file(layout, name).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    served = doc.get("serve_dtype") if isinstance(doc, dict) else None
-    return served if served in SERVED else None
-
-
-# == undecodable ===================================================================================
-# The inputs a root's last build could not decode or encode: ``roots/<name>.undecodable``.
-#
-# A build skips an input it cannot decode (a text file named ``.jpg``, a corrupt wav), says so
-# and exits 3; its manifest (published before encoding) still names the input's key, which is
-# never stored. A dataset then left the input in, and with ``on_miss="error"`` raised a miss
-# advising the build that skips it again. The record is keyed by feature key, so it names those
-# bytes under that encoder and recipe only: a file fixed since hashes to another key, which the
-# record does not name (the next build encodes it). A file beside the manifest, as the fidelity
-# record is: written once per build, after encoding, without a schema migration; dropping the
-# root removes it. A build through fragments (in parts, or into a bucket store) writes none
-# (a part sees its own failures only): a dataset then keeps treating those inputs as misses.
-def undecodable_file(layout: Layout, name: str) -> Path:
-    """``roots/<name>.undecodable`` (not ``.json``: upkeep reads every ``*.json`` as a manifest)."""
-    return layout.roots / f"{checked_root_name(name)}.undecodable"
-
-
-def write_undecodable(layout: Layout, name: str, failed: dict[str, str]) -> None:
-    """Record ``failed`` (key -> the build's reason) for root ``name``, replacing the last
-    build's record (tmp, rename); an empty ``failed`` removes it.
-
-    Raises:
-        StoreError: the store is not writable.
-    """
-    final = undecodable_file(layout, name)
-    if not failed:
-        unlink_quietly(final)
-        return
-    doc = json.dumps({"keys": failed}, sort_keys=True)
-    try:
-        publish_file(final, lambda tmp: tmp.write_text(doc, encoding="utf-8"), tmp_dir=layout.tmp)
-    except OSError as e:
-        raise StoreError(
-            f"could not record the inputs this build skipped in {final}: {e.strerror or e}; "
-            "check that the cache directory is writable"
-        ) from e
-
-
-def read_undecodable(layout: Layout, name: str) -> dict[str, str]:
-    """Key -> reason for each input root ``name``'s last build could not decode; ``{}`` when
-    there is no record (or it cannot be read: the inputs are then misses, as before)."""
-    try:
-        doc = json.loads(undecodable_file(layout, name).read_text(encoding="utf-8"))
-        keys = doc["keys"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return {}
-    if not isinstance(keys, dict):
-        return {}
-    return {str(k): str(v) for k, v in keys.items()}
-
-
-# == feature_rows ==================================================================================
 # Feature rows, the hash cache and encoder rows: what builds and datasets read and add.
 CHUNK = 500  # keys per IN (...) query, far below SQLite's variable limit
 
@@ -1287,8 +927,7 @@ class FeatureRows(CatalogConnection):
             )
 
 
-# == roots =========================================================================================
-# Roots: their catalog rows and their ``roots/<name>.json`` manifest files.
+# Roots: their catalog rows, written with their files (``roots/<name>.json``, featbake.store.roots).
 #
 # A root's row and items are written in ONE place (:func:`write_root_rows`), inside the same write
 # transaction as its manifest file, so two builds of one root cannot leave them disagreeing.
@@ -1298,140 +937,8 @@ ROOT_READ_SELECT = (
     "SELECT max(f.last_used) FROM root_items ri JOIN features f ON f.key = ri.key WHERE ri.root=?"
 )
 
-ROOT_FORMAT = "featbake-root"
-ROOT_FORMAT_VERSION = 1
 ROOT_SELECT = f"SELECT {', '.join(Root.COLUMNS)} FROM roots"
 ITEMS_SELECT = f"SELECT {columns(RootItem)} FROM root_items WHERE root=? ORDER BY idx"
-
-
-def roots_dir(layout: Layout) -> Path:
-    """``<store>/roots``: one JSON manifest per root, so roots survive the loss of the catalog."""
-    return layout.roots
-
-
-def root_file(layout: Layout, name: str) -> Path:
-    return roots_dir(layout) / f"{checked_root_name(name)}.json"
-
-
-def items_file(layout: Layout, name: str) -> Path:
-    """``roots/<name>.items``: items appended to a root's manifest since its file was written
-    whole (one ``[path, key]`` JSON array per line), so that extending a root costs what is
-    added, not the whole manifest. Read with the manifest; gone when the file is written whole.
-    """
-    return roots_dir(layout) / f"{checked_root_name(name)}.items"
-
-
-def tombstone_file(layout: Layout, name: str) -> Path:
-    """Left by a root drop while it runs; a crash leaves it for gc to finish the drop."""
-    return roots_dir(layout) / f"{checked_root_name(name)}.dropped"
-
-
-def root_payload(root: Root, items: Sequence[tuple[str, str]]) -> dict:
-    """The JSON document of a root manifest file."""
-    return {
-        "format": ROOT_FORMAT,
-        "format_version": ROOT_FORMAT_VERSION,
-        "name": root.name,
-        "data": root.data,
-        "encoder_label": root.encoder_label,
-        "encoder_fp": root.encoder_fp,
-        "recipe_fp": root.recipe_fp,
-        "recipe": root.recipe,
-        "created": root.created,
-        "last_used": root.last_used,
-        "items": [[p, k] for p, k in items],
-    }
-
-
-def write_root_file(layout: Layout, root: Root, items: Sequence[tuple[str, str]]) -> Path:
-    """Write a root's manifest file durably (:func:`publish_file`) and drop its tombstone.
-
-    Raises:
-        StoreError: the store is not writable.
-    """
-    final = root_file(layout, root.name)
-    payload = json.dumps(root_payload(root, items), separators=(",", ":"))
-    try:
-        publish_file(
-            final, lambda tmp: tmp.write_text(payload, encoding="utf-8"), tmp_dir=layout.tmp
-        )
-        # The whole manifest holds the appended items now. (A crash before this unlink leaves
-        # them twice: verify reports the file stale and --repair rewrites it; none is lost.)
-        for stale in (items_file(layout, root.name), tombstone_file(layout, root.name)):
-            with contextlib.suppress(FileNotFoundError):
-                stale.unlink()
-        fsync_dir(final.parent)
-    except OSError as e:
-        raise StoreError(
-            f"could not write the root manifest {final}: {e.strerror or e}; "
-            "check that the cache directory is writable and has space"
-        ) from e
-    return final
-
-
-def append_root_items(layout: Layout, name: str, items: Sequence[tuple[str, str]]) -> None:
-    """Append ``items`` to root ``name``'s manifest durably (write, fsync), in its ``.items``
-    file. Called inside the transaction that adds their rows, as the whole file is.
-
-    Raises:
-        StoreError: the store is not writable.
-    """
-    path = items_file(layout, name)
-    try:
-        created = not path.exists()
-        with open(path, "a", encoding="utf-8") as f:
-            f.write("".join(json.dumps([p, k], separators=(",", ":")) + "\n" for p, k in items))
-            f.flush()
-            os.fsync(f.fileno())
-        if created:
-            fsync_dir(path.parent)
-    except OSError as e:
-        raise StoreError(
-            f"could not append to the root manifest {path}: {e.strerror or e}; "
-            "check that the cache directory is writable and has space"
-        ) from e
-
-
-def _appended_items(path: Path) -> list[RootItem]:
-    """The items of a manifest's ``.items`` file; a last line cut short by a crash (written
-    before its transaction committed, so never in the catalog) is ignored."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return []
-    lines = text.split("\n")[:-1]  # only lines that were ended
-    return [RootItem(str(p), str(k)) for p, k in map(json.loads, lines)]
-
-
-def read_root_file(path: Path) -> tuple[Root, list[RootItem]]:
-    """Parse a root manifest file (and the items appended to it since, in its ``.items``).
-
-    Raises:
-        StoreCorrupt: the file is not a readable featbake root manifest.
-    """
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-        if doc.get("format") != ROOT_FORMAT:
-            raise ValueError("not a featbake root manifest")
-        items = [RootItem(str(p), str(k)) for p, k in doc["items"]]
-        items += _appended_items(path.with_suffix(".items"))
-        root = Root(
-            name=doc["name"],
-            data=doc["data"],
-            encoder_label=doc["encoder_label"],
-            encoder_fp=doc["encoder_fp"],
-            recipe_fp=doc["recipe_fp"],
-            recipe=doc["recipe"],
-            items=len(items),
-            created=float(doc["created"]),
-            last_used=float(doc["last_used"]),
-        )
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise StoreCorrupt(
-            f"root manifest {path} is unreadable ({e}); `featbake verify --repair` moves it to "
-            "quarantine/, and rebuilding that data folder publishes the root again"
-        ) from e
-    return root, items
 
 
 def write_root_rows(
@@ -1614,13 +1121,6 @@ class RootRows(CatalogConnection):
         return dropped
 
 
-def unlink_quietly(path: Path) -> None:
-    """Remove a file that may already be gone."""
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()
-
-
-# == maintenance ===================================================================================
 # What ``featbake stats``, ``gc`` and ``verify --repair`` read and change in the catalog.
 #
 # Queries that touch every feature walk the tables in key order (ORDER BY key), so their lookups
@@ -1878,54 +1378,6 @@ def _from_v2(r: Sequence) -> HashCacheRow:
     return HashCacheRow(path, size, mtime_ns, inode, 0, sha256, 0)
 
 
-@dataclass
-class OldCatalog:
-    """What can still be read from a catalog that cannot be used as is (any schema)."""
-
-    last_used: list[tuple[str, float]] = field(default_factory=list)
-    hash_rows: list[HashCacheRow] = field(default_factory=list)
-    encoders: list[EncoderRow] = field(default_factory=list)
-    roots: list[tuple[Root, list[RootItem]]] = field(default_factory=list)
-
-
-def read_old_catalog(path: Path) -> OldCatalog:
-    """Read what survives of a damaged or foreign catalog, each table by column name.
-
-    Each part is read on its own: a table that is missing or unreadable leaves its part empty.
-    """
-    out = OldCatalog()
-    try:
-        conn = open_sqlite(path, read_only_access(path))
-    except sqlite3.Error:
-        return out
-    conn.text_factory = lambda b: b.decode("utf-8", "replace")  # damaged pages hold any bytes
-    unreadable = (sqlite3.Error, ValueError, TypeError, RecursionError)
-    try:
-        with contextlib.suppress(*unreadable):
-            out.last_used = conn.execute(
-                "SELECT key, max(last_used) FROM features GROUP BY key"
-            ).fetchall()
-        with contextlib.suppress(*unreadable):
-            have = {r[1] for r in conn.execute("PRAGMA table_info(hash_cache)")}
-            cols = [c if c in have else "0" for c in HashCacheRow._fields]
-            rows = conn.execute(f"SELECT {', '.join(cols)} FROM hash_cache")
-            out.hash_rows = [HashCacheRow._make(r) for r in rows]
-        with contextlib.suppress(*unreadable):
-            rows = conn.execute(f"SELECT {columns(EncoderRow)} FROM encoders")
-            out.encoders = [EncoderRow._make(r) for r in rows]
-        with contextlib.suppress(*unreadable):
-            out.roots = [_old_root(conn, r) for r in conn.execute(ROOT_SELECT).fetchall()]
-    finally:
-        conn.close()
-    return out
-
-
-def _old_root(conn: sqlite3.Connection, row: Sequence) -> tuple[Root, list[RootItem]]:
-    items = [RootItem._make(r) for r in conn.execute(ITEMS_SELECT, (row[0],))]
-    return replace(Root.from_row(row), items=len(items)), items
-
-
-# == catalog =======================================================================================
 class Catalog(UpkeepRows, RootRows, FeatureRows):
     """A store's ``catalog.sqlite``, every operation (one connection per thread and process).
 
@@ -1971,7 +1423,6 @@ class Catalog(UpkeepRows, RootRows, FeatureRows):
         return None
 
 
-# == upkeep_queries ================================================================================
 # Catalog queries that only ``featbake.upkeep`` runs (verify, repair, rebuild), by column name.
 #
 # They were raw SQL inside upkeep; here they sit with the catalog, as functions taking a
@@ -2039,12 +1490,11 @@ def hash_cache_rows(cat: Catalog) -> list[HashCacheRow]:
     return [HashCacheRow._make(r) for r in rows]
 
 
-# == catalog_api ===================================================================================
 # What builds and datasets call on a catalog, as Protocols: the catalog itself, or a stand-in.
 #
 # Two objects answer these calls: :class:`~featbake.store.catalog.Catalog` (the store's own
-# ``catalog.sqlite``) and :class:`~featbake.store.fragments.FragmentCatalog` (a rank of a
-# sharded build or any build into a bucket; a dataset or CachedEncoder on a shared filesystem
+# ``catalog.sqlite``) and :class:`~featbake.store.fragment_catalog.FragmentCatalog` (a rank of
+# a sharded build or any build into a bucket; a dataset or CachedEncoder on a shared filesystem
 # or a bucket's tier), which reads the catalog read-only and seals what it would have written
 # into fragments, catalogs themselves (store/fragments.py). Typing the callers against these
 # Protocols, not a union of classes, is what lets mypy check that both answer every call with
@@ -2109,11 +1559,8 @@ class ServingStore(CatalogWrites, Protocol):
 
 
 __all__ = [
-    "ENCODER_FP_PREFIX",
     "READ_ONLY_ENV",
     "REQUIRED_COLUMNS",
-    "ROOT_FORMAT",
-    "ROOT_FORMAT_VERSION",
     "SCHEMA_VERSION",
     "Access",
     "Catalog",
@@ -2122,17 +1569,8 @@ __all__ = [
     "FeatureRef",
     "FeatureRow",
     "FeatureTotals",
-    "FileStat",
-    "HashCache",
-    "HashCacheRow",
-    "HashEntry",
-    "HashRow",
     "Location",
     "MovedRow",
-    "OldCatalog",
-    "Root",
-    "RootItem",
-    "RootSpec",
     "ShardFeature",
     "ShardRow",
     "ShardUsage",
@@ -2140,11 +1578,4 @@ __all__ = [
     "catalog_file_problems",
     "feature_rows",
     "hash_cache_rows",
-    "read_old_catalog",
-    "read_root_file",
-    "root_file",
-    "root_payload",
-    "roots_dir",
-    "tombstone_file",
-    "write_root_file",
 ]

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, Protocol, TypeVar
 
 from featbake.errors import ConfigError, SourceError
 from featbake.process import PerProcess, ProcessLocal, ProcessLocalState
-from featbake.store.catalog import FileStat
+from featbake.store.hash_cache import FileStat
 
 if TYPE_CHECKING:
     import pyarrow as pa

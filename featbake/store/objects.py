@@ -40,7 +40,7 @@ from typing import Any, ClassVar, NamedTuple, TypeVar
 
 from featbake.errors import ConfigError, StoreError
 from featbake.process import ProcessLocal, ProcessLocalState
-from featbake.store.catalog import FileStat
+from featbake.store.hash_cache import FileStat
 from featbake.store.url import (
     BucketURL,
     azure_blob_endpoint,

@@ -19,17 +19,13 @@ from typing import Any, TypeVar
 
 from featbake.errors import ConfigError, StoreError
 from featbake.store.bucket import TIER_MARK, BucketStore
-from featbake.store.catalog import READ_ONLY_ENV, Catalog, Root, read_only_forced
+from featbake.store.catalog import READ_ONLY_ENV, Catalog, read_only_forced
 from featbake.store.files import list_folder, remove_file
-from featbake.store.fragments import (
-    MergeReport,
-    fragment_shard_names,
-    merge,
-    sealed_fragments,
-    serving_mode,
-)
+from featbake.store.filesystem import announce, detect
+from featbake.store.fragments import fragment_shard_names, sealed_fragments
 from featbake.store.layout import Layout, layout_at, shard_files, shard_name
 from featbake.store.locks import shared_write_lock
+from featbake.store.merge import MergeReport, merge
 from featbake.store.objects import ObjectStore
 from featbake.store.place import (
     Change,
@@ -42,6 +38,7 @@ from featbake.store.place import (
     remote_place,
     unnamed_past,
 )
+from featbake.store.roots import Root
 from featbake.store.url import BucketURL, is_url
 from featbake.units import parse_bytes
 
@@ -289,7 +286,23 @@ class LocalPlace:
         return merge(self.layout)
 
     def serving_mode(self) -> bool:
-        return serving_mode(self.layout)  # fragments on a shared filesystem only
+        """Fragments on a shared filesystem only, where SQLite must not be written from many
+        hosts; says so in one line (a :class:`~featbake.store.layout.SharedFilesystemWarning`),
+        once per store per process.
+
+        Raises:
+            ConfigError: ``$FEATBAKE_SHARED_FS`` holds something other than 1, 0 or auto.
+        """
+        mode = detect(self.layout.root)
+        if mode.shared:
+            announce(
+                f"serve:{self.layout.root}",
+                f"the store {self.layout.root} is on a shared filesystem ({mode.reason}): "
+                "datasets read its catalog read-only and record written-back features and "
+                "last-use times in fragments/ until `featbake merge` folds them in (SQLite cannot "
+                "be written safely from many hosts)",
+            )
+        return mode.shared
 
     def follow_blocks(self, windows: Sequence[Sequence[str]] | None) -> bool:
         return False  # shards are read where they are: nothing to fetch ahead

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Generic, NamedTuple, Protocol, TypeVar, runtim
 from featbake.store.layout import Layout
 
 if TYPE_CHECKING:
-    from featbake.store.fragments import MergeReport
+    from featbake.store.merge import MergeReport
     from featbake.store.shard import ShardReader
 
 # == records =======================================================================================
@@ -224,7 +224,7 @@ class Place(Protocol):
     def serving_mode(self) -> bool:
         """Whether datasets and ``CachedEncoder`` write fragments here rather than the catalog
         (a bucket, or a directory on a shared filesystem: see
-        :func:`featbake.store.fragments.serving_mode`)."""
+        :meth:`featbake.store.open.LocalPlace.serving_mode`)."""
         ...
 
     def follow_blocks(self, windows: Sequence[Sequence[str]] | None) -> bool:

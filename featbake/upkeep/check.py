@@ -24,18 +24,11 @@ from featbake.errors import ConfigError, SourceError, StoreCorrupt, StoreError
 from featbake.keys import sha256_file
 from featbake.progress import GcProgress
 from featbake.store.catalog import (
-    ENCODER_FP_PREFIX,
     Catalog,
-    FileStat,
-    HashCacheRow,
-    Root,
     ShardRow,
     catalog_file_problems,
     feature_rows,
     hash_cache_rows,
-    root_file,
-    roots_dir,
-    tombstone_file,
 )
 from featbake.store.containers import (
     Member,
@@ -50,10 +43,13 @@ from featbake.store.containers import (
     stored_cell_kind,
 )
 from featbake.store.files import FolderListing, list_folder
-from featbake.store.fragments import fragment_shard_names, unmerged_builds
+from featbake.store.fragments import fragment_shard_names
+from featbake.store.hash_cache import ENCODER_FP_PREFIX, FileStat, HashCacheRow
 from featbake.store.layout import Layout, shard_name
+from featbake.store.merge import unmerged_builds
 from featbake.store.open import place_of
 from featbake.store.place import Place
+from featbake.store.roots import Root, root_file, roots_dir, tombstone_file
 from featbake.store.shard import ST_TO_DTYPE, ShardEntry, ShardReader, TensorInfo, split_tensor_name
 from featbake.threadpool import map_in_threads
 from featbake.upkeep.files import existing_store, read_manifest

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from featbake.errors import StoreCorrupt, StoreError
-from featbake.store.catalog import Root, RootItem, read_root_file
 from featbake.store.layout import Layout
 from featbake.store.open import Need, StoreRef, open_store, place_of
 from featbake.store.place import VerifyScope
+from featbake.store.roots import Root, RootItem, read_root_file
 
 
 def quarantine(layout: Layout, path: Path) -> Path:

@@ -42,9 +42,7 @@ from typing import Any
 
 from featbake.errors import ConfigError, ShardMissing, StoreCorrupt, StoreError
 from featbake.progress import GcProgress
-from featbake.store.catalog import Catalog, FeatureRef, Root, ShardRow, ShardUsage
-from featbake.store.catalog import root_file as manifest_file
-from featbake.store.catalog import roots_dir as manifests_dir
+from featbake.store.catalog import Catalog, FeatureRef, ShardRow, ShardUsage
 from featbake.store.files import fsync_dir, remove_file
 from featbake.store.fragments import (
     FragmentKind,
@@ -56,6 +54,9 @@ from featbake.store.layout import Layout
 from featbake.store.locks import shared_write_lock
 from featbake.store.open import Need, StoreRef, open_catalog, open_store, place_of
 from featbake.store.place import Change, Held, Sweep
+from featbake.store.roots import Root
+from featbake.store.roots import root_file as manifest_file
+from featbake.store.roots import roots_dir as manifests_dir
 from featbake.store.shard import (
     DEFAULT_SHARD_BYTES,
     DEFAULT_SHARD_ITEMS,

@@ -25,23 +25,15 @@ from featbake.errors import ConfigError, StoreCorrupt, StoreError
 from featbake.keys import feature_key, sha256_file
 from featbake.progress import GcProgress
 from featbake.store.byteplace import bytes_at
-from featbake.store.catalog import (
-    ENCODER_FP_PREFIX,
-    Catalog,
-    FeatureRef,
-    OldCatalog,
-    ShardRow,
-    read_old_catalog,
-    root_file,
-    roots_dir,
-    tombstone_file,
-    write_root_file,
-)
+from featbake.store.catalog import Catalog, FeatureRef, ShardRow
 from featbake.store.files import remove_file
+from featbake.store.hash_cache import ENCODER_FP_PREFIX
 from featbake.store.layout import Layout
 from featbake.store.locks import exclusive_write_lock
+from featbake.store.old_catalog import OldCatalog, read_old_catalog
 from featbake.store.open import StoreRef, place_of
 from featbake.store.place import VerifyScope
+from featbake.store.roots import root_file, roots_dir, tombstone_file, write_root_file
 from featbake.store.shard import (
     SealedShard,
     ShardReader,

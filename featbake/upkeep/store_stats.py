@@ -9,11 +9,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from featbake.store.catalog import QUANTISED, Catalog, Root, ShardRow, ShardUsage, read_fidelity
+from featbake.store.catalog import Catalog, ShardRow, ShardUsage
+from featbake.store.fidelity import QUANTISED, read_fidelity
 from featbake.store.files import list_folder
 from featbake.store.layout import Layout
 from featbake.store.open import StoreRef, commit, open_catalog, place_of, resolve_root
 from featbake.store.place import Change
+from featbake.store.roots import Root
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from featbake.encode.sources import AudioSource
 from featbake.errors import SourceError
 from featbake.recipe import Recipe
 from featbake.serve.dataset import CachedFeatureDataset
-from featbake.store.catalog import read_fidelity
+from featbake.store.fidelity import read_fidelity
 from featbake.store.layout import Layout
 from featbake.testing import TinyConvEncoder
 from tests.conftest import encoded_rows, invoke, live_features

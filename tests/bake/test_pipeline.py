@@ -27,7 +27,8 @@ from featbake.encode.sources import source_for
 from featbake.errors import ConfigError, EncodeError, SourceError, StoreError
 from featbake.progress import Progress
 from featbake.recipe import Recipe
-from featbake.store.catalog import Catalog, FileStat
+from featbake.store.catalog import Catalog
+from featbake.store.hash_cache import FileStat
 from featbake.store.layout import Layout
 from featbake.testing import TinyConvEncoder, write_audio_folder
 from tests.conftest import live_features
@@ -631,7 +632,7 @@ def test_an_input_rewritten_in_place_after_hashing_or_between_builds_is_never_st
     as changed, never the new bytes under the old key (checked through a copy of the old data,
     which reuses what was stored); the next build, whose hash cache holds the old digest under
     the old stat (trusted at once here), reads it again and stores the new bytes' features."""
-    monkeypatch.setattr("featbake.store.catalog.RACY_NS", 0)  # rows trusted at once, as later
+    monkeypatch.setattr("featbake.store.hash_cache.RACY_NS", 0)  # rows trusted at once, as later
     if not held:
         monkeypatch.setattr(featbake.encode.fingerprints, "HELD_BYTES", 0)
     old = {f"u{i}": _clip(i) for i in range(3)}
@@ -675,7 +676,7 @@ def test_an_image_rewritten_in_place_after_hashing_or_between_builds_is_never_st
 
     from featbake.image_recipe import ImageRecipe, Resize, ResizeKind
 
-    monkeypatch.setattr("featbake.store.catalog.RACY_NS", 0)  # rows trusted at once, as later
+    monkeypatch.setattr("featbake.store.hash_cache.RACY_NS", 0)  # rows trusted at once, as later
     if not held:
         monkeypatch.setattr(featbake.encode.fingerprints, "HELD_BYTES", 0)
     plain = ImageRecipe(resize=Resize(ResizeKind.NONE, 0, 0), crop=None, rescale=None)

@@ -132,7 +132,7 @@ def test_json_report_and_rebuild(tmp_path: Path, encoder_file: Path, audio_dir: 
 
 def _wait_past_racy() -> None:
     """Sleep until files written before now are past the hash cache's racy window."""
-    from featbake.store.catalog import RACY_NS
+    from featbake.store.hash_cache import RACY_NS
 
     time.sleep(RACY_NS / 1e9 + 0.05)
 

@@ -22,9 +22,9 @@ from featbake.encode.objects import LIST_PAGE_HEADS, common_prefix, just_before,
 from featbake.encode.sources import load_unchanged, source_for
 from featbake.errors import SourceError, StoreError
 from featbake.recipe import Recipe
-from featbake.store.bucket import Bucket, ListedPage
-from featbake.store.catalog import FileStat
-from featbake.store.objects import ObjectInfo
+from featbake.store.bucket import Bucket
+from featbake.store.hash_cache import FileStat
+from featbake.store.objects import ListedPage, ObjectInfo
 from featbake.store.url import BucketURL
 from featbake.testing import write_audio_folder
 from tests.conftest import invoke, live_features

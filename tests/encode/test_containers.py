@@ -273,7 +273,7 @@ def test_a_shard_renamed_over_after_its_listing_fails_its_members_and_caches_no_
     write_tar(tmp_path / "next.tar", [(f"k{i}", {"wav": new[i]}) for i in range(3)])
     os.replace(tmp_path / "next.tar", folder / "s.tar")
     cat = catalog(tmp_path)
-    monkeypatch.setattr("featbake.store.catalog.RACY_NS", 0)  # rows trusted at once, as later
+    monkeypatch.setattr("featbake.store.hash_cache.RACY_NS", 0)  # rows trusted at once, as later
     digests, failed = shards.hash(cat, paths)
     assert not digests and set(failed) == set(paths)
     assert all("replaced since its members were listed" in why for why in failed.values())
@@ -372,7 +372,7 @@ def test_a_table_file_replaced_after_its_scan_fails_its_cells_and_caches_no_dige
     write_audio_parquet(tmp_path / "next.parquet", new)
     os.replace(tmp_path / "next.parquet", path)
     cat = catalog(tmp_path)
-    monkeypatch.setattr("featbake.store.catalog.RACY_NS", 0)  # rows trusted at once, as later
+    monkeypatch.setattr("featbake.store.hash_cache.RACY_NS", 0)  # rows trusted at once, as later
     digests, failed = inputs.hash(cat, paths)
     assert not digests and set(failed) == set(paths)
     assert all("replaced since its rows were read" in why for why in failed.values())
@@ -1220,7 +1220,7 @@ def test_a_shard_swapped_back_after_its_listing_is_not_decoded_at_the_other_vers
     write_tar(data / "s.tar", [(k, {"wav": clips[k]}) for k in ("k1", "k0")])  # version B
     write_tar(other / "s.tar", [(k, {"wav": wav_bytes(0.5, 30)}) for k in ("k0", "k1")])  # A
     store = tmp_path / "store"
-    monkeypatch.setattr("featbake.store.catalog.RACY_NS", 0)  # rows trusted at once, as later
+    monkeypatch.setattr("featbake.store.hash_cache.RACY_NS", 0)  # rows trusted at once, as later
     known = WebDataset(str(data))
     paths = [known.path(r) for r in known.scan([".wav"]).inputs]
     with Catalog(Layout(store).ensure()) as cat:
@@ -1251,7 +1251,7 @@ def test_a_table_swapped_back_after_its_scan_serves_each_id_its_own_cell(
     write_audio_parquet(data / "t.parquet", [clips["u1"], clips["u0"]], id=["u1", "u0"])  # B
     write_audio_parquet(other / "t.parquet", [clips["u0"], clips["u1"]], id=["u0", "u1"])  # A
     store = tmp_path / "store"
-    monkeypatch.setattr("featbake.store.catalog.RACY_NS", 0)  # rows trusted at once, as later
+    monkeypatch.setattr("featbake.store.hash_cache.RACY_NS", 0)  # rows trusted at once, as later
     known = Table(str(data))
     paths = [known.path(r) for r in known.scan(source_for(Recipe()).extensions).inputs]
     with Catalog(Layout(store).ensure()) as cat:

@@ -458,8 +458,8 @@ def test_on_a_shared_filesystem_it_writes_fragments_never_the_catalog(
     them, and a second encoder then serves every row from the store."""
     import sqlite3
 
-    from featbake.store.fragments import merge
     from featbake.store.layout import Layout
+    from featbake.store.merge import merge
     from featbake.upkeep import list_roots
 
     monkeypatch.setenv("FEATBAKE_SHARED_FS", "1")

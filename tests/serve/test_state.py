@@ -18,8 +18,9 @@ from featbake.bake.pipeline import build
 from featbake.serve.cached_encoder import CachedEncoder
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.serve.state import TOUCH_FLUSH_SECONDS, WRITEBACK_SECONDS
-from featbake.store.catalog import Catalog, RootSpec, read_root_file, root_file
+from featbake.store.catalog import Catalog
 from featbake.store.layout import Layout
+from featbake.store.roots import RootSpec, read_root_file, root_file
 from featbake.testing import TinyConvEncoder, make_tone
 from featbake.upkeep.repair import verify
 from tests.conftest import live_features

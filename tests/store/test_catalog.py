@@ -27,21 +27,11 @@ from featbake.encode.fingerprints import cached_file_encoder_fp, encoder_fingerp
 from featbake.encode.loaders import load_encoder
 from featbake.errors import StoreError
 from featbake.serve.dataset import CachedFeatureDataset
-from featbake.store.catalog import (
-    SCHEMA_VERSION,
-    Access,
-    Catalog,
-    EncoderRow,
-    FileStat,
-    HashEntry,
-    HashRow,
-    OldCatalog,
-    RootItem,
-    RootSpec,
-    ShardFeature,
-    read_old_catalog,
-)
+from featbake.store.catalog import SCHEMA_VERSION, Access, Catalog, EncoderRow, ShardFeature
+from featbake.store.hash_cache import FileStat, HashEntry, HashRow
 from featbake.store.layout import Layout
+from featbake.store.old_catalog import OldCatalog, read_old_catalog
+from featbake.store.roots import RootItem, RootSpec
 from featbake.store.shard import ShardReader, write_shard
 from featbake.testing import TinyConvEncoder, save_torchscript
 from tests.conftest import REPO, invoke, live_features
@@ -565,7 +555,7 @@ def test_a_checkpoint_renamed_over_while_it_is_loaded_is_not_fingerprinted_as_th
     first = build(data, enc, cache=store, workers=0)
     assert first.encoded == 3
     monkeypatch.setattr(pipeline, "loaded_encoder", real)
-    monkeypatch.setattr("featbake.store.catalog.RACY_NS", 0)  # rows trusted at once, as later
+    monkeypatch.setattr("featbake.store.hash_cache.RACY_NS", 0)  # rows trusted at once, as later
     again = build(data, enc, cache=store, workers=0)
     assert again.encoded == 3  # v2's keys are new: encoded by v2
     ds = CachedFeatureDataset(data, enc, cache=store, on_miss="error")
@@ -615,7 +605,7 @@ def test_a_folder_swapped_while_it_is_hashed_caches_no_digest_for_the_other_vers
     write_audio_folder(data, 2, seconds=0.5, seed=1)  # version A
     write_audio_folder(other, 2, seconds=0.5, seed=7)  # version B: the same names
     assert sorted(p.name for p in data.iterdir()) == sorted(p.name for p in other.iterdir())
-    monkeypatch.setattr("featbake.store.catalog.RACY_NS", 0)  # rows trusted at once, as later
+    monkeypatch.setattr("featbake.store.hash_cache.RACY_NS", 0)  # rows trusted at once, as later
 
     def swap() -> None:
         os.rename(data, tmp_path / "swap")

@@ -30,23 +30,24 @@ from featbake.bake.pipeline import build
 from featbake.errors import ShardMissing, StoreCorrupt, StoreError
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.serve.state import TOUCH_FLUSH_SECONDS, TOUCH_FLUSH_SECONDS_SHARED, WRITEBACK_SECONDS
+from featbake.store import fragment_catalog as fragment_catalog_module
 from featbake.store import fragments as fragments_module
-from featbake.store.catalog import Catalog, FileStat, HashRow, RootSpec, hash_cache_rows
+from featbake.store.catalog import Catalog, hash_cache_rows
 from featbake.store.filesystem import SharedFilesystemWarning
+from featbake.store.fragment_catalog import FragmentCatalog, RankPart
 from featbake.store.fragments import (
     BuildInfo,
-    FragmentCatalog,
     FragmentKind,
-    RankPart,
     fragment_shard_names,
     fragments_dir,
-    merge,
-    pending_builds,
     read_fragment,
     sealed_fragments,
     write_fragment,
 )
+from featbake.store.hash_cache import FileStat, HashRow
 from featbake.store.layout import Layout
+from featbake.store.merge import merge, pending_builds
+from featbake.store.roots import RootSpec
 from featbake.store.shard import SealedShard, ShardEntry, write_shard
 from featbake.testing import make_tone, write_audio_folder
 from tests.conftest import REPO, invoke, live_features, run_cli
@@ -776,7 +777,7 @@ def test_a_read_never_waits_for_a_seal_writing_its_fragment(
     earlier.close()
 
     held = HeldUp()
-    monkeypatch.setattr(fragments_module, "write_fragment", held)
+    monkeypatch.setattr(fragment_catalog_module, "write_fragment", held)
     serving = FragmentCatalog(layout)
     shard = write_shard(layout, {written: torch.full((4,), 3.0)}, efp, rfp)
     sealer = threading.Thread(target=serving.add_shard, args=(shard,))
@@ -819,7 +820,7 @@ def test_what_other_threads_add_during_a_seal_is_sealed_next_and_once(
     efp, rfp = "e" * 64, "r" * 64
     one, two = "a" * 64, "b" * 64
     held = HeldUp()
-    monkeypatch.setattr(fragments_module, "write_fragment", held)
+    monkeypatch.setattr(fragment_catalog_module, "write_fragment", held)
     serving = FragmentCatalog(layout)
     serving.record_encoder(efp, "enc", "torchscript")
     first = write_shard(layout, {one: torch.ones(3)}, efp, rfp)
@@ -902,7 +903,7 @@ def test_a_refresh_between_a_fragments_rename_and_its_seal_finds_each_tensor_onc
     serving = FragmentCatalog(layout)
     held = HeldUp(after=serving.refresh)  # the refresh a reader thread makes in that moment
     held.release.set()
-    monkeypatch.setattr(fragments_module, "write_fragment", held)
+    monkeypatch.setattr(fragment_catalog_module, "write_fragment", held)
     shard = write_shard(layout, {key: torch.ones(3)}, efp, rfp)
     serving.add_shard(shard)
     assert [(loc.shard, loc.part) for loc in serving.locate(key)] == [(shard.name, "")]
@@ -955,7 +956,7 @@ def test_a_seal_entered_again_on_its_own_thread_completes(
             serving.flush()  # the same catalog, the same thread, inside a seal
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(fragments_module, "write_fragment", writes_and_flushes)
+    monkeypatch.setattr(fragment_catalog_module, "write_fragment", writes_and_flushes)
     shard = write_shard(layout, {key: torch.ones(5)}, "e" * 64, "r" * 64)
     with fails_after(20, "a seal entered again on its own thread"):
         serving.add_shard(shard)

@@ -16,12 +16,13 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, Dataset
 
 from featbake.serve.dataset import CachedFeatureDataset
-from featbake.store.catalog import Catalog, RootSpec
+from featbake.store.catalog import Catalog
 from featbake.store.features import FeatureReader
 from featbake.store.filesystem import SharedFilesystemWarning
 from featbake.store.fragments import sealed_fragments
 from featbake.store.layout import Layout
 from featbake.store.objects import ObjectInfo
+from featbake.store.roots import RootSpec
 from featbake.store.shard import write_shard
 from featbake.store.versions import kept_versions, sweep, version_name
 from featbake.testing import TinyConvEncoder, save_torchscript, write_audio_folder
@@ -344,7 +345,7 @@ def test_gc_keeps_what_a_list_of_paths_dataset_wrote(
 def test_extend_root_keeps_features_written_without_a_folder(store_dir: Path) -> None:
     """Writers with no data folder (CachedEncoder) append their keys to a root: gc keeps them
     until that root is dropped, and the root's manifest file stays in step with the catalog."""
-    from featbake.store.catalog import read_root_file, root_file
+    from featbake.store.roots import read_root_file, root_file
 
     layout = Layout(store_dir).ensure()
     cat = Catalog(layout)
@@ -379,8 +380,9 @@ def test_gc_and_verify_while_a_merge_folds_in_and_removes_a_fragment(
     Here the merge runs at exactly that moment: gc and verify finish, and gc, even with no grace,
     plans to delete none of the merged shards (they moved into the catalog meanwhile)."""
     import featbake.store.fragments as fragments
+    import featbake.store.merge as merging
     from featbake.bake.pipeline import build
-    from featbake.store.fragments import merge
+    from featbake.store.merge import merge
 
     store = tmp_path / "store"
     build(audio_dir / "fixed", encoder_file, cache=store, workers=0)  # the store's catalog
@@ -391,19 +393,23 @@ def test_gc_and_verify_while_a_merge_folds_in_and_removes_a_fragment(
     layout = Layout(store)
     listing = fragments.sealed_fragments
 
+    def list_with(lister) -> None:  # every module that lists sealed fragments
+        for module in (fragments, merging):
+            monkeypatch.setattr(module, "sealed_fragments", lister)
+
     def listed_then_merged(lay: Layout):  # the listing a reader made, then the merge ran
         found = listing(lay)
         if found and any(f.path.exists() for f in found):
-            monkeypatch.setattr(fragments, "sealed_fragments", listing)
+            list_with(listing)
             merge(layout)
             assert not any(f.path.exists() for f in found)
         return found
 
-    monkeypatch.setattr(fragments, "sealed_fragments", listed_then_merged)
+    list_with(listed_then_merged)
     plan = plan_gc(store, GcOptions(grace=0))
     assert not plan.orphan_shards
     assert invoke("verify", "--cache", store).returncode == 0  # merged: a clean store
-    monkeypatch.setattr(fragments, "sealed_fragments", listed_then_merged)
+    list_with(listed_then_merged)
     checked = verify(store)
     assert checked.status == "clean", checked.findings
     execute_gc(plan)

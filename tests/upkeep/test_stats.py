@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from featbake.errors import ConfigError, StoreError
-from featbake.store.catalog import Catalog, read_root_file
+from featbake.store.catalog import Catalog
 from featbake.store.layout import Layout
+from featbake.store.roots import read_root_file
 from featbake.store.shard import ShardReader
 from featbake.testing import TinyConvEncoder, save_torchscript
 from featbake.upkeep import GcOptions, drop_root, execute_gc, list_roots, plan_gc, stats

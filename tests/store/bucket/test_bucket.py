@@ -22,7 +22,7 @@ from featbake.errors import StoreCorrupt
 from featbake.quantize import Fidelity, Scheme, dequantize, quantize
 from featbake.recipe import Recipe
 from featbake.store.bucket import Bucket
-from featbake.store.catalog import read_fidelity
+from featbake.store.fidelity import read_fidelity
 from featbake.store.open import open_store
 from featbake.store.ranged import RangedShardReader
 from featbake.store.url import BucketURL

@@ -18,7 +18,7 @@ from featbake import CachedFeatureDataset
 from featbake.encode.sources import source_for
 from featbake.store.bucket import BucketStore, merge_bucket
 from featbake.store.catalog import Catalog
-from featbake.store.fragments import FragmentCatalog
+from featbake.store.fragment_catalog import FragmentCatalog
 from featbake.store.open import open_store
 from featbake.store.shard import write_shard
 from featbake.testing import TinyConvEncoder, write_audio_folder

@@ -18,7 +18,8 @@ from featbake import CachedFeatureDataset
 from featbake.bake.pipeline import build
 from featbake.errors import ConfigError
 from featbake.store.bucket import Bucket, BucketStore, shard_object
-from featbake.store.catalog import RACY_NS, open_sqlite
+from featbake.store.catalog import open_sqlite
+from featbake.store.hash_cache import RACY_NS
 from featbake.store.layout import Layout
 from featbake.store.open import open_store, place_of
 from featbake.store.shard import write_shard

@@ -1,0 +1,419 @@
+"""``featbake merge``: fold sealed catalog fragments (:mod:`featbake.store.fragments`) into the
+catalog.
+
+A build is merged once the ``done`` fragment of each of its N ranks is sealed (before that its
+root manifest would be partial, and readers map dataset index -> key through it). Per build,
+in this order:
+
+1. the encoder row, then the whole root manifest (every rank's slice, by index) in one
+   transaction, so gc never sees the build's features unreached;
+2. each shard's rows (one short transaction per shard; first row wins, as in a build);
+3. the hash-cache rows;
+4. only then the fragment files are unlinked.
+
+Then the builds not finished (a part killed, preempted, or still running): their shards'
+rows only (:func:`fold_waiting`; their manifests wait for every rank), so a rerun in any shape
+finds what they sealed, and gc keeps those rows while their fragments wait. A build whose root
+was published again after its last fragment (a rerun of the same data, encoder and recipe in
+another shape, or in one process) is retired: its fragments are unlinked.
+
+Then the ``serve`` fragments of datasets on a shared filesystem or a bucket's tier, each on its
+own, oldest first: its encoder, its root manifest (unless the catalog's root is newer), its
+write-back shard's rows and its hash rows; then every last use they recorded (a feature's last
+use only moves forward); then they are unlinked.
+
+Every step is idempotent: rows are inserted with the fragment's own timestamps and ``INSERT OR
+IGNORE``, so a merge killed anywhere leaves fragments that the next merge folds again to the
+same catalog, and a second merge with nothing new changes nothing. It is safe while ranks still
+run: it reads only sealed fragments and leaves builds with a rank missing alone (listed as
+pending). Only this one process writes the catalog, which is what a shared filesystem needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sqlite3
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from featbake.errors import ShardMissing, StoreCorrupt
+from featbake.store.catalog import Catalog
+from featbake.store.fidelity import Measured, write_fidelity
+from featbake.store.files import fsync_dir
+from featbake.store.fragments import (
+    BuildInfo,
+    Fragment,
+    FragmentKind,
+    FragmentName,
+    ManifestItem,
+    fragments_dir,
+    read_fragment,
+    sealed_fragments,
+    serving_fragments,
+)
+from featbake.store.hash_cache import HashCacheRow
+from featbake.store.layout import Layout
+
+
+@dataclass(frozen=True)
+class PendingBuild:
+    """A build some of whose ranks have not sealed their ``done`` fragment yet."""
+
+    build_id: str
+    root: str
+    world: int
+    ranks_done: tuple[int, ...]
+    fragments: int
+
+    def describe(self) -> str:
+        return (
+            f"root {self.root}: {len(self.ranks_done)} of {self.world} ranks done "
+            f"({self.fragments} fragments sealed, not merged yet)"
+        )
+
+
+@dataclass
+class MergeReport:
+    """What a merge folded in, and what it left waiting."""
+
+    roots: list[str] = field(default_factory=list)
+    fragments: int = 0
+    serving_fragments: int = 0
+    shards: int = 0
+    new_features: int = 0
+    missing_shards: list[str] = field(default_factory=list)
+    pending: list[PendingBuild] = field(default_factory=list)
+    #: fragments left unmerged because they cannot be read (``skip_damaged``): file names
+    damaged: list[str] = field(default_factory=list)
+    #: shards sealed by builds not finished (a part killed, or still running), in the catalog
+    waiting_shards: int = 0
+    #: roots whose unfinished build was retired: a later build of the root was published
+    superseded: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {
+            "roots": self.roots,
+            "fragments": self.fragments,
+            "serving_fragments": self.serving_fragments,
+            "shards": self.shards,
+            "new_features": self.new_features,
+            "waiting_shards": self.waiting_shards,
+            "superseded": self.superseded,
+            "missing_shards": self.missing_shards,
+            "pending": [p.__dict__ | {"ranks_done": list(p.ranks_done)} for p in self.pending],
+        }
+
+
+def _by_build(layout: Layout) -> dict[str, list[FragmentName]]:
+    """Build fragments by build id (``serve`` fragments are merged on their own)."""
+    builds: dict[str, list[FragmentName]] = {}
+    for name in sealed_fragments(layout):
+        if name.kind is not FragmentKind.SERVE:
+            builds.setdefault(name.build_id, []).append(name)
+    return builds
+
+
+def _is_complete(names: list[FragmentName]) -> bool:
+    world = names[0].world
+    done = {n.rank for n in names if n.kind is FragmentKind.DONE and n.world == world}
+    return done == set(range(world))
+
+
+def pending_builds(layout: Layout) -> list[PendingBuild]:
+    """Builds with sealed fragments that cannot be merged yet (``roots``/``stats`` show them)."""
+    return unmerged_builds(layout, complete=False)
+
+
+def unmerged_builds(layout: Layout, *, complete: bool = True) -> list[PendingBuild]:
+    """Builds with sealed fragments (``verify`` notes them): every one, or (``complete``
+    False) those some rank has not finished yet."""
+    out = []
+    for bid, names in sorted(_by_build(layout).items()):
+        if _is_complete(names) and not complete:
+            continue
+        try:
+            root = read_fragment(names[0].path, layout, with_entries=False).info.root
+        except StoreCorrupt:
+            root = f"(unreadable fragment {names[0].path.name})"
+        done = sorted({n.rank for n in names if n.kind is FragmentKind.DONE})
+        out.append(PendingBuild(bid, root, names[0].world, tuple(done), len(names)))
+    return out
+
+
+def merge(
+    layout: Layout, *, between: Callable[[str], None] | None = None, skip_damaged: bool = False
+) -> MergeReport:
+    """Fold every complete build's sealed fragments into the catalog; see the module docstring.
+
+    ``between`` is a test hook called after each step (``root``, ``rows``, ``hashes``). With
+    ``skip_damaged`` (a bucket store, where one damaged object must not block every node's
+    builds) a build with an unreadable fragment is left unmerged and named in
+    ``report.damaged``; everything else merges.
+
+    Raises:
+        StoreCorrupt: a fragment is unreadable (the message says to move it aside), unless
+            ``skip_damaged``.
+        StoreError: the catalog cannot be written.
+
+    Example:
+        >>> report = merge(Layout(Path(".featbake")))  # doctest: +SKIP
+        >>> report.roots, [p.describe() for p in report.pending]  # doctest: +SKIP
+    """
+    report = MergeReport()
+    builds = _by_build(layout)
+    complete = {b: n for b, n in builds.items() if _is_complete(n)}
+    waiting = {b: n for b, n in builds.items() if b not in complete}
+    serving = serving_fragments(layout)
+    if not builds and not serving:
+        if layout.catalog.exists() and Path(f"{layout.catalog}-journal").exists():
+            # Left by a writer killed mid-transaction (a merge, on a shared filesystem): readers
+            # open the catalog read-only and cannot roll it back; a read-write read does.
+            with Catalog(layout) as catalog:
+                catalog.roots()
+        report.pending = pending_builds(layout)
+        return report
+    catalog = Catalog(layout)
+    # A merge inserts up to millions of rows into key-ordered indexes: a big page cache keeps
+    # those inserts from re-reading the same B-tree pages (this connection only, freed at close).
+    catalog.conn.execute("PRAGMA cache_size=-262144")
+    try:
+        frags = _readable(complete, layout, report if skip_damaged else None)
+        # Oldest build first, so a newer build of the same root publishes its manifest last.
+        for bid in sorted(frags, key=lambda b: max(f.created for f in frags[b])):
+            _fold_build(catalog, frags[bid], report, between)
+            for f in frags[bid]:
+                with contextlib.suppress(FileNotFoundError):
+                    f.path.unlink()
+            fsync_dir(fragments_dir(layout))
+            report.fragments += len(frags[bid])
+        fold_waiting(catalog, waiting, report)
+        if serving:
+            _fold_serving(catalog, _readable_serving(serving, layout, skip_damaged, report), report)
+    finally:
+        catalog.close()
+    report.pending = pending_builds(layout)
+    return report
+
+
+def _fold_build(
+    catalog: Catalog,
+    frags: list[Fragment],
+    report: MergeReport,
+    between: Callable[[str], None] | None,
+) -> None:
+    done: dict[int, Fragment] = {}
+    for f in frags:  # a rank run twice before a merge: its newest manifest slice counts
+        rank = f.info.rank
+        if f.kind is FragmentKind.DONE and (rank not in done or f.created > done[rank].created):
+            done[rank] = f
+    info = done[0].info
+    when = max(f.created for f in done.values())
+    catalog.record_encoder(info.encoder_fp, info.encoder_label, info.encoder_kind, now=when)
+    current = catalog.root(info.root)
+    if current is None or current.last_used <= when:  # a later build of this root wins
+        items = sorted(item for f in done.values() for item in f.items)
+        _publish_root(catalog, info, items, when)
+        report.roots.append(info.root)
+        _record_fidelity(catalog.layout, info.root, list(done.values()))
+    if between:
+        between("root")
+    # Newest first: a rank that stored a feature again (padding found inexact later, see
+    # bake/pipeline.py) sealed the new row in a later fragment, and the first row folded wins.
+    for f in sorted(frags, key=lambda f: f.created, reverse=True):
+        _add_shards(catalog, f, report)
+    if between:
+        between("rows")
+    put_fragment_hashes(catalog, [h for f in frags for h in f.hashes])
+    if between:
+        between("hashes")
+
+
+def fold_waiting(
+    catalog: Catalog, waiting: dict[str, list[FragmentName]], report: MergeReport
+) -> None:
+    """Fold the shards' rows of builds not finished yet (``waiting``: build id -> its sealed
+    fragments) into the catalog, and retire each such build a later build of its root
+    superseded. A build with an unreadable fragment is left as it is (``pending`` names it)."""
+    for names in waiting.values():
+        try:
+            frags = [_read(n.path, catalog.layout) for n in names]
+        except StoreCorrupt:
+            continue
+        folded = MergeReport()
+        for f in frags:
+            _add_shards(catalog, f, folded)
+        report.waiting_shards += folded.shards
+        report.new_features += folded.new_features
+        report.missing_shards += folded.missing_shards
+        if _superseded(catalog, frags):
+            for f in frags:
+                with contextlib.suppress(FileNotFoundError):
+                    f.path.unlink()
+            fsync_dir(fragments_dir(catalog.layout))
+            report.superseded.append(frags[0].info.root)
+            report.fragments += len(frags)
+
+
+def _superseded(catalog: Catalog, frags: Sequence[Fragment]) -> bool:
+    """True when the catalog's root of these fragments' build (same encoder and recipe) was
+    published after the last of them was sealed: its manifest names what they would."""
+    info = frags[0].info
+    root = catalog.root(info.root)
+    return (
+        root is not None
+        and (root.encoder_fp, root.recipe_fp) == (info.encoder_fp, info.recipe_fp)
+        and root.last_used >= max(f.created for f in frags)
+    )
+
+
+def adopt_sealed_parts(catalog: Catalog) -> int:
+    """Add to ``catalog`` the shards every sealed build fragment names (finished or not); the
+    number of feature rows new to it.
+
+    A build in one process writes the catalog itself: before it looks for what is stored, the
+    shards a part killed before its end sealed (or parts not merged yet) are its too, so it
+    encodes none of them again. Manifests are left to ``featbake merge``; a fragment merged
+    (and removed) meanwhile is skipped, its rows are in the catalog already.
+    """
+    adopted = MergeReport()
+    for name in sealed_fragments(catalog.layout):
+        if name.kind is FragmentKind.SERVE or not name.path.exists():
+            continue
+        try:
+            _add_shards(catalog, _read(name.path, catalog.layout), adopted)
+        except (StoreCorrupt, sqlite3.Error):
+            continue  # unreadable, or merged meanwhile: its keys are encoded or in the catalog
+    return adopted.new_features
+
+
+def _record_fidelity(layout: Layout, root: str, done: Sequence[Fragment]) -> None:
+    """Pool what the ranks of an int8/fp8 build measured and record it beside the root (no
+    record when none measured anything: the root's earlier one stands)."""
+    pooled: Measured | None = None
+    bound: float | None = None
+    for f in done:
+        if not f.fidelity:
+            continue
+        try:
+            doc = json.loads(f.fidelity)
+            part, bound = Measured.from_json(doc["measured"]), doc["bound"]
+        except (ValueError, KeyError, TypeError):
+            continue  # an unreadable record loses a sample, never the features
+        pooled = part if pooled is None else pooled.merged(part)
+    if pooled is not None:
+        write_fidelity(layout, root, pooled, bound)
+
+
+def _add_shards(catalog: Catalog, f: Fragment, report: MergeReport) -> None:
+    """Add a fragment's shards and their rows to the catalog (first row wins, as in a build)."""
+    if f.format_version >= 3:  # a catalog: its rows are copied through ATTACH
+        added = catalog.add_fragment_shards(f.path)
+        report.new_features += added.features
+        report.shards += added.shards
+        report.missing_shards += added.missing
+        return
+    for shard in read_fragment(f.path, catalog.layout).shards:  # formats 1 and 2
+        try:
+            report.new_features += catalog.add_shard(shard, now=f.created)
+            report.shards += 1
+        except ShardMissing:
+            report.missing_shards.append(shard.name)
+
+
+def _publish_root(
+    catalog: Catalog, info: BuildInfo, items: Sequence[ManifestItem], now: float
+) -> None:
+    """Replace the root a fragment's ``info`` names with ``items`` (path, key), used at ``now``."""
+    catalog.replace_root(info.root_spec, [(i.path, i.key) for i in items], now=now)
+
+
+def _readable(
+    complete: dict[str, list[FragmentName]], layout: Layout, damaged: MergeReport | None
+) -> dict[str, list[Fragment]]:
+    """Each complete build's fragments, read; a build with an unreadable one is left out and
+    named in ``damaged.damaged`` (raised when ``damaged`` is None)."""
+    out: dict[str, list[Fragment]] = {}
+    for build_id, names in complete.items():
+        try:
+            out[build_id] = [_read(n.path, layout) for n in names]
+        except StoreCorrupt:
+            if damaged is None:
+                raise
+            damaged.damaged.extend(n.path.name for n in names if not _is_readable(n, layout))
+    return out
+
+
+def _readable_serving(
+    names: list[FragmentName], layout: Layout, skip_damaged: bool, report: MergeReport
+) -> list[Fragment]:
+    out = []
+    for n in names:
+        try:
+            out.append(_read_serving(n.path, layout))
+        except StoreCorrupt:
+            if not skip_damaged:
+                raise
+            report.damaged.append(n.path.name)
+    return out
+
+
+def _is_readable(name: FragmentName, layout: Layout) -> bool:
+    try:
+        _read(name.path, layout)
+    except StoreCorrupt:
+        return False
+    return True
+
+
+def _read(path: Path, layout: Layout) -> Fragment:
+    """A fragment's meta, manifest, hash rows and uses (its feature rows are copied SQL-side)."""
+    return read_fragment(path, layout, with_entries=False)
+
+
+def _read_serving(path: Path, layout: Layout) -> Fragment:
+    """A ``serve`` fragment, read whole.
+
+    Raises:
+        StoreCorrupt: it is unreadable (the message says what moving it aside loses).
+    """
+    try:
+        return _read(path, layout)
+    except StoreCorrupt as e:
+        raise StoreCorrupt(
+            f"serving fragment {path} is unreadable ({e.__cause__}); move it aside and merge "
+            "again: the features it names are encoded again when next needed"
+        ) from e
+
+
+def _fold_serving(catalog: Catalog, frags: list[Fragment], report: MergeReport) -> None:
+    """Fold ``serve`` fragments, oldest first, then their last uses; then unlink them."""
+    frags.sort(key=lambda f: f.created)
+    for f in frags:
+        info = f.info
+        if info.encoder_kind:  # the dataset had to load the encoder to fingerprint it
+            catalog.record_encoder(
+                info.encoder_fp, info.encoder_label, info.encoder_kind, now=f.created
+            )
+        current = catalog.root(info.root) if f.items else None
+        if f.items and (current is None or current.last_used <= f.created):
+            _publish_root(catalog, info, f.items, f.created)
+            if info.root not in report.roots:
+                report.roots.append(info.root)
+        _add_shards(catalog, f, report)
+        put_fragment_hashes(catalog, list(f.hashes))
+    # After every shard's rows: a use may name a feature another fragment wrote back.
+    catalog.record_uses(u for f in frags for u in f.uses)
+    for f in frags:
+        with contextlib.suppress(FileNotFoundError):
+            f.path.unlink()
+    fsync_dir(fragments_dir(catalog.layout))
+    report.fragments += len(frags)
+    report.serving_fragments += len(frags)
+
+
+def put_fragment_hashes(catalog: Catalog, rows: list[HashCacheRow]) -> None:
+    """Fold fragment hash rows into the catalog, each with the time its stat was taken."""
+    # A row recorded at an unknown time is left out: its file is simply hashed again.
+    catalog.put_hash_rows(h for h in rows if h.recorded_ns > 0)

@@ -1,0 +1,306 @@
+"""A root and its files under ``roots/``: the manifest, its appended items, a drop's tombstone,
+and the record of the inputs its last build could not decode.
+
+A root is a named manifest: the keys one build of (data, encoder, recipe) produced, in file
+order. Its rows live in the catalog (:class:`featbake.store.catalog.RootRows`, which writes this
+module's files inside the transaction that writes the rows); its files here are what
+``verify --repair`` rebuilds the rows from, so roots survive the loss of the catalog:
+
+```
+roots/<name>.json         the manifest, written whole (ROOT_FORMAT)
+roots/<name>.items        items appended since, one [path, key] JSON array per line
+roots/<name>.dropped      left by a drop while it runs; gc finishes a drop a crash cut short
+roots/<name>.undecodable  the inputs the last build could not decode (key -> reason)
+roots/<name>.fidelity     what an int8/fp8 build measured (featbake.store.fidelity)
+```
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from featbake.errors import StoreCorrupt, StoreError
+from featbake.store.files import fsync_dir, publish_file
+from featbake.store.layout import Layout, checked_root_name
+
+
+class RootItem(NamedTuple):
+    """One item of a root's manifest: the input's path (relative to the data folder) and key."""
+
+    path: str
+    key: str
+
+
+@dataclass(frozen=True)
+class RootSpec:
+    """What a root is a build of: its name, data folder, encoder and recipe (a ``roots`` row
+    without its counts and times). Every writer of roots takes one."""
+
+    name: str
+    data: str
+    encoder_label: str
+    encoder_fp: str
+    recipe_fp: str
+    recipe: dict
+
+    def root(self, items: int, created: float, last_used: float) -> Root:
+        """The ``roots`` row of this spec with ``items`` items."""
+        return Root(
+            self.name, self.data, self.encoder_label, self.encoder_fp, self.recipe_fp,
+            self.recipe, items, created, last_used,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Root:
+    """A named manifest: the keys one build of (data, encoder, recipe) produced, in file order."""
+
+    name: str
+    data: str
+    encoder_label: str
+    encoder_fp: str
+    recipe_fp: str
+    recipe: dict
+    items: int
+    created: float
+    last_used: float
+
+    #: The ``roots`` table's columns, in the order :meth:`row` gives them.
+    COLUMNS = (
+        "name",
+        "data",
+        "encoder_label",
+        "encoder_fp",
+        "recipe_fp",
+        "recipe",
+        "items",
+        "created",
+        "last_used",
+    )
+
+    def row(self) -> tuple[Any, ...]:
+        """The values of :attr:`COLUMNS` (the recipe as canonical JSON)."""
+        return (
+            self.name,
+            self.data,
+            self.encoder_label,
+            self.encoder_fp,
+            self.recipe_fp,
+            json.dumps(self.recipe, sort_keys=True),
+            self.items,
+            self.created,
+            self.last_used,
+        )
+
+    @classmethod
+    def from_row(cls, values: Any) -> Root:
+        """A root from the values of a ``SELECT`` of :attr:`COLUMNS`, matched by name."""
+        row = dict(zip(cls.COLUMNS, values, strict=True))
+        return cls(
+            name=row["name"],
+            data=row["data"],
+            encoder_label=row["encoder_label"],
+            encoder_fp=row["encoder_fp"],
+            recipe_fp=row["recipe_fp"],
+            recipe=json.loads(row["recipe"]),
+            items=row["items"],
+            created=row["created"],
+            last_used=row["last_used"],
+        )
+
+
+ROOT_FORMAT = "featbake-root"
+ROOT_FORMAT_VERSION = 1
+
+
+def roots_dir(layout: Layout) -> Path:
+    """``<store>/roots``: one JSON manifest per root, so roots survive the loss of the catalog."""
+    return layout.roots
+
+
+def root_file(layout: Layout, name: str) -> Path:
+    return roots_dir(layout) / f"{checked_root_name(name)}.json"
+
+
+def items_file(layout: Layout, name: str) -> Path:
+    """``roots/<name>.items``: items appended to a root's manifest since its file was written
+    whole (one ``[path, key]`` JSON array per line), so that extending a root costs what is
+    added, not the whole manifest. Read with the manifest; gone when the file is written whole.
+    """
+    return roots_dir(layout) / f"{checked_root_name(name)}.items"
+
+
+def tombstone_file(layout: Layout, name: str) -> Path:
+    """Left by a root drop while it runs; a crash leaves it for gc to finish the drop."""
+    return roots_dir(layout) / f"{checked_root_name(name)}.dropped"
+
+
+def root_payload(root: Root, items: Sequence[tuple[str, str]]) -> dict:
+    """The JSON document of a root manifest file."""
+    return {
+        "format": ROOT_FORMAT,
+        "format_version": ROOT_FORMAT_VERSION,
+        "name": root.name,
+        "data": root.data,
+        "encoder_label": root.encoder_label,
+        "encoder_fp": root.encoder_fp,
+        "recipe_fp": root.recipe_fp,
+        "recipe": root.recipe,
+        "created": root.created,
+        "last_used": root.last_used,
+        "items": [[p, k] for p, k in items],
+    }
+
+
+def write_root_file(layout: Layout, root: Root, items: Sequence[tuple[str, str]]) -> Path:
+    """Write a root's manifest file durably (:func:`publish_file`) and drop its tombstone.
+
+    Raises:
+        StoreError: the store is not writable.
+    """
+    final = root_file(layout, root.name)
+    payload = json.dumps(root_payload(root, items), separators=(",", ":"))
+    try:
+        publish_file(
+            final, lambda tmp: tmp.write_text(payload, encoding="utf-8"), tmp_dir=layout.tmp
+        )
+        # The whole manifest holds the appended items now. (A crash before this unlink leaves
+        # them twice: verify reports the file stale and --repair rewrites it; none is lost.)
+        for stale in (items_file(layout, root.name), tombstone_file(layout, root.name)):
+            with contextlib.suppress(FileNotFoundError):
+                stale.unlink()
+        fsync_dir(final.parent)
+    except OSError as e:
+        raise StoreError(
+            f"could not write the root manifest {final}: {e.strerror or e}; "
+            "check that the cache directory is writable and has space"
+        ) from e
+    return final
+
+
+def append_root_items(layout: Layout, name: str, items: Sequence[tuple[str, str]]) -> None:
+    """Append ``items`` to root ``name``'s manifest durably (write, fsync), in its ``.items``
+    file. Called inside the transaction that adds their rows, as the whole file is.
+
+    Raises:
+        StoreError: the store is not writable.
+    """
+    path = items_file(layout, name)
+    try:
+        created = not path.exists()
+        with open(path, "a", encoding="utf-8") as f:
+            f.write("".join(json.dumps([p, k], separators=(",", ":")) + "\n" for p, k in items))
+            f.flush()
+            os.fsync(f.fileno())
+        if created:
+            fsync_dir(path.parent)
+    except OSError as e:
+        raise StoreError(
+            f"could not append to the root manifest {path}: {e.strerror or e}; "
+            "check that the cache directory is writable and has space"
+        ) from e
+
+
+def _appended_items(path: Path) -> list[RootItem]:
+    """The items of a manifest's ``.items`` file; a last line cut short by a crash (written
+    before its transaction committed, so never in the catalog) is ignored."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    lines = text.split("\n")[:-1]  # only lines that were ended
+    return [RootItem(str(p), str(k)) for p, k in map(json.loads, lines)]
+
+
+def read_root_file(path: Path) -> tuple[Root, list[RootItem]]:
+    """Parse a root manifest file (and the items appended to it since, in its ``.items``).
+
+    Raises:
+        StoreCorrupt: the file is not a readable featbake root manifest.
+    """
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        if doc.get("format") != ROOT_FORMAT:
+            raise ValueError("not a featbake root manifest")
+        items = [RootItem(str(p), str(k)) for p, k in doc["items"]]
+        items += _appended_items(path.with_suffix(".items"))
+        root = Root(
+            name=doc["name"],
+            data=doc["data"],
+            encoder_label=doc["encoder_label"],
+            encoder_fp=doc["encoder_fp"],
+            recipe_fp=doc["recipe_fp"],
+            recipe=doc["recipe"],
+            items=len(items),
+            created=float(doc["created"]),
+            last_used=float(doc["last_used"]),
+        )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise StoreCorrupt(
+            f"root manifest {path} is unreadable ({e}); `featbake verify --repair` moves it to "
+            "quarantine/, and rebuilding that data folder publishes the root again"
+        ) from e
+    return root, items
+
+
+# -- the undecodable record ---------------------------------------------------------------------
+# The inputs a root's last build could not decode or encode: ``roots/<name>.undecodable``.
+#
+# A build skips an input it cannot decode (a text file named ``.jpg``, a corrupt wav), says so
+# and exits 3; its manifest (published before encoding) still names the input's key, which is
+# never stored. A dataset then left the input in, and with ``on_miss="error"`` raised a miss
+# advising the build that skips it again. The record is keyed by feature key, so it names those
+# bytes under that encoder and recipe only: a file fixed since hashes to another key, which the
+# record does not name (the next build encodes it). A file beside the manifest, as the fidelity
+# record is: written once per build, after encoding, without a schema migration; dropping the
+# root removes it. A build through fragments (in parts, or into a bucket store) writes none
+# (a part sees its own failures only): a dataset then keeps treating those inputs as misses.
+def undecodable_file(layout: Layout, name: str) -> Path:
+    """``roots/<name>.undecodable`` (not ``.json``: upkeep reads every ``*.json`` as a manifest)."""
+    return layout.roots / f"{checked_root_name(name)}.undecodable"
+
+
+def write_undecodable(layout: Layout, name: str, failed: dict[str, str]) -> None:
+    """Record ``failed`` (key -> the build's reason) for root ``name``, replacing the last
+    build's record (tmp, rename); an empty ``failed`` removes it.
+
+    Raises:
+        StoreError: the store is not writable.
+    """
+    final = undecodable_file(layout, name)
+    if not failed:
+        unlink_quietly(final)
+        return
+    doc = json.dumps({"keys": failed}, sort_keys=True)
+    try:
+        publish_file(final, lambda tmp: tmp.write_text(doc, encoding="utf-8"), tmp_dir=layout.tmp)
+    except OSError as e:
+        raise StoreError(
+            f"could not record the inputs this build skipped in {final}: {e.strerror or e}; "
+            "check that the cache directory is writable"
+        ) from e
+
+
+def read_undecodable(layout: Layout, name: str) -> dict[str, str]:
+    """Key -> reason for each input root ``name``'s last build could not decode; ``{}`` when
+    there is no record (or it cannot be read: the inputs are then misses, as before)."""
+    try:
+        doc = json.loads(undecodable_file(layout, name).read_text(encoding="utf-8"))
+        keys = doc["keys"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    if not isinstance(keys, dict):
+        return {}
+    return {str(k): str(v) for k, v in keys.items()}
+
+
+def unlink_quietly(path: Path) -> None:
+    """Remove a file that may already be gone."""
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
