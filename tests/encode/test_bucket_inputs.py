@@ -17,13 +17,13 @@ import torch
 
 import featbake.encode.fingerprints
 from featbake.bake.pipeline import build
-from featbake.encode.inputs import BucketInputs, ObjectSource, object_stat
-from featbake.encode.objects import LIST_PAGE_HEADS, common_prefix, just_before, stat_objects
+from featbake.encode.inputs import BucketInputs, ObjectSource
 from featbake.encode.sources import load_unchanged, source_for
 from featbake.errors import SourceError, StoreError
 from featbake.recipe import Recipe
-from featbake.store.bucket import Bucket, ListedPage, ObjectInfo
+from featbake.store.byteplace import LIST_PAGE_HEADS, common_prefix, just_before, stat_objects
 from featbake.store.catalog import FileStat
+from featbake.store.objects import ListedPage, ObjectInfo, ObjectStore, object_stat
 from featbake.store.url import BucketURL
 from featbake.testing import write_audio_folder
 from tests.conftest import invoke, live_features
@@ -33,7 +33,7 @@ from tests.store.bucket.conftest import S3, Remote
 
 def upload(folder: Path, url: str) -> list[str]:
     """Put every file under ``folder`` into the bucket under ``url``; their relative names."""
-    bucket = Bucket(BucketURL.parse(url))
+    bucket = ObjectStore(BucketURL.parse(url))
     names = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
     for name in names:
         bucket.upload(name, folder / name)
@@ -44,13 +44,13 @@ def upload(folder: Path, url: str) -> list[str]:
 def reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The names of the objects read whole (GETs) by this process, in order."""
     got: list[str] = []
-    real = Bucket.read
+    real = ObjectStore.read
 
-    def counted(self: Bucket, name: str):  # type: ignore[no-untyped-def]
+    def counted(self: ObjectStore, name: str):  # type: ignore[no-untyped-def]
         got.append(name)
         return real(self, name)
 
-    monkeypatch.setattr(Bucket, "read", counted)
+    monkeypatch.setattr(ObjectStore, "read", counted)
     return got
 
 
@@ -74,7 +74,8 @@ def test_a_build_from_a_bucket_stores_the_live_features_and_a_rebuild_reads_noth
     report = bake(url, encoder_file, store)
     assert report.encoded == len(names) == 16 and not report.failed
     assert report.data == f"{place.scheme}://{place.bucket}/audio"  # the root is keyed by the URL
-    assert sorted(reads) == sorted(names)  # once: hashed and decoded from one response
+    # once each: hashed and decoded from one response (by the bucket's client: names are keys)
+    assert sorted(reads) == sorted(f"audio/{n}" for n in names)
     assert_live(store, report.root, encoder_file, audio_dir, 16)
 
     reads.clear()
@@ -94,12 +95,12 @@ def test_a_changed_object_is_hashed_and_encoded_again(
     assert (audio_dir / changed).is_file()
     write_audio_folder(tmp_path / "new", 1, seconds=0.7, seed=99)
     shutil.copy(next((tmp_path / "new").glob("*.wav")), audio_dir / changed)
-    Bucket(BucketURL.parse(url)).upload(changed, audio_dir / changed)  # new bytes, new ETag
+    ObjectStore(BucketURL.parse(url)).upload(changed, audio_dir / changed)  # new bytes, new ETag
 
     reads.clear()
     report = bake(url, encoder_file, store)
     assert (report.encoded, report.reused) == (1, 15)
-    assert reads == [changed]
+    assert reads == [f"audio/{changed}"]
     assert_live(store, report.root, encoder_file, audio_dir, 16)
 
 
@@ -199,7 +200,9 @@ def test_an_object_rewritten_after_hashing_is_not_decoded_under_the_old_key(
     assert isinstance(source, ObjectSource)
     x = load_unchanged(source, path, stats[path])
     torch.testing.assert_close(x, source_for(Recipe()).load(audio_dir / "fixed/clip00000.wav"))
-    Bucket(BucketURL.parse(url)).upload("fixed/clip00000.wav", audio_dir / "fixed/clip00001.wav")
+    ObjectStore(BucketURL.parse(url)).upload(
+        "fixed/clip00000.wav", audio_dir / "fixed/clip00001.wav"
+    )
     with pytest.raises(SourceError, match="changed while featbake was reading it"):
         load_unchanged(source, path, stats[path])
 
@@ -209,7 +212,7 @@ def test_an_object_deleted_after_the_listing_fails_alone(s3: S3, audio_dir: Path
     upload(audio_dir, url)
     inputs = BucketInputs.at(url)
     names = inputs.scan([".wav"]).inputs
-    Bucket(BucketURL.parse(url)).delete([names[0]])
+    ObjectStore(BucketURL.parse(url)).delete([names[0]])
     paths = [inputs.path(n) for n in names]
     digests, failed = inputs.hash(_NoCache(), paths)
     assert failed == {paths[0]: "object not found (deleted since the listing?)"}
@@ -308,7 +311,7 @@ def test_a_dataset_does_not_encode_an_object_rewritten_since_it_was_indexed(
     names = upload(audio_dir, url)
     ds = CachedFeatureDataset(url, encoder_file, cache=tmp_path / "store")
     other = audio_dir / names[1]
-    Bucket(BucketURL.parse(url)).upload(names[0], other)  # new bytes, new ETag
+    ObjectStore(BucketURL.parse(url)).upload(names[0], other)  # new bytes, new ETag
     first = next(i for i in range(len(ds)) if ds.path(i).endswith(names[0]))
     with pytest.raises(SourceError, match="changed while featbake was reading it"):
         ds[first]
@@ -428,7 +431,7 @@ def test_on_a_server_a_listed_stat_is_a_headed_one_and_the_listing_stops_when_sp
     objects: two pages find one each, then HEADs; every stat as its HEAD's, a missing name
     failed by its HEAD. Counted in the server's log."""
     monkeypatch.setattr("featbake.store.byteplace.LIST_PAGE_KEYS", 10)
-    bucket = Bucket(BucketURL.parse(f"s3://{s3.bucket}"))
+    bucket = ObjectStore(BucketURL.parse(f"s3://{s3.bucket}"))
     keys = [f"sparse/c{i:04d}.wav" for i in range(300)]
     put_many(bucket, keys)
     names = [*keys[::23], "sparse/gone.wav"]
@@ -459,7 +462,7 @@ def test_manifest_rows_naming_one_bucket_name_in_two_clouds_read_each_its_own(
     make_gcs_bucket(gcs_server, s3.bucket)  # the same name on both servers
     clips = sorted(audio_dir.rglob("*.wav"))[:2]
     for scheme, clip in zip(("s3", "gs"), clips, strict=True):
-        Bucket(BucketURL.parse(f"{scheme}://{s3.bucket}/m")).upload("x.wav", clip)
+        ObjectStore(BucketURL.parse(f"{scheme}://{s3.bucket}/m")).upload("x.wav", clip)
     manifest = tmp_path / "rows.jsonl"
     rows = [{"path": f"{scheme}://{s3.bucket}/m/x.wav"} for scheme in ("s3", "gs")]
     manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
