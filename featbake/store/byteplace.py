@@ -599,11 +599,28 @@ def object_at(url: str) -> tuple[ObjectStore, str]:
     """
     folder, name = url.rsplit("/", 1)
     where = BucketURL.parse(folder)
-    bucket = _BUCKETS.get((where.scheme, where.bucket))
-    if bucket is None:  # the object store of the URL's scheme (s3, gs, az)
-        bucket = ObjectStore(BucketURL(where.bucket, scheme=where.scheme))
-        _BUCKETS[where.scheme, where.bucket] = bucket
-    return bucket, where.key(name)
+    return bucket_store(where), where.key(name)
+
+
+def prefix_at(where: str) -> tuple[ObjectStore, str]:
+    """(the store of prefix ``where``'s bucket, the prefix as its objects' keys start: with a
+    trailing slash, or "" for the whole bucket): the bucket's one client, as :func:`object_at`.
+
+    Example:
+        >>> prefix_at("gs://team/audio/")[1]
+        'audio/'
+    """
+    url = BucketURL.parse(where)
+    return bucket_store(url), url.key("")
+
+
+def bucket_store(url: BucketURL) -> ObjectStore:
+    """The object store of ``url``'s bucket (its scheme's: s3, gs, az), made once per bucket."""
+    bucket = _BUCKETS.get((url.scheme, url.bucket))
+    if bucket is None:
+        bucket = ObjectStore(BucketURL(url.bucket, scheme=url.scheme))
+        _BUCKETS[url.scheme, url.bucket] = bucket
+    return bucket
 
 
 def read_object(bucket: ObjectStore, name: str) -> ObjectBytes | str:
@@ -730,12 +747,12 @@ class Objects(BytePlace):
         # rebuild of unchanged objects reads none of them (their digests are in the hash cache).
         exts = tuple(e.lower() for e in extensions)
         prefix = self.folder(where)
-        bucket = ObjectStore(BucketURL.parse(prefix))
-        listing = bucket.list("")
+        bucket, key = prefix_at(prefix)
+        listing = bucket.list(key)
         listed = {
-            o.name: bucket.file_stat(o)
+            o.name[len(key) :]: bucket.file_stat(o)
             for o in listing
-            if o.name.lower().endswith(exts) and not hidden_name(o.name)
+            if o.name.lower().endswith(exts) and not hidden_name(o.name[len(key) :])
         }
         if not listed:
             found = f"{len(listing)} objects, none of them" if listing else "no objects, so no"
@@ -831,10 +848,12 @@ class Objects(BytePlace):
         if where.lower().endswith(CONTAINER_SUFFIXES):
             return False
         try:
-            listing = ObjectStore(BucketURL.parse(where)).list("")
+            bucket, key = prefix_at(where)
+            listing = bucket.list(key)
         except (StoreError, ConfigError):
             return False
-        names = [o.name.lower() for o in listing if not hidden_name(o.name)]
+        rels = [o.name[len(key) :] for o in listing]
+        names = [n.lower() for n in rels if not hidden_name(n)]
         return (
             bool(names)
             and all(n.endswith(wanted) or n.endswith(also) for n in names)
@@ -866,8 +885,8 @@ class Objects(BytePlace):
         return False
 
     def listed(self, folder: str) -> dict[str, ObjectInfo]:
-        bucket = ObjectStore(BucketURL.parse(folder))
-        return {bucket.where(o.name): o for o in bucket.list("")}
+        bucket, key = prefix_at(folder)
+        return {bucket.where(o.name): o for o in bucket.list(key)}
 
     def shards(self, data: str) -> Shards:
         if not is_tar(data):  # a prefix of tars only: listed by the scan

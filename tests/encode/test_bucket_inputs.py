@@ -8,6 +8,8 @@ stored feature is compared with running the encoder now on the same file.
 from __future__ import annotations
 
 import bisect
+import hashlib
+import os
 import random
 import shutil
 from pathlib import Path
@@ -17,7 +19,7 @@ import torch
 
 import featbake.encode.fingerprints
 from featbake.bake.pipeline import build
-from featbake.encode.inputs import BucketInputs, ObjectSource
+from featbake.encode.inputs import BucketInputs, ObjectSource, inputs_at
 from featbake.encode.sources import load_unchanged, source_for
 from featbake.errors import SourceError, StoreError
 from featbake.recipe import Recipe
@@ -217,6 +219,43 @@ def test_an_object_deleted_after_the_listing_fails_alone(s3: S3, audio_dir: Path
     digests, failed = inputs.hash(_NoCache(), paths)
     assert failed == {paths[0]: "object not found (deleted since the listing?)"}
     assert sorted(digests) == sorted(paths[1:])
+
+
+def test_a_folder_and_prefixes_of_one_bucket_read_alike_through_one_client(
+    place: Remote | S3, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A local folder and the same files under two prefixes of one bucket go through one
+    interface (the byte seam): the same names, sizes and digests (the files' SHA-256), and the
+    decoded clips equal the files'. Listing, stat'ing, hashing and decoding both prefixes make
+    one client for the bucket; before, each prefix's inputs and its decoding made their own
+    (a client costs ~0.1-0.2 s to make), and the folder walked and hashed its files apart."""
+    made: list[str] = []
+    real_init = ObjectStore.__init__
+
+    def counted(self: ObjectStore, url: BucketURL) -> None:
+        made.append(str(url))
+        real_init(self, url)
+
+    urls = [f"{place.scheme}://{place.bucket}/{p}" for p in ("one", "two/deeper")]
+    for url in urls:
+        upload(audio_dir, url)
+    monkeypatch.setattr(ObjectStore, "__init__", counted)
+    folder = inputs_at(audio_dir)
+    rels = folder.scan([".wav"]).inputs
+    want = {r: hashlib.sha256((audio_dir / r).read_bytes()).hexdigest() for r in rels}
+    local, _ = folder.hash(_NoCache(), [folder.path(r) for r in rels])
+    assert {os.path.relpath(p, folder.where): d for p, d in local.items()} == want
+    for url in urls:
+        inputs = inputs_at(url + "/")
+        assert isinstance(inputs, BucketInputs) and inputs.scan([".wav"]).inputs == rels
+        assert [inputs.size(r) for r in rels] == [folder.size(r) for r in rels]
+        got, failed = inputs.hash(_NoCache(), [inputs.path(r) for r in rels])
+        assert not failed and {inputs.rel(p): d for p, d in got.items()} == want
+        source = inputs.source(source_for(Recipe()))
+        torch.testing.assert_close(
+            source.load(inputs.path(rels[0])), source_for(Recipe()).load(audio_dir / rels[0])
+        )
+    assert made == [f"{place.scheme}://{place.bucket}"], made
 
 
 def test_an_objects_stat_follows_its_etag_size_and_date() -> None:
