@@ -140,10 +140,11 @@ def unreadable_carried(sample: Sample, chosen: Member) -> list[SkippedInput]:
 # bucket's parquet file is read likewise (:class:`RangedObject` keeps its responses' stats): one
 # HEAD at the scan for its stat (a single file is not listed), none for its hash or its cells.
 #
-# A ``.tar.gz`` shard in a bucket cannot be read by ranges: it is read whole (one GET) and
-# decompressed in memory to list it, again to hash it (a build decodes from the bytes hashed),
-# and once per member a dataset decodes (listings and digests come from the hash cache by ETag,
-# as a plain tar's do; see ``featbake.store.byteplace.gzip_object_fetch``).
+# A ``.tar.gz`` shard in a bucket cannot be read by ranges, but it can be streamed: its stream is
+# fetched in order by ranged GETs (``featbake.store.containers.GZIP_BLOCK`` each) and
+# decompressed as it comes, once to list it and once to hash it (a build decodes from the bytes
+# hashed), and up to its member for each member a dataset decodes (listings and digests come
+# from the hash cache by ETag, as a plain tar's do); never held whole in memory.
 
 #: The hash-cache id prefix of a tar's member listing (the row's digest column is the listing).
 LISTING_PREFIX = "tar-members:"

@@ -13,7 +13,8 @@ answers in its own way:
   maps it (:meth:`~featbake.store.objects.ObjectStore.file_stat`); every ranged GET's response
   carries it, so bytes and the version they are of come together without a HEAD, and the ETag
   changes with the bytes (:attr:`BytePlace.versioned` is True: never racy). A ``.tar.gz``
-  object cannot be read by ranges: it is read whole and decompressed (:func:`gzip_object_fetch`).
+  object cannot be read by ranges: its stream is fetched in order by ranged GETs and
+  decompressed as it comes (:func:`~featbake.store.containers.gzip_stream`), never held whole.
 
 Both read a tar's members and a table file through the store's container readers
 (:mod:`featbake.store.containers`), which take the place's ranged reads (:data:`Fetch`).
@@ -29,7 +30,6 @@ import re
 import stat
 import threading
 import time
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +48,7 @@ from featbake.store.containers import (
     ReadBack,
     TableFile,
     fits,
+    gzip_stream,
     is_gzip_tar,
     is_tar,
     list_members,
@@ -55,8 +56,10 @@ from featbake.store.containers import (
     ranged_member_digests,
     read_member,
     read_ranged_member,
+    read_streamed_member,
     stat_around,
     stat_or_none,
+    streamed_member_digests,
     table_files,
 )
 from featbake.store.objects import (
@@ -677,62 +680,6 @@ def ranged_object(url: str, size: int | None = None) -> RangedObject:
     return RangedObject(url, size, object_fetch(url))
 
 
-def gzip_object_fetch(url: str) -> Callable[[int, int], RangeRead]:
-    """Reads of ranges of the *decompressed* gzip tar ``url``, for the store's container
-    readers: a gzip stream cannot be read by ranges, so the first read GETs the object whole
-    (one request) and decompresses it, and every read after it slices those bytes, each with
-    the stat of that one response. One fetch serves one listing, one hashing or one member:
-    bytes are never kept past it, so a rewritten object is never read from a stale copy.
-
-    A truncated stream gives the bytes it holds (its last member then reads as truncated, as
-    a local gzip tar's does); a stream that is not gzip is one line.
-    """
-    got: list[Callable[[int, int], RangeRead]] = []
-
-    def fetch(start: int, length: int) -> RangeRead:
-        if not got:
-            got.append(sliced(gzip_object(url)))
-        return got[0](start, length)
-
-    return fetch
-
-
-def gzip_object(url: str) -> RangeRead:
-    """The gzip tar object ``url`` read whole (one GET) and decompressed, with that response's
-    stat.
-
-    Raises:
-        SourceError: it is gone, cannot be read, or is not a gzip stream.
-    """
-    bucket, name = object_at(url)
-    try:
-        response = bucket.read(name)
-    except FileNotFoundError:
-        raise SourceError(f"{url}: object not found (deleted since the listing?)") from None
-    except StoreError as e:
-        raise SourceError(str(e)) from e
-    try:
-        data = zlib.decompressobj(wbits=31).decompress(response.data)
-    except zlib.error as e:
-        raise SourceError(f"{url}: not a readable gzip tar file ({e})") from e
-    return RangeRead(data, bucket.file_stat(response.info))
-
-
-def sliced(whole: RangeRead) -> Callable[[int, int], RangeRead]:
-    """Ranged reads of bytes already in memory, each with the stat they were read at."""
-
-    def fetch(start: int, length: int) -> RangeRead:
-        return RangeRead(whole.data[start : start + length], whole.stat)
-
-    return fetch
-
-
-def tar_fetch(tar: str) -> Callable[[int, int], RangeRead]:
-    """Ranged reads of the tar stream of object ``tar``: by ranged GETs, or (a gzip tar)
-    from the object read whole once (:func:`gzip_object_fetch`)."""
-    return gzip_object_fetch(tar) if is_gzip_tar(tar) else object_fetch(tar)
-
-
 class Objects(BytePlace):
     """Objects in a bucket, named by URL (``s3://``, ``gs://``, ``az://``): read by ranged GETs,
     each response carrying the object's stat."""
@@ -827,19 +774,23 @@ class Objects(BytePlace):
         try:
             if not is_gzip_tar(tar):
                 return list_members(tar, ranged_object(tar, size))
-            whole = gzip_object(tar)  # one GET: its stream's length is known only once read
-            return list_members(tar, RangedObject(tar, len(whole.data), sliced(whole)))
+            return list_members(tar, gzip_stream(RangedObject(tar, size, object_fetch(tar))))
         except StoreError as e:
             raise SourceError(f"{tar}: not a readable tar file ({e})") from e
 
     def read_member(self, tar: str, member: Member) -> tuple[bytes, FileStat | None]:
-        got = read_ranged_member(tar, member, tar_fetch(tar))
+        if is_gzip_tar(tar):  # streamed up to the member: a gzip stream has no ranges
+            return read_streamed_member(tar, member, RangedObject(tar, None, object_fetch(tar)))
+        got = read_ranged_member(tar, member, object_fetch(tar))
         return got.data, got.stat
 
     def member_digests(
         self, tar: str, members: Sequence[Member], held: Holder | None = None
     ) -> ReadBack:
-        return ranged_member_digests(tar, members, tar_fetch(tar), held)
+        if is_gzip_tar(tar):  # one pass over its stream, fetched in order by ranges
+            raw = RangedObject(tar, None, object_fetch(tar))
+            return streamed_member_digests(tar, members, raw, held)
+        return ranged_member_digests(tar, members, object_fetch(tar), held)
 
     def holds_only(self, where: str, wanted: tuple[str, ...], also: tuple[str, ...] = ()) -> bool:
         # One LIST (the scan lists again, as it does for any prefix). A name ending as a table
