@@ -173,7 +173,7 @@ def truncated(tar: str, member: Member, got: int) -> str:
     )
 
 
-def list_members(tar: str, fileobj: BinaryIO | None = None) -> list[Member]:
+def list_members(tar: str, fileobj: RangedObject | BinaryIO | None = None) -> list[Member]:
     """The regular-file members of ``tar``, in order, from their headers only (data skipped by
     seeks: listing a shard reads a 512-byte header per member); a tar in a bucket through
     ``fileobj`` (a :class:`RangedObject`, or a gzip tar's stream over one:
@@ -203,7 +203,7 @@ def list_members(tar: str, fileobj: BinaryIO | None = None) -> list[Member]:
     return out
 
 
-def open_tar(tar: str, fileobj: BinaryIO | None = None) -> tarfile.TarFile:
+def open_tar(tar: str, fileobj: RangedObject | BinaryIO | None = None) -> tarfile.TarFile:
     """``tar`` opened to read its headers: a file (a gzip one as its stream), or ``fileobj``."""
     if fileobj is not None:
         return tarfile.open(fileobj=fileobj, mode="r:")
