@@ -431,10 +431,10 @@ def counted_build(manifest: Path, encoder_path: Path, cache: Path) -> tuple[floa
     (seconds, files hashed, frames decoded)."""
     import soundfile
 
-    import featbake.encode.fingerprints as fingerprints
+    import featbake.store.byteplace as byteplace
 
     seen = {"hashed": 0, "frames": 0}
-    real_hash, real_read = fingerprints.file_fingerprint, soundfile.SoundFile.read
+    real_hash, real_read = byteplace.sha256_file, soundfile.SoundFile.read
 
     def hashed(path: Any) -> str:
         seen["hashed"] += 1
@@ -445,12 +445,12 @@ def counted_build(manifest: Path, encoder_path: Path, cache: Path) -> tuple[floa
         seen["frames"] += len(out)
         return out
 
-    fingerprints.file_fingerprint = hashed  # type: ignore[assignment]
+    byteplace.sha256_file = hashed  # type: ignore[assignment]
     soundfile.SoundFile.read = read  # type: ignore[method-assign]
     try:
         seconds = featbake_build(manifest, encoder_path, cache, workers=0)
     finally:
-        fingerprints.file_fingerprint = real_hash  # type: ignore[assignment]
+        byteplace.sha256_file = real_hash  # type: ignore[assignment]
         soundfile.SoundFile.read = real_read  # type: ignore[method-assign]
     return seconds, seen["hashed"], seen["frames"]
 

@@ -42,13 +42,14 @@ from featbake.bake.threads import (
     decoded_items,
 )
 from featbake.device import check_device, process_cpus, torch_threads
-from featbake.encode.containers import Table, WebDataset
 from featbake.encode.encoders import LoadedEncoder, detect_kind, from_module
 from featbake.encode.fingerprints import HeldBytes, cached_file_encoder_fp, encoder_fingerprint
 from featbake.encode.hf import check_recipe_supported, recipe_for_encoder
 from featbake.encode.inputs import Inputs, inputs_at
 from featbake.encode.loaders import is_import_path, load_encoder
 from featbake.encode.sources import ScanResult, Source, source_for
+from featbake.encode.tables import Table
+from featbake.encode.webdataset import WebDataset
 from featbake.errors import ConfigError, EncodeError, FeatbakeError, SourceError, StoreError
 from featbake.gcpause import gc_paused
 from featbake.keys import feature_key, root_id

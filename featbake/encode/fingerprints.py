@@ -1,17 +1,21 @@
-"""Fingerprints that read files: inputs (with the hash cache) and encoders (cached by file stat)."""
+"""Fingerprints that read bytes: inputs (files, objects, and the items inside containers: tar
+members, table cells), through the hash cache and the byte seam, and encoders (cached by file
+stat)."""
 
 from __future__ import annotations
 
 import os
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
-from typing import BinaryIO
+from typing import NamedTuple, Protocol
 
 from featbake.encode.encoders import PICKLE, LoadedEncoder, detect_kind
 from featbake.keys import sha256_file, sha256_hex
 from featbake.progress import Progress
+from featbake.store.byteplace import BytePlace, Digest, bytes_at
+from featbake.store.containers import ReadBack
 from featbake.store.hash_cache import ENCODER_FP_PREFIX, FileStat, HashCache, HashRow
 from featbake.threadpool import map_in_threads
 
@@ -35,11 +39,8 @@ class HeldBytes:
 
     Example:
         >>> held = HeldBytes(budget=1 << 20)
-        >>> import tempfile, pathlib
-        >>> p = pathlib.Path(tempfile.mkdtemp()) / "a.bin"
-        >>> _ = p.write_bytes(b"abc")
-        >>> held.digest(str(p))[:8], held.take(str(p)), held.take(str(p))
-        ('ba7816bf', b'abc', None)
+        >>> held.keep("a.wav", b"abc"), held.take("a.wav"), held.take("a.wav")
+        (True, b'abc', None)
     """
 
     def __init__(self, budget: int | None = None) -> None:
@@ -51,37 +52,6 @@ class HeldBytes:
 
     def __len__(self) -> int:
         return len(self._data)
-
-    def digest(self, path: str, expect: FileStat | None = None) -> str | None:
-        """SHA-256 of the file at ``path``, its bytes kept when they fit in the budget.
-
-        With ``expect``, only the file that stat names is read: None (nothing kept) when the
-        file opened is another version, or changes while it is read (see :func:`digest_as`).
-
-        Raises:
-            OSError: the file cannot be read.
-        """
-        with open(path, "rb") as f:
-            opened = FileStat.of(f.fileno())
-            if expect is not None and opened != expect:
-                return None
-            with self._lock:
-                fits = self.size + opened.size <= self.budget
-                if fits:
-                    self.size += opened.size  # reserved before reading: threads hash in parallel
-            if not fits:
-                return streamed_digest(f, expect)
-            try:
-                data = f.read()
-                same = unchanged(f, expect)
-            finally:
-                with self._lock:
-                    self.size -= opened.size  # the reservation becomes the bytes read, if kept
-        if not same:
-            return None
-        with self._lock:
-            self._put(path, data)
-        return sha256_hex(data)
 
     def keep(self, path: str, data: bytes) -> bool:
         """Keep ``data``, the bytes just hashed for the input named ``path`` (a tar member, a
@@ -157,47 +127,12 @@ def file_fingerprint(path: str | os.PathLike[str] | int) -> str:
     return sha256_file(path)
 
 
-def unchanged(f: BinaryIO, expect: FileStat | None) -> bool:
-    """Whether the file ``f`` has open still has the stat ``expect`` (always, without one)."""
-    return expect is None or FileStat.of(f.fileno()) == expect
-
-
-def streamed_digest(f: BinaryIO, expect: FileStat | None) -> str | None:
-    """SHA-256 of the open file ``f`` from its position, streamed; None if it no longer has
-    the stat ``expect`` once read (it changed while it was read)."""
-    sha = file_fingerprint(f.fileno())
-    return sha if unchanged(f, expect) else None
-
-
-def digest_as(path: str, expect: FileStat) -> str | None:
-    """SHA-256 of the file at ``path`` if it is the version ``expect`` names, unchanged while
-    it is read (streamed), else None.
-
-    A digest is recorded in the hash cache under the stat taken before it was read, so it
-    must be that file's: the stat of the file opened is compared before and after the read
-    (not the path's: a folder swapped for another version, whose files keep their stats,
-    would pass a path's stat taken after as well as git's index would).
-
-    Raises:
-        OSError: the file cannot be read.
-    """
-    with open(path, "rb") as f:
-        return streamed_digest(f, expect) if unchanged(f, expect) else None
-
-
 def resolve_path(path: str | os.PathLike[str]) -> str:
     """The absolute, symlink-free form of a path, as stored in the catalog."""
     return str(Path(path).expanduser().resolve())
 
 
-# -- planning --------------------------------------------------------------------------------
-#: Why an input whose file was replaced or rewritten between its stat and its read fails.
-CHANGED_WHILE_READ = (
-    "changed while featbake was reading it (replaced or rewritten after it was stat'ed); "
-    "rerun the build once it stops changing"
-)
-
-
+# -- inputs ----------------------------------------------------------------------------------
 def hash_inputs(
     catalog: HashCache,
     paths: Sequence[str],
@@ -205,65 +140,208 @@ def hash_inputs(
     stats: dict[str, FileStat] | None = None,
     held: HeldBytes | None = None,
     hold: Collection[str] | None = None,
+    known: Mapping[str, FileStat] | None = None,
 ) -> tuple[dict[str, str], dict[str, str]]:
-    """SHA-256 of each file, re-reading only files whose (size, mtime, ctime, inode) changed.
+    """SHA-256 of each input (a file, or an object in a bucket), reading only those whose stat
+    the hash cache does not know; every input read through the place it is at
+    (:func:`featbake.store.byteplace.bytes_at`), the one way files and objects are hashed.
 
-    A cached digest is trusted only if the file's stat equals the one it was hashed with, and
-    the file had not changed within a second of that (a "racy" entry, see ``FileStat.racy``).
+    A cached digest is trusted only if the input's stat equals the one it was hashed with: a
+    file's (size, mtime, ctime, inode), not changed within a second of that (a "racy" entry,
+    see ``FileStat.racy``); an object's (size, last change, ETag), never racy.
 
     Args:
         catalog: whose hash cache to consult and fill.
-        paths: the files to hash.
+        paths: the inputs to hash.
         progress: called as hashing advances.
         stats: if given, filled with path -> the FileStat each digest belongs to, so a later
-            reader can tell whether the file changed since (see :class:`DecodeDataset`).
-        held: if given, keeps the bytes of the files read, for a build to decode them from
+            reader can tell whether the input changed since (see :class:`DecodeDataset`).
+        held: if given, keeps the bytes of the inputs read, for a build to decode them from
             (see :mod:`featbake.encode.fingerprints`).
         hold: with ``held``, the only paths whose bytes it keeps (None: all of them); the
             others are hashed streamed (a recording whose segments are decoded by seeking).
+        known: stats already known (a bucket prefix's listing): no request is made for them.
 
     Returns:
-        (path -> sha256, path -> reason for files that could not be read)
+        (path -> sha256, path -> reason for inputs that could not be read)
+    """
+    stats = {} if stats is None else stats
+    stat_time = time.time_ns()  # before the stats: what a racy entry is measured against
+    places = by_place(paths)
+    failed = stat_inputs(places, known or {}, stats)
+    cached = catalog.cached_hashes(list(stats))
+    digests = {
+        p: hit.sha256 for p, st in stats.items() if (hit := cached.get(p)) and hit.stat == st
+    }
+    done = len(digests)
+    if progress:
+        progress(Progress("hash", done, len(paths)))
+    for place, group in places.items():
+        todo = [p for p in group if p in stats and p not in digests]
+
+        def one(p: str, place: BytePlace = place) -> Digest | str:
+            keep = held if hold is None or p in hold else None
+            return place.digest(p, stats[p], keep)
+
+        fresh: list[HashRow] = []
+        for p, got in zip(todo, map_in_threads(one, todo, place.readers), strict=True):
+            done += 1
+            if isinstance(got, str):
+                failed[p] = got
+            else:
+                stats[p], digests[p] = got
+                fresh.append(HashRow(p, *got))
+            if progress and (done % 256 == 0 or done == len(paths)):
+                progress(Progress("hash", done, len(paths)))
+        catalog.put_hashes(fresh, recorded_ns=place.recorded_ns(fresh, stat_time))
+    return digests, failed
+
+
+def by_place(paths: Sequence[str]) -> dict[BytePlace, list[str]]:
+    """``paths`` grouped by the place each is at (local files, objects), each group in order."""
+    places: dict[BytePlace, list[str]] = {}
+    for p in paths:
+        places.setdefault(bytes_at(p), []).append(p)
+    return places
+
+
+def stat_inputs(
+    places: Mapping[BytePlace, Sequence[str]],
+    known: Mapping[str, FileStat],
+    stats: dict[str, FileStat],
+) -> dict[str, str]:
+    """Fill ``stats`` with each input's stat (``known``'s, else its place's); the inputs that
+    have none, with why."""
+    failed: dict[str, str] = {}
+    for place, group in places.items():
+        asked = place.stats([p for p in group if p not in known])
+        for p in group:
+            st = known.get(p) or asked[p]
+            if isinstance(st, str):
+                failed[p] = st
+            else:
+                stats[p] = st
+    return failed
+
+
+# -- items in containers ----------------------------------------------------------------------
+# A tar member or a table cell is keyed by the SHA-256 of its bytes, its hash-cache entry by its
+# full name (a cell's also by its column) compared on its container's stat: a rebuild over
+# unchanged containers reads no member or cell.
+def container_stat(path: str) -> FileStat | None:
+    """A container's stat: a file's, or an object's (size, last change, ETag) by one HEAD."""
+    return bytes_at(path).stat(path)
+
+
+class ItemRef(NamedTuple):
+    """One item to hash: its full name, its hash-cache id, its container and where inside it."""
+
+    path: str
+    cache_id: str
+    container: str
+    where: int  # a table's row (0 for a tar member, found by its name)
+
+
+#: container, the refs to read in it -> what the reading gave (see :class:`ReadBack`).
+ReadDigests = Callable[[str, list[ItemRef]], ReadBack]
+
+
+def hash_items(
+    catalog: HashCache,
+    refs: Sequence[ItemRef],
+    read: ReadDigests,
+    progress: Callable[[Progress], None] | None = None,
+    stats: dict[str, FileStat] | None = None,
+    stat_of: Callable[[str], FileStat | None] = container_stat,
+) -> tuple[dict[str, str], dict[str, str]]:
+    """SHA-256 of each item, reading only the containers whose stat the hash cache does not know.
+
+    ``read(container, refs)`` reads the items of one container (in its order) and returns each
+    digest, or a 1-tuple with why the item cannot be read, with the container's stat as of the
+    reading (:class:`ReadBack`): digests whose bytes came from another stat than the one looked
+    up fail. ``stats`` is filled with each item's container stat, which decoding checks again.
+    ``stat_of`` gives a container's stat before it is read (a bucket's tars: from the scan's
+    listing, no request).
+
+    Returns:
+        (path -> sha256, path -> reason for items that could not be read)
     """
     stats = {} if stats is None else stats
     failed: dict[str, str] = {}
     stat_time = time.time_ns()  # before the stats: what a racy entry is measured against
-    for p in paths:
-        try:
-            stats[p] = FileStat.of(p)
-        except OSError as e:
-            failed[p] = f"cannot stat: {e.strerror}"
-    cached = catalog.cached_hashes(list(stats))
-    digests = {
-        p: cached[p].sha256 for p, st in stats.items() if p in cached and cached[p].stat == st
-    }
-    todo = [p for p in stats if p not in digests]
-    done = len(digests)
-    if progress:
-        progress(Progress("hash", done, len(paths)))
-    fresh: list[HashRow] = []
-
-    def one(p: str) -> tuple[str, str | None, str | None]:
-        try:
-            if held is not None and (hold is None or p in hold):
-                sha = held.digest(p, stats[p])
-            else:
-                sha = digest_as(p, stats[p])
-        except OSError as e:
-            return p, None, f"cannot read: {e.strerror}"
-        return p, sha, None if sha else CHANGED_WHILE_READ
-
-    for p, sha, err in map_in_threads(one, todo):
-        done += 1
-        if sha is None:
-            failed[p] = err or "unreadable"
+    by_container: dict[str, list[ItemRef]] = {}
+    for ref in refs:
+        by_container.setdefault(ref.container, []).append(ref)
+    container_stat = {c: stat_of(c) for c in by_container}
+    cached = catalog.cached_hashes([r.cache_id for r in refs])
+    digests: dict[str, str] = {}
+    todo: dict[str, list[ItemRef]] = {}
+    for ref in refs:
+        st = container_stat[ref.container]
+        if st is None:
+            failed[ref.path] = f"cannot stat {ref.container}"
+            continue
+        stats[ref.path] = st
+        hit = cached.get(ref.cache_id)
+        if hit is not None and hit.stat == st:
+            digests[ref.path] = hit.sha256
         else:
-            digests[p] = sha
-            fresh.append(HashRow(p, stats[p], sha))
-        if progress and (done % 256 == 0 or done == len(paths)):
-            progress(Progress("hash", done, len(paths)))
-    catalog.put_hashes(fresh, recorded_ns=stat_time)
+            todo.setdefault(ref.container, []).append(ref)
+    if progress:
+        progress(Progress("hash", len(digests), len(refs)))
+    fresh: list[HashRow] = []
+    for container, wanted in todo.items():
+        got = read(container, wanted)
+        changed = got.stat != container_stat[container]
+        for ref in wanted:
+            one = got.digests.get(ref.path, ("not read",))
+            if changed and not isinstance(one, tuple):
+                one = (f"{container} changed while featbake was reading it",)
+            if isinstance(one, tuple):
+                failed[ref.path] = one[0]
+            else:
+                digests[ref.path] = one
+                fresh.append(HashRow(ref.cache_id, stats[ref.path], one))
+        if progress:
+            progress(Progress("hash", len(digests) + len(failed), len(refs)))
+    places = {bytes_at(r.path) for r in fresh}  # an object's rows are never racy (an ETag)
+    recorded = max((p.recorded_ns(fresh, stat_time) for p in places), default=stat_time)
+    catalog.put_hashes(fresh, recorded_ns=recorded)
     return digests, failed
+
+
+class Listed(Protocol):
+    """Container inputs (:class:`~featbake.encode.webdataset.WebDataset`,
+    :class:`~featbake.encode.tables.Table`): the place of their containers, the stats their
+    scan read (a bucket's listing, a parquet object's HEAD), and the listings it read and has
+    not recorded yet (a bucket tar's members, a parquet object's rows)."""
+
+    place: BytePlace
+    listed: dict[str, FileStat]
+    fresh: list[HashRow]
+
+
+def hash_listed(
+    inputs: Listed,
+    catalog: HashCache,
+    refs: Sequence[ItemRef],
+    read: ReadDigests,
+    progress: Callable[[Progress], None] | None,
+    stats: dict[str, FileStat] | None,
+) -> tuple[dict[str, str], dict[str, str]]:
+    """:func:`hash_items` over ``inputs``' containers, with the stats their scan read (a
+    bucket's: no request) or their place's, then recording the listings the scan read (a
+    rebuild reads them from the hash cache)."""
+
+    def stat_of(container: str) -> FileStat | None:
+        return inputs.listed.get(container) or inputs.place.stat(container)
+
+    got = hash_items(catalog, refs, read, progress, stats, stat_of)
+    if inputs.fresh:
+        recorded = inputs.place.recorded_ns(inputs.fresh, time.time_ns())
+        catalog.put_hashes(inputs.fresh, recorded_ns=recorded)
+        inputs.fresh = []
+    return got
 
 
 def encoder_cache_id(encoder: LoadedEncoder, weights: str | None) -> tuple[str, str] | None:

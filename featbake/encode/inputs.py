@@ -8,32 +8,21 @@ bytes in a folder and in a bucket give the same key, so their features are store
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
-from featbake.encode.containers import is_table, is_webdataset, table_at, webdataset_at
-from featbake.encode.fingerprints import HeldBytes, hash_inputs, resolve_path
-from featbake.encode.objects import BucketInputs, ObjectSource, object_stat, read_object
-from featbake.encode.sources import ScanResult, Source, scan_inputs, source_extensions
-from featbake.errors import ConfigError, FeatbakeError
+import torch
+
+from featbake.encode.fingerprints import HeldBytes, hash_inputs
+from featbake.encode.sources import ScanResult, SkippedInput, Source, source_extensions
+from featbake.encode.tables import is_table, table_at
+from featbake.encode.webdataset import is_webdataset, webdataset_at
+from featbake.errors import ConfigError, FeatbakeError, SourceError
 from featbake.progress import Progress
 from featbake.store.byteplace import bytes_at
 from featbake.store.hash_cache import FileStat, HashCache, HashEntry, HashRow
-
-#: Names other modules import from here (bucket inputs live in :mod:`featbake.encode.objects`).
-__all__ = [
-    "OPENERS",
-    "BucketInputs",
-    "Folder",
-    "Inputs",
-    "ObjectSource",
-    "inputs_at",
-    "keeps_order",
-    "object_stat",
-    "read_object",
-    "redigested",
-]
 
 
 # == inputs ========================================================================================
@@ -88,26 +77,52 @@ class Inputs(Protocol):
 
 
 class Folder:
-    """Inputs in a local folder, scanned recursively (see :func:`scan_inputs`)."""
+    """Inputs one file each under a folder: a local folder scanned recursively, or the objects
+    under a bucket prefix (:class:`BucketInputs`), listed, stat'ed and hashed through the place
+    they are at (:mod:`featbake.store.byteplace`), the one interface both go through.
+
+    Inputs are named by the folder and their relative name, sorted by it (a listing's hidden
+    names, ``.x/`` or ``.x``, passed over). A prefix's listing gives each object's size, last
+    change and ETag: an unchanged object (same listing) reuses its digest and is never read,
+    so a rebuild downloads nothing for what the store already holds.
+    """
 
     def __init__(self, data: str | os.PathLike[str]) -> None:
-        self.folder = resolve_path(data)
+        where = os.fspath(data)
+        self.place = bytes_at(where)
+        self.folder = self.place.folder(where)
+        #: input path -> its stat as the scan's listing gave it (a prefix's objects; no
+        #: request to stat them again), and their sizes
+        self.listed: dict[str, FileStat] = {}
+        self.sizes: dict[str, int] = {}
 
     @property
     def where(self) -> str:
         return self.folder
 
     def scan(self, extensions: Sequence[str]) -> ScanResult:
-        return scan_inputs(self.folder, extensions)
+        """The inputs with one of ``extensions``, sorted by name (see :func:`scan_inputs`).
+
+        Raises:
+            SourceError: none (an empty or missing folder or prefix, or files of other kinds).
+            StoreError: the bucket cannot be listed (no credentials, no such bucket, denied).
+        """
+        found = self.place.inputs(self.folder, extensions)
+        self.listed = {self.path(r): st for r, st in found.listed.items()}
+        self.sizes = {r: st.size for r, st in found.listed.items()}
+        return ScanResult(found.inputs, [SkippedInput(*s) for s in found.skipped])
 
     def path(self, rel: str) -> str:
-        return os.path.join(self.folder, rel)
+        return f"{self.folder.rstrip('/')}/{rel}"  # a folder's path, or an object's URL
+
+    def rel(self, path: str) -> str:
+        return path[len(self.folder.rstrip("/")) + 1 :]
 
     def size(self, rel: str) -> int:
-        try:
-            return os.stat(self.path(rel)).st_size
-        except OSError:
-            return 0  # it fails, with its reason, in the part that hashes it
+        if rel in self.sizes:
+            return self.sizes[rel]
+        st = self.place.stat(self.path(rel))
+        return 0 if st is None else st.size  # it fails, with its reason, when it is hashed
 
     def hash(
         self,
@@ -117,7 +132,9 @@ class Folder:
         stats: dict[str, FileStat] | None = None,
         held: HeldBytes | None = None,
     ) -> tuple[dict[str, str], dict[str, str]]:
-        return hash_inputs(catalog, paths, progress, stats, held)
+        """SHA-256 of each input through the hash cache (:func:`hash_inputs`), the stats the
+        scan's listing gave taken as they are."""
+        return hash_inputs(catalog, paths, progress, stats, held, known=self.listed)
 
     @property
     def stat_tells_change(self) -> bool:
@@ -128,6 +145,63 @@ class Folder:
 
     def row(self, rel: str) -> dict[str, Any]:
         return {}
+
+
+class BucketInputs(Folder):
+    """The objects under ``s3://bucket/prefix/`` (``gs://``, ``az://``) as a build's inputs.
+
+    Each is decoded from its bytes read whole into memory (one clip or image; soundfile and
+    Pillow read file objects): nothing is written to disk. A first build decodes from the
+    bytes of the very response that was hashed, kept in the build's
+    :class:`~featbake.encode.fingerprints.HeldBytes` (one GET per new object, issue 31 item
+    3); an object past that budget is read again, and fails if that response's ETag is not
+    the one hashed (:meth:`ObjectSource.load_unchanged`).
+    """
+
+    @classmethod
+    def at(cls, where: str) -> BucketInputs:
+        """The inputs under the URL ``where`` (``s3://bucket/prefix/``); nothing is read yet."""
+        return cls(where)
+
+    @property
+    def stat_tells_change(self) -> bool:
+        return False  # an object's ETag needs a request per item: revalidate is refused
+
+    def source(self, inner: Source) -> Source:
+        return ObjectSource(inner)
+
+
+class ObjectSource:
+    """The recipe's source over objects in a bucket: each read whole through the byte seam and
+    decoded from its bytes (pickled into decode workers as it is: each process makes its own
+    client, :func:`featbake.store.byteplace.object_at`)."""
+
+    def __init__(self, inner: Source) -> None:
+        self.inner = inner
+        self.kind = inner.kind
+        self.extensions = inner.extensions
+
+    def load(self, path: str | os.PathLike[str], data: BinaryIO | None = None) -> torch.Tensor:
+        """Read object ``path`` (a URL) and decode its bytes.
+
+        Raises:
+            SourceError: it is gone, cannot be read, or cannot be decoded.
+        """
+        if data is None:
+            data = io.BytesIO(bytes_at(os.fspath(path)).read(os.fspath(path)).data)
+        return self.inner.load(path, data)
+
+    def load_unchanged(self, path: str, stat: FileStat | None) -> torch.Tensor:
+        """Decode object ``path`` if the response carrying its bytes has the stat (ETag, size,
+        last change) its digest was taken with.
+
+        Raises:
+            SourceError: it changed since it was hashed, is gone, or cannot be decoded.
+        """
+        got = bytes_at(path).read(path)
+        if stat is None or got.stat != stat:
+            raise SourceError(f"{path}: changed while featbake was reading it; rerun the build")
+        return self.inner.load(path, io.BytesIO(got.data))
 
 
 # == dispatch ======================================================================================
@@ -178,7 +252,7 @@ def _open_kaldi_dir(where: str, column: str | None) -> Inputs:
 
 def _open_bucket(where: str, column: str | None) -> Inputs:
     _no_column(where, column)
-    return BucketInputs.at(where)
+    return BucketInputs(where)
 
 
 def _open_folder(where: str, column: str | None) -> Inputs:
@@ -240,7 +314,7 @@ def inputs_at(
 def keeps_order(inputs: Inputs) -> bool:
     """Whether ``inputs`` are served in the data's own order (a manifest's rows, a tar's
     samples) rather than sorted by name (a folder's files, a bucket's objects)."""
-    return not isinstance(inputs, (Folder, BucketInputs))
+    return not isinstance(inputs, Folder)
 
 
 # == redigested ====================================================================================
@@ -286,7 +360,7 @@ def redigested(
     """
     try:
         inputs = inputs_at(data, None, source)
-        if isinstance(inputs, (Folder, BucketInputs)):
+        if isinstance(inputs, Folder):
             return {}  # a file's item names it: the repair re-keys it by its own row
         rels = inputs.scan(source_extensions(source)).inputs
         paths = {inputs.path(r): r for r in rels}

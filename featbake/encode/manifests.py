@@ -77,11 +77,6 @@ import numpy as np
 import torch
 
 from featbake.encode.fingerprints import HeldBytes, hash_inputs, resolve_path
-from featbake.encode.objects import (
-    BucketInputs,
-    object_stat,
-    stat_objects,
-)
 from featbake.encode.sources import (
     ScanResult,
     SkippedInput,
@@ -90,15 +85,13 @@ from featbake.encode.sources import (
     file_stat_or_none,
     span_problem,
 )
-from featbake.errors import ConfigError, FeatbakeError, SourceError
+from featbake.errors import ConfigError, SourceError
 from featbake.keys import item_digest
 from featbake.lru import ByteLRU
 from featbake.process import ProcessLocal, ProcessLocalState
 from featbake.progress import Progress
-from featbake.store.bucket import ObjectBytes
-from featbake.store.byteplace import bytes_at, object_bytes, object_range
+from featbake.store.byteplace import Whole, bytes_at
 from featbake.store.hash_cache import FileStat, HashCache
-from featbake.store.url import BucketURL
 
 #: The input column when ``--column`` is not given.
 DEFAULT_COLUMN = "path"
@@ -212,17 +205,10 @@ def input_file(value: Any, base: str, column: str) -> str:
     """
     if not isinstance(value, str) or not value:
         raise BadRow(f"column {column!r} holds {value!r}, not a path")
-    if bytes_at(value).remote:
-        try:
-            BucketURL.parse(value.rpartition("/")[0])
-        except ConfigError as e:
-            raise BadRow(str(e)) from None
-        return value
-    if "://" in value:
-        raise BadRow(
-            f"{value}: featbake reads local paths and s3://, gs://, az:// URLs, not this scheme"
-        )
-    return os.path.normpath(os.path.join(base, os.path.expanduser(value)))
+    try:
+        return bytes_at(value).named(value, base)
+    except ConfigError as e:
+        raise BadRow(str(e)) from None
 
 
 def manifest_item(
@@ -339,16 +325,10 @@ class RowInputs:
         items = [self.by_path[p] for p in paths]
         files = list(dict.fromkeys(it.file for it in items))
         file_stats: dict[str, FileStat] = {}
-        local, urls = split_remote(files)
-        whole = whole_files(items) if held is not None else set()
-        digests, failed = hash_inputs(catalog, local, progress, file_stats, held, whole)
-        got, lost = object_digests(catalog, urls, file_stats, held)
-        digests.update(got)
-        failed.update(lost)
+        hold = held_files(items)
+        digests, failed = hash_inputs(catalog, files, progress, file_stats, held, hold)
         spans = {it.file for it in items if it.span and not it.effects and it.file in digests}
-        local_spans, url_spans = split_remote(sorted(spans))
-        headers = audio_headers(set(local_spans), held)
-        headers.update(object_headers({f: digests[f] for f in url_spans}, held))
+        headers = audio_headers({f: digests[f] for f in sorted(spans)}, held)
         out: dict[str, str] = {}
         bad: dict[str, str] = {}
         for path, it in zip(paths, items, strict=True):
@@ -363,31 +343,22 @@ class RowInputs:
             out[path] = row_digest(digests[it.file], it, header)
         if held is not None:
             good = {p: it.file for p, it in zip(paths, items, strict=True) if p in out}
-            held_by_row(held, [*urls, *(f for f in local if f in whole)], good)
+            held_by_row(held, [f for f in files if f in hold], good)
         return out, bad
 
     def source(self, inner: Source) -> Source:
         return SegmentSource(inner, self.by_path)
 
 
-def split_remote(files: Sequence[str]) -> tuple[list[str], list[str]]:
-    """(local files, objects) of ``files``, each in order: a manifest hashes the first through
-    the files' hash loop and the second by their GETs' responses (see :func:`object_digests`).
-    """
-    local: list[str] = []
-    remote: list[str] = []
-    for f in files:
-        (remote if bytes_at(f).remote else local).append(f)
-    return local, remote
-
-
-def whole_files(items: Sequence[Item]) -> set[str]:
-    """The local files a row names whole: a first build hashes them from bytes it keeps to
-    decode (read once, issue 31 item 3), the file's segment rows too (a span decoded from the
-    bytes in memory), since its whole-file row decodes all of it anyway. A file named by
-    segment rows only is hashed streamed and its segments decoded by seeking: holding a long
-    recording whole is what segments exist to avoid."""
-    return {it.file for it in items if it.span is None and not bytes_at(it.file).remote}
+def held_files(items: Sequence[Item]) -> set[str]:
+    """The files whose bytes a first build keeps from hashing them to decode their rows (read
+    once, issue 31 item 3): a file a row names whole, its segment rows too (a span decoded
+    from the bytes in memory), since its whole-file row decodes all of it anyway; and an
+    input whose place reads it whole to decode any part (an object: its segments decode from
+    the bytes of the GET that hashed it). A file named by segment rows only is hashed
+    streamed and its segments decoded by seeking: holding a long recording whole is what
+    segments exist to avoid."""
+    return {it.file for it in items if it.span is None or not bytes_at(it.file).seeks}
 
 
 def held_by_row(held: HeldBytes, urls: Sequence[str], file_of: Mapping[str, str]) -> None:
@@ -400,40 +371,6 @@ def held_by_row(held: HeldBytes, urls: Sequence[str], file_of: Mapping[str, str]
             rows[file].append(path)
     for url, paths in rows.items():
         held.share(url, paths)
-
-
-def object_digests(
-    catalog: HashCache,
-    urls: Sequence[str],
-    stats: dict[str, FileStat],
-    held: HeldBytes | None = None,
-) -> tuple[dict[str, str], dict[str, str]]:
-    """(url -> SHA-256, url -> why not) of objects named one by one: each one's (size, last
-    change, ETag), which the hash cache compares, from a listing of its folder or a HEAD,
-    whichever takes fewer requests (:func:`featbake.store.byteplace.stat_objects`: a rebuild
-    of a manifest naming a folder's objects costs a LIST per 1,000, not a HEAD each), and
-    read only when the cache does not know it (:meth:`featbake.encode.objects.BucketInputs.hash`,
-    one place and one client per bucket; the bytes read kept in ``held`` by URL). An object
-    missing or unreadable fails by its URL, as its HEAD says."""
-    digests: dict[str, str] = {}
-    failed: dict[str, str] = {}
-    buckets: dict[str, list[str]] = {}  # scheme://bucket -> its rows' URLs
-    for url in urls:
-        where = BucketURL.parse(url.rpartition("/")[0])
-        buckets.setdefault(f"{where.scheme}://{where.bucket}", []).append(url)
-    for name, group in buckets.items():
-        place = BucketInputs.at(name)
-        infos = stat_objects(place.bucket, [place.rel(u) for u in group])
-        for url in group:
-            info = infos[place.rel(url)]
-            if isinstance(info, str):
-                failed[url] = info
-            else:
-                place.listed[place.rel(url)] = info
-        got, lost = place.hash(catalog, [u for u in group if u not in failed], None, stats, held)
-        digests.update(got)
-        failed.update(lost)
-    return digests, failed
 
 
 #: The kind :func:`segment_digest` hashes under: ``segment-v2`` keys sample bounds at the
@@ -499,58 +436,53 @@ class AudioHeader:
         return span_problem(span, self.frames, self.rate, self.channels)
 
 
-def audio_headers(files: set[str], held: HeldBytes | None = None) -> dict[str, AudioHeader | str]:
-    """file -> its header (one read of the header each; from the bytes ``held`` keeps for
-    it, if any: no read), or why it cannot be read as audio."""
-    import soundfile
-
-    out: dict[str, AudioHeader | str] = {}
-    for file in files:
-        kept = held.peek(file) if held is not None else None
-        opened = file if kept is None else io.BytesIO(kept)
-        try:
-            info = soundfile.info(opened)
-        except (soundfile.LibsndfileError, RuntimeError, OSError) as e:
-            why = str(e).strip().replace(repr(opened), repr(file)) or type(e).__name__
-            out[file] = f"cannot read its audio header ({why})"
-            continue
-        out[file] = AudioHeader(int(info.frames), int(info.samplerate), int(info.channels))
-    return out
-
-
-#: Bytes of an object's head read for its header (rate, channels) when its bytes are not held.
+#: Bytes of an input's head read for its header (rate, channels) when its bytes are not held
+#: and its place does not seek (an object: one ranged GET, not the whole object).
 HEADER_BYTES = 64 << 10
-#: (object URL, its digest) -> its header, read once per process.
-_OBJECT_HEADERS: dict[tuple[str, str], AudioHeader] = {}
+#: (input, its digest) -> its header, read once per process.
+_HEADERS: dict[tuple[str, str], AudioHeader] = {}
 
 
-def object_headers(urls: Mapping[str, str], held: HeldBytes | None) -> dict[str, AudioHeader | str]:
-    """url -> its rate and channels (frames None), from the bytes ``held`` keeps for it, else
-    from one ranged GET of its first :data:`HEADER_BYTES` (once per process and digest), or
-    why not (``urls``: url -> its digest). Its bounds are checked when a segment of it is
-    decoded, as before."""
+def audio_headers(files: Mapping[str, str], held: HeldBytes | None) -> dict[str, AudioHeader | str]:
+    """file -> its header, or why it cannot be read as audio (``files``: file -> its digest):
+    from the bytes ``held`` keeps for it, else read through its place: a file's opened (its
+    frames known, every segment's bounds checked now), an object's first
+    :data:`HEADER_BYTES` by one ranged GET, once per process and digest (its frames unknown:
+    its segments' bounds are checked when they are decoded)."""
+    out: dict[str, AudioHeader | str] = {}
+    for file, sha in files.items():
+        known = _HEADERS.get((file, sha))
+        if known is None:
+            got = audio_header(file, held.peek(file) if held is not None else None)
+            if isinstance(got, AudioHeader) and got.frames is None:
+                _HEADERS[file, sha] = got
+            out[file] = got
+        else:
+            out[file] = known
+    return out
+
+
+def audio_header(file: str, kept: bytes | None) -> AudioHeader | str:
+    """One file's header (from ``kept``, its bytes, if given), or why it cannot be read."""
     import soundfile
 
-    out: dict[str, AudioHeader | str] = {}
-    for url, sha in urls.items():
-        known = _OBJECT_HEADERS.get((url, sha))
-        if known is not None:
-            out[url] = known
-            continue
-        kept = held.peek(url) if held is not None else None
-        try:
-            if kept is None:
-                kept = object_range(url, 0, HEADER_BYTES)
-            info = soundfile.info(io.BytesIO(kept))
-        except FileNotFoundError:
-            out[url] = "object not found (deleted since the listing?)"
-            continue
-        except (soundfile.LibsndfileError, RuntimeError, OSError, FeatbakeError) as e:
-            out[url] = f"cannot read its audio header ({str(e).strip() or type(e).__name__})"
-            continue
-        header = AudioHeader(None, int(info.samplerate), int(info.channels))
-        out[url] = _OBJECT_HEADERS[url, sha] = header
-    return out
+    place = bytes_at(file)
+    # An input not read by seeking has its frames unknown, whether its head or all of it is
+    # at hand: the same key either way (a segment to its end is keyed by its end in samples).
+    whole = place.seeks
+    try:
+        if kept is None and not place.seeks:
+            kept = place.read_range(file, 0, HEADER_BYTES)
+    except SourceError as e:
+        return str(e).removeprefix(f"{file}: ")
+    opened: Any = file if kept is None else io.BytesIO(kept)
+    try:
+        info = soundfile.info(opened)
+    except (soundfile.LibsndfileError, RuntimeError, OSError) as e:
+        why = str(e).strip().replace(repr(opened), repr(file)) or type(e).__name__
+        return f"cannot read its audio header ({why})"
+    frames = int(info.frames) if whole else None
+    return AudioHeader(frames, int(info.samplerate), int(info.channels))
 
 
 class SegmentSource(ProcessLocalState):
@@ -588,7 +520,7 @@ class SegmentSource(ProcessLocalState):
                 return self.inner.load(file, lhotse_wav(item.effects))
             except SourceError as e:
                 raise SourceError(f"{path}: {e}") from None
-        if data is None and bytes_at(file).remote:
+        if data is None and not bytes_at(file).seeks:  # read whole once for its segments
             data = io.BytesIO(self.objects.get(file, path).data)
         try:
             if span is None:
@@ -611,9 +543,9 @@ class SegmentSource(ProcessLocalState):
             SourceError: the file changed since it was hashed, is gone, or cannot be decoded.
         """
         item = self.rows.get(path)
-        if item is not None and bytes_at(item.file).versioned:  # checked by the response's ETag
+        if item is not None and not bytes_at(item.file).seeks:  # checked by the read's stat
             got = self.objects.get(item.file, path)
-            if stat is None or object_stat(got.info) != stat:
+            if stat is None or got.stat != stat:
                 self.objects.forget(item.file)
                 raise SourceError(f"{path}: {item.file} changed since it was hashed; rerun")
             return self.load(path, io.BytesIO(got.data))
@@ -630,11 +562,11 @@ class HeldObjects:
     :class:`~featbake.process.ProcessLocal` (see :class:`SegmentSource`)."""
 
     def __init__(self) -> None:
-        self.held: ByteLRU[str, ObjectBytes] = ByteLRU(OBJECT_CACHE_BYTES, lambda o: len(o.data))
+        self.held: ByteLRU[str, Whole] = ByteLRU(OBJECT_CACHE_BYTES, lambda o: len(o.data))
         self.lock = threading.Lock()
 
-    def get(self, url: str, path: str | os.PathLike[str]) -> ObjectBytes:
-        """Object ``url``'s bytes and response (``path``: the row, for messages).
+    def get(self, url: str, path: str | os.PathLike[str]) -> Whole:
+        """Object ``url``'s bytes and the stat they came with (``path``: the row, for messages).
 
         Raises:
             SourceError: it is gone or cannot be read.
@@ -643,9 +575,10 @@ class HeldObjects:
             got = self.held.get(url)
         if got is not None:
             return got
-        read = object_bytes(url)
-        if isinstance(read, str):
-            raise SourceError(f"{path}: {url}: {read}")
+        try:
+            read = bytes_at(url).read(url)
+        except SourceError as e:
+            raise SourceError(f"{path}: {e}") from None
         with self.lock:
             self.held.put(url, read)
         return read
@@ -715,7 +648,7 @@ class ColumnsSeen:
     A column no row holds (``--column`` mistyped, or the default ``path`` where the manifest
     calls it ``audio``) is the command's mistake, not each row's: one line before any work
     (:meth:`check`), as a table without the column is
-    (:meth:`featbake.encode.containers.Table.no_column`), not a bad row per row.
+    (:meth:`featbake.encode.tables.Table.no_column`), not a bad row per row.
     """
 
     column: str

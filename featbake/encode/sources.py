@@ -18,10 +18,8 @@ pipeline, keys and dataset do not change.
 from __future__ import annotations
 
 import os
-import stat
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
@@ -31,6 +29,7 @@ from featbake.encode.hf import load_tokenizer, tokenizer_files_digest
 from featbake.errors import ConfigError, SourceError
 from featbake.process import ProcessLocal, ProcessLocalState
 from featbake.recipe import Recipe, TextRecipe
+from featbake.store.byteplace import bytes_at, not_an_input, printable
 from featbake.store.hash_cache import FileStat
 
 
@@ -455,120 +454,22 @@ def scan(data: str | os.PathLike[str], extensions: Sequence[str]) -> list[str]:
 
 
 def scan_inputs(data: str | os.PathLike[str], extensions: Sequence[str]) -> ScanResult:
-    """The files under ``data`` with one of ``extensions``, in a stable order.
+    """The inputs under ``data`` (a folder, or a bucket prefix) with one of ``extensions``, in
+    a stable order, as its place lists them (:meth:`featbake.store.byteplace.BytePlace.inputs`).
 
-    Hidden files and folders (a leading dot) are skipped; symlinks are followed, each folder
-    once (a link back up the tree, ``link -> .``, must not repeat its files). Only regular
-    files are inputs: a FIFO would block the first ``open`` forever, and a socket or device
-    is not data. Names that are not valid UTF-8 cannot be keyed in the catalog; they are
-    skipped with a reason rather than stopping the build.
+    Hidden files and folders (a leading dot) are skipped; in a folder, symlinks are followed,
+    each folder once (a link back up the tree, ``link -> .``, must not repeat its files), and
+    only regular files are inputs: a FIFO would block the first ``open`` forever, and a socket
+    or device is not data. Names that are not valid UTF-8 cannot be keyed in the catalog; they
+    are skipped with a reason rather than stopping the build.
 
     Raises:
-        SourceError: ``data`` is not a directory, or holds no matching file.
+        SourceError: ``data`` is not a folder (prefix), or holds no matching file.
+        StoreError: the bucket cannot be listed.
     """
-    root = Path(data)
-    if not root.is_dir():
-        raise SourceError(f"data folder {data} does not exist or is not a directory")
-    exts = {e.lower() for e in extensions}
-    found: list[str] = []
-    skipped: list[SkippedInput] = []
-    seen = {_dir_id(root)}
-    folders = [("", os.fspath(root))]  # (relative, absolute), walked depth first
-    while folders:
-        rel, folder = folders.pop()
-        files, subfolders = _listing(folder, seen)
-        folders += [(os.path.join(rel, e.name) if rel else e.name, e.path) for e in subfolders]
-        for entry in files:
-            if os.path.splitext(entry.name)[1].lower() not in exts:
-                continue
-            rel_name = os.path.join(rel, entry.name) if rel else entry.name
-            why = _not_an_input(entry, rel_name)
-            if why is None:
-                found.append(rel_name)
-            else:
-                skipped.append(SkippedInput(_printable(rel_name), why))
-    if not found and not skipped:
-        raise SourceError(
-            f"no input files ({', '.join(sorted(exts))}) under {data}; "
-            "check the folder, or pick the source kind with --source"
-        )
-    found.sort()
-    return ScanResult(found, skipped)
-
-
-def _dir_id(path: str | os.PathLike[str]) -> tuple[int, int]:
-    st = os.stat(path)
-    return st.st_dev, st.st_ino
-
-
-def _listing(
-    folder: str, seen: set[tuple[int, int]]
-) -> tuple[list[os.DirEntry[str]], list[os.DirEntry[str]]]:
-    """A folder's visible files, and its visible subfolders not walked yet (links followed).
-
-    Read with ``os.scandir``, whose entries know their type without a ``stat`` call (a
-    10,000-file rebuild spent a tenth of its time stat'ing each file twice). A folder is
-    walked once by device and inode, so a link back up the tree (``link -> .``) cannot repeat
-    its files; an unreadable folder is passed over, as ``os.walk`` does.
-    """
-    try:
-        with os.scandir(folder) as it:
-            entries = sorted((e for e in it if not e.name.startswith(".")), key=lambda e: e.name)
-    except OSError:
-        return [], []
-    files, subfolders = [], []
-    for entry in entries:
-        try:
-            is_dir = entry.is_dir()
-        except OSError:
-            is_dir = False
-        if not is_dir:
-            files.append(entry)
-            continue
-        try:
-            ident = _dir_id(entry.path)
-        except OSError:
-            continue  # a dangling or looping link: nothing to walk
-        if ident not in seen:
-            seen.add(ident)
-            subfolders.append(entry)
-    subfolders.reverse()  # popped last first: folders are walked in name order
-    return files, subfolders
-
-
-def _not_an_input(entry: os.DirEntry[str], rel: str) -> str | None:
-    """Why the file ``entry`` the scan found cannot be an input, or None when it can."""
-    return not_an_input(rel, entry)
-
-
-def not_an_input(name: str, file: os.DirEntry[str] | str | os.PathLike[str]) -> str | None:
-    """Why ``file`` cannot be an input, or None when it can: the one check of every input.
-
-    The folder scan runs it on each entry it lists, a dataset on each path of a list it is
-    given, so both refuse the same files for the same reasons: a name that is not UTF-8 (it
-    cannot be keyed in the catalog), a missing file or a dangling link, a symlink loop, and
-    anything but a regular file (a FIFO would block the first ``open`` forever, a device is not
-    data, a folder is not a file). ``name`` is how the file is named in the catalog (relative
-    to the data folder, or the path as given).
-    """
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        return "the file name is not valid UTF-8; rename it (e.g. with convmv) to include it"
-    try:
-        if isinstance(file, os.DirEntry):
-            if file.is_file():  # no system call for a regular file (the directory says its type)
-                return None
-            mode = file.stat().st_mode
-        else:
-            mode = os.stat(file).st_mode  # follows links, as the scan does
-            if stat.S_ISREG(mode):
-                return None
-    except FileNotFoundError:
-        return "file not found (or a link to nothing)"
-    except OSError as e:
-        return f"cannot stat: {e.strerror}"  # ELOOP: a symlink loop
-    return f"not a regular file ({_file_kind(mode)}); only regular files are inputs"
+    where = os.fspath(data)
+    found = bytes_at(where).inputs(where, extensions)
+    return ScanResult(found.inputs, [SkippedInput(*s) for s in found.skipped])
 
 
 def check_input_files(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
@@ -583,21 +484,10 @@ def check_input_files(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
         raise SourceError("the list of input files is empty")
     bad = [(p, why) for p in expanded if (why := not_an_input(p, p)) is not None]
     if bad:
-        shown = "; ".join(f"{_printable(p)}: {why}" for p, why in bad[:5])
+        shown = "; ".join(f"{printable(p)}: {why}" for p, why in bad[:5])
         more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
         raise SourceError(
             f"{len(bad)} of the {len(expanded)} input files cannot be inputs: {shown}{more}; "
             "remove them from the list (only regular files are read)"
         )
     return expanded
-
-
-def _file_kind(mode: int) -> str:
-    kinds = [(stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder")]
-    kinds += [(stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")]
-    return next((name for test, name in kinds if test(mode)), "not a file")
-
-
-def _printable(rel: str) -> str:
-    """``rel`` with bytes that are not UTF-8 written as ``\\xNN`` (safe to print and store)."""
-    return os.fsencode(rel).decode("utf-8", "backslashreplace")

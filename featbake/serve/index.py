@@ -22,10 +22,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from featbake.encode.containers import Table, WebDataset
 from featbake.encode.fingerprints import hash_inputs, resolve_path
 from featbake.encode.inputs import Inputs, inputs_at, keeps_order
 from featbake.encode.sources import check_input_files
+from featbake.encode.tables import Table
+from featbake.encode.webdataset import WebDataset
 from featbake.errors import SourceError
 from featbake.keys import feature_key, root_id, sha256_hex
 from featbake.store.catalog import ServingStore

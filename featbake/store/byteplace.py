@@ -13,7 +13,8 @@ answers in its own way:
   maps it (:meth:`~featbake.store.objects.ObjectStore.file_stat`); every ranged GET's response
   carries it, so bytes and the version they are of come together without a HEAD, and the ETag
   changes with the bytes (:attr:`BytePlace.versioned` is True: never racy). A ``.tar.gz``
-  object cannot be read by ranges: it is read whole and decompressed (:func:`gzip_object_fetch`).
+  object cannot be read by ranges: its stream is fetched in order by ranged GETs and
+  decompressed as it comes (:func:`~featbake.store.containers.gzip_stream`), never held whole.
 
 Both read a tar's members and a table file through the store's container readers
 (:mod:`featbake.store.containers`), which take the place's ranged reads (:data:`Fetch`).
@@ -23,16 +24,19 @@ from __future__ import annotations
 
 import bisect
 import functools
+import hashlib
 import os
 import re
+import stat
 import threading
-import zlib
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, NamedTuple
 
 from featbake.errors import ConfigError, SourceError, StoreError
+from featbake.keys import sha256_file
 from featbake.store.containers import (
     CONTAINER_SUFFIXES,
     Holder,
@@ -41,6 +45,8 @@ from featbake.store.containers import (
     RangeRead,
     ReadBack,
     TableFile,
+    fits,
+    gzip_stream,
     is_gzip_tar,
     is_tar,
     list_members,
@@ -48,10 +54,13 @@ from featbake.store.containers import (
     ranged_member_digests,
     read_member,
     read_ranged_member,
+    read_streamed_member,
+    stat_around,
     stat_or_none,
+    streamed_member_digests,
     table_files,
 )
-from featbake.store.hash_cache import FileStat
+from featbake.store.hash_cache import COARSE_RACY_FACTOR, RACY_NS, FileStat, HashRow
 from featbake.store.objects import (
     CLIENT_CONNECTIONS,
     LIST_PAGE_KEYS,
@@ -61,7 +70,7 @@ from featbake.store.objects import (
     ObjectStore,
 )
 from featbake.store.url import BucketURL, is_url
-from featbake.threadpool import map_in_threads
+from featbake.threadpool import HASH_THREADS, OBJECT_THREADS, map_in_threads
 
 
 def hidden_name(name: str) -> bool:
@@ -106,6 +115,46 @@ class Shards(NamedTuple):
     tars: list[str] | None
 
 
+class Passed(NamedTuple):
+    """A file a listing found and will not hand on as an input, and why (its name printable:
+    bytes that are not UTF-8 written as ``\\xNN``)."""
+
+    path: str
+    reason: str
+
+
+class Found(NamedTuple):
+    """What listing a folder (a bucket prefix) of inputs found: their names relative to it,
+    sorted; the files passed over, with why; and each input's stat as the listing gave it (an
+    object's size, last change and ETag; ``{}`` for files, stat'ed when they are hashed)."""
+
+    inputs: list[str]
+    skipped: list[Passed]
+    listed: dict[str, FileStat]
+
+
+class Digest(NamedTuple):
+    """The SHA-256 of an input's bytes, and the stat of the version they were read from."""
+
+    stat: FileStat
+    sha256: str
+
+
+class Whole(NamedTuple):
+    """An input's bytes read whole, and the stat of the version they are (None: a file that
+    changed while it was read, or is gone since)."""
+
+    data: bytes
+    stat: FileStat | None
+
+
+#: Why an input whose file was replaced or rewritten between its stat and its read fails.
+CHANGED_WHILE_READ = (
+    "changed while featbake was reading it (replaced or rewritten after it was stat'ed); "
+    "rerun the build once it stops changing"
+)
+
+
 class BytePlace:
     """Where some bytes live (see the module's docstring): the operations every input kind
     reads through. Subclasses implement them; here they raise ``NotImplementedError``."""
@@ -116,6 +165,77 @@ class BytePlace:
     #: Whether reading bytes here means fetching them over the network (a request each): work
     #: that would read every input (a repair's re-digest) is not done for such a place.
     remote: ClassVar[bool] = False
+    #: How many inputs are read at once to hash them (a file's read waits on its disk, an
+    #: object's GET on its round trip).
+    readers: ClassVar[int] = HASH_THREADS
+    #: Whether a part of an input (a recording's segment) is decoded by seeking to it, reading
+    #: nothing else (a file); else the input is read whole once and its parts decoded from
+    #: those bytes (an object: one GET, not a request per segment).
+    seeks: ClassVar[bool] = True
+
+    # -- inputs one file (object) each ---------------------------------------------------------
+    def inputs(self, where: str, extensions: Sequence[str]) -> Found:
+        """The inputs under the folder (prefix) ``where`` whose names end with one of
+        ``extensions`` (any case), sorted; hidden names (``.x``, ``.x/``) passed over unlisted.
+
+        Raises:
+            SourceError: there is no such folder, or it holds no such input.
+            StoreError: the bucket cannot be listed (no credentials, no such bucket, denied).
+        """
+        raise NotImplementedError
+
+    def folder(self, where: str) -> str:
+        """The folder (prefix) ``where`` as roots and reports name it: a local folder absolute
+        and symlink-free, a prefix as its URL without the trailing slash."""
+        raise NotImplementedError
+
+    def stats(self, paths: Sequence[str]) -> dict[str, FileStat | str]:
+        """Each input's stat now, as the hash cache compares it, or why there is none (gone,
+        unreadable), in as few requests as the place allows."""
+        raise NotImplementedError
+
+    def digest(self, path: str, expect: FileStat, held: Holder | None = None) -> Digest | str:
+        """The SHA-256 of input ``path``'s bytes and the stat they were read at, or why they
+        cannot be read; the bytes kept in ``held`` (under ``path``) when they fit its budget.
+
+        ``expect`` is the stat the hash cache was asked with: a file read at another stat
+        (replaced or rewritten since) gives :data:`CHANGED_WHILE_READ`, since its digest would
+        be recorded under a stat that is not its own; an object's digest carries the stat of
+        the response that carried its bytes (its ETag changes with them).
+        """
+        raise NotImplementedError
+
+    def read(self, path: str) -> Whole:
+        """Input ``path``'s bytes, whole, with the stat of the version they are.
+
+        Raises:
+            SourceError: it is gone or cannot be read.
+        """
+        raise NotImplementedError
+
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        """``length`` bytes of input ``path`` from ``start`` (fewer at its end).
+
+        Raises:
+            SourceError: it is gone or cannot be read.
+        """
+        raise NotImplementedError
+
+    def named(self, value: str, base: str) -> str:
+        """The input a list's entry names (a manifest's cell): a local path relative to the
+        folder ``base`` made absolute, or an object's URL as written.
+
+        Raises:
+            ConfigError: ``value`` is a URL featbake does not read, or a malformed one.
+        """
+        raise NotImplementedError
+
+    def recorded_ns(self, rows: Sequence[HashRow], stat_time: int) -> int:
+        """When hash rows of inputs here count as taken (``stat_time``: just before their
+        stats were taken), for git's racy rule (``FileStat.racy``)."""
+        raise NotImplementedError
+
+    # -- containers ------------------------------------------------------------------------------
 
     def stat(self, path: str) -> FileStat | None:
         """``path``'s stat now, as the hash cache compares it, or None (gone, unreadable)."""
@@ -204,6 +324,102 @@ class LocalFiles(BytePlace):
 
     versioned = False
 
+    def inputs(self, where: str, extensions: Sequence[str]) -> Found:
+        # Hidden files and folders are skipped; symlinks are followed, each folder once (a link
+        # back up the tree, ``link -> .``, must not repeat its files). Only regular files are
+        # inputs (:func:`not_an_input`); a name that is not UTF-8 is passed over with why.
+        root = Path(where)
+        if not root.is_dir():
+            raise SourceError(f"data folder {where} does not exist or is not a directory")
+        exts = tuple(e.lower() for e in extensions)
+        found: list[str] = []
+        skipped: list[Passed] = []
+        seen = {dir_id(root)}
+        folders = [("", os.fspath(root))]  # (relative, absolute), walked depth first
+        while folders:
+            rel, folder = folders.pop()
+            files, subfolders = listing(folder, seen)
+            folders += [(os.path.join(rel, e.name) if rel else e.name, e.path) for e in subfolders]
+            for entry in files:
+                if not entry.name.lower().endswith(exts):
+                    continue
+                rel_name = os.path.join(rel, entry.name) if rel else entry.name
+                why = not_an_input(rel_name, entry)
+                if why is None:
+                    found.append(rel_name)
+                else:
+                    skipped.append(Passed(printable(rel_name), why))
+        if not found and not skipped:
+            raise SourceError(
+                f"no input files ({', '.join(sorted(exts))}) under {where}; "
+                "check the folder, or pick the source kind with --source"
+            )
+        found.sort()
+        return Found(found, skipped, {})
+
+    def folder(self, where: str) -> str:
+        return resolved(where)
+
+    def stats(self, paths: Sequence[str]) -> dict[str, FileStat | str]:
+        out: dict[str, FileStat | str] = {}
+        for p in paths:
+            try:
+                out[p] = FileStat.of(p)
+            except OSError as e:
+                out[p] = f"cannot stat: {e.strerror}"
+        return out
+
+    def digest(self, path: str, expect: FileStat, held: Holder | None = None) -> Digest | str:
+        # The stat of the file opened is compared before and after the read (not the path's:
+        # a folder swapped for another version, whose files keep their stats, would pass a
+        # path's stat taken after as well as git's index would).
+        try:
+            with open(path, "rb") as f:
+                if FileStat.of(f.fileno()) != expect:
+                    return CHANGED_WHILE_READ
+                keep = fits(held, expect.size)
+                if keep:
+                    data = f.read()
+                    sha = hashlib.sha256(data).hexdigest()
+                else:  # streamed: a large file is never whole in memory
+                    data, sha = b"", sha256_file(f.fileno())
+                if FileStat.of(f.fileno()) != expect:
+                    return CHANGED_WHILE_READ
+        except OSError as e:
+            return f"cannot read: {e.strerror}"
+        if keep:
+            held.keep(path, data)  # type: ignore[union-attr]
+        return Digest(expect, sha)
+
+    def read(self, path: str) -> Whole:
+        def whole() -> bytes:
+            with open(path, "rb") as f:
+                return f.read()
+
+        try:
+            data, at = stat_around(path, whole)
+        except OSError as e:
+            raise SourceError(f"{path}: cannot read: {e.strerror}") from e
+        return Whole(data, at)
+
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        try:
+            with open(path, "rb") as f:
+                f.seek(start)
+                return f.read(length)
+        except OSError as e:
+            raise SourceError(f"{path}: cannot read: {e.strerror}") from e
+
+    def named(self, value: str, base: str) -> str:
+        if "://" in value:
+            raise ConfigError(
+                f"{value}: featbake reads local paths and s3://, gs://, az:// URLs, not this scheme"
+            )
+        return os.path.normpath(os.path.join(base, os.path.expanduser(value)))
+
+    def recorded_ns(self, rows: Sequence[HashRow], stat_time: int) -> int:
+        return stat_time
+
     def stat(self, path: str) -> FileStat | None:
         return stat_or_none(path)
 
@@ -289,6 +505,89 @@ def _is_file(entry: os.DirEntry[str]) -> bool:
         return False
 
 
+def dir_id(path: str | os.PathLike[str]) -> tuple[int, int]:
+    """A folder's (device, inode): the folder scan walks each once."""
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+def listing(
+    folder: str, seen: set[tuple[int, int]]
+) -> tuple[list[os.DirEntry[str]], list[os.DirEntry[str]]]:
+    """A folder's visible files, and its visible subfolders not walked yet (links followed).
+
+    Read with ``os.scandir``, whose entries know their type without a ``stat`` call (a
+    10,000-file rebuild spent a tenth of its time stat'ing each file twice). A folder is
+    walked once by device and inode, so a link back up the tree (``link -> .``) cannot repeat
+    its files; an unreadable folder is passed over, as ``os.walk`` does.
+    """
+    try:
+        with os.scandir(folder) as it:
+            entries = sorted((e for e in it if not e.name.startswith(".")), key=lambda e: e.name)
+    except OSError:
+        return [], []
+    files, subfolders = [], []
+    for entry in entries:
+        try:
+            is_dir = entry.is_dir()
+        except OSError:
+            is_dir = False
+        if not is_dir:
+            files.append(entry)
+            continue
+        try:
+            ident = dir_id(entry.path)
+        except OSError:
+            continue  # a dangling or looping link: nothing to walk
+        if ident not in seen:
+            seen.add(ident)
+            subfolders.append(entry)
+    subfolders.reverse()  # popped last first: folders are walked in name order
+    return files, subfolders
+
+
+def not_an_input(name: str, file: os.DirEntry[str] | str | os.PathLike[str]) -> str | None:
+    """Why ``file`` cannot be an input, or None when it can: the one check of every input.
+
+    The folder scan runs it on each entry it lists, a dataset on each path of a list it is
+    given, so both refuse the same files for the same reasons: a name that is not UTF-8 (it
+    cannot be keyed in the catalog), a missing file or a dangling link, a symlink loop, and
+    anything but a regular file (a FIFO would block the first ``open`` forever, a device is not
+    data, a folder is not a file). ``name`` is how the file is named in the catalog (relative
+    to the data folder, or the path as given).
+    """
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return "the file name is not valid UTF-8; rename it (e.g. with convmv) to include it"
+    try:
+        if isinstance(file, os.DirEntry):
+            if file.is_file():  # no system call for a regular file (the directory says its type)
+                return None
+            mode = file.stat().st_mode
+        else:
+            mode = os.stat(file).st_mode  # follows links, as the scan does
+            if stat.S_ISREG(mode):
+                return None
+    except FileNotFoundError:
+        return "file not found (or a link to nothing)"
+    except OSError as e:
+        return f"cannot stat: {e.strerror}"  # ELOOP: a symlink loop
+    return f"not a regular file ({file_kind(mode)}); only regular files are inputs"
+
+
+def file_kind(mode: int) -> str:
+    """What a file that is not a regular file is, for messages."""
+    kinds = [(stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder")]
+    kinds += [(stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")]
+    return next((name for test, name in kinds if test(mode)), "not a file")
+
+
+def printable(rel: str) -> str:
+    """``rel`` with bytes that are not UTF-8 written as ``\\xNN`` (safe to print and store)."""
+    return os.fsencode(rel).decode("utf-8", "backslashreplace")
+
+
 _BUCKETS: dict[tuple[str, str], ObjectStore] = {}  # (scheme, bucket) -> its client, made lazily
 
 
@@ -303,11 +602,28 @@ def object_at(url: str) -> tuple[ObjectStore, str]:
     """
     folder, name = url.rsplit("/", 1)
     where = BucketURL.parse(folder)
-    bucket = _BUCKETS.get((where.scheme, where.bucket))
-    if bucket is None:  # the object store of the URL's scheme (s3, gs, az)
-        bucket = ObjectStore(BucketURL(where.bucket, scheme=where.scheme))
-        _BUCKETS[where.scheme, where.bucket] = bucket
-    return bucket, where.key(name)
+    return bucket_store(where), where.key(name)
+
+
+def prefix_at(where: str) -> tuple[ObjectStore, str]:
+    """(the store of prefix ``where``'s bucket, the prefix as its objects' keys start: with a
+    trailing slash, or "" for the whole bucket): the bucket's one client, as :func:`object_at`.
+
+    Example:
+        >>> prefix_at("gs://team/audio/")[1]
+        'audio/'
+    """
+    url = BucketURL.parse(where)
+    return bucket_store(url), url.key("")
+
+
+def bucket_store(url: BucketURL) -> ObjectStore:
+    """The object store of ``url``'s bucket (its scheme's: s3, gs, az), made once per bucket."""
+    bucket = _BUCKETS.get((url.scheme, url.bucket))
+    if bucket is None:
+        bucket = ObjectStore(BucketURL(url.bucket, scheme=url.scheme))
+        _BUCKETS[url.scheme, url.bucket] = bucket
+    return bucket
 
 
 def read_object(bucket: ObjectStore, name: str) -> ObjectBytes | str:
@@ -319,23 +635,6 @@ def read_object(bucket: ObjectStore, name: str) -> ObjectBytes | str:
         return "object not found (deleted since the listing?)"
     except StoreError as e:
         return str(e)
-
-
-def object_bytes(url: str) -> ObjectBytes | str:
-    """Object ``url`` whole, with the stat of the response that carried it, or why it cannot
-    be read (gone, or the bucket's one line)."""
-    return read_object(*object_at(url))
-
-
-def object_range(url: str, start: int, length: int) -> bytes:
-    """``length`` bytes of object ``url`` from ``start`` (fewer at its end): one ranged GET.
-
-    Raises:
-        FileNotFoundError: there is no such object.
-        StoreError: it could not be read.
-    """
-    bucket, name = object_at(url)
-    return bucket.read_range(name, start, length)
 
 
 def object_fetch(url: str) -> Callable[[int, int], RangeRead]:
@@ -381,68 +680,87 @@ def ranged_object(url: str, size: int | None = None) -> RangedObject:
     return RangedObject(url, size, object_fetch(url))
 
 
-def gzip_object_fetch(url: str) -> Callable[[int, int], RangeRead]:
-    """Reads of ranges of the *decompressed* gzip tar ``url``, for the store's container
-    readers: a gzip stream cannot be read by ranges, so the first read GETs the object whole
-    (one request) and decompresses it, and every read after it slices those bytes, each with
-    the stat of that one response. One fetch serves one listing, one hashing or one member:
-    bytes are never kept past it, so a rewritten object is never read from a stale copy.
-
-    A truncated stream gives the bytes it holds (its last member then reads as truncated, as
-    a local gzip tar's does); a stream that is not gzip is one line.
-    """
-    got: list[Callable[[int, int], RangeRead]] = []
-
-    def fetch(start: int, length: int) -> RangeRead:
-        if not got:
-            got.append(sliced(gzip_object(url)))
-        return got[0](start, length)
-
-    return fetch
-
-
-def gzip_object(url: str) -> RangeRead:
-    """The gzip tar object ``url`` read whole (one GET) and decompressed, with that response's
-    stat.
-
-    Raises:
-        SourceError: it is gone, cannot be read, or is not a gzip stream.
-    """
-    bucket, name = object_at(url)
-    try:
-        response = bucket.read(name)
-    except FileNotFoundError:
-        raise SourceError(f"{url}: object not found (deleted since the listing?)") from None
-    except StoreError as e:
-        raise SourceError(str(e)) from e
-    try:
-        data = zlib.decompressobj(wbits=31).decompress(response.data)
-    except zlib.error as e:
-        raise SourceError(f"{url}: not a readable gzip tar file ({e})") from e
-    return RangeRead(data, bucket.file_stat(response.info))
-
-
-def sliced(whole: RangeRead) -> Callable[[int, int], RangeRead]:
-    """Ranged reads of bytes already in memory, each with the stat they were read at."""
-
-    def fetch(start: int, length: int) -> RangeRead:
-        return RangeRead(whole.data[start : start + length], whole.stat)
-
-    return fetch
-
-
-def tar_fetch(tar: str) -> Callable[[int, int], RangeRead]:
-    """Ranged reads of the tar stream of object ``tar``: by ranged GETs, or (a gzip tar)
-    from the object read whole once (:func:`gzip_object_fetch`)."""
-    return gzip_object_fetch(tar) if is_gzip_tar(tar) else object_fetch(tar)
-
-
 class Objects(BytePlace):
     """Objects in a bucket, named by URL (``s3://``, ``gs://``, ``az://``): read by ranged GETs,
     each response carrying the object's stat."""
 
     versioned = True
     remote = True
+    readers = OBJECT_THREADS
+    seeks = False
+
+    def inputs(self, where: str, extensions: Sequence[str]) -> Found:
+        # One LIST of the prefix: each object's size, last change and ETag come with it, so a
+        # rebuild of unchanged objects reads none of them (their digests are in the hash cache).
+        exts = tuple(e.lower() for e in extensions)
+        prefix = self.folder(where)
+        bucket, key = prefix_at(prefix)
+        listing = bucket.list(key)
+        listed = {
+            o.name[len(key) :]: bucket.file_stat(o)
+            for o in listing
+            if o.name.lower().endswith(exts) and not hidden_name(o.name[len(key) :])
+        }
+        if not listed:
+            found = f"{len(listing)} objects, none of them" if listing else "no objects, so no"
+            raise SourceError(
+                f"{found} input files ({', '.join(sorted(exts))}) under {prefix}/; check "
+                "the URL (the prefix, e.g. s3://bucket/audio/), or pick the source kind with "
+                "--source"
+            )
+        return Found(sorted(listed), [], listed)
+
+    def folder(self, where: str) -> str:
+        return str(BucketURL.parse(where))
+
+    def stats(self, paths: Sequence[str]) -> dict[str, FileStat | str]:
+        # Per bucket, from LIST pages or HEADs, whichever takes fewer requests (stat_objects).
+        buckets: dict[int, tuple[ObjectStore, dict[str, str]]] = {}
+        for p in paths:
+            bucket, name = object_at(p)
+            buckets.setdefault(id(bucket), (bucket, {}))[1][name] = p
+        out: dict[str, FileStat | str] = {}
+        for bucket, urls in buckets.values():
+            for name, info in stat_objects(bucket, list(urls)).items():
+                out[urls[name]] = info if isinstance(info, str) else bucket.file_stat(info)
+        return out
+
+    def digest(self, path: str, expect: FileStat, held: Holder | None = None) -> Digest | str:
+        # One GET: the digest is recorded against the ETag of the very response whose bytes
+        # were hashed (not the listing's), so the pair cannot disagree.
+        bucket, name = object_at(path)
+        got = read_object(bucket, name)
+        if isinstance(got, str):
+            return got
+        if held is not None:
+            held.keep(path, got.data)  # the very bytes hashed: decoded from there
+        return Digest(bucket.file_stat(got.info), hashlib.sha256(got.data).hexdigest())
+
+    def read(self, path: str) -> Whole:
+        bucket, name = object_at(path)
+        got = read_object(bucket, name)
+        if isinstance(got, str):
+            raise SourceError(f"{path}: {got}")
+        return Whole(got.data, bucket.file_stat(got.info))
+
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        bucket, name = object_at(path)
+        try:
+            return bucket.read_range(name, start, length)
+        except FileNotFoundError:
+            raise SourceError(f"{path}: object not found (deleted since the listing?)") from None
+        except StoreError as e:
+            raise SourceError(f"{path}: {e}") from e
+
+    def named(self, value: str, base: str) -> str:
+        BucketURL.parse(value.rpartition("/")[0])  # a malformed URL: its one line
+        return value
+
+    def recorded_ns(self, rows: Sequence[HashRow], stat_time: int) -> int:
+        # An object's stat holds its ETag, which changes with its bytes: its rows are never
+        # racy, so they count as taken a tick after the newest change they name.
+        newest = max((r.stat.mtime_ns for r in rows), default=0)
+        return max(time.time_ns(), newest + RACY_NS * COARSE_RACY_FACTOR + 1)  # whole seconds
 
     def stat(self, path: str) -> FileStat | None:
         bucket, name = object_at(path)
@@ -456,19 +774,23 @@ class Objects(BytePlace):
         try:
             if not is_gzip_tar(tar):
                 return list_members(tar, ranged_object(tar, size))
-            whole = gzip_object(tar)  # one GET: its stream's length is known only once read
-            return list_members(tar, RangedObject(tar, len(whole.data), sliced(whole)))
+            return list_members(tar, gzip_stream(RangedObject(tar, size, object_fetch(tar))))
         except StoreError as e:
             raise SourceError(f"{tar}: not a readable tar file ({e})") from e
 
     def read_member(self, tar: str, member: Member) -> tuple[bytes, FileStat | None]:
-        got = read_ranged_member(tar, member, tar_fetch(tar))
+        if is_gzip_tar(tar):  # streamed up to the member: a gzip stream has no ranges
+            return read_streamed_member(tar, member, RangedObject(tar, None, object_fetch(tar)))
+        got = read_ranged_member(tar, member, object_fetch(tar))
         return got.data, got.stat
 
     def member_digests(
         self, tar: str, members: Sequence[Member], held: Holder | None = None
     ) -> ReadBack:
-        return ranged_member_digests(tar, members, tar_fetch(tar), held)
+        if is_gzip_tar(tar):  # one pass over its stream, fetched in order by ranges
+            raw = RangedObject(tar, None, object_fetch(tar))
+            return streamed_member_digests(tar, members, raw, held)
+        return ranged_member_digests(tar, members, object_fetch(tar), held)
 
     def holds_only(self, where: str, wanted: tuple[str, ...], also: tuple[str, ...] = ()) -> bool:
         # One LIST (the scan lists again, as it does for any prefix). A name ending as a table
@@ -477,10 +799,12 @@ class Objects(BytePlace):
         if where.lower().endswith(CONTAINER_SUFFIXES):
             return False
         try:
-            listing = ObjectStore(BucketURL.parse(where)).list("")
+            bucket, key = prefix_at(where)
+            listing = bucket.list(key)
         except (StoreError, ConfigError):
             return False
-        names = [o.name.lower() for o in listing if not hidden_name(o.name)]
+        rels = [o.name[len(key) :] for o in listing]
+        names = [n.lower() for n in rels if not hidden_name(n)]
         return (
             bool(names)
             and all(n.endswith(wanted) or n.endswith(also) for n in names)
@@ -512,8 +836,8 @@ class Objects(BytePlace):
         return False
 
     def listed(self, folder: str) -> dict[str, ObjectInfo]:
-        bucket = ObjectStore(BucketURL.parse(folder))
-        return {bucket.where(o.name): o for o in bucket.list("")}
+        bucket, key = prefix_at(folder)
+        return {bucket.where(o.name): o for o in bucket.list(key)}
 
     def shards(self, data: str) -> Shards:
         if not is_tar(data):  # a prefix of tars only: listed by the scan

@@ -173,11 +173,12 @@ def truncated(tar: str, member: Member, got: int) -> str:
     )
 
 
-def list_members(tar: str, fileobj: RangedObject | None = None) -> list[Member]:
+def list_members(tar: str, fileobj: RangedObject | BinaryIO | None = None) -> list[Member]:
     """The regular-file members of ``tar``, in order, from their headers only (data skipped by
     seeks: listing a shard reads a 512-byte header per member); a tar in a bucket through
-    ``fileobj`` (a :class:`RangedObject`). Each member that cannot be read as stored carries
-    its ``problem`` (see the module's docstring).
+    ``fileobj`` (a :class:`RangedObject`, or a gzip tar's stream over one:
+    :func:`gzip_stream`). Each member that cannot be read as stored carries its ``problem``
+    (see the module's docstring).
 
     Raises:
         SourceError: the file cannot be opened or is not a tar.
@@ -202,7 +203,7 @@ def list_members(tar: str, fileobj: RangedObject | None = None) -> list[Member]:
     return out
 
 
-def open_tar(tar: str, fileobj: RangedObject | None = None) -> tarfile.TarFile:
+def open_tar(tar: str, fileobj: RangedObject | BinaryIO | None = None) -> tarfile.TarFile:
     """``tar`` opened to read its headers: a file (a gzip one as its stream), or ``fileobj``."""
     if fileobj is not None:
         return tarfile.open(fileobj=fileobj, mode="r:")
@@ -228,7 +229,7 @@ def _stream_end(f: Any) -> int:
     length (read to its end: a truncated stream ends where its bytes do)."""
     try:
         return int(f.seek(0, io.SEEK_END))
-    except (OSError, ValueError):  # a gzip stream cannot seek from its end
+    except (OSError, ValueError, EOFError):  # a gzip stream: read to its end (or its cut)
         pass
     while True:
         try:
@@ -328,15 +329,23 @@ def member_digests(tar: str, members: Sequence[Member], held: Holder | None = No
     With ``held``, a member that fits its budget is read whole and its bytes kept there (under
     ``tar:name``) for the build to decode; others are streamed in chunks.
     """
-    out: dict[str, str | tuple[str]] = {}
     try:
         f = open_stream(tar)
     except OSError as e:
         return ReadBack({m.name: (f"cannot read {tar}: {e.strerror}",) for m in members}, None)
     with f:
-        for m in sorted(members, key=lambda m: m.offset):
-            out[m.name] = _member_digest(tar, f, m, held)
+        out = stream_digests(tar, f, members, held)
     return ReadBack(out, stat_or_none(tar))  # stat'ed after the reading
+
+
+def stream_digests(
+    tar: str, f: BinaryIO, members: Sequence[Member], held: Holder | None = None
+) -> dict[str, str | tuple[str]]:
+    """member name -> SHA-256 of its bytes, or a 1-tuple: why not, read in tar order from the
+    tar's stream ``f`` (a file, a gzip stream: seeking forward decompresses up to there)."""
+    return {
+        m.name: _member_digest(tar, f, m, held) for m in sorted(members, key=lambda m: m.offset)
+    }
 
 
 def _member_digest(tar: str, f: BinaryIO, m: Member, held: Holder | None) -> str | tuple[str]:
@@ -416,11 +425,12 @@ class RangedObject(io.RawIOBase):
 
     Args:
         url: the object's name, for messages.
-        size: its size in bytes.
+        size: its size in bytes; None: learned from the first response (each carries the
+            object's size), so a reader that starts at its beginning needs no HEAD.
         fetch: reads a range of it (the caller's client: see :data:`Fetch`).
     """
 
-    def __init__(self, url: str, size: int, fetch: Fetch) -> None:
+    def __init__(self, url: str, size: int | None, fetch: Fetch) -> None:
         super().__init__()
         self.url, self.size, self.pos, self.fetch = url, size, 0, fetch
         self.block_at, self.block = 0, b""
@@ -441,11 +451,25 @@ class RangedObject(io.RawIOBase):
         return self.pos
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
+        if whence == io.SEEK_END and self.size is None:
+            self.fetch_at(0, SMALL_BLOCK)  # its size comes with the first response
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size or 0}[whence]
         self.pos = max(0, base + offset)
         return self.pos
 
+    def fetch_at(self, start: int, length: int) -> None:
+        """Hold ``length`` bytes from ``start`` (one ranged read), noting its response's stat
+        (and the object's size, which it carries)."""
+        fetched = self.fetch(start, length)
+        self.seen.add(fetched.stat)
+        if self.size is None:
+            self.size = fetched.stat.size
+        self.block_at, self.block, self.used = start, fetched.data, 0
+
     def readinto(self, buffer: Any) -> int:
+        if self.size is None:
+            self.fetch_at(self.pos, max(len(buffer), HEADER_BLOCK))
+        assert self.size is not None  # known after the first response
         want = min(len(buffer), max(0, self.size - self.pos))
         if want == 0:
             return 0
@@ -453,14 +477,61 @@ class RangedObject(io.RawIOBase):
         if not (self.block_at <= self.pos and self.pos + want <= end):
             sparse = self.block and self.used <= SMALL_BLOCK and self.pos >= end
             ahead = SMALL_BLOCK if sparse else HEADER_BLOCK
-            fetched = self.fetch(self.pos, max(want, ahead))
-            self.seen.add(fetched.stat)
-            self.block_at, self.block, self.used = self.pos, fetched.data, 0
+            self.fetch_at(self.pos, max(want, ahead))
         self.used = max(self.used, self.pos + want - self.block_at)
         got = self.block[self.pos - self.block_at : self.pos - self.block_at + want]
         buffer[: len(got)] = got
         self.pos += len(got)
         return len(got)
+
+
+#: Bytes of a gzip tar object one ranged read fetches as its stream is decompressed, in order.
+GZIP_BLOCK = 8 << 20
+
+
+def gzip_stream(raw: RangedObject) -> BinaryIO:
+    """The decompressed stream of the gzip tar object ``raw`` reads, fetched in order by
+    ranged reads of :data:`GZIP_BLOCK` (webdataset reads a ``.tar.gz`` as one stream; it
+    cannot be read by ranges, but it can be streamed): its offsets count the decompressed
+    bytes, as a local gzip tar's do (:func:`open_stream`), and no more of the object is
+    fetched than the reading needs, never all of it held."""
+    return gzip.GzipFile(fileobj=io.BufferedReader(raw, GZIP_BLOCK), mode="rb")  # type: ignore[return-value]
+
+
+def streamed_member_digests(
+    url: str, members: Sequence[Member], raw: RangedObject, held: Holder | None = None
+) -> ReadBack:
+    """:func:`member_digests` of a gzip tar object, from one pass over its stream (through
+    ``raw``, a :class:`RangedObject` of it), the tar's stat the one every response gave."""
+    try:
+        with gzip_stream(raw) as f:
+            out = stream_digests(url, f, members, held)
+    except SourceError as e:  # the object is gone, or cannot be read
+        return ReadBack({m.name: (str(e),) for m in members}, None)
+    return ReadBack(out, raw.stat())
+
+
+def read_streamed_member(
+    url: str, member: Member, raw: RangedObject
+) -> tuple[bytes, FileStat | None]:
+    """The bytes of one member of a gzip tar object, read from its stream up to the member's
+    end (through ``raw``), with the tar's stat as the responses gave it.
+
+    Raises:
+        SourceError: the member cannot be read (its problem), the object is gone or not a
+            gzip stream, or it ends inside the member.
+    """
+    if member.problem:
+        raise SourceError(member.problem)
+    try:
+        with gzip_stream(raw) as f:
+            f.seek(member.offset)
+            data = f.read(member.size)
+    except (OSError, EOFError) as e:
+        raise SourceError(f"{url}:{member.name}: cannot read: {e}") from e
+    if len(data) != member.size:
+        raise SourceError(truncated(url, member, len(data)))
+    return data, raw.stat()
 
 
 def member_runs(members: Sequence[Member]) -> list[list[Member]]:

@@ -8,6 +8,8 @@ stored feature is compared with running the encoder now on the same file.
 from __future__ import annotations
 
 import bisect
+import hashlib
+import os
 import random
 import shutil
 from pathlib import Path
@@ -17,14 +19,13 @@ import torch
 
 import featbake.encode.fingerprints
 from featbake.bake.pipeline import build
-from featbake.encode.inputs import BucketInputs, ObjectSource, object_stat
-from featbake.encode.objects import LIST_PAGE_HEADS, common_prefix, just_before, stat_objects
+from featbake.encode.inputs import BucketInputs, ObjectSource, inputs_at
 from featbake.encode.sources import load_unchanged, source_for
 from featbake.errors import SourceError, StoreError
 from featbake.recipe import Recipe
-from featbake.store.bucket import Bucket
+from featbake.store.byteplace import LIST_PAGE_HEADS, common_prefix, just_before, stat_objects
 from featbake.store.hash_cache import FileStat
-from featbake.store.objects import ListedPage, ObjectInfo
+from featbake.store.objects import ListedPage, ObjectInfo, ObjectStore, object_stat
 from featbake.store.url import BucketURL
 from featbake.testing import write_audio_folder
 from tests.conftest import invoke, live_features
@@ -34,7 +35,7 @@ from tests.store.bucket.conftest import S3, Remote
 
 def upload(folder: Path, url: str) -> list[str]:
     """Put every file under ``folder`` into the bucket under ``url``; their relative names."""
-    bucket = Bucket(BucketURL.parse(url))
+    bucket = ObjectStore(BucketURL.parse(url))
     names = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
     for name in names:
         bucket.upload(name, folder / name)
@@ -45,13 +46,13 @@ def upload(folder: Path, url: str) -> list[str]:
 def reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The names of the objects read whole (GETs) by this process, in order."""
     got: list[str] = []
-    real = Bucket.read
+    real = ObjectStore.read
 
-    def counted(self: Bucket, name: str):  # type: ignore[no-untyped-def]
+    def counted(self: ObjectStore, name: str):  # type: ignore[no-untyped-def]
         got.append(name)
         return real(self, name)
 
-    monkeypatch.setattr(Bucket, "read", counted)
+    monkeypatch.setattr(ObjectStore, "read", counted)
     return got
 
 
@@ -75,7 +76,8 @@ def test_a_build_from_a_bucket_stores_the_live_features_and_a_rebuild_reads_noth
     report = bake(url, encoder_file, store)
     assert report.encoded == len(names) == 16 and not report.failed
     assert report.data == f"{place.scheme}://{place.bucket}/audio"  # the root is keyed by the URL
-    assert sorted(reads) == sorted(names)  # once: hashed and decoded from one response
+    # once each: hashed and decoded from one response (by the bucket's client: names are keys)
+    assert sorted(reads) == sorted(f"audio/{n}" for n in names)
     assert_live(store, report.root, encoder_file, audio_dir, 16)
 
     reads.clear()
@@ -95,12 +97,12 @@ def test_a_changed_object_is_hashed_and_encoded_again(
     assert (audio_dir / changed).is_file()
     write_audio_folder(tmp_path / "new", 1, seconds=0.7, seed=99)
     shutil.copy(next((tmp_path / "new").glob("*.wav")), audio_dir / changed)
-    Bucket(BucketURL.parse(url)).upload(changed, audio_dir / changed)  # new bytes, new ETag
+    ObjectStore(BucketURL.parse(url)).upload(changed, audio_dir / changed)  # new bytes, new ETag
 
     reads.clear()
     report = bake(url, encoder_file, store)
     assert (report.encoded, report.reused) == (1, 15)
-    assert reads == [changed]
+    assert reads == [f"audio/{changed}"]
     assert_live(store, report.root, encoder_file, audio_dir, 16)
 
 
@@ -200,7 +202,9 @@ def test_an_object_rewritten_after_hashing_is_not_decoded_under_the_old_key(
     assert isinstance(source, ObjectSource)
     x = load_unchanged(source, path, stats[path])
     torch.testing.assert_close(x, source_for(Recipe()).load(audio_dir / "fixed/clip00000.wav"))
-    Bucket(BucketURL.parse(url)).upload("fixed/clip00000.wav", audio_dir / "fixed/clip00001.wav")
+    ObjectStore(BucketURL.parse(url)).upload(
+        "fixed/clip00000.wav", audio_dir / "fixed/clip00001.wav"
+    )
     with pytest.raises(SourceError, match="changed while featbake was reading it"):
         load_unchanged(source, path, stats[path])
 
@@ -210,11 +214,48 @@ def test_an_object_deleted_after_the_listing_fails_alone(s3: S3, audio_dir: Path
     upload(audio_dir, url)
     inputs = BucketInputs.at(url)
     names = inputs.scan([".wav"]).inputs
-    Bucket(BucketURL.parse(url)).delete([names[0]])
+    ObjectStore(BucketURL.parse(url)).delete([names[0]])
     paths = [inputs.path(n) for n in names]
     digests, failed = inputs.hash(_NoCache(), paths)
     assert failed == {paths[0]: "object not found (deleted since the listing?)"}
     assert sorted(digests) == sorted(paths[1:])
+
+
+def test_a_folder_and_prefixes_of_one_bucket_read_alike_through_one_client(
+    place: Remote | S3, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A local folder and the same files under two prefixes of one bucket go through one
+    interface (the byte seam): the same names, sizes and digests (the files' SHA-256), and the
+    decoded clips equal the files'. Listing, stat'ing, hashing and decoding both prefixes make
+    one client for the bucket; before, each prefix's inputs and its decoding made their own
+    (a client costs ~0.1-0.2 s to make), and the folder walked and hashed its files apart."""
+    made: list[str] = []
+    real_init = ObjectStore.__init__
+
+    def counted(self: ObjectStore, url: BucketURL) -> None:
+        made.append(str(url))
+        real_init(self, url)
+
+    urls = [f"{place.scheme}://{place.bucket}/{p}" for p in ("one", "two/deeper")]
+    for url in urls:
+        upload(audio_dir, url)
+    monkeypatch.setattr(ObjectStore, "__init__", counted)
+    folder = inputs_at(audio_dir)
+    rels = folder.scan([".wav"]).inputs
+    want = {r: hashlib.sha256((audio_dir / r).read_bytes()).hexdigest() for r in rels}
+    local, _ = folder.hash(_NoCache(), [folder.path(r) for r in rels])
+    assert {os.path.relpath(p, folder.where): d for p, d in local.items()} == want
+    for url in urls:
+        inputs = inputs_at(url + "/")
+        assert isinstance(inputs, BucketInputs) and inputs.scan([".wav"]).inputs == rels
+        assert [inputs.size(r) for r in rels] == [folder.size(r) for r in rels]
+        got, failed = inputs.hash(_NoCache(), [inputs.path(r) for r in rels])
+        assert not failed and {inputs.rel(p): d for p, d in got.items()} == want
+        source = inputs.source(source_for(Recipe()))
+        torch.testing.assert_close(
+            source.load(inputs.path(rels[0])), source_for(Recipe()).load(audio_dir / rels[0])
+        )
+    assert made == [f"{place.scheme}://{place.bucket}"], made
 
 
 def test_an_objects_stat_follows_its_etag_size_and_date() -> None:
@@ -309,7 +350,7 @@ def test_a_dataset_does_not_encode_an_object_rewritten_since_it_was_indexed(
     names = upload(audio_dir, url)
     ds = CachedFeatureDataset(url, encoder_file, cache=tmp_path / "store")
     other = audio_dir / names[1]
-    Bucket(BucketURL.parse(url)).upload(names[0], other)  # new bytes, new ETag
+    ObjectStore(BucketURL.parse(url)).upload(names[0], other)  # new bytes, new ETag
     first = next(i for i in range(len(ds)) if ds.path(i).endswith(names[0]))
     with pytest.raises(SourceError, match="changed while featbake was reading it"):
         ds[first]
@@ -429,7 +470,7 @@ def test_on_a_server_a_listed_stat_is_a_headed_one_and_the_listing_stops_when_sp
     objects: two pages find one each, then HEADs; every stat as its HEAD's, a missing name
     failed by its HEAD. Counted in the server's log."""
     monkeypatch.setattr("featbake.store.byteplace.LIST_PAGE_KEYS", 10)
-    bucket = Bucket(BucketURL.parse(f"s3://{s3.bucket}"))
+    bucket = ObjectStore(BucketURL.parse(f"s3://{s3.bucket}"))
     keys = [f"sparse/c{i:04d}.wav" for i in range(300)]
     put_many(bucket, keys)
     names = [*keys[::23], "sparse/gone.wav"]
@@ -460,7 +501,7 @@ def test_manifest_rows_naming_one_bucket_name_in_two_clouds_read_each_its_own(
     make_gcs_bucket(gcs_server, s3.bucket)  # the same name on both servers
     clips = sorted(audio_dir.rglob("*.wav"))[:2]
     for scheme, clip in zip(("s3", "gs"), clips, strict=True):
-        Bucket(BucketURL.parse(f"{scheme}://{s3.bucket}/m")).upload("x.wav", clip)
+        ObjectStore(BucketURL.parse(f"{scheme}://{s3.bucket}/m")).upload("x.wav", clip)
     manifest = tmp_path / "rows.jsonl"
     rows = [{"path": f"{scheme}://{s3.bucket}/m/x.wav"} for scheme in ("s3", "gs")]
     manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))

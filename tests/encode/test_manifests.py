@@ -27,7 +27,7 @@ import soxr
 import torch
 import zarr
 
-import featbake.encode.fingerprints as fingerprints
+import featbake.store.byteplace as byteplace
 from featbake.bake.pipeline import build
 from featbake.encode.encoders import torchscript_quietly
 from featbake.encode.inputs import Folder, inputs_at
@@ -36,7 +36,7 @@ from featbake.errors import ConfigError, SourceError
 from featbake.export.zarr import export_zarr
 from featbake.keys import item_digest
 from featbake.serve.dataset import CachedFeatureDataset
-from featbake.store.bucket import Bucket
+from featbake.store.objects import ObjectStore
 from featbake.store.url import BucketURL
 from featbake.testing import make_tone, write_audio_folder
 from tests.conftest import invoke, live_features, run_cli
@@ -251,7 +251,7 @@ def test_csv_with_another_column_channels_and_whole_files(
 def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]:
     """Counts files hashed and audio frames decoded (soundfile reads) in this process."""
     seen = {"hashed": 0, "frames": 0}
-    real_hash, real_read = fingerprints.file_fingerprint, soundfile.SoundFile.read
+    real_hash, real_read = byteplace.sha256_file, soundfile.SoundFile.read
 
     def hashed(path: Any) -> str:
         seen["hashed"] += 1
@@ -262,7 +262,7 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]:
         seen["frames"] += len(out)
         return out
 
-    monkeypatch.setattr(fingerprints, "file_fingerprint", hashed)
+    monkeypatch.setattr(byteplace, "sha256_file", hashed)
     monkeypatch.setattr(soundfile.SoundFile, "read", read)
     yield seen
 
@@ -466,12 +466,12 @@ def test_rows_in_a_bucket_are_hashed_once_decoded_from_held_bytes_and_served(
 ) -> None:
     """``s3://`` rows: each object read once, to hash it and to decode all its segments; the
     features equal the same segments read locally (the same keys), and a rebuild reads none."""
-    bucket = Bucket(BucketURL.parse(f"s3://{s3.bucket}/wavs"))
+    bucket = ObjectStore(BucketURL.parse(f"s3://{s3.bucket}/wavs"))
     for name in ("recA.wav", "recB.flac"):
         bucket.upload(name, corpus / "wavs" / name)
     reads: list[str] = []
-    real = Bucket.read
-    monkeypatch.setattr(Bucket, "read", lambda b, name: reads.append(name) or real(b, name))
+    real = ObjectStore.read
+    monkeypatch.setattr(ObjectStore, "read", lambda b, name: reads.append(name) or real(b, name))
     files = {"recA": f"s3://{s3.bucket}/wavs/recA.wav", "recB": f"s3://{s3.bucket}/wavs/recB.flac"}
     rows: list[Any] = [
         {"id": u, "path": files[r], "start": s, "end": e, "label": lab}
@@ -515,7 +515,7 @@ def test_live_decoding_of_rows_in_several_folders_makes_one_client_per_bucket(
     each); it makes one per bucket, and every feature is the encoder's on that segment now."""
     local = {"wavs": corpus / "wavs" / "recA.wav", "more": corpus / "wavs" / "recB.flac"}
     for folder, file in local.items():
-        Bucket(BucketURL.parse(f"s3://{s3.bucket}/{folder}")).upload(file.name, file)
+        ObjectStore(BucketURL.parse(f"s3://{s3.bucket}/{folder}")).upload(file.name, file)
     rows = [
         {"id": f"{folder}-{k}", "path": f"s3://{s3.bucket}/{folder}/{file.name}", "start": k,
          "end": k + 1.0}
@@ -523,19 +523,19 @@ def test_live_decoding_of_rows_in_several_folders_makes_one_client_per_bucket(
     ]  # fmt: skip
     write_jsonl(corpus / "two.jsonl", rows)
     made: list[str] = []
-    real_init = Bucket.__init__
+    real_init = ObjectStore.__init__
 
-    def counted(self: Bucket, *args: Any, **kwargs: Any) -> None:
+    def counted(self: ObjectStore, *args: Any, **kwargs: Any) -> None:
         made.append(str(args[0]) if args else "")
         real_init(self, *args, **kwargs)
 
-    monkeypatch.setattr(Bucket, "__init__", counted)
+    monkeypatch.setattr(ObjectStore, "__init__", counted)
     # Opening reads each object's header (its rate keys the segments), decoding its bytes.
     ds = quiet_dataset(corpus / "two.jsonl", encoder_file, tmp_path / "store")
     got = [ds[i] for i in range(len(ds))]  # misses: decoded from the bucket
-    # One for the stat of the rows' objects, one that reads their headers (their rates key
-    # the segments) and decodes every row: one per folder before.
-    assert made == [f"s3://{s3.bucket}"] * 2, made
+    # One, through the byte seam: it stats the rows' objects, reads their headers (their rates
+    # key the segments) and decodes every row (one per folder before, then one per use).
+    assert made == [f"s3://{s3.bucket}"], made
     for x, row in zip(got, rows, strict=True):
         want = reference(encoder_file, local[row["id"].split("-")[0]], row["start"], row["end"])
         torch.testing.assert_close(x, want)
@@ -551,7 +551,7 @@ def test_dataloader_workers_decode_bucket_rows_with_objects_of_their_own(
     first row), and every feature equals the encoder run now on its segment."""
     from torch.utils.data import DataLoader
 
-    bucket = Bucket(BucketURL.parse(f"s3://{s3.bucket}/wavs"))
+    bucket = ObjectStore(BucketURL.parse(f"s3://{s3.bucket}/wavs"))
     for name in ("recA.wav", "recB.flac"):
         bucket.upload(name, corpus / "wavs" / name)
     files = {"recA": f"s3://{s3.bucket}/wavs/recA.wav", "recB": f"s3://{s3.bucket}/wavs/recB.flac"}
@@ -600,7 +600,7 @@ def test_a_manifest_of_a_folders_objects_lists_it_and_heads_only_the_missing_row
     listed stat is the stat their GET recorded. Every stored feature is the encoder's now."""
     monkeypatch.setattr("featbake.store.byteplace.LIST_PAGE_KEYS", page)
     clips = write_audio_folder(tmp_path / "clips", 24, seconds=(0.2, 0.4), seed=5)
-    bucket = Bucket(BucketURL.parse(f"s3://{s3.bucket}/clips"))
+    bucket = ObjectStore(BucketURL.parse(f"s3://{s3.bucket}/clips"))
     for clip in clips:
         bucket.upload(clip.name, clip)
     files = {f"s3://{s3.bucket}/clips/{c.name}": c for c in clips}
@@ -633,7 +633,7 @@ def test_two_rows_of_a_folder_of_thousands_are_two_heads_not_its_listing(
 ) -> None:
     """Two rows in a folder of 3,002 objects: two HEADs (concurrent), not the folder's three
     LIST pages; the features are the encoder's now."""
-    bucket = Bucket(BucketURL.parse(f"s3://{s3.bucket}/crowd"))
+    bucket = ObjectStore(BucketURL.parse(f"s3://{s3.bucket}/crowd"))
     put_many(bucket, [f"n{i:05d}.bin" for i in range(3_000)])
     clips = write_audio_folder(tmp_path / "clips", 2, seconds=0.3, seed=6)
     for clip, name in zip(clips, ("a.wav", "z.wav"), strict=True):

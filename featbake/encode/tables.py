@@ -1,0 +1,460 @@
+"""Tables as a build's inputs (issue 29 item 3): parquet files and Hugging Face datasets saved
+to disk, each row one item.
+
+A :class:`Table` is an :class:`featbake.encode.inputs.Inputs` behind the same seam as a folder:
+the build and the dataset ask it for the items (in the table's order), each item's full name,
+its digest through the hash cache, and a source that decodes it. An item is named
+``<file>:<row>`` (``/data/train.parquet:12``), and its digest is the SHA-256 of the cell's
+bytes, so the same image as a file and as a parquet cell has the same key and is stored once.
+
+**Hash cache.** An item's entry is keyed by its full name and column, compared on its file's
+stat (size, mtime, inode, ctime), as a file's is: a rebuild over unchanged files reads no cell
+(their ids are read). Entries follow git's "racy" rule as files do (see ``FileStat.racy``).
+
+**Decoding** reads the cell (its row group, kept while the next rows are decoded) and hands the
+bytes to the recipe's source. The file's stat must still be the one the digest was taken with,
+or the item fails as a file changed mid-build does.
+
+**Bad rows**: a null cell, a cell without bytes, a table file whose column holds neither bytes
+nor an Audio/Image struct; each is one line naming the file and row, skipped, and the build
+exits 3.
+
+The bytes are read by the store's one table reader (``featbake.store.containers.TableFile``,
+which ``verify`` reads them with too) through the byte seam (``featbake.store.byteplace``: a
+local file, or a parquet object by ranged GETs); this module turns what it reads into items,
+digests through the hash cache, and tensors.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+from collections.abc import Callable, Collection, Sequence
+from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
+
+import torch
+
+from featbake.encode.fingerprints import HeldBytes, ItemRef, hash_listed
+from featbake.encode.sources import ScanResult, SkippedInput, Source
+from featbake.errors import SourceError
+from featbake.progress import Progress
+from featbake.store.byteplace import bytes_at, object_head
+from featbake.store.containers import (
+    CellKind,
+    ReadBack,
+    TableFile,
+    cell_bytes,
+    cell_digests,
+    cell_kind,
+    pyarrow_module,
+    replaced_files,
+    split_item_path,
+)
+from featbake.store.hash_cache import FileStat, HashCache, HashRow
+from featbake.store.objects import object_stat
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+#: The hash-cache id prefix of a bucket's parquet file: its schema and row ids (see
+#: :meth:`Table._listing`).
+TABLE_PREFIX = "table-rows:"
+
+
+# Parquet files (one, or a folder of them) and Hugging Face datasets saved with
+# ``save_to_disk`` (a folder of Arrow IPC *stream* files ``data-*.arrow`` listed in ``state.json``,
+# beside ``dataset_info.json``), read with pyarrow, never through the ``datasets`` package. Each row
+# is an item; ``--column`` names the cell to encode: an Audio or Image column (a struct of
+# ``bytes`` and ``path``, as the Hub stores them) or a binary column. An item's id is its ``id``
+# column when the table has one, else ``<file>:<row>``; its other columns are carried.
+def hf_feature_types(schema: pa.Schema) -> dict[str, str]:
+    """column -> the ``datasets`` feature type (``Audio``, ``Image``, ``Value``) recorded in the
+    schema's ``huggingface`` metadata (written by ``datasets`` and the Hub), where there is one."""
+    meta = (schema.metadata or {}).get(b"huggingface")
+    try:
+        features = json.loads(meta)["info"]["features"] if meta else {}
+    except (ValueError, KeyError, TypeError):
+        return {}
+    if not isinstance(features, dict):
+        return {}
+    return {k: v.get("_type", "") for k, v in features.items() if isinstance(v, dict)}
+
+
+def is_table(where: str) -> bool:
+    """Whether ``--data`` names a table: a ``.parquet`` file, a ``save_to_disk`` folder (or a
+    DatasetDict's, refused with its splits named), or a folder of parquet files only."""
+    if where.lower().endswith((".parquet", ".arrow")):
+        return True
+    return bytes_at(where).is_table_folder(where)
+
+
+class Row(NamedTuple):
+    """Where an item of a table lives: its file (index into the table's files) and row."""
+
+    file: int
+    row: int
+
+
+class Table:
+    """A table's rows as a build's inputs (an ``Inputs``): see the section's comment.
+
+    Args:
+        data: a ``.parquet`` file, a folder of them, or a folder ``save_to_disk`` wrote.
+        column: the column to encode; None: the first Audio/Image (by the source's kind) or
+            bytes column.
+    """
+
+    def __init__(self, data: str, column: str | None = None) -> None:
+        pyarrow_module()
+        #: a bucket's parquet file -> its stat, and the listings to record (see :meth:`_listing`)
+        self.listed: dict[str, FileStat] = {}
+        self.known: HashCache | None = None
+        self.fresh: list[HashRow] = []
+        self.place = bytes_at(data)
+        self.where = self.place.resolve(data)
+        self.folder = self.place.table_folder(self.where)
+        self.files = self.place.table_files(self.where)
+        self.column = column
+        self.kinds: list[CellKind] = []  # per file
+        self.text = False  # the source is text: the column holds strings (set by the scan)
+        self.items: dict[str, Row] = {}  # id -> where, in the table's order
+        self.positions: dict[str, int] = {}  # file path -> its index (see file_index)
+        #: a local file -> its stat when the scan read its rows (None: it changed meanwhile):
+        #: the version each id's row is of, which hashing and decoding check (carried into
+        #: decode workers, which open the file afresh: see :meth:`replaced`)
+        self.scanned: dict[str, FileStat | None] = {}
+
+    @property
+    def stat_tells_change(self) -> bool:
+        return False  # an item's stat is its file's: revalidate cannot stat a row
+
+    def scan(self, extensions: Sequence[str]) -> ScanResult:
+        """The rows of every file, in order, with ids; rows that cannot be items are set aside.
+
+        Raises:
+            SourceError: no file has the column (or a column of bytes to choose), or two rows
+                share an id.
+        """
+        listings = [self._listing(f) for f in self.files]
+        self.scanned = {f.path: f.stat() for f in self.files if not f.remote}
+        schemas = [schema for schema, _ in listings]
+        self.text = ".txt" in extensions  # the text source's: each cell is a text
+        self.column = self.column or self.default_column(schemas, extensions)
+        self.kinds = [
+            cell_kind(s.field(self.column).type, self.text)
+            if self.column in s.names
+            else CellKind.OTHER
+            for s in schemas
+        ]
+        if all(k is CellKind.OTHER for k in self.kinds):
+            raise SourceError(self.no_column(schemas))
+        skipped: list[SkippedInput] = []
+        seen: dict[str, str] = {}
+        self.items = {}  # a scan starts afresh
+        for i, (f, (schema, ids)) in enumerate(zip(self.files, listings, strict=True)):
+            why = self._unusable(schema, self.kinds[i])
+            for row, ident in enumerate(ids):
+                name = f"{f.path}:{row}"
+                if why is not None:
+                    skipped.append(SkippedInput(f"{self.rel_file(f)}:{row}", why))
+                elif ident in seen:
+                    raise SourceError(
+                        f"two rows have the id {ident!r}: {seen[ident]} and {name}; ids must be "
+                        "unique (fix the id column, or drop it to name rows <file>:<row>)"
+                    )
+                else:
+                    seen[ident] = name
+                    self.items[ident] = Row(i, row)
+        return ScanResult(list(self.items), skipped)
+
+    @property
+    def remote(self) -> bool:
+        """Whether the table is a parquet file in a bucket."""
+        return self.place.versioned
+
+    def _listing(self, f: TableFile) -> tuple[pa.Schema, list[str]]:
+        """(schema, each row's id) of one file: an object's from the hash cache when its (size,
+        last change, ETag) is the one recorded there (a row ``table-rows:<url>``: the schema
+        as Arrow IPC in base64 and the ids, as JSON), else read (footer and ``id`` column, by
+        ranged GETs) and recorded by :meth:`hash`.
+
+        Raises:
+            SourceError: the file (object) is missing or not a readable table file.
+        """
+        if not self.remote:
+            schema = self._schema(f)
+            return schema, self._ids(f, schema)
+        info = object_head(f.path)
+        if info is None:
+            raise SourceError(f"{f.path}: object not found; check --data")
+        st = self.listed[f.path] = object_stat(info)
+        f.size, pa = info.size, pyarrow_module()
+        cache_id = TABLE_PREFIX + f.path
+        hit = self.known.cached_hashes([cache_id]).get(cache_id) if self.known else None
+        if hit is not None and hit.stat == st:
+            try:
+                held = json.loads(hit.sha256)
+                raw = base64.b64decode(held["schema"])
+                f.known_schema = pa.ipc.read_schema(pa.py_buffer(raw))
+                return f.known_schema, [str(i) for i in held["ids"]]
+            except (ValueError, KeyError, TypeError):
+                pass  # not a listing: read the file again
+        schema = self._schema(f)
+        ids = self._ids(f, schema)
+        if f.stat() != st:  # the footer and ids came from another version than the HEAD's
+            raise SourceError(f"{f.path}: changed while featbake was reading it; rerun the build")
+        text = base64.b64encode(schema.serialize().to_pybytes()).decode()
+        self.fresh.append(HashRow(cache_id, st, json.dumps({"schema": text, "ids": ids})))
+        return schema, ids
+
+    def _schema(self, f: TableFile) -> pa.Schema:
+        try:
+            return f.schema()
+        except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+            raise SourceError(f"{f.path}: not a readable parquet or arrow file ({e})") from e
+
+    def rel_file(self, f: TableFile) -> str:
+        return os.path.relpath(f.path, self.folder)
+
+    def _ids(self, f: TableFile, schema: pa.Schema) -> list[str]:
+        """Each row's id: its ``id`` cell as text, else ``<file>:<row>``."""
+        if "id" not in schema.names:
+            return [f"{self.rel_file(f)}:{row}" for row in range(f.rows())]
+        values = [v for _, chunk in f.column("id") for v in chunk.to_pylist()]
+        return [
+            f"{self.rel_file(f)}:{row}" if v is None else str(v) for row, v in enumerate(values)
+        ]
+
+    def _unusable(self, schema: pa.Schema, kind: CellKind) -> str | None:
+        if self.column not in schema.names:
+            return f"no column {self.column!r} in this file (it has {', '.join(schema.names)})"
+        if kind is CellKind.OTHER:
+            held = schema.field(self.column).type
+            if self.text:
+                return f"column {self.column!r} holds {held}, not text (a string column)"
+            return (
+                f"column {self.column!r} holds {held}, neither bytes nor an Audio/Image struct "
+                "({bytes, path})"
+            )
+        return None
+
+    def default_column(self, schemas: Sequence[pa.Schema], extensions: Sequence[str]) -> str:
+        """The column to encode when none is named: the first whose Hugging Face feature type
+        is the source's (Audio for audio, Image for image), else the first of bytes.
+
+        Raises:
+            SourceError: no column holds bytes: name one with --column.
+        """
+        schema = schemas[0] if schemas else None
+        if schema is None:
+            raise SourceError(f"{self.where}: no data file (parquet or arrow) found")
+        wanted = "Image" if ".jpg" in extensions else "Audio"
+        typed = hf_feature_types(schema)
+        media = [
+            n
+            for n in schema.names
+            if cell_kind(schema.field(n).type, self.text) is not CellKind.OTHER
+        ]
+        for name in media:
+            if typed.get(name) == wanted or (self.text and name == "text"):
+                return name
+        if media:
+            return media[0]
+        raise SourceError(self.no_column(schemas))
+
+    def no_column(self, schemas: Sequence[pa.Schema]) -> str:
+        """Why the table has nothing to encode: the asked column is missing or holds no bytes
+        in any file, or (none asked) no column holds bytes."""
+        names = sorted({n for s in schemas for n in s.names})
+        listed = f"(columns: {', '.join(names)})"
+        held = "text (a string column)" if self.text else "bytes or an Audio/Image struct"
+        if self.column is None:
+            what = f"no column of {self.where} holds {held} {listed}"
+        elif self.column not in names:
+            what = f"{self.where} has no column {self.column!r} {listed}"
+        elif self.text:
+            what = f"column {self.column!r} of {self.where} holds no {held} {listed}"
+        else:
+            what = (
+                f"column {self.column!r} of {self.where} holds neither bytes nor an Audio/Image "
+                f"struct ({{bytes, path}}) in any file {listed}"
+            )
+        return f"{what}; name the column to encode with --column"
+
+    def path(self, rel: str) -> str:
+        """``file:row`` of item ``rel``; ``<where>#<rel>`` for a row no scan found (a root names
+        it, its file is gone: its feature is served from the store)."""
+        at = self.items.get(rel)
+        return f"{self.where}#{rel}" if at is None else f"{self.files[at.file].path}:{at.row}"
+
+    def size(self, rel: str) -> int:
+        return 0  # not known before the cell is read
+
+    def row(self, rel: str) -> dict[str, Any]:
+        """The row's other columns as Python values (its ``id`` and encoded column left out).
+
+        They are read through the reader the scan opened, so a local file's stand only while
+        the file is still that version (checked after the read: a dataset asks for a row long
+        after its scan, and an Arrow file rewritten in place shows its new bytes at the old
+        offsets).
+
+        Raises:
+            SourceError: the row is unknown, or its file was replaced since its rows were read.
+        """
+        at = self.items.get(rel)
+        if at is None:
+            raise SourceError(f"{self.where}: no row {rel!r} (its file is gone or changed)")
+        f = self.files[at.file]
+        names = [n for n in f.schema().names if n not in (self.column, "id")]
+        values = f.cells(at.row, names) if names else {}
+        if not f.remote and (f.stat() is None or self.replaced([f.path])):
+            raise SourceError(f"{self.path(rel)}: {replaced_since_scan(f.path)}")
+        return values
+
+    def hash(
+        self,
+        catalog: HashCache,
+        paths: Sequence[str],
+        progress: Callable[[Progress], None] | None = None,
+        stats: dict[str, FileStat] | None = None,
+        held: HeldBytes | None = None,
+    ) -> tuple[dict[str, str], dict[str, str]]:
+        """SHA-256 of each cell, reading only files whose stat the hash cache does not know
+        (see :func:`hash_items`); a row's entry is keyed by its name and the column. ``held``
+        keeps the cells' bytes, for the build to decode."""
+        files = {p: split_item_path(p) for p in paths}
+        replaced = self.replaced({file for file, _ in files.values()})
+        refs = [
+            ItemRef(p, f"{p}:{self.column}", file, int(row))
+            for p, (file, row) in files.items()
+            if file not in replaced
+        ]
+
+        def read(file: str, wanted: list[ItemRef]) -> ReadBack:
+            return self._read(file, wanted, held)
+
+        digests, failed = hash_listed(self, catalog, refs, read, progress, stats)
+        failed.update({p: replaced[file] for p, (file, _) in files.items() if file in replaced})
+        return digests, failed
+
+    def replaced(self, files: Collection[str]) -> dict[str, str]:
+        """file -> why, for each local file of ``files`` the scan read that is not that
+        version any more (renamed over, or rewritten, since): the ids' rows are the other
+        version's, so no digest the hash cache holds for the file now may stand for them (a
+        folder swapped back to a version hashed before keeps its files' stats)."""
+        return replaced_files(self.scanned, files, replaced_since_scan)
+
+    def _read(self, file: str, refs: list[ItemRef], held: HeldBytes | None) -> ReadBack:
+        """The digests of ``refs``' cells in ``file``, one row group at a time, and the file's
+        stat as of the reading (an object's from the GETs' responses: no HEAD)."""
+        index = self.file_index(file)
+        f, kind = self.files[index], self.kinds[index]
+        return cell_digests(f, str(self.column), kind, {r.where: r.path for r in refs}, held)
+
+    def source(self, inner: Source) -> Source:
+        return CellSource(inner, self)
+
+    def file_index(self, file: str) -> int:
+        """The index of the data file ``file`` among the table's (after its scan).
+
+        Raises:
+            SourceError: ``file`` is not one of the table's files.
+        """
+        if not self.positions:
+            self.positions = {f.path: i for i, f in enumerate(self.files)}
+        found = self.positions.get(file)
+        if found is None or found >= len(self.kinds):
+            raise SourceError(f"{file}: not a scanned file of the table {self.where}")
+        return found
+
+
+def replaced_since_scan(file: str) -> str:
+    """Why a row of a local table file renamed over (or rewritten) after the scan fails."""
+    return (
+        f"{file} was replaced since its rows were read (renamed over, or rewritten): each "
+        "id's row is the other version's; rerun the build"
+    )
+
+
+class CellSource:
+    """The recipe's source over a table's cells: each read from its row group (kept while the
+    next rows are decoded) and decoded from its bytes.
+
+    It reads through its :class:`Table`, whose column and files its scan settles (a build
+    makes the source before it scans); pickled with it into decode workers, where each file is
+    opened again.
+    """
+
+    def __init__(self, inner: Source, table: Table) -> None:
+        self.inner = inner
+        self.kind = inner.kind
+        self.extensions = inner.extensions
+        self.table = table
+
+    def read(self, path: str) -> bytes:
+        """The bytes of the cell named ``path`` (``file:row``).
+
+        Raises:
+            SourceError: the file or row cannot be read, or the cell holds no bytes.
+        """
+        return self._cell(path, self.file_of(path))
+
+    def file_of(self, path: str) -> TableFile:
+        """The data file of the cell named ``path``.
+
+        Raises:
+            SourceError: it is not one of the table's scanned files.
+        """
+        return self.table.files[self.table.file_index(split_item_path(path)[0])]
+
+    def _cell(self, path: str, f: TableFile) -> bytes:
+        row = split_item_path(path)[1]
+        column = str(self.table.column)
+        kind = self.table.kinds[self.table.file_index(f.path)]
+        try:
+            cell = f.cells(int(row), [column])[column]
+        except (OSError, ValueError, KeyError) as e:
+            raise SourceError(f"{path}: cannot read column {column!r} ({e})") from e
+        got = cell_bytes(cell, kind)
+        if isinstance(got, str):
+            raise SourceError(f"{path}: {got}")
+        return got
+
+    def load(self, path: str | os.PathLike[str], data: BinaryIO | None = None) -> torch.Tensor:
+        """Read cell ``path`` and decode its bytes.
+
+        Raises:
+            SourceError: it cannot be read or decoded.
+        """
+        name = os.fspath(path)
+        return self.inner.load(name, io.BytesIO(self.read(name)) if data is None else data)
+
+    def load_unchanged(self, path: str, stat: FileStat | None) -> torch.Tensor:
+        """Decode cell ``path`` if its bytes came from its file as it was when its digest was
+        taken: a file stat'ed after the read, an object by the stat the ranged GETs that
+        carried them gave (:meth:`TableFile.stat`; no HEAD).
+
+        Raises:
+            SourceError: the file changed since it was hashed, or the cell cannot be decoded.
+        """
+        changed = SourceError(f"{path}: changed while featbake was reading it; rerun the build")
+        f = self.file_of(path)
+        if f.path in self.table.scanned and self.table.scanned[f.path] != stat:
+            raise SourceError(f"{path}: {replaced_since_scan(f.path)}")
+        try:
+            data = self._cell(path, f)
+        except SourceError:
+            # A file rewritten since its scan may not parse at all (its footer moved): say so.
+            if (now := f.stat()) is not None and now != stat:
+                raise changed from None
+            raise
+        if stat is None or f.stat() != stat:
+            raise changed
+        return self.inner.load(path, io.BytesIO(data))
+
+
+def table_at(data: str, column: str | None = None) -> Table:
+    """The table at ``data`` (see :class:`Table`)."""
+    return Table(data, column)
