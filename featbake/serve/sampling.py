@@ -468,28 +468,42 @@ def follow_blocks(dataset: object, plan: list[list[int]] | None) -> bool:
     ``dataset`` or, through ``Subset`` and ``StackDataset``, the member whose shards the plan
     names (the first that has ``follow_blocks``, as loaders take the first that knows each
     item's placement). Whether a store follows it."""
-    follow = getattr(dataset, "follow_blocks", None)
-    if callable(follow):
-        return bool(follow(plan))
+    member = _member_with(dataset, "follow_blocks")
+    return member is not None and bool(member.follow_blocks(plan))
+
+
+#: Shards a window of a block order holds unless the store's tier calls for fewer.
+DEFAULT_WINDOW = 4
+
+
+def window_for(dataset: object, shuffle: Shuffle, window: int | None) -> int:
+    """A loader's ``window``: as given, else :data:`DEFAULT_WINDOW` shards, or fewer where a
+    bucket store's tier would not hold two windows of the dataset's shards (its
+    ``block_window``, found as :func:`follow_blocks` finds its reader): the default then
+    fetches each shard about once an epoch by itself. Only a block order asks; every other
+    order keeps the default (and the fingerprint its saved states carry)."""
+    if window is not None:
+        return window
+    member = _member_with(dataset, "block_window")
+    if shuffle is not Shuffle.BLOCKS or member is None:
+        return DEFAULT_WINDOW
+    return int(member.block_window(DEFAULT_WINDOW))
+
+
+def _member_with(dataset: object, method: str) -> object | None:
+    """``dataset``, or the first member through ``Subset`` and ``StackDataset`` that has
+    ``method``; None when none has it."""
+    if callable(getattr(dataset, method, None)):
+        return dataset
     if isinstance(dataset, Subset):
-        return follow_blocks(dataset.dataset, plan)
+        return _member_with(dataset.dataset, method)
     if isinstance(dataset, StackDataset):
         members = dataset.datasets
         for m in members.values() if isinstance(members, dict) else members:
-            if _has_follower(m):
-                return follow_blocks(m, plan)
-    return False
-
-
-def _has_follower(dataset: object) -> bool:
-    if callable(getattr(dataset, "follow_blocks", None)):
-        return True
-    if isinstance(dataset, Subset):
-        return _has_follower(dataset.dataset)
-    if isinstance(dataset, StackDataset):
-        members = dataset.datasets
-        return any(map(_has_follower, members.values() if isinstance(members, dict) else members))
-    return False
+            found = _member_with(m, method)
+            if found is not None:
+                return found
+    return None
 
 
 def frame_batches(

@@ -22,7 +22,7 @@ from featbake import BlockSampler, CachedFeatureDataset, FeatureLoader
 from featbake.bake.pipeline import build
 from featbake.store.bucket import BlockPlan, BlockWindowWarning, Bucket, BucketStore
 from featbake.store.url import BucketURL
-from featbake.testing import write_audio_folder
+from featbake.testing import counted_requests, write_audio_folder
 from tests.conftest import live_features
 from tests.store.bucket.conftest import S3, Remote, Request
 
@@ -264,3 +264,36 @@ def test_a_window_over_the_tier_is_said_once_and_read_as_before(
             assert sum(len(n) for _, n in loader) == len(ds)
     assert len(said) == 1
     assert ds._layout.remote.reads_ranged()  # type: ignore[union-attr]  # as without the order
+
+
+def test_the_default_window_fits_the_tier_so_each_shard_is_fetched_about_once(
+    place: Remote | S3, encoder_file: Path, tmp_path: Path
+) -> None:
+    """A tier of about four shards (issue 42: 14 shards of ~1 MiB through a 4 MiB tier). The
+    default window, 4 shards, did not fit the tier beside the next one: the store fetched
+    windows it then evicted before their reads (148 shard GETs an epoch by ranges, 109 with
+    whole reads, 27 with ``window=2``), and a read could wait on room only its own read
+    would free. With no ``window`` given the window is now as many shards as two windows fit
+    the tier: each shard about once an epoch, whole, counted at the byte seam."""
+    audio = tmp_path / "audio"
+    write_audio_folder(audio, 48, seconds=(0.5, 1.5), seed=4)
+    sizes = _store(place, audio, encoder_file)
+    assert len(sizes) >= 14
+    budget = 4 * sum(sizes) // len(sizes)
+    ds = _dataset(place, audio, encoder_file, tmp_path / "tier", budget)
+    tier = ds._layout.remote.tier  # type: ignore[union-attr]
+    live = Live(ds, encoder_file)
+    loader = FeatureLoader(StackDataset(ds, torch.arange(len(ds))), batch_size=4,
+                           shuffle="blocks", seed=1)  # fmt: skip
+    for _ in range(2):
+        seen = []
+        with counted_requests(type(Bucket(BucketURL.parse(place.url)))) as gets:
+            for padded, lengths, labels in loader:
+                assert tier.used_bytes() <= budget
+                for row, n, i in zip(padded, lengths, labels, strict=True):
+                    live.check(row, int(n), int(i))
+                    seen.append(int(i))
+            _drain(ds)
+        assert sorted(seen) == list(range(len(ds)))
+        assert gets.ranged == 0, gets
+        assert gets.whole <= 1.1 * len(sizes), (gets, len(sizes))
