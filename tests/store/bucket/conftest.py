@@ -211,3 +211,19 @@ def place(
     fake-gcs-server; ``az``: Azurite), its cloud's environment set, and a local tier folder:
     a test of the store's behaviour runs unchanged on every place."""
     return remote_of(request.param, request, tmp_path, monkeypatch)
+
+
+#: Every place a store lives in: a directory, then each bucket scheme.
+PLACES = ("local", *SCHEMES)
+
+
+@pytest.fixture(params=PLACES)
+def place_store(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> str:
+    """A store to build into on each place in turn (``local``: a directory; ``s3``, ``gs``,
+    ``az``: a fresh bucket on the loopback server, its cloud's environment set): its path or
+    URL. The tests of what every place does alike (gc, verify) run once per place from it."""
+    if request.param == "local":
+        return str(tmp_path / "store")
+    return remote_of(request.param, request, tmp_path, monkeypatch).url
