@@ -51,11 +51,11 @@ import hashlib
 import json
 import math
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from functools import cached_property
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -468,8 +468,8 @@ def follow_blocks(dataset: object, plan: list[list[int]] | None) -> bool:
     ``dataset`` or, through ``Subset`` and ``StackDataset``, the member whose shards the plan
     names (the first that has ``follow_blocks``, as loaders take the first that knows each
     item's placement). Whether a store follows it."""
-    member = _member_with(dataset, "follow_blocks")
-    return member is not None and bool(member.follow_blocks(plan))
+    follow = _method_of(dataset, "follow_blocks")
+    return follow is not None and bool(follow(plan))
 
 
 #: Shards a window of a block order holds unless the store's tier calls for fewer.
@@ -484,23 +484,24 @@ def window_for(dataset: object, shuffle: Shuffle, window: int | None) -> int:
     order keeps the default (and the fingerprint its saved states carry)."""
     if window is not None:
         return window
-    member = _member_with(dataset, "block_window")
-    if shuffle is not Shuffle.BLOCKS or member is None:
+    fitting = _method_of(dataset, "block_window")
+    if shuffle is not Shuffle.BLOCKS or fitting is None:
         return DEFAULT_WINDOW
-    return int(member.block_window(DEFAULT_WINDOW))
+    return int(fitting(DEFAULT_WINDOW))
 
 
-def _member_with(dataset: object, method: str) -> object | None:
-    """``dataset``, or the first member through ``Subset`` and ``StackDataset`` that has
-    ``method``; None when none has it."""
-    if callable(getattr(dataset, method, None)):
-        return dataset
+def _method_of(dataset: object, method: str) -> Callable[..., Any] | None:
+    """``dataset``'s ``method``, or that of the first member through ``Subset`` and
+    ``StackDataset`` that has it; None when none has it."""
+    found = getattr(dataset, method, None)
+    if callable(found):
+        return found
     if isinstance(dataset, Subset):
-        return _member_with(dataset.dataset, method)
+        return _method_of(dataset.dataset, method)
     if isinstance(dataset, StackDataset):
         members = dataset.datasets
         for m in members.values() if isinstance(members, dict) else members:
-            found = _member_with(m, method)
+            found = _method_of(m, method)
             if found is not None:
                 return found
     return None
