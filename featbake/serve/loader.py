@@ -78,6 +78,7 @@ from featbake.serve.sampling import (
     follow_blocks,
     shuffle_of,
     too_long,
+    window_for,
 )
 
 # == read_ahead ====================================================================================
@@ -498,7 +499,8 @@ class BlockSampler(Sampler[int]):
         dataset: a :class:`~featbake.CachedFeatureDataset` (or one in a ``StackDataset`` or
             ``Subset``): its catalog says each item's shard, nothing is read.
         seed: the order's seed (the same on every rank).
-        window: shards open at a time.
+        window: shards open at a time; by default 4, or fewer where a bucket store's tier
+            would not hold two windows of the dataset's shards.
         num_replicas, rank: this process's share, as ``DistributedSampler``.
         drop_last: drop the items that do not divide evenly among ranks instead of repeating.
 
@@ -521,7 +523,7 @@ class BlockSampler(Sampler[int]):
         dataset: Any,
         *,
         seed: int = 0,
-        window: int = 4,
+        window: int | None = None,
         num_replicas: int | None = None,
         rank: int | None = None,
         drop_last: bool = False,
@@ -535,6 +537,7 @@ class BlockSampler(Sampler[int]):
         self._shards = placement.shards.tolist()
         self._dataset = dataset  # told each epoch's windows (a bucket store fetches by them)
         rank, world = rank_and_world(rank, num_replicas)
+        window = window_for(dataset, Shuffle.BLOCKS, window)
         self._order = Order(len(dataset), 1, Shuffle.BLOCKS, seed, rank, world, drop_last,
                             window=window)  # fmt: skip
         self._inputs = self._order.inputs(shards=self._shards)  # what every epoch is drawn from
@@ -798,7 +801,9 @@ class FeatureLoader:
             batch's padded size (items x longest) at most this many frames (time steps), from
             the lengths the catalog holds; every rank gets as many batches. An item longer
             than this is a batch of its own (one warning says how many).
-        window: shards open at a time for ``shuffle="blocks"``.
+        window: shards open at a time for ``shuffle="blocks"``; by default 4, or fewer where
+            a bucket store's tier would not hold two windows of the dataset's shards (then
+            each shard is fetched about once an epoch).
         drop_last: drop the last, short batch (and, over several ranks, the indices that do
             not divide evenly among them).
         even_batches: over several ranks, repeat the first items (batches, with
@@ -844,7 +849,7 @@ class FeatureLoader:
         *,
         shuffle: bool | str = True,
         batch_frames: int | None = None,
-        window: int = 4,
+        window: int | None = None,
         drop_last: bool = False,
         even_batches: bool = True,
         prefetch: int = 4,
@@ -880,9 +885,10 @@ class FeatureLoader:
         if batch_size is None and batch_frames is None:
             batch_size = 32
         # Order checks batch_size, batch_frames, window, rank and world.
+        order = shuffle_of(shuffle)
         self._order = Order(
-            len(dataset), batch_size, shuffle_of(shuffle), seed, rank, world, drop_last,
-            even_batches, batch_frames, window, fingerprint_of(dataset),
+            len(dataset), batch_size, order, seed, rank, world, drop_last, even_batches,
+            batch_frames, window_for(dataset, order, window), fingerprint_of(dataset),
         )  # fmt: skip
         self.epoch = 0
         self._resume = Resume()

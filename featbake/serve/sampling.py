@@ -51,11 +51,11 @@ import hashlib
 import json
 import math
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from functools import cached_property
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -468,28 +468,43 @@ def follow_blocks(dataset: object, plan: list[list[int]] | None) -> bool:
     ``dataset`` or, through ``Subset`` and ``StackDataset``, the member whose shards the plan
     names (the first that has ``follow_blocks``, as loaders take the first that knows each
     item's placement). Whether a store follows it."""
-    follow = getattr(dataset, "follow_blocks", None)
-    if callable(follow):
-        return bool(follow(plan))
+    follow = _method_of(dataset, "follow_blocks")
+    return follow is not None and bool(follow(plan))
+
+
+#: Shards a window of a block order holds unless the store's tier calls for fewer.
+DEFAULT_WINDOW = 4
+
+
+def window_for(dataset: object, shuffle: Shuffle, window: int | None) -> int:
+    """A loader's ``window``: as given, else :data:`DEFAULT_WINDOW` shards, or fewer where a
+    bucket store's tier would not hold two windows of the dataset's shards (its
+    ``block_window``, found as :func:`follow_blocks` finds its reader): the default then
+    fetches each shard about once an epoch by itself. Only a block order asks; every other
+    order keeps the default (and the fingerprint its saved states carry)."""
+    if window is not None:
+        return window
+    fitting = _method_of(dataset, "block_window")
+    if shuffle is not Shuffle.BLOCKS or fitting is None:
+        return DEFAULT_WINDOW
+    return int(fitting(DEFAULT_WINDOW))
+
+
+def _method_of(dataset: object, method: str) -> Callable[..., Any] | None:
+    """``dataset``'s ``method``, or that of the first member through ``Subset`` and
+    ``StackDataset`` that has it; None when none has it."""
+    found = getattr(dataset, method, None)
+    if callable(found):
+        return found
     if isinstance(dataset, Subset):
-        return follow_blocks(dataset.dataset, plan)
+        return _method_of(dataset.dataset, method)
     if isinstance(dataset, StackDataset):
         members = dataset.datasets
         for m in members.values() if isinstance(members, dict) else members:
-            if _has_follower(m):
-                return follow_blocks(m, plan)
-    return False
-
-
-def _has_follower(dataset: object) -> bool:
-    if callable(getattr(dataset, "follow_blocks", None)):
-        return True
-    if isinstance(dataset, Subset):
-        return _has_follower(dataset.dataset)
-    if isinstance(dataset, StackDataset):
-        members = dataset.datasets
-        return any(map(_has_follower, members.values() if isinstance(members, dict) else members))
-    return False
+            found = _method_of(m, method)
+            if found is not None:
+                return found
+    return None
 
 
 def frame_batches(

@@ -17,7 +17,7 @@ import contextlib
 import fcntl
 import os
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -83,8 +83,15 @@ def shard_of(f: TierFile) -> str:
 
 
 class Room(NamedTuple):
-    """What a fetch asks of the tier: ``size`` bytes, never evicting a shard named in ``keep``,
-    waiting for downloads in flight to leave room or (``wait`` False) failing at once."""
+    """What a fetch asks of the tier: ``size`` bytes, evicting a shard named in ``keep`` only
+    when nothing else makes room, waiting for downloads in flight to leave room or (``wait``
+    False) failing at once.
+
+    A prefetch (``wait`` False) never evicts what it is told to keep: it is a guess, and a
+    kept shard is one the reads need soon. A read (``wait`` True) needs its shard now: when
+    the kept shards fill the tier it evicts the least recently used of them rather than wait
+    for room nobody will free (the kept shards are freed only once the reads move on, which
+    this read blocks)."""
 
     size: int
     keep: frozenset[str] = frozenset()
@@ -92,6 +99,42 @@ class Room(NamedTuple):
 
     def keeps(self, f: TierFile) -> bool:
         return bool(self.keep) and shard_of(f) in self.keep
+
+    def doomed(self, files: Sequence[TierFile], budget: int) -> list[TierFile]:
+        """The files to evict for this room (see the class docstring).
+
+        Raises:
+            ConfigError: no room, even with every file this room may evict gone.
+        """
+        kept = [f._replace(evictable=False) if self.keeps(f) else f for f in files]
+        try:
+            return evictions(kept, budget, self.size)
+        except ConfigError:
+            if not self.wait or not self.keep:
+                raise
+        return evictions(files, budget, self.size)
+
+
+def window_fitting(sizes: Iterable[int], budget: int, most: int) -> int:
+    """The most shards, up to ``most``, a window of a block order may hold so that two windows
+    of the largest shards in ``sizes`` fit ``budget`` (a batch may straddle two windows, and the
+    next window is fetched while the current one is read); 1 when not even two fit.
+
+    A window that fits alone but not beside the next one leaves no room to fetch ahead: the
+    reads then evict shards they still need (14 shards of ~1 MiB through a 4 MiB tier, the
+    window 4 shards: 148 shard GETs an epoch).
+
+    Example:
+        >>> window_fitting([3, 3, 3, 3, 3, 3], budget=13, most=4)
+        2
+        >>> window_fitting([3, 3, 3], budget=100, most=4)
+        4
+    """
+    big = sorted(sizes, reverse=True)
+    for w in range(most, 1, -1):
+        if sum(big[: 2 * w]) <= budget:
+            return w
+    return 1
 
 
 # == tier ==========================================================================================
@@ -143,9 +186,10 @@ class DiskTier:
         wait: bool = True,
     ) -> Path:
         """Shard ``name`` on this disk: fetched (``download`` writes a file) unless it is here.
-        Shards named in ``keep`` are never evicted to make room for it (a block order's
-        current and next windows); without ``wait`` a fetch that finds no room fails at once
-        instead of waiting for downloads in flight (a prefetch: the read fetches it later).
+        Shards named in ``keep`` (a block order's current and next windows) are evicted to make
+        room for it only by a read that finds no other room (:class:`Room`); without ``wait``
+        (a prefetch: the read fetches it later) never, and a fetch that finds no room fails at
+        once instead of waiting for downloads in flight.
 
         Raises:
             FileNotFoundError: the bucket has no such shard (gc deleted it).
@@ -213,8 +257,8 @@ class DiskTier:
                 )
 
     def _reserve(self, fd: int, part: Path, room: Room) -> None:
-        """Evict what must go (never a shard ``room`` keeps) so ``room.size`` more bytes fit,
-        then reserve them in ``part``.
+        """Evict what must go (a shard ``room`` keeps only as :meth:`Room.doomed` says) so
+        ``room.size`` more bytes fit, then reserve them in ``part``.
 
         While downloads in flight (other workers') hold the room, wait for them: they end
         within a download's time, and a budget of a few shards serves any number of workers.
@@ -229,10 +273,8 @@ class DiskTier:
         pause = 0.02
         while True:
             with tier_locked(self.downloads / "tier.lock"):
-                files = [f if not room.keeps(f) else f._replace(evictable=False)
-                         for f in self._files(skip=part)]  # fmt: skip
                 try:
-                    doomed = evictions(files, self.budget, size)
+                    doomed = room.doomed(list(self._files(skip=part)), self.budget)
                 except ConfigError:
                     if size > self.budget or not room.wait or time.monotonic() > deadline:
                         raise

@@ -27,7 +27,7 @@ from featbake.store.byteplace import LIST_PAGE_HEADS, common_prefix, just_before
 from featbake.store.hash_cache import FileStat
 from featbake.store.objects import ListedPage, ObjectInfo, ObjectStore, object_stat
 from featbake.store.url import BucketURL
-from featbake.testing import write_audio_folder
+from featbake.testing import LoopbackServer, write_audio_folder
 from tests.conftest import invoke, live_features
 from tests.helpers import put_many, stored_features
 from tests.store.bucket.conftest import S3, Remote
@@ -487,7 +487,7 @@ def test_on_a_server_a_listed_stat_is_a_headed_one_and_the_listing_stops_when_sp
 
 
 def test_manifest_rows_naming_one_bucket_name_in_two_clouds_read_each_its_own(
-    s3: S3, gcs_server: str, audio_dir: Path, encoder_file: Path, tmp_path: Path,
+    s3: S3, gcs_server: LoopbackServer, audio_dir: Path, encoder_file: Path, tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     """A manifest's object rows are grouped by scheme and bucket: ``gs://B/x.wav`` is read from
@@ -495,10 +495,9 @@ def test_manifest_rows_naming_one_bucket_name_in_two_clouds_read_each_its_own(
     import json
 
     from featbake import CachedFeatureDataset
-    from tests.store.bucket.conftest import make_gcs_bucket
 
-    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server)
-    make_gcs_bucket(gcs_server, s3.bucket)  # the same name on both servers
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server.endpoint)
+    gcs_server.make_bucket(s3.bucket)  # the same name on both servers
     clips = sorted(audio_dir.rglob("*.wav"))[:2]
     for scheme, clip in zip(("s3", "gs"), clips, strict=True):
         ObjectStore(BucketURL.parse(f"{scheme}://{s3.bucket}/m")).upload("x.wav", clip)

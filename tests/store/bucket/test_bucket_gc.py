@@ -134,14 +134,7 @@ def test_a_reader_whose_shards_gc_deleted_finds_a_rebuild_through_the_newest_ver
 
 
 # -- one gc, one verify, any place (issue 27 item 1) ----------------------------------------------
-@pytest.fixture(params=["directory", "bucket"])
-def place_store(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """A store to build into: a directory, or a bucket on the loopback server."""
-    if request.param == "bucket":
-        return request.getfixturevalue("s3").url
-    return str(tmp_path / "store")
-
-
+# ``place_store`` (conftest.py): a directory, then a bucket of each scheme.
 def plant_unnamed_shard(store: str, tmp: Path) -> str:
     """A sound shard the place holds and nothing names (a build killed before its commit)."""
     layout = open_store(store)

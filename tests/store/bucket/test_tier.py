@@ -221,3 +221,27 @@ def test_a_fetch_never_evicts_what_it_is_told_to_keep(source: Source, tmp_path: 
         tier.fetch(c, size, source.download(c), c, keep={a, b, d}, wait=False)
     assert tier.evict([a, b, c]) == 2 * size
     assert tier.used_bytes() == size
+
+
+def test_a_read_evicts_a_kept_shard_rather_than_wait_for_room_nobody_frees(
+    source: Source, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shards a block order keeps fill the tier and the read wants one more (a batch
+    straddling into a window the plan has not moved to yet): it evicts the least recently
+    used kept shard, where before it waited for room (``ROOM_WAIT_S``, 300 s) that only its
+    own read, by moving the plan on, could free, then failed."""
+    from featbake.store import tier as tier_module
+
+    monkeypatch.setattr(tier_module, "ROOM_WAIT_S", 0.0)  # the old wait ends at once
+    size = max(source.size(n) for n in source.names)
+    tier = DiskTier(Layout(tmp_path / "tier"), budget=2 * size)
+    a, b, c = source.names[:3]
+    for name in (a, b):
+        source.fetch(tier, name)
+    with pytest.raises(ConfigError):  # a prefetch still never evicts what is kept
+        tier.fetch(c, size, source.download(c), c, keep={a, b}, wait=False)
+    path = tier.fetch(c, size, source.download(c), c, keep={a, b})
+    with ShardReader(path) as reader:
+        torch.testing.assert_close(reader.read("k2"), torch.full((50, 16), 2.0))
+    assert {n for n in (a, b, c) if tier.layout.shard_path(n).is_file()} == {b, c}
+    assert tier.used_bytes() <= tier.budget
