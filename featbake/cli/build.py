@@ -274,7 +274,8 @@ def build(
         typer.Option(
             help="Decoding worker processes (0: decode in the encoder's process). Unset: none "
             "on 1-2 usable CPUs, one per 4 CPUs beyond (at most 8), all but one CPU for a GPU "
-            "encoder. [default: from the CPUs]",
+            "encoder. With --engine ray: the Ray actors, each decoding beside its encoder. "
+            "[default: from the CPUs; 2 actors]",
             show_default=False,
         ),
     ] = None,
