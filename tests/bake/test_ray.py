@@ -28,21 +28,36 @@ from featbake.bake.ray_engine import RayEngine  # noqa: E402  (after the skip: n
 pytestmark = pytest.mark.slow
 
 #: An import-path encoder (TinyConvEncoder's weights) whose process ends, as a preempted or
-#: OOM-killed worker does, on its second call, once per $DIE_ONCE marker file.
+#: OOM-killed worker's does, on its second call once a part fragment is sealed in the store
+#: named in ``$DIE_ONCE.store``: once per ``$DIE_ONCE`` marker (created atomically).
 DYING_ENCODER = """
+import glob
 import os
+import time
 
 from featbake.testing import TinyConvEncoder
 
 CALLS = []
 
 
+def claimed(marker):
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+        return True
+    except FileExistsError:
+        return False
+
+
 class DyingEncoder(TinyConvEncoder):
     def forward(self, wav):
         CALLS.append(1)
         marker = os.environ.get("DIE_ONCE")
-        if marker and len(CALLS) == 2 and not os.path.exists(marker):
-            open(marker, "w").close()
+        if marker and len(CALLS) == 2 and os.path.exists(marker + ".store") and claimed(marker):
+            with open(marker + ".store") as f:
+                sealed = os.path.join(f.read(), "fragments", "*.part.sqlite")
+            deadline = time.monotonic() + 120
+            while not glob.glob(sealed) and time.monotonic() < deadline:
+                time.sleep(0.01)  # the writer seals the first item within milliseconds
             os._exit(1)
         return super().forward(wav)
 
@@ -115,15 +130,17 @@ def test_cli_ray_build_stores_what_a_plain_build_finds(
 def test_a_worker_killed_mid_build_loses_and_doubles_nothing(
     ray_cluster: dict[str, str], clips: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.syspath_prepend(ray_cluster["PYTHONPATH"].split(os.pathsep)[-1])
+    pkg = Path(ray_cluster["PYTHONPATH"].split(os.pathsep)[-1])
+    monkeypatch.syspath_prepend(str(pkg))
     store = tmp_path / "store"
-    # One input per encoder call and a seal after every one: the worker dies on its second
-    # call with its first item sealed, and the task run again skips it.
-    engine = RayEngine(workers=2, rows_per_task=3)
+    (pkg / "died.store").write_text(str(store))
+    # One actor, one input per encoder call and a seal after every one: the actor dies on its
+    # second call once its first item is sealed, Ray restarts it and runs the task again, and
+    # the task skips that item.
+    engine = RayEngine(workers=1, rows_per_task=3)
     report = build(clips, "dyingenc:build", cache=store, engine=engine, batch_size=1,
                    seal_every=1e-3)  # fmt: skip
-    marker = Path(ray_cluster["PYTHONPATH"].split(os.pathsep)[-1]) / "died"
-    assert marker.exists(), "no worker died: the test did not test a retry"
+    assert (pkg / "died").exists(), "no worker died: the test did not test a retry"
     assert (report.encoded, report.failed) == (6, [])
     counts = entries_in_shards(store)
     assert len(counts) == 6 and set(counts.values()) == {1}  # sealed once, never again
