@@ -83,14 +83,15 @@ def ray_session(address: str | None) -> Iterator[Any]:
     if ray.is_initialized():
         yield ray
         return
-    address = address or os.environ.get("RAY_ADDRESS") or None
+    # "local": a new instance, never a `ray start` cluster found on this node by Ray's default.
+    address = address or os.environ.get("RAY_ADDRESS") or "local"
     env = {k: os.environ[k] for k in ("PYTHONPATH",) if k in os.environ}
     ray.init(
         address=address,
         include_dashboard=False,
         log_to_driver=False,
         logging_level="ERROR",
-        runtime_env={"env_vars": env} if env and address is None else None,
+        runtime_env={"env_vars": env} if env and address == "local" else None,
     )
     try:
         yield ray

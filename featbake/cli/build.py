@@ -325,7 +325,7 @@ def build(
         typer.Option(
             help="--engine ray: GPUs each actor holds (its encoder runs on cuda), e.g. 1 or 0.5."
         ),
-    ] = 0,
+    ] = 0.0,  # a float default: an int one would be coerced by typer's pydantic adapter
     ray_address: Annotated[
         str | None,
         typer.Option(
