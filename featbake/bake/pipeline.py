@@ -965,6 +965,19 @@ class PartResult:
     batching: str = ""
     batching_note: str = ""
     measured: Measured | None = None
+    error_kind: str = ""  # the FeatbakeError a task raised (its class's name), e.g. --strict's
+    error: str = ""  # and its one line: raised again by the driver (raise_error)
+
+    @classmethod
+    def raised(cls, e: FeatbakeError) -> PartResult:
+        """A task's result that carries ``e`` back: an engine's own wrapping of a worker's
+        exception may keep only its traceback's text, never the one line."""
+        return cls(error_kind=type(e).__name__, error=str(e))
+
+    def raise_error(self) -> None:
+        """Raise the error a task carried back (as its own class, with its own line), if any."""
+        if self.error_kind:
+            raise error_class(self.error_kind)(self.error)
 
     def add(self, other: PartResult) -> None:
         """Add ``other``'s counts to these (a batching note that says more wins)."""
@@ -1012,6 +1025,17 @@ class PartResult:
                 "measured": None if measured is None else Measured.from_json(measured),
             }
         )
+
+
+def error_class(name: str) -> type[FeatbakeError]:
+    """The :class:`FeatbakeError` subclass called ``name`` (FeatbakeError itself if none is)."""
+    stack: list[type[FeatbakeError]] = [FeatbakeError]
+    while stack:
+        kind = stack.pop()
+        if kind.__name__ == name:
+            return kind
+        stack += kind.__subclasses__()
+    return FeatbakeError
 
 
 class Engine(Protocol):

@@ -111,22 +111,6 @@ def quiet(ray: Any) -> None:
         context.print_on_execution_start = False
 
 
-def featbake_error(e: BaseException) -> FeatbakeError | None:
-    """The :class:`FeatbakeError` a worker raised under Ray's wrapping (``RayTaskError`` holds
-    it as ``cause``; Ray Data's ``UserCodeException`` as ``__cause__``), else None."""
-    seen: set[int] = set()
-    stack: list[BaseException | None] = [e]
-    while stack:
-        err = stack.pop()
-        if err is None or id(err) in seen:
-            continue
-        seen.add(id(err))
-        if isinstance(err, FeatbakeError) and type(err).__module__.startswith("featbake"):
-            return err
-        stack += [getattr(err, "cause", None), err.__cause__, err.__context__]
-    return None
-
-
 @dataclass(frozen=True)
 class RayEngine:
     """The Ray engine of a build (``build(..., engine=RayEngine(workers=8, gpus_per_worker=1))``).
@@ -183,16 +167,12 @@ class RayEngine:
 
 
 def _results(ds: Any) -> Iterator[dict[str, Any]]:
-    """``ds``'s rows as they come; a worker's :class:`FeatbakeError` raised as itself."""
-    try:
-        yield from ds.iter_rows()
-    except FeatbakeError as e:  # Ray's wrapper subclasses the cause: raise the cause's line
-        raise featbake_error(e) or e from None
-    except Exception as e:
-        err = featbake_error(e)
-        if err is None:
-            raise
-        raise err from None
+    """``ds``'s rows as they come; the error a task carried back raised as itself (its class,
+    its one line: Ray Data's ``UserCodeException`` keeps only a worker's traceback text)."""
+    for row in ds.iter_rows():
+        if row[RESULT]:
+            PartResult.from_json(row[RESULT]).raise_error()
+        yield row
 
 
 def _tick(progress: ProgressFn | None, total: PartResult, of: int) -> None:
@@ -214,7 +194,7 @@ class PathActor:
     inputs (read on the worker, where the build found them)."""
 
     def __init__(self, job: EngineJob) -> None:
-        self.worker = PartEncoder(job)
+        self.worker = Worker(job)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list[str]]:
         items = [
@@ -223,7 +203,31 @@ class PathActor:
                 batch["key"], batch["path"], batch["name"], batch["stat"], strict=True
             )
         ]
-        return {RESULT: [self.worker.encode(items).to_json()]}
+        try:
+            result = self.worker.part().encode(items)
+        except FeatbakeError as e:  # --strict, a store that cannot be written: one line back
+            result = PartResult.raised(e)
+        return {RESULT: [result.to_json()]}
+
+
+class Worker:
+    """An actor's :class:`PartEncoder`, or the error making it raised (an encoder that does not
+    load on this node), kept to be carried back by the actor's first task."""
+
+    def __init__(self, job: EngineJob) -> None:
+        self.error: FeatbakeError | None = None
+        self.encoder: PartEncoder | None = None
+        try:
+            self.encoder = PartEncoder(job)
+        except FeatbakeError as e:
+            self.error = e
+
+    def part(self) -> PartEncoder:
+        """The part encoder; raises the error that kept it from being made."""
+        if self.encoder is None:
+            assert self.error is not None
+            raise self.error
+        return self.encoder
 
 
 # == a user's Ray Dataset ==========================================================================
@@ -233,27 +237,34 @@ class BytesActor:
     result on its first row."""
 
     def __init__(self, job: EngineJob, column: str, id_column: str | None) -> None:
-        self.worker = PartEncoder(job)
+        self.worker = Worker(job)
         self.job = job
         self.column = column
         self.id_column = id_column
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list[str]]:
-        root = self.job.root
+        try:
+            return self.encoded(batch)
+        except FeatbakeError as e:  # one row carries it back (see _results)
+            return {"id": [""], "key": [""], RESULT: [PartResult.raised(e).to_json()]}
+
+    def encoded(self, batch: dict[str, np.ndarray]) -> dict[str, list[str]]:
+        """(id, key) of each row, the task's result on the first (see the class)."""
+        worker, root = self.worker.part(), self.job.root
         datas = [_as_bytes(v, self.column) for v in batch[self.column]]
         keys = [
             feature_key(root.encoder_fp, root.recipe_fp, hashlib.sha256(d).hexdigest())
             for d in datas
         ]
         ids = [str(v) for v in batch[self.id_column]] if self.id_column else keys
-        stored = self.worker.stored(keys)
+        stored = worker.stored(keys)
         held: dict[str, bytes] = {}
         todo: dict[str, WorkItem] = {}
         for key, name, data in zip(keys, ids, datas, strict=True):
             if key not in stored and key not in todo:  # a key once, however many rows have it
                 todo[key] = WorkItem(key, name, name)
                 held[name] = data
-        result = self.worker.encode(list(todo.values()), held)
+        result = worker.encode(list(todo.values()), held)
         result.reused = len({k for k in keys if k in stored})
         result.items = len(keys)
         first = [result.to_json()] + [""] * (len(keys) - 1)

@@ -187,3 +187,9 @@ def test_an_undecodable_input_is_a_skipped_input(
     errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
     assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr  # one line
     assert assert_live(store, report["root"], clips, encoder_file) == 6
+    # --strict: the actor raises, Ray does not retry an application error, and the build stops
+    # with that input's own one line (SourceError's exit code), not Ray's wrapped traceback.
+    strict = invoke(*args, "--engine", "ray", "--workers", "1", "--strict")
+    assert strict.returncode == 8, strict.stderr
+    lines = [line for line in strict.stderr.splitlines() if line.startswith("error")]
+    assert len(lines) == 1 and "broken.wav" in lines[0] and "Ray" not in lines[0], strict.stderr
