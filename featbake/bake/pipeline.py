@@ -56,7 +56,15 @@ from featbake.keys import feature_key, root_id
 from featbake.process import gc_paused
 from featbake.progress import Progress
 from featbake.recipe import Recipe
-from featbake.store.catalog import BuildCatalog, Catalog, FileStat, HashCache, Measured, RootSpec
+from featbake.store.catalog import (
+    BuildCatalog,
+    Catalog,
+    FileStat,
+    HashCache,
+    Measured,
+    RootSpec,
+    write_undecodable,
+)
 from featbake.store.features import Parts
 from featbake.store.fragments import (
     FragmentCatalog,
@@ -638,10 +646,15 @@ class _Bake:
         """Record beside the root the keys of the inputs its manifest names that this build
         skipped (undecodable, or failing the encoder), so that a dataset leaves them out as
         the build did instead of calling them misses (see store/catalog.py, ``undecodable``).
-        Inputs skipped before they had a key (unreadable, not regular files) are not named."""
+        Inputs skipped before they had a key (unreadable, not regular files) are not named.
+        The driver of another engine sees every task's failures, so it records them although
+        its catalog is a fragment writer (whose parts each see only their own)."""
         reasons = dict(self.report.failed)
         failed = {key: reasons[rel] for rel, key in self.manifest if rel in reasons}
-        self.catalog.record_undecodable(self.report.root, failed)
+        if self.elsewhere is not None:
+            write_undecodable(self.layout, self.report.root, failed)
+        else:
+            self.catalog.record_undecodable(self.report.root, failed)
 
     def publish_manifest(self) -> None:
         """Publish the root's manifest before encoding.

@@ -187,6 +187,8 @@ def test_an_undecodable_input_is_a_skipped_input(
     errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
     assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr  # one line
     assert assert_live(store, report["root"], clips, encoder_file) == 6
+    with Catalog(Layout(store), read_only=True) as catalog:  # a dataset leaves it out, as here
+        assert list(catalog.undecodable(report["root"]).values()) == [report["failed"][0]["reason"]]
     # --strict: the actor raises, Ray does not retry an application error, and the build stops
     # with that input's own one line (SourceError's exit code), not Ray's wrapped traceback.
     strict = invoke(*args, "--engine", "ray", "--workers", "1", "--strict")
