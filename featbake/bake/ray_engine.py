@@ -135,6 +135,9 @@ class RayEngine:
                 f"--gpus-per-worker must be from 0 to 64, got {self.gpus_per_worker!r} "
                 "(fractions share a GPU: 0.5 puts two workers on each)"
             )
+        rows = self.rows_per_task
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+            raise ConfigError(f"rows_per_task must be 1 or more inputs per Ray task, got {rows!r}")
 
     def encode(
         self, job: EngineJob, items: Sequence[WorkItem], progress: ProgressFn | None
