@@ -11,6 +11,11 @@
 2. The same Ray build from the CLI with nothing started (``featbake build --engine ray``: the
    local Ray instance is started and stopped by the build), against the plain CLI build:
    reported, no target (Ray's start is a fixed cost of seconds).
+3. Requests to a bucket store per input (moto on loopback, its access log counted as part
+   ``bucket`` counts it): a plain build and a Ray build (2 actors) of the same clips into a
+   fresh prefix each. The Ray build's extra requests are its actors' fragments (one per task)
+   and each actor's look for the fragments of its build before a task (a LIST, and a GET of
+   each fragment it had not seen: what lets a task run again skip what a dead actor sealed).
 
     python benchmarks/bench_ray.py [--quick]
 """
@@ -25,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -67,6 +73,34 @@ def in_process(tmp: Path, data: Path, encoder: Path, rounds: int) -> tuple[float
     return statistics.median(plain), statistics.median(on_ray)
 
 
+def bucket_requests(tmp: Path, data: Path, encoder: Path) -> tuple[Any, Any]:
+    """Requests moto answered for a plain build and for a Ray build (2 actors) of ``data``,
+    each into a fresh prefix (``bench_bucket.Requests``)."""
+    import ray
+    from bench_bucket import BUCKET, ServerLog, s3_server
+
+    from featbake.bake.ray_engine import RayEngine
+    from featbake.store.open import open_store
+
+    log = ServerLog(tmp / "moto.log")
+    counted = []
+    with s3_server(log.path):  # the AWS environment is set before Ray starts: actors inherit it
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})  # fmt: skip
+        try:
+            for prefix, engine in (
+                ("plain", None),
+                ("ray", RayEngine(workers=2, rows_per_task=16)),
+            ):
+                store = open_store(f"s3://{BUCKET}/{prefix}", local_cache=tmp / f"tier-{prefix}")
+                mark = log.mark()
+                build(data, encoder, cache=store, engine=engine)
+                counted.append(log.since(mark, prefix))
+        finally:
+            ray.shutdown()
+    return counted[0], counted[1]
+
+
 def cli(tmp: Path, data: Path, encoder: Path) -> tuple[float, float]:
     """Seconds of the plain CLI build and of ``--engine ray`` starting its own Ray."""
     times = []
@@ -93,9 +127,23 @@ def main(quick: bool = False) -> list[dict]:
         encoder = save_torchscript(ConvStack(), tmp / "enc.pt")
         plain, on_ray = in_process(tmp, data, encoder, rounds)
         cli_plain, cli_ray = cli(tmp, data, encoder)
+        few = tmp / "few"  # 64 clips: 4 tasks of 16 on the 2 actors
+        write_audio_folder(few, 64, seconds=1.0, seed=4)
+        req_plain, req_ray = bucket_requests(tmp, few, encoder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    per_input = (req_ray.gets + req_ray.other) / 64
     return [
+        row(
+            "ray",
+            "requests to a bucket store per input, Ray build (2 actors, 16 inputs a task)",
+            per_input,
+            "req",
+            "report",
+            None,
+            f"Ray: {req_ray.text()}; plain: {req_plain.text()}, "
+            f"{(req_plain.gets + req_plain.other) / 64:.3g} per input; 64 clips, moto's log",
+        ),
         row(
             "ray",
             f"Ray build (2 actors) vs plain build, {clips} x {secs:g} s clips, Ray up",
