@@ -8,15 +8,17 @@ behind decode workers while a writer thread fills shards.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
+import json
 import os
 import sqlite3
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -57,12 +59,14 @@ from featbake.progress import Progress
 from featbake.recipe import Recipe
 from featbake.store.catalog import BuildCatalog, Catalog
 from featbake.store.features import Parts
+from featbake.store.fidelity import Measured
 from featbake.store.fragment_catalog import FragmentCatalog, RankPart
+from featbake.store.fragments import build_id, fragment_keys, sealed_fragments
 from featbake.store.hash_cache import FileStat, HashCache
 from featbake.store.layout import Layout
 from featbake.store.merge import adopt_sealed_parts
 from featbake.store.open import Need, StoreRef, open_store, place_of
-from featbake.store.roots import RootSpec
+from featbake.store.roots import RootSpec, write_undecodable
 from featbake.store.shard import DEFAULT_SHARD_BYTES
 
 # == parts =========================================================================================
@@ -79,7 +83,7 @@ BARRIER_TIMEOUT = datetime.timedelta(days=7)
 
 
 def catalog_for_part(
-    layout: Layout, spec: RankSpec, inputs: Inputs, rel_paths: list[str]
+    layout: Layout, spec: RankSpec, inputs: Inputs, rel_paths: list[str], *, fragments: bool = False
 ) -> tuple[BuildCatalog, list[str]]:
     """The catalog this process writes through, and the inputs it does (all, for one process).
 
@@ -88,10 +92,11 @@ def catalog_for_part(
     written in place), after bringing in the bucket's fragments: a rerun on another node skips
     what the killed run sealed. One process on a local store adds the shards that parts sealed
     (a part killed before its end, parts not merged yet) to the catalog first, so it encodes
-    none of them again.
+    none of them again. A build run by an :class:`Engine` (``fragments``) always writes
+    fragments: its workers seal their own, and the driver merges them all at the end.
     """
     place = place_of(layout)
-    if not spec.sharded and not place.builds_in_fragments():
+    if not spec.sharded and not place.builds_in_fragments() and not fragments:
         catalog = Catalog(layout)
         try:
             adopt_sealed_parts(catalog)
@@ -163,14 +168,15 @@ def keys_for_other_ranks(spec: RankSpec, keys: Sequence[str]) -> set[str]:
     return owned_by_lower_ranks(spec.rank, [g or [] for g in gathered])
 
 
-def finish_part(layout: Layout, spec: RankSpec) -> bool:
+def finish_part(layout: Layout, spec: RankSpec, *, merge: bool = False) -> bool:
     """Under torchrun: wait for all ranks, rank 0 merges, all return merged. True if merged here.
 
     Parts launched one by one (``--shard``, SLURM arrays) return at once: `featbake merge` runs
     when they are all done (a SLURM job with ``--dependency=afterok`` on the array). A single
-    process building into a bucket store merges (publishes the next catalog version) itself.
+    process building into a bucket store merges (publishes the next catalog version) itself,
+    as does the driver of an engine's build (``merge``: its workers' fragments, then its own).
     """
-    if not spec.sharded and place_of(layout).builds_in_fragments():
+    if not spec.sharded and (merge or place_of(layout).builds_in_fragments()):
         place_of(layout).merge()
         return True
     if not spec.launched_together:
@@ -283,6 +289,7 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
     max_error: float | None = DEFAULT_MAX_ERROR,
     seal_every: float = DEFAULT_SEAL_SECONDS,
     column: str | None = None,
+    engine: Engine | None = None,
 ) -> BuildReport:
     """Run ``encoder`` over every input under ``data`` once and store the features.
 
@@ -324,6 +331,11 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
             that a process killed with SIGKILL (preemption, the OOM killer) loses at most about
             this much encoding; a rerun encodes only what was not sealed.
         column: the manifest's column that names each item's input (default ``path``).
+        engine: where the misses are encoded (:class:`Engine`, e.g.
+            :class:`featbake.bake.ray_engine.RayEngine`): the inputs are listed and hashed here
+            as always, the engine's workers encode and seal what the store lacks (``device`` is
+            theirs; this process only keys), and this process merges their fragments at the end.
+            None: this process encodes.
 
     Returns:
         A :class:`BuildReport`; ``report.failed`` names each input that was skipped.
@@ -349,7 +361,12 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
     # and resolves layers="all": before the source is made from the recipe.
     recipe = recipe_for_encoder(encoder, recipe or Recipe())
     spec = resolve_rank(shard, os.environ)
-    dev = check_device(device_for_rank(str(device), spec))
+    if engine is not None and spec.sharded:
+        raise ConfigError(
+            f"this process is {spec.describe()}, and an engine spreads the build itself: run "
+            "one `featbake build --engine ray` (no --shard, torchrun or SLURM array)"
+        )
+    dev = check_device(device_for_rank(str(device), spec)) if engine is None else _cpu(device)
     on_gpu = dev.type != "cpu"
     options = BakeOptions(
         batch_size, workers, strict, shard_bytes, on_gpu, allow_nonfinite, threads, max_error,
@@ -361,14 +378,18 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
     place = inputs_at(data, column, recipe.source)
     source = place.source(source_for(recipe))
     scanned = scanned_inputs(place, layout, source.extensions)
-    catalog, inputs = catalog_for_part(layout, spec, place, scanned.inputs)
+    catalog, inputs = catalog_for_part(
+        layout, spec, place, scanned.inputs, fragments=engine is not None
+    )
     with contextlib.closing(catalog):
         enc = BuildEncoder.named(encoder, weights, dev, trust_pickle, recipe, catalog)
         budget = budget_samples(recipe, batch_seconds, batch_samples)
         runs = RunnerSpec(batching, batch_size, budget)
+        elsewhere = None if engine is None else Elsewhere(engine, data, str(device))
         bake = _Bake(
-            catalog, layout, enc, recipe, source, place, options, runs, progress, column=column
-        )
+            catalog, layout, enc, recipe, source, place, options, runs, progress, column=column,
+            elsewhere=elsewhere,
+        )  # fmt: skip
         # Files skipped at the scan (not regular files) are reported by one part only.
         skipped = scanned.skipped if spec.rank == 0 else []
         bake.start(len(inputs), skipped)
@@ -382,7 +403,7 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
             bake.record_undecodable()
             if catalog.fragmented:
                 bake.report.fragment = catalog.finish()
-                bake.report.merged = finish_part(layout, spec)
+                bake.report.merged = finish_part(layout, spec, merge=engine is not None)
     bake.report.seconds = time.perf_counter() - t0
     return bake.report
 
@@ -527,6 +548,7 @@ class _Bake:
     column: str | None = None  # the manifest's or table's column the user named (the root's)
     made_runner: BatchRunner | None = None  # made with the loaded encoder (see :attr:`runner`)
     stored: set[str] | None = None  # keys found stored before the manifest (see plan)
+    elsewhere: Elsewhere | None = None  # another engine encodes the misses (see encode)
 
     @property
     def runner(self) -> BatchRunner:
@@ -615,10 +637,15 @@ class _Bake:
         """Record beside the root the keys of the inputs its manifest names that this build
         skipped (undecodable, or failing the encoder), so that a dataset leaves them out as
         the build did instead of calling them misses (see store/roots.py, ``undecodable``).
-        Inputs skipped before they had a key (unreadable, not regular files) are not named."""
+        Inputs skipped before they had a key (unreadable, not regular files) are not named.
+        The driver of another engine sees every task's failures, so it records them although
+        its catalog is a fragment writer (whose parts each see only their own)."""
         reasons = dict(self.report.failed)
         failed = {key: reasons[rel] for rel, key in self.manifest if rel in reasons}
-        self.catalog.record_undecodable(self.report.root, failed)
+        if self.elsewhere is not None:
+            write_undecodable(self.layout, self.report.root, failed)
+        else:
+            self.catalog.record_undecodable(self.report.root, failed)
 
     def publish_manifest(self) -> None:
         """Publish the root's manifest before encoding.
@@ -658,7 +685,10 @@ class _Bake:
         self, work: list[tuple[str, str]], plan: Mapping[str, StoredSource], paths: dict[str, str]
     ) -> None:
         """Derive ``plan``'s keys from the store, then decode, batch, encode, write ``work``
-        (key, path) and what could not be derived; sealed work survives Ctrl-C."""
+        (key, path) and what could not be derived; sealed work survives Ctrl-C. With another
+        engine, its workers do the decoding and encoding (:meth:`encode_elsewhere`)."""
+        if self.elsewhere is not None:
+            return self.encode_elsewhere(self.elsewhere, work, plan, paths)
         runner = self.runner  # the encoder loaded, before any shard is begun
         writer = self.writer()
         run = _EncodeRun(self, writer, [], [])
@@ -683,6 +713,56 @@ class _Bake:
             self.encode_padded_again(run.padded)
         run.tick()  # the last word: every byte sealed, none pending
         self.compactor.record(self.report, self.catalog, self.options.max_error)
+
+    def encode_elsewhere(
+        self,
+        elsewhere: Elsewhere,
+        work: list[tuple[str, str]],
+        plan: Mapping[str, StoredSource],
+        paths: dict[str, str],
+    ) -> None:
+        """Derive ``plan``'s keys here (copies of stored features), and have the engine's
+        workers encode the rest: each seals its own shards and fragments (see
+        :class:`PartEncoder`), and what they did is added to the report."""
+        writer = self.writer()
+        try:
+            with interrupt_at_safe_points() as checkpoint:
+                work = work + self.put_derived(writer, plan, paths, checkpoint)
+        finally:
+            self.held.clear()  # the workers read their inputs themselves
+            writer.close()
+            self.report.bytes_written = writer.bytes_written
+            self.report.shards_written = writer.shards
+        if not work:
+            return
+        stats = self.hashed_stats
+        items = [WorkItem(k, p, self.item_name(p), stats.get(p)) for k, p in work]
+        done = elsewhere.engine.encode(self.job(elsewhere), items, self.progress)
+        done.add_to(self.report)
+        mine, theirs = self.compactor.measured, done.measured
+        if theirs is not None:  # pooled with what converting stored features measured here
+            self.compactor.measured = theirs if mine is None else mine.merged(theirs)
+        self.compactor.record(self.report, self.catalog, self.options.max_error)
+
+    def item_name(self, path: str) -> str:
+        """The item at ``path`` as the data names it (a manifest row's id, not its path)."""
+        return self.rel_of.get(path) or os.path.relpath(path, self.place.where)
+
+    def job(self, elsewhere: Elsewhere) -> EngineJob:
+        """What an engine's worker needs to encode as this build does."""
+        data = os.fspath(elsewhere.data)
+        if "://" not in data:
+            data = os.path.abspath(data)  # a worker's working directory is not this one
+        root = RootSpec(
+            self.report.root, self.place.where, self.enc.label, self.report.encoder_fp,
+            self.report.recipe_fp, self.recipe.as_dict(),
+        )  # fmt: skip
+        opts = dataclasses.replace(self.options, workers=0, on_gpu=elsewhere.device != "cpu")
+        return EngineJob(
+            self.layout, root, self.enc.kind, self.enc.spec, self.enc.weights,
+            self.enc.trust_pickle, elsewhere.device, self.recipe, self.runs, opts, data,
+            self.column,
+        )  # fmt: skip
 
     def put_derived(
         self,
@@ -756,8 +836,7 @@ class _EncodeRun:
 
     def rel(self, i: int) -> str:
         """Item ``i``'s name as the data names it (a manifest row's id, not its path)."""
-        path = self.paths[i]
-        return self.bake.rel_of.get(path) or os.path.relpath(path, self.bake.place.where)
+        return self.bake.item_name(self.paths[i])
 
     def fail(self, i: int, reason: str, exc: type[FeatbakeError]) -> None:
         self.done += 1
@@ -819,3 +898,286 @@ class _EncodeRun:
             done, total, failed = self.done, len(self.keys), len(self.bake.report.failed)
             sealed, pending = self.writer.bytes_written, self.writer.bytes_pending
             self.bake.progress(Progress("encode", done, total, sealed, failed, pending))
+
+
+# == engines =======================================================================================
+# Another engine behind the build's one seam (``build(..., engine=...)``): this process lists and
+# hashes the inputs, publishes the manifest and derives what the store can give, as always; the
+# misses go to the engine as :class:`WorkItem` rows, and each of its workers is a
+# :class:`PartEncoder`: the encoder loaded once, each task encoded by the same step a plain build
+# runs (:meth:`_Bake.encode`: padded batches and the exactness guard, precision, layers,
+# int8/fp8, the NaN check), its shards sealed into ``part`` fragments of the workers' build (one
+# id for all of them: :func:`workers_build`). A task's work is sealed when the task returns, and
+# partly before (``seal_every``), so a worker killed mid-task loses only what it had not sealed;
+# the engine runs the task again, and the worker skips what its build's fragments already name
+# (:class:`SealedKeys`): nothing is encoded twice that was sealed, no row is doubled (the merge
+# adds a key once). The driver seals its ``done`` fragment (the manifest) after every task
+# returned and merges: the workers' build, never finished by a ``done`` of its own, has its
+# shards folded and is retired as superseded by the root just published (store/fragments.py).
+class Elsewhere(NamedTuple):
+    """A build's other engine, with what its workers are told: the data and their device."""
+
+    engine: Engine
+    data: str | os.PathLike[str]
+    device: str
+
+
+class WorkItem(NamedTuple):
+    """One input for an engine's worker: its key, what its source reads (a path, a member, an
+    id whose bytes come with it), its name in the data (for reports), and the stat its key was
+    hashed at (None: no file, or bytes that came with it)."""
+
+    key: str
+    path: str
+    name: str
+    stat: FileStat | None = None
+
+
+@dataclass(frozen=True)
+class EngineJob:
+    """What an engine's worker needs to encode as the build does (picklable: sent once per
+    worker). ``data`` is opened again on the worker (``inputs_at``); None: each item's bytes
+    come with it."""
+
+    layout: Layout
+    root: RootSpec
+    encoder_kind: str
+    encoder: str | os.PathLike[str] | LoadedEncoder | torch.nn.Module
+    weights: str | os.PathLike[str] | None
+    trust_pickle: bool
+    device: str
+    recipe: Recipe
+    runs: RunnerSpec
+    options: BakeOptions
+    data: str | None
+    column: str | None = None
+
+
+@dataclass
+class PartResult:
+    """What a worker did with one task (or several, added up): items encoded, those that
+    failed (name, reason, cause), bytes and shards sealed, how it batched, what an int8/fp8
+    build measured. Travels as JSON (:meth:`to_json`)."""
+
+    items: int = 0
+    encoded: int = 0
+    reused: int = 0  # found stored by the worker (items that came with their bytes)
+    failed: list[tuple[str, str]] = field(default_factory=list)
+    causes: list[FailureCause] = field(default_factory=list)
+    bytes_written: int = 0
+    shards_written: int = 0
+    batching: str = ""
+    batching_note: str = ""
+    measured: Measured | None = None
+    error_kind: str = ""  # the FeatbakeError a task raised (its class's name), e.g. --strict's
+    error: str = ""  # and its one line: raised again by the driver (raise_error)
+
+    @classmethod
+    def raised(cls, e: FeatbakeError) -> PartResult:
+        """A task's result that carries ``e`` back: an engine's own wrapping of a worker's
+        exception may keep only its traceback's text, never the one line."""
+        return cls(error_kind=type(e).__name__, error=str(e))
+
+    def raise_error(self) -> None:
+        """Raise the error a task carried back (as its own class, with its own line), if any."""
+        if self.error_kind:
+            raise error_class(self.error_kind)(self.error)
+
+    def add(self, other: PartResult) -> None:
+        """Add ``other``'s counts to these (a batching note that says more wins)."""
+        self.items += other.items
+        self.encoded += other.encoded
+        self.reused += other.reused
+        self.failed += other.failed
+        self.causes += other.causes
+        self.bytes_written += other.bytes_written
+        self.shards_written += other.shards_written
+        if other.batching and (
+            not self.batching or len(other.batching_note) > len(self.batching_note)
+        ):
+            self.batching, self.batching_note = other.batching, other.batching_note
+        if other.measured is not None:
+            mine = self.measured
+            self.measured = other.measured if mine is None else mine.merged(other.measured)
+
+    def add_to(self, report: BuildReport) -> None:
+        """Count this in the build's report."""
+        report.encoded += self.encoded
+        report.reused += self.reused
+        for (name, reason), cause in zip(self.failed, self.causes, strict=True):
+            report.fail(name, reason, cause)
+        report.bytes_written += self.bytes_written
+        report.shards_written += self.shards_written
+        report.batching, report.batching_note = self.batching, self.batching_note
+
+    def to_json(self) -> str:
+        doc = dataclasses.asdict(self) | {
+            "causes": [str(c) for c in self.causes],
+            "measured": None if self.measured is None else self.measured.to_json(),
+        }
+        return json.dumps(doc)
+
+    @classmethod
+    def from_json(cls, text: str) -> PartResult:
+        doc = json.loads(text)
+        measured = doc.pop("measured")
+        return cls(
+            **doc
+            | {
+                "failed": [tuple(f) for f in doc["failed"]],
+                "causes": [FailureCause(c) for c in doc["causes"]],
+                "measured": None if measured is None else Measured.from_json(measured),
+            }
+        )
+
+
+def error_class(name: str) -> type[FeatbakeError]:
+    """The :class:`FeatbakeError` subclass called ``name`` (FeatbakeError itself if none is)."""
+    stack: list[type[FeatbakeError]] = [FeatbakeError]
+    while stack:
+        kind = stack.pop()
+        if kind.__name__ == name:
+            return kind
+        stack += kind.__subclasses__()
+    return FeatbakeError
+
+
+class Engine(Protocol):
+    """Runs a build's encode step on workers of its own (see the section comment)."""
+
+    def encode(
+        self, job: EngineJob, items: Sequence[WorkItem], progress: ProgressFn | None
+    ) -> PartResult:
+        """Encode ``items`` on the workers, each a :class:`PartEncoder` of ``job``; what they
+        did, added up. Raises the :class:`FeatbakeError` a worker raised (``--strict``)."""
+        ...
+
+
+def workers_build(root: RootSpec) -> str:
+    """The build id every worker of an engine seals its fragments under (one id for one root,
+    encoder and recipe: a rerun's workers see what a killed run's sealed)."""
+    return build_id(root.name, root.encoder_fp, root.recipe_fp, 1, [])
+
+
+class SealedKeys:
+    """The keys the ``part`` fragments of build ``build`` name, read as fragments appear (each
+    fragment once), so a task run again after its worker died skips what that worker sealed."""
+
+    def __init__(self, layout: Layout, build: str) -> None:
+        self.layout = layout
+        self.build = build
+        self.read: set[str] = set()
+        self.keys: set[str] = set()
+
+    def of(self, keys: Collection[str]) -> set[str]:
+        """Those of ``keys`` a fragment of the build names (fragments fetched first from a
+        bucket store: another node's worker may have sealed them)."""
+        place_of(self.layout).sync_fragments()
+        new = [
+            n.path for n in sealed_fragments(self.layout)
+            if n.build_id == self.build and n.path.name not in self.read
+        ]  # fmt: skip
+        self.keys |= fragment_keys(new)
+        self.read.update(p.name for p in new)
+        return self.keys & set(keys)
+
+
+class PartEncoder:
+    """One worker of an engine: the encoder loaded once, tasks encoded by the plain build's own
+    step into ``part`` fragments of :func:`workers_build`.
+
+    Example:
+        >>> worker = PartEncoder(job)  # doctest: +SKIP
+        >>> worker.encode([WorkItem(key, "/data/a.wav", "a.wav")]).encoded  # doctest: +SKIP
+        1
+    """
+
+    def __init__(self, job: EngineJob) -> None:
+        self.job = job
+        dev = check_device(job.device)
+        catalog = FragmentCatalog(job.layout, RankPart(0, 1, ()))
+        catalog.replace_root(job.root, [])  # this build's id (workers_build), no manifest
+        place = inputs_at(job.data, job.column, job.recipe.source) if job.data else HeldInputs()
+        enc = BuildEncoder(
+            job.encoder, job.weights, dev, job.trust_pickle, job.recipe, job.root.encoder_label,
+            job.encoder_kind, known_fp=job.root.encoder_fp,
+        )  # fmt: skip
+        source = place.source(source_for(job.recipe))
+        opts, runs = job.options, job.runs
+        self.bake = _Bake(catalog, job.layout, enc, job.recipe, source, place, opts, runs, None)
+        self.bake.ready_runner()  # loaded once, here: a task only encodes
+        self.sealed = SealedKeys(job.layout, workers_build(job.root))
+
+    def encode(
+        self, items: Sequence[WorkItem], held: Mapping[str, bytes] | None = None
+    ) -> PartResult:
+        """Encode ``items`` (less those this build's fragments name: a task run again) as a
+        plain build does, sealing every shard before returning. ``held``: path -> the bytes
+        to decode (inputs that came with their bytes)."""
+        bake, root = self.bake, self.job.root
+        sealed = self.sealed.of([it.key for it in items])
+        todo = [it for it in items if it.key not in sealed]
+        bake.report = BuildReport(root.name, root.data, root.encoder_label, root.encoder_fp,
+                                  root.recipe_fp, len(items))  # fmt: skip
+        bake.compactor = Compactor(self.job.recipe)
+        bake.rel_of = {it.path: it.name for it in items}
+        bake.hashed_stats = {it.path: it.stat for it in todo if it.stat is not None}
+        bake.held = HeldBytes(budget=sum(map(len, (held or {}).values())))
+        for path, data in (held or {}).items():
+            bake.held.keep(path, data)
+        if todo:
+            bake.encode([(it.key, it.path) for it in todo], {}, {})
+        r = bake.report
+        return PartResult(
+            len(items), r.encoded + len(items) - len(todo), 0, r.failed, r.causes, r.bytes_written,
+            r.shards_written, r.batching, r.batching_note, bake.compactor.measured,
+        )  # fmt: skip
+
+    def stored(self, keys: Sequence[str]) -> set[str]:
+        """Those of ``keys`` the store's catalog holds or this build's fragments name (for
+        items that came with their bytes: the driver never saw their keys)."""
+        found = self.sealed.of(keys)
+        if self.job.layout.catalog.exists():
+            with Catalog(self.job.layout, read_only=True) as catalog:
+                found |= catalog.present_keys(keys)
+        return found
+
+
+class HeldInputs:
+    """The :class:`Inputs` of a worker whose items come with their bytes (a user's Ray
+    Dataset): nothing to scan or hash here, each item named as it came."""
+
+    where = "(items with their bytes)"
+    stat_tells_change = False
+
+    def scan(self, extensions: Sequence[str]) -> ScanResult:
+        raise ConfigError("items that come with their bytes are not scanned (a bug)")
+
+    def path(self, rel: str) -> str:
+        return rel
+
+    def size(self, rel: str) -> int:
+        return 0
+
+    def hash(self, *args: object, **kwargs: object) -> tuple[dict[str, str], dict[str, str]]:
+        raise ConfigError("items that come with their bytes are hashed by their engine (a bug)")
+
+    def source(self, inner: Source) -> Source:
+        return inner
+
+    def row(self, rel: str) -> dict[str, object]:
+        return {}
+
+
+def _cpu(device: str | torch.device) -> torch.device:
+    """The driver's device when an engine's workers encode: the CPU, once ``device`` (theirs)
+    is known to be a device's name.
+
+    Raises:
+        ConfigError: ``device`` names no device.
+    """
+    try:
+        torch.device(str(device))
+    except RuntimeError:
+        raise ConfigError(f"--device {device!r} is not a device: use cpu, cuda or cuda:N") from None
+    return torch.device("cpu")

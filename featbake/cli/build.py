@@ -274,7 +274,8 @@ def build(
         typer.Option(
             help="Decoding worker processes (0: decode in the encoder's process). Unset: none "
             "on 1-2 usable CPUs, one per 4 CPUs beyond (at most 8), all but one CPU for a GPU "
-            "encoder. [default: from the CPUs]",
+            "encoder. With --engine ray: the Ray actors, each decoding beside its encoder. "
+            "[default: from the CPUs; 2 actors]",
             show_default=False,
         ),
     ] = None,
@@ -308,6 +309,28 @@ def build(
         typer.Option(
             help="Do part I of N (I from 0), e.g. 0/4; under torchrun or a SLURM array the part "
             "comes from the environment. Parts write fragments; `featbake merge` folds them in.",
+            show_default=False,
+        ),
+    ] = None,
+    engine: Annotated[
+        str,
+        typer.Option(
+            help="Where the misses are encoded: local (this process) or ray (an actor pool on a "
+            "Ray cluster: --workers actors, --gpus-per-worker, --ray-address; pip install "
+            "'featbake[ray]'). Inputs are listed and hashed here either way."
+        ),
+    ] = "local",
+    gpus_per_worker: Annotated[
+        float,
+        typer.Option(
+            help="--engine ray: GPUs each actor holds (its encoder runs on cuda), e.g. 1 or 0.5."
+        ),
+    ] = 0.0,  # a float default: an int one would be coerced by typer's pydantic adapter
+    ray_address: Annotated[
+        str | None,
+        typer.Option(
+            help="--engine ray: the cluster, e.g. ray://head:10001 or auto. [default: "
+            "$RAY_ADDRESS, else a local Ray instance started for the build]",
             show_default=False,
         ),
     ] = None,
@@ -348,6 +371,7 @@ def build(
         text=text_steps_for(encoder, {k: ctx.params[k] for k in TEXT_OPTIONS}),
     )
     shard_bytes = _shard_bytes(shard_size)
+    ray, workers, device = _ray_engine(engine, workers, gpus_per_worker, ray_address, device)
     bar = progress_bar()
     # Under torchrun only rank 0 draws a bar (it shows its own part), not N bars interleaved.
     on_progress = tick_bar(bar, {}) if os.environ.get("RANK", "0") == "0" else None
@@ -374,8 +398,28 @@ def build(
             max_error=max_error,
             seal_every=seal_every,
             column=column,
+            engine=ray,
         )
     _report(reports, as_json)
+
+
+def _ray_engine(
+    engine: str, workers: int | None, gpus: float, address: str | None, device: str
+) -> tuple[Any, int | None, str]:
+    """(the :class:`RayEngine` ``--engine ray`` asks for, the build's decode workers, the
+    encoder's device), or (None, ``workers``, ``device``) for a build in this process (where
+    the Ray options are refused). Under Ray, ``--workers`` counts the actors (default 2), each
+    decoding beside its encoder, and ``--gpus-per-worker`` puts the encoder on cuda."""
+    if engine == "local":
+        if gpus or address:
+            raise ConfigError("--gpus-per-worker and --ray-address go with --engine ray")
+        return None, workers, device
+    if engine != "ray":
+        raise ConfigError(f"--engine must be local or ray, got {engine!r}")
+    from featbake.bake.ray_engine import RayEngine
+
+    ray = RayEngine(2 if workers is None else workers, gpus, address)
+    return ray, None, "cuda" if gpus > 0 and device == "cpu" else device
 
 
 def _shard_bytes(shard_size: str) -> int:

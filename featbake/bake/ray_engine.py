@@ -1,0 +1,400 @@
+"""Builds on Ray Data: the encode step of a build spread over an actor pool, retried by Ray.
+
+``featbake build --engine ray`` (:class:`RayEngine`) lists and hashes the inputs as any build
+does (bake/pipeline.py); only the misses become a Ray Dataset of :class:`WorkItem` rows, and
+``map_batches`` runs them through an actor pool: each actor (:class:`PathActor`) loads the
+encoder once and is a :class:`PartEncoder`, encoding each task by the plain build's own step and
+sealing shards and ``part`` fragments into the store (a shared filesystem, or a bucket through
+each node's tier). The driver adds up what the tasks return, then seals the manifest and merges.
+Decoding runs in the actor, beside the encoder, reading each input where the build found it: a
+task is one round trip of names, not of bytes.
+
+Ray restarts a dead actor and runs its task again (Ray Data sets ``max_restarts=-1`` and
+``max_task_retries=-1`` for an actor pool): the task's items that its dead worker had sealed are
+skipped (their fragments name them), the rest encoded again, so nothing is lost and no catalog
+row is doubled. An input that fails to decode is a failed item in the task's result, never an
+exception, so Ray never retries it.
+
+:func:`encode` runs a user's own Ray Dataset (``read_binary_files``, ``read_parquet`` of a
+binary column, ``read_webdataset``) the same way: each actor (:class:`BytesActor`) hashes the
+bytes of ``column`` exactly as a folder build hashes a file, so a dataset over the same files
+finds every feature.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from featbake.bake.batching import budget_samples
+from featbake.bake.options import BakeOptions
+from featbake.bake.pipeline import (
+    BuildEncoder,
+    EngineJob,
+    PartEncoder,
+    PartResult,
+    ProgressFn,
+    RunnerSpec,
+    WorkItem,
+)
+from featbake.bake.report import BuildReport
+from featbake.encode.hf import recipe_for_encoder
+from featbake.errors import ConfigError, FeatbakeError
+from featbake.keys import feature_key, root_id
+from featbake.progress import Progress
+from featbake.recipe import Recipe
+from featbake.store.fragment_catalog import FragmentCatalog, RankPart
+from featbake.store.hash_cache import FileStat
+from featbake.store.open import Need, StoreRef, open_store, place_of
+from featbake.store.roots import RootSpec
+
+#: Inputs per Ray task: one task's work is sealed when it returns, and run again whole (less
+#: what its worker sealed) when its worker dies.
+ROWS_PER_TASK = 64
+#: The column of each task's result (:meth:`PartResult.to_json`).
+RESULT = "result"
+
+
+def _ray() -> Any:
+    """The ``ray`` module, or a ConfigError saying how to install it."""
+    try:
+        import ray
+        import ray.data  # Ray Data, the part of Ray the engine runs on
+    except ImportError:
+        raise ConfigError(
+            "--engine ray needs Ray Data: pip install 'featbake[ray]' (or 'ray[data]')"
+        ) from None
+    return ray
+
+
+@contextlib.contextmanager
+def ray_session(address: str | None) -> Iterator[Any]:
+    """Ray, connected: the caller's session if Ray is initialised, else ``address`` (default
+    ``$RAY_ADDRESS``), else a local instance started for the build and stopped after it."""
+    ray = _ray()
+    if ray.is_initialized():
+        yield ray
+        return
+    # "local": a new instance, never a `ray start` cluster found on this node by Ray's default.
+    address = address or os.environ.get("RAY_ADDRESS") or "local"
+    env = {k: os.environ[k] for k in ("PYTHONPATH",) if k in os.environ}
+    ray.init(
+        address=address,
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level="ERROR",
+        runtime_env={"env_vars": env} if env and address == "local" else None,
+    )
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def quiet(ray: Any) -> None:
+    """No progress bars or execution logs from Ray Data: featbake draws its own progress."""
+    import logging
+
+    for name in ("ray.data", "ray"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    context = ray.data.DataContext.get_current()
+    context.enable_progress_bars = False
+    with contextlib.suppress(AttributeError):
+        context.print_on_execution_start = False
+
+
+@dataclass(frozen=True)
+class RayEngine:
+    """The Ray engine of a build (``build(..., engine=RayEngine(workers=8, gpus_per_worker=1))``).
+
+    Args:
+        workers: actors in the pool (each loads the encoder once).
+        gpus_per_worker: GPUs each actor holds (Ray sets its ``CUDA_VISIBLE_DEVICES``).
+        address: the Ray cluster (default ``$RAY_ADDRESS``, else a local instance).
+        rows_per_task: inputs per task (see :data:`ROWS_PER_TASK`).
+    """
+
+    workers: int = 2
+    gpus_per_worker: float = 0
+    address: str | None = None
+    rows_per_task: int = ROWS_PER_TASK
+
+    def __post_init__(self) -> None:
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
+            raise ConfigError(f"--workers must be 1 or more Ray actors, got {self.workers!r}")
+        if not 0 <= self.gpus_per_worker <= 64:
+            raise ConfigError(
+                f"--gpus-per-worker must be from 0 to 64, got {self.gpus_per_worker!r} "
+                "(fractions share a GPU: 0.5 puts two workers on each)"
+            )
+        rows = self.rows_per_task
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+            raise ConfigError(f"rows_per_task must be 1 or more inputs per Ray task, got {rows!r}")
+
+    def encode(
+        self, job: EngineJob, items: Sequence[WorkItem], progress: ProgressFn | None
+    ) -> PartResult:
+        """Encode ``items`` on the actor pool; what the tasks did, added up.
+
+        Raises:
+            FeatbakeError: what a worker raised (``--strict``: the first bad input).
+        """
+        rows = [
+            {"key": i.key, "path": i.path, "name": i.name, "stat": _stat_text(i.stat)}
+            for i in items
+        ]
+        total = PartResult()
+        with ray_session(self.address) as ray:
+            quiet(ray)
+            ds = ray.data.from_items(rows).map_batches(
+                PathActor,
+                fn_constructor_args=(job,),
+                batch_size=self.rows_per_task,
+                batch_format="numpy",
+                compute=ray.data.ActorPoolStrategy(size=self.workers),
+                num_cpus=1,
+                num_gpus=self.gpus_per_worker or None,
+            )
+            for result in _results(ds):
+                total.add(PartResult.from_json(result[RESULT]))
+                _tick(progress, total, len(items))
+        return total
+
+
+def _results(ds: Any) -> Iterator[dict[str, Any]]:
+    """``ds``'s rows as they come; the error a task carried back raised as itself (its class,
+    its one line: Ray Data's ``UserCodeException`` keeps only a worker's traceback text)."""
+    for row in ds.iter_rows():
+        if row[RESULT]:
+            PartResult.from_json(row[RESULT]).raise_error()
+        yield row
+
+
+def _tick(progress: ProgressFn | None, total: PartResult, of: int) -> None:
+    if progress is not None:
+        failed = len(total.failed)
+        progress(Progress("encode", total.items, of, total.bytes_written, failed, 0))
+
+
+def _stat_text(stat: FileStat | None) -> str:
+    return "" if stat is None else json.dumps(list(stat))
+
+
+def _stat(text: str) -> FileStat | None:
+    return None if not text else FileStat(*json.loads(text))
+
+
+class PathActor:
+    """One actor of a ``--engine ray`` build: a :class:`PartEncoder` over rows that name their
+    inputs (read on the worker, where the build found them)."""
+
+    def __init__(self, job: EngineJob) -> None:
+        self.worker = Worker(job)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list[str]]:
+        items = [
+            WorkItem(str(k), str(p), str(n), _stat(str(s)))
+            for k, p, n, s in zip(
+                batch["key"], batch["path"], batch["name"], batch["stat"], strict=True
+            )
+        ]
+        try:
+            result = self.worker.part().encode(items)
+        except FeatbakeError as e:  # --strict, a store that cannot be written: one line back
+            result = PartResult.raised(e)
+        return {RESULT: [result.to_json()]}
+
+
+class Worker:
+    """An actor's :class:`PartEncoder`, or the error making it raised (an encoder that does not
+    load on this node), kept to be carried back by the actor's first task."""
+
+    def __init__(self, job: EngineJob) -> None:
+        self.error: FeatbakeError | None = None
+        self.encoder: PartEncoder | None = None
+        try:
+            self.encoder = PartEncoder(job)
+        except FeatbakeError as e:
+            self.error = e
+
+    def part(self) -> PartEncoder:
+        """The part encoder; raises the error that kept it from being made."""
+        if self.encoder is None:
+            assert self.error is not None
+            raise self.error
+        return self.encoder
+
+
+# == a user's Ray Dataset ==========================================================================
+class BytesActor:
+    """One actor of :func:`encode`: hashes each row's bytes into its key (as a folder build
+    hashes a file), encodes those the store lacks, returns (id, key) per row and the task's
+    result on its first row."""
+
+    def __init__(self, job: EngineJob, column: str, id_column: str | None) -> None:
+        self.worker = Worker(job)
+        self.job = job
+        self.column = column
+        self.id_column = id_column
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list[str]]:
+        try:
+            return self.encoded(batch)
+        except FeatbakeError as e:  # one row carries it back (see _results)
+            return {"id": [""], "key": [""], RESULT: [PartResult.raised(e).to_json()]}
+
+    def encoded(self, batch: dict[str, np.ndarray]) -> dict[str, list[str]]:
+        """(id, key) of each row, the task's result on the first (see the class)."""
+        worker, root = self.worker.part(), self.job.root
+        datas = [_as_bytes(v, self.column) for v in batch[self.column]]
+        keys = [
+            feature_key(root.encoder_fp, root.recipe_fp, hashlib.sha256(d).hexdigest())
+            for d in datas
+        ]
+        ids = [str(v) for v in batch[self.id_column]] if self.id_column else keys
+        stored = worker.stored(keys)
+        held: dict[str, bytes] = {}
+        todo: dict[str, WorkItem] = {}
+        for key, name, data in zip(keys, ids, datas, strict=True):
+            if key not in stored and key not in todo:  # a key once, however many rows have it
+                todo[key] = WorkItem(key, name, name)
+                held[name] = data
+        result = worker.encode(list(todo.values()), held)
+        result.reused = len({k for k in keys if k in stored})
+        result.items = len(keys)
+        first = [result.to_json()] + [""] * (len(keys) - 1)
+        return {"id": ids, "key": keys, RESULT: first}
+
+
+def _as_bytes(value: Any, column: str) -> bytes:
+    """A cell's bytes: a binary cell, or the ``bytes`` field of an Audio/Image struct."""
+    if isinstance(value, dict):
+        value = value.get("bytes")
+    if isinstance(value, np.ndarray) and value.dtype == np.uint8:
+        value = value.tobytes()
+    if not isinstance(value, (bytes, bytearray, memoryview)):
+        raise ConfigError(
+            f"column {column!r} holds {type(value).__name__}, not bytes: give the column of each "
+            "input's bytes (read_binary_files: 'bytes'; an Audio/Image struct with 'bytes')"
+        )
+    return bytes(value)
+
+
+def encode(  # noqa: PLR0913  (public API: one keyword per option, as in build())
+    ds: Any,
+    *,
+    encoder: str | os.PathLike[str] | torch.nn.Module,
+    cache: StoreRef = None,
+    column: str,
+    id_column: str | None = None,
+    workers: int = 2,
+    num_gpus: float = 0,
+    weights: str | os.PathLike[str] | None = None,
+    trust_pickle: bool = False,
+    batch_size: int = 16,
+    **recipe_options: Any,
+) -> BuildReport:
+    """Encode a user's Ray Dataset into the store, the misses on an actor pool.
+
+    Args:
+        ds: a ``ray.data.Dataset`` whose ``column`` holds each input's bytes.
+        encoder: a TorchScript/.pt2 path, an import path (importable on the workers), or a
+            module (sent to each worker).
+        cache: the store (a directory every worker sees, or a bucket).
+        column: the column of bytes (``read_binary_files``: ``bytes``).
+        id_column: the column naming each item in the root's manifest (e.g. ``path``); by
+            default each item is named by its key.
+        workers: actors in the pool; ``num_gpus``: GPUs each holds.
+        weights, trust_pickle, batch_size: as in :func:`featbake.build`.
+        recipe_options: :class:`featbake.Recipe`'s fields (``sample_rate=16000``, ``dtype=``).
+
+    Returns:
+        The build's :class:`BuildReport` (``failed`` names the inputs that did not decode).
+
+    Example:
+        >>> ds = ray.data.read_binary_files("/shared/audio", include_paths=True)  # doctest: +SKIP
+        >>> featbake.ray.encode(ds, encoder="ckpt.pt", cache="/shared/feats", column="bytes",
+        ...                     id_column="path", workers=8, num_gpus=1)  # doctest: +SKIP
+    """
+    t0 = time.perf_counter()
+    recipe = recipe_for_encoder(encoder, Recipe(**recipe_options))
+    layout = open_store(cache, need=Need.WRITE).ensure()
+    where = f"ray:{id_column or column}"
+    with contextlib.closing(FragmentCatalog(layout, RankPart(0, 1, ()))) as keyed:
+        enc = BuildEncoder.named(encoder, weights, torch.device("cpu"), trust_pickle, recipe, keyed)
+        enc_fp, recipe_fp = enc.fingerprint(keyed), recipe.fingerprint()
+    root = RootSpec(root_id(where, enc.label, recipe_fp, column), where, enc.label, enc_fp,
+                    recipe_fp, recipe.as_dict())  # fmt: skip
+    options = BakeOptions(batch_size, 0, on_gpu=num_gpus > 0)
+    runs = RunnerSpec("auto", batch_size, budget_samples(recipe, None, None))
+    job = EngineJob(layout, root, enc.kind, encoder, weights, trust_pickle,
+                    "cuda" if num_gpus > 0 else "cpu", recipe, runs, options, None)  # fmt: skip
+    engine = RayEngine(workers, num_gpus)
+    items, total = _encode_rows(ds, job, engine, column, id_column)
+    report = BuildReport(root.name, where, enc.label, enc_fp, recipe_fp, len(items))
+    total.add_to(report)
+    report.duplicates = len(items) - len({k for _, k in items})
+    _publish(layout, root, enc.kind, items)
+    report.merged = True
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _encode_rows(
+    ds: Any, job: EngineJob, engine: RayEngine, column: str, id_column: str | None
+) -> tuple[list[tuple[str, str]], PartResult]:
+    """(id, key) of every row of ``ds``, and what the actors did."""
+    items: list[tuple[str, str]] = []
+    total = PartResult()
+    with ray_session(engine.address) as ray:
+        quiet(ray)
+        _leave_a_cpu_to_reads(ray, engine)
+        out = ds.map_batches(
+            BytesActor,
+            fn_constructor_args=(job, column, id_column),
+            batch_size=engine.rows_per_task,
+            batch_format="numpy",
+            compute=ray.data.ActorPoolStrategy(size=engine.workers),
+            num_cpus=1,
+            num_gpus=engine.gpus_per_worker or None,
+        )
+        for row in _results(out):
+            items.append((str(row["id"]), str(row["key"])))
+            if row[RESULT]:
+                total.add(PartResult.from_json(row[RESULT]))
+    return items, total
+
+
+def _leave_a_cpu_to_reads(ray: Any, engine: RayEngine) -> None:
+    """Refuse an actor pool that takes every CPU of the cluster: the dataset's read tasks
+    (``read_binary_files``, ``read_parquet``) would wait for a CPU forever.
+
+    Raises:
+        ConfigError: ``workers`` CPU actors on a cluster of at most that many CPUs.
+    """
+    cpus = int(ray.cluster_resources().get("CPU", 0))
+    if engine.gpus_per_worker == 0 and engine.workers >= cpus:
+        raise ConfigError(
+            f"workers={engine.workers} actors take every CPU of the Ray cluster ({cpus}), and "
+            f"the dataset's read tasks need one: use workers={max(1, cpus - 1)} or fewer"
+        )
+
+
+def _publish(layout: Any, root: RootSpec, encoder_kind: str, items: list[tuple[str, str]]) -> None:
+    """Seal the root's manifest (items by id) as a build's ``done`` fragment, and merge."""
+    items = sorted(dict(items).items())
+    listing = [(name, 0) for name, _ in items]
+    with contextlib.closing(FragmentCatalog(layout, RankPart(0, 1, listing))) as catalog:
+        catalog.record_encoder(root.encoder_fp, root.encoder_label, encoder_kind)
+        catalog.replace_root(root, items)
+        catalog.finish()
+    place_of(layout).merge()
