@@ -276,7 +276,7 @@ class LastUse:
 # when its oldest feature is :data:`WRITEBACK_SECONDS` old, so a killed process loses little.
 # Sealing writes the shard, then commits its catalog rows (the caller's ``publish`` may add more
 # to that, e.g. a root), then tells the caller (``on_sealed``). On a shared filesystem the
-# "catalog" is the read-only stand-in of store/fragments.py, which seals a fragment naming
+# "catalog" is the read-only stand-in of store/fragment_catalog.py, which seals a fragment naming
 # the shard instead.
 #
 # Write-back is an optimisation: it never fails a read. When a shard cannot be written or

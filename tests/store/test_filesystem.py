@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+import featbake.store.catalog as catalog_module
 from featbake.errors import ConfigError
 from featbake.store.catalog import Catalog
 from featbake.store.filesystem import (
@@ -149,21 +150,45 @@ def test_the_cli_says_it_switched_mode_in_one_line(tmp_path: Path, encoder_file:
     assert journal_mode(store / "catalog.sqlite") == "delete"
 
 
-def test_opening_a_catalog_another_process_is_creating_waits_for_it(tmp_path: Path) -> None:
+def test_opening_a_catalog_another_process_is_creating_waits_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # The exit-5 race of two ranks on a fresh store: while one process still writes the new
     # catalog in rollback mode, the other's "PRAGMA journal_mode=WAL" fails at once with
-    # "database is locked" (SQLite does not call the busy handler there). Now it waits.
-    layout = Layout(tmp_path / "fresh").ensure()
-    other = sqlite3.connect(layout.catalog, isolation_level=None, check_same_thread=False)
-    other.execute("BEGIN IMMEDIATE")
-    other.execute("CREATE TABLE meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)")
-    release = threading.Timer(0.5, lambda: other.execute("ROLLBACK"))
-    release.start()
-    t0 = time.monotonic()
-    try:
-        Catalog(layout, timeout=20).record_encoder("e" * 64, "enc", "torchscript")
-    finally:
-        release.join()
-        other.close()
-    assert time.monotonic() - t0 >= 0.4
-    assert journal_mode(layout.catalog) == "wal"
+    # "database is locked" (SQLite does not call the busy handler there). Now it waits. The
+    # verdict needs the journal mode set while the other writer still holds the catalog: a
+    # try where this thread got there only after the release (a loaded machine) is tried again.
+    real = catalog_module.set_journal_mode
+    for attempt in range(5):
+        layout = Layout(tmp_path / f"fresh{attempt}").ensure()
+        other = sqlite3.connect(layout.catalog, isolation_level=None, check_same_thread=False)
+        other.execute("BEGIN IMMEDIATE")
+        other.execute("CREATE TABLE meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)")
+        released = threading.Event()
+        held_at_entry: list[bool] = []
+
+        def recorded(
+            *args: Any,
+            _released: threading.Event = released,
+            _held: list[bool] = held_at_entry,
+            **kw: Any,
+        ) -> Any:
+            _held.append(not _released.is_set())
+            return real(*args, **kw)
+
+        def rollback(_other: sqlite3.Connection = other, _done: threading.Event = released) -> None:
+            _other.execute("ROLLBACK")
+            _done.set()
+
+        monkeypatch.setattr(catalog_module, "set_journal_mode", recorded)
+        release = threading.Timer(0.5, rollback)
+        release.start()
+        try:
+            Catalog(layout, timeout=20).record_encoder("e" * 64, "enc", "torchscript")
+        finally:
+            release.join()
+            other.close()
+        assert journal_mode(layout.catalog) == "wal"
+        if held_at_entry[0]:
+            return
+    pytest.fail("the journal mode was never set while the other writer held the catalog")
