@@ -30,6 +30,7 @@ LEAVES = {
     "kernels",
     "image_recipe",
     "length_batches",
+    "cpu_share",
 }
 ALLOWED: dict[str, set[str]] = {
     "leaf": set(),
