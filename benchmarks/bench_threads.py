@@ -11,7 +11,7 @@ writer, the catalog) weigh as much as encoding:
   saved with ``save_pretrained``); the user's loop runs its feature extractor and the model on
   each clip as transformers' docs do.
 
-Each is measured side by side in one process, best of N, interleaved: ``featbake.build`` with
+Each is measured side by side in one process, interleaved: ``featbake.build`` with
 default options against the loop the user would write (decode in the loop, encode each clip,
 store nothing), with torch's default threads and with the user's 1 thread, quiet and with two
 busy processes (pure-Python spin loops) on the same cores beside both. For FrameLSTM also what
@@ -19,13 +19,24 @@ featbake did before it kept the user's setting: ``threads=`` every usable CPU.
 
 Targets (issue 19): <= 1.10x quiet, <= 1.25x with two busy processes beside.
 
-Run: ``python benchmarks/bench_threads.py [lstm|conv|hf ...] [--quick]``.
+Each condition runs its rounds side by side (the bare loop, then the build), and the row is the
+median of the rounds' ratios, with their range in the note (a shared node's load drifts within
+a run; a best-of picks each side's luckiest round).
+
+Part ``waits`` measures how the encoder's idle OpenMP threads wait (the policy is read when torch
+loads, so each way runs in a child process of its own): as they are, ``OMP_WAIT_POLICY=passive``,
+a shorter spin (``GOMP_SPINCOUNT=10000``), and a build on 1 thread, each against the user's loop
+with torch's default threads, quiet or (``--busy``) beside two busy processes.
+
+Run: ``python benchmarks/bench_threads.py [lstm|conv|hf ...] [waits [--busy]] [--quick]``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -161,8 +172,7 @@ class Subject:
     clips: int
     seconds: tuple[float, float]
     batch_size: int
-    #: (busy processes beside, the user's thread count) measured. torch's default count beside
-    #: busy processes is left out: both sides slow down alike there (2-3x run to run).
+    #: (busy processes beside, the user's thread count: None is torch's default) measured.
     conditions: tuple[tuple[int, int | None], ...]
     forced: bool = False  # also measure threads forced to every CPU (before issue 19)
 
@@ -171,16 +181,16 @@ SUBJECTS = (
     Subject(
         "lstm", "many small ops (FrameLSTM: LSTMCell 160->64 over 10 ms frames, TorchScript)",
         lambda w: save_torchscript(torch.jit.script(FrameLSTM()), w / "frame_lstm.pt"),
-        300, (1.0, 3.0), BATCH, ((0, None), (0, 1), (2, 1)), forced=True,
+        300, (1.0, 3.0), BATCH, ((0, None), (0, 1), (2, None), (2, 1)), forced=True,
     ),
     Subject(
         "conv", "small conv (ConvStack 32 channels, TorchScript, ~2 ms a clip)",
         lambda w: save_torchscript(ConvStack(channels=32), w / "conv.pt"),
-        300, (1.0, 6.0), 16, ((0, None), (2, 1)),
+        300, (1.0, 6.0), 16, ((0, None), (2, None), (2, 1)),
     ),
     Subject(
         "hf", "Hugging Face folder (wav2vec2, hidden 256, 4 layers; featbake: padded batches)",
-        hf_folder, 200, (1.0, 4.0), 16, ((0, None), (2, 1)),
+        hf_folder, 200, (1.0, 4.0), 16, ((0, None), (2, None), (2, 1)),
     ),
 )  # fmt: skip
 
@@ -208,53 +218,159 @@ def measure(work: Path, data: Path, enc: Path, subject: Subject, user: int | Non
     return runs
 
 
+def paired(runs: dict[str, list[float]], name: str) -> tuple[float, float, float]:
+    """Median, lowest and highest of ``name``'s seconds over the bare loop's, round by round
+    (each round ran both side by side: a round's load hits both alike).
+
+    Example:
+        >>> paired({"bare": [1.0, 2.0, 1.0], "featbake": [1.1, 2.0, 1.5]}, "featbake")
+        (1.1, 1.0, 1.5)
+    """
+    ratios = [x / b for x, b in zip(runs[name], runs["bare"], strict=True)]
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
 def bench_subject(work: Path, subject: Subject, quick: bool) -> list[dict]:
     rows = []
     default_threads = torch.get_num_threads()
     enc = subject.make(work)
     for busy, user in subject.conditions:
         n, reps = (
-            (24, 1) if quick else ((subject.clips * 2 // 5, 3) if busy else (subject.clips, 3))
+            (24, 1) if quick else ((subject.clips * 2 // 5, 5) if busy else (subject.clips, 3))
         )
         data = work / f"{subject.key}-clips{n}"
         if not data.exists():
             write_audio_folder(data, n, seconds=subject.seconds, seed=31)
             bare_loop(data, enc)  # warm: page cache, lazy imports, thread pools
+        load = os.getloadavg()[0]
         with busy_neighbours(busy) if busy else contextlib.nullcontext():
             runs = measure(work, data, enc, subject, user, reps)
-        best = {k: min(v) for k, v in runs.items()}
         where = f"{busy} busy processes beside" if busy else "quiet"
         threads = f"user's {user} thread" if user else f"torch's {default_threads}"
         target, limit = ("<= 1.25x", 1.25) if busy else ("<= 1.10x", 1.10)
         lo, hi = subject.seconds
+        ratio, low, high = paired(runs, "featbake")
         note = (
             f"{n} clips of {lo:g}-{hi:g} s, {subject.label}, featbake batch "
             f"{subject.batch_size}, user's loop one clip at a time, CPU, {process_cpus()} usable "
-            f"CPUs, {where}; best of {reps}; all runs (s): "
+            f"CPUs, {where}, 1-min load {load:.1f} before; median of {reps} paired rounds, "
+            f"range {low:.2f}-{high:.2f}x; all runs (s): "
             + ", ".join(f"{k} {_fmt(v)}" for k, v in runs.items())
         )
-        ratio = best["featbake"] / best["bare"]
         metric = f"{subject.key}, {where}, {threads}: build / the user's loop"
         rows.append(row("threads", metric, ratio, "x", target, ratio <= limit, note))
-        if "forced" in best:
+        if "forced" in runs:
             metric = (
                 f"{subject.key}, {where}: before issue 19 (threads forced to {process_cpus()}) "
                 "/ the user's loop"
             )
-            rows.append(row("threads", metric, best["forced"] / best["bare"], "x", "", None, note))
+            rows.append(row("threads", metric, paired(runs, "forced")[0], "x", "", None, note))
+    return rows
+
+
+# -- how the encoder's idle threads wait, in processes of their own --------------------------
+#: Ways a build's process may run, each in a child process of its own: OpenMP's wait policy is
+#: read once, when torch loads its runtime, so it cannot change inside one process. The bare
+#: loop runs in a child with the environment as it is (the user's).
+WAYS: dict[str, tuple[dict[str, str], int | None]] = {
+    "as is": ({}, None),
+    "OMP_WAIT_POLICY=passive": ({"OMP_WAIT_POLICY": "passive"}, None),
+    "GOMP_SPINCOUNT=10000": ({"GOMP_SPINCOUNT": "10000"}, None),
+    "1 thread": ({}, 1),
+}
+
+
+class Arm:
+    """A child process that runs the bare loop or a build on request (see :func:`serve`)."""
+
+    def __init__(self, env: dict[str, str], data: Path, enc: Path, cache: Path) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--serve", str(data), str(enc), str(cache)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            env={**os.environ, **env},
+        )  # fmt: skip
+        assert self.ask("ready") == 0.0
+
+    def ask(self, what: str) -> float:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(what + "\n")
+        self.proc.stdin.flush()
+        return float(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def serve(data: Path, enc: Path, cache: Path) -> None:
+    """The child's side of :class:`Arm`: ``bare`` or ``build THREADS BATCH`` -> seconds."""
+    for line in sys.stdin:
+        word, *rest = line.split()
+        if word == "ready":
+            seconds = 0.0
+        elif word == "bare":
+            seconds = bare_loop(data, enc)
+        else:
+            threads = None if rest[0] == "-" else int(rest[0])
+            seconds = featbake_seconds(data, enc, cache, threads, int(rest[1]))
+        print(seconds, flush=True)
+
+
+def bench_waits(work: Path, subject: Subject, quick: bool, busy: int) -> list[dict]:
+    """Each of :data:`WAYS` against the user's loop, in child processes, interleaved."""
+    enc = subject.make(work)
+    n, reps = (24, 1) if quick else (subject.clips * 2 // 5, 5)
+    data = work / f"{subject.key}-waits{n}"
+    write_audio_folder(data, n, seconds=subject.seconds, seed=31)
+    user = Arm({}, data, enc, work / "bare-cache")
+    arms = {way: Arm(env, data, enc, work / f"cache{i}") for i, (way, (env, _)) in
+            enumerate(WAYS.items())}  # fmt: skip
+    asks = {way: f"build {t or '-'} {subject.batch_size}" for way, (_, t) in WAYS.items()}
+    for way, arm in arms.items():  # warm: page cache, lazy imports, thread pools
+        arm.ask(asks[way])
+    user.ask("bare")
+    runs: dict[str, list[float]] = {"bare": [], **{way: [] for way in WAYS}}
+    load = os.getloadavg()[0]
+    with busy_neighbours(busy) if busy else contextlib.nullcontext():
+        for i in range(reps):
+            order = list(WAYS) if i % 2 == 0 else list(WAYS)[::-1]
+            runs["bare"].append(user.ask("bare"))
+            for way in order:
+                runs[way].append(arms[way].ask(asks[way]))
+    for arm in [user, *arms.values()]:
+        arm.close()
+    where = f"{busy} busy processes beside" if busy else "quiet"
+    rows = []
+    for way in WAYS:
+        ratio, low, high = paired(runs, way)
+        note = (
+            f"{n} clips, {subject.label}, torch's default threads, {where}, 1-min load "
+            f"{load:.1f} before; median of {reps} paired rounds, range {low:.2f}-{high:.2f}x; "
+            f"all runs (s): bare {_fmt(runs['bare'])}, build {_fmt(runs[way])}"
+        )
+        metric = f"{subject.key}, {where}, build with {way} / the user's loop"
+        rows.append(row("threads", metric, ratio, "x", "", None, note))
     return rows
 
 
 def main(quick: bool = False) -> list[dict]:
     keys = [a for a in sys.argv[1:] if a in {s.key for s in SUBJECTS}]
+    busy = 2 if "--busy" in sys.argv else 0
     rows = []
     with tempfile.TemporaryDirectory(prefix="featbake-bench-threads-") as tmp:
         for subject in SUBJECTS:
-            if not keys or subject.key in keys:
+            if keys and subject.key not in keys:
+                continue
+            if "waits" in sys.argv:
+                rows += bench_waits(Path(tmp), subject, quick, busy)
+            else:
                 rows += bench_subject(Path(tmp), subject, quick)
     return rows
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and sys.argv[1:2] == ["--serve"]:
+    serve(*map(Path, sys.argv[2:5]))
+elif __name__ == "__main__":
     for r in main(quick="--quick" in sys.argv):
         print(f"{r['metric']}: {r['value']:.3f}{r['unit']} (target {r['target']})  {r['note']}")

@@ -33,6 +33,7 @@ LEAVES = {
     "kernels",
     "image_recipe",
     "length_batches",
+    "cpu_share",
 }
 ALLOWED: dict[str, set[str]] = {
     "leaf": set(),

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import re
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -90,108 +88,6 @@ def exit_codes(*codes: int, note: str = "") -> str:
 EXIT_CODES = exit_codes(*EXIT_MEANINGS, note=" (sealed work kept in both)")
 #: What a command that reads or tidies a store (stats, gc, merge, export) exits with.
 UPKEEP_EXIT_CODES = exit_codes(0, 2, 5, 6, 130)
-
-
-# == coercion ======================================================================================
-# typer (0.2x) coerces each parameter of the command run, given or not, through a pydantic
-# TypeAdapter it builds on first use: importing pydantic and building ~41 validators for a
-# build took ~0.05-0.1 s of every command, a no-op rebuild included (issue 31 item 4), with no
-# setting to turn it off (``parser=`` builds an adapter too). featbake's options are plain str,
-# int, float, bool and Path, so typer's per-parameter factory is wrapped: a value of those kinds
-# in its plain form (a str from the command line, a default of the option's own type) is
-# converted as pydantic converts it, and anything else goes to typer's own adapter, its checks
-# and messages. On a typer without this seam (older, click's types, no pydantic) nothing changes.
-#: ``[-+]digits`` and plain decimals: the forms pydantic and int()/float() read alike.
-_PLAIN_INT = re.compile(r"[-+]?[0-9]+")
-_PLAIN_FLOAT = re.compile(r"[-+]?[0-9]+(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?")
-#: What :func:`plain_value` returns for a value it leaves to typer.
-NOT_PLAIN = object()
-
-
-def plain_value(annotation: object, value: object) -> object:
-    """``value`` as typer's adapter for ``annotation`` returns it, when it is plain; else
-    :data:`NOT_PLAIN` (a ``Path`` is still checked by typer's path rules, see
-    :func:`_coerce_without_pydantic`).
-
-    Example:
-        >>> plain_value(int, "16"), plain_value(float, "0.5"), plain_value(int, "1e3") is NOT_PLAIN
-        (16, 0.5, True)
-    """
-    if type(value) is str:
-        text: str = value
-        if annotation is str:
-            return text
-        if annotation is int and _PLAIN_INT.fullmatch(text):
-            return int(text)
-        if annotation is float and _PLAIN_FLOAT.fullmatch(text):
-            return float(text)
-        if annotation is Path and text:
-            return Path(text)
-        return NOT_PLAIN
-    if (annotation is int and type(value) is int) or (annotation is bool and type(value) is bool):
-        return value
-    if annotation is float and type(value) is float:
-        return value
-    if annotation is Path and isinstance(value, Path):
-        return value
-    return NOT_PLAIN
-
-
-def _coerce_without_pydantic() -> bool:
-    """Wrap typer's runtime-parameter factory (see the comment above); whether it was."""
-    try:
-        from typer import _coercion, _param_types, core
-    except ImportError:
-        return False
-    seams = [getattr(m, n, None) for m, n in ((core, "build_runtime_param"),
-             (_coercion, "RuntimeParam"), (_param_types, "coerce_cli_path"))]  # fmt: skip
-    if None in seams or getattr(seams[0], "plain", False):
-        return False
-    typers: Any = seams[0]
-    base: Any = seams[1]
-    check_path: Any = seams[2]
-
-    @dataclasses.dataclass(frozen=True)
-    class PlainParam(base):
-        descriptor: Any
-
-        def _coerce_value(self, value: Any, param: Any, ctx: Any) -> Any:
-            plain = plain_value(self.annotation, value)
-            if plain is NOT_PLAIN:
-                return typers(self.descriptor)._coerce_value(value, param=param, ctx=ctx)
-            if isinstance(plain, Path):  # exists/readable/... as typer checks them
-                info = self.parameter_info
-                return check_path(plain, info, path_type=Path, param=param, ctx=ctx)
-            return plain
-
-    def plain_or_typers(descriptor: Any) -> Any:
-        if descriptor.file_annotation is None and _plain_option(descriptor):
-            info, annotation = descriptor.parameter_info, descriptor.annotation
-            return PlainParam(info, annotation, descriptor)
-        return typers(descriptor)
-
-    plain_or_typers.plain = True  # type: ignore[attr-defined]
-    # typer's own factory, for tests that compare against it
-    plain_or_typers.typers = typers  # type: ignore[attr-defined]
-    core.build_runtime_param = plain_or_typers
-    return True
-
-
-def _plain_option(descriptor: Any) -> bool:
-    """An option of a plain kind, with none of typer's extra rules (a parser, bounds, a path
-    type): only then is :func:`plain_value` what typer's adapter would return."""
-    info = descriptor.parameter_info
-    if descriptor.annotation not in (str, int, float, bool, Path):
-        return False
-    extras = ("parser", "min", "max", "path_type")
-    return (
-        all(getattr(info, name, None) is None for name in extras)
-        and not getattr(info, "resolve_path", False)
-        and not getattr(info, "allow_dash", False)
-    )
-
-
-PLAIN_COERCION = _coerce_without_pydantic()
 
 
 app = typer.Typer(

@@ -18,6 +18,9 @@ process) is passed on to the child's whole group, as a terminal would; SIGTERM a
 torchrun, SLURM and docker send) to the child alone. If this process is SIGKILLed, the child is
 killed with it (``PR_SET_PDEATHSIG`` on Linux), as an unsupervised build would be.
 ``FEATBAKE_NO_SUPERVISOR=1`` runs the build in this process (no report of an abrupt end).
+
+The child is also where OpenMP's wait policy can still be chosen (torch is not loaded yet): on a
+busy node its idle threads sleep rather than spin (see :mod:`featbake.cpu_share`).
 """
 
 from __future__ import annotations
@@ -174,14 +177,20 @@ def _die_with_parent() -> None:
 
 
 def _become_child(parent: int, read_end: int, write_end: int) -> None:
-    """In the forked child: its own process group, killed with its parent, and the status
-    pipe's write end named in the environment (where :func:`status_channel` finds it)."""
+    """In the forked child: its own process group, killed with its parent, the status pipe's
+    write end named in the environment (where :func:`status_channel` finds it), and OpenMP's
+    wait policy chosen for the node (:func:`featbake.cpu_share.choose_wait_policy`)."""
     os.close(read_end)
     os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the parent, which passes it on
     _die_with_parent()
     if os.getppid() != parent:  # the parent died before the line above took effect
         os._exit(128 + signal.SIGKILL)
     os.environ[STATUS_FD_ENV] = str(write_end)
+    # Before torch loads its OpenMP runtime, which reads the wait policy once: on a busy node
+    # the encoder's idle threads sleep instead of spinning (see featbake.cpu_share).
+    from featbake.cpu_share import choose_wait_policy  # the child only
+
+    choose_wait_policy(os.environ)
 
 
 def run_supervised() -> Outcome | None:
