@@ -17,6 +17,9 @@ PACKAGE = Path(__file__).resolve().parents[2] / "featbake"
 #: Options of other tools that featbake's advice names: torchrun, SLURM's sbatch, docker; and
 #: click's own --help.
 FOREIGN = {"--nproc-per-node", "--array", "--dependency", "--cpus", "--help"}
+# Azurite's own options (--blobHost, --inMemoryPersistence, --loose, --silent,
+# --skipApiVersionCheck), read up to their first capital: featbake/testing.py starts it.
+FOREIGN |= {"--blob", "--in", "--loose", "--silent", "--skip"}
 OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]+")
 
 
