@@ -98,6 +98,10 @@ _PREFETCH_POOL: PerProcess[ThreadPoolExecutor] = PerProcess(
 )
 
 
+#: The most bytes of hinted items a process reading by ranges holds ahead of its reads (see
+#: :meth:`BucketStore.ahead_items`; the tier's budget when smaller).
+AHEAD_BYTES = 256 << 20
+
 #: ``<tier>/tier.json``: marks a folder as a bucket store's local tier, naming its bucket (a
 #: tier given as ``--cache`` is refused: :func:`featbake.store.open.open_store`).
 TIER_MARK = "tier.json"
@@ -282,6 +286,19 @@ class BucketStore(ProcessLocalState):
             return False
         self.prefetch(name)
         return True
+
+    def ahead_items(self) -> int:
+        """Items a loader should hint ahead when shards are read by ranges: as many as the
+        tier's budget holds (at most :data:`AHEAD_BYTES`), by the catalog's mean item, so a
+        shuffled order names several items of each shard before its grouped GET starts
+        (:class:`~featbake.store.ranged.AheadQueue`); 0 when shards are fetched whole."""
+        if not self.reads_ranged():
+            return 0
+        items = catalog_items(self.layout.catalog)
+        if items <= 0:
+            return 0
+        mean = max(1, self._named_bytes() // items)
+        return min(self.tier.budget, AHEAD_BYTES) // mean
 
     def opened(self, path: Path) -> None:
         """A read opened tier file ``path``: stamped as used; under a block order, the first
@@ -701,6 +718,17 @@ def catalog_shards(catalog: Path) -> dict[str, int]:
     for name in named:
         checked_shard_name(name)
     return named
+
+
+def catalog_items(catalog: Path) -> int:
+    """The items the shards a catalog file names hold (0 without the file)."""
+    if not catalog.exists():
+        return 0
+    conn = open_sqlite(catalog, Access.IMMUTABLE)
+    try:
+        return int(conn.execute("SELECT coalesce(sum(items), 0) FROM shards").fetchone()[0])
+    finally:
+        conn.close()
 
 
 def check_catalog_file(path: Path, where: str) -> None:
