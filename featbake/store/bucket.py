@@ -255,7 +255,11 @@ class BucketStore(ProcessLocalState):
         if not self.reads_ranged():
             return None
         size = self._known_size(name)
-        if size is not None and self._fills_tier and self.tier.has_room(size):
+        if (
+            size is not None
+            and self._fills_tier
+            and (self._fetching(name) or self.tier.has_room(size))
+        ):
             return None  # auto: the tier keeps what fits, so repeated reads of it hit the disk
         if size is None:
             self.sync_catalog()  # as fetch_shard: the reader looks the feature up again
@@ -281,11 +285,29 @@ class BucketStore(ProcessLocalState):
 
     def fetch_ahead(self, name: str) -> bool:
         """Shards not read by ranges are fetched whole: shard ``name``'s fetch is started in
-        the background (see :meth:`prefetch`), and the caller does not open it now."""
-        if self.reads_ranged():
+        the background (see :meth:`prefetch`), and the caller does not open it now. Read by
+        ranges (``auto``), a shard the tier has room for is kept whole: its fetch too is
+        started in the background (a hint never waits for a download; the read that opens
+        it waits for that fetch), else the caller opens it by ranges."""
+        if not self.reads_ranged():
+            self.prefetch(name)
+            return True
+        if self._fetching(name):
+            return True
+        size = self._named_shards().get(name)
+        if not self._fills_tier or size is None or self.layout.shard_path(name).is_file():
             return False
-        self.prefetch(name)
-        return True
+        sizes = self._named_shards()
+        with self._prefetch_lock:  # room beside the fetches already started, never evicting
+            queued = sum(sizes.get(n, 0) for n in self._prefetching)
+        if not self.tier.has_room(size + queued):
+            return False
+        return self._submit(name, partial(self.fetch_shard, keep=(), wait=False))
+
+    def _fetching(self, name: str) -> bool:
+        """Whether this process's background fetch of shard ``name`` is queued or running."""
+        with self._prefetch_lock:
+            return name in self._prefetching
 
     def ahead_items(self) -> int:
         """Items a loader should hint ahead when shards are read by ranges: as many as the

@@ -41,6 +41,9 @@ RangeGet = Callable[[int, int], bytes]
 AHEAD_THREADS = 8
 #: Read-ahead spans one reader keeps before dropping the oldest (each holds one tensor's bytes).
 MAX_AHEAD = 256
+#: Bytes of a shard's start read to open it: its header in one GET when it fits (a header of
+#: a few hundred tensors does; a longer one takes a second GET).
+HEADER_GUESS = 64 << 10
 #: Hinted items (read by ranges) before the read reaches a shard's first hinted item that its
 #: grouped GET is started: late enough that the hints past it have named more of the shard's
 #: items, early enough that the GET is in by the read (8 GETs in flight).
@@ -137,13 +140,13 @@ class RangedShardReader(ShardReader):
         self._hinted: dict[int, Hinted] = {}  # begin -> a hinted span not asked yet
 
     def _read_header(self) -> tuple[dict[str, str], dict[str, Any]]:
-        head = self._get(0, 8)
+        head = self._get(0, HEADER_GUESS)  # most headers fit: one GET, not two
         if len(head) < 8:
             raise corrupt_shard(self.path, f"{self.where} is shorter than a safetensors header")
-        (n,) = struct.unpack("<Q", head)
+        (n,) = struct.unpack("<Q", head[:8])
         if n > MAX_HEADER_BYTES or 8 + n > self._size:
             raise corrupt_shard(self.path, f"header length {n} does not fit {self.where}")
-        raw = self._get(8, n)
+        raw = head[8 : 8 + n] if len(head) >= 8 + n else self._get(8, n)
         if len(raw) != n:
             raise corrupt_shard(self.path, f"the header of {self.where} is cut short")
         return parse_header(self.path, raw, 8 + n, self._size)
