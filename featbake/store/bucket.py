@@ -23,7 +23,7 @@ import threading
 import uuid
 import warnings
 from collections.abc import Callable, Collection, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import NamedTuple, TypeVar
@@ -47,7 +47,7 @@ from featbake.store.objects import ListedPage as ListedPage
 from featbake.store.objects import ObjectBytes as ObjectBytes
 from featbake.store.objects import ObjectStore
 from featbake.store.place import Change, Sweep, Swept, TierUsage, VerifyScope
-from featbake.store.ranged import RangedShardReader
+from featbake.store.ranged import RangedShardReader, head_ahead
 from featbake.store.shard import (
     ShardReader,
     VerifyMode,
@@ -102,6 +102,9 @@ _PREFETCH_POOL: PerProcess[ThreadPoolExecutor] = PerProcess(
 #: :meth:`BucketStore.ahead_items`; the tier's budget when smaller).
 AHEAD_BYTES = 256 << 20
 
+#: Header GETs started ahead that wait for their readers to open, at most (64 KiB each).
+HEADS_AHEAD = 64
+
 #: ``<tier>/tier.json``: marks a folder as a bucket store's local tier, naming its bucket (a
 #: tier given as ``--cache`` is refused: :func:`featbake.store.open.open_store`).
 TIER_MARK = "tier.json"
@@ -151,6 +154,8 @@ class BucketStore(ProcessLocalState):
         lambda self: threading.Lock(), lock=True
     )
     _prefetching: ProcessLocal[set[str]] = ProcessLocal(lambda self: set(), lock=True)
+    #: Header GETs started ahead for shards read by ranges (see fetch_ahead), by shard name.
+    _heads: ProcessLocal[dict[str, Future[bytes]]] = ProcessLocal(lambda self: {}, lock=True)
     #: The block plan this process's reads follow (see follow_blocks; a forked child never
     #: follows its parent's), and the lock the reads' threads take to move it.
     _plan: ProcessLocal[BlockPlan | None] = ProcessLocal(lambda self: None)
@@ -264,6 +269,14 @@ class BucketStore(ProcessLocalState):
         if size is None:
             self.sync_catalog()  # as fetch_shard: the reader looks the feature up again
             raise ShardMissing(f"shard {name} is gone from {self.url} (deleted by gc)")
+        with self._prefetch_lock:
+            head = self._heads.pop(name, None)
+        obj = shard_object(name)
+        return RangedShardReader(path, self._range_get(name), size, self.bucket.where(obj), verify,
+                                 head)  # fmt: skip
+
+    def _range_get(self, name: str) -> Callable[[int, int], bytes]:
+        """Reads a byte range of shard ``name``'s object (a ``RangeGet``)."""
         obj = shard_object(name)
 
         def get(start: int, length: int) -> bytes:
@@ -275,7 +288,7 @@ class BucketStore(ProcessLocalState):
                 self.sync_catalog()
                 raise ShardMissing(f"shard {name} is gone from {self.url}") from None
 
-        return RangedShardReader(path, get, size, self.bucket.where(obj), verify)
+        return get
 
     def has_shard(self, name: str) -> bool:
         return name in self._listed() or self._size_of(name) is not None
@@ -294,15 +307,24 @@ class BucketStore(ProcessLocalState):
             return True
         if self._fetching(name):
             return True
-        size = self._named_shards().get(name)
-        if not self._fills_tier or size is None or self.layout.shard_path(name).is_file():
-            return False
         sizes = self._named_shards()
+        size = sizes.get(name)
+        if size is None or self.layout.shard_path(name).is_file():
+            return False
         with self._prefetch_lock:  # room beside the fetches already started, never evicting
             queued = sum(sizes.get(n, 0) for n in self._prefetching)
-        if not self.tier.has_room(size + queued):
+        if not self._fills_tier or not self.tier.has_room(size + queued):
+            self._start_head(name)  # the caller opens it by ranges: its header is on the way
             return False
         return self._submit(name, partial(self.fetch_shard, keep=(), wait=False))
+
+    def _start_head(self, name: str) -> None:
+        """Start the GET of shard ``name``'s header (its reader, opened next, takes it) unless
+        one is waiting; at most :data:`HEADS_AHEAD` wait."""
+        with self._prefetch_lock:
+            if name in self._heads or len(self._heads) >= HEADS_AHEAD:
+                return
+            self._heads[name] = head_ahead(self._range_get(name))
 
     def _fetching(self, name: str) -> bool:
         """Whether this process's background fetch of shard ``name`` is queued or running."""

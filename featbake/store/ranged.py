@@ -112,6 +112,12 @@ def grouped(spans: list[tuple[int, int]], gap: int = GAP_BYTES) -> list[list[tup
     return runs
 
 
+def head_ahead(get: RangeGet) -> Future[bytes]:
+    """The GET of a shard's first :data:`HEADER_GUESS` bytes, started on the read-ahead threads
+    (a hint names several shards before any is opened: their headers' GETs overlap)."""
+    return _POOL.get().submit(get, 0, HEADER_GUESS)
+
+
 class RangedShardReader(ShardReader):
     """A :class:`ShardReader` over a shard object, read by ranges (see the comment above).
 
@@ -125,9 +131,16 @@ class RangedShardReader(ShardReader):
     reads_descriptor = False  # its bytes come by ranged GETs: the Python read path
 
     def __init__(
-        self, path: Path, get: RangeGet, size: int, where: str, verify: VerifyMode | str
+        self,
+        path: Path,
+        get: RangeGet,
+        size: int,
+        where: str,
+        verify: VerifyMode | str,
+        head: Future[bytes] | None = None,
     ) -> None:
         self.path = Path(path)
+        self._head = head  # the GET of its first HEADER_GUESS bytes, started ahead (or None)
         self.verify = VerifyMode.parse(verify)
         self._fd = -1
         self._get = get
@@ -140,7 +153,9 @@ class RangedShardReader(ShardReader):
         self._hinted: dict[int, Hinted] = {}  # begin -> a hinted span not asked yet
 
     def _read_header(self) -> tuple[dict[str, str], dict[str, Any]]:
-        head = self._get(0, HEADER_GUESS)  # most headers fit: one GET, not two
+        # most headers fit: one GET, not two (started ahead when a hint named the shard)
+        head = self._head.result() if self._head is not None else self._get(0, HEADER_GUESS)
+        self._head = None
         if len(head) < 8:
             raise corrupt_shard(self.path, f"{self.where} is shorter than a safetensors header")
         (n,) = struct.unpack("<Q", head[:8])
