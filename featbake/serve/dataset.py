@@ -499,6 +499,11 @@ class CachedFeatureDataset(ProcessLocalState, Dataset):
         idx = [self._index.position(i) for i in indices]
         return self._reads.will_need(self._state, idx)
 
+    def ahead_items(self) -> int:
+        """How many items a loader should hint ahead at least (the store's advice: a bucket
+        read by ranges groups each shard's hinted items into one GET; 0: none)."""
+        return place_of(self._layout).ahead_items()
+
     def cache_info(self) -> ServeStats:
         """This process's counters: RAM tier hits, misses, evictions and bytes, reads, encodes.
 

@@ -171,6 +171,15 @@ def hint_of(dataset: Any) -> Callable[[list[int]], int] | None:
     return None
 
 
+def ahead_window(dataset: Any, read_ahead: int) -> int:
+    """The items to hint ahead: ``read_ahead``, or more where the dataset's store advises it
+    (a bucket read by ranges: see ``CachedFeatureDataset.ahead_items``); 0 stays 0."""
+    advice = getattr(dataset, "ahead_items", None)
+    if not read_ahead or not callable(advice):
+        return read_ahead
+    return max(read_ahead, int(advice()))
+
+
 def placement_of(dataset: Any, epoch: int | None = None) -> ItemPlacement | None:
     """Each item's length and shard as the catalog holds them (no feature read), through
     ``StackDataset`` (its first member that knows) and ``Subset``; None when none knows.
@@ -1047,7 +1056,8 @@ class FeatureLoader:
         """
         ahead: ReadAhead | None = None
         try:
-            ahead = ReadAhead(batches, self.read_ahead, hint_of(self.dataset), self._streak)
+            window = ahead_window(self.dataset, self.read_ahead)
+            ahead = ReadAhead(batches, window, hint_of(self.dataset), self._streak)
             whole = batches_whole() if self._whole else contextlib.nullcontext()
             with self._built_in(), whole:
                 self._read_batches(batches, ready, stop, ahead, waiting)

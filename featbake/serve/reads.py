@@ -742,20 +742,16 @@ class Reads:
     ) -> int:
         """:meth:`will_need` with the shards it opens leased into ``held``."""
         ix = self.index
+        wanted = [i for i in idx if ix.shard[i] >= 0 and not (st.use_lru and i in st.lru)]
+        fetching = self._fetched_ahead(st, wanted)
         readers = st.open_readers
-        started, place = 0, place_of(self.layout)
-        for i in idx:
-            sid = int(ix.shard[i])
-            if sid < 0 or (st.use_lru and i in st.lru):
+        started = 0
+        for i in wanted:
+            path = self.shard_path(int(ix.shard[i]))
+            if path in fetching:
                 continue
-            path = self.shard_path(sid)
             reader = readers.get(path)
             if reader is None:
-                # A bucket store's shard not open yet would be fetched whole here: a hint never
-                # waits for that; it starts the fetch in the background instead (read by
-                # ranges, opening reads its header, and GETs start).
-                if place.fetch_ahead(path.name.removesuffix(".safetensors")):
-                    continue
                 if len(readers) >= st.handles.max_open:
                     continue
                 try:
@@ -765,6 +761,19 @@ class Reads:
             key = ix.key(i)
             started += sum(reader.will_need(tensor_name(key, p)) for p in parts)
         return started
+
+    def _fetched_ahead(self, st: ProcessState, idx: Sequence[int]) -> set[Path]:
+        """The shards of items ``idx`` not open here that their place fetches whole in the
+        background (a bucket not reading them by ranges): a hint never waits for that, nor opens
+        them. Each shard is asked once, in the items' order, before any is opened (a bucket
+        reading by ranges starts their headers' GETs meanwhile, so they overlap)."""
+        place, readers = place_of(self.layout), st.open_readers
+        paths = dict.fromkeys(self.shard_path(int(self.index.shard[i])) for i in idx)
+        return {
+            path
+            for path in paths
+            if path not in readers and place.fetch_ahead(path.name.removesuffix(".safetensors"))
+        }
 
     # -- a batch in place ---------------------------------------------------------------------
     def padded_located(

@@ -23,7 +23,7 @@ import threading
 import uuid
 import warnings
 from collections.abc import Callable, Collection, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import NamedTuple, TypeVar
@@ -47,7 +47,7 @@ from featbake.store.objects import ListedPage as ListedPage
 from featbake.store.objects import ObjectBytes as ObjectBytes
 from featbake.store.objects import ObjectStore
 from featbake.store.place import Change, Sweep, Swept, TierUsage, VerifyScope
-from featbake.store.ranged import RangedShardReader
+from featbake.store.ranged import RangedShardReader, head_ahead
 from featbake.store.shard import (
     ShardReader,
     VerifyMode,
@@ -98,6 +98,13 @@ _PREFETCH_POOL: PerProcess[ThreadPoolExecutor] = PerProcess(
 )
 
 
+#: The most bytes of hinted items a process reading by ranges holds ahead of its reads (see
+#: :meth:`BucketStore.ahead_items`; the tier's budget when smaller).
+AHEAD_BYTES = 256 << 20
+
+#: Header GETs started ahead that wait for their readers to open, at most (64 KiB each).
+HEADS_AHEAD = 64
+
 #: ``<tier>/tier.json``: marks a folder as a bucket store's local tier, naming its bucket (a
 #: tier given as ``--cache`` is refused: :func:`featbake.store.open.open_store`).
 TIER_MARK = "tier.json"
@@ -147,6 +154,8 @@ class BucketStore(ProcessLocalState):
         lambda self: threading.Lock(), lock=True
     )
     _prefetching: ProcessLocal[set[str]] = ProcessLocal(lambda self: set(), lock=True)
+    #: Header GETs started ahead for shards read by ranges (see fetch_ahead), by shard name.
+    _heads: ProcessLocal[dict[str, Future[bytes]]] = ProcessLocal(lambda self: {}, lock=True)
     #: The block plan this process's reads follow (see follow_blocks; a forked child never
     #: follows its parent's), and the lock the reads' threads take to move it.
     _plan: ProcessLocal[BlockPlan | None] = ProcessLocal(lambda self: None)
@@ -251,11 +260,23 @@ class BucketStore(ProcessLocalState):
         if not self.reads_ranged():
             return None
         size = self._known_size(name)
-        if size is not None and self._fills_tier and self.tier.has_room(size):
+        if (
+            size is not None
+            and self._fills_tier
+            and (self._fetching(name) or self.tier.has_room(size))
+        ):
             return None  # auto: the tier keeps what fits, so repeated reads of it hit the disk
         if size is None:
             self.sync_catalog()  # as fetch_shard: the reader looks the feature up again
             raise ShardMissing(f"shard {name} is gone from {self.url} (deleted by gc)")
+        with self._prefetch_lock:
+            head = self._heads.pop(name, None)
+        obj = shard_object(name)
+        return RangedShardReader(path, self._range_get(name), size, self.bucket.where(obj), verify,
+                                 head)  # fmt: skip
+
+    def _range_get(self, name: str) -> Callable[[int, int], bytes]:
+        """Reads a byte range of shard ``name``'s object (a ``RangeGet``)."""
         obj = shard_object(name)
 
         def get(start: int, length: int) -> bytes:
@@ -267,7 +288,7 @@ class BucketStore(ProcessLocalState):
                 self.sync_catalog()
                 raise ShardMissing(f"shard {name} is gone from {self.url}") from None
 
-        return RangedShardReader(path, get, size, self.bucket.where(obj), verify)
+        return get
 
     def has_shard(self, name: str) -> bool:
         return name in self._listed() or self._size_of(name) is not None
@@ -277,11 +298,51 @@ class BucketStore(ProcessLocalState):
 
     def fetch_ahead(self, name: str) -> bool:
         """Shards not read by ranges are fetched whole: shard ``name``'s fetch is started in
-        the background (see :meth:`prefetch`), and the caller does not open it now."""
-        if self.reads_ranged():
+        the background (see :meth:`prefetch`), and the caller does not open it now. Read by
+        ranges (``auto``), a shard the tier has room for is kept whole: its fetch too is
+        started in the background (a hint never waits for a download; the read that opens
+        it waits for that fetch), else the caller opens it by ranges."""
+        if not self.reads_ranged():
+            self.prefetch(name)
+            return True
+        if self._fetching(name):
+            return True
+        sizes = self._named_shards()
+        size = sizes.get(name)
+        if size is None or self.layout.shard_path(name).is_file():
             return False
-        self.prefetch(name)
-        return True
+        with self._prefetch_lock:  # room beside the fetches already started, never evicting
+            queued = sum(sizes.get(n, 0) for n in self._prefetching)
+        if not self._fills_tier or not self.tier.has_room(size + queued):
+            self._start_head(name)  # the caller opens it by ranges: its header is on the way
+            return False
+        return self._submit(name, partial(self.fetch_shard, keep=(), wait=False))
+
+    def _start_head(self, name: str) -> None:
+        """Start the GET of shard ``name``'s header (its reader, opened next, takes it) unless
+        one is waiting; at most :data:`HEADS_AHEAD` wait."""
+        with self._prefetch_lock:
+            if name in self._heads or len(self._heads) >= HEADS_AHEAD:
+                return
+            self._heads[name] = head_ahead(self._range_get(name))
+
+    def _fetching(self, name: str) -> bool:
+        """Whether this process's background fetch of shard ``name`` is queued or running."""
+        with self._prefetch_lock:
+            return name in self._prefetching
+
+    def ahead_items(self) -> int:
+        """Items a loader should hint ahead when shards are read by ranges: as many as the
+        tier's budget holds (at most :data:`AHEAD_BYTES`), by the catalog's mean item, so a
+        shuffled order names several items of each shard before its grouped GET starts
+        (:class:`~featbake.store.ranged.AheadQueue`); 0 when shards are fetched whole."""
+        if not self.reads_ranged():
+            return 0
+        items = catalog_items(self.layout.catalog)
+        if items <= 0:
+            return 0
+        mean = max(1, self._named_bytes() // items)
+        return min(self.tier.budget, AHEAD_BYTES) // mean
 
     def opened(self, path: Path) -> None:
         """A read opened tier file ``path``: stamped as used; under a block order, the first
@@ -701,6 +762,17 @@ def catalog_shards(catalog: Path) -> dict[str, int]:
     for name in named:
         checked_shard_name(name)
     return named
+
+
+def catalog_items(catalog: Path) -> int:
+    """The items the shards a catalog file names hold (0 without the file)."""
+    if not catalog.exists():
+        return 0
+    conn = open_sqlite(catalog, Access.IMMUTABLE)
+    try:
+        return int(conn.execute("SELECT coalesce(sum(items), 0) FROM shards").fetchone()[0])
+    finally:
+        conn.close()
 
 
 def check_catalog_file(path: Path, where: str) -> None:

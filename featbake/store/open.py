@@ -310,6 +310,9 @@ class LocalPlace:
     def fetch_ahead(self, name: str) -> bool:
         return False
 
+    def ahead_items(self) -> int:
+        return 0  # the page cache reads ahead; the loader's own window suffices
+
     def publish_fragment(self, fragment: Path, shards: Sequence[str]) -> None:
         return None  # sealed in the directory: there already
 

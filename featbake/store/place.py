@@ -239,6 +239,12 @@ class Place(Protocol):
         it now (a hint never waits for a download). A directory: False."""
         ...
 
+    def ahead_items(self) -> int:
+        """How many items a loader should hint ahead of its reads at least (a bucket read by
+        ranges: as many as the tier's budget holds, so each shard's hinted items go in one
+        GET); 0: no advice (a directory)."""
+        ...
+
     def publish_fragment(self, fragment: Path, shards: Sequence[str]) -> None:
         """Make a sealed fragment last where the place keeps them (a bucket: uploaded after the
         shards it names; a directory holds it already)."""

@@ -317,3 +317,29 @@ def test_feature_loader_starts_ranged_gets_ahead_and_yields_live_batches(
     assert len(rows) == len(ds)
     for i, row in enumerate(rows):  # in order: the loader's hints ran ahead of these reads
         torch.testing.assert_close(row, live_features(encoder_file, Path(ds.path(i))))
+
+
+def test_a_shuffled_epoch_through_a_small_tier_asks_each_shard_once_by_ranges(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    """Issue 42 item 6: a ``shuffle=True`` epoch through a tier smaller than the store groups
+    each shard's hinted items into one ranged GET (before: one GET per item, 13 here), and every
+    row it serves equals the encoder run now."""
+    from featbake import FeatureLoader
+
+    build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
+    shards = len(s3.objects("shards/"))
+    ds = serve(s3, audio_dir, encoder_file, tmp_path / "tier", local_cache_size="64KiB")
+    assert ds._layout.remote.reads_ranged()  # type: ignore[union-attr]
+    loader = FeatureLoader(ds, batch_size=1, shuffle=True, seed=0)
+    with counted_requests(type(Bucket(BucketURL.parse(s3.url)))) as sent:
+        for epoch in range(2):
+            sent.reset()
+            rows = [padded[0][: lengths[0]] for padded, lengths in loader]
+            order = [b[0] for b in loader._batches(epoch)[0]]
+            assert sorted(order) == list(range(len(ds)))
+            for i, row in zip(order, rows, strict=True):
+                torch.testing.assert_close(row, live_features(encoder_file, Path(ds.path(i))))
+    # The second epoch: headers read and the shard that fits kept; the items of every other
+    # shard come by at most one ranged GET each.
+    assert sent.whole == 0 and 0 < sent.ranged <= shards - 1 < len(ds) // 2
