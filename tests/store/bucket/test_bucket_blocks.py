@@ -289,4 +289,7 @@ def test_the_default_window_fits_the_tier_so_each_shard_is_fetched_about_once(
             _drain(ds)
         assert sorted(seen) == list(range(len(ds)))
         assert gets.ranged == 0, gets
-        assert gets.whole <= 1.1 * len(sizes), (gets, len(sizes))
+        # About once each: how a read and the next window's prefetches interleave (a loaded
+        # machine delays either) can make a read evict a prefetched shard of the next window,
+        # fetched again when its turn comes; the defect this guards fetched each 5-10 times.
+        assert gets.whole <= 1.5 * len(sizes), (gets, len(sizes))
