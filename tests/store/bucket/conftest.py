@@ -166,6 +166,7 @@ class Remote:
     bucket: str
     env: dict[str, str]
     local_cache: Path
+    endpoint: str
 
     @property
     def url(self) -> str:
@@ -196,7 +197,11 @@ def remote_of(
     env["FEATBAKE_LOCAL_CACHE"] = str(local)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    return Remote(scheme, bucket, env, local)
+    return Remote(scheme, bucket, env, local, server.endpoint)
+
+
+#: One test's bucket on any scheme (what :func:`place` gives).
+Place = Remote | S3
 
 
 #: The schemes every place-parametrised test runs on.
