@@ -45,16 +45,17 @@ def flip_a_byte(place: Place, name: str, tmp: Path) -> None:
     bucket_of(place).upload(name, tmp)
 
 
-def publish_edited_version(place: Place, work: Path, *statements: tuple[str, tuple]) -> None:
+def publish_edited_version(url: str, work: Path, *statements: tuple[str, tuple]) -> None:
     """Publish version 2 as version 1 with ``statements`` run on it: what anyone with write
     access to the bucket can do."""
     edited = work / "edited.sqlite"
-    bucket_of(place).download(version_name(1), edited)
+    bucket = ObjectStore(BucketURL.parse(url))
+    bucket.download(version_name(1), edited)
     conn = open_sqlite(edited)
     for sql, params in statements:
         conn.execute(sql, params)
     conn.close()
-    bucket_of(place).upload(version_name(2), edited)
+    bucket.upload(version_name(2), edited)
 
 
 def outside(victim: Path) -> str:
@@ -176,26 +177,72 @@ def test_a_tier_folder_given_as_a_store_is_refused(
 
 
 # -- names read from the bucket are never followed outside it ------------------------------------
+def plant(store: str, work: Path, *statements: tuple[str, tuple]) -> None:
+    """Edit ``store``'s catalog as anyone with write access to the place can: a directory's
+    catalog.sqlite in place; a bucket's as a new version (:func:`publish_edited_version`)."""
+    if "://" in store:
+        publish_edited_version(store, work, *statements)
+        return
+    conn = open_sqlite(Path(store) / "catalog.sqlite")
+    for sql, params in statements:
+        conn.execute(sql, params)
+    conn.close()
+
+
+def shard_names(store: str) -> list[str]:
+    """The shards ``store`` holds: its objects or its files under shards/."""
+    if "://" in store:
+        return sorted(o.name for o in ObjectStore(BucketURL.parse(store)).list("shards/"))
+    return sorted(str(p) for p in (Path(store) / "shards").rglob("*") if p.is_file())
+
+
+def plant_outside_shard(store: str, work: Path, victim: Path) -> None:
+    """Name ``store``'s first shard by a path to ``victim``, and age its root past
+    ``--older-than 1s`` so that gc drops it and meets the name."""
+    then = time.time() - HOUR
+    plant(
+        store,
+        work,
+        ("UPDATE shards SET name = ? WHERE id = (SELECT min(id) FROM shards)", (outside(victim),)),
+        ("UPDATE roots SET created = ?, last_used = ?", (then, then)),
+        ("UPDATE features SET last_used = ?", (then,)),
+    )
+
+
 def test_a_planted_catalog_naming_a_path_outside_the_store_touches_nothing(
-    place: Place, audio_dir: Path, encoder_file: Path, tmp_path: Path
+    place_store: str, audio_dir: Path, encoder_file: Path, tmp_path: Path
 ) -> None:
-    build(audio_dir, encoder_file, cache=place.url, workers=0)
-    shards = len(place.objects("shards/"))
+    build(audio_dir, encoder_file, cache=place_store, workers=0)
+    shards = shard_names(place_store)
     victim = tmp_path / "victim" / "model.safetensors"
     victim.parent.mkdir()
     victim.write_bytes(b"precious")
-    publish_edited_version(
-        place,
-        tmp_path,
-        ("UPDATE shards SET name = ? WHERE id = (SELECT min(id) FROM shards)", (outside(victim),)),
-    )
-    gc_node = open_store(place.url, local_cache=tmp_path / "gc-node")
-    with pytest.raises(StoreCorrupt, match="not a shard name"):
-        gc(gc_node, GcOptions(older_than=1.0, retention=0.0), now=time.time() + HOUR)
-    cli = invoke("gc", "--cache", place.url, "--retention", "0s", "--local-cache", tmp_path / "c")
-    assert cli.returncode == 6 and "not a shard name" in cli.stderr, cli.stderr
+    plant_outside_shard(place_store, tmp_path, victim)
+    cli = invoke("gc", "--cache", place_store, "--retention", "0s", "--older-than", "1s")
+    assert cli.returncode == 6 and "not a shard name" in cli.stderr, (cli.stdout, cli.stderr)
     assert victim.read_bytes() == b"precious"
-    assert len(place.objects("shards/")) == shards  # nothing deleted on a planted version's word
+    assert shard_names(place_store) == shards  # nothing deleted on a planted catalog's word
+
+
+LOCAL_GC_COMMITS = pytest.mark.xfail(
+    strict=True,
+    reason="a directory's gc commits the dropped root and its rows before it meets the planted "
+    "shard name, so the refused run is not all-or-nothing (a bucket's publishes nothing)",
+)
+
+
+@pytest.mark.parametrize(
+    "place_store", [pytest.param("local", marks=LOCAL_GC_COMMITS), *SCHEMES], indirect=True
+)
+def test_a_gc_refused_on_a_planted_name_leaves_the_catalog_as_it_was(
+    place_store: str, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    build(audio_dir, encoder_file, cache=place_store, workers=0)
+    plant_outside_shard(place_store, tmp_path, tmp_path / "victim.safetensors")
+    gc_node = open_store(place_store, local_cache=tmp_path / "gc-node")
+    for _ in range(2):  # the second run meets the same catalog: the first changed nothing
+        with pytest.raises(StoreCorrupt, match="not a shard name"):
+            gc(gc_node, GcOptions(older_than=1.0, retention=0.0))
 
 
 def test_catalog_version_numbers_keep_working_past_nine_digits() -> None:
@@ -573,7 +620,7 @@ def test_gc_older_than_keeps_a_bucket_root_a_dataset_reads(
     build(audio_dir, encoder_file, cache=place.url, workers=0)
     then = time.time() - 40 * 86400  # the next version: the store as if built 40 days ago
     publish_edited_version(
-        place,
+        place.url,
         tmp_path,
         ("UPDATE roots SET created=?, last_used=?", (then, then)),
         ("UPDATE features SET last_used=?", (then,)),
@@ -604,20 +651,21 @@ def test_a_damaged_catalog_version_is_named_with_what_to_do(
 
 
 def test_a_planted_root_name_is_never_followed_to_a_path(
-    place: Place, audio_dir: Path, encoder_file: Path, tmp_path: Path
+    place_store: str, audio_dir: Path, encoder_file: Path, tmp_path: Path
 ) -> None:
-    build(audio_dir, encoder_file, cache=place.url, workers=0)
+    build(audio_dir, encoder_file, cache=place_store, workers=0)
     victim = tmp_path / "victim.json"
     victim.write_text("precious")
     hostile = outside(victim)
-    publish_edited_version(
-        place,
+    then = time.time() - HOUR  # the root is older than --older-than 1s
+    plant(
+        place_store,
         tmp_path,
-        ("UPDATE roots SET name = ?", (hostile,)),
+        ("UPDATE roots SET name = ?, created = ?, last_used = ?", (hostile, then, then)),
         ("UPDATE root_items SET root = ?", (hostile,)),
+        ("UPDATE features SET last_used = ?", (then,)),
     )
-    time.sleep(1.1)  # the root is older than --older-than 1s
-    got = invoke("gc", "--cache", place.url, "--older-than", "1s", "--local-cache", tmp_path / "t")
+    got = invoke("gc", "--cache", place_store, "--older-than", "1s")
     assert got.returncode == 6 and "not a root name" in got.stderr, got.stderr
     assert victim.read_text() == "precious"
 
