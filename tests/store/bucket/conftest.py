@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -232,3 +233,23 @@ def place_store(
     if request.param == "local":
         return str(tmp_path / "store")
     return remote_of(request.param, request, tmp_path, monkeypatch).url
+
+
+def upstream_port(place: Place) -> int:
+    """The loopback port ``place``'s server listens on."""
+    port = urlsplit(place.endpoint).port
+    assert port is not None
+    return port
+
+
+def endpoint_env(place: Place, base: str) -> dict[str, str]:
+    """``place``'s cloud setting that names its server, naming ``base`` (``scheme://host:port``,
+    a proxy in front of the server or the same with a user and password in it) instead: the
+    setting each cloud's own tools read."""
+    endpoint = base + urlsplit(place.endpoint).path
+    if place.scheme == "s3":
+        return {"AWS_ENDPOINT_URL": endpoint}
+    if place.scheme == "gs":
+        return {"STORAGE_EMULATOR_HOST": endpoint}
+    connection = place.env["AZURE_STORAGE_CONNECTION_STRING"]
+    return {"AZURE_STORAGE_CONNECTION_STRING": connection.replace(place.endpoint, endpoint)}
