@@ -82,10 +82,10 @@ class S3:
 
     def objects(self, prefix: str = "") -> list[str]:
         """Object names under the store's prefix (through a fresh client, as a user would)."""
-        from featbake.store.bucket import Bucket
+        from featbake.store.objects import ObjectStore
         from featbake.store.url import BucketURL
 
-        return sorted(o.name for o in Bucket(BucketURL.parse(self.url)).list(prefix))
+        return sorted(o.name for o in ObjectStore(BucketURL.parse(self.url)).list(prefix))
 
     def log_mark(self) -> int:
         """Where the server's access log ends now (see :meth:`requests`)."""
