@@ -97,7 +97,8 @@ from featbake.recipe import Recipe
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.serve.loader import BlockSampler, FeatureLoader
 from featbake.serve.sampling import DEFAULT_WINDOW
-from featbake.store.bucket import PREFETCH_ENV, READS_ENV, Bucket
+from featbake.store.bucket import PREFETCH_ENV, READS_ENV
+from featbake.store.objects import ObjectStore
 from featbake.store.open import open_store
 from featbake.store.tier import window_fitting
 from featbake.store.url import BucketURL
@@ -639,7 +640,7 @@ def prepare_small_tier(s: Setup, shard_bytes: int) -> SmallTier:
     builder = open_store(url, local_cache=s.work / "builder-tier-blocks")
     build(s.clips, s.encoder, cache=builder, recipe=RECIPE, workers=0, shard_bytes=shard_bytes,
           threads=1)  # fmt: skip
-    sizes = [o.size for o in Bucket(BucketURL.parse(url)).list("shards/")]
+    sizes = [o.size for o in ObjectStore(BucketURL.parse(url)).list("shards/")]
     chunks = 0
     if s.litdata:
         out = s.work / "litdata-blocks-out"
@@ -923,7 +924,7 @@ def read_once_rows(work: Path, log: ServerLog, n: int) -> list[dict[str, Any]]:
     clips = work / "once-clips"
     write_audio_folder(clips, n, seconds=(2.0, 4.0), seed=7)
     sizes = {p.relative_to(clips).as_posix(): p.stat().st_size for p in clips.rglob("*.wav")}
-    bucket = Bucket(BucketURL.parse(f"s3://{BUCKET}/{INPUTS_PREFIX}"))
+    bucket = ObjectStore(BucketURL.parse(f"s3://{BUCKET}/{INPUTS_PREFIX}"))
     for name in sizes:
         bucket.upload(name, clips / name)
     data, enc, total = f"s3://{BUCKET}/{INPUTS_PREFIX}/", encoder(), sum(sizes.values())
@@ -996,7 +997,7 @@ def table_request_rows(work: Path, log: ServerLog, n: int) -> list[dict[str, Any
     cells = pa.array([p.read_bytes() for p in files], pa.binary())
     pq.write_table(pa.table({"audio": cells}), local, row_group_size=8)
     name = f"{TABLES_PREFIX}/clips.parquet"
-    Bucket(BucketURL.parse(f"s3://{BUCKET}/{TABLES_PREFIX}")).upload("clips.parquet", local)
+    ObjectStore(BucketURL.parse(f"s3://{BUCKET}/{TABLES_PREFIX}")).upload("clips.parquet", local)
     data, enc = f"s3://{BUCKET}/{name}", encoder()
     opts: dict[str, Any] = {"recipe": RECIPE, "workers": 0, "threads": 1, "column": "audio"}
     out = []
@@ -1043,7 +1044,7 @@ def manifest_request_rows(work: Path, log: ServerLog) -> list[dict[str, Any]]:
     from featbake.store import byteplace as objects  # where the listing rule lives
 
     names = sorted(
-        o.name for o in Bucket(BucketURL.parse(f"s3://{BUCKET}/{INPUTS_PREFIX}")).list("")
+        o.name for o in ObjectStore(BucketURL.parse(f"s3://{BUCKET}/{INPUTS_PREFIX}")).list("")
     )
     rows = "".join(f'{{"path": "s3://{BUCKET}/{INPUTS_PREFIX}/{n}"}}\n' for n in names)
     (work / "rows.jsonl").write_text(rows)
@@ -1122,7 +1123,7 @@ def run_place(s: Setup, scheme: str, shard_bytes: int) -> PlaceRun:
     tier of a third of it (``FeatureLoader(batch_size=1, shuffle="blocks")``): every request
     counted at the byte seam (:func:`featbake.testing.counted_requests`)."""
     url = f"{scheme}://{BUCKET}/{PLACES_PREFIX}"
-    objects = Bucket(BucketURL.parse(url))
+    objects = ObjectStore(BucketURL.parse(url))
     base = s.work / f"place-{scheme}"
     with counted_requests(type(objects)) as built:
         store = open_store(url, local_cache=base / "builder")

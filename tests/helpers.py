@@ -22,10 +22,10 @@ import torch
 
 from featbake.bake.pipeline import build
 from featbake.recipe import Recipe
-from featbake.store.bucket import Bucket
 from featbake.store.catalog import Catalog
 from featbake.store.features import FeatureReader
 from featbake.store.layout import Layout
+from featbake.store.objects import ObjectStore
 from featbake.store.shard import ShardReader
 from featbake.threadpool import map_in_threads
 from tests.conftest import live_features
@@ -238,7 +238,7 @@ def fails_after(seconds: int, what: str = "the block") -> Iterator[None]:
         signal.signal(signal.SIGALRM, old)
 
 
-def put_many(bucket: Bucket, names: list[str], body: bytes = b"") -> None:
+def put_many(bucket: ObjectStore, names: list[str], body: bytes = b"") -> None:
     """Objects ``names`` (``body`` each), put 16 at a time (3,000 in seconds, not a minute)."""
 
     def put(name: str) -> None:

@@ -43,8 +43,6 @@ from featbake.store.layout import Layout, checked_shard_name, is_shard_name
 from featbake.store.merge import MergeReport, merge
 from featbake.store.objects import CLIENT_CONNECTIONS as CLIENT_CONNECTIONS
 from featbake.store.objects import LIST_PAGE_KEYS as LIST_PAGE_KEYS
-from featbake.store.objects import ListedPage as ListedPage
-from featbake.store.objects import ObjectBytes as ObjectBytes
 from featbake.store.objects import ObjectStore
 from featbake.store.place import Change, Sweep, Swept, TierUsage, VerifyScope
 from featbake.store.ranged import RangedShardReader, head_ahead
@@ -64,12 +62,6 @@ from featbake.store.versions import (
     version_of,
 )
 from featbake.units import format_bytes
-
-# == objects =======================================================================================
-#: A bucket store's objects: the class of its URL's scheme (:mod:`featbake.store.objects`, the
-#: byte seam). ``Bucket(url)`` is ``ObjectStore(url)``: the name callers of the S3-only store used.
-Bucket = ObjectStore
-
 
 # == store =========================================================================================
 # A store in a bucket, worked through a local tier: what every command and dataset opens.

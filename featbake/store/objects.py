@@ -1045,6 +1045,12 @@ class AzureObjects(ObjectStore):
             raise self.no_connection(name) from None
         if isinstance(e, zx.ServiceResponseError | zx.IncompleteReadError):
             raise Transient(str(e)) from e
+        if isinstance(e, zx.HttpResponseError) and e.status_code is None:
+            # A body cut short mid-download comes wrapped (azure-storage-blob's downloader
+            # raises HttpResponseError from the IncompleteReadError): tried again, as unwrapped.
+            cause = e.__cause__
+            if isinstance(cause, zx.ServiceResponseError | zx.IncompleteReadError):
+                raise Transient(str(cause)) from cause
         if isinstance(e, zx.ServiceRequestError):
             raise self.unreachable(name, e) from None
         if isinstance(e, zx.HttpResponseError):

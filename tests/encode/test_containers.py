@@ -657,34 +657,34 @@ def test_the_cli_builds_a_shard_with_a_truncated_member_and_exits_3(
 def gets(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
     """(object, bytes asked) of every GET this process makes of a bucket object (whole or
     ranged), in order."""
-    from featbake.store.bucket import Bucket
+    from featbake.store.objects import ObjectStore
 
     got: list[tuple[str, int]] = []
-    whole, ranged, ranged_of = Bucket.read, Bucket.read_range, Bucket.read_range_of
+    whole, ranged, ranged_of = ObjectStore.read, ObjectStore.read_range, ObjectStore.read_range_of
 
-    def read(self: Bucket, name: str) -> Any:
+    def read(self: ObjectStore, name: str) -> Any:
         got.append((name, -1))
         return whole(self, name)
 
-    def read_range(self: Bucket, name: str, start: int, length: int) -> bytes:
+    def read_range(self: ObjectStore, name: str, start: int, length: int) -> bytes:
         got.append((name, length))
         return ranged(self, name, start, length)
 
-    def read_range_of(self: Bucket, name: str, start: int, length: int) -> Any:
+    def read_range_of(self: ObjectStore, name: str, start: int, length: int) -> Any:
         got.append((name, length))
         return ranged_of(self, name, start, length)
 
-    monkeypatch.setattr(Bucket, "read", read)
-    monkeypatch.setattr(Bucket, "read_range", read_range)
-    monkeypatch.setattr(Bucket, "read_range_of", read_range_of)
+    monkeypatch.setattr(ObjectStore, "read", read)
+    monkeypatch.setattr(ObjectStore, "read_range", read_range)
+    monkeypatch.setattr(ObjectStore, "read_range_of", read_range_of)
     return got
 
 
 def upload_shards(url: str, shards: dict[str, Path]) -> None:
-    from featbake.store.bucket import Bucket
+    from featbake.store.objects import ObjectStore
     from featbake.store.url import BucketURL
 
-    bucket = Bucket(BucketURL.parse(url))
+    bucket = ObjectStore(BucketURL.parse(url))
     for name, path in shards.items():
         bucket.upload(name, path)
 
@@ -1018,7 +1018,7 @@ def test_listing_and_hashing_a_bucket_shard_of_large_members_fetches_it_about_on
 
     from featbake.encode.fingerprints import HeldBytes
     from featbake.encode.webdataset import WebDataset
-    from featbake.store.bucket import Bucket
+    from featbake.store.objects import ObjectStore
 
     rng = random.Random(3)
     big = [(f"s{i:03d}", {"bin": rng.randbytes(100_000 + 977 * i)}) for i in range(12)]
@@ -1028,14 +1028,14 @@ def test_listing_and_hashing_a_bucket_shard_of_large_members_fetches_it_about_on
               "small.tar": write_tar(tmp_path / "small.tar", small)}  # fmt: skip
     upload_shards(prefix, shards)
     fetched: list[int] = []
-    real = Bucket.read_range_of
+    real = ObjectStore.read_range_of
 
-    def counted(self: Bucket, name: str, start: int, length: int) -> Any:
+    def counted(self: ObjectStore, name: str, start: int, length: int) -> Any:
         got = real(self, name, start, length)
         fetched.append(len(got.data))
         return got
 
-    monkeypatch.setattr(Bucket, "read_range_of", counted)
+    monkeypatch.setattr(ObjectStore, "read_range_of", counted)
     for name, samples in (("big.tar", big), ("small.tar", small)):
         fetched.clear()
         shard = WebDataset(f"{prefix}/{name}")

@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -81,10 +82,10 @@ class S3:
 
     def objects(self, prefix: str = "") -> list[str]:
         """Object names under the store's prefix (through a fresh client, as a user would)."""
-        from featbake.store.bucket import Bucket
+        from featbake.store.objects import ObjectStore
         from featbake.store.url import BucketURL
 
-        return sorted(o.name for o in Bucket(BucketURL.parse(self.url)).list(prefix))
+        return sorted(o.name for o in ObjectStore(BucketURL.parse(self.url)).list(prefix))
 
     def log_mark(self) -> int:
         """Where the server's access log ends now (see :meth:`requests`)."""
@@ -166,6 +167,7 @@ class Remote:
     bucket: str
     env: dict[str, str]
     local_cache: Path
+    endpoint: str
 
     @property
     def url(self) -> str:
@@ -196,7 +198,11 @@ def remote_of(
     env["FEATBAKE_LOCAL_CACHE"] = str(local)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    return Remote(scheme, bucket, env, local)
+    return Remote(scheme, bucket, env, local, server.endpoint)
+
+
+#: One test's bucket on any scheme (what :func:`place` gives).
+Place = Remote | S3
 
 
 #: The schemes every place-parametrised test runs on.
@@ -227,3 +233,23 @@ def place_store(
     if request.param == "local":
         return str(tmp_path / "store")
     return remote_of(request.param, request, tmp_path, monkeypatch).url
+
+
+def upstream_port(place: Place) -> int:
+    """The loopback port ``place``'s server listens on."""
+    port = urlsplit(place.endpoint).port
+    assert port is not None
+    return port
+
+
+def endpoint_env(place: Place, base: str) -> dict[str, str]:
+    """``place``'s cloud setting that names its server, naming ``base`` (``scheme://host:port``,
+    a proxy in front of the server or the same with a user and password in it) instead: the
+    setting each cloud's own tools read."""
+    endpoint = base + urlsplit(place.endpoint).path
+    if place.scheme == "s3":
+        return {"AWS_ENDPOINT_URL": endpoint}
+    if place.scheme == "gs":
+        return {"STORAGE_EMULATOR_HOST": endpoint}
+    connection = place.env["AZURE_STORAGE_CONNECTION_STRING"]
+    return {"AZURE_STORAGE_CONNECTION_STRING": connection.replace(place.endpoint, endpoint)}

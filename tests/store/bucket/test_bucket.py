@@ -21,8 +21,8 @@ from featbake.bake.pipeline import build
 from featbake.errors import StoreCorrupt
 from featbake.quantize import Fidelity, Scheme, dequantize, quantize
 from featbake.recipe import Recipe
-from featbake.store.bucket import Bucket
 from featbake.store.fidelity import read_fidelity
+from featbake.store.objects import ObjectStore
 from featbake.store.open import open_store
 from featbake.store.ranged import RangedShardReader
 from featbake.store.url import BucketURL
@@ -30,7 +30,7 @@ from featbake.store.versions import version_of
 from featbake.testing import counted_requests
 from tests.bake.test_batching import LittlePaddingLeaks, assert_serves_alone, clips
 from tests.conftest import invoke, live_features
-from tests.store.bucket.conftest import S3, Remote
+from tests.store.bucket.conftest import S3, Place, Remote
 
 
 def bake(data: Path, encoder: Path, where: object, **kw: object):
@@ -114,7 +114,7 @@ def test_a_whole_shard_fetch_is_one_get_and_no_head(
     ds = CachedFeatureDataset(
         audio_dir, encoder_file, cache=place.url, local_cache=tmp_path / "tier", on_miss="error"
     )
-    with counted_requests(type(Bucket(BucketURL.parse(place.url)))) as sent:
+    with counted_requests(type(ObjectStore(BucketURL.parse(place.url)))) as sent:
         assert_dataset_is_live(ds, encoder_file)
     gets = {name: n for name, n in sent.by_name.items() if name.startswith("shards/")}
     assert sorted(gets) == place.objects("shards/") and set(gets.values()) == {1}
@@ -172,7 +172,7 @@ def test_the_commands_take_a_bucket_url(
     assert "r-" not in invoke("roots", "--cache", place.url).stdout
 
     shard = place.objects("shards/")[0]
-    Bucket(BucketURL.parse(place.url)).delete([shard])
+    ObjectStore(BucketURL.parse(place.url)).delete([shard])
     damaged = invoke(
         "verify", "--cache", place.url, env={"FEATBAKE_LOCAL_CACHE": str(tmp_path / "v")}
     )
@@ -189,14 +189,14 @@ def test_the_commands_take_a_bucket_url(
 
 
 def test_a_bucket_build_replaces_what_padded_batches_sealed_before_the_guard_failed(
-    s3: S3, tmp_path: Path
+    place: Place, tmp_path: Path
 ) -> None:
     data, module = clips(tmp_path / "clips"), LittlePaddingLeaks()
-    report = build(data, module, cache=s3.url, workers=0, batch_size=3, batching="padded")
+    report = build(data, module, cache=place.url, workers=0, batch_size=3, batching="padded")
     assert report.ok and report.merged and report.batching == BatchingMode.EXACT
     assert "items padded before were encoded again alone" in report.batching_note
-    assert not s3.objects("fragments/")
-    assert_serves_alone(data, module, cache=s3.url, local_cache=tmp_path / "reader")
+    assert not place.objects("fragments/")
+    assert_serves_alone(data, module, cache=place.url, local_cache=tmp_path / "reader")
 
 
 # == test_compact_bucket ===========================================================================
@@ -206,16 +206,16 @@ def test_a_bucket_build_replaces_what_padded_batches_sealed_before_the_guard_fai
 
 
 def test_a_first_int8_build_into_a_bucket_records_fidelity_and_serves_live(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+    place: Place, audio_dir: Path, encoder_file: Path, tmp_path: Path
 ) -> None:
     recipe = Recipe(dtype="int8")
-    report = build(audio_dir, encoder_file, cache=s3.url, recipe=recipe, batch_size=1, workers=0)
+    report = build(audio_dir, encoder_file, cache=place.url, recipe=recipe, batch_size=1, workers=0)
     assert report.ok and report.merged and report.fidelity is not None
-    recorded = read_fidelity(open_store(s3.url), report.root)
+    recorded = read_fidelity(open_store(place.url), report.root)
     assert recorded == Fidelity.from_json(report.fidelity)
-    assert not s3.objects("fragments/")  # folded into the published version
+    assert not place.objects("fragments/")  # folded into the published version
     ds = CachedFeatureDataset(
-        audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "reader",
+        audio_dir, encoder_file, cache=place.url, local_cache=tmp_path / "reader",
         on_miss="error", dtype="int8",
     )  # fmt: skip
     for i in range(len(ds)):
@@ -226,15 +226,21 @@ def test_a_first_int8_build_into_a_bucket_records_fidelity_and_serves_live(
 
 
 def test_an_int8_item_read_again_by_ranges_is_served_live(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    place: Place,
+    audio_dir: Path,
+    encoder_file: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The located hit path of an int8 store read by ranged GETs: the second read of an item
     (remembered where it lies) dequantises the bytes of a ranged GET, not a local file's (a
     ranged reader has none: the compiled read of its descriptor failed, 'Bad file descriptor')."""
     monkeypatch.setenv("FEATBAKE_BUCKET_READS", "ranged")
     recipe = Recipe(dtype="int8")
-    assert build(audio_dir, encoder_file, cache=s3.url, recipe=recipe, batch_size=1, workers=0).ok
-    ds = serve(s3, audio_dir, encoder_file, tmp_path / "tier", on_miss="error", dtype="int8")
+    assert build(
+        audio_dir, encoder_file, cache=place.url, recipe=recipe, batch_size=1, workers=0
+    ).ok
+    ds = serve(place, audio_dir, encoder_file, tmp_path / "tier", on_miss="error", dtype="int8")
     for i in range(len(ds)):
         live = live_features(encoder_file, Path(ds.path(i)), Recipe())
         assert isinstance(live, torch.Tensor)
@@ -279,11 +285,15 @@ def test_a_tier_smaller_than_the_store_reads_items_by_ranges(
 
 
 def test_a_damaged_span_is_read_twice_then_named(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    place: Place,
+    audio_dir: Path,
+    encoder_file: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
-    bucket = Bucket(BucketURL.parse(s3.url))
-    for obj in s3.objects("shards/"):  # every shard's last tensor loses a byte
+    build(audio_dir, encoder_file, cache=place.url, workers=0, shard_bytes=60_000)
+    bucket = ObjectStore(BucketURL.parse(place.url))
+    for obj in place.objects("shards/"):  # every shard's last tensor loses a byte
         local = tmp_path / "x"
         bucket.download(obj, local)
         data = bytearray(local.read_bytes())
@@ -291,20 +301,26 @@ def test_a_damaged_span_is_read_twice_then_named(
         local.write_bytes(bytes(data))
         bucket.upload(obj, local)
     monkeypatch.setenv("FEATBAKE_BUCKET_READS", "ranged")
-    ds = serve(s3, audio_dir, encoder_file, tmp_path / "tier", on_miss="error")
-    with pytest.raises(StoreCorrupt, match=r"s3://.*shards/.*on two reads: the object is damaged"):
+    ds = serve(place, audio_dir, encoder_file, tmp_path / "tier", on_miss="error")
+    with pytest.raises(
+        StoreCorrupt, match=rf"{place.url}/shards/.*on two reads: the object is damaged"
+    ):
         for i in range(len(ds)):
             ds[i]
 
 
 def test_feature_loader_starts_ranged_gets_ahead_and_yields_live_batches(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    place: Place,
+    audio_dir: Path,
+    encoder_file: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from featbake import FeatureLoader
 
     monkeypatch.setenv("FEATBAKE_BUCKET_READS", "ranged")  # every shard by ranges
-    build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
-    ds = serve(s3, audio_dir, encoder_file, tmp_path / "tier", local_cache_size="64KiB")
+    build(audio_dir, encoder_file, cache=place.url, workers=0, shard_bytes=60_000)
+    ds = serve(place, audio_dir, encoder_file, tmp_path / "tier", local_cache_size="64KiB")
     started = ds.will_need(range(len(ds)))  # opens ranged readers, starts every item's GET
     assert started == len(ds)
     readers = list(ds._proc().handles.open_readers.values())

@@ -22,7 +22,8 @@ from torch.utils.data import DataLoader, StackDataset
 from featbake import BlockSampler, CachedFeatureDataset, FeatureLoader
 from featbake.bake.pipeline import build
 from featbake.store.blocks import BlockPlan, BlockWindowWarning
-from featbake.store.bucket import Bucket, BucketStore
+from featbake.store.bucket import BucketStore
+from featbake.store.objects import ObjectStore
 from featbake.store.url import BucketURL
 from featbake.testing import counted_requests, write_audio_folder
 from tests.conftest import live_features
@@ -32,14 +33,14 @@ from tests.store.bucket.conftest import S3, Remote
 def _fetches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The whole-shard downloads from the bucket, by name, as they happen."""
     got: list[str] = []
-    download = Bucket.download
+    download = ObjectStore.download
 
-    def counted(self: Bucket, name: str, dest: Path) -> int:
+    def counted(self: ObjectStore, name: str, dest: Path) -> int:
         if "shards/" in name:
             got.append(name)
         return download(self, name, dest)
 
-    monkeypatch.setattr(Bucket, "download", counted)
+    monkeypatch.setattr(ObjectStore, "download", counted)
     return got
 
 
@@ -49,7 +50,7 @@ def test_a_block_shuffled_epoch_through_a_third_of_the_data_fetches_each_shard_a
     audio = tmp_path / "audio"
     write_audio_folder(audio, 48, seconds=(0.5, 1.5), seed=4)
     build(audio, encoder_file, cache=place.url, workers=0, shard_bytes=50_000)
-    shards = Bucket(BucketURL.parse(place.url)).list("shards/")
+    shards = ObjectStore(BucketURL.parse(place.url)).list("shards/")
     assert len(shards) >= 16
     third = sum(o.size for o in shards) // 3
     monkeypatch.setenv("FEATBAKE_BUCKET_READS", "whole")  # whole shards into the tier
@@ -84,7 +85,7 @@ def test_a_block_shuffled_epoch_through_a_third_of_the_data_fetches_each_shard_a
 def _store(place: Remote | S3, audio: Path, encoder: Path, shard_bytes: int = 30_000) -> list[int]:
     """Build ``audio`` into the test's bucket; the shard objects' sizes."""
     build(audio, encoder, cache=place.url, workers=0, shard_bytes=shard_bytes)
-    return [o.size for o in Bucket(BucketURL.parse(place.url)).list("shards/")]
+    return [o.size for o in ObjectStore(BucketURL.parse(place.url)).list("shards/")]
 
 
 def _dataset(
@@ -128,7 +129,7 @@ def test_blocks_in_the_default_read_mode_fetch_each_shard_about_once_an_epoch(
     orders = []
     for _ in range(2):
         seen = []
-        with counted_requests(type(Bucket(BucketURL.parse(place.url)))) as sent:
+        with counted_requests(type(ObjectStore(BucketURL.parse(place.url)))) as sent:
             for padded, lengths, labels in loader:
                 assert tier.used_bytes() <= third
                 for row, n, i in zip(padded, lengths, labels, strict=True):
@@ -154,7 +155,7 @@ def test_block_sampler_reads_whole_shards_in_the_default_read_mode(
     sampler = BlockSampler(ds, seed=3, window=2)
     live = Live(ds, encoder_file)
     seen = []
-    with counted_requests(type(Bucket(BucketURL.parse(place.url)))) as sent:
+    with counted_requests(type(ObjectStore(BucketURL.parse(place.url)))) as sent:
         loader = DataLoader(ds, batch_size=None, sampler=sampler)
         for i, feature in zip(sampler, loader, strict=True):
             live.check(feature, len(feature), i)
@@ -203,9 +204,9 @@ def test_the_next_windows_shards_are_fetched_ahead_of_their_first_read(
         return note
 
     downloaded, opened = record("download"), record("open")
-    download, opened_was, enter = Bucket.download, BucketStore.opened, BucketStore._enter
+    download, opened_was, enter = ObjectStore.download, BucketStore.opened, BucketStore._enter
 
-    def counted(self: Bucket, name: str, dest: Path) -> int:
+    def counted(self: ObjectStore, name: str, dest: Path) -> int:
         if name.startswith("shards/"):
             downloaded(Path(name).name.removesuffix(".safetensors"))
         return download(self, name, dest)
@@ -221,7 +222,7 @@ def test_the_next_windows_shards_are_fetched_ahead_of_their_first_read(
         _drain(ds)  # the hook: this window's and the next one's fetches are done
         assert store.tier.used_bytes() <= third  # the passed windows made room
 
-    monkeypatch.setattr(Bucket, "download", counted)
+    monkeypatch.setattr(ObjectStore, "download", counted)
     monkeypatch.setattr(BucketStore, "opened", opening)
     monkeypatch.setattr(BucketStore, "_enter", entering)
     live = Live(ds, encoder_file)
@@ -280,7 +281,7 @@ def test_the_default_window_fits_the_tier_so_each_shard_is_fetched_about_once(
                            shuffle="blocks", seed=1)  # fmt: skip
     for _ in range(2):
         seen = []
-        with counted_requests(type(Bucket(BucketURL.parse(place.url)))) as gets:
+        with counted_requests(type(ObjectStore(BucketURL.parse(place.url)))) as gets:
             for padded, lengths, labels in loader:
                 assert tier.used_bytes() <= budget
                 for row, n, i in zip(padded, lengths, labels, strict=True):

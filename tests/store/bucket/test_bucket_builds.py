@@ -23,7 +23,7 @@ from featbake.store.open import open_store
 from featbake.store.shard import write_shard
 from featbake.testing import TinyConvEncoder, write_audio_folder
 from tests.conftest import REPO, encoded_rows, invoke, live_features, run_cli
-from tests.store.bucket.conftest import S3, Remote
+from tests.store.bucket.conftest import S3, Place, Remote
 
 ENCODER = "countenc:build"
 
@@ -202,32 +202,32 @@ def _store(url: str, tier: Path) -> BucketStore:
 
 
 def test_misses_served_from_a_bucket_are_written_back_and_merged(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+    place: Place, audio_dir: Path, encoder_file: Path, tmp_path: Path
 ) -> None:
-    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "t1")
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=place.url, local_cache=tmp_path / "t1")
     for i in range(len(ds)):
         torch.testing.assert_close(ds[i], live_features(encoder_file, Path(ds.path(i))))
     ds.close()  # seals the write-back shard: its fragment and shard go to the bucket
-    assert s3.objects("fragments/") and s3.objects("shards/")
-    other_node = {**s3.env, "FEATBAKE_LOCAL_CACHE": str(tmp_path / "t2")}
-    merged = invoke("merge", "--cache", s3.url, env=other_node)
+    assert place.objects("fragments/") and place.objects("shards/")
+    other_node = {**place.env, "FEATBAKE_LOCAL_CACHE": str(tmp_path / "t2")}
+    merged = invoke("merge", "--cache", place.url, env=other_node)
     assert merged.returncode == 0, merged.stderr
     again = CachedFeatureDataset(
-        audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "t3", on_miss="error"
+        audio_dir, encoder_file, cache=place.url, local_cache=tmp_path / "t3", on_miss="error"
     )
     for i in range(len(again)):
         torch.testing.assert_close(again[i], live_features(encoder_file, Path(again.path(i))))
 
 
 def test_a_read_never_waits_for_a_write_back_fragments_upload(
-    s3: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    place: Place, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A serving FragmentCatalog over a bucket store uploads each write-back's shard and
     fragment as it seals them; it held its lock through the upload, so every read of the
     process's other threads (a loader's read thread) waited for it. With the fragment's upload
     held up, a read of a key in an earlier fragment returns; released, the fragment reaches the
     bucket and a merge from another node publishes both features."""
-    layout = open_store(s3.url, local_cache=tmp_path / "tier")
+    layout = open_store(place.url, local_cache=tmp_path / "tier")
     efp, rfp = "e" * 64, "r" * 64
     earlier_key, written_key = "a" * 64, "b" * 64
     earlier = FragmentCatalog(layout)  # this node's earlier write-back, not merged yet
@@ -257,17 +257,17 @@ def test_a_read_never_waits_for_a_write_back_fragments_upload(
         reader.start()
         reader.join(timeout=30)  # a bound on a hang, not a speed: it returns in milliseconds
         assert not reader.is_alive(), "a read waited for another thread's fragment upload"
-        assert sealer.is_alive() and len(s3.objects("fragments/")) == 1  # still held up
+        assert sealer.is_alive() and len(place.objects("fragments/")) == 1  # still held up
     finally:
         release.set()
         sealer.join(timeout=60)
         reader.join(timeout=60)
     assert [loc.shard for loc in found[earlier_key]] == [kept.name]
     assert not sealer.is_alive() and len(serving.fragments) == 1
-    assert len(s3.objects("fragments/")) == 2
+    assert len(place.objects("fragments/")) == 2
     serving.close()
-    merge_bucket(_store(s3.url, tmp_path / "node-m"))
-    fresh = _store(s3.url, tmp_path / "node-r")
+    merge_bucket(_store(place.url, tmp_path / "node-m"))
+    fresh = _store(place.url, tmp_path / "node-r")
     fresh.sync_catalog()
     with Catalog(fresh.layout, read_only=True) as cat:
         assert cat.present_keys([earlier_key, written_key]) == {earlier_key, written_key}

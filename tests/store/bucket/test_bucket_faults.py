@@ -13,10 +13,10 @@ import torch
 from featbake import CachedFeatureDataset
 from featbake.bake.pipeline import build
 from featbake.errors import ConfigError, StoreCorrupt, StoreError
-from featbake.store.bucket import Bucket
+from featbake.store.objects import ObjectStore
 from featbake.store.url import BucketURL
 from tests.conftest import invoke, live_features
-from tests.store.bucket.conftest import S3
+from tests.store.bucket.conftest import S3, Place, endpoint_env, upstream_port
 from tests.store.bucket.faults import DroppingProxy
 
 
@@ -24,9 +24,11 @@ def bake(data: Path, encoder: Path, where: object, **kw: object):
     return build(data, encoder, cache=where, workers=0, shard_bytes=60_000, **kw)
 
 
-def serve(s3: S3, data: Path, encoder: Path, tier: Path, **kw: object) -> CachedFeatureDataset:
+def serve(
+    place: Place, data: Path, encoder: Path, tier: Path, **kw: object
+) -> CachedFeatureDataset:
     return CachedFeatureDataset(
-        data, encoder, cache=s3.url, local_cache=tier, on_miss="error", **kw
+        data, encoder, cache=place.url, local_cache=tier, on_miss="error", **kw
     )
 
 
@@ -49,23 +51,23 @@ def deleted_open_bytes(under: Path) -> int:
     return held
 
 
-def shard_objects(s3: S3) -> list[str]:
-    return [o for o in s3.objects("shards/")]
+def shard_objects(place: Place) -> list[str]:
+    return [o for o in place.objects("shards/")]
 
 
 def test_a_corrupted_object_is_fetched_again_then_named_in_the_error(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+    place: Place, audio_dir: Path, encoder_file: Path, tmp_path: Path
 ) -> None:
-    bake(audio_dir, encoder_file, s3.url)
-    bucket = Bucket(BucketURL.parse(s3.url))
-    victim = shard_objects(s3)[0]
+    bake(audio_dir, encoder_file, place.url)
+    bucket = ObjectStore(BucketURL.parse(place.url))
+    victim = shard_objects(place)[0]
     local = tmp_path / "victim"
     bucket.download(victim, local)
     data = bytearray(local.read_bytes())
     data[-10] ^= 0xFF  # a tensor's bytes, past the header
     local.write_bytes(bytes(data))
     bucket.upload(victim, local)
-    ds = serve(s3, audio_dir, encoder_file, tmp_path / "tier")
+    ds = serve(place, audio_dir, encoder_file, tmp_path / "tier")
     with pytest.raises(StoreCorrupt, match=rf"{victim} fails its checksums .* on 2 downloads"):
         for i in range(len(ds)):
             ds[i]
@@ -73,33 +75,58 @@ def test_a_corrupted_object_is_fetched_again_then_named_in_the_error(
 
 
 def test_connections_dropped_mid_body_are_retried_and_nothing_wrong_is_served(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    place: Place,
+    audio_dir: Path,
+    encoder_file: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    bake(audio_dir, encoder_file, s3.url)
-    upstream = int(s3.endpoint.rsplit(":", 1)[1])
-    with DroppingProxy(upstream, drops=3, after=20_000) as proxy:
-        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
-        ds = serve(s3, audio_dir, encoder_file, tmp_path / "tier")
+    bake(audio_dir, encoder_file, place.url)
+    with DroppingProxy(upstream_port(place), drops=3, after=20_000) as proxy:
+        for k, v in endpoint_env(place, proxy.endpoint).items():
+            monkeypatch.setenv(k, v)
+        ds = serve(place, audio_dir, encoder_file, tmp_path / "tier")
         assert_live(ds, encoder_file)
         assert proxy.dropped == 3
 
 
+GCS_READS_THROUGH_CUTS = pytest.mark.xfail(
+    strict=True,
+    run=False,
+    reason="on gs a read gets through a server that cuts every answer after 20 kB (5 cuts, "
+    "about 90 s inside google-cloud-storage's own retries) instead of the one-line error "
+    "after 4 tries; not run: it would cost CI that long",
+)
+
+
+@pytest.mark.parametrize(
+    "place", ["s3", pytest.param("gs", marks=GCS_READS_THROUGH_CUTS), "az"], indirect=True
+)
 def test_a_server_that_always_drops_gives_one_clear_error(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    place: Place,
+    audio_dir: Path,
+    encoder_file: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    bake(audio_dir, encoder_file, s3.url)
-    upstream = int(s3.endpoint.rsplit(":", 1)[1])
-    with DroppingProxy(upstream, drops=0, after=20_000) as proxy:
-        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
-        ds = serve(s3, audio_dir, encoder_file, tmp_path / "tier")  # the catalog came whole
+    bake(audio_dir, encoder_file, place.url)
+    with DroppingProxy(upstream_port(place), drops=0, after=20_000) as proxy:
+        for k, v in endpoint_env(place, proxy.endpoint).items():
+            monkeypatch.setenv(k, v)
+        ds = serve(place, audio_dir, encoder_file, tmp_path / "tier")  # the catalog came whole
         proxy.drops_left = 10_000  # from now on every answer is cut after 20 kB
-        with pytest.raises(StoreError, match=r"cannot download s3://.*shards/.*after 4 tries"):
+        with pytest.raises(
+            StoreError, match=rf"cannot download {place.url}/shards/.*after 4 tries"
+        ):
             ds[0]
 
 
 def test_no_credentials_and_no_bucket_are_one_line_each(
     s3: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """S3 only: the credential chain is boto3's (AWS_PROFILE, the shared files, instance
+    metadata); GCS's and Azure's missing credentials and every place's missing bucket are in
+    tests/store/bucket/test_objects.py."""
     missing = invoke("stats", "--cache", "s3://no-such-bucket-here/x", cwd=tmp_path)
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
         monkeypatch.delenv(name, raising=False)
@@ -113,16 +140,20 @@ def test_no_credentials_and_no_bucket_are_one_line_each(
 
 
 def test_the_tier_stays_within_its_budget_and_refuses_one_smaller_than_a_shard(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    place: Place,
+    audio_dir: Path,
+    encoder_file: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Whole-shard fetches into a tier smaller than the store (by default such a tier reads
     by ranges: tests/store/bucket/test_bucket.py)."""
     monkeypatch.setenv("FEATBAKE_BUCKET_READS", "whole")
-    bake(audio_dir, encoder_file, s3.url)
-    sizes = [o.size for o in Bucket(BucketURL.parse(s3.url)).list("shards/")]
+    bake(audio_dir, encoder_file, place.url)
+    sizes = [o.size for o in ObjectStore(BucketURL.parse(place.url)).list("shards/")]
     assert len(sizes) >= 3
     budget = max(sizes) * 2
-    ds = serve(s3, audio_dir, encoder_file, tmp_path / "tier", local_cache_size=budget)
+    ds = serve(place, audio_dir, encoder_file, tmp_path / "tier", local_cache_size=budget)
     tier = ds._layout.remote.tier  # type: ignore[union-attr]
     order = list(range(len(ds)))
     random.Random(0).shuffle(order)
@@ -134,18 +165,19 @@ def test_the_tier_stays_within_its_budget_and_refuses_one_smaller_than_a_shard(
             # needed their space (an open file keeps it): on disk, too, within budget.
             assert tier.used_bytes() + deleted_open_bytes(tmp_path / "tier") <= budget
     assert tier.fetched > len(sizes)  # shards were evicted and fetched again
-    tiny = serve(s3, audio_dir, encoder_file, tmp_path / "tiny", local_cache_size=100)
+    tiny = serve(place, audio_dir, encoder_file, tmp_path / "tiny", local_cache_size=100)
     with pytest.raises(ConfigError, match=r"budget .* cannot hold"):
         tiny[0]
 
 
 def test_denied_access_and_a_throttled_server_say_what_to_do() -> None:
-    """moto does not enforce policies: botocore's own error objects stand in for AWS's answers."""
+    """S3 only: botocore's error codes (AccessDenied, SlowDown) translated; moto does not
+    enforce policies, so botocore's own error objects stand in for AWS's answers."""
     from botocore.exceptions import ClientError
 
     from featbake.store.objects import raise_translated
 
-    bucket = Bucket(BucketURL.parse("s3://team/features"))
+    bucket = ObjectStore(BucketURL.parse("s3://team/features"))
     denied = ClientError({"Error": {"Code": "AccessDenied", "Message": "no"}}, "GetObject")
     with pytest.raises(StoreError, match=r"access to s3://team/features/x was denied.*AWS_PROFILE"):
         raise_translated(bucket, "x", denied)
@@ -155,18 +187,18 @@ def test_denied_access_and_a_throttled_server_say_what_to_do() -> None:
 
 
 def test_a_tier_whose_bucket_was_emptied_is_not_trusted(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+    place: Place, audio_dir: Path, encoder_file: Path, tmp_path: Path
 ) -> None:
     """The tier held version 1 of a bucket that was then emptied (or replaced by another
     store of the same name): a build must encode again, not reuse the tier's catalog."""
     tier = tmp_path / "tier"
     from featbake.store.open import open_store
 
-    bake(audio_dir, encoder_file, open_store(s3.url, local_cache=tier))
-    bucket = Bucket(BucketURL.parse(s3.url))
+    bake(audio_dir, encoder_file, open_store(place.url, local_cache=tier))
+    bucket = ObjectStore(BucketURL.parse(place.url))
     bucket.delete(o.name for o in bucket.list(""))
-    report = bake(audio_dir, encoder_file, open_store(s3.url, local_cache=tier))
+    report = bake(audio_dir, encoder_file, open_store(place.url, local_cache=tier))
     assert report.encoded == 16 and report.reused == 0
-    fresh = serve(s3, audio_dir, encoder_file, tmp_path / "fresh")
+    fresh = serve(place, audio_dir, encoder_file, tmp_path / "fresh")
     for i in range(len(fresh)):
         torch.testing.assert_close(fresh[i], live_features(encoder_file, Path(fresh.path(i))))

@@ -17,10 +17,11 @@ import torch
 from featbake import CachedFeatureDataset
 from featbake.bake.pipeline import build
 from featbake.errors import ConfigError
-from featbake.store.bucket import Bucket, BucketStore, shard_object
+from featbake.store.bucket import BucketStore, shard_object
 from featbake.store.catalog import open_sqlite
 from featbake.store.hash_cache import RACY_NS
 from featbake.store.layout import Layout
+from featbake.store.objects import ObjectStore
 from featbake.store.open import open_store, place_of
 from featbake.store.shard import write_shard
 from featbake.store.url import BucketURL
@@ -30,7 +31,7 @@ from featbake.upkeep import GcOptions, execute_gc, gc, plan_gc, verify
 from featbake.upkeep.check import verify_named
 from tests.conftest import REPO, invoke, live_features
 from tests.helpers import age
-from tests.store.bucket.conftest import S3, Remote
+from tests.store.bucket.conftest import S3, Place, Remote
 
 HOUR = 3600.0
 
@@ -99,36 +100,36 @@ def test_gc_keeps_what_an_older_version_names_until_the_retention_period_passes(
 
 
 def test_gc_keeps_young_unnamed_shards_and_the_cli_says_so(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+    place: Place, audio_dir: Path, encoder_file: Path, tmp_path: Path
 ) -> None:
-    build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
+    build(audio_dir, encoder_file, cache=place.url, workers=0, shard_bytes=60_000)
     time.sleep(1.5)  # the root is now unused for longer than --older-than 1s
-    dry = invoke("gc", "--cache", s3.url, "--older-than", "1s", "--dry-run")
+    dry = invoke("gc", "--cache", place.url, "--older-than", "1s", "--dry-run")
     assert dry.returncode == 0, dry.stderr
     assert "dry run" in dry.stdout and "would delete 0 old catalog versions" in dry.stdout
-    done = invoke("gc", "--cache", s3.url, "--older-than", "1s")
+    done = invoke("gc", "--cache", place.url, "--older-than", "1s")
     assert done.returncode == 0, done.stderr
     # The root went in a new version; its shards are unnamed now but young: kept (7 days).
-    assert "unnamed shards kept" in done.stdout and s3.objects("shards/")
-    assert len(s3.objects("catalog/")) == 2
+    assert "unnamed shards kept" in done.stdout and place.objects("shards/")
+    assert len(place.objects("catalog/")) == 2
 
 
 def test_a_reader_whose_shards_gc_deleted_finds_a_rebuild_through_the_newest_version(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+    place: Place, audio_dir: Path, encoder_file: Path, tmp_path: Path
 ) -> None:
-    build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
+    build(audio_dir, encoder_file, cache=place.url, workers=0, shard_bytes=60_000)
     reader = CachedFeatureDataset(
-        audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "r", write_back=False
+        audio_dir, encoder_file, cache=place.url, local_cache=tmp_path / "r", write_back=False
     )
     later = time.time() + 100
-    store = bucket(s3.url, tmp_path / "gc")
+    store = bucket(place.url, tmp_path / "gc")
     gc(store.layout, GcOptions(older_than=1.0, retention=HOUR), now=later)
     gc(store.layout, GcOptions(retention=HOUR), now=later + 2 * HOUR)
-    assert not s3.objects("shards/")
+    assert not place.objects("shards/")
     # Built again by another node, into other shards (another shard size: other names).
-    again = open_store(s3.url, local_cache=tmp_path / "other")
+    again = open_store(place.url, local_cache=tmp_path / "other")
     build(audio_dir, encoder_file, cache=again, workers=0, shard_bytes=200_000)
-    assert s3.objects("shards/")
+    assert place.objects("shards/")
     assert_live(reader, encoder_file)  # its version-1 shards are gone: looked up in the newest
     assert reader.cache_info().encoded == 0
 
@@ -141,7 +142,7 @@ def plant_unnamed_shard(store: str, tmp: Path) -> str:
     scratch = layout if layout.remote is None else Layout(tmp / "scratch")
     sealed = write_shard(scratch, {"a" * 64: torch.ones(3)}, "e" * 64, "r" * 64)
     if layout.remote is not None:
-        Bucket(BucketURL.parse(store)).upload(shard_object(sealed.name), sealed.path)
+        ObjectStore(BucketURL.parse(store)).upload(shard_object(sealed.name), sealed.path)
     return sealed.name
 
 
@@ -207,7 +208,7 @@ def test_verify_reads_what_either_place_names_and_repair_is_the_place_s_call(
         layout.shard_path(name).chmod(0o644)
         layout.shard_path(name).write_bytes(bytes(data))
     else:
-        Bucket(BucketURL.parse(place_store)).upload(shard_object(name), bad)
+        ObjectStore(BucketURL.parse(place_store)).upload(shard_object(name), bad)
     (finding,) = verify_named(layout).remaining
     assert finding.subject == place.shard_where(name) and finding.kind == "corrupt-shard"
     assert verify(place_store).status == "damaged"
@@ -231,12 +232,12 @@ for i in range(len(ds)):
 """
 
 
-def read_in_a_fresh_process(s3: S3, data: Path, encoder: Path, tier: Path) -> None:
+def read_in_a_fresh_process(place: Place, data: Path, encoder: Path, tier: Path) -> None:
     """Read every item of ``data``'s root from the bucket in a new Python process (on_miss
     "error": each is a stored feature) that exits without closing the dataset."""
     done = subprocess.run(
-        [sys.executable, "-c", READ_ALL, str(data), str(encoder), s3.url, str(tier)],
-        env={**s3.env, "PYTHONPATH": str(REPO)},
+        [sys.executable, "-c", READ_ALL, str(data), str(encoder), place.url, str(tier)],
+        env={**place.env, "PYTHONPATH": str(REPO)},
         capture_output=True,
         text=True,
         timeout=300,
@@ -245,10 +246,10 @@ def read_in_a_fresh_process(s3: S3, data: Path, encoder: Path, tier: Path) -> No
     assert done.returncode == 0, done.stderr
 
 
-def age_every_build(s3: S3, work: Path, days: float) -> None:
+def age_every_build(place: Place, work: Path, days: float) -> None:
     """Publish the next catalog version with every root built, and every feature last used,
     ``days`` ago."""
-    bucket = Bucket(BucketURL.parse(s3.url))
+    bucket = ObjectStore(BucketURL.parse(place.url))
     version = newest(o.name for o in bucket.list("catalog/"))
     edited = work / "aged.sqlite"
     bucket.download(version_name(version), edited)
@@ -261,7 +262,7 @@ def age_every_build(s3: S3, work: Path, days: float) -> None:
 
 
 def test_gc_older_than_keeps_a_bucket_root_a_fresh_process_read_and_drops_one_unread(
-    s3: S3, encoder_file: Path, tmp_path: Path
+    place: Place, encoder_file: Path, tmp_path: Path
 ) -> None:
     """Round four item 10: a bucket store dropped a root a dataset read that day. The reading
     process sealed its last uses into a serving fragment at exit, but the upload (boto3's
@@ -272,16 +273,16 @@ def test_gc_older_than_keeps_a_bucket_root_a_fresh_process_read_and_drops_one_un
     read, unread = tmp_path / "read", tmp_path / "unread"
     write_audio_folder(read, 3, seconds=0.3, seed=21)
     write_audio_folder(unread, 3, seconds=0.3, seed=22)
-    names = {d: build(d, encoder_file, cache=s3.url, workers=0).root for d in (read, unread)}
-    age_every_build(s3, tmp_path, days=40)
-    read_in_a_fresh_process(s3, read, encoder_file, tmp_path / "reader")
+    names = {d: build(d, encoder_file, cache=place.url, workers=0).root for d in (read, unread)}
+    age_every_build(place, tmp_path, days=40)
+    read_in_a_fresh_process(place, read, encoder_file, tmp_path / "reader")
     # A dry run folds nothing in: it counts the uses waiting in the bucket's fragments.
-    node = open_store(s3.url, local_cache=tmp_path / "dry")
+    node = open_store(place.url, local_cache=tmp_path / "dry")
     assert gc(node, GcOptions(older_than=DAY), dry_run=True).roots_dropped == [names[unread]]
-    done = gc(open_store(s3.url, local_cache=tmp_path / "gc"), GcOptions(older_than=DAY))
+    done = gc(open_store(place.url, local_cache=tmp_path / "gc"), GcOptions(older_than=DAY))
     assert done.roots_dropped == [names[unread]]
     kept = CachedFeatureDataset(
-        read, encoder_file, cache=s3.url, local_cache=tmp_path / "after", on_miss="error"
+        read, encoder_file, cache=place.url, local_cache=tmp_path / "after", on_miss="error"
     )
     assert_live(kept, encoder_file)  # every feature of the kept root served, none encoded
     kept.close()

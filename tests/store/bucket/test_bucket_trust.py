@@ -20,41 +20,42 @@ import torch
 from featbake import CachedFeatureDataset
 from featbake.bake.pipeline import build
 from featbake.errors import ConfigError, StoreCorrupt
-from featbake.store.bucket import Bucket
 from featbake.store.catalog import open_sqlite
+from featbake.store.objects import ObjectStore
 from featbake.store.open import open_store
 from featbake.store.url import BucketURL
 from featbake.store.versions import newest, version_name, version_of
 from featbake.testing import write_audio_folder
 from featbake.upkeep import GcOptions, gc, verify
 from tests.conftest import invoke, live_features, run_cli
-from tests.store.bucket.conftest import S3
+from tests.store.bucket.conftest import SCHEMES, Place, endpoint_env, upstream_port
 
 HOUR = 3600.0
 
 
-def bucket_of(s3: S3) -> Bucket:
-    return Bucket(BucketURL.parse(s3.url))
+def bucket_of(place: Place) -> ObjectStore:
+    return ObjectStore(BucketURL.parse(place.url))
 
 
-def flip_a_byte(s3: S3, name: str, tmp: Path) -> None:
+def flip_a_byte(place: Place, name: str, tmp: Path) -> None:
     """Rewrite object ``name`` with one byte of its payload changed (its name stays)."""
-    data = bytearray(bucket_of(s3).read(name).data)
+    data = bytearray(bucket_of(place).read(name).data)
     data[-10] ^= 0xFF
     tmp.write_bytes(bytes(data))
-    bucket_of(s3).upload(name, tmp)
+    bucket_of(place).upload(name, tmp)
 
 
-def publish_edited_version(s3: S3, work: Path, *statements: tuple[str, tuple]) -> None:
+def publish_edited_version(url: str, work: Path, *statements: tuple[str, tuple]) -> None:
     """Publish version 2 as version 1 with ``statements`` run on it: what anyone with write
     access to the bucket can do."""
     edited = work / "edited.sqlite"
-    bucket_of(s3).download(version_name(1), edited)
+    bucket = ObjectStore(BucketURL.parse(url))
+    bucket.download(version_name(1), edited)
     conn = open_sqlite(edited)
     for sql, params in statements:
         conn.execute(sql, params)
     conn.close()
-    bucket_of(s3).upload(version_name(2), edited)
+    bucket.upload(version_name(2), edited)
 
 
 def outside(victim: Path) -> str:
@@ -69,56 +70,58 @@ def assert_live(ds: CachedFeatureDataset, encoder: Path) -> None:
 
 # -- verify checks the bucket's objects -----------------------------------------------------------
 def test_verify_reads_the_objects_not_the_tier_that_holds_good_copies(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+    place: Place, audio_dir: Path, encoder_file: Path, tmp_path: Path
 ) -> None:
     tier = tmp_path / "node-a"
-    store = open_store(s3.url, local_cache=tier)
+    store = open_store(place.url, local_cache=tier)
     build(audio_dir, encoder_file, cache=store, workers=0, shard_bytes=60_000)
-    shard = s3.objects("shards/")[0]
-    flip_a_byte(s3, shard, tmp_path / "flipped")
+    shard = place.objects("shards/")[0]
+    flip_a_byte(place, shard, tmp_path / "flipped")
     # The builder's tier still holds the good copy: verify must not look there.
-    report = verify(s3.url, local_cache=tier)
+    report = verify(place.url, local_cache=tier)
     assert report.status == "damaged" and report.exit_code == 11
     (bad,) = report.remaining
-    assert bad.subject == f"{s3.url}/{shard}" and "delete this object" in bad.detail
-    assert report.shards_checked == len(s3.objects("shards/")) - 1 and report.bytes_checked > 0
-    cli = invoke("verify", "--cache", s3.url, "--local-cache", tier)
+    assert bad.subject == f"{place.url}/{shard}" and "delete this object" in bad.detail
+    assert report.shards_checked == len(place.objects("shards/")) - 1 and report.bytes_checked > 0
+    cli = invoke("verify", "--cache", place.url, "--local-cache", tier)
     assert cli.returncode == 11, cli.stderr
-    assert f"{s3.url}/{shard}" in cli.stdout and "corrupt-shard" in cli.stdout
+    assert f"{place.url}/{shard}" in cli.stdout and "corrupt-shard" in cli.stdout
 
 
 def test_two_shard_objects_holding_each_others_bytes_are_damaged(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+    place: Place, audio_dir: Path, encoder_file: Path, tmp_path: Path
 ) -> None:
-    build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
-    a, b = s3.objects("shards/")[:2]
-    bucket = bucket_of(s3)
+    build(audio_dir, encoder_file, cache=place.url, workers=0, shard_bytes=60_000)
+    a, b = place.objects("shards/")[:2]
+    bucket = bucket_of(place)
     (tmp_path / "a").write_bytes(bucket.read(a).data)
     (tmp_path / "b").write_bytes(bucket.read(b).data)
     bucket.upload(a, tmp_path / "b")
     bucket.upload(b, tmp_path / "a")
-    report = verify(s3.url, local_cache=tmp_path / "fresh")
-    assert {f.subject for f in report.remaining} == {f"{s3.url}/{a}", f"{s3.url}/{b}"}
+    report = verify(place.url, local_cache=tmp_path / "fresh")
+    assert {f.subject for f in report.remaining} == {f"{place.url}/{a}", f"{place.url}/{b}"}
 
 
 def test_the_python_api_refuses_to_repair_a_bucket_and_forgets_nothing(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+    place: Place, audio_dir: Path, encoder_file: Path, tmp_path: Path
 ) -> None:
-    build(audio_dir, encoder_file, cache=s3.url, workers=0)
-    catalogs = s3.objects("catalog/")
+    build(audio_dir, encoder_file, cache=place.url, workers=0)
+    catalogs = place.objects("catalog/")
     fresh = tmp_path / "fresh-node"  # its tier holds no shard yet
     with pytest.raises(ConfigError, match="not built for a bucket store"):
-        verify(s3.url, repair_damage=True, local_cache=fresh)
-    assert verify(s3.url, local_cache=fresh).status == "clean"
-    assert s3.objects("catalog/") == catalogs  # nothing published
-    again = build(audio_dir, encoder_file, cache=open_store(s3.url, local_cache=fresh), workers=0)
+        verify(place.url, repair_damage=True, local_cache=fresh)
+    assert verify(place.url, local_cache=fresh).status == "clean"
+    assert place.objects("catalog/") == catalogs  # nothing published
+    again = build(
+        audio_dir, encoder_file, cache=open_store(place.url, local_cache=fresh), workers=0
+    )
     assert again.encoded == 0 and again.reused == 16
 
 
 # -- a stale tier never publishes over the bucket --------------------------------------------------
-def roots_in_bucket(s3: S3, tmp: Path) -> list[str]:
-    bucket = bucket_of(s3)
-    v = newest(s3.objects("catalog/"))
+def roots_in_bucket(place: Place, tmp: Path) -> list[str]:
+    bucket = bucket_of(place)
+    v = newest(place.objects("catalog/"))
     bucket.download(version_name(v), tmp)
     conn = open_sqlite(tmp)
     try:
@@ -128,72 +131,118 @@ def roots_in_bucket(s3: S3, tmp: Path) -> list[str]:
 
 
 def test_a_tier_that_lost_its_catalog_fetches_it_again_before_it_publishes(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+    place: Place, audio_dir: Path, encoder_file: Path, tmp_path: Path
 ) -> None:
     tier = tmp_path / "node"
-    build(audio_dir, encoder_file, cache=open_store(s3.url, local_cache=tier), workers=0)
+    build(audio_dir, encoder_file, cache=open_store(place.url, local_cache=tier), workers=0)
     (catalog,) = tier.rglob("catalog.sqlite")
     catalog.unlink()  # catalog.version stays
     other = tmp_path / "other"
     write_audio_folder(other, 2, seconds=0.5, seed=9)
-    build(other, encoder_file, cache=open_store(s3.url, local_cache=tier), workers=0)
-    assert len(roots_in_bucket(s3, tmp_path / "v.sqlite")) == 2  # the first root survived
+    build(other, encoder_file, cache=open_store(place.url, local_cache=tier), workers=0)
+    assert len(roots_in_bucket(place, tmp_path / "v.sqlite")) == 2  # the first root survived
     ds = CachedFeatureDataset(
-        audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "reader", on_miss="error"
+        audio_dir, encoder_file, cache=place.url, local_cache=tmp_path / "reader", on_miss="error"
     )
     assert_live(ds, encoder_file)
 
 
 def test_a_tier_from_before_the_prefix_was_rebuilt_fetches_the_new_version(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+    place: Place, audio_dir: Path, encoder_file: Path, tmp_path: Path
 ) -> None:
     old_node = tmp_path / "old-node"
-    build(audio_dir, encoder_file, cache=open_store(s3.url, local_cache=old_node), workers=0)
-    bucket = bucket_of(s3)
-    bucket.delete(s3.objects())  # the prefix is wiped and rebuilt by another node
+    build(audio_dir, encoder_file, cache=open_store(place.url, local_cache=old_node), workers=0)
+    bucket = bucket_of(place)
+    bucket.delete(place.objects())  # the prefix is wiped and rebuilt by another node
     rebuilt = tmp_path / "rebuilt"
     write_audio_folder(rebuilt, 3, seconds=0.5, seed=5)
-    build(rebuilt, encoder_file, cache=open_store(s3.url, local_cache=tmp_path / "b"), workers=0)
-    assert newest(s3.objects("catalog/")) == 1  # the same version number, other bytes
+    build(rebuilt, encoder_file, cache=open_store(place.url, local_cache=tmp_path / "b"), workers=0)
+    assert newest(place.objects("catalog/")) == 1  # the same version number, other bytes
     more = tmp_path / "more"
     write_audio_folder(more, 1, seconds=0.5, seed=6)
-    build(more, encoder_file, cache=open_store(s3.url, local_cache=old_node), workers=0)
-    roots = roots_in_bucket(s3, tmp_path / "v.sqlite")
+    build(more, encoder_file, cache=open_store(place.url, local_cache=old_node), workers=0)
+    roots = roots_in_bucket(place, tmp_path / "v.sqlite")
     assert str(rebuilt) in roots and str(more) in roots and str(audio_dir) not in roots
 
 
 def test_a_tier_folder_given_as_a_store_is_refused(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+    place: Place, audio_dir: Path, encoder_file: Path, tmp_path: Path
 ) -> None:
     tier = tmp_path / "tier"
-    build(audio_dir, encoder_file, cache=open_store(s3.url, local_cache=tier), workers=0)
+    build(audio_dir, encoder_file, cache=open_store(place.url, local_cache=tier), workers=0)
     (catalog,) = tier.rglob("catalog.sqlite")
     refused = invoke("build", "-e", encoder_file, "-d", audio_dir, "--cache", catalog.parent)
     assert refused.returncode == 2, refused.stderr
-    assert "local tier of the bucket store" in refused.stderr and s3.url in refused.stderr
+    assert "local tier of the bucket store" in refused.stderr and place.url in refused.stderr
 
 
 # -- names read from the bucket are never followed outside it ------------------------------------
+def plant(store: str, work: Path, *statements: tuple[str, tuple]) -> None:
+    """Edit ``store``'s catalog as anyone with write access to the place can: a directory's
+    catalog.sqlite in place; a bucket's as a new version (:func:`publish_edited_version`)."""
+    if "://" in store:
+        publish_edited_version(store, work, *statements)
+        return
+    conn = open_sqlite(Path(store) / "catalog.sqlite")
+    for sql, params in statements:
+        conn.execute(sql, params)
+    conn.close()
+
+
+def shard_names(store: str) -> list[str]:
+    """The shards ``store`` holds: its objects or its files under shards/."""
+    if "://" in store:
+        return sorted(o.name for o in ObjectStore(BucketURL.parse(store)).list("shards/"))
+    return sorted(str(p) for p in (Path(store) / "shards").rglob("*") if p.is_file())
+
+
+def plant_outside_shard(store: str, work: Path, victim: Path) -> None:
+    """Name ``store``'s first shard by a path to ``victim``, and age its root past
+    ``--older-than 1s`` so that gc drops it and meets the name."""
+    then = time.time() - HOUR
+    plant(
+        store,
+        work,
+        ("UPDATE shards SET name = ? WHERE id = (SELECT min(id) FROM shards)", (outside(victim),)),
+        ("UPDATE roots SET created = ?, last_used = ?", (then, then)),
+        ("UPDATE features SET last_used = ?", (then,)),
+    )
+
+
 def test_a_planted_catalog_naming_a_path_outside_the_store_touches_nothing(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+    place_store: str, audio_dir: Path, encoder_file: Path, tmp_path: Path
 ) -> None:
-    build(audio_dir, encoder_file, cache=s3.url, workers=0)
-    shards = len(s3.objects("shards/"))
+    build(audio_dir, encoder_file, cache=place_store, workers=0)
+    shards = shard_names(place_store)
     victim = tmp_path / "victim" / "model.safetensors"
     victim.parent.mkdir()
     victim.write_bytes(b"precious")
-    publish_edited_version(
-        s3,
-        tmp_path,
-        ("UPDATE shards SET name = ? WHERE id = (SELECT min(id) FROM shards)", (outside(victim),)),
-    )
-    gc_node = open_store(s3.url, local_cache=tmp_path / "gc-node")
-    with pytest.raises(StoreCorrupt, match="not a shard name"):
-        gc(gc_node, GcOptions(older_than=1.0, retention=0.0), now=time.time() + HOUR)
-    cli = invoke("gc", "--cache", s3.url, "--retention", "0s", "--local-cache", tmp_path / "c")
-    assert cli.returncode == 6 and "not a shard name" in cli.stderr, cli.stderr
+    plant_outside_shard(place_store, tmp_path, victim)
+    cli = invoke("gc", "--cache", place_store, "--retention", "0s", "--older-than", "1s")
+    assert cli.returncode == 6 and "not a shard name" in cli.stderr, (cli.stdout, cli.stderr)
     assert victim.read_bytes() == b"precious"
-    assert len(s3.objects("shards/")) == shards  # nothing deleted on a planted version's word
+    assert shard_names(place_store) == shards  # nothing deleted on a planted catalog's word
+
+
+LOCAL_GC_COMMITS = pytest.mark.xfail(
+    strict=True,
+    reason="a directory's gc commits the dropped root and its rows before it meets the planted "
+    "shard name, so the refused run is not all-or-nothing (a bucket's publishes nothing)",
+)
+
+
+@pytest.mark.parametrize(
+    "place_store", [pytest.param("local", marks=LOCAL_GC_COMMITS), *SCHEMES], indirect=True
+)
+def test_a_gc_refused_on_a_planted_name_leaves_the_catalog_as_it_was(
+    place_store: str, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    build(audio_dir, encoder_file, cache=place_store, workers=0)
+    plant_outside_shard(place_store, tmp_path, tmp_path / "victim.safetensors")
+    gc_node = open_store(place_store, local_cache=tmp_path / "gc-node")
+    for _ in range(2):  # the second run meets the same catalog: the first changed nothing
+        with pytest.raises(StoreCorrupt, match="not a shard name"):
+            gc(gc_node, GcOptions(older_than=1.0, retention=0.0))
 
 
 def test_catalog_version_numbers_keep_working_past_nine_digits() -> None:
@@ -203,8 +252,11 @@ def test_catalog_version_numbers_keep_working_past_nine_digits() -> None:
 
 
 # -- URLs, endpoints and credentials --------------------------------------------------------------
-def test_an_empty_bucket_in_the_url_is_refused_and_makes_no_folder(tmp_path: Path) -> None:
-    got = invoke("stats", "--cache", "s3://", cwd=tmp_path)
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_an_empty_bucket_in_the_url_is_refused_and_makes_no_folder(
+    scheme: str, tmp_path: Path
+) -> None:
+    got = invoke("stats", "--cache", f"{scheme}://", cwd=tmp_path)
     assert got.returncode == 2 and "names no bucket" in got.stderr, got.stderr
     assert not any(tmp_path.iterdir())
 
@@ -219,6 +271,9 @@ def test_an_empty_bucket_in_the_url_is_refused_and_makes_no_folder(tmp_path: Pat
 def test_a_malformed_endpoint_or_profile_is_one_line(
     env: dict[str, str], says: str, tmp_path: Path
 ) -> None:
+    """S3 only: ``AWS_ENDPOINT_URL`` and ``AWS_PROFILE`` are boto3's own settings, read by
+    botocore's config loader; the other clouds' settings are covered below (a stalled endpoint,
+    credentials in the endpoint)."""
     got = invoke(
         "stats", "--cache", "s3://bucket/p", "--local-cache", tmp_path,
         env={"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", **env},
@@ -227,21 +282,39 @@ def test_a_malformed_endpoint_or_profile_is_one_line(
     assert "internal error" not in got.stderr and len(got.stderr.strip().splitlines()) == 1
 
 
-def test_a_bad_bucket_name_is_one_line(tmp_path: Path) -> None:
-    got = invoke("stats", "--cache", "s3://Bad_Bucket!/p", "--local-cache", tmp_path)
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_bad_bucket_name_is_one_line(scheme: str, tmp_path: Path) -> None:
+    got = invoke("stats", "--cache", f"{scheme}://Bad_Bucket!/p", "--local-cache", tmp_path)
     assert got.returncode == 2 and "not a bucket name" in got.stderr, got.stderr
 
 
-def test_credentials_in_the_endpoint_reach_no_message_and_no_folder(s3: S3, tmp_path: Path) -> None:
-    endpoint = s3.endpoint.replace("http://", "http://someone:hunter2secret@")
+def credentialed_env(place: Place) -> tuple[dict[str, str], list[str]]:
+    """``place``'s cloud settings with secrets written into them (a user and password in the
+    endpoint URL; Azure's account key besides), and the secrets, none of which may be printed
+    or name a folder."""
+    base = f"http://someone:hunter2secret@127.0.0.1:{upstream_port(place)}"
+    env = endpoint_env(place, base)
+    connection = place.env.get("AZURE_STORAGE_CONNECTION_STRING", "")
+    key = connection.partition("AccountKey=")[2].partition(";")[0]
+    return env, ["hunter2secret", *([key] if key else [])]
+
+
+def test_credentials_in_the_endpoint_reach_no_message_and_no_folder(
+    place: Place, tmp_path: Path
+) -> None:
+    env, secrets = credentialed_env(place)
     got = invoke(
-        "stats", "--cache", "s3://no-such-bucket-here/p", "--local-cache", tmp_path / "t",
-        env={"AWS_ENDPOINT_URL": endpoint},
+        "stats", "--cache", f"{place.scheme}://no-such-bucket-here/p",
+        "--local-cache", tmp_path / "t", env=env,
     )  # fmt: skip
     assert got.returncode == 5, got.stderr
-    assert "hunter2secret" not in got.stderr + got.stdout and "***@" in got.stderr
+    said = got.stderr + got.stdout
+    assert not any(s in said for s in secrets), said
+    if "127.0.0.1" in got.stderr:  # where the message names the endpoint, it is masked
+        assert "***@127.0.0.1" in got.stderr, got.stderr
+    assert "internal error" not in said and len(got.stderr.strip().splitlines()) == 1
     folders = [str(p) for p in (tmp_path / "t").rglob("*")]
-    assert folders and not any("hunter2secret" in f or "someone" in f for f in folders)
+    assert folders and not any(s in f or "someone" in f for f in folders for s in secrets)
 
 
 @pytest.fixture
@@ -288,7 +361,7 @@ def stalled_env(scheme: str, endpoint: str) -> dict[str, str]:
     return {"AZURE_STORAGE_CONNECTION_STRING": connection, "FEATBAKE_OBJECT_TIMEOUT": "0.5"}
 
 
-@pytest.mark.parametrize("scheme", ["s3", "gs", "az"])
+@pytest.mark.parametrize("scheme", SCHEMES)
 def test_a_stalled_endpoint_is_one_line_not_a_hang(
     stalled_endpoint: str, tmp_path: Path, scheme: str
 ) -> None:
@@ -306,13 +379,13 @@ def test_a_stalled_endpoint_is_one_line_not_a_hang(
 
 # -- gc on a bucket -------------------------------------------------------------------------------
 def test_a_dry_run_reports_what_the_run_does(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+    place: Place, audio_dir: Path, encoder_file: Path, tmp_path: Path
 ) -> None:
-    build(audio_dir, encoder_file, cache=s3.url, workers=0)
+    build(audio_dir, encoder_file, cache=place.url, workers=0)
     later = time.time() + HOUR
-    store = open_store(s3.url, local_cache=tmp_path / "gc")
+    store = open_store(place.url, local_cache=tmp_path / "gc")
     dry = gc(store, GcOptions(older_than=1.0, retention=HOUR), now=later, dry_run=True)
-    assert len(s3.objects("catalog/")) == 1  # nothing published
+    assert len(place.objects("catalog/")) == 1  # nothing published
     done = gc(store, GcOptions(older_than=1.0, retention=HOUR), now=later)
     assert done.rows_deleted == 16 and done.published
     assert dry.rows_deleted == done.rows_deleted
@@ -320,147 +393,168 @@ def test_a_dry_run_reports_what_the_run_does(
 
 
 def test_gc_lists_shards_before_versions_so_a_merge_in_between_loses_nothing(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    place: Place,
+    audio_dir: Path,
+    encoder_file: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from featbake.store.bucket import merge_bucket
 
     # Two parts of a build: their shards and fragments are in the bucket, not yet merged.
     for part in ("0/2", "1/2"):
-        build(audio_dir, encoder_file, cache=s3.url, workers=0, shard=part, shard_bytes=60_000)
-    assert not s3.objects("catalog/") and s3.objects("fragments/")
-    gc_node = open_store(s3.url, local_cache=tmp_path / "gc")
-    merger = open_store(s3.url, local_cache=tmp_path / "merger")
-    real_list = Bucket.list
+        build(audio_dir, encoder_file, cache=place.url, workers=0, shard=part, shard_bytes=60_000)
+    assert not place.objects("catalog/") and place.objects("fragments/")
+    gc_node = open_store(place.url, local_cache=tmp_path / "gc")
+    merger = open_store(place.url, local_cache=tmp_path / "merger")
+    real_list = ObjectStore.list
     calls: list[str] = []
 
-    def list_then_merge(self: Bucket, prefix: str) -> list:
+    def list_then_merge(self: ObjectStore, prefix: str) -> list:
         got = real_list(self, prefix)
         calls.append(prefix)
         if len(calls) == 1:  # a merge publishes between gc's first listing and the rest
             merge_bucket(merger.remote)  # type: ignore[arg-type]
         return got
 
-    monkeypatch.setattr(Bucket, "list", list_then_merge)
+    monkeypatch.setattr(ObjectStore, "list", list_then_merge)
     gc(gc_node, GcOptions(retention=0.0), now=time.time() + HOUR)
-    monkeypatch.setattr(Bucket, "list", real_list)
+    monkeypatch.setattr(ObjectStore, "list", real_list)
     ds = CachedFeatureDataset(
-        audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "reader", on_miss="error"
+        audio_dir, encoder_file, cache=place.url, local_cache=tmp_path / "reader", on_miss="error"
     )
     assert_live(ds, encoder_file)
 
 
 def test_stats_and_export_take_the_local_cache_options(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+    place: Place, audio_dir: Path, encoder_file: Path, tmp_path: Path
 ) -> None:
-    build(audio_dir, encoder_file, cache=s3.url, workers=0)
+    build(audio_dir, encoder_file, cache=place.url, workers=0)
     tier = tmp_path / "named-tier"
     got = invoke(
-        "stats", "--cache", s3.url, "--local-cache", tier, "--local-cache-size", "20MiB", "--json"
+        "stats",
+        "--cache",
+        place.url,
+        "--local-cache",
+        tier,
+        "--local-cache-size",
+        "20MiB",
+        "--json",
     )
     assert got.returncode == 0, got.stderr
     held = json.loads(got.stdout)["tier"]
     assert held["budget"] == 20 << 20 and held["path"].startswith(str(tier))
     out = tmp_path / "f.zarr"
-    exported = invoke("export", out, "--cache", s3.url, "--local-cache", tier)
+    exported = invoke("export", out, "--cache", place.url, "--local-cache", tier)
     assert exported.returncode == 0, exported.stderr
     shutil.rmtree(out)
     for args in (["roots"], ["merge"]):
-        got = invoke(*args, "--cache", s3.url, "--local-cache", tier, "--local-cache-size", "1GiB")
+        got = invoke(
+            *args, "--cache", place.url, "--local-cache", tier, "--local-cache-size", "1GiB"
+        )
         assert got.returncode == 0, (args, got.stderr)
-    name = json.loads(invoke("roots", "--cache", s3.url, "--json").stdout)[0]["name"]
-    dropped = invoke("roots", "drop", name, "--cache", s3.url, "--local-cache", tier)
+    name = json.loads(invoke("roots", "--cache", place.url, "--json").stdout)[0]["name"]
+    dropped = invoke("roots", "drop", name, "--cache", place.url, "--local-cache", tier)
     assert dropped.returncode == 0 and name in dropped.stdout, dropped.stderr
 
 
 def test_a_read_only_build_into_a_bucket_writes_nothing(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+    place: Place, audio_dir: Path, encoder_file: Path, tmp_path: Path
 ) -> None:
     got = invoke(
-        "build", "-e", encoder_file, "-d", audio_dir, "--cache", s3.url,
+        "build", "-e", encoder_file, "-d", audio_dir, "--cache", place.url,
         "--local-cache", tmp_path / "t", env={"FEATBAKE_READ_ONLY": "1"},
     )  # fmt: skip
     assert got.returncode == 5, got.stderr
-    assert "read-only here (FEATBAKE_READ_ONLY=1)" in got.stderr and s3.url in got.stderr
-    assert s3.objects() == []  # no shard, no fragment uploaded
+    assert "read-only here (FEATBAKE_READ_ONLY=1)" in got.stderr and place.url in got.stderr
+    assert place.objects() == []  # no shard, no fragment uploaded
 
 
 def test_a_damaged_fragment_object_is_named_and_blocks_no_other_build(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+    place: Place, audio_dir: Path, encoder_file: Path, tmp_path: Path
 ) -> None:
     from featbake.store.bucket import DamagedFragmentWarning
 
     for part in ("0/2", "1/2"):  # a build in parts, not merged yet
-        build(audio_dir, encoder_file, cache=s3.url, workers=0, shard=part)
-    fragments = s3.objects("fragments/")
+        build(audio_dir, encoder_file, cache=place.url, workers=0, shard=part)
+    fragments = place.objects("fragments/")
     fragment = fragments[-1]
     (tmp_path / "junk").write_bytes(b"not a fragment" * 100)
-    bucket_of(s3).upload(fragment, tmp_path / "junk")
+    bucket_of(place).upload(fragment, tmp_path / "junk")
     other = tmp_path / "other"
     write_audio_folder(other, 3, seconds=0.5, seed=4)
-    with pytest.warns(DamagedFragmentWarning, match=rf"{s3.url}/{fragment}.*delete that object"):
-        report = build(other, encoder_file, cache=open_store(s3.url, local_cache=tmp_path / "n"))
+    with pytest.warns(DamagedFragmentWarning, match=rf"{place.url}/{fragment}.*delete that object"):
+        report = build(other, encoder_file, cache=open_store(place.url, local_cache=tmp_path / "n"))
     assert report.ok and report.encoded == 3
-    assert s3.objects("fragments/") == fragments  # left for the user: nothing else lost
+    assert place.objects("fragments/") == fragments  # left for the user: nothing else lost
     ds = CachedFeatureDataset(
-        other, encoder_file, cache=s3.url, local_cache=tmp_path / "reader", on_miss="error"
+        other, encoder_file, cache=place.url, local_cache=tmp_path / "reader", on_miss="error"
     )
     assert_live(ds, encoder_file)
 
 
 def test_a_miss_on_a_bucket_store_names_the_bucket_not_the_tier(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+    place: Place, audio_dir: Path, encoder_file: Path, tmp_path: Path
 ) -> None:
     from featbake.errors import CacheMiss
 
-    build(audio_dir, encoder_file, cache=s3.url, workers=0)
+    build(audio_dir, encoder_file, cache=place.url, workers=0)
     more = tmp_path / "more"
     write_audio_folder(more, 2, seconds=0.5, seed=8)
     tier = tmp_path / "tier"
-    ds = CachedFeatureDataset(more, encoder_file, cache=s3.url, local_cache=tier, on_miss="error")
+    ds = CachedFeatureDataset(
+        more, encoder_file, cache=place.url, local_cache=tier, on_miss="error"
+    )
     with pytest.raises(CacheMiss) as miss:
         ds[0]
     said = str(miss.value)
-    assert s3.url in said and str(tier) not in said
+    assert place.url in said and str(tier) not in said
 
 
-def test_revalidate_over_a_bucket_prefix_is_refused_in_one_line(s3: S3) -> None:
+def test_revalidate_over_a_bucket_prefix_is_refused_in_one_line(place: Place) -> None:
     with pytest.raises(ConfigError, match="revalidate=True is not built for inputs in a bucket"):
-        CachedFeatureDataset(f"s3://{s3.bucket}/audio/", "encoder.pt", revalidate=True)
+        CachedFeatureDataset(
+            f"{place.scheme}://{place.bucket}/audio/", "encoder.pt", revalidate=True
+        )
 
 
 def test_a_bucket_build_leaves_the_tier_within_its_budget(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+    place: Place, audio_dir: Path, encoder_file: Path, tmp_path: Path
 ) -> None:
     tier = tmp_path / "tier"
-    store = open_store(s3.url, local_cache=tier, local_cache_size="120KB")
+    store = open_store(place.url, local_cache=tier, local_cache_size="120KB")
     report = build(audio_dir, encoder_file, cache=store, workers=0, shard_bytes=30_000)
-    assert report.encoded == 16 and len(s3.objects("shards/")) > 4
+    assert report.encoded == 16 and len(place.objects("shards/")) > 4
     held = sum(p.stat().st_size for p in tier.rglob("*.safetensors"))
     assert held <= 120_000, held  # its own uploads are copies at once, young or not
     ds = CachedFeatureDataset(
-        audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "r", on_miss="error"
+        audio_dir, encoder_file, cache=place.url, local_cache=tmp_path / "r", on_miss="error"
     )
     assert_live(ds, encoder_file)
 
 
 def test_a_nodes_processes_download_a_new_catalog_version_once(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    place: Place,
+    audio_dir: Path,
+    encoder_file: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    build(audio_dir, encoder_file, cache=s3.url, workers=0)
+    build(audio_dir, encoder_file, cache=place.url, workers=0)
     tier = tmp_path / "node"
-    readers = [open_store(s3.url, local_cache=tier).remote for _ in range(4)]
+    readers = [open_store(place.url, local_cache=tier).remote for _ in range(4)]
     more = tmp_path / "more"
     write_audio_folder(more, 1, seconds=0.5, seed=3)
-    build(more, encoder_file, cache=open_store(s3.url, local_cache=tmp_path / "b"), workers=0)
+    build(more, encoder_file, cache=open_store(place.url, local_cache=tmp_path / "b"), workers=0)
     downloads: list[str] = []
-    real = Bucket.download
+    real = ObjectStore.download
 
-    def counted(self: Bucket, name: str, dest: Path) -> int:
+    def counted(self: ObjectStore, name: str, dest: Path) -> int:
         if name.startswith("catalog/"):
             downloads.append(name)
         return real(self, name, dest)
 
-    monkeypatch.setattr(Bucket, "download", counted)
+    monkeypatch.setattr(ObjectStore, "download", counted)
     start = threading.Barrier(len(readers))
 
     def sync(store: object) -> None:
@@ -476,19 +570,19 @@ def test_a_nodes_processes_download_a_new_catalog_version_once(
 
 
 def test_one_output_after_a_whole_output_bucket_build_is_copied_not_encoded(
-    s3: S3, audio_dir: Path, multi_encoder_file: Path, tmp_path: Path
+    place: Place, audio_dir: Path, multi_encoder_file: Path, tmp_path: Path
 ) -> None:
     from featbake.recipe import Recipe
 
-    whole = build(audio_dir, multi_encoder_file, cache=s3.url, workers=0)
+    whole = build(audio_dir, multi_encoder_file, cache=place.url, workers=0)
     assert whole.encoded == 16
-    store = open_store(s3.url, local_cache=tmp_path / "other-node")
+    store = open_store(place.url, local_cache=tmp_path / "other-node")
     part = build(
         audio_dir, multi_encoder_file, cache=store, workers=0, recipe=Recipe(output="pooled")
     )
     assert (part.encoded, part.derived) == (0, 16)  # a local store copies; the bucket did not
     ds = CachedFeatureDataset(
-        audio_dir, multi_encoder_file, cache=s3.url, local_cache=tmp_path / "r",
+        audio_dir, multi_encoder_file, cache=place.url, local_cache=tmp_path / "r",
         recipe=Recipe(output="pooled"), on_miss="error",
     )  # fmt: skip
     for i in range(len(ds)):
@@ -497,79 +591,88 @@ def test_one_output_after_a_whole_output_bucket_build_is_copied_not_encoded(
 
 
 def test_an_open_ranged_reader_finds_features_a_new_version_moved(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    place: Place,
+    audio_dir: Path,
+    encoder_file: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("FEATBAKE_BUCKET_READS", "ranged")
-    build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
+    build(audio_dir, encoder_file, cache=place.url, workers=0, shard_bytes=60_000)
     ds = CachedFeatureDataset(
-        audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "reader",
+        audio_dir, encoder_file, cache=place.url, local_cache=tmp_path / "reader",
         on_miss="error", ram_cache=0,
     )  # fmt: skip
     assert_live(ds, encoder_file)  # every shard's ranged reader is open now
-    bucket_of(s3).delete(s3.objects())  # the store is rebuilt with other shards
-    rebuilt = open_store(s3.url, local_cache=tmp_path / "builder")
+    bucket_of(place).delete(place.objects())  # the store is rebuilt with other shards
+    rebuilt = open_store(place.url, local_cache=tmp_path / "builder")
     build(audio_dir, encoder_file, cache=rebuilt, workers=0, shard_bytes=25_000)
     assert_live(ds, encoder_file)  # found through the new version: no miss, nothing encoded
     assert ds.cache_info().encoded == 0
 
 
 def test_gc_older_than_keeps_a_bucket_root_a_dataset_reads(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+    place: Place, audio_dir: Path, encoder_file: Path, tmp_path: Path
 ) -> None:
-    build(audio_dir, encoder_file, cache=s3.url, workers=0)
+    build(audio_dir, encoder_file, cache=place.url, workers=0)
     then = time.time() - 40 * 86400  # the next version: the store as if built 40 days ago
     publish_edited_version(
-        s3,
+        place.url,
         tmp_path,
         ("UPDATE roots SET created=?, last_used=?", (then, then)),
         ("UPDATE features SET last_used=?", (then,)),
     )
     ds = CachedFeatureDataset(
-        audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "reader", on_miss="error"
+        audio_dir, encoder_file, cache=place.url, local_cache=tmp_path / "reader", on_miss="error"
     )
     assert_live(ds, encoder_file)  # a training job's day: every item served
     ds.close()
-    done = gc(open_store(s3.url, local_cache=tmp_path / "gc"), GcOptions(older_than=86400))
+    done = gc(open_store(place.url, local_cache=tmp_path / "gc"), GcOptions(older_than=86400))
     assert not done.roots_dropped
     reader = CachedFeatureDataset(
-        audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "r2", on_miss="error"
+        audio_dir, encoder_file, cache=place.url, local_cache=tmp_path / "r2", on_miss="error"
     )
     assert_live(reader, encoder_file)
 
 
 def test_a_damaged_catalog_version_is_named_with_what_to_do(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+    place: Place, audio_dir: Path, encoder_file: Path, tmp_path: Path
 ) -> None:
-    build(audio_dir, encoder_file, cache=s3.url, workers=0)
+    build(audio_dir, encoder_file, cache=place.url, workers=0)
     (tmp_path / "junk").write_bytes(b"SQLite format 3\x00" + b"\x17" * 5000)
-    bucket_of(s3).upload(version_name(2), tmp_path / "junk")
-    got = invoke("stats", "--cache", s3.url, "--local-cache", tmp_path / "t")
+    bucket_of(place).upload(version_name(2), tmp_path / "junk")
+    got = invoke("stats", "--cache", place.url, "--local-cache", tmp_path / "t")
     assert got.returncode == 6, got.stderr
-    assert f"{s3.url}/{version_name(2)}" in got.stderr and "delete that object" in got.stderr
+    assert f"{place.url}/{version_name(2)}" in got.stderr and "delete that object" in got.stderr
     assert "internal error" not in got.stderr
 
 
 def test_a_planted_root_name_is_never_followed_to_a_path(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+    place_store: str, audio_dir: Path, encoder_file: Path, tmp_path: Path
 ) -> None:
-    build(audio_dir, encoder_file, cache=s3.url, workers=0)
+    build(audio_dir, encoder_file, cache=place_store, workers=0)
     victim = tmp_path / "victim.json"
     victim.write_text("precious")
     hostile = outside(victim)
-    publish_edited_version(
-        s3,
+    then = time.time() - HOUR  # the root is older than --older-than 1s
+    plant(
+        place_store,
         tmp_path,
-        ("UPDATE roots SET name = ?", (hostile,)),
+        ("UPDATE roots SET name = ?, created = ?, last_used = ?", (hostile, then, then)),
         ("UPDATE root_items SET root = ?", (hostile,)),
+        ("UPDATE features SET last_used = ?", (then,)),
     )
-    time.sleep(1.1)  # the root is older than --older-than 1s
-    got = invoke("gc", "--cache", s3.url, "--older-than", "1s", "--local-cache", tmp_path / "t")
+    got = invoke("gc", "--cache", place_store, "--older-than", "1s")
     assert got.returncode == 6 and "not a root name" in got.stderr, got.stderr
     assert victim.read_text() == "precious"
 
 
 def test_hints_fetch_the_coming_shards_in_the_background(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    place: Place,
+    audio_dir: Path,
+    encoder_file: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Issue 30 item 4: with whole-shard reads a reader's hints (FeatureLoader's read-ahead)
     start the coming shards' fetches on a background thread, epoch 1 included; the reads then
@@ -577,10 +680,10 @@ def test_hints_fetch_the_coming_shards_in_the_background(
     from featbake.store.bucket import PREFETCH_AHEAD
 
     monkeypatch.setenv("FEATBAKE_BUCKET_READS", "whole")
-    build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
+    build(audio_dir, encoder_file, cache=place.url, workers=0, shard_bytes=60_000)
     tier = tmp_path / "reader"
     ds = CachedFeatureDataset(
-        audio_dir, encoder_file, cache=s3.url, local_cache=tier, on_miss="error", ram_cache=0
+        audio_dir, encoder_file, cache=place.url, local_cache=tier, on_miss="error", ram_cache=0
     )
     store = ds._layout.remote
     assert store is not None and not list(tier.rglob("*.safetensors"))
