@@ -348,7 +348,7 @@ def test_a_shuffled_epoch_through_a_small_tier_asks_each_shard_once_by_ranges(
     ds = serve(s3, audio_dir, encoder_file, tmp_path / "tier", local_cache_size="64KiB")
     assert ds._layout.remote.reads_ranged()  # type: ignore[union-attr]
     loader = FeatureLoader(ds, batch_size=1, shuffle=True, seed=0)
-    with counted_requests(type(Bucket(BucketURL.parse(s3.url)))) as sent:
+    with counted_requests(type(ObjectStore(BucketURL.parse(s3.url)))) as sent:
         for epoch in range(2):
             sent.reset()
             rows = [padded[0][: lengths[0]] for padded, lengths in loader]
