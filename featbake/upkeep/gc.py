@@ -50,7 +50,7 @@ from featbake.store.fragments import (
     sealed_fragments,
     serving_uses,
 )
-from featbake.store.layout import Layout
+from featbake.store.layout import Layout, checked_shard_name
 from featbake.store.locks import shared_write_lock
 from featbake.store.open import Need, StoreRef, open_catalog, open_store, place_of
 from featbake.store.place import Change, Held, Sweep
@@ -268,6 +268,8 @@ def plan_gc(
         drops = roots_to_drop(layout, roots, opts, now, set(drop))
         unreached, reached = _reach(catalog, roots, {d.name for d in drops}, opts)
         shard_rows = catalog.shard_rows()
+        for row in shard_rows:  # a damaged or planted name: refused before any step commits
+            checked_shard_name(row.name)
         evict: list[FeatureRef] = []
         if opts.max_bytes is not None and reached is not None:
             evict = evictions(reached, _shards_of(reached, shard_rows), opts.max_bytes)

@@ -224,16 +224,7 @@ def test_a_planted_catalog_naming_a_path_outside_the_store_touches_nothing(
     assert shard_names(place_store) == shards  # nothing deleted on a planted catalog's word
 
 
-LOCAL_GC_COMMITS = pytest.mark.xfail(
-    strict=True,
-    reason="a directory's gc commits the dropped root and its rows before it meets the planted "
-    "shard name, so the refused run is not all-or-nothing (a bucket's publishes nothing)",
-)
-
-
-@pytest.mark.parametrize(
-    "place_store", [pytest.param("local", marks=LOCAL_GC_COMMITS), *SCHEMES], indirect=True
-)
+@pytest.mark.parametrize("place_store", ["local", *SCHEMES], indirect=True)
 def test_a_gc_refused_on_a_planted_name_leaves_the_catalog_as_it_was(
     place_store: str, audio_dir: Path, encoder_file: Path, tmp_path: Path
 ) -> None:
