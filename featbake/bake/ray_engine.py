@@ -27,6 +27,7 @@ import contextlib
 import hashlib
 import json
 import os
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from featbake.bake.batching import budget_samples
 from featbake.bake.options import BakeOptions
 from featbake.bake.pipeline import (
     BuildEncoder,
+    Engine,
     EngineJob,
     PartEncoder,
     PartResult,
@@ -140,6 +142,17 @@ class RayEngine:
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
             raise ConfigError(f"rows_per_task must be 1 or more inputs per Ray task, got {rows!r}")
 
+    @contextlib.contextmanager
+    def started(self) -> Iterator[Engine]:
+        """This engine with Ray connecting on a thread while the build lists and hashes its
+        inputs (``ray.init`` of a local instance takes seconds: starting its processes), and
+        Ray stopped after the build if the build started it."""
+        connecting = Connecting(self.address)
+        try:
+            yield ConnectedEngine(self, connecting)
+        finally:
+            connecting.close()
+
     def encode(
         self, job: EngineJob, items: Sequence[WorkItem], progress: ProgressFn | None
     ) -> PartResult:
@@ -168,6 +181,65 @@ class RayEngine:
                 total.add(PartResult.from_json(result[RESULT]))
                 _tick(progress, total, len(items))
         return total
+
+
+class Connecting:
+    """:func:`ray_session` held by a thread of its own (Ray imported and connected while the
+    build lists and hashes), left by :meth:`close`; what connecting raised is raised by
+    :meth:`wait`, when Ray is needed.
+
+    The thread that started a local instance lives as long as the instance: Ray's processes
+    are killed when the thread that started them ends (``PR_SET_PDEATHSIG``)."""
+
+    def __init__(self, address: str | None) -> None:
+        self.error: BaseException | None = None
+        self.connected = threading.Event()
+        self.done = threading.Event()
+        self.thread = threading.Thread(
+            target=self._hold, args=(address,), name="featbake-ray-session", daemon=True
+        )
+        self.thread.start()
+
+    def _hold(self, address: str | None) -> None:
+        try:
+            with ray_session(address) as ray:
+                quiet(ray)
+                self.connected.set()
+                self.done.wait()
+        except BaseException as e:  # raised again by wait(), on the build's thread
+            self.error = e
+        finally:
+            self.connected.set()
+
+    def wait(self) -> None:
+        """Return once Ray is connected; raise what connecting raised (Ray not installed)."""
+        self.connected.wait()
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        """Leave the session: Ray stopped if this started it."""
+        self.done.set()
+        self.thread.join()
+
+
+@dataclass(frozen=True)
+class ConnectedEngine:
+    """A :class:`RayEngine` whose Ray is connecting (:meth:`RayEngine.started`)."""
+
+    engine: RayEngine
+    connecting: Connecting
+
+    @contextlib.contextmanager
+    def started(self) -> Iterator[Engine]:
+        yield self
+
+    def encode(
+        self, job: EngineJob, items: Sequence[WorkItem], progress: ProgressFn | None
+    ) -> PartResult:
+        """:meth:`RayEngine.encode`, once Ray is connected."""
+        self.connecting.wait()
+        return self.engine.encode(job, items, progress)
 
 
 def _results(ds: Any) -> Iterator[dict[str, Any]]:

@@ -195,3 +195,26 @@ def test_an_undecodable_input_is_a_skipped_input(
     assert strict.returncode == 8, strict.stderr
     lines = [line for line in strict.stderr.splitlines() if line.startswith("error")]
     assert len(lines) == 1 and "broken.wav" in lines[0] and "Ray" not in lines[0], strict.stderr
+
+
+def test_cli_ray_build_starts_its_own_ray_while_it_hashes(
+    clips: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No RAY_ADDRESS: the build starts a local Ray instance on a thread while it lists and
+    # hashes the inputs. Ray kills the processes of a local instance when the thread that
+    # started them ends, so that thread holds the session until the build is done: a thread
+    # that only connected left the build without its cluster (the process ended abruptly).
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    store = tmp_path / "store"
+    args = ["build", "-e", encoder_file, "-d", clips, "--cache", store, "--json"]
+    proc = run_cli(*args, "--engine", "ray", "--workers", "1")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert (report["encoded"], report["failed"], report["merged"]) == (6, [], True)
+    assert assert_live(store, report["root"], clips, encoder_file) == 6
+    nothing_to_do = run_cli(*args, "--engine", "ray", "--workers", "1")  # Ray up, then stopped
+    assert nothing_to_do.returncode == 0, nothing_to_do.stderr
+    assert (
+        json.loads(nothing_to_do.stdout)["encoded"],
+        json.loads(nothing_to_do.stdout)["reused"],
+    ) == (0, 6)
