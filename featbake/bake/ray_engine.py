@@ -49,6 +49,7 @@ from featbake.bake.pipeline import (
     WorkItem,
 )
 from featbake.bake.report import BuildReport
+from featbake.device import process_cpus
 from featbake.encode.hf import recipe_for_encoder
 from featbake.errors import ConfigError, FeatbakeError
 from featbake.keys import feature_key, root_id
@@ -88,13 +89,16 @@ def ray_session(address: str | None) -> Iterator[Any]:
         return
     # "local": a new instance, never a `ray start` cluster found on this node by Ray's default.
     address = address or os.environ.get("RAY_ADDRESS") or "local"
-    env = {k: os.environ[k] for k in ("PYTHONPATH",) if k in os.environ}
+    # A local instance: as many CPUs as this process may use (its affinity and cgroup quota,
+    # not the machine's), and no runtime_env: its workers inherit this process's environment
+    # (PYTHONPATH included), and a job with a runtime_env cannot use the workers Ray starts
+    # ahead with the instance, so each actor would wait for a process of its own to start.
     ray.init(
         address=address,
+        num_cpus=process_cpus() if address == "local" else None,
         include_dashboard=False,
         log_to_driver=False,
         logging_level="ERROR",
-        runtime_env={"env_vars": env} if env and address == "local" else None,
     )
     try:
         yield ray

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -218,3 +220,25 @@ def test_cli_ray_build_starts_its_own_ray_while_it_hashes(
         json.loads(nothing_to_do.stdout)["encoded"],
         json.loads(nothing_to_do.stdout)["reused"],
     ) == (0, 6)
+
+
+def test_a_local_ray_started_by_a_build_has_the_cpus_this_process_may_use() -> None:
+    # Ray's own default counts the machine's CPUs; a build pinned to one CPU (taskset, a
+    # cgroup quota) would start actors that fight over it. Its workers inherit the process's
+    # environment (no runtime_env): what an import-path encoder on PYTHONPATH needs.
+    script = (
+        "import os\n"
+        "from featbake.bake.ray_engine import ray_session\n"
+        "with ray_session(None) as ray:\n"
+        "    probe = ray.remote(lambda: os.environ.get('FEATBAKE_PROBE'))\n"
+        "    print(int(ray.cluster_resources()['CPU']), ray.get(probe.remote()))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO), "FEATBAKE_PROBE": "inherited"}
+    env.pop("RAY_ADDRESS", None)
+    cpu = min(os.sched_getaffinity(0))
+    proc = subprocess.run(
+        ["taskset", "-c", str(cpu), sys.executable, "-c", script],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["1", "inherited"], proc.stdout
