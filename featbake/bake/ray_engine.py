@@ -6,6 +6,8 @@ does (bake/pipeline.py); only the misses become a Ray Dataset of :class:`WorkIte
 encoder once and is a :class:`PartEncoder`, encoding each task by the plain build's own step and
 sealing shards and ``part`` fragments into the store (a shared filesystem, or a bucket through
 each node's tier). The driver adds up what the tasks return, then seals the manifest and merges.
+It connects to Ray (starting a local instance if no address is given) on a thread of its own
+while it lists and hashes the inputs (:meth:`RayEngine.started`).
 Decoding runs in the actor, beside the encoder, reading each input where the build found it: a
 task is one round trip of names, not of bytes.
 
