@@ -366,44 +366,46 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
             f"this process is {spec.describe()}, and an engine spreads the build itself: run "
             "one `featbake build --engine ray` (no --shard, torchrun or SLURM array)"
         )
-    dev = check_device(device_for_rank(str(device), spec)) if engine is None else _cpu(device)
-    on_gpu = dev.type != "cpu"
-    options = BakeOptions(
-        batch_size, workers, strict, shard_bytes, on_gpu, allow_nonfinite, threads, max_error,
-        seal_every,
-    )  # fmt: skip
-    options.check_recipe(recipe)
-    layout = open_store(cache, need=Need.WRITE).ensure()
-    # A folder, a bucket prefix, a manifest (see OPENERS); a manifest's texts for source text.
-    place = inputs_at(data, column, recipe.source)
-    source = place.source(source_for(recipe))
-    scanned = scanned_inputs(place, layout, source.extensions)
-    catalog, inputs = catalog_for_part(
-        layout, spec, place, scanned.inputs, fragments=engine is not None
-    )
-    with contextlib.closing(catalog):
-        enc = BuildEncoder.named(encoder, weights, dev, trust_pickle, recipe, catalog)
-        budget = budget_samples(recipe, batch_seconds, batch_samples)
-        runs = RunnerSpec(batching, batch_size, budget)
-        elsewhere = None if engine is None else Elsewhere(engine, data, str(device))
-        bake = _Bake(
-            catalog, layout, enc, recipe, source, place, options, runs, progress, column=column,
-            elsewhere=elsewhere,
+    # An engine starts (its cluster, its workers) while this process lists and hashes.
+    with started(engine) as engine:
+        dev = check_device(device_for_rank(str(device), spec)) if engine is None else _cpu(device)
+        on_gpu = dev.type != "cpu"
+        options = BakeOptions(
+            batch_size, workers, strict, shard_bytes, on_gpu, allow_nonfinite, threads, max_error,
+            seal_every,
         )  # fmt: skip
-        # Files skipped at the scan (not regular files) are reported by one part only.
-        skipped = scanned.skipped if spec.rank == 0 else []
-        bake.start(len(inputs), skipped)
-        bake.report.part = spec.describe() if spec.sharded else ""
-        with rank_group(spec):
-            with gc_paused():  # tens of thousands of small rows, no cycles: see gcpause.py
-                todo = bake.plan(inputs)
-                bake.load_encoder_unless_stored(todo)  # before the manifest, as it always was
-                bake.publish_manifest()
-            bake.encode_missing(bake.leave_to_other_ranks(todo, spec))
-            bake.record_undecodable()
-            if catalog.fragmented:
-                bake.report.fragment = catalog.finish()
-                bake.report.merged = finish_part(layout, spec, merge=engine is not None)
+        options.check_recipe(recipe)
+        layout = open_store(cache, need=Need.WRITE).ensure()
+        # A folder, a bucket prefix, a manifest (see OPENERS); a manifest's texts for source text.
+        place = inputs_at(data, column, recipe.source)
+        source = place.source(source_for(recipe))
+        scanned = scanned_inputs(place, layout, source.extensions)
+        catalog, inputs = catalog_for_part(
+            layout, spec, place, scanned.inputs, fragments=engine is not None
+        )
+        with contextlib.closing(catalog):
+            enc = BuildEncoder.named(encoder, weights, dev, trust_pickle, recipe, catalog)
+            budget = budget_samples(recipe, batch_seconds, batch_samples)
+            runs = RunnerSpec(batching, batch_size, budget)
+            elsewhere = None if engine is None else Elsewhere(engine, data, str(device))
+            bake = _Bake(
+                catalog, layout, enc, recipe, source, place, options, runs, progress, column=column,
+                elsewhere=elsewhere,
+            )  # fmt: skip
+            # Files skipped at the scan (not regular files) are reported by one part only.
+            skipped = scanned.skipped if spec.rank == 0 else []
+            bake.start(len(inputs), skipped)
+            bake.report.part = spec.describe() if spec.sharded else ""
+            with rank_group(spec):
+                with gc_paused():  # tens of thousands of small rows, no cycles: see gcpause.py
+                    todo = bake.plan(inputs)
+                    bake.load_encoder_unless_stored(todo)  # before the manifest, as it always was
+                    bake.publish_manifest()
+                bake.encode_missing(bake.leave_to_other_ranks(todo, spec))
+                bake.record_undecodable()
+                if catalog.fragmented:
+                    bake.report.fragment = catalog.finish()
+                    bake.report.merged = finish_part(layout, spec, merge=engine is not None)
     bake.report.seconds = time.perf_counter() - t0
     return bake.report
 
@@ -1045,12 +1047,22 @@ def error_class(name: str) -> type[FeatbakeError]:
 class Engine(Protocol):
     """Runs a build's encode step on workers of its own (see the section comment)."""
 
+    def started(self) -> contextlib.AbstractContextManager[Engine]:
+        """This engine starting (its cluster connected, say) while the build lists and hashes
+        its inputs, and stopped when the build is done: what ``encode`` runs on."""
+        ...
+
     def encode(
         self, job: EngineJob, items: Sequence[WorkItem], progress: ProgressFn | None
     ) -> PartResult:
         """Encode ``items`` on the workers, each a :class:`PartEncoder` of ``job``; what they
         did, added up. Raises the :class:`FeatbakeError` a worker raised (``--strict``)."""
         ...
+
+
+def started(engine: Engine | None) -> contextlib.AbstractContextManager[Engine | None]:
+    """``engine`` started for a build (:meth:`Engine.started`); None for a plain build."""
+    return contextlib.nullcontext() if engine is None else engine.started()
 
 
 def workers_build(root: RootSpec) -> str:

@@ -6,6 +6,8 @@ does (bake/pipeline.py); only the misses become a Ray Dataset of :class:`WorkIte
 encoder once and is a :class:`PartEncoder`, encoding each task by the plain build's own step and
 sealing shards and ``part`` fragments into the store (a shared filesystem, or a bucket through
 each node's tier). The driver adds up what the tasks return, then seals the manifest and merges.
+It connects to Ray (starting a local instance if no address is given) on a thread of its own
+while it lists and hashes the inputs (:meth:`RayEngine.started`).
 Decoding runs in the actor, beside the encoder, reading each input where the build found it: a
 task is one round trip of names, not of bytes.
 
@@ -27,6 +29,7 @@ import contextlib
 import hashlib
 import json
 import os
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -39,6 +42,7 @@ from featbake.bake.batching import budget_samples
 from featbake.bake.options import BakeOptions
 from featbake.bake.pipeline import (
     BuildEncoder,
+    Engine,
     EngineJob,
     PartEncoder,
     PartResult,
@@ -47,6 +51,7 @@ from featbake.bake.pipeline import (
     WorkItem,
 )
 from featbake.bake.report import BuildReport
+from featbake.device import process_cpus
 from featbake.encode.hf import recipe_for_encoder
 from featbake.errors import ConfigError, FeatbakeError
 from featbake.keys import feature_key, root_id
@@ -86,13 +91,16 @@ def ray_session(address: str | None) -> Iterator[Any]:
         return
     # "local": a new instance, never a `ray start` cluster found on this node by Ray's default.
     address = address or os.environ.get("RAY_ADDRESS") or "local"
-    env = {k: os.environ[k] for k in ("PYTHONPATH",) if k in os.environ}
+    # A local instance: as many CPUs as this process may use (its affinity and cgroup quota,
+    # not the machine's), and no runtime_env: its workers inherit this process's environment
+    # (PYTHONPATH included), and a job with a runtime_env cannot use the workers Ray starts
+    # ahead with the instance, so each actor would wait for a process of its own to start.
     ray.init(
         address=address,
+        num_cpus=process_cpus() if address == "local" else None,
         include_dashboard=False,
         log_to_driver=False,
         logging_level="ERROR",
-        runtime_env={"env_vars": env} if env and address == "local" else None,
     )
     try:
         yield ray
@@ -140,6 +148,17 @@ class RayEngine:
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
             raise ConfigError(f"rows_per_task must be 1 or more inputs per Ray task, got {rows!r}")
 
+    @contextlib.contextmanager
+    def started(self) -> Iterator[Engine]:
+        """This engine with Ray connecting on a thread while the build lists and hashes its
+        inputs (``ray.init`` of a local instance takes seconds: starting its processes), and
+        Ray stopped after the build if the build started it."""
+        connecting = Connecting(self.address)
+        try:
+            yield ConnectedEngine(self, connecting)
+        finally:
+            connecting.close()
+
     def encode(
         self, job: EngineJob, items: Sequence[WorkItem], progress: ProgressFn | None
     ) -> PartResult:
@@ -168,6 +187,65 @@ class RayEngine:
                 total.add(PartResult.from_json(result[RESULT]))
                 _tick(progress, total, len(items))
         return total
+
+
+class Connecting:
+    """:func:`ray_session` held by a thread of its own (Ray imported and connected while the
+    build lists and hashes), left by :meth:`close`; what connecting raised is raised by
+    :meth:`wait`, when Ray is needed.
+
+    The thread that started a local instance lives as long as the instance: Ray's processes
+    are killed when the thread that started them ends (``PR_SET_PDEATHSIG``)."""
+
+    def __init__(self, address: str | None) -> None:
+        self.error: BaseException | None = None
+        self.connected = threading.Event()
+        self.done = threading.Event()
+        self.thread = threading.Thread(
+            target=self._hold, args=(address,), name="featbake-ray-session", daemon=True
+        )
+        self.thread.start()
+
+    def _hold(self, address: str | None) -> None:
+        try:
+            with ray_session(address) as ray:
+                quiet(ray)
+                self.connected.set()
+                self.done.wait()
+        except BaseException as e:  # raised again by wait(), on the build's thread
+            self.error = e
+        finally:
+            self.connected.set()
+
+    def wait(self) -> None:
+        """Return once Ray is connected; raise what connecting raised (Ray not installed)."""
+        self.connected.wait()
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        """Leave the session: Ray stopped if this started it."""
+        self.done.set()
+        self.thread.join()
+
+
+@dataclass(frozen=True)
+class ConnectedEngine:
+    """A :class:`RayEngine` whose Ray is connecting (:meth:`RayEngine.started`)."""
+
+    engine: RayEngine
+    connecting: Connecting
+
+    @contextlib.contextmanager
+    def started(self) -> Iterator[Engine]:
+        yield self
+
+    def encode(
+        self, job: EngineJob, items: Sequence[WorkItem], progress: ProgressFn | None
+    ) -> PartResult:
+        """:meth:`RayEngine.encode`, once Ray is connected."""
+        self.connecting.wait()
+        return self.engine.encode(job, items, progress)
 
 
 def _results(ds: Any) -> Iterator[dict[str, Any]]:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -195,3 +197,48 @@ def test_an_undecodable_input_is_a_skipped_input(
     assert strict.returncode == 8, strict.stderr
     lines = [line for line in strict.stderr.splitlines() if line.startswith("error")]
     assert len(lines) == 1 and "broken.wav" in lines[0] and "Ray" not in lines[0], strict.stderr
+
+
+def test_cli_ray_build_starts_its_own_ray_while_it_hashes(
+    clips: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No RAY_ADDRESS: the build starts a local Ray instance on a thread while it lists and
+    # hashes the inputs. Ray kills the processes of a local instance when the thread that
+    # started them ends, so that thread holds the session until the build is done: a thread
+    # that only connected left the build without its cluster (the process ended abruptly).
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    store = tmp_path / "store"
+    args = ["build", "-e", encoder_file, "-d", clips, "--cache", store, "--json"]
+    proc = run_cli(*args, "--engine", "ray", "--workers", "1")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert (report["encoded"], report["failed"], report["merged"]) == (6, [], True)
+    assert assert_live(store, report["root"], clips, encoder_file) == 6
+    nothing_to_do = run_cli(*args, "--engine", "ray", "--workers", "1")  # Ray up, then stopped
+    assert nothing_to_do.returncode == 0, nothing_to_do.stderr
+    assert (
+        json.loads(nothing_to_do.stdout)["encoded"],
+        json.loads(nothing_to_do.stdout)["reused"],
+    ) == (0, 6)
+
+
+def test_a_local_ray_started_by_a_build_has_the_cpus_this_process_may_use() -> None:
+    # Ray's own default counts the machine's CPUs; a build pinned to one CPU (taskset, a
+    # cgroup quota) would start actors that fight over it. Its workers inherit the process's
+    # environment (no runtime_env): what an import-path encoder on PYTHONPATH needs.
+    script = (
+        "import os\n"
+        "from featbake.bake.ray_engine import ray_session\n"
+        "with ray_session(None) as ray:\n"
+        "    probe = ray.remote(lambda: os.environ.get('FEATBAKE_PROBE'))\n"
+        "    print(int(ray.cluster_resources()['CPU']), ray.get(probe.remote()))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO), "FEATBAKE_PROBE": "inherited"}
+    env.pop("RAY_ADDRESS", None)
+    cpu = min(os.sched_getaffinity(0))
+    proc = subprocess.run(
+        ["taskset", "-c", str(cpu), sys.executable, "-c", script],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["1", "inherited"], proc.stdout
