@@ -42,6 +42,7 @@ from featbake.store.catalog import Catalog, Location, ServingStore
 from featbake.store.fidelity import Measured
 from featbake.store.fragments import (
     BuildInfo,
+    DoneRecord,
     FragmentKind,
     ManifestItem,
     Use,
@@ -101,7 +102,7 @@ class SealContents:
     items: list[ManifestItem]
     encoder: tuple[str, str, str] | None
     hashes: dict[str, HashCacheRow]
-    fidelity: str
+    done: DoneRecord
     carries: bool
 
 
@@ -152,6 +153,7 @@ class FragmentCatalog:
         self._encoder: tuple[str, str, str] | None = None  # fp, label, kind
         self._hashes: dict[str, HashCacheRow] = {}
         self._fidelity = ""  # what an int8/fp8 rank measured
+        self._undecodable: dict[str, str] = {}  # key -> reason: inputs this rank could not decode
         self._pending: dict[str, SealedShard] = {}  # sealed shards no fragment names yet
         # A root's manifest as this process last sealed it (merged or not): what extend_root
         # grows next, beside the catalog's, so a later fragment never publishes it without them.
@@ -363,8 +365,11 @@ class FragmentCatalog:
         self._fidelity = json.dumps({"measured": measured.to_json(), "bound": bound})
 
     def record_undecodable(self, root: str, failed: dict[str, str]) -> None:
-        """Nothing: a part sees only its own failures, so a build through fragments (in parts,
-        or into a bucket store) records none; its datasets call those inputs misses, as before."""
+        """Hold the keys this rank could not decode (key -> reason) for its ``done`` fragment: a
+        part sees only its own failures, so the merge records their union beside the root
+        (store/merge.py), and a dataset leaves them out as a plain build's does."""
+        with self._lock:
+            self._undecodable = dict(failed)
 
     def add_shard(self, shard: SealedShard, now: float | None = None) -> int:
         """Seal a fragment naming a shard just sealed; returns its features (new or not).
@@ -422,7 +427,7 @@ class FragmentCatalog:
             try:
                 path = write_fragment(
                     self.layout, taken.info, kind, shards, taken.items,
-                    list(taken.hashes.values()), taken.uses, taken.fidelity,
+                    list(taken.hashes.values()), taken.uses, taken.done,
                 )  # fmt: skip
                 # Where the place keeps fragments elsewhere (a bucket): the shards, then the
                 # fragment naming them; a directory holds it already.
@@ -452,9 +457,13 @@ class FragmentCatalog:
             items=self._items if carries else [],
             encoder=self._encoder if carries else None,
             hashes=dict(self._hashes) if carries else {},
-            fidelity=self._fidelity if kind is FragmentKind.DONE else "",
+            done=self._done_record() if kind is FragmentKind.DONE else DoneRecord(),
             carries=carries,
         )
+
+    def _done_record(self) -> DoneRecord:
+        """What this rank's ``done`` fragment records beyond its rows (``_lock`` held)."""
+        return DoneRecord(self._fidelity, tuple(sorted(self._undecodable.items())))
 
     def _sealed(self, taken: SealContents, path: Path) -> None:
         """Let go of what the fragment at ``path`` holds (``_lock`` held); what was added or

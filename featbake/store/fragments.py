@@ -17,7 +17,10 @@ fragments/<build>.r<rank>-of-<world>.<id>.<kind>.sqlite
     meta      the catalog's schema_version, and the fragment's own: format, format_version,
               kind, created, build id, rank, world, root, data, encoder, recipe; in a
               ``done`` fragment of an int8/fp8 build, ``fidelity``: what the rank measured
-              (store/fidelity.py's Measured sums and the bound), pooled by the merge
+              (store/fidelity.py's Measured sums and the bound), pooled by the merge; in a
+              ``done`` fragment, ``undecodable``: the keys the rank could not decode (JSON,
+              key -> reason; absent in older fragments and where none failed: none recorded),
+              whose union the merge records beside the root (store/roots.py)
     uses      key, used   (kind "serve" only: last-use times, seconds since the epoch)
 ```
 
@@ -95,6 +98,35 @@ class ManifestItem(NamedTuple):
     idx: int
     path: str
     key: str
+
+
+@dataclass(frozen=True)
+class DoneRecord:
+    """What a rank's ``done`` fragment says beyond its rows, as meta rows: what an int8/fp8
+    rank measured (``fidelity``: JSON, or "") and the inputs it could not decode
+    (``undecodable``: (key, reason) pairs), so the merge records them for the whole root."""
+
+    fidelity: str = ""
+    undecodable: tuple[tuple[str, str], ...] = ()
+
+    def meta(self) -> dict[str, str]:
+        """The meta rows it writes (none for what is empty)."""
+        out = {"fidelity": self.fidelity} if self.fidelity else {}
+        if self.undecodable:
+            out["undecodable"] = json.dumps(dict(self.undecodable), sort_keys=True)
+        return out
+
+
+def undecodable_of(meta: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    """The (key, reason) pairs a fragment's meta records; none where it records none (a
+    fragment written before ranks recorded them) or cannot be read (they are then misses)."""
+    try:
+        keys = json.loads(meta.get("undecodable") or "{}")
+    except ValueError:
+        return ()
+    if not isinstance(keys, dict):
+        return ()
+    return tuple(sorted((str(k), str(v)) for k, v in keys.items()))
 
 
 class Use(NamedTuple):
@@ -179,6 +211,7 @@ class Fragment:
     uses: tuple[Use, ...] = ()
     format_version: int = FRAGMENT_VERSION
     fidelity: str = ""  # JSON: what an int8/fp8 rank measured (its done fragment), or ""
+    undecodable: tuple[tuple[str, str], ...] = ()  # (key, reason) its rank could not decode
 
 
 def build_id(root: str, encoder_fp: str, recipe_fp: str, world: int, listing: Iterable) -> str:
@@ -226,7 +259,7 @@ def write_fragment(
     items: Sequence[ManifestItem] = (),
     hashes: Sequence[HashCacheRow] = (),
     uses: Sequence[Use] = (),
-    fidelity: str = "",
+    done: DoneRecord = DoneRecord(),
 ) -> Path:
     """Write a fragment to tmp/, fsync it and rename it into fragments/ (which seals it); where
     the store's place keeps fragments elsewhere (a bucket), the caller publishes it there next
@@ -244,7 +277,7 @@ def write_fragment(
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
         layout.tmp.mkdir(parents=True, exist_ok=True)
-        extra = {"kind": kind.value, **({"fidelity": fidelity} if fidelity else {})}
+        extra = {"kind": kind.value, **done.meta()}
         _fill(layout, tmp, info, extra, shards, items, hashes, uses)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
@@ -273,7 +306,7 @@ def _fill(
     uses: Sequence[Use],
 ) -> None:
     """Write the fragment's rows with the catalog's own writers (one file nobody sees yet);
-    ``extra``: meta rows beyond the build's (its kind, an int8/fp8 rank's fidelity)."""
+    ``extra``: meta rows beyond the build's (its kind, a ``done`` fragment's record)."""
     created = time.time()
     meta = {
         "format": FRAGMENT_FORMAT,
@@ -344,10 +377,11 @@ def read_fragment(path: Path, layout: Layout, *, with_entries: bool = True) -> F
         items = tuple(ManifestItem(*r) for r in body.items)
         uses = tuple(Use(*r) for r in body.uses)
         created, version = float(meta["created"]), int(meta["format_version"])
-        fidelity = meta.get("fidelity", "")
+        fidelity, undecodable = meta.get("fidelity", ""), undecodable_of(meta)
         return Fragment(
-            path, info, kind, created, body.shards, items, body.hashes, uses, version, fidelity
-        )
+            path, info, kind, created, body.shards, items, body.hashes, uses, version, fidelity,
+            undecodable,
+        )  # fmt: skip
     except (sqlite3.Error, StoreError, ValueError, KeyError) as e:
         raise StoreCorrupt(
             f"catalog fragment {path} is unreadable ({e}); move it aside and rerun that rank "

@@ -55,6 +55,7 @@ from featbake.store.fragments import (
 )
 from featbake.store.hash_cache import HashCacheRow
 from featbake.store.layout import Layout
+from featbake.store.roots import read_undecodable, write_undecodable
 
 
 @dataclass(frozen=True)
@@ -212,7 +213,8 @@ def _fold_build(
     when = max(f.created for f in done.values())
     catalog.record_encoder(info.encoder_fp, info.encoder_label, info.encoder_kind, now=when)
     current = catalog.root(info.root)
-    if current is None or current.last_used <= when:  # a later build of this root wins
+    items: list[ManifestItem] | None = None  # published here: a later build of this root wins
+    if current is None or current.last_used <= when:
         items = sorted(item for f in done.values() for item in f.items)
         _publish_root(catalog, info, items, when)
         report.roots.append(info.root)
@@ -223,6 +225,8 @@ def _fold_build(
     # bake/pipeline.py) sealed the new row in a later fragment, and the first row folded wins.
     for f in sorted(frags, key=lambda f: f.created, reverse=True):
         _add_shards(catalog, f, report)
+    if items is not None:
+        _record_undecodable(catalog, info.root, items, list(done.values()))
     if between:
         between("rows")
     put_fragment_hashes(catalog, [h for f in frags for h in f.hashes])
@@ -304,6 +308,24 @@ def _record_fidelity(layout: Layout, root: str, done: Sequence[Fragment]) -> Non
         pooled = part if pooled is None else pooled.merged(part)
     if pooled is not None:
         write_fidelity(layout, root, pooled, bound)
+
+
+def _record_undecodable(
+    catalog: Catalog, root: str, items: Sequence[ManifestItem], done: Sequence[Fragment]
+) -> None:
+    """Record beside ``root`` the inputs its build could not decode: what each rank's ``done``
+    fragment names (each part sees only its own failures), with what an earlier build recorded,
+    less keys the new manifest does not name or that are stored now (a later part encoded
+    them). A dataset then leaves them out, as after a build in one process (store/roots.py).
+    After the shards' rows, so "stored" counts this build's own; rewritten alike when a merge
+    killed before it runs again."""
+    failed = read_undecodable(catalog.layout, root)
+    for f in done:
+        failed.update(f.undecodable)
+    named = {i.key for i in items}
+    failed = {k: why for k, why in failed.items() if k in named}
+    stored = {k for k, locs in catalog.locate_many(list(failed)).items() if locs}
+    write_undecodable(catalog.layout, root, {k: r for k, r in failed.items() if k not in stored})
 
 
 def _add_shards(catalog: Catalog, f: Fragment, report: MergeReport) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from featbake import CachedFeatureDataset
 from featbake.bake.ranks import (
     MAX_PARTS,
     RankSource,
@@ -40,7 +41,7 @@ from featbake.store.catalog import Catalog
 from featbake.store.fragments import FragmentKind, fragment_keys, sealed_fragments
 from featbake.store.layout import Layout
 from featbake.testing import TinyConvEncoder, write_audio_folder
-from tests.conftest import REPO, encoded_rows, run_cli
+from tests.conftest import REPO, encoded_rows, live_features, run_cli
 from tests.helpers import assert_store_consistent, stored_features
 
 ENCODER = "countenc:build"
@@ -511,3 +512,47 @@ def test_a_sigtermd_torchrun_build_is_reused_by_a_rerun_in_another_number_of_par
     code, said = verify_line(store)
     assert code == 0 and "verify: clean" in said and "parts-waiting" not in said, said
     assert_serves_live(store, data)
+
+
+# A build in parts recorded none of the inputs it could not decode (each part sees only its
+# own failures, and a part's catalog kept none), so a dataset counted a corrupt input as an item
+# and failed on it (on_miss="error") or tried to encode it live. Each part's ``done`` fragment
+# now carries them, and the merge records their union beside the root.
+def assert_leaves_out_the_broken_input(
+    data: Path, encoder: Path, store: Path | str, broken: str, **kw: object
+) -> None:
+    """A dataset on ``store`` leaves ``broken`` out with one warning naming it, and serves
+    every other input (none a miss) equal to the encoder run now."""
+    with pytest.warns(UserWarning) as caught:
+        ds = CachedFeatureDataset(data, encoder, cache=store, on_miss="error", **kw)
+    said = [str(w.message) for w in caught if "could not be decoded" in str(w.message)]
+    assert len(said) == 1 and "1 input(s)" in said[0] and broken in said[0], said
+    ids = [ds.item_id(i) for i in range(len(ds))]
+    assert broken not in ids and len(ids) == distinct_inputs(data) - 1
+    for i in range(len(ds)):
+        want = live_features(encoder, Path(ds.path(i)))
+        torch.testing.assert_close(ds[i], want, rtol=1e-4, atol=1e-5)
+
+
+def test_shard_parts_record_an_undecodable_input_and_the_dataset_leaves_it_out(
+    tmp_path: Path, many_clips: Path, encoder_file: Path
+) -> None:
+    (many_clips / "part1" / "broken.wav").write_bytes(b"RIFF\x00\x00junk")
+    store = tmp_path / "store"
+    args = ("build", "-e", encoder_file, "-d", many_clips, "--cache", store, "--workers", "0")
+    codes = [run_cli(*args, "--shard", f"{i}/2").returncode for i in range(2)]
+    assert sorted(codes) == [0, 3], codes  # the part holding the broken input says so
+    merged = run_cli("merge", "--cache", store)
+    assert merged.returncode == 0, merged.stderr
+    assert_leaves_out_the_broken_input(many_clips, encoder_file, store, "part1/broken.wav")
+
+
+def test_torchrun_ranks_record_an_undecodable_input_and_the_dataset_leaves_it_out(
+    tmp_path: Path, many_clips: Path, encoder_file: Path
+) -> None:
+    (many_clips / "part0" / "broken.wav").write_bytes(b"RIFF\x00\x00junk")
+    store = tmp_path / "store"
+    args = ("build", "-e", encoder_file, "-d", many_clips, "--cache", store, "--workers", "0")
+    done = torchrun(*args, env={"PYTHONPATH": str(REPO)})
+    assert done.returncode != 0 and sealed_fragments(Layout(store)) == [], done.stderr
+    assert_leaves_out_the_broken_input(many_clips, encoder_file, store, "part0/broken.wav")
