@@ -37,6 +37,7 @@ from featbake.store.filesystem import SharedFilesystemWarning
 from featbake.store.fragment_catalog import FragmentCatalog, RankPart
 from featbake.store.fragments import (
     BuildInfo,
+    DoneRecord,
     FragmentKind,
     fragment_shard_names,
     fragments_dir,
@@ -1003,3 +1004,23 @@ def test_a_merge_folds_an_unfinished_builds_shards_gc_keeps_them_and_parts_in_an
     for rel, parts in got.items():
         torch.testing.assert_close(parts[""], live_features(encoder_file, audio_dir / rel))
     assert_store_consistent(store)
+
+
+def test_a_done_fragment_carries_its_undecodable_inputs_and_older_ones_read_as_none(
+    tmp_path: Path,
+) -> None:
+    """A rank's ``done`` fragment records the keys it could not decode as a meta row; one
+    without that row (written before ranks recorded them), or with an unreadable one, reads as
+    none recorded (those inputs are then misses, as before), never as a damaged fragment."""
+    layout = Layout(tmp_path / "store").ensure()
+    info = BuildInfo("d" * 32, 0, 1, "r", "", "", "", "e" * 64, "", {})
+    failed = (("a" * 64, "not audio"), ("b" * 64, "too short"))
+    path = write_fragment(layout, info, FragmentKind.DONE, [], done=DoneRecord("", failed))
+    assert read_fragment(path, layout).undecodable == failed
+    older = write_fragment(layout, info, FragmentKind.DONE, [])
+    assert read_fragment(older, layout).undecodable == ()
+    conn = sqlite3.connect(older)
+    with conn:
+        conn.execute("INSERT INTO meta(name, value) VALUES ('undecodable', '[not json')")
+    conn.close()
+    assert read_fragment(older, layout).undecodable == ()
