@@ -399,8 +399,9 @@ class FragmentCatalog:
         self._seal(self.kind)
 
     def finish(self) -> str | None:
-        """Seal a rank's ``done`` fragment: the rest, the manifest slice, the hash rows and what
-        it measured. Its name; None when the build published no manifest."""
+        """Seal a rank's ``done`` fragment: the rest, the manifest slice, the hash rows, what it
+        measured and the keys it could not decode. Its name; None when the build published no
+        manifest."""
         return self._seal(FragmentKind.DONE)
 
     def close(self) -> None:
