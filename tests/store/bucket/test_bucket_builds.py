@@ -83,10 +83,13 @@ def test_a_build_killed_mid_run_is_finished_by_a_rerun_on_another_node(
     rerun = run_cli(*build_args(clips, s3.url), env=node(s3, "b", tmp_path, counting_encoder))
     assert rerun.returncode == 0, rerun.stderr
     # The rerun, on a node with an empty tier, skipped what the killed run's uploaded
-    # fragments held (one input each): at most what was in the writer's hands is encoded twice.
+    # fragments named (one input or more each: a rank batches its part fragments): at most
+    # what it sealed since its last fragment, or had in the writer's hands, is encoded twice.
     assert len(encoded_rows(counting_encoder)) <= 24 + (first_run - uploaded)
     assert not s3.objects("fragments/")
     assert_bucket_serves_live(s3, clips, tmp_path)
+    clean = invoke("verify", "--cache", s3.url, env=node(s3, "c", tmp_path, counting_encoder))
+    assert clean.returncode == 0 and "verify: clean" in clean.stdout, clean.stderr
 
 
 @pytest.mark.slow
