@@ -2,9 +2,10 @@
 and seals everything it would have written into fragments of its own for ``featbake merge``.
 
 - A rank of a sharded build, or any build into a bucket (``part`` given), records each sealed
-  shard in a ``part`` fragment at once (shard file first, fragment second), so a rank killed at
-  any moment, by any signal (SIGKILL included), keeps every shard it sealed: its rerun encodes
-  only what no fragment of its build names. :meth:`FragmentCatalog.finish` seals the ``done``
+  shard in a ``part`` fragment (shard file first, fragment second: in a directory at once, into
+  a bucket in batches, see below), so a rank killed at any moment, by any signal (SIGKILL
+  included), keeps every shard a fragment names: its rerun encodes only what no fragment of its
+  build names. :meth:`FragmentCatalog.finish` seals the ``done``
   fragment with its manifest slice (at the whole build's indices), its hash rows and what an
   int8/fp8 rank measured. While the store has no catalog yet reads find nothing, so ranks
   starting on a fresh store never race to create it.
