@@ -509,6 +509,13 @@ class BucketStore(ProcessLocalState):
             return len(self._prefetching)
 
     def publish_fragment(self, fragment: Path, shards: Sequence[str]) -> None:
+        self.publish_shards(shards)
+        self.bucket.upload(f"{FRAGMENTS}{fragment.name}", fragment)
+
+    def defers_fragments(self) -> bool:
+        return True  # each fragment is a PUT (and a fold for merge): a build batches them
+
+    def publish_shards(self, shards: Sequence[str]) -> None:
         for name in shards:
             if self._sizes is not None and name in self._sizes:
                 continue
@@ -522,7 +529,6 @@ class BucketStore(ProcessLocalState):
             self.bucket.upload(shard_object(name), path)  # content-named: same bytes if again
             if self._sizes is not None:
                 self._sizes[name] = path.stat().st_size
-        self.bucket.upload(f"{FRAGMENTS}{fragment.name}", fragment)
         self._uploaded.update(shards)
         if shards:  # uploaded: a build bigger than this disk must not fill it
             self.tier.trim(uploaded=self._uploaded)

@@ -2,9 +2,10 @@
 and seals everything it would have written into fragments of its own for ``featbake merge``.
 
 - A rank of a sharded build, or any build into a bucket (``part`` given), records each sealed
-  shard in a ``part`` fragment at once (shard file first, fragment second), so a rank killed at
-  any moment, by any signal (SIGKILL included), keeps every shard it sealed: its rerun encodes
-  only what no fragment of its build names. :meth:`FragmentCatalog.finish` seals the ``done``
+  shard in a ``part`` fragment (shard file first, fragment second: in a directory at once, into
+  a bucket in batches, see below), so a rank killed at any moment, by any signal (SIGKILL
+  included), keeps every shard a fragment names: its rerun encodes only what no fragment of its
+  build names. :meth:`FragmentCatalog.finish` seals the ``done``
   fragment with its manifest slice (at the whole build's indices), its hash rows and what an
   int8/fp8 rank measured. While the store has no catalog yet reads find nothing, so ranks
   starting on a fresh store never race to create it.
@@ -17,6 +18,15 @@ and seals everything it would have written into fragments of its own for ``featb
   to the ``serve`` fragments not merged yet, this process's and others' (re-listed at most once
   a second), so a feature one DataLoader worker or rank wrote back is read, not encoded again,
   before any merge. Features of sharded builds not merged yet stay misses: merge publishes them.
+
+Into a bucket a rank uploads each shard as it seals it, but the ``part`` fragment naming it
+only in batches (:class:`Batching`): when the rows not named yet reach the rows its fragments
+already name (so a rank of N shards uploads O(log N) fragments, not N, and each row once), or
+when the oldest of them was sealed ``max_age_s`` ago, and always at ``finish``/``close``. A rank
+killed meanwhile loses what it sealed since its last fragment (at most as many rows as it had
+named, and at most ``max_age_s`` of sealing): its rerun encodes those inputs again, and gc sweeps
+their shards, which nothing names, after the bucket's retention. A directory seals each fragment
+at once as before: it is a file where it lasts, with nothing to upload.
 
 Each seal writes its fragment with :func:`featbake.store.fragments.write_fragment`, then hands it
 to the store's place (``publish_fragment``: a bucket uploads it after the shards it names, a
@@ -90,13 +100,26 @@ class RankPart:
 
 
 @dataclass(frozen=True)
+class Batching:
+    """When a rank into a bucket uploads its next ``part`` fragment (see the module docstring):
+    once the rows not named yet reach ``growth`` times the rows already named, or the oldest of
+    them was sealed ``max_age_s`` ago by ``clock`` (a test's own clock: no sleeps)."""
+
+    growth: float = 1.0
+    max_age_s: float = 30.0
+    clock: Callable[[], float] = time.monotonic
+
+
+@dataclass(frozen=True)
 class SealContents:
     """What one seal of a :class:`FragmentCatalog` writes, taken under its lock: ``shards``
-    pending (by name), ``uses``, and what a ``done`` or ``serve`` fragment carries (the held
-    manifest, encoder and hash rows; ``carries``), each as it was when taken."""
+    pending (by name), those of them a batched rank uploaded already (``shipped``), ``uses``,
+    and what a ``done`` or ``serve`` fragment carries (the held manifest, encoder and hash rows;
+    ``carries``), each as it was when taken."""
 
     info: BuildInfo
     shards: dict[str, SealedShard]
+    shipped: frozenset[str]
     uses: tuple[Use, ...]
     spec: RootSpec | None
     items: list[ManifestItem]
@@ -122,6 +145,7 @@ class FragmentCatalog:
         layout: the store.
         part: the build rank this writes for; None for a serving process.
         timeout: how long reads wait for a locked catalog (seconds).
+        batching: when a rank into a bucket uploads its next ``part`` fragment.
 
     Example:
         >>> cat = FragmentCatalog(layout, RankPart(1, 4, listing))  # doctest: +SKIP
@@ -132,7 +156,14 @@ class FragmentCatalog:
 
     fragmented = True
 
-    def __init__(self, layout: Layout, part: RankPart | None = None, *, timeout: float = 60.0):
+    def __init__(
+        self,
+        layout: Layout,
+        part: RankPart | None = None,
+        *,
+        timeout: float = 60.0,
+        batching: Batching | None = None,
+    ):
         self.layout = layout
         self.place = place_of(layout)
         self.part = part
@@ -155,6 +186,13 @@ class FragmentCatalog:
         self._fidelity = ""  # what an int8/fp8 rank measured
         self._undecodable: dict[str, str] = {}  # key -> reason: inputs this rank could not decode
         self._pending: dict[str, SealedShard] = {}  # sealed shards no fragment names yet
+        # A rank into a bucket: its fragments' batching, the pending shards already uploaded,
+        # when the oldest pending one was sealed, and the rows its fragments name so far.
+        self.batching = batching or Batching()
+        self._batched = part is not None and self.place.defers_fragments()
+        self._shipped: set[str] = set()
+        self._oldest: float | None = None
+        self._named_rows = 0
         # A root's manifest as this process last sealed it (merged or not): what extend_root
         # grows next, beside the catalog's, so a later fragment never publishes it without them.
         self._sealed_roots: dict[str, list[ManifestItem]] = {}
@@ -381,10 +419,40 @@ class FragmentCatalog:
         """
         with self._lock:
             self._pending[shard.name] = shard
+        if self._batched:
+            self._ship(shard)
+            if not self._due():
+                return len(shard.entries)  # named by a later fragment (module docstring)
         self._seal(self.kind)  # (another thread's seal, waiting too, may name it first)
         if not holds_shard(self.layout, shard.name):
             raise ShardMissing(f"shard {shard.name} vanished before its fragment was sealed")
         return len(shard.entries)
+
+    def _ship(self, shard: SealedShard) -> None:
+        """Upload a rank's sealed shard now, its fragment later (a bucket's tier must not fill).
+
+        Raises:
+            ShardMissing: the shard left the tier before its upload (the writer rewrites it).
+        """
+        try:
+            self.place.publish_shards([shard.name])
+        except ShardMissing:
+            with self._lock:
+                self._let_go({shard.name: shard})
+            raise
+        with self._lock:
+            self._shipped.add(shard.name)
+            if self._oldest is None:
+                self._oldest = self.batching.clock()
+
+    def _due(self) -> bool:
+        """Whether a rank's pending shards are worth a fragment now (:class:`Batching`)."""
+        with self._lock:
+            rows = sum(len(s.entries) for s in self._pending.values())
+            oldest = self._oldest
+        if rows >= self.batching.growth * self._named_rows:
+            return True
+        return oldest is not None and self.batching.clock() - oldest >= self.batching.max_age_s
 
     def touch(self, keys: Iterable[str], when: float | None = None) -> None:
         """Seal a fragment of last uses (callers batch these, as for the catalog)."""
@@ -432,7 +500,10 @@ class FragmentCatalog:
                 )  # fmt: skip
                 # Where the place keeps fragments elsewhere (a bucket): the shards, then the
                 # fragment naming them; a directory holds it already.
-                self.place.publish_fragment(path, [s.name for s in shards])
+                # (A batched rank's shards are uploaded already: only the fragment goes now.)
+                self.place.publish_fragment(
+                    path, [s.name for s in shards if s.name not in taken.shipped]
+                )
             except ShardMissing:  # never named again by every later seal: the writer rewrites it
                 gone = {n for n in taken.shards if not holds_shard(self.layout, n)}
                 with self._lock:
@@ -453,6 +524,7 @@ class FragmentCatalog:
         return SealContents(
             info=self._info(),
             shards=dict(self._pending),
+            shipped=frozenset(self._shipped),
             uses=tuple(uses),
             spec=self._spec if carries else None,
             items=self._items if carries else [],
@@ -470,6 +542,9 @@ class FragmentCatalog:
         """Let go of what the fragment at ``path`` holds (``_lock`` held); what was added or
         replaced since it was taken stays held for the next seal."""
         self._let_go(taken.shards)
+        self._shipped -= taken.shards.keys()
+        self._named_rows += sum(len(s.entries) for s in taken.shards.values())
+        self._oldest = self.batching.clock() if self._pending else None
         self._seen.add(path.name)  # its shards are known here: refresh reads it not again
         if self.part is None:  # read back before any merge (a rank's, by present_keys)
             for shard in taken.shards.values():

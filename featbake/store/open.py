@@ -316,6 +316,12 @@ class LocalPlace:
     def publish_fragment(self, fragment: Path, shards: Sequence[str]) -> None:
         return None  # sealed in the directory: there already
 
+    def publish_shards(self, shards: Sequence[str]) -> None:
+        return None  # written in the directory: there already
+
+    def defers_fragments(self) -> bool:
+        return False  # a fragment is a file where it lasts: one per seal costs no upload
+
 
 def describe(layout: Layout) -> str:
     """How messages name a store: its directory, or its bucket URL, never the tier folder

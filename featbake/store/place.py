@@ -250,6 +250,17 @@ class Place(Protocol):
         shards it names; a directory holds it already)."""
         ...
 
+    def publish_shards(self, shards: Sequence[str]) -> None:
+        """Make sealed shards last where the place keeps them before any fragment names them (a
+        bucket: uploaded now, so a build bigger than the tier never fills it while their
+        fragment waits; a directory holds them already)."""
+        ...
+
+    def defers_fragments(self) -> bool:
+        """Whether a build's ``part`` fragments are worth batching: each costs an upload (a
+        bucket), not just a file already where it lasts (a directory: False)."""
+        ...
+
 
 @runtime_checkable
 class RemotePlace(Place, Protocol):

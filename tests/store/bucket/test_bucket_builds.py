@@ -18,8 +18,9 @@ from featbake import CachedFeatureDataset
 from featbake.encode.sources import source_for
 from featbake.store.bucket import BucketStore, merge_bucket
 from featbake.store.catalog import Catalog
-from featbake.store.fragment_catalog import FragmentCatalog
+from featbake.store.fragment_catalog import Batching, FragmentCatalog, RankPart
 from featbake.store.open import open_store
+from featbake.store.roots import RootSpec
 from featbake.store.shard import write_shard
 from featbake.testing import TinyConvEncoder, write_audio_folder
 from tests.conftest import REPO, encoded_rows, invoke, live_features, run_cli
@@ -82,10 +83,13 @@ def test_a_build_killed_mid_run_is_finished_by_a_rerun_on_another_node(
     rerun = run_cli(*build_args(clips, s3.url), env=node(s3, "b", tmp_path, counting_encoder))
     assert rerun.returncode == 0, rerun.stderr
     # The rerun, on a node with an empty tier, skipped what the killed run's uploaded
-    # fragments held (one input each): at most what was in the writer's hands is encoded twice.
+    # fragments named (one input or more each: a rank batches its part fragments): at most
+    # what it sealed since its last fragment, or had in the writer's hands, is encoded twice.
     assert len(encoded_rows(counting_encoder)) <= 24 + (first_run - uploaded)
     assert not s3.objects("fragments/")
     assert_bucket_serves_live(s3, clips, tmp_path)
+    clean = invoke("verify", "--cache", s3.url, env=node(s3, "c", tmp_path, counting_encoder))
+    assert clean.returncode == 0 and "verify: clean" in clean.stdout, clean.stderr
 
 
 @pytest.mark.slow
@@ -301,3 +305,74 @@ def test_a_bucket_build_records_an_undecodable_input_and_the_dataset_leaves_it_o
     for i in range(len(ds)):
         want = live_features(encoder_file, Path(ds.path(i)))
         torch.testing.assert_close(ds[i], want, rtol=1e-4, atol=1e-5)
+
+
+def _rank_of(place: Place, tmp_path: Path, n: int, clock: list[float]):
+    """A build rank into ``place``'s bucket over ``n`` inputs (keys ``k0``..), its clock the
+    test's; its manifest recorded, no shard sealed yet."""
+    layout = open_store(place.url, local_cache=tmp_path / "tier")
+    efp, rfp = "e" * 64, "r" * 64
+    keys = [f"{i:064x}" for i in range(n)]
+    listing = [(f"{i:03d}.wav", 10) for i in range(n)]
+    rank = FragmentCatalog(
+        layout, RankPart(0, 1, listing), batching=Batching(clock=lambda: clock[0])
+    )
+    rank.record_encoder(efp, "enc", "torchscript")
+    items = [(path, key) for (path, _), key in zip(listing, keys, strict=True)]
+    rank.replace_root(RootSpec("r", "/d", "enc", efp, rfp, {}), items)
+    return layout, rank, keys
+
+
+def test_a_bucket_build_uploads_its_part_fragments_in_batches_each_row_once(
+    place: Place, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank into a bucket uploaded a ``part`` fragment after every shard it sealed: 50 PUTs
+    for 50 shards. Now the fragment goes when the rows not named yet reach those named (or are
+    ``max_age_s`` old, or at finish): O(log N) fragment PUTs, each row in one fragment, so the
+    fragments' bytes stay within a constant of one fragment naming them all. Every shard is
+    uploaded as it is sealed, and a merge from another node publishes every feature."""
+    n, clock = 50, [0.0]
+    layout, rank, keys = _rank_of(place, tmp_path, n, clock)
+    assert layout.remote is not None
+    bucket = layout.remote.bucket
+    real_upload, puts = bucket.upload, []
+
+    def counted(name: str, src: Path, **kw: bool) -> bool:  # the one point patched
+        puts.append((name, src.stat().st_size))
+        return real_upload(name, src, **kw)
+
+    monkeypatch.setattr(bucket, "upload", counted)
+    for i, key in enumerate(keys):
+        rank.add_shard(write_shard(layout, {key: torch.full((3,), float(i))}, "e" * 64, "r" * 64))
+        assert sum(1 for name, _ in puts if name.startswith("shards/")) == i + 1  # at once
+    assert rank.finish() is not None
+    rank.close()
+    fragments = [(name, size) for name, size in puts if name.startswith("fragments/")]
+    assert len(fragments) <= 2 + n.bit_length()  # 1, 1, 2, 4, ... shards each, then done
+    one = max(size for _, size in fragments)  # the done fragment, the largest
+    # A fragment is mostly its SQLite schema's pages (64 KiB for one shard here): the bytes
+    # follow the count, 51 fragments (3.3 MB) before, 7 (0.47 MB) now.
+    assert sum(size for _, size in fragments) <= (2 + n.bit_length()) * one
+
+    merge_bucket(_store(place.url, tmp_path / "node-m"))
+    fresh = _store(place.url, tmp_path / "node-r")
+    fresh.sync_catalog()
+    with Catalog(fresh.layout, read_only=True) as cat:
+        assert cat.present_keys(keys) == set(keys)
+
+
+def test_a_rank_uploads_a_fragment_once_its_oldest_unnamed_shard_is_old(
+    place: Place, tmp_path: Path
+) -> None:
+    """However few rows are pending, a shard sealed ``max_age_s`` ago (the rank's own clock, no
+    sleeps) is named by an uploaded fragment at the next seal: what a kill can lose is bounded
+    in time too."""
+    clock = [0.0]
+    layout, rank, keys = _rank_of(place, tmp_path, 8, clock)
+    for i, key in enumerate(keys[:5]):
+        rank.add_shard(write_shard(layout, {key: torch.full((3,), float(i))}, "e" * 64, "r" * 64))
+    assert len(place.objects("fragments/")) == 3  # 1, 1, 2 shards; the 5th waits (1 < 4)
+    clock[0] += Batching().max_age_s
+    rank.add_shard(write_shard(layout, {keys[5]: torch.ones(3)}, "e" * 64, "r" * 64))
+    assert len(place.objects("fragments/")) == 4  # the 5th and 6th, though 2 < 4 named
+    rank.close()
