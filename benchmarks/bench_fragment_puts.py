@@ -2,7 +2,8 @@
 moto's S3 server on loopback (``featbake build --shard-size 1KiB --batch-size 1``), each PUT
 counted at the byte seam (``S3Objects.put``) with the size of what it uploads.
 
-    python benchmarks/bench_fragment_puts.py [--inputs 50]
+    python benchmarks/run.py fragment_puts
+    python benchmarks/bench_fragment_puts.py --inputs 200
 
 Run it with ``PYTHONPATH`` at another tree (``git archive <commit> featbake``) for a before.
 """
@@ -14,12 +15,15 @@ import os
 import tempfile
 from pathlib import Path
 
-from featbake.cli import main
+from _rows import row
+
+from featbake.cli import main as cli_main
 from featbake.store.objects import S3Objects
 from featbake.testing import TinyConvEncoder, save_torchscript, start_moto, write_audio_folder
 
 
-def run(inputs: int) -> None:
+def run(inputs: int) -> list[dict]:
+    """The build's PUTs, counted: one row per measure."""
     tmp = Path(tempfile.mkdtemp())
     server = start_moto(tmp / "access.log")
     try:
@@ -38,21 +42,47 @@ def run(inputs: int) -> None:
         S3Objects.put = put  # type: ignore[method-assign]
         args = ["build", "-e", str(encoder), "-d", str(data), "--cache", "s3://fbbench/store"]
         try:
-            main([*args, "--workers", "0", "--shard-size", "1KiB", "--batch-size", "1"])
+            cli_main([*args, "--workers", "0", "--shard-size", "1KiB", "--batch-size", "1"])
         except SystemExit as e:
             if e.code:
                 raise
         frag = [size for name, size in puts if name.startswith("fragments/")]
         shards = sum(1 for name, _ in puts if name.startswith("shards/"))
-        print(
-            f"{inputs} inputs: {shards} shard PUTs; {len(frag)} fragment PUTs, {sum(frag):,} "
-            f"bytes (largest {max(frag):,}); {len(puts)} PUTs in all"
+        note = (
+            f"{inputs} inputs, one shard each, into moto's S3 on loopback: {shards} shard PUTs, "
+            f"{len(puts)} PUTs in all; the fragments' bytes {sum(frag):,} (largest {max(frag):,})"
         )
+        bound = 2 + shards.bit_length()
+        return [
+            row(
+                "fragment_puts",
+                "fragment PUTs per build",
+                len(frag),
+                "PUTs",
+                f"<= {bound} (log of shards)",
+                len(frag) <= bound,
+                note,
+            ),
+            row(
+                "fragment_puts",
+                "fragment bytes / the largest fragment",
+                sum(frag) / max(frag),
+                "x",
+                f"<= {bound}x",
+                sum(frag) <= bound * max(frag),
+                note,
+            ),
+        ]
     finally:
         server.stop()
+
+
+def main(quick: bool = False) -> list[dict]:
+    return run(20 if quick else 50)
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--inputs", type=int, default=50)
-    run(parser.parse_args().inputs)
+    for r in run(parser.parse_args().inputs):
+        print(f"{r['metric']}: {r['value']:g} {r['unit']} (target {r['target']}); {r['note']}")
