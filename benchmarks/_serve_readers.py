@@ -65,6 +65,43 @@ def recipe(dtype: str) -> Recipe:
     return Recipe(source="npy", dtype=dtype)
 
 
+def prepare_items(base: Path, n: int, dtype: str, seed: int) -> Path:
+    """``n`` random ``dtype`` items of ``[T, DIM]`` as .npy files in ``base``, baked into a
+    featbake store and written as safetensors shards of up to :data:`SHARD_BYTES` (featbake's
+    shard size) in the same item order, with ``index.json`` naming each item's shard; kept
+    across runs (``base/ready``)."""
+    if (base / "ready").exists():
+        return base
+    shutil.rmtree(base, ignore_errors=True)
+    (base / "npy").mkdir(parents=True)
+    (base / "shards").mkdir()
+    rng = np.random.default_rng(seed)
+    lo, hi = LENGTHS[dtype]
+    index: list[tuple[str, str]] = []
+    shard: dict[str, torch.Tensor] = {}
+    size, k = 0, 0
+    for i, t in enumerate(rng.integers(lo, hi, size=n)):
+        arr = rng.standard_normal((int(t), DIM), dtype=np.float32).astype(dtype, copy=False)
+        np.save(base / "npy" / f"item{i:05d}.npy", arr)
+        if size + arr.nbytes > SHARD_BYTES:
+            save_file(shard, str(base / "shards" / f"s{k:03d}.safetensors"))
+            shard, size, k = {}, 0, k + 1
+        shard[f"item{i:05d}"] = torch.from_numpy(arr)
+        size += arr.nbytes
+        index.append((str(base / "shards" / f"s{k:03d}.safetensors"), f"item{i:05d}"))
+    save_file(shard, str(base / "shards" / f"s{k:03d}.safetensors"))
+    (base / "index.json").write_text(json.dumps(index))
+    (base / "ready").touch()
+    build(base / "npy", identity_encoder(), cache=base / "store", recipe=recipe(dtype), workers=0)
+    return base
+
+
+def touch(t: torch.Tensor) -> None:
+    """Read one element per 4 KiB page of ``t``: what a step at least does with its item."""
+    flat = t.reshape(-1)
+    float(flat[:: 4096 // flat.element_size()].sum())
+
+
 class NpyFiles(Dataset):
     def __init__(self, paths: list[str]) -> None:
         self.paths = paths

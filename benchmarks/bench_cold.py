@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -33,9 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from safetensors.torch import save_file
 from torch.utils.data import DataLoader
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,9 +40,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _rows import row
-from _serve_readers import DIM, LENGTHS, SHARD_BYTES, SafetensorsShards, identity_encoder, recipe
+from _serve_readers import DIM, SafetensorsShards, identity_encoder, prepare_items, recipe, touch
 
-from featbake.bake.pipeline import build
 from featbake.serve.collate import pad_collate
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.serve.loader import FeatureLoader
@@ -60,36 +56,7 @@ BATCH = 32
 def prepare(n: int) -> Path:
     """``n`` random items as .npy files, baked into a featbake store and written as safetensors
     shards of up to 256 MiB (featbake's shard size), in the same item order; kept across runs."""
-    base = WORK / f"{DTYPE}-n{n}"
-    if not (base / "ready").exists():
-        shutil.rmtree(base, ignore_errors=True)
-        (base / "npy").mkdir(parents=True)
-        (base / "shards").mkdir()
-        rng = np.random.default_rng(5)
-        lo, hi = LENGTHS[DTYPE]
-        index: list[tuple[str, str]] = []
-        shard: dict[str, torch.Tensor] = {}
-        size, k = 0, 0
-        for i, t in enumerate(rng.integers(lo, hi, size=n)):
-            arr = rng.standard_normal((int(t), DIM), dtype=np.float32)
-            np.save(base / "npy" / f"item{i:05d}.npy", arr)
-            if size + arr.nbytes > SHARD_BYTES:
-                save_file(shard, str(base / "shards" / f"s{k:03d}.safetensors"))
-                shard, size, k = {}, 0, k + 1
-            shard[f"item{i:05d}"] = torch.from_numpy(arr)
-            size += arr.nbytes
-            index.append((str(base / "shards" / f"s{k:03d}.safetensors"), f"item{i:05d}"))
-        save_file(shard, str(base / "shards" / f"s{k:03d}.safetensors"))
-        (base / "index.json").write_text(json.dumps(index))
-        (base / "ready").touch()
-    build(base / "npy", identity_encoder(), cache=base / "store", recipe=recipe(DTYPE), workers=0)
-    return base
-
-
-def touch(t: torch.Tensor) -> None:
-    """Read one element per 4 KiB page of ``t``: what a step would at least do with it."""
-    flat = t.reshape(-1)
-    float(flat[:: 4096 // flat.element_size()].sum())
+    return prepare_items(WORK / f"{DTYPE}-n{n}", n, DTYPE, seed=5)
 
 
 def first(items: list[Any]) -> Any:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -30,9 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from safetensors.torch import save_file
 from torch.utils.data import DataLoader
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,15 +40,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _rows import row
 from _serve_readers import (
     DIM,
-    LENGTHS,
-    SHARD_BYTES,
     SafetensorsShards,
     identity_encoder,
+    prepare_items,
     recipe,
+    touch,
     warm_page_cache,
 )
 
-from featbake.bake.pipeline import build
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.testing import drop_page_cache
 
@@ -68,36 +64,7 @@ LABELS = {
 def prepare(n: int) -> Path:
     """``n`` fp16 items as .npy files, baked into a featbake store and written as safetensors
     shards of up to 256 MiB in the same order; kept across runs (``benchmarks/_work/peers``)."""
-    base = WORK / f"{DTYPE}-n{n}"
-    if not (base / "ready").exists():
-        shutil.rmtree(base, ignore_errors=True)
-        (base / "npy").mkdir(parents=True)
-        (base / "shards").mkdir()
-        rng = np.random.default_rng(7)
-        lo, hi = LENGTHS[DTYPE]
-        index: list[tuple[str, str]] = []
-        shard: dict[str, torch.Tensor] = {}
-        size, k = 0, 0
-        for i, t in enumerate(rng.integers(lo, hi, size=n)):
-            arr = rng.standard_normal((int(t), DIM), dtype=np.float32).astype(DTYPE)
-            np.save(base / "npy" / f"item{i:05d}.npy", arr)
-            if size + arr.nbytes > SHARD_BYTES:
-                save_file(shard, str(base / "shards" / f"s{k:03d}.safetensors"))
-                shard, size, k = {}, 0, k + 1
-            shard[f"item{i:05d}"] = torch.from_numpy(arr)
-            size += arr.nbytes
-            index.append((str(base / "shards" / f"s{k:03d}.safetensors"), f"item{i:05d}"))
-        save_file(shard, str(base / "shards" / f"s{k:03d}.safetensors"))
-        (base / "index.json").write_text(json.dumps(index))
-        (base / "ready").touch()
-    build(base / "npy", identity_encoder(), cache=base / "store", recipe=recipe(DTYPE), workers=0)
-    return base
-
-
-def touch(t: torch.Tensor) -> None:
-    """Read one element per 4 KiB page of ``t``: what a step at least does with its item."""
-    flat = t.reshape(-1)
-    float(flat[:: 4096 // flat.element_size()].sum())
+    return prepare_items(WORK / f"{DTYPE}-n{n}", n, DTYPE, seed=7)
 
 
 def make(reader: str, base: Path) -> Any:
