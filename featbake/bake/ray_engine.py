@@ -159,6 +159,19 @@ class RayEngine:
         finally:
             connecting.close()
 
+    def on_actors(self, ray: Any, ds: Any, actor: type, args: tuple[Any, ...]) -> Any:
+        """``ds`` mapped by this engine's actor pool of ``actor(*args)``: ``workers`` actors of
+        a CPU (and ``gpus_per_worker`` GPUs) each, a task every ``rows_per_task`` rows."""
+        return ds.map_batches(
+            actor,
+            fn_constructor_args=args,
+            batch_size=self.rows_per_task,
+            batch_format="numpy",
+            compute=ray.data.ActorPoolStrategy(size=self.workers),
+            num_cpus=1,
+            num_gpus=self.gpus_per_worker or None,
+        )
+
     def encode(
         self, job: EngineJob, items: Sequence[WorkItem], progress: ProgressFn | None
     ) -> PartResult:
@@ -174,15 +187,7 @@ class RayEngine:
         total = PartResult()
         with ray_session(self.address) as ray:
             quiet(ray)
-            ds = ray.data.from_items(rows).map_batches(
-                PathActor,
-                fn_constructor_args=(job,),
-                batch_size=self.rows_per_task,
-                batch_format="numpy",
-                compute=ray.data.ActorPoolStrategy(size=self.workers),
-                num_cpus=1,
-                num_gpus=self.gpus_per_worker or None,
-            )
+            ds = self.on_actors(ray, ray.data.from_items(rows), PathActor, (job,))
             for result in _results(ds):
                 total.add(PartResult.from_json(result[RESULT]))
                 _tick(progress, total, len(items))
@@ -436,15 +441,7 @@ def _encode_rows(
     with ray_session(engine.address) as ray:
         quiet(ray)
         _leave_a_cpu_to_reads(ray, engine)
-        out = ds.map_batches(
-            BytesActor,
-            fn_constructor_args=(job, column, id_column),
-            batch_size=engine.rows_per_task,
-            batch_format="numpy",
-            compute=ray.data.ActorPoolStrategy(size=engine.workers),
-            num_cpus=1,
-            num_gpus=engine.gpus_per_worker or None,
-        )
+        out = engine.on_actors(ray, ds, BytesActor, (job, column, id_column))
         for row in _results(out):
             items.append((str(row["id"]), str(row["key"])))
             if row[RESULT]:
