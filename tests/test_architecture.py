@@ -34,6 +34,7 @@ LEAVES = {
     "image_recipe",
     "length_batches",
     "cpu_share",
+    "pace",
 }
 ALLOWED: dict[str, set[str]] = {
     "leaf": set(),

@@ -48,8 +48,9 @@ import dataclasses
 import itertools
 import queue
 import threading
+import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +60,7 @@ from torch.utils.data import Sampler, StackDataset, Subset
 
 import featbake.device as dev
 from featbake.errors import ConfigError, FeatbakeError
+from featbake.pace import Pace, ReadsOn
 from featbake.serve.collate import (
     BatchPool,
     batches_whole,
@@ -782,6 +784,22 @@ _END = object()
 STAGED_AHEAD = 2
 
 
+def reads_on_of(asked: str, staging: Staging | None) -> ReadsOn:
+    """``reads_on`` checked: ``"auto"``, ``"thread"`` or ``"loop"``; auto reads on the thread
+    when batches are staged to a device (the copy ahead needs the batch read ahead).
+
+    Raises:
+        ConfigError: any other value.
+    """
+    try:
+        reads_on = ReadsOn(asked)
+    except ValueError:
+        raise ConfigError(f"reads_on must be 'auto', 'thread' or 'loop', got {asked!r}") from None
+    if reads_on is ReadsOn.AUTO and staging is not None:
+        return ReadsOn.THREAD
+    return reads_on
+
+
 def staging_to(device: torch.device | None, staging: bool | None) -> Staging | None:
     """How a loader's batches reach ``device``: copied through a :class:`Staging` (on CUDA,
     or wherever ``staging`` is True), else None (they stay where they are read)."""
@@ -838,6 +856,13 @@ class FeatureLoader:
             ``DevicePrefetcher(staging=True)`` does (how it is tested without a GPU).
         rank, world_size: this process's share of every epoch, as ``DistributedSampler``;
             default from ``torch.distributed`` when it is initialised, else the whole dataset.
+        reads_on: where batches are read. ``"thread"``: on the loader's reader thread, ahead
+            of the step. ``"loop"``: in the training loop's thread when it asks for the next
+            batch, as ``DataLoader(num_workers=0)`` does. ``"auto"`` (the default): on the
+            thread, and in the loop while the loop's steps take under an eighth of a batch's
+            read, where there is no step to hide a read behind and the hand-over between
+            threads is all the thread adds (a loop that only reads ran 1.1-1.25x faster so;
+            see :mod:`featbake.pace`). With ``device`` staging, always the thread.
 
     Each ``iter()`` is one epoch and advances the epoch; :meth:`set_epoch` chooses the next.
     :meth:`state_dict` and :meth:`load_state_dict` resume an epoch where it stopped.
@@ -869,6 +894,7 @@ class FeatureLoader:
         rank: int | None = None,
         world_size: int | None = None,
         read_ahead: int = READ_AHEAD,
+        reads_on: str = "auto",
     ) -> None:
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
             raise ConfigError(f"prefetch must be a whole number from 1, got {prefetch!r}")
@@ -888,6 +914,7 @@ class FeatureLoader:
         self._buffers = BatchPool(keep=prefetch + 4)
         self.device = None if device is None else dev.resolve_device(device)
         self._staging = staging_to(self.device, staging)
+        self._pace = Pace(reads_on_of(reads_on, self._staging))
         rank, world = rank_and_world(rank, world_size)
         if seed is None:  # ranks must draw one order: DistributedSampler's default seed, 0
             seed = 0 if world > 1 or distributed() else int(torch.randint(0, 2**31, (1,)).item())
@@ -1015,57 +1042,87 @@ class FeatureLoader:
         return o.plan(epoch, inputs, stages), inputs
 
     def _epoch(self, batches: list[list[int]], skip: int) -> Iterator[Any]:
+        """The epoch's batches from ``skip`` on, read on the reader thread or in the loop's
+        thread as the loop's pace says (:mod:`featbake.pace`), in order either way."""
         batches = batches[skip:]
-        ready: queue.Queue[Any] = queue.Queue(maxsize=self.prefetch)
-        stop = threading.Event()
-        waiting = Waiting(now=True)  # the loop's first act is to wait for a batch
-        reader = threading.Thread(
-            target=self._read,
-            args=(batches, ready, stop, waiting),
-            name="featbake-loader",
-            daemon=True,
-        )
-        reader.start()
+        window = ahead_window(self.dataset, self.read_ahead)
+        ahead = ReadAhead(batches, window, hint_of(self.dataset), self._streak)
+        b = 0
         try:
-            while True:
-                item = _next_from(ready, reader, waiting)
-                if item is _END:
-                    return
-                if isinstance(item, _Failed):
-                    raise item.error
-                yield item
+            while b < len(batches):
+                if self._pace.choose():
+                    b = yield from self._in_loop(batches, b, ahead)
+                else:
+                    b = yield from self._on_thread(batches, b, ahead)
         finally:
-            stop.set()  # the step stopped early, or failed: the reader ends at its next batch
-            with contextlib.suppress(queue.Empty):
-                while True:
-                    ready.get_nowait()
-            reader.join()
+            self._streak = ahead.streak
 
-    def _read(
-        self,
-        batches: list[list[int]],
-        ready: queue.Queue,
-        stop: threading.Event,
-        waiting: Waiting,
-    ) -> None:
-        """The reader thread: read and collate each batch, in order, until told to stop.
-
-        Everything it runs is inside the ``try``: a dataset that opens its store on first use
-        (even on the attribute lookup that finds ``will_need``) fails here, and the training
-        thread must get that error, not wait for a batch that never comes.
-        """
-        ahead: ReadAhead | None = None
-        try:
-            window = ahead_window(self.dataset, self.read_ahead)
-            ahead = ReadAhead(batches, window, hint_of(self.dataset), self._streak)
+    def _in_loop(
+        self, batches: list[list[int]], start: int, ahead: ReadAhead
+    ) -> Generator[Any, None, int]:
+        """Batches from ``start`` read in the loop's thread when it asks, as long as its pace
+        keeps them there; the batch to go on from (``len(batches)``: none)."""
+        pace = self._pace
+        for b in range(start, len(batches)):
+            t0 = time.perf_counter()
+            ahead.before(b)
             whole = batches_whole() if self._whole else contextlib.nullcontext()
             with self._built_in(), whole:
-                self._read_batches(batches, ready, stop, ahead, waiting)
-        except BaseException as e:  # handed to the training thread, raised there
-            _put(ready, _Failed(e), stop)
+                batch = self.collate_fn(_items(self.dataset, batches[b]))
+            t1 = time.perf_counter()
+            pace.read(t1 - t0)
+            yield batch
+            pace.stepped(time.perf_counter() - t1)
+            if not pace.choose():
+                return b + 1
+        return len(batches)
+
+    def _on_thread(
+        self, batches: list[list[int]], start: int, ahead: ReadAhead
+    ) -> Generator[Any, None, int]:
+        """Batches from ``start`` read ahead on a reader thread, until the loop's pace moves the
+        reads into the loop (the thread then stops after the batch it is reading); the batch
+        to go on from (``len(batches)``: none)."""
+        run = _ThreadRun(batches, queue.Queue(maxsize=self.prefetch))
+        reader = threading.Thread(
+            target=self._read, args=(run, start, ahead), name="featbake-loader", daemon=True
+        )
+        reader.start()
+        pace = self._pace
+        try:
+            while True:
+                item = _next_from(run.ready, reader, run.waiting)
+                if item is _END:
+                    return len(batches)
+                if isinstance(item, _Switched):
+                    return item.at
+                if isinstance(item, _Failed):
+                    raise item.error
+                t0 = time.perf_counter()
+                yield item
+                pace.stepped(time.perf_counter() - t0)
+                if pace.choose():
+                    run.switch.set()  # the reader stops after the batch it is reading
         finally:
-            if ahead is not None:
-                self._streak = ahead.streak
+            run.stop.set()  # the step stopped early, or failed: the reader ends at its next batch
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    run.ready.get_nowait()
+            reader.join()
+
+    def _read(self, run: _ThreadRun, start: int, ahead: ReadAhead) -> None:
+        """The reader thread: read and collate each batch from ``start``, in order, until told
+        to stop, or to switch (then ``_Switched`` says where the loop goes on).
+
+        Everything it runs is inside the ``try``: the training thread must get any error,
+        not wait for a batch that never comes.
+        """
+        try:
+            whole = batches_whole() if self._whole else contextlib.nullcontext()
+            with self._built_in(), whole:
+                self._read_batches(run, start, ahead)
+        except BaseException as e:  # handed to the training thread, raised there
+            _put(run.ready, _Failed(e), run.stop)
 
     def _built_in(self) -> contextlib.AbstractContextManager[None]:
         """Where the reader builds batches: for a device, in the staging pool's buffers (the
@@ -1074,28 +1131,29 @@ class FeatureLoader:
             return pinned_batches(self._staging.pool)
         return pooled_batches(self._buffers)
 
-    def _read_batches(
-        self,
-        batches: list[list[int]],
-        ready: queue.Queue,
-        stop: threading.Event,
-        ahead: ReadAhead,
-        waiting: Waiting,
-    ) -> None:
-        """Read each batch and hand it over, in order: a batch is handed over just before the
-        next one's rows are read (:func:`handing_over`), or after that read when it read none.
+    def _read_batches(self, run: _ThreadRun, start: int, ahead: ReadAhead) -> None:
+        """Read each batch from ``start`` and hand it over, in order: a batch is handed over
+        just before the next one's rows are read (:func:`handing_over`), or after that read
+        when it read none.
         """
+        ready, stop, batches = run.ready, run.stop, run.batches
         held = Held(ready, stop)
-        ahead.before(0)
-        for b, idx in enumerate(batches):
+        ahead.before(start)
+        for b in range(start, len(batches)):
             if stop.is_set():
                 return
-            cap = threads_cap(ready.qsize() + held.count(), waiting.now)
+            if run.switch.is_set():  # the loop reads the rest: hand over what is read
+                held.hand()
+                _put(ready, _Switched(b), stop)
+                return
+            cap = threads_cap(ready.qsize() + held.count(), run.waiting.now)
+            t0 = time.perf_counter()
             try:
                 with read_threads_at_most(cap), handing_over(held.hand):
-                    batch = self.collate_fn(_items(self.dataset, idx))
+                    batch = self.collate_fn(_items(self.dataset, batches[b]))
             finally:
                 held.hand()  # no rows read (misses, the RAM tier), or the read failed: now
+            self._pace.read(time.perf_counter() - t0)
             if held.stopped:
                 return
             if b + 1 < len(batches):  # before the hand-over: the training thread waits now
@@ -1104,6 +1162,25 @@ class FeatureLoader:
         held.hand()
         if not held.stopped:
             _put(ready, _END, stop)
+
+
+@dataclass
+class _ThreadRun:
+    """One run of the reader thread: the epoch's batches, the queue it hands them over in,
+    and what the loop tells it (stop; switch: the loop reads the rest) and shows (waiting)."""
+
+    batches: list[list[int]]
+    ready: queue.Queue[Any]
+    stop: threading.Event = dataclasses.field(default_factory=threading.Event)
+    switch: threading.Event = dataclasses.field(default_factory=threading.Event)
+    waiting: Waiting = dataclasses.field(default_factory=lambda: Waiting(now=True))
+
+
+@dataclass(frozen=True)
+class _Switched:
+    """The reader thread stopped for the loop to read the rest, from batch ``at``."""
+
+    at: int
 
 
 @dataclass

@@ -17,7 +17,7 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -26,9 +26,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler, StackDataset, Subset
 
+import featbake.serve.loader as loader_module
 from featbake import BlockSampler, CachedFeatureDataset, FeatureLoader, build, native, pad_collate
 from featbake.errors import CacheMiss, ConfigError, StoreError
-from featbake.serve.loader import SAMPLE, WARM_STREAK, ReadAhead
+from featbake.pace import Pace, ReadsOn
+from featbake.serve.loader import SAMPLE, WARM_STREAK, ReadAhead, reads_on_of, staging_to
 from featbake.serve.sampling import EpochPlan
 from featbake.testing import drop_page_cache, write_audio_folder
 from tests.conftest import live_features
@@ -206,7 +208,8 @@ def test_a_batch_reaches_the_loop_while_the_next_ones_rows_are_read(
 
     monkeypatch.setitem(native._state, "kernels", _HeldKernels(native.kernels(), hold))
     got = []
-    for batch in FeatureLoader(baked, batch_size=4, shuffle=False, prefetch=2):
+    loader = FeatureLoader(baked, batch_size=4, shuffle=False, prefetch=2, reads_on="thread")
+    for batch in loader:
         got.append(batch)
         taken.set()
     assert seen == [True]
@@ -380,7 +383,9 @@ def test_a_shard_evicted_by_another_thread_is_never_closed_under_a_loaders_read(
     held, stop, wrong = _HeldRead(2), threading.Event(), []
     _hold_reads(held, compiled, monkeypatch)
     other = threading.Thread(target=lambda: wrong.extend(_read_every_item(ds, want, held, stop)))
-    loader = FeatureLoader(StackDataset(ds, torch.arange(n)), batch_size=4, seed=3)
+    loader = FeatureLoader(
+        StackDataset(ds, torch.arange(n)), batch_size=4, seed=3, reads_on="thread"
+    )
     seen: list[int] = []
     with native.fallback() if not compiled else contextlib.nullcontext():
         other.start()
@@ -477,6 +482,7 @@ def test_rank_and_world_come_from_torch_distributed(
         ({"shuffle": "shards"}, 'shuffle must be True, False or "blocks"'),
         ({"batch_frames": 0}, "batch_frames must be a whole number from 1"),
         ({"shuffle": "blocks", "window": 0}, "window must be a whole number from 1"),
+        ({"reads_on": "worker"}, "reads_on must be 'auto', 'thread' or 'loop', got 'worker'"),
     ],
 )
 def test_bad_options_are_refused(baked: CachedFeatureDataset, kw: dict, match: str) -> None:
@@ -1307,3 +1313,116 @@ def test_a_sampler_reads_an_item_longer_than_batch_frames_alone_with_one_warning
     for b in batches:
         assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= budget
     assert sum(1 for b in batches if max(lengths[i] for i in b) > budget) == 2
+
+
+# -- where batches are read: the reader thread or the loop (featbake.pace) --------------------
+def _loader_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "featbake-loader"]
+
+
+def test_reads_in_the_loop_start_no_thread_and_yield_the_dataloaders_batches(
+    baked: CachedFeatureDataset, encoder_file: Path
+) -> None:
+    ds = StackDataset(baked, torch.arange(len(baked)))
+    loader = FeatureLoader(ds, batch_size=5, seed=3, reads_on="loop")
+    for epoch in range(2):
+        got = []
+        for batch in loader:
+            assert _loader_threads() == []  # read here, in the loop's thread
+            got.append(batch)
+        _assert_same_batches(got, _dataloader_batches(ds, 3, epoch))
+        for padded, lengths, labels in got:
+            for row, n, i in zip(padded, lengths, labels, strict=True):
+                want = live_features(encoder_file, Path(baked.path(int(i))))
+                torch.testing.assert_close(row[:n], want, rtol=1e-5, atol=1e-5)
+
+
+class _Scripted(Pace):
+    """A pace that moves the reads as a script says: choice k (True: in the loop) for the
+    k-th time it is asked, the last one from then on; notes what it was told."""
+
+    script: ClassVar[list[bool]] = []
+
+    def __init__(self, reads_on: ReadsOn = ReadsOn.AUTO) -> None:
+        super().__init__(reads_on)
+        self.asked = 0
+        self.steps_noted = 0
+        self.reads_noted = 0
+
+    def stepped(self, seconds: float) -> None:
+        self.steps_noted += 1
+
+    def read(self, seconds: float) -> None:
+        self.reads_noted += 1
+
+    def choose(self) -> bool:
+        k = min(self.asked, len(self.script) - 1)
+        self.asked += 1
+        self.in_loop = self.script[k]
+        return self.in_loop
+
+
+@pytest.mark.parametrize(
+    "script",
+    [
+        [False, False, True, True, True, False],  # thread, then the loop, then the thread again
+        [True, False, True, False, True, False, True],  # every batch: flapping
+        [False, True],  # to the loop after the first batch, for good
+    ],
+)
+def test_reads_moved_between_thread_and_loop_keep_the_epochs_batches_in_order(
+    resumable: CachedFeatureDataset,
+    encoder_file: Path,
+    script: list[bool],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ds = StackDataset(resumable, torch.arange(len(resumable)))
+    want = [_epoch(FeatureLoader(ds, batch_size=2, seed=7, reads_on="thread"))]
+    monkeypatch.setattr(_Scripted, "script", script)
+    monkeypatch.setattr(loader_module, "Pace", _Scripted)
+    loader = FeatureLoader(ds, batch_size=2, seed=7)
+    got, alone = [], 0
+    for batch in loader:
+        got.append(batch)
+        alone += not _loader_threads()
+    _same(got, want[0])
+    pace = loader._pace
+    assert isinstance(pace, _Scripted)
+    assert pace.steps_noted == len(got)  # every step noted, whichever thread read
+    assert pace.reads_noted == len(got)
+    assert alone >= 1  # some batches were read with no reader thread alive
+    assert _loader_threads() == []
+    # A state saved part way through an epoch read in the loop resumes it as the thread would.
+    first = FeatureLoader(ds, batch_size=2, seed=7, reads_on="loop")
+    _epoch(first, 3)
+    again = FeatureLoader(ds, batch_size=2, reads_on="thread")
+    again.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    _same(_epoch(again), want[0][3:])
+    for padded, lengths, labels in got:
+        for row, n, i in zip(padded, lengths, labels, strict=True):
+            live = live_features(encoder_file, Path(resumable.path(int(i))))
+            torch.testing.assert_close(row[:n], live, rtol=1e-5, atol=1e-5)
+
+
+def test_a_read_error_in_the_loop_reaches_it_after_the_batches_before(
+    audio_dir: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    build(audio_dir / "fixed", encoder_file, cache=store_dir, workers=0)  # 4 of the 16 clips
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    stored = (ds.placement().shards >= 0).tolist()
+    failing = stored.index(False)
+    got = []
+    with pytest.raises(CacheMiss):
+        for batch in FeatureLoader(ds, batch_size=1, shuffle=False, reads_on="loop"):
+            got.append(batch)
+    assert len(got) == failing
+    assert _loader_threads() == []
+
+
+def test_batches_staged_to_a_device_are_read_on_the_thread_unless_asked() -> None:
+    staging = staging_to(torch.device("cpu"), True)
+    assert reads_on_of("auto", staging) is ReadsOn.THREAD
+    assert reads_on_of("auto", None) is ReadsOn.AUTO
+    assert reads_on_of("loop", staging) is ReadsOn.LOOP
+    with pytest.raises(ConfigError, match="reads_on must be 'auto', 'thread' or 'loop'"):
+        reads_on_of("main", None)
