@@ -115,6 +115,7 @@ class ByIndex(Dataset):
 
 
 def make(reader: str, base: Path, seed: int) -> Any:
+    """A new dataset of ``reader`` over the items in ``base`` (``seed``: litdata's shuffle)."""
     if reader == "stshards":
         index = [tuple(x) for x in json.loads((base / "index.json").read_text())]
         return SafetensorsShards(index)  # type: ignore[arg-type]
