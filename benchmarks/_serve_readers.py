@@ -10,6 +10,10 @@ One set of fp32 or fp16 ``[T, 768]`` features is written five ways:
 * a featbake store (shards + catalog) baked from the ``.npy`` files, read through
   :class:`featbake.CachedFeatureDataset` (a copy the caller owns; batches: views into one padded
   batch tensor).
+
+``prepare_items`` writes the items of ``bench_peers.py`` and ``bench_cold.py`` (.npy files, a
+featbake store, safetensors shards); ``prepare_litdata`` adds them as a litdata optimized
+dataset beside, for ``bench_peers.py``'s third reader.
 """
 
 from __future__ import annotations
@@ -94,6 +98,32 @@ def prepare_items(base: Path, n: int, dtype: str, seed: int) -> Path:
     (base / "ready").touch()
     build(base / "npy", identity_encoder(), cache=base / "store", recipe=recipe(dtype), workers=0)
     return base
+
+
+def prepare_litdata(base: Path, chunk_bytes: int = SHARD_BYTES) -> Path | None:
+    """The items :func:`prepare_items` wrote in ``base``, as a litdata optimized dataset in
+    ``base/litdata`` (litdata's ``BinaryWriter``, item i = the tensor of ``item{i:05d}.npy``, in
+    chunks of up to ``chunk_bytes``: featbake's shard size), written once and kept
+    (``base/litdata.ready``); None where litdata is not importable."""
+    try:
+        from litdata.streaming.writer import BinaryWriter
+    except ImportError:
+        return None
+    out = base / "litdata"
+    if (base / "litdata.ready").exists():
+        return out
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir()
+    writer = BinaryWriter(str(out), chunk_bytes=chunk_bytes)
+    for i, path in enumerate(sorted((base / "npy").glob("item*.npy"))):
+        writer[i] = torch.from_numpy(np.load(path))
+    writer.done()
+    writer.merge()
+    for p in out.iterdir():  # DONTNEED drops only clean pages: the chunks written to disk
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
+    (base / "litdata.ready").touch()
+    return out
 
 
 def touch(t: torch.Tensor) -> None:

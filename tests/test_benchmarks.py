@@ -73,3 +73,26 @@ def test_bucket_bench_counts_a_first_builds_gets_of_its_inputs() -> None:
         "1 LIST, 0 HEAD, 16 GET", "1 LIST, 0 HEAD, 0 GET", "0 LIST, 16 HEAD, 0 GET"
     ]  # fmt: skip
     assert rows[5]["ok"] is True
+
+
+def test_peers_bench_readers_serve_the_same_items_once(tmp_path: Path) -> None:
+    """Part peers compares readers of the same items: each reader (litdata's two where litdata is
+    importable) yields every item once per epoch, equal in dtype, shape and bytes to its .npy."""
+    import hashlib
+
+    import numpy as np
+
+    peers = _load("bench_peers")
+    base = peers.prepare_items(tmp_path / "items", 6, "float16", seed=3)
+    lit = peers.prepare_litdata(base, chunk_bytes=1 << 20) is not None
+    assert lit == ((base / "litdata" / "index.json").exists())
+
+    def key(dtype: str, shape: tuple[int, ...], data: bytes) -> str:
+        return f"{dtype} {shape} {hashlib.sha256(data).hexdigest()}"
+
+    arrays = [np.load(p) for p in sorted((base / "npy").glob("*.npy"))]
+    want = sorted(key(str(a.dtype), a.shape, a.tobytes()) for a in arrays)
+    for name in [r for r in peers.READERS if lit or r not in peers.LITDATA]:
+        ds = peers.make(name, base, seed=1)
+        got = [t.numpy() for t in peers.loader(name, ds, workers=0, seed=1)]
+        assert sorted(key(str(a.dtype), a.shape, a.tobytes()) for a in got) == want, name
