@@ -36,6 +36,13 @@ Without litdata importable (it is installed beside the venv: ``pip install --no-
 DIR litdata lightning-utilities obstore``, then ``PYTHONPATH=DIR``, since its plain install
 replaces torch), its columns are skipped with a line saying so.
 
+Two more readers bound what a reader of owned, checked items can reach here: the same
+safetensors shards read by one ``os.preadv`` per item into a new tensor (no check, nothing
+above it), and that copy with its CRC-32C (:class:`_serve_readers.OwnedCopies`). Their rows
+say how far an owned copy alone is from the views (the step touches a 512th of each item, so
+the views pay page faults and nothing else) and how far featbake is from the bare copy and
+check (its own layers, with the DataLoader's per-item cost the same for all).
+
 Run: ``python benchmarks/bench_peers.py [--quick] [--cells warm0,warm2,cold0,cold2]`` (quick:
 400 items, 3 rounds; full: 1,400 items, 3 rounds).
 """
@@ -62,6 +69,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _rows import row
 from _serve_readers import (
     DIM,
+    OwnedCopies,
     SafetensorsShards,
     identity_encoder,
     prepare_items,
@@ -77,7 +85,7 @@ from featbake.testing import drop_page_cache
 WORK = Path(__file__).resolve().parent / "_work" / "peers"
 BENCH = "peers"
 DTYPE = "float16"
-READERS = ("stshards", "featbake", "litdata", "litdata-index")
+READERS = ("stshards", "featbake", "copy", "copy-crc", "litdata", "litdata-index")
 #: litdata's readers: its own shuffle (the row), and ds[i] in the DataLoader's order (the note).
 LITDATA = ("litdata", "litdata-index")
 LABELS = {
@@ -85,6 +93,8 @@ LABELS = {
     "featbake": "featbake CachedFeatureDataset",
     "litdata": "litdata StreamingDataset(shuffle=True) (its chunk-wise order)",
     "litdata-index": "litdata ds[i] in the DataLoader's shuffled order",
+    "copy": "an owned copy (one pread per item, no check)",
+    "copy-crc": "an owned copy and its CRC-32C",
 }
 NO_LITDATA = (
     "litdata is not installed: its columns are skipped (pip install --no-deps --target DIR "
@@ -116,9 +126,11 @@ class ByIndex(Dataset):
 
 def make(reader: str, base: Path, seed: int) -> Any:
     """A new dataset of ``reader`` over the items in ``base`` (``seed``: litdata's shuffle)."""
-    if reader == "stshards":
+    if reader in ("stshards", "copy", "copy-crc"):
         index = [tuple(x) for x in json.loads((base / "index.json").read_text())]
-        return SafetensorsShards(index)  # type: ignore[arg-type]
+        if reader == "stshards":
+            return SafetensorsShards(index)  # type: ignore[arg-type]
+        return OwnedCopies(index, check=reader == "copy-crc")  # type: ignore[arg-type]
     if reader in LITDATA:
         from litdata import StreamingDataset
 
@@ -238,6 +250,14 @@ def cell_rows(cell: str, rates: dict[str, list[float]], note: str) -> list[dict]
         ratio = med["featbake"] / med[peer]
         metric = f"1 item/step, {cell}: featbake / {label}"
         out.append(row(BENCH, metric, ratio, "x", ">= 1x", ratio >= 1.0, note))
+    # The floor of an owned copy: what a reader handing out items of their own can reach at
+    # best against the views, and how far featbake's layers are from a bare copy and check.
+    floor = med["copy"] / med["stshards"]
+    out.append(row(BENCH, f"1 item/step, {cell}: an owned copy (no check) / safe_open views",
+                   floor, "x", "report", note=note))  # fmt: skip
+    layers = med["featbake"] / med["copy-crc"]
+    out.append(row(BENCH, f"1 item/step, {cell}: featbake / an owned copy and its CRC", layers,
+                   "x", "report", note=note))  # fmt: skip
     return out
 
 
