@@ -273,6 +273,69 @@ def test_a_flipped_byte_and_a_cut_shard_fail_alike(tmp_path: Path, native_on: bo
             read_spans(spans, packed)
 
 
+# -- CRC-32C by carry-less multiplication -------------------------------------------------------
+@compiled
+@pytest.mark.usefixtures("width_reset")
+def test_the_crc_kernel_equals_google_crc32c_for_every_length_alignment_and_width() -> None:
+    """Every length 0-4096 (the folding loop starts at 256 bytes, folds 16 at a time after its
+    last 256-byte round, and ends on 0-15 bytes), unaligned starts, large buffers."""
+    import google_crc32c
+
+    from featbake.store import shard
+
+    kernels = native.kernels()
+    assert kernels is not None and shard._EXTEND_ADDR is not None
+    rng = np.random.default_rng(5)
+    data = rng.integers(0, 256, size=(1 << 20) + 64, dtype=np.uint8)
+    cases = [(n, 0) for n in range(4097)] + [
+        (int(rng.integers(256, 1 << 20)), int(rng.integers(0, 64))) for _ in range(64)
+    ]
+    for width in _widths():
+        kernels.set_width(width)
+        for n, at in cases:
+            seed = int(rng.integers(0, 2**32))
+            got = kernels.crc32c(seed, data.ctypes.data + at, n, shard._EXTEND_ADDR)
+            assert got == google_crc32c.extend(seed, data[at : at + n].tobytes()), (width, n, at)
+
+
+@compiled
+@pytest.mark.usefixtures("width_reset")
+def test_a_flipped_bit_anywhere_in_a_large_tensor_fails_its_check_on_every_loop(
+    tmp_path: Path,
+) -> None:
+    """One bit flipped in a 467 KB tensor, in its first 256 bytes, its folded middle, the 16-byte
+    folds after the last round and its last bytes: the compiled read refuses each, at every
+    width; the intact tensor reads back whole."""
+    big = torch.randn(300, 779).to(torch.float16)  # 467,400 bytes: 200 after the rounds
+    path = _shard(tmp_path, {"a": torch.randn(3, 5), "big": big})
+    with ShardReader(path) as r:
+        begin, end = r.tensors["big"].begin, r.tensors["big"].end
+    size = end - begin
+    kernels = native.kernels()
+    assert kernels is not None
+    for width in _widths():
+        kernels.set_width(width)
+        dest = np.zeros(size, dtype=np.uint8)
+        with ShardReader(path) as r:
+            read_spans([r.span("big", dest)])
+        assert torch.equal(torch.from_numpy(dest).view(torch.float16).view(300, 779), big)
+    assert size % 256 == 200
+    for where in (0, 255, 256 + 7, size // 2, size - 200 + 3, size - 5, size - 1):
+        with open(path, "r+b") as f:
+            f.seek(begin + where)
+            byte = f.read(1)[0]
+            f.seek(begin + where)
+            f.write(bytes([byte ^ 0x04]))
+        for width in _widths():
+            kernels.set_width(width)
+            dest = np.zeros(size, dtype=np.uint8)
+            with ShardReader(path) as r, pytest.raises(StoreCorrupt, match="checksum mismatch"):
+                read_spans([r.span("big", dest)])
+        with open(path, "r+b") as f:  # put it back for the next place
+            f.seek(begin + where)
+            f.write(bytes([byte]))
+
+
 # -- through the dataset -----------------------------------------------------------------------
 @pytest.mark.parametrize(("dtype", "serve"), [("int8", torch.float16), ("fp8", torch.bfloat16)])
 def test_a_dataset_serves_the_same_bytes_with_the_kernels_and_without(

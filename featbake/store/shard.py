@@ -148,7 +148,7 @@ def crc32c(buf: Any, crc: int = 0) -> int:
     if isinstance(buf, bytes) or _EXTEND_AT is None:
         return int(google_crc32c.extend(crc, bytes(buf)))
     arr = np.frombuffer(buf, dtype=np.uint8)  # no copy; keeps the memory alive for the call
-    return int(_EXTEND_AT(crc, arr.ctypes.data, arr.nbytes)) if arr.nbytes else crc
+    return _crc32c_at(crc, arr.ctypes.data, arr.nbytes) if arr.nbytes else crc
 
 
 def crc32c_tensor(t: torch.Tensor, crc: int = 0) -> int:
@@ -160,7 +160,18 @@ def crc32c_tensor(t: torch.Tensor, crc: int = 0) -> int:
     if _EXTEND_AT is None:
         return crc32c(tensor_buffer(t), crc)
     nbytes = t.numel() * t.element_size()
-    return int(_EXTEND_AT(crc, t.data_ptr(), nbytes)) if nbytes else crc
+    return _crc32c_at(crc, t.data_ptr(), nbytes) if nbytes else crc
+
+
+def _crc32c_at(crc: int, at: int, nbytes: int) -> int:
+    """CRC-32C of ``nbytes`` at address ``at``: through the compiled kernels where they are
+    built (carry-less multiplication on AVX-512 cores, ~2x google_crc32c's loop on an item just
+    read, and outside the GIL from 64 KiB), else google_crc32c's C function."""
+    native = kernels()
+    if native is not None and _EXTEND_ADDR is not None:
+        return int(native.crc32c(crc, at, nbytes, _EXTEND_ADDR))
+    assert _EXTEND_AT is not None
+    return int(_EXTEND_AT(crc, at, nbytes))
 
 
 def checksum_v1(buf: Any) -> str:
