@@ -830,16 +830,72 @@ def test_a_row_scale_that_is_not_finite_is_a_damaged_shard_on_every_path(
         rf"shard {re.escape(str(shard))} is damaged \(tensor \S+ has a row scale that is not "
         r"finite\); run `featbake verify --repair`"
     )
-    # The RAM tier keeps packed rows: its batch is read as stored, then refused (unnamed).
-    in_batch = damaged if not ram_cache else r"not finite \(its shard is damaged\); run `featb"
     with contextlib.nullcontext() if compiled else native.fallback():
         for _ in range(2):  # read as stored, then located (or the RAM tier)
             with pytest.raises(StoreCorrupt, match=damaged):
                 ds[bad]
             assert torch.equal(ds[4], want[4])
         ds = dataset()
-        for _ in range(2):  # padded batches: planned, then located
-            with pytest.raises(StoreCorrupt, match=in_batch):
+        # Padded batches: planned, then located. The RAM tier keeps packed rows, so its batch
+        # is read as stored and dequantised after: its refusal names the shard too (issue
+        # "round five" item 2: it said only "its shard is damaged").
+        for _ in range(2):
+            with pytest.raises(StoreCorrupt, match=damaged):
                 ds.__getitems__([3, bad, 7])
             got = ds.__getitems__([3, 7])
             assert torch.equal(got[0], want[3]) and torch.equal(got[1], want[7])
+        with pytest.raises(StoreCorrupt, match=damaged):
+            ds[bad]  # after a batch (the RAM tier keeps no damaged row)
+
+
+@pytest.mark.parametrize(("dtype", "scale"), [("int8", math.nan), ("fp8", -math.inf)])
+@pytest.mark.parametrize("ram_cache", [0, "64MiB"], ids=["store", "ram"])
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+def test_a_damaged_row_is_refused_with_dequantize_false_on_every_path(
+    audio_dir: Path,
+    encoder_file: Path,
+    store_dir: Path,
+    dtype: str,
+    scale: float,
+    ram_cache: object,
+    compiled: bool,
+) -> None:
+    """Issue "round five" item 1: with ``dequantize=False`` a row whose scale is not finite
+    was served packed as stored (the user's own ``dequantize`` then gave NaN/inf features) by
+    ``ds[i]``, padded batches, the RAM tier and FeatureLoader; each now refuses it as the
+    dequantising paths do, naming the shard."""
+    if compiled and native.kernels() is None:
+        pytest.skip("featbake.kernels is not built here, or FEATBAKE_NATIVE=0")
+    scheme = Scheme(dtype)
+    _built(audio_dir, encoder_file, store_dir, dtype)
+
+    def dataset() -> CachedFeatureDataset:
+        return CachedFeatureDataset(
+            audio_dir, encoder_file, cache=store_dir, dtype=dtype, on_miss="error",
+            verify="never", dequantize=False, ram_cache=ram_cache,
+        )  # fmt: skip
+
+    ds = dataset()
+    want = _want(encoder_file, ds, scheme)
+    bad = 5
+    shard = _damage_a_scale(store_dir, ds._index.key(bad), row=1, scale=scale)
+    damaged = (
+        rf"shard {re.escape(str(shard))} is damaged \(tensor {ds._index.key(bad)} has a row "
+        r"scale that is not finite\); run `featbake verify --repair`"
+    )
+    with contextlib.nullcontext() if compiled else native.fallback():
+        for _ in range(2):  # read as stored, then located (or the RAM tier)
+            with pytest.raises(StoreCorrupt, match=damaged):
+                ds[bad]
+            assert torch.equal(ds[4], want[4])
+        ds = dataset()
+        for _ in range(2):  # padded batches: planned, then located (or the RAM tier)
+            with pytest.raises(StoreCorrupt, match=damaged):
+                ds.__getitems__([3, bad, 7])
+            got = ds.__getitems__([3, 7])
+            assert torch.equal(got[0], want[3]) and torch.equal(got[1], want[7])
+        with pytest.raises(StoreCorrupt, match=damaged):
+            ds[bad]  # after a batch (the RAM tier keeps no damaged row)
+        with pytest.raises(StoreCorrupt, match=damaged):
+            for _ in FeatureLoader(dataset(), batch_size=6, shuffle=False):
+                pass

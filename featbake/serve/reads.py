@@ -35,6 +35,7 @@ from featbake.quantize import (
     ScaleSpan,
     Scheme,
     Unpacked,
+    damaged_positions,
     dequantize_native,
     dequantize_unpacked,
     unpack,
@@ -77,6 +78,9 @@ from featbake.store.shard import (
 #   (a quarter of float32's bytes) and dequantise there with :func:`featbake.quantize.dequantize`.
 #   :func:`~featbake.serve.collate.pad_collate` pads packed items with zero rows, whose scale is
 #   0, so a padded raw batch dequantises to zeros past each length (leave ``pad_value`` at 0).
+#   Its scales are still checked (one strided read of the scale column): a row whose scale is
+#   not finite (a damaged shard's) is refused as on the dequantising paths, naming the shard,
+#   never handed on to dequantise into NaN or inf on the GPU.
 #
 # No ``inf`` is served from finite features, and no cast rounds coarser than the codes: each item
 # and batch is checked against the dtype it is served in (:meth:`ScaleSpan.holds`, a look at one
@@ -88,20 +92,40 @@ from featbake.store.shard import (
 SERVE_DTYPES = {name: STORED_DTYPES[name] for name in ("float32", "float16", "bfloat16")}
 
 
+#: The error for a batch whose rows at these positions have a scale that is not finite (the
+#: read path's: it names each row's shard and item).
+Refusal = Callable[[Sequence[int]], StoreCorrupt]
+
+
 @dataclass(frozen=True)
 class Served:
-    """Dequantises stored items and batches of one scheme into one dtype."""
+    """Serves stored items and batches of one scheme: dequantised into one dtype, or as stored
+    (``dequantize=False``, ``dtype`` then the packed one); either way a row whose scale is not
+    finite is refused."""
 
     scheme: Scheme
     dtype: torch.dtype
     chosen: bool = True  # the user named the dtype (else the default, or the build's record)
+    dequantize: bool = True  # False: the packed tensors as stored, their scales checked
+
+    @classmethod
+    def packed(cls, scheme: Scheme) -> Served:
+        """Serves ``scheme``'s packed tensors as stored, refusing damaged rows."""
+        return cls(scheme, scheme.packed_dtype, chosen=True, dequantize=False)
 
     def item(self, value: Any) -> Any:
-        """An item (a packed tensor, or a dict of them) dequantised.
+        """An item (a packed tensor, or a dict of them) dequantised, or as stored once its
+        scales are checked (``dequantize=False``).
 
         Raises:
+            StoreCorrupt: a row's scale is not finite.
             ConfigError: the item holds values the served dtype cannot (see the module).
         """
+        if not self.dequantize:
+            for t in [value] if isinstance(value, torch.Tensor) else value.values():
+                if damaged_positions(t, self.scheme):
+                    raise self.damaged()
+            return value
         if isinstance(value, torch.Tensor):
             return self.tensor(value)
         return {name: self.tensor(t) for name, t in value.items()}
@@ -135,13 +159,7 @@ class Served:
         Raises:
             StoreCorrupt: a row's scale is not finite.
         """
-        if (
-            isinstance(value, torch.Tensor)
-            and value.dtype == self.scheme.packed_dtype
-            and value.dim()
-            and value.shape[-1] >= SCALE_BYTES
-            and ScaleSpan.of(unpack(value, self.scheme).scales).damaged
-        ):
+        if isinstance(value, torch.Tensor) and damaged_positions(value, self.scheme):
             raise damaged_rows(reader.path, name)
 
     def check(self, span: ScaleSpan) -> None:
@@ -152,11 +170,7 @@ class Served:
             ConfigError: a value would be served as ``inf``, or rounded coarser than its codes.
         """
         if span.damaged:  # the read paths name the shard; an item read as stored gets here
-            raise StoreCorrupt(
-                f"a stored {self.scheme.value} row has a scale that is not finite (its shard "
-                "is damaged); run `featbake verify --repair` to quarantine it, then `featbake "
-                "build` to recompute what it held"
-            )
+            raise self.damaged()
         if self.dtype == torch.float32 or span.holds(self.dtype, self.scheme):
             return
         name = str(self.dtype).removeprefix("torch.")
@@ -167,6 +181,14 @@ class Served:
             "pass serve_dtype='float32' (or 'bfloat16': the same range in half the bytes)"
         )
 
+    def damaged(self) -> StoreCorrupt:
+        """The error for a row whose scale is not finite where its shard is not known here."""
+        return StoreCorrupt(
+            f"a stored {self.scheme.value} row has a scale that is not finite (its shard "
+            "is damaged); run `featbake verify --repair` to quarantine it, then `featbake "
+            "build` to recompute what it held"
+        )
+
     def rows(self, trailing: tuple[int, ...]) -> PackedRows:
         """How packed rows of trailing shape ``trailing`` (``(..., D + 4)``) are read served."""
         return PackedRows(self.scheme, self.dtype, trailing[-1] - SCALE_BYTES)
@@ -174,16 +196,29 @@ class Served:
     def for_index(self, layout: Layout, index: Index) -> Served:
         """This, or float32 where the user named no dtype and the build of the root ``index``
         serves recorded that float16 cannot hold its values."""
-        if self.chosen or index.root is None:
+        if self.chosen or not self.dequantize or index.root is None:
             return self
         if recorded_serve_dtype(layout, index.root) != "float32":
             return self
         return Served(self.scheme, SERVED["float32"], chosen=False)
 
-    def batch(self, batch: PaddedBatch) -> PaddedBatch:
+    def batch(self, batch: PaddedBatch, refusal: Refusal | None = None) -> PaddedBatch:
         """A padded batch of packed rows dequantised into a new padded batch (in shared memory
-        inside a DataLoader worker, as the read path's own batch is)."""
+        inside a DataLoader worker, as the read path's own batch is), or as it is once its
+        scales are checked (``dequantize=False``).
+
+        Raises:
+            StoreCorrupt: a row's scale is not finite: ``refusal`` of the batch positions that
+                hold one (the read path's error, naming the shards), else unnamed.
+            ConfigError: the batch holds values the served dtype cannot (see the module).
+        """
         packed = batch.padded
+        if refusal is not None or not self.dequantize:  # one strided read of the scales
+            bad = damaged_positions(packed, self.scheme)
+            if bad:
+                raise refusal(bad) if refusal is not None else self.damaged()
+        if not self.dequantize:
+            return batch
         out = alloc_batch(
             torch.empty(0, dtype=self.dtype), (*packed.shape[:-1], packed.shape[-1] - SCALE_BYTES)
         )
@@ -194,8 +229,8 @@ class Served:
 def served_for(
     recipe: Recipe, serve_dtype: str | torch.dtype | None, dequantize_items: bool
 ) -> Served | None:
-    """How a dataset of ``recipe`` serves its items: None when as stored (float dtypes, or a
-    quantised one with ``dequantize=False``).
+    """How a dataset of ``recipe`` serves its items: None when as stored (float dtypes); a
+    quantised one with ``dequantize=False`` as stored too, its damaged rows refused.
 
     Raises:
         ConfigError: ``serve_dtype`` or ``dequantize=False`` for a float store, an unknown
@@ -219,7 +254,7 @@ def served_for(
                 "dequantize=False serves the stored int8/fp8 tensors as they are; drop "
                 "serve_dtype, or keep dequantize=True to serve that dtype"
             )
-        return None
+        return Served.packed(scheme)  # as stored, damaged rows refused
     return Served(scheme, _serve_dtype(serve_dtype), chosen=serve_dtype is not None)
 
 
@@ -831,7 +866,7 @@ class Reads:
         if served is not None and packed is not None:
             served.check(scales)
         st.store_reads += len(idx)
-        return as_served(padded, lengths, served, packed)
+        return as_served(padded, lengths, served, packed, self.refusal(st, idx))
 
     def padded(
         self, st: ProcessState, idx: list[int], served: Served | None = None
@@ -844,7 +879,7 @@ class Reads:
         """
         if served is not None and st.use_lru:
             batch = self.padded(st, idx)
-            return None if batch is None else served.batch(batch)
+            return None if batch is None else served.batch(batch, self.refusal(st, idx))
         if not st.use_lru and not st.check_always:
             batch = self.padded_located(st, idx, served)
             if batch is not None:
@@ -943,7 +978,30 @@ class Reads:
         st.store_reads += len(read)
         for i in idx:
             st.touch(i)
-        return as_served(padded, lengths, served, packed)
+        return as_served(padded, lengths, served, packed, self.refusal(st, idx))
+
+    def refusal(self, st: ProcessState, idx: list[int]) -> Refusal:
+        """The error for the rows of batch ``idx`` at some positions whose scale is not finite:
+        it names the first one's shard and tensor, as a read from the store does, wherever the
+        batch got it (the store or the RAM tier); every such item is dropped from the RAM tier,
+        which so never keeps a damaged row (a read of it alone then goes to the store, and is
+        refused there, named too)."""
+
+        def refused(positions: Sequence[int]) -> StoreCorrupt:
+            items = [idx[j] for j in positions]
+            if st.use_lru:
+                for i in items:
+                    st.lru.pop(i)
+            i = items[0]
+            sid, name = int(self.index.shard[i]), tensor_name(self.index.key(i), "")
+            if sid < 0:  # not in a shard the index knows (never so for a stored row)
+                return StoreCorrupt(
+                    f"item {i} (tensor {name}) has a row scale that is not finite; run "
+                    "`featbake verify --repair` to quarantine its shard, then `featbake build`"
+                )
+            return damaged_rows(self.shard_path(sid), name)
+
+        return refused
 
     def _span(self, r: _RowRead, packed: PackedRows | None = None) -> Span:
         key = self.index.key(r.i)
@@ -958,6 +1016,7 @@ def served_rows(
     batch after, or refuses rows that are not packed rows of ``served``'s scheme)."""
     if (
         served is None
+        or not served.dequantize
         or dtype != served.scheme.packed_dtype
         or not trailing
         or trailing[-1] <= SCALE_BYTES
@@ -967,11 +1026,16 @@ def served_rows(
 
 
 def as_served(
-    padded: torch.Tensor, lengths: list[int], served: Served | None, packed: PackedRows | None
+    padded: torch.Tensor,
+    lengths: list[int],
+    served: Served | None,
+    packed: PackedRows | None,
+    refusal: Refusal | None = None,
 ) -> PaddedBatch:
-    """A filled batch as it is served: dequantised after the reads where it was not as read."""
+    """A filled batch as it is served: dequantised after the reads where it was not as read
+    (or as stored, its scales checked); a damaged row refused by ``refusal``."""
     batch = PaddedBatch.of(padded, lengths)
-    return served.batch(batch) if served is not None and packed is None else batch
+    return served.batch(batch, refusal) if served is not None and packed is None else batch
 
 
 def _batch_of(

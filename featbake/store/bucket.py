@@ -46,6 +46,7 @@ from featbake.store.objects import LIST_PAGE_KEYS as LIST_PAGE_KEYS
 from featbake.store.objects import ObjectStore
 from featbake.store.place import Change, Sweep, Swept, TierUsage, VerifyScope
 from featbake.store.ranged import RangedShardReader, head_ahead
+from featbake.store.roots import carried_records, restore_records
 from featbake.store.shard import (
     ShardReader,
     VerifyMode,
@@ -713,6 +714,9 @@ class BucketStore(ProcessLocalState):
             info = self.bucket.head(version_name(version))
             etag = info.etag if info else ""
         self._unlink_catalog_files(("-wal", "-shm", "-journal"))
+        records = root_records_in(path)
+        if records is not None:  # the roots' records this version carries (see publish)
+            restore_records(self.layout, records)
         os.replace(path, self.layout.catalog)
         pin = json.dumps(PinnedVersion(version, etag)._asdict())
         publish_file(self.version_file, lambda tmp: tmp.write_text(pin), tmp_dir=self.layout.tmp)
@@ -804,7 +808,18 @@ def check_catalog_file(path: Path, where: str) -> None:
 # newer manifest wins), and gc re-plans. What a change retires in the bucket (folded fragments)
 # is deleted only after the version is published, so a merge killed at any moment loses
 # nothing: its rerun folds them again.
+#
+# The records beside a root (``roots/<name>.undecodable``: store/roots.py, CARRIED_RECORDS) are
+# files of the tier, which is never uploaded; they travel inside the catalog version that
+# publishes the root (table :data:`ROOT_RECORDS`), so that they are exactly that version's: a
+# change starts from the records of the version it starts from (a merge folds an earlier
+# build's record, a drop removes its root's), and each tier installing a version gets its
+# records with it (a dataset on any node leaves out what the build could not decode).
 T = TypeVar("T")
+
+#: The table of a published catalog version that carries its roots' records (file name ->
+#: text); a version without it (published before it was kept) says nothing of them.
+ROOT_RECORDS = "bucket_root_records"
 
 
 class DamagedFragmentWarning(UserWarning):
@@ -832,9 +847,13 @@ def publish_next(store: BucketStore, change: Callable[[Layout], Change[T]]) -> T
             work.ensure()
             if store.layout.catalog.exists():
                 shutil.copyfile(store.layout.catalog, work.catalog)
+                records = root_records_in(work.catalog)
+                if records is not None:  # what the roots' last builds recorded: a merge folds
+                    restore_records(work, records)  # them in, a drop removes its root's
             outcome = change(work)
             if not outcome.changed:
                 return outcome.value
+            pack_root_records(work)
             _standalone(work)
             if store.bucket.upload(version_name(version + 1), work.catalog, create=True):
                 if outcome.after_publish:
@@ -888,6 +907,38 @@ def merge_bucket(store: BucketStore, *, between: Between = None) -> MergeReport:
         return Change(report, bool(folded), retire)
 
     return publish_next(store, fold)
+
+
+def pack_root_records(work: Layout) -> None:
+    """Write the records of ``work``'s ``roots/`` (the change's outcome) into its catalog's
+    :data:`ROOT_RECORDS` table, replacing what it carried, before the version is uploaded."""
+    records = carried_records(work)
+    conn = open_sqlite(work.catalog)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute(
+            f"CREATE TABLE IF NOT EXISTS {ROOT_RECORDS} (name TEXT PRIMARY KEY, body TEXT NOT NULL)"
+        )
+        conn.execute(f"DELETE FROM {ROOT_RECORDS}")
+        conn.executemany(f"INSERT INTO {ROOT_RECORDS} VALUES (?, ?)", sorted(records.items()))
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+
+
+def root_records_in(catalog: Path) -> dict[str, str] | None:
+    """The roots' records catalog version file ``catalog`` carries (file name -> text); None
+    when it carries none (a version published before they were kept: it says nothing)."""
+    conn = open_sqlite(catalog, Access.IMMUTABLE)
+    try:
+        rows = conn.execute(f"SELECT name, body FROM {ROOT_RECORDS}").fetchall()
+    except sqlite3.OperationalError as e:
+        if "no such table" in str(e):
+            return None
+        raise
+    finally:
+        conn.close()
+    return {str(name): str(body) for name, body in rows}
 
 
 def _standalone(work: Layout) -> None:

@@ -136,7 +136,14 @@ class VerifyScope(StrEnum):
 class Place(Protocol):
     """Where a store lasts, as every caller above the layout sees it (see the module doc):
     upkeep's catalog changes, sweeps and verify scope (one algorithm over either place, see
-    the records section above), and what builds, merge and serving ask."""
+    the records section above), and what builds, merge and serving ask.
+
+    A root's records (``roots/<name>.undecodable``: ``featbake.store.roots.CARRIED_RECORDS``)
+    last with its published state, which each place keeps its own way: a directory in its
+    ``roots/``; a bucket inside each catalog version it publishes, installed into a tier with
+    the version and given to the next change to start from (:func:`featbake.store.bucket.
+    publish_next`). Callers read and write them in the layout's ``roots/`` and never ask where
+    they last."""
 
     def commit(self, change: Callable[[Layout], Change[T]]) -> T:
         """Apply a catalog change where the place keeps its catalog."""

@@ -18,6 +18,7 @@ roots/<name>.fidelity     what an int8/fp8 build measured (featbake.store.fideli
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 from collections.abc import Sequence
@@ -259,8 +260,12 @@ def read_root_file(path: Path) -> tuple[Root, list[RootItem]]:
 # bytes under that encoder and recipe only: a file fixed since hashes to another key, which the
 # record does not name (the next build encodes it). A file beside the manifest, as the fidelity
 # record is: written once per build, after encoding, without a schema migration; dropping the
-# root removes it. A build through fragments (in parts, or into a bucket store) writes none
-# (a part sees its own failures only): a dataset then keeps treating those inputs as misses.
+# root removes it. A build through fragments (in parts, or into a bucket store) has each part's
+# ``done`` fragment carry its own, and the merge that publishes the root writes their union
+# (store/merge.py). Where the root's published state is not this folder (a bucket store, whose
+# tier's ``roots/`` is never uploaded), the record travels with it: :data:`CARRIED_RECORDS`,
+# read and written whole by :func:`carried_records` and :func:`restore_records` (a bucket keeps
+# them inside each catalog version it publishes: store/bucket.py).
 def undecodable_file(layout: Layout, name: str) -> Path:
     """``roots/<name>.undecodable`` (not ``.json``: upkeep reads every ``*.json`` as a manifest)."""
     return layout.roots / f"{checked_root_name(name)}.undecodable"
@@ -298,6 +303,67 @@ def read_undecodable(layout: Layout, name: str) -> dict[str, str]:
     if not isinstance(keys, dict):
         return {}
     return {str(k): str(v) for k, v in keys.items()}
+
+
+#: The records beside a root that travel with its published state where that is not this
+#: folder (a bucket store's catalog versions); the fidelity record is not among them yet.
+CARRIED_RECORDS = (".undecodable",)
+
+
+def carried_records(layout: Layout) -> dict[str, str]:
+    """File name -> text of each record in ``layout``'s ``roots/`` that travels with its root's
+    published state (:data:`CARRIED_RECORDS`); one that cannot be read is left out (its inputs
+    are then misses, as without a record)."""
+    try:
+        entries = list(os.scandir(layout.roots))
+    except FileNotFoundError:
+        return {}
+    out = {}
+    for entry in entries:
+        if entry.name.endswith(CARRIED_RECORDS) and entry.is_file(follow_symlinks=False):
+            with contextlib.suppress(OSError, UnicodeDecodeError):
+                out[entry.name] = Path(entry.path).read_text(encoding="utf-8")
+    return out
+
+
+def carried_name(name: str) -> bool:
+    """Whether ``name`` is the file name of a carried record of a root (one path component)."""
+    suffix = next((s for s in CARRIED_RECORDS if name.endswith(s)), None)
+    if suffix is None:
+        return False
+    try:
+        checked_root_name(name.removesuffix(suffix))
+    except StoreCorrupt:
+        return False
+    return True
+
+
+def restore_records(layout: Layout, records: dict[str, str]) -> None:
+    """Make ``layout``'s ``roots/`` hold exactly ``records`` (file name -> text) among its
+    carried records: each written (tmp, rename: a reader sees the old file or the new one),
+    every other carried record removed (its root's newer state has none). A name that is not a
+    root's record (a damaged or planted catalog version) is passed over.
+
+    Raises:
+        StoreError: the folder is not writable.
+    """
+    held = carried_records(layout)
+    for name in set(held) - set(records):
+        unlink_quietly(layout.roots / name)
+    for name, text in records.items():
+        if not carried_name(name) or held.get(name) == text:
+            continue
+        final = layout.roots / name
+        try:
+            publish_file(final, functools.partial(_write_utf8, text), tmp_dir=layout.tmp)
+        except OSError as e:
+            raise StoreError(
+                f"could not write {final}: {e.strerror or e}; check that the folder is writable"
+            ) from e
+
+
+def _write_utf8(text: str, path: Path) -> None:
+    path.write_text(text, encoding="utf-8")
 
 
 def unlink_quietly(path: Path) -> None:

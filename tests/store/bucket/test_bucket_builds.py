@@ -307,6 +307,75 @@ def test_a_bucket_build_records_an_undecodable_input_and_the_dataset_leaves_it_o
         torch.testing.assert_close(ds[i], want, rtol=1e-4, atol=1e-5)
 
 
+# The record of those inputs stayed in the merging node's tier (its roots/, never uploaded): a
+# dataset on any other node called the broken input an item again, and a merge from a fresh
+# tier started from no record. It now travels inside the catalog version publishing the root.
+def test_a_bucket_builds_undecodable_record_reaches_a_dataset_on_a_fresh_tier(
+    place: Place, clips: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    """Issue "round five" item 3: a dataset on another node (a fresh tier over the same
+    bucket) leaves the input out with one warning, as on the node that merged."""
+    from featbake.bake.pipeline import build
+
+    (clips / "broken.wav").write_bytes(b"RIFF\x00\x00junk")
+    report = build(clips, encoder_file, cache=place.url, workers=0)
+    assert report.encoded == 24 and not place.objects("fragments/")
+    with pytest.warns(UserWarning) as caught:
+        ds = CachedFeatureDataset(
+            clips, encoder_file, cache=place.url, local_cache=tmp_path / "fresh", on_miss="error"
+        )
+    said = [str(w.message) for w in caught if "could not be decoded" in str(w.message)]
+    assert len(said) == 1 and "1 input(s)" in said[0] and "broken.wav" in said[0], said
+    ids = [ds.item_id(i) for i in range(len(ds))]
+    assert "broken.wav" not in ids and len(ids) == 24
+    for i in range(len(ds)):
+        torch.testing.assert_close(ds[i], live_features(encoder_file, Path(ds.path(i))))
+
+
+def _build_of_r(place: Place, tier: Path, keys: list[str], failed: dict[str, str]) -> None:
+    """A finished build of root ``r`` from its own node (tier ``tier``) whose manifest names
+    ``keys`` (none stored) and whose ``done`` fragment carries ``failed`` (none: as a rank of
+    an earlier featbake wrote it)."""
+    layout = open_store(place.url, local_cache=tier)
+    efp = "e" * 64
+    rank = FragmentCatalog(layout, RankPart(0, 1, [(f"{k[-3:]}.wav", 10) for k in keys]))
+    rank.record_encoder(efp, "enc", "torchscript")
+    items = [(f"{k[-3:]}.wav", k) for k in keys]
+    rank.replace_root(RootSpec("r", "/d", "enc", efp, "r" * 64, {}), items)
+    rank.record_undecodable("r", failed)
+    assert rank.finish() is not None
+    rank.close()
+
+
+def test_a_bucket_merge_folds_the_undecodable_record_of_the_version_it_starts_from(
+    place: Place, tmp_path: Path
+) -> None:
+    """Issue "round five" item 3: each merge, from a fresh tier, starts from the record the
+    newest catalog version carries (a merge from a fresh tier lost an earlier build's record),
+    and a tier installing a version gets exactly its records (one removed is gone there too)."""
+    from featbake.store.roots import read_undecodable
+
+    keys = [f"{i:064x}" for i in range(3)]
+    broken = {keys[1]: "not audio"}
+
+    def record_on_fresh_tier(name: str) -> dict[str, str]:
+        return read_undecodable(open_store(place.url, local_cache=tmp_path / name), "r")
+
+    _build_of_r(place, tmp_path / "b1", keys, broken)
+    merge_bucket(_store(place.url, tmp_path / "m1"))
+    assert record_on_fresh_tier("reader1") == broken
+    _build_of_r(place, tmp_path / "b2", keys, {})  # its rank recorded none: the record stands
+    merger = _store(place.url, tmp_path / "m2")
+    merge_bucket(merger)
+    assert read_undecodable(merger.layout, "r") == broken  # folded where it merged
+    assert record_on_fresh_tier("reader2") == broken
+    _build_of_r(place, tmp_path / "b3", [keys[0], keys[2]], {})  # the input is gone
+    merge_bucket(_store(place.url, tmp_path / "m3"))
+    assert record_on_fresh_tier("reader3") == {}
+    _store(place.url, tmp_path / "reader1").sync_catalog()  # a tier that held the record
+    assert read_undecodable(open_store(place.url, local_cache=tmp_path / "reader1"), "r") == {}
+
+
 def _rank_of(place: Place, tmp_path: Path, n: int, clock: list[float]):
     """A build rank into ``place``'s bucket over ``n`` inputs (keys ``k0``..), its clock the
     test's; its manifest recorded, no shard sealed yet."""
