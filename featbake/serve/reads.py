@@ -723,8 +723,8 @@ class Reads:
         elif self.served is not None:  # a damaged row is refused here, naming its shard
             for part, t in zip(plan, values, strict=True):
                 self.served.refuse_damaged(part.loc.reader, part.name, t)
-        if len(plan) == 1 and not plan[0].part:
-            return values[0], packed is not None
+        if len(plan) == 1 and not plan[0].part:  # served as read: dequantised, or checked raw
+            return values[0], packed is not None or (served is not None and not served.dequantize)
         return {part.part: t for part, t in zip(plan, values, strict=True)}, False
 
     @staticmethod
