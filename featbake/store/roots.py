@@ -306,8 +306,8 @@ def read_undecodable(layout: Layout, name: str) -> dict[str, str]:
 
 
 #: The records beside a root that travel with its published state where that is not this
-#: folder (a bucket store's catalog versions); the fidelity record is not among them yet.
-CARRIED_RECORDS = (".undecodable",)
+#: folder (a bucket store's catalog versions): the undecodable inputs and the measured fidelity.
+CARRIED_RECORDS = (".undecodable", ".fidelity")
 
 
 def carried_records(layout: Layout) -> dict[str, str]:

@@ -213,6 +213,9 @@ def test_a_first_int8_build_into_a_bucket_records_fidelity_and_serves_live(
     assert report.ok and report.merged and report.fidelity is not None
     recorded = read_fidelity(open_store(place.url), report.root)
     assert recorded == Fidelity.from_json(report.fidelity)
+    # Another node (a fresh tier) reads the same record: it travels with the catalog version.
+    elsewhere = open_store(place.url, local_cache=tmp_path / "another-node")
+    assert read_fidelity(elsewhere, report.root) == recorded
     assert not place.objects("fragments/")  # folded into the published version
     ds = CachedFeatureDataset(
         audio_dir, encoder_file, cache=place.url, local_cache=tmp_path / "reader",
