@@ -584,7 +584,7 @@ def write_shard(
     """
     tensors = {n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}
     head, order = shard_header(tensors, shard_metadata(tensors, encoder_fp, recipe_fp))
-    bufs = [head, *(tensor_buffer(t) for _, t in order)]
+    bufs: list[bytes | memoryview] = [head, *(tensor_buffer(t) for _, t in order)]
     size = sum(len(b) for b in bufs)
     tmp = layout.tmp / f"{uuid.uuid4().hex}.part"
     try:
