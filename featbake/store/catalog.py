@@ -413,11 +413,12 @@ def create_catalog_whole(path: Path, tmp_dir: Path, timeout: float) -> bool:
     once and linked at ``path``, and ``path``'s folder fsynced. True if this call made it.
 
     SQLite made the file in place: the switch to WAL (a rollback-journal transaction) and the
-    tables cost six syncs of four files before a build could begin, 2.7 ms on a quiet disk and
-    35 ms on the shared one (issue 42 item 4); this costs two, and no reader, and no power cut,
-    ever sees a half-made catalog. A link never replaces a file: where another process made
-    the catalog first, its file stays and this one is dropped. Where links are refused (some
-    network and FUSE mounts), nothing is linked and SQLite makes the file in place, as before.
+    tables cost six syncs of four files before a build could begin (a new catalog took
+    2.7-3.2 ms on a quiet disk, 17-65 ms on a shared one; issue 42 item 4); this costs two, and
+    no reader, and no power cut, ever sees a half-made catalog. A link never replaces a file:
+    where another process made the catalog first, its file stays and this one is dropped.
+    Where links are refused (some network and FUSE mounts), nothing is linked and SQLite makes
+    the file in place, as before.
     """
     tmp_dir.mkdir(parents=True, exist_ok=True)
     path.parent.mkdir(parents=True, exist_ok=True)
