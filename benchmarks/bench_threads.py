@@ -28,7 +28,18 @@ loads, so each way runs in a child process of its own): as they are, ``OMP_WAIT_
 a shorter spin (``GOMP_SPINCOUNT=10000``), and a build on 1 thread, each against the user's loop
 with torch's default threads, quiet or (``--busy``) beside two busy processes.
 
-Run: ``python benchmarks/bench_threads.py [lstm|conv|hf ...] [waits [--busy]] [--quick]``.
+Part ``trees`` runs the same build from other checkouts of featbake (``--before DIR``, e.g. an
+unpacked ``git archive`` of the commit before a change), each in a child process of its own,
+interleaved round by round with this tree's build and the user's loop: a change's before and
+after, side by side in one run (``--clips N``, ``--rounds R``; torch's default threads, or
+``--threads 1``: ``OMP_NUM_THREADS=1`` for every child, the user's loop too).
+
+``--quiet`` leaves out the busy conditions. FrameLSTM's quiet rows also get one at 4x the
+clips (labelled *realistic size*): the issue's row carries the build's fixed cost (the catalog,
+the manifest, the one shard's fsync) over a loop of a fraction of a second.
+
+Run: ``python benchmarks/bench_threads.py [lstm|conv|hf ...] [waits [--busy]] [--quiet] [--quick]``
+or ``python benchmarks/bench_threads.py lstm trees --before DIR [--clips N] [--rounds R]``.
 """
 
 from __future__ import annotations
@@ -175,13 +186,15 @@ class Subject:
     #: (busy processes beside, the user's thread count: None is torch's default) measured.
     conditions: tuple[tuple[int, int | None], ...]
     forced: bool = False  # also measure threads forced to every CPU (before issue 19)
+    #: Quiet with torch's threads, also at this many times the clips (0: not): a realistic size.
+    scaled: int = 0
 
 
 SUBJECTS = (
     Subject(
         "lstm", "many small ops (FrameLSTM: LSTMCell 160->64 over 10 ms frames, TorchScript)",
         lambda w: save_torchscript(torch.jit.script(FrameLSTM()), w / "frame_lstm.pt"),
-        300, (1.0, 3.0), BATCH, ((0, None), (0, 1), (2, None), (2, 1)), forced=True,
+        300, (1.0, 3.0), BATCH, ((0, None), (0, 1), (2, None), (2, 1)), forced=True, scaled=4,
     ),
     Subject(
         "conv", "small conv (ConvStack 32 channels, TorchScript, ~2 ms a clip)",
@@ -230,14 +243,26 @@ def paired(runs: dict[str, list[float]], name: str) -> tuple[float, float, float
     return statistics.median(ratios), min(ratios), max(ratios)
 
 
-def bench_subject(work: Path, subject: Subject, quick: bool) -> list[dict]:
+def conditions(subject: Subject, quick: bool, quiet: bool) -> list[tuple[int, int | None, int]]:
+    """(busy processes beside, the user's threads, how many clips) for each row of ``subject``:
+    busy ones left out with ``quiet``; the scaled quiet row (torch's threads) after the rest."""
+    out = []
+    for busy, user in subject.conditions:
+        if busy and quiet:
+            continue
+        n = 24 if quick else (subject.clips * 2 // 5 if busy else subject.clips)
+        out.append((busy, user, n))
+    if subject.scaled:
+        out.append((0, None, (24 if quick else subject.clips) * subject.scaled))
+    return out
+
+
+def bench_subject(work: Path, subject: Subject, quick: bool, quiet: bool = False) -> list[dict]:
     rows = []
     default_threads = torch.get_num_threads()
     enc = subject.make(work)
-    for busy, user in subject.conditions:
-        n, reps = (
-            (24, 1) if quick else ((subject.clips * 2 // 5, 5) if busy else (subject.clips, 3))
-        )
+    for busy, user, n in conditions(subject, quick, quiet):
+        reps = 1 if quick else (5 if busy else 3)
         data = work / f"{subject.key}-clips{n}"
         if not data.exists():
             write_audio_folder(data, n, seconds=subject.seconds, seed=31)
@@ -258,6 +283,11 @@ def bench_subject(work: Path, subject: Subject, quick: bool) -> list[dict]:
             + ", ".join(f"{k} {_fmt(v)}" for k, v in runs.items())
         )
         metric = f"{subject.key}, {where}, {threads}: build / the user's loop"
+        if n > (24 if quick else subject.clips):
+            metric = (
+                f"{subject.key}, quiet, {threads}, realistic size ({n} clips, not the issue's row)"
+                ": build / the user's loop"
+            )
         rows.append(row("threads", metric, ratio, "x", target, ratio <= limit, note))
         if "forced" in runs:
             metric = (
@@ -283,9 +313,12 @@ WAYS: dict[str, tuple[dict[str, str], int | None]] = {
 class Arm:
     """A child process that runs the bare loop or a build on request (see :func:`serve`)."""
 
-    def __init__(self, env: dict[str, str], data: Path, enc: Path, cache: Path) -> None:
+    def __init__(
+        self, env: dict[str, str], data: Path, enc: Path, cache: Path, script: str = __file__
+    ) -> None:
+        # ``script``: this file as another checkout has it (its featbake is the one imported)
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--serve", str(data), str(enc), str(cache)],
+            [sys.executable, script, "--serve", str(data), str(enc), str(cache)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             env={**os.environ, **env},
         )  # fmt: skip
@@ -354,6 +387,57 @@ def bench_waits(work: Path, subject: Subject, quick: bool, busy: int) -> list[di
     return rows
 
 
+def option(name: str, default: str | None = None) -> str | None:
+    """The value after ``name`` on the command line, else ``default``."""
+    args = sys.argv[1:]
+    return args[args.index(name) + 1] if name in args[:-1] else default
+
+
+def bench_trees(work: Path, subject: Subject, quick: bool) -> list[dict]:
+    """This tree's build against each ``--before DIR``'s, and the user's loop, in child
+    processes, interleaved (quiet; under ``chrt -f 10`` for figures to quote)."""
+    trees = {"this tree": __file__}
+    args = sys.argv[1:]
+    for i, a in enumerate(args[:-1]):
+        if a == "--before":
+            trees[args[i + 1]] = str(Path(args[i + 1]) / "benchmarks" / Path(__file__).name)
+    n = int(option("--clips", str(24 if quick else subject.clips * 2 // 5)) or 0)
+    reps = 1 if quick else int(option("--rounds", "7") or 7)
+    threads = option("--threads")  # the user's count, set as the user would: in the environment
+    env = {} if threads is None else {"OMP_NUM_THREADS": threads}
+    enc = subject.make(work)
+    data = work / f"{subject.key}-trees{n}"
+    write_audio_folder(data, n, seconds=subject.seconds, seed=31)
+    user = Arm(env, data, enc, work / "bare-cache")
+    arms = {t: Arm(env, data, enc, work / f"tree{i}", script) for i, (t, script) in
+            enumerate(trees.items())}  # fmt: skip
+    ask = f"build - {subject.batch_size}"
+    for arm in arms.values():  # warm: page cache, lazy imports, thread pools
+        arm.ask(ask)
+    user.ask("bare")
+    runs: dict[str, list[float]] = {"bare": [], **{t: [] for t in trees}}
+    load = os.getloadavg()[0]
+    for i in range(reps):
+        runs["bare"].append(user.ask("bare"))
+        for t in list(trees) if i % 2 == 0 else list(trees)[::-1]:
+            runs[t].append(arms[t].ask(ask))
+    for arm in [user, *arms.values()]:
+        arm.close()
+    lo, hi = subject.seconds
+    where = f"user's {threads} thread" if threads else f"torch's {torch.get_num_threads()}"
+    rows = []
+    for t in trees:
+        ratio, low, high = paired(runs, t)
+        note = (
+            f"{n} clips of {lo:g}-{hi:g} s, {subject.label}, quiet, {where}, 1-min load "
+            f"{load:.1f} before; median of {reps} paired rounds, range {low:.2f}-{high:.2f}x; "
+            f"all runs (s): bare {_fmt(runs['bare'])}, build {_fmt(runs[t])}"
+        )
+        metric = f"{subject.key}, quiet, {where}, {n} clips: build ({t}) / the user's loop"
+        rows.append(row("threads", metric, ratio, "x", "", None, note))
+    return rows
+
+
 def main(quick: bool = False) -> list[dict]:
     keys = [a for a in sys.argv[1:] if a in {s.key for s in SUBJECTS}]
     busy = 2 if "--busy" in sys.argv else 0
@@ -362,10 +446,12 @@ def main(quick: bool = False) -> list[dict]:
         for subject in SUBJECTS:
             if keys and subject.key not in keys:
                 continue
-            if "waits" in sys.argv:
+            if "trees" in sys.argv:
+                rows += bench_trees(Path(tmp), subject, quick)
+            elif "waits" in sys.argv:
                 rows += bench_waits(Path(tmp), subject, quick, busy)
             else:
-                rows += bench_subject(Path(tmp), subject, quick)
+                rows += bench_subject(Path(tmp), subject, quick, "--quiet" in sys.argv)
     return rows
 
 

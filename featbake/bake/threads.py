@@ -70,6 +70,12 @@ class DecodeDataset(Dataset):
     no longer matches the stat its digest belongs to fails instead (see
     :func:`featbake.encode.sources.load_unchanged`: a file is stat'ed again after decoding, an
     object checked by the response that carried its bytes).
+
+    Each input is decoded under ``torch.inference_mode()``, so the encoder gets an inference
+    tensor, as it does in the loop a user writes inside ``inference_mode``: the encoder's views
+    and ops on a normal tensor pay autograd's view and version tracking even inside inference
+    mode. An LSTM cell stepped over 10 ms frames (a view per step) ran 7% slower on normal
+    tensors (312 ms against 292 ms for 120 clips; issue 42 item 4).
     """
 
     def __init__(
@@ -84,7 +90,8 @@ class DecodeDataset(Dataset):
 
     def __getitem__(self, i: int) -> tuple[int, torch.Tensor | str]:
         try:
-            return i, load_unchanged(self.source, self.paths[i], self.stats[i])
+            with torch.inference_mode():
+                return i, load_unchanged(self.source, self.paths[i], self.stats[i])
         except SourceError as e:
             return i, str(e)
         except Exception as e:
@@ -185,7 +192,14 @@ def decoded_items(
             except RuntimeError as e:  # torch's own status check in next(): a worker is gone
                 raise (worker_death(e) or e) from None
             watch.arm()
-            yield i, (torch.from_numpy(x) if isinstance(x, np.ndarray) else x)
+            yield i, (inference_tensor(x) if isinstance(x, np.ndarray) else x)
+
+
+def inference_tensor(x: np.ndarray) -> torch.Tensor:
+    """A decode worker's array as an inference tensor, sharing its memory (see
+    :class:`DecodeDataset`)."""
+    with torch.inference_mode():
+        return torch.from_numpy(x)
 
 
 def worker_death(e: BaseException) -> SourceError | None:

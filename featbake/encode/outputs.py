@@ -155,7 +155,10 @@ def encode_batch(
     # One input is a view, not a copy: copying a clip of more than 32,768 samples is a parallel
     # region, which wakes torch's OpenMP threads; they then spin beside a many-small-ops
     # encoder's serial calls (a batch-1 build used 2.3x the CPU of the user's loop, issue 19).
-    batch = inputs[0].unsqueeze(0) if len(inputs) == 1 else torch.stack(list(inputs))
+    # Stacked in inference mode, a batch is an inference tensor, as a build's decoded inputs are
+    # (featbake.bake.threads.DecodeDataset): no autograd tracking of the encoder's views of it.
+    with torch.inference_mode():
+        batch = inputs[0].unsqueeze(0) if len(inputs) == 1 else torch.stack(list(inputs))
     with autocast_for(encoder.device, recipe.precision):
         result = encoder.run(batch)
     named = split_outputs(result, recipe.output)

@@ -29,8 +29,9 @@ import os
 import sqlite3
 import time
 import urllib.parse
+import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
@@ -40,7 +41,7 @@ from featbake.errors import ShardMissing, StoreError
 from featbake.process import PerThread, ProcessLocalState
 from featbake.store.fidelity import Measured, fidelity_file, write_fidelity
 from featbake.store.files import fsync_dir, remove_file
-from featbake.store.filesystem import set_journal_mode
+from featbake.store.filesystem import detect, set_journal_mode
 from featbake.store.hash_cache import HashCacheRow, HashEntry, HashRow, trusted_entry
 from featbake.store.layout import Layout
 from featbake.store.place import holds_shard
@@ -406,6 +407,54 @@ def open_sqlite(
     )
 
 
+def create_catalog_whole(path: Path, tmp_dir: Path, timeout: float) -> bool:
+    """Make a new, empty catalog appear at ``path`` whole: its schema and journal mode written
+    to a file in ``tmp_dir`` (same filesystem) with no sync of SQLite's own, that file fsynced
+    once and linked at ``path``, and ``path``'s folder fsynced. True if this call made it.
+
+    SQLite made the file in place: the switch to WAL (a rollback-journal transaction) and the
+    tables cost six syncs of four files before a build could begin (a new catalog took
+    2.7-3.2 ms on a quiet disk, 17-65 ms on a shared one; issue 42 item 4); this costs two, and
+    no reader, and no power cut, ever sees a half-made catalog. A link never replaces a file:
+    where another process made the catalog first, its file stays and this one is dropped.
+    Where links are refused (some network and FUSE mounts), nothing is linked and SQLite makes
+    the file in place, as before.
+    """
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_dir / f"{path.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.part"
+    try:
+        conn = open_sqlite(tmp, Access.READ_WRITE, timeout=timeout)
+        try:
+            conn.execute("PRAGMA synchronous=OFF")  # the one fsync below makes it durable
+            conn.execute(f"PRAGMA journal_mode={detect(path.parent).journal_mode}")
+            ensure_schema(conn, tmp, writable=True)
+        finally:
+            conn.close()  # in WAL mode the last close folds the WAL into the file
+        fsync_file(tmp)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False  # another process made it first: that one is the catalog
+        except OSError:
+            return False  # no hard links here: SQLite makes it in place
+        fsync_dir(path.parent)
+        return True
+    finally:
+        for leftover in (tmp, *(Path(f"{tmp}{s}") for s in ("-wal", "-shm", "-journal"))):
+            with suppress(OSError):
+                leftover.unlink()
+
+
+def fsync_file(path: Path) -> None:
+    """fsync the file at ``path``."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class Transaction:
     """An open write transaction: run statements, and queue file removals for after COMMIT.
 
@@ -475,6 +524,7 @@ class CatalogConnection(ProcessLocalState):
     def _connect(self) -> sqlite3.Connection:
         if self.fragment is None and self.access is Access.READ_WRITE and not self.path.exists():
             self.layout.refuse_fresh_catalog(allow=self.rebuild)
+            create_catalog_whole(self.path, self.layout.tmp, self.timeout)
         try:
             conn = self._open()
             # A sealed fragment is read by column name whatever schema version wrote it.

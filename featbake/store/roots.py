@@ -173,10 +173,15 @@ def write_root_file(layout: Layout, root: Root, items: Sequence[tuple[str, str]]
         )
         # The whole manifest holds the appended items now. (A crash before this unlink leaves
         # them twice: verify reports the file stale and --repair rewrites it; none is lost.)
+        # The folder was fsynced by the publish: again only if an unlink changed it since (a
+        # new root's build paid a third fsync for nothing).
+        unlinked = False
         for stale in (items_file(layout, root.name), tombstone_file(layout, root.name)):
             with contextlib.suppress(FileNotFoundError):
                 stale.unlink()
-        fsync_dir(final.parent)
+                unlinked = True
+        if unlinked:
+            fsync_dir(final.parent)
     except OSError as e:
         raise StoreError(
             f"could not write the root manifest {final}: {e.strerror or e}; "

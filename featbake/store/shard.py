@@ -32,7 +32,8 @@ import threading
 import time
 import uuid
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
 from pathlib import Path
@@ -552,13 +553,41 @@ class ShardWriter:
         self.seal()
 
 
+#: A shard of at least this many bytes is hashed on a thread of its own while its file is
+#: written and fsynced (both release the GIL): a build's last shard is sealed while it waits,
+#: and the wait is on the slower of the two, not their sum (issue 42 item 4). Below it, the
+#: thread would cost more than the hash.
+DIGEST_BESIDE_BYTES = 1 << 20
+
+
+def sha256_hex(bufs: Sequence[Any]) -> str:
+    """SHA-256 of ``bufs`` one after the other, as hex."""
+    digest = hashlib.sha256()
+    for buf in bufs:
+        digest.update(buf)
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def digest_beside(bufs: Sequence[Any], size: int) -> Iterator[Callable[[], str]]:
+    """The block runs while ``bufs``' SHA-256 is computed beside it (on a thread, for
+    :data:`DIGEST_BESIDE_BYTES` or more); it gets a function that returns the hex digest once
+    it is done. The thread is joined on the way out, also when the block raises."""
+    if size < DIGEST_BESIDE_BYTES:
+        yield lambda: sha256_hex(bufs)
+        return
+    with ThreadPoolExecutor(1, thread_name_prefix="featbake-shard-digest") as pool:
+        future = pool.submit(sha256_hex, bufs)
+        yield future.result
+
+
 def write_shard(
     layout: Layout, tensors: Mapping[str, torch.Tensor], encoder_fp: str, recipe_fp: str
 ) -> SealedShard:
     """Serialise ``tensors`` as a safetensors shard and durably move it into place.
 
     The file is streamed tensor by tensor (no second copy of the shard in memory) and named by
-    the SHA-256 of its bytes, computed on the way.
+    the SHA-256 of its bytes, computed beside the write and fsync (:func:`digest_beside`).
 
     Raises:
         StoreError: the disk is full or the store is not writable; no partial shard is left
@@ -566,21 +595,18 @@ def write_shard(
     """
     tensors = {n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}
     head, order = shard_header(tensors, shard_metadata(tensors, encoder_fp, recipe_fp))
-    digest = hashlib.sha256(head)
-    size = len(head)
+    bufs: list[bytes | memoryview] = [head, *(tensor_buffer(t) for _, t in order)]
+    size = sum(len(b) for b in bufs)
     tmp = layout.tmp / f"{uuid.uuid4().hex}.part"
     try:
         layout.tmp.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
-            f.write(head)
-            for _, t in order:
-                buf = tensor_buffer(t)
-                digest.update(buf)
-                f.write(buf)
-                size += len(buf)
-            f.flush()
-            os.fsync(f.fileno())
-        name = digest.hexdigest()
+        with digest_beside(bufs, size) as digest:
+            with open(tmp, "wb") as f:
+                for buf in bufs:
+                    f.write(buf)
+                f.flush()
+                os.fsync(f.fileno())
+            name = digest()
         final = layout.shard_path(name)
         final.parent.mkdir(parents=True, exist_ok=True)
         os.replace(tmp, final)

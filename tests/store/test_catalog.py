@@ -826,3 +826,111 @@ def test_a_store_without_write_permission_is_read(
     finally:
         for p in paths:
             p.chmod(0o755 if p.is_dir() else 0o644)
+
+
+# -- a new catalog appears whole (issue 42 item 4) ---------------------------------------------
+def _linked_catalogs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, int]]:
+    """Record (journal mode, schema version, tables) of each file linked as a catalog, as it is
+    when it is linked."""
+    import featbake.store.catalog as catalog_mod
+
+    seen: list[tuple[str, str, int]] = []
+    real_link = os.link
+
+    def link(src: Any, dst: Any) -> None:
+        conn = sqlite3.connect(f"file:{src}?mode=ro", uri=True)
+        try:
+            mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
+            version = conn.execute("SELECT value FROM meta WHERE name='schema_version'")
+            tables = conn.execute("SELECT count(*) FROM sqlite_master WHERE type='table'")
+            seen.append((mode, version.fetchone()[0], tables.fetchone()[0]))
+        finally:
+            conn.close()
+        real_link(src, dst)
+
+    monkeypatch.setattr(catalog_mod.os, "link", link)
+    return seen
+
+
+def test_a_new_catalog_appears_at_its_path_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its tables and WAL mode are in the file before it has the catalog's name (made in
+    ``tmp/`` and linked), so no reader sees a half-made one; nothing is left in ``tmp/``."""
+    seen = _linked_catalogs(monkeypatch)
+    layout = Layout(tmp_path / "store").ensure()
+    with Catalog(layout) as cat:
+        cat.record_encoder(EFP, "enc", "torchscript")
+        assert cat.conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+    assert len(seen) == 1 and seen[0][:2] == ("wal", str(SCHEMA_VERSION)) and seen[0][2] > 3
+    assert list(layout.tmp.iterdir()) == []
+    with Catalog(layout, read_only=True) as cat:
+        assert [r.fp for r in cat.encoder_rows()] == [EFP]
+
+
+def test_a_catalog_made_first_elsewhere_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two processes making one new catalog: the link never replaces the one made first (its
+    rows stay), and the second opens that one."""
+    import featbake.store.catalog as catalog_mod
+
+    layout = Layout(tmp_path / "store").ensure()
+    real_link = os.link
+
+    def other_process_first(src: Any, dst: Any) -> None:
+        monkeypatch.setattr(catalog_mod.os, "link", real_link)
+        with Catalog(layout) as first:  # made, and written, while this one was making its own
+            first.record_encoder(EFP, "first", "torchscript")
+        real_link(src, dst)  # FileExistsError
+
+    monkeypatch.setattr(catalog_mod.os, "link", other_process_first)
+    with Catalog(layout) as second:
+        assert [r.label for r in second.encoder_rows()] == ["first"]
+    assert list(layout.tmp.iterdir()) == []
+
+
+def test_where_links_are_refused_sqlite_makes_the_catalog_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import featbake.store.catalog as catalog_mod
+
+    def refused(src: Any, dst: Any) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(catalog_mod.os, "link", refused)
+    layout = Layout(tmp_path / "store").ensure()
+    with Catalog(layout) as cat:
+        cat.record_encoder(EFP, "enc", "torchscript")
+        assert cat.conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+    assert list(layout.tmp.iterdir()) == []
+    with Catalog(layout, read_only=True) as cat:
+        assert [r.fp for r in cat.encoder_rows()] == [EFP]
+
+
+def test_publishing_a_new_root_fsyncs_its_folder_once(
+    layout: Layout, cat: Catalog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rename's fsync of ``roots/`` is the one a new root needs; a stale ``.items`` file
+    removed after it makes one more (the removal made durable), never none."""
+    import featbake.store.files as files_mod
+    import featbake.store.roots as roots_mod
+
+    synced: list[Path] = []
+    real = files_mod.fsync_dir
+
+    def noting(path: Path) -> None:
+        synced.append(Path(path))
+        real(path)
+
+    monkeypatch.setattr(files_mod, "fsync_dir", noting)
+    monkeypatch.setattr(roots_mod, "fsync_dir", noting)
+    spec = RootSpec("r-1", "/data", "enc", EFP, RFP, {})
+    cat.replace_root(spec, [("a.wav", "k" * 64)])
+    roots = roots_mod.root_file(layout, "r-1").parent
+    assert synced.count(roots) == 1
+    synced.clear()
+    stale = roots_mod.items_file(layout, "r-1")
+    stale.write_text('["b.wav","' + "j" * 64 + '"]\n')
+    cat.replace_root(spec, [("a.wav", "k" * 64)])
+    assert synced.count(roots) == 2 and not stale.exists()

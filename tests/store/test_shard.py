@@ -119,6 +119,36 @@ def test_shard_bytes_are_pinned(layout: Layout) -> None:
     assert again.name == shard.name
 
 
+def test_a_shard_hashed_beside_its_write_is_named_by_its_bytes(
+    layout: Layout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shard of DIGEST_BESIDE_BYTES or more is hashed on a thread while its file is written
+    and fsynced: its name is still the SHA-256 of the file's bytes, the same name the hash in
+    line gives, and its tensors read back."""
+    torch.manual_seed(0)
+    tensors = {tensor_name(f"{i:064x}"): torch.randn(300, 64) for i in range(16)}  # 1.2 MB
+    assert sum(t.nbytes for t in tensors.values()) >= store_mod.DIGEST_BESIDE_BYTES
+    threads: list[str] = []
+    real = store_mod.sha256_hex
+
+    def noting_the_thread(bufs: list[object]) -> str:
+        threads.append(threading.current_thread().name)
+        return real(bufs)
+
+    monkeypatch.setattr(store_mod, "sha256_hex", noting_the_thread)
+    shard = write_shard(layout, tensors, EFP, RFP)
+    assert threads and threads[0].startswith("featbake-shard-digest")
+    assert shard.name == hashlib.sha256(shard.path.read_bytes()).hexdigest()
+    monkeypatch.setattr(store_mod, "DIGEST_BESIDE_BYTES", 1 << 40)  # the same shard, in line
+    shard.path.unlink()
+    assert write_shard(layout, tensors, EFP, RFP).name == shard.name
+    assert threads[-1] == threading.current_thread().name
+    with ShardReader(shard.path) as r:
+        for name, t in tensors.items():
+            assert torch.equal(r.read(name), t)
+    assert _files(layout.tmp) == []
+
+
 def test_the_old_format_writer_still_gives_the_pinned_v1_bytes(layout: Layout) -> None:
     """Tests write format-1 shards through ``version="1"``: they match what featbake 1 wrote."""
     tensors = _sample()
