@@ -62,9 +62,35 @@ from featbake.store.hash_cache import FileStat
 from featbake.store.open import Need, StoreRef, open_store, place_of
 from featbake.store.roots import RootSpec
 
-#: Inputs per Ray task: one task's work is sealed when it returns, and run again whole (less
-#: what its worker sealed) when its worker dies.
+#: Inputs per Ray task at least: one task's work is sealed when it returns, and run again
+#: whole (less what its worker sealed) when its worker dies. The bytes path
+#: (:func:`featbake.ray.encode`, whose rows carry their inputs) keeps tasks of this size.
 ROWS_PER_TASK = 64
+#: Tasks per actor a folder build aims at: enough to balance the actors and tick the progress,
+#: few enough that a large build's part fragments and last, partly filled shards (one of each
+#: per task) stay few: 10M inputs on 8 actors were 156,250 tasks of 64, each a fragment for the
+#: merge to fold; they are 1,221 of 8,192.
+TASKS_PER_WORKER = 32
+#: Inputs per task at most (a task's rows are paths; a retried task lists them again and
+#: encodes only those its dead worker had not sealed).
+MOST_ROWS_PER_TASK = 8192
+
+
+def rows_per_task(inputs: int, workers: int, asked: int | None = None) -> int:
+    """Inputs per task of a folder build of ``inputs`` on ``workers`` actors: ``asked`` when
+    given, else about :data:`TASKS_PER_WORKER` tasks an actor, of :data:`ROWS_PER_TASK` to
+    :data:`MOST_ROWS_PER_TASK` inputs each.
+
+    Example:
+        >>> rows_per_task(1_000, workers=2), rows_per_task(10_000_000, workers=8)
+        (64, 8192)
+    """
+    if asked is not None:
+        return asked
+    even = -(-inputs // (max(1, workers) * TASKS_PER_WORKER))
+    return max(ROWS_PER_TASK, min(MOST_ROWS_PER_TASK, even))
+
+
 #: The column of each task's result (:meth:`PartResult.to_json`).
 RESULT = "result"
 
@@ -128,13 +154,14 @@ class RayEngine:
         workers: actors in the pool (each loads the encoder once).
         gpus_per_worker: GPUs each actor holds (Ray sets its ``CUDA_VISIBLE_DEVICES``).
         address: the Ray cluster (default ``$RAY_ADDRESS``, else a local instance).
-        rows_per_task: inputs per task (see :data:`ROWS_PER_TASK`).
+        rows_per_task: inputs per task; None (the default) sizes tasks to the build (see
+            :func:`rows_per_task`).
     """
 
     workers: int = 2
     gpus_per_worker: float = 0
     address: str | None = None
-    rows_per_task: int = ROWS_PER_TASK
+    rows_per_task: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
@@ -145,7 +172,7 @@ class RayEngine:
                 "(fractions share a GPU: 0.5 puts two workers on each)"
             )
         rows = self.rows_per_task
-        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
             raise ConfigError(f"rows_per_task must be 1 or more inputs per Ray task, got {rows!r}")
 
     @contextlib.contextmanager
@@ -159,13 +186,13 @@ class RayEngine:
         finally:
             connecting.close()
 
-    def on_actors(self, ray: Any, ds: Any, actor: type, args: tuple[Any, ...]) -> Any:
+    def on_actors(self, ray: Any, ds: Any, actor: type, args: tuple[Any, ...], rows: int) -> Any:
         """``ds`` mapped by this engine's actor pool of ``actor(*args)``: ``workers`` actors of
-        a CPU (and ``gpus_per_worker`` GPUs) each, a task every ``rows_per_task`` rows."""
+        a CPU (and ``gpus_per_worker`` GPUs) each, a task every ``rows`` rows."""
         return ds.map_batches(
             actor,
             fn_constructor_args=args,
-            batch_size=self.rows_per_task,
+            batch_size=rows,
             batch_format="numpy",
             compute=ray.data.ActorPoolStrategy(size=self.workers),
             num_cpus=1,
@@ -187,7 +214,8 @@ class RayEngine:
         total = PartResult()
         with ray_session(self.address) as ray:
             quiet(ray)
-            ds = self.on_actors(ray, ray.data.from_items(rows), PathActor, (job,))
+            per_task = rows_per_task(len(rows), self.workers, self.rows_per_task)
+            ds = self.on_actors(ray, ray.data.from_items(rows), PathActor, (job,), per_task)
             for result in _results(ds):
                 total.add(PartResult.from_json(result[RESULT]))
                 _tick(progress, total, len(items))
@@ -441,7 +469,8 @@ def _encode_rows(
     with ray_session(engine.address) as ray:
         quiet(ray)
         _leave_a_cpu_to_reads(ray, engine)
-        out = engine.on_actors(ray, ds, BytesActor, (job, column, id_column))
+        per_task = engine.rows_per_task or ROWS_PER_TASK  # rows holding their bytes: small
+        out = engine.on_actors(ray, ds, BytesActor, (job, column, id_column), per_task)
         for row in _results(out):
             items.append((str(row["id"]), str(row["key"])))
             if row[RESULT]:
