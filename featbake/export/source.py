@@ -56,14 +56,33 @@ ProgressFn = Callable[[GcProgress], None]
 class Compression(StrEnum):
     """How a format compresses the feature values it writes.
 
-    ``NONE`` is the zarr and Parquet default: an encoder's float features barely compress
-    (their mantissas are noise: zstd saves a few percent, at 2-4x the export's time and a
-    slower read for every loader after), and the export is a hand-over to a loader, not an
-    archive. ``ZSTD`` is there for a user who ships the files over a network or keeps them long.
+    Zarr's default is ``NONE``: an encoder's float features barely compress (their mantissas
+    are noise), and zstd, zarr's own default, cost 2-4x the export's time for a few percent
+    (and slows every read after). Parquet's default is ``SNAPPY``, pyarrow's own: it gives up
+    at once on bytes it cannot shrink, so it cost nothing measurable. ``ZSTD`` (either
+    format) is for files shipped over a network or kept long; webdataset writes plain tars.
     """
 
     NONE = "none"
+    SNAPPY = "snappy"
     ZSTD = "zstd"
+
+
+def compression_of(name: str) -> Compression:
+    """The :class:`Compression` called ``name``.
+
+    Raises:
+        ConfigError: no such compression, naming those there are.
+
+    Example:
+        >>> compression_of("zstd")
+        <Compression.ZSTD: 'zstd'>
+    """
+    try:
+        return Compression(name)
+    except ValueError:
+        known = ", ".join(c.value for c in Compression)
+        raise ConfigError(f"unknown compression {name!r}; choose one of {known}") from None
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,9 @@ manifest row's id) at the top, in the manifest's order, and under ``columns/`` o
 column the items' rows carry (a manifest's labels, a tar's ``.cls``: int64 where every item has
 a whole number, float64 where every value is a number, NaN where missing, else text, with JSON
 for nested values). Items not stored are left out and counted in ``missing``. Values are
-chunked to ~8 MiB along the first axis, written to ``OUT.partial`` and renamed into place when
-complete.
+chunked to ~8 MiB along the first axis, uncompressed unless ``compression="zstd"`` (see
+:class:`~featbake.export.source.Compression`), written to ``OUT.partial`` and renamed into
+place when complete.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from featbake.errors import ConfigError
 from featbake.export.source import (
     Compression,
     ExportJob,
@@ -38,6 +40,7 @@ from featbake.export.source import (
     PartLayout,
     as_numpy,
     check_free,
+    compression_of,
     export_with,
     row_columns,
     stream,
@@ -123,9 +126,15 @@ class Zarr:
 
 
 def value_codecs(compression: Compression) -> Any:
-    """The ``compressors`` of a part's ``values``: none, or zstd as zarr's own default."""
+    """The ``compressors`` of a part's ``values``: none, or zstd as zarr's own default.
+
+    Raises:
+        ConfigError: a compression zarr does not offer (snappy).
+    """
     import zarr.codecs
 
+    if compression is Compression.SNAPPY:
+        raise ConfigError("a zarr export compresses with none or zstd, not snappy; choose one")
     if compression is Compression.ZSTD:
         return zarr.codecs.ZstdCodec(level=0, checksum=False)
     return None
@@ -149,7 +158,7 @@ def export_zarr(
         >>> import zarr; g = zarr.open_group("feats.zarr", mode="r")  # doctest: +SKIP
         >>> g["values"][g["offsets"][0] : g["offsets"][1]]  # doctest: +SKIP
     """
-    return export_with(Zarr(Compression(compression)), out, **options)
+    return export_with(Zarr(compression_of(compression)), out, **options)
 
 
 def _open_partial(
