@@ -146,7 +146,7 @@ class ShardWriter:
         header = info.tobuf(tarfile.PAX_FORMAT, tarfile.ENCODING, "surrogateescape")
         file.write(header)
         for chunk in chunks:
-            file.write(chunk)
+            file.write(chunk.data if isinstance(chunk, np.ndarray) else chunk)
         pad = -info.size % tarfile.BLOCKSIZE
         file.write(tarfile.NUL * pad)
         return len(header) + info.size + pad
