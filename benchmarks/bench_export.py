@@ -43,7 +43,7 @@ WORK = Path(__file__).resolve().parent / "_work" / "export"
 REPEATS = 2
 
 
-def timed(write: Callable[[], None], nbytes: int) -> float:
+def timed(write: Callable[[], object], nbytes: int) -> float:
     """MB/s of ``nbytes`` over the fastest of :data:`REPEATS` calls of ``write``."""
     best = float("inf")
     for _ in range(REPEATS):
