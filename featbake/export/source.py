@@ -15,11 +15,8 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import os
-import queue
 import shutil
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -282,33 +279,14 @@ def stream(src: ExportSource, progress: ProgressFn | None = None) -> Iterator[li
     """The present items in the root's order, :data:`READ_BATCH` at a time, each part read
     with its checksum checked; only the parts :attr:`ExportSource.parts` names.
 
-    The next batch is read on a thread of its own (:class:`ReadAhead`) while the caller writes
-    this one: the read (pread and CRC-32C, which release the GIL) then overlaps the format's
-    encode and write instead of adding to them. At most three batches are held at once (the
-    caller's, one ready, one being read).
-
     Raises:
         StoreError: a feature vanished during the export (gc, or a shard removed by hand).
         StoreCorrupt: a stored feature fails its checksum.
     """
-    n = len(src.present)
-    with ReadAhead(src) as batches:
-        done = 0
-        for items in batches:
-            yield items
-            done += len(items)
-            if progress:
-                progress(GcProgress("export", done, n))
-
-
-def read_batches(src: ExportSource, stop: threading.Event) -> Iterator[list[ExportItem]]:
-    """The present items, :data:`READ_BATCH` at a time, read in this thread (its own reader
-    and catalog connection) until ``stop`` is set."""
     reader = FeatureReader(src.layout, verify="always")
+    n = len(src.present)
     try:
-        for start in range(0, len(src.present), READ_BATCH):
-            if stop.is_set():
-                return
+        for start in range(0, n, READ_BATCH):
             batch = src.present[start : start + READ_BATCH]
             got = reader.get_many([k for _, k in batch])
             items = []
@@ -321,55 +299,10 @@ def read_batches(src: ExportSource, stop: threading.Event) -> Iterator[list[Expo
                     )
                 items.append(ExportItem(path, key, {p: got[key][p] for p in src.parts}))
             yield items
+            if progress:
+                progress(GcProgress("export", start + len(batch), n))
     finally:
         reader.close()
-
-
-class ReadAhead:
-    """The batches of :func:`read_batches`, read one ahead on a thread of their own.
-
-    A context manager: leaving it (the export done, failed or abandoned) stops the thread
-    and waits for it, so no reader outlives the export. An error in the thread is raised in
-    the caller, at the batch it stopped.
-    """
-
-    _END = object()
-
-    def __init__(self, src: ExportSource) -> None:
-        self.src = src
-        self.ready: queue.Queue[Any] = queue.Queue(maxsize=1)
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="featbake-export-read", daemon=True)
-
-    def __enter__(self) -> Iterator[list[ExportItem]]:
-        self.thread.start()
-        return self._batches()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        # Empty the queue once: a thread blocked putting a batch then puts it, sees the stop
-        # and ends; one that is reading puts into the freed slot and ends.
-        with contextlib.suppress(queue.Empty):
-            self.ready.get_nowait()
-        self.thread.join()
-
-    def _run(self) -> None:
-        last: Any = self._END
-        try:
-            for items in read_batches(self.src, self.stop):
-                self.ready.put(items)
-        except BaseException as e:  # handed to the caller, raised there
-            last = e
-        # Once stopped, the caller has left: nothing more is put (the one slot __exit__ freed
-        # may already be taken, and a put would then wait forever).
-        if not self.stop.is_set():
-            self.ready.put(last)
-
-    def _batches(self) -> Iterator[list[ExportItem]]:
-        while (got := self.ready.get()) is not self._END:
-            if isinstance(got, BaseException):
-                raise got
-            yield got
 
 
 def as_numpy(t: torch.Tensor) -> np.ndarray:

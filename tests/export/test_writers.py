@@ -1,13 +1,12 @@
-"""The export's write paths: the batches read one ahead on a thread, the tar writer against
-tarfile byte for byte, zarr's values written in blocks of chunks, and each format's compression,
-every feature read back (without featbake) equal to the encoder run now."""
+"""The export's write paths: batches of items in order, the tar writer against tarfile byte for
+byte, zarr's values written in blocks of chunks, Parquet's columns a chunk per item, and each
+format's compression, every feature read back (without featbake) equal to the encoder run now."""
 
 from __future__ import annotations
 
 import io
 import json
 import tarfile
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -27,14 +26,10 @@ from tests.helpers import Live, bake, manifest
 pq = pytest.importorskip("pyarrow.parquet")
 
 
-def read_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "featbake-export-read"]
+# -- batches ---------------------------------------------------------------------------------
 
 
-# -- the read-ahead ---------------------------------------------------------------------------
-
-
-def test_batches_read_ahead_come_in_order_and_an_abandoned_export_stops_its_reader(
+def test_batches_come_complete_and_in_the_roots_order(
     encoder_file: Path,
     audio_dir: Path,
     store_dir: Path,
@@ -46,16 +41,9 @@ def test_batches_read_ahead_come_in_order_and_an_abandoned_export_stops_its_read
     batches = list(stream(src))
     assert [len(b) for b in batches] == [3, 3, 3, 3, 3, 1]
     assert [(i.path, i.key) for b in batches for i in b] == manifest(store_dir, report.root)
-    assert not read_threads()
-
-    # the caller stops after one batch (a format's write failed): the reading thread ends
-    batches_of = stream(src)
-    next(batches_of)
-    batches_of.close()
-    assert not read_threads()
 
 
-def test_an_error_in_the_reading_thread_is_raised_by_the_export(
+def test_a_corrupt_item_in_a_later_row_group_stops_the_parquet_export(
     encoder_file: Path,
     audio_dir: Path,
     store_dir: Path,
@@ -73,7 +61,6 @@ def test_an_error_in_the_reading_thread_is_raised_by_the_export(
     with pytest.raises(StoreCorrupt):
         export_parquet(tmp_path / "bad.parquet", cache=store_dir)
     assert not (tmp_path / "bad.parquet").exists()
-    assert not read_threads()
 
 
 # -- the tar writer ---------------------------------------------------------------------------
