@@ -12,7 +12,8 @@ without featbake. Columns, in this order:
 * the columns the items' rows carry (a manifest's labels, a lhotse cut's ``text``), under their
   own names (``row_<name>`` where a name is taken above), null where an item lacks one.
 
-The file is written one row group per batch of items (no whole store in memory) to
+Columns are snappy-compressed (pyarrow's default; ``compression="none"`` or ``"zstd"`` to
+choose). The file is written one row group per batch of items (no whole store in memory) to
 ``OUT.partial`` and renamed to ``OUT`` when complete; its schema metadata names the root, the
 encoder and the recipe (``featbake`` key, JSON).
 """
@@ -22,12 +23,14 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from featbake.export.source import (
+    Compression,
     ExportItem,
     ExportJob,
     ExportReport,
@@ -35,6 +38,7 @@ from featbake.export.source import (
     PartLayout,
     as_numpy,
     check_free,
+    compression_of,
     export_with,
     row_columns,
     stream,
@@ -88,9 +92,13 @@ def _not_a_file(path: Path) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
 class Parquet:
-    """The Parquet format (see the module's doc): one file, one row group per batch."""
+    """The Parquet format (see the module's doc): one file, one row group per batch;
+    ``compression`` of every column (snappy by default: see
+    :class:`~featbake.export.source.Compression`)."""
 
+    compression: Compression = Compression.SNAPPY
     check_destination = staticmethod(check_destination)
 
     def write(self, job: ExportJob) -> int:
@@ -103,8 +111,9 @@ class Parquet:
         small = [f.name for f in schema if f.name in RESERVED or _carried(f, job.layouts)]
         written, at = 0, 0
         with pq.ParquetWriter(
-            str(job.partial), schema, use_dictionary=small, write_statistics=small
-        ) as writer:
+            str(job.partial), schema, use_dictionary=small, write_statistics=small,
+            compression=str(self.compression),
+        ) as writer:  # fmt: skip
             for items in stream(job.src, job.progress):
                 table = _batch_table(items, job.layouts, carried, at)
                 writer.write_table(table.cast(writer.schema))
@@ -113,16 +122,19 @@ class Parquet:
         return written
 
 
-def export_parquet(out: str | os.PathLike[str], **options: Any) -> ExportReport:
+def export_parquet(
+    out: str | os.PathLike[str], *, compression: str = Compression.SNAPPY, **options: Any
+) -> ExportReport:
     """Write the features of one root to the Parquet file ``out`` (see the module's doc);
-    ``options`` are :func:`featbake.export.source.export_with`'s.
+    ``compression`` of its columns (``"snappy"``, ``"none"``, ``"zstd"``); ``options`` are
+    :func:`featbake.export.source.export_with`'s.
 
     Example:
         >>> export_parquet("feats.parquet", cache=".featbake")  # doctest: +SKIP
         >>> import datasets; ds = datasets.load_dataset("parquet", data_files="feats.parquet")
         ... # doctest: +SKIP
     """
-    return export_with(Parquet(), out, **options)
+    return export_with(Parquet(compression_of(compression)), out, **options)
 
 
 def _carried_table(src: ExportSource, rows: Sequence[Mapping[str, Any]] | None) -> Any:
@@ -191,17 +203,24 @@ def _schema(src: ExportSource, layouts: Mapping[str, PartLayout], carried: Any) 
 
 
 def _part_array(arrays: Sequence[np.ndarray], lay: PartLayout) -> Any:
-    """One part of a batch as an Arrow array of its column's type."""
+    """One part of a batch as a column of its type, one chunk per item over the item's own
+    buffer: concatenating the batch first cost a copy of every byte (and its page faults), and
+    pyarrow writes a chunked column as fast as one array."""
     import pyarrow as pa
 
-    flat = np.concatenate([a.reshape(-1) for a in arrays]) if arrays else np.zeros(0)
-    values: Any = pa.array(flat)
+    return pa.chunked_array([_item_array(a, lay) for a in arrays], _arrow_type(lay))
+
+
+def _item_array(array: np.ndarray, lay: PartLayout) -> Any:
+    """One item as a one-row Arrow array of its part's type (its data not copied)."""
+    import pyarrow as pa
+
+    values: Any = pa.array(array.reshape(-1))
     for size in reversed(lay.trailing):
         values = pa.FixedSizeListArray.from_arrays(values, size)
     if not lay.ragged:
         return values
-    offsets = np.concatenate([[0], np.cumsum([a.shape[0] for a in arrays])]).astype(np.int32)
-    return pa.ListArray.from_arrays(pa.array(offsets), values)
+    return pa.ListArray.from_arrays(pa.array([0, array.shape[0]], pa.int32()), values)
 
 
 def _batch_table(

@@ -13,8 +13,9 @@ manifest row's id) at the top, in the manifest's order, and under ``columns/`` o
 column the items' rows carry (a manifest's labels, a tar's ``.cls``: int64 where every item has
 a whole number, float64 where every value is a number, NaN where missing, else text, with JSON
 for nested values). Items not stored are left out and counted in ``missing``. Values are
-chunked to ~8 MiB along the first axis, written to ``OUT.partial`` and renamed into place when
-complete.
+chunked to ~8 MiB along the first axis, uncompressed unless ``compression="zstd"`` (see
+:class:`~featbake.export.source.Compression`), written to ``OUT.partial`` and renamed into
+place when complete.
 """
 
 from __future__ import annotations
@@ -23,19 +24,23 @@ import json
 import os
 import shutil
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from featbake.errors import ConfigError
 from featbake.export.source import (
+    Compression,
     ExportJob,
     ExportReport,
     ExportSource,
     PartLayout,
     as_numpy,
     check_free,
+    compression_of,
     export_with,
     row_columns,
     stream,
@@ -102,20 +107,46 @@ def _not_zarr(path: Path) -> str | None:
     return None
 
 
-class Zarr:
-    """The Zarr v3 format (see the module's doc)."""
+#: Chunks of ``values`` written per call to zarr (over all parts): enough for its codec
+#: pipeline to encode and store several at once, few enough to keep one block per part small.
+CHUNKS_PER_WRITE = 8
 
+
+@dataclass(frozen=True)
+class Zarr:
+    """The Zarr v3 format (see the module's doc); ``compression`` of the feature values
+    (uncompressed by default: see :class:`~featbake.export.source.Compression`)."""
+
+    compression: Compression = Compression.NONE
     check_destination = staticmethod(check_destination)
 
     def write(self, job: ExportJob) -> int:
-        writers = _open_partial(job.partial, job.src, job.layouts, job.rows)
+        writers = _open_partial(job.partial, job.src, job.layouts, job.rows, self.compression)
         return _copy_features(job.src, writers, job.progress)
 
 
-def export_zarr(out: str | os.PathLike[str], **options: Any) -> ExportReport:
+def value_codecs(compression: Compression) -> Any:
+    """The ``compressors`` of a part's ``values``: none, or zstd as zarr's own default.
+
+    Raises:
+        ConfigError: a compression zarr does not offer (snappy).
+    """
+    import zarr.codecs
+
+    if compression is Compression.SNAPPY:
+        raise ConfigError("a zarr export compresses with none or zstd, not snappy; choose one")
+    if compression is Compression.ZSTD:
+        return zarr.codecs.ZstdCodec(level=0, checksum=False)
+    return None
+
+
+def export_zarr(
+    out: str | os.PathLike[str], *, compression: str = Compression.NONE, **options: Any
+) -> ExportReport:
     """Write the features of one root to a Zarr v3 store at ``out`` (a folder, e.g.
-    ``feats.zarr``); ``options`` are :func:`featbake.export.source.export_with`'s (``cache``,
-    ``root``, ``overwrite``, ``output``, ``layers``, ``rows_for``, ``progress``).
+    ``feats.zarr``); ``compression`` of the values (``"none"``, ``"zstd"``); ``options`` are
+    :func:`featbake.export.source.export_with`'s (``cache``, ``root``, ``overwrite``,
+    ``output``, ``layers``, ``rows_for``, ``progress``).
 
     Raises:
         ConfigError: no such root, several roots and none chosen, ``out`` exists, or shapes that
@@ -127,7 +158,7 @@ def export_zarr(out: str | os.PathLike[str], **options: Any) -> ExportReport:
         >>> import zarr; g = zarr.open_group("feats.zarr", mode="r")  # doctest: +SKIP
         >>> g["values"][g["offsets"][0] : g["offsets"][1]]  # doctest: +SKIP
     """
-    return export_with(Zarr(), out, **options)
+    return export_with(Zarr(compression_of(compression)), out, **options)
 
 
 def _open_partial(
@@ -135,6 +166,7 @@ def _open_partial(
     src: ExportSource,
     layouts: dict[str, PartLayout],
     rows: Sequence[Mapping[str, Any]] | None,
+    compression: Compression,
 ) -> dict[str, _PartWriter]:
     """Create ``OUT.partial`` with its attributes, keys and paths; a writer per part."""
     import zarr
@@ -166,8 +198,11 @@ def _open_partial(
         )[:] = np.array(values)
     if rows is not None:
         _write_columns(group, rows)
+    codecs, per_write = value_codecs(compression), max(1, CHUNKS_PER_WRITE // len(layouts))
     return {
-        part: _PartWriter(group if part == "" else group.create_group(part), lay, n)
+        part: _PartWriter(
+            group if part == "" else group.create_group(part), lay, n, codecs, per_write
+        )
         for part, lay in layouts.items()
     }
 
@@ -225,13 +260,17 @@ def _copy_features(src: ExportSource, writers: dict[str, _PartWriter], progress:
 
 
 class _PartWriter:
-    """Appends items to a part's arrays, writing whole chunks at a time."""
+    """Appends items to a part's ``values``, copying them into one reused block of
+    ``chunks_per_write`` whole chunks and writing the block once full: zarr encodes and stores
+    the chunks of one write concurrently, and a block written one chunk at a time kept it
+    serial."""
 
-    def __init__(self, group: Any, lay: PartLayout, n: int) -> None:
+    def __init__(
+        self, group: Any, lay: PartLayout, n: int, compressors: Any, chunks_per_write: int
+    ) -> None:
         self.lay = lay
         dtype = _NUMPY_DTYPE[lay.dtype]
         row_bytes = int(np.prod(lay.trailing, dtype=np.int64)) * np.dtype(dtype).itemsize
-        self.dtype = dtype
         if lay.ragged:
             offsets = np.concatenate([[0], np.cumsum(lay.lengths, dtype=np.int64)])
             rows = int(offsets[-1])
@@ -250,33 +289,29 @@ class _PartWriter:
         self.chunk_rows = min(max(1, rows), _rows_per_chunk(row_bytes))
         self.values = group.create_array(
             "values", shape=shape, chunks=(self.chunk_rows, *shape[1:]), dtype=dtype,
-            dimension_names=value_dims(lay.ragged, len(lay.trailing)),
+            dimension_names=value_dims(lay.ragged, len(lay.trailing)), compressors=compressors,
         )  # fmt: skip
-        self.buf: list[np.ndarray] = []
-        self.buffered = 0
+        block_rows = min(max(1, rows), self.chunk_rows * chunks_per_write)
+        self.block = np.empty((block_rows, *shape[1:]), dtype=dtype)
+        self.filled = 0  # rows in the block
         self.at = 0  # rows written
 
     def add(self, t: torch.Tensor) -> int:
+        """Copy one item into the block (writing each block that fills); its bytes."""
         a = as_numpy(t)
         if not self.lay.ragged:
             a = a[None]
-        self.buf.append(a)
-        self.buffered += a.shape[0]
-        if self.buffered >= self.chunk_rows:
-            self._write(whole_chunks=True)
+        start = 0
+        while start < len(a):
+            take = min(len(a) - start, len(self.block) - self.filled)
+            self.block[self.filled : self.filled + take] = a[start : start + take]
+            self.filled, start = self.filled + take, start + take
+            if self.filled == len(self.block):
+                self.flush()
         return a.nbytes
 
-    def _write(self, whole_chunks: bool) -> None:
-        if not self.buf:
-            return
-        block = np.concatenate(self.buf, axis=0)
-        take = (block.shape[0] // self.chunk_rows) * self.chunk_rows if whole_chunks else len(block)
-        if take:
-            self.values[self.at : self.at + take] = block[:take]
-            self.at += take
-        rest = block[take:]
-        self.buf = [rest] if len(rest) else []
-        self.buffered = len(rest)
-
     def flush(self) -> None:
-        self._write(whole_chunks=False)
+        """Write the rows in the block (whole chunks, but for the array's last)."""
+        if self.filled:
+            self.values[self.at : self.at + self.filled] = self.block[: self.filled]
+            self.at, self.filled = self.at + self.filled, 0
