@@ -439,7 +439,11 @@ def export_with(  # noqa: PLR0913  (public API: one keyword per `featbake export
     layouts = part_layouts(src)
     partial = out.with_name(out.name + ".partial")
     discard(partial)
-    written = fmt.write(ExportJob(src, layouts, rows_of(src, rows_for), partial, progress))
+    try:
+        written = fmt.write(ExportJob(src, layouts, rows_of(src, rows_for), partial, progress))
+    except BaseException:  # a failed or interrupted export leaves nothing (a killed one leaves
+        discard(partial)  # OUT.partial, which the next run replaces)
+        raise
     publish(partial, out)
     return ExportReport(
         str(out),

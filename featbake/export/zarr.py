@@ -120,6 +120,9 @@ class Zarr:
     compression: Compression = Compression.NONE
     check_destination = staticmethod(check_destination)
 
+    def __post_init__(self) -> None:
+        value_codecs(self.compression)  # snappy refused here, before anything is opened
+
     def write(self, job: ExportJob) -> int:
         writers = _open_partial(job.partial, job.src, job.layouts, job.rows, self.compression)
         return _copy_features(job.src, writers, job.progress)

@@ -221,3 +221,38 @@ def test_zarr_export_carries_the_rows_columns(
     assert "the rows' columns are left out" in r.stdout + r.stderr
     assert "columns" not in zarr.open_group(str(tmp_path / "g.zarr"), mode="r")
     assert export_zarr(tmp_path / "h.zarr", cache=store_dir).items == 16
+
+
+def test_the_cli_compresses_as_asked_and_refuses_what_a_format_does_not_offer(
+    encoder_file: Path, audio_dir: Path, store_dir: Path, tmp_path: Path
+) -> None:
+    import pyarrow.parquet as pq
+    import zarr
+
+    live = Live()
+    bake(audio_dir, encoder_file, store_dir)
+    r = invoke("export", "--format", "parquet", tmp_path / "z.parquet", "--compression", "zstd",
+               "--cache", store_dir)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    meta = pq.ParquetFile(tmp_path / "z.parquet").metadata
+    assert meta.row_group(0).column(2).compression == "ZSTD"  # the features column
+    r = invoke("export", tmp_path / "z.zarr", "--compression", "zstd", "--cache", store_dir)
+    assert r.returncode == 0, r.stdout + r.stderr
+    values = zarr.open_group(str(tmp_path / "z.zarr"), mode="r")["values"]
+    assert [type(c).__name__ for c in values.compressors] == ["ZstdCodec"]
+    ids = [str(p) for p in zarr.open_group(str(tmp_path / "z.zarr"), mode="r")["paths"][:]]
+    offsets = zarr.open_group(str(tmp_path / "z.zarr"), mode="r")["offsets"][:]
+    for k, rel in enumerate(ids):
+        want = live(encoder_file, audio_dir / rel)
+        got = torch.from_numpy(np.asarray(values[offsets[k] : offsets[k + 1]]))
+        torch.testing.assert_close(got, want)
+    for fmt, name, said in [
+        ("webdataset", "zstd", "a webdataset export writes plain tars; drop --compression"),
+        ("zarr", "snappy", "a zarr export compresses with none or zstd, not snappy"),
+        ("parquet", "lz5", "unknown compression 'lz5'; choose one of none, snappy, zstd"),
+    ]:
+        out = tmp_path / f"bad-{fmt}"
+        r = invoke("export", "--format", fmt, out, "--compression", name, "--cache", store_dir)
+        assert r.returncode != 0 and said in r.stdout + r.stderr, r.stdout + r.stderr
+        assert "Traceback" not in r.stdout + r.stderr
+        assert not out.exists() and not out.with_name(out.name + ".partial").exists()
