@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _rows import hidden_rows, row
+from _rows import paired_hidden_rows, row
 from _serve_readers import DIM, LENGTHS, identity_encoder, recipe, warm_page_cache
 
 from featbake import native
@@ -166,55 +166,67 @@ def bench_hidden(base: Path, dtype: str, epochs: int) -> list[dict]:
     Measured twice: the step on torch's 2 threads (every core: the reads can only take turns
     with it, so the floor is nearer read + step than max(read, step)), and on 1 thread, which
     leaves a core to the reader, as a CPU-only trainer would set ``torch.set_num_threads``.
+    Each row is the median of paired rounds (:func:`paired_hidden_rows`): a read-only epoch, a
+    step-only one and each loader with the step, one after the other.
     """
     ds = dataset(base, dtype)
-    loader = FeatureLoader(ds, BATCH, seed=0)
-    epoch_seconds(loader)  # open and check every shard once
-    read, read_cpu = min(epoch_times(loader) for _ in range(epochs))
+    reader = FeatureLoader(ds, BATCH, seed=0)  # read-only epochs only (its pace: in the loop)
+    epoch_seconds(reader)  # open and check every shard once
+    read = sorted(epoch_seconds(reader) for _ in range(3))[1]
     batches = list(FeatureLoader(ds, BATCH, seed=1))
     rows = []
     for threads in (2, 1):
         torch.set_num_threads(threads)
-        hidden = 16
-        while True:  # widen the probe until a step-only epoch costs about a read-only one
-            step = make_step(hidden)
-            step(batches[0])  # warm: autograd and the optimizer's state
-            step_only, step_cpu = min(epoch_times(batches, step) for _ in range(2))
-            if step_only >= 0.8 * read or hidden >= 4096:
-                break
-            hidden *= 2
-        timed = {
-            name: min(epoch_times(loader_, step) for _ in range(epochs))
-            for name, loader_ in loaders(ds).items()
-            if name != "DataLoader w0"
-        }
-        both = {name: wall for name, (wall, _) in timed.items()}
+        step, hidden = sized_step(batches, read)
         where = "step on every core" if threads == 2 else "step on 1 thread, a core free"
         setup = (
             f"{len(ds)} items {dtype}, batches of {BATCH}; probe 768->{hidden}->8 with backward "
-            f"and SGD on {threads} torch thread(s), 2 CPUs; best of {epochs}; CPU s (all "
-            f"threads): read-only {read_cpu:.2f}, step-only {step_cpu:.2f}, FeatureLoader + "
-            f"step {timed['FeatureLoader'][1]:.2f}"
+            f"and SGD on {threads} torch thread(s), 2 CPUs"
         )
-        rows += hidden_rows("loader", f"{dtype}, {where}", read, step_only, both, setup,
-                            core_free=threads == 1)  # fmt: skip
+        readers = {k: v for k, v in loaders(ds).items() if k != "DataLoader w0"}
+        for loader_ in readers.values():
+            epoch_seconds(loader_, step)  # workers started, the loader's pace set by the step
+        rounds = [paired_round(reader, batches, step, readers) for _ in range(epochs)]
+        rows += paired_hidden_rows("loader", f"{dtype}, {where}", rounds, setup,
+                                   core_free=threads == 1)  # fmt: skip
         if threads == 1:  # the Python read path (no compiled kernels): the GIL once per row
             with native.fallback():
-                read_py, read_py_cpu = min(epoch_times(loader) for _ in range(epochs))
-                both_py, both_py_cpu = min(epoch_times(loader, step) for _ in range(epochs))
-            setup_py = setup.split("; CPU s")[0] + (
-                f"; CPU s (all threads): read-only {read_py_cpu:.2f}, step-only {step_cpu:.2f}, "
-                f"FeatureLoader + step {both_py_cpu:.2f}"
-            )
-            rows += hidden_rows("loader", f"{dtype}, {where}, Python read path", read_py,
-                                step_only, {"FeatureLoader": both_py}, setup_py)  # fmt: skip
+                python = {"FeatureLoader": readers["FeatureLoader"]}
+                rounds = [paired_round(reader, batches, step, python) for _ in range(epochs)]
+            rows += paired_hidden_rows("loader", f"{dtype}, {where}, Python read path", rounds,
+                                       setup)  # fmt: skip
     torch.set_num_threads(2)
     return rows
 
 
+def sized_step(batches: list[Any], read: float) -> tuple[Callable[[Any], None], int]:
+    """The probe's step, widened until a step-only epoch costs about a read-only one (or at
+    4,096 wide); and its width."""
+    hidden = 16
+    while True:
+        step = make_step(hidden)
+        step(batches[0])  # warm: autograd and the optimizer's state
+        if min(epoch_seconds(batches, step) for _ in range(2)) >= 0.8 * read or hidden >= 4096:
+            return step, hidden
+        hidden *= 2
+
+
+def paired_round(
+    reader: Iterable[Any],
+    batches: list[Any],
+    step: Callable[[Any], None],
+    loaders_: dict[str, Iterable[Any]],
+) -> dict[str, float]:
+    """One round: a read-only epoch, a step-only epoch, then each loader with the step."""
+    out = {"read": epoch_seconds(reader), "step": epoch_seconds(batches, step)}
+    for name, loader_ in loaders_.items():
+        out[name] = epoch_seconds(loader_, step)
+    return out
+
+
 def main(quick: bool = False) -> list[dict]:
     torch.set_num_threads(2)
-    n, epochs = (96, 1) if quick else (1000, 3)
+    n, epochs = (96, 1) if quick else (1000, 5)
     rows = []
     for dtype in ("float16", "float32"):
         base = prepare(n, dtype)
