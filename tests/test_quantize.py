@@ -6,6 +6,7 @@ import contextlib
 import json
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -830,22 +831,39 @@ def test_a_row_scale_that_is_not_finite_is_a_damaged_shard_on_every_path(
         rf"shard {re.escape(str(shard))} is damaged \(tensor \S+ has a row scale that is not "
         r"finite\); run `featbake verify --repair`"
     )
+    # The RAM tier keeps packed rows, so its batch is read as stored and dequantised after:
+    # its refusal names the shard too (issue "round five" item 2: it said only "its shard is
+    # damaged").
+    _refused_on_every_path(ds, dataset, want, bad, damaged, compiled)
+
+
+def _refused_on_every_path(
+    ds: CachedFeatureDataset,
+    dataset: Callable[[], CachedFeatureDataset],
+    want: list[torch.Tensor],
+    bad: int,
+    damaged: str,
+    compiled: bool,
+) -> None:
+    """Item ``bad`` (its shard damaged) refused with ``damaged`` by ``ds[i]`` (read as stored,
+    then located or from the RAM tier), padded batches of a new ``dataset()`` (planned, then
+    located), ``ds[i]`` after them and a FeatureLoader; its neighbours served as ``want``."""
     with contextlib.nullcontext() if compiled else native.fallback():
         for _ in range(2):  # read as stored, then located (or the RAM tier)
             with pytest.raises(StoreCorrupt, match=damaged):
                 ds[bad]
             assert torch.equal(ds[4], want[4])
         ds = dataset()
-        # Padded batches: planned, then located. The RAM tier keeps packed rows, so its batch
-        # is read as stored and dequantised after: its refusal names the shard too (issue
-        # "round five" item 2: it said only "its shard is damaged").
-        for _ in range(2):
+        for _ in range(2):  # padded batches: planned, then located (or the RAM tier)
             with pytest.raises(StoreCorrupt, match=damaged):
                 ds.__getitems__([3, bad, 7])
             got = ds.__getitems__([3, 7])
             assert torch.equal(got[0], want[3]) and torch.equal(got[1], want[7])
         with pytest.raises(StoreCorrupt, match=damaged):
             ds[bad]  # after a batch (the RAM tier keeps no damaged row)
+        with pytest.raises(StoreCorrupt, match=damaged):
+            for _ in FeatureLoader(dataset(), batch_size=6, shuffle=False):
+                pass
 
 
 @pytest.mark.parametrize(("dtype", "scale"), [("int8", math.nan), ("fp8", -math.inf)])
@@ -883,19 +901,4 @@ def test_a_damaged_row_is_refused_with_dequantize_false_on_every_path(
         rf"shard {re.escape(str(shard))} is damaged \(tensor {ds._index.key(bad)} has a row "
         r"scale that is not finite\); run `featbake verify --repair`"
     )
-    with contextlib.nullcontext() if compiled else native.fallback():
-        for _ in range(2):  # read as stored, then located (or the RAM tier)
-            with pytest.raises(StoreCorrupt, match=damaged):
-                ds[bad]
-            assert torch.equal(ds[4], want[4])
-        ds = dataset()
-        for _ in range(2):  # padded batches: planned, then located (or the RAM tier)
-            with pytest.raises(StoreCorrupt, match=damaged):
-                ds.__getitems__([3, bad, 7])
-            got = ds.__getitems__([3, 7])
-            assert torch.equal(got[0], want[3]) and torch.equal(got[1], want[7])
-        with pytest.raises(StoreCorrupt, match=damaged):
-            ds[bad]  # after a batch (the RAM tier keeps no damaged row)
-        with pytest.raises(StoreCorrupt, match=damaged):
-            for _ in FeatureLoader(dataset(), batch_size=6, shuffle=False):
-                pass
+    _refused_on_every_path(ds, dataset, want, bad, damaged, compiled)
