@@ -1066,8 +1066,7 @@ class FeatureLoader:
         for b in range(start, len(batches)):
             t0 = time.perf_counter()
             ahead.before(b)
-            whole = batches_whole() if self._whole else contextlib.nullcontext()
-            with self._built_in(), whole:
+            with self._building():
                 batch = self.collate_fn(_items(self.dataset, batches[b]))
             t1 = time.perf_counter()
             pace.read(t1 - t0)
@@ -1118,18 +1117,20 @@ class FeatureLoader:
         not wait for a batch that never comes.
         """
         try:
-            whole = batches_whole() if self._whole else contextlib.nullcontext()
-            with self._built_in(), whole:
+            with self._building():
                 self._read_batches(run, start, ahead)
         except BaseException as e:  # handed to the training thread, raised there
             _put(run.ready, _Failed(e), run.stop)
 
-    def _built_in(self) -> contextlib.AbstractContextManager[None]:
-        """Where the reader builds batches: for a device, in the staging pool's buffers (the
-        copy to the device reads them there), else in the loader's own pool."""
-        if self._staging is not None:
-            return pinned_batches(self._staging.pool)
-        return pooled_batches(self._buffers)
+    @contextlib.contextmanager
+    def _building(self) -> Iterator[None]:
+        """How this thread builds batches while inside: for a device in the staging pool's
+        buffers (the copy to the device reads them there), else in the loader's own pool; and
+        taken whole by pad_collate where the dataset's reads reach it."""
+        staging = self._staging
+        pool = pooled_batches(self._buffers) if staging is None else pinned_batches(staging.pool)
+        with pool, batches_whole() if self._whole else contextlib.nullcontext():
+            yield
 
     def _read_batches(self, run: _ThreadRun, start: int, ahead: ReadAhead) -> None:
         """Read each batch from ``start`` and hand it over, in order: a batch is handed over

@@ -35,6 +35,12 @@ from featbake.serve.sampling import EpochPlan
 from featbake.testing import drop_page_cache, write_audio_folder
 from tests.conftest import live_features
 
+LOADER_THREAD = "featbake-loader"
+
+
+def _loader_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == LOADER_THREAD]
+
 
 class _Indexable(torch.utils.data.Dataset):
     def __init__(self, n: int) -> None:
@@ -163,7 +169,7 @@ def test_a_read_error_reaches_the_training_loop_and_leaves_no_thread(
     with pytest.raises(CacheMiss):
         for _ in FeatureLoader(ds, batch_size=4):
             pass
-    assert not [t for t in threading.enumerate() if t.name == "featbake-loader"]
+    assert _loader_threads() == []
 
 
 def test_the_batches_before_a_failed_read_reach_the_loop_in_order(
@@ -186,7 +192,7 @@ def test_the_batches_before_a_failed_read_reach_the_loop_in_order(
         for row, (i, n) in enumerate(zip(idx, lengths.tolist(), strict=True)):
             want = live_features(encoder_file, Path(ds.path(i)))
             torch.testing.assert_close(padded[row, :n], want, rtol=1e-5, atol=1e-5)
-    assert not [t for t in threading.enumerate() if t.name == "featbake-loader"]
+    assert _loader_threads() == []
 
 
 def test_a_batch_reaches_the_loop_while_the_next_ones_rows_are_read(
@@ -200,7 +206,7 @@ def test_a_batch_reaches_the_loop_while_the_next_ones_rows_are_read(
     reads = [0]
 
     def hold() -> None:
-        if threading.current_thread().name != "featbake-loader":
+        if threading.current_thread().name != LOADER_THREAD:
             return
         reads[0] += 1
         if reads[0] == 2:  # the second batch's rows: the first batch is the loop's by now
@@ -275,7 +281,7 @@ def test_a_loader_for_a_device_stages_through_the_prefetchers_pool(
         next(it), next(it)  # a batch more is started on the device ahead of the loop
         assert staged.state_dict()["position"] == 2  # what the loop took, not what was staged
         del it
-        assert not [t for t in threading.enumerate() if t.name == "featbake-loader"]
+        assert _loader_threads() == []
         assert pool.stats().lent == 0
 
 
@@ -291,7 +297,7 @@ class _HeldRead:
 
     def hold(self) -> None:
         epoch = self.armed
-        if epoch is not None and threading.current_thread().name == "featbake-loader":
+        if epoch is not None and threading.current_thread().name == LOADER_THREAD:
             self.armed = None
             self.holding[epoch].set()
             self.go[epoch].wait(60)  # a bound for a broken test, never reached when it runs
@@ -445,13 +451,13 @@ def test_a_store_that_fails_to_open_in_the_reader_reaches_the_training_loop(
     assert not loop.is_alive(), "the training loop is still waiting for a batch"
     assert len(raised) == 1 and isinstance(raised[0], StoreError)
     assert "cannot create the cache directory" in str(raised[0])
-    assert not [t for t in threading.enumerate() if t.name == "featbake-loader"]
+    assert _loader_threads() == []
 
 
 def test_stopping_early_stops_the_reader(baked: CachedFeatureDataset) -> None:
     for _batch in FeatureLoader(baked, batch_size=2, prefetch=1):
         break
-    assert not [t for t in threading.enumerate() if t.name == "featbake-loader"]
+    assert _loader_threads() == []
 
 
 def test_rank_and_world_come_from_torch_distributed(
@@ -1316,10 +1322,6 @@ def test_a_sampler_reads_an_item_longer_than_batch_frames_alone_with_one_warning
 
 
 # -- where batches are read: the reader thread or the loop (featbake.pace) --------------------
-def _loader_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "featbake-loader"]
-
-
 def test_reads_in_the_loop_start_no_thread_and_yield_the_dataloaders_batches(
     baked: CachedFeatureDataset, encoder_file: Path
 ) -> None:
