@@ -350,6 +350,30 @@ def serve(data: Path, enc: Path, cache: Path) -> None:
         print(seconds, flush=True)
 
 
+def warm(user: Arm, arms: dict[str, Arm], asks: dict[str, str]) -> None:
+    """One untimed run of each arm's build and of the user's loop: page cache, lazy imports,
+    thread pools."""
+    for name, arm in arms.items():
+        arm.ask(asks[name])
+    user.ask("bare")
+
+
+def interleaved(
+    user: Arm, arms: dict[str, Arm], asks: dict[str, str], reps: int
+) -> dict[str, list[float]]:
+    """``reps`` paired rounds: the user's loop, then each arm's build (their order reversed
+    every other round); each run's seconds by arm (``"bare"``: the user's loop). The arms are
+    closed after."""
+    runs: dict[str, list[float]] = {"bare": [], **{name: [] for name in arms}}
+    for i in range(reps):
+        runs["bare"].append(user.ask("bare"))
+        for name in list(arms) if i % 2 == 0 else list(arms)[::-1]:
+            runs[name].append(arms[name].ask(asks[name]))
+    for arm in [user, *arms.values()]:
+        arm.close()
+    return runs
+
+
 def bench_waits(work: Path, subject: Subject, quick: bool, busy: int) -> list[dict]:
     """Each of :data:`WAYS` against the user's loop, in child processes, interleaved."""
     enc = subject.make(work)
@@ -360,19 +384,10 @@ def bench_waits(work: Path, subject: Subject, quick: bool, busy: int) -> list[di
     arms = {way: Arm(env, data, enc, work / f"cache{i}") for i, (way, (env, _)) in
             enumerate(WAYS.items())}  # fmt: skip
     asks = {way: f"build {t or '-'} {subject.batch_size}" for way, (_, t) in WAYS.items()}
-    for way, arm in arms.items():  # warm: page cache, lazy imports, thread pools
-        arm.ask(asks[way])
-    user.ask("bare")
-    runs: dict[str, list[float]] = {"bare": [], **{way: [] for way in WAYS}}
+    warm(user, arms, asks)
     load = os.getloadavg()[0]
     with busy_neighbours(busy) if busy else contextlib.nullcontext():
-        for i in range(reps):
-            order = list(WAYS) if i % 2 == 0 else list(WAYS)[::-1]
-            runs["bare"].append(user.ask("bare"))
-            for way in order:
-                runs[way].append(arms[way].ask(asks[way]))
-    for arm in [user, *arms.values()]:
-        arm.close()
+        runs = interleaved(user, arms, asks, reps)
     where = f"{busy} busy processes beside" if busy else "quiet"
     rows = []
     for way in WAYS:
@@ -411,18 +426,10 @@ def bench_trees(work: Path, subject: Subject, quick: bool) -> list[dict]:
     user = Arm(env, data, enc, work / "bare-cache")
     arms = {t: Arm(env, data, enc, work / f"tree{i}", script) for i, (t, script) in
             enumerate(trees.items())}  # fmt: skip
-    ask = f"build - {subject.batch_size}"
-    for arm in arms.values():  # warm: page cache, lazy imports, thread pools
-        arm.ask(ask)
-    user.ask("bare")
-    runs: dict[str, list[float]] = {"bare": [], **{t: [] for t in trees}}
+    asks = {t: f"build - {subject.batch_size}" for t in trees}
+    warm(user, arms, asks)
     load = os.getloadavg()[0]
-    for i in range(reps):
-        runs["bare"].append(user.ask("bare"))
-        for t in list(trees) if i % 2 == 0 else list(trees)[::-1]:
-            runs[t].append(arms[t].ask(ask))
-    for arm in [user, *arms.values()]:
-        arm.close()
+    runs = interleaved(user, arms, asks, reps)
     lo, hi = subject.seconds
     where = f"user's {threads} thread" if threads else f"torch's {torch.get_num_threads()}"
     rows = []
