@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,7 @@ from featbake.encode.encoders import LoadedEncoder, from_module
 from featbake.recipe import Recipe
 from featbake.serve.collate import pad_collate
 from featbake.serve.dataset import CachedFeatureDataset
-from featbake.store.shard import crc32c
+from featbake.store.shard import ST_TO_DTYPE, crc32c
 
 WORK = Path(__file__).resolve().parent / "_work" / "serve"
 DIM = 768
@@ -154,34 +155,43 @@ class SafetensorsFiles(NpyFiles):
         return load_file(self.paths[i])["x"]
 
 
-class SafetensorsShards(Dataset):
-    """Items in safetensors shards, read through ``safe_open``; handles opened once per process."""
+class _ShardFiles(Dataset):
+    """Items in safetensors shards (``index``: item -> (shard path, tensor name)), each shard
+    opened once in each process: a forked worker opens its own, a pickled copy none yet."""
 
     def __init__(self, index: list[tuple[str, str]]) -> None:
-        self.index = index  # item -> (shard path, tensor name)
+        self.index = index
         self._open: dict[str, Any] = {}
         self._pid = os.getpid()
 
     def __len__(self) -> int:
         return len(self.index)
 
-    def __getitem__(self, i: int) -> torch.Tensor:
-        if self._pid != os.getpid():  # a forked worker opens its own handles
+    def opened(self, path: str, opener: Callable[[str], Any]) -> Any:
+        """This process's handle of shard ``path`` (``opener(path)`` the first time)."""
+        if self._pid != os.getpid():
             self._open, self._pid = {}, os.getpid()
-        path, name = self.index[i]
-        f = self._open.get(path)
-        if f is None:
-            f = self._open[path] = safe_open(path, framework="pt")
-        return f.get_tensor(name)
+        handle = self._open.get(path)
+        if handle is None:
+            handle = self._open[path] = opener(path)
+        return handle
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"index": self.index}
+        return {k: v for k, v in vars(self).items() if k not in ("_open", "_pid")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["index"])  # type: ignore[misc]
+        self.__dict__.update(state, _open={}, _pid=os.getpid())
 
 
-class OwnedCopies(Dataset):
+class SafetensorsShards(_ShardFiles):
+    """Items in safetensors shards, read through ``safe_open``; handles opened once per process."""
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        path, name = self.index[i]
+        return self.opened(path, lambda p: safe_open(p, framework="pt")).get_tensor(name)
+
+
+class OwnedCopies(_ShardFiles):
     """The same safetensors shards read as the least an owned copy costs: one ``os.preadv`` of
     each item into a new tensor, no check, no layer above it (the shards' headers parsed when
     it is made). With ``check``, the CRC-32C of those bytes too (featbake's function, the
@@ -190,9 +200,9 @@ class OwnedCopies(Dataset):
     is its rate against this one."""
 
     def __init__(self, index: list[tuple[str, str]], check: bool = False) -> None:
-        self.index = index
+        super().__init__(index)
         self.check = check
-        self._where: list[tuple[str, int, int, list[int]]] = []
+        self._where: list[tuple[str, int, int, list[int], torch.dtype]] = []
         headers: dict[str, tuple[int, dict[str, Any]]] = {}
         for path, name in index:
             if path not in headers:
@@ -201,33 +211,19 @@ class OwnedCopies(Dataset):
                     headers[path] = (8 + size, json.loads(f.read(size)))
             base, header = headers[path]
             begin, end = header[name]["data_offsets"]
-            self._where.append((path, base + begin, end - begin, header[name]["shape"]))
-        self._fds: dict[str, int] = {}
-        self._pid = os.getpid()
-
-    def __len__(self) -> int:
-        return len(self.index)
+            where = (path, base + begin, end - begin, header[name]["shape"])
+            self._where.append((*where, ST_TO_DTYPE[header[name]["dtype"]]))
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        if self._pid != os.getpid():  # a forked worker opens its own descriptors
-            self._fds, self._pid = {}, os.getpid()
-        path, offset, nbytes, shape = self._where[i]
-        fd = self._fds.get(path)
-        if fd is None:
-            fd = self._fds[path] = os.open(path, os.O_RDONLY)
-        out = torch.empty(shape, dtype=torch.float16)
+        path, offset, nbytes, shape, dtype = self._where[i]
+        fd = self.opened(path, lambda p: os.open(p, os.O_RDONLY))
+        out = torch.empty(shape, dtype=dtype)
         buf = out.view(-1).view(torch.uint8).numpy()
         if os.preadv(fd, [buf], offset) != nbytes:
             raise OSError(f"short read of item {i}")
         if self.check:  # featbake's CRC-32C: the fastest loop this machine has
             crc32c(buf)
         return out
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"index": self.index, "check": self.check}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["index"], state["check"])  # type: ignore[misc]
 
 
 class InMemory(Dataset):
