@@ -213,16 +213,23 @@ class Served:
             ConfigError: the batch holds values the served dtype cannot (see the module).
         """
         packed = batch.padded
-        if refusal is not None or not self.dequantize:  # one strided read of the scales
+        if not self.dequantize:  # one strided read of the scales
             bad = damaged_positions(packed, self.scheme)
             if bad:
                 raise refusal(bad) if refusal is not None else self.damaged()
-        if not self.dequantize:
             return batch
         out = alloc_batch(
             torch.empty(0, dtype=self.dtype), (*packed.shape[:-1], packed.shape[-1] - SCALE_BYTES)
         )
-        self.tensor(packed, out)
+        try:
+            self.tensor(packed, out)  # refuses a damaged row, unnamed (its scales are read here)
+        except StoreCorrupt:
+            if refusal is None:
+                raise
+            bad = damaged_positions(packed, self.scheme)  # only now: which rows, to name
+            if bad:
+                raise refusal(bad) from None
+            raise
         return PaddedBatch.of(out, batch.lengths.tolist())
 
 
