@@ -29,7 +29,6 @@ import os
 import sqlite3
 import time
 import urllib.parse
-import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field, replace
@@ -40,7 +39,7 @@ from typing import Any, NamedTuple, Protocol
 from featbake.errors import ShardMissing, StoreError
 from featbake.process import PerThread, ProcessLocalState
 from featbake.store.fidelity import Measured, fidelity_file, write_fidelity
-from featbake.store.files import fsync_dir, remove_file
+from featbake.store.files import fsync_dir, fsync_file, remove_file, temporary_path
 from featbake.store.filesystem import detect, set_journal_mode
 from featbake.store.hash_cache import HashCacheRow, HashEntry, HashRow, trusted_entry
 from featbake.store.layout import Layout
@@ -422,7 +421,7 @@ def create_catalog_whole(path: Path, tmp_dir: Path, timeout: float) -> bool:
     """
     tmp_dir.mkdir(parents=True, exist_ok=True)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tmp_dir / f"{path.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.part"
+    tmp = temporary_path(path, tmp_dir)
     try:
         conn = open_sqlite(tmp, Access.READ_WRITE, timeout=timeout)
         try:
@@ -444,15 +443,6 @@ def create_catalog_whole(path: Path, tmp_dir: Path, timeout: float) -> bool:
         for leftover in (tmp, *(Path(f"{tmp}{s}") for s in ("-wal", "-shm", "-journal"))):
             with suppress(OSError):
                 leftover.unlink()
-
-
-def fsync_file(path: Path) -> None:
-    """fsync the file at ``path``."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Transaction:

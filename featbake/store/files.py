@@ -30,6 +30,21 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def fsync_file(path: Path) -> None:
+    """Make the bytes written to the file at ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def temporary_path(final: Path, tmp_dir: Path) -> Path:
+    """A unique name in ``tmp_dir`` (the store's ``tmp/``, same filesystem) to write ``final``
+    under before it is published: this process's, never another's."""
+    return tmp_dir / f"{final.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.part"
+
+
 def publish_file(
     final: Path, write: Callable[[Path], object], *, tmp_dir: Path, durable: bool = True
 ) -> None:
@@ -45,15 +60,11 @@ def publish_file(
     """
     tmp_dir.mkdir(parents=True, exist_ok=True)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tmp_dir / f"{final.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.part"
+    tmp = temporary_path(final, tmp_dir)
     try:
         write(tmp)
         if durable:
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_file(tmp)
         os.replace(tmp, final)
     except BaseException:
         with contextlib.suppress(OSError):
