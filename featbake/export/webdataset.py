@@ -128,20 +128,26 @@ class ShardWriter:
         self.count, self.size = 0, 0
         self.file: io.BufferedWriter | None = None
 
-    def add(self, members: Mapping[str, Chunks]) -> None:
-        """Write one sample's members, in order, into the current shard."""
+    def add(self, members: Mapping[str, Chunks]) -> int:
+        """Write one sample's members, in order, into the current shard; their data's bytes
+        (headers and padding not counted)."""
         if self.file is None or self.size >= self.limit:
             self.close()
             # closed by close(): one shard is open at a time, across add() calls
             self.file = open(self.folder / f"shard-{self.count:06d}.tar", "wb")  # noqa: SIM115
             self.count, self.size = self.count + 1, 0
+        data = 0
         for name, chunks in members.items():
-            self.size += self._member(self.file, name, chunks)
+            size = sum(_nbytes(c) for c in chunks)
+            self.size += self._member(self.file, name, chunks, size)
+            data += size
+        return data
 
     @staticmethod
-    def _member(file: io.BufferedWriter, name: str, chunks: Chunks) -> int:
+    def _member(file: io.BufferedWriter, name: str, chunks: Chunks, size: int) -> int:
+        """Write one member of ``size`` data bytes; the bytes it took in the tar."""
         info = tarfile.TarInfo(name)
-        info.size = sum(_nbytes(c) for c in chunks)
+        info.size = size
         info.mode, info.mtime = 0o644, 0
         header = info.tobuf(tarfile.PAX_FORMAT, tarfile.ENCODING, "surrogateescape")
         file.write(header)
@@ -206,8 +212,7 @@ class WebDataset:
                     names = member_names(keys[at], list(job.src.parts))
                     row = job.rows[at] if job.rows is not None else {}
                     members = _sample(item, keys[at], names, row)
-                    shards.add(members)
-                    written += sum(_nbytes(c) for chunks in members.values() for c in chunks)
+                    written += shards.add(members)
                     at += 1
         finally:
             shards.close()
