@@ -184,34 +184,37 @@ FB_AVX2 static inline __attribute__((always_inline)) void row_avx2_of(const uint
     row_scalar(src, s, dst, j, d, scheme, out);
 }
 
-/* Packed rows into `out` values, each row by row_avx2_of with its scheme and dtype constant (each
- * loop compiled without branches). */
-FB_AVX2 static inline __attribute__((always_inline)) void rows_avx2_of(
-    const uint8_t *src, size_t row_stride, size_t rows, size_t d, uint8_t *dst, int scheme,
-    int out) {
-    const size_t out_row = d * (out == OUT_F32 ? 4 : 2);
-    for (size_t r = 0; r < rows; r++) {
-        float s;
-        memcpy(&s, src + r * row_stride + d, 4);
-        if (finite_scale(s))
-            row_avx2_of(src + r * row_stride, s, dst + r * out_row, d, scheme, out);
-        else
-            nan_row(dst + r * out_row, d, out);
+/* Packed rows into `out` values, each row by ROW (row_avx2_of, row_avx512_of) with its scheme and
+ * dtype constant, so each of the six loops compiles without branches: defines NAME_of (the rows
+ * loop of one scheme and dtype) and NAME (the dispatch to it), both compiled for ATTR's ISA. */
+#define FB_ROWS(NAME, ROW, ATTR)                                                                 \
+    ATTR static inline __attribute__((always_inline)) void NAME##_of(                          \
+        const uint8_t *src, size_t row_stride, size_t rows, size_t d, uint8_t *dst, int scheme, \
+        int out) {                                                                             \
+        const size_t out_row = d * (out == OUT_F32 ? 4 : 2);                                   \
+        for (size_t r = 0; r < rows; r++) {                                                    \
+            float s;                                                                           \
+            memcpy(&s, src + r * row_stride + d, 4);                                           \
+            if (finite_scale(s))                                                               \
+                ROW(src + r * row_stride, s, dst + r * out_row, d, scheme, out);               \
+            else                                                                               \
+                nan_row(dst + r * out_row, d, out);                                            \
+        }                                                                                      \
+    }                                                                                          \
+    ATTR static void NAME(const uint8_t *src, size_t row_stride, size_t rows, size_t d,        \
+                          uint8_t *dst, int scheme, int out) {                                 \
+        if (scheme == SCHEME_INT8) {                                                           \
+            if (out == OUT_F16) NAME##_of(src, row_stride, rows, d, dst, SCHEME_INT8, OUT_F16);  \
+            else if (out == OUT_F32) NAME##_of(src, row_stride, rows, d, dst, SCHEME_INT8, OUT_F32); \
+            else NAME##_of(src, row_stride, rows, d, dst, SCHEME_INT8, OUT_BF16);               \
+        } else {                                                                               \
+            if (out == OUT_F16) NAME##_of(src, row_stride, rows, d, dst, SCHEME_FP8, OUT_F16);   \
+            else if (out == OUT_F32) NAME##_of(src, row_stride, rows, d, dst, SCHEME_FP8, OUT_F32); \
+            else NAME##_of(src, row_stride, rows, d, dst, SCHEME_FP8, OUT_BF16);                \
+        }                                                                                      \
     }
-}
 
-FB_AVX2 static void rows_avx2(const uint8_t *src, size_t row_stride, size_t rows, size_t d,
-                            uint8_t *dst, int scheme, int out) {
-    if (scheme == SCHEME_INT8) {
-        if (out == OUT_F16) rows_avx2_of(src, row_stride, rows, d, dst, SCHEME_INT8, OUT_F16);
-        else if (out == OUT_F32) rows_avx2_of(src, row_stride, rows, d, dst, SCHEME_INT8, OUT_F32);
-        else rows_avx2_of(src, row_stride, rows, d, dst, SCHEME_INT8, OUT_BF16);
-    } else {
-        if (out == OUT_F16) rows_avx2_of(src, row_stride, rows, d, dst, SCHEME_FP8, OUT_F16);
-        else if (out == OUT_F32) rows_avx2_of(src, row_stride, rows, d, dst, SCHEME_FP8, OUT_F32);
-        else rows_avx2_of(src, row_stride, rows, d, dst, SCHEME_FP8, OUT_BF16);
-    }
-}
+FB_ROWS(rows_avx2, row_avx2_of, FB_AVX2)
 
 #define FB_AVX512 __attribute__((target("avx512f,avx512bw")))
 
@@ -247,34 +250,7 @@ FB_AVX512 static inline __attribute__((always_inline)) void row_avx512_of(const 
     row_scalar(src, s, dst, j, d, scheme, out);
 }
 
-/* Packed rows into `out` values, each row by row_avx512_of with its scheme and dtype constant (each
- * loop compiled without branches). */
-FB_AVX512 static inline __attribute__((always_inline)) void rows_avx512_of(
-    const uint8_t *src, size_t row_stride, size_t rows, size_t d, uint8_t *dst, int scheme,
-    int out) {
-    const size_t out_row = d * (out == OUT_F32 ? 4 : 2);
-    for (size_t r = 0; r < rows; r++) {
-        float s;
-        memcpy(&s, src + r * row_stride + d, 4);
-        if (finite_scale(s))
-            row_avx512_of(src + r * row_stride, s, dst + r * out_row, d, scheme, out);
-        else
-            nan_row(dst + r * out_row, d, out);
-    }
-}
-
-FB_AVX512 static void rows_avx512(const uint8_t *src, size_t row_stride, size_t rows, size_t d,
-                            uint8_t *dst, int scheme, int out) {
-    if (scheme == SCHEME_INT8) {
-        if (out == OUT_F16) rows_avx512_of(src, row_stride, rows, d, dst, SCHEME_INT8, OUT_F16);
-        else if (out == OUT_F32) rows_avx512_of(src, row_stride, rows, d, dst, SCHEME_INT8, OUT_F32);
-        else rows_avx512_of(src, row_stride, rows, d, dst, SCHEME_INT8, OUT_BF16);
-    } else {
-        if (out == OUT_F16) rows_avx512_of(src, row_stride, rows, d, dst, SCHEME_FP8, OUT_F16);
-        else if (out == OUT_F32) rows_avx512_of(src, row_stride, rows, d, dst, SCHEME_FP8, OUT_F32);
-        else rows_avx512_of(src, row_stride, rows, d, dst, SCHEME_FP8, OUT_BF16);
-    }
-}
+FB_ROWS(rows_avx512, row_avx512_of, FB_AVX512)
 
 static int have_avx512(void) {
     static int known = -1;
