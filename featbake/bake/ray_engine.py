@@ -237,9 +237,10 @@ class RayEngine:
 
     @contextlib.contextmanager
     def started(self) -> Iterator[Engine]:
-        """This engine with Ray connecting on a thread while the build lists and hashes its
-        inputs (``ray.init`` of a local instance takes seconds: starting its processes), and
-        Ray stopped after the build if the build started it."""
+        """This engine with Ray connecting on a thread while the build lists and stats its
+        inputs (``ray.init`` of a local instance takes seconds: starting its processes; the
+        build waits for it before its first hashing task, or before encoding), and Ray
+        stopped after the build if the build started it."""
         connecting = Connecting(self.address)
         try:
             yield ConnectedEngine(self, connecting)
@@ -289,8 +290,8 @@ class RayEngine:
 
 class Connecting:
     """:func:`ray_session` held by a thread of its own (Ray imported and connected while the
-    build lists and hashes), left by :meth:`close`; what connecting raised is raised by
-    :meth:`wait`, when Ray is needed.
+    build lists and stats its inputs), left by :meth:`close`; what connecting raised is raised
+    by :meth:`wait`, when Ray is needed (the first hashing task, else the encoding).
 
     The thread that started a local instance lives as long as the instance: Ray's processes
     are killed when the thread that started them ends (``PR_SET_PDEATHSIG``)."""
