@@ -18,7 +18,15 @@
    and each actor's look for the fragments of its build before a task (a LIST, and a GET of
    each fragment it had not seen: what lets a task run again skip what a dead actor sealed).
 
-    python benchmarks/bench_ray.py [--quick]
+4. A first build's hash phase (the inputs not in the hash cache): ``hash_inputs`` on the driver
+   (``digest_here``, 4 threads) against the same call with a Ray build's digester
+   (``ClusterDigests``: Ray tasks, Ray up, 2 CPUs), each on a fresh catalog, alternating, the
+   files in the page cache; and the input bytes the driver process read to hash them (counted
+   at ``LocalFiles.digest`` in the driver: Ray's workers are other processes). On one 2-core
+   node there is no cluster to spread over, so the time says what tasks cost here, not what a
+   cluster gains; the bytes read by the driver are what moves off it.
+
+    python benchmarks/bench_ray.py [--quick] [--hash-only]
 """
 
 from __future__ import annotations
@@ -105,6 +113,80 @@ def bucket_requests(tmp: Path, data: Path, encoder: Path) -> tuple[Any, Any]:
     return counted[0], counted[1]
 
 
+def hash_phase(data: Path, tmp: Path, rounds: int) -> dict[str, float]:
+    """Median seconds of a first build's hashing of ``data`` on the driver and in Ray tasks,
+    and the input bytes the driver read for each (see part 4 of the module's docstring)."""
+    import ray
+
+    from featbake.bake.ray_engine import ClusterDigests
+    from featbake.encode.fingerprints import digest_here, hash_inputs
+    from featbake.store.byteplace import LocalFiles
+    from featbake.store.catalog import Catalog
+    from featbake.store.layout import Layout
+
+    paths = sorted(str(p) for p in data.iterdir())
+    read = {"driver": 0, "cluster": 0}
+    side = ["driver"]
+    real = LocalFiles.digest
+
+    def counted(self: LocalFiles, path: str, expect: Any, held: Any = None) -> Any:
+        read[side[0]] += expect.size  # a digest reads the whole file
+        return real(self, path, expect, held)
+
+    LocalFiles.digest = counted  # type: ignore[method-assign]
+    os.environ["PYTHONPATH"] = str(REPO)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    times: dict[str, list[float]] = {"driver": [], "cluster": []}
+    try:
+        ray.get([ray.remote(lambda: 0).remote() for _ in range(2)])  # workers started
+        digesters = {"driver": digest_here, "cluster": ClusterDigests(None, cluster_from=1)}
+        for i in range(rounds):
+            for name, digester in digesters.items():
+                side[0] = name
+                with Catalog(Layout(tmp / f"hash-{name}{i}").ensure()) as cat:
+                    t0 = time.perf_counter()
+                    digests, failed = hash_inputs(cat, paths, digester=digester)
+                    times[name].append(time.perf_counter() - t0)
+                assert len(digests) == len(paths) and not failed
+    finally:
+        ray.shutdown()
+        LocalFiles.digest = real  # type: ignore[method-assign]
+    size = sum(os.path.getsize(p) for p in paths)
+    return {
+        "driver_s": statistics.median(times["driver"]),
+        "cluster_s": statistics.median(times["cluster"]),
+        "driver_read": read["driver"] / rounds,
+        "cluster_read": read["cluster"] / rounds,
+        "bytes": size,
+    }
+
+
+def hash_rows(files: int, secs: float, got: dict[str, float], rounds: int) -> list[dict]:
+    """The rows of part 4."""
+    mb = got["bytes"] / 1e6
+    return [
+        row(
+            "ray",
+            f"first build's hash phase, Ray tasks vs driver, {files} x {secs:g} s clips",
+            got["cluster_s"] / got["driver_s"],
+            "x",
+            "report",
+            None,
+            f"driver {got['driver_s']:.2f} s, Ray tasks {got['cluster_s']:.2f} s ({mb:.0f} MB, "
+            f"page cache, median of {rounds}); one 2-core node: no cluster to spread over",
+        ),
+        row(
+            "ray",
+            "input bytes the driver read to hash a first build, Ray tasks",
+            got["cluster_read"],
+            "B",
+            "0",
+            got["cluster_read"] == 0,
+            f"hashed on the driver: {got['driver_read']:.0f} B (every input, {mb:.0f} MB)",
+        ),
+    ]
+
+
 def cli(tmp: Path, data: Path, encoder: Path) -> tuple[float, float]:
     """Seconds of the plain CLI build and of ``--engine ray`` starting its own Ray."""
     times = []
@@ -120,7 +202,23 @@ def cli(tmp: Path, data: Path, encoder: Path) -> tuple[float, float]:
     return times[0], times[1]
 
 
-def main(quick: bool = False) -> list[dict]:
+def hash_only(quick: bool = False) -> list[dict]:
+    """Part 4 alone (a minute at most)."""
+    work = HERE / "_work"
+    work.mkdir(exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="ray-hash-", dir=work))
+    files, secs, rounds = (256, 2.0, 3) if quick else (512, 10.0, 3)
+    try:
+        data = tmp / "clips"
+        write_audio_folder(data, files, seconds=secs, seed=5)
+        got = hash_phase(data, tmp, rounds)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return hash_rows(files, secs, got, rounds)
+
+
+def main(quick: bool = False, hashing: bool = True) -> list[dict]:
+    extra = hash_only(quick) if hashing else []
     work = HERE / "_work"
     work.mkdir(exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="ray-", dir=work))
@@ -168,9 +266,11 @@ def main(quick: bool = False) -> list[dict]:
             f"plain {cli_plain:.2f} s, --engine ray {cli_ray:.2f} s (a local Ray instance "
             "started and stopped)",
         ),
+        *extra,
     ]
 
 
 if __name__ == "__main__":
-    for r in main(quick="--quick" in sys.argv):
+    quick = "--quick" in sys.argv
+    for r in hash_only(quick) if "--hash-only" in sys.argv else main(quick):
         print(f"{r['metric']}: {r['value']:.3g}{r['unit']}  {r['note']}")

@@ -45,9 +45,14 @@ from featbake.bake.threads import (
 )
 from featbake.device import check_device, process_cpus, torch_threads
 from featbake.encode.encoders import LoadedEncoder, detect_kind, from_module
-from featbake.encode.fingerprints import HeldBytes, cached_file_encoder_fp, encoder_fingerprint
+from featbake.encode.fingerprints import (
+    Digester,
+    HeldBytes,
+    cached_file_encoder_fp,
+    encoder_fingerprint,
+)
 from featbake.encode.hf import check_recipe_supported, recipe_for_encoder
-from featbake.encode.inputs import Inputs, inputs_at
+from featbake.encode.inputs import Inputs, digested_anywhere, inputs_at
 from featbake.encode.loaders import is_import_path, load_encoder
 from featbake.encode.sources import ScanResult, Source, source_for
 from featbake.encode.tables import Table
@@ -332,10 +337,11 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
             this much encoding; a rerun encodes only what was not sealed.
         column: the manifest's column that names each item's input (default ``path``).
         engine: where the misses are encoded (:class:`Engine`, e.g.
-            :class:`featbake.bake.ray_engine.RayEngine`): the inputs are listed and hashed here
-            as always, the engine's workers encode and seal what the store lacks (``device`` is
-            theirs; this process only keys), and this process merges their fragments at the end.
-            None: this process encodes.
+            :class:`featbake.bake.ray_engine.RayEngine`): the inputs are listed and keyed here
+            as always (the ones the hash cache does not know may be read and hashed by the
+            engine's workers: :meth:`Engine.digester`), the engine's workers encode and seal
+            what the store lacks (``device`` is theirs; this process only keys), and this
+            process merges their fragments at the end. None: this process encodes.
 
     Returns:
         A :class:`BuildReport`; ``report.failed`` names each input that was skipped.
@@ -366,7 +372,8 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
             f"this process is {spec.describe()}, and an engine spreads the build itself: run "
             "one `featbake build --engine ray` (no --shard, torchrun or SLURM array)"
         )
-    # An engine starts (its cluster, its workers) while this process lists and hashes.
+    # An engine starts (its cluster, its workers) while this process lists and stats the
+    # inputs; it may hash those the hash cache does not know (Engine.digester).
     with started(engine) as engine:
         dev = check_device(device_for_rank(str(device), spec)) if engine is None else _cpu(device)
         on_gpu = dev.type != "cpu"
@@ -593,9 +600,7 @@ class _Bake:
             key -> the absolute path of the first input with that key.
         """
         abs_paths = [self.place.path(p) for p in rel_paths]
-        digests, unreadable = self.place.hash(  # the bytes hashed are kept: read once
-            self.catalog, abs_paths, self.progress, self.hashed_stats, self.held
-        )
+        digests, unreadable = self.hashed(abs_paths)
         todo: dict[str, str] = {}
         for rel, path in zip(rel_paths, abs_paths, strict=True):
             self.rel_of[path] = rel
@@ -609,6 +614,23 @@ class _Bake:
             todo.setdefault(key, path)
             self.digests.setdefault(key, digests[path])
         return todo
+
+    def hashed(self, paths: list[str]) -> tuple[dict[str, str], dict[str, str]]:
+        """(path -> SHA-256, path -> why it could not be read) of ``paths``, through the hash
+        cache (``stats`` filled in :attr:`hashed_stats`).
+
+        A plain build keeps the bytes it hashed, to decode them from (read once). With another
+        engine, whose workers read their inputs themselves, none are kept, and a folder's or a
+        bucket prefix's inputs the hash cache does not know are read by the engine's
+        :class:`Digester` (Ray: tasks on the cluster, not this process); other kinds are
+        hashed here (see :func:`digested_anywhere`).
+        """
+        args = (self.catalog, paths, self.progress, self.hashed_stats)
+        if self.elsewhere is None:
+            return self.place.hash(*args, self.held)
+        if digested_anywhere(self.place):
+            return self.place.hash(*args, None, self.elsewhere.engine.digester())
+        return self.place.hash(*args, None)
 
     def load_encoder_unless_stored(self, todo: Mapping[str, str]) -> None:
         """Load the encoder (and make the runner) unless every key in ``todo`` is stored.
@@ -904,7 +926,8 @@ class _EncodeRun:
 
 # == engines =======================================================================================
 # Another engine behind the build's one seam (``build(..., engine=...)``): this process lists and
-# hashes the inputs, publishes the manifest and derives what the store can give, as always; the
+# keys the inputs (the engine may read and hash the ones the hash cache does not know:
+# :meth:`Engine.digester`), publishes the manifest and derives what the store can give; the
 # misses go to the engine as :class:`WorkItem` rows, and each of its workers is a
 # :class:`PartEncoder`: the encoder loaded once, each task encoded by the same step a plain build
 # runs (:meth:`_Bake.encode`: padded batches and the exactness guard, precision, layers,
@@ -1048,8 +1071,9 @@ class Engine(Protocol):
     """Runs a build's encode step on workers of its own (see the section comment)."""
 
     def started(self) -> contextlib.AbstractContextManager[Engine]:
-        """This engine starting (its cluster connected, say) while the build lists and hashes
-        its inputs, and stopped when the build is done: what ``encode`` runs on."""
+        """This engine starting (its cluster connected, say) while the build lists and stats
+        its inputs, and stopped when the build is done: what ``digester`` and ``encode`` run
+        on."""
         ...
 
     def encode(
@@ -1057,6 +1081,13 @@ class Engine(Protocol):
     ) -> PartResult:
         """Encode ``items`` on the workers, each a :class:`PartEncoder` of ``job``; what they
         did, added up. Raises the :class:`FeatbakeError` a worker raised (``--strict``)."""
+        ...
+
+    def digester(self) -> Digester:
+        """How the build's inputs the hash cache does not know are read and hashed (a
+        folder's, a bucket prefix's: see :func:`digested_anywhere`): on the engine's workers,
+        or here (:func:`~featbake.encode.fingerprints.digest_here`). Called once the engine is
+        started, before the manifest: hashing is done before anything is encoded."""
         ...
 
 

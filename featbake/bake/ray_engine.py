@@ -1,13 +1,17 @@
 """Builds on Ray Data: the encode step of a build spread over an actor pool, retried by Ray.
 
-``featbake build --engine ray`` (:class:`RayEngine`) lists and hashes the inputs as any build
-does (bake/pipeline.py); only the misses become a Ray Dataset of :class:`WorkItem` rows, and
+``featbake build --engine ray`` (:class:`RayEngine`) lists and keys the inputs as any build
+does (bake/pipeline.py), the inputs of a folder or bucket prefix that the hash cache does not
+know read and hashed by Ray tasks on the cluster (:class:`ClusterDigests`: the driver fills the
+hash cache from what they return, and reads no input); only the misses become a Ray Dataset of
+:class:`WorkItem` rows, and
 ``map_batches`` runs them through an actor pool: each actor (:class:`PathActor`) loads the
 encoder once and is a :class:`PartEncoder`, encoding each task by the plain build's own step and
 sealing shards and ``part`` fragments into the store (a shared filesystem, or a bucket through
 each node's tier). The driver adds up what the tasks return, then seals the manifest and merges.
 It connects to Ray (starting a local instance if no address is given) on a thread of its own
-while it lists and hashes the inputs (:meth:`RayEngine.started`).
+while it lists and stats the inputs (:meth:`RayEngine.started`), and waits for it there, before
+the first hashing task.
 Decoding runs in the actor, beside the encoder, reading each input where the build found it: a
 task is one round trip of names, not of bytes.
 
@@ -32,7 +36,8 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import numpy as np
@@ -49,14 +54,17 @@ from featbake.bake.pipeline import (
     ProgressFn,
     RunnerSpec,
     WorkItem,
+    error_class,
 )
 from featbake.bake.report import BuildReport
 from featbake.device import process_cpus
+from featbake.encode.fingerprints import DigestAsk, Digested, Digester, digest_here
 from featbake.encode.hf import recipe_for_encoder
 from featbake.errors import ConfigError, FeatbakeError
 from featbake.keys import feature_key, root_id
 from featbake.progress import Progress
 from featbake.recipe import Recipe
+from featbake.store.byteplace import BytePlace, bytes_at
 from featbake.store.fragment_catalog import FragmentCatalog, RankPart
 from featbake.store.hash_cache import FileStat
 from featbake.store.open import Need, StoreRef, open_store, place_of
@@ -89,6 +97,49 @@ def rows_per_task(inputs: int, workers: int, asked: int | None = None) -> int:
         return asked
     even = -(-inputs // (max(1, workers) * TASKS_PER_WORKER))
     return max(ROWS_PER_TASK, min(MOST_ROWS_PER_TASK, even))
+
+
+#: Inputs the hash cache does not know, at least, for a Ray build to read and hash them on the
+#: cluster: fewer are hashed by the driver, where a few hundred reads cost less than Ray's tasks
+#: (each scheduled, its worker's first task importing featbake, its results sent back).
+CLUSTER_HASHING_FROM = 256
+#: Inputs per hashing task at least and at most; between, about :data:`HASH_TASKS_PER_CPU` tasks
+#: a CPU of the cluster (enough to balance the nodes and tick the progress).
+LEAST_HASH_ROWS = 64
+MOST_HASH_ROWS = 4096
+HASH_TASKS_PER_CPU = 4
+
+
+class HashSite(Enum):
+    """Where a Ray build reads and hashes the inputs the hash cache does not know."""
+
+    DRIVER = "driver"
+    CLUSTER = "cluster"
+
+
+def hash_site(uncached: int, cluster_from: int = CLUSTER_HASHING_FROM) -> HashSite:
+    """Where ``uncached`` inputs (of one place) that the hash cache does not know are hashed:
+    on the cluster if there are ``cluster_from`` or more of them (and any at all), else on the
+    driver.
+
+    Example:
+        >>> hash_site(10), hash_site(10_000_000)
+        (<HashSite.DRIVER: 'driver'>, <HashSite.CLUSTER: 'cluster'>)
+    """
+    return HashSite.CLUSTER if uncached > 0 and uncached >= cluster_from else HashSite.DRIVER
+
+
+def hash_rows_per_task(inputs: int, cpus: int) -> int:
+    """Inputs per hashing task for ``inputs`` on a cluster of ``cpus`` CPUs: about
+    :data:`HASH_TASKS_PER_CPU` tasks a CPU, of :data:`LEAST_HASH_ROWS` to
+    :data:`MOST_HASH_ROWS` inputs each.
+
+    Example:
+        >>> hash_rows_per_task(1_000, cpus=2), hash_rows_per_task(10_000_000, cpus=128)
+        (125, 4096)
+    """
+    even = -(-inputs // (max(1, cpus) * HASH_TASKS_PER_CPU))
+    return max(LEAST_HASH_ROWS, min(MOST_HASH_ROWS, even))
 
 
 #: The column of each task's result (:meth:`PartResult.to_json`).
@@ -156,12 +207,15 @@ class RayEngine:
         address: the Ray cluster (default ``$RAY_ADDRESS``, else a local instance).
         rows_per_task: inputs per task; None (the default) sizes tasks to the build (see
             :func:`rows_per_task`).
+        cluster_hashing_from: inputs the hash cache does not know, at least, for the build to
+            hash them in Ray tasks (fewer: on the driver; see :func:`hash_site`).
     """
 
     workers: int = 2
     gpus_per_worker: float = 0
     address: str | None = None
     rows_per_task: int | None = None
+    cluster_hashing_from: int = CLUSTER_HASHING_FROM
 
     def __post_init__(self) -> None:
         if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
@@ -174,17 +228,29 @@ class RayEngine:
         rows = self.rows_per_task
         if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
             raise ConfigError(f"rows_per_task must be 1 or more inputs per Ray task, got {rows!r}")
+        least = self.cluster_hashing_from
+        if isinstance(least, bool) or not isinstance(least, int) or least < 0:
+            raise ConfigError(
+                f"cluster_hashing_from must be 0 or more inputs (0: always on the cluster), "
+                f"got {least!r}"
+            )
 
     @contextlib.contextmanager
     def started(self) -> Iterator[Engine]:
-        """This engine with Ray connecting on a thread while the build lists and hashes its
-        inputs (``ray.init`` of a local instance takes seconds: starting its processes), and
-        Ray stopped after the build if the build started it."""
+        """This engine with Ray connecting on a thread while the build lists and stats its
+        inputs (``ray.init`` of a local instance takes seconds: starting its processes; the
+        build waits for it before its first hashing task, or before encoding), and Ray
+        stopped after the build if the build started it."""
         connecting = Connecting(self.address)
         try:
             yield ConnectedEngine(self, connecting)
         finally:
             connecting.close()
+
+    def digester(self) -> Digester:
+        """Digests on the cluster (:class:`ClusterDigests`), Ray connected when first needed
+        (the build's engine is the :class:`ConnectedEngine` of :meth:`started`)."""
+        return ClusterDigests(self.address, self.cluster_hashing_from)
 
     def on_actors(self, ray: Any, ds: Any, actor: type, args: tuple[Any, ...], rows: int) -> Any:
         """``ds`` mapped by this engine's actor pool of ``actor(*args)``: ``workers`` actors of
@@ -224,8 +290,8 @@ class RayEngine:
 
 class Connecting:
     """:func:`ray_session` held by a thread of its own (Ray imported and connected while the
-    build lists and hashes), left by :meth:`close`; what connecting raised is raised by
-    :meth:`wait`, when Ray is needed.
+    build lists and stats its inputs), left by :meth:`close`; what connecting raised is raised
+    by :meth:`wait`, when Ray is needed (the first hashing task, else the encoding).
 
     The thread that started a local instance lives as long as the instance: Ray's processes
     are killed when the thread that started them ends (``PR_SET_PDEATHSIG``)."""
@@ -279,6 +345,97 @@ class ConnectedEngine:
         """:meth:`RayEngine.encode`, once Ray is connected."""
         self.connecting.wait()
         return self.engine.encode(job, items, progress)
+
+    def digester(self) -> Digester:
+        """Digests on the cluster (:class:`ClusterDigests`) once Ray is connected: the build
+        waits for the connection only if it has enough inputs to hash there."""
+        engine = self.engine
+        return ClusterDigests(engine.address, engine.cluster_hashing_from, self.connecting)
+
+
+# == hashing on the cluster ========================================================================
+# A first build of a large dataset hashed every input on the driver (one node reading every byte
+# while the cluster waited), then the actors read each input again to decode it. The inputs the
+# hash cache does not know are read and hashed by Ray tasks instead (plain tasks, no actors:
+# hashing needs no encoder), :func:`hash_rows_per_task` inputs each; each task checks that it
+# read the version the driver stat'ed (``BytePlace.digest``), and returns the digests. The driver
+# keeps what ``hash_inputs`` does around them: the stats, the hash cache filled from the results
+# (with the racy rule's recording time taken before the stats), the failures by name, the
+# progress, the manifest published only once every digest is in.
+@dataclass(frozen=True)
+class HashedBatch:
+    """What one hashing task returns: each input's :class:`Digested`, or the one-line error
+    it raised (a FeatbakeError's class name and message, raised again on the driver)."""
+
+    digested: list[Digested] = field(default_factory=list)
+    error_kind: str = ""
+    error: str = ""
+
+    def raise_error(self) -> None:
+        """Raise the task's error as its own class, with its own line, if it had one."""
+        if self.error_kind:
+            raise error_class(self.error_kind)(self.error)
+
+
+def digest_batch(asks: list[DigestAsk]) -> HashedBatch:
+    """One hashing task (run by a Ray worker): ``asks`` (inputs of one place) read and hashed
+    on the worker's threads, no bytes kept (the actors read their inputs themselves)."""
+    try:
+        place = bytes_at(asks[0].path)
+        return HashedBatch(list(digest_here(place, asks)))
+    except FeatbakeError as e:  # a bucket's configuration, say: its one line, not a traceback
+        return HashedBatch([], type(e).__name__, str(e))
+
+
+@dataclass(frozen=True)
+class ClusterDigests:
+    """A Ray build's :class:`~featbake.encode.fingerprints.Digester`: inputs read and hashed in
+    Ray tasks when there are enough of them (:func:`hash_site`), else on the driver
+    (:func:`~featbake.encode.fingerprints.digest_here`).
+
+    ``connecting``: the build's connection to Ray, waited for before the first task; None: a
+    session of its own (:func:`ray_session`) for each call.
+    """
+
+    address: str | None
+    cluster_from: int = CLUSTER_HASHING_FROM
+    connecting: Connecting | None = None
+
+    def __call__(self, place: BytePlace, asks: Sequence[DigestAsk]) -> Iterator[Digested]:
+        if hash_site(len(asks), self.cluster_from) is HashSite.DRIVER:
+            return digest_here(place, asks)
+        return self.on_cluster(asks)
+
+    def on_cluster(self, asks: Sequence[DigestAsk]) -> Iterator[Digested]:
+        """Each of ``asks`` digested by a Ray task, as the tasks return."""
+        if self.connecting is None:
+            with ray_session(self.address) as ray:
+                yield from digested_by_tasks(ray, asks)
+            return
+        self.connecting.wait()
+        yield from digested_by_tasks(_ray(), asks)
+
+
+def digested_by_tasks(ray: Any, asks: Sequence[DigestAsk]) -> Iterator[Digested]:
+    """``asks`` in Ray tasks of :func:`hash_rows_per_task` inputs, each task's results as it
+    returns; tasks not yet done are cancelled if the caller stops (Ctrl-C, an error).
+
+    Raises:
+        FeatbakeError: what a task raised, as its own class with its own line.
+    """
+    per_task = hash_rows_per_task(len(asks), int(ray.cluster_resources().get("CPU", 1)))
+    task = ray.remote(num_cpus=1)(digest_batch)
+    sent = [DigestAsk(a.path, a.stat) for a in asks]  # no holder: nothing kept on the driver
+    pending = [task.remote(sent[i : i + per_task]) for i in range(0, len(sent), per_task)]
+    try:
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            batch: HashedBatch = ray.get(ready[0])
+            batch.raise_error()
+            yield from batch.digested
+    finally:
+        for ref in pending:
+            ray.cancel(ref)
 
 
 def _results(ds: Any) -> Iterator[dict[str, Any]]:

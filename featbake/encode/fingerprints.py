@@ -7,7 +7,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
@@ -15,7 +16,7 @@ from featbake.encode.encoders import PICKLE, LoadedEncoder, detect_kind
 from featbake.keys import sha256_file, sha256_hex
 from featbake.progress import Progress
 from featbake.store.byteplace import BytePlace, Digest, bytes_at
-from featbake.store.containers import ReadBack
+from featbake.store.containers import Holder, ReadBack
 from featbake.store.hash_cache import ENCODER_FP_PREFIX, FileStat, HashCache, HashRow
 from featbake.threadpool import map_in_threads
 
@@ -133,6 +134,51 @@ def resolve_path(path: str | os.PathLike[str]) -> str:
 
 
 # -- inputs ----------------------------------------------------------------------------------
+# Reading and hashing the inputs the hash cache does not know is the one step of
+# :func:`hash_inputs` that may run elsewhere: a :class:`Digester` is given them (one place's at a
+# time) and returns each one's digest. The default reads them here, on a few threads; an engine's
+# may read them on its cluster (:class:`featbake.bake.ray_engine.ClusterDigests`). Everything
+# around it stays here: the stats the digests are checked against, the hash cache consulted and
+# filled (with the racy rule's recording time), the failures, the progress.
+@dataclass(frozen=True)
+class DigestAsk:
+    """One input to digest: its full name, the stat the hash cache was asked with (the read
+    checks the bytes are that version's), and where to keep its bytes for decoding (None:
+    streamed, kept nowhere)."""
+
+    path: str
+    stat: FileStat
+    held: Holder | None = None
+
+
+@dataclass(frozen=True)
+class Digested:
+    """What digesting one input gave: its digest and the stat it was read at, or why it
+    cannot be read."""
+
+    path: str
+    got: Digest | str
+
+
+class Digester(Protocol):
+    """Digests inputs of one place the hash cache did not know (see the section comment)."""
+
+    def __call__(self, place: BytePlace, asks: Sequence[DigestAsk]) -> Iterator[Digested]:
+        """One :class:`Digested` for each of ``asks``, in any order, each as soon as it is
+        done (the build's progress ticks with them); ``place.digest``'s answer for each."""
+        ...
+
+
+def digest_here(place: BytePlace, asks: Sequence[DigestAsk]) -> Iterator[Digested]:
+    """The default :class:`Digester`: ``asks`` read and hashed by this process, on
+    ``place.readers`` threads, their bytes kept where each ask says."""
+
+    def one(ask: DigestAsk) -> Digested:
+        return Digested(ask.path, place.digest(ask.path, ask.stat, ask.held))
+
+    return map_in_threads(one, asks, place.readers)
+
+
 def hash_inputs(
     catalog: HashCache,
     paths: Sequence[str],
@@ -141,6 +187,7 @@ def hash_inputs(
     held: HeldBytes | None = None,
     hold: Collection[str] | None = None,
     known: Mapping[str, FileStat] | None = None,
+    digester: Digester = digest_here,
 ) -> tuple[dict[str, str], dict[str, str]]:
     """SHA-256 of each input (a file, or an object in a bucket), reading only those whose stat
     the hash cache does not know; every input read through the place it is at
@@ -161,6 +208,8 @@ def hash_inputs(
         hold: with ``held``, the only paths whose bytes it keeps (None: all of them); the
             others are hashed streamed (a recording whose segments are decoded by seeking).
         known: stats already known (a bucket prefix's listing): no request is made for them.
+        digester: reads and hashes the inputs the hash cache does not know (default: here,
+            :func:`digest_here`; an engine's reads them on its cluster).
 
     Returns:
         (path -> sha256, path -> reason for inputs that could not be read)
@@ -177,20 +226,19 @@ def hash_inputs(
     if progress:
         progress(Progress("hash", done, len(paths)))
     for place, group in places.items():
-        todo = [p for p in group if p in stats and p not in digests]
-
-        def one(p: str, place: BytePlace = place) -> Digest | str:
-            keep = held if hold is None or p in hold else None
-            return place.digest(p, stats[p], keep)
-
+        asks = [
+            DigestAsk(p, stats[p], held if hold is None or p in hold else None)
+            for p in group
+            if p in stats and p not in digests
+        ]
         fresh: list[HashRow] = []
-        for p, got in zip(todo, map_in_threads(one, todo, place.readers), strict=True):
+        for one in digester(place, asks):
             done += 1
-            if isinstance(got, str):
-                failed[p] = got
+            if isinstance(one.got, str):
+                failed[one.path] = one.got
             else:
-                stats[p], digests[p] = got
-                fresh.append(HashRow(p, *got))
+                stats[one.path], digests[one.path] = one.got
+                fresh.append(HashRow(one.path, *one.got))
             if progress and (done % 256 == 0 or done == len(paths)):
                 progress(Progress("hash", done, len(paths)))
         catalog.put_hashes(fresh, recorded_ns=place.recorded_ns(fresh, stat_time))

@@ -11,11 +11,11 @@ from __future__ import annotations
 import io
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, BinaryIO, Protocol
+from typing import Any, BinaryIO, Protocol, TypeGuard
 
 import torch
 
-from featbake.encode.fingerprints import HeldBytes, hash_inputs
+from featbake.encode.fingerprints import Digester, HeldBytes, digest_here, hash_inputs
 from featbake.encode.sources import ScanResult, SkippedInput, Source, source_extensions
 from featbake.encode.tables import is_table, table_at
 from featbake.encode.webdataset import is_webdataset, webdataset_at
@@ -131,10 +131,14 @@ class Folder:
         progress: Callable[[Progress], None] | None = None,
         stats: dict[str, FileStat] | None = None,
         held: HeldBytes | None = None,
+        digester: Digester = digest_here,
     ) -> tuple[dict[str, str], dict[str, str]]:
         """SHA-256 of each input through the hash cache (:func:`hash_inputs`), the stats the
-        scan's listing gave taken as they are."""
-        return hash_inputs(catalog, paths, progress, stats, held, known=self.listed)
+        scan's listing gave taken as they are; those it does not know read by ``digester``
+        (default: here; an engine's cluster, see :func:`digested_anywhere`)."""
+        return hash_inputs(
+            catalog, paths, progress, stats, held, known=self.listed, digester=digester
+        )
 
     @property
     def stat_tells_change(self) -> bool:
@@ -309,6 +313,19 @@ def inputs_at(
         if test(where):
             return opener(where, column)
     return _open_folder(where, column)
+
+
+def digested_anywhere(inputs: Inputs) -> TypeGuard[Folder]:
+    """Whether ``inputs``' new inputs may be read and hashed by any process that reaches them
+    (``Folder.hash``'s ``digester``: an engine's cluster): a folder's files and a bucket
+    prefix's objects, each input's digest the SHA-256 of one file or object read whole.
+
+    Other kinds are hashed by the build's own process: a manifest's rows (a segment's digest
+    is derived from its recording's, whose audio header the build reads for the bounds), a
+    tar's members and a table's cells (read container by container), a manifest's texts (no
+    file to read).
+    """
+    return isinstance(inputs, Folder)
 
 
 def keeps_order(inputs: Inputs) -> bool:

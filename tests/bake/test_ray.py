@@ -6,17 +6,25 @@ plain build finds in it: the keys are the same, so a plain rebuild encodes nothi
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
 import torch
 
 from featbake.bake.pipeline import build
+from featbake.encode import fingerprints
+from featbake.encode.fingerprints import DigestAsk
+from featbake.store.byteplace import BytePlace
 from featbake.store.catalog import Catalog
+from featbake.store.hash_cache import FileStat, racy_window_ns
 from featbake.store.layout import Layout
 from featbake.store.shard import ShardReader
 from featbake.testing import TinyConvEncoder, save_torchscript, write_audio_folder
@@ -25,7 +33,7 @@ from tests.helpers import assert_store_consistent, stored_features
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")
-from featbake.bake.ray_engine import RayEngine  # noqa: E402  (after the skip: needs ray)
+from featbake.bake.ray_engine import ClusterDigests, RayEngine  # noqa: E402  (needs ray)
 
 pytestmark = pytest.mark.slow
 
@@ -242,3 +250,121 @@ def test_a_local_ray_started_by_a_build_has_the_cpus_this_process_may_use() -> N
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["1", "inherited"], proc.stdout
+
+
+#: Folders whose files this process's opens are recorded (see :func:`opens_under`).
+WATCHED: list[str] = []
+OPENED: list[str] = []
+HOOKED: list[bool] = []
+
+
+def _record_open(event: str, args: tuple[object, ...]) -> None:
+    if event == "open" and WATCHED and isinstance(args[0], (str, os.PathLike)):
+        path = os.fspath(args[0])
+        if isinstance(path, str) and path.startswith(tuple(WATCHED)):
+            OPENED.append(path)
+
+
+@contextlib.contextmanager
+def opens_under(folder: Path) -> Iterator[list[str]]:
+    """The files under ``folder`` this process opens meanwhile (Python's ``open`` audit
+    event: ``open()``, ``os.open``, ``io.open``; an audit hook cannot be removed, so one is
+    added once and records only while a folder is watched)."""
+    if not HOOKED:
+        sys.addaudithook(_record_open)
+        HOOKED.append(True)
+    WATCHED[:] = [str(folder), str(folder.resolve())]
+    OPENED.clear()
+    try:
+        yield OPENED
+    finally:
+        WATCHED.clear()
+
+
+def rewritten_after_its_stat(monkeypatch: pytest.MonkeyPatch, victim: Path) -> None:
+    """Each build's hashing finds ``victim`` rewritten (two bytes longer) after it stat'ed it,
+    as a file written by another program during the build is: whoever reads it for its digest
+    reads another version than the one stat'ed, and the input fails with why."""
+    real = fingerprints.stat_inputs
+
+    def stat_then_rewrite(*args: object) -> dict[str, str]:
+        failed = real(*args)  # type: ignore[arg-type]
+        if victim.exists():  # no open: the audit hook stays quiet
+            os.truncate(victim, victim.stat().st_size + 2)
+        return failed
+
+    monkeypatch.setattr(fingerprints, "stat_inputs", stat_then_rewrite)
+
+
+def asked_of_the_digester(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The inputs a Ray build's digester is asked for (those the hash cache did not know)."""
+    asked: list[str] = []
+    real = ClusterDigests.__call__
+
+    def counted(self: ClusterDigests, place: BytePlace, asks: Sequence[DigestAsk]) -> object:
+        asked.extend(a.path for a in asks)
+        return real(self, place, asks)
+
+    monkeypatch.setattr(ClusterDigests, "__call__", counted)
+    return asked
+
+
+def wait_past_racy(folder: Path) -> None:
+    """Return once the clock is past the racy window of every file in ``folder`` (a digest
+    recorded before then is not trusted by a rebuild: ``FileStat.racy``). A wait on the clock,
+    not on the machine's load."""
+    newest = max(max(p.stat().st_mtime_ns, p.stat().st_ctime_ns) for p in folder.iterdir()
+                 if p.exists())  # fmt: skip
+    past = newest + racy_window_ns(newest, newest) + 1
+    while time.time_ns() <= past:
+        time.sleep((past - time.time_ns()) / 1e9 + 1e-3)
+
+
+def root_keys(store: Path, root: str) -> dict[str, str]:
+    with Catalog(Layout(store), read_only=True) as catalog:
+        return dict(catalog.root_items(root))
+
+
+def test_a_ray_build_hashes_its_new_inputs_on_the_cluster_and_the_driver_reads_none(
+    ray_cluster: dict[str, str],
+    clips: Path,
+    encoder_file: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A first build: no input is in the hash cache. Two more inputs fail, each as a plain
+    # build says: a link to nothing (at the scan) and a file rewritten after its stat (read by
+    # a Ray task, which finds another version than the driver stat'ed).
+    os.symlink(tmp_path / "nowhere.wav", clips / "dangling.wav")
+    write_audio_folder(tmp_path / "more", 1, seconds=0.3, seed=9)
+    victim = clips / "changed.wav"
+    os.replace(next((tmp_path / "more").iterdir()), victim)
+    wait_past_racy(clips)  # else a rebuild hashes every input again, by the racy rule
+    rewritten_after_its_stat(monkeypatch, victim)
+    local = build(clips, encoder_file, cache=tmp_path / "local", workers=0)
+    asked = asked_of_the_digester(monkeypatch)
+    store = tmp_path / "store"
+    engine = RayEngine(workers=1, cluster_hashing_from=1)  # 7 to hash: on the cluster
+    with opens_under(clips) as opened:
+        report = build(clips, encoder_file, cache=store, engine=engine)
+    assert opened == [], "the driver read inputs"
+    assert sorted(asked) == sorted(str(p) for p in clips.iterdir() if p.name != "dangling.wav")
+    assert sorted(report.failed) == sorted(local.failed)
+    assert {name for name, _ in report.failed} == {"changed.wav", "dangling.wav"}
+    assert (report.encoded, local.encoded) == (6, 6)
+    assert root_keys(store, report.root) == root_keys(tmp_path / "local", local.root)
+    assert assert_live(store, report.root, clips, encoder_file) == 6
+    assert_store_consistent(store)
+    # The driver filled the hash cache from what the tasks returned: each input's digest of
+    # its bytes, at its stat. A rebuild (the rewritten file gone) reads nothing.
+    victim.unlink()
+    good = sorted(p for p in clips.iterdir() if p.name != "dangling.wav")
+    with Catalog(Layout(store), read_only=True) as catalog:
+        cached = catalog.cached_hashes([str(p) for p in good])
+    assert {p: (cached[str(p)].stat, cached[str(p)].sha256) for p in good} == {
+        p: (FileStat.of(p), hashlib.sha256(p.read_bytes()).hexdigest()) for p in good
+    }
+    asked.clear()
+    with opens_under(clips) as opened:
+        again = build(clips, encoder_file, cache=store, engine=engine)
+    assert (asked, opened, again.encoded, again.reused) == ([], [], 0, 6)
