@@ -52,7 +52,7 @@ from featbake.encode.fingerprints import (
     encoder_fingerprint,
 )
 from featbake.encode.hf import check_recipe_supported, recipe_for_encoder
-from featbake.encode.inputs import Inputs, digested_anywhere, inputs_at
+from featbake.encode.inputs import Inputs, carried_of, carry_to, digested_anywhere, inputs_at
 from featbake.encode.loaders import is_import_path, load_encoder
 from featbake.encode.sources import ScanResult, Source, source_for
 from featbake.encode.tables import Table
@@ -760,7 +760,10 @@ class _Bake:
         if not work:
             return
         stats = self.hashed_stats
-        items = [WorkItem(k, p, self.item_name(p), stats.get(p)) for k, p in work]
+        place = self.place
+        items = [
+            WorkItem(k, p, self.item_name(p), stats.get(p), carried_of(place, p)) for k, p in work
+        ]
         done = elsewhere.engine.encode(self.job(elsewhere), items, self.progress)
         done.add_to(self.report)
         mine, theirs = self.compactor.measured, done.measured
@@ -949,13 +952,15 @@ class Elsewhere(NamedTuple):
 
 class WorkItem(NamedTuple):
     """One input for an engine's worker: its key, what its source reads (a path, a member, an
-    id whose bytes come with it), its name in the data (for reports), and the stat its key was
-    hashed at (None: no file, or bytes that came with it)."""
+    id whose bytes come with it), its name in the data (for reports), the stat its key was
+    hashed at (None: no file, or bytes that came with it), and what the build's scan found
+    that decoding it needs (a manifest row's file and span, a text: :func:`carried_of`)."""
 
     key: str
     path: str
     name: str
     stat: FileStat | None = None
+    carried: object | None = None  # what decoding it needs beyond its path (inputs.carried_of)
 
 
 @dataclass(frozen=True)
@@ -1164,6 +1169,8 @@ class PartEncoder:
                                   root.recipe_fp, len(items))  # fmt: skip
         bake.compactor = Compactor(self.job.recipe)
         bake.rel_of = {it.path: it.name for it in items}
+        for it in todo:  # a manifest's rows decode by what the driver's scan found
+            carry_to(bake.place, it.path, it.carried)
         bake.hashed_stats = {it.path: it.stat for it in todo if it.stat is not None}
         bake.held = HeldBytes(budget=sum(map(len, (held or {}).values())))
         for path, data in (held or {}).items():

@@ -33,6 +33,7 @@ import contextlib
 import hashlib
 import json
 import os
+import pickle
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -274,7 +275,13 @@ class RayEngine:
             FeatbakeError: what a worker raised (``--strict``: the first bad input).
         """
         rows = [
-            {"key": i.key, "path": i.path, "name": i.name, "stat": _stat_text(i.stat)}
+            {
+                "key": i.key,
+                "path": i.path,
+                "name": i.name,
+                "stat": _stat_text(i.stat),
+                "carried": _carried_bytes(i.carried),
+            }
             for i in items
         ]
         total = PartResult()
@@ -461,6 +468,16 @@ def _stat(text: str) -> FileStat | None:
     return None if not text else FileStat(*json.loads(text))
 
 
+def _carried_bytes(value: object | None) -> bytes:
+    """A work item's carried value (a manifest row's item, a text) as a column's bytes: pickled
+    by the driver for its own actors, as Ray pickles what it sends them."""
+    return b"" if value is None else pickle.dumps(value)
+
+
+def _carried(data: Any) -> object | None:
+    return None if not len(data) else pickle.loads(bytes(data))  # the driver pickled it
+
+
 class PathActor:
     """One actor of a ``--engine ray`` build: a :class:`PartEncoder` over rows that name their
     inputs (read on the worker, where the build found them)."""
@@ -469,11 +486,10 @@ class PathActor:
         self.worker = Worker(job)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list[str]]:
+        columns = (batch["key"], batch["path"], batch["name"], batch["stat"], batch["carried"])
         items = [
-            WorkItem(str(k), str(p), str(n), _stat(str(s)))
-            for k, p, n, s in zip(
-                batch["key"], batch["path"], batch["name"], batch["stat"], strict=True
-            )
+            WorkItem(str(k), str(p), str(n), _stat(str(s)), _carried(c))
+            for k, p, n, s, c in zip(*columns, strict=True)
         ]
         try:
             result = self.worker.part().encode(items)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, BinaryIO, Protocol, TypeGuard
+from typing import Any, BinaryIO, ClassVar, Protocol, TypeGuard, runtime_checkable
 
 import torch
 
@@ -86,6 +86,8 @@ class Folder:
     change and ETag: an unchanged object (same listing) reuses its digest and is never read,
     so a rebuild downloads nothing for what the store already holds.
     """
+
+    files_hashed_whole: ClassVar[bool] = True  # see digested_anywhere
 
     def __init__(self, data: str | os.PathLike[str]) -> None:
         where = os.fspath(data)
@@ -315,17 +317,63 @@ def inputs_at(
     return _open_folder(where, column)
 
 
-def digested_anywhere(inputs: Inputs) -> TypeGuard[Folder]:
-    """Whether ``inputs``' new inputs may be read and hashed by any process that reaches them
-    (``Folder.hash``'s ``digester``: an engine's cluster): a folder's files and a bucket
-    prefix's objects, each input's digest the SHA-256 of one file or object read whole.
+class HashedAnywhere(Inputs, Protocol):
+    """Inputs whose ``hash`` takes a ``digester``: their new files may be read and hashed by
+    any process that reaches them (see :func:`digested_anywhere`)."""
 
-    Other kinds are hashed by the build's own process: a manifest's rows (a segment's digest
-    is derived from its recording's, whose audio header the build reads for the bounds), a
-    tar's members and a table's cells (read container by container), a manifest's texts (no
-    file to read).
+    files_hashed_whole: ClassVar[bool]
+
+    def hash(
+        self,
+        catalog: HashCache,
+        paths: Sequence[str],
+        progress: Callable[[Progress], None] | None = None,
+        stats: dict[str, FileStat] | None = None,
+        held: HeldBytes | None = None,
+        digester: Digester = digest_here,
+    ) -> tuple[dict[str, str], dict[str, str]]: ...
+
+
+@runtime_checkable
+class RowsCarried(Protocol):
+    """Inputs whose names alone do not say how to decode them: what a scan found for each (a
+    manifest row's file, span and effects; a text) is carried with the name to a process that
+    did not scan (an engine's worker), so it neither parses the manifest again nor can find
+    another version of it there."""
+
+    def carried(self, path: str) -> object | None:
+        """What decoding ``path`` needs beyond its name (picklable); None if not a scanned
+        input."""
+        ...
+
+    def carry(self, path: str, value: object) -> None:
+        """Take ``carried``'s ``value`` for ``path`` in a process that did not scan."""
+        ...
+
+
+def carried_of(inputs: Inputs, path: str) -> object | None:
+    """What a worker needs to decode ``path`` beyond its name (:class:`RowsCarried`); None for
+    inputs their name says (a file, an object, a tar's member)."""
+    return inputs.carried(path) if isinstance(inputs, RowsCarried) else None
+
+
+def carry_to(inputs: Inputs, path: str, value: object | None) -> None:
+    """Give ``inputs`` (a worker's, never scanned) ``path``'s :func:`carried_of` value."""
+    if value is not None and isinstance(inputs, RowsCarried):
+        inputs.carry(path, value)
+
+
+def digested_anywhere(inputs: Inputs) -> TypeGuard[HashedAnywhere]:
+    """Whether ``inputs``' new inputs may be read and hashed by any process that reaches them
+    (their ``hash``'s ``digester``: an engine's cluster): a folder's files, a bucket prefix's
+    objects and the files a manifest's rows name (jsonl/csv/tsv, Kaldi, lhotse cuts), each
+    digest the SHA-256 of one file or object read whole (a segment's derived from its
+    recording's; the recording's audio header, read for the bounds, is read here).
+
+    Other kinds are hashed by the build's own process: a tar's members and a table's cells
+    (read container by container), a manifest's texts (no file to read).
     """
-    return isinstance(inputs, Folder)
+    return bool(getattr(inputs, "files_hashed_whole", False))
 
 
 def keeps_order(inputs: Inputs) -> bool:

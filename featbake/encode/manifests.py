@@ -71,12 +71,18 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, NamedTuple
+from typing import Any, BinaryIO, ClassVar, NamedTuple
 
 import numpy as np
 import torch
 
-from featbake.encode.fingerprints import HeldBytes, hash_inputs, resolve_path
+from featbake.encode.fingerprints import (
+    Digester,
+    HeldBytes,
+    digest_here,
+    hash_inputs,
+    resolve_path,
+)
 from featbake.encode.sources import (
     ScanResult,
     SkippedInput,
@@ -238,6 +244,10 @@ class RowInputs:
     the manifest's, each file is hashed once for all its rows, a segment decodes by seeking.
     """
 
+    #: Each row's digest comes from a file read whole (its SHA-256, or a segment's derived from
+    #: it), so an engine's workers may read and hash the files (``hash``'s ``digester``).
+    files_hashed_whole: ClassVar[bool] = True
+
     def __init__(self, data: str | os.PathLike[str], column: str | None = None) -> None:
         self.origin = resolve_path(data)
         self.column = column
@@ -287,6 +297,15 @@ class RowInputs:
         item = self.items.get(rel)
         return item.where if item is not None else f"{self.origin}#{rel}"
 
+    def carried(self, path: str) -> object | None:
+        """Row ``path``'s item (file, span, effects): what a worker decodes it by."""
+        return self.by_path.get(path)
+
+    def carry(self, path: str, value: object) -> None:
+        if not isinstance(value, Item):
+            raise TypeError(f"a manifest row carries an Item, not {type(value).__name__}")
+        self.by_path[path] = value  # the source made from these inputs reads this table
+
     def size(self, rel: str) -> int:
         item = self.items.get(rel)
         if item is None:
@@ -309,9 +328,13 @@ class RowInputs:
         progress: Callable[[Progress], None] | None = None,
         stats: dict[str, FileStat] | None = None,
         held: HeldBytes | None = None,
+        digester: Digester = digest_here,
     ) -> tuple[dict[str, str], dict[str, str]]:
         """Each row's digest (its file's SHA-256, or its segment's :func:`item_digest`), every
         file hashed once through the hash cache and its header read once for the bounds.
+        The files the hash cache does not know are read by ``digester`` (default: here; an
+        engine's cluster); the headers of segmented files are read here (a file's header, an
+        object's first bytes).
         ``held``, if given, keeps each ``s3://`` object's bytes read for its digest, and each
         local file's that only whole-file rows name, under its rows' paths (one copy, counted
         once, within the budget), for the build to decode them without a second GET or read;
@@ -326,7 +349,9 @@ class RowInputs:
         files = list(dict.fromkeys(it.file for it in items))
         file_stats: dict[str, FileStat] = {}
         hold = held_files(items)
-        digests, failed = hash_inputs(catalog, files, progress, file_stats, held, hold)
+        digests, failed = hash_inputs(
+            catalog, files, progress, file_stats, held, hold, digester=digester
+        )
         spans = {it.file for it in items if it.span and not it.effects and it.file in digests}
         headers = audio_headers({f: digests[f] for f in sorted(spans)}, held)
         out: dict[str, str] = {}

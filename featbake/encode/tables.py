@@ -32,6 +32,7 @@ import io
 import json
 import os
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
 
 import torch
@@ -353,6 +354,31 @@ class Table:
         f, kind = self.files[index], self.kinds[index]
         return cell_digests(f, str(self.column), kind, {r.where: r.path for r in refs}, held)
 
+    def carried(self, path: str) -> CarriedCell | None:
+        """What the scan settled for cell ``path`` (``file:row``): what a worker reads it by."""
+        file = split_item_path(path)[0]
+        index = self.positions.get(file) if self.positions else None
+        if index is None:
+            index = next((i for i, f in enumerate(self.files) if f.path == file), None)
+        if index is None or index >= len(self.kinds) or self.column is None:
+            return None
+        return CarriedCell(self.column, self.kinds[index], file in self.scanned,
+                           self.scanned.get(file))  # fmt: skip
+
+    def carry(self, path: str, value: object) -> None:
+        """Take a cell's :class:`CarriedCell` in a worker that did not scan the table."""
+        if not isinstance(value, CarriedCell):
+            raise TypeError(f"a table's cell carries a CarriedCell, not {type(value).__name__}")
+        file = split_item_path(path)[0]
+        index = next((i for i, f in enumerate(self.files) if f.path == file), None)
+        if index is None:
+            raise SourceError(f"{file}: not a file of the table {self.where} on this node")
+        if len(self.kinds) < len(self.files):
+            self.kinds += [CellKind.OTHER] * (len(self.files) - len(self.kinds))
+        self.column, self.kinds[index] = value.column, value.kind
+        if value.scanned_here:
+            self.scanned[file] = value.scanned
+
     def source(self, inner: Source) -> Source:
         return CellSource(inner, self)
 
@@ -376,6 +402,18 @@ def replaced_since_scan(file: str) -> str:
         f"{file} was replaced since its rows were read (renamed over, or rewritten): each "
         "id's row is the other version's; rerun the build"
     )
+
+
+@dataclass(frozen=True)
+class CarriedCell:
+    """What a table's scan settled that reading one cell needs: the column, its file's kind of
+    cell, and the stat the scan read the file's rows at (a local file's; ``scanned_here``
+    False: a bucket's, checked by its reads instead)."""
+
+    column: str
+    kind: CellKind
+    scanned_here: bool
+    scanned: FileStat | None
 
 
 class CellSource:

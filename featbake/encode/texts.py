@@ -22,11 +22,11 @@ from __future__ import annotations
 import io
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, ClassVar
 
 import torch
 
-from featbake.encode.fingerprints import HeldBytes
+from featbake.encode.fingerprints import Digester, HeldBytes, digest_here
 from featbake.encode.manifests import (
     OWN_COLUMNS,
     BadRow,
@@ -73,6 +73,8 @@ def text_cell(fields: Mapping[str, Any], column: str) -> str:
 
 class TextRows(RowInputs):
     """A manifest whose column holds each item's text (see the module's docstring)."""
+
+    files_hashed_whole: ClassVar[bool] = False  # a row's text is its bytes: no file to read
 
     def __init__(self, data: str | os.PathLike[str], column: str | None = None) -> None:
         super().__init__(data, column)
@@ -130,11 +132,13 @@ class TextRows(RowInputs):
         progress: Callable[[Progress], None] | None = None,
         stats: dict[str, FileStat] | None = None,
         held: HeldBytes | None = None,
+        digester: Digester = digest_here,
     ) -> tuple[dict[str, str], dict[str, str]]:
         """Each row's digest: the SHA-256 of its text's UTF-8 bytes (no file is read).
 
         ``stats`` gets the manifest's stat for each row (the texts were read from it);
-        ``held`` keeps nothing: the texts are held since the parse.
+        ``held`` keeps nothing: the texts are held since the parse; ``digester`` reads
+        nothing either (the texts are hashed here: :attr:`files_hashed_whole` is False).
         """
         stats = {} if stats is None else stats
         digests: dict[str, str] = {}
@@ -147,6 +151,15 @@ class TextRows(RowInputs):
             digests[path] = sha256_hex(text.encode("utf-8"))
             stats[path] = self.manifest_stat or FileStat(-1, -1, -1, -1)
         return digests, bad
+
+    def carried(self, path: str) -> str | None:
+        """Row ``path``'s text: what a worker encodes."""
+        return self.texts.get(path)
+
+    def carry(self, path: str, value: object) -> None:
+        if not isinstance(value, str):
+            raise TypeError(f"a text row carries its text, not {type(value).__name__}")
+        self.texts[path] = value  # the source made from these inputs reads this table
 
     def source(self, inner: Source) -> Source:
         return TextCellSource(inner, self.texts)

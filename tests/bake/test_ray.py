@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -323,6 +324,97 @@ def wait_past_racy(folder: Path) -> None:
 def root_keys(store: Path, root: str) -> dict[str, str]:
     with Catalog(Layout(store), read_only=True) as catalog:
         return dict(catalog.root_items(root))
+
+
+def test_a_ray_build_of_a_manifest_hashes_the_files_its_rows_name_on_the_cluster(
+    ray_cluster: dict[str, str],
+    clips: Path,
+    encoder_file: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A JSONL manifest: a row per clip whole, and two segments of one of them. Each file is
+    # read and hashed once, by a Ray task; the driver opens none (a segmented file's audio
+    # header, for the bounds, is read by libsndfile, not through Python). Keys equal a plain
+    # build's, and each whole-file row is the encoder run now on its file.
+    names = sorted(p.name for p in clips.iterdir())
+    rows = [{"id": n, "path": str(clips / n)} for n in names]
+    rows += [{"id": f"seg{i}", "path": str(clips / names[0]), "start": i * 0.05,
+              "end": i * 0.05 + 0.1} for i in range(2)]  # fmt: skip
+    manifest = tmp_path / "rows.jsonl"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    wait_past_racy(clips)
+    local = build(manifest, encoder_file, cache=tmp_path / "local", workers=0)
+    asked = asked_of_the_digester(monkeypatch)
+    store = tmp_path / "store"
+    engine = RayEngine(workers=1, cluster_hashing_from=1)
+    with opens_under(clips) as opened:
+        report = build(manifest, encoder_file, cache=store, engine=engine)
+    assert opened == [], "the driver read inputs"
+    assert sorted(asked) == sorted(str(clips / n) for n in names)  # each file once
+    assert (report.failed, report.encoded, local.encoded) == ([], 8, 8)
+    keys = root_keys(store, report.root)
+    assert keys == root_keys(tmp_path / "local", local.root)
+    got = stored_features(store, report.root)
+    for n in names:
+        torch.testing.assert_close(got[n][""], live_features(encoder_file, clips / n))
+    assert_store_consistent(store)
+
+
+@pytest.mark.parametrize("container", ["parquet", "tar"])
+def test_a_ray_build_of_a_table_or_a_tar_encodes_each_cell_as_a_plain_build(
+    ray_cluster: dict[str, str], clips: Path, encoder_file: Path, tmp_path: Path, container: str
+) -> None:
+    # The workers never scanned the table: each cell's column and kind come with it (a table
+    # build failed every row on Ray before: "not a scanned file of the table"). A tar's members
+    # are found by listing the tar on the worker.
+    from tests.encode.test_containers import write_audio_parquet
+
+    files = sorted(clips.iterdir())
+    if container == "parquet":
+        data = write_audio_parquet(tmp_path / "t.parquet", [f.read_bytes() for f in files])
+    else:
+        data = tmp_path / "shard-000.tar"
+        with tarfile.open(data, "w") as tar:
+            for f in files:
+                tar.add(f, arcname=f.name)
+    report = build(data, encoder_file, cache=tmp_path / "store", engine=RayEngine(workers=1))
+    local = build(data, encoder_file, cache=tmp_path / "local", workers=0)
+    assert (report.failed, report.encoded) == ([], len(files))
+    assert root_keys(tmp_path / "store", report.root) == root_keys(tmp_path / "local", local.root)
+    got = stored_features(tmp_path / "store", report.root)
+    assert len(got) == len(files)
+    for (_, parts), f in zip(sorted(got.items()), files, strict=True):  # rows in file order
+        torch.testing.assert_close(parts[""], live_features(encoder_file, f))
+
+
+def test_a_ray_build_of_a_manifests_texts_equals_transformers_run_now(
+    ray_cluster: dict[str, str], tmp_path: Path
+) -> None:
+    # Each row's text travels with it to the worker, which never parsed the manifest (every
+    # row failed there before: "not a row of the manifest now").
+    from featbake import CachedFeatureDataset
+    from tests.encode.test_text import (
+        TEXTS,
+        TextModel,
+        assert_rows_served_equal,
+        save_bert,
+        write_captions,
+    )
+
+    bert = TextModel(save_bert(tmp_path / "bert"), "bert", 64)
+    manifest = tmp_path / "captions.jsonl"
+    write_captions(manifest)
+    store = tmp_path / "store"
+    report = build(
+        manifest, bert.folder, cache=store, column="caption", engine=RayEngine(workers=1)
+    )
+    assert (report.failed, report.encoded) == ([], len(TEXTS))
+    ds = CachedFeatureDataset(
+        manifest, encoder=bert.folder, cache=store, source="text", column="caption",
+        on_miss="error",
+    )  # fmt: skip
+    assert_rows_served_equal(ds, bert, TEXTS)
 
 
 def test_a_ray_build_hashes_its_new_inputs_on_the_cluster_and_the_driver_reads_none(
