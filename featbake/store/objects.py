@@ -693,7 +693,38 @@ class S3Objects(ObjectStore):
 # is ``ifGenerationMatch=0``. Files above 8 MiB go up as resumable uploads (the library's rule).
 # A GET through the library does not give the object's size and last change, so a read that
 # must return them asks the metadata first and then GETs that very generation
-# (``ifGenerationMatch``): the bytes and the info belong together, at two requests.
+# (``ifGenerationMatch``): the bytes and the info belong together, at two requests. The library
+# retries each call at most as often as the other clouds' clients (:func:`gcs_retry`).
+def gcs_retry(*, cut_bodies: bool) -> Any:
+    """One call's retry policy for google-cloud-storage: what fails before an answer (429,
+    5xx, a refused or reset connection, an answer that did not come in time) is tried again,
+    backing off up to 1, 2, 4 s, at most :data:`MAX_ATTEMPTS` requests in all (as botocore's
+    and the Azure client's policies here), within those requests' time and the waits.
+
+    ``cut_bodies``: an answer cut short is tried again too (a listing's, a metadata call's, an
+    upload's: as botocore does). Not for a download's body: the library resumes a cut download
+    from the cut, every cut, until its deadline, so a server cutting every answer kept one read
+    going for a minute and more. There the cut ends the call, and :meth:`ObjectStore._tried`
+    tries the read whole again, :data:`DOWNLOAD_TRIES` times in all, as on s3 and az.
+    """
+    import requests
+    from google.api_core.retry import Retry, if_transient_error
+
+    retries_left = MAX_ATTEMPTS - 1
+
+    def worth_again(e: Exception) -> bool:
+        nonlocal retries_left
+        cut = isinstance(e, requests.exceptions.ChunkedEncodingError)
+        transient = bool(if_transient_error(e)) or isinstance(e, requests.exceptions.Timeout)
+        if not transient or (cut and not cut_bodies) or retries_left <= 0:
+            return False
+        retries_left -= 1
+        return True
+
+    deadline = read_timeout() * MAX_ATTEMPTS + 7
+    return Retry(predicate=worth_again, initial=1, multiplier=2, maximum=4, timeout=deadline)
+
+
 @register("gs")
 class GCSObjects(ObjectStore):
     """``gs://bucket/prefix`` through google-cloud-storage (see the section's comment)."""
@@ -741,19 +772,10 @@ class GCSObjects(ObjectStore):
     def tier_folder(self) -> str:
         return "gs_" + endpoint_folder(gcs_endpoint(os.environ))
 
-    def _options(self) -> dict[str, Any]:
-        """Each call's timeouts, and its tries: what the library retries (429, 5xx, dropped
-        connections) and an answer that did not come in time, backing off 1, 2, 4 s, within
-        :data:`MAX_ATTEMPTS` reads' time and those waits."""
-        import requests
-        from google.api_core.retry import Retry, if_transient_error
-
-        def worth_again(e: Exception) -> bool:
-            return bool(if_transient_error(e)) or isinstance(e, requests.exceptions.Timeout)
-
-        deadline = read_timeout() * MAX_ATTEMPTS + 7
-        retry = Retry(predicate=worth_again, initial=1, multiplier=2, maximum=4, timeout=deadline)
-        return {"timeout": timeouts(), "retry": retry}
+    def _options(self, *, download: bool = False) -> dict[str, Any]:
+        """Each call's timeouts, and its tries (:func:`gcs_retry`; a ``download``'s cut body
+        is :meth:`ObjectStore._tried`'s to try again)."""
+        return {"timeout": timeouts(), "retry": gcs_retry(cut_bodies=not download)}
 
     def _info(self, blob: Any, strip: int) -> ObjectInfo:
         return ObjectInfo(
@@ -801,11 +823,13 @@ class GCSObjects(ObjectStore):
         blob = self.client.blob(self.key(name), generation=int(info.etag))
         end = None if length is None else start + length - 1
         if length is None:
-            data = blob.download_as_bytes(**self._options())
+            data = blob.download_as_bytes(**self._options(download=True))
         elif start >= info.size:
             data = b""
         else:
-            data = blob.download_as_bytes(start=start, end=end, checksum=None, **self._options())
+            data = blob.download_as_bytes(
+                start=start, end=end, checksum=None, **self._options(download=True)
+            )
         if length is None and len(data) != info.size:
             raise Transient(f"{self.where(name)} ended after {len(data)} of {info.size} bytes")
         return ObjectBytes(info, data)
@@ -813,7 +837,8 @@ class GCSObjects(ObjectStore):
     def download_once(self, name: str, dest: Path) -> int:
         blob = self.client.blob(self.key(name))
         with open(dest, "r+b" if dest.exists() else "wb") as f:
-            blob.download_to_file(f, **self._options())  # checked: MD5/CRC32C of the whole
+            # Checked by the library: the MD5/CRC32C of the whole.
+            blob.download_to_file(f, **self._options(download=True))
             size = f.tell()
             f.truncate(size)
         return size
@@ -854,7 +879,8 @@ class GCSObjects(ObjectStore):
             e,
             requests.exceptions.ReadTimeout
             | requests.exceptions.ChunkedEncodingError
-            | sx.DataCorruption,
+            | sx.DataCorruption
+            | ConnectionError,  # the library's own, for a body that ended short unnoticed
         ):
             raise Transient(str(e)) from e
         if isinstance(e, requests.exceptions.ConnectionError):

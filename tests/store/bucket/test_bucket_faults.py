@@ -90,18 +90,6 @@ def test_connections_dropped_mid_body_are_retried_and_nothing_wrong_is_served(
         assert proxy.dropped == 3
 
 
-GCS_READS_THROUGH_CUTS = pytest.mark.xfail(
-    strict=True,
-    run=False,
-    reason="on gs a read gets through a server that cuts every answer after 20 kB (5 cuts, "
-    "about 90 s inside google-cloud-storage's own retries) instead of the one-line error "
-    "after 4 tries; not run: it would cost CI that long",
-)
-
-
-@pytest.mark.parametrize(
-    "place", ["s3", pytest.param("gs", marks=GCS_READS_THROUGH_CUTS), "az"], indirect=True
-)
 def test_a_server_that_always_drops_gives_one_clear_error(
     place: Place,
     audio_dir: Path,
@@ -109,6 +97,10 @@ def test_a_server_that_always_drops_gives_one_clear_error(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """featbake's own tries govern on every cloud: each cut ends the client's call, the read
+    is tried whole 4 times, then one line. On gs, google-cloud-storage resumed each cut
+    download from where it was cut, for as long as its deadline allowed (a minute and more),
+    and the read got through a server that cut every answer."""
     bake(audio_dir, encoder_file, place.url)
     with DroppingProxy(upstream_port(place), drops=0, after=20_000) as proxy:
         for k, v in endpoint_env(place, proxy.endpoint).items():
@@ -117,8 +109,10 @@ def test_a_server_that_always_drops_gives_one_clear_error(
         proxy.drops_left = 10_000  # from now on every answer is cut after 20 kB
         with pytest.raises(
             StoreError, match=rf"cannot download {place.url}/shards/.*after 4 tries"
-        ):
+        ) as said:
             ds[0]
+        ds.close()
+    assert "\n" not in str(said.value)
 
 
 def test_no_credentials_and_no_bucket_are_one_line_each(
