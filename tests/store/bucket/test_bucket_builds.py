@@ -287,21 +287,21 @@ def test_a_read_never_waits_for_a_write_back_fragments_upload(
 # fragment now carries them, and the merge that publishes the catalog version records them.
 @pytest.mark.parametrize("parts", [1, 2])
 def test_a_bucket_build_records_an_undecodable_input_and_the_dataset_leaves_it_out(
-    s3: S3, clips: Path, tmp_path: Path, encoder_file: Path, parts: int
+    place: Place, clips: Path, tmp_path: Path, encoder_file: Path, parts: int
 ) -> None:
     (clips / "broken.wav").write_bytes(b"RIFF\x00\x00junk")
-    env = {**s3.env, "FEATBAKE_LOCAL_CACHE": str(tmp_path / "node")}
-    args = ["build", "-e", encoder_file, "-d", clips, "--cache", s3.url, "--workers", "0"]
+    env = {**place.env, "FEATBAKE_LOCAL_CACHE": str(tmp_path / "node")}
+    args = ["build", "-e", encoder_file, "-d", clips, "--cache", place.url, "--workers", "0"]
     shards = [[]] if parts == 1 else [["--shard", f"{i}/{parts}"] for i in range(parts)]
     codes = [invoke(*args, *shard, env=env).returncode for shard in shards]
     assert sorted(codes)[-1] == 3, codes  # the part holding the broken input says so
     if parts > 1:
-        merged = invoke("merge", "--cache", s3.url, env=env)
+        merged = invoke("merge", "--cache", place.url, env=env)
         assert merged.returncode == 0, merged.stderr
-    assert not s3.objects("fragments/")
+    assert not place.objects("fragments/")
     with pytest.warns(UserWarning) as caught:
         ds = CachedFeatureDataset(
-            clips, encoder_file, cache=s3.url, local_cache=tmp_path / "node", on_miss="error"
+            clips, encoder_file, cache=place.url, local_cache=tmp_path / "node", on_miss="error"
         )
     said = [str(w.message) for w in caught if "could not be decoded" in str(w.message)]
     assert len(said) == 1 and "1 input(s)" in said[0] and "broken.wav" in said[0], said
