@@ -532,7 +532,7 @@ class S3Objects(ObjectStore):
             ) from None
         url = endpoint()
         config = Config(
-            retries={"max_attempts": MAX_ATTEMPTS, "mode": "standard"},
+            retries={"total_max_attempts": MAX_ATTEMPTS, "mode": "standard"},
             s3={"addressing_style": "path"} if url else {},
             connect_timeout=CONNECT_TIMEOUT_S,
             read_timeout=read_timeout(),
@@ -900,6 +900,22 @@ class GCSObjects(ObjectStore):
 # A create-only put is ``If-None-Match: *`` (``overwrite=False``); files above 64 MiB go up as
 # blocks. A listing cannot start after a name (Azure has no StartAfter), so a page asked to
 # start after one reads the listing from the prefix's start and passes over the names up to it.
+def azure_cut_body(e: BaseException) -> BaseException | None:
+    """The cut answer body that ``e`` is or wraps, None when it is none: an
+    ``IncompleteReadError``, or the ``HttpResponseError`` (status None) azure-storage-blob's
+    downloader raises after its own tries from one, or from a ``ServiceResponseError`` met
+    mid-body. featbake reads such a body again whole (:meth:`ObjectStore._tried`)."""
+    from azure.core import exceptions as zx
+
+    if isinstance(e, zx.IncompleteReadError):
+        return e
+    cause = e.__cause__
+    wrapped = isinstance(e, zx.HttpResponseError) and e.status_code is None
+    if wrapped and isinstance(cause, zx.ServiceResponseError | zx.IncompleteReadError):
+        return cause
+    return None
+
+
 @register("az")
 class AzureObjects(ObjectStore):
     """``az://container/prefix`` through azure-storage-blob (see the section's comment)."""
@@ -918,7 +934,8 @@ class AzureObjects(ObjectStore):
             "connection_timeout": CONNECT_TIMEOUT_S,
             "read_timeout": read_timeout(),
             # The SDK's default waits 15 s, then 18, 24 before its tries: a stalled endpoint
-            # would take a minute to become one line. 1, 3 and 5 s here, as botocore's order.
+            # would take a minute to become one line. Here 3, 5 and 9 s (1 + 2**n, +-1 s):
+            # the SDK counts the try before it waits.
             "retry_policy": ExponentialRetry(
                 initial_backoff=1,
                 increment_base=2,
@@ -1069,14 +1086,13 @@ class AzureObjects(ObjectStore):
             ) from None
         if isinstance(e, zx.ServiceRequestTimeoutError):
             raise self.no_connection(name) from None
-        if isinstance(e, zx.ServiceResponseError | zx.IncompleteReadError):
-            raise Transient(str(e)) from e
-        if isinstance(e, zx.HttpResponseError) and e.status_code is None:
-            # A body cut short mid-download comes wrapped (azure-storage-blob's downloader
-            # raises HttpResponseError from the IncompleteReadError): tried again, as unwrapped.
-            cause = e.__cause__
-            if isinstance(cause, zx.ServiceResponseError | zx.IncompleteReadError):
-                raise Transient(str(cause)) from cause
+        if isinstance(e, zx.ServiceResponseError):
+            # No answer (a timeout, a connection closed before the status line) after the
+            # SDK's own tries: one line, not tried again whole, which would multiply them.
+            raise self.unanswered(name, e) from None
+        cut = azure_cut_body(e)
+        if cut is not None:
+            raise Transient(str(cut)) from cut
         if isinstance(e, zx.ServiceRequestError):
             raise self.unreachable(name, e) from None
         if isinstance(e, zx.HttpResponseError):
