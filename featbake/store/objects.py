@@ -532,7 +532,7 @@ class S3Objects(ObjectStore):
             ) from None
         url = endpoint()
         config = Config(
-            retries={"max_attempts": MAX_ATTEMPTS, "mode": "standard"},
+            retries={"total_max_attempts": MAX_ATTEMPTS, "mode": "standard"},
             s3={"addressing_style": "path"} if url else {},
             connect_timeout=CONNECT_TIMEOUT_S,
             read_timeout=read_timeout(),
@@ -693,7 +693,38 @@ class S3Objects(ObjectStore):
 # is ``ifGenerationMatch=0``. Files above 8 MiB go up as resumable uploads (the library's rule).
 # A GET through the library does not give the object's size and last change, so a read that
 # must return them asks the metadata first and then GETs that very generation
-# (``ifGenerationMatch``): the bytes and the info belong together, at two requests.
+# (``ifGenerationMatch``): the bytes and the info belong together, at two requests. The library
+# retries each call at most as often as the other clouds' clients (:func:`gcs_retry`).
+def gcs_retry(*, cut_bodies: bool) -> Any:
+    """One call's retry policy for google-cloud-storage: what fails before an answer (429,
+    5xx, a refused or reset connection, an answer that did not come in time) is tried again,
+    backing off up to 1, 2, 4 s, at most :data:`MAX_ATTEMPTS` requests in all (as botocore's
+    and the Azure client's policies here), within those requests' time and the waits.
+
+    ``cut_bodies``: an answer cut short is tried again too (a listing's, a metadata call's, an
+    upload's: as botocore does). Not for a download's body: the library resumes a cut download
+    from the cut, every cut, until its deadline, so a server cutting every answer kept one read
+    going for a minute and more. There the cut ends the call, and :meth:`ObjectStore._tried`
+    tries the read whole again, :data:`DOWNLOAD_TRIES` times in all, as on s3 and az.
+    """
+    import requests
+    from google.api_core.retry import Retry, if_transient_error
+
+    retries_left = MAX_ATTEMPTS - 1
+
+    def worth_again(e: Exception) -> bool:
+        nonlocal retries_left
+        cut = isinstance(e, requests.exceptions.ChunkedEncodingError)
+        transient = bool(if_transient_error(e)) or isinstance(e, requests.exceptions.Timeout)
+        if not transient or (cut and not cut_bodies) or retries_left <= 0:
+            return False
+        retries_left -= 1
+        return True
+
+    deadline = read_timeout() * MAX_ATTEMPTS + 7
+    return Retry(predicate=worth_again, initial=1, multiplier=2, maximum=4, timeout=deadline)
+
+
 @register("gs")
 class GCSObjects(ObjectStore):
     """``gs://bucket/prefix`` through google-cloud-storage (see the section's comment)."""
@@ -741,19 +772,10 @@ class GCSObjects(ObjectStore):
     def tier_folder(self) -> str:
         return "gs_" + endpoint_folder(gcs_endpoint(os.environ))
 
-    def _options(self) -> dict[str, Any]:
-        """Each call's timeouts, and its tries: what the library retries (429, 5xx, dropped
-        connections) and an answer that did not come in time, backing off 1, 2, 4 s, within
-        :data:`MAX_ATTEMPTS` reads' time and those waits."""
-        import requests
-        from google.api_core.retry import Retry, if_transient_error
-
-        def worth_again(e: Exception) -> bool:
-            return bool(if_transient_error(e)) or isinstance(e, requests.exceptions.Timeout)
-
-        deadline = read_timeout() * MAX_ATTEMPTS + 7
-        retry = Retry(predicate=worth_again, initial=1, multiplier=2, maximum=4, timeout=deadline)
-        return {"timeout": timeouts(), "retry": retry}
+    def _options(self, *, download: bool = False) -> dict[str, Any]:
+        """Each call's timeouts, and its tries (:func:`gcs_retry`; a ``download``'s cut body
+        is :meth:`ObjectStore._tried`'s to try again)."""
+        return {"timeout": timeouts(), "retry": gcs_retry(cut_bodies=not download)}
 
     def _info(self, blob: Any, strip: int) -> ObjectInfo:
         return ObjectInfo(
@@ -801,11 +823,13 @@ class GCSObjects(ObjectStore):
         blob = self.client.blob(self.key(name), generation=int(info.etag))
         end = None if length is None else start + length - 1
         if length is None:
-            data = blob.download_as_bytes(**self._options())
+            data = blob.download_as_bytes(**self._options(download=True))
         elif start >= info.size:
             data = b""
         else:
-            data = blob.download_as_bytes(start=start, end=end, checksum=None, **self._options())
+            data = blob.download_as_bytes(
+                start=start, end=end, checksum=None, **self._options(download=True)
+            )
         if length is None and len(data) != info.size:
             raise Transient(f"{self.where(name)} ended after {len(data)} of {info.size} bytes")
         return ObjectBytes(info, data)
@@ -813,7 +837,8 @@ class GCSObjects(ObjectStore):
     def download_once(self, name: str, dest: Path) -> int:
         blob = self.client.blob(self.key(name))
         with open(dest, "r+b" if dest.exists() else "wb") as f:
-            blob.download_to_file(f, **self._options())  # checked: MD5/CRC32C of the whole
+            # Checked by the library: the MD5/CRC32C of the whole.
+            blob.download_to_file(f, **self._options(download=True))
             size = f.tell()
             f.truncate(size)
         return size
@@ -854,7 +879,8 @@ class GCSObjects(ObjectStore):
             e,
             requests.exceptions.ReadTimeout
             | requests.exceptions.ChunkedEncodingError
-            | sx.DataCorruption,
+            | sx.DataCorruption
+            | ConnectionError,  # the library's own, for a body that ended short unnoticed
         ):
             raise Transient(str(e)) from e
         if isinstance(e, requests.exceptions.ConnectionError):
@@ -874,6 +900,22 @@ class GCSObjects(ObjectStore):
 # A create-only put is ``If-None-Match: *`` (``overwrite=False``); files above 64 MiB go up as
 # blocks. A listing cannot start after a name (Azure has no StartAfter), so a page asked to
 # start after one reads the listing from the prefix's start and passes over the names up to it.
+def azure_cut_body(e: BaseException) -> BaseException | None:
+    """The cut answer body that ``e`` is or wraps, None when it is none: an
+    ``IncompleteReadError``, or the ``HttpResponseError`` (status None) azure-storage-blob's
+    downloader raises after its own tries from one, or from a ``ServiceResponseError`` met
+    mid-body. featbake reads such a body again whole (:meth:`ObjectStore._tried`)."""
+    from azure.core import exceptions as zx
+
+    if isinstance(e, zx.IncompleteReadError):
+        return e
+    cause = e.__cause__
+    wrapped = isinstance(e, zx.HttpResponseError) and e.status_code is None
+    if wrapped and isinstance(cause, zx.ServiceResponseError | zx.IncompleteReadError):
+        return cause
+    return None
+
+
 @register("az")
 class AzureObjects(ObjectStore):
     """``az://container/prefix`` through azure-storage-blob (see the section's comment)."""
@@ -892,7 +934,8 @@ class AzureObjects(ObjectStore):
             "connection_timeout": CONNECT_TIMEOUT_S,
             "read_timeout": read_timeout(),
             # The SDK's default waits 15 s, then 18, 24 before its tries: a stalled endpoint
-            # would take a minute to become one line. 1, 3 and 5 s here, as botocore's order.
+            # would take a minute to become one line. Here 3, 5 and 9 s (1 + 2**n, +-1 s):
+            # the SDK counts the try before it waits.
             "retry_policy": ExponentialRetry(
                 initial_backoff=1,
                 increment_base=2,
@@ -1043,14 +1086,13 @@ class AzureObjects(ObjectStore):
             ) from None
         if isinstance(e, zx.ServiceRequestTimeoutError):
             raise self.no_connection(name) from None
-        if isinstance(e, zx.ServiceResponseError | zx.IncompleteReadError):
-            raise Transient(str(e)) from e
-        if isinstance(e, zx.HttpResponseError) and e.status_code is None:
-            # A body cut short mid-download comes wrapped (azure-storage-blob's downloader
-            # raises HttpResponseError from the IncompleteReadError): tried again, as unwrapped.
-            cause = e.__cause__
-            if isinstance(cause, zx.ServiceResponseError | zx.IncompleteReadError):
-                raise Transient(str(cause)) from cause
+        if isinstance(e, zx.ServiceResponseError):
+            # No answer (a timeout, a connection closed before the status line) after the
+            # SDK's own tries: one line, not tried again whole, which would multiply them.
+            raise self.unanswered(name, e) from None
+        cut = azure_cut_body(e)
+        if cut is not None:
+            raise Transient(str(cut)) from cut
         if isinstance(e, zx.ServiceRequestError):
             raise self.unreachable(name, e) from None
         if isinstance(e, zx.HttpResponseError):

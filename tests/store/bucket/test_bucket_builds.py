@@ -23,7 +23,7 @@ from featbake.store.open import open_store
 from featbake.store.roots import RootSpec
 from featbake.store.shard import write_shard
 from featbake.testing import TinyConvEncoder, write_audio_folder
-from tests.conftest import REPO, encoded_rows, invoke, live_features, run_cli
+from tests.conftest import REPO, encoded_rows, invoke, live_features
 from tests.store.bucket.conftest import S3, Place, Remote
 
 ENCODER = "countenc:build"
@@ -62,54 +62,54 @@ def clips(tmp_path: Path) -> Path:
 
 @pytest.mark.slow
 def test_a_build_killed_mid_run_is_finished_by_a_rerun_on_another_node(
-    s3: S3, clips: Path, tmp_path: Path, counting_encoder: dict[str, str], monkeypatch
+    place: Place, clips: Path, tmp_path: Path, counting_encoder: dict[str, str], monkeypatch
 ) -> None:
     monkeypatch.syspath_prepend(counting_encoder["PYTHONPATH"].split(os.pathsep)[1])
-    env = {**os.environ, **node(s3, "a", tmp_path, counting_encoder), "COUNT_DELAY": "0.15"}
+    env = {**os.environ, **node(place, "a", tmp_path, counting_encoder), "COUNT_DELAY": "0.15"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "featbake", *map(str, build_args(clips, s3.url))],
+        [sys.executable, "-m", "featbake", *map(str, build_args(clips, place.url))],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     deadline = time.monotonic() + 120
-    while len(s3.objects("fragments/")) < 3 and time.monotonic() < deadline:
+    while len(place.objects("fragments/")) < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    uploaded = len(s3.objects("fragments/"))
+    uploaded = len(place.objects("fragments/"))
     first_run = len(encoded_rows(counting_encoder))
     assert uploaded >= 3 and first_run < 24
-    assert not s3.objects("catalog/")  # killed before it published anything
+    assert not place.objects("catalog/")  # killed before it published anything
 
-    rerun = run_cli(*build_args(clips, s3.url), env=node(s3, "b", tmp_path, counting_encoder))
+    rerun = invoke(*build_args(clips, place.url), env=node(place, "b", tmp_path, counting_encoder))
     assert rerun.returncode == 0, rerun.stderr
     # The rerun, on a node with an empty tier, skipped what the killed run's uploaded
     # fragments named (one input or more each: a rank batches its part fragments): at most
     # what it sealed since its last fragment, or had in the writer's hands, is encoded twice.
     assert len(encoded_rows(counting_encoder)) <= 24 + (first_run - uploaded)
-    assert not s3.objects("fragments/")
-    assert_bucket_serves_live(s3, clips, tmp_path)
-    clean = invoke("verify", "--cache", s3.url, env=node(s3, "c", tmp_path, counting_encoder))
+    assert not place.objects("fragments/")
+    assert_bucket_serves_live(place, clips, tmp_path)
+    clean = invoke("verify", "--cache", place.url, env=node(place, "c", tmp_path, counting_encoder))
     assert clean.returncode == 0 and "verify: clean" in clean.stdout, clean.stderr
 
 
 @pytest.mark.slow
 def test_torchrun_two_ranks_build_into_a_bucket_and_rank_0_publishes(
-    s3: S3, clips: Path, tmp_path: Path, counting_encoder: dict[str, str], monkeypatch
+    place: Place, clips: Path, tmp_path: Path, counting_encoder: dict[str, str], monkeypatch
 ) -> None:
     monkeypatch.syspath_prepend(counting_encoder["PYTHONPATH"].split(os.pathsep)[1])
-    env = {**os.environ, **node(s3, "a", tmp_path, counting_encoder), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, **node(place, "a", tmp_path, counting_encoder), "OMP_NUM_THREADS": "1"}
     torchrun = Path(sys.executable).with_name("torchrun")
     args = [torchrun, "--nproc-per-node", "2", "--standalone", "-m", "featbake"]
     done = subprocess.run(
-        [str(a) for a in [*args, *build_args(clips, s3.url)]],
+        [str(a) for a in [*args, *build_args(clips, place.url)]],
         capture_output=True, text=True, env=env, timeout=300, cwd=REPO,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert sorted(encoded_rows(counting_encoder)) == sorted(set(encoded_rows(counting_encoder)))
     assert len(encoded_rows(counting_encoder)) == 24  # each input once, across both ranks
-    assert s3.objects("catalog/") == ["catalog/v000000001.sqlite"]
-    assert not s3.objects("fragments/")
-    assert_bucket_serves_live(s3, clips, tmp_path)
+    assert place.objects("catalog/") == ["catalog/v000000001.sqlite"]
+    assert not place.objects("fragments/")
+    assert_bucket_serves_live(place, clips, tmp_path)
 
 
 def test_parts_built_on_two_nodes_are_merged_from_a_third(
@@ -134,13 +134,18 @@ def test_parts_built_on_two_nodes_are_merged_from_a_third(
 
 @pytest.mark.parametrize("step", ["rows", "published"])
 def test_a_merge_killed_at_any_step_loses_nothing(
-    s3: S3, clips: Path, tmp_path: Path, counting_encoder: dict[str, str], step: str, monkeypatch
+    place: Place,
+    clips: Path,
+    tmp_path: Path,
+    counting_encoder: dict[str, str],
+    step: str,
+    monkeypatch,
 ) -> None:
     monkeypatch.syspath_prepend(counting_encoder["PYTHONPATH"].split(os.pathsep)[1])
     for i in range(2):
-        part = run_cli(
-            *build_args(clips, s3.url), "--shard", f"{i}/2",
-            env=node(s3, "a", tmp_path, counting_encoder),
+        part = invoke(
+            *build_args(clips, place.url), "--shard", f"{i}/2",
+            env=node(place, "a", tmp_path, counting_encoder),
         )  # fmt: skip
         assert part.returncode == 0, part.stderr
     killer = (
@@ -149,16 +154,16 @@ def test_a_merge_killed_at_any_step_loses_nothing(
         "from featbake.store.bucket import merge_bucket\n"
         "def hook(step):\n"
         f"    if step == {step!r}: os.kill(os.getpid(), 9)\n"
-        f"merge_bucket(open_store({s3.url!r}).remote, between=hook)\n"
+        f"merge_bucket(open_store({place.url!r}).remote, between=hook)\n"
     )
-    env = {**os.environ, **node(s3, "m", tmp_path, counting_encoder), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, **node(place, "m", tmp_path, counting_encoder), "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, "-c", killer], env=env, capture_output=True)
     assert done.returncode == -signal.SIGKILL, done.stderr
-    assert s3.objects("fragments/")  # nothing deleted before the version was published
-    rerun = merge_bucket(_store(s3.url, tmp_path / "node-m2"))
+    assert place.objects("fragments/")  # nothing deleted before the version was published
+    rerun = merge_bucket(_store(place.url, tmp_path / "node-m2"))
     assert rerun.fragments >= 2
-    assert not s3.objects("fragments/")
-    assert_bucket_serves_live(s3, clips, tmp_path)
+    assert not place.objects("fragments/")
+    assert_bucket_serves_live(place, clips, tmp_path)
 
 
 def test_two_merges_racing_for_one_version_lose_nothing(
@@ -282,21 +287,21 @@ def test_a_read_never_waits_for_a_write_back_fragments_upload(
 # fragment now carries them, and the merge that publishes the catalog version records them.
 @pytest.mark.parametrize("parts", [1, 2])
 def test_a_bucket_build_records_an_undecodable_input_and_the_dataset_leaves_it_out(
-    s3: S3, clips: Path, tmp_path: Path, encoder_file: Path, parts: int
+    place: Place, clips: Path, tmp_path: Path, encoder_file: Path, parts: int
 ) -> None:
     (clips / "broken.wav").write_bytes(b"RIFF\x00\x00junk")
-    env = {**s3.env, "FEATBAKE_LOCAL_CACHE": str(tmp_path / "node")}
-    args = ["build", "-e", encoder_file, "-d", clips, "--cache", s3.url, "--workers", "0"]
+    env = {**place.env, "FEATBAKE_LOCAL_CACHE": str(tmp_path / "node")}
+    args = ["build", "-e", encoder_file, "-d", clips, "--cache", place.url, "--workers", "0"]
     shards = [[]] if parts == 1 else [["--shard", f"{i}/{parts}"] for i in range(parts)]
     codes = [invoke(*args, *shard, env=env).returncode for shard in shards]
     assert sorted(codes)[-1] == 3, codes  # the part holding the broken input says so
     if parts > 1:
-        merged = invoke("merge", "--cache", s3.url, env=env)
+        merged = invoke("merge", "--cache", place.url, env=env)
         assert merged.returncode == 0, merged.stderr
-    assert not s3.objects("fragments/")
+    assert not place.objects("fragments/")
     with pytest.warns(UserWarning) as caught:
         ds = CachedFeatureDataset(
-            clips, encoder_file, cache=s3.url, local_cache=tmp_path / "node", on_miss="error"
+            clips, encoder_file, cache=place.url, local_cache=tmp_path / "node", on_miss="error"
         )
     said = [str(w.message) for w in caught if "could not be decoded" in str(w.message)]
     assert len(said) == 1 and "1 input(s)" in said[0] and "broken.wav" in said[0], said
