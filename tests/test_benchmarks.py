@@ -213,7 +213,7 @@ def test_gpu_record_plans_the_issue_44_steps_inside_one_run() -> None:
     planned = {w for w in cmd["tests"].split() if w.startswith("tests/")}
     touching = {
         str(p.relative_to(REPO)) for p in (REPO / "tests").rglob("test_*.py")
-        if "cuda" in p.read_text().lower()
+        if "cuda" in p.read_text().lower() and p.name != Path(__file__).name  # this file: no CUDA
     }  # fmt: skip
     assert planned == set(ISSUE_44_TESTS) | touching
     assert all((REPO / f).is_file() for f in planned)
