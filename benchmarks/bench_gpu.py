@@ -376,7 +376,7 @@ def bench_build(device: torch.device, sizes: Sizes) -> list[dict]:
     ratio = min(built) / min(bare)
     note = (
         f"{n} clips of 2-8 s, wav2vec2 {sizes.model} (layer norm), fp16 autocast; build "
-        f"{min(built):.2f} s ({report.batching.value} batches) vs the user's loop (batch 1, 4 "
+        f"{min(built):.2f} s ({report.batching} batches) vs the user's loop (batch 1, 4 "
         f"decode workers) {min(bare):.2f} s; best of {len(bare)}; {on(device)}"
     )
     return [row("gpu", "build --device / the user's loop", ratio, "x", "<= 1.0x",
