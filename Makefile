@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install emulators demo test soak bench lint clean
+.PHONY: install emulators demo test soak bench gpu-wheels lint clean
 
 install: $(STAMP)
 
@@ -39,6 +39,29 @@ soak: install
 
 bench: install
 	$(PY) benchmarks/run.py
+
+# The wheels a GPU machine without featbake's dependencies needs for benchmarks/gpu_record.sh
+# (issue 44): cp312 manylinux builds, each pinned to the version tested here, in .whl/
+# (git-ignored; the record's `run` call carries it). featbake's own: soundfile (needs cffi, which
+# needs pycparser), soxr, google-crc32c, zarr (needs numcodecs, donfig); and torchdata, which
+# tests/serve/test_loader.py imports. The rest of what they need (numpy, pyyaml, packaging,
+# typing-extensions, requests, urllib3, torch) is on that machine. Not ray: its wheel alone
+# (79 MB) is over the 64 MiB that travels with the working tree, so part `ray` skips there.
+# The check: the tree that travels (tracked and untracked files, and .whl) stays under 48 MiB.
+GPU_WHEELS := soundfile==0.14.0 cffi==2.1.1 pycparser==3.12 soxr==1.1.0 google-crc32c==1.9.0 \
+	zarr==3.1.6 numcodecs==0.16.6 donfig==0.8.1.post1 torchdata==0.11.0
+GPU_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 \
+	manylinux2014_x86_64 manylinux1_x86_64
+
+gpu-wheels:
+	rm -rf .whl && mkdir -p .whl
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp $(addprefix --platform ,$(GPU_PLATFORMS)) -d .whl $(GPU_WHEELS)
+	@ls .whl
+	@{ git ls-files -co --exclude-standard -z; find .whl -type f -print0; } \
+		| du --files0-from=- -cb | tail -1 | awk '{ mib = $$1 / 1048576; \
+		printf "gpu-wheels: the tree that travels with .whl is %.1f MiB (limit 64)\n", mib; \
+		if (mib > 48) { print "gpu-wheels: over 48 MiB: carry less"; exit 1 } }'
 
 lint: install
 	$(PY) -m ruff check featbake tests benchmarks examples

@@ -6,6 +6,7 @@ Speed itself is measured by `make bench`, never asserted here.
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -96,3 +97,155 @@ def test_peers_bench_readers_serve_the_same_items_once(tmp_path: Path) -> None:
         ds = peers.make(name, base, seed=1)
         got = [t.numpy() for t in peers.loader(name, ds, workers=0, seed=1)]
         assert sorted(key(str(a.dtype), a.shape, a.tobytes()) for a in got) == want, name
+
+
+# -- issue 44's GPU record: bench_gpu.py's parts and benchmarks/gpu_record.sh ----------------------
+#: The rows each part must give (its issue-44 item; the metric as bench_gpu.py names it).
+ISSUE_44_ROWS = {
+    "2": [
+        "padded vs bare per-clip loop",
+        "padded, each padded length warmed first (not timed) vs bare per-clip loop",
+        "padded (default lengths) vs padded to exact lengths",
+    ],
+    "3": [
+        "int8 batch copied + dequantised on the device / fp16 batch copied",
+        "FeatureLoader(device) int8 packed / fp16",
+        "FeatureLoader(device) int8 as fp16 / fp16",
+    ],
+    "4": ["FeatureLoader(device) / DataLoader w2"],
+    "5": ["build --device / the user's loop"],
+}
+
+
+def test_gpu_bench_runs_every_issue_44_row_on_the_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The record's code runs without a GPU (`bench_gpu.py --device cpu --quick`, parts padded,
+    int8, reads and build): every row of issue 44 items 2-5 comes with a finite value, its item,
+    the issue's targets, and a note saying it ran on the CPU; no part failed."""
+    import math
+
+    gpu = _load("bench_gpu")
+    monkeypatch.setattr(gpu, "WORK", tmp_path / "gpu")
+    monkeypatch.setattr(sys.modules["bench_loader"], "WORK", tmp_path / "loader")
+    rows = gpu.main(quick=True, device="cpu", parts=["padded", "int8", "reads", "build"])
+    assert [r for r in rows if r["metric"].endswith(": failed")] == []
+    for r in rows:
+        assert math.isfinite(r["value"]), r
+        assert r["note"].endswith("on the CPU (a smoke run: the value means nothing)"), r["note"]
+    metrics = {item: [r["metric"] for r in rows if r["item"] == item] for item in ISSUE_44_ROWS}
+    for item, want in ISSUE_44_ROWS.items():
+        assert [m for m in want if m not in metrics[item]] == [], (item, metrics[item])
+    target = {r["metric"]: r["target"] for r in rows}
+    assert target["FeatureLoader(device) / DataLoader w2"] == ">= 5x"
+    behind = [r for r in rows if r["metric"].endswith("FeatureLoader + step / max(read, step)")]
+    assert len(behind) == 2 and {r["target"] for r in behind} == {"<= 1.2x"}, behind
+    assert {r["ok"] for r in behind} <= {True, False}  # judged against the target, not left out
+
+
+def test_gpu_bench_ray_row_skips_with_a_note_where_ray_is_missing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On the GPU machine ray is not importable (its wheel does not travel): the Ray row is
+    still there, NaN, its note saying why, and the part does not fail."""
+    gpu = _load("bench_gpu")
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    (r,) = gpu.main(quick=True, device="cpu", parts=["ray"])
+    assert r["item"] == "5" and r["metric"] == gpu.RAY_METRIC and r["value"] != r["value"]
+    assert r["note"].startswith("skipped: ray is not importable here"), r["note"]
+
+
+@pytest.mark.slow
+def test_gpu_bench_ray_row_times_a_ray_build_where_ray_is_installed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where ray is installed, part ray builds the same clips on a local Ray instance (one
+    actor; gpus_per_worker=0 on the CPU) and on the plain path, and reports the ratio."""
+    pytest.importorskip("ray.data")
+    gpu = _load("bench_gpu")
+    monkeypatch.setattr(gpu, "WORK", tmp_path / "gpu")
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    (r,) = gpu.main(quick=True, device="cpu", parts=["ray"])
+    assert r["value"] > 0 and "gpus_per_worker=0" in r["note"], r
+
+
+def _record_plan() -> tuple[str, list[tuple[str, int, int, str]]]:
+    """`gpu_record.sh --dry-run`: its first line and each step (name, limit, expected, command)."""
+    import re
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_RECORD_")}
+    done = subprocess.run(
+        ["bash", str(BENCH / "gpu_record.sh"), "--dry-run"],
+        capture_output=True, text=True, cwd=REPO, env=env, timeout=60, check=True,
+    )  # fmt: skip
+    lines = done.stdout.splitlines()
+    pattern = re.compile(r"step (\S+) +limit +(\d+)s +expected +(\d+)s +(.*)")
+    steps = [m.groups() for m in map(pattern.fullmatch, lines[1:]) if m]
+    assert len(steps) == len(lines) - 1, done.stdout  # every line after the first is a step
+    return lines[0], [(n, int(limit), int(exp), cmd.strip()) for n, limit, exp, cmd in steps]
+
+
+#: Issue 44 item 1's test files by name (it adds every other test file that touches CUDA).
+ISSUE_44_TESTS = [
+    "tests/test_cuda.py", "tests/test_device.py", "tests/test_keys.py",
+    "tests/bake/test_batching.py", "tests/bake/test_pipeline.py", "tests/bake/test_ranks.py",
+    "tests/serve/test_prefetch.py", "tests/test_native.py", "tests/test_quantize.py",
+    "tests/serve/test_cached_encoder.py",
+]  # fmt: skip
+
+
+def test_gpu_record_plans_the_issue_44_steps_inside_one_run() -> None:
+    """The record's plan: the wheels, the kernels, the machine, then pytest -rf -q over issue 44's
+    test files and every other that mentions CUDA, then each bench_gpu.py part on cuda, then the
+    summary; each step's limit covers its expected time, the expected times fit the budget and
+    the budget fits the one `run` call the header documents (timeout_s 600, carry .whl)."""
+    import re
+
+    first, steps = _record_plan()
+    parts = _load("bench_gpu").PARTS
+    names = [s[0] for s in steps]
+    assert names == ["wheels", "kernels", "info", "tests", *[f"bench-{p}" for p in parts],
+                     "summary"]  # fmt: skip
+    cmd = dict((s[0], s[3]) for s in steps)
+    assert cmd["kernels"].endswith("setup.py build_ext --inplace")
+    assert " -m pytest -rf -q " in cmd["tests"]
+    planned = {w for w in cmd["tests"].split() if w.startswith("tests/")}
+    touching = {
+        str(p.relative_to(REPO)) for p in (REPO / "tests").rglob("test_*.py")
+        if "cuda" in p.read_text().lower() and p.name != Path(__file__).name  # this file: no CUDA
+    }  # fmt: skip
+    assert planned == set(ISSUE_44_TESTS) | touching
+    assert all((REPO / f).is_file() for f in planned)
+    for p in parts:
+        assert f"benchmarks/bench_gpu.py {p} --device cuda " in cmd[f"bench-{p}"]
+        assert f"--json gpu-{p}.json" in cmd[f"bench-{p}"]
+    budget = int(first.split("budget ")[1].split("s")[0])
+    assert first.startswith("plan: device cuda,") and "quick=0" in first
+    assert all(limit >= expected for _, limit, expected, _ in steps), steps
+    assert sum(expected for _, _, expected, _ in steps) <= budget <= 600 - 45
+    header = (BENCH / "gpu_record.sh").read_text().split("\nset -u")[0]
+    assert "command:   bash benchmarks/gpu_record.sh" in header
+    assert 'carry:     [".whl"]' in header and "timeout_s: 600" in header
+    for name, limit, expected, _ in steps:  # the header's table says the same limits
+        assert re.search(rf"^#   {name} +{limit} +{expected} ", header, re.M), name
+
+
+def test_gpu_wheels_bring_each_dependency_the_gpu_machine_lacks() -> None:
+    """`make gpu-wheels` names one version of each of featbake's dependencies that the GPU
+    machine's image lacks, of the packages those need that it lacks too, and of torchdata (which
+    tests/serve/test_loader.py imports unguarded); .whl/ is git-ignored."""
+    import re
+    import tomllib
+
+    make = re.sub(r"\\\n\s*", " ", (REPO / "Makefile").read_text())  # lines joined
+    pins = re.search(r"^GPU_WHEELS := (.*)$", make, re.M).group(1).split()
+    names = [p.split("==")[0].lower() for p in pins]
+    assert all("==" in p for p in pins) and len(names) == len(set(names)), pins
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    needed = {re.split(r"[<>=!~\[ ;]", d)[0].lower() for d in deps}
+    on_the_image = {"torch", "safetensors", "numpy", "typer", "rich", "tqdm"}  # device KINDS.md
+    assert needed - on_the_image <= set(names)
+    # soundfile needs cffi, cffi pycparser; zarr numcodecs and donfig
+    assert {"cffi", "pycparser", "numcodecs", "donfig", "torchdata"} <= set(names)
+    assert ".whl/" in (REPO / ".gitignore").read_text().splitlines()
