@@ -63,6 +63,7 @@ segment past the end fails then, naming its line, and is skipped all the same).
 from __future__ import annotations
 
 import csv
+import dataclasses
 import gzip
 import importlib.util
 import io
@@ -298,8 +299,10 @@ class RowInputs:
         return item.where if item is not None else f"{self.origin}#{rel}"
 
     def carried(self, path: str) -> object | None:
-        """Row ``path``'s item (file, span, effects): what a worker decodes it by."""
-        return self.by_path.get(path)
+        """Row ``path``'s item (file, span, effects): what a worker decodes it by; its carried
+        columns left out (a worker never reads them, and a lhotse cut's can be large)."""
+        item = self.by_path.get(path)
+        return None if item is None else dataclasses.replace(item, row={})
 
     def carry(self, path: str, value: object) -> None:
         if not isinstance(value, Item):

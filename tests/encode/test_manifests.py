@@ -32,9 +32,11 @@ from featbake.bake.pipeline import build
 from featbake.encode.encoders import torchscript_quietly
 from featbake.encode.inputs import Folder, inputs_at
 from featbake.encode.manifests import CutsInputs, KaldiInputs, ManifestInputs
+from featbake.encode.sources import AudioSource
 from featbake.errors import ConfigError, SourceError
 from featbake.export.zarr import export_zarr
 from featbake.keys import item_digest
+from featbake.recipe import Recipe
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.store.objects import ObjectStore
 from featbake.store.url import BucketURL
@@ -980,3 +982,33 @@ def test_a_cuts_custom_fields_and_its_supervisions_language_and_gender_are_carri
     )  # fmt: skip
     want = encoded_now(encoder_file, cut.load_audio(), cut.sampling_rate)
     torch.testing.assert_close(ds[0], want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_decodes_in_a_process_that_never_scanned_by_what_it_carries(tmp_path: Path) -> None:
+    # What an engine's worker gets with each row: the file, span and effects, not the row's
+    # other columns; with it a fresh ManifestInputs (never scanned) decodes each row as the
+    # scanning one does, segments included.
+    long = tmp_path / "long.wav"
+    soundfile.write(long, make_tone(3.0, 16000, seed=4), 16000)
+    rows = [
+        {"id": "whole", "path": str(long), "speaker": "x" * 1000},
+        {"id": "seg", "path": str(long), "start": 0.5, "end": 1.25, "label": 3},
+    ]
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    scanned = ManifestInputs(manifest)
+    scanned.scan([".wav"])
+    inner = AudioSource(Recipe())
+    fresh = ManifestInputs(manifest)
+    decoded = []
+    for ident in ("whole", "seg"):
+        path = scanned.path(ident)
+        carried = scanned.carried(path)
+        assert carried is not None and carried.row == {}  # type: ignore[attr-defined]
+        assert scanned.row(ident)  # the scan still holds the row's columns
+        with pytest.raises(SourceError, match="not a row of the manifest now"):
+            fresh.source(inner).load(path)
+        fresh.carry(path, carried)
+        decoded.append(fresh.source(inner).load(path))
+        torch.testing.assert_close(decoded[-1], scanned.source(inner).load(path))
+    assert decoded[1].shape[-1] == 12000  # 0.75 s at 16 kHz: the segment, not the file
