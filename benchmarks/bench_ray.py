@@ -24,18 +24,22 @@
    files in the page cache; and the input bytes the driver process read to hash them (counted
    at ``LocalFiles.digest`` in the driver: Ray's workers are other processes). On one 2-core
    node there is no cluster to spread over, so the time says what tasks cost here, not what a
-   cluster gains; the bytes read by the driver are what moves off it.
+   cluster gains; the bytes read by the driver are what moves off it. The same clips packed into
+   8 tar shards are hashed the same two ways (``WebDataset.hash``: each shard's members read by
+   one Ray task, or on the driver), their member bytes counted at ``LocalFiles.member_digests``.
 
     python benchmarks/bench_ray.py [--quick] [--hash-only]
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -113,61 +117,80 @@ def bucket_requests(tmp: Path, data: Path, encoder: Path) -> tuple[Any, Any]:
     return counted[0], counted[1]
 
 
-def hash_phase(data: Path, tmp: Path, rounds: int) -> dict[str, float]:
-    """Median seconds of a first build's hashing of ``data`` on the driver and in Ray tasks,
-    and the input bytes the driver read for each (see part 4 of the module's docstring)."""
+def hash_phase(data: Path, shards: Path, tmp: Path, rounds: int) -> dict[str, dict[str, float]]:
+    """Per case, median seconds of a first build's hashing on the driver and in Ray tasks, and
+    the input bytes the driver read for each (see part 4 of the module's docstring): ``files``,
+    the clips of ``data`` (``hash_inputs``); ``tar``, the same clips in the tar shards of
+    ``shards`` (``WebDataset.hash``, its members counted at ``LocalFiles.member_digests``)."""
     import ray
 
     from featbake.bake.ray_engine import ClusterDigests
     from featbake.encode.fingerprints import digest_here, hash_inputs
+    from featbake.encode.webdataset import WebDataset
     from featbake.store.byteplace import LocalFiles
     from featbake.store.catalog import Catalog
     from featbake.store.layout import Layout
 
     paths = sorted(str(p) for p in data.iterdir())
-    read = {"driver": 0, "cluster": 0}
-    side = ["driver"]
-    real = LocalFiles.digest
+    tars = WebDataset(str(shards))
+    members = [tars.path(r) for r in tars.scan([".wav"]).inputs]
+    read = {(case, side): 0 for case in ("files", "tar") for side in ("driver", "cluster")}
+    now = ["files", "driver"]
+    real, real_members = LocalFiles.digest, LocalFiles.member_digests
 
     def counted(self: LocalFiles, path: str, expect: Any, held: Any = None) -> Any:
-        read[side[0]] += expect.size  # a digest reads the whole file
+        read[now[0], now[1]] += expect.size  # a digest reads the whole file
         return real(self, path, expect, held)
 
+    def counted_members(self: LocalFiles, tar: str, listed: Any, held: Any = None) -> Any:
+        read[now[0], now[1]] += sum(m.size for m in listed)  # each member read whole
+        return real_members(self, tar, listed, held)
+
     LocalFiles.digest = counted  # type: ignore[method-assign]
+    LocalFiles.member_digests = counted_members  # type: ignore[method-assign]
+    cases = {
+        "files": lambda cat, digester: hash_inputs(cat, paths, digester=digester),
+        "tar": lambda cat, digester: tars.hash(cat, members, digester=digester),
+    }
     os.environ["PYTHONPATH"] = str(REPO)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    times: dict[str, list[float]] = {"driver": [], "cluster": []}
+    times = {key: [] for key in read}
     try:
         ray.get([ray.remote(lambda: 0).remote() for _ in range(2)])  # workers started
         digesters = {"driver": digest_here, "cluster": ClusterDigests(None, cluster_from=1)}
         for i in range(rounds):
-            for name, digester in digesters.items():
-                side[0] = name
-                with Catalog(Layout(tmp / f"hash-{name}{i}").ensure()) as cat:
+            for (case, hashed), (side, digester) in itertools.product(
+                cases.items(), digesters.items()
+            ):
+                now[:] = [case, side]
+                with Catalog(Layout(tmp / f"hash-{case}-{side}{i}").ensure()) as cat:
                     t0 = time.perf_counter()
-                    digests, failed = hash_inputs(cat, paths, digester=digester)
-                    times[name].append(time.perf_counter() - t0)
+                    digests, failed = hashed(cat, digester)
+                    times[case, side].append(time.perf_counter() - t0)
                 assert len(digests) == len(paths) and not failed
     finally:
         ray.shutdown()
         LocalFiles.digest = real  # type: ignore[method-assign]
-    size = sum(os.path.getsize(p) for p in paths)
+        LocalFiles.member_digests = real_members  # type: ignore[method-assign]
     return {
-        "driver_s": statistics.median(times["driver"]),
-        "cluster_s": statistics.median(times["cluster"]),
-        "driver_read": read["driver"] / rounds,
-        "cluster_read": read["cluster"] / rounds,
-        "bytes": size,
+        case: {
+            "driver_s": statistics.median(times[case, "driver"]),
+            "cluster_s": statistics.median(times[case, "cluster"]),
+            "driver_read": read[case, "driver"] / rounds,
+            "cluster_read": read[case, "cluster"] / rounds,
+            "bytes": sum(os.path.getsize(p) for p in paths),
+        }
+        for case in cases
     }
 
 
-def hash_rows(files: int, secs: float, got: dict[str, float], rounds: int) -> list[dict]:
-    """The rows of part 4."""
+def hash_rows(files: int, secs: float, got: dict[str, float], rounds: int, what: str) -> list[dict]:
+    """The rows of part 4 for one case (``what``: the inputs, as the rows name them)."""
     mb = got["bytes"] / 1e6
     return [
         row(
             "ray",
-            f"first build's hash phase, Ray tasks vs driver, {files} x {secs:g} s clips",
+            f"first build's hash phase, Ray tasks vs driver, {files} x {secs:g} s clips{what}",
             got["cluster_s"] / got["driver_s"],
             "x",
             "report",
@@ -177,7 +200,7 @@ def hash_rows(files: int, secs: float, got: dict[str, float], rounds: int) -> li
         ),
         row(
             "ray",
-            "input bytes the driver read to hash a first build, Ray tasks",
+            f"input bytes the driver read to hash a first build{what}, Ray tasks",
             got["cluster_read"],
             "B",
             "0",
@@ -211,10 +234,29 @@ def hash_only(quick: bool = False) -> list[dict]:
     try:
         data = tmp / "clips"
         write_audio_folder(data, files, seconds=secs, seed=5)
-        got = hash_phase(data, tmp, rounds)
+        got = hash_phase(data, tar_shards(data, tmp / "shards", TAR_SHARDS), tmp, rounds)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return hash_rows(files, secs, got, rounds)
+    in_tars = f" (in {TAR_SHARDS} tar shards)"
+    return hash_rows(files, secs, got["files"], rounds, "") + hash_rows(
+        files, secs, got["tar"], rounds, in_tars
+    )
+
+
+#: Tar shards the bench's clips are packed into for the tar case of part 4.
+TAR_SHARDS = 8
+
+
+def tar_shards(data: Path, folder: Path, shards: int) -> Path:
+    """``data``'s files packed in order into ``shards`` plain tars in ``folder``."""
+    folder.mkdir()
+    files = sorted(data.iterdir())
+    per = -(-len(files) // shards)
+    for i in range(shards):
+        with tarfile.open(folder / f"shard-{i:03d}.tar", "w") as tar:
+            for f in files[i * per : (i + 1) * per]:
+                tar.add(f, arcname=f.name)
+    return folder
 
 
 def main(quick: bool = False, hashing: bool = True) -> list[dict]:

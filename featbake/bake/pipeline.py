@@ -620,10 +620,11 @@ class _Bake:
         cache (``stats`` filled in :attr:`hashed_stats`).
 
         A plain build keeps the bytes it hashed, to decode them from (read once). With another
-        engine, whose workers read their inputs themselves, none are kept, and a folder's or a
-        bucket prefix's inputs the hash cache does not know are read by the engine's
-        :class:`Digester` (Ray: tasks on the cluster, not this process); other kinds are
-        hashed here (see :func:`digested_anywhere`).
+        engine, whose workers read their inputs themselves, none are kept, and the inputs the
+        hash cache does not know (a folder's files, a bucket prefix's objects, the files a
+        manifest names, the tar shards and table files of new members and cells) are read by
+        the engine's :class:`Digester` (Ray: tasks on the cluster, not this process); a
+        manifest's texts are hashed here (see :func:`digested_anywhere`).
         """
         args = (self.catalog, paths, self.progress, self.hashed_stats)
         if self.elsewhere is None:

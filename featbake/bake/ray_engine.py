@@ -1,19 +1,18 @@
 """Builds on Ray Data: the encode step of a build spread over an actor pool, retried by Ray.
 
-``featbake build --engine ray`` (:class:`RayEngine`) lists and keys the inputs as any build
-does (bake/pipeline.py), the inputs of a folder or bucket prefix that the hash cache does not
-know read and hashed by Ray tasks on the cluster (:class:`ClusterDigests`: the driver fills the
-hash cache from what they return, and reads no input); only the misses become a Ray Dataset of
-:class:`WorkItem` rows, and
-``map_batches`` runs them through an actor pool: each actor (:class:`PathActor`) loads the
+``featbake build --engine ray`` (:class:`RayEngine`) lists and keys the inputs as any build does
+(bake/pipeline.py), the inputs of a folder or bucket prefix that the hash cache does not know read
+and hashed by Ray tasks on the cluster (:class:`ClusterDigests`: the driver fills the hash cache
+from what they return, and reads no input), and the tar shards and table files whose members and
+cells it does not know likewise; only the misses become a Ray Dataset of :class:`WorkItem` rows,
+and ``map_batches`` runs them through an actor pool: each actor (:class:`PathActor`) loads the
 encoder once and is a :class:`PartEncoder`, encoding each task by the plain build's own step and
-sealing shards and ``part`` fragments into the store (a shared filesystem, or a bucket through
-each node's tier). The driver adds up what the tasks return, then seals the manifest and merges.
-It connects to Ray (starting a local instance if no address is given) on a thread of its own
-while it lists and stats the inputs (:meth:`RayEngine.started`), and waits for it there, before
-the first hashing task.
-Decoding runs in the actor, beside the encoder, reading each input where the build found it: a
-task is one round trip of names, not of bytes.
+sealing shards and ``part`` fragments into the store (a shared filesystem, or a bucket through each
+node's tier). The driver adds up what the tasks return, then seals the manifest and merges. It
+connects to Ray (starting a local instance if no address is given) on a thread of its own while it
+lists and stats the inputs (:meth:`RayEngine.started`), and waits for it there, before the first
+hashing task. Decoding runs in the actor, beside the encoder, reading each input where the build
+found it: a task is one round trip of names, not of bytes.
 
 Ray restarts a dead actor and runs its task again (Ray Data sets ``max_restarts=-1`` and
 ``max_task_retries=-1`` for an actor pool): the task's items that its dead worker had sealed are
@@ -36,10 +35,10 @@ import os
 import pickle
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import torch
@@ -59,7 +58,15 @@ from featbake.bake.pipeline import (
 )
 from featbake.bake.report import BuildReport
 from featbake.device import process_cpus
-from featbake.encode.fingerprints import DigestAsk, Digested, Digester, digest_here
+from featbake.encode.fingerprints import (
+    ContainerAsk,
+    ContainerDigested,
+    DigestAsk,
+    Digested,
+    Digester,
+    digest_here,
+    read_here,
+)
 from featbake.encode.hf import recipe_for_encoder
 from featbake.errors import ConfigError, FeatbakeError
 from featbake.keys import feature_key, root_id
@@ -141,6 +148,28 @@ def hash_rows_per_task(inputs: int, cpus: int) -> int:
     """
     even = -(-inputs // (max(1, cpus) * HASH_TASKS_PER_CPU))
     return max(LEAST_HASH_ROWS, min(MOST_HASH_ROWS, even))
+
+
+def container_tasks(items: Sequence[int], per_task: int) -> list[range]:
+    """The hashing tasks of containers holding ``items`` new items each (in order): each task a
+    run of whole containers (a container is read by one process, in its order), closed once it
+    holds ``per_task`` items or more, or the next container would take it past them; so a task
+    is one large container, or several small ones.
+
+    Example:
+        >>> container_tasks([10, 10, 100, 5, 5], per_task=64)
+        [range(0, 2), range(2, 3), range(3, 5)]
+    """
+    tasks: list[range] = []
+    start, held = 0, 0
+    for i, n in enumerate(items):
+        if i > start and held + n > per_task:
+            tasks.append(range(start, i))
+            start, held = i, 0
+        held += n
+    if start < len(items):
+        tasks.append(range(start, len(items)))
+    return tasks
 
 
 #: The column of each task's result (:meth:`PartResult.to_json`).
@@ -360,6 +389,10 @@ class ConnectedEngine:
         return ClusterDigests(engine.address, engine.cluster_hashing_from, self.connecting)
 
 
+T = TypeVar("T")  # what a hashing task gives for each ask
+A = TypeVar("A")  # an ask of a hashing task (an input, a container)
+
+
 # == hashing on the cluster ========================================================================
 # A first build of a large dataset hashed every input on the driver (one node reading every byte
 # while the cluster waited), then the actors read each input again to decode it. The inputs the
@@ -369,12 +402,24 @@ class ConnectedEngine:
 # keeps what ``hash_inputs`` does around them: the stats, the hash cache filled from the results
 # (with the racy rule's recording time taken before the stats), the failures by name, the
 # progress, the manifest published only once every digest is in.
+#
+# Tar shards and table files the hash cache does not know are read the same way (the
+# ``containers`` reader of :class:`ClusterDigests`): each container by one task, whole (its
+# members in tar order, its cells a row group at a time), a task taking several small ones up to
+# :func:`hash_rows_per_task` new items (:func:`container_tasks`); what a task reads a container
+# by is what the driver's scan found (:class:`~featbake.encode.fingerprints.ContainerRead`: a
+# tar's member offsets and the stat it was listed at, a table's column and kind of cell), and it
+# returns the digests with the container's stat as of its reading, which the driver checks
+# against the one it looked up, as it checks its own readings. The threshold counts the new items
+# (members, cells), as it counts a folder's new files: an item is an input either way, and one
+# shard of a million members is worth a task where a folder of 10 small tars is not.
 @dataclass(frozen=True)
-class HashedBatch:
-    """What one hashing task returns: each input's :class:`Digested`, or the one-line error
-    it raised (a FeatbakeError's class name and message, raised again on the driver)."""
+class HashedBatch(Generic[T]):
+    """What one hashing task returns: each input's :class:`Digested` (or each container's
+    :class:`ContainerDigested`), or the one-line error it raised (a FeatbakeError's class name
+    and message, raised again on the driver)."""
 
-    digested: list[Digested] = field(default_factory=list)
+    digested: list[T] = field(default_factory=list)
     error_kind: str = ""
     error: str = ""
 
@@ -384,12 +429,22 @@ class HashedBatch:
             raise error_class(self.error_kind)(self.error)
 
 
-def digest_batch(asks: list[DigestAsk]) -> HashedBatch:
+def digest_batch(asks: list[DigestAsk]) -> HashedBatch[Digested]:
     """One hashing task (run by a Ray worker): ``asks`` (inputs of one place) read and hashed
     on the worker's threads, no bytes kept (the actors read their inputs themselves)."""
     try:
         place = bytes_at(asks[0].path)
         return HashedBatch(list(digest_here(place, asks)))
+    except FeatbakeError as e:  # a bucket's configuration, say: its one line, not a traceback
+        return HashedBatch([], type(e).__name__, str(e))
+
+
+def read_batch(asks: list[ContainerAsk]) -> HashedBatch[ContainerDigested]:
+    """One container-hashing task (run by a Ray worker): each of ``asks``' containers read
+    by its :class:`ContainerRead` (a tar's listed members, a table file's cells), in order, no
+    bytes kept."""
+    try:
+        return HashedBatch(list(read_here(asks)))
     except FeatbakeError as e:  # a bucket's configuration, say: its one line, not a traceback
         return HashedBatch([], type(e).__name__, str(e))
 
@@ -411,16 +466,28 @@ class ClusterDigests:
     def __call__(self, place: BytePlace, asks: Sequence[DigestAsk]) -> Iterator[Digested]:
         if hash_site(len(asks), self.cluster_from) is HashSite.DRIVER:
             return digest_here(place, asks)
-        return self.on_cluster(asks)
+        return self.on_cluster(asks, digested_by_tasks)
 
-    def on_cluster(self, asks: Sequence[DigestAsk]) -> Iterator[Digested]:
-        """Each of ``asks`` digested by a Ray task, as the tasks return."""
+    def containers(self, asks: Sequence[ContainerAsk]) -> Iterator[ContainerDigested]:
+        """The :class:`~featbake.encode.fingerprints.ContainerDigester` beside it: containers
+        (a tar shard, a table file) read in Ray tasks when they hold enough new items (members,
+        cells: :func:`hash_site` counts items, as it counts a folder's files), else on the
+        driver (:func:`~featbake.encode.fingerprints.read_here`)."""
+        if hash_site(sum(a.items for a in asks), self.cluster_from) is HashSite.DRIVER:
+            return read_here(asks)
+        return self.on_cluster(asks, containers_read_by_tasks)
+
+    def on_cluster(
+        self, asks: Sequence[A], by_tasks: Callable[[Any, Sequence[A]], Iterator[T]]
+    ) -> Iterator[T]:
+        """Each of ``asks`` done in Ray tasks by ``by_tasks`` (:func:`digested_by_tasks`,
+        :func:`containers_read_by_tasks`), as the tasks return."""
         if self.connecting is None:
             with ray_session(self.address) as ray:
-                yield from digested_by_tasks(ray, asks)
+                yield from by_tasks(ray, asks)
             return
         self.connecting.wait()
-        yield from digested_by_tasks(_ray(), asks)
+        yield from by_tasks(_ray(), asks)
 
 
 def digested_by_tasks(ray: Any, asks: Sequence[DigestAsk]) -> Iterator[Digested]:
@@ -433,11 +500,37 @@ def digested_by_tasks(ray: Any, asks: Sequence[DigestAsk]) -> Iterator[Digested]
     per_task = hash_rows_per_task(len(asks), int(ray.cluster_resources().get("CPU", 1)))
     task = ray.remote(num_cpus=1)(digest_batch)
     sent = [DigestAsk(a.path, a.stat) for a in asks]  # no holder: nothing kept on the driver
-    pending = [task.remote(sent[i : i + per_task]) for i in range(0, len(sent), per_task)]
+    runs = [sent[i : i + per_task] for i in range(0, len(sent), per_task)]
+    yield from as_returned(ray, [task.remote(run) for run in runs])
+
+
+def containers_read_by_tasks(ray: Any, asks: Sequence[ContainerAsk]) -> Iterator[ContainerDigested]:
+    """``asks``' containers in Ray tasks (:func:`container_tasks`: whole containers, about
+    :func:`hash_rows_per_task` new items a task), each task's results as it returns; tasks not
+    yet done are cancelled if the caller stops.
+
+    Raises:
+        FeatbakeError: what a task raised, as its own class with its own line.
+    """
+    items = [a.items for a in asks]
+    per_task = hash_rows_per_task(sum(items), int(ray.cluster_resources().get("CPU", 1)))
+    task = ray.remote(num_cpus=1)(read_batch)
+    sent = [replace(a, held=None) for a in asks]  # nothing kept on the driver
+    runs = [[sent[i] for i in run] for run in container_tasks(items, per_task)]
+    yield from as_returned(ray, [task.remote(run) for run in runs])
+
+
+def as_returned(ray: Any, pending: list[Any]) -> Iterator[Any]:
+    """The results of the hashing tasks ``pending`` (:class:`HashedBatch`), each task's as it
+    returns; the tasks not yet done cancelled if the caller stops (Ctrl-C, an error).
+
+    Raises:
+        FeatbakeError: what a task raised, as its own class with its own line.
+    """
     try:
         while pending:
             ready, pending = ray.wait(pending, num_returns=1)
-            batch: HashedBatch = ray.get(ready[0])
+            batch: HashedBatch[Any] = ray.get(ready[0])
             batch.raise_error()
             yield from batch.digested
     finally:

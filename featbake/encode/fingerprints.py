@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, runtime_checkable
 
 from featbake.encode.encoders import PICKLE, LoadedEncoder, detect_kind
 from featbake.keys import sha256_file, sha256_hex
@@ -290,42 +290,140 @@ class ItemRef(NamedTuple):
     where: int  # a table's row (0 for a tar member, found by its name)
 
 
-#: container, the refs to read in it -> what the reading gave (see :class:`ReadBack`).
-ReadDigests = Callable[[str, list[ItemRef]], ReadBack]
+# Reading the wanted items of the containers the hash cache does not know is the one step of
+# :func:`hash_items` that may run elsewhere, as a :class:`Digester` reads a folder's files: a
+# :class:`ContainerDigester` is given one :class:`ContainerAsk` per container, each holding a
+# :class:`ContainerRead` (picklable: what reading that container needs, the members' offsets, a
+# table's column and rows, and nothing else), and returns what each reading gave. The default
+# reads them here, container after container (:func:`read_here`); an engine's may read them on
+# its cluster (:class:`featbake.bake.ray_engine.ClusterDigests`). Everything around it stays
+# with the caller: the containers' stats, the hash cache consulted and filled (with the racy
+# rule's recording time), the stat each reading must have been at, the failures, the progress.
+class ContainerRead(Protocol):
+    """One container's wanted items read and hashed (a tar's members, a table file's cells):
+    picklable, so any process that reaches the container may run it."""
+
+    def __call__(self, held: Holder | None = None) -> ReadBack:
+        """Each wanted item's digest (or a 1-tuple: why not) by its full name, and the
+        container's stat as of the reading (:class:`ReadBack`); with ``held``, the items'
+        bytes kept there for decoding."""
+        ...
+
+
+@dataclass(frozen=True)
+class ContainerAsk:
+    """One container to read: its name, its :class:`ContainerRead`, how many items it reads
+    (what sizes an engine's tasks), and where to keep their bytes (None: kept nowhere)."""
+
+    container: str
+    read: ContainerRead
+    items: int
+    held: Holder | None = None
+
+
+@dataclass(frozen=True)
+class ContainerDigested:
+    """What reading one container gave (:class:`ReadBack`)."""
+
+    container: str
+    got: ReadBack
+
+
+class ContainerDigester(Protocol):
+    """Reads the containers the hash cache did not know (see the section comment)."""
+
+    def __call__(self, asks: Sequence[ContainerAsk]) -> Iterator[ContainerDigested]:
+        """One :class:`ContainerDigested` for each of ``asks``, in any order, each as soon as
+        it is done (the build's progress ticks with them); ``ask.read``'s answer for each."""
+        ...
+
+
+def read_here(asks: Sequence[ContainerAsk]) -> Iterator[ContainerDigested]:
+    """The default :class:`ContainerDigester`: ``asks`` read by this process in order (a
+    container's items in its order, one open file each), their bytes kept where each says."""
+    for ask in asks:
+        yield ContainerDigested(ask.container, ask.read(ask.held))
+
+
+@runtime_checkable
+class ReadsContainers(Protocol):
+    """A :class:`Digester` that reads containers too (an engine's: its ``containers`` is the
+    :class:`ContainerDigester` beside it)."""
+
+    def containers(self, asks: Sequence[ContainerAsk]) -> Iterator[ContainerDigested]: ...
+
+
+def containers_of(digester: Digester) -> ContainerDigester:
+    """How ``digester``'s reader reads containers: its own ``containers`` if it has one (an
+    engine's cluster), else here (:func:`read_here`, as :func:`digest_here` reads files)."""
+    return digester.containers if isinstance(digester, ReadsContainers) else read_here
+
+
+#: container, the refs to read in it -> its reading (picklable: see :class:`ContainerRead`).
+Readings = Callable[[str, list[ItemRef]], ContainerRead]
 
 
 def hash_items(
     catalog: HashCache,
     refs: Sequence[ItemRef],
-    read: ReadDigests,
+    reading: Readings,
     progress: Callable[[Progress], None] | None = None,
     stats: dict[str, FileStat] | None = None,
     stat_of: Callable[[str], FileStat | None] = container_stat,
+    held: Holder | None = None,
+    digester: ContainerDigester = read_here,
 ) -> tuple[dict[str, str], dict[str, str]]:
     """SHA-256 of each item, reading only the containers whose stat the hash cache does not know.
 
-    ``read(container, refs)`` reads the items of one container (in its order) and returns each
-    digest, or a 1-tuple with why the item cannot be read, with the container's stat as of the
-    reading (:class:`ReadBack`): digests whose bytes came from another stat than the one looked
-    up fail. ``stats`` is filled with each item's container stat, which decoding checks again.
-    ``stat_of`` gives a container's stat before it is read (a bucket's tars: from the scan's
-    listing, no request).
+    ``reading(container, refs)`` is how the items of one container are read (a
+    :class:`ContainerRead`), which ``digester`` runs (default: here, in order; an engine's may
+    run them on its cluster): each gives every item's digest, or a 1-tuple with why the item
+    cannot be read, with the container's stat as of the reading (:class:`ReadBack`): digests
+    whose bytes came from another stat than the one looked up fail. ``stats`` is filled with
+    each item's container stat, which decoding checks again. ``stat_of`` gives a container's
+    stat before it is read (a bucket's tars: from the scan's listing, no request). ``held``
+    keeps the items' bytes read here, for a build to decode.
 
     Returns:
         (path -> sha256, path -> reason for items that could not be read)
     """
     stats = {} if stats is None else stats
-    failed: dict[str, str] = {}
     stat_time = time.time_ns()  # before the stats: what a racy entry is measured against
     by_container: dict[str, list[ItemRef]] = {}
     for ref in refs:
         by_container.setdefault(ref.container, []).append(ref)
-    container_stat = {c: stat_of(c) for c in by_container}
+    seen = {c: stat_of(c) for c in by_container}
+    digests, failed, todo = looked_up(catalog, refs, seen, stats)
+    if progress:
+        progress(Progress("hash", len(digests), len(refs)))
+    asks = [ContainerAsk(c, reading(c, wanted), len(wanted), held) for c, wanted in todo.items()]
+    fresh: list[HashRow] = []
+    for done in digester(asks):
+        wanted = todo.pop(done.container, [])
+        fresh += took(done, wanted, seen[done.container], stats, digests, failed)
+        if progress:
+            progress(Progress("hash", len(digests) + len(failed), len(refs)))
+    failed.update({r.path: "not read" for wanted in todo.values() for r in wanted})
+    places = {bytes_at(r.path) for r in fresh}  # an object's rows are never racy (an ETag)
+    recorded = max((p.recorded_ns(fresh, stat_time) for p in places), default=stat_time)
+    catalog.put_hashes(fresh, recorded_ns=recorded)
+    return digests, failed
+
+
+def looked_up(
+    catalog: HashCache,
+    refs: Sequence[ItemRef],
+    seen: Mapping[str, FileStat | None],
+    stats: dict[str, FileStat],
+) -> tuple[dict[str, str], dict[str, str], dict[str, list[ItemRef]]]:
+    """(path -> the digest the hash cache holds at its container's stat ``seen``, path -> why
+    not (a container with no stat), container -> its refs to read), ``stats`` filled."""
     cached = catalog.cached_hashes([r.cache_id for r in refs])
     digests: dict[str, str] = {}
+    failed: dict[str, str] = {}
     todo: dict[str, list[ItemRef]] = {}
     for ref in refs:
-        st = container_stat[ref.container]
+        st = seen[ref.container]
         if st is None:
             failed[ref.path] = f"cannot stat {ref.container}"
             continue
@@ -335,27 +433,31 @@ def hash_items(
             digests[ref.path] = hit.sha256
         else:
             todo.setdefault(ref.container, []).append(ref)
-    if progress:
-        progress(Progress("hash", len(digests), len(refs)))
+    return digests, failed, todo
+
+
+def took(
+    done: ContainerDigested,
+    wanted: Sequence[ItemRef],
+    seen: FileStat | None,
+    stats: Mapping[str, FileStat],
+    digests: dict[str, str],
+    failed: dict[str, str],
+) -> list[HashRow]:
+    """The hash-cache rows of one container's reading, ``digests`` and ``failed`` filled: a
+    reading at another stat than ``seen`` (the one looked up) fails every item it read."""
+    changed = done.got.stat != seen
     fresh: list[HashRow] = []
-    for container, wanted in todo.items():
-        got = read(container, wanted)
-        changed = got.stat != container_stat[container]
-        for ref in wanted:
-            one = got.digests.get(ref.path, ("not read",))
-            if changed and not isinstance(one, tuple):
-                one = (f"{container} changed while featbake was reading it",)
-            if isinstance(one, tuple):
-                failed[ref.path] = one[0]
-            else:
-                digests[ref.path] = one
-                fresh.append(HashRow(ref.cache_id, stats[ref.path], one))
-        if progress:
-            progress(Progress("hash", len(digests) + len(failed), len(refs)))
-    places = {bytes_at(r.path) for r in fresh}  # an object's rows are never racy (an ETag)
-    recorded = max((p.recorded_ns(fresh, stat_time) for p in places), default=stat_time)
-    catalog.put_hashes(fresh, recorded_ns=recorded)
-    return digests, failed
+    for ref in wanted:
+        one = done.got.digests.get(ref.path, ("not read",))
+        if changed and not isinstance(one, tuple):
+            one = (f"{done.container} changed while featbake was reading it",)
+        if isinstance(one, tuple):
+            failed[ref.path] = one[0]
+        else:
+            digests[ref.path] = one
+            fresh.append(HashRow(ref.cache_id, stats[ref.path], one))
+    return fresh
 
 
 class Listed(Protocol):
@@ -373,18 +475,21 @@ def hash_listed(
     inputs: Listed,
     catalog: HashCache,
     refs: Sequence[ItemRef],
-    read: ReadDigests,
+    reading: Readings,
     progress: Callable[[Progress], None] | None,
     stats: dict[str, FileStat] | None,
+    held: Holder | None = None,
+    digester: ContainerDigester = read_here,
 ) -> tuple[dict[str, str], dict[str, str]]:
     """:func:`hash_items` over ``inputs``' containers, with the stats their scan read (a
-    bucket's: no request) or their place's, then recording the listings the scan read (a
-    rebuild reads them from the hash cache)."""
+    bucket's: no request) or their place's, the containers the hash cache does not know read
+    by ``digester`` (default: here), then recording the listings the scan read (a rebuild
+    reads them from the hash cache)."""
 
     def stat_of(container: str) -> FileStat | None:
         return inputs.listed.get(container) or inputs.place.stat(container)
 
-    got = hash_items(catalog, refs, read, progress, stats, stat_of)
+    got = hash_items(catalog, refs, reading, progress, stats, stat_of, held, digester)
     if inputs.fresh:
         recorded = inputs.place.recorded_ns(inputs.fresh, time.time_ns())
         catalog.put_hashes(inputs.fresh, recorded_ns=recorded)

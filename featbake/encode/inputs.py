@@ -318,8 +318,9 @@ def inputs_at(
 
 
 class HashedAnywhere(Inputs, Protocol):
-    """Inputs whose ``hash`` takes a ``digester``: their new files may be read and hashed by
-    any process that reaches them (see :func:`digested_anywhere`)."""
+    """Inputs whose ``hash`` takes a ``digester``: their new files (or the new containers of
+    their items) may be read and hashed by any process that reaches them (see
+    :func:`digested_anywhere`)."""
 
     files_hashed_whole: ClassVar[bool]
 
@@ -370,10 +371,16 @@ def digested_anywhere(inputs: Inputs) -> TypeGuard[HashedAnywhere]:
     digest the SHA-256 of one file or object read whole (a segment's derived from its
     recording's; the recording's audio header, read for the bounds, is read here).
 
-    Other kinds are hashed by the build's own process: a tar's members and a table's cells
-    (read container by container), a manifest's texts (no file to read).
+    A tar's members and a table's cells too (``containers_read_anywhere``): each container
+    the hash cache does not know is read by one process, by what the driver's scan
+    found (a :class:`~featbake.encode.fingerprints.ContainerRead`: a tar's member listing, a
+    table's column and kind), through ``digester``'s container reader
+    (:func:`~featbake.encode.fingerprints.containers_of`).
+
+    A manifest's texts are hashed by the build's own process (no file to read).
     """
-    return bool(getattr(inputs, "files_hashed_whole", False))
+    whole = getattr(inputs, "files_hashed_whole", False)
+    return bool(whole or getattr(inputs, "containers_read_anywhere", False))
 
 
 def keeps_order(inputs: Inputs) -> bool:

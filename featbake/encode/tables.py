@@ -33,17 +33,25 @@ import json
 import os
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
+from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar, NamedTuple
 
 import torch
 
-from featbake.encode.fingerprints import HeldBytes, ItemRef, hash_listed
+from featbake.encode.fingerprints import (
+    Digester,
+    HeldBytes,
+    ItemRef,
+    containers_of,
+    digest_here,
+    hash_listed,
+)
 from featbake.encode.sources import ScanResult, SkippedInput, Source
 from featbake.errors import SourceError
 from featbake.progress import Progress
 from featbake.store.byteplace import bytes_at, object_head
 from featbake.store.containers import (
     CellKind,
+    Holder,
     ReadBack,
     TableFile,
     cell_bytes,
@@ -106,6 +114,10 @@ class Table:
         column: the column to encode; None: the first Audio/Image (by the source's kind) or
             bytes column.
     """
+
+    #: Each file the hash cache does not know may be read by any process (an engine's task),
+    #: by the scan's column and kinds: ``hash``'s ``digester`` (see ``inputs.digested_anywhere``).
+    containers_read_anywhere: ClassVar[bool] = True
 
     def __init__(self, data: str, column: str | None = None) -> None:
         pyarrow_module()
@@ -321,10 +333,13 @@ class Table:
         progress: Callable[[Progress], None] | None = None,
         stats: dict[str, FileStat] | None = None,
         held: HeldBytes | None = None,
+        digester: Digester = digest_here,
     ) -> tuple[dict[str, str], dict[str, str]]:
         """SHA-256 of each cell, reading only files whose stat the hash cache does not know
         (see :func:`hash_items`); a row's entry is keyed by its name and the column. ``held``
-        keeps the cells' bytes, for the build to decode."""
+        keeps the cells' bytes, for the build to decode. The files to read are read by
+        ``digester``'s container reader (default: here, file after file; an engine's: on its
+        cluster, each file's :class:`CellReading`)."""
         files = {p: split_item_path(p) for p in paths}
         replaced = self.replaced({file for file, _ in files.values()})
         refs = [
@@ -332,11 +347,9 @@ class Table:
             for p, (file, row) in files.items()
             if file not in replaced
         ]
-
-        def read(file: str, wanted: list[ItemRef]) -> ReadBack:
-            return self._read(file, wanted, held)
-
-        digests, failed = hash_listed(self, catalog, refs, read, progress, stats)
+        digests, failed = hash_listed(
+            self, catalog, refs, self.reading, progress, stats, held, containers_of(digester)
+        )
         failed.update({p: replaced[file] for p, (file, _) in files.items() if file in replaced})
         return digests, failed
 
@@ -347,12 +360,16 @@ class Table:
         folder swapped back to a version hashed before keeps its files' stats)."""
         return replaced_files(self.scanned, files, replaced_since_scan)
 
-    def _read(self, file: str, refs: list[ItemRef], held: HeldBytes | None) -> ReadBack:
-        """The digests of ``refs``' cells in ``file``, one row group at a time, and the file's
-        stat as of the reading (an object's from the GETs' responses: no HEAD)."""
+    def reading(self, file: str, refs: list[ItemRef]) -> CellReading:
+        """How ``refs``' cells of ``file`` are read for their digests, by any process: the
+        file (opened afresh in another process), the column and its kind of cell there.
+
+        Raises:
+            SourceError: ``file`` is not one of the table's scanned files.
+        """
         index = self.file_index(file)
-        f, kind = self.files[index], self.kinds[index]
-        return cell_digests(f, str(self.column), kind, {r.where: r.path for r in refs}, held)
+        wanted = {r.where: r.path for r in refs}
+        return CellReading(self.files[index], str(self.column), self.kinds[index], wanted)
 
     def carried(self, path: str) -> CarriedCell | None:
         """What the scan settled for cell ``path`` (``file:row``): what a worker reads it by."""
@@ -414,6 +431,26 @@ class CarriedCell:
     kind: CellKind
     scanned_here: bool
     scanned: FileStat | None
+
+
+@dataclass(frozen=True)
+class CellReading:
+    """One table file's wanted cells read for their digests (a
+    :class:`~featbake.encode.fingerprints.ContainerRead`): picklable, the file (a copy opens
+    its own reader: :class:`TableFile`), the column, its kind of cell in that file, and row ->
+    each cell's full name, so a process that never scanned the table (an engine's task) reads
+    them as the build would, one row group at a time."""
+
+    file: TableFile
+    column: str
+    kind: CellKind
+    wanted: dict[int, str]
+
+    def __call__(self, held: Holder | None = None) -> ReadBack:
+        """The cells' digests by full name, and the file's stat as of the reading (a local
+        file's if it is still the one this process's reader opened; an object's from the
+        GETs' responses: see :meth:`TableFile.stat`)."""
+        return cell_digests(self.file, self.column, self.kind, self.wanted, held)
 
 
 class CellSource:

@@ -33,17 +33,25 @@ import os
 import re
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, ClassVar
 
 import torch
 
-from featbake.encode.fingerprints import HeldBytes, ItemRef, hash_listed
+from featbake.encode.fingerprints import (
+    Digester,
+    HeldBytes,
+    ItemRef,
+    containers_of,
+    digest_here,
+    hash_listed,
+)
 from featbake.encode.sources import ScanResult, SkippedInput, Source
 from featbake.errors import SourceError
 from featbake.progress import Progress
 from featbake.store.byteplace import bytes_at, hidden_name
 from featbake.store.containers import (
     TAR_SUFFIXES,
+    Holder,
     Member,
     ReadBack,
     is_tar,
@@ -182,6 +190,10 @@ class WebDataset:
         column: the extension of the member to encode (``jpg``); None: the sample's first member
             of the source's kind.
     """
+
+    #: Each shard the hash cache does not know may be read by any process (an engine's task),
+    #: by the scan's listing: ``hash``'s ``digester`` (see ``inputs.digested_anywhere``).
+    containers_read_anywhere: ClassVar[bool] = True
 
     def __init__(self, data: str, column: str | None = None) -> None:
         self.column = column.lower().lstrip(".") if column else None
@@ -357,34 +369,30 @@ class WebDataset:
         progress: Callable[[Progress], None] | None = None,
         stats: dict[str, FileStat] | None = None,
         held: HeldBytes | None = None,
+        digester: Digester = digest_here,
     ) -> tuple[dict[str, str], dict[str, str]]:
         """SHA-256 of each member, reading only shards whose stat the hash cache does not know
-        (see :func:`hash_items`); ``held`` keeps the bytes read, for the build to decode."""
+        (see :func:`hash_items`); ``held`` keeps the bytes read, for the build to decode. The
+        shards to read are read by ``digester``'s container reader (default: here, shard after
+        shard; an engine's: on its cluster, each shard's :class:`MemberReading`)."""
         tars = {p: split_item_path(p)[0] for p in paths}
         replaced = self.index.replaced(set(tars.values()))
         refs = [ItemRef(p, p, tar, 0) for p, tar in tars.items() if tar not in replaced]
-
-        def read(tar: str, wanted: list[ItemRef]) -> ReadBack:
-            return self._read(tar, wanted, held)
-
-        digests, failed = hash_listed(self, catalog, refs, read, progress, stats)
+        digests, failed = hash_listed(
+            self, catalog, refs, self.reading, progress, stats, held, containers_of(digester)
+        )
         failed.update({p: replaced[tar] for p, tar in tars.items() if tar in replaced})
         return digests, failed
 
-    def _read(self, tar: str, refs: list[ItemRef], held: HeldBytes | None) -> ReadBack:
+    def reading(self, tar: str, refs: list[ItemRef]) -> MemberReading:
+        """How ``refs``' members of ``tar`` are read for their digests, by any process: their
+        offsets as the scan listed them, and the stat ``tar`` was listed at."""
+        names = tuple(r.path for r in refs)
         try:
-            members = [self.index.member(r.path)[1] for r in refs]
+            members = tuple(self.index.member(r.path)[1] for r in refs)
         except SourceError as e:
-            return ReadBack({r.path: (str(e),) for r in refs}, None)
-        got = self.place.member_digests(tar, members, held)
-        # A local tar's members were read at the offsets listed: their digests stand only if
-        # the tar is still the version listed (one renamed over it since reads other bytes).
-        listed = got.stat == self.index.at.get(tar) or bytes_at(tar).versioned
-        by_ref = zip(refs, members, strict=True)
-        return ReadBack(
-            {r.path: got.digests.get(m.name, ("not read",)) for r, m in by_ref},
-            got.stat if listed else None,
-        )
+            return MemberReading(tar, names, (), None, str(e))
+        return MemberReading(tar, names, members, self.index.at.get(tar))
 
     def source(self, inner: Source) -> Source:
         return MemberSource(inner, self.index)
@@ -443,6 +451,40 @@ def replaced_since_listed(tar: str) -> str:
         f"{tar} was replaced since its members were listed (renamed over, or rewritten): "
         "its members' offsets are the other version's; rerun the build"
     )
+
+
+@dataclass(frozen=True)
+class MemberReading:
+    """One tar's wanted members read for their digests (a
+    :class:`~featbake.encode.fingerprints.ContainerRead`): picklable, the members' names,
+    offsets and sizes as the scan listed them and the stat a local tar was listed at, so a
+    process that never listed the tar (an engine's task) reads them as the build would.
+
+    ``names``: each member's full name (``tar:member``), in step with ``members``; ``problem``:
+    why none can be read (a member the listing lacks), each then failing with it.
+    """
+
+    tar: str
+    names: tuple[str, ...]
+    members: tuple[Member, ...]
+    listed_at: FileStat | None
+    problem: str = ""
+
+    def __call__(self, held: Holder | None = None) -> ReadBack:
+        """The members' digests by full name, and the tar's stat as of the reading: None if a
+        local tar is not the version listed (its offsets are another file's)."""
+        if self.problem:
+            return ReadBack({n: (self.problem,) for n in self.names}, None)
+        place = bytes_at(self.tar)
+        got = place.member_digests(self.tar, self.members, held)
+        # A local tar's members were read at the offsets listed: their digests stand only if
+        # the tar is still the version listed (one renamed over it since reads other bytes).
+        listed = got.stat == self.listed_at or place.versioned
+        by_name = zip(self.names, self.members, strict=True)
+        return ReadBack(
+            {n: got.digests.get(m.name, ("not read",)) for n, m in by_name},
+            got.stat if listed else None,
+        )
 
 
 class MemberSource:

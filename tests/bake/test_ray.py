@@ -16,13 +16,14 @@ import tarfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from featbake.bake.pipeline import build
 from featbake.encode import fingerprints
-from featbake.encode.fingerprints import DigestAsk
+from featbake.encode.fingerprints import ContainerAsk, DigestAsk
 from featbake.store.byteplace import BytePlace
 from featbake.store.catalog import Catalog
 from featbake.store.hash_cache import FileStat, racy_window_ns
@@ -361,31 +362,112 @@ def test_a_ray_build_of_a_manifest_hashes_the_files_its_rows_name_on_the_cluster
     assert_store_consistent(store)
 
 
-@pytest.mark.parametrize("container", ["parquet", "tar"])
-def test_a_ray_build_of_a_table_or_a_tar_encodes_each_cell_as_a_plain_build(
-    ray_cluster: dict[str, str], clips: Path, encoder_file: Path, tmp_path: Path, container: str
-) -> None:
-    # The workers never scanned the table: each cell's column and kind come with it (a table
-    # build failed every row on Ray before: "not a scanned file of the table"). A tar's members
-    # are found by listing the tar on the worker.
+def container_folder(container: str, clips: Path, folder: Path) -> tuple[Path, list[Path]]:
+    """A folder of two containers of ``clips`` and the clips a build stores, in order: parquet
+    files (``b.parquet``'s column chunks overwritten, its footer whole: the scan reads it, no
+    cell can be read) or tar shards (``shard-001.tar`` cut inside its last member)."""
+    import pyarrow.parquet as pq
+
     from tests.encode.test_containers import write_audio_parquet
 
     files = sorted(clips.iterdir())
+    folder.mkdir()
     if container == "parquet":
-        data = write_audio_parquet(tmp_path / "t.parquet", [f.read_bytes() for f in files])
-    else:
-        data = tmp_path / "shard-000.tar"
-        with tarfile.open(data, "w") as tar:
-            for f in files:
+        write_audio_parquet(folder / "a.parquet", [f.read_bytes() for f in files[:4]])
+        bad = write_audio_parquet(folder / "b.parquet", [f.read_bytes() for f in files[4:]])
+        chunk = pq.ParquetFile(bad).metadata.row_group(0).column(0)
+        data = bytearray(bad.read_bytes())
+        start = chunk.dictionary_page_offset or chunk.data_page_offset  # the chunk's first page
+        end = start + chunk.total_compressed_size // 2
+        data[start + 20 : end] = b"\xff" * (end - start - 20)
+        bad.write_bytes(bytes(data))
+        return folder, files[:4]
+    for name, part in (("shard-000.tar", files[:4]), ("shard-001.tar", files[4:])):
+        with tarfile.open(folder / name, "w") as tar:
+            for f in part:
                 tar.add(f, arcname=f.name)
-    report = build(data, encoder_file, cache=tmp_path / "store", engine=RayEngine(workers=1))
+    torn = folder / "shard-001.tar"
+    whole = torn.read_bytes()
+    last = files[-1].read_bytes()
+    torn.write_bytes(whole[: whole.find(last) + len(last) // 2])  # inside the last clip
+    return folder, files[:-1]
+
+
+def container_reads_here(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The containers whose members or cells this process reads for their digests (a local
+    tar's member digests, a table file's cell digests: pyarrow opens files in C++, out of the
+    audit hook's sight). Ray's workers are other processes, unpatched."""
+    from featbake.encode import tables
+    from featbake.store.byteplace import LocalFiles
+
+    read: list[str] = []
+    members, cells = LocalFiles.member_digests, tables.cell_digests
+
+    def tar_read(self: LocalFiles, tar: str, *args: Any) -> Any:
+        read.append(tar)
+        return members(self, tar, *args)
+
+    def table_read(f: Any, *args: Any) -> Any:
+        read.append(f.path)
+        return cells(f, *args)
+
+    monkeypatch.setattr(LocalFiles, "member_digests", tar_read)
+    monkeypatch.setattr(tables, "cell_digests", table_read)
+    return read
+
+
+def containers_asked(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The containers a Ray build's container reader is asked for (those holding members or
+    cells the hash cache did not know)."""
+    asked: list[str] = []
+    real = ClusterDigests.containers
+
+    def counted(self: ClusterDigests, asks: Sequence[ContainerAsk]) -> Any:
+        asked.extend(a.container for a in asks)
+        return real(self, asks)
+
+    monkeypatch.setattr(ClusterDigests, "containers", counted)
+    return asked
+
+
+@pytest.mark.parametrize("container", ["parquet", "tar"])
+def test_a_ray_build_of_a_table_or_a_tar_hashes_its_containers_on_the_cluster(
+    ray_cluster: dict[str, str],
+    clips: Path,
+    encoder_file: Path,
+    tmp_path: Path,
+    container: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Two parquet files or two tar shards, new to the hash cache: Ray tasks read their cells
+    # or members (by what the driver's scan found: the column and kind, the member offsets),
+    # the driver reads none. A torn member and a file whose cells cannot be read fail, named,
+    # as a plain build names them. The workers decode each cell by what came with it (a table
+    # build failed every row on Ray before: "not a scanned file of the table").
+    data, good = container_folder(container, clips, tmp_path / "data")
+    wait_past_racy(data)  # else a rebuild hashes every member again, by the racy rule
     local = build(data, encoder_file, cache=tmp_path / "local", workers=0)
-    assert (report.failed, report.encoded) == ([], len(files))
-    assert root_keys(tmp_path / "store", report.root) == root_keys(tmp_path / "local", local.root)
-    got = stored_features(tmp_path / "store", report.root)
-    assert len(got) == len(files)
-    for (_, parts), f in zip(sorted(got.items()), files, strict=True):  # rows in file order
+    read_here = container_reads_here(monkeypatch)
+    asked = containers_asked(monkeypatch)
+    store = tmp_path / "store"
+    engine = RayEngine(workers=1, cluster_hashing_from=1)
+    report = build(data, encoder_file, cache=store, engine=engine)
+    assert read_here == [], "the driver read containers to hash them"
+    assert sorted(asked) == sorted(str(p) for p in data.iterdir())
+    assert report.failed and sorted(report.failed) == sorted(local.failed)
+    assert (report.encoded, local.encoded) == (len(good), len(good))
+    assert root_keys(store, report.root) == root_keys(tmp_path / "local", local.root)
+    got = stored_features(store, report.root)
+    assert len(got) == len(good)
+    for (_, parts), f in zip(sorted(got.items()), good, strict=True):  # rows in file order
         torch.testing.assert_close(parts[""], live_features(encoder_file, f))
+    assert_store_consistent(store)
+    # The driver filled the hash cache from what the tasks returned: a rebuild asks only for
+    # the container of what failed (read again, as a plain rebuild reads it), and reads none.
+    asked.clear()
+    again = build(data, encoder_file, cache=store, engine=engine)
+    bad = {p for p in map(str, data.iterdir()) if p.endswith(("b.parquet", "shard-001.tar"))}
+    assert (set(asked), read_here, again.encoded, again.reused) == (bad, [], 0, len(good))
 
 
 def test_a_ray_build_of_a_manifests_texts_equals_transformers_run_now(

@@ -1,16 +1,20 @@
 """Where a Ray build hashes its new inputs (featbake.bake.ray_engine: hash_site,
-hash_rows_per_task, ClusterDigests) and the seam it plugs into (``hash_inputs``'s ``digester``):
-pure, or over real files and a real catalog, without Ray. The Ray build itself is tested in
+hash_rows_per_task, container_tasks, ClusterDigests) and the seams it plugs into
+(``hash_inputs``'s ``digester``; ``hash_listed``'s container reader, for tar shards and table
+files): pure, or over real files and a real catalog, without Ray. The Ray build itself is tested in
 tests/bake/test_ray.py (one local Ray instance for that module)."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import pickle
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,20 +25,28 @@ from featbake.bake.ray_engine import (
     MOST_HASH_ROWS,
     ClusterDigests,
     HashSite,
+    container_tasks,
     hash_rows_per_task,
     hash_site,
 )
 from featbake.encode.fingerprints import (
+    ContainerAsk,
+    ContainerDigested,
     DigestAsk,
     Digested,
     HeldBytes,
     digest_here,
     hash_inputs,
+    read_here,
 )
+from featbake.encode.inputs import Inputs
+from featbake.encode.tables import Table
+from featbake.encode.webdataset import WebDataset
 from featbake.store.byteplace import CHANGED_WHILE_READ, BytePlace, bytes_at
 from featbake.store.catalog import Catalog
 from featbake.store.hash_cache import FileStat, racy_window_ns
 from featbake.store.layout import Layout
+from tests.encode.test_containers import wav_bytes, write_audio_parquet, write_tar
 
 
 def test_few_new_inputs_are_hashed_on_the_driver_and_many_on_the_cluster() -> None:
@@ -82,16 +94,24 @@ def files(folder: Path, count: int) -> list[str]:
 
 class Elsewhere:
     """A digester standing for a cluster: it sees only what a task is sent (path and stat, no
-    holder), digests each ask with ``digest_here`` as a task does, and returns them last first
-    (tasks return in any order)."""
+    holder; a container's reading pickled), digests each ask with ``digest_here`` (reads each
+    container with ``read_here``) as a task does, and returns them last first (tasks return in
+    any order)."""
 
     def __init__(self) -> None:
         self.asked: list[DigestAsk] = []
+        self.containers_asked: list[str] = []
 
     def __call__(self, place: BytePlace, asks: Sequence[DigestAsk]) -> Iterator[Digested]:
         self.asked += asks
         sent = [DigestAsk(a.path, a.stat) for a in asks]
         return reversed(list(digest_here(place, sent)))
+
+    def containers(self, asks: Sequence[ContainerAsk]) -> Iterator[ContainerDigested]:
+        """Each container's reading as a task gets it: pickled, with no holder."""
+        self.containers_asked += [a.container for a in asks]
+        sent = [pickle.loads(pickle.dumps(replace(a, held=None))) for a in asks]
+        return reversed(list(read_here(sent)))
 
 
 def test_a_digester_elsewhere_fills_the_hash_cache_so_a_rebuild_asks_it_nothing(
@@ -135,3 +155,97 @@ def test_few_new_inputs_never_reach_ray(tmp_path: Path) -> None:
     with Catalog(Layout(tmp_path / "store").ensure()) as cat:
         digests, failed = hash_inputs(cat, paths, held=held, digester=digester)
     assert failed == {} and len(digests) == 3 and len(held) == 3
+
+
+# == containers: tar shards and table files ========================================================
+@settings(max_examples=500, deadline=None)
+@given(items=st.lists(st.integers(1, 300), max_size=40), per_task=st.integers(1, 200))
+def test_containers_go_to_tasks_whole_in_order_as_few_as_fit(
+    items: list[int], per_task: int
+) -> None:
+    tasks = container_tasks(items, per_task)
+    assert [i for task in tasks for i in task] == list(range(len(items)))  # each once, in order
+    held = [sum(items[i] for i in task) for task in tasks]
+    for task, n in zip(tasks, held, strict=True):
+        assert len(task) >= 1 and (n <= per_task or len(task) == 1)  # over: one large container
+    for n, after in zip(held, tasks[1:], strict=False):
+        assert n + items[after[0]] > per_task  # a task ends only where the next would not fit
+
+
+def torn_shard(path: Path, clips: list[bytes]) -> Path:
+    """A shard of ``clips`` cut inside its last member's bytes (the scan lists it; hashing
+    that member fails, naming it)."""
+    write_tar(path, [(f"{path.stem}-{i}", {"wav": c}) for i, c in enumerate(clips)])
+    whole = path.read_bytes()
+    path.write_bytes(whole[: whole.find(clips[-1]) + len(clips[-1]) // 2])
+    return path
+
+
+def containers(tmp_path: Path) -> dict[str, tuple[Inputs, Path]]:
+    """Two tar shards (the second torn) and two parquet files (the second with a null cell),
+    each kind scanned, with the container whose items fail."""
+    clips = [wav_bytes(0.2 + 0.05 * i, i) for i in range(6)]
+    shards, table = tmp_path / "shards", tmp_path / "table"
+    shards.mkdir()
+    table.mkdir()
+    write_tar(shards / "s0.tar", [(f"s0-{i}", {"wav": c}) for i, c in enumerate(clips[:3])])
+    torn = torn_shard(shards / "s1.tar", clips[3:])
+    write_audio_parquet(table / "a.parquet", clips[:3])
+    nulled = write_audio_parquet(table / "b.parquet", [clips[3], None, clips[4]])
+    return {"tar": (WebDataset(str(shards)), torn), "parquet": (Table(str(table)), nulled)}
+
+
+def scanned_paths(inputs: Inputs) -> list[str]:
+    return [inputs.path(r) for r in inputs.scan([".wav"]).inputs]
+
+
+def test_containers_read_elsewhere_equal_reading_here_and_fill_the_hash_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each container's reading pickled as a task's argument is (no holder: nothing kept), run
+    # by its copy (a table file opened afresh, a tar read at the offsets the scan listed), the
+    # results last first: the same digests and failures as reading here, the hash cache
+    # filled, so a second call asks only for the container of what failed (read again, as a
+    # plain rebuild reads it).
+    monkeypatch.setattr("featbake.store.hash_cache.RACY_NS", 0)  # rows trusted at once
+    for kind, (inputs, bad) in containers(tmp_path).items():
+        paths = scanned_paths(inputs)
+        with Catalog(Layout(tmp_path / f"here-{kind}").ensure()) as cat:
+            here_stats: dict[str, FileStat] = {}
+            want = inputs.hash(cat, paths, stats=here_stats)
+        assert len(want[1]) == 1 and str(bad) in next(iter(want[1].values())), want[1]
+        elsewhere = Elsewhere()
+        with Catalog(Layout(tmp_path / f"there-{kind}").ensure()) as cat:
+            stats: dict[str, FileStat] = {}
+            got = inputs.hash(cat, paths, stats=stats, digester=elsewhere)
+            assert (got, stats) == (want, here_stats), kind
+            assert len(elsewhere.containers_asked) == 2 and str(bad) in elsewhere.containers_asked
+            again = Elsewhere()
+            assert inputs.hash(cat, paths, digester=again) == want
+            assert again.containers_asked == [str(bad)], kind
+
+
+def test_the_cluster_threshold_counts_new_items_not_containers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Under the threshold the driver reads the containers, keeping the bytes where asked (a
+    # plain build's read-once), and Ray is never reached (the address reaches nothing); one
+    # container holding as many new members as the threshold goes to the cluster.
+    inputs, _ = containers(tmp_path)["tar"]
+    paths = scanned_paths(inputs)  # 6 members in 2 shards
+    sent: list[list[str]] = []
+
+    def on_cluster(self: ClusterDigests, asks: Sequence[ContainerAsk], by_tasks: object) -> object:
+        sent.append([a.container for a in asks])
+        return read_here(asks)
+
+    monkeypatch.setattr(ClusterDigests, "on_cluster", on_cluster)
+    held = HeldBytes()
+    with Catalog(Layout(tmp_path / "few").ensure()) as cat:
+        few = ClusterDigests("ray://127.0.0.1:9", cluster_from=7)
+        digests, failed = inputs.hash(cat, paths, held=held, digester=few)
+    assert (len(digests), len(failed), len(held), sent) == (5, 1, 5, [])
+    with Catalog(Layout(tmp_path / "many").ensure()) as cat:
+        many = ClusterDigests("ray://127.0.0.1:9", cluster_from=6)
+        assert inputs.hash(cat, paths, digester=many) == (digests, failed)
+    assert sent == [sorted({p.split(".tar:")[0] + ".tar" for p in paths})]
