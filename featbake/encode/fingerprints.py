@@ -232,16 +232,18 @@ def hash_inputs(
             if p in stats and p not in digests
         ]
         fresh: list[HashRow] = []
-        for one in digester(place, asks):
-            done += 1
-            if isinstance(one.got, str):
-                failed[one.path] = one.got
-            else:
-                stats[one.path], digests[one.path] = one.got
-                fresh.append(HashRow(one.path, *one.got))
-            if progress and (done % 256 == 0 or done == len(paths)):
-                progress(Progress("hash", done, len(paths)))
-        catalog.put_hashes(fresh, recorded_ns=place.recorded_ns(fresh, stat_time))
+        try:
+            for one in digester(place, asks):
+                done += 1
+                if isinstance(one.got, str):
+                    failed[one.path] = one.got
+                else:
+                    stats[one.path], digests[one.path] = one.got
+                    fresh.append(HashRow(one.path, *one.got))
+                if progress and (done % 256 == 0 or done == len(paths)):
+                    progress(Progress("hash", done, len(paths)))
+        finally:  # what was hashed is kept however the rest ends (a task lost, Ctrl-C)
+            catalog.put_hashes(fresh, recorded_ns=place.recorded_ns(fresh, stat_time))
     return digests, failed
 
 
@@ -398,15 +400,17 @@ def hash_items(
         progress(Progress("hash", len(digests), len(refs)))
     asks = [ContainerAsk(c, reading(c, wanted), len(wanted), held) for c, wanted in todo.items()]
     fresh: list[HashRow] = []
-    for done in digester(asks):
-        wanted = todo.pop(done.container, [])
-        fresh += took(done, wanted, seen[done.container], stats, digests, failed)
-        if progress:
-            progress(Progress("hash", len(digests) + len(failed), len(refs)))
+    try:
+        for done in digester(asks):
+            wanted = todo.pop(done.container, [])
+            fresh += took(done, wanted, seen[done.container], stats, digests, failed)
+            if progress:
+                progress(Progress("hash", len(digests) + len(failed), len(refs)))
+    finally:  # what was hashed is kept however the rest ends (a task lost, Ctrl-C)
+        places = {bytes_at(r.path) for r in fresh}  # an object's rows are never racy (an ETag)
+        recorded = max((p.recorded_ns(fresh, stat_time) for p in places), default=stat_time)
+        catalog.put_hashes(fresh, recorded_ns=recorded)
     failed.update({r.path: "not read" for wanted in todo.values() for r in wanted})
-    places = {bytes_at(r.path) for r in fresh}  # an object's rows are never racy (an ETag)
-    recorded = max((p.recorded_ns(fresh, stat_time) for p in places), default=stat_time)
-    catalog.put_hashes(fresh, recorded_ns=recorded)
     return digests, failed
 
 

@@ -136,6 +136,38 @@ def test_a_digester_elsewhere_fills_the_hash_cache_so_a_rebuild_asks_it_nothing(
         assert again.asked == []
 
 
+class LostMidway(Elsewhere):
+    """A cluster that returns ``first`` digests (files, or containers), then loses the rest (a
+    node gone, Ctrl-C)."""
+
+    def __init__(self, first: int) -> None:
+        super().__init__()
+        self.first = first
+
+    def __call__(self, place: BytePlace, asks: Sequence[DigestAsk]) -> Iterator[Digested]:
+        yield from list(super().__call__(place, asks))[: self.first]
+        raise KeyboardInterrupt
+
+    def containers(self, asks: Sequence[ContainerAsk]) -> Iterator[ContainerDigested]:
+        yield from list(super().containers(asks))[::-1][: self.first]  # in the order asked
+        raise KeyboardInterrupt
+
+
+def test_what_a_cluster_hashed_before_it_failed_is_kept_and_not_asked_again(
+    tmp_path: Path,
+) -> None:
+    paths = files(tmp_path / "data", 6)
+    with Catalog(Layout(tmp_path / "store").ensure()) as cat:
+        with pytest.raises(KeyboardInterrupt):
+            hash_inputs(cat, paths, digester=LostMidway(4))
+        kept = cat.cached_hashes(paths)
+        assert len(kept) == 4  # the 4 digests that came back, recorded however it ended
+        again = Elsewhere()
+        digests, _ = hash_inputs(cat, paths, digester=again)
+        assert sorted(a.path for a in again.asked) == sorted(set(paths) - set(kept))
+        assert digests == {p: hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in paths}
+
+
 def test_a_file_rewritten_after_its_stat_fails_alike_here_and_elsewhere(tmp_path: Path) -> None:
     paths = files(tmp_path / "data", 2)
     stat = FileStat.of(paths[0])
@@ -222,6 +254,22 @@ def test_containers_read_elsewhere_equal_reading_here_and_fill_the_hash_cache(
             assert len(elsewhere.containers_asked) == 2 and str(bad) in elsewhere.containers_asked
             again = Elsewhere()
             assert inputs.hash(cat, paths, digester=again) == want
+            assert again.containers_asked == [str(bad)], kind
+
+
+def test_the_containers_a_cluster_read_before_it_failed_are_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("featbake.store.hash_cache.RACY_NS", 0)  # rows trusted at once
+    # The good container comes back, then the cluster is lost: its members are kept, and the
+    # next call reads only the other (the one whose member fails, read again in any case).
+    for kind, (inputs, bad) in containers(tmp_path).items():
+        paths = scanned_paths(inputs)
+        with Catalog(Layout(tmp_path / f"store-{kind}").ensure()) as cat:
+            with pytest.raises(KeyboardInterrupt):
+                inputs.hash(cat, paths, digester=LostMidway(1))
+            again = Elsewhere()
+            inputs.hash(cat, paths, digester=again)
             assert again.containers_asked == [str(bad)], kind
 
 
