@@ -33,6 +33,7 @@ import hashlib
 import json
 import os
 import pickle
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -68,7 +69,7 @@ from featbake.encode.fingerprints import (
     read_here,
 )
 from featbake.encode.hf import recipe_for_encoder
-from featbake.errors import ConfigError, FeatbakeError
+from featbake.errors import BuildIncomplete, ConfigError, FeatbakeError
 from featbake.keys import feature_key, root_id
 from featbake.progress import Progress
 from featbake.recipe import Recipe
@@ -530,12 +531,30 @@ def as_returned(ray: Any, pending: list[Any]) -> Iterator[Any]:
     try:
         while pending:
             ready, pending = ray.wait(pending, num_returns=1)
-            batch: HashedBatch[Any] = ray.get(ready[0])
+            try:
+                batch: HashedBatch[Any] = ray.get(ready[0])
+            except ray.exceptions.RayError as e:  # its worker died, ran out of memory, ...
+                raise task_lost(e, len(pending)) from None
             batch.raise_error()
             yield from batch.digested
     finally:
         for ref in pending:
             ray.cancel(ref)
+
+
+def task_lost(error: BaseException, pending: int) -> BuildIncomplete:
+    """The one line for a hashing task Ray could not run to its end (its worker or node lost
+    after Ray's own retries, out of memory, or an error that is not featbake's)."""
+    cause = getattr(error, "cause", None)  # a RayTaskError's: what the task itself raised
+    error = cause if isinstance(cause, BaseException) else error
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))  # Ray colours its lines
+    first = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    why = f"{type(error).__name__}: {first}" if first else type(error).__name__
+    return BuildIncomplete(
+        f"a Ray task hashing the inputs failed ({why[:300]}); {pending} more were cancelled. "
+        "The digests that came back are kept: rerun the build to hash the rest (see the Ray "
+        "dashboard or `ray logs` for the worker's side)"
+    )
 
 
 def _results(ds: Any) -> Iterator[dict[str, Any]]:

@@ -542,3 +542,27 @@ def test_a_ray_build_hashes_its_new_inputs_on_the_cluster_and_the_driver_reads_n
     with opens_under(clips) as opened:
         again = build(clips, encoder_file, cache=store, engine=engine)
     assert (asked, opened, again.encoded, again.reused) == ([], [], 0, 6)
+
+
+def _dies() -> None:
+    os._exit(3)  # the worker process ends, as one the kernel's OOM killer took
+
+
+def _raises() -> None:
+    raise ValueError("not featbake's\nsecond line")
+
+
+@pytest.mark.parametrize("task", [_dies, _raises])
+def test_a_hashing_task_ray_cannot_finish_is_one_line_and_cancels_the_rest(
+    ray_cluster: dict[str, str], task: object
+) -> None:
+    from featbake.bake.ray_engine import as_returned
+    from featbake.errors import BuildIncomplete
+
+    task.__module__ = "__main__"  # type: ignore[attr-defined]  # sent by value, not imported
+    bad = ray.remote(max_retries=0)(task).remote()
+    with pytest.raises(BuildIncomplete) as raised:
+        list(as_returned(ray, [bad]))
+    message = str(raised.value)
+    assert "\n" not in message and "rerun the build" in message, message
+    assert ("ValueError: not featbake's" in message) == (task is _raises), message
