@@ -52,7 +52,13 @@ from featbake.encode.fingerprints import (
     encoder_fingerprint,
 )
 from featbake.encode.hf import check_recipe_supported, recipe_for_encoder
-from featbake.encode.inputs import Inputs, carried_of, carry_to, digested_anywhere, inputs_at
+from featbake.encode.inputs import (
+    Inputs,
+    carried_values,
+    carry_to,
+    digested_anywhere,
+    inputs_at,
+)
 from featbake.encode.loaders import is_import_path, load_encoder
 from featbake.encode.sources import ScanResult, Source, source_for
 from featbake.encode.tables import Table
@@ -761,9 +767,10 @@ class _Bake:
         if not work:
             return
         stats = self.hashed_stats
-        place = self.place
+        carried = carried_values(self.place, [p for _, p in work])
         items = [
-            WorkItem(k, p, self.item_name(p), stats.get(p), carried_of(place, p)) for k, p in work
+            WorkItem(k, p, self.item_name(p), stats.get(p), c)
+            for (k, p), c in zip(work, carried, strict=True)
         ]
         done = elsewhere.engine.encode(self.job(elsewhere), items, self.progress)
         done.add_to(self.report)
@@ -1170,8 +1177,8 @@ class PartEncoder:
                                   root.recipe_fp, len(items))  # fmt: skip
         bake.compactor = Compactor(self.job.recipe)
         bake.rel_of = {it.path: it.name for it in items}
-        for it in todo:  # a manifest's rows decode by what the driver's scan found
-            carry_to(bake.place, it.path, it.carried)
+        done_before = len(items) - len(todo)
+        todo = self.carried_in(todo)
         bake.hashed_stats = {it.path: it.stat for it in todo if it.stat is not None}
         bake.held = HeldBytes(budget=sum(map(len, (held or {}).values())))
         for path, data in (held or {}).items():
@@ -1180,9 +1187,20 @@ class PartEncoder:
             bake.encode([(it.key, it.path) for it in todo], {}, {})
         r = bake.report
         return PartResult(
-            len(items), r.encoded + len(items) - len(todo), 0, r.failed, r.causes, r.bytes_written,
+            len(items), r.encoded + done_before, 0, r.failed, r.causes, r.bytes_written,
             r.shards_written, r.batching, r.batching_note, bake.compactor.measured,
         )  # fmt: skip
+
+    def carried_in(self, todo: list[WorkItem]) -> list[WorkItem]:
+        """``todo`` with what the driver's scan found for each given to this worker's inputs
+        (manifest rows, texts, table cells: :func:`carry_to`), less the items they refused,
+        each counted failed (``--strict``: raised) as a plain build counts a missing file."""
+        bake = self.bake
+        refused = carry_to(bake.place, {i.path: i.carried for i in todo if i.carried is not None})
+        for it in todo:
+            if it.path in refused:
+                bake.skip(it.name, refused[it.path], SourceError(refused[it.path]))
+        return [it for it in todo if it.path not in refused]
 
     def stored(self, keys: Sequence[str]) -> set[str]:
         """Those of ``keys`` the store's catalog holds or this build's fragments name (for

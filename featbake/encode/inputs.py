@@ -338,30 +338,34 @@ class HashedAnywhere(Inputs, Protocol):
 @runtime_checkable
 class RowsCarried(Protocol):
     """Inputs whose names alone do not say how to decode them: what a scan found for each (a
-    manifest row's file, span and effects; a text) is carried with the name to a process that
-    did not scan (an engine's worker), so it neither parses the manifest again nor can find
-    another version of it there."""
+    manifest row's file, span and effects; a text; a table cell's column and kind) is carried
+    with the name to a process that did not scan (an engine's worker), so it neither parses
+    the manifest again nor can find another version of it there."""
 
     def carried(self, path: str) -> object | None:
         """What decoding ``path`` needs beyond its name (picklable); None if not a scanned
         input."""
         ...
 
-    def carry(self, path: str, value: object) -> None:
-        """Take ``carried``'s ``value`` for ``path`` in a process that did not scan."""
+    def carry(self, rows: Mapping[str, object]) -> dict[str, str]:
+        """Take one task's rows' :meth:`carried` values (path -> value) in a process that did
+        not scan, in place of the rows carried before (a worker holds one task's at a time);
+        path -> why, for each row it cannot take (a table's file not found on this node)."""
         ...
 
 
-def carried_of(inputs: Inputs, path: str) -> object | None:
-    """What a worker needs to decode ``path`` beyond its name (:class:`RowsCarried`); None for
-    inputs their name says (a file, an object, a tar's member)."""
-    return inputs.carried(path) if isinstance(inputs, RowsCarried) else None
+def carried_values(inputs: Inputs, paths: Sequence[str]) -> list[object | None]:
+    """What a worker needs to decode each of ``paths`` beyond its name (:class:`RowsCarried`);
+    all None for inputs their names say (files, objects, a tar's members)."""
+    if not isinstance(inputs, RowsCarried):
+        return [None] * len(paths)
+    return [inputs.carried(p) for p in paths]
 
 
-def carry_to(inputs: Inputs, path: str, value: object | None) -> None:
-    """Give ``inputs`` (a worker's, never scanned) ``path``'s :func:`carried_of` value."""
-    if value is not None and isinstance(inputs, RowsCarried):
-        inputs.carry(path, value)
+def carry_to(inputs: Inputs, rows: Mapping[str, object]) -> dict[str, str]:
+    """Give ``inputs`` (a worker's, never scanned) one task's :func:`carried_values`; path ->
+    why, for each row it cannot take."""
+    return inputs.carry(rows) if isinstance(inputs, RowsCarried) else {}
 
 
 def digested_anywhere(inputs: Inputs) -> TypeGuard[HashedAnywhere]:

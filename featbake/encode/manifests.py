@@ -72,7 +72,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, ClassVar, NamedTuple
+from typing import Any, BinaryIO, ClassVar, NamedTuple, cast
 
 import numpy as np
 import torch
@@ -304,10 +304,14 @@ class RowInputs:
         item = self.by_path.get(path)
         return None if item is None else dataclasses.replace(item, row={})
 
-    def carry(self, path: str, value: object) -> None:
-        if not isinstance(value, Item):
-            raise TypeError(f"a manifest row carries an Item, not {type(value).__name__}")
-        self.by_path[path] = value  # the source made from these inputs reads this table
+    def carry(self, rows: Mapping[str, object]) -> dict[str, str]:
+        """Take one task's rows' items (the table the source made from these inputs reads),
+        in place of the last task's."""
+        if not all(isinstance(v, Item) for v in rows.values()):
+            raise TypeError("a manifest's rows carry their Item")
+        self.by_path.clear()
+        self.by_path.update(cast(Mapping[str, Item], rows))
+        return {}
 
     def size(self, rel: str) -> int:
         item = self.items.get(rel)

@@ -31,9 +31,9 @@ import base64
 import io
 import json
 import os
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar, NamedTuple, cast
 
 import torch
 
@@ -374,27 +374,38 @@ class Table:
     def carried(self, path: str) -> CarriedCell | None:
         """What the scan settled for cell ``path`` (``file:row``): what a worker reads it by."""
         file = split_item_path(path)[0]
-        index = self.positions.get(file) if self.positions else None
-        if index is None:
-            index = next((i for i, f in enumerate(self.files) if f.path == file), None)
+        index = self.file_positions().get(file)
         if index is None or index >= len(self.kinds) or self.column is None:
             return None
         return CarriedCell(self.column, self.kinds[index], file in self.scanned,
                            self.scanned.get(file))  # fmt: skip
 
-    def carry(self, path: str, value: object) -> None:
-        """Take a cell's :class:`CarriedCell` in a worker that did not scan the table."""
-        if not isinstance(value, CarriedCell):
-            raise TypeError(f"a table's cell carries a CarriedCell, not {type(value).__name__}")
-        file = split_item_path(path)[0]
-        index = next((i for i, f in enumerate(self.files) if f.path == file), None)
-        if index is None:
-            raise SourceError(f"{file}: not a file of the table {self.where} on this node")
+    def carry(self, rows: Mapping[str, object]) -> dict[str, str]:
+        """Take one task's cells' :class:`CarriedCell` in a worker that did not scan the table
+        (what it settles is per file: a table's files, not its rows, are held); path -> why
+        for a cell whose file this node does not list."""
+        if not all(isinstance(v, CarriedCell) for v in rows.values()):
+            raise TypeError("a table's cells carry their CarriedCell")
+        positions = self.file_positions()
         if len(self.kinds) < len(self.files):
             self.kinds += [CellKind.OTHER] * (len(self.files) - len(self.kinds))
-        self.column, self.kinds[index] = value.column, value.kind
-        if value.scanned_here:
-            self.scanned[file] = value.scanned
+        refused: dict[str, str] = {}
+        for path, value in cast(Mapping[str, CarriedCell], rows).items():
+            file = split_item_path(path)[0]
+            index = positions.get(file)
+            if index is None:
+                refused[path] = f"{file}: not a file of the table {self.where} on this node"
+                continue
+            self.column, self.kinds[index] = value.column, value.kind
+            if value.scanned_here:
+                self.scanned[file] = value.scanned
+        return refused
+
+    def file_positions(self) -> dict[str, int]:
+        """Each data file's index among the table's files (as listed: kinds may not be known)."""
+        if not self.positions:
+            self.positions = {f.path: i for i, f in enumerate(self.files)}
+        return self.positions
 
     def source(self, inner: Source) -> Source:
         return CellSource(inner, self)
@@ -405,9 +416,7 @@ class Table:
         Raises:
             SourceError: ``file`` is not one of the table's files.
         """
-        if not self.positions:
-            self.positions = {f.path: i for i, f in enumerate(self.files)}
-        found = self.positions.get(file)
+        found = self.file_positions().get(file)
         if found is None or found >= len(self.kinds):
             raise SourceError(f"{file}: not a scanned file of the table {self.where}")
         return found

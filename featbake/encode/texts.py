@@ -22,7 +22,7 @@ from __future__ import annotations
 import io
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, BinaryIO, ClassVar
+from typing import Any, BinaryIO, ClassVar, cast
 
 import torch
 
@@ -156,10 +156,14 @@ class TextRows(RowInputs):
         """Row ``path``'s text: what a worker encodes."""
         return self.texts.get(path)
 
-    def carry(self, path: str, value: object) -> None:
-        if not isinstance(value, str):
-            raise TypeError(f"a text row carries its text, not {type(value).__name__}")
-        self.texts[path] = value  # the source made from these inputs reads this table
+    def carry(self, rows: Mapping[str, object]) -> dict[str, str]:
+        """Take one task's rows' texts (the table the source made from these inputs reads),
+        in place of the last task's."""
+        if not all(isinstance(v, str) for v in rows.values()):
+            raise TypeError("a text manifest's rows carry their text")
+        self.texts.clear()
+        self.texts.update(cast(Mapping[str, str], rows))
+        return {}
 
     def source(self, inner: Source) -> Source:
         return TextCellSource(inner, self.texts)

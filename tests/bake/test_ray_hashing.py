@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -40,8 +41,10 @@ from featbake.encode.fingerprints import (
     read_here,
 )
 from featbake.encode.inputs import Inputs
+from featbake.encode.sources import AudioSource
 from featbake.encode.tables import Table
 from featbake.encode.webdataset import WebDataset
+from featbake.recipe import Recipe
 from featbake.store.byteplace import CHANGED_WHILE_READ, BytePlace, bytes_at
 from featbake.store.catalog import Catalog
 from featbake.store.hash_cache import FileStat, racy_window_ns
@@ -297,3 +300,24 @@ def test_the_cluster_threshold_counts_new_items_not_containers(
         many = ClusterDigests("ray://127.0.0.1:9", cluster_from=6)
         assert inputs.hash(cat, paths, digester=many) == (digests, failed)
     assert sent == [sorted({p.split(".tar:")[0] + ".tar" for p in paths})]
+
+
+def test_a_worker_takes_a_tables_cells_by_what_they_carry_and_refuses_a_file_it_lacks(
+    tmp_path: Path,
+) -> None:
+    # A worker's Table never scanned: each cell's column and kind come with it. A cell whose
+    # file this node does not list (a directory cache behind the driver's) is refused by name,
+    # the others taken: its task goes on, that cell counted failed.
+    inputs, _ = containers(tmp_path)["parquet"]
+    paths = scanned_paths(inputs)
+    carried = {p: inputs.carried(p) for p in paths}  # type: ignore[attr-defined]
+    assert all(c is not None for c in carried.values())
+    worker = Table(str(tmp_path / "table"))
+    worker.files = [f for f in worker.files if f.path.endswith("a.parquet")]  # b not listed
+    refused = worker.carry(carried)
+    assert sorted(refused) == sorted(p for p in paths if "b.parquet" in p)
+    assert all("not a file of the table" in why for why in refused.values())
+    source = worker.source(AudioSource(Recipe()))
+    for p in paths:
+        if p not in refused:
+            torch.testing.assert_close(source.load(p), inputs.source(AudioSource(Recipe())).load(p))

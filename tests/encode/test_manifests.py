@@ -986,8 +986,8 @@ def test_a_cuts_custom_fields_and_its_supervisions_language_and_gender_are_carri
 
 def test_a_row_decodes_in_a_process_that_never_scanned_by_what_it_carries(tmp_path: Path) -> None:
     # What an engine's worker gets with each row: the file, span and effects, not the row's
-    # other columns; with it a fresh ManifestInputs (never scanned) decodes each row as the
-    # scanning one does, segments included.
+    # other columns; with one task's rows a fresh ManifestInputs (never scanned) decodes each
+    # as the scanning one does, segments included, and holds only the last task's rows.
     long = tmp_path / "long.wav"
     soundfile.write(long, make_tone(3.0, 16000, seed=4), 16000)
     rows = [
@@ -999,16 +999,17 @@ def test_a_row_decodes_in_a_process_that_never_scanned_by_what_it_carries(tmp_pa
     scanned = ManifestInputs(manifest)
     scanned.scan([".wav"])
     inner = AudioSource(Recipe())
+    whole, seg = scanned.path("whole"), scanned.path("seg")
+    carried = {p: scanned.carried(p) for p in (whole, seg)}
+    assert all(c is not None and c.row == {} for c in carried.values())  # type: ignore[attr-defined]
+    assert scanned.row("whole") and scanned.row("seg")  # the scan still holds the columns
     fresh = ManifestInputs(manifest)
-    decoded = []
-    for ident in ("whole", "seg"):
-        path = scanned.path(ident)
-        carried = scanned.carried(path)
-        assert carried is not None and carried.row == {}  # type: ignore[attr-defined]
-        assert scanned.row(ident)  # the scan still holds the row's columns
-        with pytest.raises(SourceError, match="not a row of the manifest now"):
-            fresh.source(inner).load(path)
-        fresh.carry(path, carried)
-        decoded.append(fresh.source(inner).load(path))
-        torch.testing.assert_close(decoded[-1], scanned.source(inner).load(path))
-    assert decoded[1].shape[-1] == 12000  # 0.75 s at 16 kHz: the segment, not the file
+    with pytest.raises(SourceError, match="not a row of the manifest now"):
+        fresh.source(inner).load(whole)
+    assert fresh.carry(carried) == {}
+    for path in (whole, seg):
+        torch.testing.assert_close(fresh.source(inner).load(path), scanned.source(inner).load(path))
+    assert fresh.source(inner).load(seg).shape[-1] == 12000  # 0.75 s at 16 kHz: the segment
+    assert fresh.carry({seg: carried[seg]}) == {}  # the next task's rows replace the last's
+    with pytest.raises(SourceError, match="not a row of the manifest now"):
+        fresh.source(inner).load(whole)
