@@ -72,7 +72,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, ClassVar, NamedTuple, cast
+from typing import Any, BinaryIO, ClassVar, NamedTuple, TypeVar, cast
 
 import numpy as np
 import torch
@@ -102,6 +102,7 @@ from featbake.store.hash_cache import FileStat, HashCache
 
 #: The input column when ``--column`` is not given.
 DEFAULT_COLUMN = "path"
+T = TypeVar("T")
 #: Columns a manifest row reads itself (besides the input column); every other one is carried.
 OWN_COLUMNS = ("start", "end", "id", "channel")
 #: A guess at a segment's bytes per second (16 kHz, 16-bit), to balance a build's parts.
@@ -307,11 +308,7 @@ class RowInputs:
     def carry(self, rows: Mapping[str, object]) -> dict[str, str]:
         """Take one task's rows' items (the table the source made from these inputs reads),
         in place of the last task's."""
-        if not all(isinstance(v, Item) for v in rows.values()):
-            raise TypeError("a manifest's rows carry their Item")
-        self.by_path.clear()
-        self.by_path.update(cast(Mapping[str, Item], rows))
-        return {}
+        return replace_rows(self.by_path, rows, Item)
 
     def size(self, rel: str) -> int:
         item = self.items.get(rel)
@@ -380,6 +377,20 @@ class RowInputs:
 
     def source(self, inner: Source) -> Source:
         return SegmentSource(inner, self.by_path)
+
+
+def replace_rows(table: dict[str, T], rows: Mapping[str, object], kind: type[T]) -> dict[str, str]:
+    """``table`` (a worker's row table, which its source reads) made ``rows``, each a ``kind``
+    (one task's carried rows in place of the last's); nothing refused.
+
+    Raises:
+        TypeError: a row carries something else (a bug: the driver carried it).
+    """
+    if not all(isinstance(v, kind) for v in rows.values()):
+        raise TypeError(f"a row carries a {kind.__name__}, not what was sent")
+    table.clear()
+    table.update(cast(Mapping[str, T], rows))
+    return {}
 
 
 def held_files(items: Sequence[Item]) -> set[str]:

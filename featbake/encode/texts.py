@@ -22,7 +22,7 @@ from __future__ import annotations
 import io
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, BinaryIO, ClassVar, cast
+from typing import Any, BinaryIO, ClassVar
 
 import torch
 
@@ -35,6 +35,7 @@ from featbake.encode.manifests import (
     Parsed,
     RowInputs,
     manifest_records,
+    replace_rows,
 )
 from featbake.encode.sources import SkippedInput, Source
 from featbake.errors import SourceError
@@ -159,11 +160,7 @@ class TextRows(RowInputs):
     def carry(self, rows: Mapping[str, object]) -> dict[str, str]:
         """Take one task's rows' texts (the table the source made from these inputs reads),
         in place of the last task's."""
-        if not all(isinstance(v, str) for v in rows.values()):
-            raise TypeError("a text manifest's rows carry their text")
-        self.texts.clear()
-        self.texts.update(cast(Mapping[str, str], rows))
-        return {}
+        return replace_rows(self.texts, rows, str)
 
     def source(self, inner: Source) -> Source:
         return TextCellSource(inner, self.texts)
