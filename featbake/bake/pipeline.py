@@ -49,6 +49,7 @@ from featbake.encode.fingerprints import (
     Digester,
     HeldBytes,
     cached_file_encoder_fp,
+    digest_here,
     encoder_fingerprint,
 )
 from featbake.encode.hf import check_recipe_supported, recipe_for_encoder
@@ -636,7 +637,7 @@ class _Bake:
         if self.elsewhere is None:
             return self.place.hash(*args, self.held)
         if digested_anywhere(self.place):
-            return self.place.hash(*args, None, self.elsewhere.engine.digester())
+            return self.place.hash(*args, None, engine_digester(self.elsewhere.engine))
         return self.place.hash(*args, None)
 
     def load_encoder_unless_stored(self, todo: Mapping[str, str]) -> None:
@@ -1102,6 +1103,13 @@ class Engine(Protocol):
         or here (:func:`~featbake.encode.fingerprints.digest_here`). Called once the engine is
         started, before the manifest: hashing is done before anything is encoded."""
         ...
+
+
+def engine_digester(engine: Engine) -> Digester:
+    """``engine``'s :meth:`Engine.digester`; this process's (:func:`digest_here`) for an
+    engine written before engines could hash (it has no ``digester``)."""
+    digester = getattr(engine, "digester", None)
+    return digest_here if digester is None else digester()
 
 
 def started(engine: Engine | None) -> contextlib.AbstractContextManager[Engine | None]:
