@@ -744,6 +744,30 @@ def gcs_retry(*, cut_bodies: bool) -> Any:
     return Retry(predicate=worth_again, initial=1, multiplier=2, maximum=4, timeout=deadline)
 
 
+def gcs_traced() -> bool:
+    """Whether the user turned google-cloud-storage's OpenTelemetry traces on (its documented
+    ``ENABLE_GCS_PYTHON_CLIENT_OTEL_TRACES``, read as the library reads it)."""
+    value = os.environ.get("ENABLE_GCS_PYTHON_CLIENT_OTEL_TRACES", "")
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def untraced(client: Any) -> None:
+    """Take from a new google-cloud-storage client the bucket metadata cache it keeps for
+    OpenTelemetry spans (3.11 on), unless the user turned the library's traces on.
+
+    On a client's first call that names a bucket, the cache starts a thread that GETs the
+    bucket (``storage.buckets.get``: a request per process and bucket, refused to object-only
+    roles), traces on or not, with the library's default retry (120 s) outside featbake's
+    tries: against a stalled endpoint it kept asking after featbake had given up; and a 404
+    starts another, asking whether the bucket still exists. The library's switch
+    (``DISABLE_GCS_PYTHON_CLIENT_OTEL_BUCKET_METADATA``) is read from the environment, for
+    the whole process: featbake's own clients go without the cache instead, which the library
+    allows for at each use (googleapis/google-cloud-python#17650).
+    """
+    if not gcs_traced() and hasattr(client, "_bucket_metadata_cache"):
+        client._bucket_metadata_cache = None
+
+
 @register("gs")
 class GCSObjects(ObjectStore):
     """``gs://bucket/prefix`` through google-cloud-storage (see the section's comment)."""
@@ -775,6 +799,7 @@ class GCSObjects(ObjectStore):
                 f"cannot make a Google Cloud Storage client for {self.url}: {redact(str(e))}; "
                 "check GOOGLE_CLOUD_PROJECT and the Application Default Credentials"
             ) from None
+        untraced(client)
         return client.bucket(self.url.bucket)
 
     def no_credentials(self) -> StoreError:
