@@ -31,8 +31,10 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import filecmp
 import hashlib
 import os
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -379,7 +381,7 @@ class ObjectStore(ProcessLocalState):
     def upload(self, name: str, src: Path, *, create: bool = False) -> bool:
         """Put file ``src`` as object ``name``. With ``create``, only if no object of that name
         exists (S3 and Azure ``If-None-Match: *``, GCS ``ifGenerationMatch=0``): False when
-        one did. Big files go up in parts.
+        another writer's did (:meth:`holds`). Big files go up in parts.
 
         Raises:
             StoreError: the upload failed (the message says why and what to do).
@@ -388,8 +390,30 @@ class ObjectStore(ProcessLocalState):
             with self.errors(name):
                 self.put(name, src, create=create)
         except Exists:
-            return False
+            return self.holds(name, src)
         return True
+
+    def holds(self, name: str, src: Path) -> bool:
+        """Whether object ``name`` holds exactly file ``src``'s bytes.
+
+        A create-only put that finds its name taken may have met its own object: the server
+        stored the first request, its answer was lost, and the client sent the put again. That
+        put succeeded, and its caller must not take it for a race lost (a merge would publish
+        its change again as the next version, and report it as found there). Other bytes are
+        another writer's (the same bytes from another writer are the same version: either may
+        go on as its publisher). A HEAD, and a download only when the sizes agree.
+        """
+        info = self.head(name)
+        if info is None or info.size != os.path.getsize(src):
+            return False
+        fd, there = tempfile.mkstemp(prefix=f".{src.name}.", suffix=".there", dir=src.parent)
+        os.close(fd)
+        try:
+            self.download(name, Path(there))
+            return filecmp.cmp(src, there, shallow=False)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(there)
 
     # -- errors ----------------------------------------------------------------------------------
     def errors(self, name: str, *, retried: bool = False) -> _Errors:

@@ -19,9 +19,10 @@ from featbake.bake.pipeline import build
 from featbake.errors import ConfigError, StoreCorrupt, StoreError
 from featbake.store.objects import MAX_ATTEMPTS, ObjectStore
 from featbake.store.url import BucketURL
+from featbake.upkeep.gc import GcOptions, gc
 from tests.conftest import invoke, live_features
 from tests.store.bucket.conftest import S3, SCHEMES, Place
-from tests.store.bucket.faults import DroppingProxy
+from tests.store.bucket.faults import Asked, DroppingProxy
 
 
 def bake(data: Path, encoder: Path, where: object, **kw: object):
@@ -117,6 +118,32 @@ def test_a_server_that_always_drops_gives_one_clear_error(
     ds.close()
     assert "\n" not in str(said.value)
     assert len(proxy.cut) == MAX_ATTEMPTS and len(set(proxy.cut)) == 1, proxy.cut
+
+
+def create_only(asked: Asked) -> bool:
+    """Whether a request is a create-only put (S3 and Azure ``If-None-Match: *``, GCS
+    ``ifGenerationMatch=0``)."""
+    return "\r\nif-none-match: *" in asked.head.lower() or "ifGenerationMatch=0" in asked.target
+
+
+def test_a_catalog_version_whose_answer_was_lost_is_published_once(
+    place: Place, audio_dir: Path, encoder_file: Path, proxied: Callable[..., DroppingProxy]
+) -> None:
+    """The server stored a catalog version (a create-only put) and its answer was lost; the
+    client sent the put again and was told the object exists: its own. featbake took that
+    for a race lost to another publisher and applied its change again to its own version,
+    publishing it as the next one: a build published 2 versions, and a gc that dropped a root
+    3, reporting that it dropped no root and deleted no row. On every cloud the client sends
+    such a put again: each change is one version, and says what it did."""
+    proxy = proxied(lose_answer=create_only)
+    report = bake(audio_dir, encoder_file, place.url)
+    assert len(proxy.cut) == 1  # the answer to the one create-only put: the version's
+    assert place.objects("catalog/") == ["catalog/v000000001.sqlite"]
+    proxy.lose_answer = create_only
+    dropped = gc(place.url, GcOptions(), drop=[report.root])
+    assert len(proxy.cut) == 2
+    assert dropped.roots_dropped == [report.root] and dropped.rows_deleted == report.encoded
+    assert place.objects("catalog/") == [f"catalog/v00000000{v}.sqlite" for v in (1, 2)]
 
 
 def test_leaving_a_proxy_ends_its_threads() -> None:
