@@ -142,11 +142,6 @@ class DroppingProxy:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def asked_for(self, key: str) -> list[Asked]:
-        """The requests forwarded that named object ``key``."""
-        with self._lock:
-            return [a for a in self.requests if a.names(key)]
-
     def start(self) -> DroppingProxy:
         """Start accepting connections (:meth:`close` ends it)."""
         self._start(self._accept)
@@ -182,11 +177,12 @@ class DroppingProxy:
         while True:
             try:
                 client, _ = self._server.accept()
+            except OSError:
+                return  # shut down by close()
+            try:
                 upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
             except OSError:
-                with self._lock:
-                    if self._stop:
-                        return
+                client.close()  # no server behind: the client sees its connection closed
                 continue
             link = _Link(client, upstream)
             with self._lock:
