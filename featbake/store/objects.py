@@ -31,10 +31,14 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import filecmp
 import hashlib
 import os
+import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple, TypeVar
 
@@ -118,6 +122,11 @@ class Exists(Exception):
 
 class Transient(Exception):
     """A read cut short, or an answer that did not come in time: worth trying again."""
+
+
+class TriesSpent(Transient):
+    """A read asked for the same bytes :data:`DOWNLOAD_TRIES` times, counting the client's own
+    tries (:meth:`ObjectStore.tries_counted`): not tried again."""
 
 
 _SCHEMES: dict[str, type[ObjectStore]] = {}
@@ -338,18 +347,30 @@ class ObjectStore(ProcessLocalState):
         got = self._tried(name, lambda: self.get_once(name, start, asked))
         return ObjectBytes(got.info, got.data[:length])
 
+    def tries_counted(self) -> contextlib.AbstractContextManager[None]:
+        """A context for one read of :meth:`_tried`: a scheme whose client tries a cut body
+        again itself counts those requests into the read's :data:`DOWNLOAD_TRIES` here
+        (:class:`TriesSpent` past them). s3 and gs leave a cut body to featbake: nothing to
+        count."""
+        return contextlib.nullcontext()
+
     def _tried(self, name: str, once: Callable[[], _T]) -> _T:
-        """``once()``, again (with backoff) while a body is cut short."""
+        """``once()``, again (with backoff) while a body is cut short: the same bytes are
+        asked for :data:`DOWNLOAD_TRIES` times at most, the client's own tries included."""
         last: BaseException | None = None
-        for attempt in range(DOWNLOAD_TRIES):
-            try:
-                with self.errors(name, retried=True):
-                    return once()
-            except Absent:
-                raise FileNotFoundError(self.where(name)) from None
-            except Transient as e:
-                last = e.__cause__ or e
-                time.sleep(0.1 * 2**attempt)
+        with self.tries_counted():
+            for attempt in range(DOWNLOAD_TRIES):
+                try:
+                    with self.errors(name, retried=True):
+                        return once()
+                except Absent:
+                    raise FileNotFoundError(self.where(name)) from None
+                except TriesSpent as e:
+                    last = last or e
+                    break
+                except Transient as e:
+                    last = e.__cause__ or e
+                    time.sleep(0.1 * 2**attempt)
         raise StoreError(
             f"cannot download {self.where(name)} after {DOWNLOAD_TRIES} tries "
             f"({redact(str(last))}); check the network and the endpoint ({self.ENDPOINT_HINT}), "
@@ -360,7 +381,7 @@ class ObjectStore(ProcessLocalState):
     def upload(self, name: str, src: Path, *, create: bool = False) -> bool:
         """Put file ``src`` as object ``name``. With ``create``, only if no object of that name
         exists (S3 and Azure ``If-None-Match: *``, GCS ``ifGenerationMatch=0``): False when
-        one did. Big files go up in parts.
+        another writer's did (:meth:`holds`). Big files go up in parts.
 
         Raises:
             StoreError: the upload failed (the message says why and what to do).
@@ -369,8 +390,30 @@ class ObjectStore(ProcessLocalState):
             with self.errors(name):
                 self.put(name, src, create=create)
         except Exists:
-            return False
+            return self.holds(name, src)
         return True
+
+    def holds(self, name: str, src: Path) -> bool:
+        """Whether object ``name`` holds exactly file ``src``'s bytes.
+
+        A create-only put that finds its name taken may have met its own object: the server
+        stored the first request, its answer was lost, and the client sent the put again. That
+        put succeeded, and its caller must not take it for a race lost (a merge would publish
+        its change again as the next version, and report it as found there). Other bytes are
+        another writer's (the same bytes from another writer are the same version: either may
+        go on as its publisher). A HEAD, and a download only when the sizes agree.
+        """
+        info = self.head(name)
+        if info is None or info.size != os.path.getsize(src):
+            return False
+        fd, there = tempfile.mkstemp(prefix=f".{src.name}.", suffix=".there", dir=src.parent)
+        os.close(fd)
+        try:
+            self.download(name, Path(there))
+            return filecmp.cmp(src, there, shallow=False)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(there)
 
     # -- errors ----------------------------------------------------------------------------------
     def errors(self, name: str, *, retried: bool = False) -> _Errors:
@@ -725,6 +768,30 @@ def gcs_retry(*, cut_bodies: bool) -> Any:
     return Retry(predicate=worth_again, initial=1, multiplier=2, maximum=4, timeout=deadline)
 
 
+def gcs_traced() -> bool:
+    """Whether the user turned google-cloud-storage's OpenTelemetry traces on (its documented
+    ``ENABLE_GCS_PYTHON_CLIENT_OTEL_TRACES``, read as the library reads it)."""
+    value = os.environ.get("ENABLE_GCS_PYTHON_CLIENT_OTEL_TRACES", "")
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def untraced(client: Any) -> None:
+    """Take from a new google-cloud-storage client the bucket metadata cache it keeps for
+    OpenTelemetry spans (3.11 on), unless the user turned the library's traces on.
+
+    On a client's first call that names a bucket, the cache starts a thread that GETs the
+    bucket (``storage.buckets.get``: a request per process and bucket, refused to object-only
+    roles), traces on or not, with the library's default retry (120 s) outside featbake's
+    tries: against a stalled endpoint it kept asking after featbake had given up; and a 404
+    starts another, asking whether the bucket still exists. The library's switch
+    (``DISABLE_GCS_PYTHON_CLIENT_OTEL_BUCKET_METADATA``) is read from the environment, for
+    the whole process: featbake's own clients go without the cache instead, which the library
+    allows for at each use (googleapis/google-cloud-python#17650).
+    """
+    if not gcs_traced() and hasattr(client, "_bucket_metadata_cache"):
+        client._bucket_metadata_cache = None
+
+
 @register("gs")
 class GCSObjects(ObjectStore):
     """``gs://bucket/prefix`` through google-cloud-storage (see the section's comment)."""
@@ -756,6 +823,7 @@ class GCSObjects(ObjectStore):
                 f"cannot make a Google Cloud Storage client for {self.url}: {redact(str(e))}; "
                 "check GOOGLE_CLOUD_PROJECT and the Application Default Credentials"
             ) from None
+        untraced(client)
         return client.bucket(self.url.bucket)
 
     def no_credentials(self) -> StoreError:
@@ -900,6 +968,33 @@ class GCSObjects(ObjectStore):
 # A create-only put is ``If-None-Match: *`` (``overwrite=False``); files above 64 MiB go up as
 # blocks. A listing cannot start after a name (Azure has no StartAfter), so a page asked to
 # start after one reads the listing from the prefix's start and passes over the names up to it.
+#
+# The SDK's downloader asks again for a body cut mid-download, 3 requests in all with a fixed
+# 1 s wait, and has no setting for it; featbake's reads try again whole on a cut. So a read
+# counts its requests at the client's request hook (:func:`azure_request_counted`): the same
+# bytes are asked for :data:`DOWNLOAD_TRIES` times in all, as on s3 and gs, never 3 x 4.
+#: Within one read (:meth:`AzureObjects.tries_counted`), how often this thread asked for each
+#: part of an object (method, URL, range); None outside a read.
+_AZURE_ASKED: ContextVar[Counter[tuple[str, str, str]] | None] = ContextVar(
+    "featbake_azure_asked", default=None
+)
+
+
+def azure_request_counted(request: Any) -> None:
+    """azure-storage-blob's ``raw_request_hook``, run before each request the client sends,
+    its own retries included: within a read, count the request for its bytes (method, URL,
+    range), and refuse the one past :data:`DOWNLOAD_TRIES` for the same (:class:`TriesSpent`)."""
+    asked = _AZURE_ASKED.get()
+    if asked is None:
+        return
+    http = request.http_request
+    headers = http.headers
+    part = (http.method, http.url, headers.get("x-ms-range") or headers.get("Range") or "")
+    asked[part] += 1
+    if asked[part] > DOWNLOAD_TRIES:
+        raise TriesSpent(f"asked {DOWNLOAD_TRIES} times for {part[2] or 'the whole'}")
+
+
 def azure_cut_body(e: BaseException) -> BaseException | None:
     """The cut answer body that ``e`` is or wraps, None when it is none: an
     ``IncompleteReadError``, or the ``HttpResponseError`` (status None) azure-storage-blob's
@@ -945,6 +1040,7 @@ class AzureObjects(ObjectStore):
             "max_single_put_size": PART_BYTES,
             "max_block_size": 8 << 20,
             "max_single_get_size": PART_BYTES,
+            "raw_request_hook": azure_request_counted,  # a read's tries, the SDK's included
         }
         env = os.environ
         connection = env.get("AZURE_STORAGE_CONNECTION_STRING", "")
@@ -975,6 +1071,15 @@ class AzureObjects(ObjectStore):
                 "azure-identity for DefaultAzureCredential)"
             ) from None
         return DefaultAzureCredential()
+
+    @contextlib.contextmanager
+    def tries_counted(self) -> Iterator[None]:
+        """Count this thread's requests for one read (:func:`azure_request_counted`)."""
+        token = _AZURE_ASKED.set(Counter())
+        try:
+            yield
+        finally:
+            _AZURE_ASKED.reset(token)
 
     def endpoint_label(self) -> str:
         try:

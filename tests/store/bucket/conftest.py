@@ -16,7 +16,7 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -30,6 +30,7 @@ from featbake.testing import (
     start_fake_gcs,
     start_moto,
 )
+from tests.store.bucket.faults import Asked, DroppingProxy
 
 pytest.importorskip("boto3")
 pytest.importorskip("moto")
@@ -253,3 +254,29 @@ def endpoint_env(place: Place, base: str) -> dict[str, str]:
         return {"STORAGE_EMULATOR_HOST": endpoint}
     connection = place.env["AZURE_STORAGE_CONNECTION_STRING"]
     return {"AZURE_STORAGE_CONNECTION_STRING": connection.replace(place.endpoint, endpoint)}
+
+
+@pytest.fixture
+def proxied(
+    place: Place, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Callable[..., DroppingProxy]]:
+    """Puts a :class:`~tests.store.bucket.faults.DroppingProxy` in front of ``place``'s server
+    (called with the proxy's keyword arguments) and points the cloud's setting at it. Each
+    proxy is closed when the test ends, its threads joined: a test closes what still writes
+    through it first (a dataset uploads its last uses when closed)."""
+    made: list[DroppingProxy] = []
+
+    def make(
+        *, drops: int = 0, after: int = 16 << 10, lose_answer: Callable[[Asked], bool] | None = None
+    ) -> DroppingProxy:
+        proxy = DroppingProxy(
+            upstream_port(place), drops=drops, after=after, lose_answer=lose_answer
+        )
+        made.append(proxy.start())
+        for k, v in endpoint_env(place, proxy.endpoint).items():
+            monkeypatch.setenv(k, v)
+        return proxy
+
+    yield make
+    for proxy in made:
+        proxy.close()

@@ -8,7 +8,7 @@ import os
 import random
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -19,9 +19,10 @@ from featbake.bake.pipeline import build
 from featbake.errors import ConfigError, StoreCorrupt, StoreError
 from featbake.store.objects import MAX_ATTEMPTS, ObjectStore
 from featbake.store.url import BucketURL
+from featbake.upkeep.gc import GcOptions, gc
 from tests.conftest import invoke, live_features
-from tests.store.bucket.conftest import S3, SCHEMES, Place, endpoint_env, upstream_port
-from tests.store.bucket.faults import DroppingProxy
+from tests.store.bucket.conftest import S3, SCHEMES, Place
+from tests.store.bucket.faults import Asked, DroppingProxy
 
 
 def bake(data: Path, encoder: Path, where: object, **kw: object):
@@ -83,15 +84,14 @@ def test_connections_dropped_mid_body_are_retried_and_nothing_wrong_is_served(
     audio_dir: Path,
     encoder_file: Path,
     tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    proxied: Callable[..., DroppingProxy],
 ) -> None:
     bake(audio_dir, encoder_file, place.url)
-    with DroppingProxy(upstream_port(place), drops=3, after=20_000) as proxy:
-        for k, v in endpoint_env(place, proxy.endpoint).items():
-            monkeypatch.setenv(k, v)
-        ds = serve(place, audio_dir, encoder_file, tmp_path / "tier")
-        assert_live(ds, encoder_file)
-        assert proxy.dropped == 3
+    proxy = proxied(drops=3, after=20_000)
+    ds = serve(place, audio_dir, encoder_file, tmp_path / "tier")
+    assert_live(ds, encoder_file)
+    ds.close()  # its last uses go up through the proxy, before the proxy closes
+    assert proxy.dropped == 3
 
 
 def test_a_server_that_always_drops_gives_one_clear_error(
@@ -99,24 +99,66 @@ def test_a_server_that_always_drops_gives_one_clear_error(
     audio_dir: Path,
     encoder_file: Path,
     tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    proxied: Callable[..., DroppingProxy],
 ) -> None:
     """featbake's own tries govern on every cloud: each cut ends the client's call, the read
-    is tried whole 4 times, then one line. On gs, google-cloud-storage resumed each cut
-    download from where it was cut, for as long as its deadline allowed (a minute and more),
-    and the read got through a server that cut every answer."""
+    is tried whole 4 times, then one line: 4 requests for the shard's bytes, each cut. On gs,
+    google-cloud-storage resumed each cut download from where it was cut, for as long as its
+    deadline allowed (a minute and more), and the read got through a server that cut every
+    answer. On az the SDK's downloader asked again for each cut body twice itself (1 s apart),
+    inside each of featbake's 4 tries: 12 requests over some 12 s."""
     bake(audio_dir, encoder_file, place.url)
-    with DroppingProxy(upstream_port(place), drops=0, after=20_000) as proxy:
-        for k, v in endpoint_env(place, proxy.endpoint).items():
-            monkeypatch.setenv(k, v)
-        ds = serve(place, audio_dir, encoder_file, tmp_path / "tier")  # the catalog came whole
-        proxy.drops_left = 10_000  # from now on every answer is cut after 20 kB
-        with pytest.raises(
-            StoreError, match=rf"cannot download {place.url}/shards/.*after 4 tries"
-        ) as said:
-            ds[0]
-        ds.close()
+    proxy = proxied(drops=0, after=20_000)
+    ds = serve(place, audio_dir, encoder_file, tmp_path / "tier")  # the catalog came whole
+    proxy.drops_left = 10_000  # from now on every answer is cut after 20 kB
+    with pytest.raises(
+        StoreError, match=rf"cannot download {place.url}/shards/.*after 4 tries"
+    ) as said:
+        ds[0]
+    ds.close()
     assert "\n" not in str(said.value)
+    assert len(proxy.cut) == MAX_ATTEMPTS and len(set(proxy.cut)) == 1, proxy.cut
+
+
+def create_only(asked: Asked) -> bool:
+    """Whether a request is a create-only put (S3 and Azure ``If-None-Match: *``, GCS
+    ``ifGenerationMatch=0``)."""
+    return "\r\nif-none-match: *" in asked.head.lower() or "ifGenerationMatch=0" in asked.target
+
+
+def test_a_catalog_version_whose_answer_was_lost_is_published_once(
+    place: Place, audio_dir: Path, encoder_file: Path, proxied: Callable[..., DroppingProxy]
+) -> None:
+    """The server stored a catalog version (a create-only put) and its answer was lost; the
+    client sent the put again and was told the object exists: its own. featbake took that
+    for a race lost to another publisher and applied its change again to its own version,
+    publishing it as the next one: a build published 2 versions, and a gc that dropped a root
+    3, reporting that it dropped no root and deleted no row. On every cloud the client sends
+    such a put again: each change is one version, and says what it did."""
+    proxy = proxied(lose_answer=create_only)
+    report = bake(audio_dir, encoder_file, place.url)
+    assert len(proxy.cut) == 1  # the answer to the one create-only put: the version's
+    assert place.objects("catalog/") == ["catalog/v000000001.sqlite"]
+    proxy.lose_answer = create_only
+    dropped = gc(place.url, GcOptions(), drop=[report.root])
+    assert len(proxy.cut) == 2
+    assert dropped.roots_dropped == [report.root] and dropped.rows_deleted == report.encoded
+    assert place.objects("catalog/") == [f"catalog/v00000000{v}.sqlite" for v in (1, 2)]
+
+
+def test_leaving_a_proxy_ends_its_threads() -> None:
+    """Leaving a proxy closed its listening socket alone: the pumps of its open connections
+    ran on, blocked in recv(), for the rest of the session, and a thread blocked in accept()
+    is not woken by closing the socket it waits on (a shutdown wakes it)."""
+    before = set(threading.enumerate())
+    with socket.create_server(("127.0.0.1", 0)) as upstream:
+        with DroppingProxy(upstream.getsockname()[1], drops=0) as proxy:
+            client = socket.create_connection(("127.0.0.1", proxy.port))
+            served, _ = upstream.accept()  # the proxy connected through: its pumps run
+        left = set(threading.enumerate()) - before
+        client.close()
+        served.close()
+    assert not left, left
 
 
 class ClosingEndpoint:

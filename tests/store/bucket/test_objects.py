@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from featbake.errors import ConfigError, StoreError
 from featbake.store.objects import AzureObjects, GCSObjects, ObjectStore, S3Objects
 from featbake.store.url import BucketURL, azure_blob_endpoint, redact
 from tests.store.bucket.conftest import S3, Remote
+from tests.store.bucket.faults import DroppingProxy
 
 
 def store_of(place: Remote | S3) -> ObjectStore:
@@ -96,6 +98,38 @@ def test_of_two_racing_create_only_puts_one_wins(place: Remote | S3, tmp_path: P
     winner = next(i for i, w in won.items() if w)
     assert store.read("catalog/v000000001.sqlite").data == bytes([winner]) * 1000
     assert not put(store, tmp_path, "catalog/v000000001.sqlite", b"late", create=True)
+
+
+def test_opening_a_store_and_reading_an_object_asks_for_that_object_alone(
+    place: Remote | S3,
+    tmp_path: Path,
+    proxied: Callable[..., DroppingProxy],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every request a new client sends for a read names the object: nothing featbake did not
+    ask for. google-cloud-storage (3.11 on) gave each new client a thread that fetched the
+    bucket's metadata for OpenTelemetry spans (traces off), a request per process and bucket
+    with the library's own retries, going on after featbake gave up on a stalled endpoint.
+    The threads the read started are joined before counting, so the count is whole."""
+    put(store_of(place), tmp_path, "a.bin", b"x" * 100)
+    proxy = proxied()
+    started: list[threading.Thread] = []
+    start = threading.Thread.start
+
+    def recorded(thread: threading.Thread) -> None:
+        started.append(thread)
+        start(thread)
+
+    store = store_of(place)  # a new client, made on its first call
+    with monkeypatch.context() as m:
+        m.setattr(threading.Thread, "start", recorded)
+        assert store.read("a.bin").data == b"x" * 100
+    for thread in started:
+        if thread not in proxy.threads:
+            thread.join(30)
+    assert proxy.requests, "the read did not go through the proxy"
+    others = [a for a in proxy.requests if not a.names(store.key("a.bin"))]
+    assert not others, others
 
 
 def test_a_missing_bucket_is_one_line(place: Remote | S3) -> None:
