@@ -317,7 +317,8 @@ def build(
         typer.Option(
             help="Where the misses are encoded: local (this process) or ray (an actor pool on a "
             "Ray cluster: --workers actors, --gpus-per-worker, --ray-address; pip install "
-            "'featbake[ray]'). Inputs are listed and hashed here either way."
+            "'featbake[ray]'). Inputs are listed here either way; with ray, 256 or more "
+            "inputs new to the hash cache are read and hashed by Ray tasks, not this process."
         ),
     ] = "local",
     gpus_per_worker: Annotated[
