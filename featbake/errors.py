@@ -102,3 +102,17 @@ class BuildProcessDied(FeatbakeError):
     """
 
     exit_code = 9
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of ``e``'s message (its class's name if it has none): how a library's
+    error is quoted inside a featbake message, which stays one line."""
+    text = str(e).strip().splitlines()
+    return text[0].strip() if text else type(e).__name__
+
+
+def last_line(e: BaseException) -> str:
+    """The last line of ``e``'s message (its class's name if it has none): for errors whose
+    last line holds the cause (a decoder's, after its own context lines)."""
+    text = str(e).strip().splitlines()
+    return text[-1].strip() if text else type(e).__name__

@@ -75,11 +75,6 @@ def error_cause(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
-def first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
-
-
 # == lengths =======================================================================================
 # The lengths protocol: ``forward(x, lengths) -> (features, out_lengths)``; pad and trim.
 #
@@ -464,6 +459,5 @@ def is_frozen(module: torch.nn.Module) -> bool:
 
 __all__ = [
     "error_cause",
-    "first_line",
     "refuse_complex",
 ]

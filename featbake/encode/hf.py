@@ -25,9 +25,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from featbake.encode.encoders import LoadedEncoder, first_line, from_module
+from featbake.encode.encoders import LoadedEncoder, from_module
 from featbake.encode.outputs import layers_to_run, part_name, resolve_layers
-from featbake.errors import ConfigError, EncoderLoadError
+from featbake.errors import ConfigError, EncoderLoadError, first_line
 from featbake.image_recipe import ImageRecipe
 from featbake.keys import canonical_json, module_fingerprint, sha256_file, sha256_hex
 from featbake.recipe import Recipe, TextRecipe

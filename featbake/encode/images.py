@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from featbake.errors import SourceError
+from featbake.errors import SourceError, last_line
 from featbake.image_recipe import (
     ColourMode,
     ImageRecipe,
@@ -188,7 +188,7 @@ def decode_image(
         raise SourceError(f"{path}: too many pixels to decode safely ({e})") from e
     except (OSError, ValueError, SyntaxError) as e:
         raise SourceError(
-            f"{path}: cannot decode the image ({_reason(e)}); is it truncated?"
+            f"{path}: cannot decode the image ({last_line(e)}); is it truncated?"
         ) from e
     return to_mode(image, steps.mode, path)
 
@@ -215,8 +215,3 @@ def to_mode(image: Image.Image, mode: ColourMode, path: str | os.PathLike[str] =
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         image = Image.alpha_composite(white, rgba)
     return image if image.mode == mode.value else image.convert(mode.value)
-
-
-def _reason(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[-1] if text else type(e).__name__

@@ -30,7 +30,6 @@ from featbake.encode.encoders import (
     LoadedFrom,
     detect_kind,
     encoder_not_found,
-    first_line,
     from_module,
     torchscript_quietly,
 )
@@ -40,7 +39,7 @@ from featbake.encode.identity import (
     code_identity,
     script_identity,
 )
-from featbake.errors import ConfigError, EncoderLoadError
+from featbake.errors import ConfigError, EncoderLoadError, first_line
 
 
 def is_import_path(spec: str) -> bool:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from featbake.encode.hf import load_tokenizer, tokenizer_files_digest
-from featbake.errors import ConfigError, SourceError
+from featbake.errors import ConfigError, SourceError, last_line
 from featbake.process import ProcessLocal, ProcessLocalState
 from featbake.recipe import Recipe, TextRecipe
 from featbake.store.byteplace import bytes_at, not_an_input, printable
@@ -210,7 +210,7 @@ class AudioSource:
         except (soundfile.LibsndfileError, RuntimeError, OSError, ValueError) as e:
             why = _unreadable(path) if data is None else None
             # Bytes in memory are named by libsndfile as <_io.BytesIO object at 0x...>: the path.
-            reason = _reason(e).replace(repr(data), repr(os.fspath(path)))
+            reason = last_line(e).replace(repr(data), repr(os.fspath(path)))
             raise SourceError(f"{path}: {why or 'cannot decode audio'} ({reason})") from e
 
 
@@ -244,11 +244,6 @@ def _unreadable(path: str | os.PathLike[str]) -> str | None:
     return None
 
 
-def _reason(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[-1] if text else type(e).__name__
-
-
 class NpySource:
     """``.npy`` arrays -> float32 tensors, loaded without pickles."""
 
@@ -269,7 +264,7 @@ class NpySource:
         except FileNotFoundError as e:
             raise SourceError(f"{path}: file not found") from e
         except (ValueError, OSError, EOFError) as e:
-            raise SourceError(f"{path}: not a readable .npy array ({_reason(e)})") from e
+            raise SourceError(f"{path}: not a readable .npy array ({last_line(e)})") from e
         if arr.size == 0:
             raise SourceError(f"{path}: the array is empty")
         if not np.issubdtype(arr.dtype, np.number):
@@ -317,7 +312,7 @@ class TextSource(ProcessLocalState):
         except FileNotFoundError as e:
             raise SourceError(f"{path}: file not found") from e
         except OSError as e:
-            raise SourceError(f"{path}: cannot read: {e.strerror or _reason(e)}") from e
+            raise SourceError(f"{path}: cannot read: {e.strerror or last_line(e)}") from e
         return self.token_ids(decoded_text(raw, path), path)
 
     def token_ids(self, text: str, name: str | os.PathLike[str]) -> torch.Tensor:

@@ -46,7 +46,7 @@ from featbake.encode.fingerprints import (
     hash_listed,
 )
 from featbake.encode.sources import ScanResult, SkippedInput, Source
-from featbake.errors import SourceError
+from featbake.errors import SourceError, first_line
 from featbake.progress import Progress
 from featbake.store.byteplace import bytes_at, object_head
 from featbake.store.containers import (
@@ -226,7 +226,9 @@ class Table:
         try:
             return f.schema()
         except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
-            raise SourceError(f"{f.path}: not a readable parquet or arrow file ({e})") from e
+            raise SourceError(
+                f"{f.path}: not a readable parquet or arrow file ({first_line(e)})"
+            ) from e
 
     def rel_file(self, f: TableFile) -> str:
         return os.path.relpath(f.path, self.folder)
@@ -500,7 +502,7 @@ class CellSource:
         try:
             cell = f.cells(int(row), [column])[column]
         except (OSError, ValueError, KeyError) as e:
-            raise SourceError(f"{path}: cannot read column {column!r} ({e})") from e
+            raise SourceError(f"{path}: cannot read column {column!r} ({first_line(e)})") from e
         got = cell_bytes(cell, kind)
         if isinstance(got, str):
             raise SourceError(f"{path}: {got}")

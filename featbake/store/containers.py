@@ -40,7 +40,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from enum import Enum
 from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, Protocol, TypeVar
 
-from featbake.errors import ConfigError, SourceError
+from featbake.errors import ConfigError, SourceError, first_line
 from featbake.process import PerProcess, ProcessLocal, ProcessLocalState
 from featbake.store.hash_cache import FileStat
 
@@ -827,6 +827,6 @@ def cell_digests(
                 if held is not None:
                     held.keep(name, got)
     except (OSError, ValueError, KeyError) as e:  # pyarrow's ArrowInvalid is a ValueError
-        why = f"{f.path}: cannot read column {column!r} ({e})"
+        why = f"{f.path}: cannot read column {column!r} ({first_line(e)})"
         return ReadBack({name: (why,) for name in wanted.values()}, None)
     return ReadBack(out, f.stat())

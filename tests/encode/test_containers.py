@@ -12,6 +12,7 @@ import json
 import os
 import re
 import tarfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -550,6 +551,25 @@ def test_a_parquet_of_audio_bytes_builds_with_bad_rows_skipped_and_serves(
         assert ds.row(i) == {"speaker": "ab"[n % 2]}
         want = run_now(module, audio_tensor(clips[n]))  # type: ignore[arg-type]
         assert torch.equal(ds[i], want), n
+
+
+def test_a_table_file_that_cannot_be_read_fails_its_cells_in_one_line_each(
+    tmp_path: Path, encoder_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # pyarrow's errors may run over several lines (a page header's thrift context); the
+    # build's reason for each cell quotes the first, so the report stays one line a cell.
+    path = write_audio_parquet(tmp_path / "t.parquet", [wav_bytes(0.3, 1), wav_bytes(0.4, 2)])
+
+    def corrupt_page(self: object, name: str) -> Iterator[tuple[int, object]]:
+        raise OSError("Couldn't deserialize thrift: TProtocolException: Invalid data\n"
+                      "Deserializing page header failed.\n")  # fmt: skip
+        yield  # a generator, as TableFile.column is
+
+    monkeypatch.setattr("featbake.store.containers.TableFile.column", corrupt_page)
+    report = build(path, encoder_file, cache=tmp_path / "store", workers=0)
+    assert report.encoded == 0 and len(report.failed) == 2
+    for _, why in report.failed:
+        assert "\n" not in why and "Couldn't deserialize thrift" in why, why
 
 
 @pytest.mark.parametrize("context", ["fork", "spawn"])
