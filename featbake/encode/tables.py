@@ -371,7 +371,9 @@ class Table:
         """
         index = self.file_index(file)
         wanted = {r.where: r.path for r in refs}
-        return CellReading(self.files[index], str(self.column), self.kinds[index], wanted)
+        cell = CarriedCell(str(self.column), self.kinds[index], file in self.scanned,
+                           self.scanned.get(file))  # fmt: skip
+        return CellReading(self.files[index], cell, wanted)
 
     def carried(self, path: str) -> CarriedCell | None:
         """What the scan settled for cell ``path`` (``file:row``): what a worker reads it by."""
@@ -448,20 +450,26 @@ class CarriedCell:
 class CellReading:
     """One table file's wanted cells read for their digests (a
     :class:`~featbake.encode.fingerprints.ContainerRead`): picklable, the file (a copy opens
-    its own reader: :class:`TableFile`), the column, its kind of cell in that file, and row ->
-    each cell's full name, so a process that never scanned the table (an engine's task) reads
-    them as the build would, one row group at a time."""
+    its own reader: :class:`TableFile`), what the scan settled for its cells (column, kind,
+    and the stat the scan read the file's rows at: :class:`CarriedCell`), and row -> each
+    cell's full name, so a process that never scanned the table (an engine's task) reads them
+    as the build would, one row group at a time."""
 
     file: TableFile
-    column: str
-    kind: CellKind
+    cell: CarriedCell
     wanted: dict[int, str]
 
     def __call__(self, held: Holder | None = None) -> ReadBack:
         """The cells' digests by full name, and the file's stat as of the reading (a local
         file's if it is still the one this process's reader opened; an object's from the
-        GETs' responses: see :meth:`TableFile.stat`)."""
-        return cell_digests(self.file, self.column, self.kind, self.wanted, held)
+        GETs' responses: see :meth:`TableFile.stat`); None for a local file that is not the
+        version the scan read its ids from (renamed over since: its rows are another
+        version's, so the digests cannot stand for the ids)."""
+        cell = self.cell
+        got = cell_digests(self.file, cell.column, cell.kind, self.wanted, held)
+        if cell.scanned_here and got.stat != cell.scanned:
+            return ReadBack(got.digests, None)
+        return got
 
 
 class CellSource:

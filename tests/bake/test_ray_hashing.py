@@ -321,3 +321,37 @@ def test_a_worker_takes_a_tables_cells_by_what_they_carry_and_refuses_a_file_it_
     for p in paths:
         if p not in refused:
             torch.testing.assert_close(source.load(p), inputs.source(AudioSource(Recipe())).load(p))
+
+
+def test_a_table_file_renamed_over_after_its_scan_fails_its_cells_here_and_elsewhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The table is renamed over by a version with its rows reversed just after the build
+    # checked it against its scan (the window between that check and the reading, made here
+    # by passing the check): ids would be keyed to other rows' cells. Read here, the scan's
+    # reader sees the file is not its own; read elsewhere (a fresh reader in a task), the
+    # reading checks the file against the scan's stat. Both fail every cell, by name.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "t"
+    folder.mkdir()
+    rows = [("cat", b"CAT"), ("dog", b"DOG"), ("eel", b"EEL")]
+
+    def write(order: list[int]) -> None:
+        table = pa.table({"id": [rows[i][0] for i in order],
+                          "data": pa.array([rows[i][1] for i in order], pa.binary())})  # fmt: skip
+        pq.write_table(table, folder / "a.tmp")
+        os.replace(folder / "a.tmp", folder / "a.parquet")  # renamed over: a new file
+
+    for where, digester in (("here", None), ("elsewhere", Elsewhere())):
+        write([0, 1, 2])
+        table = Table(str(folder), column="data")
+        paths = scanned_paths(table)
+        write([2, 1, 0])
+        monkeypatch.setattr(table, "replaced", lambda files: {})  # past the check: the window
+        kwargs = {} if digester is None else {"digester": digester}
+        with Catalog(Layout(tmp_path / f"store-{where}").ensure()) as cat:
+            digests, failed = table.hash(cat, paths, **kwargs)  # type: ignore[arg-type]
+        assert digests == {} and sorted(failed) == sorted(paths), (where, digests)
+        assert all("changed while featbake was reading it" in why for why in failed.values())
