@@ -1099,9 +1099,13 @@ class Engine(Protocol):
 
     def digester(self) -> Digester:
         """How the build's inputs the hash cache does not know are read and hashed (a
-        folder's, a bucket prefix's: see :func:`digested_anywhere`): on the engine's workers,
-        or here (:func:`~featbake.encode.fingerprints.digest_here`). Called once the engine is
-        started, before the manifest: hashing is done before anything is encoded."""
+        folder's files, a bucket prefix's objects, the files a manifest names: see
+        :func:`digested_anywhere`): on the engine's workers, or here
+        (:func:`~featbake.encode.fingerprints.digest_here`). A digester that also has a
+        ``containers`` method (:class:`~featbake.encode.fingerprints.ReadsContainers`) reads
+        tar shards and table files there too. Called once the engine is started, before the
+        manifest: hashing is done before anything is encoded. Optional: an engine without it
+        hashes in the build's process (:func:`engine_digester`)."""
         ...
 
 

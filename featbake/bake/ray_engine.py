@@ -409,8 +409,9 @@ A = TypeVar("A")  # an ask of a hashing task (an input, a container)
 # members in tar order, its cells a row group at a time), a task taking several small ones up to
 # :func:`hash_rows_per_task` new items (:func:`container_tasks`); what a task reads a container
 # by is what the driver's scan found (:class:`~featbake.encode.fingerprints.ContainerRead`: a
-# tar's member offsets and the stat it was listed at, a table's column and kind of cell), and it
-# returns the digests with the container's stat as of its reading, which the driver checks
+# tar's member offsets and the stat it was listed at, a table's column, kind of cell and the stat
+# its rows were scanned at: a local container that is not that version fails its items there),
+# and it returns the digests with the container's stat as of its reading, which the driver checks
 # against the one it looked up, as it checks its own readings. The threshold counts the new items
 # (members, cells), as it counts a folder's new files: an item is an input either way, and one
 # shard of a million members is worth a task where a folder of 10 small tars is not.

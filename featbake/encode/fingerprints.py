@@ -493,12 +493,13 @@ def hash_listed(
     def stat_of(container: str) -> FileStat | None:
         return inputs.listed.get(container) or inputs.place.stat(container)
 
-    got = hash_items(catalog, refs, reading, progress, stats, stat_of, held, digester)
-    if inputs.fresh:
-        recorded = inputs.place.recorded_ns(inputs.fresh, time.time_ns())
-        catalog.put_hashes(inputs.fresh, recorded_ns=recorded)
-        inputs.fresh = []
-    return got
+    try:
+        return hash_items(catalog, refs, reading, progress, stats, stat_of, held, digester)
+    finally:  # the listings are kept however the reading ends, as its digests are
+        if inputs.fresh:
+            recorded = inputs.place.recorded_ns(inputs.fresh, time.time_ns())
+            catalog.put_hashes(inputs.fresh, recorded_ns=recorded)
+            inputs.fresh = []
 
 
 def encoder_cache_id(encoder: LoadedEncoder, weights: str | None) -> tuple[str, str] | None:

@@ -87,7 +87,7 @@ class Folder:
     so a rebuild downloads nothing for what the store already holds.
     """
 
-    files_hashed_whole: ClassVar[bool] = True  # see digested_anywhere
+    hashed_anywhere: ClassVar[bool] = True  # see digested_anywhere
 
     def __init__(self, data: str | os.PathLike[str]) -> None:
         where = os.fspath(data)
@@ -322,7 +322,7 @@ class HashedAnywhere(Inputs, Protocol):
     their items) may be read and hashed by any process that reaches them (see
     :func:`digested_anywhere`)."""
 
-    files_hashed_whole: ClassVar[bool]
+    hashed_anywhere: ClassVar[bool]
 
     def hash(
         self,
@@ -375,7 +375,7 @@ def digested_anywhere(inputs: Inputs) -> TypeGuard[HashedAnywhere]:
     digest the SHA-256 of one file or object read whole (a segment's derived from its
     recording's; the recording's audio header, read for the bounds, is read here).
 
-    A tar's members and a table's cells too (``containers_read_anywhere``): each container
+    A tar's members and a table's cells too: each container
     the hash cache does not know is read by one process, by what the driver's scan
     found (a :class:`~featbake.encode.fingerprints.ContainerRead`: a tar's member listing, a
     table's column and kind), through ``digester``'s container reader
@@ -383,8 +383,7 @@ def digested_anywhere(inputs: Inputs) -> TypeGuard[HashedAnywhere]:
 
     A manifest's texts are hashed by the build's own process (no file to read).
     """
-    whole = getattr(inputs, "files_hashed_whole", False)
-    return bool(whole or getattr(inputs, "containers_read_anywhere", False))
+    return bool(getattr(inputs, "hashed_anywhere", False))
 
 
 def keeps_order(inputs: Inputs) -> bool:

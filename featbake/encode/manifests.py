@@ -248,7 +248,7 @@ class RowInputs:
 
     #: Each row's digest comes from a file read whole (its SHA-256, or a segment's derived from
     #: it), so an engine's workers may read and hash the files (``hash``'s ``digester``).
-    files_hashed_whole: ClassVar[bool] = True
+    hashed_anywhere: ClassVar[bool] = True
 
     def __init__(self, data: str | os.PathLike[str], column: str | None = None) -> None:
         self.origin = resolve_path(data)

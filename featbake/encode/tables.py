@@ -50,6 +50,7 @@ from featbake.errors import SourceError, first_line
 from featbake.progress import Progress
 from featbake.store.byteplace import bytes_at, object_head
 from featbake.store.containers import (
+    ARROW_READ_ERRORS,
     CellKind,
     Holder,
     ReadBack,
@@ -117,7 +118,7 @@ class Table:
 
     #: Each file the hash cache does not know may be read by any process (an engine's task),
     #: by the scan's column and kinds: ``hash``'s ``digester`` (see ``inputs.digested_anywhere``).
-    containers_read_anywhere: ClassVar[bool] = True
+    hashed_anywhere: ClassVar[bool] = True
 
     def __init__(self, data: str, column: str | None = None) -> None:
         pyarrow_module()
@@ -509,7 +510,7 @@ class CellSource:
         kind = self.table.kinds[self.table.file_index(f.path)]
         try:
             cell = f.cells(int(row), [column])[column]
-        except (OSError, ValueError, KeyError) as e:
+        except ARROW_READ_ERRORS as e:
             raise SourceError(f"{path}: cannot read column {column!r} ({first_line(e)})") from e
         got = cell_bytes(cell, kind)
         if isinstance(got, str):

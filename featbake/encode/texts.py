@@ -75,7 +75,7 @@ def text_cell(fields: Mapping[str, Any], column: str) -> str:
 class TextRows(RowInputs):
     """A manifest whose column holds each item's text (see the module's docstring)."""
 
-    files_hashed_whole: ClassVar[bool] = False  # a row's text is its bytes: no file to read
+    hashed_anywhere: ClassVar[bool] = False  # a row's text is its bytes: no file to read
 
     def __init__(self, data: str | os.PathLike[str], column: str | None = None) -> None:
         super().__init__(data, column)
@@ -139,7 +139,7 @@ class TextRows(RowInputs):
 
         ``stats`` gets the manifest's stat for each row (the texts were read from it);
         ``held`` keeps nothing: the texts are held since the parse; ``digester`` reads
-        nothing either (the texts are hashed here: :attr:`files_hashed_whole` is False).
+        nothing either (the texts are hashed here: :attr:`hashed_anywhere` is False).
         """
         stats = {} if stats is None else stats
         digests: dict[str, str] = {}

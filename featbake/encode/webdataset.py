@@ -193,7 +193,7 @@ class WebDataset:
 
     #: Each shard the hash cache does not know may be read by any process (an engine's task),
     #: by the scan's listing: ``hash``'s ``digester`` (see ``inputs.digested_anywhere``).
-    containers_read_anywhere: ClassVar[bool] = True
+    hashed_anywhere: ClassVar[bool] = True
 
     def __init__(self, data: str, column: str | None = None) -> None:
         self.column = column.lower().lstrip(".") if column else None
@@ -406,7 +406,7 @@ class MemberIndex:
     def __init__(self, listed: dict[str, Member] | None = None) -> None:
         self.listed = dict(listed or {})
         #: a local tar -> its stat when its members were listed here (None: it changed while
-        #: listed): the version their offsets are of, which hashing checks (see ``_read``)
+        #: listed): the version their offsets are of, which hashing checks (:class:`MemberReading`)
         self.at: dict[str, FileStat | None] = {}
 
     def listing(self, tar: str) -> list[Member]:

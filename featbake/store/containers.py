@@ -803,6 +803,12 @@ class TableFile(ProcessLocalState):
         raise SourceError(f"{self.path}:{row}: no such row")
 
 
+#: What reading a table file's column raises for a file that cannot be read (pyarrow's errors
+#: subclass these: ArrowInvalid a ValueError, ArrowTypeError a TypeError, ArrowNotImplementedError
+#: a NotImplementedError, ArrowIOError an OSError; a missing column a KeyError).
+ARROW_READ_ERRORS = (OSError, ValueError, KeyError, TypeError, NotImplementedError)
+
+
 def cell_digests(
     f: TableFile,
     column: str,
@@ -826,7 +832,7 @@ def cell_digests(
                 out[name] = hashlib.sha256(got).hexdigest()
                 if held is not None:
                     held.keep(name, got)
-    except (OSError, ValueError, KeyError) as e:  # pyarrow's ArrowInvalid is a ValueError
+    except ARROW_READ_ERRORS as e:
         why = f"{f.path}: cannot read column {column!r} ({first_line(e)})"
         return ReadBack({name: (why,) for name in wanted.values()}, None)
     return ReadBack(out, f.stat())

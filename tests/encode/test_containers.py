@@ -571,6 +571,17 @@ def test_a_table_file_that_cannot_be_read_fails_its_cells_in_one_line_each(
     for _, why in report.failed:
         assert "\n" not in why and "Couldn't deserialize thrift" in why, why
 
+    # pyarrow's ArrowNotImplementedError (a NotImplementedError: an encoding it cannot read)
+    # fails the cells the same way, not the build with a traceback.
+    def unsupported(self: object, name: str) -> Iterator[tuple[int, object]]:
+        raise NotImplementedError("Unsupported encoding: BYTE_STREAM_SPLIT")
+        yield
+
+    monkeypatch.setattr("featbake.store.containers.TableFile.column", unsupported)
+    report = build(path, encoder_file, cache=tmp_path / "store2", workers=0)
+    assert report.encoded == 0 and len(report.failed) == 2
+    assert all("Unsupported encoding" in why for _, why in report.failed), report.failed
+
 
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_dataloader_workers_encode_misses_from_a_table_and_a_shard(
