@@ -36,7 +36,7 @@ import pickle
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, Generic, TypeVar
@@ -418,8 +418,8 @@ A = TypeVar("A")  # an ask of a hashing task (an input, a container)
 @dataclass(frozen=True)
 class HashedBatch(Generic[T]):
     """What one hashing task returns: each input's :class:`Digested` (or each container's
-    :class:`ContainerDigested`), or the one-line error it raised (a FeatbakeError's class name
-    and message, raised again on the driver)."""
+    :class:`ContainerDigested`) it did, and the one-line error it raised after them, if any (a
+    FeatbakeError's class name and message, raised again on the driver)."""
 
     digested: list[T] = field(default_factory=list)
     error_kind: str = ""
@@ -434,21 +434,27 @@ class HashedBatch(Generic[T]):
 def digest_batch(asks: list[DigestAsk]) -> HashedBatch[Digested]:
     """One hashing task (run by a Ray worker): ``asks`` (inputs of one place) read and hashed
     on the worker's threads, no bytes kept (the actors read their inputs themselves)."""
-    try:
-        place = bytes_at(asks[0].path)
-        return HashedBatch(list(digest_here(place, asks)))
-    except FeatbakeError as e:  # a bucket's configuration, say: its one line, not a traceback
-        return HashedBatch([], type(e).__name__, str(e))
+    return hashed_batch(lambda: digest_here(bytes_at(asks[0].path), asks))
 
 
 def read_batch(asks: list[ContainerAsk]) -> HashedBatch[ContainerDigested]:
     """One container-hashing task (run by a Ray worker): each of ``asks``' containers read
     by its :class:`ContainerRead` (a tar's listed members, a table file's cells), in order, no
     bytes kept."""
+    return hashed_batch(lambda: read_here(asks))
+
+
+def hashed_batch(results: Callable[[], Iterable[T]]) -> HashedBatch[T]:
+    """What a hashing task returns: every result ``results()`` gave, and the one-line error it
+    raised after them, if any (a bucket's configuration, say: its line, not a traceback; the
+    results before it are kept by the driver)."""
+    done: list[T] = []
     try:
-        return HashedBatch(list(read_here(asks)))
-    except FeatbakeError as e:  # a bucket's configuration, say: its one line, not a traceback
-        return HashedBatch([], type(e).__name__, str(e))
+        for one in results():
+            done.append(one)
+    except FeatbakeError as e:
+        return HashedBatch(done, type(e).__name__, str(e))
+    return HashedBatch(done)
 
 
 @dataclass(frozen=True)
@@ -536,8 +542,8 @@ def as_returned(ray: Any, pending: list[Any]) -> Iterator[Any]:
                 batch: HashedBatch[Any] = ray.get(ready[0])
             except ray.exceptions.RayError as e:  # its worker died, ran out of memory, ...
                 raise task_lost(e, len(pending)) from None
+            yield from batch.digested  # what it did before any error: kept
             batch.raise_error()
-            yield from batch.digested
     finally:
         for ref in pending:
             ray.cancel(ref)

@@ -355,3 +355,30 @@ def test_a_table_file_renamed_over_after_its_scan_fails_its_cells_here_and_elsew
             digests, failed = table.hash(cat, paths, **kwargs)  # type: ignore[arg-type]
         assert digests == {} and sorted(failed) == sorted(paths), (where, digests)
         assert all("changed while featbake was reading it" in why for why in failed.values())
+
+
+def test_what_a_hashing_task_did_before_its_error_reaches_the_driver_before_the_error() -> None:
+    # A task whose third input raises a featbake error (a bucket refusing it, say) returns
+    # the two digests it made and the error's line; the driver yields both digests (kept in the
+    # hash cache by hash_inputs), then raises the error as its own class.
+    from types import SimpleNamespace
+
+    from featbake.bake.ray_engine import as_returned, hashed_batch
+    from featbake.errors import StoreError
+
+    def results() -> Iterator[str]:
+        yield from ("a", "b")
+        raise StoreError("s3://bucket/c.wav: access denied; check the role's s3:GetObject")
+
+    batch = hashed_batch(results)
+    assert (batch.digested, batch.error_kind) == (["a", "b"], "StoreError")
+    fake_ray = SimpleNamespace(
+        wait=lambda pending, num_returns: (pending[:1], pending[1:]),
+        get=lambda ref: ref,
+        cancel=lambda ref: None,
+        exceptions=SimpleNamespace(RayError=RuntimeError),
+    )
+    got: list[str] = []
+    with pytest.raises(StoreError, match="access denied"):
+        got.extend(as_returned(fake_ray, [batch]))
+    assert got == ["a", "b"]
