@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, BinaryIO, ClassVar, Protocol, TypeGuard, runtime_checkable
+from typing import Any, BinaryIO, ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -53,12 +53,15 @@ class Inputs(Protocol):
         progress: Callable[[Progress], None] | None = None,
         stats: dict[str, FileStat] | None = None,
         held: HeldBytes | None = None,
+        digester: Digester = digest_here,
     ) -> tuple[dict[str, str], dict[str, str]]:
         """(path -> SHA-256, path -> why it could not be read), as :func:`hash_inputs` says.
 
         With ``held``, the bytes read for a digest are kept there (within its budget) under
         the input's path, for the build to decode them: a first build reads each input once
-        (issue 31 item 3). A kind whose bytes are held otherwise may keep none.
+        (issue 31 item 3). A kind whose bytes are held otherwise may keep none. ``digester``
+        reads and hashes what the hash cache does not know (default: here; an engine's
+        cluster where :func:`digested_anywhere` says the kind allows it).
         """
         ...
 
@@ -317,24 +320,6 @@ def inputs_at(
     return _open_folder(where, column)
 
 
-class HashedAnywhere(Inputs, Protocol):
-    """Inputs whose ``hash`` takes a ``digester``: their new files (or the new containers of
-    their items) may be read and hashed by any process that reaches them (see
-    :func:`digested_anywhere`)."""
-
-    hashed_anywhere: ClassVar[bool]
-
-    def hash(
-        self,
-        catalog: HashCache,
-        paths: Sequence[str],
-        progress: Callable[[Progress], None] | None = None,
-        stats: dict[str, FileStat] | None = None,
-        held: HeldBytes | None = None,
-        digester: Digester = digest_here,
-    ) -> tuple[dict[str, str], dict[str, str]]: ...
-
-
 @runtime_checkable
 class RowsCarried(Protocol):
     """Inputs whose names alone do not say how to decode them: what a scan found for each (a
@@ -368,7 +353,7 @@ def carry_to(inputs: Inputs, rows: Mapping[str, object]) -> dict[str, str]:
     return inputs.carry(rows) if isinstance(inputs, RowsCarried) else {}
 
 
-def digested_anywhere(inputs: Inputs) -> TypeGuard[HashedAnywhere]:
+def digested_anywhere(inputs: Inputs) -> bool:
     """Whether ``inputs``' new inputs may be read and hashed by any process that reaches them
     (their ``hash``'s ``digester``: an engine's cluster): a folder's files, a bucket prefix's
     objects and the files a manifest's rows name (jsonl/csv/tsv, Kaldi, lhotse cuts), each
