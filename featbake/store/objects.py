@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import filecmp
+import functools
 import hashlib
 import os
 import tempfile
@@ -811,7 +812,8 @@ class GCSTries:
     """Whether google-cloud-storage tries one request again after error ``e`` (a retry
     predicate, :func:`gcs_retry`): what fails before an answer (429, 5xx, a refused or reset
     connection, an answer that did not come in time) is tried again, :data:`MAX_ATTEMPTS`
-    requests at most. ``cut_bodies``: an answer cut short too. ``part``: the object part a
+    requests at most, each request its own (:func:`gcs_retry_class`). ``cut_bodies``: an answer
+    cut short too. ``part``: the object part a
     read's download asks for; each retry counts into the read's :data:`DOWNLOAD_TRIES`
     (:func:`asked_again`), and none is made past them."""
 
@@ -819,6 +821,10 @@ class GCSTries:
         self.cut_bodies = cut_bodies
         self.part = part
         self.left = MAX_ATTEMPTS - 1
+
+    def fresh(self) -> GCSTries:
+        """The same predicate with all its retries left: one per request."""
+        return GCSTries(cut_bodies=self.cut_bodies, part=self.part)
 
     def __call__(self, e: Exception) -> bool:
         import requests
@@ -834,11 +840,34 @@ class GCSTries:
         return True
 
 
+@functools.cache
+def gcs_retry_class() -> type[Any]:
+    """api_core's ``Retry``, counting its predicate's tries afresh for each function it wraps.
+
+    google-cloud-storage wraps each request it sends with the one ``Retry`` a call was given
+    (an API call's one request; a download, resumed from a cut or a stall; each chunk of a
+    resumable upload apart, 100 MiB each), and api_core's deadline already starts anew at each
+    wrapped function. A predicate counting the whole call's retries gave a multi-GB upload 3
+    retries for all its chunk requests together; here each request gets its own.
+    """
+    from google.api_core.retry import Retry
+
+    class EachRequest(Retry):
+        """api_core's ``Retry``, its :class:`GCSTries` fresh for each wrapped function."""
+
+        def __call__(self, func: Any, on_error: Any = None) -> Any:
+            tries = self._predicate
+            own = self.with_predicate(tries.fresh()) if isinstance(tries, GCSTries) else self
+            return Retry.__call__(own, func, on_error)
+
+    return EachRequest
+
+
 def gcs_retry(*, cut_bodies: bool, part: Part | None = None) -> Any:
-    """One call's retry policy for google-cloud-storage: what fails before an answer is tried
-    again, backing off up to 1, 2, 4 s, at most :data:`MAX_ATTEMPTS` requests in all (as
-    botocore's and the Azure client's policies here), within those requests' time and the
-    waits (:class:`GCSTries`).
+    """One call's retry policy for google-cloud-storage: each request the call sends (an upload's
+    chunks are requests apart) is tried again on what fails before an answer, backing off up
+    to 1, 2, 4 s, :data:`MAX_ATTEMPTS` requests at most (as botocore's and the Azure client's
+    policies here), within those requests' time and the waits (:class:`GCSTries`).
 
     ``cut_bodies``: an answer cut short is tried again too (a listing's, a metadata call's, an
     upload's: as botocore does). Not for a download's body: the library resumes a cut download
@@ -849,9 +878,7 @@ def gcs_retry(*, cut_bodies: bool, part: Part | None = None) -> Any:
     """
     deadline = read_timeout() * MAX_ATTEMPTS + 7
     tries = GCSTries(cut_bodies=cut_bodies, part=part)
-    from google.api_core.retry import Retry
-
-    return Retry(predicate=tries, initial=1, multiplier=2, maximum=4, timeout=deadline)
+    return gcs_retry_class()(predicate=tries, initial=1, multiplier=2, maximum=4, timeout=deadline)
 
 
 def read_stalled(e: BaseException) -> bool:

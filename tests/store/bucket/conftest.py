@@ -271,6 +271,7 @@ def proxied(
         drops: int = 0,
         after: int = 16 << 10,
         lose_answer: Callable[[Asked], bool] | None = None,
+        refuse: Callable[[Asked], bool] | None = None,
         stall: Stall | None = None,
     ) -> DroppingProxy:
         proxy = DroppingProxy(
@@ -278,6 +279,7 @@ def proxied(
             drops=drops,
             after=after,
             lose_answer=lose_answer,
+            refuse=refuse,
             stall=stall,
         )
         made.append(proxy.start())

@@ -120,12 +120,14 @@ class DroppingProxy:
     pass ``after`` bytes are cut there (both sockets closed mid-body). With
     ``lose_answer``, the answer to the first request whose head it accepts is never sent:
     the server did the request (a write is stored), and its connection closes unanswered.
-    With ``stall``, every answer to a request it picks is held back (:class:`Stall`): the
-    connection stays open, silent, until the client closes it (or the proxy is closed).
+    With ``refuse``, each request whose head it accepts is never forwarded (the server never
+    sees it): its connection closes unanswered. With ``stall``, every answer to a request it
+    picks is held back (:class:`Stall`): the connection stays open, silent, until the client
+    closes it (or the proxy is closed).
 
     ``requests`` lists every request forwarded (recorded before it goes upstream, so a client
-    that has its answer finds it there), ``cut`` the targets whose answers were cut or lost,
-    ``stalled`` those whose answers were held back.
+    that has its answer finds it there; a refused one too), ``cut`` the targets whose answers
+    were cut or lost (or that were refused), ``stalled`` those whose answers were held back.
     Leaving the context closes the listening socket and every connection, and joins the
     proxy's threads.
 
@@ -141,12 +143,14 @@ class DroppingProxy:
         drops: int,
         after: int = 16 << 10,
         lose_answer: Callable[[Asked], bool] | None = None,
+        refuse: Callable[[Asked], bool] | None = None,
         stall: Stall | None = None,
     ) -> None:
         self.upstream_port = upstream_port
         self.drops_left = drops
         self.after = after
         self.lose_answer = lose_answer
+        self.refuse = refuse
         self.stall = stall
         self.dropped = 0
         self.requests: list[Asked] = []
@@ -228,6 +232,11 @@ class DroppingProxy:
         with self._closing(link):
             while data := link.client.recv(65536):
                 for asked in stream.feed(data):
+                    if self.refuse is not None and self.refuse(asked):
+                        with self._lock:
+                            self.requests.append(asked)
+                            self.cut.append(asked.target)
+                        return  # closes both sockets; what it read goes nowhere
                     with self._lock:
                         self.requests.append(asked)
                         link.asked.append(asked)

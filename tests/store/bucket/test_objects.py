@@ -5,6 +5,8 @@ wins, deletes, and one-line errors for what is absent."""
 
 from __future__ import annotations
 
+import os
+import re
 import sys
 import threading
 from collections.abc import Callable
@@ -17,7 +19,7 @@ from featbake.errors import ConfigError, StoreError
 from featbake.store.objects import AzureObjects, GCSObjects, ObjectStore, S3Objects
 from featbake.store.url import BucketURL, azure_blob_endpoint, redact
 from tests.store.bucket.conftest import S3, Remote
-from tests.store.bucket.faults import DroppingProxy
+from tests.store.bucket.faults import Asked, DroppingProxy
 
 
 def store_of(place: Remote | S3) -> ObjectStore:
@@ -206,3 +208,38 @@ def test_inputs_read_bytes_through_the_store_seam_and_never_branch_on_urls() -> 
         if "is_url(" in line
     ]
     assert asking == []
+
+
+@pytest.mark.parametrize("place", ["gs"], indirect=True)
+def test_each_chunk_request_of_a_gs_resumable_upload_is_tried_again_on_its_own(
+    place: Remote | S3, tmp_path: Path, proxied: Callable[..., DroppingProxy]
+) -> None:
+    """google-cloud-storage sends a resumable upload's chunks (files over 8 MiB) as requests
+    apart, each wrapped by the one retry policy of the call: its predicate counted the retries
+    of all of them together, so a multi-GB upload had 3 retries in all, not 3 per request.
+    Here the connections of 4 chunk requests close before the server reads them, each once
+    (fake-gcs-server appends a chunk sent again whole, where GCS answers with what it has: an
+    answer lost after the chunk was stored would corrupt the object here): each request is sent
+    again and the upload completes whole, as on GCS."""
+    from featbake.store.objects import gcs_retry, timeouts
+
+    chunk = 256 << 10  # the library's smallest chunk
+    data = os.urandom((8 << 20) + chunk)
+    src = tmp_path / "big.bin"
+    src.write_bytes(data)
+    key = BucketURL.parse(place.url).key("big.bin")
+    to_lose = {k * chunk for k in (1, 2, 3, 4)}
+
+    def chunk_request(asked: Asked) -> bool:
+        sent = re.search(r"\r\ncontent-range: bytes (\d+)-", asked.head, re.IGNORECASE)
+        first = sent is not None and int(sent[1]) in to_lose
+        if first and sent is not None:
+            to_lose.discard(int(sent[1]))
+        return asked.method == "PUT" and first
+
+    proxy = proxied(refuse=chunk_request)
+    store = store_of(place)
+    blob = store.client.blob(key, chunk_size=chunk)
+    blob.upload_from_filename(str(src), retry=gcs_retry(cut_bodies=True), timeout=timeouts())
+    assert len(proxy.cut) == 4 and not to_lose
+    assert store.read("big.bin").data == data
