@@ -61,6 +61,8 @@ from featbake.store.url import (
 DOWNLOAD_TRIES = 4
 #: Read size of a streaming download.
 CHUNK = 8 << 20
+#: Read size of a streamed hash (:meth:`ObjectStore.hashed`): what one digest holds at once.
+HASH_CHUNK = 1 << 20
 #: Files smaller than this go up to S3 in one PutObject on the caller's thread (boto3's
 #: multipart threshold, so the same requests): fragments, catalog versions, small shards.
 SINGLE_PUT_BYTES = 8 << 20
@@ -108,6 +110,27 @@ class ObjectBytes(NamedTuple):
 
     info: ObjectInfo
     data: bytes
+
+
+class HashedObject(NamedTuple):
+    """An object's SHA-256 (hex) and what the response whose bytes were hashed said of it."""
+
+    info: ObjectInfo
+    sha256: str
+
+
+class ChunkSink:
+    """A file-like ``write`` that hands each chunk to ``take`` and counts the bytes: where a
+    client library streams a download (google-cloud-storage's ``download_to_file``)."""
+
+    def __init__(self, take: Callable[[bytes], object]) -> None:
+        self.take = take
+        self.size = 0
+
+    def write(self, data: bytes) -> int:
+        self.take(data)
+        self.size += len(data)
+        return len(data)
 
 
 _T = TypeVar("_T")
@@ -304,6 +327,16 @@ class ObjectStore(ProcessLocalState):
         """
         raise NotImplementedError
 
+    def stream_once(self, name: str, take: Callable[[bytes], object]) -> ObjectInfo:
+        """One GET of ``name``, its body handed to ``take`` chunk by chunk as it comes (never
+        whole in memory, where the library allows); the object as that response gives it.
+
+        Raises:
+            Absent: there is no such object.
+            Transient: the body ended early.
+        """
+        raise NotImplementedError
+
     def put(self, name: str, src: Path, *, create: bool) -> None:
         """Put file ``src`` as ``name`` (in parts when big); ``create``: only if absent.
 
@@ -354,6 +387,24 @@ class ObjectStore(ProcessLocalState):
             StoreError: it could not be read (after :data:`DOWNLOAD_TRIES` tries).
         """
         return self._tried(name, lambda: self.get_once(name))
+
+    def hashed(self, name: str) -> HashedObject:
+        """Object ``name``'s SHA-256 from one GET streamed through the hash
+        (:meth:`stream_once`), with the size, last change and ETag of that response: what a
+        digest needs, without the object whole in memory. Tried whole again when the
+        connection drops mid-body.
+
+        Raises:
+            FileNotFoundError: there is no such object.
+            StoreError: it could not be read (after :data:`DOWNLOAD_TRIES` tries).
+        """
+
+        def once() -> HashedObject:
+            sha = hashlib.sha256()  # afresh for each try
+            info = self.stream_once(name, sha.update)
+            return HashedObject(info, sha.hexdigest())
+
+        return self._tried(name, once)
 
     def read_range(self, name: str, start: int, length: int) -> bytes:
         """``length`` bytes of object ``name`` from ``start`` (fewer at its end): one ranged GET.
@@ -735,6 +786,22 @@ class S3Objects(ObjectStore):
             raise Transient(f"{self.where(name)} ended after {size} of {expected} bytes")
         return size
 
+    def stream_once(self, name: str, take: Callable[[bytes], object]) -> ObjectInfo:
+        got = self.client.get_object(Bucket=self.url.bucket, Key=self.key(name))
+        expected = int(got["ContentLength"])
+        body = got["Body"]
+        size = 0
+        try:
+            with self.body_read(name):
+                for chunk in body.iter_chunks(HASH_CHUNK):
+                    take(chunk)
+                    size += len(chunk)
+        finally:
+            body.close()
+        if size != expected:
+            raise Transient(f"{self.where(name)} ended after {size} of {expected} bytes")
+        return ObjectInfo(name, size, got["LastModified"].timestamp(), got["ETag"].strip('"'))
+
     def put(self, name: str, src: Path, *, create: bool) -> None:
         if create or os.path.getsize(src) < SINGLE_PUT_BYTES:
             # One request on this thread (up to 5 GB): a dataset's last uses are uploaded by
@@ -1044,6 +1111,17 @@ class GCSObjects(ObjectStore):
             f.truncate(size)
         return size
 
+    def stream_once(self, name: str, take: Callable[[bytes], object]) -> ObjectInfo:
+        info = self.head(name)  # the GET gives no size and date: that generation's metadata
+        if info is None:
+            raise Absent(name)
+        blob = self.client.blob(self.key(name), generation=int(info.etag))
+        sink = ChunkSink(take)  # the library writes each chunk of the body as it comes
+        blob.download_to_file(sink, **self._media(name))  # checked: its CRC32C
+        if sink.size != info.size:
+            raise Transient(f"{self.where(name)} ended after {sink.size} of {info.size} bytes")
+        return info
+
     def put(self, name: str, src: Path, *, create: bool) -> None:
         blob = self.client.blob(self.key(name))
         condition = {"if_generation_match": 0} if create else {}
@@ -1272,6 +1350,20 @@ class AzureObjects(ObjectStore):
         if size != got.size:
             raise Transient(f"{self.where(name)} ended after {size} of {got.size} bytes")
         return size
+
+    def stream_once(self, name: str, take: Callable[[bytes], object]) -> ObjectInfo:
+        # Handed out in the SDK's chunks (its first GET up to max_single_get_size, then 4 MiB);
+        # its downloader holds several copies meanwhile (a 6 MiB object peaked at 56 MB under
+        # tracemalloc, as with readall()): not bounded here.
+        blob = self.client.get_blob_client(self.key(name))
+        got = blob.download_blob(max_concurrency=1)
+        size = 0
+        for chunk in got.chunks():
+            take(chunk)
+            size += len(chunk)
+        if size != got.size:
+            raise Transient(f"{self.where(name)} ended after {size} of {got.size} bytes")
+        return self._info(got.properties, name, size)
 
     def put(self, name: str, src: Path, *, create: bool) -> None:
         blob = self.client.get_blob_client(self.key(name))
