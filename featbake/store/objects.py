@@ -233,10 +233,10 @@ class ObjectStore(ProcessLocalState):
 
     ``ObjectStore(url)`` makes the class registered for ``url.scheme`` (:func:`register`).
     Subclasses implement the one-request primitives (``list_page``, ``head``, ``get_once``,
-    ``download_once``, ``put``, ``delete``; here they raise ``NotImplementedError``) and
-    ``translate`` (their library's errors into featbake's); reads tried again on a cut body,
-    and the messages, live here. Not an ``abc.ABC``: ``ObjectStore(url)`` is how callers make
-    one, whatever the scheme.
+    ``download_once``, ``stream_once``, ``put``, ``delete``; here they raise
+    ``NotImplementedError``) and ``translate`` (their library's errors into featbake's); reads
+    tried again on a cut body, and the messages, live here. Not an ``abc.ABC``:
+    ``ObjectStore(url)`` is how callers make one, whatever the scheme.
 
     Example:
         >>> b = ObjectStore(BucketURL.parse("s3://team/features"))  # doctest: +SKIP
