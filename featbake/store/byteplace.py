@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, NamedTuple
+from typing import ClassVar, NamedTuple, TypeVar
 
 from featbake.errors import ConfigError, SourceError, StoreError
 from featbake.keys import sha256_file
@@ -64,6 +64,7 @@ from featbake.store.hash_cache import COARSE_RACY_FACTOR, RACY_NS, FileStat, Has
 from featbake.store.objects import (
     CLIENT_CONNECTIONS,
     LIST_PAGE_KEYS,
+    HashedObject,
     ListedPage,
     ObjectBytes,
     ObjectInfo,
@@ -626,11 +627,25 @@ def bucket_store(url: BucketURL) -> ObjectStore:
     return bucket
 
 
+_R = TypeVar("_R")
+
+
 def read_object(bucket: ObjectStore, name: str) -> ObjectBytes | str:
     """Object ``name`` of ``bucket``, whole, or why it cannot be read (gone, or the bucket's
     one line)."""
+    return object_or_why(lambda: bucket.read(name))
+
+
+def hashed_object(bucket: ObjectStore, name: str) -> HashedObject | str:
+    """Object ``name``'s SHA-256 streamed from one GET (:meth:`ObjectStore.hashed`), or why
+    it cannot be read."""
+    return object_or_why(lambda: bucket.hashed(name))
+
+
+def object_or_why(read: Callable[[], _R]) -> _R | str:
+    """``read()``, or why the object cannot be read (gone, or the bucket's one line)."""
     try:
-        return bucket.read(name)
+        return read()
     except FileNotFoundError:
         return "object not found (deleted since the listing?)"
     except StoreError as e:
@@ -727,8 +742,15 @@ class Objects(BytePlace):
 
     def digest(self, path: str, expect: FileStat, held: Holder | None = None) -> Digest | str:
         # One GET: the digest is recorded against the ETag of the very response whose bytes
-        # were hashed (not the listing's), so the pair cannot disagree.
+        # were hashed (not the listing's), so the pair cannot disagree. With nothing held,
+        # hashed as it comes (a Ray hashing task runs 8 readers per CPU: whole objects in
+        # memory, a 64-CPU node held some 512 of them at once).
         bucket, name = object_at(path)
+        if held is None:
+            hashed = hashed_object(bucket, name)
+            if isinstance(hashed, str):
+                return hashed
+            return Digest(bucket.file_stat(hashed.info), hashed.sha256)
         got = read_object(bucket, name)
         if isinstance(got, str):
             return got

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import filecmp
+import functools
 import hashlib
 import os
 import tempfile
@@ -60,6 +61,8 @@ from featbake.store.url import (
 DOWNLOAD_TRIES = 4
 #: Read size of a streaming download.
 CHUNK = 8 << 20
+#: Read size of a streamed hash (:meth:`ObjectStore.hashed`): what one digest holds at once.
+HASH_CHUNK = 1 << 20
 #: Files smaller than this go up to S3 in one PutObject on the caller's thread (boto3's
 #: multipart threshold, so the same requests): fragments, catalog versions, small shards.
 SINGLE_PUT_BYTES = 8 << 20
@@ -109,6 +112,27 @@ class ObjectBytes(NamedTuple):
     data: bytes
 
 
+class HashedObject(NamedTuple):
+    """An object's SHA-256 (hex) and what the response whose bytes were hashed said of it."""
+
+    info: ObjectInfo
+    sha256: str
+
+
+class ChunkSink:
+    """A file-like ``write`` that hands each chunk to ``take`` and counts the bytes: where a
+    client library streams a download (google-cloud-storage's ``download_to_file``)."""
+
+    def __init__(self, take: Callable[[bytes], object]) -> None:
+        self.take = take
+        self.size = 0
+
+    def write(self, data: bytes) -> int:
+        self.take(data)
+        self.size += len(data)
+        return len(data)
+
+
 _T = TypeVar("_T")
 
 
@@ -127,6 +151,37 @@ class Transient(Exception):
 class TriesSpent(Transient):
     """A read asked for the same bytes :data:`DOWNLOAD_TRIES` times, counting the client's own
     tries (:meth:`ObjectStore.tries_counted`): not tried again."""
+
+
+#: One part of an object a request asks for: (method, URL or key, byte range or "").
+Part = tuple[str, str, str]
+
+#: Within one read (:meth:`ObjectStore.tries_counted`), how often this thread asked for each
+#: part of an object, whichever layer sent the request (featbake's tries, or the client's own
+#: retries: each cloud's client reports its requests here); None outside a read.
+_ASKED: ContextVar[Counter[Part] | None] = ContextVar("featbake_asked", default=None)
+
+
+def asked_again(part: Part) -> bool:
+    """Count one more request for ``part`` within this thread's read: False (and not counted)
+    when the read already asked for it :data:`DOWNLOAD_TRIES` times. Outside a read, True."""
+    asked = _ASKED.get()
+    if asked is None:
+        return True
+    if asked[part] >= DOWNLOAD_TRIES:
+        return False
+    asked[part] += 1
+    return True
+
+
+def count_asked(part: Part) -> None:
+    """Count a request about to be sent for ``part`` (:func:`asked_again`).
+
+    Raises:
+        TriesSpent: the read already asked for it :data:`DOWNLOAD_TRIES` times.
+    """
+    if not asked_again(part):
+        raise TriesSpent(f"asked {DOWNLOAD_TRIES} times for {part[2] or 'the whole'}")
 
 
 _SCHEMES: dict[str, type[ObjectStore]] = {}
@@ -178,10 +233,10 @@ class ObjectStore(ProcessLocalState):
 
     ``ObjectStore(url)`` makes the class registered for ``url.scheme`` (:func:`register`).
     Subclasses implement the one-request primitives (``list_page``, ``head``, ``get_once``,
-    ``download_once``, ``put``, ``delete``; here they raise ``NotImplementedError``) and
-    ``translate`` (their library's errors into featbake's); reads tried again on a cut body,
-    and the messages, live here. Not an ``abc.ABC``: ``ObjectStore(url)`` is how callers make
-    one, whatever the scheme.
+    ``download_once``, ``stream_once``, ``put``, ``delete``; here they raise
+    ``NotImplementedError``) and ``translate`` (their library's errors into featbake's); reads
+    tried again on a cut body, and the messages, live here. Not an ``abc.ABC``:
+    ``ObjectStore(url)`` is how callers make one, whatever the scheme.
 
     Example:
         >>> b = ObjectStore(BucketURL.parse("s3://team/features"))  # doctest: +SKIP
@@ -272,6 +327,16 @@ class ObjectStore(ProcessLocalState):
         """
         raise NotImplementedError
 
+    def stream_once(self, name: str, take: Callable[[bytes], object]) -> ObjectInfo:
+        """One GET of ``name``, its body handed to ``take`` chunk by chunk as it comes (never
+        whole in memory, where the library allows); the object as that response gives it.
+
+        Raises:
+            Absent: there is no such object.
+            Transient: the body ended early.
+        """
+        raise NotImplementedError
+
     def put(self, name: str, src: Path, *, create: bool) -> None:
         """Put file ``src`` as ``name`` (in parts when big); ``create``: only if absent.
 
@@ -323,6 +388,24 @@ class ObjectStore(ProcessLocalState):
         """
         return self._tried(name, lambda: self.get_once(name))
 
+    def hashed(self, name: str) -> HashedObject:
+        """Object ``name``'s SHA-256 from one GET streamed through the hash
+        (:meth:`stream_once`), with the size, last change and ETag of that response: what a
+        digest needs, without the object whole in memory. Tried whole again when the
+        connection drops mid-body.
+
+        Raises:
+            FileNotFoundError: there is no such object.
+            StoreError: it could not be read (after :data:`DOWNLOAD_TRIES` tries).
+        """
+
+        def once() -> HashedObject:
+            sha = hashlib.sha256()  # afresh for each try
+            info = self.stream_once(name, sha.update)
+            return HashedObject(info, sha.hexdigest())
+
+        return self._tried(name, once)
+
     def read_range(self, name: str, start: int, length: int) -> bytes:
         """``length`` bytes of object ``name`` from ``start`` (fewer at its end): one ranged GET.
 
@@ -347,16 +430,24 @@ class ObjectStore(ProcessLocalState):
         got = self._tried(name, lambda: self.get_once(name, start, asked))
         return ObjectBytes(got.info, got.data[:length])
 
-    def tries_counted(self) -> contextlib.AbstractContextManager[None]:
-        """A context for one read of :meth:`_tried`: a scheme whose client tries a cut body
-        again itself counts those requests into the read's :data:`DOWNLOAD_TRIES` here
-        (:class:`TriesSpent` past them). s3 and gs leave a cut body to featbake: nothing to
-        count."""
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def tries_counted(self) -> Iterator[None]:
+        """A context for one read of :meth:`_tried`: each request this thread sends for the
+        object, featbake's tries and the client's own retries alike, counts into the read's
+        :data:`DOWNLOAD_TRIES` per part (:func:`count_asked`; :class:`TriesSpent` past them).
+        Each cloud's client reports its requests: s3 botocore's ``before-send`` event, gs
+        :func:`gcs_retry`, az the client's ``raw_request_hook``."""
+        token = _ASKED.set(Counter())
+        try:
+            yield
+        finally:
+            _ASKED.reset(token)
 
     def _tried(self, name: str, once: Callable[[], _T]) -> _T:
         """``once()``, again (with backoff) while a body is cut short: the same bytes are
-        asked for :data:`DOWNLOAD_TRIES` times at most, the client's own tries included."""
+        asked for :data:`DOWNLOAD_TRIES` times at most, the client's own tries included. An
+        answer that never came after the client's own tries is one line at once
+        (:meth:`unanswered`): tried again whole, a stalled endpoint was asked 4 x 4 times."""
         last: BaseException | None = None
         with self.tries_counted():
             for attempt in range(DOWNLOAD_TRIES):
@@ -544,8 +635,18 @@ def content_range_size(header: str | None, fallback: int) -> int:
 # Configuration is S3's standard environment: ``AWS_ENDPOINT_URL`` (MinIO, R2, Ceph, a loopback
 # server), ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` or ``AWS_PROFILE``, ``AWS_REGION``.
 # Endpoints other than AWS are addressed path-style, as litdata does. Throttling, 5xx answers and
-# connection errors are retried with backoff by botocore ("standard" mode); a download cut
-# mid-body is retried whole by :meth:`ObjectStore.download`.
+# connection errors are retried with backoff by botocore ("standard" mode), and so is an answer
+# that does not come within the read timeout: after botocore's 4 attempts that is one line, not
+# tried again. botocore never asks again for a body: a download cut or stalled mid-body is
+# featbake's to try again whole (:meth:`ObjectStore._tried`). Within a read every request,
+# botocore's retries included, counts into the read's 4 (:func:`s3_request_counted`).
+def s3_request_counted(request: Any, **_: Any) -> None:
+    """botocore's ``before-send`` handler, run before each request the client sends, its own
+    retries included: within a read, count it for its part (method, URL, range), and refuse the
+    one past :data:`DOWNLOAD_TRIES` (:class:`TriesSpent`, which botocore does not retry)."""
+    count_asked((request.method, request.url, request.headers.get("Range") or ""))
+
+
 def listed_info(entry: Mapping[str, Any], strip: int) -> ObjectInfo:
     """An object as a listing names it (``Contents[]``; its key less ``strip`` characters):
     the same size, last change and ETag as a HEAD or a GET of it gives."""
@@ -584,7 +685,7 @@ class S3Objects(ObjectStore):
         try:
             session = boto3.session.Session()
             region = session.region_name or "us-east-1"
-            return session.client("s3", endpoint_url=url, region_name=region, config=config)
+            client = session.client("s3", endpoint_url=url, region_name=region, config=config)
         except bx.ProfileNotFound as e:
             raise ConfigError(
                 f"{e} (AWS_PROFILE={os.environ.get('AWS_PROFILE', '')!r}); name a profile in "
@@ -596,6 +697,20 @@ class S3Objects(ObjectStore):
                 f"cannot make an S3 client for {self.url} at {endpoint_label()}: "
                 f"{redact(str(e))}; check AWS_ENDPOINT_URL, AWS_REGION and AWS_PROFILE"
             ) from None
+        client.meta.events.register("before-send.s3", s3_request_counted)
+        return client
+
+    @contextlib.contextmanager
+    def body_read(self, name: str) -> Iterator[None]:
+        """Reading an answer's body: botocore does not ask again for a body, so one that
+        stalls past the read timeout is cut short (:class:`Transient`), featbake's to read
+        again whole; a timeout before the answer came is botocore's, after its tries."""
+        from botocore import exceptions as bx
+
+        try:
+            yield
+        except bx.ReadTimeoutError as e:
+            raise Transient(f"{self.where(name)}: {e}") from e
 
     def endpoint_label(self) -> str:
         return endpoint_label()
@@ -638,7 +753,8 @@ class S3Objects(ObjectStore):
         got = self.client.get_object(Bucket=self.url.bucket, Key=self.key(name), **options)
         body = got["Body"]
         try:
-            data = body.read()
+            with self.body_read(name):
+                data = body.read()
         finally:
             body.close()
         if len(data) != int(got["ContentLength"]):
@@ -660,14 +776,31 @@ class S3Objects(ObjectStore):
             expected = int(got["ContentLength"])
             body = got["Body"]
             try:
-                for chunk in body.iter_chunks(CHUNK):
-                    size += f.write(chunk)
+                with self.body_read(name):
+                    for chunk in body.iter_chunks(CHUNK):
+                        size += f.write(chunk)
             finally:
                 body.close()
             f.truncate(size)
         if size != expected:
             raise Transient(f"{self.where(name)} ended after {size} of {expected} bytes")
         return size
+
+    def stream_once(self, name: str, take: Callable[[bytes], object]) -> ObjectInfo:
+        got = self.client.get_object(Bucket=self.url.bucket, Key=self.key(name))
+        expected = int(got["ContentLength"])
+        body = got["Body"]
+        size = 0
+        try:
+            with self.body_read(name):
+                for chunk in body.iter_chunks(HASH_CHUNK):
+                    take(chunk)
+                    size += len(chunk)
+        finally:
+            body.close()
+        if size != expected:
+            raise Transient(f"{self.where(name)} ended after {size} of {expected} bytes")
+        return ObjectInfo(name, size, got["LastModified"].timestamp(), got["ETag"].strip('"'))
 
     def put(self, name: str, src: Path, *, create: bool) -> None:
         if create or os.path.getsize(src) < SINGLE_PUT_BYTES:
@@ -698,8 +831,12 @@ class S3Objects(ObjectStore):
                 "(or AWS_PROFILE), and AWS_ENDPOINT_URL for a server other than AWS; then run "
                 "this again"
             ) from None
-        if isinstance(e, bx.IncompleteReadError | bx.ResponseStreamingError | bx.ReadTimeoutError):
+        if isinstance(e, bx.IncompleteReadError | bx.ResponseStreamingError):
             raise Transient(str(e)) from e
+        if isinstance(e, bx.ReadTimeoutError):
+            # No answer within the read timeout after botocore's own tries (a body's stall is
+            # :meth:`body_read`'s): tried again whole, a read sent 16 requests for 4.
+            raise self.unanswered(name, e) from None
         if isinstance(e, bx.ConnectTimeoutError):
             raise self.no_connection(name) from None
         if isinstance(e, bx.EndpointConnectionError | bx.ConnectionClosedError):
@@ -738,34 +875,90 @@ class S3Objects(ObjectStore):
 # must return them asks the metadata first and then GETs that very generation
 # (``ifGenerationMatch``): the bytes and the info belong together, at two requests. The library
 # retries each call at most as often as the other clouds' clients (:func:`gcs_retry`).
-def gcs_retry(*, cut_bodies: bool) -> Any:
-    """One call's retry policy for google-cloud-storage: what fails before an answer (429,
-    5xx, a refused or reset connection, an answer that did not come in time) is tried again,
-    backing off up to 1, 2, 4 s, at most :data:`MAX_ATTEMPTS` requests in all (as botocore's
-    and the Azure client's policies here), within those requests' time and the waits.
+class GCSTries:
+    """Whether google-cloud-storage tries one request again after error ``e`` (a retry
+    predicate, :func:`gcs_retry`): what fails before an answer (429, 5xx, a refused or reset
+    connection, an answer that did not come in time) is tried again, :data:`MAX_ATTEMPTS`
+    requests at most, each request its own (:func:`gcs_retry_class`). ``cut_bodies``: an answer
+    cut short too. ``part``: the object part a
+    read's download asks for; each retry counts into the read's :data:`DOWNLOAD_TRIES`
+    (:func:`asked_again`), and none is made past them."""
+
+    def __init__(self, *, cut_bodies: bool, part: Part | None) -> None:
+        self.cut_bodies = cut_bodies
+        self.part = part
+        self.left = MAX_ATTEMPTS - 1
+
+    def fresh(self) -> GCSTries:
+        """The same predicate with all its retries left: one per request."""
+        return GCSTries(cut_bodies=self.cut_bodies, part=self.part)
+
+    def __call__(self, e: Exception) -> bool:
+        import requests
+        from google.api_core.retry import if_transient_error
+
+        cut = isinstance(e, requests.exceptions.ChunkedEncodingError)
+        transient = bool(if_transient_error(e)) or isinstance(e, requests.exceptions.Timeout)
+        if not transient or (cut and not self.cut_bodies) or self.left <= 0:
+            return False
+        if self.part is not None and not asked_again(self.part):
+            return False  # the read asked for these bytes DOWNLOAD_TRIES times already
+        self.left -= 1
+        return True
+
+
+@functools.cache
+def gcs_retry_class() -> type[Any]:
+    """api_core's ``Retry``, counting its predicate's tries afresh for each function it wraps.
+
+    google-cloud-storage wraps each request it sends with the one ``Retry`` a call was given
+    (an API call's one request; a download, resumed from a cut or a stall; each chunk of a
+    resumable upload apart, 100 MiB each), and api_core's deadline already starts anew at each
+    wrapped function. A predicate counting the whole call's retries gave a multi-GB upload 3
+    retries for all its chunk requests together; here each request gets its own.
+    """
+    from google.api_core.retry import Retry
+
+    class EachRequest(Retry):
+        """api_core's ``Retry``, its :class:`GCSTries` fresh for each wrapped function."""
+
+        def __call__(self, func: Any, on_error: Any = None) -> Any:
+            tries = self._predicate
+            own = self.with_predicate(tries.fresh()) if isinstance(tries, GCSTries) else self
+            return Retry.__call__(own, func, on_error)
+
+    return EachRequest
+
+
+def gcs_retry(*, cut_bodies: bool, part: Part | None = None) -> Any:
+    """One call's retry policy for google-cloud-storage: each request the call sends (an upload's
+    chunks are requests apart) is tried again on what fails before an answer, backing off up
+    to 1, 2, 4 s, :data:`MAX_ATTEMPTS` requests at most (as botocore's and the Azure client's
+    policies here), within those requests' time and the waits (:class:`GCSTries`).
 
     ``cut_bodies``: an answer cut short is tried again too (a listing's, a metadata call's, an
     upload's: as botocore does). Not for a download's body: the library resumes a cut download
     from the cut, every cut, until its deadline, so a server cutting every answer kept one read
     going for a minute and more. There the cut ends the call, and :meth:`ObjectStore._tried`
-    tries the read whole again, :data:`DOWNLOAD_TRIES` times in all, as on s3 and az.
+    tries the read whole again, :data:`DOWNLOAD_TRIES` requests for its ``part`` in all, the
+    library's retries of a stalled answer counted in, as on s3 and az.
     """
-    import requests
-    from google.api_core.retry import Retry, if_transient_error
-
-    retries_left = MAX_ATTEMPTS - 1
-
-    def worth_again(e: Exception) -> bool:
-        nonlocal retries_left
-        cut = isinstance(e, requests.exceptions.ChunkedEncodingError)
-        transient = bool(if_transient_error(e)) or isinstance(e, requests.exceptions.Timeout)
-        if not transient or (cut and not cut_bodies) or retries_left <= 0:
-            return False
-        retries_left -= 1
-        return True
-
     deadline = read_timeout() * MAX_ATTEMPTS + 7
-    return Retry(predicate=worth_again, initial=1, multiplier=2, maximum=4, timeout=deadline)
+    tries = GCSTries(cut_bodies=cut_bodies, part=part)
+    return gcs_retry_class()(predicate=tries, initial=1, multiplier=2, maximum=4, timeout=deadline)
+
+
+def read_stalled(e: BaseException) -> bool:
+    """Whether requests' error ``e`` is an answer that did not come within the read timeout:
+    its ``ReadTimeout`` before the answer, or mid-body a ``ConnectionError`` from urllib3's
+    ``ReadTimeoutError`` (not a body cut short, which is ``ChunkedEncodingError``)."""
+    import requests
+    from urllib3.exceptions import ReadTimeoutError
+
+    if isinstance(e, requests.exceptions.ReadTimeout):
+        return True
+    mid_body = isinstance(e, requests.exceptions.ConnectionError)
+    return mid_body and any(isinstance(a, ReadTimeoutError) for a in e.args)
 
 
 def gcs_traced() -> bool:
@@ -840,10 +1033,17 @@ class GCSObjects(ObjectStore):
     def tier_folder(self) -> str:
         return "gs_" + endpoint_folder(gcs_endpoint(os.environ))
 
-    def _options(self, *, download: bool = False) -> dict[str, Any]:
-        """Each call's timeouts, and its tries (:func:`gcs_retry`; a ``download``'s cut body
-        is :meth:`ObjectStore._tried`'s to try again)."""
-        return {"timeout": timeouts(), "retry": gcs_retry(cut_bodies=not download)}
+    def _options(self) -> dict[str, Any]:
+        """Each call's timeouts, and its tries (:func:`gcs_retry`)."""
+        return {"timeout": timeouts(), "retry": gcs_retry(cut_bodies=True)}
+
+    def _media(self, name: str, byte_range: str = "") -> dict[str, Any]:
+        """A download's timeouts and tries: its first request counts into the read's
+        (:func:`count_asked`), and so does each retry of the library's (:func:`gcs_retry`);
+        a cut body is :meth:`ObjectStore._tried`'s to try again."""
+        part = ("GET", self.key(name), byte_range)
+        count_asked(part)
+        return {"timeout": timeouts(), "retry": gcs_retry(cut_bodies=False, part=part)}
 
     def _info(self, blob: Any, strip: int) -> ObjectInfo:
         return ObjectInfo(
@@ -891,12 +1091,12 @@ class GCSObjects(ObjectStore):
         blob = self.client.blob(self.key(name), generation=int(info.etag))
         end = None if length is None else start + length - 1
         if length is None:
-            data = blob.download_as_bytes(**self._options(download=True))
+            data = blob.download_as_bytes(**self._media(name))
         elif start >= info.size:
             data = b""
         else:
             data = blob.download_as_bytes(
-                start=start, end=end, checksum=None, **self._options(download=True)
+                start=start, end=end, checksum=None, **self._media(name, f"{start}-{end}")
             )
         if length is None and len(data) != info.size:
             raise Transient(f"{self.where(name)} ended after {len(data)} of {info.size} bytes")
@@ -906,10 +1106,21 @@ class GCSObjects(ObjectStore):
         blob = self.client.blob(self.key(name))
         with open(dest, "r+b" if dest.exists() else "wb") as f:
             # Checked by the library: the MD5/CRC32C of the whole.
-            blob.download_to_file(f, **self._options(download=True))
+            blob.download_to_file(f, **self._media(name))
             size = f.tell()
             f.truncate(size)
         return size
+
+    def stream_once(self, name: str, take: Callable[[bytes], object]) -> ObjectInfo:
+        info = self.head(name)  # the GET gives no size and date: that generation's metadata
+        if info is None:
+            raise Absent(name)
+        blob = self.client.blob(self.key(name), generation=int(info.etag))
+        sink = ChunkSink(take)  # the library writes each chunk of the body as it comes
+        blob.download_to_file(sink, **self._media(name))  # checked: its CRC32C
+        if sink.size != info.size:
+            raise Transient(f"{self.where(name)} ended after {sink.size} of {info.size} bytes")
+        return info
 
     def put(self, name: str, src: Path, *, create: bool) -> None:
         blob = self.client.blob(self.key(name))
@@ -943,10 +1154,13 @@ class GCSObjects(ObjectStore):
             ) from None
         if isinstance(e, requests.exceptions.ConnectTimeout):
             raise self.no_connection(name) from None
+        if read_stalled(e):
+            # After the library's own tries (a stalled download resumed, each counted into
+            # the read's 4): tried again whole, a read sent 16 requests for 4.
+            raise self.unanswered(name, e) from None
         if isinstance(
             e,
-            requests.exceptions.ReadTimeout
-            | requests.exceptions.ChunkedEncodingError
+            requests.exceptions.ChunkedEncodingError
             | sx.DataCorruption
             | ConnectionError,  # the library's own, for a body that ended short unnoticed
         ):
@@ -973,26 +1187,13 @@ class GCSObjects(ObjectStore):
 # 1 s wait, and has no setting for it; featbake's reads try again whole on a cut. So a read
 # counts its requests at the client's request hook (:func:`azure_request_counted`): the same
 # bytes are asked for :data:`DOWNLOAD_TRIES` times in all, as on s3 and gs, never 3 x 4.
-#: Within one read (:meth:`AzureObjects.tries_counted`), how often this thread asked for each
-#: part of an object (method, URL, range); None outside a read.
-_AZURE_ASKED: ContextVar[Counter[tuple[str, str, str]] | None] = ContextVar(
-    "featbake_azure_asked", default=None
-)
-
-
 def azure_request_counted(request: Any) -> None:
     """azure-storage-blob's ``raw_request_hook``, run before each request the client sends,
     its own retries included: within a read, count the request for its bytes (method, URL,
-    range), and refuse the one past :data:`DOWNLOAD_TRIES` for the same (:class:`TriesSpent`)."""
-    asked = _AZURE_ASKED.get()
-    if asked is None:
-        return
+    range), and refuse the one past :data:`DOWNLOAD_TRIES` for the same (:func:`count_asked`)."""
     http = request.http_request
     headers = http.headers
-    part = (http.method, http.url, headers.get("x-ms-range") or headers.get("Range") or "")
-    asked[part] += 1
-    if asked[part] > DOWNLOAD_TRIES:
-        raise TriesSpent(f"asked {DOWNLOAD_TRIES} times for {part[2] or 'the whole'}")
+    count_asked((http.method, http.url, headers.get("x-ms-range") or headers.get("Range") or ""))
 
 
 def azure_cut_body(e: BaseException) -> BaseException | None:
@@ -1072,15 +1273,6 @@ class AzureObjects(ObjectStore):
             ) from None
         return DefaultAzureCredential()
 
-    @contextlib.contextmanager
-    def tries_counted(self) -> Iterator[None]:
-        """Count this thread's requests for one read (:func:`azure_request_counted`)."""
-        token = _AZURE_ASKED.set(Counter())
-        try:
-            yield
-        finally:
-            _AZURE_ASKED.reset(token)
-
     def endpoint_label(self) -> str:
         try:
             return redact(azure_blob_endpoint(os.environ))
@@ -1158,6 +1350,20 @@ class AzureObjects(ObjectStore):
         if size != got.size:
             raise Transient(f"{self.where(name)} ended after {size} of {got.size} bytes")
         return size
+
+    def stream_once(self, name: str, take: Callable[[bytes], object]) -> ObjectInfo:
+        # Handed out in the SDK's chunks (its first GET up to max_single_get_size, then 4 MiB);
+        # its downloader holds several copies meanwhile (a 6 MiB object peaked at 56 MB under
+        # tracemalloc, as with readall()): not bounded here.
+        blob = self.client.get_blob_client(self.key(name))
+        got = blob.download_blob(max_concurrency=1)
+        size = 0
+        for chunk in got.chunks():
+            take(chunk)
+            size += len(chunk)
+        if size != got.size:
+            raise Transient(f"{self.where(name)} ended after {size} of {got.size} bytes")
+        return self._info(got.properties, name, size)
 
     def put(self, name: str, src: Path, *, create: bool) -> None:
         blob = self.client.get_blob_client(self.key(name))

@@ -30,7 +30,7 @@ from featbake.testing import (
     start_fake_gcs,
     start_moto,
 )
-from tests.store.bucket.faults import Asked, DroppingProxy
+from tests.store.bucket.faults import Asked, DroppingProxy, Stall
 
 pytest.importorskip("boto3")
 pytest.importorskip("moto")
@@ -267,10 +267,20 @@ def proxied(
     made: list[DroppingProxy] = []
 
     def make(
-        *, drops: int = 0, after: int = 16 << 10, lose_answer: Callable[[Asked], bool] | None = None
+        *,
+        drops: int = 0,
+        after: int = 16 << 10,
+        lose_answer: Callable[[Asked], bool] | None = None,
+        refuse: Callable[[Asked], bool] | None = None,
+        stall: Stall | None = None,
     ) -> DroppingProxy:
         proxy = DroppingProxy(
-            upstream_port(place), drops=drops, after=after, lose_answer=lose_answer
+            upstream_port(place),
+            drops=drops,
+            after=after,
+            lose_answer=lose_answer,
+            refuse=refuse,
+            stall=stall,
         )
         made.append(proxy.start())
         for k, v in endpoint_env(place, proxy.endpoint).items():

@@ -1,6 +1,7 @@
-"""A TCP proxy on loopback that cuts responses: a server that drops connections mid-body, or
-one that does a request and loses its answer. It records the requests it forwards, so a test
-counts what a client asked for."""
+"""A TCP proxy on loopback that cuts responses: a server that drops connections mid-body, one
+that does a request and loses its answer, or one that stalls (sends no answer, or an answer's
+head and a few bytes of its body, then nothing, its connection held open). It records the
+requests it forwards, so a test counts what a client asked for."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import threading
 from collections.abc import Callable, Iterator
 from enum import Enum
 from typing import NamedTuple
+
+#: An answer's head ends here.
+_HEAD_END = b"\r\n\r\n"
 
 
 class Asked(NamedTuple):
@@ -23,6 +27,15 @@ class Asked(NamedTuple):
         """Whether the request's path ends with object ``key`` (plain or URL-encoded)."""
         path = self.target.partition("?")[0]
         return path.endswith((key, key.replace("/", "%2F")))
+
+
+class Stall(NamedTuple):
+    """Which answers a proxy holds back, and how much of each it sends first: ``body`` None,
+    nothing (the server read the request and never answers); a number, the answer's head and
+    that many bytes of its body. Then nothing, until the client gives up and closes."""
+
+    asks: Callable[[Asked], bool]
+    body: int | None = None
 
 
 class _Part(Enum):
@@ -94,7 +107,9 @@ class _Link:
         self.upstream = upstream
         self.asked: list[Asked] = []
         self.lose_next = False
+        self.stall_next: Stall | None = None
         self.answered = 0  # bytes of the answer to the last request sent back so far
+        self.closed = threading.Event()  # set when either direction ends
 
     def last_target(self) -> str:
         return self.asked[-1].target if self.asked else ""
@@ -105,9 +120,14 @@ class DroppingProxy:
     pass ``after`` bytes are cut there (both sockets closed mid-body). With
     ``lose_answer``, the answer to the first request whose head it accepts is never sent:
     the server did the request (a write is stored), and its connection closes unanswered.
+    With ``refuse``, each request whose head it accepts is never forwarded (the server never
+    sees it): its connection closes unanswered. With ``stall``, every answer to a request it
+    picks is held back (:class:`Stall`): the connection stays open, silent, until the client
+    closes it (or the proxy is closed).
 
     ``requests`` lists every request forwarded (recorded before it goes upstream, so a client
-    that has its answer finds it there), ``cut`` the targets whose answers were cut or lost.
+    that has its answer finds it there; a refused one too), ``cut`` the targets whose answers
+    were cut or lost (or that were refused), ``stalled`` those whose answers were held back.
     Leaving the context closes the listening socket and every connection, and joins the
     proxy's threads.
 
@@ -123,14 +143,19 @@ class DroppingProxy:
         drops: int,
         after: int = 16 << 10,
         lose_answer: Callable[[Asked], bool] | None = None,
+        refuse: Callable[[Asked], bool] | None = None,
+        stall: Stall | None = None,
     ) -> None:
         self.upstream_port = upstream_port
         self.drops_left = drops
         self.after = after
         self.lose_answer = lose_answer
+        self.refuse = refuse
+        self.stall = stall
         self.dropped = 0
         self.requests: list[Asked] = []
         self.cut: list[str] = []
+        self.stalled: list[str] = []
         self.threads: list[threading.Thread] = []
         self._links: list[_Link] = []
         self._lock = threading.Lock()
@@ -207,6 +232,11 @@ class DroppingProxy:
         with self._closing(link):
             while data := link.client.recv(65536):
                 for asked in stream.feed(data):
+                    if self.refuse is not None and self.refuse(asked):
+                        with self._lock:
+                            self.requests.append(asked)
+                            self.cut.append(asked.target)
+                        return  # closes both sockets; what it read goes nowhere
                     with self._lock:
                         self.requests.append(asked)
                         link.asked.append(asked)
@@ -214,6 +244,9 @@ class DroppingProxy:
                         if self.lose_answer is not None and self.lose_answer(asked):
                             self.lose_answer = None
                             link.lose_next = True
+                        if self.stall is not None and self.stall.asks(asked):
+                            link.stall_next = self.stall
+                            self.stalled.append(asked.target)
                 link.upstream.sendall(data)
 
     def _pump_answers(self, link: _Link) -> None:
@@ -223,12 +256,28 @@ class DroppingProxy:
                 if link.lose_next and not interim:
                     self._record_cut(link)
                     return
+                if link.stall_next is not None and not interim:
+                    self._hold(link, link.stall_next, data)
+                    return
                 if link.answered + len(data) > self.after and self._take_drop():
                     link.client.sendall(data[: max(self.after - link.answered, 0)])
                     self._record_cut(link)
                     return
                 link.client.sendall(data)
                 link.answered += len(data)
+
+    def _hold(self, link: _Link, stall: Stall, data: bytes) -> None:
+        """Send the start of an answer that ``stall`` picked (nothing, or its head and
+        ``stall.body`` bytes of its body, read from upstream as they come), then nothing until
+        the connection closes."""
+        if stall.body is not None:
+            while _HEAD_END not in data and (more := link.upstream.recv(65536)):
+                data += more
+            start = data.find(_HEAD_END) + len(_HEAD_END)
+            while len(data) < start + stall.body and (more := link.upstream.recv(65536)):
+                data += more
+            link.client.sendall(data[: start + stall.body])
+        link.closed.wait()
 
     def _record_cut(self, link: _Link) -> None:
         with self._lock:
@@ -243,6 +292,7 @@ class DroppingProxy:
         except OSError:
             pass
         finally:
+            link.closed.set()
             for s in (link.client, link.upstream):
                 with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)

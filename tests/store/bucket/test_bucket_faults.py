@@ -22,7 +22,7 @@ from featbake.store.url import BucketURL
 from featbake.upkeep.gc import GcOptions, gc
 from tests.conftest import invoke, live_features
 from tests.store.bucket.conftest import S3, SCHEMES, Place
-from tests.store.bucket.faults import Asked, DroppingProxy
+from tests.store.bucket.faults import Asked, DroppingProxy, Stall
 
 
 def bake(data: Path, encoder: Path, where: object, **kw: object):
@@ -332,3 +332,49 @@ def test_a_tier_whose_bucket_was_emptied_is_not_trusted(
     fresh = serve(place, audio_dir, encoder_file, tmp_path / "fresh")
     for i in range(len(fresh)):
         torch.testing.assert_close(fresh[i], live_features(encoder_file, Path(fresh.path(i))))
+
+
+def reads_bytes(scheme: str, key: str) -> Callable[[Asked], bool]:
+    """Whether a request asks for object ``key``'s bytes: a GET of it (on gs the media GET,
+    ``alt=media``, not the metadata one the read asks first)."""
+
+    def asks(asked: Asked) -> bool:
+        media = scheme != "gs" or "alt=media" in asked.target
+        return asked.method == "GET" and asked.names(key) and media
+
+    return asks
+
+
+@pytest.mark.parametrize(
+    "body",
+    [pytest.param(None, id="silent", marks=pytest.mark.slow), pytest.param(1000, id="head-1kB")],
+)  # slow: the Azure SDK's own backoff before its tries (3, 5, 9 s) on az-silent
+def test_an_endpoint_that_stalls_is_asked_at_most_4_times_for_a_read(
+    place: Place,
+    tmp_path: Path,
+    proxied: Callable[..., DroppingProxy],
+    monkeypatch: pytest.MonkeyPatch,
+    body: int | None,
+) -> None:
+    """An endpoint that reads each request for an object's bytes and never answers (or sends
+    the answer's head and 1 kB of its body, then nothing): one line saying how many requests
+    were sent, 4 at most for the bytes, whichever layer sent them, each paying the read timeout.
+    Before: botocore's 4 attempts (s3) and google-cloud-storage's (gs) ended in a read timeout
+    that featbake took for a cut body and tried whole again, 4 times: 16 GETs, "after 4 tries";
+    a gs download stalled mid-body was "cannot reach" the endpoint."""
+    src = tmp_path / "x.bin"
+    src.write_bytes(os.urandom(100_000))
+    assert ObjectStore(BucketURL.parse(place.url)).upload("x.bin", src)
+    key = BucketURL.parse(place.url).key("x.bin")
+    proxy = proxied(stall=Stall(reads_bytes(place.scheme, key), body))
+    monkeypatch.setenv("FEATBAKE_OBJECT_TIMEOUT", "0.3")
+    store = ObjectStore(BucketURL.parse(place.url))  # a new client: the timeout, the proxy
+    with pytest.raises(StoreError) as said:
+        store.read("x.bin")
+    message = str(said.value)
+    assert f"{place.url}/x.bin" in message and "\n" not in message
+    assert f"after {MAX_ATTEMPTS} tries" in message, message
+    assert 1 <= len(proxy.stalled) <= MAX_ATTEMPTS, proxy.stalled
+    metadata = 1 if place.scheme == "gs" else 0  # gs asks the object's metadata first
+    named = [a.target for a in proxy.requests if a.names(key)]
+    assert len(named) <= len(proxy.stalled) + metadata, named

@@ -5,6 +5,8 @@ wins, deletes, and one-line errors for what is absent."""
 
 from __future__ import annotations
 
+import os
+import re
 import sys
 import threading
 from collections.abc import Callable
@@ -17,7 +19,7 @@ from featbake.errors import ConfigError, StoreError
 from featbake.store.objects import AzureObjects, GCSObjects, ObjectStore, S3Objects
 from featbake.store.url import BucketURL, azure_blob_endpoint, redact
 from tests.store.bucket.conftest import S3, Remote
-from tests.store.bucket.faults import DroppingProxy
+from tests.store.bucket.faults import Asked, DroppingProxy
 
 
 def store_of(place: Remote | S3) -> ObjectStore:
@@ -206,3 +208,93 @@ def test_inputs_read_bytes_through_the_store_seam_and_never_branch_on_urls() -> 
         if "is_url(" in line
     ]
     assert asking == []
+
+
+@pytest.mark.parametrize("place", ["gs"], indirect=True)
+def test_each_chunk_request_of_a_gs_resumable_upload_is_tried_again_on_its_own(
+    place: Remote | S3, tmp_path: Path, proxied: Callable[..., DroppingProxy]
+) -> None:
+    """google-cloud-storage sends a resumable upload's chunks (files over 8 MiB) as requests
+    apart, each wrapped by the one retry policy of the call: its predicate counted the retries
+    of all of them together, so a multi-GB upload had 3 retries in all, not 3 per request.
+    Here the connections of 4 chunk requests close before the server reads them, each once
+    (fake-gcs-server appends a chunk sent again whole, where GCS answers with what it has: an
+    answer lost after the chunk was stored would corrupt the object here): each request is sent
+    again and the upload completes whole, as on GCS."""
+    from featbake.store.objects import gcs_retry, timeouts
+
+    chunk = 256 << 10  # the library's smallest chunk
+    data = os.urandom((8 << 20) + chunk)
+    src = tmp_path / "big.bin"
+    src.write_bytes(data)
+    key = BucketURL.parse(place.url).key("big.bin")
+    to_lose = {k * chunk for k in (1, 2, 3, 4)}
+
+    def chunk_request(asked: Asked) -> bool:
+        sent = re.search(r"\r\ncontent-range: bytes (\d+)-", asked.head, re.IGNORECASE)
+        first = sent is not None and int(sent[1]) in to_lose
+        if first and sent is not None:
+            to_lose.discard(int(sent[1]))
+        return asked.method == "PUT" and first
+
+    proxy = proxied(refuse=chunk_request)
+    store = store_of(place)
+    blob = store.client.blob(key, chunk_size=chunk)
+    blob.upload_from_filename(str(src), retry=gcs_retry(cut_bodies=True), timeout=timeouts())
+    assert len(proxy.cut) == 4 and not to_lose
+    assert store.read("big.bin").data == data
+
+
+def test_an_objects_digest_with_nothing_held_is_streamed_from_one_get(
+    place: Remote | S3, tmp_path: Path
+) -> None:
+    """A digest with nothing held (a Ray hashing task's: 8 readers per CPU) read each object
+    whole into memory, some 512 objects at once on a 64-CPU node. It is hashed as it comes
+    now, from one GET whose stat it records. Not bounded on az: azure-storage-blob's downloader
+    holds several copies of what it reads (a 6 MiB object peaked at 56 MB, as with readall(),
+    and at 38 MB with a 4 MiB first GET)."""
+    import hashlib
+    import tracemalloc
+
+    from featbake.store.byteplace import bytes_at
+
+    data = os.urandom(6 << 20)
+    store = store_of(place)
+    assert put(store, tmp_path, "a.wav", data)
+    info = store.head("a.wav")
+    assert info is not None
+    url = f"{place.url}/a.wav"
+    objects = bytes_at(url)
+    objects.digest(url, store.file_stat(info))  # the client made, its pool warm
+    tracemalloc.start()
+    try:
+        got = objects.digest(url, store.file_stat(info))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert not isinstance(got, str), got
+    assert got.sha256 == hashlib.sha256(data).hexdigest()
+    assert got.stat == store.file_stat(info)
+    if place.scheme != "az":
+        assert peak < len(data) // 2, peak  # 1 MiB chunks (whole before: 6.3-6.8 MiB)
+
+
+def test_a_streamed_digest_cut_mid_body_is_hashed_again_from_the_start(
+    place: Remote | S3, tmp_path: Path, proxied: Callable[..., DroppingProxy]
+) -> None:
+    """A cut body is read again whole, and the hash starts again with it: a hash that went on
+    from the bytes of the cut try would be wrong, and recorded as the object's."""
+    import hashlib
+
+    from featbake.store.byteplace import bytes_at
+
+    data = os.urandom(3 << 20)
+    assert put(store_of(place), tmp_path, "a.wav", data)
+    proxy = proxied(drops=1, after=1 << 20)
+    store = store_of(place)
+    info = store.head("a.wav")
+    assert info is not None
+    url = f"{place.url}/a.wav"
+    got = bytes_at(url).digest(url, store.file_stat(info))
+    assert proxy.dropped == 1
+    assert not isinstance(got, str) and got.sha256 == hashlib.sha256(data).hexdigest()
