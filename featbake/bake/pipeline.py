@@ -963,13 +963,14 @@ class WorkItem(NamedTuple):
     """One input for an engine's worker: its key, what its source reads (a path, a member, an
     id whose bytes come with it), its name in the data (for reports), the stat its key was
     hashed at (None: no file, or bytes that came with it), and what the build's scan found
-    that decoding it needs (a manifest row's file and span, a text: :func:`carried_of`)."""
+    that decoding it needs (a manifest row's file and span, a text, a table cell's column and
+    kind: :func:`~featbake.encode.inputs.carried_values`)."""
 
     key: str
     path: str
     name: str
     stat: FileStat | None = None
-    carried: object | None = None  # what decoding it needs beyond its path (inputs.carried_of)
+    carried: object | None = None  # what decoding needs beyond its path (carried_values)
 
 
 @dataclass(frozen=True)
