@@ -43,7 +43,7 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple, TypeVar
 
-from featbake.errors import ConfigError, StoreError
+from featbake.errors import ConfigError, StoreError, first_line
 from featbake.process import ProcessLocal, ProcessLocalState
 from featbake.store.hash_cache import FileStat
 from featbake.store.url import (
@@ -226,6 +226,19 @@ def object_stat(info: ObjectInfo) -> FileStat:
     modified_ns = int(info.modified) * 1_000_000_000
     etag = int(hashlib.sha256(info.etag.encode()).hexdigest()[:15], 16)
     return FileStat(info.size, modified_ns, etag, modified_ns)
+
+
+def timed_out(e: BaseException) -> bool:
+    """Whether ``e`` (or what it wraps) is a wait past a timeout (any client's ``...Timeout...``
+    error, or Python's ``TimeoutError``), not an answer cut short."""
+    seen: set[int] = set()
+    at: BaseException | None = e
+    while at is not None and id(at) not in seen:
+        seen.add(id(at))
+        if isinstance(at, TimeoutError) or "Timeout" in type(at).__name__:
+            return True
+        at = at.__cause__ or at.__context__
+    return False
 
 
 class ObjectStore(ProcessLocalState):
@@ -516,10 +529,17 @@ class ObjectStore(ProcessLocalState):
     def unanswered(self, name: str, e: BaseException) -> StoreError:
         """The one line for a request whose answer never came (or came cut short) after the
         client's tries: a stalled endpoint must not hang a command or end it with an internal
-        error."""
+        error. It says which: a wait past the read timeout, or answers cut short."""
+        why = redact(str(e.__cause__ or e))
+        if not timed_out(e):
+            return StoreError(
+                f"{self.endpoint_label()} cut its answers for {self.where(name)} short after "
+                f"{MAX_ATTEMPTS} tries ({why}); check the endpoint and the network (a proxy or "
+                "load balancer closing connections?)"
+            )
         return StoreError(
             f"{self.endpoint_label()} did not answer for {self.where(name)} within "
-            f"{read_timeout():g} s after {MAX_ATTEMPTS} tries ({redact(str(e.__cause__ or e))}); "
+            f"{read_timeout():g} s after {MAX_ATTEMPTS} tries ({why}); "
             f"check the endpoint and the network, or raise ${READ_TIMEOUT_ENV}"
         )
 
@@ -1404,6 +1424,10 @@ class AzureObjects(ObjectStore):
         cut = azure_cut_body(e)
         if cut is not None:
             raise Transient(str(cut)) from cut
+        if isinstance(e, ValueError) and "header" in str(e):
+            # The SDK's downloader parsing an answer cut inside its head ("Required
+            # Content-Range response header is missing or malformed."): a cut answer.
+            raise Transient(f"an answer cut inside its head ({first_line(e)})") from e
         if isinstance(e, zx.ServiceRequestError):
             raise self.unreachable(name, e) from None
         if isinstance(e, zx.HttpResponseError):

@@ -378,3 +378,20 @@ def test_an_endpoint_that_stalls_is_asked_at_most_4_times_for_a_read(
     metadata = 1 if place.scheme == "gs" else 0  # gs asks the object's metadata first
     named = [a.target for a in proxy.requests if a.names(key)]
     assert len(named) <= len(proxy.stalled) + metadata, named
+
+
+def test_answers_cut_short_every_time_are_said_to_be_cut_not_unanswered(
+    place: Place, tmp_path: Path, proxied: Callable[..., DroppingProxy]
+) -> None:
+    """An endpoint that answers at once and cuts every answer after 200 bytes (a proxy or a
+    load balancer closing connections) was reported as one that "did not answer within 20 s",
+    sending the user after timeouts; the line now says the answers were cut short."""
+    src = tmp_path / "x"
+    src.write_bytes(os.urandom(50_000))
+    ObjectStore(BucketURL.parse(place.url)).upload("x", src)
+    proxy = proxied(drops=10_000, after=200)
+    with pytest.raises(StoreError) as said:
+        ObjectStore(BucketURL.parse(place.url)).read("x")
+    message = str(said.value)
+    assert "\n" not in message and "did not answer" not in message, message
+    assert "after 4 tries" in message and proxy.cut, message
