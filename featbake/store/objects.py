@@ -1125,7 +1125,8 @@ class GCSObjects(ObjectStore):
     def download_once(self, name: str, dest: Path) -> int:
         blob = self.client.blob(self.key(name))
         with open(dest, "r+b" if dest.exists() else "wb") as f:
-            # Checked by the library: the MD5/CRC32C of the whole.
+            # The library checks the whole's MD5/CRC32C unless it resumed a stalled body (a
+            # 206 answer is not checked); the size and the pinned generation still are.
             blob.download_to_file(f, **self._media(name))
             size = f.tell()
             f.truncate(size)
@@ -1137,7 +1138,9 @@ class GCSObjects(ObjectStore):
             raise Absent(name)
         blob = self.client.blob(self.key(name), generation=int(info.etag))
         sink = ChunkSink(take)  # the library writes each chunk of the body as it comes
-        blob.download_to_file(sink, **self._media(name))  # checked: its CRC32C
+        # Its CRC32C is checked by the library unless a stalled body was resumed (a 206);
+        # the size and the generation pinned by the HEAD hold either way.
+        blob.download_to_file(sink, **self._media(name))
         if sink.size != info.size:
             raise Transient(f"{self.where(name)} ended after {sink.size} of {info.size} bytes")
         return info
