@@ -115,6 +115,18 @@ class _Link:
         return self.asked[-1].target if self.asked else ""
 
 
+def _interim_split(data: bytes) -> tuple[bytes, bytes]:
+    """(a ``100 Continue`` head at the start of ``data``, the rest): a server may send the
+    interim head and the final answer in one read (under load, the proxy reads late), and the
+    final answer is the one to cut, lose or hold."""
+    if not data.startswith(b"HTTP/1.1 100 "):
+        return b"", data
+    end = data.find(_HEAD_END)
+    if end < 0:
+        return data, b""  # an interim head split over reads: its rest comes next
+    return data[: end + len(_HEAD_END)], data[end + len(_HEAD_END) :]
+
+
 class DroppingProxy:
     """Forwards loopback connections to ``upstream_port``; the first ``drops`` answers that
     pass ``after`` bytes are cut there (both sockets closed mid-body). With
@@ -252,11 +264,15 @@ class DroppingProxy:
     def _pump_answers(self, link: _Link) -> None:
         with self._closing(link):
             while data := link.upstream.recv(65536):
-                interim = data.startswith(b"HTTP/1.1 100 ")  # 100 Continue: the body follows
-                if link.lose_next and not interim:
+                interim, data = _interim_split(data)
+                if interim:  # 100 Continue (the body follows): passed on, never cut or lost
+                    link.client.sendall(interim)
+                    if not data:
+                        continue
+                if link.lose_next:
                     self._record_cut(link)
                     return
-                if link.stall_next is not None and not interim:
+                if link.stall_next is not None:
                     self._hold(link, link.stall_next, data)
                     return
                 if link.answered + len(data) > self.after and self._take_drop():

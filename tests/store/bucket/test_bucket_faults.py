@@ -161,6 +161,27 @@ def test_leaving_a_proxy_ends_its_threads() -> None:
     assert not left, left
 
 
+def test_an_answer_that_comes_with_its_100_continue_in_one_read_is_still_lost() -> None:
+    """A server that sends ``100 Continue`` and its final answer in one read (as moto can,
+    when the proxy reads late under load) had the whole passed on as an interim answer: the
+    answer to lose came through, and a test that counts lost answers saw one fewer."""
+    with socket.create_server(("127.0.0.1", 0)) as upstream:
+        with DroppingProxy(upstream.getsockname()[1], drops=0, lose_answer=lambda a: True) as proxy:
+            client = socket.create_connection(("127.0.0.1", proxy.port))
+            client.settimeout(30)  # a guard: an answer passed on would leave it open
+            client.sendall(b"PUT /o HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+            served, _ = upstream.accept()
+            served.recv(65536)  # the request, forwarded whole
+            served.sendall(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\n"
+                           b"Content-Length: 0\r\n\r\n")  # fmt: skip
+            got = b""
+            while chunk := client.recv(65536):  # until the proxy closes the connection
+                got += chunk
+            client.close()
+            served.close()
+        assert got == b"HTTP/1.1 100 Continue\r\n\r\n" and proxy.cut == ["/o"], got
+
+
 class ClosingEndpoint:
     """A server on loopback that reads each request's head, records its target, and closes
     the connection without answering (bounded: stopped at the end)."""
