@@ -121,7 +121,8 @@ class HashedObject(NamedTuple):
 
 class ChunkSink:
     """A file-like ``write`` that hands each chunk to ``take`` and counts the bytes: where a
-    client library streams a download (google-cloud-storage's ``download_to_file``)."""
+    streamed download goes (google-cloud-storage's ``download_to_file`` writes to it; the s3
+    and az bodies' chunks are written to it)."""
 
     def __init__(self, take: Callable[[bytes], object]) -> None:
         self.take = take
@@ -442,6 +443,16 @@ class ObjectStore(ProcessLocalState):
         asked = max(1, length)  # a GET of no bytes is no request: ask one, keep none
         got = self._tried(name, lambda: self.get_once(name, start, asked))
         return ObjectBytes(got.info, got.data[:length])
+
+    def check_whole(self, name: str, got: int, size: int) -> None:
+        """Raise :class:`Transient` (tried again whole) if a body of ``size`` bytes ended
+        after ``got``.
+
+        Raises:
+            Transient: ``got`` is not ``size``.
+        """
+        if got != size:
+            raise Transient(f"{self.where(name)} ended after {got} of {size} bytes")
 
     @contextlib.contextmanager
     def tries_counted(self) -> Iterator[None]:
@@ -802,25 +813,21 @@ class S3Objects(ObjectStore):
             finally:
                 body.close()
             f.truncate(size)
-        if size != expected:
-            raise Transient(f"{self.where(name)} ended after {size} of {expected} bytes")
+        self.check_whole(name, size, expected)
         return size
 
     def stream_once(self, name: str, take: Callable[[bytes], object]) -> ObjectInfo:
         got = self.client.get_object(Bucket=self.url.bucket, Key=self.key(name))
-        expected = int(got["ContentLength"])
+        sink = ChunkSink(take)
         body = got["Body"]
-        size = 0
         try:
             with self.body_read(name):
                 for chunk in body.iter_chunks(HASH_CHUNK):
-                    take(chunk)
-                    size += len(chunk)
+                    sink.write(chunk)
         finally:
             body.close()
-        if size != expected:
-            raise Transient(f"{self.where(name)} ended after {size} of {expected} bytes")
-        return ObjectInfo(name, size, got["LastModified"].timestamp(), got["ETag"].strip('"'))
+        self.check_whole(name, sink.size, int(got["ContentLength"]))
+        return ObjectInfo(name, sink.size, got["LastModified"].timestamp(), got["ETag"].strip('"'))
 
     def put(self, name: str, src: Path, *, create: bool) -> None:
         if create or os.path.getsize(src) < SINGLE_PUT_BYTES:
@@ -1118,8 +1125,8 @@ class GCSObjects(ObjectStore):
             data = blob.download_as_bytes(
                 start=start, end=end, checksum=None, **self._media(name, f"{start}-{end}")
             )
-        if length is None and len(data) != info.size:
-            raise Transient(f"{self.where(name)} ended after {len(data)} of {info.size} bytes")
+        if length is None:
+            self.check_whole(name, len(data), info.size)
         return ObjectBytes(info, data)
 
     def download_once(self, name: str, dest: Path) -> int:
@@ -1141,8 +1148,7 @@ class GCSObjects(ObjectStore):
         # Its CRC32C is checked by the library unless a stalled body was resumed (a 206);
         # the size and the generation pinned by the HEAD hold either way.
         blob.download_to_file(sink, **self._media(name))
-        if sink.size != info.size:
-            raise Transient(f"{self.where(name)} ended after {sink.size} of {info.size} bytes")
+        self.check_whole(name, sink.size, info.size)
         return info
 
     def put(self, name: str, src: Path, *, create: bool) -> None:
@@ -1358,8 +1364,7 @@ class AzureObjects(ObjectStore):
         else:
             got = blob.download_blob(offset=start, length=length, max_concurrency=1)
         data = got.readall()
-        if len(data) != got.size:
-            raise Transient(f"{self.where(name)} ended after {len(data)} of {got.size} bytes")
+        self.check_whole(name, len(data), got.size)
         props = got.properties
         size = len(data) if length is None else content_range_size(props.content_range, len(data))
         return ObjectBytes(self._info(props, name, size), data)
@@ -1370,8 +1375,7 @@ class AzureObjects(ObjectStore):
             got = blob.download_blob(max_concurrency=1)
             size = got.readinto(f)
             f.truncate(size)
-        if size != got.size:
-            raise Transient(f"{self.where(name)} ended after {size} of {got.size} bytes")
+        self.check_whole(name, size, got.size)
         return size
 
     def stream_once(self, name: str, take: Callable[[bytes], object]) -> ObjectInfo:
@@ -1380,13 +1384,11 @@ class AzureObjects(ObjectStore):
         # tracemalloc, as with readall()): not bounded here.
         blob = self.client.get_blob_client(self.key(name))
         got = blob.download_blob(max_concurrency=1)
-        size = 0
+        sink = ChunkSink(take)
         for chunk in got.chunks():
-            take(chunk)
-            size += len(chunk)
-        if size != got.size:
-            raise Transient(f"{self.where(name)} ended after {size} of {got.size} bytes")
-        return self._info(got.properties, name, size)
+            sink.write(chunk)
+        self.check_whole(name, sink.size, got.size)
+        return self._info(got.properties, name, sink.size)
 
     def put(self, name: str, src: Path, *, create: bool) -> None:
         blob = self.client.get_blob_client(self.key(name))
