@@ -372,9 +372,7 @@ class Table:
         """
         index = self.file_index(file)
         wanted = {r.where: r.path for r in refs}
-        cell = CarriedCell(str(self.column), self.kinds[index], file in self.scanned,
-                           self.scanned.get(file))  # fmt: skip
-        return CellReading(self.files[index], cell, wanted)
+        return CellReading(self.files[index], self.settled(file, index), wanted)
 
     def carried(self, path: str) -> CarriedCell | None:
         """What the scan settled for cell ``path`` (``file:row``): what a worker reads it by."""
@@ -382,7 +380,12 @@ class Table:
         index = self.file_positions().get(file)
         if index is None or index >= len(self.kinds) or self.column is None:
             return None
-        return CarriedCell(self.column, self.kinds[index], file in self.scanned,
+        return self.settled(file, index)
+
+    def settled(self, file: str, index: int) -> CarriedCell:
+        """What the scan settled for the cells of ``file`` (the table's ``index``-th file):
+        the column, their kind, and the stat the scan read its rows at."""
+        return CarriedCell(str(self.column), self.kinds[index], file in self.scanned,
                            self.scanned.get(file))  # fmt: skip
 
     def carry(self, rows: Mapping[str, object]) -> dict[str, str]:
