@@ -69,7 +69,7 @@ from featbake.encode.fingerprints import (
     read_here,
 )
 from featbake.encode.hf import recipe_for_encoder
-from featbake.errors import BuildIncomplete, ConfigError, FeatbakeError
+from featbake.errors import BuildIncomplete, ConfigError, FeatbakeError, first_line
 from featbake.keys import feature_key, root_id
 from featbake.progress import Progress
 from featbake.recipe import Recipe
@@ -554,9 +554,9 @@ def task_lost(error: BaseException, pending: int) -> BuildIncomplete:
     after Ray's own retries, out of memory, or an error that is not featbake's)."""
     cause = getattr(error, "cause", None)  # a RayTaskError's: what the task itself raised
     error = cause if isinstance(cause, BaseException) else error
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))  # Ray colours its lines
-    first = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
-    why = f"{type(error).__name__}: {first}" if first else type(error).__name__
+    first = re.sub(r"\x1b\[[0-9;]*m", "", first_line(error))  # Ray colours its lines
+    name = type(error).__name__
+    why = first if first == name else f"{name}: {first}"
     return BuildIncomplete(
         f"a Ray task hashing the inputs failed ({why[:300]}); {pending} more were cancelled. "
         "The digests that came back are kept: rerun the build to hash the rest (see the Ray "
