@@ -633,12 +633,12 @@ class _Bake:
         the engine's :class:`Digester` (Ray: tasks on the cluster, not this process); a
         manifest's texts are hashed here (see :func:`digested_anywhere`).
         """
-        args = (self.catalog, paths, self.progress, self.hashed_stats)
-        if self.elsewhere is None:
-            return self.place.hash(*args, self.held)
-        if digested_anywhere(self.place):
-            return self.place.hash(*args, None, engine_digester(self.elsewhere.engine))
-        return self.place.hash(*args, None)
+        elsewhere, digester = self.elsewhere, digest_here
+        if elsewhere is not None and digested_anywhere(self.place):
+            digester = engine_digester(elsewhere.engine)
+        held = self.held if elsewhere is None else None  # an engine's workers read their own
+        return self.place.hash(self.catalog, paths, self.progress, self.hashed_stats, held,
+                               digester)  # fmt: skip
 
     def load_encoder_unless_stored(self, todo: Mapping[str, str]) -> None:
         """Load the encoder (and make the runner) unless every key in ``todo`` is stored.
