@@ -198,8 +198,7 @@ class Table:
             SourceError: the file (object) is missing or not a readable table file.
         """
         if not self.remote:
-            schema = self._schema(f)
-            return schema, self._ids(f, schema)
+            return self._read_listing(f)
         info = object_head(f.path)
         if info is None:
             raise SourceError(f"{f.path}: object not found; check --data")
@@ -215,20 +214,24 @@ class Table:
                 return f.known_schema, [str(i) for i in held["ids"]]
             except (ValueError, KeyError, TypeError):
                 pass  # not a listing: read the file again
-        schema = self._schema(f)
-        ids = self._ids(f, schema)
+        schema, ids = self._read_listing(f)
         if f.stat() != st:  # the footer and ids came from another version than the HEAD's
             raise SourceError(f"{f.path}: changed while featbake was reading it; rerun the build")
         text = base64.b64encode(schema.serialize().to_pybytes()).decode()
         self.fresh.append(HashRow(cache_id, st, json.dumps({"schema": text, "ids": ids})))
         return schema, ids
 
-    def _schema(self, f: TableFile) -> pa.Schema:
+    def _read_listing(self, f: TableFile) -> tuple[pa.Schema, list[str]]:
+        """(schema, each row's id) read from the file: a footer or an ``id`` column pyarrow
+        cannot read is one line naming the file, not an internal error (a corrupt page of the
+        ids raises pyarrow's OSError from the column read, after the footer read well)."""
         try:
-            return f.schema()
-        except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+            schema = f.schema()
+            return schema, self._ids(f, schema)
+        except ARROW_READ_ERRORS as e:
             raise SourceError(
-                f"{f.path}: not a readable parquet or arrow file ({first_line(e)})"
+                f"{f.path}: not a readable parquet or arrow file ({first_line(e)}); "
+                "replace or remove it"
             ) from e
 
     def rel_file(self, f: TableFile) -> str:

@@ -376,6 +376,25 @@ def test_a_table_file_replaced_after_its_scan_fails_its_cells_and_caches_no_dige
     assert not failed and [digests[p] for p in paths] == [sha256_hex(c) for c in new]
 
 
+def test_a_table_file_whose_id_pages_are_corrupt_is_one_line_naming_it(tmp_path: Path) -> None:
+    """A parquet file whose footer reads well but whose ``id`` column's pages are corrupt:
+    the scan stops with one line naming the file; before, pyarrow's two-line OSError from
+    the column read escaped the scan (an internal error at the CLI)."""
+    path = write_audio_parquet(
+        tmp_path / "t.parquet",
+        [wav_bytes(0.3, i) for i in range(4)],
+        id=[f"id{i:06d}" for i in range(4)],
+    )
+    raw = bytearray(path.read_bytes())
+    at = raw.find(b"id000002")
+    raw[at - 40 : at + 40] = bytes(b ^ 0xFF for b in raw[at - 40 : at + 40])
+    path.write_bytes(bytes(raw))
+    with pytest.raises(SourceError) as got:
+        Table(str(path)).scan(source_for(Recipe()).extensions)
+    assert str(got.value).startswith(f"{path}: not a readable parquet or arrow file (")
+    assert "\n" not in str(got.value) and str(got.value).endswith("replace or remove it")
+
+
 def test_bad_cells_and_columns_are_bad_rows_with_their_row(tmp_path: Path) -> None:
     clips: list[bytes | None] = [wav_bytes(0.3, 0), None, wav_bytes(0.3, 2)]
     folder = tmp_path / "table"
