@@ -575,7 +575,7 @@ class Misses:
     def store(self, st: ProcessState, i: int, parts: Parts) -> None:
         """Write item ``i``'s encoded parts back (once per key while pending)."""
         key = self.index.key(i)
-        if st.writeback.get(key) is None:
+        if not st.writeback.holds(key):
             st.pending_idx.setdefault(key, []).append(i)
             st.writeback.add(self.live.fingerprint, key, parts)
 

@@ -137,3 +137,36 @@ def test_the_live_encoding_warning_looks_at_every_stored_build_of_the_data() -> 
     near = StoredBuild("enc", {"dtype": "float32", "output": "pooled", "crop": 224})
     told = live_encoding_warning("imgs", 3, 3, "enc", asked, [other, near])
     assert told is not None and "crop=224" in told and "dtype" not in told.split("options:")[1]
+
+
+@pytest.mark.parametrize("many", [False, True], ids=["item", "batch"])
+def test_a_miss_edited_in_place_by_the_caller_is_never_stored_or_served_edited(
+    tmp_path: Path, multi_encoder_file: Path, audio_dir: Path, many: bool
+) -> None:
+    """A miss is encoded live and written back; the tensor served was the very one the
+    write-back held until it sealed, so a loop normalising its item in place (``x -= mean``)
+    sealed its edit into the store under the item's key (every later run served it) and a
+    second read before the seal served it too. Before: the pooled vector zeroed by the caller
+    was served again, and stored."""
+    from featbake.recipe import Recipe
+    from tests.helpers import Live
+
+    store = tmp_path / "fresh"
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(audio_dir, multi_encoder_file, cache=store, output="pooled")
+    got = ds.__getitems__([0, 1]) if many else [ds[0], ds[1]]
+    for value in got:
+        value.mul_(0.0)  # the caller's own edit of what it was served
+    live = Live()
+    want = [live(multi_encoder_file, Path(ds.path(i)))["pooled"] for i in (0, 1)]
+    for i in (0, 1):  # pending in the write-back: served as encoded, not as edited
+        again = ds[i]
+        torch.testing.assert_close(again, want[i])
+        again.mul_(0.0)  # an edit of a pending read neither
+    ds.flush()
+    ok = CachedFeatureDataset(
+        audio_dir, multi_encoder_file, cache=store, recipe=Recipe(output="pooled"), on_miss="error"
+    )
+    for i in (0, 1):
+        torch.testing.assert_close(ok[i], want[i])
+    assert ok.cache_info().encoded == 0  # read from the store, as stored
