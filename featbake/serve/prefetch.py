@@ -19,12 +19,13 @@ import functools
 import sys
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import StackDataset, Subset
 
 import featbake.device as dev
 from featbake.errors import ConfigError
@@ -433,6 +434,59 @@ class Staging:
 _DONE = object()
 
 
+def identity_of(dataset: Any) -> Callable[[int], Hashable]:
+    """What index ``i`` of ``dataset`` serves, as a value equal wherever it serves the same
+    item in any epoch: a cache of items by index (``DevicePrefetcher(device_cache=...)``) keys
+    by it. ``i`` itself for a dataset whose items stay put; for a
+    :class:`~featbake.MixedDataset` (it has ``locate``) the dataset and the identity of the
+    item that position ``i`` draws this epoch; the dataset's own ``identity`` where it serves
+    other items per epoch (``ViewsDataset``); reached through ``Subset`` and ``StackDataset``
+    (each member's, together).
+
+    Raises:
+        ConfigError: the dataset (or a member) serves other items at an index from epoch to
+            epoch (it has ``set_epoch``) and does not say which (no ``identity``), or checks
+            its files at every read (``revalidate=True``), which a cache by index would skip.
+    """
+    locate = getattr(dataset, "locate", None)
+    if callable(locate):  # a MixedDataset: position i is its dataset k's item j this epoch
+        members = [identity_of(d) for d in dataset.datasets]
+
+        def mixed(i: int) -> Hashable:
+            k, j = locate(i)
+            return k, members[k](j)
+
+        return mixed
+    own = getattr(dataset, "identity", None)
+    if callable(own):
+        return own
+    if isinstance(dataset, Subset):
+        inner, indices = identity_of(dataset.dataset), dataset.indices
+        return lambda i: inner(indices[i])
+    if isinstance(dataset, StackDataset):
+        stacked = dataset.datasets
+        found = [
+            identity_of(m) for m in (stacked.values() if isinstance(stacked, dict) else stacked)
+        ]
+        return lambda i: tuple(f(i) for f in found)
+    if getattr(dataset, "revalidate", False) is True:
+        raise ConfigError(
+            "a cache of items by index would skip the reads that revalidate=True checks each "
+            "file at; drop device_cache, or make the dataset with revalidate=False"
+        )
+    if callable(getattr(dataset, "set_epoch", None)):
+        raise ConfigError(
+            f"{type(dataset).__name__} serves other items at an index from epoch to epoch and "
+            "does not say which (it has no identity()), so a cache of items by index would "
+            "serve an earlier epoch's; drop device_cache for it"
+        )
+    return _same
+
+
+def _same(i: int) -> Hashable:
+    return i
+
+
 class DevicePrefetcher:
     """Iterate over batches already on ``device``, copied ``depth`` batches ahead.
 
@@ -454,13 +508,16 @@ class DevicePrefetcher:
         staging: Copy through the staging pool; ``None`` means "on CUDA only".
             ``True`` on the CPU runs the CUDA code path with plain copies, which is
             how it is tested on machines without a GPU.
-        device_cache: Byte budget of a device-memory LRU of items, by dataset index (0: off).
+        device_cache: Byte budget of a device-memory LRU of items, by what each dataset
+            index serves (the index itself; a ``MixedDataset`` position's drawn item, a
+            ``ViewsDataset`` item's view: :func:`identity_of`) (0: off).
             ``loader`` must then be a DataLoader over a map-style dataset with a batch size;
             items missing on the device are read in this process, later epochs of items that
             fit skip the host (and the loader's workers) entirely.
 
     Raises:
-        ConfigError: If ``device`` is invalid or unavailable.
+        ConfigError: If ``device`` is invalid or unavailable, or ``device_cache`` is asked
+            of a dataset whose items at an index cannot be told apart from epoch to epoch.
         ValueError: If ``depth`` < 1.
 
     Example:
@@ -486,9 +543,12 @@ class DevicePrefetcher:
         self._depth = depth
         self._stage = Staging(self._device, pool_bytes, staging)
         budget = parse_bytes(device_cache)
-        self._items: ByteLRU[int, Any] | None = None
+        self._items: ByteLRU[Hashable, Any] | None = None
         if budget:
             self._check_item_loader(loader)
+            # What each index serves, not the index: a mixture draws other items there each
+            # epoch, and the tier must never hand out an earlier epoch's.
+            self._identity = identity_of(getattr(loader, "dataset", None))
             self._items = ByteLRU(budget)
         self._batches = 0
         self._tensors = 0  # moved by the device tier (the staging counts its own)
@@ -550,7 +610,8 @@ class DevicePrefetcher:
         dataset, collate = loader.dataset, loader.collate_fn
         getitems = getattr(dataset, "__getitems__", None)
         for indices in loader.batch_sampler:
-            items: list[Any] = [self._items.get(i) for i in indices]
+            keys = [self._identity(i) for i in indices]
+            items: list[Any] = [self._items.get(key) for key in keys]
             missing = [j for j, item in enumerate(items) if item is None]
             if missing:
                 wanted = [indices[j] for j in missing]
@@ -558,9 +619,9 @@ class DevicePrefetcher:
                 with dev.stream_context(self._stage.stream):
                     moved = [map_tensors(self._to_device, item) for item in fetched]
                 dev.wait_stream(self._device, self._stage.stream)
-                for j, i, item in zip(missing, wanted, moved, strict=True):
+                for j, item in zip(missing, moved, strict=True):
                     items[j] = item
-                    self._items.put(i, item)
+                    self._items.put(keys[j], item)
             self._batches += 1
             yield collate(items)
 

@@ -130,3 +130,28 @@ def test_views_need_image_inputs(tmp_path: Path, encoder_file: Path) -> None:
     res = invoke("build", "-e", encoder_file, "-d", tmp_path / "audio", "--views", "hflip")
     assert res.returncode == 2 and "applies to image inputs" in res.stderr
     assert Recipe(source="image").image_steps.hflip is False
+
+
+def test_a_device_cache_serves_each_epochs_views(tmp_path: Path) -> None:
+    """``DevicePrefetcher(device_cache=...)`` keyed items by index, so a ViewsDataset's items
+    kept the views of the epoch they were first read in; it keys by
+    :meth:`ViewsDataset.identity` (the index and the view this epoch) now."""
+    from featbake.serve.prefetch import DevicePrefetcher
+
+    images = tmp_path / "images"
+    write_image_folder(images, 6, size=(37, 53), seed=3)
+    folder = _clip_folder(tmp_path / "clip")
+    store = tmp_path / "s"
+    build_views(images, folder, cache=store, views=parse_views("hflip"), workers=0)
+    both = ViewsDataset(images, folder, cache=store, views="all", on_miss="error")
+    coin = ViewsDataset(images, folder, cache=store, seed=4, on_miss="error")
+    loader = DataLoader(coin, batch_size=3, collate_fn=list)
+    tier = DevicePrefetcher(loader, device="cpu", device_cache="16MiB")
+    for epoch in range(4):
+        coin.set_epoch(epoch)
+        served = [item for batch in tier for item in batch]
+        for i, item in enumerate(served):
+            want = both[i][coin.view(i).value]["pooled"]
+            assert torch.equal(item["pooled"], want), (epoch, i)
+    info = tier.stats().device_cache
+    assert info is not None and info.hits > 0
