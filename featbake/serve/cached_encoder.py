@@ -194,6 +194,12 @@ class ModuleWatch:
             self._seen, self._attrs = state, state[2]
         return self._fp
 
+    def trust(self, fp: str) -> None:
+        """Take ``fp`` as the module's fingerprint as it is now (the caller just computed it):
+        :meth:`fingerprint` hashes the weights again only once the module changed."""
+        state = self._state()
+        self._fp, self._seen, self._attrs = fp, state, state[2]
+
     def ran(self) -> None:
         """The module just ran: attribute changes it made itself are bookkeeping, not a change."""
         self._attrs = attribute_identity(self.module)

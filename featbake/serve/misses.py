@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 import featbake.device as dev
-from featbake.encode.encoders import LoadedEncoder, from_module
+from featbake.encode.encoders import MODULE, LoadedEncoder, from_module
 from featbake.encode.fingerprints import (
     cached_file_encoder_fp,
     encoder_fingerprint,
@@ -33,6 +33,7 @@ from featbake.encode.sources import CheckingSource, Source, load_unchanged
 from featbake.errors import CacheMiss, EncoderLoadError, FeatbakeError, SourceError
 from featbake.keys import feature_key
 from featbake.recipe import Recipe
+from featbake.serve.cached_encoder import ModuleWatch
 from featbake.serve.index import Index
 from featbake.serve.reads import Reads
 from featbake.serve.state import ProcessState, pending_in_process
@@ -319,6 +320,7 @@ class LiveEncoder:
     label: str = ""
     loaded: LoadedEncoder | None = None
     shared: bool = False  # the store is on a shared filesystem: never write its catalog
+    watch: ModuleWatch | None = None  # an in-process module's: notices it changed since
 
     def identify(self, encoder: Any, catalog: ServingStore) -> None:
         """Set :attr:`fingerprint` and :attr:`label`, loading the encoder only if it must.
@@ -329,10 +331,12 @@ class LiveEncoder:
         if isinstance(encoder, LoadedEncoder):
             self.loaded, self.label = encoder, encoder.label
             self.fingerprint = encoder_fingerprint(encoder, catalog, self.weights)
+            self.watch = watched(encoder, self.fingerprint)
             return
         if isinstance(encoder, torch.nn.Module):
             self.loaded = from_module(encoder, device=None)
             self.fingerprint, self.label = self.loaded.fingerprint, self.loaded.label
+            self.watch = watched(self.loaded, self.fingerprint)
             return
         spec = self.spec = os.fspath(encoder)
         self.label = spec  # an import path: the architecture lives in code, only loading it tells
@@ -377,6 +381,7 @@ class LiveEncoder:
         enc = self.loaded
         if self.spec is None:  # an in-process module: it runs where it lives
             assert enc is not None
+            self.refuse_changed()
             if enc.device.type == "cuda" and not dev.cuda_usable_here():
                 raise EncoderLoadError(
                     "a miss must be encoded in a DataLoader worker forked after CUDA started, "
@@ -397,6 +402,27 @@ class LiveEncoder:
             )
         return enc
 
+    def refuse_changed(self) -> None:
+        """Raise if the in-process module changed since the dataset's keys were made from it.
+
+        Raises:
+            EncoderLoadError: its weights or attributes changed (checked before each encoding
+                of misses: a miss encoded with it would be stored under the old keys).
+        """
+        if self.watch is not None and self.watch.fingerprint() != self.fingerprint:
+            raise EncoderLoadError(
+                f"the encoder module {self.label} changed since this dataset was created (its "
+                "weights or attributes), and a miss encoded with it would be stored under the "
+                "keys of the module as it was; create the dataset again with the module as it "
+                "is now"
+            )
+
+    def ran(self) -> None:
+        """The encoder just encoded misses: attributes an in-process module changed itself
+        (a call counter) are its bookkeeping, not a change (see :class:`ModuleWatch`)."""
+        if self.watch is not None:
+            self.watch.ran()
+
     def __getstate__(self) -> dict[str, Any]:
         # Not a ProcessLocal: a loaded module stays valid in a forked worker, which runs its
         # misses with it and loads nothing (a CUDA one is reloaded by for_this_process); only
@@ -405,6 +431,18 @@ class LiveEncoder:
         if self.spec is not None:
             state["loaded"] = None  # reloaded from the file on the first miss
         return state
+
+
+def watched(enc: LoadedEncoder, fingerprint: str) -> ModuleWatch | None:
+    """What notices that an in-process module given to a dataset changed after its keys were
+    made from ``fingerprint`` (weights updated in place, an attribute set), so that a miss is
+    not encoded with it and stored under those keys; None for an encoder loaded from a file or
+    an import path (:meth:`LiveEncoder.for_this_process` checks those as it loads them)."""
+    if enc.kind != MODULE or not isinstance(enc.module, torch.nn.Module):
+        return None
+    watch = ModuleWatch(enc.module)
+    watch.trust(fingerprint)
+    return watch
 
 
 def encode_inputs(enc: LoadedEncoder, inputs: list[torch.Tensor], recipe: Recipe) -> list[Parts]:
@@ -560,6 +598,8 @@ class Misses:
         """Decode and encode items ``idx`` now (checking their files did not change)."""
         if st.encoder is None:
             st.encoder = self.live.for_this_process()
+        else:
+            self.live.refuse_changed()  # an in-process module edited since the last misses
         paths = [self.index.path(i) for i in idx]
         if self.objects:  # each checked by the response that carried its bytes (its ETag)
             stats = [FileStat(*map(int, self.index.stats[i])) for i in idx]
@@ -569,6 +609,7 @@ class Misses:
             keys = [self.index.key(i) for i in idx]
             check_unchanged(st.catalog, paths, keys, self.fps)
         results = encode_inputs(st.encoder, inputs, self.recipe)
+        self.live.ran()
         st.encoded += len(idx)
         return [stored_parts(parts, self.recipe) for parts in results]  # int8/fp8: packed
 

@@ -170,3 +170,54 @@ def test_a_miss_edited_in_place_by_the_caller_is_never_stored_or_served_edited(
     for i in (0, 1):
         torch.testing.assert_close(ok[i], want[i])
     assert ok.cache_info().encoded == 0  # read from the store, as stored
+
+
+class _Tallying(torch.nn.Module):
+    """TinyConvEncoder's forward, counting its calls in a plain attribute (its bookkeeping)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from featbake.testing import TinyConvEncoder
+
+        self.inner = TinyConvEncoder()
+        self.calls = 0
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.inner(wav)
+
+
+def test_an_in_process_module_changed_after_the_dataset_was_made_encodes_no_miss(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    """A dataset's keys are made from its module's fingerprint when it is created; a module
+    updated after (weights through ``.data``, as an EMA teacher's) encoded the next misses and
+    they were stored under the old keys, so every later dataset over the unchanged module was
+    served the changed module's features as hits. Now the miss is refused in one line; misses
+    of the unchanged module (which counts its own calls) are encoded and stored as before."""
+    from featbake.encode.sources import source_for
+    from featbake.errors import EncoderLoadError
+    from featbake.recipe import Recipe
+
+    def live(module: torch.nn.Module, path: str) -> torch.Tensor:
+        with torch.inference_mode():
+            return module(source_for(Recipe()).load(Path(path)).unsqueeze(0))[0]
+
+    store = tmp_path / "fresh"
+    module = _Tallying().eval()
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(audio_dir, module, cache=store)
+    first = [ds[0], ds[1]]  # two misses, the module counting its calls between them
+    with torch.no_grad():
+        module.inner.conv2.weight.data.mul_(2.0)  # behind the version counter
+    with pytest.raises(EncoderLoadError, match="changed since this dataset was created") as e:
+        ds[2]
+    assert "\n" not in str(e.value)
+    ds.flush()
+    original = _Tallying().eval()
+    again = CachedFeatureDataset(audio_dir, original, cache=store, on_miss="error")
+    for i in (0, 1):
+        torch.testing.assert_close(again[i], live(original, again.path(i)))
+        torch.testing.assert_close(first[i], again[i])
+    with pytest.raises(CacheMiss):
+        again[2]  # nothing stored from the changed module
