@@ -172,15 +172,25 @@ class MixedDataset(Dataset):
         """A digest of what draws the epochs (each dataset's length, the weights, items per
         epoch, the seed): a loader folds it into its state's fingerprint, so a state saved
         over another mixture is refused rather than resumed into other items."""
+        from featbake.serve.loader import fingerprint_of
+
         p = self.plan
-        shape = [list(p.lengths), list(p.weights), p.epoch_items, p.seed]
+        shape: list[Any] = [list(p.lengths), list(p.weights), p.epoch_items, p.seed]
+        inner = [fingerprint_of(d) for d in self.datasets]
+        if any(inner):  # a mixture inside this one: its draws too (plain datasets: as before)
+            shape.append(inner)
         blob = json.dumps(shape, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
     def set_epoch(self, epoch: int) -> None:
         """Read epoch ``epoch`` from now on, here and in every DataLoader worker (persistent
-        ones included): a function of the seed and the epoch alone."""
+        ones included): a function of the seed and the epoch alone. The datasets mixed are
+        told too (a ``ViewsDataset``'s coins, a mixture inside this one draw that epoch's)."""
+        from featbake.serve.loader import set_epoch_of
+
         self._epoch.fill_(int(epoch))
+        for d in self.datasets:
+            set_epoch_of(d, epoch)
 
     def _current(self) -> list[tuple[int, int]]:
         """This epoch's order, drawn again where another process set a new epoch."""
@@ -237,7 +247,7 @@ class MixedDataset(Dataset):
         per dataset."""
         from featbake.serve.loader import placement_of
 
-        per = [placement_of(d) for d in self.datasets]
+        per = [placement_of(d, epoch) for d in self.datasets]  # a mixture inside: that epoch's
         offsets, at = [], 0
         for p in per:
             offsets.append(at)

@@ -155,3 +155,30 @@ def test_a_device_cache_serves_each_epochs_views(tmp_path: Path) -> None:
             assert torch.equal(item["pooled"], want), (epoch, i)
     info = tier.stats().device_cache
     assert info is not None and info.hits > 0
+
+
+def test_views_mixed_with_another_set_draw_new_coins_each_epoch(tmp_path: Path) -> None:
+    """A ViewsDataset inside a MixedDataset read by FeatureLoader: the loader tells the mixture
+    the epoch, and the mixture (before: nobody) tells the ViewsDataset, whose coins so change
+    each epoch. Before, every epoch served epoch 0's views."""
+    from featbake import FeatureLoader
+    from featbake.serve.mixing import MixedDataset
+
+    images = tmp_path / "images"
+    write_image_folder(images, 6, size=(37, 53), seed=3)
+    folder = _clip_folder(tmp_path / "clip")
+    store = tmp_path / "s"
+    build_views(images, folder, cache=store, views=parse_views("hflip"), workers=0)
+    both = ViewsDataset(images, folder, cache=store, views="all", on_miss="error")
+    coin = ViewsDataset(images, folder, cache=store, seed=4, on_miss="error")
+    mixed = MixedDataset([coin], seed=1)
+    loader = FeatureLoader(mixed, batch_size=3, shuffle=False, collate_fn=list, seed=0)
+    served_views = set()
+    for epoch in range(4):
+        items = [item for batch in loader for item in batch]
+        for i, item in enumerate(items):
+            j = mixed.plan.epoch(epoch)[i][1]
+            view = View.HFLIP if picks_flipped(4, epoch, j) else View.ORIGINAL
+            served_views.add((j, view))
+            assert torch.equal(item["pooled"], both[j][view.value]["pooled"]), (epoch, i)
+    assert len(served_views) > len(coin)  # some item served both views over the epochs
