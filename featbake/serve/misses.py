@@ -621,11 +621,15 @@ class Misses:
             st.writeback.add(self.live.fingerprint, key, parts)
 
     def published(self, st: ProcessState | None, shard: SealedShard) -> None:
-        """A write-back shard was sealed: point the items written to it at it."""
+        """A write-back shard was sealed: point the items written to it at it, those whose
+        key it still is (``revalidate=True`` re-keys an item whose file changed meanwhile:
+        its new key's feature is elsewhere, and this shard does not hold it)."""
         ix = self.index
         sid = ix.sid(shard.name)
         for entry in shard.entries:
             for i in st.pending_idx.pop(entry.key, ()) if st is not None else ():
+                if ix.key(i) != entry.key:
+                    continue
                 ix.shard[i] = sid
                 ix.length[i] = max(int(ix.length[i]), entry.shape[0] if entry.shape else 1)
         if ix.parts is None:

@@ -221,3 +221,43 @@ def test_an_in_process_module_changed_after_the_dataset_was_made_encodes_no_miss
         torch.testing.assert_close(first[i], again[i])
     with pytest.raises(CacheMiss):
         again[2]  # nothing stored from the changed module
+
+
+def test_a_write_back_sealed_after_its_item_was_re_keyed_leaves_the_item_where_it_is(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """``revalidate=True``: an item encoded on a miss (pending in the write-back), then its file
+    rewritten with a clip the store holds, is served that clip's stored feature; when the old
+    bytes' feature sealed after, the dataset pointed the item at that shard, and its next read
+    failed with "shard ... holds no tensor ... run `featbake verify --repair`" about a store
+    with nothing wrong in it. A seal now points only the items whose key it holds."""
+    import shutil
+
+    from featbake.testing import write_audio_folder
+    from tests.helpers import Live, bake
+
+    data, other = tmp_path / "data", tmp_path / "other"
+    write_audio_folder(data, 3, seconds=0.5, seed=4)
+    write_audio_folder(other, 1, seconds=0.5, seed=9)
+    store = tmp_path / "store"
+    bake(other, encoder_file, store)  # the store holds the other clip's features
+
+    class Clock:
+        now = 100.0
+
+        def __call__(self) -> float:
+            return self.now
+
+    clock = Clock()
+    ds = CachedFeatureDataset(data, encoder_file, cache=store, revalidate=True, clock=clock)
+    clip = Path(ds.path(0))
+    ds[0]  # a miss: encoded, pending in the write-back
+    shutil.copyfile(next(other.rglob("*.wav")), clip)  # the clip the store holds
+    live = Live()
+    torch.testing.assert_close(ds[0], live(encoder_file, clip))  # re-keyed: a hit
+    clock.now += 60  # the old bytes' feature is due ...
+    ds[1]  # ... and seals
+    assert ds.cache_info().written == 2
+    for _ in range(2):
+        torch.testing.assert_close(ds[0], live(encoder_file, clip))
+        torch.testing.assert_close(ds.__getitems__([0, 1])[0], live(encoder_file, clip))
