@@ -410,6 +410,9 @@ class CachedEncoder(ProcessLocalState, nn.Module):
         batch = x.shape[0]
         if ids is not None and len(ids) != batch:
             raise ConfigError(f"CachedEncoder got {len(ids)} ids for a batch of {batch} rows")
+        if not batch:  # no row to look up or keep: what the encoder gives for none
+            with torch.no_grad():
+                return self.encoder(x)
         enc_fp = self.fingerprint()
         digests = [id_digest(i) for i in ids] if ids is not None else [row_digest(r) for r in x]
         keys = [feature_key(enc_fp, self._recipe_fp, d) for d in digests]
