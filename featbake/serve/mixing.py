@@ -40,6 +40,7 @@ from torch.utils.data import Dataset
 
 from featbake.errors import ConfigError
 from featbake.serve.index import ItemPlacement
+from featbake.serve.sampling import seeded
 
 #: The stream of draws a seed makes: counts, positions and each dataset's permutations apart.
 _COUNTS, _POSITIONS, _ITEMS = 0, 1, 2
@@ -82,7 +83,7 @@ class MixPlan:
 
     def counts(self, epoch: int) -> np.ndarray:
         """How many items each dataset gives in ``epoch``."""
-        rng = np.random.default_rng([self.seed, _COUNTS, epoch])
+        rng = seeded(self.seed, _COUNTS, epoch)
         return rng.multinomial(self.epoch_items, self.weights)
 
     def cursors(self, epoch: int) -> np.ndarray:
@@ -99,7 +100,7 @@ class MixPlan:
         """Every position of ``epoch`` as (dataset, item), in order."""
         counts = self.counts(epoch)
         labels = np.repeat(np.arange(len(self.lengths)), counts)
-        order = np.random.default_rng([self.seed, _POSITIONS, epoch]).permutation(labels)
+        order = seeded(self.seed, _POSITIONS, epoch).permutation(labels)
         cursor = self.cursors(epoch).copy()
         out = []
         for k in order.tolist():
@@ -116,7 +117,7 @@ class MixPlan:
 @lru_cache(maxsize=16)
 def _walk(seed: int, k: int, n: int, lap: int) -> np.ndarray:
     """Dataset ``k``'s ``lap``-th permutation of its ``n`` items."""
-    return np.random.default_rng([seed, _ITEMS, k, lap]).permutation(n)
+    return seeded(seed, _ITEMS, k, lap).permutation(n)
 
 
 class MixedDataset(Dataset):

@@ -416,7 +416,20 @@ def _given(values: Ints | None, name: str, n: int) -> Ints:
 
 def _rng(seed: int, epoch: int, salt: int) -> np.random.Generator:
     """One generator per (seed, epoch, use): every rank draws the same numbers."""
-    return np.random.default_rng([seed, epoch, salt])
+    return seeded(seed, epoch, salt)
+
+
+def seeded(*words: int) -> np.random.Generator:
+    """numpy's generator of ``words`` (a seed, an epoch, what it draws), for any int a seed
+    may be: numpy takes words from 0 only, where torch (``randperm``'s ``seed + epoch``)
+    takes negative ones too; each word is taken modulo 2**64, which leaves every word from 0
+    (every plan drawn so far) as it was.
+
+    Example:
+        >>> seeded(3, 1).integers(100) == np.random.default_rng([3, 1]).integers(100)
+        True
+    """
+    return np.random.default_rng([int(w) % (1 << 64) for w in words])
 
 
 def block_windows(shards: Ints, seed: int, epoch: int, window: int) -> list[list[int]]:
