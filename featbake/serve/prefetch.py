@@ -448,6 +448,11 @@ def identity_of(dataset: Any) -> Callable[[int], Hashable]:
             epoch (it has ``set_epoch``) and does not say which (no ``identity``), or checks
             its files at every read (``revalidate=True``), which a cache by index would skip.
     """
+    if getattr(dataset, "revalidate", False) is True:
+        raise ConfigError(
+            "a cache of items by index would skip the reads that revalidate=True checks each "
+            "file at; drop device_cache, or make the dataset with revalidate=False"
+        )
     locate = getattr(dataset, "locate", None)
     if callable(locate):  # a MixedDataset: position i is its dataset k's item j this epoch
         members = [identity_of(d) for d in dataset.datasets]
@@ -469,11 +474,6 @@ def identity_of(dataset: Any) -> Callable[[int], Hashable]:
             identity_of(m) for m in (stacked.values() if isinstance(stacked, dict) else stacked)
         ]
         return lambda i: tuple(f(i) for f in found)
-    if getattr(dataset, "revalidate", False) is True:
-        raise ConfigError(
-            "a cache of items by index would skip the reads that revalidate=True checks each "
-            "file at; drop device_cache, or make the dataset with revalidate=False"
-        )
     if callable(getattr(dataset, "set_epoch", None)):
         raise ConfigError(
             f"{type(dataset).__name__} serves other items at an index from epoch to epoch and "
