@@ -155,6 +155,9 @@ def test_a_device_cache_serves_each_epochs_views(tmp_path: Path) -> None:
             assert torch.equal(item["pooled"], want), (epoch, i)
     info = tier.stats().device_cache
     assert info is not None and info.hits > 0
+    checked = ViewsDataset(images, folder, cache=store, seed=4, on_miss="error", revalidate=True)
+    with pytest.raises(ConfigError, match="revalidate=True"):  # its tier would keep old images
+        DevicePrefetcher(DataLoader(checked, batch_size=3, collate_fn=list), device_cache="1MiB")
 
 
 def test_views_mixed_with_another_set_draw_new_coins_each_epoch(tmp_path: Path) -> None:
