@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import itertools
 import queue
 import threading
@@ -243,6 +244,27 @@ def fingerprint_of(dataset: Any) -> str:
     return ""
 
 
+def items_of(dataset: Any) -> str:
+    """A digest of the items the dataset's positions name (a CachedFeatureDataset's item ids,
+    a MixedDataset's datasets' items), through ``StackDataset`` (its members') and ``Subset``
+    (its indices too); "" when none says. A loader's state carries it: a state part way through
+    an epoch cannot resume over other items (a build or gc since that dropped one input and
+    added another keeps the count, and every position past them names another item)."""
+    own = getattr(dataset, "items_digest", None)
+    if callable(own):
+        return str(own())
+    parts: list[str] = []
+    if isinstance(dataset, Subset):
+        inner = items_of(dataset.dataset)
+        if inner:
+            parts = [inner, ",".join(map(str, dataset.indices))]
+    elif isinstance(dataset, StackDataset):
+        parts = [items_of(m) for m in _members(dataset)]
+    if not any(parts):
+        return ""
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
 def warn_too_long(inputs: PlanInputs, budget: int | None) -> bool:
     """Warn (one line) when items are longer than ``budget`` frames: each is read as a batch
     of its own. Whether it warned."""
@@ -375,7 +397,7 @@ class Resume:
         plan = "" if at.inputs is None else at.inputs.encode()
         return {"epoch": at.epoch, "position": at.done, "seed": order.seed, "rank": order.rank,
                 "world_size": order.world, "fingerprint": order.fingerprint(), "plan": plan,
-                "resumed": [list(stage) for stage in at.stages]}  # fmt: skip
+                "resumed": [list(stage) for stage in at.stages], "items": order.items}  # fmt: skip
 
     def load(self, order: Order, state: Any) -> tuple[Order, int]:
         """Take ``state``: the order with its seed, and the epoch to read next.
@@ -402,12 +424,35 @@ class Resume:
                 "make the loader with the arguments of the saved run"
             )
         stages, done = _stages(checked), checked["position"]
+        _same_items(order, checked, bool(stages or done))
         if saved_world != order.world and done:
             stages, done = (*stages, (saved_world, done)), 0
         inputs = _inputs(order, checked)
         self.pending = Position(checked["epoch"], done, inputs, stages)
         self.current = None
         return order, checked["epoch"]
+
+
+def _same_items(order: Order, state: dict[str, Any], started: bool) -> None:
+    """Refuse a state part way through an epoch (``started``) saved over other items than the
+    dataset's now (its ``items``; a state saved before states kept it is taken as it is).
+
+    Raises:
+        ConfigError: the items differ, or ``items`` is not a string.
+    """
+    saved = state.get("items", "")
+    if not isinstance(saved, str):
+        raise ConfigError(
+            f"not a FeatureLoader state: 'items' is {saved!r}; pass what state_dict() returned"
+        )
+    if started and saved and order.items and saved != order.items:
+        raise ConfigError(
+            f"this loader state is part way through epoch {state['epoch']} of other items than "
+            "this dataset's (a build or gc since changed which inputs it serves, keeping their "
+            "count), so the rest of that epoch cannot be told apart; make the dataset over the "
+            "data as it was, or load the state with 'position' 0 and 'resumed' [] to read that "
+            "epoch from its start"
+        )
 
 
 def _stages(state: dict[str, Any]) -> tuple[Stage, ...]:
@@ -678,7 +723,7 @@ class LengthBatchSampler(Sampler[list[int]]):
         self._dataset = dataset
         self._order = Order(
             len(dataset), batch_size, shuffle_of(bool(shuffle)), seed, rank, world, drop_last,
-            even_batches, batch_frames, source=fingerprint_of(dataset),
+            even_batches, batch_frames, source=fingerprint_of(dataset), items=items_of(dataset),
         )  # fmt: skip
         self.epoch = 0
         self._resume = Resume()
@@ -925,6 +970,7 @@ class FeatureLoader:
         self._order = Order(
             len(dataset), batch_size, order, seed, rank, world, drop_last, even_batches,
             batch_frames, window_for(dataset, order, window), fingerprint_of(dataset),
+            items_of(dataset),
         )  # fmt: skip
         self.epoch = 0
         self._resume = Resume()

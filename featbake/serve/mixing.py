@@ -183,6 +183,16 @@ class MixedDataset(Dataset):
         blob = json.dumps(shape, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
+    def items_digest(self) -> str:
+        """A digest of the datasets' items (see :func:`featbake.serve.loader.items_of`), ""
+        when none of them says."""
+        from featbake.serve.loader import items_of
+
+        inner = [items_of(d) for d in self.datasets]
+        if not any(inner):
+            return ""
+        return hashlib.sha256("\n".join(inner).encode()).hexdigest()[:16]
+
     def set_epoch(self, epoch: int) -> None:
         """Read epoch ``epoch`` from now on, here and in every DataLoader worker (persistent
         ones included): a function of the seed and the epoch alone. The datasets mixed are

@@ -188,6 +188,9 @@ class Order:
     batch_frames: int | None = None
     window: int = 4
     source: str = ""  # the dataset's own fingerprint (a MixedDataset's mixture), "" for none
+    # A digest of the items the positions name (the dataset's item ids), "" where unknown: not
+    # in the fingerprint (states saved before it resume as they did), checked on its own.
+    items: str = ""
 
     def __post_init__(self) -> None:
         for name in ("batch_frames", "window"):
@@ -199,7 +202,7 @@ class Order:
     def fingerprint(self) -> str:
         """A digest of what shapes the order (all but the seed and the rank): a state saved
         under other options, or over another mixture of datasets, must not resume here."""
-        shape = {k: v for k, v in asdict(self).items() if k not in ("seed", "rank")}
+        shape = {k: v for k, v in asdict(self).items() if k not in ("seed", "rank", "items")}
         if not self.source:  # an order over a plain dataset keeps the digest it always had
             del shape["source"]
         blob = json.dumps(shape, sort_keys=True, separators=(",", ":"))
