@@ -463,10 +463,17 @@ class CachedFeatureDataset(ProcessLocalState, Dataset):
     def items_digest(self) -> str:
         """A digest of this dataset's item ids in order (what its positions name): a loader's
         state carries it, so a state part way through an epoch is not resumed over other
-        items (see :func:`featbake.serve.loader.items_of`)."""
-        if self._items_digest is None:  # the ids NUL-joined, as the index holds them
+        items (see :func:`featbake.serve.loader.items_of`). A list of files is named relative
+        to the folder they share, so the same files mounted elsewhere are the same items."""
+        if self._items_digest is None:
             h = hashlib.sha256(f"items\0{len(self)}\0".encode())
-            h.update(self._index.path_blob.tobytes())
+            if self._index.data_dir is not None:  # the ids NUL-joined, as the index holds them
+                h.update(self._index.path_blob.tobytes())
+            else:
+                paths = [self._index.rel(i) for i in range(len(self))]
+                top = os.path.commonpath(paths) if paths else ""
+                rel = "\0".join(os.path.relpath(p, top) for p in paths)
+                h.update(rel.encode("utf-8", "surrogateescape"))
             self._items_digest = h.hexdigest()[:16]
         return self._items_digest
 

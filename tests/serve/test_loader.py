@@ -1472,3 +1472,18 @@ def test_a_state_part_way_through_an_epoch_is_not_resumed_over_other_items(
     assert "\n" not in str(refused.value)
     changed.load_state_dict({**state, "position": 0, "resumed": []})  # the epoch from its start
     assert sorted(int(i) for *_, labels in changed for i in labels) == list(range(8))
+    # A list of files mounted elsewhere (the same files under another folder) is the same items.
+    moved = tmp_path / "moved"
+    shutil.copytree(data, moved / "data")
+
+    def listed(top: Path) -> FeatureLoader:
+        files = sorted(str(p) for p in top.rglob("*.wav"))
+        ds = CachedFeatureDataset(files, encoder_file, cache=store, on_miss="error")
+        return FeatureLoader(StackDataset(ds, torch.arange(len(ds))), batch_size=2, seed=3)
+
+    here = listed(data)
+    head = list(itertools.islice(iter(here), 1))
+    there = listed(moved)
+    there.load_state_dict(json.loads(json.dumps(here.state_dict())))
+    read = [int(i) for *_, labels in head for i in labels]
+    assert sorted(read + [int(i) for *_, labels in there for i in labels]) == list(range(8))
