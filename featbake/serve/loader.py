@@ -433,25 +433,29 @@ class Resume:
         return order, checked["epoch"]
 
 
-def _same_items(order: Order, state: dict[str, Any], started: bool) -> None:
+#: How a FeatureLoader's state refused over other items reads its epoch from the start.
+_LOADER_RESTART = "load the state with 'position' 0 and 'resumed' [] to read that epoch afresh"
+
+
+def _same_items(
+    order: Order, state: dict[str, Any], started: bool, restart: str = _LOADER_RESTART
+) -> None:
     """Refuse a state part way through an epoch (``started``) saved over other items than the
-    dataset's now (its ``items``; a state saved before states kept it is taken as it is).
+    dataset's now (its ``items``; a state saved before states kept it is taken as it is);
+    ``restart`` says how to read that epoch from its start instead.
 
     Raises:
         ConfigError: the items differ, or ``items`` is not a string.
     """
     saved = state.get("items", "")
     if not isinstance(saved, str):
-        raise ConfigError(
-            f"not a FeatureLoader state: 'items' is {saved!r}; pass what state_dict() returned"
-        )
+        raise ConfigError(f"not a loader state: 'items' is {saved!r}; pass what state_dict() gave")
     if started and saved and order.items and saved != order.items:
         raise ConfigError(
-            f"this loader state is part way through epoch {state['epoch']} of other items than "
-            "this dataset's (a build or gc since changed which inputs it serves, keeping their "
+            f"this state is part way through epoch {state['epoch']} of other items than this "
+            "dataset's (a build or gc since changed which inputs it serves, keeping their "
             "count), so the rest of that epoch cannot be told apart; make the dataset over the "
-            "data as it was, or load the state with 'position' 0 and 'resumed' [] to read that "
-            "epoch from its start"
+            f"data as it was, or {restart}"
         )
 
 
@@ -595,7 +599,7 @@ class BlockSampler(Sampler[int]):
         rank, world = rank_and_world(rank, num_replicas)
         window = window_for(dataset, Shuffle.BLOCKS, window)
         self._order = Order(len(dataset), 1, Shuffle.BLOCKS, seed, rank, world, drop_last,
-                            window=window)  # fmt: skip
+                            window=window, items=items_of(dataset))  # fmt: skip
         self._inputs = self._order.inputs(shards=self._shards)  # what every epoch is drawn from
         self.epoch = 0
         self.yielded = 0  # indices of the epoch being read handed out so far
@@ -638,7 +642,8 @@ class BlockSampler(Sampler[int]):
         o = self._order
         at = self._pending or Position(self.epoch, self.yielded)
         return {"epoch": at.epoch, "yielded": at.done, "seed": o.seed, "world_size": o.world,
-                "fingerprint": o.fingerprint(), "plan": self._inputs.encode()}  # fmt: skip
+                "fingerprint": o.fingerprint(), "plan": self._inputs.encode(),
+                "items": o.items}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Go on from ``state`` (:meth:`state_dict` of a sampler with the same arguments over
@@ -657,6 +662,7 @@ class BlockSampler(Sampler[int]):
                 "give another order (window, drop_last, a dataset of another length): make the "
                 "sampler with the arguments of the saved run"
             )
+        _same_items(order, checked, checked["yielded"] > 0, "load it with 'yielded' 0")
         inputs = PlanInputs.decode(checked["plan"], order.n)
         if inputs.blocks is None:
             raise ConfigError("not a BlockSampler state: its 'plan' has no blocks")

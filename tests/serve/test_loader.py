@@ -1461,6 +1461,9 @@ def test_a_state_part_way_through_an_epoch_is_not_resumed_over_other_items(
     rest = [int(i) for *_, labels in same for i in labels]
     read = [int(i) for *_, labels in head for i in labels]
     assert sorted(read + rest) == list(range(8))
+    sampled = BlockSampler(CachedFeatureDataset(data, encoder_file, cache=store), window=2)
+    list(itertools.islice(iter(sampled), 3))
+    sampler_state = json.loads(json.dumps(sampled.state_dict()))
     next(data.rglob("*.wav")).unlink()
     write_audio_folder(tmp_path / "more", 1, seconds=0.4, seed=11)
     shutil.copyfile(next((tmp_path / "more").rglob("*.wav")), data / "zz_new.wav")
@@ -1471,6 +1474,9 @@ def test_a_state_part_way_through_an_epoch_is_not_resumed_over_other_items(
         changed.load_state_dict(state)
     assert "\n" not in str(refused.value)
     changed.load_state_dict({**state, "position": 0, "resumed": []})  # the epoch from its start
+    again = BlockSampler(CachedFeatureDataset(data, encoder_file, cache=store), window=2)
+    with pytest.raises(ConfigError, match="other items than this dataset's"):
+        again.load_state_dict(sampler_state)
     assert sorted(int(i) for *_, labels in changed for i in labels) == list(range(8))
     # A list of files mounted elsewhere (the same files under another folder) is the same items.
     moved = tmp_path / "moved"
