@@ -487,6 +487,17 @@ def _same(i: int) -> Hashable:
     return i
 
 
+def owned_batch(batch: Any, kept: list[Any]) -> Any:
+    """``batch`` with a copy of every tensor that lies in the memory of one of ``kept`` (the
+    device tier's items): a collate that hands items on as they are (``collate_fn=list``)
+    would give the step the tier's own tensors, and a step that edits its batch in place
+    (``x -= x.mean()``) would change what later epochs are served. ``pad_collate`` and
+    ``default_collate`` build new tensors: nothing is copied for them."""
+    held: set[int] = set()
+    map_tensors(lambda t: held.add(t.untyped_storage().data_ptr()), kept)
+    return map_tensors(lambda t: t.clone() if t.untyped_storage().data_ptr() in held else t, batch)
+
+
 class DevicePrefetcher:
     """Iterate over batches already on ``device``, copied ``depth`` batches ahead.
 
@@ -623,7 +634,7 @@ class DevicePrefetcher:
                     items[j] = item
                     self._items.put(keys[j], item)
             self._batches += 1
-            yield collate(items)
+            yield owned_batch(collate(items), items)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         self._tensors += 1

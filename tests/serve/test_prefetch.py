@@ -493,3 +493,31 @@ def test_device_cache_refuses_datasets_whose_items_it_cannot_tell_apart(
     with pytest.raises(ConfigError, match="revalidate=True") as refused:
         DevicePrefetcher(loader, device="cpu", device_cache="1MiB")
     assert "\n" not in str(refused.value)
+
+
+def test_a_batch_edited_in_place_never_reaches_the_device_tier() -> None:
+    """With a collate that hands items on as they are (``collate_fn=list``) the batch held the
+    tier's own tensors, and a step normalising them in place (``x -= x.mean()``) changed what
+    every later epoch was served. The batch now holds copies of them (``pad_collate`` builds a
+    new batch: nothing is copied there)."""
+    ds = Recording(6)
+    for item in ds.items:
+        item += torch.arange(item.numel(), dtype=item.dtype).view_as(item)  # not constant
+    want = [t.clone() for t in ds.items]
+    pf = DevicePrefetcher(
+        DataLoader(ds, batch_size=2, collate_fn=list), device="cpu", device_cache="1MiB"
+    )
+    for _ in range(3):
+        served = [x for batch in pf for x in batch]
+        for x, w in zip(served, want, strict=True):
+            assert torch.equal(x, w)
+            x -= x.mean()  # the step's own edit
+    assert pf.stats().device_cache.hits > 0
+    padded = DevicePrefetcher(
+        DataLoader(ds, batch_size=2, collate_fn=pad_collate), device="cpu", device_cache="1MiB"
+    )
+    for _ in range(2):
+        for (batch, lengths), start in zip(padded, range(0, 6, 2), strict=True):
+            for row, n, w in zip(batch, lengths, want[start : start + 2], strict=True):
+                assert torch.equal(row[:n], w)
+            batch.mul_(0)
