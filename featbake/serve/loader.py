@@ -257,7 +257,8 @@ def items_of(dataset: Any) -> str:
     if isinstance(dataset, Subset):
         inner = items_of(dataset.dataset)
         if inner:
-            parts = [inner, ",".join(map(str, dataset.indices))]
+            picked = np.asarray(dataset.indices, dtype=np.int64).tobytes()
+            parts = [inner, hashlib.sha256(picked).hexdigest()]
     elif isinstance(dataset, StackDataset):
         parts = [items_of(m) for m in _members(dataset)]
     if not any(parts):
