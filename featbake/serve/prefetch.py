@@ -15,6 +15,7 @@ All CUDA calls go through :mod:`featbake.device`.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import sys
 import threading
@@ -25,7 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import StackDataset, Subset
+from torch.utils.data import ConcatDataset, StackDataset, Subset
 
 import featbake.device as dev
 from featbake.errors import ConfigError
@@ -440,8 +441,8 @@ def identity_of(dataset: Any) -> Callable[[int], Hashable]:
     by it. ``i`` itself for a dataset whose items stay put; for a
     :class:`~featbake.MixedDataset` (it has ``locate``) the dataset and the identity of the
     item that position ``i`` draws this epoch; the dataset's own ``identity`` where it serves
-    other items per epoch (``ViewsDataset``); reached through ``Subset`` and ``StackDataset``
-    (each member's, together).
+    other items per epoch (``ViewsDataset``); reached through ``Subset``, ``ConcatDataset``
+    and ``StackDataset`` (each member's, together).
 
     Raises:
         ConfigError: the dataset (or a member) serves other items at an index from epoch to
@@ -468,6 +469,8 @@ def identity_of(dataset: Any) -> Callable[[int], Hashable]:
     if isinstance(dataset, Subset):
         inner, indices = identity_of(dataset.dataset), dataset.indices
         return lambda i: inner(indices[i])
+    if isinstance(dataset, ConcatDataset):
+        return _concatenated(dataset)
     if isinstance(dataset, StackDataset):
         stacked = dataset.datasets
         found = [
@@ -481,6 +484,20 @@ def identity_of(dataset: Any) -> Callable[[int], Hashable]:
             "serve an earlier epoch's; drop device_cache for it"
         )
     return _same
+
+
+def _concatenated(dataset: ConcatDataset) -> Callable[[int], Hashable]:
+    """:func:`identity_of` a ``ConcatDataset``: which dataset index ``i`` falls in, and what
+    that dataset's item there is."""
+    members = [identity_of(d) for d in dataset.datasets]
+    ends = list(dataset.cumulative_sizes)
+
+    def concatenated(i: int) -> Hashable:
+        i = i + ends[-1] if i < 0 else i
+        k = bisect.bisect_right(ends, i)
+        return k, members[k](i - (ends[k - 1] if k else 0))
+
+    return concatenated
 
 
 def _same(i: int) -> Hashable:

@@ -521,3 +521,39 @@ def test_a_batch_edited_in_place_never_reaches_the_device_tier() -> None:
             for row, n, w in zip(batch, lengths, want[start : start + 2], strict=True):
                 assert torch.equal(row[:n], w)
             batch.mul_(0)
+
+
+def test_device_cache_over_a_concatenation_of_a_mixture_serves_each_epochs_draw(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """A ``ConcatDataset`` hid its members from the tier's keys: a MixedDataset concatenated
+    with another set was cached by index and served its first epoch's draw again (3 of 3
+    mixture positions wrong from epoch 1 on)."""
+    from torch.utils.data import ConcatDataset
+
+    from featbake.serve.dataset import CachedFeatureDataset
+    from featbake.serve.mixing import MixedDataset
+    from featbake.testing import write_audio_folder
+    from tests.helpers import Live, bake
+
+    sets = []
+    for n, seed in ((6, 4), (4, 5)):
+        folder = tmp_path / f"d{seed}"
+        write_audio_folder(folder, n, seconds=(0.3, 0.8), seed=seed)
+        bake(folder, encoder_file, tmp_path / f"s{seed}")
+        sets.append(
+            CachedFeatureDataset(folder, encoder_file, cache=tmp_path / f"s{seed}", on_miss="error")
+        )
+    mixed = MixedDataset([sets[0]], epoch_items=3, seed=1)
+    joined = ConcatDataset([mixed, sets[1]])
+    loader = DataLoader(joined, batch_size=7, collate_fn=pad_collate)
+    pf = DevicePrefetcher(loader, device="cpu", device_cache="64MiB")
+    live = Live()
+    for epoch in range(3):
+        mixed.set_epoch(epoch)
+        ((padded, lengths),) = list(pf)
+        want = [sets[0].path(mixed.locate(i)[1]) for i in range(3)]
+        want += [sets[1].path(j) for j in range(4)]
+        for row, n, path in zip(padded, lengths, want, strict=True):
+            torch.testing.assert_close(row[:n], live(encoder_file, Path(path)))
+    assert pf.stats().device_cache.hits >= 8  # the concatenated set's items, epochs 1 and 2
