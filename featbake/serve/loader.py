@@ -57,7 +57,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Sampler, StackDataset, Subset
+from torch.utils.data import ConcatDataset, Sampler, StackDataset, Subset
 
 import featbake.device as dev
 from featbake.errors import ConfigError, FeatbakeError
@@ -210,29 +210,29 @@ def placement_of(dataset: Any, epoch: int | None = None) -> ItemPlacement | None
     return None
 
 
-def _members(dataset: StackDataset) -> list[Any]:
+def _members(dataset: StackDataset | ConcatDataset) -> list[Any]:
     members = dataset.datasets
     return list(members.values() if isinstance(members, dict) else members)
 
 
 def set_epoch_of(dataset: Any, epoch: int) -> None:
     """Tell the dataset which epoch is read (a :class:`~featbake.MixedDataset` draws its
-    items per epoch): its ``set_epoch``, or its members' through ``StackDataset`` and
-    ``Subset``. A loader calls it before planning each epoch: the epoch's placement is the
-    dataset's of that epoch."""
+    items per epoch): its ``set_epoch``, or its members' through ``StackDataset``,
+    ``ConcatDataset`` and ``Subset``. A loader calls it before planning each epoch: the
+    epoch's placement is the dataset's of that epoch."""
     setter = getattr(dataset, "set_epoch", None)
     if callable(setter):
         setter(epoch)
     elif isinstance(dataset, Subset):
         set_epoch_of(dataset.dataset, epoch)
-    elif isinstance(dataset, StackDataset):
+    elif isinstance(dataset, StackDataset | ConcatDataset):
         for m in _members(dataset):
             set_epoch_of(m, epoch)
 
 
 def fingerprint_of(dataset: Any) -> str:
     """The dataset's own ``fingerprint()`` (a mixture's datasets' lengths, weights, items per
-    epoch and seed), reached through ``StackDataset`` and ``Subset``; "" when none has one.
+    epoch and seed), through ``StackDataset``, ``ConcatDataset`` and ``Subset``; "" for none.
     A loader folds it into its state's fingerprint: a state of another mixture is refused."""
     fingerprint = getattr(dataset, "fingerprint", None)
     if callable(fingerprint):
@@ -241,15 +241,19 @@ def fingerprint_of(dataset: Any) -> str:
         return fingerprint_of(dataset.dataset)
     if isinstance(dataset, StackDataset):
         return next((f for f in map(fingerprint_of, _members(dataset)) if f), "")
+    if isinstance(dataset, ConcatDataset):  # each member's, in order (a mixture among them)
+        inner = [fingerprint_of(m) for m in _members(dataset)]
+        return hashlib.sha256("\n".join(inner).encode()).hexdigest()[:16] if any(inner) else ""
     return ""
 
 
 def items_of(dataset: Any) -> str:
     """A digest of the items the dataset's positions name (a CachedFeatureDataset's item ids,
-    a MixedDataset's datasets' items), through ``StackDataset`` (its members') and ``Subset``
-    (its indices too); "" when none says. A loader's state carries it: a state part way through
-    an epoch cannot resume over other items (a build or gc since that dropped one input and
-    added another keeps the count, and every position past them names another item)."""
+    a MixedDataset's datasets' items), through ``StackDataset`` and ``ConcatDataset`` (their
+    members') and ``Subset`` (its indices too); "" when none says. A loader's state carries
+    it: a state part way through an epoch cannot resume over other items (a build or gc since
+    that dropped one input and added another keeps the count, and every position past them
+    names another item)."""
     own = getattr(dataset, "items_digest", None)
     if callable(own):
         return str(own())
@@ -259,7 +263,7 @@ def items_of(dataset: Any) -> str:
         if inner:
             picked = np.asarray(dataset.indices, dtype=np.int64).tobytes()
             parts = [inner, hashlib.sha256(picked).hexdigest()]
-    elif isinstance(dataset, StackDataset):
+    elif isinstance(dataset, StackDataset | ConcatDataset):
         parts = [items_of(m) for m in _members(dataset)]
     if not any(parts):
         return ""

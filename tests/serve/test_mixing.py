@@ -292,3 +292,35 @@ def test_a_mixture_tells_the_datasets_it_mixes_the_epoch(
     other = FeatureLoader(StackDataset(mixture(seed=9)[1], torch.arange(6)), batch_size=3)
     with pytest.raises(ConfigError, match="another order"):
         other.load_state_dict(state)
+
+
+def test_a_loader_over_a_concatenation_tells_the_mixture_in_it_the_epoch(
+    two_stores: tuple[Path, Path], encoder_file: Path
+) -> None:
+    """``FeatureLoader(ConcatDataset([mixture, other]))``: the loader's epoch did not reach the
+    mixture through the ConcatDataset, which drew its epoch 0 in every epoch; nor did its
+    fingerprint reach the state (a mixture of another seed resumed). Both do now."""
+    from torch.utils.data import ConcatDataset
+
+    from featbake import FeatureLoader
+
+    a, b = (
+        CachedFeatureDataset(f, encoder_file, cache=f.parent / f"store_{f.name}", on_miss="error")
+        for f in two_stores
+    )
+
+    def joined(seed: int) -> tuple[MixedDataset, ConcatDataset]:
+        mixed = MixedDataset([a], epoch_items=3, seed=seed)
+        return mixed, ConcatDataset([mixed, b])
+
+    mixed, both = joined(1)
+    loader = FeatureLoader(both, batch_size=7, shuffle=False)
+    live = Live()
+    for epoch in range(3):
+        ((padded, lengths),) = list(loader)
+        want = [a.path(j) for _, j in mixed.plan.epoch(epoch)] + [b.path(j) for j in range(4)]
+        for row, n, path in zip(padded, lengths, want, strict=True):
+            torch.testing.assert_close(row[:n], live(encoder_file, Path(path)))
+    state = loader.state_dict()
+    with pytest.raises(ConfigError, match="another order"):
+        FeatureLoader(joined(9)[1], batch_size=7, shuffle=False).load_state_dict(state)
