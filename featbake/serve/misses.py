@@ -321,6 +321,7 @@ class LiveEncoder:
     loaded: LoadedEncoder | None = None
     shared: bool = False  # the store is on a shared filesystem: never write its catalog
     watch: ModuleWatch | None = None  # an in-process module's: notices it changed since
+    moved: bool = False  # the module had changed when this copy was pickled
 
     def identify(self, encoder: Any, catalog: ServingStore) -> None:
         """Set :attr:`fingerprint` and :attr:`label`, loading the encoder only if it must.
@@ -409,7 +410,7 @@ class LiveEncoder:
             EncoderLoadError: its weights or attributes changed (checked before each encoding
                 of misses: a miss encoded with it would be stored under the old keys).
         """
-        if self.watch is not None and self.watch.fingerprint() != self.fingerprint:
+        if self.moved or (self.watch is not None and self.watch.fingerprint() != self.fingerprint):
             raise EncoderLoadError(
                 f"the encoder module {self.label} changed since this dataset was created (its "
                 "weights or attributes), and a miss encoded with it would be stored under the "
@@ -430,7 +431,17 @@ class LiveEncoder:
         state = self.__dict__.copy()
         if self.spec is not None:
             state["loaded"] = None  # reloaded from the file on the first miss
+        if self.watch is not None:
+            # Checked here and trusted anew where it lands: there the module's identity may
+            # read otherwise (a class of the script run is __mp_main__'s in a spawned worker).
+            state["watch"] = None
+            state["moved"] = self.moved or self.watch.fingerprint() != self.fingerprint
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self.loaded is not None and self.spec is None and not self.moved:
+            self.watch = watched(self.loaded, self.fingerprint)
 
 
 def watched(enc: LoadedEncoder, fingerprint: str) -> ModuleWatch | None:

@@ -261,3 +261,75 @@ def test_a_write_back_sealed_after_its_item_was_re_keyed_leaves_the_item_where_i
     for _ in range(2):
         torch.testing.assert_close(ds[0], live(encoder_file, clip))
         torch.testing.assert_close(ds.__getitems__([0, 1])[0], live(encoder_file, clip))
+
+
+SPAWNED_MISSES = """
+import sys, warnings
+from pathlib import Path
+import torch
+from torch.utils.data import DataLoader
+from featbake.encode.sources import source_for
+from featbake.errors import EncoderLoadError
+from featbake.recipe import Recipe
+from featbake.serve.dataset import CachedFeatureDataset
+
+
+class Enc(torch.nn.Module):  # a class of the script run: __mp_main__'s in a spawned worker
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv1d(1, 8, 400, stride=160)
+
+    def forward(self, wav):
+        return self.conv(wav.unsqueeze(1)).transpose(1, 2)
+
+
+if __name__ == "__main__":
+    warnings.simplefilter("ignore")
+    data, store = Path(sys.argv[1]), Path(sys.argv[2])
+    module = Enc().eval()
+    ds = CachedFeatureDataset(data, module, cache=store)
+    spawn = dict(batch_size=None, num_workers=1, multiprocessing_context="spawn")
+    for i, item in enumerate(DataLoader(ds, **spawn)):
+        with torch.inference_mode():
+            want = module(source_for(Recipe()).load(Path(ds.path(i))).unsqueeze(0))[0]
+        torch.testing.assert_close(item, want)
+    print("served", len(ds))
+    again = CachedFeatureDataset(data, module, cache=store.parent / "other")
+    with torch.no_grad():
+        module.conv.weight.data.mul_(2.0)
+    try:
+        list(DataLoader(again, **spawn))
+    except EncoderLoadError as e:
+        print("refused:", str(e).splitlines()[-1][:120])
+"""
+
+
+def test_a_module_of_the_script_encodes_misses_in_spawned_workers_until_it_changes(
+    tmp_path: Path,
+) -> None:
+    """The change check of an in-process module must not take a spawned worker's copy for a
+    change: there a class of the script run is ``__mp_main__``'s, and hashing its identity
+    again gave another fingerprint, so every miss in a spawned worker was refused. The copy is
+    checked when it is pickled and trusted where it lands; a module changed before the workers
+    started is refused there."""
+    import subprocess
+    import sys
+
+    from featbake.testing import write_audio_folder
+    from tests.conftest import REPO
+
+    write_audio_folder(tmp_path / "data", 3, seconds=0.3, seed=4)
+    script = tmp_path / "train.py"
+    script.write_text(SPAWNED_MISSES)
+    run = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "data"), str(tmp_path / "store")],
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, "PYTHONPATH": str(REPO)},
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stdout.splitlines()
+    assert lines[0] == "served 3", run.stdout
+    assert lines[1].startswith("refused: ") and "changed" in lines[1], run.stdout
