@@ -160,6 +160,13 @@ def _weight_probe(tensors: list[torch.Tensor]) -> tuple[int, ...]:
     return tuple(out)
 
 
+def version_of(t: torch.Tensor) -> int:
+    """``t``'s version counter; -1 for an inference tensor (made under
+    ``torch.inference_mode()``, as a model loaded there has its weights), which keeps none:
+    the weight probe alone notices it edited in place."""
+    return -1 if t.is_inference() else t._version
+
+
 class ModuleWatch:
     """The fingerprint of a wrapped module, recomputed whenever the module changed.
 
@@ -182,7 +189,7 @@ class ModuleWatch:
 
     def _state(self) -> tuple[Any, ...]:
         tensors = self._tensors()
-        versions = tuple((t._version, t.data_ptr()) for t in tensors)
+        versions = tuple((version_of(t), t.data_ptr()) for t in tensors)
         probe = _weight_probe(tensors) if self.check_weights else ()
         return versions, probe, attribute_identity(self.module)
 

@@ -419,10 +419,11 @@ class LiveEncoder:
             )
 
     def ran(self) -> None:
-        """The encoder just encoded misses: attributes an in-process module changed itself
-        (a call counter) are its bookkeeping, not a change (see :class:`ModuleWatch`)."""
+        """The encoder just encoded misses: what an in-process module changed itself while
+        it ran (a call counter, a cache buffer it replaced) is its bookkeeping, not a change:
+        it was checked just before (:meth:`refuse_changed`), and is trusted as it is now."""
         if self.watch is not None:
-            self.watch.ran()
+            self.watch.trust(self.fingerprint)
 
     def __getstate__(self) -> dict[str, Any]:
         # Not a ProcessLocal: a loaded module stays valid in a forked worker, which runs its

@@ -585,3 +585,22 @@ def test_an_empty_batch_gives_what_the_encoder_gives_for_none(tmp_path: Path) ->
         out, bare = wrapped(x), enc(x)
         first = out["hidden"] if isinstance(out, dict) else out
         torch.testing.assert_close(first, bare["hidden"] if isinstance(bare, dict) else bare)
+
+
+def test_a_module_made_under_inference_mode_is_cached_and_watched(tmp_path: Path) -> None:
+    """A teacher built or loaded under ``torch.inference_mode()`` has inference tensors for
+    weights, which keep no version counter: every call ended in ``RuntimeError: Inference
+    tensors do not track version counter.`` It is cached now, and an in-place update of its
+    weights (under inference mode, where one may edit them) is still noticed by the weight
+    probe, so the new weights' outputs are served."""
+    with torch.inference_mode():
+        enc = frozen(TinyConvEncoder())
+    wrapped = CachedEncoder(enc, cache=tmp_path / "s")
+    x = torch.randn(2, 8000)
+    torch.testing.assert_close(wrapped(x), enc(x))
+    torch.testing.assert_close(wrapped(x), enc(x))
+    assert wrapped.stats["encoded"] == 2  # the second call was served from the cache
+    with torch.inference_mode():
+        enc.conv2.weight.mul_(2.0)
+    torch.testing.assert_close(wrapped(x), enc(x))
+    assert wrapped.stats["encoded"] == 4

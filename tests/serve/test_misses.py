@@ -173,7 +173,9 @@ def test_a_miss_edited_in_place_by_the_caller_is_never_stored_or_served_edited(
 
 
 class _Tallying(torch.nn.Module):
-    """TinyConvEncoder's forward, counting its calls in a plain attribute (its bookkeeping)."""
+    """TinyConvEncoder's forward, counting its calls in a plain attribute and the samples it
+    saw in a buffer it replaces (a module's own bookkeeping while it runs, as a cache of
+    rotary tables is)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -181,9 +183,11 @@ class _Tallying(torch.nn.Module):
 
         self.inner = TinyConvEncoder()
         self.calls = 0
+        self.register_buffer("samples", torch.zeros(1), persistent=False)
 
     def forward(self, wav: torch.Tensor) -> torch.Tensor:
         self.calls += 1
+        self.samples = self.samples + wav.shape[-1]
         return self.inner(wav)
 
 
