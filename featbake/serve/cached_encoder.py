@@ -160,6 +160,13 @@ def _weight_probe(tensors: list[torch.Tensor]) -> tuple[int, ...]:
     return tuple(out)
 
 
+def version_of(t: torch.Tensor) -> int:
+    """``t``'s version counter; -1 for an inference tensor (made under
+    ``torch.inference_mode()``, as a model loaded there has its weights), which keeps none:
+    the weight probe alone notices it edited in place."""
+    return -1 if t.is_inference() else t._version
+
+
 class ModuleWatch:
     """The fingerprint of a wrapped module, recomputed whenever the module changed.
 
@@ -182,7 +189,7 @@ class ModuleWatch:
 
     def _state(self) -> tuple[Any, ...]:
         tensors = self._tensors()
-        versions = tuple((t._version, t.data_ptr()) for t in tensors)
+        versions = tuple((version_of(t), t.data_ptr()) for t in tensors)
         probe = _weight_probe(tensors) if self.check_weights else ()
         return versions, probe, attribute_identity(self.module)
 
@@ -193,6 +200,12 @@ class ModuleWatch:
             self._fp = module_fingerprint(self.module, module_identity(self.module))
             self._seen, self._attrs = state, state[2]
         return self._fp
+
+    def trust(self, fp: str) -> None:
+        """Take ``fp`` as the module's fingerprint as it is now (the caller just computed it):
+        :meth:`fingerprint` hashes the weights again only once the module changed."""
+        state = self._state()
+        self._fp, self._seen, self._attrs = fp, state, state[2]
 
     def ran(self) -> None:
         """The module just ran: attribute changes it made itself are bookkeeping, not a change."""
@@ -404,6 +417,9 @@ class CachedEncoder(ProcessLocalState, nn.Module):
         batch = x.shape[0]
         if ids is not None and len(ids) != batch:
             raise ConfigError(f"CachedEncoder got {len(ids)} ids for a batch of {batch} rows")
+        if not batch:  # no row to look up or keep: what the encoder gives for none
+            with torch.no_grad():
+                return self.encoder(x)
         enc_fp = self.fingerprint()
         digests = [id_digest(i) for i in ids] if ids is not None else [row_digest(r) for r in x]
         keys = [feature_key(enc_fp, self._recipe_fp, d) for d in digests]

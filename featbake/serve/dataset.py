@@ -12,6 +12,7 @@ RAM tier or the store (``Reads.item``: planned, read once, served), else a miss
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import time
 import warnings
@@ -429,6 +430,7 @@ class CachedFeatureDataset(ProcessLocalState, Dataset):
         # Which items had their checksum checked and their last use recorded, in anonymous
         # shared memory that forked workers inherit (see SharedFlags).
         self._shared_map: Any = SharedFlags.allocate(len(self._index))
+        self._items_digest: str | None = None  # items_digest(), made when a loader asks
 
     # -- the public surface -------------------------------------------------------------------
     def __len__(self) -> int:
@@ -457,6 +459,23 @@ class CachedFeatureDataset(ProcessLocalState, Dataset):
         """
         inputs = self._index.inputs
         return inputs.row(self._index.rel(self._index.position(i))) if inputs else {}
+
+    def items_digest(self) -> str:
+        """A digest of this dataset's item ids in order (what its positions name): a loader's
+        state carries it, so a state part way through an epoch is not resumed over other
+        items (see :func:`featbake.serve.loader.items_of`). A list of files is named relative
+        to the folder they share, so the same files mounted elsewhere are the same items."""
+        if self._items_digest is None:
+            h = hashlib.sha256(f"items\0{len(self)}\0".encode())
+            if self._index.data_dir is not None:  # the ids NUL-joined, as the index holds them
+                h.update(self._index.path_blob.tobytes())
+            else:
+                paths = [self._index.rel(i) for i in range(len(self))]
+                top = os.path.commonpath(paths) if paths else ""
+                rel = "\0".join(os.path.relpath(p, top) for p in paths)
+                h.update(rel.encode("utf-8", "surrogateescape"))
+            self._items_digest = h.hexdigest()[:16]
+        return self._items_digest
 
     @property
     def encoder_fingerprint(self) -> str:

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import itertools
 import queue
 import threading
@@ -56,7 +57,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Sampler, StackDataset, Subset
+from torch.utils.data import ConcatDataset, Sampler, StackDataset, Subset
 
 import featbake.device as dev
 from featbake.errors import ConfigError, FeatbakeError
@@ -209,29 +210,29 @@ def placement_of(dataset: Any, epoch: int | None = None) -> ItemPlacement | None
     return None
 
 
-def _members(dataset: StackDataset) -> list[Any]:
+def _members(dataset: StackDataset | ConcatDataset) -> list[Any]:
     members = dataset.datasets
     return list(members.values() if isinstance(members, dict) else members)
 
 
 def set_epoch_of(dataset: Any, epoch: int) -> None:
     """Tell the dataset which epoch is read (a :class:`~featbake.MixedDataset` draws its
-    items per epoch): its ``set_epoch``, or its members' through ``StackDataset`` and
-    ``Subset``. A loader calls it before planning each epoch: the epoch's placement is the
-    dataset's of that epoch."""
+    items per epoch): its ``set_epoch``, or its members' through ``StackDataset``,
+    ``ConcatDataset`` and ``Subset``. A loader calls it before planning each epoch: the
+    epoch's placement is the dataset's of that epoch."""
     setter = getattr(dataset, "set_epoch", None)
     if callable(setter):
         setter(epoch)
     elif isinstance(dataset, Subset):
         set_epoch_of(dataset.dataset, epoch)
-    elif isinstance(dataset, StackDataset):
+    elif isinstance(dataset, StackDataset | ConcatDataset):
         for m in _members(dataset):
             set_epoch_of(m, epoch)
 
 
 def fingerprint_of(dataset: Any) -> str:
     """The dataset's own ``fingerprint()`` (a mixture's datasets' lengths, weights, items per
-    epoch and seed), reached through ``StackDataset`` and ``Subset``; "" when none has one.
+    epoch and seed), through ``StackDataset``, ``ConcatDataset`` and ``Subset``; "" for none.
     A loader folds it into its state's fingerprint: a state of another mixture is refused."""
     fingerprint = getattr(dataset, "fingerprint", None)
     if callable(fingerprint):
@@ -240,7 +241,33 @@ def fingerprint_of(dataset: Any) -> str:
         return fingerprint_of(dataset.dataset)
     if isinstance(dataset, StackDataset):
         return next((f for f in map(fingerprint_of, _members(dataset)) if f), "")
+    if isinstance(dataset, ConcatDataset):  # each member's, in order (a mixture among them)
+        inner = [fingerprint_of(m) for m in _members(dataset)]
+        return hashlib.sha256("\n".join(inner).encode()).hexdigest()[:16] if any(inner) else ""
     return ""
+
+
+def items_of(dataset: Any) -> str:
+    """A digest of the items the dataset's positions name (a CachedFeatureDataset's item ids,
+    a MixedDataset's datasets' items), through ``StackDataset`` and ``ConcatDataset`` (their
+    members') and ``Subset`` (its indices too); "" when none says. A loader's state carries
+    it: a state part way through an epoch cannot resume over other items (a build or gc since
+    that dropped one input and added another keeps the count, and every position past them
+    names another item)."""
+    own = getattr(dataset, "items_digest", None)
+    if callable(own):
+        return str(own())
+    parts: list[str] = []
+    if isinstance(dataset, Subset):
+        inner = items_of(dataset.dataset)
+        if inner:
+            picked = np.asarray(dataset.indices, dtype=np.int64).tobytes()
+            parts = [inner, hashlib.sha256(picked).hexdigest()]
+    elif isinstance(dataset, StackDataset | ConcatDataset):
+        parts = [items_of(m) for m in _members(dataset)]
+    if not any(parts):
+        return ""
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
 def warn_too_long(inputs: PlanInputs, budget: int | None) -> bool:
@@ -375,7 +402,7 @@ class Resume:
         plan = "" if at.inputs is None else at.inputs.encode()
         return {"epoch": at.epoch, "position": at.done, "seed": order.seed, "rank": order.rank,
                 "world_size": order.world, "fingerprint": order.fingerprint(), "plan": plan,
-                "resumed": [list(stage) for stage in at.stages]}  # fmt: skip
+                "resumed": [list(stage) for stage in at.stages], "items": order.items}  # fmt: skip
 
     def load(self, order: Order, state: Any) -> tuple[Order, int]:
         """Take ``state``: the order with its seed, and the epoch to read next.
@@ -402,12 +429,39 @@ class Resume:
                 "make the loader with the arguments of the saved run"
             )
         stages, done = _stages(checked), checked["position"]
+        _same_items(order, checked, bool(stages or done))
         if saved_world != order.world and done:
             stages, done = (*stages, (saved_world, done)), 0
         inputs = _inputs(order, checked)
         self.pending = Position(checked["epoch"], done, inputs, stages)
         self.current = None
         return order, checked["epoch"]
+
+
+#: How a FeatureLoader's state refused over other items reads its epoch from the start.
+_LOADER_RESTART = "load the state with 'position' 0 and 'resumed' [] to read that epoch afresh"
+
+
+def _same_items(
+    order: Order, state: dict[str, Any], started: bool, restart: str = _LOADER_RESTART
+) -> None:
+    """Refuse a state part way through an epoch (``started``) saved over other items than the
+    dataset's now (its ``items``; a state saved before states kept it is taken as it is);
+    ``restart`` says how to read that epoch from its start instead.
+
+    Raises:
+        ConfigError: the items differ, or ``items`` is not a string.
+    """
+    saved = state.get("items", "")
+    if not isinstance(saved, str):
+        raise ConfigError(f"not a loader state: 'items' is {saved!r}; pass what state_dict() gave")
+    if started and saved and order.items and saved != order.items:
+        raise ConfigError(
+            f"this state is part way through epoch {state['epoch']} of other items than this "
+            "dataset's (a build or gc since changed which inputs it serves, keeping their "
+            "count), so the rest of that epoch cannot be told apart; make the dataset over the "
+            f"data as it was, or {restart}"
+        )
 
 
 def _stages(state: dict[str, Any]) -> tuple[Stage, ...]:
@@ -550,7 +604,7 @@ class BlockSampler(Sampler[int]):
         rank, world = rank_and_world(rank, num_replicas)
         window = window_for(dataset, Shuffle.BLOCKS, window)
         self._order = Order(len(dataset), 1, Shuffle.BLOCKS, seed, rank, world, drop_last,
-                            window=window)  # fmt: skip
+                            window=window, items=items_of(dataset))  # fmt: skip
         self._inputs = self._order.inputs(shards=self._shards)  # what every epoch is drawn from
         self.epoch = 0
         self.yielded = 0  # indices of the epoch being read handed out so far
@@ -593,7 +647,8 @@ class BlockSampler(Sampler[int]):
         o = self._order
         at = self._pending or Position(self.epoch, self.yielded)
         return {"epoch": at.epoch, "yielded": at.done, "seed": o.seed, "world_size": o.world,
-                "fingerprint": o.fingerprint(), "plan": self._inputs.encode()}  # fmt: skip
+                "fingerprint": o.fingerprint(), "plan": self._inputs.encode(),
+                "items": o.items}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Go on from ``state`` (:meth:`state_dict` of a sampler with the same arguments over
@@ -612,6 +667,7 @@ class BlockSampler(Sampler[int]):
                 "give another order (window, drop_last, a dataset of another length): make the "
                 "sampler with the arguments of the saved run"
             )
+        _same_items(order, checked, checked["yielded"] > 0, "load it with 'yielded' 0")
         inputs = PlanInputs.decode(checked["plan"], order.n)
         if inputs.blocks is None:
             raise ConfigError("not a BlockSampler state: its 'plan' has no blocks")
@@ -678,7 +734,7 @@ class LengthBatchSampler(Sampler[list[int]]):
         self._dataset = dataset
         self._order = Order(
             len(dataset), batch_size, shuffle_of(bool(shuffle)), seed, rank, world, drop_last,
-            even_batches, batch_frames, source=fingerprint_of(dataset),
+            even_batches, batch_frames, source=fingerprint_of(dataset), items=items_of(dataset),
         )  # fmt: skip
         self.epoch = 0
         self._resume = Resume()
@@ -925,6 +981,7 @@ class FeatureLoader:
         self._order = Order(
             len(dataset), batch_size, order, seed, rank, world, drop_last, even_batches,
             batch_frames, window_for(dataset, order, window), fingerprint_of(dataset),
+            items_of(dataset),
         )  # fmt: skip
         self.epoch = 0
         self._resume = Resume()

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 import featbake.device as dev
-from featbake.encode.encoders import LoadedEncoder, from_module
+from featbake.encode.encoders import MODULE, LoadedEncoder, from_module
 from featbake.encode.fingerprints import (
     cached_file_encoder_fp,
     encoder_fingerprint,
@@ -33,6 +33,7 @@ from featbake.encode.sources import CheckingSource, Source, load_unchanged
 from featbake.errors import CacheMiss, EncoderLoadError, FeatbakeError, SourceError
 from featbake.keys import feature_key
 from featbake.recipe import Recipe
+from featbake.serve.cached_encoder import ModuleWatch
 from featbake.serve.index import Index
 from featbake.serve.reads import Reads
 from featbake.serve.state import ProcessState, pending_in_process
@@ -319,6 +320,8 @@ class LiveEncoder:
     label: str = ""
     loaded: LoadedEncoder | None = None
     shared: bool = False  # the store is on a shared filesystem: never write its catalog
+    watch: ModuleWatch | None = None  # an in-process module's: notices it changed since
+    moved: bool = False  # the module had changed when this copy was pickled
 
     def identify(self, encoder: Any, catalog: ServingStore) -> None:
         """Set :attr:`fingerprint` and :attr:`label`, loading the encoder only if it must.
@@ -329,10 +332,12 @@ class LiveEncoder:
         if isinstance(encoder, LoadedEncoder):
             self.loaded, self.label = encoder, encoder.label
             self.fingerprint = encoder_fingerprint(encoder, catalog, self.weights)
+            self.watch = watched(encoder, self.fingerprint)
             return
         if isinstance(encoder, torch.nn.Module):
             self.loaded = from_module(encoder, device=None)
             self.fingerprint, self.label = self.loaded.fingerprint, self.loaded.label
+            self.watch = watched(self.loaded, self.fingerprint)
             return
         spec = self.spec = os.fspath(encoder)
         self.label = spec  # an import path: the architecture lives in code, only loading it tells
@@ -377,6 +382,7 @@ class LiveEncoder:
         enc = self.loaded
         if self.spec is None:  # an in-process module: it runs where it lives
             assert enc is not None
+            self.refuse_changed()
             if enc.device.type == "cuda" and not dev.cuda_usable_here():
                 raise EncoderLoadError(
                     "a miss must be encoded in a DataLoader worker forked after CUDA started, "
@@ -397,6 +403,28 @@ class LiveEncoder:
             )
         return enc
 
+    def refuse_changed(self) -> None:
+        """Raise if the in-process module changed since the dataset's keys were made from it.
+
+        Raises:
+            EncoderLoadError: its weights or attributes changed (checked before each encoding
+                of misses: a miss encoded with it would be stored under the old keys).
+        """
+        if self.moved or (self.watch is not None and self.watch.fingerprint() != self.fingerprint):
+            raise EncoderLoadError(
+                f"the encoder module {self.label} changed since this dataset was created (its "
+                "weights or attributes), and a miss encoded with it would be stored under the "
+                "keys of the module as it was; create the dataset again with the module as it "
+                "is now"
+            )
+
+    def ran(self) -> None:
+        """The encoder just encoded misses: what an in-process module changed itself while
+        it ran (a call counter, a cache buffer it replaced) is its bookkeeping, not a change:
+        it was checked just before (:meth:`refuse_changed`), and is trusted as it is now."""
+        if self.watch is not None:
+            self.watch.trust(self.fingerprint)
+
     def __getstate__(self) -> dict[str, Any]:
         # Not a ProcessLocal: a loaded module stays valid in a forked worker, which runs its
         # misses with it and loads nothing (a CUDA one is reloaded by for_this_process); only
@@ -404,7 +432,29 @@ class LiveEncoder:
         state = self.__dict__.copy()
         if self.spec is not None:
             state["loaded"] = None  # reloaded from the file on the first miss
+        if self.watch is not None:
+            # Checked here and trusted anew where it lands: there the module's identity may
+            # read otherwise (a class of the script run is __mp_main__'s in a spawned worker).
+            state["watch"] = None
+            state["moved"] = self.moved or self.watch.fingerprint() != self.fingerprint
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self.loaded is not None and self.spec is None and not self.moved:
+            self.watch = watched(self.loaded, self.fingerprint)
+
+
+def watched(enc: LoadedEncoder, fingerprint: str) -> ModuleWatch | None:
+    """What notices that an in-process module given to a dataset changed after its keys were
+    made from ``fingerprint`` (weights updated in place, an attribute set), so that a miss is
+    not encoded with it and stored under those keys; None for an encoder loaded from a file or
+    an import path (:meth:`LiveEncoder.for_this_process` checks those as it loads them)."""
+    if enc.kind != MODULE or not isinstance(enc.module, torch.nn.Module):
+        return None
+    watch = ModuleWatch(enc.module)
+    watch.trust(fingerprint)
+    return watch
 
 
 def encode_inputs(enc: LoadedEncoder, inputs: list[torch.Tensor], recipe: Recipe) -> list[Parts]:
@@ -560,6 +610,8 @@ class Misses:
         """Decode and encode items ``idx`` now (checking their files did not change)."""
         if st.encoder is None:
             st.encoder = self.live.for_this_process()
+        else:
+            self.live.refuse_changed()  # an in-process module edited since the last misses
         paths = [self.index.path(i) for i in idx]
         if self.objects:  # each checked by the response that carried its bytes (its ETag)
             stats = [FileStat(*map(int, self.index.stats[i])) for i in idx]
@@ -569,22 +621,27 @@ class Misses:
             keys = [self.index.key(i) for i in idx]
             check_unchanged(st.catalog, paths, keys, self.fps)
         results = encode_inputs(st.encoder, inputs, self.recipe)
+        self.live.ran()
         st.encoded += len(idx)
         return [stored_parts(parts, self.recipe) for parts in results]  # int8/fp8: packed
 
     def store(self, st: ProcessState, i: int, parts: Parts) -> None:
         """Write item ``i``'s encoded parts back (once per key while pending)."""
         key = self.index.key(i)
-        if st.writeback.get(key) is None:
+        if not st.writeback.holds(key):
             st.pending_idx.setdefault(key, []).append(i)
             st.writeback.add(self.live.fingerprint, key, parts)
 
     def published(self, st: ProcessState | None, shard: SealedShard) -> None:
-        """A write-back shard was sealed: point the items written to it at it."""
+        """A write-back shard was sealed: point the items written to it at it, those whose
+        key it still is (``revalidate=True`` re-keys an item whose file changed meanwhile:
+        its new key's feature is elsewhere, and this shard does not hold it)."""
         ix = self.index
         sid = ix.sid(shard.name)
         for entry in shard.entries:
             for i in st.pending_idx.pop(entry.key, ()) if st is not None else ():
+                if ix.key(i) != entry.key:
+                    continue
                 ix.shard[i] = sid
                 ix.length[i] = max(int(ix.length[i]), entry.shape[0] if entry.shape else 1)
         if ix.parts is None:

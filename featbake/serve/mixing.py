@@ -40,6 +40,7 @@ from torch.utils.data import Dataset
 
 from featbake.errors import ConfigError
 from featbake.serve.index import ItemPlacement
+from featbake.serve.sampling import seeded
 
 #: The stream of draws a seed makes: counts, positions and each dataset's permutations apart.
 _COUNTS, _POSITIONS, _ITEMS = 0, 1, 2
@@ -82,7 +83,7 @@ class MixPlan:
 
     def counts(self, epoch: int) -> np.ndarray:
         """How many items each dataset gives in ``epoch``."""
-        rng = np.random.default_rng([self.seed, _COUNTS, epoch])
+        rng = seeded(self.seed, _COUNTS, epoch)
         return rng.multinomial(self.epoch_items, self.weights)
 
     def cursors(self, epoch: int) -> np.ndarray:
@@ -99,7 +100,7 @@ class MixPlan:
         """Every position of ``epoch`` as (dataset, item), in order."""
         counts = self.counts(epoch)
         labels = np.repeat(np.arange(len(self.lengths)), counts)
-        order = np.random.default_rng([self.seed, _POSITIONS, epoch]).permutation(labels)
+        order = seeded(self.seed, _POSITIONS, epoch).permutation(labels)
         cursor = self.cursors(epoch).copy()
         out = []
         for k in order.tolist():
@@ -116,7 +117,7 @@ class MixPlan:
 @lru_cache(maxsize=16)
 def _walk(seed: int, k: int, n: int, lap: int) -> np.ndarray:
     """Dataset ``k``'s ``lap``-th permutation of its ``n`` items."""
-    return np.random.default_rng([seed, _ITEMS, k, lap]).permutation(n)
+    return seeded(seed, _ITEMS, k, lap).permutation(n)
 
 
 class MixedDataset(Dataset):
@@ -172,15 +173,35 @@ class MixedDataset(Dataset):
         """A digest of what draws the epochs (each dataset's length, the weights, items per
         epoch, the seed): a loader folds it into its state's fingerprint, so a state saved
         over another mixture is refused rather than resumed into other items."""
+        from featbake.serve.loader import fingerprint_of
+
         p = self.plan
-        shape = [list(p.lengths), list(p.weights), p.epoch_items, p.seed]
+        shape: list[Any] = [list(p.lengths), list(p.weights), p.epoch_items, p.seed]
+        inner = [fingerprint_of(d) for d in self.datasets]
+        if any(inner):  # a mixture inside this one: its draws too (plain datasets: as before)
+            shape.append(inner)
         blob = json.dumps(shape, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
+    def items_digest(self) -> str:
+        """A digest of the datasets' items (see :func:`featbake.serve.loader.items_of`), ""
+        when none of them says."""
+        from featbake.serve.loader import items_of
+
+        inner = [items_of(d) for d in self.datasets]
+        if not any(inner):
+            return ""
+        return hashlib.sha256("\n".join(inner).encode()).hexdigest()[:16]
+
     def set_epoch(self, epoch: int) -> None:
         """Read epoch ``epoch`` from now on, here and in every DataLoader worker (persistent
-        ones included): a function of the seed and the epoch alone."""
+        ones included): a function of the seed and the epoch alone. The datasets mixed are
+        told too (a ``ViewsDataset``'s coins, a mixture inside this one draw that epoch's)."""
+        from featbake.serve.loader import set_epoch_of
+
         self._epoch.fill_(int(epoch))
+        for d in self.datasets:
+            set_epoch_of(d, epoch)
 
     def _current(self) -> list[tuple[int, int]]:
         """This epoch's order, drawn again where another process set a new epoch."""
@@ -237,7 +258,7 @@ class MixedDataset(Dataset):
         per dataset."""
         from featbake.serve.loader import placement_of
 
-        per = [placement_of(d) for d in self.datasets]
+        per = [placement_of(d, epoch) for d in self.datasets]  # a mixture inside: that epoch's
         offsets, at = [], 0
         for p in per:
             offsets.append(at)

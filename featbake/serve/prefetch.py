@@ -15,16 +15,18 @@ All CUDA calls go through :mod:`featbake.device`.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import sys
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import ConcatDataset, StackDataset, Subset
 
 import featbake.device as dev
 from featbake.errors import ConfigError
@@ -433,6 +435,86 @@ class Staging:
 _DONE = object()
 
 
+def identity_of(dataset: Any) -> Callable[[int], Hashable]:
+    """What index ``i`` of ``dataset`` serves, as a value equal wherever it serves the same
+    item in any epoch: a cache of items by index (``DevicePrefetcher(device_cache=...)``) keys
+    by it. ``i`` itself for a dataset whose items stay put; for a
+    :class:`~featbake.MixedDataset` (it has ``locate``) the dataset and the identity of the
+    item that position ``i`` draws this epoch; the dataset's own ``identity`` where it serves
+    other items per epoch (``ViewsDataset``); reached through ``Subset``, ``ConcatDataset``
+    and ``StackDataset`` (each member's, together).
+
+    Raises:
+        ConfigError: the dataset (or a member) serves other items at an index from epoch to
+            epoch (it has ``set_epoch``) and does not say which (no ``identity``), or checks
+            its files at every read (``revalidate=True``), which a cache by index would skip.
+    """
+    if getattr(dataset, "revalidate", False) is True:
+        raise ConfigError(
+            "a cache of items by index would skip the reads that revalidate=True checks each "
+            "file at; drop device_cache, or make the dataset with revalidate=False"
+        )
+    locate = getattr(dataset, "locate", None)
+    if callable(locate):  # a MixedDataset: position i is its dataset k's item j this epoch
+        members = [identity_of(d) for d in dataset.datasets]
+
+        def mixed(i: int) -> Hashable:
+            k, j = locate(i)
+            return k, members[k](j)
+
+        return mixed
+    own = getattr(dataset, "identity", None)
+    if callable(own):
+        return own
+    if isinstance(dataset, Subset):
+        inner, indices = identity_of(dataset.dataset), dataset.indices
+        return lambda i: inner(indices[i])
+    if isinstance(dataset, ConcatDataset):
+        return _concatenated(dataset)
+    if isinstance(dataset, StackDataset):
+        stacked = dataset.datasets
+        found = [
+            identity_of(m) for m in (stacked.values() if isinstance(stacked, dict) else stacked)
+        ]
+        return lambda i: tuple(f(i) for f in found)
+    if callable(getattr(dataset, "set_epoch", None)):
+        raise ConfigError(
+            f"{type(dataset).__name__} serves other items at an index from epoch to epoch and "
+            "does not say which (it has no identity()), so a cache of items by index would "
+            "serve an earlier epoch's; drop device_cache for it"
+        )
+    return _same
+
+
+def _concatenated(dataset: ConcatDataset) -> Callable[[int], Hashable]:
+    """:func:`identity_of` a ``ConcatDataset``: which dataset index ``i`` falls in, and what
+    that dataset's item there is."""
+    members = [identity_of(d) for d in dataset.datasets]
+    ends = list(dataset.cumulative_sizes)
+
+    def concatenated(i: int) -> Hashable:
+        i = i + ends[-1] if i < 0 else i
+        k = bisect.bisect_right(ends, i)
+        return k, members[k](i - (ends[k - 1] if k else 0))
+
+    return concatenated
+
+
+def _same(i: int) -> Hashable:
+    return i
+
+
+def owned_batch(batch: Any, kept: list[Any]) -> Any:
+    """``batch`` with a copy of every tensor that lies in the memory of one of ``kept`` (the
+    device tier's items): a collate that hands items on as they are (``collate_fn=list``)
+    would give the step the tier's own tensors, and a step that edits its batch in place
+    (``x -= x.mean()``) would change what later epochs are served. ``pad_collate`` and
+    ``default_collate`` build new tensors: nothing is copied for them."""
+    held: set[int] = set()
+    map_tensors(lambda t: held.add(t.untyped_storage().data_ptr()), kept)
+    return map_tensors(lambda t: t.clone() if t.untyped_storage().data_ptr() in held else t, batch)
+
+
 class DevicePrefetcher:
     """Iterate over batches already on ``device``, copied ``depth`` batches ahead.
 
@@ -454,13 +536,16 @@ class DevicePrefetcher:
         staging: Copy through the staging pool; ``None`` means "on CUDA only".
             ``True`` on the CPU runs the CUDA code path with plain copies, which is
             how it is tested on machines without a GPU.
-        device_cache: Byte budget of a device-memory LRU of items, by dataset index (0: off).
+        device_cache: Byte budget of a device-memory LRU of items, by what each dataset
+            index serves (the index itself; a ``MixedDataset`` position's drawn item, a
+            ``ViewsDataset`` item's view: :func:`identity_of`) (0: off).
             ``loader`` must then be a DataLoader over a map-style dataset with a batch size;
             items missing on the device are read in this process, later epochs of items that
             fit skip the host (and the loader's workers) entirely.
 
     Raises:
-        ConfigError: If ``device`` is invalid or unavailable.
+        ConfigError: If ``device`` is invalid or unavailable, or ``device_cache`` is asked
+            of a dataset whose items at an index cannot be told apart from epoch to epoch.
         ValueError: If ``depth`` < 1.
 
     Example:
@@ -486,9 +571,12 @@ class DevicePrefetcher:
         self._depth = depth
         self._stage = Staging(self._device, pool_bytes, staging)
         budget = parse_bytes(device_cache)
-        self._items: ByteLRU[int, Any] | None = None
+        self._items: ByteLRU[Hashable, Any] | None = None
         if budget:
             self._check_item_loader(loader)
+            # What each index serves, not the index: a mixture draws other items there each
+            # epoch, and the tier must never hand out an earlier epoch's.
+            self._identity = identity_of(getattr(loader, "dataset", None))
             self._items = ByteLRU(budget)
         self._batches = 0
         self._tensors = 0  # moved by the device tier (the staging counts its own)
@@ -550,7 +638,8 @@ class DevicePrefetcher:
         dataset, collate = loader.dataset, loader.collate_fn
         getitems = getattr(dataset, "__getitems__", None)
         for indices in loader.batch_sampler:
-            items: list[Any] = [self._items.get(i) for i in indices]
+            keys = [self._identity(i) for i in indices]
+            items: list[Any] = [self._items.get(key) for key in keys]
             missing = [j for j, item in enumerate(items) if item is None]
             if missing:
                 wanted = [indices[j] for j in missing]
@@ -558,11 +647,11 @@ class DevicePrefetcher:
                 with dev.stream_context(self._stage.stream):
                     moved = [map_tensors(self._to_device, item) for item in fetched]
                 dev.wait_stream(self._device, self._stage.stream)
-                for j, i, item in zip(missing, wanted, moved, strict=True):
+                for j, item in zip(missing, moved, strict=True):
                     items[j] = item
-                    self._items.put(i, item)
+                    self._items.put(keys[j], item)
             self._batches += 1
-            yield collate(items)
+            yield owned_batch(collate(items), items)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         self._tensors += 1

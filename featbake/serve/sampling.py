@@ -188,6 +188,9 @@ class Order:
     batch_frames: int | None = None
     window: int = 4
     source: str = ""  # the dataset's own fingerprint (a MixedDataset's mixture), "" for none
+    # A digest of the items the positions name (the dataset's item ids), "" where unknown: not
+    # in the fingerprint (states saved before it resume as they did), checked on its own.
+    items: str = ""
 
     def __post_init__(self) -> None:
         for name in ("batch_frames", "window"):
@@ -199,7 +202,7 @@ class Order:
     def fingerprint(self) -> str:
         """A digest of what shapes the order (all but the seed and the rank): a state saved
         under other options, or over another mixture of datasets, must not resume here."""
-        shape = {k: v for k, v in asdict(self).items() if k not in ("seed", "rank")}
+        shape = {k: v for k, v in asdict(self).items() if k not in ("seed", "rank", "items")}
         if not self.source:  # an order over a plain dataset keeps the digest it always had
             del shape["source"]
         blob = json.dumps(shape, sort_keys=True, separators=(",", ":"))
@@ -416,7 +419,20 @@ def _given(values: Ints | None, name: str, n: int) -> Ints:
 
 def _rng(seed: int, epoch: int, salt: int) -> np.random.Generator:
     """One generator per (seed, epoch, use): every rank draws the same numbers."""
-    return np.random.default_rng([seed, epoch, salt])
+    return seeded(seed, epoch, salt)
+
+
+def seeded(*words: int) -> np.random.Generator:
+    """numpy's generator of ``words`` (a seed, an epoch, what it draws), for any int a seed
+    may be: numpy takes words from 0 only, where torch (``randperm``'s ``seed + epoch``)
+    takes negative ones too; each word is taken modulo 2**64, which leaves every word from 0
+    (every plan drawn so far) as it was.
+
+    Example:
+        >>> seeded(3, 1).integers(100) == np.random.default_rng([3, 1]).integers(100)
+        True
+    """
+    return np.random.default_rng([int(w) % (1 << 64) for w in words])
 
 
 def block_windows(shards: Ints, seed: int, epoch: int, window: int) -> list[list[int]]:

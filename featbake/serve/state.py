@@ -329,6 +329,19 @@ def pending_in_process(own: WriteBack, key: str) -> PartsIn | None:
     return None
 
 
+def owned_parts(parts: PartsIn) -> dict[str, torch.Tensor]:
+    """A copy of ``parts`` on the host in storage of its own (C order, as a shard writes it).
+
+    A write-back holds features until it seals them, and the same tensors were (or will be)
+    served: a training loop that normalises its item in place (``x -= mean``) must change
+    neither the bytes sealed under the item's key nor what a later read of it serves.
+    """
+    return {
+        name: t.detach().to("cpu").clone(memory_format=torch.contiguous_format)
+        for name, t in parts.items()
+    }
+
+
 class WriteBack:
     """Features encoded in this process, written to shards of its own and published.
 
@@ -394,6 +407,7 @@ class WriteBack:
             writer = self._writer_for(encoder_fp)
             if writer is None:
                 return
+            parts = owned_parts(parts)  # the caller may hand out (and edit) what it passed
             self.pending[key] = parts
             self.written += 1
             if not self.first_pending:
@@ -405,8 +419,14 @@ class WriteBack:
         self.seal_if_due()
 
     def get(self, key: str) -> PartsIn | None:
-        """A pending feature's parts (not yet sealed), or None."""
-        return self.pending.get(key)
+        """A copy of a pending feature's parts (not yet sealed), or None: what is read here is
+        served, and a caller's in-place edit of it must not reach the shard this seals."""
+        parts = self.pending.get(key)
+        return None if parts is None else owned_parts(parts)
+
+    def holds(self, key: str) -> bool:
+        """Whether ``key`` is pending here (added, not sealed yet)."""
+        return key in self.pending
 
     @property
     def due(self) -> bool:

@@ -113,6 +113,16 @@ class ViewsDataset(Dataset):
             return View.ORIGINAL
         return View.HFLIP
 
+    @property
+    def revalidate(self) -> bool:
+        """Whether each read checks the item's file (``revalidate=True``, both views)."""
+        return self.original.revalidate
+
+    def identity(self, i: int) -> tuple[int, str]:
+        """What item ``i`` serves this epoch, equal in every epoch that serves the same view
+        (a cache of items by index keys by it: ``DevicePrefetcher(device_cache=...)``)."""
+        return i, "all" if self.views == "all" else self.view(i).value
+
     def __getitem__(self, i: int) -> Any:
         if self.views == "all":
             return {View.ORIGINAL.value: self.original[i], View.HFLIP.value: self.flipped[i]}

@@ -563,3 +563,44 @@ def test_bad_dtype_options(tmp_path: Path) -> None:
         CachedEncoder(enc, cache=tmp_path / "c", serve_dtype="float16")
     with pytest.raises(ConfigError, match="apply to int8 and fp8"):
         CachedEncoder(enc, cache=tmp_path / "c", dtype="float16", serve_dtype="float32")
+
+
+def test_an_empty_batch_gives_what_the_encoder_gives_for_none(tmp_path: Path) -> None:
+    """A batch of no rows (a filtered batch that kept none) ended in ``IndexError: list index
+    out of range`` from the wrapper; it is the encoder's own empty output now, for a tensor
+    output and a dict one, with ids and without, and the wrapper serves rows after it."""
+    for module in (TinyConvEncoder(), MultiOutputEncoder()):
+        enc = frozen(module)
+        wrapped = CachedEncoder(enc, cache=tmp_path / type(module).__name__)
+        none = torch.zeros(0, 8000)
+        for ids in (None, []):
+            got, want = wrapped(none, ids=ids), enc(none)
+            if isinstance(want, dict):
+                assert got.keys() == want.keys()
+                for name in want:
+                    assert got[name].shape == want[name].shape
+            else:
+                assert got.shape == want.shape == (0, 48, 64)
+        x = torch.randn(2, 8000)
+        out, bare = wrapped(x), enc(x)
+        first = out["hidden"] if isinstance(out, dict) else out
+        torch.testing.assert_close(first, bare["hidden"] if isinstance(bare, dict) else bare)
+
+
+def test_a_module_made_under_inference_mode_is_cached_and_watched(tmp_path: Path) -> None:
+    """A teacher built or loaded under ``torch.inference_mode()`` has inference tensors for
+    weights, which keep no version counter: every call ended in ``RuntimeError: Inference
+    tensors do not track version counter.`` It is cached now, and an in-place update of its
+    weights (under inference mode, where one may edit them) is still noticed by the weight
+    probe, so the new weights' outputs are served."""
+    with torch.inference_mode():
+        enc = frozen(TinyConvEncoder())
+    wrapped = CachedEncoder(enc, cache=tmp_path / "s")
+    x = torch.randn(2, 8000)
+    torch.testing.assert_close(wrapped(x), enc(x))
+    torch.testing.assert_close(wrapped(x), enc(x))
+    assert wrapped.stats["encoded"] == 2  # the second call was served from the cache
+    with torch.inference_mode():
+        enc.conv2.weight.mul_(2.0)
+    torch.testing.assert_close(wrapped(x), enc(x))
+    assert wrapped.stats["encoded"] == 4

@@ -1428,3 +1428,68 @@ def test_batches_staged_to_a_device_are_read_on_the_thread_unless_asked() -> Non
     assert reads_on_of("loop", staging) is ReadsOn.LOOP
     with pytest.raises(ConfigError, match="reads_on must be 'auto', 'thread' or 'loop'"):
         reads_on_of("main", None)
+
+
+def test_a_state_part_way_through_an_epoch_is_not_resumed_over_other_items(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """Between a save and its resume one clip was deleted, another added and the store rebuilt:
+    the dataset has as many items as before, so the state's options matched, and the rest of
+    the epoch was read by position over other files (one clip read twice, one never). The
+    state carries a digest of the items now: such a state is refused in one line, the same
+    state at an epoch's start is taken, and a state without the digest (saved before it was
+    kept) still resumes over the same items."""
+    import shutil
+
+    from tests.helpers import bake
+
+    data = tmp_path / "data"
+    write_audio_folder(data, 8, seconds=0.4, seed=4)
+    store = tmp_path / "store"
+    bake(data, encoder_file, store)
+
+    def loader() -> FeatureLoader:
+        ds = CachedFeatureDataset(data, encoder_file, cache=store, on_miss="error")
+        return FeatureLoader(StackDataset(ds, torch.arange(len(ds))), batch_size=2, seed=3)
+
+    first = loader()
+    head = list(itertools.islice(iter(first), 2))
+    state = json.loads(json.dumps(first.state_dict()))
+    same = loader()
+    older = {k: v for k, v in state.items() if k != "items"}  # saved before it was kept
+    same.load_state_dict(older)
+    rest = [int(i) for *_, labels in same for i in labels]
+    read = [int(i) for *_, labels in head for i in labels]
+    assert sorted(read + rest) == list(range(8))
+    sampled = BlockSampler(CachedFeatureDataset(data, encoder_file, cache=store), window=2)
+    list(itertools.islice(iter(sampled), 3))
+    sampler_state = json.loads(json.dumps(sampled.state_dict()))
+    next(data.rglob("*.wav")).unlink()
+    write_audio_folder(tmp_path / "more", 1, seconds=0.4, seed=11)
+    shutil.copyfile(next((tmp_path / "more").rglob("*.wav")), data / "zz_new.wav")
+    bake(data, encoder_file, store)
+    changed = loader()
+    assert len(changed) == len(first)
+    with pytest.raises(ConfigError, match="other items than this dataset's") as refused:
+        changed.load_state_dict(state)
+    assert "\n" not in str(refused.value)
+    changed.load_state_dict({**state, "position": 0, "resumed": []})  # the epoch from its start
+    again = BlockSampler(CachedFeatureDataset(data, encoder_file, cache=store), window=2)
+    with pytest.raises(ConfigError, match="other items than this dataset's"):
+        again.load_state_dict(sampler_state)
+    assert sorted(int(i) for *_, labels in changed for i in labels) == list(range(8))
+    # A list of files mounted elsewhere (the same files under another folder) is the same items.
+    moved = tmp_path / "moved"
+    shutil.copytree(data, moved / "data")
+
+    def listed(top: Path) -> FeatureLoader:
+        files = sorted(str(p) for p in top.rglob("*.wav"))
+        ds = CachedFeatureDataset(files, encoder_file, cache=store, on_miss="error")
+        return FeatureLoader(StackDataset(ds, torch.arange(len(ds))), batch_size=2, seed=3)
+
+    here = listed(data)
+    head = list(itertools.islice(iter(here), 1))
+    there = listed(moved)
+    there.load_state_dict(json.loads(json.dumps(here.state_dict())))
+    read = [int(i) for *_, labels in head for i in labels]
+    assert sorted(read + [int(i) for *_, labels in there for i in labels]) == list(range(8))

@@ -137,3 +137,203 @@ def test_the_live_encoding_warning_looks_at_every_stored_build_of_the_data() -> 
     near = StoredBuild("enc", {"dtype": "float32", "output": "pooled", "crop": 224})
     told = live_encoding_warning("imgs", 3, 3, "enc", asked, [other, near])
     assert told is not None and "crop=224" in told and "dtype" not in told.split("options:")[1]
+
+
+@pytest.mark.parametrize("many", [False, True], ids=["item", "batch"])
+def test_a_miss_edited_in_place_by_the_caller_is_never_stored_or_served_edited(
+    tmp_path: Path, multi_encoder_file: Path, audio_dir: Path, many: bool
+) -> None:
+    """A miss is encoded live and written back; the tensor served was the very one the
+    write-back held until it sealed, so a loop normalising its item in place (``x -= mean``)
+    sealed its edit into the store under the item's key (every later run served it) and a
+    second read before the seal served it too. Before: the pooled vector zeroed by the caller
+    was served again, and stored."""
+    from featbake.recipe import Recipe
+    from tests.helpers import Live
+
+    store = tmp_path / "fresh"
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(audio_dir, multi_encoder_file, cache=store, output="pooled")
+    got = ds.__getitems__([0, 1]) if many else [ds[0], ds[1]]
+    for value in got:
+        value.mul_(0.0)  # the caller's own edit of what it was served
+    live = Live()
+    want = [live(multi_encoder_file, Path(ds.path(i)))["pooled"] for i in (0, 1)]
+    for i in (0, 1):  # pending in the write-back: served as encoded, not as edited
+        again = ds[i]
+        torch.testing.assert_close(again, want[i])
+        again.mul_(0.0)  # an edit of a pending read neither
+    ds.flush()
+    ok = CachedFeatureDataset(
+        audio_dir, multi_encoder_file, cache=store, recipe=Recipe(output="pooled"), on_miss="error"
+    )
+    for i in (0, 1):
+        torch.testing.assert_close(ok[i], want[i])
+    assert ok.cache_info().encoded == 0  # read from the store, as stored
+
+
+class _Tallying(torch.nn.Module):
+    """TinyConvEncoder's forward, counting its calls in a plain attribute and the samples it
+    saw in a buffer it replaces (a module's own bookkeeping while it runs, as a cache of
+    rotary tables is)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from featbake.testing import TinyConvEncoder
+
+        self.inner = TinyConvEncoder()
+        self.calls = 0
+        self.register_buffer("samples", torch.zeros(1), persistent=False)
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.samples = self.samples + wav.shape[-1]
+        return self.inner(wav)
+
+
+def test_an_in_process_module_changed_after_the_dataset_was_made_encodes_no_miss(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    """A dataset's keys are made from its module's fingerprint when it is created; a module
+    updated after (weights through ``.data``, as an EMA teacher's) encoded the next misses and
+    they were stored under the old keys, so every later dataset over the unchanged module was
+    served the changed module's features as hits. Now the miss is refused in one line; misses
+    of the unchanged module (which counts its own calls) are encoded and stored as before."""
+    from featbake.encode.sources import source_for
+    from featbake.errors import EncoderLoadError
+    from featbake.recipe import Recipe
+
+    def live(module: torch.nn.Module, path: str) -> torch.Tensor:
+        with torch.inference_mode():
+            return module(source_for(Recipe()).load(Path(path)).unsqueeze(0))[0]
+
+    store = tmp_path / "fresh"
+    module = _Tallying().eval()
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(audio_dir, module, cache=store)
+    first = [ds[0], ds[1]]  # two misses, the module counting its calls between them
+    with torch.no_grad():
+        module.inner.conv2.weight.data.mul_(2.0)  # behind the version counter
+    with pytest.raises(EncoderLoadError, match="changed since this dataset was created") as e:
+        ds[2]
+    assert "\n" not in str(e.value)
+    ds.flush()
+    original = _Tallying().eval()
+    again = CachedFeatureDataset(audio_dir, original, cache=store, on_miss="error")
+    for i in (0, 1):
+        torch.testing.assert_close(again[i], live(original, again.path(i)))
+        torch.testing.assert_close(first[i], again[i])
+    with pytest.raises(CacheMiss):
+        again[2]  # nothing stored from the changed module
+
+
+def test_a_write_back_sealed_after_its_item_was_re_keyed_leaves_the_item_where_it_is(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """``revalidate=True``: an item encoded on a miss (pending in the write-back), then its file
+    rewritten with a clip the store holds, is served that clip's stored feature; when the old
+    bytes' feature sealed after, the dataset pointed the item at that shard, and its next read
+    failed with "shard ... holds no tensor ... run `featbake verify --repair`" about a store
+    with nothing wrong in it. A seal now points only the items whose key it holds."""
+    import shutil
+
+    from featbake.testing import write_audio_folder
+    from tests.helpers import Live, bake
+
+    data, other = tmp_path / "data", tmp_path / "other"
+    write_audio_folder(data, 3, seconds=0.5, seed=4)
+    write_audio_folder(other, 1, seconds=0.5, seed=9)
+    store = tmp_path / "store"
+    bake(other, encoder_file, store)  # the store holds the other clip's features
+
+    class Clock:
+        now = 100.0
+
+        def __call__(self) -> float:
+            return self.now
+
+    clock = Clock()
+    ds = CachedFeatureDataset(data, encoder_file, cache=store, revalidate=True, clock=clock)
+    clip = Path(ds.path(0))
+    ds[0]  # a miss: encoded, pending in the write-back
+    shutil.copyfile(next(other.rglob("*.wav")), clip)  # the clip the store holds
+    live = Live()
+    torch.testing.assert_close(ds[0], live(encoder_file, clip))  # re-keyed: a hit
+    clock.now += 60  # the old bytes' feature is due ...
+    ds[1]  # ... and seals
+    assert ds.cache_info().written == 2
+    for _ in range(2):
+        torch.testing.assert_close(ds[0], live(encoder_file, clip))
+        torch.testing.assert_close(ds.__getitems__([0, 1])[0], live(encoder_file, clip))
+
+
+SPAWNED_MISSES = """
+import sys, warnings
+from pathlib import Path
+import torch
+from torch.utils.data import DataLoader
+from featbake.encode.sources import source_for
+from featbake.errors import EncoderLoadError
+from featbake.recipe import Recipe
+from featbake.serve.dataset import CachedFeatureDataset
+
+
+class Enc(torch.nn.Module):  # a class of the script run: __mp_main__'s in a spawned worker
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv1d(1, 8, 400, stride=160)
+
+    def forward(self, wav):
+        return self.conv(wav.unsqueeze(1)).transpose(1, 2)
+
+
+if __name__ == "__main__":
+    warnings.simplefilter("ignore")
+    data, store = Path(sys.argv[1]), Path(sys.argv[2])
+    module = Enc().eval()
+    ds = CachedFeatureDataset(data, module, cache=store)
+    spawn = dict(batch_size=None, num_workers=1, multiprocessing_context="spawn")
+    for i, item in enumerate(DataLoader(ds, **spawn)):
+        with torch.inference_mode():
+            want = module(source_for(Recipe()).load(Path(ds.path(i))).unsqueeze(0))[0]
+        torch.testing.assert_close(item, want)
+    print("served", len(ds))
+    again = CachedFeatureDataset(data, module, cache=store.parent / "other")
+    with torch.no_grad():
+        module.conv.weight.data.mul_(2.0)
+    try:
+        list(DataLoader(again, **spawn))
+    except EncoderLoadError as e:
+        print("refused:", str(e).splitlines()[-1][:120])
+"""
+
+
+def test_a_module_of_the_script_encodes_misses_in_spawned_workers_until_it_changes(
+    tmp_path: Path,
+) -> None:
+    """The change check of an in-process module must not take a spawned worker's copy for a
+    change: there a class of the script run is ``__mp_main__``'s, and hashing its identity
+    again gave another fingerprint, so every miss in a spawned worker was refused. The copy is
+    checked when it is pickled and trusted where it lands; a module changed before the workers
+    started is refused there."""
+    import subprocess
+    import sys
+
+    from featbake.testing import write_audio_folder
+    from tests.conftest import REPO
+
+    write_audio_folder(tmp_path / "data", 3, seconds=0.3, seed=4)
+    script = tmp_path / "train.py"
+    script.write_text(SPAWNED_MISSES)
+    run = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "data"), str(tmp_path / "store")],
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, "PYTHONPATH": str(REPO)},
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stdout.splitlines()
+    assert lines[0] == "served 3", run.stdout
+    assert lines[1].startswith("refused: ") and "changed" in lines[1], run.stdout

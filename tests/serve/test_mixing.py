@@ -251,3 +251,76 @@ def test_persistent_dataloader_workers_read_the_epoch_the_main_process_set() -> 
         assert got == want, epoch
         seen.append(got)
     assert seen[0] != seen[1] != seen[2]
+
+
+def test_a_mixture_tells_the_datasets_it_mixes_the_epoch(
+    two_stores: tuple[Path, Path], encoder_file: Path
+) -> None:
+    """``MixedDataset.set_epoch`` set its own epoch only: a mixture inside it (or a
+    ``ViewsDataset``'s coins) drew epoch 0 in every epoch, so the inner mixture's walk never went
+    on (items 4 and 5 of its set in every epoch, the other 4 never). It tells them now: every
+    position serves what the plans of that epoch name, equal to the encoder run now, and a state
+    over an inner mixture of another seed is refused."""
+    from featbake import FeatureLoader
+
+    a, b = (
+        CachedFeatureDataset(f, encoder_file, cache=f.parent / f"store_{f.name}", on_miss="error")
+        for f in two_stores
+    )
+
+    def mixture(seed: int = 1) -> tuple[MixedDataset, MixedDataset]:
+        inner = MixedDataset([a], epoch_items=2, seed=seed)
+        return inner, MixedDataset([inner, b], weights=[1, 1], epoch_items=6, seed=2)
+
+    inner, outer = mixture()
+    loader = FeatureLoader(StackDataset(outer, torch.arange(6)), batch_size=3, seed=5)
+    live = Live()
+    drawn = set()
+    for epoch in range(3):
+        batches = list(loader)
+        assert sorted(_positions(batches)) == list(range(6))
+        for padded, lengths, labels in batches:
+            for row, n, i in zip(padded, lengths, labels, strict=True):
+                k, j = outer.plan.epoch(epoch)[int(i)]
+                if k == 0:
+                    j = inner.plan.epoch(epoch)[j][1]
+                    drawn.add(j)
+                path = Path((a, b)[k].path(j))
+                torch.testing.assert_close(row[:n], live(encoder_file, path))
+    assert len(drawn) > 2  # the inner walk went on (epoch 0 draws two of its items)
+    state = loader.state_dict()
+    other = FeatureLoader(StackDataset(mixture(seed=9)[1], torch.arange(6)), batch_size=3)
+    with pytest.raises(ConfigError, match="another order"):
+        other.load_state_dict(state)
+
+
+def test_a_loader_over_a_concatenation_tells_the_mixture_in_it_the_epoch(
+    two_stores: tuple[Path, Path], encoder_file: Path
+) -> None:
+    """``FeatureLoader(ConcatDataset([mixture, other]))``: the loader's epoch did not reach the
+    mixture through the ConcatDataset, which drew its epoch 0 in every epoch; nor did its
+    fingerprint reach the state (a mixture of another seed resumed). Both do now."""
+    from torch.utils.data import ConcatDataset
+
+    from featbake import FeatureLoader
+
+    a, b = (
+        CachedFeatureDataset(f, encoder_file, cache=f.parent / f"store_{f.name}", on_miss="error")
+        for f in two_stores
+    )
+
+    def joined(seed: int) -> tuple[MixedDataset, ConcatDataset]:
+        mixed = MixedDataset([a], epoch_items=3, seed=seed)
+        return mixed, ConcatDataset([mixed, b])
+
+    mixed, both = joined(1)
+    loader = FeatureLoader(both, batch_size=7, shuffle=False)
+    live = Live()
+    for epoch in range(3):
+        ((padded, lengths),) = list(loader)
+        want = [a.path(j) for _, j in mixed.plan.epoch(epoch)] + [b.path(j) for j in range(4)]
+        for row, n, path in zip(padded, lengths, want, strict=True):
+            torch.testing.assert_close(row[:n], live(encoder_file, Path(path)))
+    state = loader.state_dict()
+    with pytest.raises(ConfigError, match="another order"):
+        FeatureLoader(joined(9)[1], batch_size=7, shuffle=False).load_state_dict(state)

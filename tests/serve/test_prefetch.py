@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import namedtuple
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -433,3 +434,126 @@ def test_device_cache_budget_holds() -> None:
 def test_device_cache_needs_an_indexed_loader() -> None:
     with pytest.raises(ConfigError, match="device_cache"):
         DevicePrefetcher([torch.zeros(1)], device="cpu", device_cache="1MiB")
+
+
+def test_device_cache_over_a_mixture_serves_each_epochs_draw(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """The device tier keyed items by dataset index; a MixedDataset draws another item at each
+    position every epoch, so from the second epoch on the tier served the first epoch's items
+    (8 of 8 positions wrong in epoch 1). It now keys by what the index serves
+    (:func:`~featbake.serve.prefetch.identity_of`): each epoch's batches are that epoch's draw,
+    equal to the encoder run now, and items drawn again still skip the host."""
+    from featbake.serve.dataset import CachedFeatureDataset
+    from featbake.serve.mixing import MixedDataset
+    from featbake.testing import write_audio_folder
+    from tests.helpers import Live, bake
+
+    folders = [tmp_path / "a", tmp_path / "b"]
+    for n, (folder, seed) in enumerate(zip(folders, (4, 5), strict=True)):
+        write_audio_folder(folder, 6 - 2 * n, seconds=(0.3, 0.8), seed=seed)
+        bake(folder, encoder_file, tmp_path / f"store{n}")
+    sets = [
+        CachedFeatureDataset(f, encoder_file, cache=tmp_path / f"store{n}", on_miss="error")
+        for n, f in enumerate(folders)
+    ]
+    mixed = MixedDataset(sets, weights=[1, 1], epoch_items=8, seed=1)
+    loader = DataLoader(mixed, batch_size=4, collate_fn=pad_collate)
+    pf = DevicePrefetcher(loader, device="cpu", device_cache="64MiB")
+    live = Live()
+    for epoch in range(3):
+        mixed.set_epoch(epoch)
+        rows = [(p, n) for padded, lengths in pf for p, n in zip(padded, lengths, strict=True)]
+        assert len(rows) == len(mixed)
+        for i, (row, n) in enumerate(rows):
+            k, j = mixed.locate(i)
+            torch.testing.assert_close(row[:n], live(encoder_file, Path(sets[k].path(j))))
+    info = pf.stats().device_cache
+    assert info is not None and info.hits > 0  # items drawn again came from the tier
+
+
+def test_device_cache_refuses_datasets_whose_items_it_cannot_tell_apart(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    """A dataset that serves other items at an index each epoch without saying which, and a
+    dataset that checks its files at every read (``revalidate=True``), are refused in one line:
+    before, a rewritten file kept its first epoch's features on the tier."""
+    from featbake.serve.dataset import CachedFeatureDataset
+
+    class Drawn(Recording):
+        def set_epoch(self, epoch: int) -> None:
+            self.items = self.items[epoch:] + self.items[:epoch]
+
+    loader = DataLoader(Drawn(4), batch_size=2, collate_fn=pad_collate)
+    with pytest.raises(ConfigError, match="Drawn serves other items at an index") as refused:
+        DevicePrefetcher(loader, device="cpu", device_cache="1MiB")
+    assert "\n" not in str(refused.value)
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=tmp_path / "s", revalidate=True)
+    loader = DataLoader(ds, batch_size=2, collate_fn=pad_collate)
+    with pytest.raises(ConfigError, match="revalidate=True") as refused:
+        DevicePrefetcher(loader, device="cpu", device_cache="1MiB")
+    assert "\n" not in str(refused.value)
+
+
+def test_a_batch_edited_in_place_never_reaches_the_device_tier() -> None:
+    """With a collate that hands items on as they are (``collate_fn=list``) the batch held the
+    tier's own tensors, and a step normalising them in place (``x -= x.mean()``) changed what
+    every later epoch was served. The batch now holds copies of them (``pad_collate`` builds a
+    new batch: nothing is copied there)."""
+    ds = Recording(6)
+    for item in ds.items:
+        item += torch.arange(item.numel(), dtype=item.dtype).view_as(item)  # not constant
+    want = [t.clone() for t in ds.items]
+    pf = DevicePrefetcher(
+        DataLoader(ds, batch_size=2, collate_fn=list), device="cpu", device_cache="1MiB"
+    )
+    for _ in range(3):
+        served = [x for batch in pf for x in batch]
+        for x, w in zip(served, want, strict=True):
+            assert torch.equal(x, w)
+            x -= x.mean()  # the step's own edit
+    assert pf.stats().device_cache.hits > 0
+    padded = DevicePrefetcher(
+        DataLoader(ds, batch_size=2, collate_fn=pad_collate), device="cpu", device_cache="1MiB"
+    )
+    for _ in range(2):
+        for (batch, lengths), start in zip(padded, range(0, 6, 2), strict=True):
+            for row, n, w in zip(batch, lengths, want[start : start + 2], strict=True):
+                assert torch.equal(row[:n], w)
+            batch.mul_(0)
+
+
+def test_device_cache_over_a_concatenation_of_a_mixture_serves_each_epochs_draw(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """A ``ConcatDataset`` hid its members from the tier's keys: a MixedDataset concatenated
+    with another set was cached by index and served its first epoch's draw again (3 of 3
+    mixture positions wrong from epoch 1 on)."""
+    from torch.utils.data import ConcatDataset
+
+    from featbake.serve.dataset import CachedFeatureDataset
+    from featbake.serve.mixing import MixedDataset
+    from featbake.testing import write_audio_folder
+    from tests.helpers import Live, bake
+
+    sets = []
+    for n, seed in ((6, 4), (4, 5)):
+        folder = tmp_path / f"d{seed}"
+        write_audio_folder(folder, n, seconds=(0.3, 0.8), seed=seed)
+        bake(folder, encoder_file, tmp_path / f"s{seed}")
+        sets.append(
+            CachedFeatureDataset(folder, encoder_file, cache=tmp_path / f"s{seed}", on_miss="error")
+        )
+    mixed = MixedDataset([sets[0]], epoch_items=3, seed=1)
+    joined = ConcatDataset([mixed, sets[1]])
+    loader = DataLoader(joined, batch_size=7, collate_fn=pad_collate)
+    pf = DevicePrefetcher(loader, device="cpu", device_cache="64MiB")
+    live = Live()
+    for epoch in range(3):
+        mixed.set_epoch(epoch)
+        ((padded, lengths),) = list(pf)
+        want = [sets[0].path(mixed.locate(i)[1]) for i in range(3)]
+        want += [sets[1].path(j) for j in range(4)]
+        for row, n, path in zip(padded, lengths, want, strict=True):
+            torch.testing.assert_close(row[:n], live(encoder_file, Path(path)))
+    assert pf.stats().device_cache.hits >= 8  # the concatenated set's items, epochs 1 and 2

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import Counter
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -307,3 +308,33 @@ def test_an_item_longer_than_the_budget_is_a_batch_of_its_own(
     for b in batches:
         longest = max(lengths[i] for i in b)
         assert len(b) * longest <= budget or len(b) == 1
+
+
+@pytest.mark.parametrize("seed", [-1, -(2**40), 2**63 + 5])
+def test_any_int_seed_plans_blocks_lengths_and_mixtures(seed: int) -> None:
+    """``DistributedSampler`` and ``randperm`` take any int seed; the block and length orders
+    and MixedDataset drew with numpy, which takes words from 0 only: a negative seed ended in
+    ``ValueError: expected non-negative integer``. Every epoch now reads each item once, and
+    seeds from 0 draw the plans they always drew."""
+    from featbake.serve.mixing import MixPlan
+
+    lengths = [5, 9, 3, 7, 2, 8, 6, 4]
+    shards = [0, 0, 1, 1, 2, 2, 3, 3]
+    orders = [
+        Order(8, 3, Shuffle.BLOCKS, seed, window=2),
+        Order(8, None, Shuffle.ITEMS, seed, batch_frames=12),
+        Order(8, None, Shuffle.BLOCKS, seed, batch_frames=12, window=2),
+    ]
+    for order in orders:
+        for epoch in range(3):
+            plan = order.plan(epoch, order.inputs(lengths, shards))
+            assert sorted(i for b in plan for i in b) == list(range(8))
+    plan = MixPlan((3, 5), (0.5, 0.5), 8, seed)
+    for epoch in range(3):
+        drawn = plan.epoch(epoch)
+        assert len(drawn) == 8 and all(0 <= j < (3, 5)[k] for k, j in drawn)
+    from featbake.serve.sampling import seeded
+
+    words = (7, 2, 1)
+    want = np.random.default_rng(list(words)).permutation(50)
+    assert (seeded(*words).permutation(50) == want).all()

@@ -130,3 +130,58 @@ def test_views_need_image_inputs(tmp_path: Path, encoder_file: Path) -> None:
     res = invoke("build", "-e", encoder_file, "-d", tmp_path / "audio", "--views", "hflip")
     assert res.returncode == 2 and "applies to image inputs" in res.stderr
     assert Recipe(source="image").image_steps.hflip is False
+
+
+def test_a_device_cache_serves_each_epochs_views(tmp_path: Path) -> None:
+    """``DevicePrefetcher(device_cache=...)`` keyed items by index, so a ViewsDataset's items
+    kept the views of the epoch they were first read in; it keys by
+    :meth:`ViewsDataset.identity` (the index and the view this epoch) now."""
+    from featbake.serve.prefetch import DevicePrefetcher
+
+    images = tmp_path / "images"
+    write_image_folder(images, 6, size=(37, 53), seed=3)
+    folder = _clip_folder(tmp_path / "clip")
+    store = tmp_path / "s"
+    build_views(images, folder, cache=store, views=parse_views("hflip"), workers=0)
+    both = ViewsDataset(images, folder, cache=store, views="all", on_miss="error")
+    coin = ViewsDataset(images, folder, cache=store, seed=4, on_miss="error")
+    loader = DataLoader(coin, batch_size=3, collate_fn=list)
+    tier = DevicePrefetcher(loader, device="cpu", device_cache="16MiB")
+    for epoch in range(4):
+        coin.set_epoch(epoch)
+        served = [item for batch in tier for item in batch]
+        for i, item in enumerate(served):
+            want = both[i][coin.view(i).value]["pooled"]
+            assert torch.equal(item["pooled"], want), (epoch, i)
+    info = tier.stats().device_cache
+    assert info is not None and info.hits > 0
+    checked = ViewsDataset(images, folder, cache=store, seed=4, on_miss="error", revalidate=True)
+    with pytest.raises(ConfigError, match="revalidate=True"):  # its tier would keep old images
+        DevicePrefetcher(DataLoader(checked, batch_size=3, collate_fn=list), device_cache="1MiB")
+
+
+def test_views_mixed_with_another_set_draw_new_coins_each_epoch(tmp_path: Path) -> None:
+    """A ViewsDataset inside a MixedDataset read by FeatureLoader: the loader tells the mixture
+    the epoch, and the mixture (before: nobody) tells the ViewsDataset, whose coins so change
+    each epoch. Before, every epoch served epoch 0's views."""
+    from featbake import FeatureLoader
+    from featbake.serve.mixing import MixedDataset
+
+    images = tmp_path / "images"
+    write_image_folder(images, 6, size=(37, 53), seed=3)
+    folder = _clip_folder(tmp_path / "clip")
+    store = tmp_path / "s"
+    build_views(images, folder, cache=store, views=parse_views("hflip"), workers=0)
+    both = ViewsDataset(images, folder, cache=store, views="all", on_miss="error")
+    coin = ViewsDataset(images, folder, cache=store, seed=4, on_miss="error")
+    mixed = MixedDataset([coin], seed=1)
+    loader = FeatureLoader(mixed, batch_size=3, shuffle=False, collate_fn=list, seed=0)
+    served_views = set()
+    for epoch in range(4):
+        items = [item for batch in loader for item in batch]
+        for i, item in enumerate(items):
+            j = mixed.plan.epoch(epoch)[i][1]
+            view = View.HFLIP if picks_flipped(4, epoch, j) else View.ORIGINAL
+            served_views.add((j, view))
+            assert torch.equal(item["pooled"], both[j][view.value]["pooled"]), (epoch, i)
+    assert len(served_views) > len(coin)  # some item served both views over the epochs
