@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import tarfile
 from pathlib import Path
 
@@ -18,8 +19,8 @@ from featbake.errors import ConfigError
 from featbake.export import source
 from featbake.export import zarr as zarr_export
 from featbake.export.parquet import export_parquet
-from featbake.export.source import open_source, stream
-from featbake.export.webdataset import ShardWriter, npy_chunks
+from featbake.export.source import RESERVE_BYTES, OutputFile, open_source, stream
+from featbake.export.webdataset import ShardWriter, npy_chunks, tar_header
 from featbake.export.zarr import export_zarr
 from tests.helpers import Live, bake, manifest
 
@@ -98,6 +99,58 @@ def test_shards_are_the_bytes_tarfile_writes_and_npy_members_what_numpy_save_wri
             info.size, info.mode, info.mtime = len(data), 0o644, 0
             tar.addfile(info, io.BytesIO(data))
     assert (tmp_path / "shard-000000.tar").read_bytes() == (tmp_path / "tarfile.tar").read_bytes()
+
+
+@pytest.mark.parametrize("length", [1, 99, 100, 101, 250])
+@pytest.mark.parametrize("size", [0, 1, 511, 512, 513, 8**11 - 1, 8**11])
+def test_tar_headers_are_tarfiles_own_for_any_name_length_and_size(length: int, size: int) -> None:
+    name = ("d/" + "n" * length)[-length:]
+    for each in (name, name[:-1] + "é"):  # not ASCII: tarfile's pax record
+        info = tarfile.TarInfo(each)
+        info.size, info.mode, info.mtime = size, 0o644, 0
+        assert tar_header(each, size) == info.tobuf(tarfile.PAX_FORMAT), (len(each), size)
+
+
+def test_a_long_member_name_round_trips_through_tarfile_and_webdataset(tmp_path: Path) -> None:
+    """A key past ustar's 100-character name field (a pax record), data of sizes that are not
+    whole blocks: tarfile reads every name, size and byte back, webdataset one sample per key."""
+    wds = pytest.importorskip("webdataset")
+    rng = np.random.default_rng(1)
+    keys = ["deep/" * 25 + "clip_wav", "short"]
+    arrays = [rng.standard_normal((3, 7)).astype(np.float16), rng.standard_normal(5)]
+    writer = ShardWriter(tmp_path, 1 << 30)
+    for key, a in zip(keys, arrays, strict=True):
+        writer.add({f"{key}.npy": npy_chunks(a), f"{key}.json": [b'{"id": 1}']})
+    writer.close()
+    shard = tmp_path / "shard-000000.tar"
+    assert len(keys[0]) + 4 > 100 and shard.stat().st_size % tarfile.RECORDSIZE == 0
+    with tarfile.open(shard) as tar:
+        members = tar.getmembers()
+        assert [m.name for m in members] == [f"{k}.{e}" for k in keys for e in ("npy", "json")]
+        for m, a in zip(members[::2], arrays, strict=True):
+            data = tar.extractfile(m).read()  # type: ignore[union-attr]
+            assert m.size == len(data) == len(b"".join(bytes(c) for c in npy_chunks(a)))
+            np.testing.assert_array_equal(np.load(io.BytesIO(data)), a)
+    samples = list(wds.WebDataset(str(shard), shardshuffle=False).decode())
+    assert [s["__key__"] for s in samples] == keys
+    for sample, a in zip(samples, arrays, strict=True):
+        np.testing.assert_array_equal(sample["npy"], a)
+
+
+def test_output_files_write_whole_through_short_writes_and_give_back_what_they_reserved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writev = os.writev
+    monkeypatch.setattr(os, "writev", lambda fd, bufs: writev(fd, [bytes(bufs[0])[:7]]))
+    want = [b"head", np.arange(300, dtype=np.float32), b"", np.zeros((0, 3)), b"tail"]
+    with OutputFile(tmp_path / "f.bin") as out:
+        out.write(want)
+        out.write([b"more"])
+    got = (tmp_path / "f.bin").read_bytes()
+    assert got == b"".join(bytes(np.asarray(c).data) if not isinstance(c, bytes) else c
+                           for c in want) + b"more"  # fmt: skip
+    stat = (tmp_path / "f.bin").stat()
+    assert stat.st_size == len(got) and stat.st_blocks * 512 < RESERVE_BYTES
 
 
 # -- zarr blocks and compression --------------------------------------------------------------
