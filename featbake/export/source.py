@@ -354,19 +354,32 @@ def served_dtype(stored: str) -> np.dtype[Any]:
     return np.dtype(SERVED_NUMPY[stored])
 
 
+def served_bytes(loc: Location) -> int:
+    """The bytes an export writes for ``loc`` (bfloat16 twice its stored bytes)."""
+    return loc.nbytes * 2 if loc.dtype == "BF16" else loc.nbytes
+
+
 class Scratch:
     """One reused, growing buffer: each read of a format lands in the same memory (no fresh
-    allocation, page faults or cache misses per item), valid until the next :meth:`array`."""
+    allocation, page faults or cache misses per item), valid until the buffer is next used."""
 
     def __init__(self) -> None:
         self.buf = np.empty(0, dtype=np.uint8)
 
     def array(self, dtype: np.dtype[Any], shape: tuple[int, ...]) -> np.ndarray:
         """A C-ordered array of ``dtype`` and ``shape`` over the buffer (grown as needed)."""
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if nbytes > self.buf.nbytes:
-            self.buf = np.empty(max(nbytes, 2 * self.buf.nbytes), dtype=np.uint8)
-        return self.buf[:nbytes].view(dtype).reshape(shape)
+        return self.arrays(dtype, [shape])[0]
+
+    def arrays(self, dtype: np.dtype[Any], shapes: Sequence[tuple[int, ...]]) -> list[np.ndarray]:
+        """C-ordered arrays of ``dtype`` and ``shapes`` one after another over the buffer."""
+        sizes = [int(np.prod(shape, dtype=np.int64)) * dtype.itemsize for shape in shapes]
+        if sum(sizes) > self.buf.nbytes:
+            self.buf = np.empty(max(sum(sizes), 2 * self.buf.nbytes), dtype=np.uint8)
+        out, at = [], 0
+        for shape, size in zip(shapes, sizes, strict=True):
+            out.append(self.buf[at : at + size].view(dtype).reshape(shape))
+            at += size
+        return out
 
 
 class PartReads:
@@ -403,13 +416,23 @@ class PartReads:
     def read_part(self, loc: Location, into: Scratch) -> np.ndarray:
         """``loc`` as served (:func:`served_dtype`, its stored shape) in ``into``'s buffer."""
         out = into.array(served_dtype(loc.dtype), loc.shape)
+        self.read_served(loc, out)
+        return out
+
+    def read_served(self, loc: Location, out: np.ndarray) -> None:
+        """``loc`` as served into ``out`` (C-ordered, :func:`served_dtype`, its stored shape):
+        its bytes as stored, or bfloat16 widened exactly to float32 on the way.
+
+        Raises:
+            StoreCorrupt: the bytes fail their checksum, or are cut short.
+            StoreError: the feature vanished during the export.
+        """
         if loc.dtype != "BF16":
             self.read(loc, out)
-            return out
+            return
         raw = self.widen.array(np.dtype(np.int16), loc.shape)
         self.read(loc, raw)
         torch.from_numpy(out).copy_(torch.from_numpy(raw).view(torch.bfloat16))
-        return out
 
     def _read_at(self, loc: Location, raw: np.ndarray) -> None:
         with Leases() as held:

@@ -16,12 +16,14 @@ import torch
 import zarr
 
 from featbake.errors import ConfigError
+from featbake.export import parquet as parquet_export
 from featbake.export import source
 from featbake.export import zarr as zarr_export
 from featbake.export.parquet import export_parquet
 from featbake.export.source import RESERVE_BYTES, OutputFile, open_source, stream
-from featbake.export.webdataset import ShardWriter, npy_chunks, tar_header
+from featbake.export.webdataset import ShardWriter, export_webdataset, npy_chunks, tar_header
 from featbake.export.zarr import export_zarr
+from featbake.recipe import Recipe
 from tests.helpers import Live, bake, manifest
 
 pq = pytest.importorskip("pyarrow.parquet")
@@ -180,6 +182,91 @@ def test_zarr_values_written_in_blocks_of_chunks_read_back_equal_to_live(
         torch.testing.assert_close(torch.from_numpy(g["pooled/values"][i]), want["pooled"])
         got = torch.from_numpy(hidden[int(offsets[i]) : int(offsets[i + 1])])
         torch.testing.assert_close(got, want["hidden"])
+
+
+def test_zarr_chunk_files_are_the_bytes_zarr_writes_itself(
+    multi_encoder_file: Path,
+    audio_dir: Path,
+    store_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The uncompressed values' chunk files, written by the export itself (items straddling
+    chunks, the edge chunk zero-padded), hold the bytes zarr writes for the same values."""
+    bake(audio_dir, multi_encoder_file, store_dir)
+    monkeypatch.setattr(zarr_export, "CHUNK_BYTES", 700)  # hidden: 5 rows of 128 bytes
+    export_zarr(tmp_path / "o.zarr", cache=store_dir)
+    g = zarr.open_group(str(tmp_path / "o.zarr"), mode="r")
+    assert g["hidden/values"].shape[0] % g["hidden/values"].chunks[0]  # an edge chunk
+    for name in ("hidden/values", "pooled/values"):
+        ours = g[name]
+        ref = zarr.create_array(
+            str(tmp_path / "ref" / name), shape=ours.shape, chunks=ours.chunks,
+            dtype=ours.dtype, compressors=None, dimension_names=ours.metadata.dimension_names,
+        )  # fmt: skip
+        ref[:] = ours[:]
+        files = {
+            f.relative_to(tmp_path / "o.zarr" / name): f.read_bytes()
+            for f in (tmp_path / "o.zarr" / name).rglob("c/**/*")
+            if f.is_file()
+        }
+        assert len(files) == -(-ours.shape[0] // ours.chunks[0])
+        assert files == {
+            f.relative_to(tmp_path / "ref" / name): f.read_bytes()
+            for f in (tmp_path / "ref" / name).rglob("c/**/*")
+            if f.is_file()
+        }
+
+
+def test_parquet_row_groups_are_cut_by_bytes_and_read_back_equal_to_live(
+    encoder_file: Path,
+    audio_dir: Path,
+    store_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    live = Live()
+    bake(audio_dir, encoder_file, store_dir)
+    monkeypatch.setattr(parquet_export, "ROW_GROUP_BYTES", 4_000)  # a few items a group
+    monkeypatch.setattr(source, "READ_BATCH", 7)
+    export_parquet(tmp_path / "g.parquet", cache=store_dir)
+    meta = pq.ParquetFile(tmp_path / "g.parquet").metadata
+    sizes = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+    assert sum(sizes) == 16 and max(sizes) < 7 and len(sizes) > 3
+    for rec in pq.read_table(tmp_path / "g.parquet").to_pylist():
+        got = torch.tensor(np.array(rec["features"], dtype=np.float32))
+        assert list(got.shape) == rec["features_shape"]
+        torch.testing.assert_close(got, live(encoder_file, audio_dir / rec["id"]))
+
+
+def test_a_bfloat16_root_exports_widened_exactly_in_every_format(
+    encoder_file: Path, audio_dir: Path, store_dir: Path, tmp_path: Path
+) -> None:
+    """float32 values whose low 16 bits are zero (bfloat16 widened, not rounded), equal to the
+    encoder run now in bfloat16 (to its last bit: a batch of one may round one value apart)."""
+    wds = pytest.importorskip("webdataset")
+    live, recipe = Live(), Recipe(dtype="bfloat16")
+    bake(audio_dir, encoder_file, store_dir, recipe=recipe)
+
+    def check(got: np.ndarray, rel: str) -> None:
+        assert got.dtype == np.float32 and not (got.view(np.uint32) & 0xFFFF).any()
+        want = live(encoder_file, audio_dir / rel, recipe)
+        torch.testing.assert_close(torch.from_numpy(got).to(torch.bfloat16), want)
+
+    export_zarr(tmp_path / "b.zarr", cache=store_dir)
+    g = zarr.open_group(str(tmp_path / "b.zarr"), mode="r")
+    offsets = g["offsets"][:]
+    for i, rel in enumerate(g["paths"][:]):
+        check(g["values"][int(offsets[i]) : int(offsets[i + 1])], str(rel))
+
+    export_parquet(tmp_path / "b.parquet", cache=store_dir)
+    for rec in pq.read_table(tmp_path / "b.parquet").to_pylist():
+        check(np.array(rec["features"], dtype=np.float32), rec["id"])
+
+    export_webdataset(tmp_path / "b-wds", cache=store_dir)
+    shard = str(tmp_path / "b-wds" / "shard-000000.tar")
+    for sample in wds.WebDataset(shard, shardshuffle=False).decode():
+        check(sample["npy"], sample["json"]["id"])
 
 
 def test_compression_is_a_choice_each_format_reads_back(
