@@ -37,14 +37,11 @@ from featbake.export.source import (
     ExportSource,
     LocatedItem,
     PartLayout,
-    PartReads,
-    Scratch,
+    ReadAhead,
     check_free,
     compression_of,
     export_with,
-    located,
     row_columns,
-    served_bytes,
     served_dtype,
 )
 from featbake.version import __version__
@@ -107,9 +104,10 @@ class Parquet:
     check_destination = staticmethod(check_destination)
 
     def write(self, job: ExportJob) -> int:
-        """One row group per :data:`ROW_GROUP_BYTES` of features (or per batch of items read):
-        its items read into one reused buffer per part, each a one-row array over its own
-        bytes there (no copy before pyarrow's own)."""
+        """One row group per :data:`ROW_GROUP_BYTES` of features (or per batch of items read),
+        read ahead of pyarrow's write of the one before
+        (:class:`~featbake.export.source.ReadAhead`), each item a one-row array over its own
+        bytes in the read's buffer (no copy before pyarrow's own)."""
         import pyarrow.parquet as pq
 
         carried = _carried_table(job.src, job.rows)
@@ -118,56 +116,20 @@ class Parquet:
         # nothing (random floats neither repeat nor prune): only id, key and rows get them.
         small = [f.name for f in schema if f.name in RESERVED or _carried(f, job.layouts)]
         written = 0
-        scratch = {part: Scratch() for part in job.layouts}
-        with PartReads(job.src.layout) as reads, pq.ParquetWriter(
+        with ReadAhead(job.src, ROW_GROUP_BYTES, job.progress, buffers=2) as runs, pq.ParquetWriter(
             str(job.partial), schema, use_dictionary=small, write_statistics=small,
             compression=str(self.compression),
         ) as writer:  # fmt: skip
-            for batch in located(job.src, job.progress):
-                for items in row_groups(batch, ROW_GROUP_BYTES):
-                    arrays = {p: _read_group(reads, items, i, scratch[p])
-                              for i, p in enumerate(job.layouts)}  # fmt: skip
-                    table = _batch_table(items, arrays, job.layouts, carried)
-                    writer.write_table(table.cast(writer.schema))
-                    written += sum(a.nbytes for part in arrays.values() for a in part)
+            for run in runs:
+                table = _batch_table(run.items, run.parts, job.layouts, carried)
+                writer.write_table(table.cast(writer.schema))
+                written += run.nbytes
         return written
 
 
 #: Feature bytes a row group holds at most (and at most one batch of items, one at least):
 #: a batch of long items (256 of [1500, 1024] float32 is 1.5 GB) stays out of memory.
 ROW_GROUP_BYTES = 64 * 1024 * 1024
-
-
-def row_groups(items: Sequence[LocatedItem], limit: int) -> list[list[LocatedItem]]:
-    """``items`` in order, cut into runs of at most ``limit`` served bytes (one item at least).
-
-    Example:
-        >>> from featbake.store.catalog import Location
-        >>> item = lambda n: LocatedItem(0, "p", "k", (Location("k", "", "s", "F32", (n,), 4 * n),))
-        >>> [len(g) for g in row_groups([item(2), item(2), item(5), item(1)], 16)]
-        [2, 1, 1]
-    """
-    groups: list[list[LocatedItem]] = []
-    size = limit
-    for item in items:
-        nbytes = sum(served_bytes(loc) for loc in item.locations)
-        if size + nbytes > limit:
-            groups.append([])
-            size = 0
-        groups[-1].append(item)
-        size += nbytes
-    return groups
-
-
-def _read_group(
-    reads: PartReads, items: Sequence[LocatedItem], index: int, scratch: Scratch
-) -> list[np.ndarray]:
-    """Part ``index`` of each of ``items`` as served, one after another in ``scratch``."""
-    locs = [item.locations[index] for item in items]
-    out = scratch.arrays(served_dtype(locs[0].dtype), [loc.shape for loc in locs])
-    for loc, dest in zip(locs, out, strict=True):
-        reads.read_served(loc, dest)
-    return out
 
 
 def export_parquet(

@@ -18,7 +18,9 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import queue
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -37,7 +39,7 @@ from featbake.store.fidelity import QUANTISED
 from featbake.store.layout import Layout
 from featbake.store.open import StoreRef, open_catalog, resolve_root
 from featbake.store.roots import Root
-from featbake.store.shard import Leases, VerifyMode, read_leased
+from featbake.store.shard import Leases, ShardReader, VerifyMode, read_leased
 
 #: Items read per catalog query and per batch handed to a format.
 READ_BATCH = 256
@@ -395,6 +397,7 @@ class PartReads:
         self.handles = ShardHandles.of(layout, verify=VerifyMode.ALWAYS)
         self.catalog: Catalog | None = None  # opened on a first vanished shard
         self.widen = Scratch()  # bfloat16 bytes on their way to float32
+        self.paths: dict[str, Path] = {}  # each shard's file, by name
 
     def read(self, loc: Location, dest: np.ndarray) -> None:
         """``loc``'s stored bytes into ``dest`` (contiguous, exactly ``loc.nbytes``), checked.
@@ -408,6 +411,7 @@ class PartReads:
             self._read_at(loc, raw)
         except ShardMissing:
             self.handles.forget(self.layout.shard_path(loc.shard))
+            self.paths.clear()
             try:
                 self._read_at(self._relocated(loc), raw)
             except ShardMissing:
@@ -434,10 +438,49 @@ class PartReads:
         self.read(loc, raw)
         torch.from_numpy(out).copy_(torch.from_numpy(raw).view(torch.bfloat16))
 
+    def read_all(self, locs: Sequence[Location], outs: Sequence[np.ndarray]) -> None:
+        """Each of ``locs`` as served into its array of ``outs`` (see :meth:`read_served`):
+        all in one compiled read (its preads and CRCs in one call outside the GIL), or one by
+        one where a part is bfloat16 or a shard vanished (looked up again, as :meth:`read`).
+
+        Raises:
+            StoreCorrupt: the bytes fail their checksum, or are cut short.
+            StoreError: a feature vanished during the export.
+        """
+        if all(loc.dtype != "BF16" for loc in locs):
+            try:
+                with Leases() as held:
+                    read_leased([
+                        self._shard(loc, held).span(loc.tensor, out.reshape(-1).view(np.uint8))
+                        for loc, out in zip(locs, outs, strict=True)
+                    ])  # fmt: skip
+                return
+            except ShardMissing:
+                pass  # one by one below, each vanished shard looked up again
+        for loc, out in zip(locs, outs, strict=True):
+            self.read_served(loc, out)
+
+    def read_group(
+        self, items: Sequence[LocatedItem], parts: Sequence[str], buffers: Mapping[str, Scratch]
+    ) -> ReadGroup:
+        """``items``' ``parts`` read as served, each part's one after another in its buffer."""
+        arrays = {}
+        for i, part in enumerate(parts):
+            locs = [item.locations[i] for item in items]
+            dtype = served_dtype(locs[0].dtype)  # one dtype a part (part_layouts checks)
+            arrays[part] = buffers[part].arrays(dtype, [loc.shape for loc in locs])
+            self.read_all(locs, arrays[part])
+        return ReadGroup(list(items), arrays, buffers)
+
+    def _shard(self, loc: Location, held: Leases) -> ShardReader:
+        path = self.paths.get(loc.shard)
+        if path is None:
+            path = self.paths[loc.shard] = self.layout.shard_path(loc.shard)
+        return self.handles.lease(path, held)
+
     def _read_at(self, loc: Location, raw: np.ndarray) -> None:
         with Leases() as held:
-            shard = self.handles.lease(self.layout.shard_path(loc.shard), held)
-            read_leased([shard.span(loc.tensor, raw)])
+            read_leased([self._shard(loc, held).span(loc.tensor, raw)])
 
     def _relocated(self, loc: Location) -> Location:
         if self.catalog is None:
@@ -457,6 +500,120 @@ class PartReads:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# == reading ahead ================================================================================
+# A format writes one run of items while the next is read on a thread of its own: the reads'
+# preads and CRCs and the writes' copies into the page cache both run outside the GIL, so on
+# two cores an export takes about the longer of the two rather than their sum. Each run is read
+# into one of a few reused buffers, handed over once read and handed back once written.
+@dataclass(frozen=True)
+class ReadGroup:
+    """A run of consecutive items, read: each part's arrays, by part, in item order, one after
+    another in ``buffers`` (valid until the next run is asked for)."""
+
+    items: list[LocatedItem]
+    parts: dict[str, list[np.ndarray]]
+    buffers: Mapping[str, Scratch]
+
+    def flat(self, part: str) -> memoryview:
+        """``part``'s bytes of every item, one after another (one span of its buffer)."""
+        nbytes = sum(a.nbytes for a in self.parts[part])
+        return memoryview(self.buffers[part].buf[:nbytes])
+
+    @property
+    def nbytes(self) -> int:
+        """The items' served bytes, over all parts."""
+        return sum(a.nbytes for arrays in self.parts.values() for a in arrays)
+
+
+def groups_of(items: Sequence[LocatedItem], limit: int) -> list[list[LocatedItem]]:
+    """``items`` in order, cut into runs of at most ``limit`` served bytes (one item at least).
+
+    Example:
+        >>> item = lambda n: LocatedItem(0, "p", "k", (Location("k", "", "s", "F32", (n,), 4 * n),))
+        >>> [len(g) for g in groups_of([item(2), item(2), item(5), item(1)], 16)]
+        [2, 1, 1]
+    """
+    groups: list[list[LocatedItem]] = []
+    size = limit
+    for item in items:
+        nbytes = sum(served_bytes(loc) for loc in item.locations)
+        if size + nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += nbytes
+    return groups
+
+
+class ReadAhead:
+    """The present items in the root's order, as :class:`ReadGroup` runs of at most
+    ``group_bytes``, read (checked) on a thread of its own into ``buffers`` reused buffers
+    while the caller writes the run before; ``progress`` is told each run the caller is done
+    with. A context manager: leaving it (an error while writing, an interrupt) stops the
+    reading thread and waits for it.
+
+    Example:
+        >>> with ReadAhead(src, 4 << 20) as runs:  # doctest: +SKIP
+        ...     for run in runs:
+        ...         write(run.parts[""])
+    """
+
+    def __init__(
+        self,
+        src: ExportSource,
+        group_bytes: int,
+        progress: ProgressFn | None = None,
+        buffers: int = 3,
+    ) -> None:
+        self.src, self.group_bytes, self.progress = src, group_bytes, progress
+        self.free: queue.SimpleQueue[dict[str, Scratch] | None] = queue.SimpleQueue()
+        self.full: queue.SimpleQueue[ReadGroup | BaseException | None] = queue.SimpleQueue()
+        for _ in range(buffers):
+            self.free.put({part: Scratch() for part in src.parts})
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._read, name="featbake-export-read", daemon=True)
+
+    def __enter__(self) -> ReadAhead:
+        self.thread.start()
+        return self
+
+    def __iter__(self) -> Iterator[ReadGroup]:
+        """Each run once read; its buffers go back to the reader when the next is asked for.
+
+        Raises:
+            StoreCorrupt: a stored feature fails its checksum.
+            StoreError: a feature vanished during the export.
+        """
+        done, total = 0, len(self.src.present)
+        while (got := self.full.get()) is not None:
+            if isinstance(got, BaseException):
+                raise got
+            yield got
+            self.free.put(dict(got.buffers))
+            done += len(got.items)
+            if self.progress:
+                self.progress(GcProgress("export", done, total))
+
+    def _read(self) -> None:
+        """The reading thread: each run into a free buffer, until done or stopped."""
+        try:
+            with PartReads(self.src.layout) as reads:
+                for batch in located(self.src):
+                    for items in groups_of(batch, self.group_bytes):
+                        buffers = self.free.get()
+                        if buffers is None or self.stop.is_set():
+                            return
+                        self.full.put(reads.read_group(items, self.src.parts, buffers))
+            self.full.put(None)
+        except BaseException as e:  # handed to the writing thread, which raises it
+            self.full.put(e)
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.free.put(None)  # wakes the reader if it waits for a buffer
+        self.thread.join()
 
 
 def stream(src: ExportSource, progress: ProgressFn | None = None) -> Iterator[list[ExportItem]]:

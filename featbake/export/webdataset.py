@@ -35,11 +35,9 @@ from featbake.export.source import (
     ExportReport,
     LocatedItem,
     OutputFile,
-    PartReads,
-    Scratch,
+    ReadAhead,
     check_free,
     export_with,
-    located,
 )
 
 #: A shard is closed once it holds this many bytes (webdataset's advice: 100 MB to 1 GB).
@@ -240,24 +238,22 @@ class WebDataset:
     check_destination = staticmethod(check_destination)
 
     def write(self, job: ExportJob) -> int:
-        """Each sample read part by part into reused buffers (one per part) and written with
-        its headers in one ``writev``: the item's bytes are copied twice, store to buffer
-        (checked there) and buffer to shard."""
+        """Each run of samples read ahead (:class:`~featbake.export.source.ReadAhead`) and
+        each sample written with its headers in one ``writev``: an item's bytes are copied
+        twice, store to buffer (checked there) and buffer to shard."""
         parts = list(job.src.parts)
         keys = unique_keys([path for path, _ in job.src.present])
         job.partial.mkdir()
         shards = ShardWriter(job.partial, SHARD_BYTES)
-        scratch = [Scratch() for _ in parts]
         written = 0
-        with PartReads(job.src.layout) as reads:
+        with ReadAhead(job.src, GROUP_BYTES, job.progress) as runs:
             try:
-                for batch in located(job.src, job.progress):
-                    for item in batch:
+                for run in runs:
+                    for j, item in enumerate(run.items):
                         key = keys[item.at]
                         names = member_names(key, parts)
                         members: dict[str, Chunks] = {
-                            names[p]: npy_chunks(reads.read_part(loc, buf))
-                            for p, loc, buf in zip(parts, item.locations, scratch, strict=True)
+                            names[p]: npy_chunks(run.parts[p][j]) for p in parts
                         }
                         row = job.rows[item.at] if job.rows is not None else {}
                         members[f"{key}.json"] = [_meta(item, row)]
@@ -265,6 +261,10 @@ class WebDataset:
             finally:
                 shards.close()
         return written
+
+
+#: Bytes of samples read ahead at a time (three such buffers: within the L3 cache here).
+GROUP_BYTES = 4 * 1024 * 1024
 
 
 def _nbytes(chunk: bytes | np.ndarray) -> int:

@@ -39,12 +39,11 @@ from featbake.export.source import (
     ExportSource,
     OutputFile,
     PartLayout,
-    PartReads,
-    Scratch,
+    ReadAhead,
+    ReadGroup,
     check_free,
     compression_of,
     export_with,
-    located,
     row_columns,
     served_dtype,
 )
@@ -177,7 +176,7 @@ def _open_partial(
         shutil.rmtree(partial)
     group = zarr.open_group(str(partial), mode="w")
     chosen, n = src.root, len(src.present)
-    group.attrs.update(
+    group.update_attributes(  # at once: attrs.update rewrote zarr.json once per key
         {
             "featbake_version": __version__,
             "root": chosen.name,
@@ -250,18 +249,21 @@ def _text(value: Any) -> str:
 
 
 def _copy_features(src: ExportSource, writers: dict[str, _PartWriter], progress: Any) -> int:
-    """Read every present feature (checked) into one reused buffer and hand it to its part's
-    writer; returns the bytes written."""
+    """Read every present feature (checked), a run of items ahead of the writes
+    (:class:`~featbake.export.source.ReadAhead`), into its part's writer; the bytes written."""
     written = 0
-    scratch = Scratch()
-    with PartReads(src.layout) as reads:
-        for batch in located(src, progress):
-            for item in batch:
-                for part, loc in zip(src.parts, item.locations, strict=True):
-                    written += writers[part].add(reads.read_part(loc, scratch))
+    with ReadAhead(src, GROUP_BYTES, progress) as runs:
+        for run in runs:
+            for part, writer in writers.items():
+                writer.add_run(run, part)
+            written += run.nbytes
     for w in writers.values():
         w.flush()
     return written
+
+
+#: Bytes of items read ahead at a time (three such buffers: within the L3 cache here).
+GROUP_BYTES = 4 * 1024 * 1024
 
 
 class _PartWriter:
@@ -300,10 +302,13 @@ class _PartWriter:
             else _Blocks(values, chunk_rows, chunks_per_write)
         )
 
-    def add(self, a: np.ndarray) -> int:
-        """Append one item (its rows; a dense item is one row); its bytes."""
-        self.out.add(a if self.lay.ragged else a[None])
-        return a.nbytes
+    def add_run(self, run: ReadGroup, part: str) -> None:
+        """Append a run's items of ``part`` (an item's rows; a dense item is one row)."""
+        if isinstance(self.out, ChunkFiles):  # the run's bytes at once: one write a chunk
+            self.out.add(run.flat(part))
+            return
+        for a in run.parts[part]:
+            self.out.add(a if self.lay.ragged else a[None])
 
     def flush(self) -> None:
         self.out.flush()
@@ -344,9 +349,8 @@ class ChunkFiles:
         self.index, self.filled = 0, 0
         self.file: OutputFile | None = None
 
-    def add(self, rows: np.ndarray) -> None:
-        """Append ``rows`` (C-ordered) to the values."""
-        data = memoryview(np.ascontiguousarray(rows).reshape(-1).view(np.uint8))
+    def add(self, data: memoryview) -> None:
+        """Append ``data``, rows' bytes, to the values."""
         while data.nbytes:
             if self.file is None:
                 self.file = self._open(self.index)

@@ -8,6 +8,7 @@ import io
 import json
 import os
 import tarfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ import zarr
 from featbake.errors import ConfigError
 from featbake.export import parquet as parquet_export
 from featbake.export import source
+from featbake.export import webdataset as webdataset_export
 from featbake.export import zarr as zarr_export
 from featbake.export.parquet import export_parquet
 from featbake.export.source import RESERVE_BYTES, OutputFile, open_source, stream
@@ -64,6 +66,53 @@ def test_a_corrupt_item_in_a_later_row_group_stops_the_parquet_export(
     with pytest.raises(StoreCorrupt):
         export_parquet(tmp_path / "bad.parquet", cache=store_dir)
     assert not (tmp_path / "bad.parquet").exists()
+
+
+@pytest.mark.parametrize("fmt", ["zarr", "webdataset"])
+def test_a_corrupt_item_read_ahead_stops_the_export_and_leaves_nothing(
+    fmt: str,
+    encoder_file: Path,
+    audio_dir: Path,
+    store_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The reading thread's StoreCorrupt is raised by the export, after earlier runs were
+    written; the thread is gone once the export returns."""
+    from featbake.errors import StoreCorrupt
+
+    bake(audio_dir, encoder_file, store_dir)
+    monkeypatch.setattr(source, "READ_BATCH", 4)
+    shard = max(store_dir.rglob("*.safetensors"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF  # the shard's last item: read after others were written
+    shard.write_bytes(bytes(data))
+    export = {"zarr": export_zarr, "webdataset": export_webdataset}
+    with pytest.raises(StoreCorrupt, match="checksum mismatch"):
+        export[fmt](tmp_path / "out", cache=store_dir)
+    assert not list(tmp_path.glob("out*"))
+    assert not [t for t in threading.enumerate() if t.name == "featbake-export-read"]
+
+
+def test_an_error_while_writing_stops_the_reading_thread(
+    encoder_file: Path,
+    audio_dir: Path,
+    store_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    bake(audio_dir, encoder_file, store_dir)
+    monkeypatch.setattr(source, "READ_BATCH", 2)
+    monkeypatch.setattr(webdataset_export, "GROUP_BYTES", 1)  # a run per item: more to read
+
+    def full(*args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ShardWriter, "add", full)
+    with pytest.raises(OSError, match="No space left"):
+        export_webdataset(tmp_path / "w", cache=store_dir)
+    assert not (tmp_path / "w").exists() and not (tmp_path / "w.partial").exists()
+    assert not [t for t in threading.enumerate() if t.name == "featbake-export-read"]
 
 
 # -- the tar writer ---------------------------------------------------------------------------
