@@ -4,6 +4,8 @@ format's compression, every feature read back (without featbake) equal to the en
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import io
 import json
 import os
@@ -202,6 +204,25 @@ def test_output_files_write_whole_through_short_writes_and_give_back_what_they_r
                            for c in want) + b"more"  # fmt: skip
     stat = (tmp_path / "f.bin").stat()
     assert stat.st_size == len(got) and stat.st_blocks * 512 < RESERVE_BYTES
+
+
+def test_an_output_file_is_written_whole_where_no_blocks_can_be_reserved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A disk with less room than a reservation step (fallocate fails) still takes the
+    bytes: the reservation is given up, the writes go on."""
+    calls: list[int] = []
+
+    def no_room(fd: int, mode: int, offset: int, nbytes: int) -> int:
+        calls.append(nbytes)
+        ctypes.set_errno(errno.ENOSPC)
+        return -1
+
+    monkeypatch.setattr(source, "_FALLOCATE", no_room)
+    with OutputFile(tmp_path / "f.bin") as out:
+        for _ in range(3):
+            out.write([b"x" * 1000])
+    assert (tmp_path / "f.bin").read_bytes() == b"x" * 3000 and calls == [RESERVE_BYTES]
 
 
 # -- zarr blocks and compression --------------------------------------------------------------
