@@ -15,13 +15,14 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import queue
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -299,7 +300,9 @@ def vanished(key: str) -> StoreError:
     )
 
 
-def located(src: ExportSource, progress: ProgressFn | None = None) -> Iterator[list[LocatedItem]]:
+def located(
+    src: ExportSource, progress: ProgressFn | None = None
+) -> Generator[list[LocatedItem], None, None]:
     """The present items in the root's order, :data:`READ_BATCH` at a time, each located
     afresh (one catalog query a batch: gc may have moved a feature since the export began);
     progress is reported once a batch is done.
@@ -518,7 +521,7 @@ class ReadGroup:
     def flat(self, part: str) -> memoryview:
         """``part``'s bytes of every item, one after another (one span of its buffer)."""
         nbytes = sum(a.nbytes for a in self.parts[part])
-        return memoryview(self.buffers[part].buf[:nbytes])
+        return self.buffers[part].buf[:nbytes].data
 
     @property
     def nbytes(self) -> int:
@@ -598,8 +601,13 @@ class ReadAhead:
     def _read(self) -> None:
         """The reading thread: each run into a free buffer, until done or stopped."""
         try:
-            with PartReads(self.src.layout) as reads:
-                for batch in located(self.src):
+            # closed here, not by the garbage collector on another thread: its catalog's
+            # connection belongs to this one
+            with (
+                PartReads(self.src.layout) as reads,
+                contextlib.closing(located(self.src)) as batches,
+            ):
+                for batch in batches:
                     for items in groups_of(batch, self.group_bytes):
                         buffers = self.free.get()
                         if buffers is None or self.stop.is_set():
@@ -748,7 +756,7 @@ _IOV_MAX = 1024
 def _bytes_of(chunk: bytes | memoryview | np.ndarray) -> memoryview:
     """A chunk's bytes as a flat view (no copy; an array C-ordered already)."""
     if isinstance(chunk, np.ndarray):
-        return memoryview(chunk.reshape(-1).view(np.uint8))
+        return chunk.reshape(-1).view(np.uint8).data
     return memoryview(chunk).cast("B")
 
 
