@@ -20,11 +20,13 @@ place when complete.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import sys
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -252,13 +254,17 @@ def _copy_features(src: ExportSource, writers: dict[str, _PartWriter], progress:
     """Read every present feature (checked), a run of items ahead of the writes
     (:class:`~featbake.export.source.ReadAhead`), into its part's writer; the bytes written."""
     written = 0
-    with ReadAhead(src, GROUP_BYTES, progress) as runs:
-        for run in runs:
-            for part, writer in writers.items():
-                writer.add_run(run, part)
-            written += run.nbytes
-    for w in writers.values():
-        w.flush()
+    try:
+        with ReadAhead(src, GROUP_BYTES, progress) as runs:
+            for run in runs:
+                for part, writer in writers.items():
+                    writer.add_run(run, part)
+                written += run.nbytes
+        for w in writers.values():
+            w.flush()
+    finally:
+        for w in writers.values():
+            w.close()
     return written
 
 
@@ -313,6 +319,11 @@ class _PartWriter:
     def flush(self) -> None:
         self.out.flush()
 
+    def close(self) -> None:
+        """Close the values' open files (after :meth:`flush`, or midway on an error)."""
+        if isinstance(self.out, ChunkFiles):
+            self.out.close()
+
 
 def plain_chunks(values: Any) -> bool:
     """Whether zarr stores ``values``' chunks as their plain little-endian bytes, zero-filled
@@ -340,20 +351,26 @@ class ChunkFiles:
     zarr's own write copies each chunk through its codec pipeline and buffers before the file
     (zarr alone wrote the benchmark's array at 1.3-1.8 GB/s, against the page cache's 4-6);
     an uncompressed chunk is the array's bytes, so they go from the read's buffer to the file.
+    Each next chunk's folder and file are created on a thread of their own while the current
+    one is written: a ``mkdir`` and an ``open`` took 0.3-0.6 ms each here, a sixth of the
+    export's time for a float32 array of 75 chunks.
     """
 
     def __init__(self, values: Any, chunk_bytes: int) -> None:
         self.values, self.chunk_bytes = values, chunk_bytes
         self.root = Path(values.store_path.store.root) / values.path
         self.trailing = (0,) * (values.ndim - 1)
+        self.count = -(-values.shape[0] // values.chunks[0]) if values.shape[0] else 0
         self.index, self.filled = 0, 0
         self.file: OutputFile | None = None
+        self.opener = ThreadPoolExecutor(1, thread_name_prefix="featbake-export-open")
+        self.next: Future[OutputFile] | None = self._open_ahead(0)
 
     def add(self, data: memoryview) -> None:
         """Append ``data``, rows' bytes, to the values."""
         while data.nbytes:
             if self.file is None:
-                self.file = self._open(self.index)
+                self.file = self._take()
             take = min(data.nbytes, self.chunk_bytes - self.filled)
             self.file.write([data[:take]])
             self.filled, data = self.filled + take, data[take:]
@@ -365,6 +382,29 @@ class ChunkFiles:
         if self.file is not None:
             self.file.write([bytes(self.chunk_bytes - self.filled)])
             self._close()
+
+    def close(self) -> None:
+        """Close what is open (the chunk being written, the next one opened ahead) and the
+        opening thread: after :meth:`flush`, or when the export stops midway."""
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+        if self.next is not None:
+            with contextlib.suppress(OSError):
+                self.next.result().close()
+            self.next = None
+        self.opener.shutdown()
+
+    def _open_ahead(self, index: int) -> Future[OutputFile] | None:
+        return self.opener.submit(self._open, index) if index < self.count else None
+
+    def _take(self) -> OutputFile:
+        """The file of chunk ``index`` (opened ahead), and the next one's opening started."""
+        if self.next is None:
+            raise ConfigError(f"{self.root} holds {self.count} chunks; more bytes came")
+        file = self.next.result()
+        self.next = self._open_ahead(self.index + 1)
+        return file
 
     def _open(self, index: int) -> OutputFile:
         path = self.root / self.values.metadata.encode_chunk_key((index, *self.trailing))
