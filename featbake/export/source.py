@@ -685,8 +685,8 @@ def reserve(fd: int, offset: int, nbytes: int) -> bool:
     (nothing reserved: the writes go on, and fail only where the bytes themselves do not fit).
 
     Writing into reserved blocks skips the filesystem's per-page block reservation: ext4 took
-    the shard files' bytes into the page cache at 6.6 GB/s so against 4.5 without (512 KiB
-    writes, this machine).
+    the shard files' bytes into the page cache at 6.5-6.7 GB/s against 4.5-4.6 without
+    (512 KiB writes, this machine).
     """
     if _FALLOCATE is None or nbytes <= 0:
         return False

@@ -349,7 +349,7 @@ class ChunkFiles:
     a whole chunk, as zarr stores an edge chunk.
 
     zarr's own write copies each chunk through its codec pipeline and buffers before the file
-    (zarr alone wrote the benchmark's array at 1.3-1.8 GB/s, against the page cache's 4-6);
+    (zarr alone wrote the benchmark's array at 1.3-2.8 GB/s, against the page cache's 4-6);
     an uncompressed chunk is the array's bytes, so they go from the read's buffer to the file.
     Each next chunk's folder and file are created on a thread of their own while the current
     one is written: a ``mkdir`` and an ``open`` took 0.3-0.6 ms each here, a sixth of the
