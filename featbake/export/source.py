@@ -1,9 +1,12 @@
 """What every ``featbake export`` format reads: one root's stored features, streamed in order.
 
 An export chooses one root (by name or prefix; the only one where the store has one), lists its
-manifest, locates each item's stored parts, and hands the formats batches of items in the
-root's order, each read with its checksum checked, so no format holds more than one batch of
-features in memory (:func:`stream`). Items the store does not hold are left out and counted.
+manifest, locates each item's stored parts, and hands the formats runs of items in the root's
+order, each part read with its checksum checked straight into a few reused buffers, the next
+run read on a thread of its own while the format writes the one before (:class:`ReadAhead`),
+so no format holds more than a few runs of features in memory. Output files reserve their
+disk blocks ahead of the writes (:class:`OutputFile`). Items the store does not hold are left
+out and counted.
 The rows an item's inputs carry (a manifest's columns, a tar's ``.cls``) are read above this
 layer, by whoever opens the inputs, and passed in as a :data:`RowsOf` callable: ``export/``
 never imports ``encode/``.
