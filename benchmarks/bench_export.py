@@ -9,7 +9,8 @@ own best case on this machine: the same arrays, already in memory, written by za
 chunks and codec, one call), by pyarrow (the same column type and options, one row group per
 read batch) and by tarfile (the same member bytes); a third against copying the store's shard
 files (the write floor: the same bytes, nothing encoded). Rates are MB/s of feature bytes,
-warm page cache; each export and each floor the fastest of :data:`REPEATS` runs.
+warm page cache; each export and each floor the fastest of :data:`REPEATS` runs, each run
+after :func:`settle` (the memory its writes take in hand, whatever ran before).
 """
 
 from __future__ import annotations
@@ -44,10 +45,26 @@ WORK = Path(__file__).resolve().parent / "_work" / "export"
 REPEATS = 2
 
 
+def settle(nbytes: int) -> None:
+    """Touch and free ``nbytes`` of memory, so the timed call after it writes into memory the
+    guest has in hand, whichever measure it is and whatever ran before.
+
+    This machine is a VM whose balloon driver hands memory freed for a few seconds back to the
+    host: the next first touch of it runs at the host's page-fault rate (1 GiB of numpy
+    ``ones``: 0.5 GB/s cold, 13.7 GB/s on memory freed 0.2 s before). A write into the page
+    cache takes such pages, so without this the rate of a measure depended on what ran just
+    before it (the floors overwrite their own output, freeing pages they take back at once;
+    an export keeps its old output until the new one is complete) more than on the measure.
+    """
+    np.ones(nbytes, dtype=np.uint8)
+
+
 def timed(write: Callable[[], object], nbytes: int) -> float:
-    """MB/s of ``nbytes`` over the fastest of :data:`REPEATS` calls of ``write``."""
+    """MB/s of ``nbytes`` over the fastest of :data:`REPEATS` calls of ``write``, each after
+    :func:`settle` (not timed)."""
     best = float("inf")
     for _ in range(REPEATS):
+        settle(nbytes)
         t0 = time.perf_counter()
         write()
         best = min(best, time.perf_counter() - t0)
@@ -84,6 +101,7 @@ def copy_rate(store: Path) -> float:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     shards = sorted((store / "shards").glob("*/*.safetensors"))
+    settle(sum(shard.stat().st_size for shard in shards))
     t0 = time.perf_counter()
     total = 0
     for i, shard in enumerate(shards):

@@ -13,9 +13,10 @@ without featbake. Columns, in this order:
   own names (``row_<name>`` where a name is taken above), null where an item lacks one.
 
 Columns are snappy-compressed (pyarrow's default; ``compression="none"`` or ``"zstd"`` to
-choose). The file is written one row group per batch of items (no whole store in memory) to
-``OUT.partial`` and renamed to ``OUT`` when complete; its schema metadata names the root, the
-encoder and the recipe (``featbake`` key, JSON).
+choose). The file is written one row group per 64 MiB of features or 256 items, whichever
+comes first (no whole store in memory), to ``OUT.partial`` and renamed to ``OUT`` when
+complete; its schema metadata names the root, the encoder and the recipe (``featbake`` key,
+JSON).
 """
 
 from __future__ import annotations
@@ -31,17 +32,17 @@ import numpy as np
 
 from featbake.export.source import (
     Compression,
-    ExportItem,
     ExportJob,
     ExportReport,
     ExportSource,
+    LocatedItem,
     PartLayout,
-    as_numpy,
+    ReadAhead,
     check_free,
     compression_of,
     export_with,
     row_columns,
-    stream,
+    served_dtype,
 )
 from featbake.version import __version__
 
@@ -94,7 +95,8 @@ def _not_a_file(path: Path) -> str | None:
 
 @dataclass(frozen=True)
 class Parquet:
-    """The Parquet format (see the module's doc): one file, one row group per batch;
+    """The Parquet format (see the module's doc): one file, one row group per
+    :data:`ROW_GROUP_BYTES` of features or batch of items;
     ``compression`` of every column (snappy by default: see
     :class:`~featbake.export.source.Compression`)."""
 
@@ -102,6 +104,10 @@ class Parquet:
     check_destination = staticmethod(check_destination)
 
     def write(self, job: ExportJob) -> int:
+        """One row group per :data:`ROW_GROUP_BYTES` of features (or per batch of items read),
+        read ahead of pyarrow's write of the one before
+        (:class:`~featbake.export.source.ReadAhead`), each item a one-row array over its own
+        bytes in the read's buffer (no copy before pyarrow's own)."""
         import pyarrow.parquet as pq
 
         carried = _carried_table(job.src, job.rows)
@@ -109,17 +115,21 @@ class Parquet:
         # Dictionaries and min/max statistics over feature values cost 2-5x the write and buy
         # nothing (random floats neither repeat nor prune): only id, key and rows get them.
         small = [f.name for f in schema if f.name in RESERVED or _carried(f, job.layouts)]
-        written, at = 0, 0
-        with pq.ParquetWriter(
+        written = 0
+        with ReadAhead(job.src, ROW_GROUP_BYTES, job.progress, buffers=2) as runs, pq.ParquetWriter(
             str(job.partial), schema, use_dictionary=small, write_statistics=small,
             compression=str(self.compression),
         ) as writer:  # fmt: skip
-            for items in stream(job.src, job.progress):
-                table = _batch_table(items, job.layouts, carried, at)
+            for run in runs:
+                table = _batch_table(run.items, run.parts, job.layouts, carried)
                 writer.write_table(table.cast(writer.schema))
-                written += sum(as_numpy(t).nbytes for item in items for t in item.parts.values())
-                at += len(items)
+                written += run.nbytes
         return written
+
+
+#: Feature bytes a row group holds at most (and at most one batch of items, one at least):
+#: a batch of long items (256 of [1500, 1024] float32 is 1.5 GB) stays out of memory.
+ROW_GROUP_BYTES = 64 * 1024 * 1024
 
 
 def export_parquet(
@@ -168,16 +178,10 @@ def _arrow_type(lay: PartLayout) -> Any:
     """A part's column type: its dtype nested to the item's rank (pure)."""
     import pyarrow as pa
 
-    dtype = pa.from_numpy_dtype(np.dtype("float32" if lay.dtype == "BF16" else _NP[lay.dtype]))
+    dtype = pa.from_numpy_dtype(served_dtype(lay.dtype))
     for size in reversed(lay.trailing):
         dtype = pa.list_(dtype, size)
     return pa.list_(dtype) if lay.ragged else dtype
-
-
-_NP = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "I64": "int64", "I32": "int32",
-    "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-}  # fmt: skip
 
 
 def _schema(src: ExportSource, layouts: Mapping[str, PartLayout], carried: Any) -> Any:
@@ -224,10 +228,13 @@ def _item_array(array: np.ndarray, lay: PartLayout) -> Any:
 
 
 def _batch_table(
-    items: Sequence[ExportItem], layouts: Mapping[str, PartLayout], carried: Any, at: int
+    items: Sequence[LocatedItem],
+    arrays: Mapping[str, Sequence[np.ndarray]],
+    layouts: Mapping[str, PartLayout],
+    carried: Any,
 ) -> Any:
-    """One row group: the batch's ids, keys, parts and shapes, and its slice of the carried
-    columns (rows ``at`` to ``at + len(items)``)."""
+    """One row group: the items' ids, keys, parts (``arrays``, by part) and shapes, and their
+    rows of the carried columns."""
     import pyarrow as pa
 
     columns: dict[str, Any] = {
@@ -235,14 +242,13 @@ def _batch_table(
         "key": pa.array([item.key for item in items], pa.string()),
     }
     for part, lay in layouts.items():
-        arrays = [as_numpy(item.parts[part]) for item in items]
-        columns[part_column(part)] = _part_array(arrays, lay)
+        columns[part_column(part)] = _part_array(arrays[part], lay)
         columns[part_column(part) + "_shape"] = pa.array(
-            [list(a.shape) for a in arrays], pa.list_(pa.int64())
+            [list(a.shape) for a in arrays[part]], pa.list_(pa.int64())
         )
     table = pa.table(columns)
     if carried is not None:
-        part_of = carried.slice(at, len(items))
+        part_of = carried.slice(items[0].at, len(items))  # the items are consecutive
         for name in part_of.column_names:
             table = table.append_column(name, part_of.column(name))
     return table

@@ -1,9 +1,12 @@
 """What every ``featbake export`` format reads: one root's stored features, streamed in order.
 
 An export chooses one root (by name or prefix; the only one where the store has one), lists its
-manifest, locates each item's stored parts, and hands the formats batches of items in the
-root's order, each read with its checksum checked, so no format holds more than one batch of
-features in memory (:func:`stream`). Items the store does not hold are left out and counted.
+manifest, locates each item's stored parts, and hands the formats runs of items in the root's
+order, each part read with its checksum checked straight into a few reused buffers, the next
+run read on a thread of its own while the format writes the one before (:class:`ReadAhead`),
+so no format holds more than a few runs of features in memory. Output files reserve their
+disk blocks ahead of the writes (:class:`OutputFile`). Items the store does not hold are left
+out and counted.
 The rows an item's inputs carry (a manifest's columns, a tar's ``.cls``) are read above this
 layer, by whoever opens the inputs, and passed in as a :data:`RowsOf` callable: ``export/``
 never imports ``encode/``.
@@ -15,10 +18,14 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
+import queue
 import shutil
+import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -27,14 +34,15 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from featbake.errors import ConfigError, StoreError
+from featbake.errors import ConfigError, ShardMissing, StoreError
 from featbake.progress import GcProgress
 from featbake.store.catalog import Catalog, Location
-from featbake.store.features import FeatureReader
+from featbake.store.features import ShardHandles
 from featbake.store.fidelity import QUANTISED
 from featbake.store.layout import Layout
 from featbake.store.open import StoreRef, open_catalog, resolve_root
 from featbake.store.roots import Root
+from featbake.store.shard import Leases, ShardReader, VerifyMode, read_leased
 
 #: Items read per catalog query and per batch handed to a format.
 READ_BATCH = 256
@@ -276,40 +284,483 @@ def part_locations(src: ExportSource, part: str) -> list[Location]:
     return found
 
 
+@dataclass(frozen=True)
+class LocatedItem:
+    """One present item before its read: its place in the root's order (``at``), path, key
+    and the location of each exported part (in :attr:`ExportSource.parts` order)."""
+
+    at: int
+    path: str
+    key: str
+    locations: tuple[Location, ...]
+
+
+def vanished(key: str) -> StoreError:
+    """The error of an item the store lost while it was being exported."""
+    return StoreError(
+        f"feature {key} vanished during the export (gc ran, or its shard was removed by hand); "
+        "run the export again, after `featbake verify --repair` if this persists"
+    )
+
+
+def located(
+    src: ExportSource, progress: ProgressFn | None = None
+) -> Generator[list[LocatedItem], None, None]:
+    """The present items in the root's order, :data:`READ_BATCH` at a time, each located
+    afresh (one catalog query a batch: gc may have moved a feature since the export began);
+    progress is reported once a batch is done.
+
+    Raises:
+        StoreError: a feature vanished during the export (gc, or a shard removed by hand).
+    """
+    n = len(src.present)
+    catalog = Catalog(src.layout)
+    try:
+        for start in range(0, n, READ_BATCH):
+            batch = src.present[start : start + READ_BATCH]
+            where = catalog.locate_many([k for _, k in batch])
+            yield [
+                LocatedItem(start + i, path, key, part_places(where.get(key), src.parts, key))
+                for i, (path, key) in enumerate(batch)
+            ]
+            if progress:
+                progress(GcProgress("export", start + len(batch), n))
+    finally:
+        catalog.close()
+
+
+def part_places(
+    locations: Sequence[Location] | None, parts: Sequence[str], key: str
+) -> tuple[Location, ...]:
+    """The location of each of ``parts`` among an item's ``locations``, in order.
+
+    Raises:
+        StoreError: the item is gone (``locations`` None or empty) or lacks a part.
+    """
+    by_part = {loc.part: loc for loc in locations or ()}
+    if not all(p in by_part for p in parts):
+        raise vanished(key)
+    return tuple(by_part[p] for p in parts)
+
+
+#: numpy's dtype of what an export writes for each stored dtype: bfloat16, which numpy, Arrow
+#: and Zarr lack, widened exactly to float32; every other dtype as stored.
+SERVED_NUMPY = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "float32", "I64": "int64",
+    "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+}  # fmt: skip
+
+
+def served_dtype(stored: str) -> np.dtype[Any]:
+    """The numpy dtype an export writes a part stored as ``stored`` in (pure).
+
+    Example:
+        >>> served_dtype("BF16"), served_dtype("F16")
+        (dtype('float32'), dtype('float16'))
+    """
+    return np.dtype(SERVED_NUMPY[stored])
+
+
+def served_bytes(loc: Location) -> int:
+    """The bytes an export writes for ``loc`` (bfloat16 twice its stored bytes)."""
+    return loc.nbytes * 2 if loc.dtype == "BF16" else loc.nbytes
+
+
+class Scratch:
+    """One reused, growing buffer: each read of a format lands in the same memory (no fresh
+    allocation, page faults or cache misses per item), valid until the buffer is next used."""
+
+    def __init__(self) -> None:
+        self.buf = np.empty(0, dtype=np.uint8)
+
+    def array(self, dtype: np.dtype[Any], shape: tuple[int, ...]) -> np.ndarray:
+        """A C-ordered array of ``dtype`` and ``shape`` over the buffer (grown as needed)."""
+        return self.arrays(dtype, [shape])[0]
+
+    def arrays(self, dtype: np.dtype[Any], shapes: Sequence[tuple[int, ...]]) -> list[np.ndarray]:
+        """C-ordered arrays of ``dtype`` and ``shapes`` one after another over the buffer."""
+        sizes = [int(np.prod(shape, dtype=np.int64)) * dtype.itemsize for shape in shapes]
+        if sum(sizes) > self.buf.nbytes:
+            self.buf = np.empty(max(sum(sizes), 2 * self.buf.nbytes), dtype=np.uint8)
+        out, at = [], 0
+        for shape, size in zip(shapes, sizes, strict=True):
+            out.append(self.buf[at : at + size].view(dtype).reshape(shape))
+            at += size
+        return out
+
+
+class PartReads:
+    """Reads stored parts straight into a format's memory, each checked against its checksum
+    on every read (the compiled pread and CRC of the serving path, outside the GIL).
+
+    A shard that vanished (gc compacted it since the batch was located) is looked up once
+    more in the catalog; gone for good, the export stops (:func:`vanished`).
+    """
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self.handles = ShardHandles.of(layout, verify=VerifyMode.ALWAYS)
+        self.catalog: Catalog | None = None  # opened on a first vanished shard
+        self.widen = Scratch()  # bfloat16 bytes on their way to float32
+        self.paths: dict[str, Path] = {}  # each shard's file, by name
+
+    def read(self, loc: Location, dest: np.ndarray) -> None:
+        """``loc``'s stored bytes into ``dest`` (contiguous, exactly ``loc.nbytes``), checked.
+
+        Raises:
+            StoreCorrupt: the bytes fail their checksum, or are cut short.
+            StoreError: the feature vanished during the export.
+        """
+        raw = dest.reshape(-1).view(np.uint8)
+        try:
+            self._read_at(loc, raw)
+        except ShardMissing:
+            self.handles.forget(self.layout.shard_path(loc.shard))
+            self.paths.clear()
+            try:
+                self._read_at(self._relocated(loc), raw)
+            except ShardMissing:
+                raise vanished(loc.key) from None
+
+    def read_part(self, loc: Location, into: Scratch) -> np.ndarray:
+        """``loc`` as served (:func:`served_dtype`, its stored shape) in ``into``'s buffer."""
+        out = into.array(served_dtype(loc.dtype), loc.shape)
+        self.read_served(loc, out)
+        return out
+
+    def read_served(self, loc: Location, out: np.ndarray) -> None:
+        """``loc`` as served into ``out`` (C-ordered, :func:`served_dtype`, its stored shape):
+        its bytes as stored, or bfloat16 widened exactly to float32 on the way.
+
+        Raises:
+            StoreCorrupt: the bytes fail their checksum, or are cut short.
+            StoreError: the feature vanished during the export.
+        """
+        if loc.dtype != "BF16":
+            self.read(loc, out)
+            return
+        raw = self.widen.array(np.dtype(np.int16), loc.shape)
+        self.read(loc, raw)
+        torch.from_numpy(out).copy_(torch.from_numpy(raw).view(torch.bfloat16))
+
+    def read_all(self, locs: Sequence[Location], outs: Sequence[np.ndarray]) -> None:
+        """Each of ``locs`` as served into its array of ``outs`` (see :meth:`read_served`):
+        all in one compiled read (its preads and CRCs in one call outside the GIL), or one by
+        one where a part is bfloat16 or a shard vanished (looked up again, as :meth:`read`).
+
+        Raises:
+            StoreCorrupt: the bytes fail their checksum, or are cut short.
+            StoreError: a feature vanished during the export.
+        """
+        if all(loc.dtype != "BF16" for loc in locs):
+            try:
+                with Leases() as held:
+                    read_leased([
+                        self._shard(loc, held).span(loc.tensor, out.reshape(-1).view(np.uint8))
+                        for loc, out in zip(locs, outs, strict=True)
+                    ])  # fmt: skip
+                return
+            except ShardMissing:
+                pass  # one by one below, each vanished shard looked up again
+        for loc, out in zip(locs, outs, strict=True):
+            self.read_served(loc, out)
+
+    def read_group(
+        self, items: Sequence[LocatedItem], parts: Sequence[str], buffers: Mapping[str, Scratch]
+    ) -> ReadGroup:
+        """``items``' ``parts`` read as served, each part's one after another in its buffer."""
+        arrays = {}
+        for i, part in enumerate(parts):
+            locs = [item.locations[i] for item in items]
+            dtype = served_dtype(locs[0].dtype)  # one dtype a part (part_layouts checks)
+            arrays[part] = buffers[part].arrays(dtype, [loc.shape for loc in locs])
+            self.read_all(locs, arrays[part])
+        return ReadGroup(list(items), arrays, buffers)
+
+    def _shard(self, loc: Location, held: Leases) -> ShardReader:
+        path = self.paths.get(loc.shard)
+        if path is None:
+            path = self.paths[loc.shard] = self.layout.shard_path(loc.shard)
+        return self.handles.lease(path, held)
+
+    def _read_at(self, loc: Location, raw: np.ndarray) -> None:
+        with Leases() as held:
+            read_leased([self._shard(loc, held).span(loc.tensor, raw)])
+
+    def _relocated(self, loc: Location) -> Location:
+        if self.catalog is None:
+            self.catalog = Catalog(self.layout)
+        fresh = [x for x in self.catalog.locate(loc.key) if x.part == loc.part]
+        if not fresh:
+            raise vanished(loc.key)
+        return fresh[0]
+
+    def close(self) -> None:
+        self.handles.close()
+        if self.catalog is not None:
+            self.catalog.close()
+
+    def __enter__(self) -> PartReads:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# == reading ahead ================================================================================
+# A format writes one run of items while the next is read on a thread of its own: the reads'
+# preads and CRCs and the writes' copies into the page cache both run outside the GIL, so on
+# two cores an export takes about the longer of the two rather than their sum. Each run is read
+# into one of a few reused buffers, handed over once read and handed back once written.
+@dataclass(frozen=True)
+class ReadGroup:
+    """A run of consecutive items, read: each part's arrays, by part, in item order, one after
+    another in ``buffers`` (valid until the next run is asked for)."""
+
+    items: list[LocatedItem]
+    parts: dict[str, list[np.ndarray]]
+    buffers: Mapping[str, Scratch]
+
+    def flat(self, part: str) -> memoryview:
+        """``part``'s bytes of every item, one after another (one span of its buffer)."""
+        nbytes = sum(a.nbytes for a in self.parts[part])
+        return self.buffers[part].buf[:nbytes].data
+
+    @property
+    def nbytes(self) -> int:
+        """The items' served bytes, over all parts."""
+        return sum(a.nbytes for arrays in self.parts.values() for a in arrays)
+
+
+def groups_of(items: Sequence[LocatedItem], limit: int) -> list[list[LocatedItem]]:
+    """``items`` in order, cut into runs of at most ``limit`` served bytes (one item at least).
+
+    Example:
+        >>> item = lambda n: LocatedItem(0, "p", "k", (Location("k", "", "s", "F32", (n,), 4 * n),))
+        >>> [len(g) for g in groups_of([item(2), item(2), item(5), item(1)], 16)]
+        [2, 1, 1]
+    """
+    groups: list[list[LocatedItem]] = []
+    size = limit
+    for item in items:
+        nbytes = sum(served_bytes(loc) for loc in item.locations)
+        if size + nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += nbytes
+    return groups
+
+
+class ReadAhead:
+    """The present items in the root's order, as :class:`ReadGroup` runs of at most
+    ``group_bytes``, read (checked) on a thread of its own into ``buffers`` reused buffers
+    while the caller writes the run before; ``progress`` is told each run the caller is done
+    with. A context manager: leaving it (an error while writing, an interrupt) stops the
+    reading thread and waits for it.
+
+    Example:
+        >>> with ReadAhead(src, 4 << 20) as runs:  # doctest: +SKIP
+        ...     for run in runs:
+        ...         write(run.parts[""])
+    """
+
+    def __init__(
+        self,
+        src: ExportSource,
+        group_bytes: int,
+        progress: ProgressFn | None = None,
+        buffers: int = 3,
+    ) -> None:
+        self.src, self.group_bytes, self.progress = src, group_bytes, progress
+        self.free: queue.SimpleQueue[dict[str, Scratch] | None] = queue.SimpleQueue()
+        self.full: queue.SimpleQueue[ReadGroup | BaseException | None] = queue.SimpleQueue()
+        for _ in range(buffers):
+            self.free.put({part: Scratch() for part in src.parts})
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._read, name="featbake-export-read", daemon=True)
+
+    def __enter__(self) -> ReadAhead:
+        self.thread.start()
+        return self
+
+    def __iter__(self) -> Iterator[ReadGroup]:
+        """Each run once read; its buffers go back to the reader when the next is asked for.
+
+        Raises:
+            StoreCorrupt: a stored feature fails its checksum.
+            StoreError: a feature vanished during the export.
+        """
+        done, total = 0, len(self.src.present)
+        while (got := self.full.get()) is not None:
+            if isinstance(got, BaseException):
+                raise got
+            yield got
+            self.free.put(dict(got.buffers))
+            done += len(got.items)
+            if self.progress:
+                self.progress(GcProgress("export", done, total))
+
+    def _read(self) -> None:
+        """The reading thread: each run into a free buffer, until done or stopped."""
+        try:
+            # closed here, not by the garbage collector on another thread: its catalog's
+            # connection belongs to this one
+            with (
+                PartReads(self.src.layout) as reads,
+                contextlib.closing(located(self.src)) as batches,
+            ):
+                for batch in batches:
+                    for items in groups_of(batch, self.group_bytes):
+                        buffers = self.free.get()
+                        if buffers is None or self.stop.is_set():
+                            return
+                        self.full.put(reads.read_group(items, self.src.parts, buffers))
+            self.full.put(None)
+        except BaseException as e:  # handed to the writing thread, which raises it
+            self.full.put(e)
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.free.put(None)  # wakes the reader if it waits for a buffer
+        self.thread.join()
+
+
 def stream(src: ExportSource, progress: ProgressFn | None = None) -> Iterator[list[ExportItem]]:
     """The present items in the root's order, :data:`READ_BATCH` at a time, each part read
-    with its checksum checked; only the parts :attr:`ExportSource.parts` names.
+    with its checksum checked into a tensor of its own; only the parts
+    :attr:`ExportSource.parts` names. (The formats read through :class:`PartReads` into
+    reused memory instead; this is for callers that keep the items.)
 
     Raises:
         StoreError: a feature vanished during the export (gc, or a shard removed by hand).
         StoreCorrupt: a stored feature fails its checksum.
     """
-    reader = FeatureReader(src.layout, verify="always")
-    n = len(src.present)
-    try:
-        for start in range(0, n, READ_BATCH):
-            batch = src.present[start : start + READ_BATCH]
-            got = reader.get_many([k for _, k in batch])
-            items = []
-            for path, key in batch:
-                if key not in got:
-                    raise StoreError(
-                        f"feature {key} vanished during the export (gc ran, or its shard was "
-                        "removed by hand); run the export again, after `featbake verify "
-                        "--repair` if this persists"
-                    )
-                items.append(ExportItem(path, key, {p: got[key][p] for p in src.parts}))
-            yield items
-            if progress:
-                progress(GcProgress("export", start + len(batch), n))
-    finally:
-        reader.close()
+    with PartReads(src.layout) as reads:
+        for batch in located(src, progress):
+            yield [
+                ExportItem(item.path, item.key, {
+                    p: torch.from_numpy(reads.read_part(loc, Scratch()))
+                    if loc.dtype != "BF16" else _stored_tensor(reads, loc)
+                    for p, loc in zip(src.parts, item.locations, strict=True)
+                })
+                for item in batch
+            ]  # fmt: skip
+
+
+def _stored_tensor(reads: PartReads, loc: Location) -> torch.Tensor:
+    """A bfloat16 part as stored (callers of :func:`stream` widen it with :func:`as_numpy`)."""
+    t = torch.empty(loc.shape, dtype=torch.bfloat16)
+    reads.read(loc, t.view(torch.int16).numpy())
+    return t
 
 
 def as_numpy(t: torch.Tensor) -> np.ndarray:
     """A stored tensor as numpy: bfloat16, which numpy, Arrow and Zarr lack, widened exactly to
     float32; every other dtype as stored."""
     return t.to(torch.float32).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+
+
+# == output files ==================================================================================
+#: Disk space an :class:`OutputFile` reserves ahead of its writes, a step at a time.
+RESERVE_BYTES = 64 * 1024 * 1024
+
+
+def _fallocate() -> Callable[[int, int, int, int], int] | None:
+    """Linux's ``fallocate(fd, mode, offset, length)``, or None where libc lacks it
+    (``os.posix_fallocate`` would emulate it by writing zeros where a filesystem refuses)."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).fallocate
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_FALLOCATE = _fallocate()
+_KEEP_SIZE = 1  # FALLOC_FL_KEEP_SIZE: blocks reserved past the end, the file's size unchanged
+
+
+def reserve(fd: int, offset: int, nbytes: int) -> bool:
+    """Reserve ``nbytes`` of disk blocks at ``offset`` of ``fd`` without changing its size;
+    False where the platform or filesystem cannot, or the disk has not that much room left
+    (nothing reserved: the writes go on, and fail only where the bytes themselves do not fit).
+
+    Writing into reserved blocks skips the filesystem's per-page block reservation: ext4 took
+    the shard files' bytes into the page cache at 6.5-6.7 GB/s against 4.5-4.6 without
+    (512 KiB writes, this machine).
+    """
+    if _FALLOCATE is None or nbytes <= 0:
+        return False
+    return _FALLOCATE(fd, _KEEP_SIZE, offset, nbytes) == 0
+
+
+class OutputFile:
+    """A file an export writes in order with ``writev``, its disk blocks reserved ahead of the
+    writes (:func:`reserve`): ``expect`` bytes where the caller knows its size, else
+    :data:`RESERVE_BYTES` at a time; on close, what was reserved past the end is given back."""
+
+    def __init__(self, path: Path, expect: int = 0) -> None:
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _CLOEXEC, 0o644)
+        self.size = self.reserved = 0
+        self.reserving = True
+        self.expect = expect
+
+    def write(self, chunks: Sequence[bytes | memoryview | np.ndarray]) -> None:
+        """Write ``chunks`` one after another at the end of the file."""
+        views = [_bytes_of(c) for c in chunks]
+        nbytes = sum(v.nbytes for v in views)
+        if self.reserving and self.size + nbytes > self.reserved:
+            step = self.expect - self.reserved if self.expect else RESERVE_BYTES
+            ahead = max(step, self.size + nbytes - self.reserved)
+            self.reserving = reserve(self.fd, self.reserved, ahead)
+            self.reserved += ahead
+        write_all(self.fd, views)
+        self.size += nbytes
+
+    def close(self) -> None:
+        """Give back the blocks reserved past the end, and close."""
+        fd, self.fd = self.fd, -1
+        if fd < 0:
+            return
+        try:
+            if self.reserved > self.size:
+                os.ftruncate(fd, self.size)  # to its own size: frees the blocks past it
+        finally:
+            os.close(fd)
+
+    def __enter__(self) -> OutputFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def write_all(fd: int, chunks: Sequence[bytes | memoryview | np.ndarray]) -> None:
+    """Write ``chunks`` one after another to ``fd``: one ``writev``, and more where a write
+    comes back short (a signal, a full disk's last bytes)."""
+    views = [v for v in map(_bytes_of, chunks) if v.nbytes]
+    done = os.writev(fd, views[:_IOV_MAX]) if views else 0
+    while views:
+        if done >= views[0].nbytes:
+            done -= views.pop(0).nbytes
+            continue
+        views[0] = views[0][done:]
+        done = os.writev(fd, views[:_IOV_MAX])
+
+
+_IOV_MAX = 1024
+
+
+def _bytes_of(chunk: bytes | memoryview | np.ndarray) -> memoryview:
+    """A chunk's bytes as a flat view (no copy; an array C-ordered already)."""
+    if isinstance(chunk, np.ndarray):
+        return chunk.reshape(-1).view(np.uint8).data
+    return memoryview(chunk).cast("B")
 
 
 def rows_of(src: ExportSource, rows_for: RowsFor | None) -> list[Mapping[str, Any]] | None:

@@ -18,6 +18,7 @@ shards are written into ``OUT.partial/`` and the folder is renamed to ``OUT`` wh
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
@@ -30,13 +31,13 @@ from typing import Any
 import numpy as np
 
 from featbake.export.source import (
-    ExportItem,
     ExportJob,
     ExportReport,
-    as_numpy,
+    LocatedItem,
+    OutputFile,
+    ReadAhead,
     check_free,
     export_with,
-    stream,
 )
 
 #: A shard is closed once it holds this many bytes (webdataset's advice: 100 MB to 1 GB).
@@ -113,57 +114,103 @@ def _not_shards(path: Path) -> str | None:
 Chunks = Sequence[bytes | np.ndarray]
 
 
+def _ustar_template() -> tuple[bytes, int]:
+    """The header tarfile writes for a member named ``""`` of size 0 (mode 0644, mtime 0), with
+    its checksum field blank; and that header's byte sum."""
+    info = tarfile.TarInfo("")
+    info.size, info.mode, info.mtime = 0, 0o644, 0
+    head = bytearray(info.tobuf(tarfile.USTAR_FORMAT, "ascii", "strict"))
+    head[148:156] = b" " * 8  # the checksum is summed over blanks in its own field
+    return bytes(head), sum(head)
+
+
+_USTAR, _USTAR_SUM = _ustar_template()
+_ZERO_SIZE = b"%011o\0" % 0
+
+
+def tar_header(name: str, size: int) -> bytes:
+    """The header ``tarfile`` (``PAX_FORMAT``) writes before a regular member ``name`` of
+    ``size`` bytes, mode 0644, mtime 0 (pure).
+
+    A plain ustar block for an ASCII name of up to 100 characters and a size under 8 GiB,
+    patched into tarfile's own header (name, size, checksum): ``TarInfo.tobuf`` cost more than
+    a member's write. Any other name or size (a pax record first) through ``TarInfo.tobuf``.
+
+    Example:
+        >>> info = tarfile.TarInfo("a/b.npy"); info.size, info.mode, info.mtime = 9, 0o644, 0
+        >>> tar_header("a/b.npy", 9) == info.tobuf(tarfile.PAX_FORMAT)
+        True
+    """
+    raw = name.encode("ascii", "replace")
+    if len(raw) > 100 or not name.isascii() or not 0 <= size < 8**11:
+        info = tarfile.TarInfo(name)
+        info.size, info.mode, info.mtime = size, 0o644, 0
+        return info.tobuf(tarfile.PAX_FORMAT, tarfile.ENCODING, "surrogateescape")
+    digits = b"%011o\0" % size
+    check = _USTAR_SUM + sum(raw) + sum(digits) - sum(_ZERO_SIZE)
+    return b"".join((
+        raw, _USTAR[len(raw) : 124], digits, _USTAR[136:148], b"%06o\0 " % check, _USTAR[156:]
+    ))  # fmt: skip
+
+
 class ShardWriter:
     """Writes samples as members of numbered tar shards, a new shard past ``limit`` bytes.
 
     The bytes are those ``tarfile.open(shard, "w", format=tarfile.PAX_FORMAT)`` writes
-    (:meth:`tarfile.TarInfo.tobuf` headers, data padded to 512-byte blocks, two zero blocks
-    and a 10 KiB record at the end), but each member's data is written straight from its
-    array: ``tarfile.addfile`` copies it through a file object 16 KiB at a time, which cost
-    more than the write itself.
+    (:func:`tar_header`, data padded to 512-byte blocks, two zero blocks and a 10 KiB record
+    at the end), but a sample is one ``writev`` of its headers and each member's data straight
+    from its array: ``tarfile.addfile`` copies data through a file object 16 KiB at a time,
+    which cost more than the write itself.
     """
 
     def __init__(self, folder: Path, limit: int) -> None:
         self.folder, self.limit = folder, limit
         self.count, self.size = 0, 0
-        self.file: io.BufferedWriter | None = None
+        self.file: OutputFile | None = None
 
     def add(self, members: Mapping[str, Chunks]) -> int:
         """Write one sample's members, in order, into the current shard; their data's bytes
         (headers and padding not counted)."""
         if self.file is None or self.size >= self.limit:
             self.close()
-            # closed by close(): one shard is open at a time, across add() calls
-            self.file = open(self.folder / f"shard-{self.count:06d}.tar", "wb")  # noqa: SIM115
+            self.file = OutputFile(self.folder / f"shard-{self.count:06d}.tar")
             self.count, self.size = self.count + 1, 0
+        out: list[bytes | np.ndarray] = []
         data = 0
         for name, chunks in members.items():
             size = sum(_nbytes(c) for c in chunks)
-            self.size += self._member(self.file, name, chunks, size)
+            header = tar_header(name, size)
+            out += (header, *chunks, _ZEROS[: -size % tarfile.BLOCKSIZE])
+            self.size += len(header) + size + (-size % tarfile.BLOCKSIZE)
             data += size
+        self.file.write(out)
         return data
-
-    @staticmethod
-    def _member(file: io.BufferedWriter, name: str, chunks: Chunks, size: int) -> int:
-        """Write one member of ``size`` data bytes; the bytes it took in the tar."""
-        info = tarfile.TarInfo(name)
-        info.size = size
-        info.mode, info.mtime = 0o644, 0
-        header = info.tobuf(tarfile.PAX_FORMAT, tarfile.ENCODING, "surrogateescape")
-        file.write(header)
-        for chunk in chunks:
-            file.write(chunk.data if isinstance(chunk, np.ndarray) else chunk)
-        pad = -info.size % tarfile.BLOCKSIZE
-        file.write(tarfile.NUL * pad)
-        return len(header) + info.size + pad
 
     def close(self) -> None:
         """End the current shard as tarfile does: two zero blocks, then zeros to a record."""
         if self.file is not None:
             end = tarfile.NUL * (2 * tarfile.BLOCKSIZE)
-            self.file.write(end + tarfile.NUL * (-(self.size + len(end)) % tarfile.RECORDSIZE))
-            self.file.close()
-            self.file = None
+            file, self.file = self.file, None
+            with file:
+                file.write([end + tarfile.NUL * (-(self.size + len(end)) % tarfile.RECORDSIZE)])
+
+
+_ZEROS = bytes(tarfile.BLOCKSIZE)
+
+
+@functools.lru_cache(maxsize=4096)
+def npy_header(dtype: np.dtype[Any], shape: tuple[int, ...]) -> bytes:
+    """The header ``numpy.save`` writes before a C-ordered array of ``dtype`` and ``shape``
+    (kept per dtype and shape: an export's items share a few)."""
+    head = io.BytesIO()
+    fields = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
+              "shape": shape}  # fmt: skip
+    try:
+        np.lib.format.write_array_header_1_0(head, fields)
+    except ValueError:  # a header too long for version 1.0 (as numpy.save falls back)
+        head = io.BytesIO()
+        np.lib.format.write_array_header_2_0(head, fields)
+    return head.getvalue()
 
 
 def npy_chunks(array: np.ndarray) -> list[bytes | np.ndarray]:
@@ -176,24 +223,13 @@ def npy_chunks(array: np.ndarray) -> list[bytes | np.ndarray]:
         True
     """
     array = np.ascontiguousarray(array)
-    head = io.BytesIO()
-    fields = np.lib.format.header_data_from_array_1_0(array)
-    try:
-        np.lib.format.write_array_header_1_0(head, fields)
-    except ValueError:  # a header too long for version 1.0 (as numpy.save falls back)
-        head = io.BytesIO()
-        np.lib.format.write_array_header_2_0(head, fields)
-    return [head.getvalue(), array]
+    return [npy_header(array.dtype, array.shape), array]
 
 
-def _sample(
-    item: ExportItem, key: str, names: Mapping[str, str], row: Mapping[str, Any]
-) -> dict[str, Chunks]:
-    """One sample's members: each part as ``.npy``, then the JSON of its id, key and row."""
-    members: dict[str, Chunks] = {names[p]: npy_chunks(as_numpy(t)) for p, t in item.parts.items()}
-    meta = {**row, "id": item.path, "key": item.key}
-    members[f"{key}.json"] = [json.dumps(meta, sort_keys=True, default=str).encode()]
-    return members
+def _meta(item: LocatedItem, row: Mapping[str, Any]) -> bytes:
+    """A sample's JSON member: its id, key and row."""
+    return json.dumps({**row, "id": item.path, "key": item.key}, sort_keys=True,
+                      default=str).encode()  # fmt: skip
 
 
 class WebDataset:
@@ -202,21 +238,33 @@ class WebDataset:
     check_destination = staticmethod(check_destination)
 
     def write(self, job: ExportJob) -> int:
+        """Each run of samples read ahead (:class:`~featbake.export.source.ReadAhead`) and
+        each sample written with its headers in one ``writev``: an item's bytes are copied
+        twice, store to buffer (checked there) and buffer to shard."""
+        parts = list(job.src.parts)
         keys = unique_keys([path for path, _ in job.src.present])
         job.partial.mkdir()
         shards = ShardWriter(job.partial, SHARD_BYTES)
-        written, at = 0, 0
-        try:
-            for items in stream(job.src, job.progress):
-                for item in items:
-                    names = member_names(keys[at], list(job.src.parts))
-                    row = job.rows[at] if job.rows is not None else {}
-                    members = _sample(item, keys[at], names, row)
-                    written += shards.add(members)
-                    at += 1
-        finally:
-            shards.close()
+        written = 0
+        with ReadAhead(job.src, GROUP_BYTES, job.progress) as runs:
+            try:
+                for run in runs:
+                    for j, item in enumerate(run.items):
+                        key = keys[item.at]
+                        names = member_names(key, parts)
+                        members: dict[str, Chunks] = {
+                            names[p]: npy_chunks(run.parts[p][j]) for p in parts
+                        }
+                        row = job.rows[item.at] if job.rows is not None else {}
+                        members[f"{key}.json"] = [_meta(item, row)]
+                        written += shards.add(members)
+            finally:
+                shards.close()
         return written
+
+
+#: Bytes of samples read ahead at a time (three such buffers: within the L3 cache here).
+GROUP_BYTES = 4 * 1024 * 1024
 
 
 def _nbytes(chunk: bytes | np.ndarray) -> int:

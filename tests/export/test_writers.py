@@ -4,9 +4,13 @@ format's compression, every feature read back (without featbake) equal to the en
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import io
 import json
+import os
 import tarfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -15,12 +19,15 @@ import torch
 import zarr
 
 from featbake.errors import ConfigError
+from featbake.export import parquet as parquet_export
 from featbake.export import source
+from featbake.export import webdataset as webdataset_export
 from featbake.export import zarr as zarr_export
 from featbake.export.parquet import export_parquet
-from featbake.export.source import open_source, stream
-from featbake.export.webdataset import ShardWriter, npy_chunks
+from featbake.export.source import RESERVE_BYTES, OutputFile, open_source, stream
+from featbake.export.webdataset import ShardWriter, export_webdataset, npy_chunks, tar_header
 from featbake.export.zarr import export_zarr
+from featbake.recipe import Recipe
 from tests.helpers import Live, bake, manifest
 
 pq = pytest.importorskip("pyarrow.parquet")
@@ -63,6 +70,53 @@ def test_a_corrupt_item_in_a_later_row_group_stops_the_parquet_export(
     assert not (tmp_path / "bad.parquet").exists()
 
 
+@pytest.mark.parametrize("fmt", ["zarr", "webdataset"])
+def test_a_corrupt_item_read_ahead_stops_the_export_and_leaves_nothing(
+    fmt: str,
+    encoder_file: Path,
+    audio_dir: Path,
+    store_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The reading thread's StoreCorrupt is raised by the export, after earlier runs were
+    written; the thread is gone once the export returns."""
+    from featbake.errors import StoreCorrupt
+
+    bake(audio_dir, encoder_file, store_dir)
+    monkeypatch.setattr(source, "READ_BATCH", 4)
+    shard = max(store_dir.rglob("*.safetensors"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF  # the shard's last item: read after others were written
+    shard.write_bytes(bytes(data))
+    export = {"zarr": export_zarr, "webdataset": export_webdataset}
+    with pytest.raises(StoreCorrupt, match="checksum mismatch"):
+        export[fmt](tmp_path / "out", cache=store_dir)
+    assert not list(tmp_path.glob("out*"))
+    assert not [t for t in threading.enumerate() if t.name.startswith("featbake-export-")]
+
+
+def test_an_error_while_writing_stops_the_reading_thread(
+    encoder_file: Path,
+    audio_dir: Path,
+    store_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    bake(audio_dir, encoder_file, store_dir)
+    monkeypatch.setattr(source, "READ_BATCH", 2)
+    monkeypatch.setattr(webdataset_export, "GROUP_BYTES", 1)  # a run per item: more to read
+
+    def full(*args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ShardWriter, "add", full)
+    with pytest.raises(OSError, match="No space left"):
+        export_webdataset(tmp_path / "w", cache=store_dir)
+    assert not (tmp_path / "w").exists() and not (tmp_path / "w.partial").exists()
+    assert not [t for t in threading.enumerate() if t.name == "featbake-export-read"]
+
+
 # -- the tar writer ---------------------------------------------------------------------------
 
 
@@ -100,6 +154,77 @@ def test_shards_are_the_bytes_tarfile_writes_and_npy_members_what_numpy_save_wri
     assert (tmp_path / "shard-000000.tar").read_bytes() == (tmp_path / "tarfile.tar").read_bytes()
 
 
+@pytest.mark.parametrize("length", [1, 99, 100, 101, 250])
+@pytest.mark.parametrize("size", [0, 1, 511, 512, 513, 8**11 - 1, 8**11])
+def test_tar_headers_are_tarfiles_own_for_any_name_length_and_size(length: int, size: int) -> None:
+    name = ("d/" + "n" * length)[-length:]
+    for each in (name, name[:-1] + "é"):  # not ASCII: tarfile's pax record
+        info = tarfile.TarInfo(each)
+        info.size, info.mode, info.mtime = size, 0o644, 0
+        assert tar_header(each, size) == info.tobuf(tarfile.PAX_FORMAT), (len(each), size)
+
+
+def test_a_long_member_name_round_trips_through_tarfile_and_webdataset(tmp_path: Path) -> None:
+    """A key past ustar's 100-character name field (a pax record), data of sizes that are not
+    whole blocks: tarfile reads every name, size and byte back, webdataset one sample per key."""
+    wds = pytest.importorskip("webdataset")
+    rng = np.random.default_rng(1)
+    keys = ["deep/" * 25 + "clip_wav", "short"]
+    arrays = [rng.standard_normal((3, 7)).astype(np.float16), rng.standard_normal(5)]
+    writer = ShardWriter(tmp_path, 1 << 30)
+    for key, a in zip(keys, arrays, strict=True):
+        writer.add({f"{key}.npy": npy_chunks(a), f"{key}.json": [b'{"id": 1}']})
+    writer.close()
+    shard = tmp_path / "shard-000000.tar"
+    assert len(keys[0]) + 4 > 100 and shard.stat().st_size % tarfile.RECORDSIZE == 0
+    with tarfile.open(shard) as tar:
+        members = tar.getmembers()
+        assert [m.name for m in members] == [f"{k}.{e}" for k in keys for e in ("npy", "json")]
+        for m, a in zip(members[::2], arrays, strict=True):
+            data = tar.extractfile(m).read()  # type: ignore[union-attr]
+            assert m.size == len(data) == len(b"".join(bytes(c) for c in npy_chunks(a)))
+            np.testing.assert_array_equal(np.load(io.BytesIO(data)), a)
+    samples = list(wds.WebDataset(str(shard), shardshuffle=False).decode())
+    assert [s["__key__"] for s in samples] == keys
+    for sample, a in zip(samples, arrays, strict=True):
+        np.testing.assert_array_equal(sample["npy"], a)
+
+
+def test_output_files_write_whole_through_short_writes_and_give_back_what_they_reserved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writev = os.writev
+    monkeypatch.setattr(os, "writev", lambda fd, bufs: writev(fd, [bytes(bufs[0])[:7]]))
+    want = [b"head", np.arange(300, dtype=np.float32), b"", np.zeros((0, 3)), b"tail"]
+    with OutputFile(tmp_path / "f.bin") as out:
+        out.write(want)
+        out.write([b"more"])
+    got = (tmp_path / "f.bin").read_bytes()
+    assert got == b"".join(bytes(np.asarray(c).data) if not isinstance(c, bytes) else c
+                           for c in want) + b"more"  # fmt: skip
+    stat = (tmp_path / "f.bin").stat()
+    assert stat.st_size == len(got) and stat.st_blocks * 512 < RESERVE_BYTES
+
+
+def test_an_output_file_is_written_whole_where_no_blocks_can_be_reserved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A disk with less room than a reservation step (fallocate fails) still takes the
+    bytes: the reservation is given up, the writes go on."""
+    calls: list[int] = []
+
+    def no_room(fd: int, mode: int, offset: int, nbytes: int) -> int:
+        calls.append(nbytes)
+        ctypes.set_errno(errno.ENOSPC)
+        return -1
+
+    monkeypatch.setattr(source, "_FALLOCATE", no_room)
+    with OutputFile(tmp_path / "f.bin") as out:
+        for _ in range(3):
+            out.write([b"x" * 1000])
+    assert (tmp_path / "f.bin").read_bytes() == b"x" * 3000 and calls == [RESERVE_BYTES]
+
+
 # -- zarr blocks and compression --------------------------------------------------------------
 
 
@@ -127,6 +252,91 @@ def test_zarr_values_written_in_blocks_of_chunks_read_back_equal_to_live(
         torch.testing.assert_close(torch.from_numpy(g["pooled/values"][i]), want["pooled"])
         got = torch.from_numpy(hidden[int(offsets[i]) : int(offsets[i + 1])])
         torch.testing.assert_close(got, want["hidden"])
+
+
+def test_zarr_chunk_files_are_the_bytes_zarr_writes_itself(
+    multi_encoder_file: Path,
+    audio_dir: Path,
+    store_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The uncompressed values' chunk files, written by the export itself (items straddling
+    chunks, the edge chunk zero-padded), hold the bytes zarr writes for the same values."""
+    bake(audio_dir, multi_encoder_file, store_dir)
+    monkeypatch.setattr(zarr_export, "CHUNK_BYTES", 700)  # hidden: 5 rows of 128 bytes
+    export_zarr(tmp_path / "o.zarr", cache=store_dir)
+    g = zarr.open_group(str(tmp_path / "o.zarr"), mode="r")
+    assert g["hidden/values"].shape[0] % g["hidden/values"].chunks[0]  # an edge chunk
+    for name in ("hidden/values", "pooled/values"):
+        ours = g[name]
+        ref = zarr.create_array(
+            str(tmp_path / "ref" / name), shape=ours.shape, chunks=ours.chunks,
+            dtype=ours.dtype, compressors=None, dimension_names=ours.metadata.dimension_names,
+        )  # fmt: skip
+        ref[:] = ours[:]
+        files = {
+            f.relative_to(tmp_path / "o.zarr" / name): f.read_bytes()
+            for f in (tmp_path / "o.zarr" / name).rglob("c/**/*")
+            if f.is_file()
+        }
+        assert len(files) == -(-ours.shape[0] // ours.chunks[0])
+        assert files == {
+            f.relative_to(tmp_path / "ref" / name): f.read_bytes()
+            for f in (tmp_path / "ref" / name).rglob("c/**/*")
+            if f.is_file()
+        }
+
+
+def test_parquet_row_groups_are_cut_by_bytes_and_read_back_equal_to_live(
+    encoder_file: Path,
+    audio_dir: Path,
+    store_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    live = Live()
+    bake(audio_dir, encoder_file, store_dir)
+    monkeypatch.setattr(parquet_export, "ROW_GROUP_BYTES", 4_000)  # a few items a group
+    monkeypatch.setattr(source, "READ_BATCH", 7)
+    export_parquet(tmp_path / "g.parquet", cache=store_dir)
+    meta = pq.ParquetFile(tmp_path / "g.parquet").metadata
+    sizes = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+    assert sum(sizes) == 16 and max(sizes) < 7 and len(sizes) > 3
+    for rec in pq.read_table(tmp_path / "g.parquet").to_pylist():
+        got = torch.tensor(np.array(rec["features"], dtype=np.float32))
+        assert list(got.shape) == rec["features_shape"]
+        torch.testing.assert_close(got, live(encoder_file, audio_dir / rec["id"]))
+
+
+def test_a_bfloat16_root_exports_widened_exactly_in_every_format(
+    encoder_file: Path, audio_dir: Path, store_dir: Path, tmp_path: Path
+) -> None:
+    """float32 values whose low 16 bits are zero (bfloat16 widened, not rounded), equal to the
+    encoder run now in bfloat16 (to its last bit: a batch of one may round one value apart)."""
+    wds = pytest.importorskip("webdataset")
+    live, recipe = Live(), Recipe(dtype="bfloat16")
+    bake(audio_dir, encoder_file, store_dir, recipe=recipe)
+
+    def check(got: np.ndarray, rel: str) -> None:
+        assert got.dtype == np.float32 and not (got.view(np.uint32) & 0xFFFF).any()
+        want = live(encoder_file, audio_dir / rel, recipe)
+        torch.testing.assert_close(torch.from_numpy(got).to(torch.bfloat16), want)
+
+    export_zarr(tmp_path / "b.zarr", cache=store_dir)
+    g = zarr.open_group(str(tmp_path / "b.zarr"), mode="r")
+    offsets = g["offsets"][:]
+    for i, rel in enumerate(g["paths"][:]):
+        check(g["values"][int(offsets[i]) : int(offsets[i + 1])], str(rel))
+
+    export_parquet(tmp_path / "b.parquet", cache=store_dir)
+    for rec in pq.read_table(tmp_path / "b.parquet").to_pylist():
+        check(np.array(rec["features"], dtype=np.float32), rec["id"])
+
+    export_webdataset(tmp_path / "b-wds", cache=store_dir)
+    shard = str(tmp_path / "b-wds" / "shard-000000.tar")
+    for sample in wds.WebDataset(shard, shardshuffle=False).decode():
+        check(sample["npy"], sample["json"]["id"])
 
 
 def test_compression_is_a_choice_each_format_reads_back(
