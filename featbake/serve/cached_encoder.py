@@ -25,7 +25,6 @@ import os
 import time
 import warnings
 import weakref
-import zlib
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
@@ -49,7 +48,7 @@ from featbake.store.catalog import Catalog
 from featbake.store.features import FeatureReader
 from featbake.store.open import open_store, place_of
 from featbake.store.roots import RootSpec
-from featbake.store.shard import SealedShard, tensor_buffer
+from featbake.store.shard import SealedShard, crc32c_tensor, tensor_buffer
 from featbake.units import parse_bytes
 
 
@@ -145,13 +144,16 @@ def _short(value: Any) -> str:
 
 
 def _weight_probe(tensors: list[torch.Tensor]) -> tuple[int, ...]:
-    """A cheap digest of every tensor's bytes: CRC-32 on the CPU, a byte sum on a device."""
+    """A cheap digest of every tensor's bytes: CRC-32C on the CPU (the compiled kernel the
+    store's reads use, about 4x zlib's CRC-32 on weights: ~8 ms for 226 MB), a byte sum on a
+    device. It is taken before each batch of misses a dataset encodes with an in-process
+    module, so its speed is part of live encoding's."""
     out: list[int] = []
     on_device: list[torch.Tensor] = []
     for t in tensors:
         t = t.detach()
         if t.device.type == "cpu":
-            out.append(zlib.crc32(tensor_buffer(t)))
+            out.append(crc32c_tensor(t))
         elif t.numel():
             b = t.contiguous().view(-1).view(torch.uint8)
             on_device.append(torch.stack([b.sum(dtype=torch.int64), b[::3].sum(dtype=torch.int64)]))
