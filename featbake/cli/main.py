@@ -62,6 +62,29 @@ def main(argv: list[str] | None = None) -> None:
     leave_child(code)
 
 
+#: What an interrupted command leaves, by command (a build keeps the shards it sealed; an export
+#: removes its partial output; the rest change the store in steps that a rerun finishes).
+INTERRUPTED = {
+    "build": "everything sealed so far is kept; rerun to continue",
+    "export": "the export was not written (its partial output is removed); rerun it",
+}
+
+
+def interrupted_line(argv: list[str] | None) -> str:
+    """The line after "interrupted:" for the command ``argv`` runs (the console script's own
+    arguments when None).
+
+    Example:
+        >>> interrupted_line(["export", "--format", "zarr", "f.zarr"])
+        'the export was not written (its partial output is removed); rerun it'
+        >>> interrupted_line(["--version"])
+        'rerun the command to finish it'
+    """
+    args = sys.argv[1:] if argv is None else argv
+    command = next((a for a in args if not a.startswith("-")), "")
+    return INTERRUPTED.get(command, "rerun the command to finish it")
+
+
 def _run(argv: list[str] | None) -> None:
     """Run the app; featbake errors become one red line and an exit code."""
     if threading.current_thread() is threading.main_thread():
@@ -74,9 +97,7 @@ def _run(argv: list[str] | None) -> None:
         code = app(args=argv, standalone_mode=False)
         if isinstance(code, int) and code != 0:
             if code == 130:
-                console.print(
-                    "[bold red]interrupted:[/] everything sealed so far is kept; rerun to continue"
-                )
+                console.print(f"[bold red]interrupted:[/] {interrupted_line(argv)}")
             sys.exit(code)
     except FeatbakeError as e:
         if os.environ.get("FEATBAKE_DEBUG"):
@@ -89,9 +110,7 @@ def _run(argv: list[str] | None) -> None:
         console.print(f"[bold red]{word}:[/] {escape(line)}", soft_wrap=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
-        console.print(
-            "[bold red]interrupted:[/] everything sealed so far is kept; rerun to continue"
-        )
+        console.print(f"[bold red]interrupted:[/] {interrupted_line(argv)}")
         sys.exit(130)
     except typer.Exit as e:
         sys.exit(e.exit_code)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -622,12 +623,8 @@ def export(
                 out_path, cache=store, root=root, overwrite=overwrite, output=output,
                 layers=chosen, rows_for=_root_rows(column), progress=tick_bar(bar, {}),
             )  # fmt: skip
-    except OSError as e:  # the OS refused a path: OUT's folder is missing, read-only, not a folder
-        where = e.filename if e.filename is not None else out_path
-        raise StoreError(
-            f"cannot write the export {out_path}: {e.strerror or e} ({where}); choose an OUT "
-            "inside a folder you can write to"
-        ) from e
+    except OSError as e:  # the OS refused a path or a write: nothing is left at OUT
+        raise StoreError(export_write_error(out_path, e)) from e
     if as_json:
         out.print_json(json.dumps(report.to_json()))
     else:
@@ -647,6 +644,32 @@ def _export_layers(text: str | None) -> tuple[int, ...] | None:
         return None
     layers = parse_layers(text)
     return None if isinstance(layers, str) else layers
+
+
+#: What to do when the OS refuses an export's write, by errno: a disk out of room or quota,
+#: or a file over the process's size limit, is not fixed by another folder on the same disk.
+_NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+def export_write_error(out_path: Path, e: OSError) -> str:
+    """The one line for an export the OS refused (OUT's folder missing, read-only, not a
+    folder; or the disk full): what happened, where, and what to do.
+
+    Example:
+        >>> line = export_write_error(Path("f"), OSError(errno.ENOSPC, "No space left on device"))
+        >>> line.startswith("cannot write the export f: No space left on device; nothing was left")
+        True
+        >>> line.endswith("free space or choose an OUT on another disk")
+        True
+    """
+    where = f" ({e.filename})" if e.filename is not None else ""
+    todo = (
+        "free space or choose an OUT on another disk"
+        if e.errno in _NO_ROOM
+        else "choose an OUT inside a folder you can write to"
+    )
+    what = f"{e.strerror or e}{where}"
+    return f"cannot write the export {out_path}: {what}; nothing was left there: {todo}"
 
 
 def _exporter(fmt: str, compression: str | None = None) -> Any:

@@ -22,6 +22,7 @@ JSON).
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -180,7 +181,9 @@ def _arrow_type(lay: PartLayout) -> Any:
 
     dtype = pa.from_numpy_dtype(served_dtype(lay.dtype))
     for size in reversed(lay.trailing):
-        dtype = pa.list_(dtype, size)
+        # An axis of length 0 is a list of variable size (all empty): Arrow refuses a fixed
+        # size of 0, and Parquet cannot read one back. The shape column holds the true shape.
+        dtype = pa.list_(dtype, size) if size else pa.list_(dtype)
     return pa.list_(dtype) if lay.ragged else dtype
 
 
@@ -220,8 +223,13 @@ def _item_array(array: np.ndarray, lay: PartLayout) -> Any:
     import pyarrow as pa
 
     values: Any = pa.array(array.reshape(-1))
-    for size in reversed(lay.trailing):
-        values = pa.FixedSizeListArray.from_arrays(values, size)
+    shape = array.shape
+    for axis in reversed(range(len(shape) - len(lay.trailing), len(shape))):
+        if shape[axis]:
+            values = pa.FixedSizeListArray.from_arrays(values, shape[axis])
+        else:  # as many empty lists as the axes before it hold (see _arrow_type)
+            empty = np.zeros(math.prod(shape[:axis]) + 1, np.int32)
+            values = pa.ListArray.from_arrays(pa.array(empty), values)
     if not lay.ragged:
         return values
     return pa.ListArray.from_arrays(pa.array([0, array.shape[0]], pa.int32()), values)

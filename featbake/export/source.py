@@ -539,12 +539,14 @@ def groups_of(items: Sequence[LocatedItem], limit: int) -> list[list[LocatedItem
         >>> item = lambda n: LocatedItem(0, "p", "k", (Location("k", "", "s", "F32", (n,), 4 * n),))
         >>> [len(g) for g in groups_of([item(2), item(2), item(5), item(1)], 16)]
         [2, 1, 1]
+        >>> [len(g) for g in groups_of([item(0), item(4), item(0)], 16)]  # an empty item first
+        [3]
     """
     groups: list[list[LocatedItem]] = []
-    size = limit
+    size = 0
     for item in items:
         nbytes = sum(served_bytes(loc) for loc in item.locations)
-        if size + nbytes > limit:
+        if not groups or size + nbytes > limit:
             groups.append([])
             size = 0
         groups[-1].append(item)

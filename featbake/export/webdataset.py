@@ -221,8 +221,10 @@ def npy_chunks(array: np.ndarray) -> list[bytes | np.ndarray]:
         >>> import io; buf = io.BytesIO(); a = np.arange(3.0); np.save(buf, a)
         >>> b"".join(bytes(c) for c in npy_chunks(a)) == buf.getvalue()
         True
+        >>> npy_chunks(np.float32(2.5))[1].shape  # a per-item scalar stays 0-d, as np.save keeps it
+        ()
     """
-    array = np.ascontiguousarray(array)
+    array = np.asarray(array, order="C")  # not ascontiguousarray: it makes a 0-d array 1-d
     return [npy_header(array.dtype, array.shape), array]
 
 

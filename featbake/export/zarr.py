@@ -187,7 +187,9 @@ def _open_partial(
 
     if partial.exists():
         shutil.rmtree(partial)
-    group = zarr.open_group(str(partial), mode="w")
+    # v3 whatever ZARR_DEFAULT_ZARR_FORMAT says: dimension names and the chunk files written
+    # here (plain_chunks) are v3's
+    group = zarr.open_group(str(partial), mode="w", zarr_format=3)
     chosen, n = src.root, len(src.present)
     group.update_attributes(  # at once: attrs.update rewrote zarr.json once per key
         {
@@ -206,9 +208,14 @@ def _open_partial(
     )
     groups = {part: group if part == "" else group.create_group(part) for part in layouts}
     codecs, per_write = value_codecs(compression), max(1, CHUNKS_PER_WRITE // len(layouts))
-    writers = {
-        part: _PartWriter(groups[part], lay, n, codecs, per_write) for part, lay in layouts.items()
-    }
+    writers: dict[str, _PartWriter] = {}
+    try:
+        for part, lay in layouts.items():
+            writers[part] = _PartWriter(groups[part], lay, n, codecs, per_write)
+    except BaseException:  # a full disk at the second part: the first's chunk file is open
+        for writer in writers.values():
+            writer.close()
+        raise
     return group, groups, writers
 
 

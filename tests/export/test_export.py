@@ -174,3 +174,33 @@ def test_an_int8_root_is_refused_not_exported_as_packed_codes(
     with pytest.raises(ConfigError, match="stores int8, which export does not dequantise"):
         export_zarr(tmp_path / "out.zarr", cache=store, root=report.root)
     assert not (tmp_path / "out.zarr").exists()
+
+
+@pytest.mark.parametrize("fmt", ["zarr", "parquet", "webdataset"])
+def test_an_export_over_the_file_size_limit_says_so_and_leaves_nothing(
+    fmt: str, encoder_file: Path, audio_dir: Path, store_dir: Path, tmp_path: Path
+) -> None:
+    """The OS refusing a write for room (here RLIMIT_FSIZE: "File too large", as a full disk
+    gives "No space left on device") is one line that says to free space, not to choose a
+    folder one can write to, and nothing is left at OUT; the CLI, in a process of its own."""
+    import resource
+
+    from tests.conftest import run_cli
+
+    bake(audio_dir, encoder_file, store_dir)
+    out = tmp_path / f"out.{fmt}"
+    # room for every file of the store to grow by a little (SQLite's journal), not for the
+    # export's one file (or zarr's one chunk) of all the features
+    largest = max(p.stat().st_size for p in store_dir.rglob("*") if p.is_file())
+    limit = largest + 65_536
+    assert sum(p.stat().st_size for p in store_dir.rglob("*.safetensors")) > 2 * limit
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    r = run_cli("export", "--format", fmt, out, "--cache", store_dir, preexec_fn=small_files)
+    assert r.returncode == 5, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: cannot write the export {out}: ")
+    assert "File too large" in lines[0] and lines[0].endswith("choose an OUT on another disk")
+    assert not out.exists() and not Path(f"{out}.partial").exists()

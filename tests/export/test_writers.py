@@ -133,8 +133,8 @@ def test_shards_are_the_bytes_tarfile_writes_and_npy_members_what_numpy_save_wri
     ]
     for a in arrays:
         saved = io.BytesIO()
-        np.save(saved, np.ascontiguousarray(a), allow_pickle=False)
-        assert b"".join(bytes(c) for c in npy_chunks(a)) == saved.getvalue()
+        np.save(saved, np.asarray(a, order="C"), allow_pickle=False)  # a 0-d array stays 0-d
+        assert b"".join(memoryview(c).tobytes() for c in npy_chunks(a)) == saved.getvalue()
 
     members = {f"s{i}/{'long' * 30 if i == 1 else 'x'}.npy": a for i, a in enumerate(arrays)}
     meta = {"s0.json": json.dumps({"id": "clip é.wav"}).encode()}
@@ -145,7 +145,7 @@ def test_shards_are_the_bytes_tarfile_writes_and_npy_members_what_numpy_save_wri
 
     with tarfile.open(tmp_path / "tarfile.tar", "w", format=tarfile.PAX_FORMAT) as tar:
         for name, data in [
-            *((n, b"".join(bytes(c) for c in npy_chunks(a))) for n, a in members.items()),
+            *((n, b"".join(memoryview(c).tobytes() for c in npy_chunks(a))) for n, a in members.items()),
             *meta.items(),
         ]:
             info = tarfile.TarInfo(name)
@@ -182,7 +182,7 @@ def test_a_long_member_name_round_trips_through_tarfile_and_webdataset(tmp_path:
         assert [m.name for m in members] == [f"{k}.{e}" for k in keys for e in ("npy", "json")]
         for m, a in zip(members[::2], arrays, strict=True):
             data = tar.extractfile(m).read()  # type: ignore[union-attr]
-            assert m.size == len(data) == len(b"".join(bytes(c) for c in npy_chunks(a)))
+            assert m.size == len(data) == len(b"".join(memoryview(c).tobytes() for c in npy_chunks(a)))
             np.testing.assert_array_equal(np.load(io.BytesIO(data)), a)
     samples = list(wds.WebDataset(str(shard), shardshuffle=False).decode())
     assert [s["__key__"] for s in samples] == keys
@@ -365,3 +365,120 @@ def test_compression_is_a_choice_each_format_reads_back(
         export_zarr(tmp_path / "s.zarr", cache=store_dir, compression="snappy")
     with pytest.raises(ConfigError, match="unknown compression 'lzma'; choose one of none"):
         export_parquet(tmp_path / "l.parquet", cache=store_dir, compression="lzma")
+
+
+# -- empty items and per-item scalars --------------------------------------------------------
+
+
+class FramesAndScalar(torch.nn.Module):
+    """``frames`` ``[B, T // 1000, 16]`` (no frame under 1000 samples) and ``scalar`` ``[B]``."""
+
+    def forward(self, wav: torch.Tensor) -> dict[str, torch.Tensor]:
+        b, t = wav.shape
+        n = t // 1000
+        frames = wav[:, : n * 1000].reshape(b, n, 1000)[:, :, :16] * 1000.0
+        return {"frames": frames, "scalar": wav.sum(dim=1)}
+
+
+@pytest.mark.parametrize("seconds", [(0.03, 0.5, 1.3), (0.03, 0.04)], ids=["first", "all"])
+def test_empty_items_and_per_item_scalars_export_in_every_format(
+    seconds: tuple[float, ...], tmp_path: Path
+) -> None:
+    """An item of no frames first in a run ("first": its part ragged), or in every item ("all":
+    the part dense, ``[0, 16]`` each), and a part of shape ``()`` each: every format exports
+    them equal to the encoder run now, shapes and all. Before, an empty first item of a run
+    raised IndexError in every format, webdataset wrote a scalar as ``(1,)``, and Parquet
+    refused an axis of length 0 (Arrow has no fixed-size list of 0)."""
+    import soundfile
+
+    from featbake.testing import make_tone, save_torchscript
+
+    audio = tmp_path / "audio"
+    audio.mkdir()
+    for i, s in enumerate(seconds):
+        soundfile.write(audio / f"c{i}.wav", make_tone(s, seed=i), 16000)
+    enc = save_torchscript(FramesAndScalar(), tmp_path / "enc.pt")
+    store, live = tmp_path / "store", Live()
+    bake(audio, enc, store)
+    got: dict[str, dict[tuple[str, str], np.ndarray]] = {"zarr": {}, "parquet": {}, "wds": {}}
+
+    export_zarr(tmp_path / "o.zarr", cache=store)
+    g = zarr.open_group(str(tmp_path / "o.zarr"), mode="r")
+    for i, rel in enumerate(g["paths"][:]):
+        for part in ("frames", "scalar"):
+            values = g[part]["values"]
+            if "offsets" in g[part]:
+                o = g[part]["offsets"][:]
+                got["zarr"][str(rel), part] = np.asarray(values[int(o[i]) : int(o[i + 1])])
+            else:
+                got["zarr"][str(rel), part] = np.asarray(values[i])
+
+    export_parquet(tmp_path / "o.parquet", cache=store)
+    for rec in pq.read_table(tmp_path / "o.parquet").to_pylist():
+        for part in ("frames", "scalar"):
+            shape = rec[part + "_shape"]
+            got["parquet"][rec["id"], part] = np.array(rec[part], np.float32).reshape(shape)
+
+    export_webdataset(tmp_path / "o-wds", cache=store)
+    with tarfile.open(tmp_path / "o-wds" / "shard-000000.tar") as tar:
+        members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}  # type: ignore[union-attr]
+    ids = {n.split(".")[0]: json.loads(b)["id"] for n, b in members.items() if n.endswith(".json")}
+    for name, data in members.items():
+        if name.endswith(".npy"):
+            key, part, _ = name.split(".")
+            got["wds"][ids[key], part] = np.load(io.BytesIO(data))
+
+    for fmt, export in (("zarr", export_zarr), ("parquet", export_parquet),
+                        ("wds", export_webdataset)):  # fmt: skip
+        report = export(tmp_path / f"frames-{fmt}", cache=store, output="frames")
+        assert report.items == len(seconds), fmt  # the first run's first item has no bytes
+    for fmt, arrays in got.items():
+        assert len(arrays) == 2 * len(seconds), fmt
+        for (rel, part), array in arrays.items():
+            want = live(enc, audio / rel)[part]  # type: ignore[index]
+            assert array.shape == tuple(want.shape), (fmt, rel, part)
+            torch.testing.assert_close(torch.from_numpy(np.array(array)), want, msg=f"{fmt} {rel}")
+
+
+def test_a_zarr_export_failing_at_its_second_part_closes_the_first_parts_files(
+    multi_encoder_file: Path, audio_dir: Path, store_dir: Path, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """A full disk while the second part's values are created: the first part's chunk file,
+    opened ahead on its thread, is closed, and nothing is left. Before, it stayed open (a
+    descriptor to a deleted file) until the process ended."""
+    bake(audio_dir, multi_encoder_file, store_dir)
+    made = zarr_export._PartWriter.__init__
+    calls: list[int] = []
+
+    def full_at_the_second(self: object, *args: object, **kw: object) -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        made(self, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(zarr_export._PartWriter, "__init__", full_at_the_second)
+    out = tmp_path / "full.zarr"
+    with pytest.raises(OSError, match="No space left"):
+        export_zarr(out, cache=store_dir)
+    fds = Path("/proc/self/fd")
+    held = [os.readlink(fds / f) for f in os.listdir(fds) if (fds / f).exists()]
+    assert calls == [1, 1] and not [f for f in held if str(out) in f]
+    assert not out.exists() and not Path(f"{out}.partial").exists()
+
+
+def test_a_zarr_export_is_v3_whatever_zarrs_default_format(
+    encoder_file: Path, audio_dir: Path, store_dir: Path, tmp_path: Path
+) -> None:
+    """``ZARR_DEFAULT_ZARR_FORMAT=2`` (zarr's config) made the export fail with zarr's
+    "Zarr format 2 arrays do not support dimension names" (an internal error at the CLI)."""
+    live = Live()
+    bake(audio_dir, encoder_file, store_dir)
+    with zarr.config.set({"default_zarr_format": 2}):
+        export_zarr(tmp_path / "v.zarr", cache=store_dir)
+    g = zarr.open_group(str(tmp_path / "v.zarr"), mode="r")
+    assert g.metadata.zarr_format == 3
+    offsets = g["offsets"][:]
+    for i, rel in enumerate(g["paths"][:]):
+        got = torch.from_numpy(np.asarray(g["values"][int(offsets[i]) : int(offsets[i + 1])]))
+        torch.testing.assert_close(got, live(encoder_file, audio_dir / str(rel)))
