@@ -1287,18 +1287,27 @@ class UpkeepRows(CatalogConnection):
                 done += c.execute(f"DELETE FROM features WHERE key IN ({q})", chunk).rowcount
         return done
 
-    def unlink_shard_file(self, name: str) -> int:
+    def unlink_shard_file(self, name: str, written_at: float | None = None) -> int:
         """Remove shard ``name``'s file unless a row names it again; returns the bytes freed.
 
         Shard names are content hashes, so a writer may seal a byte-identical shard at the same
         path after gc deleted its row. The unlink happens deliberately UNDER the write lock (not
         after COMMIT like every other removal), and add_shard checks the file under the same
         lock, so one of the two always sees the other.
+
+        A writer that names its shards in a fragment (a build in parts, a write-back on a shared
+        filesystem) commits nothing here, so the lock cannot tell gc about it. With
+        ``written_at`` (the file's mtime when gc planned to remove it) the file goes only if it
+        is still that write: one sealed again since is a new shard that a fragment is about to
+        name (:func:`unlink_if_written_at`).
         """
         with self.transaction() as c:
             if c.execute("SELECT 1 FROM shards WHERE name=?", (name,)).fetchone():
                 return 0
-            return remove_file(self.layout.shard_path(name))
+            path = self.layout.shard_path(name)
+            if written_at is None:
+                return remove_file(path)
+            return unlink_if_written_at(path, written_at, self.layout.tmp)
 
     def delete_shards_if_empty(self, shard_ids: Iterable[int]) -> list[str]:
         """Delete the rows of those shards no feature row points into; returns their names."""
@@ -1411,6 +1420,28 @@ class UpkeepRows(CatalogConnection):
             return c.execute(
                 "DELETE FROM hash_cache WHERE substr(path, 1, ?) = ?", (len(prefix), prefix)
             ).rowcount
+
+
+def unlink_if_written_at(path: Path, written_at: float, tmp_dir: Path) -> int:
+    """Remove the file at ``path`` if it is the one last written at ``written_at``; returns the
+    bytes freed (0: gone already, or written again since, which stays).
+
+    The file is first renamed aside into ``tmp_dir`` (one atomic step takes whichever file is
+    there), then judged by its own mtime: a shard sealed again since (``os.replace`` of a fresh
+    file under the same content name) is put back, byte for byte what a writer sealed there,
+    so no writer's rename between the look and the unlink is ever lost.
+    """
+    aside = temporary_path(path, tmp_dir)
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return 0
+    st = os.stat(aside)
+    if st.st_mtime != written_at:
+        os.replace(aside, path)  # the same content name: the same bytes, whoever wrote last
+        return 0
+    os.unlink(aside)
+    return st.st_size
 
 
 def _from_v2(r: Sequence) -> HashCacheRow:

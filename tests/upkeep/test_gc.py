@@ -7,6 +7,7 @@ import signal
 import sqlite3
 import threading
 import time
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -553,3 +554,45 @@ def test_a_shard_goes_only_when_nothing_names_it_and_it_is_older_than_the_retent
     assert got.young_shards == sum(
         1 for n, t in shards.items() if n not in named | pending and now - t < retention
     )
+
+
+def test_gc_keeps_an_orphan_sealed_again_by_a_part_rerun_after_its_plan(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    """Round six, upkeep: a part of a build killed before its fragment left its shard unnamed
+    (an orphan past the grace period); gc planned to sweep it, and the part's rerun, between
+    that plan and the sweep, sealed the byte-identical shard at the same content name and a
+    fragment naming it. The sweep re-checked only the catalog's rows, so it unlinked the
+    rerun's shard: the merge found it missing and the part's features were lost. The sweep
+    now removes a file only if it is still the write it planned to remove."""
+    from featbake.bake.pipeline import build
+    from featbake.store.merge import merge
+
+    store = tmp_path / "store"
+    build(audio_dir / "fixed", encoder_file, cache=store, workers=0)  # the store's catalog
+    build(audio_dir, encoder_file, cache=store, workers=0, shard="0/2")
+    layout = Layout(store)
+    for fragment in sealed_fragments(layout):  # the part was killed before its fragments
+        fragment.path.unlink()
+    orphans = set(shard_files(store)) - {p for p in shard_files(store) if _named(store, p)}
+    assert orphans
+    for p in orphans:
+        age(p, 2 * DAY)
+
+    plan = plan_gc(store, GcOptions())
+    assert {Path(h.name) for h in plan.orphan_shards} == orphans
+    build(audio_dir, encoder_file, cache=store, workers=0, shard="0/2")  # the rerun
+    assert sealed_fragments(layout)
+    execute_gc(plan)
+    assert all(p.exists() for p in orphans)
+
+    report = build(audio_dir, encoder_file, cache=store, workers=0, shard="1/2")
+    merged = merge(layout)
+    assert merged.missing_shards == []
+    assert verify(store).status == "clean"
+    assert assert_serves(store, report.root, audio_dir, encoder_file, Live()) == 16
+
+
+def _named(store: Path, shard: Path) -> bool:
+    with closing(Catalog(Layout(store))) as cat:
+        return any(s.name == shard.stem for s in cat.shard_rows())
