@@ -43,7 +43,7 @@ from featbake.store.containers import (
     stored_cell_kind,
 )
 from featbake.store.files import FolderListing, list_folder
-from featbake.store.fragments import fragment_shard_names
+from featbake.store.fragments import fragment_shard_names, read_fragment, sealed_fragments
 from featbake.store.hash_cache import ENCODER_FP_PREFIX, FileStat, HashCacheRow
 from featbake.store.layout import Layout, shard_name
 from featbake.store.merge import unmerged_builds
@@ -79,6 +79,7 @@ class FindingKind(StrEnum):
     HASH_CACHE = "hash-cache"  # a trusted hash-cache row whose file hashes to something else
     TMP_LEFTOVERS = "tmp-leftovers"  # a note; gc removes them after the grace period
     PARTS_WAITING = "parts-waiting"  # a note: a build in parts whose fragments wait for merge
+    FRAGMENT = "fragment"  # a sealed fragment that cannot be read: a merge refuses it
 
 
 @dataclass(frozen=True)
@@ -543,6 +544,7 @@ def scan_store(
         detail = f"{health.detail}; --repair rebuilds it"
         findings.append(Finding(FindingKind.CATALOG, str(layout.catalog), detail, True))
     findings.extend(waiting)
+    findings.extend(fragment_findings(layout, set(checks)))
     findings.extend(check_root_files(layout))
     findings.extend(tmp_findings(layout))
     return VerifyScan(layout, health, tuple(checks.values()), tuple(findings), nbytes, wrong_hashes)
@@ -561,6 +563,41 @@ def waiting_findings(layout: Layout) -> list[Finding]:
         )
         for b in unmerged_builds(layout)
     ]
+
+
+def fragment_findings(layout: Layout, listed: set[str]) -> list[Finding]:
+    """Sealed fragments a merge cannot read, and shards readable ones name whose file is gone
+    (``listed``: the shard files the scan found). Both are damage: a merge refuses the first,
+    and skips the second's features, which are then lost until a build encodes them again.
+
+    A fragment merged and removed since the listing is skipped, and a named shard missing from
+    the listing is missing only if it is still no file and still named once every fragment is
+    read (a part seals its shard before the fragment naming it)."""
+    out, named = [], {}
+    for frag in sealed_fragments(layout):
+        try:
+            shards = read_fragment(frag.path, layout, with_entries=False).shards
+        except StoreCorrupt as e:
+            if frag.path.exists():
+                out.append(Finding(FindingKind.FRAGMENT, str(frag.path), str(e), True))
+            continue
+        named.update({s.name: frag.path.name for s in shards})
+    gone = {n for n in named if n not in listed and not layout.shard_path(n).is_file()}
+    if gone:
+        gone &= fragment_shard_names(layout)
+    out.extend(
+        Finding(
+            FindingKind.MISSING_SHARD,
+            name,
+            f"sealed fragment {named[name]} names it but its file is gone, so its features "
+            "are lost; after `featbake merge` the next `featbake build` of that data encodes "
+            "them again",
+            True,
+        )
+        for name in sorted(gone)
+        if not layout.shard_path(name).is_file()
+    )
+    return out
 
 
 def _made_by_merge(layout: Layout, health: CatalogHealth, waiting: list[Finding]) -> bool:

@@ -618,7 +618,8 @@ def _quarantine_unreadable(scan: VerifyScan) -> RepairOutcome:
     """Move aside what is not a shard or manifest at all, before the catalog is repaired (which
     then rewrites a lost manifest from the catalog at that very path)."""
     out = RepairOutcome()
-    for f in [*scan.of_kind(FindingKind.NOT_A_FILE), *scan.of_kind(FindingKind.ROOT_FILE_CORRUPT)]:
+    unreadable = (FindingKind.NOT_A_FILE, FindingKind.ROOT_FILE_CORRUPT, FindingKind.FRAGMENT)
+    for f in [f for kind in unreadable for f in scan.of_kind(kind)]:
         if os.path.lexists(f.subject):
             dest = quarantine(scan.layout, Path(f.subject))
             out.actions.append(f"quarantined {f.subject} -> {dest}")

@@ -11,6 +11,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -944,3 +945,46 @@ def test_parts_waiting_for_a_merge_are_a_note_and_a_lost_catalog_beside_them_is_
     lost = verify(store)
     assert lost.exit_code == VERIFY_DAMAGED
     assert {f.kind for f in lost.findings} == {FindingKind.CATALOG, FindingKind.PARTS_WAITING}
+
+
+def test_verify_finds_a_shard_a_fragment_names_gone_and_a_fragment_it_cannot_read(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    """Round six, upkeep: a build in parts whose sealed fragment names a shard deleted by hand,
+    and another part whose fragment is garbage. `verify` said clean (exit 0) although the merge
+    then skipped the lost shard's features and refused the garbage fragment (exit 6). Both are
+    damage now, each one line saying what to do; `--repair` moves the unreadable fragment
+    aside, and a merge then a build make the store clean and whole again."""
+    from featbake.store.fragments import fragment_shard_names, sealed_fragments
+
+    store = tmp_path / "store"
+    bake(audio_dir / "fixed", encoder_file, store)  # the store's catalog
+    for part in ("0/2", "1/2"):
+        bake(audio_dir, encoder_file, store, shard_bytes=20_000, shard=part)
+    layout = Layout(store)
+    lost = sorted(fragment_shard_names(layout))[0]
+    layout.shard_path(lost).unlink()
+    out = invoke("verify", "--cache", store)
+    assert out.returncode == 11, out.stdout + out.stderr
+    line = next(x for x in out.stdout.splitlines() if x.startswith("missing-shard"))
+    assert lost in line and "featbake build" in line
+
+    owner = {f.path for f in sealed_fragments(layout) if lost not in _shard_names_of(f.path)}
+    garbage = sorted(owner)[0]
+    garbage.write_bytes(b"not a fragment" * 100)
+    out = invoke("verify", "--cache", store)
+    assert out.returncode == 11
+    assert any(x.startswith(f"fragment {garbage}") for x in out.stdout.splitlines())
+
+    repaired = invoke("verify", "--repair", "--cache", store)
+    assert repaired.returncode == 11, repaired.stdout  # the lost shard stays lost
+    assert not garbage.exists()
+    invoke("merge", "--cache", store)
+    report = bake(audio_dir, encoder_file, store)
+    assert verify(store).status == "clean"
+    assert assert_serves(store, report.root, audio_dir, encoder_file, Live()) == 16
+
+
+def _shard_names_of(fragment: Path) -> set[str]:
+    with closing(sqlite3.connect(f"file:{fragment}?mode=ro", uri=True)) as conn:
+        return {r[0] for r in conn.execute("SELECT name FROM shards")}
