@@ -445,6 +445,40 @@ def create_catalog_whole(path: Path, tmp_dir: Path, timeout: float) -> bool:
                 leftover.unlink()
 
 
+#: SQLite's primary result codes that say the catalog's disk refused a write: full, failing
+#: (on a full disk a WAL's shared-memory file cannot grow: ``SQLITE_IOERR_SHMSIZE``), or
+#: read-only underneath an open connection (a mount remounted read-only). Reads that fail are
+#: not among them: those may be a damaged file.
+_WRITE_REFUSED = (sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_READONLY)
+_READ_FAILED = (sqlite3.SQLITE_IOERR_READ, sqlite3.SQLITE_IOERR_SHORT_READ)
+
+
+def cannot_write(error: BaseException | None) -> bool:
+    """Whether SQLite failed because the disk refused a write (not a bug, not a damaged file);
+    ``error`` may be the StoreError such a failure became (its cause is looked at)."""
+    if isinstance(error, StoreError):
+        error = error.__cause__
+    code = getattr(error, "sqlite_errorcode", None)
+    if not isinstance(error, sqlite3.Error) or code is None or code in _READ_FAILED:
+        return False
+    return code & 0xFF in _WRITE_REFUSED
+
+
+def unwritable_catalog(path: Path, error: sqlite3.Error) -> StoreError:
+    """The one-line error for a catalog write the disk refused, with what to do."""
+    fix = (
+        "the disk is full, failing or read-only: free space (or move the store with --cache "
+        "DIR) and check the disk, then run it again; the catalog itself is not damaged"
+    )
+    return StoreError(f"cannot write the catalog {path} ({error}); {fix}")
+
+
+def _roll_back(conn: sqlite3.Connection) -> None:
+    """ROLLBACK what is open; nothing when SQLite rolled it back itself (a failed COMMIT)."""
+    if conn.in_transaction:
+        conn.execute("ROLLBACK")
+
+
 class Transaction:
     """An open write transaction: run statements, and queue file removals for after COMMIT.
 
@@ -512,14 +546,19 @@ class CatalogConnection(ProcessLocalState):
 
     # -- connections -------------------------------------------------------------------------
     def _connect(self) -> sqlite3.Connection:
-        if self.fragment is None and self.access is Access.READ_WRITE and not self.path.exists():
-            self.layout.refuse_fresh_catalog(allow=self.rebuild)
-            create_catalog_whole(self.path, self.layout.tmp, self.timeout)
         try:
+            fresh = self.fragment is None and self.access is Access.READ_WRITE
+            if fresh and not self.path.exists():
+                self.layout.refuse_fresh_catalog(allow=self.rebuild)
+                create_catalog_whole(self.path, self.layout.tmp, self.timeout)
             conn = self._open()
             # A sealed fragment is read by column name whatever schema version wrote it.
             if self.fragment is None or self.access is Access.READ_WRITE:
                 ensure_schema(conn, self.path, writable=self.access is Access.READ_WRITE)
+        except sqlite3.OperationalError as e:
+            if cannot_write(e):
+                raise unwritable_catalog(self.path, e) from e
+            raise self.unreadable(e) from e
         except sqlite3.DatabaseError as e:
             raise self.unreadable(e) from e
         return conn
@@ -601,10 +640,15 @@ class CatalogConnection(ProcessLocalState):
         txn = Transaction(conn)
         try:
             yield txn
+            conn.execute("COMMIT")
+        except sqlite3.OperationalError as e:
+            _roll_back(conn)
+            if not cannot_write(e):
+                raise
+            raise unwritable_catalog(self.path, e) from e
         except BaseException:
-            conn.execute("ROLLBACK")
+            _roll_back(conn)
             raise
-        conn.execute("COMMIT")
         for fn in txn.callbacks:
             fn()
 
@@ -1532,11 +1576,15 @@ def catalog_file_problems(path: Path) -> list[str]:
     SQLite's ``quick_check`` finds damaged pages; a catalog that opens but lacks a table or a
     column (edited by hand, or another program's database) is named too, before anything runs a
     query on it that would fail halfway.
+
+    Raises:
+        StoreError: the disk refused a write reading it needs (a WAL catalog's shared-memory
+            file on a full disk): that says nothing of the file, which must not be rebuilt.
     """
     try:
         conn = open_sqlite(path, read_only_access(path), timeout=10)
     except sqlite3.Error as e:
-        return [f"unreadable: {e}"]
+        return _unreadable(path, e)
     conn.text_factory = lambda b: b.decode("utf-8", "replace")  # damaged pages hold any bytes
     try:
         (res,) = conn.execute("PRAGMA quick_check").fetchone()
@@ -1544,9 +1592,15 @@ def catalog_file_problems(path: Path) -> list[str]:
             return [f"damaged: {res}"]
         return _schema_problems(conn)
     except (sqlite3.Error, ValueError) as e:
-        return [f"unreadable: {e}"]
+        return _unreadable(path, e)
     finally:
         conn.close()
+
+
+def _unreadable(path: Path, error: Exception) -> list[str]:
+    if cannot_write(error):
+        raise unwritable_catalog(path, error) from error  # type: ignore[arg-type]
+    return [f"unreadable: {error}"]
 
 
 def feature_rows(catalog: Catalog) -> Iterator[FeatureRow]:

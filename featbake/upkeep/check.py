@@ -26,6 +26,7 @@ from featbake.progress import GcProgress
 from featbake.store.catalog import (
     Catalog,
     ShardRow,
+    cannot_write,
     catalog_file_problems,
     feature_rows,
     hash_cache_rows,
@@ -641,6 +642,8 @@ def catalog_health(layout: Layout) -> CatalogHealth:
     try:
         cat.conn  # noqa: B018  (an older schema version is refused here)
     except StoreError as e:
+        if cannot_write(e):  # a full or failing disk: the catalog is sound, never rebuilt
+            raise
         return CatalogHealth(CatalogState.UNUSABLE, str(e))
     finally:
         cat.close()

@@ -596,3 +596,46 @@ def test_gc_keeps_an_orphan_sealed_again_by_a_part_rerun_after_its_plan(
 def _named(store: Path, shard: Path) -> bool:
     with closing(Catalog(Layout(store))) as cat:
         return any(s.name == shard.stem for s in cat.shard_rows())
+
+
+class _FullAtCommit(sqlite3.Connection):
+    """A catalog connection on a disk that fills up: every COMMIT is refused as SQLite
+    refuses it there (SQLITE_FULL)."""
+
+    def execute(self, sql: str, *args: object) -> sqlite3.Cursor:  # type: ignore[override]
+        if sql == "COMMIT":
+            error = sqlite3.OperationalError("database or disk is full")
+            error.sqlite_errorcode = sqlite3.SQLITE_FULL  # type: ignore[attr-defined]
+            raise error
+        return super().execute(sql, *args)
+
+
+def test_gc_on_a_full_disk_is_one_line_and_leaves_the_store_whole(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Round six, upkeep: a gc whose catalog writes a full disk refuses ended in an internal
+    error (`OperationalError: database or disk is full`, exit 1). It is one line now (exit 5),
+    nothing is half done, and the same gc run once there is room frees the dropped root."""
+    import featbake.store.catalog as catalog_module
+
+    store = tmp_path / "store"
+    other = save_torchscript(TinyConvEncoder(seed=3), tmp_path / "other.pt")
+    kept, dropped = bake(audio_dir, encoder_file, store), bake(audio_dir, other, store)
+    assert invoke("roots", "drop", dropped.root, "--cache", store).returncode == 0
+    real = catalog_module.open_sqlite
+
+    def filling(path, access=catalog_module.Access.READ_WRITE, **kw):
+        if Path(path).name == "catalog.sqlite" and access is catalog_module.Access.READ_WRITE:
+            return sqlite3.connect(path, isolation_level=None, factory=_FullAtCommit, **kw)
+        return real(path, access, **kw)
+
+    monkeypatch.setattr(catalog_module, "open_sqlite", filling)
+    out = invoke("gc", "--cache", store)
+    assert out.returncode == 5, out.stdout + out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("error: cannot write the catalog")
+    assert "internal error" not in out.stdout + out.stderr
+    monkeypatch.setattr(catalog_module, "open_sqlite", real)
+    assert verify(store).status == "clean"
+    again = invoke("gc", "--cache", store)
+    assert again.returncode == 0 and "dropped 0 roots, 16 feature rows" in again.stdout
+    assert assert_serves(store, kept.root, audio_dir, encoder_file, Live()) == 16

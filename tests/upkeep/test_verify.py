@@ -988,3 +988,43 @@ def test_verify_finds_a_shard_a_fragment_names_gone_and_a_fragment_it_cannot_rea
 def _shard_names_of(fragment: Path) -> set[str]:
     with closing(sqlite3.connect(f"file:{fragment}?mode=ro", uri=True)) as conn:
         return {r[0] for r in conn.execute("SELECT name FROM shards")}
+
+
+def _refused(code: int, message: str) -> sqlite3.OperationalError:
+    """The error SQLite gives where the disk refuses a write (``code``: its extended code)."""
+    error = sqlite3.OperationalError(message)
+    error.sqlite_errorcode = code  # type: ignore[attr-defined]
+    return error
+
+
+def test_verify_on_a_full_disk_is_one_line_and_never_rebuilds_a_sound_catalog(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Round six, upkeep: on a full disk, opening a WAL catalog (even read-only) fails with
+    SQLITE_IOERR_SHMSIZE (its shared-memory file cannot grow: seen on a 400 KiB tmpfs). verify
+    called the sound catalog unreadable (exit 11, "--repair rebuilds it"), and `--repair` moved
+    it to quarantine/ and then failed to make a new one with an internal error, leaving a store
+    with no catalog. Both now say in one line that the disk refused a write (exit 5), and the
+    catalog stays where it is."""
+    import featbake.store.catalog as catalog_module
+
+    store = tmp_path / "store"
+    report = bake(audio_dir, encoder_file, store)
+    real = catalog_module.open_sqlite
+
+    def full_disk(path, *args, **kw):  # every catalog file this store opens
+        if Path(path).name.startswith("catalog.sqlite"):
+            raise _refused(sqlite3.SQLITE_IOERR_SHMSIZE, "disk I/O error")
+        return real(path, *args, **kw)
+
+    monkeypatch.setattr(catalog_module, "open_sqlite", full_disk)
+    for args in (("verify",), ("verify", "--repair")):
+        out = invoke(*args, "--cache", store)
+        lines = [x for x in out.stderr.splitlines() if x.strip()]
+        assert out.returncode == 5, out.stdout + out.stderr
+        assert lines[-1].startswith("error: cannot write the catalog"), lines
+        assert "internal error" not in out.stdout + out.stderr
+        assert (store / "catalog.sqlite").is_file() and not (store / "quarantine").exists()
+    monkeypatch.setattr(catalog_module, "open_sqlite", real)
+    assert verify(store).status == "clean"
+    assert assert_serves(store, report.root, audio_dir, encoder_file, Live()) == 16
