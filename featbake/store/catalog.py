@@ -188,6 +188,21 @@ def ensure_schema(conn: sqlite3.Connection, path: Path, *, writable: bool) -> No
         raise
 
 
+def upgradable(path: Path) -> bool:
+    """Whether the catalog file at ``path`` is of an older schema this featbake migrates (read
+    read-only): sound, only waiting for a writable open to upgrade it."""
+    try:
+        conn = open_sqlite(path, read_only_access(path))
+    except sqlite3.Error:
+        return False
+    try:
+        return schema_version(conn) in MIGRATIONS
+    except (sqlite3.Error, ValueError):
+        return False
+    finally:
+        conn.close()
+
+
 def _create_or_migrate(conn: sqlite3.Connection) -> None:
     # Read again under the write lock: another process may have created or migrated it.
     version = schema_version(conn)
@@ -1703,4 +1718,5 @@ __all__ = [
     "catalog_file_problems",
     "feature_rows",
     "hash_cache_rows",
+    "upgradable",
 ]

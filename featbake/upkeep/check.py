@@ -30,6 +30,7 @@ from featbake.store.catalog import (
     catalog_file_problems,
     feature_rows,
     hash_cache_rows,
+    upgradable,
 )
 from featbake.store.containers import (
     Member,
@@ -643,6 +644,8 @@ def catalog_health(layout: Layout) -> CatalogHealth:
         cat.conn  # noqa: B018  (an older schema version is refused here)
     except StoreError as e:
         if cannot_write(e):  # a full or failing disk: the catalog is sound, never rebuilt
+            raise
+        if cat.read_only and upgradable(path):  # an older catalog, sound: upgraded where writable
             raise
         return CatalogHealth(CatalogState.UNUSABLE, str(e))
     finally:

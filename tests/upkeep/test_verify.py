@@ -1028,3 +1028,29 @@ def test_verify_on_a_full_disk_is_one_line_and_never_rebuilds_a_sound_catalog(
     monkeypatch.setattr(catalog_module, "open_sqlite", real)
     assert verify(store).status == "clean"
     assert assert_serves(store, report.root, audio_dir, encoder_file, Live()) == 16
+
+
+def test_verify_of_an_older_catalog_on_a_read_only_store_is_not_damage(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Round six, upkeep: a catalog an older featbake wrote (schema 2) on a read-only store.
+    verify called it damaged (exit 11) in a line that said both "open the store once where it
+    is writable" and "--repair rebuilds it"; the catalog is sound and only waits for a writable
+    open to be upgraded. verify now says what stats says (one line, exit 5), and where the
+    store is writable it upgrades the catalog and is clean."""
+    store = tmp_path / "store"
+    report = bake(audio_dir, encoder_file, store)
+    with closing(sqlite3.connect(store / "catalog.sqlite")) as conn:  # as featbake 2 wrote it
+        conn.execute("ALTER TABLE hash_cache DROP COLUMN ctime_ns")
+        conn.execute("ALTER TABLE hash_cache DROP COLUMN recorded_ns")
+        conn.execute("UPDATE meta SET value='2' WHERE name='schema_version'")
+        conn.commit()
+    monkeypatch.setenv("FEATBAKE_READ_ONLY", "1")
+    for args in (("verify",), ("verify", "--repair"), ("stats",)):
+        out = invoke(*args, "--cache", store)
+        assert out.returncode == 5, out.stdout + out.stderr
+        last = out.stderr.strip().splitlines()[-1]
+        assert "schema version 2 and is read-only here" in last and "--repair" not in last
+    monkeypatch.delenv("FEATBAKE_READ_ONLY")
+    assert verify(store).status == "clean"
+    assert assert_serves(store, report.root, audio_dir, encoder_file, Live()) == 16
