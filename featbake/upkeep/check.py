@@ -54,7 +54,7 @@ from featbake.store.place import Place
 from featbake.store.roots import Root, root_file, roots_dir, tombstone_file
 from featbake.store.shard import ST_TO_DTYPE, ShardEntry, ShardReader, TensorInfo, split_tensor_name
 from featbake.threadpool import map_in_threads
-from featbake.upkeep.files import existing_store, read_manifest
+from featbake.upkeep.files import existing_store, read_manifest, rebuild_interrupted
 
 # == verify_findings ===============================================================================
 VERIFY_CLEAN = 0
@@ -632,6 +632,10 @@ def _check_files(
 def catalog_health(layout: Layout) -> CatalogHealth:
     """Whether the catalog can be used as is; read-only until the file is known to be sound."""
     path = layout.catalog
+    if rebuild_interrupted(layout):
+        return CatalogHealth(
+            CatalogState.UNUSABLE, "a rebuild by `featbake verify --repair` was interrupted"
+        )
     if not os.path.lexists(path):
         return CatalogHealth(CatalogState.MISSING, "missing")
     if not stat.S_ISREG(os.lstat(path).st_mode):

@@ -65,6 +65,7 @@ from featbake.store.shard import (
     ShardWriter,
     tensor_name,
 )
+from featbake.upkeep.files import refuse_while_rebuild_pending
 
 # == gc_plan =======================================================================================
 # ``featbake gc``, first half: work out what a run will remove, reading only (``--dry-run``).
@@ -255,7 +256,9 @@ def plan_gc(
     """
     opts = options or GcOptions()
     now = time.time() if now is None else now
-    layout, catalog = open_catalog(cache)
+    layout = open_store(cache, need=Need.STORE)
+    refuse_while_rebuild_pending(layout)  # a half-rebuilt catalog lacks roots: all unreached
+    layout, catalog = open_catalog(layout)
     place = place_of(layout)
     if not place.rewrites_shards():
         opts = dataclasses.replace(opts, compact_below=0.0, merge_small=False)

@@ -36,6 +36,7 @@ from featbake.upkeep import (
     VERIFY_REPAIRED,
     FindingKind,
     VerifyReport,
+    list_roots,
     stats,
     verify,
 )
@@ -1054,3 +1055,71 @@ def test_verify_of_an_older_catalog_on_a_read_only_store_is_not_damage(
     monkeypatch.delenv("FEATBAKE_READ_ONLY")
     assert verify(store).status == "clean"
     assert assert_serves(store, report.root, audio_dir, encoder_file, Live()) == 16
+
+
+#: Hash-cache rows of inputs (repair drops every cached encoder fingerprint, by design).
+_INPUT_HASH_ROWS = "SELECT count(*) FROM hash_cache WHERE path NOT LIKE 'encoder-fp:%'"
+
+_KILLED_REBUILD = """
+import os, signal, sys
+import featbake.store.catalog as catalog
+real, calls = catalog.FeatureRows.add_shard, []
+def add_shard(self, *args, **kw):  # the rebuild's second shard: one is in the new catalog
+    calls.append(1)
+    if len(calls) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(self, *args, **kw)
+catalog.FeatureRows.add_shard = add_shard
+from featbake.upkeep import verify
+verify(sys.argv[1], repair_damage=True)
+"""
+
+
+def test_a_repair_killed_while_it_rebuilds_the_catalog_loses_nothing(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    """Round six, upkeep: a catalog lacking a table, and a root whose manifest file is gone
+    (only the old catalog knows it). `verify --repair` moved the old catalog to quarantine/
+    before it built the new one; killed in between, it left a partial catalog (or none), and
+    the next repair, no longer reading the old one, lost that root (its features then
+    unreached, for gc to delete) and every hash-cache row. The old catalog now waits in
+    catalog.rebuilding/ until the new one is whole: gc refuses meanwhile, verify calls it
+    damage, and the next repair reads it again."""
+    import subprocess
+    import sys
+
+    store = tmp_path / "store"
+    kept = bake(audio_dir / "fixed", encoder_file, store)
+    only_in_catalog = bake(audio_dir, encoder_file, store, shard_bytes=20_000)
+    (store / "roots" / f"{only_in_catalog.root}.json").unlink()
+    with closing(sqlite3.connect(store / "catalog.sqlite")) as conn:
+        conn.execute("DROP TABLE encoders")
+        hashed = conn.execute(
+            "SELECT count(*) FROM hash_cache WHERE path NOT LIKE 'encoder-fp:%'"
+        ).fetchone()[0]
+    killed = subprocess.run(
+        [sys.executable, "-c", _KILLED_REBUILD, str(store)],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert killed.returncode == -9, killed.stderr
+    gc_out = invoke("gc", "--cache", store)
+    assert gc_out.returncode == 5 and "verify --repair` of" in gc_out.stderr, gc_out.stderr
+    assert invoke("verify", "--cache", store).returncode == 11
+    assert invoke("verify", "--repair", "--cache", store).returncode == 10
+
+    assert {kept.root, only_in_catalog.root} <= {r.name for r in list_roots(store)}
+    with closing(sqlite3.connect(store / "catalog.sqlite")) as conn:
+        assert (
+            conn.execute(
+                "SELECT count(*) FROM hash_cache WHERE path NOT LIKE 'encoder-fp:%'"
+            ).fetchone()[0]
+            == hashed
+        )
+    assert invoke("gc", "--cache", store).returncode == 0
+    assert verify(store).status == "clean"
+    live = Live()
+    assert assert_serves(store, kept.root, audio_dir / "fixed", encoder_file, live) == 4
+    assert assert_serves(store, only_in_catalog.root, audio_dir, encoder_file, live) == 16
