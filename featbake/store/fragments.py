@@ -433,6 +433,27 @@ def fragment_keys(paths: Iterable[Path]) -> set[str]:
     return keys
 
 
+def _named_keys_of(conn: sqlite3.Connection) -> list[str]:
+    """The keys a sealed fragment stores tensors of or whose manifest names (any format): a
+    part that found a key stored names it in its manifest alone."""
+    has = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    items = "root_items" if "root_items" in has else "items"  # format 3, or formats 1 and 2
+    named = (
+        [r[0] for r in conn.execute(f"SELECT DISTINCT key FROM {items}")] if items in has else []
+    )
+    return [*_keys_of(conn), *named]
+
+
+def fragment_named_keys(paths: Iterable[Path]) -> set[str]:
+    """The keys these sealed fragments store or name in their manifests: what the builds
+    waiting for a merge will publish, which gc must keep (a key a part reused is named in the
+    fragment's manifest only, its rows being the catalog's)."""
+    keys: set[str] = set()
+    for path in paths:  # one not read: merged since (its keys in the catalog), or unreadable
+        keys.update(_read_sealed(path, _named_keys_of) or ())
+    return keys
+
+
 def fragment_shard_names(layout: Layout) -> set[str]:
     """Shards named by sealed fragments: not yet in the catalog, yet not garbage (for gc)."""
     names: set[str] = set()

@@ -46,7 +46,7 @@ from featbake.store.catalog import Catalog, FeatureRef, ShardRow, ShardUsage
 from featbake.store.files import fsync_dir, remove_file
 from featbake.store.fragments import (
     FragmentKind,
-    fragment_keys,
+    fragment_named_keys,
     sealed_fragments,
     serving_uses,
 )
@@ -370,18 +370,25 @@ def _must_rewrite(opts: GcOptions, evict: list[FeatureRef], shard_rows: list[Sha
     )
 
 
+def waiting_keys(layout: Layout) -> set[str]:
+    """Keys sealed build fragments store or name in their manifests: a build in parts not
+    merged yet publishes them (:func:`~featbake.store.fragments.fragment_named_keys`)."""
+    return fragment_named_keys(
+        n.path for n in sealed_fragments(layout) if n.kind is not FragmentKind.SERVE
+    )
+
+
 def _reach(
     catalog: Catalog, roots: list[Root], dropped: set[str], opts: GcOptions
 ) -> tuple[list[FeatureRef], list[FeatureRef] | None]:
     """(rows no kept root reaches, rows kept roots reach); the latter only when needed.
 
-    Rows of keys a sealed build fragment names count as reached: a build in parts not merged
-    yet (a part killed before its end) had them folded in by a merge or a one-process build,
-    and its rerun or merge publishes the manifest naming them.
+    Rows of keys a sealed build fragment stores or names count as reached: a build in parts not
+    merged yet (a part killed before its end) had them folded in by a merge or a one-process
+    build, or found them stored and reused them, and its rerun or merge publishes the manifest
+    naming them.
     """
-    waiting = fragment_keys(
-        n.path for n in sealed_fragments(catalog.layout) if n.kind is not FragmentKind.SERVE
-    )
+    waiting = waiting_keys(catalog.layout)
     unreached = [r for r in catalog.unreached_features() if r.key not in waiting]
     if not dropped and opts.max_bytes is None:
         return unreached, None
@@ -660,10 +667,13 @@ def _drop_roots(catalog: Catalog, plan: GcPlan, work: Layout, tick: Tick) -> GcR
 
 
 def _delete_rows(catalog: Catalog, plan: GcPlan, tick: Tick) -> GcResult:
-    """Step 2: rows no kept root reaches (re-checked in the DELETE), then evicted rows."""
+    """Step 2: rows no kept root reaches (re-checked in the DELETE, and against the build
+    fragments sealed since the plan), then evicted rows."""
     if not (plan.unreached or plan.evict):
         return GcResult()
-    rows = catalog.delete_features(plan.unreached, only_unreached=True)
+    waiting = waiting_keys(catalog.layout) if plan.unreached else set()
+    unreached = [r for r in plan.unreached if r.key not in waiting]
+    rows = catalog.delete_features(unreached, only_unreached=True)
     rows += catalog.delete_features(plan.evict, only_unreached=False)
     tick("rows", rows, len(plan.unreached) + len(plan.evict))
     crash_point("rows-deleted")

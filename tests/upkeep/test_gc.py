@@ -639,3 +639,28 @@ def test_gc_on_a_full_disk_is_one_line_and_leaves_the_store_whole(
     again = invoke("gc", "--cache", store)
     assert again.returncode == 0 and "dropped 0 roots, 16 feature rows" in again.stdout
     assert assert_serves(store, kept.root, audio_dir, encoder_file, Live()) == 16
+
+
+def test_gc_keeps_what_a_build_in_parts_reused_until_its_merge(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    """Round six, upkeep: a build in two parts of data whose features were stored found them
+    all and reused them: its fragments' manifests name the keys, their rows are the catalog's.
+    Before the merge, `gc --older-than` dropped the old root and deleted those rows, as gc
+    counted only the keys fragments store; the merge then published a root of 16 items with
+    every one missing. gc now keeps the keys sealed build fragments name too."""
+    from featbake.bake.pipeline import build
+    from featbake.store.merge import merge
+
+    store = tmp_path / "store"
+    first = bake(audio_dir, encoder_file, store)
+    for part in ("0/2", "1/2"):
+        reused = build(audio_dir, encoder_file, cache=store, workers=0, shard=part)
+        assert reused.encoded == 0
+    plan = plan_gc(store, GcOptions(older_than=30 * DAY), now=time.time() + 40 * DAY)
+    assert [d.name for d in plan.drop_roots] == [first.root]  # not read for 40 days
+    assert execute_gc(plan).rows_deleted == 0
+
+    assert merge(Layout(store)).roots == [first.root]
+    assert verify(store).status == "clean"
+    assert assert_serves(store, first.root, audio_dir, encoder_file, Live()) == 16
