@@ -243,11 +243,22 @@ def parse_name(path: Path) -> FragmentName | None:
 
 
 def sealed_fragments(layout: Layout) -> list[FragmentName]:
-    """Every sealed fragment in the store, by file name (unsealed ones are still in tmp/)."""
+    """Every sealed fragment in the store, by file name (unsealed ones are still in tmp/).
+
+    Raises:
+        StoreError: ``fragments`` is there but cannot be listed (a file, a link to nothing,
+            no permission): the fragments a merge waits for cannot be known.
+    """
+    folder = fragments_dir(layout)
     try:
-        files = sorted(fragments_dir(layout).iterdir())
+        files = sorted(folder.iterdir())
     except FileNotFoundError:
         return []
+    except OSError as e:
+        raise StoreError(
+            f"cannot list the store's fragments at {folder} ({e.strerror or e}); it must be a "
+            "folder the store's user can read: move what is there aside, then run this again"
+        ) from e
     return [n for n in map(parse_name, files) if n is not None]
 
 

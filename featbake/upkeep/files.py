@@ -19,10 +19,29 @@ from featbake.store.place import VerifyScope
 from featbake.store.roots import Root, RootItem, read_root_file
 
 
+def ensure_quarantine(layout: Layout) -> None:
+    """Make ``quarantine/`` (repair checks it before it changes anything).
+
+    Raises:
+        StoreError: ``quarantine`` is there and not a folder.
+    """
+    try:
+        layout.quarantine.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as e:
+        raise StoreError(
+            f"{layout.quarantine} is not a folder, so repair has nowhere to set damage aside; "
+            "move it away, then run `featbake verify --repair` again"
+        ) from e
+
+
 def quarantine(layout: Layout, path: Path, name: str | None = None) -> Path:
     """Move ``path`` (a file, link or FIFO, or the folder of a rebuilt catalog's old files) into
-    ``quarantine/`` under a free name (``name``, or its own, numbered if taken); returns it."""
-    layout.quarantine.mkdir(parents=True, exist_ok=True)
+    ``quarantine/`` under a free name (``name``, or its own, numbered if taken); returns it.
+
+    Raises:
+        StoreError: ``quarantine`` is there and not a folder (nothing is moved).
+    """
+    ensure_quarantine(layout)
     name = name or path.name
     dest = layout.quarantine / name
     n = 1

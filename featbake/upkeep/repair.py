@@ -59,6 +59,7 @@ from featbake.upkeep.check import (
 )
 from featbake.upkeep.files import (
     CATALOG_SUFFIXES,
+    ensure_quarantine,
     existing_store,
     moving_aside,
     quarantine,
@@ -475,6 +476,7 @@ def repair_locked(
         report.seconds = time.perf_counter() - t0
         return report
     layout.ensure()
+    ensure_quarantine(layout)  # before any change: damage must have somewhere to go
     renamed = rename_back(scan)
     if renamed.actions:  # those files are sound now, under their names: look at them again
         sound = {c.path: c for c in scan.shards if c.sound}
