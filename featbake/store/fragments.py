@@ -465,6 +465,14 @@ def fragment_named_keys(paths: Iterable[Path]) -> set[str]:
     return keys
 
 
+def waiting_build_keys(layout: Layout) -> set[str]:
+    """Keys the sealed build fragments (not the serving ones) store or name: what builds in
+    parts not merged yet will publish, so gc keeps them and stats counts them live."""
+    return fragment_named_keys(
+        n.path for n in sealed_fragments(layout) if n.kind is not FragmentKind.SERVE
+    )
+
+
 def fragment_shard_names(layout: Layout) -> set[str]:
     """Shards named by sealed fragments: not yet in the catalog, yet not garbage (for gc)."""
     names: set[str] = set()

@@ -44,12 +44,7 @@ from featbake.errors import ConfigError, ShardMissing, StoreCorrupt, StoreError
 from featbake.progress import GcProgress
 from featbake.store.catalog import Catalog, FeatureRef, ShardRow, ShardUsage
 from featbake.store.files import fsync_dir, remove_file
-from featbake.store.fragments import (
-    FragmentKind,
-    fragment_named_keys,
-    sealed_fragments,
-    serving_uses,
-)
+from featbake.store.fragments import serving_uses, waiting_build_keys
 from featbake.store.layout import Layout, checked_shard_name
 from featbake.store.locks import shared_write_lock
 from featbake.store.open import Need, StoreRef, open_catalog, open_store, place_of
@@ -370,14 +365,6 @@ def _must_rewrite(opts: GcOptions, evict: list[FeatureRef], shard_rows: list[Sha
     )
 
 
-def waiting_keys(layout: Layout) -> set[str]:
-    """Keys sealed build fragments store or name in their manifests: a build in parts not
-    merged yet publishes them (:func:`~featbake.store.fragments.fragment_named_keys`)."""
-    return fragment_named_keys(
-        n.path for n in sealed_fragments(layout) if n.kind is not FragmentKind.SERVE
-    )
-
-
 def _reach(
     catalog: Catalog, roots: list[Root], dropped: set[str], opts: GcOptions
 ) -> tuple[list[FeatureRef], list[FeatureRef] | None]:
@@ -388,7 +375,7 @@ def _reach(
     build, or found them stored and reused them, and its rerun or merge publishes the manifest
     naming them.
     """
-    waiting = waiting_keys(catalog.layout)
+    waiting = waiting_build_keys(catalog.layout)
     unreached = [r for r in catalog.unreached_features() if r.key not in waiting]
     if not dropped and opts.max_bytes is None:
         return unreached, None
@@ -671,7 +658,7 @@ def _delete_rows(catalog: Catalog, plan: GcPlan, tick: Tick) -> GcResult:
     fragments sealed since the plan), then evicted rows."""
     if not (plan.unreached or plan.evict):
         return GcResult()
-    waiting = waiting_keys(catalog.layout) if plan.unreached else set()
+    waiting = waiting_build_keys(catalog.layout) if plan.unreached else set()
     unreached = [r for r in plan.unreached if r.key not in waiting]
     rows = catalog.delete_features(unreached, only_unreached=True)
     rows += catalog.delete_features(plan.evict, only_unreached=False)

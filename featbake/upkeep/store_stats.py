@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -9,9 +10,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from featbake.store.catalog import Catalog, ShardRow, ShardUsage
+from featbake.store.catalog import Catalog, FeatureTotals, ShardRow, ShardUsage
 from featbake.store.fidelity import QUANTISED, read_fidelity
 from featbake.store.files import list_folder
+from featbake.store.fragments import waiting_build_keys
 from featbake.store.layout import Layout
 from featbake.store.open import StoreRef, commit, open_catalog, place_of, resolve_root
 from featbake.store.place import Change
@@ -91,13 +93,15 @@ class TierStats:
 
 @dataclass(frozen=True)
 class StoreStats:
-    """A store at a glance; every number comes from the catalog (plus a listing of ``tmp/``).
+    """A store at a glance; every number comes from the catalog (plus a listing of ``tmp/``,
+    and the keys sealed build fragments name).
 
     ``features`` counts stored inputs (keys); ``tensors`` counts what they hold (one per
     part: an encoder storing 3 layers has 3 tensors a feature). ``live`` features are those
-    some root's manifest names; ``dead`` ones no root reaches (gc
-    drops them). ``unreferenced_bytes`` are tensors inside shards that no catalog row names
-    (duplicates, features gc dropped but whose shard it has not rewritten yet).
+    some root's manifest names, or a build in parts waiting for its merge (sealed build
+    fragments name them); ``dead`` ones are the rest, what gc drops. ``unreferenced_bytes``
+    are tensors inside shards that no catalog row names (duplicates, features gc dropped but
+    whose shard it has not rewritten yet).
     """
 
     path: str
@@ -174,6 +178,21 @@ def _in_own_catalog(layout: Layout, fn: Callable[[Catalog], Any]) -> Any:
         own.close()
 
 
+def _with_waiting(totals: FeatureTotals, catalog: Catalog) -> FeatureTotals:
+    """``totals`` with the features no root reaches but sealed build fragments name counted
+    live: gc keeps them for the merge that publishes them (gc's own rule, so "dead" is what
+    gc frees)."""
+    waiting = waiting_build_keys(catalog.layout)
+    if not waiting:
+        return totals
+    held = [r for r in catalog.unreached_features() if r.key in waiting]
+    return dataclasses.replace(
+        totals,
+        live_features=totals.live_features + len({r.key for r in held}),
+        live_nbytes=totals.live_nbytes + sum(r.nbytes for r in held),
+    )
+
+
 def stats(cache: StoreRef = None) -> StoreStats:
     """Report what a store holds, from its catalog alone (well under a second per million rows).
 
@@ -198,6 +217,7 @@ def stats(cache: StoreRef = None) -> StoreStats:
             enc_rows = catalog.encoder_rows()
             roots = catalog.roots()
             totals, missing = totals_f.result(), missing_f.result()
+            totals = _with_waiting(totals, catalog)
     finally:
         catalog.close()
     tmp = list_folder(layout.tmp, "*").files
