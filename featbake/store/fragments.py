@@ -465,12 +465,11 @@ def fragment_named_keys(paths: Iterable[Path]) -> set[str]:
     return keys
 
 
-def waiting_build_keys(layout: Layout) -> set[str]:
-    """Keys the sealed build fragments (not the serving ones) store or name: what builds in
-    parts not merged yet will publish, so gc keeps them and stats counts them live."""
-    return fragment_named_keys(
-        n.path for n in sealed_fragments(layout) if n.kind is not FragmentKind.SERVE
-    )
+def waiting_keys(layout: Layout) -> set[str]:
+    """Keys sealed fragments store or name in their manifests: what merges not run yet will
+    publish (builds in parts, and datasets on a shared filesystem, which publish their roots
+    and write back in ``serve`` fragments), so gc keeps them and stats counts them live."""
+    return fragment_named_keys(n.path for n in sealed_fragments(layout))
 
 
 def fragment_shard_names(layout: Layout) -> set[str]:

@@ -44,7 +44,7 @@ from featbake.errors import ConfigError, ShardMissing, StoreCorrupt, StoreError
 from featbake.progress import GcProgress
 from featbake.store.catalog import Catalog, FeatureRef, ShardRow, ShardUsage
 from featbake.store.files import fsync_dir, remove_file
-from featbake.store.fragments import serving_uses, waiting_build_keys
+from featbake.store.fragments import serving_uses, waiting_keys
 from featbake.store.layout import Layout, checked_shard_name
 from featbake.store.locks import shared_write_lock
 from featbake.store.open import Need, StoreRef, open_catalog, open_store, place_of
@@ -370,12 +370,12 @@ def _reach(
 ) -> tuple[list[FeatureRef], list[FeatureRef] | None]:
     """(rows no kept root reaches, rows kept roots reach); the latter only when needed.
 
-    Rows of keys a sealed build fragment stores or names count as reached: a build in parts not
+    Rows of keys a sealed fragment stores or names count as reached: a build in parts not
     merged yet (a part killed before its end) had them folded in by a merge or a one-process
     build, or found them stored and reused them, and its rerun or merge publishes the manifest
-    naming them.
+    naming them; a dataset on a shared filesystem publishes its root in a ``serve`` fragment.
     """
-    waiting = waiting_build_keys(catalog.layout)
+    waiting = waiting_keys(catalog.layout)
     unreached = [r for r in catalog.unreached_features() if r.key not in waiting]
     if not dropped and opts.max_bytes is None:
         return unreached, None
@@ -654,11 +654,11 @@ def _drop_roots(catalog: Catalog, plan: GcPlan, work: Layout, tick: Tick) -> GcR
 
 
 def _delete_rows(catalog: Catalog, plan: GcPlan, tick: Tick) -> GcResult:
-    """Step 2: rows no kept root reaches (re-checked in the DELETE, and against the build
-    fragments sealed since the plan), then evicted rows."""
+    """Step 2: rows no kept root reaches (re-checked in the DELETE, and against the fragments
+    sealed since the plan), then evicted rows."""
     if not (plan.unreached or plan.evict):
         return GcResult()
-    waiting = waiting_build_keys(catalog.layout) if plan.unreached else set()
+    waiting = waiting_keys(catalog.layout) if plan.unreached else set()
     unreached = [r for r in plan.unreached if r.key not in waiting]
     rows = catalog.delete_features(unreached, only_unreached=True)
     rows += catalog.delete_features(plan.evict, only_unreached=False)

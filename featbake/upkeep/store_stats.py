@@ -13,7 +13,7 @@ from typing import Any
 from featbake.store.catalog import Catalog, FeatureTotals, ShardRow, ShardUsage
 from featbake.store.fidelity import QUANTISED, read_fidelity
 from featbake.store.files import list_folder
-from featbake.store.fragments import waiting_build_keys
+from featbake.store.fragments import waiting_keys
 from featbake.store.layout import Layout
 from featbake.store.open import StoreRef, commit, open_catalog, place_of, resolve_root
 from featbake.store.place import Change
@@ -94,12 +94,12 @@ class TierStats:
 @dataclass(frozen=True)
 class StoreStats:
     """A store at a glance; every number comes from the catalog (plus a listing of ``tmp/``,
-    and the keys sealed build fragments name).
+    and the keys sealed fragments name).
 
     ``features`` counts stored inputs (keys); ``tensors`` counts what they hold (one per
     part: an encoder storing 3 layers has 3 tensors a feature). ``live`` features are those
-    some root's manifest names, or a build in parts waiting for its merge (sealed build
-    fragments name them); ``dead`` ones are the rest, what gc drops. ``unreferenced_bytes``
+    some root's manifest names, or a fragment waiting for a merge (a build in parts, a dataset
+    on a shared filesystem); ``dead`` ones are the rest, what gc drops. ``unreferenced_bytes``
     are tensors inside shards that no catalog row names (duplicates, features gc dropped but
     whose shard it has not rewritten yet).
     """
@@ -179,10 +179,10 @@ def _in_own_catalog(layout: Layout, fn: Callable[[Catalog], Any]) -> Any:
 
 
 def _with_waiting(totals: FeatureTotals, catalog: Catalog) -> FeatureTotals:
-    """``totals`` with the features no root reaches but sealed build fragments name counted
-    live: gc keeps them for the merge that publishes them (gc's own rule, so "dead" is what
-    gc frees)."""
-    waiting = waiting_build_keys(catalog.layout)
+    """``totals`` with the features no root reaches but sealed fragments name counted live:
+    gc keeps them for the merge that publishes them (gc's own rule, so "dead" is what gc
+    frees)."""
+    waiting = waiting_keys(catalog.layout)
     if not waiting:
         return totals
     held = [r for r in catalog.unreached_features() if r.key in waiting]

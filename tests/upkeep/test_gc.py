@@ -27,7 +27,15 @@ from featbake.store.roots import RootSpec
 from featbake.store.shard import write_shard
 from featbake.store.versions import kept_versions, sweep, version_name
 from featbake.testing import TinyConvEncoder, save_torchscript, write_audio_folder
-from featbake.upkeep import CRASH_ENV, CRASH_POINTS, GcOptions, execute_gc, plan_gc, verify
+from featbake.upkeep import (
+    CRASH_ENV,
+    CRASH_POINTS,
+    GcOptions,
+    drop_root,
+    execute_gc,
+    plan_gc,
+    verify,
+)
 from tests.conftest import invoke, run_cli
 from tests.helpers import (
     Live,
@@ -664,3 +672,29 @@ def test_gc_keeps_what_a_build_in_parts_reused_until_its_merge(
     assert merge(Layout(store)).roots == [first.root]
     assert verify(store).status == "clean"
     assert assert_serves(store, first.root, audio_dir, encoder_file, Live()) == 16
+
+
+def test_gc_keeps_what_a_dataset_on_a_shared_filesystem_published_before_the_merge(
+    encoder_file: Path, audio_dir: Path, store_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Round six, upkeep: on a shared filesystem a dataset publishes its root in a `serve`
+    fragment. Over a folder whose root was dropped, it found every feature stored and named
+    the 16 keys in that root; gc, counting only build fragments, deleted their rows before the
+    merge, which then published a root with all 16 missing (encoded again by the next epoch).
+    gc keeps what any sealed fragment names now."""
+    from featbake.store.merge import merge
+
+    first = bake(audio_dir, encoder_file, store_dir)
+    drop_root(store_dir, first.root)
+    monkeypatch.setenv("FEATBAKE_SHARED_FS", "1")
+    with pytest.warns(SharedFilesystemWarning):
+        ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir)  # hits: no encoding
+        assert ds.stored() == len(ds) == 16 and all(ds[i] is not None for i in range(16))
+        ds.close()
+    assert sealed_fragments(Layout(store_dir))  # the root waits in a serve fragment
+    monkeypatch.delenv("FEATBAKE_SHARED_FS")  # gc and the merge, on the store's own host
+
+    assert execute_gc(plan_gc(store_dir, GcOptions())).rows_deleted == 0
+    assert merge(Layout(store_dir)).roots == [first.root]
+    assert manifest(store_dir, first.root)
+    assert assert_serves(store_dir, first.root, audio_dir, encoder_file, Live()) == 16
