@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from featbake.errors import StoreError
 from featbake.store.catalog import (
     ITEMS_SELECT,
     ROOT_SELECT,
@@ -46,7 +47,7 @@ def read_old_catalog(path: Path) -> OldCatalog:
     except sqlite3.Error:
         return out
     conn.text_factory = lambda b: b.decode("utf-8", "replace")  # damaged pages hold any bytes
-    unreadable = (sqlite3.Error, ValueError, TypeError, RecursionError)
+    unreadable = (sqlite3.Error, ValueError, TypeError, RecursionError, StoreError)
     try:
         with contextlib.suppress(*unreadable):
             out.last_used = conn.execute(

@@ -536,8 +536,8 @@ def scan_store(
         try:
             findings.extend(check_catalog(layout, checks))
             hashes = check_hash_cache(layout, progress) if check_hashes else HashCheck((), 0, 0)
-        except (sqlite3.DatabaseError, UnicodeDecodeError) as e:  # what quick_check let through
-            health = CatalogHealth(CatalogState.UNUSABLE, f"unreadable rows: {e}")
+        except (sqlite3.DatabaseError, UnicodeDecodeError, StoreCorrupt) as e:  # quick_check's
+            health = CatalogHealth(CatalogState.UNUSABLE, f"unreadable rows: {e}")  # blind spots
         else:
             findings.extend(hash_findings(hashes))
             wrong_hashes, nbytes = hashes.wrong, nbytes + hashes.bytes_read

@@ -1123,3 +1123,35 @@ def test_a_repair_killed_while_it_rebuilds_the_catalog_loses_nothing(
     live = Live()
     assert assert_serves(store, kept.root, audio_dir / "fixed", encoder_file, live) == 4
     assert assert_serves(store, only_in_catalog.root, audio_dir, encoder_file, live) == 16
+
+
+@pytest.mark.parametrize(
+    "column, value", [("recipe", "not json"), ("recipe", "[1, 2]"), ("last_used", "yesterday")]
+)
+def test_a_root_row_of_the_wrong_kind_is_one_line_found_by_verify_and_repaired(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, column: str, value: str
+) -> None:
+    """Round six, upkeep: SQLite keeps whatever a column is given, and its quick_check says
+    nothing of it. A root row whose recipe is not a JSON object, or whose last use is text,
+    ended stats, roots, gc and even verify and verify --repair in an internal error
+    (JSONDecodeError, TypeError). Every command now says in one line which root's row is
+    damaged (exit 6); verify calls the catalog damaged (exit 11) and --repair rebuilds it from
+    the root manifests (exit 10), after which the store is clean and serves."""
+    store = tmp_path / "store"
+    report = bake(audio_dir / "fixed", encoder_file, store)
+    with closing(sqlite3.connect(store / "catalog.sqlite")) as conn:
+        conn.execute(f"UPDATE roots SET {column}=?", (value,))
+        conn.commit()
+    for args in (("stats",), ("roots",), ("gc", "--older-than", "1d")):
+        out = invoke(*args, "--cache", store)
+        assert out.returncode == 6, out.stdout + out.stderr
+        assert (
+            out.stderr.strip()
+            .splitlines()[-1]
+            .startswith(f"error: the catalog's row of root '{report.root}' is damaged")
+        )
+    found = invoke("verify", "--cache", store)
+    assert found.returncode == 11 and "internal error" not in found.stderr, found.stderr
+    assert invoke("verify", "--repair", "--cache", store).returncode == 10
+    assert verify(store).status == "clean"
+    assert assert_serves(store, report.root, audio_dir / "fixed", encoder_file, Live()) == 4
