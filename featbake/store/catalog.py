@@ -36,7 +36,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
-from featbake.errors import ShardMissing, StoreError
+from featbake.errors import ShardMissing, StoreCorrupt, StoreError
 from featbake.process import PerThread, ProcessLocalState
 from featbake.store.fidelity import Measured, fidelity_file, write_fidelity
 from featbake.store.files import fsync_dir, fsync_file, remove_file, temporary_path
@@ -1573,6 +1573,30 @@ REQUIRED_COLUMNS: dict[str, frozenset[str]] = {
 }
 
 
+_NUMBER = "('real', 'integer')"
+
+#: Per table, a condition true of a row holding a value not of its column's kind: SQLite keeps
+#: whatever a column is given (a catalog edited by hand, or damage inside a page that still
+#: reads), and quick_check says nothing of it, while stats, gc and serving add, compare and
+#: parse these values.
+WRONG_KIND: dict[str, str] = {
+    "features": (
+        "typeof(shard_id) != 'integer' OR typeof(nbytes) != 'integer' OR typeof(dtype) != 'text' "
+        f"OR typeof(last_used) NOT IN {_NUMBER} OR typeof(shape) != 'text' "
+        "OR NOT json_valid(shape)"
+    ),
+    "shards": (
+        "typeof(bytes) != 'integer' OR typeof(items) != 'integer' "
+        f"OR typeof(data_bytes) != 'integer' OR typeof(created) NOT IN {_NUMBER}"
+    ),
+    "roots": (
+        f"typeof(items) != 'integer' OR typeof(created) NOT IN {_NUMBER} "
+        f"OR typeof(last_used) NOT IN {_NUMBER} OR typeof(recipe) != 'text' "
+        "OR CASE WHEN json_valid(recipe) THEN json_type(recipe) != 'object' ELSE 1 END"
+    ),
+}
+
+
 def _schema_problems(conn: sqlite3.Connection) -> list[str]:
     tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
     out = []
@@ -1582,6 +1606,36 @@ def _schema_problems(conn: sqlite3.Connection) -> list[str]:
             continue
         have = {r[1] for r in conn.execute(f"PRAGMA table_info({table})")}
         out.extend(f"no column {table}.{c}" for c in sorted(columns - have))
+    return out or _wrong_kinds(conn)
+
+
+def wrong_kinds(catalog: Catalog) -> list[str]:
+    """``N rows of T hold values of the wrong kind`` for each table of :data:`WRONG_KIND` (one
+    scan of each; empty for a sound catalog)."""
+    return _wrong_kinds(catalog.conn)
+
+
+def refuse_wrong_kinds(catalog: Catalog) -> None:
+    """Refuse a catalog holding values of the wrong kind (what upkeep adds and compares).
+
+    Raises:
+        StoreCorrupt: some rows do, named by table; the message says to run verify --repair.
+    """
+    problems = wrong_kinds(catalog)
+    if problems:
+        raise StoreCorrupt(
+            f"the catalog {catalog.path} is damaged ({'; '.join(problems)}); run `featbake "
+            "verify --repair` to rebuild it from the shards and root manifests"
+        )
+
+
+def _wrong_kinds(conn: sqlite3.Connection) -> list[str]:
+    """``N rows of T hold values of the wrong kind`` for each table of :data:`WRONG_KIND`."""
+    out = []
+    for table, wrong in WRONG_KIND.items():
+        (n,) = conn.execute(f"SELECT count(*) FROM {table} WHERE {wrong}").fetchone()
+        if n:
+            out.append(f"{n} rows of {table} hold values of the wrong kind")
     return out
 
 

@@ -50,8 +50,9 @@ def read_old_catalog(path: Path) -> OldCatalog:
     unreadable = (sqlite3.Error, ValueError, TypeError, RecursionError, StoreError)
     try:
         with contextlib.suppress(*unreadable):
-            out.last_used = conn.execute(
-                "SELECT key, max(last_used) FROM features GROUP BY key"
+            out.last_used = conn.execute(  # a time of the wrong kind is not carried over
+                "SELECT key, max(last_used) FROM features "
+                "WHERE typeof(last_used) IN ('real', 'integer') GROUP BY key"
             ).fetchall()
         with contextlib.suppress(*unreadable):
             have = {r[1] for r in conn.execute("PRAGMA table_info(hash_cache)")}

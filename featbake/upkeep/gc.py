@@ -42,7 +42,13 @@ from typing import Any
 
 from featbake.errors import ConfigError, ShardMissing, StoreCorrupt, StoreError
 from featbake.progress import GcProgress
-from featbake.store.catalog import Catalog, FeatureRef, ShardRow, ShardUsage
+from featbake.store.catalog import (
+    Catalog,
+    FeatureRef,
+    ShardRow,
+    ShardUsage,
+    refuse_wrong_kinds,
+)
 from featbake.store.files import fsync_dir, remove_file
 from featbake.store.fragments import serving_uses, waiting_keys
 from featbake.store.layout import Layout, checked_shard_name
@@ -258,6 +264,7 @@ def plan_gc(
     if not place.rewrites_shards():
         opts = dataclasses.replace(opts, compact_below=0.0, merge_small=False)
     with closing(catalog):
+        refuse_wrong_kinds(catalog)  # gc adds, compares and deletes by these values
         roots = catalog.roots()
         if opts.older_than is not None:  # a root a dataset reads is in use (features' last use)
             stale = now - opts.older_than

@@ -6,11 +6,18 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from featbake.store.catalog import Catalog, FeatureTotals, ShardRow, ShardUsage
+from featbake.store.catalog import (
+    Catalog,
+    FeatureTotals,
+    ShardRow,
+    ShardUsage,
+    refuse_wrong_kinds,
+)
 from featbake.store.fidelity import QUANTISED, read_fidelity
 from featbake.store.files import list_folder
 from featbake.store.fragments import waiting_keys
@@ -208,6 +215,16 @@ def stats(cache: StoreRef = None) -> StoreStats:
     """
     t0 = time.perf_counter()
     layout, catalog = open_catalog(cache)
+    try:
+        return _stats(layout, catalog, t0)
+    except (TypeError, ValueError):  # a value of the wrong kind: said in one line if so
+        with closing(Catalog(layout)) as again:
+            refuse_wrong_kinds(again)
+        raise
+
+
+def _stats(layout: Layout, catalog: Catalog, t0: float) -> StoreStats:
+    """:func:`stats` over ``catalog`` (closed here), begun at ``t0``."""
     try:
         with ThreadPoolExecutor(2) as pool:
             totals_f = pool.submit(_in_own_catalog, layout, lambda c: c.feature_totals())

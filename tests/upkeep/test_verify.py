@@ -1145,13 +1145,45 @@ def test_a_root_row_of_the_wrong_kind_is_one_line_found_by_verify_and_repaired(
     for args in (("stats",), ("roots",), ("gc", "--older-than", "1d")):
         out = invoke(*args, "--cache", store)
         assert out.returncode == 6, out.stdout + out.stderr
-        assert (
-            out.stderr.strip()
-            .splitlines()[-1]
-            .startswith(f"error: the catalog's row of root '{report.root}' is damaged")
-        )
+        line = out.stderr.strip().splitlines()[-1]  # the root named, or its table (gc)
+        assert line.startswith("error: the catalog") and "verify --repair" in line, line
+        assert report.root in line or "roots hold values of the wrong kind" in line, line
     found = invoke("verify", "--cache", store)
     assert found.returncode == 11 and "internal error" not in found.stderr, found.stderr
+    assert invoke("verify", "--repair", "--cache", store).returncode == 10
+    assert verify(store).status == "clean"
+    assert assert_serves(store, report.root, audio_dir / "fixed", encoder_file, Live()) == 4
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        "UPDATE features SET nbytes='big' WHERE key=(SELECT min(key) FROM features)",
+        "UPDATE features SET last_used='today' WHERE key=(SELECT min(key) FROM features)",
+        "UPDATE features SET shape='[3,' WHERE key=(SELECT min(key) FROM features)",
+        "UPDATE shards SET bytes='many' WHERE id=(SELECT min(id) FROM shards)",
+    ],
+)
+def test_feature_and_shard_rows_of_the_wrong_kind_are_damage_and_gc_refuses_them(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, edit: str
+) -> None:
+    """Round six, upkeep: feature or shard rows holding a value not of their column's kind
+    (SQLite keeps it; quick_check says nothing). verify called such a catalog clean (exit 0),
+    while gc --max-bytes and stats ended in internal errors (TypeError), or summed the text as
+    0. verify now finds them (exit 11) and --repair rebuilds the catalog from the shard headers
+    (exit 10); gc refuses in one line (exit 6) before it plans anything."""
+    store = tmp_path / "store"
+    report = bake(audio_dir / "fixed", encoder_file, store)
+    with closing(sqlite3.connect(store / "catalog.sqlite")) as conn:
+        conn.execute(edit)
+        conn.commit()
+    found = invoke("verify", "--cache", store)
+    assert found.returncode == 11, found.stdout + found.stderr
+    assert "hold values of the wrong kind" in found.stdout
+    refused = invoke("gc", "--max-bytes", "50KiB", "--cache", store)
+    assert refused.returncode == 6 and refused.stderr.strip().startswith("error: the catalog"), (
+        refused.stderr
+    )
     assert invoke("verify", "--repair", "--cache", store).returncode == 10
     assert verify(store).status == "clean"
     assert assert_serves(store, report.root, audio_dir / "fixed", encoder_file, Live()) == 4
