@@ -25,6 +25,7 @@ from featbake.store.layout import Layout
 from featbake.store.open import StoreRef, commit, open_catalog, place_of, resolve_root
 from featbake.store.place import Change
 from featbake.store.roots import Root
+from featbake.upkeep.files import refuse_while_rebuild_pending
 
 
 @dataclass(frozen=True)
@@ -226,6 +227,7 @@ def stats(cache: StoreRef = None) -> StoreStats:
 def _stats(layout: Layout, catalog: Catalog, t0: float) -> StoreStats:
     """:func:`stats` over ``catalog`` (closed here), begun at ``t0``."""
     try:
+        refuse_while_rebuild_pending(layout)  # a half-rebuilt catalog: not the store's numbers
         with ThreadPoolExecutor(2) as pool:
             totals_f = pool.submit(_in_own_catalog, layout, lambda c: c.feature_totals())
             missing_f = pool.submit(_in_own_catalog, layout, lambda c: c.missing_per_root())
