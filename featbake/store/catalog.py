@@ -468,15 +468,20 @@ _WRITE_REFUSED = (sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_READ
 _READ_FAILED = (sqlite3.SQLITE_IOERR_READ, sqlite3.SQLITE_IOERR_SHORT_READ)
 
 
-def cannot_write(error: BaseException | None) -> bool:
+def cannot_write(error: BaseException | None, *, writing: bool = True) -> bool:
     """Whether SQLite failed because the disk refused a write (not a bug, not a damaged file);
-    ``error`` may be the StoreError such a failure became (its cause is looked at)."""
+    ``error`` may be the StoreError such a failure became (its cause is looked at).
+
+    A connection that is not ``writing`` (read-only) meets SQLITE_READONLY where a hot journal
+    needs rolling back, which says nothing of the disk: only a full or failing disk counts.
+    """
     if isinstance(error, StoreError):
         error = error.__cause__
     code = getattr(error, "sqlite_errorcode", None)
     if not isinstance(error, sqlite3.Error) or code is None or code in _READ_FAILED:
         return False
-    return code & 0xFF in _WRITE_REFUSED
+    refused = _WRITE_REFUSED if writing else (sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR)
+    return code & 0xFF in refused
 
 
 def unwritable_catalog(path: Path, error: sqlite3.Error) -> StoreError:
@@ -571,7 +576,7 @@ class CatalogConnection(ProcessLocalState):
             if self.fragment is None or self.access is Access.READ_WRITE:
                 ensure_schema(conn, self.path, writable=self.access is Access.READ_WRITE)
         except sqlite3.OperationalError as e:
-            if cannot_write(e):
+            if cannot_write(e, writing=self.access is Access.READ_WRITE):
                 raise unwritable_catalog(self.path, e) from e
             raise self.unreadable(e) from e
         except sqlite3.DatabaseError as e:
@@ -1667,7 +1672,7 @@ def catalog_file_problems(path: Path) -> list[str]:
 
 
 def _unreadable(path: Path, error: Exception) -> list[str]:
-    if cannot_write(error):
+    if cannot_write(error, writing=False):
         raise unwritable_catalog(path, error) from error  # type: ignore[arg-type]
     return [f"unreadable: {error}"]
 

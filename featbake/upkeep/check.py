@@ -647,7 +647,7 @@ def catalog_health(layout: Layout) -> CatalogHealth:
     try:
         cat.conn  # noqa: B018  (an older schema version is refused here)
     except StoreError as e:
-        if cannot_write(e):  # a full or failing disk: the catalog is sound, never rebuilt
+        if cannot_write(e):  # a full or failing disk, a hot journal read-only: sound, not rebuilt
             raise
         if cat.read_only and upgradable(path):  # an older catalog, sound: upgraded where writable
             raise
