@@ -219,6 +219,9 @@ def _retire_old_catalog(layout: Layout) -> RepairOutcome:
     in one rename (until then, a rebuild is pending)."""
     pending = rebuild_pending(layout)
     names = sorted(p.name for p in pending.iterdir())
+    if not names:  # there was no old catalog to keep
+        pending.rmdir()
+        return RepairOutcome()
     dest = quarantine(layout, pending, "catalog")
     fsync_dir(layout.root)
     return RepairOutcome([f"moved the old catalog file {n} to {dest / n}" for n in names])
