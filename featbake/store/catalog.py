@@ -1496,6 +1496,7 @@ def unlink_if_written_at(path: Path, written_at: float, tmp_dir: Path) -> int:
     so no writer's rename between the look and the unlink is ever lost.
     """
     aside = temporary_path(path, tmp_dir)
+    tmp_dir.mkdir(parents=True, exist_ok=True)  # else the rename fails as if the file were gone
     try:
         os.rename(path, aside)
     except FileNotFoundError:
