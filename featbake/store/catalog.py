@@ -1237,6 +1237,18 @@ class UpkeepRows(CatalogConnection):
     """What stats, gc and verify need: store-wide reads, then gc's and repair's changes
     (deleting rows and files, moving rows, restoring rows)."""
 
+    @contextmanager
+    def snapshot(self) -> Iterator[None]:
+        """The reads inside see one state of the catalog (one read transaction), so numbers
+        added up across them never mix a writer's commit half in (stats while a build or gc
+        runs)."""
+        conn = self.conn
+        conn.execute("BEGIN")
+        try:
+            yield
+        finally:
+            conn.execute("COMMIT")  # it only read: this ends the snapshot
+
     def shard_rows(self) -> list[ShardRow]:
         """Every shard row, by id."""
         rows = self.conn.execute(f"SELECT {', '.join(ShardRow.COLUMNS)} FROM shards ORDER BY id")

@@ -231,10 +231,11 @@ def _stats(layout: Layout, catalog: Catalog, t0: float) -> StoreStats:
         with ThreadPoolExecutor(2) as pool:
             totals_f = pool.submit(_in_own_catalog, layout, lambda c: c.feature_totals())
             missing_f = pool.submit(_in_own_catalog, layout, lambda c: c.missing_per_root())
-            usage = catalog.shard_usage()
-            shard_rows = catalog.shard_rows()
-            enc_rows = catalog.encoder_rows()
-            roots = catalog.roots()
+            with catalog.snapshot():  # what is added up across them is of one moment
+                usage = catalog.shard_usage()
+                shard_rows = catalog.shard_rows()
+                enc_rows = catalog.encoder_rows()
+                roots = catalog.roots()
             totals, missing = totals_f.result(), missing_f.result()
             totals = _with_waiting(totals, catalog)
     finally:

@@ -134,3 +134,36 @@ def test_dead_features_are_what_gc_frees_while_a_build_in_parts_waits_for_its_me
         before.live_bytes,
         0,
     )
+
+
+def test_stats_while_a_build_commits_adds_up_one_moment(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, store_dir: Path, monkeypatch
+) -> None:
+    """Round six, upkeep: stats read the shards' usage and the shard rows as two statements; a
+    build committing between them made the new shards count in `shards`, their bytes on disk
+    and "unreferenced inside shards" (their tensors missing from the usage), a state the store
+    never was in. The shard reads are one snapshot now: the numbers are those of before the
+    build, whole."""
+    from featbake.store.catalog import UpkeepRows
+
+    bake(audio_dir / "fixed", encoder_file, store_dir)
+    before = stats(store_dir)
+    real = UpkeepRows.shard_usage
+    built: list[object] = []
+
+    def usage_then_a_build(self):  # the build commits right after stats read the usage
+        usage = real(self)
+        if not built:
+            built.append(bake(audio_dir, encoder_file, store_dir))
+        return usage
+
+    monkeypatch.setattr(UpkeepRows, "shard_usage", usage_then_a_build)
+    during = stats(store_dir)
+    assert built
+    assert during.unreferenced_bytes == 0
+    assert (during.shards, during.disk_bytes, during.tensors) == (
+        before.shards,
+        before.disk_bytes,
+        before.tensors,
+    )
+    assert sum(e.shards for e in during.encoders) == during.shards
