@@ -47,8 +47,9 @@ def stats(
     """Show what the store holds: features, bytes, live and dead, per encoder and per root.
 
     Reads the catalog's rows, never a shard (well under a second on a million features). Live
-    features are those some root reaches; dead ones are what `featbake gc` frees. On a bucket
-    store it names the bucket and this node's local tier (--local-cache, its budget).
+    features are those some root reaches (or a build in parts waiting for `featbake merge`);
+    dead ones are what `featbake gc` frees. On a bucket store it names the bucket and this
+    node's local tier (--local-cache, its budget).
     """
     from featbake.store.open import open_store
     from featbake.upkeep import stats as run_stats

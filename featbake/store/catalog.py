@@ -36,7 +36,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
-from featbake.errors import ShardMissing, StoreError
+from featbake.errors import ShardMissing, StoreCorrupt, StoreError
 from featbake.process import PerThread, ProcessLocalState
 from featbake.store.fidelity import Measured, fidelity_file, write_fidelity
 from featbake.store.files import fsync_dir, fsync_file, remove_file, temporary_path
@@ -186,6 +186,21 @@ def ensure_schema(conn: sqlite3.Connection, path: Path, *, writable: bool) -> No
     except BaseException:
         conn.execute("ROLLBACK")
         raise
+
+
+def upgradable(path: Path) -> bool:
+    """Whether the catalog file at ``path`` is of an older schema this featbake migrates (read
+    read-only): sound, only waiting for a writable open to upgrade it."""
+    try:
+        conn = open_sqlite(path, read_only_access(path))
+    except sqlite3.Error:
+        return False
+    try:
+        return schema_version(conn) in MIGRATIONS
+    except (sqlite3.Error, ValueError):
+        return False
+    finally:
+        conn.close()
 
 
 def _create_or_migrate(conn: sqlite3.Connection) -> None:
@@ -445,6 +460,45 @@ def create_catalog_whole(path: Path, tmp_dir: Path, timeout: float) -> bool:
                 leftover.unlink()
 
 
+#: SQLite's primary result codes that say the catalog's disk refused a write: full, failing
+#: (on a full disk a WAL's shared-memory file cannot grow: ``SQLITE_IOERR_SHMSIZE``), or
+#: read-only underneath an open connection (a mount remounted read-only). Reads that fail are
+#: not among them: those may be a damaged file.
+_WRITE_REFUSED = (sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_READONLY)
+_READ_FAILED = (sqlite3.SQLITE_IOERR_READ, sqlite3.SQLITE_IOERR_SHORT_READ)
+
+
+def cannot_write(error: BaseException | None, *, writing: bool = True) -> bool:
+    """Whether SQLite failed because the disk refused a write (not a bug, not a damaged file);
+    ``error`` may be the StoreError such a failure became (its cause is looked at).
+
+    A connection that is not ``writing`` (read-only) meets SQLITE_READONLY where a hot journal
+    needs rolling back, which says nothing of the disk: only a full or failing disk counts.
+    """
+    if isinstance(error, StoreError):
+        error = error.__cause__
+    code = getattr(error, "sqlite_errorcode", None)
+    if not isinstance(error, sqlite3.Error) or code is None or code in _READ_FAILED:
+        return False
+    refused = _WRITE_REFUSED if writing else (sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR)
+    return code & 0xFF in refused
+
+
+def unwritable_catalog(path: Path, error: sqlite3.Error) -> StoreError:
+    """The one-line error for a catalog write the disk refused, with what to do."""
+    fix = (
+        "the disk is full, failing or read-only: free space (or move the store with --cache "
+        "DIR) and check the disk, then run it again; the catalog itself is not damaged"
+    )
+    return StoreError(f"cannot write the catalog {path} ({error}); {fix}")
+
+
+def _roll_back(conn: sqlite3.Connection) -> None:
+    """ROLLBACK what is open; nothing when SQLite rolled it back itself (a failed COMMIT)."""
+    if conn.in_transaction:
+        conn.execute("ROLLBACK")
+
+
 class Transaction:
     """An open write transaction: run statements, and queue file removals for after COMMIT.
 
@@ -512,14 +566,19 @@ class CatalogConnection(ProcessLocalState):
 
     # -- connections -------------------------------------------------------------------------
     def _connect(self) -> sqlite3.Connection:
-        if self.fragment is None and self.access is Access.READ_WRITE and not self.path.exists():
-            self.layout.refuse_fresh_catalog(allow=self.rebuild)
-            create_catalog_whole(self.path, self.layout.tmp, self.timeout)
         try:
+            fresh = self.fragment is None and self.access is Access.READ_WRITE
+            if fresh and not self.path.exists():
+                self.layout.refuse_fresh_catalog(allow=self.rebuild)
+                create_catalog_whole(self.path, self.layout.tmp, self.timeout)
             conn = self._open()
             # A sealed fragment is read by column name whatever schema version wrote it.
             if self.fragment is None or self.access is Access.READ_WRITE:
                 ensure_schema(conn, self.path, writable=self.access is Access.READ_WRITE)
+        except sqlite3.OperationalError as e:
+            if cannot_write(e, writing=self.access is Access.READ_WRITE):
+                raise unwritable_catalog(self.path, e) from e
+            raise self.unreadable(e) from e
         except sqlite3.DatabaseError as e:
             raise self.unreadable(e) from e
         return conn
@@ -601,10 +660,15 @@ class CatalogConnection(ProcessLocalState):
         txn = Transaction(conn)
         try:
             yield txn
+            conn.execute("COMMIT")
+        except sqlite3.OperationalError as e:
+            _roll_back(conn)
+            if not cannot_write(e):
+                raise
+            raise unwritable_catalog(self.path, e) from e
         except BaseException:
-            conn.execute("ROLLBACK")
+            _roll_back(conn)
             raise
-        conn.execute("COMMIT")
         for fn in txn.callbacks:
             fn()
 
@@ -1173,6 +1237,18 @@ class UpkeepRows(CatalogConnection):
     """What stats, gc and verify need: store-wide reads, then gc's and repair's changes
     (deleting rows and files, moving rows, restoring rows)."""
 
+    @contextmanager
+    def snapshot(self) -> Iterator[None]:
+        """The reads inside see one state of the catalog (one read transaction), so numbers
+        added up across them never mix a writer's commit half in (stats while a build or gc
+        runs)."""
+        conn = self.conn
+        conn.execute("BEGIN")
+        try:
+            yield
+        finally:
+            conn.execute("COMMIT")  # it only read: this ends the snapshot
+
     def shard_rows(self) -> list[ShardRow]:
         """Every shard row, by id."""
         rows = self.conn.execute(f"SELECT {', '.join(ShardRow.COLUMNS)} FROM shards ORDER BY id")
@@ -1287,18 +1363,27 @@ class UpkeepRows(CatalogConnection):
                 done += c.execute(f"DELETE FROM features WHERE key IN ({q})", chunk).rowcount
         return done
 
-    def unlink_shard_file(self, name: str) -> int:
+    def unlink_shard_file(self, name: str, written_at: float | None = None) -> int:
         """Remove shard ``name``'s file unless a row names it again; returns the bytes freed.
 
         Shard names are content hashes, so a writer may seal a byte-identical shard at the same
         path after gc deleted its row. The unlink happens deliberately UNDER the write lock (not
         after COMMIT like every other removal), and add_shard checks the file under the same
         lock, so one of the two always sees the other.
+
+        A writer that names its shards in a fragment (a build in parts, a write-back on a shared
+        filesystem) commits nothing here, so the lock cannot tell gc about it. With
+        ``written_at`` (the file's mtime when gc planned to remove it) the file goes only if it
+        is still that write: one sealed again since is a new shard that a fragment is about to
+        name (:func:`unlink_if_written_at`).
         """
         with self.transaction() as c:
             if c.execute("SELECT 1 FROM shards WHERE name=?", (name,)).fetchone():
                 return 0
-            return remove_file(self.layout.shard_path(name))
+            path = self.layout.shard_path(name)
+            if written_at is None:
+                return remove_file(path)
+            return unlink_if_written_at(path, written_at, self.layout.tmp)
 
     def delete_shards_if_empty(self, shard_ids: Iterable[int]) -> list[str]:
         """Delete the rows of those shards no feature row points into; returns their names."""
@@ -1413,6 +1498,29 @@ class UpkeepRows(CatalogConnection):
             ).rowcount
 
 
+def unlink_if_written_at(path: Path, written_at: float, tmp_dir: Path) -> int:
+    """Remove the file at ``path`` if it is the one last written at ``written_at``; returns the
+    bytes freed (0: gone already, or written again since, which stays).
+
+    The file is first renamed aside into ``tmp_dir`` (one atomic step takes whichever file is
+    there), then judged by its own mtime: a shard sealed again since (``os.replace`` of a fresh
+    file under the same content name) is put back, byte for byte what a writer sealed there,
+    so no writer's rename between the look and the unlink is ever lost.
+    """
+    aside = temporary_path(path, tmp_dir)
+    tmp_dir.mkdir(parents=True, exist_ok=True)  # else the rename fails as if the file were gone
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return 0
+    st = os.stat(aside)
+    if st.st_mtime != written_at:
+        os.replace(aside, path)  # the same content name: the same bytes, whoever wrote last
+        return 0
+    os.unlink(aside)
+    return st.st_size
+
+
 def _from_v2(r: Sequence) -> HashCacheRow:
     path, size, mtime_ns, inode, sha256 = r
     return HashCacheRow(path, size, mtime_ns, inode, 0, sha256, 0)
@@ -1483,6 +1591,30 @@ REQUIRED_COLUMNS: dict[str, frozenset[str]] = {
 }
 
 
+_NUMBER = "('real', 'integer')"
+
+#: Per table, a condition true of a row holding a value not of its column's kind: SQLite keeps
+#: whatever a column is given (a catalog edited by hand, or damage inside a page that still
+#: reads), and quick_check says nothing of it, while stats, gc and serving add, compare and
+#: parse these values.
+WRONG_KIND: dict[str, str] = {
+    "features": (
+        "typeof(shard_id) != 'integer' OR typeof(nbytes) != 'integer' OR typeof(dtype) != 'text' "
+        f"OR typeof(last_used) NOT IN {_NUMBER} OR typeof(shape) != 'text' "
+        "OR NOT json_valid(shape)"
+    ),
+    "shards": (
+        "typeof(bytes) != 'integer' OR typeof(items) != 'integer' "
+        f"OR typeof(data_bytes) != 'integer' OR typeof(created) NOT IN {_NUMBER}"
+    ),
+    "roots": (
+        f"typeof(items) != 'integer' OR typeof(created) NOT IN {_NUMBER} "
+        f"OR typeof(last_used) NOT IN {_NUMBER} OR typeof(recipe) != 'text' "
+        "OR CASE WHEN json_valid(recipe) THEN json_type(recipe) != 'object' ELSE 1 END"
+    ),
+}
+
+
 def _schema_problems(conn: sqlite3.Connection) -> list[str]:
     tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
     out = []
@@ -1492,6 +1624,36 @@ def _schema_problems(conn: sqlite3.Connection) -> list[str]:
             continue
         have = {r[1] for r in conn.execute(f"PRAGMA table_info({table})")}
         out.extend(f"no column {table}.{c}" for c in sorted(columns - have))
+    return out or _wrong_kinds(conn)
+
+
+def wrong_kinds(catalog: Catalog) -> list[str]:
+    """``N rows of T hold values of the wrong kind`` for each table of :data:`WRONG_KIND` (one
+    scan of each; empty for a sound catalog)."""
+    return _wrong_kinds(catalog.conn)
+
+
+def refuse_wrong_kinds(catalog: Catalog) -> None:
+    """Refuse a catalog holding values of the wrong kind (what upkeep adds and compares).
+
+    Raises:
+        StoreCorrupt: some rows do, named by table; the message says to run verify --repair.
+    """
+    problems = wrong_kinds(catalog)
+    if problems:
+        raise StoreCorrupt(
+            f"the catalog {catalog.path} is damaged ({'; '.join(problems)}); run `featbake "
+            "verify --repair` to rebuild it from the shards and root manifests"
+        )
+
+
+def _wrong_kinds(conn: sqlite3.Connection) -> list[str]:
+    """``N rows of T hold values of the wrong kind`` for each table of :data:`WRONG_KIND`."""
+    out = []
+    for table, wrong in WRONG_KIND.items():
+        (n,) = conn.execute(f"SELECT count(*) FROM {table} WHERE {wrong}").fetchone()
+        if n:
+            out.append(f"{n} rows of {table} hold values of the wrong kind")
     return out
 
 
@@ -1501,11 +1663,15 @@ def catalog_file_problems(path: Path) -> list[str]:
     SQLite's ``quick_check`` finds damaged pages; a catalog that opens but lacks a table or a
     column (edited by hand, or another program's database) is named too, before anything runs a
     query on it that would fail halfway.
+
+    Raises:
+        StoreError: the disk refused a write reading it needs (a WAL catalog's shared-memory
+            file on a full disk): that says nothing of the file, which must not be rebuilt.
     """
     try:
         conn = open_sqlite(path, read_only_access(path), timeout=10)
     except sqlite3.Error as e:
-        return [f"unreadable: {e}"]
+        return _unreadable(path, e)
     conn.text_factory = lambda b: b.decode("utf-8", "replace")  # damaged pages hold any bytes
     try:
         (res,) = conn.execute("PRAGMA quick_check").fetchone()
@@ -1513,9 +1679,15 @@ def catalog_file_problems(path: Path) -> list[str]:
             return [f"damaged: {res}"]
         return _schema_problems(conn)
     except (sqlite3.Error, ValueError) as e:
-        return [f"unreadable: {e}"]
+        return _unreadable(path, e)
     finally:
         conn.close()
+
+
+def _unreadable(path: Path, error: Exception) -> list[str]:
+    if cannot_write(error, writing=False):
+        raise unwritable_catalog(path, error) from error  # type: ignore[arg-type]
+    return [f"unreadable: {error}"]
 
 
 def feature_rows(catalog: Catalog) -> Iterator[FeatureRow]:
@@ -1618,4 +1790,5 @@ __all__ = [
     "catalog_file_problems",
     "feature_rows",
     "hash_cache_rows",
+    "upgradable",
 ]

@@ -243,11 +243,22 @@ def parse_name(path: Path) -> FragmentName | None:
 
 
 def sealed_fragments(layout: Layout) -> list[FragmentName]:
-    """Every sealed fragment in the store, by file name (unsealed ones are still in tmp/)."""
+    """Every sealed fragment in the store, by file name (unsealed ones are still in tmp/).
+
+    Raises:
+        StoreError: ``fragments`` is there but cannot be listed (a file, a link to nothing,
+            no permission): the fragments a merge waits for cannot be known.
+    """
+    folder = fragments_dir(layout)
     try:
-        files = sorted(fragments_dir(layout).iterdir())
+        files = sorted(folder.iterdir())
     except FileNotFoundError:
         return []
+    except OSError as e:
+        raise StoreError(
+            f"cannot list the store's fragments at {folder} ({e.strerror or e}); it must be a "
+            "folder the store's user can read: move what is there aside, then run this again"
+        ) from e
     return [n for n in map(parse_name, files) if n is not None]
 
 
@@ -431,6 +442,34 @@ def fragment_keys(paths: Iterable[Path]) -> set[str]:
     for path in paths:  # one not read: its keys are in the catalog, or simply encoded again
         keys.update(_read_sealed(path, _keys_of) or ())
     return keys
+
+
+def _named_keys_of(conn: sqlite3.Connection) -> list[str]:
+    """The keys a sealed fragment stores tensors of or whose manifest names (any format): a
+    part that found a key stored names it in its manifest alone."""
+    has = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    items = "root_items" if "root_items" in has else "items"  # format 3, or formats 1 and 2
+    named = (
+        [r[0] for r in conn.execute(f"SELECT DISTINCT key FROM {items}")] if items in has else []
+    )
+    return [*_keys_of(conn), *named]
+
+
+def fragment_named_keys(paths: Iterable[Path]) -> set[str]:
+    """The keys these sealed fragments store or name in their manifests: what the builds
+    waiting for a merge will publish, which gc must keep (a key a part reused is named in the
+    fragment's manifest only, its rows being the catalog's)."""
+    keys: set[str] = set()
+    for path in paths:  # one not read: merged since (its keys in the catalog), or unreadable
+        keys.update(_read_sealed(path, _named_keys_of) or ())
+    return keys
+
+
+def waiting_keys(layout: Layout) -> set[str]:
+    """Keys sealed fragments store or name in their manifests: what merges not run yet will
+    publish (builds in parts, and datasets on a shared filesystem, which publish their roots
+    and write back in ``serve`` fragments), so gc keeps them and stats counts them live."""
+    return fragment_named_keys(n.path for n in sealed_fragments(layout))
 
 
 def fragment_shard_names(layout: Layout) -> set[str]:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from featbake.errors import StoreError
 from featbake.store.catalog import (
     ITEMS_SELECT,
     ROOT_SELECT,
@@ -46,11 +47,12 @@ def read_old_catalog(path: Path) -> OldCatalog:
     except sqlite3.Error:
         return out
     conn.text_factory = lambda b: b.decode("utf-8", "replace")  # damaged pages hold any bytes
-    unreadable = (sqlite3.Error, ValueError, TypeError, RecursionError)
+    unreadable = (sqlite3.Error, ValueError, TypeError, RecursionError, StoreError)
     try:
         with contextlib.suppress(*unreadable):
-            out.last_used = conn.execute(
-                "SELECT key, max(last_used) FROM features GROUP BY key"
+            out.last_used = conn.execute(  # a time of the wrong kind is not carried over
+                "SELECT key, max(last_used) FROM features "
+                "WHERE typeof(last_used) IN ('real', 'integer') GROUP BY key"
             ).fetchall()
         with contextlib.suppress(*unreadable):
             have = {r[1] for r in conn.execute("PRAGMA table_info(hash_cache)")}

@@ -241,7 +241,7 @@ class LocalPlace:
         shards = freed = 0
         with shared_write_lock(self.layout), closing(Catalog(self.layout)) as catalog:
             for h in plan.shards:
-                got = catalog.unlink_shard_file(shard_name(Path(h.name)))
+                got = catalog.unlink_shard_file(shard_name(Path(h.name)), h.modified)
                 if got:
                     shards, freed = shards + 1, freed + got
                     crash("orphan-unlinked")

@@ -101,19 +101,59 @@ class Root:
 
     @classmethod
     def from_row(cls, values: Any) -> Root:
-        """A root from the values of a ``SELECT`` of :attr:`COLUMNS`, matched by name."""
+        """A root from the values of a ``SELECT`` of :attr:`COLUMNS`, matched by name.
+
+        SQLite keeps whatever a column is given, so each value is checked for its type (a
+        catalog edited by hand or damaged inside a page that still reads).
+
+        Raises:
+            StoreCorrupt: a value is not of its column's kind (the recipe not a JSON object,
+                a count or a time not a number); the message says to run verify --repair.
+        """
         row = dict(zip(cls.COLUMNS, values, strict=True))
-        return cls(
-            name=row["name"],
-            data=row["data"],
-            encoder_label=row["encoder_label"],
-            encoder_fp=row["encoder_fp"],
-            recipe_fp=row["recipe_fp"],
-            recipe=json.loads(row["recipe"]),
-            items=row["items"],
-            created=row["created"],
-            last_used=row["last_used"],
-        )
+        try:
+            root = cls(
+                name=_text(row["name"]),
+                data=_text(row["data"]),
+                encoder_label=_text(row["encoder_label"]),
+                encoder_fp=_text(row["encoder_fp"]),
+                recipe_fp=_text(row["recipe_fp"]),
+                recipe=_json_object(row["recipe"]),
+                items=_count(row["items"]),
+                created=_time(row["created"]),
+                last_used=_time(row["last_used"]),
+            )
+        except (TypeError, ValueError, RecursionError) as e:
+            raise StoreCorrupt(
+                f"the catalog's row of root {str(row['name'])[:80]!r} is damaged ({e}); run "
+                "`featbake verify --repair` to rebuild it from the root manifests"
+            ) from None
+        return root
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{value!r:.40} is not text")
+    return value
+
+
+def _json_object(value: Any) -> dict:
+    recipe = json.loads(_text(value))
+    if not isinstance(recipe, dict):
+        raise TypeError("its recipe is not a JSON object")
+    return recipe
+
+
+def _count(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise TypeError(f"{value!r:.40} is not a count")
+    return value
+
+
+def _time(value: Any) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool) or value != value:
+        raise TypeError(f"{value!r:.40} is not a time")
+    return float(value)
 
 
 ROOT_FORMAT = "featbake-root"

@@ -26,9 +26,11 @@ from featbake.progress import GcProgress
 from featbake.store.catalog import (
     Catalog,
     ShardRow,
+    cannot_write,
     catalog_file_problems,
     feature_rows,
     hash_cache_rows,
+    upgradable,
 )
 from featbake.store.containers import (
     Member,
@@ -43,7 +45,7 @@ from featbake.store.containers import (
     stored_cell_kind,
 )
 from featbake.store.files import FolderListing, list_folder
-from featbake.store.fragments import fragment_shard_names
+from featbake.store.fragments import fragment_shard_names, read_fragment, sealed_fragments
 from featbake.store.hash_cache import ENCODER_FP_PREFIX, FileStat, HashCacheRow
 from featbake.store.layout import Layout, shard_name
 from featbake.store.merge import unmerged_builds
@@ -52,7 +54,7 @@ from featbake.store.place import Place
 from featbake.store.roots import Root, root_file, roots_dir, tombstone_file
 from featbake.store.shard import ST_TO_DTYPE, ShardEntry, ShardReader, TensorInfo, split_tensor_name
 from featbake.threadpool import map_in_threads
-from featbake.upkeep.files import existing_store, read_manifest
+from featbake.upkeep.files import existing_store, read_manifest, rebuild_interrupted
 
 # == verify_findings ===============================================================================
 VERIFY_CLEAN = 0
@@ -79,6 +81,7 @@ class FindingKind(StrEnum):
     HASH_CACHE = "hash-cache"  # a trusted hash-cache row whose file hashes to something else
     TMP_LEFTOVERS = "tmp-leftovers"  # a note; gc removes them after the grace period
     PARTS_WAITING = "parts-waiting"  # a note: a build in parts whose fragments wait for merge
+    FRAGMENT = "fragment"  # a sealed fragment that cannot be read: a merge refuses it
 
 
 @dataclass(frozen=True)
@@ -533,8 +536,8 @@ def scan_store(
         try:
             findings.extend(check_catalog(layout, checks))
             hashes = check_hash_cache(layout, progress) if check_hashes else HashCheck((), 0, 0)
-        except (sqlite3.DatabaseError, UnicodeDecodeError) as e:  # what quick_check let through
-            health = CatalogHealth(CatalogState.UNUSABLE, f"unreadable rows: {e}")
+        except (sqlite3.DatabaseError, UnicodeDecodeError, StoreCorrupt) as e:  # quick_check's
+            health = CatalogHealth(CatalogState.UNUSABLE, f"unreadable rows: {e}")  # blind spots
         else:
             findings.extend(hash_findings(hashes))
             wrong_hashes, nbytes = hashes.wrong, nbytes + hashes.bytes_read
@@ -543,6 +546,7 @@ def scan_store(
         detail = f"{health.detail}; --repair rebuilds it"
         findings.append(Finding(FindingKind.CATALOG, str(layout.catalog), detail, True))
     findings.extend(waiting)
+    findings.extend(fragment_findings(layout, set(checks)))
     findings.extend(check_root_files(layout))
     findings.extend(tmp_findings(layout))
     return VerifyScan(layout, health, tuple(checks.values()), tuple(findings), nbytes, wrong_hashes)
@@ -561,6 +565,41 @@ def waiting_findings(layout: Layout) -> list[Finding]:
         )
         for b in unmerged_builds(layout)
     ]
+
+
+def fragment_findings(layout: Layout, listed: set[str]) -> list[Finding]:
+    """Sealed fragments a merge cannot read, and shards readable ones name whose file is gone
+    (``listed``: the shard files the scan found). Both are damage: a merge refuses the first,
+    and skips the second's features, which are then lost until a build encodes them again.
+
+    A fragment merged and removed since the listing is skipped, and a named shard missing from
+    the listing is missing only if it is still no file and still named once every fragment is
+    read (a part seals its shard before the fragment naming it)."""
+    out, named = [], {}
+    for frag in sealed_fragments(layout):
+        try:
+            shards = read_fragment(frag.path, layout, with_entries=False).shards
+        except StoreCorrupt as e:
+            if frag.path.exists():
+                out.append(Finding(FindingKind.FRAGMENT, str(frag.path), str(e), True))
+            continue
+        named.update({s.name: frag.path.name for s in shards})
+    gone = {n for n in named if n not in listed and not layout.shard_path(n).is_file()}
+    if gone:
+        gone &= fragment_shard_names(layout)
+    out.extend(
+        Finding(
+            FindingKind.MISSING_SHARD,
+            name,
+            f"sealed fragment {named[name]} names it but its file is gone, so its features "
+            "are lost; after `featbake merge` the next `featbake build` of that data encodes "
+            "them again",
+            True,
+        )
+        for name in sorted(gone)
+        if not layout.shard_path(name).is_file()
+    )
+    return out
 
 
 def _made_by_merge(layout: Layout, health: CatalogHealth, waiting: list[Finding]) -> bool:
@@ -593,6 +632,10 @@ def _check_files(
 def catalog_health(layout: Layout) -> CatalogHealth:
     """Whether the catalog can be used as is; read-only until the file is known to be sound."""
     path = layout.catalog
+    if rebuild_interrupted(layout):
+        return CatalogHealth(
+            CatalogState.UNUSABLE, "a rebuild by `featbake verify --repair` was interrupted"
+        )
     if not os.path.lexists(path):
         return CatalogHealth(CatalogState.MISSING, "missing")
     if not stat.S_ISREG(os.lstat(path).st_mode):
@@ -604,6 +647,10 @@ def catalog_health(layout: Layout) -> CatalogHealth:
     try:
         cat.conn  # noqa: B018  (an older schema version is refused here)
     except StoreError as e:
+        if cannot_write(e):  # a full or failing disk, a hot journal read-only: sound, not rebuilt
+            raise
+        if cat.read_only and upgradable(path):  # an older catalog, sound: upgraded where writable
+            raise
         return CatalogHealth(CatalogState.UNUSABLE, str(e))
     finally:
         cat.close()

@@ -19,16 +19,80 @@ from featbake.store.place import VerifyScope
 from featbake.store.roots import Root, RootItem, read_root_file
 
 
-def quarantine(layout: Layout, path: Path) -> Path:
-    """Move ``path`` (a file, link or FIFO) into ``quarantine/`` under a free name; returns it."""
-    layout.quarantine.mkdir(parents=True, exist_ok=True)
-    dest = layout.quarantine / path.name
+def ensure_quarantine(layout: Layout) -> None:
+    """Make ``quarantine/`` (repair checks it before it changes anything).
+
+    Raises:
+        StoreError: ``quarantine`` is there and not a folder.
+    """
+    try:
+        layout.quarantine.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as e:
+        raise StoreError(
+            f"{layout.quarantine} is not a folder, so repair has nowhere to set damage aside; "
+            "move it away, then run `featbake verify --repair` again"
+        ) from e
+
+
+def quarantine(layout: Layout, path: Path, name: str | None = None) -> Path:
+    """Move ``path`` (a file, link or FIFO, or the folder of a rebuilt catalog's old files) into
+    ``quarantine/`` under a free name (``name``, or its own, numbered if taken); returns it.
+
+    Raises:
+        StoreError: ``quarantine`` is there and not a folder (nothing is moved).
+    """
+    ensure_quarantine(layout)
+    name = name or path.name
+    dest = layout.quarantine / name
     n = 1
     while os.path.lexists(dest):
-        dest = layout.quarantine / f"{path.name}.{n}"
+        dest = layout.quarantine / f"{name}.{n}"
         n += 1
     os.replace(path, dest)
     return dest
+
+
+#: Where ``verify --repair`` keeps the old catalog's files while it builds a new one: first
+#: moved into ``catalog.moving/`` (the database first, then its WAL and shared memory, which
+#: keep their names there so SQLite still pairs them), which is renamed ``catalog.rebuilding/``
+#: once all are in, and only then is the new catalog made. A rebuild killed midway finds the old
+#: one there and reads again what only it knew (roots whose manifest file is gone, the hash
+#: cache, last uses); gc refuses to run on a partial catalog meanwhile. The finished rebuild
+#: renames the folder into ``quarantine/`` in one step.
+MOVING, PENDING = "catalog.moving", "catalog.rebuilding"
+
+#: The files of one SQLite catalog: the database, then its WAL and shared memory.
+CATALOG_SUFFIXES = ("", "-wal", "-shm")
+
+
+def rebuild_pending(layout: Layout) -> Path:
+    """The folder holding the old catalog a rebuild set aside and has not finished replacing
+    (see :data:`PENDING`); it exists only while a rebuild runs or after one was killed."""
+    return layout.root / PENDING
+
+
+def moving_aside(layout: Layout) -> Path:
+    """The folder the old catalog's files move into before it becomes :func:`rebuild_pending`."""
+    return layout.root / MOVING
+
+
+def rebuild_interrupted(layout: Layout) -> bool:
+    """Whether a ``verify --repair`` began to set the catalog aside and has not finished."""
+    return any(os.path.lexists(p) for p in (moving_aside(layout), rebuild_pending(layout)))
+
+
+def refuse_while_rebuild_pending(layout: Layout) -> None:
+    """Refuse to change a store whose catalog a killed ``verify --repair`` left half rebuilt.
+
+    Raises:
+        StoreError: the old catalog still waits beside the partial one.
+    """
+    if rebuild_interrupted(layout):
+        raise StoreError(
+            f"a `featbake verify --repair` of {layout.root} was interrupted while it rebuilt the "
+            "catalog, which lacks what only the old one knew; run `featbake verify --repair` "
+            "again to finish it, then rerun this"
+        )
 
 
 def looks_like_store(layout: Layout) -> bool:

@@ -42,14 +42,15 @@ from typing import Any
 
 from featbake.errors import ConfigError, ShardMissing, StoreCorrupt, StoreError
 from featbake.progress import GcProgress
-from featbake.store.catalog import Catalog, FeatureRef, ShardRow, ShardUsage
-from featbake.store.files import fsync_dir, remove_file
-from featbake.store.fragments import (
-    FragmentKind,
-    fragment_keys,
-    sealed_fragments,
-    serving_uses,
+from featbake.store.catalog import (
+    Catalog,
+    FeatureRef,
+    ShardRow,
+    ShardUsage,
+    refuse_wrong_kinds,
 )
+from featbake.store.files import fsync_dir, remove_file
+from featbake.store.fragments import serving_uses, waiting_keys
 from featbake.store.layout import Layout, checked_shard_name
 from featbake.store.locks import shared_write_lock
 from featbake.store.open import Need, StoreRef, open_catalog, open_store, place_of
@@ -65,6 +66,7 @@ from featbake.store.shard import (
     ShardWriter,
     tensor_name,
 )
+from featbake.upkeep.files import refuse_while_rebuild_pending
 
 # == gc_plan =======================================================================================
 # ``featbake gc``, first half: work out what a run will remove, reading only (``--dry-run``).
@@ -255,11 +257,14 @@ def plan_gc(
     """
     opts = options or GcOptions()
     now = time.time() if now is None else now
-    layout, catalog = open_catalog(cache)
+    layout = open_store(cache, need=Need.STORE)
+    refuse_while_rebuild_pending(layout)  # a half-rebuilt catalog lacks roots: all unreached
+    layout, catalog = open_catalog(layout)
     place = place_of(layout)
     if not place.rewrites_shards():
         opts = dataclasses.replace(opts, compact_below=0.0, merge_small=False)
     with closing(catalog):
+        refuse_wrong_kinds(catalog)  # gc adds, compares and deletes by these values
         roots = catalog.roots()
         if opts.older_than is not None:  # a root a dataset reads is in use (features' last use)
             stale = now - opts.older_than
@@ -372,13 +377,12 @@ def _reach(
 ) -> tuple[list[FeatureRef], list[FeatureRef] | None]:
     """(rows no kept root reaches, rows kept roots reach); the latter only when needed.
 
-    Rows of keys a sealed build fragment names count as reached: a build in parts not merged
-    yet (a part killed before its end) had them folded in by a merge or a one-process build,
-    and its rerun or merge publishes the manifest naming them.
+    Rows of keys a sealed fragment stores or names count as reached: a build in parts not
+    merged yet (a part killed before its end) had them folded in by a merge or a one-process
+    build, or found them stored and reused them, and its rerun or merge publishes the manifest
+    naming them; a dataset on a shared filesystem publishes its root in a ``serve`` fragment.
     """
-    waiting = fragment_keys(
-        n.path for n in sealed_fragments(catalog.layout) if n.kind is not FragmentKind.SERVE
-    )
+    waiting = waiting_keys(catalog.layout)
     unreached = [r for r in catalog.unreached_features() if r.key not in waiting]
     if not dropped and opts.max_bytes is None:
         return unreached, None
@@ -657,10 +661,13 @@ def _drop_roots(catalog: Catalog, plan: GcPlan, work: Layout, tick: Tick) -> GcR
 
 
 def _delete_rows(catalog: Catalog, plan: GcPlan, tick: Tick) -> GcResult:
-    """Step 2: rows no kept root reaches (re-checked in the DELETE), then evicted rows."""
+    """Step 2: rows no kept root reaches (re-checked in the DELETE, and against the fragments
+    sealed since the plan), then evicted rows."""
     if not (plan.unreached or plan.evict):
         return GcResult()
-    rows = catalog.delete_features(plan.unreached, only_unreached=True)
+    waiting = waiting_keys(catalog.layout) if plan.unreached else set()
+    unreached = [r for r in plan.unreached if r.key not in waiting]
+    rows = catalog.delete_features(unreached, only_unreached=True)
     rows += catalog.delete_features(plan.evict, only_unreached=False)
     tick("rows", rows, len(plan.unreached) + len(plan.evict))
     crash_point("rows-deleted")

@@ -26,7 +26,7 @@ from featbake.keys import feature_key, sha256_file
 from featbake.progress import GcProgress
 from featbake.store.byteplace import bytes_at
 from featbake.store.catalog import Catalog, FeatureRef, ShardRow
-from featbake.store.files import remove_file
+from featbake.store.files import fsync_dir, remove_file
 from featbake.store.hash_cache import ENCODER_FP_PREFIX
 from featbake.store.layout import Layout
 from featbake.store.locks import exclusive_write_lock
@@ -57,7 +57,15 @@ from featbake.upkeep.check import (
     sound_headers,
     verify_named,
 )
-from featbake.upkeep.files import existing_store, quarantine, read_manifest
+from featbake.upkeep.files import (
+    CATALOG_SUFFIXES,
+    ensure_quarantine,
+    existing_store,
+    moving_aside,
+    quarantine,
+    read_manifest,
+    rebuild_pending,
+)
 
 
 # == verify_catalog ================================================================================
@@ -173,16 +181,50 @@ def sealed_from_check(c: ShardCheck) -> SealedShard:
     return SealedShard(c.name, c.path, c.bytes, c.encoder_fp, c.recipe_fp, c.entries)
 
 
-def _set_aside_old_catalog(layout: Layout) -> tuple[OldCatalog, RepairOutcome]:
-    """What the old catalog still yields; its files then move to quarantine/."""
-    out = RepairOutcome()
-    old = read_old_catalog(layout.catalog) if layout.catalog.is_file() else OldCatalog()
-    for suffix in ("", "-wal", "-shm"):
-        p = Path(f"{layout.catalog}{suffix}")
-        if p.exists() or p.is_symlink():
-            dest = quarantine(layout, p)
-            out.actions.append(f"moved the old catalog file {p.name} to {dest}")
-    return old, out
+def _set_aside_old_catalog(layout: Layout) -> OldCatalog:
+    """What the old catalog still yields, its files set aside in :func:`rebuild_pending` until
+    the new one is whole (:func:`_retire_old_catalog`); the store's path is then free.
+
+    A rebuild killed before is finished with what it set aside: one killed while it moved the
+    old files moves the rest (no new catalog was begun); one killed after leaves its partial
+    catalog at the store's path, which goes.
+    """
+    pending, moving = rebuild_pending(layout), moving_aside(layout)
+    if pending.is_dir():
+        _remove_catalog(layout.catalog)
+    else:
+        fresh = not moving.is_dir()
+        moving.mkdir(exist_ok=True)
+        old = read_old_catalog(layout.catalog) if fresh and layout.catalog.is_file() else None
+        for suffix in CATALOG_SUFFIXES:  # the database first: alone, its WAL is not opened
+            p = Path(f"{layout.catalog}{suffix}")
+            if p.exists() or p.is_symlink():
+                os.replace(p, moving / p.name)
+        fsync_dir(moving)
+        os.replace(moving, pending)
+        fsync_dir(layout.root)
+        if old is not None:
+            return old
+    db = pending / layout.catalog.name
+    return read_old_catalog(db) if db.is_file() else OldCatalog()
+
+
+def _remove_catalog(path: Path) -> None:
+    for suffix in CATALOG_SUFFIXES:
+        remove_file(Path(f"{path}{suffix}"))
+
+
+def _retire_old_catalog(layout: Layout) -> RepairOutcome:
+    """The new catalog is whole: the folder of the old one's files moves into ``quarantine/``
+    in one rename (until then, a rebuild is pending)."""
+    pending = rebuild_pending(layout)
+    names = sorted(p.name for p in pending.iterdir())
+    if not names:  # there was no old catalog to keep
+        pending.rmdir()
+        return RepairOutcome()
+    dest = quarantine(layout, pending, "catalog")
+    fsync_dir(layout.root)
+    return RepairOutcome([f"moved the old catalog file {n} to {dest / n}" for n in names])
 
 
 def _restore_roots(layout: Layout, cat: Catalog, old: OldCatalog) -> set[str]:
@@ -219,7 +261,7 @@ def _restore_encoders(cat: Catalog, scan: VerifyScan, old: OldCatalog) -> None:
 def rebuild_catalog(scan: VerifyScan, salvaged: list[SealedShard]) -> RepairOutcome:
     """Replace the catalog with one built from the sound shards, salvaged ones and manifests."""
     layout = scan.layout
-    old, out = _set_aside_old_catalog(layout)
+    old, out = _set_aside_old_catalog(layout), RepairOutcome()
     cat = Catalog(layout, rebuild=True)  # a new catalog beside the surviving root manifests
     try:
         rows = sum(cat.add_shard(sealed_from_check(c), now=c.mtime) for c in scan.shards if c.sound)
@@ -235,7 +277,7 @@ def rebuild_catalog(scan: VerifyScan, salvaged: list[SealedShard]) -> RepairOutc
         _restore_encoders(cat, scan, old)
     finally:
         cat.close()
-    return out
+    return out + _retire_old_catalog(layout)
 
 
 # -- the hash cache, re-derived -----------------------------------------------------------------
@@ -437,6 +479,7 @@ def repair_locked(
         report.seconds = time.perf_counter() - t0
         return report
     layout.ensure()
+    ensure_quarantine(layout)  # before any change: damage must have somewhere to go
     renamed = rename_back(scan)
     if renamed.actions:  # those files are sound now, under their names: look at them again
         sound = {c.path: c for c in scan.shards if c.sound}
@@ -618,7 +661,8 @@ def _quarantine_unreadable(scan: VerifyScan) -> RepairOutcome:
     """Move aside what is not a shard or manifest at all, before the catalog is repaired (which
     then rewrites a lost manifest from the catalog at that very path)."""
     out = RepairOutcome()
-    for f in [*scan.of_kind(FindingKind.NOT_A_FILE), *scan.of_kind(FindingKind.ROOT_FILE_CORRUPT)]:
+    unreadable = (FindingKind.NOT_A_FILE, FindingKind.ROOT_FILE_CORRUPT, FindingKind.FRAGMENT)
+    for f in [f for kind in unreadable for f in scan.of_kind(kind)]:
         if os.path.lexists(f.subject):
             dest = quarantine(scan.layout, Path(f.subject))
             out.actions.append(f"quarantined {f.subject} -> {dest}")

@@ -2,20 +2,30 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from featbake.store.catalog import Catalog, ShardRow, ShardUsage
+from featbake.store.catalog import (
+    Catalog,
+    FeatureTotals,
+    ShardRow,
+    ShardUsage,
+    refuse_wrong_kinds,
+)
 from featbake.store.fidelity import QUANTISED, read_fidelity
 from featbake.store.files import list_folder
+from featbake.store.fragments import waiting_keys
 from featbake.store.layout import Layout
 from featbake.store.open import StoreRef, commit, open_catalog, place_of, resolve_root
 from featbake.store.place import Change
 from featbake.store.roots import Root
+from featbake.upkeep.files import refuse_while_rebuild_pending
 
 
 @dataclass(frozen=True)
@@ -91,13 +101,15 @@ class TierStats:
 
 @dataclass(frozen=True)
 class StoreStats:
-    """A store at a glance; every number comes from the catalog (plus a listing of ``tmp/``).
+    """A store at a glance; every number comes from the catalog (plus a listing of ``tmp/``,
+    and the keys sealed fragments name).
 
     ``features`` counts stored inputs (keys); ``tensors`` counts what they hold (one per
     part: an encoder storing 3 layers has 3 tensors a feature). ``live`` features are those
-    some root's manifest names; ``dead`` ones no root reaches (gc
-    drops them). ``unreferenced_bytes`` are tensors inside shards that no catalog row names
-    (duplicates, features gc dropped but whose shard it has not rewritten yet).
+    some root's manifest names, or a fragment waiting for a merge (a build in parts, a dataset
+    on a shared filesystem); ``dead`` ones are the rest, what gc drops. ``unreferenced_bytes``
+    are tensors inside shards that no catalog row names (duplicates, features gc dropped but
+    whose shard it has not rewritten yet).
     """
 
     path: str
@@ -174,6 +186,21 @@ def _in_own_catalog(layout: Layout, fn: Callable[[Catalog], Any]) -> Any:
         own.close()
 
 
+def _with_waiting(totals: FeatureTotals, catalog: Catalog) -> FeatureTotals:
+    """``totals`` with the features no root reaches but sealed fragments name counted live:
+    gc keeps them for the merge that publishes them (gc's own rule, so "dead" is what gc
+    frees)."""
+    waiting = waiting_keys(catalog.layout)
+    if not waiting:
+        return totals
+    held = [r for r in catalog.unreached_features() if r.key in waiting]
+    return dataclasses.replace(
+        totals,
+        live_features=totals.live_features + len({r.key for r in held}),
+        live_nbytes=totals.live_nbytes + sum(r.nbytes for r in held),
+    )
+
+
 def stats(cache: StoreRef = None) -> StoreStats:
     """Report what a store holds, from its catalog alone (well under a second per million rows).
 
@@ -190,14 +217,27 @@ def stats(cache: StoreRef = None) -> StoreStats:
     t0 = time.perf_counter()
     layout, catalog = open_catalog(cache)
     try:
+        return _stats(layout, catalog, t0)
+    except (TypeError, ValueError):  # a value of the wrong kind: said in one line if so
+        with closing(Catalog(layout)) as again:
+            refuse_wrong_kinds(again)
+        raise
+
+
+def _stats(layout: Layout, catalog: Catalog, t0: float) -> StoreStats:
+    """:func:`stats` over ``catalog`` (closed here), begun at ``t0``."""
+    try:
+        refuse_while_rebuild_pending(layout)  # a half-rebuilt catalog: not the store's numbers
         with ThreadPoolExecutor(2) as pool:
             totals_f = pool.submit(_in_own_catalog, layout, lambda c: c.feature_totals())
             missing_f = pool.submit(_in_own_catalog, layout, lambda c: c.missing_per_root())
-            usage = catalog.shard_usage()
-            shard_rows = catalog.shard_rows()
-            enc_rows = catalog.encoder_rows()
-            roots = catalog.roots()
+            with catalog.snapshot():  # what is added up across them is of one moment
+                usage = catalog.shard_usage()
+                shard_rows = catalog.shard_rows()
+                enc_rows = catalog.encoder_rows()
+                roots = catalog.roots()
             totals, missing = totals_f.result(), missing_f.result()
+            totals = _with_waiting(totals, catalog)
     finally:
         catalog.close()
     tmp = list_folder(layout.tmp, "*").files

@@ -9,8 +9,8 @@ import pytest
 import zarr
 
 from featbake.testing import TinyConvEncoder, save_torchscript
-from tests.conftest import invoke
-from tests.helpers import bake, shard_files
+from tests.conftest import invoke, run_cli
+from tests.helpers import Live, assert_serves, bake, shard_files
 
 
 @pytest.fixture
@@ -152,3 +152,37 @@ def test_the_recipe_line_tells_roots_apart_by_layers_and_precision() -> None:
     six = {**plain, "layers": [0, 6], "precision": "bf16"}
     assert recipe_brief(plain) != recipe_brief(six)
     assert recipe_brief(six).endswith("layers 0,6 bf16 compute")
+
+
+def _one_error_line(proc, starts: str) -> None:
+    """Exit 5 and one red line (no internal error, no traceback)."""
+    assert proc.returncode == 5, proc.stdout + proc.stderr
+    errors = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert errors[-1].startswith(f"error: {starts}"), errors
+    assert "internal error" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_store_whose_fragments_or_quarantine_is_a_file_is_one_line_everywhere(
+    encoder_file: Path, audio_dir: Path, store_dir: Path
+) -> None:
+    """Round six, upkeep: `fragments` (where a build in parts seals its fragments) as a file
+    ended stats, gc, verify, verify --repair and merge in an internal error
+    (NotADirectoryError); `quarantine` as a file ended verify --repair in one (FileExistsError)
+    after it had begun to change the store. Each is one line now, exit 5, and repair refuses
+    before it changes anything."""
+    report = bake(audio_dir / "fixed", encoder_file, store_dir)
+    (store_dir / "fragments").write_text("not a folder")
+    for args in (("stats",), ("gc",), ("verify",), ("verify", "--repair"), ("merge",)):
+        run = run_cli if args == ("gc",) else invoke
+        _one_error_line(run(*args, "--cache", store_dir), "cannot list the store's fragments")
+    (store_dir / "fragments").unlink()
+
+    (store_dir / "quarantine").write_text("not a folder")
+    (store_dir / "catalog.sqlite").rename(store_dir / "elsewhere.sqlite")  # damage to repair
+    proc = run_cli("verify", "--repair", "--cache", store_dir)
+    _one_error_line(proc, f"{store_dir / 'quarantine'} is not a folder")
+    assert not any(store_dir.glob("catalog.moving")) and not any(store_dir.glob("catalog.reb*"))
+    (store_dir / "quarantine").unlink()
+    assert invoke("verify", "--repair", "--cache", store_dir).returncode == 10
+    assert invoke("verify", "--cache", store_dir).returncode == 0
+    assert assert_serves(store_dir, report.root, audio_dir / "fixed", encoder_file, Live()) == 4

@@ -7,6 +7,7 @@ import signal
 import sqlite3
 import threading
 import time
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,15 @@ from featbake.store.roots import RootSpec
 from featbake.store.shard import write_shard
 from featbake.store.versions import kept_versions, sweep, version_name
 from featbake.testing import TinyConvEncoder, save_torchscript, write_audio_folder
-from featbake.upkeep import CRASH_ENV, CRASH_POINTS, GcOptions, execute_gc, plan_gc, verify
+from featbake.upkeep import (
+    CRASH_ENV,
+    CRASH_POINTS,
+    GcOptions,
+    drop_root,
+    execute_gc,
+    plan_gc,
+    verify,
+)
 from tests.conftest import invoke, run_cli
 from tests.helpers import (
     Live,
@@ -553,3 +562,139 @@ def test_a_shard_goes_only_when_nothing_names_it_and_it_is_older_than_the_retent
     assert got.young_shards == sum(
         1 for n, t in shards.items() if n not in named | pending and now - t < retention
     )
+
+
+def test_gc_keeps_an_orphan_sealed_again_by_a_part_rerun_after_its_plan(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    """Round six, upkeep: a part of a build killed before its fragment left its shard unnamed
+    (an orphan past the grace period); gc planned to sweep it, and the part's rerun, between
+    that plan and the sweep, sealed the byte-identical shard at the same content name and a
+    fragment naming it. The sweep re-checked only the catalog's rows, so it unlinked the
+    rerun's shard: the merge found it missing and the part's features were lost. The sweep
+    now removes a file only if it is still the write it planned to remove."""
+    from featbake.bake.pipeline import build
+    from featbake.store.merge import merge
+
+    store = tmp_path / "store"
+    build(audio_dir / "fixed", encoder_file, cache=store, workers=0)  # the store's catalog
+    build(audio_dir, encoder_file, cache=store, workers=0, shard="0/2")
+    layout = Layout(store)
+    for fragment in sealed_fragments(layout):  # the part was killed before its fragments
+        fragment.path.unlink()
+    orphans = set(shard_files(store)) - {p for p in shard_files(store) if _named(store, p)}
+    assert orphans
+    for p in orphans:
+        age(p, 2 * DAY)
+
+    plan = plan_gc(store, GcOptions())
+    assert {Path(h.name) for h in plan.orphan_shards} == orphans
+    build(audio_dir, encoder_file, cache=store, workers=0, shard="0/2")  # the rerun
+    assert sealed_fragments(layout)
+    execute_gc(plan)
+    assert all(p.exists() for p in orphans)
+
+    report = build(audio_dir, encoder_file, cache=store, workers=0, shard="1/2")
+    merged = merge(layout)
+    assert merged.missing_shards == []
+    assert verify(store).status == "clean"
+    assert assert_serves(store, report.root, audio_dir, encoder_file, Live()) == 16
+
+
+def _named(store: Path, shard: Path) -> bool:
+    with closing(Catalog(Layout(store))) as cat:
+        return any(s.name == shard.stem for s in cat.shard_rows())
+
+
+class _FullAtCommit(sqlite3.Connection):
+    """A catalog connection on a disk that fills up: every COMMIT is refused as SQLite
+    refuses it there (SQLITE_FULL)."""
+
+    def execute(self, sql: str, *args: object) -> sqlite3.Cursor:  # type: ignore[override]
+        if sql == "COMMIT":
+            error = sqlite3.OperationalError("database or disk is full")
+            error.sqlite_errorcode = sqlite3.SQLITE_FULL  # type: ignore[attr-defined]
+            raise error
+        return super().execute(sql, *args)
+
+
+def test_gc_on_a_full_disk_is_one_line_and_leaves_the_store_whole(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Round six, upkeep: a gc whose catalog writes a full disk refuses ended in an internal
+    error (`OperationalError: database or disk is full`, exit 1). It is one line now (exit 5),
+    nothing is half done, and the same gc run once there is room frees the dropped root."""
+    import featbake.store.catalog as catalog_module
+
+    store = tmp_path / "store"
+    other = save_torchscript(TinyConvEncoder(seed=3), tmp_path / "other.pt")
+    kept, dropped = bake(audio_dir, encoder_file, store), bake(audio_dir, other, store)
+    assert invoke("roots", "drop", dropped.root, "--cache", store).returncode == 0
+    real = catalog_module.open_sqlite
+
+    def filling(path, access=catalog_module.Access.READ_WRITE, **kw):
+        if Path(path).name == "catalog.sqlite" and access is catalog_module.Access.READ_WRITE:
+            return sqlite3.connect(path, isolation_level=None, factory=_FullAtCommit, **kw)
+        return real(path, access, **kw)
+
+    monkeypatch.setattr(catalog_module, "open_sqlite", filling)
+    out = invoke("gc", "--cache", store)
+    assert out.returncode == 5, out.stdout + out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("error: cannot write the catalog")
+    assert "internal error" not in out.stdout + out.stderr
+    monkeypatch.setattr(catalog_module, "open_sqlite", real)
+    assert verify(store).status == "clean"
+    again = invoke("gc", "--cache", store)
+    assert again.returncode == 0 and "dropped 0 roots, 16 feature rows" in again.stdout
+    assert assert_serves(store, kept.root, audio_dir, encoder_file, Live()) == 16
+
+
+def test_gc_keeps_what_a_build_in_parts_reused_until_its_merge(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    """Round six, upkeep: a build in two parts of data whose features were stored found them
+    all and reused them: its fragments' manifests name the keys, their rows are the catalog's.
+    Before the merge, `gc --older-than` dropped the old root and deleted those rows, as gc
+    counted only the keys fragments store; the merge then published a root of 16 items with
+    every one missing. gc now keeps the keys sealed build fragments name too."""
+    from featbake.bake.pipeline import build
+    from featbake.store.merge import merge
+
+    store = tmp_path / "store"
+    first = bake(audio_dir, encoder_file, store)
+    for part in ("0/2", "1/2"):
+        reused = build(audio_dir, encoder_file, cache=store, workers=0, shard=part)
+        assert reused.encoded == 0
+    plan = plan_gc(store, GcOptions(older_than=30 * DAY), now=time.time() + 40 * DAY)
+    assert [d.name for d in plan.drop_roots] == [first.root]  # not read for 40 days
+    assert execute_gc(plan).rows_deleted == 0
+
+    assert merge(Layout(store)).roots == [first.root]
+    assert verify(store).status == "clean"
+    assert assert_serves(store, first.root, audio_dir, encoder_file, Live()) == 16
+
+
+def test_gc_keeps_what_a_dataset_on_a_shared_filesystem_published_before_the_merge(
+    encoder_file: Path, audio_dir: Path, store_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Round six, upkeep: on a shared filesystem a dataset publishes its root in a `serve`
+    fragment. Over a folder whose root was dropped, it found every feature stored and named
+    the 16 keys in that root; gc, counting only build fragments, deleted their rows before the
+    merge, which then published a root with all 16 missing (encoded again by the next epoch).
+    gc keeps what any sealed fragment names now."""
+    from featbake.store.merge import merge
+
+    first = bake(audio_dir, encoder_file, store_dir)
+    drop_root(store_dir, first.root)
+    monkeypatch.setenv("FEATBAKE_SHARED_FS", "1")
+    with pytest.warns(SharedFilesystemWarning):
+        ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir)  # hits: no encoding
+        assert ds.stored() == len(ds) == 16 and all(ds[i] is not None for i in range(16))
+        ds.close()
+    assert sealed_fragments(Layout(store_dir))  # the root waits in a serve fragment
+    monkeypatch.delenv("FEATBAKE_SHARED_FS")  # gc and the merge, on the store's own host
+
+    assert execute_gc(plan_gc(store_dir, GcOptions())).rows_deleted == 0
+    assert merge(Layout(store_dir)).roots == [first.root]
+    assert manifest(store_dir, first.root)
+    assert assert_serves(store_dir, first.root, audio_dir, encoder_file, Live()) == 16

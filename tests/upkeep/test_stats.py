@@ -104,3 +104,66 @@ def test_a_multi_output_feature_counts_once(
     s = stats(store_dir)
     assert (s.features, s.live_features, s.dead_features) == (16, 16, 0)
     assert s.live_bytes == sum(n for _, n in _tensor_bytes(store_dir).values())
+
+
+def test_dead_features_are_what_gc_frees_while_a_build_in_parts_waits_for_its_merge(
+    encoder_file: Path, audio_dir: Path, store_dir: Path
+) -> None:
+    """Round six, upkeep: a build in two parts that reused every stored feature, its root
+    dropped before the merge. gc keeps what sealed build fragments name, yet stats counted
+    those 16 features dead ("gc frees them") while gc freed none. stats counts them live now,
+    by gc's own rule; once the merge publishes the root, the numbers are those of the root."""
+    from featbake.bake.pipeline import build
+    from featbake.store.merge import merge
+
+    first = bake(audio_dir, encoder_file, store_dir)
+    before = stats(store_dir)
+    for part in ("0/2", "1/2"):
+        assert build(audio_dir, encoder_file, cache=store_dir, workers=0, shard=part).ok
+    drop_root(store_dir, first.root)
+
+    waiting = stats(store_dir)
+    plan = plan_gc(store_dir, GcOptions())
+    assert len({r.key for r in plan.unreached}) == waiting.dead_features == 0
+    assert sum(r.nbytes for r in plan.unreached) == waiting.dead_bytes == 0
+    assert (waiting.live_features, waiting.live_bytes) == (16, before.live_bytes)
+    merge(Layout(store_dir))
+    merged = stats(store_dir)
+    assert (merged.live_features, merged.live_bytes, merged.dead_features) == (
+        16,
+        before.live_bytes,
+        0,
+    )
+
+
+def test_stats_while_a_build_commits_adds_up_one_moment(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, store_dir: Path, monkeypatch
+) -> None:
+    """Round six, upkeep: stats read the shards' usage and the shard rows as two statements; a
+    build committing between them made the new shards count in `shards`, their bytes on disk
+    and "unreferenced inside shards" (their tensors missing from the usage), a state the store
+    never was in. The shard reads are one snapshot now: the numbers are those of before the
+    build, whole."""
+    from featbake.store.catalog import UpkeepRows
+
+    bake(audio_dir / "fixed", encoder_file, store_dir)
+    before = stats(store_dir)
+    real = UpkeepRows.shard_usage
+    built: list[object] = []
+
+    def usage_then_a_build(self):  # the build commits right after stats read the usage
+        usage = real(self)
+        if not built:
+            built.append(bake(audio_dir, encoder_file, store_dir))
+        return usage
+
+    monkeypatch.setattr(UpkeepRows, "shard_usage", usage_then_a_build)
+    during = stats(store_dir)
+    assert built
+    assert during.unreferenced_bytes == 0
+    assert (during.shards, during.disk_bytes, during.tensors) == (
+        before.shards,
+        before.disk_bytes,
+        before.tensors,
+    )
+    assert sum(e.shards for e in during.encoders) == during.shards

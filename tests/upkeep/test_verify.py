@@ -11,6 +11,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,7 @@ from featbake.upkeep import (
     VERIFY_REPAIRED,
     FindingKind,
     VerifyReport,
+    list_roots,
     stats,
     verify,
 )
@@ -944,3 +946,246 @@ def test_parts_waiting_for_a_merge_are_a_note_and_a_lost_catalog_beside_them_is_
     lost = verify(store)
     assert lost.exit_code == VERIFY_DAMAGED
     assert {f.kind for f in lost.findings} == {FindingKind.CATALOG, FindingKind.PARTS_WAITING}
+
+
+def test_verify_finds_a_shard_a_fragment_names_gone_and_a_fragment_it_cannot_read(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    """Round six, upkeep: a build in parts whose sealed fragment names a shard deleted by hand,
+    and another part whose fragment is garbage. `verify` said clean (exit 0) although the merge
+    then skipped the lost shard's features and refused the garbage fragment (exit 6). Both are
+    damage now, each one line saying what to do; `--repair` moves the unreadable fragment
+    aside, and a merge then a build make the store clean and whole again."""
+    from featbake.store.fragments import fragment_shard_names, sealed_fragments
+
+    store = tmp_path / "store"
+    bake(audio_dir / "fixed", encoder_file, store)  # the store's catalog
+    for part in ("0/2", "1/2"):
+        bake(audio_dir, encoder_file, store, shard_bytes=20_000, shard=part)
+    layout = Layout(store)
+    lost = sorted(fragment_shard_names(layout))[0]
+    layout.shard_path(lost).unlink()
+    out = invoke("verify", "--cache", store)
+    assert out.returncode == 11, out.stdout + out.stderr
+    line = next(x for x in out.stdout.splitlines() if x.startswith("missing-shard"))
+    assert lost in line and "featbake build" in line
+
+    owner = {f.path for f in sealed_fragments(layout) if lost not in _shard_names_of(f.path)}
+    garbage = sorted(owner)[0]
+    garbage.write_bytes(b"not a fragment" * 100)
+    out = invoke("verify", "--cache", store)
+    assert out.returncode == 11
+    assert any(x.startswith(f"fragment {garbage}") for x in out.stdout.splitlines())
+
+    repaired = invoke("verify", "--repair", "--cache", store)
+    assert repaired.returncode == 11, repaired.stdout  # the lost shard stays lost
+    assert not garbage.exists()
+    invoke("merge", "--cache", store)
+    report = bake(audio_dir, encoder_file, store)
+    assert verify(store).status == "clean"
+    assert assert_serves(store, report.root, audio_dir, encoder_file, Live()) == 16
+
+
+def _shard_names_of(fragment: Path) -> set[str]:
+    with closing(sqlite3.connect(f"file:{fragment}?mode=ro", uri=True)) as conn:
+        return {r[0] for r in conn.execute("SELECT name FROM shards")}
+
+
+def _refused(code: int, message: str) -> sqlite3.OperationalError:
+    """The error SQLite gives where the disk refuses a write (``code``: its extended code)."""
+    error = sqlite3.OperationalError(message)
+    error.sqlite_errorcode = code  # type: ignore[attr-defined]
+    return error
+
+
+def test_verify_on_a_full_disk_is_one_line_and_never_rebuilds_a_sound_catalog(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Round six, upkeep: on a full disk, opening a WAL catalog (even read-only) fails with
+    SQLITE_IOERR_SHMSIZE (its shared-memory file cannot grow: seen on a 400 KiB tmpfs). verify
+    called the sound catalog unreadable (exit 11, "--repair rebuilds it"), and `--repair` moved
+    it to quarantine/ and then failed to make a new one with an internal error, leaving a store
+    with no catalog. Both now say in one line that the disk refused a write (exit 5), and the
+    catalog stays where it is."""
+    import featbake.store.catalog as catalog_module
+
+    store = tmp_path / "store"
+    report = bake(audio_dir, encoder_file, store)
+    real = catalog_module.open_sqlite
+
+    def full_disk(path, *args, **kw):  # every catalog file this store opens
+        if Path(path).name.startswith("catalog.sqlite"):
+            raise _refused(sqlite3.SQLITE_IOERR_SHMSIZE, "disk I/O error")
+        return real(path, *args, **kw)
+
+    monkeypatch.setattr(catalog_module, "open_sqlite", full_disk)
+    for args in (("verify",), ("verify", "--repair")):
+        out = invoke(*args, "--cache", store)
+        lines = [x for x in out.stderr.splitlines() if x.strip()]
+        assert out.returncode == 5, out.stdout + out.stderr
+        assert lines[-1].startswith("error: cannot write the catalog"), lines
+        assert "internal error" not in out.stdout + out.stderr
+        assert (store / "catalog.sqlite").is_file() and not (store / "quarantine").exists()
+    monkeypatch.setattr(catalog_module, "open_sqlite", real)
+    assert verify(store).status == "clean"
+    assert assert_serves(store, report.root, audio_dir, encoder_file, Live()) == 16
+
+
+def test_verify_of_an_older_catalog_on_a_read_only_store_is_not_damage(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Round six, upkeep: a catalog an older featbake wrote (schema 2) on a read-only store.
+    verify called it damaged (exit 11) in a line that said both "open the store once where it
+    is writable" and "--repair rebuilds it"; the catalog is sound and only waits for a writable
+    open to be upgraded. verify now says what stats says (one line, exit 5), and where the
+    store is writable it upgrades the catalog and is clean."""
+    store = tmp_path / "store"
+    report = bake(audio_dir, encoder_file, store)
+    with closing(sqlite3.connect(store / "catalog.sqlite")) as conn:  # as featbake 2 wrote it
+        conn.execute("ALTER TABLE hash_cache DROP COLUMN ctime_ns")
+        conn.execute("ALTER TABLE hash_cache DROP COLUMN recorded_ns")
+        conn.execute("UPDATE meta SET value='2' WHERE name='schema_version'")
+        conn.commit()
+    monkeypatch.setenv("FEATBAKE_READ_ONLY", "1")
+    for args in (("verify",), ("verify", "--repair"), ("stats",)):
+        out = invoke(*args, "--cache", store)
+        assert out.returncode == 5, out.stdout + out.stderr
+        last = out.stderr.strip().splitlines()[-1]
+        assert "schema version 2 and is read-only here" in last and "--repair" not in last
+    monkeypatch.delenv("FEATBAKE_READ_ONLY")
+    assert verify(store).status == "clean"
+    assert assert_serves(store, report.root, audio_dir, encoder_file, Live()) == 16
+
+
+#: Hash-cache rows of inputs (repair drops every cached encoder fingerprint, by design).
+_INPUT_HASH_ROWS = "SELECT count(*) FROM hash_cache WHERE path NOT LIKE 'encoder-fp:%'"
+
+_KILLED_REBUILD = """
+import os, signal, sys
+import featbake.store.catalog as catalog
+real, calls = catalog.FeatureRows.add_shard, []
+def add_shard(self, *args, **kw):  # the rebuild's second shard: one is in the new catalog
+    calls.append(1)
+    if len(calls) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(self, *args, **kw)
+catalog.FeatureRows.add_shard = add_shard
+from featbake.upkeep import verify
+verify(sys.argv[1], repair_damage=True)
+"""
+
+
+def test_a_repair_killed_while_it_rebuilds_the_catalog_loses_nothing(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    """Round six, upkeep: a catalog lacking a table, and a root whose manifest file is gone
+    (only the old catalog knows it). `verify --repair` moved the old catalog to quarantine/
+    before it built the new one; killed in between, it left a partial catalog (or none), and
+    the next repair, no longer reading the old one, lost that root (its features then
+    unreached, for gc to delete) and every hash-cache row. The old catalog now waits in
+    catalog.rebuilding/ until the new one is whole: gc refuses meanwhile, verify calls it
+    damage, and the next repair reads it again."""
+    import subprocess
+    import sys
+
+    store = tmp_path / "store"
+    kept = bake(audio_dir / "fixed", encoder_file, store)
+    only_in_catalog = bake(audio_dir, encoder_file, store, shard_bytes=20_000)
+    (store / "roots" / f"{only_in_catalog.root}.json").unlink()
+    with closing(sqlite3.connect(store / "catalog.sqlite")) as conn:
+        conn.execute("DROP TABLE encoders")
+        hashed = conn.execute(
+            "SELECT count(*) FROM hash_cache WHERE path NOT LIKE 'encoder-fp:%'"
+        ).fetchone()[0]
+    killed = subprocess.run(
+        [sys.executable, "-c", _KILLED_REBUILD, str(store)],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert killed.returncode == -9, killed.stderr
+    gc_out = invoke("gc", "--cache", store)
+    assert gc_out.returncode == 5 and "verify --repair` of" in gc_out.stderr, gc_out.stderr
+    stats_out = invoke("stats", "--cache", store)  # a partial catalog's numbers are not the store's
+    assert stats_out.returncode == 5 and "verify --repair` of" in stats_out.stderr
+    assert invoke("verify", "--cache", store).returncode == 11
+    assert invoke("verify", "--repair", "--cache", store).returncode == 10
+
+    assert {kept.root, only_in_catalog.root} <= {r.name for r in list_roots(store)}
+    with closing(sqlite3.connect(store / "catalog.sqlite")) as conn:
+        assert (
+            conn.execute(
+                "SELECT count(*) FROM hash_cache WHERE path NOT LIKE 'encoder-fp:%'"
+            ).fetchone()[0]
+            == hashed
+        )
+    assert invoke("gc", "--cache", store).returncode == 0
+    assert verify(store).status == "clean"
+    live = Live()
+    assert assert_serves(store, kept.root, audio_dir / "fixed", encoder_file, live) == 4
+    assert assert_serves(store, only_in_catalog.root, audio_dir, encoder_file, live) == 16
+
+
+@pytest.mark.parametrize(
+    "column, value", [("recipe", "not json"), ("recipe", "[1, 2]"), ("last_used", "yesterday")]
+)
+def test_a_root_row_of_the_wrong_kind_is_one_line_found_by_verify_and_repaired(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, column: str, value: str
+) -> None:
+    """Round six, upkeep: SQLite keeps whatever a column is given, and its quick_check says
+    nothing of it. A root row whose recipe is not a JSON object, or whose last use is text,
+    ended stats, roots, gc and even verify and verify --repair in an internal error
+    (JSONDecodeError, TypeError). Every command now says in one line which root's row is
+    damaged (exit 6); verify calls the catalog damaged (exit 11) and --repair rebuilds it from
+    the root manifests (exit 10), after which the store is clean and serves."""
+    store = tmp_path / "store"
+    report = bake(audio_dir / "fixed", encoder_file, store)
+    with closing(sqlite3.connect(store / "catalog.sqlite")) as conn:
+        conn.execute(f"UPDATE roots SET {column}=?", (value,))
+        conn.commit()
+    for args in (("stats",), ("roots",), ("gc", "--older-than", "1d")):
+        out = invoke(*args, "--cache", store)
+        assert out.returncode == 6, out.stdout + out.stderr
+        line = out.stderr.strip().splitlines()[-1]  # the root named, or its table (gc)
+        assert line.startswith("error: the catalog") and "verify --repair" in line, line
+        assert report.root in line or "roots hold values of the wrong kind" in line, line
+    found = invoke("verify", "--cache", store)
+    assert found.returncode == 11 and "internal error" not in found.stderr, found.stderr
+    assert invoke("verify", "--repair", "--cache", store).returncode == 10
+    assert verify(store).status == "clean"
+    assert assert_serves(store, report.root, audio_dir / "fixed", encoder_file, Live()) == 4
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        "UPDATE features SET nbytes='big' WHERE key=(SELECT min(key) FROM features)",
+        "UPDATE features SET last_used='today' WHERE key=(SELECT min(key) FROM features)",
+        "UPDATE features SET shape='[3,' WHERE key=(SELECT min(key) FROM features)",
+        "UPDATE shards SET bytes='many' WHERE id=(SELECT min(id) FROM shards)",
+    ],
+)
+def test_feature_and_shard_rows_of_the_wrong_kind_are_damage_and_gc_refuses_them(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, edit: str
+) -> None:
+    """Round six, upkeep: feature or shard rows holding a value not of their column's kind
+    (SQLite keeps it; quick_check says nothing). verify called such a catalog clean (exit 0),
+    while gc --max-bytes and stats ended in internal errors (TypeError), or summed the text as
+    0. verify now finds them (exit 11) and --repair rebuilds the catalog from the shard headers
+    (exit 10); gc refuses in one line (exit 6) before it plans anything."""
+    store = tmp_path / "store"
+    report = bake(audio_dir / "fixed", encoder_file, store)
+    with closing(sqlite3.connect(store / "catalog.sqlite")) as conn:
+        conn.execute(edit)
+        conn.commit()
+    found = invoke("verify", "--cache", store)
+    assert found.returncode == 11, found.stdout + found.stderr
+    assert "hold values of the wrong kind" in found.stdout
+    refused = invoke("gc", "--max-bytes", "50KiB", "--cache", store)
+    assert refused.returncode == 6 and refused.stderr.strip().startswith("error: the catalog"), (
+        refused.stderr
+    )
+    assert invoke("verify", "--repair", "--cache", store).returncode == 10
+    assert verify(store).status == "clean"
+    assert assert_serves(store, report.root, audio_dir / "fixed", encoder_file, Live()) == 4
