@@ -33,6 +33,12 @@ from tests.helpers import Live, bake, manifest
 pq = pytest.importorskip("pyarrow.parquet")
 
 
+def npy_bytes(a: np.ndarray) -> bytes:
+    """What :func:`npy_chunks` gives, as one ``bytes`` (``bytes()`` of a 0-d array is not its
+    data: it takes the value as a length)."""
+    return b"".join(memoryview(c).tobytes() for c in npy_chunks(a))
+
+
 # -- batches ---------------------------------------------------------------------------------
 
 
@@ -134,7 +140,7 @@ def test_shards_are_the_bytes_tarfile_writes_and_npy_members_what_numpy_save_wri
     for a in arrays:
         saved = io.BytesIO()
         np.save(saved, np.asarray(a, order="C"), allow_pickle=False)  # a 0-d array stays 0-d
-        assert b"".join(memoryview(c).tobytes() for c in npy_chunks(a)) == saved.getvalue()
+        assert npy_bytes(a) == saved.getvalue()
 
     members = {f"s{i}/{'long' * 30 if i == 1 else 'x'}.npy": a for i, a in enumerate(arrays)}
     meta = {"s0.json": json.dumps({"id": "clip é.wav"}).encode()}
@@ -145,7 +151,7 @@ def test_shards_are_the_bytes_tarfile_writes_and_npy_members_what_numpy_save_wri
 
     with tarfile.open(tmp_path / "tarfile.tar", "w", format=tarfile.PAX_FORMAT) as tar:
         for name, data in [
-            *((n, b"".join(memoryview(c).tobytes() for c in npy_chunks(a))) for n, a in members.items()),
+            *((n, npy_bytes(a)) for n, a in members.items()),
             *meta.items(),
         ]:
             info = tarfile.TarInfo(name)
@@ -182,7 +188,7 @@ def test_a_long_member_name_round_trips_through_tarfile_and_webdataset(tmp_path:
         assert [m.name for m in members] == [f"{k}.{e}" for k in keys for e in ("npy", "json")]
         for m, a in zip(members[::2], arrays, strict=True):
             data = tar.extractfile(m).read()  # type: ignore[union-attr]
-            assert m.size == len(data) == len(b"".join(memoryview(c).tobytes() for c in npy_chunks(a)))
+            assert m.size == len(data) == len(npy_bytes(a))
             np.testing.assert_array_equal(np.load(io.BytesIO(data)), a)
     samples = list(wds.WebDataset(str(shard), shardshuffle=False).decode())
     assert [s["__key__"] for s in samples] == keys
