@@ -830,6 +830,12 @@ class FeatureRows(CatalogConnection):
     stored, what the hash cache knows; and what builds and write-back add (shards with their
     feature rows, hashes, encoders, last use)."""
 
+    def others_commits(self) -> int | None:
+        """A count that changes when another connection commits to the catalog (SQLite's
+        ``data_version`` on this thread's connection; this connection's own commits leave it):
+        two equal readings mean nobody else wrote between them."""
+        return int(self.conn.execute("PRAGMA data_version").fetchone()[0])
+
     def present_keys(self, keys: Sequence[str]) -> set[str]:
         """The subset of ``keys`` that are stored: cataloged, in shard files that exist.
 
@@ -1740,6 +1746,8 @@ class BuildCatalog(CatalogWrites, Protocol):
     """What the build pipeline calls: also which keys are stored, and dropping its root."""
 
     def present_keys(self, keys: Sequence[str]) -> set[str]: ...
+
+    def others_commits(self) -> int | None: ...
 
     def drop_root(self, name: str) -> bool: ...
 

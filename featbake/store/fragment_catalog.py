@@ -261,6 +261,12 @@ class FragmentCatalog:
                 out[p] = entry
         return out
 
+    def others_commits(self) -> int | None:
+        """The read-only catalog's count of commits by others (None while there is none: a
+        caller asks again); a catalog replaced by a newer version reads anew (see
+        :meth:`Catalog.others_commits`)."""
+        return self._read(lambda c: c.others_commits(), None)
+
     def present_keys(self, keys: Sequence[str]) -> set[str]:
         """Keys in the catalog or in a sealed fragment this process may build on: a rank's, in
         any build's (a part killed before its end, rerun in another number of parts: the merge

@@ -726,3 +726,38 @@ def test_an_image_rewritten_in_place_after_hashing_or_between_builds_is_never_st
     assert again.ok and set(stored_features(cache, again.root)) == set(now)
     for name, parts in stored_features(cache, again.root).items():
         torch.testing.assert_close(parts[""], encoded_now(now[name]), msg=name)
+
+
+def test_a_rebuild_that_gc_raced_before_its_manifest_encodes_what_gc_deleted(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store whose root was dropped, built again: the build finds every feature stored
+    (no root reaches them yet), and a gc committing before the build publishes its manifest
+    deletes them. The build now sees that another writer committed meanwhile and asks again,
+    so it encodes them. Before, it trusted what it had found: "encoded 0, reused 16", and a
+    root with every item missing."""
+    from featbake.upkeep import GcOptions, drop_root, execute_gc, plan_gc
+    from tests.helpers import Live, assert_serves, bake
+
+    store = tmp_path / "store"
+    # the encoder's fingerprint trusted from the hash cache at once (as minutes later), so
+    # the build looks its keys up before its manifest to decide whether to load it
+    monkeypatch.setattr("featbake.store.hash_cache.RACY_NS", 0)
+    first = bake(audio_dir, encoder_file, store)
+    drop_root(store, first.root)
+    asked = Catalog.present_keys
+    gcs: list[int] = []
+
+    def then_gc(self: Catalog, keys: list[str]) -> set[str]:
+        found = asked(self, keys)
+        if not gcs:  # the first lookup: the encoder's load decided on it
+            plan = plan_gc(store, GcOptions(), now=time.time() + 40 * 86400.0)
+            gcs.append(execute_gc(plan).rows_deleted)
+        return found
+
+    monkeypatch.setattr(Catalog, "present_keys", then_gc)
+    report = build(audio_dir, encoder_file, cache=store, workers=0)
+    assert gcs[0] > 0  # gc deleted the unreached rows in between
+    assert report.encoded == 16 and report.reused == 0
+    monkeypatch.setattr(Catalog, "present_keys", asked)
+    assert assert_serves(store, report.root, audio_dir, encoder_file, Live()) == 16
