@@ -128,6 +128,19 @@ class Layout:
         except OSError:
             return False
 
+    def holds_anything_built(self) -> bool:
+        """True if a build left anything here to read or rebuild from: a catalog, a file under
+        ``shards/``, a root manifest, or ``quarantine/``. A build that failed before its first
+        shard (no input files) leaves empty ``shards/`` and ``tmp/``: nothing to repair."""
+        if os.path.lexists(self.catalog) or os.path.lexists(self.quarantine):
+            return True
+        if self.has_root_manifests():
+            return True
+        for _, _, files in os.walk(self.shards):
+            if files:
+                return True
+        return False
+
     def refuse_fresh_catalog(self, *, allow: bool = False) -> None:
         """Raise instead of starting a new, empty catalog beside the surviving root manifests.
 

@@ -170,6 +170,12 @@ def _require_catalog(layout: Layout) -> None:
             "(`featbake build --cache URL`), or run `featbake merge --cache URL` after a build "
             "in parts"
         )
+    if not layout.holds_anything_built():  # an empty folder, or what a failed build left
+        raise StoreError(
+            f"nothing is built in {layout.root} yet (no catalog.sqlite, shard files or root "
+            "manifests); build into it with `featbake build --cache DIR`, or point --cache (or "
+            "$FEATBAKE_CACHE) at a store"
+        )
     raise StoreError(
         f"the store {layout.root} has no catalog.sqlite; run `featbake verify --repair` to "
         "rebuild it from the shards and root manifests"

@@ -118,6 +118,11 @@ def existing_store(store: StoreRef, **place: Any) -> Layout:
             f"{layout.root} is not a featbake store (no catalog.sqlite, shards/ or roots/); "
             "point --cache (or $FEATBAKE_CACHE) at a store"
         )
+    if folder and not layout.holds_anything_built():  # what a build that failed at once left
+        raise StoreError(
+            f"nothing is built in {layout.root} yet (no catalog.sqlite, shard files or root "
+            "manifests): nothing to check or free; build into it with `featbake build`"
+        )
     return layout
 
 

@@ -186,3 +186,25 @@ def test_a_store_whose_fragments_or_quarantine_is_a_file_is_one_line_everywhere(
     assert invoke("verify", "--repair", "--cache", store_dir).returncode == 10
     assert invoke("verify", "--cache", store_dir).returncode == 0
     assert assert_serves(store_dir, report.root, audio_dir / "fixed", encoder_file, Live()) == 4
+
+
+def test_what_a_build_that_failed_at_once_left_is_nothing_built_for_every_command(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """A build over a folder with no input files fails before its first shard, leaving empty
+    ``shards/`` and ``tmp/``; and an empty folder. Each upkeep command says nothing is built
+    there yet, in one line, exit 5. Before, `stats` said to run `featbake verify --repair`,
+    `verify` called the store damaged, and the repair then made an empty catalog of nothing."""
+    (tmp_path / "empty").mkdir()
+    store = tmp_path / "store"
+    r = invoke("build", "--encoder", encoder_file, "--data", tmp_path / "empty", "--cache", store)
+    assert r.returncode == 8 and "no input files" in r.stderr
+    assert (store / "shards").is_dir()  # the shell the failed build left
+    for command in (["stats"], ["verify"], ["verify", "--repair"], ["gc"]):
+        r = invoke(*command, "--cache", store)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 5, (command, r.stdout + r.stderr)
+        assert len(lines) == 1 and f"nothing is built in {store} yet" in lines[0], lines
+    assert not (store / "catalog.sqlite").exists()
+    r = invoke("stats", "--cache", tmp_path / "empty")  # verify says "not a featbake store"
+    assert r.returncode == 5 and "nothing is built in" in r.stderr and "--repair" not in r.stderr
