@@ -380,6 +380,14 @@ def read_only_forced() -> bool:
     return os.environ.get(READ_ONLY_ENV, "") not in ("", "0")
 
 
+def read_only_here(layout: Layout) -> StoreError:
+    """The one line for a command that must write to a store this process may only read."""
+    return StoreError(
+        f"the store {layout.root} is read-only here (a read-only mount, no write permission, "
+        f"or {READ_ONLY_ENV}=1) and this needs to write to it; run it where the store is writable"
+    )
+
+
 def access_for(layout: Layout, *, read_only: bool = False) -> Access:
     """How this process can open ``layout``'s catalog (root ignores permission bits, not mounts)."""
     path = layout.catalog
@@ -647,11 +655,7 @@ class CatalogConnection(ProcessLocalState):
             StoreError: the catalog is read-only here, or locked past the timeout.
         """
         if self.read_only:
-            raise StoreError(
-                f"the store {self.layout.root} is read-only here (a read-only mount, no write "
-                f"permission, or {READ_ONLY_ENV}=1) and this needs to write to it; run it where "
-                "the store is writable"
-            )
+            raise read_only_here(self.layout)
         conn = self.conn
         try:
             conn.execute("BEGIN IMMEDIATE")

@@ -136,10 +136,7 @@ class Layout:
             return True
         if self.has_root_manifests():
             return True
-        for _, _, files in os.walk(self.shards):
-            if files:
-                return True
-        return False
+        return any(files for _, _, files in os.walk(self.shards))
 
     def refuse_fresh_catalog(self, *, allow: bool = False) -> None:
         """Raise instead of starting a new, empty catalog beside the surviving root manifests.

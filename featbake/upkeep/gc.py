@@ -43,10 +43,13 @@ from typing import Any
 from featbake.errors import ConfigError, ShardMissing, StoreCorrupt, StoreError
 from featbake.progress import GcProgress
 from featbake.store.catalog import (
+    Access,
     Catalog,
     FeatureRef,
     ShardRow,
     ShardUsage,
+    access_for,
+    read_only_here,
     refuse_wrong_kinds,
 )
 from featbake.store.files import fsync_dir, remove_file
@@ -567,6 +570,8 @@ def gc(
     """
     layout = open_store(cache, need=Need.STORE, **place)
     if not dry_run:
+        if layout.remote is None and access_for(layout) is not Access.READ_WRITE:
+            raise read_only_here(layout)  # before the plan is shown as if it would run
         place_of(layout).settle()
     plan = plan_gc(layout, options, now=now, drop=drop)
     if on_plan is not None:

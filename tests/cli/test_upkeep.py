@@ -208,3 +208,20 @@ def test_what_a_build_that_failed_at_once_left_is_nothing_built_for_every_comman
     assert not (store / "catalog.sqlite").exists()
     r = invoke("stats", "--cache", tmp_path / "empty")  # verify says "not a featbake store"
     assert r.returncode == 5 and "nothing is built in" in r.stderr and "--repair" not in r.stderr
+
+
+def test_gc_on_a_store_read_only_here_refuses_before_it_shows_a_plan(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    """`gc` on a store this process may only read says so in one line before anything else,
+    exit 5; `gc --dry-run` there still shows its plan. Before, gc printed "nothing to do" (or
+    what it would free) and then said it could not write."""
+    store = tmp_path / "store"
+    bake(audio_dir, encoder_file, store)
+    env = {"FEATBAKE_READ_ONLY": "1"}
+    r = invoke("gc", "--cache", store, env=env)
+    assert r.returncode == 5 and r.stdout == "", r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"the store {store} is read-only here" in lines[0]
+    r = invoke("gc", "--dry-run", "--cache", store, env=env)
+    assert r.returncode == 0 and "nothing to do" in r.stdout, r.stdout + r.stderr
