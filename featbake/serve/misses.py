@@ -26,6 +26,7 @@ from featbake.encode.fingerprints import (
     file_fingerprint,
 )
 from featbake.encode.hf import is_hf_folder
+from featbake.encode.identity import module_identity
 from featbake.encode.inputs import DigestView
 from featbake.encode.loaders import is_import_path, load_encoder
 from featbake.encode.outputs import encode_batch, stored_parts
@@ -33,7 +34,7 @@ from featbake.encode.sources import CheckingSource, Source, load_unchanged
 from featbake.errors import CacheMiss, EncoderLoadError, FeatbakeError, SourceError
 from featbake.keys import feature_key
 from featbake.recipe import Recipe
-from featbake.serve.cached_encoder import ModuleWatch
+from featbake.serve.cached_encoder import ModuleWatch, shared_watch
 from featbake.serve.index import Index
 from featbake.serve.reads import Reads
 from featbake.serve.state import ProcessState, pending_in_process
@@ -407,9 +408,17 @@ class LiveEncoder:
         """Raise if the in-process module changed since the dataset's keys were made from it.
 
         Raises:
-            EncoderLoadError: its weights or attributes changed (checked before each encoding
-                of misses: a miss encoded with it would be stored under the old keys).
+            EncoderLoadError: it is in train mode, or its weights or attributes changed
+                (checked before each encoding of misses: a miss encoded with it would be
+                stored under the old keys).
         """
+        training = self.loaded is not None and training_submodule(self.loaded.module)
+        if training is not None:
+            raise EncoderLoadError(
+                f"the encoder module {self.label} is in train mode ({training}), and a miss "
+                "encoded so (dropout, batch statistics) would be stored under the keys of its "
+                "eval mode; call .eval() on it, or give the dataset a copy of it"
+            )
         if self.moved or (self.watch is not None and self.watch.fingerprint() != self.fingerprint):
             raise EncoderLoadError(
                 f"the encoder module {self.label} changed since this dataset was created (its "
@@ -420,9 +429,11 @@ class LiveEncoder:
 
     def ran(self) -> None:
         """The encoder just encoded misses: what an in-process module changed itself while
-        it ran (a call counter, a cache buffer it replaced) is its bookkeeping, not a change:
-        it was checked just before (:meth:`refuse_changed`), and is trusted as it is now."""
-        if self.watch is not None:
+        it ran (a call counter, a cache buffer it replaced) is its bookkeeping, not a change.
+        A module taking hooks is followed through every run, whoever calls it
+        (:func:`shared_watch`); one that takes none (TorchScript) was checked just before
+        (:meth:`refuse_changed`) and is trusted as it is now."""
+        if self.watch is not None and not self.watch.follows_runs:
             self.watch.trust(self.fingerprint)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -446,15 +457,34 @@ class LiveEncoder:
 
 
 def watched(enc: LoadedEncoder, fingerprint: str) -> ModuleWatch | None:
-    """What notices that an in-process module given to a dataset changed after its keys were
-    made from ``fingerprint`` (weights updated in place, an attribute set), so that a miss is
-    not encoded with it and stored under those keys; None for an encoder loaded from a file or
-    an import path (:meth:`LiveEncoder.for_this_process` checks those as it loads them)."""
-    if enc.kind != MODULE or not isinstance(enc.module, torch.nn.Module):
+    """What notices that an encoder module given to a dataset (an ``nn.Module``, or a
+    ``LoadedEncoder`` of one or of a file) changed after its keys were made from
+    ``fingerprint`` (weights updated in place, an attribute set), so that a miss is not encoded
+    with it and stored under those keys: the module's one watch, shared with every other
+    dataset given it. None for a module that is no ``nn.Module``. A file's encoder keeps its
+    own identity (its file's code), an in-process module's is taken again on each change."""
+    module = enc.module
+    if not isinstance(module, torch.nn.Module):
         return None
-    watch = ModuleWatch(enc.module)
+    own = enc.kind == MODULE and enc.identity == module_identity(module)
+    watch = shared_watch(module, None if own else enc.identity)
     watch.trust(fingerprint)
     return watch
+
+
+def training_submodule(module: Any) -> str | None:
+    """The first submodule of ``module`` in train mode, named (None: all in eval mode).
+
+    Example:
+        >>> training_submodule(torch.nn.Sequential(torch.nn.Dropout()).train())
+        "'' has .training set"
+    """
+    if not isinstance(module, torch.nn.Module):
+        return None
+    for name, sub in module.named_modules():
+        if sub.training:
+            return f"{name or type(module).__name__!r} has .training set"
+    return None
 
 
 def encode_inputs(enc: LoadedEncoder, inputs: list[torch.Tensor], recipe: Recipe) -> list[Parts]:
