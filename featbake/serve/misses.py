@@ -477,7 +477,7 @@ def training_submodule(module: Any) -> str | None:
 
     Example:
         >>> training_submodule(torch.nn.Sequential(torch.nn.Dropout()).train())
-        "'' has .training set"
+        "'Sequential' has .training set"
     """
     if not isinstance(module, torch.nn.Module):
         return None
