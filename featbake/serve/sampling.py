@@ -425,14 +425,17 @@ def _rng(seed: int, epoch: int, salt: int) -> np.random.Generator:
 def seeded(*words: int) -> np.random.Generator:
     """numpy's generator of ``words`` (a seed, an epoch, what it draws), for any int a seed
     may be: numpy takes words from 0 only, where torch (``randperm``'s ``seed + epoch``)
-    takes negative ones too; each word is taken modulo 2**64, which leaves every word from 0
-    (every plan drawn so far) as it was.
+    takes negative ones too; a negative word is taken modulo 2**64 (as torch takes a negative
+    seed), every word from 0 as numpy takes it, so every plan drawn so far (2**64 and up
+    included) is drawn again.
 
     Example:
         >>> seeded(3, 1).integers(100) == np.random.default_rng([3, 1]).integers(100)
         True
+        >>> seeded(2**64 + 5).integers(100) == np.random.default_rng(2**64 + 5).integers(100)
+        True
     """
-    return np.random.default_rng([int(w) % (1 << 64) for w in words])
+    return np.random.default_rng([w if w >= 0 else w % (1 << 64) for w in map(int, words)])
 
 
 def block_windows(shards: Ints, seed: int, epoch: int, window: int) -> list[list[int]]:
