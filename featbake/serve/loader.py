@@ -247,6 +247,23 @@ def fingerprint_of(dataset: Any) -> str:
     return ""
 
 
+def fingerprint_before(dataset: Any) -> str:
+    """:func:`fingerprint_of` as featbake took it before a mixture inside a ``ConcatDataset``
+    or a mixture was folded in (serve6.4, serve6.11): a mixture's own, a concatenation's "".
+    A state saved then is still taken at an epoch's start (see :meth:`Resume.load`)."""
+    own = getattr(dataset, "own_fingerprint", None)
+    if callable(own):
+        return str(own())
+    fingerprint = getattr(dataset, "fingerprint", None)
+    if callable(fingerprint):
+        return str(fingerprint())
+    if isinstance(dataset, Subset):
+        return fingerprint_before(dataset.dataset)
+    if isinstance(dataset, StackDataset):
+        return next((f for f in map(fingerprint_before, _members(dataset)) if f), "")
+    return ""
+
+
 def items_of(dataset: Any) -> str:
     """A digest of the items the dataset's positions name (a CachedFeatureDataset's item ids,
     a MixedDataset's datasets' items), through ``StackDataset`` and ``ConcatDataset`` (their
@@ -420,15 +437,8 @@ class Resume:
         checked = _checked(state)
         saved_world = checked["world_size"]
         order = dataclasses.replace(order, seed=checked["seed"])
-        as_saved = dataclasses.replace(order, world=saved_world, rank=0)
-        if as_saved.fingerprint() != checked["fingerprint"]:
-            raise ConfigError(
-                "this loader state was saved with options that give another order (batch_size, "
-                "batch_frames, shuffle, window, drop_last, even_batches, a dataset of another "
-                "length, or a MixedDataset of other datasets, weights, epoch_items or seed): "
-                "make the loader with the arguments of the saved run"
-            )
         stages, done = _stages(checked), checked["position"]
+        _same_order(dataclasses.replace(order, world=saved_world, rank=0), checked)
         _same_items(order, checked, bool(stages or done))
         if saved_world != order.world and done:
             stages, done = (*stages, (saved_world, done)), 0
@@ -436,6 +446,34 @@ class Resume:
         self.pending = Position(checked["epoch"], done, inputs, stages)
         self.current = None
         return order, checked["epoch"]
+
+
+def _same_order(as_saved: Order, state: dict[str, Any]) -> None:
+    """Refuse a state saved with options that give another order than ``as_saved``; one
+    saved before a mixture inside a ``ConcatDataset`` or a mixture was fingerprinted is taken
+    in epoch 0 or at an epoch's start: that inner mixture then drew its epoch 0 in every
+    epoch, so part way through a later one its positions named other items.
+
+    Raises:
+        ConfigError: another order, or such an older state part way through an epoch.
+    """
+    if as_saved.fingerprint() == state["fingerprint"]:
+        return
+    if as_saved.fingerprint_before() == state["fingerprint"]:
+        if state["epoch"] and (state["position"] or _stages(state)):
+            raise ConfigError(
+                f"this loader state is part way through epoch {state['epoch']}, saved by a "
+                "featbake whose mixture inside a ConcatDataset or a mixture drew its epoch 0 in "
+                "every epoch, so the rest of that epoch cannot be read as it was; "
+                f"{_LOADER_RESTART}"
+            )
+        return
+    raise ConfigError(
+        "this loader state was saved with options that give another order (batch_size, "
+        "batch_frames, shuffle, window, drop_last, even_batches, a dataset of another "
+        "length, or a MixedDataset of other datasets, weights, epoch_items or seed): "
+        "make the loader with the arguments of the saved run"
+    )
 
 
 #: How a FeatureLoader's state refused over other items reads its epoch from the start.
@@ -735,6 +773,7 @@ class LengthBatchSampler(Sampler[list[int]]):
         self._order = Order(
             len(dataset), batch_size, shuffle_of(bool(shuffle)), seed, rank, world, drop_last,
             even_batches, batch_frames, source=fingerprint_of(dataset), items=items_of(dataset),
+            source_before=fingerprint_before(dataset),
         )  # fmt: skip
         self.epoch = 0
         self._resume = Resume()
@@ -981,7 +1020,7 @@ class FeatureLoader:
         self._order = Order(
             len(dataset), batch_size, order, seed, rank, world, drop_last, even_batches,
             batch_frames, window_for(dataset, order, window), fingerprint_of(dataset),
-            items_of(dataset),
+            items_of(dataset), fingerprint_before(dataset),
         )  # fmt: skip
         self.epoch = 0
         self._resume = Resume()
