@@ -230,6 +230,19 @@ def set_epoch_of(dataset: Any, epoch: int) -> None:
             set_epoch_of(m, epoch)
 
 
+def draws_per_epoch(dataset: Any) -> bool:
+    """Whether the dataset draws its items per epoch (it has ``set_epoch``, as a
+    :class:`~featbake.MixedDataset`), itself or a member of a ``StackDataset``,
+    ``ConcatDataset`` or ``Subset``: its placement is then each epoch's own."""
+    if callable(getattr(dataset, "set_epoch", None)):
+        return True
+    if isinstance(dataset, Subset):
+        return draws_per_epoch(dataset.dataset)
+    if isinstance(dataset, StackDataset | ConcatDataset):
+        return any(draws_per_epoch(m) for m in _members(dataset))
+    return False
+
+
 def fingerprint_of(dataset: Any) -> str:
     """The dataset's own ``fingerprint()`` (a mixture's datasets' lengths, weights, items per
     epoch and seed), through ``StackDataset``, ``ConcatDataset`` and ``Subset``; "" for none.
@@ -639,6 +652,7 @@ class BlockSampler(Sampler[int]):
             )
         self._shards = placement.shards.tolist()
         self._dataset = dataset  # told each epoch's windows (a bucket store fetches by them)
+        self._per_epoch = draws_per_epoch(dataset)  # a mixture: each epoch's own placement
         rank, world = rank_and_world(rank, num_replicas)
         window = window_for(dataset, Shuffle.BLOCKS, window)
         self._order = Order(len(dataset), 1, Shuffle.BLOCKS, seed, rank, world, drop_last,
@@ -649,17 +663,23 @@ class BlockSampler(Sampler[int]):
         self._pending: Position | None = None  # loaded: (epoch, indices to skip)
 
     def set_epoch(self, epoch: int) -> None:
-        """Draw epoch ``epoch``'s order next (call it before each epoch, as DistributedSampler);
-        a loaded state's rest holds only for its own epoch."""
+        """Draw epoch ``epoch``'s order next (call it before each epoch, as DistributedSampler),
+        and tell the dataset (a mixture draws its items per epoch); a loaded state's rest
+        holds only for its own epoch."""
         self.epoch = epoch
         if self._pending is not None and self._pending.epoch != epoch:
             self._pending = None
+        set_epoch_of(self._dataset, epoch)
 
     def __iter__(self) -> Iterator[int]:
         skip = 0
         if self._pending is not None and self._pending.epoch == self.epoch:
             skip = self._pending.done
+        elif self._per_epoch:  # a mixture's blocks are those of the items this epoch draws
+            self._inputs = self._order.inputs(shards=self._epoch_shards())
         self._pending = None
+        if self._per_epoch:
+            self._shards = self._epoch_shards()
         batches = self._order.plan(self.epoch, self._inputs)
         order = [i for b in batches for i in b]
         rest = [order[skip:]]
@@ -668,6 +688,12 @@ class BlockSampler(Sampler[int]):
         )
         self.yielded = min(skip, len(order))
         return self._counted(order[skip:])
+
+    def _epoch_shards(self) -> list[int]:
+        """Each position's shard in the epoch read (a mixture's items of that epoch)."""
+        placement = placement_of(self._dataset, self.epoch)
+        assert placement is not None  # it had one when the sampler was made
+        return [int(s) for s in placement.shards]
 
     def _counted(self, order: list[int]) -> Iterator[int]:
         """``order``, counting in :attr:`yielded` each index as it is handed out."""
@@ -711,6 +737,7 @@ class BlockSampler(Sampler[int]):
             raise ConfigError("not a BlockSampler state: its 'plan' has no blocks")
         self._order, self._inputs, self.epoch = order, inputs, checked["epoch"]
         self._pending = Position(checked["epoch"], checked["yielded"])
+        set_epoch_of(self._dataset, self.epoch)
 
 
 class LengthBatchSampler(Sampler[list[int]]):

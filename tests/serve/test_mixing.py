@@ -380,3 +380,33 @@ def test_a_state_saved_before_inner_mixtures_were_fingerprinted_is_taken_at_an_e
     want = [a.path(j) for _, j in inner.plan.epoch(1)] + [b.path(j) for j in range(4)]
     for (row, n), path in zip(rows, want, strict=True):
         torch.testing.assert_close(row[:n], live(encoder_file, Path(path)))
+
+
+def test_a_block_sampler_tells_the_mixture_it_samples_the_epoch(
+    two_stores: tuple[Path, Path], encoder_file: Path
+) -> None:
+    """``BlockSampler.set_epoch`` kept the epoch to itself: a mixture it sampled drew its
+    epoch 0 in every epoch (``LengthBatchSampler`` and ``FeatureLoader`` told it). It tells
+    the mixture now, and each epoch's blocks are those of the items that epoch draws."""
+    from featbake import BlockSampler
+
+    a, b = (
+        CachedFeatureDataset(f, encoder_file, cache=f.parent / f"store_{f.name}", on_miss="error")
+        for f in two_stores
+    )
+    mixed = MixedDataset([a, b], epoch_items=5, seed=1)
+    sampler = BlockSampler(mixed, seed=0, window=1)
+    loader = DataLoader(mixed, batch_size=5, sampler=sampler, collate_fn=list)
+    live = Live()
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        order = list(sampler)
+        assert sorted(order) == list(range(5))
+        shards = mixed.placement(epoch).shards
+        seen = [int(shards[i]) for i in order]
+        assert seen == sorted(seen, key=seen.index)  # this epoch's shards, one at a time
+        (items,) = list(loader)
+        drawn = mixed.plan.epoch(epoch)
+        for i, item in zip(order, items, strict=True):
+            k, j = drawn[i]
+            torch.testing.assert_close(item, live(encoder_file, Path((a, b)[k].path(j))))
