@@ -211,9 +211,14 @@ class ModuleWatch:
     def _as_trusted(self, state: tuple[Any, ...]) -> bool:
         return self._fp is not None and state[:2] == self._seen[:2] and state[2] == self._attrs
 
-    def fingerprint(self) -> str:
-        """The module's fingerprint now (identity and every weight), recomputed on change."""
+    def fingerprint(self, before_run: bool = False) -> str:
+        """The module's fingerprint now (identity and every weight), recomputed on change.
+        ``before_run``: the module runs next in this thread (a dataset's misses), so the run's
+        hook reuses this weight probe where no version or pointer moved since
+        (:meth:`run_began`; :meth:`forget_check` when it does not run after all)."""
         state = self._state()
+        if before_run:
+            self._before.checked = state
         if not self._as_trusted(state):
             identity = self.identity or module_identity(self.module)
             self._fp = module_fingerprint(self.module, identity)
@@ -252,10 +257,16 @@ class ModuleWatch:
         return True
 
     def run_began(self) -> None:
-        """A forward begins: keep the state if the module is as trusted (else None)."""
-        state = self._state()
+        """A forward begins: keep the state if the module is as trusted (else None); the
+        probe of a check made just before it (:meth:`fingerprint`) is reused, not taken again."""
+        state = self._state(self._before.__dict__.pop("checked", ()))
         stack = self._before.__dict__.setdefault("stack", [])
         stack.append(state if self._as_trusted(state) else None)
+
+    def forget_check(self) -> None:
+        """The run a check was made for (:meth:`fingerprint` ``before_run``) did not happen:
+        a later run takes its own probe."""
+        self._before.__dict__.pop("checked", None)
 
     def run_ended(self) -> None:
         """A forward ended: a module trusted as it began is trusted as it is now."""

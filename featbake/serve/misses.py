@@ -419,7 +419,8 @@ class LiveEncoder:
                 "encoded so (dropout, batch statistics) would be stored under the keys of its "
                 "eval mode; call .eval() on it, or give the dataset a copy of it"
             )
-        if self.moved or (self.watch is not None and self.watch.fingerprint() != self.fingerprint):
+        watch = self.watch
+        if self.moved or (watch is not None and watch.fingerprint(True) != self.fingerprint):
             raise EncoderLoadError(
                 f"the encoder module {self.label} changed since this dataset was created (its "
                 "weights or attributes), and a miss encoded with it would be stored under the "
@@ -435,6 +436,11 @@ class LiveEncoder:
         (:meth:`refuse_changed`) and is trusted as it is now."""
         if self.watch is not None and not self.watch.follows_runs:
             self.watch.trust(self.fingerprint)
+
+    def forget_check(self) -> None:
+        """The misses :meth:`refuse_changed` was checked for were not encoded after all."""
+        if self.watch is not None:
+            self.watch.forget_check()
 
     def __getstate__(self) -> dict[str, Any]:
         # Not a ProcessLocal: a loaded module stays valid in a forked worker, which runs its
@@ -637,11 +643,9 @@ class Misses:
         return [out[i] for i in idx]
 
     def encode(self, st: ProcessState, idx: list[int]) -> list[Parts]:
-        """Decode and encode items ``idx`` now (checking their files did not change)."""
-        if st.encoder is None:
-            st.encoder = self.live.for_this_process()
-        else:
-            self.live.refuse_changed()  # an in-process module edited since the last misses
+        """Decode and encode items ``idx`` now (checking their files did not change); the
+        encoder is checked right before it runs (an in-process module edited since the last
+        misses is refused), so nothing runs between the check and the run."""
         paths = [self.index.path(i) for i in idx]
         if self.objects:  # each checked by the response that carried its bytes (its ETag)
             stats = [FileStat(*map(int, self.index.stats[i])) for i in idx]
@@ -650,7 +654,14 @@ class Misses:
             inputs = [self.source.load(p) for p in paths]
             keys = [self.index.key(i) for i in idx]
             check_unchanged(st.catalog, paths, keys, self.fps)
-        results = encode_inputs(st.encoder, inputs, self.recipe)
+        if st.encoder is None:
+            st.encoder = self.live.for_this_process()
+        else:
+            self.live.refuse_changed()
+        try:
+            results = encode_inputs(st.encoder, inputs, self.recipe)
+        finally:
+            self.live.forget_check()  # its run took the check's probe, or did not run
         self.live.ran()
         st.encoded += len(idx)
         return [stored_parts(parts, self.recipe) for parts in results]  # int8/fp8: packed

@@ -437,3 +437,37 @@ def test_a_loaded_encoder_of_a_file_changed_after_the_dataset_was_made_encodes_n
     with pytest.raises(EncoderLoadError, match="changed since this dataset was created") as e:
         ds[2]
     assert "\n" not in str(e.value)
+
+
+def test_the_change_check_reads_the_weights_once_per_batch_of_misses(
+    tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check that an in-process module did not change read every weight twice per batch
+    of misses (before the run, and again to trust the run): a few percent of encoding a clip
+    with a wav2vec2-sized model. The run now reuses the probe taken just before it where no
+    version or pointer moved, so each weight is read once; a write behind the version
+    counters between batches is still refused."""
+    import featbake.serve.cached_encoder as cached_encoder
+    from featbake.errors import EncoderLoadError
+    from featbake.testing import TinyConvEncoder
+
+    module = TinyConvEncoder().eval()
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    ds[0]
+    read: list[int] = []
+    crc = cached_encoder.crc32c_tensor
+
+    def counted(t: torch.Tensor) -> int:
+        read.append(t.data_ptr())
+        return crc(t)
+
+    monkeypatch.setattr(cached_encoder, "crc32c_tensor", counted)
+    served = ds[1]
+    tensors = [*module.parameters(), *module.buffers()]
+    assert sorted(read) == sorted(t.data_ptr() for t in tensors)
+    torch.testing.assert_close(served, _live(module, ds.path(1)))
+    with torch.no_grad():
+        module.conv2.weight.data.mul_(2.0)
+    with pytest.raises(EncoderLoadError, match="changed since this dataset was created"):
+        ds[2]
