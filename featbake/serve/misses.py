@@ -37,7 +37,7 @@ from featbake.recipe import Recipe
 from featbake.serve.cached_encoder import ModuleWatch, shared_watch
 from featbake.serve.index import Index
 from featbake.serve.reads import Reads
-from featbake.serve.state import ProcessState, pending_in_process
+from featbake.serve.state import ProcessState, owned_parts, pending_in_process
 from featbake.store.catalog import Catalog, ServingStore
 from featbake.store.features import Parts
 from featbake.store.fragment_catalog import open_serving_catalog
@@ -493,15 +493,19 @@ def training_submodule(module: Any) -> str | None:
     return None
 
 
-def encode_inputs(enc: LoadedEncoder, inputs: list[torch.Tensor], recipe: Recipe) -> list[Parts]:
-    """Each input's output parts; inputs of equal shape are encoded as one batch."""
+def encode_inputs(
+    enc: LoadedEncoder, inputs: list[torch.Tensor], recipe: Recipe, own_rows: bool = True
+) -> list[Parts]:
+    """Each input's output parts; inputs of equal shape are encoded as one batch
+    (``own_rows``: see :func:`~featbake.encode.outputs.encode_batch`)."""
     groups: dict[tuple[int, ...], list[int]] = {}
     for j, x in enumerate(inputs):
         groups.setdefault(tuple(x.shape), []).append(j)
     results: list[Parts] = [{} for _ in inputs]
     for members in groups.values():
         batch = [inputs[j] for j in members]
-        for j, parts in zip(members, encode_batch(enc, batch, recipe), strict=True):
+        encoded = encode_batch(enc, batch, recipe, own_rows=own_rows)
+        for j, parts in zip(members, encoded, strict=True):
             results[j] = parts
     return results
 
@@ -632,11 +636,16 @@ class Misses:
         todo = [i for i in todo if i not in copied]
         if todo and self.on_miss == "error":
             raise self.cache_miss(todo[0])
-        encoded = zip(todo, self.encode(st, todo), strict=True) if todo else iter(())
-        for i, parts in [*copied.items(), *encoded]:
+        for i, parts in copied.items():
             out[i] = unpack(parts)
             if self.write_back:
-                self.store(st, i, parts)
+                self.store(st, i, parts)  # a copy written back: the read is served
+        for i, parts in zip(todo, self.encode(st, todo) if todo else [], strict=True):
+            # Served as a copy of its own (the rows are views of their batch, made in inference
+            # mode); written back as they are: one copy per miss, not two.
+            out[i] = unpack(owned_parts(parts))
+            if self.write_back:
+                self.store(st, i, parts, owned=True)
         if st.use_lru:
             for i in idx:
                 st.lru.put(i, out[i])
@@ -659,19 +668,20 @@ class Misses:
         else:
             self.live.refuse_changed()
         try:
-            results = encode_inputs(st.encoder, inputs, self.recipe)
+            results = encode_inputs(st.encoder, inputs, self.recipe, own_rows=False)
         finally:
             self.live.forget_check()  # its run took the check's probe, or did not run
         self.live.ran()
         st.encoded += len(idx)
         return [stored_parts(parts, self.recipe) for parts in results]  # int8/fp8: packed
 
-    def store(self, st: ProcessState, i: int, parts: Parts) -> None:
-        """Write item ``i``'s encoded parts back (once per key while pending)."""
+    def store(self, st: ProcessState, i: int, parts: Parts, owned: bool = False) -> None:
+        """Write item ``i``'s encoded parts back (once per key while pending); ``owned``:
+        nothing else holds or serves them (see :meth:`WriteBack.add`)."""
         key = self.index.key(i)
         if not st.writeback.holds(key):
             st.pending_idx.setdefault(key, []).append(i)
-            st.writeback.add(self.live.fingerprint, key, parts)
+            st.writeback.add(self.live.fingerprint, key, parts, owned)
 
     def published(self, st: ProcessState | None, shard: SealedShard) -> None:
         """A write-back shard was sealed: point the items written to it at it, those whose
