@@ -197,28 +197,21 @@ class ModuleWatch:
     def _tensors(self) -> list[torch.Tensor]:
         return [*self.module.parameters(), *self.module.buffers()]
 
-    def _state(self, before: tuple[Any, ...] = ()) -> tuple[Any, ...]:
-        """(versions and pointers, weight probe, attributes) now; the probe of ``before``
-        reused when no version or pointer moved since it was taken (a run that wrote none)."""
+    def _versions(self, tensors: list[torch.Tensor]) -> tuple[tuple[int, int], ...]:
+        return tuple((version_of(t), t.data_ptr()) for t in tensors)
+
+    def _state(self) -> tuple[Any, ...]:
+        """(versions and pointers, weight probe, attributes) now."""
         tensors = self._tensors()
-        versions = tuple((version_of(t), t.data_ptr()) for t in tensors)
-        if before and before[0] == versions:
-            probe = before[1]
-        else:
-            probe = _weight_probe(tensors) if self.check_weights else ()
-        return versions, probe, attribute_identity(self.module)
+        probe = _weight_probe(tensors) if self.check_weights else ()
+        return self._versions(tensors), probe, attribute_identity(self.module)
 
     def _as_trusted(self, state: tuple[Any, ...]) -> bool:
         return self._fp is not None and state[:2] == self._seen[:2] and state[2] == self._attrs
 
-    def fingerprint(self, before_run: bool = False) -> str:
-        """The module's fingerprint now (identity and every weight), recomputed on change.
-        ``before_run``: the module runs next in this thread (a dataset's misses), so the run's
-        hook reuses this weight probe where no version or pointer moved since
-        (:meth:`run_began`; :meth:`forget_check` when it does not run after all)."""
+    def fingerprint(self) -> str:
+        """The module's fingerprint now (identity and every weight), recomputed on change."""
         state = self._state()
-        if before_run:
-            self._before.checked = state
         if not self._as_trusted(state):
             identity = self.identity or module_identity(self.module)
             self._fp = module_fingerprint(self.module, identity)
@@ -257,24 +250,30 @@ class ModuleWatch:
         return True
 
     def run_began(self) -> None:
-        """A forward begins: keep the state if the module is as trusted (else None); the
-        probe of a check made just before it (:meth:`fingerprint`) is reused, not taken again."""
-        state = self._state(self._before.__dict__.pop("checked", ()))
-        stack = self._before.__dict__.setdefault("stack", [])
-        stack.append(state if self._as_trusted(state) else None)
-
-    def forget_check(self) -> None:
-        """The run a check was made for (:meth:`fingerprint` ``before_run``) did not happen:
-        a later run takes its own probe."""
-        self._before.__dict__.pop("checked", None)
+        """A forward begins: keep its versions and pointers if the module is as trusted by
+        them and its attributes (else None). No weight is read here: a write behind the
+        version counters before the run is still seen by the trusted probe, kept across a run
+        that moved no version or pointer (:meth:`run_ended`)."""
+        versions = self._versions(self._tensors())
+        same = self._fp is not None and versions == self._seen[0]
+        trusted = same and attribute_identity(self.module) == self._attrs
+        self._before.__dict__.setdefault("stack", []).append(versions if trusted else None)
 
     def run_ended(self) -> None:
-        """A forward ended: a module trusted as it began is trusted as it is now."""
+        """A forward ended: a module trusted as it began is trusted as it is now; the weights
+        are read again only where the run moved a version or pointer (a buffer it replaced)."""
         stack = self._before.__dict__.get("stack")
         before = stack.pop() if stack else None
-        if before is not None:
-            self._seen = self._state(before)
-            self._attrs = self._seen[2]
+        if before is None:
+            return
+        tensors = self._tensors()
+        versions = self._versions(tensors)
+        if versions == before:
+            probe = self._seen[1]
+        else:
+            probe = _weight_probe(tensors) if self.check_weights else ()
+        self._attrs = attribute_identity(self.module)
+        self._seen = (versions, probe, self._attrs)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

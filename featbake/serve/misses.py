@@ -419,8 +419,7 @@ class LiveEncoder:
                 "encoded so (dropout, batch statistics) would be stored under the keys of its "
                 "eval mode; call .eval() on it, or give the dataset a copy of it"
             )
-        watch = self.watch
-        if self.moved or (watch is not None and watch.fingerprint(True) != self.fingerprint):
+        if self.moved or (self.watch is not None and self.watch.fingerprint() != self.fingerprint):
             raise EncoderLoadError(
                 f"the encoder module {self.label} changed since this dataset was created (its "
                 "weights or attributes), and a miss encoded with it would be stored under the "
@@ -436,11 +435,6 @@ class LiveEncoder:
         (:meth:`refuse_changed`) and is trusted as it is now."""
         if self.watch is not None and not self.watch.follows_runs:
             self.watch.trust(self.fingerprint)
-
-    def forget_check(self) -> None:
-        """The misses :meth:`refuse_changed` was checked for were not encoded after all."""
-        if self.watch is not None:
-            self.watch.forget_check()
 
     def __getstate__(self) -> dict[str, Any]:
         # Not a ProcessLocal: a loaded module stays valid in a forked worker, which runs its
@@ -667,10 +661,7 @@ class Misses:
             st.encoder = self.live.for_this_process()
         else:
             self.live.refuse_changed()
-        try:
-            results = encode_inputs(st.encoder, inputs, self.recipe, own_rows=False)
-        finally:
-            self.live.forget_check()  # its run took the check's probe, or did not run
+        results = encode_inputs(st.encoder, inputs, self.recipe, own_rows=False)
         self.live.ran()
         st.encoded += len(idx)
         return [stored_parts(parts, self.recipe) for parts in results]  # int8/fp8: packed
