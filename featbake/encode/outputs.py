@@ -140,12 +140,19 @@ def join_outputs(parts: Mapping[str, Any]) -> Any:
 
 # -- encoding ----------------------------------------------------------------------------------
 def encode_batch(
-    encoder: LoadedEncoder, inputs: Sequence[torch.Tensor], recipe: Recipe
+    encoder: LoadedEncoder,
+    inputs: Sequence[torch.Tensor],
+    recipe: Recipe,
+    *,
+    own_rows: bool = True,
 ) -> list[dict[str, torch.Tensor]]:
     """Encode equal-shape inputs together; one dict of output parts per input, on the CPU.
 
     A lengths-protocol encoder gets every row's full length (and its outputs are trimmed to the
     lengths it reports), so exact-shape and padded batches store the same parts.
+    ``own_rows=False``: a row the run made (an inference tensor) is a view of its batch, not a
+    copy, for a caller that copies what it hands out and keeps the whole batch (a dataset's
+    misses, each served as a copy and written back as it is).
 
     Raises:
         EncodeError: the encoder failed or returned outputs without a matching batch dimension.
@@ -170,8 +177,11 @@ def encode_batch(
                 f"leading batch dimension of {len(inputs)}"
             )
         value = value.detach().to("cpu", recipe.encode_dtype)
+        # Own storage: a slice would pin the whole batch. Not an inference tensor: the module's
+        # own (a buffer it returns), which it may change later.
+        view = not own_rows and value.is_inference()
         for i in range(len(inputs)):
-            out[i][part] = value[i].clone()  # own storage: a slice would pin the whole batch
+            out[i][part] = value[i] if view else value[i].clone()
     return out
 
 

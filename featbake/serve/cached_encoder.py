@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import time
 import warnings
 import weakref
@@ -177,30 +178,45 @@ class ModuleWatch:
         check_weights: digest weight bytes at every :meth:`fingerprint` call, to catch in-place
             updates that bypass version counters; False trusts version counters and data
             pointers alone (the caller promises never to write weights through ``.data``).
+        identity: the identity string its fingerprint is made of (a file encoder's, which its
+            attributes do not change); None: the module's own, taken again on each change.
     """
 
-    def __init__(self, module: nn.Module, *, check_weights: bool = True) -> None:
+    def __init__(
+        self, module: nn.Module, *, check_weights: bool = True, identity: str | None = None
+    ) -> None:
         self.module = module
         self.check_weights = check_weights
+        self.identity = identity
+        self.follows_runs = False  # forward hooks trust what any run changes (follow_runs)
         self._fp: str | None = None
         self._seen: tuple[Any, ...] = ()
         self._attrs = ""
+        self._before = threading.local()  # per thread: the state as a run began, if trusted
 
     def _tensors(self) -> list[torch.Tensor]:
         return [*self.module.parameters(), *self.module.buffers()]
 
+    def _versions(self, tensors: list[torch.Tensor]) -> tuple[tuple[int, int], ...]:
+        return tuple((version_of(t), t.data_ptr()) for t in tensors)
+
     def _state(self) -> tuple[Any, ...]:
+        """(versions and pointers, weight probe, attributes) now."""
         tensors = self._tensors()
-        versions = tuple((version_of(t), t.data_ptr()) for t in tensors)
         probe = _weight_probe(tensors) if self.check_weights else ()
-        return versions, probe, attribute_identity(self.module)
+        return self._versions(tensors), probe, attribute_identity(self.module)
+
+    def _as_trusted(self, state: tuple[Any, ...]) -> bool:
+        return self._fp is not None and state[:2] == self._seen[:2] and state[2] == self._attrs
 
     def fingerprint(self) -> str:
         """The module's fingerprint now (identity and every weight), recomputed on change."""
         state = self._state()
-        if self._fp is None or state[:2] != self._seen[:2] or state[2] != self._attrs:
-            self._fp = module_fingerprint(self.module, module_identity(self.module))
+        if not self._as_trusted(state):
+            identity = self.identity or module_identity(self.module)
+            self._fp = module_fingerprint(self.module, identity)
             self._seen, self._attrs = state, state[2]
+        assert self._fp is not None
         return self._fp
 
     def trust(self, fp: str) -> None:
@@ -213,10 +229,108 @@ class ModuleWatch:
         """The module just ran: attribute changes it made itself are bookkeeping, not a change."""
         self._attrs = attribute_identity(self.module)
 
+    def follow_runs(self) -> bool:
+        """Trust what every run of the module changes in itself, whoever calls it (a call
+        counter, a buffer it replaces): forward hooks take its state before and after each run,
+        and a module as trusted before a run is trusted as it is after. A change made outside
+        a run is still seen. False when the module takes no hooks (a TorchScript module)."""
+        if self.follows_runs:
+            return True
+        ref = weakref.ref(self)
+        try:
+            handles = [
+                self.module.register_forward_pre_hook(_RunHook(ref, True)),
+                self.module.register_forward_hook(_RunHook(ref, False)),
+            ]
+        except RuntimeError:
+            return False  # "register_forward_pre_hook is not supported on ScriptModules"
+        for handle in handles:
+            weakref.finalize(self, handle.remove)
+        self.follows_runs = True
+        return True
+
+    def run_began(self) -> None:
+        """A forward begins: keep its versions and pointers if the module is as trusted by
+        them and its attributes (else None). No weight is read here: a write behind the
+        version counters before the run is still seen by the trusted probe, kept across a run
+        that moved no version or pointer (:meth:`run_ended`)."""
+        versions = self._versions(self._tensors())
+        same = self._fp is not None and versions == self._seen[0]
+        trusted = same and attribute_identity(self.module) == self._attrs
+        self._before.__dict__.setdefault("stack", []).append(versions if trusted else None)
+
+    def run_ended(self) -> None:
+        """A forward ended: a module trusted as it began is trusted as it is now; the weights
+        are read again only where the run moved a version or pointer (a buffer it replaced)."""
+        stack = self._before.__dict__.get("stack")
+        before = stack.pop() if stack else None
+        if before is None:
+            return
+        tensors = self._tensors()
+        versions = self._versions(tensors)
+        if versions == before:
+            probe = self._seen[1]
+        else:
+            probe = _weight_probe(tensors) if self.check_weights else ()
+        self._attrs = attribute_identity(self.module)
+        self._seen = (versions, probe, self._attrs)
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_fp"] = None  # fingerprinted again where it lands
+        state["follows_runs"] = False  # hooks do not travel (see _RunHook)
+        del state["_before"]
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._before = threading.local()
+
+
+class _RunHook:
+    """A forward (pre-)hook telling a :class:`ModuleWatch` that its module's run began or
+    ended; it keeps the watch weakly, and a copy of the module (pickled, deep-copied) gets a
+    hook that does nothing: the copy is not the module watched."""
+
+    def __init__(self, watch: weakref.ref[ModuleWatch], began: bool) -> None:
+        self.watch, self.began = watch, began
+
+    def __call__(self, module: nn.Module, *args: Any) -> None:
+        watch = self.watch()
+        if watch is not None:
+            watch.run_began() if self.began else watch.run_ended()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_no_hook, ())
+
+
+def _no_hook() -> Callable[..., None]:
+    return _ignore_run
+
+
+def _ignore_run(*args: Any) -> None:
+    return None
+
+
+#: module -> identity -> its one watch (weakly: the watch lives while a dataset holds it).
+_WATCHES: weakref.WeakKeyDictionary[nn.Module, dict[str | None, weakref.ref[ModuleWatch]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def shared_watch(module: nn.Module, identity: str | None = None) -> ModuleWatch:
+    """The one watch of ``module`` (fingerprinted with ``identity``, None: its own) that
+    every dataset given it shares, following every run of it (:meth:`ModuleWatch.follow_runs`):
+    what one dataset's misses, another's or the user's own call change in it while it runs is
+    bookkeeping for all of them, where a watch of each saw the others' runs as a change."""
+    watches = _WATCHES.setdefault(module, {})
+    ref = watches.get(identity)
+    watch = ref() if ref is not None else None
+    if watch is None:
+        watch = ModuleWatch(module, identity=identity)
+        watch.follow_runs()
+        watches[identity] = weakref.ref(watch)
+    return watch
 
 
 # == cached_encoder ================================================================================
@@ -553,4 +667,5 @@ __all__ = [
     "ModuleWatch",
     "id_digest",
     "row_digest",
+    "shared_watch",
 ]

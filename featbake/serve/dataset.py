@@ -34,7 +34,14 @@ from featbake.encode.sources import source_for
 from featbake.errors import ConfigError, StoreError
 from featbake.process import ProcessLocal, ProcessLocalState
 from featbake.recipe import Recipe
-from featbake.serve.index import Index, IndexSpec, ItemPlacement, build_index, raise_unreadable
+from featbake.serve.index import (
+    Index,
+    IndexSpec,
+    ItemPlacement,
+    build_index,
+    names_from_parent,
+    raise_unreadable,
+)
 from featbake.serve.misses import LiveEncoder, Misses
 from featbake.serve.reads import Reads, served_for
 from featbake.serve.state import (
@@ -463,17 +470,17 @@ class CachedFeatureDataset(ProcessLocalState, Dataset):
     def items_digest(self) -> str:
         """A digest of this dataset's item ids in order (what its positions name): a loader's
         state carries it, so a state part way through an epoch is not resumed over other
-        items (see :func:`featbake.serve.loader.items_of`). A list of files is named relative
-        to the folder they share, so the same files mounted elsewhere are the same items."""
+        items (see :func:`featbake.serve.loader.items_of`). A list of files is named from the
+        folder above the one they share (:func:`~featbake.serve.index.names_from_parent`), so
+        the same files mounted elsewhere are the same items, and two speakers' lists of files
+        of the same names are not."""
         if self._items_digest is None:
             h = hashlib.sha256(f"items\0{len(self)}\0".encode())
-            if self._index.data_dir is not None:  # the ids NUL-joined, as the index holds them
-                h.update(self._index.path_blob.tobytes())
+            ix = self._index
+            if ix.data_dir is not None:  # the ids NUL-joined, as the index holds them
+                h.update(ix.path_blob.tobytes())
             else:
-                paths = [self._index.rel(i) for i in range(len(self))]
-                top = os.path.commonpath(paths) if paths else ""
-                rel = "\0".join(os.path.relpath(p, top) for p in paths)
-                h.update(rel.encode("utf-8", "surrogateescape"))
+                h.update(names_from_parent(ix.path_blob, ix.path_end).tobytes())
             self._items_digest = h.hexdigest()[:16]
         return self._items_digest
 

@@ -230,6 +230,19 @@ def set_epoch_of(dataset: Any, epoch: int) -> None:
             set_epoch_of(m, epoch)
 
 
+def draws_per_epoch(dataset: Any) -> bool:
+    """Whether the dataset draws its items per epoch (it has ``set_epoch``, as a
+    :class:`~featbake.MixedDataset`), itself or a member of a ``StackDataset``,
+    ``ConcatDataset`` or ``Subset``: its placement is then each epoch's own."""
+    if callable(getattr(dataset, "set_epoch", None)):
+        return True
+    if isinstance(dataset, Subset):
+        return draws_per_epoch(dataset.dataset)
+    if isinstance(dataset, StackDataset | ConcatDataset):
+        return any(draws_per_epoch(m) for m in _members(dataset))
+    return False
+
+
 def fingerprint_of(dataset: Any) -> str:
     """The dataset's own ``fingerprint()`` (a mixture's datasets' lengths, weights, items per
     epoch and seed), through ``StackDataset``, ``ConcatDataset`` and ``Subset``; "" for none.
@@ -244,6 +257,23 @@ def fingerprint_of(dataset: Any) -> str:
     if isinstance(dataset, ConcatDataset):  # each member's, in order (a mixture among them)
         inner = [fingerprint_of(m) for m in _members(dataset)]
         return hashlib.sha256("\n".join(inner).encode()).hexdigest()[:16] if any(inner) else ""
+    return ""
+
+
+def fingerprint_before(dataset: Any) -> str:
+    """:func:`fingerprint_of` as featbake took it before a mixture inside a ``ConcatDataset``
+    or a mixture was folded in (serve6.4, serve6.11): a mixture's own, a concatenation's "".
+    A state saved then is still taken at an epoch's start (see :meth:`Resume.load`)."""
+    own = getattr(dataset, "own_fingerprint", None)
+    if callable(own):
+        return str(own())
+    fingerprint = getattr(dataset, "fingerprint", None)
+    if callable(fingerprint):
+        return str(fingerprint())
+    if isinstance(dataset, Subset):
+        return fingerprint_before(dataset.dataset)
+    if isinstance(dataset, StackDataset):
+        return next((f for f in map(fingerprint_before, _members(dataset)) if f), "")
     return ""
 
 
@@ -420,15 +450,8 @@ class Resume:
         checked = _checked(state)
         saved_world = checked["world_size"]
         order = dataclasses.replace(order, seed=checked["seed"])
-        as_saved = dataclasses.replace(order, world=saved_world, rank=0)
-        if as_saved.fingerprint() != checked["fingerprint"]:
-            raise ConfigError(
-                "this loader state was saved with options that give another order (batch_size, "
-                "batch_frames, shuffle, window, drop_last, even_batches, a dataset of another "
-                "length, or a MixedDataset of other datasets, weights, epoch_items or seed): "
-                "make the loader with the arguments of the saved run"
-            )
         stages, done = _stages(checked), checked["position"]
+        _same_order(dataclasses.replace(order, world=saved_world, rank=0), checked)
         _same_items(order, checked, bool(stages or done))
         if saved_world != order.world and done:
             stages, done = (*stages, (saved_world, done)), 0
@@ -436,6 +459,34 @@ class Resume:
         self.pending = Position(checked["epoch"], done, inputs, stages)
         self.current = None
         return order, checked["epoch"]
+
+
+def _same_order(as_saved: Order, state: dict[str, Any]) -> None:
+    """Refuse a state saved with options that give another order than ``as_saved``; one
+    saved before a mixture inside a ``ConcatDataset`` or a mixture was fingerprinted is taken
+    in epoch 0 or at an epoch's start: that inner mixture then drew its epoch 0 in every
+    epoch, so part way through a later one its positions named other items.
+
+    Raises:
+        ConfigError: another order, or such an older state part way through an epoch.
+    """
+    if as_saved.fingerprint() == state["fingerprint"]:
+        return
+    if as_saved.fingerprint_before() == state["fingerprint"]:
+        if state["epoch"] and (state["position"] or _stages(state)):
+            raise ConfigError(
+                f"this loader state is part way through epoch {state['epoch']}, saved by a "
+                "featbake whose mixture inside a ConcatDataset or a mixture drew its epoch 0 in "
+                "every epoch, so the rest of that epoch cannot be read as it was; "
+                f"{_LOADER_RESTART}"
+            )
+        return
+    raise ConfigError(
+        "this loader state was saved with options that give another order (batch_size, "
+        "batch_frames, shuffle, window, drop_last, even_batches, a dataset of another "
+        "length, or a MixedDataset of other datasets, weights, epoch_items or seed): "
+        "make the loader with the arguments of the saved run"
+    )
 
 
 #: How a FeatureLoader's state refused over other items reads its epoch from the start.
@@ -601,6 +652,7 @@ class BlockSampler(Sampler[int]):
             )
         self._shards = placement.shards.tolist()
         self._dataset = dataset  # told each epoch's windows (a bucket store fetches by them)
+        self._per_epoch = draws_per_epoch(dataset)  # a mixture: each epoch's own placement
         rank, world = rank_and_world(rank, num_replicas)
         window = window_for(dataset, Shuffle.BLOCKS, window)
         self._order = Order(len(dataset), 1, Shuffle.BLOCKS, seed, rank, world, drop_last,
@@ -611,17 +663,23 @@ class BlockSampler(Sampler[int]):
         self._pending: Position | None = None  # loaded: (epoch, indices to skip)
 
     def set_epoch(self, epoch: int) -> None:
-        """Draw epoch ``epoch``'s order next (call it before each epoch, as DistributedSampler);
-        a loaded state's rest holds only for its own epoch."""
+        """Draw epoch ``epoch``'s order next (call it before each epoch, as DistributedSampler),
+        and tell the dataset (a mixture draws its items per epoch); a loaded state's rest
+        holds only for its own epoch."""
         self.epoch = epoch
         if self._pending is not None and self._pending.epoch != epoch:
             self._pending = None
+        set_epoch_of(self._dataset, epoch)
 
     def __iter__(self) -> Iterator[int]:
         skip = 0
         if self._pending is not None and self._pending.epoch == self.epoch:
             skip = self._pending.done
+        elif self._per_epoch:  # a mixture's blocks are those of the items this epoch draws
+            self._inputs = self._order.inputs(shards=self._epoch_shards())
         self._pending = None
+        if self._per_epoch:
+            self._shards = self._epoch_shards()
         batches = self._order.plan(self.epoch, self._inputs)
         order = [i for b in batches for i in b]
         rest = [order[skip:]]
@@ -630,6 +688,12 @@ class BlockSampler(Sampler[int]):
         )
         self.yielded = min(skip, len(order))
         return self._counted(order[skip:])
+
+    def _epoch_shards(self) -> list[int]:
+        """Each position's shard in the epoch read (a mixture's items of that epoch)."""
+        placement = placement_of(self._dataset, self.epoch)
+        assert placement is not None  # it had one when the sampler was made
+        return [int(s) for s in placement.shards]
 
     def _counted(self, order: list[int]) -> Iterator[int]:
         """``order``, counting in :attr:`yielded` each index as it is handed out."""
@@ -673,6 +737,7 @@ class BlockSampler(Sampler[int]):
             raise ConfigError("not a BlockSampler state: its 'plan' has no blocks")
         self._order, self._inputs, self.epoch = order, inputs, checked["epoch"]
         self._pending = Position(checked["epoch"], checked["yielded"])
+        set_epoch_of(self._dataset, self.epoch)
 
 
 class LengthBatchSampler(Sampler[list[int]]):
@@ -735,6 +800,7 @@ class LengthBatchSampler(Sampler[list[int]]):
         self._order = Order(
             len(dataset), batch_size, shuffle_of(bool(shuffle)), seed, rank, world, drop_last,
             even_batches, batch_frames, source=fingerprint_of(dataset), items=items_of(dataset),
+            source_before=fingerprint_before(dataset),
         )  # fmt: skip
         self.epoch = 0
         self._resume = Resume()
@@ -981,7 +1047,7 @@ class FeatureLoader:
         self._order = Order(
             len(dataset), batch_size, order, seed, rank, world, drop_last, even_batches,
             batch_frames, window_for(dataset, order, window), fingerprint_of(dataset),
-            items_of(dataset),
+            items_of(dataset), fingerprint_before(dataset),
         )  # fmt: skip
         self.epoch = 0
         self._resume = Resume()

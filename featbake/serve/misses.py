@@ -26,6 +26,7 @@ from featbake.encode.fingerprints import (
     file_fingerprint,
 )
 from featbake.encode.hf import is_hf_folder
+from featbake.encode.identity import module_identity
 from featbake.encode.inputs import DigestView
 from featbake.encode.loaders import is_import_path, load_encoder
 from featbake.encode.outputs import encode_batch, stored_parts
@@ -33,10 +34,10 @@ from featbake.encode.sources import CheckingSource, Source, load_unchanged
 from featbake.errors import CacheMiss, EncoderLoadError, FeatbakeError, SourceError
 from featbake.keys import feature_key
 from featbake.recipe import Recipe
-from featbake.serve.cached_encoder import ModuleWatch
+from featbake.serve.cached_encoder import ModuleWatch, shared_watch
 from featbake.serve.index import Index
 from featbake.serve.reads import Reads
-from featbake.serve.state import ProcessState, pending_in_process
+from featbake.serve.state import ProcessState, owned_parts, pending_in_process
 from featbake.store.catalog import Catalog, ServingStore
 from featbake.store.features import Parts
 from featbake.store.fragment_catalog import open_serving_catalog
@@ -407,9 +408,17 @@ class LiveEncoder:
         """Raise if the in-process module changed since the dataset's keys were made from it.
 
         Raises:
-            EncoderLoadError: its weights or attributes changed (checked before each encoding
-                of misses: a miss encoded with it would be stored under the old keys).
+            EncoderLoadError: it is in train mode, or its weights or attributes changed
+                (checked before each encoding of misses: a miss encoded with it would be
+                stored under the old keys).
         """
+        training = self.loaded is not None and training_submodule(self.loaded.module)
+        if training is not None:
+            raise EncoderLoadError(
+                f"the encoder module {self.label} is in train mode ({training}), and a miss "
+                "encoded so (dropout, batch statistics) would be stored under the keys of its "
+                "eval mode; call .eval() on it, or give the dataset a copy of it"
+            )
         if self.moved or (self.watch is not None and self.watch.fingerprint() != self.fingerprint):
             raise EncoderLoadError(
                 f"the encoder module {self.label} changed since this dataset was created (its "
@@ -420,9 +429,11 @@ class LiveEncoder:
 
     def ran(self) -> None:
         """The encoder just encoded misses: what an in-process module changed itself while
-        it ran (a call counter, a cache buffer it replaced) is its bookkeeping, not a change:
-        it was checked just before (:meth:`refuse_changed`), and is trusted as it is now."""
-        if self.watch is not None:
+        it ran (a call counter, a cache buffer it replaced) is its bookkeeping, not a change.
+        A module taking hooks is followed through every run, whoever calls it
+        (:func:`shared_watch`); one that takes none (TorchScript) was checked just before
+        (:meth:`refuse_changed`) and is trusted as it is now."""
+        if self.watch is not None and not self.watch.follows_runs:
             self.watch.trust(self.fingerprint)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -446,26 +457,49 @@ class LiveEncoder:
 
 
 def watched(enc: LoadedEncoder, fingerprint: str) -> ModuleWatch | None:
-    """What notices that an in-process module given to a dataset changed after its keys were
-    made from ``fingerprint`` (weights updated in place, an attribute set), so that a miss is
-    not encoded with it and stored under those keys; None for an encoder loaded from a file or
-    an import path (:meth:`LiveEncoder.for_this_process` checks those as it loads them)."""
-    if enc.kind != MODULE or not isinstance(enc.module, torch.nn.Module):
+    """What notices that an encoder module given to a dataset (an ``nn.Module``, or a
+    ``LoadedEncoder`` of one or of a file) changed after its keys were made from
+    ``fingerprint`` (weights updated in place, an attribute set), so that a miss is not encoded
+    with it and stored under those keys: the module's one watch, shared with every other
+    dataset given it. None for a module that is no ``nn.Module``. A file's encoder keeps its
+    own identity (its file's code), an in-process module's is taken again on each change."""
+    module = enc.module
+    if not isinstance(module, torch.nn.Module):
         return None
-    watch = ModuleWatch(enc.module)
+    own = enc.kind == MODULE and enc.identity == module_identity(module)
+    watch = shared_watch(module, None if own else enc.identity)
     watch.trust(fingerprint)
     return watch
 
 
-def encode_inputs(enc: LoadedEncoder, inputs: list[torch.Tensor], recipe: Recipe) -> list[Parts]:
-    """Each input's output parts; inputs of equal shape are encoded as one batch."""
+def training_submodule(module: Any) -> str | None:
+    """The first submodule of ``module`` in train mode, named (None: all in eval mode).
+
+    Example:
+        >>> training_submodule(torch.nn.Sequential(torch.nn.Dropout()).train())
+        "'Sequential' has .training set"
+    """
+    if not isinstance(module, torch.nn.Module):
+        return None
+    for name, sub in module.named_modules():
+        if sub.training:
+            return f"{name or type(module).__name__!r} has .training set"
+    return None
+
+
+def encode_inputs(
+    enc: LoadedEncoder, inputs: list[torch.Tensor], recipe: Recipe, own_rows: bool = True
+) -> list[Parts]:
+    """Each input's output parts; inputs of equal shape are encoded as one batch
+    (``own_rows``: see :func:`~featbake.encode.outputs.encode_batch`)."""
     groups: dict[tuple[int, ...], list[int]] = {}
     for j, x in enumerate(inputs):
         groups.setdefault(tuple(x.shape), []).append(j)
     results: list[Parts] = [{} for _ in inputs]
     for members in groups.values():
         batch = [inputs[j] for j in members]
-        for j, parts in zip(members, encode_batch(enc, batch, recipe), strict=True):
+        encoded = encode_batch(enc, batch, recipe, own_rows=own_rows)
+        for j, parts in zip(members, encoded, strict=True):
             results[j] = parts
     return results
 
@@ -596,22 +630,25 @@ class Misses:
         todo = [i for i in todo if i not in copied]
         if todo and self.on_miss == "error":
             raise self.cache_miss(todo[0])
-        encoded = zip(todo, self.encode(st, todo), strict=True) if todo else iter(())
-        for i, parts in [*copied.items(), *encoded]:
+        for i, parts in copied.items():
             out[i] = unpack(parts)
             if self.write_back:
-                self.store(st, i, parts)
+                self.store(st, i, parts)  # a copy written back: the read is served
+        for i, parts in zip(todo, self.encode(st, todo) if todo else [], strict=True):
+            # Served as a copy of its own (the rows are views of their batch, made in inference
+            # mode); written back as they are: one copy per miss, not two.
+            out[i] = unpack(owned_parts(parts))
+            if self.write_back:
+                self.store(st, i, parts, owned=True)
         if st.use_lru:
             for i in idx:
                 st.lru.put(i, out[i])
         return [out[i] for i in idx]
 
     def encode(self, st: ProcessState, idx: list[int]) -> list[Parts]:
-        """Decode and encode items ``idx`` now (checking their files did not change)."""
-        if st.encoder is None:
-            st.encoder = self.live.for_this_process()
-        else:
-            self.live.refuse_changed()  # an in-process module edited since the last misses
+        """Decode and encode items ``idx`` now (checking their files did not change); the
+        encoder is checked right before it runs (an in-process module edited since the last
+        misses is refused), so nothing runs between the check and the run."""
         paths = [self.index.path(i) for i in idx]
         if self.objects:  # each checked by the response that carried its bytes (its ETag)
             stats = [FileStat(*map(int, self.index.stats[i])) for i in idx]
@@ -620,17 +657,22 @@ class Misses:
             inputs = [self.source.load(p) for p in paths]
             keys = [self.index.key(i) for i in idx]
             check_unchanged(st.catalog, paths, keys, self.fps)
-        results = encode_inputs(st.encoder, inputs, self.recipe)
+        if st.encoder is None:
+            st.encoder = self.live.for_this_process()
+        else:
+            self.live.refuse_changed()
+        results = encode_inputs(st.encoder, inputs, self.recipe, own_rows=False)
         self.live.ran()
         st.encoded += len(idx)
         return [stored_parts(parts, self.recipe) for parts in results]  # int8/fp8: packed
 
-    def store(self, st: ProcessState, i: int, parts: Parts) -> None:
-        """Write item ``i``'s encoded parts back (once per key while pending)."""
+    def store(self, st: ProcessState, i: int, parts: Parts, owned: bool = False) -> None:
+        """Write item ``i``'s encoded parts back (once per key while pending); ``owned``:
+        nothing else holds or serves them (see :meth:`WriteBack.add`)."""
         key = self.index.key(i)
         if not st.writeback.holds(key):
             st.pending_idx.setdefault(key, []).append(i)
-            st.writeback.add(self.live.fingerprint, key, parts)
+            st.writeback.add(self.live.fingerprint, key, parts, owned)
 
     def published(self, st: ProcessState | None, shard: SealedShard) -> None:
         """A write-back shard was sealed: point the items written to it at it, those whose

@@ -171,14 +171,23 @@ class MixedDataset(Dataset):
 
     def fingerprint(self) -> str:
         """A digest of what draws the epochs (each dataset's length, the weights, items per
-        epoch, the seed): a loader folds it into its state's fingerprint, so a state saved
-        over another mixture is refused rather than resumed into other items."""
+        epoch, the seed, and a mixture inside it): a loader folds it into its state's
+        fingerprint, so a state saved over another mixture is refused rather than resumed
+        into other items."""
         from featbake.serve.loader import fingerprint_of
 
+        inner = [fingerprint_of(d) for d in self.datasets]
+        return self._digest(inner if any(inner) else [])  # plain datasets: as before
+
+    def own_fingerprint(self) -> str:
+        """:meth:`fingerprint` without the mixtures inside it: what a state saved before they
+        were folded in (serve6.4 in docs/reliability.md) holds."""
+        return self._digest([])
+
+    def _digest(self, inner: list[str]) -> str:
         p = self.plan
         shape: list[Any] = [list(p.lengths), list(p.weights), p.epoch_items, p.seed]
-        inner = [fingerprint_of(d) for d in self.datasets]
-        if any(inner):  # a mixture inside this one: its draws too (plain datasets: as before)
+        if inner:
             shape.append(inner)
         blob = json.dumps(shape, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:16]

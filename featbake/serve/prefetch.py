@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import ConcatDataset, StackDataset, Subset
+from torch.utils.data import ConcatDataset, Dataset, StackDataset, Subset
 
 import featbake.device as dev
 from featbake.errors import ConfigError
@@ -483,7 +483,48 @@ def identity_of(dataset: Any) -> Callable[[int], Hashable]:
             "does not say which (it has no identity()), so a cache of items by index would "
             "serve an earlier epoch's; drop device_cache for it"
         )
+    held = moving_attribute(dataset)
+    if held is not None:
+        raise ConfigError(
+            f"{type(dataset).__name__} holds a dataset ({held}) whose items move from epoch to "
+            "epoch or are checked at every read (revalidate=True), and does not say which item "
+            "index i serves, so a cache of items by index would serve old ones; give it "
+            "identity(i) or drop device_cache"
+        )
     return _same
+
+
+def moves(dataset: Any, depth: int = 3) -> bool:
+    """Whether a dataset serves other items at an index from epoch to epoch (a mixture, a
+    dataset with ``set_epoch`` or ``identity``) or checks its files at every read
+    (``revalidate=True``), itself or through ``Subset``, ``ConcatDataset``, ``StackDataset``
+    or a dataset it holds, looked for ``depth`` datasets deep (:func:`moving_attribute`)."""
+    if depth <= 0:
+        return False
+    if getattr(dataset, "revalidate", False) is True:
+        return True
+    if any(callable(getattr(dataset, a, None)) for a in ("locate", "identity", "set_epoch")):
+        return True
+    if isinstance(dataset, Subset):
+        return moves(dataset.dataset, depth)
+    if isinstance(dataset, ConcatDataset | StackDataset):
+        stacked = dataset.datasets
+        members = stacked.values() if isinstance(stacked, dict) else stacked
+        return any(moves(m, depth) for m in members)
+    return moving_attribute(dataset, depth - 1) is not None
+
+
+def moving_attribute(dataset: Any, depth: int = 3) -> str | None:
+    """The attribute of a dataset of the user's own (``Labelled(mixed)``) that holds a dataset
+    that :func:`moves` (in a list, tuple or dict too), looked for ``depth`` datasets deep;
+    None when none does. Keyed by index, such a wrapper would be served an earlier epoch's
+    items (or a file's old features) from a cache."""
+    for name, value in vars(dataset).items() if hasattr(dataset, "__dict__") else ():
+        inner = value.values() if isinstance(value, dict) else value
+        held = inner if isinstance(inner, list | tuple) else [value]
+        if any(isinstance(d, Dataset) and d is not dataset and moves(d, depth) for d in held):
+            return name
+    return None
 
 
 def _concatenated(dataset: ConcatDataset) -> Callable[[int], Hashable]:

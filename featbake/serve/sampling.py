@@ -52,7 +52,7 @@ import json
 import math
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
 from functools import cached_property
 from typing import Any, TypeVar
@@ -191,6 +191,9 @@ class Order:
     # A digest of the items the positions name (the dataset's item ids), "" where unknown: not
     # in the fingerprint (states saved before it resume as they did), checked on its own.
     items: str = ""
+    # The dataset's fingerprint as states saved before a mixture inside a ConcatDataset or a
+    # mixture was folded in hold it (serve6.4, serve6.11), None where it is ``source``.
+    source_before: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch_frames", "window"):
@@ -202,11 +205,19 @@ class Order:
     def fingerprint(self) -> str:
         """A digest of what shapes the order (all but the seed and the rank): a state saved
         under other options, or over another mixture of datasets, must not resume here."""
-        shape = {k: v for k, v in asdict(self).items() if k not in ("seed", "rank", "items")}
+        left_out = ("seed", "rank", "items", "source_before")
+        shape = {k: v for k, v in asdict(self).items() if k not in left_out}
         if not self.source:  # an order over a plain dataset keeps the digest it always had
             del shape["source"]
         blob = json.dumps(shape, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def fingerprint_before(self) -> str | None:
+        """:meth:`fingerprint` as a state saved before a mixture inside the dataset was
+        folded in holds it; None where it is the same."""
+        if self.source_before is None or self.source_before == self.source:
+            return None
+        return replace(self, source=self.source_before, source_before=None).fingerprint()
 
     def item_plan(self, epoch: int) -> EpochPlan:
         """DistributedSampler's rule for this order's epoch (batches of ``batch_size``)."""
@@ -425,14 +436,17 @@ def _rng(seed: int, epoch: int, salt: int) -> np.random.Generator:
 def seeded(*words: int) -> np.random.Generator:
     """numpy's generator of ``words`` (a seed, an epoch, what it draws), for any int a seed
     may be: numpy takes words from 0 only, where torch (``randperm``'s ``seed + epoch``)
-    takes negative ones too; each word is taken modulo 2**64, which leaves every word from 0
-    (every plan drawn so far) as it was.
+    takes negative ones too; a negative word is taken modulo 2**64 (as torch takes a negative
+    seed), every word from 0 as numpy takes it, so every plan drawn so far (2**64 and up
+    included) is drawn again.
 
     Example:
         >>> seeded(3, 1).integers(100) == np.random.default_rng([3, 1]).integers(100)
         True
+        >>> seeded(2**64 + 5).integers(100) == np.random.default_rng(2**64 + 5).integers(100)
+        True
     """
-    return np.random.default_rng([int(w) % (1 << 64) for w in words])
+    return np.random.default_rng([w if w >= 0 else w % (1 << 64) for w in map(int, words)])
 
 
 def block_windows(shards: Ints, seed: int, epoch: int, window: int) -> list[list[int]]:

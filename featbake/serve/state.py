@@ -396,18 +396,20 @@ class WriteBack:
         with _LIVE_LOCK:
             _LIVE.add(self)
 
-    def add(self, encoder_fp: str, key: str, parts: PartsIn) -> None:
+    def add(self, encoder_fp: str, key: str, parts: PartsIn, owned: bool = False) -> None:
         """Queue one feature; seals when the shard is full or its oldest feature is due.
 
         Only in the process that made it: its owner holds it in a ProcessLocal, so a forked
-        child makes a write-back of its own."""
+        child makes a write-back of its own. ``owned``: the caller hands over host tensors
+        nothing else holds or serves (a miss served as a copy), kept as they are, not copied."""
         with self.lock:
             if key in self.pending:
                 return
             writer = self._writer_for(encoder_fp)
             if writer is None:
                 return
-            parts = owned_parts(parts)  # the caller may hand out (and edit) what it passed
+            if not owned:  # the caller may hand out (and edit) what it passed
+                parts = owned_parts(parts)
             self.pending[key] = parts
             self.written += 1
             if not self.first_pending:

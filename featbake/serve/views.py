@@ -123,6 +123,14 @@ class ViewsDataset(Dataset):
         (a cache of items by index keys by it: ``DevicePrefetcher(device_cache=...)``)."""
         return i, "all" if self.views == "all" else self.view(i).value
 
+    def items_digest(self) -> str:
+        """A digest of the items its positions name: the images (its original dataset's
+        :meth:`~CachedFeatureDataset.items_digest`), the views and the seed; a loader's state
+        carries it, so a state part way through an epoch is not resumed over other images
+        (see :func:`featbake.serve.loader.items_of`)."""
+        text = f"views\0{self.views}\0{self.seed}\0{self.original.items_digest()}"
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
     def __getitem__(self, i: int) -> Any:
         if self.views == "all":
             return {View.ORIGINAL.value: self.original[i], View.HFLIP.value: self.flipped[i]}

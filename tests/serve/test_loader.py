@@ -1493,3 +1493,42 @@ def test_a_state_part_way_through_an_epoch_is_not_resumed_over_other_items(
     there.load_state_dict(json.loads(json.dumps(here.state_dict())))
     read = [int(i) for *_, labels in head for i in labels]
     assert sorted(read + [int(i) for *_, labels in there for i in labels]) == list(range(8))
+
+
+def test_lists_of_files_of_the_same_names_in_two_folders_are_other_items(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """A list of files was named relative to the folder its files share, so two speakers'
+    lists of the same file names (and any two one-file lists) had one items digest, and a
+    state saved part way through one was resumed over the other. They are named from the
+    folder above now: such a state is refused in one line, and the same files mounted under
+    another folder of the same name still resume."""
+    import shutil
+
+    from featbake.serve.loader import items_of
+    from tests.helpers import bake
+
+    data, store = tmp_path / "data", tmp_path / "store"
+    write_audio_folder(data / "spk1", 4, seconds=0.4, seed=4)
+    write_audio_folder(data / "spk2", 4, seconds=0.4, seed=5)
+    shutil.copytree(data / "spk1", tmp_path / "mnt" / "spk1")
+    bake(data, encoder_file, store)
+
+    def listed(files: list[Path]) -> CachedFeatureDataset:
+        return CachedFeatureDataset([str(f) for f in files], encoder_file, cache=store)
+
+    def speaker(top: Path) -> FeatureLoader:
+        ds = listed(sorted(top.rglob("*.wav")))
+        return FeatureLoader(StackDataset(ds, torch.arange(len(ds))), batch_size=2, seed=3)
+
+    names = [p.name for p in sorted((data / "spk1").rglob("*.wav"))]
+    assert names == [p.name for p in sorted((data / "spk2").rglob("*.wav"))]
+    first = speaker(data / "spk1")
+    next(iter(first))
+    state = json.loads(json.dumps(first.state_dict()))
+    with pytest.raises(ConfigError, match="other items than this dataset's") as refused:
+        speaker(data / "spk2").load_state_dict(state)
+    assert "\n" not in str(refused.value)
+    speaker(tmp_path / "mnt" / "spk1").load_state_dict(state)  # mounted elsewhere: resumed
+    one, other = sorted((data / "spk1").rglob("*.wav"))[0], sorted(data.rglob("*.wav"))[-1]
+    assert items_of(listed([one])) != items_of(listed([other]))

@@ -337,3 +337,170 @@ def test_a_module_of_the_script_encodes_misses_in_spawned_workers_until_it_chang
     lines = run.stdout.splitlines()
     assert lines[0] == "served 3", run.stdout
     assert lines[1].startswith("refused: ") and "changed" in lines[1], run.stdout
+
+
+def _live(module: torch.nn.Module, path: str) -> torch.Tensor:
+    """The module's output for one file, computed now."""
+    from featbake.encode.sources import source_for
+    from featbake.recipe import Recipe
+
+    with torch.inference_mode():
+        return module(source_for(Recipe()).load(Path(path)).unsqueeze(0))[0]
+
+
+class _Normalised(torch.nn.Module):
+    """An encoder with batch norm and dropout: in train mode its output is not its eval one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from featbake.testing import TinyConvEncoder
+
+        self.inner = TinyConvEncoder()
+        self.bn = torch.nn.BatchNorm1d(64)
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        x = self.inner(wav)
+        return self.drop(self.bn(x.transpose(1, 2)).transpose(1, 2))
+
+
+def test_an_encoder_module_put_in_train_mode_encodes_no_miss(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    """The dataset's module is a submodule of the model being trained: ``model.train()`` after
+    the dataset was made put it in train mode, and its misses were encoded so (dropout zeros,
+    batch statistics moved) and stored under the keys of its eval mode. Now the miss is refused
+    in one line and leaves the module as it was; back in eval mode the misses are its eval
+    features."""
+    from featbake.errors import EncoderLoadError
+
+    model = torch.nn.ModuleDict({"enc": _Normalised(), "head": torch.nn.Linear(64, 2)})
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(audio_dir, model["enc"], cache=tmp_path / "s")
+    model.train()  # the training loop's, each epoch
+    statistics = model["enc"].bn.running_mean.clone()
+    with pytest.raises(EncoderLoadError, match=r"train mode .*call \.eval\(\)") as e:
+        ds[0]
+    assert "\n" not in str(e.value)
+    assert torch.equal(statistics, model["enc"].bn.running_mean)
+    model["enc"].eval()
+    served = ds[0]
+    ds.flush()
+    again = CachedFeatureDataset(audio_dir, model["enc"], cache=tmp_path / "s", on_miss="error")
+    torch.testing.assert_close(served, _live(model["enc"], ds.path(0)))
+    torch.testing.assert_close(again[0], _live(model["enc"], ds.path(0)))
+
+
+def test_a_module_shared_by_two_datasets_encodes_misses_for_both(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    """One module (counting its calls) given to a train and a val dataset: the misses of one
+    ran it, and the other's next miss was refused as a change, as was a miss after the user's
+    own call of the module. Every run of the module is its bookkeeping, whoever calls it; a
+    change made outside a run is still refused."""
+    from featbake.errors import EncoderLoadError
+    from featbake.testing import write_audio_folder
+
+    write_audio_folder(tmp_path / "val", 3, seconds=0.5, seed=7)
+    module = _Tallying().eval()
+    with pytest.warns(UserWarning, match="no featbake store"):
+        train = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+        val = CachedFeatureDataset(tmp_path / "val", module, cache=tmp_path / "s")
+    served = [(val, 0, val[0]), (train, 0, train[0]), (val, 1, val[1])]
+    module(torch.zeros(1, 8000))  # the user's own call between misses
+    served.append((train, 1, train[1]))
+    for ds, i, value in served:
+        torch.testing.assert_close(value, _live(module, ds.path(i)))
+    module.calls = 0  # set from outside a run: a change
+    with pytest.raises(EncoderLoadError, match="changed since this dataset was created"):
+        val[2]
+
+
+def test_a_loaded_encoder_of_a_file_changed_after_the_dataset_was_made_encodes_no_miss(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    """``load_encoder(file)`` handed to a dataset was never watched: its weights doubled in
+    place after the dataset was made, the next miss was encoded with them and written back
+    under the keys of the file's weights. Now it is refused in one line, as for a module."""
+    from featbake.encode.loaders import load_encoder
+    from featbake.errors import EncoderLoadError
+    from featbake.testing import TinyConvEncoder, save_torchscript
+
+    enc = load_encoder(save_torchscript(TinyConvEncoder(), tmp_path / "e.pt"))
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(audio_dir, enc, cache=tmp_path / "s")
+    torch.testing.assert_close(ds[0], _live(enc.module, ds.path(0)))
+    torch.testing.assert_close(ds[1], _live(enc.module, ds.path(1)))  # its own runs: trusted
+    with torch.no_grad():
+        for p in enc.module.parameters():
+            p.mul_(2.0)
+    with pytest.raises(EncoderLoadError, match="changed since this dataset was created") as e:
+        ds[2]
+    assert "\n" not in str(e.value)
+
+
+def test_the_change_check_reads_the_weights_once_per_batch_of_misses(
+    tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check that an in-process module did not change read every weight twice per batch
+    of misses (before the run, and again to trust the run): a few percent of encoding a clip
+    with a wav2vec2-sized model. The run now reuses the probe taken just before it where no
+    version or pointer moved, so each weight is read once; a write behind the version
+    counters between batches is still refused."""
+    import featbake.serve.cached_encoder as cached_encoder
+    from featbake.errors import EncoderLoadError
+    from featbake.testing import TinyConvEncoder
+
+    module = TinyConvEncoder().eval()
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    ds[0]
+    read: list[int] = []
+    crc = cached_encoder.crc32c_tensor
+
+    def counted(t: torch.Tensor) -> int:
+        read.append(t.data_ptr())
+        return crc(t)
+
+    monkeypatch.setattr(cached_encoder, "crc32c_tensor", counted)
+    served = ds[1]
+    tensors = [*module.parameters(), *module.buffers()]
+    assert sorted(read) == sorted(t.data_ptr() for t in tensors)
+    torch.testing.assert_close(served, _live(module, ds.path(1)))
+    with torch.no_grad():
+        module.conv2.weight.data.mul_(2.0)
+        module(torch.zeros(1, 8000))  # the user's own run after the write: no weight read
+    with pytest.raises(EncoderLoadError, match="changed since this dataset was created"):
+        ds[2]
+
+
+def test_a_miss_is_copied_once_on_its_way_to_the_caller_and_the_write_back(
+    tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each miss was copied twice: its row out of the encoded batch, then the write-back's own
+    copy (about 1 ms per 9 MB item). The row stays a view of its batch for the write-back now,
+    and the caller is served a copy of its own: one copy, and an item edited in place by the
+    caller still reaches neither the store nor a later read."""
+    from featbake.testing import TinyConvEncoder
+
+    module = TinyConvEncoder().eval()
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    copies: list[tuple[int, ...]] = []
+    clone = torch.Tensor.clone
+
+    def counted(t: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        copies.append(tuple(t.shape))
+        return clone(t, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch.Tensor, "clone", counted)
+    served = ds[0]
+    monkeypatch.undo()
+    assert copies == [tuple(served.shape)]
+    want = _live(module, ds.path(0))
+    torch.testing.assert_close(served, want)
+    served.zero_()  # the caller's own edit
+    torch.testing.assert_close(ds[0], want)  # pending: not the edited copy
+    ds.flush()
+    again = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s", on_miss="error")
+    torch.testing.assert_close(again[0], want)

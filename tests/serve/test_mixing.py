@@ -324,3 +324,89 @@ def test_a_loader_over_a_concatenation_tells_the_mixture_in_it_the_epoch(
     state = loader.state_dict()
     with pytest.raises(ConfigError, match="another order"):
         FeatureLoader(joined(9)[1], batch_size=7, shuffle=False).load_state_dict(state)
+
+
+#: The fingerprints states saved before a mixture inside a ConcatDataset or a mixture was
+#: folded in (6d12c8e) hold for the loaders of the test below: they depend on the options and
+#: the datasets' lengths alone (6 and 4 items, 3 of the 6 an epoch), not on the clips.
+OLD_FINGERPRINTS = {"concat": "b57d73fb54caf015", "nested": "24adfa92a6095948"}
+
+
+def test_a_state_saved_before_inner_mixtures_were_fingerprinted_is_taken_at_an_epochs_start(
+    two_stores: tuple[Path, Path], encoder_file: Path
+) -> None:
+    """States over ``ConcatDataset([mixture, set])`` or a mixture of a mixture saved before
+    the inner mixture was folded into the fingerprint were refused even at an epoch's start,
+    telling the user to make the loader with the arguments of the saved run, which they had.
+    They are taken in epoch 0 and at an epoch's start (reading that epoch's draws); part way
+    through a later epoch (then the inner mixture drew its epoch 0) they are refused in one
+    line that says so and how to read the epoch afresh."""
+    from torch.utils.data import ConcatDataset
+
+    from featbake import FeatureLoader
+
+    a, b = (
+        CachedFeatureDataset(f, encoder_file, cache=f.parent / f"store_{f.name}", on_miss="error")
+        for f in two_stores
+    )
+
+    def loader(kind: str) -> tuple[FeatureLoader, MixedDataset]:
+        inner = MixedDataset([a], epoch_items=3, seed=1)
+        data = ConcatDataset([inner, b]) if kind == "concat" else MixedDataset([inner, b], seed=2)
+        return FeatureLoader(data, batch_size=2, shuffle=False, seed=0), inner
+
+    live = Live()
+    starts = {}
+    for kind, old in OLD_FINGERPRINTS.items():
+        saved, _ = loader(kind)
+        list(saved)
+        it = iter(saved)
+        next(it)
+        within = {**saved.state_dict(), "fingerprint": old}
+        del within["items"]  # kept since
+        start = starts[kind] = {**within, "position": 0}
+        first = {**within, "epoch": 0}
+        resumed, inner = loader(kind)
+        resumed.load_state_dict(start)
+        lengths = [int(n) for _, ns in resumed for n in ns]
+        assert len(lengths) == 7 and resumed.epoch == 2
+        resumed.load_state_dict(first)  # part way through epoch 0: the draws were the same
+        with pytest.raises(ConfigError, match=r"part way through epoch 1.*'position' 0") as e:
+            loader(kind)[0].load_state_dict(within)
+        assert "\n" not in str(e.value)
+    resumed, inner = loader("concat")
+    resumed.load_state_dict(starts["concat"])  # epoch 1 afresh: the inner epoch-1 draw
+    rows = [(row, n) for padded, ns in resumed for row, n in zip(padded, ns, strict=True)]
+    want = [a.path(j) for _, j in inner.plan.epoch(1)] + [b.path(j) for j in range(4)]
+    for (row, n), path in zip(rows, want, strict=True):
+        torch.testing.assert_close(row[:n], live(encoder_file, Path(path)))
+
+
+def test_a_block_sampler_tells_the_mixture_it_samples_the_epoch(
+    two_stores: tuple[Path, Path], encoder_file: Path
+) -> None:
+    """``BlockSampler.set_epoch`` kept the epoch to itself: a mixture it sampled drew its
+    epoch 0 in every epoch (``LengthBatchSampler`` and ``FeatureLoader`` told it). It tells
+    the mixture now, and each epoch's blocks are those of the items that epoch draws."""
+    from featbake import BlockSampler
+
+    a, b = (
+        CachedFeatureDataset(f, encoder_file, cache=f.parent / f"store_{f.name}", on_miss="error")
+        for f in two_stores
+    )
+    mixed = MixedDataset([a, b], epoch_items=5, seed=1)
+    sampler = BlockSampler(mixed, seed=0, window=1)
+    loader = DataLoader(mixed, batch_size=5, sampler=sampler, collate_fn=list)
+    live = Live()
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        order = list(sampler)
+        assert sorted(order) == list(range(5))
+        shards = mixed.placement(epoch).shards
+        seen = [int(shards[i]) for i in order]
+        assert seen == sorted(seen, key=seen.index)  # this epoch's shards, one at a time
+        (items,) = list(loader)
+        drawn = mixed.plan.epoch(epoch)
+        for i, item in zip(order, items, strict=True):
+            k, j = drawn[i]
+            torch.testing.assert_close(item, live(encoder_file, Path((a, b)[k].path(j))))

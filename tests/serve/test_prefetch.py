@@ -557,3 +557,43 @@ def test_device_cache_over_a_concatenation_of_a_mixture_serves_each_epochs_draw(
         for row, n, path in zip(padded, lengths, want, strict=True):
             torch.testing.assert_close(row[:n], live(encoder_file, Path(path)))
     assert pf.stats().device_cache.hits >= 8  # the concatenated set's items, epochs 1 and 2
+
+
+def test_device_cache_refuses_a_wrapper_of_datasets_whose_items_move(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    """A user's own Dataset around a mixture (``Labelled(mixed)``, the user calling
+    ``mixed.set_epoch``) or around a ``revalidate=True`` dataset was keyed by index: from
+    epoch 1 on the tier served epoch 0's draw, and a rewritten file's old features. Such a
+    wrapper without ``identity`` is refused in one line now; one around a dataset whose items
+    stay put, or that says what index i serves, still gets the tier."""
+    from featbake.serve.dataset import CachedFeatureDataset
+    from featbake.serve.mixing import MixedDataset
+
+    class Labelled(torch.utils.data.Dataset):
+        def __init__(self, inner: object) -> None:
+            self.inner = inner
+
+        def __len__(self) -> int:
+            return len(self.inner)  # type: ignore[arg-type]
+
+        def __getitem__(self, i: int) -> object:
+            return self.inner[i]  # type: ignore[index]
+
+    class Named(Labelled):
+        def identity(self, i: int) -> object:
+            return self.inner.locate(i)  # type: ignore[attr-defined]
+
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(audio_dir, encoder_file, cache=tmp_path / "s")
+        checked = CachedFeatureDataset(
+            audio_dir, encoder_file, cache=tmp_path / "s", revalidate=True
+        )
+    mixed = MixedDataset([ds], epoch_items=3, seed=1)
+    for wrapped in (Labelled(mixed), Labelled(checked), Labelled(Labelled(mixed))):
+        loader = DataLoader(wrapped, batch_size=2, collate_fn=list)
+        with pytest.raises(ConfigError, match=r"Labelled holds a dataset \(inner\).*identity") as e:
+            DevicePrefetcher(loader, device="cpu", device_cache="1MiB")
+        assert "\n" not in str(e.value)
+    for fine in (Labelled(ds), Named(mixed), Labelled(Recording(4))):
+        DevicePrefetcher(DataLoader(fine, batch_size=2, collate_fn=list), device_cache="1MiB")

@@ -338,3 +338,29 @@ def test_any_int_seed_plans_blocks_lengths_and_mixtures(seed: int) -> None:
     words = (7, 2, 1)
     want = np.random.default_rng(list(words)).permutation(50)
     assert (seeded(*words).permutation(50) == want).all()
+
+
+@pytest.mark.parametrize("seed", [2**64, 2**64 + 5, 2**80 + 3])
+def test_a_seed_from_2_to_the_64_draws_the_plans_it_drew_before(seed: int) -> None:
+    """Taking every seed modulo 2**64 (to take negative ones) made 2**64 + 5 draw seed 5's
+    plans, not its own: a run resumed with such a seed read another order. Only negative
+    words are mapped now; a block order, a length order and a mixture draw what numpy drew."""
+    from featbake.serve.mixing import MixPlan
+
+    lengths, shards = [5, 9, 3, 7, 2, 8, 6, 4], [0, 0, 1, 1, 2, 2, 3, 3]
+    for shuffle, kw in ((Shuffle.BLOCKS, {"window": 2}), (Shuffle.ITEMS, {"batch_frames": 12})):
+        mine = Order(8, 3 if shuffle is Shuffle.BLOCKS else None, shuffle, seed, **kw)
+        low = Order(8, 3 if shuffle is Shuffle.BLOCKS else None, shuffle, seed % 2**64, **kw)
+        plans = [o.plan(1, o.inputs(lengths, shards)) for o in (mine, low)]
+        assert plans[0] != plans[1], shuffle
+    assert MixPlan((3, 5), (0.5, 0.5), 8, seed).epoch(0) != MixPlan(
+        (3, 5), (0.5, 0.5), 8, seed % 2**64
+    ).epoch(0)
+    assert (seeded_words(seed, 0, 1) == np.random.default_rng([seed, 0, 1]).permutation(50)).all()
+
+
+def seeded_words(*words: int) -> np.ndarray:
+    """A permutation of 50 drawn by :func:`featbake.serve.sampling.seeded` of ``words``."""
+    from featbake.serve.sampling import seeded
+
+    return seeded(*words).permutation(50)

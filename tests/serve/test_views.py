@@ -185,3 +185,39 @@ def test_views_mixed_with_another_set_draw_new_coins_each_epoch(tmp_path: Path) 
             served_views.add((j, view))
             assert torch.equal(item["pooled"], both[j][view.value]["pooled"]), (epoch, i)
     assert len(served_views) > len(coin)  # some item served both views over the epochs
+
+
+def test_a_state_part_way_through_an_epoch_of_views_is_not_resumed_over_other_images(
+    tmp_path: Path,
+) -> None:
+    """A ViewsDataset had no items digest, so a loader's state over it (or over a mixture
+    holding one) was resumed part way through an epoch over other images, one read twice and
+    one never. It carries its images' digest now: such a state is refused in one line, and
+    taken at the epoch's start or over the same images."""
+    import json
+    import shutil
+
+    from featbake import FeatureLoader
+
+    images = tmp_path / "images"
+    write_image_folder(images, 6, size=(37, 53), seed=3)
+    folder = _clip_folder(tmp_path / "clip")
+    store = tmp_path / "s"
+
+    def loader() -> FeatureLoader:
+        build_views(images, folder, cache=store, views=parse_views("hflip"), workers=0)
+        coin = ViewsDataset(images, folder, cache=store, seed=4, on_miss="error")
+        return FeatureLoader(coin, batch_size=2, collate_fn=list, seed=0)
+
+    first = loader()
+    next(iter(first))
+    state = json.loads(json.dumps(first.state_dict()))
+    loader().load_state_dict(state)  # the same images
+    write_image_folder(tmp_path / "more", 1, size=(41, 29), seed=9)
+    sorted(images.rglob("*.jpg"))[0].unlink()
+    shutil.copyfile(next((tmp_path / "more").rglob("*.jpg")), images / "zz_new.jpg")
+    changed = loader()
+    with pytest.raises(ConfigError, match="other items than this dataset's") as refused:
+        changed.load_state_dict(state)
+    assert "\n" not in str(refused.value)
+    changed.load_state_dict({**state, "position": 0, "resumed": []})  # the epoch from its start
