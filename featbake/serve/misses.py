@@ -412,7 +412,8 @@ class LiveEncoder:
                 (checked before each encoding of misses: a miss encoded with it would be
                 stored under the old keys).
         """
-        training = self.loaded is not None and training_submodule(self.loaded.module)
+        # None where nothing was handed in (a file's encoder, loaded in this worker by it)
+        training = None if self.loaded is None else training_submodule(self.loaded.module)
         if training is not None:
             raise EncoderLoadError(
                 f"the encoder module {self.label} is in train mode ({training}), and a miss "
