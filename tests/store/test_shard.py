@@ -1123,6 +1123,12 @@ def _cold_file(tmp_path: Path) -> Path:
     return path
 
 
+def _dropped_then_hinted(fd: int, begin: int, nbytes: int) -> bool:
+    """``will_need`` over the range just after its pages were dropped from the cache."""
+    _drop(fd)
+    return will_need(fd, begin, nbytes)
+
+
 def _read_ahead(path: Path, begin: int, nbytes: int) -> bool:
     """Whether all pages of the range came into the cache (within 10 s) with no read of them."""
     deadline = time.monotonic() + 10
@@ -1138,7 +1144,10 @@ def test_a_dropped_range_is_read_ahead_then_left_alone(tmp_path: Path) -> None:
     path = _cold_file(tmp_path)
     fd = os.open(path, os.O_RDONLY)
     try:
-        assert will_need(fd, MIB, 2 * MIB)  # reads started, not waited for
+        # reads started, not waited for; the range dropped again first where the page cache
+        # took a page of it back between the drop and the hint (seen once in a full run):
+        # a hint over a cached range is rightly none, so the cold range is what is asked for
+        assert any(_dropped_then_hinted(fd, MIB, 2 * MIB) for _ in range(5))
         assert _read_ahead(path, MIB, 2 * MIB)  # nobody read it: the kernel did
         assert _resident(path, 3 * MIB + MIB // 2, MIB // 2) == 0  # and nothing else
         assert not will_need(fd, MIB, 2 * MIB)  # cached now: no second hint
