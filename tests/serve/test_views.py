@@ -96,16 +96,22 @@ def test_flipped_views_are_baked_and_served_as_transformers_computes_them(tmp_pa
     assert all(plain.view(i) is View.ORIGINAL for i in range(len(plain)))
 
 
-def test_persistent_workers_serve_the_views_of_the_epoch_set(tmp_path: Path) -> None:
-    """``set_epoch`` reaches DataLoader workers that live across epochs (old main: every epoch
-    of a persistent worker served epoch 0's views)."""
-    images = tmp_path / "images"
+def _flipped(tmp_path: Path) -> tuple[ViewsDataset, ViewsDataset]:
+    """Six images under ``images/``, baked with their flipped view by a tiny CLIP (``clip/``)
+    into the store ``s/``: a dataset serving both views of each, and one flipping a coin
+    (seed 4) per image and epoch."""
+    images, folder, store = tmp_path / "images", _clip_folder(tmp_path / "clip"), tmp_path / "s"
     write_image_folder(images, 6, size=(37, 53), seed=3)
-    folder = _clip_folder(tmp_path / "clip")
-    store = tmp_path / "s"
     build_views(images, folder, cache=store, views=parse_views("hflip"), workers=0)
     both = ViewsDataset(images, folder, cache=store, views="all", on_miss="error")
     coin = ViewsDataset(images, folder, cache=store, seed=4, on_miss="error")
+    return both, coin
+
+
+def test_persistent_workers_serve_the_views_of_the_epoch_set(tmp_path: Path) -> None:
+    """``set_epoch`` reaches DataLoader workers that live across epochs (old main: every epoch
+    of a persistent worker served epoch 0's views)."""
+    both, coin = _flipped(tmp_path)
     loader = DataLoader(coin, batch_size=3, num_workers=2, persistent_workers=True)
     epochs = range(4)
     views = [[View.HFLIP if picks_flipped(4, e, i) else View.ORIGINAL for i in range(6)]
@@ -138,13 +144,7 @@ def test_a_device_cache_serves_each_epochs_views(tmp_path: Path) -> None:
     :meth:`ViewsDataset.identity` (the index and the view this epoch) now."""
     from featbake.serve.prefetch import DevicePrefetcher
 
-    images = tmp_path / "images"
-    write_image_folder(images, 6, size=(37, 53), seed=3)
-    folder = _clip_folder(tmp_path / "clip")
-    store = tmp_path / "s"
-    build_views(images, folder, cache=store, views=parse_views("hflip"), workers=0)
-    both = ViewsDataset(images, folder, cache=store, views="all", on_miss="error")
-    coin = ViewsDataset(images, folder, cache=store, seed=4, on_miss="error")
+    both, coin = _flipped(tmp_path)
     loader = DataLoader(coin, batch_size=3, collate_fn=list)
     tier = DevicePrefetcher(loader, device="cpu", device_cache="16MiB")
     for epoch in range(4):
@@ -155,6 +155,7 @@ def test_a_device_cache_serves_each_epochs_views(tmp_path: Path) -> None:
             assert torch.equal(item["pooled"], want), (epoch, i)
     info = tier.stats().device_cache
     assert info is not None and info.hits > 0
+    images, folder, store = tmp_path / "images", tmp_path / "clip", tmp_path / "s"
     checked = ViewsDataset(images, folder, cache=store, seed=4, on_miss="error", revalidate=True)
     with pytest.raises(ConfigError, match="revalidate=True"):  # its tier would keep old images
         DevicePrefetcher(DataLoader(checked, batch_size=3, collate_fn=list), device_cache="1MiB")
@@ -167,13 +168,7 @@ def test_views_mixed_with_another_set_draw_new_coins_each_epoch(tmp_path: Path) 
     from featbake import FeatureLoader
     from featbake.serve.mixing import MixedDataset
 
-    images = tmp_path / "images"
-    write_image_folder(images, 6, size=(37, 53), seed=3)
-    folder = _clip_folder(tmp_path / "clip")
-    store = tmp_path / "s"
-    build_views(images, folder, cache=store, views=parse_views("hflip"), workers=0)
-    both = ViewsDataset(images, folder, cache=store, views="all", on_miss="error")
-    coin = ViewsDataset(images, folder, cache=store, seed=4, on_miss="error")
+    both, coin = _flipped(tmp_path)
     mixed = MixedDataset([coin], seed=1)
     loader = FeatureLoader(mixed, batch_size=3, shuffle=False, collate_fn=list, seed=0)
     served_views = set()
