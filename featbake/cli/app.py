@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -145,6 +148,97 @@ LocalCacheSizeOpt = Annotated[
 JsonOpt = Annotated[
     bool, typer.Option("--json", help="Print a JSON report on stdout, for scripts.")
 ]
+
+
+# == options of one kind of store ==================================================================
+class StoreKind(Enum):
+    """Where a store lives, as the options that act on one kind only see it."""
+
+    DIRECTORY = "a directory store"
+    BUCKET = "a bucket store"
+
+
+@dataclass(frozen=True)
+class OneKindOption:
+    """An option that acts on one kind of store only: on the other it does nothing."""
+
+    flag: str
+    kind: StoreKind
+    sets: str  # what it sets where it acts
+
+
+#: By parameter name. Given on the command line for the other kind of store, each is one note
+#: (never an error: a team's wrapper may pass them for every store; an environment variable
+#: set for a node is never noted).
+ONE_KIND_OPTIONS = {
+    "local_cache": OneKindOption(
+        "--local-cache", StoreKind.BUCKET, "a bucket store's local disk tier"
+    ),
+    "local_cache_size": OneKindOption(
+        "--local-cache-size", StoreKind.BUCKET, "the byte budget of a bucket store's local tier"
+    ),
+    "retention": OneKindOption(
+        "--retention",
+        StoreKind.BUCKET,
+        "how long gc keeps what a bucket store's retired catalog versions name (a directory "
+        "store keeps no versions; its unnamed shards wait out --grace)",
+    ),
+    "grace": OneKindOption(
+        "--grace",
+        StoreKind.DIRECTORY,
+        "how long gc leaves a directory store's unnamed shards and tmp/ files alone (a bucket "
+        "store's unnamed shards wait out --retention)",
+    ),
+}
+
+
+def store_kind(where: str) -> StoreKind:
+    """The kind of the store ``--cache`` names (``s3://``, ``gs://``, ``az://``: a bucket).
+
+    >>> store_kind("s3://team/features"), store_kind("./.featbake")
+    (<StoreKind.BUCKET: 'a bucket store'>, <StoreKind.DIRECTORY: 'a directory store'>)
+    """
+    from featbake.store.url import is_url
+
+    return StoreKind.BUCKET if is_url(where) else StoreKind.DIRECTORY
+
+
+def inert_option_notes(given: Iterable[str], where: str) -> list[str]:
+    """One line for each option of ``given`` (parameter names) that does nothing for the store
+    at ``where``: what it sets, and on which kind of store.
+
+    >>> [n.split(":")[0] for n in inert_option_notes(["retention", "grace", "as_json"], "st")]
+    ['--retention does nothing for a directory store (st)']
+    >>> inert_option_notes(["retention", "local_cache"], "s3://team/features")
+    []
+    """
+    kind = store_kind(where)
+    if kind is StoreKind.BUCKET:  # as the user wrote it (a Path turns s3:// into s3:/)
+        from featbake.store.url import BucketURL
+
+        where = str(BucketURL.parse(where))
+    picked = [ONE_KIND_OPTIONS[n] for n in sorted(set(given)) if n in ONE_KIND_OPTIONS]
+    return [
+        f"{o.flag} does nothing for {kind.value} ({where}): it sets {o.sets}"
+        for o in picked
+        if o.kind is not kind
+    ]
+
+
+def note_inert_options(ctx: typer.Context, cache: Path | None) -> None:
+    """Print :func:`inert_option_notes` for the options the running command ``ctx`` was given on
+    its command line (not those from the environment or defaults), one yellow line each."""
+    given = [name for name in ONE_KIND_OPTIONS if name in ctx.params and on_command_line(ctx, name)]
+    where = os.fspath(cache) if cache is not None else os.environ.get("FEATBAKE_CACHE", "")
+    for line in inert_option_notes(given, where or ".featbake"):
+        console.print(f"[yellow]note:[/] {escape(line)}")
+
+
+def on_command_line(ctx: typer.Context, name: str) -> bool:
+    """Whether parameter ``name`` of ``ctx`` came from the command line (click's
+    ``ParameterSource``, by name: typer 0.20 on vendors click under another module)."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name == "COMMANDLINE"
 
 
 def _version(value: bool) -> None:

@@ -19,6 +19,7 @@ from featbake.cli.app import (
     LocalCacheSizeOpt,
     app,
     console,
+    note_inert_options,
     out,
     progress_bar,
     summary_lines,
@@ -342,6 +343,7 @@ def build(
     Inputs already in the store are skipped (a rerun encodes nothing); bad inputs are skipped and
     listed at the end, and the exit code is then 3.
     """
+    note_inert_options(ctx, cache)
     from featbake.bake.batching import Batching
     from featbake.bake.views import build_views
     from featbake.encode.hf import TEXT_OPTIONS, image_steps_for, text_steps_for
@@ -371,7 +373,6 @@ def build(
         image=image_steps_for(encoder, source, image_changes),
         text=text_steps_for(encoder, {k: ctx.params[k] for k in TEXT_OPTIONS}),
     )
-    shard_bytes = _shard_bytes(shard_size)
     ray, workers, device = _ray_engine(engine, workers, gpus_per_worker, ray_address, device)
     bar = progress_bar()
     # Under torchrun only rank 0 draws a bar (it shows its own part), not N bars interleaved.
@@ -389,7 +390,7 @@ def build(
             workers=workers,
             device=device,
             strict=strict,
-            shard_bytes=shard_bytes,
+            shard_bytes=_shard_bytes(shard_size),
             progress=on_progress,
             allow_nonfinite=allow_nonfinite,
             batching=batching,

@@ -19,6 +19,7 @@ from featbake.cli.app import (
     app,
     console,
     format_when,
+    note_inert_options,
     out,
     progress_bar,
     tick_bar,
@@ -39,6 +40,7 @@ from pathlib import Path
     )
 )
 def stats(
+    ctx: typer.Context,
     cache: CacheOpt = None,
     local_cache: LocalCacheOpt = None,
     local_cache_size: LocalCacheSizeOpt = None,
@@ -51,6 +53,7 @@ def stats(
     dead ones are what `featbake gc` frees. On a bucket store it names the bucket and this
     node's local tier (--local-cache, its budget).
     """
+    note_inert_options(ctx, cache)
     from featbake.store.open import open_store
     from featbake.upkeep import stats as run_stats
 
@@ -177,6 +180,7 @@ def roots(
 
     A root keeps its features live; `featbake roots drop NAME` lets gc free them.
     """
+    note_inert_options(ctx, cache)
     from featbake.store.open import open_store
 
     if ctx.invoked_subcommand is not None:
@@ -224,6 +228,7 @@ def roots_drop(
     local_cache_size: LocalCacheSizeOpt = None,
 ) -> None:
     """Drop one root; its features stay until `featbake gc` frees them."""
+    note_inert_options(ctx, cache if cache is not None else (ctx.obj or (None,))[0])
     from featbake.store.open import open_store
     from featbake.upkeep import drop_root
 
@@ -252,6 +257,7 @@ def roots_drop(
     )
 )
 def gc(
+    ctx: typer.Context,
     cache: CacheOpt = None,
     older_than: Annotated[
         str | None,
@@ -275,7 +281,10 @@ def gc(
     ] = False,
     grace: Annotated[
         str,
-        typer.Option(help="Leave unnamed shard files and tmp/ files alone until this old."),
+        typer.Option(
+            help="A directory store: leave unnamed shard files and tmp/ files alone until this "
+            "old (a bucket's wait out --retention)."
+        ),
     ] = "1h",
     shard_size: Annotated[
         str, typer.Option(help="Target size of shards written by compaction.")
@@ -302,6 +311,7 @@ def gc(
     publishes the catalog's new version, never rewrites shards, and deletes objects only once
     no version younger than --retention names them.
     """
+    note_inert_options(ctx, cache)
     from featbake.units import parse_duration
     from featbake.upkeep import GcOptions
     from featbake.upkeep import gc as run_gc
@@ -413,6 +423,7 @@ or see the lines above). 5: the store cannot be opened at all."""
     )
 )
 def verify(
+    ctx: typer.Context,
     cache: CacheOpt = None,
     repair: Annotated[
         bool,
@@ -438,6 +449,7 @@ def verify(
     shard object downloaded into the local tier's tmp/ and deleted after its check, whatever
     the tier holds), and named by its object key; there is no --repair there.
     """
+    note_inert_options(ctx, cache)
     from featbake.encode.inputs import redigested
     from featbake.upkeep import verify as run_verify
 
@@ -485,6 +497,7 @@ def verify(
     )
 )
 def merge(
+    ctx: typer.Context,
     cache: CacheOpt = None,
     local_cache: LocalCacheOpt = None,
     local_cache_size: LocalCacheSizeOpt = None,
@@ -496,6 +509,7 @@ def merge(
     left for a later merge and listed. Safe to run while parts still run, safe to kill, and a
     second merge changes nothing. Under torchrun rank 0 merges by itself.
     """
+    note_inert_options(ctx, cache)
     from featbake.store.open import Need, open_store, place_of
 
     report = place_of(
@@ -549,6 +563,7 @@ EXPORT_FORMATS = ("zarr", "parquet", "webdataset")
     )
 )
 def export(
+    ctx: typer.Context,
     out_path: Annotated[
         Path,
         typer.Argument(
@@ -609,6 +624,7 @@ def export(
     one row per item (id, key, one list column per part and its shape, the row's columns).
     webdataset: one sample per item (<id>.npy or <id>.<part>.npy, and <id>.json).
     """
+    note_inert_options(ctx, cache)
     from featbake.errors import ConfigError, StoreError
     from featbake.store.open import open_store
 

@@ -1265,9 +1265,13 @@ class UpkeepRows(CatalogConnection):
         return [ShardRow(*r) for r in rows]
 
     def shard_usage(self) -> dict[int, ShardUsage]:
-        """shard id -> (feature rows, their bytes, their latest use), from the covering index."""
+        """shard id -> (feature rows, their bytes, their latest use), from the covering index.
+
+        Raises:
+            TypeError: a byte count is not an integer (:func:`whole_sum`).
+        """
         return {
-            sid: ShardUsage(rows=n, nbytes=b or 0, last_used=lu or 0.0)
+            sid: ShardUsage(rows=n, nbytes=whole_sum(b or 0), last_used=lu or 0.0)
             for sid, n, b, lu in self.conn.execute(
                 "SELECT shard_id, count(*), sum(nbytes), max(last_used) FROM features "
                 "GROUP BY shard_id"
@@ -1279,6 +1283,9 @@ class UpkeepRows(CatalogConnection):
 
         A row counts as a feature if it is its key's first part; the CASE spares single-output
         stores (part '') the extra lookup. ~0.5 s per million rows.
+
+        Raises:
+            TypeError: a byte count is not an integer (:func:`whole_sum`).
         """
         features, nbytes, live, live_nbytes = self.conn.execute(
             "SELECT coalesce(sum(first), 0), coalesce(sum(nbytes), 0), "
@@ -1289,7 +1296,10 @@ class UpkeepRows(CatalogConnection):
             "FROM features f ORDER BY f.key, f.part)"
         ).fetchone()
         return FeatureTotals(
-            features=features, nbytes=nbytes, live_features=live, live_nbytes=live_nbytes
+            features=features,
+            nbytes=whole_sum(nbytes),
+            live_features=live,
+            live_nbytes=whole_sum(live_nbytes),
         )
 
     def missing_per_root(self) -> dict[str, int]:
@@ -1602,6 +1612,25 @@ REQUIRED_COLUMNS: dict[str, frozenset[str]] = {
 
 
 _NUMBER = "('real', 'integer')"
+
+
+def whole_sum(total: int | float) -> int:
+    """``total``, SQLite's ``sum()`` over a column of integers, checked to be one.
+
+    SQLite's ``sum`` takes a text value for 0 and answers a float once any value it adds is not
+    an integer, so a float here is the only sign that a byte count of the wrong kind was summed
+    (the row's kind is checked in one scan where upkeep needs it: :func:`refuse_wrong_kinds`).
+
+    Raises:
+        TypeError: ``total`` is not an integer; the caller names the rows (``refuse_wrong_kinds``).
+
+    >>> whole_sum(12)
+    12
+    """
+    if not isinstance(total, int):
+        raise TypeError(f"a sum of byte counts is {total!r}, not an integer")
+    return total
+
 
 #: Per table, a condition true of a row holding a value not of its column's kind: SQLite keeps
 #: whatever a column is given (a catalog edited by hand, or damage inside a page that still

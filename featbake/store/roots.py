@@ -161,8 +161,21 @@ ROOT_FORMAT_VERSION = 1
 
 
 def roots_dir(layout: Layout) -> Path:
-    """``<store>/roots``: one JSON manifest per root, so roots survive the loss of the catalog."""
-    return layout.roots
+    """``<store>/roots``: one JSON manifest per root, so roots survive the loss of the catalog.
+
+    Raises:
+        StoreError: ``roots`` is there and is not a folder (a file, a link to nothing): read as
+            an empty folder, every root's manifest would look gone, and no manifest could be
+            written (the OS's "File exists" says nothing of why).
+    """
+    folder = layout.roots
+    if os.path.lexists(folder) and not folder.is_dir():
+        raise StoreError(
+            f"{folder} is not a folder, where featbake keeps each root's manifest; move it "
+            "aside, then run this again (`featbake verify --repair` writes the manifests anew "
+            "from the catalog)"
+        )
+    return folder
 
 
 def root_file(layout: Layout, name: str) -> Path:
@@ -360,7 +373,7 @@ def carried_records(layout: Layout) -> dict[str, str]:
     published state (:data:`CARRIED_RECORDS`); one that cannot be read is left out (its inputs
     are then misses, as without a record)."""
     try:
-        entries = list(os.scandir(layout.roots))
+        entries = list(os.scandir(roots_dir(layout)))
     except FileNotFoundError:
         return {}
     out = {}

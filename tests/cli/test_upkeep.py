@@ -188,6 +188,40 @@ def test_a_store_whose_fragments_or_quarantine_is_a_file_is_one_line_everywhere(
     assert assert_serves(store_dir, report.root, audio_dir / "fixed", encoder_file, Live()) == 4
 
 
+def test_a_store_whose_roots_is_a_file_is_one_line_and_repaired_once_moved_aside(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, store_dir: Path
+) -> None:
+    """`roots` (a manifest per root) as a file was read as an empty folder: verify called every
+    root's manifest gone ("its manifest file is gone"), and --repair, a build and a drop then
+    failed to write one with the OS's "File exists", which said nothing of why. Each command
+    that reads or writes manifests says it in one line now (exit 5); those that read the
+    catalog alone (stats, serving) go on; once the file is moved aside, --repair writes the
+    manifests anew and the store is clean."""
+    report = bake(audio_dir / "fixed", encoder_file, store_dir)
+    (store_dir / "roots").rename(tmp_path / "roots.kept")
+    (store_dir / "roots").write_text("not a folder")
+    more = tmp_path / "more"
+    more.mkdir()
+    (more / "a.wav").write_bytes(next((audio_dir / "fixed").glob("*.wav")).read_bytes())
+    for args in (
+        ("verify",),
+        ("verify", "--repair"),
+        ("gc",),
+        ("roots", "drop", report.root),
+        ("build", "--encoder", encoder_file, "--data", more),
+    ):
+        _one_error_line(
+            invoke(*args, "--cache", store_dir), f"{store_dir / 'roots'} is not a folder"
+        )
+    assert invoke("stats", "--cache", store_dir).returncode == 0
+    assert assert_serves(store_dir, report.root, audio_dir / "fixed", encoder_file, Live()) == 4
+    (store_dir / "roots").unlink()
+    assert invoke("verify", "--repair", "--cache", store_dir).returncode == 10
+    assert invoke("verify", "--cache", store_dir).returncode == 0
+    assert (store_dir / "roots" / f"{report.root}.json").is_file()
+    assert assert_serves(store_dir, report.root, audio_dir / "fixed", encoder_file, Live()) == 4
+
+
 def test_what_a_build_that_failed_at_once_left_is_nothing_built_for_every_command(
     tmp_path: Path, encoder_file: Path
 ) -> None:
@@ -225,3 +259,34 @@ def test_gc_on_a_store_read_only_here_refuses_before_it_shows_a_plan(
     assert len(lines) == 1 and f"the store {store} is read-only here" in lines[0]
     r = invoke("gc", "--dry-run", "--cache", store, env=env)
     assert r.returncode == 0 and "nothing to do" in r.stdout, r.stdout + r.stderr
+
+
+def test_options_for_the_other_kind_of_store_are_said_to_do_nothing(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    """`--retention`, `--local-cache` and `--local-cache-size` act on a bucket store only, and
+    `--grace` on a directory only: given for the other kind, each was silently ignored (a user
+    setting `--retention 30d` on a directory store believed its unnamed shards were kept 30
+    days; they went after the 1 h grace). Each is now one note line, the command runs as
+    before, and what the environment sets for a whole node is not noted."""
+    store = tmp_path / "store"
+    bake(audio_dir, encoder_file, store)
+    r = invoke(
+        "gc", "--dry-run", "--retention", "30d", "--grace", "2h", "--local-cache", tmp_path / "t",
+        "--cache", store,
+    )  # fmt: skip
+    assert r.returncode == 0 and "nothing to do" in r.stdout, r.stdout + r.stderr
+    notes = r.stderr.strip().splitlines()
+    assert [n.split(":")[1].strip() for n in notes] == [
+        f"--local-cache does nothing for a directory store ({store})",
+        f"--retention does nothing for a directory store ({store})",
+    ], notes
+    assert "its unnamed shards wait out --grace" in notes[1]
+    env = {"FEATBAKE_LOCAL_CACHE": str(tmp_path / "t"), "FEATBAKE_LOCAL_CACHE_SIZE": "1GiB"}
+    for args in (("stats",), ("roots",), ("gc", "--dry-run")):
+        quiet = invoke(*args, "--cache", store, env=env)
+        assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
+    sized = invoke("stats", "--local-cache-size", "1GiB", "--cache", store)
+    assert sized.returncode == 0 and sized.stderr.startswith(
+        f"note: --local-cache-size does nothing for a directory store ({store})"
+    ), sized.stderr

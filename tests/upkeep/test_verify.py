@@ -1173,7 +1173,8 @@ def test_feature_and_shard_rows_of_the_wrong_kind_are_damage_and_gc_refuses_them
     (SQLite keeps it; quick_check says nothing). verify called such a catalog clean (exit 0),
     while gc --max-bytes and stats ended in internal errors (TypeError), or summed the text as
     0. verify now finds them (exit 11) and --repair rebuilds the catalog from the shard headers
-    (exit 10); gc refuses in one line (exit 6) before it plans anything."""
+    (exit 10); gc refuses in one line (exit 6) before it plans anything, and so does stats
+    where it adds such a value up."""
     store = tmp_path / "store"
     report = bake(audio_dir / "fixed", encoder_file, store)
     with closing(sqlite3.connect(store / "catalog.sqlite")) as conn:
@@ -1186,6 +1187,13 @@ def test_feature_and_shard_rows_of_the_wrong_kind_are_damage_and_gc_refuses_them
     assert refused.returncode == 6 and refused.stderr.strip().startswith("error: the catalog"), (
         refused.stderr
     )
+    counted = invoke("stats", "--json", "--cache", store)
+    if "shape" in edit:  # stats adds no shapes up: its numbers are right, and it says them
+        assert counted.returncode == 0, counted.stderr
+    else:  # a sum over text is no number (SQLite's sum took 'big' for 0): one line, exit 6
+        assert counted.returncode == 6, counted.stdout + counted.stderr
+        assert counted.stderr.strip().startswith("error: the catalog"), counted.stderr
+        assert "hold values of the wrong kind" in counted.stderr, counted.stderr
     assert invoke("verify", "--repair", "--cache", store).returncode == 10
     assert verify(store).status == "clean"
     assert assert_serves(store, report.root, audio_dir / "fixed", encoder_file, Live()) == 4

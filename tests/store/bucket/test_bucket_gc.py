@@ -104,8 +104,14 @@ def test_gc_keeps_young_unnamed_shards_and_the_cli_says_so(
 ) -> None:
     build(audio_dir, encoder_file, cache=place.url, workers=0, shard_bytes=60_000)
     time.sleep(1.5)  # the root is now unused for longer than --older-than 1s
-    dry = invoke("gc", "--cache", place.url, "--older-than", "1s", "--dry-run")
+    dry = invoke("gc", "--cache", place.url, "--older-than", "1s", "--grace", "2h", "--dry-run")
     assert dry.returncode == 0, dry.stderr
+    # --grace is a directory's age: said to do nothing here, in one line, and nothing else is
+    assert dry.stderr.strip() == (
+        f"note: --grace does nothing for a bucket store ({place.url}): it sets how long gc "
+        "leaves a directory store's unnamed shards and tmp/ files alone (a bucket store's "
+        "unnamed shards wait out --retention)"
+    )
     assert "dry run" in dry.stdout and "would delete 0 old catalog versions" in dry.stdout
     done = invoke("gc", "--cache", place.url, "--older-than", "1s")
     assert done.returncode == 0, done.stderr
