@@ -544,6 +544,20 @@ def _split(result: Any, batch: int) -> dict[str, torch.Tensor]:
     return parts
 
 
+def own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` where it alone fills its storage (a row just copied to the device), else a copy
+    of it (a row of the encoder's output batch): what a cache tier may keep, holding nothing
+    another tensor shares, nor the rest of a batch alive.
+
+    Example:
+        >>> batch = torch.zeros(2, 3)
+        >>> own_storage(batch[1]).untyped_storage().nbytes(), own_storage(batch) is batch
+        (12, True)
+    """
+    whole = t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    return t if whole and t.storage_offset() == 0 and t.is_contiguous() else t.clone()
+
+
 def stored_dtype(
     dtype: str | None, serve_dtype: str | torch.dtype | None
 ) -> tuple[Recipe | None, Served | None]:
@@ -809,14 +823,15 @@ class CachedEncoder(ProcessLocalState, nn.Module):
     ) -> Any:
         device = out_device or (self._param_device() or in_device)
         names = list(rows[0])  # type: ignore[arg-type]
-        stored = {  # as stored: packed for int8/fp8, which the device tier keeps as they are
-            name: torch.stack([r[name].to(device, non_blocking=True) for r in rows])  # type: ignore[index]
-            for name in names
-        }
+        # As stored: packed for int8/fp8, which the device tier keeps as they are. The tier
+        # keeps each row as it reached the device, never a slice of the batch handed back (a
+        # caller's in-place edit of its batch changed what later calls were served).
+        moved = [{n: r[n].to(device, non_blocking=True) for n in names} for r in rows]  # type: ignore[index]
+        stored = {name: torch.stack([m[name] for m in moved]) for name in names}
         if self._dev.max_bytes and device.type != "cpu":
             for j, key in enumerate(keys):
                 if key not in self._dev:
-                    self._dev.put(key, {n: stored[n][j] for n in names})
+                    self._dev.put(key, {n: own_storage(t) for n, t in moved[j].items()})
         served = self._served
         if served is None:
             return join_outputs(stored)
