@@ -27,7 +27,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from operator import itemgetter
 from pathlib import Path
@@ -177,28 +177,28 @@ def version_of(t: torch.Tensor) -> int:
     return -1 if t.is_inference() else t._version
 
 
-#: One submodule as a glance reads it: its ``__dict__``, what picks its public attribute values
-#: from it (None: it has none) and whether that gives a tuple of them, the public plain values
-#: that are lists (edited in place, so read by value), then its submodules, parameters, buffers.
+#: One submodule as a glance reads it: the submodule (weakly), what picks its public attribute
+#: values from its ``__dict__`` (None: it has none) and whether that gives a tuple of them, and
+#: the public plain values that are lists (edited in place, so read by value).
 _Look = tuple[
-    dict[str, Any],
-    Callable[[dict[str, Any]], Any] | None,
-    bool,
-    tuple[str, ...],
-    dict[str, Any],
-    dict[str, Any],
-    dict[str, Any],
+    "weakref.ref[nn.Module]", Callable[[dict[str, Any]], Any] | None, bool, tuple[str, ...]
 ]
 
 
 @dataclass(frozen=True, eq=False)
 class GlancePlan:
-    """What a :class:`Glance` of one module tree reads: each submodule's dicts and public
+    """What a :class:`Glance` of one module tree reads: each submodule and its public
     attribute names as the tree was when planned, and its tensors (parameters then buffers,
-    each once, as ``parameters()`` and ``buffers()`` give them)."""
+    each once, as ``parameters()`` and ``buffers()`` give them). All held weakly: a plan
+    kept by a watch never keeps a replaced submodule's or tensor's memory alive."""
 
     looks: tuple[_Look, ...]
-    tensors: tuple[torch.Tensor, ...]
+    tensors: tuple[weakref.ref[torch.Tensor], ...]
+
+    def live_tensors(self) -> list[torch.Tensor] | None:
+        """The planned tensors (None: one of them is gone, so the tree changed)."""
+        tensors = [ref() for ref in self.tensors]
+        return None if any(t is None for t in tensors) else tensors  # type: ignore[return-value]
 
 
 def glance_plan(module: nn.Module) -> GlancePlan | None:
@@ -212,10 +212,8 @@ def glance_plan(module: nn.Module) -> GlancePlan | None:
         public = tuple(k for k in attrs if not k.startswith("_") and k != "training")
         listy = tuple(k for k in public if _edited_in_place(attrs[k]))
         pick = itemgetter(*public) if public else None
-        looks.append(
-            (attrs, pick, len(public) > 1, listy, sub._modules, sub._parameters, sub._buffers)
-        )
-    tensors = (*module.parameters(), *module.buffers())
+        looks.append((weakref.ref(sub), pick, len(public) > 1, listy))
+    tensors = tuple(weakref.ref(t) for t in (*module.parameters(), *module.buffers()))
     return GlancePlan(tuple(looks), tensors)
 
 
@@ -229,40 +227,64 @@ def _edited_in_place(value: Any) -> bool:
 @dataclass(frozen=True, eq=False)
 class Glance:
     """A cheap summary of a module tree, read in well under a millisecond: which objects its
-    submodules, parameters, buffers and public attributes are (by id, each object held, so no
-    id is reused while the glance lives), the dicts' sizes, every tensor's version counter and
-    data pointer, and the lists among the plain attributes by value. Two glances of one plan
-    that are :meth:`same` mean the module's versions, pointers and attributes (what
-    :func:`~featbake.encode.identity.attribute_identity` digests) are the same; a difference
-    means only that they may not be (a float set again to the value it had)."""
+    submodules, parameters, buffers and public attributes are (by id), the dicts' sizes,
+    every tensor's version counter and data pointer, and the lists among the plain attributes
+    by value. Two glances of one plan that are :meth:`same` mean the module's versions,
+    pointers and attributes (what :func:`~featbake.encode.identity.attribute_identity`
+    digests) are the same; a difference means only that they may not be (a float set again to
+    the value it had). No id is reused while a glance is compared: a glance taken holds every
+    object it names, one :meth:`kept` holds weakly what takes a weak reference (modules,
+    tensors) and is no longer the same as any once one of those is gone."""
 
     plan: GlancePlan
     key: tuple[Any, ...]
     held: list[Any]
+    gone: list[bool] = field(default_factory=lambda: [False])
 
     def same(self, other: Glance | None) -> bool:
         """Whether ``other`` (of the same plan) read the module as it is in this glance."""
-        return other is not None and other.plan is self.plan and other.key == self.key
+        return (
+            other is not None
+            and other.plan is self.plan
+            and not (self.gone[0] or other.gone[0])
+            and other.key == self.key
+        )
+
+    def kept(self) -> Glance:
+        """This glance to keep across forwards: modules and tensors held weakly (a replaced
+        one's memory is freed), the small values it names (numbers, strings) held as they are."""
+        gone = [False]
+
+        def died(_: object) -> None:
+            gone[0] = True
+
+        held = [weakref.ref(o, died) if type(o).__weakrefoffset__ else o for o in self.held]
+        return Glance(self.plan, self.key, held, gone)
 
 
 def take_glance(plan: GlancePlan) -> Glance | None:
-    """A glance at the module now (None: a public attribute the plan names is gone)."""
+    """A glance at the module now (None: a submodule or tensor planned, or a public attribute
+    the plan names, is gone)."""
     held: list[Any] = []
     sizes: list[int] = []
     texts: list[str] = []
     add, extend = held.append, held.extend
     try:
-        for attrs, pick, many, listy, modules, params, buffers in plan.looks:
-            sizes += (len(attrs), len(modules), len(params), len(buffers))
+        for ref, pick, many, listy in plan.looks:
+            attrs = vars(ref())  # TypeError once it is gone
+            dicts = (attrs["_modules"], attrs["_parameters"], attrs["_buffers"])
+            sizes += (len(attrs), *map(len, dicts))
             if pick is not None:
                 extend(pick(attrs)) if many else add(pick(attrs))
             texts += [repr(attrs[k]) for k in listy]
-            for d in (modules, params, buffers):
+            for d in dicts:
                 extend(d)
                 extend(d.values())
-    except KeyError:
+    except (KeyError, TypeError):
         return None
-    tensors = plan.tensors
+    tensors = plan.live_tensors()
+    if tensors is None:
+        return None
     key = (
         tuple(sizes),
         tuple(map(id, held)),
@@ -314,22 +336,21 @@ class ModuleWatch:
         glanced = self._glanced
         return None if glanced is None else take_glance(glanced.plan)
 
-    def _glanced_as_trusted(self) -> bool:
-        """Whether a glance now is the trusted one's (versions, pointers, attributes as then)."""
+    def _trusted_tensors(self) -> list[torch.Tensor] | None:
+        """The module's tensors where a glance now is the trusted one's (its versions,
+        pointers and attributes as then), else None."""
         look = self._look()
-        return look is not None and look.same(self._glanced)
+        return look.plan.live_tensors() if look is not None and look.same(self._glanced) else None
 
-    def _state(self, glanced: bool = False) -> tuple[Any, ...]:
-        """(versions and pointers, weight probe, attributes) now; ``glanced`` (a glance now is
-        the trusted one's): the versions and attributes are the trusted ones, unread."""
-        if glanced:
-            assert self._glanced is not None
-            tensors: Sequence[torch.Tensor] = self._glanced.plan.tensors
-            versions, attrs = self._seen[0], self._attrs
+    def _state(self, trusted: list[torch.Tensor] | None = None) -> tuple[Any, ...]:
+        """(versions and pointers, weight probe, attributes) now; given the ``trusted``
+        glance's tensors, the versions and attributes are the trusted ones, unread."""
+        if trusted is not None:
+            tensors, versions, attrs = trusted, self._seen[0], self._attrs
         else:
             tensors = self._tensors()
             versions, attrs = self._versions(tensors), attribute_identity(self.module)
-        probe = _weight_probe(list(tensors)) if self.check_weights else ()
+        probe = _weight_probe(tensors) if self.check_weights else ()
         return versions, probe, attrs
 
     def _as_trusted(self, state: tuple[Any, ...]) -> bool:
@@ -338,18 +359,19 @@ class ModuleWatch:
     def _glance_again(self) -> None:
         """Glance at the module as it is trusted now, planned afresh (its tree may differ)."""
         plan = glance_plan(self.module)
-        self._glanced = None if plan is None else take_glance(plan)
+        look = None if plan is None else take_glance(plan)
+        self._glanced = None if look is None else look.kept()
         self._untrusted = None
 
     def fingerprint(self) -> str:
         """The module's fingerprint now (identity and every weight), recomputed on change."""
-        glanced = self._glanced_as_trusted()
-        state = self._state(glanced)
+        trusted = self._trusted_tensors()
+        state = self._state(trusted)
         if not self._as_trusted(state):
             identity = self.identity or module_identity(self.module)
             self._fp = module_fingerprint(self.module, identity)
             self._seen, self._attrs = state, state[2]
-        if not glanced:  # else the trusted glance still reads the state trusted now
+        if trusted is None:  # else the trusted glance still reads the state trusted now
             self._glance_again()
         assert self._fp is not None
         return self._fp
@@ -412,7 +434,7 @@ class ModuleWatch:
             self._glance_again()
             return self._glanced, versions
         if look is not None and self._glanced is not None and look.plan is self._glanced.plan:
-            self._untrusted = look
+            self._untrusted = look.kept()
         return None
 
     def run_ended(self) -> None:

@@ -732,3 +732,32 @@ def test_a_module_moved_off_its_weights_after_the_dataset_was_made_is_refused_in
     assert r".to(torch.float32)" in str(e.value) and "\n" not in str(e.value)
     module.to(torch.float32)
     torch.testing.assert_close(ds[2], _live(module, ds.path(2)))
+
+
+def test_the_watch_keeps_no_replaced_weight_or_submodule_alive(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    """What the watch keeps to compare a forward with (its glance, the glance's plan) holds
+    modules and tensors weakly: a weight or submodule replaced after the dataset was made is
+    freed with no forward or miss after it (on a GPU, a checkpoint loaded with
+    ``assign=True`` would otherwise hold the old weights' memory), and the change is still
+    refused."""
+    import copy
+    import gc
+    import weakref
+
+    from featbake.errors import EncoderLoadError
+    from featbake.testing import TinyConvEncoder
+
+    module = TinyConvEncoder().eval()
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    ds[0]
+    _users_forward(module)
+    weight, submodule = weakref.ref(module.conv2.weight), weakref.ref(module.conv1)
+    module.conv2.weight = torch.nn.Parameter(module.conv2.weight.detach() * 2)
+    module.conv1 = copy.deepcopy(module.conv1)
+    gc.collect()
+    assert weight() is None and submodule() is None
+    with pytest.raises(EncoderLoadError, match="changed since this dataset was created"):
+        ds[1]
