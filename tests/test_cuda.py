@@ -190,3 +190,60 @@ def test_cached_encoder_keeps_cuda_outputs_in_its_device_tier(tmp_path: Path) ->
     assert rel_error(first.cpu(), want.cpu()) < 1e-5
     assert torch.equal(first, second)
     assert cached.stats["encoded"] == 3 and cached.stats["hits_device"] == 3
+
+
+def test_cached_encoder_device_tier_keeps_rows_of_its_own_not_the_callers_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The device tier kept each row as a slice of the batch handed to the caller, so a
+    caller's in-place edit of its batch (``out.mul_(...)``, a normalisation) was served by
+    every later call, and one row held its whole batch in memory. The tier keeps rows of its
+    own now: a miss's row copied once out of the encoder's batch, a row read from the store or
+    RAM as it reached the device, with no copy on the device beyond that move."""
+    module = TinyConvEncoder().cuda().eval().requires_grad_(False)
+    x, ids = torch.randn(3, 16000, device="cuda"), ["a", "b", "c"]
+    cached = CachedEncoder(module, cache=tmp_path / "s", device_cache="64MiB")
+    with torch.inference_mode():
+        want = module(x).cpu()
+        cached(x, ids=ids).zero_()  # misses, then kept in the tier
+        hits = cached(x, ids=ids)
+        assert rel_error(hits.cpu(), want) < 1e-5
+        hits.mul_(0)
+        assert rel_error(cached(x, ids=ids).cpu(), want) < 1e-5
+    assert cached.stats["hits_device"] == 6
+    cached.flush()
+    fresh = CachedEncoder(module, cache=tmp_path / "s", device_cache="64MiB")
+    copies: list[torch.Size] = []
+    clone = torch.Tensor.clone
+
+    def counted(t: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        if t.is_cuda:
+            copies.append(t.shape)
+        return clone(t, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch.Tensor, "clone", counted)
+    with torch.inference_mode():
+        fresh(x, ids=ids).zero_()  # read from the store, moved to the device, kept there
+    monkeypatch.undo()
+    assert copies == [] and fresh.stats["hits_store"] == 3
+    with torch.inference_mode():
+        assert rel_error(fresh(x, ids=ids).cpu(), want) < 1e-5
+    assert fresh.stats["hits_device"] == 3
+
+
+def test_a_dataset_module_moved_to_the_gpu_after_the_dataset_was_made_encodes_there(
+    tmp_path: Path, clips: Path
+) -> None:
+    """``.cuda()`` on a dataset's in-process module after the dataset was made: its misses
+    sent their inputs to the CPU the module was on then, and failed with a device mismatch.
+    They follow the module's weights now (a key names no device), and back on the CPU too."""
+    module = TinyConvEncoder().eval()
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(clips, module, cache=tmp_path / "s")
+    ds[0]
+    for i, device in ((1, "cuda"), (2, "cuda"), (3, "cpu")):
+        module.to(device)
+        x = source_for(Recipe()).load(Path(ds.path(i))).to(device)
+        with torch.inference_mode():
+            want = module(x[None])[0].cpu()
+        assert rel_error(ds[i].cpu(), want) < 1e-5

@@ -55,6 +55,12 @@ def _primitive(value: Any) -> bool:
     return isinstance(value, _PRIMITIVES)
 
 
+def is_plain(value: Any) -> bool:
+    """Whether an attribute value enters :func:`attribute_identity`: a number, string, bool or
+    None, or a tuple or list of them."""
+    return _primitive(value)
+
+
 def attribute_identity(module: Any) -> str:
     """SHA-256 of every submodule's plain attributes (numbers, strings, tuples of them).
 

@@ -27,7 +27,9 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from functools import partial
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +38,7 @@ import torch
 from torch import nn
 
 from featbake.encode.encoders import is_frozen
-from featbake.encode.identity import attribute_identity, module_identity
+from featbake.encode.identity import attribute_identity, is_plain, module_identity
 from featbake.encode.outputs import is_tuple_parts, join_outputs, name_outputs, stored_parts
 from featbake.errors import ConfigError, EncodeError
 from featbake.keys import feature_key, module_fingerprint, recipe_fingerprint
@@ -144,22 +146,27 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _weight_probe(tensors: list[torch.Tensor]) -> tuple[int, ...]:
-    """A cheap digest of every tensor's bytes: CRC-32C on the CPU (the compiled kernel the
-    store's reads use, about 4x zlib's CRC-32 on weights: ~8 ms for 226 MB), a byte sum on a
-    device. It is taken before each batch of misses a dataset encodes with an in-process
-    module, so its speed is part of live encoding's."""
-    out: list[int] = []
+def _weight_probe(tensors: Sequence[torch.Tensor]) -> tuple[Any, ...]:
+    """A cheap digest of each tensor's bytes, one entry per tensor: CRC-32C on the CPU (the
+    compiled kernel the store's reads use, about 4x zlib's CRC-32 on weights: ~8 ms for
+    226 MB), a pair of byte sums on a device (one copy to the host for all of them), 0 for a
+    tensor without values (empty, or on the meta device). It is taken before each batch of
+    misses a dataset encodes with an in-process module, so its speed is part of live
+    encoding's."""
+    out: list[Any] = [0] * len(tensors)
     on_device: list[torch.Tensor] = []
-    for t in tensors:
+    where: list[int] = []
+    for i, t in enumerate(tensors):
         t = t.detach()
         if t.device.type == "cpu":
-            out.append(crc32c_tensor(t))
-        elif t.numel():
+            out[i] = crc32c_tensor(t)
+        elif t.numel() and not t.is_meta:
             b = t.contiguous().view(-1).view(torch.uint8)
             on_device.append(torch.stack([b.sum(dtype=torch.int64), b[::3].sum(dtype=torch.int64)]))
+            where.append(i)
     if on_device:
-        out.extend(torch.cat(on_device).tolist())  # one copy to the host for all of them
+        for i, sums in zip(where, torch.stack(on_device).tolist(), strict=True):
+            out[i] = tuple(sums)
     return tuple(out)
 
 
@@ -168,6 +175,124 @@ def version_of(t: torch.Tensor) -> int:
     ``torch.inference_mode()``, as a model loaded there has its weights), which keeps none:
     the weight probe alone notices it edited in place."""
     return -1 if t.is_inference() else t._version
+
+
+#: One submodule as a glance reads it: the submodule (weakly), what picks its public attribute
+#: values from its ``__dict__`` (None: it has none) and whether that gives a tuple of them, and
+#: the public plain values that are lists (edited in place, so read by value).
+_Look = tuple[
+    "weakref.ref[nn.Module]", Callable[[dict[str, Any]], Any] | None, bool, tuple[str, ...]
+]
+
+
+@dataclass(frozen=True, eq=False)
+class GlancePlan:
+    """What a :class:`Glance` of one module tree reads: each submodule and its public
+    attribute names as the tree was when planned, and its tensors (parameters then buffers,
+    each once, as ``parameters()`` and ``buffers()`` give them). All held weakly: a plan
+    kept by a watch never keeps a replaced submodule's or tensor's memory alive."""
+
+    looks: tuple[_Look, ...]
+    tensors: tuple[weakref.ref[torch.Tensor], ...]
+
+    def live_tensors(self) -> list[torch.Tensor] | None:
+        """The planned tensors (None: one of them is gone, so the tree changed)."""
+        tensors = [ref() for ref in self.tensors]
+        return None if any(t is None for t in tensors) else tensors  # type: ignore[return-value]
+
+
+def glance_plan(module: nn.Module) -> GlancePlan | None:
+    """The plan of a glance at ``module`` as it is now (None for a tree holding a TorchScript
+    module, whose dicts are views made anew on each read: it is always read exactly)."""
+    looks = []
+    for sub in module.modules():
+        if isinstance(sub, torch.jit.ScriptModule):
+            return None
+        attrs = vars(sub)
+        public = tuple(k for k in attrs if not k.startswith("_") and k != "training")
+        listy = tuple(k for k in public if _edited_in_place(attrs[k]))
+        pick = itemgetter(*public) if public else None
+        looks.append((weakref.ref(sub), pick, len(public) > 1, listy))
+    tensors = tuple(weakref.ref(t) for t in (*module.parameters(), *module.buffers()))
+    return GlancePlan(tuple(looks), tensors)
+
+
+def _edited_in_place(value: Any) -> bool:
+    """A plain attribute value that can change while it stays the same object (a list)."""
+    if isinstance(value, list):
+        return is_plain(value)
+    return isinstance(value, tuple) and any(map(_edited_in_place, value))
+
+
+@dataclass(frozen=True, eq=False)
+class Glance:
+    """A cheap summary of a module tree, read in well under a millisecond: which objects its
+    submodules, parameters, buffers and public attributes are (by id), the dicts' sizes,
+    every tensor's version counter and data pointer, and the lists among the plain attributes
+    by value. Two glances of one plan that are :meth:`same` mean the module's versions,
+    pointers and attributes (what :func:`~featbake.encode.identity.attribute_identity`
+    digests) are the same; a difference means only that they may not be (a float set again to
+    the value it had). No id is reused while a glance is compared: a glance taken holds every
+    object it names, one :meth:`kept` holds weakly what takes a weak reference (modules,
+    tensors) and is no longer the same as any once one of those is gone."""
+
+    plan: GlancePlan
+    key: tuple[Any, ...]
+    held: list[Any]
+    gone: list[bool] = field(default_factory=lambda: [False])
+
+    def same(self, other: Glance | None) -> bool:
+        """Whether ``other`` (of the same plan) read the module as it is in this glance."""
+        return (
+            other is not None
+            and other.plan is self.plan
+            and not (self.gone[0] or other.gone[0])
+            and other.key == self.key
+        )
+
+    def kept(self) -> Glance:
+        """This glance to keep across forwards: modules and tensors held weakly (a replaced
+        one's memory is freed), the small values it names (numbers, strings) held as they are."""
+        gone = [False]
+
+        def died(_: object) -> None:
+            gone[0] = True
+
+        held = [weakref.ref(o, died) if type(o).__weakrefoffset__ else o for o in self.held]
+        return Glance(self.plan, self.key, held, gone)
+
+
+def take_glance(plan: GlancePlan) -> Glance | None:
+    """A glance at the module now (None: a submodule or tensor planned, or a public attribute
+    the plan names, is gone)."""
+    held: list[Any] = []
+    sizes: list[int] = []
+    texts: list[str] = []
+    add, extend = held.append, held.extend
+    try:
+        for ref, pick, many, listy in plan.looks:
+            attrs = vars(ref())  # TypeError once it is gone
+            dicts = (attrs["_modules"], attrs["_parameters"], attrs["_buffers"])
+            sizes += (len(attrs), *map(len, dicts))
+            if pick is not None:
+                extend(pick(attrs)) if many else add(pick(attrs))
+            texts += [repr(attrs[k]) for k in listy]
+            for d in dicts:
+                extend(d)
+                extend(d.values())
+    except (KeyError, TypeError):
+        return None
+    tensors = plan.live_tensors()
+    if tensors is None:
+        return None
+    key = (
+        tuple(sizes),
+        tuple(map(id, held)),
+        tuple([version_of(t) for t in tensors]),
+        tuple([t.data_ptr() for t in tensors]),
+        tuple(texts),
+    )
+    return Glance(plan, key, held)
 
 
 class ModuleWatch:
@@ -180,6 +305,10 @@ class ModuleWatch:
             pointers alone (the caller promises never to write weights through ``.data``).
         identity: the identity string its fingerprint is made of (a file encoder's, which its
             attributes do not change); None: the module's own, taken again on each change.
+
+    What it trusts is kept twice: exactly (``_seen``: versions and pointers, the weight probe,
+    the attributes' digest) and as a :class:`Glance` of the same moment, which each forward of
+    a followed module compares first; only where the glance differs is the exact state read.
     """
 
     def __init__(
@@ -192,42 +321,74 @@ class ModuleWatch:
         self._fp: str | None = None
         self._seen: tuple[Any, ...] = ()
         self._attrs = ""
+        self._glanced: Glance | None = None  # the trusted state's glance
+        self._untrusted: Glance | None = None  # a glance of a state found changed
         self._before = threading.local()  # per thread: the state as a run began, if trusted
 
     def _tensors(self) -> list[torch.Tensor]:
         return [*self.module.parameters(), *self.module.buffers()]
 
-    def _versions(self, tensors: list[torch.Tensor]) -> tuple[tuple[int, int], ...]:
+    def _versions(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple[int, int], ...]:
         return tuple((version_of(t), t.data_ptr()) for t in tensors)
 
-    def _state(self) -> tuple[Any, ...]:
-        """(versions and pointers, weight probe, attributes) now."""
-        tensors = self._tensors()
+    def _look(self) -> Glance | None:
+        """A glance at the module now, by the plan of the trusted glance (None: none yet)."""
+        glanced = self._glanced
+        return None if glanced is None else take_glance(glanced.plan)
+
+    def _trusted_tensors(self) -> list[torch.Tensor] | None:
+        """The module's tensors where a glance now is the trusted one's (its versions,
+        pointers and attributes as then), else None."""
+        look = self._look()
+        return look.plan.live_tensors() if look is not None and look.same(self._glanced) else None
+
+    def _state(self, trusted: list[torch.Tensor] | None = None) -> tuple[Any, ...]:
+        """(versions and pointers, weight probe, attributes) now; given the ``trusted``
+        glance's tensors, the versions and attributes are the trusted ones, unread."""
+        if trusted is not None:
+            tensors, versions, attrs = trusted, self._seen[0], self._attrs
+        else:
+            tensors = self._tensors()
+            versions, attrs = self._versions(tensors), attribute_identity(self.module)
         probe = _weight_probe(tensors) if self.check_weights else ()
-        return self._versions(tensors), probe, attribute_identity(self.module)
+        return versions, probe, attrs
 
     def _as_trusted(self, state: tuple[Any, ...]) -> bool:
         return self._fp is not None and state[:2] == self._seen[:2] and state[2] == self._attrs
 
+    def _glance_again(self) -> None:
+        """Glance at the module as it is trusted now, planned afresh (its tree may differ)."""
+        plan = glance_plan(self.module)
+        look = None if plan is None else take_glance(plan)
+        self._glanced = None if look is None else look.kept()
+        self._untrusted = None
+
     def fingerprint(self) -> str:
         """The module's fingerprint now (identity and every weight), recomputed on change."""
-        state = self._state()
+        trusted = self._trusted_tensors()
+        state = self._state(trusted)
         if not self._as_trusted(state):
             identity = self.identity or module_identity(self.module)
             self._fp = module_fingerprint(self.module, identity)
             self._seen, self._attrs = state, state[2]
+        if trusted is None:  # else the trusted glance still reads the state trusted now
+            self._glance_again()
         assert self._fp is not None
         return self._fp
 
     def trust(self, fp: str) -> None:
         """Take ``fp`` as the module's fingerprint as it is now (the caller just computed it):
         :meth:`fingerprint` hashes the weights again only once the module changed."""
-        state = self._state()
-        self._fp, self._seen, self._attrs = fp, state, state[2]
+        tensors = self._tensors()
+        probe = _weight_probe(tensors) if self.check_weights else ()
+        self._attrs = attribute_identity(self.module)
+        self._fp, self._seen = fp, (self._versions(tensors), probe, self._attrs)
+        self._glance_again()
 
     def ran(self) -> None:
         """The module just ran: attribute changes it made itself are bookkeeping, not a change."""
         self._attrs = attribute_identity(self.module)
+        self._glanced = None  # the run may have moved a version, which that glance would hide
 
     def follow_runs(self) -> bool:
         """Trust what every run of the module changes in itself, whoever calls it (a call
@@ -250,35 +411,76 @@ class ModuleWatch:
         return True
 
     def run_began(self) -> None:
-        """A forward begins: keep its versions and pointers if the module is as trusted by
-        them and its attributes (else None). No weight is read here: a write behind the
-        version counters before the run is still seen by the trusted probe, kept across a run
-        that moved no version or pointer (:meth:`run_ended`)."""
+        """A forward begins: keep the glance and versions it begins with if the module is as
+        trusted, else None. A glance the same as the trusted one's says so without reading the
+        attributes (the whole of a forward's cost, a fraction of a millisecond); no weight is
+        read here: a write behind the version counters before the run is still seen by the
+        trusted probe, kept across a run that moved no version or pointer (:meth:`run_ended`)."""
+        look = self._look()
+        if look is not None and self._fp is not None and look.same(self._glanced):
+            kept: tuple[Glance | None, Any] | None = (look, self._seen[0])
+        elif look is not None and look.same(self._untrusted):
+            kept = None  # as it was when last found changed: still changed
+        else:
+            kept = self._began_changed(look)
+        self._before.__dict__.setdefault("stack", []).append(kept)
+
+    def _began_changed(self, look: Glance | None) -> tuple[Glance | None, Any] | None:
+        """The exact check where the glance differs: the module may still be as trusted (an
+        attribute set again to its value, a new plan); glanced again either way."""
         versions = self._versions(self._tensors())
         same = self._fp is not None and versions == self._seen[0]
-        trusted = same and attribute_identity(self.module) == self._attrs
-        self._before.__dict__.setdefault("stack", []).append(versions if trusted else None)
+        if same and attribute_identity(self.module) == self._attrs:
+            self._glance_again()
+            return self._glanced, versions
+        if look is not None and self._glanced is not None and look.plan is self._glanced.plan:
+            self._untrusted = look.kept()
+        return None
 
     def run_ended(self) -> None:
-        """A forward ended: a module trusted as it began is trusted as it is now; the weights
-        are read again only where the run moved a version or pointer (a buffer it replaced)."""
+        """A forward ended: a module trusted as it began is trusted as it is now; where the
+        glance did not move, nothing is read; the weights are read again only where the run
+        moved a version or pointer (a buffer it replaced)."""
         stack = self._before.__dict__.get("stack")
-        before = stack.pop() if stack else None
-        if before is None:
+        kept = stack.pop() if stack else None
+        if kept is None:
             return
+        began, versions_before = kept
+        look = None if began is None else take_glance(began.plan)
+        if look is not None and look.same(began):
+            return  # the run changed nothing the watch reads
         tensors = self._tensors()
         versions = self._versions(tensors)
-        if versions == before:
-            probe = self._seen[1]
-        else:
-            probe = _weight_probe(tensors) if self.check_weights else ()
+        probe = self._probe_after(tensors, versions, versions_before)
         self._attrs = attribute_identity(self.module)
         self._seen = (versions, probe, self._attrs)
+        self._glance_again()
+
+    def _probe_after(
+        self, tensors: list[torch.Tensor], versions: tuple[Any, ...], before: tuple[Any, ...]
+    ) -> tuple[Any, ...]:
+        """The weight probe after a trusted run: the tensors whose version or pointer the run
+        moved (a buffer it replaced) read again, every other one keeping its trusted entry, so
+        a write behind a version counter made before the run is still seen at the next check
+        (reading them all again took that write as the run's). All are read again only where
+        the run changed how many tensors the module has."""
+        kept = self._seen[1]
+        if not self.check_weights or versions == before:
+            return kept
+        if len(versions) != len(before) or len(kept) != len(tensors):
+            return _weight_probe(tensors)
+        pairs = enumerate(zip(versions, before, strict=True))
+        moved = [i for i, (now, then) in pairs if now != then]
+        probe = list(kept)
+        for i, entry in zip(moved, _weight_probe([tensors[i] for i in moved]), strict=True):
+            probe[i] = entry
+        return tuple(probe)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_fp"] = None  # fingerprinted again where it lands
         state["follows_runs"] = False  # hooks do not travel (see _RunHook)
+        state["_glanced"] = state["_untrusted"] = None  # ids mean nothing elsewhere
         del state["_before"]
         return state
 
@@ -295,6 +497,9 @@ class _RunHook:
     def __init__(self, watch: weakref.ref[ModuleWatch], began: bool) -> None:
         self.watch, self.began = watch, began
 
+    # Run as it is under torch.compile: dynamo tracing it would break the graph at each
+    # tensor it reads (a CRC kernel it cannot trace), to the same end.
+    @torch.compiler.disable
     def __call__(self, module: nn.Module, *args: Any) -> None:
         watch = self.watch()
         if watch is not None:
@@ -359,6 +564,20 @@ def _split(result: Any, batch: int) -> dict[str, torch.Tensor]:
                 f"dimension of {batch}; CachedEncoder caches per-row outputs"
             )
     return parts
+
+
+def own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` where it alone fills its storage (a row just copied to the device), else a copy
+    of it (a row of the encoder's output batch): what a cache tier may keep, holding nothing
+    another tensor shares, nor the rest of a batch alive.
+
+    Example:
+        >>> batch = torch.zeros(2, 3)
+        >>> own_storage(batch[1]).untyped_storage().nbytes(), own_storage(batch) is batch
+        (12, True)
+    """
+    whole = t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    return t if whole and t.storage_offset() == 0 and t.is_contiguous() else t.clone()
 
 
 def stored_dtype(
@@ -626,14 +845,15 @@ class CachedEncoder(ProcessLocalState, nn.Module):
     ) -> Any:
         device = out_device or (self._param_device() or in_device)
         names = list(rows[0])  # type: ignore[arg-type]
-        stored = {  # as stored: packed for int8/fp8, which the device tier keeps as they are
-            name: torch.stack([r[name].to(device, non_blocking=True) for r in rows])  # type: ignore[index]
-            for name in names
-        }
+        # As stored: packed for int8/fp8, which the device tier keeps as they are. The tier
+        # keeps each row as it reached the device, never a slice of the batch handed back (a
+        # caller's in-place edit of its batch changed what later calls were served).
+        moved = [{n: r[n].to(device, non_blocking=True) for n in names} for r in rows]  # type: ignore[index]
+        stored = {name: torch.stack([m[name] for m in moved]) for name in names}
         if self._dev.max_bytes and device.type != "cpu":
             for j, key in enumerate(keys):
                 if key not in self._dev:
-                    self._dev.put(key, {n: stored[n][j] for n in names})
+                    self._dev.put(key, {n: own_storage(t) for n, t in moved[j].items()})
         served = self._served
         if served is None:
             return join_outputs(stored)

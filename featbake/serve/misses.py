@@ -12,7 +12,8 @@ import os
 import sqlite3
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -323,6 +324,7 @@ class LiveEncoder:
     shared: bool = False  # the store is on a shared filesystem: never write its catalog
     watch: ModuleWatch | None = None  # an in-process module's: notices it changed since
     moved: bool = False  # the module had changed when this copy was pickled
+    dtypes: tuple[str, ...] = ()  # an in-process module's weight dtypes when it was given
 
     def identify(self, encoder: Any, catalog: ServingStore) -> None:
         """Set :attr:`fingerprint` and :attr:`label`, loading the encoder only if it must.
@@ -334,11 +336,13 @@ class LiveEncoder:
             self.loaded, self.label = encoder, encoder.label
             self.fingerprint = encoder_fingerprint(encoder, catalog, self.weights)
             self.watch = watched(encoder, self.fingerprint)
+            self.dtypes = weight_dtypes(encoder.module)
             return
         if isinstance(encoder, torch.nn.Module):
             self.loaded = from_module(encoder, device=None)
             self.fingerprint, self.label = self.loaded.fingerprint, self.loaded.label
             self.watch = watched(self.loaded, self.fingerprint)
+            self.dtypes = weight_dtypes(encoder)
             return
         spec = self.spec = os.fspath(encoder)
         self.label = spec  # an import path: the architecture lives in code, only loading it tells
@@ -384,6 +388,7 @@ class LiveEncoder:
         if self.spec is None:  # an in-process module: it runs where it lives
             assert enc is not None
             self.refuse_changed()
+            enc = self.on_its_device(enc)
             if enc.device.type == "cuda" and not dev.cuda_usable_here():
                 raise EncoderLoadError(
                     "a miss must be encoded in a DataLoader worker forked after CUDA started, "
@@ -413,20 +418,52 @@ class LiveEncoder:
                 stored under the old keys).
         """
         # None where nothing was handed in (a file's encoder, loaded in this worker by it)
-        training = None if self.loaded is None else training_submodule(self.loaded.module)
+        module = None if self.loaded is None else self.loaded.module
+        training = training_submodule(module)
         if training is not None:
             raise EncoderLoadError(
                 f"the encoder module {self.label} is in train mode ({training}), and a miss "
                 "encoded so (dropout, batch statistics) would be stored under the keys of its "
                 "eval mode; call .eval() on it, or give the dataset a copy of it"
             )
+        device = module_device(module)
+        if device is not None and device.type == "meta":
+            raise EncoderLoadError(
+                f"the encoder module {self.label} has its weights on the meta device (moved "
+                "there after this dataset was created), which holds no values to encode with; "
+                "load its weights back (load_state_dict(..., assign=True)) or give the dataset "
+                "a module with weights"
+            )
         if self.moved or (self.watch is not None and self.watch.fingerprint() != self.fingerprint):
             raise EncoderLoadError(
-                f"the encoder module {self.label} changed since this dataset was created (its "
-                "weights or attributes), and a miss encoded with it would be stored under the "
-                "keys of the module as it was; create the dataset again with the module as it "
-                "is now"
+                f"the encoder module {self.label} changed since this dataset was created "
+                f"({self.what_changed(module)}), and a miss encoded with it would be stored "
+                "under the keys of the module as it was; create the dataset again with the "
+                "module as it is now"
             )
+
+    def what_changed(self, module: Any) -> str:
+        """What a changed module's message names: its weights' dtypes where they moved
+        (``.half()``, ``.to(torch.float64)``: move it back to keep the keys), else what may."""
+        now = weight_dtypes(module)
+        if module is None or not self.dtypes or now == self.dtypes:
+            return "its weights or attributes"
+        said = f"its weights are {', '.join(now)} now, {', '.join(self.dtypes)} then"
+        if len(self.dtypes) == 1:  # one dtype then: one call brings the module back
+            said += f"; .to({self.dtypes[0]}) brings back the module its keys were made from"
+        return said
+
+    def on_its_device(self, enc: LoadedEncoder) -> LoadedEncoder:
+        """The in-process encoder on the device its weights are on now: a module moved after
+        the dataset was made (``.cuda()``, ``.to(device)``) encodes its misses there, its
+        inputs sent there too, where they met weights on another device. Its keys stand: a
+        key names no device (:mod:`featbake.keys`), as a build on a GPU and a read on a CPU
+        share theirs, the two agreeing up to kernels' rounding."""
+        device = module_device(enc.module)
+        if device is None or device == enc.device:
+            return enc
+        self.loaded = replace(enc, device=device)
+        return self.loaded
 
     def ran(self) -> None:
         """The encoder just encoded misses: what an in-process module changed itself while
@@ -471,6 +508,23 @@ def watched(enc: LoadedEncoder, fingerprint: str) -> ModuleWatch | None:
     watch = shared_watch(module, None if own else enc.identity)
     watch.trust(fingerprint)
     return watch
+
+
+def module_device(module: Any) -> torch.device | None:
+    """The device a module's first weight is on now, as :func:`from_module` chose it (None:
+    no ``nn.Module``, or one without weights)."""
+    if not isinstance(module, torch.nn.Module):
+        return None
+    first = next(chain(module.parameters(), module.buffers()), None)
+    return None if first is None else first.device
+
+
+def weight_dtypes(module: Any) -> tuple[str, ...]:
+    """The dtypes of a module's floating-point weights, sorted (none: no ``nn.Module``)."""
+    if not isinstance(module, torch.nn.Module):
+        return ()
+    tensors = chain(module.parameters(), module.buffers())
+    return tuple(sorted({str(t.dtype) for t in tensors if t.is_floating_point()}))
 
 
 def training_submodule(module: Any) -> str | None:

@@ -604,3 +604,25 @@ def test_a_module_made_under_inference_mode_is_cached_and_watched(tmp_path: Path
         enc.conv2.weight.mul_(2.0)
     torch.testing.assert_close(wrapped(x), enc(x))
     assert wrapped.stats["encoded"] == 4
+
+
+def test_a_callers_in_place_edit_of_its_output_is_served_by_no_later_call(
+    tmp_path: Path,
+) -> None:
+    """Every tier on the CPU (RAM, the pending write-back, the store) hands the caller a batch
+    of its own: zeroed in place by the caller, a later call still equals the encoder run now.
+    (The device tier, kept only on a GPU, kept slices of the caller's batch: see
+    ``tests/test_cuda.py``.)"""
+    enc = frozen(TinyConvEncoder())
+    x, ids = waves(3), ["a", "b", "c"]
+    want = enc(x)
+    for ram in ("1MiB", 0):
+        cached = CachedEncoder(enc, cache=tmp_path / f"s{ram}", ram_cache=ram)
+        for _ in range(2):  # a miss, then a hit from RAM or the pending write-back
+            cached(x, ids=ids).zero_()
+            same(cached(x, ids=ids), want)
+        cached.flush()
+        again = CachedEncoder(enc, cache=tmp_path / f"s{ram}", ram_cache=ram)
+        again(x, ids=ids).zero_()  # read from the store
+        same(again(x, ids=ids), want)
+        assert again.stats["encoded"] == 0 and again.stats["hits_store"] >= 3

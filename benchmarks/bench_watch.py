@@ -1,0 +1,115 @@
+"""What watching an in-process encoder costs the user's own forward, and a batch of misses.
+
+A module handed to a dataset (``CachedFeatureDataset(data, module)``) is watched so that a miss
+is never encoded with it once it changed (:func:`featbake.serve.cached_encoder.shared_watch`).
+The watch follows every run of the module, whoever calls it, so what a run changes in the module
+itself is bookkeeping: that costs each forward the user runs (a teacher also run in the training
+step pays it every step). Measured here side by side in one run, forwards alternated: the bare
+module, and a copy of it watched as a dataset watches it; then the check a batch of misses makes
+before it runs (``LiveEncoder.refuse_changed``: train mode, versions, pointers, weight probe,
+attributes), the run itself left out. One torch thread.
+
+Models: a 24-layer MLP (width 512, batch 8) and, where ``transformers`` is installed, a
+wav2vec2-base sized model (``Wav2Vec2Model(Wav2Vec2Config())``, 94M parameters) on 0.1 s of audio.
+
+Run: ``chrt -f 10 python benchmarks/bench_watch.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _rows import row
+
+from featbake.serve.cached_encoder import ModuleWatch, shared_watch
+from featbake.serve.misses import training_submodule
+
+
+def _frozen(module: nn.Module) -> nn.Module:
+    module.eval()
+    for p in module.parameters():
+        p.requires_grad_(False)
+    return module
+
+
+def _models() -> list[tuple[str, nn.Module, torch.Tensor]]:
+    layers: list[nn.Module] = []
+    for _ in range(24):
+        layers += [nn.Linear(512, 512), nn.ReLU()]
+    models = [("24-layer MLP", _frozen(nn.Sequential(*layers)), torch.randn(8, 512))]
+    try:
+        from transformers import Wav2Vec2Config, Wav2Vec2Model
+    except ImportError:
+        return models
+    w2v = _frozen(Wav2Vec2Model(Wav2Vec2Config()))
+    return [*models, ("wav2vec2-base sized", w2v, torch.randn(1, 1600))]
+
+
+def _ms(fn: Callable[[], object], repeat: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return (time.perf_counter() - t0) / repeat * 1e3
+
+
+def _side_by_side(bare: nn.Module, watched: nn.Module, x: torch.Tensor, rounds: int) -> tuple:
+    """Median ms per forward of each, the two alternated ``rounds`` times."""
+    a, b = [], []
+    with torch.no_grad():
+        for _ in range(rounds):
+            a.append(_ms(lambda: bare(x), 10))
+            b.append(_ms(lambda: watched(x), 10))
+    return statistics.median(a), statistics.median(b)
+
+
+def main(quick: bool = False) -> list[dict]:
+    torch.set_num_threads(1)
+    rounds = 5 if quick else 30
+    rows = []
+    for name, bare, x in _models():
+        module = copy.deepcopy(bare)
+        watch = shared_watch(module)
+        watch.fingerprint()  # as a dataset made over it trusts it
+        with torch.no_grad():
+            bare(x), module(x)  # warm
+        plain, hooked = _side_by_side(bare, module, x, rounds)
+
+        def check(module: nn.Module = module, watch: ModuleWatch = watch) -> None:
+            assert training_submodule(module) is None
+            watch.fingerprint()
+
+        with torch.no_grad():
+            y = module(x)
+        pre = list(module._forward_pre_hooks.values())  # what torch runs around a forward
+        post = list(module._forward_hooks.values())
+
+        def hooks(module: nn.Module = module, x: torch.Tensor = x, y: torch.Tensor = y) -> None:
+            for hook in pre:  # noqa: B023 - called here, in this iteration only
+                hook(module, (x,))
+            for hook in post:  # noqa: B023
+                hook(module, (x,), y)
+
+        alone = statistics.median(_ms(hooks, 20) for _ in range(rounds))
+        per_miss = statistics.median(_ms(check, 3) for _ in range(rounds // 3 or 1))
+        note = f"bare forward {plain:.3f} ms, watched {hooked:.3f} ms (median of {rounds} x 10)"
+        rows += [
+            row("watch", f"{name}: watched minus bare forward", hooked - plain, "ms", note=note),
+            row("watch", f"{name}: the watch's hooks per forward", alone, "ms"),
+            row("watch", f"{name}: change check per batch of misses", per_miss, "ms"),
+        ]
+    return rows
+
+
+if __name__ == "__main__":
+    for r in main(quick="--quick" in sys.argv):
+        print(f"{r['metric']}: {r['value']:,.3f} {r['unit']}  {r['note']}")
