@@ -683,7 +683,7 @@ def _delete_rows(catalog: Catalog, plan: GcPlan, tick: Tick) -> GcResult:
     # No claim is written from this last look at them until the DELETE has committed: a build
     # part claiming a key meanwhile looks it up after the commit and finds it gone.
     with claims_closed(plan.layout):
-        waiting = _still_waiting(catalog, plan) if plan.unreached else set()
+        waiting = _still_waiting(plan) if plan.unreached else set()
         unreached = [r for r in plan.unreached if r.key not in waiting]
         rows = catalog.delete_features(unreached, only_unreached=True)
     rows += catalog.delete_features(plan.evict, only_unreached=False)
@@ -692,11 +692,13 @@ def _delete_rows(catalog: Catalog, plan: GcPlan, tick: Tick) -> GcResult:
     return GcResult(rows_deleted=rows)
 
 
-def _still_waiting(catalog: Catalog, plan: GcPlan) -> set[str]:
-    """Keys builds not merged yet will name, looked at again just before the DELETE: the
-    fragments of the catalog gc writes (a bucket's: the version it works on), and the claims
-    of the store (stale ones removed: a killed build pins nothing)."""
-    return waiting_keys(catalog.layout) | claimed_keys(plan.layout, drop_stale=True)
+def _still_waiting(plan: GcPlan) -> set[str]:
+    """Keys builds not merged yet will name, looked at again just before the DELETE: those the
+    store's sealed fragments store or name (a bucket's brought in first: parts may have
+    uploaded theirs since the plan; the copy of a version gc works on holds none), and those
+    its live claims name (stale ones removed: a killed build pins nothing)."""
+    place_of(plan.layout).sync_fragments()
+    return waiting_keys(plan.layout) | claimed_keys(plan.layout, drop_stale=True)
 
 
 def _delete_empty_shards(

@@ -1,0 +1,57 @@
+"""Upkeep over a bucket store with several catalog versions: gc racing the builds and merges that
+publish them (round seven, upkeep). Served features are compared with the encoder run now."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from featbake import CachedFeatureDataset
+from featbake.bake.pipeline import build
+from featbake.store.bucket import BucketStore, merge_bucket
+from featbake.store.open import open_store
+from featbake.upkeep import GcOptions, drop_root, gc, verify
+from featbake.upkeep.gc import GcPlan
+from tests.conftest import live_features
+from tests.store.bucket.conftest import S3
+
+#: gc as eager as it can be: no grace, no retention.
+EAGER = GcOptions(grace=0.0, retention=0.0)
+
+
+def _store(url: str, tier: Path) -> BucketStore:
+    store = open_store(url, local_cache=tier).remote
+    assert isinstance(store, BucketStore)
+    return store
+
+
+def test_gc_of_a_bucket_keeps_what_parts_sealed_after_its_plan(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    """A bucket store built (version 1), its root dropped (version 2), then gc: after its plan
+    (every row unreached) the same data is built again in two parts, which find every feature
+    stored and upload their done fragments naming the 16 keys. gc's look at the fragments just
+    before its DELETE read the copy of the catalog it works on, where no fragment is, so it
+    deleted the 16 rows (version 3) and swept their shard objects; the merge then published
+    a root of 16 items, every one missing. It reads the bucket's fragments now."""
+    first = build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
+    drop_root(_store(s3.url, tmp_path / "dropper").layout, first.root)
+
+    def parts_meanwhile(plan: GcPlan) -> None:
+        assert len({r.key for r in plan.unreached}) == 16
+        for part in ("0/2", "1/2"):
+            again = build(audio_dir, encoder_file, cache=s3.url, workers=0, shard=part)
+            assert again.encoded == 0  # reused what the plan will delete
+
+    done = gc(_store(s3.url, tmp_path / "gc").layout, EAGER, on_plan=parts_meanwhile)
+    assert done.rows_deleted == 0 and done.shards_deleted == 0
+
+    assert merge_bucket(_store(s3.url, tmp_path / "merger")).roots == [first.root]
+    assert verify(s3.url, local_cache=tmp_path / "verifier").status == "clean"
+    ds = CachedFeatureDataset(
+        audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "reader", on_miss="error"
+    )
+    assert len(ds) == 16
+    for i in range(len(ds)):
+        torch.testing.assert_close(ds[i], live_features(encoder_file, Path(ds.path(i))))
