@@ -40,6 +40,7 @@ from featbake.store.fragments import (
     sealed_fragments,
 )
 from featbake.store.layout import Layout, checked_shard_name, is_shard_name
+from featbake.store.locks import locked
 from featbake.store.merge import MergeReport, merge
 from featbake.store.objects import CLIENT_CONNECTIONS as CLIENT_CONNECTIONS
 from featbake.store.objects import LIST_PAGE_KEYS as LIST_PAGE_KEYS
@@ -101,6 +102,9 @@ HEADS_AHEAD = 64
 #: ``<tier>/tier.json``: marks a folder as a bucket store's local tier, naming its bucket (a
 #: tier given as ``--cache`` is refused: :func:`featbake.store.open.open_store`).
 TIER_MARK = "tier.json"
+#: ``<tier>/fragments.seen``: the fragments this tier knows the bucket held (it uploaded or
+#: downloaded them), so that one the bucket no longer lists is known retired, not unsent.
+SEEN_FRAGMENTS = "fragments.seen"
 
 
 class PinnedVersion(NamedTuple):
@@ -140,6 +144,7 @@ class BucketStore(ProcessLocalState):
         self._named: dict[str, int] | None = None  # see _named_shards
         self._named_total = 0
         self._warned_window = False
+        self.listed_fragments: frozenset[str] = frozenset()  # the last sync_fragments' listing
 
     #: This process's background fetches (the shards they bring in) and their lock: a forked
     #: child has neither the parent's fetch threads nor a lock one of them may hold.
@@ -512,6 +517,8 @@ class BucketStore(ProcessLocalState):
     def publish_fragment(self, fragment: Path, shards: Sequence[str]) -> None:
         self.publish_shards(shards)
         self.bucket.upload(f"{FRAGMENTS}{fragment.name}", fragment)
+        with locked(self._seen_lock):
+            self._write_seen(self._read_seen() | {fragment.name})
 
     def defers_fragments(self) -> bool:
         return True  # each fragment is a PUT (and a fold for merge): a build batches them
@@ -732,18 +739,62 @@ class BucketStore(ProcessLocalState):
         return True  # written-back features go to fragments, published after their shards
 
     def sync_fragments(self) -> int:
-        """Download the bucket's fragments the tier lacks (other nodes' ranks); how many."""
+        """Download the bucket's fragments the tier lacks (other nodes' ranks); how many.
+
+        The tier's copies of fragments the bucket held (uploaded or downloaded here: see
+        :data:`SEEN_FRAGMENTS`) and no longer lists are let go first: some node merged and
+        retired them, and a copy kept would be merged again (a root dropped since would come
+        back) and keep its keys from gc for ever.
+        """
         here = fragments_dir(self.layout)
         here.mkdir(parents=True, exist_ok=True)
         got = 0
-        for o in self.bucket.list(FRAGMENTS):
-            name = Path(o.name).name
-            final = here / name
-            if parse_name(final) is None or final.exists():
-                continue
-            publish_file(final, partial(self.bucket.download, o.name), tmp_dir=self.layout.tmp)
-            got += 1
+        with locked(self._seen_lock):
+            listed = {Path(o.name).name for o in self.bucket.list(FRAGMENTS)}
+            seen = self._read_seen()
+            for name in retired_copies(seen, listed):
+                with contextlib.suppress(FileNotFoundError):
+                    (here / name).unlink()
+            for name in sorted(listed):
+                final = here / name
+                if parse_name(final) is None or final.exists():
+                    continue
+                publish_file(
+                    final, partial(self.bucket.download, FRAGMENTS + name), tmp_dir=self.layout.tmp
+                )
+                got += 1
+            self._write_seen(seen & listed | {n for n in listed if (here / n).exists()})
+        self.listed_fragments = frozenset(listed)
         return got
+
+    @property
+    def _seen_lock(self) -> Path:
+        return self.layout.root / "fragments.lock"
+
+    def _read_seen(self) -> set[str]:
+        """The names of :data:`SEEN_FRAGMENTS` (none where it is missing or unreadable: then
+        no copy is let go, as before it was kept)."""
+        try:
+            names = json.loads((self.layout.root / SEEN_FRAGMENTS).read_text())
+        except (OSError, ValueError):
+            return set()
+        return {str(n) for n in names} if isinstance(names, list) else set()
+
+    def _write_seen(self, names: set[str]) -> None:
+        path = self.layout.root / SEEN_FRAGMENTS
+        text = json.dumps(sorted(names))
+        publish_file(path, lambda p: p.write_text(text), tmp_dir=self.layout.tmp, durable=False)
+
+
+def retired_copies(seen: Collection[str], listed: Collection[str]) -> set[str]:
+    """The fragments a tier holds copies of that the bucket held once (``seen``) and lists no
+    more (``listed``): merged and retired by some node (pure).
+
+    Example:
+        >>> sorted(retired_copies({"a", "b"}, {"b", "c"}))
+        ['a']
+    """
+    return set(seen) - set(listed)
 
 
 def catalog_shards(catalog: Path) -> dict[str, int]:
@@ -882,7 +933,10 @@ def merge_bucket(store: BucketStore, *, between: Between = None) -> MergeReport:
         store.sync_fragments()
         here = fragments_dir(store.layout)
         fragments_dir(work).mkdir()
-        folding = {f.path.name for f in sealed_fragments(store.layout)}
+        # Only what the bucket holds: a copy left here of a fragment merged elsewhere is not
+        # folded again (a root dropped since would come back).
+        listed = store.listed_fragments
+        folding = {f.path.name for f in sealed_fragments(store.layout) if f.path.name in listed}
         for name in folding:
             os.link(here / name, fragments_dir(work) / name)
         report = merge(work, between=between, skip_damaged=True)

@@ -10,6 +10,8 @@ import torch
 from featbake import CachedFeatureDataset
 from featbake.bake.pipeline import build
 from featbake.store.bucket import BucketStore, merge_bucket
+from featbake.store.catalog import Catalog
+from featbake.store.fragments import sealed_fragments
 from featbake.store.open import open_store
 from featbake.upkeep import GcOptions, drop_root, gc, verify
 from featbake.upkeep.gc import GcPlan
@@ -55,3 +57,28 @@ def test_gc_of_a_bucket_keeps_what_parts_sealed_after_its_plan(
     assert len(ds) == 16
     for i in range(len(ds)):
         torch.testing.assert_close(ds[i], live_features(encoder_file, Path(ds.path(i))))
+
+
+def test_a_root_dropped_stays_dropped_when_gc_runs_on_a_node_that_copied_its_fragments(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    """A build in two parts into a bucket; node A brings the fragments into its tier (as a
+    build or gc there does), node B merges them (version 1, the fragments deleted from the
+    bucket), the root is dropped (version 2), then gc runs on node A. Before, gc's first step
+    merged the copies A still held: version 3 published the dropped root again, and gc freed
+    nothing. Now a merge folds only fragments the bucket holds, and a tier lets go of copies
+    whose object is gone, so gc frees the 16 features."""
+    for part in ("0/2", "1/2"):
+        build(audio_dir, encoder_file, cache=s3.url, workers=0, shard=part)
+    assert _store(s3.url, tmp_path / "a").sync_fragments() == 4
+    (root,) = merge_bucket(_store(s3.url, tmp_path / "b")).roots
+    drop_root(_store(s3.url, tmp_path / "c").layout, root)
+
+    done = gc(_store(s3.url, tmp_path / "a").layout, EAGER)
+    assert done.rows_deleted == 16 and done.roots_dropped == []
+    reader = _store(s3.url, tmp_path / "d")
+    reader.sync_catalog()
+    with Catalog(reader.layout, read_only=True) as catalog:
+        assert catalog.roots() == [] and catalog.unreached_features() == []
+    assert sealed_fragments(_store(s3.url, tmp_path / "a").layout) == []
+    assert verify(s3.url, local_cache=tmp_path / "verifier").status == "clean"
