@@ -15,6 +15,7 @@ versions' names and gc's rule over them are :mod:`featbake.store.versions`, the 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -45,7 +46,7 @@ from featbake.store.merge import MergeReport, merge
 from featbake.store.objects import CLIENT_CONNECTIONS as CLIENT_CONNECTIONS
 from featbake.store.objects import LIST_PAGE_KEYS as LIST_PAGE_KEYS
 from featbake.store.objects import ObjectStore
-from featbake.store.place import Change, Sweep, Swept, TierUsage, VerifyScope
+from featbake.store.place import Change, Held, Sweep, Swept, TierUsage, VerifyScope
 from featbake.store.ranged import RangedShardReader, head_ahead
 from featbake.store.roots import carried_records, restore_records
 from featbake.store.shard import (
@@ -105,6 +106,8 @@ TIER_MARK = "tier.json"
 #: ``<tier>/fragments.seen``: the fragments this tier knows the bucket held (it uploaded or
 #: downloaded them), so that one the bucket no longer lists is known retired, not unsent.
 SEEN_FRAGMENTS = "fragments.seen"
+#: ``<tier>/tmp/work-<id>``: the copy of the newest catalog version a change works on.
+WORK_PREFIX = "work-"
 
 
 class PinnedVersion(NamedTuple):
@@ -593,7 +596,19 @@ class BucketStore(ProcessLocalState):
         versions = self.bucket.list(PREFIX)
         keep = kept_versions(versions, now, retention)
         named_by = {n: self._version_shards(n) for n in keep}
-        return sweep(versions, shards, named_by, pending, now, retention)
+        planned = sweep(versions, shards, named_by, pending, now, retention)
+        return dataclasses.replace(planned, loose=self._left_work(now, grace))
+
+    def _left_work(self, now: float, grace: float) -> tuple[Held, ...]:
+        """The tier's ``tmp/work-*`` folders (a catalog copy a change works on before its
+        publish: :func:`publish_next`) untouched for ``grace``: left by a gc, merge or drop
+        killed before it could remove its own."""
+        out = []
+        for folder in sorted(self.layout.tmp.glob(f"{WORK_PREFIX}*")):
+            held = held_folder(folder)
+            if held is not None and now - held.modified >= grace:
+                out.append(held)
+        return tuple(out)
 
     def _version_shards(self, version: int) -> set[str]:
         """The shard names catalog version ``version`` holds (the tier's copy when it is it)."""
@@ -611,7 +626,9 @@ class BucketStore(ProcessLocalState):
         """Delete the plan's shard objects, then its retired versions."""
         self.bucket.delete(h.name for h in plan.shards)
         self.bucket.delete(h.name for h in plan.versions)
-        return Swept(len(plan.shards), 0, len(plan.versions), plan.bytes)
+        for h in plan.loose:  # the tier's leftovers: folders of killed changes
+            shutil.rmtree(h.name, ignore_errors=True)
+        return Swept(len(plan.shards), len(plan.loose), len(plan.versions), plan.bytes)
 
     def repair_refusal(self) -> str | None:
         return (
@@ -786,6 +803,22 @@ class BucketStore(ProcessLocalState):
         publish_file(path, lambda p: p.write_text(text), tmp_dir=self.layout.tmp, durable=False)
 
 
+def held_folder(folder: Path) -> Held | None:
+    """A folder as gc's sweep weighs it: its path, the bytes of its files, and its latest
+    change (its own or a file's); None where it went meanwhile or is not a folder."""
+    try:
+        if not folder.is_dir() or folder.is_symlink():
+            return None
+        size, latest = 0, folder.stat().st_mtime
+        for path in folder.rglob("*"):
+            st = path.lstat()
+            size += st.st_size if path.is_file() else 0
+            latest = max(latest, st.st_mtime)
+    except OSError:
+        return None
+    return Held(str(folder), size, latest)
+
+
 def retired_copies(seen: Collection[str], listed: Collection[str]) -> set[str]:
     """The fragments a tier holds copies of that the bucket held once (``seen``) and lists no
     more (``listed``): merged and retired by some node (pure).
@@ -893,7 +926,7 @@ def publish_next(store: BucketStore, change: Callable[[Layout], Change[T]]) -> T
     """
     for _ in range(TRIES):
         version = store.sync_catalog()
-        work = Layout(store.layout.tmp / f"work-{uuid.uuid4().hex[:12]}", remote=store)
+        work = Layout(store.layout.tmp / f"{WORK_PREFIX}{uuid.uuid4().hex[:12]}", remote=store)
         try:
             work.ensure()
             if store.layout.catalog.exists():

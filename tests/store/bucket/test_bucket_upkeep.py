@@ -3,6 +3,7 @@ publish them (round seven, upkeep). Served features are compared with the encode
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import torch
@@ -14,8 +15,8 @@ from featbake.store.catalog import Catalog
 from featbake.store.fragments import sealed_fragments
 from featbake.store.open import open_store
 from featbake.upkeep import GcOptions, drop_root, gc, verify
-from featbake.upkeep.gc import GcPlan
-from tests.conftest import live_features
+from featbake.upkeep.gc import CRASH_ENV, GcPlan
+from tests.conftest import live_features, run_cli
 from tests.store.bucket.conftest import S3
 
 #: gc as eager as it can be: no grace, no retention.
@@ -81,4 +82,32 @@ def test_a_root_dropped_stays_dropped_when_gc_runs_on_a_node_that_copied_its_fra
     with Catalog(reader.layout, read_only=True) as catalog:
         assert catalog.roots() == [] and catalog.unreached_features() == []
     assert sealed_fragments(_store(s3.url, tmp_path / "a").layout) == []
+    assert verify(s3.url, local_cache=tmp_path / "verifier").status == "clean"
+
+
+def test_a_gc_killed_on_a_bucket_store_leaves_no_catalog_copy_behind_for_ever(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    """gc of a bucket store works on a copy of the newest catalog version in the tier's
+    ``tmp/work-*`` folder and publishes it as the next one. Killed there (SIGKILL, between its
+    DELETE and its publish), it published nothing, and its copy stayed: the tier's sweep left
+    ``tmp/`` alone and a directory's sweep takes files only, so every killed gc, merge or drop
+    left a whole catalog on the node's disk. The rerun's sweep removes such folders once past
+    the grace period; the store is whole throughout."""
+    first = build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
+    tier = tmp_path / "gc"
+    drop_root(_store(s3.url, tier).layout, first.root)
+    versions = s3.objects("catalog/")
+    killed = run_cli(
+        "gc", "--cache", s3.url, "--local-cache", tier, "--grace", "0s", "--retention", "0s",
+        env={**s3.env, CRASH_ENV: "rows-deleted"},
+    )  # fmt: skip
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert s3.objects("catalog/") == versions  # nothing published
+    (left,) = _store(s3.url, tier).layout.tmp.glob("work-*")
+    assert (left / "catalog.sqlite").exists()
+
+    done = gc(_store(s3.url, tier).layout, EAGER)
+    assert done.rows_deleted == 16 and done.tmp_removed == 1
+    assert not left.exists()
     assert verify(s3.url, local_cache=tmp_path / "verifier").status == "clean"
