@@ -5,7 +5,8 @@ A build in parts (``--part``, ranks) or a build writing fragments on a shared fi
 its keys up in the catalog and reuses what it finds; until its ``done`` fragment is sealed no
 fragment names the keys it reused (their rows are the catalog's), so gc, which keeps what sealed
 fragments name (``waiting_keys``), saw nothing keeping them. Such a build now writes a *claim*
-first, ``<store>/claims/<id>.claim`` (JSON: host, pid, owner, keys), and looks up only then:
+first, ``<store>/claims/<id>.claim`` (a JSON line: host, pid, owner; then a key a line, new
+keys appended), and looks up only then:
 
 - the claim is written under ``claims.lock`` held shared, and gc holds it alone from its last look
   at the claims until its DELETE has committed, so either gc sees the claim, or the build's
@@ -169,15 +170,28 @@ def read_claims(layout: Layout) -> list[Claim]:
     return out
 
 
+def parse_claim(text: str) -> tuple[dict, frozenset[str]]:
+    """A claim file's header (JSON, its first line) and keys (one a line after it); a last
+    line without its newline is an append cut short, which nothing relied on (pure).
+
+    Example:
+        >>> parse_claim('{"format": "featbake-claim"}\\na\\nb\\nc')[1] == {"a", "b"}
+        True
+    """
+    lines = text.split("\n")
+    head = json.loads(lines[0])
+    if not isinstance(head, dict) or head.get("format") != CLAIM_FORMAT:
+        raise ValueError("not a featbake claim")
+    return head, frozenset(k for k in lines[1:-1] if k)
+
+
 def _read_claim(path: Path) -> Claim | None:
     """The claim at ``path``; None when it went meanwhile or is unreadable but stale."""
     try:
         mtime = path.stat().st_mtime
-        doc = json.loads(path.read_text())
-        if doc.get("format") != CLAIM_FORMAT:
-            raise ValueError("not a featbake claim")
+        doc, keys = parse_claim(path.read_text())
         head = ClaimHead(str(doc["host"]), int(doc["pid"]), mtime)
-        return Claim(path, head, str(doc.get("owner", "")), frozenset(map(str, doc["keys"])))
+        return Claim(path, head, str(doc.get("owner", "")), keys)
     except FileNotFoundError:
         return None  # let go since the listing
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -245,20 +259,28 @@ class ClaimFile:
             if not new:
                 return
             with locked(claims_lock(self.layout), shared=True):  # waits while a gc deletes
-                self._write(self.keys | new)
+                self._write(sorted(new))
             self.keys |= new
             self._last_beat = self._monotonic()
         if self._thread is None:
             self._thread = threading.Thread(target=self._beating, name="claim", daemon=True)
             self._thread.start()
 
-    def _write(self, keys: set[str]) -> None:
-        doc = {"format": CLAIM_FORMAT, "host": this_host(), "pid": os.getpid(),
-               "owner": self.owner, "keys": sorted(keys)}  # fmt: skip
+    def _write(self, keys: list[str]) -> None:
+        """Publish the claim with ``keys``, or append them to it (each key written once: a
+        part's engine worker claims task after task), durable before the caller looks up."""
+        lines = "".join(f"{k}\n" for k in keys)
         try:
-            publish_file(
-                self.path, lambda p: p.write_text(json.dumps(doc)), tmp_dir=claims_dir(self.layout)
-            )
+            if self.keys:
+                with open(self.path, "a") as f:
+                    f.write(lines)
+                    f.flush()
+                    os.fsync(f.fileno())
+                return
+            doc = {"format": CLAIM_FORMAT, "host": this_host(), "pid": os.getpid(),
+                   "owner": self.owner}  # fmt: skip
+            text = json.dumps(doc) + "\n" + lines
+            publish_file(self.path, lambda p: p.write_text(text), tmp_dir=claims_dir(self.layout))
         except OSError as e:
             raise StoreError(
                 f"could not write the claim {self.path} ({e.strerror or e}); check that the "

@@ -133,8 +133,8 @@ def test_a_part_stopped_longer_than_a_claim_holds_refuses_to_seal_in_one_line(
 def _claim_file(store: Path, host: str, pid: int, named: list[str], age_s: float) -> Path:
     path = claims_dir(Layout(store)) / f"{host}-{pid}.claim"
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"format": CLAIM_FORMAT, "host": host, "pid": pid, "owner": "test", "keys": named}
-    path.write_text(json.dumps(doc))
+    doc = {"format": CLAIM_FORMAT, "host": host, "pid": pid, "owner": "test"}
+    path.write_text(json.dumps(doc) + "\n" + "".join(f"{k}\n" for k in named))
     t = time.time() - age_s
     os.utime(path, (t, t))
     return path
@@ -146,7 +146,8 @@ from pathlib import Path
 from featbake.store.claims import ClaimFile
 from featbake.store.layout import Layout
 claim = ClaimFile(Layout(Path(sys.argv[1])), "part 0/1")
-claim.cover(sys.argv[2:])
+claim.cover(sys.argv[2:4])
+claim.cover(sys.argv[2:])  # the rest appended
 print("claimed", flush=True)
 sys.stdin.read()
 """
