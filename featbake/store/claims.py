@@ -331,3 +331,5 @@ class ClaimFile:
             self._last_beat = None
             if self.keys:
                 remove_file(self.path)
+            self.keys, self._lapsed = set(), False  # a later cover claims afresh
+            self._stop, self._thread = threading.Event(), None

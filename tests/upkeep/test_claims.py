@@ -127,6 +127,10 @@ def test_a_part_stopped_longer_than_a_claim_holds_refuses_to_seal_in_one_line(
     assert "\n" not in str(e.value)
     claim.release()
     assert read_claims(Layout(tmp_path)) == []
+    claim.cover(["k3"])  # claimed afresh after its release
+    assert [c.keys for c in read_claims(Layout(tmp_path))] == [frozenset({"k3"})]
+    claim.check_held()
+    claim.release()
 
 
 # == claims left behind ========================================================================
