@@ -200,6 +200,9 @@ class FragmentCatalog:
         # A rank's claim on the keys it looks up, until its ``done`` fragment names them (a
         # store in a directory: gc there reads it; see store/claims.py).
         self.claim: ClaimFile | None = None
+        # A rank into a bucket: the keys it found in the catalog version it read, checked again
+        # in the newest before its ``done`` fragment names them (a gc may have published one).
+        self._relied: set[str] = set()
         if part is not None and layout.remote is None:
             self.claim = ClaimFile(layout, f"part {part.rank}/{part.world}")
         # Lock order: ``_seal_lock``, then ``_lock``; a seal is never started with ``_lock`` held.
@@ -283,6 +286,9 @@ class FragmentCatalog:
             self.claim.cover(keys)
         nothing: set[str] = set()
         found = self._read(lambda c: c.present_keys(keys), nothing)
+        if self.part is not None and self.claim is None:
+            with self._lock:
+                self._relied |= found
         names = sealed_fragments(self.layout)
         if self.part is None:
             sealed = [f.path for f in names if f.build_id == self._build]
@@ -491,11 +497,32 @@ class FragmentCatalog:
                 fragment could not be written.
         """
         if self.claim is None:
+            self._check_still_stored()
             return self._seal(FragmentKind.DONE)
         self.claim.check_held()
         name = self._seal(FragmentKind.DONE)
         self.claim.release()
         return name
+
+    def _check_still_stored(self) -> None:
+        """A rank into a bucket (no claim reaches a gc on another node): the keys it found
+        stored, looked up again in the newest catalog version before its ``done`` fragment
+        names them.
+
+        Raises:
+            StoreError: a gc published a version without some of them while the rank ran.
+        """
+        with self._lock:
+            relied = sorted(self._relied)
+        if not relied or self.place.sync_catalog() == 0:
+            return
+        nothing: set[str] = set()
+        gone = set(relied) - self._read(lambda c: c.present_keys(relied), nothing)
+        if gone:
+            raise StoreError(
+                f"a gc deleted {len(gone)} stored features this build part reused while it ran "
+                "(the store's newest catalog lacks them); run this part again: it encodes them"
+            )
 
     def close(self) -> None:
         """Seal what is held (a hint: an unwritable store skips it) and close the catalog."""

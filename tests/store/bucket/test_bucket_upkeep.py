@@ -6,12 +6,15 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
+import pytest
 import torch
 
 from featbake import CachedFeatureDataset
 from featbake.bake.pipeline import build
+from featbake.errors import StoreError
 from featbake.store.bucket import BucketStore, merge_bucket
 from featbake.store.catalog import Catalog
+from featbake.store.fragment_catalog import FragmentCatalog
 from featbake.store.fragments import sealed_fragments
 from featbake.store.open import open_store
 from featbake.upkeep import GcOptions, drop_root, gc, verify
@@ -111,3 +114,38 @@ def test_a_gc_killed_on_a_bucket_store_leaves_no_catalog_copy_behind_for_ever(
     assert done.rows_deleted == 16 and done.tmp_removed == 1
     assert not left.exists()
     assert verify(s3.url, local_cache=tmp_path / "verifier").status == "clean"
+
+
+def test_a_part_into_a_bucket_that_a_gc_raced_says_so_and_its_rerun_encodes_what_went(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bucket store built, its root dropped, then built again in two parts; part 0/2 finds
+    its 8 features stored and reuses them, and a gc on another node publishes a version
+    without them before the part seals its done fragment. Before, the part sealed it anyway
+    and the merge published a root with those 8 items missing. Now the part looks its reused
+    keys up again in the newest version first and stops in one line; its rerun encodes them."""
+    first = build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
+    drop_root(_store(s3.url, tmp_path / "dropper").layout, first.root)
+    sealing = FragmentCatalog.finish
+    deleted: list[int] = []
+
+    def gc_then_finish(self: FragmentCatalog) -> str | None:
+        if self.part is not None and self.part.rank == 0 and not deleted:
+            deleted.append(gc(_store(s3.url, tmp_path / "gc").layout, EAGER).rows_deleted)
+        return sealing(self)
+
+    monkeypatch.setattr(FragmentCatalog, "finish", gc_then_finish)
+    with pytest.raises(StoreError, match="run this part again") as e:
+        build(audio_dir, encoder_file, cache=s3.url, workers=0, shard="0/2")
+    assert deleted == [16] and "\n" not in str(e.value)
+    monkeypatch.setattr(FragmentCatalog, "finish", sealing)
+    for part in ("0/2", "1/2"):
+        assert build(audio_dir, encoder_file, cache=s3.url, workers=0, shard=part).encoded == 8
+
+    assert merge_bucket(_store(s3.url, tmp_path / "merger")).roots == [first.root]
+    ds = CachedFeatureDataset(
+        audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "reader", on_miss="error"
+    )
+    assert ds.stored() == len(ds) == 16
+    for i in range(len(ds)):
+        torch.testing.assert_close(ds[i], live_features(encoder_file, Path(ds.path(i))))
