@@ -214,7 +214,18 @@ def claimed_keys(layout: Layout, now: float | None = None, *, drop_stale: bool =
         for c in claims:
             if claim_state(c.head, now, here, pid_alive) is not ClaimState.LIVE:
                 remove_file(c.path)
+        drop_cut_writes(layout, now)
     return kept_keys(claims, now, here, pid_alive)
+
+
+def drop_cut_writes(layout: Layout, now: float) -> None:
+    """Remove the temporary files of claims whose writer was killed mid-write (``*.part`` in
+    ``claims/``) once older than :data:`STALE_AFTER_S`: no claim names them."""
+    with contextlib.suppress(OSError):
+        for path in claims_dir(layout).glob("*.part"):
+            with contextlib.suppress(OSError):
+                if now - path.stat().st_mtime > STALE_AFTER_S:
+                    path.unlink()
 
 
 class ClaimFile:

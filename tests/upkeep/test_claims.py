@@ -178,8 +178,12 @@ def test_a_claim_left_by_a_killed_build_does_not_block_gc(
     silent = _claim_file(store, "elsewhere", 1, named[8:12], STALE_AFTER_S + 60)
     live = _claim_file(store, "elsewhere", 2, named[12:], 30.0)
     (killed,) = [c.path for c in read_claims(Layout(store)) if c.head.host == this_host()]
+    cut = claims_dir(Layout(store)) / "x.claim.1.abc.part"  # a write killed before its rename
+    cut.write_text("{")
+    t = time.time() - STALE_AFTER_S - 60
+    os.utime(cut, (t, t))
 
     assert execute_gc(plan_gc(store, EAGER)).rows_deleted == 12  # all but the live claim's
-    assert not killed.exists() and not silent.exists() and live.exists()
+    assert not killed.exists() and not silent.exists() and not cut.exists() and live.exists()
     live.unlink()
     assert execute_gc(plan_gc(store, EAGER)).rows_deleted == 4
