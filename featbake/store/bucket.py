@@ -15,6 +15,7 @@ versions' names and gc's rule over them are :mod:`featbake.store.versions`, the 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -40,11 +41,12 @@ from featbake.store.fragments import (
     sealed_fragments,
 )
 from featbake.store.layout import Layout, checked_shard_name, is_shard_name
+from featbake.store.locks import locked
 from featbake.store.merge import MergeReport, merge
 from featbake.store.objects import CLIENT_CONNECTIONS as CLIENT_CONNECTIONS
 from featbake.store.objects import LIST_PAGE_KEYS as LIST_PAGE_KEYS
 from featbake.store.objects import ObjectStore
-from featbake.store.place import Change, Sweep, Swept, TierUsage, VerifyScope
+from featbake.store.place import Change, Held, Sweep, Swept, TierUsage, VerifyScope
 from featbake.store.ranged import RangedShardReader, head_ahead
 from featbake.store.roots import carried_records, restore_records
 from featbake.store.shard import (
@@ -101,6 +103,11 @@ HEADS_AHEAD = 64
 #: ``<tier>/tier.json``: marks a folder as a bucket store's local tier, naming its bucket (a
 #: tier given as ``--cache`` is refused: :func:`featbake.store.open.open_store`).
 TIER_MARK = "tier.json"
+#: ``<tier>/fragments.seen``: the fragments this tier knows the bucket held (it uploaded or
+#: downloaded them), so that one the bucket no longer lists is known retired, not unsent.
+SEEN_FRAGMENTS = "fragments.seen"
+#: ``<tier>/tmp/work-<id>``: the copy of the newest catalog version a change works on.
+WORK_PREFIX = "work-"
 
 
 class PinnedVersion(NamedTuple):
@@ -140,6 +147,7 @@ class BucketStore(ProcessLocalState):
         self._named: dict[str, int] | None = None  # see _named_shards
         self._named_total = 0
         self._warned_window = False
+        self.listed_fragments: frozenset[str] = frozenset()  # the last sync_fragments' listing
 
     #: This process's background fetches (the shards they bring in) and their lock: a forked
     #: child has neither the parent's fetch threads nor a lock one of them may hold.
@@ -512,6 +520,8 @@ class BucketStore(ProcessLocalState):
     def publish_fragment(self, fragment: Path, shards: Sequence[str]) -> None:
         self.publish_shards(shards)
         self.bucket.upload(f"{FRAGMENTS}{fragment.name}", fragment)
+        with locked(self._seen_lock):
+            self._write_seen(self._read_seen() | {fragment.name})
 
     def defers_fragments(self) -> bool:
         return True  # each fragment is a PUT (and a fold for merge): a build batches them
@@ -586,7 +596,19 @@ class BucketStore(ProcessLocalState):
         versions = self.bucket.list(PREFIX)
         keep = kept_versions(versions, now, retention)
         named_by = {n: self._version_shards(n) for n in keep}
-        return sweep(versions, shards, named_by, pending, now, retention)
+        planned = sweep(versions, shards, named_by, pending, now, retention)
+        return dataclasses.replace(planned, loose=self._left_work(now, grace))
+
+    def _left_work(self, now: float, grace: float) -> tuple[Held, ...]:
+        """The tier's ``tmp/work-*`` folders (a catalog copy a change works on before its
+        publish: :func:`publish_next`) untouched for ``grace``: left by a gc, merge or drop
+        killed before it could remove its own."""
+        out = []
+        for folder in sorted(self.layout.tmp.glob(f"{WORK_PREFIX}*")):
+            held = held_folder(folder)
+            if held is not None and now - held.modified >= grace:
+                out.append(held)
+        return tuple(out)
 
     def _version_shards(self, version: int) -> set[str]:
         """The shard names catalog version ``version`` holds (the tier's copy when it is it)."""
@@ -604,7 +626,9 @@ class BucketStore(ProcessLocalState):
         """Delete the plan's shard objects, then its retired versions."""
         self.bucket.delete(h.name for h in plan.shards)
         self.bucket.delete(h.name for h in plan.versions)
-        return Swept(len(plan.shards), 0, len(plan.versions), plan.bytes)
+        for h in plan.loose:  # the tier's leftovers: folders of killed changes
+            shutil.rmtree(h.name, ignore_errors=True)
+        return Swept(len(plan.shards), len(plan.loose), len(plan.versions), plan.bytes)
 
     def repair_refusal(self) -> str | None:
         return (
@@ -732,18 +756,78 @@ class BucketStore(ProcessLocalState):
         return True  # written-back features go to fragments, published after their shards
 
     def sync_fragments(self) -> int:
-        """Download the bucket's fragments the tier lacks (other nodes' ranks); how many."""
+        """Download the bucket's fragments the tier lacks (other nodes' ranks); how many.
+
+        The tier's copies of fragments the bucket held (uploaded or downloaded here: see
+        :data:`SEEN_FRAGMENTS`) and no longer lists are let go first: some node merged and
+        retired them, and a copy kept would be merged again (a root dropped since would come
+        back) and keep its keys from gc for ever.
+        """
         here = fragments_dir(self.layout)
         here.mkdir(parents=True, exist_ok=True)
         got = 0
-        for o in self.bucket.list(FRAGMENTS):
-            name = Path(o.name).name
-            final = here / name
-            if parse_name(final) is None or final.exists():
-                continue
-            publish_file(final, partial(self.bucket.download, o.name), tmp_dir=self.layout.tmp)
-            got += 1
+        with locked(self._seen_lock):
+            listed = {Path(o.name).name for o in self.bucket.list(FRAGMENTS)}
+            seen = self._read_seen()
+            for name in retired_copies(seen, listed):
+                with contextlib.suppress(FileNotFoundError):
+                    (here / name).unlink()
+            for name in sorted(listed):
+                final = here / name
+                if parse_name(final) is None or final.exists():
+                    continue
+                publish_file(
+                    final, partial(self.bucket.download, FRAGMENTS + name), tmp_dir=self.layout.tmp
+                )
+                got += 1
+            self._write_seen(seen & listed | {n for n in listed if (here / n).exists()})
+        self.listed_fragments = frozenset(listed)
         return got
+
+    @property
+    def _seen_lock(self) -> Path:
+        return self.layout.root / "fragments.lock"
+
+    def _read_seen(self) -> set[str]:
+        """The names of :data:`SEEN_FRAGMENTS` (none where it is missing or unreadable: then
+        no copy is let go, as before it was kept)."""
+        try:
+            names = json.loads((self.layout.root / SEEN_FRAGMENTS).read_text())
+        except (OSError, ValueError):
+            return set()
+        return {str(n) for n in names} if isinstance(names, list) else set()
+
+    def _write_seen(self, names: set[str]) -> None:
+        path = self.layout.root / SEEN_FRAGMENTS
+        text = json.dumps(sorted(names))
+        publish_file(path, lambda p: p.write_text(text), tmp_dir=self.layout.tmp, durable=False)
+
+
+def held_folder(folder: Path) -> Held | None:
+    """A folder as gc's sweep weighs it: its path, the bytes of its files, and its latest
+    change (its own or a file's); None where it went meanwhile or is not a folder."""
+    try:
+        if not folder.is_dir() or folder.is_symlink():
+            return None
+        size, latest = 0, folder.stat().st_mtime
+        for path in folder.rglob("*"):
+            st = path.lstat()
+            size += st.st_size if path.is_file() else 0
+            latest = max(latest, st.st_mtime)
+    except OSError:
+        return None
+    return Held(str(folder), size, latest)
+
+
+def retired_copies(seen: Collection[str], listed: Collection[str]) -> set[str]:
+    """The fragments a tier holds copies of that the bucket held once (``seen``) and lists no
+    more (``listed``): merged and retired by some node (pure).
+
+    Example:
+        >>> sorted(retired_copies({"a", "b"}, {"b", "c"}))
+        ['a']
+    """
+    return set(seen) - set(listed)
 
 
 def catalog_shards(catalog: Path) -> dict[str, int]:
@@ -842,7 +926,7 @@ def publish_next(store: BucketStore, change: Callable[[Layout], Change[T]]) -> T
     """
     for _ in range(TRIES):
         version = store.sync_catalog()
-        work = Layout(store.layout.tmp / f"work-{uuid.uuid4().hex[:12]}", remote=store)
+        work = Layout(store.layout.tmp / f"{WORK_PREFIX}{uuid.uuid4().hex[:12]}", remote=store)
         try:
             work.ensure()
             if store.layout.catalog.exists():
@@ -882,7 +966,10 @@ def merge_bucket(store: BucketStore, *, between: Between = None) -> MergeReport:
         store.sync_fragments()
         here = fragments_dir(store.layout)
         fragments_dir(work).mkdir()
-        folding = {f.path.name for f in sealed_fragments(store.layout)}
+        # Only what the bucket holds: a copy left here of a fragment merged elsewhere is not
+        # folded again (a root dropped since would come back).
+        listed = store.listed_fragments
+        folding = {f.path.name for f in sealed_fragments(store.layout) if f.path.name in listed}
         for name in folding:
             os.link(here / name, fragments_dir(work) / name)
         report = merge(work, between=between, skip_damaged=True)

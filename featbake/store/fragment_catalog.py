@@ -49,6 +49,7 @@ from typing import TypeVar
 
 from featbake.errors import ShardMissing, StoreCorrupt, StoreError
 from featbake.store.catalog import Catalog, Location, ServingStore
+from featbake.store.claims import ClaimFile
 from featbake.store.fidelity import Measured
 from featbake.store.fragments import (
     BuildInfo,
@@ -196,6 +197,14 @@ class FragmentCatalog:
         # A root's manifest as this process last sealed it (merged or not): what extend_root
         # grows next, beside the catalog's, so a later fragment never publishes it without them.
         self._sealed_roots: dict[str, list[ManifestItem]] = {}
+        # A rank's claim on the keys it looks up, until its ``done`` fragment names them (a
+        # store in a directory: gc there reads it; see store/claims.py).
+        self.claim: ClaimFile | None = None
+        # A rank into a bucket: the keys it found in the catalog version it read, checked again
+        # in the newest before its ``done`` fragment names them (a gc may have published one).
+        self._relied: set[str] = set()
+        if part is not None and layout.remote is None:
+            self.claim = ClaimFile(layout, f"part {part.rank}/{part.world}")
         # Lock order: ``_seal_lock``, then ``_lock``; a seal is never started with ``_lock`` held.
         self._lock = threading.RLock()
         # Re-entrant: a seal that runs code sealing this catalog again on its own thread (a
@@ -271,9 +280,15 @@ class FragmentCatalog:
         """Keys in the catalog or in a sealed fragment this process may build on: a rank's, in
         any build's (a part killed before its end, rerun in another number of parts: the merge
         folds every build's shards, so this build's manifest finds them); a serving
-        process's, in its own."""
+        process's, in its own. A rank claims the keys first (store/claims.py): gc keeps what
+        it finds until its ``done`` fragment names them."""
+        if self.claim is not None:
+            self.claim.cover(keys)
         nothing: set[str] = set()
         found = self._read(lambda c: c.present_keys(keys), nothing)
+        if self.part is not None and self.claim is None:
+            with self._lock:
+                self._relied |= found
         names = sealed_fragments(self.layout)
         if self.part is None:
             sealed = [f.path for f in names if f.build_id == self._build]
@@ -475,13 +490,46 @@ class FragmentCatalog:
     def finish(self) -> str | None:
         """Seal a rank's ``done`` fragment: the rest, the manifest slice, the hash rows, what it
         measured and the keys it could not decode. Its name; None when the build published no
-        manifest."""
-        return self._seal(FragmentKind.DONE)
+        manifest. The rank's claim goes once the fragment names its keys.
+
+        Raises:
+            StoreError: the rank's claim lapsed (it was stopped too long: run it again), or the
+                fragment could not be written.
+        """
+        if self.claim is None:
+            self._check_still_stored()
+            return self._seal(FragmentKind.DONE)
+        self.claim.check_held()
+        name = self._seal(FragmentKind.DONE)
+        self.claim.release()
+        return name
+
+    def _check_still_stored(self) -> None:
+        """A rank into a bucket (no claim reaches a gc on another node): the keys it found
+        stored, looked up again in the newest catalog version before its ``done`` fragment
+        names them.
+
+        Raises:
+            StoreError: a gc published a version without some of them while the rank ran.
+        """
+        with self._lock:
+            relied = sorted(self._relied)
+        if not relied or self.place.sync_catalog() == 0:
+            return
+        nothing: set[str] = set()
+        gone = set(relied) - self._read(lambda c: c.present_keys(relied), nothing)
+        if gone:
+            raise StoreError(
+                f"a gc deleted {len(gone)} stored features this build part reused while it ran "
+                "(the store's newest catalog lacks them); run this part again: it encodes them"
+            )
 
     def close(self) -> None:
         """Seal what is held (a hint: an unwritable store skips it) and close the catalog."""
         with contextlib.suppress(StoreError):
             self.flush()
+        if self.claim is not None:
+            self.claim.release()
         if self._catalog is not None:
             self._catalog.close()
 

@@ -223,6 +223,11 @@ class Place(Protocol):
         skips what a killed run sealed); how many. A directory holds its own: 0."""
         ...
 
+    def sync_catalog(self) -> int:
+        """Bring the place's newest catalog here (a bucket's newest published version, when a
+        merge or gc published one since); its version. A directory's is written in place: 0."""
+        ...
+
     def merge(self) -> MergeReport:
         """Fold the finished builds' fragments into the catalog: in place for a directory, as
         the next published version for a bucket."""

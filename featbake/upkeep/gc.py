@@ -52,6 +52,7 @@ from featbake.store.catalog import (
     read_only_here,
     refuse_wrong_kinds,
 )
+from featbake.store.claims import claimed_keys, claims_closed
 from featbake.store.files import fsync_dir, remove_file
 from featbake.store.fragments import serving_uses, waiting_keys
 from featbake.store.layout import Layout, checked_shard_name
@@ -384,8 +385,10 @@ def _reach(
     merged yet (a part killed before its end) had them folded in by a merge or a one-process
     build, or found them stored and reused them, and its rerun or merge publishes the manifest
     naming them; a dataset on a shared filesystem publishes its root in a ``serve`` fragment.
+    Rows of keys a live claim names count as reached too: a build part still running that
+    found them stored and reuses them (store/claims.py).
     """
-    waiting = waiting_keys(catalog.layout)
+    waiting = kept_for_builds(catalog.layout)
     unreached = [r for r in catalog.unreached_features() if r.key not in waiting]
     if not dropped and opts.max_bytes is None:
         return unreached, None
@@ -396,6 +399,13 @@ def _reach(
     for ref in catalog.reached_features():
         (reached if ref.key in kept else unreached).append(ref)
     return unreached, reached
+
+
+def kept_for_builds(layout: Layout) -> set[str]:
+    """Keys builds not merged yet will name, which gc keeps: those sealed fragments store or
+    name (:func:`waiting_keys`), and those live claims of build parts still running name
+    (judged by the wall clock, as their heartbeats are: a plan's ``now`` ages roots only)."""
+    return waiting_keys(layout) | claimed_keys(layout)
 
 
 def shard_fates(
@@ -667,16 +677,28 @@ def _drop_roots(catalog: Catalog, plan: GcPlan, work: Layout, tick: Tick) -> GcR
 
 def _delete_rows(catalog: Catalog, plan: GcPlan, tick: Tick) -> GcResult:
     """Step 2: rows no kept root reaches (re-checked in the DELETE, and against the fragments
-    sealed since the plan), then evicted rows."""
+    sealed and the claims written since the plan), then evicted rows."""
     if not (plan.unreached or plan.evict):
         return GcResult()
-    waiting = waiting_keys(catalog.layout) if plan.unreached else set()
-    unreached = [r for r in plan.unreached if r.key not in waiting]
-    rows = catalog.delete_features(unreached, only_unreached=True)
+    # No claim is written from this last look at them until the DELETE has committed: a build
+    # part claiming a key meanwhile looks it up after the commit and finds it gone.
+    with claims_closed(plan.layout):
+        waiting = _still_waiting(plan) if plan.unreached else set()
+        unreached = [r for r in plan.unreached if r.key not in waiting]
+        rows = catalog.delete_features(unreached, only_unreached=True)
     rows += catalog.delete_features(plan.evict, only_unreached=False)
     tick("rows", rows, len(plan.unreached) + len(plan.evict))
     crash_point("rows-deleted")
     return GcResult(rows_deleted=rows)
+
+
+def _still_waiting(plan: GcPlan) -> set[str]:
+    """Keys builds not merged yet will name, looked at again just before the DELETE: those the
+    store's sealed fragments store or name (a bucket's brought in first: parts may have
+    uploaded theirs since the plan; the copy of a version gc works on holds none), and those
+    its live claims name (stale ones removed: a killed build pins nothing)."""
+    place_of(plan.layout).sync_fragments()
+    return waiting_keys(plan.layout) | claimed_keys(plan.layout, drop_stale=True)
 
 
 def _delete_empty_shards(

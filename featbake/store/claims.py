@@ -1,0 +1,346 @@
+"""Claims: the keys a build part still running will name, which gc keeps before any sealed
+fragment names them.
+
+A build in parts (``--part``, ranks) or a build writing fragments on a shared filesystem looks
+its keys up in the catalog and reuses what it finds; until its ``done`` fragment is sealed no
+fragment names the keys it reused (their rows are the catalog's), so gc, which keeps what sealed
+fragments name (``waiting_keys``), saw nothing keeping them. Such a build now writes a *claim*
+first, ``<store>/claims/<id>.claim`` (a JSON line: host, pid, owner; then a key a line, new
+keys appended), and looks up only then:
+
+- the claim is written under ``claims.lock`` held shared, and gc holds it alone from its last look
+  at the claims until its DELETE has committed, so either gc sees the claim, or the build's
+  lookup runs after gc's commit and finds the rows gone (and encodes them);
+- a heartbeat thread sets the claim's mtime every :data:`HEARTBEAT_S`; the claim is let go
+  (removed) once the ``done`` fragment naming the keys is sealed, or when the build ends.
+
+A claim left by a killed build must not pin its keys forever: it is stale once its process is
+gone (same host: ``kill(pid, 0)``) or its heartbeat is older than :data:`STALE_AFTER_S` (another
+host, or a pid reused), and gc then ignores it and removes it. A build stopped longer than that
+(suspended, a host that slept) finds its claim lapsed before it seals its ``done`` fragment and
+refuses in one line (run the part again), since a gc may have deleted what it reused meanwhile.
+
+:func:`claim_state` and :func:`kept_keys` are the pure rules (tested with an injected clock);
+the rest is their I/O.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+from featbake.errors import StoreError
+from featbake.store.files import publish_file, remove_file
+from featbake.store.layout import Layout
+from featbake.store.locks import locked
+
+CLAIM_FORMAT = "featbake-claim"
+SUFFIX = ".claim"
+#: How often a running build refreshes its claim's heartbeat (the claim file's mtime).
+HEARTBEAT_S = 60.0
+#: A claim whose heartbeat is older than this is stale: 15 missed heartbeats, far more than a
+#: busy host delays a thread, and more than the clock skew between hosts of one cluster.
+STALE_AFTER_S = 15 * 60.0
+
+Alive = Callable[[int], bool]
+
+
+class ClaimState(StrEnum):
+    """Whether gc honours a claim: ``live``, or stale (its process gone, or its heartbeat)."""
+
+    LIVE = "live"
+    DEAD = "its process is gone"
+    SILENT = "its heartbeat stopped"
+
+
+@dataclass(frozen=True)
+class ClaimHead:
+    """Who holds a claim and its last heartbeat (seconds since the epoch)."""
+
+    host: str
+    pid: int
+    heartbeat: float
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A claim file read whole."""
+
+    path: Path
+    head: ClaimHead
+    owner: str
+    keys: frozenset[str]
+
+
+def claim_state(head: ClaimHead, now: float, here: str, alive: Alive) -> ClaimState:
+    """Whether the claim ``head`` still keeps its keys at time ``now``, read on host ``here``.
+
+    Example:
+        >>> head = ClaimHead("a", 7, heartbeat=1000.0)
+        >>> claim_state(head, 1060.0, "b", lambda pid: False)  # another host: the heartbeat
+        <ClaimState.LIVE: 'live'>
+        >>> claim_state(head, 1060.0, "a", lambda pid: False)  # this host, its pid is gone
+        <ClaimState.DEAD: 'its process is gone'>
+        >>> claim_state(head, 1000.0 + STALE_AFTER_S + 1, "b", lambda pid: True)
+        <ClaimState.SILENT: 'its heartbeat stopped'>
+    """
+    if head.host == here and not alive(head.pid):
+        return ClaimState.DEAD
+    if now - head.heartbeat > STALE_AFTER_S:
+        return ClaimState.SILENT
+    return ClaimState.LIVE
+
+
+def kept_keys(claims: Iterable[Claim], now: float, here: str, alive: Alive) -> set[str]:
+    """The keys the live ``claims`` keep at ``now`` (stale ones keep nothing)."""
+    kept: set[str] = set()
+    for c in claims:
+        if claim_state(c.head, now, here, alive) is ClaimState.LIVE:
+            kept |= c.keys
+    return kept
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this host (one we may not signal runs too)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
+def this_host() -> str:
+    return socket.gethostname()
+
+
+# == I/O ===========================================================================================
+def claims_dir(layout: Layout) -> Path:
+    """``<store>/claims``: the claims of builds running now."""
+    return layout.root / "claims"
+
+
+def claims_lock(layout: Layout) -> Path:
+    """``<store>/claims.lock``: claims are written under it shared; gc holds it alone."""
+    return layout.root / "claims.lock"
+
+
+@contextlib.contextmanager
+def claims_closed(layout: Layout) -> Iterator[None]:
+    """Hold ``claims.lock`` alone: no claim is written meanwhile (gc, from its last look at the
+    claims until its DELETE has committed; a build's claim waits that long)."""
+    with locked(claims_lock(layout)):
+        yield
+
+
+def read_claims(layout: Layout) -> list[Claim]:
+    """Every claim in the store (one gone since the listing was let go: skipped).
+
+    Raises:
+        StoreError: a claim file that cannot be read (not written by featbake: claims are
+            published whole) whose mtime says it may be live.
+    """
+    try:
+        paths = sorted(p for p in claims_dir(layout).iterdir() if p.name.endswith(SUFFIX))
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        raise StoreError(
+            f"cannot list the store's claims at {claims_dir(layout)} ({e.strerror or e}); it "
+            "must be a folder the store's user can read: move what is there aside, then run "
+            "this again"
+        ) from e
+    out = []
+    for path in paths:
+        claim = _read_claim(path)
+        if claim is not None:
+            out.append(claim)
+    return out
+
+
+def parse_claim(text: str) -> tuple[dict, frozenset[str]]:
+    """A claim file's header (JSON, its first line) and keys (one a line after it); a last
+    line without its newline is an append cut short, which nothing relied on (pure).
+
+    Example:
+        >>> parse_claim('{"format": "featbake-claim"}\\na\\nb\\nc')[1] == {"a", "b"}
+        True
+    """
+    lines = text.split("\n")
+    head = json.loads(lines[0])
+    if not isinstance(head, dict) or head.get("format") != CLAIM_FORMAT:
+        raise ValueError("not a featbake claim")
+    return head, frozenset(k for k in lines[1:-1] if k)
+
+
+def _read_claim(path: Path) -> Claim | None:
+    """The claim at ``path``; None when it went meanwhile or is unreadable but stale."""
+    try:
+        mtime = path.stat().st_mtime
+        doc, keys = parse_claim(path.read_text())
+        head = ClaimHead(str(doc["host"]), int(doc["pid"]), mtime)
+        return Claim(path, head, str(doc.get("owner", "")), keys)
+    except FileNotFoundError:
+        return None  # let go since the listing
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        with contextlib.suppress(OSError):
+            if time.time() - path.stat().st_mtime > STALE_AFTER_S:
+                return None
+        raise StoreError(
+            f"the claim {path} is unreadable ({e}), so gc cannot know what a running build "
+            "reuses; if no build is running into this store, remove it, then run gc again"
+        ) from e
+
+
+def claimed_keys(layout: Layout, now: float | None = None, *, drop_stale: bool = False) -> set[str]:
+    """The keys live claims keep (gc keeps their rows); ``drop_stale``: remove stale claims
+    (gc, holding :func:`claims_closed`: a killed build's claim is cleared away)."""
+    now = time.time() if now is None else now
+    here = this_host()
+    claims = read_claims(layout)
+    if drop_stale:
+        for c in claims:
+            if claim_state(c.head, now, here, pid_alive) is not ClaimState.LIVE:
+                remove_file(c.path)
+        drop_cut_writes(layout, now)
+    return kept_keys(claims, now, here, pid_alive)
+
+
+def drop_cut_writes(layout: Layout, now: float) -> None:
+    """Remove the temporary files of claims whose writer was killed mid-write (``*.part`` in
+    ``claims/``) once older than :data:`STALE_AFTER_S`: no claim names them."""
+    with contextlib.suppress(OSError):
+        for path in claims_dir(layout).glob("*.part"):
+            with contextlib.suppress(OSError):
+                if now - path.stat().st_mtime > STALE_AFTER_S:
+                    path.unlink()
+
+
+class ClaimFile:
+    """The claim of one build part: the keys it will name, written before it relies on them,
+    its heartbeat kept by a daemon thread, let go once a sealed fragment names them.
+
+    Args:
+        layout: the store.
+        owner: what holds it (a build id, a part), for a person reading the folder.
+        clock: wall time for the heartbeat (a test's own clock).
+        monotonic: elapsed time, to find a heartbeat that lapsed (a stopped process).
+        heartbeat_s: how often the heartbeat thread runs.
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        owner: str,
+        *,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+        heartbeat_s: float = HEARTBEAT_S,
+    ) -> None:
+        self.layout, self.owner = layout, owner
+        self.path = claims_dir(layout) / f"{uuid.uuid4().hex}{SUFFIX}"
+        self.keys: set[str] = set()
+        self._clock, self._monotonic, self._every = clock, monotonic, heartbeat_s
+        self._last_beat: float | None = None
+        self._lapsed = False
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def cover(self, keys: Sequence[str]) -> None:
+        """Claim ``keys`` too (the file rewritten with them) before the caller looks them up.
+
+        Raises:
+            StoreError: the claim could not be written (the build cannot rely on what it finds).
+        """
+        with self._lock:
+            new = set(keys) - self.keys
+            if not new:
+                return
+            with locked(claims_lock(self.layout), shared=True):  # waits while a gc deletes
+                self._write(sorted(new))
+            self.keys |= new
+            self._last_beat = self._monotonic()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._beating, name="claim", daemon=True)
+            self._thread.start()
+
+    def _write(self, keys: list[str]) -> None:
+        """Publish the claim with ``keys``, or append them to it (each key written once: a
+        part's engine worker claims task after task), durable before the caller looks up."""
+        lines = "".join(f"{k}\n" for k in keys)
+        try:
+            if self.keys:
+                with open(self.path, "a") as f:
+                    f.write(lines)
+                    f.flush()
+                    os.fsync(f.fileno())
+                return
+            doc = {"format": CLAIM_FORMAT, "host": this_host(), "pid": os.getpid(),
+                   "owner": self.owner}  # fmt: skip
+            text = json.dumps(doc) + "\n" + lines
+            publish_file(self.path, lambda p: p.write_text(text), tmp_dir=claims_dir(self.layout))
+        except OSError as e:
+            raise StoreError(
+                f"could not write the claim {self.path} ({e.strerror or e}); check that the "
+                "store is writable and has space, then run the build again"
+            ) from e
+
+    def beat(self) -> None:
+        """Refresh the heartbeat; a beat later than :data:`STALE_AFTER_S` after the last one
+        (the process was stopped) or a claim removed meanwhile (a gc found it stale) lapses it."""
+        with self._lock:
+            if self._last_beat is None:
+                return
+            now = self._monotonic()
+            if now - self._last_beat > STALE_AFTER_S:
+                self._lapsed = True
+            self._last_beat = now
+            t = self._clock()
+            try:
+                os.utime(self.path, (t, t))
+            except OSError:
+                self._lapsed = True
+
+    def _beating(self) -> None:
+        while not self._stop.wait(self._every):
+            self.beat()
+
+    def check_held(self) -> None:
+        """Raise if the claim lapsed, before the caller seals a fragment naming its keys.
+
+        Raises:
+            StoreError: the heartbeat stopped for longer than a gc honours it (the process was
+                stopped or suspended), so what this part reused may be gone.
+        """
+        self.beat()
+        if self._lapsed:
+            raise StoreError(
+                f"this build part was stopped for over {STALE_AFTER_S / 60:.0f} minutes, so its "
+                "claim on the stored features it reuses lapsed and a gc may have deleted them; "
+                "run this part again: it encodes whatever is gone"
+            )
+
+    def release(self) -> None:
+        """Let the claim go (its keys named by a sealed fragment, or the build ended)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        with self._lock:
+            self._last_beat = None
+            if self.keys:
+                remove_file(self.path)
+            self.keys, self._lapsed = set(), False  # a later cover claims afresh
+            self._stop, self._thread = threading.Event(), None

@@ -1,0 +1,151 @@
+"""Upkeep over a bucket store with several catalog versions: gc racing the builds and merges that
+publish them (round seven, upkeep). Served features are compared with the encoder run now."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from featbake import CachedFeatureDataset
+from featbake.bake.pipeline import build
+from featbake.errors import StoreError
+from featbake.store.bucket import BucketStore, merge_bucket
+from featbake.store.catalog import Catalog
+from featbake.store.fragment_catalog import FragmentCatalog
+from featbake.store.fragments import sealed_fragments
+from featbake.store.open import open_store
+from featbake.upkeep import GcOptions, drop_root, gc, verify
+from featbake.upkeep.gc import CRASH_ENV, GcPlan
+from tests.conftest import live_features, run_cli
+from tests.store.bucket.conftest import S3
+
+#: gc as eager as it can be: no grace, no retention.
+EAGER = GcOptions(grace=0.0, retention=0.0)
+
+
+def _store(url: str, tier: Path) -> BucketStore:
+    store = open_store(url, local_cache=tier).remote
+    assert isinstance(store, BucketStore)
+    return store
+
+
+def test_gc_of_a_bucket_keeps_what_parts_sealed_after_its_plan(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    """A bucket store built (version 1), its root dropped (version 2), then gc: after its plan
+    (every row unreached) the same data is built again in two parts, which find every feature
+    stored and upload their done fragments naming the 16 keys. gc's look at the fragments just
+    before its DELETE read the copy of the catalog it works on, where no fragment is, so it
+    deleted the 16 rows (version 3) and swept their shard objects; the merge then published
+    a root of 16 items, every one missing. It reads the bucket's fragments now."""
+    first = build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
+    drop_root(_store(s3.url, tmp_path / "dropper").layout, first.root)
+
+    def parts_meanwhile(plan: GcPlan) -> None:
+        assert len({r.key for r in plan.unreached}) == 16
+        for part in ("0/2", "1/2"):
+            again = build(audio_dir, encoder_file, cache=s3.url, workers=0, shard=part)
+            assert again.encoded == 0  # reused what the plan will delete
+
+    done = gc(_store(s3.url, tmp_path / "gc").layout, EAGER, on_plan=parts_meanwhile)
+    assert done.rows_deleted == 0 and done.shards_deleted == 0
+
+    assert merge_bucket(_store(s3.url, tmp_path / "merger")).roots == [first.root]
+    assert verify(s3.url, local_cache=tmp_path / "verifier").status == "clean"
+    ds = CachedFeatureDataset(
+        audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "reader", on_miss="error"
+    )
+    assert len(ds) == 16
+    for i in range(len(ds)):
+        torch.testing.assert_close(ds[i], live_features(encoder_file, Path(ds.path(i))))
+
+
+def test_a_root_dropped_stays_dropped_when_gc_runs_on_a_node_that_copied_its_fragments(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    """A build in two parts into a bucket; node A brings the fragments into its tier (as a
+    build or gc there does), node B merges them (version 1, the fragments deleted from the
+    bucket), the root is dropped (version 2), then gc runs on node A. Before, gc's first step
+    merged the copies A still held: version 3 published the dropped root again, and gc freed
+    nothing. Now a merge folds only fragments the bucket holds, and a tier lets go of copies
+    whose object is gone, so gc frees the 16 features."""
+    for part in ("0/2", "1/2"):
+        build(audio_dir, encoder_file, cache=s3.url, workers=0, shard=part)
+    assert _store(s3.url, tmp_path / "a").sync_fragments() == 4
+    (root,) = merge_bucket(_store(s3.url, tmp_path / "b")).roots
+    drop_root(_store(s3.url, tmp_path / "c").layout, root)
+
+    done = gc(_store(s3.url, tmp_path / "a").layout, EAGER)
+    assert done.rows_deleted == 16 and done.roots_dropped == []
+    reader = _store(s3.url, tmp_path / "d")
+    reader.sync_catalog()
+    with Catalog(reader.layout, read_only=True) as catalog:
+        assert catalog.roots() == [] and catalog.unreached_features() == []
+    assert sealed_fragments(_store(s3.url, tmp_path / "a").layout) == []
+    assert verify(s3.url, local_cache=tmp_path / "verifier").status == "clean"
+
+
+def test_a_gc_killed_on_a_bucket_store_leaves_no_catalog_copy_behind_for_ever(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    """gc of a bucket store works on a copy of the newest catalog version in the tier's
+    ``tmp/work-*`` folder and publishes it as the next one. Killed there (SIGKILL, between its
+    DELETE and its publish), it published nothing, and its copy stayed: the tier's sweep left
+    ``tmp/`` alone and a directory's sweep takes files only, so every killed gc, merge or drop
+    left a whole catalog on the node's disk. The rerun's sweep removes such folders once past
+    the grace period; the store is whole throughout."""
+    first = build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
+    tier = tmp_path / "gc"
+    drop_root(_store(s3.url, tier).layout, first.root)
+    versions = s3.objects("catalog/")
+    killed = run_cli(
+        "gc", "--cache", s3.url, "--local-cache", tier, "--grace", "0s", "--retention", "0s",
+        env={**s3.env, CRASH_ENV: "rows-deleted"},
+    )  # fmt: skip
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert s3.objects("catalog/") == versions  # nothing published
+    (left,) = _store(s3.url, tier).layout.tmp.glob("work-*")
+    assert (left / "catalog.sqlite").exists()
+
+    done = gc(_store(s3.url, tier).layout, EAGER)
+    assert done.rows_deleted == 16 and done.tmp_removed == 1
+    assert not left.exists()
+    assert verify(s3.url, local_cache=tmp_path / "verifier").status == "clean"
+
+
+def test_a_part_into_a_bucket_that_a_gc_raced_says_so_and_its_rerun_encodes_what_went(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bucket store built, its root dropped, then built again in two parts; part 0/2 finds
+    its 8 features stored and reuses them, and a gc on another node publishes a version
+    without them before the part seals its done fragment. Before, the part sealed it anyway
+    and the merge published a root with those 8 items missing. Now the part looks its reused
+    keys up again in the newest version first and stops in one line; its rerun encodes them."""
+    first = build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
+    drop_root(_store(s3.url, tmp_path / "dropper").layout, first.root)
+    sealing = FragmentCatalog.finish
+    deleted: list[int] = []
+
+    def gc_then_finish(self: FragmentCatalog) -> str | None:
+        if self.part is not None and self.part.rank == 0 and not deleted:
+            deleted.append(gc(_store(s3.url, tmp_path / "gc").layout, EAGER).rows_deleted)
+        return sealing(self)
+
+    monkeypatch.setattr(FragmentCatalog, "finish", gc_then_finish)
+    with pytest.raises(StoreError, match="run this part again") as e:
+        build(audio_dir, encoder_file, cache=s3.url, workers=0, shard="0/2")
+    assert deleted == [16] and "\n" not in str(e.value)
+    monkeypatch.setattr(FragmentCatalog, "finish", sealing)
+    for part in ("0/2", "1/2"):
+        assert build(audio_dir, encoder_file, cache=s3.url, workers=0, shard=part).encoded == 8
+
+    assert merge_bucket(_store(s3.url, tmp_path / "merger")).roots == [first.root]
+    ds = CachedFeatureDataset(
+        audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "reader", on_miss="error"
+    )
+    assert ds.stored() == len(ds) == 16
+    for i in range(len(ds)):
+        torch.testing.assert_close(ds[i], live_features(encoder_file, Path(ds.path(i))))

@@ -1,0 +1,189 @@
+"""gc and the builds still running that will name what it would delete (round seven, upkeep)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from featbake.bake.pipeline import build
+from featbake.errors import StoreError
+from featbake.store.claims import (
+    CLAIM_FORMAT,
+    STALE_AFTER_S,
+    Claim,
+    ClaimFile,
+    ClaimHead,
+    ClaimState,
+    claim_state,
+    claims_dir,
+    kept_keys,
+    read_claims,
+    this_host,
+)
+from featbake.store.fragment_catalog import FragmentCatalog
+from featbake.store.layout import Layout
+from featbake.store.merge import merge
+from featbake.upkeep import GcOptions, drop_root, execute_gc, plan_gc, verify
+from tests.helpers import Live, assert_serves, bake, manifest
+
+#: gc as eager as it can be: no grace for unnamed shards, no retention.
+EAGER = GcOptions(grace=0.0, retention=0.0)
+
+
+def test_gc_keeps_what_a_build_part_still_running_reused(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store whose root was dropped (its 16 features stored, no root reaching them), built
+    again in two parts. Part 0/2 finds its features stored and reuses them; it is held just
+    before it seals its ``done`` fragment (its lookups all made, nothing sealed naming the
+    keys), and a gc runs then. Before, gc saw no sealed fragment naming them and deleted
+    their rows: the merge published a root with part 0's items missing."""
+    store = tmp_path / "store"
+    first = bake(audio_dir, encoder_file, store)
+    drop_root(store, first.root)
+    sealing = FragmentCatalog.finish
+    deleted: list[int] = []
+
+    def gc_then_finish(self: FragmentCatalog) -> str | None:
+        if self.part is not None and self.part.rank == 0 and not deleted:
+            deleted.append(execute_gc(plan_gc(store, EAGER)).rows_deleted)
+        return sealing(self)
+
+    monkeypatch.setattr(FragmentCatalog, "finish", gc_then_finish)
+    part0 = build(audio_dir, encoder_file, cache=store, workers=0, shard="0/2")
+    assert part0.encoded == 0 and part0.reused > 0  # it relied on what was stored
+    assert deleted == [16 - part0.reused]  # the rows only part 1 will name went, no others
+    monkeypatch.setattr(FragmentCatalog, "finish", sealing)
+    part1 = build(audio_dir, encoder_file, cache=store, workers=0, shard="1/2")
+    assert part1.encoded == 16 - part0.reused  # gc freed them: encoded again
+
+    assert read_claims(Layout(store)) == []  # each part let its claim go once sealed
+    assert merge(Layout(store)).roots == [first.root]
+    assert verify(store).status == "clean"
+    assert assert_serves(store, first.root, audio_dir, encoder_file, Live()) == 16
+
+
+# == the rules: pure, with an injected clock ==================================================
+times = st.floats(min_value=0, max_value=1e9, allow_nan=False)
+hosts = st.sampled_from(["a", "b"])
+
+
+@given(hosts, st.booleans(), times, times, hosts)
+def test_a_claim_is_live_until_its_process_is_gone_or_its_heartbeat_stops(
+    host: str, alive: bool, heartbeat: float, later: float, here: str
+) -> None:
+    head = ClaimHead(host, 7, heartbeat)
+    now = heartbeat + later
+    state = claim_state(head, now, here, lambda pid: alive)
+    if host == here and not alive:
+        assert state is ClaimState.DEAD  # on its own host a dead pid is seen at once
+    else:
+        assert (state is ClaimState.LIVE) == (later <= STALE_AFTER_S)
+    if state is not ClaimState.LIVE:  # stale stays stale: a later gc never revives it
+        assert claim_state(head, now + 1.0, here, lambda pid: alive) is not ClaimState.LIVE
+
+
+keys = st.frozensets(st.sampled_from("abcdef"), max_size=4)
+
+
+@given(st.lists(st.tuples(keys, times, st.booleans()), max_size=6), times)
+def test_the_kept_keys_are_those_of_live_claims(
+    claims: list[tuple[frozenset[str], float, bool]], now: float
+) -> None:
+    made = [
+        Claim(Path(f"{i}.claim"), ClaimHead("a", i, beat), "", named)
+        for i, (named, beat, _) in enumerate(claims)
+    ]
+    dead = {i for i, (_, _, alive) in enumerate(claims) if not alive}
+    kept = kept_keys(made, now, "a", lambda pid: pid not in dead)
+    model: set[str] = set()
+    for i, (named, beat, _) in enumerate(claims):
+        if i not in dead and now - beat <= STALE_AFTER_S:
+            model |= named
+    assert kept == model
+
+
+def test_a_part_stopped_longer_than_a_claim_holds_refuses_to_seal_in_one_line(
+    tmp_path: Path,
+) -> None:
+    """A process stopped (SIGSTOP, a host asleep) past the stale rule: a gc may have taken
+    what it reused, so it says to run the part again instead of naming keys maybe gone."""
+    ticks = [0.0]
+    claim = ClaimFile(Layout(tmp_path), "part 0/2", monotonic=lambda: ticks[0])
+    claim.cover(["k1", "k2"])
+    claim.check_held()  # just written: held
+    ticks[0] += STALE_AFTER_S + 1.0
+    with pytest.raises(StoreError, match="run this part again") as e:
+        claim.check_held()
+    assert "\n" not in str(e.value)
+    claim.release()
+    assert read_claims(Layout(tmp_path)) == []
+    claim.cover(["k3"])  # claimed afresh after its release
+    assert [c.keys for c in read_claims(Layout(tmp_path))] == [frozenset({"k3"})]
+    claim.check_held()
+    claim.release()
+
+
+# == claims left behind ========================================================================
+def _claim_file(store: Path, host: str, pid: int, named: list[str], age_s: float) -> Path:
+    path = claims_dir(Layout(store)) / f"{host}-{pid}.claim"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"format": CLAIM_FORMAT, "host": host, "pid": pid, "owner": "test"}
+    path.write_text(json.dumps(doc) + "\n" + "".join(f"{k}\n" for k in named))
+    t = time.time() - age_s
+    os.utime(path, (t, t))
+    return path
+
+
+KILLED = """
+import sys
+from pathlib import Path
+from featbake.store.claims import ClaimFile
+from featbake.store.layout import Layout
+claim = ClaimFile(Layout(Path(sys.argv[1])), "part 0/1")
+claim.cover(sys.argv[2:4])
+claim.cover(sys.argv[2:])  # the rest appended
+print("claimed", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_claim_left_by_a_killed_build_does_not_block_gc(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    """A build part killed with its claim written (SIGKILL: nothing lets it go): on its own
+    host gc sees its process gone, elsewhere its heartbeat stop; either way gc deletes what no
+    root reaches and removes the claim. A live claim from another host keeps its keys."""
+    store = tmp_path / "store"
+    first = bake(audio_dir, encoder_file, store)
+    named = sorted({k for _, k in manifest(store, first.root)})
+    drop_root(store, first.root)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED, str(store), *named[:8]],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stdout.readline() == "claimed\n"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    silent = _claim_file(store, "elsewhere", 1, named[8:12], STALE_AFTER_S + 60)
+    live = _claim_file(store, "elsewhere", 2, named[12:], 30.0)
+    (killed,) = [c.path for c in read_claims(Layout(store)) if c.head.host == this_host()]
+    cut = claims_dir(Layout(store)) / "x.claim.1.abc.part"  # a write killed before its rename
+    cut.write_text("{")
+    t = time.time() - STALE_AFTER_S - 60
+    os.utime(cut, (t, t))
+
+    assert execute_gc(plan_gc(store, EAGER)).rows_deleted == 12  # all but the live claim's
+    assert not killed.exists() and not silent.exists() and not cut.exists() and live.exists()
+    live.unlink()
+    assert execute_gc(plan_gc(store, EAGER)).rows_deleted == 4
