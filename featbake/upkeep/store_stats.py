@@ -20,12 +20,12 @@ from featbake.store.catalog import (
 )
 from featbake.store.fidelity import QUANTISED, read_fidelity
 from featbake.store.files import list_folder
-from featbake.store.fragments import waiting_keys
 from featbake.store.layout import Layout
 from featbake.store.open import StoreRef, commit, open_catalog, place_of, resolve_root
 from featbake.store.place import Change
 from featbake.store.roots import Root
 from featbake.upkeep.files import refuse_while_rebuild_pending
+from featbake.upkeep.gc import kept_for_builds
 
 
 @dataclass(frozen=True)
@@ -187,10 +187,11 @@ def _in_own_catalog(layout: Layout, fn: Callable[[Catalog], Any]) -> Any:
 
 
 def _with_waiting(totals: FeatureTotals, catalog: Catalog) -> FeatureTotals:
-    """``totals`` with the features no root reaches but sealed fragments name counted live:
-    gc keeps them for the merge that publishes them (gc's own rule, so "dead" is what gc
+    """``totals`` with the features no root reaches but builds not merged yet will name
+    counted live (sealed fragments, and claims of parts still running): gc keeps them for the
+    merge that publishes them (gc's own rule, :func:`kept_for_builds`, so "dead" is what gc
     frees)."""
-    waiting = waiting_keys(catalog.layout)
+    waiting = kept_for_builds(catalog.layout)
     if not waiting:
         return totals
     held = [r for r in catalog.unreached_features() if r.key in waiting]

@@ -136,6 +136,37 @@ def test_dead_features_are_what_gc_frees_while_a_build_in_parts_waits_for_its_me
     )
 
 
+def test_dead_features_are_what_gc_frees_while_a_build_part_still_runs(
+    encoder_file: Path, audio_dir: Path, store_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Round seven, upkeep: a part still running that reused stored features holds them by a
+    claim (gc keeps what live claims name, up7.1), yet stats counted them dead ("gc frees
+    them") while the part ran. stats counts them live now, by gc's own rule: what stats calls
+    dead, in features and bytes, is what gc's plan frees at that moment."""
+    from featbake.bake.pipeline import build
+    from featbake.store.fragment_catalog import FragmentCatalog
+
+    first = bake(audio_dir, encoder_file, store_dir)
+    drop_root(store_dir, first.root)
+    sealing = FragmentCatalog.finish
+    seen: list[tuple[int, int, int, int]] = []
+
+    def look_then_finish(self: FragmentCatalog) -> str | None:
+        if not seen:  # the part's lookups are made, its claim held, nothing sealed yet
+            now = stats(store_dir)
+            plan = plan_gc(store_dir, GcOptions())
+            freed = (len({r.key for r in plan.unreached}), sum(r.nbytes for r in plan.unreached))
+            seen.append((now.dead_features, now.dead_bytes, *freed))
+        return sealing(self)
+
+    monkeypatch.setattr(FragmentCatalog, "finish", look_then_finish)
+    part = build(audio_dir, encoder_file, cache=store_dir, workers=0, shard="0/2")
+    assert part.encoded == 0 and part.reused > 0
+    ((dead, dead_bytes, freed, freed_bytes),) = seen
+    assert (dead, dead_bytes) == (freed, freed_bytes)
+    assert dead == 16 - part.reused  # only what the other part would name
+
+
 def test_stats_while_a_build_commits_adds_up_one_moment(
     tmp_path: Path, encoder_file: Path, audio_dir: Path, store_dir: Path, monkeypatch
 ) -> None:
