@@ -1399,7 +1399,7 @@ def azure_retry(policy: type[Any]) -> Any:
     ``ExponentialRetry``."""
     scale = backoff_scale()
 
-    class Scaled(policy):  # type: ignore[misc,valid-type]
+    class Scaled(policy):
         """The SDK's exponential policy, its waits scaled."""
 
         def get_backoff_time(self, settings: dict[str, Any]) -> float:
