@@ -207,6 +207,23 @@ import time
 from featbake.testing import TinyConvEncoder
 
 
+def meet():
+    """With $COUNT_MEET (a folder) and $COUNT_PARTIES (n): this process's first call waits
+    until n processes have made theirs, so none encodes past its first input (nor seals) before
+    every other has planned its work. Bounded: 120 s."""
+    folder, parties = os.environ.get("COUNT_MEET"), int(os.environ.get("COUNT_PARTIES", "0"))
+    if not folder or MET:
+        return
+    MET.append(True)
+    open(os.path.join(folder, str(os.getpid())), "w").close()
+    deadline = time.monotonic() + 120
+    while len(os.listdir(folder)) < parties and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+MET = []
+
+
 class CountingEncoder(TinyConvEncoder):
     """TinyConvEncoder that appends a digest of each input row to $COUNT_CALLS per call."""
 
@@ -216,6 +233,7 @@ class CountingEncoder(TinyConvEncoder):
             with open(log, "a") as f:
                 for row in wav:
                     f.write(hashlib.sha256(row.numpy().tobytes()).hexdigest()[:16] + "\\n")
+        meet()
         time.sleep(float(os.environ.get("COUNT_DELAY", "0")))
         return super().forward(wav)
 

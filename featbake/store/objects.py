@@ -73,6 +73,9 @@ CONNECT_TIMEOUT_S = 10
 READ_TIMEOUT_ENV = "FEATBAKE_OBJECT_TIMEOUT"
 S3_TIMEOUT_ENV = "FEATBAKE_S3_TIMEOUT"
 READ_TIMEOUT_S = 20.0
+#: Scales every wait between a request's tries, on every cloud (``$FEATBAKE_OBJECT_BACKOFF``,
+#: default 1: the clients' own waits, as below); 0.01 waits a hundredth as long, 0 not at all.
+BACKOFF_ENV = "FEATBAKE_OBJECT_BACKOFF"
 #: Requests a client sends before it gives up (throttling, 5xx answers, connection errors).
 MAX_ATTEMPTS = 4
 #: Connections one client keeps open: as many as the threads that share it at most (a
@@ -83,6 +86,11 @@ CLIENT_CONNECTIONS = 16
 LIST_PAGE_KEYS = 1000
 #: Files above this go up in parts (S3 multipart, GCS resumable, Azure blocks).
 PART_BYTES = 64 << 20
+#: Bytes one GET of the Azure client's downloader asks for, its first and each after (the SDK's
+#: own chunk size). Its downloader holds some 9 times what one GET brings while it reads it: a
+#: 6 MiB object read in one GET peaked at 56.7 MB under tracemalloc, a 24 MiB one at 226 MB (a
+#: 64 MiB shard some 600 MB); in 4 MiB GETs, 37.8 and 46 MB, whatever the object's size.
+AZURE_GET_BYTES = 4 << 20
 
 
 class ObjectInfo(NamedTuple):
@@ -161,18 +169,31 @@ Part = tuple[str, str, str]
 #: part of an object, whichever layer sent the request (featbake's tries, or the client's own
 #: retries: each cloud's client reports its requests here); None outside a read.
 _ASKED: ContextVar[Counter[Part] | None] = ContextVar("featbake_asked", default=None)
+#: Within one read, the part of the last request this thread counted (None before any).
+_LAST_ASKED: ContextVar[Part | None] = ContextVar("featbake_last_asked", default=None)
 
 
 def asked_again(part: Part) -> bool:
     """Count one more request for ``part`` within this thread's read: False (and not counted)
-    when the read already asked for it :data:`DOWNLOAD_TRIES` times. Outside a read, True."""
+    when the read already asked for it :data:`DOWNLOAD_TRIES` times. Outside a read, True.
+    The one place a request is counted (:func:`count_asked`, as each client sends it)."""
     asked = _ASKED.get()
     if asked is None:
         return True
     if asked[part] >= DOWNLOAD_TRIES:
         return False
     asked[part] += 1
+    _LAST_ASKED.set(part)
     return True
+
+
+def last_may_be_asked_again() -> bool:
+    """Whether this thread's read may send the request it sent last once more (it asked for
+    that part fewer than :data:`DOWNLOAD_TRIES` times); counts nothing. Outside a read, True.
+    A client's retry rule asks it before a retry, so that the read ends with what the last
+    request met (a stall, a cut) rather than with :class:`TriesSpent`."""
+    asked, last = _ASKED.get(), _LAST_ASKED.get()
+    return asked is None or last is None or asked[last] < DOWNLOAD_TRIES
 
 
 def count_asked(part: Part) -> None:
@@ -459,12 +480,15 @@ class ObjectStore(ProcessLocalState):
         """A context for one read of :meth:`_tried`: each request this thread sends for the
         object, featbake's tries and the client's own retries alike, counts into the read's
         :data:`DOWNLOAD_TRIES` per part (:func:`count_asked`; :class:`TriesSpent` past them).
-        Each cloud's client reports its requests: s3 botocore's ``before-send`` event, gs
-        :func:`gcs_retry`, az the client's ``raw_request_hook``."""
+        Each cloud's client reports each request as it sends it: s3 botocore's ``before-send``
+        event, gs the session's transport adapter (:func:`gcs_requests_counted`), az the
+        client's ``raw_request_hook``."""
         token = _ASKED.set(Counter())
+        last = _LAST_ASKED.set(None)
         try:
             yield
         finally:
+            _LAST_ASKED.reset(last)
             _ASKED.reset(token)
 
     def _tried(self, name: str, once: Callable[[], _T]) -> _T:
@@ -485,7 +509,7 @@ class ObjectStore(ProcessLocalState):
                     break
                 except Transient as e:
                     last = e.__cause__ or e
-                    time.sleep(0.1 * 2**attempt)
+                    time.sleep(0.1 * 2**attempt * backoff_scale())
         raise StoreError(
             f"cannot download {self.where(name)} after {DOWNLOAD_TRIES} tries "
             f"({redact(str(last))}); check the network and the endpoint ({self.ENDPOINT_HINT}), "
@@ -633,6 +657,30 @@ def read_timeout() -> float:
     return value
 
 
+def backoff_scale() -> float:
+    """What every wait between a request's tries is multiplied by: ``$FEATBAKE_OBJECT_BACKOFF``,
+    else 1 (the waits described at each cloud's client). It scales botocore's backoff (s3),
+    :func:`gcs_retry`'s (gs), the Azure client's policy (az) and featbake's own between whole
+    reads of a cut body alike; the tries themselves are not changed.
+
+    Raises:
+        ConfigError: the variable is not a number of 0 or more.
+    """
+    raw = os.environ.get(BACKOFF_ENV, "")
+    if not raw:
+        return 1.0
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise ConfigError(
+            f"${BACKOFF_ENV} must be a number of 0 or more (what the waits between tries are "
+            f"multiplied by; 1 by default), got {raw!r}"
+        )
+    return value
+
+
 def timeouts() -> tuple[float, float]:
     """(connect, read) seconds, as the requests-based clients take them."""
     return (CONNECT_TIMEOUT_S, read_timeout())
@@ -676,6 +724,30 @@ def s3_request_counted(request: Any, **_: Any) -> None:
     retries included: within a read, count it for its part (method, URL, range), and refuse the
     one past :data:`DOWNLOAD_TRIES` (:class:`TriesSpent`, which botocore does not retry)."""
     count_asked((request.method, request.url, request.headers.get("Range") or ""))
+
+
+def s3_backoff_scaled(client: Any) -> None:
+    """Scale the waits of ``client``'s retries by :func:`backoff_scale` (botocore's "standard"
+    mode waits rand(0, 1) x 2**n x 50 ms between tries, x 1 s after throttling, and has no
+    setting for it): its retry handler is made again by botocore (the same conditions, quota
+    and :data:`MAX_ATTEMPTS`) and each delay it returns is scaled. Left as botocore made it at
+    the default scale."""
+    scale = backoff_scale()
+    if scale == 1.0:
+        return
+    from botocore.retries import standard
+
+    events = client.meta.events
+    events.unregister("needs-retry.s3", unique_id="retry-config-s3")
+    handler = standard.register_retry_handler(client, max_attempts=MAX_ATTEMPTS)
+    events.unregister("needs-retry.s3", unique_id="retry-config-s3")
+
+    def needs_retry(**kwargs: Any) -> Any:
+        delay = handler.needs_retry(**kwargs)
+        numeric = isinstance(delay, int | float) and not isinstance(delay, bool)
+        return delay * scale if numeric else delay
+
+    events.register("needs-retry.s3", needs_retry, unique_id="retry-config-s3")
 
 
 def listed_info(entry: Mapping[str, Any], strip: int) -> ObjectInfo:
@@ -729,6 +801,7 @@ class S3Objects(ObjectStore):
                 f"{redact(str(e))}; check AWS_ENDPOINT_URL, AWS_REGION and AWS_PROFILE"
             ) from None
         client.meta.events.register("before-send.s3", s3_request_counted)
+        s3_backoff_scaled(client)
         return client
 
     @contextlib.contextmanager
@@ -907,18 +980,17 @@ class GCSTries:
     predicate, :func:`gcs_retry`): what fails before an answer (429, 5xx, a refused or reset
     connection, an answer that did not come in time) is tried again, :data:`MAX_ATTEMPTS`
     requests at most, each request its own (:func:`gcs_retry_class`). ``cut_bodies``: an answer
-    cut short too. ``part``: the object part a
-    read's download asks for; each retry counts into the read's :data:`DOWNLOAD_TRIES`
-    (:func:`asked_again`), and none is made past them."""
+    cut short too. Within a read, no retry of a request whose part the read asked for
+    :data:`DOWNLOAD_TRIES` times (:func:`last_may_be_asked_again`): the requests themselves are
+    counted where they are sent (:func:`gcs_requests_counted`), not here."""
 
-    def __init__(self, *, cut_bodies: bool, part: Part | None) -> None:
+    def __init__(self, *, cut_bodies: bool) -> None:
         self.cut_bodies = cut_bodies
-        self.part = part
         self.left = MAX_ATTEMPTS - 1
 
     def fresh(self) -> GCSTries:
         """The same predicate with all its retries left: one per request."""
-        return GCSTries(cut_bodies=self.cut_bodies, part=self.part)
+        return GCSTries(cut_bodies=self.cut_bodies)
 
     def __call__(self, e: Exception) -> bool:
         import requests
@@ -928,7 +1000,7 @@ class GCSTries:
         transient = bool(if_transient_error(e)) or isinstance(e, requests.exceptions.Timeout)
         if not transient or (cut and not self.cut_bodies) or self.left <= 0:
             return False
-        if self.part is not None and not asked_again(self.part):
+        if not last_may_be_asked_again():
             return False  # the read asked for these bytes DOWNLOAD_TRIES times already
         self.left -= 1
         return True
@@ -957,22 +1029,68 @@ def gcs_retry_class() -> type[Any]:
     return EachRequest
 
 
-def gcs_retry(*, cut_bodies: bool, part: Part | None = None) -> Any:
+def gcs_retry(*, cut_bodies: bool) -> Any:
     """One call's retry policy for google-cloud-storage: each request the call sends (an upload's
     chunks are requests apart) is tried again on what fails before an answer, backing off up
-    to 1, 2, 4 s, :data:`MAX_ATTEMPTS` requests at most (as botocore's and the Azure client's
-    policies here), within those requests' time and the waits (:class:`GCSTries`).
+    to 1, 2, 4 s (times :func:`backoff_scale`), :data:`MAX_ATTEMPTS` requests at most (as
+    botocore's and the Azure client's policies here), within those requests' time and the waits
+    (:class:`GCSTries`).
 
     ``cut_bodies``: an answer cut short is tried again too (a listing's, a metadata call's, an
     upload's: as botocore does). Not for a download's body: the library resumes a cut download
     from the cut, every cut, until its deadline, so a server cutting every answer kept one read
     going for a minute and more. There the cut ends the call, and :meth:`ObjectStore._tried`
-    tries the read whole again, :data:`DOWNLOAD_TRIES` requests for its ``part`` in all, the
+    tries the read whole again, :data:`DOWNLOAD_TRIES` requests for its bytes in all, the
     library's retries of a stalled answer counted in, as on s3 and az.
     """
     deadline = read_timeout() * MAX_ATTEMPTS + 7
-    tries = GCSTries(cut_bodies=cut_bodies, part=part)
-    return gcs_retry_class()(predicate=tries, initial=1, multiplier=2, maximum=4, timeout=deadline)
+    tries = GCSTries(cut_bodies=cut_bodies)
+    scale = backoff_scale()  # $FEATBAKE_OBJECT_BACKOFF
+    return gcs_retry_class()(
+        predicate=tries, initial=scale, multiplier=2, maximum=4 * scale, timeout=deadline
+    )
+
+
+def gcs_part(method: str, url: str) -> Part:
+    """The part a google-cloud-storage request asks for: its method and URL (generation and
+    ``alt=media`` included). Not its ``Range``: the library resumes a download cut or stalled
+    mid-body from where it stopped, and that request asks again for the same read's bytes."""
+    return (method, url, "")
+
+
+@functools.cache
+def gcs_counted_adapter() -> type[Any]:
+    """requests' transport adapter that counts each request a google-cloud-storage client's
+    session sends into this thread's read (:func:`count_asked`) and has ``inner`` send it."""
+    from requests.adapters import BaseAdapter
+
+    class CountedAdapter(BaseAdapter):
+        """Counts, then sends through the adapter it wraps."""
+
+        def __init__(self, inner: Any) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def send(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+            count_asked(gcs_part(str(request.method), str(request.url)))
+            return self.inner.send(request, *args, **kwargs)
+
+        def close(self) -> None:
+            self.inner.close()
+
+    return CountedAdapter
+
+
+def gcs_requests_counted(session: Any) -> None:
+    """Count every request ``session`` (a google-cloud-storage client's requests session)
+    sends, the library's retries and resumed downloads included, as it is sent: within a read
+    each counts into the read's :data:`DOWNLOAD_TRIES` per part (:class:`TriesSpent` past them),
+    as botocore's ``before-send`` does on s3 and the request hook on az. One rule: a request is
+    counted when it goes out, not where featbake or the retry rule expects one."""
+    counted = gcs_counted_adapter()
+    for prefix, inner in list(session.adapters.items()):
+        if not isinstance(inner, counted):
+            session.mount(prefix, counted(inner))
 
 
 def read_stalled(e: BaseException) -> bool:
@@ -1044,6 +1162,7 @@ class GCSObjects(ObjectStore):
                 "check GOOGLE_CLOUD_PROJECT and the Application Default Credentials"
             ) from None
         untraced(client)
+        gcs_requests_counted(client._http)  # the client's session (made now if not yet)
         return client.bucket(self.url.bucket)
 
     def no_credentials(self) -> StoreError:
@@ -1064,13 +1183,11 @@ class GCSObjects(ObjectStore):
         """Each call's timeouts, and its tries (:func:`gcs_retry`)."""
         return {"timeout": timeouts(), "retry": gcs_retry(cut_bodies=True)}
 
-    def _media(self, name: str, byte_range: str = "") -> dict[str, Any]:
-        """A download's timeouts and tries: its first request counts into the read's
-        (:func:`count_asked`), and so does each retry of the library's (:func:`gcs_retry`);
-        a cut body is :meth:`ObjectStore._tried`'s to try again."""
-        part = ("GET", self.key(name), byte_range)
-        count_asked(part)
-        return {"timeout": timeouts(), "retry": gcs_retry(cut_bodies=False, part=part)}
+    def _media(self) -> dict[str, Any]:
+        """A download's timeouts and tries (:func:`gcs_retry`): its requests count into the
+        read's as they are sent (:func:`gcs_requests_counted`); a cut body is
+        :meth:`ObjectStore._tried`'s to try again."""
+        return {"timeout": timeouts(), "retry": gcs_retry(cut_bodies=False)}
 
     def _info(self, blob: Any, strip: int) -> ObjectInfo:
         return ObjectInfo(
@@ -1106,25 +1223,59 @@ class GCSObjects(ObjectStore):
         return ListedPage(objects, last, truncated)
 
     def head(self, name: str) -> ObjectInfo | None:
-        options = self._options()
-        with self.errors(name):
-            blob = self.client.get_blob(self.key(name), **options)
+        blob = self._metadata(name)
         return None if blob is None else self._info(blob, len(self.key("")))
 
-    def get_once(self, name: str, start: int = 0, length: int | None = None) -> ObjectBytes:
-        info = self.head(name)
-        if info is None:
+    def _metadata(self, name: str) -> Any:
+        """Object ``name``'s metadata (a blob), or None if there is none."""
+        options = self._options()
+        with self.errors(name):
+            return self.client.get_blob(self.key(name), **options)
+
+    def _read_head(self, name: str) -> ObjectInfo:
+        """What a read of ``name`` pins: its metadata, checked readable as stored.
+
+        Raises:
+            Absent: there is no such object.
+            StoreError: it is stored gzip-encoded (:meth:`refuse_gzip`).
+        """
+        blob = self._metadata(name)
+        if blob is None:
             raise Absent(name)
+        self.refuse_gzip(name, blob.content_encoding, int(blob.size or 0))
+        return self._info(blob, len(self.key("")))
+
+    def refuse_gzip(self, name: str, encoding: str | None, size: int | None = None) -> None:
+        """Refuse to read ``name`` if it is stored gzip-encoded (``Content-Encoding: gzip``, as
+        ``gsutil cp -Z`` and ``gcloud storage cp --gzip-local`` upload): GCS serves it
+        decompressed, so the bytes read are not the ``size`` stored that its stat, the hash
+        cache and every check of a body cut short go by, and a byte range of it is a range of
+        the compressed bytes. Before, a read said the body "ended after 51000 of 1202 bytes"
+        after 4 tries, a ranged read was an internal error, and a download took it silently.
+
+        Raises:
+            StoreError: it is gzip-encoded (one line: upload it again without the encoding).
+        """
+        if "gzip" not in (encoding or "").lower():
+            return
+        stored = "" if size is None else f", {size} bytes"
+        raise StoreError(
+            f"{self.where(name)} is stored gzip-compressed (Content-Encoding: gzip{stored}) and "
+            "served decompressed, while featbake reads an object as stored (its size, checks "
+            "and byte ranges): upload it again without that encoding (not `gsutil cp -Z` or "
+            "`gcloud storage cp --gzip-local`)"
+        )
+
+    def get_once(self, name: str, start: int = 0, length: int | None = None) -> ObjectBytes:
+        info = self._read_head(name)
         blob = self.client.blob(self.key(name), generation=int(info.etag))
         end = None if length is None else start + length - 1
         if length is None:
-            data = blob.download_as_bytes(**self._media(name))
+            data = blob.download_as_bytes(**self._media())
         elif start >= info.size:
             data = b""
         else:
-            data = blob.download_as_bytes(
-                start=start, end=end, checksum=None, **self._media(name, f"{start}-{end}")
-            )
+            data = blob.download_as_bytes(start=start, end=end, checksum=None, **self._media())
         if length is None:
             self.check_whole(name, len(data), info.size)
         return ObjectBytes(info, data)
@@ -1134,20 +1285,19 @@ class GCSObjects(ObjectStore):
         with open(dest, "r+b" if dest.exists() else "wb") as f:
             # The library checks the whole's MD5/CRC32C unless it resumed a stalled body (a
             # 206 answer is not checked); the size and the pinned generation still are.
-            blob.download_to_file(f, **self._media(name))
+            blob.download_to_file(f, **self._media())
             size = f.tell()
             f.truncate(size)
+        self.refuse_gzip(name, blob.content_encoding)  # as the answer says it is stored
         return size
 
     def stream_once(self, name: str, take: Callable[[bytes], object]) -> ObjectInfo:
-        info = self.head(name)  # the GET gives no size and date: that generation's metadata
-        if info is None:
-            raise Absent(name)
+        info = self._read_head(name)  # the GET gives no size and date: its metadata
         blob = self.client.blob(self.key(name), generation=int(info.etag))
         sink = ChunkSink(take)  # the library writes each chunk of the body as it comes
         # Its CRC32C is checked by the library unless a stalled body was resumed (a 206);
         # the size and the generation pinned by the HEAD hold either way.
-        blob.download_to_file(sink, **self._media(name))
+        blob.download_to_file(sink, **self._media())
         self.check_whole(name, sink.size, info.size)
         return info
 
@@ -1241,6 +1391,25 @@ def azure_cut_body(e: BaseException) -> BaseException | None:
     return None
 
 
+def azure_retry(policy: type[Any]) -> Any:
+    """The Azure client's retry policy: :data:`MAX_ATTEMPTS` requests, backing off 3, 5 and 9 s
+    (1 + 2**n, +-1 s: the SDK counts the try before it waits), each wait times
+    :func:`backoff_scale`. The SDK's default waits 15 s, then 18, 24 before its tries: a
+    stalled endpoint would take a minute to become one line. ``policy``: the SDK's
+    ``ExponentialRetry``."""
+    scale = backoff_scale()
+
+    class Scaled(policy):
+        """The SDK's exponential policy, its waits scaled."""
+
+        def get_backoff_time(self, settings: dict[str, Any]) -> float:
+            return float(super().get_backoff_time(settings)) * scale
+
+    return Scaled(
+        initial_backoff=1, increment_base=2, retry_total=MAX_ATTEMPTS - 1, random_jitter_range=1
+    )
+
+
 @register("az")
 class AzureObjects(ObjectStore):
     """``az://container/prefix`` through azure-storage-blob (see the section's comment)."""
@@ -1258,18 +1427,11 @@ class AzureObjects(ObjectStore):
         options: dict[str, Any] = {
             "connection_timeout": CONNECT_TIMEOUT_S,
             "read_timeout": read_timeout(),
-            # The SDK's default waits 15 s, then 18, 24 before its tries: a stalled endpoint
-            # would take a minute to become one line. Here 3, 5 and 9 s (1 + 2**n, +-1 s):
-            # the SDK counts the try before it waits.
-            "retry_policy": ExponentialRetry(
-                initial_backoff=1,
-                increment_base=2,
-                retry_total=MAX_ATTEMPTS - 1,
-                random_jitter_range=1,
-            ),
+            "retry_policy": azure_retry(ExponentialRetry),
             "max_single_put_size": PART_BYTES,
             "max_block_size": 8 << 20,
-            "max_single_get_size": PART_BYTES,
+            "max_single_get_size": AZURE_GET_BYTES,  # its memory: 9 x one GET's bytes
+            "max_chunk_get_size": AZURE_GET_BYTES,
             "raw_request_hook": azure_request_counted,  # a read's tries, the SDK's included
         }
         env = os.environ
@@ -1379,9 +1541,9 @@ class AzureObjects(ObjectStore):
         return size
 
     def stream_once(self, name: str, take: Callable[[bytes], object]) -> ObjectInfo:
-        # Handed out in the SDK's chunks (its first GET up to max_single_get_size, then 4 MiB);
-        # its downloader holds several copies meanwhile (a 6 MiB object peaked at 56 MB under
-        # tracemalloc, as with readall()): not bounded here.
+        # Handed out in the SDK's chunks, one GET of AZURE_GET_BYTES each: its downloader holds
+        # several copies of each GET's bytes meanwhile (a 6 MiB object peaked at 37.8 MB under
+        # tracemalloc; at 56.7 MB when it came in one GET, 226 MB for 24 MiB).
         blob = self.client.get_blob_client(self.key(name))
         got = blob.download_blob(max_concurrency=1)
         sink = ChunkSink(take)

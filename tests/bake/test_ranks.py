@@ -41,7 +41,7 @@ from featbake.store.catalog import Catalog
 from featbake.store.fragments import FragmentKind, fragment_keys, sealed_fragments
 from featbake.store.layout import Layout
 from featbake.testing import TinyConvEncoder, write_audio_folder
-from tests.conftest import REPO, encoded_rows, live_features, run_cli
+from tests.conftest import REPO, encoded_rows, invoke, live_features, run_cli
 from tests.helpers import assert_store_consistent, stored_features
 
 ENCODER = "countenc:build"
@@ -174,7 +174,7 @@ def assert_serves_live(store: Path, data: Path) -> dict[str, torch.Tensor]:
 
 
 def root_name(store: Path) -> str:
-    out = run_cli("roots", "--json", "--cache", store)
+    out = invoke("roots", "--json", "--cache", store)
     assert out.returncode == 0, out.stderr
     (root,) = json.loads(out.stdout)
     return root["name"]
@@ -245,9 +245,9 @@ def test_two_shard_processes_and_a_merge_equal_one_process(
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err
     assert not (store / "catalog.sqlite").exists()  # ranks never write the shared catalog
-    pending = run_cli("roots", "--cache", store)
+    pending = invoke("roots", "--cache", store)
     assert "merge" in pending.stderr  # no catalog yet: the message says to merge
-    merged = run_cli("merge", "--cache", store)
+    merged = invoke("merge", "--cache", store)
     assert merged.returncode == 0, merged.stderr
     assert "1 roots published" in merged.stdout
     calls = Counter(encoded_rows(counting_encoder))
@@ -258,7 +258,7 @@ def test_two_shard_processes_and_a_merge_equal_one_process(
     for shard in ("0/3", "1/3", "2/3"):
         rerun = run_cli(*args, "--shard", shard, env=counting_encoder)
         assert rerun.returncode == 0, rerun.stderr
-    assert run_cli("merge", "--cache", store).returncode == 0
+    assert invoke("merge", "--cache", store).returncode == 0
     assert run_cli(*args, env=counting_encoder).returncode == 0
     assert sum(calls.values()) == len(encoded_rows(counting_encoder))
 
@@ -298,7 +298,7 @@ def test_a_rank_killed_mid_run_then_rerun_completes_the_store(
     rows = encoded_rows(counting_encoder)
     # The reruns encoded everything except what part 0's sealed fragments held.
     assert len(rows) == first_run + distinct_inputs(data) - len(kept)
-    assert run_cli("merge", "--cache", store).returncode == 0
+    assert invoke("merge", "--cache", store).returncode == 0
     assert_serves_live(store, data)
 
 
@@ -352,7 +352,7 @@ def test_identical_files_on_two_torchrun_ranks_are_encoded_once(
     assert len(calls) == 6 and set(calls.values()) == {1}  # 12 files, 6 contents, once each
     served = assert_serves_live(store, data)
     assert len(served) == 12
-    assert run_cli("verify", "--cache", store).returncode == 0
+    assert invoke("verify", "--cache", store).returncode == 0
 
 
 def test_ranks_leave_a_key_to_the_lowest_rank_that_holds_it() -> None:
@@ -377,8 +377,11 @@ def test_merge_keeps_one_copy_of_content_two_concurrent_parts_both_encoded(
     shutil.copytree(data / "a", data / "b")
     store = tmp_path / "store"
     args = ["build", "-e", ENCODER, "-d", data, "--cache", store, "--workers", "0"]
-    # Slow enough that neither part seals anything before the other has planned its work.
-    env = {**os.environ, **counting_encoder, "COUNT_DELAY": "1.0"}
+    # Neither part encodes past its first input (nor seals) before the other has planned its
+    # work: each one's first encoder call waits for the other's (before, 1 s per call, 5 s).
+    meeting = tmp_path / "meet"
+    meeting.mkdir()
+    env = {**os.environ, **counting_encoder, "COUNT_MEET": str(meeting), "COUNT_PARTIES": "2"}
     parts = [
         subprocess.Popen(
             [sys.executable, "-m", "featbake", *map(str, args), "--shard", f"{i}/2"],
@@ -393,12 +396,12 @@ def test_merge_keeps_one_copy_of_content_two_concurrent_parts_both_encoded(
         assert p.returncode == 0, err
     calls = Counter(encoded_rows(counting_encoder))
     assert len(calls) == 5 and set(calls.values()) == {2}  # both parts encoded every content
-    assert run_cli("merge", "--cache", store).returncode == 0
+    assert invoke("merge", "--cache", store).returncode == 0
     with Catalog(Layout(store), read_only=True) as cat:
         assert len({r.key for r in cat.all_feature_rows()}) == len(list(cat.all_feature_rows()))
         assert len(list(cat.all_feature_rows())) == 5
     assert len(assert_serves_live(store, data)) == 10
-    assert run_cli("verify", "--cache", store).returncode == 0
+    assert invoke("verify", "--cache", store).returncode == 0
 
 
 # -- parts left unfinished (round four item 9) -----------------------------------------------
@@ -418,7 +421,7 @@ def wait_for_sealed(store: Path, proc: subprocess.Popen, at_least: int) -> None:
 
 def verify_line(store: Path) -> tuple[int, str]:
     """``featbake verify``'s exit code and output."""
-    res = run_cli("verify", "--cache", store)
+    res = invoke("verify", "--cache", store)
     return res.returncode, res.stdout + res.stderr
 
 
@@ -461,7 +464,7 @@ def test_a_killed_shard_part_is_reused_by_a_one_process_rerun_merged_and_not_dam
     assert len(encoded_rows(counting_encoder)) - before == distinct_inputs(data) - len(kept)
 
     # (b) merge retires the unfinished build; verify is clean, with nothing waiting.
-    merged = run_cli("merge", "--cache", store)
+    merged = invoke("merge", "--cache", store)
     assert merged.returncode == 0, merged.stderr
     assert "retired" in merged.stdout
     assert sealed_fragments(Layout(store)) == []
@@ -506,7 +509,7 @@ def test_a_sigtermd_torchrun_build_is_reused_by_a_rerun_in_another_number_of_par
         reused += json.loads(part.stdout)["reused"]
     assert reused == len(kept)
     assert len(encoded_rows(counting_encoder)) - before == distinct_inputs(data) - len(kept)
-    merged = run_cli("merge", "--cache", store)
+    merged = invoke("merge", "--cache", store)
     assert merged.returncode == 0 and "1 roots published" in merged.stdout, merged.stderr
     assert sealed_fragments(Layout(store)) == []
     code, said = verify_line(store)
@@ -542,7 +545,7 @@ def test_shard_parts_record_an_undecodable_input_and_the_dataset_leaves_it_out(
     args = ("build", "-e", encoder_file, "-d", many_clips, "--cache", store, "--workers", "0")
     codes = [run_cli(*args, "--shard", f"{i}/2").returncode for i in range(2)]
     assert sorted(codes) == [0, 3], codes  # the part holding the broken input says so
-    merged = run_cli("merge", "--cache", store)
+    merged = invoke("merge", "--cache", store)
     assert merged.returncode == 0, merged.stderr
     assert_leaves_out_the_broken_input(many_clips, encoder_file, store, "part1/broken.wav")
 

@@ -7,7 +7,9 @@ sees exactly what it would see with MinIO, AWS, GCS or Azure. The ``place`` fixt
 such bucket of each scheme in turn (s3, gs, az) to the tests of the store's behaviour; a server
 binary missing here skips its place, and fails the test in CI (``$CI``), which must run them.
 moto's access log (werkzeug's, one line per request) goes to a file, so a test counts the
-requests the server answered (:meth:`S3.requests`).
+requests the server answered (:meth:`S3.requests`). Every place's environment scales the
+clients' waits between tries to a hundredth (:data:`QUICK_BACKOFF`): the tests of retries and
+stalls still count each try, without the seconds of backoff a user's endpoint is given.
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ from tests.store.bucket.faults import Asked, DroppingProxy, Stall
 
 pytest.importorskip("boto3")
 pytest.importorskip("moto")
+
+
+#: The clients' waits between tries, a hundredth of a user's (``$FEATBAKE_OBJECT_BACKOFF``):
+#: set in every place's environment and by the stalled-endpoint tests.
+QUICK_BACKOFF = {"FEATBAKE_OBJECT_BACKOFF": "0.01"}
 
 
 @pytest.fixture(scope="session")
@@ -114,7 +121,7 @@ def s3(s3_server: LoopbackServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     """A fresh bucket, the AWS environment set for it, and a local tier folder."""
     bucket = f"fb-{uuid.uuid4().hex[:12]}"
     s3_server.make_bucket(bucket)
-    env = dict(s3_server.env)
+    env = {**s3_server.env, **QUICK_BACKOFF}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     local = tmp_path / "local-cache"
@@ -194,7 +201,7 @@ def remote_of(
         "gcs_server" if scheme == "gs" else "azurite_server"
     )
     server.make_bucket(bucket)
-    env = dict(server.env)
+    env = {**server.env, **QUICK_BACKOFF}
     local = tmp_path / "local-cache"
     env["FEATBAKE_LOCAL_CACHE"] = str(local)
     for k, v in env.items():

@@ -21,7 +21,7 @@ from featbake.store.objects import MAX_ATTEMPTS, ObjectStore
 from featbake.store.url import BucketURL
 from featbake.upkeep.gc import GcOptions, gc
 from tests.conftest import invoke, live_features
-from tests.store.bucket.conftest import S3, SCHEMES, Place
+from tests.store.bucket.conftest import QUICK_BACKOFF, S3, SCHEMES, Place
 from tests.store.bucket.faults import Asked, DroppingProxy, Stall
 
 
@@ -237,20 +237,21 @@ def closing_endpoint() -> Iterator[ClosingEndpoint]:
 
 
 def cloud_env(scheme: str, endpoint: str) -> dict[str, str]:
-    """Each cloud's settings naming ``endpoint`` (credentials that sign, never checked)."""
+    """Each cloud's settings naming ``endpoint`` (credentials that sign, never checked), and
+    the clients' waits between tries scaled down (:data:`QUICK_BACKOFF`)."""
     if scheme == "s3":
         return {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "k",
-                "AWS_SECRET_ACCESS_KEY": "s"}  # fmt: skip
+                "AWS_SECRET_ACCESS_KEY": "s", **QUICK_BACKOFF}  # fmt: skip
     if scheme == "gs":
-        return {"STORAGE_EMULATOR_HOST": endpoint}
+        return {"STORAGE_EMULATOR_HOST": endpoint, **QUICK_BACKOFF}
     connection = (
         "DefaultEndpointsProtocol=http;AccountName=acct;AccountKey=a2V5;"
         f"BlobEndpoint={endpoint}/acct;"
     )
-    return {"AZURE_STORAGE_CONNECTION_STRING": connection}
+    return {"AZURE_STORAGE_CONNECTION_STRING": connection, **QUICK_BACKOFF}
 
 
-@pytest.mark.slow  # the clients' own backoff: about 4 s on gs, 10-16 s on az
+@pytest.mark.slow  # the clients' backoff, 4 s on gs, 10-16 s on az, a hundredth of it here
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_an_endpoint_that_never_answers_is_asked_at_most_4_times_for_a_read(
     closing_endpoint: ClosingEndpoint, scheme: str, monkeypatch: pytest.MonkeyPatch
@@ -369,7 +370,7 @@ def reads_bytes(scheme: str, key: str) -> Callable[[Asked], bool]:
 @pytest.mark.parametrize(
     "body",
     [pytest.param(None, id="silent", marks=pytest.mark.slow), pytest.param(1000, id="head-1kB")],
-)  # slow: the Azure SDK's own backoff before its tries (3, 5, 9 s) on az-silent
+)  # slow: the Azure SDK's backoff before its tries (3, 5, 9 s; a hundredth here) on az-silent
 def test_an_endpoint_that_stalls_is_asked_at_most_4_times_for_a_read(
     place: Place,
     tmp_path: Path,

@@ -28,7 +28,13 @@ from featbake.store.versions import newest, version_name, version_of
 from featbake.testing import write_audio_folder
 from featbake.upkeep import GcOptions, gc, verify
 from tests.conftest import invoke, live_features, run_cli
-from tests.store.bucket.conftest import SCHEMES, Place, endpoint_env, upstream_port
+from tests.store.bucket.conftest import (
+    QUICK_BACKOFF,
+    SCHEMES,
+    Place,
+    endpoint_env,
+    upstream_port,
+)
 
 HOUR = 3600.0
 
@@ -339,17 +345,19 @@ def stalled_endpoint() -> Iterator[str]:
 
 def stalled_env(scheme: str, endpoint: str) -> dict[str, str]:
     """Each cloud's settings naming ``endpoint`` (the old S3 timeout variable for s3, the
-    generic one for the others)."""
+    generic one for the others), the clients' waits between tries scaled down."""
     if scheme == "s3":
-        return {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "k",
-                "AWS_SECRET_ACCESS_KEY": "s", "FEATBAKE_S3_TIMEOUT": "0.5"}  # fmt: skip
-    if scheme == "gs":
-        return {"STORAGE_EMULATOR_HOST": endpoint, "FEATBAKE_OBJECT_TIMEOUT": "0.5"}
-    connection = (
-        "DefaultEndpointsProtocol=http;AccountName=acct;AccountKey=a2V5;"
-        f"BlobEndpoint={endpoint}/acct;"
-    )
-    return {"AZURE_STORAGE_CONNECTION_STRING": connection, "FEATBAKE_OBJECT_TIMEOUT": "0.5"}
+        named = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "k",
+                 "AWS_SECRET_ACCESS_KEY": "s", "FEATBAKE_S3_TIMEOUT": "0.5"}  # fmt: skip
+    elif scheme == "gs":
+        named = {"STORAGE_EMULATOR_HOST": endpoint, "FEATBAKE_OBJECT_TIMEOUT": "0.5"}
+    else:
+        connection = (
+            "DefaultEndpointsProtocol=http;AccountName=acct;AccountKey=a2V5;"
+            f"BlobEndpoint={endpoint}/acct;"
+        )
+        named = {"AZURE_STORAGE_CONNECTION_STRING": connection, "FEATBAKE_OBJECT_TIMEOUT": "0.5"}
+    return {**named, **QUICK_BACKOFF}
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
