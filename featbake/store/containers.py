@@ -34,6 +34,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import tarfile
 import threading
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
@@ -695,7 +696,58 @@ def table_files(where: str) -> list[str]:
         if not files:
             raise SourceError(f"{state} names no data file")
         return [os.path.join(where, n) for n in files]
-    return sorted(os.path.join(where, n) for n in os.listdir(where) if n.endswith(".parquet"))
+    names = sorted(n for n in os.listdir(where) if n.endswith(".parquet"))
+    refuse_several_splits(where, names)
+    return [os.path.join(where, n) for n in names]
+
+
+#: The split names ``datasets`` reads in a data file's name (its ``SPLIT_KEYWORDS``), in its order.
+SPLIT_KEYWORDS = {
+    "train": ("train", "training"),
+    "validation": ("validation", "valid", "dev", "val"),
+    "test": ("test", "testing", "eval", "evaluation"),
+}
+#: A keyword stands in a name between these characters (datasets' ``NON_WORDS_CHARS``).
+_SPLIT_IN_NAME = {
+    split: re.compile(rf"(?:^|[-._ 0-9])(?:{'|'.join(words)})[-._ 0-9]")
+    for split, words in SPLIT_KEYWORDS.items()
+}
+
+
+def split_of(name: str) -> str | None:
+    """The split a data file's name puts it in as ``datasets`` reads a folder (``load_dataset``
+    of a Hub snapshot's ``data/``), or None (pure).
+
+    Example:
+        >>> split_of("train-00000-of-00002.parquet"), split_of("dev.parquet"), split_of("x.parquet")
+        ('train', 'validation', None)
+    """
+    return next((split for split, named in _SPLIT_IN_NAME.items() if named.search(name)), None)
+
+
+def refuse_several_splits(where: str, names: Sequence[str]) -> None:
+    """Refuse a folder whose parquet files name several splits: ``datasets`` reads it as a
+    DatasetDict, so reading it as one table would serve the test rows with the training ones.
+
+    Raises:
+        SourceError: the files name two splits or more (each named with its file count).
+    """
+    counts: dict[str, int] = {}
+    for name in names:
+        split = split_of(name)
+        if split is not None:
+            counts[split] = counts.get(split, 0) + 1
+    if len(counts) < 2:
+        return
+    held = ", ".join(
+        f"{split} ({n} file{'s' if n > 1 else ''})"
+        for split in SPLIT_KEYWORDS
+        if (n := counts.get(split))
+    )
+    raise SourceError(
+        f"{where} holds the splits {held}, as datasets reads its file names; pass one split: "
+        "its file as --data, or its files moved into a folder of their own"
+    )
 
 
 #: (object URL, its size or None) -> the object as a seekable file (the caller's client); a

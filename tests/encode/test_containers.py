@@ -572,6 +572,49 @@ def test_a_parquet_of_audio_bytes_builds_with_bad_rows_skipped_and_serves(
         assert torch.equal(ds[i], want), n
 
 
+def test_a_parquet_folder_of_several_splits_is_refused_naming_them_never_mixed(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """A Hub snapshot's ``data/`` holds each split's files by name (``train-00000-of-00002``,
+    ``test-00000-of-00001``), which ``datasets`` reads as a DatasetDict: the folder is refused
+    in one line naming its splits, never served as one table with the test rows in it."""
+    datasets = pytest.importorskip("datasets")
+    data = tmp_path / "snapshot" / "data"
+    data.mkdir(parents=True)
+    clips = [wav_bytes(0.3 + 0.1 * i, i) for i in range(5)]
+    labels = [10, 11, 12, 13, 14]
+    for name, rows in (
+        ("train-00000-of-00002", [0, 1]),
+        ("train-00001-of-00002", [2, 3]),
+        ("test-00000-of-00001", [4]),
+    ):
+        pick = [clips[r] for r in rows]
+        write_audio_parquet(data / f"{name}.parquet", pick, label=[labels[r] for r in rows])
+    splits = datasets.load_dataset(str(data), cache_dir=str(tmp_path / "hf_cache"))
+    assert sorted(splits) == ["test", "train"]  # how the user's other loader reads the folder
+    store = tmp_path / "store"
+    result = invoke("build", "--data", data, "--encoder", encoder_file, "--cache", store)
+    assert result.returncode == 8, result.stdout + result.stderr
+    said = result.stderr.strip()
+    assert len(said.splitlines()) == 1, said
+    assert "splits" in said and "train (2 files)" in said and "test (1 file)" in said, said
+    with pytest.raises(SourceError, match=r"splits train \(2 files\), test \(1 file\)"):
+        CachedFeatureDataset(data, encoder_file, cache=store, column="audio")
+    # One split's files in a folder of their own: served in datasets' order, labels carried.
+    train = tmp_path / "train"
+    train.mkdir()
+    for p in sorted(data.glob("train-*.parquet")):
+        p.rename(train / p.name)
+    report = build(train, encoder_file, cache=store, workers=0, column="audio")
+    assert (report.encoded, report.failed) == (4, [])
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
+    ds = CachedFeatureDataset(train, encoder_file, cache=store, column="audio", on_miss="error")
+    assert [ds.row(i)["label"] for i in range(len(ds))] == list(splits["train"]["label"])
+    for i in range(len(ds)):
+        assert torch.equal(ds[i], run_now(module, audio_tensor(clips[i]))), ds.item_id(i)
+
+
 def test_a_table_file_that_cannot_be_read_fails_its_cells_in_one_line_each(
     tmp_path: Path, encoder_file: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
