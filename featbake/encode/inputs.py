@@ -9,6 +9,7 @@ bytes in a folder and in a bucket give the same key, so their features are store
 from __future__ import annotations
 
 import io
+import json
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, BinaryIO, ClassVar, Protocol, runtime_checkable
@@ -230,7 +231,32 @@ def _is_manifest(where: str) -> bool:
 
 
 def _is_cuts(where: str) -> bool:
-    return bytes_at(where).is_list_file(where, (".jsonl.gz",))
+    place = bytes_at(where)
+    if place.is_list_file(where, (".jsonl.gz",)):
+        return True
+    return place.is_list_file(where, (".jsonl",)) and starts_with_a_cut(where)
+
+
+#: How much of a ``.jsonl`` file's first line is read to tell a lhotse cut from a row.
+FIRST_LINE_BYTES = 1 << 20
+
+
+def starts_with_a_cut(path: str) -> bool:
+    """Whether a local ``.jsonl`` file's first line is a lhotse cut (a ``type`` ending in
+    ``Cut`` and a ``recording`` object): ``CutSet.to_file("cuts.jsonl")`` writes cuts
+    uncompressed, and lhotse reads them by their content, not by a name featbake would know.
+    A file that cannot be read, or whose first line is no such object, is a manifest of rows
+    (its scan says what is wrong with it)."""
+    try:
+        with open(path, "rb") as f:
+            first = json.loads(f.readline(FIRST_LINE_BYTES).decode("utf-8-sig"))
+    except (OSError, ValueError):
+        return False
+    return (
+        isinstance(first, dict)
+        and isinstance(first.get("recording"), dict)
+        and str(first.get("type", "")).endswith("Cut")
+    )
 
 
 def _is_bucket_prefix(where: str) -> bool:

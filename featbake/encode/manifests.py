@@ -14,7 +14,8 @@ Three layouts name their items this way (``--data`` picks one, see
   ``segments`` file each utterance is a segment (``utt rec start end``; ``end`` -1, Kaldi's
   convention, runs to the recording's end) and its id is the
   utterance id, else each recording is an item under its id. ``text`` and ``utt2spk`` are carried.
-* :class:`CutsInputs`: a lhotse cut manifest (``cuts.jsonl.gz``), read with gzip and json: a
+* :class:`CutsInputs`: a lhotse cut manifest (``cuts.jsonl.gz``, or a ``.jsonl`` whose first
+  line is a cut: lhotse's uncompressed ``cuts.jsonl``), read with gzip (if so) and json: a
   cut's ``start``, ``duration``, ``channel``, and of its recording the source of type ``file``
   that lists the channel (one file per channel, AMI and CHiME; a relative path is taken from
   the working directory, as lhotse takes it); a cut over channels of several sources is a bad
@@ -72,7 +73,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, ClassVar, NamedTuple, TypeVar, cast
+from typing import Any, BinaryIO, ClassVar, NamedTuple, TextIO, TypeVar, cast
 
 import numpy as np
 import torch
@@ -958,7 +959,7 @@ class CutsInputs(RowInputs):
         parsed = Parsed()
         paths = ToolPaths(self.origin)
         try:
-            with gzip.open(self.origin, "rt", encoding="utf-8") as f:
+            with cut_lines(self.origin) as f:
                 for line, cut in json_records(f):
                     try:
                         if isinstance(cut, BadRow):
@@ -972,6 +973,20 @@ class CutsInputs(RowInputs):
         except (OSError, EOFError, UnicodeDecodeError) as e:
             raise SourceError(f"cut manifest {self.origin} cannot be read ({e})") from None
         return parsed
+
+
+def cut_lines(path: str) -> TextIO:
+    """A cut manifest's lines: gzip-compressed (``cuts.jsonl.gz``) or plain (lhotse writes
+    ``cuts.jsonl`` uncompressed), told by the file's first bytes as gzip tells them.
+
+    Raises:
+        OSError: the file cannot be opened.
+    """
+    with open(path, "rb") as f:
+        compressed = f.read(2) == b"\x1f\x8b"
+    if compressed:
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8-sig")
 
 
 @dataclass(frozen=True)

@@ -984,6 +984,37 @@ def test_a_cuts_custom_fields_and_its_supervisions_language_and_gender_are_carri
     torch.testing.assert_close(ds[0], want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_cut_manifest_lhotse_wrote_uncompressed_is_read_as_cuts(
+    tmp_path: Path, encoder_file: Path, store_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``CutSet.to_file("cuts.jsonl")`` writes the cuts as plain JSONL (lhotse picks gzip by
+    the name): it is read as cuts, the CLI build and a dataset alike, each cut served the
+    encoder run now on lhotse's ``cut.load_audio()`` with its labels (before: read as a
+    manifest of paths, "no column 'path' ... name the input with --column", exit 8)."""
+    lhotse = pytest.importorskip("lhotse")
+    monkeypatch.chdir(tmp_path)
+    noise_wav(tmp_path / "utt.wav", 3.0, 16000, seed=31)
+    rec = lhotse.Recording.from_file("utt.wav")
+    cuts = [rec.to_cut().truncate(offset=0.25 + i, duration=0.5).with_id(f"c{i}") for i in range(2)]
+    for i, cut in enumerate(cuts):
+        cut.custom = {"label": i + 5}
+    plain = tmp_path / "cuts.jsonl"
+    lhotse.CutSet.from_cuts(cuts).to_file(plain)
+    assert plain.read_bytes()[:1] == b"{"  # lhotse wrote it uncompressed
+    result = invoke("build", "--data", plain, "--encoder", encoder_file, "--cache", store_dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    ds = quiet_dataset(plain, encoder_file, store_dir, on_miss="error")
+    assert [ds.item_id(i) for i in range(len(ds))] == ["c0", "c1"]
+    for i, cut in enumerate(lhotse.load_manifest(plain)):
+        assert ds.row(i)["label"] == i + 5
+        want = encoded_now(encoder_file, cut.load_audio(), cut.sampling_rate)
+        torch.testing.assert_close(ds[i], want, rtol=1e-5, atol=1e-5)
+    # A JSONL manifest of paths is still one: its first row is no cut.
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"path": "utt.wav", "recording": "r1", "type": "MonoCut"}) + "\n")
+    assert type(inputs_at(rows)) is ManifestInputs
+
+
 def test_a_row_decodes_in_a_process_that_never_scanned_by_what_it_carries(tmp_path: Path) -> None:
     # What an engine's worker gets with each row: the file, span and effects, not the row's
     # other columns; with one task's rows a fresh ManifestInputs (never scanned) decodes each
