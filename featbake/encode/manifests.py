@@ -140,13 +140,18 @@ class Parsed:
 
 
 def segment_id(path: str, span: Span | None) -> str:
-    """A row's id when it names none: its path as written, plus ``#start-end`` for a segment.
+    """A row's id when it names none: its path as written, plus ``#start-end`` for a segment
+    and ``@chN`` where the row picks channel N (a call's two sides are rows of the same times
+    on channels 0 and 1 of one file: each its own item).
 
     Example:
-        >>> segment_id("a.wav", Span(1.5, 3.0))
-        'a.wav#1.5-3.0'
+        >>> segment_id("a.wav", Span(1.5, 3.0)), segment_id("a.wav", Span(1.5, 3.0, 1))
+        ('a.wav#1.5-3.0', 'a.wav#1.5-3.0@ch1')
     """
-    return path if span is None else f"{path}#{span.start!r}-{span.end!r}"
+    if span is None:
+        return path
+    ident = f"{path}#{span.start!r}-{span.end!r}"
+    return ident if span.channel is None else f"{ident}@ch{span.channel}"
 
 
 def seconds(value: Any, name: str) -> float:

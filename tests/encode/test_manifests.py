@@ -239,7 +239,7 @@ def test_csv_with_another_column_channels_and_whole_files(
     report = build(corpus / "clips.csv", encoder_file, cache=store_dir, column="audio", workers=0)
     assert not report.failed and report.encoded == 2
     ds = quiet_dataset(corpus / "clips.csv", encoder_file, store_dir, column="audio")
-    assert ds.item_id(0) == "wavs/recB.flac#1.0-2.5" and ds.item_id(1) == "wavs/recA.wav"
+    assert ds.item_id(0) == "wavs/recB.flac#1.0-2.5@ch1" and ds.item_id(1) == "wavs/recA.wav"
     assert ds.row(0) == {"lab": "x"}
     wav_b, wav_a = corpus / "wavs/recB.flac", corpus / "wavs/recA.wav"
     torch.testing.assert_close(ds[0], reference(encoder_file, wav_b, 1.0, 2.5, channel=1))
@@ -317,8 +317,9 @@ def test_each_bad_row_is_skipped_with_its_line_and_the_rest_builds(
     assert "bad.jsonl:6" in past and "past the end of its recording (6.000 s)" in past
     late = reasons["wavs/recA.wav#6.5-inf"]
     assert "bad.jsonl:7" in late and "starts at 6.5 s, at or past the end" in late
-    assert "bad.jsonl:8" in reasons["wavs/recB.flac#0.0-1.0"]
-    assert "channel 2 is not one of the recording's 2 channels" in reasons["wavs/recB.flac#0.0-1.0"]
+    no_channel = reasons["wavs/recB.flac#0.0-1.0@ch2"]
+    assert "bad.jsonl:8" in no_channel
+    assert "channel 2 is not one of the recording's 2 channels" in no_channel
     assert "speak s3://, gs://, az://, not hdfs://" in reasons["bad.jsonl:9"]
     assert "not a number of seconds" in reasons["bad.jsonl:10"]
 
@@ -1013,6 +1014,31 @@ def test_a_cut_manifest_lhotse_wrote_uncompressed_is_read_as_cuts(
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps({"path": "utt.wav", "recording": "r1", "type": "MonoCut"}) + "\n")
     assert type(inputs_at(rows)) is ManifestInputs
+
+
+def test_rows_on_each_channel_of_one_file_without_ids_are_each_an_item(
+    tmp_path: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    """A telephone call's two sides as rows of one stereo file, the same times on channel 0
+    and 1, no ``id`` column: each row is its own item (its id names its channel), served its
+    channel with its label (before: both rows had the id ``call.wav#0.5-2.0`` and the manifest
+    was refused, "ids must be unique")."""
+    call = long_recording(tmp_path / "call.wav", 3, 16000, seed=7, channels=2)
+    rows = [
+        {"path": "call.wav", "start": 0.5, "end": 2.0, "channel": c, "speaker": f"side{c}"}
+        for c in (0, 1)
+    ] + [{"path": "call.wav", "start": 0.5, "end": 2.0, "speaker": "both"}]
+    m = tmp_path / "calls.jsonl"
+    m.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = build(m, encoder_file, cache=store_dir, workers=0)
+    assert (report.encoded, report.failed) == (3, [])
+    ds = quiet_dataset(m, encoder_file, store_dir, on_miss="error")
+    ids = [ds.item_id(i) for i in range(len(ds))]
+    assert len(set(ids)) == 3, ids
+    for i, channel in enumerate([0, 1, None]):
+        assert ds.row(i) == {"speaker": rows[i]["speaker"]}
+        want = reference(encoder_file, call, 0.5, 2.0, channel=channel)
+        torch.testing.assert_close(ds[i], want, rtol=1e-5, atol=1e-5)
 
 
 def test_a_row_decodes_in_a_process_that_never_scanned_by_what_it_carries(tmp_path: Path) -> None:
