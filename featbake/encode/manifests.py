@@ -225,6 +225,24 @@ def input_file(value: Any, base: str, column: str) -> str:
         raise BadRow(str(e)) from None
 
 
+def end_of(fields: Mapping[str, Any]) -> Any:
+    """A row's ``end``, or, where it has none, its ``start + duration`` (a segment timed as
+    lhotse times cuts and supervisions); a ``duration`` without a ``start`` is a label of the
+    whole file (NeMo's manifests), not a bound.
+
+    Example:
+        >>> end_of({"start": "1.5", "duration": 2}), end_of({"duration": 2}), end_of({"end": 3})
+        (3.5, None, 3)
+
+    Raises:
+        BadRow: the start or duration is not seconds.
+    """
+    end, start, duration = (fields.get(k) for k in ("end", "start", "duration"))
+    if end not in (None, "") or start in (None, "") or duration in (None, ""):
+        return end
+    return seconds(start, "start") + seconds(duration, "duration")
+
+
 def manifest_item(
     fields: Mapping[str, Any], column: str, base: str, where: str
 ) -> tuple[str, Item]:
@@ -237,7 +255,7 @@ def manifest_item(
         given = ", ".join(str(k) for k in fields) or "none"
         raise BadRow(f"no {column!r} column (columns: {given}); name the input with --column")
     file = input_file(fields[column], base, column)
-    span = span_of(fields.get("start"), fields.get("end"), channel_of(fields.get("channel")))
+    span = span_of(fields.get("start"), end_of(fields), channel_of(fields.get("channel")))
     ident = fields.get("id")
     ident = segment_id(fields[column], span) if ident in (None, "") else str(ident)
     carried = {k: v for k, v in fields.items() if k != column and k not in OWN_COLUMNS}

@@ -1041,6 +1041,33 @@ def test_rows_on_each_channel_of_one_file_without_ids_are_each_an_item(
         torch.testing.assert_close(ds[i], want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_row_with_start_and_duration_is_served_that_segment(
+    tmp_path: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    """A manifest that times its segments by ``start`` and ``duration`` (as lhotse's cuts and
+    supervisions do) serves each row ``[start, start + duration)``, equal to the encoder run now
+    on that span (before: the duration was carried as a label and each row served from its
+    start to the recording's end, in silence). An ``end`` wins over a ``duration``; a
+    ``duration`` without a ``start`` stays a label of the whole file (NeMo's manifests)."""
+    long = long_recording(tmp_path / "long.wav", 4, 16000, seed=9)
+    rows = [
+        {"id": "a", "path": "long.wav", "start": 1.0, "duration": 0.5, "label": 1},
+        {"id": "b", "path": "long.wav", "start": 0.25, "duration": 1.25, "label": 2},
+        {"id": "c", "path": "long.wav", "start": 2.0, "end": 3.0, "duration": 9, "label": 3},
+        {"id": "d", "path": "long.wav", "duration": 4.0, "label": 4},
+    ]
+    m = tmp_path / "timed.jsonl"
+    m.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = build(m, encoder_file, cache=store_dir, workers=0)
+    assert (report.encoded, report.failed) == (4, [])
+    ds = quiet_dataset(m, encoder_file, store_dir, on_miss="error")
+    spans = [(1.0, 1.5), (0.25, 1.5), (2.0, 3.0), (None, None)]
+    for i, (start, end) in enumerate(spans):
+        assert ds.row(i)["label"] == i + 1
+        want = reference(encoder_file, long, start, end)
+        torch.testing.assert_close(ds[i], want, rtol=1e-5, atol=1e-5)
+
+
 def test_a_row_decodes_in_a_process_that_never_scanned_by_what_it_carries(tmp_path: Path) -> None:
     # What an engine's worker gets with each row: the file, span and effects, not the row's
     # other columns; with one task's rows a fresh ManifestInputs (never scanned) decodes each
