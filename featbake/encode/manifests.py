@@ -661,7 +661,7 @@ class ManifestInputs(RowInputs):
 
     def parse(self) -> Parsed:
         column = self.column or DEFAULT_COLUMN
-        base = os.path.dirname(self.origin)
+        bases = RowsBase(os.path.dirname(self.origin))
         name = os.path.basename(self.origin)
         parsed = Parsed()
         seen = ColumnsSeen(column)
@@ -671,6 +671,7 @@ class ManifestInputs(RowInputs):
                 if isinstance(fields, BadRow):
                     raise fields
                 seen.note(fields)
+                base = bases.for_value(fields.get(column))
                 parsed.items.append(manifest_item(fields, column, base, where))
             except BadRow as e:
                 parsed.skipped.append(SkippedInput(f"{name}:{line}", str(e)))
@@ -678,6 +679,37 @@ class ManifestInputs(RowInputs):
         return parsed
 
 
+class RowsBase:
+    """The folder a manifest's relative paths are taken from: the manifest's own, or, where
+    its first relative path is not there but is in ``clips/`` beside it, that folder (Common
+    Voice's layout: ``validated.tsv`` names each clip by its file name, the clips lie in
+    ``clips/``). Decided once, at the first relative local path (two stats a manifest).
+
+    Args:
+        folder: the manifest's folder.
+    """
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.chosen: str | None = None
+
+    def for_value(self, value: Any) -> str:
+        """The folder to take ``value`` (a row's input cell) from."""
+        if self.chosen is not None:
+            return self.chosen
+        if not isinstance(value, str) or not value or value.startswith(("/", "~")):
+            return self.folder
+        if "://" in value:  # a URL (read, or refused by its row)
+            return self.folder
+        clips = os.path.join(self.folder, COMMON_VOICE_CLIPS)
+        beside = os.path.exists(os.path.join(self.folder, value))
+        in_clips = not beside and os.path.isfile(os.path.join(clips, value))
+        self.chosen = clips if in_clips else self.folder
+        return self.chosen
+
+
+#: Where Common Voice keeps the clips its TSVs name by file name, beside the TSVs.
+COMMON_VOICE_CLIPS = "clips"
 #: How manifests are decoded: UTF-8, less the byte-order mark Excel's "CSV UTF-8" (and Notepad)
 #: writes first, which plain ``utf-8`` kept as part of the first column's name.
 MANIFEST_ENCODING = "utf-8-sig"

@@ -871,6 +871,33 @@ def test_a_common_voice_tsv_keeps_its_quote_marks_and_a_short_row_is_named(
     assert_rows_served(tmp_path / "validated.tsv", encoder_file, store_dir, rows, clips)
 
 
+def test_a_common_voice_tsv_names_its_clips_by_file_name_as_common_voice_lays_them_out(
+    tmp_path: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    """Common Voice's ``validated.tsv`` names each clip by its file name alone, the clips lying
+    in ``clips/`` beside it: the rows are read from there, by the CLI and a dataset, each
+    served equal to the encoder run now with its row (before: every row failed, "cannot stat",
+    exit 8). A file beside the manifest is still taken first."""
+    clips = clips_for_rows(tmp_path, 3)
+    lines = ["client_id\tpath\tsentence"]
+    lines += [f"u{i}\t{c.name}\tsentence {i}" for i, c in enumerate(clips)]
+    tsv = tmp_path / "validated.tsv"
+    tsv.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    result = invoke("build", "--data", tsv, "--encoder", encoder_file, "--cache", store_dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [{"client_id": f"u{i}", "sentence": f"sentence {i}"} for i in range(3)]
+    assert_rows_served(tsv, encoder_file, store_dir, rows, clips)
+    # A manifest whose files lie beside it reads them there, whatever clips/ holds.
+    beside = tmp_path / "beside"
+    write_audio_folder(beside, 1, seconds=(0.5, 0.5), seed=99)
+    (beside / "clips").mkdir()
+    name = next(beside.glob("*.wav")).name
+    clips[0].rename(beside / "clips" / name)
+    (beside / "m.tsv").write_text(f"path\tlabel\n{name}\tx\n", encoding="utf-8")
+    assert build(beside / "m.tsv", encoder_file, cache=store_dir, workers=0).failed == []
+    assert_rows_served(beside / "m.tsv", encoder_file, store_dir, [{"label": "x"}], [beside / name])
+
+
 def test_a_csv_row_with_an_open_quote_or_another_field_count_is_a_bad_row_at_its_line(
     tmp_path: Path, encoder_file: Path, store_dir: Path
 ) -> None:
