@@ -362,12 +362,20 @@ class LocalFiles(BytePlace):
         return resolved(where)
 
     def stats(self, paths: Sequence[str]) -> dict[str, FileStat | str]:
+        # Only regular files are read: a manifest's row may name a FIFO (whose open blocks
+        # until a writer comes, which never does) or a folder; a folder's scan passed over them.
         out: dict[str, FileStat | str] = {}
         for p in paths:
             try:
-                out[p] = FileStat.of(p)
+                st = os.stat(p)
             except OSError as e:
                 out[p] = f"cannot stat: {e.strerror}"
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                why = f"not a regular file ({file_kind(st.st_mode)}); only regular files are inputs"
+                out[p] = why
+                continue
+            out[p] = FileStat(st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
         return out
 
     def digest(self, path: str, expect: FileStat, held: Holder | None = None) -> Digest | str:

@@ -13,6 +13,7 @@ import csv
 import gzip
 import importlib.util
 import json
+import os
 import re
 import time
 import warnings
@@ -1093,6 +1094,33 @@ def test_a_row_with_start_and_duration_is_served_that_segment(
         assert ds.row(i)["label"] == i + 1
         want = reference(encoder_file, long, start, end)
         torch.testing.assert_close(ds[i], want, rtol=1e-5, atol=1e-5)
+
+
+def test_rows_naming_a_fifo_or_a_folder_are_bad_rows_not_a_hang(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """A manifest row, a Kaldi ``wav.scp`` entry or a cut naming a FIFO (reading it blocks
+    until a writer comes, which never does) or a folder is a bad row saying what it is, as a
+    folder's FIFO is (before: the build blocked in the FIFO's open forever, and SIGTERM could
+    not stop it); the other rows are built and served equal to the encoder run now."""
+    good = tmp_path / "good.wav"
+    soundfile.write(good, make_tone(0.5, 16000, seed=3), 16000)
+    os.mkfifo(tmp_path / "pipe.wav")
+    (tmp_path / "folder.wav").mkdir()
+    rows = [{"id": i, "path": f"{i}.wav"} for i in ("pipe", "folder", "good")]
+    rows.append({"id": "seg", "path": "pipe.wav", "start": 0.1, "end": 0.2})
+    m = tmp_path / "odd.jsonl"
+    m.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    store = tmp_path / "store"
+    res = run_cli("build", "-e", encoder_file, "-d", m, "--cache", store, timeout=120)
+    assert res.returncode == 3, res.stderr
+    assert "internal error" not in res.stderr
+    said = res.stdout + res.stderr
+    assert said.count("not a regular file (a FIFO)") == 2, said
+    assert "not a regular file (a folder)" in said, said
+    ds = quiet_dataset(m, encoder_file, store, on_miss="error")
+    assert [ds.item_id(i) for i in range(len(ds))] == ["good"]
+    torch.testing.assert_close(ds[0], live_features(encoder_file, good))
 
 
 def test_a_row_decodes_in_a_process_that_never_scanned_by_what_it_carries(tmp_path: Path) -> None:
