@@ -45,6 +45,7 @@ from featbake.store.containers import (
     RangeRead,
     ReadBack,
     TableFile,
+    file_kind,
     fits,
     gzip_stream,
     is_gzip_tar,
@@ -583,13 +584,6 @@ def not_an_input(name: str, file: os.DirEntry[str] | str | os.PathLike[str]) -> 
     except OSError as e:
         return f"cannot stat: {e.strerror}"  # ELOOP: a symlink loop
     return f"not a regular file ({file_kind(mode)}); only regular files are inputs"
-
-
-def file_kind(mode: int) -> str:
-    """What a file that is not a regular file is, for messages."""
-    kinds = [(stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder")]
-    kinds += [(stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")]
-    return next((name for test, name in kinds if test(mode)), "not a file")
 
 
 def printable(rel: str) -> str:

@@ -35,6 +35,7 @@ import io
 import json
 import os
 import re
+import stat
 import tarfile
 import threading
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
@@ -184,6 +185,8 @@ def list_members(tar: str, fileobj: RangedObject | BinaryIO | None = None) -> li
     Raises:
         SourceError: the file cannot be opened or is not a tar.
     """
+    if fileobj is None:
+        refuse_irregular(tar)
     try:
         with open_tar(tar, fileobj) as tf:
             found = list(_headers(tf))
@@ -202,6 +205,32 @@ def list_members(tar: str, fileobj: RangedObject | BinaryIO | None = None) -> li
             member = member._replace(problem=truncated(tar, member, end - member.offset))
         out.append(member)
     return out
+
+
+def file_kind(mode: int) -> str:
+    """What a file that is not a regular file is, for messages."""
+    kinds = [(stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder")]
+    kinds += [(stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")]
+    return next((name for test, name in kinds if test(mode)), "not a file")
+
+
+def refuse_irregular(path: str) -> None:
+    """Refuse a local container that is not a regular file before it is opened: a FIFO named
+    like a shard or a table file blocks its ``open`` until a writer comes, which never does.
+    A path that cannot be stat'ed is left to the open, which says why.
+
+    Raises:
+        SourceError: ``path`` is a FIFO, a folder, a socket or a device.
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return
+    if not stat.S_ISREG(mode):
+        raise SourceError(
+            f"{path}: not a regular file ({file_kind(mode)}); only regular files are read: "
+            "replace it with the file or remove it"
+        )
 
 
 def open_tar(tar: str, fileobj: RangedObject | BinaryIO | None = None) -> tarfile.TarFile:
@@ -797,6 +826,7 @@ class TableFile(ProcessLocalState):
         """``opener(path)``, noting the stat of the file it opened (the same before and after
         the open; None if the file was replaced meanwhile): the reader keeps that file, its
         footer read once, whatever is renamed over the path later (see :meth:`stat`)."""
+        refuse_irregular(self.path)
         opened, self._opened = stat_around(self.path, lambda: opener(self.path))
         return opened
 

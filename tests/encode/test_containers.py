@@ -37,7 +37,7 @@ from featbake.store.catalog import Catalog
 from featbake.store.containers import HEADER_BLOCK, Member, ReadBack, TableFile
 from featbake.store.layout import Layout
 from featbake.testing import make_tone, write_image_folder
-from tests.conftest import invoke
+from tests.conftest import invoke, run_cli
 from tests.helpers import real_photos, stored_features
 
 pa = pytest.importorskip("pyarrow")
@@ -613,6 +613,37 @@ def test_a_parquet_folder_of_several_splits_is_refused_naming_them_never_mixed(
     assert [ds.row(i)["label"] for i in range(len(ds))] == list(splits["train"]["label"])
     for i in range(len(ds)):
         assert torch.equal(ds[i], run_now(module, audio_tensor(clips[i]))), ds.item_id(i)
+
+
+def test_a_fifo_among_tar_shards_or_table_files_is_one_line_not_a_hang(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """A FIFO named like a shard (``b.tar``) in a folder of tars, or like a table file
+    (``b.parquet``) in a folder of parquet files, is refused in one line saying what it is
+    (its open would block until a writer came, which never does); the tar beside it is built
+    and served equal to the encoder run now. Before, the build blocked in the FIFO's open."""
+    shards, tables = tmp_path / "shards", tmp_path / "tables"
+    shards.mkdir()
+    tables.mkdir()
+    clip = wav_bytes(0.5, 3)
+    write_tar(shards / "a.tar", [("s0", {"wav": clip, "cls": b"4"})])
+    write_audio_parquet(tables / "a.parquet", [clip])
+    os.mkfifo(shards / "b.tar")
+    os.mkfifo(tables / "b.parquet")
+    store = tmp_path / "store"
+    res = run_cli("build", "-e", encoder_file, "-d", shards, "--cache", store, timeout=120)
+    assert res.returncode == 3, res.stderr
+    assert "b.tar: not a regular file (a FIFO)" in res.stdout + res.stderr
+    res = run_cli("build", "-e", encoder_file, "-d", tables, "--column", "audio", "--cache",
+                  store, timeout=120)  # fmt: skip
+    assert res.returncode == 8, res.stderr
+    said = res.stderr.strip()
+    assert "b.parquet: not a regular file (a FIFO)" in said and len(said.splitlines()) == 1
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
+    ds = CachedFeatureDataset(shards, encoder_file, cache=store, on_miss="error")
+    assert [ds.item_id(i) for i in range(len(ds))] == ["s0"] and ds.row(0) == {"cls": 4}
+    assert torch.equal(ds[0], run_now(module, audio_tensor(clip)))
 
 
 def test_a_table_file_that_cannot_be_read_fails_its_cells_in_one_line_each(
