@@ -16,12 +16,12 @@ Three layouts name their items this way (``--data`` picks one, see
   utterance id, else each recording is an item under its id. ``text`` and ``utt2spk`` are carried.
 * :class:`CutsInputs`: a lhotse cut manifest (``cuts.jsonl.gz``, or a ``.jsonl`` whose first
   line is a cut: lhotse's uncompressed ``cuts.jsonl``), read with gzip (if so) and json: a
-  cut's ``start``, ``duration``, ``channel``, and of its recording the source of type ``file``
-  that lists the channel (one file per channel, AMI and CHiME; a relative path is taken from
-  the working directory, as lhotse takes it); a cut over channels of several sources is a bad
-  row. A recording with ``transforms`` (speed, volume) is decoded by lhotse's own code
-  (:class:`LhotseAudio`; a bad row where lhotse is not installed). Its supervisions' text and
-  speaker are carried.
+  cut's ``start``, ``duration``, ``channel``, and of its recording the source (a ``file``, or a
+  ``url`` in a bucket) that lists the channel (one file per channel, AMI and CHiME; a relative
+  path is taken from the working directory, as lhotse takes it); a cut over channels of several
+  sources is a bad row. A recording with ``transforms`` (speed, volume) is decoded by lhotse's
+  own code (:class:`LhotseAudio`; a bad row where lhotse is not installed). Its supervisions'
+  text and speaker are carried.
 
 **Items are the rows, in the manifest's order**, each named by its id (unique: a repeated id is
 refused with one line naming both rows). A row's full name (:meth:`RowInputs.path`, what messages
@@ -1053,6 +1053,12 @@ class CutSource:
     picked: int | None
 
 
+#: The lhotse source types read: a file, and a URL (lhotse's type for a recording in a
+#: bucket: ``s3://``, ``gs://``, ``az://`` are read as a manifest's rows are; others are refused
+#: by their row, naming the schemes read).
+SOURCE_TYPES_READ = ("file", "url")
+
+
 def cut_source(rec: Mapping[str, Any], channel: Any, paths: ToolPaths) -> CutSource:
     """The source holding a cut's channel(s), as lhotse's ``Recording.load_audio`` picks it:
     each source holds the channels its ``channels`` lists (AMI, CHiME: one file per channel),
@@ -1075,8 +1081,10 @@ def cut_source(rec: Mapping[str, Any], channel: Any, paths: ToolPaths) -> CutSou
     if not holding:
         raise BadRow(f"no source of the recording holds channel {channel}")
     source = holding[0]
-    if source.get("type") != "file":
-        raise BadRow(f"channel {channel} is in a source of type {source.get('type')}, not file")
+    if source.get("type") not in SOURCE_TYPES_READ:
+        raise BadRow(
+            f"channel {channel} is in a source of type {source.get('type')}, not file or url"
+        )
     file = paths.file(source.get("source"))
     channels = list(source.get("channels") or [0])
     if wanted is None or sorted(wanted) == sorted(channels):

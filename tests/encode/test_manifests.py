@@ -1123,6 +1123,34 @@ def test_rows_naming_a_fifo_or_a_folder_are_bad_rows_not_a_hang(
     torch.testing.assert_close(ds[0], live_features(encoder_file, good))
 
 
+def test_a_cut_whose_source_is_a_bucket_url_is_read_from_the_bucket(
+    s3: S3, corpus: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    """lhotse writes a recording stored in a bucket as a source of type ``url``
+    (``AudioSource("url", [0], "s3://...")``): featbake reads it as a manifest's ``s3://`` row,
+    each cut served equal to the encoder run now on its samples (before: every such cut was
+    refused, "a source of type url, not file"); an ``https://`` source is one line per cut."""
+    lhotse = pytest.importorskip("lhotse")
+    bucket = ObjectStore(BucketURL.parse(f"s3://{s3.bucket}/wavs"))
+    bucket.upload("recA.wav", corpus / "wavs/recA.wav")
+    url = f"s3://{s3.bucket}/wavs/recA.wav"
+    rec = lhotse.Recording("recA", [lhotse.AudioSource("url", [0], url)], 22050, 6 * 22050, 6.0)
+    web = lhotse.Recording("web", [lhotse.AudioSource("url", [0], "https://x.org/a.wav")],
+                           22050, 22050, 1.0)  # fmt: skip
+    cuts = [lhotse.MonoCut(f"c{k}", k + 0.5, 1.0, channel=0, recording=rec) for k in range(2)]
+    cuts.append(lhotse.MonoCut("w", 0.0, 1.0, channel=0, recording=web))
+    lhotse.CutSet.from_cuts(cuts).to_file(corpus / "cuts.jsonl.gz")
+    report = build(corpus / "cuts.jsonl.gz", encoder_file, cache=store_dir, workers=0)
+    assert report.encoded == 2, report.failed
+    (why,) = [r for p, r in report.failed]
+    assert "cut w:" in why and "https" in why and "\n" not in why
+    ds = quiet_dataset(corpus / "cuts.jsonl.gz", encoder_file, store_dir, on_miss="error")
+    assert [ds.item_id(i) for i in range(len(ds))] == ["c0", "c1"]
+    for k in range(2):
+        want = reference(encoder_file, corpus / "wavs/recA.wav", k + 0.5, k + 1.5)
+        torch.testing.assert_close(ds[k], want, rtol=1e-5, atol=1e-5)
+
+
 def test_a_row_decodes_in_a_process_that_never_scanned_by_what_it_carries(tmp_path: Path) -> None:
     # What an engine's worker gets with each row: the file, span and effects, not the row's
     # other columns; with one task's rows a fresh ManifestInputs (never scanned) decodes each
