@@ -56,6 +56,7 @@ from featbake.store.containers import (
     read_member,
     read_ranged_member,
     read_streamed_member,
+    refuse_several_splits,
     stat_around,
     stat_or_none,
     streamed_member_digests,
@@ -498,12 +499,9 @@ class LocalFiles(BytePlace):
             )
         if os.path.isdir(data):
             folder = resolved(data)
-            tars = sorted(
-                os.path.join(folder, n)
-                for n in os.listdir(folder)
-                if is_tar(n) and not n.startswith(".")
-            )
-            return Shards(folder, folder, tars)
+            names = sorted(n for n in os.listdir(folder) if is_tar(n) and not n.startswith("."))
+            refuse_several_splits(folder, names)  # datasets reads such a folder as splits
+            return Shards(folder, folder, [os.path.join(folder, n) for n in names])
         where = resolved(data)
         return Shards(where, os.path.dirname(where), [where])
 

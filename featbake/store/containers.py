@@ -755,8 +755,9 @@ def split_of(name: str) -> str | None:
 
 
 def refuse_several_splits(where: str, names: Sequence[str]) -> None:
-    """Refuse a folder whose parquet files name several splits: ``datasets`` reads it as a
-    DatasetDict, so reading it as one table would serve the test rows with the training ones.
+    """Refuse a folder whose data files (parquet files, tar shards) name several splits:
+    ``datasets`` reads it as a DatasetDict, so reading it as one table (or one set of shards)
+    would serve the test rows with the training ones.
 
     Raises:
         SourceError: the files name two splits or more (each named with its file count).

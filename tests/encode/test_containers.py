@@ -646,6 +646,38 @@ def test_a_fifo_among_tar_shards_or_table_files_is_one_line_not_a_hang(
     assert torch.equal(ds[0], run_now(module, audio_tensor(clip)))
 
 
+def test_a_folder_of_tar_shards_of_several_splits_is_refused_naming_them(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """The same for webdataset shards (path7.1): a Hub snapshot's ``data/`` of ``train-0000.tar``
+    and ``test-0000.tar``, which ``datasets`` reads as two splits, is refused in one line; a
+    brace pattern naming one split's shards builds them and serves each sample equal to the
+    encoder run now, with its ``.cls``."""
+    datasets = pytest.importorskip("datasets")
+    data = tmp_path / "snapshot" / "data"
+    data.mkdir(parents=True)
+    clips = [wav_bytes(0.3 + 0.1 * i, i) for i in range(3)]
+    train = [(f"t{i}", {"wav": clips[i], "cls": b"%d" % i}) for i in (0, 1)]
+    write_tar(data / "train-0000.tar", train)
+    write_tar(data / "test-0000.tar", [("e0", {"wav": clips[2], "cls": b"2"})])
+    splits = datasets.data_files.get_data_patterns(str(data))  # how load_dataset splits it
+    assert sorted(splits) == ["test", "train"]
+    store = tmp_path / "store"
+    result = invoke("build", "--data", data, "--encoder", encoder_file, "--cache", store)
+    assert result.returncode == 8, result.stdout + result.stderr
+    said = result.stderr.strip()
+    assert len(said.splitlines()) == 1 and "train (1 file), test (1 file)" in said, said
+    pattern = str(data / "train-{0000..0000}.tar")
+    assert build(pattern, encoder_file, cache=store, workers=0).encoded == 2
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
+    ds = CachedFeatureDataset(pattern, encoder_file, cache=store, on_miss="error")
+    assert [ds.item_id(i) for i in range(len(ds))] == ["t0", "t1"]
+    for i in range(2):
+        assert ds.row(i) == {"cls": i}
+        assert torch.equal(ds[i], run_now(module, audio_tensor(clips[i])))
+
+
 def test_a_table_file_that_cannot_be_read_fails_its_cells_in_one_line_each(
     tmp_path: Path, encoder_file: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
