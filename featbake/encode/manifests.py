@@ -729,15 +729,26 @@ def manifest_records(
     """
     lower = path.lower()
     try:
-        with open(path, encoding=MANIFEST_ENCODING, errors=errors, newline="") as f:
-            if lower.endswith(".jsonl"):
+        with open_manifest(path, errors) as f:
+            if lower.endswith((".jsonl", ".jsonl.gz")):
                 yield from json_records(f)
             else:
                 yield from table_records(f, "\t" if lower.endswith(".tsv") else ",")
     except FileNotFoundError:
         raise SourceError(f"manifest {path} does not exist; check --data") from None
-    except (OSError, UnicodeDecodeError) as e:
+    except (OSError, EOFError, UnicodeDecodeError) as e:
         raise SourceError(f"manifest {path} cannot be read ({e})") from None
+
+
+def open_manifest(path: str, errors: str) -> TextIO:
+    """A manifest's text: a ``.jsonl.gz`` decompressed as it is read, others as they are.
+
+    Raises:
+        OSError: the file cannot be opened.
+    """
+    if path.lower().endswith(".gz"):
+        return gzip.open(path, "rt", encoding=MANIFEST_ENCODING, errors=errors, newline="")
+    return open(path, encoding=MANIFEST_ENCODING, errors=errors, newline="")
 
 
 @dataclass

@@ -1151,6 +1151,26 @@ def test_a_cut_whose_source_is_a_bucket_url_is_read_from_the_bucket(
         torch.testing.assert_close(ds[k], want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_gzipped_jsonl_manifest_of_rows_is_read_as_rows(
+    tmp_path: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    """A JSONL manifest of rows compressed as ``rows.jsonl.gz`` is a manifest (its first line
+    is no lhotse cut): each row built and served equal to the encoder run now, its label
+    carried (before: taken for a cut manifest, every row "not a cut ..."; nothing built)."""
+    write_audio_folder(tmp_path / "clips", 3, seconds=(0.3, 0.6), seed=12)
+    clips = sorted((tmp_path / "clips").glob("*.wav"))
+    rows = [{"path": f"clips/{c.name}", "label": i} for i, c in enumerate(clips)]
+    m = tmp_path / "rows.jsonl.gz"
+    with gzip.open(m, "wt", encoding="utf-8") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    result = invoke("build", "--data", m, "--encoder", encoder_file, "--cache", store_dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    ds = quiet_dataset(m, encoder_file, store_dir, on_miss="error")
+    assert [ds.row(i) for i in range(len(ds))] == [{"label": i} for i in range(3)]
+    for i, clip in enumerate(clips):
+        torch.testing.assert_close(ds[i], live_features(encoder_file, clip))
+
+
 def test_a_row_decodes_in_a_process_that_never_scanned_by_what_it_carries(tmp_path: Path) -> None:
     # What an engine's worker gets with each row: the file, span and effects, not the row's
     # other columns; with one task's rows a fresh ManifestInputs (never scanned) decodes each
