@@ -8,7 +8,9 @@ bytes in a folder and in a bucket give the same key, so their features are store
 
 from __future__ import annotations
 
+import gzip
 import io
+import json
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, BinaryIO, ClassVar, Protocol, runtime_checkable
@@ -226,11 +228,49 @@ Opener = Callable[[str, str | None], Inputs]
 
 
 def _is_manifest(where: str) -> bool:
-    return bytes_at(where).is_list_file(where, (".jsonl", ".csv", ".tsv"))
+    # A .jsonl.gz here is one _is_cuts passed over: its first line is a row, not a cut.
+    return bytes_at(where).is_list_file(where, (".jsonl", ".jsonl.gz", ".csv", ".tsv"))
 
 
 def _is_cuts(where: str) -> bool:
-    return bytes_at(where).is_list_file(where, (".jsonl.gz",))
+    place = bytes_at(where)
+    if place.is_list_file(where, (".jsonl.gz",)):
+        first = first_line_object(where)
+        return first is None or is_a_cut(first)  # unreadable: the cut reader says why
+    if not place.is_list_file(where, (".jsonl",)):
+        return False
+    first = first_line_object(where)
+    return first is not None and is_a_cut(first)
+
+
+#: How much of a ``.jsonl`` file's first line is read to tell a lhotse cut from a row.
+FIRST_LINE_BYTES = 1 << 20
+
+
+def first_line_object(path: str) -> dict[str, Any] | None:
+    """The JSON object on a local ``.jsonl`` (or gzip-compressed ``.jsonl.gz``) file's first
+    line, or None where the file cannot be read or that line is no JSON object."""
+    try:
+        with open(path, "rb") as raw:
+            compressed = raw.read(2) == b"\x1f\x8b"
+            raw.seek(0)
+            f = gzip.GzipFile(fileobj=raw) if compressed else raw
+            first = json.loads(f.readline(FIRST_LINE_BYTES).decode("utf-8-sig"))
+    except (OSError, EOFError, ValueError):
+        return None
+    return first if isinstance(first, dict) else None
+
+
+def is_a_cut(first: Mapping[str, Any]) -> bool:
+    """Whether a manifest's first object is a lhotse cut (a ``type`` ending in ``Cut`` and a
+    ``recording`` object): lhotse reads ``cuts.jsonl`` and ``cuts.jsonl.gz`` alike, by their
+    content, so a ``.jsonl`` may hold cuts and a ``.jsonl.gz`` rows.
+
+    Example:
+        >>> is_a_cut({"type": "MonoCut", "recording": {}}), is_a_cut({"path": "a.wav"})
+        (True, False)
+    """
+    return isinstance(first.get("recording"), dict) and str(first.get("type", "")).endswith("Cut")
 
 
 def _is_bucket_prefix(where: str) -> bool:

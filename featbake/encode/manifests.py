@@ -14,13 +14,14 @@ Three layouts name their items this way (``--data`` picks one, see
   ``segments`` file each utterance is a segment (``utt rec start end``; ``end`` -1, Kaldi's
   convention, runs to the recording's end) and its id is the
   utterance id, else each recording is an item under its id. ``text`` and ``utt2spk`` are carried.
-* :class:`CutsInputs`: a lhotse cut manifest (``cuts.jsonl.gz``), read with gzip and json: a
-  cut's ``start``, ``duration``, ``channel``, and of its recording the source of type ``file``
-  that lists the channel (one file per channel, AMI and CHiME; a relative path is taken from
-  the working directory, as lhotse takes it); a cut over channels of several sources is a bad
-  row. A recording with ``transforms`` (speed, volume) is decoded by lhotse's own code
-  (:class:`LhotseAudio`; a bad row where lhotse is not installed). Its supervisions' text and
-  speaker are carried.
+* :class:`CutsInputs`: a lhotse cut manifest (``cuts.jsonl.gz``, or a ``.jsonl`` whose first
+  line is a cut: lhotse's uncompressed ``cuts.jsonl``), read with gzip (if so) and json: a
+  cut's ``start``, ``duration``, ``channel``, and of its recording the source (a ``file``, or a
+  ``url`` in a bucket) that lists the channel (one file per channel, AMI and CHiME; a relative
+  path is taken from the working directory, as lhotse takes it); a cut over channels of several
+  sources is a bad row. A recording with ``transforms`` (speed, volume) is decoded by lhotse's
+  own code (:class:`LhotseAudio`; a bad row where lhotse is not installed). Its supervisions'
+  text and speaker are carried.
 
 **Items are the rows, in the manifest's order**, each named by its id (unique: a repeated id is
 refused with one line naming both rows). A row's full name (:meth:`RowInputs.path`, what messages
@@ -72,7 +73,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, ClassVar, NamedTuple, TypeVar, cast
+from typing import Any, BinaryIO, ClassVar, NamedTuple, TextIO, TypeVar, cast
 
 import numpy as np
 import torch
@@ -139,13 +140,18 @@ class Parsed:
 
 
 def segment_id(path: str, span: Span | None) -> str:
-    """A row's id when it names none: its path as written, plus ``#start-end`` for a segment.
+    """A row's id when it names none: its path as written, plus ``#start-end`` for a segment
+    and ``@chN`` where the row picks channel N (a call's two sides are rows of the same times
+    on channels 0 and 1 of one file: each its own item).
 
     Example:
-        >>> segment_id("a.wav", Span(1.5, 3.0))
-        'a.wav#1.5-3.0'
+        >>> segment_id("a.wav", Span(1.5, 3.0)), segment_id("a.wav", Span(1.5, 3.0, 1))
+        ('a.wav#1.5-3.0', 'a.wav#1.5-3.0@ch1')
     """
-    return path if span is None else f"{path}#{span.start!r}-{span.end!r}"
+    if span is None:
+        return path
+    ident = f"{path}#{span.start!r}-{span.end!r}"
+    return ident if span.channel is None else f"{ident}@ch{span.channel}"
 
 
 def seconds(value: Any, name: str) -> float:
@@ -219,6 +225,24 @@ def input_file(value: Any, base: str, column: str) -> str:
         raise BadRow(str(e)) from None
 
 
+def end_of(fields: Mapping[str, Any]) -> Any:
+    """A row's ``end``, or, where it has none, its ``start + duration`` (a segment timed as
+    lhotse times cuts and supervisions); a ``duration`` without a ``start`` is a label of the
+    whole file (NeMo's manifests), not a bound.
+
+    Example:
+        >>> end_of({"start": "1.5", "duration": 2}), end_of({"duration": 2}), end_of({"end": 3})
+        (3.5, None, 3)
+
+    Raises:
+        BadRow: the start or duration is not seconds.
+    """
+    end, start, duration = (fields.get(k) for k in ("end", "start", "duration"))
+    if end not in (None, "") or start in (None, "") or duration in (None, ""):
+        return end
+    return seconds(start, "start") + seconds(duration, "duration")
+
+
 def manifest_item(
     fields: Mapping[str, Any], column: str, base: str, where: str
 ) -> tuple[str, Item]:
@@ -231,7 +255,7 @@ def manifest_item(
         given = ", ".join(str(k) for k in fields) or "none"
         raise BadRow(f"no {column!r} column (columns: {given}); name the input with --column")
     file = input_file(fields[column], base, column)
-    span = span_of(fields.get("start"), fields.get("end"), channel_of(fields.get("channel")))
+    span = span_of(fields.get("start"), end_of(fields), channel_of(fields.get("channel")))
     ident = fields.get("id")
     ident = segment_id(fields[column], span) if ident in (None, "") else str(ident)
     carried = {k: v for k, v in fields.items() if k != column and k not in OWN_COLUMNS}
@@ -637,7 +661,7 @@ class ManifestInputs(RowInputs):
 
     def parse(self) -> Parsed:
         column = self.column or DEFAULT_COLUMN
-        base = os.path.dirname(self.origin)
+        bases = RowsBase(os.path.dirname(self.origin))
         name = os.path.basename(self.origin)
         parsed = Parsed()
         seen = ColumnsSeen(column)
@@ -647,6 +671,7 @@ class ManifestInputs(RowInputs):
                 if isinstance(fields, BadRow):
                     raise fields
                 seen.note(fields)
+                base = bases.for_value(fields.get(column))
                 parsed.items.append(manifest_item(fields, column, base, where))
             except BadRow as e:
                 parsed.skipped.append(SkippedInput(f"{name}:{line}", str(e)))
@@ -654,6 +679,37 @@ class ManifestInputs(RowInputs):
         return parsed
 
 
+class RowsBase:
+    """The folder a manifest's relative paths are taken from: the manifest's own, or, where
+    its first relative path is not there but is in ``clips/`` beside it, that folder (Common
+    Voice's layout: ``validated.tsv`` names each clip by its file name, the clips lie in
+    ``clips/``). Decided once, at the first relative local path (two stats a manifest).
+
+    Args:
+        folder: the manifest's folder.
+    """
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.chosen: str | None = None
+
+    def for_value(self, value: Any) -> str:
+        """The folder to take ``value`` (a row's input cell) from."""
+        if self.chosen is not None:
+            return self.chosen
+        if not isinstance(value, str) or not value or value.startswith(("/", "~")):
+            return self.folder
+        if "://" in value:  # a URL (read, or refused by its row)
+            return self.folder
+        clips = os.path.join(self.folder, COMMON_VOICE_CLIPS)
+        beside = os.path.exists(os.path.join(self.folder, value))
+        in_clips = not beside and os.path.isfile(os.path.join(clips, value))
+        self.chosen = clips if in_clips else self.folder
+        return self.chosen
+
+
+#: Where Common Voice keeps the clips its TSVs name by file name, beside the TSVs.
+COMMON_VOICE_CLIPS = "clips"
 #: How manifests are decoded: UTF-8, less the byte-order mark Excel's "CSV UTF-8" (and Notepad)
 #: writes first, which plain ``utf-8`` kept as part of the first column's name.
 MANIFEST_ENCODING = "utf-8-sig"
@@ -673,15 +729,26 @@ def manifest_records(
     """
     lower = path.lower()
     try:
-        with open(path, encoding=MANIFEST_ENCODING, errors=errors, newline="") as f:
-            if lower.endswith(".jsonl"):
+        with open_manifest(path, errors) as f:
+            if lower.endswith((".jsonl", ".jsonl.gz")):
                 yield from json_records(f)
             else:
                 yield from table_records(f, "\t" if lower.endswith(".tsv") else ",")
     except FileNotFoundError:
         raise SourceError(f"manifest {path} does not exist; check --data") from None
-    except (OSError, UnicodeDecodeError) as e:
+    except (OSError, EOFError, UnicodeDecodeError) as e:
         raise SourceError(f"manifest {path} cannot be read ({e})") from None
+
+
+def open_manifest(path: str, errors: str) -> TextIO:
+    """A manifest's text: a ``.jsonl.gz`` decompressed as it is read, others as they are.
+
+    Raises:
+        OSError: the file cannot be opened.
+    """
+    if path.lower().endswith(".gz"):
+        return gzip.open(path, "rt", encoding=MANIFEST_ENCODING, errors=errors, newline="")
+    return open(path, encoding=MANIFEST_ENCODING, errors=errors, newline="")
 
 
 @dataclass
@@ -958,7 +1025,7 @@ class CutsInputs(RowInputs):
         parsed = Parsed()
         paths = ToolPaths(self.origin)
         try:
-            with gzip.open(self.origin, "rt", encoding="utf-8") as f:
+            with cut_lines(self.origin) as f:
                 for line, cut in json_records(f):
                     try:
                         if isinstance(cut, BadRow):
@@ -974,6 +1041,20 @@ class CutsInputs(RowInputs):
         return parsed
 
 
+def cut_lines(path: str) -> TextIO:
+    """A cut manifest's lines: gzip-compressed (``cuts.jsonl.gz``) or plain (lhotse writes
+    ``cuts.jsonl`` uncompressed), told by the file's first bytes as gzip tells them.
+
+    Raises:
+        OSError: the file cannot be opened.
+    """
+    with open(path, "rb") as f:
+        compressed = f.read(2) == b"\x1f\x8b"
+    if compressed:
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8-sig")
+
+
 @dataclass(frozen=True)
 class CutSource:
     """The one recording source a cut reads: its file (absolute) and the channel to pick
@@ -981,6 +1062,12 @@ class CutSource:
 
     file: str
     picked: int | None
+
+
+#: The lhotse source types read: a file, and a URL (lhotse's type for a recording in a
+#: bucket: ``s3://``, ``gs://``, ``az://`` are read as a manifest's rows are; others are refused
+#: by their row, naming the schemes read).
+SOURCE_TYPES_READ = ("file", "url")
 
 
 def cut_source(rec: Mapping[str, Any], channel: Any, paths: ToolPaths) -> CutSource:
@@ -1005,8 +1092,10 @@ def cut_source(rec: Mapping[str, Any], channel: Any, paths: ToolPaths) -> CutSou
     if not holding:
         raise BadRow(f"no source of the recording holds channel {channel}")
     source = holding[0]
-    if source.get("type") != "file":
-        raise BadRow(f"channel {channel} is in a source of type {source.get('type')}, not file")
+    if source.get("type") not in SOURCE_TYPES_READ:
+        raise BadRow(
+            f"channel {channel} is in a source of type {source.get('type')}, not file or url"
+        )
     file = paths.file(source.get("source"))
     channels = list(source.get("channels") or [0])
     if wanted is None or sorted(wanted) == sorted(channels):

@@ -454,7 +454,8 @@ class CachedFeatureDataset(ProcessLocalState, Dataset):
 
     def item_id(self, i: int) -> str:
         """Item ``i``'s id: its path relative to the folder, a manifest row's ``id`` (else its
-        path, plus ``#start-end`` for a segment), a Kaldi utterance id, a cut's id."""
+        path, plus ``#start-end`` for a segment and ``@chN`` for a channel), a Kaldi utterance
+        id, a cut's id."""
         return self._index.rel(self._index.position(i))
 
     def row(self, i: int) -> dict[str, Any]:

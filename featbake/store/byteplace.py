@@ -45,6 +45,7 @@ from featbake.store.containers import (
     RangeRead,
     ReadBack,
     TableFile,
+    file_kind,
     fits,
     gzip_stream,
     is_gzip_tar,
@@ -55,6 +56,7 @@ from featbake.store.containers import (
     read_member,
     read_ranged_member,
     read_streamed_member,
+    refuse_several_splits,
     stat_around,
     stat_or_none,
     streamed_member_digests,
@@ -362,12 +364,20 @@ class LocalFiles(BytePlace):
         return resolved(where)
 
     def stats(self, paths: Sequence[str]) -> dict[str, FileStat | str]:
+        # Only regular files are read: a manifest's row may name a FIFO (whose open blocks
+        # until a writer comes, which never does) or a folder; a folder's scan passed over them.
         out: dict[str, FileStat | str] = {}
         for p in paths:
             try:
-                out[p] = FileStat.of(p)
+                st = os.stat(p)
             except OSError as e:
                 out[p] = f"cannot stat: {e.strerror}"
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                why = f"not a regular file ({file_kind(st.st_mode)}); only regular files are inputs"
+                out[p] = why
+                continue
+            out[p] = FileStat(st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
         return out
 
     def digest(self, path: str, expect: FileStat, held: Holder | None = None) -> Digest | str:
@@ -489,12 +499,9 @@ class LocalFiles(BytePlace):
             )
         if os.path.isdir(data):
             folder = resolved(data)
-            tars = sorted(
-                os.path.join(folder, n)
-                for n in os.listdir(folder)
-                if is_tar(n) and not n.startswith(".")
-            )
-            return Shards(folder, folder, tars)
+            names = sorted(n for n in os.listdir(folder) if is_tar(n) and not n.startswith("."))
+            refuse_several_splits(folder, names)  # datasets reads such a folder as splits
+            return Shards(folder, folder, [os.path.join(folder, n) for n in names])
         where = resolved(data)
         return Shards(where, os.path.dirname(where), [where])
 
@@ -575,13 +582,6 @@ def not_an_input(name: str, file: os.DirEntry[str] | str | os.PathLike[str]) -> 
     except OSError as e:
         return f"cannot stat: {e.strerror}"  # ELOOP: a symlink loop
     return f"not a regular file ({file_kind(mode)}); only regular files are inputs"
-
-
-def file_kind(mode: int) -> str:
-    """What a file that is not a regular file is, for messages."""
-    kinds = [(stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder")]
-    kinds += [(stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")]
-    return next((name for test, name in kinds if test(mode)), "not a file")
 
 
 def printable(rel: str) -> str:

@@ -34,6 +34,8 @@ import hashlib
 import io
 import json
 import os
+import re
+import stat
 import tarfile
 import threading
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
@@ -183,6 +185,8 @@ def list_members(tar: str, fileobj: RangedObject | BinaryIO | None = None) -> li
     Raises:
         SourceError: the file cannot be opened or is not a tar.
     """
+    if fileobj is None:
+        refuse_irregular(tar)
     try:
         with open_tar(tar, fileobj) as tf:
             found = list(_headers(tf))
@@ -201,6 +205,32 @@ def list_members(tar: str, fileobj: RangedObject | BinaryIO | None = None) -> li
             member = member._replace(problem=truncated(tar, member, end - member.offset))
         out.append(member)
     return out
+
+
+def file_kind(mode: int) -> str:
+    """What a file that is not a regular file is, for messages."""
+    kinds = [(stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder")]
+    kinds += [(stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")]
+    return next((name for test, name in kinds if test(mode)), "not a file")
+
+
+def refuse_irregular(path: str) -> None:
+    """Refuse a local container that is not a regular file before it is opened: a FIFO named
+    like a shard or a table file blocks its ``open`` until a writer comes, which never does.
+    A path that cannot be stat'ed is left to the open, which says why.
+
+    Raises:
+        SourceError: ``path`` is a FIFO, a folder, a socket or a device.
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return
+    if not stat.S_ISREG(mode):
+        raise SourceError(
+            f"{path}: not a regular file ({file_kind(mode)}); only regular files are read: "
+            "replace it with the file or remove it"
+        )
 
 
 def open_tar(tar: str, fileobj: RangedObject | BinaryIO | None = None) -> tarfile.TarFile:
@@ -695,7 +725,59 @@ def table_files(where: str) -> list[str]:
         if not files:
             raise SourceError(f"{state} names no data file")
         return [os.path.join(where, n) for n in files]
-    return sorted(os.path.join(where, n) for n in os.listdir(where) if n.endswith(".parquet"))
+    names = sorted(n for n in os.listdir(where) if n.endswith(".parquet"))
+    refuse_several_splits(where, names)
+    return [os.path.join(where, n) for n in names]
+
+
+#: The split names ``datasets`` reads in a data file's name (its ``SPLIT_KEYWORDS``), in its order.
+SPLIT_KEYWORDS = {
+    "train": ("train", "training"),
+    "validation": ("validation", "valid", "dev", "val"),
+    "test": ("test", "testing", "eval", "evaluation"),
+}
+#: A keyword stands in a name between these characters (datasets' ``NON_WORDS_CHARS``).
+_SPLIT_IN_NAME = {
+    split: re.compile(rf"(?:^|[-._ 0-9])(?:{'|'.join(words)})[-._ 0-9]")
+    for split, words in SPLIT_KEYWORDS.items()
+}
+
+
+def split_of(name: str) -> str | None:
+    """The split a data file's name puts it in as ``datasets`` reads a folder (``load_dataset``
+    of a Hub snapshot's ``data/``), or None (pure).
+
+    Example:
+        >>> split_of("train-00000-of-00002.parquet"), split_of("dev.parquet"), split_of("x.parquet")
+        ('train', 'validation', None)
+    """
+    return next((split for split, named in _SPLIT_IN_NAME.items() if named.search(name)), None)
+
+
+def refuse_several_splits(where: str, names: Sequence[str]) -> None:
+    """Refuse a folder whose data files (parquet files, tar shards) name several splits:
+    ``datasets`` reads it as a DatasetDict, so reading it as one table (or one set of shards)
+    would serve the test rows with the training ones.
+
+    Raises:
+        SourceError: the files name two splits or more (each named with its file count).
+    """
+    counts: dict[str, int] = {}
+    for name in names:
+        split = split_of(name)
+        if split is not None:
+            counts[split] = counts.get(split, 0) + 1
+    if len(counts) < 2:
+        return
+    held = ", ".join(
+        f"{split} ({n} file{'s' if n > 1 else ''})"
+        for split in SPLIT_KEYWORDS
+        if (n := counts.get(split))
+    )
+    raise SourceError(
+        f"{where} holds the splits {held}, as datasets reads its file names; pass one split: "
+        "its file as --data, or its files moved into a folder of their own"
+    )
 
 
 #: (object URL, its size or None) -> the object as a seekable file (the caller's client); a
@@ -745,6 +827,7 @@ class TableFile(ProcessLocalState):
         """``opener(path)``, noting the stat of the file it opened (the same before and after
         the open; None if the file was replaced meanwhile): the reader keeps that file, its
         footer read once, whatever is renamed over the path later (see :meth:`stat`)."""
+        refuse_irregular(self.path)
         opened, self._opened = stat_around(self.path, lambda: opener(self.path))
         return opened
 

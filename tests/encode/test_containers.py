@@ -37,7 +37,7 @@ from featbake.store.catalog import Catalog
 from featbake.store.containers import HEADER_BLOCK, Member, ReadBack, TableFile
 from featbake.store.layout import Layout
 from featbake.testing import make_tone, write_image_folder
-from tests.conftest import invoke
+from tests.conftest import invoke, run_cli
 from tests.helpers import real_photos, stored_features
 
 pa = pytest.importorskip("pyarrow")
@@ -570,6 +570,112 @@ def test_a_parquet_of_audio_bytes_builds_with_bad_rows_skipped_and_serves(
         assert ds.row(i) == {"speaker": "ab"[n % 2]}
         want = run_now(module, audio_tensor(clips[n]))  # type: ignore[arg-type]
         assert torch.equal(ds[i], want), n
+
+
+def test_a_parquet_folder_of_several_splits_is_refused_naming_them_never_mixed(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """A Hub snapshot's ``data/`` holds each split's files by name (``train-00000-of-00002``,
+    ``test-00000-of-00001``), which ``datasets`` reads as a DatasetDict: the folder is refused
+    in one line naming its splits, never served as one table with the test rows in it."""
+    datasets = pytest.importorskip("datasets")
+    data = tmp_path / "snapshot" / "data"
+    data.mkdir(parents=True)
+    clips = [wav_bytes(0.3 + 0.1 * i, i) for i in range(5)]
+    labels = [10, 11, 12, 13, 14]
+    for name, rows in (
+        ("train-00000-of-00002", [0, 1]),
+        ("train-00001-of-00002", [2, 3]),
+        ("test-00000-of-00001", [4]),
+    ):
+        pick = [clips[r] for r in rows]
+        write_audio_parquet(data / f"{name}.parquet", pick, label=[labels[r] for r in rows])
+    splits = datasets.load_dataset(str(data), cache_dir=str(tmp_path / "hf_cache"))
+    assert sorted(splits) == ["test", "train"]  # how the user's other loader reads the folder
+    store = tmp_path / "store"
+    result = invoke("build", "--data", data, "--encoder", encoder_file, "--cache", store)
+    assert result.returncode == 8, result.stdout + result.stderr
+    said = result.stderr.strip()
+    assert len(said.splitlines()) == 1, said
+    assert "splits" in said and "train (2 files)" in said and "test (1 file)" in said, said
+    with pytest.raises(SourceError, match=r"splits train \(2 files\), test \(1 file\)"):
+        CachedFeatureDataset(data, encoder_file, cache=store, column="audio")
+    # One split's files in a folder of their own: served in datasets' order, labels carried.
+    train = tmp_path / "train"
+    train.mkdir()
+    for p in sorted(data.glob("train-*.parquet")):
+        p.rename(train / p.name)
+    report = build(train, encoder_file, cache=store, workers=0, column="audio")
+    assert (report.encoded, report.failed) == (4, [])
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
+    ds = CachedFeatureDataset(train, encoder_file, cache=store, column="audio", on_miss="error")
+    assert [ds.row(i)["label"] for i in range(len(ds))] == list(splits["train"]["label"])
+    for i in range(len(ds)):
+        assert torch.equal(ds[i], run_now(module, audio_tensor(clips[i]))), ds.item_id(i)
+
+
+def test_a_fifo_among_tar_shards_or_table_files_is_one_line_not_a_hang(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """A FIFO named like a shard (``b.tar``) in a folder of tars, or like a table file
+    (``b.parquet``) in a folder of parquet files, is refused in one line saying what it is
+    (its open would block until a writer came, which never does); the tar beside it is built
+    and served equal to the encoder run now. Before, the build blocked in the FIFO's open."""
+    shards, tables = tmp_path / "shards", tmp_path / "tables"
+    shards.mkdir()
+    tables.mkdir()
+    clip = wav_bytes(0.5, 3)
+    write_tar(shards / "a.tar", [("s0", {"wav": clip, "cls": b"4"})])
+    write_audio_parquet(tables / "a.parquet", [clip])
+    os.mkfifo(shards / "b.tar")
+    os.mkfifo(tables / "b.parquet")
+    store = tmp_path / "store"
+    res = run_cli("build", "-e", encoder_file, "-d", shards, "--cache", store, timeout=120)
+    assert res.returncode == 3, res.stderr
+    assert "b.tar: not a regular file (a FIFO)" in res.stdout + res.stderr
+    res = run_cli("build", "-e", encoder_file, "-d", tables, "--column", "audio", "--cache",
+                  store, timeout=120)  # fmt: skip
+    assert res.returncode == 8, res.stderr
+    said = res.stderr.strip()
+    assert "b.parquet: not a regular file (a FIFO)" in said and len(said.splitlines()) == 1
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
+    ds = CachedFeatureDataset(shards, encoder_file, cache=store, on_miss="error")
+    assert [ds.item_id(i) for i in range(len(ds))] == ["s0"] and ds.row(0) == {"cls": 4}
+    assert torch.equal(ds[0], run_now(module, audio_tensor(clip)))
+
+
+def test_a_folder_of_tar_shards_of_several_splits_is_refused_naming_them(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """The same for webdataset shards (path7.1): a Hub snapshot's ``data/`` of ``train-0000.tar``
+    and ``test-0000.tar``, which ``datasets`` reads as two splits, is refused in one line; a
+    brace pattern naming one split's shards builds them and serves each sample equal to the
+    encoder run now, with its ``.cls``."""
+    datasets = pytest.importorskip("datasets")
+    data = tmp_path / "snapshot" / "data"
+    data.mkdir(parents=True)
+    clips = [wav_bytes(0.3 + 0.1 * i, i) for i in range(3)]
+    train = [(f"t{i}", {"wav": clips[i], "cls": b"%d" % i}) for i in (0, 1)]
+    write_tar(data / "train-0000.tar", train)
+    write_tar(data / "test-0000.tar", [("e0", {"wav": clips[2], "cls": b"2"})])
+    splits = datasets.data_files.get_data_patterns(str(data))  # how load_dataset splits it
+    assert sorted(splits) == ["test", "train"]
+    store = tmp_path / "store"
+    result = invoke("build", "--data", data, "--encoder", encoder_file, "--cache", store)
+    assert result.returncode == 8, result.stdout + result.stderr
+    said = result.stderr.strip()
+    assert len(said.splitlines()) == 1 and "train (1 file), test (1 file)" in said, said
+    pattern = str(data / "train-{0000..0000}.tar")
+    assert build(pattern, encoder_file, cache=store, workers=0).encoded == 2
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
+    ds = CachedFeatureDataset(pattern, encoder_file, cache=store, on_miss="error")
+    assert [ds.item_id(i) for i in range(len(ds))] == ["t0", "t1"]
+    for i in range(2):
+        assert ds.row(i) == {"cls": i}
+        assert torch.equal(ds[i], run_now(module, audio_tensor(clips[i])))
 
 
 def test_a_table_file_that_cannot_be_read_fails_its_cells_in_one_line_each(

@@ -13,6 +13,7 @@ import csv
 import gzip
 import importlib.util
 import json
+import os
 import re
 import time
 import warnings
@@ -239,7 +240,7 @@ def test_csv_with_another_column_channels_and_whole_files(
     report = build(corpus / "clips.csv", encoder_file, cache=store_dir, column="audio", workers=0)
     assert not report.failed and report.encoded == 2
     ds = quiet_dataset(corpus / "clips.csv", encoder_file, store_dir, column="audio")
-    assert ds.item_id(0) == "wavs/recB.flac#1.0-2.5" and ds.item_id(1) == "wavs/recA.wav"
+    assert ds.item_id(0) == "wavs/recB.flac#1.0-2.5@ch1" and ds.item_id(1) == "wavs/recA.wav"
     assert ds.row(0) == {"lab": "x"}
     wav_b, wav_a = corpus / "wavs/recB.flac", corpus / "wavs/recA.wav"
     torch.testing.assert_close(ds[0], reference(encoder_file, wav_b, 1.0, 2.5, channel=1))
@@ -317,8 +318,9 @@ def test_each_bad_row_is_skipped_with_its_line_and_the_rest_builds(
     assert "bad.jsonl:6" in past and "past the end of its recording (6.000 s)" in past
     late = reasons["wavs/recA.wav#6.5-inf"]
     assert "bad.jsonl:7" in late and "starts at 6.5 s, at or past the end" in late
-    assert "bad.jsonl:8" in reasons["wavs/recB.flac#0.0-1.0"]
-    assert "channel 2 is not one of the recording's 2 channels" in reasons["wavs/recB.flac#0.0-1.0"]
+    no_channel = reasons["wavs/recB.flac#0.0-1.0@ch2"]
+    assert "bad.jsonl:8" in no_channel
+    assert "channel 2 is not one of the recording's 2 channels" in no_channel
     assert "speak s3://, gs://, az://, not hdfs://" in reasons["bad.jsonl:9"]
     assert "not a number of seconds" in reasons["bad.jsonl:10"]
 
@@ -870,6 +872,33 @@ def test_a_common_voice_tsv_keeps_its_quote_marks_and_a_short_row_is_named(
     assert_rows_served(tmp_path / "validated.tsv", encoder_file, store_dir, rows, clips)
 
 
+def test_a_common_voice_tsv_names_its_clips_by_file_name_as_common_voice_lays_them_out(
+    tmp_path: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    """Common Voice's ``validated.tsv`` names each clip by its file name alone, the clips lying
+    in ``clips/`` beside it: the rows are read from there, by the CLI and a dataset, each
+    served equal to the encoder run now with its row (before: every row failed, "cannot stat",
+    exit 8). A file beside the manifest is still taken first."""
+    clips = clips_for_rows(tmp_path, 3)
+    lines = ["client_id\tpath\tsentence"]
+    lines += [f"u{i}\t{c.name}\tsentence {i}" for i, c in enumerate(clips)]
+    tsv = tmp_path / "validated.tsv"
+    tsv.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    result = invoke("build", "--data", tsv, "--encoder", encoder_file, "--cache", store_dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [{"client_id": f"u{i}", "sentence": f"sentence {i}"} for i in range(3)]
+    assert_rows_served(tsv, encoder_file, store_dir, rows, clips)
+    # A manifest whose files lie beside it reads them there, whatever clips/ holds.
+    beside = tmp_path / "beside"
+    write_audio_folder(beside, 1, seconds=(0.5, 0.5), seed=99)
+    (beside / "clips").mkdir()
+    name = next(beside.glob("*.wav")).name
+    clips[0].rename(beside / "clips" / name)
+    (beside / "m.tsv").write_text(f"path\tlabel\n{name}\tx\n", encoding="utf-8")
+    assert build(beside / "m.tsv", encoder_file, cache=store_dir, workers=0).failed == []
+    assert_rows_served(beside / "m.tsv", encoder_file, store_dir, [{"label": "x"}], [beside / name])
+
+
 def test_a_csv_row_with_an_open_quote_or_another_field_count_is_a_bad_row_at_its_line(
     tmp_path: Path, encoder_file: Path, store_dir: Path
 ) -> None:
@@ -982,6 +1011,164 @@ def test_a_cuts_custom_fields_and_its_supervisions_language_and_gender_are_carri
     )  # fmt: skip
     want = encoded_now(encoder_file, cut.load_audio(), cut.sampling_rate)
     torch.testing.assert_close(ds[0], want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_cut_manifest_lhotse_wrote_uncompressed_is_read_as_cuts(
+    tmp_path: Path, encoder_file: Path, store_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``CutSet.to_file("cuts.jsonl")`` writes the cuts as plain JSONL (lhotse picks gzip by
+    the name): it is read as cuts, the CLI build and a dataset alike, each cut served the
+    encoder run now on lhotse's ``cut.load_audio()`` with its labels (before: read as a
+    manifest of paths, "no column 'path' ... name the input with --column", exit 8)."""
+    lhotse = pytest.importorskip("lhotse")
+    monkeypatch.chdir(tmp_path)
+    noise_wav(tmp_path / "utt.wav", 3.0, 16000, seed=31)
+    rec = lhotse.Recording.from_file("utt.wav")
+    cuts = [rec.to_cut().truncate(offset=0.25 + i, duration=0.5).with_id(f"c{i}") for i in range(2)]
+    for i, cut in enumerate(cuts):
+        cut.custom = {"label": i + 5}
+    plain = tmp_path / "cuts.jsonl"
+    lhotse.CutSet.from_cuts(cuts).to_file(plain)
+    assert plain.read_bytes()[:1] == b"{"  # lhotse wrote it uncompressed
+    result = invoke("build", "--data", plain, "--encoder", encoder_file, "--cache", store_dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    ds = quiet_dataset(plain, encoder_file, store_dir, on_miss="error")
+    assert [ds.item_id(i) for i in range(len(ds))] == ["c0", "c1"]
+    for i, cut in enumerate(lhotse.load_manifest(plain)):
+        assert ds.row(i)["label"] == i + 5
+        want = encoded_now(encoder_file, cut.load_audio(), cut.sampling_rate)
+        torch.testing.assert_close(ds[i], want, rtol=1e-5, atol=1e-5)
+    # A JSONL manifest of paths is still one: its first row is no cut.
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"path": "utt.wav", "recording": "r1", "type": "MonoCut"}) + "\n")
+    assert type(inputs_at(rows)) is ManifestInputs
+
+
+def test_rows_on_each_channel_of_one_file_without_ids_are_each_an_item(
+    tmp_path: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    """A telephone call's two sides as rows of one stereo file, the same times on channel 0
+    and 1, no ``id`` column: each row is its own item (its id names its channel), served its
+    channel with its label (before: both rows had the id ``call.wav#0.5-2.0`` and the manifest
+    was refused, "ids must be unique")."""
+    call = long_recording(tmp_path / "call.wav", 3, 16000, seed=7, channels=2)
+    rows = [
+        {"path": "call.wav", "start": 0.5, "end": 2.0, "channel": c, "speaker": f"side{c}"}
+        for c in (0, 1)
+    ] + [{"path": "call.wav", "start": 0.5, "end": 2.0, "speaker": "both"}]
+    m = tmp_path / "calls.jsonl"
+    m.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = build(m, encoder_file, cache=store_dir, workers=0)
+    assert (report.encoded, report.failed) == (3, [])
+    ds = quiet_dataset(m, encoder_file, store_dir, on_miss="error")
+    ids = [ds.item_id(i) for i in range(len(ds))]
+    assert len(set(ids)) == 3, ids
+    for i, channel in enumerate([0, 1, None]):
+        assert ds.row(i) == {"speaker": rows[i]["speaker"]}
+        want = reference(encoder_file, call, 0.5, 2.0, channel=channel)
+        torch.testing.assert_close(ds[i], want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_with_start_and_duration_is_served_that_segment(
+    tmp_path: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    """A manifest that times its segments by ``start`` and ``duration`` (as lhotse's cuts and
+    supervisions do) serves each row ``[start, start + duration)``, equal to the encoder run now
+    on that span (before: the duration was carried as a label and each row served from its
+    start to the recording's end, in silence). An ``end`` wins over a ``duration``; a
+    ``duration`` without a ``start`` stays a label of the whole file (NeMo's manifests)."""
+    long = long_recording(tmp_path / "long.wav", 4, 16000, seed=9)
+    rows = [
+        {"id": "a", "path": "long.wav", "start": 1.0, "duration": 0.5, "label": 1},
+        {"id": "b", "path": "long.wav", "start": 0.25, "duration": 1.25, "label": 2},
+        {"id": "c", "path": "long.wav", "start": 2.0, "end": 3.0, "duration": 9, "label": 3},
+        {"id": "d", "path": "long.wav", "duration": 4.0, "label": 4},
+    ]
+    m = tmp_path / "timed.jsonl"
+    m.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = build(m, encoder_file, cache=store_dir, workers=0)
+    assert (report.encoded, report.failed) == (4, [])
+    ds = quiet_dataset(m, encoder_file, store_dir, on_miss="error")
+    spans = [(1.0, 1.5), (0.25, 1.5), (2.0, 3.0), (None, None)]
+    for i, (start, end) in enumerate(spans):
+        assert ds.row(i)["label"] == i + 1
+        want = reference(encoder_file, long, start, end)
+        torch.testing.assert_close(ds[i], want, rtol=1e-5, atol=1e-5)
+
+
+def test_rows_naming_a_fifo_or_a_folder_are_bad_rows_not_a_hang(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """A manifest row, a Kaldi ``wav.scp`` entry or a cut naming a FIFO (reading it blocks
+    until a writer comes, which never does) or a folder is a bad row saying what it is, as a
+    folder's FIFO is (before: the build blocked in the FIFO's open forever, and SIGTERM could
+    not stop it); the other rows are built and served equal to the encoder run now."""
+    good = tmp_path / "good.wav"
+    soundfile.write(good, make_tone(0.5, 16000, seed=3), 16000)
+    os.mkfifo(tmp_path / "pipe.wav")
+    (tmp_path / "folder.wav").mkdir()
+    rows = [{"id": i, "path": f"{i}.wav"} for i in ("pipe", "folder", "good")]
+    rows.append({"id": "seg", "path": "pipe.wav", "start": 0.1, "end": 0.2})
+    m = tmp_path / "odd.jsonl"
+    m.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    store = tmp_path / "store"
+    res = run_cli("build", "-e", encoder_file, "-d", m, "--cache", store, timeout=120)
+    assert res.returncode == 3, res.stderr
+    assert "internal error" not in res.stderr
+    said = res.stdout + res.stderr
+    assert said.count("not a regular file (a FIFO)") == 2, said
+    assert "not a regular file (a folder)" in said, said
+    ds = quiet_dataset(m, encoder_file, store, on_miss="error")
+    assert [ds.item_id(i) for i in range(len(ds))] == ["good"]
+    torch.testing.assert_close(ds[0], live_features(encoder_file, good))
+
+
+def test_a_cut_whose_source_is_a_bucket_url_is_read_from_the_bucket(
+    s3: S3, corpus: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    """lhotse writes a recording stored in a bucket as a source of type ``url``
+    (``AudioSource("url", [0], "s3://...")``): featbake reads it as a manifest's ``s3://`` row,
+    each cut served equal to the encoder run now on its samples (before: every such cut was
+    refused, "a source of type url, not file"); an ``https://`` source is one line per cut."""
+    lhotse = pytest.importorskip("lhotse")
+    bucket = ObjectStore(BucketURL.parse(f"s3://{s3.bucket}/wavs"))
+    bucket.upload("recA.wav", corpus / "wavs/recA.wav")
+    url = f"s3://{s3.bucket}/wavs/recA.wav"
+    rec = lhotse.Recording("recA", [lhotse.AudioSource("url", [0], url)], 22050, 6 * 22050, 6.0)
+    web = lhotse.Recording("web", [lhotse.AudioSource("url", [0], "https://x.org/a.wav")],
+                           22050, 22050, 1.0)  # fmt: skip
+    cuts = [lhotse.MonoCut(f"c{k}", k + 0.5, 1.0, channel=0, recording=rec) for k in range(2)]
+    cuts.append(lhotse.MonoCut("w", 0.0, 1.0, channel=0, recording=web))
+    lhotse.CutSet.from_cuts(cuts).to_file(corpus / "cuts.jsonl.gz")
+    report = build(corpus / "cuts.jsonl.gz", encoder_file, cache=store_dir, workers=0)
+    assert report.encoded == 2, report.failed
+    (why,) = [r for p, r in report.failed]
+    assert "cut w:" in why and "https" in why and "\n" not in why
+    ds = quiet_dataset(corpus / "cuts.jsonl.gz", encoder_file, store_dir, on_miss="error")
+    assert [ds.item_id(i) for i in range(len(ds))] == ["c0", "c1"]
+    for k in range(2):
+        want = reference(encoder_file, corpus / "wavs/recA.wav", k + 0.5, k + 1.5)
+        torch.testing.assert_close(ds[k], want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_gzipped_jsonl_manifest_of_rows_is_read_as_rows(
+    tmp_path: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    """A JSONL manifest of rows compressed as ``rows.jsonl.gz`` is a manifest (its first line
+    is no lhotse cut): each row built and served equal to the encoder run now, its label
+    carried (before: taken for a cut manifest, every row "not a cut ..."; nothing built)."""
+    write_audio_folder(tmp_path / "clips", 3, seconds=(0.3, 0.6), seed=12)
+    clips = sorted((tmp_path / "clips").glob("*.wav"))
+    rows = [{"path": f"clips/{c.name}", "label": i} for i, c in enumerate(clips)]
+    m = tmp_path / "rows.jsonl.gz"
+    with gzip.open(m, "wt", encoding="utf-8") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    result = invoke("build", "--data", m, "--encoder", encoder_file, "--cache", store_dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    ds = quiet_dataset(m, encoder_file, store_dir, on_miss="error")
+    assert [ds.row(i) for i in range(len(ds))] == [{"label": i} for i in range(3)]
+    for i, clip in enumerate(clips):
+        torch.testing.assert_close(ds[i], live_features(encoder_file, clip))
 
 
 def test_a_row_decodes_in_a_process_that_never_scanned_by_what_it_carries(tmp_path: Path) -> None:
