@@ -229,7 +229,7 @@ Opener = Callable[[str, str | None], Inputs]
 
 def _is_manifest(where: str) -> bool:
     # A .jsonl.gz here is one _is_cuts passed over: its first line is a row, not a cut.
-    return bytes_at(where).is_list_file(where, (".jsonl", ".jsonl.gz", ".csv", ".tsv"))
+    return bytes_at(where).is_list_file(where, (".jsonl", ".jsonl.gz", ".json", ".csv", ".tsv"))
 
 
 def _is_cuts(where: str) -> bool:

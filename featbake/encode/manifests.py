@@ -3,10 +3,13 @@
 Three layouts name their items this way (``--data`` picks one, see
 :data:`featbake.encode.inputs.OPENERS`):
 
-* :class:`ManifestInputs`: ``train.jsonl`` / ``.csv`` / ``.tsv``. The input column (``path``, or
+* :class:`ManifestInputs`: ``train.jsonl`` / ``.csv`` / ``.tsv``, or a ``.json`` of JSON lines
+  (NeMo's ``train_manifest.json``). The input column (``path``, or
   ``--column NAME``) holds a path relative to the manifest's folder, or an absolute one;
   optional ``start`` and ``end`` (seconds) make the row a segment (no ``start``: from 0, no
-  ``end``: to the recording's end), ``channel`` picks one channel,
+  ``end``: to the recording's end), as do ``start`` and ``duration`` (lhotse's timing) and
+  ``offset`` and ``duration`` (NeMo's: an ``offset`` makes the row a segment, a ``duration``
+  alone is a label of the whole file); ``channel`` picks one channel,
   ``id`` names the item (default: the path as written, plus ``#start-end`` for a segment), and
   every other column is carried (:meth:`RowInputs.row`).
 * :class:`KaldiInputs`: a Kaldi data folder. ``wav.scp`` maps recording ids to files (a relative
@@ -225,19 +228,33 @@ def input_file(value: Any, base: str, column: str) -> str:
         raise BadRow(str(e)) from None
 
 
+def start_of(fields: Mapping[str, Any]) -> Any:
+    """A row's ``start``, or, where it has none, its ``offset`` (NeMo's manifests time a row by
+    ``offset`` and ``duration``: an offset, 0 too, makes the row a segment).
+
+    Example:
+        >>> start_of({"start": 2, "offset": 1}), start_of({"offset": 0}), start_of({})
+        (2, 0, None)
+    """
+    start = fields.get("start")
+    return fields.get("offset") if start in (None, "") else start
+
+
 def end_of(fields: Mapping[str, Any]) -> Any:
-    """A row's ``end``, or, where it has none, its ``start + duration`` (a segment timed as
-    lhotse times cuts and supervisions); a ``duration`` without a ``start`` is a label of the
-    whole file (NeMo's manifests), not a bound.
+    """A row's ``end``, or, where it has none, its start (:func:`start_of`) ``+ duration`` (a
+    segment timed as lhotse times cuts and supervisions, or NeMo its rows); a ``duration``
+    without a start is a label of the whole file (NeMo's whole-file rows), not a bound.
 
     Example:
         >>> end_of({"start": "1.5", "duration": 2}), end_of({"duration": 2}), end_of({"end": 3})
         (3.5, None, 3)
+        >>> end_of({"offset": 0, "duration": 1.25})
+        1.25
 
     Raises:
         BadRow: the start or duration is not seconds.
     """
-    end, start, duration = (fields.get(k) for k in ("end", "start", "duration"))
+    end, start, duration = fields.get("end"), start_of(fields), fields.get("duration")
     if end not in (None, "") or start in (None, "") or duration in (None, ""):
         return end
     return seconds(start, "start") + seconds(duration, "duration")
@@ -255,7 +272,7 @@ def manifest_item(
         given = ", ".join(str(k) for k in fields) or "none"
         raise BadRow(f"no {column!r} column (columns: {given}); name the input with --column")
     file = input_file(fields[column], base, column)
-    span = span_of(fields.get("start"), end_of(fields), channel_of(fields.get("channel")))
+    span = span_of(start_of(fields), end_of(fields), channel_of(fields.get("channel")))
     ident = fields.get("id")
     ident = segment_id(fields[column], span) if ident in (None, "") else str(ident)
     carried = {k: v for k, v in fields.items() if k != column and k not in OWN_COLUMNS}
@@ -730,7 +747,9 @@ def manifest_records(
     lower = path.lower()
     try:
         with open_manifest(path, errors) as f:
-            if lower.endswith((".jsonl", ".jsonl.gz")):
+            if lower.endswith(".json"):
+                yield from json_lines_records(f, path)
+            elif lower.endswith((".jsonl", ".jsonl.gz")):
                 yield from json_records(f)
             else:
                 yield from table_records(f, "\t" if lower.endswith(".tsv") else ",")
@@ -799,6 +818,28 @@ def json_records(lines: Iterator[str] | Any) -> Iterator[tuple[int, Mapping[str,
             yield line, BadRow(f"malformed JSON ({e.msg} at column {e.colno})")
             continue
         yield line, obj if isinstance(obj, dict) else BadRow("the line is not a JSON object")
+
+
+def json_lines_records(
+    lines: Iterator[str] | Any, path: str
+) -> Iterator[tuple[int, Mapping[str, Any] | BadRow]]:
+    """:func:`json_records` of a ``.json`` manifest, which must be JSON lines (NeMo names its
+    manifests ``.json``): its first non-blank line a whole JSON object.
+
+    Raises:
+        SourceError: the first line is not one (a JSON document over several lines: every line
+            would be a bad row, the command's mistake rather than each row's).
+    """
+    records = json_records(lines)
+    first = next(records, None)
+    if first is not None and isinstance(first[1], BadRow):
+        raise SourceError(
+            f"{path} is not JSON lines (its first line is not a whole JSON object); a .json "
+            "manifest holds one object per line, as NeMo writes them: write it so, or as .jsonl"
+        )
+    if first is not None:
+        yield first
+    yield from records
 
 
 class NumberedLines:

@@ -1200,3 +1200,37 @@ def test_a_row_decodes_in_a_process_that_never_scanned_by_what_it_carries(tmp_pa
     assert fresh.carry({seg: carried[seg]}) == {}  # the next task's rows replace the last's
     with pytest.raises(SourceError, match="not a row of the manifest now"):
         fresh.source(inner).load(whole)
+
+
+def test_a_nemo_manifest_serves_each_row_from_its_offset_for_its_duration(
+    tmp_path: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    """NeMo's manifests (`train_manifest.json`: JSON lines of `audio_filepath`, `offset`,
+    `duration`, `text`) time a row by `offset` and `duration`: an `offset` (0 too) makes the row
+    the segment `[offset, offset + duration)` (no duration: to the end), and a row without one
+    is the whole file, its `duration` a label. Before, `--data train_manifest.json` was read as
+    a folder that does not exist, and the same rows in a `.jsonl` were each served whole,
+    their offset carried as a label: features of the wrong audio, said nowhere."""
+    long = long_recording(tmp_path / "long.wav", 4, 16000, seed=11)
+    rows = [
+        {"audio_filepath": "long.wav", "offset": 1.0, "duration": 0.5, "text": "a"},
+        {"audio_filepath": "long.wav", "offset": 0, "duration": 1.25, "text": "b"},
+        {"audio_filepath": "long.wav", "offset": 2.5, "text": "c"},
+        {"audio_filepath": "long.wav", "duration": 4.0, "text": "d"},
+        {"audio_filepath": "long.wav", "start": 3.0, "offset": 1.0, "duration": 0.5, "text": "e"},
+    ]
+    m = tmp_path / "train_manifest.json"
+    m.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = build(m, encoder_file, cache=store_dir, workers=0, column="audio_filepath")
+    assert (report.encoded, report.failed) == (5, [])
+    ds = quiet_dataset(m, encoder_file, store_dir, on_miss="error", column="audio_filepath")
+    spans = [(1.0, 1.5), (0.0, 1.25), (2.5, None), (None, None), (3.0, 3.5)]
+    for i, (start, end) in enumerate(spans):
+        assert ds.row(i)["text"] == rows[i]["text"]
+        want = reference(encoder_file, long, start, end)
+        torch.testing.assert_close(ds[i], want, rtol=1e-5, atol=1e-5)
+    # A .json that is one JSON document, not JSON lines: one line saying so, nothing built.
+    whole = tmp_path / "whole.json"
+    whole.write_text(json.dumps(rows, indent=2))
+    with pytest.raises(SourceError, match="is not JSON lines"):
+        build(whole, encoder_file, cache=store_dir, workers=0, column="audio_filepath")
