@@ -6,7 +6,6 @@ import os
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -27,6 +26,7 @@ from rich.text import Text
 
 from featbake.gcpause import end_startup
 from featbake.progress import MIN_RATE_SECONDS, bytes_text, progress_line
+from featbake.store.url import BucketURL, StoreKind, store_kind
 from featbake.units import format_bytes
 from featbake.version import __version__
 
@@ -151,13 +151,6 @@ JsonOpt = Annotated[
 
 
 # == options of one kind of store ==================================================================
-class StoreKind(Enum):
-    """Where a store lives, as the options that act on one kind only see it."""
-
-    DIRECTORY = "a directory store"
-    BUCKET = "a bucket store"
-
-
 @dataclass(frozen=True)
 class OneKindOption:
     """An option that acts on one kind of store only: on the other it does nothing."""
@@ -192,17 +185,6 @@ ONE_KIND_OPTIONS = {
 }
 
 
-def store_kind(where: str) -> StoreKind:
-    """The kind of the store ``--cache`` names (``s3://``, ``gs://``, ``az://``: a bucket).
-
-    >>> store_kind("s3://team/features"), store_kind("./.featbake")
-    (<StoreKind.BUCKET: 'a bucket store'>, <StoreKind.DIRECTORY: 'a directory store'>)
-    """
-    from featbake.store.url import is_url
-
-    return StoreKind.BUCKET if is_url(where) else StoreKind.DIRECTORY
-
-
 def inert_option_notes(given: Iterable[str], where: str) -> list[str]:
     """One line for each option of ``given`` (parameter names) that does nothing for the store
     at ``where``: what it sets, and on which kind of store.
@@ -214,8 +196,6 @@ def inert_option_notes(given: Iterable[str], where: str) -> list[str]:
     """
     kind = store_kind(where)
     if kind is StoreKind.BUCKET:  # as the user wrote it (a Path turns s3:// into s3:/)
-        from featbake.store.url import BucketURL
-
         where = str(BucketURL.parse(where))
     picked = [ONE_KIND_OPTIONS[n] for n in sorted(set(given)) if n in ONE_KIND_OPTIONS]
     return [

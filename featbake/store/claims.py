@@ -1,7 +1,7 @@
 """Claims: the keys a build part still running will name, which gc keeps before any sealed
 fragment names them.
 
-A build in parts (``--part``, ranks) or a build writing fragments on a shared filesystem looks
+A build in parts (``--shard``, ranks) or a build writing fragments on a shared filesystem looks
 its keys up in the catalog and reuses what it finds; until its ``done`` fragment is sealed no
 fragment names the keys it reused (their rows are the catalog's), so gc, which keeps what sealed
 fragments name (``waiting_keys``), saw nothing keeping them. Such a build now writes a *claim*

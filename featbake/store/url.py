@@ -7,6 +7,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import Enum
 from urllib.parse import urlsplit
 
 from featbake.errors import ConfigError
@@ -45,6 +46,23 @@ def is_url(where: str) -> bool:
         (True, False)
     """
     return _URL.match(where) is not None or _BARE_SCHEME.match(where) is not None
+
+
+class StoreKind(Enum):
+    """Where a store lives: a directory, or a bucket (``s3://``, ``gs://``, ``az://``), as the
+    options that act on one kind only see it."""
+
+    DIRECTORY = "a directory store"
+    BUCKET = "a bucket store"
+
+
+def store_kind(where: str) -> StoreKind:
+    """The kind of the store ``where`` (``--cache``) names.
+
+    >>> store_kind("s3://team/features"), store_kind("./.featbake")
+    (<StoreKind.BUCKET: 'a bucket store'>, <StoreKind.DIRECTORY: 'a directory store'>)
+    """
+    return StoreKind.BUCKET if is_url(where) else StoreKind.DIRECTORY
 
 
 def redact(text: str) -> str:

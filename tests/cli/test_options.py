@@ -20,6 +20,8 @@ FOREIGN = {"--nproc-per-node", "--array", "--dependency", "--cpus", "--help"}
 # Azurite's own options (--blobHost, --inMemoryPersistence, --loose, --silent,
 # --skipApiVersionCheck), read up to their first capital: featbake/testing.py starts it.
 FOREIGN |= {"--blob", "--in", "--loose", "--silent", "--skip"}
+# gcloud's: how a gzip-encoded object gets into a gs bucket (store/objects.py says so).
+FOREIGN |= {"--gzip-local"}
 OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]+")
 
 
