@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -394,7 +395,14 @@ def dequantize(
 
 #: The compiled kernel's codes for a scheme and a served dtype (featbake/kernels.c).
 _KERNEL_SCHEME = {Scheme.INT8: 0, Scheme.FP8: 1}
-_KERNEL_OUT = {"torch.float32": 0, "torch.float16": 1, "torch.bfloat16": 2}  # by str(dtype)
+
+
+@functools.cache
+def _kernel_out() -> dict[torch.dtype, int]:
+    """The compiled kernel's code of each served dtype (made on first use: torch)."""
+    import torch
+
+    return {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 class PackedRows(NamedTuple):
@@ -411,7 +419,7 @@ class PackedRows(NamedTuple):
         Raises:
             ConfigError: ``dtype`` is not float32, float16 or bfloat16.
         """
-        code = _KERNEL_OUT.get(str(self.dtype))
+        code = _kernel_out().get(self.dtype)
         if code is None:
             raise ConfigError(
                 f"int8/fp8 rows are served as float32, float16 or bfloat16, not {self.dtype}"
@@ -433,7 +441,7 @@ def dequantize_native(packed: torch.Tensor, scheme: Scheme, out: torch.Tensor) -
         written then, and the caller takes the Python path.
     """
     native = kernels()
-    code = _KERNEL_OUT.get(out.dtype)
+    code = _kernel_out().get(out.dtype)
     if (
         native is None
         or code is None
