@@ -14,6 +14,7 @@ them and writes the record.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,20 +36,24 @@ SERVED_NAMES = ("float16", "float32")
 if TYPE_CHECKING:
     import torch
 
-    #: :data:`SERVED_NAMES` -> its torch dtype (made on first use, see :func:`__getattr__`).
+    #: :data:`SERVED_NAMES` -> its torch dtype (made on first use: :func:`served_dtypes`).
     SERVED: dict[str, torch.dtype]
 
 
-def __getattr__(name: str) -> Any:
-    """``SERVED``, made when first asked for: ``stats``, ``roots`` and ``gc`` read fidelity
-    records without loading torch (PEP 562)."""
-    if name != "SERVED":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+@functools.cache
+def served_dtypes() -> dict[str, torch.dtype]:
+    """:data:`SERVED_NAMES` -> its torch dtype, made once, when first asked for: ``stats``,
+    ``roots``, ``gc`` and ``merge`` read fidelity records without loading torch."""
     import torch
 
-    served = {d: getattr(torch, d) for d in SERVED_NAMES}
-    globals()["SERVED"] = served
-    return served
+    return {d: getattr(torch, d) for d in SERVED_NAMES}
+
+
+def __getattr__(name: str) -> Any:
+    """``SERVED``, importable as before but made on first use (PEP 562)."""
+    if name == "SERVED":
+        return served_dtypes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _empty_tallies() -> dict[str, FidelityTally]:
