@@ -20,9 +20,10 @@ import json
 import os
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported where tensors are hashed: upkeep commands never load it
+    import torch
 
 KEY_HEX_LEN = 64
 #: Bytes hashed per task when fingerprinting weights; hashlib releases the GIL on large buffers,
@@ -104,6 +105,8 @@ def recipe_fingerprint(recipe: Mapping[str, Any]) -> str:
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
     """A byte view of a tensor's values in C order, copying only if it is on a device or strided."""
+    import torch
+
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()

@@ -14,6 +14,7 @@ through a host-to-device copy. The price: a plain safetensors reader sees an ``I
 tensor one row of 4 bytes wider and needs :func:`unpack` or :func:`dequantize` to read it.
 
 Example:
+    >>> import torch
     >>> x = torch.tensor([[254.0, -127.0, 2.0], [0.0, 0.0, 0.0]])
     >>> packed = quantize(x, Scheme.INT8)
     >>> tuple(packed.shape), packed.dtype
@@ -26,12 +27,15 @@ Example:
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: reading a store's records needs none
+    import torch
 
 from featbake.errors import ConfigError, EncodeError
 from featbake.native import kernels
@@ -92,6 +96,7 @@ class FidelityTally:
 
     Example:
         >>> tally = FidelityTally()
+        >>> import torch
         >>> x = torch.randn(50, 64)
         >>> tally.add(x, x + 0.001 * torch.randn(50, 64))
         >>> tally.result().rel_rms < 0.01
@@ -108,6 +113,8 @@ class FidelityTally:
 
     def add(self, reference: torch.Tensor, stored: torch.Tensor) -> None:
         """Count one item: the encoder's output and what is served from the store."""
+        import torch
+
         shape = reference.shape
         rows = (math.prod(shape[:-1]), shape[-1]) if shape else (1, 1)
         ref = reference.detach().to("cpu", torch.float64).reshape(rows)
@@ -180,6 +187,8 @@ class Scheme(enum.Enum):
     @property
     def packed_dtype(self) -> torch.dtype:
         """The dtype of the packed tensor (``int8``; fp8 codes are stored as ``uint8`` bytes)."""
+        import torch
+
         return torch.int8 if self is Scheme.INT8 else torch.uint8
 
     @property
@@ -245,9 +254,12 @@ def quantize(x: torch.Tensor, scheme: Scheme) -> torch.Tensor:
         EncodeError: ``x`` holds NaN or an infinity (neither code can hold one).
 
     Example:
+        >>> import torch
         >>> quantize(torch.tensor([0.5, -1.0]), Scheme.INT8)[:2]
         tensor([  64, -127], dtype=torch.int8)
     """
+    import torch
+
     if x.dim() == 0:
         raise ConfigError(
             f"--dtype {scheme.value} stores rows with a scale each; this output is a scalar: "
@@ -286,10 +298,13 @@ def unpack(packed: torch.Tensor, scheme: Scheme) -> Unpacked:
         ConfigError: ``packed`` is not a packed tensor of ``scheme``.
 
     Example:
+        >>> import torch
         >>> codes, scales = unpack(quantize(torch.ones(2, 3), Scheme.INT8), Scheme.INT8)
         >>> codes.tolist(), scales.tolist()
         ([[127, 127, 127], [127, 127, 127]], [0.007874015718698502, 0.007874015718698502])
     """
+    import torch
+
     if packed.dtype != scheme.packed_dtype or packed.dim() == 0 or packed.shape[-1] < SCALE_BYTES:
         raise ConfigError(
             f"expected a packed {scheme.value} tensor ({scheme.packed_dtype}, last dimension "
@@ -318,6 +333,7 @@ def damaged_positions(packed: torch.Tensor, scheme: Scheme) -> list[int]:
     packed rows of ``scheme``. One strided read of the scale column, nothing dequantised.
 
     Example:
+        >>> import torch
         >>> packed = quantize(torch.ones(3, 4), Scheme.INT8)
         >>> packed[1, 4:] = torch.tensor([float("nan")]).view(torch.int8)
         >>> damaged_positions(packed, Scheme.INT8), damaged_positions(packed[0], Scheme.INT8)
@@ -347,7 +363,7 @@ _GRAIN = 32768
 def dequantize(
     packed: torch.Tensor,
     scheme: Scheme,
-    dtype: torch.dtype = torch.float16,
+    dtype: torch.dtype | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The feature a packed tensor holds, in ``dtype``: ``codes * scale`` computed in float32.
@@ -359,13 +375,17 @@ def dequantize(
     Args:
         packed: what :func:`quantize` made (or a zero-padded batch of it), on any device.
         scheme: the scheme it was quantised with.
-        dtype: the float dtype served (float16 by default: int8 and fp8 hold less precision).
+        dtype: the float dtype served (None: float16, as int8 and fp8 hold less precision).
         out: where to write it (e.g. a batch in shared memory); its dtype wins over ``dtype``.
 
     Example:
+        >>> import torch
         >>> dequantize(quantize(torch.tensor([[2.0, -1.0]]), Scheme.FP8), Scheme.FP8)
         tensor([[ 2., -1.]], dtype=torch.float16)
     """
+    import torch
+
+    dtype = torch.float16 if dtype is None else dtype
     if out is None and packed.device.type == "cpu" and packed.dim() and packed.shape[-1] >= 4:
         out = torch.empty((*packed.shape[:-1], packed.shape[-1] - SCALE_BYTES), dtype=dtype)
     if out is not None and dequantize_native(packed, scheme, out) is not None:
@@ -375,7 +395,14 @@ def dequantize(
 
 #: The compiled kernel's codes for a scheme and a served dtype (featbake/kernels.c).
 _KERNEL_SCHEME = {Scheme.INT8: 0, Scheme.FP8: 1}
-_KERNEL_OUT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+@functools.cache
+def _kernel_out() -> dict[torch.dtype, int]:
+    """The compiled kernel's code of each served dtype (made on first use: torch)."""
+    import torch
+
+    return {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 class PackedRows(NamedTuple):
@@ -392,7 +419,7 @@ class PackedRows(NamedTuple):
         Raises:
             ConfigError: ``dtype`` is not float32, float16 or bfloat16.
         """
-        code = _KERNEL_OUT.get(self.dtype)
+        code = _kernel_out().get(self.dtype)
         if code is None:
             raise ConfigError(
                 f"int8/fp8 rows are served as float32, float16 or bfloat16, not {self.dtype}"
@@ -414,7 +441,7 @@ def dequantize_native(packed: torch.Tensor, scheme: Scheme, out: torch.Tensor) -
         written then, and the caller takes the Python path.
     """
     native = kernels()
-    code = _KERNEL_OUT.get(out.dtype)
+    code = _kernel_out().get(out.dtype)
     if (
         native is None
         or code is None
@@ -452,6 +479,8 @@ def dequantize_unpacked(
     value, as the compiled kernel writes it: torch's own casts keep a NaN's payload and sign
     differently by CPU and loop, so its bits are set here, not left to them.
     """
+    import torch
+
     codes, scales = parts
     if out is None:
         out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
@@ -472,6 +501,8 @@ def _dequantize_rows(
 ) -> None:
     """:func:`dequantize_unpacked` on the CPU into a contiguous ``out``, a chunk of rows at a
     time (see there)."""
+    import torch
+
     if scheme is Scheme.FP8:
         codes = codes.view(torch.uint8)
     rows, d = math.prod(codes.shape[:-1]), codes.shape[-1]
@@ -502,6 +533,8 @@ def _fp8_as_float32(codes: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     never written, would read as +-480). About 1.6x faster
     than a numpy table lookup here, and torch's own float8 cast is slower still.
     """
+    import torch
+
     bits.copy_(codes)
     sign = bits.bitwise_and(0x80).bitwise_left_shift_(24)
     bits.bitwise_and_(0x7F).bitwise_left_shift_(20).bitwise_or_(sign)
@@ -514,6 +547,7 @@ class ScaleSpan:
     dtypes can serve them (:meth:`holds`) follows from these two numbers alone.
 
     Example:
+        >>> import torch
         >>> span = ScaleSpan.of(unpack(quantize(torch.tensor([[1e7, 1.0]]), Scheme.INT8),
         ...     Scheme.INT8).scales)
         >>> span.holds(torch.float16, Scheme.INT8), span.holds(torch.float32, Scheme.INT8)
@@ -530,6 +564,8 @@ class ScaleSpan:
         """The span of one tensor's row scales (zero rows, a padding's or a silent frame's,
         dequantise to zeros in any dtype and are left out; rows whose scale is not finite
         are counted as damaged)."""
+        import torch
+
         if not scales.numel():
             return cls()
         finite = torch.isfinite(scales)
@@ -563,6 +599,8 @@ class ScaleSpan:
         ``dtype`` rounds coarser than the codes themselves (features ~1e-6 served as float16
         were 28% off).
         """
+        import torch
+
         info = torch.finfo(dtype)
         if self.high * scheme.top > info.max:
             return False

@@ -28,6 +28,9 @@ from featbake.image_recipe import describe_fields
 from featbake.units import format_bytes, parse_bytes
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from featbake.store.catalog import Catalog
     from featbake.upkeep import GcPlan
 from pathlib import Path
 
@@ -450,7 +453,6 @@ def verify(
     the tier holds), and named by its object key; there is no --repair there.
     """
     note_inert_options(ctx, cache)
-    from featbake.encode.inputs import redigested
     from featbake.upkeep import verify as run_verify
 
     bar = progress_bar()
@@ -484,6 +486,17 @@ def verify(
         )
     if report.exit_code:
         raise typer.Exit(report.exit_code)
+
+
+def redigested(
+    data: str, source: str, catalog: Catalog, actual: Mapping[str, str]
+) -> Mapping[str, tuple[str, str]]:
+    """:func:`featbake.encode.inputs.redigested`, imported only when a repair re-keys a
+    manifest's, tar's or table's items: encode code loads torch, which checking a store's
+    bytes never needs."""
+    from featbake.encode.inputs import redigested as encode_redigested
+
+    return encode_redigested(data, source, catalog, actual)
 
 
 # == merge =========================================================================================

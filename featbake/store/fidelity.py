@@ -14,12 +14,11 @@ them and writes the record.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from featbake.errors import StoreError
 from featbake.quantize import Fidelity, FidelityTally, ScaleSpan, Scheme
@@ -32,11 +31,33 @@ QUANTISED = ("int8", "fp8")
 
 #: The dtypes a quantised store is measured and served in: float16 (the default) when it holds
 #: every stored value, float32 when it does not (see :meth:`ScaleSpan.holds`).
-SERVED = {"float16": torch.float16, "float32": torch.float32}
+SERVED_NAMES = ("float16", "float32")
+
+if TYPE_CHECKING:
+    import torch
+
+    #: :data:`SERVED_NAMES` -> its torch dtype (made on first use: :func:`served_dtypes`).
+    SERVED: dict[str, torch.dtype]
+
+
+@functools.cache
+def served_dtypes() -> dict[str, torch.dtype]:
+    """:data:`SERVED_NAMES` -> its torch dtype, made once, when first asked for: ``stats``,
+    ``roots``, ``gc`` and ``merge`` read fidelity records without loading torch."""
+    import torch
+
+    return {d: getattr(torch, d) for d in SERVED_NAMES}
+
+
+def __getattr__(name: str) -> Any:
+    """``SERVED``, importable as before but made on first use (PEP 562)."""
+    if name == "SERVED":
+        return served_dtypes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _empty_tallies() -> dict[str, FidelityTally]:
-    return {d: FidelityTally() for d in SERVED}
+    return {d: FidelityTally() for d in SERVED_NAMES}
 
 
 @dataclass
@@ -56,6 +77,8 @@ class Measured:
 
     def served(self) -> str:
         """The dtype this store is served in by default: float16 unless a value does not fit."""
+        import torch
+
         return "float16" if self.span.holds(torch.float16, self.scheme) else "float32"
 
     def fidelity(self) -> Fidelity | None:
@@ -81,7 +104,7 @@ class Measured:
         Raises:
             KeyError, ValueError, TypeError: not a record :meth:`to_json` wrote.
         """
-        tallies = {d: FidelityTally.from_json(doc["tallies"][d]) for d in SERVED}
+        tallies = {d: FidelityTally.from_json(doc["tallies"][d]) for d in SERVED_NAMES}
         span = ScaleSpan(*map(float, doc["span"])) if doc["span"] else ScaleSpan()
         return cls(Scheme(doc["scheme"]), tallies, span)
 
@@ -142,4 +165,4 @@ def recorded_serve_dtype(layout: Layout, name: str) -> str | None:
     except (OSError, ValueError):
         return None
     served = doc.get("serve_dtype") if isinstance(doc, dict) else None
-    return served if served in SERVED else None
+    return served if served in SERVED_NAMES else None

@@ -22,6 +22,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import math
@@ -37,11 +38,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
 from pathlib import Path
-from typing import Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import google_crc32c
 import numpy as np
-import torch
 
 from featbake.errors import ConfigError, ShardMissing, StoreCorrupt, StoreError
 from featbake.native import kernels
@@ -77,27 +77,59 @@ DEFAULT_SHARD_ITEMS = 8192
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 
 
-DTYPE_TO_ST: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
+#: Each stored dtype's safetensors name -> (its torch dtype's name, bytes per element): the one
+#: table the torch dtype maps below are made from (on first use, so that reading headers and
+#: checking bytes never loads torch).
+ST_DTYPES: dict[str, tuple[str, int]] = {
+    "F64": ("float64", 8),
+    "F32": ("float32", 4),
+    "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2),
+    "I64": ("int64", 8),
+    "I32": ("int32", 4),
+    "I16": ("int16", 2),
+    "I8": ("int8", 1),
+    "U8": ("uint8", 1),
+    "BOOL": ("bool", 1),
 }
-
-
-ST_TO_DTYPE: dict[str, torch.dtype] = {v: k for k, v in DTYPE_TO_ST.items()}
 
 
 #: Bytes per element of each stored dtype (a header's shape must fit its byte range).
-ST_ITEMSIZE: dict[str, int] = {
-    v: torch.empty(0, dtype=k).element_size() for k, v in DTYPE_TO_ST.items()
-}
+ST_ITEMSIZE: dict[str, int] = {st: size for st, (_, size) in ST_DTYPES.items()}
+
+if TYPE_CHECKING:
+    import torch
+
+    #: torch dtype -> its safetensors name, and back (made on first use: :func:`torch_dtypes`).
+    DTYPE_TO_ST: dict[torch.dtype, str]
+    ST_TO_DTYPE: dict[str, torch.dtype]
+
+
+class TorchDtypes(NamedTuple):
+    """:data:`ST_DTYPES` as torch dtypes: ``to_st`` (torch -> safetensors name) and back."""
+
+    to_st: dict[torch.dtype, str]
+    from_st: dict[str, torch.dtype]
+
+
+@functools.cache
+def torch_dtypes() -> TorchDtypes:
+    """The torch dtype maps of :data:`ST_DTYPES`, made once, when tensors are first written or
+    read (``featbake stats``, ``roots``, ``gc`` and ``verify`` never ask for them)."""
+    import torch
+
+    to_st = {getattr(torch, name): st for st, (name, _) in ST_DTYPES.items()}
+    return TorchDtypes(to_st, {v: k for k, v in to_st.items()})
+
+
+def __getattr__(name: str) -> Any:
+    """``DTYPE_TO_ST`` and ``ST_TO_DTYPE``, importable as before but made on first use (PEP
+    562), so that importing this module does not load torch."""
+    if name == "DTYPE_TO_ST":
+        return torch_dtypes().to_st
+    if name == "ST_TO_DTYPE":
+        return torch_dtypes().from_st
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def tensor_name(key: str, part: str = "") -> str:
@@ -211,10 +243,12 @@ def tensor_checksum(version: str, name: str, t: torch.Tensor) -> str:
     """The checksum ``version`` records for tensor ``name`` holding ``t`` (contiguous, CPU)."""
     if version == "1":
         return checksum_v1(tensor_buffer(t))
-    return checksum_v2(name, DTYPE_TO_ST[t.dtype], tuple(t.shape), t)
+    return checksum_v2(name, torch_dtypes().to_st[t.dtype], tuple(t.shape), t)
 
 
 def tensor_buffer(t: torch.Tensor) -> memoryview:
+    import torch
+
     if t.numel() == 0:
         return memoryview(b"")
     return t.reshape(-1).view(torch.uint8).numpy().data
@@ -258,7 +292,7 @@ def shard_header(
     for name, t in order:
         end = offset + t.numel() * t.element_size()
         header[name] = {
-            "dtype": DTYPE_TO_ST[t.dtype],
+            "dtype": torch_dtypes().to_st[t.dtype],
             "shape": list(t.shape),
             "data_offsets": [offset, end],
         }
@@ -514,7 +548,7 @@ class ShardWriter:
             name = tensor_name(key, part)
             if name in self._tensors:
                 continue  # the same input twice in one shard: first wins
-            if t.dtype not in DTYPE_TO_ST:
+            if t.dtype not in torch_dtypes().to_st:
                 raise ConfigError(f"featbake cannot store dtype {t.dtype} (feature {name})")
             t = t.detach().to("cpu").contiguous()
             self._tensors[name] = t
@@ -626,7 +660,7 @@ def write_shard(
     entries = tuple(
         ShardEntry(
             *split_tensor_name(n),
-            dtype=DTYPE_TO_ST[t.dtype],
+            dtype=torch_dtypes().to_st[t.dtype],
             shape=tuple(t.shape),
             nbytes=t.numel() * t.element_size(),
         )
@@ -925,6 +959,26 @@ class ShardReader:
     def read(self, name: str, *, verify: VerifyMode | str | None = None) -> torch.Tensor:
         """The tensor ``name`` as a fresh CPU tensor (a copy; the file stays closed to writes).
 
+        Its bytes are :meth:`read_bytes`' (into the tensor's memory), viewed as its dtype and
+        shape.
+
+        Raises:
+            StoreCorrupt: the shard holds no such tensor, or its bytes fail their checksum.
+            ConfigError: ``verify`` is not a :class:`VerifyMode`.
+        """
+        import torch
+
+        info = self.info(name)
+        buf = torch.empty(info.end - info.begin, dtype=torch.uint8)
+        self.read_bytes(name, verify=verify, out=buf.numpy())
+        return buf.view(torch_dtypes().from_st[info.dtype]).view(info.shape)
+
+    def read_bytes(
+        self, name: str, *, verify: VerifyMode | str | None = None, out: np.ndarray | None = None
+    ) -> np.ndarray:
+        """The bytes of tensor ``name`` in ``out`` (a ``uint8`` array of their size) or a fresh
+        array, checked as ``verify`` says: ``featbake verify`` checks a shard so, without torch.
+
         A batch of one: :meth:`read_span`, the step :func:`read_spans` takes per span, into a
         fresh buffer (called directly, so that one tensor pays no span list).
 
@@ -939,9 +993,9 @@ class ShardReader:
         check = mode == VerifyMode.ALWAYS or (
             mode == VerifyMode.FIRST and name not in self._verified
         )
-        buf = torch.empty(info.end - info.begin, dtype=torch.uint8)
-        self.read_span(info.begin, buf.numpy(), self.check_of(name, info) if check else None)
-        return buf.view(ST_TO_DTYPE[info.dtype]).view(info.shape)
+        buf = np.empty(info.end - info.begin, dtype=np.uint8) if out is None else out
+        self.read_span(info.begin, buf, self.check_of(name, info) if check else None)
+        return buf
 
     def info(self, name: str) -> TensorInfo:
         """Where tensor ``name`` lies in this shard, and its checksum.
@@ -967,6 +1021,8 @@ class ShardReader:
             StoreCorrupt: no such tensor, a short read, or (with ``verify``) a checksum mismatch.
             ConfigError: ``out`` is not a contiguous CPU tensor of the tensor's byte size.
         """
+        import torch
+
         info = self.info(name)
         nbytes = info.end - info.begin
         if out.device.type != "cpu" or not out.is_contiguous() or out.nbytes != nbytes:
@@ -1058,6 +1114,8 @@ class ShardReader:
             StoreCorrupt: a short read.
             StoreError: the read fails.
         """
+        import torch
+
         rows = out.numel() // packed.width if packed.width else 0
         native = kernels()
         if native is None or not self.reads_descriptor:  # a bucket's ranged reader: no fd
@@ -1255,6 +1313,8 @@ def _read_packed(
     reader: ShardReader, begin: int, dest: Any, check: SpanCheck | None, packed: PackedRows
 ) -> ScaleSpan:
     """The Python path of one packed span: read into a buffer, check, dequantise into dest."""
+    import torch
+
     rows = dest.nbytes // (packed.width * packed.dtype.itemsize)
     if not rows:  # an item of no rows: its (empty) read checked, nothing to dequantise (torch
         reader.read_span(begin, dest, check)  # views no empty array of stride 0 as float16)

@@ -52,7 +52,7 @@ from featbake.store.merge import unmerged_builds
 from featbake.store.open import place_of
 from featbake.store.place import Place
 from featbake.store.roots import Root, root_file, roots_dir, tombstone_file
-from featbake.store.shard import ST_TO_DTYPE, ShardEntry, ShardReader, TensorInfo, split_tensor_name
+from featbake.store.shard import ST_ITEMSIZE, ShardEntry, ShardReader, TensorInfo, split_tensor_name
 from featbake.threadpool import map_in_threads
 from featbake.upkeep.files import existing_store, read_manifest, rebuild_interrupted
 
@@ -242,8 +242,8 @@ HOSTILE_HEADER_ERRORS = (
 
 def header_problem(info: TensorInfo, file_bytes: int) -> str | None:
     """Why a tensor's header entry cannot describe its bytes, or None if it can."""
-    dtype = ST_TO_DTYPE.get(info.dtype) if isinstance(info.dtype, str) else None
-    if dtype is None:
+    itemsize = ST_ITEMSIZE.get(info.dtype) if isinstance(info.dtype, str) else None
+    if itemsize is None:
         return f"unknown dtype {info.dtype!r}"
     shape = info.shape
     if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
@@ -252,7 +252,7 @@ def header_problem(info: TensorInfo, file_bytes: int) -> str | None:
         return "its data offsets are not integers"
     if not 0 <= info.begin <= info.end <= file_bytes:
         return f"its data offsets [{info.begin}, {info.end}) lie outside the file"
-    if math.prod(shape) * dtype.itemsize != info.end - info.begin:
+    if math.prod(shape) * itemsize != info.end - info.begin:
         return f"shape {list(shape)} {info.dtype} does not fit its {info.end - info.begin} bytes"
     return None
 
@@ -287,7 +287,7 @@ def _inspect(
         problem = header_problem(info, size)
         if problem is None and crcs:
             try:
-                reader.read(tname, verify="always")
+                reader.read_bytes(tname, verify="always")
             except StoreCorrupt:
                 problem = "checksum mismatch"
         if problem is not None:

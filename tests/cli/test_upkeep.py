@@ -290,3 +290,66 @@ def test_options_for_the_other_kind_of_store_are_said_to_do_nothing(
     assert sized.returncode == 0 and sized.stderr.startswith(
         f"note: --local-cache-size does nothing for a directory store ({store})"
     ), sized.stderr
+
+
+#: Runs each command of argv[1] (a JSON list of argument lists) through the CLI's main in one
+#: process; prints each one's output, a separator, and at the end whether the process loaded
+#: torch (what a later import would bring back into every upkeep command).
+NO_TORCH_SCRIPT = """
+import json, sys
+from featbake.cli.main import main
+for argv in json.loads(sys.argv[1]):
+    try:
+        main(argv)
+    except SystemExit as e:
+        assert not e.code, (argv, e.code)
+    print("\\x1e", flush=True)
+print(json.dumps("torch" in sys.modules))
+"""
+
+
+@pytest.mark.slow
+def test_upkeep_commands_never_import_torch(baked: dict, store_dir: Path) -> None:
+    """stats, roots, roots drop, gc (plan, drop, sweep), verify, merge and --help read the
+    catalog and the shards' bytes with no tensor: they must not pay torch's import (~1 s of
+    a ~1.9 s `featbake stats`), and they still say what they said with it."""
+    import os
+    import subprocess
+    import sys
+
+    a, b = baked["a"], baked["b"]
+    cache = ["--cache", str(store_dir)]
+    commands = [
+        ["stats", *cache, "--json"],
+        ["roots", *cache, "--json"],
+        ["verify", *cache, "--json"],
+        ["roots", *cache, "drop", b.root],
+        ["gc", *cache, "--dry-run", "--json"],
+        ["gc", *cache, "--json"],
+        ["merge", *cache],
+        ["--help"],
+        ["gc", "--help"],
+        ["export", "--help"],
+    ]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    env["COLUMNS"] = "200"
+    proc = subprocess.run(
+        [sys.executable, "-c", NO_TORCH_SCRIPT, json.dumps(commands)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    *outputs, loaded = proc.stdout.split("\x1e\n")
+    assert loaded.strip() == "false", "an upkeep command imported torch"
+    stats, roots, verify, drop, dry, gc, merge, app_help, gc_help, export_help = outputs
+    assert json.loads(stats)["features"] == 20
+    assert {r["name"]: r["items"] for r in json.loads(roots)} == {a.root: 16, b.root: 4}
+    assert json.loads(verify)["status"] == "clean"
+    assert f"dropped root {b.root}" in drop
+    assert json.loads(dry)["plan"]["unreached_features"] == 4
+    done = json.loads(gc)["result"]
+    assert done["rows_deleted"] == 4 and done["shards_written"] == 0
+    assert "nothing to merge" in merge
+    assert "stats" in app_help and "--grace" in gc_help and "--format" in export_help

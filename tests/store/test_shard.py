@@ -1183,3 +1183,15 @@ def test_a_hint_never_raises(tmp_path: Path) -> None:
     os.close(fd)
     assert not will_need(fd, 0, 100)  # a closed descriptor
     assert cached(fd, 0, 100) is None
+
+
+def test_the_dtype_table_without_torch_agrees_with_torch() -> None:
+    """ST_DTYPES, read by verify without torch, names each dtype's torch dtype and byte size;
+    DTYPE_TO_ST and ST_TO_DTYPE, made from it on first use, stay importable and inverse."""
+    from featbake.store.shard import DTYPE_TO_ST, ST_DTYPES, ST_ITEMSIZE, ST_TO_DTYPE
+
+    for st_name, (name, size) in ST_DTYPES.items():
+        dtype = getattr(torch, name)
+        assert torch.empty(0, dtype=dtype).element_size() == size == ST_ITEMSIZE[st_name]
+        assert DTYPE_TO_ST[dtype] == st_name and ST_TO_DTYPE[st_name] is dtype
+    assert len(DTYPE_TO_ST) == len(ST_TO_DTYPE) == len(ST_DTYPES) == 10
