@@ -227,9 +227,15 @@ class ObjectSource:
 Opener = Callable[[str, str | None], Inputs]
 
 
+#: The endings of a manifest of rows (JSON lines, NeMo's ``.json`` of JSON lines, CSV, TSV),
+#: each also gzip-compressed (``rows.csv.gz``: read through gzip, see ``open_manifest``).
+MANIFEST_SUFFIXES = (".jsonl", ".json", ".csv", ".tsv")
+MANIFEST_NAMES = (*MANIFEST_SUFFIXES, *(f"{s}.gz" for s in MANIFEST_SUFFIXES))
+
+
 def _is_manifest(where: str) -> bool:
     # A .jsonl.gz here is one _is_cuts passed over: its first line is a row, not a cut.
-    return bytes_at(where).is_list_file(where, (".jsonl", ".jsonl.gz", ".json", ".csv", ".tsv"))
+    return bytes_at(where).is_list_file(where, MANIFEST_NAMES)
 
 
 def _is_cuts(where: str) -> bool:
@@ -335,8 +341,8 @@ def inputs_at(
 
     Args:
         data: a folder, a bucket prefix ``s3://bucket/audio/``, a manifest (``.jsonl``,
-            ``.csv``, ``.tsv``), a Kaldi data folder (holding ``wav.scp``), a lhotse cut
-            manifest (``*.jsonl.gz``), and the kinds later entries add.
+            ``.csv``, ``.tsv``, each also ``.gz``), a Kaldi data folder (holding ``wav.scp``), a
+            lhotse cut manifest (``*.jsonl.gz``), and the kinds later entries add.
         column: the manifest's or table's column that names each item's input (default
             ``path``); refused for a folder or a bucket prefix.
         source: the recipe's source kind: for ``text`` a manifest's column holds each item's

@@ -1171,6 +1171,27 @@ def test_a_gzipped_jsonl_manifest_of_rows_is_read_as_rows(
         torch.testing.assert_close(ds[i], live_features(encoder_file, clip))
 
 
+def test_gzipped_csv_and_tsv_manifests_are_read_as_their_plain_kind(
+    tmp_path: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    """A CSV or TSV manifest compressed as ``rows.csv.gz`` / ``rows.tsv.gz`` (pandas'
+    ``to_csv("x.csv.gz")``, a shell's ``gzip``) is read as the plain CSV or TSV is, through
+    gzip: each row built and served equal to the encoder run now, its columns carried
+    (before: not taken for a manifest at all, read as a folder that does not exist)."""
+    clips = clips_for_rows(tmp_path, 3)
+    for name, sep in (("rows.csv.gz", ","), ("rows.tsv.gz", "\t")):
+        m = tmp_path / name
+        with gzip.open(m, "wt", encoding="utf-8", newline="") as f:
+            f.write(f"path{sep}speaker\n")
+            f.write("".join(f"clips/{c.name}{sep}s {i}\n" for i, c in enumerate(clips)))
+        result = invoke("build", "--data", m, "--encoder", encoder_file, "--cache", store_dir)
+        assert result.returncode == 0, name + result.stdout + result.stderr
+        ds = quiet_dataset(m, encoder_file, store_dir, on_miss="error")
+        assert [ds.row(i) for i in range(len(ds))] == [{"speaker": f"s {i}"} for i in range(3)]
+        for i, clip in enumerate(clips):
+            torch.testing.assert_close(ds[i], live_features(encoder_file, clip))
+
+
 def test_a_row_decodes_in_a_process_that_never_scanned_by_what_it_carries(tmp_path: Path) -> None:
     # What an engine's worker gets with each row: the file, span and effects, not the row's
     # other columns; with one task's rows a fresh ManifestInputs (never scanned) decodes each
