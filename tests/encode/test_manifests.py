@@ -12,10 +12,12 @@ from __future__ import annotations
 import csv
 import gzip
 import importlib.util
+import io
 import json
 import os
 import re
 import time
+import tracemalloc
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,11 +29,13 @@ import soundfile
 import soxr
 import torch
 import zarr
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import featbake.store.byteplace as byteplace
 from featbake.bake.pipeline import build
 from featbake.encode.encoders import torchscript_quietly
-from featbake.encode.inputs import Folder, inputs_at
+from featbake.encode.inputs import CUT_FIELDS, FirstLine, Folder, inputs_at
 from featbake.encode.manifests import CutsInputs, KaldiInputs, ManifestInputs
 from featbake.encode.sources import AudioSource
 from featbake.errors import ConfigError, SourceError
@@ -1042,6 +1046,115 @@ def test_a_cut_manifest_lhotse_wrote_uncompressed_is_read_as_cuts(
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps({"path": "utt.wav", "recording": "r1", "type": "MonoCut"}) + "\n")
     assert type(inputs_at(rows)) is ManifestInputs
+
+
+def test_a_first_line_over_a_mebibyte_is_told_cut_or_row_by_its_fields(
+    tmp_path: Path, encoder_file: Path, store_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lhotse cut whose ``custom`` holds 1.5 MiB (an alignment, an embedding as text) first
+    in ``cuts.jsonl``, and a row of 1.5 MiB first in ``rows.jsonl.gz``: each is told by its
+    fields (lhotse writes a cut's ``type`` last), read as cuts and as rows, each item served
+    equal to the encoder run now (before: the first MiB of the line was read and failed to
+    parse, so the cuts were taken for rows, exit 8, and the rows for cuts, nothing built).
+    The decision holds no more than a read's bytes of a line of 24 MiB in memory."""
+    lhotse = pytest.importorskip("lhotse")
+    monkeypatch.chdir(tmp_path)
+    noise_wav(tmp_path / "utt.wav", 3.0, 16000, seed=33)
+    rec = lhotse.Recording.from_file("utt.wav")
+    cuts = [rec.to_cut().truncate(offset=0.25 + i, duration=0.5).with_id(f"c{i}") for i in range(2)]
+    cuts[0].custom = {"label": 5, "alignment": "ab " * (1 << 19)}  # 1.5 MiB
+    cuts[1].custom = {"label": 6}
+    plain = tmp_path / "cuts.jsonl"
+    lhotse.CutSet.from_cuts(cuts).to_file(plain)
+    assert len(plain.read_bytes().split(b"\n")[0]) > 1 << 20
+    result = invoke("build", "--data", plain, "--encoder", encoder_file, "--cache", store_dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    ds = quiet_dataset(plain, encoder_file, store_dir, on_miss="error")
+    assert [ds.item_id(i) for i in range(len(ds))] == ["c0", "c1"]
+    for i, cut in enumerate(lhotse.load_manifest(plain)):
+        assert ds.row(i)["label"] == i + 5
+        want = encoded_now(encoder_file, cut.load_audio(), cut.sampling_rate)
+        torch.testing.assert_close(ds[i], want, rtol=1e-5, atol=1e-5)
+    # Rows: the first carries 1.5 MiB of text (and nested values) before its path.
+    clips = clips_for_rows(tmp_path, 2)
+    first = {
+        "notes": ["x" * (3 << 19), {"y": [1, 2.5, None, True]}],
+        "path": f"clips/{clips[0].name}",
+    }
+    rows = tmp_path / "rows.jsonl.gz"
+    with gzip.open(rows, "wt", encoding="utf-8") as f:
+        f.write(json.dumps(first) + "\n" + json.dumps({"path": f"clips/{clips[1].name}"}) + "\n")
+    result = invoke("build", "--data", rows, "--encoder", encoder_file, "--cache", store_dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    ds = quiet_dataset(rows, encoder_file, store_dir, on_miss="error")
+    assert len(ds) == 2 and ds.row(1) == {}
+    for i, clip in enumerate(clips):
+        torch.testing.assert_close(ds[i], live_features(encoder_file, clip))
+    # 24 MiB on one line, its type last: decided holding no more than a read's bytes.
+    huge = tmp_path / "huge.jsonl"
+    with huge.open("w") as f:
+        f.write('{"id": "h", "recording": {"id": "r"}, "custom": {"x": "' + "z" * (24 << 20))
+        f.write('"}, "type": "MonoCut"}\n')
+    tracemalloc.start()
+    try:
+        picked = type(inputs_at(huge))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert picked is CutsInputs and peak < 4 << 20, peak
+
+
+class Trickle(io.BytesIO):
+    """A file that hands out at most ``step`` bytes a read (a pipe, a gzip stream's pieces)."""
+
+    def __init__(self, data: bytes, step: int) -> None:
+        super().__init__()
+        self.data, self.at, self.step = data, 0, step
+
+    def read(self, n: int = -1) -> bytes:
+        got = self.data[self.at : self.at + min(self.step, n if n >= 0 else self.step)]
+        self.at += len(got)
+        return got
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(
+            st.text(max_size=4) | st.sampled_from(["type", "recording"]), inner, max_size=3
+        )
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    fields=st.dictionaries(st.sampled_from(["type", "recording", "id", "custom", 'a"\\b']), JSON),
+    ascii_only=st.booleans(),
+    step=st.integers(1, 7),
+    tail=st.sampled_from(["", "\n", "\n{", " \n", " x"]),
+)
+def test_the_first_lines_fields_are_what_json_reads_however_it_is_cut(
+    fields: dict[str, Any], ascii_only: bool, step: int, tail: str
+) -> None:
+    """:class:`FirstLine` against ``json.loads`` of the whole line: the same ``type`` and
+    ``recording`` as :func:`is_a_cut` reads them, read a few bytes at a time (a value cut
+    between reads, escapes and multibyte characters included); a line that is not one JSON
+    object alone (trailing text) is None for both."""
+    line = json.dumps(fields, ensure_ascii=ascii_only) + tail
+    try:
+        whole = json.loads(line.split("\n")[0])
+    except ValueError:
+        whole = None
+    want = None if whole is None else {
+        k: {} if isinstance(v, dict) else v if isinstance(v, str) else None
+        for k, v in whole.items()
+        if k in CUT_FIELDS
+    }  # fmt: skip
+    got = FirstLine(Trickle(line.encode(), step)).fields(CUT_FIELDS)
+    assert got == want
 
 
 def test_rows_on_each_channel_of_one_file_without_ids_are_each_an_item(
