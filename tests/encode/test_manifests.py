@@ -16,6 +16,10 @@ import io
 import json
 import os
 import re
+import select
+import signal
+import subprocess
+import sys
 import time
 import tracemalloc
 import warnings
@@ -38,7 +42,7 @@ from featbake.encode.encoders import torchscript_quietly
 from featbake.encode.inputs import CUT_FIELDS, FirstLine, Folder, inputs_at
 from featbake.encode.manifests import CutsInputs, KaldiInputs, ManifestInputs
 from featbake.encode.sources import AudioSource
-from featbake.errors import ConfigError, SourceError
+from featbake.errors import CacheMiss, ConfigError, SourceError
 from featbake.export.zarr import export_zarr
 from featbake.keys import item_digest
 from featbake.recipe import Recipe
@@ -46,7 +50,7 @@ from featbake.serve.dataset import CachedFeatureDataset
 from featbake.store.objects import ObjectStore
 from featbake.store.url import BucketURL
 from featbake.testing import make_tone, write_audio_folder
-from tests.conftest import invoke, live_features, run_cli
+from tests.conftest import REPO, invoke, live_features, run_cli
 from tests.helpers import held_by_a_thread, manifest, put_many, stored_features
 from tests.store.bucket.conftest import S3
 
@@ -1234,6 +1238,105 @@ def test_rows_naming_a_fifo_or_a_folder_are_bad_rows_not_a_hang(
     ds = quiet_dataset(m, encoder_file, store, on_miss="error")
     assert [ds.item_id(i) for i in range(len(ds))] == ["good"]
     torch.testing.assert_close(ds[0], live_features(encoder_file, good))
+
+
+#: A test-only decoder hook, loaded by the build's interpreter: decoding the clip
+#: ``STUCK_CLIP`` (by its bytes) says so through the FIFO ``STUCK_READY``, then opens the FIFO
+#: ``STUCK_FIFO`` for reading, a real ``open(2)`` that blocks until a writer comes: none does
+#: (an NFS server gone, as the decoder sees it).
+STUCK_HOOK = """
+import os, soundfile
+
+STUCK = open(os.environ["STUCK_CLIP"], "rb").read()
+
+
+class Stuck(soundfile.SoundFile):
+    def __init__(self, file, *args, **kwargs):
+        data = file.getvalue() if hasattr(file, "getvalue") else None
+        if data is None and isinstance(file, str):
+            data = open(file, "rb").read()
+        if data == STUCK:
+            with open(os.environ["STUCK_READY"], "w") as ready:
+                ready.write("stuck")
+            open(os.environ["STUCK_FIFO"], "rb")
+        super().__init__(file, *args, **kwargs)
+
+
+soundfile.SoundFile = Stuck
+if os.environ["STUCK_AT"] == "hash":  # the clip's first read, hashing it, blocks instead
+    import builtins
+
+    plain_open = builtins.open
+
+    def stuck_open(file, *args, **kwargs):
+        if isinstance(file, str) and file == os.environ["STUCK_CLIP"]:
+            with plain_open(os.environ["STUCK_READY"], "w") as ready:
+                ready.write("stuck")
+            plain_open(os.environ["STUCK_FIFO"], "rb")
+        return plain_open(file, *args, **kwargs)
+
+    builtins.open = stuck_open
+"""
+
+
+@pytest.mark.parametrize(("at", "workers"), [("decode", "0"), ("decode", "2"), ("hash", "0")])
+def test_sigterm_stops_a_build_whose_decoder_is_stuck_in_a_read_keeping_what_it_sealed(
+    tmp_path: Path, encoder_file: Path, at: str, workers: str
+) -> None:
+    """SIGTERM (Kubernetes, SLURM, ``timeout``) to a build whose decoder is stuck in a read that
+    never returns (its 4th clip's open of a FIFO no writer opens; on the decode thread, and in a
+    decode worker process; or its first read, hashing it, on a hashing thread): the build stops
+    with its one line and exit 143, the clips it encoded before (as many as the encoder reached: up
+    to 3) sealed and served equal to the encoder run now, and a rerun reuses them and builds the
+    rest. Before, the main thread waited for the stuck decode for ever (the signal only noted for
+    the next checkpoint), and the decode thread was joined at exit."""
+    data = tmp_path / "audio"
+    write_audio_folder(data, 6, seconds=(0.3, 0.8), seed=41)
+    clips = sorted(data.glob("*.wav"))
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "stuck_hook.py").write_text(STUCK_HOOK)
+    ready, fifo = tmp_path / "ready", tmp_path / "never"
+    os.mkfifo(ready)
+    os.mkfifo(fifo)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'hook'}{os.pathsep}{REPO}",
+           "STUCK_CLIP": str(clips[3]), "STUCK_READY": str(ready), "STUCK_AT": at,
+           "STUCK_FIFO": str(fifo)}  # fmt: skip
+    env.pop("FEATBAKE_DEBUG", None)
+    store = tmp_path / "store"
+    command = ["build", "-e", str(encoder_file), "-d", str(data), "--cache", str(store),
+               "--batch-size", "1", "--workers", workers]  # fmt: skip
+    code = "import stuck_hook; from featbake.cli.main import main; main()"
+    proc = subprocess.Popen([sys.executable, "-c", code, *command], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        reader = os.open(ready, os.O_RDONLY | os.O_NONBLOCK)  # no writer yet: opens at once
+        try:  # until the decoder says it is stuck (a bound against a build that never gets there)
+            assert select.select([reader], [], [], 240)[0], "the decoder never reached the clip"
+        finally:
+            os.close(reader)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, out + err
+    last = err.strip().splitlines()[-1]  # after the progress lines
+    assert last.startswith("stopped: stopped by SIGTERM"), err
+    assert err.count("stopped:") == 1 and "Traceback" not in err, err
+    ds = quiet_dataset(data, encoder_file, store, on_miss="error")
+    sealed = 0  # how far the encoder got before the signal: the clips before the stuck one
+    for i, clip in enumerate(clips):
+        try:
+            got = ds[i]
+        except CacheMiss:
+            continue
+        assert i == sealed < (3 if at == "decode" else 0), i  # in order, the stuck clip never
+        torch.testing.assert_close(got, live_features(encoder_file, clip))
+        sealed += 1
+    report = build(data, encoder_file, cache=store, workers=0)
+    assert (report.reused, report.encoded, report.failed) == (sealed, 6 - sealed, [])
+    ds = quiet_dataset(data, encoder_file, store, on_miss="error")
+    for i, clip in enumerate(clips):
+        torch.testing.assert_close(ds[i], live_features(encoder_file, clip))
 
 
 def test_a_cut_whose_source_is_a_bucket_url_is_read_from_the_bucket(
