@@ -267,6 +267,12 @@ _SCALAR_END = re.compile(rb"[,}\]\s]")  # what follows a number, true, false or 
 _ANY = re.compile(rb".", re.DOTALL)
 
 
+class ReadsBytes(Protocol):
+    """A file read by pieces: a plain file, a gzip stream."""
+
+    def read(self, size: int, /) -> bytes: ...
+
+
 class FirstLine:
     """A JSON object on a file's first line, read a piece at a time: the values of a few of its
     top-level fields, every other value passed over by its brackets and quotes (JSON's
@@ -277,7 +283,7 @@ class FirstLine:
         f: the file's bytes (plain, or a gzip stream), from its start.
     """
 
-    def __init__(self, f: BinaryIO) -> None:
+    def __init__(self, f: ReadsBytes) -> None:
         self.f = f
         self.buf = b""
         self.pos = 0
