@@ -1,10 +1,15 @@
 """The one thread pool every hashing loop uses (input files, bucket objects, the hash-cache
-check), and how many threads hash at once (a leaf, no I/O of its own)."""
+check), how many threads hash at once, and daemon threads a stop may leave behind (a leaf, no
+I/O of its own)."""
 
 from __future__ import annotations
 
+import functools
+import queue
+import threading
 from collections.abc import Callable, Collection, Iterator
-from typing import TypeVar
+from concurrent.futures import Future
+from typing import Any, TypeVar
 
 #: Threads that hash files at once: hashlib releases the GIL, and a few keep a disk (or an NFS
 #: mount) busy; more only queue on it.
@@ -26,7 +31,82 @@ def map_in_threads(
     if len(items) <= 1 or threads <= 1:
         yield from map(fn, items)
         return
-    from concurrent.futures import ThreadPoolExecutor
+    with DaemonThreads(min(threads, len(items)), "featbake-hash") as pool:
+        futures = [pool.submit(fn, item) for item in items]
+        for future in futures:
+            yield future.result()
 
-    with ThreadPoolExecutor(min(threads, len(items)), thread_name_prefix="featbake-hash") as pool:
-        yield from pool.map(fn, items)
+
+class DaemonThreads:
+    """Up to ``threads`` daemon threads running submitted calls in order, which a stop may leave
+    behind: a call stuck in a read that never returns (an NFS server gone, a FIFO) holds its
+    thread, never the process.
+
+    ``concurrent.futures.ThreadPoolExecutor`` joins its threads when its ``with`` ends and
+    again when the interpreter exits, so a thread stuck in ``read()`` kept a build stopped by
+    SIGTERM from ever exiting. Here leaving the ``with`` on an exception (the stop itself)
+    cancels what has not started and waits for nothing; leaving it normally runs what was
+    submitted and waits for the threads (nothing is left running behind a caller that
+    finished).
+
+    Args:
+        threads: the most threads at once (started as calls come).
+        name: the threads' name prefix.
+        initializer: run first on each thread.
+    """
+
+    def __init__(
+        self, threads: int, name: str, initializer: Callable[[], object] | None = None
+    ) -> None:
+        self.size = threads
+        self.name = name
+        self.initializer = initializer
+        self.todo: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = (
+            queue.SimpleQueue()
+        )
+        self.threads: list[threading.Thread] = []
+
+    def __enter__(self) -> DaemonThreads:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        self.shutdown(wait=kind is None)
+
+    def submit(self, fn: Callable[..., _Out], *args: Any) -> Future[_Out]:
+        """Run ``fn(*args)`` on a thread; its future."""
+        future: Future[_Out] = Future()
+        self.todo.put((future, functools.partial(fn, *args)))
+        if len(self.threads) < self.size:
+            name = f"{self.name}_{len(self.threads)}"
+            thread = threading.Thread(target=self._run, name=name, daemon=True)
+            thread.start()
+            self.threads.append(thread)
+        return future
+
+    def shutdown(self, wait: bool) -> None:
+        """With ``wait``, run what was submitted and wait for the threads to end; without,
+        cancel the calls not started and wait for nothing (a stop)."""
+        while not wait:
+            try:
+                got = self.todo.get_nowait()
+            except queue.Empty:
+                break
+            if got is not None:
+                got[0].cancel()
+        for _ in self.threads:
+            self.todo.put(None)
+        if wait:
+            for thread in self.threads:
+                thread.join()
+
+    def _run(self) -> None:
+        if self.initializer is not None:
+            self.initializer()
+        while (got := self.todo.get()) is not None:
+            future, call = got
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(call())
+            except BaseException as e:  # the caller's to raise, from result()
+                future.set_exception(e)

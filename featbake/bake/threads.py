@@ -15,13 +15,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Generator, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, BinaryIO
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from featbake.bake.interrupt import stop_requested, stoppable_wait
 from featbake.device import one_intra_op_thread_here
 from featbake.encode.fingerprints import HeldBytes
 from featbake.encode.sources import Source, load_unchanged
@@ -30,6 +31,7 @@ from featbake.store.catalog import BuildCatalog, Catalog
 from featbake.store.hash_cache import FileStat
 from featbake.store.layout import Layout
 from featbake.store.shard import DEFAULT_SHARD_ITEMS, ShardWriter
+from featbake.threadpool import DaemonThreads
 
 # == decode ========================================================================================
 #: Inputs decoded ahead of the encoder when there are no decode workers (on a thread).
@@ -185,7 +187,7 @@ def decoded_items(
     with workers_unchecked_by_torch(loader) as batches, _WorkerWatch() as watch:
         while True:
             try:
-                with watch.waiting():
+                with watch.waiting(), stoppable_wait():
                     i, x = next(batches)
             except StopIteration:
                 return
@@ -248,9 +250,23 @@ def workers_unchecked_by_torch(loader: DataLoader) -> Iterator[Iterator[Any]]:
         # torch's own shutdown (what __del__ calls), now, not when the last reference goes
         shut = getattr(batches, "_shutdown_workers", None)
         if shut is not None:
+            if stop_requested():  # a worker stuck in a read never ends of itself
+                kill_workers(batches)
             shut()  # does nothing at interpreter exit: its workers then stay registered
             if main and getattr(batches, "_worker_pids_set", True) is False:
                 signal.signal(signal.SIGCHLD, after if after is not None else signal.SIG_DFL)
+
+
+def kill_workers(batches: Any) -> None:
+    """SIGKILL a loader iterator's decode workers still alive. A stop signal ends the wait for
+    a worker stuck in a read that never returns (:func:`stoppable_wait`); torch's shutdown then
+    waits 5 s for each worker and sends it SIGTERM, which decode workers ignore (the main
+    process stops them, :func:`init_worker`), and the interpreter's exit joins them: forever.
+    A decode worker holds nothing to seal."""
+    for worker in getattr(batches, "_workers", ()):
+        if worker.is_alive():
+            worker.kill()
+            worker.join()
 
 
 class _WorkerWatch:
@@ -337,25 +353,33 @@ class _WorkerWatch:
 
 def _decoded_ahead(ds: DecodeDataset) -> Iterator[tuple[int, Any]]:
     """``ds``'s items in order, each decoded on one thread of this process while the caller
-    encodes the one before (soundfile, soxr and Pillow release the GIL while they work).
+    encodes the one before (soundfile, soxr and Pillow release the GIL while they work). A stop
+    signal ends the wait for a decode stuck in its read, and the thread is left behind.
 
     The thread runs torch's ops (an image resized by ``interpolate``) on itself alone: it starts
     no OpenMP team beside the encoder's (see :func:`featbake.device.one_intra_op_thread_here`).
     """
-    with ThreadPoolExecutor(
-        1, thread_name_prefix="featbake-decode", initializer=one_intra_op_thread_here
-    ) as pool:
-        pending: deque[Future[tuple[int, Any]]] = deque()
-        try:
-            for i in range(len(ds)):
-                pending.append(pool.submit(ds.__getitem__, i))
-                if len(pending) > AHEAD:
-                    yield pending.popleft().result()
-            while pending:
-                yield pending.popleft().result()
-        finally:
-            for f in pending:
-                f.cancel()
+    pool = DaemonThreads(1, "featbake-decode", initializer=one_intra_op_thread_here)
+    pending: deque[Future[tuple[int, Any]]] = deque()
+    try:
+        for i in range(len(ds)):
+            pending.append(pool.submit(ds.__getitem__, i))
+            if len(pending) > AHEAD:
+                yield _result(pending.popleft())
+        while pending:
+            yield _result(pending.popleft())
+    finally:
+        for f in pending:
+            f.cancel()
+        # Stopped by a signal, the decode may be stuck in a read that never returns: it is
+        # left behind (a daemon thread); else the thread is waited for, as it ends at once.
+        pool.shutdown(wait=not stop_requested())
+
+
+def _result(decoded: Future[tuple[int, Any]]) -> tuple[int, Any]:
+    """A decode's result, waited for where a stop signal ends the wait (:func:`stoppable_wait`)."""
+    with stoppable_wait():
+        return decoded.result()
 
 
 # == writer_thread =================================================================================

@@ -80,11 +80,11 @@ def build(
             "-d",
             help="Folder of inputs (scanned recursively), or a bucket prefix s3://bucket/audio/ "
             "(objects listed and read from S3; credentials and endpoint from the AWS_* "
-            "environment), or a manifest (train.jsonl, .csv, .tsv, a NeMo .json: a row per "
-            "item, optional id and start/end, start/duration or offset/duration seconds), a "
-            "Kaldi data folder (wav.scp [+ segments]) or a lhotse cut manifest (cuts.jsonl.gz "
-            "or cuts.jsonl), webdataset shards (a .tar, a folder of them, "
-            "'shard-{000..009}.tar'), or parquet / a datasets.save_to_disk folder.",
+            "environment), or a manifest (train.jsonl, .csv, .tsv, a NeMo .json, each also "
+            ".gz: a row per item, optional id and start/end, start/duration or "
+            "offset/duration seconds), a Kaldi data folder (wav.scp [+ segments]) or a lhotse "
+            "cut manifest (cuts.jsonl.gz or cuts.jsonl), webdataset shards (a .tar, a folder "
+            "of them, 'shard-{000..009}.tar'), or parquet / a datasets.save_to_disk folder.",
         ),
     ],
     column: Annotated[

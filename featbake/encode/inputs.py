@@ -12,7 +12,8 @@ import gzip
 import io
 import json
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import re
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, BinaryIO, ClassVar, Protocol, runtime_checkable
 
 import torch
@@ -227,9 +228,15 @@ class ObjectSource:
 Opener = Callable[[str, str | None], Inputs]
 
 
+#: The endings of a manifest of rows (JSON lines, NeMo's ``.json`` of JSON lines, CSV, TSV),
+#: each also gzip-compressed (``rows.csv.gz``: read through gzip, see ``open_manifest``).
+MANIFEST_SUFFIXES = (".jsonl", ".json", ".csv", ".tsv")
+MANIFEST_NAMES = (*MANIFEST_SUFFIXES, *(f"{s}.gz" for s in MANIFEST_SUFFIXES))
+
+
 def _is_manifest(where: str) -> bool:
     # A .jsonl.gz here is one _is_cuts passed over: its first line is a row, not a cut.
-    return bytes_at(where).is_list_file(where, (".jsonl", ".jsonl.gz", ".json", ".csv", ".tsv"))
+    return bytes_at(where).is_list_file(where, MANIFEST_NAMES)
 
 
 def _is_cuts(where: str) -> bool:
@@ -243,22 +250,173 @@ def _is_cuts(where: str) -> bool:
     return first is not None and is_a_cut(first)
 
 
-#: How much of a ``.jsonl`` file's first line is read to tell a lhotse cut from a row.
-FIRST_LINE_BYTES = 1 << 20
+#: How many bytes of a manifest's first line are read at a time to tell a lhotse cut from a
+#: row: the line may be of any length (a cut's ``custom`` holding an alignment), and it is
+#: read through, a piece at a time, never whole (:class:`FirstLine`).
+READ_BYTES = 1 << 16
+#: The longest key or text value of the first line kept to be looked at (a cut's ``type``);
+#: a longer one is passed over unread (no cut's type is that long).
+KEPT_BYTES = 1 << 10
+#: The fields of the first line looked at (:func:`is_a_cut`).
+CUT_FIELDS = frozenset({"type", "recording"})
+
+_NOT_SPACE = re.compile(rb"[^ \t\r]")  # a JSON line's blanks (a newline ends the line)
+_TEXT_STOP = re.compile(rb'["\\\n]')  # what ends or escapes a JSON string, or the line
+_NESTED_STOP = re.compile(rb'["{}\[\]\n]')  # what opens or closes a nested value
+_SCALAR_END = re.compile(rb"[,}\]\s]")  # what follows a number, true, false or null
+_ANY = re.compile(rb".", re.DOTALL)
+
+
+class ReadsBytes(Protocol):
+    """A file read by pieces: a plain file, a gzip stream."""
+
+    def read(self, size: int, /) -> bytes: ...
+
+
+class FirstLine:
+    """A JSON object on a file's first line, read a piece at a time: the values of a few of its
+    top-level fields, every other value passed over by its brackets and quotes (JSON's
+    structural characters are ASCII, never inside a UTF-8 sequence), so memory holds
+    :data:`READ_BYTES` and the kept values whatever the line's length.
+
+    Args:
+        f: the file's bytes (plain, or a gzip stream), from its start.
+    """
+
+    def __init__(self, f: ReadsBytes) -> None:
+        self.f = f
+        self.buf = b""
+        self.pos = 0
+
+    def more(self) -> bool:
+        """Read the next piece, dropping what was passed; False at the file's end."""
+        piece = self.f.read(READ_BYTES)
+        self.buf, self.pos = self.buf[self.pos :] + piece, 0
+        return bool(piece)
+
+    def to(self, stop: re.Pattern[bytes], kept: bytearray | None = None) -> bytes:
+        """Go past the next byte ``stop`` matches and return it (b"" at the file's end),
+        adding the bytes gone past to ``kept`` while it is short."""
+        while True:
+            m = stop.search(self.buf, self.pos)
+            end = m.end() if m else len(self.buf)
+            if kept is not None and len(kept) <= KEPT_BYTES:
+                kept += self.buf[self.pos : end]
+            self.pos = end
+            if m:
+                return m.group()
+            if not self.more():
+                return b""
+
+    def next_char(self) -> bytes:
+        """The next byte that is not a blank, not gone past (b"\\n" at the line's end)."""
+        while (m := _NOT_SPACE.search(self.buf, self.pos)) is None:
+            self.pos = len(self.buf)
+            if not self.more():
+                return b""
+        self.pos = m.start()
+        return self.buf[self.pos : self.pos + 1]
+
+    def take(self, char: bytes) -> bool:
+        """Go past the next non-blank byte if it is ``char``."""
+        if self.next_char() != char:
+            return False
+        self.pos += 1
+        return True
+
+    def text(self, keep: bool) -> str | None:
+        """A JSON string whose opening quote is next, gone past: its value if ``keep`` and
+        short, else "" (None: the line ends inside it)."""
+        if not self.take(b'"'):
+            return None
+        kept = bytearray(b'"') if keep else None
+        while (c := self.to(_TEXT_STOP, kept)) == b"\\":
+            self.to(_ANY, kept)  # the escaped byte, whatever it is
+        if c != b'"':
+            return None
+        if kept is None or len(kept) > KEPT_BYTES:
+            return ""
+        try:
+            return str(json.loads(bytes(kept)))
+        except ValueError:
+            return None
+
+    def passed(self) -> bool:
+        """Go past the next value (any size); False if the line ends inside it."""
+        c = self.next_char()
+        if c == b'"':
+            return self.text(keep=False) is not None
+        if c not in (b"{", b"["):  # a number, true, false or null
+            if not c or c not in b"-0123456789tfn":
+                return False
+            return self.to(_SCALAR_END) not in (b"", b"\n") and self._back()
+        depth = 0
+        while (c := self.to(_NESTED_STOP)) not in (b"", b"\n"):
+            if c == b'"':
+                self.pos -= 1
+                if self.text(keep=False) is None:
+                    return False
+            else:
+                depth += 1 if c in b"{[" else -1
+                if depth == 0:
+                    return True
+        return False
+
+    def _back(self) -> bool:
+        self.pos -= 1  # the byte that ended a scalar is the caller's (a comma, a bracket)
+        return True
+
+    def value(self) -> Any:
+        """The next value as :func:`is_a_cut` looks at it: a short text as it is, ``{}`` for
+        any object, None for anything else, gone past (:data:`_UNREAD`: the line ends in it)."""
+        c = self.next_char()
+        if c == b'"':
+            got = self.text(keep=True)
+            return _UNREAD if got is None else got
+        if not self.passed():
+            return _UNREAD
+        return {} if c == b"{" else None
+
+    def fields(self, names: Collection[str]) -> dict[str, Any] | None:
+        """``names``' values (:meth:`value`) of the object that is the first line, or None
+        where that line is no JSON object (it ends inside one, or holds something else)."""
+        if self.more() and self.buf.startswith(b"\xef\xbb\xbf"):
+            self.pos = 3  # a byte-order mark (utf-8-sig), as the manifest readers drop it
+        if not self.take(b"{"):
+            return None
+        got: dict[str, Any] = {}
+        if self.take(b"}"):
+            return got if self.next_char() in (b"", b"\n") else None
+        while (key := self.text(keep=True)) is not None and self.take(b":"):
+            value = self.value() if key in names else (None if self.passed() else _UNREAD)
+            if value is _UNREAD:
+                return None
+            if key in names:
+                got[key] = value
+            if self.take(b"}"):
+                return got if self.next_char() in (b"", b"\n") else None
+            if not self.take(b","):
+                return None
+        return None
+
+
+#: A value the first line ends inside: that line is no JSON object.
+_UNREAD = object()
 
 
 def first_line_object(path: str) -> dict[str, Any] | None:
-    """The JSON object on a local ``.jsonl`` (or gzip-compressed ``.jsonl.gz``) file's first
-    line, or None where the file cannot be read or that line is no JSON object."""
+    """The fields :func:`is_a_cut` looks at (``type``, ``recording``) of the JSON object on a
+    local ``.jsonl`` (or gzip-compressed ``.jsonl.gz``) file's first line, or None where the
+    file cannot be read or that line is no JSON object. The line is read through, however
+    long, holding a piece of it at a time (:class:`FirstLine`)."""
     try:
         with open(path, "rb") as raw:
             compressed = raw.read(2) == b"\x1f\x8b"
             raw.seek(0)
             f = gzip.GzipFile(fileobj=raw) if compressed else raw
-            first = json.loads(f.readline(FIRST_LINE_BYTES).decode("utf-8-sig"))
-    except (OSError, EOFError, ValueError):
+            return FirstLine(f).fields(CUT_FIELDS)
+    except (OSError, EOFError):
         return None
-    return first if isinstance(first, dict) else None
 
 
 def is_a_cut(first: Mapping[str, Any]) -> bool:
@@ -335,8 +493,8 @@ def inputs_at(
 
     Args:
         data: a folder, a bucket prefix ``s3://bucket/audio/``, a manifest (``.jsonl``,
-            ``.csv``, ``.tsv``), a Kaldi data folder (holding ``wav.scp``), a lhotse cut
-            manifest (``*.jsonl.gz``), and the kinds later entries add.
+            ``.csv``, ``.tsv``, each also ``.gz``), a Kaldi data folder (holding ``wav.scp``), a
+            lhotse cut manifest (``*.jsonl.gz``), and the kinds later entries add.
         column: the manifest's or table's column that names each item's input (default
             ``path``); refused for a folder or a bucket prefix.
         source: the recipe's source kind: for ``text`` a manifest's column holds each item's

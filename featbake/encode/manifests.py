@@ -4,14 +4,14 @@ Three layouts name their items this way (``--data`` picks one, see
 :data:`featbake.encode.inputs.OPENERS`):
 
 * :class:`ManifestInputs`: ``train.jsonl`` / ``.csv`` / ``.tsv``, or a ``.json`` of JSON lines
-  (NeMo's ``train_manifest.json``). The input column (``path``, or
-  ``--column NAME``) holds a path relative to the manifest's folder, or an absolute one;
-  optional ``start`` and ``end`` (seconds) make the row a segment (no ``start``: from 0, no
+  (NeMo's ``train_manifest.json``), each also gzip-compressed (``train.csv.gz``). The input column
+  (``path``, or ``--column NAME``) holds a path relative to the manifest's folder, or an absolute
+  one; optional ``start`` and ``end`` (seconds) make the row a segment (no ``start``: from 0, no
   ``end``: to the recording's end), as do ``start`` and ``duration`` (lhotse's timing) and
-  ``offset`` and ``duration`` (NeMo's: an ``offset`` makes the row a segment, a ``duration``
-  alone is a label of the whole file); ``channel`` picks one channel,
-  ``id`` names the item (default: the path as written, plus ``#start-end`` for a segment), and
-  every other column is carried (:meth:`RowInputs.row`).
+  ``offset`` and ``duration`` (NeMo's: an ``offset`` makes the row a segment, a ``duration`` alone
+  is a label of the whole file); ``channel`` picks one channel, ``id`` names the item (default: the
+  path as written, plus ``#start-end`` for a segment), and every other column is carried
+  (:meth:`RowInputs.row`).
 * :class:`KaldiInputs`: a Kaldi data folder. ``wav.scp`` maps recording ids to files (a relative
   path is taken from the working directory, as Kaldi's scripts take it); with a
   ``segments`` file each utterance is a segment (``utt rec start end``; ``end`` -1, Kaldi's
@@ -744,12 +744,12 @@ def manifest_records(
         SourceError: the manifest does not exist or cannot be read (or decoded, with
             ``errors="strict"``).
     """
-    lower = path.lower()
+    lower = path.lower().removesuffix(".gz")  # a compressed manifest is read as its kind
     try:
         with open_manifest(path, errors) as f:
             if lower.endswith(".json"):
                 yield from json_lines_records(f, path)
-            elif lower.endswith((".jsonl", ".jsonl.gz")):
+            elif lower.endswith(".jsonl"):
                 yield from json_records(f)
             else:
                 yield from table_records(f, "\t" if lower.endswith(".tsv") else ",")
@@ -760,7 +760,8 @@ def manifest_records(
 
 
 def open_manifest(path: str, errors: str) -> TextIO:
-    """A manifest's text: a ``.jsonl.gz`` decompressed as it is read, others as they are.
+    """A manifest's text: one named ``*.gz`` (``rows.jsonl.gz``, ``rows.csv.gz``) decompressed
+    as it is read, others as they are.
 
     Raises:
         OSError: the file cannot be opened.

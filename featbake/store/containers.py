@@ -755,29 +755,50 @@ def split_of(name: str) -> str | None:
 
 
 def refuse_several_splits(where: str, names: Sequence[str]) -> None:
-    """Refuse a folder whose data files (parquet files, tar shards) name several splits:
-    ``datasets`` reads it as a DatasetDict, so reading it as one table (or one set of shards)
-    would serve the test rows with the training ones.
+    """Refuse a folder whose data files (parquet files, tar shards) ``datasets`` does not read
+    as the one table (or one set of shards) featbake reads them as: files that name several
+    splits (``datasets`` reads a DatasetDict: the test rows would be served with the training
+    ones), or files of one split beside files that name none (``load_dataset`` reads only the
+    split's, ``train.parquet``, and leaves the others, ``extra.parquet``, out: featbake would
+    serve rows the user's other loader never sees). A folder whose files name no split is one
+    ``train`` split of them all to ``datasets``, as to featbake.
+
+    The split of each name is ``datasets``' own rule (:func:`split_of`); the folder's files
+    only are judged, as they are what featbake reads.
 
     Raises:
-        SourceError: the files name two splits or more (each named with its file count).
+        SourceError: the files name two splits or more (each named with its file count), or
+            one split beside files that name none (those named).
     """
-    counts: dict[str, int] = {}
+    by_split: dict[str | None, list[str]] = {}
     for name in names:
-        split = split_of(name)
-        if split is not None:
-            counts[split] = counts.get(split, 0) + 1
-    if len(counts) < 2:
+        by_split.setdefault(split_of(name), []).append(name)
+    named = [split for split in SPLIT_KEYWORDS if split in by_split]
+    if not named or by_split.keys() == {named[0]}:
         return
-    held = ", ".join(
-        f"{split} ({n} file{'s' if n > 1 else ''})"
-        for split in SPLIT_KEYWORDS
-        if (n := counts.get(split))
-    )
+    held = ", ".join(f"{split} ({files(len(by_split[split]))})" for split in named)
+    if len(named) > 1:
+        raise SourceError(
+            f"{where} holds the splits {held}, as datasets reads its file names; pass one "
+            "split: its file as --data, or its files moved into a folder of their own"
+        )
+    others = by_split[None]
+    shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
     raise SourceError(
-        f"{where} holds the splits {held}, as datasets reads its file names; pass one split: "
-        "its file as --data, or its files moved into a folder of their own"
+        f"{where} holds the split {held} and {files(len(others))} that name no split "
+        f"({shown}), which datasets leaves out of it; featbake would read them all as one: "
+        "pass one set alone (a file as --data, or its files moved into a folder of their own)"
     )
+
+
+def files(n: int) -> str:
+    """``n`` file(s), in words (pure).
+
+    Example:
+        >>> files(1), files(2)
+        ('1 file', '2 files')
+    """
+    return f"{n} file{'s' if n != 1 else ''}"
 
 
 #: (object URL, its size or None) -> the object as a seekable file (the caller's client); a

@@ -34,7 +34,13 @@ from featbake.recipe import Recipe
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.store.byteplace import LocalFiles, expand_braces
 from featbake.store.catalog import Catalog
-from featbake.store.containers import HEADER_BLOCK, Member, ReadBack, TableFile
+from featbake.store.containers import (
+    HEADER_BLOCK,
+    Member,
+    ReadBack,
+    TableFile,
+    refuse_several_splits,
+)
 from featbake.store.layout import Layout
 from featbake.testing import make_tone, write_image_folder
 from tests.conftest import invoke, run_cli
@@ -676,6 +682,106 @@ def test_a_folder_of_tar_shards_of_several_splits_is_refused_naming_them(
     for i in range(2):
         assert ds.row(i) == {"cls": i}
         assert torch.equal(ds[i], run_now(module, audio_tensor(clips[i])))
+
+
+def test_a_folder_of_one_split_beside_files_of_none_is_refused_naming_what_it_would_mix(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """``train.parquet`` beside ``extra.parquet``: ``datasets.load_dataset("parquet",
+    data_dir=...)`` reads the train file alone and leaves the other out, where featbake read
+    both as one table. The folder is refused in one line naming the split and the files left
+    out (exit 8, and from a dataset); the train file as ``--data`` is built and served in
+    ``datasets``' order with its labels, each equal to the encoder run now. The same for a
+    folder of tar shards (``train-0000.tar`` beside ``extra-0000.tar``)."""
+    datasets = pytest.importorskip("datasets")
+    data = tmp_path / "tables"
+    data.mkdir()
+    clips = [wav_bytes(0.3 + 0.1 * i, 20 + i) for i in range(3)]
+    write_audio_parquet(data / "train.parquet", clips[:2], label=[7, 8])
+    write_audio_parquet(data / "extra.parquet", clips[2:], label=[9])
+    splits = datasets.load_dataset("parquet", data_dir=str(data), cache_dir=str(tmp_path / "hf"))
+    assert list(splits) == ["train"] and splits["train"].num_rows == 2  # extra.parquet left out
+    store = tmp_path / "store"
+    result = invoke("build", "--data", data, "--encoder", encoder_file, "--cache", store,
+                    "--column", "audio")  # fmt: skip
+    assert result.returncode == 8, result.stdout + result.stderr
+    said = result.stderr.strip()
+    assert len(said.splitlines()) == 1, said
+    assert "train (1 file) and 1 file that name no split (extra.parquet)" in said, said
+    with pytest.raises(SourceError, match=r"name no split \(extra.parquet\)"):
+        CachedFeatureDataset(data, encoder_file, cache=store, column="audio")
+    train = data / "train.parquet"
+    report = build(train, encoder_file, cache=store, workers=0, column="audio")
+    assert (report.encoded, report.failed) == (2, [])
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
+    ds = CachedFeatureDataset(train, encoder_file, cache=store, column="audio", on_miss="error")
+    assert [ds.row(i)["label"] for i in range(len(ds))] == list(splits["train"]["label"])
+    for i in range(len(ds)):
+        assert torch.equal(ds[i], run_now(module, audio_tensor(clips[i]))), ds.item_id(i)
+    # Tar shards: the same rule, the same line; one shard as --data is read.
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    write_tar(shards / "train-0000.tar", [("t0", {"wav": clips[0], "cls": b"0"})])
+    write_tar(shards / "extra-0000.tar", [("e0", {"wav": clips[2], "cls": b"2"})])
+    patterns = datasets.data_files.get_data_patterns(str(shards))
+    assert list(patterns) == ["train"]
+    result = invoke("build", "--data", shards, "--encoder", encoder_file, "--cache", store)
+    assert result.returncode == 8, result.stdout + result.stderr
+    assert (
+        "name no split (extra-0000.tar)" in result.stderr
+        and len(result.stderr.strip().splitlines()) == 1
+    ), result.stderr
+    one = shards / "train-0000.tar"
+    report = build(one, encoder_file, cache=store, workers=0)
+    assert (report.encoded + report.reused, report.failed) == (1, [])  # clip 0's key: stored
+    ds = CachedFeatureDataset(one, encoder_file, cache=store, on_miss="error")
+    assert [ds.item_id(i) for i in range(len(ds))] == ["t0"] and ds.row(0) == {"cls": 0}
+    assert torch.equal(ds[0], run_now(module, audio_tensor(clips[0])))
+
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        ["a.parquet", "b.parquet"],
+        ["train.parquet", "extra.parquet"],
+        ["train-00000-of-00002.parquet", "train-00001-of-00002.parquet"],
+        ["train.parquet", "test.parquet"],
+        ["training_set.parquet", "notes.parquet"],
+        ["retrain.parquet", "x.parquet"],
+        ["my_valid_rows.parquet", "my_rows.parquet"],
+        ["dev.parquet"],
+        ["Train.parquet", "x.parquet"],
+        ["test.parquet", "test2.parquet"],
+        ["evaluation.parquet", "eval.parquet", "testing.parquet"],
+        ["train 1.parquet", "valid 1.parquet"],
+        ["trainset.parquet", "x.parquet"],
+        ["data-train.parquet", "data-val.parquet"],
+        ["shard-000.tar", "shard-001.tar"],
+        ["train-0000.tar", "extra-0000.tar"],
+        ["00_train_.tar", "01.tar"],
+    ],
+)
+def test_a_folder_is_read_as_one_exactly_where_datasets_reads_it_as_one_split(
+    tmp_path: Path, names: list[str]
+) -> None:
+    """featbake reads a folder's data files as one table (or one set of shards) exactly where
+    ``datasets`` (``get_data_patterns``, then the files each split's patterns match, as
+    ``load_dataset(..., data_dir=...)`` resolves them) reads them all as one split; else it
+    refuses the folder."""
+    datasets = pytest.importorskip("datasets")
+    for name in names:
+        (tmp_path / name).write_bytes(b"")
+    patterns = datasets.data_files.get_data_patterns(str(tmp_path))
+    resolved = datasets.data_files.DataFilesDict.from_patterns(patterns, base_path=str(tmp_path))
+    got = {str(s): sorted(os.path.basename(f) for f in fs) for s, fs in resolved.items()}
+    as_one = len(got) == 1 and next(iter(got.values())) == sorted(names)
+    try:
+        refuse_several_splits(str(tmp_path), sorted(names))
+    except SourceError:
+        assert not as_one, got
+    else:
+        assert as_one, got
 
 
 def test_a_table_file_that_cannot_be_read_fails_its_cells_in_one_line_each(

@@ -12,10 +12,16 @@ from __future__ import annotations
 import csv
 import gzip
 import importlib.util
+import io
 import json
 import os
 import re
+import select
+import signal
+import subprocess
+import sys
 import time
+import tracemalloc
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,14 +33,16 @@ import soundfile
 import soxr
 import torch
 import zarr
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import featbake.store.byteplace as byteplace
 from featbake.bake.pipeline import build
 from featbake.encode.encoders import torchscript_quietly
-from featbake.encode.inputs import Folder, inputs_at
+from featbake.encode.inputs import CUT_FIELDS, FirstLine, Folder, inputs_at
 from featbake.encode.manifests import CutsInputs, KaldiInputs, ManifestInputs
 from featbake.encode.sources import AudioSource
-from featbake.errors import ConfigError, SourceError
+from featbake.errors import CacheMiss, ConfigError, SourceError
 from featbake.export.zarr import export_zarr
 from featbake.keys import item_digest
 from featbake.recipe import Recipe
@@ -42,7 +50,7 @@ from featbake.serve.dataset import CachedFeatureDataset
 from featbake.store.objects import ObjectStore
 from featbake.store.url import BucketURL
 from featbake.testing import make_tone, write_audio_folder
-from tests.conftest import invoke, live_features, run_cli
+from tests.conftest import REPO, invoke, live_features, run_cli
 from tests.helpers import held_by_a_thread, manifest, put_many, stored_features
 from tests.store.bucket.conftest import S3
 
@@ -1044,6 +1052,115 @@ def test_a_cut_manifest_lhotse_wrote_uncompressed_is_read_as_cuts(
     assert type(inputs_at(rows)) is ManifestInputs
 
 
+def test_a_first_line_over_a_mebibyte_is_told_cut_or_row_by_its_fields(
+    tmp_path: Path, encoder_file: Path, store_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lhotse cut whose ``custom`` holds 1.5 MiB (an alignment, an embedding as text) first
+    in ``cuts.jsonl``, and a row of 1.5 MiB first in ``rows.jsonl.gz``: each is told by its
+    fields (lhotse writes a cut's ``type`` last), read as cuts and as rows, each item served
+    equal to the encoder run now (before: the first MiB of the line was read and failed to
+    parse, so the cuts were taken for rows, exit 8, and the rows for cuts, nothing built).
+    The decision holds no more than a read's bytes of a line of 24 MiB in memory."""
+    lhotse = pytest.importorskip("lhotse")
+    monkeypatch.chdir(tmp_path)
+    noise_wav(tmp_path / "utt.wav", 3.0, 16000, seed=33)
+    rec = lhotse.Recording.from_file("utt.wav")
+    cuts = [rec.to_cut().truncate(offset=0.25 + i, duration=0.5).with_id(f"c{i}") for i in range(2)]
+    cuts[0].custom = {"label": 5, "alignment": "ab " * (1 << 19)}  # 1.5 MiB
+    cuts[1].custom = {"label": 6}
+    plain = tmp_path / "cuts.jsonl"
+    lhotse.CutSet.from_cuts(cuts).to_file(plain)
+    assert len(plain.read_bytes().split(b"\n")[0]) > 1 << 20
+    result = invoke("build", "--data", plain, "--encoder", encoder_file, "--cache", store_dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    ds = quiet_dataset(plain, encoder_file, store_dir, on_miss="error")
+    assert [ds.item_id(i) for i in range(len(ds))] == ["c0", "c1"]
+    for i, cut in enumerate(lhotse.load_manifest(plain)):
+        assert ds.row(i)["label"] == i + 5
+        want = encoded_now(encoder_file, cut.load_audio(), cut.sampling_rate)
+        torch.testing.assert_close(ds[i], want, rtol=1e-5, atol=1e-5)
+    # Rows: the first carries 1.5 MiB of text (and nested values) before its path.
+    clips = clips_for_rows(tmp_path, 2)
+    first = {
+        "notes": ["x" * (3 << 19), {"y": [1, 2.5, None, True]}],
+        "path": f"clips/{clips[0].name}",
+    }
+    rows = tmp_path / "rows.jsonl.gz"
+    with gzip.open(rows, "wt", encoding="utf-8") as f:
+        f.write(json.dumps(first) + "\n" + json.dumps({"path": f"clips/{clips[1].name}"}) + "\n")
+    result = invoke("build", "--data", rows, "--encoder", encoder_file, "--cache", store_dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    ds = quiet_dataset(rows, encoder_file, store_dir, on_miss="error")
+    assert len(ds) == 2 and ds.row(1) == {}
+    for i, clip in enumerate(clips):
+        torch.testing.assert_close(ds[i], live_features(encoder_file, clip))
+    # 24 MiB on one line, its type last: decided holding no more than a read's bytes.
+    huge = tmp_path / "huge.jsonl"
+    with huge.open("w") as f:
+        f.write('{"id": "h", "recording": {"id": "r"}, "custom": {"x": "' + "z" * (24 << 20))
+        f.write('"}, "type": "MonoCut"}\n')
+    tracemalloc.start()
+    try:
+        picked = type(inputs_at(huge))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert picked is CutsInputs and peak < 4 << 20, peak
+
+
+class Trickle(io.BytesIO):
+    """A file that hands out at most ``step`` bytes a read (a pipe, a gzip stream's pieces)."""
+
+    def __init__(self, data: bytes, step: int) -> None:
+        super().__init__()
+        self.data, self.at, self.step = data, 0, step
+
+    def read(self, n: int = -1) -> bytes:
+        got = self.data[self.at : self.at + min(self.step, n if n >= 0 else self.step)]
+        self.at += len(got)
+        return got
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(
+            st.text(max_size=4) | st.sampled_from(["type", "recording"]), inner, max_size=3
+        )
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    fields=st.dictionaries(st.sampled_from(["type", "recording", "id", "custom", 'a"\\b']), JSON),
+    ascii_only=st.booleans(),
+    step=st.integers(1, 7),
+    tail=st.sampled_from(["", "\n", "\n{", " \n", " x"]),
+)
+def test_the_first_lines_fields_are_what_json_reads_however_it_is_cut(
+    fields: dict[str, Any], ascii_only: bool, step: int, tail: str
+) -> None:
+    """:class:`FirstLine` against ``json.loads`` of the whole line: the same ``type`` and
+    ``recording`` as :func:`is_a_cut` reads them, read a few bytes at a time (a value cut
+    between reads, escapes and multibyte characters included); a line that is not one JSON
+    object alone (trailing text) is None for both."""
+    line = json.dumps(fields, ensure_ascii=ascii_only) + tail
+    try:
+        whole = json.loads(line.split("\n")[0])
+    except ValueError:
+        whole = None
+    want = None if whole is None else {
+        k: {} if isinstance(v, dict) else v if isinstance(v, str) else None
+        for k, v in whole.items()
+        if k in CUT_FIELDS
+    }  # fmt: skip
+    got = FirstLine(Trickle(line.encode(), step)).fields(CUT_FIELDS)
+    assert got == want
+
+
 def test_rows_on_each_channel_of_one_file_without_ids_are_each_an_item(
     tmp_path: Path, encoder_file: Path, store_dir: Path
 ) -> None:
@@ -1123,6 +1240,105 @@ def test_rows_naming_a_fifo_or_a_folder_are_bad_rows_not_a_hang(
     torch.testing.assert_close(ds[0], live_features(encoder_file, good))
 
 
+#: A test-only decoder hook, loaded by the build's interpreter: decoding the clip
+#: ``STUCK_CLIP`` (by its bytes) says so through the FIFO ``STUCK_READY``, then opens the FIFO
+#: ``STUCK_FIFO`` for reading, a real ``open(2)`` that blocks until a writer comes: none does
+#: (an NFS server gone, as the decoder sees it).
+STUCK_HOOK = """
+import os, soundfile
+
+STUCK = open(os.environ["STUCK_CLIP"], "rb").read()
+
+
+class Stuck(soundfile.SoundFile):
+    def __init__(self, file, *args, **kwargs):
+        data = file.getvalue() if hasattr(file, "getvalue") else None
+        if data is None and isinstance(file, str):
+            data = open(file, "rb").read()
+        if data == STUCK:
+            with open(os.environ["STUCK_READY"], "w") as ready:
+                ready.write("stuck")
+            open(os.environ["STUCK_FIFO"], "rb")
+        super().__init__(file, *args, **kwargs)
+
+
+soundfile.SoundFile = Stuck
+if os.environ["STUCK_AT"] == "hash":  # the clip's first read, hashing it, blocks instead
+    import builtins
+
+    plain_open = builtins.open
+
+    def stuck_open(file, *args, **kwargs):
+        if isinstance(file, str) and file == os.environ["STUCK_CLIP"]:
+            with plain_open(os.environ["STUCK_READY"], "w") as ready:
+                ready.write("stuck")
+            plain_open(os.environ["STUCK_FIFO"], "rb")
+        return plain_open(file, *args, **kwargs)
+
+    builtins.open = stuck_open
+"""
+
+
+@pytest.mark.parametrize(("at", "workers"), [("decode", "0"), ("decode", "2"), ("hash", "0")])
+def test_sigterm_stops_a_build_whose_decoder_is_stuck_in_a_read_keeping_what_it_sealed(
+    tmp_path: Path, encoder_file: Path, at: str, workers: str
+) -> None:
+    """SIGTERM (Kubernetes, SLURM, ``timeout``) to a build whose decoder is stuck in a read that
+    never returns (its 4th clip's open of a FIFO no writer opens; on the decode thread, and in a
+    decode worker process; or its first read, hashing it, on a hashing thread): the build stops
+    with its one line and exit 143, the clips it encoded before (as many as the encoder reached: up
+    to 3) sealed and served equal to the encoder run now, and a rerun reuses them and builds the
+    rest. Before, the main thread waited for the stuck decode for ever (the signal only noted for
+    the next checkpoint), and the decode thread was joined at exit."""
+    data = tmp_path / "audio"
+    write_audio_folder(data, 6, seconds=(0.3, 0.8), seed=41)
+    clips = sorted(data.glob("*.wav"))
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "stuck_hook.py").write_text(STUCK_HOOK)
+    ready, fifo = tmp_path / "ready", tmp_path / "never"
+    os.mkfifo(ready)
+    os.mkfifo(fifo)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'hook'}{os.pathsep}{REPO}",
+           "STUCK_CLIP": str(clips[3]), "STUCK_READY": str(ready), "STUCK_AT": at,
+           "STUCK_FIFO": str(fifo)}  # fmt: skip
+    env.pop("FEATBAKE_DEBUG", None)
+    store = tmp_path / "store"
+    command = ["build", "-e", str(encoder_file), "-d", str(data), "--cache", str(store),
+               "--batch-size", "1", "--workers", workers]  # fmt: skip
+    code = "import stuck_hook; from featbake.cli.main import main; main()"
+    proc = subprocess.Popen([sys.executable, "-c", code, *command], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        reader = os.open(ready, os.O_RDONLY | os.O_NONBLOCK)  # no writer yet: opens at once
+        try:  # until the decoder says it is stuck (a bound against a build that never gets there)
+            assert select.select([reader], [], [], 240)[0], "the decoder never reached the clip"
+        finally:
+            os.close(reader)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, out + err
+    last = err.strip().splitlines()[-1]  # after the progress lines
+    assert last.startswith("stopped: stopped by SIGTERM"), err
+    assert err.count("stopped:") == 1 and "Traceback" not in err, err
+    ds = quiet_dataset(data, encoder_file, store, on_miss="error")
+    sealed = 0  # how far the encoder got before the signal: the clips before the stuck one
+    for i, clip in enumerate(clips):
+        try:
+            got = ds[i]
+        except CacheMiss:
+            continue
+        assert i == sealed < (3 if at == "decode" else 0), i  # in order, the stuck clip never
+        torch.testing.assert_close(got, live_features(encoder_file, clip))
+        sealed += 1
+    report = build(data, encoder_file, cache=store, workers=0)
+    assert (report.reused, report.encoded, report.failed) == (sealed, 6 - sealed, [])
+    ds = quiet_dataset(data, encoder_file, store, on_miss="error")
+    for i, clip in enumerate(clips):
+        torch.testing.assert_close(ds[i], live_features(encoder_file, clip))
+
+
 def test_a_cut_whose_source_is_a_bucket_url_is_read_from_the_bucket(
     s3: S3, corpus: Path, encoder_file: Path, store_dir: Path
 ) -> None:
@@ -1169,6 +1385,27 @@ def test_a_gzipped_jsonl_manifest_of_rows_is_read_as_rows(
     assert [ds.row(i) for i in range(len(ds))] == [{"label": i} for i in range(3)]
     for i, clip in enumerate(clips):
         torch.testing.assert_close(ds[i], live_features(encoder_file, clip))
+
+
+def test_gzipped_csv_and_tsv_manifests_are_read_as_their_plain_kind(
+    tmp_path: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    """A CSV or TSV manifest compressed as ``rows.csv.gz`` / ``rows.tsv.gz`` (pandas'
+    ``to_csv("x.csv.gz")``, a shell's ``gzip``) is read as the plain CSV or TSV is, through
+    gzip: each row built and served equal to the encoder run now, its columns carried
+    (before: not taken for a manifest at all, read as a folder that does not exist)."""
+    clips = clips_for_rows(tmp_path, 3)
+    for name, sep in (("rows.csv.gz", ","), ("rows.tsv.gz", "\t")):
+        m = tmp_path / name
+        with gzip.open(m, "wt", encoding="utf-8", newline="") as f:
+            f.write(f"path{sep}speaker\n")
+            f.write("".join(f"clips/{c.name}{sep}s {i}\n" for i, c in enumerate(clips)))
+        result = invoke("build", "--data", m, "--encoder", encoder_file, "--cache", store_dir)
+        assert result.returncode == 0, name + result.stdout + result.stderr
+        ds = quiet_dataset(m, encoder_file, store_dir, on_miss="error")
+        assert [ds.row(i) for i in range(len(ds))] == [{"speaker": f"s {i}"} for i in range(3)]
+        for i, clip in enumerate(clips):
+            torch.testing.assert_close(ds[i], live_features(encoder_file, clip))
 
 
 def test_a_row_decodes_in_a_process_that_never_scanned_by_what_it_carries(tmp_path: Path) -> None:
