@@ -100,11 +100,18 @@ class DaemonThreads:
                 thread.join()
 
     def _run(self) -> None:
+        failed: BaseException | None = None  # an initializer's error fails each call here
         if self.initializer is not None:
-            self.initializer()
+            try:
+                self.initializer()
+            except BaseException as e:  # a thread that died here would leave calls unanswered
+                failed = e
         while (got := self.todo.get()) is not None:
             future, call = got
             if not future.set_running_or_notify_cancel():
+                continue
+            if failed is not None:
+                future.set_exception(failed)
                 continue
             try:
                 future.set_result(call())

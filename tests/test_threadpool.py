@@ -39,3 +39,18 @@ def test_a_stop_leaves_a_stuck_call_behind_on_a_daemon_thread_and_cancels_the_re
     assert thread.daemon
     never.set()  # let it go: the test process's own threads end clean
     thread.join()
+
+
+def test_an_initializer_that_fails_fails_each_call_never_leaves_one_waiting() -> None:
+    """A thread whose initializer raised ended at once, so the calls queued for it were never
+    answered and a caller waiting on one waited for ever (ThreadPoolExecutor marks itself
+    broken instead). Each call the thread takes now fails with the initializer's error."""
+
+    def refuse() -> None:
+        raise RuntimeError("no thread settings here")
+
+    with DaemonThreads(1, "t-init", initializer=refuse) as pool:
+        futures = [pool.submit(lambda x: x, i) for i in range(3)]
+        for f in futures:
+            with pytest.raises(RuntimeError, match="no thread settings here"):
+                f.result(timeout=60)
