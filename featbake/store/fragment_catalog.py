@@ -383,15 +383,15 @@ class FragmentCatalog:
 
         A serving process claims the manifest's keys first (store/claims.py), so gc keeps
         those it looks up next and finds stored until the fragment naming them is sealed (a
-        dataset publishes its root before it locates its items).
-
-        Raises:
-            StoreError: the claim could not be written.
+        dataset publishes its root before it locates its items). A claim that cannot be
+        written is skipped, as the fragment then is (:meth:`close`): a root a dataset
+        publishes is a hint, never a reason to stop serving.
         """
         if self.part is not None or self.claim is None:
             return self._hold_root(spec, items)
         with self._claim_lock:
-            self.claim.cover([k for _, k in items])
+            with contextlib.suppress(StoreError):
+                self.claim.cover([k for _, k in items])
             self._hold_root(spec, items)
 
     def _hold_root(self, spec: RootSpec, items: Sequence[tuple[str, str]]) -> None:
