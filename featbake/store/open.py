@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from featbake.errors import ConfigError, StoreError
-from featbake.store.bucket import TIER_MARK, BucketStore, held_folder
+from featbake.store.bucket import TIER_MARK, BucketStore, held_folder, removed_leftover
 from featbake.store.catalog import READ_ONLY_ENV, Catalog, read_only_forced
-from featbake.store.files import list_folder, remove_file
+from featbake.store.files import list_folder
 from featbake.store.filesystem import announce, detect
 from featbake.store.fragments import fragment_shard_names, sealed_fragments
 from featbake.store.layout import Layout, layout_at, shard_files, shard_name
@@ -207,23 +207,6 @@ def left_folders(tmp: Path) -> list[Held]:
     except OSError:
         return []  # no tmp/ yet
     return [h for h in map(held_folder, folders) if h is not None]
-
-
-def removed_leftover(planned: Held) -> int | None:
-    """Remove a ``tmp/`` leftover the sweep planned; the bytes freed, None where it was kept.
-
-    A folder is weighed again first and removed only if nothing in it changed since the plan
-    (a process that took it up meanwhile, a verify rerun writing its scratch there, keeps it);
-    a file goes as it is (temporary names are never reused).
-    """
-    path = Path(planned.name)
-    if not path.is_dir() or path.is_symlink():
-        return remove_file(path)
-    now = held_folder(path)
-    if now is None or now.modified > planned.modified:
-        return None
-    shutil.rmtree(path, ignore_errors=True)
-    return now.size
 
 
 class LocalPlace:
