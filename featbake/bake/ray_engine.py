@@ -69,7 +69,7 @@ from featbake.encode.fingerprints import (
     read_here,
 )
 from featbake.encode.hf import recipe_for_encoder
-from featbake.errors import BuildIncomplete, ConfigError, FeatbakeError, first_line
+from featbake.errors import BuildIncomplete, ConfigError, FeatbakeError, StoreError, first_line
 from featbake.keys import feature_key, root_id
 from featbake.progress import Progress
 from featbake.recipe import Recipe
@@ -746,7 +746,7 @@ def encode(  # noqa: PLR0913  (public API: one keyword per option, as in build()
     report = BuildReport(root.name, where, enc.label, enc_fp, recipe_fp, len(items))
     total.add_to(report)
     report.duplicates = len(items) - len({k for _, k in items})
-    _publish(layout, root, enc.kind, items)
+    _publish(layout, root, enc.kind, items, {name for name, _ in report.failed})
     report.merged = True
     report.seconds = time.perf_counter() - t0
     return report
@@ -785,12 +785,46 @@ def _leave_a_cpu_to_reads(ray: Any, engine: RayEngine) -> None:
         )
 
 
-def _publish(layout: Any, root: RootSpec, encoder_kind: str, items: list[tuple[str, str]]) -> None:
-    """Seal the root's manifest (items by id) as a build's ``done`` fragment, and merge."""
+def _publish(
+    layout: Any,
+    root: RootSpec,
+    encoder_kind: str,
+    items: list[tuple[str, str]],
+    failed: set[str],
+) -> None:
+    """Seal the root's manifest (items by id) as a build's ``done`` fragment, and merge; the
+    keys the actors found stored are checked first (:func:`check_still_stored`).
+
+    Raises:
+        StoreError: a gc deleted some of what the actors reused (run it again).
+    """
     items = sorted(dict(items).items())
     listing = [(name, 0) for name, _ in items]
     with contextlib.closing(FragmentCatalog(layout, RankPart(0, 1, listing))) as catalog:
+        check_still_stored(catalog, [k for name, k in items if name not in failed])
         catalog.record_encoder(root.encoder_fp, root.encoder_label, encoder_kind)
         catalog.replace_root(root, items)
         catalog.finish()
     place_of(layout).merge()
+
+
+def check_still_stored(catalog: FragmentCatalog, keys: Sequence[str]) -> None:
+    """Raise unless every one of ``keys`` (the rows that did not fail) is stored or named by a
+    sealed fragment (the actors' shards), looked up under the driver's own claim.
+
+    An actor found some keys stored and reused them, claiming nothing: between its lookup and
+    the ``done`` fragment naming them a gc may have deleted their rows. The driver claims them
+    now (``present_keys``; a bucket store: the newest catalog version first, then its own look
+    again before its ``done`` fragment, store/fragment_catalog.py), so nothing goes after this
+    look; what went before it is said in one line.
+
+    Raises:
+        StoreError: some went (a gc deleted features the actors reused while they ran).
+    """
+    place_of(catalog.layout).sync_catalog()
+    gone = set(keys) - catalog.present_keys(sorted(set(keys)))
+    if gone:
+        raise StoreError(
+            f"a gc deleted {len(gone)} stored features this encode reused while it ran (the "
+            "store lacks them now); run it again: it encodes them"
+        )

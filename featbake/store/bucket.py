@@ -33,7 +33,7 @@ from featbake.errors import ConfigError, FeatbakeError, ShardMissing, StoreCorru
 from featbake.process import PerProcess, ProcessLocal, ProcessLocalState
 from featbake.store.blocks import BlockPlan, BlockWindowWarning, windows_over
 from featbake.store.catalog import Access, open_sqlite
-from featbake.store.files import publish_file
+from featbake.store.files import publish_file, remove_file
 from featbake.store.fragments import (
     fragment_shard_names,
     fragments_dir,
@@ -108,6 +108,8 @@ TIER_MARK = "tier.json"
 SEEN_FRAGMENTS = "fragments.seen"
 #: ``<tier>/tmp/work-<id>``: the copy of the newest catalog version a change works on.
 WORK_PREFIX = "work-"
+#: The folder of a tier's ``tmp/`` where ``verify`` brings each shard to check it (upkeep/check.py).
+VERIFY_SCRATCH = "verify"
 
 
 class PinnedVersion(NamedTuple):
@@ -601,10 +603,11 @@ class BucketStore(ProcessLocalState):
 
     def _left_work(self, now: float, grace: float) -> tuple[Held, ...]:
         """The tier's ``tmp/work-*`` folders (a catalog copy a change works on before its
-        publish: :func:`publish_next`) untouched for ``grace``: left by a gc, merge or drop
-        killed before it could remove its own."""
+        publish: :func:`publish_next`) and its ``tmp/verify`` scratch, untouched for ``grace``:
+        left by a gc, merge, drop or verify killed before it could remove its own."""
         out = []
-        for folder in sorted(self.layout.tmp.glob(f"{WORK_PREFIX}*")):
+        work = sorted(self.layout.tmp.glob(f"{WORK_PREFIX}*"))
+        for folder in [*work, self.layout.tmp / VERIFY_SCRATCH]:
             held = held_folder(folder)
             if held is not None and now - held.modified >= grace:
                 out.append(held)
@@ -626,9 +629,9 @@ class BucketStore(ProcessLocalState):
         """Delete the plan's shard objects, then its retired versions."""
         self.bucket.delete(h.name for h in plan.shards)
         self.bucket.delete(h.name for h in plan.versions)
-        for h in plan.loose:  # the tier's leftovers: folders of killed changes
-            shutil.rmtree(h.name, ignore_errors=True)
-        return Swept(len(plan.shards), len(plan.loose), len(plan.versions), plan.bytes)
+        # The tier's leftovers: folders of killed changes, each weighed again as it goes.
+        loose = [n for n in map(removed_leftover, plan.loose) if n is not None]
+        return Swept(len(plan.shards), len(loose), len(plan.versions), plan.bytes)
 
     def repair_refusal(self) -> str | None:
         return (
@@ -817,6 +820,23 @@ def held_folder(folder: Path) -> Held | None:
     except OSError:
         return None
     return Held(str(folder), size, latest)
+
+
+def removed_leftover(planned: Held) -> int | None:
+    """Remove a ``tmp/`` leftover gc's sweep planned; the bytes freed, None where it was kept.
+
+    A folder is weighed again first (:func:`held_folder`) and removed only if nothing in it
+    changed since the plan (a process that took it up meanwhile, a verify rerun writing its
+    scratch there, keeps it); a file goes as it is (temporary names are never reused).
+    """
+    path = Path(planned.name)
+    if not path.is_dir() or path.is_symlink():
+        return remove_file(path)
+    now = held_folder(path)
+    if now is None or now.modified > planned.modified:
+        return None
+    shutil.rmtree(path, ignore_errors=True)
+    return now.size
 
 
 def retired_copies(seen: Collection[str], listed: Collection[str]) -> set[str]:

@@ -197,14 +197,20 @@ class FragmentCatalog:
         # A root's manifest as this process last sealed it (merged or not): what extend_root
         # grows next, beside the catalog's, so a later fragment never publishes it without them.
         self._sealed_roots: dict[str, list[ManifestItem]] = {}
-        # A rank's claim on the keys it looks up, until its ``done`` fragment names them (a
-        # store in a directory: gc there reads it; see store/claims.py).
+        # A rank's claim on the keys it looks up, until its ``done`` fragment names them; a
+        # serving process's on the keys of a root manifest it holds, until the ``serve``
+        # fragment carrying it is sealed (a store in a directory: gc there reads it; see
+        # store/claims.py).
         self.claim: ClaimFile | None = None
         # A rank into a bucket: the keys it found in the catalog version it read, checked again
         # in the newest before its ``done`` fragment names them (a gc may have published one).
         self._relied: set[str] = set()
-        if part is not None and layout.remote is None:
-            self.claim = ClaimFile(layout, f"part {part.rank}/{part.world}")
+        if layout.remote is None:
+            owner = self.serve_id if part is None else f"part {part.rank}/{part.world}"
+            self.claim = ClaimFile(layout, owner)
+        # A serving process's claim is written and let go under this lock, so a seal never
+        # lets go of keys another thread claimed for a root it is about to hold.
+        self._claim_lock = threading.Lock()
         # Lock order: ``_seal_lock``, then ``_lock``; a seal is never started with ``_lock`` held.
         self._lock = threading.RLock()
         # Re-entrant: a seal that runs code sealing this catalog again on its own thread (a
@@ -282,7 +288,7 @@ class FragmentCatalog:
         folds every build's shards, so this build's manifest finds them); a serving
         process's, in its own. A rank claims the keys first (store/claims.py): gc keeps what
         it finds until its ``done`` fragment names them."""
-        if self.claim is not None:
+        if self.claim is not None and self.part is not None:
             self.claim.cover(keys)
         nothing: set[str] = set()
         found = self._read(lambda c: c.present_keys(keys), nothing)
@@ -373,7 +379,23 @@ class FragmentCatalog:
     ) -> None:
         """Hold a root manifest for the next fragment that carries it: a rank's slice at the
         whole build's indices (its ``done`` fragment), or a dataset's whole manifest (merge
-        publishes it unless a later build of that root was published meanwhile)."""
+        publishes it unless a later build of that root was published meanwhile).
+
+        A serving process claims the manifest's keys first (store/claims.py), so gc keeps
+        those it looks up next and finds stored until the fragment naming them is sealed (a
+        dataset publishes its root before it locates its items). A claim that cannot be
+        written is skipped, as the fragment then is (:meth:`close`): a root a dataset
+        publishes is a hint, never a reason to stop serving.
+        """
+        if self.part is not None or self.claim is None:
+            return self._hold_root(spec, items)
+        with self._claim_lock:
+            with contextlib.suppress(StoreError):
+                self.claim.cover([k for _, k in items])
+            self._hold_root(spec, items)
+
+    def _hold_root(self, spec: RootSpec, items: Sequence[tuple[str, str]]) -> None:
+        """Hold ``spec``'s manifest ``items`` (see :meth:`replace_root`)."""
         with self._lock:
             self._spec = spec
             if self.part is None:
@@ -402,8 +424,8 @@ class FragmentCatalog:
                 held += [(i.path, i.key) for i in sealed if i.key not in named]
             named = {k for _, k in held}
             new = [("", k) for k in dict.fromkeys(keys) if k not in named]
-            if new:
-                self.replace_root(spec, held + new, now)
+            if new:  # unclaimed: the catalog's root or this process's fragments name them
+                self._hold_root(spec, held + new)
             return len(new)
 
     def drop_root(self, name: str) -> bool:
@@ -565,7 +587,18 @@ class FragmentCatalog:
                 raise
             with self._lock:
                 self._sealed(taken, path)
+            if taken.spec is not None and self.part is None:
+                self._let_go_claim()
             return path.name
+
+    def _let_go_claim(self) -> None:
+        """A serving process's claim goes once no root manifest is held: the sealed ``serve``
+        fragment names its keys now (gc keeps what sealed fragments name)."""
+        if self.claim is None:
+            return
+        with self._claim_lock, self._lock:
+            if self._spec is None:
+                self.claim.release()
 
     def _take(self, kind: FragmentKind, uses: Sequence[Use]) -> SealContents | None:
         """What a seal of ``kind`` writes now (``_lock`` held); None when nothing is to seal."""

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from featbake.errors import ConfigError, StoreError
-from featbake.store.bucket import TIER_MARK, BucketStore
+from featbake.store.bucket import TIER_MARK, BucketStore, held_folder, removed_leftover
 from featbake.store.catalog import READ_ONLY_ENV, Catalog, read_only_forced
-from featbake.store.files import list_folder, remove_file
+from featbake.store.files import list_folder
 from featbake.store.filesystem import announce, detect
 from featbake.store.fragments import fragment_shard_names, sealed_fragments
 from featbake.store.layout import Layout, layout_at, shard_files, shard_name
@@ -198,6 +198,17 @@ def place_of(layout: Layout) -> Place:
     return remote_place(layout) or LocalPlace(layout)
 
 
+def left_folders(tmp: Path) -> list[Held]:
+    """The folders in a store's ``tmp/`` (verify's scratch, a killed repair's work), each
+    weighed by :func:`~featbake.store.bucket.held_folder`: its bytes and the latest change of
+    anything in it, so one still written to is young however old the folder itself is."""
+    try:
+        folders = sorted(p for p in tmp.iterdir() if p.is_dir() and not p.is_symlink())
+    except OSError:
+        return []  # no tmp/ yet
+    return [h for h in map(held_folder, folders) if h is not None]
+
+
 class LocalPlace:
     """A store directory as a :class:`~featbake.store.place.Place`: its catalog is changed in
     place (the catalog's own transactions, under the write lock), its unnamed shard files and
@@ -237,7 +248,7 @@ class LocalPlace:
         files = [Held(str(f.path), f.bytes, f.mtime) for f in shard_files(self.layout).values()]
         orphans, young = unnamed_past(files, lambda p: shard_name(Path(p)), named, now, grace)
         tmp = [Held(str(f.path), f.bytes, f.mtime) for f in list_folder(self.layout.tmp, "*").files]
-        loose = [h for h in tmp if now - h.modified >= grace]
+        loose = [h for h in tmp + left_folders(self.layout.tmp) if now - h.modified >= grace]
         return Sweep(tuple(orphans), tuple(loose), (), young)
 
     def sweep(self, plan: Sweep, crash: Callable[[str], None]) -> Swept:
@@ -251,8 +262,9 @@ class LocalPlace:
                 if got:
                     shards, freed = shards + 1, freed + got
                     crash("orphan-unlinked")
-        loose = [remove_file(Path(h.name)) for h in plan.loose]
-        return Swept(shards, len(loose), 0, freed + sum(loose))
+        loose = [removed_leftover(h) for h in plan.loose]
+        gone = [n for n in loose if n is not None]
+        return Swept(shards, len(gone), 0, freed + sum(gone))
 
     def repair_refusal(self) -> str | None:
         return None

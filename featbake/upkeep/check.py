@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 from featbake.errors import ConfigError, SourceError, StoreCorrupt, StoreError
 from featbake.keys import sha256_file
 from featbake.progress import GcProgress
+from featbake.store.bucket import VERIFY_SCRATCH
 from featbake.store.catalog import (
     Catalog,
     ShardRow,
@@ -906,7 +907,7 @@ def verify_named(layout: Layout, progress: Progress = None) -> VerifyReport:
     named = place.named_shards()
     listed = place.shard_objects()
     report = VerifyReport(str(place), VerifyStatus.CLEAN, 0, 0, [])
-    scratch = layout.tmp / "verify"
+    scratch = layout.tmp / VERIFY_SCRATCH
     try:
         for i, name in enumerate(sorted(named)):
             finding = _check_held(place, scratch, name, name in listed)

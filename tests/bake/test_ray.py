@@ -566,3 +566,45 @@ def test_a_hashing_task_ray_cannot_finish_is_one_line_and_cancels_the_rest(
     message = str(raised.value)
     assert "\n" not in message and "rerun the build" in message, message
     assert ("ValueError: not featbake's" in message) == (task is _raises), message
+
+
+def test_encode_that_a_gc_raced_says_so_and_its_rerun_encodes_what_went(
+    ray_cluster: dict[str, str],
+    clips: Path,
+    encoder_file: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Round eight, upkeep: ``featbake.ray.encode`` over files whose features a dropped root
+    left stored. Its actors find all 6 stored and reuse them; an eager gc runs once every
+    task has returned, before the driver seals the root's ``done`` fragment. Before, nothing
+    claimed or looked again at what the actors found: gc deleted the 6 rows and the merge
+    published a root with all 6 missing, saying nothing."""
+    import featbake.ray
+    from featbake.bake import ray_engine
+    from featbake.errors import StoreError
+    from featbake.upkeep import GcOptions, drop_root, execute_gc, plan_gc
+
+    store = tmp_path / "store"
+    drop_root(store, build(clips, encoder_file, cache=store, workers=0).root)
+    publish = ray_engine._publish
+    deleted: list[int] = []
+
+    def gc_then_publish(*args: Any) -> None:
+        if not deleted:
+            eager = GcOptions(grace=0.0, retention=0.0)
+            deleted.append(execute_gc(plan_gc(store, eager)).rows_deleted)
+        publish(*args)
+
+    monkeypatch.setattr(ray_engine, "_publish", gc_then_publish)
+    ds = ray.data.read_binary_files(str(clips), include_paths=True)
+    args = {"encoder": encoder_file, "cache": store, "column": "bytes", "id_column": "path"}
+    with pytest.raises(StoreError, match="run it again: it encodes them") as raised:
+        featbake.ray.encode(ds, **args, workers=1)
+    assert deleted == [6] and "\n" not in str(raised.value)
+    again = featbake.ray.encode(ds, **args, workers=1)
+    assert (again.encoded, again.failed) == (6, [])
+    assert len(stored_features(store, again.root)) == 6
+    plain = build(clips, encoder_file, cache=store, workers=0)
+    assert (plain.encoded, plain.reused) == (0, 6)
+    assert assert_live(store, plain.root, clips, encoder_file) == 6

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 
 from featbake.bake.pipeline import build
 from featbake.errors import StoreError
+from featbake.serve.dataset import CachedFeatureDataset
 from featbake.store.claims import (
     CLAIM_FORMAT,
     STALE_AFTER_S,
@@ -29,7 +31,9 @@ from featbake.store.claims import (
     read_claims,
     this_host,
 )
+from featbake.store.filesystem import SharedFilesystemWarning
 from featbake.store.fragment_catalog import FragmentCatalog
+from featbake.store.fragments import FragmentKind, Use
 from featbake.store.layout import Layout
 from featbake.store.merge import merge
 from featbake.upkeep import GcOptions, drop_root, execute_gc, plan_gc, verify
@@ -187,3 +191,43 @@ def test_a_claim_left_by_a_killed_build_does_not_block_gc(
     assert not killed.exists() and not silent.exists() and not cut.exists() and live.exists()
     live.unlink()
     assert execute_gc(plan_gc(store, EAGER)).rows_deleted == 4
+
+
+# == round eight: a dataset on a shared filesystem ===============================================
+def test_gc_keeps_what_a_dataset_on_a_shared_filesystem_found_stored_before_its_fragment(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store whose root was dropped (its 16 features stored, no root reaching them), opened
+    by a dataset on a shared filesystem: it looks the 16 keys up, finds them stored, and holds
+    the root naming them for its ``serve`` fragment. An eager gc runs between that lookup and
+    the fragment's seal. Before, the dataset wrote no claim: gc deleted the 16 rows, and the
+    merge published a root with all 16 missing."""
+    store = tmp_path / "store"
+    first = bake(audio_dir, encoder_file, store)
+    drop_root(store, first.root)
+    sealing = FragmentCatalog._seal
+    deleted: list[int] = []
+    claimed: list[int] = []  # claims when gc ran, then once the fragment was sealed
+
+    def gc_then_seal(self: FragmentCatalog, kind: FragmentKind, uses: Sequence[Use] = ()):
+        if self.part is None and self._spec is not None and not deleted:  # the root is held
+            claimed.append(len(read_claims(Layout(store))))
+            with monkeypatch.context() as on_its_host:  # gc runs on the store's own host
+                on_its_host.delenv("FEATBAKE_SHARED_FS")
+                deleted.append(execute_gc(plan_gc(store, EAGER)).rows_deleted)
+            sealed = sealing(self, kind, uses)
+            claimed.append(len(read_claims(Layout(store))))  # before the catalog is closed
+            return sealed
+        return sealing(self, kind, uses)
+
+    monkeypatch.setattr(FragmentCatalog, "_seal", gc_then_seal)
+    monkeypatch.setenv("FEATBAKE_SHARED_FS", "1")
+    with pytest.warns(SharedFilesystemWarning):
+        ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store)
+    assert ds.stored() == len(ds) == 16
+    ds.close()
+    monkeypatch.undo()  # gc and the merge, on the store's own host
+    assert (claimed, deleted) == ([1, 0], [0])  # let go once the fragment was sealed
+    assert merge(Layout(store)).roots == [first.root]
+    assert assert_serves(store, first.root, audio_dir, encoder_file, Live()) == 16
+    assert verify(store).status == "clean"

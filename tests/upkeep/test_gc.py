@@ -698,3 +698,33 @@ def test_gc_keeps_what_a_dataset_on_a_shared_filesystem_published_before_the_mer
     assert merge(Layout(store_dir)).roots == [first.root]
     assert manifest(store_dir, first.root)
     assert assert_serves(store_dir, first.root, audio_dir, encoder_file, Live()) == 16
+
+
+def test_gc_removes_folders_left_in_tmp_past_the_grace_and_keeps_one_in_use(
+    encoder_file: Path, audio_dir: Path, store_dir: Path
+) -> None:
+    """Round eight, upkeep: a directory store's sweep took only files from ``tmp/``, so a
+    folder a killed process left there (a scratch copy of a shard, say) stayed for ever. It
+    goes once nothing in it changed for the grace period; a folder as old whose newest entry
+    is recent (a process still writing into it) stays."""
+    first = bake(audio_dir, encoder_file, store_dir)
+    tmp = store_dir / "tmp"
+    left = tmp / "scratch-of-a-killed-run" / "ab"
+    left.mkdir(parents=True)
+    shard = next(iter(shard_files(store_dir)))
+    shutil.copyfile(shard, left / shard.name)
+    busy = tmp / "scratch-in-use"
+    busy.mkdir()
+    (busy / "old.part").write_bytes(b"x" * 10)
+    for p in (left / shard.name, left, left.parent, busy / "old.part", busy):
+        age(p, 2 * 3600)
+    (busy / "being-written.part").write_bytes(b"y" * 10)  # written now: the folder is in use
+    before = {p: p.stat().st_size for p in shard_files(store_dir)}
+
+    _, done = gc(store_dir, grace=3600.0)
+    assert done.tmp_removed == 1
+    assert not left.parent.exists()
+    assert sorted(p.name for p in busy.iterdir()) == ["being-written.part", "old.part"]
+    assert {p: p.stat().st_size for p in shard_files(store_dir)} == before
+    assert verify(store_dir).status == "clean"
+    assert assert_serves(store_dir, first.root, audio_dir, encoder_file, Live()) == 16

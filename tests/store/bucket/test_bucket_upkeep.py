@@ -3,7 +3,10 @@ publish them (round seven, upkeep). Served features are compared with the encode
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +22,7 @@ from featbake.store.fragments import sealed_fragments
 from featbake.store.open import open_store
 from featbake.upkeep import GcOptions, drop_root, gc, verify
 from featbake.upkeep.gc import CRASH_ENV, GcPlan
-from tests.conftest import live_features, run_cli
+from tests.conftest import REPO, live_features, run_cli
 from tests.store.bucket.conftest import S3
 
 #: gc as eager as it can be: no grace, no retention.
@@ -149,3 +152,40 @@ def test_a_part_into_a_bucket_that_a_gc_raced_says_so_and_its_rerun_encodes_what
     assert ds.stored() == len(ds) == 16
     for i in range(len(ds)):
         torch.testing.assert_close(ds[i], live_features(encoder_file, Path(ds.path(i))))
+
+
+#: ``featbake verify`` of a bucket store killed (SIGKILL) once it brought its first shard into
+#: the tier's scratch folder to check it, as a preempted node kills it.
+VERIFY_KILLED = """
+import os, signal, sys
+from featbake.store.bucket import BucketStore
+from featbake.upkeep import verify
+download = BucketStore.download_shard
+def download_then_die(self, name, dest):
+    download(self, name, dest)
+    os.kill(os.getpid(), signal.SIGKILL)
+BucketStore.download_shard = download_then_die
+verify(sys.argv[1], local_cache=sys.argv[2])
+"""
+
+
+def test_a_verify_killed_on_a_bucket_store_leaves_no_scratch_folder_behind_for_ever(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    """Round eight, upkeep: verify of a bucket store brings each shard into the tier's
+    ``tmp/verify/`` to check it and removes the folder when done; killed, it left the folder
+    (a whole shard in it), and the tier's sweep took only ``tmp/work-*``: it stayed for ever.
+    The sweep removes it too now, once nothing in it changed for the grace period."""
+    build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
+    tier = tmp_path / "node"
+    env = {**os.environ, **s3.env, "PYTHONPATH": str(REPO)}
+    args = [sys.executable, "-c", VERIFY_KILLED, s3.url, str(tier)]
+    killed = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    scratch = _store(s3.url, tier).layout.tmp / "verify"
+    assert len(list(scratch.glob("*/*.safetensors"))) == 1  # the shard it was checking
+
+    done = gc(_store(s3.url, tier).layout, EAGER)
+    assert (done.rows_deleted, done.tmp_removed) == (0, 1)
+    assert not scratch.exists()
+    assert verify(s3.url, local_cache=tier).status == "clean"
