@@ -21,7 +21,14 @@ from featbake.store.catalog import (
 from featbake.store.fidelity import QUANTISED, read_fidelity
 from featbake.store.files import list_folder
 from featbake.store.layout import Layout
-from featbake.store.open import StoreRef, commit, open_catalog, place_of, resolve_root
+from featbake.store.open import (
+    StoreRef,
+    commit,
+    left_folders,
+    open_catalog,
+    place_of,
+    resolve_root,
+)
 from featbake.store.place import Change
 from featbake.store.roots import Root
 from featbake.upkeep.files import refuse_while_rebuild_pending
@@ -109,7 +116,8 @@ class StoreStats:
     some root's manifest names, or a fragment waiting for a merge (a build in parts, a dataset
     on a shared filesystem); ``dead`` ones are the rest, what gc drops. ``unreferenced_bytes``
     are tensors inside shards that no catalog row names (duplicates, features gc dropped but
-    whose shard it has not rewritten yet).
+    whose shard it has not rewritten yet). ``tmp_files`` counts the leftovers in ``tmp/`` that
+    gc's sweep weighs, a folder as one (its bytes those of the files inside).
     """
 
     path: str
@@ -241,7 +249,11 @@ def _stats(layout: Layout, catalog: Catalog, t0: float) -> StoreStats:
             totals = _with_waiting(totals, catalog)
     finally:
         catalog.close()
-    tmp = list_folder(layout.tmp, "*").files
+    # A directory's sweep weighs both: loose files, and folders a killed process left (up8.2);
+    # a bucket tier's keeps folders readers work in (tmp/fetch), so there files alone count.
+    files = list_folder(layout.tmp, "*").files
+    folders = left_folders(layout.tmp) if layout.remote is None else []
+    tmp_bytes = sum(f.bytes for f in files) + sum(h.size for h in folders)
     rows_bytes = sum(u.nbytes for u in usage.values())
     return StoreStats(
         path=str(place_of(layout)),
@@ -255,8 +267,8 @@ def _stats(layout: Layout, catalog: Catalog, t0: float) -> StoreStats:
         shards=len(shard_rows),
         disk_bytes=sum(s.bytes for s in shard_rows),
         unreferenced_bytes=max(0, sum(s.data_bytes for s in shard_rows) - rows_bytes),
-        tmp_files=len(tmp),
-        tmp_bytes=sum(f.bytes for f in tmp),
+        tmp_files=len(files) + len(folders),
+        tmp_bytes=tmp_bytes,
         catalog_bytes=_catalog_bytes(layout),
         encoders=encoder_stats(shard_rows, usage, enc_rows),
         roots=tuple(RootStats.of(r, missing.get(r.name, 0), layout) for r in roots),

@@ -34,6 +34,7 @@ from featbake.upkeep import (
     drop_root,
     execute_gc,
     plan_gc,
+    stats,
     verify,
 )
 from tests.conftest import invoke, run_cli
@@ -720,9 +721,13 @@ def test_gc_removes_folders_left_in_tmp_past_the_grace_and_keeps_one_in_use(
         age(p, 2 * 3600)
     (busy / "being-written.part").write_bytes(b"y" * 10)  # written now: the folder is in use
     before = {p: p.stat().st_size for p in shard_files(store_dir)}
+    # stats counts what gc's sweep weighs: each folder a leftover, with the bytes inside it
+    seen = stats(store_dir)
+    assert (seen.tmp_files, seen.tmp_bytes) == (2, shard.stat().st_size + 20)
 
     _, done = gc(store_dir, grace=3600.0)
     assert done.tmp_removed == 1
+    assert (stats(store_dir).tmp_files, stats(store_dir).tmp_bytes) == (1, 20)
     assert not left.parent.exists()
     assert sorted(p.name for p in busy.iterdir()) == ["being-written.part", "old.part"]
     assert {p: p.stat().st_size for p in shard_files(store_dir)} == before
