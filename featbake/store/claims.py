@@ -27,6 +27,7 @@ the rest is their I/O.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import socket
@@ -122,8 +123,32 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+@functools.cache
 def this_host() -> str:
-    return socket.gethostname()
+    """Where this process's pids mean something: the host's name, its boot, and this process's
+    pid namespace (``name/boot/pidns``). Two containers sharing a host name (``--uts=host``,
+    cloned machines) are other hosts to each other: a pid gone from one namespace may run in
+    the other, so only the heartbeat judges a claim written there."""
+    boot = ""
+    with contextlib.suppress(OSError):
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    namespace = ""
+    with contextlib.suppress(OSError):
+        namespace = str(os.stat("/proc/self/ns/pid").st_ino)
+    return f"{socket.gethostname()}/{boot}/{namespace}"
+
+
+def claims_now(layout: Layout) -> float:
+    """Now by the store's file system (the clock claims' heartbeats are set by: a file server's
+    on NFS), read by touching ``claims.lock``; this host's clock where that cannot be touched
+    (a read-only store, no claim ever written). Hosts whose clocks are apart by more than
+    :data:`STALE_AFTER_S` then still judge heartbeats alike."""
+    lock = claims_lock(layout)
+    try:
+        os.utime(lock)
+        return lock.stat().st_mtime
+    except OSError:
+        return time.time()
 
 
 # == I/O ===========================================================================================
@@ -207,7 +232,7 @@ def _read_claim(path: Path) -> Claim | None:
 def claimed_keys(layout: Layout, now: float | None = None, *, drop_stale: bool = False) -> set[str]:
     """The keys live claims keep (gc keeps their rows); ``drop_stale``: remove stale claims
     (gc, holding :func:`claims_closed`: a killed build's claim is cleared away)."""
-    now = time.time() if now is None else now
+    now = claims_now(layout) if now is None else now
     here = this_host()
     claims = read_claims(layout)
     if drop_stale:
@@ -235,7 +260,8 @@ class ClaimFile:
     Args:
         layout: the store.
         owner: what holds it (a build id, a part), for a person reading the folder.
-        clock: wall time for the heartbeat (a test's own clock).
+        clock: wall time for the heartbeat (a test's own clock); None: the file system's own
+            (the file server's on NFS), so a host whose clock is behind is not taken as silent.
         monotonic: elapsed time, to find a heartbeat that lapsed (a stopped process).
         heartbeat_s: how often the heartbeat thread runs.
     """
@@ -245,7 +271,7 @@ class ClaimFile:
         layout: Layout,
         owner: str,
         *,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
         monotonic: Callable[[], float] = time.monotonic,
         heartbeat_s: float = HEARTBEAT_S,
     ) -> None:
@@ -283,10 +309,7 @@ class ClaimFile:
         lines = "".join(f"{k}\n" for k in keys)
         try:
             if self.keys:
-                with open(self.path, "a") as f:
-                    f.write(lines)
-                    f.flush()
-                    os.fsync(f.fileno())
+                self._append(lines)
                 return
             doc = {"format": CLAIM_FORMAT, "host": this_host(), "pid": os.getpid(),
                    "owner": self.owner}  # fmt: skip
@@ -298,6 +321,34 @@ class ClaimFile:
                 "store is writable and has space, then run the build again"
             ) from e
 
+    def _append(self, lines: str) -> None:
+        """Append ``lines`` to the claim published, never making it anew: a claim gone (a gc
+        found it stale) has lapsed, and a file of keys without its header would stop every gc.
+
+        Raises:
+            StoreError: the claim is gone (:meth:`lapsed_error`).
+            OSError: the write failed.
+        """
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        except FileNotFoundError:
+            self._lapsed = True
+            raise self.lapsed_error() from None
+        try:
+            os.write(fd, lines.encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def lapsed_error(self) -> StoreError:
+        """The one line for a claim that lapsed: what a gc may have done, and what to do."""
+        return StoreError(
+            f"this build part's claim on the stored features it reuses lapsed (a gc found it "
+            f"stale: the process was stopped for over {STALE_AFTER_S / 60:.0f} minutes, or its "
+            "heartbeats stopped reaching the store), so a gc may have deleted them; run this "
+            "part again: it encodes whatever is gone"
+        )
+
     def beat(self) -> None:
         """Refresh the heartbeat; a beat later than :data:`STALE_AFTER_S` after the last one
         (the process was stopped) or a claim removed meanwhile (a gc found it stale) lapses it."""
@@ -308,9 +359,12 @@ class ClaimFile:
             if now - self._last_beat > STALE_AFTER_S:
                 self._lapsed = True
             self._last_beat = now
-            t = self._clock()
             try:
-                os.utime(self.path, (t, t))
+                if self._clock is None:
+                    os.utime(self.path)  # now, by the file system's clock
+                else:
+                    t = self._clock()
+                    os.utime(self.path, (t, t))
             except OSError:
                 self._lapsed = True
 
@@ -327,11 +381,7 @@ class ClaimFile:
         """
         self.beat()
         if self._lapsed:
-            raise StoreError(
-                f"this build part was stopped for over {STALE_AFTER_S / 60:.0f} minutes, so its "
-                "claim on the stored features it reuses lapsed and a gc may have deleted them; "
-                "run this part again: it encodes whatever is gone"
-            )
+            raise self.lapsed_error()
 
     def release(self) -> None:
         """Let the claim go (its keys named by a sealed fragment, or the build ended)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,7 +27,9 @@ from featbake.store.claims import (
     ClaimHead,
     ClaimState,
     claim_state,
+    claimed_keys,
     claims_dir,
+    claims_now,
     kept_keys,
     read_claims,
     this_host,
@@ -231,3 +234,66 @@ def test_gc_keeps_what_a_dataset_on_a_shared_filesystem_found_stored_before_its_
     assert merge(Layout(store)).roots == [first.root]
     assert assert_serves(store, first.root, audio_dir, encoder_file, Live()) == 16
     assert verify(store).status == "clean"
+
+
+# == review of round seven: namespaces, a claim gc removed, clocks apart ======================
+def test_a_claim_gc_removed_is_never_written_again_without_its_header(tmp_path: Path) -> None:
+    """A claim gc found stale and removed while its part still ran: the part's next batch
+    appended to the path, making a file of keys without its header, which every later gc and
+    stats refused as unreadable, and the part's check before sealing passed (its heartbeat
+    touched the new file), so it sealed a fragment naming keys gc had deleted. Now the append
+    never makes the file: the part says in one line that its claim lapsed, and gc reads on."""
+    layout = Layout(tmp_path)
+    claim = ClaimFile(layout, "part 0/2")
+    claim.cover(["a" * 64, "b" * 64])
+    claim.path.unlink()  # what gc's drop_stale does to a claim it judges stale
+    with pytest.raises(StoreError, match="claim on the stored features it reuses lapsed") as e:
+        claim.cover(["c" * 64])  # the part's next batch
+    assert "\n" not in str(e.value) and not claim.path.exists()
+    assert read_claims(layout) == []  # gc and stats read on
+    with pytest.raises(StoreError, match="run this part again"):
+        claim.check_held()
+    claim.release()
+
+
+def test_a_process_in_another_pid_namespace_is_another_host(tmp_path: Path) -> None:
+    """Two containers sharing a host name (`--uts=host`, cloned machines) judged each other's
+    claims by pid: a live part whose pid is not in gc's namespace had its claim called dead and
+    its reused rows deleted. The host a claim names now includes its boot and pid namespace,
+    so only the heartbeat judges a claim written in another namespace."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1) to make a pid namespace")
+    probe = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
+         "from featbake.store.claims import this_host; print(this_host())"],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2],
+    )  # fmt: skip
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a pid namespace here: {probe.stderr.strip()[-200:]}")
+    theirs = probe.stdout.strip()
+    assert theirs.split("/")[:2] == this_host().split("/")[:2]  # same name, same boot
+    assert theirs != this_host()
+    head = ClaimHead(theirs, 1, heartbeat=1000.0)  # pid 1 of theirs: not a pid of ours to ask
+    assert claim_state(head, 1060.0, this_host(), lambda pid: False) is ClaimState.LIVE
+
+
+def test_a_heartbeat_is_judged_by_the_store_s_clock_not_each_host_s(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Heartbeats were set by the writing host's clock and judged by gc's host's clock, so a
+    gc on a host 20 minutes ahead of a part's (or a part on a host 20 minutes behind) saw a
+    live claim as stale and deleted what the part reused. Both now read the store's file
+    system clock (a file server's on NFS: a heartbeat is a touch, gc's "now" a touch of
+    claims.lock), so a claim just written is live whatever the hosts' clocks say."""
+    layout = Layout(tmp_path)
+    claim = ClaimFile(layout, "part 0/2")
+    claim.cover(["a" * 64])
+    claim.beat()
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 20 * 60)  # gc's host, 20 min ahead
+    (read,) = read_claims(layout)
+    assert claims_now(layout) - read.head.heartbeat < STALE_AFTER_S
+    assert claimed_keys(layout, drop_stale=True) == {"a" * 64}  # kept, and not removed
+    monkeypatch.setattr(time, "time", real)
+    claim.check_held()
+    claim.release()
