@@ -107,8 +107,8 @@ def stoppable_wait() -> Iterator[None]:
     if stops is None:
         yield
         return
+    stops.waiting = True  # first: a signal handled from here on raises, not only counts
     stops.checkpoint()  # a stop that came before the wait
-    stops.waiting = True
     try:
         yield
     finally:

@@ -13,6 +13,7 @@ import io
 import json
 import os
 import re
+import zlib
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, BinaryIO, ClassVar, Protocol, runtime_checkable
 
@@ -347,7 +348,7 @@ class FirstLine:
         if c == b'"':
             return self.text(keep=False) is not None
         if c not in (b"{", b"["):  # a number, true, false or null
-            if not c or c not in b"-0123456789tfn":
+            if not c or c not in b"-0123456789tfnNI":  # NaN, Infinity: json.dumps writes them
                 return False
             return self.to(_SCALAR_END) not in (b"", b"\n") and self._back()
         depth = 0
@@ -415,7 +416,7 @@ def first_line_object(path: str) -> dict[str, Any] | None:
             raw.seek(0)
             f = gzip.GzipFile(fileobj=raw) if compressed else raw
             return FirstLine(f).fields(CUT_FIELDS)
-    except (OSError, EOFError):
+    except (OSError, EOFError, zlib.error):  # a damaged gzip body: the reader says why
         return None
 
 

@@ -74,6 +74,7 @@ import io
 import json
 import os
 import threading
+import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, ClassVar, NamedTuple, TextIO, TypeVar, cast
@@ -755,7 +756,7 @@ def manifest_records(
                 yield from table_records(f, "\t" if lower.endswith(".tsv") else ",")
     except FileNotFoundError:
         raise SourceError(f"manifest {path} does not exist; check --data") from None
-    except (OSError, EOFError, UnicodeDecodeError) as e:
+    except (OSError, EOFError, UnicodeDecodeError, zlib.error) as e:
         raise SourceError(f"manifest {path} cannot be read ({e})") from None
 
 
@@ -1078,7 +1079,7 @@ class CutsInputs(RowInputs):
                         parsed.skipped.append(SkippedInput(f"{name}:{line}", str(e)))
         except FileNotFoundError:
             raise SourceError(f"cut manifest {self.origin} does not exist; check --data") from None
-        except (OSError, EOFError, UnicodeDecodeError) as e:
+        except (OSError, EOFError, UnicodeDecodeError, zlib.error) as e:
             raise SourceError(f"cut manifest {self.origin} cannot be read ({e})") from None
         return parsed
 

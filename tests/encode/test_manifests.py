@@ -1471,3 +1471,33 @@ def test_a_nemo_manifest_serves_each_row_from_its_offset_for_its_duration(
     whole.write_text(json.dumps(rows, indent=2))
     with pytest.raises(SourceError, match="is not JSON lines"):
         build(whole, encoder_file, cache=store_dir, workers=0, column="audio_filepath")
+
+
+def test_a_damaged_gzip_manifest_is_one_line_and_nan_first_rows_are_rows(
+    tmp_path: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    """Round eight, review: telling a cut manifest from rows reads the first line of a
+    ``.jsonl.gz``; a damaged gzip body there escaped as zlib's error (an internal error at the
+    CLI), and a first row holding a top-level NaN or Infinity (``json.dumps`` writes them) was
+    taken for no JSON object, so a manifest of rows was opened as lhotse cuts and every row
+    skipped as "not a cut". A damaged file is now one line naming it; such rows are rows."""
+    good = tmp_path / "a.wav"
+    soundfile.write(good, make_tone(0.5, 16000, seed=5), 16000)
+    rows = [{"path": "a.wav", "snr": float("nan")}, {"path": "a.wav", "snr": float("inf"), "id": 2}]
+    m = tmp_path / "rows.jsonl.gz"
+    with gzip.open(m, "wt") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    report = build(m, encoder_file, cache=store_dir, workers=0)
+    assert (report.encoded, report.failed, report.files) == (1, [], 2)
+    ds = quiet_dataset(m, encoder_file, store_dir, on_miss="error")
+    for i in range(2):
+        torch.testing.assert_close(ds[i], live_features(encoder_file, good))
+
+    damaged = bytearray(m.read_bytes())
+    damaged[20:40] = bytes(20)  # the deflate stream garbled, the gzip header intact
+    bad = tmp_path / "bad.jsonl.gz"
+    bad.write_bytes(bytes(damaged))
+    res = run_cli("build", "-e", encoder_file, "-d", bad, "--cache", tmp_path / "s2", timeout=120)
+    assert res.returncode in (3, 8), res.stdout + res.stderr
+    assert "internal error" not in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert str(bad) in res.stdout + res.stderr
