@@ -23,14 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _rows import row
 
 from featbake.serve.cached_encoder import ModuleWatch
-from featbake.testing import TinyConvEncoder
-
-
-def _frozen(module: nn.Module) -> nn.Module:
-    module.eval()
-    for p in module.parameters():
-        p.requires_grad_(False)
-    return module
+from featbake.testing import TinyConvEncoder, frozen
 
 
 def _per_call_us(fn, repeat: int) -> float:
@@ -47,8 +40,8 @@ def _per_call_us(fn, repeat: int) -> float:
 def _models() -> list[tuple[str, nn.Module, torch.Tensor]]:
     mlp = nn.Sequential(nn.Linear(512, 1024), nn.GELU(), nn.Linear(1024, 512))  # ~1.05M params
     return [
-        ("TinyConvEncoder", _frozen(TinyConvEncoder()), torch.randn(8, 8000)),
-        ("MLP 1M params", _frozen(mlp), torch.randn(8, 512)),
+        ("TinyConvEncoder", frozen(TinyConvEncoder()), torch.randn(8, 8000)),
+        ("MLP 1M params", frozen(mlp), torch.randn(8, 512)),
     ]
 
 

@@ -33,25 +33,19 @@ from _rows import row
 
 from featbake.serve.cached_encoder import ModuleWatch, shared_watch
 from featbake.serve.misses import training_submodule
-
-
-def _frozen(module: nn.Module) -> nn.Module:
-    module.eval()
-    for p in module.parameters():
-        p.requires_grad_(False)
-    return module
+from featbake.testing import frozen
 
 
 def _models() -> list[tuple[str, nn.Module, torch.Tensor]]:
     layers: list[nn.Module] = []
     for _ in range(24):
         layers += [nn.Linear(512, 512), nn.ReLU()]
-    models = [("24-layer MLP", _frozen(nn.Sequential(*layers)), torch.randn(8, 512))]
+    models = [("24-layer MLP", frozen(nn.Sequential(*layers)), torch.randn(8, 512))]
     try:
         from transformers import Wav2Vec2Config, Wav2Vec2Model
     except ImportError:
         return models
-    w2v = _frozen(Wav2Vec2Model(Wav2Vec2Config()))
+    w2v = frozen(Wav2Vec2Model(Wav2Vec2Config()))
     return [*models, ("wav2vec2-base sized", w2v, torch.randn(1, 1600))]
 
 

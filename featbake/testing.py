@@ -108,11 +108,17 @@ class LengthsEncoder(nn.Module):
         return self.body(x, src_key_padding_mask=pad_mask), out_lengths
 
 
-def save_torchscript(module: nn.Module, path: str | os.PathLike[str]) -> Path:
-    """Script ``module`` in eval mode and save it with ``torch.jit.save``."""
-    module = module.eval()
+def frozen(module: nn.Module) -> nn.Module:
+    """``module`` as a frozen encoder is: in eval mode, no parameter wanting gradients."""
+    module.eval()
     for p in module.parameters():
         p.requires_grad_(False)
+    return module
+
+
+def save_torchscript(module: nn.Module, path: str | os.PathLike[str]) -> Path:
+    """Script ``module`` in eval mode and save it with ``torch.jit.save``."""
+    module = frozen(module)
     with torchscript_quietly():
         scripted = torch.jit.script(module)
         torch.jit.save(scripted, str(path))

@@ -578,6 +578,22 @@ def test_a_parquet_of_audio_bytes_builds_with_bad_rows_skipped_and_serves(
         assert torch.equal(ds[i], want), n
 
 
+def assert_serves_the_split(
+    data: Path, encoder_file: Path, store: Path, split: Any, clips: list[bytes]
+) -> None:
+    """Build ``data`` (one split's table files) and check each row is served in ``split``'s
+    order (the rows ``datasets`` reads) with its label, equal to the encoder run now on its
+    clip."""
+    report = build(data, encoder_file, cache=store, workers=0, column="audio")
+    assert (report.encoded, report.failed) == (split.num_rows, [])
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
+    ds = CachedFeatureDataset(data, encoder_file, cache=store, column="audio", on_miss="error")
+    assert [ds.row(i)["label"] for i in range(len(ds))] == list(split["label"])
+    for i in range(len(ds)):
+        assert torch.equal(ds[i], run_now(module, audio_tensor(clips[i]))), ds.item_id(i)
+
+
 def test_a_parquet_folder_of_several_splits_is_refused_naming_them_never_mixed(
     tmp_path: Path, encoder_file: Path
 ) -> None:
@@ -611,14 +627,7 @@ def test_a_parquet_folder_of_several_splits_is_refused_naming_them_never_mixed(
     train.mkdir()
     for p in sorted(data.glob("train-*.parquet")):
         p.rename(train / p.name)
-    report = build(train, encoder_file, cache=store, workers=0, column="audio")
-    assert (report.encoded, report.failed) == (4, [])
-    with torchscript_quietly():
-        module = torch.jit.load(str(encoder_file))
-    ds = CachedFeatureDataset(train, encoder_file, cache=store, column="audio", on_miss="error")
-    assert [ds.row(i)["label"] for i in range(len(ds))] == list(splits["train"]["label"])
-    for i in range(len(ds)):
-        assert torch.equal(ds[i], run_now(module, audio_tensor(clips[i]))), ds.item_id(i)
+    assert_serves_the_split(train, encoder_file, store, splits["train"], clips)
 
 
 def test_a_fifo_among_tar_shards_or_table_files_is_one_line_not_a_hang(
@@ -711,14 +720,7 @@ def test_a_folder_of_one_split_beside_files_of_none_is_refused_naming_what_it_wo
     with pytest.raises(SourceError, match=r"name no split \(extra.parquet\)"):
         CachedFeatureDataset(data, encoder_file, cache=store, column="audio")
     train = data / "train.parquet"
-    report = build(train, encoder_file, cache=store, workers=0, column="audio")
-    assert (report.encoded, report.failed) == (2, [])
-    with torchscript_quietly():
-        module = torch.jit.load(str(encoder_file))
-    ds = CachedFeatureDataset(train, encoder_file, cache=store, column="audio", on_miss="error")
-    assert [ds.row(i)["label"] for i in range(len(ds))] == list(splits["train"]["label"])
-    for i in range(len(ds)):
-        assert torch.equal(ds[i], run_now(module, audio_tensor(clips[i]))), ds.item_id(i)
+    assert_serves_the_split(train, encoder_file, store, splits["train"], clips)
     # Tar shards: the same rule, the same line; one shard as --data is read.
     shards = tmp_path / "shards"
     shards.mkdir()
@@ -737,6 +739,8 @@ def test_a_folder_of_one_split_beside_files_of_none_is_refused_naming_what_it_wo
     assert (report.encoded + report.reused, report.failed) == (1, [])  # clip 0's key: stored
     ds = CachedFeatureDataset(one, encoder_file, cache=store, on_miss="error")
     assert [ds.item_id(i) for i in range(len(ds))] == ["t0"] and ds.row(0) == {"cls": 0}
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
     assert torch.equal(ds[0], run_now(module, audio_tensor(clips[0])))
 
 

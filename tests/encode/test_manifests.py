@@ -136,6 +136,21 @@ def assert_items_are_segments(ds: CachedFeatureDataset, encoder: Path, corpus: P
         torch.testing.assert_close(ds[i], want, rtol=1e-5, atol=1e-5)
 
 
+def assert_cuts_served(plain: Path, encoder_file: Path, store_dir: Path) -> None:
+    """Build the cut manifest ``plain`` (cuts c0, c1 labelled 5, 6) by the CLI and check each
+    cut is served with its label, equal to the encoder run now on what lhotse loads of it."""
+    import lhotse
+
+    result = invoke("build", "--data", plain, "--encoder", encoder_file, "--cache", store_dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    ds = quiet_dataset(plain, encoder_file, store_dir, on_miss="error")
+    assert [ds.item_id(i) for i in range(len(ds))] == ["c0", "c1"]
+    for i, cut in enumerate(lhotse.load_manifest(plain)):
+        assert ds.row(i)["label"] == i + 5
+        want = encoded_now(encoder_file, cut.load_audio(), cut.sampling_rate)
+        torch.testing.assert_close(ds[i], want, rtol=1e-5, atol=1e-5)
+
+
 def quiet_dataset(data: Path, encoder: Path, cache: Path, **kw: Any) -> CachedFeatureDataset:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "creating a store", live encoding
@@ -1038,14 +1053,7 @@ def test_a_cut_manifest_lhotse_wrote_uncompressed_is_read_as_cuts(
     plain = tmp_path / "cuts.jsonl"
     lhotse.CutSet.from_cuts(cuts).to_file(plain)
     assert plain.read_bytes()[:1] == b"{"  # lhotse wrote it uncompressed
-    result = invoke("build", "--data", plain, "--encoder", encoder_file, "--cache", store_dir)
-    assert result.returncode == 0, result.stdout + result.stderr
-    ds = quiet_dataset(plain, encoder_file, store_dir, on_miss="error")
-    assert [ds.item_id(i) for i in range(len(ds))] == ["c0", "c1"]
-    for i, cut in enumerate(lhotse.load_manifest(plain)):
-        assert ds.row(i)["label"] == i + 5
-        want = encoded_now(encoder_file, cut.load_audio(), cut.sampling_rate)
-        torch.testing.assert_close(ds[i], want, rtol=1e-5, atol=1e-5)
+    assert_cuts_served(plain, encoder_file, store_dir)
     # A JSONL manifest of paths is still one: its first row is no cut.
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps({"path": "utt.wav", "recording": "r1", "type": "MonoCut"}) + "\n")
@@ -1071,14 +1079,7 @@ def test_a_first_line_over_a_mebibyte_is_told_cut_or_row_by_its_fields(
     plain = tmp_path / "cuts.jsonl"
     lhotse.CutSet.from_cuts(cuts).to_file(plain)
     assert len(plain.read_bytes().split(b"\n")[0]) > 1 << 20
-    result = invoke("build", "--data", plain, "--encoder", encoder_file, "--cache", store_dir)
-    assert result.returncode == 0, result.stdout + result.stderr
-    ds = quiet_dataset(plain, encoder_file, store_dir, on_miss="error")
-    assert [ds.item_id(i) for i in range(len(ds))] == ["c0", "c1"]
-    for i, cut in enumerate(lhotse.load_manifest(plain)):
-        assert ds.row(i)["label"] == i + 5
-        want = encoded_now(encoder_file, cut.load_audio(), cut.sampling_rate)
-        torch.testing.assert_close(ds[i], want, rtol=1e-5, atol=1e-5)
+    assert_cuts_served(plain, encoder_file, store_dir)
     # Rows: the first carries 1.5 MiB of text (and nested values) before its path.
     clips = clips_for_rows(tmp_path, 2)
     first = {
