@@ -462,13 +462,14 @@ class ModuleWatch:
         """The weight probe after a trusted run: the tensors whose version or pointer the run
         moved (a buffer it replaced) read again, every other one keeping its trusted entry, so
         a write behind a version counter made before the run is still seen at the next check
-        (reading them all again took that write as the run's). All are read again only where
-        the run changed how many tensors the module has."""
+        (reading them all again took that write as the run's). Where the run changed how many
+        tensors the module has (a buffer made on first use), the tensors there before are
+        matched by version and pointer (:func:`matched_probe`)."""
         kept = self._seen[1]
         if not self.check_weights or versions == before:
             return kept
         if len(versions) != len(before) or len(kept) != len(tensors):
-            return _weight_probe(tensors)
+            return matched_probe(tensors, versions, before, kept)
         pairs = enumerate(zip(versions, before, strict=True))
         moved = [i for i, (now, then) in pairs if now != then]
         probe = list(kept)
@@ -487,6 +488,38 @@ class ModuleWatch:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._before = threading.local()
+
+
+def matched_probe(
+    tensors: Sequence[torch.Tensor],
+    versions: Sequence[Any],
+    before: Sequence[Any],
+    kept: Sequence[Any],
+) -> tuple[Any, ...]:
+    """The weight probe of ``tensors`` after a run that changed how many there are: a tensor
+    whose (version, pointer) was one before the run keeps that one's trusted entry in ``kept``
+    (so a write behind its version counter made before the run is still seen), the others are
+    read. Where ``kept`` does not match ``before`` (no probe trusted), all are read.
+
+    >>> matched_probe([], [], [(0, 8)], ["w"])
+    ()
+    """
+    if len(kept) != len(before):
+        return _weight_probe(list(tensors))
+    olds: dict[Any, list[int]] = {}
+    for i, was in enumerate(before):
+        olds.setdefault(was, []).append(i)
+    probe: list[Any] = [None] * len(tensors)
+    fresh = []
+    for j, now in enumerate(versions):
+        same = olds.get(now)
+        if same:
+            probe[j] = kept[same.pop(0)]
+        else:
+            fresh.append(j)
+    for j, entry in zip(fresh, _weight_probe([tensors[j] for j in fresh]), strict=True):
+        probe[j] = entry
+    return tuple(probe)
 
 
 class _RunHook:

@@ -678,6 +678,43 @@ def test_a_write_behind_the_version_counter_before_a_run_that_replaces_a_buffer_
         ds[2]
 
 
+class _LazyCache(torch.nn.Module):
+    """TinyConvEncoder's forward, registering a cache buffer the first time it runs (as
+    rotary or positional tables are made on first use): that run adds a tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from featbake.testing import TinyConvEncoder
+
+        self.inner = TinyConvEncoder()
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "cache"):
+            self.register_buffer("cache", torch.zeros(1), persistent=False)
+        return self.inner(wav) + self.cache
+
+
+def test_a_write_behind_the_version_counter_before_a_run_that_adds_a_tensor_is_refused(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    """Review of serve7.2: a run that changed how many tensors the module has (a buffer made on
+    first use) read every weight again, taking a write through ``.data`` made before it as the
+    run's own, so the next miss was encoded with the written weights under the old keys. Now
+    the tensors that were there before keep their trusted entries (matched by version and
+    pointer); only the new ones are read."""
+    from featbake.errors import EncoderLoadError
+
+    module = _LazyCache().eval()
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    with torch.no_grad():
+        module.inner.conv2.weight.data.mul_(2.0)
+    _users_forward(module)  # its first run: the cache buffer is made
+    assert hasattr(module, "cache")
+    with pytest.raises(EncoderLoadError, match="changed since this dataset was created"):
+        ds[0]
+
+
 def test_a_compiled_watched_module_runs_and_its_change_is_refused(
     tmp_path: Path, audio_dir: Path
 ) -> None:
