@@ -126,9 +126,9 @@ def pid_alive(pid: int) -> bool:
 @functools.cache
 def this_host() -> str:
     """Where this process's pids mean something: the host's name, its boot, and this process's
-    pid namespace (``name/boot/pidns``). Two containers sharing a host name (``--uts=host``,
-    cloned machines) are other hosts to each other: a pid gone from one namespace may run in
-    the other, so only the heartbeat judges a claim written there."""
+    pid namespace (``name/boot/pidns``). Two containers sharing a host name (the host's UTS
+    namespace, cloned machines) are other hosts to each other: a pid gone from one namespace
+    may run in the other, so only the heartbeat judges a claim written there."""
     boot = ""
     with contextlib.suppress(OSError):
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
