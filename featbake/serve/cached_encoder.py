@@ -460,22 +460,14 @@ class ModuleWatch:
         self, tensors: list[torch.Tensor], versions: tuple[Any, ...], before: tuple[Any, ...]
     ) -> tuple[Any, ...]:
         """The weight probe after a trusted run: the tensors whose version or pointer the run
-        moved (a buffer it replaced) read again, every other one keeping its trusted entry, so
-        a write behind a version counter made before the run is still seen at the next check
-        (reading them all again took that write as the run's). Where the run changed how many
-        tensors the module has (a buffer made on first use), the tensors there before are
-        matched by version and pointer (:func:`matched_probe`)."""
+        moved (a buffer it replaced) or made (a buffer made on first use) read again, every
+        other one keeping its trusted entry (:func:`matched_probe`), so a write behind a
+        version counter made before the run is still seen at the next check (reading them all
+        again took that write as the run's)."""
         kept = self._seen[1]
         if not self.check_weights or versions == before:
             return kept
-        if len(versions) != len(before) or len(kept) != len(tensors):
-            return matched_probe(tensors, versions, before, kept)
-        pairs = enumerate(zip(versions, before, strict=True))
-        moved = [i for i, (now, then) in pairs if now != then]
-        probe = list(kept)
-        for i, entry in zip(moved, _weight_probe([tensors[i] for i in moved]), strict=True):
-            probe[i] = entry
-        return tuple(probe)
+        return matched_probe(tensors, versions, before, kept)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -496,10 +488,10 @@ def matched_probe(
     before: Sequence[Any],
     kept: Sequence[Any],
 ) -> tuple[Any, ...]:
-    """The weight probe of ``tensors`` after a run that changed how many there are: a tensor
-    whose (version, pointer) was one before the run keeps that one's trusted entry in ``kept``
-    (so a write behind its version counter made before the run is still seen), the others are
-    read. Where ``kept`` does not match ``before`` (no probe trusted), all are read.
+    """The weight probe of ``tensors`` after a run: a tensor whose (version, pointer) was one
+    before the run keeps that one's trusted entry in ``kept`` (so a write behind its version
+    counter made before the run is still seen), the others (moved by the run, or made by it)
+    are read. Where ``kept`` does not match ``before`` (no probe trusted), all are read.
 
     >>> matched_probe([], [], [(0, 8)], ["w"])
     ()

@@ -209,6 +209,13 @@ def left_folders(tmp: Path) -> list[Held]:
     return [h for h in map(held_folder, folders) if h is not None]
 
 
+def tmp_leftovers(tmp: Path, *, folders: bool = True) -> list[Held]:
+    """What a store's ``tmp/`` holds that a directory's gc sweep weighs, of any age: each file,
+    and (``folders``) each folder (:func:`left_folders`)."""
+    files = [Held(str(f.path), f.bytes, f.mtime) for f in list_folder(tmp, "*").files]
+    return files + left_folders(tmp) if folders else files
+
+
 class LocalPlace:
     """A store directory as a :class:`~featbake.store.place.Place`: its catalog is changed in
     place (the catalog's own transactions, under the write lock), its unnamed shard files and
@@ -247,8 +254,7 @@ class LocalPlace:
             named |= {s.name for s in catalog.shard_rows()}
         files = [Held(str(f.path), f.bytes, f.mtime) for f in shard_files(self.layout).values()]
         orphans, young = unnamed_past(files, lambda p: shard_name(Path(p)), named, now, grace)
-        tmp = [Held(str(f.path), f.bytes, f.mtime) for f in list_folder(self.layout.tmp, "*").files]
-        loose = [h for h in tmp + left_folders(self.layout.tmp) if now - h.modified >= grace]
+        loose = [h for h in tmp_leftovers(self.layout.tmp) if now - h.modified >= grace]
         return Sweep(tuple(orphans), tuple(loose), (), young)
 
     def sweep(self, plan: Sweep, crash: Callable[[str], None]) -> Swept:

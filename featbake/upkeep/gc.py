@@ -401,11 +401,12 @@ def _reach(
     return unreached, reached
 
 
-def kept_for_builds(layout: Layout) -> set[str]:
+def kept_for_builds(layout: Layout, *, drop_stale: bool = False) -> set[str]:
     """Keys builds not merged yet will name, which gc keeps: those sealed fragments store or
     name (:func:`waiting_keys`), and those live claims of build parts still running name
-    (judged by the wall clock, as their heartbeats are: a plan's ``now`` ages roots only)."""
-    return waiting_keys(layout) | claimed_keys(layout)
+    (judged by the store's file system clock, as their heartbeats are: a plan's ``now`` ages
+    roots only); ``drop_stale``: stale claims are removed (:func:`claimed_keys`)."""
+    return waiting_keys(layout) | claimed_keys(layout, drop_stale=drop_stale)
 
 
 def shard_fates(
@@ -698,7 +699,7 @@ def _still_waiting(plan: GcPlan) -> set[str]:
     uploaded theirs since the plan; the copy of a version gc works on holds none), and those
     its live claims name (stale ones removed: a killed build pins nothing)."""
     place_of(plan.layout).sync_fragments()
-    return waiting_keys(plan.layout) | claimed_keys(plan.layout, drop_stale=True)
+    return kept_for_builds(plan.layout, drop_stale=True)
 
 
 def _delete_empty_shards(

@@ -19,15 +19,14 @@ from featbake.store.catalog import (
     refuse_wrong_kinds,
 )
 from featbake.store.fidelity import QUANTISED, read_fidelity
-from featbake.store.files import list_folder
 from featbake.store.layout import Layout
 from featbake.store.open import (
     StoreRef,
     commit,
-    left_folders,
     open_catalog,
     place_of,
     resolve_root,
+    tmp_leftovers,
 )
 from featbake.store.place import Change
 from featbake.store.roots import Root
@@ -249,11 +248,9 @@ def _stats(layout: Layout, catalog: Catalog, t0: float) -> StoreStats:
             totals = _with_waiting(totals, catalog)
     finally:
         catalog.close()
-    # A directory's sweep weighs both: loose files, and folders a killed process left (up8.2);
-    # a bucket tier's keeps folders readers work in (tmp/fetch), so there files alone count.
-    files = list_folder(layout.tmp, "*").files
-    folders = left_folders(layout.tmp) if layout.remote is None else []
-    tmp_bytes = sum(f.bytes for f in files) + sum(h.size for h in folders)
+    # A directory's sweep weighs files and the folders a killed process left (up8.2); a bucket
+    # tier keeps folders readers work in (tmp/fetch), so there files alone count.
+    tmp = tmp_leftovers(layout.tmp, folders=layout.remote is None)
     rows_bytes = sum(u.nbytes for u in usage.values())
     return StoreStats(
         path=str(place_of(layout)),
@@ -267,8 +264,8 @@ def _stats(layout: Layout, catalog: Catalog, t0: float) -> StoreStats:
         shards=len(shard_rows),
         disk_bytes=sum(s.bytes for s in shard_rows),
         unreferenced_bytes=max(0, sum(s.data_bytes for s in shard_rows) - rows_bytes),
-        tmp_files=len(files) + len(folders),
-        tmp_bytes=tmp_bytes,
+        tmp_files=len(tmp),
+        tmp_bytes=sum(h.size for h in tmp),
         catalog_bytes=_catalog_bytes(layout),
         encoders=encoder_stats(shard_rows, usage, enc_rows),
         roots=tuple(RootStats.of(r, missing.get(r.name, 0), layout) for r in roots),
