@@ -26,6 +26,7 @@ from featbake.encode.webdataset import is_webdataset, webdataset_at
 from featbake.errors import ConfigError, FeatbakeError, SourceError
 from featbake.progress import Progress
 from featbake.store.byteplace import bytes_at
+from featbake.store.files import gzip_compressed
 from featbake.store.hash_cache import FileStat, HashCache, HashEntry, HashRow
 
 
@@ -412,9 +413,7 @@ def first_line_object(path: str) -> dict[str, Any] | None:
     long, holding a piece of it at a time (:class:`FirstLine`)."""
     try:
         with open(path, "rb") as raw:
-            compressed = raw.read(2) == b"\x1f\x8b"
-            raw.seek(0)
-            f = gzip.GzipFile(fileobj=raw) if compressed else raw
+            f = gzip.GzipFile(fileobj=raw) if gzip_compressed(raw) else raw
             return FirstLine(f).fields(CUT_FIELDS)
     except (OSError, EOFError, zlib.error):  # a damaged gzip body: the reader says why
         return None

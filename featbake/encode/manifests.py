@@ -103,6 +103,7 @@ from featbake.lru import ByteLRU
 from featbake.process import ProcessLocal, ProcessLocalState
 from featbake.progress import Progress
 from featbake.store.byteplace import Whole, bytes_at
+from featbake.store.files import gzip_compressed
 from featbake.store.hash_cache import FileStat, HashCache
 
 #: The input column when ``--column`` is not given.
@@ -1092,7 +1093,7 @@ def cut_lines(path: str) -> TextIO:
         OSError: the file cannot be opened.
     """
     with open(path, "rb") as f:
-        compressed = f.read(2) == b"\x1f\x8b"
+        compressed = gzip_compressed(f)
     if compressed:
         return gzip.open(path, "rt", encoding="utf-8")
     return open(path, encoding="utf-8-sig")

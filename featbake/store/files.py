@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 
 def fsync_dir(path: Path) -> None:
@@ -72,6 +73,18 @@ def publish_file(
         raise
     if durable:
         fsync_dir(final.parent)
+
+
+#: The first bytes of a gzip stream, by which gzip (and lhotse, and featbake) tells one.
+GZIP_MAGIC = b"\x1f\x8b"
+
+
+def gzip_compressed(f: BinaryIO) -> bool:
+    """Whether the file ``f``, at its start, is a gzip stream (its first bytes); ``f`` is left
+    at its start."""
+    compressed = f.read(len(GZIP_MAGIC)) == GZIP_MAGIC
+    f.seek(0)
+    return compressed
 
 
 def remove_file(path: Path) -> int:
