@@ -374,8 +374,7 @@ class LocalFiles(BytePlace):
                 out[p] = f"cannot stat: {e.strerror}"
                 continue
             if not stat.S_ISREG(st.st_mode):
-                why = f"not a regular file ({file_kind(st.st_mode)}); only regular files are inputs"
-                out[p] = why
+                out[p] = not_regular(st.st_mode)
                 continue
             out[p] = FileStat(st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
         return out
@@ -581,6 +580,12 @@ def not_an_input(name: str, file: os.DirEntry[str] | str | os.PathLike[str]) -> 
         return "file not found (or a link to nothing)"
     except OSError as e:
         return f"cannot stat: {e.strerror}"  # ELOOP: a symlink loop
+    return not_regular(mode)
+
+
+def not_regular(mode: int) -> str:
+    """Why a file of ``mode``, not a regular file, is no input (a folder scan's, a list's and a
+    manifest row's one reason)."""
     return f"not a regular file ({file_kind(mode)}); only regular files are inputs"
 
 
