@@ -210,8 +210,7 @@ def test_an_in_process_module_changed_after_the_dataset_was_made_encodes_no_miss
 
     store = tmp_path / "fresh"
     module = _Tallying().eval()
-    with pytest.warns(UserWarning, match="no featbake store"):
-        ds = CachedFeatureDataset(audio_dir, module, cache=store)
+    ds = _fresh_dataset(audio_dir, module, store)
     first = [ds[0], ds[1]]  # two misses, the module counting its calls between them
     with torch.no_grad():
         module.inner.conv2.weight.data.mul_(2.0)  # behind the version counter
@@ -341,6 +340,25 @@ def test_a_module_of_the_script_encodes_misses_in_spawned_workers_until_it_chang
     assert lines[1].startswith("refused: ") and "changed" in lines[1], run.stdout
 
 
+def _fresh_dataset(data: Path, encoder: Any, store: Path) -> CachedFeatureDataset:
+    """A dataset over ``data`` into a store not made yet (its warning checked)."""
+    with pytest.warns(UserWarning, match="no featbake store"):
+        return CachedFeatureDataset(data, encoder, cache=store)
+
+
+def _calls_to(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> list[Any]:
+    """The first argument of each call to ``module.name`` from now on (it still runs)."""
+    calls: list[Any] = []
+    real = getattr(module, name)
+
+    def counted(first: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(first)
+        return real(first, *args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
 def _live(module: torch.nn.Module, path: str) -> torch.Tensor:
     """The module's output for one file, computed now."""
     from featbake.encode.sources import source_for
@@ -377,8 +395,7 @@ def test_an_encoder_module_put_in_train_mode_encodes_no_miss(
     from featbake.errors import EncoderLoadError
 
     model = torch.nn.ModuleDict({"enc": _Normalised(), "head": torch.nn.Linear(64, 2)})
-    with pytest.warns(UserWarning, match="no featbake store"):
-        ds = CachedFeatureDataset(audio_dir, model["enc"], cache=tmp_path / "s")
+    ds = _fresh_dataset(audio_dir, model["enc"], tmp_path / "s")
     model.train()  # the training loop's, each epoch
     statistics = model["enc"].bn.running_mean.clone()
     with pytest.raises(EncoderLoadError, match=r"train mode .*call \.eval\(\)") as e:
@@ -429,8 +446,7 @@ def test_a_loaded_encoder_of_a_file_changed_after_the_dataset_was_made_encodes_n
     from featbake.testing import TinyConvEncoder, save_torchscript
 
     enc = load_encoder(save_torchscript(TinyConvEncoder(), tmp_path / "e.pt"))
-    with pytest.warns(UserWarning, match="no featbake store"):
-        ds = CachedFeatureDataset(audio_dir, enc, cache=tmp_path / "s")
+    ds = _fresh_dataset(audio_dir, enc, tmp_path / "s")
     torch.testing.assert_close(ds[0], _live(enc.module, ds.path(0)))
     torch.testing.assert_close(ds[1], _live(enc.module, ds.path(1)))  # its own runs: trusted
     with torch.no_grad():
@@ -454,20 +470,12 @@ def test_the_change_check_reads_the_weights_once_per_batch_of_misses(
     from featbake.testing import TinyConvEncoder
 
     module = TinyConvEncoder().eval()
-    with pytest.warns(UserWarning, match="no featbake store"):
-        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    ds = _fresh_dataset(audio_dir, module, tmp_path / "s")
     ds[0]
-    read: list[int] = []
-    crc = cached_encoder.crc32c_tensor
-
-    def counted(t: torch.Tensor) -> int:
-        read.append(t.data_ptr())
-        return crc(t)
-
-    monkeypatch.setattr(cached_encoder, "crc32c_tensor", counted)
+    read = _calls_to(monkeypatch, cached_encoder, "crc32c_tensor")
     served = ds[1]
     tensors = [*module.parameters(), *module.buffers()]
-    assert sorted(read) == sorted(t.data_ptr() for t in tensors)
+    assert sorted(t.data_ptr() for t in read) == sorted(t.data_ptr() for t in tensors)
     torch.testing.assert_close(served, _live(module, ds.path(1)))
     with torch.no_grad():
         module.conv2.weight.data.mul_(2.0)
@@ -486,8 +494,7 @@ def test_a_miss_is_copied_once_on_its_way_to_the_caller_and_the_write_back(
     from featbake.testing import TinyConvEncoder
 
     module = TinyConvEncoder().eval()
-    with pytest.warns(UserWarning, match="no featbake store"):
-        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    ds = _fresh_dataset(audio_dir, module, tmp_path / "s")
     copies: list[tuple[int, ...]] = []
     clone = torch.Tensor.clone
 
@@ -544,17 +551,9 @@ def test_a_watched_modules_own_forward_digests_no_attribute(
     from featbake.errors import EncoderLoadError
 
     module = _Gained().eval()
-    with pytest.warns(UserWarning, match="no featbake store"):
-        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    ds = _fresh_dataset(audio_dir, module, tmp_path / "s")
     ds[0]
-    digested: list[object] = []
-    digest = cached_encoder.attribute_identity
-
-    def counted(m: object) -> str:
-        digested.append(m)
-        return digest(m)
-
-    monkeypatch.setattr(cached_encoder, "attribute_identity", counted)
+    digested = _calls_to(monkeypatch, cached_encoder, "attribute_identity")
     for _ in range(3):
         _users_forward(module)
     assert digested == []
@@ -621,8 +620,7 @@ def test_a_change_before_the_users_own_forward_is_still_refused(
     from featbake.errors import EncoderLoadError
 
     module = _Gained().eval()
-    with pytest.warns(UserWarning, match="no featbake store"):
-        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    ds = _fresh_dataset(audio_dir, module, tmp_path / "s")
     ds[0]
     with torch.no_grad():
         change(module)
@@ -640,8 +638,7 @@ def test_what_a_users_forward_leaves_as_it_was_is_no_change(
     ``inference_mode``) is no change: the misses after are encoded, equal to the module run
     now."""
     module = _Gained().eval()
-    with pytest.warns(UserWarning, match="no featbake store"):
-        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    ds = _fresh_dataset(audio_dir, module, tmp_path / "s")
     ds[0]
     module.scale = float(str(module.scale))  # another object of the same value
     module.gains = [1.0]
@@ -666,8 +663,7 @@ def test_a_write_behind_the_version_counter_before_a_run_that_replaces_a_buffer_
     from featbake.errors import EncoderLoadError
 
     module = _Tallying().eval()
-    with pytest.warns(UserWarning, match="no featbake store"):
-        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    ds = _fresh_dataset(audio_dir, module, tmp_path / "s")
     torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
     _users_forward(module)  # its bookkeeping: no change
     torch.testing.assert_close(ds[1], _live(module, ds.path(1)))
@@ -705,8 +701,7 @@ def test_a_write_behind_the_version_counter_before_a_run_that_adds_a_tensor_is_r
     from featbake.errors import EncoderLoadError
 
     module = _LazyCache().eval()
-    with pytest.warns(UserWarning, match="no featbake store"):
-        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    ds = _fresh_dataset(audio_dir, module, tmp_path / "s")
     with torch.no_grad():
         module.inner.conv2.weight.data.mul_(2.0)
     _users_forward(module)  # its first run: the cache buffer is made
@@ -724,8 +719,7 @@ def test_a_compiled_watched_module_runs_and_its_change_is_refused(
     from featbake.errors import EncoderLoadError
 
     module = _Tallying().eval()
-    with pytest.warns(UserWarning, match="no featbake store"):
-        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    ds = _fresh_dataset(audio_dir, module, tmp_path / "s")
     ds[0]
     compiled = torch.compile(module, backend="eager")
     x = torch.randn(1, 8000)
@@ -754,8 +748,7 @@ def test_a_module_moved_off_its_weights_after_the_dataset_was_made_is_refused_in
 
     module = TinyConvEncoder().eval()
     weights = {k: v.clone() for k, v in module.state_dict().items()}
-    with pytest.warns(UserWarning, match="no featbake store"):
-        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    ds = _fresh_dataset(audio_dir, module, tmp_path / "s")
     ds[0]
     module.to("meta")
     with pytest.raises(EncoderLoadError, match=r"on the meta device .*load_state_dict") as e:
@@ -787,8 +780,7 @@ def test_the_watch_keeps_no_replaced_weight_or_submodule_alive(
     from featbake.testing import TinyConvEncoder
 
     module = TinyConvEncoder().eval()
-    with pytest.warns(UserWarning, match="no featbake store"):
-        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    ds = _fresh_dataset(audio_dir, module, tmp_path / "s")
     ds[0]
     _users_forward(module)
     weight, submodule = weakref.ref(module.conv2.weight), weakref.ref(module.conv1)
