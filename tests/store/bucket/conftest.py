@@ -25,6 +25,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from featbake.store.bucket import BucketStore
+from featbake.store.open import open_store
 from featbake.testing import (
     LoopbackServer,
     fake_gcs_binary,
@@ -297,3 +299,10 @@ def proxied(
     yield make
     for proxy in made:
         proxy.close()
+
+
+def bucket_store(url: str, tier: Path) -> BucketStore:
+    """The bucket store at ``url`` as a node whose local tier is ``tier`` sees it."""
+    store = open_store(url, local_cache=tier).remote
+    assert isinstance(store, BucketStore)
+    return store

@@ -16,7 +16,7 @@ import torch
 
 from featbake import CachedFeatureDataset
 from featbake.encode.sources import source_for
-from featbake.store.bucket import BucketStore, merge_bucket
+from featbake.store.bucket import merge_bucket
 from featbake.store.catalog import Catalog
 from featbake.store.fragment_catalog import Batching, FragmentCatalog, RankPart
 from featbake.store.open import open_store
@@ -24,7 +24,7 @@ from featbake.store.roots import RootSpec
 from featbake.store.shard import write_shard
 from featbake.testing import TinyConvEncoder, write_audio_folder
 from tests.conftest import REPO, encoded_rows, invoke, live_features
-from tests.store.bucket.conftest import S3, Place, Remote
+from tests.store.bucket.conftest import S3, Place, Remote, bucket_store
 
 ENCODER = "countenc:build"
 
@@ -160,7 +160,7 @@ def test_a_merge_killed_at_any_step_loses_nothing(
     done = subprocess.run([sys.executable, "-c", killer], env=env, capture_output=True)
     assert done.returncode == -signal.SIGKILL, done.stderr
     assert place.objects("fragments/")  # nothing deleted before the version was published
-    rerun = merge_bucket(_store(place.url, tmp_path / "node-m2"))
+    rerun = merge_bucket(bucket_store(place.url, tmp_path / "node-m2"))
     assert rerun.fragments >= 2
     assert not place.objects("fragments/")
     assert_bucket_serves_live(place, clips, tmp_path)
@@ -179,7 +179,8 @@ def test_two_merges_racing_for_one_version_lose_nothing(
 
     for part in ("0/2", "1/2"):
         build(audio_dir, encoder_file, cache=place.url, workers=0, shard=part, shard_bytes=60_000)
-    first, second = _store(place.url, tmp_path / "m1"), _store(place.url, tmp_path / "m2")
+    first = bucket_store(place.url, tmp_path / "m1")
+    second = bucket_store(place.url, tmp_path / "m2")
     objects = ObjectStore(BucketURL.parse(place.url))
     published: list[str] = []
 
@@ -202,12 +203,6 @@ def test_two_merges_racing_for_one_version_lose_nothing(
     assert len(ds) == 16
     for i in range(len(ds)):
         torch.testing.assert_close(ds[i], live_features(encoder_file, Path(ds.path(i))))
-
-
-def _store(url: str, tier: Path) -> BucketStore:
-    store = open_store(url, local_cache=tier).remote
-    assert isinstance(store, BucketStore)
-    return store
 
 
 def test_misses_served_from_a_bucket_are_written_back_and_merged(
@@ -275,8 +270,8 @@ def test_a_read_never_waits_for_a_write_back_fragments_upload(
     assert not sealer.is_alive() and len(serving.fragments) == 1
     assert len(place.objects("fragments/")) == 2
     serving.close()
-    merge_bucket(_store(place.url, tmp_path / "node-m"))
-    fresh = _store(place.url, tmp_path / "node-r")
+    merge_bucket(bucket_store(place.url, tmp_path / "node-m"))
+    fresh = bucket_store(place.url, tmp_path / "node-r")
     fresh.sync_catalog()
     with Catalog(fresh.layout, read_only=True) as cat:
         assert cat.present_keys([earlier_key, written_key]) == {earlier_key, written_key}
@@ -367,17 +362,17 @@ def test_a_bucket_merge_folds_the_undecodable_record_of_the_version_it_starts_fr
         return read_undecodable(open_store(place.url, local_cache=tmp_path / name), "r")
 
     _build_of_r(place, tmp_path / "b1", keys, broken)
-    merge_bucket(_store(place.url, tmp_path / "m1"))
+    merge_bucket(bucket_store(place.url, tmp_path / "m1"))
     assert record_on_fresh_tier("reader1") == broken
     _build_of_r(place, tmp_path / "b2", keys, {})  # its rank recorded none: the record stands
-    merger = _store(place.url, tmp_path / "m2")
+    merger = bucket_store(place.url, tmp_path / "m2")
     merge_bucket(merger)
     assert read_undecodable(merger.layout, "r") == broken  # folded where it merged
     assert record_on_fresh_tier("reader2") == broken
     _build_of_r(place, tmp_path / "b3", [keys[0], keys[2]], {})  # the input is gone
-    merge_bucket(_store(place.url, tmp_path / "m3"))
+    merge_bucket(bucket_store(place.url, tmp_path / "m3"))
     assert record_on_fresh_tier("reader3") == {}
-    _store(place.url, tmp_path / "reader1").sync_catalog()  # a tier that held the record
+    bucket_store(place.url, tmp_path / "reader1").sync_catalog()  # a tier that held the record
     assert read_undecodable(open_store(place.url, local_cache=tmp_path / "reader1"), "r") == {}
 
 
@@ -428,8 +423,8 @@ def test_a_bucket_build_uploads_its_part_fragments_in_batches_each_row_once(
     # follow the count, 51 fragments (3.3 MB) before, 7 (0.47 MB) now.
     assert sum(size for _, size in fragments) <= (2 + n.bit_length()) * one
 
-    merge_bucket(_store(place.url, tmp_path / "node-m"))
-    fresh = _store(place.url, tmp_path / "node-r")
+    merge_bucket(bucket_store(place.url, tmp_path / "node-m"))
+    fresh = bucket_store(place.url, tmp_path / "node-r")
     fresh.sync_catalog()
     with Catalog(fresh.layout, read_only=True) as cat:
         assert cat.present_keys(keys) == set(keys)

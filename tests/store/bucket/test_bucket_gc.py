@@ -17,7 +17,7 @@ import torch
 from featbake import CachedFeatureDataset
 from featbake.bake.pipeline import build
 from featbake.errors import ConfigError
-from featbake.store.bucket import BucketStore, shard_object
+from featbake.store.bucket import shard_object
 from featbake.store.catalog import open_sqlite
 from featbake.store.hash_cache import RACY_NS
 from featbake.store.layout import Layout
@@ -31,15 +31,9 @@ from featbake.upkeep import GcOptions, execute_gc, gc, plan_gc, verify
 from featbake.upkeep.check import verify_named
 from tests.conftest import REPO, invoke, live_features
 from tests.helpers import age
-from tests.store.bucket.conftest import S3, Place, Remote
+from tests.store.bucket.conftest import S3, Place, Remote, bucket_store
 
 HOUR = 3600.0
-
-
-def bucket(url: str, tier: Path) -> BucketStore:
-    store = open_store(url, local_cache=tier).remote
-    assert isinstance(store, BucketStore)
-    return store
 
 
 def assert_live(ds: CachedFeatureDataset, encoder: Path) -> None:
@@ -74,7 +68,7 @@ def test_gc_keeps_what_an_older_version_names_until_the_retention_period_passes(
     )
     later = time.time() + 100  # the root is unused for 100 s: --older-than 1s drops it
     first = gc(
-        bucket(place.url, tmp_path / "gc").layout,
+        bucket_store(place.url, tmp_path / "gc").layout,
         GcOptions(older_than=1.0, retention=HOUR),
         now=later,
     )
@@ -86,9 +80,8 @@ def test_gc_keeps_what_an_older_version_names_until_the_retention_period_passes(
     assert_live(holder, encoder_file)  # read from the bucket through version 1: stored, not live
     assert holder.cache_info().encoded == 0
 
-    second = gc(
-        bucket(place.url, tmp_path / "gc").layout, GcOptions(retention=HOUR), now=later + 2 * HOUR
-    )
+    layout = bucket_store(place.url, tmp_path / "gc").layout
+    second = gc(layout, GcOptions(retention=HOUR), now=later + 2 * HOUR)
     assert second.versions_deleted == 2 and second.shards_deleted == len(shards)
     assert not place.objects("shards/") and place.objects("catalog/") == [
         "catalog/v000000003.sqlite"
@@ -128,7 +121,7 @@ def test_a_reader_whose_shards_gc_deleted_finds_a_rebuild_through_the_newest_ver
         audio_dir, encoder_file, cache=place.url, local_cache=tmp_path / "r", write_back=False
     )
     later = time.time() + 100
-    store = bucket(place.url, tmp_path / "gc")
+    store = bucket_store(place.url, tmp_path / "gc")
     gc(store.layout, GcOptions(older_than=1.0, retention=HOUR), now=later)
     gc(store.layout, GcOptions(retention=HOUR), now=later + 2 * HOUR)
     assert not place.objects("shards/")

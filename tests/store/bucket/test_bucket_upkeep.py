@@ -15,24 +15,17 @@ import torch
 from featbake import CachedFeatureDataset
 from featbake.bake.pipeline import build
 from featbake.errors import StoreError
-from featbake.store.bucket import BucketStore, merge_bucket
+from featbake.store.bucket import merge_bucket
 from featbake.store.catalog import Catalog
 from featbake.store.fragment_catalog import FragmentCatalog
 from featbake.store.fragments import sealed_fragments
-from featbake.store.open import open_store
 from featbake.upkeep import GcOptions, drop_root, gc, verify
 from featbake.upkeep.gc import CRASH_ENV, GcPlan
 from tests.conftest import REPO, live_features, run_cli
-from tests.store.bucket.conftest import S3
+from tests.store.bucket.conftest import S3, bucket_store
 
 #: gc as eager as it can be: no grace, no retention.
 EAGER = GcOptions(grace=0.0, retention=0.0)
-
-
-def _store(url: str, tier: Path) -> BucketStore:
-    store = open_store(url, local_cache=tier).remote
-    assert isinstance(store, BucketStore)
-    return store
 
 
 def test_gc_of_a_bucket_keeps_what_parts_sealed_after_its_plan(
@@ -45,7 +38,7 @@ def test_gc_of_a_bucket_keeps_what_parts_sealed_after_its_plan(
     deleted the 16 rows (version 3) and swept their shard objects; the merge then published
     a root of 16 items, every one missing. It reads the bucket's fragments now."""
     first = build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
-    drop_root(_store(s3.url, tmp_path / "dropper").layout, first.root)
+    drop_root(bucket_store(s3.url, tmp_path / "dropper").layout, first.root)
 
     def parts_meanwhile(plan: GcPlan) -> None:
         assert len({r.key for r in plan.unreached}) == 16
@@ -53,10 +46,10 @@ def test_gc_of_a_bucket_keeps_what_parts_sealed_after_its_plan(
             again = build(audio_dir, encoder_file, cache=s3.url, workers=0, shard=part)
             assert again.encoded == 0  # reused what the plan will delete
 
-    done = gc(_store(s3.url, tmp_path / "gc").layout, EAGER, on_plan=parts_meanwhile)
+    done = gc(bucket_store(s3.url, tmp_path / "gc").layout, EAGER, on_plan=parts_meanwhile)
     assert done.rows_deleted == 0 and done.shards_deleted == 0
 
-    assert merge_bucket(_store(s3.url, tmp_path / "merger")).roots == [first.root]
+    assert merge_bucket(bucket_store(s3.url, tmp_path / "merger")).roots == [first.root]
     assert verify(s3.url, local_cache=tmp_path / "verifier").status == "clean"
     ds = CachedFeatureDataset(
         audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "reader", on_miss="error"
@@ -77,17 +70,17 @@ def test_a_root_dropped_stays_dropped_when_gc_runs_on_a_node_that_copied_its_fra
     whose object is gone, so gc frees the 16 features."""
     for part in ("0/2", "1/2"):
         build(audio_dir, encoder_file, cache=s3.url, workers=0, shard=part)
-    assert _store(s3.url, tmp_path / "a").sync_fragments() == 4
-    (root,) = merge_bucket(_store(s3.url, tmp_path / "b")).roots
-    drop_root(_store(s3.url, tmp_path / "c").layout, root)
+    assert bucket_store(s3.url, tmp_path / "a").sync_fragments() == 4
+    (root,) = merge_bucket(bucket_store(s3.url, tmp_path / "b")).roots
+    drop_root(bucket_store(s3.url, tmp_path / "c").layout, root)
 
-    done = gc(_store(s3.url, tmp_path / "a").layout, EAGER)
+    done = gc(bucket_store(s3.url, tmp_path / "a").layout, EAGER)
     assert done.rows_deleted == 16 and done.roots_dropped == []
-    reader = _store(s3.url, tmp_path / "d")
+    reader = bucket_store(s3.url, tmp_path / "d")
     reader.sync_catalog()
     with Catalog(reader.layout, read_only=True) as catalog:
         assert catalog.roots() == [] and catalog.unreached_features() == []
-    assert sealed_fragments(_store(s3.url, tmp_path / "a").layout) == []
+    assert sealed_fragments(bucket_store(s3.url, tmp_path / "a").layout) == []
     assert verify(s3.url, local_cache=tmp_path / "verifier").status == "clean"
 
 
@@ -102,7 +95,7 @@ def test_a_gc_killed_on_a_bucket_store_leaves_no_catalog_copy_behind_for_ever(
     the grace period; the store is whole throughout."""
     first = build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
     tier = tmp_path / "gc"
-    drop_root(_store(s3.url, tier).layout, first.root)
+    drop_root(bucket_store(s3.url, tier).layout, first.root)
     versions = s3.objects("catalog/")
     killed = run_cli(
         "gc", "--cache", s3.url, "--local-cache", tier, "--grace", "0s", "--retention", "0s",
@@ -110,10 +103,10 @@ def test_a_gc_killed_on_a_bucket_store_leaves_no_catalog_copy_behind_for_ever(
     )  # fmt: skip
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert s3.objects("catalog/") == versions  # nothing published
-    (left,) = _store(s3.url, tier).layout.tmp.glob("work-*")
+    (left,) = bucket_store(s3.url, tier).layout.tmp.glob("work-*")
     assert (left / "catalog.sqlite").exists()
 
-    done = gc(_store(s3.url, tier).layout, EAGER)
+    done = gc(bucket_store(s3.url, tier).layout, EAGER)
     assert done.rows_deleted == 16 and done.tmp_removed == 1
     assert not left.exists()
     assert verify(s3.url, local_cache=tmp_path / "verifier").status == "clean"
@@ -128,13 +121,13 @@ def test_a_part_into_a_bucket_that_a_gc_raced_says_so_and_its_rerun_encodes_what
     and the merge published a root with those 8 items missing. Now the part looks its reused
     keys up again in the newest version first and stops in one line; its rerun encodes them."""
     first = build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
-    drop_root(_store(s3.url, tmp_path / "dropper").layout, first.root)
+    drop_root(bucket_store(s3.url, tmp_path / "dropper").layout, first.root)
     sealing = FragmentCatalog.finish
     deleted: list[int] = []
 
     def gc_then_finish(self: FragmentCatalog) -> str | None:
         if self.part is not None and self.part.rank == 0 and not deleted:
-            deleted.append(gc(_store(s3.url, tmp_path / "gc").layout, EAGER).rows_deleted)
+            deleted.append(gc(bucket_store(s3.url, tmp_path / "gc").layout, EAGER).rows_deleted)
         return sealing(self)
 
     monkeypatch.setattr(FragmentCatalog, "finish", gc_then_finish)
@@ -145,7 +138,7 @@ def test_a_part_into_a_bucket_that_a_gc_raced_says_so_and_its_rerun_encodes_what
     for part in ("0/2", "1/2"):
         assert build(audio_dir, encoder_file, cache=s3.url, workers=0, shard=part).encoded == 8
 
-    assert merge_bucket(_store(s3.url, tmp_path / "merger")).roots == [first.root]
+    assert merge_bucket(bucket_store(s3.url, tmp_path / "merger")).roots == [first.root]
     ds = CachedFeatureDataset(
         audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "reader", on_miss="error"
     )
@@ -182,10 +175,10 @@ def test_a_verify_killed_on_a_bucket_store_leaves_no_scratch_folder_behind_for_e
     args = [sys.executable, "-c", VERIFY_KILLED, s3.url, str(tier)]
     killed = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
-    scratch = _store(s3.url, tier).layout.tmp / "verify"
+    scratch = bucket_store(s3.url, tier).layout.tmp / "verify"
     assert len(list(scratch.glob("*/*.safetensors"))) == 1  # the shard it was checking
 
-    done = gc(_store(s3.url, tier).layout, EAGER)
+    done = gc(bucket_store(s3.url, tier).layout, EAGER)
     assert (done.rows_deleted, done.tmp_removed) == (0, 1)
     assert not scratch.exists()
     assert verify(s3.url, local_cache=tier).status == "clean"
