@@ -170,8 +170,9 @@ def claims_closed(layout: Layout) -> Iterator[None]:
         yield
 
 
-def read_claims(layout: Layout) -> list[Claim]:
-    """Every claim in the store (one gone since the listing was let go: skipped).
+def read_claims(layout: Layout, now: float | None = None) -> list[Claim]:
+    """Every claim in the store (one gone since the listing was let go: skipped); ``now``
+    (default: this host's clock) judges whether one that cannot be read may be live.
 
     Raises:
         StoreError: a claim file that cannot be read (not written by featbake: claims are
@@ -189,7 +190,7 @@ def read_claims(layout: Layout) -> list[Claim]:
         ) from e
     out = []
     for path in paths:
-        claim = _read_claim(path)
+        claim = _read_claim(path, time.time() if now is None else now)
         if claim is not None:
             out.append(claim)
     return out
@@ -210,8 +211,9 @@ def parse_claim(text: str) -> tuple[dict, frozenset[str]]:
     return head, frozenset(k for k in lines[1:-1] if k)
 
 
-def _read_claim(path: Path) -> Claim | None:
-    """The claim at ``path``; None when it went meanwhile or is unreadable but stale."""
+def _read_claim(path: Path, now: float) -> Claim | None:
+    """The claim at ``path``; None when it went meanwhile or is unreadable but stale at
+    ``now``."""
     try:
         mtime = path.stat().st_mtime
         doc, keys = parse_claim(path.read_text())
@@ -221,7 +223,7 @@ def _read_claim(path: Path) -> Claim | None:
         return None  # let go since the listing
     except (OSError, ValueError, KeyError, TypeError) as e:
         with contextlib.suppress(OSError):
-            if time.time() - path.stat().st_mtime > STALE_AFTER_S:
+            if now - path.stat().st_mtime > STALE_AFTER_S:
                 return None
         raise StoreError(
             f"the claim {path} is unreadable ({e}), so gc cannot know what a running build "
@@ -234,7 +236,7 @@ def claimed_keys(layout: Layout, now: float | None = None, *, drop_stale: bool =
     (gc, holding :func:`claims_closed`: a killed build's claim is cleared away)."""
     now = claims_now(layout) if now is None else now
     here = this_host()
-    claims = read_claims(layout)
+    claims = read_claims(layout, now)
     if drop_stale:
         for c in claims:
             if claim_state(c.head, now, here, pid_alive) is not ClaimState.LIVE:
