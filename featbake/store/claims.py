@@ -12,7 +12,13 @@ keys appended), and looks up only then:
   at the claims until its DELETE has committed, so either gc sees the claim, or the build's
   lookup runs after gc's commit and finds the rows gone (and encodes them);
 - a heartbeat thread sets the claim's mtime every :data:`HEARTBEAT_S`; the claim is let go
-  (removed) once the ``done`` fragment naming the keys is sealed, or when the build ends.
+  (removed) once the ``done`` fragment naming the keys is sealed, or when the build ends;
+- each claim's name is also logged in ``claims/index`` (appended under ``claims.lock`` held
+  shared, one writer at a time by ``claims/index.lock``), and gc reads the names there as well
+  as in the folder's listing: an NFS client serves a listing of ``claims/`` from its cache for
+  up to ``acdirmax`` (60 s), so a gc on another host could miss a claim just written, while a
+  file opened is revalidated (close-to-open consistency). The listing still finds claims
+  written by older versions; gc rewrites the index without the claims gone.
 
 A claim left by a killed build must not pin its keys forever: it is stale once its process is
 gone (same host: ``kill(pid, 0)``) or its heartbeat is older than :data:`STALE_AFTER_S` (another
@@ -170,26 +176,91 @@ def claims_closed(layout: Layout) -> Iterator[None]:
         yield
 
 
-def read_claims(layout: Layout, now: float | None = None) -> list[Claim]:
-    """Every claim in the store (one gone since the listing was let go: skipped); ``now``
-    (default: this host's clock) judges whether one that cannot be read may be live.
+def claims_index(layout: Layout) -> Path:
+    """``<store>/claims/index``: the name of each claim written, a line each (see above)."""
+    return claims_dir(layout) / "index"
+
+
+def index_lock(layout: Layout) -> Path:
+    """``<store>/claims/index.lock``: appends to the index one at a time (two NFS clients
+    appending at once may write over each other's line: each appends at the size it knew)."""
+    return claims_dir(layout) / "index.lock"
+
+
+def log_claim(layout: Layout, name: str) -> None:
+    """Append claim ``name`` to the index, durable (the caller holds ``claims.lock`` shared).
 
     Raises:
-        StoreError: a claim file that cannot be read (not written by featbake: claims are
-            published whole) whose mtime says it may be live.
+        OSError: the append failed.
+    """
+    claims_dir(layout).mkdir(parents=True, exist_ok=True)
+    with locked(index_lock(layout)):
+        fd = os.open(claims_index(layout), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, f"{name}\n".encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def is_claim_name(name: str) -> bool:
+    """Whether ``name`` can be a claim's file name (a line of the index cut short cannot)."""
+    return name.endswith(SUFFIX) and "/" not in name and name not in ("", SUFFIX)
+
+
+def indexed_names(layout: Layout) -> set[str]:
+    """The claim names the index holds (none while there is no index); a last line without its
+    newline is an append cut short, which no claim relied on.
+
+    Raises:
+        OSError: the index exists but cannot be read.
     """
     try:
-        paths = sorted(p for p in claims_dir(layout).iterdir() if p.name.endswith(SUFFIX))
+        text = claims_index(layout).read_text()
     except FileNotFoundError:
-        return []
+        return set()
+    return {n for n in text.split("\n")[:-1] if is_claim_name(n)}
+
+
+def listed_names(layout: Layout) -> set[str]:
+    """The claim names in the listing of ``claims/`` (maybe a cached one, on NFS).
+
+    Raises:
+        OSError: the folder exists but cannot be listed.
+    """
+    try:
+        return {p.name for p in claims_dir(layout).iterdir() if is_claim_name(p.name)}
+    except FileNotFoundError:
+        return set()
+
+
+def claim_paths(layout: Layout) -> list[Path]:
+    """Every claim the index or the folder's listing names, sorted.
+
+    Raises:
+        StoreError: the folder or its index cannot be read.
+    """
+    try:
+        names = indexed_names(layout) | listed_names(layout)
     except OSError as e:
         raise StoreError(
             f"cannot list the store's claims at {claims_dir(layout)} ({e.strerror or e}); it "
             "must be a folder the store's user can read: move what is there aside, then run "
             "this again"
         ) from e
+    return [claims_dir(layout) / n for n in sorted(names)]
+
+
+def read_claims(layout: Layout, now: float | None = None) -> list[Claim]:
+    """Every claim in the store (one gone since it was named: skipped); ``now`` (default: this
+    host's clock) judges whether one that cannot be read may be live.
+
+    Raises:
+        StoreError: a claim file that cannot be read (not written by featbake: claims are
+            published whole) whose mtime says it may be live.
+    """
     out = []
-    for path in paths:
+    for path in claim_paths(layout):
         claim = _read_claim(path, time.time() if now is None else now)
         if claim is not None:
             out.append(claim)
@@ -238,11 +309,26 @@ def claimed_keys(layout: Layout, now: float | None = None, *, drop_stale: bool =
     here = this_host()
     claims = read_claims(layout, now)
     if drop_stale:
+        live = []
         for c in claims:
-            if claim_state(c.head, now, here, pid_alive) is not ClaimState.LIVE:
+            if claim_state(c.head, now, here, pid_alive) is ClaimState.LIVE:
+                live.append(c)
+            else:
                 remove_file(c.path)
         drop_cut_writes(layout, now)
+        keep_index(layout, {c.path.name for c in live})
     return kept_keys(claims, now, here, pid_alive)
+
+
+def keep_index(layout: Layout, live: set[str]) -> None:
+    """Rewrite the index to name only the ``live`` claims, if it names others (gc, holding
+    :func:`claims_closed`: no claim is logged meanwhile). Best effort: an index left as it was
+    only names claims gone, which are skipped."""
+    with contextlib.suppress(OSError):
+        if indexed_names(layout) - live:
+            text = "".join(f"{n}\n" for n in sorted(live))
+            publish_file(claims_index(layout), lambda p: p.write_text(text),
+                         tmp_dir=claims_dir(layout))  # fmt: skip
 
 
 def drop_cut_writes(layout: Layout, now: float) -> None:
@@ -317,6 +403,11 @@ class ClaimFile:
                    "owner": self.owner}  # fmt: skip
             text = json.dumps(doc) + "\n" + lines
             publish_file(self.path, lambda p: p.write_text(text), tmp_dir=claims_dir(self.layout))
+            try:
+                log_claim(self.layout, self.path.name)  # what gc reads, whatever NFS lists
+            except OSError:
+                remove_file(self.path)  # not claimed: no claim left behind
+                raise
         except OSError as e:
             raise StoreError(
                 f"could not write the claim {self.path} ({e.strerror or e}); check that the "

@@ -564,6 +564,8 @@ class FragmentCatalog:
         other threads add meanwhile is the next seal's.
         """
         with self._seal_lock:
+            if self.part is None:
+                self._drop_root_if_claim_lapsed()
             with self._lock:
                 taken = self._take(kind, uses)
             if taken is None:
@@ -590,6 +592,22 @@ class FragmentCatalog:
             if taken.spec is not None and self.part is None:
                 self._let_go_claim()
             return path.name
+
+    def _drop_root_if_claim_lapsed(self) -> None:
+        """A serving process stopped longer than a claim holds (store/claims.py) between its
+        lookups and this seal, or whose claim could not be appended to: a gc may have deleted
+        features the held root manifest names, so that root is not published (a root a
+        dataset publishes is a hint: serving goes on, its misses encoded as ever) and the
+        claim is let go; the shards, last uses and hash rows are sealed as before."""
+        if self.claim is None:
+            return
+        with self._claim_lock:
+            try:
+                self.claim.check_held()
+            except StoreError:
+                with self._lock:
+                    self._spec, self._items = None, []
+                self.claim.release()
 
     def _let_go_claim(self) -> None:
         """A serving process's claim goes once no root manifest is held: the sealed ``serve``

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -9,16 +10,18 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from featbake.bake.pipeline import build
 from featbake.errors import StoreError
 from featbake.serve.dataset import CachedFeatureDataset
+from featbake.store import fragment_catalog
 from featbake.store.claims import (
     CLAIM_FORMAT,
     STALE_AFTER_S,
@@ -40,7 +43,7 @@ from featbake.store.fragments import FragmentKind, Use
 from featbake.store.layout import Layout
 from featbake.store.merge import merge
 from featbake.upkeep import GcOptions, drop_root, execute_gc, plan_gc, verify
-from tests.helpers import Live, assert_serves, bake, manifest
+from tests.helpers import Live, age, assert_serves, bake, manifest
 
 #: gc as eager as it can be: no grace for unnamed shards, no retention.
 EAGER = GcOptions(grace=0.0, retention=0.0)
@@ -297,3 +300,86 @@ def test_a_heartbeat_is_judged_by_the_store_s_clock_not_each_host_s(
     monkeypatch.setattr(time, "time", real)
     claim.check_held()
     claim.release()
+
+
+# == round nine: claims and engines =============================================================
+def test_gc_keeps_a_claim_its_host_s_cached_listing_of_claims_lacks(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An NFS client serves a listing of ``claims/`` from its cache for up to ``acdirmax``
+    (60 s), and taking ``claims.lock`` revalidates that file, not the folder: a gc on another
+    host than a part that just claimed the 16 features of a dropped root lists the folder as
+    it was before the claim. Before, gc read claims from the listing alone and deleted the 16
+    rows the part reuses. Now each claim's name is logged in ``claims/index``, a file (opened:
+    revalidated), so gc keeps them; and once the claim is let go gc drops its name there."""
+    store = tmp_path / "store"
+    first = bake(audio_dir, encoder_file, store)
+    named = sorted({k for _, k in manifest(store, first.root)})
+    drop_root(store, first.root)
+    folder = claims_dir(Layout(store))
+    cached = sorted(folder.iterdir()) if folder.exists() else []  # listed before the claim
+    claim = ClaimFile(Layout(store), "part 0/1")
+    claim.cover(named)
+    listing = Path.iterdir
+
+    def cached_listing(self: Path) -> Iterator[Path]:
+        return iter(cached) if self == folder else listing(self)
+
+    monkeypatch.setattr(Path, "iterdir", cached_listing)
+    assert execute_gc(plan_gc(store, EAGER)).rows_deleted == 0  # kept: the part reuses them
+    assert [c.keys for c in read_claims(Layout(store))] == [frozenset(named)]
+    claim.release()
+    assert execute_gc(plan_gc(store, EAGER)).rows_deleted == 16
+    assert (folder / "index").read_text() == ""  # the claim gone: its name too
+
+
+def test_a_serving_process_stopped_past_its_claim_publishes_no_root_and_serves_on(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dataset on a shared filesystem claims the keys of the root it holds, finds the 16
+    features of a dropped root stored, and is stopped (SIGSTOP, a host asleep; an injected
+    clock) past :data:`STALE_AFTER_S` before its ``serve`` fragment is sealed: a gc finds the
+    claim stale and deletes the 16 rows. Before, the seal carried the root anyway and the
+    merge published a root whose 16 features were all gone, saying nothing. Now the seal
+    finds the claim lapsed and leaves the root out (a hint), and the dataset serves on: every
+    item equals the encoder run now."""
+    store = tmp_path / "store"
+    first = bake(audio_dir, encoder_file, store)
+    drop_root(store, first.root)
+    ticks = [0.0]
+    monkeypatch.setattr(
+        fragment_catalog, "ClaimFile", functools.partial(ClaimFile, monotonic=lambda: ticks[0])
+    )
+    sealing = FragmentCatalog._seal
+    deleted: list[int] = []
+
+    def stopped_then_seal(self: FragmentCatalog, kind: FragmentKind, uses: Sequence[Use] = ()):
+        if self.part is None and self._spec is not None and not deleted:  # the root is held
+            assert self.claim is not None and self.claim.keys  # claimed
+            ticks[0] += STALE_AFTER_S + 1.0  # stopped that long
+            age(self.claim.path, STALE_AFTER_S + 60)  # no heartbeat meanwhile
+            with monkeypatch.context() as on_its_host:  # gc runs on the store's own host
+                on_its_host.delenv("FEATBAKE_SHARED_FS")
+                deleted.append(execute_gc(plan_gc(store, EAGER)).rows_deleted)
+        return sealing(self, kind, uses)
+
+    monkeypatch.setattr(FragmentCatalog, "_seal", stopped_then_seal)
+    monkeypatch.setenv("FEATBAKE_SHARED_FS", "1")
+    with pytest.warns(SharedFilesystemWarning):
+        ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store)
+        assert len(ds) == 16
+        assert deleted == [16]
+        live = Live()
+        for i in range(len(ds)):  # located before the gc: served from what is there now
+            want = live(encoder_file, Path(ds.path(i)))
+            torch.testing.assert_close(ds[i], want, rtol=1e-5, atol=1e-6)
+        ds.close()
+    monkeypatch.undo()
+    assert merge(Layout(store)).roots == []  # no root naming features gone
+    assert read_claims(Layout(store)) == []
+    assert verify(store).status == "clean"
+    again = CachedFeatureDataset(audio_dir, encoder_file, cache=store)
+    for i in range(len(again)):
+        want = live(encoder_file, Path(again.path(i)))
+        torch.testing.assert_close(again[i], want, rtol=1e-5, atol=1e-6)
+    again.close()
