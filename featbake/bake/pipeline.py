@@ -61,7 +61,7 @@ from featbake.encode.inputs import (
     inputs_at,
 )
 from featbake.encode.loaders import is_import_path, load_encoder
-from featbake.encode.sources import ScanResult, Source, source_for
+from featbake.encode.sources import ScanResult, Source, file_stat_or_none, source_for
 from featbake.encode.tables import Table
 from featbake.encode.webdataset import WebDataset
 from featbake.errors import ConfigError, EncodeError, FeatbakeError, SourceError, StoreError
@@ -70,6 +70,7 @@ from featbake.keys import feature_key, root_id
 from featbake.progress import Progress
 from featbake.recipe import Recipe
 from featbake.store.catalog import BuildCatalog, Catalog
+from featbake.store.claims import this_host
 from featbake.store.features import Parts
 from featbake.store.fidelity import Measured
 from featbake.store.fragment_catalog import FragmentCatalog, RankPart
@@ -992,7 +993,8 @@ class WorkItem(NamedTuple):
 class EngineJob:
     """What an engine's worker needs to encode as the build does (picklable: sent once per
     worker). ``data`` is opened again on the worker (``inputs_at``); None: each item's bytes
-    come with it."""
+    come with it. ``driver_host``: where the build's process runs (:func:`this_host`), whose
+    stats of the inputs each item carries (see :func:`stats_to_check`)."""
 
     layout: Layout
     root: RootSpec
@@ -1006,6 +1008,29 @@ class EngineJob:
     options: BakeOptions
     data: str | None
     column: str | None = None
+    driver_host: str = field(default_factory=this_host)
+
+
+def stats_to_check(items: Sequence[WorkItem], driver_host: str) -> dict[str, FileStat]:
+    """path -> the stat each of ``items`` is checked against once decoded (the input must not
+    have changed since the driver hashed it).
+
+    On the driver's own host, the driver's stat whole (size, mtime, inode, ctime). On another
+    host the same mount may show other inode numbers (and ctimes) for the same file (a FUSE or
+    clustered file system numbering inodes per node), so the driver's size and mtime_ns are
+    compared with this host's stat of the file, and where they agree this host's stat is
+    taken whole: a file rewritten while this worker reads it is still refused by its inode
+    and ctime here. A path that is no file here (an object, a tar member, a manifest row)
+    keeps the driver's stat.
+    """
+    stats = {it.path: it.stat for it in items if it.stat is not None}
+    if driver_host == this_host():
+        return stats
+    for path, seen in stats.items():
+        here = file_stat_or_none(path) if os.path.isabs(path) else None
+        if here is not None and (here.size, here.mtime_ns) == (seen.size, seen.mtime_ns):
+            stats[path] = here
+    return stats
 
 
 @dataclass
@@ -1207,7 +1232,7 @@ class PartEncoder:
         bake.rel_of = {it.path: it.name for it in items}
         done_before = len(items) - len(todo)
         todo = self.carried_in(todo)
-        bake.hashed_stats = {it.path: it.stat for it in todo if it.stat is not None}
+        bake.hashed_stats = stats_to_check(todo, self.job.driver_host)
         bake.held = HeldBytes(budget=sum(map(len, (held or {}).values())))
         for path, data in (held or {}).items():
             bake.held.keep(path, data)

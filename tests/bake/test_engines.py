@@ -8,8 +8,10 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import pytest
 import torch
 
+from featbake.bake import pipeline
 from featbake.bake.pipeline import (
     EngineJob,
     PartEncoder,
@@ -48,5 +50,62 @@ def test_an_engine_without_a_digester_hashes_here_and_builds(
     assert (report.failed, report.encoded, len(engine.items)) == ([], 16, 16)
     got = stored_features(tmp_path / "store", report.root)
     assert len(got) == 16
+    for rel, parts in got.items():
+        torch.testing.assert_close(parts[""], live_features(encoder_file, audio_dir / rel))
+
+
+# == round nine: a worker on another node ======================================================
+class SeenElsewhere(InProcess):
+    """An engine whose worker sees each input's stat other than the driver did by ``shift``
+    (its fields moved by one): a mount that numbers inodes per node shows another node other
+    inode numbers and ctimes for the same, unchanged file."""
+
+    def __init__(self, *shift: str) -> None:
+        super().__init__()
+        self.shift = shift
+
+    def encode(
+        self, job: EngineJob, items: Sequence[WorkItem], progress: ProgressFn | None
+    ) -> PartResult:
+        moved = []
+        for it in items:
+            assert it.stat is not None
+            stat = it.stat._replace(**{f: getattr(it.stat, f) + 1 for f in self.shift})
+            moved.append(it._replace(stat=stat))
+        return super().encode(job, moved, progress)
+
+
+@pytest.mark.parametrize(
+    ("worker_host", "shift", "encoded"),
+    [
+        ("node-2", ("inode", "ctime_ns"), 16),  # another node: its own inode numbers
+        (None, ("inode", "ctime_ns"), 0),  # the driver's host: an inode differing is a change
+        ("node-2", ("mtime_ns",), 0),  # another node: a file changed since it was hashed
+        ("node-2", ("size",), 0),
+    ],
+)
+def test_a_worker_on_another_node_compares_size_and_mtime_not_its_mounts_inodes(
+    audio_dir: Path,
+    encoder_file: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    worker_host: str | None,
+    shift: tuple[str, ...],
+    encoded: int,
+) -> None:
+    """Round nine, engines: a Ray worker checked each input after decoding against the
+    driver's stat whole, inode and ctime included; on a shared mount that shows each node
+    other inode numbers every input of a worker on another node was refused as changed. A
+    worker on another node now compares size and mtime with the driver's, then checks the
+    decode by its own stat; on the driver's host the whole stat is still compared."""
+    if worker_host is not None:  # the worker's host; the job names the driver's, made before
+        monkeypatch.setattr(pipeline, "this_host", lambda: worker_host, raising=False)
+    engine = SeenElsewhere(*shift)
+    store = tmp_path / "store"
+    report = build(audio_dir, encoder_file, cache=store, engine=engine)  # type: ignore[arg-type]
+    assert (report.encoded, len(report.failed)) == (encoded, 16 - encoded)
+    assert all("changed while featbake was reading it" in why for _, why in report.failed)
+    got = stored_features(store, report.root) if encoded else {}
+    assert len(got) == encoded
     for rel, parts in got.items():
         torch.testing.assert_close(parts[""], live_features(encoder_file, audio_dir / rel))
