@@ -1193,7 +1193,10 @@ class SealedKeys:
 
 class PartEncoder:
     """One worker of an engine: the encoder loaded once, tasks encoded by the plain build's own
-    step into ``part`` fragments of :func:`workers_build`.
+    step into ``part`` fragments of :func:`workers_build`. It looks nothing up in the catalog,
+    so it writes no claim (store/claims.py): the build's one claim is the driver's, let go
+    with its ``done`` fragment (items that come with their bytes: :meth:`stored`, checked
+    again under the driver's claim before it seals).
 
     Example:
         >>> worker = PartEncoder(job)  # doctest: +SKIP

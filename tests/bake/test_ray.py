@@ -608,3 +608,33 @@ def test_encode_that_a_gc_raced_says_so_and_its_rerun_encodes_what_went(
     plain = build(clips, encoder_file, cache=store, workers=0)
     assert (plain.encoded, plain.reused) == (0, 6)
     assert assert_live(store, plain.root, clips, encoder_file) == 6
+
+
+def test_a_ray_build_leaves_no_claim_and_a_gc_after_it_frees_a_dropped_root(
+    ray_cluster: dict[str, str], clips: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    """Round nine, claims: one review read that each actor's :class:`PartEncoder` claims the
+    keys of every task (``FragmentCatalog.present_keys`` -> ``claim.cover``) and lets the
+    claim go only when the actor exits, pinning them for up to ``STALE_AFTER_S`` after the
+    build (for ever while actors live); another, that only the driver claims. Settled here
+    against Ray: three of the six clips' features are stored beforehand (a root dropped), so
+    the driver reuses them and the actors encode the rest. Once the build returns (this Ray
+    and its workers still up) no claim is left naming any key, and a gc right after the
+    build's root is dropped deletes all six rows: nothing pins them."""
+    from featbake.store.claims import claims_dir, read_claims
+    from featbake.upkeep import GcOptions, drop_root, execute_gc, plan_gc
+
+    store = tmp_path / "store"
+    half = tmp_path / "half"
+    half.mkdir()
+    for clip in sorted(clips.iterdir())[:3]:
+        (half / clip.name).write_bytes(clip.read_bytes())
+    drop_root(store, build(half, encoder_file, cache=store, workers=0).root)
+    report = build(clips, encoder_file, cache=store, engine=RayEngine(workers=2, rows_per_task=1))
+    assert (report.encoded, report.reused, report.failed) == (3, 3, [])
+    assert read_claims(Layout(store)) == []  # the driver's claim went with its done fragment
+    assert list(claims_dir(Layout(store)).glob("*.claim")) == []
+    # Every claim written is logged in the index until a gc: one, the driver's; no actor's.
+    assert len(set((claims_dir(Layout(store)) / "index").read_text().split())) == 1
+    drop_root(store, report.root)
+    assert execute_gc(plan_gc(store, GcOptions(grace=0.0, retention=0.0))).rows_deleted == 6
