@@ -48,7 +48,7 @@ from featbake.encode.fingerprints import (
 from featbake.encode.sources import ScanResult, SkippedInput, Source
 from featbake.errors import SourceError
 from featbake.progress import Progress
-from featbake.store.byteplace import bytes_at, hidden_name
+from featbake.store.byteplace import bytes_at, shard_names
 from featbake.store.containers import (
     TAR_SUFFIXES,
     Holder,
@@ -229,12 +229,9 @@ class WebDataset:
         skipped: list[SkippedInput] = []
         seen: dict[str, str] = {}
         objects = self._list_objects()
-        if self.prefix:
-            self.tars = sorted(
-                url
-                for url in objects
-                if is_tar(url) and not hidden_name(url[len(self.folder) + 1 :])
-            )
+        if self.prefix:  # the one rule of a local folder's shards, on the names under the prefix
+            names = shard_names(self.where, (url[len(self.folder) + 1 :] for url in objects))
+            self.tars = [f"{self.folder}/{name}" for name in names]
         for tar in self.tars:
             try:
                 samples, odd = samples_of(tar, self._members(tar, objects))

@@ -30,7 +30,7 @@ import re
 import stat
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, NamedTuple, TypeVar
@@ -39,6 +39,7 @@ from featbake.errors import ConfigError, SourceError, StoreError
 from featbake.keys import sha256_file
 from featbake.store.containers import (
     CONTAINER_SUFFIXES,
+    TABLE_IGNORED_PREFIXES,
     Holder,
     Member,
     RangedObject,
@@ -76,10 +77,25 @@ from featbake.store.url import BucketURL, is_url
 from featbake.threadpool import HASH_THREADS, OBJECT_THREADS, map_in_threads
 
 
-def hidden_name(name: str) -> bool:
-    """Whether a relative name has a hidden part (``.x/`` or ``.x``), passed over as a folder
-    scan passes hidden files."""
-    return any(part.startswith(".") for part in name.split("/"))
+def hidden_name(name: str, passed: tuple[str, ...] = (".",)) -> bool:
+    """Whether a relative name has a hidden part (``.x/`` or ``.x``: one starting with one of
+    ``passed``), passed over as a folder scan passes hidden files."""
+    return any(part.startswith(passed) for part in name.split("/"))
+
+
+def shard_names(where: str, names: Iterable[str]) -> list[str]:
+    """The tar shards among the names of a folder's files (or a bucket prefix's objects,
+    relative to it), in name order: visible ones only (webdataset's shard lists are globs,
+    which pass over hidden names), of one split as ``datasets`` reads them. The one rule of a
+    local folder and a bucket prefix of shards.
+
+    Raises:
+        SourceError: the names say several splits, or one beside names of none
+            (:func:`~featbake.store.containers.refuse_several_splits`).
+    """
+    kept = sorted(n for n in names if is_tar(n) and not hidden_name(n))
+    refuse_several_splits(where, kept)  # datasets reads such a folder as splits
+    return kept
 
 
 def expand_braces(pattern: str) -> list[str]:
@@ -268,9 +284,17 @@ class BytePlace:
         reading; members that fit ``held``'s budget kept there."""
         raise NotImplementedError
 
-    def holds_only(self, where: str, wanted: tuple[str, ...], also: tuple[str, ...] = ()) -> bool:
+    def holds_only(
+        self,
+        where: str,
+        wanted: tuple[str, ...],
+        also: tuple[str, ...] = (),
+        passed: tuple[str, ...] = (".",),
+    ) -> bool:
         """Whether the folder (prefix) ``where`` holds a visible file ending with ``wanted``,
-        and no visible file ending otherwise (but with ``also``); False for no folder."""
+        and no visible file ending otherwise (but with ``also``); False for no folder. A file
+        whose name starts with one of ``passed`` is not visible (hidden ones; for a table's
+        folder also ``_`` ones, as pyarrow passes over them)."""
         raise NotImplementedError
 
     def table_files(self, where: str) -> list[TableFile]:
@@ -444,14 +468,20 @@ class LocalFiles(BytePlace):
     ) -> ReadBack:
         return member_digests(tar, members, held)
 
-    def holds_only(self, where: str, wanted: tuple[str, ...], also: tuple[str, ...] = ()) -> bool:
+    def holds_only(
+        self,
+        where: str,
+        wanted: tuple[str, ...],
+        also: tuple[str, ...] = (),
+        passed: tuple[str, ...] = (".",),
+    ) -> bool:
         # It stops at the first other file: asked of every ``--data`` folder, it must not stat
         # a million clips to say no.
         found = False
         try:
             with os.scandir(where) as it:
                 for entry in it:
-                    if entry.name.startswith(".") or not _is_file(entry):
+                    if entry.name.startswith(passed) or not _is_file(entry):
                         continue
                     name = entry.name.lower()
                     if name.endswith(wanted):
@@ -470,7 +500,7 @@ class LocalFiles(BytePlace):
             return True
         if all(os.path.isfile(os.path.join(where, n)) for n in ("state.json", "dataset_info.json")):
             return True
-        return self.holds_only(where, (".parquet",), (".md", ".json"))
+        return self.holds_only(where, (".parquet",), (".md", ".json"), TABLE_IGNORED_PREFIXES)
 
     def resolve(self, where: str) -> str:
         return resolved(where)
@@ -498,8 +528,7 @@ class LocalFiles(BytePlace):
             )
         if os.path.isdir(data):
             folder = resolved(data)
-            names = sorted(n for n in os.listdir(folder) if is_tar(n) and not n.startswith("."))
-            refuse_several_splits(folder, names)  # datasets reads such a folder as splits
+            names = shard_names(folder, os.listdir(folder))
             return Shards(folder, folder, [os.path.join(folder, n) for n in names])
         where = resolved(data)
         return Shards(where, os.path.dirname(where), [where])
@@ -819,7 +848,13 @@ class Objects(BytePlace):
             return streamed_member_digests(tar, members, raw, held)
         return ranged_member_digests(tar, members, object_fetch(tar), held)
 
-    def holds_only(self, where: str, wanted: tuple[str, ...], also: tuple[str, ...] = ()) -> bool:
+    def holds_only(
+        self,
+        where: str,
+        wanted: tuple[str, ...],
+        also: tuple[str, ...] = (),
+        passed: tuple[str, ...] = (".",),
+    ) -> bool:
         # One LIST (the scan lists again, as it does for any prefix). A name ending as a table
         # file names one object, not a prefix: no LIST to tell. A prefix that cannot be listed
         # is no container: the bucket's own scan says why.
@@ -831,7 +866,7 @@ class Objects(BytePlace):
         except (StoreError, ConfigError):
             return False
         rels = [o.name[len(key) :] for o in listing]
-        names = [n.lower() for n in rels if not hidden_name(n)]
+        names = [n.lower() for n in rels if not hidden_name(n, passed)]
         return (
             bool(names)
             and all(n.endswith(wanted) or n.endswith(also) for n in names)

@@ -764,6 +764,13 @@ def test_a_folder_of_one_split_beside_files_of_none_is_refused_naming_what_it_wo
         ["shard-000.tar", "shard-001.tar"],
         ["train-0000.tar", "extra-0000.tar"],
         ["00_train_.tar", "01.tar"],
+        ["train/a.tar", "test/b.tar"],
+        ["train/a.tar", "b.tar"],
+        ["train/a.tar", "train/test.tar"],
+        ["data/train/a.parquet", "data/valid/b.parquet"],
+        ["train-0/a.tar", "x/a.tar"],
+        ["sub/train.tar", "sub/test.tar"],
+        ["sub/a.tar", "other/b.tar"],
     ],
 )
 def test_a_folder_is_read_as_one_exactly_where_datasets_reads_it_as_one_split(
@@ -775,10 +782,11 @@ def test_a_folder_is_read_as_one_exactly_where_datasets_reads_it_as_one_split(
     refuses the folder."""
     datasets = pytest.importorskip("datasets")
     for name in names:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_bytes(b"")
     patterns = datasets.data_files.get_data_patterns(str(tmp_path))
     resolved = datasets.data_files.DataFilesDict.from_patterns(patterns, base_path=str(tmp_path))
-    got = {str(s): sorted(os.path.basename(f) for f in fs) for s, fs in resolved.items()}
+    got = {str(s): sorted(os.path.relpath(f, tmp_path) for f in fs) for s, fs in resolved.items()}
     as_one = len(got) == 1 and next(iter(got.values())) == sorted(names)
     try:
         refuse_several_splits(str(tmp_path), sorted(names))
@@ -1787,3 +1795,88 @@ def test_a_gzip_shards_members_read_in_order_decompress_it_once(
     tar.write_bytes(gzip.compress(plain.read_bytes()))  # rewritten: another stat
     os.utime(tar, ns=(1, 1))
     assert source.read(paths[2]) == clips[2] and len(opened) == 3
+
+
+# == round nine: what a folder's listing reads, and what it leaves out ============================
+def test_a_parquet_folder_passes_over_the_files_pyarrow_passes_over(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """A writer's leftovers beside its parquet files (Spark's ``_SUCCESS`` and
+    ``_committed_*``, a hidden ``.part-1.tmp.parquet`` being written, a ``_tmp.parquet``, a
+    ``.crc``) are no data to pyarrow's dataset discovery (``ignore_prefixes`` ``['.', '_']``).
+    featbake read the ``.parquet`` ones as rows (a half-written file served as data), and a
+    ``_SUCCESS`` beside them made the folder no table at all (``--column`` refused as for a
+    folder of files). Now the folder is the files pyarrow reads: built and served in
+    pyarrow's order with its labels, each equal to the encoder run now."""
+    import pyarrow.dataset as pads
+
+    data = tmp_path / "spark-out"
+    data.mkdir()
+    clips = [wav_bytes(0.3 + 0.1 * i, 40 + i) for i in range(5)]
+    write_audio_parquet(data / "part-00000.parquet", clips[:2], label=[1, 2])
+    write_audio_parquet(data / "part-00001.parquet", clips[2:3], label=[3])
+    write_audio_parquet(data / ".part-00002.tmp.parquet", clips[3:4], label=[98])
+    write_audio_parquet(data / "_tmp.parquet", clips[4:], label=[99])
+    for name in ("_SUCCESS", "_committed_4711", ".part-00000.parquet.crc"):
+        (data / name).write_bytes(b"")
+    read = pads.dataset(str(data))  # the plain alternative: what pyarrow reads of the folder
+    assert [os.path.basename(f) for f in read.files] == ["part-00000.parquet", "part-00001.parquet"]
+    labels = read.to_table().column("label").to_pylist()
+    assert is_table(str(data))
+    assert Table(str(data), "audio").scan([".wav"]).inputs == [
+        "part-00000.parquet:0", "part-00000.parquet:1", "part-00001.parquet:0",
+    ]  # fmt: skip
+    store = tmp_path / "store"
+    result = invoke("build", "--data", data, "--encoder", encoder_file, "--cache", store,
+                    "--column", "audio")  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
+    ds = CachedFeatureDataset(data, encoder_file, cache=store, column="audio", on_miss="error")
+    assert [ds.row(i)["label"] for i in range(len(ds))] == labels == [1, 2, 3]
+    for i in range(len(ds)):
+        assert torch.equal(ds[i], run_now(module, audio_tensor(clips[i]))), ds.item_id(i)
+
+
+@pytest.mark.parametrize(
+    ("layout", "said"),
+    [
+        ({"train-000.tar": 0, "valid-000.tar": 1}, "train (1 file), validation (1 file)"),
+        ({"train/000.tar": 0, "test/000.tar": 1}, "train (1 file), test (1 file)"),
+        ({"train/000.tar": 0, "extra/000.tar": 1}, "name no split (extra/000.tar)"),
+    ],
+)
+def test_a_bucket_prefix_of_tars_of_several_splits_is_refused_as_a_local_folder_is(
+    s3: Any, tmp_path: Path, encoder_file: Path, layout: dict[str, int], said: str
+) -> None:
+    """``s3://bucket/wds/`` holding ``train-000.tar`` beside ``valid-000.tar`` (or ``train/``
+    beside ``test/``) was built as one dataset, the held-out samples served as training ones,
+    where the same files in a local folder are refused: ``datasets`` reads them as splits (its
+    own split patterns, checked on a local copy of the layout). The prefix is refused by the
+    same rule in one line (exit 8, and from a dataset); one split's prefix is built and
+    served equal to the encoder run now."""
+    datasets = pytest.importorskip("datasets")
+    clips = [wav_bytes(0.3 + 0.1 * i, 60 + i) for i in range(2)]
+    tars = [write_tar(tmp_path / f"{i}.tar", [(f"k{i}", {"wav": clips[i]})]) for i in (0, 1)]
+    mirror = tmp_path / "mirror"
+    for name in layout:
+        (mirror / name).parent.mkdir(parents=True, exist_ok=True)
+        (mirror / name).write_bytes(b"")
+    assert len(datasets.data_files.get_data_patterns(str(mirror))) == 2 or "no split" in said
+    prefix = f"s3://{s3.bucket}/wds/"
+    upload_shards(prefix, {name: tars[i] for name, i in layout.items()})
+    store = tmp_path / "store"
+    result = invoke("build", "--data", prefix, "--encoder", encoder_file, "--cache", store)
+    assert result.returncode == 8, result.stdout + result.stderr
+    line = result.stderr.strip()
+    assert len(line.splitlines()) == 1 and said in line and f"s3://{s3.bucket}/wds" in line, line
+    with pytest.raises(SourceError, match=re.escape(said)):
+        CachedFeatureDataset(prefix, encoder_file, cache=store)
+    first = next(iter(layout))
+    one = f"s3://{s3.bucket}/wds/{first}"
+    assert build(one, encoder_file, cache=store, workers=0).encoded == 1
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
+    ds = CachedFeatureDataset(one, encoder_file, cache=store, on_miss="error")
+    assert [ds.item_id(i) for i in range(len(ds))] == ["k0"]
+    assert torch.equal(ds[0], run_now(module, audio_tensor(clips[0])))
