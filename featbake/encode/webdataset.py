@@ -67,10 +67,13 @@ from featbake.store.objects import ObjectInfo, object_stat
 # A webdataset shard is a plain tar; the members of one sample are consecutive and share a key:
 # the member's name up to the first dot of its last path component (webdataset's
 # ``base_plus_ext``: ``images/0001.seg.png`` is key ``images/0001``, extension ``seg.png``).
-# Names without a dot, and top-level ``__name__`` metadata members, belong to no sample, as in
-# webdataset. The member a build encodes is ``--column EXT`` (``jpg``, ``flac``) or, by default,
-# the sample's first member whose last extension the recipe's source reads.
+# Names without a dot, and webdataset's metadata members (a top-level ``__name__``, anything in a
+# top-level ``__name__/`` folder: its ``skip_meta``), belong to no sample, as in webdataset. The
+# member a build encodes is ``--column EXT`` (``jpg``, ``flac``) or, by default, the sample's
+# first member whose last extension the recipe's source reads.
 _KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)[.]([^/]*)$")
+#: The members webdataset's tar reader skips as metadata (``tar_file_iterator``'s ``skip_meta``).
+_META = re.compile(r"__[^/]*__($|/)")
 
 
 def key_and_extension(name: str) -> tuple[str, str] | None:
@@ -80,7 +83,7 @@ def key_and_extension(name: str) -> tuple[str, str] | None:
         >>> key_and_extension("images/0001.seg.PNG")
         ('images/0001', 'seg.png')
     """
-    if "/" not in name and name.startswith("__") and name.endswith("__"):
+    if _META.match(name):
         return None
     match = _KEY_EXT.match(name)
     return (match.group(1), match.group(2).lower()) if match else None
@@ -304,7 +307,9 @@ class WebDataset:
         if sample.key in seen:
             raise SourceError(
                 f"two samples have the key {sample.key!r}: {seen[sample.key]} and "
-                f"{sample.tar}:{first.name}; webdataset keys must be unique (rename one)"
+                f"{sample.tar}:{first.name}; an id names one item, so keys must be unique: "
+                "rename one sample's members (its key is a member's name up to the first dot "
+                "of its last part), or build each set of shards as its own --data"
             )
         seen[sample.key] = f"{sample.tar}:{first.name}"
         skipped.extend(unreadable_carried(sample, member))

@@ -1880,3 +1880,54 @@ def test_a_bucket_prefix_of_tars_of_several_splits_is_refused_as_a_local_folder_
     ds = CachedFeatureDataset(one, encoder_file, cache=store, on_miss="error")
     assert [ds.item_id(i) for i in range(len(ds))] == ["k0"]
     assert torch.equal(ds[0], run_now(module, audio_tensor(clips[0])))
+
+
+def test_a_shards_samples_are_the_ones_webdataset_reads_metadata_folders_left_out(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """webdataset's tar reader skips a top-level ``__name__`` member and everything in a
+    top-level ``__name__/`` folder (``skip_meta``) as metadata; featbake made
+    ``__meta__/s1.wav`` a sample of its own, an item the user's webdataset loader never sees.
+    Now the samples are webdataset's own (its reader run on the shard), and each is served
+    equal to the encoder run now."""
+    wds = pytest.importorskip("webdataset")
+    clips = [wav_bytes(0.3 + 0.1 * i, 80 + i) for i in range(4)]
+    tar = tmp_path / "shard-000.tar"
+    with tarfile.open(tar, "w") as tf:
+        for name, data in (
+            ("s0.wav", clips[0]), ("s0.cls", b"0"), ("__meta__/s1.wav", clips[1]),
+            ("__index__", b"{}"), ("__thumbs__/x/s2.wav", clips[2]), ("s3.wav", clips[3]),
+        ):  # fmt: skip
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    theirs = [s["__key__"] for s in wds.WebDataset(str(tar), shardshuffle=False) if "wav" in s]
+    assert theirs == ["s0", "s3"]
+    assert WebDataset(str(tar)).scan([".wav"]).inputs == theirs
+    store = tmp_path / "store"
+    report = build(tar, encoder_file, cache=store, workers=0)
+    assert (report.encoded, report.failed) == (2, [])
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
+    ds = CachedFeatureDataset(tar, encoder_file, cache=store, on_miss="error")
+    assert [ds.item_id(i) for i in range(len(ds))] == theirs
+    for i, clip in enumerate((clips[0], clips[3])):
+        assert torch.equal(ds[i], run_now(module, audio_tensor(clip))), i
+
+
+def test_a_key_in_two_shards_is_refused_saying_how_to_fix_the_data(tmp_path: Path) -> None:
+    """webdataset serves two samples of one key (in two shards, or ``a.b.wav`` and ``a.c.wav``,
+    whose key is ``a`` in both) as two; featbake names each item by its key, and one id cannot
+    name two features, so it refuses the shards, now saying how to fix them: rename one
+    sample's members, or build the shards apart."""
+    clip = wav_bytes(0.3, 90)
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    write_tar(folder / "shard-000.tar", [("utt.a", {"wav": clip})])
+    write_tar(folder / "shard-001.tar", [("utt.b", {"wav": clip})])
+    with pytest.raises(SourceError) as told:
+        WebDataset(str(folder)).scan([".wav"])
+    said = str(told.value)
+    assert "two samples have the key 'utt'" in said and "\n" not in said, said
+    assert "rename one sample's members" in said and "up to the first dot" in said, said
+    assert "build each set of shards as its own --data" in said, said
