@@ -51,6 +51,7 @@ from featbake.store.containers import (
     gzip_stream,
     is_gzip_tar,
     is_tar,
+    left_out,
     list_members,
     member_digests,
     ranged_member_digests,
@@ -874,22 +875,34 @@ class Objects(BytePlace):
         )
 
     def table_files(self, where: str) -> list[TableFile]:
-        if not where.lower().endswith(".parquet"):
+        if where.lower().endswith(".parquet"):
+            return [TableFile(where, ranged_object)]
+        if where.lower().endswith(".arrow"):
             raise ConfigError(
                 f"Arrow files and Hugging Face datasets in a bucket ({where}) are not read in "
                 "place yet; copy them to a local folder (e.g. with `aws s3 sync`) and pass that "
                 "as --data"
             )
-        return [TableFile(where, ranged_object)]
+        # A prefix of parquet objects (is_table_folder): one LIST, the names under it read as a
+        # local folder's are (pyarrow's ignored names passed over, one split), in name order.
+        bucket, key = prefix_at(where)
+        names = [o.name[len(key) :] for o in bucket.list(key)]
+        kept = sorted(n for n in names if n.endswith(".parquet") and not left_out(n))
+        refuse_several_splits(where, kept)
+        return [TableFile(f"{where}/{n}", ranged_object) for n in kept]
 
     def is_table_folder(self, where: str) -> bool:
-        return False  # a bucket's table is one parquet object (see table_files)
+        return self.holds_only(where, (".parquet",), (".md", ".json"), TABLE_IGNORED_PREFIXES)
 
     def resolve(self, where: str) -> str:
-        return where
+        if where.lower().endswith(CONTAINER_SUFFIXES):
+            return where  # one object
+        return str(BucketURL.parse(where))  # a prefix, as messages and the catalog name it
 
     def table_folder(self, where: str) -> str:
-        return where.rsplit("/", 1)[0]
+        if where.lower().endswith(CONTAINER_SUFFIXES):
+            return where.rsplit("/", 1)[0]
+        return where  # a prefix of parquet objects: their names are relative to it
 
     def is_list_file(self, where: str, suffixes: tuple[str, ...]) -> bool:
         return False

@@ -1931,3 +1931,53 @@ def test_a_key_in_two_shards_is_refused_saying_how_to_fix_the_data(tmp_path: Pat
     assert "two samples have the key 'utt'" in said and "\n" not in said, said
     assert "rename one sample's members" in said and "up to the first dot" in said, said
     assert "build each set of shards as its own --data" in said, said
+
+
+def test_a_bucket_prefix_of_parquet_is_read_as_a_local_folder_of_them_is(
+    s3: Any, tmp_path: Path, encoder_file: Path
+) -> None:
+    """``s3://bucket/out/`` holding only parquet objects (and a writer's leftovers) was taken
+    for a prefix of audio objects: ``--column`` refused as for a folder of files, and without
+    it "none of them input files". It is now the table a local folder of the same files is:
+    the names pyarrow passes over left out (``_SUCCESS``, a hidden temporary file, Spark's
+    ``_temporary/``), built and served in pyarrow's order with its labels, equal to the encoder
+    run now, a rebuild reusing every row; a prefix of two splits is refused in one line."""
+    import pyarrow.dataset as pads
+
+    clips = [wav_bytes(0.3 + 0.1 * i, 100 + i) for i in range(5)]
+    mirror = tmp_path / "mirror"
+    (mirror / "_temporary" / "0").mkdir(parents=True)
+    write_audio_parquet(mirror / "part-00000.parquet", clips[:2], label=[1, 2])
+    write_audio_parquet(mirror / "part-00001.parquet", clips[2:3], label=[3])
+    write_audio_parquet(mirror / ".part-00002.tmp.parquet", clips[3:4], label=[98])
+    write_audio_parquet(mirror / "_temporary" / "0" / "part-00003.parquet", clips[4:], label=[99])
+    (mirror / "_SUCCESS").write_bytes(b"")
+    read = pads.dataset(str(mirror))  # the plain alternative, on a local copy
+    assert read.to_table().column("label").to_pylist() == [1, 2, 3]
+    prefix = f"s3://{s3.bucket}/out/"
+    upload_shards(prefix, {str(p.relative_to(mirror)): p for p in mirror.rglob("*") if p.is_file()})
+    store = tmp_path / "store"
+    report = build(prefix, encoder_file, cache=store, workers=0, column="audio")
+    assert (report.encoded, report.failed) == (3, [])
+    assert report.data == f"s3://{s3.bucket}/out"
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
+    ds = CachedFeatureDataset(prefix, encoder_file, cache=store, column="audio", on_miss="error")
+    assert [ds.item_id(i) for i in range(len(ds))] == [
+        "part-00000.parquet:0", "part-00000.parquet:1", "part-00001.parquet:0",
+    ]  # fmt: skip
+    assert [ds.row(i)["label"] for i in range(len(ds))] == [1, 2, 3]
+    for i in range(len(ds)):
+        assert torch.equal(ds[i], run_now(module, audio_tensor(clips[i]))), i
+    again = build(prefix, encoder_file, cache=store, workers=0, column="audio")
+    assert (again.encoded, again.reused, again.root) == (0, 3, report.root)
+
+    splits = f"s3://{s3.bucket}/splits/"
+    named = {"train-00000-of-00001.parquet": "part-00000.parquet",
+             "test-00000-of-00001.parquet": "part-00001.parquet"}  # fmt: skip
+    upload_shards(splits, {name: mirror / local for name, local in named.items()})
+    result = invoke("build", "--data", splits, "--encoder", encoder_file, "--cache", store,
+                    "--column", "audio")  # fmt: skip
+    assert result.returncode == 8, result.stdout + result.stderr
+    said = result.stderr.strip()
+    assert len(said.splitlines()) == 1 and "train (1 file), test (1 file)" in said, said
