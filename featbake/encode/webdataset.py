@@ -129,6 +129,27 @@ def unreadable_carried(sample: Sample, chosen: Member) -> list[SkippedInput]:
     ]
 
 
+def same_kind_left_out(sample: Sample, chosen: Member) -> list[SkippedInput]:
+    """One line for each member of ``sample`` of the chosen member's kind (its last extension)
+    that the build leaves out, with how to fix it. ``spk1.utt1.wav`` and ``spk1.utt2.wav`` (a
+    folder of files tarred as it is) are one sample ``spk1`` to webdataset, whose key ends at
+    the first dot of a name: encoding the first member alone, unsaid, lost the other utterance.
+    A sample's members of other kinds (``0001.jpg`` and its mask ``0001.seg.png``) are carried,
+    as webdataset samples are meant to hold them."""
+    ext = next(e for e, m in sample.members.items() if m is chosen)
+    last = ext.rsplit(".", 1)[-1]
+    return [
+        SkippedInput(
+            f"{sample.tar}:{m.name}",
+            f"a second .{last} member of sample {sample.key!r} ({chosen.name} is encoded): a "
+            "webdataset key ends at the first dot of a name, so rename the files to keys "
+            f"without dots, or name the member to encode with --column (e.g. --column {e})",
+        )
+        for e, m in sample.members.items()
+        if m is not chosen and e.rsplit(".", 1)[-1] == last
+    ]
+
+
 # -- tars in a bucket ------------------------------------------------------------------------------
 # ``--data 's3://b/shards/shard-{000..009}.tar'``: the shards are listed with one LIST of their
 # folder, and each is read in place by ranged GETs, never downloaded whole:
@@ -313,6 +334,8 @@ class WebDataset:
             )
         seen[sample.key] = f"{sample.tar}:{first.name}"
         skipped.extend(unreadable_carried(sample, member))
+        if self.column is None:  # a member the user did not name: none may be left out unsaid
+            skipped.extend(same_kind_left_out(sample, member))
         self.samples[sample.key] = sample
         self.chosen[sample.key] = member
         self.index.listed[f"{sample.tar}:{member.name}"] = member

@@ -1981,3 +1981,42 @@ def test_a_bucket_prefix_of_parquet_is_read_as_a_local_folder_of_them_is(
     assert result.returncode == 8, result.stdout + result.stderr
     said = result.stderr.strip()
     assert len(said.splitlines()) == 1 and "train (1 file), test (1 file)" in said, said
+
+
+def test_utterances_whose_names_hold_a_dot_are_not_left_out_unsaid(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """A folder of ``spk1.utt1.wav``, ``spk1.utt2.wav``, ``spk2.utt1.wav`` tarred as it is:
+    webdataset's key ends at the first dot, so ``spk1``'s two clips are one sample (its own
+    reader run on the shard says so). The build encoded the first and left the second out
+    without a word; now each clip left out is a line naming it and how to fix the data (exit
+    3), and ``--column`` picks the member as asked, with no line."""
+    wds = pytest.importorskip("webdataset")
+    clips = [wav_bytes(0.3 + 0.1 * i, 120 + i) for i in range(3)]
+    tar = tmp_path / "shard-000.tar"
+    with tarfile.open(tar, "w") as tf:
+        for name, data in zip(
+            ("spk1.utt1.wav", "spk1.utt2.wav", "spk2.utt1.wav"), clips, strict=True
+        ):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    theirs = {
+        s["__key__"]: sorted(k for k in s if not k.startswith("__"))
+        for s in wds.WebDataset(str(tar), shardshuffle=False)
+    }
+    assert theirs == {"spk1": ["utt1.wav", "utt2.wav"], "spk2": ["utt1.wav"]}
+    store = tmp_path / "store"
+    res = invoke("build", "--data", tar, "--encoder", encoder_file, "--cache", store)
+    assert res.returncode == 3, res.stdout + res.stderr
+    said = res.stdout + res.stderr
+    assert "spk1.utt2.wav: a second .wav member of sample 'spk1'" in said, said
+    assert "--column utt2.wav" in said and "keys without dots" in said, said
+    report = build(tar, encoder_file, cache=store, workers=0, column="utt1.wav")
+    assert report.failed == [] and report.encoded + report.reused == 2
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
+    ds = CachedFeatureDataset(tar, encoder_file, cache=store, column="utt1.wav", on_miss="error")
+    assert [ds.item_id(i) for i in range(len(ds))] == ["spk1", "spk2"]
+    for i, clip in enumerate((clips[0], clips[2])):
+        assert torch.equal(ds[i], run_now(module, audio_tensor(clip))), i
