@@ -30,7 +30,7 @@ import re
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, NamedTuple, TypeVar
@@ -362,21 +362,14 @@ class LocalFiles(BytePlace):
         exts = tuple(e.lower() for e in extensions)
         found: list[str] = []
         skipped: list[Passed] = []
-        seen = {dir_id(root)}
-        folders = [("", os.fspath(root))]  # (relative, absolute), walked depth first
-        while folders:
-            rel, folder = folders.pop()
-            files, subfolders = listing(folder, seen)
-            folders += [(os.path.join(rel, e.name) if rel else e.name, e.path) for e in subfolders]
-            for entry in files:
-                if not entry.name.lower().endswith(exts):
-                    continue
-                rel_name = os.path.join(rel, entry.name) if rel else entry.name
-                why = not_an_input(rel_name, entry)
-                if why is None:
-                    found.append(rel_name)
-                else:
-                    skipped.append(Passed(printable(rel_name), why))
+        for rel_name, entry in walked(os.fspath(root)):
+            if not entry.name.lower().endswith(exts):
+                continue
+            why = not_an_input(rel_name, entry)
+            if why is None:
+                found.append(rel_name)
+            else:
+                skipped.append(Passed(printable(rel_name), why))
         if not found and not skipped:
             raise SourceError(
                 f"no input files ({', '.join(sorted(exts))}) under {where}; "
@@ -477,24 +470,23 @@ class LocalFiles(BytePlace):
         passed: tuple[str, ...] = (".",),
     ) -> bool:
         # It stops at the first other file: asked of every ``--data`` folder, it must not stat
-        # a million clips to say no.
+        # a million clips to say no. Subfolders count, as a bucket prefix's sub-prefixes do.
         found = False
         try:
-            with os.scandir(where) as it:
-                for entry in it:
-                    if entry.name.startswith(passed) or not _is_file(entry):
-                        continue
-                    name = entry.name.lower()
-                    if name.endswith(wanted):
-                        found = True
-                    elif not name.endswith(also):
-                        return False
+            for rel, entry in walked(where):
+                if hidden_name(rel, passed) or not _is_file(entry):
+                    continue
+                name = entry.name.lower()
+                if name.endswith(wanted):
+                    found = True
+                elif not name.endswith(also):
+                    return False
         except OSError:
             return False  # not a folder (or unreadable): the folder scan says why
         return found
 
     def table_files(self, where: str) -> list[TableFile]:
-        return [TableFile(p) for p in table_files(where)]
+        return [TableFile(p) for p in table_files(where, walked_names)]
 
     def is_table_folder(self, where: str) -> bool:
         if os.path.isfile(os.path.join(where, "dataset_dict.json")):
@@ -529,7 +521,7 @@ class LocalFiles(BytePlace):
             )
         if os.path.isdir(data):
             folder = resolved(data)
-            names = shard_names(folder, os.listdir(folder))
+            names = shard_names(folder, walked_names(folder))
             return Shards(folder, folder, [os.path.join(folder, n) for n in names])
         where = resolved(data)
         return Shards(where, os.path.dirname(where), [where])
@@ -581,6 +573,29 @@ def listing(
             subfolders.append(entry)
     subfolders.reverse()  # popped last first: folders are walked in name order
     return files, subfolders
+
+
+def walked(where: str) -> Iterator[tuple[str, os.DirEntry[str]]]:
+    """(name relative to ``where``, entry) of each visible file under the folder ``where``,
+    its subfolders walked depth first, each once (links followed, hidden names passed over:
+    :func:`listing`): the one walk of a folder's scan and of the shards and table files in it.
+
+    Raises:
+        OSError: ``where`` cannot be stat'ed (missing).
+    """
+    seen = {dir_id(where)}
+    folders = [("", where)]  # (relative with a trailing slash, absolute)
+    while folders:
+        rel, folder = folders.pop()
+        files, subfolders = listing(folder, seen)
+        folders += [(f"{rel}{e.name}/", e.path) for e in subfolders]
+        for entry in files:
+            yield rel + entry.name, entry
+
+
+def walked_names(where: str) -> list[str]:
+    """The names of :func:`walked`'s files, relative to ``where``."""
+    return [name for name, _ in walked(where)]
 
 
 def not_an_input(name: str, file: os.DirEntry[str] | str | os.PathLike[str]) -> str | None:

@@ -38,7 +38,7 @@ import re
 import stat
 import tarfile
 import threading
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from enum import Enum
 from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, Protocol, TypeVar
 
@@ -696,8 +696,9 @@ def cell_bytes(cell: Any, kind: CellKind) -> bytes | str:
     return bytes(cell)
 
 
-def table_files(where: str) -> list[str]:
-    """The data files of a local table, in the dataset's order.
+def table_files(where: str, listed: Callable[[str], Iterable[str]] = os.listdir) -> list[str]:
+    """The data files of a local table, in the dataset's order (a folder's parquet files as
+    ``listed`` names them relative to it: the byte seam's walk, subfolders too).
 
     Raises:
         SourceError: a DatasetDict folder (one split must be named), or a ``state.json`` that
@@ -725,7 +726,7 @@ def table_files(where: str) -> list[str]:
         if not files:
             raise SourceError(f"{state} names no data file")
         return [os.path.join(where, n) for n in files]
-    names = sorted(n for n in os.listdir(where) if n.endswith(".parquet") and not left_out(n))
+    names = sorted(n for n in listed(where) if n.endswith(".parquet") and not left_out(n))
     refuse_several_splits(where, names)
     return [os.path.join(where, n) for n in names]
 

@@ -2020,3 +2020,41 @@ def test_utterances_whose_names_hold_a_dot_are_not_left_out_unsaid(
     assert [ds.item_id(i) for i in range(len(ds))] == ["spk1", "spk2"]
     for i, clip in enumerate((clips[0], clips[2])):
         assert torch.equal(ds[i], run_now(module, audio_tensor(clip))), i
+
+
+def test_a_local_folder_of_shards_or_tables_counts_its_subfolders_as_a_bucket_prefix_does(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """A bucket prefix's listing holds its sub-prefixes' objects; a local folder's listing of
+    tars and parquet files held its top level only. ``shards/a.tar`` beside ``shards/sub/b.tar``
+    built ``a.tar`` alone, ``sub/b.tar``'s samples left out unsaid (``datasets`` and a bucket
+    prefix read both); ``data/train/*.parquet`` beside ``data/test/*.parquet`` was no table
+    (``--column`` refused as for a folder of files) where ``datasets`` reads two splits. Now a
+    local folder is walked as a prefix is listed: the shards are built and served equal to the
+    encoder run now, and the two splits refused in one line naming them."""
+    datasets = pytest.importorskip("datasets")
+    clips = [wav_bytes(0.3 + 0.1 * i, 140 + i) for i in range(3)]
+    shards = tmp_path / "shards"
+    (shards / "sub").mkdir(parents=True)
+    write_tar(shards / "a.tar", [("t0", {"wav": clips[0]})])
+    write_tar(shards / "sub" / "b.tar", [("t1", {"wav": clips[1]})])
+    store = tmp_path / "store"
+    report = build(shards, encoder_file, cache=store, workers=0)
+    assert (report.encoded, report.failed) == (2, [])
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
+    ds = CachedFeatureDataset(shards, encoder_file, cache=store, on_miss="error")
+    assert [ds.item_id(i) for i in range(len(ds))] == ["t0", "t1"]
+    for i in range(2):
+        assert torch.equal(ds[i], run_now(module, audio_tensor(clips[i]))), i
+
+    data = tmp_path / "data"
+    for split, pick in (("train", clips[:2]), ("test", clips[2:])):
+        (data / split).mkdir(parents=True)
+        write_audio_parquet(data / split / "0000.parquet", pick, label=list(range(len(pick))))
+    assert sorted(datasets.data_files.get_data_patterns(str(data))) == ["test", "train"]
+    result = invoke("build", "--data", data, "--encoder", encoder_file, "--cache", store,
+                    "--column", "audio")  # fmt: skip
+    assert result.returncode == 8, result.stdout + result.stderr
+    said = result.stderr.strip()
+    assert len(said.splitlines()) == 1 and "train (1 file), test (1 file)" in said, said
