@@ -48,7 +48,7 @@ from featbake.encode.fingerprints import (
 from featbake.encode.sources import ScanResult, SkippedInput, Source
 from featbake.errors import SourceError
 from featbake.progress import Progress
-from featbake.store.byteplace import bytes_at, hidden_name
+from featbake.store.byteplace import bytes_at, shard_names
 from featbake.store.containers import (
     TAR_SUFFIXES,
     Holder,
@@ -67,10 +67,13 @@ from featbake.store.objects import ObjectInfo, object_stat
 # A webdataset shard is a plain tar; the members of one sample are consecutive and share a key:
 # the member's name up to the first dot of its last path component (webdataset's
 # ``base_plus_ext``: ``images/0001.seg.png`` is key ``images/0001``, extension ``seg.png``).
-# Names without a dot, and top-level ``__name__`` metadata members, belong to no sample, as in
-# webdataset. The member a build encodes is ``--column EXT`` (``jpg``, ``flac``) or, by default,
-# the sample's first member whose last extension the recipe's source reads.
+# Names without a dot, and webdataset's metadata members (a top-level ``__name__``, anything in a
+# top-level ``__name__/`` folder: its ``skip_meta``), belong to no sample, as in webdataset. The
+# member a build encodes is ``--column EXT`` (``jpg``, ``flac``) or, by default, the sample's
+# first member whose last extension the recipe's source reads.
 _KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)[.]([^/]*)$")
+#: The members webdataset's tar reader skips as metadata (``tar_file_iterator``'s ``skip_meta``).
+_META = re.compile(r"__[^/]*__($|/)")
 
 
 def key_and_extension(name: str) -> tuple[str, str] | None:
@@ -80,7 +83,7 @@ def key_and_extension(name: str) -> tuple[str, str] | None:
         >>> key_and_extension("images/0001.seg.PNG")
         ('images/0001', 'seg.png')
     """
-    if "/" not in name and name.startswith("__") and name.endswith("__"):
+    if _META.match(name):
         return None
     match = _KEY_EXT.match(name)
     return (match.group(1), match.group(2).lower()) if match else None
@@ -123,6 +126,27 @@ def unreadable_carried(sample: Sample, chosen: Member) -> list[SkippedInput]:
         SkippedInput(f"{sample.tar}:{m.name}", m.problem.removeprefix(f"{sample.tar}:{m.name}: "))
         for m in sample.members.values()
         if m.problem and m is not chosen
+    ]
+
+
+def same_kind_left_out(sample: Sample, chosen: Member) -> list[SkippedInput]:
+    """One line for each member of ``sample`` of the chosen member's kind (its last extension)
+    that the build leaves out, with how to fix it. ``spk1.utt1.wav`` and ``spk1.utt2.wav`` (a
+    folder of files tarred as it is) are one sample ``spk1`` to webdataset, whose key ends at
+    the first dot of a name: encoding the first member alone, unsaid, lost the other utterance.
+    A sample's members of other kinds (``0001.jpg`` and its mask ``0001.seg.png``) are carried,
+    as webdataset samples are meant to hold them."""
+    ext = next(e for e, m in sample.members.items() if m is chosen)
+    last = ext.rsplit(".", 1)[-1]
+    return [
+        SkippedInput(
+            f"{sample.tar}:{m.name}",
+            f"a second .{last} member of sample {sample.key!r} ({chosen.name} is encoded): a "
+            "webdataset key ends at the first dot of a name, so rename the files to keys "
+            f"without dots, or name the member to encode with --column (e.g. --column {e})",
+        )
+        for e, m in sample.members.items()
+        if m is not chosen and e.rsplit(".", 1)[-1] == last
     ]
 
 
@@ -229,12 +253,9 @@ class WebDataset:
         skipped: list[SkippedInput] = []
         seen: dict[str, str] = {}
         objects = self._list_objects()
-        if self.prefix:
-            self.tars = sorted(
-                url
-                for url in objects
-                if is_tar(url) and not hidden_name(url[len(self.folder) + 1 :])
-            )
+        if self.prefix:  # the one rule of a local folder's shards, on the names under the prefix
+            names = shard_names(self.where, (url[len(self.folder) + 1 :] for url in objects))
+            self.tars = [f"{self.folder}/{name}" for name in names]
         for tar in self.tars:
             try:
                 samples, odd = samples_of(tar, self._members(tar, objects))
@@ -307,10 +328,14 @@ class WebDataset:
         if sample.key in seen:
             raise SourceError(
                 f"two samples have the key {sample.key!r}: {seen[sample.key]} and "
-                f"{sample.tar}:{first.name}; webdataset keys must be unique (rename one)"
+                f"{sample.tar}:{first.name}; an id names one item, so keys must be unique: "
+                "rename one sample's members (its key is a member's name up to the first dot "
+                "of its last part), or build each set of shards as its own --data"
             )
         seen[sample.key] = f"{sample.tar}:{first.name}"
         skipped.extend(unreadable_carried(sample, member))
+        if self.column is None:  # a member the user did not name: none may be left out unsaid
+            skipped.extend(same_kind_left_out(sample, member))
         self.samples[sample.key] = sample
         self.chosen[sample.key] = member
         self.index.listed[f"{sample.tar}:{member.name}"] = member

@@ -30,7 +30,7 @@ import re
 import stat
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, NamedTuple, TypeVar
@@ -39,6 +39,7 @@ from featbake.errors import ConfigError, SourceError, StoreError
 from featbake.keys import sha256_file
 from featbake.store.containers import (
     CONTAINER_SUFFIXES,
+    TABLE_IGNORED_PREFIXES,
     Holder,
     Member,
     RangedObject,
@@ -50,6 +51,7 @@ from featbake.store.containers import (
     gzip_stream,
     is_gzip_tar,
     is_tar,
+    left_out,
     list_members,
     member_digests,
     ranged_member_digests,
@@ -76,10 +78,25 @@ from featbake.store.url import BucketURL, is_url
 from featbake.threadpool import HASH_THREADS, OBJECT_THREADS, map_in_threads
 
 
-def hidden_name(name: str) -> bool:
-    """Whether a relative name has a hidden part (``.x/`` or ``.x``), passed over as a folder
-    scan passes hidden files."""
-    return any(part.startswith(".") for part in name.split("/"))
+def hidden_name(name: str, passed: tuple[str, ...] = (".",)) -> bool:
+    """Whether a relative name has a hidden part (``.x/`` or ``.x``: one starting with one of
+    ``passed``), passed over as a folder scan passes hidden files."""
+    return any(part.startswith(passed) for part in name.split("/"))
+
+
+def shard_names(where: str, names: Iterable[str]) -> list[str]:
+    """The tar shards among the names of a folder's files (or a bucket prefix's objects,
+    relative to it), in name order: visible ones only (webdataset's shard lists are globs,
+    which pass over hidden names), of one split as ``datasets`` reads them. The one rule of a
+    local folder and a bucket prefix of shards.
+
+    Raises:
+        SourceError: the names say several splits, or one beside names of none
+            (:func:`~featbake.store.containers.refuse_several_splits`).
+    """
+    kept = sorted(n for n in names if is_tar(n) and not hidden_name(n))
+    refuse_several_splits(where, kept)  # datasets reads such a folder as splits
+    return kept
 
 
 def expand_braces(pattern: str) -> list[str]:
@@ -268,9 +285,17 @@ class BytePlace:
         reading; members that fit ``held``'s budget kept there."""
         raise NotImplementedError
 
-    def holds_only(self, where: str, wanted: tuple[str, ...], also: tuple[str, ...] = ()) -> bool:
+    def holds_only(
+        self,
+        where: str,
+        wanted: tuple[str, ...],
+        also: tuple[str, ...] = (),
+        passed: tuple[str, ...] = (".",),
+    ) -> bool:
         """Whether the folder (prefix) ``where`` holds a visible file ending with ``wanted``,
-        and no visible file ending otherwise (but with ``also``); False for no folder."""
+        and no visible file ending otherwise (but with ``also``); False for no folder. A file
+        whose name starts with one of ``passed`` is not visible (hidden ones; for a table's
+        folder also ``_`` ones, as pyarrow passes over them)."""
         raise NotImplementedError
 
     def table_files(self, where: str) -> list[TableFile]:
@@ -337,21 +362,14 @@ class LocalFiles(BytePlace):
         exts = tuple(e.lower() for e in extensions)
         found: list[str] = []
         skipped: list[Passed] = []
-        seen = {dir_id(root)}
-        folders = [("", os.fspath(root))]  # (relative, absolute), walked depth first
-        while folders:
-            rel, folder = folders.pop()
-            files, subfolders = listing(folder, seen)
-            folders += [(os.path.join(rel, e.name) if rel else e.name, e.path) for e in subfolders]
-            for entry in files:
-                if not entry.name.lower().endswith(exts):
-                    continue
-                rel_name = os.path.join(rel, entry.name) if rel else entry.name
-                why = not_an_input(rel_name, entry)
-                if why is None:
-                    found.append(rel_name)
-                else:
-                    skipped.append(Passed(printable(rel_name), why))
+        for rel_name, entry in walked(os.fspath(root)):
+            if not entry.name.lower().endswith(exts):
+                continue
+            why = not_an_input(rel_name, entry)
+            if why is None:
+                found.append(rel_name)
+            else:
+                skipped.append(Passed(printable(rel_name), why))
         if not found and not skipped:
             raise SourceError(
                 f"no input files ({', '.join(sorted(exts))}) under {where}; "
@@ -444,33 +462,38 @@ class LocalFiles(BytePlace):
     ) -> ReadBack:
         return member_digests(tar, members, held)
 
-    def holds_only(self, where: str, wanted: tuple[str, ...], also: tuple[str, ...] = ()) -> bool:
+    def holds_only(
+        self,
+        where: str,
+        wanted: tuple[str, ...],
+        also: tuple[str, ...] = (),
+        passed: tuple[str, ...] = (".",),
+    ) -> bool:
         # It stops at the first other file: asked of every ``--data`` folder, it must not stat
-        # a million clips to say no.
+        # a million clips to say no. Subfolders count, as a bucket prefix's sub-prefixes do.
         found = False
         try:
-            with os.scandir(where) as it:
-                for entry in it:
-                    if entry.name.startswith(".") or not _is_file(entry):
-                        continue
-                    name = entry.name.lower()
-                    if name.endswith(wanted):
-                        found = True
-                    elif not name.endswith(also):
-                        return False
+            for rel, entry in walked(where):
+                if hidden_name(rel, passed) or not _is_file(entry):
+                    continue
+                name = entry.name.lower()
+                if name.endswith(wanted):
+                    found = True
+                elif not name.endswith(also):
+                    return False
         except OSError:
             return False  # not a folder (or unreadable): the folder scan says why
         return found
 
     def table_files(self, where: str) -> list[TableFile]:
-        return [TableFile(p) for p in table_files(where)]
+        return [TableFile(p) for p in table_files(where, walked_names)]
 
     def is_table_folder(self, where: str) -> bool:
         if os.path.isfile(os.path.join(where, "dataset_dict.json")):
             return True
         if all(os.path.isfile(os.path.join(where, n)) for n in ("state.json", "dataset_info.json")):
             return True
-        return self.holds_only(where, (".parquet",), (".md", ".json"))
+        return self.holds_only(where, (".parquet",), (".md", ".json"), TABLE_IGNORED_PREFIXES)
 
     def resolve(self, where: str) -> str:
         return resolved(where)
@@ -498,8 +521,7 @@ class LocalFiles(BytePlace):
             )
         if os.path.isdir(data):
             folder = resolved(data)
-            names = sorted(n for n in os.listdir(folder) if is_tar(n) and not n.startswith("."))
-            refuse_several_splits(folder, names)  # datasets reads such a folder as splits
+            names = shard_names(folder, walked_names(folder))
             return Shards(folder, folder, [os.path.join(folder, n) for n in names])
         where = resolved(data)
         return Shards(where, os.path.dirname(where), [where])
@@ -551,6 +573,29 @@ def listing(
             subfolders.append(entry)
     subfolders.reverse()  # popped last first: folders are walked in name order
     return files, subfolders
+
+
+def walked(where: str) -> Iterator[tuple[str, os.DirEntry[str]]]:
+    """(name relative to ``where``, entry) of each visible file under the folder ``where``,
+    its subfolders walked depth first, each once (links followed, hidden names passed over:
+    :func:`listing`): the one walk of a folder's scan and of the shards and table files in it.
+
+    Raises:
+        OSError: ``where`` cannot be stat'ed (missing).
+    """
+    seen = {dir_id(where)}
+    folders = [("", where)]  # (relative with a trailing slash, absolute)
+    while folders:
+        rel, folder = folders.pop()
+        files, subfolders = listing(folder, seen)
+        folders += [(f"{rel}{e.name}/", e.path) for e in subfolders]
+        for entry in files:
+            yield rel + entry.name, entry
+
+
+def walked_names(where: str) -> list[str]:
+    """The names of :func:`walked`'s files, relative to ``where``."""
+    return [name for name, _ in walked(where)]
 
 
 def not_an_input(name: str, file: os.DirEntry[str] | str | os.PathLike[str]) -> str | None:
@@ -819,7 +864,13 @@ class Objects(BytePlace):
             return streamed_member_digests(tar, members, raw, held)
         return ranged_member_digests(tar, members, object_fetch(tar), held)
 
-    def holds_only(self, where: str, wanted: tuple[str, ...], also: tuple[str, ...] = ()) -> bool:
+    def holds_only(
+        self,
+        where: str,
+        wanted: tuple[str, ...],
+        also: tuple[str, ...] = (),
+        passed: tuple[str, ...] = (".",),
+    ) -> bool:
         # One LIST (the scan lists again, as it does for any prefix). A name ending as a table
         # file names one object, not a prefix: no LIST to tell. A prefix that cannot be listed
         # is no container: the bucket's own scan says why.
@@ -831,7 +882,7 @@ class Objects(BytePlace):
         except (StoreError, ConfigError):
             return False
         rels = [o.name[len(key) :] for o in listing]
-        names = [n.lower() for n in rels if not hidden_name(n)]
+        names = [n.lower() for n in rels if not hidden_name(n, passed)]
         return (
             bool(names)
             and all(n.endswith(wanted) or n.endswith(also) for n in names)
@@ -839,22 +890,34 @@ class Objects(BytePlace):
         )
 
     def table_files(self, where: str) -> list[TableFile]:
-        if not where.lower().endswith(".parquet"):
+        if where.lower().endswith(".parquet"):
+            return [TableFile(where, ranged_object)]
+        if where.lower().endswith(".arrow"):
             raise ConfigError(
                 f"Arrow files and Hugging Face datasets in a bucket ({where}) are not read in "
                 "place yet; copy them to a local folder (e.g. with `aws s3 sync`) and pass that "
                 "as --data"
             )
-        return [TableFile(where, ranged_object)]
+        # A prefix of parquet objects (is_table_folder): one LIST, the names under it read as a
+        # local folder's are (pyarrow's ignored names passed over, one split), in name order.
+        bucket, key = prefix_at(where)
+        names = [o.name[len(key) :] for o in bucket.list(key)]
+        kept = sorted(n for n in names if n.endswith(".parquet") and not left_out(n))
+        refuse_several_splits(where, kept)
+        return [TableFile(f"{where}/{n}", ranged_object) for n in kept]
 
     def is_table_folder(self, where: str) -> bool:
-        return False  # a bucket's table is one parquet object (see table_files)
+        return self.holds_only(where, (".parquet",), (".md", ".json"), TABLE_IGNORED_PREFIXES)
 
     def resolve(self, where: str) -> str:
-        return where
+        if where.lower().endswith(CONTAINER_SUFFIXES):
+            return where  # one object
+        return str(BucketURL.parse(where))  # a prefix, as messages and the catalog name it
 
     def table_folder(self, where: str) -> str:
-        return where.rsplit("/", 1)[0]
+        if where.lower().endswith(CONTAINER_SUFFIXES):
+            return where.rsplit("/", 1)[0]
+        return where  # a prefix of parquet objects: their names are relative to it
 
     def is_list_file(self, where: str, suffixes: tuple[str, ...]) -> bool:
         return False

@@ -38,7 +38,7 @@ import re
 import stat
 import tarfile
 import threading
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from enum import Enum
 from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, Protocol, TypeVar
 
@@ -696,8 +696,9 @@ def cell_bytes(cell: Any, kind: CellKind) -> bytes | str:
     return bytes(cell)
 
 
-def table_files(where: str) -> list[str]:
-    """The data files of a local table, in the dataset's order.
+def table_files(where: str, listed: Callable[[str], Iterable[str]] = os.listdir) -> list[str]:
+    """The data files of a local table, in the dataset's order (a folder's parquet files as
+    ``listed`` names them relative to it: the byte seam's walk, subfolders too).
 
     Raises:
         SourceError: a DatasetDict folder (one split must be named), or a ``state.json`` that
@@ -725,9 +726,27 @@ def table_files(where: str) -> list[str]:
         if not files:
             raise SourceError(f"{state} names no data file")
         return [os.path.join(where, n) for n in files]
-    names = sorted(n for n in os.listdir(where) if n.endswith(".parquet"))
+    names = sorted(n for n in listed(where) if n.endswith(".parquet") and not left_out(n))
     refuse_several_splits(where, names)
     return [os.path.join(where, n) for n in names]
+
+
+#: The name starts a folder of parquet files' listing passes over: pyarrow's dataset discovery's
+#: default ``ignore_prefixes``, so a writer's leftovers (Spark's ``_SUCCESS`` and
+#: ``_committed_*``, ``_metadata``, a hidden ``.part-1.tmp.parquet`` being written, a ``.crc``)
+#: are no rows, as they are none to ``pyarrow.dataset.dataset(folder)`` or ``pq.read_table``.
+TABLE_IGNORED_PREFIXES = (".", "_")
+
+
+def left_out(name: str) -> bool:
+    """Whether a folder of parquet files' listing passes over the file ``name`` (a name
+    relative to the folder; any part of it counted), as pyarrow's discovery does (pure).
+
+    Example:
+        >>> left_out("_SUCCESS"), left_out(".part-1.tmp.parquet"), left_out("part-0.parquet")
+        (True, True, False)
+    """
+    return any(part.startswith(TABLE_IGNORED_PREFIXES) for part in name.split("/"))
 
 
 #: The split names ``datasets`` reads in a data file's name (its ``SPLIT_KEYWORDS``), in its order.
@@ -736,22 +755,53 @@ SPLIT_KEYWORDS = {
     "validation": ("validation", "valid", "dev", "val"),
     "test": ("test", "testing", "eval", "evaluation"),
 }
-#: A keyword stands in a name between these characters (datasets' ``NON_WORDS_CHARS``).
+#: A keyword stands in a file's name between these characters (datasets' ``NON_WORDS_CHARS``).
 _SPLIT_IN_NAME = {
     split: re.compile(rf"(?:^|[-._ 0-9])(?:{'|'.join(words)})[-._ 0-9]")
     for split, words in SPLIT_KEYWORDS.items()
 }
+#: A keyword names a folder when it stands between those characters or at the folder name's end
+#: (datasets' ``KEYWORDS_IN_DIR_NAME_BASE_PATTERNS``: ``train/``, ``train-0/``, ``my_train/``).
+_SPLIT_IN_FOLDER = {
+    split: re.compile(rf"(?:^|[-._ 0-9])(?:{'|'.join(words)})(?:[-._ 0-9]|$)")
+    for split, words in SPLIT_KEYWORDS.items()
+}
 
 
-def split_of(name: str) -> str | None:
+def split_of(name: str, by_folder: bool = False) -> str | None:
     """The split a data file's name puts it in as ``datasets`` reads a folder (``load_dataset``
-    of a Hub snapshot's ``data/``), or None (pure).
+    of a Hub snapshot's ``data/``), or None (pure): by its file name, or (``by_folder``) by
+    the folders of a name relative to the listed folder (a bucket prefix's ``train/x.tar``).
 
     Example:
         >>> split_of("train-00000-of-00002.parquet"), split_of("dev.parquet"), split_of("x.parquet")
         ('train', 'validation', None)
+        >>> split_of("test/000.tar"), split_of("test/000.tar", by_folder=True)
+        (None, 'test')
     """
-    return next((split for split, named in _SPLIT_IN_NAME.items() if named.search(name)), None)
+    if by_folder:
+        folders = name.split("/")[:-1]
+        found = (s for s, named in _SPLIT_IN_FOLDER.items() if any(map(named.search, folders)))
+    else:
+        base = name.rsplit("/", 1)[-1]
+        found = (s for s, named in _SPLIT_IN_NAME.items() if named.search(base))
+    return next(found, None)
+
+
+def splits_of(names: Sequence[str]) -> dict[str | None, list[str]]:
+    """split (None: none named) -> the names in it, as ``datasets`` splits a folder's files
+    (pure): by their folders' names where any folder names a split (its patterns for folders
+    come first: files in no such folder are left out of every split), else by file name.
+
+    Example:
+        >>> splits_of(["train/a.tar", "test/a.tar", "b.tar"])
+        {'train': ['train/a.tar'], 'test': ['test/a.tar'], None: ['b.tar']}
+    """
+    by_folder = any(split_of(n, by_folder=True) for n in names)
+    out: dict[str | None, list[str]] = {}
+    for name in names:
+        out.setdefault(split_of(name, by_folder), []).append(name)
+    return out
 
 
 def refuse_several_splits(where: str, names: Sequence[str]) -> None:
@@ -763,16 +813,15 @@ def refuse_several_splits(where: str, names: Sequence[str]) -> None:
     serve rows the user's other loader never sees). A folder whose files name no split is one
     ``train`` split of them all to ``datasets``, as to featbake.
 
-    The split of each name is ``datasets``' own rule (:func:`split_of`); the folder's files
-    only are judged, as they are what featbake reads.
+    The split of each name is ``datasets``' own rule (:func:`splits_of`); the folder's files
+    only are judged, as they are what featbake reads (a bucket prefix's: every object under it,
+    named relative to it, so ``train/`` beside ``test/`` is two splits there as well).
 
     Raises:
         SourceError: the files name two splits or more (each named with its file count), or
             one split beside files that name none (those named).
     """
-    by_split: dict[str | None, list[str]] = {}
-    for name in names:
-        by_split.setdefault(split_of(name), []).append(name)
+    by_split = splits_of(names)
     named = [split for split in SPLIT_KEYWORDS if split in by_split]
     if not named or by_split.keys() == {named[0]}:
         return

@@ -764,6 +764,13 @@ def test_a_folder_of_one_split_beside_files_of_none_is_refused_naming_what_it_wo
         ["shard-000.tar", "shard-001.tar"],
         ["train-0000.tar", "extra-0000.tar"],
         ["00_train_.tar", "01.tar"],
+        ["train/a.tar", "test/b.tar"],
+        ["train/a.tar", "b.tar"],
+        ["train/a.tar", "train/test.tar"],
+        ["data/train/a.parquet", "data/valid/b.parquet"],
+        ["train-0/a.tar", "x/a.tar"],
+        ["sub/train.tar", "sub/test.tar"],
+        ["sub/a.tar", "other/b.tar"],
     ],
 )
 def test_a_folder_is_read_as_one_exactly_where_datasets_reads_it_as_one_split(
@@ -775,10 +782,11 @@ def test_a_folder_is_read_as_one_exactly_where_datasets_reads_it_as_one_split(
     refuses the folder."""
     datasets = pytest.importorskip("datasets")
     for name in names:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_bytes(b"")
     patterns = datasets.data_files.get_data_patterns(str(tmp_path))
     resolved = datasets.data_files.DataFilesDict.from_patterns(patterns, base_path=str(tmp_path))
-    got = {str(s): sorted(os.path.basename(f) for f in fs) for s, fs in resolved.items()}
+    got = {str(s): sorted(os.path.relpath(f, tmp_path) for f in fs) for s, fs in resolved.items()}
     as_one = len(got) == 1 and next(iter(got.values())) == sorted(names)
     try:
         refuse_several_splits(str(tmp_path), sorted(names))
@@ -1787,3 +1795,266 @@ def test_a_gzip_shards_members_read_in_order_decompress_it_once(
     tar.write_bytes(gzip.compress(plain.read_bytes()))  # rewritten: another stat
     os.utime(tar, ns=(1, 1))
     assert source.read(paths[2]) == clips[2] and len(opened) == 3
+
+
+# == round nine: what a folder's listing reads, and what it leaves out ============================
+def test_a_parquet_folder_passes_over_the_files_pyarrow_passes_over(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """A writer's leftovers beside its parquet files (Spark's ``_SUCCESS`` and
+    ``_committed_*``, a hidden ``.part-1.tmp.parquet`` being written, a ``_tmp.parquet``, a
+    ``.crc``) are no data to pyarrow's dataset discovery (``ignore_prefixes`` ``['.', '_']``).
+    featbake read the ``.parquet`` ones as rows (a half-written file served as data), and a
+    ``_SUCCESS`` beside them made the folder no table at all (``--column`` refused as for a
+    folder of files). Now the folder is the files pyarrow reads: built and served in
+    pyarrow's order with its labels, each equal to the encoder run now."""
+    import pyarrow.dataset as pads
+
+    data = tmp_path / "spark-out"
+    data.mkdir()
+    clips = [wav_bytes(0.3 + 0.1 * i, 40 + i) for i in range(5)]
+    write_audio_parquet(data / "part-00000.parquet", clips[:2], label=[1, 2])
+    write_audio_parquet(data / "part-00001.parquet", clips[2:3], label=[3])
+    write_audio_parquet(data / ".part-00002.tmp.parquet", clips[3:4], label=[98])
+    write_audio_parquet(data / "_tmp.parquet", clips[4:], label=[99])
+    for name in ("_SUCCESS", "_committed_4711", ".part-00000.parquet.crc"):
+        (data / name).write_bytes(b"")
+    read = pads.dataset(str(data))  # the plain alternative: what pyarrow reads of the folder
+    assert [os.path.basename(f) for f in read.files] == ["part-00000.parquet", "part-00001.parquet"]
+    labels = read.to_table().column("label").to_pylist()
+    assert is_table(str(data))
+    assert Table(str(data), "audio").scan([".wav"]).inputs == [
+        "part-00000.parquet:0", "part-00000.parquet:1", "part-00001.parquet:0",
+    ]  # fmt: skip
+    store = tmp_path / "store"
+    result = invoke("build", "--data", data, "--encoder", encoder_file, "--cache", store,
+                    "--column", "audio")  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
+    ds = CachedFeatureDataset(data, encoder_file, cache=store, column="audio", on_miss="error")
+    assert [ds.row(i)["label"] for i in range(len(ds))] == labels == [1, 2, 3]
+    for i in range(len(ds)):
+        assert torch.equal(ds[i], run_now(module, audio_tensor(clips[i]))), ds.item_id(i)
+
+
+@pytest.mark.parametrize(
+    ("layout", "said"),
+    [
+        ({"train-000.tar": 0, "valid-000.tar": 1}, "train (1 file), validation (1 file)"),
+        ({"train/000.tar": 0, "test/000.tar": 1}, "train (1 file), test (1 file)"),
+        ({"train/000.tar": 0, "extra/000.tar": 1}, "name no split (extra/000.tar)"),
+    ],
+)
+def test_a_bucket_prefix_of_tars_of_several_splits_is_refused_as_a_local_folder_is(
+    s3: Any, tmp_path: Path, encoder_file: Path, layout: dict[str, int], said: str
+) -> None:
+    """``s3://bucket/wds/`` holding ``train-000.tar`` beside ``valid-000.tar`` (or ``train/``
+    beside ``test/``) was built as one dataset, the held-out samples served as training ones,
+    where the same files in a local folder are refused: ``datasets`` reads them as splits (its
+    own split patterns, checked on a local copy of the layout). The prefix is refused by the
+    same rule in one line (exit 8, and from a dataset); one split's prefix is built and
+    served equal to the encoder run now."""
+    datasets = pytest.importorskip("datasets")
+    clips = [wav_bytes(0.3 + 0.1 * i, 60 + i) for i in range(2)]
+    tars = [write_tar(tmp_path / f"{i}.tar", [(f"k{i}", {"wav": clips[i]})]) for i in (0, 1)]
+    mirror = tmp_path / "mirror"
+    for name in layout:
+        (mirror / name).parent.mkdir(parents=True, exist_ok=True)
+        (mirror / name).write_bytes(b"")
+    assert len(datasets.data_files.get_data_patterns(str(mirror))) == 2 or "no split" in said
+    prefix = f"s3://{s3.bucket}/wds/"
+    upload_shards(prefix, {name: tars[i] for name, i in layout.items()})
+    store = tmp_path / "store"
+    result = invoke("build", "--data", prefix, "--encoder", encoder_file, "--cache", store)
+    assert result.returncode == 8, result.stdout + result.stderr
+    line = result.stderr.strip()
+    assert len(line.splitlines()) == 1 and said in line and f"s3://{s3.bucket}/wds" in line, line
+    with pytest.raises(SourceError, match=re.escape(said)):
+        CachedFeatureDataset(prefix, encoder_file, cache=store)
+    first = next(iter(layout))
+    one = f"s3://{s3.bucket}/wds/{first}"
+    assert build(one, encoder_file, cache=store, workers=0).encoded == 1
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
+    ds = CachedFeatureDataset(one, encoder_file, cache=store, on_miss="error")
+    assert [ds.item_id(i) for i in range(len(ds))] == ["k0"]
+    assert torch.equal(ds[0], run_now(module, audio_tensor(clips[0])))
+
+
+def test_a_shards_samples_are_the_ones_webdataset_reads_metadata_folders_left_out(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """webdataset's tar reader skips a top-level ``__name__`` member and everything in a
+    top-level ``__name__/`` folder (``skip_meta``) as metadata; featbake made
+    ``__meta__/s1.wav`` a sample of its own, an item the user's webdataset loader never sees.
+    Now the samples are webdataset's own (its reader run on the shard), and each is served
+    equal to the encoder run now."""
+    wds = pytest.importorskip("webdataset")
+    clips = [wav_bytes(0.3 + 0.1 * i, 80 + i) for i in range(4)]
+    tar = tmp_path / "shard-000.tar"
+    with tarfile.open(tar, "w") as tf:
+        for name, data in (
+            ("s0.wav", clips[0]), ("s0.cls", b"0"), ("__meta__/s1.wav", clips[1]),
+            ("__index__", b"{}"), ("__thumbs__/x/s2.wav", clips[2]), ("s3.wav", clips[3]),
+        ):  # fmt: skip
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    theirs = [s["__key__"] for s in wds.WebDataset(str(tar), shardshuffle=False) if "wav" in s]
+    assert theirs == ["s0", "s3"]
+    assert WebDataset(str(tar)).scan([".wav"]).inputs == theirs
+    store = tmp_path / "store"
+    report = build(tar, encoder_file, cache=store, workers=0)
+    assert (report.encoded, report.failed) == (2, [])
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
+    ds = CachedFeatureDataset(tar, encoder_file, cache=store, on_miss="error")
+    assert [ds.item_id(i) for i in range(len(ds))] == theirs
+    for i, clip in enumerate((clips[0], clips[3])):
+        assert torch.equal(ds[i], run_now(module, audio_tensor(clip))), i
+
+
+def test_a_key_in_two_shards_is_refused_saying_how_to_fix_the_data(tmp_path: Path) -> None:
+    """webdataset serves two samples of one key (in two shards, or ``a.b.wav`` and ``a.c.wav``,
+    whose key is ``a`` in both) as two; featbake names each item by its key, and one id cannot
+    name two features, so it refuses the shards, now saying how to fix them: rename one
+    sample's members, or build the shards apart."""
+    clip = wav_bytes(0.3, 90)
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    write_tar(folder / "shard-000.tar", [("utt.a", {"wav": clip})])
+    write_tar(folder / "shard-001.tar", [("utt.b", {"wav": clip})])
+    with pytest.raises(SourceError) as told:
+        WebDataset(str(folder)).scan([".wav"])
+    said = str(told.value)
+    assert "two samples have the key 'utt'" in said and "\n" not in said, said
+    assert "rename one sample's members" in said and "up to the first dot" in said, said
+    assert "build each set of shards as its own --data" in said, said
+
+
+def test_a_bucket_prefix_of_parquet_is_read_as_a_local_folder_of_them_is(
+    s3: Any, tmp_path: Path, encoder_file: Path
+) -> None:
+    """``s3://bucket/out/`` holding only parquet objects (and a writer's leftovers) was taken
+    for a prefix of audio objects: ``--column`` refused as for a folder of files, and without
+    it "none of them input files". It is now the table a local folder of the same files is:
+    the names pyarrow passes over left out (``_SUCCESS``, a hidden temporary file, Spark's
+    ``_temporary/``), built and served in pyarrow's order with its labels, equal to the encoder
+    run now, a rebuild reusing every row; a prefix of two splits is refused in one line."""
+    import pyarrow.dataset as pads
+
+    clips = [wav_bytes(0.3 + 0.1 * i, 100 + i) for i in range(5)]
+    mirror = tmp_path / "mirror"
+    (mirror / "_temporary" / "0").mkdir(parents=True)
+    write_audio_parquet(mirror / "part-00000.parquet", clips[:2], label=[1, 2])
+    write_audio_parquet(mirror / "part-00001.parquet", clips[2:3], label=[3])
+    write_audio_parquet(mirror / ".part-00002.tmp.parquet", clips[3:4], label=[98])
+    write_audio_parquet(mirror / "_temporary" / "0" / "part-00003.parquet", clips[4:], label=[99])
+    (mirror / "_SUCCESS").write_bytes(b"")
+    read = pads.dataset(str(mirror))  # the plain alternative, on a local copy
+    assert read.to_table().column("label").to_pylist() == [1, 2, 3]
+    prefix = f"s3://{s3.bucket}/out/"
+    upload_shards(prefix, {str(p.relative_to(mirror)): p for p in mirror.rglob("*") if p.is_file()})
+    store = tmp_path / "store"
+    report = build(prefix, encoder_file, cache=store, workers=0, column="audio")
+    assert (report.encoded, report.failed) == (3, [])
+    assert report.data == f"s3://{s3.bucket}/out"
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
+    ds = CachedFeatureDataset(prefix, encoder_file, cache=store, column="audio", on_miss="error")
+    assert [ds.item_id(i) for i in range(len(ds))] == [
+        "part-00000.parquet:0", "part-00000.parquet:1", "part-00001.parquet:0",
+    ]  # fmt: skip
+    assert [ds.row(i)["label"] for i in range(len(ds))] == [1, 2, 3]
+    for i in range(len(ds)):
+        assert torch.equal(ds[i], run_now(module, audio_tensor(clips[i]))), i
+    again = build(prefix, encoder_file, cache=store, workers=0, column="audio")
+    assert (again.encoded, again.reused, again.root) == (0, 3, report.root)
+
+    splits = f"s3://{s3.bucket}/splits/"
+    named = {"train-00000-of-00001.parquet": "part-00000.parquet",
+             "test-00000-of-00001.parquet": "part-00001.parquet"}  # fmt: skip
+    upload_shards(splits, {name: mirror / local for name, local in named.items()})
+    result = invoke("build", "--data", splits, "--encoder", encoder_file, "--cache", store,
+                    "--column", "audio")  # fmt: skip
+    assert result.returncode == 8, result.stdout + result.stderr
+    said = result.stderr.strip()
+    assert len(said.splitlines()) == 1 and "train (1 file), test (1 file)" in said, said
+
+
+def test_utterances_whose_names_hold_a_dot_are_not_left_out_unsaid(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """A folder of ``spk1.utt1.wav``, ``spk1.utt2.wav``, ``spk2.utt1.wav`` tarred as it is:
+    webdataset's key ends at the first dot, so ``spk1``'s two clips are one sample (its own
+    reader run on the shard says so). The build encoded the first and left the second out
+    without a word; now each clip left out is a line naming it and how to fix the data (exit
+    3), and ``--column`` picks the member as asked, with no line."""
+    wds = pytest.importorskip("webdataset")
+    clips = [wav_bytes(0.3 + 0.1 * i, 120 + i) for i in range(3)]
+    tar = tmp_path / "shard-000.tar"
+    with tarfile.open(tar, "w") as tf:
+        for name, data in zip(
+            ("spk1.utt1.wav", "spk1.utt2.wav", "spk2.utt1.wav"), clips, strict=True
+        ):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    theirs = {
+        s["__key__"]: sorted(k for k in s if not k.startswith("__"))
+        for s in wds.WebDataset(str(tar), shardshuffle=False)
+    }
+    assert theirs == {"spk1": ["utt1.wav", "utt2.wav"], "spk2": ["utt1.wav"]}
+    store = tmp_path / "store"
+    res = invoke("build", "--data", tar, "--encoder", encoder_file, "--cache", store)
+    assert res.returncode == 3, res.stdout + res.stderr
+    said = res.stdout + res.stderr
+    assert "spk1.utt2.wav: a second .wav member of sample 'spk1'" in said, said
+    assert "--column utt2.wav" in said and "keys without dots" in said, said
+    report = build(tar, encoder_file, cache=store, workers=0, column="utt1.wav")
+    assert report.failed == [] and report.encoded + report.reused == 2
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
+    ds = CachedFeatureDataset(tar, encoder_file, cache=store, column="utt1.wav", on_miss="error")
+    assert [ds.item_id(i) for i in range(len(ds))] == ["spk1", "spk2"]
+    for i, clip in enumerate((clips[0], clips[2])):
+        assert torch.equal(ds[i], run_now(module, audio_tensor(clip))), i
+
+
+def test_a_local_folder_of_shards_or_tables_counts_its_subfolders_as_a_bucket_prefix_does(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """A bucket prefix's listing holds its sub-prefixes' objects; a local folder's listing of
+    tars and parquet files held its top level only. ``shards/a.tar`` beside ``shards/sub/b.tar``
+    built ``a.tar`` alone, ``sub/b.tar``'s samples left out unsaid (``datasets`` and a bucket
+    prefix read both); ``data/train/*.parquet`` beside ``data/test/*.parquet`` was no table
+    (``--column`` refused as for a folder of files) where ``datasets`` reads two splits. Now a
+    local folder is walked as a prefix is listed: the shards are built and served equal to the
+    encoder run now, and the two splits refused in one line naming them."""
+    datasets = pytest.importorskip("datasets")
+    clips = [wav_bytes(0.3 + 0.1 * i, 140 + i) for i in range(3)]
+    shards = tmp_path / "shards"
+    (shards / "sub").mkdir(parents=True)
+    write_tar(shards / "a.tar", [("t0", {"wav": clips[0]})])
+    write_tar(shards / "sub" / "b.tar", [("t1", {"wav": clips[1]})])
+    store = tmp_path / "store"
+    report = build(shards, encoder_file, cache=store, workers=0)
+    assert (report.encoded, report.failed) == (2, [])
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
+    ds = CachedFeatureDataset(shards, encoder_file, cache=store, on_miss="error")
+    assert [ds.item_id(i) for i in range(len(ds))] == ["t0", "t1"]
+    for i in range(2):
+        assert torch.equal(ds[i], run_now(module, audio_tensor(clips[i]))), i
+
+    data = tmp_path / "data"
+    for split, pick in (("train", clips[:2]), ("test", clips[2:])):
+        (data / split).mkdir(parents=True)
+        write_audio_parquet(data / split / "0000.parquet", pick, label=list(range(len(pick))))
+    assert sorted(datasets.data_files.get_data_patterns(str(data))) == ["test", "train"]
+    result = invoke("build", "--data", data, "--encoder", encoder_file, "--cache", store,
+                    "--column", "audio")  # fmt: skip
+    assert result.returncode == 8, result.stdout + result.stderr
+    said = result.stderr.strip()
+    assert len(said.splitlines()) == 1 and "train (1 file), test (1 file)" in said, said
