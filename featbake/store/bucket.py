@@ -33,7 +33,7 @@ from featbake.errors import ConfigError, FeatbakeError, ShardMissing, StoreCorru
 from featbake.process import PerProcess, ProcessLocal, ProcessLocalState
 from featbake.store.blocks import BlockPlan, BlockWindowWarning, windows_over
 from featbake.store.catalog import Access, open_sqlite
-from featbake.store.files import publish_file, remove_file
+from featbake.store.files import publish_file
 from featbake.store.fragments import (
     fragment_shard_names,
     fragments_dir,
@@ -46,7 +46,16 @@ from featbake.store.merge import MergeReport, merge
 from featbake.store.objects import CLIENT_CONNECTIONS as CLIENT_CONNECTIONS
 from featbake.store.objects import LIST_PAGE_KEYS as LIST_PAGE_KEYS
 from featbake.store.objects import ObjectStore
-from featbake.store.place import Change, Held, Sweep, Swept, TierUsage, VerifyScope
+from featbake.store.place import (
+    Change,
+    Held,
+    Sweep,
+    Swept,
+    TierUsage,
+    VerifyScope,
+    held_folder,
+    removed_leftover,
+)
 from featbake.store.ranged import RangedShardReader, head_ahead
 from featbake.store.roots import carried_records, restore_records
 from featbake.store.shard import (
@@ -804,39 +813,6 @@ class BucketStore(ProcessLocalState):
         path = self.layout.root / SEEN_FRAGMENTS
         text = json.dumps(sorted(names))
         publish_file(path, lambda p: p.write_text(text), tmp_dir=self.layout.tmp, durable=False)
-
-
-def held_folder(folder: Path) -> Held | None:
-    """A folder as gc's sweep weighs it: its path, the bytes of its files, and its latest
-    change (its own or a file's); None where it went meanwhile or is not a folder."""
-    try:
-        if not folder.is_dir() or folder.is_symlink():
-            return None
-        size, latest = 0, folder.stat().st_mtime
-        for path in folder.rglob("*"):
-            st = path.lstat()
-            size += st.st_size if path.is_file() else 0
-            latest = max(latest, st.st_mtime)
-    except OSError:
-        return None
-    return Held(str(folder), size, latest)
-
-
-def removed_leftover(planned: Held) -> int | None:
-    """Remove a ``tmp/`` leftover gc's sweep planned; the bytes freed, None where it was kept.
-
-    A folder is weighed again first (:func:`held_folder`) and removed only if nothing in it
-    changed since the plan (a process that took it up meanwhile, a verify rerun writing its
-    scratch there, keeps it); a file goes as it is (temporary names are never reused).
-    """
-    path = Path(planned.name)
-    if not path.is_dir() or path.is_symlink():
-        return remove_file(path)
-    now = held_folder(path)
-    if now is None or now.modified > planned.modified:
-        return None
-    shutil.rmtree(path, ignore_errors=True)
-    return now.size
 
 
 def retired_copies(seen: Collection[str], listed: Collection[str]) -> set[str]:

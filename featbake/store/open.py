@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from featbake.errors import ConfigError, StoreError
-from featbake.store.bucket import TIER_MARK, BucketStore, held_folder, removed_leftover
+from featbake.store.bucket import TIER_MARK, BucketStore
 from featbake.store.catalog import READ_ONLY_ENV, Catalog, read_only_forced
 from featbake.store.files import list_folder
 from featbake.store.filesystem import announce, detect
@@ -35,7 +35,9 @@ from featbake.store.place import (
     Swept,
     TierUsage,
     VerifyScope,
+    held_folder,
     remote_place,
+    removed_leftover,
     unnamed_past,
 )
 from featbake.store.roots import Root
@@ -200,7 +202,7 @@ def place_of(layout: Layout) -> Place:
 
 def left_folders(tmp: Path) -> list[Held]:
     """The folders in a store's ``tmp/`` (verify's scratch, a killed repair's work), each
-    weighed by :func:`~featbake.store.bucket.held_folder`: its bytes and the latest change of
+    weighed by :func:`~featbake.store.place.held_folder`: its bytes and the latest change of
     anything in it, so one still written to is young however old the folder itself is."""
     try:
         folders = sorted(p for p in tmp.iterdir() if p.is_dir() and not p.is_symlink())

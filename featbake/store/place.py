@@ -9,13 +9,16 @@ place answers with its own behaviour, a directory's mostly a no-op. :class:`Remo
 the read path of a place whose shards are fetched into the tier (the shard readers' seam).
 
 Kept apart from :mod:`featbake.store.layout` (a pure path object, which asks its place nothing)
-and importing nothing of the store but the layout when it runs (its types of a merge report and
-a shard reader are for type checkers only): the catalog and the fragments ask
-:func:`holds_shard` here, below :func:`featbake.store.open.place_of`.
+and importing nothing of the store when it runs but the layout and :mod:`featbake.store.files`
+(plain file steps, which import nothing of the store; its types of a merge report and a shard
+reader are for type checkers only): the catalog and the fragments ask :func:`holds_shard` here,
+below :func:`featbake.store.open.place_of`. Beside :class:`Held` are the steps both places'
+sweeps take over a ``tmp/`` leftover (:func:`held_folder`, :func:`removed_leftover`).
 """
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable, Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
@@ -23,6 +26,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Generic, NamedTuple, Protocol, TypeVar, runtime_checkable
 
+from featbake.store.files import remove_file
 from featbake.store.layout import Layout
 
 if TYPE_CHECKING:
@@ -65,6 +69,39 @@ class Held(NamedTuple):
     name: str
     size: int
     modified: float
+
+
+def held_folder(folder: Path) -> Held | None:
+    """A folder as gc's sweep weighs it: its path, the bytes of its files, and its latest
+    change (its own or a file's); None where it went meanwhile or is not a folder."""
+    try:
+        if not folder.is_dir() or folder.is_symlink():
+            return None
+        size, latest = 0, folder.stat().st_mtime
+        for path in folder.rglob("*"):
+            st = path.lstat()
+            size += st.st_size if path.is_file() else 0
+            latest = max(latest, st.st_mtime)
+    except OSError:
+        return None
+    return Held(str(folder), size, latest)
+
+
+def removed_leftover(planned: Held) -> int | None:
+    """Remove a ``tmp/`` leftover gc's sweep planned; the bytes freed, None where it was kept.
+
+    A folder is weighed again first (:func:`held_folder`) and removed only if nothing in it
+    changed since the plan (a process that took it up meanwhile, a verify rerun writing its
+    scratch there, keeps it); a file goes as it is (temporary names are never reused).
+    """
+    path = Path(planned.name)
+    if not path.is_dir() or path.is_symlink():
+        return remove_file(path)
+    now = held_folder(path)
+    if now is None or now.modified > planned.modified:
+        return None
+    shutil.rmtree(path, ignore_errors=True)
+    return now.size
 
 
 @dataclass(frozen=True)
