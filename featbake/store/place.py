@@ -18,7 +18,9 @@ sweeps take over a ``tmp/`` leftover (:func:`held_folder`, :func:`removed_leftov
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+import uuid
 from collections.abc import Callable, Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
@@ -87,20 +89,36 @@ def held_folder(folder: Path) -> Held | None:
     return Held(str(folder), size, latest)
 
 
+#: ``tmp/swept-<name>.<id>``: a leftover folder gc's sweep renamed aside to remove it (a name
+#: no writer uses; one a killed sweep left is a leftover of its own, weighed like the others).
+SWEPT_PREFIX = "swept-"
+
+
 def removed_leftover(planned: Held) -> int | None:
     """Remove a ``tmp/`` leftover gc's sweep planned; the bytes freed, None where it was kept.
 
-    A folder is weighed again first (:func:`held_folder`) and removed only if nothing in it
-    changed since the plan (a process that took it up meanwhile, a verify rerun writing its
-    scratch there, keeps it); a file goes as it is (temporary names are never reused).
+    A folder is first renamed aside (:data:`SWEPT_PREFIX`, one atomic step in the same
+    ``tmp/``), then weighed again (:func:`held_folder`) and removed only if nothing in it
+    changed since the plan; a folder taken up meanwhile (a verify rerun writing its scratch
+    there) is renamed back and kept. The rename comes first so that no writer ever writes into
+    a folder being removed: one that takes the folder up after it finds no folder (its write
+    fails, or it makes the folder again, and what it writes then is its own). A file goes as it
+    is (temporary names are never reused).
     """
     path = Path(planned.name)
     if not path.is_dir() or path.is_symlink():
         return remove_file(path)
-    now = held_folder(path)
+    aside = path.with_name(f"{SWEPT_PREFIX}{path.name}.{uuid.uuid4().hex[:12]}")
+    try:
+        path.rename(aside)
+    except OSError:
+        return None  # gone meanwhile (another gc took it)
+    now = held_folder(aside)
     if now is None or now.modified > planned.modified:
+        with contextlib.suppress(OSError):  # its writer made it again meanwhile: it keeps that
+            aside.rename(path)  # one, this copy goes with the next sweep past the grace
         return None
-    shutil.rmtree(path, ignore_errors=True)
+    shutil.rmtree(aside, ignore_errors=True)
     return now.size
 
 
