@@ -47,6 +47,7 @@ from featbake.store.objects import CLIENT_CONNECTIONS as CLIENT_CONNECTIONS
 from featbake.store.objects import LIST_PAGE_KEYS as LIST_PAGE_KEYS
 from featbake.store.objects import ObjectStore
 from featbake.store.place import (
+    SWEPT_PREFIX,
     Change,
     Held,
     Sweep,
@@ -117,8 +118,13 @@ TIER_MARK = "tier.json"
 SEEN_FRAGMENTS = "fragments.seen"
 #: ``<tier>/tmp/work-<id>``: the copy of the newest catalog version a change works on.
 WORK_PREFIX = "work-"
-#: The folder of a tier's ``tmp/`` where ``verify`` brings each shard to check it (upkeep/check.py).
+#: ``<tier>/tmp/verify-<id>``: the folder of a tier's ``tmp/`` where one ``verify`` brings each
+#: shard to check it (upkeep/check.py), each verify its own (:func:`verify_scratch`); a plain
+#: ``tmp/verify`` is what an older featbake's killed verify left.
 VERIFY_SCRATCH = "verify"
+#: The folders of a tier's ``tmp/`` gc's sweep takes once nothing in them changed for the grace
+#: period (:func:`tier_leftovers`); ``tmp/fetch``, where readers work, is not one.
+LEFTOVER_PREFIXES = (WORK_PREFIX, VERIFY_SCRATCH, SWEPT_PREFIX)
 
 
 class PinnedVersion(NamedTuple):
@@ -611,16 +617,13 @@ class BucketStore(ProcessLocalState):
         return dataclasses.replace(planned, loose=self._left_work(now, grace))
 
     def _left_work(self, now: float, grace: float) -> tuple[Held, ...]:
-        """The tier's ``tmp/work-*`` folders (a catalog copy a change works on before its
-        publish: :func:`publish_next`) and its ``tmp/verify`` scratch, untouched for ``grace``:
-        left by a gc, merge, drop or verify killed before it could remove its own."""
-        out = []
-        work = sorted(self.layout.tmp.glob(f"{WORK_PREFIX}*"))
-        for folder in [*work, self.layout.tmp / VERIFY_SCRATCH]:
-            held = held_folder(folder)
-            if held is not None and now - held.modified >= grace:
-                out.append(held)
-        return tuple(out)
+        """The tier's leftovers (:meth:`leftovers`) untouched for ``grace``: left by a gc,
+        merge, drop or verify killed before it could remove its own."""
+        return tuple(h for h in self.leftovers() if now - h.modified >= grace)
+
+    def leftovers(self) -> list[Held]:
+        """The tier's ``tmp/`` folders gc's sweep weighs, of any age (:func:`tier_leftovers`)."""
+        return tier_leftovers(self.layout.tmp)
 
     def _version_shards(self, version: int) -> set[str]:
         """The shard names catalog version ``version`` holds (the tier's copy when it is it)."""
@@ -813,6 +816,24 @@ class BucketStore(ProcessLocalState):
         path = self.layout.root / SEEN_FRAGMENTS
         text = json.dumps(sorted(names))
         publish_file(path, lambda p: p.write_text(text), tmp_dir=self.layout.tmp, durable=False)
+
+
+def tier_leftovers(tmp: Path) -> list[Held]:
+    """The folders in a tier's ``tmp/`` that a killed process leaves (:data:`LEFTOVER_PREFIXES`:
+    a change's catalog copy, a verify's scratch, a sweep's renamed copy), each weighed by
+    :func:`~featbake.store.place.held_folder`. The one rule gc's sweep, stats and verify's note
+    count a tier's leftovers by."""
+    try:
+        names = sorted(p for p in tmp.iterdir() if p.name.startswith(LEFTOVER_PREFIXES))
+    except OSError:
+        return []  # no tmp/ yet
+    return [h for h in map(held_folder, names) if h is not None]
+
+
+def verify_scratch(tmp: Path) -> Path:
+    """A scratch folder of its own for one verify in ``tmp/`` (made on first use): two verifies
+    on one node never remove each other's."""
+    return tmp / f"{VERIFY_SCRATCH}-{uuid.uuid4().hex[:12]}"
 
 
 def retired_copies(seen: Collection[str], listed: Collection[str]) -> set[str]:

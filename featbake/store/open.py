@@ -211,11 +211,11 @@ def left_folders(tmp: Path) -> list[Held]:
     return [h for h in map(held_folder, folders) if h is not None]
 
 
-def tmp_leftovers(tmp: Path, *, folders: bool = True) -> list[Held]:
-    """What a store's ``tmp/`` holds that a directory's gc sweep weighs, of any age: each file,
-    and (``folders``) each folder (:func:`left_folders`)."""
+def tmp_leftovers(tmp: Path) -> list[Held]:
+    """What a store directory's ``tmp/`` holds that its gc sweep weighs, of any age: each file,
+    and each folder (:func:`left_folders`)."""
     files = [Held(str(f.path), f.bytes, f.mtime) for f in list_folder(tmp, "*").files]
-    return files + left_folders(tmp) if folders else files
+    return files + left_folders(tmp)
 
 
 class LocalPlace:
@@ -256,8 +256,11 @@ class LocalPlace:
             named |= {s.name for s in catalog.shard_rows()}
         files = [Held(str(f.path), f.bytes, f.mtime) for f in shard_files(self.layout).values()]
         orphans, young = unnamed_past(files, lambda p: shard_name(Path(p)), named, now, grace)
-        loose = [h for h in tmp_leftovers(self.layout.tmp) if now - h.modified >= grace]
+        loose = [h for h in self.leftovers() if now - h.modified >= grace]
         return Sweep(tuple(orphans), tuple(loose), (), young)
+
+    def leftovers(self) -> list[Held]:
+        return tmp_leftovers(self.layout.tmp)
 
     def sweep(self, plan: Sweep, crash: Callable[[str], None]) -> Swept:
         """Unlink the plan's shard files (re-checked under the write lock: one indexed since

@@ -218,6 +218,12 @@ class Place(Protocol):
         the place's age)."""
         ...
 
+    def leftovers(self) -> list[Held]:
+        """What the place's ``tmp/`` holds that gc's sweep takes once untouched for the grace
+        period, of any age: the one rule :meth:`plan_sweep`, stats and verify's note count
+        leftovers by."""
+        ...
+
     def sweep(self, plan: Sweep, crash: Callable[[str], None]) -> Swept:
         """Delete what ``plan`` names, re-checked where the place allows it; ``crash`` is
         called with the name of each step done (gc's crash points)."""

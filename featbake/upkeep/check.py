@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 from featbake.errors import ConfigError, SourceError, StoreCorrupt, StoreError
 from featbake.keys import sha256_file
 from featbake.progress import GcProgress
-from featbake.store.bucket import VERIFY_SCRATCH
+from featbake.store.bucket import verify_scratch
 from featbake.store.catalog import (
     Catalog,
     ShardRow,
@@ -890,9 +890,10 @@ def hash_findings(check: HashCheck) -> list[Finding]:
 # node): the place's own bytes of every shard the catalog names.
 #
 # Each shard must be held by the place, and its bytes must hash to its name and pass their header
-# and checksums. Each is brought into the tier's ``tmp/verify/`` through the place (one at a time,
-# deleted after its check), never read from a tier's copy: a tier holding a good copy of a shard
-# says nothing about the object other nodes fetch. Shards no catalog names are a note (gc deletes
+# and checksums. Each is brought through the place into a scratch folder of this verify's own in
+# the tier's ``tmp/`` (one at a time, deleted after its check; a second verify on the node has
+# its own), never read from a tier's copy: a tier holding a good copy of a shard says nothing
+# about the object other nodes fetch. Shards no catalog names are a note (gc deletes
 # them once older than the place's age). Where the place refuses repair, the report names each
 # damaged or missing shard and what to do (delete it, build again: a build encodes what a missing
 # shard held).
@@ -907,7 +908,7 @@ def verify_named(layout: Layout, progress: Progress = None) -> VerifyReport:
     named = place.named_shards()
     listed = place.shard_objects()
     report = VerifyReport(str(place), VerifyStatus.CLEAN, 0, 0, [])
-    scratch = layout.tmp / VERIFY_SCRATCH
+    scratch = verify_scratch(layout.tmp)
     try:
         for i, name in enumerate(sorted(named)):
             finding = _check_held(place, scratch, name, name in listed)

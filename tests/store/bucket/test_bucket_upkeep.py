@@ -15,11 +15,11 @@ import torch
 from featbake import CachedFeatureDataset
 from featbake.bake.pipeline import build
 from featbake.errors import StoreError
-from featbake.store.bucket import merge_bucket
+from featbake.store.bucket import BucketStore, merge_bucket
 from featbake.store.catalog import Catalog
 from featbake.store.fragment_catalog import FragmentCatalog
 from featbake.store.fragments import sealed_fragments
-from featbake.upkeep import GcOptions, drop_root, gc, verify
+from featbake.upkeep import GcOptions, drop_root, gc, stats, verify
 from featbake.upkeep.gc import CRASH_ENV, GcPlan
 from tests.conftest import REPO, live_features, run_cli
 from tests.store.bucket.conftest import S3, bucket_store
@@ -175,10 +175,42 @@ def test_a_verify_killed_on_a_bucket_store_leaves_no_scratch_folder_behind_for_e
     args = [sys.executable, "-c", VERIFY_KILLED, s3.url, str(tier)]
     killed = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
-    scratch = bucket_store(s3.url, tier).layout.tmp / "verify"
-    assert len(list(scratch.glob("*/*.safetensors"))) == 1  # the shard it was checking
+    tmp = bucket_store(s3.url, tier).layout.tmp
+    (scratch,) = tmp.glob("verify*")  # the killed verify's own
+    (copy,) = scratch.glob("*/*.safetensors")  # the shard it was checking
+    # stats counts what the sweep takes, by the sweep's own rule (round nine, upkeep)
+    seen = stats(bucket_store(s3.url, tier).layout)
+    assert (seen.tmp_files, seen.tmp_bytes) == (1, copy.stat().st_size)
 
     done = gc(bucket_store(s3.url, tier).layout, EAGER)
     assert (done.rows_deleted, done.tmp_removed) == (0, 1)
     assert not scratch.exists()
+    assert not list(tmp.glob("swept-*"))
     assert verify(s3.url, local_cache=tier).status == "clean"
+
+
+def test_two_verifies_of_a_bucket_store_on_one_node_keep_to_their_own_scratch(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Round nine, upkeep: every verify of a bucket store on one node brought its shards into
+    the same ``tmp/verify/`` and removed that folder when done, so a second verify that ended
+    while the first was bringing a shard in removed the first one's folder under it: the first
+    reported a sound shard "deleted while verify ran". Each verify has a scratch of its own
+    now (``tmp/verify-<id>``), removed at its end."""
+    build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
+    tier = tmp_path / "node"
+    download = BucketStore.download_shard
+    second: list[object] = []
+
+    def first_download_waits_for_a_whole_verify(self: BucketStore, name: str, dest: Path) -> None:
+        if not second:  # the first verify's first shard: a second verify runs from start to end
+            second.append("running")
+            second[0] = verify(s3.url, local_cache=tier)
+        download(self, name, dest)
+
+    monkeypatch.setattr(BucketStore, "download_shard", first_download_waits_for_a_whole_verify)
+    first = verify(s3.url, local_cache=tier)
+    assert [r.status for r in second] == ["clean"]  # type: ignore[attr-defined]
+    assert first.status == "clean", [f.detail for f in first.findings]
+    assert first.shards_checked == second[0].shards_checked > 1  # type: ignore[attr-defined]
+    assert not list(bucket_store(s3.url, tier).layout.tmp.glob("verify*"))
