@@ -682,13 +682,15 @@ def file_findings(layout: Layout, listing: FolderListing) -> list[Finding]:
 
 
 def tmp_findings(layout: Layout) -> list[Finding]:
-    """A note on files left in ``tmp/`` by interrupted writes (gc removes them)."""
-    tmp = list_folder(layout.tmp, "*").files
-    if not tmp:
+    """A note on what interrupted writes left in ``tmp/``, counted by the rule stats and gc's
+    sweep count it by (:meth:`~featbake.store.place.Place.leftovers`: a folder as one, with
+    the bytes inside it)."""
+    left = place_of(layout).leftovers()
+    if not left:
         return []
     detail = (
-        f"{len(tmp)} files ({sum(f.bytes for f in tmp)} bytes) left by interrupted writes; gc "
-        "removes them after the grace period"
+        f"{len(left)} leftovers ({sum(h.size for h in left)} bytes) left by interrupted writes; "
+        "gc removes them after the grace period"
     )
     return [Finding(FindingKind.TMP_LEFTOVERS, str(layout.tmp), detail, False)]
 
@@ -907,7 +909,7 @@ def verify_named(layout: Layout, progress: Progress = None) -> VerifyReport:
     t0 = time.perf_counter()
     named = place.named_shards()
     listed = place.shard_objects()
-    report = VerifyReport(str(place), VerifyStatus.CLEAN, 0, 0, [])
+    report = VerifyReport(str(place), VerifyStatus.CLEAN, 0, 0, tmp_findings(layout))
     scratch = verify_scratch(layout.tmp)
     try:
         for i, name in enumerate(sorted(named)):

@@ -181,6 +181,12 @@ def test_a_verify_killed_on_a_bucket_store_leaves_no_scratch_folder_behind_for_e
     # stats counts what the sweep takes, by the sweep's own rule (round nine, upkeep)
     seen = stats(bucket_store(s3.url, tier).layout)
     assert (seen.tmp_files, seen.tmp_bytes) == (1, copy.stat().st_size)
+    # and verify's note, by the same rule (its own scratch, made after, is not counted)
+    noted = verify(s3.url, local_cache=tier)
+    assert noted.status == "clean"
+    assert [f.detail.split(" left ")[0] for f in noted.findings if f.kind == "tmp-leftovers"] == [
+        f"1 leftovers ({seen.tmp_bytes} bytes)"
+    ]
 
     done = gc(bucket_store(s3.url, tier).layout, EAGER)
     assert (done.rows_deleted, done.tmp_removed) == (0, 1)
