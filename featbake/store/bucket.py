@@ -33,7 +33,7 @@ from featbake.errors import ConfigError, FeatbakeError, ShardMissing, StoreCorru
 from featbake.process import PerProcess, ProcessLocal, ProcessLocalState
 from featbake.store.blocks import BlockPlan, BlockWindowWarning, windows_over
 from featbake.store.catalog import Access, open_sqlite
-from featbake.store.files import publish_file
+from featbake.store.files import list_folder, publish_file
 from featbake.store.fragments import (
     fragment_shard_names,
     fragments_dir,
@@ -125,6 +125,9 @@ VERIFY_SCRATCH = "verify"
 #: The folders of a tier's ``tmp/`` gc's sweep takes once nothing in them changed for the grace
 #: period (:func:`tier_leftovers`); ``tmp/fetch``, where readers work, is not one.
 LEFTOVER_PREFIXES = (WORK_PREFIX, VERIFY_SCRATCH, SWEPT_PREFIX)
+#: ``<tier>/tmp/catalog.lock``: held while the tier's catalog is brought in; there for good, the
+#: one file of a tier's ``tmp/`` that is no leftover.
+CATALOG_LOCK = "catalog.lock"
 
 
 class PinnedVersion(NamedTuple):
@@ -622,7 +625,8 @@ class BucketStore(ProcessLocalState):
         return tuple(h for h in self.leftovers() if now - h.modified >= grace)
 
     def leftovers(self) -> list[Held]:
-        """The tier's ``tmp/`` folders gc's sweep weighs, of any age (:func:`tier_leftovers`)."""
+        """What the tier's ``tmp/`` holds that gc's sweep weighs, of any age
+        (:func:`tier_leftovers`)."""
         return tier_leftovers(self.layout.tmp)
 
     def _version_shards(self, version: int) -> set[str]:
@@ -632,7 +636,13 @@ class BucketStore(ProcessLocalState):
         tmp = self.layout.tmp / f"gc-v{version}.{uuid.uuid4().hex[:8]}.sqlite"
         try:
             self.bucket.download(version_name(version), tmp)
-            return set(catalog_shards(tmp))
+            return set(catalog_shards(tmp, required=True))
+        except sqlite3.OperationalError as e:  # never a version read as naming nothing
+            raise StoreError(
+                f"gc lost its copy of catalog version {version} of {self.url} before reading it "
+                f"({e}; another gc's sweep on this node with a --grace shorter than this run?); "
+                "nothing was deleted: run gc again"
+            ) from e
         finally:
             with contextlib.suppress(OSError):
                 tmp.unlink()
@@ -701,7 +711,7 @@ class BucketStore(ProcessLocalState):
         self._mark_tier()
         # One download per node: the node's processes (DataLoader workers that all found a
         # shard gone) wait here, and the first one's catalog serves the rest.
-        with tier_locked(self.layout.tmp / "catalog.lock"):
+        with tier_locked(self.layout.tmp / CATALOG_LOCK):
             return self._sync_catalog_locked()
 
     def _sync_catalog_locked(self) -> int:
@@ -819,15 +829,21 @@ class BucketStore(ProcessLocalState):
 
 
 def tier_leftovers(tmp: Path) -> list[Held]:
-    """The folders in a tier's ``tmp/`` that a killed process leaves (:data:`LEFTOVER_PREFIXES`:
-    a change's catalog copy, a verify's scratch, a sweep's renamed copy), each weighed by
-    :func:`~featbake.store.place.held_folder`. The one rule gc's sweep, stats and verify's note
-    count a tier's leftovers by."""
+    """What a killed process leaves in a tier's ``tmp/``: each file but :data:`CATALOG_LOCK`
+    (a catalog version a gc read, a download or publish cut short), and each folder named by
+    :data:`LEFTOVER_PREFIXES` (a change's catalog copy, a verify's scratch, a sweep's renamed
+    copy), weighed by :func:`~featbake.store.place.held_folder`. The one rule gc's sweep,
+    stats and verify's note count a tier's leftovers by."""
+    files = [
+        Held(str(f.path), f.bytes, f.mtime)
+        for f in list_folder(tmp, "*").files
+        if f.path.name != CATALOG_LOCK
+    ]
     try:
         names = sorted(p for p in tmp.iterdir() if p.name.startswith(LEFTOVER_PREFIXES))
     except OSError:
-        return []  # no tmp/ yet
-    return [h for h in map(held_folder, names) if h is not None]
+        return files  # no tmp/ yet
+    return files + [h for h in map(held_folder, names) if h is not None]
 
 
 def verify_scratch(tmp: Path) -> Path:
@@ -847,15 +863,16 @@ def retired_copies(seen: Collection[str], listed: Collection[str]) -> set[str]:
     return set(seen) - set(listed)
 
 
-def catalog_shards(catalog: Path) -> dict[str, int]:
-    """The shards a catalog file names, with their bytes (none without the file): what gc,
-    verify and the read mode of a bucket store ask of a catalog version.
+def catalog_shards(catalog: Path, *, required: bool = False) -> dict[str, int]:
+    """The shards a catalog file names, with their bytes (none without the file, unless
+    ``required``): what gc, verify and the read mode of a bucket store ask of a catalog version.
 
     Raises:
         StoreCorrupt: it names something that is not a shard name (a damaged or planted
             version): gc then deletes nothing rather than trust the rest of it.
+        sqlite3.OperationalError: ``required`` and there is no such file.
     """
-    if not catalog.exists():
+    if not required and not catalog.exists():
         return {}
     conn = open_sqlite(catalog, Access.IMMUTABLE)
     try:

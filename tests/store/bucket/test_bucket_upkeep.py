@@ -19,6 +19,7 @@ from featbake.store.bucket import BucketStore, merge_bucket
 from featbake.store.catalog import Catalog
 from featbake.store.fragment_catalog import FragmentCatalog
 from featbake.store.fragments import sealed_fragments
+from featbake.store.objects import ObjectStore
 from featbake.upkeep import GcOptions, drop_root, gc, stats, verify
 from featbake.upkeep.gc import CRASH_ENV, GcPlan
 from tests.conftest import REPO, live_features, run_cli
@@ -220,3 +221,74 @@ def test_two_verifies_of_a_bucket_store_on_one_node_keep_to_their_own_scratch(
     assert first.status == "clean", [f.detail for f in first.findings]
     assert first.shards_checked == second[0].shards_checked > 1  # type: ignore[attr-defined]
     assert not list(bucket_store(s3.url, tier).layout.tmp.glob("verify*"))
+
+
+#: gc of a bucket store killed (SIGKILL) once it brought an older catalog version into the
+#: tier's ``tmp/`` to read the shards it names (its plan keeps versions within the retention).
+GC_KILLED = """
+import os, signal, sys
+from featbake.store import bucket
+from featbake.store.open import open_store
+from featbake.upkeep import GcOptions, gc
+shards = bucket.catalog_shards
+def read_then_die(path, **how):
+    if path.parent.name == "tmp":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return shards(path, **how)
+bucket.catalog_shards = read_then_die
+gc(open_store(sys.argv[1], local_cache=sys.argv[2]), GcOptions(grace=0.0))
+"""
+
+
+def test_a_gc_killed_reading_an_older_version_leaves_no_catalog_copy_behind_for_ever(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    """Round nine, upkeep: gc of a bucket store brings each catalog version it keeps but the
+    tier's own into the tier's ``tmp/`` as a file (``gc-v<n>.<id>.sqlite``) to read the shards
+    it names. Killed then, it left the file, and the tier's sweep took folders only: a whole
+    catalog stayed on the node's disk for ever, and stats never counted it. The tier's files
+    in ``tmp/`` (but its lock) are leftovers now, by the one rule stats and the sweep share."""
+    first = build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
+    tier = tmp_path / "node"
+    drop_root(bucket_store(s3.url, tier).layout, first.root)  # version 2, version 1 kept
+    env = {**os.environ, **s3.env, "PYTHONPATH": str(REPO)}
+    args = [sys.executable, "-c", GC_KILLED, s3.url, str(tier)]
+    killed = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    tmp = bucket_store(s3.url, tier).layout.tmp
+    (copy,) = tmp.glob("gc-v1.*.sqlite")
+    seen = stats(bucket_store(s3.url, tier).layout)
+    assert (seen.tmp_files, seen.tmp_bytes) == (1, copy.stat().st_size)
+
+    done = gc(bucket_store(s3.url, tier).layout, EAGER)
+    assert done.rows_deleted == 16 and done.tmp_removed == 1
+    assert not copy.exists()
+    assert (tmp / "catalog.lock").exists()  # the tier's lock is no leftover
+    assert stats(bucket_store(s3.url, tier).layout).tmp_files == 0
+    assert verify(s3.url, local_cache=tmp_path / "verifier").status == "clean"
+
+
+def test_a_gc_whose_copy_of_an_older_version_is_swept_under_it_deletes_nothing(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The guard the rule above needs: the copy of a kept version gc brings into ``tmp/`` is a
+    file another gc's sweep on the node may take (with a grace shorter than the read). Read as
+    a catalog that names nothing, the version's shards would go within the retention period;
+    gc stops in one line instead, and nothing is deleted."""
+    first = build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
+    tier = tmp_path / "node"
+    drop_root(bucket_store(s3.url, tier).layout, first.root)  # version 2, version 1 kept
+    before = s3.objects()
+    download = ObjectStore.download
+
+    def download_then_lose(self: ObjectStore, name: str, dest: Path) -> int:
+        got = download(self, name, dest)
+        if dest.name.startswith("gc-v"):
+            dest.unlink()  # another gc's sweep took it
+        return got
+
+    monkeypatch.setattr(ObjectStore, "download", download_then_lose)
+    with pytest.raises(StoreError, match="nothing was deleted: run gc again") as e:
+        gc(bucket_store(s3.url, tier).layout, GcOptions(grace=0.0))
+    assert "\n" not in str(e.value)
+    assert s3.objects() == before
