@@ -9,11 +9,11 @@ place answers with its own behaviour, a directory's mostly a no-op. :class:`Remo
 the read path of a place whose shards are fetched into the tier (the shard readers' seam).
 
 Kept apart from :mod:`featbake.store.layout` (a pure path object, which asks its place nothing)
-and importing nothing of the store when it runs but the layout and :mod:`featbake.store.files`
-(plain file steps, which import nothing of the store; its types of a merge report and a shard
-reader are for type checkers only): the catalog and the fragments ask :func:`holds_shard` here,
-below :func:`featbake.store.open.place_of`. Beside :class:`Held` are the steps both places'
-sweeps take over a ``tmp/`` leftover (:func:`held_folder`, :func:`removed_leftover`).
+and importing nothing of the store but the layout when it runs (its types of a merge report and
+a shard reader are for type checkers only): the catalog and the fragments ask
+:func:`holds_shard` here, below :func:`featbake.store.open.place_of`. Beside :class:`Held` are
+the steps both places' sweeps take over a ``tmp/`` leftover (:func:`held_folder`,
+:func:`removed_leftover`), plain file steps of their own.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Generic, NamedTuple, Protocol, TypeVar, runtime_checkable
 
-from featbake.store.files import remove_file
 from featbake.store.layout import Layout
 
 if TYPE_CHECKING:
@@ -103,11 +102,17 @@ def removed_leftover(planned: Held) -> int | None:
     there) is renamed back and kept. The rename comes first so that no writer ever writes into
     a folder being removed: one that takes the folder up after it finds no folder (its write
     fails, or it makes the folder again, and what it writes then is its own). A file goes as it
-    is (temporary names are never reused).
+    is (temporary names are never reused); one gone already (another gc took it) was not
+    removed here, and is not counted.
     """
     path = Path(planned.name)
     if not path.is_dir() or path.is_symlink():
-        return remove_file(path)
+        try:
+            size = path.lstat().st_size
+            path.unlink()
+        except FileNotFoundError:
+            return None
+        return size
     aside = path.with_name(f"{SWEPT_PREFIX}{path.name}.{uuid.uuid4().hex[:12]}")
     try:
         path.rename(aside)

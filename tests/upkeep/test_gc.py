@@ -788,3 +788,25 @@ def test_a_folder_taken_up_after_the_plan_is_put_back_whole(tmp_path: Path) -> N
     assert place.removed_leftover(planned) is None
     assert sorted(p.name for p in left.iterdir()) == ["new.part", "old.part"]
     assert [p.name for p in left.parent.iterdir()] == ["scratch"]
+
+
+def test_a_leftover_another_gc_removed_after_the_plan_is_not_counted_twice(
+    encoder_file: Path, audio_dir: Path, store_dir: Path
+) -> None:
+    """Round nine, upkeep: two gc runs on one store plan the same ``tmp/`` leftovers; the one
+    that comes second found them gone and still counted each as a leftover it removed, so the
+    two reports added up to more than was ever there. A leftover gone before the sweep reached
+    it is not counted (a folder already was not: ``removed_leftover``)."""
+    bake(audio_dir, encoder_file, store_dir)
+    tmp = store_dir / "tmp"
+    (tmp / "a.part").write_bytes(b"x" * 10)
+    (tmp / "b.part").write_bytes(b"")
+    for p in tmp.iterdir():
+        age(p, 2 * 3600)
+    first = plan_gc(store_dir, GcOptions(grace=3600.0))
+    second = plan_gc(store_dir, GcOptions(grace=3600.0))
+    assert len(first.sweep.loose) == len(second.sweep.loose) == 2
+    (tmp / "a.part").unlink()  # the first run took this one, then was killed
+    assert execute_gc(second).tmp_removed == 1  # only b.part, empty, was removed by this one
+    assert execute_gc(first).tmp_removed == 0
+    assert not list(tmp.glob("*.part"))
