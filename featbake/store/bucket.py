@@ -961,8 +961,10 @@ def publish_next(store: BucketStore, change: Callable[[Layout], Change[T]]) -> T
     for _ in range(TRIES):
         version = store.sync_catalog()
         work = Layout(store.layout.tmp / f"{WORK_PREFIX}{uuid.uuid4().hex[:12]}", remote=store)
+        made = False
         try:
             work.ensure()
+            made = True
             if store.layout.catalog.exists():
                 shutil.copyfile(store.layout.catalog, work.catalog)
                 records = root_records_in(work.catalog)
@@ -979,11 +981,25 @@ def publish_next(store: BucketStore, change: Callable[[Layout], Change[T]]) -> T
                 _keep_roots(work, store.layout)
                 store.install_catalog(work.catalog, version + 1)
                 return outcome.value
+        except (OSError, sqlite3.Error) as e:
+            if made and not work.root.is_dir():  # never a raw error of a folder swept away
+                raise lost_work(store, work) from e
+            raise
         finally:
             shutil.rmtree(work.root, ignore_errors=True)
     raise StoreError(
         f"other merges or gc runs published {TRIES} catalog versions of {store} while this one "
         "ran; run it again when they are done"
+    )
+
+
+def lost_work(store: BucketStore, work: Layout) -> StoreError:
+    """The one line for a change whose catalog copy in the tier's ``tmp/`` went while it ran:
+    a gc on this node took it as a killed change's leftover (its grace shorter than the run)."""
+    return StoreError(
+        f"the working copy of {store}'s catalog this change made ({work.root}) was removed "
+        "while it ran, by a gc on this node whose --grace is shorter than the change took; run "
+        "it again (with no gc of a shorter grace beside it)"
     )
 
 

@@ -20,6 +20,7 @@ from featbake.store.catalog import Catalog
 from featbake.store.fragment_catalog import FragmentCatalog
 from featbake.store.fragments import sealed_fragments
 from featbake.store.objects import ObjectStore
+from featbake.store.place import removed_leftover
 from featbake.upkeep import GcOptions, drop_root, gc, stats, verify
 from featbake.upkeep.gc import CRASH_ENV, GcPlan
 from tests.conftest import REPO, live_features, run_cli
@@ -292,3 +293,29 @@ def test_a_gc_whose_copy_of_an_older_version_is_swept_under_it_deletes_nothing(
         gc(bucket_store(s3.url, tier).layout, GcOptions(grace=0.0))
     assert "\n" not in str(e.value)
     assert s3.objects() == before
+
+
+def test_a_merge_whose_catalog_copy_a_gc_sweep_took_says_so_in_one_line(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    """Round nine, upkeep: a merge (gc, drop) works on a catalog copy in the tier's
+    ``tmp/work-*``; a gc on the same node whose grace is shorter than the change has run may
+    take that folder as a killed change's leftover. The change then fails in one line that
+    says what happened and what to do, publishes nothing, and a rerun merges."""
+    for part in ("0/2", "1/2"):
+        build(audio_dir, encoder_file, cache=s3.url, workers=0, shard=part)
+    tier = tmp_path / "node"
+    store = bucket_store(s3.url, tier)
+    versions = s3.objects("catalog/")
+    swept: list[int] = []
+
+    def sweep_the_tier(step: str) -> None:
+        if not swept:  # gc --grace 0s on this node, its sweep of the tier's tmp/
+            swept.extend(n for n in map(removed_leftover, store.leftovers()) if n is not None)
+
+    with pytest.raises(StoreError, match="run it again") as e:
+        merge_bucket(store, between=sweep_the_tier)
+    assert len(swept) == 1 and "\n" not in str(e.value)
+    assert s3.objects("catalog/") == versions
+    assert merge_bucket(bucket_store(s3.url, tier)).roots
+    assert verify(s3.url, local_cache=tmp_path / "verifier").status == "clean"
