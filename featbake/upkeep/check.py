@@ -940,6 +940,22 @@ def verify_named(layout: Layout, progress: Progress = None) -> VerifyReport:
     return report
 
 
+def _brought_in(place: Place, name: str, path: Path) -> bool:
+    """Whether the place's shard ``name`` is now in scratch file ``path``; False where the
+    place holds no such shard. A download that failed because the scratch folder went (a gc
+    on this node with a short grace took it as a killed verify's) is tried once more in the
+    folder made anew, when the place still holds the shard."""
+    for last in (False, True):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            place.download_shard(name, path)
+            return True
+        except FileNotFoundError:
+            if last or path.parent.is_dir() or not place.has_shard(name):
+                return False
+    return False
+
+
 def _check_held(place: Place, scratch: Path, name: str, listed: bool) -> Finding | None:
     """The finding for the place's shard ``name`` (None when it is sound)."""
     where = place.shard_where(name)
@@ -952,10 +968,7 @@ def _check_held(place: Place, scratch: Path, name: str, listed: bool) -> Finding
             True,
         )
     path = scratch / name[:2] / f"{name}.safetensors"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        place.download_shard(name, path)
-    except FileNotFoundError:
+    if not _brought_in(place, name, path):
         return Finding(FindingKind.MISSING_SHARD, where, "deleted while verify ran", True)
     try:
         check = check_shard(path)

@@ -319,3 +319,30 @@ def test_a_merge_whose_catalog_copy_a_gc_sweep_took_says_so_in_one_line(
     assert s3.objects("catalog/") == versions
     assert merge_bucket(bucket_store(s3.url, tier)).roots
     assert verify(s3.url, local_cache=tmp_path / "verifier").status == "clean"
+
+
+def test_a_verify_whose_scratch_a_gc_sweep_took_checks_every_shard_still(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Round nine, upkeep: verify of a bucket store brings each shard into its scratch in the
+    tier's ``tmp/``; a gc on the same node whose grace is shorter than the verify takes that
+    folder as a killed verify's leftover. The shard's download then failed and verify reported
+    a sound shard "deleted while verify ran". It asks the bucket whether the shard is there,
+    and brings it in again into its scratch made anew."""
+    build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
+    tier = tmp_path / "node"
+    store = bucket_store(s3.url, tier)
+    download = BucketStore.download_shard
+    swept: list[int] = []
+
+    def sweep_then_download(self: BucketStore, name: str, dest: Path) -> None:
+        if not swept:  # gc --grace 0s on this node, its sweep of the tier's tmp/
+            swept.extend(n for n in map(removed_leftover, store.leftovers()) if n is not None)
+        download(self, name, dest)
+
+    monkeypatch.setattr(BucketStore, "download_shard", sweep_then_download)
+    report = verify(s3.url, local_cache=tier)
+    assert len(swept) == 1  # the verify's scratch
+    assert report.status == "clean", [f.detail for f in report.findings]
+    assert report.shards_checked == len(store.named_shards()) > 1
+    assert not list(store.layout.tmp.glob("verify*"))
