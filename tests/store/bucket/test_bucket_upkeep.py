@@ -21,7 +21,7 @@ from featbake.store.fragment_catalog import FragmentCatalog
 from featbake.store.fragments import sealed_fragments
 from featbake.store.objects import ObjectStore
 from featbake.store.place import removed_leftover
-from featbake.upkeep import GcOptions, drop_root, gc, stats, verify
+from featbake.upkeep import GcOptions, VerifyReport, drop_root, gc, stats, verify
 from featbake.upkeep.gc import CRASH_ENV, GcPlan
 from tests.conftest import REPO, live_features, run_cli
 from tests.store.bucket.conftest import S3, bucket_store
@@ -208,19 +208,20 @@ def test_two_verifies_of_a_bucket_store_on_one_node_keep_to_their_own_scratch(
     build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
     tier = tmp_path / "node"
     download = BucketStore.download_shard
-    second: list[object] = []
+    started: list[bool] = []
+    second: list[VerifyReport] = []
 
     def first_download_waits_for_a_whole_verify(self: BucketStore, name: str, dest: Path) -> None:
-        if not second:  # the first verify's first shard: a second verify runs from start to end
-            second.append("running")
-            second[0] = verify(s3.url, local_cache=tier)
+        if not started:  # the first verify's first shard: a second verify runs from start to end
+            started.append(True)
+            second.append(verify(s3.url, local_cache=tier))
         download(self, name, dest)
 
     monkeypatch.setattr(BucketStore, "download_shard", first_download_waits_for_a_whole_verify)
     first = verify(s3.url, local_cache=tier)
-    assert [r.status for r in second] == ["clean"]  # type: ignore[attr-defined]
+    assert [r.status for r in second] == ["clean"]
     assert first.status == "clean", [f.detail for f in first.findings]
-    assert first.shards_checked == second[0].shards_checked > 1  # type: ignore[attr-defined]
+    assert first.shards_checked == second[0].shards_checked > 1
     assert not list(bucket_store(s3.url, tier).layout.tmp.glob("verify*"))
 
 
