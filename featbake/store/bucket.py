@@ -33,7 +33,7 @@ from featbake.errors import ConfigError, FeatbakeError, ShardMissing, StoreCorru
 from featbake.process import PerProcess, ProcessLocal, ProcessLocalState
 from featbake.store.blocks import BlockPlan, BlockWindowWarning, windows_over
 from featbake.store.catalog import Access, open_sqlite
-from featbake.store.files import publish_file, remove_file
+from featbake.store.files import list_folder, publish_file
 from featbake.store.fragments import (
     fragment_shard_names,
     fragments_dir,
@@ -46,7 +46,17 @@ from featbake.store.merge import MergeReport, merge
 from featbake.store.objects import CLIENT_CONNECTIONS as CLIENT_CONNECTIONS
 from featbake.store.objects import LIST_PAGE_KEYS as LIST_PAGE_KEYS
 from featbake.store.objects import ObjectStore
-from featbake.store.place import Change, Held, Sweep, Swept, TierUsage, VerifyScope
+from featbake.store.place import (
+    SWEPT_PREFIX,
+    Change,
+    Held,
+    Sweep,
+    Swept,
+    TierUsage,
+    VerifyScope,
+    held_folder,
+    removed_leftover,
+)
 from featbake.store.ranged import RangedShardReader, head_ahead
 from featbake.store.roots import carried_records, restore_records
 from featbake.store.shard import (
@@ -108,8 +118,16 @@ TIER_MARK = "tier.json"
 SEEN_FRAGMENTS = "fragments.seen"
 #: ``<tier>/tmp/work-<id>``: the copy of the newest catalog version a change works on.
 WORK_PREFIX = "work-"
-#: The folder of a tier's ``tmp/`` where ``verify`` brings each shard to check it (upkeep/check.py).
+#: ``<tier>/tmp/verify-<id>``: the folder of a tier's ``tmp/`` where one ``verify`` brings each
+#: shard to check it (upkeep/check.py), each verify its own (:func:`verify_scratch`); a plain
+#: ``tmp/verify`` is what an older featbake's killed verify left.
 VERIFY_SCRATCH = "verify"
+#: The folders of a tier's ``tmp/`` gc's sweep takes once nothing in them changed for the grace
+#: period (:func:`tier_leftovers`); ``tmp/fetch``, where readers work, is not one.
+LEFTOVER_PREFIXES = (WORK_PREFIX, VERIFY_SCRATCH, SWEPT_PREFIX)
+#: ``<tier>/tmp/catalog.lock``: held while the tier's catalog is brought in; there for good, the
+#: one file of a tier's ``tmp/`` that is no leftover.
+CATALOG_LOCK = "catalog.lock"
 
 
 class PinnedVersion(NamedTuple):
@@ -602,16 +620,14 @@ class BucketStore(ProcessLocalState):
         return dataclasses.replace(planned, loose=self._left_work(now, grace))
 
     def _left_work(self, now: float, grace: float) -> tuple[Held, ...]:
-        """The tier's ``tmp/work-*`` folders (a catalog copy a change works on before its
-        publish: :func:`publish_next`) and its ``tmp/verify`` scratch, untouched for ``grace``:
-        left by a gc, merge, drop or verify killed before it could remove its own."""
-        out = []
-        work = sorted(self.layout.tmp.glob(f"{WORK_PREFIX}*"))
-        for folder in [*work, self.layout.tmp / VERIFY_SCRATCH]:
-            held = held_folder(folder)
-            if held is not None and now - held.modified >= grace:
-                out.append(held)
-        return tuple(out)
+        """The tier's leftovers (:meth:`leftovers`) untouched for ``grace``: left by a gc,
+        merge, drop or verify killed before it could remove its own."""
+        return tuple(h for h in self.leftovers() if now - h.modified >= grace)
+
+    def leftovers(self) -> list[Held]:
+        """What the tier's ``tmp/`` holds that gc's sweep weighs, of any age
+        (:func:`tier_leftovers`)."""
+        return tier_leftovers(self.layout.tmp)
 
     def _version_shards(self, version: int) -> set[str]:
         """The shard names catalog version ``version`` holds (the tier's copy when it is it)."""
@@ -620,7 +636,13 @@ class BucketStore(ProcessLocalState):
         tmp = self.layout.tmp / f"gc-v{version}.{uuid.uuid4().hex[:8]}.sqlite"
         try:
             self.bucket.download(version_name(version), tmp)
-            return set(catalog_shards(tmp))
+            return set(catalog_shards(tmp, required=True))
+        except sqlite3.OperationalError as e:  # never a version read as naming nothing
+            raise StoreError(
+                f"gc lost its copy of catalog version {version} of {self.url} before reading it "
+                f"({e}; another gc's sweep on this node with a --grace shorter than this run?); "
+                "nothing was deleted: run gc again"
+            ) from e
         finally:
             with contextlib.suppress(OSError):
                 tmp.unlink()
@@ -689,7 +711,7 @@ class BucketStore(ProcessLocalState):
         self._mark_tier()
         # One download per node: the node's processes (DataLoader workers that all found a
         # shard gone) wait here, and the first one's catalog serves the rest.
-        with tier_locked(self.layout.tmp / "catalog.lock"):
+        with tier_locked(self.layout.tmp / CATALOG_LOCK):
             return self._sync_catalog_locked()
 
     def _sync_catalog_locked(self) -> int:
@@ -806,37 +828,28 @@ class BucketStore(ProcessLocalState):
         publish_file(path, lambda p: p.write_text(text), tmp_dir=self.layout.tmp, durable=False)
 
 
-def held_folder(folder: Path) -> Held | None:
-    """A folder as gc's sweep weighs it: its path, the bytes of its files, and its latest
-    change (its own or a file's); None where it went meanwhile or is not a folder."""
+def tier_leftovers(tmp: Path) -> list[Held]:
+    """What a killed process leaves in a tier's ``tmp/``: each file but :data:`CATALOG_LOCK`
+    (a catalog version a gc read, a download or publish cut short), and each folder named by
+    :data:`LEFTOVER_PREFIXES` (a change's catalog copy, a verify's scratch, a sweep's renamed
+    copy), weighed by :func:`~featbake.store.place.held_folder`. The one rule gc's sweep,
+    stats and verify's note count a tier's leftovers by."""
+    files = [
+        Held(str(f.path), f.bytes, f.mtime)
+        for f in list_folder(tmp, "*").files
+        if f.path.name != CATALOG_LOCK
+    ]
     try:
-        if not folder.is_dir() or folder.is_symlink():
-            return None
-        size, latest = 0, folder.stat().st_mtime
-        for path in folder.rglob("*"):
-            st = path.lstat()
-            size += st.st_size if path.is_file() else 0
-            latest = max(latest, st.st_mtime)
+        names = sorted(p for p in tmp.iterdir() if p.name.startswith(LEFTOVER_PREFIXES))
     except OSError:
-        return None
-    return Held(str(folder), size, latest)
+        return files  # no tmp/ yet
+    return files + [h for h in map(held_folder, names) if h is not None]
 
 
-def removed_leftover(planned: Held) -> int | None:
-    """Remove a ``tmp/`` leftover gc's sweep planned; the bytes freed, None where it was kept.
-
-    A folder is weighed again first (:func:`held_folder`) and removed only if nothing in it
-    changed since the plan (a process that took it up meanwhile, a verify rerun writing its
-    scratch there, keeps it); a file goes as it is (temporary names are never reused).
-    """
-    path = Path(planned.name)
-    if not path.is_dir() or path.is_symlink():
-        return remove_file(path)
-    now = held_folder(path)
-    if now is None or now.modified > planned.modified:
-        return None
-    shutil.rmtree(path, ignore_errors=True)
-    return now.size
+def verify_scratch(tmp: Path) -> Path:
+    """A scratch folder of its own for one verify in ``tmp/`` (made on first use): two verifies
+    on one node never remove each other's."""
+    return tmp / f"{VERIFY_SCRATCH}-{uuid.uuid4().hex[:12]}"
 
 
 def retired_copies(seen: Collection[str], listed: Collection[str]) -> set[str]:
@@ -850,15 +863,16 @@ def retired_copies(seen: Collection[str], listed: Collection[str]) -> set[str]:
     return set(seen) - set(listed)
 
 
-def catalog_shards(catalog: Path) -> dict[str, int]:
-    """The shards a catalog file names, with their bytes (none without the file): what gc,
-    verify and the read mode of a bucket store ask of a catalog version.
+def catalog_shards(catalog: Path, *, required: bool = False) -> dict[str, int]:
+    """The shards a catalog file names, with their bytes (none without the file, unless
+    ``required``): what gc, verify and the read mode of a bucket store ask of a catalog version.
 
     Raises:
         StoreCorrupt: it names something that is not a shard name (a damaged or planted
             version): gc then deletes nothing rather than trust the rest of it.
+        sqlite3.OperationalError: ``required`` and there is no such file.
     """
-    if not catalog.exists():
+    if not required and not catalog.exists():
         return {}
     conn = open_sqlite(catalog, Access.IMMUTABLE)
     try:
@@ -947,8 +961,10 @@ def publish_next(store: BucketStore, change: Callable[[Layout], Change[T]]) -> T
     for _ in range(TRIES):
         version = store.sync_catalog()
         work = Layout(store.layout.tmp / f"{WORK_PREFIX}{uuid.uuid4().hex[:12]}", remote=store)
+        made = False
         try:
             work.ensure()
+            made = True
             if store.layout.catalog.exists():
                 shutil.copyfile(store.layout.catalog, work.catalog)
                 records = root_records_in(work.catalog)
@@ -965,11 +981,25 @@ def publish_next(store: BucketStore, change: Callable[[Layout], Change[T]]) -> T
                 _keep_roots(work, store.layout)
                 store.install_catalog(work.catalog, version + 1)
                 return outcome.value
+        except (OSError, sqlite3.Error) as e:
+            if made and not work.root.is_dir():  # never a raw error of a folder swept away
+                raise lost_work(store, work) from e
+            raise
         finally:
             shutil.rmtree(work.root, ignore_errors=True)
     raise StoreError(
         f"other merges or gc runs published {TRIES} catalog versions of {store} while this one "
         "ran; run it again when they are done"
+    )
+
+
+def lost_work(store: BucketStore, work: Layout) -> StoreError:
+    """The one line for a change whose catalog copy in the tier's ``tmp/`` went while it ran:
+    a gc on this node took it as a killed change's leftover (its grace shorter than the run)."""
+    return StoreError(
+        f"the working copy of {store}'s catalog this change made ({work.root}) was removed "
+        "while it ran, by a gc on this node whose --grace is shorter than the change took; run "
+        "it again (with no gc of a shorter grace beside it)"
     )
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from featbake.errors import ConfigError, StoreError
-from featbake.store.bucket import TIER_MARK, BucketStore, held_folder, removed_leftover
+from featbake.store.bucket import TIER_MARK, BucketStore
 from featbake.store.catalog import READ_ONLY_ENV, Catalog, read_only_forced
 from featbake.store.files import list_folder
 from featbake.store.filesystem import announce, detect
@@ -35,7 +35,9 @@ from featbake.store.place import (
     Swept,
     TierUsage,
     VerifyScope,
+    held_folder,
     remote_place,
+    removed_leftover,
     unnamed_past,
 )
 from featbake.store.roots import Root
@@ -200,7 +202,7 @@ def place_of(layout: Layout) -> Place:
 
 def left_folders(tmp: Path) -> list[Held]:
     """The folders in a store's ``tmp/`` (verify's scratch, a killed repair's work), each
-    weighed by :func:`~featbake.store.bucket.held_folder`: its bytes and the latest change of
+    weighed by :func:`~featbake.store.place.held_folder`: its bytes and the latest change of
     anything in it, so one still written to is young however old the folder itself is."""
     try:
         folders = sorted(p for p in tmp.iterdir() if p.is_dir() and not p.is_symlink())
@@ -209,11 +211,11 @@ def left_folders(tmp: Path) -> list[Held]:
     return [h for h in map(held_folder, folders) if h is not None]
 
 
-def tmp_leftovers(tmp: Path, *, folders: bool = True) -> list[Held]:
-    """What a store's ``tmp/`` holds that a directory's gc sweep weighs, of any age: each file,
-    and (``folders``) each folder (:func:`left_folders`)."""
+def tmp_leftovers(tmp: Path) -> list[Held]:
+    """What a store directory's ``tmp/`` holds that its gc sweep weighs, of any age: each file,
+    and each folder (:func:`left_folders`)."""
     files = [Held(str(f.path), f.bytes, f.mtime) for f in list_folder(tmp, "*").files]
-    return files + left_folders(tmp) if folders else files
+    return files + left_folders(tmp)
 
 
 class LocalPlace:
@@ -254,8 +256,11 @@ class LocalPlace:
             named |= {s.name for s in catalog.shard_rows()}
         files = [Held(str(f.path), f.bytes, f.mtime) for f in shard_files(self.layout).values()]
         orphans, young = unnamed_past(files, lambda p: shard_name(Path(p)), named, now, grace)
-        loose = [h for h in tmp_leftovers(self.layout.tmp) if now - h.modified >= grace]
+        loose = [h for h in self.leftovers() if now - h.modified >= grace]
         return Sweep(tuple(orphans), tuple(loose), (), young)
+
+    def leftovers(self) -> list[Held]:
+        return tmp_leftovers(self.layout.tmp)
 
     def sweep(self, plan: Sweep, crash: Callable[[str], None]) -> Swept:
         """Unlink the plan's shard files (re-checked under the write lock: one indexed since

@@ -11,11 +11,16 @@ the read path of a place whose shards are fetched into the tier (the shard reade
 Kept apart from :mod:`featbake.store.layout` (a pure path object, which asks its place nothing)
 and importing nothing of the store but the layout when it runs (its types of a merge report and
 a shard reader are for type checkers only): the catalog and the fragments ask
-:func:`holds_shard` here, below :func:`featbake.store.open.place_of`.
+:func:`holds_shard` here, below :func:`featbake.store.open.place_of`. Beside :class:`Held` are
+the steps both places' sweeps take over a ``tmp/`` leftover (:func:`held_folder`,
+:func:`removed_leftover`), plain file steps of their own.
 """
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+import uuid
 from collections.abc import Callable, Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
@@ -65,6 +70,61 @@ class Held(NamedTuple):
     name: str
     size: int
     modified: float
+
+
+def held_folder(folder: Path) -> Held | None:
+    """A folder as gc's sweep weighs it: its path, the bytes of its files, and its latest
+    change (its own or a file's); None where it went meanwhile or is not a folder."""
+    try:
+        if not folder.is_dir() or folder.is_symlink():
+            return None
+        size, latest = 0, folder.stat().st_mtime
+        for path in folder.rglob("*"):
+            st = path.lstat()
+            size += st.st_size if path.is_file() else 0
+            latest = max(latest, st.st_mtime)
+    except OSError:
+        return None
+    return Held(str(folder), size, latest)
+
+
+#: ``tmp/swept-<name>.<id>``: a leftover folder gc's sweep renamed aside to remove it (a name
+#: no writer uses; one a killed sweep left is a leftover of its own, weighed like the others).
+SWEPT_PREFIX = "swept-"
+
+
+def removed_leftover(planned: Held) -> int | None:
+    """Remove a ``tmp/`` leftover gc's sweep planned; the bytes freed, None where it was kept.
+
+    A folder is first renamed aside (:data:`SWEPT_PREFIX`, one atomic step in the same
+    ``tmp/``), then weighed again (:func:`held_folder`) and removed only if nothing in it
+    changed since the plan; a folder taken up meanwhile (a verify rerun writing its scratch
+    there) is renamed back and kept. The rename comes first so that no writer ever writes into
+    a folder being removed: one that takes the folder up after it finds no folder (its write
+    fails, or it makes the folder again, and what it writes then is its own). A file goes as it
+    is (temporary names are never reused); one gone already (another gc took it) was not
+    removed here, and is not counted.
+    """
+    path = Path(planned.name)
+    if not path.is_dir() or path.is_symlink():
+        try:
+            size = path.lstat().st_size
+            path.unlink()
+        except FileNotFoundError:
+            return None
+        return size
+    aside = path.with_name(f"{SWEPT_PREFIX}{path.name}.{uuid.uuid4().hex[:12]}")
+    try:
+        path.rename(aside)
+    except OSError:
+        return None  # gone meanwhile (another gc took it)
+    now = held_folder(aside)
+    if now is None or now.modified > planned.modified:
+        with contextlib.suppress(OSError):  # its writer made it again meanwhile: it keeps that
+            aside.rename(path)  # one, this copy goes with the next sweep past the grace
+        return None
+    shutil.rmtree(aside, ignore_errors=True)
+    return now.size
 
 
 @dataclass(frozen=True)
@@ -161,6 +221,12 @@ class Place(Protocol):
     def plan_sweep(self, now: float, grace: float, retention: float) -> Sweep:
         """What gc's sweep would delete now (:func:`unnamed_past` with
         the place's age)."""
+        ...
+
+    def leftovers(self) -> list[Held]:
+        """What the place's ``tmp/`` holds that gc's sweep takes once untouched for the grace
+        period, of any age: the one rule :meth:`plan_sweep`, stats and verify's note count
+        leftovers by."""
         ...
 
     def sweep(self, plan: Sweep, crash: Callable[[str], None]) -> Swept:

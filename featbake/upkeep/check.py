@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 from featbake.errors import ConfigError, SourceError, StoreCorrupt, StoreError
 from featbake.keys import sha256_file
 from featbake.progress import GcProgress
-from featbake.store.bucket import VERIFY_SCRATCH
+from featbake.store.bucket import verify_scratch
 from featbake.store.catalog import (
     Catalog,
     ShardRow,
@@ -682,13 +682,15 @@ def file_findings(layout: Layout, listing: FolderListing) -> list[Finding]:
 
 
 def tmp_findings(layout: Layout) -> list[Finding]:
-    """A note on files left in ``tmp/`` by interrupted writes (gc removes them)."""
-    tmp = list_folder(layout.tmp, "*").files
-    if not tmp:
+    """A note on what interrupted writes left in ``tmp/``, counted by the rule stats and gc's
+    sweep count it by (:meth:`~featbake.store.place.Place.leftovers`: a folder as one, with
+    the bytes inside it)."""
+    left = place_of(layout).leftovers()
+    if not left:
         return []
     detail = (
-        f"{len(tmp)} files ({sum(f.bytes for f in tmp)} bytes) left by interrupted writes; gc "
-        "removes them after the grace period"
+        f"{len(left)} leftovers ({sum(h.size for h in left)} bytes) left by interrupted writes; "
+        "gc removes them after the grace period"
     )
     return [Finding(FindingKind.TMP_LEFTOVERS, str(layout.tmp), detail, False)]
 
@@ -890,9 +892,10 @@ def hash_findings(check: HashCheck) -> list[Finding]:
 # node): the place's own bytes of every shard the catalog names.
 #
 # Each shard must be held by the place, and its bytes must hash to its name and pass their header
-# and checksums. Each is brought into the tier's ``tmp/verify/`` through the place (one at a time,
-# deleted after its check), never read from a tier's copy: a tier holding a good copy of a shard
-# says nothing about the object other nodes fetch. Shards no catalog names are a note (gc deletes
+# and checksums. Each is brought through the place into a scratch folder of this verify's own in
+# the tier's ``tmp/`` (one at a time, deleted after its check; a second verify on the node has
+# its own), never read from a tier's copy: a tier holding a good copy of a shard says nothing
+# about the object other nodes fetch. Shards no catalog names are a note (gc deletes
 # them once older than the place's age). Where the place refuses repair, the report names each
 # damaged or missing shard and what to do (delete it, build again: a build encodes what a missing
 # shard held).
@@ -906,8 +909,8 @@ def verify_named(layout: Layout, progress: Progress = None) -> VerifyReport:
     t0 = time.perf_counter()
     named = place.named_shards()
     listed = place.shard_objects()
-    report = VerifyReport(str(place), VerifyStatus.CLEAN, 0, 0, [])
-    scratch = layout.tmp / VERIFY_SCRATCH
+    report = VerifyReport(str(place), VerifyStatus.CLEAN, 0, 0, tmp_findings(layout))
+    scratch = verify_scratch(layout.tmp)
     try:
         for i, name in enumerate(sorted(named)):
             finding = _check_held(place, scratch, name, name in listed)
@@ -937,6 +940,22 @@ def verify_named(layout: Layout, progress: Progress = None) -> VerifyReport:
     return report
 
 
+def _brought_in(place: Place, name: str, path: Path) -> bool:
+    """Whether the place's shard ``name`` is now in scratch file ``path``; False where the
+    place holds no such shard. A download that failed because the scratch folder went (a gc
+    on this node with a short grace took it as a killed verify's) is tried once more in the
+    folder made anew, when the place still holds the shard."""
+    for last in (False, True):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            place.download_shard(name, path)
+            return True
+        except FileNotFoundError:
+            if last or path.parent.is_dir() or not place.has_shard(name):
+                return False
+    return False
+
+
 def _check_held(place: Place, scratch: Path, name: str, listed: bool) -> Finding | None:
     """The finding for the place's shard ``name`` (None when it is sound)."""
     where = place.shard_where(name)
@@ -949,10 +968,7 @@ def _check_held(place: Place, scratch: Path, name: str, listed: bool) -> Finding
             True,
         )
     path = scratch / name[:2] / f"{name}.safetensors"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        place.download_shard(name, path)
-    except FileNotFoundError:
+    if not _brought_in(place, name, path):
         return Finding(FindingKind.MISSING_SHARD, where, "deleted while verify ran", True)
     try:
         check = check_shard(path)

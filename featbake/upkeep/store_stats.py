@@ -26,7 +26,6 @@ from featbake.store.open import (
     open_catalog,
     place_of,
     resolve_root,
-    tmp_leftovers,
 )
 from featbake.store.place import Change
 from featbake.store.roots import Root
@@ -248,9 +247,9 @@ def _stats(layout: Layout, catalog: Catalog, t0: float) -> StoreStats:
             totals = _with_waiting(totals, catalog)
     finally:
         catalog.close()
-    # A directory's sweep weighs files and the folders a killed process left (up8.2); a bucket
-    # tier keeps folders readers work in (tmp/fetch), so there files alone count.
-    tmp = tmp_leftovers(layout.tmp, folders=layout.remote is None)
+    # What the place's gc sweep weighs, by its own rule (a directory: every file and folder of
+    # tmp/; a tier: the folders killed changes and verifies leave, never tmp/fetch).
+    tmp = place_of(layout).leftovers()
     rows_bytes = sum(u.nbytes for u in usage.values())
     return StoreStats(
         path=str(place_of(layout)),

@@ -17,12 +17,14 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, Dataset
 
 from featbake.serve.dataset import CachedFeatureDataset
+from featbake.store import place
 from featbake.store.catalog import Catalog
 from featbake.store.features import FeatureReader
 from featbake.store.filesystem import SharedFilesystemWarning
 from featbake.store.fragments import sealed_fragments
 from featbake.store.layout import Layout
 from featbake.store.objects import ObjectInfo
+from featbake.store.place import Held
 from featbake.store.roots import RootSpec
 from featbake.store.shard import write_shard
 from featbake.store.versions import kept_versions, sweep, version_name
@@ -733,3 +735,78 @@ def test_gc_removes_folders_left_in_tmp_past_the_grace_and_keeps_one_in_use(
     assert {p: p.stat().st_size for p in shard_files(store_dir)} == before
     assert verify(store_dir).status == "clean"
     assert assert_serves(store_dir, first.root, audio_dir, encoder_file, Live()) == 16
+
+
+def test_a_folder_taken_up_between_the_sweeps_weigh_and_its_removal_loses_nothing_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Round nine, upkeep: the sweep weighed a leftover folder again, then removed it by its
+    name, so a writer that took it up in between (verify's scratch: make the folder, write
+    into it) had what it wrote removed under it. The folder is now renamed aside before it is
+    weighed again: a writer after that finds no folder to write into (its write fails, or it
+    makes the folder again) and what it writes is kept; only the renamed copy goes."""
+    tmp = tmp_path / "tmp"
+    left = tmp / "scratch"
+    left.mkdir(parents=True)
+    (left / "old.part").write_bytes(b"x" * 10)
+    age(left / "old.part", 2 * 3600)
+    age(left, 2 * 3600)
+    planned = place.held_folder(left)
+    assert planned is not None
+    weigh = place.held_folder
+    lost: list[OSError] = []
+
+    def weigh_then_write(folder: Path) -> Held | None:
+        held = weigh(folder)
+        try:  # a writer that expects its folder there: never into one about to be removed
+            (left / "lost.part").write_bytes(b"z")
+        except FileNotFoundError as e:
+            lost.append(e)
+        left.mkdir(parents=True, exist_ok=True)  # a writer that makes it again (verify)
+        (left / "new.part").write_bytes(b"y" * 10)
+        return held
+
+    monkeypatch.setattr(place, "held_folder", weigh_then_write)
+    assert place.removed_leftover(planned) == 10
+    assert len(lost) == 1
+    assert sorted(p.name for p in left.iterdir()) == ["new.part"]
+    assert (left / "new.part").read_bytes() == b"y" * 10
+    assert [p.name for p in tmp.iterdir()] == ["scratch"]  # the renamed copy is gone
+
+
+def test_a_folder_taken_up_after_the_plan_is_put_back_whole(tmp_path: Path) -> None:
+    """The other side of the rename aside: a folder written into between gc's plan and its
+    sweep is weighed again under its aside name, found changed and renamed back, whole."""
+    left = tmp_path / "tmp" / "scratch"
+    left.mkdir(parents=True)
+    (left / "old.part").write_bytes(b"x" * 10)
+    age(left / "old.part", 2 * 3600)
+    age(left, 2 * 3600)
+    planned = place.held_folder(left)
+    assert planned is not None
+    (left / "new.part").write_bytes(b"y" * 10)  # taken up after the plan
+    assert place.removed_leftover(planned) is None
+    assert sorted(p.name for p in left.iterdir()) == ["new.part", "old.part"]
+    assert [p.name for p in left.parent.iterdir()] == ["scratch"]
+
+
+def test_a_leftover_another_gc_removed_after_the_plan_is_not_counted_twice(
+    encoder_file: Path, audio_dir: Path, store_dir: Path
+) -> None:
+    """Round nine, upkeep: two gc runs on one store plan the same ``tmp/`` leftovers; the one
+    that comes second found them gone and still counted each as a leftover it removed, so the
+    two reports added up to more than was ever there. A leftover gone before the sweep reached
+    it is not counted (a folder already was not: ``removed_leftover``)."""
+    bake(audio_dir, encoder_file, store_dir)
+    tmp = store_dir / "tmp"
+    (tmp / "a.part").write_bytes(b"x" * 10)
+    (tmp / "b.part").write_bytes(b"")
+    for p in tmp.iterdir():
+        age(p, 2 * 3600)
+    first = plan_gc(store_dir, GcOptions(grace=3600.0))
+    second = plan_gc(store_dir, GcOptions(grace=3600.0))
+    assert len(first.sweep.loose) == len(second.sweep.loose) == 2
+    (tmp / "a.part").unlink()  # the first run took this one, then was killed
+    assert execute_gc(second).tmp_removed == 1  # only b.part, empty, was removed by this one
+    assert execute_gc(first).tmp_removed == 0
+    assert not list(tmp.glob("*.part"))

@@ -1197,3 +1197,27 @@ def test_feature_and_shard_rows_of_the_wrong_kind_are_damage_and_gc_refuses_them
     assert invoke("verify", "--repair", "--cache", store).returncode == 10
     assert verify(store).status == "clean"
     assert assert_serves(store, report.root, audio_dir / "fixed", encoder_file, Live()) == 4
+
+
+def test_verifys_note_on_tmp_leftovers_counts_what_stats_and_gc_count(
+    encoder_file: Path, audio_dir: Path, store_dir: Path
+) -> None:
+    """Round nine, upkeep: verify's note on ``tmp/`` counted its files only, while stats and
+    gc's sweep count each folder a killed process left there too (a scratch copy of a shard):
+    the note said "1 files (10 bytes)" of a tmp/ that stats called 2 leftovers holding a shard.
+    It counts them by the same rule now (``Place.leftovers``)."""
+    bake(audio_dir, encoder_file, store_dir)
+    tmp = store_dir / "tmp"
+    left = tmp / "scratch-of-a-killed-run"
+    left.mkdir(parents=True)
+    shard = next(iter(shard_files(store_dir)))
+    shutil.copyfile(shard, left / shard.name)
+    (tmp / "x.part").write_bytes(b"x" * 10)
+    seen = stats(store_dir)
+    assert (seen.tmp_files, seen.tmp_bytes) == (2, shard.stat().st_size + 10)
+
+    report = verify(store_dir)
+    assert report.status == "clean"
+    (note,) = [f for f in report.findings if f.kind is FindingKind.TMP_LEFTOVERS]
+    assert note.detail.startswith(f"2 leftovers ({seen.tmp_bytes} bytes) ")
+    assert not note.damage

@@ -15,11 +15,13 @@ import torch
 from featbake import CachedFeatureDataset
 from featbake.bake.pipeline import build
 from featbake.errors import StoreError
-from featbake.store.bucket import merge_bucket
+from featbake.store.bucket import BucketStore, merge_bucket
 from featbake.store.catalog import Catalog
 from featbake.store.fragment_catalog import FragmentCatalog
 from featbake.store.fragments import sealed_fragments
-from featbake.upkeep import GcOptions, drop_root, gc, verify
+from featbake.store.objects import ObjectStore
+from featbake.store.place import removed_leftover
+from featbake.upkeep import GcOptions, VerifyReport, drop_root, gc, stats, verify
 from featbake.upkeep.gc import CRASH_ENV, GcPlan
 from tests.conftest import REPO, live_features, run_cli
 from tests.store.bucket.conftest import S3, bucket_store
@@ -175,10 +177,173 @@ def test_a_verify_killed_on_a_bucket_store_leaves_no_scratch_folder_behind_for_e
     args = [sys.executable, "-c", VERIFY_KILLED, s3.url, str(tier)]
     killed = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
-    scratch = bucket_store(s3.url, tier).layout.tmp / "verify"
-    assert len(list(scratch.glob("*/*.safetensors"))) == 1  # the shard it was checking
+    tmp = bucket_store(s3.url, tier).layout.tmp
+    (scratch,) = tmp.glob("verify*")  # the killed verify's own
+    (copy,) = scratch.glob("*/*.safetensors")  # the shard it was checking
+    # stats counts what the sweep takes, by the sweep's own rule (round nine, upkeep)
+    seen = stats(bucket_store(s3.url, tier).layout)
+    assert (seen.tmp_files, seen.tmp_bytes) == (1, copy.stat().st_size)
+    # and verify's note, by the same rule (its own scratch, made after, is not counted)
+    noted = verify(s3.url, local_cache=tier)
+    assert noted.status == "clean"
+    assert [f.detail.split(" left ")[0] for f in noted.findings if f.kind == "tmp-leftovers"] == [
+        f"1 leftovers ({seen.tmp_bytes} bytes)"
+    ]
 
     done = gc(bucket_store(s3.url, tier).layout, EAGER)
     assert (done.rows_deleted, done.tmp_removed) == (0, 1)
     assert not scratch.exists()
+    assert not list(tmp.glob("swept-*"))
     assert verify(s3.url, local_cache=tier).status == "clean"
+
+
+def test_two_verifies_of_a_bucket_store_on_one_node_keep_to_their_own_scratch(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Round nine, upkeep: every verify of a bucket store on one node brought its shards into
+    the same ``tmp/verify/`` and removed that folder when done, so a second verify that ended
+    while the first was bringing a shard in removed the first one's folder under it: the first
+    reported a sound shard "deleted while verify ran". Each verify has a scratch of its own
+    now (``tmp/verify-<id>``), removed at its end."""
+    build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
+    tier = tmp_path / "node"
+    download = BucketStore.download_shard
+    started: list[bool] = []
+    second: list[VerifyReport] = []
+
+    def first_download_waits_for_a_whole_verify(self: BucketStore, name: str, dest: Path) -> None:
+        if not started:  # the first verify's first shard: a second verify runs from start to end
+            started.append(True)
+            second.append(verify(s3.url, local_cache=tier))
+        download(self, name, dest)
+
+    monkeypatch.setattr(BucketStore, "download_shard", first_download_waits_for_a_whole_verify)
+    first = verify(s3.url, local_cache=tier)
+    assert [r.status for r in second] == ["clean"]
+    assert first.status == "clean", [f.detail for f in first.findings]
+    assert first.shards_checked == second[0].shards_checked > 1
+    assert not list(bucket_store(s3.url, tier).layout.tmp.glob("verify*"))
+
+
+#: gc of a bucket store killed (SIGKILL) once it brought an older catalog version into the
+#: tier's ``tmp/`` to read the shards it names (its plan keeps versions within the retention).
+GC_KILLED = """
+import os, signal, sys
+from featbake.store import bucket
+from featbake.store.open import open_store
+from featbake.upkeep import GcOptions, gc
+shards = bucket.catalog_shards
+def read_then_die(path, **how):
+    if path.parent.name == "tmp":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return shards(path, **how)
+bucket.catalog_shards = read_then_die
+gc(open_store(sys.argv[1], local_cache=sys.argv[2]), GcOptions(grace=0.0))
+"""
+
+
+def test_a_gc_killed_reading_an_older_version_leaves_no_catalog_copy_behind_for_ever(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    """Round nine, upkeep: gc of a bucket store brings each catalog version it keeps but the
+    tier's own into the tier's ``tmp/`` as a file (``gc-v<n>.<id>.sqlite``) to read the shards
+    it names. Killed then, it left the file, and the tier's sweep took folders only: a whole
+    catalog stayed on the node's disk for ever, and stats never counted it. The tier's files
+    in ``tmp/`` (but its lock) are leftovers now, by the one rule stats and the sweep share."""
+    first = build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
+    tier = tmp_path / "node"
+    drop_root(bucket_store(s3.url, tier).layout, first.root)  # version 2, version 1 kept
+    env = {**os.environ, **s3.env, "PYTHONPATH": str(REPO)}
+    args = [sys.executable, "-c", GC_KILLED, s3.url, str(tier)]
+    killed = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    tmp = bucket_store(s3.url, tier).layout.tmp
+    (copy,) = tmp.glob("gc-v1.*.sqlite")
+    seen = stats(bucket_store(s3.url, tier).layout)
+    assert (seen.tmp_files, seen.tmp_bytes) == (1, copy.stat().st_size)
+
+    done = gc(bucket_store(s3.url, tier).layout, EAGER)
+    assert done.rows_deleted == 16 and done.tmp_removed == 1
+    assert not copy.exists()
+    assert (tmp / "catalog.lock").exists()  # the tier's lock is no leftover
+    assert stats(bucket_store(s3.url, tier).layout).tmp_files == 0
+    assert verify(s3.url, local_cache=tmp_path / "verifier").status == "clean"
+
+
+def test_a_gc_whose_copy_of_an_older_version_is_swept_under_it_deletes_nothing(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The guard the rule above needs: the copy of a kept version gc brings into ``tmp/`` is a
+    file another gc's sweep on the node may take (with a grace shorter than the read). Read as
+    a catalog that names nothing, the version's shards would go within the retention period;
+    gc stops in one line instead, and nothing is deleted."""
+    first = build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
+    tier = tmp_path / "node"
+    drop_root(bucket_store(s3.url, tier).layout, first.root)  # version 2, version 1 kept
+    before = s3.objects()
+    download = ObjectStore.download
+
+    def download_then_lose(self: ObjectStore, name: str, dest: Path) -> int:
+        got = download(self, name, dest)
+        if dest.name.startswith("gc-v"):
+            dest.unlink()  # another gc's sweep took it
+        return got
+
+    monkeypatch.setattr(ObjectStore, "download", download_then_lose)
+    with pytest.raises(StoreError, match="nothing was deleted: run gc again") as e:
+        gc(bucket_store(s3.url, tier).layout, GcOptions(grace=0.0))
+    assert "\n" not in str(e.value)
+    assert s3.objects() == before
+
+
+def test_a_merge_whose_catalog_copy_a_gc_sweep_took_says_so_in_one_line(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    """Round nine, upkeep: a merge (gc, drop) works on a catalog copy in the tier's
+    ``tmp/work-*``; a gc on the same node whose grace is shorter than the change has run may
+    take that folder as a killed change's leftover. The change then fails in one line that
+    says what happened and what to do, publishes nothing, and a rerun merges."""
+    for part in ("0/2", "1/2"):
+        build(audio_dir, encoder_file, cache=s3.url, workers=0, shard=part)
+    tier = tmp_path / "node"
+    store = bucket_store(s3.url, tier)
+    versions = s3.objects("catalog/")
+    swept: list[int] = []
+
+    def sweep_the_tier(step: str) -> None:
+        if not swept:  # gc --grace 0s on this node, its sweep of the tier's tmp/
+            swept.extend(n for n in map(removed_leftover, store.leftovers()) if n is not None)
+
+    with pytest.raises(StoreError, match="run it again") as e:
+        merge_bucket(store, between=sweep_the_tier)
+    assert len(swept) == 1 and "\n" not in str(e.value)
+    assert s3.objects("catalog/") == versions
+    assert merge_bucket(bucket_store(s3.url, tier)).roots
+    assert verify(s3.url, local_cache=tmp_path / "verifier").status == "clean"
+
+
+def test_a_verify_whose_scratch_a_gc_sweep_took_checks_every_shard_still(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Round nine, upkeep: verify of a bucket store brings each shard into its scratch in the
+    tier's ``tmp/``; a gc on the same node whose grace is shorter than the verify takes that
+    folder as a killed verify's leftover. The shard's download then failed and verify reported
+    a sound shard "deleted while verify ran". It asks the bucket whether the shard is there,
+    and brings it in again into its scratch made anew."""
+    build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
+    tier = tmp_path / "node"
+    store = bucket_store(s3.url, tier)
+    download = BucketStore.download_shard
+    swept: list[int] = []
+
+    def sweep_then_download(self: BucketStore, name: str, dest: Path) -> None:
+        if not swept:  # gc --grace 0s on this node, its sweep of the tier's tmp/
+            swept.extend(n for n in map(removed_leftover, store.leftovers()) if n is not None)
+        download(self, name, dest)
+
+    monkeypatch.setattr(BucketStore, "download_shard", sweep_then_download)
+    report = verify(s3.url, local_cache=tier)
+    assert len(swept) == 1  # the verify's scratch
+    assert report.status == "clean", [f.detail for f in report.findings]
+    assert report.shards_checked == len(store.named_shards()) > 1
+    assert not list(store.layout.tmp.glob("verify*"))
