@@ -61,8 +61,9 @@ from featbake.encode.inputs import (
     inputs_at,
 )
 from featbake.encode.loaders import is_import_path, load_encoder
+from featbake.encode.manifests import Item
 from featbake.encode.sources import ScanResult, Source, file_stat_or_none, source_for
-from featbake.encode.tables import Table
+from featbake.encode.tables import CarriedCell, Table
 from featbake.encode.webdataset import WebDataset
 from featbake.errors import ConfigError, EncodeError, FeatbakeError, SourceError, StoreError
 from featbake.gcpause import gc_paused
@@ -71,6 +72,7 @@ from featbake.progress import Progress
 from featbake.recipe import Recipe
 from featbake.store.catalog import BuildCatalog, Catalog
 from featbake.store.claims import this_host
+from featbake.store.containers import container_cut
 from featbake.store.features import Parts
 from featbake.store.fidelity import Measured
 from featbake.store.fragment_catalog import FragmentCatalog, RankPart
@@ -1011,26 +1013,75 @@ class EngineJob:
     driver_host: str = field(default_factory=this_host)
 
 
-def stats_to_check(items: Sequence[WorkItem], driver_host: str) -> dict[str, FileStat]:
-    """path -> the stat each of ``items`` is checked against once decoded (the input must not
-    have changed since the driver hashed it).
+@dataclass
+class SeenHere:
+    """How this host sees the files whose stats the driver took, on host ``driver_host``.
 
-    On the driver's own host, the driver's stat whole (size, mtime, inode, ctime). On another
+    On the driver's own host a stat is taken whole (size, mtime, inode, ctime). On another
     host the same mount may show other inode numbers (and ctimes) for the same file (a FUSE or
-    clustered file system numbering inodes per node), so the driver's size and mtime_ns are
-    compared with this host's stat of the file, and where they agree this host's stat is
-    taken whole: a file rewritten while this worker reads it is still refused by its inode
-    and ctime here. A path that is no file here (an object, a tar member, a manifest row)
-    keeps the driver's stat.
+    clustered file system numbering inodes per node), so a file there is the version the
+    driver saw if its size and mtime_ns are the driver's; its stat here is then what this host
+    checks its reads against, whole, so a file rewritten while it reads is still refused by
+    its inode and ctime here. What this host read at that stat is reported back at the
+    driver's (:meth:`driver_stat`: the driver records and compares its own stats). A name
+    that is no file here (an object) keeps the driver's stat.
     """
-    stats = {it.path: it.stat for it in items if it.stat is not None}
-    if driver_host == this_host():
-        return stats
-    for path, seen in stats.items():
-        here = file_stat_or_none(path) if os.path.isabs(path) else None
-        if here is not None and (here.size, here.mtime_ns) == (seen.size, seen.mtime_ns):
-            stats[path] = here
-    return stats
+
+    driver_host: str
+    #: this host's stat of a file -> the driver's stat of the same version
+    back: dict[FileStat, FileStat] = field(default_factory=dict)
+    #: file -> its stat here, taken once (a tar's members, a table's cells share their file's)
+    here: dict[str, FileStat | None] = field(default_factory=dict)
+
+    def stat(self, file: str, seen: FileStat) -> FileStat:
+        """``file``'s stat here if it is the version the driver saw at ``seen``, else
+        ``seen`` (the driver's host; a file changed, gone, or no file here)."""
+        if self.driver_host == this_host():
+            return seen
+        if file not in self.here:
+            self.here[file] = file_stat_or_none(file) if os.path.isabs(file) else None
+        here = self.here[file]
+        if here is None or (here.size, here.mtime_ns) != (seen.size, seen.mtime_ns):
+            return seen
+        self.back[here] = seen
+        return here
+
+    def driver_stat(self, stat: FileStat | None) -> FileStat | None:
+        """The driver's stat of what this host read at ``stat`` (``stat`` itself if this host
+        took no other for it)."""
+        return stat if stat is None else self.back.get(stat, stat)
+
+    def item(self, it: WorkItem) -> WorkItem:
+        """``it`` with the stats of the driver's scan in what it carries (a table cell's: the
+        stat its file's rows were read at) as this host sees them."""
+        value = it.carried
+        if isinstance(value, CarriedCell) and value.scanned is not None:
+            scanned = self.stat(file_holding(it.path, value), value.scanned)
+            return it._replace(carried=dataclasses.replace(value, scanned=scanned))
+        return it
+
+
+def file_holding(path: str, carried: object | None = None) -> str:
+    """The file whose stat item ``path`` is checked by: a manifest row's file (its carried
+    :class:`Item`), a tar member's tar or a table cell's file (its name up to the container),
+    else the input itself."""
+    if isinstance(carried, Item):
+        return carried.file
+    cut = container_cut(path)
+    return path if cut is None else path[:cut]
+
+
+def stats_to_check(items: Sequence[WorkItem], seen: SeenHere) -> dict[str, FileStat]:
+    """path -> the stat each of ``items`` is checked against once decoded (the input must not
+    have changed since the driver hashed it): the stat of the file holding it
+    (:func:`file_holding`) as this host sees the version the driver hashed (:class:`SeenHere`:
+    the driver's whole on its own host; on another, this host's where size and mtime agree).
+    """
+    return {
+        it.path: seen.stat(file_holding(it.path, it.carried), it.stat)
+        for it in items
+        if it.stat is not None
+    }
 
 
 @dataclass
@@ -1234,8 +1285,9 @@ class PartEncoder:
         bake.compactor = Compactor(self.job.recipe)
         bake.rel_of = {it.path: it.name for it in items}
         done_before = len(items) - len(todo)
-        todo = self.carried_in(todo)
-        bake.hashed_stats = stats_to_check(todo, self.job.driver_host)
+        seen = SeenHere(self.job.driver_host)
+        todo = self.carried_in([seen.item(it) for it in todo])
+        bake.hashed_stats = stats_to_check(todo, seen)
         bake.held = HeldBytes(budget=sum(map(len, (held or {}).values())))
         for path, data in (held or {}).items():
             bake.held.keep(path, data)
