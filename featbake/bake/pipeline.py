@@ -18,7 +18,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, NoReturn, Protocol
 
 import torch
 import torch.distributed as dist
@@ -1084,6 +1084,32 @@ def stats_to_check(items: Sequence[WorkItem], seen: SeenHere) -> dict[str, FileS
     }
 
 
+@dataclass(frozen=True)
+class CarriedError:
+    """A :class:`FeatbakeError` a worker raised, carried back to the driver (an engine's own
+    wrapping of a worker's exception may keep only its traceback's text): its class's name
+    and its one line, raised again there as its own class (:meth:`raise_again`)."""
+
+    kind: str
+    message: str
+
+    @classmethod
+    def of(cls, e: FeatbakeError) -> CarriedError:
+        return cls(type(e).__name__, str(e))
+
+    def raise_again(self) -> NoReturn:
+        """Raise the error as its own class (FeatbakeError if none is called ``kind``)."""
+        raise error_class(self.kind)(self.message)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """An input that failed on a worker: its name in the data and why."""
+
+    name: str
+    reason: str
+
+
 @dataclass
 class PartResult:
     """What a worker did with one task (or several, added up): items encoded, those that
@@ -1093,26 +1119,24 @@ class PartResult:
     items: int = 0
     encoded: int = 0
     reused: int = 0  # found stored by the worker (items that came with their bytes)
-    failed: list[tuple[str, str]] = field(default_factory=list)
+    failed: list[Failure] = field(default_factory=list)
     causes: list[FailureCause] = field(default_factory=list)
     bytes_written: int = 0
     shards_written: int = 0
     batching: str = ""
     batching_note: str = ""
     measured: Measured | None = None
-    error_kind: str = ""  # the FeatbakeError a task raised (its class's name), e.g. --strict's
-    error: str = ""  # and its one line: raised again by the driver (raise_error)
+    error: CarriedError | None = None  # what a task raised (--strict's), raised by the driver
 
     @classmethod
     def raised(cls, e: FeatbakeError) -> PartResult:
-        """A task's result that carries ``e`` back: an engine's own wrapping of a worker's
-        exception may keep only its traceback's text, never the one line."""
-        return cls(error_kind=type(e).__name__, error=str(e))
+        """A task's result that carries ``e`` back (:class:`CarriedError`)."""
+        return cls(error=CarriedError.of(e))
 
     def raise_error(self) -> None:
         """Raise the error a task carried back (as its own class, with its own line), if any."""
-        if self.error_kind:
-            raise error_class(self.error_kind)(self.error)
+        if self.error is not None:
+            self.error.raise_again()
 
     def add(self, other: PartResult) -> None:
         """Add ``other``'s counts to these (a batching note that says more wins)."""
@@ -1135,13 +1159,14 @@ class PartResult:
         """Count this in the build's report."""
         report.encoded += self.encoded
         report.reused += self.reused
-        for (name, reason), cause in zip(self.failed, self.causes, strict=True):
-            report.fail(name, reason, cause)
+        for failure, cause in zip(self.failed, self.causes, strict=True):
+            report.fail(failure.name, failure.reason, cause)
         report.bytes_written += self.bytes_written
         report.shards_written += self.shards_written
         report.batching, report.batching_note = self.batching, self.batching_note
 
     def to_json(self) -> str:
+        """This result as JSON (:meth:`from_json` gives it back equal)."""
         doc = dataclasses.asdict(self) | {
             "causes": [str(c) for c in self.causes],
             "measured": None if self.measured is None else self.measured.to_json(),
@@ -1150,14 +1175,16 @@ class PartResult:
 
     @classmethod
     def from_json(cls, text: str) -> PartResult:
+        """The result :meth:`to_json` wrote."""
         doc = json.loads(text)
-        measured = doc.pop("measured")
+        measured, error = doc.pop("measured"), doc.pop("error")
         return cls(
             **doc
             | {
-                "failed": [tuple(f) for f in doc["failed"]],
+                "failed": [Failure(**f) for f in doc["failed"]],
                 "causes": [FailureCause(c) for c in doc["causes"]],
                 "measured": None if measured is None else Measured.from_json(measured),
+                "error": None if error is None else CarriedError(**error),
             }
         )
 
@@ -1295,7 +1322,8 @@ class PartEncoder:
             bake.encode([(it.key, it.path) for it in todo], {}, {})
         r = bake.report
         return PartResult(
-            len(items), r.encoded + done_before, 0, r.failed, r.causes, r.bytes_written,
+            len(items), r.encoded + done_before, 0, [Failure(n, why) for n, why in r.failed],
+            r.causes, r.bytes_written,
             r.shards_written, r.batching, r.batching_note, bake.compactor.measured,
         )  # fmt: skip
 

@@ -48,6 +48,7 @@ from featbake.bake.batching import budget_samples
 from featbake.bake.options import BakeOptions
 from featbake.bake.pipeline import (
     BuildEncoder,
+    CarriedError,
     Engine,
     EngineJob,
     PartEncoder,
@@ -56,7 +57,6 @@ from featbake.bake.pipeline import (
     RunnerSpec,
     SeenHere,
     WorkItem,
-    error_class,
 )
 from featbake.bake.report import BuildReport
 from featbake.device import process_cpus
@@ -424,16 +424,15 @@ A = TypeVar("A")  # an ask of a hashing task (an input, a container)
 class HashedBatch(Generic[T]):
     """What one hashing task returns: each input's :class:`Digested` (or each container's
     :class:`ContainerDigested`) it did, and the one-line error it raised after them, if any (a
-    FeatbakeError's class name and message, raised again on the driver)."""
+    :class:`CarriedError`, raised again on the driver)."""
 
     digested: list[T] = field(default_factory=list)
-    error_kind: str = ""
-    error: str = ""
+    error: CarriedError | None = None
 
     def raise_error(self) -> None:
         """Raise the task's error as its own class, with its own line, if it had one."""
-        if self.error_kind:
-            raise error_class(self.error_kind)(self.error)
+        if self.error is not None:
+            self.error.raise_again()
 
 
 def digest_batch(asks: list[DigestAsk], driver_host: str) -> HashedBatch[Digested]:
@@ -492,7 +491,7 @@ def hashed_batch(results: Callable[[], Iterable[T]]) -> HashedBatch[T]:
         for one in results():
             done.append(one)
     except FeatbakeError as e:
-        return HashedBatch(done, type(e).__name__, str(e))
+        return HashedBatch(done, CarriedError.of(e))
     return HashedBatch(done)
 
 

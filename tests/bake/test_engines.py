@@ -192,3 +192,26 @@ def test_rows_members_and_cells_on_another_node_compare_their_files_size_and_mti
     assert sorted(got) == (sorted(clips) if encoded else [])
     for name, parts in got.items():
         torch.testing.assert_close(parts[""], live_features(encoder_file, clips[name]))
+
+
+def test_a_part_result_travels_as_json_with_its_failures_and_error_typed() -> None:
+    """A task's result goes back to the driver as JSON: its failures (name, reason) and the
+    error it carried come back equal, the error raised as its own class with its own line,
+    and the failures counted in the build's report by name."""
+    from featbake.bake.pipeline import CarriedError, Failure
+    from featbake.bake.report import BuildReport, FailureCause
+    from featbake.errors import SourceError
+
+    changed = SourceError("b.wav: changed while featbake was reading it")
+    failed = [Failure("a.wav", "cannot decode: x")]
+    error = PartResult.raised(changed).error
+    result = PartResult(3, 1, failed=failed, causes=[FailureCause.DATA], error=error)
+    back = PartResult.from_json(result.to_json())
+    assert back == result
+    assert back.error == CarriedError("SourceError", "b.wav: changed while featbake was reading it")
+    with pytest.raises(SourceError, match=r"^b\.wav: changed while featbake was reading it$"):
+        back.raise_error()
+    report = BuildReport("r", "d", "e", "fp", "rfp", 3)
+    back.add_to(report)
+    assert (report.encoded, report.failed) == (1, [("a.wav", "cannot decode: x")])
+    PartResult.from_json(PartResult().to_json()).raise_error()  # nothing carried: no raise

@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from featbake.bake import pipeline
+from featbake.bake.pipeline import CarriedError
 from featbake.bake.ray_engine import (
     CLUSTER_HASHING_FROM,
     HASH_TASKS_PER_CPU,
@@ -375,7 +376,8 @@ def test_what_a_hashing_task_did_before_its_error_reaches_the_driver_before_the_
         raise StoreError("s3://bucket/c.wav: access denied; check the role's s3:GetObject")
 
     batch = hashed_batch(results)
-    assert (batch.digested, batch.error_kind) == (["a", "b"], "StoreError")
+    line = "s3://bucket/c.wav: access denied; check the role's s3:GetObject"
+    assert (batch.digested, batch.error) == (["a", "b"], CarriedError("StoreError", line))
     fake_ray = SimpleNamespace(
         wait=lambda pending, num_returns: (pending[:1], pending[1:]),
         get=lambda ref: ref,
@@ -451,7 +453,7 @@ def test_a_hashing_task_on_another_node_compares_size_and_mtime_not_its_mounts_i
     if worker_host is not None:  # the task's host; the driver's was named before
         monkeypatch.setattr(pipeline, "this_host", lambda: worker_host)
     batch = digest_batch([DigestAsk(p, stats[p]) for p in paths], driver)
-    assert batch.error_kind == ""
+    assert batch.error is None
     got = {d.path: d.got for d in batch.digested}
     sha = {p: hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in paths}
     assert got == {p: Digest(stats[p], sha[p]) if read else CHANGED_WHILE_READ for p in paths}
@@ -483,7 +485,7 @@ def test_a_container_task_on_another_node_compares_size_and_mtime_not_its_mounts
             if worker_host is not None:
                 m.setattr(pipeline, "this_host", lambda: worker_host)
             batch = read_batch(sent, this_host())
-        assert batch.error_kind == ""
+        assert batch.error is None
         got = {c.container: c.got for c in batch.digested}
         assert {c: r.stat for c, r in got.items()} == {
             c: listed[c] if read else None for c in want
