@@ -18,7 +18,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, NoReturn, Protocol
 
 import torch
 import torch.distributed as dist
@@ -61,8 +61,9 @@ from featbake.encode.inputs import (
     inputs_at,
 )
 from featbake.encode.loaders import is_import_path, load_encoder
+from featbake.encode.manifests import Item
 from featbake.encode.sources import ScanResult, Source, file_stat_or_none, source_for
-from featbake.encode.tables import Table
+from featbake.encode.tables import CarriedCell, Table
 from featbake.encode.webdataset import WebDataset
 from featbake.errors import ConfigError, EncodeError, FeatbakeError, SourceError, StoreError
 from featbake.gcpause import gc_paused
@@ -71,6 +72,7 @@ from featbake.progress import Progress
 from featbake.recipe import Recipe
 from featbake.store.catalog import BuildCatalog, Catalog
 from featbake.store.claims import this_host
+from featbake.store.containers import container_cut
 from featbake.store.features import Parts
 from featbake.store.fidelity import Measured
 from featbake.store.fragment_catalog import FragmentCatalog, RankPart
@@ -1011,26 +1013,101 @@ class EngineJob:
     driver_host: str = field(default_factory=this_host)
 
 
-def stats_to_check(items: Sequence[WorkItem], driver_host: str) -> dict[str, FileStat]:
-    """path -> the stat each of ``items`` is checked against once decoded (the input must not
-    have changed since the driver hashed it).
+@dataclass
+class SeenHere:
+    """How this host sees the files whose stats the driver took, on host ``driver_host``.
 
-    On the driver's own host, the driver's stat whole (size, mtime, inode, ctime). On another
+    On the driver's own host a stat is taken whole (size, mtime, inode, ctime). On another
     host the same mount may show other inode numbers (and ctimes) for the same file (a FUSE or
-    clustered file system numbering inodes per node), so the driver's size and mtime_ns are
-    compared with this host's stat of the file, and where they agree this host's stat is
-    taken whole: a file rewritten while this worker reads it is still refused by its inode
-    and ctime here. A path that is no file here (an object, a tar member, a manifest row)
-    keeps the driver's stat.
+    clustered file system numbering inodes per node), so a file there is the version the
+    driver saw if its size and mtime_ns are the driver's; its stat here is then what this host
+    checks its reads against, whole, so a file rewritten while it reads is still refused by
+    its inode and ctime here. What this host read at that stat is reported back at the
+    driver's (:meth:`driver_stat`: the driver records and compares its own stats). A name
+    that is no file here (an object) keeps the driver's stat.
     """
-    stats = {it.path: it.stat for it in items if it.stat is not None}
-    if driver_host == this_host():
-        return stats
-    for path, seen in stats.items():
-        here = file_stat_or_none(path) if os.path.isabs(path) else None
-        if here is not None and (here.size, here.mtime_ns) == (seen.size, seen.mtime_ns):
-            stats[path] = here
-    return stats
+
+    driver_host: str
+    #: this host's stat of a file -> the driver's stat of the same version
+    back: dict[FileStat, FileStat] = field(default_factory=dict)
+    #: file -> its stat here, taken once (a tar's members, a table's cells share their file's)
+    here: dict[str, FileStat | None] = field(default_factory=dict)
+
+    def stat(self, file: str, seen: FileStat) -> FileStat:
+        """``file``'s stat here if it is the version the driver saw at ``seen``, else
+        ``seen`` (the driver's host; a file changed, gone, or no file here)."""
+        if self.driver_host == this_host():
+            return seen
+        if file not in self.here:
+            self.here[file] = file_stat_or_none(file) if os.path.isabs(file) else None
+        here = self.here[file]
+        if here is None or (here.size, here.mtime_ns) != (seen.size, seen.mtime_ns):
+            return seen
+        self.back[here] = seen
+        return here
+
+    def driver_stat(self, stat: FileStat | None) -> FileStat | None:
+        """The driver's stat of what this host read at ``stat`` (``stat`` itself if this host
+        took no other for it)."""
+        return stat if stat is None else self.back.get(stat, stat)
+
+    def item(self, it: WorkItem) -> WorkItem:
+        """``it`` with the stats of the driver's scan in what it carries (a table cell's: the
+        stat its file's rows were read at) as this host sees them."""
+        value = it.carried
+        if isinstance(value, CarriedCell) and value.scanned is not None:
+            scanned = self.stat(file_holding(it.path, value), value.scanned)
+            return it._replace(carried=dataclasses.replace(value, scanned=scanned))
+        return it
+
+
+def file_holding(path: str, carried: object | None = None) -> str:
+    """The file whose stat item ``path`` is checked by: a manifest row's file (its carried
+    :class:`Item`), a tar member's tar or a table cell's file (its name up to the container),
+    else the input itself."""
+    if isinstance(carried, Item):
+        return carried.file
+    cut = container_cut(path)
+    return path if cut is None else path[:cut]
+
+
+def stats_to_check(items: Sequence[WorkItem], seen: SeenHere) -> dict[str, FileStat]:
+    """path -> the stat each of ``items`` is checked against once decoded (the input must not
+    have changed since the driver hashed it): the stat of the file holding it
+    (:func:`file_holding`) as this host sees the version the driver hashed (:class:`SeenHere`:
+    the driver's whole on its own host; on another, this host's where size and mtime agree).
+    """
+    return {
+        it.path: seen.stat(file_holding(it.path, it.carried), it.stat)
+        for it in items
+        if it.stat is not None
+    }
+
+
+@dataclass(frozen=True)
+class CarriedError:
+    """A :class:`FeatbakeError` a worker raised, carried back to the driver (an engine's own
+    wrapping of a worker's exception may keep only its traceback's text): its class's name
+    and its one line, raised again there as its own class (:meth:`raise_again`)."""
+
+    kind: str
+    message: str
+
+    @classmethod
+    def of(cls, e: FeatbakeError) -> CarriedError:
+        return cls(type(e).__name__, str(e))
+
+    def raise_again(self) -> NoReturn:
+        """Raise the error as its own class (FeatbakeError if none is called ``kind``)."""
+        raise error_class(self.kind)(self.message)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """An input that failed on a worker: its name in the data and why."""
+
+    name: str
+    reason: str
 
 
 @dataclass
@@ -1042,26 +1119,24 @@ class PartResult:
     items: int = 0
     encoded: int = 0
     reused: int = 0  # found stored by the worker (items that came with their bytes)
-    failed: list[tuple[str, str]] = field(default_factory=list)
+    failed: list[Failure] = field(default_factory=list)
     causes: list[FailureCause] = field(default_factory=list)
     bytes_written: int = 0
     shards_written: int = 0
     batching: str = ""
     batching_note: str = ""
     measured: Measured | None = None
-    error_kind: str = ""  # the FeatbakeError a task raised (its class's name), e.g. --strict's
-    error: str = ""  # and its one line: raised again by the driver (raise_error)
+    error: CarriedError | None = None  # what a task raised (--strict's), raised by the driver
 
     @classmethod
     def raised(cls, e: FeatbakeError) -> PartResult:
-        """A task's result that carries ``e`` back: an engine's own wrapping of a worker's
-        exception may keep only its traceback's text, never the one line."""
-        return cls(error_kind=type(e).__name__, error=str(e))
+        """A task's result that carries ``e`` back (:class:`CarriedError`)."""
+        return cls(error=CarriedError.of(e))
 
     def raise_error(self) -> None:
         """Raise the error a task carried back (as its own class, with its own line), if any."""
-        if self.error_kind:
-            raise error_class(self.error_kind)(self.error)
+        if self.error is not None:
+            self.error.raise_again()
 
     def add(self, other: PartResult) -> None:
         """Add ``other``'s counts to these (a batching note that says more wins)."""
@@ -1084,13 +1159,14 @@ class PartResult:
         """Count this in the build's report."""
         report.encoded += self.encoded
         report.reused += self.reused
-        for (name, reason), cause in zip(self.failed, self.causes, strict=True):
-            report.fail(name, reason, cause)
+        for failure, cause in zip(self.failed, self.causes, strict=True):
+            report.fail(failure.name, failure.reason, cause)
         report.bytes_written += self.bytes_written
         report.shards_written += self.shards_written
         report.batching, report.batching_note = self.batching, self.batching_note
 
     def to_json(self) -> str:
+        """This result as JSON (:meth:`from_json` gives it back equal)."""
         doc = dataclasses.asdict(self) | {
             "causes": [str(c) for c in self.causes],
             "measured": None if self.measured is None else self.measured.to_json(),
@@ -1099,14 +1175,16 @@ class PartResult:
 
     @classmethod
     def from_json(cls, text: str) -> PartResult:
+        """The result :meth:`to_json` wrote."""
         doc = json.loads(text)
-        measured = doc.pop("measured")
+        measured, error = doc.pop("measured"), doc.pop("error")
         return cls(
             **doc
             | {
-                "failed": [tuple(f) for f in doc["failed"]],
+                "failed": [Failure(**f) for f in doc["failed"]],
                 "causes": [FailureCause(c) for c in doc["causes"]],
                 "measured": None if measured is None else Measured.from_json(measured),
+                "error": None if error is None else CarriedError(**error),
             }
         )
 
@@ -1234,8 +1312,9 @@ class PartEncoder:
         bake.compactor = Compactor(self.job.recipe)
         bake.rel_of = {it.path: it.name for it in items}
         done_before = len(items) - len(todo)
-        todo = self.carried_in(todo)
-        bake.hashed_stats = stats_to_check(todo, self.job.driver_host)
+        seen = SeenHere(self.job.driver_host)
+        todo = self.carried_in([seen.item(it) for it in todo])
+        bake.hashed_stats = stats_to_check(todo, seen)
         bake.held = HeldBytes(budget=sum(map(len, (held or {}).values())))
         for path, data in (held or {}).items():
             bake.held.keep(path, data)
@@ -1243,7 +1322,8 @@ class PartEncoder:
             bake.encode([(it.key, it.path) for it in todo], {}, {})
         r = bake.report
         return PartResult(
-            len(items), r.encoded + done_before, 0, r.failed, r.causes, r.bytes_written,
+            len(items), r.encoded + done_before, 0, [Failure(n, why) for n, why in r.failed],
+            r.causes, r.bytes_written,
             r.shards_written, r.batching, r.batching_note, bake.compactor.measured,
         )  # fmt: skip
 

@@ -48,20 +48,22 @@ from featbake.bake.batching import budget_samples
 from featbake.bake.options import BakeOptions
 from featbake.bake.pipeline import (
     BuildEncoder,
+    CarriedError,
     Engine,
     EngineJob,
     PartEncoder,
     PartResult,
     ProgressFn,
     RunnerSpec,
+    SeenHere,
     WorkItem,
-    error_class,
 )
 from featbake.bake.report import BuildReport
 from featbake.device import process_cpus
 from featbake.encode.fingerprints import (
     ContainerAsk,
     ContainerDigested,
+    ContainerRead,
     DigestAsk,
     Digested,
     Digester,
@@ -69,11 +71,14 @@ from featbake.encode.fingerprints import (
     read_here,
 )
 from featbake.encode.hf import recipe_for_encoder
+from featbake.encode.tables import CellReading
+from featbake.encode.webdataset import MemberReading
 from featbake.errors import BuildIncomplete, ConfigError, FeatbakeError, StoreError, first_line
 from featbake.keys import feature_key, root_id
 from featbake.progress import Progress
 from featbake.recipe import Recipe
 from featbake.store.byteplace import BytePlace, bytes_at
+from featbake.store.claims import this_host
 from featbake.store.fragment_catalog import FragmentCatalog, RankPart
 from featbake.store.hash_cache import FileStat
 from featbake.store.open import Need, StoreRef, open_store, place_of
@@ -419,29 +424,62 @@ A = TypeVar("A")  # an ask of a hashing task (an input, a container)
 class HashedBatch(Generic[T]):
     """What one hashing task returns: each input's :class:`Digested` (or each container's
     :class:`ContainerDigested`) it did, and the one-line error it raised after them, if any (a
-    FeatbakeError's class name and message, raised again on the driver)."""
+    :class:`CarriedError`, raised again on the driver)."""
 
     digested: list[T] = field(default_factory=list)
-    error_kind: str = ""
-    error: str = ""
+    error: CarriedError | None = None
 
     def raise_error(self) -> None:
         """Raise the task's error as its own class, with its own line, if it had one."""
-        if self.error_kind:
-            raise error_class(self.error_kind)(self.error)
+        if self.error is not None:
+            self.error.raise_again()
 
 
-def digest_batch(asks: list[DigestAsk]) -> HashedBatch[Digested]:
+def digest_batch(asks: list[DigestAsk], driver_host: str) -> HashedBatch[Digested]:
     """One hashing task (run by a Ray worker): ``asks`` (inputs of one place) read and hashed
-    on the worker's threads, no bytes kept (the actors read their inputs themselves)."""
-    return hashed_batch(lambda: digest_here(bytes_at(asks[0].path), asks))
+    on the worker's threads, no bytes kept (the actors read their inputs themselves). Each
+    read is checked against its file's stat as this host sees the version the driver stat'ed
+    on ``driver_host`` (:class:`SeenHere`), and its digest returned at the driver's stat."""
+    seen = SeenHere(driver_host)
+    here = [DigestAsk(a.path, seen.stat(a.path, a.stat)) for a in asks]
+    return hashed_batch(
+        lambda: (digested_as_driver(d, seen) for d in digest_here(bytes_at(asks[0].path), here))
+    )
 
 
-def read_batch(asks: list[ContainerAsk]) -> HashedBatch[ContainerDigested]:
+def digested_as_driver(done: Digested, seen: SeenHere) -> Digested:
+    """``done`` with the stat it was read at as the driver's (see :class:`SeenHere`)."""
+    if isinstance(done.got, str):
+        return done
+    stat = seen.driver_stat(done.got.stat)
+    assert stat is not None  # a digest's stat is one
+    return Digested(done.path, done.got._replace(stat=stat))
+
+
+def read_batch(asks: list[ContainerAsk], driver_host: str) -> HashedBatch[ContainerDigested]:
     """One container-hashing task (run by a Ray worker): each of ``asks``' containers read
     by its :class:`ContainerRead` (a tar's listed members, a table file's cells), in order, no
-    bytes kept."""
-    return hashed_batch(lambda: read_here(asks))
+    bytes kept; each reading checked against its container's stat as this host sees the
+    version the driver listed or scanned on ``driver_host`` (:class:`SeenHere`), and its stat
+    returned as the driver's."""
+    seen = SeenHere(driver_host)
+    here = [replace(a, read=reading_here(a.read, seen)) for a in asks]
+
+    def as_driver(done: ContainerDigested) -> ContainerDigested:
+        return replace(done, got=done.got._replace(stat=seen.driver_stat(done.got.stat)))
+
+    return hashed_batch(lambda: map(as_driver, read_here(here)))
+
+
+def reading_here(read: ContainerRead, seen: SeenHere) -> ContainerRead:
+    """``read`` checked against its container's stat as this host sees it (the stat a tar's
+    members were listed at, a table file's rows scanned at: the driver's)."""
+    if isinstance(read, MemberReading) and read.listed_at is not None:
+        return replace(read, listed_at=seen.stat(read.tar, read.listed_at))
+    if isinstance(read, CellReading) and read.cell.scanned is not None:
+        scanned = seen.stat(read.file.path, read.cell.scanned)
+        return replace(read, cell=replace(read.cell, scanned=scanned))
+    return read
 
 
 def hashed_batch(results: Callable[[], Iterable[T]]) -> HashedBatch[T]:
@@ -453,7 +491,7 @@ def hashed_batch(results: Callable[[], Iterable[T]]) -> HashedBatch[T]:
         for one in results():
             done.append(one)
     except FeatbakeError as e:
-        return HashedBatch(done, type(e).__name__, str(e))
+        return HashedBatch(done, CarriedError.of(e))
     return HashedBatch(done)
 
 
@@ -507,9 +545,10 @@ def digested_by_tasks(ray: Any, asks: Sequence[DigestAsk]) -> Iterator[Digested]
     """
     per_task = hash_rows_per_task(len(asks), int(ray.cluster_resources().get("CPU", 1)))
     task = ray.remote(num_cpus=1)(digest_batch)
+    driver = this_host()
     sent = [DigestAsk(a.path, a.stat) for a in asks]  # no holder: nothing kept on the driver
     runs = [sent[i : i + per_task] for i in range(0, len(sent), per_task)]
-    yield from as_returned(ray, [task.remote(run) for run in runs])
+    yield from as_returned(ray, [task.remote(run, driver) for run in runs])
 
 
 def containers_read_by_tasks(ray: Any, asks: Sequence[ContainerAsk]) -> Iterator[ContainerDigested]:
@@ -523,9 +562,10 @@ def containers_read_by_tasks(ray: Any, asks: Sequence[ContainerAsk]) -> Iterator
     items = [a.items for a in asks]
     per_task = hash_rows_per_task(sum(items), int(ray.cluster_resources().get("CPU", 1)))
     task = ray.remote(num_cpus=1)(read_batch)
+    driver = this_host()
     sent = [replace(a, held=None) for a in asks]  # nothing kept on the driver
     runs = [[sent[i] for i in run] for run in container_tasks(items, per_task)]
-    yield from as_returned(ray, [task.remote(run) for run in runs])
+    yield from as_returned(ray, [task.remote(run, driver) for run in runs])
 
 
 def as_returned(ray: Any, pending: list[Any]) -> Iterator[Any]:

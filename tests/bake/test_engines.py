@@ -5,6 +5,8 @@ builds, its inputs hashed here."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -20,7 +22,9 @@ from featbake.bake.pipeline import (
     WorkItem,
     build,
 )
+from featbake.encode.tables import CarriedCell
 from tests.conftest import live_features
+from tests.encode.test_containers import write_audio_parquet, write_tar
 from tests.helpers import stored_features
 
 
@@ -109,3 +113,105 @@ def test_a_worker_on_another_node_compares_size_and_mtime_not_its_mounts_inodes(
     assert len(got) == encoded
     for rel, parts in got.items():
         torch.testing.assert_close(parts[""], live_features(encoder_file, audio_dir / rel))
+
+
+def shifted_carried(carried: object | None, shift: tuple[str, ...]) -> object | None:
+    """A table cell's carried value as the driver's host saw it: the stat its scan read the
+    file's rows at moved as the item's stat is (the driver's stats, all of them)."""
+    if isinstance(carried, CarriedCell) and carried.scanned is not None:
+        scanned = carried.scanned
+        moved = scanned._replace(**{f: getattr(scanned, f) + 1 for f in shift})
+        return dataclasses.replace(carried, scanned=moved)
+    return carried
+
+
+class ContainersSeenElsewhere(SeenElsewhere):
+    """:class:`SeenElsewhere` whose table cells' carried scan stats move too (the driver
+    carries the stat its own scan read each file's rows at)."""
+
+    def encode(
+        self, job: EngineJob, items: Sequence[WorkItem], progress: ProgressFn | None
+    ) -> PartResult:
+        moved = [it._replace(carried=shifted_carried(it.carried, self.shift)) for it in items]
+        return super().encode(job, moved, progress)
+
+
+def data_of(kind: str, audio: Path, folder: Path) -> tuple[Path, dict[str, Path]]:
+    """Six of ``audio``'s clips as a manifest's rows (each naming its file), as members of a
+    tar shard, or as cells of a parquet file; with each item's name -> the clip it is."""
+    clips = sorted(audio.rglob("*.wav"))[:6]
+    folder.mkdir()
+    if kind == "manifest":
+        rows = folder / "rows.jsonl"
+        lines = [json.dumps({"id": f"c{i}", "path": str(c)}) + "\n" for i, c in enumerate(clips)]
+        rows.write_text("".join(lines))
+        return rows, {f"c{i}": c for i, c in enumerate(clips)}
+    if kind == "tar":
+        samples = [(f"c{i}", {"wav": c.read_bytes()}) for i, c in enumerate(clips)]
+        write_tar(folder / "shard-000.tar", samples)
+        return folder, {f"c{i}": c for i, c in enumerate(clips)}  # a sample by its key
+    write_audio_parquet(folder / "a.parquet", [c.read_bytes() for c in clips])
+    return folder, {f"a.parquet:{i}": c for i, c in enumerate(clips)}
+
+
+@pytest.mark.parametrize("kind", ["manifest", "tar", "parquet"])
+@pytest.mark.parametrize(
+    ("worker_host", "shift", "encoded"),
+    [
+        ("node-2", ("inode", "ctime_ns"), 6),  # another node: its own inode numbers
+        (None, ("inode", "ctime_ns"), 0),  # the driver's host: an inode differing is a change
+        ("node-2", ("mtime_ns",), 0),  # another node: a file changed since it was hashed
+        ("node-2", ("size",), 0),
+    ],
+)
+def test_rows_members_and_cells_on_another_node_compare_their_files_size_and_mtime(
+    audio_dir: Path,
+    encoder_file: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    kind: str,
+    worker_host: str | None,
+    shift: tuple[str, ...],
+    encoded: int,
+) -> None:
+    """Round nine, engines: a manifest row, a tar member and a table cell each carry the stat
+    of the file holding them, and a worker on another node compared it whole (inode and ctime
+    included) with its own stat of that file, refusing every item of a mount that numbers
+    inodes per node. Now the file's size and mtime are compared there, as for a plain file;
+    on the driver's host the whole stat still is, and a size or mtime moved is refused."""
+    data, clips = data_of(kind, audio_dir, tmp_path / "data")
+    if worker_host is not None:  # the worker's host; the job names the driver's, made before
+        monkeypatch.setattr(pipeline, "this_host", lambda: worker_host, raising=False)
+    store = tmp_path / "store"
+    engine = ContainersSeenElsewhere(*shift)
+    report = build(data, encoder_file, cache=store, engine=engine)  # type: ignore[arg-type]
+    assert (report.encoded, len(report.failed)) == (encoded, 6 - encoded), report.failed
+    changed = ("changed while featbake was reading it", "changed since it was hashed", "replaced")
+    assert all(any(c in why for c in changed) for _, why in report.failed), report.failed
+    got = stored_features(store, report.root) if encoded else {}
+    assert sorted(got) == (sorted(clips) if encoded else [])
+    for name, parts in got.items():
+        torch.testing.assert_close(parts[""], live_features(encoder_file, clips[name]))
+
+
+def test_a_part_result_travels_as_json_with_its_failures_and_error_typed() -> None:
+    """A task's result goes back to the driver as JSON: its failures (name, reason) and the
+    error it carried come back equal, the error raised as its own class with its own line,
+    and the failures counted in the build's report by name."""
+    from featbake.bake.pipeline import CarriedError, Failure
+    from featbake.bake.report import BuildReport, FailureCause
+    from featbake.errors import SourceError
+
+    changed = SourceError("b.wav: changed while featbake was reading it")
+    failed = [Failure("a.wav", "cannot decode: x")]
+    error = PartResult.raised(changed).error
+    result = PartResult(3, 1, failed=failed, causes=[FailureCause.DATA], error=error)
+    back = PartResult.from_json(result.to_json())
+    assert back == result
+    assert back.error == CarriedError("SourceError", "b.wav: changed while featbake was reading it")
+    with pytest.raises(SourceError, match=r"^b\.wav: changed while featbake was reading it$"):
+        back.raise_error()
+    report = BuildReport("r", "d", "e", "fp", "rfp", 3)
+    back.add_to(report)
+    assert (report.encoded, report.failed) == (1, [("a.wav", "cannot decode: x")])
+    PartResult.from_json(PartResult().to_json()).raise_error()  # nothing carried: no raise

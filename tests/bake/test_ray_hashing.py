@@ -19,6 +19,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from featbake.bake import pipeline
+from featbake.bake.pipeline import CarriedError
 from featbake.bake.ray_engine import (
     CLUSTER_HASHING_FROM,
     HASH_TASKS_PER_CPU,
@@ -27,8 +29,10 @@ from featbake.bake.ray_engine import (
     ClusterDigests,
     HashSite,
     container_tasks,
+    digest_batch,
     hash_rows_per_task,
     hash_site,
+    read_batch,
 )
 from featbake.encode.fingerprints import (
     ContainerAsk,
@@ -42,11 +46,12 @@ from featbake.encode.fingerprints import (
 )
 from featbake.encode.inputs import Inputs
 from featbake.encode.sources import AudioSource
-from featbake.encode.tables import Table
-from featbake.encode.webdataset import WebDataset
+from featbake.encode.tables import CellReading, Table
+from featbake.encode.webdataset import MemberReading, WebDataset
 from featbake.recipe import Recipe
-from featbake.store.byteplace import CHANGED_WHILE_READ, BytePlace, bytes_at
+from featbake.store.byteplace import CHANGED_WHILE_READ, BytePlace, Digest, bytes_at
 from featbake.store.catalog import Catalog
+from featbake.store.claims import this_host
 from featbake.store.hash_cache import FileStat, racy_window_ns
 from featbake.store.layout import Layout
 from tests.encode.test_containers import wav_bytes, write_audio_parquet, write_tar
@@ -371,7 +376,8 @@ def test_what_a_hashing_task_did_before_its_error_reaches_the_driver_before_the_
         raise StoreError("s3://bucket/c.wav: access denied; check the role's s3:GetObject")
 
     batch = hashed_batch(results)
-    assert (batch.digested, batch.error_kind) == (["a", "b"], "StoreError")
+    line = "s3://bucket/c.wav: access denied; check the role's s3:GetObject"
+    assert (batch.digested, batch.error) == (["a", "b"], CarriedError("StoreError", line))
     fake_ray = SimpleNamespace(
         wait=lambda pending, num_returns: (pending[:1], pending[1:]),
         get=lambda ref: ref,
@@ -382,3 +388,106 @@ def test_what_a_hashing_task_did_before_its_error_reaches_the_driver_before_the_
     with pytest.raises(StoreError, match="access denied"):
         got.extend(as_returned(fake_ray, [batch]))
     assert got == ["a", "b"]
+
+
+# == round nine: a hashing task on another node ===================================================
+def moved(stat: FileStat, shift: tuple[str, ...]) -> FileStat:
+    """``stat`` with its fields ``shift`` moved by one: the driver's stat of a file as another
+    node's mount shows it (other inode numbers and ctimes), or of another version (size, mtime)."""
+    return stat._replace(**{f: getattr(stat, f) + 1 for f in shift})
+
+
+def moved_reading(ask: ContainerAsk, shift: tuple[str, ...]) -> ContainerAsk:
+    """``ask`` as the driver sends it from a host that saw its container at a moved stat (the
+    stat a tar was listed at, the one a table file's rows were scanned at)."""
+    read = ask.read
+    if isinstance(read, MemberReading):
+        assert read.listed_at is not None
+        return replace(ask, read=replace(read, listed_at=moved(read.listed_at, shift)), held=None)
+    assert isinstance(read, CellReading) and read.cell.scanned is not None
+    cell = replace(read.cell, scanned=moved(read.cell.scanned, shift))
+    return replace(ask, read=replace(read, cell=cell), held=None)
+
+
+class AskedOnly(Elsewhere):
+    """A digester that keeps the container asks it is given and reads them here."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asks: list[ContainerAsk] = []
+
+    def containers(self, asks: Sequence[ContainerAsk]) -> Iterator[ContainerDigested]:
+        self.asks += asks
+        return read_here(asks)
+
+
+ON_ANOTHER_NODE = [
+    ("node-2", ("inode", "ctime_ns"), True),  # another node: its own inode numbers
+    (None, ("inode", "ctime_ns"), False),  # the driver's host: an inode differing is a change
+    ("node-2", ("mtime_ns",), False),  # another node: a file changed since its stat
+    ("node-2", ("size",), False),
+]
+
+
+@pytest.mark.parametrize(("worker_host", "shift", "read"), ON_ANOTHER_NODE)
+def test_a_hashing_task_on_another_node_compares_size_and_mtime_not_its_mounts_inodes(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    worker_host: str | None,
+    shift: tuple[str, ...],
+    read: bool,
+) -> None:
+    """Round nine, engines: a Ray task hashing files checked each against the driver's stat
+    whole, so a mount that shows another node other inode numbers failed every file hashed
+    there. A task on another node now reads a file whose size and mtime are the driver's,
+    checks the read by its own stat, and returns the driver's stat with the digest (what the
+    driver records in the hash cache); on the driver's host the whole stat is compared."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    paths = []
+    for i in range(4):
+        (folder / f"f{i}.bin").write_bytes(os.urandom(100 + i))
+        paths.append(str(folder / f"f{i}.bin"))
+    driver = this_host()
+    stats = {p: moved(FileStat.of(p), shift) for p in paths}
+    if worker_host is not None:  # the task's host; the driver's was named before
+        monkeypatch.setattr(pipeline, "this_host", lambda: worker_host)
+    batch = digest_batch([DigestAsk(p, stats[p]) for p in paths], driver)
+    assert batch.error is None
+    got = {d.path: d.got for d in batch.digested}
+    sha = {p: hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in paths}
+    assert got == {p: Digest(stats[p], sha[p]) if read else CHANGED_WHILE_READ for p in paths}
+
+
+@pytest.mark.parametrize(("worker_host", "shift", "read"), ON_ANOTHER_NODE)
+def test_a_container_task_on_another_node_compares_size_and_mtime_not_its_mounts_inodes(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    worker_host: str | None,
+    shift: tuple[str, ...],
+    read: bool,
+) -> None:
+    """Round nine, engines: a Ray task reading a tar shard's members or a table file's cells
+    compared the container's stat after reading with the one the driver listed or scanned
+    it at, whole: on another node's mount every container was "changed while featbake was
+    reading it". A task on another node now takes a container whose size and mtime are the
+    driver's as the version listed, checks its reading by its own stat, and returns the
+    driver's stat (what the driver compares with the one it looked up); on the driver's host
+    the whole stat is compared, and a size or mtime moved is refused anywhere."""
+    for kind, (inputs, _) in containers(tmp_path).items():
+        asked = AskedOnly()
+        with Catalog(Layout(tmp_path / f"store-{kind}").ensure()) as cat:
+            inputs.hash(cat, scanned_paths(inputs), digester=asked)
+        want = {c.container: c.got for c in read_here(asked.asks)}
+        sent = [moved_reading(a, shift) for a in asked.asks]
+        listed = {a.container: moved(want[a.container].stat, shift) for a in asked.asks}
+        with monkeypatch.context() as m:
+            if worker_host is not None:
+                m.setattr(pipeline, "this_host", lambda: worker_host)
+            batch = read_batch(sent, this_host())
+        assert batch.error is None
+        got = {c.container: c.got for c in batch.digested}
+        assert {c: r.stat for c, r in got.items()} == {
+            c: listed[c] if read else None for c in want
+        }, kind
+        assert {c: r.digests for c, r in got.items()} == {c: r.digests for c, r in want.items()}
