@@ -29,8 +29,11 @@ TEST_WORKERS ?= auto
 emulators:
 	@command -v azurite-blob >/dev/null || npm install -g --silent azurite
 
+# Python keeps what it compiles (and pytest its rewritten test modules) in __pycache__, even where
+# the environment sets PYTHONDONTWRITEBYTECODE: otherwise every CLI subprocess and rank compiles
+# featbake again, and each worker rewrites every test module (7% of a CLI test file's CPU).
 test: install emulators
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # A bounded 60 s soak (benchmarks/soak.py, not collected by pytest): 2 writers, 2 readers with
 # DataLoader workers and a gc loop on one store; then verify clean and every feature = live.
