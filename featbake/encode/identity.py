@@ -69,12 +69,26 @@ def attribute_identity(module: Any) -> str:
     eval here) are left out.
     """
     subs = module.named_modules() if hasattr(module, "named_modules") else [("", module)]
-    attrs = []
-    for name, sub in sorted(subs, key=lambda kv: kv[0]):
-        for key, value in sorted(vars(sub).items()):
+    rows = []
+    for name, sub in subs:
+        for key, value in vars(sub).items():
             if not key.startswith("_") and key != "training" and _primitive(value):
-                attrs.append([name, key, repr(value)])
-    return hashlib.sha256(json.dumps(attrs).encode()).hexdigest()
+                rows.append([name, key, repr(value)])
+    return attribute_digest(rows)
+
+
+def attribute_digest(rows: list[list[str]]) -> str:
+    """SHA-256 of ``[submodule name, attribute, repr of its value]`` rows, in sorted order:
+    :func:`attribute_identity`'s digest, also made from a glance of the values a watch read
+    (:class:`featbake.serve.cached_encoder.Glance`).
+
+    Example:
+        >>> attribute_digest([["", "b", "2"], ["", "a", "1"]]) == attribute_digest(
+        ...     [["", "a", "1"], ["", "b", "2"]]
+        ... )
+        True
+    """
+    return hashlib.sha256(json.dumps(sorted(rows)).encode()).hexdigest()
 
 
 def module_identity(module: Any) -> str:
