@@ -41,6 +41,7 @@ from featbake.encode.encoders import is_frozen, module_device
 from featbake.encode.identity import (
     attribute_digest,
     attribute_identity,
+    hook_identity,
     is_plain,
     module_identity,
 )
@@ -360,7 +361,13 @@ def take_glance(plan: GlancePlan) -> Glance | None:
     try:
         for ref, pick, many, listy, _, _ in plan.looks:
             attrs = vars(ref())  # TypeError once it is gone
-            dicts = (attrs["_modules"], attrs["_parameters"], attrs["_buffers"])
+            dicts = (
+                attrs["_modules"],
+                attrs["_parameters"],
+                attrs["_buffers"],
+                attrs["_forward_pre_hooks"],  # a hook added changes what a forward returns
+                attrs["_forward_hooks"],
+            )
             sizes += (len(attrs), *map(len, dicts))
             if pick is not None:
                 values.extend(pick(attrs)) if many else values.append(pick(attrs))
@@ -420,9 +427,9 @@ class ModuleWatch:
         self.follows_runs = False  # forward hooks trust what any run changes (follow_runs)
         self._fp: str | None = None
         self._seen: tuple[Any, ...] = ()
-        # The trusted attributes' digest, or the trusted glance that makes it when asked (a
-        # run that set plain attributes only: the digest is not needed at each forward).
-        self._attrs: str | Glance = ""
+        # The trusted attributes' digest, or the trusted glance that makes it when asked and
+        # the hooks' digest (a run that set plain attributes only: no digest at each forward).
+        self._attrs: str | tuple[Glance, str] = ""
         self._glanced: Glance | None = None  # the trusted state's glance
         self._untrusted: Glance | None = None  # a glance of a state found changed
         self._before = threading.local()  # per thread: the state as a run began, if trusted
@@ -444,12 +451,25 @@ class ModuleWatch:
         look = self._look()
         return look.plan.live_tensors() if look is not None and look.same(self._glanced) else None
 
+    def _read_attributes(self) -> str:
+        """The digest of the module's plain attributes and forward hooks now (a hook added
+        after the module was trusted changes its outputs as an attribute set does)."""
+        return f"{attribute_identity(self.module)}|{hook_identity(self.module)}"
+
     def trusted_attributes(self) -> str:
         """The digest of the attributes as trusted (made from the trusted glance where a run
-        set them: :meth:`Glance.attribute_identity`)."""
-        if isinstance(self._attrs, Glance):
-            self._attrs = self._attrs.attribute_identity()
+        set them: :meth:`Glance.attribute_identity`, with the hooks read last, which the
+        glance, reading the hook dicts, found the same)."""
+        if isinstance(self._attrs, tuple):
+            glance, hooks = self._attrs
+            self._attrs = f"{glance.attribute_identity()}|{hooks}"
         return self._attrs
+
+    def _trust_glanced(self, glance: Glance) -> None:
+        """Trust ``glance`` (a run set plain attributes only): its digest made when asked."""
+        attrs = self._attrs
+        hooks = attrs[1] if isinstance(attrs, tuple) else attrs.rpartition("|")[2]
+        self._glanced, self._attrs = glance, (glance, hooks)
 
     def _state(self, tensors: list[torch.Tensor], trusted: bool) -> tuple[Any, ...]:
         """(versions and pointers, weight probe, attributes) now; where the glance is the
@@ -457,7 +477,7 @@ class ModuleWatch:
         if trusted:
             versions, attrs = self._seen[0], self._attrs
         else:
-            versions, attrs = self._versions(tensors), attribute_identity(self.module)
+            versions, attrs = self._versions(tensors), self._read_attributes()
         probe = _weight_probe(tensors) if self.check_weights else ()
         return versions, probe, attrs
 
@@ -516,13 +536,13 @@ class ModuleWatch:
         :meth:`fingerprint` hashes the weights again only once the module changed."""
         tensors = self._tensors()
         probe = _weight_probe(tensors) if self.check_weights else ()
-        self._attrs = attribute_identity(self.module)
+        self._attrs = self._read_attributes()
         self._fp, self._seen = fp, (self._versions(tensors), probe, self._attrs)
         self._glance_again()
 
     def ran(self) -> None:
         """The module just ran: attribute changes it made itself are bookkeeping, not a change."""
-        self._attrs = attribute_identity(self.module)
+        self._attrs = self._read_attributes()
         self._glanced = None  # the run may have moved a version, which that glance would hide
 
     def follow_runs(self) -> bool:
@@ -570,7 +590,7 @@ class ModuleWatch:
         if (
             seen is not None
             and moved_only(versions, seen)
-            and self.trusted_attributes() == attribute_identity(self.module)
+            and self.trusted_attributes() == self._read_attributes()
         ):
             if versions == seen:
                 self._glance_again()
@@ -604,13 +624,12 @@ class ModuleWatch:
             and trusted.same_tree(look)
             and trusted.plainly_changed(look)
         ):
-            self._glanced = trusted.with_values(look)  # the run's own plain attributes
-            self._attrs = self._glanced
+            self._trust_glanced(trusted.with_values(look))  # the run's own plain attributes
             return
         tensors = self._tensors()
         versions = self._versions(tensors)
         probe = self._probe_after(tensors, versions, began.versions)
-        self._attrs = attribute_identity(self.module)
+        self._attrs = self._read_attributes()
         self._seen = (versions, probe, self._attrs)
         self._glance_again()
 
@@ -630,7 +649,7 @@ class ModuleWatch:
             matched_probe(tensors, versions, before, kept) if self.check_weights else (),
             self._seen[2],
         )
-        self._attrs = attribute_identity(self.module)
+        self._attrs = self._read_attributes()
 
     def _probe_after(
         self, tensors: list[torch.Tensor], versions: tuple[Any, ...], before: tuple[Any, ...]
@@ -722,6 +741,10 @@ class _RunHook:
     ended; it keeps the watch weakly, and a copy of the module (pickled, deep-copied) gets a
     hook that does nothing: the copy is not the module watched."""
 
+    #: Left out of the module's identity (:func:`~featbake.encode.identity.hook_identity`):
+    #: it changes nothing a forward returns.
+    featbake_bookkeeping = True
+
     def __init__(self, watch: weakref.ref[ModuleWatch], began: bool) -> None:
         self.watch, self.began = watch, began
 
@@ -743,6 +766,9 @@ def _no_hook() -> Callable[..., None]:
 
 def _ignore_run(*args: Any) -> None:
     return None
+
+
+_ignore_run.featbake_bookkeeping = True  # type: ignore[attr-defined]
 
 
 #: module -> identity -> its one watch (weakly: the watch lives while a dataset holds it).
