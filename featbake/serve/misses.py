@@ -27,7 +27,7 @@ from featbake.encode.fingerprints import (
     file_fingerprint,
 )
 from featbake.encode.hf import is_hf_folder
-from featbake.encode.identity import module_identity
+from featbake.encode.identity import hook_identity, module_identity
 from featbake.encode.inputs import DigestView
 from featbake.encode.loaders import is_import_path, load_encoder
 from featbake.encode.outputs import encode_batch, stored_parts
@@ -325,6 +325,7 @@ class LiveEncoder:
     watch: ModuleWatch | None = None  # an in-process module's: notices it changed since
     moved: bool = False  # the module had changed when this copy was pickled
     dtypes: tuple[str, ...] = ()  # an in-process module's weight dtypes when it was given
+    hooks: str = ""  # an in-process module's forward hooks when it was given (hook_identity)
 
     def identify(self, encoder: Any, catalog: ServingStore) -> None:
         """Set :attr:`fingerprint` and :attr:`label`, loading the encoder only if it must.
@@ -339,6 +340,7 @@ class LiveEncoder:
             self.fingerprint = encoder_fingerprint(encoder, catalog, self.weights)
             self.watch = watched(encoder, self.fingerprint)
             self.dtypes = weight_dtypes(encoder.module)
+            self.hooks = hook_identity(encoder.module)
             return
         if isinstance(encoder, torch.nn.Module):
             refuse_meta(type(encoder).__name__, encoder, "")
@@ -346,6 +348,7 @@ class LiveEncoder:
             self.fingerprint, self.label = self.loaded.fingerprint, self.loaded.label
             self.watch = watched(self.loaded, self.fingerprint)
             self.dtypes = weight_dtypes(encoder)
+            self.hooks = hook_identity(encoder)
             return
         spec = self.spec = os.fspath(encoder)
         self.label = spec  # an import path: the architecture lives in code, only loading it tells
@@ -439,8 +442,15 @@ class LiveEncoder:
             )
 
     def what_changed(self, module: Any) -> str:
-        """What a changed module's message names: its weights' dtypes where they moved
-        (``.half()``, ``.to(torch.float64)``: move it back to keep the keys), else what may."""
+        """What a changed module's message names: its forward hooks where one was added or
+        removed (an observer hook too: whether a hook changes outputs cannot be told), its
+        weights' dtypes where they moved (``.half()``, ``.to(torch.float64)``: move it back to
+        keep the keys), else what may."""
+        if module is not None and hook_identity(module) != self.hooks:
+            return (
+                "a forward hook was added or removed since, and a hook may change what it "
+                "returns; register hooks before making the dataset, or remove it"
+            )
         now = weight_dtypes(module)
         if module is None or not self.dtypes or now == self.dtypes:
             return "its weights or attributes"

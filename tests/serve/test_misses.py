@@ -996,7 +996,7 @@ def test_a_forward_hook_is_part_of_the_modules_keys_and_one_added_after_is_refus
     torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
     handle = module.register_forward_pre_hook(_doubled_input)
     _users_forward(module)
-    with pytest.raises(EncoderLoadError, match="changed since this dataset was created") as e:
+    with pytest.raises(EncoderLoadError, match=r"changed since .*a forward hook was added") as e:
         ds[1]
     assert "\n" not in str(e.value)
     ds.flush()
