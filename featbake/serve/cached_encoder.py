@@ -390,10 +390,10 @@ def take_glance(plan: GlancePlan) -> Glance | None:
 
 
 class _Began(NamedTuple):
-    """What a run of a followed module began with: its glance where it was as trusted (None:
-    its tree is read exactly), its tensors' versions and pointers, and whether only its
-    tensors had moved outside a run (a device move: its values are checked at the next miss,
-    and what the run changes is still its own)."""
+    """What a run of a followed module began with: its glance where it was as trusted, or,
+    where only its tensors had moved outside a run (``moved``: a device move, its values
+    compared at the next miss, what the run changes still its own), as the moved tree is
+    (None: its tree is read exactly); and its tensors' versions and pointers."""
 
     glance: Glance | None
     versions: tuple[Any, ...]
@@ -432,6 +432,9 @@ class ModuleWatch:
         self._attrs: str | tuple[Glance, str] = ""
         self._glanced: Glance | None = None  # the trusted state's glance
         self._untrusted: Glance | None = None  # a glance of a state found changed
+        # A glance of the module after the last followed run of its moved tensors, and its
+        # versions then: the next forward as it left it is followed again without reading.
+        self._moved: tuple[Glance, tuple[Any, ...]] | None = None
         self._before = threading.local()  # per thread: the state as a run began, if trusted
 
     def _tensors(self) -> list[torch.Tensor]:
@@ -465,11 +468,12 @@ class ModuleWatch:
             self._attrs = f"{glance.attribute_identity()}|{hooks}"
         return self._attrs
 
-    def _trust_glanced(self, glance: Glance) -> None:
-        """Trust ``glance`` (a run set plain attributes only): its digest made when asked."""
+    def _trust_values(self, glance: Glance) -> None:
+        """Take the attributes as ``glance`` read them (a run set plain attributes only):
+        their digest made when asked, with the hooks of the attributes trusted before."""
         attrs = self._attrs
         hooks = attrs[1] if isinstance(attrs, tuple) else attrs.rpartition("|")[2]
-        self._glanced, self._attrs = glance, (glance, hooks)
+        self._attrs = (glance, hooks)
 
     def _state(self, tensors: list[torch.Tensor], trusted: bool) -> tuple[Any, ...]:
         """(versions and pointers, weight probe, attributes) now; where the glance is the
@@ -513,7 +517,7 @@ class ModuleWatch:
         plan = glance_plan(self.module)
         look = None if plan is None else take_glance(plan)
         self._glanced = None if look is None else look.kept()
-        self._untrusted = None
+        self._untrusted = self._moved = None
 
     def fingerprint(self) -> str:
         """The module's fingerprint now (identity and every weight), recomputed on change;
@@ -571,14 +575,25 @@ class ModuleWatch:
         attributes (the whole of a forward's cost, a fraction of a millisecond); no weight is
         read here: a write behind the version counters before the run is still seen by the
         trusted probe, kept across a run that moved no version or pointer (:meth:`run_ended`)."""
-        look = self._look()
-        if look is not None and self._fp is not None and look.same(self._glanced):
-            kept: _Began | None = _Began(look, self._seen[0])
-        elif look is not None and look.same(self._untrusted):
-            kept = None  # as it was when last found changed: still changed
-        else:
-            kept = self._began_changed(look)
+        kept = self._as_moved_left()  # first where its tensors moved: one glance, as trusted
+        if kept is None:
+            look = self._look()
+            if look is not None and self._fp is not None and look.same(self._glanced):
+                kept = _Began(look, self._seen[0])
+            elif look is None or not look.same(self._untrusted):
+                kept = self._began_changed(look)
+            # else: as it was when last found changed, still changed
         self._before.__dict__.setdefault("stack", []).append(kept)
+
+    def _as_moved_left(self) -> _Began | None:
+        """A run of a module whose tensors moved, where the module is as the last followed
+        run left it (a glance): followed again, nothing read (a teacher moved to the GPU and
+        run each step, with no miss to compare its values)."""
+        if self._moved is None:
+            return None
+        glance, versions = self._moved
+        look = take_glance(glance.plan)
+        return _Began(look, versions, moved=True) if glance.same(look) else None
 
     def _began_changed(self, look: Glance | None) -> _Began | None:
         """The exact check where the glance differs: the module may still be as trusted (an
@@ -595,7 +610,10 @@ class ModuleWatch:
             if versions == seen:
                 self._glance_again()
                 return _Began(self._glanced, versions)
-            return _Began(None, versions, moved=True)
+            plan = glance_plan(self.module)  # the moved tree's own (its old tensors are gone)
+            moved = None if plan is None else take_glance(plan)
+            self._moved = None if moved is None else (moved.kept(), versions)
+            return _Began(moved, versions, moved=True)
         if look is not None and self._glanced is not None and look.plan is self._glanced.plan:
             self._untrusted = look.kept()
         return None
@@ -611,7 +629,7 @@ class ModuleWatch:
         if began is None:
             return
         if began.moved:
-            self._moved_run_ended(began.versions)
+            self._moved_run_ended(began)
             return
         look = None if began.glance is None else take_glance(began.glance.plan)
         if look is not None and look.same(began.glance):
@@ -624,7 +642,9 @@ class ModuleWatch:
             and trusted.same_tree(look)
             and trusted.plainly_changed(look)
         ):
-            self._trust_glanced(trusted.with_values(look))  # the run's own plain attributes
+            self._glanced = trusted.with_values(look)  # the run's own plain attributes
+            self._moved = None
+            self._trust_values(self._glanced)
             return
         tensors = self._tensors()
         versions = self._versions(tensors)
@@ -633,16 +653,28 @@ class ModuleWatch:
         self._seen = (versions, probe, self._attrs)
         self._glance_again()
 
-    def _moved_run_ended(self, before: tuple[Any, ...]) -> None:
+    def _moved_run_ended(self, began: _Began) -> None:
         """A run of a module whose tensors had moved ended: its attributes and the tensors
         it moved are its own (read again), and every other tensor keeps its trusted version
         and probe entry, so the next miss still compares it by value with the one trusted
-        (:meth:`_holds_trusted_values`)."""
+        (:meth:`_holds_trusted_values`). Where its glance did not move, nothing is read; where
+        only plain attributes did, the glance is taken as it is (as for a trusted run)."""
+        look = None if began.glance is None else take_glance(began.glance.plan)
+        left = self._moved
+        if look is not None and left is not None and left[0].same(began.glance):
+            if look.same(began.glance):
+                return  # the run changed nothing the watch reads
+            if left[0].same_tree(look) and left[0].plainly_changed(look):
+                self._moved = (left[0].with_values(look), left[1])
+                self._trust_values(self._moved[0])
+                return
         tensors = self._tensors()
         versions = self._versions(tensors)
         seen, kept = self._seen[0], self._seen[1]
+        self._moved = None
         if len(versions) != len(seen):
             return  # the run added a tensor: its values are checked with the rest, as changed
+        before = began.versions
         carried = matched_entries(versions, before, seen)
         self._seen = (
             tuple(c if c is not None else v for c, v in zip(carried, versions, strict=True)),
@@ -650,6 +682,9 @@ class ModuleWatch:
             self._seen[2],
         )
         self._attrs = self._read_attributes()
+        plan = glance_plan(self.module)
+        moved = None if plan is None else take_glance(plan)
+        self._moved = None if moved is None else (moved.kept(), versions)
 
     def _probe_after(
         self, tensors: list[torch.Tensor], versions: tuple[Any, ...], before: tuple[Any, ...]

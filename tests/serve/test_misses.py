@@ -1008,3 +1008,25 @@ def test_a_forward_hook_is_part_of_the_modules_keys_and_one_added_after_is_refus
     plain = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s", on_miss="error")
     assert plain.key(0) == ds.key(0)
     torch.testing.assert_close(plain[0], _live(module, plain.path(0)))
+
+
+def test_forwards_of_a_moved_module_read_its_attributes_once_not_at_each_run(
+    tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """serve9.1 follows the runs of a module whose tensors moved (a teacher moved to the GPU
+    and run each training step, with no miss to compare its values): the first such run reads
+    its attributes once, and each later run as the last one left it compares a glance of the
+    moved tree only, its own plain attributes taken from the glance. The next miss compares
+    the values and encodes, equal to the module run now."""
+    import featbake.serve.cached_encoder as cached_encoder
+
+    module = _Counting().eval()
+    ds = _fresh_dataset(audio_dir, module, tmp_path / "s")
+    ds[0]
+    module.share_memory()
+    digested = _calls_to(monkeypatch, cached_encoder, "attribute_identity")
+    for _ in range(4):
+        _users_forward(module)
+    assert len(digested) == 1
+    monkeypatch.undo()
+    torch.testing.assert_close(ds[1], _live(module, ds.path(1)))
