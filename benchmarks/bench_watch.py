@@ -9,8 +9,10 @@ module, and a copy of it watched as a dataset watches it; then the check a batch
 before it runs (``LiveEncoder.refuse_changed``: train mode, versions, pointers, weight probe,
 attributes), the run itself left out. One torch thread.
 
-Models: a 24-layer MLP (width 512, batch 8) and, where ``transformers`` is installed, a
-wav2vec2-base sized model (``Wav2Vec2Model(Wav2Vec2Config())``, 94M parameters) on 0.1 s of audio.
+Models: a 24-layer MLP (width 512, batch 8), the same MLP counting its calls (``self.calls += 1``
+in its forward: a run that sets a plain attribute, which the hooks trust from the glance) and,
+where ``transformers`` is installed, a wav2vec2-base sized model
+(``Wav2Vec2Model(Wav2Vec2Config())``, 94M parameters) on 0.1 s of audio.
 
 Run: ``chrt -f 10 python benchmarks/bench_watch.py [--quick]``.
 """
@@ -36,11 +38,28 @@ from featbake.serve.misses import training_submodule
 from featbake.testing import frozen
 
 
-def _models() -> list[tuple[str, nn.Module, torch.Tensor]]:
+class Counting(nn.Sequential):
+    """An MLP counting its calls in a plain attribute (a module's own bookkeeping)."""
+
+    def __init__(self, *layers: nn.Module) -> None:
+        super().__init__(*layers)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return super().forward(x)
+
+
+def _mlp(cls: type[nn.Sequential]) -> nn.Module:
     layers: list[nn.Module] = []
     for _ in range(24):
         layers += [nn.Linear(512, 512), nn.ReLU()]
-    models = [("24-layer MLP", frozen(nn.Sequential(*layers)), torch.randn(8, 512))]
+    return frozen(cls(*layers))
+
+
+def _models() -> list[tuple[str, nn.Module, torch.Tensor]]:
+    x = torch.randn(8, 512)
+    models = [("24-layer MLP", _mlp(nn.Sequential), x), ("counting MLP", _mlp(Counting), x)]
     try:
         from transformers import Wav2Vec2Config, Wav2Vec2Model
     except ImportError:
@@ -90,6 +109,8 @@ def main(quick: bool = False) -> list[dict]:
         def hooks(module: nn.Module = module, x: torch.Tensor = x, y: torch.Tensor = y) -> None:
             for hook in pre:  # noqa: B023 - called here, in this iteration only
                 hook(module, (x,))
+            if isinstance(module, Counting):
+                module.calls += 1  # what its forward does between the hooks
             for hook in post:  # noqa: B023
                 hook(module, (x,), y)
 

@@ -247,3 +247,81 @@ def test_a_dataset_module_moved_to_the_gpu_after_the_dataset_was_made_encodes_th
         with torch.inference_mode():
             want = module(x[None])[0].cpu()
         assert rel_error(ds[i].cpu(), want) < 1e-5
+
+
+class _Counting(torch.nn.Module):
+    """TinyConvEncoder's forward, counting its calls (its own bookkeeping)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = TinyConvEncoder()
+        self.calls = 0
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.inner(wav)
+
+
+def test_a_dataset_module_moved_to_the_gpu_and_run_there_keeps_its_keys(
+    tmp_path: Path, clips: Path
+) -> None:
+    """serve9.1 on a GPU: a module counting its calls, moved with ``.cuda()`` after the dataset
+    was made and run there by the user, had its next miss refused as a change. The tensors
+    trusted on the CPU (their CRC) are compared by value on their host copy now; the misses
+    are encoded on the GPU (followed at each batch, not only the first), and an edit after
+    the move is still refused."""
+    from featbake.errors import EncoderLoadError
+
+    module = _Counting().eval()
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(clips, module, cache=tmp_path / "s")
+    ds[0]
+    module.cuda()
+    with torch.no_grad():
+        module(torch.zeros(1, 8000, device="cuda"))
+    for i in (1, 2):
+        x = source_for(Recipe()).load(Path(ds.path(i))).cuda()
+        with torch.inference_mode():
+            want = module(x[None])[0].cpu()
+        assert rel_error(ds[i].cpu(), want) < 1e-5
+    with torch.no_grad():
+        module.inner.conv2.weight.data.mul_(2.0)
+        module(torch.zeros(1, 8000, device="cuda"))
+    with pytest.raises(EncoderLoadError, match="changed since this dataset was created"):
+        ds[3]
+
+
+class _FilterBank(torch.nn.Module):
+    """A front-end whose only state is a buffer: frames of 160 samples on 8 fixed filters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer(
+            "bank", torch.randn(160, 8, generator=torch.Generator().manual_seed(3))
+        )
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        frames = wav[:, : wav.shape[1] // 160 * 160].reshape(wav.shape[0], -1, 160)
+        return frames @ self.bank
+
+
+def test_a_front_end_of_buffers_only_on_the_gpu_stays_there_and_encodes_there(
+    tmp_path: Path, clips: Path
+) -> None:
+    """serve9.3 on a GPU: a dataset given a front-end whose only state is a buffer, on the
+    GPU, moved the user's module to the CPU (``from_module`` looked at parameters only). It
+    stays on the GPU now, and its misses are encoded there; ``CachedEncoder`` serves its hits
+    on the module's device too, as its misses are."""
+    bank = _FilterBank().cuda().eval()
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(clips, bank, cache=tmp_path / "s")
+    assert bank.bank.is_cuda
+    x = source_for(Recipe()).load(Path(ds.path(0))).cuda()
+    with torch.inference_mode():
+        want = bank(x[None])[0].cpu()
+    assert rel_error(ds[0].cpu(), want) < 1e-5 and bank.bank.is_cuda
+    cached = CachedEncoder(bank, cache=tmp_path / "c")
+    wav = torch.randn(2, 1600)
+    first = cached(wav.cuda(), ids=["a", "b"])
+    again = cached(wav, ids=["a", "b"])  # hits, the input on the CPU
+    assert first.device == again.device == bank.bank.device

@@ -16,6 +16,7 @@ import warnings
 import zipfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -441,7 +442,7 @@ def from_module(
         else:
             identity = f"module:{type(module).__module__}.{type(module).__qualname__}\n{module!r}"
     if device is None:
-        device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        device = module_device(module) or torch.device("cpu")
     dev = torch.device(device)
     if hasattr(module, "eval") and kind != EXPORT:
         module.eval()
@@ -450,6 +451,26 @@ def from_module(
     enc = LoadedEncoder(module, label or type(module).__name__, kind, identity, dev)
     enc.takes_lengths = accepts_lengths(module)
     return enc
+
+
+def module_device(module: Any) -> torch.device | None:
+    """The device a module's weights are on: its first parameter's, else its first buffer's
+    (a front-end whose only state is a buffer, a mel filter bank); None without either.
+
+    The one rule for where an in-process module runs: :func:`from_module` runs it there (the
+    CPU where it has no weights), and a dataset follows it there after a move
+    (:mod:`featbake.serve.misses`). Two rules (parameters only, here) moved a front-end of
+    buffers only to the CPU, the user's own module with it.
+
+    Example:
+        >>> module_device(torch.nn.Linear(2, 2)), module_device(torch.nn.ReLU())
+        (device(type='cpu'), None)
+    """
+    parameters = getattr(module, "parameters", None)
+    buffers = getattr(module, "buffers", None)
+    tensors = chain(parameters() if parameters else (), buffers() if buffers else ())
+    first = next(iter(tensors), None)
+    return None if first is None else first.device
 
 
 def is_frozen(module: torch.nn.Module) -> bool:

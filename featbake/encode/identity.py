@@ -69,22 +69,71 @@ def attribute_identity(module: Any) -> str:
     eval here) are left out.
     """
     subs = module.named_modules() if hasattr(module, "named_modules") else [("", module)]
-    attrs = []
-    for name, sub in sorted(subs, key=lambda kv: kv[0]):
-        for key, value in sorted(vars(sub).items()):
+    rows = []
+    for name, sub in subs:
+        for key, value in vars(sub).items():
             if not key.startswith("_") and key != "training" and _primitive(value):
-                attrs.append([name, key, repr(value)])
-    return hashlib.sha256(json.dumps(attrs).encode()).hexdigest()
+                rows.append([name, key, repr(value)])
+    return attribute_digest(rows)
+
+
+def attribute_digest(rows: list[list[str]]) -> str:
+    """SHA-256 of ``[submodule name, attribute, repr of its value]`` rows, in sorted order:
+    :func:`attribute_identity`'s digest, also made from a glance of the values a watch read
+    (:class:`featbake.serve.cached_encoder.Glance`).
+
+    Example:
+        >>> attribute_digest([["", "b", "2"], ["", "a", "1"]]) == attribute_digest(
+        ...     [["", "a", "1"], ["", "b", "2"]]
+        ... )
+        True
+    """
+    return hashlib.sha256(json.dumps(sorted(rows)).encode()).hexdigest()
+
+
+#: The forward hooks of a module, as its ``__dict__`` holds them (``register_forward_pre_hook``,
+#: ``register_forward_hook``): they change what a forward returns, as its code does.
+HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
+
+
+def hook_identity(module: Any) -> str:
+    """SHA-256 of the forward hooks of every submodule, each by where it is and its code (its
+    qualified name and the source file that defines it); ``""`` where there is none. Hooks
+    marked ``featbake_bookkeeping`` (a watch's own, which change nothing) are left out.
+
+    A pre-hook that scales the input changes every output without changing code, weights or
+    attributes: it must change the key. What a hook's closure holds is not read (a captured
+    number); its code is.
+
+    Example:
+        >>> hook_identity(torch.nn.Linear(2, 2))  # doctest: +SKIP
+        ''
+    """
+    subs = module.named_modules() if hasattr(module, "named_modules") else [("", module)]
+    rows = []
+    for name, sub in subs:
+        for kind in HOOK_DICTS:
+            for hook in getattr(sub, kind, {}).values():
+                if getattr(hook, "featbake_bookkeeping", False):
+                    continue
+                named = getattr(hook, "__qualname__", type(hook).__qualname__)
+                owner = getattr(hook, "__module__", type(hook).__module__)
+                code = code_identity(hook, hook if inspect.isfunction(hook) else type(hook))
+                rows.append([name, kind, f"{owner}.{named}", code])
+    return hashlib.sha256(json.dumps(rows).encode()).hexdigest() if rows else ""
 
 
 def module_identity(module: Any) -> str:
-    """An in-process module's identity: class, repr, code and plain attributes.
+    """An in-process module's identity: class, repr, code, plain attributes, and its forward
+    hooks where it has any (:func:`hook_identity`; none: the identity it always had).
 
     Shared by :func:`from_module` and :class:`featbake.cached_encoder.CachedEncoder`, so the same
     module gets the same fingerprint either way.
     """
     ident = f"module:{type(module).__module__}.{type(module).__qualname__}\n{module!r}"
-    return f"{ident}\ncode:{code_identity(module)}\nattrs:{attribute_identity(module)}"
+    ident = f"{ident}\ncode:{code_identity(module)}\nattrs:{attribute_identity(module)}"
+    hooks = hook_identity(module)
+    return f"{ident}\nhooks:{hooks}" if hooks else ident
 
 
 def script_identity(module: Any, path: Path) -> str:

@@ -31,14 +31,20 @@ from dataclasses import dataclass, field
 from functools import partial
 from operator import itemgetter
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from torch import nn
 
-from featbake.encode.encoders import is_frozen
-from featbake.encode.identity import attribute_identity, is_plain, module_identity
+from featbake.encode.encoders import is_frozen, module_device
+from featbake.encode.identity import (
+    attribute_digest,
+    attribute_identity,
+    hook_identity,
+    is_plain,
+    module_identity,
+)
 from featbake.encode.outputs import is_tuple_parts, join_outputs, name_outputs, stored_parts
 from featbake.errors import ConfigError, EncodeError
 from featbake.keys import feature_key, module_fingerprint, recipe_fingerprint
@@ -177,12 +183,35 @@ def version_of(t: torch.Tensor) -> int:
     return -1 if t.is_inference() else t._version
 
 
-#: One submodule as a glance reads it: the submodule (weakly), what picks its public attribute
-#: values from its ``__dict__`` (None: it has none) and whether that gives a tuple of them, and
-#: the public plain values that are lists (edited in place, so read by value).
-_Look = tuple[
-    "weakref.ref[nn.Module]", Callable[[dict[str, Any]], Any] | None, bool, tuple[str, ...]
-]
+def value_entry(t: torch.Tensor, like: Any) -> Any:
+    """``t``'s weight probe entry of the kind ``like`` is (a CRC-32C where ``like`` is a
+    number, a pair of byte sums where it is a pair), read wherever ``t`` is now: what tells
+    a tensor moved to another device (or other storage) from one whose values changed,
+    compared with the entry trusted before the move. None for a tensor without values (on
+    the meta device), which no entry matches."""
+    t = t.detach()
+    if t.is_meta and t.numel():
+        return None
+    if not t.numel():
+        return 0
+    if isinstance(like, tuple):
+        b = t.contiguous().view(-1).view(torch.uint8)
+        return (int(b.sum(dtype=torch.int64)), int(b[::3].sum(dtype=torch.int64)))
+    return crc32c_tensor(t if t.device.type == "cpu" else t.cpu())
+
+
+class _Look(NamedTuple):
+    """One submodule as a glance reads it: the submodule (weakly), what picks its public
+    attribute values from its ``__dict__`` (None: it has none) and whether that gives a tuple
+    of them, the public values that are lists (edited in place, so read by value), and its
+    name and public attribute names (what a digest of the attributes is made of)."""
+
+    ref: weakref.ref[nn.Module]
+    pick: Callable[[dict[str, Any]], Any] | None
+    many: bool
+    listy: tuple[str, ...]
+    name: str
+    public: tuple[str, ...]
 
 
 @dataclass(frozen=True, eq=False)
@@ -205,14 +234,14 @@ def glance_plan(module: nn.Module) -> GlancePlan | None:
     """The plan of a glance at ``module`` as it is now (None for a tree holding a TorchScript
     module, whose dicts are views made anew on each read: it is always read exactly)."""
     looks = []
-    for sub in module.modules():
+    for name, sub in module.named_modules():
         if isinstance(sub, torch.jit.ScriptModule):
             return None
         attrs = vars(sub)
         public = tuple(k for k in attrs if not k.startswith("_") and k != "training")
         listy = tuple(k for k in public if _edited_in_place(attrs[k]))
         pick = itemgetter(*public) if public else None
-        looks.append((weakref.ref(sub), pick, len(public) > 1, listy))
+        looks.append(_Look(weakref.ref(sub), pick, len(public) > 1, listy, name, public))
     tensors = tuple(weakref.ref(t) for t in (*module.parameters(), *module.buffers()))
     return GlancePlan(tuple(looks), tensors)
 
@@ -222,6 +251,11 @@ def _edited_in_place(value: Any) -> bool:
     if isinstance(value, list):
         return is_plain(value)
     return isinstance(value, tuple) and any(map(_edited_in_place, value))
+
+
+def _held(o: Any, died: Callable[[object], None]) -> Any:
+    """``o`` as a kept glance holds it: weakly where it takes a weak reference."""
+    return weakref.ref(o, died) if type(o).__weakrefoffset__ else o
 
 
 @dataclass(frozen=True, eq=False)
@@ -234,15 +268,26 @@ class Glance:
     digests) are the same; a difference means only that they may not be (a float set again to
     the value it had). No id is reused while a glance is compared: a glance taken holds every
     object it names, one :meth:`kept` holds weakly what takes a weak reference (modules,
-    tensors) and is no longer the same as any once one of those is gone."""
+    tensors) and is no longer the same as any once one of those is gone.
+
+    ``key`` reads the tree (sizes, the dicts' ids, versions, pointers) and ``values_key`` the
+    public attribute values (their ids, and the lists' text), ``held`` and ``values`` holding
+    what each names."""
 
     plan: GlancePlan
     key: tuple[Any, ...]
+    values_key: tuple[Any, ...]
     held: list[Any]
+    values: list[Any]
     gone: list[bool] = field(default_factory=lambda: [False])
 
     def same(self, other: Glance | None) -> bool:
         """Whether ``other`` (of the same plan) read the module as it is in this glance."""
+        return self.same_tree(other) and other.values_key == self.values_key  # type: ignore[union-attr]
+
+    def same_tree(self, other: Glance | None) -> bool:
+        """Whether ``other`` read the same tree: submodules, tensors (versions and pointers)
+        and attribute names; its attributes' values may differ."""
         return (
             other is not None
             and other.plan is self.plan
@@ -258,24 +303,74 @@ class Glance:
         def died(_: object) -> None:
             gone[0] = True
 
-        held = [weakref.ref(o, died) if type(o).__weakrefoffset__ else o for o in self.held]
-        return Glance(self.plan, self.key, held, gone)
+        held = [_held(o, died) for o in self.held]
+        values = [_held(o, died) for o in self.values]
+        return Glance(self.plan, self.key, self.values_key, held, values, gone)
+
+    def plainly_changed(self, other: Glance) -> bool:
+        """Whether ``other`` (of the same tree) differs from this glance only by attributes
+        set to immutable plain values (numbers, strings, tuples of them: ``self.calls += 1``),
+        which the plan reads as it reads them now: no list, which it would have to read by
+        value, where it planned none."""
+        ids = self.values_key[0]
+        return all(
+            is_plain(v) and not _edited_in_place(v)
+            for v, was in zip(other.values, ids, strict=True)
+            if id(v) != was
+        )
+
+    def with_values(self, other: Glance) -> Glance:
+        """A kept glance of this one's tree with ``other``'s attribute values (a run changed
+        them): the values it did not change are held as this glance holds them."""
+        ids = self.values_key[0]
+        values = [
+            mine if id(new) == was else new
+            for mine, new, was in zip(self.values, other.values, ids, strict=True)
+        ]
+        return Glance(self.plan, self.key, other.values_key, self.held, values, self.gone)
+
+    def attribute_identity(self) -> str:
+        """:func:`~featbake.encode.identity.attribute_identity` of the module as this glance
+        read it (its plain public attributes, lists by their text then), without reading the
+        module again: the digest a check needs of attributes a run set, made only then."""
+        rows = []
+        values, texts = iter(self.values), iter(self.values_key[1])
+        for look in self.plan.looks:
+            listy = {k: next(texts) for k in look.listy}
+            for key in look.public:
+                value = next(values)
+                if isinstance(value, weakref.ref):
+                    value = value()
+                    if value is None:
+                        continue  # held weakly: no plain value
+                if key in listy and is_plain(value):
+                    rows.append([look.name, key, listy[key]])
+                elif is_plain(value):
+                    rows.append([look.name, key, repr(value)])
+        return attribute_digest(rows)
 
 
 def take_glance(plan: GlancePlan) -> Glance | None:
     """A glance at the module now (None: a submodule or tensor planned, or a public attribute
     the plan names, is gone)."""
     held: list[Any] = []
+    values: list[Any] = []
     sizes: list[int] = []
     texts: list[str] = []
-    add, extend = held.append, held.extend
+    extend = held.extend
     try:
-        for ref, pick, many, listy in plan.looks:
+        for ref, pick, many, listy, _, _ in plan.looks:
             attrs = vars(ref())  # TypeError once it is gone
-            dicts = (attrs["_modules"], attrs["_parameters"], attrs["_buffers"])
+            dicts = (
+                attrs["_modules"],
+                attrs["_parameters"],
+                attrs["_buffers"],
+                attrs["_forward_pre_hooks"],  # a hook added changes what a forward returns
+                attrs["_forward_hooks"],
+            )
             sizes += (len(attrs), *map(len, dicts))
             if pick is not None:
-                extend(pick(attrs)) if many else add(pick(attrs))
+                values.extend(pick(attrs)) if many else values.append(pick(attrs))
             texts += [repr(attrs[k]) for k in listy]
             for d in dicts:
                 extend(d)
@@ -290,9 +385,19 @@ def take_glance(plan: GlancePlan) -> Glance | None:
         tuple(map(id, held)),
         tuple([version_of(t) for t in tensors]),
         tuple([t.data_ptr() for t in tensors]),
-        tuple(texts),
     )
-    return Glance(plan, key, held)
+    return Glance(plan, key, (tuple(map(id, values)), tuple(texts)), held, values)
+
+
+class _Began(NamedTuple):
+    """What a run of a followed module began with: its glance where it was as trusted, or,
+    where only its tensors had moved outside a run (``moved``: a device move, its values
+    compared at the next miss, what the run changes still its own), as the moved tree is
+    (None: its tree is read exactly); and its tensors' versions and pointers."""
+
+    glance: Glance | None
+    versions: tuple[Any, ...]
+    moved: bool = False
 
 
 class ModuleWatch:
@@ -309,6 +414,8 @@ class ModuleWatch:
     What it trusts is kept twice: exactly (``_seen``: versions and pointers, the weight probe,
     the attributes' digest) and as a :class:`Glance` of the same moment, which each forward of
     a followed module compares first; only where the glance differs is the exact state read.
+    A tensor that moved (another device, other storage) is compared by value with the one
+    trusted (:func:`value_entry`): a move is no change of weights.
     """
 
     def __init__(
@@ -320,16 +427,21 @@ class ModuleWatch:
         self.follows_runs = False  # forward hooks trust what any run changes (follow_runs)
         self._fp: str | None = None
         self._seen: tuple[Any, ...] = ()
-        self._attrs = ""
+        # The trusted attributes' digest, or the trusted glance that makes it when asked and
+        # the hooks' digest (a run that set plain attributes only: no digest at each forward).
+        self._attrs: str | tuple[Glance, str] = ""
         self._glanced: Glance | None = None  # the trusted state's glance
         self._untrusted: Glance | None = None  # a glance of a state found changed
+        # A glance of the module after the last followed run of its moved tensors, and its
+        # versions then: the next forward as it left it is followed again without reading.
+        self._moved: tuple[Glance, tuple[Any, ...]] | None = None
         self._before = threading.local()  # per thread: the state as a run began, if trusted
 
     def _tensors(self) -> list[torch.Tensor]:
         return [*self.module.parameters(), *self.module.buffers()]
 
-    def _versions(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple[int, int], ...]:
-        return tuple((version_of(t), t.data_ptr()) for t in tensors)
+    def _versions(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], ...]:
+        return tuple((version_of(t), t.data_ptr(), t.dtype, t.shape) for t in tensors)
 
     def _look(self) -> Glance | None:
         """A glance at the module now, by the plan of the trusted glance (None: none yet)."""
@@ -342,34 +454,81 @@ class ModuleWatch:
         look = self._look()
         return look.plan.live_tensors() if look is not None and look.same(self._glanced) else None
 
-    def _state(self, trusted: list[torch.Tensor] | None = None) -> tuple[Any, ...]:
-        """(versions and pointers, weight probe, attributes) now; given the ``trusted``
-        glance's tensors, the versions and attributes are the trusted ones, unread."""
-        if trusted is not None:
-            tensors, versions, attrs = trusted, self._seen[0], self._attrs
+    def _read_attributes(self) -> str:
+        """The digest of the module's plain attributes and forward hooks now (a hook added
+        after the module was trusted changes its outputs as an attribute set does)."""
+        return f"{attribute_identity(self.module)}|{hook_identity(self.module)}"
+
+    def trusted_attributes(self) -> str:
+        """The digest of the attributes as trusted (made from the trusted glance where a run
+        set them: :meth:`Glance.attribute_identity`, with the hooks read last, which the
+        glance, reading the hook dicts, found the same)."""
+        if isinstance(self._attrs, tuple):
+            glance, hooks = self._attrs
+            self._attrs = f"{glance.attribute_identity()}|{hooks}"
+        return self._attrs
+
+    def _trust_values(self, glance: Glance) -> None:
+        """Take the attributes as ``glance`` read them (a run set plain attributes only):
+        their digest made when asked, with the hooks of the attributes trusted before."""
+        attrs = self._attrs
+        hooks = attrs[1] if isinstance(attrs, tuple) else attrs.rpartition("|")[2]
+        self._attrs = (glance, hooks)
+
+    def _state(self, tensors: list[torch.Tensor], trusted: bool) -> tuple[Any, ...]:
+        """(versions and pointers, weight probe, attributes) now; where the glance is the
+        ``trusted`` one, the versions and attributes are the trusted ones, unread."""
+        if trusted:
+            versions, attrs = self._seen[0], self._attrs
         else:
-            tensors = self._tensors()
-            versions, attrs = self._versions(tensors), attribute_identity(self.module)
+            versions, attrs = self._versions(tensors), self._read_attributes()
         probe = _weight_probe(tensors) if self.check_weights else ()
         return versions, probe, attrs
 
     def _as_trusted(self, state: tuple[Any, ...]) -> bool:
-        return self._fp is not None and state[:2] == self._seen[:2] and state[2] == self._attrs
+        return (
+            self._fp is not None
+            and state[:2] == self._seen[:2]
+            and (state[2] is self._attrs or state[2] == self.trusted_attributes())
+        )
+
+    def _holds_trusted_values(self, tensors: list[torch.Tensor], state: tuple[Any, ...]) -> bool:
+        """Whether the module now is the trusted one, its tensors compared by value: each
+        holds the dtype, shape and (by its probe) the values trusted, wherever it is now (a
+        move to another device, into shared memory, or to the meta device and back), and its
+        attributes are as trusted."""
+        before, kept = self._seen[:2] if self._seen else ((), ())
+        versions, probe, attrs = state
+        if self._fp is None or not self.check_weights or len(versions) != len(before):
+            return False
+        same_attrs = attrs is self._attrs or attrs == self.trusted_attributes()
+        if not same_attrs or len(kept) != len(before):
+            return False
+        for t, now, was, entry, read in zip(tensors, versions, before, kept, probe, strict=True):
+            if now[2:] != was[2:]:
+                return False  # another dtype or shape
+            same_kind = isinstance(entry, tuple) == isinstance(read, tuple)
+            if (read if same_kind else value_entry(t, entry)) != entry:
+                return False
+        return True
 
     def _glance_again(self) -> None:
         """Glance at the module as it is trusted now, planned afresh (its tree may differ)."""
         plan = glance_plan(self.module)
         look = None if plan is None else take_glance(plan)
         self._glanced = None if look is None else look.kept()
-        self._untrusted = None
+        self._untrusted = self._moved = None
 
     def fingerprint(self) -> str:
-        """The module's fingerprint now (identity and every weight), recomputed on change."""
+        """The module's fingerprint now (identity and every weight), recomputed on change;
+        a module whose tensors only moved (:meth:`_holds_trusted_values`) keeps its own."""
         trusted = self._trusted_tensors()
-        state = self._state(trusted)
+        tensors = trusted if trusted is not None else self._tensors()
+        state = self._state(tensors, trusted is not None)
         if not self._as_trusted(state):
-            identity = self.identity or module_identity(self.module)
-            self._fp = module_fingerprint(self.module, identity)
+            if not self._holds_trusted_values(tensors, state):
+                identity = self.identity or module_identity(self.module)
+                self._fp = module_fingerprint(self.module, identity)
             self._seen, self._attrs = state, state[2]
         if trusted is None:  # else the trusted glance still reads the state trusted now
             self._glance_again()
@@ -381,13 +540,13 @@ class ModuleWatch:
         :meth:`fingerprint` hashes the weights again only once the module changed."""
         tensors = self._tensors()
         probe = _weight_probe(tensors) if self.check_weights else ()
-        self._attrs = attribute_identity(self.module)
+        self._attrs = self._read_attributes()
         self._fp, self._seen = fp, (self._versions(tensors), probe, self._attrs)
         self._glance_again()
 
     def ran(self) -> None:
         """The module just ran: attribute changes it made itself are bookkeeping, not a change."""
-        self._attrs = attribute_identity(self.module)
+        self._attrs = self._read_attributes()
         self._glanced = None  # the run may have moved a version, which that glance would hide
 
     def follow_runs(self) -> bool:
@@ -416,45 +575,116 @@ class ModuleWatch:
         attributes (the whole of a forward's cost, a fraction of a millisecond); no weight is
         read here: a write behind the version counters before the run is still seen by the
         trusted probe, kept across a run that moved no version or pointer (:meth:`run_ended`)."""
-        look = self._look()
-        if look is not None and self._fp is not None and look.same(self._glanced):
-            kept: tuple[Glance | None, Any] | None = (look, self._seen[0])
-        elif look is not None and look.same(self._untrusted):
-            kept = None  # as it was when last found changed: still changed
-        else:
-            kept = self._began_changed(look)
+        kept = self._as_moved_left()  # first where its tensors moved: one glance, as trusted
+        if kept is None:
+            look = self._look()
+            if look is not None and self._fp is not None and look.same(self._glanced):
+                kept = _Began(look, self._seen[0])
+            elif look is None or not look.same(self._untrusted):
+                kept = self._began_changed(look)
+            # else: as it was when last found changed, still changed
         self._before.__dict__.setdefault("stack", []).append(kept)
 
-    def _began_changed(self, look: Glance | None) -> tuple[Glance | None, Any] | None:
+    def _as_moved_left(self) -> _Began | None:
+        """A run of a module whose tensors moved, where the module is as the last followed
+        run left it (a glance): followed again, nothing read (a teacher moved to the GPU and
+        run each step, with no miss to compare its values)."""
+        if self._moved is None:
+            return None
+        glance, versions = self._moved
+        look = take_glance(glance.plan)
+        return _Began(look, versions, moved=True) if glance.same(look) else None
+
+    def _began_changed(self, look: Glance | None) -> _Began | None:
         """The exact check where the glance differs: the module may still be as trusted (an
-        attribute set again to its value, a new plan); glanced again either way."""
+        attribute set again to its value, a new plan), or its tensors only moved (a device
+        move: no weight is read in a forward, their values are compared at the next miss,
+        and the run is followed all the same); glanced again where it is as trusted."""
         versions = self._versions(self._tensors())
-        same = self._fp is not None and versions == self._seen[0]
-        if same and attribute_identity(self.module) == self._attrs:
-            self._glance_again()
-            return self._glanced, versions
+        seen = self._seen[0] if self._fp is not None else None
+        if (
+            seen is not None
+            and moved_only(versions, seen)
+            and self.trusted_attributes() == self._read_attributes()
+        ):
+            if versions == seen:
+                self._glance_again()
+                return _Began(self._glanced, versions)
+            plan = glance_plan(self.module)  # the moved tree's own (its old tensors are gone)
+            moved = None if plan is None else take_glance(plan)
+            self._moved = None if moved is None else (moved.kept(), versions)
+            return _Began(moved, versions, moved=True)
         if look is not None and self._glanced is not None and look.plan is self._glanced.plan:
             self._untrusted = look.kept()
         return None
 
     def run_ended(self) -> None:
-        """A forward ended: a module trusted as it began is trusted as it is now; where the
-        glance did not move, nothing is read; the weights are read again only where the run
-        moved a version or pointer (a buffer it replaced)."""
+        """A forward ended: a module trusted as it began is trusted as it is now. Where the
+        glance did not move, nothing is read; where only plain attributes did (a call counter),
+        the glance is trusted as it is, and its digest made only when a check needs it; the
+        weights are read again only where the run moved a version or pointer (a buffer it
+        replaced)."""
         stack = self._before.__dict__.get("stack")
-        kept = stack.pop() if stack else None
-        if kept is None:
+        began = stack.pop() if stack else None
+        if began is None:
             return
-        began, versions_before = kept
-        look = None if began is None else take_glance(began.plan)
-        if look is not None and look.same(began):
+        if began.moved:
+            self._moved_run_ended(began)
+            return
+        look = None if began.glance is None else take_glance(began.glance.plan)
+        if look is not None and look.same(began.glance):
             return  # the run changed nothing the watch reads
+        trusted = self._glanced
+        if (
+            look is not None
+            and trusted is not None
+            and trusted.same(began.glance)
+            and trusted.same_tree(look)
+            and trusted.plainly_changed(look)
+        ):
+            self._glanced = trusted.with_values(look)  # the run's own plain attributes
+            self._moved = None
+            self._trust_values(self._glanced)
+            return
         tensors = self._tensors()
         versions = self._versions(tensors)
-        probe = self._probe_after(tensors, versions, versions_before)
-        self._attrs = attribute_identity(self.module)
+        probe = self._probe_after(tensors, versions, began.versions)
+        self._attrs = self._read_attributes()
         self._seen = (versions, probe, self._attrs)
         self._glance_again()
+
+    def _moved_run_ended(self, began: _Began) -> None:
+        """A run of a module whose tensors had moved ended: its attributes and the tensors
+        it moved are its own (read again), and every other tensor keeps its trusted version
+        and probe entry, so the next miss still compares it by value with the one trusted
+        (:meth:`_holds_trusted_values`). Where its glance did not move, nothing is read; where
+        only plain attributes did, the glance is taken as it is (as for a trusted run)."""
+        look = None if began.glance is None else take_glance(began.glance.plan)
+        left = self._moved
+        if look is not None and left is not None and left[0].same(began.glance):
+            if look.same(began.glance):
+                return  # the run changed nothing the watch reads
+            if left[0].same_tree(look) and left[0].plainly_changed(look):
+                self._moved = (left[0].with_values(look), left[1])
+                self._trust_values(self._moved[0])
+                return
+        tensors = self._tensors()
+        versions = self._versions(tensors)
+        seen, kept = self._seen[0], self._seen[1]
+        self._moved = None
+        if len(versions) != len(seen):
+            return  # the run added a tensor: its values are checked with the rest, as changed
+        before = began.versions
+        carried = matched_entries(versions, before, seen)
+        self._seen = (
+            tuple(c if c is not None else v for c, v in zip(carried, versions, strict=True)),
+            matched_probe(tensors, versions, before, kept) if self.check_weights else (),
+            self._seen[2],
+        )
+        self._attrs = self._read_attributes()
+        plan = glance_plan(self.module)
+        moved = None if plan is None else take_glance(plan)
+        self._moved = None if moved is None else (moved.kept(), versions)
 
     def _probe_after(
         self, tensors: list[torch.Tensor], versions: tuple[Any, ...], before: tuple[Any, ...]
@@ -474,12 +704,50 @@ class ModuleWatch:
         state["_fp"] = None  # fingerprinted again where it lands
         state["follows_runs"] = False  # hooks do not travel (see _RunHook)
         state["_glanced"] = state["_untrusted"] = None  # ids mean nothing elsewhere
+        state["_attrs"] = self.trusted_attributes()
         del state["_before"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._before = threading.local()
+
+
+def moved_only(versions: Sequence[Any], before: Sequence[Any]) -> bool:
+    """Whether tensors read as ``versions`` (version, pointer, dtype, shape) are those read
+    as ``before``, or moved (another pointer, the same dtype and shape: a device move, a
+    checkpoint loaded with ``assign=True``), none edited where it is (a version moved at the
+    same pointer: an EMA step's ``mul_``, which needs no weight read to be a change).
+
+    >>> moved_only([(1, 16, "f", (2,))], [(0, 8, "f", (2,))]), moved_only([(1, 8)], [(0, 8)])
+    (True, False)
+    """
+    return len(versions) == len(before) and all(
+        now == was or (now[1] != was[1] and now[2:] == was[2:])
+        for now, was in zip(versions, before, strict=True)
+    )
+
+
+def matched_entries(
+    versions: Sequence[Any], before: Sequence[Any], kept: Sequence[Any]
+) -> list[Any]:
+    """For each tensor read as ``versions`` after a run, the entry of ``kept`` of the tensor
+    it was before the run (matched by version and pointer in ``before``), or None where the
+    run moved or made it. Where ``kept`` does not match ``before`` (none kept), all are None.
+
+    >>> matched_entries([(0, 8), (1, 9)], [(0, 8), (0, 9)], ["a", "b"])
+    ['a', None]
+    """
+    if len(kept) != len(before):
+        return [None] * len(versions)
+    olds: dict[Any, list[int]] = {}
+    for i, was in enumerate(before):
+        olds.setdefault(was, []).append(i)
+    out: list[Any] = []
+    for now in versions:
+        same = olds.get(now)
+        out.append(kept[same.pop(0)] if same else None)
+    return out
 
 
 def matched_probe(
@@ -496,19 +764,8 @@ def matched_probe(
     >>> matched_probe([], [], [(0, 8)], ["w"])
     ()
     """
-    if len(kept) != len(before):
-        return _weight_probe(list(tensors))
-    olds: dict[Any, list[int]] = {}
-    for i, was in enumerate(before):
-        olds.setdefault(was, []).append(i)
-    probe: list[Any] = [None] * len(tensors)
-    fresh = []
-    for j, now in enumerate(versions):
-        same = olds.get(now)
-        if same:
-            probe[j] = kept[same.pop(0)]
-        else:
-            fresh.append(j)
+    probe = matched_entries(versions, before, kept)
+    fresh = [j for j, entry in enumerate(probe) if entry is None]
     for j, entry in zip(fresh, _weight_probe([tensors[j] for j in fresh]), strict=True):
         probe[j] = entry
     return tuple(probe)
@@ -518,6 +775,10 @@ class _RunHook:
     """A forward (pre-)hook telling a :class:`ModuleWatch` that its module's run began or
     ended; it keeps the watch weakly, and a copy of the module (pickled, deep-copied) gets a
     hook that does nothing: the copy is not the module watched."""
+
+    #: Left out of the module's identity (:func:`~featbake.encode.identity.hook_identity`):
+    #: it changes nothing a forward returns.
+    featbake_bookkeeping = True
 
     def __init__(self, watch: weakref.ref[ModuleWatch], began: bool) -> None:
         self.watch, self.began = watch, began
@@ -540,6 +801,9 @@ def _no_hook() -> Callable[..., None]:
 
 def _ignore_run(*args: Any) -> None:
     return None
+
+
+_ignore_run.featbake_bookkeeping = True  # type: ignore[attr-defined]
 
 
 #: module -> identity -> its one watch (weakly: the watch lives while a dataset holds it).
@@ -868,7 +1132,9 @@ class CachedEncoder(ProcessLocalState, nn.Module):
         out_device: torch.device | None,
         in_device: torch.device,
     ) -> Any:
-        device = out_device or (self._param_device() or in_device)
+        # Hits go where a miss's output would: the module's weights' device (a front-end of
+        # buffers only too: encode/encoders.py's one rule), else the input's.
+        device = out_device or (module_device(self.encoder) or in_device)
         names = list(rows[0])  # type: ignore[arg-type]
         # As stored: packed for int8/fp8, which the device tier keeps as they are. The tier
         # keeps each row as it reached the device, never a slice of the batch handed back (a
@@ -883,10 +1149,6 @@ class CachedEncoder(ProcessLocalState, nn.Module):
         if served is None:
             return join_outputs(stored)
         return join_outputs({n: served.item(t) for n, t in stored.items()})  # after the copy
-
-    def _param_device(self) -> torch.device | None:
-        p = next(iter(self.encoder.parameters()), None)
-        return p.device if p is not None else None
 
     def _remember(self, key: str, row: dict[str, torch.Tensor], enc_fp: str) -> None:
         host = {p: v.detach().to("cpu").clone() for p, v in row.items()}  # own storage

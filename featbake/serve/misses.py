@@ -20,14 +20,14 @@ from typing import Any
 import torch
 
 import featbake.device as dev
-from featbake.encode.encoders import MODULE, LoadedEncoder, from_module
+from featbake.encode.encoders import MODULE, LoadedEncoder, from_module, module_device
 from featbake.encode.fingerprints import (
     cached_file_encoder_fp,
     encoder_fingerprint,
     file_fingerprint,
 )
 from featbake.encode.hf import is_hf_folder
-from featbake.encode.identity import module_identity
+from featbake.encode.identity import hook_identity, module_identity
 from featbake.encode.inputs import DigestView
 from featbake.encode.loaders import is_import_path, load_encoder
 from featbake.encode.outputs import encode_batch, stored_parts
@@ -325,24 +325,30 @@ class LiveEncoder:
     watch: ModuleWatch | None = None  # an in-process module's: notices it changed since
     moved: bool = False  # the module had changed when this copy was pickled
     dtypes: tuple[str, ...] = ()  # an in-process module's weight dtypes when it was given
+    hooks: str = ""  # an in-process module's forward hooks when it was given (hook_identity)
 
     def identify(self, encoder: Any, catalog: ServingStore) -> None:
         """Set :attr:`fingerprint` and :attr:`label`, loading the encoder only if it must.
 
         Raises:
-            EncoderLoadError: the encoder file is missing or cannot be loaded.
+            EncoderLoadError: the encoder file is missing or cannot be loaded, or a module
+                has its weights on the meta device.
         """
         if isinstance(encoder, LoadedEncoder):
+            refuse_meta(encoder.label, encoder.module, "")  # before it is hashed
             self.loaded, self.label = encoder, encoder.label
             self.fingerprint = encoder_fingerprint(encoder, catalog, self.weights)
             self.watch = watched(encoder, self.fingerprint)
             self.dtypes = weight_dtypes(encoder.module)
+            self.hooks = hook_identity(encoder.module)
             return
         if isinstance(encoder, torch.nn.Module):
+            refuse_meta(type(encoder).__name__, encoder, "")
             self.loaded = from_module(encoder, device=None)
             self.fingerprint, self.label = self.loaded.fingerprint, self.loaded.label
             self.watch = watched(self.loaded, self.fingerprint)
             self.dtypes = weight_dtypes(encoder)
+            self.hooks = hook_identity(encoder)
             return
         spec = self.spec = os.fspath(encoder)
         self.label = spec  # an import path: the architecture lives in code, only loading it tells
@@ -426,14 +432,7 @@ class LiveEncoder:
                 "encoded so (dropout, batch statistics) would be stored under the keys of its "
                 "eval mode; call .eval() on it, or give the dataset a copy of it"
             )
-        device = module_device(module)
-        if device is not None and device.type == "meta":
-            raise EncoderLoadError(
-                f"the encoder module {self.label} has its weights on the meta device (moved "
-                "there after this dataset was created), which holds no values to encode with; "
-                "load its weights back (load_state_dict(..., assign=True)) or give the dataset "
-                "a module with weights"
-            )
+        refuse_meta(self.label, module, " (moved there after this dataset was created)")
         if self.moved or (self.watch is not None and self.watch.fingerprint() != self.fingerprint):
             raise EncoderLoadError(
                 f"the encoder module {self.label} changed since this dataset was created "
@@ -443,8 +442,15 @@ class LiveEncoder:
             )
 
     def what_changed(self, module: Any) -> str:
-        """What a changed module's message names: its weights' dtypes where they moved
-        (``.half()``, ``.to(torch.float64)``: move it back to keep the keys), else what may."""
+        """What a changed module's message names: its forward hooks where one was added or
+        removed (an observer hook too: whether a hook changes outputs cannot be told), its
+        weights' dtypes where they moved (``.half()``, ``.to(torch.float64)``: move it back to
+        keep the keys), else what may."""
+        if module is not None and hook_identity(module) != self.hooks:
+            return (
+                "a forward hook was added or removed since, and a hook may change what it "
+                "returns; register hooks before making the dataset, or remove it"
+            )
         now = weight_dtypes(module)
         if module is None or not self.dtypes or now == self.dtypes:
             return "its weights or attributes"
@@ -484,8 +490,13 @@ class LiveEncoder:
         if self.watch is not None:
             # Checked here and trusted anew where it lands: there the module's identity may
             # read otherwise (a class of the script run is __mp_main__'s in a spawned worker).
+            # A module on the meta device has no values to hash: its copy refuses a miss
+            # (refuse_changed) and serves what is stored.
             state["watch"] = None
-            state["moved"] = self.moved or self.watch.fingerprint() != self.fingerprint
+            state["moved"] = self.moved or (
+                meta_tensor(self.watch.module) is None
+                and self.watch.fingerprint() != self.fingerprint
+            )
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -510,13 +521,40 @@ def watched(enc: LoadedEncoder, fingerprint: str) -> ModuleWatch | None:
     return watch
 
 
-def module_device(module: Any) -> torch.device | None:
-    """The device a module's first weight is on now, as :func:`from_module` chose it (None:
-    no ``nn.Module``, or one without weights)."""
+def meta_tensor(module: Any) -> str | None:
+    """The name of the first of a module's parameters and buffers on the meta device, which
+    holds no values to encode with or to key by (None: none is, or no ``nn.Module``). Every
+    tensor is looked at: ``load_state_dict(..., assign=True)`` after ``.to("meta")`` brings
+    back what a state dict holds, and leaves a buffer registered with ``persistent=False``
+    on the meta device.
+
+    Example:
+        >>> meta_tensor(torch.nn.Linear(2, 2).to("meta"))
+        'weight'
+    """
     if not isinstance(module, torch.nn.Module):
         return None
-    first = next(chain(module.parameters(), module.buffers()), None)
-    return None if first is None else first.device
+    named = chain(module.named_parameters(), module.named_buffers())
+    return next((name for name, t in named if t.is_meta), None)
+
+
+def refuse_meta(label: str, module: Any, then: str) -> None:
+    """Raise if ``module`` has a tensor on the meta device (see :func:`meta_tensor`);
+    ``then`` says when it got there, as the message tells it.
+
+    Raises:
+        EncoderLoadError: naming the tensor, and how to bring its values back.
+    """
+    name = meta_tensor(module)
+    if name is None:
+        return
+    raise EncoderLoadError(
+        f"the encoder module {label} has its weights on the meta device ({name}){then}, which "
+        "holds no values to encode with or key by; load its weights back before a miss and "
+        "before a DataLoader starts its workers (load_state_dict(..., assign=True); a buffer "
+        "registered with persistent=False is in no state dict: set it again), or give the "
+        "dataset a module with weights"
+    )
 
 
 def weight_dtypes(module: Any) -> tuple[str, ...]:
@@ -712,7 +750,9 @@ class Misses:
             inputs = [self.source.load(p) for p in paths]
             keys = [self.index.key(i) for i in idx]
             check_unchanged(st.catalog, paths, keys, self.fps)
-        if st.encoder is None:
+        if st.encoder is None or self.live.spec is None:
+            # An in-process module is checked and followed to its device at each batch of
+            # misses: one moved since the last (`.cuda()`) met inputs sent where it was.
             st.encoder = self.live.for_this_process()
         else:
             self.live.refuse_changed()

@@ -440,3 +440,32 @@ def test_an_import_path_module_calling_sys_exit_is_a_load_error(tmp_path: Path) 
             load_encoder("exits_in_factory:build")
     finally:
         sys.path.remove(str(tmp_path))
+
+
+class _FilterBank(torch.nn.Module):
+    """A front-end whose only state is a buffer (a mel filter bank)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("bank", torch.ones(160, 8))
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        return wav[:, :160] @ self.bank
+
+
+def test_from_module_runs_a_module_of_buffers_only_where_its_buffers_are() -> None:
+    """``from_module`` chose the first parameter's device, else the CPU, while the dataset's
+    watch (``module_device``) took the first parameter's, else the first buffer's: a front-end
+    whose only state is a buffer, on another device, was moved to the CPU by the dataset (the
+    user's own module) and failed on the meta device with torch's ``Cannot copy out of meta
+    tensor``. One function decides both now: the module stays where its buffers are."""
+    bank = _FilterBank().to("meta")
+    enc = from_module(bank)
+    from featbake.encode.encoders import module_device
+
+    assert enc.device == module_device(bank) == torch.device("meta")
+    assert bank.bank.is_meta and enc.module is bank
+    out = enc.run(torch.ones(2, 160))  # inputs sent where the weights are
+    assert out.shape == (2, 8) and out.is_meta
+    assert module_device(torch.nn.ReLU()) is None
+    assert from_module(torch.nn.ReLU()).device == torch.device("cpu")

@@ -626,3 +626,22 @@ def test_a_callers_in_place_edit_of_its_output_is_served_by_no_later_call(
         again(x, ids=ids).zero_()  # read from the store
         same(again(x, ids=ids), want)
         assert again.stats["encoded"] == 0 and again.stats["hits_store"] >= 3
+
+
+def test_a_moved_tensor_is_read_in_the_kind_of_its_trusted_probe_entry() -> None:
+    """serve9.1's comparison by value: a tensor trusted on the CPU (a CRC-32C) and one trusted
+    on a device (a pair of byte sums) are each read in that kind wherever they are now, so a
+    move to or from a device compares values, not probes of two kinds; a tensor on the meta
+    device matches nothing."""
+    from featbake.serve.cached_encoder import value_entry
+    from featbake.store.shard import crc32c_tensor
+
+    t = torch.randn(64)
+    crc = crc32c_tensor(t)
+    assert value_entry(t.clone(), crc) == crc
+    assert value_entry(t * 2, crc) != crc
+    b = t.view(torch.uint8)
+    sums = (int(b.sum(dtype=torch.int64)), int(b[::3].sum(dtype=torch.int64)))
+    assert value_entry(t.clone(), (0, 0)) == sums
+    assert value_entry(t.to("meta"), crc) is None
+    assert value_entry(torch.empty(0), crc) == 0

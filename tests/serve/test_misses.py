@@ -790,3 +790,243 @@ def test_the_watch_keeps_no_replaced_weight_or_submodule_alive(
     assert weight() is None and submodule() is None
     with pytest.raises(EncoderLoadError, match="changed since this dataset was created"):
         ds[1]
+
+
+# -- round nine: serving misses with an in-process module --------------------------------------
+class _Counting(torch.nn.Module):
+    """TinyConvEncoder's forward, counting its calls in a plain attribute (its bookkeeping)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from featbake.testing import TinyConvEncoder
+
+        self.inner = TinyConvEncoder()
+        self.calls = 0
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.inner(wav)
+
+
+def _share_memory(m: torch.nn.Module) -> None:
+    m.share_memory()  # every tensor's storage moved (as DataLoader users do), values kept
+
+
+def _meta_and_back(m: torch.nn.Module) -> None:
+    weights = {k: v.clone() for k, v in m.state_dict().items()}
+    m.to("meta")
+    m.load_state_dict(weights, assign=True)  # new tensors, on the CPU again, the same values
+
+
+@pytest.mark.parametrize(
+    ("make", "move"),
+    [(_Counting, _share_memory), (_Tallying, _share_memory), (_Counting, _meta_and_back)],
+    ids=["counting-shared", "tallying-shared", "counting-meta-and-back"],
+)
+def test_a_module_moved_then_run_by_the_user_encodes_its_next_miss_and_an_edit_is_refused(
+    tmp_path: Path, audio_dir: Path, make: Any, move: Any
+) -> None:
+    """A module whose weights moved to other storage after the dataset was made (another
+    device; shared memory; the meta device and back), then run by the user: the next miss was
+    refused as a change, though no weight changed, because the watch compared storage and
+    took the move for a change, and the runs' own bookkeeping with it. Weights are compared
+    by value now; a move plus a real edit is still refused."""
+    from featbake.errors import EncoderLoadError
+
+    module = make().eval()
+    ds = _fresh_dataset(audio_dir, module, tmp_path / "s")
+    torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
+    move(module)
+    _users_forward(module)
+    torch.testing.assert_close(ds[1], _live(module, ds.path(1)))
+    _users_forward(module)
+    torch.testing.assert_close(ds[2], _live(module, ds.path(2)))
+    move(module)
+    with torch.no_grad():
+        module.inner.conv2.weight.data.mul_(2.0)  # a real edit, behind the version counter
+    _users_forward(module)
+    with pytest.raises(EncoderLoadError, match="changed since this dataset was created") as e:
+        ds[3]
+    assert "\n" not in str(e.value)
+
+
+def test_a_module_left_partly_on_the_meta_device_is_refused_in_one_line_naming_the_tensor(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    """``.to("meta")`` then ``load_state_dict(..., assign=True)`` leaves a buffer registered
+    with ``persistent=False`` on the meta device (it is in no state dict): the watch looked at
+    the first weight only, found it on the CPU, and the miss failed with torch's
+    ``NotImplementedError: Cannot copy out of meta tensor``. Any tensor on the meta device is
+    refused now, in one line naming it."""
+    from featbake.errors import EncoderLoadError
+
+    module = _Tallying().eval()
+    ds = _fresh_dataset(audio_dir, module, tmp_path / "s")
+    ds[0]
+    _meta_and_back(module)
+    assert module.samples.is_meta and not module.inner.conv1.weight.is_meta
+    with pytest.raises(EncoderLoadError, match=r"meta device \(samples\).*persistent=False") as e:
+        ds[1]
+    assert "\n" not in str(e.value)
+
+
+def test_a_module_moved_to_meta_pickles_to_spawned_workers_which_serve_what_is_stored(
+    tmp_path: Path,
+) -> None:
+    """A module moved to the meta device once its features were stored (to free its memory),
+    the dataset then pickled to spawned DataLoader workers: the pickling failed with torch's
+    ``NotImplementedError: Cannot copy out of meta tensor`` (the change check hashed the
+    weights). Now the workers serve what is stored, and a miss in a copy is refused in one
+    line saying to load the weights back."""
+    import copy
+    import pickle
+
+    from torch.utils.data import DataLoader
+
+    from featbake.errors import EncoderLoadError
+    from featbake.testing import TinyConvEncoder, write_audio_folder
+
+    write_audio_folder(tmp_path / "data", 3, seconds=0.3, seed=4)
+    module = TinyConvEncoder().eval()
+    now = copy.deepcopy(module)  # the module as it was, to run now
+    first = _fresh_dataset(tmp_path / "data", module, tmp_path / "s")
+    for i in range(3):
+        first[i]
+    first.flush()
+    ds = CachedFeatureDataset(tmp_path / "data", module, cache=tmp_path / "s")
+    write_audio_folder(tmp_path / "more", 1, seconds=0.3, seed=5)
+    more = CachedFeatureDataset(tmp_path / "more", module, cache=tmp_path / "s")
+    module.to("meta")
+    spawn: dict[str, Any] = dict(batch_size=None, num_workers=1, multiprocessing_context="spawn")
+    served = list(DataLoader(ds, **spawn))
+    assert len(served) == 3
+    for i, item in enumerate(served):
+        torch.testing.assert_close(item, _live(now, ds.path(i)))
+    copied = pickle.loads(pickle.dumps(more))
+    with pytest.raises(EncoderLoadError, match=r"meta device .*load_state_dict") as e:
+        copied[0]
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.filterwarnings("ignore:there is no featbake store")
+def test_a_dataset_given_a_module_on_the_meta_device_is_refused_in_one_line(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    """A module whose only state is a buffer (a mel front-end), on the meta device, given to a
+    dataset: ``from_module`` took the CPU for it (it looked at parameters only) and moved the
+    user's module there, failing with torch's ``Cannot copy out of meta tensor``; a module
+    with parameters on meta failed the same way when hashed. Both are one line now, and the
+    module is left where it was."""
+    from featbake.errors import EncoderLoadError
+    from featbake.testing import TinyConvEncoder
+
+    for module in (_BufferOnly().to("meta"), TinyConvEncoder().to("meta")):
+        with pytest.raises(EncoderLoadError, match=r"on the meta device .*load_state_dict") as e:
+            CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+        assert "\n" not in str(e.value)
+        assert all(t.is_meta for t in module.buffers())
+
+
+class _BufferOnly(torch.nn.Module):
+    """A front-end whose only state is a buffer (a filter bank): frames of 160 samples, each
+    projected on 8 fixed filters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer(
+            "bank", torch.randn(160, 8, generator=torch.Generator().manual_seed(3))
+        )
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        frames = wav[:, : wav.shape[1] // 160 * 160].reshape(wav.shape[0], -1, 160)
+        return frames @ self.bank
+
+
+def test_a_forward_that_changes_only_plain_attributes_digests_none_and_is_no_change(
+    tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A module counting its calls (``self.calls += 1``) paid the exact check after each of the
+    user's forwards (the glance differed, so every attribute was digested and the tree planned
+    again: 0.62 ms against 0.14 ms per forward on a 24-layer MLP). A run that changed only
+    plain values of attributes the glance planned is taken from the glance now; its digest is
+    made from the glance when a check needs it, equal to the module's. A change set from
+    outside a run is still refused."""
+    import featbake.serve.cached_encoder as cached_encoder
+    from featbake.encode.identity import attribute_identity
+    from featbake.errors import EncoderLoadError
+
+    module = _Counting().eval()
+    ds = _fresh_dataset(audio_dir, module, tmp_path / "s")
+    ds[0]
+    digested = _calls_to(monkeypatch, cached_encoder, "attribute_identity")
+    for _ in range(3):
+        _users_forward(module)
+    assert digested == []
+    monkeypatch.undo()
+    watch = cached_encoder.shared_watch(module)
+    assert watch.trusted_attributes().partition("|")[0] == attribute_identity(module)
+    module.share_memory()  # a move: the check compares the attributes with the glance's digest
+    torch.testing.assert_close(ds[1], _live(module, ds.path(1)))
+    _users_forward(module)
+    module.calls = 0  # set from outside a run
+    _users_forward(module)
+    with pytest.raises(EncoderLoadError, match="changed since this dataset was created"):
+        ds[2]
+
+
+def _doubled_input(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A forward pre-hook scaling the input (as a user's normalisation hook does)."""
+    return (args[0] * 2.0,)
+
+
+def test_a_forward_hook_is_part_of_the_modules_keys_and_one_added_after_is_refused(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    """``register_forward_pre_hook`` changes what the module returns without changing its
+    code, weights or attributes: a hook added after the dataset was made encoded the next
+    miss with it under the keys of the module without it, and a dataset over a module with a
+    hook shared its keys with the module without one, so each was served the other's
+    features. A hook is part of the module's identity now (the watch's own left out), and one
+    added after is refused in one line, as an attribute set is."""
+    from featbake.errors import EncoderLoadError
+    from featbake.testing import TinyConvEncoder
+
+    module = TinyConvEncoder().eval()
+    ds = _fresh_dataset(audio_dir, module, tmp_path / "s")
+    torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
+    handle = module.register_forward_pre_hook(_doubled_input)
+    _users_forward(module)
+    with pytest.raises(EncoderLoadError, match=r"changed since .*a forward hook was added") as e:
+        ds[1]
+    assert "\n" not in str(e.value)
+    ds.flush()
+    hooked = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    assert hooked.key(0) != ds.key(0)
+    torch.testing.assert_close(hooked[0], _live(module, hooked.path(0)))
+    hooked.flush()
+    handle.remove()
+    plain = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s", on_miss="error")
+    assert plain.key(0) == ds.key(0)
+    torch.testing.assert_close(plain[0], _live(module, plain.path(0)))
+
+
+def test_forwards_of_a_moved_module_read_its_attributes_once_not_at_each_run(
+    tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """serve9.1 follows the runs of a module whose tensors moved (a teacher moved to the GPU
+    and run each training step, with no miss to compare its values): the first such run reads
+    its attributes once, and each later run as the last one left it compares a glance of the
+    moved tree only, its own plain attributes taken from the glance. The next miss compares
+    the values and encodes, equal to the module run now."""
+    import featbake.serve.cached_encoder as cached_encoder
+
+    module = _Counting().eval()
+    ds = _fresh_dataset(audio_dir, module, tmp_path / "s")
+    ds[0]
+    module.share_memory()
+    digested = _calls_to(monkeypatch, cached_encoder, "attribute_identity")
+    for _ in range(4):
+        _users_forward(module)
+    assert len(digested) == 1
+    monkeypatch.undo()
+    torch.testing.assert_close(ds[1], _live(module, ds.path(1)))
