@@ -14,7 +14,7 @@ import json
 import os
 import sqlite3
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,6 +70,7 @@ from featbake.gcpause import gc_paused
 from featbake.keys import feature_key, root_id
 from featbake.progress import Progress
 from featbake.recipe import Recipe
+from featbake.store.byteplace import bytes_at
 from featbake.store.catalog import BuildCatalog, Catalog
 from featbake.store.claims import this_host
 from featbake.store.containers import container_cut
@@ -77,7 +78,7 @@ from featbake.store.features import Parts
 from featbake.store.fidelity import Measured
 from featbake.store.fragment_catalog import FragmentCatalog, RankPart
 from featbake.store.fragments import build_id, fragment_keys, sealed_fragments
-from featbake.store.hash_cache import FileStat, HashCache
+from featbake.store.hash_cache import FileStat, HashCache, HashEntry, HashRow
 from featbake.store.layout import Layout
 from featbake.store.merge import adopt_sealed_parts
 from featbake.store.open import Need, StoreRef, open_store, place_of
@@ -996,7 +997,7 @@ class EngineJob:
     """What an engine's worker needs to encode as the build does (picklable: sent once per
     worker). ``data`` is opened again on the worker (``inputs_at``); None: each item's bytes
     come with it. ``driver_host``: where the build's process runs (:func:`this_host`), whose
-    stats of the inputs each item carries (see :func:`stats_to_check`)."""
+    stats of the inputs each item carries (see :meth:`PartEncoder.keyed_here`)."""
 
     layout: Layout
     root: RootSpec
@@ -1051,15 +1052,6 @@ class SeenHere:
         took no other for it)."""
         return stat if stat is None else self.back.get(stat, stat)
 
-    def item(self, it: WorkItem) -> WorkItem:
-        """``it`` with the stats of the driver's scan in what it carries (a table cell's: the
-        stat its file's rows were read at) as this host sees them."""
-        value = it.carried
-        if isinstance(value, CarriedCell) and value.scanned is not None:
-            scanned = self.stat(file_holding(it.path, value), value.scanned)
-            return it._replace(carried=dataclasses.replace(value, scanned=scanned))
-        return it
-
 
 def file_holding(path: str, carried: object | None = None) -> str:
     """The file whose stat item ``path`` is checked by: a manifest row's file (its carried
@@ -1071,17 +1063,35 @@ def file_holding(path: str, carried: object | None = None) -> str:
     return path if cut is None else path[:cut]
 
 
-def stats_to_check(items: Sequence[WorkItem], seen: SeenHere) -> dict[str, FileStat]:
-    """path -> the stat each of ``items`` is checked against once decoded (the input must not
-    have changed since the driver hashed it): the stat of the file holding it
-    (:func:`file_holding`) as this host sees the version the driver hashed (:class:`SeenHere`:
-    the driver's whole on its own host; on another, this host's where size and mtime agree).
-    """
-    return {
-        it.path: seen.stat(file_holding(it.path, it.carried), it.stat)
-        for it in items
-        if it.stat is not None
-    }
+def scanned_here(it: WorkItem) -> WorkItem:
+    """``it`` with a table cell's carried scan stat (the stat the driver's scan read its
+    file's rows at) made this host's stat of the file: on another host than the driver's the
+    driver's stats are not compared (the same mount may show that host other inode numbers
+    and ctimes), the bytes read are (:meth:`PartEncoder.keyed_here`)."""
+    value = it.carried
+    if isinstance(value, CarriedCell) and value.scanned_here:
+        here = file_stat_or_none(file_holding(it.path, value))
+        return it._replace(carried=dataclasses.replace(value, scanned=here))
+    return it
+
+
+class NothingCached:
+    """The hash cache of a worker on another host than the driver's: it knows no digest and
+    keeps none, so every input is read and hashed there (the catalog's rows are of the
+    driver's stats, which that host's mount may show otherwise)."""
+
+    def cached_hashes(self, paths: Sequence[str]) -> dict[str, HashEntry]:
+        return {}
+
+    def put_hashes(self, rows: Iterable[HashRow], *, recorded_ns: int | None = None) -> None:
+        return None
+
+
+#: Why an item a worker on another host read is refused: its bytes there make another key.
+NOT_THE_BYTES_HASHED = (
+    "changed since it was hashed: its bytes on this node are not the ones its key was made "
+    "from (rewritten in place, its mtime kept?); rerun the build"
+)
 
 
 @dataclass(frozen=True)
@@ -1312,12 +1322,14 @@ class PartEncoder:
         bake.compactor = Compactor(self.job.recipe)
         bake.rel_of = {it.path: it.name for it in items}
         done_before = len(items) - len(todo)
-        seen = SeenHere(self.job.driver_host)
-        todo = self.carried_in([seen.item(it) for it in todo])
-        bake.hashed_stats = stats_to_check(todo, seen)
+        elsewhere = self.job.data is not None and self.job.driver_host != this_host()
+        todo = self.carried_in([scanned_here(it) for it in todo] if elsewhere else todo)
+        bake.hashed_stats = {it.path: it.stat for it in todo if it.stat is not None}
         bake.held = HeldBytes(budget=sum(map(len, (held or {}).values())))
         for path, data in (held or {}).items():
             bake.held.keep(path, data)
+        if elsewhere:
+            todo = self.keyed_here(todo)
         if todo:
             bake.encode([(it.key, it.path) for it in todo], {}, {})
         r = bake.report
@@ -1326,6 +1338,42 @@ class PartEncoder:
             r.causes, r.bytes_written,
             r.shards_written, r.batching, r.batching_note, bake.compactor.measured,
         )  # fmt: skip
+
+    def keyed_here(self, todo: list[WorkItem]) -> list[WorkItem]:
+        """``todo`` less the items whose bytes on this host, another than the driver's, do
+        not make their key, each counted failed in one line (``--strict``: raised).
+
+        The driver's stat of an input cannot say whether this host reads the version it
+        hashed: the same mount may show this host other inode numbers and ctimes, and size
+        and mtime stay when a file is rewritten in place with its mtime put back (``cp -p``,
+        ``touch -r``, ``rsync -t``). So the inputs in files are read and hashed here as a
+        plain build hashes them (its inputs' ``hash``, with no hash cache: a file's, a tar
+        member's or a table cell's SHA-256, a segment's from its recording's) and keyed as the
+        driver keyed them. The bytes read are kept to be decoded, as a plain build keeps them;
+        what is read again (past the budget, a recording's segments) is checked against this
+        host's stats taken by those reads, whole. An object keeps the driver's stat: its ETag
+        is the same on every host and is checked by the read that decodes it.
+        """
+        bake, root = self.bake, self.job.root
+        files = [it for it in todo if not bytes_at(file_holding(it.path, it.carried)).versioned]
+        if not files:
+            return todo
+        bake.held = HeldBytes()
+        digests, unreadable = bake.place.hash(
+            NothingCached(), [it.path for it in files], None, bake.hashed_stats, bake.held
+        )
+        refused: set[str] = set()
+        for it in files:
+            why = unreadable.get(it.path)
+            if (
+                why is None
+                and feature_key(root.encoder_fp, root.recipe_fp, digests[it.path]) != it.key
+            ):
+                why = NOT_THE_BYTES_HASHED
+            if why is not None:
+                refused.add(it.path)
+                bake.skip(it.name, why, SourceError(f"{it.name}: {why}"))
+        return [it for it in todo if it.path not in refused]
 
     def carried_in(self, todo: list[WorkItem]) -> list[WorkItem]:
         """``todo`` with what the driver's scan found for each given to this worker's inputs

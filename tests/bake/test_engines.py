@@ -7,7 +7,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-from collections.abc import Iterator, Sequence
+import os
+import shutil
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -23,8 +25,11 @@ from featbake.bake.pipeline import (
     build,
 )
 from featbake.encode.tables import CarriedCell
+from featbake.serve.dataset import CachedFeatureDataset
+from featbake.testing import write_audio_folder
 from tests.conftest import live_features
-from tests.encode.test_containers import write_audio_parquet, write_tar
+from tests.encode.test_containers import wav_bytes, write_audio_parquet, write_tar
+from tests.encode.test_manifests import reference, write_jsonl
 from tests.helpers import stored_features
 
 
@@ -84,11 +89,12 @@ class SeenElsewhere(InProcess):
     [
         ("node-2", ("inode", "ctime_ns"), 16),  # another node: its own inode numbers
         (None, ("inode", "ctime_ns"), 0),  # the driver's host: an inode differing is a change
-        ("node-2", ("mtime_ns",), 0),  # another node: a file changed since it was hashed
-        ("node-2", ("size",), 0),
+        # another node: the driver's stat is not compared there, the bytes read are (cl9.20)
+        ("node-2", ("mtime_ns",), 16),
+        ("node-2", ("size",), 16),
     ],
 )
-def test_a_worker_on_another_node_compares_size_and_mtime_not_its_mounts_inodes(
+def test_a_worker_on_another_node_checks_the_bytes_it_reads_not_its_mounts_inodes(
     audio_dir: Path,
     encoder_file: Path,
     tmp_path: Path,
@@ -100,8 +106,9 @@ def test_a_worker_on_another_node_compares_size_and_mtime_not_its_mounts_inodes(
     """Round nine, engines: a Ray worker checked each input after decoding against the
     driver's stat whole, inode and ctime included; on a shared mount that shows each node
     other inode numbers every input of a worker on another node was refused as changed. A
-    worker on another node now compares size and mtime with the driver's, then checks the
-    decode by its own stat; on the driver's host the whole stat is still compared."""
+    worker on another node now hashes what it reads and compares the key it makes with the
+    item's (cl9.20: the driver's stat is not compared there, so a stat moved in any field
+    encodes the unchanged files); on the driver's host the whole stat is still compared."""
     if worker_host is not None:  # the worker's host; the job names the driver's, made before
         monkeypatch.setattr(pipeline, "this_host", lambda: worker_host, raising=False)
     engine = SeenElsewhere(*shift)
@@ -160,11 +167,12 @@ def data_of(kind: str, audio: Path, folder: Path) -> tuple[Path, dict[str, Path]
     [
         ("node-2", ("inode", "ctime_ns"), 6),  # another node: its own inode numbers
         (None, ("inode", "ctime_ns"), 0),  # the driver's host: an inode differing is a change
-        ("node-2", ("mtime_ns",), 0),  # another node: a file changed since it was hashed
-        ("node-2", ("size",), 0),
+        # another node: the driver's stat is not compared there, the bytes read are (cl9.20)
+        ("node-2", ("mtime_ns",), 6),
+        ("node-2", ("size",), 6),
     ],
 )
-def test_rows_members_and_cells_on_another_node_compare_their_files_size_and_mtime(
+def test_rows_members_and_cells_on_another_node_are_checked_by_the_bytes_read(
     audio_dir: Path,
     encoder_file: Path,
     tmp_path: Path,
@@ -177,8 +185,8 @@ def test_rows_members_and_cells_on_another_node_compare_their_files_size_and_mti
     """Round nine, engines: a manifest row, a tar member and a table cell each carry the stat
     of the file holding them, and a worker on another node compared it whole (inode and ctime
     included) with its own stat of that file, refusing every item of a mount that numbers
-    inodes per node. Now the file's size and mtime are compared there, as for a plain file;
-    on the driver's host the whole stat still is, and a size or mtime moved is refused."""
+    inodes per node. Now each is hashed there as read and its key compared, as for a plain
+    file (cl9.20); on the driver's host the whole stat still is compared."""
     data, clips = data_of(kind, audio_dir, tmp_path / "data")
     if worker_host is not None:  # the worker's host; the job names the driver's, made before
         monkeypatch.setattr(pipeline, "this_host", lambda: worker_host, raising=False)
@@ -215,3 +223,115 @@ def test_a_part_result_travels_as_json_with_its_failures_and_error_typed() -> No
     back.add_to(report)
     assert (report.encoded, report.failed) == (1, [("a.wav", "cannot decode: x")])
     PartResult.from_json(PartResult().to_json()).raise_error()  # nothing carried: no raise
+
+
+# == round nine: rewritten in place, its mtime kept, before a worker on another node reads it ====
+def rewrite_in_place(path: Path, data: bytes) -> None:
+    """``path`` rewritten in place with ``data`` (its size), its mtime set back as ``cp -p``,
+    ``touch -r``, ``rsync -t`` or an archive unpacked with fixed dates leave it: only its ctime
+    tells, and another node's mount shows other ctimes."""
+    before = path.stat()
+    assert len(data) == before.st_size
+    path.write_bytes(data)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+
+def rewrite_each(files: dict[Path, bytes]) -> None:
+    """Each of ``files`` rewritten in place with its bytes (:func:`rewrite_in_place`)."""
+    for path, data in files.items():
+        rewrite_in_place(path, data)
+
+
+class RewrittenBeforeTheTask(InProcess):
+    """An engine whose task starts after ``rewrite`` ran: between the driver's hashing and the
+    worker's reads."""
+
+    def __init__(self, rewrite: Callable[[], None]) -> None:
+        super().__init__()
+        self.rewrite = rewrite
+
+    def encode(
+        self, job: EngineJob, items: Sequence[WorkItem], progress: ProgressFn | None
+    ) -> PartResult:
+        self.rewrite()
+        return super().encode(job, items, progress)
+
+
+#: item id -> (the file holding what the driver hashed for it, its span's start and end)
+Wanted = dict[str, tuple[Path, float | None, float | None]]
+
+
+def rewritten_data(kind: str, tmp: Path) -> tuple[Path, Path, Callable[[], None], Wanted]:
+    """(the data built, a copy of it as the driver hashed it, its rewrite in place with other
+    audio of the same size, each item's audio as hashed): a folder's files, a tar's members,
+    a parquet file's cells (each pair of rows swapped) or a manifest's segments of one
+    recording."""
+    data, old, clips = tmp / "data", tmp / "old", tmp / "clips"
+    for d in (data, old, clips):
+        d.mkdir()
+    if kind == "folder":
+        write_audio_folder(data, 3, seconds=0.5, seed=4)
+        shutil.copytree(data, old, dirs_exist_ok=True)
+        files = sorted(data.iterdir())
+        others = {f: wav_bytes(0.5, seed=90 + i) for i, f in enumerate(files)}
+        want: Wanted = {f.name: (old / f.name, None, None) for f in files}
+        return data, old, lambda: rewrite_each(others), want
+    if kind == "manifest":
+        rec, old_rec = data / "rec.wav", old / "rec.wav"
+        rec.write_bytes(wav_bytes(2.0, seed=3))
+        old_rec.write_bytes(rec.read_bytes())
+        spans = [(0.2 * i, 0.2 * i + 0.3) for i in range(4)]
+        for where, f in ((data, rec), (old, old_rec)):
+            rows = [
+                {"id": f"u{i}", "path": str(f), "start": s, "end": e}
+                for i, (s, e) in enumerate(spans)
+            ]
+            write_jsonl(where / "train.jsonl", rows)
+        new = {rec: wav_bytes(2.0, seed=30)}
+        want = {f"u{i}": (old_rec, s, e) for i, (s, e) in enumerate(spans)}
+        return data / "train.jsonl", old / "train.jsonl", lambda: rewrite_each(new), want
+    audio = [wav_bytes(0.5, seed=i) for i in range(4)]
+    for i, b in enumerate(audio):
+        (clips / f"{i}.wav").write_bytes(b)
+    if kind == "tar":
+        write_tar(data / "s.tar", [(f"c{i}", {"wav": b}) for i, b in enumerate(audio)])
+        other = [(f"c{i}", {"wav": wav_bytes(0.5, seed=40 + i)}) for i in range(4)]
+        again = write_tar(tmp / "again.tar", other)
+        names = [f"c{i}" for i in range(4)]
+    else:  # parquet: the same cells, each pair of rows swapped
+        write_audio_parquet(data / "t.parquet", audio)
+        again = write_audio_parquet(tmp / "again.parquet", [audio[i ^ 1] for i in range(4)])
+        names = [f"t.parquet:{i}" for i in range(4)]
+    shutil.copytree(data, old, dirs_exist_ok=True)
+    (target,) = data.iterdir()
+    rewritten = {target: again.read_bytes()}
+    want = {n: (clips / f"{i}.wav", None, None) for i, n in enumerate(names)}
+    return data, old, lambda: rewrite_each(rewritten), want
+
+
+@pytest.mark.parametrize("kind", ["folder", "tar", "parquet", "manifest"])
+def test_an_input_rewritten_with_its_mtime_kept_before_a_worker_on_another_node_reads_it(
+    tmp_path: Path, encoder_file: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """Round nine, engines (corrects cl9.4, cl9.5): a worker on another node took a file whose
+    size and mtime were the driver's as the version the driver hashed, so an input rewritten
+    in place with its mtime set back between the driver's hashing and the worker's reads had
+    the new audio's features stored under the old bytes' key: a dataset over copies of the old
+    data was served the new audio's features for every item. The worker now hashes what it
+    reads and refuses each item whose key those bytes do not make, one line each."""
+    data, old, rewrite, want = rewritten_data(kind, tmp_path)
+    monkeypatch.setattr(pipeline, "this_host", lambda: "node-2", raising=False)
+    store = tmp_path / "store"
+    report = build(data, encoder_file, cache=store, engine=RewrittenBeforeTheTask(rewrite))  # type: ignore[arg-type]
+    wrong = 0
+    if report.encoded:  # served from the store for the old data, against the encoder run now
+        ds = CachedFeatureDataset(old, encoder_file, cache=store, on_miss="error")
+        for i in range(len(ds)):
+            file, start, end = want[ds.item_id(i)]
+            now = reference(encoder_file, file, start, end)
+            wrong += not torch.allclose(ds[i], now, rtol=1e-5, atol=1e-5)
+        ds.close()
+    assert (report.encoded, wrong, len(report.failed)) == (0, 0, len(want)), report.failed
+    for _, why in report.failed:
+        assert "\n" not in why and "changed since it was hashed" in why, why
+        assert why.endswith("rerun the build"), why
