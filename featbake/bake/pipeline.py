@@ -1016,16 +1016,20 @@ class EngineJob:
 
 @dataclass
 class SeenHere:
-    """How this host sees the files whose stats the driver took, on host ``driver_host``.
+    """How a hashing task (bake/ray_engine.py) on this host sees the files whose stats the
+    driver took, on host ``driver_host``: the stat it checks its reads against.
 
     On the driver's own host a stat is taken whole (size, mtime, inode, ctime). On another
     host the same mount may show other inode numbers (and ctimes) for the same file (a FUSE or
-    clustered file system numbering inodes per node), so a file there is the version the
-    driver saw if its size and mtime_ns are the driver's; its stat here is then what this host
-    checks its reads against, whole, so a file rewritten while it reads is still refused by
-    its inode and ctime here. What this host read at that stat is reported back at the
-    driver's (:meth:`driver_stat`: the driver records and compares its own stats). A name
-    that is no file here (an object) keeps the driver's stat.
+    clustered file system numbering inodes per node), so a file there whose size and mtime_ns
+    are the driver's is read checked against its stat here, whole (a file rewritten while it
+    is read is refused by its inode and ctime here), and what was read is reported back at
+    the driver's stat (:meth:`driver_stat`). That does not make it the version the driver
+    stat'ed: a file rewritten in place with its mtime put back keeps size and mtime. The
+    driver vouches for it by its own stat after the task returned
+    (:func:`~featbake.bake.ray_engine.vouched`); an engine's worker there hashes what it
+    decodes (:meth:`PartEncoder.keyed_here`). A name that is no file here (an object) keeps
+    the driver's stat.
     """
 
     driver_host: str

@@ -67,6 +67,7 @@ from featbake.encode.fingerprints import (
     DigestAsk,
     Digested,
     Digester,
+    container_stat,
     digest_here,
     read_here,
 )
@@ -77,7 +78,7 @@ from featbake.errors import BuildIncomplete, ConfigError, FeatbakeError, StoreEr
 from featbake.keys import feature_key, root_id
 from featbake.progress import Progress
 from featbake.recipe import Recipe
-from featbake.store.byteplace import BytePlace, bytes_at
+from featbake.store.byteplace import CHANGED_WHILE_READ, BytePlace, bytes_at
 from featbake.store.claims import this_host
 from featbake.store.fragment_catalog import FragmentCatalog, RankPart
 from featbake.store.hash_cache import FileStat
@@ -548,7 +549,36 @@ def digested_by_tasks(ray: Any, asks: Sequence[DigestAsk]) -> Iterator[Digested]
     driver = this_host()
     sent = [DigestAsk(a.path, a.stat) for a in asks]  # no holder: nothing kept on the driver
     runs = [sent[i : i + per_task] for i in range(0, len(sent), per_task)]
-    yield from as_returned(ray, [task.remote(run, driver) for run in runs])
+    yield from map(vouched, as_returned(ray, [task.remote(run, driver) for run in runs]))
+
+
+def vouched(done: Digested) -> Digested:
+    """A task's digest of a file, if the driver's own stat of the file is still the one the
+    digest came back at (the one the driver asked with), else the file changed while read.
+
+    A task on another host reads a file whose size and mtime are the driver's as that version
+    (:class:`SeenHere`), but a file rewritten in place with its mtime put back keeps both: only
+    its ctime moves, which the driver's host sees and another host's mount may not. Unchanged
+    here from the driver's stat before the task to this one after it, the file had no write
+    in between, so the task read the bytes the driver's stat is of: what the hash cache may
+    record. An object's stat (its ETag) is every host's: taken as it came."""
+    if isinstance(done.got, str) or bytes_at(done.path).versioned:
+        return done
+    if container_stat(done.path) == done.got.stat:
+        return done
+    return Digested(done.path, CHANGED_WHILE_READ)
+
+
+def vouched_container(done: ContainerDigested) -> ContainerDigested:
+    """A task's reading of a tar or table file, if the driver's own stat of it is still the one
+    the reading came back at (the stat the driver listed its members or scanned its rows at),
+    else at no stat: each of its items then fails as changed while read (see :func:`vouched`;
+    a tar rewritten with its members reordered and its mtime kept would have each read at
+    another member's offsets)."""
+    stat = done.got.stat
+    if stat is None or bytes_at(done.container).versioned or container_stat(done.container) == stat:
+        return done
+    return replace(done, got=done.got._replace(stat=None))
 
 
 def containers_read_by_tasks(ray: Any, asks: Sequence[ContainerAsk]) -> Iterator[ContainerDigested]:
@@ -565,7 +595,8 @@ def containers_read_by_tasks(ray: Any, asks: Sequence[ContainerAsk]) -> Iterator
     driver = this_host()
     sent = [replace(a, held=None) for a in asks]  # nothing kept on the driver
     runs = [[sent[i] for i in run] for run in container_tasks(items, per_task)]
-    yield from as_returned(ray, [task.remote(run, driver) for run in runs])
+    returned = as_returned(ray, [task.remote(run, driver) for run in runs])
+    yield from map(vouched_container, returned)
 
 
 def as_returned(ray: Any, pending: list[Any]) -> Iterator[Any]:

@@ -94,7 +94,7 @@ class SeenElsewhere(InProcess):
         ("node-2", ("size",), 16),
     ],
 )
-def test_a_worker_on_another_node_checks_the_bytes_it_reads_not_its_mounts_inodes(
+def test_a_worker_on_another_node_compares_size_and_mtime_not_its_mounts_inodes(
     audio_dir: Path,
     encoder_file: Path,
     tmp_path: Path,
@@ -172,7 +172,7 @@ def data_of(kind: str, audio: Path, folder: Path) -> tuple[Path, dict[str, Path]
         ("node-2", ("size",), 6),
     ],
 )
-def test_rows_members_and_cells_on_another_node_are_checked_by_the_bytes_read(
+def test_rows_members_and_cells_on_another_node_compare_their_files_size_and_mtime(
     audio_dir: Path,
     encoder_file: Path,
     tmp_path: Path,

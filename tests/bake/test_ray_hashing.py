@@ -10,9 +10,11 @@ import hashlib
 import os
 import pickle
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -29,7 +31,9 @@ from featbake.bake.ray_engine import (
     ClusterDigests,
     HashSite,
     container_tasks,
+    containers_read_by_tasks,
     digest_batch,
+    digested_by_tasks,
     hash_rows_per_task,
     hash_site,
     read_batch,
@@ -44,7 +48,7 @@ from featbake.encode.fingerprints import (
     hash_inputs,
     read_here,
 )
-from featbake.encode.inputs import Inputs
+from featbake.encode.inputs import Folder, Inputs
 from featbake.encode.sources import AudioSource
 from featbake.encode.tables import CellReading, Table
 from featbake.encode.webdataset import MemberReading, WebDataset
@@ -491,3 +495,115 @@ def test_a_container_task_on_another_node_compares_size_and_mtime_not_its_mounts
             c: listed[c] if read else None for c in want
         }, kind
         assert {c: r.digests for c, r in got.items()} == {c: r.digests for c, r in want.items()}
+
+
+# == round nine: rewritten with its mtime kept before a task on another node reads it =============
+class InlineRay:
+    """What the hashing tasks use of Ray, each task run at once in this process as host
+    ``host`` (its ``this_host``), after ``before`` (a rewrite between the driver's stats and
+    the task's reads)."""
+
+    def __init__(self, host: str, before: Callable[[], None]) -> None:
+        self.host = host
+        self.before = before
+        self.exceptions = SimpleNamespace(RayError=RuntimeError)
+
+    def cluster_resources(self) -> dict[str, float]:
+        return {"CPU": 2.0}
+
+    def remote(self, num_cpus: int) -> Callable[[Callable[..., Any]], Any]:
+        return lambda task: SimpleNamespace(remote=lambda *args: self.run(task, *args))
+
+    def run(self, task: Callable[..., Any], *args: Any) -> Any:
+        self.before()
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(pipeline, "this_host", lambda: self.host)
+            return task(*args)
+
+    def wait(self, pending: list[Any], num_returns: int) -> tuple[list[Any], list[Any]]:
+        return pending[:1], pending[1:]
+
+    def get(self, ref: Any) -> Any:
+        return ref
+
+    def cancel(self, ref: Any) -> None:
+        return None
+
+
+class TasksOn:
+    """A Ray build's digester (files and containers in tasks: :func:`digested_by_tasks`,
+    :func:`containers_read_by_tasks`) over an :class:`InlineRay`."""
+
+    def __init__(self, ray: InlineRay) -> None:
+        self.ray = ray
+
+    def __call__(self, place: BytePlace, asks: Sequence[DigestAsk]) -> Iterator[Digested]:
+        return digested_by_tasks(self.ray, asks)
+
+    def containers(self, asks: Sequence[ContainerAsk]) -> Iterator[ContainerDigested]:
+        return containers_read_by_tasks(self.ray, asks)
+
+
+def rewrite_in_place(path: Path, data: bytes) -> None:
+    """``path`` rewritten in place with ``data`` (its size), its mtime set back (``cp -p``,
+    ``touch -r``, ``rsync -t``): only its ctime tells, and another node shows other ctimes."""
+    before = path.stat()
+    assert len(data) == before.st_size
+    path.write_bytes(data)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+
+def rewrite_each(files: dict[Path, bytes]) -> None:
+    for path, data in files.items():
+        rewrite_in_place(path, data)
+
+
+def test_a_tar_rewritten_with_its_mtime_kept_before_a_task_on_another_node_reads_it(
+    tmp_path: Path,
+) -> None:
+    """Round nine, engines (corrects cl9.6): a hashing task on another node took a tar whose
+    size and mtime were the driver's as the version the driver listed, so a shard rewritten in
+    place with its members reordered and its mtime kept was read at the driver's member
+    offsets: each member got another's digest (its key and the root's manifest another clip's
+    features) though the driver's own host refuses it by its ctime. The driver now vouches
+    for what a task read by its own stat of the container after the task returned."""
+    clips = {f"c{i}": wav_bytes(0.5, seed=i) for i in range(4)}
+    (tmp_path / "d").mkdir()
+    tar = write_tar(tmp_path / "d" / "s.tar", [(n, {"wav": c}) for n, c in clips.items()])
+    order = ["c1", "c0", "c3", "c2"]  # the same members, same sizes, each pair swapped
+    again = write_tar(tmp_path / "again.tar", [(n, {"wav": clips[n]}) for n in order])
+    inputs = WebDataset(str(tmp_path / "d"))
+    paths = scanned_paths(inputs)
+    ray = InlineRay("node-2", lambda: rewrite_each({tar: again.read_bytes()}))
+    with Catalog(Layout(tmp_path / "store").ensure()) as cat:
+        digests, failed = inputs.hash(cat, paths, digester=TasksOn(ray))
+        sha = {
+            p: hashlib.sha256(clips[p.rsplit(":", 1)[1].split(".")[0]]).hexdigest() for p in paths
+        }
+        assert {p: d for p, d in digests.items() if d != sha[p]} == {}
+        assert sorted(failed) == sorted(paths)
+        assert all("changed while featbake was reading it" in why for why in failed.values())
+        again_listed = WebDataset(str(tmp_path / "d"))  # a later build: read again, each right
+        assert again_listed.hash(cat, scanned_paths(again_listed))[0] == sha
+
+
+def test_a_file_rewritten_with_its_mtime_kept_before_a_task_on_another_node_fails_as_here(
+    tmp_path: Path,
+) -> None:
+    """Round nine, engines: a file rewritten in place with its mtime kept after the driver's
+    stat and before a hashing task on another node reads it comes back changed, as it does
+    from a task on the driver's host (its ctime moved there): no digest is recorded at a stat
+    the driver took of other bytes, and a later build hashes the bytes there now."""
+    (tmp_path / "data").mkdir()
+    paths = [str(tmp_path / "data" / f"f{i}.bin") for i in range(3)]
+    for p in paths:
+        Path(p).write_bytes(os.urandom(1000))
+    other = {Path(p): os.urandom(1000) for p in paths}
+    ray = InlineRay("node-2", lambda: rewrite_each(other))
+    inputs = Folder(tmp_path / "data")
+    with Catalog(Layout(tmp_path / "store").ensure()) as cat:
+        digests, failed = inputs.hash(cat, paths, digester=TasksOn(ray))
+        assert (digests, sorted(failed)) == ({}, sorted(paths))
+        assert set(failed.values()) == {CHANGED_WHILE_READ}
+        now = {str(p): hashlib.sha256(b).hexdigest() for p, b in other.items()}
+        assert inputs.hash(cat, paths)[0] == now
