@@ -992,12 +992,36 @@ class WorkItem(NamedTuple):
     carried: object | None = None  # what decoding needs beyond its path (carried_values)
 
 
+#: What a build's driver and its engine's workers exchange (:class:`EngineJob`, :class:`WorkItem`,
+#: :class:`PartResult`'s JSON, the Ray hashing tasks' arguments and results), numbered: one
+#: more each time it changes. A Ray cluster's nodes each run the featbake installed there, so
+#: a node not yet upgraded meets a driver that was; each side checks the number it is sent
+#: (:func:`check_protocol`) and says so in one line rather than misreading the other. 1: what
+#: featbake sent before the number was (nothing: read as 1).
+ENGINE_PROTOCOL = 2
+
+
+def check_protocol(theirs: object, who: str) -> None:
+    """Refuse what ``who`` (the build's driver, a worker) sent under another engine protocol.
+
+    Raises:
+        ConfigError: ``theirs`` is not :data:`ENGINE_PROTOCOL`.
+    """
+    if theirs != ENGINE_PROTOCOL:
+        raise ConfigError(
+            f"{who} runs another featbake than this node (engine protocol {theirs}, this "
+            f"node's {ENGINE_PROTOCOL}): install the same featbake on every node of the "
+            "cluster, then run the build again"
+        )
+
+
 @dataclass(frozen=True)
 class EngineJob:
     """What an engine's worker needs to encode as the build does (picklable: sent once per
     worker). ``data`` is opened again on the worker (``inputs_at``); None: each item's bytes
     come with it. ``driver_host``: where the build's process runs (:func:`this_host`), whose
-    stats of the inputs each item carries (see :meth:`PartEncoder.keyed_here`)."""
+    stats of the inputs each item carries (see :meth:`PartEncoder.keyed_here`). ``protocol``:
+    the driver's :data:`ENGINE_PROTOCOL`, checked by each worker."""
 
     layout: Layout
     root: RootSpec
@@ -1012,6 +1036,7 @@ class EngineJob:
     data: str | None
     column: str | None = None
     driver_host: str = field(default_factory=this_host)
+    protocol: int = ENGINE_PROTOCOL
 
 
 @dataclass
@@ -1184,13 +1209,19 @@ class PartResult:
         doc = dataclasses.asdict(self) | {
             "causes": [str(c) for c in self.causes],
             "measured": None if self.measured is None else self.measured.to_json(),
+            "protocol": ENGINE_PROTOCOL,
         }
         return json.dumps(doc)
 
     @classmethod
     def from_json(cls, text: str) -> PartResult:
-        """The result :meth:`to_json` wrote."""
+        """The result :meth:`to_json` wrote.
+
+        Raises:
+            ConfigError: a worker of another featbake wrote it (:func:`check_protocol`).
+        """
         doc = json.loads(text)
+        check_protocol(doc.pop("protocol", 1), "a worker of the build")
         measured, error = doc.pop("measured"), doc.pop("error")
         return cls(
             **doc
@@ -1297,6 +1328,7 @@ class PartEncoder:
     """
 
     def __init__(self, job: EngineJob) -> None:
+        check_protocol(getattr(job, "protocol", 1), "the build's driver")  # a job pickled before
         self.job = job
         dev = check_device(job.device)
         catalog = FragmentCatalog(job.layout, RankPart(0, 1, ()))

@@ -47,6 +47,7 @@ import torch
 from featbake.bake.batching import budget_samples
 from featbake.bake.options import BakeOptions
 from featbake.bake.pipeline import (
+    ENGINE_PROTOCOL,
     BuildEncoder,
     CarriedError,
     Engine,
@@ -57,6 +58,7 @@ from featbake.bake.pipeline import (
     RunnerSpec,
     SeenHere,
     WorkItem,
+    check_protocol,
 )
 from featbake.bake.report import BuildReport
 from featbake.device import process_cpus
@@ -436,11 +438,17 @@ class HashedBatch(Generic[T]):
             self.error.raise_again()
 
 
-def digest_batch(asks: list[DigestAsk], driver_host: str) -> HashedBatch[Digested]:
+def digest_batch(
+    asks: list[DigestAsk], driver_host: str = "", protocol: int = 1
+) -> HashedBatch[Digested]:
     """One hashing task (run by a Ray worker): ``asks`` (inputs of one place) read and hashed
     on the worker's threads, no bytes kept (the actors read their inputs themselves). Each
     read is checked against its file's stat as this host sees the version the driver stat'ed
-    on ``driver_host`` (:class:`SeenHere`), and its digest returned at the driver's stat."""
+    on ``driver_host`` (:class:`SeenHere`), and its digest returned at the driver's stat.
+    ``protocol``: the driver's :data:`ENGINE_PROTOCOL` (a driver of the featbake before sent
+    neither argument)."""
+    if (refused := refused_protocol(protocol)) is not None:
+        return refused
     seen = SeenHere(driver_host)
     here = [DigestAsk(a.path, seen.stat(a.path, a.stat)) for a in asks]
     return hashed_batch(
@@ -457,12 +465,16 @@ def digested_as_driver(done: Digested, seen: SeenHere) -> Digested:
     return Digested(done.path, done.got._replace(stat=stat))
 
 
-def read_batch(asks: list[ContainerAsk], driver_host: str) -> HashedBatch[ContainerDigested]:
+def read_batch(
+    asks: list[ContainerAsk], driver_host: str = "", protocol: int = 1
+) -> HashedBatch[ContainerDigested]:
     """One container-hashing task (run by a Ray worker): each of ``asks``' containers read
     by its :class:`ContainerRead` (a tar's listed members, a table file's cells), in order, no
     bytes kept; each reading checked against its container's stat as this host sees the
     version the driver listed or scanned on ``driver_host`` (:class:`SeenHere`), and its stat
-    returned as the driver's."""
+    returned as the driver's. ``protocol``: as for :func:`digest_batch`."""
+    if (refused := refused_protocol(protocol)) is not None:
+        return refused
     seen = SeenHere(driver_host)
     here = [replace(a, read=reading_here(a.read, seen)) for a in asks]
 
@@ -481,6 +493,16 @@ def reading_here(read: ContainerRead, seen: SeenHere) -> ContainerRead:
         scanned = seen.stat(read.file.path, read.cell.scanned)
         return replace(read, cell=replace(read.cell, scanned=scanned))
     return read
+
+
+def refused_protocol(protocol: int) -> HashedBatch[Any] | None:
+    """A hashing task's answer to a driver of another featbake (:func:`check_protocol`'s
+    line, carried back), or None for one of this featbake."""
+    try:
+        check_protocol(protocol, "the build's driver")
+    except ConfigError as e:
+        return HashedBatch([], CarriedError.of(e))
+    return None
 
 
 def hashed_batch(results: Callable[[], Iterable[T]]) -> HashedBatch[T]:
@@ -549,7 +571,9 @@ def digested_by_tasks(ray: Any, asks: Sequence[DigestAsk]) -> Iterator[Digested]
     driver = this_host()
     sent = [DigestAsk(a.path, a.stat) for a in asks]  # no holder: nothing kept on the driver
     runs = [sent[i : i + per_task] for i in range(0, len(sent), per_task)]
-    yield from map(vouched, as_returned(ray, [task.remote(run, driver) for run in runs]))
+    yield from map(
+        vouched, as_returned(ray, [task.remote(run, driver, ENGINE_PROTOCOL) for run in runs])
+    )
 
 
 def vouched(done: Digested) -> Digested:
@@ -595,7 +619,7 @@ def containers_read_by_tasks(ray: Any, asks: Sequence[ContainerAsk]) -> Iterator
     driver = this_host()
     sent = [replace(a, held=None) for a in asks]  # nothing kept on the driver
     runs = [[sent[i] for i in run] for run in container_tasks(items, per_task)]
-    returned = as_returned(ray, [task.remote(run, driver) for run in runs])
+    returned = as_returned(ray, [task.remote(run, driver, ENGINE_PROTOCOL) for run in runs])
     yield from map(vouched_container, returned)
 
 

@@ -335,3 +335,54 @@ def test_an_input_rewritten_with_its_mtime_kept_before_a_worker_on_another_node_
     for _, why in report.failed:
         assert "\n" not in why and "changed since it was hashed" in why, why
         assert why.endswith("rerun the build"), why
+
+
+# == round nine: a node of another featbake ====================================================
+OLD_RESULT = {
+    "items": 2, "encoded": 1, "reused": 0, "failed": [["a.wav", "cannot decode"]],
+    "causes": ["data"], "bytes_written": 0, "shards_written": 0, "batching": "",
+    "batching_note": "", "measured": None, "error_kind": "", "error": "",
+}  # fmt: skip
+OTHER_FEATBAKE = r"^.* runs another featbake than this node \(engine protocol 1, this node's \d+\)"
+
+
+def test_a_result_from_a_worker_of_the_featbake_before_is_one_line() -> None:
+    """A Ray node not yet upgraded sends the result JSON of the featbake before (failures as
+    pairs, the error as two strings, no protocol number): the driver says the nodes run other
+    featbakes, in one line, instead of failing inside the JSON (a TypeError before)."""
+    from featbake.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=OTHER_FEATBAKE + r".*install the same featbake") as e:
+        PartResult.from_json(json.dumps(OLD_RESULT))
+    assert "\n" not in str(e.value)
+    assert json.loads(PartResult().to_json())["protocol"] == pipeline.ENGINE_PROTOCOL
+
+
+class OtherFeatbake(InProcess):
+    """An engine whose driver is of another featbake: the job it sends its worker carries the
+    protocol number before this one (a job pickled by it has none: read as 1)."""
+
+    def encode(
+        self, job: EngineJob, items: Sequence[WorkItem], progress: ProgressFn | None
+    ) -> PartResult:
+        self.items += items
+        return PartEncoder(dataclasses.replace(job, protocol=1)).encode(items)
+
+
+def test_a_worker_refuses_a_driver_of_another_featbake_in_one_line(
+    audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    """A worker sent a job by a driver of another featbake refuses it before loading the
+    encoder: the build ends in the one line, nothing stored; a hashing task answers the same
+    line (a driver of the featbake before calls it without a protocol)."""
+    from featbake.bake.ray_engine import digest_batch
+    from featbake.encode.fingerprints import DigestAsk
+    from featbake.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=OTHER_FEATBAKE):
+        build(audio_dir, encoder_file, cache=tmp_path / "store", engine=OtherFeatbake())  # type: ignore[arg-type]
+    assert not list((tmp_path / "store").rglob("*.safetensors"))
+    batch = digest_batch([DigestAsk(str(audio_dir / "a.wav"), None)])
+    assert (batch.digested, batch.error is not None) == ([], True)
+    with pytest.raises(ConfigError, match=OTHER_FEATBAKE):
+        batch.raise_error()

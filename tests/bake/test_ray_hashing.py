@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from featbake.bake import pipeline
-from featbake.bake.pipeline import CarriedError
+from featbake.bake.pipeline import ENGINE_PROTOCOL, CarriedError
 from featbake.bake.ray_engine import (
     CLUSTER_HASHING_FROM,
     HASH_TASKS_PER_CPU,
@@ -456,7 +456,7 @@ def test_a_hashing_task_on_another_node_compares_size_and_mtime_not_its_mounts_i
     stats = {p: moved(FileStat.of(p), shift) for p in paths}
     if worker_host is not None:  # the task's host; the driver's was named before
         monkeypatch.setattr(pipeline, "this_host", lambda: worker_host)
-    batch = digest_batch([DigestAsk(p, stats[p]) for p in paths], driver)
+    batch = digest_batch([DigestAsk(p, stats[p]) for p in paths], driver, ENGINE_PROTOCOL)
     assert batch.error is None
     got = {d.path: d.got for d in batch.digested}
     sha = {p: hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in paths}
@@ -488,7 +488,7 @@ def test_a_container_task_on_another_node_compares_size_and_mtime_not_its_mounts
         with monkeypatch.context() as m:
             if worker_host is not None:
                 m.setattr(pipeline, "this_host", lambda: worker_host)
-            batch = read_batch(sent, this_host())
+            batch = read_batch(sent, this_host(), ENGINE_PROTOCOL)
         assert batch.error is None
         got = {c.container: c.got for c in batch.digested}
         assert {c: r.stat for c, r in got.items()} == {
