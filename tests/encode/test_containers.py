@@ -1989,8 +1989,8 @@ def test_utterances_whose_names_hold_a_dot_are_not_left_out_unsaid(
     """A folder of ``spk1.utt1.wav``, ``spk1.utt2.wav``, ``spk2.utt1.wav`` tarred as it is:
     webdataset's key ends at the first dot, so ``spk1``'s two clips are one sample (its own
     reader run on the shard says so). The build encoded the first and left the second out
-    without a word; now each clip left out is a line naming it and how to fix the data (exit
-    3), and ``--column`` picks the member as asked, with no line."""
+    without a word; now the build says so in one note (how many, an example, both choices;
+    exit 0: nothing failed), and ``--column`` picks the member as asked, with no note."""
     wds = pytest.importorskip("webdataset")
     clips = [wav_bytes(0.3 + 0.1 * i, 120 + i) for i in range(3)]
     tar = tmp_path / "shard-000.tar"
@@ -2008,10 +2008,11 @@ def test_utterances_whose_names_hold_a_dot_are_not_left_out_unsaid(
     assert theirs == {"spk1": ["utt1.wav", "utt2.wav"], "spk2": ["utt1.wav"]}
     store = tmp_path / "store"
     res = invoke("build", "--data", tar, "--encoder", encoder_file, "--cache", store)
-    assert res.returncode == 3, res.stdout + res.stderr
+    assert res.returncode == 0, res.stdout + res.stderr
     said = res.stdout + res.stderr
-    assert "spk1.utt2.wav: a second .wav member of sample 'spk1'" in said, said
-    assert "--column utt2.wav" in said and "keys without dots" in said, said
+    assert "1 sample member of the kind encoded left out" in said, said
+    assert "shard-000.tar:spk1.utt2.wav beside spk1.utt1.wav, sample 'spk1'" in said, said
+    assert "--column utt2.wav encodes the other" in said and "keys without dots" in said, said
     report = build(tar, encoder_file, cache=store, workers=0, column="utt1.wav")
     assert report.failed == [] and report.encoded + report.reused == 2
     with torchscript_quietly():
@@ -2058,3 +2059,37 @@ def test_a_local_folder_of_shards_or_tables_counts_its_subfolders_as_a_bucket_pr
     assert result.returncode == 8, result.stdout + result.stderr
     said = result.stderr.strip()
     assert len(said.splitlines()) == 1 and "train (1 file), test (1 file)" in said, said
+
+
+# == round nine, inputs: corrections ==============================================================
+def test_a_sample_member_left_out_beside_its_kind_is_one_note_not_a_failure(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """in9.6 made ``x.wav`` beside ``x.noisy.wav`` (one sample ``x`` to webdataset) a failed
+    input: every build exited 3 ("2 of 4 inputs failed ... rerun", which cannot help) and named
+    ``--column noisy.wav`` alone. Now a build says it in one note line (how many, an example,
+    both choices), exits 0, and each choice builds what it names, served equal to the encoder
+    run now."""
+    clean = [wav_bytes(0.3 + 0.1 * i, 180 + i) for i in range(2)]
+    noisy = [wav_bytes(0.35 + 0.1 * i, 190 + i) for i in range(2)]
+    tar = write_tar(
+        tmp_path / "s.tar",
+        [(k, {"wav": clean[i], "noisy.wav": noisy[i]}) for i, k in enumerate(("x", "y"))],
+    )
+    store = tmp_path / "store"
+    res = invoke("build", "--data", tar, "--encoder", encoder_file, "--cache", store)
+    assert res.returncode == 0, res.stdout + res.stderr
+    notes = [line for line in res.stderr.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1, res.stderr
+    assert "2 sample members of the kind encoded left out" in notes[0], notes
+    assert f"{tar}:x.noisy.wav beside x.wav" in notes[0], notes
+    assert "--column wav keeps this choice, --column noisy.wav encodes the other" in notes[0]
+    assert "failed" not in res.stderr, res.stderr
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
+    for column, clips in ((None, clean), ("wav", clean), ("noisy.wav", noisy)):
+        report = build(tar, encoder_file, cache=store, workers=0, column=column)
+        assert report.failed == [] and bool(report.notes) == (column is None), report.notes
+        ds = CachedFeatureDataset(tar, encoder_file, cache=store, column=column, on_miss="error")
+        for i, clip in enumerate(clips):
+            assert torch.equal(ds[i], run_now(module, audio_tensor(clip))), (column, i)
