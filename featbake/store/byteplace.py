@@ -73,6 +73,7 @@ from featbake.store.objects import (
     ObjectBytes,
     ObjectInfo,
     ObjectStore,
+    object_stat,
 )
 from featbake.store.url import BucketURL, is_url
 from featbake.threadpool import HASH_THREADS, OBJECT_THREADS, map_in_threads
@@ -891,7 +892,13 @@ class Objects(BytePlace):
 
     def table_files(self, where: str) -> list[TableFile]:
         if where.lower().endswith(".parquet"):
-            return [TableFile(where, ranged_object)]
+            # One object, or the prefix Spark's ``df.write.parquet("s3://b/out.parquet")``
+            # writes (``out.parquet/part-0.parquet``): the HEAD that tells them apart gives the
+            # object's stat, so the scan's listing does not HEAD it again.
+            info = object_head(where)
+            if info is not None:
+                return [TableFile(where, ranged_object, headed=object_stat(info))]
+            return self.table_files(f"{where}/")
         if where.lower().endswith(".arrow"):
             raise ConfigError(
                 f"Arrow files and Hugging Face datasets in a bucket ({where}) are not read in "

@@ -2093,3 +2093,34 @@ def test_a_sample_member_left_out_beside_its_kind_is_one_note_not_a_failure(
         ds = CachedFeatureDataset(tar, encoder_file, cache=store, column=column, on_miss="error")
         for i, clip in enumerate(clips):
             assert torch.equal(ds[i], run_now(module, audio_tensor(clip))), (column, i)
+
+
+@pytest.mark.parametrize("slash", ["/", ""])
+def test_a_bucket_spark_output_prefix_named_dot_parquet_is_read_as_a_prefix(
+    s3: Any, tmp_path: Path, encoder_file: Path, slash: str
+) -> None:
+    """``df.write.parquet("s3://b/out.parquet")`` writes a prefix named ``*.parquet``
+    (``out.parquet/part-00000.snappy.parquet``, ``_SUCCESS``); in9.3 took the name for one
+    object ("object not found"). The HEAD that finds no object now reads the name as a
+    prefix: its rows built and served in pyarrow.dataset's order, equal to the encoder now."""
+    clips = [wav_bytes(0.3 + 0.1 * i, 40 + i) for i in range(3)]
+    mirror = tmp_path / "out.parquet"
+    mirror.mkdir()
+    write_audio_parquet(mirror / "part-00000.snappy.parquet", clips[:2], label=[1, 2])
+    write_audio_parquet(mirror / "part-00001.snappy.parquet", clips[2:], label=[3])
+    (mirror / "_SUCCESS").write_bytes(b"")
+    prefix = f"s3://{s3.bucket}/out.parquet"
+    upload_shards(prefix + "/", {p.name: p for p in mirror.iterdir()})
+    store = tmp_path / "store"
+    report = build(prefix + slash, encoder_file, cache=store, workers=0, column="audio")
+    assert (report.encoded, report.failed, report.data) == (3, [], prefix)
+    ds = CachedFeatureDataset(prefix + slash, encoder_file, cache=store, column="audio",
+                              on_miss="error")  # fmt: skip
+    import pyarrow.dataset as pads
+
+    labels = pads.dataset(str(mirror)).to_table().column("label").to_pylist()
+    assert [ds.row(i)["label"] for i in range(len(ds))] == labels == [1, 2, 3]
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
+    for i, clip in enumerate(clips):
+        assert torch.equal(ds[i], run_now(module, audio_tensor(clip))), i
