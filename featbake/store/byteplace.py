@@ -542,19 +542,28 @@ def dir_id(path: str | os.PathLike[str]) -> tuple[int, int]:
 
 
 def listing(
-    folder: str, seen: set[tuple[int, int]]
+    folder: str, seen: set[tuple[int, int]], strict: bool = False
 ) -> tuple[list[os.DirEntry[str]], list[os.DirEntry[str]]]:
     """A folder's visible files, and its visible subfolders not walked yet (links followed).
 
     Read with ``os.scandir``, whose entries know their type without a ``stat`` call (a
     10,000-file rebuild spent a tenth of its time stat'ing each file twice). A folder is
     walked once by device and inode, so a link back up the tree (``link -> .``) cannot repeat
-    its files; an unreadable folder is passed over, as ``os.walk`` does.
+    its files; an unreadable folder is passed over, as ``os.walk`` does, unless ``strict``.
+
+    Raises:
+        SourceError: ``strict``, and the folder cannot be read (its files would be left out
+            unsaid: a bucket prefix that cannot be listed fails too).
     """
     try:
         with os.scandir(folder) as it:
             entries = sorted((e for e in it if not e.name.startswith(".")), key=lambda e: e.name)
-    except OSError:
+    except OSError as e:
+        if strict:
+            raise SourceError(
+                f"{folder}: cannot read this folder ({e.strerror}), so the shards or table "
+                "files in it would be left out; make it readable, or move it out of --data"
+            ) from e
         return [], []
     files, subfolders = [], []
     for entry in entries:
@@ -576,27 +585,34 @@ def listing(
     return files, subfolders
 
 
-def walked(where: str) -> Iterator[tuple[str, os.DirEntry[str]]]:
+def walked(where: str, strict: bool = False) -> Iterator[tuple[str, os.DirEntry[str]]]:
     """(name relative to ``where``, entry) of each visible file under the folder ``where``,
     its subfolders walked depth first, each once (links followed, hidden names passed over:
     :func:`listing`): the one walk of a folder's scan and of the shards and table files in it.
 
     Raises:
         OSError: ``where`` cannot be stat'ed (missing).
+        SourceError: ``strict``, and a folder under ``where`` cannot be read.
     """
     seen = {dir_id(where)}
     folders = [("", where)]  # (relative with a trailing slash, absolute)
     while folders:
         rel, folder = folders.pop()
-        files, subfolders = listing(folder, seen)
+        files, subfolders = listing(folder, seen, strict)
         folders += [(f"{rel}{e.name}/", e.path) for e in subfolders]
         for entry in files:
             yield rel + entry.name, entry
 
 
 def walked_names(where: str) -> list[str]:
-    """The names of :func:`walked`'s files, relative to ``where``."""
-    return [name for name, _ in walked(where)]
+    """The names of :func:`walked`'s files, relative to ``where``: the shards or table files
+    of a folder, so a folder under it that cannot be read fails in one line (its files are
+    not left out unsaid).
+
+    Raises:
+        SourceError: a folder under ``where`` cannot be read.
+    """
+    return [name for name, _ in walked(where, strict=True)]
 
 
 def not_an_input(name: str, file: os.DirEntry[str] | str | os.PathLike[str]) -> str | None:

@@ -2124,3 +2124,33 @@ def test_a_bucket_spark_output_prefix_named_dot_parquet_is_read_as_a_prefix(
         module = torch.jit.load(str(encoder_file))
     for i, clip in enumerate(clips):
         assert torch.equal(ds[i], run_now(module, audio_tensor(clip))), i
+
+
+def test_an_unreadable_subfolder_of_a_shard_folder_is_one_line_not_left_out(
+    tmp_path: Path, encoder_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """in9.7's walk passed over a subfolder it could not read, as ``os.walk`` does: its shards'
+    samples were left out without a word (a bucket prefix that cannot be listed fails). Now
+    the shard folder (and a parquet folder) fails in one line naming the folder. The folder
+    is made unreadable by its listing failing with EACCES (the tests may run as root)."""
+    shards = tmp_path / "shards"
+    (shards / "sub").mkdir(parents=True)
+    write_tar(shards / "a.tar", [("t0", {"wav": wav_bytes(0.3, 1)})])
+    write_tar(shards / "sub" / "b.tar", [("t1", {"wav": wav_bytes(0.3, 2)})])
+    tables = tmp_path / "tables"
+    (tables / "sub").mkdir(parents=True)
+    write_audio_parquet(tables / "a.parquet", [wav_bytes(0.3, 3)])
+    write_audio_parquet(tables / "sub" / "b.parquet", [wav_bytes(0.3, 4)])
+    real = os.scandir
+
+    def scandir(path: Any = ".") -> Any:
+        if os.fspath(path).endswith("/sub"):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    for data, column in ((shards, None), (tables, "audio")):
+        with pytest.raises(SourceError) as got:
+            build(data, encoder_file, cache=tmp_path / "store", workers=0, column=column)
+        said = str(got.value)
+        assert len(said.splitlines()) == 1 and f"{data / 'sub'}: cannot read this folder" in said
