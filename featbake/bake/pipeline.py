@@ -413,6 +413,7 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
             # Files skipped at the scan (not regular files) are reported by one part only.
             skipped = scanned.skipped if spec.rank == 0 else []
             bake.start(len(inputs), skipped)
+            bake.report.notes = list(scanned.notes) if spec.rank == 0 else []
             bake.report.part = spec.describe() if spec.sharded else ""
             with rank_group(spec):
                 with gc_paused():  # tens of thousands of small rows, no cycles: see gcpause.py

@@ -59,6 +59,7 @@ class BuildReport:
     merged: bool = False  # this process merged every part's fragments (rank 0 under torchrun)
     fidelity: dict[str, Any] | None = None  # int8/fp8: featbake.quantize.Fidelity, measured
     fidelity_warning: str = ""  # the measured error is over --max-error, in one line
+    notes: list[str] = field(default_factory=list)  # the scan's, one line each: no failures
 
     @property
     def ok(self) -> bool:

@@ -512,3 +512,5 @@ def _print_build_summary(report: Any) -> None:
         console.print(f"[red]... and {len(report.failed) - 50} more (see --json)")
     if report.fidelity_warning:
         console.print(f"[yellow]warning[/] {escape(report.fidelity_warning)}")
+    for note in report.notes:
+        console.print(f"[yellow]note:[/] {escape(note)}")

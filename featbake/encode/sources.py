@@ -433,10 +433,13 @@ class SkippedInput(NamedTuple):
 
 
 class ScanResult(NamedTuple):
-    """What :func:`scan_inputs` found: inputs (relative paths, sorted) and skipped files."""
+    """What :func:`scan_inputs` found: inputs (relative paths, sorted) and skipped files; and
+    notes, one line each, on what the scan chose that is no failure (a webdataset sample's
+    member left out beside the one encoded), which the build prints."""
 
     inputs: list[str]
     skipped: list[SkippedInput]
+    notes: tuple[str, ...] = ()
 
 
 def scan(data: str | os.PathLike[str], extensions: Sequence[str]) -> list[str]:

@@ -128,8 +128,14 @@ class Table:
         self.fresh: list[HashRow] = []
         self.place = bytes_at(data)
         self.where = self.place.resolve(data)
-        self.folder = self.place.table_folder(self.where)
         self.files = self.place.table_files(self.where)
+        # A folder's (a prefix's) file names are relative to it: ``out.parquet`` may name one
+        # object or, in a bucket, the prefix Spark writes (which table_files told).
+        self.folder = (
+            self.where
+            if any(f.path != self.where for f in self.files)
+            else self.place.table_folder(self.where)
+        )
         self.column = column
         self.kinds: list[CellKind] = []  # per file
         self.text = False  # the source is text: the column holds strings (set by the scan)
@@ -199,11 +205,14 @@ class Table:
         """
         if not self.remote:
             return self._read_listing(f)
-        info = object_head(f.path)
-        if info is None:
-            raise SourceError(f"{f.path}: object not found; check --data")
-        st = self.listed[f.path] = object_stat(info)
-        f.size, pa = info.size, pyarrow_module()
+        st, f.headed = f.headed, None  # the listing's HEAD, taken once: a rescan asks again
+        if st is None:
+            info = object_head(f.path)
+            if info is None:
+                raise SourceError(f"{f.path}: object not found; check --data")
+            st = object_stat(info)
+        self.listed[f.path] = st
+        f.size, pa = st.size, pyarrow_module()
         cache_id = TABLE_PREFIX + f.path
         hit = self.known.cached_hashes([cache_id]).get(cache_id) if self.known else None
         if hit is not None and hit.stat == st:

@@ -33,7 +33,7 @@ import os
 import re
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, ClassVar
+from typing import Any, BinaryIO, ClassVar, NamedTuple
 
 import torch
 
@@ -129,25 +129,55 @@ def unreadable_carried(sample: Sample, chosen: Member) -> list[SkippedInput]:
     ]
 
 
-def same_kind_left_out(sample: Sample, chosen: Member) -> list[SkippedInput]:
-    """One line for each member of ``sample`` of the chosen member's kind (its last extension)
-    that the build leaves out, with how to fix it. ``spk1.utt1.wav`` and ``spk1.utt2.wav`` (a
-    folder of files tarred as it is) are one sample ``spk1`` to webdataset, whose key ends at
-    the first dot of a name: encoding the first member alone, unsaid, lost the other utterance.
-    A sample's members of other kinds (``0001.jpg`` and its mask ``0001.seg.png``) are carried,
-    as webdataset samples are meant to hold them."""
+class LeftOut(NamedTuple):
+    """A member of a sample left out beside the member of its kind that is encoded: the
+    sample, the member encoded and the one left out, each by its extension."""
+
+    sample: Sample
+    chosen: str
+    other: str
+
+
+def same_kind_left_out(sample: Sample, chosen: Member) -> list[LeftOut]:
+    """The members of ``sample`` of the chosen member's kind (its last extension) that the
+    build leaves out. ``spk1.utt1.wav`` and ``spk1.utt2.wav`` (a folder of files tarred as it
+    is) are one sample ``spk1`` to webdataset, whose key ends at the first dot of a name:
+    encoding the first member alone, unsaid, lost the other utterance. A sample's members of
+    other kinds (``0001.jpg`` and its mask ``0001.seg.png``) are carried, as webdataset samples
+    are meant to hold them."""
     ext = next(e for e, m in sample.members.items() if m is chosen)
     last = ext.rsplit(".", 1)[-1]
     return [
-        SkippedInput(
-            f"{sample.tar}:{m.name}",
-            f"a second .{last} member of sample {sample.key!r} ({chosen.name} is encoded): a "
-            "webdataset key ends at the first dot of a name, so rename the files to keys "
-            f"without dots, or name the member to encode with --column (e.g. --column {e})",
-        )
+        LeftOut(sample, ext, e)
         for e, m in sample.members.items()
         if m is not chosen and e.rsplit(".", 1)[-1] == last
     ]
+
+
+def left_out_note(left: Sequence[LeftOut]) -> str:
+    """The build's one note on the members left out beside one of their kind (none: ""): how
+    many, an example, and both choices. Not a failure: nothing is wrong with those members,
+    and a rerun would leave them out again; naming the member with ``--column`` settles it
+    (``x.wav`` beside ``x.noisy.wav``: ``--column wav`` keeps the choice made, ``--column
+    noisy.wav`` encodes the other).
+
+    Example:
+        >>> wav, noisy = Member("x.wav", 512, 9), Member("x.noisy.wav", 1536, 9)
+        >>> s = Sample("x", "s.tar", {"wav": wav, "noisy.wav": noisy})
+        >>> left_out_note([LeftOut(s, "wav", "noisy.wav")]).split(":")[0]
+        '1 sample member of the kind encoded left out (e.g. s.tar'
+    """
+    if not left:
+        return ""
+    first = left[0]
+    kept, other = first.sample.members[first.chosen], first.sample.members[first.other]
+    count = f"{len(left)} sample member{'s' if len(left) > 1 else ''}"
+    return (
+        f"{count} of the kind encoded left out (e.g. {first.sample.tar}:{other.name} beside "
+        f"{kept.name}, sample {first.sample.key!r}): a webdataset key ends at the first dot of "
+        f"a name, so they are one sample; --column {first.chosen} keeps this choice, --column "
+        f"{first.other} encodes the other (or rename the files to keys without dots)"
+    )
 
 
 # -- tars in a bucket ------------------------------------------------------------------------------
@@ -235,6 +265,8 @@ class WebDataset:
         self.samples: dict[str, Sample] = {}  # key -> sample, in the data's order
         self.chosen: dict[str, Member] = {}  # key -> the member encoded
         self.index = MemberIndex()  # full name -> member, for hashing and decoding
+        #: members the scan left out beside one of their kind that is encoded (its one note)
+        self.left_out: list[LeftOut] = []
 
     @property
     def stat_tells_change(self) -> bool:
@@ -252,6 +284,7 @@ class WebDataset:
         self.index.at.clear()
         skipped: list[SkippedInput] = []
         seen: dict[str, str] = {}
+        self.left_out = []
         objects = self._list_objects()
         if self.prefix:  # the one rule of a local folder's shards, on the names under the prefix
             names = shard_names(self.where, (url[len(self.folder) + 1 :] for url in objects))
@@ -273,7 +306,8 @@ class WebDataset:
                 + (f" ({shown})" if shown else "")
                 + "; name the member with --column (e.g. --column jpg) or pick --source"
             )
-        return ScanResult(list(self.chosen), skipped)
+        note = left_out_note(self.left_out)
+        return ScanResult(list(self.chosen), skipped, (note,) if note else ())
 
     @property
     def remote(self) -> bool:
@@ -335,7 +369,7 @@ class WebDataset:
         seen[sample.key] = f"{sample.tar}:{first.name}"
         skipped.extend(unreadable_carried(sample, member))
         if self.column is None:  # a member the user did not name: none may be left out unsaid
-            skipped.extend(same_kind_left_out(sample, member))
+            self.left_out += same_kind_left_out(sample, member)
         self.samples[sample.key] = sample
         self.chosen[sample.key] = member
         self.index.listed[f"{sample.tar}:{member.name}"] = member

@@ -25,6 +25,7 @@ from __future__ import annotations
 import bisect
 import functools
 import hashlib
+import itertools
 import os
 import re
 import stat
@@ -73,6 +74,7 @@ from featbake.store.objects import (
     ObjectBytes,
     ObjectInfo,
     ObjectStore,
+    object_stat,
 )
 from featbake.store.url import BucketURL, is_url
 from featbake.threadpool import HASH_THREADS, OBJECT_THREADS, map_in_threads
@@ -84,19 +86,81 @@ def hidden_name(name: str, passed: tuple[str, ...] = (".",)) -> bool:
     return any(part.startswith(passed) for part in name.split("/"))
 
 
+def passed_over(name: str, passed: tuple[str, ...] = (".",)) -> bool:
+    """Whether a relative name is one a folder of containers passes over: a hidden part (one
+    starting with one of ``passed``: :func:`hidden_name`), or a folder whose name starts with
+    ``__`` (``__MACOSX/``, ``__pycache__/``), which ``datasets`` leaves out of every split.
+
+    Example:
+        >>> passed_over("__MACOSX/a.tar"), passed_over(".x/a.tar"), passed_over("sub/__a.tar")
+        (True, True, False)
+    """
+    return hidden_name(name, passed) or any(f.startswith("__") for f in name.split("/")[:-1])
+
+
+def holds_only_names(names: Iterable[str], wanted: tuple[str, ...], also: tuple[str, ...]) -> bool:
+    """Whether a folder whose visible files are ``names`` (relative; its top level's first,
+    then those under it) is a container folder: its top level holds a file ending with
+    ``wanted`` and none ending otherwise (but with ``also``), files of other kinds in its
+    subfolders not read; a top level with no such file (nothing, or a ``README.md``) is judged
+    by the files under it, any of another kind saying no. ``names`` is read only as far as the
+    answer needs: the first top-level file of another kind says no, the first subfolder's file
+    after a top level that said yes is not read.
+
+    Example:
+        >>> holds_only_names(["a.tar", "preview/x.wav"], (".tar",), ())
+        True
+        >>> holds_only_names(["README.md", "spk1/x.wav", "spk2/y.tar"], (".tar",), (".md",))
+        False
+    """
+    found_top = found = False
+    for name in names:
+        nested = "/" in name
+        if found_top and nested:
+            return True  # the top level decided: its subfolders' other files are not inputs
+        low = name.lower()
+        if low.endswith(wanted):
+            found, found_top = True, found_top or not nested
+        elif not low.endswith(also):
+            return False
+    return found
+
+
 def shard_names(where: str, names: Iterable[str]) -> list[str]:
     """The tar shards among the names of a folder's files (or a bucket prefix's objects,
     relative to it), in name order: visible ones only (webdataset's shard lists are globs,
-    which pass over hidden names), of one split as ``datasets`` reads them. The one rule of a
-    local folder and a bucket prefix of shards.
+    which pass over hidden names; ``__name__/`` folders left out, as ``datasets`` leaves them:
+    :func:`passed_over`), of one split as ``datasets`` reads them. The one rule of a local
+    folder and a bucket prefix of shards.
 
     Raises:
         SourceError: the names say several splits, or one beside names of none
             (:func:`~featbake.store.containers.refuse_several_splits`).
     """
-    kept = sorted(n for n in names if is_tar(n) and not hidden_name(n))
+    kept = sorted(n for n in names if is_tar(n) and not passed_over(n))
     refuse_several_splits(where, kept)  # datasets reads such a folder as splits
     return kept
+
+
+def refuse_tars_beside_files(where: str, top: Iterable[str]) -> None:
+    """Refuse a folder (prefix) read as a folder of files whose top level holds tar shards
+    beside files of other kinds (``top``: its visible top-level names): it is not a folder of
+    shards (:func:`holds_only_names`), and reading its other files alone would leave the
+    shards' samples out unsaid.
+
+    Raises:
+        SourceError: one line naming a shard and another file, and what to do.
+    """
+    names = sorted(top)
+    tars = [n for n in names if is_tar(n)]
+    others = [n for n in names if not is_tar(n)]
+    if tars and others:
+        raise SourceError(
+            f"{where} holds tar shards ({tars[0]}, {len(tars)} in all) beside other files "
+            f"({others[0]}), so it is read neither as shards nor as a folder of files; keep "
+            "only the shards at its top level (other files may sit in a subfolder), or name "
+            "the shards with --data (a .tar, or a brace pattern such as shard-{000..009}.tar)"
+        )
 
 
 def expand_braces(pattern: str) -> list[str]:
@@ -362,7 +426,10 @@ class LocalFiles(BytePlace):
         exts = tuple(e.lower() for e in extensions)
         found: list[str] = []
         skipped: list[Passed] = []
+        top: list[str] = []
         for rel_name, entry in walked(os.fspath(root)):
+            if "/" not in rel_name:
+                top.append(rel_name)
             if not entry.name.lower().endswith(exts):
                 continue
             why = not_an_input(rel_name, entry)
@@ -370,6 +437,7 @@ class LocalFiles(BytePlace):
                 found.append(rel_name)
             else:
                 skipped.append(Passed(printable(rel_name), why))
+        refuse_tars_beside_files(where, top)
         if not found and not skipped:
             raise SourceError(
                 f"no input files ({', '.join(sorted(exts))}) under {where}; "
@@ -469,21 +537,14 @@ class LocalFiles(BytePlace):
         also: tuple[str, ...] = (),
         passed: tuple[str, ...] = (".",),
     ) -> bool:
-        # It stops at the first other file: asked of every ``--data`` folder, it must not stat
-        # a million clips to say no. Subfolders count, as a bucket prefix's sub-prefixes do.
-        found = False
+        # Asked of every ``--data`` folder: the folder's entries are read as they come
+        # (unsorted), and the first file that says no ends it, so a million clips are not
+        # listed to say no (holds_only_names); subfolders are entered only when the top level
+        # holds no file of the kind.
         try:
-            for rel, entry in walked(where):
-                if hidden_name(rel, passed) or not _is_file(entry):
-                    continue
-                name = entry.name.lower()
-                if name.endswith(wanted):
-                    found = True
-                elif not name.endswith(also):
-                    return False
+            return holds_only_names(files_top_first(where, passed), wanted, also)
         except OSError:
             return False  # not a folder (or unreadable): the folder scan says why
-        return found
 
     def table_files(self, where: str) -> list[TableFile]:
         return [TableFile(p) for p in table_files(where, walked_names)]
@@ -541,19 +602,28 @@ def dir_id(path: str | os.PathLike[str]) -> tuple[int, int]:
 
 
 def listing(
-    folder: str, seen: set[tuple[int, int]]
+    folder: str, seen: set[tuple[int, int]], strict: bool = False
 ) -> tuple[list[os.DirEntry[str]], list[os.DirEntry[str]]]:
     """A folder's visible files, and its visible subfolders not walked yet (links followed).
 
     Read with ``os.scandir``, whose entries know their type without a ``stat`` call (a
     10,000-file rebuild spent a tenth of its time stat'ing each file twice). A folder is
     walked once by device and inode, so a link back up the tree (``link -> .``) cannot repeat
-    its files; an unreadable folder is passed over, as ``os.walk`` does.
+    its files; an unreadable folder is passed over, as ``os.walk`` does, unless ``strict``.
+
+    Raises:
+        SourceError: ``strict``, and the folder cannot be read (its files would be left out
+            unsaid: a bucket prefix that cannot be listed fails too).
     """
     try:
         with os.scandir(folder) as it:
             entries = sorted((e for e in it if not e.name.startswith(".")), key=lambda e: e.name)
-    except OSError:
+    except OSError as e:
+        if strict:
+            raise SourceError(
+                f"{folder}: cannot read this folder ({e.strerror}), so the shards or table "
+                "files in it would be left out; make it readable, or move it out of --data"
+            ) from e
         return [], []
     files, subfolders = [], []
     for entry in entries:
@@ -575,27 +645,79 @@ def listing(
     return files, subfolders
 
 
-def walked(where: str) -> Iterator[tuple[str, os.DirEntry[str]]]:
+def files_top_first(where: str, passed: tuple[str, ...] = (".",)) -> Iterator[str]:
+    """The names of the visible files under the folder ``where``, relative to it, as each
+    folder lists them (unsorted, read lazily): the top level's first, then its subfolders'
+    (links followed, each folder once; one whose name starts with one of ``passed`` or with
+    ``__``, or that cannot be read, not entered). For checks that stop at the first name that
+    says no (:func:`holds_only_names`): nothing is sorted, and no subfolder is stat'ed before
+    the top level is read.
+
+    Raises:
+        OSError: ``where`` cannot be read as a folder.
+    """
+    seen: set[tuple[int, int]] = set()
+    folders = [("", where)]  # (relative with a trailing slash, absolute), depth first
+    while folders:
+        rel, folder = folders.pop()
+        try:
+            ident = dir_id(folder)
+            if ident in seen:
+                continue  # a link back up the tree
+            seen.add(ident)
+            it = os.scandir(folder)
+        except OSError:
+            if not rel:
+                raise
+            continue
+        below = []
+        with it:
+            for entry in it:
+                if entry.name.startswith(passed):
+                    continue
+                if _is_dir(entry):
+                    if not entry.name.startswith("__"):
+                        below.append((f"{rel}{entry.name}/", entry.path))
+                elif _is_file(entry):
+                    yield rel + entry.name
+        folders += reversed(below)
+
+
+def _is_dir(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
+
+
+def walked(where: str, strict: bool = False) -> Iterator[tuple[str, os.DirEntry[str]]]:
     """(name relative to ``where``, entry) of each visible file under the folder ``where``,
     its subfolders walked depth first, each once (links followed, hidden names passed over:
     :func:`listing`): the one walk of a folder's scan and of the shards and table files in it.
 
     Raises:
         OSError: ``where`` cannot be stat'ed (missing).
+        SourceError: ``strict``, and a folder under ``where`` cannot be read.
     """
     seen = {dir_id(where)}
     folders = [("", where)]  # (relative with a trailing slash, absolute)
     while folders:
         rel, folder = folders.pop()
-        files, subfolders = listing(folder, seen)
+        files, subfolders = listing(folder, seen, strict)
         folders += [(f"{rel}{e.name}/", e.path) for e in subfolders]
         for entry in files:
             yield rel + entry.name, entry
 
 
 def walked_names(where: str) -> list[str]:
-    """The names of :func:`walked`'s files, relative to ``where``."""
-    return [name for name, _ in walked(where)]
+    """The names of :func:`walked`'s files, relative to ``where``: the shards or table files
+    of a folder, so a folder under it that cannot be read fails in one line (its files are
+    not left out unsaid).
+
+    Raises:
+        SourceError: a folder under ``where`` cannot be read.
+    """
+    return [name for name, _ in walked(where, strict=True)]
 
 
 def not_an_input(name: str, file: os.DirEntry[str] | str | os.PathLike[str]) -> str | None:
@@ -766,6 +888,8 @@ class Objects(BytePlace):
             for o in listing
             if o.name.lower().endswith(exts) and not hidden_name(o.name[len(key) :])
         }
+        rels = (o.name[len(key) :] for o in listing)
+        refuse_tars_beside_files(prefix, [n for n in rels if "/" not in n and not hidden_name(n)])
         if not listed:
             found = f"{len(listing)} objects, none of them" if listing else "no objects, so no"
             raise SourceError(
@@ -871,27 +995,31 @@ class Objects(BytePlace):
         also: tuple[str, ...] = (),
         passed: tuple[str, ...] = (".",),
     ) -> bool:
-        # One LIST (the scan lists again, as it does for any prefix). A name ending as a table
-        # file names one object, not a prefix: no LIST to tell. A prefix that cannot be listed
-        # is no container: the bucket's own scan says why.
+        # Read page by page as the answer needs (holds_only_names): the top level first (a
+        # listing with "/" as the delimiter, sub-prefixes rolled up), then, only when it holds
+        # no object of the kind, the whole prefix. An audio prefix costs one page: its first
+        # object says no. A name ending as a container file names one object, not a prefix: no
+        # LIST to tell. A prefix that cannot be listed is no container: the scan says why.
         if where.lower().endswith(CONTAINER_SUFFIXES):
             return False
         try:
             bucket, key = prefix_at(where)
-            listing = bucket.list(key)
+            top = listed_lazily(bucket, key, "/")
+            below = (n for n in listed_lazily(bucket, key) if "/" in n)
+            names = (n for n in itertools.chain(top, below) if not passed_over(n, passed))
+            return holds_only_names(names, wanted, also)
         except (StoreError, ConfigError):
             return False
-        rels = [o.name[len(key) :] for o in listing]
-        names = [n.lower() for n in rels if not hidden_name(n, passed)]
-        return (
-            bool(names)
-            and all(n.endswith(wanted) or n.endswith(also) for n in names)
-            and any(n.endswith(wanted) for n in names)
-        )
 
     def table_files(self, where: str) -> list[TableFile]:
         if where.lower().endswith(".parquet"):
-            return [TableFile(where, ranged_object)]
+            # One object, or the prefix Spark's ``df.write.parquet("s3://b/out.parquet")``
+            # writes (``out.parquet/part-0.parquet``): the HEAD that tells them apart gives the
+            # object's stat, so the scan's listing does not HEAD it again.
+            info = object_head(where)
+            if info is not None:
+                return [TableFile(where, ranged_object, headed=object_stat(info))]
+            return self.table_files(f"{where}/")
         if where.lower().endswith(".arrow"):
             raise ConfigError(
                 f"Arrow files and Hugging Face datasets in a bucket ({where}) are not read in "
@@ -935,6 +1063,29 @@ class Objects(BytePlace):
             return Shards(where, where, None)
         folder, name = data.rsplit("/", 1)
         return Shards(data, folder, [f"{folder}/{n}" for n in expand_braces(name)])
+
+
+def listed_lazily(bucket: ObjectStore, key: str, delimiter: str = "") -> Iterator[str]:
+    """The names of the objects under the prefix ``key`` (relative to it), a LIST page at a
+    time as they are read: a check that stops at its first name makes one request. With
+    ``delimiter`` ``"/"``, the prefix's top level only (its sub-prefixes rolled up).
+
+    Raises:
+        StoreError: the bucket cannot be listed.
+    """
+    after = ""
+    while True:
+        page = bucket.list_page(key, after, delimiter=delimiter)
+        yield from (o.name[len(key) :] for o in page.objects)
+        if not page.truncated or not page.last or page.last <= after:
+            return
+        # A page ending on a rolled-up sub-prefix (``a/b/``) goes on past all of its names.
+        after = page.last + (LAST_CHARACTER if delimiter and page.last.endswith(delimiter) else "")
+
+
+#: The code point that sorts last (as its UTF-8 bytes do): names after ``a/b/`` + it are past
+#: every name under ``a/b/`` but one starting so (which a delimiter rolls up with them anyway).
+LAST_CHARACTER = "\U0010ffff"
 
 
 #: The places, one each: stateless (a bucket's clients are kept by :func:`object_at`).

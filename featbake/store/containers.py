@@ -866,10 +866,15 @@ class TableFile(ProcessLocalState):
         open_object: how an object is opened (None: a local file only).
     """
 
-    def __init__(self, path: str, open_object: OpenObject | None = None) -> None:
+    def __init__(
+        self, path: str, open_object: OpenObject | None = None, headed: FileStat | None = None
+    ) -> None:
         self.path = path
         self.parquet = not path.endswith(".arrow")
         self.open_object = open_object
+        #: an object's stat from the HEAD that found it (named as one object): the scan's
+        #: listing takes it once, in place of a HEAD of its own
+        self.headed = headed
         #: an object's schema from the hash cache, and its size (a bucket's parquet file)
         self.known_schema: pa.Schema | None = None
         self.size: int | None = None

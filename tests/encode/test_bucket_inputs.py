@@ -13,6 +13,7 @@ import os
 import random
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -510,3 +511,50 @@ def test_manifest_rows_naming_one_bucket_name_in_two_clouds_read_each_its_own(
     ds = CachedFeatureDataset(manifest, encoder_file, cache=store, on_miss="error")
     for i, clip in enumerate(clips):
         torch.testing.assert_close(ds[i], live_features(encoder_file, clip))
+
+
+def test_telling_an_audio_prefix_is_neither_shards_nor_a_table_costs_one_page_each(
+    s3: S3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """in9.3's checks listed a whole prefix each before saying no: a prefix of 2,500 clips
+    cost 3 LIST pages per check (for a million objects, some 1,000 each). Now each reads a
+    page at a time and stops at the first page that says no: one page each."""
+    from featbake.encode.tables import is_table
+    from featbake.encode.webdataset import is_webdataset
+    from featbake.store.objects import S3Objects
+
+    bucket = ObjectStore(BucketURL.parse(f"s3://{s3.bucket}"))
+    put_many(bucket, [f"clips/c{i:05d}.wav" for i in range(2500)])
+    pages: list[str] = []
+    real = S3Objects.list_page
+
+    def counted(self: ObjectStore, prefix: str, after: str = "", **kw: object) -> ListedPage:
+        pages.append(prefix)
+        return real(self, prefix, after, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(S3Objects, "list_page", counted)
+    where = f"s3://{s3.bucket}/clips/"
+    assert not is_webdataset(where) and not is_table(where)
+    assert len(pages) == 2, pages
+
+
+def test_a_prefixs_top_level_read_in_small_pages_goes_past_each_rolled_up_sub_prefix(
+    s3: S3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shard check reads a prefix's top level with ``/`` as the delimiter, page by page: a
+    page ending on a rolled-up sub-prefix (``b/``) goes on after all of its names, so every
+    top-level object is seen once and the listing ends (pages of 2 here)."""
+    from featbake.encode.webdataset import is_webdataset
+    from featbake.store.byteplace import listed_lazily
+    from featbake.store.objects import S3Objects
+
+    bucket = ObjectStore(BucketURL.parse(f"s3://{s3.bucket}"))
+    put_many(bucket, ["p/a.tar", "p/b/x.wav", "p/b/y.wav", "p/c.tar", "p/d/z.wav", "p/e.tar"])
+    real = S3Objects.list_page
+
+    def small(self: ObjectStore, prefix: str, after: str = "", **kw: Any) -> ListedPage:
+        return real(self, prefix, after, **{**kw, "keys": 2})  # type: ignore[arg-type]
+
+    monkeypatch.setattr(S3Objects, "list_page", small)
+    assert list(listed_lazily(bucket, "p/", "/")) == ["a.tar", "c.tar", "e.tar"]
+    assert is_webdataset(f"s3://{s3.bucket}/p/")  # the top level decides: tars only
