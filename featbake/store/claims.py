@@ -189,6 +189,9 @@ def index_lock(layout: Layout) -> Path:
 
 def log_claim(layout: Layout, name: str) -> None:
     """Append claim ``name`` to the index, durable (the caller holds ``claims.lock`` shared).
+    The name goes on a line of its own (a newline before it), so an append cut short before
+    it (a writer killed, a write short at ENOSPC: no newline at its end) never swallows it;
+    the empty lines that leaves are skipped.
 
     Raises:
         OSError: the append failed.
@@ -197,7 +200,7 @@ def log_claim(layout: Layout, name: str) -> None:
     with locked(index_lock(layout)):
         fd = os.open(claims_index(layout), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            os.write(fd, f"{name}\n".encode())
+            os.write(fd, f"\n{name}\n".encode())
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -210,7 +213,7 @@ def is_claim_name(name: str) -> bool:
 
 def indexed_names(layout: Layout) -> set[str]:
     """The claim names the index holds (none while there is no index); a last line without its
-    newline is an append cut short, which no claim relied on.
+    newline is an append cut short, which no claim relied on, and empty lines are skipped.
 
     Raises:
         OSError: the index exists but cannot be read.
@@ -369,6 +372,9 @@ class ClaimFile:
         self._clock, self._monotonic, self._every = clock, monotonic, heartbeat_s
         self._last_beat: float | None = None
         self._lapsed = False
+        # A cover failed: keys the caller went on to look up are unclaimed (a serving process
+        # goes on: its root is a hint), so a fragment must not name them as a root's.
+        self._unwritten = False
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -383,8 +389,12 @@ class ClaimFile:
             new = set(keys) - self.keys
             if not new:
                 return
-            with locked(claims_lock(self.layout), shared=True):  # waits while a gc deletes
-                self._write(sorted(new))
+            try:
+                with locked(claims_lock(self.layout), shared=True):  # waits while a gc deletes
+                    self._write(sorted(new))
+            except StoreError:
+                self._unwritten = True  # a caller going on unclaimed learns it at its seal
+                raise
             self.keys |= new
             self._last_beat = self._monotonic()
         if self._thread is None:
@@ -442,6 +452,15 @@ class ClaimFile:
             "part again: it encodes whatever is gone"
         )
 
+    def unwritten_error(self) -> StoreError:
+        """The one line for a claim that could not be written: the keys looked up after it were
+        never claimed, so a gc may have deleted them."""
+        return StoreError(
+            f"the claim {self.path} on the stored features this process reuses could not be "
+            "written, so a gc may have deleted them; check that the store's claims/ folder and "
+            "its index are writable by this user and the store has space, then run it again"
+        )
+
     def beat(self) -> None:
         """Refresh the heartbeat; a beat later than :data:`STALE_AFTER_S` after the last one
         (the process was stopped) or a claim removed meanwhile (a gc found it stale) lapses it."""
@@ -470,11 +489,14 @@ class ClaimFile:
 
         Raises:
             StoreError: the heartbeat stopped for longer than a gc honours it (the process was
-                stopped or suspended), so what this part reused may be gone.
+                stopped or suspended), or a cover failed (the claim, or its line in the index,
+                could not be written), so what this part reused may be gone.
         """
         self.beat()
         if self._lapsed:
             raise self.lapsed_error()
+        if self._unwritten:
+            raise self.unwritten_error()
 
     def release(self) -> None:
         """Let the claim go (its keys named by a sealed fragment, or the build ended)."""
@@ -485,5 +507,5 @@ class ClaimFile:
             self._last_beat = None
             if self.keys:
                 remove_file(self.path)
-            self.keys, self._lapsed = set(), False  # a later cover claims afresh
+            self.keys, self._lapsed, self._unwritten = set(), False, False  # claims afresh
             self._stop, self._thread = threading.Event(), None

@@ -384,8 +384,8 @@ class FragmentCatalog:
         A serving process claims the manifest's keys first (store/claims.py), so gc keeps
         those it looks up next and finds stored until the fragment naming them is sealed (a
         dataset publishes its root before it locates its items). A claim that cannot be
-        written is skipped, as the fragment then is (:meth:`close`): a root a dataset
-        publishes is a hint, never a reason to stop serving.
+        written does not stop serving (a root a dataset publishes is a hint): its lookups run
+        unclaimed, and the seal then leaves the root out (:meth:`_drop_root_if_claim_lapsed`).
         """
         if self.part is not None or self.claim is None:
             return self._hold_root(spec, items)
@@ -595,7 +595,8 @@ class FragmentCatalog:
 
     def _drop_root_if_claim_lapsed(self) -> None:
         """A serving process stopped longer than a claim holds (store/claims.py) between its
-        lookups and this seal, or whose claim could not be appended to: a gc may have deleted
+        lookups and this seal, or whose claim could not be written (the claim, its keys or its
+        line in ``claims/index``: its lookups ran unclaimed): a gc may have deleted
         features the held root manifest names, so that root is not published (a root a
         dataset publishes is a hint: serving goes on, its misses encoded as ever) and the
         claim is let go; the shards, last uses and hash rows are sealed as before."""

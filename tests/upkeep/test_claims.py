@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from featbake.bake.pipeline import build
 from featbake.errors import StoreError
 from featbake.serve.dataset import CachedFeatureDataset
-from featbake.store import fragment_catalog
+from featbake.store import claims, fragment_catalog
 from featbake.store.claims import (
     CLAIM_FORMAT,
     STALE_AFTER_S,
@@ -383,3 +383,64 @@ def test_a_serving_process_stopped_past_its_claim_publishes_no_root_and_serves_o
         want = live(encoder_file, Path(again.path(i)))
         torch.testing.assert_close(again[i], want, rtol=1e-5, atol=1e-6)
     again.close()
+
+
+def test_a_serving_process_whose_claim_could_not_be_logged_publishes_no_root_gc_emptied(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cl9.2 added a second write to every claim (``claims/index``); where it fails (the index
+    owned by another user of a shared store, a full quota) the claim is removed and a
+    dataset's ``replace_root`` goes on unclaimed (its root is a hint). Before, the seal's
+    check (``check_held`` of a claim never written) passed, so the root was published
+    although a gc had deleted its 16 features meanwhile. Now the failed claim is recorded and
+    the seal leaves the root out; the dataset serves on."""
+    store = tmp_path / "store"
+    first = bake(audio_dir, encoder_file, store)
+    drop_root(store, first.root)
+
+    def cannot_log(layout: Layout, name: str) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(claims, "log_claim", cannot_log)
+    sealing = FragmentCatalog._seal
+    deleted: list[int] = []
+
+    def gc_then_seal(self: FragmentCatalog, kind: FragmentKind, uses: Sequence[Use] = ()):
+        if self.part is None and self._spec is not None and not deleted:  # the root is held
+            with monkeypatch.context() as on_its_host:  # gc runs on the store's own host
+                on_its_host.delenv("FEATBAKE_SHARED_FS")
+                deleted.append(execute_gc(plan_gc(store, EAGER)).rows_deleted)
+        return sealing(self, kind, uses)
+
+    monkeypatch.setattr(FragmentCatalog, "_seal", gc_then_seal)
+    monkeypatch.setenv("FEATBAKE_SHARED_FS", "1")
+    with pytest.warns(SharedFilesystemWarning):
+        ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store)
+        assert deleted == [16]  # nothing claimed them
+        live = Live()
+        for i in range(len(ds)):
+            want = live(encoder_file, Path(ds.path(i)))
+            torch.testing.assert_close(ds[i], want, rtol=1e-5, atol=1e-6)
+        ds.close()
+    monkeypatch.undo()
+    roots = merge(Layout(store)).roots
+    status = verify(store).status
+    assert (roots, status) == ([], "clean"), (roots, status)  # before: a root of 16 gone features
+    assert read_claims(Layout(store)) == []
+
+
+def test_a_claim_logged_after_an_index_line_cut_short_is_still_indexed(tmp_path: Path) -> None:
+    """A writer killed mid-append (or a short write at ENOSPC) leaves ``claims/index`` without
+    its last newline. Before, the next claim's name was glued to it, so gc found that claim
+    only in the listing, the one a cached NFS listing lacks. Now each name is written on a
+    line of its own whatever precedes it."""
+    layout = Layout(tmp_path / "store")
+    claims_dir(layout).mkdir(parents=True)
+    claims.claims_index(layout).write_text("0123abcd")  # an append cut short
+    claim = ClaimFile(layout, "part 0/1")
+    claim.cover(["k1"])
+    try:
+        assert claims.indexed_names(layout) == {claim.path.name}
+        assert [c.keys for c in read_claims(layout)] == [frozenset({"k1"})]
+    finally:
+        claim.release()
