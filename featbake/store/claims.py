@@ -198,7 +198,9 @@ def log_claim(layout: Layout, name: str) -> None:
     """
     claims_dir(layout).mkdir(parents=True, exist_ok=True)
     with locked(index_lock(layout)):
-        fd = os.open(claims_index(layout), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        # Every process claiming appends here: the umask decides who else may (a group's store),
+        # as for the claims themselves and gc's rewrite of this file (``keep_index``).
+        fd = os.open(claims_index(layout), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
         try:
             os.write(fd, f"\n{name}\n".encode())
             os.fsync(fd)

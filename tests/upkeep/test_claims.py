@@ -444,3 +444,27 @@ def test_a_claim_logged_after_an_index_line_cut_short_is_still_indexed(tmp_path:
         assert [c.keys for c in read_claims(layout)] == [frozenset({"k1"})]
     finally:
         claim.release()
+
+
+def test_the_claim_files_every_claiming_process_writes_are_made_as_the_umask_allows(
+    tmp_path: Path,
+) -> None:
+    """In a store a group shares (umask 002), every member's processes append to
+    ``claims/index`` and take ``claims.lock`` and ``claims/index.lock`` for writing. Before,
+    the first claim made the three 0o644 whatever the umask, so another member's claims all
+    failed at the index (cl9.7: its roots dropped) and its locks were skipped (opened for
+    writing: refused, so run unlocked, gc's exclusion of claims gone); gc's rewrite of the
+    index then made it 0o664. Now they follow the umask, as the claims themselves do."""
+    layout = Layout(tmp_path / "store")
+    layout.root.mkdir()
+    before = os.umask(0o002)
+    try:
+        claim = ClaimFile(layout, "part 0/1")
+        claim.cover(["k1"])
+    finally:
+        os.umask(before)
+    files = [claim.path, claims.claims_index(layout), claims.index_lock(layout)]
+    files.append(claims.claims_lock(layout))
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in files}
+    assert modes == {p.name: "0o664" for p in files}
+    claim.release()
