@@ -346,6 +346,13 @@ def drop_cut_writes(layout: Layout, now: float) -> None:
                     path.unlink()
 
 
+def new_claim_path(layout: Layout) -> Path:
+    """A name no claim had before: a host that looked up a claim let go may keep finding that
+    name gone (an NFS client's negative lookup entry, until the folder's cached attributes
+    expire), so a claim made again never reuses it."""
+    return claims_dir(layout) / f"{uuid.uuid4().hex}{SUFFIX}"
+
+
 class ClaimFile:
     """The claim of one build part: the keys it will name, written before it relies on them,
     its heartbeat kept by a daemon thread, let go once a sealed fragment names them.
@@ -369,7 +376,7 @@ class ClaimFile:
         heartbeat_s: float = HEARTBEAT_S,
     ) -> None:
         self.layout, self.owner = layout, owner
-        self.path = claims_dir(layout) / f"{uuid.uuid4().hex}{SUFFIX}"
+        self.path = new_claim_path(layout)
         self.keys: set[str] = set()
         self._clock, self._monotonic, self._every = clock, monotonic, heartbeat_s
         self._last_beat: float | None = None
@@ -509,5 +516,6 @@ class ClaimFile:
             self._last_beat = None
             if self.keys:
                 remove_file(self.path)
+            self.path = new_claim_path(self.layout)  # never a name a host found gone (above)
             self.keys, self._lapsed, self._unwritten = set(), False, False  # claims afresh
             self._stop, self._thread = threading.Event(), None

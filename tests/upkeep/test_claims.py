@@ -468,3 +468,40 @@ def test_the_claim_files_every_claiming_process_writes_are_made_as_the_umask_all
     modes = {p.name: oct(p.stat().st_mode & 0o777) for p in files}
     assert modes == {p.name: "0o664" for p in files}
     claim.release()
+
+
+def test_a_claim_made_again_after_its_release_has_a_name_no_host_found_gone(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claim let go (its fragment sealed) and made again (a dataset's next root, a part's
+    next batch after a release) reused its file name. A gc that looked the name up while it
+    was gone caches that on an NFS client (a negative lookup entry, kept until the folder's
+    cached attributes expire: up to ``acdirmax``), so it found the claim made again gone and
+    deleted the rows it keeps: 16 of a dropped root's. Now each claim made has a new name."""
+    store = tmp_path / "store"
+    first = bake(audio_dir, encoder_file, store)
+    named = sorted({k for _, k in manifest(store, first.root)})
+    drop_root(store, first.root)
+    claim = ClaimFile(Layout(store), "dataset")
+    claim.cover(named)
+    gone = {claim.path}  # what gc's host looks up once the claim is let go
+    claim.release()
+    stat, read_text = Path.stat, Path.read_text
+
+    def cached_stat(self: Path, *, follow_symlinks: bool = True) -> os.stat_result:
+        if self in gone:
+            raise FileNotFoundError(2, "No such file or directory", str(self))
+        return stat(self, follow_symlinks=follow_symlinks)
+
+    def cached_read_text(self: Path, *args: object, **kwargs: object) -> str:
+        if self in gone:
+            raise FileNotFoundError(2, "No such file or directory", str(self))
+        return read_text(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    claim.cover(named)  # made again
+    with monkeypatch.context() as on_gcs_host:
+        on_gcs_host.setattr(Path, "stat", cached_stat)
+        on_gcs_host.setattr(Path, "read_text", cached_read_text)
+        assert execute_gc(plan_gc(store, EAGER)).rows_deleted == 0  # kept: claimed again
+    claim.release()
+    assert execute_gc(plan_gc(store, EAGER)).rows_deleted == 16
