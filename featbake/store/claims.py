@@ -33,6 +33,7 @@ the rest is their I/O.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import os
@@ -202,10 +203,25 @@ def log_claim(layout: Layout, name: str) -> None:
         # as for the claims themselves and gc's rewrite of this file (``keep_index``).
         fd = os.open(claims_index(layout), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
         try:
-            os.write(fd, f"\n{name}\n".encode())
+            write_whole(fd, f"\n{name}\n".encode())
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def write_whole(fd: int, data: bytes) -> None:
+    """Write all of ``data`` at ``fd``: ``write(2)`` may write part of it and return the count
+    (a disk or quota filling up mid-write), so the rest is written on until it fails.
+
+    Raises:
+        OSError: a write failed (ENOSPC, EDQUOT, EIO), or wrote nothing.
+    """
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, "a write wrote nothing")
+        view = view[n:]
 
 
 def is_claim_name(name: str) -> bool:
@@ -447,7 +463,7 @@ class ClaimFile:
             self._lapsed = True
             raise self.lapsed_error() from None
         try:
-            os.write(fd, lines.encode())
+            write_whole(fd, lines.encode())
             os.fsync(fd)
         finally:
             os.close(fd)

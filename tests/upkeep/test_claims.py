@@ -505,3 +505,35 @@ def test_a_claim_made_again_after_its_release_has_a_name_no_host_found_gone(
         assert execute_gc(plan_gc(store, EAGER)).rows_deleted == 0  # kept: claimed again
     claim.release()
     assert execute_gc(plan_gc(store, EAGER)).rows_deleted == 16
+
+
+def test_a_claim_written_short_at_a_full_disk_is_no_claim(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``write(2)`` to a file may write part of what it is given and return the count (a disk
+    or quota filling up mid-write), and the next write then fails with ENOSPC. Before, a
+    claim's append and the index's took the first count as done: the cover returned, the
+    part went on to look up keys its claim lacked (and the last of them torn), so a gc could
+    delete what it then sealed. Now a short write is written on until it is whole or fails,
+    and the cover fails in one line; the claim's seal check fails too."""
+    layout = Layout(tmp_path / "store")
+    claim = ClaimFile(layout, "part 0/1")
+    claim.cover(["a" * 64])
+    write = os.write
+    written: list[int] = []
+
+    def filling_up(fd: int, data: bytes | memoryview) -> int:
+        if written:
+            raise OSError(28, "No space left on device")
+        written.append(write(fd, bytes(data)[: len(data) // 2]))
+        return written[-1]
+
+    batch = [f"{i:064x}" for i in range(8)]
+    with monkeypatch.context() as full, pytest.raises(StoreError) as e:
+        full.setattr(os, "write", filling_up)
+        claim.cover(batch)
+    assert "\n" not in str(e.value) and "No space left" in str(e.value)
+    with pytest.raises(StoreError, match="could not be written"):
+        claim.check_held()
+    assert claim.keys == {"a" * 64}
+    claim.release()
