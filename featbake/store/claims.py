@@ -170,10 +170,34 @@ def claims_lock(layout: Layout) -> Path:
 
 
 @contextlib.contextmanager
+def claims_held(layout: Layout, *, shared: bool) -> Iterator[None]:
+    """Hold ``claims.lock``, shared (a claim written) or alone (gc), or refuse: where the lock
+    file cannot be opened for writing, ``locked`` runs unlocked, and a claim written then
+    could look up rows a gc's DELETE, already decided, removes.
+
+    Raises:
+        StoreError: the lock file cannot be made or opened for writing.
+    """
+    path = claims_lock(layout)
+    with locked(path, shared=shared) as fd:
+        if fd is None:
+            raise StoreError(
+                f"cannot open the store's claims lock {path} for writing, so claims and gc "
+                "could not exclude each other; make it a file every user of the store may "
+                "write (or remove it while nothing uses the store), then run this again"
+            )
+        yield
+
+
+@contextlib.contextmanager
 def claims_closed(layout: Layout) -> Iterator[None]:
     """Hold ``claims.lock`` alone: no claim is written meanwhile (gc, from its last look at the
-    claims until its DELETE has committed; a build's claim waits that long)."""
-    with locked(claims_lock(layout)):
+    claims until its DELETE has committed; a build's claim waits that long).
+
+    Raises:
+        StoreError: the lock cannot be taken (:func:`claims_held`).
+    """
+    with claims_held(layout, shared=False):
         yield
 
 
@@ -415,7 +439,7 @@ class ClaimFile:
             if not new:
                 return
             try:
-                with locked(claims_lock(self.layout), shared=True):  # waits while a gc deletes
+                with claims_held(self.layout, shared=True):  # waits while a gc deletes
                     self._write(sorted(new))
             except StoreError:
                 self._unwritten = True  # a caller going on unclaimed learns it at its seal

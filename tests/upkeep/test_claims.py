@@ -517,6 +517,7 @@ def test_a_claim_written_short_at_a_full_disk_is_no_claim(
     delete what it then sealed. Now a short write is written on until it is whole or fails,
     and the cover fails in one line; the claim's seal check fails too."""
     layout = Layout(tmp_path / "store")
+    layout.root.mkdir()
     claim = ClaimFile(layout, "part 0/1")
     claim.cover(["a" * 64])
     write = os.write
@@ -537,3 +538,34 @@ def test_a_claim_written_short_at_a_full_disk_is_no_claim(
         claim.check_held()
     assert claim.keys == {"a" * 64}
     claim.release()
+
+
+def test_a_claim_that_cannot_take_the_claims_lock_is_no_claim(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    """``claims.lock`` is what keeps a claim from being written between gc's last look at the
+    claims and its DELETE. A process that cannot open it for writing (a lock file another user
+    of the store made 0o644 before cl9.9; here a folder in its place) got no lock from
+    ``locked`` and wrote its claim unlocked, so its lookup could find rows that gc's DELETE,
+    already decided, then removed; gc likewise ran its DELETE unlocked. Now the cover fails
+    in one line (recorded: a dataset's root is left out at its seal), and so does gc, before
+    it deletes a row."""
+    store = tmp_path / "store"
+    first = bake(audio_dir, encoder_file, store)
+    drop_root(store, first.root)
+    layout = Layout(store)
+    lock = claims.claims_lock(layout)
+    lock.unlink(missing_ok=True)
+    lock.mkdir()  # cannot be opened for writing
+    claim = ClaimFile(layout, "part 0/1")
+    with pytest.raises(StoreError, match=r"claims\.lock") as e:
+        claim.cover(["a" * 64])
+    assert "\n" not in str(e.value)
+    with pytest.raises(StoreError, match="could not be written"):
+        claim.check_held()
+    claim.release()
+    with pytest.raises(StoreError, match=r"claims\.lock") as e:
+        execute_gc(plan_gc(store, EAGER))
+    assert "\n" not in str(e.value)
+    lock.rmdir()
+    assert execute_gc(plan_gc(store, EAGER)).rows_deleted == 16
