@@ -385,14 +385,20 @@ class FragmentCatalog:
         those it looks up next and finds stored until the fragment naming them is sealed (a
         dataset publishes its root before it locates its items). A claim that cannot be
         written does not stop serving (a root a dataset publishes is a hint): its lookups run
-        unclaimed, and the seal then leaves the root out (:meth:`_drop_root_if_claim_lapsed`).
+        unclaimed, so no root is held (not even one held before: it is replaced), and the
+        seal leaves out any held until the claim is let go (:meth:`_drop_root_if_claim_lapsed`).
         """
         if self.part is not None or self.claim is None:
             return self._hold_root(spec, items)
         with self._claim_lock:
-            with contextlib.suppress(StoreError):
+            try:
                 self.claim.cover([k for _, k in items])
+            except StoreError:  # nothing keeps what its lookups find: no root of them is held
+                with self._lock:  # (a seal's claim check may have run already)
+                    self._spec, self._items = None, []
+                return None
             self._hold_root(spec, items)
+        return None
 
     def _hold_root(self, spec: RootSpec, items: Sequence[tuple[str, str]]) -> None:
         """Hold ``spec``'s manifest ``items`` (see :meth:`replace_root`)."""

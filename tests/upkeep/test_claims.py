@@ -22,6 +22,7 @@ from featbake.bake.pipeline import build
 from featbake.errors import StoreError
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.store import claims, fragment_catalog
+from featbake.store.catalog import Catalog
 from featbake.store.claims import (
     CLAIM_FORMAT,
     STALE_AFTER_S,
@@ -42,6 +43,7 @@ from featbake.store.fragment_catalog import FragmentCatalog
 from featbake.store.fragments import FragmentKind, Use
 from featbake.store.layout import Layout
 from featbake.store.merge import merge
+from featbake.store.roots import RootSpec
 from featbake.upkeep import GcOptions, drop_root, execute_gc, plan_gc, verify
 from tests.helpers import Live, age, assert_serves, bake, manifest
 
@@ -158,7 +160,9 @@ KILLED = """
 import sys
 from pathlib import Path
 from featbake.store.claims import ClaimFile
+from featbake.store.catalog import Catalog
 from featbake.store.layout import Layout
+from featbake.store.roots import RootSpec
 claim = ClaimFile(Layout(Path(sys.argv[1])), "part 0/1")
 claim.cover(sys.argv[2:4])
 claim.cover(sys.argv[2:])  # the rest appended
@@ -216,7 +220,7 @@ def test_gc_keeps_what_a_dataset_on_a_shared_filesystem_found_stored_before_its_
     claimed: list[int] = []  # claims when gc ran, then once the fragment was sealed
 
     def gc_then_seal(self: FragmentCatalog, kind: FragmentKind, uses: Sequence[Use] = ()):
-        if self.part is None and self._spec is not None and not deleted:  # the root is held
+        if self.part is None and not deleted:  # its first seal
             claimed.append(len(read_claims(Layout(store))))
             with monkeypatch.context() as on_its_host:  # gc runs on the store's own host
                 on_its_host.delenv("FEATBAKE_SHARED_FS")
@@ -392,8 +396,9 @@ def test_a_serving_process_whose_claim_could_not_be_logged_publishes_no_root_gc_
     owned by another user of a shared store, a full quota) the claim is removed and a
     dataset's ``replace_root`` goes on unclaimed (its root is a hint). Before, the seal's
     check (``check_held`` of a claim never written) passed, so the root was published
-    although a gc had deleted its 16 features meanwhile. Now the failed claim is recorded and
-    the seal leaves the root out; the dataset serves on."""
+    although a gc had deleted its 16 features meanwhile. Now a root whose claim failed is not
+    held (and the failure is recorded: the seal leaves out any root until the claim is let
+    go); the dataset serves on."""
     store = tmp_path / "store"
     first = bake(audio_dir, encoder_file, store)
     drop_root(store, first.root)
@@ -406,7 +411,7 @@ def test_a_serving_process_whose_claim_could_not_be_logged_publishes_no_root_gc_
     deleted: list[int] = []
 
     def gc_then_seal(self: FragmentCatalog, kind: FragmentKind, uses: Sequence[Use] = ()):
-        if self.part is None and self._spec is not None and not deleted:  # the root is held
+        if self.part is None and not deleted:  # its first seal
             with monkeypatch.context() as on_its_host:  # gc runs on the store's own host
                 on_its_host.delenv("FEATBAKE_SHARED_FS")
                 deleted.append(execute_gc(plan_gc(store, EAGER)).rows_deleted)
@@ -569,3 +574,46 @@ def test_a_claim_that_cannot_take_the_claims_lock_is_no_claim(
     assert "\n" not in str(e.value)
     lock.rmdir()
     assert execute_gc(plan_gc(store, EAGER)).rows_deleted == 16
+
+
+def test_a_root_held_after_the_seals_claim_check_by_a_failed_cover_is_not_sealed(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cl9.7's check at the seal and the seal's take of the held root were apart: another
+    thread's ``replace_root`` landing between them, its cover failing (the index unwritable),
+    held a root whose keys no claim kept, and the seal took it unchecked. Played here in one
+    thread: right after the check, that ``replace_root``, then a gc deleting the 16 unclaimed
+    rows. Before, the seal carried the root and the merge published it, all 16 gone. Now a
+    root whose cover failed is never held."""
+    store = tmp_path / "store"
+    first = bake(audio_dir, encoder_file, store)
+    layout = Layout(store)
+    with Catalog(layout, read_only=True) as catalog:
+        (root,) = catalog.roots()
+    spec = RootSpec(root.name, root.data, root.encoder_label, root.encoder_fp, root.recipe_fp,
+                    root.recipe)  # fmt: skip
+    items = manifest(store, first.root)
+    drop_root(store, first.root)
+    served = FragmentCatalog(layout)
+    checking = FragmentCatalog._drop_root_if_claim_lapsed
+    deleted: list[int] = []
+
+    def cannot_log(layout: Layout, name: str) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    def another_thread_after_the_check(self: FragmentCatalog) -> None:
+        checking(self)
+        if not deleted:
+            self.replace_root(spec, items)  # its cover fails: its lookups run unclaimed
+            deleted.append(execute_gc(plan_gc(store, EAGER)).rows_deleted)
+
+    monkeypatch.setattr(claims, "log_claim", cannot_log)
+    checked = another_thread_after_the_check
+    monkeypatch.setattr(FragmentCatalog, "_drop_root_if_claim_lapsed", checked)
+    served.flush()
+    served.close()
+    monkeypatch.undo()
+    assert deleted == [16]
+    roots = merge(layout).roots
+    status = verify(store).status
+    assert (roots, status) == ([], "clean"), (roots, status)  # before: a root of 16 gone features
