@@ -18,7 +18,13 @@ keys appended), and looks up only then:
   as in the folder's listing: an NFS client serves a listing of ``claims/`` from its cache for
   up to ``acdirmax`` (60 s), so a gc on another host could miss a claim just written, while a
   file opened is revalidated (close-to-open consistency). The listing still finds claims
-  written by older versions; gc rewrites the index without the claims gone.
+  written by older versions; gc rewrites the index without the claims gone. A name is
+  written on a line of its own (a newline before it: an append cut short never swallows the
+  next name), and a claim made again after it was let go takes a new name (a host that found
+  the old one gone may cache that);
+- a claim that cannot be written whole, or under ``claims.lock``, is no claim: the cover
+  fails, and the failure is kept until the claim is let go, so a caller that went on (a
+  serving process: its root is a hint) seals no root of what it looked up.
 
 A claim left by a killed build must not pin its keys forever: it is stale once its process is
 gone (same host: ``kill(pid, 0)``) or its heartbeat is older than :data:`STALE_AFTER_S` (another
