@@ -18,7 +18,13 @@ keys appended), and looks up only then:
   as in the folder's listing: an NFS client serves a listing of ``claims/`` from its cache for
   up to ``acdirmax`` (60 s), so a gc on another host could miss a claim just written, while a
   file opened is revalidated (close-to-open consistency). The listing still finds claims
-  written by older versions; gc rewrites the index without the claims gone.
+  written by older versions; gc rewrites the index without the claims gone. A name is
+  written on a line of its own (a newline before it: an append cut short never swallows the
+  next name), and a claim made again after it was let go takes a new name (a host that found
+  the old one gone may cache that);
+- a claim that cannot be written whole, or under ``claims.lock``, is no claim: the cover
+  fails, and the failure is kept until the claim is let go, so a caller that went on (a
+  serving process: its root is a hint) seals no root of what it looked up.
 
 A claim left by a killed build must not pin its keys forever: it is stale once its process is
 gone (same host: ``kill(pid, 0)``) or its heartbeat is older than :data:`STALE_AFTER_S` (another
@@ -33,6 +39,7 @@ the rest is their I/O.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import os
@@ -169,10 +176,34 @@ def claims_lock(layout: Layout) -> Path:
 
 
 @contextlib.contextmanager
+def claims_held(layout: Layout, *, shared: bool) -> Iterator[None]:
+    """Hold ``claims.lock``, shared (a claim written) or alone (gc), or refuse: where the lock
+    file cannot be opened for writing, ``locked`` runs unlocked, and a claim written then
+    could look up rows a gc's DELETE, already decided, removes.
+
+    Raises:
+        StoreError: the lock file cannot be made or opened for writing.
+    """
+    path = claims_lock(layout)
+    with locked(path, shared=shared) as fd:
+        if fd is None:
+            raise StoreError(
+                f"cannot open the store's claims lock {path} for writing, so claims and gc "
+                "could not exclude each other; make it a file every user of the store may "
+                "write (or remove it while nothing uses the store), then run this again"
+            )
+        yield
+
+
+@contextlib.contextmanager
 def claims_closed(layout: Layout) -> Iterator[None]:
     """Hold ``claims.lock`` alone: no claim is written meanwhile (gc, from its last look at the
-    claims until its DELETE has committed; a build's claim waits that long)."""
-    with locked(claims_lock(layout)):
+    claims until its DELETE has committed; a build's claim waits that long).
+
+    Raises:
+        StoreError: the lock cannot be taken (:func:`claims_held`).
+    """
+    with claims_held(layout, shared=False):
         yield
 
 
@@ -189,18 +220,38 @@ def index_lock(layout: Layout) -> Path:
 
 def log_claim(layout: Layout, name: str) -> None:
     """Append claim ``name`` to the index, durable (the caller holds ``claims.lock`` shared).
+    The name goes on a line of its own (a newline before it), so an append cut short before
+    it (a writer killed, a write short at ENOSPC: no newline at its end) never swallows it;
+    the empty lines that leaves are skipped.
 
     Raises:
         OSError: the append failed.
     """
     claims_dir(layout).mkdir(parents=True, exist_ok=True)
     with locked(index_lock(layout)):
-        fd = os.open(claims_index(layout), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        # Every process claiming appends here: the umask decides who else may (a group's store),
+        # as for the claims themselves and gc's rewrite of this file (``keep_index``).
+        fd = os.open(claims_index(layout), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
         try:
-            os.write(fd, f"{name}\n".encode())
+            write_whole(fd, f"\n{name}\n".encode())
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def write_whole(fd: int, data: bytes) -> None:
+    """Write all of ``data`` at ``fd``: ``write(2)`` may write part of it and return the count
+    (a disk or quota filling up mid-write), so the rest is written on until it fails.
+
+    Raises:
+        OSError: a write failed (ENOSPC, EDQUOT, EIO), or wrote nothing.
+    """
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, "a write wrote nothing")
+        view = view[n:]
 
 
 def is_claim_name(name: str) -> bool:
@@ -210,7 +261,7 @@ def is_claim_name(name: str) -> bool:
 
 def indexed_names(layout: Layout) -> set[str]:
     """The claim names the index holds (none while there is no index); a last line without its
-    newline is an append cut short, which no claim relied on.
+    newline is an append cut short, which no claim relied on, and empty lines are skipped.
 
     Raises:
         OSError: the index exists but cannot be read.
@@ -341,6 +392,13 @@ def drop_cut_writes(layout: Layout, now: float) -> None:
                     path.unlink()
 
 
+def new_claim_path(layout: Layout) -> Path:
+    """A name no claim had before: a host that looked up a claim let go may keep finding that
+    name gone (an NFS client's negative lookup entry, until the folder's cached attributes
+    expire), so a claim made again never reuses it."""
+    return claims_dir(layout) / f"{uuid.uuid4().hex}{SUFFIX}"
+
+
 class ClaimFile:
     """The claim of one build part: the keys it will name, written before it relies on them,
     its heartbeat kept by a daemon thread, let go once a sealed fragment names them.
@@ -364,11 +422,14 @@ class ClaimFile:
         heartbeat_s: float = HEARTBEAT_S,
     ) -> None:
         self.layout, self.owner = layout, owner
-        self.path = claims_dir(layout) / f"{uuid.uuid4().hex}{SUFFIX}"
+        self.path = new_claim_path(layout)
         self.keys: set[str] = set()
         self._clock, self._monotonic, self._every = clock, monotonic, heartbeat_s
         self._last_beat: float | None = None
         self._lapsed = False
+        # A cover failed: keys the caller went on to look up are unclaimed (a serving process
+        # goes on: its root is a hint), so a fragment must not name them as a root's.
+        self._unwritten = False
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -383,8 +444,12 @@ class ClaimFile:
             new = set(keys) - self.keys
             if not new:
                 return
-            with locked(claims_lock(self.layout), shared=True):  # waits while a gc deletes
-                self._write(sorted(new))
+            try:
+                with claims_held(self.layout, shared=True):  # waits while a gc deletes
+                    self._write(sorted(new))
+            except StoreError:
+                self._unwritten = True  # a caller going on unclaimed learns it at its seal
+                raise
             self.keys |= new
             self._last_beat = self._monotonic()
         if self._thread is None:
@@ -428,7 +493,7 @@ class ClaimFile:
             self._lapsed = True
             raise self.lapsed_error() from None
         try:
-            os.write(fd, lines.encode())
+            write_whole(fd, lines.encode())
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -440,6 +505,15 @@ class ClaimFile:
             f"stale: the process was stopped for over {STALE_AFTER_S / 60:.0f} minutes, or its "
             "heartbeats stopped reaching the store), so a gc may have deleted them; run this "
             "part again: it encodes whatever is gone"
+        )
+
+    def unwritten_error(self) -> StoreError:
+        """The one line for a claim that could not be written: the keys looked up after it were
+        never claimed, so a gc may have deleted them."""
+        return StoreError(
+            f"the claim {self.path} on the stored features this process reuses could not be "
+            "written, so a gc may have deleted them; check that the store's claims/ folder and "
+            "its index are writable by this user and the store has space, then run it again"
         )
 
     def beat(self) -> None:
@@ -470,11 +544,14 @@ class ClaimFile:
 
         Raises:
             StoreError: the heartbeat stopped for longer than a gc honours it (the process was
-                stopped or suspended), so what this part reused may be gone.
+                stopped or suspended), or a cover failed (the claim, or its line in the index,
+                could not be written), so what this part reused may be gone.
         """
         self.beat()
         if self._lapsed:
             raise self.lapsed_error()
+        if self._unwritten:
+            raise self.unwritten_error()
 
     def release(self) -> None:
         """Let the claim go (its keys named by a sealed fragment, or the build ended)."""
@@ -485,5 +562,6 @@ class ClaimFile:
             self._last_beat = None
             if self.keys:
                 remove_file(self.path)
-            self.keys, self._lapsed = set(), False  # a later cover claims afresh
+            self.path = new_claim_path(self.layout)  # never a name a host found gone (above)
+            self.keys, self._lapsed, self._unwritten = set(), False, False  # claims afresh
             self._stop, self._thread = threading.Event(), None

@@ -384,15 +384,21 @@ class FragmentCatalog:
         A serving process claims the manifest's keys first (store/claims.py), so gc keeps
         those it looks up next and finds stored until the fragment naming them is sealed (a
         dataset publishes its root before it locates its items). A claim that cannot be
-        written is skipped, as the fragment then is (:meth:`close`): a root a dataset
-        publishes is a hint, never a reason to stop serving.
+        written does not stop serving (a root a dataset publishes is a hint): its lookups run
+        unclaimed, so no root is held (not even one held before: it is replaced), and the
+        seal leaves out any held until the claim is let go (:meth:`_drop_root_if_claim_lapsed`).
         """
         if self.part is not None or self.claim is None:
             return self._hold_root(spec, items)
         with self._claim_lock:
-            with contextlib.suppress(StoreError):
+            try:
                 self.claim.cover([k for _, k in items])
+            except StoreError:  # nothing keeps what its lookups find: no root of them is held
+                with self._lock:  # (a seal's claim check may have run already)
+                    self._spec, self._items = None, []
+                return None
             self._hold_root(spec, items)
+        return None
 
     def _hold_root(self, spec: RootSpec, items: Sequence[tuple[str, str]]) -> None:
         """Hold ``spec``'s manifest ``items`` (see :meth:`replace_root`)."""
@@ -595,7 +601,8 @@ class FragmentCatalog:
 
     def _drop_root_if_claim_lapsed(self) -> None:
         """A serving process stopped longer than a claim holds (store/claims.py) between its
-        lookups and this seal, or whose claim could not be appended to: a gc may have deleted
+        lookups and this seal, or whose claim could not be written (the claim, its keys or its
+        line in ``claims/index``: its lookups ran unclaimed): a gc may have deleted
         features the held root manifest names, so that root is not published (a root a
         dataset publishes is a hint: serving goes on, its misses encoded as ever) and the
         claim is let go; the shards, last uses and hash rows are sealed as before."""

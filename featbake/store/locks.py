@@ -41,9 +41,11 @@ def lock_path(layout: Layout) -> Path:
 
 
 def open_lock_file(path: Path) -> int | None:
-    """A lock file's descriptor (created if missing); None where it cannot be created."""
+    """A lock file's descriptor (created if missing); None where it cannot be created or
+    opened. Made as the umask allows (a group's store: each member's process must open it for
+    writing, which ``flock`` on NFS needs, or it runs unlocked), as every store file is."""
     try:
-        return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     except OSError:
         return None
 

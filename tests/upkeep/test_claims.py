@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 from featbake.bake.pipeline import build
 from featbake.errors import StoreError
 from featbake.serve.dataset import CachedFeatureDataset
-from featbake.store import fragment_catalog
+from featbake.store import claims, fragment_catalog
+from featbake.store.catalog import Catalog
 from featbake.store.claims import (
     CLAIM_FORMAT,
     STALE_AFTER_S,
@@ -42,6 +43,7 @@ from featbake.store.fragment_catalog import FragmentCatalog
 from featbake.store.fragments import FragmentKind, Use
 from featbake.store.layout import Layout
 from featbake.store.merge import merge
+from featbake.store.roots import RootSpec
 from featbake.upkeep import GcOptions, drop_root, execute_gc, plan_gc, verify
 from tests.helpers import Live, age, assert_serves, bake, manifest
 
@@ -383,3 +385,233 @@ def test_a_serving_process_stopped_past_its_claim_publishes_no_root_and_serves_o
         want = live(encoder_file, Path(again.path(i)))
         torch.testing.assert_close(again[i], want, rtol=1e-5, atol=1e-6)
     again.close()
+
+
+def test_a_serving_process_whose_claim_could_not_be_logged_publishes_no_root_gc_emptied(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cl9.2 added a second write to every claim (``claims/index``); where it fails (the index
+    owned by another user of a shared store, a full quota) the claim is removed and a
+    dataset's ``replace_root`` goes on unclaimed (its root is a hint). Before, the seal's
+    check (``check_held`` of a claim never written) passed, so the root was published
+    although a gc had deleted its 16 features meanwhile. Now a root whose claim failed is not
+    held (and the failure is recorded: the seal leaves out any root until the claim is let
+    go); the dataset serves on."""
+    store = tmp_path / "store"
+    first = bake(audio_dir, encoder_file, store)
+    drop_root(store, first.root)
+
+    def cannot_log(layout: Layout, name: str) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(claims, "log_claim", cannot_log)
+    sealing = FragmentCatalog._seal
+    deleted: list[int] = []
+
+    def gc_then_seal(self: FragmentCatalog, kind: FragmentKind, uses: Sequence[Use] = ()):
+        if self.part is None and not deleted:  # its first seal
+            with monkeypatch.context() as on_its_host:  # gc runs on the store's own host
+                on_its_host.delenv("FEATBAKE_SHARED_FS")
+                deleted.append(execute_gc(plan_gc(store, EAGER)).rows_deleted)
+        return sealing(self, kind, uses)
+
+    monkeypatch.setattr(FragmentCatalog, "_seal", gc_then_seal)
+    monkeypatch.setenv("FEATBAKE_SHARED_FS", "1")
+    with pytest.warns(SharedFilesystemWarning):
+        ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store)
+        assert deleted == [16]  # nothing claimed them
+        live = Live()
+        for i in range(len(ds)):
+            want = live(encoder_file, Path(ds.path(i)))
+            torch.testing.assert_close(ds[i], want, rtol=1e-5, atol=1e-6)
+        ds.close()
+    monkeypatch.undo()
+    roots = merge(Layout(store)).roots
+    status = verify(store).status
+    assert (roots, status) == ([], "clean"), (roots, status)  # before: a root of 16 gone features
+    assert read_claims(Layout(store)) == []
+
+
+def test_a_claim_logged_after_an_index_line_cut_short_is_still_indexed(tmp_path: Path) -> None:
+    """A writer killed mid-append (or a short write at ENOSPC) leaves ``claims/index`` without
+    its last newline. Before, the next claim's name was glued to it, so gc found that claim
+    only in the listing, the one a cached NFS listing lacks. Now each name is written on a
+    line of its own whatever precedes it."""
+    layout = Layout(tmp_path / "store")
+    claims_dir(layout).mkdir(parents=True)
+    claims.claims_index(layout).write_text("0123abcd")  # an append cut short
+    claim = ClaimFile(layout, "part 0/1")
+    claim.cover(["k1"])
+    try:
+        assert claims.indexed_names(layout) == {claim.path.name}
+        assert [c.keys for c in read_claims(layout)] == [frozenset({"k1"})]
+    finally:
+        claim.release()
+
+
+def test_the_claim_files_every_claiming_process_writes_are_made_as_the_umask_allows(
+    tmp_path: Path,
+) -> None:
+    """In a store a group shares (umask 002), every member's processes append to
+    ``claims/index`` and take ``claims.lock`` and ``claims/index.lock`` for writing. Before,
+    the first claim made the three 0o644 whatever the umask, so another member's claims all
+    failed at the index (cl9.7: its roots dropped) and its locks were skipped (opened for
+    writing: refused, so run unlocked, gc's exclusion of claims gone); gc's rewrite of the
+    index then made it 0o664. Now they follow the umask, as the claims themselves do."""
+    layout = Layout(tmp_path / "store")
+    layout.root.mkdir()
+    before = os.umask(0o002)
+    try:
+        claim = ClaimFile(layout, "part 0/1")
+        claim.cover(["k1"])
+    finally:
+        os.umask(before)
+    files = [claim.path, claims.claims_index(layout), claims.index_lock(layout)]
+    files.append(claims.claims_lock(layout))
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in files}
+    assert modes == {p.name: "0o664" for p in files}
+    claim.release()
+
+
+def test_a_claim_made_again_after_its_release_has_a_name_no_host_found_gone(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claim let go (its fragment sealed) and made again (a dataset's next root, a part's
+    next batch after a release) reused its file name. A gc that looked the name up while it
+    was gone caches that on an NFS client (a negative lookup entry, kept until the folder's
+    cached attributes expire: up to ``acdirmax``), so it found the claim made again gone and
+    deleted the rows it keeps: 16 of a dropped root's. Now each claim made has a new name."""
+    store = tmp_path / "store"
+    first = bake(audio_dir, encoder_file, store)
+    named = sorted({k for _, k in manifest(store, first.root)})
+    drop_root(store, first.root)
+    claim = ClaimFile(Layout(store), "dataset")
+    claim.cover(named)
+    gone = {claim.path}  # what gc's host looks up once the claim is let go
+    claim.release()
+    stat, read_text = Path.stat, Path.read_text
+
+    def cached_stat(self: Path, *, follow_symlinks: bool = True) -> os.stat_result:
+        if self in gone:
+            raise FileNotFoundError(2, "No such file or directory", str(self))
+        return stat(self, follow_symlinks=follow_symlinks)
+
+    def cached_read_text(self: Path, *args: object, **kwargs: object) -> str:
+        if self in gone:
+            raise FileNotFoundError(2, "No such file or directory", str(self))
+        return read_text(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    claim.cover(named)  # made again
+    with monkeypatch.context() as on_gcs_host:
+        on_gcs_host.setattr(Path, "stat", cached_stat)
+        on_gcs_host.setattr(Path, "read_text", cached_read_text)
+        assert execute_gc(plan_gc(store, EAGER)).rows_deleted == 0  # kept: claimed again
+    claim.release()
+    assert execute_gc(plan_gc(store, EAGER)).rows_deleted == 16
+
+
+def test_a_claim_written_short_at_a_full_disk_is_no_claim(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``write(2)`` to a file may write part of what it is given and return the count (a disk
+    or quota filling up mid-write), and the next write then fails with ENOSPC. Before, a
+    claim's append and the index's took the first count as done: the cover returned, the
+    part went on to look up keys its claim lacked (and the last of them torn), so a gc could
+    delete what it then sealed. Now a short write is written on until it is whole or fails,
+    and the cover fails in one line; the claim's seal check fails too."""
+    layout = Layout(tmp_path / "store")
+    layout.root.mkdir()
+    claim = ClaimFile(layout, "part 0/1")
+    claim.cover(["a" * 64])
+    write = os.write
+    written: list[int] = []
+
+    def filling_up(fd: int, data: bytes | memoryview) -> int:
+        if written:
+            raise OSError(28, "No space left on device")
+        written.append(write(fd, bytes(data)[: len(data) // 2]))
+        return written[-1]
+
+    batch = [f"{i:064x}" for i in range(8)]
+    with monkeypatch.context() as full, pytest.raises(StoreError) as e:
+        full.setattr(os, "write", filling_up)
+        claim.cover(batch)
+    assert "\n" not in str(e.value) and "No space left" in str(e.value)
+    with pytest.raises(StoreError, match="could not be written"):
+        claim.check_held()
+    assert claim.keys == {"a" * 64}
+    claim.release()
+
+
+def test_a_claim_that_cannot_take_the_claims_lock_is_no_claim(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    """``claims.lock`` is what keeps a claim from being written between gc's last look at the
+    claims and its DELETE. A process that cannot open it for writing (a lock file another user
+    of the store made 0o644 before cl9.9; here a folder in its place) got no lock from
+    ``locked`` and wrote its claim unlocked, so its lookup could find rows that gc's DELETE,
+    already decided, then removed; gc likewise ran its DELETE unlocked. Now the cover fails
+    in one line (recorded: a dataset's root is left out at its seal), and so does gc, before
+    it deletes a row."""
+    store = tmp_path / "store"
+    first = bake(audio_dir, encoder_file, store)
+    drop_root(store, first.root)
+    layout = Layout(store)
+    lock = claims.claims_lock(layout)
+    lock.unlink(missing_ok=True)
+    lock.mkdir()  # cannot be opened for writing
+    claim = ClaimFile(layout, "part 0/1")
+    with pytest.raises(StoreError, match=r"claims\.lock") as e:
+        claim.cover(["a" * 64])
+    assert "\n" not in str(e.value)
+    with pytest.raises(StoreError, match="could not be written"):
+        claim.check_held()
+    claim.release()
+    with pytest.raises(StoreError, match=r"claims\.lock") as e:
+        execute_gc(plan_gc(store, EAGER))
+    assert "\n" not in str(e.value)
+    lock.rmdir()
+    assert execute_gc(plan_gc(store, EAGER)).rows_deleted == 16
+
+
+def test_a_root_held_after_the_seals_claim_check_by_a_failed_cover_is_not_sealed(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cl9.7's check at the seal and the seal's take of the held root were apart: another
+    thread's ``replace_root`` landing between them, its cover failing (the index unwritable),
+    held a root whose keys no claim kept, and the seal took it unchecked. Played here in one
+    thread: right after the check, that ``replace_root``, then a gc deleting the 16 unclaimed
+    rows. Before, the seal carried the root and the merge published it, all 16 gone. Now a
+    root whose cover failed is never held."""
+    store = tmp_path / "store"
+    first = bake(audio_dir, encoder_file, store)
+    layout = Layout(store)
+    with Catalog(layout, read_only=True) as catalog:
+        (root,) = catalog.roots()
+    spec = RootSpec(root.name, root.data, root.encoder_label, root.encoder_fp, root.recipe_fp,
+                    root.recipe)  # fmt: skip
+    items = manifest(store, first.root)
+    drop_root(store, first.root)
+    served = FragmentCatalog(layout)
+    checking = FragmentCatalog._drop_root_if_claim_lapsed
+    deleted: list[int] = []
+
+    def cannot_log(layout: Layout, name: str) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    def another_thread_after_the_check(self: FragmentCatalog) -> None:
+        checking(self)
+        if not deleted:
+            self.replace_root(spec, items)  # its cover fails: its lookups run unclaimed
+            deleted.append(execute_gc(plan_gc(store, EAGER)).rows_deleted)
+
+    monkeypatch.setattr(claims, "log_claim", cannot_log)
+    checked = another_thread_after_the_check
+    monkeypatch.setattr(FragmentCatalog, "_drop_root_if_claim_lapsed", checked)
+    served.flush()
+    served.close()
+    monkeypatch.undo()
+    assert deleted == [16]
+    roots = merge(layout).roots
+    status = verify(store).status
+    assert (roots, status) == ([], "clean"), (roots, status)  # before: a root of 16 gone features
