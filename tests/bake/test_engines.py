@@ -89,7 +89,7 @@ class SeenElsewhere(InProcess):
     [
         ("node-2", ("inode", "ctime_ns"), 16),  # another node: its own inode numbers
         (None, ("inode", "ctime_ns"), 0),  # the driver's host: an inode differing is a change
-        # another node: the driver's stat is not compared there, the bytes read are (cl9.20)
+        # another node: the driver's stat is not compared there, the bytes read are (cl9.14)
         ("node-2", ("mtime_ns",), 16),
         ("node-2", ("size",), 16),
     ],
@@ -107,7 +107,7 @@ def test_a_worker_on_another_node_compares_size_and_mtime_not_its_mounts_inodes(
     driver's stat whole, inode and ctime included; on a shared mount that shows each node
     other inode numbers every input of a worker on another node was refused as changed. A
     worker on another node now hashes what it reads and compares the key it makes with the
-    item's (cl9.20: the driver's stat is not compared there, so a stat moved in any field
+    item's (cl9.14: the driver's stat is not compared there, so a stat moved in any field
     encodes the unchanged files); on the driver's host the whole stat is still compared."""
     if worker_host is not None:  # the worker's host; the job names the driver's, made before
         monkeypatch.setattr(pipeline, "this_host", lambda: worker_host, raising=False)
@@ -167,7 +167,7 @@ def data_of(kind: str, audio: Path, folder: Path) -> tuple[Path, dict[str, Path]
     [
         ("node-2", ("inode", "ctime_ns"), 6),  # another node: its own inode numbers
         (None, ("inode", "ctime_ns"), 0),  # the driver's host: an inode differing is a change
-        # another node: the driver's stat is not compared there, the bytes read are (cl9.20)
+        # another node: the driver's stat is not compared there, the bytes read are (cl9.14)
         ("node-2", ("mtime_ns",), 6),
         ("node-2", ("size",), 6),
     ],
@@ -186,7 +186,7 @@ def test_rows_members_and_cells_on_another_node_compare_their_files_size_and_mti
     of the file holding them, and a worker on another node compared it whole (inode and ctime
     included) with its own stat of that file, refusing every item of a mount that numbers
     inodes per node. Now each is hashed there as read and its key compared, as for a plain
-    file (cl9.20); on the driver's host the whole stat still is compared."""
+    file (cl9.14); on the driver's host the whole stat still is compared."""
     data, clips = data_of(kind, audio_dir, tmp_path / "data")
     if worker_host is not None:  # the worker's host; the job names the driver's, made before
         monkeypatch.setattr(pipeline, "this_host", lambda: worker_host, raising=False)
