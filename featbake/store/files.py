@@ -212,8 +212,13 @@ def holding(path: Path, *, folder: bool = False) -> Iterator[Hold]:
     """
     while True:
         fd = _made(path, folder)
-        lock_taken(fd, wait=True)  # a sweep holding it is removing it: made again below
-        if is_same_file(path, fd):
+        try:
+            lock_taken(fd, wait=True)  # a sweep holding it is removing it: made again below
+            ours = is_same_file(path, fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        if ours:
             break
         os.close(fd)
     try:
