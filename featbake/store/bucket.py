@@ -33,7 +33,7 @@ from featbake.errors import ConfigError, FeatbakeError, ShardMissing, StoreCorru
 from featbake.process import PerProcess, ProcessLocal, ProcessLocalState
 from featbake.store.blocks import BlockPlan, BlockWindowWarning, windows_over
 from featbake.store.catalog import Access, open_sqlite
-from featbake.store.files import list_folder, publish_file
+from featbake.store.files import Hold, holding, list_folder, publish_file
 from featbake.store.fragments import (
     fragment_shard_names,
     fragments_dir,
@@ -635,25 +635,25 @@ class BucketStore(ProcessLocalState):
             return set(catalog_shards(self.layout.catalog))
         tmp = self.layout.tmp / f"gc-v{version}.{uuid.uuid4().hex[:8]}.sqlite"
         try:
-            self.bucket.download(version_name(version), tmp)
-            return set(catalog_shards(tmp, required=True))
+            with holding(tmp):  # held: no gc's sweep on this node takes it while it is read
+                self.bucket.download(version_name(version), tmp)
+                return set(catalog_shards(tmp, required=True))
         except sqlite3.OperationalError as e:  # never a version read as naming nothing
             raise StoreError(
                 f"gc lost its copy of catalog version {version} of {self.url} before reading it "
-                f"({e}; another gc's sweep on this node with a --grace shorter than this run?); "
+                f"({e}; another gc's sweep on this node, on a disk without locks?); "
                 "nothing was deleted: run gc again"
             ) from e
-        finally:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
 
     def sweep(self, plan: Sweep, crash: Callable[[str], None]) -> Swept:
         """Delete the plan's shard objects, then its retired versions."""
         self.bucket.delete(h.name for h in plan.shards)
         self.bucket.delete(h.name for h in plan.versions)
-        # The tier's leftovers: folders of killed changes, each weighed again as it goes.
+        # The tier's leftovers: only what no live process holds, weighed again as it goes,
+        # counted by what this sweep removed (not the plan's weights).
         loose = [n for n in map(removed_leftover, plan.loose) if n is not None]
-        return Swept(len(plan.shards), len(loose), len(plan.versions), plan.bytes)
+        objects = sum(h.size for h in (*plan.shards, *plan.versions))
+        return Swept(len(plan.shards), len(loose), len(plan.versions), objects + sum(loose))
 
     def repair_refusal(self) -> str | None:
         return (
@@ -723,17 +723,14 @@ class BucketStore(ProcessLocalState):
         want = PinnedVersion(version_of(newest_obj.name) or 0, newest_obj.etag)
         if self._pinned() == want:
             return want.version
-        tmp = self.layout.tmp / f"catalog-v{want.version}.{os.getpid()}.download"
-        try:
+        tmp = self.layout.tmp / f"catalog-v{want.version}.{uuid.uuid4().hex[:12]}.download"
+        with holding(tmp):  # held: no gc's sweep on this node takes it before it is installed
             try:
                 self.bucket.download(newest_obj.name, tmp)
             except FileNotFoundError:
                 return self._sync_catalog_locked()  # retired between the listing and the read
             check_catalog_file(tmp, self.bucket.where(newest_obj.name))
             self.install_catalog(tmp, want.version, want.etag)
-        finally:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
         return want.version
 
     def _mark_tier(self) -> None:
@@ -955,42 +952,62 @@ TRIES = 5
 def publish_next(store: BucketStore, change: Callable[[Layout], Change[T]]) -> T:
     """Apply ``change`` to a copy of the newest version and publish it as the next one.
 
+    The copy's folder (``tmp/work-<id>``) is held for the change's life
+    (:func:`~featbake.store.files.holding`), so no gc's sweep on this node takes it; where the
+    disk has no locks and one took it all the same, the change fails in one line
+    (:func:`lost_work`) and publishes nothing, decided by the folder's identity (a folder made
+    again meanwhile, by the change's own writes, is not its copy).
+
     Raises:
         StoreError: the bucket cannot be read or written, or others kept publishing first.
     """
     for _ in range(TRIES):
         version = store.sync_catalog()
         work = Layout(store.layout.tmp / f"{WORK_PREFIX}{uuid.uuid4().hex[:12]}", remote=store)
-        made = False
-        try:
-            work.ensure()
-            made = True
-            if store.layout.catalog.exists():
-                shutil.copyfile(store.layout.catalog, work.catalog)
-                records = root_records_in(work.catalog)
-                if records is not None:  # what the roots' last builds recorded: a merge folds
-                    restore_records(work, records)  # them in, a drop removes its root's
-            outcome = change(work)
-            if not outcome.changed:
-                return outcome.value
-            pack_root_records(work)
-            _standalone(work)
-            if store.bucket.upload(version_name(version + 1), work.catalog, create=True):
-                if outcome.after_publish:
-                    outcome.after_publish()
-                _keep_roots(work, store.layout)
-                store.install_catalog(work.catalog, version + 1)
-                return outcome.value
-        except (OSError, sqlite3.Error) as e:
-            if made and not work.root.is_dir():  # never a raw error of a folder swept away
-                raise lost_work(store, work) from e
-            raise
-        finally:
-            shutil.rmtree(work.root, ignore_errors=True)
+        with holding(work.root, folder=True) as hold:  # removed at the end, then let go
+            done = _published_copy(store, work, version, change, hold)
+        if done is not None:
+            return done.value
     raise StoreError(
         f"other merges or gc runs published {TRIES} catalog versions of {store} while this one "
         "ran; run it again when they are done"
     )
+
+
+def _published_copy(
+    store: BucketStore,
+    work: Layout,
+    version: int,
+    change: Callable[[Layout], Change[T]],
+    hold: Hold,
+) -> Change[T] | None:
+    """``change`` run on a copy of version ``version`` in ``work`` (held: ``hold``), published
+    as the next version; the change (its value), or None where another published it first."""
+    try:
+        work.ensure()
+        if store.layout.catalog.exists():
+            shutil.copyfile(store.layout.catalog, work.catalog)
+            records = root_records_in(work.catalog)
+            if records is not None:  # what the roots' last builds recorded: a merge folds
+                restore_records(work, records)  # them in, a drop removes its root's
+        outcome = change(work)
+        if not outcome.changed:
+            return outcome
+        pack_root_records(work)
+        _standalone(work)
+        if not hold.intact():  # swept, then made again by a write: never publish that
+            raise lost_work(store, work)
+        if not store.bucket.upload(version_name(version + 1), work.catalog, create=True):
+            return None
+    except (OSError, sqlite3.Error) as e:
+        if not hold.intact():  # never a raw error of a folder swept away
+            raise lost_work(store, work) from e
+        raise
+    if outcome.after_publish:
+        outcome.after_publish()
+    _keep_roots(work, store.layout)
+    store.install_catalog(work.catalog, version + 1)
+    return outcome
 
 
 def lost_work(store: BucketStore, work: Layout) -> StoreError:

@@ -68,7 +68,7 @@ from featbake.store.catalog import (
     open_sqlite,
     write_root_rows,
 )
-from featbake.store.files import fsync_dir
+from featbake.store.files import fsync_dir, holding
 from featbake.store.hash_cache import HashCacheRow
 from featbake.store.layout import Layout
 from featbake.store.roots import RootSpec
@@ -287,12 +287,12 @@ def write_fragment(
     tmp = layout.tmp / f"fragment-{uuid.uuid4().hex}.part"
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
-        layout.tmp.mkdir(parents=True, exist_ok=True)
         extra = {"kind": kind.value, **done.meta()}
-        _fill(layout, tmp, info, extra, shards, items, hashes, uses)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
+        with holding(tmp):  # held while it is written: no gc's sweep takes it
+            _fill(layout, tmp, info, extra, shards, items, hashes, uses)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
         fsync_dir(final.parent)
     except BaseException as e:
         with contextlib.suppress(OSError):

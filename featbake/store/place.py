@@ -9,18 +9,18 @@ place answers with its own behaviour, a directory's mostly a no-op. :class:`Remo
 the read path of a place whose shards are fetched into the tier (the shard readers' seam).
 
 Kept apart from :mod:`featbake.store.layout` (a pure path object, which asks its place nothing)
-and importing nothing of the store but the layout when it runs (its types of a merge report and
-a shard reader are for type checkers only): the catalog and the fragments ask
-:func:`holds_shard` here, below :func:`featbake.store.open.place_of`. Beside :class:`Held` are
-the steps both places' sweeps take over a ``tmp/`` leftover (:func:`held_folder`,
-:func:`removed_leftover`), plain file steps of their own.
+and importing nothing of the store but the layout and the file primitives when it runs (its
+types of a merge report and a shard reader are for type checkers only): the catalog and the
+fragments ask :func:`holds_shard` here, below :func:`featbake.store.open.place_of`. Beside
+:class:`Held` are the steps both places' sweeps take over a ``tmp/`` leftover
+(:func:`held_folder`, :func:`removed_leftover`: only what no live process holds).
 """
 
 from __future__ import annotations
 
-import contextlib
+import os
 import shutil
-import uuid
+import stat
 from collections.abc import Callable, Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
@@ -28,6 +28,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Generic, NamedTuple, Protocol, TypeVar, runtime_checkable
 
+from featbake.store.files import Taken, is_same_file, lock_taken
 from featbake.store.layout import Layout
 
 if TYPE_CHECKING:
@@ -88,43 +89,59 @@ def held_folder(folder: Path) -> Held | None:
     return Held(str(folder), size, latest)
 
 
-#: ``tmp/swept-<name>.<id>``: a leftover folder gc's sweep renamed aside to remove it (a name
-#: no writer uses; one a killed sweep left is a leftover of its own, weighed like the others).
+#: ``tmp/swept-<name>.<id>``: a leftover folder an older gc's sweep renamed aside to remove it
+#: (one a killed sweep left is a leftover of its own, weighed like the others).
 SWEPT_PREFIX = "swept-"
+
+
+def _opened(path: Path) -> int | None:
+    """A descriptor of the file or folder at ``path`` (a link not followed, a FIFO never waited
+    on); None where it went meanwhile."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+
+
+def _weighed(path: Path, fd: int) -> Held | None:
+    """``path`` weighed again (:func:`held_folder` for a folder; a file by its descriptor)."""
+    st = os.fstat(fd)
+    if stat.S_ISDIR(st.st_mode):
+        return held_folder(path)
+    return Held(str(path), st.st_size, st.st_mtime) if stat.S_ISREG(st.st_mode) else None
 
 
 def removed_leftover(planned: Held) -> int | None:
     """Remove a ``tmp/`` leftover gc's sweep planned; the bytes freed, None where it was kept.
 
-    A folder is first renamed aside (:data:`SWEPT_PREFIX`, one atomic step in the same
-    ``tmp/``), then weighed again (:func:`held_folder`) and removed only if nothing in it
-    changed since the plan; a folder taken up meanwhile (a verify rerun writing its scratch
-    there) is renamed back and kept. The rename comes first so that no writer ever writes into
-    a folder being removed: one that takes the folder up after it finds no folder (its write
-    fails, or it makes the folder again, and what it writes then is its own). A file goes as it
-    is (temporary names are never reused); one gone already (another gc took it) was not
-    removed here, and is not counted.
+    The sweep takes only what it can lock itself, without waiting (``flock`` on the file or
+    folder: :func:`featbake.store.files.holding`), and holds that lock while it weighs it again
+    and removes it: a live process holds what it uses for its whole life, so its scratch is
+    kept however old it looks, and one killed dropped its lock, so its leftover goes. Kept too:
+    one changed since the plan (weighed again under the lock: a writer that holds no lock, a
+    filesystem without locks), and one gone or taken by another gc meanwhile (not counted: only
+    what this sweep removed is). A maker that was about to lock what the sweep removes finds it
+    gone once it has the lock, and makes it again.
     """
     path = Path(planned.name)
-    if not path.is_dir() or path.is_symlink():
-        try:
-            size = path.lstat().st_size
-            path.unlink()
-        except FileNotFoundError:
-            return None
-        return size
-    aside = path.with_name(f"{SWEPT_PREFIX}{path.name}.{uuid.uuid4().hex[:12]}")
-    try:
-        path.rename(aside)
-    except OSError:
+    fd = _opened(path)
+    if fd is None:
         return None  # gone meanwhile (another gc took it)
-    now = held_folder(aside)
-    if now is None or now.modified > planned.modified:
-        with contextlib.suppress(OSError):  # its writer made it again meanwhile: it keeps that
-            aside.rename(path)  # one, this copy goes with the next sweep past the grace
+    try:
+        if lock_taken(fd) is Taken.HELD or not is_same_file(path, fd):
+            return None  # a live process holds it, or another sweep took it
+        now = _weighed(path, fd)
+        if now is None or now.modified > planned.modified:
+            return None  # changed since the plan: in use
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink()
+        return now.size
+    except OSError:
         return None
-    shutil.rmtree(aside, ignore_errors=True)
-    return now.size
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ from featbake.quantize import (
     dequantize_unpacked,
     unpack,
 )
-from featbake.store.files import fsync_dir
+from featbake.store.files import fsync_dir, holding
 from featbake.store.layout import Layout
 from featbake.store.locks import shared_write_lock
 
@@ -633,17 +633,17 @@ def write_shard(
     size = sum(len(b) for b in bufs)
     tmp = layout.tmp / f"{uuid.uuid4().hex}.part"
     try:
-        layout.tmp.mkdir(parents=True, exist_ok=True)
-        with digest_beside(bufs, size) as digest:
+        # held while it is written: no gc's sweep takes it (store/files.py: holding)
+        with holding(tmp), digest_beside(bufs, size) as digest:
             with open(tmp, "wb") as f:
                 for buf in bufs:
                     f.write(buf)
                 f.flush()
                 os.fsync(f.fileno())
             name = digest()
-        final = layout.shard_path(name)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, final)
+            final = layout.shard_path(name)
+            final.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp, final)
         fsync_dir(final.parent)
     except OSError as e:
         with contextlib.suppress(OSError):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import shutil
 import sqlite3
 import stat
 import time
@@ -45,7 +44,7 @@ from featbake.store.containers import (
     split_item_path,
     stored_cell_kind,
 )
-from featbake.store.files import FolderListing, list_folder
+from featbake.store.files import FolderListing, holding, list_folder
 from featbake.store.fragments import fragment_shard_names, read_fragment, sealed_fragments
 from featbake.store.hash_cache import ENCODER_FP_PREFIX, FileStat, HashCacheRow
 from featbake.store.layout import Layout, shard_name
@@ -910,10 +909,9 @@ def verify_named(layout: Layout, progress: Progress = None) -> VerifyReport:
     named = place.named_shards()
     listed = place.shard_objects()
     report = VerifyReport(str(place), VerifyStatus.CLEAN, 0, 0, tmp_findings(layout))
-    scratch = verify_scratch(layout.tmp)
-    try:
+    with holding(verify_scratch(layout.tmp), folder=True) as scratch:  # no sweep takes it
         for i, name in enumerate(sorted(named)):
-            finding = _check_held(place, scratch, name, name in listed)
+            finding = _check_held(place, scratch.path, name, name in listed)
             if finding is None:
                 report.shards_checked += 1
                 report.bytes_checked += listed[name]
@@ -921,8 +919,6 @@ def verify_named(layout: Layout, progress: Progress = None) -> VerifyReport:
                 report.findings.append(finding)
             if progress:
                 progress(GcProgress("verify", i + 1, len(named)))
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
     unnamed = sorted(set(listed) - set(named))
     if unnamed:
         report.findings.append(
@@ -942,18 +938,50 @@ def verify_named(layout: Layout, progress: Progress = None) -> VerifyReport:
 
 def _brought_in(place: Place, name: str, path: Path) -> bool:
     """Whether the place's shard ``name`` is now in scratch file ``path``; False where the
-    place holds no such shard. A download that failed because the scratch folder went (a gc
-    on this node with a short grace took it as a killed verify's) is tried once more in the
-    folder made anew, when the place still holds the shard."""
+    place holds no such shard (asked of the place, never told by the scratch: a download that
+    failed because the scratch went, on a disk without locks, is tried once more)."""
     for last in (False, True):
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
             place.download_shard(name, path)
             return True
         except FileNotFoundError:
-            if last or path.parent.is_dir() or not place.has_shard(name):
+            if last or not place.has_shard(name):
                 return False
     return False
+
+
+def _checked(path: Path) -> ShardCheck | None:
+    """The check of the shard brought into scratch file ``path`` (removed after it); None where
+    the file went before its check (a sweep on a disk without locks: bring it in again)."""
+    try:
+        check = check_shard(path)
+        if not check.sound and not os.path.lexists(path):
+            return None
+        return check
+    finally:
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+def _brought_and_checked(place: Place, name: str, path: Path) -> ShardCheck | None:
+    """The check of the place's shard ``name`` brought into scratch file ``path``; None where
+    the place no longer holds it. A copy gone before its check is brought in again.
+
+    Raises:
+        StoreError: the copy went twice (a gc sweeping this node's ``tmp/`` over and over, on
+            a disk without locks): nothing is said of the shard.
+    """
+    for _ in range(2):
+        if not _brought_in(place, name, path):
+            return None
+        check = _checked(path)
+        if check is not None:
+            return check
+    raise StoreError(
+        f"verify's copy of shard {name} in {path.parent.parent} was removed twice before it was "
+        "checked (a gc on this node, on a disk without locks?); run verify again"
+    )
 
 
 def _check_held(place: Place, scratch: Path, name: str, listed: bool) -> Finding | None:
@@ -967,14 +995,9 @@ def _check_held(place: Place, scratch: Path, name: str, listed: bool) -> Finding
             "encode what it held",
             True,
         )
-    path = scratch / name[:2] / f"{name}.safetensors"
-    if not _brought_in(place, name, path):
+    check = _brought_and_checked(place, name, scratch / name[:2] / f"{name}.safetensors")
+    if check is None:
         return Finding(FindingKind.MISSING_SHARD, where, "deleted while verify ran", True)
-    try:
-        check = check_shard(path)
-    finally:
-        with contextlib.suppress(OSError):
-            path.unlink()
     if check.sound:
         return None
     return Finding(

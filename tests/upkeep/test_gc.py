@@ -17,9 +17,11 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, Dataset
 
 from featbake.serve.dataset import CachedFeatureDataset
+from featbake.store import files as files_mod
 from featbake.store import place
 from featbake.store.catalog import Catalog
 from featbake.store.features import FeatureReader
+from featbake.store.files import holding
 from featbake.store.filesystem import SharedFilesystemWarning
 from featbake.store.fragments import sealed_fragments
 from featbake.store.layout import Layout
@@ -737,41 +739,62 @@ def test_gc_removes_folders_left_in_tmp_past_the_grace_and_keeps_one_in_use(
     assert assert_serves(store_dir, first.root, audio_dir, encoder_file, Live()) == 16
 
 
-def test_a_folder_taken_up_between_the_sweeps_weigh_and_its_removal_loses_nothing_written(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_a_folder_or_file_a_live_process_holds_is_kept_by_the_sweep_however_old(
+    tmp_path: Path,
 ) -> None:
-    """Round nine, upkeep: the sweep weighed a leftover folder again, then removed it by its
-    name, so a writer that took it up in between (verify's scratch: make the folder, write
-    into it) had what it wrote removed under it. The folder is now renamed aside before it is
-    weighed again: a writer after that finds no folder to write into (its write fails, or it
-    makes the folder again) and what it writes is kept; only the renamed copy goes."""
+    """Round nine, upkeep: the sweep weighed a leftover folder again, then removed it, so a
+    process still using it (a merge's catalog copy, verify's scratch, a download being
+    checked) lost it under it whenever the folder looked old: renamed aside (up9.1) or not, a
+    rule of ages cannot tell a live process's folder from a killed one's. Whatever a process
+    makes in ``tmp/`` it holds (``flock``) for its life; the sweep takes only what it can lock
+    itself, so a held folder or file is kept however old, and goes once let go (a killed
+    process's lock drops with it)."""
     tmp = tmp_path / "tmp"
-    left = tmp / "scratch"
+    with holding(tmp / "scratch", folder=True) as folder, holding(tmp / "x.part") as file:
+        (folder.path / "old.part").write_bytes(b"x" * 10)
+        file.path.write_bytes(b"y" * 5)
+        for p in (folder.path / "old.part", folder.path, file.path):
+            age(p, 2 * 3600)
+        weighed = Held(str(file.path), 5, file.path.stat().st_mtime)
+        planned = [place.held_folder(folder.path), weighed]
+        assert [place.removed_leftover(h) for h in planned if h is not None] == [None, None]
+        assert (folder.path / "old.part").read_bytes() == b"x" * 10
+        assert file.path.read_bytes() == b"y" * 5
+    assert not tmp.exists() or not list(tmp.iterdir())  # let go: removed by their maker
+
+    left = tmp / "killed"  # what a killed process left: nobody holds it
     left.mkdir(parents=True)
     (left / "old.part").write_bytes(b"x" * 10)
-    age(left / "old.part", 2 * 3600)
-    age(left, 2 * 3600)
-    planned = place.held_folder(left)
-    assert planned is not None
-    weigh = place.held_folder
-    lost: list[OSError] = []
+    planned_left = place.held_folder(left)
+    assert planned_left is not None and place.removed_leftover(planned_left) == 10
+    assert not left.exists()
 
-    def weigh_then_write(folder: Path) -> Held | None:
-        held = weigh(folder)
-        try:  # a writer that expects its folder there: never into one about to be removed
-            (left / "lost.part").write_bytes(b"z")
-        except FileNotFoundError as e:
-            lost.append(e)
-        left.mkdir(parents=True, exist_ok=True)  # a writer that makes it again (verify)
-        (left / "new.part").write_bytes(b"y" * 10)
-        return held
 
-    monkeypatch.setattr(place, "held_folder", weigh_then_write)
-    assert place.removed_leftover(planned) == 10
-    assert len(lost) == 1
-    assert sorted(p.name for p in left.iterdir()) == ["new.part"]
-    assert (left / "new.part").read_bytes() == b"y" * 10
-    assert [p.name for p in tmp.iterdir()] == ["scratch"]  # the renamed copy is gone
+def test_a_maker_whose_folder_a_sweep_takes_before_it_holds_it_makes_it_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweep may lock a scratch folder in the moment between its maker's ``mkdir`` and its
+    lock (a ``--grace 0s``): the maker waits for the lock, finds the path is no longer the
+    folder it locked, and makes it again; it never works in a folder a sweep removes."""
+    path = tmp_path / "tmp" / "work-1"
+    made = files_mod._made
+    swept: list[int | None] = []
+
+    def made_then_swept(p: Path, folder: bool) -> int:
+        fd = made(p, folder)
+        if not swept:
+            held = place.held_folder(p)
+            assert held is not None
+            swept.append(place.removed_leftover(held))
+        return fd
+
+    monkeypatch.setattr(files_mod, "_made", made_then_swept)
+    with holding(path, folder=True) as hold:
+        assert swept == [0] and hold.intact()
+        (path / "a").write_bytes(b"z")
+        held = place.held_folder(path)
+        assert held is not None and place.removed_leftover(held) is None
+        assert (path / "a").read_bytes() == b"z"
 
 
 def test_a_folder_taken_up_after_the_plan_is_put_back_whole(tmp_path: Path) -> None:

@@ -285,3 +285,24 @@ def test_gc_older_than_keeps_a_bucket_root_a_fresh_process_read_and_drops_one_un
     )
     assert_live(kept, encoder_file)  # every feature of the kept root served, none encoded
     kept.close()
+
+
+def test_a_bucket_gc_counts_no_bytes_of_a_leftover_another_gc_removed(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    """Round nine, upkeep: up9.6 counts only the leftovers a run removed itself
+    (``tmp_removed``); a bucket's sweep still reported the plan's bytes as freed, the bytes of
+    a leftover another gc on the node took first too. It counts what it removed."""
+    build(audio_dir, encoder_file, cache=s3.url, workers=0)
+    store = bucket_store(s3.url, tmp_path / "node")
+    left = store.layout.tmp / "work-killed"
+    left.mkdir(parents=True)
+    (left / "catalog.sqlite").write_bytes(b"x" * 5000)
+    for p in (left / "catalog.sqlite", left):
+        age(p, 7200)
+    plan = plan_gc(store.layout, GcOptions(grace=3600.0))
+    assert [Path(h.name).name for h in plan.sweep.loose] == ["work-killed"]
+    (left / "catalog.sqlite").unlink()  # another gc on the node took it first
+    left.rmdir()
+    done = execute_gc(plan)
+    assert (done.tmp_removed, done.bytes_freed) == (0, 0)

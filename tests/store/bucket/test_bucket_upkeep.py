@@ -12,15 +12,20 @@ from pathlib import Path
 import pytest
 import torch
 
+import featbake.store.place as place_mod
 from featbake import CachedFeatureDataset
 from featbake.bake.pipeline import build
-from featbake.errors import StoreError
-from featbake.store.bucket import BucketStore, merge_bucket
+from featbake.errors import StoreCorrupt, StoreError
+from featbake.store import bucket as bucket_mod
+from featbake.store.bucket import BucketStore, merge_bucket, tier_leftovers
 from featbake.store.catalog import Catalog
+from featbake.store.files import Taken
 from featbake.store.fragment_catalog import FragmentCatalog
 from featbake.store.fragments import sealed_fragments
+from featbake.store.layout import Layout
 from featbake.store.objects import ObjectStore
-from featbake.store.place import removed_leftover
+from featbake.store.open import open_store
+from featbake.store.place import Held, removed_leftover
 from featbake.upkeep import GcOptions, VerifyReport, drop_root, gc, stats, verify
 from featbake.upkeep.gc import CRASH_ENV, GcPlan
 from tests.conftest import REPO, live_features, run_cli
@@ -297,22 +302,24 @@ def test_a_gc_whose_copy_of_an_older_version_is_swept_under_it_deletes_nothing(
 
 
 def test_a_merge_whose_catalog_copy_a_gc_sweep_took_says_so_in_one_line(
-    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Round nine, upkeep: a merge (gc, drop) works on a catalog copy in the tier's
-    ``tmp/work-*``; a gc on the same node whose grace is shorter than the change has run may
-    take that folder as a killed change's leftover. The change then fails in one line that
-    says what happened and what to do, publishes nothing, and a rerun merges."""
+    ``tmp/work-*``, which it holds; on a disk without locks, a gc on the same node whose grace
+    is shorter than the change has run may take that folder as a killed change's leftover all
+    the same. The change then fails in one line that says what happened and what to do,
+    publishes nothing, and a rerun merges."""
     for part in ("0/2", "1/2"):
         build(audio_dir, encoder_file, cache=s3.url, workers=0, shard=part)
     tier = tmp_path / "node"
     store = bucket_store(s3.url, tier)
     versions = s3.objects("catalog/")
     swept: list[int] = []
+    without_locks(monkeypatch)  # a held folder is kept: only a disk without locks loses it
 
     def sweep_the_tier(step: str) -> None:
         if not swept:  # gc --grace 0s on this node, its sweep of the tier's tmp/
-            swept.extend(n for n in map(removed_leftover, store.leftovers()) if n is not None)
+            swept.extend(sweep(store.leftovers()))
 
     with pytest.raises(StoreError, match="run it again") as e:
         merge_bucket(store, between=sweep_the_tier)
@@ -326,19 +333,21 @@ def test_a_verify_whose_scratch_a_gc_sweep_took_checks_every_shard_still(
     s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Round nine, upkeep: verify of a bucket store brings each shard into its scratch in the
-    tier's ``tmp/``; a gc on the same node whose grace is shorter than the verify takes that
-    folder as a killed verify's leftover. The shard's download then failed and verify reported
-    a sound shard "deleted while verify ran". It asks the bucket whether the shard is there,
-    and brings it in again into its scratch made anew."""
+    tier's ``tmp/``, which it holds; on a disk without locks, a gc on the same node whose grace
+    is shorter than the verify takes that folder as a killed verify's leftover all the same.
+    The shard's download then failed and verify reported a sound shard "deleted while verify
+    ran". It asks the bucket whether the shard is there, and brings it in again into its
+    scratch made anew."""
     build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
     tier = tmp_path / "node"
     store = bucket_store(s3.url, tier)
     download = BucketStore.download_shard
     swept: list[int] = []
+    without_locks(monkeypatch)  # a held scratch is kept: only a disk without locks loses it
 
     def sweep_then_download(self: BucketStore, name: str, dest: Path) -> None:
         if not swept:  # gc --grace 0s on this node, its sweep of the tier's tmp/
-            swept.extend(n for n in map(removed_leftover, store.leftovers()) if n is not None)
+            swept.extend(sweep(store.leftovers()))
         download(self, name, dest)
 
     monkeypatch.setattr(BucketStore, "download_shard", sweep_then_download)
@@ -347,3 +356,265 @@ def test_a_verify_whose_scratch_a_gc_sweep_took_checks_every_shard_still(
     assert report.status == "clean", [f.detail for f in report.findings]
     assert report.shards_checked == len(store.named_shards()) > 1
     assert not list(store.layout.tmp.glob("verify*"))
+
+
+# -- round nine, upkeep: a live process holds what it uses in the tier's tmp/ ----------------------
+# gc --grace 0s on the node, as the rows above model it: ``removed_leftover`` over the tier's
+# leftovers, run by a hook at the step named (no sleep).
+
+
+def sweep(leftovers: list[Held]) -> list[int]:
+    """gc --grace 0s on this node: its sweep of the tier's tmp/ (the bytes of each removed)."""
+    return [n for n in map(removed_leftover, leftovers) if n is not None]
+
+
+def without_locks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sweep on a disk without locks (NFS without a lock daemon): it cannot tell a held
+    scratch from a killed process's, and decides by the grace period alone."""
+    monkeypatch.setattr(place_mod, "lock_taken", lambda fd: Taken.NO_LOCKS, raising=False)
+
+
+def test_a_merge_whose_work_folder_a_sweep_reaches_before_its_records_are_restored_keeps_every_root(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Round nine, upkeep: a sweep that took a merge's ``tmp/work-*`` after its catalog copy
+    and before the roots' records were restored let ``restore_records`` make the folder again,
+    and the merge folded the fragments into a catalog made anew, empty: the version it
+    published had lost every older root. The merge holds its folder now: the sweep keeps it,
+    and the version published names both roots."""
+    (audio_dir / "broken.wav").write_bytes(b"RIFF\x00\x00junk")  # version 1 carries a record
+    first = build(audio_dir, encoder_file, cache=s3.url, workers=0)
+    other = tmp_path / "other"
+    other.mkdir()
+    for clip in sorted(audio_dir.rglob("clip*.wav"))[:4]:
+        (other / clip.name).write_bytes(clip.read_bytes())
+    for part in ("0/2", "1/2"):  # a second root, waiting in fragments
+        second = build(other, encoder_file, cache=s3.url, workers=0, shard=part)
+    store = bucket_store(s3.url, tmp_path / "node")
+    restore = bucket_mod.restore_records
+    tried: list[list[int]] = []
+
+    def swept_then_restored(work: Layout, records: dict[str, str]) -> None:
+        if not tried:  # the sweep between the copy and its records
+            tried.append(sweep(store.leftovers()))
+        restore(work, records)
+
+    monkeypatch.setattr(bucket_mod, "restore_records", swept_then_restored)
+    merge_bucket(store)
+    assert tried == [[]]  # the work folder, held, was kept
+    with Catalog(open_store(s3.url, local_cache=tmp_path / "reader")) as catalog:
+        roots = {r.name for r in catalog.roots()}
+    assert {first.root, second.root} <= roots
+    assert verify(s3.url, local_cache=tmp_path / "verifier").status == "clean"
+
+
+def test_a_merge_whose_work_folder_is_swept_and_made_again_publishes_nothing(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same sweep on a disk without locks takes the work folder, and ``restore_records``
+    makes it again: the change is lost by the folder's identity (not by a name being there),
+    so it fails in one line and publishes nothing."""
+    (audio_dir / "broken.wav").write_bytes(b"RIFF\x00\x00junk")
+    build(audio_dir, encoder_file, cache=s3.url, workers=0)
+    for part in ("0/2", "1/2"):
+        build(audio_dir, encoder_file, cache=s3.url, workers=0, shard=part)
+    store = bucket_store(s3.url, tmp_path / "node")
+    versions = s3.objects("catalog/")
+    restore = bucket_mod.restore_records
+    swept: list[int] = []
+    without_locks(monkeypatch)
+
+    def swept_then_restored(work: Layout, records: dict[str, str]) -> None:
+        if not swept:
+            swept.extend(sweep(store.leftovers()))
+        restore(work, records)  # makes tmp/work-* again
+
+    monkeypatch.setattr(bucket_mod, "restore_records", swept_then_restored)
+    with pytest.raises(StoreError, match="run it again") as e:
+        merge_bucket(store)
+    assert len(swept) == 1 and "\n" not in str(e.value)
+    assert s3.objects("catalog/") == versions
+
+
+def test_a_merge_swept_while_it_makes_its_catalog_standalone_merges(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Round nine, upkeep: a sweep renamed the merge's work folder aside while the merge
+    opened its catalog (which failed) and back (the folder had changed since its plan); the
+    guard asked only whether the folder was there, so SQLite's own error went up raw. The
+    merge holds its folder now: the sweep keeps it and never weighs it, and the merge goes on."""
+    for part in ("0/2", "1/2"):
+        build(audio_dir, encoder_file, cache=s3.url, workers=0, shard=part)
+    store = bucket_store(s3.url, tmp_path / "node")
+    standalone = bucket_mod._standalone
+    weigh = place_mod.held_folder
+    kept: list[object] = []
+    ran: list[bool] = []
+
+    def standalone_during_a_sweep(work: Layout) -> None:
+        (held,) = [h for h in store.leftovers() if "work-" in h.name]
+        planned = held._replace(modified=held.modified - 1)  # planned before the merge wrote
+
+        def weigh_after(folder: Path) -> Held | None:
+            ran.append(True)
+            standalone(work)  # the change opens its catalog while the sweep weighs it
+            return weigh(folder)
+
+        monkeypatch.setattr(place_mod, "held_folder", weigh_after)
+        kept.append(removed_leftover(planned))
+        monkeypatch.setattr(place_mod, "held_folder", weigh)
+        if not ran:
+            standalone(work)
+
+    monkeypatch.setattr(bucket_mod, "_standalone", standalone_during_a_sweep)
+    assert merge_bucket(store).roots
+    assert kept == [None]
+    assert verify(s3.url, local_cache=tmp_path / "verifier").status == "clean"
+
+
+def test_a_verify_whose_scratch_a_sweep_reaches_after_a_download_reports_no_damage(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Round nine, upkeep: a sweep right after a shard was brought into verify's scratch (not
+    yet checked) took the file the check reads, and verify called the sound object damaged
+    ("unreadable: No such file or directory; delete this object"). verify holds its scratch:
+    the sweep keeps it."""
+    build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
+    tier = tmp_path / "node"
+    store = bucket_store(s3.url, tier)
+    download = BucketStore.download_shard
+    tried: list[list[int]] = []
+
+    def download_then_sweep(self: BucketStore, name: str, dest: Path) -> None:
+        download(self, name, dest)
+        if not tried:
+            tried.append(sweep(store.leftovers()))
+
+    monkeypatch.setattr(BucketStore, "download_shard", download_then_sweep)
+    report = verify(s3.url, local_cache=tier)
+    assert tried == [[]]
+    assert report.status == "clean", [f.detail for f in report.findings]
+    assert report.shards_checked == len(store.named_shards()) > 1
+
+
+def test_a_verify_whose_scratch_copy_went_before_its_check_brings_it_in_again(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scratch copy gone between its download and its check (a sweep on a disk without
+    locks) is brought in again when the bucket still holds the shard: never called damaged."""
+    build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
+    tier = tmp_path / "node"
+    store = bucket_store(s3.url, tier)
+    download = BucketStore.download_shard
+    swept: list[int] = []
+    without_locks(monkeypatch)
+
+    def download_then_sweep(self: BucketStore, name: str, dest: Path) -> None:
+        download(self, name, dest)
+        if not swept:
+            swept.extend(sweep(store.leftovers()))
+
+    monkeypatch.setattr(BucketStore, "download_shard", download_then_sweep)
+    report = verify(s3.url, local_cache=tier)
+    assert len(swept) == 1
+    assert report.status == "clean", [f.detail for f in report.findings]
+    assert report.shards_checked == len(store.named_shards()) > 1
+    assert not list(store.layout.tmp.glob("verify*"))
+
+
+def test_a_verify_whose_scratch_a_sweep_reaches_during_a_download_reports_no_missing_shard(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Round nine, upkeep: a sweep renamed verify's scratch aside, found it changed since its
+    plan and renamed it back; the download that opened its file in between failed, and
+    verify, finding the folder there again, took the shard for gone from the bucket without
+    asking it ("deleted while verify ran"). verify holds its scratch: the sweep keeps it and
+    never weighs it, and a shard is missing only when the bucket says so."""
+    build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
+    tier = tmp_path / "node"
+    store = bucket_store(s3.url, tier)
+    download = BucketStore.download_shard
+    weigh = place_mod.held_folder
+    calls: list[str] = []
+    kept: list[object] = []
+
+    def download_during_a_sweep(self: BucketStore, name: str, dest: Path) -> None:
+        calls.append(name)
+        if len(calls) != 2:
+            return download(self, name, dest)
+        (held,) = [h for h in store.leftovers() if "verify-" in h.name]
+        planned = held._replace(modified=held.modified - 1)  # planned before this shard
+        done: list[bool] = []
+
+        def weigh_after_the_download(folder: Path) -> Held | None:
+            done.append(True)
+            download(self, name, dest)  # verify opens its file while the sweep weighs it
+            return weigh(folder)
+
+        monkeypatch.setattr(place_mod, "held_folder", weigh_after_the_download)
+        kept.append(removed_leftover(planned))
+        monkeypatch.setattr(place_mod, "held_folder", weigh)
+        if not done:
+            download(self, name, dest)
+        return None
+
+    monkeypatch.setattr(BucketStore, "download_shard", download_during_a_sweep)
+    report = verify(s3.url, local_cache=tier)
+    assert kept == [None]  # the sweep kept the folder
+    assert report.status == "clean", [f.detail for f in report.findings]
+
+
+def test_a_catalog_download_a_sweep_reaches_is_kept_and_installed(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Round nine, upkeep: every file of a tier's ``tmp/`` but ``catalog.lock`` is a leftover
+    (up9.5), so a gc sweep on the node took ``tmp/catalog-v<n>.<id>.download`` between its
+    download and its check, and the sound version was called damaged ("delete that object").
+    The download is held while it is used: the sweep keeps it, and the version is installed."""
+    build(audio_dir, encoder_file, cache=s3.url, workers=0)
+    tier = tmp_path / "node"
+    download = ObjectStore.download
+    tried: list[list[int]] = []
+
+    def download_then_sweep(self: ObjectStore, name: str, dest: Path) -> int:
+        got = download(self, name, dest)
+        if dest.name.endswith(".download") and not tried:
+            tried.append(sweep(tier_leftovers(dest.parent)))
+        return got
+
+    monkeypatch.setattr(ObjectStore, "download", download_then_sweep)
+    said = ""
+    try:
+        store = open_store(s3.url, local_cache=tier).remote
+        assert isinstance(store, BucketStore)
+        assert store.sync_catalog() == 1
+    except (StoreError, StoreCorrupt) as e:
+        said = f"{type(e).__name__}: {e}"
+    assert tried == [[]], said
+    assert not said
+    tmp = bucket_store(s3.url, tier).layout.tmp
+    assert [p.name for p in tmp.iterdir() if p.is_file()] == ["catalog.lock"]
+
+
+def test_a_part_file_a_build_writes_in_the_tier_is_kept_by_a_sweep(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Round nine, upkeep: the ``.part`` files a build writes in the tier's ``tmp/`` (a shard,
+    a fragment, a published mark) are leftovers to the tier's sweep (up9.5); each is held
+    while it is written, so a sweep on the node then keeps it and the build ends whole."""
+    replace = os.replace
+    tried: list[list[int]] = []
+
+    def swept_then_renamed(src: object, dst: object) -> None:
+        part = Path(str(src))
+        if part.name.endswith(".part") and part.parent.name == "tmp":  # the build's tier's
+            tried.append(sweep(tier_leftovers(part.parent)))
+        replace(src, dst)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "replace", swept_then_renamed)
+    done = build(audio_dir, encoder_file, cache=s3.url, workers=0)
+    monkeypatch.setattr(os, "replace", replace)
+    assert len(tried) > 2 and all(t == [] for t in tried), tried
+    with Catalog(open_store(s3.url, local_cache=tmp_path / "reader")) as catalog:
+        assert done.root in {r.name for r in catalog.roots()}
+    assert verify(s3.url, local_cache=tmp_path / "verifier").status == "clean"
