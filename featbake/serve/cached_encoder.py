@@ -472,6 +472,7 @@ class _Read(str):
     the same objects. A copy elsewhere (pickled) is the plain digest: ids mean nothing there."""
 
     refs: tuple[Any, ...] = ()
+    unkeyed: _Read | None = None  # a fresh read's part that no key reads (structure_read)
 
     @classmethod
     def holding(cls, text: str, objects: Sequence[Any]) -> _Read:
@@ -503,32 +504,62 @@ def same_read(now: str, trusted: str) -> bool:
     return now == trusted and (not isinstance(trusted, _Read) or trusted.alive())
 
 
-def structure_read(module: nn.Module) -> tuple[str, list[Any]]:
-    """The digest of what in a module tree its fingerprint's weights and plain attributes do
-    not read, and the objects it names by id: each submodule's class (another forward: a
-    submodule replaced by a subclass with its weights copied, ``Sigmoid`` by ``Tanh``,
-    ``__class__`` set), its other public attributes (a tensor that is no parameter or buffer
-    by id and version, ``forward`` set on the instance), every forward hook by id and what it
-    holds, torch's global forward hooks too. Reads no file: a watch compares the objects, the
-    code of a hook is read when the module is fingerprinted
+def _unkeyed(key: str, value: Any) -> bool:
+    """Whether a public attribute changes what a forward returns while no key reads it: a
+    tensor that is no parameter or buffer, or ``forward`` set on the instance."""
+    return isinstance(value, torch.Tensor) or key == "forward"
+
+
+def _digest(rows: list[Any]) -> str:
+    return hashlib.sha256(repr(rows).encode()).hexdigest()
+
+
+class Structure(NamedTuple):
+    """What :func:`structure_read` reads, each part a digest, with the objects it names."""
+
+    keyed: str  # classes and forward hooks (the fingerprint made again reads them too)
+    attributes: str  # tensor attributes and an instance's forward (no key reads them)
+    global_hooks: str  # torch's global forward hooks (no key reads them)
+    objects: list[Any]
+    unkeyed_objects: list[Any]
+
+
+def structure_read(module: nn.Module) -> Structure:
+    """What in a module tree its weights and plain attributes do not read, by digest, and
+    the objects it names by id: each submodule's class (another forward: a submodule
+    replaced by a subclass with its weights copied, ``Sigmoid`` by ``Tanh``, ``__class__``
+    set) and every forward hook by id and what it holds, which its key reads too; and what
+    no key reads: tensor attributes that are no parameter or buffer (by id and version),
+    ``forward`` set on the instance, torch's global forward hooks. Reads no file: a watch
+    compares the objects, the code of a hook is read when the module is fingerprinted
     (:func:`~featbake.encode.identity.hook_identity`)."""
-    rows: list[Any] = []
+    keyed: list[Any] = []
+    attributes: list[Any] = []
     objects: list[Any] = []
+    unkeyed: list[Any] = []
     for name, sub in module.named_modules():
         objects.append(type(sub))
-        rows.append([name, id(type(sub))])
+        keyed.append([name, id(type(sub))])
         for key, value in vars(sub).items():
-            if key.startswith("_") or is_plain(value):
-                continue
-            objects.append(value)
-            version = version_of(value) if isinstance(value, torch.Tensor) else None
-            rows.append([name, key, id(value), version])
-    hooks = forward_hooks(module)
-    hooks += [("*", str(i), h) for i, d in enumerate(GLOBAL_HOOKS) for h in d.values()]
-    for name, kind, hook in hooks:
+            if not key.startswith("_") and _unkeyed(key, value):
+                unkeyed.append(value)
+                version = version_of(value) if isinstance(value, torch.Tensor) else None
+                attributes.append([name, key, id(value), version])
+    for name, kind, hook in forward_hooks(module):
         objects.append(hook)
-        rows.append([name, kind, id(hook), held_values(hook)])
-    return hashlib.sha256(repr(rows).encode()).hexdigest(), objects
+        keyed.append([name, kind, id(hook), held_values(hook)])
+    globals_ = [h for d in GLOBAL_HOOKS for h in d.values()]
+    unkeyed += globals_
+    global_rows = [[i, id(h), held_values(h)] for i, h in enumerate(globals_)]
+    return Structure(
+        _digest(keyed), _digest(attributes), _digest(global_rows), objects + unkeyed, unkeyed
+    )
+
+
+def _unkeyed_change(now: str, base: str) -> str:
+    """Which part of what no key reads differs between two reads of it (see
+    :func:`structure_read`): ``"global hooks"``, or ``"attributes"``."""
+    return "global hooks" if now.partition("|")[2] != base.partition("|")[2] else "attributes"
 
 
 class _Began(NamedTuple):
@@ -578,6 +609,10 @@ class ModuleWatch:
         # versions then: the next forward as it left it is followed again without reading.
         self._moved: tuple[Glance, tuple[Any, ...]] | None = None
         self._before = threading.local()  # per thread: the state as a run began, if trusted
+        # What no key reads as trusted (structure_read), and what of it changed since
+        # ("attributes", "global hooks"; "" while none did): see _keyed_or_refused.
+        self._base: _Read | None = None
+        self.unkeyed_change = ""
 
     def _tensors(self) -> list[torch.Tensor]:
         return [*self.module.parameters(), *self.module.buffers()]
@@ -600,8 +635,14 @@ class ModuleWatch:
         """The exact read of the module's plain attributes and structure now (classes, hooks,
         other public objects: :func:`structure_read`; a hook added or replaced after the module
         was trusted changes its outputs as an attribute set does)."""
-        digest, objects = structure_read(self.module)
-        return _Read.holding(f"{attribute_identity(self.module)}|{digest}", objects)
+        read = structure_read(self.module)
+        text = (
+            f"{attribute_identity(self.module)}|{read.keyed}|{read.attributes}|{read.global_hooks}"
+        )
+        out = _Read.holding(text, read.objects)
+        # What no key reads, apart: a change of it is refused, not keyed (see fingerprint).
+        out.unkeyed = _Read.holding(f"{read.attributes}|{read.global_hooks}", read.unkeyed_objects)
+        return out
 
     def trusted_attributes(self) -> str:
         """The digest of the attributes as trusted (made from the trusted glance where a run
@@ -676,12 +717,35 @@ class ModuleWatch:
             if not self._holds_trusted_values(tensors, state):
                 refuse_meta(type(self.module).__name__, self.module, "")  # no values to hash
                 identity = self.identity or module_identity(self.module)
-                self._fp = module_fingerprint(self.module, identity)
+                self._fp = self._keyed_or_refused(
+                    module_fingerprint(self.module, identity), state[2]
+                )
             self._seen, self._attrs = state, state[2]
         if trusted is None:  # else the trusted glance still reads the state trusted now
             self._glance_again()
         assert self._fp is not None
         return self._fp
+
+    def _keyed_or_refused(self, fp: str, read: str) -> str:
+        """``fp``, the module's fingerprint made again, where what no key reads (tensor
+        attributes, an instance's ``forward``, global hooks: :func:`structure_read`) is as
+        trusted; else, and from then on until trusted anew, a fingerprint of its own (one no
+        dataset has: its misses refused, ``CachedEncoder``'s keyed apart): a change of what
+        the key does not read is a change all the same."""
+        now = getattr(read, "unkeyed", None)
+        if self._base is None:
+            self._base = now
+        elif now is not None and not same_read(now, self._base):
+            self.unkeyed_change = _unkeyed_change(now, self._base)
+        if not self.unkeyed_change:
+            return fp
+        return hashlib.sha256(f"{fp}|changed unkeyed: {self.unkeyed_change}".encode()).hexdigest()
+
+    def _rebase(self) -> None:
+        """Take what no key reads as it is now as the module's own (a trusted run changed it,
+        or the caller trusts the module), unless a change of it was found before."""
+        if not self.unkeyed_change:
+            self._base = getattr(self._attrs, "unkeyed", None)
 
     def trust(self, fp: str) -> None:
         """Take ``fp`` as the module's fingerprint as it is now (the caller just computed it):
@@ -690,11 +754,14 @@ class ModuleWatch:
         probe = _weight_probe(tensors) if self.check_weights else ()
         self._attrs = self._read_attributes()
         self._fp, self._seen = fp, (self._versions(tensors), probe, self._attrs)
+        self.unkeyed_change = ""
+        self._rebase()
         self._glance_again()
 
     def ran(self) -> None:
         """The module just ran: attribute changes it made itself are bookkeeping, not a change."""
         self._attrs = self._read_attributes()
+        self._rebase()
         self._glanced = None  # the run may have moved a version, which that glance would hide
 
     def follow_runs(self) -> bool:
@@ -798,6 +865,7 @@ class ModuleWatch:
         versions = self._versions(tensors)
         probe = self._probe_after(tensors, versions, began.versions)
         self._attrs = self._read_attributes()
+        self._rebase()
         self._seen = (versions, probe, self._attrs)
         self._glance_again()
 
@@ -830,6 +898,7 @@ class ModuleWatch:
             self._seen[2],
         )
         self._attrs = self._read_attributes()
+        self._rebase()
         plan = glance_plan(self.module)
         moved = None if plan is None else take_glance(plan)
         self._moved = None if moved is None else (moved.kept(), versions)

@@ -458,6 +458,9 @@ class LiveEncoder:
         hook of the script run is ``__mp_main__``'s: compared here, any would differ)."""
         if self.changed:
             return self.changed
+        unkeyed = self.watch.unkeyed_change if self.watch is not None else ""
+        if unkeyed:
+            return UNKEYED_CHANGES[unkeyed]
         if module is not None and not same_hooks(hooks_now(module), self.hooks):
             return (
                 "a forward hook was added, removed or replaced since, or what it holds "
@@ -535,6 +538,21 @@ def watched(enc: LoadedEncoder, fingerprint: str) -> ModuleWatch | None:
     watch = shared_watch(module, None if own else enc.identity)
     watch.trust(fingerprint)
     return watch
+
+
+#: What a change of what no key reads (a watch's ``unkeyed_change``) is told as.
+UNKEYED_CHANGES = {
+    "global hooks": (
+        "a global forward hook (register_module_forward_pre_hook or "
+        "register_module_forward_hook) was added or removed since, and it may change what the "
+        "module returns; register it before making the dataset, or remove it"
+    ),
+    "attributes": (
+        "a tensor attribute that is no parameter or buffer, or forward set on the instance, "
+        "changed since, and no key reads them; register such a tensor as a buffer, or make "
+        "the dataset after setting them"
+    ),
+}
 
 
 def hooks_now(module: Any) -> tuple[tuple[str, str, Any, tuple[str, ...]], ...]:

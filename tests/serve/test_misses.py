@@ -1368,3 +1368,104 @@ def test_a_permuted_weight_on_a_device_is_a_change(
         ds[1]
     monkeypatch.undo()
     _served_as_it_was(audio_dir, tmp_path / "s", ds, original)
+
+
+def _global_pre(module: torch.nn.Module, args: tuple[Any, ...]) -> Any:
+    from featbake.testing import TinyConvEncoder
+
+    return (args[0] * 2.0,) if isinstance(module, TinyConvEncoder) else None
+
+
+def _global_post(module: torch.nn.Module, args: tuple[Any, ...], out: Any) -> Any:
+    from featbake.testing import TinyConvEncoder
+
+    return out * 2.0 if isinstance(module, TinyConvEncoder) else None
+
+
+@pytest.mark.parametrize("kind", ["pre", "post"])
+def test_a_global_forward_hook_added_after_the_dataset_was_made_is_refused(
+    tmp_path: Path, audio_dir: Path, kind: str
+) -> None:
+    """torch's global forward hooks (``register_module_forward_pre_hook`` / ``_hook``) run on
+    every module and were read by neither the key nor the watch: one added after the dataset
+    was made encoded its misses under the old keys. The watch reads them: refused."""
+    import copy
+
+    from torch.nn.modules import module as torch_module
+
+    from featbake.errors import EncoderLoadError
+    from featbake.testing import TinyConvEncoder
+
+    module = TinyConvEncoder().eval()
+    original = copy.deepcopy(module)
+    ds = _fresh_dataset(audio_dir, module, tmp_path / "s")
+    ds[0]
+    add = (
+        torch_module.register_module_forward_pre_hook
+        if kind == "pre"
+        else torch_module.register_module_forward_hook
+    )
+    handle = add(_global_pre if kind == "pre" else _global_post)
+    try:
+        _users_forward(module)
+        with pytest.raises(EncoderLoadError, match="global forward hook") as e:
+            ds[1]
+        assert "\n" not in str(e.value)
+    finally:
+        handle.remove()
+    _served_as_it_was(audio_dir, tmp_path / "s", ds, original)
+
+
+class _TensorScale(torch.nn.Module):
+    """TinyConvEncoder's output scaled by a tensor attribute that is no parameter or buffer."""
+
+    def __init__(self) -> None:
+        from featbake.testing import TinyConvEncoder
+
+        super().__init__()
+        self.inner = TinyConvEncoder()
+        self.scale = torch.tensor(1.0)
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        return self.inner(wav) * self.scale
+
+
+def _tensor_set(module: Any) -> None:
+    module.scale = torch.tensor(2.0)
+
+
+def _tensor_edited(module: Any) -> None:
+    module.scale.mul_(2.0)
+
+
+def _forward_set(module: Any) -> None:
+    plain = type(module).forward
+    module.forward = lambda wav: plain(module, wav) * 2.0
+
+
+@pytest.mark.parametrize(
+    "change",
+    [_tensor_set, _tensor_edited, _forward_set],
+    ids=["tensor-set", "tensor-in-place", "forward-set"],
+)
+def test_a_tensor_attribute_or_forward_changed_after_the_dataset_was_made_is_refused(
+    tmp_path: Path, audio_dir: Path, change: Any
+) -> None:
+    """A public tensor attribute that is no parameter or buffer (set, or edited in place), or
+    ``forward`` set on the instance (as accelerate's ``add_hook_to_module`` does), is in no
+    key: changed after the dataset was made, the miss was stored under the old keys. The
+    watch reads them (by id and version) and refuses a change of them, keys unchanged."""
+    import copy
+
+    from featbake.errors import EncoderLoadError
+
+    module = _TensorScale().eval()
+    original = copy.deepcopy(module)
+    ds = _fresh_dataset(audio_dir, module, tmp_path / "s")
+    ds[0]
+    change(module)
+    _users_forward(module)
+    with pytest.raises(EncoderLoadError, match="no parameter or buffer") as e:
+        ds[1]
+    assert "\n" not in str(e.value)
+    _served_as_it_was(audio_dir, tmp_path / "s", ds, original)
