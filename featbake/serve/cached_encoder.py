@@ -40,9 +40,8 @@ from torch.nn.modules import module as torch_module
 
 from featbake.encode.encoders import is_frozen, module_device, refuse_meta
 from featbake.encode.identity import (
+    HOOK_DICTS,
     attribute_digest,
-    attribute_identity,
-    forward_hooks,
     held_values,
     is_plain,
     module_identity,
@@ -467,18 +466,19 @@ def take_glance(plan: GlancePlan) -> Glance | None:
 
 class _Read(str):
     """An exact read of a module (:meth:`ModuleWatch._read_attributes`): its digest, holding
-    the objects it names by id (weakly where they take a weak reference), so that while it
-    is :meth:`alive` no other object can have their ids and two reads equal as strings read
-    the same objects. A copy elsewhere (pickled) is the plain digest: ids mean nothing there."""
+    the objects it names by id (weakly where they take a weak reference, classes as they
+    are), so that while it is :meth:`alive` no other object can have their ids and two reads
+    equal as strings read the same objects. A copy elsewhere (pickled) is the plain digest:
+    ids mean nothing there."""
 
     refs: tuple[Any, ...] = ()
     unkeyed: _Read | None = None  # a fresh read's part that no key reads (structure_read)
 
     @classmethod
-    def holding(cls, text: str, objects: Sequence[Any]) -> _Read:
-        """``text`` holding ``objects`` (as :func:`_held` does) or ``objects``' own refs."""
+    def holding(cls, text: str, refs: tuple[Any, ...]) -> _Read:
+        """``text`` holding ``refs`` (objects, or weak references to them: :func:`_pinned`)."""
         read = cls(text)
-        read.refs = tuple(objects) if isinstance(objects, tuple) else tuple(map(_pinned, objects))
+        read.refs = refs
         return read
 
     def alive(self) -> bool:
@@ -495,6 +495,7 @@ class _Read(str):
 
 
 def _pinned(o: Any) -> Any:
+    """``o`` as a read holds it: weakly where it takes a weak reference."""
     return weakref.ref(o) if type(o).__weakrefoffset__ else o
 
 
@@ -511,17 +512,31 @@ def _unkeyed(key: str, value: Any) -> bool:
 
 
 def _digest(rows: list[Any]) -> str:
-    return hashlib.sha256(repr(rows).encode()).hexdigest()
+    """A digest of rows of ids and texts, for comparison in this process only (ids, and
+    ``hash`` of a string, mean nothing in another): ``hash`` of their tuple, and their count."""
+    return f"{len(rows)}:{hash(tuple(rows)):x}"
 
 
 class Structure(NamedTuple):
-    """What :func:`structure_read` reads, each part a digest, with the objects it names."""
+    """What :func:`structure_read` reads, each part a digest, with what it names (held as a
+    :class:`_Read` holds it)."""
 
+    plain: str  # the plain attributes' digest, as attribute_identity makes it
     keyed: str  # classes and forward hooks (the fingerprint made again reads them too)
     attributes: str  # tensor attributes and an instance's forward (no key reads them)
     global_hooks: str  # torch's global forward hooks (no key reads them)
-    objects: list[Any]
-    unkeyed_objects: list[Any]
+    refs: tuple[Any, ...]
+    unkeyed_refs: tuple[Any, ...]
+
+
+def _hook_rows(name: str, attrs: Mapping[str, Any], rows: list[Any], refs: list[Any]) -> None:
+    """Add a submodule's forward hooks (by id and what each holds) to ``rows`` and ``refs``,
+    a watch's own left out (:func:`~featbake.encode.identity.forward_hooks`' rule)."""
+    for kind in HOOK_DICTS:
+        for hook in attrs[kind].values():
+            if not getattr(hook, "featbake_bookkeeping", False):
+                refs.append(_pinned(hook))
+                rows.append((name, kind, id(hook), *held_values(hook)))
 
 
 def structure_read(module: nn.Module) -> Structure:
@@ -532,27 +547,39 @@ def structure_read(module: nn.Module) -> Structure:
     no key reads: tensor attributes that are no parameter or buffer (by id and version),
     ``forward`` set on the instance, torch's global forward hooks. Reads no file: a watch
     compares the objects, the code of a hook is read when the module is fingerprinted
-    (:func:`~featbake.encode.identity.hook_identity`)."""
+    (:func:`~featbake.encode.identity.hook_identity`). Made at each exact check, in one pass
+    with the plain attributes' digest (the rows of
+    :func:`~featbake.encode.identity.attribute_identity`)."""
+    plain: list[list[str]] = []
     keyed: list[Any] = []
     attributes: list[Any] = []
-    objects: list[Any] = []
+    refs: list[Any] = []
     unkeyed: list[Any] = []
     for name, sub in module.named_modules():
-        objects.append(type(sub))
-        keyed.append([name, id(type(sub))])
-        for key, value in vars(sub).items():
-            if not key.startswith("_") and _unkeyed(key, value):
-                unkeyed.append(value)
+        attrs = vars(sub)
+        refs.append(type(sub))  # held as it is: a class outlives its instances
+        keyed.append(id(type(sub)))
+        if attrs.get("_forward_pre_hooks") or attrs.get("_forward_hooks"):
+            _hook_rows(name, attrs, keyed, refs)
+        for key, value in attrs.items():
+            if key.startswith("_") or key == "training":
+                continue
+            if is_plain(value):
+                plain.append([name, key, repr(value)])
+            elif _unkeyed(key, value):
+                unkeyed.append(_pinned(value))
                 version = version_of(value) if isinstance(value, torch.Tensor) else None
-                attributes.append([name, key, id(value), version])
-    for name, kind, hook in forward_hooks(module):
-        objects.append(hook)
-        keyed.append([name, kind, id(hook), held_values(hook)])
+                attributes.append((name, key, id(value), version))
     globals_ = [h for d in GLOBAL_HOOKS for h in d.values()]
-    unkeyed += globals_
-    global_rows = [[i, id(h), held_values(h)] for i, h in enumerate(globals_)]
+    unkeyed += map(_pinned, globals_)
+    global_rows = [(i, id(h), *held_values(h)) for i, h in enumerate(globals_)]
     return Structure(
-        _digest(keyed), _digest(attributes), _digest(global_rows), objects + unkeyed, unkeyed
+        attribute_digest(plain),
+        _digest(keyed),
+        _digest(attributes),
+        _digest(global_rows),
+        (*refs, *unkeyed),
+        tuple(unkeyed),
     )
 
 
@@ -632,16 +659,14 @@ class ModuleWatch:
         return look.plan.live_tensors() if look is not None and look.same(self._glanced) else None
 
     def _read_attributes(self) -> _Read:
-        """The exact read of the module's plain attributes and structure now (classes, hooks,
-        other public objects: :func:`structure_read`; a hook added or replaced after the module
-        was trusted changes its outputs as an attribute set does)."""
+        """The exact read of the module's plain attributes and structure now, in one pass
+        (:func:`structure_read`: classes, hooks, tensor attributes; a hook added or replaced
+        after the module was trusted changes its outputs as an attribute set does)."""
         read = structure_read(self.module)
-        text = (
-            f"{attribute_identity(self.module)}|{read.keyed}|{read.attributes}|{read.global_hooks}"
-        )
-        out = _Read.holding(text, read.objects)
+        text = f"{read.plain}|{read.keyed}|{read.attributes}|{read.global_hooks}"
+        out = _Read.holding(text, read.refs)
         # What no key reads, apart: a change of it is refused, not keyed (see fingerprint).
-        out.unkeyed = _Read.holding(f"{read.attributes}|{read.global_hooks}", read.unkeyed_objects)
+        out.unkeyed = _Read.holding(f"{read.attributes}|{read.global_hooks}", read.unkeyed_refs)
         return out
 
     def trusted_attributes(self) -> str:

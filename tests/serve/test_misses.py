@@ -553,7 +553,7 @@ def test_a_watched_modules_own_forward_digests_no_attribute(
     module = _Gained().eval()
     ds = _fresh_dataset(audio_dir, module, tmp_path / "s")
     ds[0]
-    digested = _calls_to(monkeypatch, cached_encoder, "attribute_identity")
+    digested = _calls_to(monkeypatch, cached_encoder, "structure_read")
     for _ in range(3):
         _users_forward(module)
     assert digested == []
@@ -958,7 +958,7 @@ def test_a_forward_that_changes_only_plain_attributes_digests_none_and_is_no_cha
     module = _Counting().eval()
     ds = _fresh_dataset(audio_dir, module, tmp_path / "s")
     ds[0]
-    digested = _calls_to(monkeypatch, cached_encoder, "attribute_identity")
+    digested = _calls_to(monkeypatch, cached_encoder, "structure_read")
     for _ in range(3):
         _users_forward(module)
     assert digested == []
@@ -1024,7 +1024,7 @@ def test_forwards_of_a_moved_module_read_its_attributes_once_not_at_each_run(
     ds = _fresh_dataset(audio_dir, module, tmp_path / "s")
     ds[0]
     module.share_memory()
-    digested = _calls_to(monkeypatch, cached_encoder, "attribute_identity")
+    digested = _calls_to(monkeypatch, cached_encoder, "structure_read")
     for _ in range(4):
         _users_forward(module)
     assert len(digested) == 1
