@@ -946,6 +946,7 @@ class ModuleWatch:
         state["_fp"] = None  # fingerprinted again where it lands
         state["follows_runs"] = False  # hooks do not travel (see _RunHook)
         state["_glanced"] = state["_untrusted"] = None  # ids mean nothing elsewhere
+        state["_base"] = None  # taken again where it lands; a change found here is carried
         state["_attrs"] = self.trusted_attributes()
         del state["_before"]
         return state

@@ -522,6 +522,7 @@ class LiveEncoder:
         self.__dict__.update(state)
         if self.loaded is not None and self.spec is None and not self.moved:
             self.watch = watched(self.loaded, self.fingerprint)
+            self.hooks = hooks_now(self.loaded.module)  # the copy's hooks, as it is trusted
 
 
 def watched(enc: LoadedEncoder, fingerprint: str) -> ModuleWatch | None:

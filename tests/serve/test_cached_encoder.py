@@ -688,3 +688,19 @@ def test_a_wrapped_module_moved_to_meta_is_refused_in_one_line(tmp_path: Path) -
     with pytest.raises(EncoderLoadError, match=r"meta device \(conv1.weight\)") as e:
         cached(x, ids=["a", "b"])
     assert "\n" not in str(e.value)
+
+
+def test_a_pickled_watch_of_a_module_with_a_tensor_attribute_keeps_its_fingerprint() -> None:
+    """A watch pickled (a ``CachedEncoder`` sent to a worker) carried its trusted reading of
+    what no key reads (tensor attributes: ids of the process it left), so where it landed the
+    module read as changed and was keyed apart: taken again where it lands."""
+    import pickle
+
+    from featbake.serve.cached_encoder import ModuleWatch
+
+    module = frozen(TinyConvEncoder())
+    module.scale = torch.tensor(1.0)
+    watch = ModuleWatch(module)
+    fp = watch.fingerprint()
+    copy = pickle.loads(pickle.dumps(watch))
+    assert copy.fingerprint() == fp and copy.unkeyed_change == ""

@@ -1469,3 +1469,27 @@ def test_a_tensor_attribute_or_forward_changed_after_the_dataset_was_made_is_ref
         ds[1]
     assert "\n" not in str(e.value)
     _served_as_it_was(audio_dir, tmp_path / "s", ds, original)
+
+
+def test_a_pickled_dataset_over_a_hooked_module_names_a_change_of_it_not_its_hooks(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    """A dataset pickled (as for a spawned worker) left the hooks it was given behind, so a
+    change of its copy's module was named as "a forward hook was added": the copy reads its
+    module's hooks where it lands."""
+    import pickle
+
+    from featbake.errors import EncoderLoadError
+    from featbake.testing import TinyConvEncoder
+
+    module = TinyConvEncoder().eval()
+    module.register_forward_pre_hook(_doubled_input)
+    ds = _fresh_dataset(audio_dir, module, tmp_path / "s")
+    ds[0]
+    copy = pickle.loads(pickle.dumps(ds))
+    landed = copy._live.loaded.module  # the module the copy carries
+    torch.testing.assert_close(copy[1], _live(landed, copy.path(1)))
+    landed.conv2.dilation = (2,)
+    with pytest.raises(EncoderLoadError, match="changed since this dataset was created") as e:
+        copy[2]
+    assert "forward hook" not in str(e.value)
