@@ -130,11 +130,16 @@ def _held_text(value: Any) -> str:
 
 def _plain_attributes(obj: Any) -> list[str]:
     """``name=repr`` of an object's public plain attributes (the rules of
-    :func:`attribute_identity`), sorted; none where it has no ``__dict__``."""
+    :func:`attribute_identity`: ``training`` left out too, for a bound method of a module),
+    sorted; none where it has no ``__dict__``."""
     attrs = getattr(obj, "__dict__", None)
     if not isinstance(attrs, dict):
         return []
-    return sorted(f"{k}={v!r}" for k, v in attrs.items() if not k.startswith("_") and _primitive(v))
+    return sorted(
+        f"{k}={v!r}"
+        for k, v in attrs.items()
+        if not k.startswith("_") and k != "training" and _primitive(v)
+    )
 
 
 def _cells(func: Any) -> list[str]:

@@ -76,7 +76,12 @@ from featbake.units import parse_bytes
 #   small copy to the host per step);
 # - a plain attribute set from outside (``teacher.scale = 0.5``): the attributes' digest. Changes
 #   the module makes to its own attributes while running (a call counter) are taken as
-#   bookkeeping: the digest is taken again after each run.
+#   bookkeeping: the digest is taken again after each run;
+# - a submodule of another class, a forward hook added, replaced or holding other values: the
+#   classes and hook objects by id (:func:`structure_read`; the key reads a hook's code and
+#   what it holds, :func:`~featbake.encode.identity.hook_identity`);
+# - what no key reads (a tensor attribute, ``forward`` set on the instance, torch's global
+#   forward hooks): read by id and version, a change of it keyed apart, so a dataset refuses it.
 def row_digest(row: torch.Tensor) -> str:
     """SHA-256 of one input row's dtype, shape and bytes (a copy to the host off the CPU)."""
     t = row.detach()
