@@ -325,3 +325,22 @@ def test_a_front_end_of_buffers_only_on_the_gpu_stays_there_and_encodes_there(
     first = cached(wav.cuda(), ids=["a", "b"])
     again = cached(wav, ids=["a", "b"])  # hits, the input on the CPU
     assert first.device == again.device == bank.bank.device
+
+
+def test_a_permuted_weight_of_a_module_on_the_gpu_is_a_change(tmp_path: Path, clips: Path) -> None:
+    """serve9.1's comparison by value on a GPU: a weight trusted there (its device probe) and
+    replaced by its rows permuted (two output channels swapped) kept both byte sums, and its
+    miss was encoded under the old keys. The device probe weighs each byte by its place."""
+    from featbake.errors import EncoderLoadError
+
+    module = TinyConvEncoder().cuda().eval()
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(clips, module, cache=tmp_path / "s")
+    ds[0]
+    w = module.conv2.weight
+    perm = torch.arange(w.shape[0], device="cuda")
+    perm[[0, 1]] = perm[[1, 0]]
+    with torch.no_grad():
+        w.data = w.data[perm].clone()
+    with pytest.raises(EncoderLoadError, match="changed since this dataset was created"):
+        ds[1]

@@ -473,6 +473,42 @@ def module_device(module: Any) -> torch.device | None:
     return None if first is None else first.device
 
 
+def meta_tensor(module: Any) -> str | None:
+    """The name of the first of a module's parameters and buffers on the meta device, which
+    holds no values to encode with or to key by (None: none is, or no ``nn.Module``). Every
+    tensor is looked at: ``load_state_dict(..., assign=True)`` after ``.to("meta")`` brings
+    back what a state dict holds, and leaves a buffer registered with ``persistent=False``
+    on the meta device.
+
+    Example:
+        >>> meta_tensor(torch.nn.Linear(2, 2).to("meta"))
+        'weight'
+    """
+    if not isinstance(module, torch.nn.Module):
+        return None
+    named = chain(module.named_parameters(), module.named_buffers())
+    return next((name for name, t in named if t.is_meta), None)
+
+
+def refuse_meta(label: str, module: Any, then: str) -> None:
+    """Raise if ``module`` has a tensor on the meta device (see :func:`meta_tensor`);
+    ``then`` says when it got there, as the message tells it.
+
+    Raises:
+        EncoderLoadError: naming the tensor, and how to bring its values back.
+    """
+    name = meta_tensor(module)
+    if name is None:
+        return
+    raise EncoderLoadError(
+        f"the encoder module {label} has its weights on the meta device ({name}){then}, which "
+        "holds no values to encode with or key by; load its weights back before a miss and "
+        "before a DataLoader starts its workers (load_state_dict(..., assign=True); a buffer "
+        "registered with persistent=False is in no state dict: set it again), or give the "
+        "dataset a module with weights"
+    )
+
+
 def is_frozen(module: torch.nn.Module) -> bool:
     """True when no parameter requires grad and the module is in eval mode."""
     return not module.training and not any(p.requires_grad for p in module.parameters())

@@ -96,30 +96,133 @@ def attribute_digest(rows: list[list[str]]) -> str:
 HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
 
 
+def is_torchs(obj: Any) -> bool:
+    """Whether ``obj`` (a hook: a function, or an object of a class) is torch's own code, left
+    out of keys as :func:`code_identity` leaves torch's classes out (the old-API
+    ``torch.nn.utils.weight_norm`` and ``spectral_norm`` hooks: their effect is in the weights).
+
+    Example:
+        >>> is_torchs(len)
+        False
+    """
+    owner = getattr(obj, "__module__", None) or type(obj).__module__ or ""
+    return owner == "torch" or owner.startswith("torch.")
+
+
+def forward_hooks(module: Any) -> list[tuple[str, str, Any]]:
+    """``(submodule name, hook dict, hook)`` for each forward hook of every submodule, in
+    order; a watch's own (marked ``featbake_bookkeeping``: they change nothing) left out."""
+    subs = module.named_modules() if hasattr(module, "named_modules") else [("", module)]
+    return [
+        (name, kind, hook)
+        for name, sub in subs
+        for kind in HOOK_DICTS
+        for hook in getattr(sub, kind, {}).values()
+        if not getattr(hook, "featbake_bookkeeping", False)
+    ]
+
+
+def _held_text(value: Any) -> str:
+    """A value a hook holds, as a key reads it: its repr where it is plain (as an attribute
+    value is, :func:`is_plain`), else its type alone."""
+    return repr(value) if _primitive(value) else f"<{type(value).__qualname__}>"
+
+
+def _plain_attributes(obj: Any) -> list[str]:
+    """``name=repr`` of an object's public plain attributes (the rules of
+    :func:`attribute_identity`: ``training`` left out too, for a bound method of a module),
+    sorted; none where it has no ``__dict__``."""
+    attrs = getattr(obj, "__dict__", None)
+    if not isinstance(attrs, dict):
+        return []
+    return sorted(
+        f"{k}={v!r}"
+        for k, v in attrs.items()
+        if not k.startswith("_") and k != "training" and _primitive(v)
+    )
+
+
+def _cells(func: Any) -> list[str]:
+    """A function's closure cells, defaults and keyword defaults, as :func:`_held_text` reads
+    them (an empty cell: ``<empty>``)."""
+    out = []
+    for cell in func.__closure__ or ():
+        try:
+            out.append(_held_text(cell.cell_contents))
+        except ValueError:
+            out.append("<empty>")
+    out += [_held_text(v) for v in func.__defaults__ or ()]
+    out += [f"{k}={_held_text(v)}" for k, v in sorted((func.__kwdefaults__ or {}).items())]
+    return out
+
+
+def held_values(hook: Any) -> list[str]:
+    """What a hook holds that changes what it does, by the rules of attribute identity (plain
+    values by repr, others by type): a ``functools.partial``'s function, arguments and
+    keywords; a function's closure cells and defaults; a bound method's function and its
+    object's public plain attributes; a hook object's public plain attributes.
+
+    Example:
+        >>> import functools
+        >>> held_values(functools.partial(round, ndigits=2))
+        ['partial', 'ndigits=2']
+    """
+    if isinstance(hook, functools.partial):
+        kw = [f"{k}={_held_text(v)}" for k, v in sorted(hook.keywords.items())]
+        return ["partial", *held_values(hook.func), *map(_held_text, hook.args), *kw]
+    if inspect.ismethod(hook):
+        return [*held_values(hook.__func__), *_plain_attributes(hook.__self__)]
+    if inspect.isfunction(hook):
+        return _cells(hook)
+    return _plain_attributes(hook)
+
+
+def code_digest(code: Any) -> str:
+    """SHA-256 of a code object's bytecode, names and constants (nested code objects by their
+    own digest): two lambdas of one line with other constants differ."""
+    consts = [code_digest(c) if inspect.iscode(c) else repr(c) for c in code.co_consts]
+    h = hashlib.sha256(code.co_code)
+    h.update(json.dumps([consts, list(code.co_names)]).encode())
+    return h.hexdigest()
+
+
+def hook_code(hook: Any) -> str:
+    """A hook's code: the qualified name of what runs, its bytecode (:func:`code_digest`) and
+    its source file (:func:`code_identity`); a partial's or bound method's by its function. A
+    hook of the script run is named ``__main__``'s in a spawned worker too."""
+    func = hook.func if isinstance(hook, functools.partial) else hook
+    func = func.__func__ if inspect.ismethod(func) else func
+    runs = (
+        func if inspect.isfunction(func) else inspect.getattr_static(type(func), "__call__", None)
+    )
+    named = getattr(func, "__qualname__", type(func).__qualname__)
+    owner = getattr(func, "__module__", None) or type(func).__module__
+    owner = "__main__" if owner == "__mp_main__" else owner
+    code = code_digest(runs.__code__) if inspect.isfunction(runs) else ""
+    source = code_identity(func, func if inspect.isfunction(func) else type(func))
+    return f"{owner}.{named}:{code}:{source}"
+
+
 def hook_identity(module: Any) -> str:
-    """SHA-256 of the forward hooks of every submodule, each by where it is and its code (its
-    qualified name and the source file that defines it); ``""`` where there is none. Hooks
-    marked ``featbake_bookkeeping`` (a watch's own, which change nothing) are left out.
+    """SHA-256 of the forward hooks of every submodule, each by where it is, its code
+    (:func:`hook_code`) and what it holds (:func:`held_values`); ``""`` where there is none.
+    Hooks of torch's own code (:func:`is_torchs`: ``weight_norm``, ``spectral_norm``) and
+    those marked ``featbake_bookkeeping`` (a watch's own) are left out, so a module carrying
+    only those keeps the identity it had.
 
     A pre-hook that scales the input changes every output without changing code, weights or
-    attributes: it must change the key. What a hook's closure holds is not read (a captured
-    number); its code is.
+    attributes: it must change the key, and so must the factor a partial or closure holds. Read
+    when a module is fingerprinted only; a watch compares the hook objects themselves.
 
     Example:
         >>> hook_identity(torch.nn.Linear(2, 2))  # doctest: +SKIP
         ''
     """
-    subs = module.named_modules() if hasattr(module, "named_modules") else [("", module)]
-    rows = []
-    for name, sub in subs:
-        for kind in HOOK_DICTS:
-            for hook in getattr(sub, kind, {}).values():
-                if getattr(hook, "featbake_bookkeeping", False):
-                    continue
-                named = getattr(hook, "__qualname__", type(hook).__qualname__)
-                owner = getattr(hook, "__module__", type(hook).__module__)
-                code = code_identity(hook, hook if inspect.isfunction(hook) else type(hook))
-                rows.append([name, kind, f"{owner}.{named}", code])
+    rows = [
+        [name, kind, hook_code(hook), held_values(hook)]
+        for name, kind, hook in forward_hooks(module)
+        if not is_torchs(hook)
+    ]
     return hashlib.sha256(json.dumps(rows).encode()).hexdigest() if rows else ""
 
 

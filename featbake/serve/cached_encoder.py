@@ -36,12 +36,13 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 from torch import nn
+from torch.nn.modules import module as torch_module
 
-from featbake.encode.encoders import is_frozen, module_device
+from featbake.encode.encoders import is_frozen, module_device, refuse_meta
 from featbake.encode.identity import (
+    HOOK_DICTS,
     attribute_digest,
-    attribute_identity,
-    hook_identity,
+    held_values,
     is_plain,
     module_identity,
 )
@@ -75,7 +76,12 @@ from featbake.units import parse_bytes
 #   small copy to the host per step);
 # - a plain attribute set from outside (``teacher.scale = 0.5``): the attributes' digest. Changes
 #   the module makes to its own attributes while running (a call counter) are taken as
-#   bookkeeping: the digest is taken again after each run.
+#   bookkeeping: the digest is taken again after each run;
+# - a submodule of another class, a forward hook added, replaced or holding other values: the
+#   classes and hook objects by id (:func:`structure_read`; the key reads a hook's code and
+#   what it holds, :func:`~featbake.encode.identity.hook_identity`);
+# - what no key reads (a tensor attribute, ``forward`` set on the instance, torch's global
+#   forward hooks): read by id and version, a change of it keyed apart, so a dataset refuses it.
 def row_digest(row: torch.Tensor) -> str:
     """SHA-256 of one input row's dtype, shape and bytes (a copy to the host off the CPU)."""
     t = row.detach()
@@ -152,10 +158,52 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+#: Bytes weighed per step of :func:`_placed_sum` (its int64 temporaries: 8 bytes each, a few).
+_PLACED_CHUNK = 1 << 22
+
+
+def _placed_sum(b: torch.Tensor) -> torch.Tensor:
+    """The sum of each byte of ``b`` (a flat uint8 tensor) times a pseudo-random weight of its
+    place (1..65536, a hash of its index), as a 0-d int64 tensor on ``b``'s device. A plain
+    byte sum is kept by any permutation (two output channels swapped); this one is not, save
+    by chance. Weighed in chunks, so its temporaries stay small beside a large weight."""
+    total = torch.zeros((), dtype=torch.int64, device=b.device)
+    for start in range(0, b.numel(), _PLACED_CHUNK):
+        part = b[start : start + _PLACED_CHUNK]
+        x = torch.arange(start, start + part.numel(), dtype=torch.int64, device=b.device)
+        x = ((x & 0x7FFFFFFF) * 0x9E3779B1) & 0xFFFFFFFF
+        x = x ^ (x >> 16)
+        x = (x * 0x85EB) & 0xFFFFFFFF
+        x = x ^ (x >> 13)
+        total += (part.to(torch.int64) * ((x & 0xFFFF) + 1)).sum()
+    return total
+
+
+def _device_sums(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's device probe, left on its device: its byte sum and :func:`_placed_sum`."""
+    b = t.detach().contiguous().view(-1).view(torch.uint8)
+    return torch.stack([b.sum(dtype=torch.int64), _placed_sum(b)])
+
+
+def device_entry(t: torch.Tensor) -> tuple[int, ...]:
+    """The weight probe's entry of a tensor read where it is (on a device: no copy of its
+    bytes to the host): its byte sum and its place-weighted byte sum, so a permutation of its
+    rows is a change where a move kept it (:meth:`ModuleWatch._holds_trusted_values`).
+
+    Example:
+        >>> w = torch.arange(6, dtype=torch.uint8).reshape(3, 2)
+        >>> entry, flipped = device_entry(w), device_entry(w.flip(0))
+        >>> entry[0] == flipped[0], entry == flipped
+        (True, False)
+    """
+    return tuple(int(v) for v in _device_sums(t).tolist())
+
+
 def _weight_probe(tensors: Sequence[torch.Tensor]) -> tuple[Any, ...]:
     """A cheap digest of each tensor's bytes, one entry per tensor: CRC-32C on the CPU (the
     compiled kernel the store's reads use, about 4x zlib's CRC-32 on weights: ~8 ms for
-    226 MB), a pair of byte sums on a device (one copy to the host for all of them), 0 for a
+    226 MB), a byte sum and a place-weighted byte sum on a device (:func:`device_entry`: one
+    copy to the host for all of them, and order-sensitive, as a CRC is), 0 for a
     tensor without values (empty, or on the meta device). It is taken before each batch of
     misses a dataset encodes with an in-process module, so its speed is part of live
     encoding's."""
@@ -167,8 +215,7 @@ def _weight_probe(tensors: Sequence[torch.Tensor]) -> tuple[Any, ...]:
         if t.device.type == "cpu":
             out[i] = crc32c_tensor(t)
         elif t.numel() and not t.is_meta:
-            b = t.contiguous().view(-1).view(torch.uint8)
-            on_device.append(torch.stack([b.sum(dtype=torch.int64), b[::3].sum(dtype=torch.int64)]))
+            on_device.append(_device_sums(t))
             where.append(i)
     if on_device:
         for i, sums in zip(where, torch.stack(on_device).tolist(), strict=True):
@@ -195,8 +242,7 @@ def value_entry(t: torch.Tensor, like: Any) -> Any:
     if not t.numel():
         return 0
     if isinstance(like, tuple):
-        b = t.contiguous().view(-1).view(torch.uint8)
-        return (int(b.sum(dtype=torch.int64)), int(b[::3].sum(dtype=torch.int64)))
+        return device_entry(t)
     return crc32c_tensor(t if t.device.type == "cpu" else t.cpu())
 
 
@@ -247,10 +293,39 @@ def glance_plan(module: nn.Module) -> GlancePlan | None:
 
 
 def _edited_in_place(value: Any) -> bool:
-    """A plain attribute value that can change while it stays the same object (a list)."""
+    """An attribute value that can change while it stays the same object: a plain list, or a
+    tensor that is no parameter or buffer (``self.scale = torch.tensor(2.0)``, edited by
+    ``mul_``), read by its version (:func:`_in_place_text`)."""
+    if isinstance(value, torch.Tensor):
+        return True
     if isinstance(value, list):
         return is_plain(value)
     return isinstance(value, tuple) and any(map(_edited_in_place, value))
+
+
+def _in_place_text(value: Any) -> Any:
+    """What a glance reads of a value edited in place: a tensor's version and pointer, a
+    list's text."""
+    if isinstance(value, torch.Tensor):
+        return (version_of(value), value.data_ptr())
+    return repr(value)
+
+
+def _glance_hooks(
+    dicts: Sequence[Mapping[int, Any]], held: list[Any], hooked: list[tuple[str, ...]]
+) -> None:
+    """Add a glance's reading of hook dicts that hold hooks: each hook (by id), and what each
+    holds (:func:`~featbake.encode.identity.held_values`: an attribute set on a hook object,
+    a cell a closure rebinds), a watch's own left unread."""
+    for d in dicts:
+        for hook in d.values():
+            held.append(hook)
+            if not getattr(hook, "featbake_bookkeeping", False):
+                hooked.append(tuple(held_values(hook)))
+
+
+#: torch's hooks run on every module's forward (``register_module_forward_pre_hook``, ``_hook``).
+GLOBAL_HOOKS = (torch_module._global_forward_pre_hooks, torch_module._global_forward_hooks)
 
 
 def _held(o: Any, died: Callable[[object], None]) -> Any:
@@ -356,37 +431,167 @@ def take_glance(plan: GlancePlan) -> Glance | None:
     held: list[Any] = []
     values: list[Any] = []
     sizes: list[int] = []
-    texts: list[str] = []
+    texts: list[Any] = []
+    hooked: list[tuple[str, ...]] = []
     extend = held.extend
     try:
         for ref, pick, many, listy, _, _ in plan.looks:
-            attrs = vars(ref())  # TypeError once it is gone
-            dicts = (
-                attrs["_modules"],
-                attrs["_parameters"],
-                attrs["_buffers"],
-                attrs["_forward_pre_hooks"],  # a hook added changes what a forward returns
-                attrs["_forward_hooks"],
-            )
-            sizes += (len(attrs), *map(len, dicts))
+            sub = ref()
+            attrs = vars(sub)  # TypeError once it is gone
+            dicts = (attrs["_modules"], attrs["_parameters"], attrs["_buffers"])
+            # A hook added changes what a forward returns: hook dicts by size, read where full.
+            hooks = (attrs["_forward_pre_hooks"], attrs["_forward_hooks"])
+            sizes += (len(attrs), *map(len, dicts), *map(len, hooks))
+            held.append(type(sub))  # another class is another forward (``__class__`` set)
             if pick is not None:
                 values.extend(pick(attrs)) if many else values.append(pick(attrs))
-            texts += [repr(attrs[k]) for k in listy]
+            texts += [_in_place_text(attrs[k]) for k in listy]
             for d in dicts:
                 extend(d)
                 extend(d.values())
+            if hooks[0] or hooks[1]:
+                _glance_hooks(hooks, held, hooked)
     except (KeyError, TypeError):
         return None
+    sizes += map(len, GLOBAL_HOOKS)
+    if GLOBAL_HOOKS[0] or GLOBAL_HOOKS[1]:
+        _glance_hooks(GLOBAL_HOOKS, held, hooked)
     tensors = plan.live_tensors()
     if tensors is None:
         return None
     key = (
         tuple(sizes),
         tuple(map(id, held)),
+        tuple(hooked),
         tuple([version_of(t) for t in tensors]),
         tuple([t.data_ptr() for t in tensors]),
     )
     return Glance(plan, key, (tuple(map(id, values)), tuple(texts)), held, values)
+
+
+class _Read(str):
+    """An exact read of a module (:meth:`ModuleWatch._read_attributes`): its digest, holding
+    the objects it names by id (weakly where they take a weak reference, classes as they
+    are), so that while it is :meth:`alive` no other object can have their ids and two reads
+    equal as strings read the same objects. A copy elsewhere (pickled) is the plain digest:
+    ids mean nothing there."""
+
+    refs: tuple[Any, ...] = ()
+    unkeyed: _Read | None = None  # a fresh read's part that no key reads (structure_read)
+
+    @classmethod
+    def holding(cls, text: str, refs: tuple[Any, ...]) -> _Read:
+        """``text`` holding ``refs`` (objects, or weak references to them: :func:`_pinned`)."""
+        read = cls(text)
+        read.refs = refs
+        return read
+
+    def alive(self) -> bool:
+        """Whether every object it names is alive (a removed hook freed may lend its id)."""
+        return all(not isinstance(r, weakref.ref) or r() is not None for r in self.refs)
+
+    def tail(self) -> _Read:
+        """The part after the attributes' digest: classes, hooks and other objects (what a
+        glance of the same tree found the same), holding what it names."""
+        return _Read.holding(self.partition("|")[2], self.refs)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (str, (str(self),))
+
+
+def _pinned(o: Any) -> Any:
+    """``o`` as a read holds it: weakly where it takes a weak reference."""
+    return weakref.ref(o) if type(o).__weakrefoffset__ else o
+
+
+def same_read(now: str, trusted: str) -> bool:
+    """Whether an exact read ``now`` is the ``trusted`` one: equal, and every object the
+    trusted one names still alive (else an id may have been lent to another)."""
+    return now == trusted and (not isinstance(trusted, _Read) or trusted.alive())
+
+
+def _unkeyed(key: str, value: Any) -> bool:
+    """Whether a public attribute changes what a forward returns while no key reads it: a
+    tensor that is no parameter or buffer, or ``forward`` set on the instance."""
+    return isinstance(value, torch.Tensor) or key == "forward"
+
+
+def _digest(rows: list[Any]) -> str:
+    """A digest of rows of ids and texts, for comparison in this process only (ids, and
+    ``hash`` of a string, mean nothing in another): ``hash`` of their tuple, and their count."""
+    return f"{len(rows)}:{hash(tuple(rows)):x}"
+
+
+class Structure(NamedTuple):
+    """What :func:`structure_read` reads, each part a digest, with what it names (held as a
+    :class:`_Read` holds it)."""
+
+    plain: str  # the plain attributes' digest, as attribute_identity makes it
+    keyed: str  # classes and forward hooks (the fingerprint made again reads them too)
+    attributes: str  # tensor attributes and an instance's forward (no key reads them)
+    global_hooks: str  # torch's global forward hooks (no key reads them)
+    refs: tuple[Any, ...]
+    unkeyed_refs: tuple[Any, ...]
+
+
+def _hook_rows(name: str, attrs: Mapping[str, Any], rows: list[Any], refs: list[Any]) -> None:
+    """Add a submodule's forward hooks (by id and what each holds) to ``rows`` and ``refs``,
+    a watch's own left out (:func:`~featbake.encode.identity.forward_hooks`' rule)."""
+    for kind in HOOK_DICTS:
+        for hook in attrs[kind].values():
+            if not getattr(hook, "featbake_bookkeeping", False):
+                refs.append(_pinned(hook))
+                rows.append((name, kind, id(hook), *held_values(hook)))
+
+
+def structure_read(module: nn.Module) -> Structure:
+    """What in a module tree its weights and plain attributes do not read, by digest, and
+    the objects it names by id: each submodule's class (another forward: a submodule
+    replaced by a subclass with its weights copied, ``Sigmoid`` by ``Tanh``, ``__class__``
+    set) and every forward hook by id and what it holds, which its key reads too; and what
+    no key reads: tensor attributes that are no parameter or buffer (by id and version),
+    ``forward`` set on the instance, torch's global forward hooks. Reads no file: a watch
+    compares the objects, the code of a hook is read when the module is fingerprinted
+    (:func:`~featbake.encode.identity.hook_identity`). Made at each exact check, in one pass
+    with the plain attributes' digest (the rows of
+    :func:`~featbake.encode.identity.attribute_identity`)."""
+    plain: list[list[str]] = []
+    keyed: list[Any] = []
+    attributes: list[Any] = []
+    refs: list[Any] = []
+    unkeyed: list[Any] = []
+    for name, sub in module.named_modules():
+        attrs = vars(sub)
+        refs.append(type(sub))  # held as it is: a class outlives its instances
+        keyed.append(id(type(sub)))
+        if attrs.get("_forward_pre_hooks") or attrs.get("_forward_hooks"):
+            _hook_rows(name, attrs, keyed, refs)
+        for key, value in attrs.items():
+            if key.startswith("_") or key == "training":
+                continue
+            if is_plain(value):
+                plain.append([name, key, repr(value)])
+            elif _unkeyed(key, value):
+                unkeyed.append(_pinned(value))
+                version = version_of(value) if isinstance(value, torch.Tensor) else None
+                attributes.append((name, key, id(value), version))
+    globals_ = [h for d in GLOBAL_HOOKS for h in d.values()]
+    unkeyed += map(_pinned, globals_)
+    global_rows = [(i, id(h), *held_values(h)) for i, h in enumerate(globals_)]
+    return Structure(
+        attribute_digest(plain),
+        _digest(keyed),
+        _digest(attributes),
+        _digest(global_rows),
+        (*refs, *unkeyed),
+        tuple(unkeyed),
+    )
+
+
+def _unkeyed_change(now: str, base: str) -> str:
+    """Which part of what no key reads differs between two reads of it (see
+    :func:`structure_read`): ``"global hooks"``, or ``"attributes"``."""
+    return "global hooks" if now.partition("|")[2] != base.partition("|")[2] else "attributes"
 
 
 class _Began(NamedTuple):
@@ -429,13 +634,17 @@ class ModuleWatch:
         self._seen: tuple[Any, ...] = ()
         # The trusted attributes' digest, or the trusted glance that makes it when asked and
         # the hooks' digest (a run that set plain attributes only: no digest at each forward).
-        self._attrs: str | tuple[Glance, str] = ""
+        self._attrs: str | tuple[Glance, _Read] = ""
         self._glanced: Glance | None = None  # the trusted state's glance
         self._untrusted: Glance | None = None  # a glance of a state found changed
         # A glance of the module after the last followed run of its moved tensors, and its
         # versions then: the next forward as it left it is followed again without reading.
         self._moved: tuple[Glance, tuple[Any, ...]] | None = None
         self._before = threading.local()  # per thread: the state as a run began, if trusted
+        # What no key reads as trusted (structure_read), and what of it changed since
+        # ("attributes", "global hooks"; "" while none did): see _keyed_or_refused.
+        self._base: _Read | None = None
+        self.unkeyed_change = ""
 
     def _tensors(self) -> list[torch.Tensor]:
         return [*self.module.parameters(), *self.module.buffers()]
@@ -454,26 +663,35 @@ class ModuleWatch:
         look = self._look()
         return look.plan.live_tensors() if look is not None and look.same(self._glanced) else None
 
-    def _read_attributes(self) -> str:
-        """The digest of the module's plain attributes and forward hooks now (a hook added
+    def _read_attributes(self) -> _Read:
+        """The exact read of the module's plain attributes and structure now, in one pass
+        (:func:`structure_read`: classes, hooks, tensor attributes; a hook added or replaced
         after the module was trusted changes its outputs as an attribute set does)."""
-        return f"{attribute_identity(self.module)}|{hook_identity(self.module)}"
+        read = structure_read(self.module)
+        text = f"{read.plain}|{read.keyed}|{read.attributes}|{read.global_hooks}"
+        out = _Read.holding(text, read.refs)
+        # What no key reads, apart: a change of it is refused, not keyed (see fingerprint).
+        out.unkeyed = _Read.holding(f"{read.attributes}|{read.global_hooks}", read.unkeyed_refs)
+        return out
 
     def trusted_attributes(self) -> str:
         """The digest of the attributes as trusted (made from the trusted glance where a run
         set them: :meth:`Glance.attribute_identity`, with the hooks read last, which the
         glance, reading the hook dicts, found the same)."""
         if isinstance(self._attrs, tuple):
-            glance, hooks = self._attrs
-            self._attrs = f"{glance.attribute_identity()}|{hooks}"
+            glance, rest = self._attrs
+            self._attrs = _Read.holding(f"{glance.attribute_identity()}|{rest}", rest.refs)
         return self._attrs
 
     def _trust_values(self, glance: Glance) -> None:
         """Take the attributes as ``glance`` read them (a run set plain attributes only):
         their digest made when asked, with the hooks of the attributes trusted before."""
         attrs = self._attrs
-        hooks = attrs[1] if isinstance(attrs, tuple) else attrs.rpartition("|")[2]
-        self._attrs = (glance, hooks)
+        if isinstance(attrs, tuple):
+            rest = attrs[1]
+        else:  # a plain digest (a copy pickled) holds nothing
+            rest = attrs.tail() if isinstance(attrs, _Read) else _Read(attrs.partition("|")[2])
+        self._attrs = (glance, rest)
 
     def _state(self, tensors: list[torch.Tensor], trusted: bool) -> tuple[Any, ...]:
         """(versions and pointers, weight probe, attributes) now; where the glance is the
@@ -489,7 +707,7 @@ class ModuleWatch:
         return (
             self._fp is not None
             and state[:2] == self._seen[:2]
-            and (state[2] is self._attrs or state[2] == self.trusted_attributes())
+            and (state[2] is self._attrs or same_read(state[2], self.trusted_attributes()))
         )
 
     def _holds_trusted_values(self, tensors: list[torch.Tensor], state: tuple[Any, ...]) -> bool:
@@ -501,7 +719,7 @@ class ModuleWatch:
         versions, probe, attrs = state
         if self._fp is None or not self.check_weights or len(versions) != len(before):
             return False
-        same_attrs = attrs is self._attrs or attrs == self.trusted_attributes()
+        same_attrs = attrs is self._attrs or same_read(attrs, self.trusted_attributes())
         if not same_attrs or len(kept) != len(before):
             return False
         for t, now, was, entry, read in zip(tensors, versions, before, kept, probe, strict=True):
@@ -527,13 +745,37 @@ class ModuleWatch:
         state = self._state(tensors, trusted is not None)
         if not self._as_trusted(state):
             if not self._holds_trusted_values(tensors, state):
+                refuse_meta(type(self.module).__name__, self.module, "")  # no values to hash
                 identity = self.identity or module_identity(self.module)
-                self._fp = module_fingerprint(self.module, identity)
+                self._fp = self._keyed_or_refused(
+                    module_fingerprint(self.module, identity), state[2]
+                )
             self._seen, self._attrs = state, state[2]
         if trusted is None:  # else the trusted glance still reads the state trusted now
             self._glance_again()
         assert self._fp is not None
         return self._fp
+
+    def _keyed_or_refused(self, fp: str, read: str) -> str:
+        """``fp``, the module's fingerprint made again, where what no key reads (tensor
+        attributes, an instance's ``forward``, global hooks: :func:`structure_read`) is as
+        trusted; else, and from then on until trusted anew, a fingerprint of its own (one no
+        dataset has: its misses refused, ``CachedEncoder``'s keyed apart): a change of what
+        the key does not read is a change all the same."""
+        now = getattr(read, "unkeyed", None)
+        if self._base is None:
+            self._base = now
+        elif now is not None and not same_read(now, self._base):
+            self.unkeyed_change = _unkeyed_change(now, self._base)
+        if not self.unkeyed_change:
+            return fp
+        return hashlib.sha256(f"{fp}|changed unkeyed: {self.unkeyed_change}".encode()).hexdigest()
+
+    def _rebase(self) -> None:
+        """Take what no key reads as it is now as the module's own (a trusted run changed it,
+        or the caller trusts the module), unless a change of it was found before."""
+        if not self.unkeyed_change:
+            self._base = getattr(self._attrs, "unkeyed", None)
 
     def trust(self, fp: str) -> None:
         """Take ``fp`` as the module's fingerprint as it is now (the caller just computed it):
@@ -542,11 +784,14 @@ class ModuleWatch:
         probe = _weight_probe(tensors) if self.check_weights else ()
         self._attrs = self._read_attributes()
         self._fp, self._seen = fp, (self._versions(tensors), probe, self._attrs)
+        self.unkeyed_change = ""
+        self._rebase()
         self._glance_again()
 
     def ran(self) -> None:
         """The module just ran: attribute changes it made itself are bookkeeping, not a change."""
         self._attrs = self._read_attributes()
+        self._rebase()
         self._glanced = None  # the run may have moved a version, which that glance would hide
 
     def follow_runs(self) -> bool:
@@ -605,7 +850,7 @@ class ModuleWatch:
         if (
             seen is not None
             and moved_only(versions, seen)
-            and self.trusted_attributes() == self._read_attributes()
+            and same_read(self._read_attributes(), self.trusted_attributes())
         ):
             if versions == seen:
                 self._glance_again()
@@ -650,6 +895,7 @@ class ModuleWatch:
         versions = self._versions(tensors)
         probe = self._probe_after(tensors, versions, began.versions)
         self._attrs = self._read_attributes()
+        self._rebase()
         self._seen = (versions, probe, self._attrs)
         self._glance_again()
 
@@ -682,6 +928,7 @@ class ModuleWatch:
             self._seen[2],
         )
         self._attrs = self._read_attributes()
+        self._rebase()
         plan = glance_plan(self.module)
         moved = None if plan is None else take_glance(plan)
         self._moved = None if moved is None else (moved.kept(), versions)
@@ -704,6 +951,7 @@ class ModuleWatch:
         state["_fp"] = None  # fingerprinted again where it lands
         state["follows_runs"] = False  # hooks do not travel (see _RunHook)
         state["_glanced"] = state["_untrusted"] = None  # ids mean nothing elsewhere
+        state["_base"] = None  # taken again where it lands; a change found here is carried
         state["_attrs"] = self.trusted_attributes()
         del state["_before"]
         return state

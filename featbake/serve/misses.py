@@ -20,14 +20,21 @@ from typing import Any
 import torch
 
 import featbake.device as dev
-from featbake.encode.encoders import MODULE, LoadedEncoder, from_module, module_device
+from featbake.encode.encoders import (
+    MODULE,
+    LoadedEncoder,
+    from_module,
+    meta_tensor,
+    module_device,
+    refuse_meta,
+)
 from featbake.encode.fingerprints import (
     cached_file_encoder_fp,
     encoder_fingerprint,
     file_fingerprint,
 )
 from featbake.encode.hf import is_hf_folder
-from featbake.encode.identity import hook_identity, module_identity
+from featbake.encode.identity import forward_hooks, held_values, module_identity
 from featbake.encode.inputs import DigestView
 from featbake.encode.loaders import is_import_path, load_encoder
 from featbake.encode.outputs import encode_batch, stored_parts
@@ -325,7 +332,8 @@ class LiveEncoder:
     watch: ModuleWatch | None = None  # an in-process module's: notices it changed since
     moved: bool = False  # the module had changed when this copy was pickled
     dtypes: tuple[str, ...] = ()  # an in-process module's weight dtypes when it was given
-    hooks: str = ""  # an in-process module's forward hooks when it was given (hook_identity)
+    hooks: tuple[Any, ...] = ()  # an in-process module's forward hooks when given (hooks_now)
+    changed: str = ""  # what changed, told where this copy was pickled (what_changed)
 
     def identify(self, encoder: Any, catalog: ServingStore) -> None:
         """Set :attr:`fingerprint` and :attr:`label`, loading the encoder only if it must.
@@ -340,7 +348,7 @@ class LiveEncoder:
             self.fingerprint = encoder_fingerprint(encoder, catalog, self.weights)
             self.watch = watched(encoder, self.fingerprint)
             self.dtypes = weight_dtypes(encoder.module)
-            self.hooks = hook_identity(encoder.module)
+            self.hooks = hooks_now(encoder.module)
             return
         if isinstance(encoder, torch.nn.Module):
             refuse_meta(type(encoder).__name__, encoder, "")
@@ -348,7 +356,7 @@ class LiveEncoder:
             self.fingerprint, self.label = self.loaded.fingerprint, self.loaded.label
             self.watch = watched(self.loaded, self.fingerprint)
             self.dtypes = weight_dtypes(encoder)
-            self.hooks = hook_identity(encoder)
+            self.hooks = hooks_now(encoder)
             return
         spec = self.spec = os.fspath(encoder)
         self.label = spec  # an import path: the architecture lives in code, only loading it tells
@@ -442,14 +450,22 @@ class LiveEncoder:
             )
 
     def what_changed(self, module: Any) -> str:
-        """What a changed module's message names: its forward hooks where one was added or
-        removed (an observer hook too: whether a hook changes outputs cannot be told), its
+        """What a changed module's message names: its forward hooks where one was added,
+        removed or replaced, or what one holds changed (an observer hook too: whether a hook
+        changes outputs cannot be told; the hook objects compared, no file read), its
         weights' dtypes where they moved (``.half()``, ``.to(torch.float64)``: move it back to
-        keep the keys), else what may."""
-        if module is not None and hook_identity(module) != self.hooks:
+        keep the keys), else what may. A copy pickled says what its original found (there, a
+        hook of the script run is ``__mp_main__``'s: compared here, any would differ)."""
+        if self.changed:
+            return self.changed
+        unkeyed = self.watch.unkeyed_change if self.watch is not None else ""
+        if unkeyed:
+            return UNKEYED_CHANGES[unkeyed]
+        if module is not None and not same_hooks(hooks_now(module), self.hooks):
             return (
-                "a forward hook was added or removed since, and a hook may change what it "
-                "returns; register hooks before making the dataset, or remove it"
+                "a forward hook was added, removed or replaced since, or what it holds "
+                "changed, and a hook may change what it returns; register hooks before making "
+                "the dataset, or remove it"
             )
         now = weight_dtypes(module)
         if module is None or not self.dtypes or now == self.dtypes:
@@ -497,12 +513,16 @@ class LiveEncoder:
                 meta_tensor(self.watch.module) is None
                 and self.watch.fingerprint() != self.fingerprint
             )
+            if state["moved"]:
+                state["changed"] = self.what_changed(self.watch.module)
+        state["hooks"] = ()  # objects of this process (a lambda does not pickle)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         if self.loaded is not None and self.spec is None and not self.moved:
             self.watch = watched(self.loaded, self.fingerprint)
+            self.hooks = hooks_now(self.loaded.module)  # the copy's hooks, as it is trusted
 
 
 def watched(enc: LoadedEncoder, fingerprint: str) -> ModuleWatch | None:
@@ -521,39 +541,41 @@ def watched(enc: LoadedEncoder, fingerprint: str) -> ModuleWatch | None:
     return watch
 
 
-def meta_tensor(module: Any) -> str | None:
-    """The name of the first of a module's parameters and buffers on the meta device, which
-    holds no values to encode with or to key by (None: none is, or no ``nn.Module``). Every
-    tensor is looked at: ``load_state_dict(..., assign=True)`` after ``.to("meta")`` brings
-    back what a state dict holds, and leaves a buffer registered with ``persistent=False``
-    on the meta device.
+#: What a change of what no key reads (a watch's ``unkeyed_change``) is told as.
+UNKEYED_CHANGES = {
+    "global hooks": (
+        "a global forward hook (register_module_forward_pre_hook or "
+        "register_module_forward_hook) was added or removed since, and it may change what the "
+        "module returns; register it before making the dataset, or remove it"
+    ),
+    "attributes": (
+        "a tensor attribute that is no parameter or buffer, or forward set on the instance, "
+        "changed since, and no key reads them; register such a tensor as a buffer, or make "
+        "the dataset after setting them"
+    ),
+}
+
+
+def hooks_now(module: Any) -> tuple[tuple[str, str, Any, tuple[str, ...]], ...]:
+    """A module's forward hooks now, each with what it holds (:func:`held_values`): what
+    :func:`same_hooks` compares with those it had when given to the dataset."""
+    if not isinstance(module, torch.nn.Module):
+        return ()
+    return tuple((n, k, h, tuple(held_values(h))) for n, k, h in forward_hooks(module))
+
+
+def same_hooks(now: Sequence[Any], then: Sequence[Any]) -> bool:
+    """Whether two :func:`hooks_now` readings hold the same hook objects, where they were,
+    holding the same values.
 
     Example:
-        >>> meta_tensor(torch.nn.Linear(2, 2).to("meta"))
-        'weight'
+        >>> m = torch.nn.Linear(2, 2)
+        >>> h = m.register_forward_hook(print)
+        >>> same_hooks(hooks_now(m), hooks_now(m)), same_hooks(hooks_now(m), ())
+        (True, False)
     """
-    if not isinstance(module, torch.nn.Module):
-        return None
-    named = chain(module.named_parameters(), module.named_buffers())
-    return next((name for name, t in named if t.is_meta), None)
-
-
-def refuse_meta(label: str, module: Any, then: str) -> None:
-    """Raise if ``module`` has a tensor on the meta device (see :func:`meta_tensor`);
-    ``then`` says when it got there, as the message tells it.
-
-    Raises:
-        EncoderLoadError: naming the tensor, and how to bring its values back.
-    """
-    name = meta_tensor(module)
-    if name is None:
-        return
-    raise EncoderLoadError(
-        f"the encoder module {label} has its weights on the meta device ({name}){then}, which "
-        "holds no values to encode with or key by; load its weights back before a miss and "
-        "before a DataLoader starts its workers (load_state_dict(..., assign=True); a buffer "
-        "registered with persistent=False is in no state dict: set it again), or give the "
-        "dataset a module with weights"
+    return len(now) == len(then) and all(
+        a[:2] == b[:2] and a[2] is b[2] and a[3] == b[3] for a, b in zip(now, then, strict=True)
     )
 
 

@@ -630,10 +630,11 @@ def test_a_callers_in_place_edit_of_its_output_is_served_by_no_later_call(
 
 def test_a_moved_tensor_is_read_in_the_kind_of_its_trusted_probe_entry() -> None:
     """serve9.1's comparison by value: a tensor trusted on the CPU (a CRC-32C) and one trusted
-    on a device (a pair of byte sums) are each read in that kind wherever they are now, so a
-    move to or from a device compares values, not probes of two kinds; a tensor on the meta
-    device matches nothing."""
-    from featbake.serve.cached_encoder import value_entry
+    on a device (a byte sum and a place-weighted one) are each read in that kind wherever they
+    are now, so a move to or from a device compares values, not probes of two kinds; a tensor
+    on the meta device matches nothing. Rows permuted keep the byte sum, not the device
+    entry."""
+    from featbake.serve.cached_encoder import device_entry, value_entry
     from featbake.store.shard import crc32c_tensor
 
     t = torch.randn(64)
@@ -641,7 +642,65 @@ def test_a_moved_tensor_is_read_in_the_kind_of_its_trusted_probe_entry() -> None
     assert value_entry(t.clone(), crc) == crc
     assert value_entry(t * 2, crc) != crc
     b = t.view(torch.uint8)
-    sums = (int(b.sum(dtype=torch.int64)), int(b[::3].sum(dtype=torch.int64)))
-    assert value_entry(t.clone(), (0, 0)) == sums
+    entry = device_entry(t)
+    assert entry[0] == int(b.sum(dtype=torch.int64))
+    assert value_entry(t.clone(), (0, 0)) == entry
+    swapped = t.view(8, 8)[[1, 0, 2, 3, 4, 5, 6, 7]].reshape(-1)
+    assert device_entry(swapped)[0] == entry[0] and device_entry(swapped) != entry
     assert value_entry(t.to("meta"), crc) is None
     assert value_entry(torch.empty(0), crc) == 0
+
+
+def _scaled(module: nn.Module, args: tuple[torch.Tensor, ...], factor: float) -> tuple:
+    return (args[0] * factor,)
+
+
+def test_a_module_whose_hook_was_replaced_by_one_of_the_same_name_is_served_as_it_runs_now() -> (
+    None
+):
+    """serve9.5 kept the fingerprint of a module whose hook was replaced by a partial with
+    other arguments (the same qualified name and file), and served its RAM hits encoded with
+    the old hook: the hook objects are compared, and a partial's arguments keyed."""
+    import functools
+
+    module = frozen(TinyConvEncoder())
+    handle = module.register_forward_pre_hook(functools.partial(_scaled, factor=2.0))
+    cached = CachedEncoder(module, cache=None)
+    x = torch.randn(2, 8000, generator=torch.Generator().manual_seed(0))
+    cached(x, ids=["a", "b"])
+    handle.remove()
+    module.register_forward_pre_hook(functools.partial(_scaled, factor=3.0))
+    with torch.no_grad():
+        now = module(x)
+    torch.testing.assert_close(cached(x, ids=["a", "b"]), now)
+
+
+def test_a_wrapped_module_moved_to_meta_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A wrapped module moved to the meta device failed with torch's traceback (``Cannot
+    copy out of meta tensor``) at the next call: refused in one line naming the tensor."""
+    from featbake.errors import EncoderLoadError
+
+    module = frozen(TinyConvEncoder())
+    cached = CachedEncoder(module, cache=tmp_path / "s")
+    x = torch.randn(2, 8000, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(cached(x, ids=["a", "b"]), module(x))
+    module.to("meta")
+    with pytest.raises(EncoderLoadError, match=r"meta device \(conv1.weight\)") as e:
+        cached(x, ids=["a", "b"])
+    assert "\n" not in str(e.value)
+
+
+def test_a_pickled_watch_of_a_module_with_a_tensor_attribute_keeps_its_fingerprint() -> None:
+    """A watch pickled (a ``CachedEncoder`` sent to a worker) carried its trusted reading of
+    what no key reads (tensor attributes: ids of the process it left), so where it landed the
+    module read as changed and was keyed apart: taken again where it lands."""
+    import pickle
+
+    from featbake.serve.cached_encoder import ModuleWatch
+
+    module = frozen(TinyConvEncoder())
+    module.scale = torch.tensor(1.0)
+    watch = ModuleWatch(module)
+    fp = watch.fingerprint()
+    copy = pickle.loads(pickle.dumps(watch))
+    assert copy.fingerprint() == fp and copy.unkeyed_change == ""

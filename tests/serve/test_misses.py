@@ -553,7 +553,7 @@ def test_a_watched_modules_own_forward_digests_no_attribute(
     module = _Gained().eval()
     ds = _fresh_dataset(audio_dir, module, tmp_path / "s")
     ds[0]
-    digested = _calls_to(monkeypatch, cached_encoder, "attribute_identity")
+    digested = _calls_to(monkeypatch, cached_encoder, "structure_read")
     for _ in range(3):
         _users_forward(module)
     assert digested == []
@@ -958,7 +958,7 @@ def test_a_forward_that_changes_only_plain_attributes_digests_none_and_is_no_cha
     module = _Counting().eval()
     ds = _fresh_dataset(audio_dir, module, tmp_path / "s")
     ds[0]
-    digested = _calls_to(monkeypatch, cached_encoder, "attribute_identity")
+    digested = _calls_to(monkeypatch, cached_encoder, "structure_read")
     for _ in range(3):
         _users_forward(module)
     assert digested == []
@@ -1024,9 +1024,472 @@ def test_forwards_of_a_moved_module_read_its_attributes_once_not_at_each_run(
     ds = _fresh_dataset(audio_dir, module, tmp_path / "s")
     ds[0]
     module.share_memory()
-    digested = _calls_to(monkeypatch, cached_encoder, "attribute_identity")
+    digested = _calls_to(monkeypatch, cached_encoder, "structure_read")
     for _ in range(4):
         _users_forward(module)
     assert len(digested) == 1
     monkeypatch.undo()
     torch.testing.assert_close(ds[1], _live(module, ds.path(1)))
+
+
+# == round nine review: a module's structure, its hooks and its values on a device ================
+class _WithActivation(torch.nn.Module):
+    """TinyConvEncoder's frames through an activation submodule."""
+
+    def __init__(self) -> None:
+        from featbake.testing import TinyConvEncoder
+
+        super().__init__()
+        self.inner = TinyConvEncoder()
+        self.act: torch.nn.Module = torch.nn.Sigmoid()
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        return self.act(self.inner(wav))
+
+
+class _DoubledConv(torch.nn.Conv1d):
+    """A Conv1d whose output is doubled: other code, the same tensors and attributes."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 2.0
+
+
+def _conv_replaced(module: torch.nn.Module) -> None:
+    old = module.inner.conv2
+    new = _DoubledConv(old.in_channels, old.out_channels, kernel_size=3, padding=1)
+    new.load_state_dict(old.state_dict())  # equal values, new tensors
+    module.inner.conv2 = new
+
+
+def _activation_replaced(module: torch.nn.Module) -> None:
+    module.act = torch.nn.Tanh()  # no tensors, no public attributes either
+
+
+def _class_set(module: torch.nn.Module) -> None:
+    module.inner.conv2.__class__ = _DoubledConv
+
+
+def _served_as_it_was(
+    data: Path, store: Path, ds: CachedFeatureDataset, original: torch.nn.Module
+) -> None:
+    """A dataset over the module as it was serves its stored item, equal to what it runs now
+    (the refused miss left nothing under its keys: it is still a miss)."""
+    ds.flush()
+    again = CachedFeatureDataset(data, original, cache=store, on_miss="error")
+    torch.testing.assert_close(again[0], _live(original, again.path(0)))
+    with pytest.raises(CacheMiss):
+        again[1]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [_conv_replaced, _activation_replaced, _class_set],
+    ids=["submodule-replaced", "activation-replaced", "class-set"],
+)
+def test_a_submodule_of_another_class_after_the_dataset_was_made_is_refused(
+    tmp_path: Path, audio_dir: Path, change: Any
+) -> None:
+    """serve9.1 compared moved tensors by value, so a submodule replaced by one of another
+    class with its weights copied (another forward, equal tensors) was taken as a move; an
+    activation replaced (no tensors) or ``__class__`` set was never seen. The glance and the
+    exact read hold each submodule's class: refused in one line."""
+    import copy
+
+    from featbake.errors import EncoderLoadError
+
+    module = _WithActivation().eval()
+    original = copy.deepcopy(module)
+    ds = _fresh_dataset(audio_dir, module, tmp_path / "s")
+    ds[0]
+    change(module)
+    module.eval()
+    _users_forward(module)
+    with pytest.raises(EncoderLoadError, match="changed since this dataset was created") as e:
+        ds[1]
+    assert "\n" not in str(e.value)
+    _served_as_it_was(audio_dir, tmp_path / "s", ds, original)
+
+
+def _scaled(module: torch.nn.Module, args: tuple[Any, ...], factor: float) -> tuple[Any, ...]:
+    return (args[0] * factor,)
+
+
+def _scaling_hook(factor: float) -> Any:
+    def hook(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (args[0] * factor,)
+
+    return hook
+
+
+class _Scaler:
+    """A hook object whose factor is an attribute."""
+
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+
+    def __call__(self, module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (args[0] * self.factor,)
+
+
+_LAMBDAS = {"double": lambda m, a: (a[0] * 2.0,), "triple": lambda m, a: (a[0] * 3.0,)}
+
+
+def _replace_hook(old: Any, new: Any) -> Any:
+    def change(module: torch.nn.Module, handle: Any) -> None:
+        handle.remove()
+        module.register_forward_pre_hook(new)
+
+    return old, change
+
+
+def _set_factor() -> Any:
+    hook = _Scaler(2.0)
+
+    def change(module: torch.nn.Module, handle: Any) -> None:
+        hook.factor = 3.0
+
+    return hook, change
+
+
+def _partials() -> Any:
+    import functools
+
+    return _replace_hook(
+        functools.partial(_scaled, factor=2.0), functools.partial(_scaled, factor=3.0)
+    )
+
+
+_HOOK_CHANGES = {
+    "lambda": lambda: _replace_hook(_LAMBDAS["double"], _LAMBDAS["triple"]),
+    "partial": _partials,
+    "closure": lambda: _replace_hook(_scaling_hook(2.0), _scaling_hook(3.0)),
+    "object-attribute": _set_factor,
+}
+
+
+@pytest.mark.parametrize("how", list(_HOOK_CHANGES))
+def test_a_hook_replaced_by_one_of_the_same_name_after_the_dataset_was_made_is_refused(
+    tmp_path: Path, audio_dir: Path, how: str
+) -> None:
+    """serve9.5's watch compared a hook identity derived from its qualified name and file, so
+    a lambda replaced by a lambda, a partial by one with other arguments, a factory's closure
+    by one holding another value, or an attribute set on a hook object was accepted and the
+    miss encoded with it under the old keys. The watch compares the hook objects and what
+    they hold now."""
+    import copy
+
+    from featbake.errors import EncoderLoadError
+    from featbake.testing import TinyConvEncoder
+
+    first, change = _HOOK_CHANGES[how]()
+    module = TinyConvEncoder().eval()
+    handle = module.register_forward_pre_hook(first)
+    original = copy.deepcopy(module)
+    ds = _fresh_dataset(audio_dir, module, tmp_path / "s")
+    torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
+    change(module, handle)
+    _users_forward(module)
+    with pytest.raises(EncoderLoadError, match="changed since this dataset was created") as e:
+        ds[1]
+    assert "\n" not in str(e.value)
+    _served_as_it_was(audio_dir, tmp_path / "s", ds, original)
+
+
+@pytest.mark.parametrize("how", ["partial", "closure", "lambda"])
+def test_modules_whose_hooks_hold_other_values_have_their_own_keys(
+    tmp_path: Path, audio_dir: Path, how: str
+) -> None:
+    """Two modules whose hooks differ only in what they hold (a partial's arguments, a
+    closure's cell, a lambda's constant) shared their keys under serve9.5, each served the
+    other's features: a hook's code, plain closure cells and a partial's arguments are keyed."""
+    import functools
+
+    from featbake.testing import TinyConvEncoder
+
+    makers = {
+        "partial": lambda f: functools.partial(_scaled, factor=f),
+        "closure": _scaling_hook,
+        "lambda": lambda f: _LAMBDAS["double" if f == 2.0 else "triple"],
+    }
+    a, b = TinyConvEncoder().eval(), TinyConvEncoder().eval()
+    b.load_state_dict(a.state_dict())
+    a.register_forward_pre_hook(makers[how](2.0))
+    b.register_forward_pre_hook(makers[how](3.0))
+    first = _fresh_dataset(audio_dir, a, tmp_path / "s")
+    first[0]
+    first.flush()
+    second = CachedFeatureDataset(audio_dir, b, cache=tmp_path / "s")
+    assert second.key(0) != first.key(0)
+    torch.testing.assert_close(second[0], _live(b, second.path(0)))
+
+
+@pytest.mark.parametrize("norm", ["weight_norm", "spectral_norm"])
+def test_a_module_whose_only_hooks_are_torchs_own_keeps_the_identity_it_had(norm: str) -> None:
+    """serve9.5 keyed torch's own forward pre-hooks (the old-API ``weight_norm`` and
+    ``spectral_norm`` of fairseq's wav2vec2 and HuBERT, EnCodec, DAC), so every store made
+    from such a module missed; torch's code never enters a key (``code_identity``), and
+    their effect is in the weights."""
+    import warnings
+
+    from featbake.encode.identity import module_identity
+    from featbake.testing import TinyConvEncoder
+
+    module = TinyConvEncoder().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # weight_norm's deprecation
+        getattr(torch.nn.utils, norm)(module.conv2)
+    module.eval()
+    assert "\nhooks:" not in module_identity(module)
+
+
+def test_a_hooks_source_file_edited_on_disk_is_no_change_of_a_moved_module(
+    tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """serve9.5 read and hashed a hook's source file at every exact check: a module that only
+    moved was refused, as "a forward hook was added or removed", once the file was edited on
+    disk (the hook running is the one loaded). The watch reads no file."""
+    import importlib
+    import sys
+
+    folder = tmp_path / "pkg"
+    folder.mkdir()
+    source = folder / "serve9_review_hooks.py"
+    source.write_text("def observe(module, args, out):\n    return None\n")
+    monkeypatch.syspath_prepend(str(folder))
+    hooks = importlib.import_module("serve9_review_hooks")
+    try:
+        from featbake.testing import TinyConvEncoder
+
+        module = TinyConvEncoder().eval()
+        module.register_forward_hook(hooks.observe)
+        ds = _fresh_dataset(audio_dir, module, tmp_path / "s")
+        ds[0]
+        source.write_text(source.read_text() + "# edited\n")
+        module.share_memory()
+        _users_forward(module)
+        torch.testing.assert_close(ds[1], _live(module, ds.path(1)))
+    finally:
+        sys.modules.pop("serve9_review_hooks", None)
+
+
+_SPAWNED_HOOKED = """
+import sys, warnings
+from pathlib import Path
+from torch.utils.data import DataLoader
+from featbake.serve.dataset import CachedFeatureDataset
+from featbake.testing import TinyConvEncoder
+
+
+def pre(module, args):
+    return (args[0] * 2.0,)
+
+
+if __name__ == "__main__":
+    warnings.simplefilter("ignore")
+    module = TinyConvEncoder().eval()
+    module.register_forward_pre_hook(pre)
+    ds = CachedFeatureDataset(Path(sys.argv[1]), module, cache=Path(sys.argv[2]))
+    module.conv2.dilation = (2,)  # the real change: a plain attribute, no hook
+    loader = DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context="spawn")
+    try:
+        list(loader)
+    except Exception as e:
+        print(str(e).splitlines()[-1])
+"""
+
+
+def test_a_refusal_in_a_spawned_worker_names_the_change_not_a_hook(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    """In a spawned worker a hook of the script run reads as ``__mp_main__``'s, so serve9.5
+    named any change of a hooked module "a forward hook was added or removed": what changed
+    is told where the dataset was pickled, and carried."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "spawned.py"
+    script.write_text(_SPAWNED_HOOKED)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    out = subprocess.run(
+        [sys.executable, str(script), str(audio_dir), str(tmp_path / "s")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=True,
+    ).stdout
+    assert "changed since this dataset was created" in out
+    assert "forward hook" not in out
+
+
+def _device_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The watch's probe as it is for tensors on a GPU (``device_entry``), for CPU tensors
+    too: the device path, run where there is no GPU."""
+    import featbake.serve.cached_encoder as cached_encoder
+
+    entry = cached_encoder.device_entry
+    monkeypatch.setattr(
+        cached_encoder, "_weight_probe", lambda ts: tuple(entry(t) if t.numel() else 0 for t in ts)
+    )
+    monkeypatch.setattr(cached_encoder, "crc32c_tensor", entry)
+
+
+def _swap_two_channels(w: torch.Tensor, how: str) -> None:
+    """Output channels 0 and 1 swapped: both rows' bytes kept, so are plain byte sums."""
+    perm = torch.arange(w.shape[0])
+    perm[[0, 1]] = perm[[1, 0]]
+    with torch.no_grad():
+        if how == "assign":
+            w.data = w.data[perm].clone()
+        else:
+            w.copy_(w[perm].clone())
+
+
+@pytest.mark.parametrize("how", ["assign", "in-place"])
+def test_a_permuted_weight_on_a_device_is_a_change(
+    tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """serve9.1 keeps a weight whose pointer or version moved where its probe matches; on a
+    device the probe was two byte sums, which a permutation of rows keeps (the code before
+    hashed every weight again and refused). The device probe weighs each byte by its place."""
+    import copy
+
+    from featbake.errors import EncoderLoadError
+    from featbake.testing import TinyConvEncoder
+
+    _device_probe(monkeypatch)
+    module = TinyConvEncoder().eval()
+    original = copy.deepcopy(module)
+    ds = _fresh_dataset(audio_dir, module, tmp_path / "s")
+    ds[0]
+    _swap_two_channels(module.conv2.weight, how)
+    with pytest.raises(EncoderLoadError, match="changed since this dataset was created"):
+        ds[1]
+    monkeypatch.undo()
+    _served_as_it_was(audio_dir, tmp_path / "s", ds, original)
+
+
+def _global_pre(module: torch.nn.Module, args: tuple[Any, ...]) -> Any:
+    from featbake.testing import TinyConvEncoder
+
+    return (args[0] * 2.0,) if isinstance(module, TinyConvEncoder) else None
+
+
+def _global_post(module: torch.nn.Module, args: tuple[Any, ...], out: Any) -> Any:
+    from featbake.testing import TinyConvEncoder
+
+    return out * 2.0 if isinstance(module, TinyConvEncoder) else None
+
+
+@pytest.mark.parametrize("kind", ["pre", "post"])
+def test_a_global_forward_hook_added_after_the_dataset_was_made_is_refused(
+    tmp_path: Path, audio_dir: Path, kind: str
+) -> None:
+    """torch's global forward hooks (``register_module_forward_pre_hook`` / ``_hook``) run on
+    every module and were read by neither the key nor the watch: one added after the dataset
+    was made encoded its misses under the old keys. The watch reads them: refused."""
+    import copy
+
+    from torch.nn.modules import module as torch_module
+
+    from featbake.errors import EncoderLoadError
+    from featbake.testing import TinyConvEncoder
+
+    module = TinyConvEncoder().eval()
+    original = copy.deepcopy(module)
+    ds = _fresh_dataset(audio_dir, module, tmp_path / "s")
+    ds[0]
+    add = (
+        torch_module.register_module_forward_pre_hook
+        if kind == "pre"
+        else torch_module.register_module_forward_hook
+    )
+    handle = add(_global_pre if kind == "pre" else _global_post)
+    try:
+        _users_forward(module)
+        with pytest.raises(EncoderLoadError, match="global forward hook") as e:
+            ds[1]
+        assert "\n" not in str(e.value)
+    finally:
+        handle.remove()
+    _served_as_it_was(audio_dir, tmp_path / "s", ds, original)
+
+
+class _TensorScale(torch.nn.Module):
+    """TinyConvEncoder's output scaled by a tensor attribute that is no parameter or buffer."""
+
+    def __init__(self) -> None:
+        from featbake.testing import TinyConvEncoder
+
+        super().__init__()
+        self.inner = TinyConvEncoder()
+        self.scale = torch.tensor(1.0)
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        return self.inner(wav) * self.scale
+
+
+def _tensor_set(module: Any) -> None:
+    module.scale = torch.tensor(2.0)
+
+
+def _tensor_edited(module: Any) -> None:
+    module.scale.mul_(2.0)
+
+
+def _forward_set(module: Any) -> None:
+    plain = type(module).forward
+    module.forward = lambda wav: plain(module, wav) * 2.0
+
+
+@pytest.mark.parametrize(
+    "change",
+    [_tensor_set, _tensor_edited, _forward_set],
+    ids=["tensor-set", "tensor-in-place", "forward-set"],
+)
+def test_a_tensor_attribute_or_forward_changed_after_the_dataset_was_made_is_refused(
+    tmp_path: Path, audio_dir: Path, change: Any
+) -> None:
+    """A public tensor attribute that is no parameter or buffer (set, or edited in place), or
+    ``forward`` set on the instance (as accelerate's ``add_hook_to_module`` does), is in no
+    key: changed after the dataset was made, the miss was stored under the old keys. The
+    watch reads them (by id and version) and refuses a change of them, keys unchanged."""
+    import copy
+
+    from featbake.errors import EncoderLoadError
+
+    module = _TensorScale().eval()
+    original = copy.deepcopy(module)
+    ds = _fresh_dataset(audio_dir, module, tmp_path / "s")
+    ds[0]
+    change(module)
+    _users_forward(module)
+    with pytest.raises(EncoderLoadError, match="no parameter or buffer") as e:
+        ds[1]
+    assert "\n" not in str(e.value)
+    _served_as_it_was(audio_dir, tmp_path / "s", ds, original)
+
+
+def test_a_pickled_dataset_over_a_hooked_module_names_a_change_of_it_not_its_hooks(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    """A dataset pickled (as for a spawned worker) left the hooks it was given behind, so a
+    change of its copy's module was named as "a forward hook was added": the copy reads its
+    module's hooks where it lands."""
+    import pickle
+
+    from featbake.errors import EncoderLoadError
+    from featbake.testing import TinyConvEncoder
+
+    module = TinyConvEncoder().eval()
+    module.register_forward_pre_hook(_doubled_input)
+    ds = _fresh_dataset(audio_dir, module, tmp_path / "s")
+    ds[0]
+    copy = pickle.loads(pickle.dumps(ds))
+    landed = copy._live.loaded.module  # the module the copy carries
+    torch.testing.assert_close(copy[1], _live(landed, copy.path(1)))
+    landed.conv2.dilation = (2,)
+    with pytest.raises(EncoderLoadError, match="changed since this dataset was created") as e:
+        copy[2]
+    assert "forward hook" not in str(e.value)
