@@ -258,7 +258,9 @@ class WebDataset:
         self.known: HashCache | None = None
         self.fresh: list[HashRow] = []
         self.place = bytes_at(data)
-        self.where, self.folder, tars = self.place.shards(data)
+        self.where, self.folder, tars, walk_notes = self.place.shards(data)
+        #: the notes of the shards' folder's walk (folders it could not read)
+        self.walk_notes = walk_notes
         #: a bucket prefix of tars only: its shards are the scan's listing's ``.tar`` objects
         self.prefix = tars is None
         self.tars = tars or []
@@ -307,7 +309,7 @@ class WebDataset:
                 + "; name the member with --column (e.g. --column jpg) or pick --source"
             )
         note = left_out_note(self.left_out)
-        return ScanResult(list(self.chosen), skipped, (note,) if note else ())
+        return ScanResult(list(self.chosen), skipped, self.walk_notes + ((note,) if note else ()))
 
     @property
     def remote(self) -> bool:

@@ -42,7 +42,7 @@ from featbake.store.containers import (
     refuse_several_splits,
 )
 from featbake.store.layout import Layout
-from featbake.testing import make_tone, write_image_folder
+from featbake.testing import make_tone, write_audio_folder, write_image_folder
 from tests.conftest import invoke, run_cli
 from tests.helpers import real_photos, stored_features
 
@@ -2239,13 +2239,14 @@ def test_tars_in_a_dunder_folder_are_passed_over_as_datasets_passes_them(
         assert torch.equal(ds[i], run_now(module, audio_tensor(clip))), i
 
 
-def test_an_unreadable_subfolder_of_a_shard_folder_is_one_line_not_left_out(
+def test_an_unreadable_subfolder_of_a_shard_folder_is_one_note_not_left_out_unsaid(
     tmp_path: Path, encoder_file: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """in9.7's walk passed over a subfolder it could not read, as ``os.walk`` does: its shards'
-    samples were left out without a word (a bucket prefix that cannot be listed fails). Now
-    the shard folder (and a parquet folder) fails in one line naming the folder. The folder
-    is made unreadable by its listing failing with EACCES (the tests may run as root)."""
+    samples were left out without a word. in9.13 failed the build on it; now (in9.14) the
+    readable shards (or parquet files) build and the build's notes say, in one line, how many
+    folders could not be read, the first, and what to do. The folder is made unreadable by its
+    listing failing with EACCES (the tests may run as root)."""
     shards = tmp_path / "shards"
     (shards / "sub").mkdir(parents=True)
     write_tar(shards / "a.tar", [("t0", {"wav": wav_bytes(0.3, 1)})])
@@ -2254,16 +2255,78 @@ def test_an_unreadable_subfolder_of_a_shard_folder_is_one_line_not_left_out(
     (tables / "sub").mkdir(parents=True)
     write_audio_parquet(tables / "a.parquet", [wav_bytes(0.3, 3)])
     write_audio_parquet(tables / "sub" / "b.parquet", [wav_bytes(0.3, 4)])
+    unreadable(monkeypatch, "sub")
+    for data, column in ((shards, None), (tables, "audio")):
+        report = build(data, encoder_file, cache=tmp_path / "store", workers=0, column=column)
+        assert (report.encoded, report.failed) == (1, []), data
+        (note,) = report.notes
+        assert len(note.splitlines()) == 1
+        assert note.startswith("1 folder under ") and f"{data / 'sub'}" in note
+        assert "Permission denied" in note and "permissions" in note
+
+
+def unreadable(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """Listing a folder named ``name`` fails with EACCES (as ``lost+found``, mode 0700 and
+    owned by root, does for every other user; the tests may run as root)."""
     real = os.scandir
 
     def scandir(path: Any = ".") -> Any:
-        if os.fspath(path).endswith("/sub"):
+        if os.fspath(path).endswith(f"/{name}"):
             raise PermissionError(13, "Permission denied", os.fspath(path))
         return real(path)
 
     monkeypatch.setattr(os, "scandir", scandir)
-    for data, column in ((shards, None), (tables, "audio")):
-        with pytest.raises(SourceError) as got:
-            build(data, encoder_file, cache=tmp_path / "store", workers=0, column=column)
-        said = str(got.value)
-        assert len(said.splitlines()) == 1 and f"{data / 'sub'}: cannot read this folder" in said
+
+
+@pytest.mark.parametrize("kind", ["tar", "parquet"])
+def test_a_shard_folder_at_a_volume_root_with_lost_and_found_builds(
+    tmp_path: Path, encoder_file: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """in9.13 failed every shard or parquet folder at a volume's root for a user other than
+    root: ``lost+found`` (0700, root) cannot be listed. A folder that cannot hold inputs
+    (``lost+found``, a ``__name__`` folder) is passed over without a word, unreadable or not."""
+    data = tmp_path / "vol"
+    (data / "lost+found").mkdir(parents=True)
+    (data / "__MACOSX").mkdir()
+    if kind == "tar":
+        write_tar(
+            data / "a.tar", [("t0", {"wav": wav_bytes(0.3, 1)}), ("t1", {"wav": wav_bytes(0.3, 2)})]
+        )
+        column = None
+    else:
+        write_audio_parquet(data / "a.parquet", [wav_bytes(0.3, 3), wav_bytes(0.3, 4)])
+        column = "audio"
+    unreadable(monkeypatch, "lost+found")
+    report = build(data, encoder_file, cache=tmp_path / "store", workers=0, column=column)
+    assert (report.encoded, report.failed, report.notes) == (2, [], [])
+
+
+def test_an_audio_folder_with_an_unreadable_subfolder_says_so(
+    tmp_path: Path, encoder_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The folder scan passed over a subfolder it could not read without a word: its clips
+    were left out, exit 0, while a shard folder said so. One rule for audio, shard and table
+    folders now: the readable clips build, and one note says how many folders could not be
+    read, the first, and what to do (in9.16)."""
+    data = tmp_path / "audio"
+    write_audio_folder(data / "spk1", 2, seconds=0.3, seed=1)
+    write_audio_folder(data / "spk2", 2, seconds=0.3, seed=2)
+    (data / "lost+found").mkdir()
+    unreadable(monkeypatch, "spk2")
+    monkeypatch.setattr(os, "scandir", unreadable_too(os.scandir, "lost+found"))
+    report = build(data, encoder_file, cache=tmp_path / "store", workers=0)
+    assert (report.encoded, report.failed) == (2, [])
+    (note,) = report.notes
+    assert note.startswith(f"1 folder under {data} could not be read ({data / 'spk2'}: ")
+    assert "fix their permissions" in note and "--data" in note
+
+
+def unreadable_too(scandir: Any, name: str) -> Any:
+    """``scandir`` with a folder named ``name`` failing with EACCES as well."""
+
+    def wrapped(path: Any = ".") -> Any:
+        if os.fspath(path).endswith(f"/{name}"):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return scandir(path)
+
+    return wrapped
