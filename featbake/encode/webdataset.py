@@ -50,6 +50,7 @@ from featbake.errors import SourceError
 from featbake.progress import Progress
 from featbake.store.byteplace import bytes_at, shard_names
 from featbake.store.containers import (
+    CARD_SUFFIXES,
     TAR_SUFFIXES,
     Holder,
     Member,
@@ -230,8 +231,10 @@ def carried_value(ext: str, data: bytes) -> Any:
 
 def is_webdataset(where: str) -> bool:
     """Whether ``--data`` names webdataset shards: a ``.tar`` (file, URL or brace pattern), or a
-    folder or bucket prefix whose visible files are all ``.tar`` (one at least)."""
-    return is_tar(where) or bytes_at(where).holds_only(where, TAR_SUFFIXES)
+    folder or bucket prefix whose visible files are all ``.tar`` (one at least) but for a
+    dataset card beside them (``README.md``, a ``.json``: a Hub snapshot's, as a table's
+    folder takes them)."""
+    return is_tar(where) or bytes_at(where).holds_only(where, TAR_SUFFIXES, CARD_SUFFIXES)
 
 
 class WebDataset:

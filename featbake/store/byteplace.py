@@ -39,6 +39,7 @@ from typing import ClassVar, NamedTuple, TypeVar
 from featbake.errors import ConfigError, SourceError, StoreError
 from featbake.keys import sha256_file
 from featbake.store.containers import (
+    CARD_SUFFIXES,
     CONTAINER_SUFFIXES,
     TABLE_IGNORED_PREFIXES,
     Holder,
@@ -146,14 +147,16 @@ def refuse_tars_beside_files(where: str, top: Iterable[str]) -> None:
     """Refuse a folder (prefix) read as a folder of files whose top level holds tar shards
     beside files of other kinds (``top``: its visible top-level names): it is not a folder of
     shards (:func:`holds_only_names`), and reading its other files alone would leave the
-    shards' samples out unsaid.
+    shards' samples out unsaid. A dataset card beside them (``README.md``, a ``.json``:
+    :data:`~featbake.store.containers.CARD_SUFFIXES`) is no file of another kind, as the shard
+    check takes it.
 
     Raises:
         SourceError: one line naming a shard and another file, and what to do.
     """
     names = sorted(top)
     tars = [n for n in names if is_tar(n)]
-    others = [n for n in names if not is_tar(n)]
+    others = [n for n in names if not is_tar(n) and not n.lower().endswith(CARD_SUFFIXES)]
     if tars and others:
         raise SourceError(
             f"{where} holds tar shards ({tars[0]}, {len(tars)} in all) beside other files "
@@ -565,7 +568,7 @@ class LocalFiles(BytePlace):
             return True
         if all(os.path.isfile(os.path.join(where, n)) for n in ("state.json", "dataset_info.json")):
             return True
-        return self.holds_only(where, (".parquet",), (".md", ".json"), TABLE_IGNORED_PREFIXES)
+        return self.holds_only(where, (".parquet",), CARD_SUFFIXES, TABLE_IGNORED_PREFIXES)
 
     def resolve(self, where: str) -> str:
         return resolved(where)
@@ -1085,7 +1088,7 @@ class Objects(BytePlace):
         return [TableFile(f"{where}/{n}", ranged_object) for n in kept]
 
     def is_table_folder(self, where: str) -> bool:
-        return self.holds_only(where, (".parquet",), (".md", ".json"), TABLE_IGNORED_PREFIXES)
+        return self.holds_only(where, (".parquet",), CARD_SUFFIXES, TABLE_IGNORED_PREFIXES)
 
     def resolve(self, where: str) -> str:
         if where.lower().endswith(CONTAINER_SUFFIXES):

@@ -32,7 +32,7 @@ from featbake.image_recipe import ImageRecipe, Resize, ResizeKind
 from featbake.keys import sha256_hex
 from featbake.recipe import Recipe
 from featbake.serve.dataset import CachedFeatureDataset
-from featbake.store.byteplace import LocalFiles, expand_braces
+from featbake.store.byteplace import LocalFiles, expand_braces, refuse_tars_beside_files
 from featbake.store.catalog import Catalog
 from featbake.store.containers import (
     HEADER_BLOCK,
@@ -2330,3 +2330,69 @@ def unreadable_too(scandir: Any, name: str) -> Any:
         return scandir(path)
 
     return wrapped
+
+
+@pytest.mark.parametrize("under", ["", "data/"])
+def test_a_folder_of_shards_with_a_dataset_card_builds(
+    tmp_path: Path, encoder_file: Path, under: str
+) -> None:
+    """A Hub webdataset snapshot holds ``README.md`` (its card) beside ``train-*.tar``, or
+    beside ``data/*.tar``. The shard check took no file but tars, while a table's takes
+    ``.md``/``.json`` beside it: the first was refused ("tar shards beside other files"), the
+    second read as audio ("no input files"). Shards take the table's extras now (in9.15):
+    both build, served equal to the encoder now."""
+    clips = [wav_bytes(0.3, 1), wav_bytes(0.4, 2)]
+    data = tmp_path / "wds"
+    (data / under).mkdir(parents=True, exist_ok=True)
+    for i, clip in enumerate(clips):
+        write_tar(data / under / f"train-00{i}.tar", [(f"t{i}", {"wav": clip})])
+    (data / "README.md").write_text("---\nlicense: cc-by-4.0\n---\n# card\n")
+    (data / "dataset_infos.json").write_text("{}\n")
+    (data / ".gitattributes").write_text("*.tar filter=lfs\n")
+    assert is_webdataset(str(data))
+    store = tmp_path / "store"
+    report = build(data, encoder_file, cache=store, workers=0)
+    assert (report.encoded, report.failed) == (2, [])
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
+    ds = CachedFeatureDataset(data, encoder_file, cache=store, on_miss="error")
+    assert [ds.item_id(i) for i in range(len(ds))] == ["t0", "t1"]
+    for i, clip in enumerate(clips):
+        assert torch.equal(ds[i], run_now(module, audio_tensor(clip))), i
+
+
+def test_tars_beside_a_dataset_card_are_not_refused_as_beside_other_files() -> None:
+    """The refusal of tars beside other files at a folder's top level makes the same exception
+    as the shard check: a card (``.md``, ``.json``) beside tars is no file of another kind."""
+    refuse_tars_beside_files("d", ["README.md", "a.tar", "infos.json"])
+    with pytest.raises(SourceError, match="beside other files"):
+        refuse_tars_beside_files("d", ["README.md", "a.tar", "x.wav"])
+
+
+def test_a_bucket_prefix_of_shards_with_a_dataset_card_builds(
+    s3: Any, tmp_path: Path, encoder_file: Path
+) -> None:
+    """A Hub snapshot uploaded to a bucket: ``README.md`` beside ``data/*.tar`` under the
+    prefix. It was read as a prefix of audio objects ("none of them input files"); now it
+    is the shards, as the same local folder is (in9.15)."""
+    clips = [wav_bytes(0.3, 3), wav_bytes(0.4, 4)]
+    local = tmp_path / "snapshot"
+    (local / "data").mkdir(parents=True)
+    card = local / "README.md"
+    card.write_text("# card\n")
+    shards: dict[str, Path] = {"README.md": card}
+    for i, clip in enumerate(clips):
+        name = f"data/train-00{i}.tar"
+        shards[name] = write_tar(local / name, [(f"t{i}", {"wav": clip})])
+    prefix = f"s3://{s3.bucket}/snapshot/"
+    upload_shards(prefix, shards)
+    assert is_webdataset(prefix)
+    store = tmp_path / "store"
+    report = build(prefix, encoder_file, cache=store, workers=0)
+    assert (report.encoded, report.failed) == (2, [])
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
+    stored = stored_features(store, report.root)
+    assert list(stored) == ["t0", "t1"]
+    for (key, parts), clip in zip(stored.items(), clips, strict=True):
+        assert torch.equal(parts[""], run_now(module, audio_tensor(clip))), key
