@@ -2396,3 +2396,39 @@ def test_a_bucket_prefix_of_shards_with_a_dataset_card_builds(
     assert list(stored) == ["t0", "t1"]
     for (key, parts), clip in zip(stored.items(), clips, strict=True):
         assert torch.equal(parts[""], run_now(module, audio_tensor(clip))), key
+
+
+def test_the_note_on_left_out_members_counts_each_kind_when_samples_pick_apart(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """With no ``--column`` each sample picks its own member: ``a`` and ``b`` (``.wav`` and
+    ``.noisy.wav``) encode ``.wav``, ``c`` (``.noisy.wav`` only) encodes that. in9.10's note
+    said "--column wav keeps this choice", and that build fails ``c``. Now (in9.17) the note
+    counts the samples encoded from each kind and names only a ``--column`` every sample
+    holds, whose build keeps every sample."""
+    clips = {n: wav_bytes(0.3, i) for i, n in enumerate(["a", "an", "b", "bn", "cn"], 1)}
+    data = tmp_path / "wds"
+    data.mkdir()
+    write_tar(
+        data / "s.tar",
+        [
+            ("a", {"wav": clips["a"], "noisy.wav": clips["an"]}),
+            ("b", {"wav": clips["b"], "noisy.wav": clips["bn"]}),
+            ("c", {"noisy.wav": clips["cn"]}),
+        ],
+    )
+    store = tmp_path / "store"
+    first = build(data, encoder_file, cache=store, workers=0)
+    assert (first.encoded, first.failed) == (3, [])
+    (note,) = first.notes
+    assert "keeps this choice" not in note and "--column wav" not in note
+    assert "2 samples encoded from .wav, 1 from .noisy.wav" in note
+    assert "--column noisy.wav encodes that member of every sample" in note
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
+    ds = CachedFeatureDataset(data, encoder_file, cache=store, on_miss="error")
+    assert [ds.item_id(i) for i in range(len(ds))] == ["a", "b", "c"]
+    for i, clip in enumerate(["a", "b", "cn"]):
+        torch.testing.assert_close(ds[i], run_now(module, audio_tensor(clips[clip])), msg=clip)
+    again = build(data, encoder_file, cache=tmp_path / "store2", workers=0, column="noisy.wav")
+    assert (again.encoded, again.failed, again.notes) == (3, [], [])
