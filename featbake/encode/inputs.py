@@ -120,7 +120,7 @@ class Folder:
         found = self.place.inputs(self.folder, extensions)
         self.listed = {self.path(r): st for r, st in found.listed.items()}
         self.sizes = {r: st.size for r, st in found.listed.items()}
-        return ScanResult(found.inputs, [SkippedInput(*s) for s in found.skipped])
+        return ScanResult(found.inputs, [SkippedInput(*s) for s in found.skipped], found.notes)
 
     def path(self, rel: str) -> str:
         return f"{self.folder.rstrip('/')}/{rel}"  # a folder's path, or an object's URL

@@ -467,7 +467,7 @@ def scan_inputs(data: str | os.PathLike[str], extensions: Sequence[str]) -> Scan
     """
     where = os.fspath(data)
     found = bytes_at(where).inputs(where, extensions)
-    return ScanResult(found.inputs, [SkippedInput(*s) for s in found.skipped])
+    return ScanResult(found.inputs, [SkippedInput(*s) for s in found.skipped], found.notes)
 
 
 def check_input_files(paths: Sequence[str | os.PathLike[str]]) -> list[str]:

@@ -128,7 +128,9 @@ class Table:
         self.fresh: list[HashRow] = []
         self.place = bytes_at(data)
         self.where = self.place.resolve(data)
-        self.files = self.place.table_files(self.where)
+        #: the notes of the files' listing (folders it could not read), said by each scan
+        self.notes: list[str] = []
+        self.files = self.place.table_files(self.where, self.notes)
         # A folder's (a prefix's) file names are relative to it: ``out.parquet`` may name one
         # object or, in a bucket, the prefix Spark writes (which table_files told).
         self.folder = (
@@ -187,7 +189,7 @@ class Table:
                 else:
                     seen[ident] = name
                     self.items[ident] = Row(i, row)
-        return ScanResult(list(self.items), skipped)
+        return ScanResult(list(self.items), skipped, tuple(self.notes))
 
     @property
     def remote(self) -> bool:

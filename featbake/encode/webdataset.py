@@ -31,6 +31,7 @@ import io
 import json
 import os
 import re
+from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, ClassVar, NamedTuple
@@ -50,6 +51,7 @@ from featbake.errors import SourceError
 from featbake.progress import Progress
 from featbake.store.byteplace import bytes_at, shard_names
 from featbake.store.containers import (
+    CARD_SUFFIXES,
     TAR_SUFFIXES,
     Holder,
     Member,
@@ -154,12 +156,14 @@ def same_kind_left_out(sample: Sample, chosen: Member) -> list[LeftOut]:
     ]
 
 
-def left_out_note(left: Sequence[LeftOut]) -> str:
+def left_out_note(left: Sequence[LeftOut], picked: Sequence[tuple[Sample, str]] = ()) -> str:
     """The build's one note on the members left out beside one of their kind (none: ""): how
-    many, an example, and both choices. Not a failure: nothing is wrong with those members,
+    many, an example, and the choices. Not a failure: nothing is wrong with those members,
     and a rerun would leave them out again; naming the member with ``--column`` settles it
     (``x.wav`` beside ``x.noisy.wav``: ``--column wav`` keeps the choice made, ``--column
-    noisy.wav`` encodes the other).
+    noisy.wav`` encodes the other). ``picked`` is each encoded sample with the extension of
+    the member encoded: when samples picked apart (``c`` holds only ``.noisy.wav``), no
+    ``--column`` keeps the build (``--column wav`` fails ``c``): :func:`picked_apart_choices`.
 
     Example:
         >>> wav, noisy = Member("x.wav", 512, 9), Member("x.noisy.wav", 1536, 9)
@@ -172,11 +176,45 @@ def left_out_note(left: Sequence[LeftOut]) -> str:
     first = left[0]
     kept, other = first.sample.members[first.chosen], first.sample.members[first.other]
     count = f"{len(left)} sample member{'s' if len(left) > 1 else ''}"
+    kinds = Counter(ext for _, ext in picked)
+    choices = (
+        picked_apart_choices(kinds, picked)
+        if len(kinds) > 1
+        else f"--column {first.chosen} keeps this choice, --column {first.other} encodes the "
+        "other (or rename the files to keys without dots)"
+    )
     return (
         f"{count} of the kind encoded left out (e.g. {first.sample.tar}:{other.name} beside "
         f"{kept.name}, sample {first.sample.key!r}): a webdataset key ends at the first dot of "
-        f"a name, so they are one sample; --column {first.chosen} keeps this choice, --column "
-        f"{first.other} encodes the other (or rename the files to keys without dots)"
+        f"a name, so they are one sample; {choices}"
+    )
+
+
+def picked_apart_choices(kinds: Counter[str], picked: Sequence[tuple[Sample, str]]) -> str:
+    """The choices :func:`left_out_note` names when samples encoded members of several
+    extensions (``kinds``: how many samples each): the counts, and a ``--column`` only for a
+    member every sample holds (a ``--column`` fails each sample without its member).
+
+    Example:
+        >>> wav, noisy = Member("a.wav", 512, 9), Member("a.noisy.wav", 1536, 9)
+        >>> a = Sample("a", "s.tar", {"wav": wav, "noisy.wav": noisy})
+        >>> c = Sample("c", "s.tar", {"noisy.wav": Member("c.noisy.wav", 2560, 9)})
+        >>> picked_apart_choices(Counter(["wav", "noisy.wav"]), [(a, "wav"), (c, "noisy.wav")])[:60]
+        'with no --column each sample encoded its own first member of'
+    """
+    (top, n), *rest = kinds.most_common()
+    counts = f"{n} sample{'s' if n > 1 else ''} encoded from .{top}, " + ", ".join(
+        f"{k} from .{e}" for e, k in rest
+    )
+    held = [e for e in kinds if all(e in s.members for s, _ in picked)]
+    named = (
+        f"--column {held[0]} encodes that member of every sample"
+        if held
+        else "no --column keeps every sample (a sample without the member named fails)"
+    )
+    return (
+        f"with no --column each sample encoded its own first member of the kind ({counts}); "
+        f"{named}, or rename the files to keys without dots"
     )
 
 
@@ -230,8 +268,10 @@ def carried_value(ext: str, data: bytes) -> Any:
 
 def is_webdataset(where: str) -> bool:
     """Whether ``--data`` names webdataset shards: a ``.tar`` (file, URL or brace pattern), or a
-    folder or bucket prefix whose visible files are all ``.tar`` (one at least)."""
-    return is_tar(where) or bytes_at(where).holds_only(where, TAR_SUFFIXES)
+    folder or bucket prefix whose visible files are all ``.tar`` (one at least) but for a
+    dataset card beside them (``README.md``, a ``.json``: a Hub snapshot's, as a table's
+    folder takes them)."""
+    return is_tar(where) or bytes_at(where).holds_only(where, TAR_SUFFIXES, CARD_SUFFIXES)
 
 
 class WebDataset:
@@ -258,7 +298,9 @@ class WebDataset:
         self.known: HashCache | None = None
         self.fresh: list[HashRow] = []
         self.place = bytes_at(data)
-        self.where, self.folder, tars = self.place.shards(data)
+        self.where, self.folder, tars, walk_notes = self.place.shards(data)
+        #: the notes of the shards' folder's walk (folders it could not read)
+        self.walk_notes = walk_notes
         #: a bucket prefix of tars only: its shards are the scan's listing's ``.tar`` objects
         self.prefix = tars is None
         self.tars = tars or []
@@ -306,8 +348,8 @@ class WebDataset:
                 + (f" ({shown})" if shown else "")
                 + "; name the member with --column (e.g. --column jpg) or pick --source"
             )
-        note = left_out_note(self.left_out)
-        return ScanResult(list(self.chosen), skipped, (note,) if note else ())
+        note = left_out_note(self.left_out, self.picked() if self.left_out else ())
+        return ScanResult(list(self.chosen), skipped, self.walk_notes + ((note,) if note else ()))
 
     @property
     def remote(self) -> bool:
@@ -373,6 +415,13 @@ class WebDataset:
         self.samples[sample.key] = sample
         self.chosen[sample.key] = member
         self.index.listed[f"{sample.tar}:{member.name}"] = member
+
+    def picked(self) -> list[tuple[Sample, str]]:
+        """Each encoded sample with the extension of the member encoded (the scan's choice)."""
+        return [
+            (s, next(e for e, m in s.members.items() if m is self.chosen[key]))
+            for key, s in self.samples.items()
+        ]
 
     def pick(self, sample: Sample, extensions: Sequence[str]) -> Member | None:
         """The member of ``sample`` to encode, or None."""

@@ -39,6 +39,7 @@ from typing import ClassVar, NamedTuple, TypeVar
 from featbake.errors import ConfigError, SourceError, StoreError
 from featbake.keys import sha256_file
 from featbake.store.containers import (
+    CARD_SUFFIXES,
     CONTAINER_SUFFIXES,
     TABLE_IGNORED_PREFIXES,
     Holder,
@@ -146,14 +147,16 @@ def refuse_tars_beside_files(where: str, top: Iterable[str]) -> None:
     """Refuse a folder (prefix) read as a folder of files whose top level holds tar shards
     beside files of other kinds (``top``: its visible top-level names): it is not a folder of
     shards (:func:`holds_only_names`), and reading its other files alone would leave the
-    shards' samples out unsaid.
+    shards' samples out unsaid. A dataset card beside them (``README.md``, a ``.json``:
+    :data:`~featbake.store.containers.CARD_SUFFIXES`) is no file of another kind, as the shard
+    check takes it.
 
     Raises:
         SourceError: one line naming a shard and another file, and what to do.
     """
     names = sorted(top)
     tars = [n for n in names if is_tar(n)]
-    others = [n for n in names if not is_tar(n)]
+    others = [n for n in names if not is_tar(n) and not n.lower().endswith(CARD_SUFFIXES)]
     if tars and others:
         raise SourceError(
             f"{where} holds tar shards ({tars[0]}, {len(tars)} in all) beside other files "
@@ -192,11 +195,13 @@ def resolved(path: str) -> str:
 
 class Shards(NamedTuple):
     """The tar shards ``--data`` names: how messages name them, their folder, and the tars
-    (None: every visible tar under the prefix ``where``, listed by the scan)."""
+    (None: every visible tar under the prefix ``where``, listed by the scan); and the notes
+    of the folder's walk (folders it could not read: :func:`unread_note`)."""
 
     where: str
     folder: str
     tars: list[str] | None
+    notes: tuple[str, ...] = ()
 
 
 class Passed(NamedTuple):
@@ -210,11 +215,13 @@ class Passed(NamedTuple):
 class Found(NamedTuple):
     """What listing a folder (a bucket prefix) of inputs found: their names relative to it,
     sorted; the files passed over, with why; and each input's stat as the listing gave it (an
-    object's size, last change and ETag; ``{}`` for files, stat'ed when they are hashed)."""
+    object's size, last change and ETag; ``{}`` for files, stat'ed when they are hashed); and
+    the scan's notes, one line each (folders it could not read: :func:`unread_note`)."""
 
     inputs: list[str]
     skipped: list[Passed]
     listed: dict[str, FileStat]
+    notes: tuple[str, ...] = ()
 
 
 class Digest(NamedTuple):
@@ -362,9 +369,10 @@ class BytePlace:
         folder also ``_`` ones, as pyarrow passes over them)."""
         raise NotImplementedError
 
-    def table_files(self, where: str) -> list[TableFile]:
+    def table_files(self, where: str, notes: list[str] | None = None) -> list[TableFile]:
         """The data files of the table at ``where``, in the dataset's order, each opened
-        lazily where it is read.
+        lazily where it is read; the walk's note (folders it could not read: :func:`unread_note`)
+        added to ``notes``.
 
         Raises:
             SourceError: a DatasetDict folder, or a ``state.json`` naming no data file.
@@ -427,7 +435,8 @@ class LocalFiles(BytePlace):
         found: list[str] = []
         skipped: list[Passed] = []
         top: list[str] = []
-        for rel_name, entry in walked(os.fspath(root)):
+        unread: list[Unread] = []
+        for rel_name, entry in walked(os.fspath(root), unread):
             if "/" not in rel_name:
                 top.append(rel_name)
             if not entry.name.lower().endswith(exts):
@@ -444,7 +453,8 @@ class LocalFiles(BytePlace):
                 "check the folder, or pick the source kind with --source"
             )
         found.sort()
-        return Found(found, skipped, {})
+        note = unread_note(where, unread)
+        return Found(found, skipped, {}, (note,) if note else ())
 
     def folder(self, where: str) -> str:
         return resolved(where)
@@ -546,15 +556,19 @@ class LocalFiles(BytePlace):
         except OSError:
             return False  # not a folder (or unreadable): the folder scan says why
 
-    def table_files(self, where: str) -> list[TableFile]:
-        return [TableFile(p) for p in table_files(where, walked_names)]
+    def table_files(self, where: str, notes: list[str] | None = None) -> list[TableFile]:
+        unread: list[Unread] = []
+        files = [TableFile(p) for p in table_files(where, lambda w: walked_names(w, unread))]
+        if notes is not None and unread:
+            notes.append(unread_note(where, unread))
+        return files
 
     def is_table_folder(self, where: str) -> bool:
         if os.path.isfile(os.path.join(where, "dataset_dict.json")):
             return True
         if all(os.path.isfile(os.path.join(where, n)) for n in ("state.json", "dataset_info.json")):
             return True
-        return self.holds_only(where, (".parquet",), (".md", ".json"), TABLE_IGNORED_PREFIXES)
+        return self.holds_only(where, (".parquet",), CARD_SUFFIXES, TABLE_IGNORED_PREFIXES)
 
     def resolve(self, where: str) -> str:
         return resolved(where)
@@ -582,8 +596,11 @@ class LocalFiles(BytePlace):
             )
         if os.path.isdir(data):
             folder = resolved(data)
-            names = shard_names(folder, walked_names(folder))
-            return Shards(folder, folder, [os.path.join(folder, n) for n in names])
+            unread: list[Unread] = []
+            names = shard_names(folder, walked_names(folder, unread))
+            note = unread_note(folder, unread)
+            tars = [os.path.join(folder, n) for n in names]
+            return Shards(folder, folder, tars, (note,) if note else ())
         where = resolved(data)
         return Shards(where, os.path.dirname(where), [where])
 
@@ -602,28 +619,24 @@ def dir_id(path: str | os.PathLike[str]) -> tuple[int, int]:
 
 
 def listing(
-    folder: str, seen: set[tuple[int, int]], strict: bool = False
+    folder: str, seen: set[tuple[int, int]], unread: list[Unread] | None = None
 ) -> tuple[list[os.DirEntry[str]], list[os.DirEntry[str]]]:
     """A folder's visible files, and its visible subfolders not walked yet (links followed).
 
     Read with ``os.scandir``, whose entries know their type without a ``stat`` call (a
     10,000-file rebuild spent a tenth of its time stat'ing each file twice). A folder is
     walked once by device and inode, so a link back up the tree (``link -> .``) cannot repeat
-    its files; an unreadable folder is passed over, as ``os.walk`` does, unless ``strict``.
-
-    Raises:
-        SourceError: ``strict``, and the folder cannot be read (its files would be left out
-            unsaid: a bucket prefix that cannot be listed fails too).
+    its files. A folder that cannot be read is passed over, as ``os.walk`` does; one that
+    could hold inputs (not ``lost+found`` nor a ``__name__`` folder: :func:`holds_no_inputs`)
+    is added to ``unread``, which the scan says in one note (:func:`unread_note`), so its
+    files are not left out unsaid.
     """
     try:
         with os.scandir(folder) as it:
             entries = sorted((e for e in it if not e.name.startswith(".")), key=lambda e: e.name)
     except OSError as e:
-        if strict:
-            raise SourceError(
-                f"{folder}: cannot read this folder ({e.strerror}), so the shards or table "
-                "files in it would be left out; make it readable, or move it out of --data"
-            ) from e
+        if unread is not None and not holds_no_inputs(os.path.basename(folder)):
+            unread.append(Unread(folder, e.strerror or str(e)))
         return [], []
     files, subfolders = [], []
     for entry in entries:
@@ -690,34 +703,74 @@ def _is_dir(entry: os.DirEntry[str]) -> bool:
         return False
 
 
-def walked(where: str, strict: bool = False) -> Iterator[tuple[str, os.DirEntry[str]]]:
+def walked(
+    where: str, unread: list[Unread] | None = None
+) -> Iterator[tuple[str, os.DirEntry[str]]]:
     """(name relative to ``where``, entry) of each visible file under the folder ``where``,
     its subfolders walked depth first, each once (links followed, hidden names passed over:
     :func:`listing`): the one walk of a folder's scan and of the shards and table files in it.
+    The folders under ``where`` that cannot be read, and could hold inputs, are added to
+    ``unread`` (one rule for audio, shard and table folders: :func:`unread_note`).
 
     Raises:
         OSError: ``where`` cannot be stat'ed (missing).
-        SourceError: ``strict``, and a folder under ``where`` cannot be read.
     """
     seen = {dir_id(where)}
     folders = [("", where)]  # (relative with a trailing slash, absolute)
     while folders:
         rel, folder = folders.pop()
-        files, subfolders = listing(folder, seen, strict)
+        files, subfolders = listing(folder, seen, unread)
         folders += [(f"{rel}{e.name}/", e.path) for e in subfolders]
         for entry in files:
             yield rel + entry.name, entry
 
 
-def walked_names(where: str) -> list[str]:
+def walked_names(where: str, unread: list[Unread] | None = None) -> list[str]:
     """The names of :func:`walked`'s files, relative to ``where``: the shards or table files
-    of a folder, so a folder under it that cannot be read fails in one line (its files are
-    not left out unsaid).
+    of a folder (the folders that could not be read added to ``unread``)."""
+    return [name for name, _ in walked(where, unread)]
 
-    Raises:
-        SourceError: a folder under ``where`` cannot be read.
+
+class Unread(NamedTuple):
+    """A folder a scan could not read (its path), and why (``Permission denied``)."""
+
+    folder: str
+    why: str
+
+
+def holds_no_inputs(name: str) -> bool:
+    """Whether a folder named ``name`` holds no inputs whether or not it can be read:
+    ``lost+found`` (0700, root's, at every ext4 volume's root) and the ``__name__`` folders
+    a folder of containers passes over (:func:`passed_over`). A shard or parquet folder at a
+    volume's root must not fail on the first, nor a note name it.
+
+    Example:
+        >>> holds_no_inputs("lost+found"), holds_no_inputs("__MACOSX"), holds_no_inputs("spk2")
+        (True, True, False)
     """
-    return [name for name, _ in walked(where, strict=True)]
+    return name == "lost+found" or name.startswith("__")
+
+
+def unread_note(where: str, unread: Sequence[Unread]) -> str:
+    """The scan's one note on the folders under ``where`` it could not read ("" for none):
+    how many, the first and why, and what to do. A note, not a failure: the readable inputs
+    build (a build that failed on any unreadable folder failed every shard folder at a
+    volume's root, in9.13), and the note says what was left out rather than leaving it
+    unsaid (in9.7).
+
+    Example:
+        >>> unread_note("/d", [Unread("/d/spk2", "Permission denied")]).split(";")[0]
+        '1 folder under /d could not be read (/d/spk2: Permission denied)'
+    """
+    if not unread:
+        return ""
+    first = unread[0]
+    count = f"{len(unread)} folder{'s' if len(unread) > 1 else ''}"
+    return (
+        f"{count} under {where} could not be read ({first.folder}: {first.why}); any inputs "
+        "in them are left out of this build: fix their permissions and build again, or pass "
+        "the readable folders as --data"
+    )
 
 
 def not_an_input(name: str, file: os.DirEntry[str] | str | os.PathLike[str]) -> str | None:
@@ -1011,7 +1064,7 @@ class Objects(BytePlace):
         except (StoreError, ConfigError):
             return False
 
-    def table_files(self, where: str) -> list[TableFile]:
+    def table_files(self, where: str, notes: list[str] | None = None) -> list[TableFile]:
         if where.lower().endswith(".parquet"):
             # One object, or the prefix Spark's ``df.write.parquet("s3://b/out.parquet")``
             # writes (``out.parquet/part-0.parquet``): the HEAD that tells them apart gives the
@@ -1035,7 +1088,7 @@ class Objects(BytePlace):
         return [TableFile(f"{where}/{n}", ranged_object) for n in kept]
 
     def is_table_folder(self, where: str) -> bool:
-        return self.holds_only(where, (".parquet",), (".md", ".json"), TABLE_IGNORED_PREFIXES)
+        return self.holds_only(where, (".parquet",), CARD_SUFFIXES, TABLE_IGNORED_PREFIXES)
 
     def resolve(self, where: str) -> str:
         if where.lower().endswith(CONTAINER_SUFFIXES):

@@ -57,6 +57,10 @@ GZIP_TAR_SUFFIXES = (".tar.gz", ".tgz")
 TAR_SUFFIXES = (".tar", *GZIP_TAR_SUFFIXES)
 #: Where a container's name ends and the item's inner name starts, in an item's full name.
 CONTAINER_SUFFIXES = (*TAR_SUFFIXES, ".parquet", ".arrow")
+#: The endings of the files a folder of containers (shards or parquet files) may hold beside
+#: them: a dataset card (``README.md``) and its metadata (``dataset_infos.json``), as a Hub
+#: snapshot has; none is an input, and none makes the folder a folder of other files.
+CARD_SUFFIXES = (".md", ".json")
 
 _T = TypeVar("_T")
 

@@ -32,7 +32,7 @@ from featbake.image_recipe import ImageRecipe, Resize, ResizeKind
 from featbake.keys import sha256_hex
 from featbake.recipe import Recipe
 from featbake.serve.dataset import CachedFeatureDataset
-from featbake.store.byteplace import LocalFiles, expand_braces
+from featbake.store.byteplace import LocalFiles, expand_braces, refuse_tars_beside_files
 from featbake.store.catalog import Catalog
 from featbake.store.containers import (
     HEADER_BLOCK,
@@ -42,7 +42,7 @@ from featbake.store.containers import (
     refuse_several_splits,
 )
 from featbake.store.layout import Layout
-from featbake.testing import make_tone, write_image_folder
+from featbake.testing import make_tone, write_audio_folder, write_image_folder
 from tests.conftest import invoke, run_cli
 from tests.helpers import real_photos, stored_features
 
@@ -2239,13 +2239,14 @@ def test_tars_in_a_dunder_folder_are_passed_over_as_datasets_passes_them(
         assert torch.equal(ds[i], run_now(module, audio_tensor(clip))), i
 
 
-def test_an_unreadable_subfolder_of_a_shard_folder_is_one_line_not_left_out(
+def test_an_unreadable_subfolder_of_a_shard_folder_is_one_note_not_left_out_unsaid(
     tmp_path: Path, encoder_file: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """in9.7's walk passed over a subfolder it could not read, as ``os.walk`` does: its shards'
-    samples were left out without a word (a bucket prefix that cannot be listed fails). Now
-    the shard folder (and a parquet folder) fails in one line naming the folder. The folder
-    is made unreadable by its listing failing with EACCES (the tests may run as root)."""
+    samples were left out without a word. in9.13 failed the build on it; now (in9.14) the
+    readable shards (or parquet files) build and the build's notes say, in one line, how many
+    folders could not be read, the first, and what to do. The folder is made unreadable by its
+    listing failing with EACCES (the tests may run as root)."""
     shards = tmp_path / "shards"
     (shards / "sub").mkdir(parents=True)
     write_tar(shards / "a.tar", [("t0", {"wav": wav_bytes(0.3, 1)})])
@@ -2254,16 +2255,180 @@ def test_an_unreadable_subfolder_of_a_shard_folder_is_one_line_not_left_out(
     (tables / "sub").mkdir(parents=True)
     write_audio_parquet(tables / "a.parquet", [wav_bytes(0.3, 3)])
     write_audio_parquet(tables / "sub" / "b.parquet", [wav_bytes(0.3, 4)])
+    unreadable(monkeypatch, "sub")
+    for data, column in ((shards, None), (tables, "audio")):
+        report = build(data, encoder_file, cache=tmp_path / "store", workers=0, column=column)
+        assert (report.encoded, report.failed) == (1, []), data
+        (note,) = report.notes
+        assert len(note.splitlines()) == 1
+        assert note.startswith("1 folder under ") and f"{data / 'sub'}" in note
+        assert "Permission denied" in note and "permissions" in note
+
+
+def unreadable(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """Listing a folder named ``name`` fails with EACCES (as ``lost+found``, mode 0700 and
+    owned by root, does for every other user; the tests may run as root)."""
     real = os.scandir
 
     def scandir(path: Any = ".") -> Any:
-        if os.fspath(path).endswith("/sub"):
+        if os.fspath(path).endswith(f"/{name}"):
             raise PermissionError(13, "Permission denied", os.fspath(path))
         return real(path)
 
     monkeypatch.setattr(os, "scandir", scandir)
-    for data, column in ((shards, None), (tables, "audio")):
-        with pytest.raises(SourceError) as got:
-            build(data, encoder_file, cache=tmp_path / "store", workers=0, column=column)
-        said = str(got.value)
-        assert len(said.splitlines()) == 1 and f"{data / 'sub'}: cannot read this folder" in said
+
+
+@pytest.mark.parametrize("kind", ["tar", "parquet"])
+def test_a_shard_folder_at_a_volume_root_with_lost_and_found_builds(
+    tmp_path: Path, encoder_file: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """in9.13 failed every shard or parquet folder at a volume's root for a user other than
+    root: ``lost+found`` (0700, root) cannot be listed. A folder that cannot hold inputs
+    (``lost+found``, a ``__name__`` folder) is passed over without a word, unreadable or not."""
+    data = tmp_path / "vol"
+    (data / "lost+found").mkdir(parents=True)
+    (data / "__MACOSX").mkdir()
+    if kind == "tar":
+        write_tar(
+            data / "a.tar", [("t0", {"wav": wav_bytes(0.3, 1)}), ("t1", {"wav": wav_bytes(0.3, 2)})]
+        )
+        column = None
+    else:
+        write_audio_parquet(data / "a.parquet", [wav_bytes(0.3, 3), wav_bytes(0.3, 4)])
+        column = "audio"
+    unreadable(monkeypatch, "lost+found")
+    report = build(data, encoder_file, cache=tmp_path / "store", workers=0, column=column)
+    assert (report.encoded, report.failed, report.notes) == (2, [], [])
+
+
+def test_an_audio_folder_with_an_unreadable_subfolder_says_so(
+    tmp_path: Path, encoder_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The folder scan passed over a subfolder it could not read without a word: its clips
+    were left out, exit 0, while a shard folder said so. One rule for audio, shard and table
+    folders now: the readable clips build, and one note says how many folders could not be
+    read, the first, and what to do (in9.16)."""
+    data = tmp_path / "audio"
+    write_audio_folder(data / "spk1", 2, seconds=0.3, seed=1)
+    write_audio_folder(data / "spk2", 2, seconds=0.3, seed=2)
+    (data / "lost+found").mkdir()
+    unreadable(monkeypatch, "spk2")
+    monkeypatch.setattr(os, "scandir", unreadable_too(os.scandir, "lost+found"))
+    report = build(data, encoder_file, cache=tmp_path / "store", workers=0)
+    assert (report.encoded, report.failed) == (2, [])
+    (note,) = report.notes
+    assert note.startswith(f"1 folder under {data} could not be read ({data / 'spk2'}: ")
+    assert "fix their permissions" in note and "--data" in note
+
+
+def unreadable_too(scandir: Any, name: str) -> Any:
+    """``scandir`` with a folder named ``name`` failing with EACCES as well."""
+
+    def wrapped(path: Any = ".") -> Any:
+        if os.fspath(path).endswith(f"/{name}"):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return scandir(path)
+
+    return wrapped
+
+
+@pytest.mark.parametrize("under", ["", "data/"])
+def test_a_folder_of_shards_with_a_dataset_card_builds(
+    tmp_path: Path, encoder_file: Path, under: str
+) -> None:
+    """A Hub webdataset snapshot holds ``README.md`` (its card) beside ``train-*.tar``, or
+    beside ``data/*.tar``. The shard check took no file but tars, while a table's takes
+    ``.md``/``.json`` beside it: the first was refused ("tar shards beside other files"), the
+    second read as audio ("no input files"). Shards take the table's extras now (in9.15):
+    both build, served equal to the encoder now."""
+    clips = [wav_bytes(0.3, 1), wav_bytes(0.4, 2)]
+    data = tmp_path / "wds"
+    (data / under).mkdir(parents=True, exist_ok=True)
+    for i, clip in enumerate(clips):
+        write_tar(data / under / f"train-00{i}.tar", [(f"t{i}", {"wav": clip})])
+    (data / "README.md").write_text("---\nlicense: cc-by-4.0\n---\n# card\n")
+    (data / "dataset_infos.json").write_text("{}\n")
+    (data / ".gitattributes").write_text("*.tar filter=lfs\n")
+    assert is_webdataset(str(data))
+    store = tmp_path / "store"
+    report = build(data, encoder_file, cache=store, workers=0)
+    assert (report.encoded, report.failed) == (2, [])
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
+    ds = CachedFeatureDataset(data, encoder_file, cache=store, on_miss="error")
+    assert [ds.item_id(i) for i in range(len(ds))] == ["t0", "t1"]
+    for i, clip in enumerate(clips):
+        assert torch.equal(ds[i], run_now(module, audio_tensor(clip))), i
+
+
+def test_tars_beside_a_dataset_card_are_not_refused_as_beside_other_files() -> None:
+    """The refusal of tars beside other files at a folder's top level makes the same exception
+    as the shard check: a card (``.md``, ``.json``) beside tars is no file of another kind."""
+    refuse_tars_beside_files("d", ["README.md", "a.tar", "infos.json"])
+    with pytest.raises(SourceError, match="beside other files"):
+        refuse_tars_beside_files("d", ["README.md", "a.tar", "x.wav"])
+
+
+def test_a_bucket_prefix_of_shards_with_a_dataset_card_builds(
+    s3: Any, tmp_path: Path, encoder_file: Path
+) -> None:
+    """A Hub snapshot uploaded to a bucket: ``README.md`` beside ``data/*.tar`` under the
+    prefix. It was read as a prefix of audio objects ("none of them input files"); now it
+    is the shards, as the same local folder is (in9.15)."""
+    clips = [wav_bytes(0.3, 3), wav_bytes(0.4, 4)]
+    local = tmp_path / "snapshot"
+    (local / "data").mkdir(parents=True)
+    card = local / "README.md"
+    card.write_text("# card\n")
+    shards: dict[str, Path] = {"README.md": card}
+    for i, clip in enumerate(clips):
+        name = f"data/train-00{i}.tar"
+        shards[name] = write_tar(local / name, [(f"t{i}", {"wav": clip})])
+    prefix = f"s3://{s3.bucket}/snapshot/"
+    upload_shards(prefix, shards)
+    assert is_webdataset(prefix)
+    store = tmp_path / "store"
+    report = build(prefix, encoder_file, cache=store, workers=0)
+    assert (report.encoded, report.failed) == (2, [])
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
+    stored = stored_features(store, report.root)
+    assert list(stored) == ["t0", "t1"]
+    for (key, parts), clip in zip(stored.items(), clips, strict=True):
+        assert torch.equal(parts[""], run_now(module, audio_tensor(clip))), key
+
+
+def test_the_note_on_left_out_members_counts_each_kind_when_samples_pick_apart(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """With no ``--column`` each sample picks its own member: ``a`` and ``b`` (``.wav`` and
+    ``.noisy.wav``) encode ``.wav``, ``c`` (``.noisy.wav`` only) encodes that. in9.10's note
+    said "--column wav keeps this choice", and that build fails ``c``. Now (in9.17) the note
+    counts the samples encoded from each kind and names only a ``--column`` every sample
+    holds, whose build keeps every sample."""
+    clips = {n: wav_bytes(0.3, i) for i, n in enumerate(["a", "an", "b", "bn", "cn"], 1)}
+    data = tmp_path / "wds"
+    data.mkdir()
+    write_tar(
+        data / "s.tar",
+        [
+            ("a", {"wav": clips["a"], "noisy.wav": clips["an"]}),
+            ("b", {"wav": clips["b"], "noisy.wav": clips["bn"]}),
+            ("c", {"noisy.wav": clips["cn"]}),
+        ],
+    )
+    store = tmp_path / "store"
+    first = build(data, encoder_file, cache=store, workers=0)
+    assert (first.encoded, first.failed) == (3, [])
+    (note,) = first.notes
+    assert "keeps this choice" not in note and "--column wav" not in note
+    assert "2 samples encoded from .wav, 1 from .noisy.wav" in note
+    assert "--column noisy.wav encodes that member of every sample" in note
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
+    ds = CachedFeatureDataset(data, encoder_file, cache=store, on_miss="error")
+    assert [ds.item_id(i) for i in range(len(ds))] == ["a", "b", "c"]
+    for i, clip in enumerate(["a", "b", "cn"]):
+        torch.testing.assert_close(ds[i], run_now(module, audio_tensor(clips[clip])), msg=clip)
+    again = build(data, encoder_file, cache=tmp_path / "store2", workers=0, column="noisy.wav")
+    assert (again.encoded, again.failed, again.notes) == (3, [], [])
