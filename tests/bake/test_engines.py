@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import shutil
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -30,7 +29,7 @@ from featbake.testing import write_audio_folder
 from tests.conftest import live_features
 from tests.encode.test_containers import wav_bytes, write_audio_parquet, write_tar
 from tests.encode.test_manifests import reference, write_jsonl
-from tests.helpers import stored_features
+from tests.helpers import rewrite_each, stored_features
 
 
 class InProcess:
@@ -226,22 +225,6 @@ def test_a_part_result_travels_as_json_with_its_failures_and_error_typed() -> No
 
 
 # == round nine: rewritten in place, its mtime kept, before a worker on another node reads it ====
-def rewrite_in_place(path: Path, data: bytes) -> None:
-    """``path`` rewritten in place with ``data`` (its size), its mtime set back as ``cp -p``,
-    ``touch -r``, ``rsync -t`` or an archive unpacked with fixed dates leave it: only its ctime
-    tells, and another node's mount shows other ctimes."""
-    before = path.stat()
-    assert len(data) == before.st_size
-    path.write_bytes(data)
-    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
-
-
-def rewrite_each(files: dict[Path, bytes]) -> None:
-    """Each of ``files`` rewritten in place with its bytes (:func:`rewrite_in_place`)."""
-    for path, data in files.items():
-        rewrite_in_place(path, data)
-
-
 class RewrittenBeforeTheTask(InProcess):
     """An engine whose task starts after ``rewrite`` ran: between the driver's hashing and the
     worker's reads."""

@@ -59,6 +59,7 @@ from featbake.store.claims import this_host
 from featbake.store.hash_cache import FileStat, racy_window_ns
 from featbake.store.layout import Layout
 from tests.encode.test_containers import wav_bytes, write_audio_parquet, write_tar
+from tests.helpers import rewrite_each
 
 
 def test_few_new_inputs_are_hashed_on_the_driver_and_many_on_the_cluster() -> None:
@@ -542,20 +543,6 @@ class TasksOn:
 
     def containers(self, asks: Sequence[ContainerAsk]) -> Iterator[ContainerDigested]:
         return containers_read_by_tasks(self.ray, asks)
-
-
-def rewrite_in_place(path: Path, data: bytes) -> None:
-    """``path`` rewritten in place with ``data`` (its size), its mtime set back (``cp -p``,
-    ``touch -r``, ``rsync -t``): only its ctime tells, and another node shows other ctimes."""
-    before = path.stat()
-    assert len(data) == before.st_size
-    path.write_bytes(data)
-    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
-
-
-def rewrite_each(files: dict[Path, bytes]) -> None:
-    for path, data in files.items():
-        rewrite_in_place(path, data)
 
 
 def test_a_tar_rewritten_with_its_mtime_kept_before_a_task_on_another_node_reads_it(
