@@ -13,7 +13,9 @@ import datetime
 import json
 import os
 import sqlite3
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -78,7 +80,7 @@ from featbake.store.features import Parts
 from featbake.store.fidelity import Measured
 from featbake.store.fragment_catalog import FragmentCatalog, RankPart
 from featbake.store.fragments import build_id, fragment_keys, sealed_fragments
-from featbake.store.hash_cache import FileStat, HashCache, HashEntry, HashRow
+from featbake.store.hash_cache import FileStat, HashCache, HashCacheRow, HashEntry, HashRow
 from featbake.store.layout import Layout
 from featbake.store.merge import adopt_sealed_parts
 from featbake.store.open import Need, StoreRef, open_store, place_of
@@ -1105,16 +1107,48 @@ def scanned_here(it: WorkItem) -> WorkItem:
     return it
 
 
-class NothingCached:
-    """The hash cache of a worker on another host than the driver's: it knows no digest and
-    keeps none, so every input is read and hashed there (the catalog's rows are of the
-    driver's stats, which that host's mount may show otherwise)."""
+#: How many inputs' digests a worker on another host keeps (:class:`HostHashes`): about 200 bytes
+#: each, so 64k rows are ~13 MB at most.
+HOST_HASH_ROWS = 65_536
+
+
+class HostHashes:
+    """The hash cache of a worker on another host than the driver's, kept for the worker's life
+    (an actor's: every task it runs) and by this host's own stats: the catalog's rows are of the
+    driver's stats, which this host's mount may show otherwise, so none of them is used.
+
+    A recording several tasks' segments name (a manifest's long recording) is read and hashed
+    once per worker, not once per task: a later task finds its digest at this host's stat of
+    it, size, mtime, inode and ctime, as a plain build finds a file's in the catalog (a racy
+    row, one stat'ed within the filesystem's timestamp window of a change, is never trusted:
+    :meth:`~featbake.store.hash_cache.HashCacheRow.trusted`). The least recently used rows go
+    past :data:`HOST_HASH_ROWS`.
+    """
+
+    def __init__(self, rows: int = HOST_HASH_ROWS) -> None:
+        self.rows = rows
+        self._kept: OrderedDict[str, HashCacheRow] = OrderedDict()
+        self._lock = threading.Lock()  # the build's hashing threads put rows
 
     def cached_hashes(self, paths: Sequence[str]) -> dict[str, HashEntry]:
-        return {}
+        out: dict[str, HashEntry] = {}
+        with self._lock:
+            for p in paths:
+                row = self._kept.get(p)
+                entry = row.trusted() if row is not None else None
+                if entry is not None:
+                    self._kept.move_to_end(p)
+                    out[p] = entry
+        return out
 
     def put_hashes(self, rows: Iterable[HashRow], *, recorded_ns: int | None = None) -> None:
-        return None
+        recorded = time.time_ns() if recorded_ns is None else recorded_ns
+        with self._lock:
+            for path, stat, sha in map(HashRow._make, rows):
+                self._kept[path] = HashCacheRow.of(path, stat, sha, recorded)
+                self._kept.move_to_end(path)
+            while len(self._kept) > self.rows:
+                self._kept.popitem(last=False)
 
 
 #: Why an item a worker on another host read is refused: its bytes there make another key.
@@ -1344,6 +1378,7 @@ class PartEncoder:
         self.bake = _Bake(catalog, job.layout, enc, job.recipe, source, place, opts, runs, None)
         self.bake.ready_runner()  # loaded once, here: a task only encodes
         self.sealed = SealedKeys(job.layout, workers_build(job.root))
+        self.hashes = HostHashes()  # another host's digests, for every task it runs
 
     def encode(
         self, items: Sequence[WorkItem], held: Mapping[str, bytes] | None = None
@@ -1384,12 +1419,13 @@ class PartEncoder:
         hashed: the same mount may show this host other inode numbers and ctimes, and size
         and mtime stay when a file is rewritten in place with its mtime put back (``cp -p``,
         ``touch -r``, ``rsync -t``). So the inputs in files are read and hashed here as a
-        plain build hashes them (its inputs' ``hash``, with no hash cache: a file's, a tar
-        member's or a table cell's SHA-256, a segment's from its recording's) and keyed as the
-        driver keyed them. The bytes read are kept to be decoded, as a plain build keeps them;
-        what is read again (past the budget, a recording's segments) is checked against this
-        host's stats taken by those reads, whole. An object keeps the driver's stat: its ETag
-        is the same on every host and is checked by the read that decodes it.
+        plain build hashes them (its inputs' ``hash``: a file's, a tar member's or a table
+        cell's SHA-256, a segment's from its recording's), through this worker's own hash
+        cache of this host's stats (:class:`HostHashes`), and keyed as the driver keyed them.
+        The bytes read are kept to be decoded, as a plain build keeps them; what is read again
+        (past the budget, a recording's segments) is checked against this host's stats taken
+        by those reads, whole. An object keeps the driver's stat: its ETag is the same on
+        every host and is checked by the read that decodes it.
         """
         bake, root = self.bake, self.job.root
         files = [it for it in todo if not bytes_at(file_holding(it.path, it.carried)).versioned]
@@ -1397,7 +1433,7 @@ class PartEncoder:
             return todo
         bake.held = HeldBytes()
         digests, unreadable = bake.place.hash(
-            NothingCached(), [it.path for it in files], None, bake.hashed_stats, bake.held
+            self.hashes, [it.path for it in files], None, bake.hashed_stats, bake.held
         )
         refused: set[str] = set()
         for it in files:

@@ -8,8 +8,10 @@ import contextlib
 import dataclasses
 import json
 import shutil
-from collections.abc import Callable, Iterator, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -24,7 +26,10 @@ from featbake.bake.pipeline import (
     build,
 )
 from featbake.encode.tables import CarriedCell
+from featbake.errors import CacheMiss
 from featbake.serve.dataset import CachedFeatureDataset
+from featbake.store import hash_cache
+from featbake.store.hash_cache import HashRow
 from featbake.testing import write_audio_folder
 from tests.conftest import live_features
 from tests.encode.test_containers import wav_bytes, write_audio_parquet, write_tar
@@ -318,6 +323,72 @@ def test_an_input_rewritten_with_its_mtime_kept_before_a_worker_on_another_node_
     for _, why in report.failed:
         assert "\n" not in why and "changed since it was hashed" in why, why
         assert why.endswith("rerun the build"), why
+
+
+class OneWorkerTwoTasks(InProcess):
+    """An engine whose one worker (an actor) runs the build's items as two tasks, ``between``
+    run after the first."""
+
+    def __init__(self, between: Callable[[], None]) -> None:
+        super().__init__()
+        self.between = between
+
+    def encode(
+        self, job: EngineJob, items: Sequence[WorkItem], progress: ProgressFn | None
+    ) -> PartResult:
+        self.items += items
+        worker, half = PartEncoder(job), len(items) // 2
+        result = worker.encode(items[:half])
+        self.between()
+        result.add(worker.encode(items[half:]))
+        return result
+
+
+class CountedHashes(pipeline.HostHashes):
+    """A worker's hash cache that counts the rows put in it, path by path."""
+
+    put: ClassVar[Counter[str]] = Counter()
+
+    def put_hashes(self, rows: Iterable[HashRow], *, recorded_ns: int | None = None) -> None:
+        rows = list(rows)
+        CountedHashes.put.update(r[0] for r in rows)
+        super().put_hashes(rows, recorded_ns=recorded_ns)
+
+
+@pytest.mark.parametrize("rewritten", [False, True])
+def test_a_worker_on_another_node_hashes_a_recording_once_for_its_tasks_segments(
+    tmp_path: Path, encoder_file: Path, monkeypatch: pytest.MonkeyPatch, rewritten: bool
+) -> None:
+    """Round nine, engines (after cl9.14): a worker on another node hashed a recording whole
+    for every task naming its segments (a 10 h recording: once per task). Its own hash cache
+    of this host's stats (``HostHashes``) keeps the digest for its later tasks; a recording
+    rewritten in place with its mtime kept between two tasks shows this host another ctime,
+    so it is hashed again and the second task's segments are refused. (Stats are made
+    trustworthy at once: the racy window, which keeps a file stat'ed within its timestamp tick
+    of a change from being trusted, is set to 0 here.)"""
+    data, old, rewrite, want = rewritten_data("manifest", tmp_path)
+    monkeypatch.setattr(pipeline, "this_host", lambda: "node-2", raising=False)
+    monkeypatch.setattr(hash_cache, "racy_window_ns", lambda mtime, ctime: 0)
+    monkeypatch.setattr(pipeline, "HostHashes", CountedHashes)
+    CountedHashes.put.clear()
+    engine = OneWorkerTwoTasks(rewrite if rewritten else lambda: None)
+    report = build(data, encoder_file, cache=tmp_path / "store", engine=engine)  # type: ignore[arg-type]
+    rec = str(data.parent / "rec.wav")
+    assert CountedHashes.put[rec] == (2 if rewritten else 1), CountedHashes.put
+    assert (report.encoded, len(report.failed)) == ((2, 2) if rewritten else (4, 0))
+    ds = CachedFeatureDataset(old, encoder_file, cache=tmp_path / "store", on_miss="error")
+    served = 0
+    for i in range(len(ds)):
+        file, start, end = want[ds.item_id(i)]
+        try:
+            got = ds[i]
+        except CacheMiss:
+            continue
+        served += 1
+        now = reference(encoder_file, file, start, end)
+        torch.testing.assert_close(got, now, rtol=1e-5, atol=1e-5)
+    ds.close()
+    assert served == (2 if rewritten else 4)
 
 
 # == round nine: a node of another featbake ====================================================
