@@ -1493,3 +1493,58 @@ def test_a_pickled_dataset_over_a_hooked_module_names_a_change_of_it_not_its_hoo
     with pytest.raises(EncoderLoadError, match="changed since this dataset was created") as e:
         copy[2]
     assert "forward hook" not in str(e.value)
+
+
+class _CallCounter:
+    """A logging helper whose bound method is a forward pre-hook: it counts the calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def pre(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        self.calls += 1
+
+
+def _counting_closure() -> Any:
+    n = 0
+
+    def pre(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        nonlocal n
+        n += 1
+
+    return pre
+
+
+_COUNTING_HOOKS = {"bound-method": lambda: _CallCounter().pre, "closure": _counting_closure}
+
+
+@pytest.mark.parametrize("how", list(_COUNTING_HOOKS))
+def test_a_call_counting_hook_leaves_the_datasets_misses_served(
+    tmp_path: Path, audio_dir: Path, how: str
+) -> None:
+    """serve9.9 keyed and watched what a hook holds, a counter its own code bumps too: the
+    dataset's own second miss was refused as a hook change. What a hook's code writes itself
+    (``self.calls += 1``, ``nonlocal n; n += 1``) is its bookkeeping, read by neither."""
+    from featbake.testing import TinyConvEncoder
+
+    module = TinyConvEncoder().eval()
+    module.register_forward_pre_hook(_COUNTING_HOOKS[how]())
+    ds = _fresh_dataset(audio_dir, module, tmp_path / "s")
+    ds[0]
+    _users_forward(module)
+    torch.testing.assert_close(ds[1], _live(module, ds.path(1)))
+
+
+@pytest.mark.parametrize("how", list(_COUNTING_HOOKS))
+def test_a_call_counting_hooks_key_does_not_follow_its_count(how: str) -> None:
+    """A process that ran the module once more before making its dataset found nothing
+    stored: the counter was in the key."""
+    from featbake.encode.identity import module_identity
+    from featbake.testing import TinyConvEncoder
+
+    module = TinyConvEncoder().eval()
+    module.register_forward_pre_hook(_COUNTING_HOOKS[how]())
+    before = module_identity(module)
+    with torch.no_grad():
+        module(torch.zeros(1, 8000))
+    assert module_identity(module) == before
