@@ -1548,3 +1548,41 @@ def test_a_call_counting_hooks_key_does_not_follow_its_count(how: str) -> None:
     with torch.no_grad():
         module(torch.zeros(1, 8000))
     assert module_identity(module) == before
+
+
+def test_torchs_flop_counter_leaves_an_unchanged_modules_misses_served(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    """torch's own global hooks (``FlopCounterMode``'s ``ModuleTracker``) were read as a
+    change of global hooks: an unchanged module's miss made while counting FLOPs was refused.
+    Global hooks of torch's code are left out, as torch's module hooks are."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from featbake.testing import TinyConvEncoder
+
+    module = TinyConvEncoder().eval()
+    ds = _fresh_dataset(audio_dir, module, tmp_path / "s")
+    ds[0]
+    with FlopCounterMode(display=False):  # counting a training step's FLOPs
+        served = ds[1]
+    torch.testing.assert_close(served, _live(module, ds.path(1)))
+
+
+def test_a_miss_after_a_global_hook_was_removed_is_served(tmp_path: Path, audio_dir: Path) -> None:
+    """A refusal for a global hook was kept once the hook was gone (``unkeyed_change`` kept
+    until trusted anew): the global-hook verdict follows the hooks as they are now."""
+    from torch.nn.modules import module as torch_module
+
+    from featbake.errors import EncoderLoadError
+    from featbake.testing import TinyConvEncoder
+
+    module = TinyConvEncoder().eval()
+    ds = _fresh_dataset(audio_dir, module, tmp_path / "s")
+    ds[0]
+    handle = torch_module.register_module_forward_pre_hook(_global_pre)
+    try:
+        with pytest.raises(EncoderLoadError, match="global forward hook"):
+            ds[1]
+    finally:
+        handle.remove()
+    torch.testing.assert_close(ds[2], _live(module, ds.path(2)))
