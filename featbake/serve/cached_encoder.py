@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-from featbake.encode.encoders import is_frozen, module_device, refuse_meta
+from featbake.encode.encoders import is_frozen, module_device, refuse_held_tensors, refuse_meta
 from featbake.encode.identity import (
     HOOK_DICTS,
     attribute_digest,
@@ -763,6 +763,7 @@ class ModuleWatch:
         if not self._as_trusted(state):
             if not self._holds_trusted_values(tensors, state):
                 refuse_meta(type(self.module).__name__, self.module, "")  # no values to hash
+                refuse_held_tensors(type(self.module).__name__, self.module)
                 identity = self.identity or module_identity(self.module)
                 self._fp = self._keyed_or_refused(
                     module_fingerprint(self.module, identity), state[2]

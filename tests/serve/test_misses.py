@@ -1586,3 +1586,60 @@ def test_a_miss_after_a_global_hook_was_removed_is_served(tmp_path: Path, audio_
     finally:
         handle.remove()
     torch.testing.assert_close(ds[2], _live(module, ds.path(2)))
+
+
+class _HookScaled(torch.nn.Module):
+    """TinyConvEncoder whose input a pre-hook scales by a tensor its closure holds."""
+
+    def __init__(self) -> None:
+        from featbake.testing import TinyConvEncoder
+
+        super().__init__()
+        self.inner = TinyConvEncoder()
+        scale = torch.tensor(1.0)
+        self.scale_ref = [scale]  # not an attribute the watch reads (a list of tensors)
+        self.inner.register_forward_pre_hook(lambda mod, args: (args[0] * scale,))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def test_a_hook_holding_a_tensor_is_refused_when_the_dataset_is_made(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    """A hook's closure tensor was keyed by its type alone and not watched: edited in place
+    (``scale.fill_(3.0)``) its outputs changed while key and watch did not, and two processes
+    with other scales shared keys. Refused in one line, saying what to do."""
+    from featbake.errors import EncoderLoadError
+
+    with pytest.raises(EncoderLoadError, match=r"holds a value \(Tensor\).*buffer") as e:
+        CachedFeatureDataset(audio_dir, _HookScaled().eval(), cache=tmp_path / "s")
+    assert "\n" not in str(e.value)
+
+
+class _OwnScaled(torch.nn.Module):
+    """A hook closing over its own module and a bound method of it: what it holds is keyed."""
+
+    def __init__(self) -> None:
+        from featbake.testing import TinyConvEncoder
+
+        super().__init__()
+        self.inner = TinyConvEncoder()
+        self.register_buffer("scale", torch.tensor(2.0))
+        inner = self.inner
+        self.inner.register_forward_pre_hook(lambda mod, args: (args[0] * self.scale,))
+        self.register_forward_hook(lambda mod, args, out: inner.conv1 and out)
+        self.inner.register_forward_pre_hook(self.pre)
+
+    def pre(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        return None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def test_a_hook_holding_its_own_module_or_buffer_is_served(tmp_path: Path, audio_dir: Path) -> None:
+    """The module itself, a submodule or a buffer held by a hook is read by the key."""
+    module = _OwnScaled().eval()
+    ds = _fresh_dataset(audio_dir, module, tmp_path / "s")
+    torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
