@@ -785,10 +785,11 @@ class ModuleWatch:
         now = getattr(read, "unkeyed", None)
         if self._base is None:
             self._base = now
+        base = self._base
         if self.unkeyed_change != "attributes":  # a global hook's verdict follows them now
             self.unkeyed_change = ""
-            if now is not None and not same_read(now, self._base):
-                self.unkeyed_change = _unkeyed_change(now, self._base) or "attributes"
+            if now is not None and base is not None and not same_read(now, base):
+                self.unkeyed_change = _unkeyed_change(now, base) or "attributes"
         if not self.unkeyed_change:
             return fp
         return hashlib.sha256(f"{fp}|changed unkeyed: {self.unkeyed_change}".encode()).hexdigest()
