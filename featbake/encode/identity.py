@@ -131,7 +131,9 @@ def _held_text(value: Any) -> str:
 
 def written_names(code: Any, ops: frozenset[str]) -> frozenset[str]:
     """The names a code object, and the code nested in it, writes by ``ops``
-    (``STORE_ATTR``: an attribute, ``STORE_DEREF``: a closure cell).
+    (``STORE_ATTR``: an attribute, ``STORE_DEREF``: a closure cell); kept per code object
+    (by id, the object held so its id is not lent), as a watch reads what each hook holds
+    at every forward.
 
     Example:
         >>> def bump(self):
@@ -139,11 +141,19 @@ def written_names(code: Any, ops: frozenset[str]) -> frozenset[str]:
         >>> sorted(written_names(bump.__code__, ATTRIBUTE_WRITES))
         ['calls']
     """
+    kept = _WRITTEN.get((id(code), ops))
+    if kept is not None:
+        return kept[1]
     names = {i.argval for i in dis.get_instructions(code) if i.opname in ops}
     for const in code.co_consts:
         if inspect.iscode(const):
             names |= written_names(const, ops)
+    _WRITTEN[(id(code), ops)] = (code, frozenset(names))
     return frozenset(names)
+
+
+#: (id of a code object, ops) -> (the code object, the names it writes): written_names's.
+_WRITTEN: dict[tuple[int, frozenset[str]], tuple[Any, frozenset[str]]] = {}
 
 
 #: The ops by which a hook's code writes an attribute, or a closure cell (``nonlocal``).
@@ -178,9 +188,10 @@ def _cell_values(func: Any) -> list[tuple[str, Any]]:
     """``(name, value)`` of a function's closure cells (an empty one: ``_EMPTY``) but those
     its own code rebinds (``nonlocal n; n += 1``: its bookkeeping), then its defaults, then
     its keyword defaults; name ``""`` but for a keyword default."""
-    written = written_names(func.__code__, CELL_WRITES)
+    cells = func.__closure__ or ()
+    written = written_names(func.__code__, CELL_WRITES) if cells else frozenset()
     out: list[tuple[str, Any]] = []
-    for name, cell in zip(func.__code__.co_freevars, func.__closure__ or (), strict=False):
+    for name, cell in zip(func.__code__.co_freevars, cells, strict=False):
         if name in written:
             continue
         try:
@@ -188,7 +199,8 @@ def _cell_values(func: Any) -> list[tuple[str, Any]]:
         except ValueError:
             out.append(("", _EMPTY))
     out += [("", v) for v in func.__defaults__ or ()]
-    out += sorted((func.__kwdefaults__ or {}).items())
+    if func.__kwdefaults__:
+        out += sorted(func.__kwdefaults__.items())
     return out
 
 
