@@ -24,6 +24,9 @@ import torch
 
 from featbake.device import alloc_pinned
 from featbake.encode.identity import (
+    forward_hooks,
+    held_objects,
+    is_torchs,
     module_identity,
 )
 from featbake.errors import EncodeError, EncoderLoadError, FeatbakeError
@@ -507,6 +510,42 @@ def refuse_meta(label: str, module: Any, then: str) -> None:
         "registered with persistent=False is in no state dict: set it again), or give the "
         "dataset a module with weights"
     )
+
+
+def _held_tensor(hook: Any, own: set[int]) -> str | None:
+    """What a hook holds that is a tensor or a module not of the module it is on (``own``:
+    the ids of its submodules, parameters and buffers, which its key reads), named; a bound
+    method of one of its own submodules by its function's values alone (the object's
+    attributes are the module's, watched as such)."""
+    if inspect.ismethod(hook) and id(hook.__self__) in own:
+        hook = hook.__func__
+    for name, value in held_objects(hook):
+        if isinstance(value, (torch.Tensor, torch.nn.Module)) and id(value) not in own:
+            return f"{name or 'a value'} ({type(value).__name__})"
+    return None
+
+
+def refuse_held_tensors(label: str, module: Any) -> None:
+    """Raise if a forward hook of ``module`` holds a tensor or a module that is not its own
+    (a closure's ``scale = torch.tensor(2.0)``, a partial's tensor argument): a key reads
+    a hook's plain values only, so one edited in place (``scale.fill_(3.0)``) would serve
+    stale features, and two processes holding other values would share keys.
+
+    Raises:
+        EncoderLoadError: naming the hook and what it holds, and what to do.
+    """
+    if not isinstance(module, torch.nn.Module):
+        return
+    own = {id(o) for o in chain(module.modules(), module.parameters(), module.buffers())}
+    for name, kind, hook in forward_hooks(module):
+        held = None if is_torchs(hook) else _held_tensor(hook, own)
+        if held is not None:
+            what = getattr(hook, "__qualname__", type(hook).__qualname__)
+            raise EncoderLoadError(
+                f"the encoder module {label} has a forward hook ({kind[1:]} of "
+                f"{name or 'the module'}: {what}) that holds {held}, which no key reads; "
+                "make it a buffer or parameter of the module, or pass the hook plain numbers"
+            )
 
 
 def is_frozen(module: torch.nn.Module) -> bool:

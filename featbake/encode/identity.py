@@ -7,6 +7,7 @@ identity part for each kind of encoder (see :mod:`featbake.encode.encoders`).
 from __future__ import annotations
 
 import ast
+import dis
 import functools
 import hashlib
 import importlib.metadata
@@ -128,39 +129,128 @@ def _held_text(value: Any) -> str:
     return repr(value) if _primitive(value) else f"<{type(value).__qualname__}>"
 
 
-def _plain_attributes(obj: Any) -> list[str]:
-    """``name=repr`` of an object's public plain attributes (the rules of
-    :func:`attribute_identity`: ``training`` left out too, for a bound method of a module),
-    sorted; none where it has no ``__dict__``."""
+def written_names(code: Any, ops: frozenset[str]) -> frozenset[str]:
+    """The names a code object, and the code nested in it, writes by ``ops``
+    (``STORE_ATTR``: an attribute, ``STORE_DEREF``: a closure cell); kept per code object
+    (by id, the object held so its id is not lent), as a watch reads what each hook holds
+    at every forward.
+
+    Example:
+        >>> def bump(self):
+        ...     self.calls += 1
+        >>> sorted(written_names(bump.__code__, ATTRIBUTE_WRITES))
+        ['calls']
+    """
+    kept = _WRITTEN.get((id(code), ops))
+    if kept is not None:
+        return kept[1]
+    names = {i.argval for i in dis.get_instructions(code) if i.opname in ops}
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            names |= written_names(const, ops)
+    _WRITTEN[(id(code), ops)] = (code, frozenset(names))
+    return frozenset(names)
+
+
+#: (id of a code object, ops) -> (the code object, the names it writes): written_names's.
+_WRITTEN: dict[tuple[int, frozenset[str]], tuple[Any, frozenset[str]]] = {}
+
+
+#: The ops by which a hook's code writes an attribute, or a closure cell (``nonlocal``).
+ATTRIBUTE_WRITES = frozenset({"STORE_ATTR", "DELETE_ATTR"})
+CELL_WRITES = frozenset({"STORE_DEREF", "DELETE_DEREF"})
+
+
+def _public_attributes(obj: Any, runs: Any) -> list[tuple[str, Any]]:
+    """An object's public attributes (``training`` left out, for a bound method of a
+    module) that the code ``runs`` (the hook's function) does not write itself: an attribute
+    the hook sets as it runs (``self.calls += 1``) is its bookkeeping, and keying it would
+    give the module another key at each forward. None where it has no ``__dict__``."""
     attrs = getattr(obj, "__dict__", None)
     if not isinstance(attrs, dict):
         return []
-    return sorted(
-        f"{k}={v!r}"
-        for k, v in attrs.items()
-        if not k.startswith("_") and k != "training" and _primitive(v)
-    )
+    code = getattr(runs, "__code__", None)
+    own = written_names(code, ATTRIBUTE_WRITES) if code is not None else frozenset()
+    return [
+        (k, v)
+        for k, v in sorted(attrs.items())
+        if not k.startswith("_") and k != "training" and k not in own
+    ]
+
+
+def _plain_attributes(obj: Any, runs: Any) -> list[str]:
+    """``name=repr`` of an object's public plain attributes (the rules of
+    :func:`attribute_identity`) that the hook's code ``runs`` does not write, sorted."""
+    return [f"{k}={v!r}" for k, v in _public_attributes(obj, runs) if _primitive(v)]
+
+
+def _cell_values(func: Any) -> list[tuple[str, Any]]:
+    """``(name, value)`` of a function's closure cells (an empty one: ``_EMPTY``) but those
+    its own code rebinds (``nonlocal n; n += 1``: its bookkeeping), then its defaults, then
+    its keyword defaults; name ``""`` but for a keyword default."""
+    cells = func.__closure__ or ()
+    written = written_names(func.__code__, CELL_WRITES) if cells else frozenset()
+    out: list[tuple[str, Any]] = []
+    for name, cell in zip(func.__code__.co_freevars, cells, strict=False):
+        if name in written:
+            continue
+        try:
+            out.append(("", cell.cell_contents))
+        except ValueError:
+            out.append(("", _EMPTY))
+    out += [("", v) for v in func.__defaults__ or ()]
+    if func.__kwdefaults__:
+        out += sorted(func.__kwdefaults__.items())
+    return out
+
+
+class _Empty:
+    """An empty closure cell, as :func:`held_values` reads it."""
+
+    def __repr__(self) -> str:
+        return "<empty>"
+
+
+_EMPTY = _Empty()
 
 
 def _cells(func: Any) -> list[str]:
     """A function's closure cells, defaults and keyword defaults, as :func:`_held_text` reads
-    them (an empty cell: ``<empty>``)."""
-    out = []
-    for cell in func.__closure__ or ():
-        try:
-            out.append(_held_text(cell.cell_contents))
-        except ValueError:
-            out.append("<empty>")
-    out += [_held_text(v) for v in func.__defaults__ or ()]
-    out += [f"{k}={_held_text(v)}" for k, v in sorted((func.__kwdefaults__ or {}).items())]
-    return out
+    them (an empty cell: ``<empty>``), those its own code rebinds left out."""
+    return [
+        "<empty>" if v is _EMPTY else f"{k}={_held_text(v)}" if k else _held_text(v)
+        for k, v in _cell_values(func)
+    ]
+
+
+def _runs(hook: Any) -> Any:
+    """The function a hook object runs (its class's ``__call__``), None where it has none."""
+    return inspect.getattr_static(type(hook), "__call__", None)
+
+
+def held_objects(hook: Any) -> list[tuple[str, Any]]:
+    """``(name, value)`` of everything a hook holds that :func:`held_values` reads (plain or
+    not): a partial's arguments and its function's, a function's cells and defaults, a bound
+    method's or hook object's public attributes its code does not write; name ``""`` for a
+    positional one."""
+    if isinstance(hook, functools.partial):
+        args = [("", a) for a in hook.args]
+        return [*held_objects(hook.func), *args, *sorted(hook.keywords.items())]
+    if inspect.ismethod(hook):
+        own = _public_attributes(hook.__self__, hook.__func__)
+        return [*held_objects(hook.__func__), *own]
+    if inspect.isfunction(hook):
+        return _cell_values(hook)
+    return _public_attributes(hook, _runs(hook))
 
 
 def held_values(hook: Any) -> list[str]:
     """What a hook holds that changes what it does, by the rules of attribute identity (plain
     values by repr, others by type): a ``functools.partial``'s function, arguments and
     keywords; a function's closure cells and defaults; a bound method's function and its
-    object's public plain attributes; a hook object's public plain attributes.
+    object's public plain attributes; a hook object's public plain attributes. What the
+    hook's own code writes (an attribute it sets, a cell it rebinds) is left out: its
+    bookkeeping as it runs (a call counter), neither keyed nor watched.
 
     Example:
         >>> import functools
@@ -171,10 +261,10 @@ def held_values(hook: Any) -> list[str]:
         kw = [f"{k}={_held_text(v)}" for k, v in sorted(hook.keywords.items())]
         return ["partial", *held_values(hook.func), *map(_held_text, hook.args), *kw]
     if inspect.ismethod(hook):
-        return [*held_values(hook.__func__), *_plain_attributes(hook.__self__)]
+        return [*held_values(hook.__func__), *_plain_attributes(hook.__self__, hook.__func__)]
     if inspect.isfunction(hook):
         return _cells(hook)
-    return _plain_attributes(hook)
+    return _plain_attributes(hook, _runs(hook))
 
 
 def code_digest(code: Any) -> str:

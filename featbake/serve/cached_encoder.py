@@ -38,12 +38,13 @@ import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-from featbake.encode.encoders import is_frozen, module_device, refuse_meta
+from featbake.encode.encoders import is_frozen, module_device, refuse_held_tensors, refuse_meta
 from featbake.encode.identity import (
     HOOK_DICTS,
     attribute_digest,
     held_values,
     is_plain,
+    is_torchs,
     module_identity,
 )
 from featbake.encode.outputs import is_tuple_parts, join_outputs, name_outputs, stored_parts
@@ -328,6 +329,18 @@ def _glance_hooks(
 GLOBAL_HOOKS = (torch_module._global_forward_pre_hooks, torch_module._global_forward_hooks)
 
 
+def foreign_global_hooks() -> list[Any]:
+    """torch's global forward hooks now but those of torch's own code (:func:`is_torchs`:
+    ``FlopCounterMode``'s and ``ModuleTracker``'s, which observe and change no output, as
+    torch's module hooks are left out of keys) and a watch's own."""
+    return [
+        h
+        for d in GLOBAL_HOOKS
+        for h in d.values()
+        if not is_torchs(h) and not getattr(h, "featbake_bookkeeping", False)
+    ]
+
+
 def _held(o: Any, died: Callable[[object], None]) -> Any:
     """``o`` as a kept glance holds it: weakly where it takes a weak reference."""
     return weakref.ref(o, died) if type(o).__weakrefoffset__ else o
@@ -575,7 +588,7 @@ def structure_read(module: nn.Module) -> Structure:
                 unkeyed.append(_pinned(value))
                 version = version_of(value) if isinstance(value, torch.Tensor) else None
                 attributes.append((name, key, id(value), version))
-    globals_ = [h for d in GLOBAL_HOOKS for h in d.values()]
+    globals_ = foreign_global_hooks()
     unkeyed += map(_pinned, globals_)
     global_rows = [(i, id(h), *held_values(h)) for i, h in enumerate(globals_)]
     return Structure(
@@ -590,8 +603,12 @@ def structure_read(module: nn.Module) -> Structure:
 
 def _unkeyed_change(now: str, base: str) -> str:
     """Which part of what no key reads differs between two reads of it (see
-    :func:`structure_read`): ``"global hooks"``, or ``"attributes"``."""
-    return "global hooks" if now.partition("|")[2] != base.partition("|")[2] else "attributes"
+    :func:`structure_read`): ``"attributes"`` (kept until trusted anew: a tensor attribute
+    set back may hold other values), ``"global hooks"`` (told while they differ: a global hook
+    removed changes nothing any more), or ``""``."""
+    if now.partition("|")[0] != base.partition("|")[0]:
+        return "attributes"
+    return "global hooks" if now.partition("|")[2] != base.partition("|")[2] else ""
 
 
 class _Began(NamedTuple):
@@ -746,6 +763,7 @@ class ModuleWatch:
         if not self._as_trusted(state):
             if not self._holds_trusted_values(tensors, state):
                 refuse_meta(type(self.module).__name__, self.module, "")  # no values to hash
+                refuse_held_tensors(type(self.module).__name__, self.module)
                 identity = self.identity or module_identity(self.module)
                 self._fp = self._keyed_or_refused(
                     module_fingerprint(self.module, identity), state[2]
@@ -759,14 +777,19 @@ class ModuleWatch:
     def _keyed_or_refused(self, fp: str, read: str) -> str:
         """``fp``, the module's fingerprint made again, where what no key reads (tensor
         attributes, an instance's ``forward``, global hooks: :func:`structure_read`) is as
-        trusted; else, and from then on until trusted anew, a fingerprint of its own (one no
-        dataset has: its misses refused, ``CachedEncoder``'s keyed apart): a change of what
-        the key does not read is a change all the same."""
+        trusted; else a fingerprint of its own (one no dataset has: its misses refused,
+        ``CachedEncoder``'s keyed apart), for a tensor attribute or ``forward`` from then on
+        until trusted anew, for global hooks while they differ from those trusted (torch's
+        own left out: :func:`foreign_global_hooks`): a change of what the key does not read
+        is a change all the same."""
         now = getattr(read, "unkeyed", None)
         if self._base is None:
             self._base = now
-        elif now is not None and not same_read(now, self._base):
-            self.unkeyed_change = _unkeyed_change(now, self._base)
+        base = self._base
+        if self.unkeyed_change != "attributes":  # a global hook's verdict follows them now
+            self.unkeyed_change = ""
+            if now is not None and base is not None and not same_read(now, base):
+                self.unkeyed_change = _unkeyed_change(now, base) or "attributes"
         if not self.unkeyed_change:
             return fp
         return hashlib.sha256(f"{fp}|changed unkeyed: {self.unkeyed_change}".encode()).hexdigest()

@@ -26,6 +26,7 @@ from featbake.encode.encoders import (
     from_module,
     meta_tensor,
     module_device,
+    refuse_held_tensors,
     refuse_meta,
 )
 from featbake.encode.fingerprints import (
@@ -344,6 +345,7 @@ class LiveEncoder:
         """
         if isinstance(encoder, LoadedEncoder):
             refuse_meta(encoder.label, encoder.module, "")  # before it is hashed
+            refuse_held_tensors(encoder.label, encoder.module)
             self.loaded, self.label = encoder, encoder.label
             self.fingerprint = encoder_fingerprint(encoder, catalog, self.weights)
             self.watch = watched(encoder, self.fingerprint)
@@ -352,6 +354,7 @@ class LiveEncoder:
             return
         if isinstance(encoder, torch.nn.Module):
             refuse_meta(type(encoder).__name__, encoder, "")
+            refuse_held_tensors(type(encoder).__name__, encoder)
             self.loaded = from_module(encoder, device=None)
             self.fingerprint, self.label = self.loaded.fingerprint, self.loaded.label
             self.watch = watched(self.loaded, self.fingerprint)

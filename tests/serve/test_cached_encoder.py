@@ -704,3 +704,19 @@ def test_a_pickled_watch_of_a_module_with_a_tensor_attribute_keeps_its_fingerpri
     fp = watch.fingerprint()
     copy = pickle.loads(pickle.dumps(watch))
     assert copy.fingerprint() == fp and copy.unkeyed_change == ""
+
+
+def test_a_module_whose_hook_holds_a_tensor_is_refused_at_its_first_call() -> None:
+    """A partial's tensor argument was keyed by its type alone: edited in place, the RAM hits
+    and stored features of the old value were served. Refused in one line at the first call."""
+    import functools
+
+    from featbake.errors import EncoderLoadError
+
+    module = frozen(TinyConvEncoder())
+    module.register_forward_pre_hook(functools.partial(_scaled, factor=torch.tensor(2.0)))
+    cached = CachedEncoder(module, cache=None)
+    x = torch.randn(2, 8000, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(EncoderLoadError, match=r"holds factor \(Tensor\)") as e:
+        cached(x, ids=["a", "b"])
+    assert "\n" not in str(e.value)

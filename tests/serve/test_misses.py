@@ -1493,3 +1493,153 @@ def test_a_pickled_dataset_over_a_hooked_module_names_a_change_of_it_not_its_hoo
     with pytest.raises(EncoderLoadError, match="changed since this dataset was created") as e:
         copy[2]
     assert "forward hook" not in str(e.value)
+
+
+class _CallCounter:
+    """A logging helper whose bound method is a forward pre-hook: it counts the calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def pre(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        self.calls += 1
+
+
+def _counting_closure() -> Any:
+    n = 0
+
+    def pre(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        nonlocal n
+        n += 1
+
+    return pre
+
+
+_COUNTING_HOOKS = {"bound-method": lambda: _CallCounter().pre, "closure": _counting_closure}
+
+
+@pytest.mark.parametrize("how", list(_COUNTING_HOOKS))
+def test_a_call_counting_hook_leaves_the_datasets_misses_served(
+    tmp_path: Path, audio_dir: Path, how: str
+) -> None:
+    """serve9.9 keyed and watched what a hook holds, a counter its own code bumps too: the
+    dataset's own second miss was refused as a hook change. What a hook's code writes itself
+    (``self.calls += 1``, ``nonlocal n; n += 1``) is its bookkeeping, read by neither."""
+    from featbake.testing import TinyConvEncoder
+
+    module = TinyConvEncoder().eval()
+    module.register_forward_pre_hook(_COUNTING_HOOKS[how]())
+    ds = _fresh_dataset(audio_dir, module, tmp_path / "s")
+    ds[0]
+    _users_forward(module)
+    torch.testing.assert_close(ds[1], _live(module, ds.path(1)))
+
+
+@pytest.mark.parametrize("how", list(_COUNTING_HOOKS))
+def test_a_call_counting_hooks_key_does_not_follow_its_count(how: str) -> None:
+    """A process that ran the module once more before making its dataset found nothing
+    stored: the counter was in the key."""
+    from featbake.encode.identity import module_identity
+    from featbake.testing import TinyConvEncoder
+
+    module = TinyConvEncoder().eval()
+    module.register_forward_pre_hook(_COUNTING_HOOKS[how]())
+    before = module_identity(module)
+    with torch.no_grad():
+        module(torch.zeros(1, 8000))
+    assert module_identity(module) == before
+
+
+def test_torchs_flop_counter_leaves_an_unchanged_modules_misses_served(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    """torch's own global hooks (``FlopCounterMode``'s ``ModuleTracker``) were read as a
+    change of global hooks: an unchanged module's miss made while counting FLOPs was refused.
+    Global hooks of torch's code are left out, as torch's module hooks are."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from featbake.testing import TinyConvEncoder
+
+    module = TinyConvEncoder().eval()
+    ds = _fresh_dataset(audio_dir, module, tmp_path / "s")
+    ds[0]
+    with FlopCounterMode(display=False):  # counting a training step's FLOPs
+        served = ds[1]
+    torch.testing.assert_close(served, _live(module, ds.path(1)))
+
+
+def test_a_miss_after_a_global_hook_was_removed_is_served(tmp_path: Path, audio_dir: Path) -> None:
+    """A refusal for a global hook was kept once the hook was gone (``unkeyed_change`` kept
+    until trusted anew): the global-hook verdict follows the hooks as they are now."""
+    from torch.nn.modules import module as torch_module
+
+    from featbake.errors import EncoderLoadError
+    from featbake.testing import TinyConvEncoder
+
+    module = TinyConvEncoder().eval()
+    ds = _fresh_dataset(audio_dir, module, tmp_path / "s")
+    ds[0]
+    handle = torch_module.register_module_forward_pre_hook(_global_pre)
+    try:
+        with pytest.raises(EncoderLoadError, match="global forward hook"):
+            ds[1]
+    finally:
+        handle.remove()
+    torch.testing.assert_close(ds[2], _live(module, ds.path(2)))
+
+
+class _HookScaled(torch.nn.Module):
+    """TinyConvEncoder whose input a pre-hook scales by a tensor its closure holds."""
+
+    def __init__(self) -> None:
+        from featbake.testing import TinyConvEncoder
+
+        super().__init__()
+        self.inner = TinyConvEncoder()
+        scale = torch.tensor(1.0)
+        self.scale_ref = [scale]  # not an attribute the watch reads (a list of tensors)
+        self.inner.register_forward_pre_hook(lambda mod, args: (args[0] * scale,))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def test_a_hook_holding_a_tensor_is_refused_when_the_dataset_is_made(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    """A hook's closure tensor was keyed by its type alone and not watched: edited in place
+    (``scale.fill_(3.0)``) its outputs changed while key and watch did not, and two processes
+    with other scales shared keys. Refused in one line, saying what to do."""
+    from featbake.errors import EncoderLoadError
+
+    with pytest.raises(EncoderLoadError, match=r"holds a value \(Tensor\).*buffer") as e:
+        CachedFeatureDataset(audio_dir, _HookScaled().eval(), cache=tmp_path / "s")
+    assert "\n" not in str(e.value)
+
+
+class _OwnScaled(torch.nn.Module):
+    """A hook closing over its own module and a bound method of it: what it holds is keyed."""
+
+    def __init__(self) -> None:
+        from featbake.testing import TinyConvEncoder
+
+        super().__init__()
+        self.inner = TinyConvEncoder()
+        self.register_buffer("scale", torch.tensor(2.0))
+        inner = self.inner
+        self.inner.register_forward_pre_hook(lambda mod, args: (args[0] * self.scale,))
+        self.register_forward_hook(lambda mod, args, out: inner.conv1 and out)
+        self.inner.register_forward_pre_hook(self.pre)
+
+    def pre(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        return None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def test_a_hook_holding_its_own_module_or_buffer_is_served(tmp_path: Path, audio_dir: Path) -> None:
+    """The module itself, a submodule or a buffer held by a hook is read by the key."""
+    module = _OwnScaled().eval()
+    ds = _fresh_dataset(audio_dir, module, tmp_path / "s")
+    torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
