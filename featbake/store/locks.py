@@ -1,17 +1,18 @@
 """The store's advisory write lock (writers share it, ``verify --repair`` takes it alone) over
-the one ``flock`` primitive, :func:`locked`, that the tier's locks use too."""
+:func:`locked`, the lock the tier's locks use too, taken by the store's one lock primitive
+(:func:`featbake.store.files.lock_taken`: an OFD lock where Linux has them, ``flock`` elsewhere;
+its errno rule for a filesystem without locks)."""
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from featbake.errors import StoreError
+from featbake.store.files import Taken, lock_taken
 from featbake.store.layout import Layout
 
 # A shard writer holds the lock *shared* while it seals a shard and commits its catalog rows; repair
@@ -30,9 +31,6 @@ from featbake.store.layout import Layout
 # its content name, which is atomic on every one of these filesystems.
 #: How long repair waits for writers that are sealing a shard right now before it refuses.
 EXCLUSIVE_WAIT_S = 10.0
-
-#: ``flock`` errors that mean "no locks on this filesystem", not "someone holds the lock".
-_NO_LOCKS = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP)
 
 
 def lock_path(layout: Layout) -> Path:
@@ -64,20 +62,15 @@ def locked(path: Path, *, shared: bool = False, wait: float | None = None) -> It
     if fd is None:
         yield None
         return
-    op = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
     try:
         if wait is None:
-            _flock(fd, op)
+            lock_taken(fd, wait=True, shared=shared)
         else:
             deadline = time.monotonic() + wait
-            while True:
-                try:
-                    _flock(fd, op | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        raise TimeoutError(f"{path} is held by another process") from None
-                    time.sleep(0.05)
+            while lock_taken(fd, shared=shared) is Taken.HELD:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"{path} is held by another process") from None
+                time.sleep(0.05)
         yield fd
     finally:
         os.close(fd)  # closing the descriptor releases the lock
@@ -92,15 +85,6 @@ def shared_write_lock(layout: Layout) -> Iterator[None]:
     """
     with locked(lock_path(layout), shared=True):
         yield
-
-
-def _flock(fd: int, op: int) -> None:
-    """``flock(fd, op)``, or nothing where the filesystem has no locks (see the module doc)."""
-    try:
-        fcntl.flock(fd, op)
-    except OSError as e:
-        if e.errno not in _NO_LOCKS:
-            raise
 
 
 @contextlib.contextmanager
