@@ -18,8 +18,9 @@ from featbake.store.layout import Layout
 # A shard writer holds the lock *shared* while it seals a shard and commits its catalog rows; repair
 # holds it *exclusive* for its whole scan-and-fix. Repair therefore never sees a shard file whose
 # rows are about to be committed (and forgets them as "missing"), and a writer that seals while
-# repair runs waits until repair has finished. The lock is ``flock(2)`` on ``<store>/write.lock``:
-# the kernel drops it when its holder dies, so a killed build never leaves the store locked.
+# repair runs waits until repair has finished. The lock is ``files.lock_taken``'s (an OFD lock,
+# ``flock`` where the platform has none) on ``<store>/write.lock``: the kernel drops it when its
+# holder dies, so a killed build never leaves the store locked.
 #
 # On shared filesystems: Linux emulates ``flock`` on NFS (and on CIFS since 5.5) with byte-range
 # locks on the whole file, so it spans hosts where the server's locking works; Lustre mounted with
@@ -50,8 +51,9 @@ def open_lock_file(path: Path) -> int | None:
 
 @contextlib.contextmanager
 def locked(path: Path, *, shared: bool = False, wait: float | None = None) -> Iterator[int | None]:
-    """``flock`` on the file at ``path`` (created), shared or alone, held for the block: the one
-    lock primitive (the store's write lock, the tier's budget, its downloads and its catalog).
+    """The lock of the file at ``path`` (created; :func:`featbake.store.files.lock_taken`),
+    shared or alone, held for the block: the one lock of the store's write lock, the tier's
+    budget, its downloads and its catalog.
 
     ``wait`` None blocks until the lock is free; a number tries for that many seconds, then
     raises :class:`TimeoutError`. The kernel drops the lock when its holder dies. A filesystem

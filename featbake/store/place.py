@@ -18,6 +18,7 @@ fragments ask :func:`holds_shard` here, below :func:`featbake.store.open.place_o
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import stat
@@ -98,11 +99,14 @@ SWEPT_PREFIX = "swept-"
 class _Opened:
     """A leftover as the sweep opened it: ``fd`` the file or folder itself (weighed, its
     identity checked), ``lock`` the descriptor its maker locks (the file's own, open
-    read-write as a write lock needs; a folder's lock file), None where there is none."""
+    read-write as a write lock needs; a folder's lock file), None where there is none;
+    ``shared``: ``lock`` is open read-only (another user's file), so it is tried shared, which
+    a maker's lock refuses as well."""
 
     fd: int
     lock: int | None
     folder: bool
+    shared: bool = False
 
     def close(self) -> None:
         """Close both descriptors (letting go of a lock taken through ``lock``)."""
@@ -119,27 +123,27 @@ def _opened(path: Path) -> _Opened | None:
     except OSError:
         return None
     folder = stat.S_ISDIR(os.fstat(fd).st_mode)
-    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK
+    flags = os.O_NOFOLLOW | os.O_NONBLOCK
+    where, dir_fd = (FOLDER_LOCK, fd) if folder else (str(path), None)
     try:
-        if folder:
-            lock: int | None = os.open(FOLDER_LOCK, flags, dir_fd=fd)
-        else:
-            lock = os.open(path, flags)
+        return _Opened(fd, os.open(where, flags | os.O_RDWR, dir_fd=dir_fd), folder)
+    except PermissionError:  # not this user's to write: tried shared, read-only
+        with contextlib.suppress(OSError):
+            return _Opened(fd, os.open(where, flags | os.O_RDONLY, dir_fd=dir_fd), folder, True)
     except OSError:
-        lock = None
-    return _Opened(fd, lock, folder)
+        pass
+    return _Opened(fd, None, folder)
 
 
 def _lock_state(opened: _Opened) -> Taken:
     """Whether a live process holds the leftover ``opened`` (its lock taken now, without
     waiting, when not). A folder without a lock file holds none (its maker never locked it);
-    a file this process cannot open for writing (another user's) is counted as held: its lock
-    cannot be tried, and only a grace period would then decide, which the lock replaced."""
+    a file whose lock cannot be tried is counted as held."""
     if opened.lock is None:
         return Taken.NO_LOCKS if opened.folder else Taken.HELD
     if not opened.folder and not _same_file_fds(opened.fd, opened.lock):
         return Taken.HELD  # replaced between the two opens: weighed next time
-    return lock_taken(opened.lock)
+    return lock_taken(opened.lock, shared=opened.shared)
 
 
 def _same_file_fds(a: int, b: int) -> bool:

@@ -371,7 +371,7 @@ def sweep(leftovers: list[Held]) -> list[int]:
 def without_locks(monkeypatch: pytest.MonkeyPatch) -> None:
     """The sweep on a disk without locks (NFS without a lock daemon): it cannot tell a held
     scratch from a killed process's, and decides by the grace period alone."""
-    monkeypatch.setattr(place_mod, "lock_taken", lambda fd: Taken.NO_LOCKS, raising=False)
+    monkeypatch.setattr(place_mod, "lock_taken", lambda fd, **how: Taken.NO_LOCKS, raising=False)
 
 
 def test_a_merge_whose_work_folder_a_sweep_reaches_before_its_records_are_restored_keeps_every_root(
