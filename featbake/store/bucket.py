@@ -55,6 +55,7 @@ from featbake.store.place import (
     TierUsage,
     VerifyScope,
     held_folder,
+    held_now,
     removed_leftover,
 )
 from featbake.store.ranged import RangedShardReader, head_ahead
@@ -627,7 +628,7 @@ class BucketStore(ProcessLocalState):
     def leftovers(self) -> list[Held]:
         """What the tier's ``tmp/`` holds that gc's sweep weighs, of any age
         (:func:`tier_leftovers`)."""
-        return tier_leftovers(self.layout.tmp)
+        return [h for h in tier_leftovers(self.layout.tmp) if not held_now(h)]
 
     def _version_shards(self, version: int) -> set[str]:
         """The shard names catalog version ``version`` holds (the tier's copy when it is it)."""

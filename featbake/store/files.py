@@ -14,12 +14,17 @@ import fcntl
 import os
 import shutil
 import stat
+import struct
+import sys
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import BinaryIO
+
+from featbake.errors import StoreError
 
 
 def fsync_dir(path: Path) -> None:
@@ -133,36 +138,78 @@ def list_folder(folder: Path, pattern: str) -> FolderListing:
 
 # == held scratch ==================================================================================
 # What a live process makes in a store's (or a tier's) ``tmp/`` (a change's catalog copy, a
-# verify's scratch, a download, a ``.part`` being written) it holds with ``flock`` for as long as
-# it uses it: a folder by its own descriptor, a file by its own. gc's sweep takes a leftover only
-# once it took that lock itself, without waiting (``removed_leftover`` in store/place.py), and
-# keeps it locked while it removes it; the kernel drops a killed process's lock, so its leftover
-# goes with the next sweep past the grace period. A maker checks, once it holds the lock, that
-# the path is still the file or folder it locked (a sweep between its create and its lock took
-# it: it makes it again), so it never works in something a sweep is removing.
+# verify's scratch, a download, a ``.part`` being written) it holds locked for as long as it uses
+# it: a file by its own descriptor, a folder by a lock file inside it (:data:`FOLDER_LOCK`: a
+# folder's descriptor is read-only, and a write lock needs one open for writing). gc's sweep takes
+# a leftover only once it took that lock itself, without waiting (``removed_leftover`` in
+# store/place.py), and keeps it locked while it removes it; the kernel drops a killed process's
+# lock, so its leftover goes with the next sweep past the grace period. A maker checks, once it
+# holds the lock, that the path is still the file it locked (a sweep between its create and its
+# lock took it: it makes it again), so it never works in something a sweep is removing.
+#
+# The lock is Linux's open-file-description lock (``F_OFD_SETLK``), ``flock`` elsewhere: both
+# belong to the open file, not to the process, so a close of another descriptor of the same file
+# (``open(tmp, "wb")`` in the maker) never drops it. ``flock`` would not do on NFS: the client
+# emulates it with a process-owned whole-file POSIX lock, which any close drops and which refuses
+# a write lock on a read-only descriptor; it carries OFD locks as locks owned by the open file.
+# Every descriptor locked here is open for writing. A forked child (a fork-mode DataLoader
+# worker) closes this process's held descriptors (:func:`_close_held_in_child`): a child that
+# outlives a killed owner never keeps its leftover.
 #
 # Where the filesystem has no locks (see store/locks.py: NFS without a lock daemon, Lustre without
 # ``-o flock``), nothing is held, and the sweep decides by the grace period alone.
-#: ``flock`` errors that mean "no locks on this filesystem", not "someone holds the lock" (EBADF:
-#: NFS emulates ``flock`` with byte-range locks, which refuse an exclusive lock on a descriptor
-#: opened read-only, as a folder's is).
-NO_LOCKS = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.EBADF)
+#: Lock errors that mean "no locks on this filesystem", not "someone holds the lock": the one rule
+#: (store/locks.py's write lock and the tier's locks take theirs through :func:`lock_taken` too).
+NO_LOCKS = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP)
+
+#: The lock file inside a held folder (what the folder's maker and gc's sweep lock).
+FOLDER_LOCK = ".held"
 
 
 class Taken(Enum):
-    """What trying a file's lock without waiting found."""
+    """What trying a file's lock found."""
 
     TAKEN = "taken"  # this process holds it now
     HELD = "held"  # a live process holds it
     NO_LOCKS = "no-locks"  # the filesystem has none: nothing is held
 
 
-def lock_taken(fd: int, *, wait: bool = False) -> Taken:
-    """Take the exclusive ``flock`` of descriptor ``fd`` (waiting for it when ``wait``)."""
+#: Whether this platform has open-file-description locks (Linux 3.15+, 64-bit ``struct flock``).
+_OFD = hasattr(fcntl, "F_OFD_SETLK") and struct.calcsize("P") == 8 and sys.platform == "linux"
+
+
+def _ofd_lock(fd: int, *, shared: bool, wait: bool) -> None:
+    """An OFD lock of ``fd``'s first byte (``struct flock``: type, whence, start 0, length 1,
+    pid 0 as OFD locks require); raises as ``fcntl`` does. Not the whole file: SQLite takes
+    its own POSIX locks on a held catalog copy (at 1 GiB), which a whole-file lock would
+    refuse ("database is locked"); every holder and the sweep lock this same byte."""
+    kind = fcntl.F_RDLCK if shared else fcntl.F_WRLCK
+    packed = struct.pack("hhqqi4x", kind, os.SEEK_SET, 0, 1, 0)
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK, packed)
+
+
+def lock_call(fd: int, *, shared: bool, wait: bool) -> None:
+    """The kernel's lock call on ``fd``: an OFD lock where the platform has them (``flock``
+    where not, or where this kernel refuses the command: EINVAL); raises
+    :class:`BlockingIOError` (or EACCES) when held and not ``wait``."""
+    if _OFD:
+        try:
+            return _ofd_lock(fd, shared=shared, wait=wait)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+    op = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+    fcntl.flock(fd, op if wait else op | fcntl.LOCK_NB)
+
+
+def lock_taken(fd: int, *, wait: bool = False, shared: bool = False) -> Taken:
+    """Take the lock of descriptor ``fd`` (open for writing), alone or ``shared``, waiting for
+    it when ``wait``: the one lock primitive of the store (held scratch, the write lock, the
+    tier's locks)."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return Taken.HELD
+        lock_call(fd, shared=shared, wait=wait)
+    except (BlockingIOError, PermissionError):
+        return Taken.HELD  # EAGAIN, or EACCES as POSIX locks may say it
     except OSError as e:
         if e.errno in NO_LOCKS:
             return Taken.NO_LOCKS
@@ -179,26 +226,99 @@ def is_same_file(path: Path, fd: int) -> bool:
     return (st.st_ino, st.st_dev) == (held.st_ino, held.st_dev)
 
 
+def lock_file_of(path: Path, folder: bool) -> Path:
+    """The file whose lock holds ``path``: itself, or a ``folder``'s :data:`FOLDER_LOCK`."""
+    return path / FOLDER_LOCK if folder else path
+
+
 @dataclass(frozen=True)
 class Hold:
-    """A scratch file or folder this process made and holds (:func:`holding`)."""
+    """A scratch file or folder this process made and holds (:func:`holding`); ``fd`` is the
+    locked descriptor (the file's own, open read-write: write through it; a folder's lock
+    file's)."""
 
     path: Path
     fd: int
+    folder: bool = False
 
     def intact(self) -> bool:
         """Whether ``path`` is still what this process made (never swept and made again by
         another writer: decided by identity, not by a name being there)."""
-        return is_same_file(self.path, self.fd)
+        return is_same_file(lock_file_of(self.path, self.folder), self.fd)
+
+
+#: This process's live holds (path -> locked descriptor): a second hold of one path is refused
+#: (its two descriptors would wait on each other), and a forked child closes them all.
+_HELD: dict[Path, int] = {}
+_HELD_GUARD = threading.Lock()
+
+
+def _close_held_in_child() -> None:
+    """In a forked child: close the parent's held descriptors, so that the child never keeps a
+    killed parent's leftover from the sweep (the lock follows the open file), and forget them
+    (the child's copies of :func:`holding` blocks then leave the parent's files alone)."""
+    global _HELD_GUARD
+    _HELD_GUARD = threading.Lock()  # another thread may have held it at the fork
+    for fd in _HELD.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_held_in_child)
+
+
+def _registered(path: Path, fd: int) -> None:
+    """Note ``fd`` as this process's hold of ``path``; refuses a second hold of it."""
+    with _HELD_GUARD:
+        _refuse_second(path)
+        _HELD[path] = fd
+
+
+def _refuse_second(path: Path) -> None:
+    """Refuse a second hold of ``path`` in this process (the caller holds the guard)."""
+    if path in _HELD:
+        raise StoreError(
+            f"{path} is already held by this process; a scratch name is used once: make a new "
+            "one with a unique name"
+        )
+
+
+def _released(path: Path, fd: int) -> bool:
+    """Forget this process's hold of ``path`` by ``fd``; whether it was this process's (not
+    inherited by a fork: then its file is left to its owner)."""
+    with _HELD_GUARD:
+        if _HELD.get(path) != fd:
+            return False
+        del _HELD[path]
+        return True
 
 
 def _made(path: Path, folder: bool) -> int:
-    """Make ``path`` (a file, or a folder) if missing; its descriptor."""
+    """Make ``path`` (a file, or a folder with its lock file) if missing; the descriptor to
+    lock, open read-write (made as the umask allows, so a group's gc can lock it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     if folder:
         path.mkdir(exist_ok=True)
-        return os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    return os.open(lock_file_of(path, folder), os.O_RDWR | os.O_CREAT, 0o666)
+
+
+def _locked_made(path: Path, folder: bool) -> int:
+    """:func:`_made`, locked: made again while a sweep removed what it locked first."""
+    while True:
+        try:
+            fd = _made(path, folder)
+        except FileNotFoundError:
+            continue  # a sweep removed the folder between its making and its lock file's
+        try:
+            lock_taken(fd, wait=True)  # a sweep holding it is removing it: made again below
+            if is_same_file(lock_file_of(path, folder), fd):
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -209,27 +329,29 @@ def holding(path: Path, *, folder: bool = False) -> Iterator[Hold]:
 
     Raises:
         OSError: it cannot be made.
+        StoreError: this process holds ``path`` already (a name used twice).
     """
-    while True:
-        fd = _made(path, folder)
-        try:
-            lock_taken(fd, wait=True)  # a sweep holding it is removing it: made again below
-            ours = is_same_file(path, fd)
-        except BaseException:
-            os.close(fd)
-            raise
-        if ours:
-            break
-        os.close(fd)
+    with _HELD_GUARD:
+        _refuse_second(path)  # its lock would wait on this process's own for ever
+    fd = _locked_made(path, folder)
     try:
-        yield Hold(path, fd)
+        _registered(path, fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    try:
+        yield Hold(path, fd, folder)
     finally:
-        try:  # the name is this process's alone: what is there is its own (made again, say)
-            if folder:
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)  # gone where it was published (renamed)
-        except OSError:
-            pass
-        finally:
+        if _released(path, fd):  # a forked child's copy leaves the parent's file alone
+            _removed(path, folder)
             os.close(fd)
+
+
+def _removed(path: Path, folder: bool) -> None:
+    """Remove what is under ``path`` (the name is this process's alone: what is there is its
+    own, made again, say), a file gone where it was published (renamed) or not."""
+    with contextlib.suppress(OSError):
+        if folder:
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)

@@ -288,10 +288,9 @@ def write_fragment(
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
         extra = {"kind": kind.value, **done.meta()}
-        with holding(tmp):  # held while it is written: no gc's sweep takes it
+        with holding(tmp) as held:  # held while it is written: no gc's sweep takes it
             _fill(layout, tmp, info, extra, shards, items, hashes, uses)
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
+            os.fsync(held.fd)  # the held descriptor: no second open of the file to close
             os.replace(tmp, final)
         fsync_dir(final.parent)
     except BaseException as e:

@@ -1,24 +1,26 @@
 """The store's advisory write lock (writers share it, ``verify --repair`` takes it alone) over
-the one ``flock`` primitive, :func:`locked`, that the tier's locks use too."""
+:func:`locked`, the lock the tier's locks use too, taken by the store's one lock primitive
+(:func:`featbake.store.files.lock_taken`: an OFD lock where Linux has them, ``flock`` elsewhere;
+its errno rule for a filesystem without locks)."""
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from featbake.errors import StoreError
+from featbake.store.files import Taken, lock_taken
 from featbake.store.layout import Layout
 
 # A shard writer holds the lock *shared* while it seals a shard and commits its catalog rows; repair
 # holds it *exclusive* for its whole scan-and-fix. Repair therefore never sees a shard file whose
 # rows are about to be committed (and forgets them as "missing"), and a writer that seals while
-# repair runs waits until repair has finished. The lock is ``flock(2)`` on ``<store>/write.lock``:
-# the kernel drops it when its holder dies, so a killed build never leaves the store locked.
+# repair runs waits until repair has finished. The lock is ``files.lock_taken``'s (an OFD lock,
+# ``flock`` where the platform has none) on ``<store>/write.lock``: the kernel drops it when its
+# holder dies, so a killed build never leaves the store locked.
 #
 # On shared filesystems: Linux emulates ``flock`` on NFS (and on CIFS since 5.5) with byte-range
 # locks on the whole file, so it spans hosts where the server's locking works; Lustre mounted with
@@ -30,9 +32,6 @@ from featbake.store.layout import Layout
 # its content name, which is atomic on every one of these filesystems.
 #: How long repair waits for writers that are sealing a shard right now before it refuses.
 EXCLUSIVE_WAIT_S = 10.0
-
-#: ``flock`` errors that mean "no locks on this filesystem", not "someone holds the lock".
-_NO_LOCKS = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP)
 
 
 def lock_path(layout: Layout) -> Path:
@@ -52,8 +51,9 @@ def open_lock_file(path: Path) -> int | None:
 
 @contextlib.contextmanager
 def locked(path: Path, *, shared: bool = False, wait: float | None = None) -> Iterator[int | None]:
-    """``flock`` on the file at ``path`` (created), shared or alone, held for the block: the one
-    lock primitive (the store's write lock, the tier's budget, its downloads and its catalog).
+    """The lock of the file at ``path`` (created; :func:`featbake.store.files.lock_taken`),
+    shared or alone, held for the block: the one lock of the store's write lock, the tier's
+    budget, its downloads and its catalog.
 
     ``wait`` None blocks until the lock is free; a number tries for that many seconds, then
     raises :class:`TimeoutError`. The kernel drops the lock when its holder dies. A filesystem
@@ -64,20 +64,15 @@ def locked(path: Path, *, shared: bool = False, wait: float | None = None) -> It
     if fd is None:
         yield None
         return
-    op = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
     try:
         if wait is None:
-            _flock(fd, op)
+            lock_taken(fd, wait=True, shared=shared)
         else:
             deadline = time.monotonic() + wait
-            while True:
-                try:
-                    _flock(fd, op | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        raise TimeoutError(f"{path} is held by another process") from None
-                    time.sleep(0.05)
+            while lock_taken(fd, shared=shared) is Taken.HELD:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"{path} is held by another process") from None
+                time.sleep(0.05)
         yield fd
     finally:
         os.close(fd)  # closing the descriptor releases the lock
@@ -92,15 +87,6 @@ def shared_write_lock(layout: Layout) -> Iterator[None]:
     """
     with locked(lock_path(layout), shared=True):
         yield
-
-
-def _flock(fd: int, op: int) -> None:
-    """``flock(fd, op)``, or nothing where the filesystem has no locks (see the module doc)."""
-    try:
-        fcntl.flock(fd, op)
-    except OSError as e:
-        if e.errno not in _NO_LOCKS:
-            raise
 
 
 @contextlib.contextmanager

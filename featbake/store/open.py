@@ -36,6 +36,7 @@ from featbake.store.place import (
     TierUsage,
     VerifyScope,
     held_folder,
+    held_now,
     remote_place,
     removed_leftover,
     unnamed_past,
@@ -260,7 +261,7 @@ class LocalPlace:
         return Sweep(tuple(orphans), tuple(loose), (), young)
 
     def leftovers(self) -> list[Held]:
-        return tmp_leftovers(self.layout.tmp)
+        return [h for h in tmp_leftovers(self.layout.tmp) if not held_now(h)]
 
     def sweep(self, plan: Sweep, crash: Callable[[str], None]) -> Swept:
         """Unlink the plan's shard files (re-checked under the write lock: one indexed since

@@ -18,6 +18,7 @@ fragments ask :func:`holds_shard` here, below :func:`featbake.store.open.place_o
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import stat
@@ -28,7 +29,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Generic, NamedTuple, Protocol, TypeVar, runtime_checkable
 
-from featbake.store.files import Taken, is_same_file, lock_taken
+from featbake.store.files import FOLDER_LOCK, Taken, is_same_file, lock_taken
 from featbake.store.layout import Layout
 
 if TYPE_CHECKING:
@@ -94,13 +95,76 @@ def held_folder(folder: Path) -> Held | None:
 SWEPT_PREFIX = "swept-"
 
 
-def _opened(path: Path) -> int | None:
-    """A descriptor of the file or folder at ``path`` (a link not followed, a FIFO never waited
-    on); None where it went meanwhile."""
+@dataclass(frozen=True)
+class _Opened:
+    """A leftover as the sweep opened it: ``fd`` the file or folder itself (weighed, its
+    identity checked), ``lock`` the descriptor its maker locks (the file's own, open
+    read-write as a write lock needs; a folder's lock file), None where there is none;
+    ``shared``: ``lock`` is open read-only (another user's file), so it is tried shared, which
+    a maker's lock refuses as well."""
+
+    fd: int
+    lock: int | None
+    folder: bool
+    shared: bool = False
+
+    def close(self) -> None:
+        """Close both descriptors (letting go of a lock taken through ``lock``)."""
+        os.close(self.fd)
+        if self.lock is not None and self.lock != self.fd:
+            os.close(self.lock)
+
+
+def _opened(path: Path) -> _Opened | None:
+    """The file or folder at ``path`` opened (a link not followed, a FIFO never waited on);
+    None where it went meanwhile."""
     try:
-        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return None
+    folder = stat.S_ISDIR(os.fstat(fd).st_mode)
+    flags = os.O_NOFOLLOW | os.O_NONBLOCK
+    where, dir_fd = (FOLDER_LOCK, fd) if folder else (str(path), None)
+    try:
+        return _Opened(fd, os.open(where, flags | os.O_RDWR, dir_fd=dir_fd), folder)
+    except PermissionError:  # not this user's to write: tried shared, read-only
+        with contextlib.suppress(OSError):
+            return _Opened(fd, os.open(where, flags | os.O_RDONLY, dir_fd=dir_fd), folder, True)
+    except OSError:
+        pass
+    return _Opened(fd, None, folder)
+
+
+def _lock_state(opened: _Opened) -> Taken:
+    """Whether a live process holds the leftover ``opened`` (its lock taken now, without
+    waiting, when not). A folder without a lock file holds none (its maker never locked it);
+    a file whose lock cannot be tried is counted as held."""
+    if opened.lock is None:
+        return Taken.NO_LOCKS if opened.folder else Taken.HELD
+    if not opened.folder and not _same_file_fds(opened.fd, opened.lock):
+        return Taken.HELD  # replaced between the two opens: weighed next time
+    return lock_taken(opened.lock, shared=opened.shared)
+
+
+def _same_file_fds(a: int, b: int) -> bool:
+    """Whether descriptors ``a`` and ``b`` are open on one file."""
+    sa, sb = os.fstat(a), os.fstat(b)
+    return (sa.st_ino, sa.st_dev) == (sb.st_ino, sb.st_dev)
+
+
+def held_now(leftover: Held) -> bool:
+    """Whether a live process holds ``leftover`` now (its lock tried without waiting, as the
+    sweep does, and let go): what stats, verify's note and gc's plan leave out of the
+    leftovers, as the sweep keeps it."""
+    opened = _opened(Path(leftover.name))
+    if opened is None:
+        return False
+    try:
+        return _lock_state(opened) is Taken.HELD
+    except OSError:
+        return False
+    finally:
+        opened.close()
 
 
 def _weighed(path: Path, fd: int) -> Held | None:
@@ -114,26 +178,27 @@ def _weighed(path: Path, fd: int) -> Held | None:
 def removed_leftover(planned: Held) -> int | None:
     """Remove a ``tmp/`` leftover gc's sweep planned; the bytes freed, None where it was kept.
 
-    The sweep takes only what it can lock itself, without waiting (``flock`` on the file or
-    folder: :func:`featbake.store.files.holding`), and holds that lock while it weighs it again
-    and removes it: a live process holds what it uses for its whole life, so its scratch is
-    kept however old it looks, and one killed dropped its lock, so its leftover goes. Kept too:
+    The sweep takes only what it can lock itself, without waiting (the file's lock, or its
+    folder's lock file's: :func:`featbake.store.files.holding`), and holds that lock while it
+    weighs it again and removes it: a live process holds what it uses for its whole life, so its
+    scratch is kept however old it looks, and one killed dropped its lock, so its leftover goes.
+    Kept too:
     one changed since the plan (weighed again under the lock: a writer that holds no lock, a
     filesystem without locks), and one gone or taken by another gc meanwhile (not counted: only
     what this sweep removed is). A maker that was about to lock what the sweep removes finds it
     gone once it has the lock, and makes it again.
     """
     path = Path(planned.name)
-    fd = _opened(path)
-    if fd is None:
+    opened = _opened(path)
+    if opened is None:
         return None  # gone meanwhile (another gc took it)
     try:
-        if lock_taken(fd) is Taken.HELD or not is_same_file(path, fd):
+        if _lock_state(opened) is Taken.HELD or not is_same_file(path, opened.fd):
             return None  # a live process holds it, or another sweep took it
-        now = _weighed(path, fd)
+        now = _weighed(path, opened.fd)
         if now is None or now.modified > planned.modified:
             return None  # changed since the plan: in use
-        if stat.S_ISDIR(os.fstat(fd).st_mode):
+        if opened.folder:
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink()
@@ -141,7 +206,7 @@ def removed_leftover(planned: Held) -> int | None:
     except OSError:
         return None
     finally:
-        os.close(fd)
+        opened.close()
 
 
 @dataclass(frozen=True)

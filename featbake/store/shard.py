@@ -634,8 +634,8 @@ def write_shard(
     tmp = layout.tmp / f"{uuid.uuid4().hex}.part"
     try:
         # held while it is written: no gc's sweep takes it (store/files.py: holding)
-        with holding(tmp), digest_beside(bufs, size) as digest:
-            with open(tmp, "wb") as f:
+        with holding(tmp) as held, digest_beside(bufs, size) as digest:
+            with open(held.fd, "wb", closefd=False) as f:  # through the held descriptor
                 for buf in bufs:
                     f.write(buf)
                 f.flush()

@@ -14,7 +14,6 @@ readable to that reader (POSIX unlink), so eviction never breaks a read in fligh
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
@@ -22,7 +21,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from featbake.errors import ConfigError, StoreCorrupt, StoreError
-from featbake.store.files import fsync_dir, remove_file
+from featbake.store.files import Taken, fsync_dir, lock_taken, remove_file
 from featbake.store.layout import Layout, is_shard_name
 from featbake.store.locks import locked
 from featbake.store.shard import ShardReader, VerifyMode
@@ -402,13 +401,14 @@ def _locked_current(part: Path) -> Iterator[int]:
 def _abandoned(part: Path) -> bool:
     """True if no process holds ``part``'s lock: its download was killed."""
     try:
-        fd = os.open(part, os.O_RDONLY)
+        fd = os.open(part, os.O_RDWR)  # the store's lock (files.lock_taken) needs it writable
     except OSError:
         return False
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if lock_taken(fd) is not Taken.TAKEN:
+            return False  # held: a download in flight (or no locks: never judged abandoned)
     except OSError:
-        return False  # held: a download in flight
+        return False
     else:
         # Not held now; a .part younger than a second may be about to be locked by its maker.
         return time.time() - os.fstat(fd).st_mtime > 1.0

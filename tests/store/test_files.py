@@ -1,12 +1,24 @@
-"""store.files: publish_file replaces a file whole or not at all."""
+"""store.files: publish_file replaces a file whole or not at all; held scratch."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
 
-from featbake.store.files import publish_file
+import featbake.store.files as files
+from featbake.errors import StoreError
+from featbake.store.files import holding, publish_file
+from featbake.store.layout import Layout
+from featbake.store.open import LocalPlace
+from featbake.store.place import Held, held_folder, removed_leftover
 
 
 def test_publish_file_replaces_whole_or_not_at_all(tmp_path: Path) -> None:
@@ -22,3 +34,131 @@ def test_publish_file_replaces_whole_or_not_at_all(tmp_path: Path) -> None:
         publish_file(final, half_then_fail, tmp_dir=tmp_path / "tmp")
     assert final.read_text() == "old"  # never half a file
     assert not list((tmp_path / "tmp").iterdir())  # no temporary left behind
+
+
+# -- round nine, upkeep (corrections): held scratch on NFS, across a fork, held twice -------------
+# The Linux NFS client emulates ``flock`` with a process-owned whole-file POSIX lock (``lockf``):
+# these tests patch ``fcntl.flock`` so, in the maker and in the sweep, as the review did.
+
+
+def nfs_flock(fd: int, op: int) -> None:
+    """``flock`` as the Linux NFS client runs it: a POSIX lock of the whole file (EBADF for a
+    write lock on a read-only descriptor; dropped by any close of the file in the process)."""
+    fcntl.lockf(fd, op)
+
+
+#: A live process that holds scratch and waits for a line: ``file`` a publish_file whose write()
+#: opens and closes the .part itself (as every caller's does), ``folder`` a held folder; each
+#: made older than any grace period, so that only its lock keeps it. ``nfs``: under NFS's
+#: ``flock`` (:func:`nfs_flock`). ``fork``: it forks a
+#: child that lives on (a fork-mode DataLoader worker), and prints the child's pid.
+_MAKER = """
+import fcntl, os, sys
+from pathlib import Path
+import featbake.store.files as files
+if "nfs" in sys.argv:
+    files.fcntl.flock = lambda fd, op: fcntl.lockf(fd, op)
+kind, where = sys.argv[1], Path(sys.argv[2])
+def hold(tmp):
+    if kind == "file":
+        tmp.write_bytes(b"x" * 100)
+    os.utime(tmp, (0, 0))
+    child = os.fork() if "fork" in sys.argv else 1
+    if child == 0:
+        sys.stdin.readline()
+        os._exit(0)
+    print(tmp, child, flush=True)
+    sys.stdin.readline()
+if kind == "file":
+    files.publish_file(where / "final", hold, tmp_dir=where / "tmp")
+else:
+    with files.holding(where / "tmp" / "work-x", folder=True) as held:
+        hold(held.path)
+"""
+
+
+def held_elsewhere(
+    tmp_path: Path, kind: str, *extra: str
+) -> tuple[subprocess.Popen[str], Path, int]:
+    """A maker process holding scratch of ``kind``; its path, and its forked child's pid."""
+    maker = subprocess.Popen(
+        [sys.executable, "-c", _MAKER, kind, str(tmp_path), *extra],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    path, child = maker.stdout.readline().split()  # type: ignore[union-attr]
+    return maker, Path(path), int(child)
+
+
+@pytest.mark.parametrize("kind", ["file", "folder"])
+def test_a_live_process_scratch_is_kept_by_a_sweep_on_nfs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """Round nine, upkeep (corrects up9.9): under NFS's flock the sweep's read-only descriptor
+    got EBADF (read as "no locks") and publish_file's own open and close of its .part dropped
+    the maker's lock, so a live maker's scratch older than the grace period was removed. The
+    lock is an OFD lock now (owned by the open file, taken on descriptors open for writing; a
+    folder's through its lock file): the sweep keeps both."""
+    maker, path, _ = held_elsewhere(tmp_path, kind, "nfs")
+    try:
+        monkeypatch.setattr(files.fcntl, "flock", nfs_flock)
+        weighed = held_folder(path) if kind == "folder" else Held(str(path), 100, 0.0)
+        assert weighed is not None
+        assert removed_leftover(weighed) is None
+        assert path.exists()
+    finally:
+        maker.communicate("\n")
+
+
+def test_a_forked_child_does_not_keep_a_killed_owners_leftover(tmp_path: Path) -> None:
+    """Round nine, upkeep (corrects up9.9): a forked child (a fork-mode DataLoader worker)
+    inherited the held descriptor, so after its owner was killed the sweep kept the leftover
+    while the child lived. The child closes the parent's held descriptors at the fork."""
+    maker, path, child = held_elsewhere(tmp_path, "folder", "fork")
+    try:
+        maker.kill()
+        maker.wait()
+        weighed = held_folder(path)
+        assert weighed is not None
+        assert removed_leftover(weighed) is not None  # the child lives on: it holds nothing
+        assert not path.exists()
+    finally:
+        assert maker.stdin is not None
+        maker.stdin.close()  # the child reads its end: it exits
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_holding_one_path_twice_in_a_process_is_refused_not_waited_on(tmp_path: Path) -> None:
+    """Round nine, upkeep (corrects up9.9): a second hold of a path this process holds waited
+    on its own lock for ever (two descriptors conflict). It is refused in one line."""
+    path, outcome, done = tmp_path / "tmp" / "same.part", [], threading.Event()
+
+    def twice() -> None:
+        with holding(path):
+            try:
+                with holding(path):
+                    outcome.append("held twice")
+            except StoreError as e:
+                outcome.append(str(e))
+        done.set()
+
+    threading.Thread(target=twice, daemon=True).start()
+    assert done.wait(60), "the second hold waits on the first"
+    assert outcome[0].startswith(f"{path} is already held by this process")
+    assert "\n" not in outcome[0]
+    assert not path.exists()
+
+
+def test_a_place_lists_no_leftover_a_live_process_holds(tmp_path: Path) -> None:
+    """Round nine, upkeep (corrects up9.10): ``Place.leftovers`` (stats, verify's note, gc's
+    dry run) listed what a live process holds, which the sweep keeps. It leaves it out now;
+    a killed process's leftover is still listed."""
+    layout = Layout(tmp_path / "store").ensure()
+    place = LocalPlace(layout)
+    dead = layout.tmp / "dead.part"
+    dead.write_bytes(b"x" * 10)  # nothing holds it: a killed process's
+    with holding(layout.tmp / "live.part"), holding(layout.tmp / "work-y", folder=True):
+        assert [Path(h.name).name for h in place.leftovers()] == ["dead.part"]
+    assert [Path(h.name).name for h in place.leftovers()] == ["dead.part"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import threading
 import time
@@ -13,6 +12,7 @@ import pytest
 import torch
 
 from featbake.errors import StoreError
+from featbake.store import files
 from featbake.store.layout import Layout
 from featbake.store.locks import exclusive_write_lock, lock_path, shared_write_lock
 from featbake.store.shard import ShardWriter
@@ -61,10 +61,10 @@ def test_a_filesystem_without_flock_does_not_stop_writes(
     shards are still sealed there (the lock only keeps repair away from writers)."""
     layout = Layout(tmp_path / "store").ensure()
 
-    def no_locks(fd: int, op: int) -> None:
+    def no_locks(fd: int, **how: bool) -> None:
         raise OSError(err, os.strerror(err))
 
-    monkeypatch.setattr(fcntl, "flock", no_locks)
+    monkeypatch.setattr(files, "lock_call", no_locks)
     sealed = []
     with ShardWriter(layout, EFP, RFP, on_seal=sealed.append) as w:
         w.add("k" * 64, {"": torch.ones(4)})
@@ -76,9 +76,9 @@ def test_a_filesystem_without_flock_does_not_stop_writes(
 def test_other_flock_failures_are_not_hidden(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     layout = Layout(tmp_path / "store").ensure()
 
-    def broken(fd: int, op: int) -> None:
+    def broken(fd: int, **how: bool) -> None:
         raise OSError(errno.EIO, "I/O error")
 
-    monkeypatch.setattr(fcntl, "flock", broken)
+    monkeypatch.setattr(files, "lock_call", broken)
     with pytest.raises(OSError, match="I/O error"), shared_write_lock(layout):
         pass

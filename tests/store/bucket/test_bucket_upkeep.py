@@ -319,7 +319,7 @@ def test_a_merge_whose_catalog_copy_a_gc_sweep_took_says_so_in_one_line(
 
     def sweep_the_tier(step: str) -> None:
         if not swept:  # gc --grace 0s on this node, its sweep of the tier's tmp/
-            swept.extend(sweep(store.leftovers()))
+            swept.extend(sweep(tier_leftovers(store.layout.tmp)))
 
     with pytest.raises(StoreError, match="run it again") as e:
         merge_bucket(store, between=sweep_the_tier)
@@ -347,7 +347,7 @@ def test_a_verify_whose_scratch_a_gc_sweep_took_checks_every_shard_still(
 
     def sweep_then_download(self: BucketStore, name: str, dest: Path) -> None:
         if not swept:  # gc --grace 0s on this node, its sweep of the tier's tmp/
-            swept.extend(sweep(store.leftovers()))
+            swept.extend(sweep(tier_leftovers(store.layout.tmp)))
         download(self, name, dest)
 
     monkeypatch.setattr(BucketStore, "download_shard", sweep_then_download)
@@ -371,7 +371,7 @@ def sweep(leftovers: list[Held]) -> list[int]:
 def without_locks(monkeypatch: pytest.MonkeyPatch) -> None:
     """The sweep on a disk without locks (NFS without a lock daemon): it cannot tell a held
     scratch from a killed process's, and decides by the grace period alone."""
-    monkeypatch.setattr(place_mod, "lock_taken", lambda fd: Taken.NO_LOCKS, raising=False)
+    monkeypatch.setattr(place_mod, "lock_taken", lambda fd, **how: Taken.NO_LOCKS, raising=False)
 
 
 def test_a_merge_whose_work_folder_a_sweep_reaches_before_its_records_are_restored_keeps_every_root(
@@ -396,7 +396,7 @@ def test_a_merge_whose_work_folder_a_sweep_reaches_before_its_records_are_restor
 
     def swept_then_restored(work: Layout, records: dict[str, str]) -> None:
         if not tried:  # the sweep between the copy and its records
-            tried.append(sweep(store.leftovers()))
+            tried.append(sweep(tier_leftovers(store.layout.tmp)))
         restore(work, records)
 
     monkeypatch.setattr(bucket_mod, "restore_records", swept_then_restored)
@@ -426,7 +426,7 @@ def test_a_merge_whose_work_folder_is_swept_and_made_again_publishes_nothing(
 
     def swept_then_restored(work: Layout, records: dict[str, str]) -> None:
         if not swept:
-            swept.extend(sweep(store.leftovers()))
+            swept.extend(sweep(tier_leftovers(store.layout.tmp)))
         restore(work, records)  # makes tmp/work-* again
 
     monkeypatch.setattr(bucket_mod, "restore_records", swept_then_restored)
@@ -452,7 +452,7 @@ def test_a_merge_swept_while_it_makes_its_catalog_standalone_merges(
     ran: list[bool] = []
 
     def standalone_during_a_sweep(work: Layout) -> None:
-        (held,) = [h for h in store.leftovers() if "work-" in h.name]
+        (held,) = [h for h in tier_leftovers(store.layout.tmp) if "work-" in h.name]
         planned = held._replace(modified=held.modified - 1)  # planned before the merge wrote
 
         def weigh_after(folder: Path) -> Held | None:
@@ -488,7 +488,7 @@ def test_a_verify_whose_scratch_a_sweep_reaches_after_a_download_reports_no_dama
     def download_then_sweep(self: BucketStore, name: str, dest: Path) -> None:
         download(self, name, dest)
         if not tried:
-            tried.append(sweep(store.leftovers()))
+            tried.append(sweep(tier_leftovers(store.layout.tmp)))
 
     monkeypatch.setattr(BucketStore, "download_shard", download_then_sweep)
     report = verify(s3.url, local_cache=tier)
@@ -512,7 +512,7 @@ def test_a_verify_whose_scratch_copy_went_before_its_check_brings_it_in_again(
     def download_then_sweep(self: BucketStore, name: str, dest: Path) -> None:
         download(self, name, dest)
         if not swept:
-            swept.extend(sweep(store.leftovers()))
+            swept.extend(sweep(tier_leftovers(store.layout.tmp)))
 
     monkeypatch.setattr(BucketStore, "download_shard", download_then_sweep)
     report = verify(s3.url, local_cache=tier)
@@ -542,7 +542,7 @@ def test_a_verify_whose_scratch_a_sweep_reaches_during_a_download_reports_no_mis
         calls.append(name)
         if len(calls) != 2:
             return download(self, name, dest)
-        (held,) = [h for h in store.leftovers() if "verify-" in h.name]
+        (held,) = [h for h in tier_leftovers(store.layout.tmp) if "verify-" in h.name]
         planned = held._replace(modified=held.modified - 1)  # planned before this shard
         done: list[bool] = []
 

@@ -15,7 +15,7 @@ from featbake.errors import ConfigError, StoreCorrupt
 from featbake.store.features import ShardHandles
 from featbake.store.layout import Layout
 from featbake.store.shard import ShardReader, write_shard
-from featbake.store.tier import DiskTier
+from featbake.store.tier import DiskTier, tier_locked
 
 
 class Source:
@@ -132,6 +132,20 @@ def test_an_abandoned_download_is_cleared_from_the_budget(source: Source, tmp_pa
     os.utime(left, (old, old))
     source.fetch(tier, source.names[0])
     assert not left.exists()
+
+
+def test_a_download_in_flight_is_not_taken_for_abandoned(source: Source, tmp_path: Path) -> None:
+    """A ``.part`` a live download holds (the store's one lock primitive, an OFD lock on Linux)
+    is in flight however old it looks: the check that clears abandoned ones takes the same
+    lock (a ``flock`` there would not see an OFD lock), so it stays."""
+    tier = DiskTier(Layout(tmp_path / "tier"), budget=10 << 20)
+    tier.downloads.mkdir(parents=True)
+    held = tier.downloads / "deadbeef.part"
+    with tier_locked(held):
+        old = time.time() - 60
+        os.utime(held, (old, old))
+        source.fetch(tier, source.names[0])
+        assert held.exists()
 
 
 def test_trim_evicts_what_is_over_budget_but_spares_young_shards(
