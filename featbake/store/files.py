@@ -188,11 +188,26 @@ def _ofd_lock(fd: int, *, shared: bool, wait: bool) -> None:
     fcntl.fcntl(fd, fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK, packed)
 
 
-def lock_call(fd: int, *, shared: bool, wait: bool) -> None:
-    """The kernel's lock call on ``fd``: an OFD lock where the platform has them (``flock``
-    where not, or where this kernel refuses the command: EINVAL); raises
-    :class:`BlockingIOError` (or EACCES) when held and not ``wait``."""
-    if _OFD:
+class LockCall(Enum):
+    """Which kernel lock :func:`lock_taken` takes.
+
+    ``OFD`` for what a live process holds in ``tmp/`` (see above); ``FLOCK`` for the store's
+    named lock files (``write.lock``, ``claims.lock``, the tier's locks: store/locks.py), as
+    every featbake before took them. Linux's ``flock`` and OFD locks do not see each other on
+    a local disk, so a named lock taken any other way would not exclude a process of an earlier
+    featbake still running on the store (a build's writer beside a new ``verify --repair``);
+    held scratch is new, and no earlier featbake locks it.
+    """
+
+    OFD = "ofd"
+    FLOCK = "flock"
+
+
+def lock_call(fd: int, *, shared: bool, wait: bool, call: LockCall = LockCall.OFD) -> None:
+    """The kernel's lock ``call`` on ``fd``: an OFD lock where the platform has them
+    (``flock`` where not, or where this kernel refuses the command: EINVAL), or ``flock``;
+    raises :class:`BlockingIOError` (or EACCES) when held and not ``wait``."""
+    if _OFD and call is LockCall.OFD:
         try:
             return _ofd_lock(fd, shared=shared, wait=wait)
         except OSError as e:
@@ -202,12 +217,14 @@ def lock_call(fd: int, *, shared: bool, wait: bool) -> None:
     fcntl.flock(fd, op if wait else op | fcntl.LOCK_NB)
 
 
-def lock_taken(fd: int, *, wait: bool = False, shared: bool = False) -> Taken:
+def lock_taken(
+    fd: int, *, wait: bool = False, shared: bool = False, call: LockCall = LockCall.OFD
+) -> Taken:
     """Take the lock of descriptor ``fd`` (open for writing), alone or ``shared``, waiting for
     it when ``wait``: the one lock primitive of the store (held scratch, the write lock, the
-    tier's locks)."""
+    tier's locks; ``call``: :class:`LockCall`)."""
     try:
-        lock_call(fd, shared=shared, wait=wait)
+        lock_call(fd, shared=shared, wait=wait, call=call)
     except (BlockingIOError, PermissionError):
         return Taken.HELD  # EAGAIN, or EACCES as POSIX locks may say it
     except OSError as e:

@@ -1,7 +1,7 @@
 """The store's advisory write lock (writers share it, ``verify --repair`` takes it alone) over
 :func:`locked`, the lock the tier's locks use too, taken by the store's one lock primitive
-(:func:`featbake.store.files.lock_taken`: an OFD lock where Linux has them, ``flock`` elsewhere;
-its errno rule for a filesystem without locks)."""
+(:func:`featbake.store.files.lock_taken`, its errno rule for a filesystem without locks) as
+``flock``, as every featbake before took it (:class:`~featbake.store.files.LockCall`)."""
 
 from __future__ import annotations
 
@@ -12,15 +12,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from featbake.errors import StoreError
-from featbake.store.files import Taken, lock_taken
+from featbake.store.files import LockCall, Taken, lock_taken
 from featbake.store.layout import Layout
 
 # A shard writer holds the lock *shared* while it seals a shard and commits its catalog rows; repair
 # holds it *exclusive* for its whole scan-and-fix. Repair therefore never sees a shard file whose
 # rows are about to be committed (and forgets them as "missing"), and a writer that seals while
-# repair runs waits until repair has finished. The lock is ``files.lock_taken``'s (an OFD lock,
-# ``flock`` where the platform has none) on ``<store>/write.lock``: the kernel drops it when its
-# holder dies, so a killed build never leaves the store locked.
+# repair runs waits until repair has finished. The lock is ``flock`` (``files.lock_taken`` with
+# ``LockCall.FLOCK``: an earlier featbake's process still excludes) on ``<store>/write.lock``:
+# the kernel drops it when its holder dies, so a killed build never leaves the store locked.
 #
 # On shared filesystems: Linux emulates ``flock`` on NFS (and on CIFS since 5.5) with byte-range
 # locks on the whole file, so it spans hosts where the server's locking works; Lustre mounted with
@@ -66,10 +66,10 @@ def locked(path: Path, *, shared: bool = False, wait: float | None = None) -> It
         return
     try:
         if wait is None:
-            lock_taken(fd, wait=True, shared=shared)
+            lock_taken(fd, wait=True, shared=shared, call=LockCall.FLOCK)
         else:
             deadline = time.monotonic() + wait
-            while lock_taken(fd, shared=shared) is Taken.HELD:
+            while lock_taken(fd, shared=shared, call=LockCall.FLOCK) is Taken.HELD:
                 if time.monotonic() >= deadline:
                     raise TimeoutError(f"{path} is held by another process") from None
                 time.sleep(0.05)

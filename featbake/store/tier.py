@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from featbake.errors import ConfigError, StoreCorrupt, StoreError
-from featbake.store.files import Taken, fsync_dir, lock_taken, remove_file
+from featbake.store.files import LockCall, Taken, fsync_dir, lock_taken, remove_file
 from featbake.store.layout import Layout, is_shard_name
 from featbake.store.locks import locked
 from featbake.store.shard import ShardReader, VerifyMode
@@ -404,8 +404,8 @@ def _abandoned(part: Path) -> bool:
         fd = os.open(part, os.O_RDWR)  # the store's lock (files.lock_taken) needs it writable
     except OSError:
         return False
-    try:
-        if lock_taken(fd) is not Taken.TAKEN:
+    try:  # the lock its download holds it by (tier_locked: store/locks.py's, a flock)
+        if lock_taken(fd, call=LockCall.FLOCK) is not Taken.TAKEN:
             return False  # held: a download in flight (or no locks: never judged abandoned)
     except OSError:
         return False

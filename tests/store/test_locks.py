@@ -82,3 +82,24 @@ def test_other_flock_failures_are_not_hidden(tmp_path: Path, monkeypatch: pytest
     monkeypatch.setattr(files, "lock_call", broken)
     with pytest.raises(OSError, match="I/O error"), shared_write_lock(layout):
         pass
+
+
+def test_a_writer_of_an_earlier_featbake_still_keeps_repair_away(tmp_path: Path) -> None:
+    """The store's named locks stay ``flock``, as every featbake before took them: a writer of
+    an earlier featbake still running on the store (its shared ``flock`` on ``write.lock``)
+    keeps a new ``verify --repair`` away. On a local disk Linux's ``flock`` and OFD locks do
+    not see each other: with the write lock taken as an OFD lock, repair went ahead beside the
+    older writer and could forget the shard it was sealing."""
+    import fcntl
+
+    layout = Layout(tmp_path / "store").ensure()
+    fd = os.open(lock_path(layout), os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # an earlier featbake's writer sealing a shard
+        with pytest.raises(StoreError, match="is writing shards into"):
+            with exclusive_write_lock(layout, 0.1):
+                pass
+    finally:
+        os.close(fd)
+    with exclusive_write_lock(layout, 0.1):  # the writer gone: repair runs
+        pass
