@@ -96,9 +96,11 @@ def test_a_writer_of_an_earlier_featbake_still_keeps_repair_away(tmp_path: Path)
     fd = os.open(lock_path(layout), os.O_RDWR | os.O_CREAT, 0o666)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)  # an earlier featbake's writer sealing a shard
-        with pytest.raises(StoreError, match="is writing shards into"):
-            with exclusive_write_lock(layout, 0.1):
-                pass
+        with (
+            pytest.raises(StoreError, match="is writing shards into"),
+            exclusive_write_lock(layout, 0.1),
+        ):
+            pass
     finally:
         os.close(fd)
     with exclusive_write_lock(layout, 0.1):  # the writer gone: repair runs
