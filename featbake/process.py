@@ -66,12 +66,25 @@ def _after_fork_in_parent() -> None:
     _SLOTS_LOCK.release()
 
 
+#: What else a forked child must do at once, not on first use (:func:`in_forked_child`).
+_CHILD_HOOKS: list[Callable[[], None]] = []
+
+
+def in_forked_child(hook: Callable[[], None]) -> None:
+    """Run ``hook`` in every child forked from now on, right after the fork: through this
+    module's one fork hook, for state that must be let go before the child does anything (a
+    lock this process holds on a file, which a child that outlives it would keep)."""
+    _CHILD_HOOKS.append(hook)
+
+
 def _after_fork_in_child() -> None:
     global _pid
     _pid = os.getpid()
     INHERITED_ACROSS_FORK.extend(_AT_FORK)
     _AT_FORK.clear()
     _SLOTS_LOCK.release()
+    for hook in _CHILD_HOOKS:
+        hook()
 
 
 os.register_at_fork(

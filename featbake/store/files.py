@@ -16,7 +16,6 @@ import shutil
 import stat
 import struct
 import sys
-import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from featbake.errors import StoreError
+from featbake.process import fork_safe_lock, in_forked_child
 
 
 def fsync_dir(path: Path) -> None:
@@ -267,23 +267,20 @@ class Hold:
 #: This process's live holds (path -> locked descriptor): a second hold of one path is refused
 #: (its two descriptors would wait on each other), and a forked child closes them all.
 _HELD: dict[Path, int] = {}
-_HELD_GUARD = threading.Lock()
+_HELD_GUARD = fork_safe_lock()  # never copied into a child held by a thread it lacks
 
 
 def _close_held_in_child() -> None:
     """In a forked child: close the parent's held descriptors, so that the child never keeps a
     killed parent's leftover from the sweep (the lock follows the open file), and forget them
     (the child's copies of :func:`holding` blocks then leave the parent's files alone)."""
-    global _HELD_GUARD
-    _HELD_GUARD = threading.Lock()  # another thread may have held it at the fork
     for fd in _HELD.values():
         with contextlib.suppress(OSError):
             os.close(fd)
     _HELD.clear()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_close_held_in_child)
+in_forked_child(_close_held_in_child)
 
 
 def _registered(path: Path, fd: int) -> None:
