@@ -16,6 +16,7 @@ import importlib.machinery
 import os
 import pickle
 import sys
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,12 @@ def _load_export(path: Path) -> tuple[Any, str]:
 
 def _load_pickle(path: Path, trust_pickle: bool) -> tuple[Any, str]:
     try:
-        obj = torch.load(str(path), map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():
+            # A file whose second byte is an unusual pickle protocol (any junk may start so)
+            # makes torch warn on a line of its own, advising weights_only: the error below
+            # says what the file is in featbake's one line.
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            obj = torch.load(str(path), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         if "Unsupported global" not in str(e):  # torch's words for "this pickle names code"
             raise EncoderLoadError(

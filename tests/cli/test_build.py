@@ -9,6 +9,7 @@ import ast
 import io
 import json
 import os
+import random
 import re
 import signal
 import sqlite3
@@ -605,11 +606,17 @@ def test_names_and_errors_print_literally_without_emoji(tmp_path: Path, encoder_
 def test_encoder_files_and_modules_that_misbehave_get_their_own_line(
     tmp_path: Path, audio_dir: Path
 ) -> None:
+    # Junk, and junk whose first bytes read as a pickle of protocol 229 (one random file in 256
+    # starts so: torch then warned "Detected pickle protocol 229 ... weights_only" on a line of
+    # its own before featbake's).
     junk = tmp_path / "model.pt"
-    junk.write_bytes(os.urandom(4096))
-    res = run_cli("build", "-e", junk, "-d", audio_dir, "--cache", tmp_path / "c")
-    assert res.returncode == 4
-    assert "is not a TorchScript (.pt)" in res.stderr and "weights_only" not in res.stderr
+    for head in (b"", b"\x80\xe5"):
+        junk.write_bytes(head + random.Random(7).randbytes(4096))
+        res = run_cli("build", "-e", junk, "-d", audio_dir, "--cache", tmp_path / "c")
+        assert res.returncode == 4
+        said = res.stderr.strip()
+        assert "is not a TorchScript (.pt)" in said and "weights_only" not in said, said
+        assert len(said.splitlines()) == 1, said
     env = _env(tmp_path)
     (tmp_path / "pkgs" / "quits.py").write_text("import sys\ndef build():\n    sys.exit(3)\n")
     res = run_cli("build", "-e", "quits:build", "-d", audio_dir, "--cache", tmp_path / "c",
