@@ -62,6 +62,13 @@ def is_plain(value: Any) -> bool:
     return _primitive(value)
 
 
+def keyed_attribute(name: str) -> bool:
+    """Whether an attribute called ``name`` may enter a key (:func:`attribute_identity`, a
+    hook object's, the watch's reads): a public one but ``training`` (always eval here);
+    private ones are torch's own bookkeeping."""
+    return not name.startswith("_") and name != "training"
+
+
 def attribute_identity(module: Any) -> str:
     """SHA-256 of every submodule's plain attributes (numbers, strings, tuples of them).
 
@@ -73,7 +80,7 @@ def attribute_identity(module: Any) -> str:
     rows = []
     for name, sub in subs:
         for key, value in vars(sub).items():
-            if not key.startswith("_") and key != "training" and _primitive(value):
+            if keyed_attribute(key) and _primitive(value):
                 rows.append([name, key, repr(value)])
     return attribute_digest(rows)
 
@@ -171,11 +178,7 @@ def _public_attributes(obj: Any, runs: Any) -> list[tuple[str, Any]]:
         return []
     code = getattr(runs, "__code__", None)
     own = written_names(code, ATTRIBUTE_WRITES) if code is not None else frozenset()
-    return [
-        (k, v)
-        for k, v in sorted(attrs.items())
-        if not k.startswith("_") and k != "training" and k not in own
-    ]
+    return [(k, v) for k, v in sorted(attrs.items()) if keyed_attribute(k) and k not in own]
 
 
 def _plain_attributes(obj: Any, runs: Any) -> list[str]:

@@ -45,6 +45,7 @@ from featbake.encode.identity import (
     held_values,
     is_plain,
     is_torchs,
+    keyed_attribute,
     module_identity,
 )
 from featbake.encode.outputs import is_tuple_parts, join_outputs, name_outputs, stored_parts
@@ -285,7 +286,7 @@ def glance_plan(module: nn.Module) -> GlancePlan | None:
         if isinstance(sub, torch.jit.ScriptModule):
             return None
         attrs = vars(sub)
-        public = tuple(k for k in attrs if not k.startswith("_") and k != "training")
+        public = tuple(filter(keyed_attribute, attrs))
         listy = tuple(k for k in public if _edited_in_place(attrs[k]))
         pick = itemgetter(*public) if public else None
         looks.append(_Look(weakref.ref(sub), pick, len(public) > 1, listy, name, public))
@@ -580,7 +581,7 @@ def structure_read(module: nn.Module) -> Structure:
         if attrs.get("_forward_pre_hooks") or attrs.get("_forward_hooks"):
             _hook_rows(name, attrs, keyed, refs)
         for key, value in attrs.items():
-            if key.startswith("_") or key == "training":
+            if not keyed_attribute(key):
                 continue
             if is_plain(value):
                 plain.append([name, key, repr(value)])
