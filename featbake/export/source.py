@@ -39,6 +39,7 @@ from featbake.progress import GcProgress
 from featbake.store.catalog import Catalog, Location
 from featbake.store.features import ShardHandles
 from featbake.store.fidelity import QUANTISED
+from featbake.store.files import write_all
 from featbake.store.layout import Layout
 from featbake.store.open import StoreRef, open_catalog, resolve_root
 from featbake.store.roots import Root
@@ -740,22 +741,6 @@ class OutputFile:
 
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-
-
-def write_all(fd: int, chunks: Sequence[bytes | memoryview | np.ndarray]) -> None:
-    """Write ``chunks`` one after another to ``fd``: one ``writev``, and more where a write
-    comes back short (a signal, a full disk's last bytes)."""
-    views = [v for v in map(_bytes_of, chunks) if v.nbytes]
-    done = os.writev(fd, views[:_IOV_MAX]) if views else 0
-    while views:
-        if done >= views[0].nbytes:
-            done -= views.pop(0).nbytes
-            continue
-        views[0] = views[0][done:]
-        done = os.writev(fd, views[:_IOV_MAX])
-
-
-_IOV_MAX = 1024
 
 
 def _bytes_of(chunk: bytes | memoryview | np.ndarray) -> memoryview:

@@ -39,7 +39,6 @@ the rest is their I/O.
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import json
 import os
@@ -53,7 +52,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from featbake.errors import StoreError
-from featbake.store.files import publish_file, remove_file
+from featbake.store.files import publish_file, remove_file, write_all
 from featbake.store.layout import Layout
 from featbake.store.locks import locked
 
@@ -233,25 +232,10 @@ def log_claim(layout: Layout, name: str) -> None:
         # as for the claims themselves and gc's rewrite of this file (``keep_index``).
         fd = os.open(claims_index(layout), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
         try:
-            write_whole(fd, f"\n{name}\n".encode())
+            write_all(fd, [f"\n{name}\n".encode()])
             os.fsync(fd)
         finally:
             os.close(fd)
-
-
-def write_whole(fd: int, data: bytes) -> None:
-    """Write all of ``data`` at ``fd``: ``write(2)`` may write part of it and return the count
-    (a disk or quota filling up mid-write), so the rest is written on until it fails.
-
-    Raises:
-        OSError: a write failed (ENOSPC, EDQUOT, EIO), or wrote nothing.
-    """
-    view = memoryview(data)
-    while view:
-        n = os.write(fd, view)
-        if n <= 0:
-            raise OSError(errno.ENOSPC, "a write wrote nothing")
-        view = view[n:]
 
 
 def is_claim_name(name: str) -> bool:
@@ -493,7 +477,7 @@ class ClaimFile:
             self._lapsed = True
             raise self.lapsed_error() from None
         try:
-            write_whole(fd, lines.encode())
+            write_all(fd, [lines.encode()])
             os.fsync(fd)
         finally:
             os.close(fd)

@@ -17,7 +17,7 @@ import stat
 import struct
 import sys
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -82,6 +82,29 @@ def publish_file(
 
 #: The first bytes of a gzip stream, by which gzip (and lhotse, and featbake) tells one.
 GZIP_MAGIC = b"\x1f\x8b"
+
+
+def write_all(fd: int, views: Sequence[bytes | memoryview]) -> None:
+    """Write ``views`` one after another at ``fd``, all of them: one ``writev``, and more where
+    a write comes back short (a signal, a disk or quota filling up mid-write), so the rest is
+    written on until it fails.
+
+    Raises:
+        OSError: a write failed (ENOSPC, EDQUOT, EIO), or wrote nothing.
+    """
+    left = [m for m in (memoryview(v).cast("B") for v in views) if m.nbytes]
+    while left:
+        done = os.writev(fd, left[:IOV_MAX])
+        if done <= 0:
+            raise OSError(errno.ENOSPC, "a write wrote nothing")
+        while left and done >= left[0].nbytes:
+            done -= left.pop(0).nbytes
+        if done:
+            left[0] = left[0][done:]
+
+
+#: The most buffers one ``writev`` takes (Linux's ``UIO_MAXIOV``).
+IOV_MAX = 1024
 
 
 def gzip_compressed(f: BinaryIO) -> bool:

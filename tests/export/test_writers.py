@@ -192,6 +192,27 @@ def test_output_files_write_whole_through_short_writes_and_give_back_what_they_r
     assert stat.st_size == len(got) and stat.st_blocks * 512 < RESERVE_BYTES
 
 
+def test_an_output_file_whose_write_writes_nothing_fails_instead_of_spinning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``writev`` that comes back with 0 bytes written for a non-empty buffer would be
+    called again for ever. Before, an export's writer (its own copy of the write-on loop,
+    without the claims' guard) did so; now the one ``write_all`` of ``featbake/store/files.py``
+    fails with ENOSPC, which the export reports as a full disk."""
+    calls: list[int] = []
+
+    def writes_nothing(fd: int, bufs: list[memoryview]) -> int:
+        calls.append(len(bufs))
+        if len(calls) > 3:
+            raise AssertionError("writev called again after it wrote nothing")
+        return 0
+
+    monkeypatch.setattr(os, "writev", writes_nothing)
+    with OutputFile(tmp_path / "f.bin") as out, pytest.raises(OSError) as e:
+        out.write([b"head", np.arange(4, dtype=np.float32)])
+    assert e.value.errno == errno.ENOSPC and calls == [2]
+
+
 def test_an_output_file_is_written_whole_where_no_blocks_can_be_reserved(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

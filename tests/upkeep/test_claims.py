@@ -523,18 +523,19 @@ def test_a_claim_written_short_at_a_full_disk_is_no_claim(
     layout.root.mkdir()
     claim = ClaimFile(layout, "part 0/1")
     claim.cover(["a" * 64])
-    write = os.write
+    writev = os.writev
     written: list[int] = []
 
-    def filling_up(fd: int, data: bytes | memoryview) -> int:
+    def filling_up(fd: int, buffers: list[memoryview]) -> int:
         if written:
             raise OSError(28, "No space left on device")
-        written.append(write(fd, bytes(data)[: len(data) // 2]))
+        data = b"".join(buffers)
+        written.append(writev(fd, [data[: len(data) // 2]]))
         return written[-1]
 
     batch = [f"{i:064x}" for i in range(8)]
     with monkeypatch.context() as full, pytest.raises(StoreError) as e:
-        full.setattr(os, "write", filling_up)
+        full.setattr(os, "writev", filling_up)
         claim.cover(batch)
     assert "\n" not in str(e.value) and "No space left" in str(e.value)
     with pytest.raises(StoreError, match="could not be written"):
