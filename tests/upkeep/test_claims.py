@@ -673,3 +673,34 @@ def test_gc_max_bytes_keeps_what_a_claim_written_after_its_plan_covers(
             assert cat.present_keys(named) == set(named[:8])
     finally:
         claim.release()
+
+
+def test_claims_index_stays_short_however_many_claims_were_let_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``claims/index`` gained a line per claim and lost them only when a gc deleted rows (its
+    rewrite under ``claims.lock``): a store many parts and datasets claim in grew it without
+    bound, and gc then looked up every name under the lock (100,000 names: some 0.7 s). Now
+    the append that takes the index past a size (or a doubling of it) rewrites it without the
+    claims gone, so it stays short; claims still live keep their names, and gc on a host whose
+    listing of ``claims/`` is cached (cl9.2) still finds them."""
+    monkeypatch.setattr(claims, "INDEX_COMPACT_BYTES", 2048, raising=False)  # some 50 names
+    layout = Layout(tmp_path)
+    first = ClaimFile(layout, "part 0/2")
+    first.cover(["a" * 64])
+    later = ClaimFile(layout, "part 1/2")
+    for i in range(200):
+        if i == 100:
+            later.cover(["b" * 64])  # live from the middle on
+        gone = ClaimFile(layout, f"dataset {i}")
+        gone.cover(["c" * 64])
+        gone.release()
+    try:
+        index = claims.claims_index(layout)
+        assert index.stat().st_size < 2 * 2048  # 202 names were logged: 8,080 bytes
+        assert {first.path.name, later.path.name} <= claims.indexed_names(layout)
+        monkeypatch.setattr(Path, "iterdir", lambda self: iter(()))  # a cached, empty listing
+        assert claimed_keys(layout, drop_stale=True) == {"a" * 64, "b" * 64}
+    finally:
+        first.release()
+        later.release()
