@@ -271,7 +271,11 @@ def gc(
     max_bytes: Annotated[
         str | None,
         typer.Option(
-            help="Evict least-recently-used features until the shards fit, e.g. 200GiB.",
+            help=(
+                "Evict least-recently-used features until the shards fit, e.g. 200GiB. "
+                "Features a build still running reuses, or one not merged yet names, are "
+                "kept (they count toward the budget)."
+            ),
             show_default=False,
         ),
     ] = None,

@@ -39,7 +39,7 @@ from typing import Any, NamedTuple, Protocol
 from featbake.errors import ShardMissing, StoreCorrupt, StoreError
 from featbake.process import PerThread, ProcessLocalState
 from featbake.store.fidelity import Measured, fidelity_file, write_fidelity
-from featbake.store.files import fsync_dir, fsync_file, remove_file, temporary_path
+from featbake.store.files import fsync_dir, fsync_file, holding, remove_file, temporary_path
 from featbake.store.filesystem import detect, set_journal_mode
 from featbake.store.hash_cache import HashCacheRow, HashEntry, HashRow, trusted_entry
 from featbake.store.layout import Layout
@@ -431,41 +431,55 @@ def open_sqlite(
 
 def create_catalog_whole(path: Path, tmp_dir: Path, timeout: float) -> bool:
     """Make a new, empty catalog appear at ``path`` whole: its schema and journal mode written
-    to a file in ``tmp_dir`` (same filesystem) with no sync of SQLite's own, that file fsynced
-    once and linked at ``path``, and ``path``'s folder fsynced. True if this call made it.
+    to a file in a folder of ``tmp_dir`` (same filesystem) with no sync of SQLite's own, that
+    file fsynced once and linked at ``path``, and ``path``'s folder fsynced. True if this call
+    made it.
 
     SQLite made the file in place: the switch to WAL (a rollback-journal transaction) and the
     tables cost six syncs of four files before a build could begin (a new catalog took
     2.7-3.2 ms on a quiet disk, 17-65 ms on a shared one; issue 42 item 4); this costs two, and
     no reader, and no power cut, ever sees a half-made catalog. A link never replaces a file:
     where another process made the catalog first, its file stays and this one is dropped.
-    Where links are refused (some network and FUSE mounts), nothing is linked and SQLite makes
-    the file in place, as before.
+    Where links are refused (some network and FUSE mounts), nothing is linked and SQLite fills
+    an empty file made at ``path``, as before.
+
+    The folder is held while it is used (``holding``: a gc sweep of ``tmp/`` keeps it, and
+    removes it with the SQLite files beside the new one if this process is killed), and the
+    file is made by featbake as the umask allows (:func:`made_as_umask_allows`), so the
+    catalog and its ``-wal``/``-shm`` (SQLite gives them the catalog's mode) are a group's to
+    write in a store it shares.
     """
     tmp_dir.mkdir(parents=True, exist_ok=True)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temporary_path(path, tmp_dir)
-    try:
-        conn = open_sqlite(tmp, Access.READ_WRITE, timeout=timeout)
+    with holding(temporary_path(path, tmp_dir), folder=True) as held:
+        made = held.path / path.name
+        made_as_umask_allows(made)
+        conn = open_sqlite(made, Access.READ_WRITE, timeout=timeout)
         try:
             conn.execute("PRAGMA synchronous=OFF")  # the one fsync below makes it durable
             conn.execute(f"PRAGMA journal_mode={detect(path.parent).journal_mode}")
-            ensure_schema(conn, tmp, writable=True)
+            ensure_schema(conn, made, writable=True)
         finally:
             conn.close()  # in WAL mode the last close folds the WAL into the file
-        fsync_file(tmp)
+        fsync_file(made)
         try:
-            os.link(tmp, path)
+            os.link(made, path)
         except FileExistsError:
             return False  # another process made it first: that one is the catalog
         except OSError:
-            return False  # no hard links here: SQLite makes it in place
+            made_as_umask_allows(path)  # no hard links here: SQLite fills it in place
+            return False
         fsync_dir(path.parent)
         return True
-    finally:
-        for leftover in (tmp, *(Path(f"{tmp}{s}") for s in ("-wal", "-shm", "-journal"))):
-            with suppress(OSError):
-                leftover.unlink()
+
+
+def made_as_umask_allows(path: Path) -> None:
+    """Make an empty file at ``path`` (0o666 asked, so the umask decides: a store a group
+    shares, umask 002, gets a file every member may write), unless one is there. SQLite makes
+    a database 0o644 whatever the umask; it opens an empty file as an empty database, and
+    gives the ``-wal`` and ``-shm`` it makes beside it the database's mode."""
+    with suppress(FileExistsError):
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
 
 
 #: SQLite's primary result codes that say the catalog's disk refused a write: full, failing
@@ -1522,23 +1536,26 @@ def unlink_if_written_at(path: Path, written_at: float, tmp_dir: Path) -> int:
     """Remove the file at ``path`` if it is the one last written at ``written_at``; returns the
     bytes freed (0: gone already, or written again since, which stays).
 
-    The file is first renamed aside into ``tmp_dir`` (one atomic step takes whichever file is
-    there), then judged by its own mtime: a shard sealed again since (``os.replace`` of a fresh
-    file under the same content name) is put back, byte for byte what a writer sealed there,
-    so no writer's rename between the look and the unlink is ever lost.
+    The file is first renamed aside into a folder of ``tmp_dir`` this process holds
+    (``holding``: no gc sweep takes what is set aside there), one atomic step that takes
+    whichever file is there, then judged by its own mtime: a shard sealed again since
+    (``os.replace`` of a fresh file under the same content name) is put back, byte for byte
+    what a writer sealed there, so no writer's rename between the look and the unlink is ever
+    lost.
     """
-    aside = temporary_path(path, tmp_dir)
     tmp_dir.mkdir(parents=True, exist_ok=True)  # else the rename fails as if the file were gone
-    try:
-        os.rename(path, aside)
-    except FileNotFoundError:
-        return 0
-    st = os.stat(aside)
-    if st.st_mtime != written_at:
-        os.replace(aside, path)  # the same content name: the same bytes, whoever wrote last
-        return 0
-    os.unlink(aside)
-    return st.st_size
+    with holding(temporary_path(path, tmp_dir), folder=True) as held:
+        aside = held.path / path.name
+        try:
+            os.rename(path, aside)
+        except FileNotFoundError:
+            return 0
+        st = os.stat(aside)
+        if st.st_mtime != written_at:
+            os.replace(aside, path)  # the same content name: the same bytes, whoever wrote last
+            return 0
+        os.unlink(aside)
+        return st.st_size
 
 
 def _from_v2(r: Sequence) -> HashCacheRow:

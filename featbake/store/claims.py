@@ -18,7 +18,9 @@ keys appended), and looks up only then:
   as in the folder's listing: an NFS client serves a listing of ``claims/`` from its cache for
   up to ``acdirmax`` (60 s), so a gc on another host could miss a claim just written, while a
   file opened is revalidated (close-to-open consistency). The listing still finds claims
-  written by older versions; gc rewrites the index without the claims gone. A name is
+  written by older versions; gc rewrites the index without the claims gone, and so does the
+  append that takes it past :data:`INDEX_COMPACT_BYTES` or a doubling of it
+  (:func:`compact_index`), so it stays short however many claims come and go. A name is
   written on a line of its own (a newline before it: an append cut short never swallows the
   next name), and a claim made again after it was let go takes a new name (a host that found
   the old one gone may cache that);
@@ -227,15 +229,75 @@ def log_claim(layout: Layout, name: str) -> None:
         OSError: the append failed.
     """
     claims_dir(layout).mkdir(parents=True, exist_ok=True)
+    line = f"\n{name}\n".encode()
     with locked(index_lock(layout)):
         # Every process claiming appends here: the umask decides who else may (a group's store),
         # as for the claims themselves and gc's rewrite of this file (``keep_index``).
         fd = os.open(claims_index(layout), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
         try:
-            write_all(fd, [f"\n{name}\n".encode()])
+            before = os.fstat(fd).st_size
+            write_all(fd, [line])
             os.fsync(fd)
         finally:
             os.close(fd)
+        if compaction_due(before, before + len(line), INDEX_COMPACT_BYTES):
+            compact_index(layout)  # still under the index's lock: no append meanwhile
+
+
+#: ``claims/index`` is compacted (rewritten without the claims gone) by the append that takes
+#: it past this size, or past a doubling of it: some 1,600 names, so a gc between the rewrites
+#: that gc makes reads at most about twice as many plus the live ones.
+INDEX_COMPACT_BYTES = 64 * 1024
+
+
+def compaction_due(before: int, after: int, limit: int) -> bool:
+    """Whether an append taking the index from ``before`` to ``after`` bytes crossed ``limit``
+    or a doubling of it (``2 * limit``, ``4 * limit``, ...): an index mostly of live claims
+    is looked at again only once it has doubled, so the lookups stay amortized (pure).
+
+    Example:
+        >>> [compaction_due(b, b + 40, 64) for b in (0, 40, 80, 100, 180, 240)]
+        [False, True, False, True, False, True]
+    """
+    if after < limit:
+        return False
+    return before < limit or (after // limit).bit_length() > (before // limit).bit_length()
+
+
+def compact_index(layout: Layout) -> None:
+    """Rewrite the index without the names of claims gone (a claiming process, holding
+    ``claims.lock`` shared and the index's lock: no append meanwhile, and gc, which rewrites
+    it too, holds ``claims.lock`` alone). A name is dropped only where looking it up finds no
+    file: a name is indexed only once its claim is published and never used again
+    (:func:`new_claim_path`), so one gone is gone for good, and a cached listing is never
+    asked. Best effort, as :func:`keep_index`: an index left as it was is only longer."""
+    with contextlib.suppress(OSError):
+        names = indexed_names(layout)
+        live = {n for n in names if not claim_gone(claims_dir(layout) / n)}
+        if live != names:
+            rewrite_index(layout, live)
+
+
+def claim_gone(path: Path) -> bool:
+    """Whether the claim file at ``path`` is gone (a lookup says so; any other failure: not
+    known to be gone)."""
+    try:
+        os.lstat(path)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def rewrite_index(layout: Layout, names: set[str]) -> None:
+    """Publish the index naming ``names`` (whole: a reader sees the old one or this).
+
+    Raises:
+        OSError: the rewrite failed (the index is as it was).
+    """
+    text = "".join(f"{n}\n" for n in sorted(names))
+    publish_file(claims_index(layout), lambda p: p.write_text(text), tmp_dir=claims_dir(layout))
 
 
 def is_claim_name(name: str) -> bool:
@@ -361,9 +423,7 @@ def keep_index(layout: Layout, live: set[str]) -> None:
     only names claims gone, which are skipped."""
     with contextlib.suppress(OSError):
         if indexed_names(layout) - live:
-            text = "".join(f"{n}\n" for n in sorted(live))
-            publish_file(claims_index(layout), lambda p: p.write_text(text),
-                         tmp_dir=claims_dir(layout))  # fmt: skip
+            rewrite_index(layout, live)
 
 
 def drop_cut_writes(layout: Layout, now: float) -> None:

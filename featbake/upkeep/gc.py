@@ -35,6 +35,7 @@ import signal
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
+from collections.abc import Set as AbstractSet
 from contextlib import closing
 from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
@@ -97,7 +98,8 @@ class GcOptions:
 
     Attributes:
         older_than: drop roots neither built nor used for this many seconds.
-        max_bytes: evict least-recently-used features (across roots) until the shards fit.
+        max_bytes: evict least-recently-used features (across roots) until the shards fit,
+            passing over those builds not merged yet name (claims, sealed fragments).
         compact_below: rewrite a shard that holds garbage once its live share of bytes is under
             this fraction (0 never, 1 always).
         grace: leave shard files no row names, and ``tmp/`` files, alone until this old.
@@ -275,13 +277,14 @@ def plan_gc(
             uses = recorded_uses(layout)
             roots = [with_reads(catalog, r, uses) if r.last_used < stale else r for r in roots]
         drops = roots_to_drop(layout, roots, opts, now, set(drop))
-        unreached, reached = _reach(catalog, roots, {d.name for d in drops}, opts)
+        waiting = kept_for_builds(layout)  # what builds not merged yet name: kept, not evicted
+        unreached, reached = _reach(catalog, roots, {d.name for d in drops}, opts, waiting)
         shard_rows = catalog.shard_rows()
         for row in shard_rows:  # a damaged or planted name: refused before any step commits
             checked_shard_name(row.name)
         evict: list[FeatureRef] = []
         if opts.max_bytes is not None and reached is not None:
-            evict = evictions(reached, _shards_of(reached, shard_rows), opts.max_bytes)
+            evict = evictions(reached, _shards_of(reached, shard_rows), opts.max_bytes, waiting)
         fates = shard_fates(
             shard_rows,
             catalog.shard_usage(),
@@ -377,7 +380,7 @@ def _must_rewrite(opts: GcOptions, evict: list[FeatureRef], shard_rows: list[Sha
 
 
 def _reach(
-    catalog: Catalog, roots: list[Root], dropped: set[str], opts: GcOptions
+    catalog: Catalog, roots: list[Root], dropped: set[str], opts: GcOptions, waiting: set[str]
 ) -> tuple[list[FeatureRef], list[FeatureRef] | None]:
     """(rows no kept root reaches, rows kept roots reach); the latter only when needed.
 
@@ -386,9 +389,8 @@ def _reach(
     build, or found them stored and reused them, and its rerun or merge publishes the manifest
     naming them; a dataset on a shared filesystem publishes its root in a ``serve`` fragment.
     Rows of keys a live claim names count as reached too: a build part still running that
-    found them stored and reuses them (store/claims.py).
+    found them stored and reuses them (store/claims.py): ``waiting`` (:func:`kept_for_builds`).
     """
-    waiting = kept_for_builds(catalog.layout)
     unreached = [r for r in catalog.unreached_features() if r.key not in waiting]
     if not dropped and opts.max_bytes is None:
         return unreached, None
@@ -460,9 +462,14 @@ def _shards_of(reached: list[FeatureRef], shard_rows: list[ShardRow]) -> dict[in
 
 
 def evictions(
-    reached: list[FeatureRef], shards: dict[int, ShardRow], budget: int
+    reached: list[FeatureRef],
+    shards: dict[int, ShardRow],
+    budget: int,
+    kept: AbstractSet[str] = frozenset(),
 ) -> list[FeatureRef]:
-    """The least recently used features to evict so the kept ones fit in ``budget`` bytes.
+    """The least recently used features to evict so the kept ones fit in ``budget`` bytes,
+    passing over the keys in ``kept`` (what builds not merged yet name: :func:`kept_for_builds`;
+    they count against the budget, and may leave it exceeded).
 
     Each kept tensor costs its bytes plus its shard's header share per tensor (and a little slack
     for the longer offsets of a rewritten header); every shard that loses anything is rewritten,
@@ -477,7 +484,8 @@ def evictions(
     for ref in reached:
         by_key[ref.key].append(ref)
     total = sum(cost(r) for r in reached)
-    order = sorted(by_key, key=lambda k: (max(r.last_used for r in by_key[k]), k))
+    evictable = [k for k in by_key if k not in kept]
+    order = sorted(evictable, key=lambda k: (max(r.last_used for r in by_key[k]), k))
     out: list[FeatureRef] = []
     for key in order:
         if total <= budget:
@@ -677,17 +685,19 @@ def _drop_roots(catalog: Catalog, plan: GcPlan, work: Layout, tick: Tick) -> GcR
 
 
 def _delete_rows(catalog: Catalog, plan: GcPlan, tick: Tick) -> GcResult:
-    """Step 2: rows no kept root reaches (re-checked in the DELETE, and against the fragments
-    sealed and the claims written since the plan), then evicted rows."""
+    """Step 2: rows no kept root reaches (re-checked in the DELETE), then evicted rows; both
+    re-checked against the fragments sealed and the claims written since the plan (a build
+    not merged yet names them: an evicted one would be a root's feature gone once merged)."""
     if not (plan.unreached or plan.evict):
         return GcResult()
-    # No claim is written from this last look at them until the DELETE has committed: a build
-    # part claiming a key meanwhile looks it up after the commit and finds it gone.
+    # No claim is written from this last look at them until the DELETEs have committed: a
+    # build part claiming a key meanwhile looks it up after the commit and finds it gone.
     with claims_closed(plan.layout):
-        waiting = _still_waiting(plan) if plan.unreached else set()
+        waiting = _still_waiting(plan)
         unreached = [r for r in plan.unreached if r.key not in waiting]
         rows = catalog.delete_features(unreached, only_unreached=True)
-    rows += catalog.delete_features(plan.evict, only_unreached=False)
+        evict = [r for r in plan.evict if r.key not in waiting]
+        rows += catalog.delete_features(evict, only_unreached=False)
     tick("rows", rows, len(plan.unreached) + len(plan.evict))
     crash_point("rows-deleted")
     return GcResult(rows_deleted=rows)

@@ -934,3 +934,99 @@ def test_publishing_a_new_root_fsyncs_its_folder_once(
     stale.write_text('["b.wav","' + "j" * 64 + '"]\n')
     cat.replace_root(spec, [("a.wav", "k" * 64)])
     assert synced.count(roots) == 2 and not stale.exists()
+
+
+# == round ten: upkeep ============================================================================
+def _sweep_tmp(layout: Layout) -> int:
+    """What gc ``--grace 0s`` does to ``tmp/`` now: every leftover no live process holds is
+    removed; the bytes freed."""
+    from featbake.store.open import place_of
+    from featbake.store.place import removed_leftover
+
+    freed = [removed_leftover(h) for h in place_of(layout).leftovers()]
+    return sum(n for n in freed if n is not None)
+
+
+@pytest.mark.parametrize("linked", [True, False], ids=["linked", "made-in-place"])
+def test_a_new_catalog_and_its_wal_files_are_made_as_the_umask_allows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, linked: bool
+) -> None:
+    """In a store a group shares (umask 002) every member's process writes the catalog. Before,
+    SQLite made ``catalog.sqlite`` 0o644 whatever the umask (its default), and its ``-wal`` and
+    ``-shm`` copy that mode, so another member opened the store read-only, while the lock files
+    and ``claims/index`` follow the umask (cl9.9). Now featbake makes the file itself (0o666
+    asked) before SQLite opens it, made whole and linked or, where links are refused, in place."""
+    import featbake.store.catalog as catalog_mod
+
+    if not linked:
+
+        def refused(src: Any, dst: Any) -> None:
+            raise PermissionError(1, "Operation not permitted")
+
+        monkeypatch.setattr(catalog_mod.os, "link", refused)
+    layout = Layout(tmp_path / "store").ensure()
+    before = os.umask(0o002)
+    try:
+        with Catalog(layout) as cat:
+            cat.record_encoder(EFP, "enc", "torchscript")
+            files = [layout.catalog, *(Path(f"{layout.catalog}{s}") for s in ("-wal", "-shm"))]
+            modes = {p.name: oct(p.stat().st_mode & 0o777) for p in files}
+    finally:
+        os.umask(before)
+    assert modes == {p.name: "0o664" for p in files}
+    assert list(layout.tmp.iterdir()) == []
+
+
+def test_a_new_catalog_a_sweep_reaches_before_it_is_linked_is_made_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new catalog is written in ``tmp/`` and linked at its name; a gc sweep with
+    ``--grace 0s`` (another process's store opened first) reaching it between its schema and
+    its link took the file from under the maker: the open failed with a raw
+    ``FileNotFoundError``. Now the maker holds it (``holding``), so the sweep keeps it."""
+    import featbake.store.catalog as catalog_mod
+
+    layout = Layout(tmp_path / "store").ensure()
+    real_fsync = catalog_mod.fsync_file
+    swept: list[int] = []
+
+    def sweep_then_fsync(path: Path) -> None:
+        swept.append(_sweep_tmp(layout))  # the maker stopped between its schema and its link
+        real_fsync(path)
+
+    monkeypatch.setattr(catalog_mod, "fsync_file", sweep_then_fsync)
+    with Catalog(layout) as cat:
+        cat.record_encoder(EFP, "enc", "torchscript")
+    assert swept == [0]
+    assert list(layout.tmp.iterdir()) == []
+    with Catalog(layout, read_only=True) as cat:
+        assert [r.fp for r in cat.encoder_rows()] == [EFP]
+
+
+def test_a_shard_sealed_again_that_a_sweep_reaches_while_set_aside_is_put_back(
+    layout: Layout, cat: Catalog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gc removes an unnamed shard by renaming it aside into ``tmp/``, then judging it by its
+    mtime: one sealed again since the plan (a part's rerun, a fragment about to name it) is put
+    back. A second gc's sweep with ``--grace 0s`` reaching the shard set aside took it: the
+    rerun's shard was lost, and the first gc failed with a raw ``FileNotFoundError``. Now the
+    shard is set aside in a folder gc holds, so the sweep keeps it and it is put back."""
+    import featbake.store.catalog as catalog_mod
+
+    shard = write_shard(layout, {"k" * 64: torch.ones(3)}, EFP, RFP)
+    path = layout.shard_path(shard.name)
+    planned_at = path.stat().st_mtime - 10.0  # the write gc planned on; this one is later
+    real_rename = catalog_mod.os.rename
+    swept: list[int] = []
+
+    def rename_then_sweep(src: Any, dst: Any) -> None:
+        real_rename(src, dst)
+        if Path(src) == path:
+            swept.append(_sweep_tmp(layout))  # the first gc stopped with the shard set aside
+
+    monkeypatch.setattr(catalog_mod.os, "rename", rename_then_sweep)
+    assert cat.unlink_shard_file(shard.name, planned_at) == 0
+    assert swept == [0]
+    with ShardReader(path, verify="always") as reader:
+        assert reader.read("k" * 64).equal(torch.ones(3))
+    assert list(layout.tmp.iterdir()) == []

@@ -616,3 +616,92 @@ def test_a_root_held_after_the_seals_claim_check_by_a_failed_cover_is_not_sealed
     roots = merge(layout).roots
     status = verify(store).status
     assert (roots, status) == ([], "clean"), (roots, status)  # before: a root of 16 gone features
+
+
+# == round ten: upkeep ===========================================================================
+def test_gc_max_bytes_passes_over_what_a_build_part_still_running_reused(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store built whole, then built again in two parts: part 0/2 finds its features stored
+    and reuses them, and is held just before it seals its ``done`` fragment (its claim covering
+    them, nothing sealed naming them) while ``gc --max-bytes`` runs with a budget every feature
+    exceeds. Before, eviction ignored claims: it deleted the rows part 0 reused, part 0 sealed,
+    reporting them reused, and the merge published the root with them gone (the build's work
+    lost, and no one told). Now eviction passes over features a live claim covers, as the
+    DELETE of unreached rows does, and the build's root is whole once it is merged."""
+    store = tmp_path / "store"
+    first = bake(audio_dir, encoder_file, store)
+    sealing = FragmentCatalog.finish
+    evicted: list[int] = []
+
+    def gc_then_finish(self: FragmentCatalog) -> str | None:
+        if self.part is not None and self.part.rank == 0 and not evicted:
+            budget = GcOptions(grace=0.0, retention=0.0, max_bytes=1)
+            evicted.append(execute_gc(plan_gc(store, budget)).rows_deleted)
+        return sealing(self)
+
+    monkeypatch.setattr(FragmentCatalog, "finish", gc_then_finish)
+    part0 = build(audio_dir, encoder_file, cache=store, workers=0, shard="0/2")
+    assert part0.encoded == 0 and part0.reused > 0  # it relied on what was stored
+    assert evicted == [16 - part0.reused]  # only what no live claim covers went
+    monkeypatch.setattr(FragmentCatalog, "finish", sealing)
+    part1 = build(audio_dir, encoder_file, cache=store, workers=0, shard="1/2")
+    assert part1.encoded == 16 - part0.reused  # evicted: encoded again
+
+    assert read_claims(Layout(store)) == []
+    assert merge(Layout(store)).roots == [first.root]
+    with Catalog(Layout(store), read_only=True) as cat:
+        assert cat.missing_per_root().get(first.root, 0) == 0
+    assert assert_serves(store, first.root, audio_dir, encoder_file, Live()) == 16
+    assert verify(store).status == "clean"
+
+
+def test_gc_max_bytes_keeps_what_a_claim_written_after_its_plan_covers(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    """The same between gc's plan and its DELETE: a build part that claims 8 of the planned
+    evictions then (its lookups to follow) keeps them; the others go."""
+    store = tmp_path / "store"
+    first = bake(audio_dir, encoder_file, store)
+    named = sorted({k for _, k in manifest(store, first.root)})
+    plan = plan_gc(store, GcOptions(grace=0.0, retention=0.0, max_bytes=1))
+    assert len({r.key for r in plan.evict}) == 16
+    claim = ClaimFile(Layout(store), "part 0/2")
+    claim.cover(named[:8])
+    try:
+        assert execute_gc(plan).rows_deleted == 8
+        with Catalog(Layout(store), read_only=True) as cat:
+            assert cat.present_keys(named) == set(named[:8])
+    finally:
+        claim.release()
+
+
+def test_claims_index_stays_short_however_many_claims_were_let_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``claims/index`` gained a line per claim and lost them only when a gc deleted rows (its
+    rewrite under ``claims.lock``): a store many parts and datasets claim in grew it without
+    bound, and gc then looked up every name under the lock (100,000 names: some 0.7 s). Now
+    the append that takes the index past a size (or a doubling of it) rewrites it without the
+    claims gone, so it stays short; claims still live keep their names, and gc on a host whose
+    listing of ``claims/`` is cached (cl9.2) still finds them."""
+    monkeypatch.setattr(claims, "INDEX_COMPACT_BYTES", 2048, raising=False)  # some 50 names
+    layout = Layout(tmp_path)
+    first = ClaimFile(layout, "part 0/2")
+    first.cover(["a" * 64])
+    later = ClaimFile(layout, "part 1/2")
+    for i in range(200):
+        if i == 100:
+            later.cover(["b" * 64])  # live from the middle on
+        gone = ClaimFile(layout, f"dataset {i}")
+        gone.cover(["c" * 64])
+        gone.release()
+    try:
+        index = claims.claims_index(layout)
+        assert index.stat().st_size < 2 * 2048  # 202 names were logged: 8,080 bytes
+        assert {first.path.name, later.path.name} <= claims.indexed_names(layout)
+        monkeypatch.setattr(Path, "iterdir", lambda self: iter(()))  # a cached, empty listing
+        assert claimed_keys(layout, drop_stale=True) == {"a" * 64, "b" * 64}
+    finally:
+        first.release()
+        later.release()
