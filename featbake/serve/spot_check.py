@@ -268,6 +268,7 @@ class _Run:
     recipe: Recipe
     fps: tuple[str, str]
     source: Any
+    encoding: Recipe  # the recipe the encoder runs under: float32 outputs (see unrounded)
 
     def check(self, picks: Sequence[int]) -> list[ItemCheck]:
         """The verdicts of items ``picks``: missing ones read nothing and encode nothing."""
@@ -289,7 +290,7 @@ class _Run:
                 out[i] = ItemCheck(self.index.rel(i), keys[i], Verdict.UNREADABLE, detail=str(e))
         order = list(decoded)
         enc = self.live.for_this_process()
-        encoded = encode_inputs(enc, [decoded[i] for i in order], self.recipe) if order else []
+        encoded = encode_inputs(enc, [decoded[i] for i in order], self.encoding) if order else []
         for i, parts in zip(order, encoded, strict=True):
             out[i] = self._verdict(i, keys[i], located[keys[i]], parts)
         return [out[i] for i in picks]
@@ -323,7 +324,7 @@ class _Run:
                 x = decode_items(self.source, self.index, [i], self.reader.catalog, self.fps)
             except FeatbakeError:
                 continue
-            first, second = (encode_inputs(enc, x, self.recipe)[0] for _ in range(2))
+            first, second = (encode_inputs(enc, x, self.encoding)[0] for _ in range(2))
             if any(_differ(first[p], second[p], self.recipe) for p in first):
                 return (
                     f"the encoder {self.live.label} is nondeterministic: two runs of the same "
@@ -425,7 +426,14 @@ def _prepared(
     index = build_index(os.fspath(data), spec, catalog, publish=False, new_root=False,
                         column=column)  # fmt: skip
     fps = (live.fingerprint, recipe_fp)
-    return _Run(index, live, reader, recipe, fps, miss_source(index, source))
+    return _Run(index, live, reader, recipe, fps, miss_source(index, source), unrounded(recipe))
+
+
+def unrounded(recipe: Recipe) -> Recipe:
+    """``recipe`` encoding in float32: the encoder's own output, which the stored feature is
+    compared with (a float16 recipe's live path rounds to float16 first, and would compare
+    float16 with float16: a tolerance fitted to float16 must see what rounding did)."""
+    return recipe if recipe.scheme is not None else recipe.replace(dtype="float32")
 
 
 __all__ = [
