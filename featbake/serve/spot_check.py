@@ -44,6 +44,7 @@ from featbake.serve.misses import (
     decode_items,
     encode_inputs,
     miss_source,
+    recipe_differences,
     stored_builds,
     training_submodule,
 )
@@ -217,7 +218,9 @@ def compare(
 
 
 # == the check =====================================================================================
-def _root_of(catalog: Catalog, layout: Layout, data: str, name: str, live: LiveEncoder) -> None:
+def _root_of(
+    catalog: Catalog, layout: Layout, data: str, name: str, live: LiveEncoder, recipe: Recipe
+) -> None:
     """Raise unless the store holds root ``name`` of ``data``, built by this encoder.
 
     Raises:
@@ -241,6 +244,11 @@ def _root_of(catalog: Catalog, layout: Layout, data: str, name: str, live: LiveE
         if builds
         else "it holds no root of this data"
     )
+    same = [b for b in builds if b.encoder_label == live.label]  # newest first
+    if same:  # this encoder, other options: name them
+        held += "; with this encoder: " + "; ".join(
+            recipe_differences(recipe.as_dict(), same[0].recipe)
+        )
     raise CacheMiss(
         f"no root of {data} for encoder {live.label} with these options in {where} ({held}): "
         "nothing to spot-check; pass the --encoder, --data and recipe options the build was "
@@ -420,7 +428,8 @@ def _prepared(
     source = source_for(recipe)
     recipe_fp = recipe.fingerprint()
     where = inputs_at(data, column, recipe.source).where
-    _root_of(catalog, live.layout, where, root_id(where, live.label, recipe_fp, column), live)
+    name = root_id(where, live.label, recipe_fp, column)
+    _root_of(catalog, live.layout, where, name, live, recipe)
     spec = IndexSpec(live.fingerprint, live.label, recipe_fp, recipe.as_dict(),
                      tuple(source.extensions))  # fmt: skip
     index = build_index(os.fspath(data), spec, catalog, publish=False, new_root=False,
