@@ -11,13 +11,16 @@ import hashlib
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 from torch.export import Dim
 
+from featbake.encode.encoders import EXACT_TOLERANCE
 from featbake.recipe import Recipe
 from featbake.serve.spot_check import (
     SPOT_CHECK_MISMATCH,
+    STORAGE_ERROR,
     SpotCheckReport,
     Verdict,
     spot_check,
@@ -159,16 +162,20 @@ def test_a_store_built_with_another_encoder_is_no_such_root_in_one_line(
     assert _store_state(store_dir) == before
 
 
-def test_float16_storage_passes_within_its_tolerance(
-    encoder_file: Path, audio_dir: Path, store_dir: Path
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_a_rounded_stored_dtype_passes_within_its_tolerance(
+    dtype: str, encoder_file: Path, audio_dir: Path, store_dir: Path
 ) -> None:
-    _build(encoder_file, audio_dir, store_dir, "--dtype", "float16")
-    report = spot_check(audio_dir, encoder_file, cache=store_dir, recipe=Recipe(dtype="float16"))
-    assert (report.checked, report.mismatched, report.dtype) == (16, 0, "float16")
-    errors = [c.max_abs_error for c in report.checks]
-    assert max(errors) > 0  # float16 rounding shows, and stays inside the tolerance
+    _build(encoder_file, audio_dir, store_dir, "--dtype", dtype)
+    report = spot_check(audio_dir, encoder_file, cache=store_dir, recipe=Recipe(dtype=dtype))
+    assert (report.checked, report.mismatched, report.dtype) == (16, 0, dtype)
     assert all(c.max_abs_error <= c.tolerance for c in report.checks)
-    r = _verify(encoder_file, audio_dir, store_dir, "--dtype", "float16")
+    # The rounding shows: past what float32 storage would be allowed (the fp32 share of each
+    # tolerance), so the tolerance is the stored dtype's, and float32's would fail the store.
+    fp32 = EXACT_TOLERANCE["fp32"].relative
+    share = fp32 / (fp32 + STORAGE_ERROR[dtype])
+    assert any(c.max_abs_error > c.tolerance * share for c in report.checks)
+    r = _verify(encoder_file, audio_dir, store_dir, "--dtype", dtype)
     assert r.returncode == 0, r.stderr + r.stdout
 
 
