@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from featbake.encode.encoders import EXACT_TOLERANCE
+from featbake.encode.encoders import EXACT_TOLERANCE, LoadedEncoder
 from featbake.encode.hf import recipe_for_encoder
 from featbake.encode.inputs import inputs_at
 from featbake.encode.sources import source_for
@@ -277,6 +277,13 @@ class _Run:
     fps: tuple[str, str]
     source: Any
     encoding: Recipe  # the recipe the encoder runs under: float32 outputs (see unrounded)
+    loaded: LoadedEncoder | None = None  # loaded once, at the first item encoded
+
+    def encoder(self) -> LoadedEncoder:
+        """The encoder, loaded on first use as a dataset's miss loads it (then kept)."""
+        if self.loaded is None:
+            self.loaded = self.live.for_this_process()
+        return self.loaded
 
     def check(self, picks: Sequence[int]) -> list[ItemCheck]:
         """The verdicts of items ``picks``: missing ones read nothing and encode nothing."""
@@ -297,7 +304,7 @@ class _Run:
             except FeatbakeError as e:
                 out[i] = ItemCheck(self.index.rel(i), keys[i], Verdict.UNREADABLE, detail=str(e))
         order = list(decoded)
-        enc = self.live.for_this_process()
+        enc = self.encoder()
         encoded = encode_inputs(enc, [decoded[i] for i in order], self.encoding) if order else []
         for i, parts in zip(order, encoded, strict=True):
             out[i] = self._verdict(i, keys[i], located[keys[i]], parts)
@@ -319,7 +326,7 @@ class _Run:
         """One line when the encoder explains mismatches by itself: a module left in train mode
         (a torch.export file keeps the mode it was exported in), or two runs of one input that
         differ beyond the fp32 tolerance (dropout, a nondeterministic op); else None."""
-        enc = self.live.for_this_process()
+        enc = self.encoder()
         training = training_submodule(enc.module)
         if training is not None:
             return (
