@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -28,6 +29,222 @@ from featbake.cli.app import (
 from featbake.errors import BuildIncomplete, ConfigError
 from featbake.gcpause import end_startup
 from featbake.units import format_bytes, parse_bytes
+
+if TYPE_CHECKING:
+    from featbake.recipe import Recipe
+
+
+# == recipe options ================================================================================
+# The options that name a build's root and decide its features (the recipe, the encoder, the
+# data): `featbake build` takes them, and `featbake verify --encoder` takes the same ones, parsed
+# by the same :func:`recipe_of`, so a spot check names the root the build wrote.
+#: ``--encoder``, as build takes it (required) and verify (to spot-check the store against).
+ENCODER_OPTION = typer.Option(
+    "--encoder",
+    "-e",
+    help="TorchScript (.pt), torch.export (.pt2) file, Hugging Face model folder, or "
+    "import path pkg.module:factory.",
+)
+EncoderOpt = Annotated[str, ENCODER_OPTION]
+#: ``--data``, as build takes it (required) and verify.
+DATA_OPTION = typer.Option(
+    "--data",
+    "-d",
+    help="Folder of inputs (scanned recursively), or a bucket prefix s3://bucket/audio/ "
+    "(objects listed and read from S3; credentials and endpoint from the AWS_* "
+    "environment), or a manifest (train.jsonl, .csv, .tsv, a NeMo .json, each also "
+    ".gz: a row per item, optional id and start/end, start/duration or "
+    "offset/duration seconds), a Kaldi data folder (wav.scp [+ segments]) or a lhotse "
+    "cut manifest (cuts.jsonl.gz or cuts.jsonl), webdataset shards (a .tar, a folder "
+    "of them, 'shard-{000..009}.tar'), or parquet / a datasets.save_to_disk folder.",
+)
+DataOpt = Annotated[str, DATA_OPTION]
+ColumnOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="The manifest column that names each item's input file (default: path), "
+        "e.g. --column audio_filepath; a tar sample's member (--column jpg) or a table's "
+        "Audio/Image/bytes column (--column audio) to encode.",
+        show_default=False,
+    ),
+]
+WeightsOpt = Annotated[
+    Path | None, typer.Option(help="safetensors weights for an import-path encoder.")
+]
+SourceOpt = Annotated[
+    str,
+    typer.Option(
+        help="Input kind: audio, npy, image (JPEG, PNG, WebP, BMP, TIFF) or text (UTF-8 "
+        ".txt files, tokenised by the model folder's tokenizer); a Hugging Face vision "
+        "folder implies image, a text folder (a tokenizer, no preprocessor) text."
+    ),
+]
+SampleRateOpt = Annotated[int, typer.Option(help="Resample audio to this rate (Hz).")]
+MonoOpt = Annotated[bool, typer.Option(help="Mix audio to one channel (--no-mono keeps [C, T]).")]
+MaxSecondsOpt = Annotated[
+    float | None, typer.Option(help="Crop audio to its first N seconds.", show_default=False)
+]
+OutputOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Store only this encoder output (dict key or tuple index).", show_default=False
+    ),
+]
+DtypeOpt = Annotated[
+    str,
+    typer.Option(
+        help="Stored dtype: float32, float16, bfloat16, or int8 / fp8 (a scale per frame, "
+        "~25% of float32's bytes; served dequantised), e.g. --dtype int8."
+    ),
+]
+PrecisionOpt = Annotated[
+    str, typer.Option(help="Run the encoder in fp32, or under autocast in bf16 or fp16.")
+]
+LayerOpt = Annotated[
+    int | None,
+    typer.Option(help="Store this hidden layer (Hugging Face folders).", show_default=False),
+]
+LayersOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Store these hidden layers, e.g. 0,6,12 or all; each is its own part (layer6).",
+        show_default=False,
+    ),
+]
+ResizeOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Images: resize the shortest edge (256), to an exact size (224x224) or not "
+        "(none); at most 8192 a side. [default: the folder's processor, else 256]",
+        show_default=False,
+    ),
+]
+CropOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Images: centre crop after the resize, e.g. 224 or 224x160, or none. "
+        "[default: the folder's processor, else 224]",
+        show_default=False,
+    ),
+]
+InterpolationOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Images: resampling filter, e.g. bicubic (nearest, bilinear, bicubic, lanczos, "
+        "box, hamming). [default: the folder's processor, else bilinear]",
+        show_default=False,
+    ),
+]
+AntialiasOpt = Annotated[
+    bool | None,
+    typer.Option(
+        help="Images: antialias when shrinking (Pillow); --no-antialias resamples as torch "
+        "interpolate(antialias=False). [default: antialias]",
+        show_default=False,
+    ),
+]
+RescaleOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Images: multiply pixels by this, e.g. 1/255, or none. [default: 1/255]",
+        show_default=False,
+    ),
+]
+MeanOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Images: normalisation mean per channel, e.g. 0.485,0.456,0.406, or none. "
+        "[default: the folder's processor, else ImageNet's]",
+        show_default=False,
+    ),
+]
+StdOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Images: normalisation std per channel, e.g. 0.229,0.224,0.225, or none.",
+        show_default=False,
+    ),
+]
+ImageModeOpt = Annotated[
+    str | None,
+    typer.Option(help="Images: colour mode, rgb or grey. [default: rgb]", show_default=False),
+]
+ExifOpt = Annotated[
+    bool | None,
+    typer.Option(
+        help="Images: apply the EXIF orientation tag (--no-exif: pixels as stored). "
+        "[default: exif]",
+        show_default=False,
+    ),
+]
+MaxTokensOpt = Annotated[
+    int | None,
+    typer.Option(
+        help="Text: tokens per text at most, special tokens included. [default: the "
+        "tokenizer's and model's limit, e.g. 512 for BERT, 77 for CLIP]",
+        show_default=False,
+    ),
+]
+TruncateOpt = Annotated[
+    bool | None,
+    typer.Option(
+        help="Text: cut a longer text to --max-tokens (--no-truncate: skip it as a bad "
+        "input). [default: truncate]",
+        show_default=False,
+    ),
+]
+LowercaseOpt = Annotated[
+    bool | None,
+    typer.Option(
+        help="Text: lowercase each text before the tokenizer. [default: no-lowercase]",
+        show_default=False,
+    ),
+]
+SpecialTokensOpt = Annotated[
+    bool | None,
+    typer.Option(
+        help="Text: add the tokenizer's special tokens ([CLS] ... [SEP], </s>). "
+        "[default: special-tokens]",
+        show_default=False,
+    ),
+]
+TrustPickleOpt = Annotated[
+    bool,
+    typer.Option(help="Allow a pickled whole-module checkpoint (loading it runs its code)."),
+]
+DeviceOpt = Annotated[str, typer.Option(help="Where the encoder runs: cpu, cuda, cuda:N.")]
+
+
+def recipe_of(params: Mapping[str, Any], encoder: str) -> Recipe:
+    """The recipe the recipe options in ``params`` (a command's parsed options, by parameter
+    name) ask of ``encoder``: the one parser of `featbake build` and `featbake verify`.
+
+    Raises:
+        ConfigError: both --layer and --layers, or an option the recipe refuses.
+    """
+    from featbake.encode.hf import TEXT_OPTIONS, image_steps_for, text_steps_for
+    from featbake.encode.outputs import parse_layers
+    from featbake.image_recipe import IMAGE_OPTIONS, parse_image_options
+    from featbake.recipe import Recipe
+
+    layer, layers = params["layer"], params["layers"]
+    if layer is not None and layers is not None:
+        raise ConfigError("give --layer or --layers, not both")
+    chosen = (layer,) if layer is not None else parse_layers(layers) if layers else None
+    # The image options by name from the parsed command line (nine keywords, one per option).
+    image_changes = parse_image_options(**{k: params[k] for k in IMAGE_OPTIONS})
+    return Recipe(
+        source=params["source"],
+        sample_rate=params["sample_rate"],
+        mono=params["mono"],
+        max_seconds=params["max_seconds"],
+        output=params["output"],
+        dtype=params["dtype"],
+        precision=params["precision"],
+        layers=chosen,
+        image=image_steps_for(encoder, params["source"], image_changes),
+        text=text_steps_for(encoder, {k: params[k] for k in TEXT_OPTIONS}),
+    )
 
 
 @app.command(
@@ -64,72 +281,19 @@ from featbake.units import format_bytes, parse_bytes
 )
 def build(
     ctx: typer.Context,
-    encoder: Annotated[
-        str,
-        typer.Option(
-            "--encoder",
-            "-e",
-            help="TorchScript (.pt), torch.export (.pt2) file, Hugging Face model folder, or "
-            "import path pkg.module:factory.",
-        ),
-    ],
-    data: Annotated[
-        str,
-        typer.Option(
-            "--data",
-            "-d",
-            help="Folder of inputs (scanned recursively), or a bucket prefix s3://bucket/audio/ "
-            "(objects listed and read from S3; credentials and endpoint from the AWS_* "
-            "environment), or a manifest (train.jsonl, .csv, .tsv, a NeMo .json, each also "
-            ".gz: a row per item, optional id and start/end, start/duration or "
-            "offset/duration seconds), a Kaldi data folder (wav.scp [+ segments]) or a lhotse "
-            "cut manifest (cuts.jsonl.gz or cuts.jsonl), webdataset shards (a .tar, a folder "
-            "of them, 'shard-{000..009}.tar'), or parquet / a datasets.save_to_disk folder.",
-        ),
-    ],
-    column: Annotated[
-        str | None,
-        typer.Option(
-            help="The manifest column that names each item's input file (default: path), "
-            "e.g. --column audio_filepath; a tar sample's member (--column jpg) or a table's "
-            "Audio/Image/bytes column (--column audio) to encode.",
-            show_default=False,
-        ),
-    ] = None,
+    encoder: EncoderOpt,
+    data: DataOpt,
+    column: ColumnOpt = None,
     cache: CacheOpt = None,
     local_cache: LocalCacheOpt = None,
     local_cache_size: LocalCacheSizeOpt = None,
-    weights: Annotated[
-        Path | None, typer.Option(help="safetensors weights for an import-path encoder.")
-    ] = None,
-    source: Annotated[
-        str,
-        typer.Option(
-            help="Input kind: audio, npy, image (JPEG, PNG, WebP, BMP, TIFF) or text (UTF-8 "
-            ".txt files, tokenised by the model folder's tokenizer); a Hugging Face vision "
-            "folder implies image, a text folder (a tokenizer, no preprocessor) text."
-        ),
-    ] = "audio",
-    sample_rate: Annotated[int, typer.Option(help="Resample audio to this rate (Hz).")] = 16000,
-    mono: Annotated[
-        bool, typer.Option(help="Mix audio to one channel (--no-mono keeps [C, T]).")
-    ] = True,
-    max_seconds: Annotated[
-        float | None, typer.Option(help="Crop audio to its first N seconds.", show_default=False)
-    ] = None,
-    output: Annotated[
-        str | None,
-        typer.Option(
-            help="Store only this encoder output (dict key or tuple index).", show_default=False
-        ),
-    ] = None,
-    dtype: Annotated[
-        str,
-        typer.Option(
-            help="Stored dtype: float32, float16, bfloat16, or int8 / fp8 (a scale per frame, "
-            "~25% of float32's bytes; served dequantised), e.g. --dtype int8."
-        ),
-    ] = "float32",
+    weights: WeightsOpt = None,
+    source: SourceOpt = "audio",
+    sample_rate: SampleRateOpt = 16000,
+    mono: MonoOpt = True,
+    max_seconds: MaxSecondsOpt = None,
+    output: OutputOpt = None,
+    dtype: DtypeOpt = "float32",
     max_error: Annotated[
         float,
         typer.Option(
@@ -152,86 +316,18 @@ def build(
             help="Audio per padded batch, padding included [default: 160].", show_default=False
         ),
     ] = None,
-    precision: Annotated[
-        str, typer.Option(help="Run the encoder in fp32, or under autocast in bf16 or fp16.")
-    ] = "fp32",
-    layer: Annotated[
-        int | None,
-        typer.Option(help="Store this hidden layer (Hugging Face folders).", show_default=False),
-    ] = None,
-    layers: Annotated[
-        str | None,
-        typer.Option(
-            help="Store these hidden layers, e.g. 0,6,12 or all; each is its own part (layer6).",
-            show_default=False,
-        ),
-    ] = None,
-    resize: Annotated[
-        str | None,
-        typer.Option(
-            help="Images: resize the shortest edge (256), to an exact size (224x224) or not "
-            "(none); at most 8192 a side. [default: the folder's processor, else 256]",
-            show_default=False,
-        ),
-    ] = None,
-    crop: Annotated[
-        str | None,
-        typer.Option(
-            help="Images: centre crop after the resize, e.g. 224 or 224x160, or none. "
-            "[default: the folder's processor, else 224]",
-            show_default=False,
-        ),
-    ] = None,
-    interpolation: Annotated[
-        str | None,
-        typer.Option(
-            help="Images: resampling filter, e.g. bicubic (nearest, bilinear, bicubic, lanczos, "
-            "box, hamming). [default: the folder's processor, else bilinear]",
-            show_default=False,
-        ),
-    ] = None,
-    antialias: Annotated[
-        bool | None,
-        typer.Option(
-            help="Images: antialias when shrinking (Pillow); --no-antialias resamples as torch "
-            "interpolate(antialias=False). [default: antialias]",
-            show_default=False,
-        ),
-    ] = None,
-    rescale: Annotated[
-        str | None,
-        typer.Option(
-            help="Images: multiply pixels by this, e.g. 1/255, or none. [default: 1/255]",
-            show_default=False,
-        ),
-    ] = None,
-    mean: Annotated[
-        str | None,
-        typer.Option(
-            help="Images: normalisation mean per channel, e.g. 0.485,0.456,0.406, or none. "
-            "[default: the folder's processor, else ImageNet's]",
-            show_default=False,
-        ),
-    ] = None,
-    std: Annotated[
-        str | None,
-        typer.Option(
-            help="Images: normalisation std per channel, e.g. 0.229,0.224,0.225, or none.",
-            show_default=False,
-        ),
-    ] = None,
-    image_mode: Annotated[
-        str | None,
-        typer.Option(help="Images: colour mode, rgb or grey. [default: rgb]", show_default=False),
-    ] = None,
-    exif: Annotated[
-        bool | None,
-        typer.Option(
-            help="Images: apply the EXIF orientation tag (--no-exif: pixels as stored). "
-            "[default: exif]",
-            show_default=False,
-        ),
-    ] = None,
+    precision: PrecisionOpt = "fp32",
+    layer: LayerOpt = None,
+    layers: LayersOpt = None,
+    resize: ResizeOpt = None,
+    crop: CropOpt = None,
+    interpolation: InterpolationOpt = None,
+    antialias: AntialiasOpt = None,
+    rescale: RescaleOpt = None,
+    mean: MeanOpt = None,
+    std: StdOpt = None,
+    image_mode: ImageModeOpt = None,
+    exif: ExifOpt = None,
     views: Annotated[
         str | None,
         typer.Option(
@@ -240,37 +336,10 @@ def build(
             show_default=False,
         ),
     ] = None,
-    max_tokens: Annotated[
-        int | None,
-        typer.Option(
-            help="Text: tokens per text at most, special tokens included. [default: the "
-            "tokenizer's and model's limit, e.g. 512 for BERT, 77 for CLIP]",
-            show_default=False,
-        ),
-    ] = None,
-    truncate: Annotated[
-        bool | None,
-        typer.Option(
-            help="Text: cut a longer text to --max-tokens (--no-truncate: skip it as a bad "
-            "input). [default: truncate]",
-            show_default=False,
-        ),
-    ] = None,
-    lowercase: Annotated[
-        bool | None,
-        typer.Option(
-            help="Text: lowercase each text before the tokenizer. [default: no-lowercase]",
-            show_default=False,
-        ),
-    ] = None,
-    special_tokens: Annotated[
-        bool | None,
-        typer.Option(
-            help="Text: add the tokenizer's special tokens ([CLS] ... [SEP], </s>). "
-            "[default: special-tokens]",
-            show_default=False,
-        ),
-    ] = None,
+    max_tokens: MaxTokensOpt = None,
+    truncate: TruncateOpt = None,
+    lowercase: LowercaseOpt = None,
+    special_tokens: SpecialTokensOpt = None,
     workers: Annotated[
         int | None,
         typer.Option(
@@ -290,7 +359,7 @@ def build(
             show_default=False,
         ),
     ] = None,
-    device: Annotated[str, typer.Option(help="Where the encoder runs: cpu, cuda, cuda:N.")] = "cpu",
+    device: DeviceOpt = "cpu",
     shard_size: Annotated[str, typer.Option(help="Target shard size, e.g. 256MiB.")] = "256MiB",
     seal_every: Annotated[
         float, typer.Option(help="Seal the shard being filled every N s: SIGKILL loses no more.")
@@ -298,10 +367,7 @@ def build(
     strict: Annotated[
         bool, typer.Option(help="Stop at the first bad input instead of skipping it.")
     ] = False,
-    trust_pickle: Annotated[
-        bool,
-        typer.Option(help="Allow a pickled whole-module checkpoint (loading it runs its code)."),
-    ] = False,
+    trust_pickle: TrustPickleOpt = False,
     allow_nonfinite: Annotated[
         bool,
         typer.Option(help="Store features that hold NaN or infinite values (default: refuse)."),
@@ -347,33 +413,13 @@ def build(
     note_inert_options(ctx, cache)
     from featbake.bake.batching import Batching
     from featbake.bake.views import build_views
-    from featbake.encode.hf import TEXT_OPTIONS, image_steps_for, text_steps_for
-    from featbake.encode.outputs import parse_layers
-    from featbake.image_recipe import IMAGE_OPTIONS, parse_image_options, parse_views
-    from featbake.recipe import Recipe
+    from featbake.image_recipe import parse_views
     from featbake.store.open import open_store
 
     end_startup()  # torch and the build's modules are imported: the collector resumes
-    if layer is not None and layers is not None:
-        raise ConfigError("give --layer or --layers, not both")
     if batching not in set(Batching):
         raise ConfigError(f"--batching must be auto, padded or exact, got {batching!r}")
-    chosen = (layer,) if layer is not None else parse_layers(layers) if layers else None
-    # The image options by name from the parsed command line (nine keywords, one per option).
-    image_changes = parse_image_options(**{k: ctx.params[k] for k in IMAGE_OPTIONS})
-
-    recipe = Recipe(
-        source=source,
-        sample_rate=sample_rate,
-        mono=mono,
-        max_seconds=max_seconds,
-        output=output,
-        dtype=dtype,
-        precision=precision,
-        layers=chosen,
-        image=image_steps_for(encoder, source, image_changes),
-        text=text_steps_for(encoder, {k: ctx.params[k] for k in TEXT_OPTIONS}),
-    )
+    recipe = recipe_of(ctx.params, encoder)
     ray, workers, device = _ray_engine(engine, workers, gpus_per_worker, ray_address, device)
     bar = progress_bar()
     # Under torchrun only rank 0 draws a bar (it shows its own part), not N bars interleaved.

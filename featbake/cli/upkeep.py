@@ -24,6 +24,37 @@ from featbake.cli.app import (
     progress_bar,
     tick_bar,
 )
+from featbake.cli.build import (
+    DATA_OPTION,
+    ENCODER_OPTION,
+    AntialiasOpt,
+    ColumnOpt,
+    CropOpt,
+    DeviceOpt,
+    DtypeOpt,
+    ExifOpt,
+    ImageModeOpt,
+    InterpolationOpt,
+    LayerOpt,
+    LayersOpt,
+    LowercaseOpt,
+    MaxSecondsOpt,
+    MaxTokensOpt,
+    MeanOpt,
+    MonoOpt,
+    OutputOpt,
+    PrecisionOpt,
+    RescaleOpt,
+    ResizeOpt,
+    SampleRateOpt,
+    SourceOpt,
+    SpecialTokensOpt,
+    StdOpt,
+    TruncateOpt,
+    TrustPickleOpt,
+    WeightsOpt,
+)
+from featbake.errors import ConfigError
 from featbake.image_recipe import describe_fields
 from featbake.units import format_bytes, parse_bytes
 
@@ -420,13 +451,22 @@ def _print_gc_plan(plan: GcPlan, dry_run: bool, as_json: bool) -> None:
 VERIFY_EXIT = """verify exit codes: 0 clean (notes, e.g. parts-waiting: a build in parts not
 merged yet, are not damage); 10 damage was found and repaired (--repair; features
 in quarantined shards are gone: rebuild to recompute them); 11 damage remains (run with --repair,
-or see the lines above). 5: the store cannot be opened at all."""
+or see the lines above). 5: the store cannot be opened at all. With --encoder: 0 every sampled
+feature matches the encoder now (items the store lacks are listed as missing, not failed); 12
+stored features differ from the encoder's output: a code of its own, not 11, because their bytes
+and checksums are sound and --repair keeps them (drop the root and build again, or find the
+encoder that built it); 7 the store holds no root for that encoder, data and recipe; 4 the
+encoder could not load."""
 
 
 @app.command(
     epilog=(
         "Examples:\n\n  featbake verify\n\n  featbake verify --repair --json\n\n"
-        "  featbake verify --cache s3://team-bucket/features\n\n" + VERIFY_EXIT
+        "  featbake verify --cache s3://team-bucket/features\n\n"
+        "  featbake verify --encoder ckpt.pt --data ./audio --sample 64 --seed 1   # spot check"
+        "\n\n"
+        "  featbake verify --encoder ckpt.pt --data ./audio --dtype float16 --json\n\n"
+        + VERIFY_EXIT
     )
 )
 def verify(
@@ -442,6 +482,43 @@ def verify(
     local_cache: LocalCacheOpt = None,
     local_cache_size: LocalCacheSizeOpt = None,
     as_json: JsonOpt = False,
+    encoder: Annotated[str | None, ENCODER_OPTION] = None,
+    data: Annotated[str | None, DATA_OPTION] = None,
+    sample: Annotated[
+        int, typer.Option(help="With --encoder: how many of the root's items to re-encode.")
+    ] = 32,  # featbake.serve.spot_check.DEFAULT_SAMPLE, not imported here: it loads torch
+    seed: Annotated[
+        int,
+        typer.Option(
+            help="With --encoder: the seed that draws the sample (same seed, same items)."
+        ),
+    ] = 0,
+    column: ColumnOpt = None,
+    weights: WeightsOpt = None,
+    source: SourceOpt = "audio",
+    sample_rate: SampleRateOpt = 16000,
+    mono: MonoOpt = True,
+    max_seconds: MaxSecondsOpt = None,
+    output: OutputOpt = None,
+    dtype: DtypeOpt = "float32",
+    precision: PrecisionOpt = "fp32",
+    layer: LayerOpt = None,
+    layers: LayersOpt = None,
+    resize: ResizeOpt = None,
+    crop: CropOpt = None,
+    interpolation: InterpolationOpt = None,
+    antialias: AntialiasOpt = None,
+    rescale: RescaleOpt = None,
+    mean: MeanOpt = None,
+    std: StdOpt = None,
+    image_mode: ImageModeOpt = None,
+    exif: ExifOpt = None,
+    max_tokens: MaxTokensOpt = None,
+    truncate: TruncateOpt = None,
+    lowercase: LowercaseOpt = None,
+    special_tokens: SpecialTokensOpt = None,
+    trust_pickle: TrustPickleOpt = False,
+    device: DeviceOpt = "cpu",
 ) -> None:
     """Check every shard's bytes and checksums, the catalog against the shards, and the hash
     cache against the input files it vouches for (read again).
@@ -455,8 +532,21 @@ def verify(
     refused, never turned into one. A bucket store (s3://) is checked object by object (each
     shard object downloaded into the local tier's tmp/ and deleted after its check, whatever
     the tier holds), and named by its object key; there is no --repair there.
+
+    With --encoder and --data (and the recipe options the build was given: --dtype,
+    --sample-rate, --column, ...), verify spot-checks what no byte check can: it re-encodes a
+    seeded sample of the root's items with the encoder now (as a dataset's live miss does) and
+    compares each with its stored feature within what the stored dtype promises (float32 near
+    exact; float16, bfloat16, int8, fp8 by their rounding). A forged or copied-in shard, a build
+    in train mode, a store built by another encoder file: each shows as mismatching items. It
+    never writes to the store; items it lacks are listed as missing, not encoded.
     """
     note_inert_options(ctx, cache)
+    if encoder is not None or data is not None:
+        if repair:
+            raise ConfigError("--encoder spot-checks and never writes; run --repair on its own")
+        _spot_check(ctx, encoder, data, as_json)
+        return
     from featbake.upkeep import verify as run_verify
 
     bar = progress_bar()
@@ -488,6 +578,51 @@ def verify(
                 else ""
             )
         )
+    if report.exit_code:
+        raise typer.Exit(report.exit_code)
+
+
+#: Mismatching items a spot check prints one line each for (--json lists every one).
+SHOWN_MISMATCHES = 20
+
+
+def _spot_check(ctx: typer.Context, encoder: str | None, data: str | None, as_json: bool) -> None:
+    """``verify --encoder``: the spot check of :func:`featbake.serve.spot_check.spot_check`,
+    its lines (each mismatching item, the likely cause, a summary) and its exit code."""
+    from featbake.cli.build import recipe_of
+    from featbake.serve.spot_check import Verdict, spot_check
+
+    if encoder is None or data is None:
+        raise ConfigError(
+            "a spot check needs both --encoder and --data (as given to `featbake build`)"
+        )
+    p = ctx.params
+    report = spot_check(
+        data, encoder, recipe=recipe_of(p, encoder), cache=p["cache"],
+        local_cache=p["local_cache"], local_cache_size=p["local_cache_size"], sample=p["sample"],
+        seed=p["seed"], weights=p["weights"], trust_pickle=p["trust_pickle"],
+        device=p["device"], column=p["column"],
+    )  # fmt: skip
+    if as_json:
+        out.print_json(json.dumps(report.to_json()))
+        raise typer.Exit(report.exit_code)
+    bad = report.of(Verdict.MISMATCH)
+    for c in bad[:SHOWN_MISMATCHES]:
+        out.print(
+            f"[red]mismatch[/] {escape(c.item)}: max abs error {c.max_abs_error:.3g}, "
+            f"tolerance {c.tolerance:.3g}" + (f" ({escape(c.detail)})" if c.detail else "")
+        )
+    if len(bad) > SHOWN_MISMATCHES:
+        out.print(f"[red]... and {len(bad) - SHOWN_MISMATCHES} more mismatches (see --json)")
+    if report.likely_cause:
+        console.print(f"[yellow]likely cause:[/] {escape(report.likely_cause)}")
+    out.print(
+        f"verify --encoder: {report.checked} of {report.items} items of root {report.root} "
+        f"checked against {escape(report.encoder)} ({report.dtype}, seed {report.seed}): "
+        f"{report.mismatched} mismatched, {report.missing} missing"
+        + (f", {report.unreadable} unreadable inputs" if report.unreadable else "")
+        + f" in {report.seconds:.2f}s"
+    )
     if report.exit_code:
         raise typer.Exit(report.exit_code)
 

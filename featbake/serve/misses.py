@@ -330,6 +330,7 @@ class LiveEncoder:
     label: str = ""
     loaded: LoadedEncoder | None = None
     shared: bool = False  # the store is on a shared filesystem: never write its catalog
+    read_only: bool = False  # never write the store (a spot check): fingerprints not cached
     watch: ModuleWatch | None = None  # an in-process module's: notices it changed since
     moved: bool = False  # the module had changed when this copy was pickled
     dtypes: tuple[str, ...] = ()  # an in-process module's weight dtypes when it was given
@@ -388,7 +389,11 @@ class LiveEncoder:
             trust_pickle=self.trust_pickle,
             layers=self.layers,
         )
-        catalog = open_serving_catalog(self.layout, shared=self.shared)
+        catalog = (
+            Catalog(self.layout, read_only=True)
+            if self.read_only
+            else open_serving_catalog(self.layout, shared=self.shared)
+        )
         try:
             encoder_fingerprint(enc, catalog, self.weights)
         finally:
@@ -654,6 +659,31 @@ def check_unchanged(
             )
 
 
+def miss_source(index: Index, source: Source) -> Source:
+    """What decodes ``index``'s items on a miss: ``source``, or its inputs' own reader of it
+    (a bucket's objects and a manifest's rows, which checks by itself that an item is the one
+    hashed: the response's ETag, the file's stat)."""
+    return index.inputs.source(source) if index.inputs is not None else source
+
+
+def decode_items(
+    source: Source, index: Index, idx: Sequence[int], catalog: ServingStore, fps: tuple[str, str]
+) -> list[torch.Tensor]:
+    """Items ``idx`` decoded as a miss decodes them, each checked to hold the bytes its key
+    was hashed from (``fps``: the encoder and recipe fingerprints of the keys).
+
+    Raises:
+        SourceError: an input cannot be read, or changed since the index was made.
+    """
+    paths = [index.path(i) for i in idx]
+    if isinstance(source, CheckingSource):  # each checked by the response that carried it
+        stats = [FileStat(*map(int, index.stats[i])) for i in idx]
+        return [load_unchanged(source, p, s) for p, s in zip(paths, stats, strict=True)]
+    inputs = [source.load(p) for p in paths]
+    check_unchanged(catalog, paths, [index.key(i) for i in idx], fps)
+    return inputs
+
+
 class Misses:
     """Items the store does not hold: read back from this process's write-back, found again
     in the catalog (another process wrote them), or decoded, encoded and written back.
@@ -676,10 +706,7 @@ class Misses:
         self.index = index
         self.reads = reads
         self.live = live
-        # A bucket's objects and a manifest's rows are read through their inputs' source, which
-        # checks by itself that an item is the one hashed (the response's ETag, the file's stat).
-        self.source = index.inputs.source(source) if index.inputs is not None else source
-        self.objects = isinstance(self.source, CheckingSource)
+        self.source = miss_source(index, source)  # a bucket's or a manifest's own reader
         self.recipe = recipe
         self.recipe_fp = recipe.fingerprint()
         self.on_miss = "encode"
@@ -767,14 +794,7 @@ class Misses:
         """Decode and encode items ``idx`` now (checking their files did not change); the
         encoder is checked right before it runs (an in-process module edited since the last
         misses is refused), so nothing runs between the check and the run."""
-        paths = [self.index.path(i) for i in idx]
-        if self.objects:  # each checked by the response that carried its bytes (its ETag)
-            stats = [FileStat(*map(int, self.index.stats[i])) for i in idx]
-            inputs = [load_unchanged(self.source, p, s) for p, s in zip(paths, stats, strict=True)]
-        else:
-            inputs = [self.source.load(p) for p in paths]
-            keys = [self.index.key(i) for i in idx]
-            check_unchanged(st.catalog, paths, keys, self.fps)
+        inputs = decode_items(self.source, self.index, idx, st.catalog, self.fps)
         if st.encoder is None or self.live.spec is None:
             # An in-process module is checked and followed to its device at each batch of
             # misses: one moved since the last (`.cuda()`) met inputs sent where it was.
@@ -833,6 +853,8 @@ __all__ = [
     "LiveEncoder",
     "Misses",
     "check_unchanged",
+    "decode_items",
     "encode_inputs",
+    "miss_source",
     "unpack",
 ]

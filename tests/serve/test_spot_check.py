@@ -1,0 +1,193 @@
+"""``featbake verify --encoder``: a store spot-checked against its encoder run now.
+
+Every store here is built by ``featbake build`` in a subprocess from audio and an encoder file
+the test wrote; the spot check re-encodes through the dataset's live path, so what it calls a
+match is what running the encoder now gives.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.export import Dim
+
+from featbake.encode.encoders import EXACT_TOLERANCE
+from featbake.recipe import Recipe
+from featbake.serve.spot_check import (
+    SPOT_CHECK_MISMATCH,
+    STORAGE_ERROR,
+    SpotCheckReport,
+    Verdict,
+    spot_check,
+)
+from featbake.store.catalog import Catalog
+from featbake.store.layout import Layout
+from featbake.store.shard import ShardReader, ShardWriter, split_tensor_name
+from featbake.testing import TinyConvEncoder, save_torchscript
+from tests.conftest import invoke, run_cli
+from tests.helpers import shard_files
+
+
+def _build(encoder: Path, audio: Path, store: Path, *options: str) -> None:
+    r = run_cli("build", "--encoder", encoder, "--data", audio, "--cache", store,
+                "--workers", "0", *options)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+
+
+def _store_state(store: Path) -> dict[str, str]:
+    """Every file of the store and a digest of its bytes: what a check that writes changes.
+    SQLite's own reader files are left out (a reader of a WAL catalog makes its shared-memory
+    index and an empty WAL: no row in them)."""
+    return {
+        str(p.relative_to(store)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(store.rglob("*"))
+        if p.is_file()
+        and not p.name.endswith("-shm")
+        and not (p.name.endswith("-wal") and p.stat().st_size == 0)
+    }
+
+
+def _verify(encoder: Path, audio: Path, store: Path, *options: str):
+    return invoke("verify", "--encoder", encoder, "--data", audio, "--cache", store, *options)
+
+
+def test_a_clean_store_passes_and_nothing_is_written(
+    encoder_file: Path, audio_dir: Path, store_dir: Path
+) -> None:
+    _build(encoder_file, audio_dir, store_dir)
+    before = _store_state(store_dir)
+    r = _verify(encoder_file, audio_dir, store_dir, "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert (doc["checked"], doc["mismatched"], doc["missing"]) == (16, 0, 0)
+    assert doc["likely_cause"] is None and doc["exit_code"] == 0
+    assert all(c["max_abs_error"] <= c["tolerance"] for c in doc["checks"])
+    assert _store_state(store_dir) == before  # not a hash row, a root or a last use written
+
+    r = _verify(encoder_file, audio_dir, store_dir, "--sample", "5", "--seed", "3")
+    assert r.returncode == 0, r.stderr
+    assert "5 of 16 items" in r.stdout and "0 mismatched, 0 missing" in r.stdout
+
+
+def _forge(store: Path, shard: Path) -> set[str]:
+    """Replace ``shard`` by a forged one: a real shard of the same tensors (names, shapes,
+    dtypes, valid CRCs, named by its content) holding other values, the catalog's rows pointed
+    at it. Returns the keys it holds."""
+    layout = Layout(store)
+    with ShardReader(shard) as r:
+        meta = r.metadata
+        tensors = {name: r.read(name) for name in r.tensors}
+    entries = {name: split_tensor_name(name) for name in tensors}
+    sealed = []
+    with ShardWriter(layout, meta["encoder_fp"], meta["recipe_fp"], on_seal=sealed.append) as w:
+        for name, t in tensors.items():
+            key, part = entries[name]
+            w.add(key, {part: t.flip(0) + 0.05})  # plausible values, other ones
+    shard.unlink()  # the catalog's rows now name a shard that is gone: add_shard re-points them
+    with Catalog(layout) as cat:
+        for s in sealed:
+            cat.add_shard(s)
+    return {k for k, _ in entries.values()}
+
+
+def test_a_forged_shard_passes_the_byte_checks_and_is_caught_with_its_items_named(
+    encoder_file: Path, audio_dir: Path, store_dir: Path
+) -> None:
+    _build(encoder_file, audio_dir, store_dir, "--shard-size", "40KiB")
+    victim = sorted(shard_files(store_dir))[0]
+    forged_keys = _forge(store_dir, victim)
+    assert invoke("verify", "--cache", store_dir).returncode == 0  # bytes, CRCs, rows: all sound
+
+    report = spot_check(audio_dir, encoder_file, cache=store_dir, sample=100)
+    assert isinstance(report, SpotCheckReport)
+    bad = {c.item for c in report.of(Verdict.MISMATCH)}
+    assert bad and {c.key for c in report.of(Verdict.MISMATCH)} == forged_keys
+    assert report.checked == 16 and report.missing == 0 and report.likely_cause is None
+    assert report.exit_code == SPOT_CHECK_MISMATCH
+
+    r = _verify(encoder_file, audio_dir, store_dir, "--sample", "100")
+    assert r.returncode == SPOT_CHECK_MISMATCH, r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("mismatch ")]
+    assert {ln.split()[1].rstrip(":") for ln in lines} == bad
+    assert all("max abs error" in ln and "tolerance" in ln for ln in lines)
+    assert f"{len(bad)} mismatched, 0 missing" in r.stdout
+
+
+class _DropoutEncoder(nn.Module):
+    """TinyConvEncoder with dropout after it: left in train mode, every run differs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = TinyConvEncoder()
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.body(wav))
+
+
+def test_an_encoder_exported_in_train_mode_is_named_as_the_likely_cause(
+    tmp_path: Path, audio_dir: Path, store_dir: Path
+) -> None:
+    program = torch.export.export(
+        _DropoutEncoder().train(),  # the mistake: exported before .eval(), dropout kept on
+        (torch.randn(2, 16000),),
+        dynamic_shapes={"wav": {0: Dim.AUTO, 1: Dim.AUTO}},  # dropout's guard: AUTO infers
+    )
+    encoder = tmp_path / "dropout.pt2"
+    torch.export.save(program, str(encoder))
+    _build(encoder, audio_dir, store_dir)
+
+    r = _verify(encoder, audio_dir, store_dir, "--sample", "4")
+    assert r.returncode == SPOT_CHECK_MISMATCH, r.stderr
+    causes = [ln for ln in r.stderr.splitlines() if ln.startswith("likely cause:")]
+    assert len(causes) == 1 and "train mode" in causes[0], r.stderr
+    assert "4 mismatched" in r.stdout
+
+
+def test_a_store_built_with_another_encoder_is_no_such_root_in_one_line(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, store_dir: Path
+) -> None:
+    _build(encoder_file, audio_dir, store_dir)
+    other = save_torchscript(TinyConvEncoder(seed=7), tmp_path / "other.pt")
+    before = _store_state(store_dir)
+    r = _verify(other, audio_dir, store_dir)
+    assert r.returncode == 7, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "no root of" in r.stderr
+    assert str(encoder_file.resolve()) in r.stderr  # what the store's root was built with
+    assert _store_state(store_dir) == before
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_a_rounded_stored_dtype_passes_within_its_tolerance(
+    dtype: str, encoder_file: Path, audio_dir: Path, store_dir: Path
+) -> None:
+    _build(encoder_file, audio_dir, store_dir, "--dtype", dtype)
+    report = spot_check(audio_dir, encoder_file, cache=store_dir, recipe=Recipe(dtype=dtype))
+    assert (report.checked, report.mismatched, report.dtype) == (16, 0, dtype)
+    assert all(c.max_abs_error <= c.tolerance for c in report.checks)
+    # The rounding shows: past what float32 storage would be allowed (the fp32 share of each
+    # tolerance), so the tolerance is the stored dtype's, and float32's would fail the store.
+    fp32 = EXACT_TOLERANCE["fp32"].relative
+    share = fp32 / (fp32 + STORAGE_ERROR[dtype])
+    assert any(c.max_abs_error > c.tolerance * share for c in report.checks)
+    r = _verify(encoder_file, audio_dir, store_dir, "--dtype", dtype)
+    assert r.returncode == 0, r.stderr + r.stdout
+
+
+def test_items_the_store_lacks_are_missing_not_mismatched(
+    encoder_file: Path, audio_dir: Path, store_dir: Path
+) -> None:
+    _build(encoder_file, audio_dir, store_dir, "--shard-size", "40KiB")
+    shard = sorted(shard_files(store_dir))[0]
+    with ShardReader(shard) as r:
+        gone = {split_tensor_name(name)[0] for name in r.tensors}
+    with Catalog(Layout(store_dir)) as cat, cat.transaction() as c:
+        c.executemany("DELETE FROM features WHERE key=?", [(k,) for k in gone])
+    report = spot_check(audio_dir, encoder_file, cache=store_dir, sample=100)
+    assert {c.key for c in report.of(Verdict.MISSING)} == gone
+    assert report.mismatched == 0 and report.exit_code == 0
