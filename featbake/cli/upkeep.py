@@ -18,6 +18,7 @@ from featbake.cli.app import (
     LocalCacheSizeOpt,
     app,
     console,
+    examples,
     format_when,
     note_inert_options,
     out,
@@ -38,7 +39,7 @@ from pathlib import Path
 # == store =========================================================================================
 @app.command(
     epilog=(
-        "Examples:\n\n  featbake stats\n\n  featbake stats --cache /data/.featbake --json\n\n"
+        examples("featbake stats", "featbake stats --cache /data/.featbake --json")
         + UPKEEP_EXIT_CODES
     )
 )
@@ -160,7 +161,9 @@ def _fidelity_row(fidelity: dict | None) -> list[tuple[str, str]]:
 
 
 roots_app = typer.Typer(
-    help="List the roots (one per data folder x encoder as named x recipe), or drop one.",
+    help="List the roots, or drop one. A root is what a build publishes: its inputs' keys, one "
+    "root per data folder x encoder as named x recipe (the options that change features: "
+    "sample rate, dtype, layers, ...). gc keeps every feature a root reaches.",
     invoke_without_command=True,
     no_args_is_help=False,
 )
@@ -168,9 +171,7 @@ app.add_typer(roots_app, name="roots")
 
 
 @roots_app.callback(
-    epilog=(
-        "Examples:\n\n  featbake roots\n\n  featbake roots --json\n\n  featbake roots drop r-3f1c"
-    )
+    epilog=examples("featbake roots", "featbake roots --json", "featbake roots drop r-3f1c")
 )
 def roots(
     ctx: typer.Context,
@@ -221,7 +222,7 @@ def _print_pending(cache: Any) -> None:
 
 @roots_app.command(
     "drop",
-    epilog="Examples:\n\n  featbake roots drop r-3f1c9a0e12ab\n\n  featbake roots drop r-3f1c",
+    epilog=examples("featbake roots drop r-3f1c9a0e12ab", "featbake roots drop r-3f1c"),
 )
 def roots_drop(
     ctx: typer.Context,
@@ -252,10 +253,13 @@ def roots_drop(
 # `featbake gc`.
 @app.command(
     epilog=(
-        "Examples:\n\n  featbake gc --dry-run\n\n  featbake gc\n\n"
-        "  featbake gc --older-than 30d --max-bytes 200GiB\n\n"
-        "  featbake gc --compact-below 0.8 --merge-small --json\n\n"
-        "  featbake gc --cache s3://team-bucket/features --older-than 30d --retention 7d\n\n"
+        examples(
+            "featbake gc --dry-run",
+            "featbake gc",
+            "featbake gc --older-than 30d --max-bytes 200GiB",
+            "featbake gc --compact-below 0.8 --merge-small --json",
+            "featbake gc --cache s3://team-bucket/features --older-than 30d --retention 7d",
+        )
         + UPKEEP_EXIT_CODES
     )
 )
@@ -503,9 +507,10 @@ def redigested(
 # `featbake merge`: fold the catalog fragments of sharded builds into the catalog.
 @app.command(
     epilog=(
-        "Examples:\n\n"
-        "  featbake merge\n\n"
-        "  sbatch --dependency=afterok:$ARRAY_JOB featbake-merge.sh   # after a SLURM array\n\n"
+        examples(
+            "featbake merge",
+            "sbatch --dependency=afterok:$ARRAY_JOB featbake-merge.sh   # docs/scaling.md's job",
+        )
         + UPKEEP_EXIT_CODES
     )
 )
@@ -565,11 +570,13 @@ EXPORT_FORMATS = ("zarr", "parquet", "webdataset")
 
 @app.command(
     epilog=(
-        "Examples:\n\n  featbake export --format zarr feats.zarr\n\n"
-        "  featbake export --format parquet feats.parquet --root r-3f1c --overwrite\n\n"
-        "  featbake export --format zarr feats.zarr --compression zstd\n\n"
-        "  featbake export --format webdataset feats-wds --layers 6,12\n\n"
-        "Read them back without featbake:\n\n"
+        examples(
+            "featbake export --format zarr feats.zarr",
+            "featbake export --format parquet feats.parquet --root r-3f1c --overwrite",
+            "featbake export --format zarr feats.zarr --compression zstd",
+            "featbake export --format webdataset feats-wds --layers 6,12",
+        )
+        + "Read them back without featbake:\n\n"
         "  g = zarr.open_group('feats.zarr', mode='r'); o = g['offsets'][:]\n\n"
         "  datasets.load_dataset('parquet', data_files='feats.parquet')\n\n"
         "  webdataset.WebDataset('feats-wds/shard-000000.tar').decode()\n\n" + UPKEEP_EXIT_CODES
