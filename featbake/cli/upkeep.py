@@ -667,10 +667,20 @@ def export(
     else:
         out.print(
             f"exported {report.items:,} items of root {report.root} "
-            f"({', '.join(f'{p or chr(39) * 2}: {k}' for p, k in report.layouts.items())}; "
+            f"({_layouts_text(report.layouts)}; "
             f"{format_bytes(report.bytes)}) to {escape(report.out)}"
             + (f"; {report.missing} items not stored were left out" if report.missing else "")
         )
+
+
+def _layouts_text(layouts: dict[str, str]) -> str:
+    """``ragged`` for a single-output encoder's one unnamed part, else ``pooled: dense, ...``.
+
+    Example:
+        >>> _layouts_text({"": "ragged"}), _layouts_text({"pooled": "dense", "tokens": "ragged"})
+        ('ragged', 'pooled: dense, tokens: ragged')
+    """
+    return ", ".join(f"{part}: {kind}" if part else kind for part, kind in layouts.items())
 
 
 def _export_layers(text: str | None) -> tuple[int, ...] | None:

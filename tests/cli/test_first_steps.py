@@ -16,6 +16,7 @@ import featbake.cli.main  # noqa: F401  (registers every command on the app)
 from featbake.cli.app import app
 from featbake.testing import TinyConvEncoder
 from tests.conftest import run_cli
+from tests.helpers import bake
 
 
 def _examples(group: click.Group, prefix: str = "featbake") -> dict[str, list[str]]:
@@ -84,3 +85,19 @@ def test_a_state_dict_given_as_weights_says_how_to_convert_it(
     done = run_cli(*args, "--weights", "sd.safetensors", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert re.search(r"encoded\s+16\b", done.stdout), done.stdout
+
+
+def test_export_of_a_part_a_plain_tensor_root_lacks_says_to_drop_the_choice(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, store_dir: Path
+) -> None:
+    """A single-tensor encoder's root stores one part named '' : the refusal of `--output
+    pooled` read "(it stores '')", which names nothing a user can pass."""
+    bake(audio_dir, encoder_file, store_dir)
+    for choice in (["--output", "pooled"], ["--layers", "6"]):
+        done = run_cli("export", "--cache", store_dir, "--format", "zarr", tmp_path / "f.zarr",
+                       *choice)  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        assert len(done.stderr.splitlines()) == 1 and "''" not in done.stderr, done.stderr
+        assert "without --output and --layers" in done.stderr, done.stderr
+    done = run_cli("export", "--cache", store_dir, "--format", "zarr", tmp_path / "f.zarr")
+    assert done.returncode == 0 and "(ragged;" in done.stdout, done.stderr
