@@ -101,3 +101,29 @@ def test_export_of_a_part_a_plain_tensor_root_lacks_says_to_drop_the_choice(
         assert "without --output and --layers" in done.stderr, done.stderr
     done = run_cli("export", "--cache", store_dir, "--format", "zarr", tmp_path / "f.zarr")
     assert done.returncode == 0 and "(ragged;" in done.stdout, done.stderr
+
+
+def test_a_folder_without_config_json_as_encoder_says_what_encoder_takes(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    """`--encoder ./audio` (the data folder, options swapped) was handed to transformers, whose
+    "Unrecognized model ... Should have a `model_type` key in its config.json" names no fix."""
+    done = run_cli("build", "--encoder", audio_dir, "--data", audio_dir, "--cache", tmp_path / "c")
+    assert done.returncode == 4, done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and "without config.json" in lines[0], done.stderr
+    assert "TorchScript (.pt)" in lines[0] and "model_type" not in lines[0], lines[0]
+
+
+def test_a_file_given_as_data_is_said_to_be_a_file(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    """One clip, or the encoder with the options swapped, as `--data` read "data folder X does
+    not exist or is not a directory" of a file that plainly exists."""
+    clip = next(audio_dir.rglob("*.wav"))
+    for encoder, data in ((encoder_file, clip), (audio_dir, encoder_file)):
+        done = run_cli("build", "--encoder", encoder, "--data", data, "--cache", tmp_path / "c")
+        assert done.returncode == 8, done.stderr
+        lines = done.stderr.splitlines()
+        assert len(lines) == 1 and f"{data} is a file, not a folder" in lines[0], done.stderr
+        assert "does not exist" not in lines[0] and "a folder holding it" in lines[0], lines[0]
