@@ -172,6 +172,7 @@ app.add_typer(roots_app, name="roots")
 
 @roots_app.callback(
     epilog=examples("featbake roots", "featbake roots --json", "featbake roots drop r-3f1c")
+    + UPKEEP_EXIT_CODES
 )
 def roots(
     ctx: typer.Context,
@@ -222,7 +223,8 @@ def _print_pending(cache: Any) -> None:
 
 @roots_app.command(
     "drop",
-    epilog=examples("featbake roots drop r-3f1c9a0e12ab", "featbake roots drop r-3f1c"),
+    epilog=examples("featbake roots drop r-3f1c9a0e12ab", "featbake roots drop r-3f1c")
+    + UPKEEP_EXIT_CODES,
 )
 def roots_drop(
     ctx: typer.Context,
