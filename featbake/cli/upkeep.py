@@ -511,7 +511,7 @@ def redigested(
     epilog=(
         examples(
             "featbake merge",
-            "sbatch --dependency=afterok:$ARRAY_JOB featbake-merge.sh   # docs/scaling.md's job",
+            "sbatch --dependency=afterok:$array merge.sbatch   # docs/scaling.md's merge job",
         )
         + UPKEEP_EXIT_CODES
     )
