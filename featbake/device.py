@@ -103,8 +103,8 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         raise ConfigError(
             f"device {device!r} was requested but CUDA is not available "
             f"(torch {torch.__version__}, built with CUDA {torch.version.cuda}); "
-            "use --device cpu, or install a CUDA build of PyTorch and check that "
-            "`nvidia-smi` sees a GPU"
+            "use --device cpu (device='cpu' from Python), or install a CUDA build of PyTorch "
+            "and check that `nvidia-smi` sees a GPU"
         )
     count = torch.cuda.device_count()
     idx = torch.cuda.current_device() if index is None else int(index)

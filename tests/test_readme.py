@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import click
+import torch
 import typer
 
 from featbake.cli.main import app
+from tests.conftest import live_features, run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 #: Options the README shows that belong to other tools (torchrun, pip, make).
@@ -50,3 +55,49 @@ def test_every_command_and_option_in_the_readme_exists() -> None:
     named = {o for ln in code for o in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", ln)}
     missing = named - every_option - OTHER_TOOLS - {"--help"}
     assert not missing, f"the README names options no featbake command has: {sorted(missing)}"
+
+
+def _quickstart() -> str:
+    """The README's quickstart section: from its heading to the next heading."""
+    text = (REPO / "README.md").read_text()
+    start = text.index("## 60-second quickstart")
+    return text[start : text.index("\n#", start + 1)]
+
+
+def test_the_quickstart_runs_as_written(tmp_path: Path) -> None:
+    """A newcomer's first minutes, pasted: the try-it block makes an encoder and clips, the
+    shell block's featbake commands bake and rebake them, and the training snippet serves an
+    epoch. The snippet's prefetcher once asked for CUDA by name, which is a ConfigError on a
+    machine without a GPU although its comment promised a no-op there."""
+    section = _quickstart()
+    try_it, training = re.findall(r"^```python\n(.*?)^```", section, re.MULTILINE | re.DOTALL)
+    shell = re.search(r"^```bash\n(.*?)^```", section, re.MULTILINE | re.DOTALL)
+    assert shell is not None
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("FEATBAKE_CACHE", None)
+
+    def python(code: str) -> None:
+        done = subprocess.run(
+            [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr
+
+    python(try_it)
+    commands = [ln.split("#")[0].split() for ln in shell[1].splitlines()]
+    outputs = []
+    for words in (w for w in commands if w and w[0] == "featbake"):
+        done = run_cli(*words[1:], cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        outputs.append(done.stdout)
+    assert re.search(r"encoded\s+8\b", outputs[0]) and re.search(r"encoded\s+0\b", outputs[1])
+    python(
+        training + "\nimport torch\n"
+        "torch.save({'feats': feats.cpu(), 'lengths': lengths.cpu(), "
+        "'paths': [str(ds.path(i)) for i in range(len(ds))]}, 'batch.pt')\n"
+    )
+    batch = torch.load(tmp_path / "batch.pt")
+    assert len(batch["paths"]) == 8 and batch["feats"].shape[0] == 8  # one batch of 32 at most
+    served = [batch["feats"][j, :n] for j, n in enumerate(batch["lengths"].tolist())]
+    for path in batch["paths"]:
+        live = live_features(tmp_path / "ckpt.pt", Path(path))
+        assert any(f.shape == live.shape and torch.equal(f, live) for f in served), path

@@ -64,6 +64,16 @@ console = make_console(stderr=True)
 out = make_console()
 
 
+def examples(*commands: str) -> str:
+    """A help epilog's "Examples:" block, each command printed whole on its own line.
+
+    Click rewraps a help paragraph to the terminal's width: a long example split at a hyphen
+    (``s3://team-`` / ``bucket/features``) or between an option and its value pastes as two
+    broken commands. Click's ``\\b`` marker keeps a paragraph as written.
+    """
+    return "Examples:\n\n" + "".join(f"\b\n  {command}\n\n" for command in commands)
+
+
 #: What each exit code means (featbake/errors.py sets them; 130 and 143 come from signals).
 EXIT_MEANINGS = {
     0: "ok",

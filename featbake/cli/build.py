@@ -20,6 +20,7 @@ from featbake.cli.app import (
     LocalCacheSizeOpt,
     app,
     console,
+    examples,
     note_inert_options,
     out,
     progress_bar,
@@ -249,33 +250,32 @@ def recipe_of(params: Mapping[str, Any], encoder: str) -> Recipe:
 
 @app.command(
     epilog=(
-        "Examples:\n\n"
-        "  featbake build --encoder ckpt.pt --data ./audio\n\n"
-        "  featbake build --encoder encoder.pt2 --data ./audio --max-seconds 10 --dtype float16\n\n"
-        "  featbake build --encoder ./hubert-base --data ./audio --layers all --dtype int8\n\n"
-        "  featbake build --encoder mypkg.models:build --weights w.safetensors --data ./audio "
-        "--device cuda --json\n\n"
-        "  featbake build --encoder ./wavlm-base-plus --data ./audio --layers 0,6,12 "
-        "--precision bf16 --batch-seconds 200 --device cuda\n\n"
-        "  featbake build --encoder ./dinov2-small --data ./images   # transform from the folder"
-        "\n\n"
-        "  featbake build --encoder ./clip-vit-b16-vision --data ./images --output pooled "
-        "--crop 224 --interpolation bicubic\n\n"
-        "  featbake build --encoder ./dinov2-small --data ./images --views hflip\n\n"
-        "  featbake build --encoder ckpt.pt --data ./audio --cache s3://team-bucket/features "
-        "--local-cache /scratch/featbake --local-cache-size 200GiB\n\n"
-        "  featbake build --encoder mypkg.vision:build --source image --data ./images "
-        "--resize 256 --crop 224 --mean 0.485,0.456,0.406 --std 0.229,0.224,0.225\n\n"
-        "  torchrun --nproc-per-node 8 -m featbake build --encoder ckpt.pt --data ./audio "
-        "--device cuda\n\n"
-        "  featbake build --encoder ckpt.pt --data ./audio --shard 0/2   # then --shard 1/2, merge"
-        "\n\n"
-        "  OMP_NUM_THREADS=1 featbake build --encoder vad.pt --data ./audio   # or --threads 1"
-        "\n\n"
-        "  featbake build --encoder ckpt.pt --data s3://bucket/audio/ --cache ./features   # "
-        "inputs in a bucket\n\n"
-        "  featbake build --encoder ckpt.pt --data train.jsonl   # rows: path, start, end, id\n\n"
-        "  featbake build --encoder ckpt.pt --data data/train   # Kaldi wav.scp + segments\n\n"
+        examples(
+            "featbake build --encoder ckpt.pt --data ./audio",
+            "featbake build --encoder encoder.pt2 --data ./audio --max-seconds 10 --dtype float16",
+            "featbake build --encoder ./hubert-base --data ./audio --layers all --dtype int8",
+            "featbake build --encoder mypkg.models:build --weights w.safetensors --data ./audio "
+            "--device cuda --json",
+            "featbake build --encoder ./wavlm-base-plus --data ./audio --layers 0,6,12 "
+            "--precision bf16 --batch-seconds 200 --device cuda",
+            "featbake build --encoder ./dinov2-small --data ./images   # transform from the folder",
+            "featbake build --encoder ./clip-vit-b16-vision --data ./images --output pooled "
+            "--crop 224 --interpolation bicubic",
+            "featbake build --encoder ./dinov2-small --data ./images --views hflip",
+            "featbake build --encoder ckpt.pt --data ./audio --cache s3://team-bucket/features "
+            "--local-cache /scratch/featbake --local-cache-size 200GiB",
+            "featbake build --encoder mypkg.vision:build --source image --data ./images "
+            "--resize 256 --crop 224 --mean 0.485,0.456,0.406 --std 0.229,0.224,0.225",
+            "torchrun --nproc-per-node 8 -m featbake build --encoder ckpt.pt --data ./audio "
+            "--device cuda",
+            "featbake build --encoder ckpt.pt --data ./audio --shard 0/2   "
+            "# then --shard 1/2, merge",
+            "OMP_NUM_THREADS=1 featbake build --encoder vad.pt --data ./audio   # or --threads 1",
+            "featbake build --encoder ckpt.pt --data s3://bucket/audio/ --cache ./features   "
+            "# inputs in a bucket",
+            "featbake build --encoder ckpt.pt --data train.jsonl   # rows: path, start, end, id",
+            "featbake build --encoder ckpt.pt --data data/train   # Kaldi wav.scp + segments",
+        )
         + EXIT_CODES
     )
 )

@@ -9,6 +9,7 @@ import sys
 import threading
 import traceback
 import warnings
+from typing import NoReturn
 
 import typer
 from rich.markup import escape
@@ -118,20 +119,46 @@ def _run(argv: list[str] | None) -> None:
         console.print("[bold red]aborted")
         sys.exit(130)
     except Exception as e:
-        # Usage errors (unknown command or option): typer's own exceptions in typer >= 0.20,
-        # click's before. Both know how to show themselves and carry an exit code.
-        show, code = getattr(e, "show", None), getattr(e, "exit_code", None)
-        if callable(show) and isinstance(code, int):
+        _exit_on_other_error(e)
+
+
+def _exit_on_other_error(e: Exception) -> NoReturn:
+    """Exit for an exception no featbake error covers: a usage error (an unknown command or
+    option: typer's own exceptions in typer >= 0.20, click's before; both carry an exit code) as
+    one line, anything else as an internal error (its traceback under FEATBAKE_DEBUG)."""
+    show, code = getattr(e, "show", None), getattr(e, "exit_code", None)
+    if callable(show) and isinstance(code, int):
+        line = usage_error_line(e)
+        if line is None:
             show()
-            sys.exit(code)
-        if os.environ.get("FEATBAKE_DEBUG"):
-            raise
-        message = in_part(f"{type(e).__name__}: {e}")
-        console.print(
-            f"[bold red]internal error:[/] {escape(message)} "
-            "(rerun with FEATBAKE_DEBUG=1 for a traceback, and please report it)"
-        )
-        sys.exit(1)
+        else:
+            console.print(f"[bold red]error:[/] {escape(line)}", soft_wrap=True)
+        sys.exit(code)
+    if os.environ.get("FEATBAKE_DEBUG"):
+        raise e
+    message = in_part(f"{type(e).__name__}: {e}")
+    console.print(
+        f"[bold red]internal error:[/] {escape(message)} "
+        "(rerun with FEATBAKE_DEBUG=1 for a traceback, and please report it)"
+    )
+    sys.exit(1)
+
+
+def usage_error_line(e: Exception) -> str | None:
+    """The one line a usage error (an unknown option or command, a missing or bad value) prints:
+    what the parser said and where the command's options are listed. None for a command called
+    without arguments, whose answer is its help.
+
+    Click's own rendering is three lines (usage, a hint, the error) ahead of any featbake line.
+    """
+    message = getattr(e, "format_message", None)
+    if type(e).__name__ == "NoArgsIsHelpError" or not callable(message):
+        return None
+    command = getattr(getattr(e, "ctx", None), "command_path", None) or "featbake"
+    said = " ".join(str(message()).split()).rstrip(".")
+    # "Did you mean 'stats'?" ends a sentence of its own.
+    joined = f"{said} See" if said.endswith("?") else f"{said}; see"
+    return f"{joined} `{command} --help`"
 
 
 def _supervise_or_report(args: list[str], *, command_line: bool) -> bool:

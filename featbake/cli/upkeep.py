@@ -18,6 +18,7 @@ from featbake.cli.app import (
     LocalCacheSizeOpt,
     app,
     console,
+    examples,
     format_when,
     note_inert_options,
     out,
@@ -69,7 +70,7 @@ from pathlib import Path
 # == store =========================================================================================
 @app.command(
     epilog=(
-        "Examples:\n\n  featbake stats\n\n  featbake stats --cache /data/.featbake --json\n\n"
+        examples("featbake stats", "featbake stats --cache /data/.featbake --json")
         + UPKEEP_EXIT_CODES
     )
 )
@@ -191,7 +192,9 @@ def _fidelity_row(fidelity: dict | None) -> list[tuple[str, str]]:
 
 
 roots_app = typer.Typer(
-    help="List the roots (one per data folder x encoder as named x recipe), or drop one.",
+    help="List the roots, or drop one. A root is what a build publishes: its inputs' keys, one "
+    "root per data folder x encoder as named x recipe (the options that change features: "
+    "sample rate, dtype, layers, ...). gc keeps every feature a root reaches.",
     invoke_without_command=True,
     no_args_is_help=False,
 )
@@ -199,9 +202,8 @@ app.add_typer(roots_app, name="roots")
 
 
 @roots_app.callback(
-    epilog=(
-        "Examples:\n\n  featbake roots\n\n  featbake roots --json\n\n  featbake roots drop r-3f1c"
-    )
+    epilog=examples("featbake roots", "featbake roots --json", "featbake roots drop r-3f1c")
+    + UPKEEP_EXIT_CODES
 )
 def roots(
     ctx: typer.Context,
@@ -252,7 +254,8 @@ def _print_pending(cache: Any) -> None:
 
 @roots_app.command(
     "drop",
-    epilog="Examples:\n\n  featbake roots drop r-3f1c9a0e12ab\n\n  featbake roots drop r-3f1c",
+    epilog=examples("featbake roots drop r-3f1c9a0e12ab", "featbake roots drop r-3f1c")
+    + UPKEEP_EXIT_CODES,
 )
 def roots_drop(
     ctx: typer.Context,
@@ -283,10 +286,13 @@ def roots_drop(
 # `featbake gc`.
 @app.command(
     epilog=(
-        "Examples:\n\n  featbake gc --dry-run\n\n  featbake gc\n\n"
-        "  featbake gc --older-than 30d --max-bytes 200GiB\n\n"
-        "  featbake gc --compact-below 0.8 --merge-small --json\n\n"
-        "  featbake gc --cache s3://team-bucket/features --older-than 30d --retention 7d\n\n"
+        examples(
+            "featbake gc --dry-run",
+            "featbake gc",
+            "featbake gc --older-than 30d --max-bytes 200GiB",
+            "featbake gc --compact-below 0.8 --merge-small --json",
+            "featbake gc --cache s3://team-bucket/features --older-than 30d --retention 7d",
+        )
         + UPKEEP_EXIT_CODES
     )
 )
@@ -642,9 +648,10 @@ def redigested(
 # `featbake merge`: fold the catalog fragments of sharded builds into the catalog.
 @app.command(
     epilog=(
-        "Examples:\n\n"
-        "  featbake merge\n\n"
-        "  sbatch --dependency=afterok:$ARRAY_JOB featbake-merge.sh   # after a SLURM array\n\n"
+        examples(
+            "featbake merge",
+            "sbatch --dependency=afterok:$array merge.sbatch   # docs/scaling.md's merge job",
+        )
         + UPKEEP_EXIT_CODES
     )
 )
@@ -704,11 +711,13 @@ EXPORT_FORMATS = ("zarr", "parquet", "webdataset")
 
 @app.command(
     epilog=(
-        "Examples:\n\n  featbake export --format zarr feats.zarr\n\n"
-        "  featbake export --format parquet feats.parquet --root r-3f1c --overwrite\n\n"
-        "  featbake export --format zarr feats.zarr --compression zstd\n\n"
-        "  featbake export --format webdataset feats-wds --layers 6,12\n\n"
-        "Read them back without featbake:\n\n"
+        examples(
+            "featbake export --format zarr feats.zarr",
+            "featbake export --format parquet feats.parquet --root r-3f1c --overwrite",
+            "featbake export --format zarr feats.zarr --compression zstd",
+            "featbake export --format webdataset feats-wds --layers 6,12",
+        )
+        + "Read them back without featbake:\n\n"
         "  g = zarr.open_group('feats.zarr', mode='r'); o = g['offsets'][:]\n\n"
         "  datasets.load_dataset('parquet', data_files='feats.parquet')\n\n"
         "  webdataset.WebDataset('feats-wds/shard-000000.tar').decode()\n\n" + UPKEEP_EXIT_CODES
@@ -799,10 +808,20 @@ def export(
     else:
         out.print(
             f"exported {report.items:,} items of root {report.root} "
-            f"({', '.join(f'{p or chr(39) * 2}: {k}' for p, k in report.layouts.items())}; "
+            f"({_layouts_text(report.layouts)}; "
             f"{format_bytes(report.bytes)}) to {escape(report.out)}"
             + (f"; {report.missing} items not stored were left out" if report.missing else "")
         )
+
+
+def _layouts_text(layouts: dict[str, str]) -> str:
+    """``ragged`` for a single-output encoder's one unnamed part, else ``pooled: dense, ...``.
+
+    Example:
+        >>> _layouts_text({"": "ragged"}), _layouts_text({"pooled": "dense", "tokens": "ragged"})
+        ('ragged', 'pooled: dense, tokens: ragged')
+    """
+    return ", ".join(f"{part}: {kind}" if part else kind for part, kind in layouts.items())
 
 
 def _export_layers(text: str | None) -> tuple[int, ...] | None:

@@ -762,6 +762,12 @@ def load_hf_folder(
         ConfigError: a layer past the model's last.
     """
     path = Path(folder).resolve()
+    if not (path / "config.json").is_file():  # e.g. the data folder given as --encoder
+        raise EncoderLoadError(
+            f"{folder} is a folder without config.json, so no Hugging Face model folder; "
+            "--encoder takes one (save_pretrained writes it), a TorchScript (.pt) or "
+            "torch.export (.pt2) file, or an import path like mypkg.models:build_encoder"
+        )
     if is_text_folder(path):
         return _text_encoder(path, layers, device)
     model = _load_model(path)

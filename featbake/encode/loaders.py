@@ -89,8 +89,7 @@ def _load_pickle(path: Path, trust_pickle: bool) -> tuple[Any, str]:
             raise EncoderLoadError(
                 f"{path} holds a state dict, not a runnable encoder; name the architecture with "
                 f"an import path and pass the weights: --encoder package.module:factory "
-                f"--weights {path.with_suffix('.safetensors').name} (convert with "
-                "safetensors.torch.save_file)"
+                f"--weights {path.with_suffix('.safetensors').name} ({to_safetensors(path)})"
             )
         raise EncoderLoadError(f"{path} does not hold an encoder (found {type(obj).__name__})")
     if not trust_pickle:
@@ -174,6 +173,14 @@ def _load_import(spec: str, weights: Path | None) -> tuple[Any, str]:
     return module, f"{identity}\nattrs:{attribute_identity(module)}"
 
 
+def to_safetensors(path: Path) -> str:
+    """How to turn a ``torch.save`` state dict at ``path`` into what ``--weights`` reads."""
+    return (
+        "convert a torch.save state dict with safetensors.torch.save_file(torch.load("
+        f"'{path}'), '{path.with_suffix('.safetensors').name}')"
+    )
+
+
 def _load_weights(module: torch.nn.Module, weights: Path) -> None:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -182,7 +189,12 @@ def _load_weights(module: torch.nn.Module, weights: Path) -> None:
         raise EncoderLoadError(f"weights file {weights} does not exist")
     try:
         state = load_file(str(weights))
-    except (SafetensorError, OSError) as e:
+    except SafetensorError as e:
+        raise EncoderLoadError(
+            f"cannot read weights {weights} as safetensors ({first_line(e)}); --weights takes a "
+            f"safetensors file: {to_safetensors(weights)}"
+        ) from e
+    except OSError as e:
         raise EncoderLoadError(f"cannot read weights {weights}: {first_line(e)}") from e
     try:
         module.load_state_dict(state, strict=True)

@@ -229,6 +229,11 @@ def chosen_parts(
     if not wanted:
         return have
     absent = [p for p in wanted if p not in have]
+    if absent and have == [""]:  # a plain tensor's one part has no name to choose it by
+        raise ConfigError(
+            f"the root stores no part {', '.join(map(repr, absent))}: its encoder returned one "
+            "tensor, stored as one unnamed part; export it without --output and --layers"
+        )
     if absent:
         stored = ", ".join(repr(p) for p in have) or "none"
         raise ConfigError(

@@ -1233,7 +1233,11 @@ class CachedEncoder(ProcessLocalState, nn.Module):
     ) -> None:
         super().__init__()
         if not isinstance(encoder, nn.Module):
-            raise ConfigError(f"CachedEncoder wraps an nn.Module, got {type(encoder).__name__}")
+            raise ConfigError(
+                f"CachedEncoder wraps an nn.Module, got {type(encoder).__name__}; load a saved "
+                "encoder first (torch.jit.load(path)), or serve a data folder by the encoder's "
+                "path with CachedFeatureDataset(data, encoder=path)"
+            )
         self.encoder = encoder
         self.enabled = enabled
         self._ram: ByteLRU[str, Any] = ByteLRU(parse_bytes(ram_cache))

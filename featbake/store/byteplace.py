@@ -429,6 +429,12 @@ class LocalFiles(BytePlace):
         # back up the tree, ``link -> .``, must not repeat its files). Only regular files are
         # inputs (:func:`not_an_input`); a name that is not UTF-8 is passed over with why.
         root = Path(where)
+        if root.is_file():  # a clip, or the encoder with the options swapped
+            raise SourceError(
+                f"{where} is a file, not a folder of inputs; as data give a folder (one clip: a "
+                "folder holding it) or a list of inputs: a manifest (.jsonl, .csv, .tsv, NeMo "
+                ".json), lhotse cuts, a .tar or a .parquet"
+            )
         if not root.is_dir():
             raise SourceError(f"data folder {where} does not exist or is not a directory")
         exts = tuple(e.lower() for e in extensions)
