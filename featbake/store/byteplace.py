@@ -440,9 +440,9 @@ class LocalFiles(BytePlace):
         for rel_name, entry in walked(os.fspath(root), unread):
             if "/" not in rel_name:
                 top.append(rel_name)
-            elif is_tar(rel_name) and not passed_over(rel_name):
-                tars.append(rel_name)
             if not entry.name.lower().endswith(exts):
+                if "/" in rel_name and is_tar(rel_name) and not passed_over(rel_name):
+                    tars.append(rel_name)
                 continue
             why = not_an_input(rel_name, entry)
             if why is None:
