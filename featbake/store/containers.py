@@ -870,14 +870,13 @@ def splits_of(names: Sequence[str], how: SplitBy | None = None) -> dict[str | No
         {'holdout': ['data/holdout-00000-of-00001.tar'], None: ['data/x.tar']}
     """
     how = how or split_by(names)
-    split: Callable[[str], str | None] = {
-        SplitBy.SHARD_NAMES: sharded_split,
-        SplitBy.FOLDERS: functools.partial(split_of, by_folder=True),
-        SplitBy.FILE_NAMES: split_of,
-    }[how]
     out: dict[str | None, list[str]] = {}
     for name in names:
-        out.setdefault(split(name), []).append(name)
+        if how is SplitBy.SHARD_NAMES:
+            split = sharded_split(name)
+        else:
+            split = split_of(name, by_folder=how is SplitBy.FOLDERS)
+        out.setdefault(split, []).append(name)
     return out
 
 
