@@ -917,8 +917,8 @@ def refuse_several_splits(where: str, names: Sequence[str]) -> None:
     shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
     raise SourceError(
         f"{where} holds the split {held} and {files(len(others))} that name no split "
-        f"({shown}), which datasets leaves out of it; featbake would read them all as one: "
-        f"pass one set alone ({one_split_advice(where, how, by_split[named[0]])})"
+        f"({shown}), which datasets leaves out of it; featbake would read them all as one; "
+        f"pass one set alone: {one_split_advice(where, how, by_split[named[0]])}"
     )
 
 
