@@ -59,6 +59,7 @@ from featbake.store.containers import (
     cell_digests,
     cell_kind,
     pyarrow_module,
+    refuse_mixed_schemas,
     replaced_files,
     split_item_path,
 )
@@ -162,6 +163,8 @@ class Table:
         listings = [self._listing(f) for f in self.files]
         self.scanned = {f.path: f.stat() for f in self.files if not f.remote}
         schemas = [schema for schema, _ in listings]
+        named = [(self.rel_file(f), s) for f, s in zip(self.files, schemas, strict=True)]
+        refuse_mixed_schemas(self.where, named)  # one table: its files hold the same columns
         self.text = ".txt" in extensions  # the text source's: each cell is a text
         self.column = self.column or self.default_column(schemas, extensions)
         self.kinds = [

@@ -441,11 +441,14 @@ class LocalFiles(BytePlace):
         found: list[str] = []
         skipped: list[Passed] = []
         top: list[str] = []
+        tars: list[str] = []  # in subfolders: no inputs here, and said so (nested_tars_note)
         unread: list[Unread] = []
         for rel_name, entry in walked(os.fspath(root), unread):
             if "/" not in rel_name:
                 top.append(rel_name)
             if not entry.name.lower().endswith(exts):
+                if "/" in rel_name and is_tar(rel_name) and not passed_over(rel_name):
+                    tars.append(rel_name)
                 continue
             why = not_an_input(rel_name, entry)
             if why is None:
@@ -459,8 +462,9 @@ class LocalFiles(BytePlace):
                 "check the folder, or pick the source kind with --source"
             )
         found.sort()
-        note = unread_note(where, unread)
-        return Found(found, skipped, {}, (note,) if note else ())
+        refuse_several_splits(where, found)  # datasets reads train/ beside test/ as two splits
+        notes = (unread_note(where, unread), nested_tars_note(where, tars, exts))
+        return Found(found, skipped, {}, tuple(n for n in notes if n))
 
     def folder(self, where: str) -> str:
         return resolved(where)
@@ -779,6 +783,28 @@ def unread_note(where: str, unread: Sequence[Unread]) -> str:
     )
 
 
+def nested_tars_note(where: str, tars: Sequence[str], exts: Sequence[str]) -> str:
+    """The scan's one note on the tar files in the subfolders of a folder (prefix) of input
+    files ("" for none): a folder of files builds the files of its source's kind, so the tars'
+    samples are not built; said with how many, the first, and how to build them, rather than
+    left out unsaid (a tar at the top level is refused: :func:`refuse_tars_beside_files`).
+
+    Example:
+        >>> nested_tars_note("/d", ["sub/a.tar"], (".wav",)).split(";")[0]
+        '1 tar file under /d is not read (sub/a.tar)'
+    """
+    if not tars:
+        return ""
+    first = sorted(tars)[0]
+    count = f"{len(tars)} tar file{'s' if len(tars) > 1 else ''}"
+    verb = "are" if len(tars) > 1 else "is"
+    return (
+        f"{count} under {where} {verb} not read ({first}); this build reads its "
+        f"{', '.join(sorted(exts))} files only: to build the tars' samples, pass them as --data "
+        "on their own (their folder, a .tar, or a brace pattern such as shard-{000..009}.tar)"
+    )
+
+
 def not_an_input(name: str, file: os.DirEntry[str] | str | os.PathLike[str]) -> str | None:
     """Why ``file`` cannot be an input, or None when it can: the one check of every input.
 
@@ -947,8 +973,9 @@ class Objects(BytePlace):
             for o in listing
             if o.name.lower().endswith(exts) and not hidden_name(o.name[len(key) :])
         }
-        rels = (o.name[len(key) :] for o in listing)
+        rels = [o.name[len(key) :] for o in listing]
         refuse_tars_beside_files(prefix, [n for n in rels if "/" not in n and not hidden_name(n)])
+        tars = [n for n in rels if "/" in n and is_tar(n) and not passed_over(n)]
         if not listed:
             found = f"{len(listing)} objects, none of them" if listing else "no objects, so no"
             raise SourceError(
@@ -956,7 +983,10 @@ class Objects(BytePlace):
                 "the URL (the prefix, e.g. s3://bucket/audio/), or pick the source kind with "
                 "--source"
             )
-        return Found(sorted(listed), [], listed)
+        names = sorted(listed)
+        refuse_several_splits(prefix, names)  # as a local folder's (in10.1)
+        note = nested_tars_note(prefix, tars, exts)
+        return Found(names, [], listed, (note,) if note else ())
 
     def folder(self, where: str) -> str:
         return str(BucketURL.parse(where))

@@ -29,6 +29,7 @@ cell, a text cell's UTF-8).
 from __future__ import annotations
 
 import contextlib
+import functools
 import gzip
 import hashlib
 import io
@@ -772,6 +773,30 @@ _SPLIT_IN_FOLDER = {
 }
 
 
+#: ``datasets``' ``SPLIT_PATTERN_SHARDED`` (``data/{split}-[0-9]{5}-of-[0-9]{5}*.*``, relative to
+#: the folder read), tried before every keyword: the Hub's shard names, whose split is any word
+#: (``data/holdout-00000-of-00001.parquet``), not only a keyword.
+_SPLIT_SHARDED = re.compile(r"data/([^/]+)-[0-9]{5}-of-[0-9]{5}[^/]*\.[^/]*")
+
+
+#: Any keyword in a file's name: most names hold none, and are told so by one search.
+_ANY_SPLIT_IN_NAME = re.compile(
+    rf"(?:^|[-._ 0-9])(?:{'|'.join(w for ws in SPLIT_KEYWORDS.values() for w in ws)})[-._ 0-9]"
+)
+
+
+#: A keyword (or ``data/``, where the Hub's shard names sit) anywhere in a name: a folder whose
+#: names hold none names no split, told by one search over them all (a 100,000-clip folder's
+#: scan is not made slower by a loop over its names).
+_ANY_KEYWORD = re.compile("|".join([w for ws in SPLIT_KEYWORDS.values() for w in ws] + ["data/"]))
+
+
+def may_name_a_split(names: Sequence[str]) -> bool:
+    """Whether any of ``names`` holds a split keyword or ``data/`` anywhere (pure): where none
+    does, ``datasets`` reads them as one split (no need to judge each name)."""
+    return _ANY_KEYWORD.search("\n".join(names)) is not None
+
+
 def split_of(name: str, by_folder: bool = False) -> str | None:
     """The split a data file's name puts it in as ``datasets`` reads a folder (``load_dataset``
     of a Hub snapshot's ``data/``), or None (pure): by its file name, or (``by_folder``) by
@@ -784,38 +809,86 @@ def split_of(name: str, by_folder: bool = False) -> str | None:
         (None, 'test')
     """
     if by_folder:
-        folders = name.split("/")[:-1]
-        found = (s for s, named in _SPLIT_IN_FOLDER.items() if any(map(named.search, folders)))
-    else:
-        base = name.rsplit("/", 1)[-1]
-        found = (s for s, named in _SPLIT_IN_NAME.items() if named.search(base))
+        return folder_split(name.rpartition("/")[0])
+    base = name.rpartition("/")[2]
+    if not _ANY_SPLIT_IN_NAME.search(base):
+        return None
+    return next((s for s, named in _SPLIT_IN_NAME.items() if named.search(base)), None)
+
+
+@functools.lru_cache(maxsize=4096)
+def folder_split(folders: str) -> str | None:
+    """The split the folders ``a/b`` of a name put it in (None: none), by ``datasets``' folder
+    patterns (pure; kept per folder: a 100,000-file folder has few folders)."""
+    parts = folders.split("/") if folders else []
+    found = (s for s, named in _SPLIT_IN_FOLDER.items() if any(map(named.search, parts)))
     return next(found, None)
 
 
-def splits_of(names: Sequence[str]) -> dict[str | None, list[str]]:
+def sharded_split(name: str) -> str | None:
+    """The split ``datasets``' shard-name pattern reads in a name relative to the folder
+    (``data/holdout-00000-of-00001.parquet``: ``holdout``), or None where it does not match
+    (pure).
+
+    Example:
+        >>> sharded_split("data/holdout-00000-of-00001.parquet"), sharded_split("holdout.parquet")
+        ('holdout', None)
+    """
+    match = _SPLIT_SHARDED.fullmatch(name) if name.startswith("data/") else None
+    return match.group(1) if match else None
+
+
+class SplitBy(Enum):
+    """Which of ``datasets``' patterns splits a folder's files, in the order it tries them."""
+
+    SHARD_NAMES = "shard names"  # data/{split}-00000-of-00002.parquet
+    FOLDERS = "folders"  # train/, my_train/, train-0/
+    FILE_NAMES = "file names"  # train.parquet, data-train.tar
+
+
+def split_by(names: Sequence[str]) -> SplitBy:
+    """Which pattern ``datasets`` splits the files ``names`` by (pure): its shard names where any
+    name matches them, else folders where any folder names a split, else file names."""
+    if any(map(sharded_split, names)):
+        return SplitBy.SHARD_NAMES
+    if any(folder_split(n.rpartition("/")[0]) for n in names):
+        return SplitBy.FOLDERS
+    return SplitBy.FILE_NAMES
+
+
+def splits_of(names: Sequence[str], how: SplitBy | None = None) -> dict[str | None, list[str]]:
     """split (None: none named) -> the names in it, as ``datasets`` splits a folder's files
-    (pure): by their folders' names where any folder names a split (its patterns for folders
-    come first: files in no such folder are left out of every split), else by file name.
+    (pure): by its shard-name pattern where any name matches it (``data/holdout-00000-of-
+    00001.parquet``: any word a split), else by their folders' names where any folder names a
+    split, else by file name (``how``, when the caller knows it: :func:`split_by`); files the
+    pattern used does not match are in no split.
 
     Example:
         >>> splits_of(["train/a.tar", "test/a.tar", "b.tar"])
         {'train': ['train/a.tar'], 'test': ['test/a.tar'], None: ['b.tar']}
+        >>> splits_of(["data/holdout-00000-of-00001.tar", "data/x.tar"])
+        {'holdout': ['data/holdout-00000-of-00001.tar'], None: ['data/x.tar']}
     """
-    by_folder = any(split_of(n, by_folder=True) for n in names)
+    how = how or split_by(names)
     out: dict[str | None, list[str]] = {}
     for name in names:
-        out.setdefault(split_of(name, by_folder), []).append(name)
+        if how is SplitBy.SHARD_NAMES:
+            split = sharded_split(name)
+        else:
+            split = split_of(name, by_folder=how is SplitBy.FOLDERS)
+        out.setdefault(split, []).append(name)
     return out
 
 
 def refuse_several_splits(where: str, names: Sequence[str]) -> None:
-    """Refuse a folder whose data files (parquet files, tar shards) ``datasets`` does not read
-    as the one table (or one set of shards) featbake reads them as: files that name several
-    splits (``datasets`` reads a DatasetDict: the test rows would be served with the training
-    ones), or files of one split beside files that name none (``load_dataset`` reads only the
-    split's, ``train.parquet``, and leaves the others, ``extra.parquet``, out: featbake would
-    serve rows the user's other loader never sees). A folder whose files name no split is one
-    ``train`` split of them all to ``datasets``, as to featbake.
+    """Refuse a folder whose data files (parquet files, tar shards, a folder's audio, image or
+    text files) ``datasets`` does not read as the one table (one set of shards, one folder of
+    files) featbake reads them as: files that name several splits (``datasets`` reads a
+    DatasetDict: the test rows would be served with the training ones), or files of one split
+    beside files that name none (``load_dataset`` reads only the split's, ``train.parquet``,
+    and leaves the others, ``extra.parquet``, out: featbake would serve rows the user's other
+    loader never sees). A folder whose files name no split is one ``train`` split of them all
+    to ``datasets``, as to featbake.
 
     The split of each name is ``datasets``' own rule (:func:`splits_of`); the folder's files
     only are judged, as they are what featbake reads (a bucket prefix's: every object under it,
@@ -823,25 +896,83 @@ def refuse_several_splits(where: str, names: Sequence[str]) -> None:
 
     Raises:
         SourceError: the files name two splits or more (each named with its file count), or
-            one split beside files that name none (those named).
+            one split beside files that name none (those named); the way out is said as the
+            split is (one split's folder where folders name them).
     """
-    by_split = splits_of(names)
-    named = [split for split in SPLIT_KEYWORDS if split in by_split]
+    if not may_name_a_split(names):
+        return  # one search over all names: a speaker folder's 100,000 clips name no split
+    how = split_by(names)
+    by_split = splits_of(names, how)
+    named = [s for s in SPLIT_KEYWORDS if s in by_split]
+    named += sorted(s for s in by_split if s is not None and s not in SPLIT_KEYWORDS)
     if not named or by_split.keys() == {named[0]}:
         return
     held = ", ".join(f"{split} ({files(len(by_split[split]))})" for split in named)
     if len(named) > 1:
         raise SourceError(
-            f"{where} holds the splits {held}, as datasets reads its file names; pass one "
-            "split: its file as --data, or its files moved into a folder of their own"
+            f"{where} holds the splits {held}, as datasets reads its {how.value}; pass one "
+            f"split: {one_split_advice(where, how, by_split[named[0]])}"
         )
     others = by_split[None]
     shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
     raise SourceError(
         f"{where} holds the split {held} and {files(len(others))} that name no split "
-        f"({shown}), which datasets leaves out of it; featbake would read them all as one: "
-        "pass one set alone (a file as --data, or its files moved into a folder of their own)"
+        f"({shown}), which datasets leaves out of it; featbake would read them all as one; "
+        f"pass one set alone: {one_split_advice(where, how, by_split[named[0]])}"
     )
+
+
+def one_split_advice(where: str, how: SplitBy, first: Sequence[str]) -> str:
+    """How to pass one split of a folder that holds several (pure): its folder where folders
+    name the splits (``first``: a split's names, the first showing its folder), else its file,
+    or its files moved into a folder of their own."""
+    if how is SplitBy.FOLDERS:
+        parts = first[0].split("/")[:-1]
+        top = next(i for i in range(len(parts)) if folder_split("/".join(parts[: i + 1])))
+        folder = "/".join([where.rstrip("/"), *parts[: top + 1]])
+        return f"its folder as --data (such as {folder})"
+    return "its file as --data, or its files moved into a folder of their own"
+
+
+def schema_difference(a: pa.Schema, b: pa.Schema) -> str | None:
+    """How the schema ``b`` differs from ``a`` as a table's rows see it (pure): the first
+    column one has and the other lacks, or holds in another type; None where they agree on
+    every column's name and type. Metadata (``datasets``' ``huggingface`` features, a field's
+    own) and column order are no difference, as pyarrow's dataset reads such files as one."""
+    types_a = {f.name: f.type for f in a}
+    types_b = {f.name: f.type for f in b}
+    for name, held in types_a.items():
+        if name not in types_b:
+            return f"column {name!r} is in the first, not the second"
+        if types_b[name] != held:
+            return f"column {name!r} holds {held} in the first, {types_b[name]} in the second"
+    extra = next((n for n in types_b if n not in types_a), None)
+    return None if extra is None else f"column {extra!r} is in the second, not the first"
+
+
+def refuse_mixed_schemas(where: str, schemas: Sequence[tuple[str, pa.Schema]]) -> None:
+    """Refuse a table whose files (``schemas``: each file's name and schema, in the table's
+    order) do not hold the same columns of the same types: the encoded column read one way in
+    one file and another (or missing) elsewhere, or rows carrying other labels file by file,
+    are no one table. ``datasets`` and pyarrow's dataset cast every file to the first one's
+    columns (a string label ``"3"`` read as 3, a missing one as None; bytes beside a struct
+    refused by pyarrow): a guess featbake does not make, as served labels must be the data's.
+
+    Raises:
+        SourceError: one line naming the first file and the first that differs from it, and
+            the difference.
+    """
+    if not schemas:
+        return
+    first, schema = schemas[0]
+    for name, other in schemas[1:]:
+        why = schema_difference(schema, other)
+        if why is not None:
+            raise SourceError(
+                f"{where}: its files' columns differ ({first}, {name}: {why}), so they are no "
+                "one table and featbake will not guess a cast; write them to one schema, or "
+                "pass the files of one schema as --data (moved into a folder of their own)"
+            )
 
 
 def files(n: int) -> str:
