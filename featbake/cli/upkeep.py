@@ -452,8 +452,6 @@ def _print_gc_plan(plan: GcPlan, dry_run: bool, as_json: bool) -> None:
 
 
 # == verify ========================================================================================
-# `featbake verify [--repair]`.
-# == upkeep: stats, roots, gc, verify, export ===================================================
 VERIFY_EXIT = """verify exit codes: 0 clean (notes, e.g. parts-waiting: a build in parts not
 merged yet, are not damage); 10 damage was found and repaired (--repair; features
 in quarantined shards are gone: rebuild to recompute them); 11 damage remains (run with --repair,
@@ -467,11 +465,13 @@ encoder could not load."""
 
 @app.command(
     epilog=(
-        "Examples:\n\n  featbake verify\n\n  featbake verify --repair --json\n\n"
-        "  featbake verify --cache s3://team-bucket/features\n\n"
-        "  featbake verify --encoder ckpt.pt --data ./audio --sample 64 --seed 1   # spot check"
-        "\n\n"
-        "  featbake verify --encoder ckpt.pt --data ./audio --dtype float16 --json\n\n"
+        examples(
+            "featbake verify",
+            "featbake verify --repair --json",
+            "featbake verify --cache s3://team-bucket/features",
+            "featbake verify --encoder ckpt.pt --data ./audio --sample 64 --seed 1",
+            "featbake verify --encoder ckpt.pt --data ./audio --dtype float16 --json",
+        )
         + VERIFY_EXIT
     )
 )
