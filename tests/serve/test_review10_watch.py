@@ -1,0 +1,102 @@
+"""Review of serve9.13-serve9.15: what a forward hook holds that is neither plain nor a
+top-level tensor is keyed by its type alone, so hooks that differ only there share keys."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from featbake.serve.cached_encoder import CachedEncoder
+from featbake.serve.dataset import CachedFeatureDataset
+from featbake.testing import TinyConvEncoder
+
+
+def _times(value: Any) -> Any:
+    """A pre-hook scaling its input by what ``value`` says (read at each call)."""
+
+    def hook(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        if isinstance(value, dict):
+            factor = value["factor"]
+        elif isinstance(value, tuple):
+            factor = value[0]
+        elif callable(value):
+            factor = value(1.0)
+        else:
+            factor = value
+        return (args[0] * factor,)
+
+    return hook
+
+
+@dataclasses.dataclass(slots=True)
+class _SlottedScaler:
+    """A hook object with ``__slots__`` (``dataclass(slots=True)``, ``attrs.define``)."""
+
+    factor: float
+
+    def __call__(self, module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (args[0] * self.factor,)
+
+
+_HOLDING = {
+    "numpy-scalar": lambda f: _times(np.float32(f)),
+    "dict": lambda f: _times({"factor": f}),
+    "tensor-in-tuple": lambda f: _times((torch.tensor(f),)),
+    "callable": lambda f: _times(lambda x: x * f),
+    "slotted-object": _SlottedScaler,
+}
+
+
+def _live(module: torch.nn.Module, path: str) -> torch.Tensor:
+    from featbake.encode.sources import source_for
+    from featbake.recipe import Recipe
+
+    with torch.inference_mode():
+        return module(source_for(Recipe()).load(Path(path)).unsqueeze(0))[0]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a hook's non-plain held value (numpy scalar, dict, tensor in a tuple, another "
+    "callable, a slotted object's attributes) is keyed by its type alone: two modules whose "
+    "hooks scale by 2 and 3 share keys, the second is served the first's features",
+)
+@pytest.mark.parametrize("how", list(_HOLDING))
+def test_modules_whose_hooks_hold_other_non_plain_values_are_served_their_own_features(
+    tmp_path: Path, audio_dir: Path, how: str
+) -> None:
+    a, b = TinyConvEncoder().eval(), TinyConvEncoder().eval()
+    b.load_state_dict(a.state_dict())
+    a.register_forward_pre_hook(_HOLDING[how](2.0))
+    b.register_forward_pre_hook(_HOLDING[how](3.0))
+    with pytest.warns(UserWarning, match="no featbake store"):
+        first = CachedFeatureDataset(audio_dir, a, cache=tmp_path / "s")
+    first[0]
+    first.flush()
+    second = CachedFeatureDataset(audio_dir, b, cache=tmp_path / "s")
+    torch.testing.assert_close(second[0], _live(b, second.path(0)))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a dict a hook closes over, edited in place, is seen by no watch: CachedEncoder "
+    "serves its RAM hits encoded with the old factor",
+)
+def test_a_hooks_dict_edited_in_place_is_not_served_stale_by_cached_encoder() -> None:
+    module = TinyConvEncoder().eval()
+    for p in module.parameters():
+        p.requires_grad_(False)
+    config = {"factor": 2.0}
+    module.register_forward_pre_hook(_times(config))
+    cached = CachedEncoder(module, cache=None)
+    x = torch.randn(2, 8000, generator=torch.Generator().manual_seed(0))
+    cached(x, ids=["a", "b"])
+    config["factor"] = 3.0
+    with torch.no_grad():
+        now = module(x)
+    torch.testing.assert_close(cached(x, ids=["a", "b"]), now)
