@@ -176,3 +176,44 @@ def test_a_global_hook_registered_before_the_dataset_is_made_is_not_served_stale
         torch.testing.assert_close(hooked[0], _live(module, hooked.path(0)))
     finally:
         handle.remove()
+
+
+_DECORATED = """import torch
+
+
+@torch.no_grad()
+def pre(module, args):
+    return (args[0] * FACTOR,)
+"""
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a hook wrapped by a library's decorator (@torch.no_grad()) is keyed by the "
+    "wrapper's code and file (torch/utils/_contextlib.py) and its cells by type: editing "
+    "the hook's own body keeps its key, so the store's features of the old body are served",
+)
+def test_a_decorated_hook_edited_is_keyed_by_its_new_body(
+    tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib
+
+    folder = tmp_path / "pkg"
+    folder.mkdir()
+    source = folder / "review10_decorated_hooks.py"
+    source.write_text(_DECORATED.replace("FACTOR", "2.0"))
+    monkeypatch.syspath_prepend(str(folder))
+    hooks = importlib.import_module("review10_decorated_hooks")
+    a = TinyConvEncoder().eval()
+    a.register_forward_pre_hook(hooks.pre)
+    with pytest.warns(UserWarning, match="no featbake store"):
+        first = CachedFeatureDataset(audio_dir, a, cache=tmp_path / "s")
+    first[0]
+    first.flush()
+    source.write_text(_DECORATED.replace("FACTOR", "3.0"))  # the user edits the hook
+    hooks = importlib.reload(hooks)
+    b = TinyConvEncoder().eval()
+    b.load_state_dict(a.state_dict())
+    b.register_forward_pre_hook(hooks.pre)
+    second = CachedFeatureDataset(audio_dir, b, cache=tmp_path / "s")
+    torch.testing.assert_close(second[0], _live(b, second.path(0)))
