@@ -1041,6 +1041,13 @@ class EngineJob:
     driver_host: str = field(default_factory=this_host)
     protocol: int = ENGINE_PROTOCOL
 
+    def sent_protocol(self) -> object:
+        """The engine protocol of the driver that made this job, read from its own state: a
+        job pickled by the featbake before has no ``protocol`` there (its ``EngineJob`` had
+        no such field), and is 1, not the class's default (this node's number) that reading
+        the attribute would find."""
+        return vars(self).get("protocol", 1)
+
 
 @dataclass
 class SeenHere:
@@ -1363,7 +1370,7 @@ class PartEncoder:
     """
 
     def __init__(self, job: EngineJob) -> None:
-        check_protocol(getattr(job, "protocol", 1), "the build's driver")  # a job pickled before
+        check_protocol(job.sent_protocol(), "the build's driver")
         self.job = job
         dev = check_device(job.device)
         catalog = FragmentCatalog(job.layout, RankPart(0, 1, ()))

@@ -39,12 +39,6 @@ class DriverOfTheFeatbakeBefore:
         return PartEncoder(as_the_featbake_before_pickled_it(job)).encode(items)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="PartEncoder reads getattr(job, 'protocol', 1), but EngineJob's default is a class "
-    "attribute: a job pickled without the field reads as this featbake's protocol, so the "
-    "worker takes it (cl9.16's test builds its job with dataclasses.replace(protocol=1))",
-)
 def test_a_worker_refuses_a_job_pickled_by_a_driver_of_the_featbake_before(
     audio_dir: Path, encoder_file: Path, tmp_path: Path
 ) -> None:
