@@ -29,7 +29,14 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Generic, NamedTuple, Protocol, TypeVar, runtime_checkable
 
-from featbake.store.files import FOLDER_LOCK, Taken, is_same_file, lock_taken
+from featbake.store.files import (
+    FOLDER_LOCK,
+    LockFile,
+    Taken,
+    is_same_file,
+    lock_taken,
+    opened_lock,
+)
 from featbake.store.layout import Layout
 
 if TYPE_CHECKING:
@@ -99,20 +106,21 @@ SWEPT_PREFIX = "swept-"
 class _Opened:
     """A leftover as the sweep opened it: ``fd`` the file or folder itself (weighed, its
     identity checked), ``lock`` the descriptor its maker locks (the file's own, open
-    read-write as a write lock needs; a folder's lock file), None where there is none;
+    read-write as a write lock needs; a folder's lock file; closed by a forked child:
+    :func:`~featbake.store.files.opened_lock`), None where there is none;
     ``shared``: ``lock`` is open read-only (another user's file), so it is tried shared, which
     a maker's lock refuses as well."""
 
     fd: int
-    lock: int | None
+    lock: LockFile | None
     folder: bool
     shared: bool = False
 
     def close(self) -> None:
         """Close both descriptors (letting go of a lock taken through ``lock``)."""
         os.close(self.fd)
-        if self.lock is not None and self.lock != self.fd:
-            os.close(self.lock)
+        if self.lock is not None:
+            self.lock.close()
 
 
 def _opened(path: Path) -> _Opened | None:
@@ -126,10 +134,11 @@ def _opened(path: Path) -> _Opened | None:
     flags = os.O_NOFOLLOW | os.O_NONBLOCK
     where, dir_fd = (FOLDER_LOCK, fd) if folder else (str(path), None)
     try:
-        return _Opened(fd, os.open(where, flags | os.O_RDWR, dir_fd=dir_fd), folder)
+        return _Opened(fd, opened_lock(where, flags | os.O_RDWR, dir_fd=dir_fd), folder)
     except PermissionError:  # not this user's to write: tried shared, read-only
         with contextlib.suppress(OSError):
-            return _Opened(fd, os.open(where, flags | os.O_RDONLY, dir_fd=dir_fd), folder, True)
+            read_only = opened_lock(where, flags | os.O_RDONLY, dir_fd=dir_fd)
+            return _Opened(fd, read_only, folder, True)
     except OSError:
         pass
     return _Opened(fd, None, folder)
@@ -141,9 +150,9 @@ def _lock_state(opened: _Opened) -> Taken:
     a file whose lock cannot be tried is counted as held."""
     if opened.lock is None:
         return Taken.NO_LOCKS if opened.folder else Taken.HELD
-    if not opened.folder and not _same_file_fds(opened.fd, opened.lock):
+    if not opened.folder and not _same_file_fds(opened.fd, opened.lock.fd):
         return Taken.HELD  # replaced between the two opens: weighed next time
-    return lock_taken(opened.lock, shared=opened.shared)
+    return lock_taken(opened.lock.fd, shared=opened.shared)
 
 
 def _same_file_fds(a: int, b: int) -> bool:

@@ -9,31 +9,27 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from featbake.store.locks import locked
 from featbake.store.place import held_folder, removed_leftover
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="locked() (write.lock, claims.lock, the tier's locks) is no hold: a child forked "
-    "while it is held (a fork-mode DataLoader worker started beside a write-back or a tier "
-    "download) keeps the flock after the parent's block ends, so the next locked() of the "
-    "file, the parent's own too, waits for as long as the child lives",
-)
 def test_a_named_lock_let_go_by_its_owner_is_not_kept_by_its_forked_child(
     tmp_path: Path,
 ) -> None:
     path = tmp_path / "tier.lock"
     r, w = os.pipe()
+    started_r, started_w = os.pipe()
     with locked(path) as fd:
         assert fd is not None
         pid = os.fork()
         if pid == 0:  # a worker that lives on (it never touches the lock)
             os.close(w)
+            os.write(started_w, b"s")  # past the fork's hooks: it runs as a worker would
             os.read(r, 1)
             os._exit(0)
+        os.close(started_w)
+        assert os.read(started_r, 1) == b"s"
+        os.close(started_r)
     os.close(r)
     try:
         with locked(path, wait=0) as again:  # TimeoutError: the child keeps the lock
@@ -44,34 +40,29 @@ def test_a_named_lock_let_go_by_its_owner_is_not_kept_by_its_forked_child(
         os.waitpid(pid, 0)
 
 
-#: A maker whose hold is being made when a fork happens (another thread's fork, between the
-#: lock taken in ``_locked_made`` and ``_registered``): the child lives on, the maker waits.
+#: A maker whose hold is being made when a fork happens (another thread's fork right after the
+#: hold's lock is taken, before the hold is returned): the child lives on, the maker waits.
 _MAKER = """
 import os, sys
 from pathlib import Path
 import featbake.store.files as files
-real = files._registered
-def registered(path, fd):
+real = files.lock_taken
+def lock_taken(fd, **how):
+    taken = real(fd, **how)
     child = os.fork()
     if child == 0:
         sys.stdin.readline()
         os._exit(0)
-    registered.child = child
-    real(path, fd)
-files._registered = registered
+    lock_taken.child = child
+    return taken
+files.lock_taken = lock_taken
 with files.holding(Path(sys.argv[1]) / "tmp" / "work-x", folder=True) as held:
     os.utime(held.path, (0, 0))
-    print(held.path, registered.child, flush=True)
+    print(held.path, lock_taken.child, flush=True)
     sys.stdin.readline()
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="up9.16 closes only what _HELD lists at the fork: a hold locked but not yet "
-    "registered (or a sweep's or held_now's lock taken at that moment) is kept by the "
-    "child, so a killed owner's leftover is kept while the child lives",
-)
 def test_a_child_forked_while_a_hold_is_made_does_not_keep_a_killed_owners_leftover(
     tmp_path: Path,
 ) -> None:
