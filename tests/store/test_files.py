@@ -162,3 +162,32 @@ def test_a_place_lists_no_leftover_a_live_process_holds(tmp_path: Path) -> None:
     with holding(layout.tmp / "live.part"), holding(layout.tmp / "work-y", folder=True):
         assert [Path(h.name).name for h in place.leftovers()] == ["dead.part"]
     assert [Path(h.name).name for h in place.leftovers()] == ["dead.part"]
+
+
+@pytest.mark.parametrize("spelled", ["relative", "link"])
+def test_a_held_file_spelled_another_way_is_refused_not_waited_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spelled: str
+) -> None:
+    """Round ten, holds (corrects up9.17): a second hold was refused only for the path as
+    spelled, so the same file by a relative path or through a link waited on this process's
+    own lock for ever. It is refused by the file's identity."""
+    path, outcome, done = tmp_path / "tmp" / "same.part", [], threading.Event()
+    monkeypatch.chdir(tmp_path)
+    other = Path("tmp/same.part") if spelled == "relative" else tmp_path / "link.part"
+
+    def twice() -> None:
+        with holding(path):
+            if spelled == "link":
+                other.symlink_to(path)
+            try:
+                with holding(other):
+                    outcome.append("held twice")
+            except StoreError as e:
+                outcome.append(str(e))
+        done.set()
+
+    threading.Thread(target=twice, daemon=True).start()
+    assert done.wait(60), "the second hold waits on the first"
+    assert outcome[0].startswith(f"{other} is already held by this process")
+    assert "\n" not in outcome[0]
+    assert not path.exists()
