@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import pickle
 import shutil
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -440,3 +441,43 @@ def test_a_worker_refuses_a_driver_of_another_featbake_in_one_line(
     assert (batch.digested, batch.error is not None) == ([], True)
     with pytest.raises(ConfigError, match=OTHER_FEATBAKE):
         batch.raise_error()
+
+
+def as_the_featbake_before_pickled_it(job: EngineJob) -> EngineJob:
+    """``job`` as a worker unpickles it from a driver of the featbake before: its state has no
+    ``protocol`` (that featbake's ``EngineJob`` had no such field)."""
+    state = {k: v for k, v in vars(job).items() if k != "protocol"}
+    old = object.__new__(EngineJob)
+    old.__dict__.update(state)
+    landed = pickle.loads(pickle.dumps(old))
+    assert "protocol" not in vars(landed)
+    return landed
+
+
+class DriverOfTheFeatbakeBefore(InProcess):
+    """An engine whose worker is sent the job as the featbake before pickled it."""
+
+    def encode(
+        self, job: EngineJob, items: Sequence[WorkItem], progress: ProgressFn | None
+    ) -> PartResult:
+        return PartEncoder(as_the_featbake_before_pickled_it(job)).encode(items)
+
+
+def test_a_worker_refuses_a_job_pickled_by_a_driver_of_the_featbake_before(
+    audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    """Round ten, engines (corrects cl9.16): the worker read ``getattr(job, "protocol", 1)``,
+    but ``EngineJob``'s default is a class attribute, so a job pickled by a driver of the
+    featbake before (no such field in its state) read as this node's number: the worker
+    encoded and stored shards, then the old driver failed on the result. The number is read
+    from the job's own state: refused in one line, nothing stored."""
+    from featbake.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=OTHER_FEATBAKE):
+        build(
+            audio_dir,
+            encoder_file,
+            cache=tmp_path / "store",
+            engine=DriverOfTheFeatbakeBefore(),  # type: ignore[arg-type]
+        )
+    assert not list((tmp_path / "store").rglob("*.safetensors"))
