@@ -1246,13 +1246,18 @@ class PartResult:
         report.shards_written += self.shards_written
         report.batching, report.batching_note = self.batching, self.batching_note
 
-    def to_json(self) -> str:
-        """This result as JSON (:meth:`from_json` gives it back equal)."""
+    def to_json(self, answering: object = ENGINE_PROTOCOL) -> str:
+        """This result as JSON (:meth:`from_json` gives it back equal), for a driver of engine
+        protocol ``answering`` (:meth:`EngineJob.sent_protocol`). A driver of the featbake
+        before (1) reads every key as a field and knows no protocol number, so it is answered
+        without one: the refusal of its job (:func:`check_protocol`) reaches it as its one
+        line, not as a ``TypeError`` inside the JSON."""
         doc = dataclasses.asdict(self) | {
             "causes": [str(c) for c in self.causes],
             "measured": None if self.measured is None else self.measured.to_json(),
-            "protocol": ENGINE_PROTOCOL,
         }
+        if answering != 1:
+            doc["protocol"] = ENGINE_PROTOCOL
         return json.dumps(doc)
 
     @classmethod
