@@ -1041,6 +1041,13 @@ class EngineJob:
     driver_host: str = field(default_factory=this_host)
     protocol: int = ENGINE_PROTOCOL
 
+    def sent_protocol(self) -> object:
+        """The engine protocol of the driver that made this job, read from its own state: a
+        job pickled by the featbake before has no ``protocol`` there (its ``EngineJob`` had
+        no such field), and is 1, not the class's default (this node's number) that reading
+        the attribute would find."""
+        return vars(self).get("protocol", 1)
+
 
 @dataclass
 class SeenHere:
@@ -1239,13 +1246,18 @@ class PartResult:
         report.shards_written += self.shards_written
         report.batching, report.batching_note = self.batching, self.batching_note
 
-    def to_json(self) -> str:
-        """This result as JSON (:meth:`from_json` gives it back equal)."""
+    def to_json(self, answering: object = ENGINE_PROTOCOL) -> str:
+        """This result as JSON (:meth:`from_json` gives it back equal), for a driver of engine
+        protocol ``answering`` (:meth:`EngineJob.sent_protocol`). A driver of the featbake
+        before (1) reads every key as a field and knows no protocol number, so it is answered
+        without one: the refusal of its job (:func:`check_protocol`) reaches it as its one
+        line, not as a ``TypeError`` inside the JSON."""
         doc = dataclasses.asdict(self) | {
             "causes": [str(c) for c in self.causes],
             "measured": None if self.measured is None else self.measured.to_json(),
-            "protocol": ENGINE_PROTOCOL,
         }
+        if answering != 1:
+            doc["protocol"] = ENGINE_PROTOCOL
         return json.dumps(doc)
 
     @classmethod
@@ -1363,7 +1375,7 @@ class PartEncoder:
     """
 
     def __init__(self, job: EngineJob) -> None:
-        check_protocol(getattr(job, "protocol", 1), "the build's driver")  # a job pickled before
+        check_protocol(job.sent_protocol(), "the build's driver")
         self.job = job
         dev = check_device(job.device)
         catalog = FragmentCatalog(job.layout, RankPart(0, 1, ()))

@@ -709,7 +709,7 @@ class PathActor:
             result = self.worker.part().encode(items)
         except FeatbakeError as e:  # --strict, a store that cannot be written: one line back
             result = PartResult.raised(e)
-        return {RESULT: [result.to_json()]}
+        return {RESULT: [result.to_json(self.worker.answering)]}
 
 
 class Worker:
@@ -719,6 +719,7 @@ class Worker:
     def __init__(self, job: EngineJob) -> None:
         self.error: FeatbakeError | None = None
         self.encoder: PartEncoder | None = None
+        self.answering = job.sent_protocol()  # its driver's: the shape its results take
         try:
             self.encoder = PartEncoder(job)
         except FeatbakeError as e:
@@ -748,7 +749,8 @@ class BytesActor:
         try:
             return self.encoded(batch)
         except FeatbakeError as e:  # one row carries it back (see _results)
-            return {"id": [""], "key": [""], RESULT: [PartResult.raised(e).to_json()]}
+            answer = PartResult.raised(e).to_json(self.worker.answering)
+            return {"id": [""], "key": [""], RESULT: [answer]}
 
     def encoded(self, batch: dict[str, np.ndarray]) -> dict[str, list[str]]:
         """(id, key) of each row, the task's result on the first (see the class)."""
@@ -769,7 +771,7 @@ class BytesActor:
         result = worker.encode(list(todo.values()), held)
         result.reused = len({k for k in keys if k in stored})
         result.items = len(keys)
-        first = [result.to_json()] + [""] * (len(keys) - 1)
+        first = [result.to_json(self.worker.answering)] + [""] * (len(keys) - 1)
         return {"id": ids, "key": keys, RESULT: first}
 
 

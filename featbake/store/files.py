@@ -176,7 +176,7 @@ def list_folder(folder: Path, pattern: str) -> FolderListing:
 # emulates it with a process-owned whole-file POSIX lock, which any close drops and which refuses
 # a write lock on a read-only descriptor; it carries OFD locks as locks owned by the open file.
 # Every descriptor locked here is open for writing. A forked child (a fork-mode DataLoader
-# worker) closes this process's held descriptors (:func:`_close_held_in_child`): a child that
+# worker) closes this process's lock descriptors (:func:`_close_locks_in_child`): a child that
 # outlives a killed owner never keeps its leftover.
 #
 # Where the filesystem has no locks (see store/locks.py: NFS without a lock daemon, Lustre without
@@ -287,75 +287,122 @@ class Hold:
         return is_same_file(lock_file_of(self.path, self.folder), self.fd)
 
 
-#: This process's live holds (path -> locked descriptor): a second hold of one path is refused
-#: (its two descriptors would wait on each other), and a forked child closes them all.
-_HELD: dict[Path, int] = {}
-_HELD_GUARD = fork_safe_lock()  # never copied into a child held by a thread it lacks
+# == descriptors a lock is taken through ===================================================
+# Every descriptor this process takes a file lock through (a hold's, a named lock's of
+# store/locks.py, the sweep's and ``held_now``'s in store/place.py, the tier's check of a
+# download) is opened by :func:`opened_lock` and listed in one registry, :data:`_LOCKS`, until
+# :meth:`LockFile.close`. A forked child (a fork-mode DataLoader worker) closes every one at the
+# fork (:func:`_close_locks_in_child`): ``flock`` and OFD locks belong to the open file, which
+# the child's copies share, so a child that outlives the lock's owner, or only its block, would
+# keep the lock for as long as it lives (a killed owner's leftover kept from the sweep, the
+# next ``tier_locked`` waiting on the child). A descriptor is listed from its ``open`` to its
+# ``close``, both under :data:`_LOCKS_GUARD`, which every fork holds: no child is ever forked
+# with a lock descriptor the registry does not list, whenever its lock is taken.
 
 
-def _close_held_in_child() -> None:
-    """In a forked child: close the parent's held descriptors, so that the child never keeps a
-    killed parent's leftover from the sweep (the lock follows the open file), and forget them
-    (the child's copies of :func:`holding` blocks then leave the parent's files alone)."""
-    for fd in _HELD.values():
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    _HELD.clear()
+@dataclass(eq=False)
+class LockFile:
+    """A descriptor this process takes a file's lock through (:func:`opened_lock`), closed by
+    a forked child; ``held``: the file's identity (``st_dev``, ``st_ino``) where it is a
+    :func:`holding`'s (a second hold of one file is refused)."""
 
+    fd: int
+    held: tuple[int, int] | None = None
 
-in_forked_child(_close_held_in_child)
+    def own(self) -> bool:
+        """Whether this process opened it (not a forked child's copy, closed at the fork)."""
+        return _LOCKS.get(self.fd) is self
 
-
-def _registered(path: Path, fd: int) -> None:
-    """Note ``fd`` as this process's hold of ``path``; refuses a second hold of it."""
-    with _HELD_GUARD:
-        _refuse_second(path)
-        _HELD[path] = fd
-
-
-def _refuse_second(path: Path) -> None:
-    """Refuse a second hold of ``path`` in this process (the caller holds the guard)."""
-    if path in _HELD:
-        raise StoreError(
-            f"{path} is already held by this process; a scratch name is used once: make a new "
-            "one with a unique name"
-        )
-
-
-def _released(path: Path, fd: int) -> bool:
-    """Forget this process's hold of ``path`` by ``fd``; whether it was this process's (not
-    inherited by a fork: then its file is left to its owner)."""
-    with _HELD_GUARD:
-        if _HELD.get(path) != fd:
-            return False
-        del _HELD[path]
+    def close(self) -> bool:
+        """Close it (letting go of its lock) where it is this process's; whether it was (a
+        forked child's copy of a block leaves the parent's lock alone)."""
+        with _LOCKS_GUARD:
+            if not self.own():
+                return False
+            del _LOCKS[self.fd]
+            os.close(self.fd)  # under the guard: no fork copies it unlisted
         return True
 
 
-def _made(path: Path, folder: bool) -> int:
+#: This process's lock descriptors (fd -> its :class:`LockFile`): the one registry a forked
+#: child closes.
+_LOCKS: dict[int, LockFile] = {}
+_LOCKS_GUARD = fork_safe_lock()  # held across fork: never copied held, nor mid-open/close
+
+
+def _close_locks_in_child() -> None:
+    """In a forked child: close the parent's lock descriptors, so that the child never keeps
+    a lock its parent lets go of or a killed parent's leftover from the sweep (the lock
+    follows the open file), and forget them (the child's copies of a lock's block then leave
+    the parent's files alone)."""
+    for fd in _LOCKS:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _LOCKS.clear()
+
+
+in_forked_child(_close_locks_in_child)
+
+
+def opened_lock(
+    path: str | Path, flags: int, *, dir_fd: int | None = None, hold: bool = False
+) -> LockFile:
+    """``os.open(path, flags, 0o666, dir_fd=dir_fd)`` listed as a lock descriptor (see the
+    section comment): the one way a descriptor a lock is taken through is opened. ``hold``:
+    a :func:`holding`'s, refused where this process holds that file already (by identity,
+    however ``path`` is spelled: a relative path, a link).
+
+    Raises:
+        OSError: as ``os.open``.
+        StoreError: ``hold``, and this process holds the file already.
+    """
+    with _LOCKS_GUARD:
+        fd = os.open(path, flags, 0o666, dir_fd=dir_fd)
+        lock = LockFile(fd, _identity(fd) if hold else None)
+        if hold and any(other.held == lock.held for other in _LOCKS.values()):
+            os.close(fd)
+            raise StoreError(
+                f"{path} is already held by this process; a scratch name is used once: make a "
+                "new one with a unique name"
+            )
+        _LOCKS[fd] = lock
+    return lock
+
+
+def _identity(fd: int) -> tuple[int, int]:
+    """The file open as ``fd``: its device and inode."""
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
+def _made(path: Path, folder: bool) -> LockFile:
     """Make ``path`` (a file, or a folder with its lock file) if missing; the descriptor to
-    lock, open read-write (made as the umask allows, so a group's gc can lock it)."""
+    lock, open read-write (made as the umask allows, so a group's gc can lock it).
+
+    Raises:
+        StoreError: this process holds it already (its lock would wait on its own for ever).
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     if folder:
         path.mkdir(exist_ok=True)
-    return os.open(lock_file_of(path, folder), os.O_RDWR | os.O_CREAT, 0o666)
+    return opened_lock(lock_file_of(path, folder), os.O_RDWR | os.O_CREAT, hold=True)
 
 
-def _locked_made(path: Path, folder: bool) -> int:
+def _locked_made(path: Path, folder: bool) -> LockFile:
     """:func:`_made`, locked: made again while a sweep removed what it locked first."""
     while True:
         try:
-            fd = _made(path, folder)
+            lock = _made(path, folder)
         except FileNotFoundError:
             continue  # a sweep removed the folder between its making and its lock file's
         try:
-            lock_taken(fd, wait=True)  # a sweep holding it is removing it: made again below
-            if is_same_file(lock_file_of(path, folder), fd):
-                return fd
+            lock_taken(lock.fd, wait=True)  # a sweep holding it is removing it: made again
+            if is_same_file(lock_file_of(path, folder), lock.fd):
+                return lock
         except BaseException:
-            os.close(fd)
+            lock.close()
             raise
-        os.close(fd)
+        lock.close()
 
 
 @contextlib.contextmanager
@@ -368,20 +415,13 @@ def holding(path: Path, *, folder: bool = False) -> Iterator[Hold]:
         OSError: it cannot be made.
         StoreError: this process holds ``path`` already (a name used twice).
     """
-    with _HELD_GUARD:
-        _refuse_second(path)  # its lock would wait on this process's own for ever
-    fd = _locked_made(path, folder)
+    lock = _locked_made(path, folder)
     try:
-        _registered(path, fd)
-    except BaseException:
-        os.close(fd)
-        raise
-    try:
-        yield Hold(path, fd, folder)
+        yield Hold(path, lock.fd, folder)
     finally:
-        if _released(path, fd):  # a forked child's copy leaves the parent's file alone
+        if lock.own():  # a forked child's copy leaves the parent's file alone
             _removed(path, folder)
-            os.close(fd)
+            lock.close()
 
 
 def _removed(path: Path, folder: bool) -> None:

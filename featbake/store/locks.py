@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from featbake.errors import StoreError
-from featbake.store.files import LockCall, Taken, lock_taken
+from featbake.store.files import LockCall, LockFile, Taken, lock_taken, opened_lock
 from featbake.store.layout import Layout
 
 # A shard writer holds the lock *shared* while it seals a shard and commits its catalog rows; repair
@@ -39,12 +39,14 @@ def lock_path(layout: Layout) -> Path:
     return layout.root / "write.lock"
 
 
-def open_lock_file(path: Path) -> int | None:
-    """A lock file's descriptor (created if missing); None where it cannot be created or
-    opened. Made as the umask allows (a group's store: each member's process must open it for
-    writing, which ``flock`` on NFS needs, or it runs unlocked), as every store file is."""
+def open_lock_file(path: Path) -> LockFile | None:
+    """A lock file's descriptor (created if missing), which a forked child closes
+    (:func:`featbake.store.files.opened_lock`: a child that outlives the block never keeps the
+    lock); None where it cannot be created or opened. Made as the umask allows (a group's
+    store: each member's process must open it for writing, which ``flock`` on NFS needs, or it
+    runs unlocked), as every store file is."""
     try:
-        return os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        return opened_lock(path, os.O_RDWR | os.O_CREAT)
     except OSError:
         return None
 
@@ -60,22 +62,22 @@ def locked(path: Path, *, shared: bool = False, wait: float | None = None) -> It
     without locks (see above) is run unlocked; a file that cannot be created yields None (the
     caller decides whether that is an error).
     """
-    fd = open_lock_file(path)
-    if fd is None:
+    lock = open_lock_file(path)
+    if lock is None:
         yield None
         return
     try:
         if wait is None:
-            lock_taken(fd, wait=True, shared=shared, call=LockCall.FLOCK)
+            lock_taken(lock.fd, wait=True, shared=shared, call=LockCall.FLOCK)
         else:
             deadline = time.monotonic() + wait
-            while lock_taken(fd, shared=shared, call=LockCall.FLOCK) is Taken.HELD:
+            while lock_taken(lock.fd, shared=shared, call=LockCall.FLOCK) is Taken.HELD:
                 if time.monotonic() >= deadline:
                     raise TimeoutError(f"{path} is held by another process") from None
                 time.sleep(0.05)
-        yield fd
+        yield lock.fd
     finally:
-        os.close(fd)  # closing the descriptor releases the lock
+        lock.close()  # closing the descriptor releases the lock (a forked child's: nothing)
 
 
 @contextlib.contextmanager

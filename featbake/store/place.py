@@ -29,7 +29,14 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Generic, NamedTuple, Protocol, TypeVar, runtime_checkable
 
-from featbake.store.files import FOLDER_LOCK, Taken, is_same_file, lock_taken
+from featbake.store.files import (
+    FOLDER_LOCK,
+    LockFile,
+    Taken,
+    is_same_file,
+    lock_taken,
+    opened_lock,
+)
 from featbake.store.layout import Layout
 
 if TYPE_CHECKING:
@@ -95,44 +102,72 @@ def held_folder(folder: Path) -> Held | None:
 SWEPT_PREFIX = "swept-"
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Opened:
     """A leftover as the sweep opened it: ``fd`` the file or folder itself (weighed, its
     identity checked), ``lock`` the descriptor its maker locks (the file's own, open
-    read-write as a write lock needs; a folder's lock file), None where there is none;
+    read-write as a write lock needs; a folder's lock file; closed by a forked child:
+    :func:`~featbake.store.files.opened_lock`), None where there is none;
     ``shared``: ``lock`` is open read-only (another user's file), so it is tried shared, which
     a maker's lock refuses as well."""
 
     fd: int
-    lock: int | None
+    lock: LockFile | None
     folder: bool
     shared: bool = False
 
     def close(self) -> None:
         """Close both descriptors (letting go of a lock taken through ``lock``)."""
         os.close(self.fd)
-        if self.lock is not None and self.lock != self.fd:
-            os.close(self.lock)
+        if self.lock is not None:
+            self.lock.close()
+
+
+#: How the sweep opens what it locks: a link not followed, a FIFO never waited on.
+_LOCK_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK
 
 
 def _opened(path: Path) -> _Opened | None:
     """The file or folder at ``path`` opened (a link not followed, a FIFO never waited on);
     None where it went meanwhile."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | _LOCK_FLAGS)
     except OSError:
         return None
     folder = stat.S_ISDIR(os.fstat(fd).st_mode)
-    flags = os.O_NOFOLLOW | os.O_NONBLOCK
     where, dir_fd = (FOLDER_LOCK, fd) if folder else (str(path), None)
+    lock, shared = _lock_of(where, dir_fd)
+    return _Opened(fd, lock, folder, shared)
+
+
+def _lock_of(where: str, dir_fd: int | None) -> tuple[LockFile | None, bool]:
+    """The descriptor to lock ``where`` through, and whether it is open read-only (not this
+    user's to write: tried shared); (None, False) where there is none."""
     try:
-        return _Opened(fd, os.open(where, flags | os.O_RDWR, dir_fd=dir_fd), folder)
-    except PermissionError:  # not this user's to write: tried shared, read-only
+        return opened_lock(where, _LOCK_FLAGS | os.O_RDWR, dir_fd=dir_fd), False
+    except PermissionError:
         with contextlib.suppress(OSError):
-            return _Opened(fd, os.open(where, flags | os.O_RDONLY, dir_fd=dir_fd), folder, True)
+            return opened_lock(where, _LOCK_FLAGS | os.O_RDONLY, dir_fd=dir_fd), True
     except OSError:
         pass
-    return _Opened(fd, None, folder)
+    return None, False
+
+
+def _lock_made(opened: _Opened) -> None:
+    """Give a folder the sweep found without its lock file (an earlier featbake's, one a
+    killed sweep half removed, or one whose maker is between its ``mkdir`` and its lock
+    file's making) one the sweep makes itself, for ``opened`` to lock: a maker about to make
+    its own opens this one, waits on the sweep's lock and, finding the folder gone, makes it
+    again; it never works in a folder the sweep judged by age alone. A lock file its maker
+    made meanwhile is opened as any; none where neither can be (another user's folder, not
+    this user's to write: judged by age alone)."""
+    make = _LOCK_FLAGS | os.O_RDWR | os.O_CREAT | os.O_EXCL
+    try:
+        opened.lock = opened_lock(FOLDER_LOCK, make, dir_fd=opened.fd)
+    except FileExistsError:
+        opened.lock, opened.shared = _lock_of(FOLDER_LOCK, opened.fd)
+    except OSError:
+        pass
 
 
 def _lock_state(opened: _Opened) -> Taken:
@@ -141,9 +176,9 @@ def _lock_state(opened: _Opened) -> Taken:
     a file whose lock cannot be tried is counted as held."""
     if opened.lock is None:
         return Taken.NO_LOCKS if opened.folder else Taken.HELD
-    if not opened.folder and not _same_file_fds(opened.fd, opened.lock):
+    if not opened.folder and not _same_file_fds(opened.fd, opened.lock.fd):
         return Taken.HELD  # replaced between the two opens: weighed next time
-    return lock_taken(opened.lock, shared=opened.shared)
+    return lock_taken(opened.lock.fd, shared=opened.shared)
 
 
 def _same_file_fds(a: int, b: int) -> bool:
@@ -193,11 +228,9 @@ def removed_leftover(planned: Held) -> int | None:
     if opened is None:
         return None  # gone meanwhile (another gc took it)
     try:
-        if _lock_state(opened) is Taken.HELD or not is_same_file(path, opened.fd):
-            return None  # a live process holds it, or another sweep took it
-        now = _weighed(path, opened.fd)
-        if now is None or now.modified > planned.modified:
-            return None  # changed since the plan: in use
+        now = _locked_and_weighed(path, opened, planned)
+        if now is None:
+            return None
         if opened.folder:
             shutil.rmtree(path, ignore_errors=True)
         else:
@@ -207,6 +240,26 @@ def removed_leftover(planned: Held) -> int | None:
         return None
     finally:
         opened.close()
+
+
+def _locked_and_weighed(path: Path, opened: _Opened, planned: Held) -> Held | None:
+    """``path`` weighed again under the sweep's lock (taken through ``opened``), or None
+    where it is kept: a live process holds it, another sweep took it, or it changed since
+    the plan. A folder found without its lock file is weighed first, then locked through one
+    the sweep makes (:func:`_lock_made`: its own lock file changes the folder, which is not
+    a change since the plan)."""
+    first = None
+    if opened.folder and opened.lock is None:
+        first = _weighed(path, opened.fd)
+        if first is None or first.modified > planned.modified:
+            return None  # changed since the plan: in use
+        _lock_made(opened)
+    if _lock_state(opened) is Taken.HELD or not is_same_file(path, opened.fd):
+        return None  # a live process holds it, or another sweep took it
+    now = first if first is not None else _weighed(path, opened.fd)
+    if now is None or now.modified > planned.modified:
+        return None  # changed since the plan: in use
+    return now
 
 
 @dataclass(frozen=True)

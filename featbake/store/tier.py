@@ -21,7 +21,14 @@ from pathlib import Path
 from typing import NamedTuple
 
 from featbake.errors import ConfigError, StoreCorrupt, StoreError
-from featbake.store.files import LockCall, Taken, fsync_dir, lock_taken, remove_file
+from featbake.store.files import (
+    LockCall,
+    Taken,
+    fsync_dir,
+    lock_taken,
+    opened_lock,
+    remove_file,
+)
 from featbake.store.layout import Layout, is_shard_name
 from featbake.store.locks import locked
 from featbake.store.shard import ShardReader, VerifyMode
@@ -400,20 +407,20 @@ def _locked_current(part: Path) -> Iterator[int]:
 
 def _abandoned(part: Path) -> bool:
     """True if no process holds ``part``'s lock: its download was killed."""
-    try:
-        fd = os.open(part, os.O_RDWR)  # the store's lock (files.lock_taken) needs it writable
+    try:  # the store's lock (files.lock_taken) needs it writable; a forked child closes it
+        lock = opened_lock(part, os.O_RDWR)
     except OSError:
         return False
     try:  # the lock its download holds it by (tier_locked: store/locks.py's, a flock)
-        if lock_taken(fd, call=LockCall.FLOCK) is not Taken.TAKEN:
+        if lock_taken(lock.fd, call=LockCall.FLOCK) is not Taken.TAKEN:
             return False  # held: a download in flight (or no locks: never judged abandoned)
     except OSError:
         return False
     else:
         # Not held now; a .part younger than a second may be about to be locked by its maker.
-        return time.time() - os.fstat(fd).st_mtime > 1.0
+        return time.time() - os.fstat(lock.fd).st_mtime > 1.0
     finally:
-        os.close(fd)
+        lock.close()
 
 
 def _failing_tensors(path: Path) -> list[str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import pickle
 import shutil
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -440,3 +441,109 @@ def test_a_worker_refuses_a_driver_of_another_featbake_in_one_line(
     assert (batch.digested, batch.error is not None) == ([], True)
     with pytest.raises(ConfigError, match=OTHER_FEATBAKE):
         batch.raise_error()
+
+
+def as_the_featbake_before_pickled_it(job: EngineJob) -> EngineJob:
+    """``job`` as a worker unpickles it from a driver of the featbake before: its state has no
+    ``protocol`` (that featbake's ``EngineJob`` had no such field)."""
+    state = {k: v for k, v in vars(job).items() if k != "protocol"}
+    old = object.__new__(EngineJob)
+    old.__dict__.update(state)
+    landed = pickle.loads(pickle.dumps(old))
+    assert "protocol" not in vars(landed)
+    return landed
+
+
+class DriverOfTheFeatbakeBefore(InProcess):
+    """An engine whose worker is sent the job as the featbake before pickled it."""
+
+    def encode(
+        self, job: EngineJob, items: Sequence[WorkItem], progress: ProgressFn | None
+    ) -> PartResult:
+        return PartEncoder(as_the_featbake_before_pickled_it(job)).encode(items)
+
+
+def test_a_worker_refuses_a_job_pickled_by_a_driver_of_the_featbake_before(
+    audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    """Round ten, engines (corrects cl9.16): the worker read ``getattr(job, "protocol", 1)``,
+    but ``EngineJob``'s default is a class attribute, so a job pickled by a driver of the
+    featbake before (no such field in its state) read as this node's number: the worker
+    encoded and stored shards, then the old driver failed on the result. The number is read
+    from the job's own state: refused in one line, nothing stored."""
+    from featbake.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=OTHER_FEATBAKE):
+        build(
+            audio_dir,
+            encoder_file,
+            cache=tmp_path / "store",
+            engine=DriverOfTheFeatbakeBefore(),  # type: ignore[arg-type]
+        )
+    assert not list((tmp_path / "store").rglob("*.safetensors"))
+
+
+def read_as_the_featbake_before(text: str) -> PartResult:
+    """A worker's result JSON as a driver of the featbake before read it (``PartResult.from_json``
+    without a protocol: each key a field, so a key it does not know is a ``TypeError``)."""
+    from featbake.bake.pipeline import CarriedError, Failure
+    from featbake.bake.report import FailureCause
+
+    doc = json.loads(text)
+    measured, error = doc.pop("measured"), doc.pop("error")
+    assert measured is None
+    return PartResult(
+        **doc
+        | {
+            "failed": [Failure(**f) for f in doc["failed"]],
+            "causes": [FailureCause(c) for c in doc["causes"]],
+            "error": None if error is None else CarriedError(**error),
+        }
+    )
+
+
+class RayDriverOfTheFeatbakeBefore(InProcess):
+    """A Ray build's driver of the featbake before: its actor (this featbake's ``PathActor``)
+    is sent the job as that featbake pickled it, and its answer is read as that driver reads
+    it."""
+
+    def encode(
+        self, job: EngineJob, items: Sequence[WorkItem], progress: ProgressFn | None
+    ) -> PartResult:
+        import numpy as np
+
+        from featbake.bake import ray_engine
+
+        batch = {
+            "key": np.array([i.key for i in items]),
+            "path": np.array([i.path for i in items]),
+            "name": np.array([i.name for i in items]),
+            "stat": np.array([ray_engine._stat_text(i.stat) for i in items]),
+            "carried": np.array(
+                [ray_engine._carried_bytes(i.carried) for i in items], dtype=object
+            ),
+        }
+        actor = ray_engine.PathActor(as_the_featbake_before_pickled_it(job))
+        result = read_as_the_featbake_before(actor(batch)[ray_engine.RESULT][0])
+        result.raise_error()
+        return result
+
+
+def test_a_driver_of_the_featbake_before_gets_its_workers_refusal_as_one_line(
+    audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    """Round ten, engines (the other way of hd10.5): a Ray actor refusing a driver of the
+    featbake before carried the refusal back in a result JSON with a protocol number, a key
+    that driver's ``from_json`` does not know (a ``TypeError``, its CLI's internal error). A
+    driver of protocol 1 is answered in its own shape, and reads the refusal's one line."""
+    from featbake.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=OTHER_FEATBAKE + r".*install the same featbake") as e:
+        build(
+            audio_dir,
+            encoder_file,
+            cache=tmp_path / "store",
+            engine=RayDriverOfTheFeatbakeBefore(),  # type: ignore[arg-type]
+        )
+    assert "\n" not in str(e.value)
+    assert not list((tmp_path / "store").rglob("*.safetensors"))

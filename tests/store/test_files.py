@@ -130,6 +130,59 @@ def test_a_forked_child_does_not_keep_a_killed_owners_leftover(tmp_path: Path) -
             os.kill(child, signal.SIGKILL)
 
 
+#: A maker whose hold is being made when a fork happens (another thread's fork right after the
+#: hold's lock is taken, before the hold is returned): the child lives on, the maker waits.
+_FORKED_AT_THE_LOCK = """
+import os, sys
+from pathlib import Path
+import featbake.store.files as files
+real = files.lock_taken
+def lock_taken(fd, **how):
+    taken = real(fd, **how)
+    child = os.fork()
+    if child == 0:
+        sys.stdin.readline()
+        os._exit(0)
+    lock_taken.child = child
+    return taken
+files.lock_taken = lock_taken
+with files.holding(Path(sys.argv[1]) / "tmp" / "work-x", folder=True) as held:
+    os.utime(held.path, (0, 0))
+    print(held.path, lock_taken.child, flush=True)
+    sys.stdin.readline()
+"""
+
+
+def test_a_child_forked_while_a_hold_is_made_does_not_keep_a_killed_owners_leftover(
+    tmp_path: Path,
+) -> None:
+    """Round ten, holds (corrects up9.16): a forked child closed only the holds listed at the
+    fork, listed after their lock was taken: a child forked in between (or while the sweep or
+    ``held_now`` held a lock) kept it, so a killed owner's leftover was kept while the child
+    lived. A lock descriptor is listed from its open, under a lock every fork holds."""
+    maker = subprocess.Popen(
+        [sys.executable, "-c", _FORKED_AT_THE_LOCK, str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert maker.stdout is not None and maker.stdin is not None
+    path_text, child_text = maker.stdout.readline().split()
+    path, child = Path(path_text), int(child_text)
+    try:
+        maker.kill()
+        maker.wait()
+        weighed = held_folder(path)
+        assert weighed is not None
+        assert removed_leftover(weighed) is not None  # kept: the child holds the lock
+    finally:
+        maker.stdin.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(child, 0)
+
+
 def test_holding_one_path_twice_in_a_process_is_refused_not_waited_on(tmp_path: Path) -> None:
     """Round nine, upkeep (corrects up9.9): a second hold of a path this process holds waited
     on its own lock for ever (two descriptors conflict). It is refused in one line."""
@@ -162,3 +215,32 @@ def test_a_place_lists_no_leftover_a_live_process_holds(tmp_path: Path) -> None:
     with holding(layout.tmp / "live.part"), holding(layout.tmp / "work-y", folder=True):
         assert [Path(h.name).name for h in place.leftovers()] == ["dead.part"]
     assert [Path(h.name).name for h in place.leftovers()] == ["dead.part"]
+
+
+@pytest.mark.parametrize("spelled", ["relative", "link"])
+def test_a_held_file_spelled_another_way_is_refused_not_waited_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spelled: str
+) -> None:
+    """Round ten, holds (corrects up9.17): a second hold was refused only for the path as
+    spelled, so the same file by a relative path or through a link waited on this process's
+    own lock for ever. It is refused by the file's identity."""
+    path, outcome, done = tmp_path / "tmp" / "same.part", [], threading.Event()
+    monkeypatch.chdir(tmp_path)
+    other = Path("tmp/same.part") if spelled == "relative" else tmp_path / "link.part"
+
+    def twice() -> None:
+        with holding(path):
+            if spelled == "link":
+                other.symlink_to(path)
+            try:
+                with holding(other):
+                    outcome.append("held twice")
+            except StoreError as e:
+                outcome.append(str(e))
+        done.set()
+
+    threading.Thread(target=twice, daemon=True).start()
+    assert done.wait(60), "the second hold waits on the first"
+    assert outcome[0].startswith(f"{other} is already held by this process")
+    assert "\n" not in outcome[0]
+    assert not path.exists()

@@ -14,7 +14,7 @@ import torch
 from featbake.errors import StoreError
 from featbake.store import files
 from featbake.store.layout import Layout
-from featbake.store.locks import exclusive_write_lock, lock_path, shared_write_lock
+from featbake.store.locks import exclusive_write_lock, lock_path, locked, shared_write_lock
 from featbake.store.shard import ShardWriter
 
 # The store's write lock: writers share it, repair holds it alone (issue 11, item 10).
@@ -105,3 +105,36 @@ def test_a_writer_of_an_earlier_featbake_still_keeps_repair_away(tmp_path: Path)
         os.close(fd)
     with exclusive_write_lock(layout, 0.1):  # the writer gone: repair runs
         pass
+
+
+def test_a_named_lock_let_go_by_its_owner_is_not_kept_by_its_forked_child(
+    tmp_path: Path,
+) -> None:
+    """Round ten, holds (corrects up9.16): a child forked while a named lock was held (a
+    fork-mode DataLoader worker started beside a write-back or a tier download) kept the
+    ``flock``, which belongs to the open file it shares, after its parent's block ended: the
+    next ``locked()`` of the file (``tier_locked`` waits for ever) waited on the child, and
+    ``verify --repair`` was refused, for as long as the child lived. The child closes its copy
+    at the fork, as it does a hold's."""
+    path = tmp_path / "tier.lock"
+    r, w = os.pipe()
+    started_r, started_w = os.pipe()
+    with locked(path) as fd:
+        assert fd is not None
+        pid = os.fork()
+        if pid == 0:  # a worker that lives on (it never touches the lock)
+            os.close(w)
+            os.write(started_w, b"s")  # past the fork's hooks: it runs as a worker would
+            os.read(r, 1)
+            os._exit(0)
+        os.close(started_w)
+        assert os.read(started_r, 1) == b"s"
+        os.close(started_r)
+    os.close(r)
+    try:
+        with locked(path, wait=0) as again:  # TimeoutError: the child keeps the lock
+            assert again is not None
+    finally:
+        os.write(w, b"x")
+        os.close(w)
+        os.waitpid(pid, 0)

@@ -780,7 +780,7 @@ def test_a_maker_whose_folder_a_sweep_takes_before_it_holds_it_makes_it_again(
     made = files_mod._made
     swept: list[int | None] = []
 
-    def made_then_swept(p: Path, folder: bool) -> int:
+    def made_then_swept(p: Path, folder: bool) -> files_mod.LockFile:
         fd = made(p, folder)
         if not swept:
             held = place.held_folder(p)
@@ -794,6 +794,49 @@ def test_a_maker_whose_folder_a_sweep_takes_before_it_holds_it_makes_it_again(
         (path / "a").write_bytes(b"z")
         held = place.held_folder(path)
         assert held is not None and place.removed_leftover(held) is None
+        assert (path / "a").read_bytes() == b"z"
+
+
+def test_a_sweep_that_found_no_lock_file_in_a_folder_never_removes_it_under_its_maker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Round ten, holds: a sweep (a ``--grace 0s``) may open a scratch folder between its
+    maker's ``mkdir`` and the making of its lock file: finding none, it judged the folder by
+    age alone, and removed it after its maker had made and locked the lock file, so the maker
+    worked in a folder being removed. The sweep makes the lock file itself where there is none
+    (the maker's, made meanwhile, is tried as any), so such a folder is kept while held."""
+    path = tmp_path / "tmp" / "work-1"
+    made_by_the_maker, weighed_by_the_sweep, holds = (threading.Event() for _ in range(3))
+    opened_lock, weighed = files_mod.opened_lock, place._weighed
+    swept: list[int | None] = []
+
+    def lock_file_made_after_the_sweep_looked(*args: object, **kw: object) -> files_mod.LockFile:
+        made_by_the_maker.set()  # its folder is made, its lock file not yet
+        assert weighed_by_the_sweep.wait(60)
+        return opened_lock(*args, **kw)  # type: ignore[arg-type]
+
+    def weighed_then_held(p: Path, fd: int) -> Held | None:
+        now = weighed(p, fd)
+        weighed_by_the_sweep.set()
+        assert holds.wait(60)  # its maker made, locked and checked its lock file meanwhile
+        return now
+
+    def sweep() -> None:
+        assert made_by_the_maker.wait(60)
+        planned = place.held_folder(path)
+        assert planned is not None
+        swept.append(place.removed_leftover(planned))
+
+    monkeypatch.setattr(files_mod, "opened_lock", lock_file_made_after_the_sweep_looked)
+    monkeypatch.setattr(place, "_weighed", weighed_then_held)
+    sweeper = threading.Thread(target=sweep, daemon=True)
+    sweeper.start()
+    with holding(path, folder=True) as hold:
+        holds.set()
+        sweeper.join(60)
+        assert swept == [None]
+        assert hold.intact()
+        (path / "a").write_bytes(b"z")
         assert (path / "a").read_bytes() == b"z"
 
 
