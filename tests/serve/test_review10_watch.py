@@ -46,10 +46,26 @@ class _SlottedScaler:
 _HOLDING = {
     "numpy-scalar": lambda f: _times(np.float32(f)),
     "dict": lambda f: _times({"factor": f}),
-    "tensor-in-tuple": lambda f: _times((torch.tensor(f),)),
     "callable": lambda f: _times(lambda x: x * f),
     "slotted-object": _SlottedScaler,
 }
+
+
+def test_a_hook_holding_a_tensor_inside_a_tuple_is_refused_in_one_line(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    """A tensor is refused wherever in what a hook holds it is (here inside a tuple), as
+    serve9.15 refuses one held at the top: no key reads its values."""
+    from featbake.errors import EncoderLoadError
+
+    module = TinyConvEncoder().eval()
+    module.register_forward_pre_hook(_times((torch.tensor(2.0),)))
+    with (
+        pytest.warns(UserWarning, match="no featbake store"),
+        pytest.raises(EncoderLoadError, match=r"holds a value \(Tensor\).*buffer") as e,
+    ):
+        CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    assert "\n" not in str(e.value)
 
 
 def _live(module: torch.nn.Module, path: str) -> torch.Tensor:
@@ -60,12 +76,6 @@ def _live(module: torch.nn.Module, path: str) -> torch.Tensor:
         return module(source_for(Recipe()).load(Path(path)).unsqueeze(0))[0]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a hook's non-plain held value (numpy scalar, dict, tensor in a tuple, another "
-    "callable, a slotted object's attributes) is keyed by its type alone: two modules whose "
-    "hooks scale by 2 and 3 share keys, the second is served the first's features",
-)
 @pytest.mark.parametrize("how", list(_HOLDING))
 def test_modules_whose_hooks_hold_other_non_plain_values_are_served_their_own_features(
     tmp_path: Path, audio_dir: Path, how: str
@@ -82,11 +92,6 @@ def test_modules_whose_hooks_hold_other_non_plain_values_are_served_their_own_fe
     torch.testing.assert_close(second[0], _live(b, second.path(0)))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a dict a hook closes over, edited in place, is seen by no watch: CachedEncoder "
-    "serves its RAM hits encoded with the old factor",
-)
 def test_a_hooks_dict_edited_in_place_is_not_served_stale_by_cached_encoder() -> None:
     module = TinyConvEncoder().eval()
     for p in module.parameters():
@@ -128,12 +133,6 @@ def _lazy_closure(factor: float | None) -> Any:
 _LAZY = {"object-attribute": _LazyGain, "closure-cell": _lazy_closure}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="serve9.13 leaves out of the key every attribute or cell the hook's code writes, "
-    "also one it only sets as a lazy default and reads as its factor: hooks made with 2.0 "
-    "and 3.0 share keys (keyed apart before serve9.13)",
-)
 @pytest.mark.parametrize("how", list(_LAZY))
 def test_hooks_that_write_their_factor_lazily_are_keyed_by_it(
     tmp_path: Path, audio_dir: Path, how: str
@@ -154,12 +153,6 @@ def _doubled_output(module: torch.nn.Module, args: tuple[Any, ...], out: Any) ->
     return out * 2.0 if isinstance(module, TinyConvEncoder) else None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a global forward hook registered before the dataset is made (what the refusal "
-    "says to do) is trusted as the module's own while no key reads it: the dataset serves "
-    "what the store holds for the module without it, not what the module returns now",
-)
 def test_a_global_hook_registered_before_the_dataset_is_made_is_not_served_stale(
     tmp_path: Path, audio_dir: Path
 ) -> None:
@@ -187,12 +180,6 @@ def pre(module, args):
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a hook wrapped by a library's decorator (@torch.no_grad()) is keyed by the "
-    "wrapper's code and file (torch/utils/_contextlib.py) and its cells by type: editing "
-    "the hook's own body keeps its key, so the store's features of the old body are served",
-)
 def test_a_decorated_hook_edited_is_keyed_by_its_new_body(
     tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -231,12 +218,6 @@ class _Adapter(torch.nn.Module):
         return (args[0] * self.gain,)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a hook that is a bound method of another nn.Module is neither refused "
-    "(refuse_held_tensors reads its object's public __dict__, where parameters are not) nor "
-    "keyed by that module's weights: encoders whose adapters differ share keys",
-)
 def test_a_hook_bound_to_another_modules_method_is_keyed_by_its_weights_or_refused(
     tmp_path: Path, audio_dir: Path
 ) -> None:
@@ -280,12 +261,6 @@ def _counting_list_closure() -> Any:
 _RECORDING = {"appending-object": _NormLog, "list-cell": _counting_list_closure}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="serve9.13 leaves out what a hook rebinds (STORE_ATTR, STORE_DEREF) but not what "
-    "it edits in place (list.append, calls[0] += 1): a plain list it records into is keyed "
-    "by its text, so the module's key follows its forwards",
-)
 @pytest.mark.parametrize("how", list(_RECORDING))
 def test_a_recording_hooks_key_does_not_follow_what_it_recorded(how: str) -> None:
     from featbake.encode.identity import module_identity
@@ -298,11 +273,6 @@ def test_a_recording_hooks_key_does_not_follow_what_it_recorded(how: str) -> Non
     assert module_identity(module) == before
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a hook recording into a plain list it holds is read as changed after the user's "
-    "own forward: the dataset refuses its own next miss (serve9.13's class, by append)",
-)
 @pytest.mark.parametrize("how", list(_RECORDING))
 def test_a_recording_hook_leaves_the_datasets_misses_served(
     tmp_path: Path, audio_dir: Path, how: str
@@ -329,12 +299,6 @@ class _TensorScaled(torch.nn.Module):
         return self.inner(wav) * self.scale
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="serve9.15 refuses a tensor a hook holds (two processes with other values shared "
-    "keys) but not the same tensor held as a module attribute: no key reads it, so modules "
-    "whose scales differ share keys and the second is served the first's features",
-)
 def test_modules_whose_tensor_attributes_differ_are_served_their_own_features_or_refused(
     tmp_path: Path, audio_dir: Path
 ) -> None:
