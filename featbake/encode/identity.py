@@ -15,6 +15,7 @@ import importlib.metadata
 import importlib.util
 import inspect
 import json
+import logging
 import sys
 import sysconfig
 import types
@@ -218,6 +219,8 @@ HELD_DEPTH = 8
 #: Values keyed by their value as they are (numpy scalars by their Python value).
 _PLAIN_HELD = (bool, int, float, complex, str, bytes, type(None))
 
+_PLAIN_TYPES = frozenset(_PLAIN_HELD)
+
 #: What a key cannot read: refused where a hook holds one that is not its module's own.
 _WEIGHTS = (torch.Tensor, np.ndarray, torch.nn.Module)
 
@@ -246,7 +249,7 @@ class HeldReading:
         self._count += 1
         if self._count > HELD_VALUES or depth > HELD_DEPTH:
             return self._refuse(name, "a value too large or too deeply nested to key")
-        if isinstance(value, _PLAIN_HELD):
+        if type(value) in _PLAIN_TYPES or isinstance(value, _PLAIN_HELD):
             return repr(value)
         if isinstance(value, np.generic):
             return repr(value.item())
@@ -267,6 +270,12 @@ class HeldReading:
         return f"<{what}>" if id(value) in self.own else self._refuse(name, what)
 
     def _compound(self, value: Any, name: str, depth: int) -> str:
+        if type(value) is types.FunctionType:  # the most common hook, read at each forward
+            return self._function(value, name, depth)
+        if isinstance(value, functools.partial):
+            args = [self.text(a, name, depth) for a in value.args]
+            kw = [f"{k}={self.text(v, k, depth)}" for k, v in sorted(value.keywords.items())]
+            return f"partial({self.text(value.func, name, depth)},{','.join([*args, *kw])})"
         if isinstance(value, _WEIGHTS):
             return self._weights(value, name)
         if isinstance(value, (tuple, list, set, frozenset)):
@@ -278,10 +287,6 @@ class HeldReading:
                 f"{self.text(k, name, depth)}:{self.text(v, name, depth)}" for k, v in value.items()
             ]
             return f"dict[{','.join(sorted(rows))}]"
-        if isinstance(value, functools.partial):
-            args = [self.text(a, name, depth) for a in value.args]
-            kw = [f"{k}={self.text(v, k, depth)}" for k, v in sorted(value.keywords.items())]
-            return f"partial({self.text(value.func, name, depth)},{','.join([*args, *kw])})"
         if inspect.ismethod(value):
             return f"method({self._method(value, name, depth)})"
         if inspect.isfunction(value):
@@ -320,9 +325,13 @@ class HeldReading:
         return f"function({','.join(parts)})"
 
     def _other(self, value: Any, name: str, depth: int) -> str:
-        """A class or module by its name, a builtin function by its name and object, an enum
-        member or a value with no attributes by its repr (``torch.float16``), an object by its
-        public attributes; one with neither a repr nor attributes is refused."""
+        """A class or module by its name, a logger by its name (one per name in a process, it
+        changes no output), a builtin function by its name and object, an enum member or a
+        value with no attributes by its repr (``torch.float16``), an object by its public
+        attributes. One with no attributes whose repr is its address (the default, a lock's)
+        is refused: an address is no value, and another in each process."""
+        if isinstance(value, logging.Logger):
+            return f"<logger {value.name}>"
         if isinstance(value, (type, types.ModuleType)):
             qualname = getattr(value, "__qualname__", value.__name__)
             return f"<{getattr(value, '__module__', '')}.{qualname}>"
@@ -332,9 +341,10 @@ class HeldReading:
             held = "" if plain else self.text(obj, name, depth)
             return f"builtin({value.__qualname__},{held})"
         if isinstance(value, enum.Enum) or not _has_attributes(value):
-            if type(value).__repr__ is object.__repr__:
-                return self._refuse(name, f"{type(value).__qualname__}, which has nothing to key")
-            return f"{type(value).__qualname__}:{value!r}"
+            text = repr(value)
+            if " at 0x" in text:
+                return self._refuse(name, f"{type(value).__qualname__}, keyed by its address")
+            return f"{type(value).__qualname__}:{text}"
         return self._attributes(value, _runs(value), depth)
 
     def _attributes(self, obj: Any, runs: Any, depth: int) -> str:

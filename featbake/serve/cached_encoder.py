@@ -526,8 +526,8 @@ class Structure(NamedTuple):
 
     plain: str  # the plain attributes' digest, as attribute_identity makes it
     keyed: str  # classes and forward hooks (the fingerprint made again reads them too)
-    attributes: str  # tensor attributes and an instance's forward (no key reads them)
-    global_hooks: str  # torch's global forward hooks (no key reads them)
+    attributes: str  # tensor attributes and an instance's forward (changes refused, not keyed)
+    global_hooks: str  # torch's global forward hooks (changes refused while they differ)
     refs: tuple[Any, ...]
     unkeyed_refs: tuple[Any, ...]
 
