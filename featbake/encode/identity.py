@@ -19,6 +19,7 @@ import logging
 import sys
 import sysconfig
 import types
+import weakref
 import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -360,16 +361,24 @@ def _has_attributes(value: Any) -> bool:
     return isinstance(getattr(value, "__dict__", None), dict) or bool(_slot_names(type(value)))
 
 
-@functools.cache
 def _slot_names(cls: type) -> tuple[str, ...]:
-    """The slots a class and its bases declare (``dataclass(slots=True)``, ``attrs``)."""
+    """The slots a class and its bases declare (``dataclass(slots=True)``, ``attrs``), kept
+    per class (weakly: a class made at run time is freed as before)."""
+    kept = _SLOTS.get(cls)
+    if kept is not None:
+        return kept
     names: list[str] = []
     for base in cls.__mro__:
         slots = base.__dict__.get("__slots__", ())
         for slot in (slots,) if isinstance(slots, str) else slots:
             if slot not in ("__dict__", "__weakref__") and slot not in names:
                 names.append(slot)
-    return tuple(names)
+    _SLOTS[cls] = tuple(names)
+    return _SLOTS[cls]
+
+
+#: class -> its slot names: _slot_names's.
+_SLOTS: weakref.WeakKeyDictionary[type, tuple[str, ...]] = weakref.WeakKeyDictionary()
 
 
 def public_attributes(obj: Any) -> list[tuple[str, Any]]:
