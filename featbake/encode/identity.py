@@ -326,16 +326,18 @@ class HeldReading:
         return f"function({','.join(parts)})"
 
     def _other(self, value: Any, name: str, depth: int) -> str:
-        """A class or module by its name, a logger by its name (one per name in a process, it
-        changes no output), a builtin function by its name and object, an enum member or a
-        value with no attributes by its repr (``torch.float16``), an object by its public
-        attributes. One with no attributes whose repr is its address (the default, a lock's)
+        """A class or module by its name (the script run's as ``__main__``'s in a spawned
+        worker too, as :func:`hook_code` names it), a logger by its name (one per name in a
+        process, it changes no output), a builtin function by its name and object, an enum
+        member or a value with no attributes by its repr (``torch.float16``), an object by its
+        public attributes. One with no attributes whose repr is its address (the default, a lock's)
         is refused: an address is no value, and another in each process."""
         if isinstance(value, logging.Logger):
             return f"<logger {value.name}>"
         if isinstance(value, (type, types.ModuleType)):
             qualname = getattr(value, "__qualname__", value.__name__)
-            return f"<{getattr(value, '__module__', '')}.{qualname}>"
+            owner = getattr(value, "__module__", "")
+            return f"<{'__main__' if owner == '__mp_main__' else owner}.{qualname}>"
         if isinstance(value, types.BuiltinFunctionType):
             obj = value.__self__
             plain = obj is None or isinstance(obj, types.ModuleType)
