@@ -317,8 +317,9 @@ def _glance_hooks(
     dicts: Sequence[Mapping[int, Any]], held: list[Any], hooked: list[tuple[str, ...]]
 ) -> None:
     """Add a glance's reading of hook dicts that hold hooks: each hook (by id), and what each
-    holds (:func:`~featbake.encode.identity.held_values`: an attribute set on a hook object,
-    a cell a closure rebinds), a watch's own left unread."""
+    holds by value (:func:`~featbake.encode.identity.held_values`: an attribute set on a hook
+    object, a cell a closure rebinds, a dict it reads edited in place), a watch's own left
+    unread."""
     for d in dicts:
         for hook in d.values():
             held.append(hook)
