@@ -155,16 +155,46 @@ def state_dict_fingerprint(
     return top.hexdigest()
 
 
+def keyed_attribute(name: str) -> bool:
+    """Whether an attribute called ``name`` may enter a key (a module's plain or tensor
+    attribute, a hook object's, the watch's reads): a public one but ``training`` (always
+    eval here); private ones are torch's own bookkeeping.
+
+    Example:
+        >>> keyed_attribute("scale"), keyed_attribute("_buffers"), keyed_attribute("training")
+        (True, False, False)
+    """
+    return not name.startswith("_") and name != "training"
+
+
 def module_fingerprint(module: torch.nn.Module, identity: str) -> str:
-    """Fingerprint a module: ``identity`` plus every parameter and buffer, persistent or not.
+    """Fingerprint a module: ``identity`` plus every parameter and buffer, persistent or not,
+    and every public tensor attribute that is neither (``self.scale = torch.tensor(2.0)``).
 
     Non-persistent buffers are included because they can change outputs too (e.g. a mel filter
-    bank registered with ``persistent=False``).
+    bank registered with ``persistent=False``); so can a plain tensor attribute, hashed as a
+    buffer is under ``attribute:<submodule>.<name>`` (a module without one keeps its key).
     """
     named: dict[str, torch.Tensor] = dict(module.state_dict(keep_vars=False))
     for name, buf in module.named_buffers():
         named.setdefault(name, buf)
+    for name, value in tensor_attributes(module):
+        named.setdefault(f"attribute:{name}", value.detach())
     return state_dict_fingerprint(named.items(), identity)
+
+
+def tensor_attributes(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(submodule.name, tensor)`` of every submodule's public attribute
+    (:func:`keyed_attribute`) that is a tensor and no parameter or buffer (those live in
+    torch's own dicts, not in ``__dict__``)."""
+    import torch  # loaded already: a module is fingerprinted
+
+    return [
+        (f"{prefix}.{key}" if prefix else key, value)
+        for prefix, sub in module.named_modules()
+        for key, value in vars(sub).items()
+        if keyed_attribute(key) and isinstance(value, torch.Tensor)
+    ]
 
 
 def root_id(data: str, encoder_label: str, recipe_fp: str, column: str | None = None) -> str:

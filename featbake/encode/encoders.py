@@ -24,8 +24,9 @@ import torch
 
 from featbake.device import alloc_pinned
 from featbake.encode.identity import (
+    foreign_global_hooks,
     forward_hooks,
-    held_objects,
+    held_refusals,
     is_torchs,
     module_identity,
 )
@@ -512,24 +513,15 @@ def refuse_meta(label: str, module: Any, then: str) -> None:
     )
 
 
-def _held_tensor(hook: Any, own: set[int]) -> str | None:
-    """What a hook holds that is a tensor or a module not of the module it is on (``own``:
-    the ids of its submodules, parameters and buffers, which its key reads), named; a bound
-    method of one of its own submodules by its function's values alone (the object's
-    attributes are the module's, watched as such)."""
-    if inspect.ismethod(hook) and id(hook.__self__) in own:
-        hook = hook.__func__
-    for name, value in held_objects(hook):
-        if isinstance(value, (torch.Tensor, torch.nn.Module)) and id(value) not in own:
-            return f"{name or 'a value'} ({type(value).__name__})"
-    return None
-
-
 def refuse_held_tensors(label: str, module: Any) -> None:
-    """Raise if a forward hook of ``module`` holds a tensor or a module that is not its own
-    (a closure's ``scale = torch.tensor(2.0)``, a partial's tensor argument): a key reads
-    a hook's plain values only, so one edited in place (``scale.fill_(3.0)``) would serve
-    stale features, and two processes holding other values would share keys.
+    """Raise if a forward hook of ``module``, or a global forward hook of torch's (which runs
+    on its forward too), holds what no key can read (:func:`held_refusals`): a tensor, an
+    array or a module that is not the module's own (a closure's ``scale = torch.tensor(2.0)``,
+    a tuple holding one, a bound method of another module), or a value too large to key. A
+    key reads a hook's values by value, these by type only, so one edited in place
+    (``scale.fill_(3.0)``) would serve stale features, and two processes holding other values
+    would share keys. The module's own submodules, parameters and buffers (a closure over
+    ``self``, a bound method of one of its submodules) are its key's already and pass.
 
     Raises:
         EncoderLoadError: naming the hook and what it holds, and what to do.
@@ -537,14 +529,17 @@ def refuse_held_tensors(label: str, module: Any) -> None:
     if not isinstance(module, torch.nn.Module):
         return
     own = {id(o) for o in chain(module.modules(), module.parameters(), module.buffers())}
-    for name, kind, hook in forward_hooks(module):
-        held = None if is_torchs(hook) else _held_tensor(hook, own)
-        if held is not None:
+    hooks = [*forward_hooks(module), *(("", "_global", h) for h in foreign_global_hooks())]
+    for name, kind, hook in hooks:
+        held = [] if is_torchs(hook) else held_refusals(hook, own)
+        if held:
             what = getattr(hook, "__qualname__", type(hook).__qualname__)
+            where = "global hook" if kind == "_global" else f"{kind[1:]} of {name or 'the module'}"
             raise EncoderLoadError(
-                f"the encoder module {label} has a forward hook ({kind[1:]} of "
-                f"{name or 'the module'}: {what}) that holds {held}, which no key reads; "
-                "make it a buffer or parameter of the module, or pass the hook plain numbers"
+                f"the encoder module {label} has a forward hook ({where}: {what}) that holds "
+                f"{held[0]}, which no key reads; make a tensor a buffer or parameter of the "
+                "module and another module a submodule of it, or pass the hook plain values "
+                "(numbers, strings, small tuples or dicts of them)"
             )
 
 

@@ -8,19 +8,29 @@ from __future__ import annotations
 
 import ast
 import dis
+import enum
 import functools
 import hashlib
 import importlib.metadata
 import importlib.util
 import inspect
 import json
+import logging
 import sys
 import sysconfig
+import types
+import weakref
 import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+import torch
+from torch.nn.modules import module as torch_module
+
+from featbake.keys import keyed_attribute as keyed_attribute
 
 
 # == identity ======================================================================================
@@ -60,13 +70,6 @@ def is_plain(value: Any) -> bool:
     """Whether an attribute value enters :func:`attribute_identity`: a number, string, bool or
     None, or a tuple or list of them."""
     return _primitive(value)
-
-
-def keyed_attribute(name: str) -> bool:
-    """Whether an attribute called ``name`` may enter a key (:func:`attribute_identity`, a
-    hook object's, the watch's reads): a public one but ``training`` (always eval here);
-    private ones are torch's own bookkeeping."""
-    return not name.startswith("_") and name != "training"
 
 
 def attribute_identity(module: Any) -> str:
@@ -130,100 +133,267 @@ def forward_hooks(module: Any) -> list[tuple[str, str, Any]]:
     ]
 
 
-def _held_text(value: Any) -> str:
-    """A value a hook holds, as a key reads it: its repr where it is plain (as an attribute
-    value is, :func:`is_plain`), else its type alone."""
-    return repr(value) if _primitive(value) else f"<{type(value).__qualname__}>"
-
-
-def written_names(code: Any, ops: frozenset[str]) -> frozenset[str]:
-    """The names a code object, and the code nested in it, writes by ``ops``
-    (``STORE_ATTR``: an attribute, ``STORE_DEREF``: a closure cell); kept per code object
-    (by id, the object held so its id is not lent), as a watch reads what each hook holds
-    at every forward.
+def bookkeeping_names(code: Any, ops: frozenset[str]) -> frozenset[str]:
+    """The names a code object, and the code nested in it, keeps as its own bookkeeping, left
+    out of keys: those it writes by ``ops`` (``STORE_ATTR``: an attribute, ``STORE_DEREF``: a
+    closure cell) only as counters, each write reading the name first in its own block
+    (``x += 1``, ``x = x + 1``), and those it only records into in place
+    (``x.append(...)``, ``x[0] += 1``), never assigned a value that does not read them. A name
+    set to a value that does not read it (``if self.factor is None: self.factor = 1.0``) is
+    the hook's setting, keyed. Kept per code object (by id, the object held so its id is not
+    lent), as a watch reads what each hook holds at every forward.
 
     Example:
         >>> def bump(self):
         ...     self.calls += 1
-        >>> sorted(written_names(bump.__code__, ATTRIBUTE_WRITES))
-        ['calls']
+        ...     self.seen.append(1)
+        ...     if self.factor is None:
+        ...         self.factor = 1.0
+        >>> sorted(bookkeeping_names(bump.__code__, ATTRIBUTE_WRITES))
+        ['calls', 'seen']
     """
-    kept = _WRITTEN.get((id(code), ops))
+    kept = _BOOKKEEPING.get((id(code), ops))
     if kept is not None:
         return kept[1]
-    names = {i.argval for i in dis.get_instructions(code) if i.opname in ops}
+    counted, assigned = _writes(code, ops)
+    names = frozenset(counted - assigned)
+    _BOOKKEEPING[(id(code), ops)] = (code, names)
+    return names
+
+
+def _writes(code: Any, ops: frozenset[str]) -> tuple[set[str], set[str]]:
+    """(names written as counters or recorded into, names assigned otherwise) by ``code`` and
+    the code nested in it (:func:`bookkeeping_names`)."""
+    loads = _ATTRIBUTE_READS if "STORE_ATTR" in ops else _CELL_READS
+    ins = list(dis.get_instructions(code))
+    counted: set[str] = set()
+    assigned: set[str] = set()
+    start = 0
+    for i, op in enumerate(ins):
+        if op.is_jump_target or op.starts_line:
+            start = i
+        if "JUMP" in op.opname:
+            start = i + 1
+        if op.opname in ops:
+            reads = any(o.opname in loads and o.argval == op.argval for o in ins[start:i])
+            stored = op.opname.startswith("STORE")
+            (counted if reads and stored else assigned).add(op.argval)
+        elif op.opname in loads and _records(ins, i):
+            counted.add(op.argval)
     for const in code.co_consts:
         if inspect.iscode(const):
-            names |= written_names(const, ops)
-    _WRITTEN[(id(code), ops)] = (code, frozenset(names))
-    return frozenset(names)
+            more, other = _writes(const, ops)
+            counted |= more
+            assigned |= other
+    return counted, assigned
 
 
-#: (id of a code object, ops) -> (the code object, the names it writes): written_names's.
-_WRITTEN: dict[tuple[int, frozenset[str]], tuple[Any, frozenset[str]]] = {}
+def _records(ins: list[Any], i: int) -> bool:
+    """Whether the value loaded at ``ins[i]`` is recorded into in place: a recording method
+    called on it (``append``, ``extend``, ``add``, ...), or an item of it bumped
+    (``x[k] += v``: load, key, ``COPY``, ``COPY``, ``BINARY_SUBSCR``)."""
+    after = ins[i + 1 : i + 5]
+    if after and after[0].opname in _METHOD_LOADS and after[0].argval in RECORDING_METHODS:
+        return True
+    return [o.opname for o in after[1:4]] == ["COPY", "COPY", "BINARY_SUBSCR"]
+
+
+#: (id of a code object, ops) -> (the code object, its bookkeeping names): bookkeeping_names's.
+_BOOKKEEPING: dict[tuple[int, frozenset[str]], tuple[Any, frozenset[str]]] = {}
 
 
 #: The ops by which a hook's code writes an attribute, or a closure cell (``nonlocal``).
 ATTRIBUTE_WRITES = frozenset({"STORE_ATTR", "DELETE_ATTR"})
 CELL_WRITES = frozenset({"STORE_DEREF", "DELETE_DEREF"})
+_ATTRIBUTE_READS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
+_CELL_READS = frozenset({"LOAD_DEREF", "LOAD_CLASSDEREF"})
+_METHOD_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
+
+#: Methods by which a hook records into a container it holds (a log of norms, of calls).
+RECORDING_METHODS = frozenset({"append", "extend", "appendleft", "add", "insert"})
+
+#: Past these a value a hook holds is refused rather than keyed in part: values read in all
+#: (each number and string counts), and containers or objects nested in one another.
+HELD_VALUES = 512
+HELD_DEPTH = 8
+
+#: Values keyed by their value as they are (numpy scalars by their Python value).
+_PLAIN_HELD = (bool, int, float, complex, str, bytes, type(None))
+
+_PLAIN_TYPES = frozenset(_PLAIN_HELD)
+
+#: What a key cannot read: refused where a hook holds one that is not its module's own.
+_WEIGHTS = (torch.Tensor, np.ndarray, torch.nn.Module)
 
 
-def _public_attributes(obj: Any, runs: Any) -> list[tuple[str, Any]]:
-    """An object's public attributes (``training`` left out, for a bound method of a
-    module) that the code ``runs`` (the hook's function) does not write itself: an attribute
-    the hook sets as it runs (``self.calls += 1``) is its bookkeeping, and keying it would
-    give the module another key at each forward. None where it has no ``__dict__``."""
-    attrs = getattr(obj, "__dict__", None)
-    if not isinstance(attrs, dict):
-        return []
-    code = getattr(runs, "__code__", None)
-    own = written_names(code, ATTRIBUTE_WRITES) if code is not None else frozenset()
-    return [(k, v) for k, v in sorted(attrs.items()) if keyed_attribute(k) and k not in own]
+class HeldReading:
+    """One reading of what a hook holds, by the one rule for a held value: plain values (None,
+    bool, numbers, strings, bytes, numpy scalars) by value; tuples, lists, sets and dicts of
+    them recursively; a function by its code (:func:`code_digest`), closure cells, defaults
+    and what it wraps (``functools.wraps``: ``@torch.no_grad()``); a partial by its function
+    and arguments; a bound method by its function and its object; an object by its public
+    attributes (:func:`keyed_attribute`), in ``__dict__`` or ``__slots__``, but those its
+    ``__call__`` keeps as bookkeeping (:func:`bookkeeping_names`). Tensors, arrays and modules
+    (a bound method of one too) are read as their type, and :attr:`refused` names those not
+    in ``own`` (the ids of the hooked module's submodules and tensors, which its key reads),
+    as are values past :data:`HELD_VALUES` or :data:`HELD_DEPTH`. A value met again inside
+    itself reads as ``<cycle>``."""
 
+    def __init__(self, own: frozenset[int] | set[int] = frozenset()) -> None:
+        self.own = own
+        self.refused: list[str] = []
+        self._path: set[int] = set()
+        self._count = 0
 
-def _plain_attributes(obj: Any, runs: Any) -> list[str]:
-    """``name=repr`` of an object's public plain attributes (the rules of
-    :func:`attribute_identity`) that the hook's code ``runs`` does not write, sorted."""
-    return [f"{k}={v!r}" for k, v in _public_attributes(obj, runs) if _primitive(v)]
-
-
-def _cell_values(func: Any) -> list[tuple[str, Any]]:
-    """``(name, value)`` of a function's closure cells (an empty one: ``_EMPTY``) but those
-    its own code rebinds (``nonlocal n; n += 1``: its bookkeeping), then its defaults, then
-    its keyword defaults; name ``""`` but for a keyword default."""
-    cells = func.__closure__ or ()
-    written = written_names(func.__code__, CELL_WRITES) if cells else frozenset()
-    out: list[tuple[str, Any]] = []
-    for name, cell in zip(func.__code__.co_freevars, cells, strict=False):
-        if name in written:
-            continue
+    def text(self, value: Any, name: str = "", depth: int = 0) -> str:
+        """``value`` as a key reads it (``name``: what holds it, for :attr:`refused`)."""
+        self._count += 1
+        if self._count > HELD_VALUES or depth > HELD_DEPTH:
+            return self._refuse(name, "a value too large or too deeply nested to key")
+        if type(value) in _PLAIN_TYPES or isinstance(value, _PLAIN_HELD):
+            return repr(value)
+        if isinstance(value, np.generic):
+            return repr(value.item())
+        if id(value) in self._path:
+            return "<cycle>"
+        self._path.add(id(value))
         try:
-            out.append(("", cell.cell_contents))
-        except ValueError:
-            out.append(("", _EMPTY))
-    out += [("", v) for v in func.__defaults__ or ()]
-    if func.__kwdefaults__:
-        out += sorted(func.__kwdefaults__.items())
-    return out
+            return self._compound(value, name, depth + 1)
+        finally:
+            self._path.discard(id(value))
+
+    def _refuse(self, name: str, what: str) -> str:
+        self.refused.append(f"{name or 'a value'} ({what})")
+        return f"<{what}>"
+
+    def _weights(self, value: Any, name: str) -> str:
+        what = type(value).__name__
+        return f"<{what}>" if id(value) in self.own else self._refuse(name, what)
+
+    def _compound(self, value: Any, name: str, depth: int) -> str:
+        if type(value) is types.FunctionType:  # the most common hook, read at each forward
+            return self._function(value, name, depth)
+        if isinstance(value, functools.partial):
+            args = [self.text(a, name, depth) for a in value.args]
+            kw = [f"{k}={self.text(v, k, depth)}" for k, v in sorted(value.keywords.items())]
+            return f"partial({self.text(value.func, name, depth)},{','.join([*args, *kw])})"
+        if isinstance(value, _WEIGHTS):
+            return self._weights(value, name)
+        if isinstance(value, (tuple, list, set, frozenset)):
+            items = [self.text(v, name, depth) for v in value]
+            ordered = sorted(items) if isinstance(value, (set, frozenset)) else items
+            return f"{type(value).__name__}[{','.join(ordered)}]"
+        if isinstance(value, dict):
+            rows = [
+                f"{self.text(k, name, depth)}:{self.text(v, name, depth)}" for k, v in value.items()
+            ]
+            return f"dict[{','.join(sorted(rows))}]"
+        if inspect.ismethod(value):
+            return f"method({self._method(value, name, depth)})"
+        if inspect.isfunction(value):
+            return self._function(value, name, depth)
+        return self._other(value, name, depth)
+
+    def _method(self, method: Any, name: str, depth: int) -> str:
+        """A bound method: its function, and its object (a module: refused unless the hooked
+        module's own, whose key reads it; another object: its attributes but those the
+        function keeps as bookkeeping)."""
+        func, obj = method.__func__, method.__self__
+        code = self.text(func, name, depth)
+        if isinstance(obj, torch.nn.Module):
+            what = f"a method of the module {type(obj).__qualname__}"
+            held = "<own>" if id(obj) in self.own else self._refuse(name, what)
+            return f"{code},{held}"
+        return f"{code},{self._attributes(obj, func, depth)}"
+
+    def _function(self, func: Any, name: str, depth: int) -> str:
+        """A function: its code, its closure cells (an empty one ``<empty>``) but those it
+        keeps as bookkeeping, its defaults and keyword defaults, and the function it wraps."""
+        own = bookkeeping_names(func.__code__, CELL_WRITES) if func.__closure__ else frozenset()
+        parts = [cached_code_digest(func.__code__)]
+        for cell_name, cell in zip(func.__code__.co_freevars, func.__closure__ or (), strict=False):
+            if cell_name not in own:
+                try:
+                    parts.append(self.text(cell.cell_contents, name, depth))
+                except ValueError:
+                    parts.append("<empty>")
+        parts += [self.text(v, name, depth) for v in func.__defaults__ or ()]
+        for k, v in sorted((func.__kwdefaults__ or {}).items()):
+            parts.append(f"{k}={self.text(v, k, depth)}")
+        wrapped = getattr(func, "__wrapped__", None)
+        if wrapped is not None:
+            parts.append(f"wraps={self.text(wrapped, name, depth)}")
+        return f"function({','.join(parts)})"
+
+    def _other(self, value: Any, name: str, depth: int) -> str:
+        """A class or module by its name (the script run's as ``__main__``'s in a spawned
+        worker too, as :func:`hook_code` names it), a logger by its name (one per name in a
+        process, it changes no output), a builtin function by its name and object, an enum
+        member or a value with no attributes by its repr (``torch.float16``), an object by its
+        public attributes. One with no attributes whose repr is its address (the default, a lock's)
+        is refused: an address is no value, and another in each process."""
+        if isinstance(value, logging.Logger):
+            return f"<logger {value.name}>"
+        if isinstance(value, (type, types.ModuleType)):
+            qualname = getattr(value, "__qualname__", value.__name__)
+            owner = getattr(value, "__module__", "")
+            return f"<{'__main__' if owner == '__mp_main__' else owner}.{qualname}>"
+        if isinstance(value, types.BuiltinFunctionType):
+            obj = value.__self__
+            plain = obj is None or isinstance(obj, types.ModuleType)
+            held = "" if plain else self.text(obj, name, depth)
+            return f"builtin({value.__qualname__},{held})"
+        if isinstance(value, enum.Enum) or not _has_attributes(value):
+            text = repr(value)
+            if " at 0x" in text:
+                return self._refuse(name, f"{type(value).__qualname__}, keyed by its address")
+            return f"{type(value).__qualname__}:{text}"
+        return self._attributes(value, _runs(value), depth)
+
+    def _attributes(self, obj: Any, runs: Any, depth: int) -> str:
+        """An object's public attributes but those the code ``runs`` keeps as bookkeeping."""
+        code = getattr(runs, "__code__", None)
+        own = bookkeeping_names(code, ATTRIBUTE_WRITES) if code is not None else frozenset()
+        rows = [f"{k}={self.text(v, k, depth)}" for k, v in public_attributes(obj) if k not in own]
+        return f"{type(obj).__qualname__}({','.join(rows)})"
 
 
-class _Empty:
-    """An empty closure cell, as :func:`held_values` reads it."""
-
-    def __repr__(self) -> str:
-        return "<empty>"
+def _has_attributes(value: Any) -> bool:
+    """Whether an object keeps its state in Python attributes (a ``__dict__`` or slots)."""
+    return isinstance(getattr(value, "__dict__", None), dict) or bool(_slot_names(type(value)))
 
 
-_EMPTY = _Empty()
+def _slot_names(cls: type) -> tuple[str, ...]:
+    """The slots a class and its bases declare (``dataclass(slots=True)``, ``attrs``), kept
+    per class (weakly: a class made at run time is freed as before)."""
+    kept = _SLOTS.get(cls)
+    if kept is not None:
+        return kept
+    names: list[str] = []
+    for base in cls.__mro__:
+        slots = base.__dict__.get("__slots__", ())
+        for slot in (slots,) if isinstance(slots, str) else slots:
+            if slot not in ("__dict__", "__weakref__") and slot not in names:
+                names.append(slot)
+    _SLOTS[cls] = tuple(names)
+    return _SLOTS[cls]
 
 
-def _cells(func: Any) -> list[str]:
-    """A function's closure cells, defaults and keyword defaults, as :func:`_held_text` reads
-    them (an empty cell: ``<empty>``), those its own code rebinds left out."""
-    return [
-        "<empty>" if v is _EMPTY else f"{k}={_held_text(v)}" if k else _held_text(v)
-        for k, v in _cell_values(func)
-    ]
+#: class -> its slot names: _slot_names's.
+_SLOTS: weakref.WeakKeyDictionary[type, tuple[str, ...]] = weakref.WeakKeyDictionary()
+
+
+def public_attributes(obj: Any) -> list[tuple[str, Any]]:
+    """``(name, value)`` of an object's public attributes (:func:`keyed_attribute`), in its
+    ``__dict__`` and its slots (a slot never set left out), sorted by name."""
+    attrs = getattr(obj, "__dict__", None)
+    out = dict(attrs) if isinstance(attrs, dict) else {}
+    for slot in _slot_names(type(obj)):
+        try:
+            out.setdefault(slot, object.__getattribute__(obj, slot))
+        except AttributeError:
+            continue
+    return [(k, v) for k, v in sorted(out.items()) if keyed_attribute(k)]
 
 
 def _runs(hook: Any) -> Any:
@@ -231,43 +401,27 @@ def _runs(hook: Any) -> Any:
     return inspect.getattr_static(type(hook), "__call__", None)
 
 
-def held_objects(hook: Any) -> list[tuple[str, Any]]:
-    """``(name, value)`` of everything a hook holds that :func:`held_values` reads (plain or
-    not): a partial's arguments and its function's, a function's cells and defaults, a bound
-    method's or hook object's public attributes its code does not write; name ``""`` for a
-    positional one."""
-    if isinstance(hook, functools.partial):
-        args = [("", a) for a in hook.args]
-        return [*held_objects(hook.func), *args, *sorted(hook.keywords.items())]
-    if inspect.ismethod(hook):
-        own = _public_attributes(hook.__self__, hook.__func__)
-        return [*held_objects(hook.__func__), *own]
-    if inspect.isfunction(hook):
-        return _cell_values(hook)
-    return _public_attributes(hook, _runs(hook))
-
-
 def held_values(hook: Any) -> list[str]:
-    """What a hook holds that changes what it does, by the rules of attribute identity (plain
-    values by repr, others by type): a ``functools.partial``'s function, arguments and
-    keywords; a function's closure cells and defaults; a bound method's function and its
-    object's public plain attributes; a hook object's public plain attributes. What the
-    hook's own code writes (an attribute it sets, a cell it rebinds) is left out: its
-    bookkeeping as it runs (a call counter), neither keyed nor watched.
+    """What a hook holds that changes what it does, as one reading (:class:`HeldReading`)
+    reads it: its code, and every value it holds by value, recursively; what its own code
+    keeps as bookkeeping (a call counter, a log it appends to) left out, neither keyed nor
+    watched. A watch compares it at each forward of a hooked module, so a dict the hook
+    reads, edited in place, is a change.
 
     Example:
         >>> import functools
         >>> held_values(functools.partial(round, ndigits=2))
-        ['partial', 'ndigits=2']
+        ['partial(builtin(round,),ndigits=2)']
     """
-    if isinstance(hook, functools.partial):
-        kw = [f"{k}={_held_text(v)}" for k, v in sorted(hook.keywords.items())]
-        return ["partial", *held_values(hook.func), *map(_held_text, hook.args), *kw]
-    if inspect.ismethod(hook):
-        return [*held_values(hook.__func__), *_plain_attributes(hook.__self__, hook.__func__)]
-    if inspect.isfunction(hook):
-        return _cells(hook)
-    return _plain_attributes(hook, _runs(hook))
+    return [HeldReading().text(hook)]
+
+
+def held_refusals(hook: Any, own: frozenset[int] | set[int] = frozenset()) -> list[str]:
+    """What a hook holds that no key can read (:class:`HeldReading`'s :attr:`refused`):
+    tensors, arrays and modules not in ``own``, values too large to key; named."""
+    reading = HeldReading(own)
+    reading.text(hook)
+    return reading.refused
 
 
 def code_digest(code: Any) -> str:
@@ -279,12 +433,37 @@ def code_digest(code: Any) -> str:
     return h.hexdigest()
 
 
+def cached_code_digest(code: Any) -> str:
+    """:func:`code_digest`, kept per code object (by id, the object held so its id is not
+    lent): a watch reads the code of the functions a hook holds at every forward."""
+    kept = _CODE_DIGESTS.get(id(code))
+    if kept is None:
+        kept = _CODE_DIGESTS[id(code)] = (code, code_digest(code))
+    return kept[1]
+
+
+#: id of a code object -> (the code object, its digest): cached_code_digest's.
+_CODE_DIGESTS: dict[int, tuple[Any, str]] = {}
+
+
+def _unwrapped(func: Any) -> Any:
+    """The function a decorator made with ``functools.wraps`` wraps (``@torch.no_grad()``),
+    or ``func``; a wrapper chain that loops back gives ``func``."""
+    try:
+        return inspect.unwrap(func)
+    except ValueError:
+        return func
+
+
 def hook_code(hook: Any) -> str:
     """A hook's code: the qualified name of what runs, its bytecode (:func:`code_digest`) and
-    its source file (:func:`code_identity`); a partial's or bound method's by its function. A
-    hook of the script run is named ``__main__``'s in a spawned worker too."""
+    its source file (:func:`code_identity`); a partial's or bound method's by its function, a
+    decorated function's by the function it wraps (its wrapper's code and what it holds are
+    read by :func:`held_values`). A hook of the script run is named ``__main__``'s in a
+    spawned worker too."""
     func = hook.func if isinstance(hook, functools.partial) else hook
     func = func.__func__ if inspect.ismethod(func) else func
+    func = _unwrapped(func) if inspect.isfunction(func) else func
     runs = (
         func if inspect.isfunction(func) else inspect.getattr_static(type(func), "__call__", None)
     )
@@ -296,19 +475,36 @@ def hook_code(hook: Any) -> str:
     return f"{owner}.{named}:{code}:{source}"
 
 
+#: torch's hooks run on every module's forward (``register_module_forward_pre_hook``, ``_hook``).
+GLOBAL_HOOKS = (torch_module._global_forward_pre_hooks, torch_module._global_forward_hooks)
+
+
+def foreign_global_hooks() -> list[Any]:
+    """torch's global forward hooks now but those of torch's own code (:func:`is_torchs`:
+    ``FlopCounterMode``'s and ``ModuleTracker``'s, which observe and change no output, as
+    torch's module hooks are left out of keys) and a watch's own."""
+    return [
+        h
+        for d in GLOBAL_HOOKS
+        for h in d.values()
+        if not is_torchs(h) and not getattr(h, "featbake_bookkeeping", False)
+    ]
+
+
 def hook_identity(module: Any) -> str:
     """SHA-256 of the forward hooks of every submodule, each by where it is, its code
-    (:func:`hook_code`) and what it holds (:func:`held_values`); ``""`` where there is none.
-    Hooks of torch's own code (:func:`is_torchs`: ``weight_norm``, ``spectral_norm``) and
-    those marked ``featbake_bookkeeping`` (a watch's own) are left out, so a module carrying
-    only those keeps the identity it had.
+    (:func:`hook_code`) and what it holds (:func:`held_values`), and of torch's global forward
+    hooks present (:func:`foreign_global_hooks`: they run on this module's forward too);
+    ``""`` where there is none. Hooks of torch's own code (:func:`is_torchs`:
+    ``weight_norm``, ``spectral_norm``) and those marked ``featbake_bookkeeping`` (a watch's
+    own) are left out, so a module carrying only those keeps the identity it had.
 
     A pre-hook that scales the input changes every output without changing code, weights or
     attributes: it must change the key, and so must the factor a partial or closure holds. Read
     when a module is fingerprinted only; a watch compares the hook objects themselves.
 
     Example:
-        >>> hook_identity(torch.nn.Linear(2, 2))  # doctest: +SKIP
+        >>> hook_identity(torch.nn.Linear(2, 2))
         ''
     """
     rows = [
@@ -316,6 +512,7 @@ def hook_identity(module: Any) -> str:
         for name, kind, hook in forward_hooks(module)
         if not is_torchs(hook)
     ]
+    rows += [["<global>", "", hook_code(h), held_values(h)] for h in foreign_global_hooks()]
     return hashlib.sha256(json.dumps(rows).encode()).hexdigest() if rows else ""
 
 

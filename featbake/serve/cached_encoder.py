@@ -36,15 +36,15 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 from torch import nn
-from torch.nn.modules import module as torch_module
 
 from featbake.encode.encoders import is_frozen, module_device, refuse_held_tensors, refuse_meta
 from featbake.encode.identity import (
+    GLOBAL_HOOKS,
     HOOK_DICTS,
     attribute_digest,
+    foreign_global_hooks,
     held_values,
     is_plain,
-    is_torchs,
     keyed_attribute,
     module_identity,
 )
@@ -317,29 +317,14 @@ def _glance_hooks(
     dicts: Sequence[Mapping[int, Any]], held: list[Any], hooked: list[tuple[str, ...]]
 ) -> None:
     """Add a glance's reading of hook dicts that hold hooks: each hook (by id), and what each
-    holds (:func:`~featbake.encode.identity.held_values`: an attribute set on a hook object,
-    a cell a closure rebinds), a watch's own left unread."""
+    holds by value (:func:`~featbake.encode.identity.held_values`: an attribute set on a hook
+    object, a cell a closure rebinds, a dict it reads edited in place), a watch's own left
+    unread."""
     for d in dicts:
         for hook in d.values():
             held.append(hook)
             if not getattr(hook, "featbake_bookkeeping", False):
                 hooked.append(tuple(held_values(hook)))
-
-
-#: torch's hooks run on every module's forward (``register_module_forward_pre_hook``, ``_hook``).
-GLOBAL_HOOKS = (torch_module._global_forward_pre_hooks, torch_module._global_forward_hooks)
-
-
-def foreign_global_hooks() -> list[Any]:
-    """torch's global forward hooks now but those of torch's own code (:func:`is_torchs`:
-    ``FlopCounterMode``'s and ``ModuleTracker``'s, which observe and change no output, as
-    torch's module hooks are left out of keys) and a watch's own."""
-    return [
-        h
-        for d in GLOBAL_HOOKS
-        for h in d.values()
-        if not is_torchs(h) and not getattr(h, "featbake_bookkeeping", False)
-    ]
 
 
 def _held(o: Any, died: Callable[[object], None]) -> Any:
@@ -542,8 +527,8 @@ class Structure(NamedTuple):
 
     plain: str  # the plain attributes' digest, as attribute_identity makes it
     keyed: str  # classes and forward hooks (the fingerprint made again reads them too)
-    attributes: str  # tensor attributes and an instance's forward (no key reads them)
-    global_hooks: str  # torch's global forward hooks (no key reads them)
+    attributes: str  # tensor attributes and an instance's forward (changes refused, not keyed)
+    global_hooks: str  # torch's global forward hooks (changes refused while they differ)
     refs: tuple[Any, ...]
     unkeyed_refs: tuple[Any, ...]
 

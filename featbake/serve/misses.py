@@ -558,8 +558,8 @@ UNKEYED_CHANGES = {
     ),
     "attributes": (
         "a tensor attribute that is no parameter or buffer, or forward set on the instance, "
-        "changed since, and no key reads them; register such a tensor as a buffer, or make "
-        "the dataset after setting them"
+        "changed since the keys were made, and the watch does not key them anew; register "
+        "such a tensor as a buffer, or make the dataset after setting them"
     ),
 }
 

@@ -116,3 +116,42 @@ def test_the_closure_follows_relative_and_absolute_imports(tmp_path: Path) -> No
         sys.path.remove(str(tmp_path))
     assert set(closure.sources) == {"top", "top.sub", "top.sub.a", "top.b", "top.sub.c"}
     assert closure.libraries["numpy"].startswith("numpy==")
+
+
+def _holding(value: object) -> object:
+    """A pre-hook closing over ``value`` (what it does with it does not matter here)."""
+
+    def hook(module: torch.nn.Module, args: tuple[object, ...]) -> None:
+        print(value)
+
+    return hook
+
+
+def test_what_a_hook_holds_is_keyed_by_value_or_refused_never_by_its_type_alone() -> None:
+    """Round ten's rule for a held value (``HeldReading``): values differing only in what
+    they hold key apart (a numpy scalar, a dict, a lambda's constant, a ``torch.dtype``); a
+    logger is keyed by its name; what has no value to key (a lock, whose repr is its address)
+    or is too large to key is refused, as tensors and modules are. Before round ten each of
+    these was keyed by its type alone."""
+    import logging
+    import threading
+
+    import numpy as np
+
+    from featbake.encode.identity import HELD_VALUES, held_refusals, held_values
+
+    pairs = [
+        (np.float32(2.0), np.float32(3.0)),
+        ({"factor": 2.0}, {"factor": 3.0}),
+        (lambda x: x * 2.0, lambda x: x * 3.0),
+        (torch.float16, torch.bfloat16),
+        (logging.getLogger("a"), logging.getLogger("b")),
+    ]
+    for a, b in pairs:
+        assert held_values(_holding(a)) != held_values(_holding(b)), (a, b)
+        assert held_refusals(_holding(a)) == []
+    assert held_values(_holding(np.float32(2.0))) == held_values(_holding(2.0))
+    lock = held_refusals(_holding(threading.Lock()))
+    assert lock and "address" in lock[0]
+    assert held_refusals(_holding(torch.zeros(1)))[0] == "a value (Tensor)"
+    assert "too large" in held_refusals(_holding(list(range(HELD_VALUES + 1))))[0]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -720,3 +721,30 @@ def test_a_module_whose_hook_holds_a_tensor_is_refused_at_its_first_call() -> No
     with pytest.raises(EncoderLoadError, match=r"holds factor \(Tensor\)") as e:
         cached(x, ids=["a", "b"])
     assert "\n" not in str(e.value)
+
+
+# == round ten: a hook's held dict edited in place (serve10.1) ==================================
+def _dict_scaled(config: dict[str, float]) -> Any:
+    """A pre-hook scaling its input by ``config["factor"]``, read at each call."""
+
+    def hook(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (args[0] * config["factor"],)
+
+    return hook
+
+
+def test_a_hooks_dict_edited_in_place_is_not_served_stale_by_cached_encoder() -> None:
+    """A dict a hook closes over, edited in place, was seen by no watch (keyed by its type):
+    the RAM hits encoded with the old factor were served (fails on the code before)."""
+    module = TinyConvEncoder().eval()
+    for p in module.parameters():
+        p.requires_grad_(False)
+    config = {"factor": 2.0}
+    module.register_forward_pre_hook(_dict_scaled(config))
+    cached = CachedEncoder(module, cache=None)
+    x = torch.randn(2, 8000, generator=torch.Generator().manual_seed(0))
+    cached(x, ids=["a", "b"])
+    config["factor"] = 3.0
+    with torch.no_grad():
+        now = module(x)
+    torch.testing.assert_close(cached(x, ids=["a", "b"]), now)
