@@ -158,3 +158,14 @@ def parse_duration(value: str) -> float:
         detail = "missing unit" if not unit else f"unknown unit {match['unit']!r}"
         raise ConfigError(f"invalid duration {value!r}: {detail}; {_DURATION_HINT}")
     return float(match["num"]) * _DURATION_UNITS[unit]
+
+
+def counted(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural where ``n`` is not 1 (a regular English plural: add "s"),
+    with thousands separators: what a summary line says of a count.
+
+    Example:
+        >>> counted(1, "shard"), counted(2, "shard"), counted(1200, "feature")
+        ('1 shard', '2 shards', '1,200 features')
+    """
+    return f"{n:,} {noun}" if n == 1 else f"{n:,} {noun}s"

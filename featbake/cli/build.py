@@ -29,7 +29,7 @@ from featbake.cli.app import (
 )
 from featbake.errors import BuildIncomplete, ConfigError
 from featbake.gcpause import end_startup
-from featbake.units import format_bytes, parse_bytes
+from featbake.units import counted, format_bytes, parse_bytes
 
 if TYPE_CHECKING:
     from featbake.recipe import Recipe
@@ -539,7 +539,7 @@ def _print_build_summary(report: Any) -> None:
     if report.duplicates:
         rows.append(("duplicates", f"{report.duplicates:,} (identical files share a feature)"))
     rows.append(("failed", f"[red]{len(report.failed):,}[/]" if report.failed else "0"))
-    written = f"{format_bytes(report.bytes_written)} in {report.shards_written} shards"
+    written = f"{format_bytes(report.bytes_written)} in {counted(report.shards_written, 'shard')}"
     rows.append(("written", written))
     if report.batching_note:
         rows.append(("batching", escape(report.batching_note)))

@@ -57,7 +57,7 @@ from featbake.cli.build import (
 )
 from featbake.errors import ConfigError
 from featbake.image_recipe import describe_fields
-from featbake.units import format_bytes, parse_bytes
+from featbake.units import counted, format_bytes, parse_bytes
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -576,7 +576,7 @@ def verify(
         for f in report.remaining if report.status != "clean" and repair else []:
             out.print(f"[red]remains[/] {f.kind} {escape(f.subject)}: {escape(f.detail)}")
         out.print(
-            f"verify: {report.status} ({report.shards_checked} shards, "
+            f"verify: {report.status} ({counted(report.shards_checked, 'shard')}, "
             f"{format_bytes(report.bytes_checked)} read in {report.seconds:.2f}s)"
             + (
                 f"; {report.features_lost} feature rows lost, rebuild to recompute them"
