@@ -310,8 +310,10 @@ def gc(
         typer.Option(
             help=(
                 "Evict least-recently-used features until the shards fit, e.g. 200GiB. "
-                "Features a build still running reuses, or one not merged yet names, are "
-                "kept (they count toward the budget)."
+                "Features a build still running reuses, or one not merged yet names (parts, "
+                "a dataset's serve fragments), are kept and count toward the budget: a note "
+                "then says by how much it stays exceeded, who holds them and what frees them "
+                "(exit 0)."
             ),
             show_default=False,
         ),
@@ -388,6 +390,7 @@ def gc(
             local_cache_size=local_cache_size,
         )
     if dry_run:
+        _note_over_budget(plans[0], as_json)
         return
     if as_json:
         out.print_json(json.dumps({"plan": plans[0].summary(), "result": result.to_json()}))
@@ -406,6 +409,15 @@ def gc(
         )
     for p in result.problems:
         console.print(f"[yellow]warning:[/] {escape(p)}")
+    _note_over_budget(plans[0], as_json)
+
+
+def _note_over_budget(plan: GcPlan, as_json: bool) -> None:
+    """One note when --max-bytes is left exceeded by features builds not merged yet hold: by
+    how much, who holds them, what frees them (``--json``: the plan's ``over_budget_bytes``,
+    ``kept_for_builds_bytes`` and ``kept_for``). A note, not an error: gc did what it may."""
+    if plan.shortfall is not None and not as_json:
+        console.print(f"[yellow]note:[/] {escape(plan.shortfall.line())}")
 
 
 def _kept(young: int, plan: GcPlan) -> str:

@@ -72,6 +72,7 @@ from featbake.store.shard import (
     tensor_name,
 )
 from featbake.upkeep.files import refuse_while_rebuild_pending
+from featbake.upkeep.kept import Shortfall, shortfall
 
 # == gc_plan =======================================================================================
 # ``featbake gc``, first half: work out what a run will remove, reading only (``--dry-run``).
@@ -186,6 +187,8 @@ class GcPlan:
     compact_keep_bytes: int
     sweep: Sweep
     disk_bytes: int
+    #: why ``--max-bytes`` is left exceeded: features builds not merged yet hold (None: fits)
+    shortfall: Shortfall | None = None
 
     @property
     def orphan_shards(self) -> tuple[Held, ...]:
@@ -237,7 +240,10 @@ class GcPlan:
             "old_versions": len(self.sweep.versions),
             "disk_bytes": self.disk_bytes,
             "freed_bytes": self.freed_bytes,
-        }
+            "over_budget_bytes": 0,
+            "kept_for_builds_bytes": 0,
+            "kept_for": [],
+        } | (self.shortfall.to_json() if self.shortfall else {})
 
 
 def plan_gc(
@@ -283,8 +289,11 @@ def plan_gc(
         for row in shard_rows:  # a damaged or planted name: refused before any step commits
             checked_shard_name(row.name)
         evict: list[FeatureRef] = []
+        short = None
         if opts.max_bytes is not None and reached is not None:
-            evict = evictions(reached, _shards_of(reached, shard_rows), opts.max_bytes, waiting)
+            shards = _shards_of(reached, shard_rows)
+            evict = evictions(reached, shards, opts.max_bytes, waiting)
+            short = over_budget(layout, reached, shards, opts.max_bytes, evict, waiting)
         fates = shard_fates(
             shard_rows,
             catalog.shard_usage(),
@@ -305,6 +314,7 @@ def plan_gc(
         compact_keep_bytes=fates.keep_bytes,
         sweep=sweep,
         disk_bytes=sum(s.bytes for s in shard_rows) + sum(h.size for h in sweep.shards),
+        shortfall=short,
     )
 
 
@@ -390,14 +400,18 @@ def _reach(
     naming them; a dataset on a shared filesystem publishes its root in a ``serve`` fragment.
     Rows of keys a live claim names count as reached too: a build part still running that
     found them stored and reuses them (store/claims.py): ``waiting`` (:func:`kept_for_builds`).
+    Those no root reaches yet are among the reached rows returned, so that ``--max-bytes``
+    counts them (eviction passes over them).
     """
-    unreached = [r for r in catalog.unreached_features() if r.key not in waiting]
+    unreached, held = [], []
+    for ref in catalog.unreached_features():
+        (held if ref.key in waiting else unreached).append(ref)
     if not dropped and opts.max_bytes is None:
         return unreached, None
     # Rows only the dropped roots name are unreached too.
     kept = {k for r in roots if r.name not in dropped for _, k in catalog.root_items(r.name)}
     kept |= waiting
-    reached: list[FeatureRef] = []
+    reached: list[FeatureRef] = held  # on disk and kept: they count toward --max-bytes too
     for ref in catalog.reached_features():
         (reached if ref.key in kept else unreached).append(ref)
     return unreached, reached
@@ -461,6 +475,17 @@ def _shards_of(reached: list[FeatureRef], shard_rows: list[ShardRow]) -> dict[in
     return shards
 
 
+def key_costs(reached: list[FeatureRef], shards: dict[int, ShardRow]) -> dict[str, float]:
+    """key -> what its reached tensors cost on disk if kept: each tensor's bytes plus its
+    shard's header share per tensor (and a little slack for the longer offsets of a rewritten
+    header); every shard that loses anything is rewritten, so the kept costs are what stays."""
+    costs: dict[str, float] = defaultdict(float)
+    for ref in reached:
+        s = shards[ref.shard_id]
+        costs[ref.key] += ref.nbytes + (s.bytes - s.data_bytes) / max(1, s.items) + HEADER_SLACK
+    return costs
+
+
 def evictions(
     reached: list[FeatureRef],
     shards: dict[int, ShardRow],
@@ -469,31 +494,40 @@ def evictions(
 ) -> list[FeatureRef]:
     """The least recently used features to evict so the kept ones fit in ``budget`` bytes,
     passing over the keys in ``kept`` (what builds not merged yet name: :func:`kept_for_builds`;
-    they count against the budget, and may leave it exceeded).
+    they count against the budget, and may leave it exceeded: :func:`over_budget` says why).
 
-    Each kept tensor costs its bytes plus its shard's header share per tensor (and a little slack
-    for the longer offsets of a rewritten header); every shard that loses anything is rewritten,
-    so the kept costs are what stays on disk. A key's parts go together.
+    Each key costs :func:`key_costs`; a key's parts go together.
     """
-
-    def cost(ref: FeatureRef) -> float:
-        s = shards[ref.shard_id]
-        return ref.nbytes + (s.bytes - s.data_bytes) / max(1, s.items) + HEADER_SLACK
-
+    costs = key_costs(reached, shards)
     by_key: dict[str, list[FeatureRef]] = defaultdict(list)
     for ref in reached:
         by_key[ref.key].append(ref)
-    total = sum(cost(r) for r in reached)
+    total = sum(costs.values())
     evictable = [k for k in by_key if k not in kept]
     order = sorted(evictable, key=lambda k: (max(r.last_used for r in by_key[k]), k))
     out: list[FeatureRef] = []
     for key in order:
         if total <= budget:
             break
-        refs = by_key[key]
-        out.extend(refs)
-        total -= sum(cost(r) for r in refs)
+        out.extend(by_key[key])
+        total -= costs[key]
     return out
+
+
+def over_budget(
+    layout: Layout,
+    reached: list[FeatureRef],
+    shards: dict[int, ShardRow],
+    budget: int,
+    evict: list[FeatureRef],
+    kept: AbstractSet[str],
+) -> Shortfall | None:
+    """Why the kept features stay over ``budget`` once ``evict`` goes: the keys builds not
+    merged yet hold (``kept``), and who holds them; None when they fit or nothing kept is the
+    cause."""
+    gone = {r.key for r in evict}
+    left = {k: c for k, c in key_costs(reached, shards).items() if k not in gone}
+    return shortfall(layout, budget, left, frozenset(kept))
 
 
 # == gc ============================================================================================

@@ -45,6 +45,7 @@ from featbake.store.layout import Layout
 from featbake.store.merge import merge
 from featbake.store.roots import RootSpec
 from featbake.upkeep import GcOptions, drop_root, execute_gc, plan_gc, verify
+from tests.conftest import invoke
 from tests.helpers import Live, age, assert_serves, bake, manifest
 
 #: gc as eager as it can be: no grace for unnamed shards, no retention.
@@ -674,6 +675,93 @@ def test_gc_max_bytes_keeps_what_a_claim_written_after_its_plan_covers(
             assert cat.present_keys(named) == set(named[:8])
     finally:
         claim.release()
+
+
+def test_gc_max_bytes_left_over_budget_by_an_unmerged_part_says_so(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    """A store built whole, then part 0/2 of a build in two parts whose part 1 is never run:
+    part 0's sealed ``done`` fragment names the 8 stored features it reused, so ``gc
+    --max-bytes`` passes over them (up10.3) for as long as nothing merges it. Before, gc exited
+    0 with 164 KiB still live and said nothing of the budget, the part or the merge. Now one
+    note says by how much the budget stays exceeded, which build holds what, and what frees
+    it; ``--json`` says the same in fields. Running part 1 and merging, as it says, frees it."""
+    store = tmp_path / "store"
+    first = bake(audio_dir, encoder_file, store)
+    part0 = build(audio_dir, encoder_file, cache=store, workers=0, shard="0/2")
+    assert part0.reused == 8  # its sealed `done` fragment names 8 stored features
+
+    r = invoke("gc", "--cache", store, "--max-bytes", "1", "--grace", "0s")
+    assert r.returncode == 0, r.stderr  # a note, as gc's other notes are
+    assert "live      8 (164 KiB)" in invoke("stats", "--cache", store).stdout
+    note = [line for line in r.stderr.splitlines() if "over --max-bytes" in line]
+    assert len(note) == 1, r.stderr
+    assert f"root {first.root}'s build in parts (1 of 2 done) holds" in note[0]
+    assert "part 1/2 not done" in note[0] and "--shard 1/2" in note[0]
+    assert "`featbake merge`" in note[0]
+    dry = invoke("gc", "--cache", store, "--max-bytes", "1", "--dry-run", "--json")
+    plan = json.loads(dry.stdout)["plan"]
+    assert plan["over_budget_bytes"] > 0 and plan["kept_for_builds_bytes"] > 0
+    assert [(k["kind"], k["features"]) for k in plan["kept_for"]] == [("parts", 8)]
+
+    build(audio_dir, encoder_file, cache=store, workers=0, shard="1/2")
+    assert merge(Layout(store)).roots == [first.root]
+    r = invoke("gc", "--cache", store, "--max-bytes", "1", "--grace", "0s")
+    assert r.returncode == 0 and "over --max-bytes" not in r.stdout + r.stderr
+    assert "live      0" in invoke("stats", "--cache", store).stdout
+
+
+def test_gc_max_bytes_left_over_budget_by_a_running_build_says_who_holds_it(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    """A live claim (this process: a build part still running) on 8 of 16 stored features:
+    gc evicts the other 8 and says, in one note, which process on which host holds the rest
+    and to run gc again when it finishes."""
+    store = tmp_path / "store"
+    first = bake(audio_dir, encoder_file, store)
+    named = sorted({k for _, k in manifest(store, first.root)})
+    claim = ClaimFile(Layout(store), "part 0/2")
+    claim.cover(named[:8])
+    try:
+        r = invoke("gc", "--cache", store, "--max-bytes", "1", "--grace", "0s")
+    finally:
+        claim.release()
+    assert r.returncode == 0, r.stderr
+    assert "8 feature rows" in r.stdout
+    host = this_host().split("/", 1)[0]
+    note = [line for line in r.stderr.splitlines() if "over --max-bytes" in line]
+    assert len(note) == 1, r.stderr
+    assert f"a running build (pid {os.getpid()} on host {host}) holds" in note[0]
+    assert "run gc again when it finishes" in note[0]
+
+
+def test_gc_max_bytes_left_over_budget_by_a_dataset_s_serve_fragment_says_merge(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A root dropped, then published again by a dataset on a shared filesystem in a sealed
+    ``serve`` fragment (a root in waiting): its 16 features are kept from eviction until a
+    merge publishes it, and the note names the root and says to run `featbake merge`; after
+    the merge the root's features are evicted as any root's are."""
+    store = tmp_path / "store"
+    first = bake(audio_dir, encoder_file, store)
+    drop_root(store, first.root)
+    monkeypatch.setenv("FEATBAKE_SHARED_FS", "1")
+    with pytest.warns(SharedFilesystemWarning):
+        ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store)
+    assert ds.stored() == 16
+    ds.close()
+    monkeypatch.undo()
+
+    r = invoke("gc", "--cache", store, "--max-bytes", "1", "--grace", "0s")
+    assert r.returncode == 0, r.stderr
+    assert "0 feature rows" in r.stdout
+    note = [line for line in r.stderr.splitlines() if "over --max-bytes" in line]
+    assert len(note) == 1, r.stderr
+    assert f"root {first.root} in a dataset's 1 serve fragments" in note[0]
+    assert "run `featbake merge` to publish it" in note[0]
+    assert merge(Layout(store)).roots == [first.root]
+    r = invoke("gc", "--cache", store, "--max-bytes", "1", "--grace", "0s")
+    assert "16 feature rows" in r.stdout and "over --max-bytes" not in r.stderr
 
 
 def test_claims_index_stays_short_however_many_claims_were_let_go(
