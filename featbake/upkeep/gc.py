@@ -403,7 +403,8 @@ def _reach(
     Those no root reaches yet are among the reached rows returned, so that ``--max-bytes``
     counts them (eviction passes over them).
     """
-    unreached, held = [], []
+    unreached: list[FeatureRef] = []
+    held: list[FeatureRef] = []
     for ref in catalog.unreached_features():
         (held if ref.key in waiting else unreached).append(ref)
     if not dropped and opts.max_bytes is None:
