@@ -21,6 +21,7 @@ from featbake.cli.app import (
     examples,
     format_when,
     note_inert_options,
+    on_command_line,
     out,
     progress_bar,
     tick_bar,
@@ -55,7 +56,7 @@ from featbake.cli.build import (
     TrustPickleOpt,
     WeightsOpt,
 )
-from featbake.errors import ConfigError
+from featbake.errors import CacheMiss, ConfigError
 from featbake.image_recipe import describe_fields
 from featbake.units import counted, format_bytes, parse_bytes
 
@@ -467,12 +468,16 @@ def _print_gc_plan(plan: GcPlan, dry_run: bool, as_json: bool) -> None:
 VERIFY_EXIT = """verify exit codes: 0 clean (notes, e.g. parts-waiting: a build in parts not
 merged yet, are not damage); 10 damage was found and repaired (--repair; features
 in quarantined shards are gone: rebuild to recompute them); 11 damage remains (run with --repair,
-or see the lines above). 5: the store cannot be opened at all. With --encoder: 0 every sampled
-feature matches the encoder now (items the store lacks are listed as missing, not failed); 12
-stored features differ from the encoder's output: a code of its own, not 11, because their bytes
-and checksums are sound and --repair keeps them (drop the root and build again, or find the
-encoder that built it); 7 the store holds no root for that encoder, data and recipe; 4 the
-encoder could not load."""
+or see the lines above). 5: the store cannot be opened at all. 2: a spot check's options
+(--sample, --dtype, ...) without --encoder and --data. With --encoder: 0 every sampled feature
+the store holds matches the encoder now (items it lacks, evicted or deleted, are listed as
+missing, not failed); 12 stored features differ from the encoder's output: a code of its own,
+not 11, because their bytes and checksums are sound and --repair keeps them (drop the root and
+build again, or find the encoder that built it); 13 those compared matched, but some sampled
+inputs changed since the build (their bytes now make other keys than it recorded: build again);
+7 the store holds no root for that encoder, data and recipe, or nothing was compared (every
+sampled item missing, changed or unreadable: a check that compared nothing vouches for
+nothing); 4 the encoder could not load."""
 
 
 @app.command(
@@ -557,10 +562,14 @@ def verify(
     compares each with its stored feature within what the stored dtype promises (float32 near
     exact; float16, bfloat16, int8, fp8 by their rounding). A forged or copied-in shard, a build
     in train mode, a store built by another encoder file: each shows as mismatching items. It
-    never writes to the store; items it lacks are listed as missing, not encoded.
+    never writes to the store; items it lacks are listed as missing, not encoded, and inputs
+    whose bytes changed since the build as changed. A view's root (`featbake build --views
+    hflip`) cannot be spot-checked: verify has no --views, and checks the original's root.
     """
     note_inert_options(ctx, cache)
-    if encoder is not None or data is not None:
+    if encoder is None and data is None:
+        refuse_spot_check_options(ctx)
+    else:
         if repair:
             raise ConfigError("--encoder spot-checks and never writes; run --repair on its own")
         _spot_check(ctx, encoder, data, as_json)
@@ -600,6 +609,33 @@ def verify(
         raise typer.Exit(report.exit_code)
 
 
+#: verify's own options: every other one is a spot check's (the build's encoder and recipe
+#: options, --sample, --seed), meaningless without --encoder and --data.
+VERIFY_OWN_OPTIONS = frozenset(
+    {"cache", "repair", "local_cache", "local_cache_size", "as_json", "encoder", "data"}
+)
+
+
+def refuse_spot_check_options(ctx: typer.Context) -> None:
+    """Raise if the command line gave verify a spot check's options but no --encoder and --data:
+    the byte check would run and exit 0 as if the store's features had been spot-checked.
+
+    Raises:
+        ConfigError: naming the options given (exit 2).
+    """
+    given = [
+        param.opts[0]
+        for param in ctx.command.params
+        if param.name and param.name not in VERIFY_OWN_OPTIONS and on_command_line(ctx, param.name)
+    ]
+    if given:
+        raise ConfigError(
+            f"{'/'.join(given)} {'are' if len(given) > 1 else 'is'} for a spot check: give "
+            "--encoder and --data (as given to `featbake build`), or drop "
+            f"{'them' if len(given) > 1 else 'it'} to check the store's bytes"
+        )
+
+
 #: Mismatching items a spot check prints one line each for (--json lists every one).
 SHOWN_MISMATCHES = 20
 
@@ -624,7 +660,18 @@ def _spot_check(ctx: typer.Context, encoder: str | None, data: str | None, as_js
     if as_json:
         out.print_json(json.dumps(report.to_json()))
         raise typer.Exit(report.exit_code)
-    bad = report.of(Verdict.MISMATCH)
+    nothing = report.nothing_compared()
+    if nothing is not None:  # one line, exit 7: a check that compared nothing vouches for nothing
+        raise CacheMiss(nothing)
+    _print_spot_check(report, Verdict)
+    if report.exit_code:
+        raise typer.Exit(report.exit_code)
+
+
+def _print_spot_check(report: Any, verdict: Any) -> None:
+    """A spot check's lines: each mismatching item and each input changed since the build (up
+    to :data:`SHOWN_MISMATCHES` of each), the likely cause, and a summary."""
+    bad = report.of(verdict.MISMATCH)
     for c in bad[:SHOWN_MISMATCHES]:
         out.print(
             f"[red]mismatch[/] {escape(c.item)}: max abs error {c.max_abs_error:.3g}, "
@@ -632,17 +679,21 @@ def _spot_check(ctx: typer.Context, encoder: str | None, data: str | None, as_js
         )
     if len(bad) > SHOWN_MISMATCHES:
         out.print(f"[red]... and {len(bad) - SHOWN_MISMATCHES} more mismatches (see --json)")
+    changed = report.of(verdict.CHANGED)
+    for c in changed[:SHOWN_MISMATCHES]:
+        out.print(f"[yellow]changed since the build[/] {escape(c.item)}: {escape(c.detail)}")
+    if len(changed) > SHOWN_MISMATCHES:
+        out.print(f"[yellow]... and {len(changed) - SHOWN_MISMATCHES} more changed (see --json)")
     if report.likely_cause:
         console.print(f"[yellow]likely cause:[/] {escape(report.likely_cause)}")
     out.print(
         f"verify --encoder: {report.checked} of {report.items} items of root {report.root} "
         f"checked against {escape(report.encoder)} ({report.dtype}, seed {report.seed}): "
         f"{report.mismatched} mismatched, {report.missing} missing"
+        + (f", {report.changed} changed since the build" if report.changed else "")
         + (f", {report.unreadable} unreadable inputs" if report.unreadable else "")
         + f" in {report.seconds:.2f}s"
     )
-    if report.exit_code:
-        raise typer.Exit(report.exit_code)
 
 
 def redigested(

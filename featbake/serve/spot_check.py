@@ -62,6 +62,16 @@ DEFAULT_SAMPLE = 32
 #: which encoder built it), and a script must be able to tell the two apart.
 SPOT_CHECK_MISMATCH = 12
 
+#: The exit code of a spot check that compared no item (every sampled item missing from the
+#: store, changed since the build, or unreadable): :class:`~featbake.errors.CacheMiss`'s, as
+#: when the store holds no such root. Never 0: a check that compared nothing vouches for nothing.
+NOTHING_COMPARED = 7
+
+#: The exit code of a spot check whose compared items all matched but some of whose sampled
+#: inputs changed since the build (their bytes now make another key than the build recorded):
+#: the store is sound, but stale for that data; building again encodes them.
+INPUTS_CHANGED = 13
+
 #: Items decoded and encoded at a time (bounds the memory a large sample holds).
 CHUNK = 8
 
@@ -87,6 +97,7 @@ class Verdict(StrEnum):
     MATCH = "match"  # stored within tolerance of the encoder's output now
     MISMATCH = "mismatch"  # stored, and not what the encoder gives now
     MISSING = "missing"  # the store does not hold this item's feature (not a mismatch)
+    CHANGED = "changed"  # its input's bytes changed since the build: another key than recorded
     UNREADABLE = "unreadable"  # its input cannot be read now: nothing to compare
 
 
@@ -153,16 +164,43 @@ class SpotCheckReport:
         return len(self.of(Verdict.UNREADABLE))
 
     @property
+    def changed(self) -> int:
+        return len(self.of(Verdict.CHANGED))
+
+    @property
     def exit_code(self) -> int:
-        """0: every compared item matched (missing ones are reported, not failed);
-        :data:`SPOT_CHECK_MISMATCH` otherwise."""
-        return SPOT_CHECK_MISMATCH if self.mismatched else 0
+        """:data:`SPOT_CHECK_MISMATCH` when a compared item mismatched; else
+        :data:`NOTHING_COMPARED` when no item was compared; else :data:`INPUTS_CHANGED` when a
+        sampled input changed since the build; else 0 (items the store lacks, evicted or
+        deleted, are reported, not failed)."""
+        if self.mismatched:
+            return SPOT_CHECK_MISMATCH
+        if not self.checked:
+            return NOTHING_COMPARED
+        return INPUTS_CHANGED if self.changed else 0
+
+    def nothing_compared(self) -> str | None:
+        """The one line of a check that compared no item, saying why (None: some were)."""
+        if self.checked:
+            return None
+        n = len(self.checks)
+        why = [
+            f"{self.changed} changed since the build (their bytes now make other keys than it "
+            "recorded: run `featbake build` again to encode them)" if self.changed else "",
+            f"{self.missing} evicted or deleted from the store (`featbake build` again stores "
+            "them)" if self.missing else "",
+            f"{self.unreadable} unreadable now" if self.unreadable else "",
+        ]  # fmt: skip
+        return (
+            f"nothing to compare: {n} of {n} sampled items of root {self.root} are not in the "
+            f"store as its build stored them: " + "; ".join(w for w in why if w)
+        )
 
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self)
         doc.update(
             checked=self.checked, mismatched=self.mismatched, missing=self.missing,
-            unreadable=self.unreadable, exit_code=self.exit_code,
+            unreadable=self.unreadable, changed=self.changed, exit_code=self.exit_code,
         )  # fmt: skip
         for check in doc["checks"]:  # JSON has no infinity: a shape that differs is null
             if not math.isfinite(check["max_abs_error"]):
@@ -277,6 +315,7 @@ class _Run:
     fps: tuple[str, str]
     source: Any
     encoding: Recipe  # the recipe the encoder runs under: float32 outputs (see unrounded)
+    recorded: Mapping[str, str]  # item -> the key its build recorded (the root's manifest)
     loaded: LoadedEncoder | None = None  # loaded once, at the first item encoded
 
     def encoder(self) -> LoadedEncoder:
@@ -295,7 +334,7 @@ class _Run:
             if located.get(keys[i]):
                 present.append(i)
             else:
-                out[i] = ItemCheck(self.index.rel(i), keys[i], Verdict.MISSING)
+                out[i] = self._absent(i, keys[i])
         decoded: dict[int, torch.Tensor] = {}
         for i in present:  # one by one: one unreadable input is its item's verdict, not all's
             try:
@@ -309,6 +348,17 @@ class _Run:
         for i, parts in zip(order, encoded, strict=True):
             out[i] = self._verdict(i, keys[i], located[keys[i]], parts)
         return [out[i] for i in picks]
+
+    def _absent(self, i: int, key: str) -> ItemCheck:
+        """The verdict of an item whose key the store lacks: changed, when the build recorded
+        another key for it (its bytes changed since; a rewrite that kept size and mtime
+        too), else missing (evicted, deleted, or never built)."""
+        item = self.index.rel(i)
+        then = self.recorded.get(item)
+        if then and then != key:
+            detail = f"the build recorded key {then[:12]}, its bytes now make {key[:12]}"
+            return ItemCheck(item, key, Verdict.CHANGED, detail=detail)
+        return ItemCheck(item, key, Verdict.MISSING)
 
     def _verdict(
         self, i: int, key: str, locations: Any, live: Mapping[str, torch.Tensor]
@@ -442,7 +492,9 @@ def _prepared(
     index = build_index(os.fspath(data), spec, catalog, publish=False, new_root=False,
                         column=column)  # fmt: skip
     fps = (live.fingerprint, recipe_fp)
-    return _Run(index, live, reader, recipe, fps, miss_source(index, source), unrounded(recipe))
+    recorded = dict(catalog.root_items(name))
+    return _Run(index, live, reader, recipe, fps, miss_source(index, source), unrounded(recipe),
+                recorded)  # fmt: skip
 
 
 def unrounded(recipe: Recipe) -> Recipe:
@@ -454,6 +506,8 @@ def unrounded(recipe: Recipe) -> Recipe:
 
 __all__ = [
     "DEFAULT_SAMPLE",
+    "INPUTS_CHANGED",
+    "NOTHING_COMPARED",
     "SPOT_CHECK_MISMATCH",
     "STORAGE_ERROR",
     "ItemCheck",

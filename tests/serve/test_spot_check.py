@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,10 @@ from torch.export import Dim
 
 from featbake.encode.encoders import EXACT_TOLERANCE
 from featbake.recipe import Recipe
+from featbake.serve.misses import training_submodule
 from featbake.serve.spot_check import (
+    INPUTS_CHANGED,
+    NOTHING_COMPARED,
     SPOT_CHECK_MISMATCH,
     STORAGE_ERROR,
     SpotCheckReport,
@@ -191,3 +196,94 @@ def test_items_the_store_lacks_are_missing_not_mismatched(
     report = spot_check(audio_dir, encoder_file, cache=store_dir, sample=100)
     assert {c.key for c in report.of(Verdict.MISSING)} == gone
     assert report.mismatched == 0 and report.exit_code == 0
+
+
+def test_a_spot_check_that_compared_no_item_does_not_exit_0(
+    encoder_file: Path, audio_dir: Path, store_dir: Path
+) -> None:
+    _build(encoder_file, audio_dir, store_dir)
+    con = sqlite3.connect(store_dir / "catalog.sqlite")
+    con.execute("DELETE FROM features")  # as a gc --max-bytes eviction leaves a root
+    con.commit()
+    con.close()
+    r = _verify(encoder_file, audio_dir, store_dir, "--json")
+    doc = json.loads(r.stdout)
+    assert (doc["checked"], doc["missing"], doc["changed"]) == (0, 16, 0)
+    assert r.returncode == doc["exit_code"] == NOTHING_COMPARED == 7  # never "the store matches"
+    r = _verify(encoder_file, audio_dir, store_dir)
+    assert r.returncode == 7 and r.stdout == "", r.stdout
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "nothing to compare: 16 of 16 sampled items" in lines[0]
+    assert "16 evicted or deleted" in lines[0], lines[0]
+
+
+def _rewrite(path: Path) -> None:
+    """Other bytes in ``path``, its size and mtime kept (what a stat-only check misses)."""
+    st = path.stat()
+    path.write_bytes(b"x" * st.st_size)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_inputs_changed_since_the_build_are_not_a_clean_spot_check(
+    encoder_file: Path, audio_dir: Path, store_dir: Path
+) -> None:
+    _build(encoder_file, audio_dir, store_dir)
+    wavs = sorted(audio_dir.rglob("*.wav"))
+    _rewrite(wavs[0])
+    r = _verify(encoder_file, audio_dir, store_dir, "--json")
+    doc = json.loads(r.stdout)
+    assert (doc["checked"], doc["changed"], doc["missing"], doc["mismatched"]) == (15, 1, 0, 0)
+    assert r.returncode == doc["exit_code"] == INPUTS_CHANGED == 13
+    (changed,) = [c for c in doc["checks"] if c["verdict"] == Verdict.CHANGED]
+    assert (audio_dir / changed["item"]).resolve() == wavs[0].resolve()
+    r = _verify(encoder_file, audio_dir, store_dir)
+    assert r.returncode == 13, r.stderr
+    assert [ln for ln in r.stdout.splitlines() if ln.startswith("changed since the build ")]
+    assert "1 changed since the build" in r.stdout
+
+    for p in wavs[1:]:
+        _rewrite(p)
+    r = _verify(encoder_file, audio_dir, store_dir, "--json")
+    doc = json.loads(r.stdout)
+    assert (doc["checked"], doc["changed"], doc["missing"]) == (0, 16, 0)
+    assert r.returncode == 7
+    r = _verify(encoder_file, audio_dir, store_dir)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 7 and len(lines) == 1 and "16 changed since the build" in lines[0]
+
+
+def test_an_encoder_exported_after_eval_is_not_named_in_train_mode(
+    tmp_path: Path, audio_dir: Path, store_dir: Path
+) -> None:
+    shapes = {"wav": {0: Dim.AUTO, 1: Dim.AUTO}}
+    program = torch.export.export(
+        TinyConvEncoder().eval(),  # exported as the message says to
+        (torch.randn(2, 16000),),
+        dynamic_shapes=shapes,
+    )
+    assert program.module().training  # torch's, whatever the mode it was exported in
+    assert training_submodule(program.module()) is None
+    dropout = torch.export.export(_DropoutEncoder().train(), (torch.randn(2, 16000),),
+                                  dynamic_shapes=shapes)  # fmt: skip
+    assert "aten.dropout.default with train=True" in str(training_submodule(dropout.module()))
+    encoder = tmp_path / "tiny.pt2"
+    torch.export.save(program, str(encoder))
+    _build(encoder, audio_dir, store_dir)
+    r = _verify(encoder, audio_dir, store_dir, "--json")
+    doc = json.loads(r.stdout)
+    assert (doc["checked"], doc["mismatched"], r.returncode) == (16, 0, 0)  # a clean store
+    assert doc["likely_cause"] is None, doc["likely_cause"]
+    r = _verify(encoder, audio_dir, store_dir)
+    assert "likely cause" not in r.stderr, r.stderr
+
+
+def test_spot_check_options_without_encoder_are_not_ignored_unsaid(
+    encoder_file: Path, audio_dir: Path, store_dir: Path
+) -> None:
+    _build(encoder_file, audio_dir, store_dir)
+    r = invoke("verify", "--cache", store_dir, "--sample", "64", "--dtype", "int8")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "--sample/--dtype are for a spot check: give --encoder and --data" in lines[0]
+    r = invoke("verify", "--cache", store_dir)
+    assert r.returncode == 0 and "verify: clean" in r.stdout, r.stderr
