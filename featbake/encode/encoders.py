@@ -449,12 +449,21 @@ def from_module(
         device = module_device(module) or torch.device("cpu")
     dev = torch.device(device)
     if hasattr(module, "eval") and kind != EXPORT:
-        module.eval()
+        eval_mode(module)
     if (hasattr(module, "to") and kind != EXPORT) or (kind == EXPORT and dev.type != "cpu"):
         module = module.to(dev)
     enc = LoadedEncoder(module, label or type(module).__name__, kind, identity, dev)
     enc.takes_lengths = accepts_lengths(module)
     return enc
+
+
+def eval_mode(module: Any) -> None:
+    """Put ``module`` in eval mode where its mode can be switched: ``torch.export``'s
+    ``ep.module()`` refuses ``.eval()`` (``NotImplementedError``), since export fixed the mode
+    each op runs in when it traced; its graph is judged as it is
+    (:func:`featbake.serve.misses.training_submodule` reads it)."""
+    with contextlib.suppress(NotImplementedError):
+        module.eval()
 
 
 def module_device(module: Any) -> torch.device | None:

@@ -413,6 +413,32 @@ def test_an_encoder_module_put_in_train_mode_encodes_no_miss(
     torch.testing.assert_close(again[0], _live(model["enc"], ds.path(0)))
 
 
+def test_an_exported_programs_module_serves_its_features_and_its_train_mode_is_refused(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    """``torch.export``'s ``ep.module()`` refuses ``.eval()`` (``NotImplementedError``): its
+    mode was fixed when it was traced. Before, a dataset over it failed as it was made, with
+    torch's traceback, since the dataset put its module in eval mode. Now its mode is left as
+    the graph has it: exported in eval mode, its misses are its features; exported in train
+    mode (dropout's ``train=True`` in the graph), the miss is refused in one line."""
+    from torch.export import Dim
+
+    from featbake.errors import EncoderLoadError
+
+    shapes = {"wav": {0: Dim.AUTO, 1: Dim.AUTO}}
+    module = torch.export.export(TinyConvEncoder().eval(), (torch.randn(2, 16000),),
+                                 dynamic_shapes=shapes).module()  # fmt: skip
+    ds = _fresh_dataset(audio_dir, module, tmp_path / "s")
+    torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
+    dropping = torch.nn.Sequential(TinyConvEncoder(), torch.nn.Dropout(0.5)).train()
+    trained = torch.export.export(dropping, (torch.randn(2, 16000),),
+                                  dynamic_shapes={"input": shapes["wav"]}).module()  # fmt: skip
+    ds = _fresh_dataset(audio_dir, trained, tmp_path / "t")
+    with pytest.raises(EncoderLoadError, match="train") as e:
+        ds[0]
+    assert "\n" not in str(e.value)
+
+
 def test_a_module_shared_by_two_datasets_encodes_misses_for_both(
     tmp_path: Path, audio_dir: Path
 ) -> None:
