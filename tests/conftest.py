@@ -52,6 +52,18 @@ class TickingClock:
         return self.now
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (``make test``: one worker per core) each worker's torch gets its share
+    of the cores for its own in-process work, as a DataLoader worker gets one thread: with
+    torch's default (every core) in each worker, the workers' OpenMP teams fight over the same
+    cores and torch-heavy test files ran 4x slower (tests/bake/test_batching.py with
+    tests/encode/test_hf.py on 2 workers: 112-131 s, 25-31 s with one thread each). Subprocesses
+    (the CLI, torchrun ranks) keep torch's default; tests of thread counts set their own."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        torch.set_num_threads(max(1, torch.get_num_threads() // workers))
+
+
 @pytest.fixture(autouse=True)
 def pace_never_reads_the_wall_clock(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every in-process build times its batches on a :class:`TickingClock`; tests of the pace

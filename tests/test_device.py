@@ -121,13 +121,17 @@ def test_encoder_threads_are_the_users_unless_over_the_cpu_quota(
 
 
 def test_torch_threads_restores_the_callers_count() -> None:
-    before = torch.get_num_threads()
-    with torch_threads(1):
-        assert torch.get_num_threads() == 1
-    assert torch.get_num_threads() == before
-    with pytest.raises(RuntimeError), torch_threads(1):
-        raise RuntimeError("boom")
-    assert torch.get_num_threads() == before
+    caller = torch.get_num_threads()
+    torch.set_num_threads(2)  # the caller's count is not the 1 asked for, however tests run
+    try:
+        with torch_threads(1):
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError), torch_threads(1):
+            raise RuntimeError("boom")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(caller)
 
 
 @pytest.mark.parametrize("device", ["meta", "cuda:x", "tpu", "nonsense"])
