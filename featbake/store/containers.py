@@ -936,18 +936,65 @@ def one_split_advice(where: str, how: SplitBy, first: Sequence[str]) -> str:
 
 def schema_difference(a: pa.Schema, b: pa.Schema) -> str | None:
     """How the schema ``b`` differs from ``a`` as a table's rows see it (pure): the first
-    column one has and the other lacks, or holds in another type; None where they agree on
-    every column's name and type. Metadata (``datasets``' ``huggingface`` features, a field's
-    own) and column order are no difference, as pyarrow's dataset reads such files as one."""
+    column one has and the other lacks, or holds in a type whose values are others
+    (:func:`types_agree`); None where they agree on every column's name and values' type.
+    Metadata (``datasets``' ``huggingface`` features, a field's own) and column order are no
+    difference, as pyarrow's dataset reads such files as one."""
     types_a = {f.name: f.type for f in a}
     types_b = {f.name: f.type for f in b}
     for name, held in types_a.items():
         if name not in types_b:
             return f"column {name!r} is in the first, not the second"
-        if types_b[name] != held:
+        if not types_agree(held, types_b[name]):
             return f"column {name!r} holds {held} in the first, {types_b[name]} in the second"
     extra = next((n for n in types_b if n not in types_a), None)
     return None if extra is None else f"column {extra!r} is in the second, not the first"
+
+
+def types_agree(a: pa.DataType, b: pa.DataType) -> bool:
+    """Whether columns of the Arrow types ``a`` and ``b`` hold values of one kind, so rows
+    read from either (each file by its own schema) serve the same Python values for the same
+    data (pure): equal types; ``null`` (a column all None, as pandas writes an all-None chunk)
+    beside any, the column then nullable; ``string`` beside ``large_string`` and ``binary``
+    beside ``large_binary`` (pandas' and polars' writers); integers of any width (a label 3 is
+    ``int`` read from either) and ``float32`` beside ``float64``; lists and structs of such.
+    Not ``string`` beside an integer, nor an integer beside a float (3 is not 3.0): pyarrow's
+    dataset would cast those, a guess featbake does not make."""
+    pa = pyarrow_module()
+    if a == b or pa.types.is_null(a) or pa.types.is_null(b):
+        return True
+    family_a, family_b = value_family(a), value_family(b)
+    if family_a is not None or family_b is not None:
+        return family_a == family_b
+    if is_list_type(a) and is_list_type(b):
+        return types_agree(a.value_type, b.value_type)
+    if pa.types.is_struct(a) and pa.types.is_struct(b):
+        fields_a = {a.field(i).name: a.field(i).type for i in range(a.num_fields)}
+        fields_b = {b.field(i).name: b.field(i).type for i in range(b.num_fields)}
+        return fields_a.keys() == fields_b.keys() and all(
+            types_agree(t, fields_b[n]) for n, t in fields_a.items()
+        )
+    return False
+
+
+def value_family(kind: pa.DataType) -> str | None:
+    """The Python values a scalar Arrow type's cells are read as, where types differing in
+    width or offsets only share them (pure): ``str``, ``bytes``, ``int``, ``float``; None for
+    any other type (compared as itself)."""
+    t = pyarrow_module().types
+    if t.is_string(kind) or t.is_large_string(kind):
+        return "str"
+    if t.is_binary(kind) or t.is_large_binary(kind):
+        return "bytes"
+    if t.is_integer(kind):
+        return "int"
+    return "float" if t.is_float32(kind) or t.is_float64(kind) else None
+
+
+def is_list_type(kind: pa.DataType) -> bool:
+    """Whether ``kind`` is a list type whose cells read as Python lists (list, large_list)."""
+    t = pyarrow_module().types
+    return bool(t.is_list(kind) or t.is_large_list(kind))
 
 
 def refuse_mixed_schemas(where: str, schemas: Sequence[tuple[str, pa.Schema]]) -> None:

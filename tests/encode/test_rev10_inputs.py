@@ -11,54 +11,6 @@ from featbake.testing import write_audio_folder
 from tests.conftest import invoke
 from tests.encode.test_containers import wav_bytes, write_audio_parquet
 
-pa = pytest.importorskip("pyarrow")
-pa_dataset = pytest.importorskip("pyarrow.dataset")
-pq = pytest.importorskip("pyarrow.parquet")
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="refuse_mixed_schemas compares exact arrow types: a shard whose text column is all "
-    "None (pyarrow's `null` type, as pandas writes an all-None chunk) beside one of strings is "
-    "refused, exit 8, though pyarrow's dataset and datasets read the files as one table "
-    "(null casts to string losslessly)",
-)
-def test_a_parquet_shard_whose_carried_column_is_all_none_is_one_table(
-    tmp_path: Path, encoder_file: Path
-) -> None:
-    clips = [wav_bytes(0.3 + 0.1 * i, 40 + i) for i in range(4)]
-    data = tmp_path / "tables"
-    data.mkdir()
-    write_audio_parquet(data / "part-0.parquet", clips[:2], text=["hello", "world"])
-    write_audio_parquet(data / "part-1.parquet", clips[2:], text=[None, None])
-    assert pq.read_schema(data / "part-1.parquet").field("text").type == pa.null()
-    rows = pa_dataset.dataset(data).to_table()  # pyarrow reads them as one table
-    assert rows["text"].to_pylist() == ["hello", "world", None, None]
-
-    r = invoke("build", "--data", data, "--encoder", encoder_file,
-               "--cache", tmp_path / "store", "--column", "audio")  # fmt: skip
-    assert r.returncode == 0, r.stderr
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="refuse_mixed_schemas: a string label written by pandas (string) beside the same "
-    "label written by polars (large_string) is refused as columns of other types, exit 8",
-)
-def test_string_and_large_string_labels_are_one_table(tmp_path: Path, encoder_file: Path) -> None:
-    clips = [wav_bytes(0.3 + 0.1 * i, 40 + i) for i in range(4)]
-    data = tmp_path / "tables"
-    data.mkdir()
-    write_audio_parquet(data / "part-0.parquet", clips[:2], label=["a", "b"])
-    second = write_audio_parquet(data / "part-1.parquet", clips[2:], label=["c", "d"])
-    table = pq.read_table(second)
-    i = table.schema.get_field_index("label")
-    table = table.set_column(i, "label", table["label"].cast(pa.large_string()))
-    pq.write_table(table, second)
-    r = invoke("build", "--data", data, "--encoder", encoder_file,
-               "--cache", tmp_path / "store", "--column", "audio")  # fmt: skip
-    assert r.returncode == 0, r.stderr
-
 
 @pytest.mark.xfail(
     strict=True,

@@ -18,7 +18,7 @@ from featbake.bake.pipeline import build
 from featbake.encode.encoders import torchscript_quietly
 from featbake.errors import SourceError
 from featbake.serve.dataset import CachedFeatureDataset
-from featbake.store.containers import refuse_several_splits
+from featbake.store.containers import refuse_several_splits, schema_difference
 from featbake.testing import write_audio_folder
 from tests.conftest import invoke, live_features
 from tests.encode.test_bucket_inputs import upload
@@ -332,3 +332,88 @@ def test_parquet_files_whose_schemas_differ_in_metadata_only_are_one_table(
     cells = want["audio"].to_pylist()
     for i in range(len(ds)):
         assert torch.equal(ds[i], run_now(module, audio_tensor(cells[i]["bytes"])))
+
+
+def served_rows(data: Path, encoder_file: Path, store: Path, column: str) -> list[Any]:
+    """Build ``data`` (a parquet folder) and return each served row's ``column`` value, the
+    features checked equal to the encoder now, in pyarrow's dataset order."""
+    want = pa_dataset.dataset(data).to_table()
+    report = build(data, encoder_file, cache=store, workers=0, column="audio")
+    assert (report.encoded + report.reused, report.failed) == (want.num_rows, [])
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
+    ds = CachedFeatureDataset(data, encoder_file, cache=store, column="audio", on_miss="error")
+    cells = want["audio"].to_pylist()
+    for i in range(len(ds)):
+        assert torch.equal(ds[i], run_now(module, audio_tensor(cells[i]["bytes"])))
+    return [ds.row(i)[column] for i in range(len(ds))]
+
+
+def test_a_parquet_shard_whose_carried_column_is_all_none_is_one_table(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """A shard whose text column is all None (Arrow's ``null`` type, as pandas writes an
+    all-None chunk) beside one of strings is one table to pyarrow's dataset, and to featbake:
+    built, its rows served with str and None texts as pyarrow reads them (in10.5)."""
+    clips = [wav_bytes(0.3 + 0.1 * i, 40 + i) for i in range(4)]
+    data = tmp_path / "tables"
+    data.mkdir()
+    write_audio_parquet(data / "part-0.parquet", clips[:2], text=["hello", "world"])
+    write_audio_parquet(data / "part-1.parquet", clips[2:], text=[None, None])
+    assert pq.read_schema(data / "part-1.parquet").field("text").type == pa.null()
+    assert pa_dataset.dataset(data).to_table()["text"].to_pylist() == ["hello", "world", None, None]
+    r = invoke("build", "--data", data, "--encoder", encoder_file,
+               "--cache", tmp_path / "cli-store", "--column", "audio")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    texts = served_rows(data, encoder_file, tmp_path / "store", "text")
+    assert texts == ["hello", "world", None, None]
+
+
+def test_string_and_large_string_labels_are_one_table(tmp_path: Path, encoder_file: Path) -> None:
+    """A string label written by pandas (``string``) beside the same label written by polars
+    (``large_string``), and an int32 count beside an int64 one, are one table: built, each
+    row's label served as a str and its count as an int, whichever file (in10.5)."""
+    clips = [wav_bytes(0.3 + 0.1 * i, 40 + i) for i in range(4)]
+    data = tmp_path / "tables"
+    data.mkdir()
+    write_audio_parquet(data / "part-0.parquet", clips[:2], label=["a", "b"], n=[1, 2])
+    second = write_audio_parquet(data / "part-1.parquet", clips[2:], label=["c", "d"], n=[3, 4])
+    table = pq.read_table(second)
+    for name, kind in (("label", pa.large_string()), ("n", pa.int32())):
+        i = table.schema.get_field_index(name)
+        table = table.set_column(i, name, table[name].cast(kind))
+    pq.write_table(table, second)
+    r = invoke("build", "--data", data, "--encoder", encoder_file,
+               "--cache", tmp_path / "cli-store", "--column", "audio")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    labels = served_rows(data, encoder_file, tmp_path / "store", "label")
+    assert labels == ["a", "b", "c", "d"] and all(type(v) is str for v in labels)
+    counts = served_rows(data, encoder_file, tmp_path / "store", "n")
+    assert counts == [1, 2, 3, 4] and all(type(v) is int for v in counts)
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "agree"),
+    [
+        ("string", "large_string", True),
+        ("null", "int64", True),
+        ("int32", "int64", True),
+        ("float32", "float64", True),
+        ("list<item: string>", "large_list<item: large_string>", True),
+        ("string", "int64", False),
+        ("int64", "float64", False),
+        ("binary", "string", False),
+    ],
+)
+def test_types_agree_where_their_values_are_one_kind(first: str, second: str, agree: bool) -> None:
+    """Which Arrow types of one column are one table's (in10.5): width and offsets differ only."""
+    kinds = {
+        "string": pa.string(), "large_string": pa.large_string(), "null": pa.null(),
+        "int32": pa.int32(), "int64": pa.int64(), "float32": pa.float32(),
+        "float64": pa.float64(), "binary": pa.binary(),
+        "list<item: string>": pa.list_(pa.string()),
+        "large_list<item: large_string>": pa.large_list(pa.large_string()),
+    }  # fmt: skip
+    a, b = pa.schema([("x", kinds[first])]), pa.schema([("x", kinds[second])])
+    assert (schema_difference(a, b) is None) is agree
+    assert (schema_difference(b, a) is None) is agree
