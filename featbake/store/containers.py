@@ -36,6 +36,7 @@ import io
 import json
 import os
 import re
+import shlex
 import stat
 import tarfile
 import threading
@@ -912,6 +913,7 @@ def refuse_several_splits(where: str, names: Sequence[str]) -> None:
         raise SourceError(
             f"{where} holds the splits {held}, as datasets reads its {how.value}; pass one "
             f"split: {one_split_advice(where, how, by_split[named[0]])}"
+            f"{every_file_advice(where, names)}"
         )
     others = by_split[None]
     shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
@@ -919,6 +921,7 @@ def refuse_several_splits(where: str, names: Sequence[str]) -> None:
         f"{where} holds the split {held} and {files(len(others))} that name no split "
         f"({shown}), which datasets leaves out of it; featbake would read them all as one; "
         f"pass one set alone: {one_split_advice(where, how, by_split[named[0]])}"
+        f"{every_file_advice(where, names)}"
     )
 
 
@@ -932,6 +935,29 @@ def one_split_advice(where: str, how: SplitBy, first: Sequence[str]) -> str:
         folder = "/".join([where.rstrip("/"), *parts[: top + 1]])
         return f"its folder as --data (such as {folder})"
     return "its file as --data, or its files moved into a folder of their own"
+
+
+def every_file_advice(where: str, names: Sequence[str]) -> str:
+    """How to build every file of a folder of input files refused as splits as one dataset
+    anyway (pure): a manifest naming them (a ``.csv`` with a ``path`` column, absolute paths or
+    ``s3://`` URLs), with a one-line shell command that writes one for a local folder (a
+    speaker or class folder named ``test`` is a split to ``datasets``, but may be all data);
+    "" for tars and parquet files, which a manifest does not list."""
+    if all(n.lower().endswith(CONTAINER_SUFFIXES) for n in names):
+        return ""
+    if "://" in where:
+        return (
+            "; or, to build every file as one dataset, pass a manifest (.csv with a path column) "
+            "of their URLs as --data"
+        )
+    exts = sorted({os.path.splitext(n)[1].lower() for n in names if os.path.splitext(n)[1]})
+    wanted = " -o ".join(f"-iname '*{e}'" for e in exts) or "-name '*'"
+    wanted = f"\\( {wanted} \\)" if len(exts) > 1 else wanted
+    return (
+        "; or, to build every file as one dataset, pass a manifest of them as --data: "
+        f"{{ echo path; find {shlex.quote(where)} -type f {wanted} "
+        "-not -path '*/.*' -not -path '*/__*' | sort; } > all.csv, then --data all.csv"
+    )
 
 
 def schema_difference(a: pa.Schema, b: pa.Schema) -> str | None:

@@ -7,30 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from featbake.testing import write_audio_folder
 from tests.conftest import invoke
 from tests.encode.test_containers import wav_bytes, write_audio_parquet
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="in10.1: a speaker folder named `test` (or `dev`, `val`, `eval`) beside other "
-    "speakers is refused as a split beside files of none, and the one line's only way out is "
-    "passing that speaker's folder alone; it names no way to build the whole folder (a "
-    "manifest of its clips)",
-)
-def test_a_speaker_named_test_is_refused_with_a_way_to_build_every_speaker(
-    tmp_path: Path, encoder_file: Path
-) -> None:
-    audio = tmp_path / "audio"
-    for speaker in ("alice", "bob", "test"):
-        write_audio_folder(audio / speaker, 2, seconds=0.3, seed=len(speaker))
-    r = invoke("build", "--data", audio, "--encoder", encoder_file,
-               "--cache", tmp_path / "store")  # fmt: skip
-    assert r.returncode == 8, r.stderr
-    line = r.stderr.strip()
-    assert "split test (2 files)" in line
-    assert "manifest" in line  # the way to build alice, bob and test as one dataset
 
 
 @pytest.mark.xfail(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -417,3 +418,32 @@ def test_types_agree_where_their_values_are_one_kind(first: str, second: str, ag
     a, b = pa.schema([("x", kinds[first])]), pa.schema([("x", kinds[second])])
     assert (schema_difference(a, b) is None) is agree
     assert (schema_difference(b, a) is None) is agree
+
+
+def test_a_speaker_named_test_is_refused_with_a_way_to_build_every_speaker(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """A speaker folder named ``test`` beside others is a split to ``datasets``, refused as
+    in10.1; the one line also gives a shell command writing a manifest of every clip, which
+    builds all 6 clips as one dataset, each served equal to the encoder now (in10.6)."""
+    audio = tmp_path / "audio"
+    for speaker in ("alice", "bob", "test"):
+        write_audio_folder(audio / speaker, 2, seconds=0.3, seed=len(speaker))
+    r = invoke("build", "--data", audio, "--encoder", encoder_file,
+               "--cache", tmp_path / "store")  # fmt: skip
+    assert r.returncode == 8, r.stderr
+    line = r.stderr.strip()
+    assert "\n" not in line and "split test (2 files)" in line and "manifest" in line
+    command = re.search(r"--data: (\{ echo path; .*?\} > all\.csv), then --data all\.csv", line)
+    assert command is not None, line
+    subprocess.run(["bash", "-c", command.group(1)], cwd=tmp_path, check=True)
+    manifest = tmp_path / "all.csv"
+    assert len(manifest.read_text().splitlines()) == 7  # the header and 6 clips
+    report = build(manifest, encoder_file, cache=tmp_path / "store", workers=0)
+    assert (report.encoded + report.reused, report.failed) == (6, [])
+    ds = CachedFeatureDataset(manifest, encoder_file, cache=tmp_path / "store", on_miss="error")
+    assert len(ds) == 6
+    for i in range(6):
+        clip = Path(ds.item_id(i))
+        assert clip.is_absolute() and clip.is_relative_to(audio)
+        torch.testing.assert_close(ds[i], live_features(encoder_file, clip), msg=str(clip))
