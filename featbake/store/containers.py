@@ -733,7 +733,7 @@ def table_files(where: str, listed: Callable[[str], Iterable[str]] = os.listdir)
             raise SourceError(f"{state} names no data file")
         return [os.path.join(where, n) for n in files]
     names = sorted(n for n in listed(where) if n.endswith(".parquet") and not left_out(n))
-    refuse_several_splits(where, names)
+    refuse_several_splits(where, names, folder_card(where))
     return [os.path.join(where, n) for n in names]
 
 
@@ -881,7 +881,7 @@ def splits_of(names: Sequence[str], how: SplitBy | None = None) -> dict[str | No
     return out
 
 
-def refuse_several_splits(where: str, names: Sequence[str]) -> None:
+def refuse_several_splits(where: str, names: Sequence[str], card: str | None = None) -> None:
     """Refuse a folder whose data files (parquet files, tar shards, a folder's audio, image or
     text files) ``datasets`` does not read as the one table (one set of shards, one folder of
     files) featbake reads them as: files that name several splits (``datasets`` reads a
@@ -895,11 +895,17 @@ def refuse_several_splits(where: str, names: Sequence[str]) -> None:
     only are judged, as they are what featbake reads (a bucket prefix's: every object under it,
     named relative to it, so ``train/`` beside ``test/`` is two splits there as well).
 
+    ``card`` is the folder's ``README.md`` (None: it has none): ``datasets`` reads the splits
+    its front matter's ``configs`` declare before any name (:func:`refuse_declared_splits`).
+
     Raises:
         SourceError: the files name two splits or more (each named with its file count), or
             one split beside files that name none (those named); the way out is said as the
-            split is (one split's folder where folders name them).
+            split is (one split's folder where folders name them). Or the card declares two
+            splits or more in one config.
     """
+    if card is not None:
+        refuse_declared_splits(where, card)
     if not may_name_a_split(names):
         return  # one search over all names: a speaker folder's 100,000 clips name no split
     how = split_by(names)
@@ -935,6 +941,98 @@ def one_split_advice(where: str, how: SplitBy, first: Sequence[str]) -> str:
         folder = "/".join([where.rstrip("/"), *parts[: top + 1]])
         return f"its folder as --data (such as {folder})"
     return "its file as --data, or its files moved into a folder of their own"
+
+
+#: The dataset card ``load_dataset`` reads at the folder it is given (not above it): its YAML
+#: front matter's ``configs`` may name each split's files (``data_files``).
+CARD_NAME = "README.md"
+
+
+def folder_card(where: str) -> str | None:
+    """The text of the local folder ``where``'s ``README.md`` where it has one that starts
+    with YAML front matter (``---``), else None: the one file ``datasets`` reads a Hub
+    snapshot's declared splits from."""
+    try:
+        with open(os.path.join(where, CARD_NAME), encoding="utf-8", errors="replace") as f:
+            first = f.readline()
+            return first + f.read() if first.rstrip("\r\n") == "---" else None
+    except OSError:  # none (or not a folder): nothing declared
+        return None
+
+
+def card_configs(card: str) -> dict[str, dict[str, list[str]]]:
+    """config -> split -> its ``data_files`` paths, as the ``configs`` key of a dataset card's
+    YAML front matter declares them, read as ``datasets`` reads it (pure): between a first line
+    ``---`` and the next. Nothing for a card without front matter, without ``configs``, or
+    whose YAML does not parse (the card is documentation: featbake reads only that key).
+
+    Example:
+        >>> card_configs("---\nconfigs:\n- config_name: a\n  data_files: x/*.parquet\n---\n")
+        {'a': {'train': ['x/*.parquet']}}
+    """
+    lines = card.splitlines()
+    if not lines or lines[0] != "---" or "---" not in lines[1:]:
+        return {}
+    block = "\n".join(lines[1 : lines[1:].index("---") + 1])
+    if "configs" not in block:
+        return {}
+    import yaml  # only for a card that may declare configs
+
+    try:
+        meta = yaml.safe_load(block)
+    except yaml.YAMLError:
+        return {}
+    configs = meta.get("configs") if isinstance(meta, dict) else None
+    if not isinstance(configs, list):
+        return {}
+    return {
+        str(c.get("config_name", "default")): declared_files(c.get("data_files"))
+        for c in configs
+        if isinstance(c, dict)
+    }
+
+
+def declared_files(data_files: object) -> dict[str, list[str]]:
+    """split -> paths of one config's ``data_files`` in each form ``datasets`` takes (pure): a
+    path or a list of them (the ``train`` split), a list of ``{split, path}`` entries (a path
+    or a list), or a mapping of split to paths; nothing where none is declared."""
+    if isinstance(data_files, dict):
+        return {str(k): path_list(v) for k, v in data_files.items()}
+    if not isinstance(data_files, list):
+        return {} if data_files is None else {"train": path_list(data_files)}
+    out: dict[str, list[str]] = {}
+    for entry in data_files:
+        if isinstance(entry, dict):
+            split = str(entry.get("split", "train"))
+            out.setdefault(split, []).extend(path_list(entry.get("path")))
+        else:
+            out.setdefault("train", []).extend(path_list(entry))
+    return out
+
+
+def path_list(value: object) -> list[str]:
+    """A ``data_files`` path or list of paths as a list of strings (pure)."""
+    if value is None:
+        return []
+    return [str(v) for v in value] if isinstance(value, list) else [str(value)]
+
+
+def refuse_declared_splits(where: str, card: str) -> None:
+    """Refuse a folder whose dataset card (``card``: its ``README.md``) declares two splits
+    or more in one config's ``data_files``: ``load_dataset(folder)`` reads a DatasetDict of
+    them (the held-out rows apart), where featbake would read every file as one table.
+
+    Raises:
+        SourceError: one line naming the config, each split and its files, and what to pass.
+    """
+    for config, splits in card_configs(card).items():
+        if len(splits) > 1:
+            held = ", ".join(f"{s} ({', '.join(paths)})" for s, paths in splits.items())
+            raise SourceError(
+                f"{where}: its {CARD_NAME} declares the splits {held} (configs: {config}), as "
+                "datasets reads the folder; pass one split's files as --data: its file, or its "
+                "files moved into a folder of their own"
+            )
 
 
 def every_file_advice(where: str, names: Sequence[str]) -> str:

@@ -338,7 +338,7 @@ def test_parquet_files_whose_schemas_differ_in_metadata_only_are_one_table(
 def served_rows(data: Path, encoder_file: Path, store: Path, column: str) -> list[Any]:
     """Build ``data`` (a parquet folder) and return each served row's ``column`` value, the
     features checked equal to the encoder now, in pyarrow's dataset order."""
-    want = pa_dataset.dataset(data).to_table()
+    want = pa_dataset.dataset(sorted(map(str, data.rglob("*.parquet")))).to_table()
     report = build(data, encoder_file, cache=store, workers=0, column="audio")
     assert (report.encoded + report.reused, report.failed) == (want.num_rows, [])
     with torchscript_quietly():
@@ -447,3 +447,63 @@ def test_a_speaker_named_test_is_refused_with_a_way_to_build_every_speaker(
         clip = Path(ds.item_id(i))
         assert clip.is_absolute() and clip.is_relative_to(audio)
         torch.testing.assert_close(ds[i], live_features(encoder_file, clip), msg=str(clip))
+
+
+CARD_TWO_SPLITS = (
+    "---\nconfigs:\n- config_name: default\n  data_files:\n"
+    "  - split: train\n    path: shards/alpha.parquet\n"
+    "  - split: heldout\n    path: shards/beta.parquet\n---\n# a dataset card\n"
+)
+
+
+def test_a_snapshot_whose_readme_configs_name_two_splits_is_refused(
+    s3: Any, tmp_path: Path, encoder_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Hub snapshot whose README.md front matter's ``configs`` names two splits' files is a
+    DatasetDict to ``load_dataset(snapshot)``, and was built as one table, the held-out rows
+    served among the training ones. Refused now in one line naming the splits and their
+    files, locally and under a bucket prefix (one GET of the listed README.md), for parquet
+    files and an audio folder; a card declaring one split, or no configs, changes nothing:
+    the 3 rows built and served equal to the encoder now (in10.7)."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    clips = [wav_bytes(0.3 + 0.1 * i, 40 + i) for i in range(3)]
+    snap = tmp_path / "snapshot"
+    (snap / "shards").mkdir(parents=True)
+    write_audio_parquet(snap / "shards" / "alpha.parquet", clips[:2], label=[0, 1])
+    write_audio_parquet(snap / "shards" / "beta.parquet", clips[2:], label=[2])
+    (snap / "README.md").write_text(CARD_TWO_SPLITS)
+    splits = datasets.load_dataset(str(snap))
+    assert {s: len(d) for s, d in splits.items()} == {"train": 2, "heldout": 1}
+    said = (
+        "declares the splits train (shards/alpha.parquet), heldout (shards/beta.parquet) "
+        "(configs: default)"
+    )
+    store = tmp_path / "store"
+    r = invoke("build", "--data", snap, "--encoder", encoder_file,
+               "--cache", store, "--column", "audio")  # fmt: skip
+    assert r.returncode == 8, r.stdout + r.stderr
+    line = r.stderr.strip()
+    assert len(line.splitlines()) == 1 and said in line and "pass one split's files" in line
+    prefix = f"s3://{s3.bucket}/snap/"
+    names = ("README.md", "shards/alpha.parquet", "shards/beta.parquet")
+    upload_shards(prefix, {n: snap / n for n in names})
+    with pytest.raises(SourceError, match=re.escape(said)):
+        build(prefix, encoder_file, cache=store, workers=0, column="audio")
+    audio = tmp_path / "audio"
+    write_audio_folder(audio / "a", 2, seconds=0.3, seed=1)
+    write_audio_folder(audio / "b", 1, seconds=0.3, seed=2)
+    (audio / "README.md").write_text(
+        CARD_TWO_SPLITS.replace("shards/alpha.parquet", "a/*").replace("shards/beta.parquet", "b/*")
+    )
+    r = invoke("build", "--data", audio, "--encoder", encoder_file, "--cache", store)
+    assert r.returncode == 8 and "declares the splits train (a/*), heldout (b/*)" in r.stderr
+    upload_shards(f"s3://{s3.bucket}/audio/", {
+        str(p.relative_to(audio)): p for p in audio.rglob("*") if p.is_file()
+    })  # fmt: skip
+    with pytest.raises(SourceError, match=re.escape("heldout (b/*)")):
+        build(f"s3://{s3.bucket}/audio/", encoder_file, cache=store, workers=0)
+    one = "---\nconfigs:\n- config_name: default\n  data_files: shards/*.parquet\n---\n"
+    for card in (one, "---\nlicense: mit\n---\n# card\n", "# no front matter\n"):
+        (snap / "README.md").write_text(card)
+        assert served_rows(snap, encoder_file, store, "label") == [0, 1, 2]
