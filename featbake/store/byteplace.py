@@ -721,7 +721,9 @@ def walked(
 ) -> Iterator[tuple[str, os.DirEntry[str]]]:
     """(name relative to ``where``, entry) of each visible file under the folder ``where``,
     its subfolders walked depth first, each once (links followed, hidden names passed over:
-    :func:`listing`): the one walk of a folder's scan and of the shards and table files in it.
+    :func:`listing`; ``lost+found`` and ``__name__/`` folders not entered:
+    :func:`holds_no_inputs`): the one walk of a folder's scan and of the shards and table
+    files in it.
     The folders under ``where`` that cannot be read, and could hold inputs, are added to
     ``unread`` (one rule for audio, shard and table folders: :func:`unread_note`).
 
@@ -733,7 +735,9 @@ def walked(
     while folders:
         rel, folder = folders.pop()
         files, subfolders = listing(folder, seen, unread)
-        folders += [(f"{rel}{e.name}/", e.path) for e in subfolders]
+        # ``__name__/`` folders (``__MACOSX/``, ``__pycache__/``) are in no split to datasets
+        # (in9.12): not entered, so a folder's inputs and split judgement pass over them
+        folders += [(f"{rel}{e.name}/", e.path) for e in subfolders if not holds_no_inputs(e.name)]
         for entry in files:
             yield rel + entry.name, entry
 
@@ -987,7 +991,7 @@ class Objects(BytePlace):
         listed = {
             o.name[len(key) :]: bucket.file_stat(o)
             for o in listing
-            if o.name.lower().endswith(exts) and not hidden_name(o.name[len(key) :])
+            if o.name.lower().endswith(exts) and not passed_over(o.name[len(key) :])
         }
         rels = [o.name[len(key) :] for o in listing]
         refuse_tars_beside_files(prefix, [n for n in rels if "/" not in n and not hidden_name(n)])

@@ -507,3 +507,29 @@ def test_a_snapshot_whose_readme_configs_name_two_splits_is_refused(
     for card in (one, "---\nlicense: mit\n---\n# card\n", "# no front matter\n"):
         (snap / "README.md").write_text(card)
         assert served_rows(snap, encoder_file, store, "label") == [0, 1, 2]
+
+
+def test_files_in_dunder_folders_are_no_split_locally_or_under_a_prefix(
+    s3: Any, tmp_path: Path, encoder_file: Path
+) -> None:
+    """``__pycache__/test/b.wav`` is in no split to ``datasets`` (it leaves ``__name__/``
+    folders out, as featbake's shard and table walks do: in9.12), but a folder's (a prefix's)
+    input scan read it, so ``spk1/`` beside it was refused as a split beside files of none.
+    Now the folder and the prefix build their 2 clips, each served equal to the encoder now
+    (in10.8)."""
+    audio = tmp_path / "audio"
+    write_audio_folder(audio / "spk1", 2, seconds=0.3, seed=5)
+    write_audio_folder(audio / "__pycache__" / "test", 1, seconds=0.3, seed=6)
+    assert datasets_splits(audio) == {"train": ["spk1/clip00000.wav", "spk1/clip00001.wav"]}
+    assert_serves_live(audio, encoder_file, tmp_path / "store", 2)
+    prefix = f"s3://{s3.bucket}/dunder/"
+    upload_shards(prefix, {
+        str(p.relative_to(audio)): p for p in audio.rglob("*.wav")
+    })  # fmt: skip
+    report = build(prefix, encoder_file, cache=tmp_path / "store", workers=0)
+    assert (report.encoded + report.reused, report.failed) == (2, [])
+    ds = CachedFeatureDataset(prefix, encoder_file, cache=tmp_path / "store", on_miss="error")
+    assert [ds.item_id(i) for i in range(len(ds))] == ["spk1/clip00000.wav", "spk1/clip00001.wav"]
+    for i in range(2):
+        want = live_features(encoder_file, audio / ds.item_id(i))
+        torch.testing.assert_close(ds[i], want, msg=ds.item_id(i))
