@@ -31,7 +31,7 @@ import re
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, NamedTuple, TypeVar
@@ -39,6 +39,7 @@ from typing import ClassVar, NamedTuple, TypeVar
 from featbake.errors import ConfigError, SourceError, StoreError
 from featbake.keys import sha256_file
 from featbake.store.containers import (
+    CARD_NAME,
     CARD_SUFFIXES,
     CONTAINER_SUFFIXES,
     TABLE_IGNORED_PREFIXES,
@@ -50,6 +51,7 @@ from featbake.store.containers import (
     TableFile,
     file_kind,
     fits,
+    folder_card,
     gzip_stream,
     is_gzip_tar,
     is_tar,
@@ -127,7 +129,7 @@ def holds_only_names(names: Iterable[str], wanted: tuple[str, ...], also: tuple[
     return found
 
 
-def shard_names(where: str, names: Iterable[str]) -> list[str]:
+def shard_names(where: str, names: Iterable[str], card: str | None = None) -> list[str]:
     """The tar shards among the names of a folder's files (or a bucket prefix's objects,
     relative to it), in name order: visible ones only (webdataset's shard lists are globs,
     which pass over hidden names; ``__name__/`` folders left out, as ``datasets`` leaves them:
@@ -139,7 +141,7 @@ def shard_names(where: str, names: Iterable[str]) -> list[str]:
             (:func:`~featbake.store.containers.refuse_several_splits`).
     """
     kept = sorted(n for n in names if is_tar(n) and not passed_over(n))
-    refuse_several_splits(where, kept)  # datasets reads such a folder as splits
+    refuse_several_splits(where, kept, card)  # datasets reads such a folder as splits
     return kept
 
 
@@ -462,7 +464,8 @@ class LocalFiles(BytePlace):
                 "check the folder, or pick the source kind with --source"
             )
         found.sort()
-        refuse_several_splits(where, found)  # datasets reads train/ beside test/ as two splits
+        # datasets reads train/ beside test/ as two splits, and those its README.md declares
+        refuse_several_splits(where, found, folder_card(where))
         notes = (unread_note(where, unread), nested_tars_note(where, tars, exts))
         return Found(found, skipped, {}, tuple(n for n in notes if n))
 
@@ -607,7 +610,7 @@ class LocalFiles(BytePlace):
         if os.path.isdir(data):
             folder = resolved(data)
             unread: list[Unread] = []
-            names = shard_names(folder, walked_names(folder, unread))
+            names = shard_names(folder, walked_names(folder, unread), folder_card(folder))
             note = unread_note(folder, unread)
             tars = [os.path.join(folder, n) for n in names]
             return Shards(folder, folder, tars, (note,) if note else ())
@@ -718,7 +721,9 @@ def walked(
 ) -> Iterator[tuple[str, os.DirEntry[str]]]:
     """(name relative to ``where``, entry) of each visible file under the folder ``where``,
     its subfolders walked depth first, each once (links followed, hidden names passed over:
-    :func:`listing`): the one walk of a folder's scan and of the shards and table files in it.
+    :func:`listing`; ``lost+found`` and ``__name__/`` folders not entered:
+    :func:`holds_no_inputs`): the one walk of a folder's scan and of the shards and table
+    files in it.
     The folders under ``where`` that cannot be read, and could hold inputs, are added to
     ``unread`` (one rule for audio, shard and table folders: :func:`unread_note`).
 
@@ -730,7 +735,9 @@ def walked(
     while folders:
         rel, folder = folders.pop()
         files, subfolders = listing(folder, seen, unread)
-        folders += [(f"{rel}{e.name}/", e.path) for e in subfolders]
+        # ``__name__/`` folders (``__MACOSX/``, ``__pycache__/``) are in no split to datasets
+        # (in9.12): not entered, so a folder's inputs and split judgement pass over them
+        folders += [(f"{rel}{e.name}/", e.path) for e in subfolders if not holds_no_inputs(e.name)]
         for entry in files:
             yield rel + entry.name, entry
 
@@ -875,6 +882,19 @@ def prefix_at(where: str) -> tuple[ObjectStore, str]:
     return bucket_store(url), url.key("")
 
 
+def bucket_card(bucket: ObjectStore, key: str, names: Collection[str]) -> str | None:
+    """The text of the ``README.md`` at a prefix (``key``; ``names``: its objects' names
+    relative to it, as listed) where the listing holds one, read by one GET: a Hub snapshot
+    uploaded whole declares its splits there (see
+    :func:`~featbake.store.containers.refuse_declared_splits`). None where none is listed."""
+    if CARD_NAME not in names:
+        return None
+    try:
+        return bucket.read(key + CARD_NAME).data.decode("utf-8", errors="replace")
+    except FileNotFoundError:  # deleted since the listing: nothing declared now
+        return None
+
+
 def bucket_store(url: BucketURL) -> ObjectStore:
     """The object store of ``url``'s bucket (its scheme's: s3, gs, az), made once per bucket."""
     bucket = _BUCKETS.get((url.scheme, url.bucket))
@@ -971,7 +991,7 @@ class Objects(BytePlace):
         listed = {
             o.name[len(key) :]: bucket.file_stat(o)
             for o in listing
-            if o.name.lower().endswith(exts) and not hidden_name(o.name[len(key) :])
+            if o.name.lower().endswith(exts) and not passed_over(o.name[len(key) :])
         }
         rels = [o.name[len(key) :] for o in listing]
         refuse_tars_beside_files(prefix, [n for n in rels if "/" not in n and not hidden_name(n)])
@@ -984,7 +1004,7 @@ class Objects(BytePlace):
                 "--source"
             )
         names = sorted(listed)
-        refuse_several_splits(prefix, names)  # as a local folder's (in10.1)
+        refuse_several_splits(prefix, names, bucket_card(bucket, key, rels))  # as a folder's
         note = nested_tars_note(prefix, tars, exts)
         return Found(names, [], listed, (note,) if note else ())
 
@@ -1120,7 +1140,7 @@ class Objects(BytePlace):
         bucket, key = prefix_at(where)
         names = [o.name[len(key) :] for o in bucket.list(key)]
         kept = sorted(n for n in names if n.endswith(".parquet") and not left_out(n))
-        refuse_several_splits(where, kept)
+        refuse_several_splits(where, kept, bucket_card(bucket, key, names))
         return [TableFile(f"{where}/{n}", ranged_object) for n in kept]
 
     def is_table_folder(self, where: str) -> bool:

@@ -36,6 +36,7 @@ import io
 import json
 import os
 import re
+import shlex
 import stat
 import tarfile
 import threading
@@ -732,7 +733,7 @@ def table_files(where: str, listed: Callable[[str], Iterable[str]] = os.listdir)
             raise SourceError(f"{state} names no data file")
         return [os.path.join(where, n) for n in files]
     names = sorted(n for n in listed(where) if n.endswith(".parquet") and not left_out(n))
-    refuse_several_splits(where, names)
+    refuse_several_splits(where, names, folder_card(where))
     return [os.path.join(where, n) for n in names]
 
 
@@ -880,7 +881,7 @@ def splits_of(names: Sequence[str], how: SplitBy | None = None) -> dict[str | No
     return out
 
 
-def refuse_several_splits(where: str, names: Sequence[str]) -> None:
+def refuse_several_splits(where: str, names: Sequence[str], card: str | None = None) -> None:
     """Refuse a folder whose data files (parquet files, tar shards, a folder's audio, image or
     text files) ``datasets`` does not read as the one table (one set of shards, one folder of
     files) featbake reads them as: files that name several splits (``datasets`` reads a
@@ -894,11 +895,17 @@ def refuse_several_splits(where: str, names: Sequence[str]) -> None:
     only are judged, as they are what featbake reads (a bucket prefix's: every object under it,
     named relative to it, so ``train/`` beside ``test/`` is two splits there as well).
 
+    ``card`` is the folder's ``README.md`` (None: it has none): ``datasets`` reads the splits
+    its front matter's ``configs`` declare before any name (:func:`refuse_declared_splits`).
+
     Raises:
         SourceError: the files name two splits or more (each named with its file count), or
             one split beside files that name none (those named); the way out is said as the
-            split is (one split's folder where folders name them).
+            split is (one split's folder where folders name them). Or the card declares two
+            splits or more in one config.
     """
+    if card is not None:
+        refuse_declared_splits(where, card)
     if not may_name_a_split(names):
         return  # one search over all names: a speaker folder's 100,000 clips name no split
     how = split_by(names)
@@ -912,6 +919,7 @@ def refuse_several_splits(where: str, names: Sequence[str]) -> None:
         raise SourceError(
             f"{where} holds the splits {held}, as datasets reads its {how.value}; pass one "
             f"split: {one_split_advice(where, how, by_split[named[0]])}"
+            f"{every_file_advice(where, names)}"
         )
     others = by_split[None]
     shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
@@ -919,6 +927,7 @@ def refuse_several_splits(where: str, names: Sequence[str]) -> None:
         f"{where} holds the split {held} and {files(len(others))} that name no split "
         f"({shown}), which datasets leaves out of it; featbake would read them all as one; "
         f"pass one set alone: {one_split_advice(where, how, by_split[named[0]])}"
+        f"{every_file_advice(where, names)}"
     )
 
 
@@ -934,20 +943,182 @@ def one_split_advice(where: str, how: SplitBy, first: Sequence[str]) -> str:
     return "its file as --data, or its files moved into a folder of their own"
 
 
+#: The dataset card ``load_dataset`` reads at the folder it is given (not above it): its YAML
+#: front matter's ``configs`` may name each split's files (``data_files``).
+CARD_NAME = "README.md"
+
+
+def folder_card(where: str) -> str | None:
+    """The text of the local folder ``where``'s ``README.md`` where it has one that starts
+    with YAML front matter (``---``), else None: the one file ``datasets`` reads a Hub
+    snapshot's declared splits from."""
+    try:
+        with open(os.path.join(where, CARD_NAME), encoding="utf-8", errors="replace") as f:
+            first = f.readline()
+            return first + f.read() if first.rstrip("\r\n") == "---" else None
+    except OSError:  # none (or not a folder): nothing declared
+        return None
+
+
+def card_configs(card: str) -> dict[str, dict[str, list[str]]]:
+    """config -> split -> its ``data_files`` paths, as the ``configs`` key of a dataset card's
+    YAML front matter declares them, read as ``datasets`` reads it (pure): between a first line
+    ``---`` and the next. Nothing for a card without front matter, without ``configs``, or
+    whose YAML does not parse (the card is documentation: featbake reads only that key).
+
+    Example:
+        >>> card_configs("---\nconfigs:\n- config_name: a\n  data_files: x/*.parquet\n---\n")
+        {'a': {'train': ['x/*.parquet']}}
+    """
+    lines = card.splitlines()
+    if not lines or lines[0] != "---" or "---" not in lines[1:]:
+        return {}
+    block = "\n".join(lines[1 : lines[1:].index("---") + 1])
+    if "configs" not in block:
+        return {}
+    import yaml  # only for a card that may declare configs
+
+    try:
+        meta = yaml.safe_load(block)
+    except yaml.YAMLError:
+        return {}
+    configs = meta.get("configs") if isinstance(meta, dict) else None
+    if not isinstance(configs, list):
+        return {}
+    return {
+        str(c.get("config_name", "default")): declared_files(c.get("data_files"))
+        for c in configs
+        if isinstance(c, dict)
+    }
+
+
+def declared_files(data_files: object) -> dict[str, list[str]]:
+    """split -> paths of one config's ``data_files`` in each form ``datasets`` takes (pure): a
+    path or a list of them (the ``train`` split), a list of ``{split, path}`` entries (a path
+    or a list), or a mapping of split to paths; nothing where none is declared."""
+    if isinstance(data_files, dict):
+        return {str(k): path_list(v) for k, v in data_files.items()}
+    if not isinstance(data_files, list):
+        return {} if data_files is None else {"train": path_list(data_files)}
+    out: dict[str, list[str]] = {}
+    for entry in data_files:
+        if isinstance(entry, dict):
+            split = str(entry.get("split", "train"))
+            out.setdefault(split, []).extend(path_list(entry.get("path")))
+        else:
+            out.setdefault("train", []).extend(path_list(entry))
+    return out
+
+
+def path_list(value: object) -> list[str]:
+    """A ``data_files`` path or list of paths as a list of strings (pure)."""
+    if value is None:
+        return []
+    return [str(v) for v in value] if isinstance(value, list) else [str(value)]
+
+
+def refuse_declared_splits(where: str, card: str) -> None:
+    """Refuse a folder whose dataset card (``card``: its ``README.md``) declares two splits
+    or more in one config's ``data_files``: ``load_dataset(folder)`` reads a DatasetDict of
+    them (the held-out rows apart), where featbake would read every file as one table.
+
+    Raises:
+        SourceError: one line naming the config, each split and its files, and what to pass.
+    """
+    for config, splits in card_configs(card).items():
+        if len(splits) > 1:
+            held = ", ".join(f"{s} ({', '.join(paths)})" for s, paths in splits.items())
+            raise SourceError(
+                f"{where}: its {CARD_NAME} declares the splits {held} (configs: {config}), as "
+                "datasets reads the folder; pass one split's files as --data: its file, or its "
+                "files moved into a folder of their own"
+            )
+
+
+def every_file_advice(where: str, names: Sequence[str]) -> str:
+    """How to build every file of a folder of input files refused as splits as one dataset
+    anyway (pure): a manifest naming them (a ``.csv`` with a ``path`` column, absolute paths or
+    ``s3://`` URLs), with a one-line shell command that writes one for a local folder (a
+    speaker or class folder named ``test`` is a split to ``datasets``, but may be all data);
+    "" for tars and parquet files, which a manifest does not list."""
+    if all(n.lower().endswith(CONTAINER_SUFFIXES) for n in names):
+        return ""
+    if "://" in where:
+        return (
+            "; or, to build every file as one dataset, pass a manifest (.csv with a path column) "
+            "of their URLs as --data"
+        )
+    exts = sorted({os.path.splitext(n)[1].lower() for n in names if os.path.splitext(n)[1]})
+    wanted = " -o ".join(f"-iname '*{e}'" for e in exts) or "-name '*'"
+    wanted = f"\\( {wanted} \\)" if len(exts) > 1 else wanted
+    return (
+        "; or, to build every file as one dataset, pass a manifest of them as --data: "
+        f"{{ echo path; find {shlex.quote(where)} -type f {wanted} "
+        "-not -path '*/.*' -not -path '*/__*' | sort; } > all.csv, then --data all.csv"
+    )
+
+
 def schema_difference(a: pa.Schema, b: pa.Schema) -> str | None:
     """How the schema ``b`` differs from ``a`` as a table's rows see it (pure): the first
-    column one has and the other lacks, or holds in another type; None where they agree on
-    every column's name and type. Metadata (``datasets``' ``huggingface`` features, a field's
-    own) and column order are no difference, as pyarrow's dataset reads such files as one."""
+    column one has and the other lacks, or holds in a type whose values are others
+    (:func:`types_agree`); None where they agree on every column's name and values' type.
+    Metadata (``datasets``' ``huggingface`` features, a field's own) and column order are no
+    difference, as pyarrow's dataset reads such files as one."""
     types_a = {f.name: f.type for f in a}
     types_b = {f.name: f.type for f in b}
     for name, held in types_a.items():
         if name not in types_b:
             return f"column {name!r} is in the first, not the second"
-        if types_b[name] != held:
+        if not types_agree(held, types_b[name]):
             return f"column {name!r} holds {held} in the first, {types_b[name]} in the second"
     extra = next((n for n in types_b if n not in types_a), None)
     return None if extra is None else f"column {extra!r} is in the second, not the first"
+
+
+def types_agree(a: pa.DataType, b: pa.DataType) -> bool:
+    """Whether columns of the Arrow types ``a`` and ``b`` hold values of one kind, so rows
+    read from either (each file by its own schema) serve the same Python values for the same
+    data (pure): equal types; ``null`` (a column all None, as pandas writes an all-None chunk)
+    beside any, the column then nullable; ``string`` beside ``large_string`` and ``binary``
+    beside ``large_binary`` (pandas' and polars' writers); integers of any width (a label 3 is
+    ``int`` read from either) and ``float32`` beside ``float64``; lists and structs of such.
+    Not ``string`` beside an integer, nor an integer beside a float (3 is not 3.0): pyarrow's
+    dataset would cast those, a guess featbake does not make."""
+    pa = pyarrow_module()
+    if a == b or pa.types.is_null(a) or pa.types.is_null(b):
+        return True
+    family_a, family_b = value_family(a), value_family(b)
+    if family_a is not None or family_b is not None:
+        return family_a == family_b
+    if is_list_type(a) and is_list_type(b):
+        return types_agree(a.value_type, b.value_type)
+    if pa.types.is_struct(a) and pa.types.is_struct(b):
+        fields_a = {a.field(i).name: a.field(i).type for i in range(a.num_fields)}
+        fields_b = {b.field(i).name: b.field(i).type for i in range(b.num_fields)}
+        return fields_a.keys() == fields_b.keys() and all(
+            types_agree(t, fields_b[n]) for n, t in fields_a.items()
+        )
+    return False
+
+
+def value_family(kind: pa.DataType) -> str | None:
+    """The Python values a scalar Arrow type's cells are read as, where types differing in
+    width or offsets only share them (pure): ``str``, ``bytes``, ``int``, ``float``; None for
+    any other type (compared as itself)."""
+    t = pyarrow_module().types
+    if t.is_string(kind) or t.is_large_string(kind):
+        return "str"
+    if t.is_binary(kind) or t.is_large_binary(kind):
+        return "bytes"
+    if t.is_integer(kind):
+        return "int"
+    return "float" if t.is_float32(kind) or t.is_float64(kind) else None
+
+
+def is_list_type(kind: pa.DataType) -> bool:
+    """Whether ``kind`` is a list type whose cells read as Python lists (list, large_list)."""
+    t = pyarrow_module().types
+    return bool(t.is_list(kind) or t.is_large_list(kind))
 
 
 def refuse_mixed_schemas(where: str, schemas: Sequence[tuple[str, pa.Schema]]) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from featbake.bake.pipeline import build
 from featbake.encode.encoders import torchscript_quietly
 from featbake.errors import SourceError
 from featbake.serve.dataset import CachedFeatureDataset
-from featbake.store.containers import refuse_several_splits
+from featbake.store.containers import refuse_several_splits, schema_difference
 from featbake.testing import write_audio_folder
 from tests.conftest import invoke, live_features
 from tests.encode.test_bucket_inputs import upload
@@ -332,3 +333,203 @@ def test_parquet_files_whose_schemas_differ_in_metadata_only_are_one_table(
     cells = want["audio"].to_pylist()
     for i in range(len(ds)):
         assert torch.equal(ds[i], run_now(module, audio_tensor(cells[i]["bytes"])))
+
+
+def served_rows(data: Path, encoder_file: Path, store: Path, column: str) -> list[Any]:
+    """Build ``data`` (a parquet folder) and return each served row's ``column`` value, the
+    features checked equal to the encoder now, in pyarrow's dataset order."""
+    want = pa_dataset.dataset(sorted(map(str, data.rglob("*.parquet")))).to_table()
+    report = build(data, encoder_file, cache=store, workers=0, column="audio")
+    assert (report.encoded + report.reused, report.failed) == (want.num_rows, [])
+    with torchscript_quietly():
+        module = torch.jit.load(str(encoder_file))
+    ds = CachedFeatureDataset(data, encoder_file, cache=store, column="audio", on_miss="error")
+    cells = want["audio"].to_pylist()
+    for i in range(len(ds)):
+        assert torch.equal(ds[i], run_now(module, audio_tensor(cells[i]["bytes"])))
+    return [ds.row(i)[column] for i in range(len(ds))]
+
+
+def test_a_parquet_shard_whose_carried_column_is_all_none_is_one_table(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """A shard whose text column is all None (Arrow's ``null`` type, as pandas writes an
+    all-None chunk) beside one of strings is one table to pyarrow's dataset, and to featbake:
+    built, its rows served with str and None texts as pyarrow reads them (in10.5)."""
+    clips = [wav_bytes(0.3 + 0.1 * i, 40 + i) for i in range(4)]
+    data = tmp_path / "tables"
+    data.mkdir()
+    write_audio_parquet(data / "part-0.parquet", clips[:2], text=["hello", "world"])
+    write_audio_parquet(data / "part-1.parquet", clips[2:], text=[None, None])
+    assert pq.read_schema(data / "part-1.parquet").field("text").type == pa.null()
+    assert pa_dataset.dataset(data).to_table()["text"].to_pylist() == ["hello", "world", None, None]
+    r = invoke("build", "--data", data, "--encoder", encoder_file,
+               "--cache", tmp_path / "cli-store", "--column", "audio")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    texts = served_rows(data, encoder_file, tmp_path / "store", "text")
+    assert texts == ["hello", "world", None, None]
+
+
+def test_string_and_large_string_labels_are_one_table(tmp_path: Path, encoder_file: Path) -> None:
+    """A string label written by pandas (``string``) beside the same label written by polars
+    (``large_string``), and an int32 count beside an int64 one, are one table: built, each
+    row's label served as a str and its count as an int, whichever file (in10.5)."""
+    clips = [wav_bytes(0.3 + 0.1 * i, 40 + i) for i in range(4)]
+    data = tmp_path / "tables"
+    data.mkdir()
+    write_audio_parquet(data / "part-0.parquet", clips[:2], label=["a", "b"], n=[1, 2])
+    second = write_audio_parquet(data / "part-1.parquet", clips[2:], label=["c", "d"], n=[3, 4])
+    table = pq.read_table(second)
+    for name, kind in (("label", pa.large_string()), ("n", pa.int32())):
+        i = table.schema.get_field_index(name)
+        table = table.set_column(i, name, table[name].cast(kind))
+    pq.write_table(table, second)
+    r = invoke("build", "--data", data, "--encoder", encoder_file,
+               "--cache", tmp_path / "cli-store", "--column", "audio")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    labels = served_rows(data, encoder_file, tmp_path / "store", "label")
+    assert labels == ["a", "b", "c", "d"] and all(type(v) is str for v in labels)
+    counts = served_rows(data, encoder_file, tmp_path / "store", "n")
+    assert counts == [1, 2, 3, 4] and all(type(v) is int for v in counts)
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "agree"),
+    [
+        ("string", "large_string", True),
+        ("null", "int64", True),
+        ("int32", "int64", True),
+        ("float32", "float64", True),
+        ("list<item: string>", "large_list<item: large_string>", True),
+        ("string", "int64", False),
+        ("int64", "float64", False),
+        ("binary", "string", False),
+    ],
+)
+def test_types_agree_where_their_values_are_one_kind(first: str, second: str, agree: bool) -> None:
+    """Which Arrow types of one column are one table's (in10.5): width and offsets differ only."""
+    kinds = {
+        "string": pa.string(), "large_string": pa.large_string(), "null": pa.null(),
+        "int32": pa.int32(), "int64": pa.int64(), "float32": pa.float32(),
+        "float64": pa.float64(), "binary": pa.binary(),
+        "list<item: string>": pa.list_(pa.string()),
+        "large_list<item: large_string>": pa.large_list(pa.large_string()),
+    }  # fmt: skip
+    a, b = pa.schema([("x", kinds[first])]), pa.schema([("x", kinds[second])])
+    assert (schema_difference(a, b) is None) is agree
+    assert (schema_difference(b, a) is None) is agree
+
+
+def test_a_speaker_named_test_is_refused_with_a_way_to_build_every_speaker(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """A speaker folder named ``test`` beside others is a split to ``datasets``, refused as
+    in10.1; the one line also gives a shell command writing a manifest of every clip, which
+    builds all 6 clips as one dataset, each served equal to the encoder now (in10.6)."""
+    audio = tmp_path / "audio"
+    for speaker in ("alice", "bob", "test"):
+        write_audio_folder(audio / speaker, 2, seconds=0.3, seed=len(speaker))
+    r = invoke("build", "--data", audio, "--encoder", encoder_file,
+               "--cache", tmp_path / "store")  # fmt: skip
+    assert r.returncode == 8, r.stderr
+    line = r.stderr.strip()
+    assert "\n" not in line and "split test (2 files)" in line and "manifest" in line
+    command = re.search(r"--data: (\{ echo path; .*?\} > all\.csv), then --data all\.csv", line)
+    assert command is not None, line
+    subprocess.run(["bash", "-c", command.group(1)], cwd=tmp_path, check=True)
+    manifest = tmp_path / "all.csv"
+    assert len(manifest.read_text().splitlines()) == 7  # the header and 6 clips
+    report = build(manifest, encoder_file, cache=tmp_path / "store", workers=0)
+    assert (report.encoded + report.reused, report.failed) == (6, [])
+    ds = CachedFeatureDataset(manifest, encoder_file, cache=tmp_path / "store", on_miss="error")
+    assert len(ds) == 6
+    for i in range(6):
+        clip = Path(ds.item_id(i))
+        assert clip.is_absolute() and clip.is_relative_to(audio)
+        torch.testing.assert_close(ds[i], live_features(encoder_file, clip), msg=str(clip))
+
+
+CARD_TWO_SPLITS = (
+    "---\nconfigs:\n- config_name: default\n  data_files:\n"
+    "  - split: train\n    path: shards/alpha.parquet\n"
+    "  - split: heldout\n    path: shards/beta.parquet\n---\n# a dataset card\n"
+)
+
+
+def test_a_snapshot_whose_readme_configs_name_two_splits_is_refused(
+    s3: Any, tmp_path: Path, encoder_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Hub snapshot whose README.md front matter's ``configs`` names two splits' files is a
+    DatasetDict to ``load_dataset(snapshot)``, and was built as one table, the held-out rows
+    served among the training ones. Refused now in one line naming the splits and their
+    files, locally and under a bucket prefix (one GET of the listed README.md), for parquet
+    files and an audio folder; a card declaring one split, or no configs, changes nothing:
+    the 3 rows built and served equal to the encoder now (in10.7)."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    clips = [wav_bytes(0.3 + 0.1 * i, 40 + i) for i in range(3)]
+    snap = tmp_path / "snapshot"
+    (snap / "shards").mkdir(parents=True)
+    write_audio_parquet(snap / "shards" / "alpha.parquet", clips[:2], label=[0, 1])
+    write_audio_parquet(snap / "shards" / "beta.parquet", clips[2:], label=[2])
+    (snap / "README.md").write_text(CARD_TWO_SPLITS)
+    splits = datasets.load_dataset(str(snap))
+    assert {s: len(d) for s, d in splits.items()} == {"train": 2, "heldout": 1}
+    said = (
+        "declares the splits train (shards/alpha.parquet), heldout (shards/beta.parquet) "
+        "(configs: default)"
+    )
+    store = tmp_path / "store"
+    r = invoke("build", "--data", snap, "--encoder", encoder_file,
+               "--cache", store, "--column", "audio")  # fmt: skip
+    assert r.returncode == 8, r.stdout + r.stderr
+    line = r.stderr.strip()
+    assert len(line.splitlines()) == 1 and said in line and "pass one split's files" in line
+    prefix = f"s3://{s3.bucket}/snap/"
+    names = ("README.md", "shards/alpha.parquet", "shards/beta.parquet")
+    upload_shards(prefix, {n: snap / n for n in names})
+    with pytest.raises(SourceError, match=re.escape(said)):
+        build(prefix, encoder_file, cache=store, workers=0, column="audio")
+    audio = tmp_path / "audio"
+    write_audio_folder(audio / "a", 2, seconds=0.3, seed=1)
+    write_audio_folder(audio / "b", 1, seconds=0.3, seed=2)
+    (audio / "README.md").write_text(
+        CARD_TWO_SPLITS.replace("shards/alpha.parquet", "a/*").replace("shards/beta.parquet", "b/*")
+    )
+    r = invoke("build", "--data", audio, "--encoder", encoder_file, "--cache", store)
+    assert r.returncode == 8 and "declares the splits train (a/*), heldout (b/*)" in r.stderr
+    upload_shards(f"s3://{s3.bucket}/audio/", {
+        str(p.relative_to(audio)): p for p in audio.rglob("*") if p.is_file()
+    })  # fmt: skip
+    with pytest.raises(SourceError, match=re.escape("heldout (b/*)")):
+        build(f"s3://{s3.bucket}/audio/", encoder_file, cache=store, workers=0)
+    one = "---\nconfigs:\n- config_name: default\n  data_files: shards/*.parquet\n---\n"
+    for card in (one, "---\nlicense: mit\n---\n# card\n", "# no front matter\n"):
+        (snap / "README.md").write_text(card)
+        assert served_rows(snap, encoder_file, store, "label") == [0, 1, 2]
+
+
+def test_files_in_dunder_folders_are_no_split_locally_or_under_a_prefix(
+    s3: Any, tmp_path: Path, encoder_file: Path
+) -> None:
+    """``__pycache__/test/b.wav`` is in no split to ``datasets`` (it leaves ``__name__/``
+    folders out, as featbake's shard and table walks do: in9.12), but a folder's (a prefix's)
+    input scan read it, so ``spk1/`` beside it was refused as a split beside files of none.
+    Now the folder and the prefix build their 2 clips, each served equal to the encoder now
+    (in10.8)."""
+    audio = tmp_path / "audio"
+    write_audio_folder(audio / "spk1", 2, seconds=0.3, seed=5)
+    write_audio_folder(audio / "__pycache__" / "test", 1, seconds=0.3, seed=6)
+    assert datasets_splits(audio) == {"train": ["spk1/clip00000.wav", "spk1/clip00001.wav"]}
+    assert_serves_live(audio, encoder_file, tmp_path / "store", 2)
+    prefix = f"s3://{s3.bucket}/dunder/"
+    upload_shards(prefix, {
+        str(p.relative_to(audio)): p for p in audio.rglob("*.wav")
+    })  # fmt: skip
+    report = build(prefix, encoder_file, cache=tmp_path / "store", workers=0)
+    assert (report.encoded + report.reused, report.failed) == (2, [])
+    ds = CachedFeatureDataset(prefix, encoder_file, cache=tmp_path / "store", on_miss="error")
+    assert [ds.item_id(i) for i in range(len(ds))] == ["spk1/clip00000.wav", "spk1/clip00001.wav"]
+    for i in range(2):
+        want = live_features(encoder_file, audio / ds.item_id(i))
+        torch.testing.assert_close(ds[i], want, msg=ds.item_id(i))
