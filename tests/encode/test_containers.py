@@ -2277,7 +2277,7 @@ def unreadable(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     real = os.scandir
 
     def scandir(path: Any = ".") -> Any:
-        if os.fspath(path).endswith(f"/{name}"):
+        if not isinstance(path, int) and os.fspath(path).endswith(f"/{name}"):  # fd: rmtree's
             raise PermissionError(13, "Permission denied", os.fspath(path))
         return real(path)
 
@@ -2331,7 +2331,7 @@ def unreadable_too(scandir: Any, name: str) -> Any:
     """``scandir`` with a folder named ``name`` failing with EACCES as well."""
 
     def wrapped(path: Any = ".") -> Any:
-        if os.fspath(path).endswith(f"/{name}"):
+        if not isinstance(path, int) and os.fspath(path).endswith(f"/{name}"):  # fd: rmtree's
             raise PermissionError(13, "Permission denied", os.fspath(path))
         return scandir(path)
 
