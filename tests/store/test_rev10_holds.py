@@ -71,3 +71,52 @@ def test_a_finalizer_run_by_gc_inside_opened_lock_does_not_hang_the_process(
         timeout=180,
     )
     assert done.returncode == 0 and "done" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="opened_lock opens (and LockFile.close closes) under _LOCKS_GUARD, which every hold, "
+    "named lock and fork of the process takes: an open of a store's lock file that hangs (a "
+    "hard NFS mount whose server is gone) keeps a hold of a local scratch file, and any fork "
+    "(a DataLoader worker), waiting for as long as it hangs",
+)
+def test_a_hung_open_of_one_lock_file_keeps_no_other_hold_waiting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from featbake.store.files import holding
+    from featbake.store.locks import locked
+
+    hung = tmp_path / "remote" / "write.lock"  # the store's lock file on a mount that hangs
+    hung.parent.mkdir()
+    entered, release, done = threading.Event(), threading.Event(), threading.Event()
+    real_open = os.open
+
+    def open_that_hangs(path: object, *args: object, **kwargs: object) -> int:
+        if str(path) == str(hung):  # the mount's server is gone: the open waits for it
+            entered.set()
+            release.wait()
+        return real_open(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", open_that_hangs)
+
+    def take_hung() -> None:
+        with locked(hung):
+            pass
+
+    def hold_local() -> None:
+        with holding(tmp_path / "local" / "tmp" / "scratch"):
+            done.set()
+
+    a = threading.Thread(target=take_hung, daemon=True)
+    a.start()
+    assert entered.wait(60)
+    b = threading.Thread(target=hold_local, daemon=True)
+    b.start()
+    try:
+        assert done.wait(30), "a hold of a local file waited on another file's hung open"
+    finally:
+        release.set()
+        a.join()
+        b.join()
