@@ -441,3 +441,36 @@ def test_a_transformers_models_key_does_not_follow_its_first_forward(
     first.flush()
     second = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s", on_miss="error")
     torch.testing.assert_close(second[0], _live(module, second.path(0)))
+
+
+# == what a hook reads from its module's globals ==================================================
+#: A script's settings, as ``args = parser.parse_args()`` at module level gives them: each run of
+#: the script with other command-line values has other settings, from the same source file.
+_SETTINGS = {"gain": 2.0}
+
+
+def _gain_from_settings(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (args[0] * _SETTINGS["gain"],)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a hook is keyed by its code, source file and what it holds, never by the globals "
+    "its code reads: a script run with --gain 2 and again with --gain 3 (a module-level args "
+    "or settings dict) keys its hook alike, and the second run is served the first's features",
+)
+def test_a_hook_reading_a_script_setting_is_keyed_by_its_value(
+    tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a = TinyConvEncoder().eval()
+    a.register_forward_pre_hook(_gain_from_settings)
+    with pytest.warns(UserWarning, match="no featbake store"):
+        first = CachedFeatureDataset(audio_dir, a, cache=tmp_path / "s")
+    first[0]
+    first.flush()
+    monkeypatch.setitem(_SETTINGS, "gain", 3.0)  # the next run of the script, with --gain 3
+    b = TinyConvEncoder().eval()
+    b.load_state_dict(a.state_dict())
+    b.register_forward_pre_hook(_gain_from_settings)
+    second = CachedFeatureDataset(audio_dir, b, cache=tmp_path / "s")
+    torch.testing.assert_close(second[0], _live(b, second.path(0)))
