@@ -474,3 +474,20 @@ def test_a_hook_reading_a_script_setting_is_keyed_by_its_value(
     b.register_forward_pre_hook(_gain_from_settings)
     second = CachedFeatureDataset(audio_dir, b, cache=tmp_path / "s")
     torch.testing.assert_close(second[0], _live(b, second.path(0)))
+
+
+# == containers read by their repr ================================================================
+@pytest.mark.xfail(
+    strict=True,
+    reason="HeldReading reads a container it does not know (collections.deque, a mappingproxy) "
+    "by its repr: a tensor inside is not refused (as one in a list is), and the repr of a large "
+    "tensor elides its middle, so tensors differing there key alike",
+)
+def test_a_tensor_inside_a_deque_a_hook_holds_is_refused_as_inside_a_list() -> None:
+    import collections
+
+    from featbake.encode.identity import held_refusals
+
+    gains = torch.ones(2000)
+    hook = functools.partial(_scaled_by, collections.deque([gains]))
+    assert held_refusals(hook), "a tensor inside a deque was neither refused nor keyed"
