@@ -52,7 +52,28 @@ _SLOTS_LOCK = threading.Lock()
 _AT_FORK: list[Any] = []
 
 
+#: One entry for each ``fork`` this process began, and for each that returned in it: the
+#: counts :func:`forks_begun` and :func:`forks_returned` read. ``list.append`` is one atomic
+#: operation, with no lock (two threads may fork at once; a count read while a fork is under
+#: way is never torn), at 8 bytes a fork.
+_FORKS_BEGUN: list[None] = []
+_FORKS_RETURNED: list[None] = []
+
+
+def forks_begun() -> int:
+    """How many ``fork`` calls this process (and, before it, its parents) began: a fork whose
+    child is made after a moment was begun before it or is counted by the next read."""
+    return len(_FORKS_BEGUN)
+
+
+def forks_returned() -> int:
+    """How many ``fork`` calls returned in this process (failed ones too): a fork not yet
+    counted here at some moment made its child, if at all, after that moment."""
+    return len(_FORKS_RETURNED)
+
+
 def _hold_before_fork() -> None:
+    _FORKS_BEGUN.append(None)
     # A forked child frees the parent's other threads' thread-locals (their slots) before any
     # after-fork hook runs (collecting a sqlite3 connection closes it), so the references are
     # taken here, in the parent. The lock is held across fork() so that no other thread's hold
@@ -62,6 +83,7 @@ def _hold_before_fork() -> None:
 
 
 def _after_fork_in_parent() -> None:
+    _FORKS_RETURNED.append(None)
     _AT_FORK.clear()
     _SLOTS_LOCK.release()
 
@@ -80,6 +102,7 @@ def in_forked_child(hook: Callable[[], None]) -> None:
 def _after_fork_in_child() -> None:
     global _pid
     _pid = os.getpid()
+    _FORKS_RETURNED.append(None)
     INHERITED_ACROSS_FORK.extend(_AT_FORK)
     _AT_FORK.clear()
     _SLOTS_LOCK.release()

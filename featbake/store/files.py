@@ -21,10 +21,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
 from featbake.errors import StoreError
-from featbake.process import fork_safe_lock, in_forked_child
+from featbake.process import forks_begun, forks_returned, in_forked_child
 
 
 def fsync_dir(path: Path) -> None:
@@ -295,9 +295,27 @@ class Hold:
 # fork (:func:`_close_locks_in_child`): ``flock`` and OFD locks belong to the open file, which
 # the child's copies share, so a child that outlives the lock's owner, or only its block, would
 # keep the lock for as long as it lives (a killed owner's leftover kept from the sweep, the
-# next ``tier_locked`` waiting on the child). A descriptor is listed from its ``open`` to its
-# ``close``, both under :data:`_LOCKS_GUARD`, which every fork holds: no child is ever forked
-# with a lock descriptor the registry does not list, whenever its lock is taken.
+# next ``tier_locked`` waiting on the child).
+#
+# No lock guards the registry. Each update is one dict operation (atomic under the GIL), and
+# nothing between two of them waits on anything: so nothing that runs Python in this thread
+# meanwhile (a garbage collection running a ``CachedEncoder``'s write-back finalizer, whose seal
+# takes the write lock through :func:`opened_lock`; a signal handler) finds a lock its own
+# thread holds and waits on it for ever, and an open or close of one file that hangs (a hard
+# NFS mount whose server is gone) keeps no other hold, and no fork, waiting. A guard held
+# across ``fork`` would give both defects, and making it re-entrant would not do: the nested
+# seal would then wait on the write lock under the guard, which another thread of this process
+# may hold while it waits on the guard. What the guard was for, that no child is forked with an
+# unlisted copy of an open file its parent locks, is kept by the order of the steps instead:
+#
+# - open: the file is opened, then listed; where a fork began after the open began and before
+#   the listing ended (``forks_begun`` now beyond ``forks_returned`` before: featbake.process),
+#   a child may have an unlisted copy of that open file, so it is never locked: the file is
+#   opened again, a new open file (:func:`_reopened`), listed the same way, and the first
+#   closed. Such a child keeps at most a descriptor never locked, until it exits.
+# - close: the descriptor is first pointed at ``/dev/null`` (``dup2``: the open file, and so
+#   its lock, let go in one step while the number stays taken, so no other open reuses it while
+#   it is listed), then unlisted, then closed: a child forked in between has ``/dev/null``.
 
 
 @dataclass(eq=False)
@@ -315,30 +333,52 @@ class LockFile:
 
     def close(self) -> bool:
         """Close it (letting go of its lock) where it is this process's; whether it was (a
-        forked child's copy of a block leaves the parent's lock alone)."""
-        with _LOCKS_GUARD:
-            if not self.own():
-                return False
-            del _LOCKS[self.fd]
-            os.close(self.fd)  # under the guard: no fork copies it unlisted
+        forked child's copy of a block leaves the parent's lock alone). The order is the
+        section comment's: never a copy of a locked open file unlisted, never a number reused
+        while listed."""
+        if not self.own():
+            return False
+        os.dup2(_NOWHERE, self.fd, inheritable=False)  # the open file and its lock let go
+        if self.held is not None:
+            _unlisted(_HELD, self.held, self)
+        _unlisted(_LOCKS, self.fd, self)
+        os.close(self.fd)  # /dev/null's copy: never hangs
         return True
 
 
 #: This process's lock descriptors (fd -> its :class:`LockFile`): the one registry a forked
 #: child closes.
 _LOCKS: dict[int, LockFile] = {}
-_LOCKS_GUARD = fork_safe_lock()  # held across fork: never copied held, nor mid-open/close
+#: The files this process holds (:func:`holding`; identity -> its :class:`LockFile`).
+_HELD: dict[tuple[int, int], LockFile] = {}
+#: What a closed lock descriptor points at until it is unlisted (opened once, never locked).
+_NOWHERE = os.open(os.devnull, os.O_RDONLY)
+
+
+_K = TypeVar("_K")
+
+
+def _unlisted(registry: dict[_K, LockFile], key: _K, lock: LockFile) -> None:
+    """Remove ``registry[key]`` where it is ``lock`` (no other's entry: between the check and
+    the removal nothing can list another under ``key`` while ``lock`` is listed there)."""
+    if registry.get(key) is lock:
+        registry.pop(key, None)
 
 
 def _close_locks_in_child() -> None:
     """In a forked child: close the parent's lock descriptors, so that the child never keeps
     a lock its parent lets go of or a killed parent's leftover from the sweep (the lock
     follows the open file), and forget them (the child's copies of a lock's block then leave
-    the parent's files alone)."""
-    for fd in _LOCKS:
+    the parent's files alone). One removal at a time: a finalizer run meanwhile may change
+    the registry."""
+    while True:
+        try:
+            fd, _ = _LOCKS.popitem()
+        except KeyError:
+            break
         with contextlib.suppress(OSError):
             os.close(fd)
-    _LOCKS.clear()
+    _HELD.clear()
 
 
 in_forked_child(_close_locks_in_child)
@@ -356,17 +396,61 @@ def opened_lock(
         OSError: as ``os.open``.
         StoreError: ``hold``, and this process holds the file already.
     """
-    with _LOCKS_GUARD:
-        fd = os.open(path, flags, 0o666, dir_fd=dir_fd)
-        lock = LockFile(fd, _identity(fd) if hold else None)
-        if hold and any(other.held == lock.held for other in _LOCKS.values()):
-            os.close(fd)
+    lock = _listed(path, flags, dir_fd)
+    if hold:
+        try:
+            lock.held = _identity(lock.fd)
+        except BaseException:
+            lock.close()
+            raise
+        if _HELD.setdefault(lock.held, lock) is not lock:  # one operation: never two listed
+            lock.close()  # leaves the other's entry (``_unlisted``)
             raise StoreError(
                 f"{path} is already held by this process; a scratch name is used once: make a "
                 "new one with a unique name"
             )
-        _LOCKS[fd] = lock
     return lock
+
+
+def _listed(path: str | Path, flags: int, dir_fd: int | None) -> LockFile:
+    """``path`` opened and listed, an open file no forked child has an unlisted copy of:
+    opened again while a fork fell between an open and its listing (the section comment)."""
+    returned = forks_returned()
+    lock = LockFile(os.open(path, flags, 0o666, dir_fd=dir_fd))  # no lock held: it may hang
+    _LOCKS[lock.fd] = lock
+    while forks_begun() != returned:
+        returned = forks_returned()
+        try:
+            again = LockFile(_reopened(lock.fd, path, flags, dir_fd))
+        finally:
+            lock.close()  # never locked: a child's copy of it holds nothing
+        _LOCKS[again.fd] = again
+        lock = again
+    return lock
+
+
+#: Where Linux lists this process's descriptors; opening one opens its file anew.
+_PROC_FDS = Path("/proc/self/fd")
+
+
+def _reopened(fd: int, path: str | Path, flags: int, dir_fd: int | None) -> int:
+    """A new open file of the file open as ``fd`` (not a copy of ``fd``'s): through
+    ``/proc/self/fd`` (Linux: the very file, even one removed meanwhile), else by ``path``,
+    checked to be the same file.
+
+    Raises:
+        FileNotFoundError: opened by ``path``, which names another file now (a sweep took it:
+            as if it had gone before the first open).
+        OSError: as ``os.open``.
+    """
+    again = flags & ~(os.O_CREAT | os.O_EXCL | os.O_TRUNC | os.O_NOFOLLOW)
+    if _PROC_FDS.is_dir():
+        return os.open(_PROC_FDS / str(fd), again)
+    new = os.open(path, again | (flags & os.O_NOFOLLOW), dir_fd=dir_fd)
+    if _identity(new) != _identity(fd):
+        os.close(new)
+        raise FileNotFoundError(errno.ENOENT, "replaced while it was opened", str(path))
+    return new
 
 
 def _identity(fd: int) -> tuple[int, int]:

@@ -244,3 +244,111 @@ def test_a_held_file_spelled_another_way_is_refused_not_waited_on(
     assert outcome[0].startswith(f"{other} is already held by this process")
     assert "\n" not in outcome[0]
     assert not path.exists()
+
+
+# A CachedEncoder's write-back is sealed by a finalizer (weakref.finalize) when the wrapper is
+# collected, which a garbage collection runs at whatever allocation it falls on. Here it falls
+# inside opened_lock, at the hold's fstat of the file just opened (the patch point), where the
+# registry's guard was held; the seal takes the store's write lock through opened_lock.
+_COLLECTED_IN_OPENED_LOCK = """
+import faulthandler, gc, os, sys, warnings
+from pathlib import Path
+import torch
+from featbake.serve.cached_encoder import CachedEncoder
+from featbake.store.files import opened_lock
+from featbake.testing import TinyConvEncoder
+
+faulthandler.dump_traceback_later(30, exit=True)  # a hang ends the run with its stack
+warnings.simplefilter("ignore")
+tmp = Path(sys.argv[1])
+enc = TinyConvEncoder().eval()
+for p in enc.parameters():
+    p.requires_grad_(False)
+ce = CachedEncoder(enc, cache=tmp / "store")
+with torch.inference_mode():
+    ce(torch.randn(2, 4000), ids=["a", "b"])  # pending in its write-back
+gc.disable()  # collected only where the test says
+loop = [ce]
+loop.append(loop)  # the wrapper's last reference in a reference cycle
+del ce, loop
+real_fstat, armed = os.fstat, [True]
+
+def fstat_collecting(fd):
+    if armed:
+        armed.clear()
+        shards = lambda: len(list((tmp / "store").rglob("*.safetensors")))
+        before = shards()
+        gc.collect()  # runs the wrapper's finalizer here, in this thread
+        print("sealed by the finalizer:", shards() - before, flush=True)
+    return real_fstat(fd)
+
+os.fstat = fstat_collecting
+(tmp / "tmp").mkdir(parents=True, exist_ok=True)
+opened_lock(str(tmp / "tmp" / "scratch"), os.O_RDWR | os.O_CREAT, hold=True).close()
+print("done")
+"""
+
+
+def test_a_finalizer_run_by_gc_inside_opened_lock_does_not_hang_the_process(
+    tmp_path: Path,
+) -> None:
+    """Round ten, holds (hd10.7): ``opened_lock`` held the registry's guard, a plain lock,
+    while it ran Python; a garbage collection there ran a ``CachedEncoder``'s write-back
+    finalizer, whose seal took the write lock through ``opened_lock`` in the same thread,
+    which waited on the guard for ever. The registry has no guard now."""
+    script = tmp_path / "gc_in_opened_lock.py"
+    script.write_text(_COLLECTED_IN_OPENED_LOCK)
+    repo = str(Path(__file__).resolve().parents[2])
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "w")],
+        env={**os.environ, "PYTHONPATH": repo},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]  # old code: the stack of the hang
+    assert done.stdout.split("\n")[:2] == ["sealed by the finalizer: 1", "done"], done.stdout
+
+
+def test_a_hung_open_of_one_lock_file_keeps_no_other_hold_waiting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Round ten, holds (hd10.8): ``opened_lock`` opened (and ``LockFile.close`` closed) under
+    the registry's guard, which every hold, named lock and fork of the process took: an open
+    of a store's lock file that hangs (a hard NFS mount whose server is gone) kept a hold of a
+    local scratch file, and any fork (a DataLoader worker), waiting for as long as it hung.
+    Nothing waits on another file's open now."""
+    from featbake.store.locks import locked
+
+    hung = tmp_path / "remote" / "write.lock"  # the store's lock file on a mount that hangs
+    hung.parent.mkdir()
+    entered, release, done = threading.Event(), threading.Event(), threading.Event()
+    real_open = os.open
+
+    def open_that_hangs(path: object, *args: object, **kwargs: object) -> int:
+        if str(path) == str(hung):  # the mount's server is gone: the open waits for it
+            entered.set()
+            release.wait()
+        return real_open(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", open_that_hangs)
+
+    def take_hung() -> None:
+        with locked(hung):
+            pass
+
+    def hold_local() -> None:
+        with holding(tmp_path / "local" / "tmp" / "scratch"):
+            done.set()
+
+    a = threading.Thread(target=take_hung, daemon=True)
+    a.start()
+    assert entered.wait(60)
+    b = threading.Thread(target=hold_local, daemon=True)
+    b.start()
+    try:
+        assert done.wait(30), "a hold of a local file waited on another file's hung open"
+    finally:
+        release.set()
+        a.join()
+        b.join()

@@ -138,3 +138,49 @@ def test_a_named_lock_let_go_by_its_owner_is_not_kept_by_its_forked_child(
         os.write(w, b"x")
         os.close(w)
         os.waitpid(pid, 0)
+
+
+@pytest.mark.parametrize("reopened_by", ["proc", "name"])
+def test_a_child_forked_between_a_lock_files_open_and_its_listing_does_not_keep_the_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reopened_by: str
+) -> None:
+    """Round ten, holds (hd10.8): a lock file is opened with no lock of the registry held (an
+    open that hangs keeps nothing else waiting), so a fork may fall between the open and its
+    listing: that child's copy of the open file is not closed at the fork. The file is then
+    opened again, and its lock taken through the new open file, which no child shares: the
+    lock let go is not kept by the child. ``name``: where there is no ``/proc/self/fd``."""
+    if reopened_by == "name":
+        monkeypatch.setattr(files, "_PROC_FDS", tmp_path / "no-proc")
+    path = tmp_path / "tier.lock"
+    r, w = os.pipe()
+    started_r, started_w = os.pipe()
+    real_open, children = os.open, []
+
+    def open_then_fork(name: object, *args: object, **kwargs: object) -> int:
+        fd = real_open(name, *args, **kwargs)  # type: ignore[arg-type]
+        if str(name) == str(path) and not children:
+            pid = os.fork()
+            if pid == 0:  # a worker that lives on (it never touches the lock)
+                os.close(w)
+                os.write(started_w, b"s")
+                os.read(r, 1)
+                os._exit(0)
+            children.append(pid)
+        return fd
+
+    monkeypatch.setattr(os, "open", open_then_fork)
+    try:
+        with locked(path) as fd:
+            assert fd is not None and children
+        os.close(started_w)
+        assert os.read(started_r, 1) == b"s"
+        os.close(started_r)
+        monkeypatch.undo()
+        with locked(path, wait=0) as again:  # TimeoutError: the child keeps the lock
+            assert again is not None
+    finally:
+        os.close(r)
+        os.write(w, b"x")
+        os.close(w)
+        for pid in children:
+            os.waitpid(pid, 0)
