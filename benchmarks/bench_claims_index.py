@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from unittest import mock
 
+from _rows import row
+
 from featbake.store import claims
 from featbake.store.layout import Layout
 
@@ -34,8 +36,9 @@ def made_and_let_go(layout: Layout, n: int) -> None:
             path.unlink()
 
 
-def main() -> None:
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 100_000
+def gc_claims_step(n: int) -> tuple[int, float]:
+    """The names left in the index after ``n`` claims came and went (one still live), and the
+    seconds gc's claims step took over them."""
     with tempfile.TemporaryDirectory() as tmp:
         layout = Layout(Path(tmp))
         live = claims.ClaimFile(layout, "live")
@@ -48,8 +51,20 @@ def main() -> None:
         took = time.perf_counter() - t0
         live.release()
     assert kept == {"k" * 64}
-    print(f"{n} claims made and let go: index {lines} names; gc's claims step {took * 1e3:.1f} ms")
+    return lines, took
+
+
+def main(quick: bool = False, n: int | None = None) -> list[dict]:
+    """``make bench``'s rows: the index's names and gc's claims step after ``n`` claims."""
+    n = n or (10_000 if quick else 100_000)
+    lines, took = gc_claims_step(n)
+    note = f"{n:,} claims made and let go, one live"
+    return [
+        row("claims_index", "names left in claims/index", lines, "names", note=note),
+        row("claims_index", "gc's claims step", took * 1e3, "ms", note=note),
+    ]
 
 
 if __name__ == "__main__":
-    main()
+    for r in main(n=int(sys.argv[1]) if len(sys.argv) > 1 else None):
+        print(f"{r['metric']}: {r['value']:.1f} {r['unit']} ({r['note']})")
