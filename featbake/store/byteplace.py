@@ -465,7 +465,7 @@ class LocalFiles(BytePlace):
             )
         found.sort()
         # datasets reads train/ beside test/ as two splits, and those its README.md declares
-        refuse_several_splits(where, found, folder_card(where))
+        refuse_several_splits(where, found, folder_card(where, top))
         notes = (unread_note(where, unread), nested_tars_note(where, tars, exts))
         return Found(found, skipped, {}, tuple(n for n in notes if n))
 
@@ -610,7 +610,8 @@ class LocalFiles(BytePlace):
         if os.path.isdir(data):
             folder = resolved(data)
             unread: list[Unread] = []
-            names = shard_names(folder, walked_names(folder, unread), folder_card(folder))
+            listing = walked_names(folder, unread)
+            names = shard_names(folder, listing, folder_card(folder, listing))
             note = unread_note(folder, unread)
             tars = [os.path.join(folder, n) for n in names]
             return Shards(folder, folder, tars, (note,) if note else ())

@@ -732,8 +732,9 @@ def table_files(where: str, listed: Callable[[str], Iterable[str]] = os.listdir)
         if not files:
             raise SourceError(f"{state} names no data file")
         return [os.path.join(where, n) for n in files]
-    names = sorted(n for n in listed(where) if n.endswith(".parquet") and not left_out(n))
-    refuse_several_splits(where, names, folder_card(where))
+    everything = list(listed(where))
+    names = sorted(n for n in everything if n.endswith(".parquet") and not left_out(n))
+    refuse_several_splits(where, names, folder_card(where, everything))
     return [os.path.join(where, n) for n in names]
 
 
@@ -948,10 +949,13 @@ def one_split_advice(where: str, how: SplitBy, first: Sequence[str]) -> str:
 CARD_NAME = "README.md"
 
 
-def folder_card(where: str) -> str | None:
+def folder_card(where: str, names: Collection[str]) -> str | None:
     """The text of the local folder ``where``'s ``README.md`` where it has one that starts
     with YAML front matter (``---``), else None: the one file ``datasets`` reads a Hub
-    snapshot's declared splits from."""
+    snapshot's declared splits from. ``names``: the folder's listing, as its scan walked it
+    (only a listed card is opened: a build opens nothing in a folder but what it lists)."""
+    if CARD_NAME not in names:
+        return None
     try:
         with open(os.path.join(where, CARD_NAME), encoding="utf-8", errors="replace") as f:
             first = f.readline()
@@ -961,7 +965,7 @@ def folder_card(where: str) -> str | None:
 
 
 def card_configs(card: str) -> dict[str, dict[str, list[str]]]:
-    """config -> split -> its ``data_files`` paths, as the ``configs`` key of a dataset card's
+    r"""config -> split -> its ``data_files`` paths, as the ``configs`` key of a dataset card's
     YAML front matter declares them, read as ``datasets`` reads it (pure): between a first line
     ``---`` and the next. Nothing for a card without front matter, without ``configs``, or
     whose YAML does not parse (the card is documentation: featbake reads only that key).

@@ -51,7 +51,8 @@ def nfs_flock(fd: int, op: int) -> None:
 #: opens and closes the .part itself (as every caller's does), ``folder`` a held folder; each
 #: made older than any grace period, so that only its lock keeps it. ``nfs``: under NFS's
 #: ``flock`` (:func:`nfs_flock`). ``fork``: it forks a
-#: child that lives on (a fork-mode DataLoader worker), and prints the child's pid.
+#: child that lives on (a fork-mode DataLoader worker), and prints the child's pid once the child
+#: runs (a child not scheduled yet has not let go of what it inherited, whatever the code).
 _MAKER = """
 import fcntl, os, sys
 from pathlib import Path
@@ -63,10 +64,14 @@ def hold(tmp):
     if kind == "file":
         tmp.write_bytes(b"x" * 100)
     os.utime(tmp, (0, 0))
+    ready, running = os.pipe()
     child = os.fork() if "fork" in sys.argv else 1
     if child == 0:
+        os.write(running, b"x")  # its fork hooks have run: it is the child the test means
         sys.stdin.readline()
         os._exit(0)
+    if child != 1:
+        os.read(ready, 1)
     print(tmp, child, flush=True)
     sys.stdin.readline()
 if kind == "file":
