@@ -107,17 +107,25 @@ def attribute_digest(rows: list[list[str]]) -> str:
 HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
 
 
-def is_torchs(obj: Any) -> bool:
-    """Whether ``obj`` (a hook: a function, or an object of a class) is torch's own code, left
-    out of keys as :func:`code_identity` leaves torch's classes out (the old-API
-    ``torch.nn.utils.weight_norm`` and ``spectral_norm`` hooks: their effect is in the weights).
+#: Modules whose hooks are library machinery, left out of keys: torch's own (the old-API
+#: ``weight_norm`` and ``spectral_norm`` hooks, whose effect is in the weights; the global hooks
+#: of ``FlopCounterMode`` and ``ModuleTracker``) and transformers' output capturing (the hooks
+#: ``maybe_install_capturing_hooks`` adds to a model's layers at its first forward with
+#: ``output_hidden_states``: they append to a collector and return None, changing no output).
+LIBRARY_MACHINERY = ("torch", "transformers.utils.output_capturing")
+
+
+def is_library_machinery(obj: Any) -> bool:
+    """Whether ``obj`` (a hook: a function, or an object of a class) is the code of a library's
+    own machinery (:data:`LIBRARY_MACHINERY`), left out of keys as :func:`code_identity`
+    leaves torch's classes out: it changes no output, and a library may add it at a forward.
 
     Example:
-        >>> is_torchs(len)
+        >>> is_library_machinery(len)
         False
     """
     owner = getattr(obj, "__module__", None) or type(obj).__module__ or ""
-    return owner == "torch" or owner.startswith("torch.")
+    return any(owner == m or owner.startswith(m + ".") for m in LIBRARY_MACHINERY)
 
 
 def forward_hooks(module: Any) -> list[tuple[str, str, Any]]:
@@ -480,14 +488,15 @@ GLOBAL_HOOKS = (torch_module._global_forward_pre_hooks, torch_module._global_for
 
 
 def foreign_global_hooks() -> list[Any]:
-    """torch's global forward hooks now but those of torch's own code (:func:`is_torchs`:
-    ``FlopCounterMode``'s and ``ModuleTracker``'s, which observe and change no output, as
-    torch's module hooks are left out of keys) and a watch's own."""
+    """torch's global forward hooks now but those of library machinery
+    (:func:`is_library_machinery`: ``FlopCounterMode``'s and ``ModuleTracker``'s, which
+    observe and change no output, as torch's module hooks are left out of keys) and a watch's
+    own."""
     return [
         h
         for d in GLOBAL_HOOKS
         for h in d.values()
-        if not is_torchs(h) and not getattr(h, "featbake_bookkeeping", False)
+        if not is_library_machinery(h) and not getattr(h, "featbake_bookkeeping", False)
     ]
 
 
@@ -495,9 +504,9 @@ def hook_identity(module: Any) -> str:
     """SHA-256 of the forward hooks of every submodule, each by where it is, its code
     (:func:`hook_code`) and what it holds (:func:`held_values`), and of torch's global forward
     hooks present (:func:`foreign_global_hooks`: they run on this module's forward too);
-    ``""`` where there is none. Hooks of torch's own code (:func:`is_torchs`:
-    ``weight_norm``, ``spectral_norm``) and those marked ``featbake_bookkeeping`` (a watch's
-    own) are left out, so a module carrying only those keeps the identity it had.
+    ``""`` where there is none. Hooks of library machinery (:func:`is_library_machinery`:
+    ``weight_norm``, ``spectral_norm``, transformers' output capturing) and those marked
+    ``featbake_bookkeeping`` (a watch's own) are left out, so a module carrying only those keeps the identity it had.
 
     A pre-hook that scales the input changes every output without changing code, weights or
     attributes: it must change the key, and so must the factor a partial or closure holds. Read
@@ -510,7 +519,7 @@ def hook_identity(module: Any) -> str:
     rows = [
         [name, kind, hook_code(hook), held_values(hook)]
         for name, kind, hook in forward_hooks(module)
-        if not is_torchs(hook)
+        if not is_library_machinery(hook)
     ]
     rows += [["<global>", "", hook_code(h), held_values(h)] for h in foreign_global_hooks()]
     return hashlib.sha256(json.dumps(rows).encode()).hexdigest() if rows else ""

@@ -421,13 +421,6 @@ class _HiddenLayer(torch.nn.Module):
         return self.w2v(wav, output_hidden_states=True).hidden_states[1]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="transformers installs its output-capturing forward hooks on the model's layers at "
-    "its first forward with output_hidden_states (maybe_install_capturing_hooks): a module "
-    "fingerprinted before any forward and after one has two keys, so a second dataset made "
-    "after the first ran finds none of the features stored (CacheMiss)",
-)
 def test_a_transformers_models_key_does_not_follow_its_first_forward(
     tmp_path: Path, audio_dir: Path
 ) -> None:
