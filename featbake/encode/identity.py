@@ -506,7 +506,8 @@ def hook_identity(module: Any) -> str:
     hooks present (:func:`foreign_global_hooks`: they run on this module's forward too);
     ``""`` where there is none. Hooks of library machinery (:func:`is_library_machinery`:
     ``weight_norm``, ``spectral_norm``, transformers' output capturing) and those marked
-    ``featbake_bookkeeping`` (a watch's own) are left out, so a module carrying only those keeps the identity it had.
+    ``featbake_bookkeeping`` (a watch's own) are left out, so a module carrying only those
+    keeps the identity it had.
 
     A pre-hook that scales the input changes every output without changing code, weights or
     attributes: it must change the key, and so must the factor a partial or closure holds. Read
