@@ -433,12 +433,34 @@ def held_refusals(hook: Any, own: frozenset[int] | set[int] = frozenset()) -> li
 
 
 def code_digest(code: Any) -> str:
-    """SHA-256 of a code object's bytecode, names and constants (nested code objects by their
-    own digest): two lambdas of one line with other constants differ."""
-    consts = [code_digest(c) if inspect.iscode(c) else repr(c) for c in code.co_consts]
+    """SHA-256 of a code object's bytecode, names and constants (:func:`canonical_constant`:
+    nested code objects by their own digest, a frozenset in sorted order): two lambdas of one
+    line with other constants differ, and one function has one digest in every process."""
+    consts = [canonical_constant(c) for c in code.co_consts]
     h = hashlib.sha256(code.co_code)
     h.update(json.dumps([consts, list(code.co_names)]).encode())
     return h.hexdigest()
+
+
+def canonical_constant(const: Any) -> str:
+    """A code object's constant as the same text in every process: a nested code object by
+    its :func:`code_digest`, a frozenset (a set literal tested with ``in``: its repr order
+    follows ``PYTHONHASHSEED``) by its items' texts sorted, a tuple by its items' texts; each
+    written as its repr is, so a constant without a frozenset keeps the text it had.
+
+    Example:
+        >>> canonical_constant(frozenset({"b", "a"})), canonical_constant((1,))
+        ("frozenset({'a', 'b'})", '(1,)')
+    """
+    if inspect.iscode(const):
+        return code_digest(const)
+    if isinstance(const, frozenset):
+        items = ", ".join(sorted(map(canonical_constant, const)))
+        return f"frozenset({{{items}}})" if const else "frozenset()"
+    if isinstance(const, tuple):
+        items = ", ".join(map(canonical_constant, const))
+        return f"({items},)" if len(const) == 1 else f"({items})"
+    return repr(const)
 
 
 def cached_code_digest(code: Any) -> str:

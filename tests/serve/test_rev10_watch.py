@@ -56,12 +56,6 @@ def gain(module, args):
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="code_digest hashes repr() of a code object's constants; a set literal in a hook's "
-    "body is a frozenset constant whose repr order follows PYTHONHASHSEED, so each process "
-    "keys the same hook, from the same file, differently",
-)
 def test_one_hook_is_keyed_alike_in_processes_of_other_hash_seeds(tmp_path: Path) -> None:
     (tmp_path / "hookmod.py").write_text(_HOOK_MODULE)
     script = tmp_path / "ident.py"
