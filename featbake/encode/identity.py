@@ -141,59 +141,86 @@ def forward_hooks(module: Any) -> list[tuple[str, str, Any]]:
     ]
 
 
-def bookkeeping_names(code: Any, ops: frozenset[str]) -> frozenset[str]:
-    """The names a code object, and the code nested in it, keeps as its own bookkeeping, left
-    out of keys: those it writes by ``ops`` (``STORE_ATTR``: an attribute, ``STORE_DEREF``: a
-    closure cell) only as counters, each write reading the name first in its own block
-    (``x += 1``, ``x = x + 1``), and those it only records into in place
-    (``x.append(...)``, ``x[0] += 1``), never assigned a value that does not read them. A name
-    set to a value that does not read it (``if self.factor is None: self.factor = 1.0``) is
-    the hook's setting, keyed. Kept per code object (by id, the object held so its id is not
-    lent), as a watch reads what each hook holds at every forward.
+def bookkeeping_names(code: Any, ops: frozenset[str], cls: type | None = None) -> frozenset[str]:
+    """The names a hook's code keeps as its own bookkeeping, left out of keys (neither keyed,
+    watched nor refused): those it writes by ``ops`` (``STORE_ATTR``: an attribute,
+    ``STORE_DEREF``: a closure cell) or records into in place, and never reads but to compute
+    their own new value. A counter (``x += 1``, ``x = x + 1``), a log (``x.append(...)``,
+    ``x[k] += v``) and what is only written (an observer's ``self.last = o.mean()``) are
+    bookkeeping; a name also read elsewhere, for the output (``o * self.factor`` after
+    ``self.factor = float(self.factor)``, a lazy default ``if self.factor is None``), is the
+    hook's setting, keyed. The code read is ``code``, the code nested in it and, for a hook
+    object of class ``cls``, every method of ``cls`` the code reaches (``self.record(x)``).
+    Kept per code object and class (the objects held so their ids are not lent), as a watch
+    reads what each hook holds at every forward.
 
     Example:
-        >>> def bump(self):
-        ...     self.calls += 1
-        ...     self.seen.append(1)
-        ...     if self.factor is None:
-        ...         self.factor = 1.0
-        >>> sorted(bookkeeping_names(bump.__code__, ATTRIBUTE_WRITES))
-        ['calls', 'seen']
+        >>> class Hook:
+        ...     def __call__(self, x):
+        ...         self.record(x)
+        ...         self.seen.append(1)
+        ...         if self.factor is None:
+        ...             self.factor = 1.0
+        ...         return x * self.factor
+        ...
+        ...     def record(self, x):
+        ...         self.calls += 1
+        ...         self.last = x
+        >>> sorted(bookkeeping_names(Hook.__call__.__code__, ATTRIBUTE_WRITES, Hook))
+        ['calls', 'last', 'seen']
     """
-    kept = _BOOKKEEPING.get((id(code), ops))
+    key = (id(code), ops, id(cls))
+    kept = _BOOKKEEPING.get(key)
     if kept is not None:
-        return kept[1]
-    counted, assigned = _writes(code, ops)
-    names = frozenset(counted - assigned)
-    _BOOKKEEPING[(id(code), ops)] = (code, names)
+        return kept[2]
+    written: set[str] = set()
+    read: set[str] = set()
+    for each in reached_code(code, cls):
+        _uses(each, ops, written, read)
+    names = frozenset(written - read)
+    _BOOKKEEPING[key] = (code, cls, names)
     return names
 
 
-def _writes(code: Any, ops: frozenset[str]) -> tuple[set[str], set[str]]:
-    """(names written as counters or recorded into, names assigned otherwise) by ``code`` and
-    the code nested in it (:func:`bookkeeping_names`)."""
+def reached_code(code: Any, cls: type | None) -> list[Any]:
+    """``code``, the code nested in it, and (for a method of ``cls``) the code of every
+    method of ``cls`` it reaches by name (``self.record(x)``), and theirs in turn."""
+    todo, seen = [code], []
+    while todo:
+        now = todo.pop()
+        if any(now is c for c in seen):
+            continue
+        seen.append(now)
+        todo += [c for c in now.co_consts if inspect.iscode(c)]
+        if cls is not None:
+            for name in now.co_names:
+                func = _unwrapped(inspect.getattr_static(cls, name, None))
+                if inspect.isfunction(func):
+                    todo.append(func.__code__)
+    return seen
+
+
+def _uses(code: Any, ops: frozenset[str], written: set[str], read: set[str]) -> None:
+    """Add to ``written`` the names ``code`` (not the code nested in it) writes by ``ops`` or
+    records into (:func:`_records`), and to ``read`` those it reads other than to compute
+    their own new value: a read counts as such where the name is written later in its block
+    (a line, cut at jumps: ``if self.f is None: self.f = 1.0`` reads ``f`` for the test)."""
     loads = _ATTRIBUTE_READS if "STORE_ATTR" in ops else _CELL_READS
     ins = list(dis.get_instructions(code))
-    counted: set[str] = set()
-    assigned: set[str] = set()
-    start = 0
-    for i, op in enumerate(ins):
-        if op.is_jump_target or op.starts_line:
-            start = i
-        if "JUMP" in op.opname:
-            start = i + 1
-        if op.opname in ops:
-            reads = any(o.opname in loads and o.argval == op.argval for o in ins[start:i])
-            stored = op.opname.startswith("STORE")
-            (counted if reads and stored else assigned).add(op.argval)
-        elif op.opname in loads and _records(ins, i):
-            counted.add(op.argval)
-    for const in code.co_consts:
-        if inspect.iscode(const):
-            more, other = _writes(const, ops)
-            counted |= more
-            assigned |= other
-    return counted, assigned
+    starts = [i for i, op in enumerate(ins) if op.is_jump_target or op.starts_line]
+    starts += [i + 1 for i, op in enumerate(ins) if "JUMP" in op.opname]
+    bounds = sorted({0, *starts, len(ins)})
+    for lo, hi in zip(bounds, bounds[1:], strict=False):
+        block = ins[lo:hi]
+        stored = {op.argval for op in block if op.opname in ops}
+        written |= stored
+        for j, op in enumerate(block, start=lo):
+            if op.opname not in loads:
+                continue
+            if _records(ins, j):
+                written.add(op.argval)
+            elif op.argval not in stored:
+                read.add(op.argval)
 
 
 def _records(ins: list[Any], i: int) -> bool:
@@ -206,8 +233,9 @@ def _records(ins: list[Any], i: int) -> bool:
     return [o.opname for o in after[1:4]] == ["COPY", "COPY", "BINARY_SUBSCR"]
 
 
-#: (id of a code object, ops) -> (the code object, its bookkeeping names): bookkeeping_names's.
-_BOOKKEEPING: dict[tuple[int, frozenset[str]], tuple[Any, frozenset[str]]] = {}
+#: (id of a code object, ops, id of a class) -> (the code object, the class, its bookkeeping
+#: names): bookkeeping_names's.
+_BOOKKEEPING: dict[tuple[int, frozenset[str], int], tuple[Any, Any, frozenset[str]]] = {}
 
 
 #: The ops by which a hook's code writes an attribute, or a closure cell (``nonlocal``).
@@ -361,7 +389,8 @@ class HeldReading:
     def _attributes(self, obj: Any, runs: Any, depth: int) -> str:
         """An object's public attributes but those the code ``runs`` keeps as bookkeeping."""
         code = getattr(runs, "__code__", None)
-        own = bookkeeping_names(code, ATTRIBUTE_WRITES) if code is not None else frozenset()
+        cls = type(obj)
+        own = bookkeeping_names(code, ATTRIBUTE_WRITES, cls) if code is not None else frozenset()
         rows = [f"{k}={self.text(v, k, depth)}" for k, v in public_attributes(obj) if k not in own]
         return f"{type(obj).__qualname__}({','.join(rows)})"
 
