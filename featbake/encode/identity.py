@@ -14,6 +14,7 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import inspect
+import itertools
 import json
 import logging
 import sys
@@ -210,7 +211,7 @@ def _uses(code: Any, ops: frozenset[str], written: set[str], read: set[str]) -> 
     starts = [i for i, op in enumerate(ins) if op.is_jump_target or op.starts_line]
     starts += [i + 1 for i, op in enumerate(ins) if "JUMP" in op.opname]
     bounds = sorted({0, *starts, len(ins)})
-    for lo, hi in zip(bounds, bounds[1:], strict=False):
+    for lo, hi in itertools.pairwise(bounds):
         block = ins[lo:hi]
         stored = {op.argval for op in block if op.opname in ops}
         written |= stored
