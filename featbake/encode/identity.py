@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch.nn.modules import module as torch_module
 
+from featbake.keys import derived_attributes, derived_state, reached_code
 from featbake.keys import keyed_attribute as keyed_attribute
 
 
@@ -77,14 +78,17 @@ def attribute_identity(module: Any) -> str:
     """SHA-256 of every submodule's plain attributes (numbers, strings, tuples of them).
 
     ``self.scale = 2.0`` used in ``forward`` changes outputs without changing code or weights, so
-    it must change the key. Private attributes (torch's own bookkeeping) and ``training`` (always
-    eval here) are left out.
+    it must change the key. Private attributes (torch's own bookkeeping), ``training`` (always
+    eval here) and derived state the forward writes (:func:`derived_attributes`) are left out.
     """
     subs = module.named_modules() if hasattr(module, "named_modules") else [("", module)]
     rows = []
     for name, sub in subs:
+        derived = derived_attributes(type(sub))
         for key, value in vars(sub).items():
-            if keyed_attribute(key) and _primitive(value):
+            if not keyed_attribute(key) or derived_state(derived, key, value):
+                continue
+            if _primitive(value):
                 rows.append([name, key, repr(value)])
     return attribute_digest(rows)
 
@@ -181,24 +185,6 @@ def bookkeeping_names(code: Any, ops: frozenset[str], cls: type | None = None) -
     names = frozenset(written - read)
     _BOOKKEEPING[key] = (code, cls, names)
     return names
-
-
-def reached_code(code: Any, cls: type | None) -> list[Any]:
-    """``code``, the code nested in it, and (for a method of ``cls``) the code of every
-    method of ``cls`` it reaches by name (``self.record(x)``), and theirs in turn."""
-    todo, seen = [code], []
-    while todo:
-        now = todo.pop()
-        if any(now is c for c in seen):
-            continue
-        seen.append(now)
-        todo += [c for c in now.co_consts if inspect.iscode(c)]
-        if cls is not None:
-            for name in now.co_names:
-                func = _unwrapped(inspect.getattr_static(cls, name, None))
-                if inspect.isfunction(func):
-                    todo.append(func.__code__)
-    return seen
 
 
 def _uses(code: Any, ops: frozenset[str], written: set[str], read: set[str]) -> None:

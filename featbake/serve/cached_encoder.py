@@ -50,7 +50,13 @@ from featbake.encode.identity import (
 )
 from featbake.encode.outputs import is_tuple_parts, join_outputs, name_outputs, stored_parts
 from featbake.errors import ConfigError, EncodeError
-from featbake.keys import feature_key, module_fingerprint, recipe_fingerprint
+from featbake.keys import (
+    derived_attributes,
+    derived_state,
+    feature_key,
+    module_fingerprint,
+    recipe_fingerprint,
+)
 from featbake.lru import ByteLRU, CacheInfo
 from featbake.process import ProcessLocal, ProcessLocalState
 from featbake.recipe import Recipe
@@ -411,12 +417,15 @@ class Glance:
         values, texts = iter(self.values), iter(self.values_key[1])
         for look in self.plan.looks:
             listy = {k: next(texts) for k in look.listy}
+            derived = derived_attributes(type(look.ref()))
             for key in look.public:
                 value = next(values)
                 if isinstance(value, weakref.ref):
                     value = value()
                     if value is None:
                         continue  # held weakly: no plain value
+                if derived_state(derived, key, value):
+                    continue
                 if key in listy and is_plain(value):
                     rows.append([look.name, key, listy[key]])
                 elif is_plain(value):
@@ -565,8 +574,9 @@ def structure_read(module: nn.Module) -> Structure:
         keyed.append(id(type(sub)))
         if attrs.get("_forward_pre_hooks") or attrs.get("_forward_hooks"):
             _hook_rows(name, attrs, keyed, refs)
+        derived = derived_attributes(type(sub))
         for key, value in attrs.items():
-            if not keyed_attribute(key):
+            if not keyed_attribute(key) or derived_state(derived, key, value):
                 continue
             if is_plain(value):
                 plain.append([name, key, repr(value)])

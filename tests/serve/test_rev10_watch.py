@@ -243,15 +243,7 @@ _FOLLOWING = {"lazy-positional-table": lambda: _LazyPositions().eval(), "last-me
 @pytest.mark.parametrize(
     "how",
     [
-        pytest.param(
-            "lazy-positional-table",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="a plain tensor attribute a forward extends (serve10.6) is keyed as it is "
-                "when a dataset is made: a second dataset over the same files, after the first "
-                "ran, has other keys and finds none of the features stored (CacheMiss)",
-            ),
-        ),
+        "lazy-positional-table",
         "last-mean",
     ],
 )
