@@ -7,8 +7,12 @@ identity part for each kind of encoder (see :mod:`featbake.encode.encoders`).
 from __future__ import annotations
 
 import ast
+import collections
+import datetime
+import decimal
 import dis
 import enum
+import fractions
 import functools
 import hashlib
 import importlib.metadata
@@ -20,11 +24,12 @@ import logging
 import sys
 import sysconfig
 import types
+import uuid
 import weakref
 import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 import numpy as np
@@ -245,6 +250,20 @@ _PLAIN_HELD = (bool, int, float, complex, str, bytes, type(None))
 
 _PLAIN_TYPES = frozenset(_PLAIN_HELD)
 
+#: The standard library's value types, keyed by their repr (it names their value and no
+#: address): they keep their value in private slots, which no public attribute shows.
+_VALUE_TYPES = (
+    fractions.Fraction,
+    decimal.Decimal,
+    PurePath,
+    datetime.date,
+    datetime.time,
+    datetime.timedelta,
+    datetime.tzinfo,
+    uuid.UUID,
+    enum.Enum,
+)
+
 #: What a key cannot read: refused where a hook holds one that is not its module's own.
 _WEIGHTS = (torch.Tensor, np.ndarray, torch.nn.Module)
 
@@ -254,9 +273,13 @@ class HeldReading:
     bool, numbers, strings, bytes, numpy scalars) by value; tuples, lists, sets and dicts of
     them recursively; a function by its code (:func:`code_digest`), closure cells, defaults
     and what it wraps (``functools.wraps``: ``@torch.no_grad()``); a partial by its function
-    and arguments; a bound method by its function and its object; an object by its public
-    attributes (:func:`keyed_attribute`), in ``__dict__`` or ``__slots__``, but those its
-    ``__call__`` keeps as bookkeeping (:func:`bookkeeping_names`). Tensors, arrays and modules
+    and arguments; a bound method by its function and its object; the standard library's value
+    types (``Fraction``, ``Decimal``, ``Path``, ``datetime``, ``UUID``, enum members) by their
+    repr; a logger by its name, a weak reference by what kind of object it refers to, a
+    sentinel ``object()`` as its type; an object by all its attributes, private ones too
+    (:func:`instance_attributes`), in ``__dict__`` or ``__slots__``, but those its
+    ``__call__`` keeps as bookkeeping (:func:`bookkeeping_names`). A dict (a mappingproxy)
+    is read in its order, a deque as a list. Tensors, arrays and modules
     (a bound method of one too) are read as their type, and :attr:`refused` names those not
     in ``own`` (the ids of the hooked module's submodules and tensors, which its key reads),
     as are values past :data:`HELD_VALUES` or :data:`HELD_DEPTH`. A value met again inside
@@ -302,15 +325,15 @@ class HeldReading:
             return f"partial({self.text(value.func, name, depth)},{','.join([*args, *kw])})"
         if isinstance(value, _WEIGHTS):
             return self._weights(value, name)
-        if isinstance(value, (tuple, list, set, frozenset)):
+        if isinstance(value, (tuple, list, set, frozenset, collections.deque)):
             items = [self.text(v, name, depth) for v in value]
             ordered = sorted(items) if isinstance(value, (set, frozenset)) else items
             return f"{type(value).__name__}[{','.join(ordered)}]"
-        if isinstance(value, dict):
+        if isinstance(value, (dict, types.MappingProxyType)):
             rows = [
                 f"{self.text(k, name, depth)}:{self.text(v, name, depth)}" for k, v in value.items()
             ]
-            return f"dict[{','.join(sorted(rows))}]"
+            return f"{type(value).__name__}[{','.join(rows)}]"  # in order: a hook may iterate it
         if inspect.ismethod(value):
             return f"method({self._method(value, name, depth)})"
         if inspect.isfunction(value):
@@ -327,6 +350,8 @@ class HeldReading:
             what = f"a method of the module {type(obj).__qualname__}"
             held = "<own>" if id(obj) in self.own else self._refuse(name, what)
             return f"{code},{held}"
+        if isinstance(obj, logging.Logger):
+            return f"{code},{self._other(obj, name, depth)}"
         return f"{code},{self._attributes(obj, func, depth)}"
 
     def _function(self, func: Any, name: str, depth: int) -> str:
@@ -357,6 +382,12 @@ class HeldReading:
         is refused: an address is no value, and another in each process."""
         if isinstance(value, logging.Logger):
             return f"<logger {value.name}>"
+        if isinstance(value, weakref.ref):  # changes no output by itself: what it refers to
+            return f"<weakref {type(value()).__qualname__}>"
+        if type(value) is object:  # a sentinel default
+            return "<object>"
+        if isinstance(value, _VALUE_TYPES):
+            return f"{type(value).__qualname__}:{value!r}"
         if isinstance(value, (type, types.ModuleType)):
             qualname = getattr(value, "__qualname__", value.__name__)
             owner = getattr(value, "__module__", "")
@@ -378,7 +409,9 @@ class HeldReading:
         code = getattr(runs, "__code__", None)
         cls = type(obj)
         own = bookkeeping_names(code, ATTRIBUTE_WRITES, cls) if code is not None else frozenset()
-        rows = [f"{k}={self.text(v, k, depth)}" for k, v in public_attributes(obj) if k not in own]
+        rows = [
+            f"{k}={self.text(v, k, depth)}" for k, v in instance_attributes(obj) if k not in own
+        ]
         return f"{type(obj).__qualname__}({','.join(rows)})"
 
 
@@ -407,8 +440,9 @@ def _slot_names(cls: type) -> tuple[str, ...]:
 _SLOTS: weakref.WeakKeyDictionary[type, tuple[str, ...]] = weakref.WeakKeyDictionary()
 
 
-def public_attributes(obj: Any) -> list[tuple[str, Any]]:
-    """``(name, value)`` of an object's public attributes (:func:`keyed_attribute`), in its
+def instance_attributes(obj: Any) -> list[tuple[str, Any]]:
+    """``(name, value)`` of an object's attributes, private ones too (``self._factor``: all a
+    hook object's instance state matters; "public only" is for a module's attributes), in its
     ``__dict__`` and its slots (a slot never set left out), sorted by name."""
     attrs = getattr(obj, "__dict__", None)
     out = dict(attrs) if isinstance(attrs, dict) else {}
@@ -417,7 +451,7 @@ def public_attributes(obj: Any) -> list[tuple[str, Any]]:
             out.setdefault(slot, object.__getattribute__(obj, slot))
         except AttributeError:
             continue
-    return [(k, v) for k, v in sorted(out.items()) if keyed_attribute(k)]
+    return sorted(out.items())
 
 
 def _runs(hook: Any) -> Any:

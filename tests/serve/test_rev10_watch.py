@@ -94,12 +94,6 @@ _TYPE_ALONE = {
 }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="HeldReading reads an object by its public attributes only: one whose value is in "
-    "private attributes or slots (self._factor, Fraction, Path) is keyed by its type alone, so "
-    "hooks built with 2 and 3 share keys and the second is served the first's features",
-)
 @pytest.mark.parametrize("how", list(_TYPE_ALONE))
 def test_hooks_whose_values_are_private_attributes_are_served_their_own_features(
     tmp_path: Path, audio_dir: Path, how: str
@@ -150,13 +144,6 @@ _ORDINARY = {
 }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="HeldReading reads a logger's bound method by the Logger's public attributes (its "
-    "handlers, each with an RLock, the manager's loggerDict of every logger in the process: "
-    "refused), and a weakref by its repr (an address: refused); hooks that change no output "
-    "are refused with EncoderLoadError",
-)
 @pytest.mark.parametrize("how", list(_ORDINARY))
 def test_ordinary_observing_hooks_are_served_not_refused(
     tmp_path: Path, audio_dir: Path, how: str
@@ -360,12 +347,6 @@ def _pipeline(steps: dict[str, Any]) -> Any:
     return hook
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="HeldReading keys a dict by its rows sorted, but a dict's order is part of what a "
-    "hook iterating it does: steps {scale, shift} and {shift, scale} share keys, and the "
-    "second is served the first's features ((x*2)+1 for (x+1)*2)",
-)
 def test_hooks_whose_dicts_differ_in_order_only_are_served_their_own_features(
     tmp_path: Path, audio_dir: Path
 ) -> None:
@@ -458,12 +439,6 @@ def test_a_hook_reading_a_script_setting_is_keyed_by_its_value(
 
 
 # == containers read by their repr ================================================================
-@pytest.mark.xfail(
-    strict=True,
-    reason="HeldReading reads a container it does not know (collections.deque, a mappingproxy) "
-    "by its repr: a tensor inside is not refused (as one in a list is), and the repr of a large "
-    "tensor elides its middle, so tensors differing there key alike",
-)
 def test_a_tensor_inside_a_deque_a_hook_holds_is_refused_as_inside_a_list() -> None:
     import collections
 
