@@ -189,18 +189,34 @@ def module_fingerprint(module: torch.nn.Module, identity: str) -> str:
 def tensor_attributes(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """``(submodule.name, tensor)`` of every submodule's public attribute
     (:func:`keyed_attribute`) that is a tensor and no parameter or buffer (those live in
-    torch's own dicts, not in ``__dict__``), but derived state its forward writes
-    (:func:`derived_attributes`)."""
-    import torch  # loaded already: a module is fingerprinted
-
+    torch's own dicts, not in ``__dict__``), or a tensor inside a plain list, tuple or dict of
+    one (``self.scales = [torch.tensor(2.0)]``, named ``scales.0``), but derived state its
+    forward writes (:func:`derived_attributes`)."""
     return [
-        (f"{prefix}.{key}" if prefix else key, value)
+        (f"{prefix}.{path}" if prefix else path, tensor)
         for prefix, sub in module.named_modules()
         for key, value in vars(sub).items()
-        if keyed_attribute(key)
-        and isinstance(value, torch.Tensor)
-        and not derived_state(derived_attributes(type(sub)), key, value)
+        if keyed_attribute(key) and not derived_state(derived_attributes(type(sub)), key, value)
+        for path, tensor in contained_tensors(key, value)
     ]
+
+
+def contained_tensors(name: str, value: Any, depth: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """``(path, tensor)`` of ``value`` where it is a tensor, or of each tensor inside it where
+    it is a plain list, tuple or dict (``name.0``, ``name.key``), to a few levels deep."""
+    import torch  # loaded already: a module is fingerprinted
+
+    if isinstance(value, torch.Tensor):
+        return [(name, value)]
+    if depth >= 4:
+        return []
+    if type(value) in (list, tuple):
+        items = list(enumerate(value))
+    elif type(value) is dict:
+        items = list(value.items())
+    else:
+        return []
+    return [found for k, v in items for found in contained_tensors(f"{name}.{k}", v, depth + 1)]
 
 
 def derived_state(derived: frozenset[str], key: str, value: Any) -> bool:

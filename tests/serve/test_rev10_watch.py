@@ -168,12 +168,6 @@ class _ListScaled(TinyConvEncoder):
         return super().forward(wav) * self.scales[0]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="tensor_attributes keys a public attribute only where it is a tensor itself: a list "
-    "(tuple, dict) of tensors enters no key and is refused nowhere, so modules whose listed "
-    "scales are 2 and 3 share keys and the second is served the first's features",
-)
 def test_modules_whose_listed_tensors_differ_are_served_their_own_features(
     tmp_path: Path, audio_dir: Path
 ) -> None:
