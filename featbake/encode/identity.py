@@ -371,7 +371,19 @@ class HeldReading:
         wrapped = getattr(func, "__wrapped__", None)
         if wrapped is not None:
             parts.append(f"wraps={self.text(wrapped, name, depth)}")
+        parts += self._globals(func, depth)
         return f"function({','.join(parts)})"
+
+    def _globals(self, func: Any, depth: int) -> list[str]:
+        """The plain data among the globals a function's code reads (:func:`global_names`:
+        a script's ``args`` or settings dict), each by its value: modules, classes and
+        anything callable are code, read by the code rule, never here."""
+        found = getattr(func, "__globals__", {})
+        return [
+            f"global {g}={self.text(found[g], g, depth)}"
+            for g in global_names(func.__code__)
+            if g in found and is_data(found[g])
+        ]
 
     def _other(self, value: Any, name: str, depth: int) -> str:
         """A class or module by its name (the script run's as ``__main__``'s in a spawned
@@ -412,6 +424,7 @@ class HeldReading:
         rows = [
             f"{k}={self.text(v, k, depth)}" for k, v in instance_attributes(obj) if k not in own
         ]
+        rows += self._globals(runs, depth) if inspect.isfunction(runs) else []
         return f"{type(obj).__qualname__}({','.join(rows)})"
 
 
@@ -438,6 +451,36 @@ def _slot_names(cls: type) -> tuple[str, ...]:
 
 #: class -> its slot names: _slot_names's.
 _SLOTS: weakref.WeakKeyDictionary[type, tuple[str, ...]] = weakref.WeakKeyDictionary()
+
+
+def is_data(value: Any) -> bool:
+    """Whether a global a hook's code reads is data keyed by its value (:func:`global_names`):
+    no module, class or callable (functions, their wrappers, tensors' builtins).
+
+    Example:
+        >>> is_data({"gain": 2.0}), is_data(len), is_data(json)
+        (True, False, False)
+    """
+    return not (isinstance(value, (types.ModuleType, type)) or callable(value))
+
+
+def global_names(code: Any) -> tuple[str, ...]:
+    """The global names a code object and the code nested in it load (``LOAD_GLOBAL``),
+    sorted; kept per code object (the object held so its id is not lent)."""
+    kept = _GLOBAL_NAMES.get(id(code))
+    if kept is None:
+        names = {
+            op.argval
+            for each in reached_code(code, None)
+            for op in dis.get_instructions(each)
+            if op.opname == "LOAD_GLOBAL"
+        }
+        kept = _GLOBAL_NAMES[id(code)] = (code, tuple(sorted(names)))
+    return kept[1]
+
+
+#: id of a code object -> (the code object, its global names): global_names's.
+_GLOBAL_NAMES: dict[int, tuple[Any, tuple[str, ...]]] = {}
 
 
 def instance_attributes(obj: Any) -> list[tuple[str, Any]]:

@@ -409,12 +409,6 @@ def _gain_from_settings(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple
     return (args[0] * _SETTINGS["gain"],)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a hook is keyed by its code, source file and what it holds, never by the globals "
-    "its code reads: a script run with --gain 2 and again with --gain 3 (a module-level args "
-    "or settings dict) keys its hook alike, and the second run is served the first's features",
-)
 def test_a_hook_reading_a_script_setting_is_keyed_by_its_value(
     tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
