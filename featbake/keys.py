@@ -275,7 +275,8 @@ _DERIVED: weakref.WeakKeyDictionary[type, frozenset[str]] = weakref.WeakKeyDicti
 def reached_code(code: Any, cls: type | None) -> list[Any]:
     """``code``, the code nested in it, and (for a method of ``cls``) the code of every
     method of ``cls`` it reaches by name (``self.record(x)``), and theirs in turn."""
-    todo, seen = [code], []
+    todo: list[Any] = [code]
+    seen: list[Any] = []
     while todo:
         now = todo.pop()
         if any(now is c for c in seen):
