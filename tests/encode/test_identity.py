@@ -213,3 +213,37 @@ def test_a_tensor_inside_a_deque_a_hook_holds_is_refused_as_inside_a_list() -> N
     gains = torch.ones(2000)
     hook = functools.partial(_scaled_by_deque, collections.deque([gains]))
     assert held_refusals(hook), "a tensor inside a deque was neither refused nor keyed"
+
+
+_SENTINEL = object()
+
+
+def _sentinel_default(module: Any, args: Any, missing: Any = _SENTINEL) -> None:
+    return None
+
+
+def test_standard_value_types_and_sentinels_are_keyed_by_value_never_refused() -> None:
+    """Decimal, Path, datetime, UUID keep their value in private slots: keyed by their repr,
+    one per value; a sentinel ``object()`` default as its type (no address), not refused."""
+    import datetime
+    import decimal
+    import uuid
+
+    from featbake.encode.identity import held_refusals, held_values
+
+    values = [
+        decimal.Decimal("1.5"),
+        Path("/a/b"),
+        datetime.date(2020, 1, 2),
+        datetime.timedelta(seconds=3),
+        uuid.UUID(int=5),
+    ]
+    for value in values:
+        hook = functools.partial(_scaled_by_deque, value)
+        assert not held_refusals(hook)
+        assert held_values(hook) != held_values(functools.partial(_scaled_by_deque, None))
+    assert held_values(functools.partial(_scaled_by_deque, decimal.Decimal("2"))) != held_values(
+        functools.partial(_scaled_by_deque, decimal.Decimal("3"))
+    )
+    assert not held_refusals(_sentinel_default)
+    assert "0x" not in held_values(_sentinel_default)[0]
