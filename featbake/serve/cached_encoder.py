@@ -51,6 +51,7 @@ from featbake.encode.identity import (
 from featbake.encode.outputs import is_tuple_parts, join_outputs, name_outputs, stored_parts
 from featbake.errors import ConfigError, EncodeError
 from featbake.keys import (
+    contained_tensors,
     derived_attributes,
     derived_state,
     feature_key,
@@ -306,6 +307,8 @@ def _edited_in_place(value: Any) -> bool:
     ``mul_``), read by its version (:func:`_in_place_text`)."""
     if isinstance(value, torch.Tensor):
         return True
+    if type(value) in (list, dict) and contained_tensors("", value):
+        return True  # a tensor inside, keyed by value (serve10.16): read by version
     if isinstance(value, list):
         return is_plain(value)
     return isinstance(value, tuple) and any(map(_edited_in_place, value))
@@ -316,6 +319,9 @@ def _in_place_text(value: Any) -> Any:
     list's text."""
     if isinstance(value, torch.Tensor):
         return (version_of(value), value.data_ptr())
+    tensors = contained_tensors("", value) if type(value) in (list, tuple, dict) else []
+    if tensors:
+        return tuple((id(t), version_of(t), t.data_ptr()) for _, t in tensors)
     return repr(value)
 
 
@@ -521,7 +527,19 @@ def same_read(now: str, trusted: str) -> bool:
 def _unkeyed(key: str, value: Any) -> bool:
     """Whether a public attribute changes what a forward returns while no key reads it: a
     tensor that is no parameter or buffer, or ``forward`` set on the instance."""
-    return isinstance(value, torch.Tensor) or key == "forward"
+    if isinstance(value, torch.Tensor) or key == "forward":
+        return True
+    return type(value) in (list, tuple, dict) and bool(contained_tensors(key, value))
+
+
+def _versions_in(key: str, value: Any) -> Any:
+    """The version of a tensor attribute, or the ids and versions of the tensors inside a
+    list, tuple or dict of them (:func:`~featbake.keys.contained_tensors`); None for another
+    value (an instance's ``forward``)."""
+    if isinstance(value, torch.Tensor):
+        return version_of(value)
+    tensors = contained_tensors(key, value) if type(value) in (list, tuple, dict) else []
+    return tuple((id(t), version_of(t)) for _, t in tensors) or None
 
 
 def _digest(rows: list[Any]) -> str:
@@ -582,7 +600,7 @@ def structure_read(module: nn.Module) -> Structure:
                 plain.append([name, key, repr(value)])
             elif _unkeyed(key, value):
                 unkeyed.append(_pinned(value))
-                version = version_of(value) if isinstance(value, torch.Tensor) else None
+                version = _versions_in(key, value)
                 attributes.append((name, key, id(value), version))
     globals_ = foreign_global_hooks()
     unkeyed += map(_pinned, globals_)

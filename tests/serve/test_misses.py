@@ -2277,3 +2277,20 @@ def test_a_hook_reading_a_script_setting_is_keyed_by_its_value(
     b.register_forward_pre_hook(_gain_from_settings)
     second = CachedFeatureDataset(audio_dir, b, cache=tmp_path / "s")
     torch.testing.assert_close(second[0], _live(b, second.path(0)))
+
+
+def test_a_listed_tensor_edited_in_place_after_the_dataset_was_made_is_refused(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    """A tensor inside a module attribute's list is keyed by value (serve10.16); edited in
+    place after the dataset was made (``mul_``), the next miss is refused in one line, as a
+    tensor attribute's edit is (serve9.12), never stored under the old keys."""
+    module = _ListScaled(2.0).eval()
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    ds[0]
+    module.scales[0].mul_(2.0)
+    _users_forward(module)
+    with pytest.raises(EncoderLoadError, match="no parameter or buffer") as e:
+        ds[1]
+    assert "\n" not in str(e.value)
