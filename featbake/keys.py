@@ -15,9 +15,12 @@ Keys are never shortened in storage: their soundness rests on SHA-256's collisio
 
 from __future__ import annotations
 
+import dis
 import hashlib
+import inspect
 import json
 import os
+import weakref
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -186,15 +189,115 @@ def module_fingerprint(module: torch.nn.Module, identity: str) -> str:
 def tensor_attributes(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """``(submodule.name, tensor)`` of every submodule's public attribute
     (:func:`keyed_attribute`) that is a tensor and no parameter or buffer (those live in
-    torch's own dicts, not in ``__dict__``)."""
-    import torch  # loaded already: a module is fingerprinted
-
+    torch's own dicts, not in ``__dict__``), or a tensor inside a plain list, tuple or dict of
+    one (``self.scales = [torch.tensor(2.0)]``, named ``scales.0``), but derived state its
+    forward writes (:func:`derived_attributes`)."""
     return [
-        (f"{prefix}.{key}" if prefix else key, value)
+        (f"{prefix}.{path}" if prefix else path, tensor)
         for prefix, sub in module.named_modules()
         for key, value in vars(sub).items()
-        if keyed_attribute(key) and isinstance(value, torch.Tensor)
+        if keyed_attribute(key) and not derived_state(derived_attributes(type(sub)), key, value)
+        for path, tensor in contained_tensors(key, value)
     ]
+
+
+def contained_tensors(name: str, value: Any, depth: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """``(path, tensor)`` of ``value`` where it is a tensor, or of each tensor inside it where
+    it is a plain list, tuple or dict (``name.0``, ``name.key``), to a few levels deep."""
+    import torch  # loaded already: a module is fingerprinted
+
+    if isinstance(value, torch.Tensor):
+        return [(name, value)]
+    if depth >= 4:
+        return []
+    if type(value) in (list, tuple):
+        items = list(enumerate(value))
+    elif type(value) is dict:
+        items = list(value.items())
+    else:
+        return []
+    return [found for k, v in items for found in contained_tensors(f"{name}.{k}", v, depth + 1)]
+
+
+def derived_state(derived: frozenset[str], key: str, value: Any) -> bool:
+    """Whether attribute ``key`` holding ``value`` is derived state, left out of keys and
+    watches: one the forward writes (``derived``: :func:`derived_attributes`) holding a tensor,
+    or None (a lazy table not made yet). A number the forward writes (a call counter) is not:
+    it stays keyed and watched as before (a change made outside a run is refused).
+
+    Example:
+        >>> derived_state(frozenset({"pe", "calls"}), "pe", None)
+        True
+        >>> derived_state(frozenset({"pe", "calls"}), "calls", 3)
+        False
+    """
+    if key not in derived:
+        return False
+    return value is None or type(value).__module__.startswith("torch")
+
+
+def derived_attributes(cls: type) -> frozenset[str]:
+    """The attributes a module class's forward writes (``STORE_ATTR`` in ``forward``, the
+    code nested in it and every method of the class it reaches: :func:`reached_code`), as a
+    positional table extended to the longest input seen (ESPnet's, WeNet's, icefall's
+    ``extend_pe``): derived state, a function of the input, neither keyed nor watched, or the
+    key would follow the forwards run. An attribute set at construction or by the user stays
+    keyed. Kept per class.
+
+    Example:
+        >>> class Lazy:
+        ...     def forward(self, x):
+        ...         self.extend(len(x))
+        ...
+        ...     def extend(self, n):
+        ...         self.pe = list(range(n))
+        >>> sorted(derived_attributes(Lazy))
+        ['pe']
+    """
+    kept = _DERIVED.get(cls)
+    if kept is not None:
+        return kept
+    forward = _unwrapped(inspect.getattr_static(cls, "forward", None))
+    names: frozenset[str] = frozenset()
+    if inspect.isfunction(forward):
+        codes = reached_code(forward.__code__, cls)
+        ins = (op for code in codes for op in dis.get_instructions(code))
+        names = frozenset(op.argval for op in ins if op.opname == "STORE_ATTR")
+    _DERIVED[cls] = names
+    return names
+
+
+#: class -> the attributes its forward writes: derived_attributes's (weakly: a class made at
+#: run time is freed as before).
+_DERIVED: weakref.WeakKeyDictionary[type, frozenset[str]] = weakref.WeakKeyDictionary()
+
+
+def reached_code(code: Any, cls: type | None) -> list[Any]:
+    """``code``, the code nested in it, and (for a method of ``cls``) the code of every
+    method of ``cls`` it reaches by name (``self.record(x)``), and theirs in turn."""
+    todo: list[Any] = [code]
+    seen: list[Any] = []
+    while todo:
+        now = todo.pop()
+        if any(now is c for c in seen):
+            continue
+        seen.append(now)
+        todo += [c for c in now.co_consts if inspect.iscode(c)]
+        if cls is not None:
+            for name in now.co_names:
+                func = _unwrapped(inspect.getattr_static(cls, name, None))
+                if inspect.isfunction(func):
+                    todo.append(func.__code__)
+    return seen
+
+
+def _unwrapped(func: Any) -> Any:
+    """The function a decorator made with ``functools.wraps`` wraps, or ``func``; a wrapper
+    chain that loops back gives ``func``."""
+    try:
+        return inspect.unwrap(func)
+    except ValueError:
+        return func
 
 
 def root_id(data: str, encoder_label: str, recipe_fp: str, column: str | None = None) -> str:

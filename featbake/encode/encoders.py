@@ -27,7 +27,7 @@ from featbake.encode.identity import (
     foreign_global_hooks,
     forward_hooks,
     held_refusals,
-    is_torchs,
+    is_library_machinery,
     module_identity,
 )
 from featbake.errors import EncodeError, EncoderLoadError, FeatbakeError
@@ -540,7 +540,7 @@ def refuse_held_tensors(label: str, module: Any) -> None:
     own = {id(o) for o in chain(module.modules(), module.parameters(), module.buffers())}
     hooks = [*forward_hooks(module), *(("", "_global", h) for h in foreign_global_hooks())]
     for name, kind, hook in hooks:
-        held = [] if is_torchs(hook) else held_refusals(hook, own)
+        held = [] if is_library_machinery(hook) else held_refusals(hook, own)
         if held:
             what = getattr(hook, "__qualname__", type(hook).__qualname__)
             where = "global hook" if kind == "_global" else f"{kind[1:]} of {name or 'the module'}"

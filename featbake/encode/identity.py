@@ -7,29 +7,36 @@ identity part for each kind of encoder (see :mod:`featbake.encode.encoders`).
 from __future__ import annotations
 
 import ast
+import collections
+import datetime
+import decimal
 import dis
 import enum
+import fractions
 import functools
 import hashlib
 import importlib.metadata
 import importlib.util
 import inspect
+import itertools
 import json
 import logging
 import sys
 import sysconfig
 import types
+import uuid
 import weakref
 import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 import numpy as np
 import torch
 from torch.nn.modules import module as torch_module
 
+from featbake.keys import derived_attributes, derived_state, reached_code
 from featbake.keys import keyed_attribute as keyed_attribute
 
 
@@ -76,14 +83,17 @@ def attribute_identity(module: Any) -> str:
     """SHA-256 of every submodule's plain attributes (numbers, strings, tuples of them).
 
     ``self.scale = 2.0`` used in ``forward`` changes outputs without changing code or weights, so
-    it must change the key. Private attributes (torch's own bookkeeping) and ``training`` (always
-    eval here) are left out.
+    it must change the key. Private attributes (torch's own bookkeeping), ``training`` (always
+    eval here) and derived state the forward writes (:func:`derived_attributes`) are left out.
     """
     subs = module.named_modules() if hasattr(module, "named_modules") else [("", module)]
     rows = []
     for name, sub in subs:
+        derived = derived_attributes(type(sub))
         for key, value in vars(sub).items():
-            if keyed_attribute(key) and _primitive(value):
+            if not keyed_attribute(key) or derived_state(derived, key, value):
+                continue
+            if _primitive(value):
                 rows.append([name, key, repr(value)])
     return attribute_digest(rows)
 
@@ -107,17 +117,25 @@ def attribute_digest(rows: list[list[str]]) -> str:
 HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
 
 
-def is_torchs(obj: Any) -> bool:
-    """Whether ``obj`` (a hook: a function, or an object of a class) is torch's own code, left
-    out of keys as :func:`code_identity` leaves torch's classes out (the old-API
-    ``torch.nn.utils.weight_norm`` and ``spectral_norm`` hooks: their effect is in the weights).
+#: Modules whose hooks are library machinery, left out of keys: torch's own (the old-API
+#: ``weight_norm`` and ``spectral_norm`` hooks, whose effect is in the weights; the global hooks
+#: of ``FlopCounterMode`` and ``ModuleTracker``) and transformers' output capturing (the hooks
+#: ``maybe_install_capturing_hooks`` adds to a model's layers at its first forward with
+#: ``output_hidden_states``: they append to a collector and return None, changing no output).
+LIBRARY_MACHINERY = ("torch", "transformers.utils.output_capturing")
+
+
+def is_library_machinery(obj: Any) -> bool:
+    """Whether ``obj`` (a hook: a function, or an object of a class) is the code of a library's
+    own machinery (:data:`LIBRARY_MACHINERY`), left out of keys as :func:`code_identity`
+    leaves torch's classes out: it changes no output, and a library may add it at a forward.
 
     Example:
-        >>> is_torchs(len)
+        >>> is_library_machinery(len)
         False
     """
     owner = getattr(obj, "__module__", None) or type(obj).__module__ or ""
-    return owner == "torch" or owner.startswith("torch.")
+    return any(owner == m or owner.startswith(m + ".") for m in LIBRARY_MACHINERY)
 
 
 def forward_hooks(module: Any) -> list[tuple[str, str, Any]]:
@@ -133,59 +151,68 @@ def forward_hooks(module: Any) -> list[tuple[str, str, Any]]:
     ]
 
 
-def bookkeeping_names(code: Any, ops: frozenset[str]) -> frozenset[str]:
-    """The names a code object, and the code nested in it, keeps as its own bookkeeping, left
-    out of keys: those it writes by ``ops`` (``STORE_ATTR``: an attribute, ``STORE_DEREF``: a
-    closure cell) only as counters, each write reading the name first in its own block
-    (``x += 1``, ``x = x + 1``), and those it only records into in place
-    (``x.append(...)``, ``x[0] += 1``), never assigned a value that does not read them. A name
-    set to a value that does not read it (``if self.factor is None: self.factor = 1.0``) is
-    the hook's setting, keyed. Kept per code object (by id, the object held so its id is not
-    lent), as a watch reads what each hook holds at every forward.
+def bookkeeping_names(code: Any, ops: frozenset[str], cls: type | None = None) -> frozenset[str]:
+    """The names a hook's code keeps as its own bookkeeping, left out of keys (neither keyed,
+    watched nor refused): those it writes by ``ops`` (``STORE_ATTR``: an attribute,
+    ``STORE_DEREF``: a closure cell) or records into in place, and never reads but to compute
+    their own new value. A counter (``x += 1``, ``x = x + 1``), a log (``x.append(...)``,
+    ``x[k] += v``) and what is only written (an observer's ``self.last = o.mean()``) are
+    bookkeeping; a name also read elsewhere, for the output (``o * self.factor`` after
+    ``self.factor = float(self.factor)``, a lazy default ``if self.factor is None``), is the
+    hook's setting, keyed. The code read is ``code``, the code nested in it and, for a hook
+    object of class ``cls``, every method of ``cls`` the code reaches (``self.record(x)``).
+    Kept per code object and class (the objects held so their ids are not lent), as a watch
+    reads what each hook holds at every forward.
 
     Example:
-        >>> def bump(self):
-        ...     self.calls += 1
-        ...     self.seen.append(1)
-        ...     if self.factor is None:
-        ...         self.factor = 1.0
-        >>> sorted(bookkeeping_names(bump.__code__, ATTRIBUTE_WRITES))
-        ['calls', 'seen']
+        >>> class Hook:
+        ...     def __call__(self, x):
+        ...         self.record(x)
+        ...         self.seen.append(1)
+        ...         if self.factor is None:
+        ...             self.factor = 1.0
+        ...         return x * self.factor
+        ...
+        ...     def record(self, x):
+        ...         self.calls += 1
+        ...         self.last = x
+        >>> sorted(bookkeeping_names(Hook.__call__.__code__, ATTRIBUTE_WRITES, Hook))
+        ['calls', 'last', 'seen']
     """
-    kept = _BOOKKEEPING.get((id(code), ops))
+    key = (id(code), ops, id(cls))
+    kept = _BOOKKEEPING.get(key)
     if kept is not None:
-        return kept[1]
-    counted, assigned = _writes(code, ops)
-    names = frozenset(counted - assigned)
-    _BOOKKEEPING[(id(code), ops)] = (code, names)
+        return kept[2]
+    written: set[str] = set()
+    read: set[str] = set()
+    for each in reached_code(code, cls):
+        _uses(each, ops, written, read)
+    names = frozenset(written - read)
+    _BOOKKEEPING[key] = (code, cls, names)
     return names
 
 
-def _writes(code: Any, ops: frozenset[str]) -> tuple[set[str], set[str]]:
-    """(names written as counters or recorded into, names assigned otherwise) by ``code`` and
-    the code nested in it (:func:`bookkeeping_names`)."""
+def _uses(code: Any, ops: frozenset[str], written: set[str], read: set[str]) -> None:
+    """Add to ``written`` the names ``code`` (not the code nested in it) writes by ``ops`` or
+    records into (:func:`_records`), and to ``read`` those it reads other than to compute
+    their own new value: a read counts as such where the name is written later in its block
+    (a line, cut at jumps: ``if self.f is None: self.f = 1.0`` reads ``f`` for the test)."""
     loads = _ATTRIBUTE_READS if "STORE_ATTR" in ops else _CELL_READS
     ins = list(dis.get_instructions(code))
-    counted: set[str] = set()
-    assigned: set[str] = set()
-    start = 0
-    for i, op in enumerate(ins):
-        if op.is_jump_target or op.starts_line:
-            start = i
-        if "JUMP" in op.opname:
-            start = i + 1
-        if op.opname in ops:
-            reads = any(o.opname in loads and o.argval == op.argval for o in ins[start:i])
-            stored = op.opname.startswith("STORE")
-            (counted if reads and stored else assigned).add(op.argval)
-        elif op.opname in loads and _records(ins, i):
-            counted.add(op.argval)
-    for const in code.co_consts:
-        if inspect.iscode(const):
-            more, other = _writes(const, ops)
-            counted |= more
-            assigned |= other
-    return counted, assigned
+    starts = [i for i, op in enumerate(ins) if op.is_jump_target or op.starts_line]
+    starts += [i + 1 for i, op in enumerate(ins) if "JUMP" in op.opname]
+    bounds = sorted({0, *starts, len(ins)})
+    for lo, hi in itertools.pairwise(bounds):
+        block = ins[lo:hi]
+        stored = {op.argval for op in block if op.opname in ops}
+        written |= stored
+        for j, op in enumerate(block, start=lo):
+            if op.opname not in loads:
+                continue
+            if _records(ins, j):
+                written.add(op.argval)
+            elif op.argval not in stored:
+                read.add(op.argval)
 
 
 def _records(ins: list[Any], i: int) -> bool:
@@ -198,8 +225,9 @@ def _records(ins: list[Any], i: int) -> bool:
     return [o.opname for o in after[1:4]] == ["COPY", "COPY", "BINARY_SUBSCR"]
 
 
-#: (id of a code object, ops) -> (the code object, its bookkeeping names): bookkeeping_names's.
-_BOOKKEEPING: dict[tuple[int, frozenset[str]], tuple[Any, frozenset[str]]] = {}
+#: (id of a code object, ops, id of a class) -> (the code object, the class, its bookkeeping
+#: names): bookkeeping_names's.
+_BOOKKEEPING: dict[tuple[int, frozenset[str], int], tuple[Any, Any, frozenset[str]]] = {}
 
 
 #: The ops by which a hook's code writes an attribute, or a closure cell (``nonlocal``).
@@ -222,6 +250,20 @@ _PLAIN_HELD = (bool, int, float, complex, str, bytes, type(None))
 
 _PLAIN_TYPES = frozenset(_PLAIN_HELD)
 
+#: The standard library's value types, keyed by their repr (it names their value and no
+#: address): they keep their value in private slots, which no public attribute shows.
+_VALUE_TYPES = (
+    fractions.Fraction,
+    decimal.Decimal,
+    PurePath,
+    datetime.date,
+    datetime.time,
+    datetime.timedelta,
+    datetime.tzinfo,
+    uuid.UUID,
+    enum.Enum,
+)
+
 #: What a key cannot read: refused where a hook holds one that is not its module's own.
 _WEIGHTS = (torch.Tensor, np.ndarray, torch.nn.Module)
 
@@ -231,9 +273,13 @@ class HeldReading:
     bool, numbers, strings, bytes, numpy scalars) by value; tuples, lists, sets and dicts of
     them recursively; a function by its code (:func:`code_digest`), closure cells, defaults
     and what it wraps (``functools.wraps``: ``@torch.no_grad()``); a partial by its function
-    and arguments; a bound method by its function and its object; an object by its public
-    attributes (:func:`keyed_attribute`), in ``__dict__`` or ``__slots__``, but those its
-    ``__call__`` keeps as bookkeeping (:func:`bookkeeping_names`). Tensors, arrays and modules
+    and arguments; a bound method by its function and its object; the standard library's value
+    types (``Fraction``, ``Decimal``, ``Path``, ``datetime``, ``UUID``, enum members) by their
+    repr; a logger by its name, a weak reference by what kind of object it refers to, a
+    sentinel ``object()`` as its type; an object by all its attributes, private ones too
+    (:func:`instance_attributes`), in ``__dict__`` or ``__slots__``, but those its
+    ``__call__`` keeps as bookkeeping (:func:`bookkeeping_names`). A dict (a mappingproxy)
+    is read in its order, a deque as a list. Tensors, arrays and modules
     (a bound method of one too) are read as their type, and :attr:`refused` names those not
     in ``own`` (the ids of the hooked module's submodules and tensors, which its key reads),
     as are values past :data:`HELD_VALUES` or :data:`HELD_DEPTH`. A value met again inside
@@ -279,15 +325,15 @@ class HeldReading:
             return f"partial({self.text(value.func, name, depth)},{','.join([*args, *kw])})"
         if isinstance(value, _WEIGHTS):
             return self._weights(value, name)
-        if isinstance(value, (tuple, list, set, frozenset)):
+        if isinstance(value, (tuple, list, set, frozenset, collections.deque)):
             items = [self.text(v, name, depth) for v in value]
             ordered = sorted(items) if isinstance(value, (set, frozenset)) else items
             return f"{type(value).__name__}[{','.join(ordered)}]"
-        if isinstance(value, dict):
+        if isinstance(value, (dict, types.MappingProxyType)):
             rows = [
                 f"{self.text(k, name, depth)}:{self.text(v, name, depth)}" for k, v in value.items()
             ]
-            return f"dict[{','.join(sorted(rows))}]"
+            return f"{type(value).__name__}[{','.join(rows)}]"  # in order: a hook may iterate it
         if inspect.ismethod(value):
             return f"method({self._method(value, name, depth)})"
         if inspect.isfunction(value):
@@ -304,6 +350,8 @@ class HeldReading:
             what = f"a method of the module {type(obj).__qualname__}"
             held = "<own>" if id(obj) in self.own else self._refuse(name, what)
             return f"{code},{held}"
+        if isinstance(obj, logging.Logger):
+            return f"{code},{self._other(obj, name, depth)}"
         return f"{code},{self._attributes(obj, func, depth)}"
 
     def _function(self, func: Any, name: str, depth: int) -> str:
@@ -323,7 +371,19 @@ class HeldReading:
         wrapped = getattr(func, "__wrapped__", None)
         if wrapped is not None:
             parts.append(f"wraps={self.text(wrapped, name, depth)}")
+        parts += self._globals(func, depth)
         return f"function({','.join(parts)})"
+
+    def _globals(self, func: Any, depth: int) -> list[str]:
+        """The plain data among the globals a function's code reads (:func:`global_names`:
+        a script's ``args`` or settings dict), each by its value: modules, classes and
+        anything callable are code, read by the code rule, never here."""
+        found = getattr(func, "__globals__", {})
+        return [
+            f"global {g}={self.text(found[g], g, depth)}"
+            for g in global_names(func.__code__)
+            if g in found and is_data(found[g])
+        ]
 
     def _other(self, value: Any, name: str, depth: int) -> str:
         """A class or module by its name (the script run's as ``__main__``'s in a spawned
@@ -334,6 +394,12 @@ class HeldReading:
         is refused: an address is no value, and another in each process."""
         if isinstance(value, logging.Logger):
             return f"<logger {value.name}>"
+        if isinstance(value, weakref.ref):  # changes no output by itself: what it refers to
+            return f"<weakref {type(value()).__qualname__}>"
+        if type(value) is object:  # a sentinel default
+            return "<object>"
+        if isinstance(value, _VALUE_TYPES):
+            return f"{type(value).__qualname__}:{value!r}"
         if isinstance(value, (type, types.ModuleType)):
             qualname = getattr(value, "__qualname__", value.__name__)
             owner = getattr(value, "__module__", "")
@@ -353,8 +419,12 @@ class HeldReading:
     def _attributes(self, obj: Any, runs: Any, depth: int) -> str:
         """An object's public attributes but those the code ``runs`` keeps as bookkeeping."""
         code = getattr(runs, "__code__", None)
-        own = bookkeeping_names(code, ATTRIBUTE_WRITES) if code is not None else frozenset()
-        rows = [f"{k}={self.text(v, k, depth)}" for k, v in public_attributes(obj) if k not in own]
+        cls = type(obj)
+        own = bookkeeping_names(code, ATTRIBUTE_WRITES, cls) if code is not None else frozenset()
+        rows = [
+            f"{k}={self.text(v, k, depth)}" for k, v in instance_attributes(obj) if k not in own
+        ]
+        rows += self._globals(runs, depth) if inspect.isfunction(runs) else []
         return f"{type(obj).__qualname__}({','.join(rows)})"
 
 
@@ -383,8 +453,39 @@ def _slot_names(cls: type) -> tuple[str, ...]:
 _SLOTS: weakref.WeakKeyDictionary[type, tuple[str, ...]] = weakref.WeakKeyDictionary()
 
 
-def public_attributes(obj: Any) -> list[tuple[str, Any]]:
-    """``(name, value)`` of an object's public attributes (:func:`keyed_attribute`), in its
+def is_data(value: Any) -> bool:
+    """Whether a global a hook's code reads is data keyed by its value (:func:`global_names`):
+    no module, class or callable (functions, their wrappers, tensors' builtins).
+
+    Example:
+        >>> is_data({"gain": 2.0}), is_data(len), is_data(json)
+        (True, False, False)
+    """
+    return not (isinstance(value, (types.ModuleType, type)) or callable(value))
+
+
+def global_names(code: Any) -> tuple[str, ...]:
+    """The global names a code object and the code nested in it load (``LOAD_GLOBAL``),
+    sorted; kept per code object (the object held so its id is not lent)."""
+    kept = _GLOBAL_NAMES.get(id(code))
+    if kept is None:
+        names = {
+            op.argval
+            for each in reached_code(code, None)
+            for op in dis.get_instructions(each)
+            if op.opname == "LOAD_GLOBAL"
+        }
+        kept = _GLOBAL_NAMES[id(code)] = (code, tuple(sorted(names)))
+    return kept[1]
+
+
+#: id of a code object -> (the code object, its global names): global_names's.
+_GLOBAL_NAMES: dict[int, tuple[Any, tuple[str, ...]]] = {}
+
+
+def instance_attributes(obj: Any) -> list[tuple[str, Any]]:
+    """``(name, value)`` of an object's attributes, private ones too (``self._factor``: all a
+    hook object's instance state matters; "public only" is for a module's attributes), in its
     ``__dict__`` and its slots (a slot never set left out), sorted by name."""
     attrs = getattr(obj, "__dict__", None)
     out = dict(attrs) if isinstance(attrs, dict) else {}
@@ -393,7 +494,7 @@ def public_attributes(obj: Any) -> list[tuple[str, Any]]:
             out.setdefault(slot, object.__getattribute__(obj, slot))
         except AttributeError:
             continue
-    return [(k, v) for k, v in sorted(out.items()) if keyed_attribute(k)]
+    return sorted(out.items())
 
 
 def _runs(hook: Any) -> Any:
@@ -425,12 +526,34 @@ def held_refusals(hook: Any, own: frozenset[int] | set[int] = frozenset()) -> li
 
 
 def code_digest(code: Any) -> str:
-    """SHA-256 of a code object's bytecode, names and constants (nested code objects by their
-    own digest): two lambdas of one line with other constants differ."""
-    consts = [code_digest(c) if inspect.iscode(c) else repr(c) for c in code.co_consts]
+    """SHA-256 of a code object's bytecode, names and constants (:func:`canonical_constant`:
+    nested code objects by their own digest, a frozenset in sorted order): two lambdas of one
+    line with other constants differ, and one function has one digest in every process."""
+    consts = [canonical_constant(c) for c in code.co_consts]
     h = hashlib.sha256(code.co_code)
     h.update(json.dumps([consts, list(code.co_names)]).encode())
     return h.hexdigest()
+
+
+def canonical_constant(const: Any) -> str:
+    """A code object's constant as the same text in every process: a nested code object by
+    its :func:`code_digest`, a frozenset (a set literal tested with ``in``: its repr order
+    follows ``PYTHONHASHSEED``) by its items' texts sorted, a tuple by its items' texts; each
+    written as its repr is, so a constant without a frozenset keeps the text it had.
+
+    Example:
+        >>> canonical_constant(frozenset({"b", "a"})), canonical_constant((1,))
+        ("frozenset({'a', 'b'})", '(1,)')
+    """
+    if inspect.iscode(const):
+        return code_digest(const)
+    if isinstance(const, frozenset):
+        items = ", ".join(sorted(map(canonical_constant, const)))
+        return f"frozenset({{{items}}})" if const else "frozenset()"
+    if isinstance(const, tuple):
+        items = ", ".join(map(canonical_constant, const))
+        return f"({items},)" if len(const) == 1 else f"({items})"
+    return repr(const)
 
 
 def cached_code_digest(code: Any) -> str:
@@ -480,14 +603,15 @@ GLOBAL_HOOKS = (torch_module._global_forward_pre_hooks, torch_module._global_for
 
 
 def foreign_global_hooks() -> list[Any]:
-    """torch's global forward hooks now but those of torch's own code (:func:`is_torchs`:
-    ``FlopCounterMode``'s and ``ModuleTracker``'s, which observe and change no output, as
-    torch's module hooks are left out of keys) and a watch's own."""
+    """torch's global forward hooks now but those of library machinery
+    (:func:`is_library_machinery`: ``FlopCounterMode``'s and ``ModuleTracker``'s, which
+    observe and change no output, as torch's module hooks are left out of keys) and a watch's
+    own."""
     return [
         h
         for d in GLOBAL_HOOKS
         for h in d.values()
-        if not is_torchs(h) and not getattr(h, "featbake_bookkeeping", False)
+        if not is_library_machinery(h) and not getattr(h, "featbake_bookkeeping", False)
     ]
 
 
@@ -495,9 +619,10 @@ def hook_identity(module: Any) -> str:
     """SHA-256 of the forward hooks of every submodule, each by where it is, its code
     (:func:`hook_code`) and what it holds (:func:`held_values`), and of torch's global forward
     hooks present (:func:`foreign_global_hooks`: they run on this module's forward too);
-    ``""`` where there is none. Hooks of torch's own code (:func:`is_torchs`:
-    ``weight_norm``, ``spectral_norm``) and those marked ``featbake_bookkeeping`` (a watch's
-    own) are left out, so a module carrying only those keeps the identity it had.
+    ``""`` where there is none. Hooks of library machinery (:func:`is_library_machinery`:
+    ``weight_norm``, ``spectral_norm``, transformers' output capturing) and those marked
+    ``featbake_bookkeeping`` (a watch's own) are left out, so a module carrying only those
+    keeps the identity it had.
 
     A pre-hook that scales the input changes every output without changing code, weights or
     attributes: it must change the key, and so must the factor a partial or closure holds. Read
@@ -510,7 +635,7 @@ def hook_identity(module: Any) -> str:
     rows = [
         [name, kind, hook_code(hook), held_values(hook)]
         for name, kind, hook in forward_hooks(module)
-        if not is_torchs(hook)
+        if not is_library_machinery(hook)
     ]
     rows += [["<global>", "", hook_code(h), held_values(h)] for h in foreign_global_hooks()]
     return hashlib.sha256(json.dumps(rows).encode()).hexdigest() if rows else ""

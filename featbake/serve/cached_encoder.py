@@ -50,7 +50,14 @@ from featbake.encode.identity import (
 )
 from featbake.encode.outputs import is_tuple_parts, join_outputs, name_outputs, stored_parts
 from featbake.errors import ConfigError, EncodeError
-from featbake.keys import feature_key, module_fingerprint, recipe_fingerprint
+from featbake.keys import (
+    contained_tensors,
+    derived_attributes,
+    derived_state,
+    feature_key,
+    module_fingerprint,
+    recipe_fingerprint,
+)
 from featbake.lru import ByteLRU, CacheInfo
 from featbake.process import ProcessLocal, ProcessLocalState
 from featbake.recipe import Recipe
@@ -300,6 +307,8 @@ def _edited_in_place(value: Any) -> bool:
     ``mul_``), read by its version (:func:`_in_place_text`)."""
     if isinstance(value, torch.Tensor):
         return True
+    if type(value) in (list, dict) and contained_tensors("", value):
+        return True  # a tensor inside, keyed by value (serve10.16): read by version
     if isinstance(value, list):
         return is_plain(value)
     return isinstance(value, tuple) and any(map(_edited_in_place, value))
@@ -310,6 +319,9 @@ def _in_place_text(value: Any) -> Any:
     list's text."""
     if isinstance(value, torch.Tensor):
         return (version_of(value), value.data_ptr())
+    tensors = contained_tensors("", value) if type(value) in (list, tuple, dict) else []
+    if tensors:
+        return tuple((id(t), version_of(t), t.data_ptr()) for _, t in tensors)
     return repr(value)
 
 
@@ -411,12 +423,15 @@ class Glance:
         values, texts = iter(self.values), iter(self.values_key[1])
         for look in self.plan.looks:
             listy = {k: next(texts) for k in look.listy}
+            derived = derived_attributes(type(look.ref()))
             for key in look.public:
                 value = next(values)
                 if isinstance(value, weakref.ref):
                     value = value()
                     if value is None:
                         continue  # held weakly: no plain value
+                if derived_state(derived, key, value):
+                    continue
                 if key in listy and is_plain(value):
                     rows.append([look.name, key, listy[key]])
                 elif is_plain(value):
@@ -512,7 +527,19 @@ def same_read(now: str, trusted: str) -> bool:
 def _unkeyed(key: str, value: Any) -> bool:
     """Whether a public attribute changes what a forward returns while no key reads it: a
     tensor that is no parameter or buffer, or ``forward`` set on the instance."""
-    return isinstance(value, torch.Tensor) or key == "forward"
+    if isinstance(value, torch.Tensor) or key == "forward":
+        return True
+    return type(value) in (list, tuple, dict) and bool(contained_tensors(key, value))
+
+
+def _versions_in(key: str, value: Any) -> Any:
+    """The version of a tensor attribute, or the ids and versions of the tensors inside a
+    list, tuple or dict of them (:func:`~featbake.keys.contained_tensors`); None for another
+    value (an instance's ``forward``)."""
+    if isinstance(value, torch.Tensor):
+        return version_of(value)
+    tensors = contained_tensors(key, value) if type(value) in (list, tuple, dict) else []
+    return tuple((id(t), version_of(t)) for _, t in tensors) or None
 
 
 def _digest(rows: list[Any]) -> str:
@@ -565,14 +592,15 @@ def structure_read(module: nn.Module) -> Structure:
         keyed.append(id(type(sub)))
         if attrs.get("_forward_pre_hooks") or attrs.get("_forward_hooks"):
             _hook_rows(name, attrs, keyed, refs)
+        derived = derived_attributes(type(sub))
         for key, value in attrs.items():
-            if not keyed_attribute(key):
+            if not keyed_attribute(key) or derived_state(derived, key, value):
                 continue
             if is_plain(value):
                 plain.append([name, key, repr(value)])
             elif _unkeyed(key, value):
                 unkeyed.append(_pinned(value))
-                version = version_of(value) if isinstance(value, torch.Tensor) else None
+                version = _versions_in(key, value)
                 attributes.append((name, key, id(value), version))
     globals_ = foreign_global_hooks()
     unkeyed += map(_pinned, globals_)

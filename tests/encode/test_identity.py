@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
+import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -155,3 +158,92 @@ def test_what_a_hook_holds_is_keyed_by_value_or_refused_never_by_its_type_alone(
     assert lock and "address" in lock[0]
     assert held_refusals(_holding(torch.zeros(1)))[0] == "a value (Tensor)"
     assert "too large" in held_refusals(_holding(list(range(HELD_VALUES + 1))))[0]
+
+
+# == one key for one hook in every process (serve10.10) ==========================================
+_SCRIPT = """
+import sys
+sys.path.insert(0, {here!r})
+import torch
+from featbake.encode.identity import module_identity
+from featbake.testing import TinyConvEncoder
+from hookmod import gain
+
+module = TinyConvEncoder().eval()
+module.register_forward_pre_hook(gain)
+print(module_identity(module).rsplit("hooks:", 1)[1])
+"""
+
+_HOOK_MODULE = """
+MODE = "serve"
+
+
+def gain(module, args):
+    # a set literal tested with ``in`` is compiled to a frozenset constant of the code object
+    factor = 2.0 if MODE in {"train", "eval", "serve", "export", "bake"} else 1.0
+    return (args[0] * factor,)
+"""
+
+
+def test_one_hook_is_keyed_alike_in_processes_of_other_hash_seeds(tmp_path: Path) -> None:
+    (tmp_path / "hookmod.py").write_text(_HOOK_MODULE)
+    script = tmp_path / "ident.py"
+    script.write_text(_SCRIPT.format(here=str(tmp_path)))
+    repo = str(Path(__file__).resolve().parents[2])
+    keys = set()
+    for seed in ("1", "2", "3"):
+        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": repo}
+        out = subprocess.run(
+            [sys.executable, str(script)], env=env, capture_output=True, text=True, check=True
+        )
+        keys.add(out.stdout.strip())
+    assert len(keys) == 1, keys
+
+
+def _scaled_by_deque(factors: Any, module: torch.nn.Module, args: tuple[Any, ...]) -> Any:
+    return (args[0] * factors[0],)
+
+
+# == containers read by their repr ================================================================
+def test_a_tensor_inside_a_deque_a_hook_holds_is_refused_as_inside_a_list() -> None:
+    import collections
+
+    from featbake.encode.identity import held_refusals
+
+    gains = torch.ones(2000)
+    hook = functools.partial(_scaled_by_deque, collections.deque([gains]))
+    assert held_refusals(hook), "a tensor inside a deque was neither refused nor keyed"
+
+
+_SENTINEL = object()
+
+
+def _sentinel_default(module: Any, args: Any, missing: Any = _SENTINEL) -> None:
+    return None
+
+
+def test_standard_value_types_and_sentinels_are_keyed_by_value_never_refused() -> None:
+    """Decimal, Path, datetime, UUID keep their value in private slots: keyed by their repr,
+    one per value; a sentinel ``object()`` default as its type (no address), not refused."""
+    import datetime
+    import decimal
+    import uuid
+
+    from featbake.encode.identity import held_refusals, held_values
+
+    values = [
+        decimal.Decimal("1.5"),
+        Path("/a/b"),
+        datetime.date(2020, 1, 2),
+        datetime.timedelta(seconds=3),
+        uuid.UUID(int=5),
+    ]
+    for value in values:
+        hook = functools.partial(_scaled_by_deque, value)
+        assert not held_refusals(hook)
+        assert held_values(hook) != held_values(functools.partial(_scaled_by_deque, None))
+    assert held_values(functools.partial(_scaled_by_deque, decimal.Decimal("2"))) != held_values(
+        functools.partial(_scaled_by_deque, decimal.Decimal("3"))
+    )
+    assert not held_refusals(_sentinel_default)
+    assert "0x" not in held_values(_sentinel_default)[0]
