@@ -1,0 +1,98 @@
+"""Review reproductions for the watch over an in-process encoder (serve10.9-serve10.17)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from featbake.encode.sources import source_for
+from featbake.recipe import Recipe
+from featbake.serve.dataset import CachedFeatureDataset
+from featbake.testing import TinyConvEncoder
+
+
+def _live(module: torch.nn.Module, path: str) -> torch.Tensor:
+    with torch.inference_mode():
+        return module(source_for(Recipe()).load(Path(path)).unsqueeze(0))[0]
+
+
+#: The PyTorch forum's way to see a layer's output: a module-level dict a forward hook fills.
+ACTIVATION: dict[str, Any] = {}
+
+
+def _capture(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+    ACTIVATION["out"] = output.detach()
+
+
+#: The same with a module-level list.
+CAPTURED: list[Any] = []
+
+
+def _collect(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+    CAPTURED.append(output.detach())
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="serve10.17 keys a global dict a forward hook only writes into by its value: after "
+    "the first forward it holds a tensor, and the next miss is refused or keyed anew",
+)
+def test_a_hook_filling_a_global_activation_dict_is_served(tmp_path: Path, audio_dir: Path) -> None:
+    ACTIVATION.clear()
+    module = TinyConvEncoder().eval()
+    module.register_forward_hook(_capture)
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    for i in range(3):
+        torch.testing.assert_close(ds[i], _live(module, ds.path(i)))
+    ds.flush()
+    again = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s", on_miss="error")
+    for i in range(3):
+        torch.testing.assert_close(again[i], _live(module, again.path(i)))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="serve10.17 keys a global list a forward hook appends to by its value: after the "
+    "first forward it holds a tensor, and the next miss is refused or keyed anew",
+)
+def test_a_hook_appending_to_a_global_list_is_served(tmp_path: Path, audio_dir: Path) -> None:
+    CAPTURED.clear()
+    module = TinyConvEncoder().eval()
+    module.register_forward_hook(_collect)
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    for i in range(3):
+        torch.testing.assert_close(ds[i], _live(module, ds.path(i)))
+    ds.flush()
+    again = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s", on_miss="error")
+    for i in range(3):
+        torch.testing.assert_close(again[i], _live(module, again.path(i)))
+
+
+#: A call counter a hook keeps at module level (``global``), as a closure's ``nonlocal`` counter.
+_CALLS = 0
+
+
+def _count_calls(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+    global _CALLS
+    _CALLS += 1
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="serve10.17 keys a global a hook only bumps (STORE_GLOBAL) by its value; serve10.11 "
+    "leaves such counters out for attributes and cells only, so each forward is another key",
+)
+def test_a_hook_counting_calls_in_a_global_keeps_its_key(tmp_path: Path, audio_dir: Path) -> None:
+    module = TinyConvEncoder().eval()
+    module.register_forward_pre_hook(_count_calls)
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    ds[0]
+    ds.flush()
+    again = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s", on_miss="error")
+    torch.testing.assert_close(again[0], _live(module, again.path(0)))
