@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 from pathlib import Path
 from typing import Any
 
@@ -130,3 +131,25 @@ def test_a_tensor_attribute_moved_to_the_device_in_forward_stays_keyed(
     b.inner.load_state_dict(a.inner.state_dict())
     second = CachedFeatureDataset(audio_dir, b, cache=tmp_path / "s")
     torch.testing.assert_close(second[0], _live(b, second.path(0)))
+
+
+#: A module-level sink an observing hook sends to (a queue a logging thread drains; a
+#: tensorboard ``SummaryWriter`` is the same kind: an object holding locks).
+SINK: queue.Queue[Any] = queue.Queue()
+
+
+def _send_shape(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+    SINK.put(tuple(output.shape))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="serve10.17 reads a global object an observing hook sends to (a queue, a writer) by "
+    "all its attributes: its locks are keyed by their address, so the dataset is refused",
+)
+def test_a_hook_sending_to_a_global_queue_is_served(tmp_path: Path, audio_dir: Path) -> None:
+    module = TinyConvEncoder().eval()
+    module.register_forward_hook(_send_shape)
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
