@@ -153,3 +153,37 @@ def test_a_hook_sending_to_a_global_queue_is_served(tmp_path: Path, audio_dir: P
     with pytest.warns(UserWarning, match="no featbake store"):
         ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
     torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
+
+
+class _KeepsMaps(torch.nn.Module):
+    """TinyConvEncoder keeping each forward's output in a list attribute, for a plot later
+    (attention maps kept for visualisation, a streaming model's past frames)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = TinyConvEncoder()
+        self.maps: list[torch.Tensor] = []
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        out = self.inner(wav)
+        self.maps.append(out.detach())
+        return out
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="serve10.16 keys and watches tensors inside a module's list attribute by value and "
+    "version: a list its forward appends to makes the next miss refused or keyed anew",
+)
+def test_a_module_appending_to_a_list_attribute_in_forward_is_served(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    module = _KeepsMaps().eval()
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    for i in range(3):
+        torch.testing.assert_close(ds[i], _live(module, ds.path(i)))
+    ds.flush()
+    again = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s", on_miss="error")
+    for i in range(3):
+        torch.testing.assert_close(again[i], _live(module, again.path(i)))
