@@ -299,3 +299,67 @@ def test_a_hook_reading_args_that_list_many_files_is_served(
     with pytest.warns(UserWarning, match="no featbake store"):
         ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
     torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
+
+
+#: Settings a helper function reads; the hook calls the helper.
+HELPER_SETTINGS = {"gain": 2.0}
+
+
+def _apply_gain(x: torch.Tensor) -> torch.Tensor:
+    return x * HELPER_SETTINGS["gain"]
+
+
+def _gain_through_helper(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (_apply_gain(args[0]),)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="serve10.17 keys the globals a hook's own code loads, not those of the module-level "
+    "helper it calls: --gain 3 after --gain 2 is served the first run's features",
+)
+def test_a_setting_read_by_a_helper_the_hook_calls_is_keyed(
+    tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a = TinyConvEncoder().eval()
+    a.register_forward_pre_hook(_gain_through_helper)
+    with pytest.warns(UserWarning, match="no featbake store"):
+        first = CachedFeatureDataset(audio_dir, a, cache=tmp_path / "s")
+    first[0]
+    first.flush()
+    monkeypatch.setitem(HELPER_SETTINGS, "gain", 3.0)
+    b = TinyConvEncoder().eval()
+    b.load_state_dict(a.state_dict())
+    b.register_forward_pre_hook(_gain_through_helper)
+    second = CachedFeatureDataset(audio_dir, b, cache=tmp_path / "s")
+    torch.testing.assert_close(second[0], _live(b, second.path(0)))
+
+
+#: A module-level module a hook runs (an adapter, a projection loaded from a checkpoint).
+ADAPTER = torch.nn.Linear(64, 64)
+
+
+def _adapted(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    return output + ADAPTER(output)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="is_data counts any callable as code: a global nn.Module a hook runs is neither keyed "
+    "nor refused (a global tensor is refused), so other adapter weights are served the first's "
+    "features",
+)
+def test_a_global_module_a_hook_runs_is_keyed_or_refused(tmp_path: Path, audio_dir: Path) -> None:
+    a = TinyConvEncoder().eval()
+    a.register_forward_hook(_adapted)
+    with pytest.warns(UserWarning, match="no featbake store"):
+        first = CachedFeatureDataset(audio_dir, a, cache=tmp_path / "s")
+    first[0]
+    first.flush()
+    with torch.no_grad():
+        ADAPTER.weight.mul_(3.0)  # another checkpoint's adapter
+    b = TinyConvEncoder().eval()
+    b.load_state_dict(a.state_dict())
+    b.register_forward_hook(_adapted)
+    second = CachedFeatureDataset(audio_dir, b, cache=tmp_path / "s")
+    torch.testing.assert_close(second[0], _live(b, second.path(0)))
