@@ -261,10 +261,52 @@ def derived_attributes(cls: type) -> frozenset[str]:
     names: frozenset[str] = frozenset()
     if inspect.isfunction(forward):
         codes = reached_code(forward.__code__, cls)
-        ins = (op for code in codes for op in dis.get_instructions(code))
-        names = frozenset(op.argval for op in ins if op.opname == "STORE_ATTR")
+        names = frozenset(name for code in codes for name in fresh_attribute_writes(code))
     _DERIVED[cls] = names
     return names
+
+
+def fresh_attribute_writes(code: Any) -> set[str]:
+    """The attributes ``code`` (not the code nested in it) writes with a value its statement
+    does not read from the attribute itself: ``self.pe = pe.to(x.device)`` (made anew: derived
+    state) is one; ``self.scale = self.scale.to(x.device)`` (the value the user set, moved to
+    the input's device) is not, so a forward that only moves an attribute keeps it keyed.
+
+    Example:
+        >>> def forward(self, x):
+        ...     self.scale = self.scale.to(x.device)
+        ...     self.pe = make(len(x)).to(x.device)
+        >>> sorted(fresh_attribute_writes(forward.__code__))
+        ['pe']
+    """
+    ins = list(dis.get_instructions(code))
+    fresh: set[str] = set()
+    for j, op in enumerate(ins):
+        if op.opname != "STORE_ATTR":
+            continue
+        statement = _statement_before(ins, j)
+        if not any(o.opname in _ATTRIBUTE_LOADS and o.argval == op.argval for o in statement):
+            fresh.add(op.argval)
+    return fresh
+
+
+#: The ops that read an attribute (``self.x``, ``self.x.to(...)``).
+_ATTRIBUTE_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
+
+#: Ops that end a statement: what comes after them computes another statement's value.
+_STATEMENT_ENDS = frozenset(
+    {"STORE_ATTR", "STORE_FAST", "STORE_NAME", "STORE_GLOBAL", "STORE_DEREF", "STORE_SUBSCR",
+     "DELETE_ATTR", "POP_TOP", "RETURN_VALUE"}
+)  # fmt: skip
+
+
+def _statement_before(ins: list[Any], j: int) -> list[Any]:
+    """The instructions of the statement that ends with ``ins[j]``: back to the op that ended
+    the one before (by op, not by line: a statement may span lines), or a jump target."""
+    k = j
+    while k > 0 and ins[k - 1].opname not in _STATEMENT_ENDS and not ins[k].is_jump_target:
+        k -= 1
+    return ins[k:j]
 
 
 #: class -> the attributes its forward writes: derived_attributes's (weakly: a class made at

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import shlex
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -418,7 +419,8 @@ def _note_over_budget(plan: GcPlan, as_json: bool) -> None:
     how much, who holds them, what frees them (``--json``: the plan's ``over_budget_bytes``,
     ``kept_for_builds_bytes`` and ``kept_for``). A note, not an error: gc did what it may."""
     if plan.shortfall is not None and not as_json:
-        console.print(f"[yellow]note:[/] {escape(plan.shortfall.line())}")
+        merge = f"featbake merge --cache {shlex.quote(str(plan.summary()['store']))}"
+        console.print(f"[yellow]note:[/] {escape(plan.shortfall.line(merge))}")
 
 
 def _kept(young: int, plan: GcPlan) -> str:

@@ -38,6 +38,11 @@ class KeptBy(StrEnum):
     SERVING = "serving"  # a dataset's root in ``serve`` fragments, waiting for a merge
 
 
+#: The merge command a holder's "what to do" names where no store is given (``{merge}`` in
+#: :attr:`Keeper.todo`; the CLI names its store's ``--cache``).
+MERGE = "featbake merge"
+
+
 @dataclass(frozen=True)
 class Keeper:
     """One holder of kept keys: ``who`` it is, in words, and ``todo``, what frees them."""
@@ -47,14 +52,15 @@ class Keeper:
     todo: str
     keys: frozenset[str]
 
-    def line(self, nbytes: int) -> str:
-        """``a running build (pid 7 on host h) holds 2 MiB; run gc again when it finishes``."""
-        return f"{self.who} holds {format_bytes(nbytes)}; {self.todo}"
+    def line(self, nbytes: int, merge: str = MERGE) -> str:
+        """``a running build (pid 7 on host h) holds 2 MiB; run gc again when it finishes``;
+        ``merge`` is the merge command to name (with the store's ``--cache``)."""
+        return f"{self.who} holds {format_bytes(nbytes)}; {self.todo.format(merge=merge)}"
 
     def to_json(self, nbytes: int) -> dict[str, Any]:
         """``gc --json``'s ``kept_for`` entry: kind, who, bytes, features, todo."""
         return {"kind": str(self.kind), "who": self.who, "bytes": nbytes,
-                "features": len(self.keys), "todo": self.todo}  # fmt: skip
+                "features": len(self.keys), "todo": self.todo.format(merge=MERGE)}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -68,9 +74,11 @@ class Shortfall:
     kept_bytes: int
     keepers: tuple[tuple[Keeper, int], ...]
 
-    def line(self) -> str:
-        """One line: the budget left exceeded, and each holder with what to do."""
-        held = "; ".join(k.line(n) for k, n in self.keepers) or "builds not merged yet hold them"
+    def line(self, merge: str = MERGE) -> str:
+        """One line: the budget left exceeded, and each holder with what to do (``merge``: the
+        merge command for this store, ``featbake merge --cache STORE``)."""
+        held = "; ".join(k.line(n, merge) for k, n in self.keepers)
+        held = held or "builds not merged yet hold them"
         return (
             f"gc stays {format_bytes(self.over_bytes)} over --max-bytes "
             f"{format_bytes(self.budget)}: {format_bytes(self.kept_bytes)} of features are kept "
@@ -142,7 +150,7 @@ def fragment_keepers(layout: Layout) -> list[Keeper]:
         Keeper(
             KeptBy.SERVING,
             f"root {root} in a dataset's {len(names)} serve fragments",
-            "run `featbake merge` to publish it",
+            "run `{merge}` to publish it",
             frozenset(fragment_named_keys(n.path for n in names)),
         )
         for root, names in serving.items()
@@ -158,13 +166,13 @@ def parts_keeper(layout: Layout, names: list[FragmentName]) -> Keeper:
     missing = [r for r in range(world) if r not in done]
     who = f"root {root_of(layout, names[0])}'s build in parts ({len(done)} of {world} done)"
     if not missing:
-        todo = "run `featbake merge`"
+        todo = "run `{merge}`"
     else:
         todo = (
             f"part {', '.join(f'{r}/{world}' for r in missing[:4])}"
             f"{', ...' if len(missing) > 4 else ''} not done: if none is running, run it "
             f"(`featbake build ... --shard {missing[0]}/{world}`) or build the root again, "
-            "then `featbake merge`"
+            "then `{merge}`"
         )
     return Keeper(KeptBy.PARTS, who, todo, frozenset(fragment_named_keys(n.path for n in names)))
 

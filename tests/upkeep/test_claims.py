@@ -698,7 +698,7 @@ def test_gc_max_bytes_left_over_budget_by_an_unmerged_part_says_so(
     assert len(note) == 1, r.stderr
     assert f"root {first.root}'s build in parts (1 of 2 done) holds" in note[0]
     assert "part 1/2 not done" in note[0] and "--shard 1/2" in note[0]
-    assert "`featbake merge`" in note[0]
+    assert f"`featbake merge --cache {store}`" in note[0]
     dry = invoke("gc", "--cache", store, "--max-bytes", "1", "--dry-run", "--json")
     plan = json.loads(dry.stdout)["plan"]
     assert plan["over_budget_bytes"] > 0 and plan["kept_for_builds_bytes"] > 0
@@ -740,7 +740,7 @@ def test_gc_max_bytes_left_over_budget_by_a_dataset_s_serve_fragment_says_merge(
 ) -> None:
     """A root dropped, then published again by a dataset on a shared filesystem in a sealed
     ``serve`` fragment (a root in waiting): its 16 features are kept from eviction until a
-    merge publishes it, and the note names the root and says to run `featbake merge`; after
+    merge publishes it, and the note names the root and says to run `featbake merge` on it; after
     the merge the root's features are evicted as any root's are."""
     store = tmp_path / "store"
     first = bake(audio_dir, encoder_file, store)
@@ -758,7 +758,7 @@ def test_gc_max_bytes_left_over_budget_by_a_dataset_s_serve_fragment_says_merge(
     note = [line for line in r.stderr.splitlines() if "over --max-bytes" in line]
     assert len(note) == 1, r.stderr
     assert f"root {first.root} in a dataset's 1 serve fragments" in note[0]
-    assert "run `featbake merge` to publish it" in note[0]
+    assert f"run `featbake merge --cache {store}` to publish it" in note[0]
     assert merge(Layout(store)).roots == [first.root]
     r = invoke("gc", "--cache", store, "--max-bytes", "1", "--grace", "0s")
     assert "16 feature rows" in r.stdout and "over --max-bytes" not in r.stderr

@@ -1,4 +1,6 @@
-"""Review reproductions for the watch over an in-process encoder (serve10.9-serve10.17)."""
+"""What the watch over an in-process encoder keys, at its edges (serve10.9-serve10.18): the
+strict-xfail cases are known gaps, each failing for the reason it names, kept runnable for
+the fix that closes it."""
 
 from __future__ import annotations
 
@@ -117,12 +119,6 @@ class _DeviceScaled(torch.nn.Module):
         return self.inner(wav) * self.scale
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="serve10.12 leaves out of keys every tensor attribute forward writes, also one the "
-    "user set whose write in forward only moves it to the input's device: scales 2 and 3 share "
-    "keys, and the second module is served the first's features",
-)
 def test_a_tensor_attribute_moved_to_the_device_in_forward_stays_keyed(
     tmp_path: Path, audio_dir: Path
 ) -> None:

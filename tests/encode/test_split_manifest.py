@@ -1,4 +1,5 @@
-"""Review reproductions for the inputs fixes in10.5-in10.8 (the split refusal's manifest)."""
+"""The manifest command the split refusal gives (in10.6), at its edges: the strict-xfail
+cases are known gaps, each failing for the reason it names."""
 
 from __future__ import annotations
 
