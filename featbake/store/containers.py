@@ -1055,10 +1055,13 @@ def every_file_advice(where: str, names: Sequence[str]) -> str:
     exts = sorted({os.path.splitext(n)[1].lower() for n in names if os.path.splitext(n)[1]})
     wanted = " -o ".join(f"-iname '*{e}'" for e in exts) or "-name '*'"
     wanted = f"\\( {wanted} \\)" if len(exts) > 1 else wanted
+    # Hidden and __name__ folders below the folder are pruned by name (a folder inside
+    # ~/.cache is still listed); each path is one quoted CSV field (a comma in a name).
     return (
         "; or, to build every file as one dataset, pass a manifest of them as --data: "
-        f"{{ echo path; find {shlex.quote(where)} -type f {wanted} "
-        "-not -path '*/.*' -not -path '*/__*' | sort; } > all.csv, then --data all.csv"
+        f"{{ echo path; find {shlex.quote(where)} -mindepth 1 \\( -name '.*' -o -name '__*' "
+        f'\\) -prune -o -type f {wanted} -print | sort | sed \'s/"/""/g; s/.*/"&"/\'; }} '
+        "> all.csv, then --data all.csv"
     )
 
 
