@@ -65,6 +65,7 @@ from featbake.store.containers import (
 )
 from featbake.store.hash_cache import FileStat, HashCache, HashRow
 from featbake.store.objects import ObjectInfo, object_stat
+from featbake.units import counted
 
 # A webdataset shard is a plain tar; the members of one sample are consecutive and share a key:
 # the member's name up to the first dot of its last path component (webdataset's
@@ -175,7 +176,7 @@ def left_out_note(left: Sequence[LeftOut], picked: Sequence[tuple[Sample, str]] 
         return ""
     first = left[0]
     kept, other = first.sample.members[first.chosen], first.sample.members[first.other]
-    count = f"{len(left)} sample member{'s' if len(left) > 1 else ''}"
+    count = counted(len(left), "sample member")
     kinds = Counter(ext for _, ext in picked)
     choices = (
         picked_apart_choices(kinds, picked)
@@ -203,7 +204,7 @@ def picked_apart_choices(kinds: Counter[str], picked: Sequence[tuple[Sample, str
         'with no --column each sample encoded its own first member of'
     """
     (top, n), *rest = kinds.most_common()
-    counts = f"{n} sample{'s' if n > 1 else ''} encoded from .{top}, " + ", ".join(
+    counts = f"{counted(n, 'sample')} encoded from .{top}, " + ", ".join(
         f"{k} from .{e}" for e, k in rest
     )
     held = [e for e in kinds if all(e in s.members for s, _ in picked)]

@@ -81,6 +81,7 @@ from featbake.store.objects import (
 )
 from featbake.store.url import BucketURL, is_url
 from featbake.threadpool import HASH_THREADS, OBJECT_THREADS, map_in_threads
+from featbake.units import counted
 
 
 def hidden_name(name: str, passed: tuple[str, ...] = (".",)) -> bool:
@@ -783,7 +784,7 @@ def unread_note(where: str, unread: Sequence[Unread]) -> str:
     if not unread:
         return ""
     first = unread[0]
-    count = f"{len(unread)} folder{'s' if len(unread) > 1 else ''}"
+    count = counted(len(unread), "folder")
     return (
         f"{count} under {where} could not be read ({first.folder}: {first.why}); any inputs "
         "in them are left out of this build: fix their permissions and build again, or pass "
@@ -804,7 +805,7 @@ def nested_tars_note(where: str, tars: Sequence[str], exts: Sequence[str]) -> st
     if not tars:
         return ""
     first = sorted(tars)[0]
-    count = f"{len(tars)} tar file{'s' if len(tars) > 1 else ''}"
+    count = counted(len(tars), "tar file")
     verb = "are" if len(tars) > 1 else "is"
     return (
         f"{count} under {where} {verb} not read ({first}); this build reads its "

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, Protocol, TypeVar
 from featbake.errors import ConfigError, SourceError, first_line
 from featbake.process import PerProcess, ProcessLocal, ProcessLocalState
 from featbake.store.hash_cache import FileStat
+from featbake.units import counted
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -915,7 +916,7 @@ def refuse_several_splits(where: str, names: Sequence[str], card: str | None = N
     named += sorted(s for s in by_split if s is not None and s not in SPLIT_KEYWORDS)
     if not named or by_split.keys() == {named[0]}:
         return
-    held = ", ".join(f"{split} ({files(len(by_split[split]))})" for split in named)
+    held = ", ".join(f"{split} ({counted(len(by_split[split]), 'file')})" for split in named)
     if len(named) > 1:
         raise SourceError(
             f"{where} holds the splits {held}, as datasets reads its {how.value}; pass one "
@@ -925,7 +926,7 @@ def refuse_several_splits(where: str, names: Sequence[str], card: str | None = N
     others = by_split[None]
     shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
     raise SourceError(
-        f"{where} holds the split {held} and {files(len(others))} that name no split "
+        f"{where} holds the split {held} and {counted(len(others), 'file')} that name no split "
         f"({shown}), which datasets leaves out of it; featbake would read them all as one; "
         f"pass one set alone: {one_split_advice(where, how, by_split[named[0]])}"
         f"{every_file_advice(where, names)}"
@@ -1151,16 +1152,6 @@ def refuse_mixed_schemas(where: str, schemas: Sequence[tuple[str, pa.Schema]]) -
                 "one table and featbake will not guess a cast; write them to one schema, or "
                 "pass the files of one schema as --data (moved into a folder of their own)"
             )
-
-
-def files(n: int) -> str:
-    """``n`` file(s), in words (pure).
-
-    Example:
-        >>> files(1), files(2)
-        ('1 file', '2 files')
-    """
-    return f"{n} file{'s' if n != 1 else ''}"
 
 
 #: (object URL, its size or None) -> the object as a seekable file (the caller's client); a
