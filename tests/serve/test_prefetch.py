@@ -287,7 +287,7 @@ def test_pool_budget_evicts_lru_free_buffers() -> None:
     pool = PinnedPool(max_bytes=100, pin=False)  # room for a 40- and a 48-byte buffer
     a = pool.acquire((10,), torch.float32)
     b = pool.acquire((12,), torch.float32)
-    at_a, at_b = _at(a), _at(b)
+    at_a = _at(a)
     pool.release([a, b], None)
     del a, b
     a = pool.acquire((10,), torch.float32)  # reuse a -> its class is now the most recent
@@ -297,7 +297,10 @@ def test_pool_budget_evicts_lru_free_buffers() -> None:
     s = pool.stats()
     assert s.evictions == 1 and s.bytes == 72
     assert _at(pool.acquire((10,), torch.float32)) == at_a
-    assert _at(pool.acquire((12,), torch.float32)) != at_b
+    before = pool.stats()
+    pool.acquire((12,), torch.float32)  # b was evicted: made anew (maybe where b lay: not checked)
+    s = pool.stats()
+    assert (s.allocations, s.reuses) == (before.allocations + 1, before.reuses)
     del c
 
 
