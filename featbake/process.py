@@ -47,8 +47,15 @@ class _Slot:
 #: referenced, never used nor closed (a SQLite connection closed in a child would release or
 #: clobber its parent's locks).
 INHERITED_ACROSS_FORK: list[Any] = []
-_SLOTS: weakref.WeakSet[_Slot] = weakref.WeakSet()
-_SLOTS_LOCK = threading.Lock()
+#: Weak references to every live slot; each removes itself when its slot is collected. A plain
+#: set of references, not a ``WeakSet``: :func:`_hold_before_fork` copies it in one C call.
+_SLOTS: set[weakref.ref[_Slot]] = set()
+#: Reentrant, as every lock a fork hook holds: the cyclic collector may run a finalizer on the
+#: thread that holds it (inside ``fork``'s hooks, or inside :meth:`PerThread.__get__`), and a
+#: finalizer that makes a per-thread value (a dataset's last-use flush opens a catalog
+#: connection) then takes it again on that thread; with a plain lock that thread waited on
+#: itself for ever (a fork-mode DataLoader's start hung).
+_SLOTS_LOCK = threading.RLock()
 _AT_FORK: list[Any] = []
 
 
@@ -79,7 +86,10 @@ def _hold_before_fork() -> None:
     # taken here, in the parent. The lock is held across fork() so that no other thread's hold
     # on it is copied into the child.
     _SLOTS_LOCK.acquire()
-    _AT_FORK[:] = [s.value for s in _SLOTS]
+    # A copy of the set's references first (one C call, no Python code runs): a finalizer
+    # the collector runs meanwhile may add a slot to the set, never to the list walked here.
+    refs = list(_SLOTS)
+    _AT_FORK[:] = [slot.value for ref in refs if (slot := ref()) is not None]
 
 
 def _after_fork_in_parent() -> None:
@@ -155,9 +165,13 @@ class Held(NamedTuple):
         )
 
 
-def fork_safe_lock() -> threading.Lock:
-    """A lock held across ``fork``, so a child never inherits it held by a thread it lacks."""
-    lock = threading.Lock()
+def fork_safe_lock() -> threading.RLock:
+    """A lock held across ``fork``, so a child never inherits it held by a thread it lacks.
+
+    Reentrant (see :data:`_SLOTS_LOCK`): a finalizer the collector runs during a later fork
+    hook, on the forking thread, may take it again.
+    """
+    lock = threading.RLock()
     os.register_at_fork(
         before=lock.acquire, after_in_parent=lock.release, after_in_child=lock.release
     )
@@ -288,7 +302,7 @@ class PerThread(Generic[T]):
         value = self.make(instance)
         slot = _Slot(value)
         with _SLOTS_LOCK:
-            _SLOTS.add(slot)
+            _SLOTS.add(weakref.ref(slot, _SLOTS.discard))
         local.slot = slot
         return value
 

@@ -7,6 +7,8 @@ import multiprocessing
 import os
 import pickle
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -234,6 +236,53 @@ def test_the_lock_is_free_in_a_child_forked_while_another_thread_makes() -> None
     code = _in_child(lambda: b.value is not None)
     t.join()
     assert code == 0
+
+
+#: A process whose fork begins while garbage with a finalizer waits for the collector, which the
+#: fork hooks' first allocation runs on the forking thread: the finalizer makes a per-thread or
+#: a locked per-process value (a dropped dataset's last-use flush opening a catalog connection).
+_COLLECTED_AT_THE_FORK = """
+import gc, os, sys, weakref
+from featbake.process import PerProcess, PerThread, ProcessLocalState
+class Conns(ProcessLocalState):
+    conn = PerThread(lambda self: [])
+holder, pool, made = Conns(), PerProcess(list, lock=True), []
+def finalizer():
+    made.append(holder.conn if sys.argv[1] == "per-thread" else pool.get())
+class Cycle:
+    pass
+gc.disable()
+garbage = Cycle()
+garbage.me = garbage
+weakref.finalize(garbage, finalizer)
+del garbage
+gc.set_threshold(1)
+gc.enable()
+pid = os.fork()
+if pid == 0:
+    os._exit(0)
+os.waitpid(pid, 0)
+print("made", len(made))
+"""
+
+
+@pytest.mark.parametrize("value", ["per-thread", "per-process"])
+def test_a_finalizer_the_collector_runs_inside_a_fork_hook_does_not_hang_the_fork(
+    value: str,
+) -> None:
+    """Round eleven, holds: the fork hooks hold the per-thread registry's lock and each locked
+    per-process value's; a finalizer the collector ran on the forking thread inside them (a
+    dropped dataset's last-use flush, opening its catalog connection) took one again and the
+    thread waited on itself for ever: a fork-mode DataLoader's start hung. Both are
+    reentrant now."""
+    run = subprocess.run(
+        [sys.executable, "-c", _COLLECTED_AT_THE_FORK, value],
+        capture_output=True,
+        text=True,
+        timeout=120,  # a hang, not a slow machine: the fork takes milliseconds
+        check=False,
+    )
+    assert (run.returncode, run.stdout.strip()) == (0, "made 1"), run.stderr
 
 
 # == the classes that hold per-process state =======================================================
