@@ -196,8 +196,9 @@ ISSUE_44_TESTS = [
 
 
 def test_gpu_record_plans_the_issue_44_steps_inside_one_run() -> None:
-    """The record's plan: the wheels, the kernels, the machine, then pytest -rf -q over issue 44's
-    test files and every other that mentions CUDA, then each bench_gpu.py part on cuda, then the
+    """The record's plan: the wheels, the kernels, the machine, then pytest -rf -v over issue 44's
+    test files and every other that mentions CUDA, then each bench_gpu.py part on cuda (the build
+    first: it has no record yet), then the
     summary; each step's limit covers its expected time, the expected times fit the budget and
     the budget fits the one `run` call the header documents (timeout_s 600, carry .whl)."""
     import re
@@ -205,11 +206,13 @@ def test_gpu_record_plans_the_issue_44_steps_inside_one_run() -> None:
     first, steps = _record_plan()
     parts = _load("bench_gpu").PARTS
     names = [s[0] for s in steps]
-    assert names == ["wheels", "kernels", "info", "tests", *[f"bench-{p}" for p in parts],
+    benches = [n.removeprefix("bench-") for n in names[4:-1]]
+    assert names == ["wheels", "kernels", "info", "tests", *[f"bench-{p}" for p in benches],
                      "summary"]  # fmt: skip
+    assert sorted(benches) == sorted(parts) and benches[0] == "build"  # the row none has yet
     cmd = dict((s[0], s[3]) for s in steps)
     assert cmd["kernels"].endswith("setup.py build_ext --inplace")
-    assert " -m pytest -rf -q " in cmd["tests"]
+    assert " -m pytest -rf -v " in cmd["tests"] and "--dist load " in cmd["tests"]
     planned = {w for w in cmd["tests"].split() if w.startswith("tests/")}
     touching = {
         str(p.relative_to(REPO)) for p in (REPO / "tests").rglob("test_*.py")
