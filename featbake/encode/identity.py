@@ -36,7 +36,13 @@ import numpy as np
 import torch
 from torch.nn.modules import module as torch_module
 
-from featbake.keys import derived_attributes, derived_state, reached_code
+from featbake.keys import (
+    derived_attributes,
+    derived_state,
+    module_fingerprint,
+    reached_code,
+    tensor_attributes,
+)
 from featbake.keys import keyed_attribute as keyed_attribute
 
 
@@ -375,15 +381,39 @@ class HeldReading:
         return f"function({','.join(parts)})"
 
     def _globals(self, func: Any, depth: int) -> list[str]:
-        """The plain data among the globals a function's code reads (:func:`global_names`:
-        a script's ``args`` or settings dict), each by its value: modules, classes and
-        anything callable are code, read by the code rule, never here."""
+        """The globals a function's code reads (:func:`global_names`) that change what it
+        does: plain data (a script's ``args`` or settings dict) by its value; a module
+        (an adapter) by its state (:meth:`_global_module`); a function of the user's own code
+        it calls (:func:`followed_helper`) as a held function is read, its own globals in
+        turn, so a setting a helper reads is keyed as one the hook reads (recursion reads as
+        ``<cycle>``, a chain past :data:`HELD_DEPTH` is refused). Other modules, classes and
+        callables (library code) are code, read by the code rule, never here."""
         found = getattr(func, "__globals__", {})
-        return [
-            f"global {g}={self.text(found[g], g, depth)}"
-            for g in global_names(func.__code__)
-            if g in found and is_data(found[g])
-        ]
+        rows = []
+        for g in global_names(func.__code__):
+            value = found.get(g, _ABSENT)
+            if value is _ABSENT:
+                continue
+            if is_data(value):
+                rows.append(f"global {g}={self.text(value, g, depth)}")
+            elif isinstance(value, torch.nn.Module):
+                rows.append(f"global {g}={self._global_module(value, g)}")
+            elif (helper := followed_helper(value)) is not None:
+                rows.append(f"global {g}={self.text(helper, g, depth)}")
+        return rows
+
+    def _global_module(self, module: torch.nn.Module, name: str) -> str:
+        """A module a hook's code (or a helper's) reads as a global, by its state
+        (:func:`global_module_digest`: its class, code, attributes, mode and every parameter
+        and buffer by value); the hooked module's own as ``<own>`` (its key reads it). One with
+        forward hooks of its own (but library machinery) is refused: its hooks would be read
+        inside the hooked module's, and a submodule's are keyed as the module's."""
+        if id(module) in self.own:
+            return "<own>"
+        if any(not is_library_machinery(h) for _, _, h in forward_hooks(module)):
+            what = f"the module {type(module).__qualname__}, which has forward hooks of its own"
+            return self._refuse(name, what)
+        return f"module({global_module_digest(module)})"
 
     def _other(self, value: Any, name: str, depth: int) -> str:
         """A class or module by its name (the script run's as ``__main__``'s in a spawned
@@ -462,6 +492,104 @@ def is_data(value: Any) -> bool:
         (True, False, False)
     """
     return not (isinstance(value, (types.ModuleType, type)) or callable(value))
+
+
+#: What :meth:`HeldReading._globals` finds for a name its function's globals lack.
+_ABSENT = object()
+
+
+def followed_helper(value: Any) -> Any:
+    """The function of the user's own code a hook reaches through a global (``_apply_gain``
+    in ``return (_apply_gain(x),)``), read as a held function is (its code, what it holds and
+    the globals it reads), or None: a global that is no plain function, or one of library
+    code (:func:`is_own_code`: the standard library, installed packages, torch and featbake,
+    whose changes the code rule and the library versions answer for). A decorated helper
+    (``@torch.no_grad()``) is followed by the function it wraps where only that is the user's.
+
+    Example:
+        >>> followed_helper(len), followed_helper(json.dumps)
+        (None, None)
+    """
+    if type(value) is not types.FunctionType:
+        return None
+    if is_own_code(value):
+        return value
+    inner = _unwrapped(value)
+    return inner if inner is not value and is_own_code(inner) else None
+
+
+def is_own_code(func: Any) -> bool:
+    """Whether a plain function is the user's own code: not library machinery
+    (:func:`is_library_machinery`), of no module of :data:`UNVERSIONED` or the standard
+    library, and from no file under the standard library's or installed packages' folders
+    (:class:`CodeClosure`'s rule for what is the user's). Kept per code object."""
+    if type(func) is not types.FunctionType or is_library_machinery(func):
+        return False
+    code = func.__code__
+    kept = _OWN_CODE.get(id(code))
+    if kept is None:
+        top = (getattr(func, "__module__", None) or "").partition(".")[0]
+        named = top in UNVERSIONED or top in sys.stdlib_module_names
+        where = code.co_filename
+        own = not named and not where.startswith("<frozen") and not _installed_file(where)
+        kept = _OWN_CODE[id(code)] = (code, own)
+    return kept[1]
+
+
+def _installed_file(filename: str) -> bool:
+    """Whether ``filename`` lies under the standard library's or installed packages' folders."""
+    if filename.startswith("<"):
+        return False  # exec'd or typed in: the user's
+    try:
+        return _under(Path(filename).resolve(), _INSTALLED_ROOTS())
+    except (OSError, ValueError):
+        return False
+
+
+#: id of a code object -> (the code object, whether it is the user's own): is_own_code's.
+_OWN_CODE: dict[int, tuple[Any, bool]] = {}
+
+
+def global_module_digest(module: torch.nn.Module) -> str:
+    """SHA-256 of a module a hook reads as a global (an adapter run on the output): its class,
+    repr, code (:func:`code_identity`), plain attributes, each submodule's mode, and every
+    parameter, buffer and tensor attribute by value (:func:`~featbake.keys.module_fingerprint`,
+    as the hooked module's own weights are keyed). A watch reads it at each forward, so it is
+    made anew only where the module's tensors (by id, version and pointer), submodules, modes
+    or attributes changed; a module holding inference tensors (no version) is read anew each
+    time. An edit behind the version counters (``weight.data.mul_``) is not seen."""
+    stamp = _module_stamp(module)
+    kept = _GLOBAL_MODULES.get(module)
+    if stamp is not None and kept is not None and kept[0] == stamp:
+        return kept[1]
+    owner = f"{type(module).__module__}.{type(module).__qualname__}"
+    modes = [sub.training for sub in module.modules()]
+    ident = f"global-module:{owner}\n{module!r}\ncode:{code_identity(module)}"
+    ident = f"{ident}\nattrs:{attribute_identity(module)}\nmodes:{modes}"
+    digest = module_fingerprint(module, ident)
+    if stamp is not None:
+        _GLOBAL_MODULES[module] = (stamp, digest)
+    return digest
+
+
+def _module_stamp(module: torch.nn.Module) -> tuple[Any, ...] | None:
+    """What :func:`global_module_digest` reads of a module at each forward: its tensors' ids,
+    versions, pointers, dtypes and shapes, its submodules' classes and modes, and its plain
+    attributes' digest; None where a tensor keeps no version (an inference tensor)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    tensors += [t for _, t in tensor_attributes(module)]
+    if any(t.is_inference() for t in tensors):
+        return None
+    read = tuple((id(t), t._version, t.data_ptr(), t.dtype, t.shape) for t in tensors)
+    subs = tuple((type(sub), sub.training) for sub in module.modules())
+    return (read, subs, attribute_identity(module))
+
+
+#: module -> (its stamp, its digest): global_module_digest's (weakly: a module freed is
+#: forgotten).
+_GLOBAL_MODULES: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, str]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def global_names(code: Any) -> tuple[str, ...]:
@@ -698,6 +826,10 @@ def _installed_roots() -> tuple[Path, ...]:
     paths = sysconfig.get_paths()
     names = ("stdlib", "platstdlib", "purelib", "platlib")
     return tuple(Path(paths[n]).resolve() for n in names if n in paths)
+
+
+#: The installed roots, read once per process (what :func:`is_own_code` compares a file with).
+_INSTALLED_ROOTS = functools.cache(_installed_roots)
 
 
 @dataclass

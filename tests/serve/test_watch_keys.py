@@ -5,6 +5,7 @@ the fix that closes it."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import queue
 import sys
@@ -312,11 +313,6 @@ def _gain_through_helper(module: torch.nn.Module, args: tuple[Any, ...]) -> tupl
     return (_apply_gain(args[0]),)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="serve10.17 keys the globals a hook's own code loads, not those of the module-level "
-    "helper it calls: --gain 3 after --gain 2 is served the first run's features",
-)
 def test_a_setting_read_by_a_helper_the_hook_calls_is_keyed(
     tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -342,12 +338,6 @@ def _adapted(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any
     return output + ADAPTER(output)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="is_data counts any callable as code: a global nn.Module a hook runs is neither keyed "
-    "nor refused (a global tensor is refused), so other adapter weights are served the first's "
-    "features",
-)
 def test_a_global_module_a_hook_runs_is_keyed_or_refused(tmp_path: Path, audio_dir: Path) -> None:
     a = TinyConvEncoder().eval()
     a.register_forward_hook(_adapted)
@@ -426,3 +416,135 @@ def test_an_observing_hook_reading_the_start_time_keeps_its_key(
     b.register_forward_hook(_log_elapsed)
     second = CachedFeatureDataset(audio_dir, b, cache=tmp_path / "s", on_miss="error")
     torch.testing.assert_close(second[0], _live(b, second.path(0)))
+
+
+#: A setting two helpers deep: the hook calls ``_scaled``, which calls ``_gain_of``.
+DEEP_SETTINGS = {"gain": 2.0}
+
+
+def _gain_of() -> float:
+    return float(DEEP_SETTINGS["gain"])
+
+
+def _scaled(x: torch.Tensor) -> torch.Tensor:
+    return x * _gain_of()
+
+
+def _gain_two_helpers_deep(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (_scaled(args[0]),)
+
+
+def test_a_setting_read_by_a_helper_of_a_helper_is_keyed(
+    tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a = TinyConvEncoder().eval()
+    a.register_forward_pre_hook(_gain_two_helpers_deep)
+    with pytest.warns(UserWarning, match="no featbake store"):
+        first = CachedFeatureDataset(audio_dir, a, cache=tmp_path / "s")
+    first[0]
+    first.flush()
+    same = CachedFeatureDataset(audio_dir, a, cache=tmp_path / "s", on_miss="error")
+    torch.testing.assert_close(same[0], _live(a, same.path(0)))  # unchanged: found stored
+    monkeypatch.setitem(DEEP_SETTINGS, "gain", 3.0)
+    b = TinyConvEncoder().eval()
+    b.load_state_dict(a.state_dict())
+    b.register_forward_pre_hook(_gain_two_helpers_deep)
+    second = CachedFeatureDataset(audio_dir, b, cache=tmp_path / "s")
+    torch.testing.assert_close(second[0], _live(b, second.path(0)))
+
+
+def _halve_until(x: torch.Tensor, n: int) -> torch.Tensor:
+    return x * HELPER_SETTINGS["gain"] if n <= 0 else _halve_until(x * 0.5, n - 1) * 2.0
+
+
+def _recursive_helper_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (_halve_until(args[0], 2),)
+
+
+json_dumps = json.dumps
+
+
+def _plus_dumped_length(x: torch.Tensor) -> torch.Tensor:
+    return x + len(json_dumps([1]))
+
+
+def _library_helper_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (torch.nn.functional.relu(_plus_dumped_length(args[0])),)
+
+
+def test_helpers_are_followed_through_recursion_and_not_into_library_code() -> None:
+    from featbake.encode.identity import followed_helper, held_values
+
+    recursive = held_values(_recursive_helper_hook)[0]
+    assert "global _halve_until=function(" in recursive and "<cycle>" in recursive
+    assert "global HELPER_SETTINGS=dict['gain':" in recursive
+    assert followed_helper(_plus_dumped_length) is _plus_dumped_length
+    assert followed_helper(json_dumps) is None  # the standard library's
+    assert followed_helper(torch.nn.functional.relu) is None  # torch's
+    assert followed_helper(len) is None
+    library = held_values(_library_helper_hook)[0]
+    assert "global _plus_dumped_length=function(" in library
+    assert "global json_dumps" not in library and "relu" not in library
+
+
+def test_a_global_module_whose_weights_are_unchanged_keeps_its_key(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    a = TinyConvEncoder().eval()
+    a.register_forward_hook(_adapted)
+    with pytest.warns(UserWarning, match="no featbake store"):
+        first = CachedFeatureDataset(audio_dir, a, cache=tmp_path / "s")
+    for i in range(2):
+        torch.testing.assert_close(first[i], _live(a, first.path(i)))
+    first.flush()
+    b = TinyConvEncoder().eval()
+    b.load_state_dict(a.state_dict())
+    b.register_forward_hook(_adapted)
+    again = CachedFeatureDataset(audio_dir, b, cache=tmp_path / "s", on_miss="error")
+    for i in range(2):
+        torch.testing.assert_close(again[i], _live(b, again.path(i)))
+
+
+def test_a_global_module_changed_after_the_dataset_was_made_is_never_served_stale(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    from featbake.errors import EncoderLoadError
+
+    module = TinyConvEncoder().eval()
+    module.register_forward_hook(_adapted)
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
+    with torch.no_grad():
+        ADAPTER.bias.add_(1.0)  # another adapter loaded into the same module
+    with pytest.raises(EncoderLoadError, match="changed since this dataset was created") as e:
+        ds[1]  # a miss the changed adapter would have encoded under the old keys
+    assert "\n" not in str(e.value)
+    ds.flush()
+    fresh = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    for i in range(2):
+        torch.testing.assert_close(fresh[i], _live(module, fresh.path(i)))
+
+
+#: A module-level adapter with a hook of its own (what it does is then the hook's too).
+HOOKED_ADAPTER = torch.nn.Linear(64, 64)
+HOOKED_ADAPTER.register_forward_hook(lambda m, a, o: o * 2.0)
+
+
+def _hooked_adapted(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    return output + HOOKED_ADAPTER(output)
+
+
+def test_a_global_module_with_hooks_of_its_own_is_refused_in_one_line(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    from featbake.errors import EncoderLoadError
+
+    module = TinyConvEncoder().eval()
+    module.register_forward_hook(_hooked_adapted)
+    with (
+        pytest.warns(UserWarning, match="no featbake store"),
+        pytest.raises(EncoderLoadError, match=r"HOOKED_ADAPTER .*forward hooks of its own") as e,
+    ):
+        CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    assert "\n" not in str(e.value) and "submodule" in str(e.value)
