@@ -289,10 +289,13 @@ class HeldReading:
     (a bound method of one too) are read as their type, and :attr:`refused` names those not
     in ``own`` (the ids of the hooked module's submodules and tensors, which its key reads),
     as are values past :data:`HELD_VALUES` or :data:`HELD_DEPTH`. A value met again inside
-    itself reads as ``<cycle>``."""
+    itself reads as ``<cycle>``. ``exact``: a global module's weights hashed anew
+    (:func:`global_module_digest`), as a key and a check before misses read them; else
+    trusted while its stamp is unchanged, as a watch reads them at each forward."""
 
-    def __init__(self, own: frozenset[int] | set[int] = frozenset()) -> None:
+    def __init__(self, own: frozenset[int] | set[int] = frozenset(), exact: bool = False) -> None:
         self.own = own
+        self.exact = exact
         self.refused: list[str] = []
         self._path: set[int] = set()
         self._count = 0
@@ -413,7 +416,7 @@ class HeldReading:
         if any(not is_library_machinery(h) for _, _, h in forward_hooks(module)):
             what = f"the module {type(module).__qualname__}, which has forward hooks of its own"
             return self._refuse(name, what)
-        return f"module({global_module_digest(module)})"
+        return f"module({global_module_digest(module, exact=self.exact)})"
 
     def _other(self, value: Any, name: str, depth: int) -> str:
         """A class or module by its name (the script run's as ``__main__``'s in a spawned
@@ -550,17 +553,19 @@ def _installed_file(filename: str) -> bool:
 _OWN_CODE: dict[int, tuple[Any, bool]] = {}
 
 
-def global_module_digest(module: torch.nn.Module) -> str:
+def global_module_digest(module: torch.nn.Module, *, exact: bool = False) -> str:
     """SHA-256 of a module a hook reads as a global (an adapter run on the output): its class,
     repr, code (:func:`code_identity`), plain attributes, each submodule's mode, and every
     parameter, buffer and tensor attribute by value (:func:`~featbake.keys.module_fingerprint`,
     as the hooked module's own weights are keyed). A watch reads it at each forward, so it is
     made anew only where the module's tensors (by id, version and pointer), submodules, modes
-    or attributes changed; a module holding inference tensors (no version) is read anew each
-    time. An edit behind the version counters (``weight.data.mul_``) is not seen."""
+    or attributes changed, or where ``exact`` (a key, a check before misses: an edit behind
+    the version counters, ``weight.data.mul_``, is seen there, and the digest kept for the
+    watch's reads is the new one); a module holding inference tensors (no version) is read
+    anew each time."""
     stamp = _module_stamp(module)
     kept = _GLOBAL_MODULES.get(module)
-    if stamp is not None and kept is not None and kept[0] == stamp:
+    if not exact and stamp is not None and kept is not None and kept[0] == stamp:
         return kept[1]
     owner = f"{type(module).__module__}.{type(module).__qualname__}"
     modes = [sub.training for sub in module.modules()]
@@ -630,19 +635,20 @@ def _runs(hook: Any) -> Any:
     return inspect.getattr_static(type(hook), "__call__", None)
 
 
-def held_values(hook: Any) -> list[str]:
+def held_values(hook: Any, *, exact: bool = False) -> list[str]:
     """What a hook holds that changes what it does, as one reading (:class:`HeldReading`)
     reads it: its code, and every value it holds by value, recursively; what its own code
     keeps as bookkeeping (a call counter, a log it appends to) left out, neither keyed nor
     watched. A watch compares it at each forward of a hooked module, so a dict the hook
-    reads, edited in place, is a change.
+    reads, edited in place, is a change. ``exact``: a global module it reads is hashed anew
+    (:class:`HeldReading`), as a key reads it.
 
     Example:
         >>> import functools
         >>> held_values(functools.partial(round, ndigits=2))
         ['partial(builtin(round,),ndigits=2)']
     """
-    return [HeldReading().text(hook)]
+    return [HeldReading(exact=exact).text(hook)]
 
 
 def held_refusals(hook: Any, own: frozenset[int] | set[int] = frozenset()) -> list[str]:
@@ -761,11 +767,12 @@ def hook_identity(module: Any) -> str:
         ''
     """
     rows = [
-        [name, kind, hook_code(hook), held_values(hook)]
+        [name, kind, hook_code(hook), held_values(hook, exact=True)]
         for name, kind, hook in forward_hooks(module)
         if not is_library_machinery(hook)
     ]
-    rows += [["<global>", "", hook_code(h), held_values(h)] for h in foreign_global_hooks()]
+    globals_ = foreign_global_hooks()
+    rows += [["<global>", "", hook_code(h), held_values(h, exact=True)] for h in globals_]
     return hashlib.sha256(json.dumps(rows).encode()).hexdigest() if rows else ""
 
 

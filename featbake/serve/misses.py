@@ -449,13 +449,25 @@ class LiveEncoder:
                 "eval mode; call .eval() on it, or give the dataset a copy of it"
             )
         refuse_meta(self.label, module, " (moved there after this dataset was created)")
-        if self.moved or (self.watch is not None and self.watch.fingerprint() != self.fingerprint):
+        if self.moved or self._changed_since(module):
             raise EncoderLoadError(
                 f"the encoder module {self.label} changed since this dataset was created "
                 f"({self.what_changed(module)}), and a miss encoded with it would be stored "
                 "under the keys of the module as it was; create the dataset again with the "
                 "module as it is now"
             )
+
+    def _changed_since(self, module: Any) -> bool:
+        """Whether the watch finds the module changed since its keys were made, or (where it
+        had hooks) what a hook holds differs read exactly: a global module a hook runs whose
+        weights were edited behind their version counters (``weight.data.mul_``), which the
+        watch's reads at each forward trust (:func:`~featbake.encode.identity.held_values`)."""
+        if self.watch is not None and self.watch.fingerprint() != self.fingerprint:
+            return True
+        if not self.hooks:
+            return False
+        exactly = [held for *_, held in hooks_now(module, exact=True)]
+        return exactly != [held for *_, held in self.hooks]
 
     def what_changed(self, module: Any) -> str:
         """What a changed module's message names: its forward hooks where one was added,
@@ -564,12 +576,15 @@ UNKEYED_CHANGES = {
 }
 
 
-def hooks_now(module: Any) -> tuple[tuple[str, str, Any, tuple[str, ...]], ...]:
-    """A module's forward hooks now, each with what it holds (:func:`held_values`): what
-    :func:`same_hooks` compares with those it had when given to the dataset."""
+def hooks_now(
+    module: Any, exact: bool = False
+) -> tuple[tuple[str, str, Any, tuple[str, ...]], ...]:
+    """A module's forward hooks now, each with what it holds (:func:`held_values`; ``exact``:
+    a global module a hook reads hashed anew): what :func:`same_hooks` compares with those it
+    had when given to the dataset."""
     if not isinstance(module, torch.nn.Module):
         return ()
-    return tuple((n, k, h, tuple(held_values(h))) for n, k, h in forward_hooks(module))
+    return tuple((n, k, h, tuple(held_values(h, exact=exact))) for n, k, h in forward_hooks(module))
 
 
 def same_hooks(now: Sequence[Any], then: Sequence[Any]) -> bool:

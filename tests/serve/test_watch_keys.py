@@ -548,3 +548,25 @@ def test_a_global_module_with_hooks_of_its_own_is_refused_in_one_line(
     ):
         CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
     assert "\n" not in str(e.value) and "submodule" in str(e.value)
+
+
+def test_a_global_module_edited_behind_its_version_counters_is_never_served_stale(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    from featbake.errors import EncoderLoadError
+
+    module = TinyConvEncoder().eval()
+    module.register_forward_hook(_adapted)
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
+    ADAPTER.weight.data.mul_(0.5)  # no version bump: the watch's reads at each forward trust it
+    with pytest.raises(EncoderLoadError, match="changed since this dataset was created") as e:
+        ds[1]
+    assert "\n" not in str(e.value)
+    ds.flush()
+    b = TinyConvEncoder().eval()
+    b.load_state_dict(module.state_dict())
+    b.register_forward_hook(_adapted)
+    fresh = CachedFeatureDataset(audio_dir, b, cache=tmp_path / "s")
+    torch.testing.assert_close(fresh[0], _live(b, fresh.path(0)))  # another key: not the stored
