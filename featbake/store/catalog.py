@@ -506,6 +506,20 @@ def cannot_write(error: BaseException | None, *, writing: bool = True) -> bool:
     return code & 0xFF in refused
 
 
+#: SQLite's primary result codes that say the catalog file itself is damaged.
+_DAMAGED = (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
+
+
+def damaged_file(error: BaseException | None) -> bool:
+    """Whether SQLite failed because the catalog file is damaged (a page that is not what its
+    b-tree says: "database disk image is malformed"), which a rebuild from the shards fixes;
+    ``error`` may be the StoreError such a failure became (its cause is looked at)."""
+    if isinstance(error, StoreError):
+        error = error.__cause__
+    code = getattr(error, "sqlite_errorcode", None)
+    return isinstance(error, sqlite3.Error) and code is not None and code & 0xFF in _DAMAGED
+
+
 def unwritable_catalog(path: Path, error: sqlite3.Error) -> StoreError:
     """The one-line error for a catalog write the disk refused, with what to do."""
     fix = (

@@ -25,7 +25,7 @@ from featbake.errors import ConfigError, StoreCorrupt, StoreError
 from featbake.keys import feature_key, sha256_file
 from featbake.progress import GcProgress
 from featbake.store.byteplace import bytes_at
-from featbake.store.catalog import Catalog, FeatureRef, ShardRow
+from featbake.store.catalog import Catalog, FeatureRef, ShardRow, damaged_file
 from featbake.store.files import fsync_dir, remove_file
 from featbake.store.hash_cache import ENCODER_FP_PREFIX
 from featbake.store.layout import Layout
@@ -486,12 +486,8 @@ def repair_locked(
         scan = scan_store(layout, progress, reuse=sound)
     salvaged, done = _salvage_all(scan, [c for c in scan.shards if not c.sound])
     done = renamed + done + _quarantine_unreadable(scan)
-    if scan.catalog.state is not CatalogState.OK:
-        done += rebuild_catalog(scan, salvaged)
-        wrong = check_hash_cache(layout, progress).wrong  # rows the old catalog carried over
-    else:
-        done += repair_catalog(scan, salvaged)
-        wrong = scan.wrong_hashes
+    in_step, wrong = _catalog_in_step(scan, salvaged, progress)
+    done += in_step
     with closing(Catalog(layout)) as cat:
         done += repair_hash_cache(layout, cat, wrong, redigest)
     done += _quarantine_damage(scan, salvaged)
@@ -504,6 +500,26 @@ def repair_locked(
     report.status = VerifyStatus.DAMAGED if report.remaining else VerifyStatus.REPAIRED
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _catalog_in_step(
+    scan: VerifyScan, salvaged: list[SealedShard], progress: Progress
+) -> tuple[RepairOutcome, tuple[HashMismatch, ...]]:
+    """The catalog repaired where it is usable, else rebuilt from the shards; and the
+    hash-cache rows found wrong.
+
+    ``quick_check`` does not compare an index with its table, so a usable catalog may still
+    hold a damaged page that only a write meets (SQLite: "database disk image is malformed"):
+    that catalog is rebuilt too, never left half repaired.
+    """
+    if scan.catalog.state is CatalogState.OK:
+        try:
+            return repair_catalog(scan, salvaged), scan.wrong_hashes
+        except (sqlite3.DatabaseError, StoreError) as e:
+            if not damaged_file(e):
+                raise
+    # the hash cache's rows the old catalog carried over are checked anew
+    return rebuild_catalog(scan, salvaged), check_hash_cache(scan.layout, progress).wrong
 
 
 # -- 0: intact shards under wrong names renamed back -------------------------------------------
