@@ -929,3 +929,38 @@ def test_a_global_adapter_of_inference_tensors_is_not_hashed_at_each_forward(
         for _ in range(5):
             module(wav)  # the hooked module run outside the dataset (a validation pass)
     assert hashed == []
+
+
+#: A global adapter a process-wide forward hook (``register_module_forward_hook``) runs.
+GLOBAL_HOOK_ADAPTER = torch.nn.Linear(64, 64)
+
+
+def _adapted_everywhere(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    if isinstance(module, TinyConvEncoder):
+        return output + GLOBAL_HOOK_ADAPTER(output)
+    return None
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="serve11.2's exact read before each batch of misses reads the module's own hooks "
+    "only: a process-wide hook's global adapter edited behind its version counters "
+    "(.data.mul_) has the next miss encoded and stored under the old keys",
+)
+def test_a_process_wide_hooks_adapter_edited_behind_its_version_counters_is_refused(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    from featbake.errors import EncoderLoadError
+
+    handle = torch.nn.modules.module.register_module_forward_hook(_adapted_everywhere)
+    try:
+        module = TinyConvEncoder().eval()
+        with pytest.warns(UserWarning, match="no featbake store"):
+            ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+        torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
+        GLOBAL_HOOK_ADAPTER.weight.data.mul_(0.5)  # no version bump
+        with pytest.raises(EncoderLoadError, match="changed since this dataset was created") as e:
+            ds[1]
+        assert "\n" not in str(e.value)
+    finally:
+        handle.remove()
