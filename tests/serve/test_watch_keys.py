@@ -964,3 +964,29 @@ def test_a_process_wide_hooks_adapter_edited_behind_its_version_counters_is_refu
         assert "\n" not in str(e.value)
     finally:
         handle.remove()
+
+
+#: A module-level weighting a helper multiplies each frame's features by (made once).
+WINDOW = torch.hann_window(64, periodic=False) + 0.5
+
+
+def _windowed(x: torch.Tensor) -> torch.Tensor:
+    return x * WINDOW
+
+
+def _windowing_hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    return _windowed(output)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="serve11.1 follows a helper into a global tensor and refuses the dataset (a tensor "
+    "no key reads), where it was served before, though serve11.2 keys the same values held "
+    "as a global module's buffer",
+)
+def test_a_global_window_a_helper_multiplies_by_is_served(tmp_path: Path, audio_dir: Path) -> None:
+    module = TinyConvEncoder().eval()
+    module.register_forward_hook(_windowing_hook)
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
