@@ -804,6 +804,14 @@ def _gain_from_env(x: torch.Tensor) -> torch.Tensor:
     return x * float(os.environ.get("FEATBAKE_TEST_GAIN", "2"))
 
 
+class _AudioUtils:
+    """Helpers grouped as static methods of a class (``AudioUtils.apply_gain(x)``)."""
+
+    @staticmethod
+    def apply_gain(x: torch.Tensor) -> torch.Tensor:
+        return x * REACHED_SETTINGS["gain"]
+
+
 GAIN_PARTIAL = functools.partial(_times_setting, key="gain")
 GAIN_OBJECT = _SettingGain()
 THIS_MODULE = sys.modules[__name__]  # as ``from . import utils``: ``utils.apply(x)``
@@ -821,6 +829,10 @@ def _through_module_attribute(module: torch.nn.Module, args: tuple[Any, ...]) ->
     return (THIS_MODULE._times_setting(args[0], "gain"),)
 
 
+def _through_static_method(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (_AudioUtils.apply_gain(args[0]),)
+
+
 def _through_env_helper(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
     return (_gain_from_env(args[0]),)
 
@@ -833,13 +845,19 @@ def _set_gain(monkeypatch: pytest.MonkeyPatch, gain: float) -> None:
 @pytest.mark.xfail(
     strict=True,
     reason="serve11.1 follows only plain functions named as globals: a setting read through a "
-    "partial, a callable object, a module's attribute (utils.f) or os.environ is keyed by no "
-    "key, and the run with gain 3 is served gain 2's features",
+    "partial, a callable object, a module's attribute (utils.f), a class's static method or "
+    "os.environ is keyed by no key, and the run with gain 3 is served gain 2's features",
 )
 @pytest.mark.parametrize(
     "hook",
-    [_through_partial, _through_object, _through_module_attribute, _through_env_helper],
-    ids=["partial", "callable-object", "module-attribute", "os-environ"],
+    [
+        _through_partial,
+        _through_object,
+        _through_module_attribute,
+        _through_static_method,
+        _through_env_helper,
+    ],
+    ids=["partial", "callable-object", "module-attribute", "static-method", "os-environ"],
 )
 def test_a_setting_reached_by_other_helpers_is_keyed(
     tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch, hook: Any
