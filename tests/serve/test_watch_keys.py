@@ -1,15 +1,18 @@
-"""What the watch over an in-process encoder keys, at its edges (serve10.9-serve10.18): the
+"""What the watch over an in-process encoder keys, at its edges (serve10.9-serve11.2): the
 strict-xfail cases are known gaps, each failing for the reason it names, kept runnable for
 the fix that closes it."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
+import os
 import queue
 import sys
 import time
+from os import environ
 from pathlib import Path
 from typing import Any
 
@@ -570,3 +573,438 @@ def test_a_global_module_edited_behind_its_version_counters_is_never_served_stal
     b.register_forward_hook(_adapted)
     fresh = CachedFeatureDataset(audio_dir, b, cache=tmp_path / "s")
     torch.testing.assert_close(fresh[0], _live(b, fresh.path(0)))  # another key: not the stored
+
+
+#: A spawned DataLoader worker imports the script anew: a module-level adapter whose weights
+#: the script loads in ``main()`` is there as the import made it, not as the dataset keyed it.
+SPAWNED_ADAPTER = """
+import sys, warnings
+from pathlib import Path
+import torch
+from torch.utils.data import DataLoader
+from featbake.encode.sources import source_for
+from featbake.errors import EncoderLoadError
+from featbake.recipe import Recipe
+from featbake.serve.dataset import CachedFeatureDataset
+from featbake.testing import TinyConvEncoder
+
+ADAPTER = torch.nn.Linear(64, 64)  # main() loads its checkpoint
+
+
+def adapted(module, args, output):
+    return output + ADAPTER(output)
+
+
+def main():
+    warnings.simplefilter("ignore")
+    data, store = Path(sys.argv[1]), Path(sys.argv[2])
+    with torch.no_grad():
+        ADAPTER.weight.mul_(3.0)  # the checkpoint's weights
+    module = TinyConvEncoder().eval()
+    module.register_forward_hook(adapted)
+    ds = CachedFeatureDataset(data, module, cache=store)
+    spawn = dict(batch_size=None, num_workers=1, multiprocessing_context="spawn")
+    try:
+        for i, item in enumerate(DataLoader(ds, **spawn)):
+            with torch.inference_mode():
+                want = module(source_for(Recipe()).load(Path(ds.path(i))).unsqueeze(0))[0]
+            print("served", i, "same" if torch.allclose(item, want) else "OTHER")
+    except EncoderLoadError as e:
+        print("refused:", str(e).splitlines()[-1][:160])
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="serve11.2 trusts a spawned worker's own global adapter (the script's import, not "
+    "the checkpoint main() loaded): the worker encodes misses with another adapter's weights "
+    "under the keys of the one the dataset was made with",
+)
+def test_a_spawned_worker_never_serves_another_global_adapters_features(tmp_path: Path) -> None:
+    import os
+    import subprocess
+
+    from featbake.testing import write_audio_folder
+    from tests.conftest import REPO
+
+    write_audio_folder(tmp_path / "data", 2, seconds=0.3, seed=4)
+    script = tmp_path / "train.py"
+    script.write_text(SPAWNED_ADAPTER)
+    run = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "data"), str(tmp_path / "store")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stdout.splitlines()
+    assert lines and all(line.endswith("same") or line.startswith("refused:") for line in lines), (
+        run.stdout
+    )
+
+
+#: What an observing hook's helper touches that the training changes: a call counter it
+#: bumps, a queue a logging thread drains, the step the training loop sets.
+HELPER_CALLS = 0
+HELPER_SINK: queue.Queue[Any] = queue.Queue()
+TRAIN_STEP = 0
+
+
+def _count_helper_calls() -> None:
+    global HELPER_CALLS
+    HELPER_CALLS += 1
+
+
+def _send_helper_shape(output: torch.Tensor) -> None:
+    HELPER_SINK.put(tuple(output.shape))
+
+
+def _log_every_100_steps(output: torch.Tensor) -> None:
+    if TRAIN_STEP % 100 == 0:
+        logging.getLogger("train").debug("step %d: mean %.3f", TRAIN_STEP, float(output.mean()))
+
+
+def _counting_through_helper(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+    _count_helper_calls()
+
+
+def _sending_through_helper(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+    _send_helper_shape(output)
+
+
+def _logging_through_helper(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+    _log_every_100_steps(output)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="serve11.1 follows an observing hook's helper into what it touches and keys it by "
+    "value: a counter it bumps, a queue it sends to (its lock), the step the loop sets; the "
+    "dataset or its next miss is refused, where it was served before",
+)
+@pytest.mark.parametrize(
+    "hook",
+    [_counting_through_helper, _sending_through_helper, _logging_through_helper],
+    ids=["counter", "queue", "step"],
+)
+def test_an_observing_hook_calling_a_helper_is_served_through_training(
+    tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch, hook: Any
+) -> None:
+    module = TinyConvEncoder().eval()
+    module.register_forward_hook(hook)
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    for i in range(3):
+        torch.testing.assert_close(ds[i], _live(module, ds.path(i)))
+        monkeypatch.setattr(sys.modules[__name__], "TRAIN_STEP", i + 1)  # the loop's next step
+
+
+#: A script's config (a YAML file read into a dict): many settings, a few read by each helper.
+CONFIG = {f"setting_{i}": float(i) for i in range(150)}
+
+
+def _cfg_scale(x: torch.Tensor) -> torch.Tensor:
+    return x * CONFIG["setting_2"]
+
+
+def _cfg_shift(x: torch.Tensor) -> torch.Tensor:
+    return x + CONFIG["setting_3"]
+
+
+def _cfg_through_helpers(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (_cfg_shift(_cfg_scale(args[0])),)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="serve11.1 counts a global toward HELD_VALUES once per helper that reads it: a config "
+    "of 150 settings read by two helpers is refused as too large, though one read is keyed",
+)
+def test_a_config_read_by_two_helpers_is_not_refused_as_too_large(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    module = TinyConvEncoder().eval()
+    module.register_forward_pre_hook(_cfg_through_helpers)
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
+
+
+#: A global adapter under torch's old-API spectral norm (a GAN discriminator's, a vocoder's).
+SPECTRAL_ADAPTER = torch.nn.utils.spectral_norm(torch.nn.Linear(64, 64)).eval()
+
+
+def _spectral_adapted(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    return output + SPECTRAL_ADAPTER(output)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="serve11.2 keys a global adapter's plain `weight` attribute, which old-API "
+    "spectral_norm's pre-hook replaces (raw -> normalised) at its first forward: the second "
+    "miss of the first dataset is refused as a change",
+)
+def test_a_global_adapter_under_spectral_norm_is_served(tmp_path: Path, audio_dir: Path) -> None:
+    module = TinyConvEncoder().eval()
+    module.register_forward_hook(_spectral_adapted)
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    for i in range(3):
+        torch.testing.assert_close(ds[i], _live(module, ds.path(i)))
+
+
+#: A global adapter with dropout, left in train mode (``.eval()`` called on the encoder only).
+DROPOUT_ADAPTER = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Dropout(0.5))
+
+
+def _dropout_adapted(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    return output + DROPOUT_ADAPTER(output)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="serve11.2 keys a global module's mode but never refuses train mode, as the encoder's "
+    "own is refused: a dropout adapter left in train mode has one random draw stored and served",
+)
+def test_a_global_adapter_left_in_train_mode_is_refused(tmp_path: Path, audio_dir: Path) -> None:
+    from featbake.errors import EncoderLoadError
+
+    module = TinyConvEncoder().eval()
+    module.register_forward_hook(_dropout_adapted)
+    with (
+        pytest.warns(UserWarning, match="no featbake store"),
+        pytest.raises(EncoderLoadError, match="train mode") as e,
+    ):
+        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+        ds[0]
+    assert "\n" not in str(e.value)
+
+
+#: Helpers a hook reaches by other ways than a plain function named as a global.
+REACHED_SETTINGS = {"gain": 2.0}
+
+
+def _times_setting(x: torch.Tensor, key: str) -> torch.Tensor:
+    return x * REACHED_SETTINGS[key]
+
+
+class _SettingGain:
+    """A callable transform object held as a global (torchaudio-style)."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x * REACHED_SETTINGS["gain"]
+
+
+def _gain_from_env(x: torch.Tensor) -> torch.Tensor:
+    return x * float(os.environ.get("FEATBAKE_TEST_GAIN", "2"))
+
+
+class _AudioUtils:
+    """Helpers grouped as static methods of a class (``AudioUtils.apply_gain(x)``)."""
+
+    @staticmethod
+    def apply_gain(x: torch.Tensor) -> torch.Tensor:
+        return x * REACHED_SETTINGS["gain"]
+
+
+GAIN_PARTIAL = functools.partial(_times_setting, key="gain")
+GAIN_OBJECT = _SettingGain()
+THIS_MODULE = sys.modules[__name__]  # as ``from . import utils``: ``utils.apply(x)``
+
+
+def _through_partial(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (GAIN_PARTIAL(args[0]),)
+
+
+def _through_object(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (GAIN_OBJECT(args[0]),)
+
+
+def _through_module_attribute(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (THIS_MODULE._times_setting(args[0], "gain"),)
+
+
+def _through_static_method(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (_AudioUtils.apply_gain(args[0]),)
+
+
+def _through_env_helper(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (_gain_from_env(args[0]),)
+
+
+def _set_gain(monkeypatch: pytest.MonkeyPatch, gain: float) -> None:
+    monkeypatch.setitem(REACHED_SETTINGS, "gain", gain)
+    monkeypatch.setenv("FEATBAKE_TEST_GAIN", str(gain))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="serve11.1 follows only plain functions named as globals: a setting read through a "
+    "partial, a callable object, a module's attribute (utils.f), a class's static method or "
+    "os.environ is keyed by no key, and the run with gain 3 is served gain 2's features",
+)
+@pytest.mark.parametrize(
+    "hook",
+    [
+        _through_partial,
+        _through_object,
+        _through_module_attribute,
+        _through_static_method,
+        _through_env_helper,
+    ],
+    ids=["partial", "callable-object", "module-attribute", "static-method", "os-environ"],
+)
+def test_a_setting_reached_by_other_helpers_is_keyed(
+    tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch, hook: Any
+) -> None:
+    _set_gain(monkeypatch, 2.0)
+    a = TinyConvEncoder().eval()
+    a.register_forward_pre_hook(hook)
+    with pytest.warns(UserWarning, match="no featbake store"):
+        first = CachedFeatureDataset(audio_dir, a, cache=tmp_path / "s")
+    first[0]
+    first.flush()
+    _set_gain(monkeypatch, 3.0)
+    b = TinyConvEncoder().eval()
+    b.load_state_dict(a.state_dict())
+    b.register_forward_pre_hook(hook)
+    second = CachedFeatureDataset(audio_dir, b, cache=tmp_path / "s")
+    torch.testing.assert_close(second[0], _live(b, second.path(0)))
+
+
+def _gain_from_environ(x: torch.Tensor) -> torch.Tensor:
+    return x * float(environ.get("FEATBAKE_TEST_GAIN", "2"))
+
+
+def _through_environ_helper(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (_gain_from_environ(args[0]),)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="serve11.1 follows a helper into `from os import environ` and keys the whole "
+    "environment by value: a run with any other variable set (a job id) has other keys and "
+    "finds none of the features stored for the same gain",
+)
+def test_a_helper_reading_one_environment_variable_is_not_keyed_by_the_others(
+    tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a = TinyConvEncoder().eval()
+    a.register_forward_pre_hook(_through_environ_helper)
+    with pytest.warns(UserWarning, match="no featbake store"):
+        first = CachedFeatureDataset(audio_dir, a, cache=tmp_path / "s")
+    first[0]
+    first.flush()
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")  # the next job: same gain, another job id
+    b = TinyConvEncoder().eval()
+    b.load_state_dict(a.state_dict())
+    b.register_forward_pre_hook(_through_environ_helper)
+    second = CachedFeatureDataset(audio_dir, b, cache=tmp_path / "s", on_miss="error")
+    torch.testing.assert_close(second[0], _live(b, second.path(0)))
+
+
+with torch.inference_mode():
+    #: A global adapter made (or its checkpoint loaded) under ``torch.inference_mode()``: its
+    #: parameters are inference tensors, which keep no version counter.
+    INFERENCE_ADAPTER = torch.nn.Linear(64, 64)
+
+
+def _inference_adapted(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    return output + INFERENCE_ADAPTER(output)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="serve11.2 gives a global module holding inference tensors no stamp, so the watch "
+    "hashes all its weights at every forward of the hooked module (twice), not once per "
+    "batch of misses as for any other adapter",
+)
+def test_a_global_adapter_of_inference_tensors_is_not_hashed_at_each_forward(
+    tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import featbake.encode.identity as identity
+
+    module = TinyConvEncoder().eval()
+    module.register_forward_hook(_inference_adapted)
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
+    hashed: list[str] = []
+    fingerprint = identity.module_fingerprint
+
+    def counted(*args: Any, **kwargs: Any) -> str:
+        hashed.append(type(args[0]).__name__)
+        return fingerprint(*args, **kwargs)
+
+    monkeypatch.setattr(identity, "module_fingerprint", counted)
+    wav = torch.randn(1, 8000)
+    with torch.inference_mode():
+        for _ in range(5):
+            module(wav)  # the hooked module run outside the dataset (a validation pass)
+    assert hashed == []
+
+
+#: A global adapter a process-wide forward hook (``register_module_forward_hook``) runs.
+GLOBAL_HOOK_ADAPTER = torch.nn.Linear(64, 64)
+
+
+def _adapted_everywhere(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    if isinstance(module, TinyConvEncoder):
+        return output + GLOBAL_HOOK_ADAPTER(output)
+    return None
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="serve11.2's exact read before each batch of misses reads the module's own hooks "
+    "only: a process-wide hook's global adapter edited behind its version counters "
+    "(.data.mul_) has the next miss encoded and stored under the old keys",
+)
+def test_a_process_wide_hooks_adapter_edited_behind_its_version_counters_is_refused(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    from featbake.errors import EncoderLoadError
+
+    handle = torch.nn.modules.module.register_module_forward_hook(_adapted_everywhere)
+    try:
+        module = TinyConvEncoder().eval()
+        with pytest.warns(UserWarning, match="no featbake store"):
+            ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+        torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
+        GLOBAL_HOOK_ADAPTER.weight.data.mul_(0.5)  # no version bump
+        with pytest.raises(EncoderLoadError, match="changed since this dataset was created") as e:
+            ds[1]
+        assert "\n" not in str(e.value)
+    finally:
+        handle.remove()
+
+
+#: A module-level weighting a helper multiplies each frame's features by (made once).
+WINDOW = torch.hann_window(64, periodic=False) + 0.5
+
+
+def _windowed(x: torch.Tensor) -> torch.Tensor:
+    return x * WINDOW
+
+
+def _windowing_hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    return _windowed(output)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="serve11.1 follows a helper into a global tensor and refuses the dataset (a tensor "
+    "no key reads), where it was served before, though serve11.2 keys the same values held "
+    "as a global module's buffer",
+)
+def test_a_global_window_a_helper_multiplies_by_is_served(tmp_path: Path, audio_dir: Path) -> None:
+    module = TinyConvEncoder().eval()
+    module.register_forward_hook(_windowing_hook)
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
