@@ -147,6 +147,7 @@ def schema_version(conn: sqlite3.Connection) -> int | None:
     Raises:
         sqlite3.OperationalError: anything but a missing table (a hot journal a read-only
             connection cannot roll back reads "attempt to write a readonly database").
+        sqlite3.DatabaseError: a version that is not a number (a damaged page).
     """
     try:
         row = conn.execute("SELECT value FROM meta WHERE name='schema_version'").fetchone()
@@ -154,7 +155,12 @@ def schema_version(conn: sqlite3.Connection) -> int | None:
         if "no such table" in str(e):
             return None
         raise
-    return None if row is None else int(row[0])
+    if row is None:
+        return None
+    try:
+        return int(row[0])
+    except (TypeError, ValueError):  # a damaged page: read as SQLite's own damage is
+        raise sqlite3.DatabaseError(f"its schema_version {row[0]!r} is not a number") from None
 
 
 def ensure_schema(conn: sqlite3.Connection, path: Path, *, writable: bool) -> None:

@@ -478,6 +478,27 @@ def test_a_catalog_whose_index_disagrees_with_its_table_is_rebuilt_by_repair(
     assert assert_serves(store_dir, report.root, audio_dir, encoder_file, live) == 16
 
 
+@pytest.mark.parametrize("version", ["\x00", "three", "3.5"])
+def test_a_catalog_whose_schema_version_is_not_a_number_is_rebuilt(
+    version: str, encoder_file: Path, audio_dir: Path, store_dir: Path
+) -> None:
+    """Round eleven, upkeep: a schema version that is not a number (a zero byte over the
+    ``meta`` row, as the catalog fuzz test wrote) raised ``ValueError`` out of every command
+    that opened the catalog, ``verify`` and ``verify --repair`` included. It is read as a
+    damaged catalog: named by verify, rebuilt by repair."""
+    live = Live()
+    report = bake(audio_dir, encoder_file, store_dir)
+    with closing(sqlite3.connect(store_dir / "catalog.sqlite")) as c:
+        c.execute("UPDATE meta SET value=? WHERE name='schema_version'", (version,))
+        c.commit()
+    found = verify(store_dir)
+    assert [f.kind for f in found.findings if f.damage] == [FindingKind.CATALOG], found.findings
+    fixed = verify(store_dir, repair_damage=True)
+    assert fixed.status == "repaired" and fixed.features_lost == 0, fixed.remaining
+    assert verify(store_dir).status == "clean"
+    assert assert_serves(store_dir, report.root, audio_dir, encoder_file, live) == 16
+
+
 def test_required_columns_are_those_of_a_fresh_catalog(tmp_path: Path) -> None:
     cat = Catalog(Layout(tmp_path / "s").ensure())
     try:
