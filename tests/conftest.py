@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
 
 from featbake.encode.encoders import torchscript_quietly
 from featbake.encode.sources import source_for
@@ -32,6 +33,14 @@ from featbake.testing import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
+
+# Property tests draw the same examples in every run (per test, from its source), so a red run
+# is a failure anyone can repeat, never a draw that went one way in CI: one catalog fuzz example
+# met a damaged page only in one run's catalog (up11.1). `HYPOTHESIS_PROFILE=explore make test`
+# draws afresh to hunt for new counterexamples; what it finds becomes an example of its own.
+settings.register_profile("repeatable", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 
 class TickingClock:
