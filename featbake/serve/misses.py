@@ -35,7 +35,12 @@ from featbake.encode.fingerprints import (
     file_fingerprint,
 )
 from featbake.encode.hf import is_hf_folder
-from featbake.encode.identity import forward_hooks, held_values, module_identity
+from featbake.encode.identity import (
+    foreign_global_hooks,
+    forward_hooks,
+    held_values,
+    module_identity,
+)
 from featbake.encode.inputs import DigestView
 from featbake.encode.loaders import is_import_path, load_encoder
 from featbake.encode.outputs import encode_batch, stored_parts
@@ -579,12 +584,16 @@ UNKEYED_CHANGES = {
 def hooks_now(
     module: Any, exact: bool = False
 ) -> tuple[tuple[str, str, Any, tuple[str, ...]], ...]:
-    """A module's forward hooks now, each with what it holds (:func:`held_values`; ``exact``:
-    a global module a hook reads hashed anew): what :func:`same_hooks` compares with those it
-    had when given to the dataset."""
+    """A module's forward hooks now, then torch's process-wide ones that run on its forward
+    (:func:`~featbake.encode.identity.foreign_global_hooks`, as ``"<global>"``: its key reads
+    them too), each with what it holds (:func:`held_values`; ``exact``: a global module a hook
+    reads hashed anew): what :func:`same_hooks` compares with those it had when given to the
+    dataset, and what the check before each batch of misses reads exactly."""
     if not isinstance(module, torch.nn.Module):
         return ()
-    return tuple((n, k, h, tuple(held_values(h, exact=exact))) for n, k, h in forward_hooks(module))
+    own = [(n, k, h) for n, k, h in forward_hooks(module)]
+    own += [("<global>", "", h) for h in foreign_global_hooks()]
+    return tuple((n, k, h, tuple(held_values(h, exact=exact))) for n, k, h in own)
 
 
 def same_hooks(now: Sequence[Any], then: Sequence[Any]) -> bool:

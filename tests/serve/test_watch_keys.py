@@ -959,12 +959,6 @@ def _adapted_everywhere(module: torch.nn.Module, args: tuple[Any, ...], output: 
     return None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="serve11.2's exact read before each batch of misses reads the module's own hooks "
-    "only: a process-wide hook's global adapter edited behind its version counters "
-    "(.data.mul_) has the next miss encoded and stored under the old keys",
-)
 def test_a_process_wide_hooks_adapter_edited_behind_its_version_counters_is_refused(
     tmp_path: Path, audio_dir: Path
 ) -> None:
