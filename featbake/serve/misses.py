@@ -623,12 +623,12 @@ def hooks_differ(then: Sequence[Any], now: Sequence[Any]) -> str:
     Example:
         >>> then = (("", "_forward_hooks", ("function(c,global ADAPTER=module(1))",)),)
         >>> hooks_differ(then, (("", "_forward_hooks", ("function(c,global ADAPTER=module(2))",)),))
-        'the global ADAPTER that the hook on the module reads'
+        'the global ADAPTER that the hook on the module reads differs here'
     """
     if [r[:2] for r in then] != [r[:2] for r in now]:
         return (
-            "the forward hooks that run (a process-wide hook registered when the dataset was "
-            "made is not registered here, or one registered here was not then)"
+            "the forward hooks that run differ here (a process-wide hook registered when the "
+            "dataset was made is not registered here, or one registered here was not then)"
         )
     for (name, _, held_then), (_, _, held_now) in zip(then, now, strict=True):
         if held_then != held_now:
@@ -636,8 +636,8 @@ def hooks_differ(then: Sequence[Any], now: Sequence[Any]) -> str:
             on = name or "the module"
             where = "a process-wide forward hook" if name == "<global>" else f"the hook on {on}"
             if not names:
-                return f"what {where} holds"
-            return f"the global {', '.join(names)} that {where} reads"
+                return f"what {where} holds differs here"
+            return f"the global {', '.join(names)} that {where} reads differs here"
     return ""
 
 
@@ -667,7 +667,7 @@ def elsewhere_message(label: str, differs: str) -> str:
     read other values than its keys were made with (:func:`hooks_differ`'s ``differs``)."""
     return (
         f"the encoder module {label} would encode a miss in this process with other values "
-        f"than the dataset's keys were made with ({differs} differs here): a DataLoader "
+        f"than the dataset's keys were made with ({differs}): a DataLoader "
         "worker started by spawn or forkserver imports the script anew, so what main() "
         "loaded or set after the import is not there; load the adapter's weights and set "
         "such settings when the script is imported, use "
