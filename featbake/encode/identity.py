@@ -567,7 +567,7 @@ def global_module_digest(module: torch.nn.Module, *, exact: bool = False) -> str
     kept = _GLOBAL_MODULES.get(module)
     if not exact and stamp is not None and kept is not None and kept[0] == stamp:
         return kept[1]
-    owner = f"{type(module).__module__}.{type(module).__qualname__}"
+    owner = f"{_script_named(type(module).__module__)}.{type(module).__qualname__}"
     modes = [sub.training for sub in module.modules()]
     ident = f"global-module:{owner}\n{module!r}\ncode:{code_identity(module)}"
     ident = f"{ident}\nattrs:{attribute_identity(module)}\nmodes:{modes}"
@@ -575,6 +575,12 @@ def global_module_digest(module: torch.nn.Module, *, exact: bool = False) -> str
     if stamp is not None:
         _GLOBAL_MODULES[module] = (stamp, digest)
     return digest
+
+
+def _script_named(owner: str) -> str:
+    """A class's module name as a key reads it: the script run's (``__mp_main__`` in a spawned
+    worker) as ``__main__``, so a worker's copy reads as its parent's (as :func:`hook_code`)."""
+    return "__main__" if owner == "__mp_main__" else owner
 
 
 def _module_stamp(module: torch.nn.Module) -> tuple[Any, ...] | None:

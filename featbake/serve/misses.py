@@ -9,6 +9,7 @@ the dataset's names the field, and the suggested command carries every option th
 from __future__ import annotations
 
 import os
+import re
 import sqlite3
 import warnings
 from collections.abc import Mapping, Sequence
@@ -35,7 +36,12 @@ from featbake.encode.fingerprints import (
     file_fingerprint,
 )
 from featbake.encode.hf import is_hf_folder
-from featbake.encode.identity import forward_hooks, held_values, module_identity
+from featbake.encode.identity import (
+    foreign_global_hooks,
+    forward_hooks,
+    held_values,
+    module_identity,
+)
 from featbake.encode.inputs import DigestView
 from featbake.encode.loaders import is_import_path, load_encoder
 from featbake.encode.outputs import encode_batch, stored_parts
@@ -336,6 +342,8 @@ class LiveEncoder:
     dtypes: tuple[str, ...] = ()  # an in-process module's weight dtypes when it was given
     hooks: tuple[Any, ...] = ()  # an in-process module's forward hooks when given (hooks_now)
     changed: str = ""  # what changed, told where this copy was pickled (what_changed)
+    keyed: tuple[tuple[str, str, tuple[str, ...]], ...] = ()  # the hooks' readings keyed
+    elsewhere: str = ""  # what this copy's hooks read otherwise than the keys (a spawned worker)
 
     def identify(self, encoder: Any, catalog: ServingStore) -> None:
         """Set :attr:`fingerprint` and :attr:`label`, loading the encoder only if it must.
@@ -352,6 +360,7 @@ class LiveEncoder:
             self.watch = watched(encoder, self.fingerprint)
             self.dtypes = weight_dtypes(encoder.module)
             self.hooks = hooks_now(encoder.module)
+            self.keyed = hook_readings(self.hooks)
             return
         if isinstance(encoder, torch.nn.Module):
             refuse_meta(type(encoder).__name__, encoder, "")
@@ -361,6 +370,7 @@ class LiveEncoder:
             self.watch = watched(self.loaded, self.fingerprint)
             self.dtypes = weight_dtypes(encoder)
             self.hooks = hooks_now(encoder)
+            self.keyed = hook_readings(self.hooks)
             return
         spec = self.spec = os.fspath(encoder)
         self.label = spec  # an import path: the architecture lives in code, only loading it tells
@@ -449,6 +459,8 @@ class LiveEncoder:
                 "eval mode; call .eval() on it, or give the dataset a copy of it"
             )
         refuse_meta(self.label, module, " (moved there after this dataset was created)")
+        if self.elsewhere:
+            raise EncoderLoadError(self.elsewhere)
         if self.moved or self._changed_since(module):
             raise EncoderLoadError(
                 f"the encoder module {self.label} changed since this dataset was created "
@@ -535,14 +547,21 @@ class LiveEncoder:
             )
             if state["moved"]:
                 state["changed"] = self.what_changed(self.watch.module)
-        state["hooks"] = ()  # objects of this process (a lambda does not pickle)
+        # Objects of this process (a lambda does not pickle); what they read when the keys were
+        # made travels as ``keyed``, compared where the copy lands (a spawned worker imports
+        # the script anew: an adapter main() loaded is not loaded there).
+        state["hooks"] = ()
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         if self.loaded is not None and self.spec is None and not self.moved:
             self.watch = watched(self.loaded, self.fingerprint)
-            self.hooks = hooks_now(self.loaded.module)  # the copy's hooks, as it is trusted
+            # The copy's hooks, as it is trusted; read exactly where they hold anything.
+            self.hooks = hooks_now(self.loaded.module, exact=bool(self.keyed))
+            differs = hooks_differ(self.keyed, hook_readings(self.hooks))
+            if differs:
+                self.elsewhere = elsewhere_message(self.label, differs)
 
 
 def watched(enc: LoadedEncoder, fingerprint: str) -> ModuleWatch | None:
@@ -579,12 +598,82 @@ UNKEYED_CHANGES = {
 def hooks_now(
     module: Any, exact: bool = False
 ) -> tuple[tuple[str, str, Any, tuple[str, ...]], ...]:
-    """A module's forward hooks now, each with what it holds (:func:`held_values`; ``exact``:
-    a global module a hook reads hashed anew): what :func:`same_hooks` compares with those it
-    had when given to the dataset."""
+    """A module's forward hooks now, then torch's process-wide ones that run on its forward
+    (:func:`~featbake.encode.identity.foreign_global_hooks`, as ``"<global>"``: its key reads
+    them too), each with what it holds (:func:`held_values`; ``exact``: a global module a hook
+    reads hashed anew): what :func:`same_hooks` compares with those it had when given to the
+    dataset, and what the check before each batch of misses reads exactly."""
     if not isinstance(module, torch.nn.Module):
         return ()
-    return tuple((n, k, h, tuple(held_values(h, exact=exact))) for n, k, h in forward_hooks(module))
+    own = [(n, k, h) for n, k, h in forward_hooks(module)]
+    own += [("<global>", "", h) for h in foreign_global_hooks()]
+    return tuple((n, k, h, tuple(held_values(h, exact=exact))) for n, k, h in own)
+
+
+def hook_readings(hooks: Sequence[Any]) -> tuple[tuple[str, str, tuple[str, ...]], ...]:
+    """A :func:`hooks_now` reading without the hook objects (where each hook is, what it
+    holds): what a pickled copy carries of the hooks its keys were made with."""
+    return tuple((name, kind, held) for name, kind, _, held in hooks)
+
+
+def hooks_differ(then: Sequence[Any], now: Sequence[Any]) -> str:
+    """What differs between two :func:`hook_readings` (those the keys were made with and
+    those of a copy in another process), named; ``""`` where nothing does.
+
+    Example:
+        >>> then = (("", "_forward_hooks", ("function(c,global ADAPTER=module(1))",)),)
+        >>> hooks_differ(then, (("", "_forward_hooks", ("function(c,global ADAPTER=module(2))",)),))
+        'the global ADAPTER that the hook on the module reads differs here'
+    """
+    if [r[:2] for r in then] != [r[:2] for r in now]:
+        return (
+            "the forward hooks that run differ here (a process-wide hook registered when the "
+            "dataset was made is not registered here, or one registered here was not then)"
+        )
+    for (name, _, held_then), (_, _, held_now) in zip(then, now, strict=True):
+        if held_then != held_now:
+            names = differing_globals(",".join(held_then), ",".join(held_now))
+            on = name or "the module"
+            where = "a process-wide forward hook" if name == "<global>" else f"the hook on {on}"
+            if not names:
+                return f"what {where} holds differs here"
+            return f"the global {', '.join(names)} that {where} reads differs here"
+    return ""
+
+
+def differing_globals(then: str, now: str) -> list[str]:
+    """The names of the globals whose readings differ between two :func:`held_values` texts
+    (a setting, an adapter's weights), sorted; none where what differs is no global (a
+    closure cell, a default).
+
+    Example:
+        >>> differing_globals("function(c,global G={'a':1})", "function(c,global G={'a':2})")
+        ['G']
+    """
+
+    def pairs(text: str) -> set[tuple[str, str]]:
+        parts = GLOBAL_READ.split(text)
+        return set(zip(parts[1::2], parts[2::2], strict=True))
+
+    return sorted({name for name, _ in pairs(then) ^ pairs(now)})
+
+
+#: Where a held_values text names a global its code reads (``global ADAPTER=``).
+GLOBAL_READ = re.compile(r"global ([\w.]+)=")
+
+
+def elsewhere_message(label: str, differs: str) -> str:
+    """The one line refusing a miss in a copy of the dataset in another process whose hooks
+    read other values than its keys were made with (:func:`hooks_differ`'s ``differs``)."""
+    return (
+        f"the encoder module {label} would encode a miss in this process with other values "
+        f"than the dataset's keys were made with ({differs}): a DataLoader "
+        "worker started by spawn or forkserver imports the script anew, so what main() "
+        "loaded or set after the import is not there; load the adapter's weights and set "
+        "such settings when the script is imported, use "
+        "DataLoader(..., multiprocessing_context='fork'), or make the adapter a submodule of "
+        "the encoder"
+    )
 
 
 def same_hooks(now: Sequence[Any], then: Sequence[Any]) -> bool:

@@ -618,12 +618,6 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="serve11.2 trusts a spawned worker's own global adapter (the script's import, not "
-    "the checkpoint main() loaded): the worker encodes misses with another adapter's weights "
-    "under the keys of the one the dataset was made with",
-)
 def test_a_spawned_worker_never_serves_another_global_adapters_features(tmp_path: Path) -> None:
     import os
     import subprocess
@@ -646,6 +640,116 @@ def test_a_spawned_worker_never_serves_another_global_adapters_features(tmp_path
     assert lines and all(line.endswith("same") or line.startswith("refused:") for line in lines), (
         run.stdout
     )
+
+
+#: A script whose hook reads a settings dict and runs an adapter of the script's own class;
+#: each case sets them at import (``AT_IMPORT``) or in main() (``IN_MAIN``).
+SPAWNED_HOOK_READS = """
+import sys, warnings
+from pathlib import Path
+import torch
+from torch.utils.data import DataLoader
+from featbake.encode.sources import source_for
+from featbake.errors import EncoderLoadError
+from featbake.recipe import Recipe
+from featbake.serve.dataset import CachedFeatureDataset
+from featbake.testing import TinyConvEncoder
+
+
+class ScriptAdapter(torch.nn.Linear):  # a class of the script run: __mp_main__'s in a worker
+    pass
+
+
+torch.manual_seed(0)
+ADAPTER = ScriptAdapter(64, 64)
+SETTINGS = {"gain": 1.0}
+AT_IMPORT
+
+
+def adapted(module, args, output):
+    return output * SETTINGS["gain"] + ADAPTER(output)
+
+
+def everywhere(module, args, output):
+    return output * 2.0 if isinstance(module, TinyConvEncoder) else None
+
+
+def main():
+    warnings.simplefilter("ignore")
+    data, store = Path(sys.argv[1]), Path(sys.argv[2])
+    IN_MAIN
+    module = TinyConvEncoder().eval()
+    module.register_forward_hook(adapted)
+    ds = CachedFeatureDataset(data, module, cache=store)
+    spawn = dict(batch_size=None, num_workers=1, multiprocessing_context="spawn")
+    try:
+        for i, item in enumerate(DataLoader(ds, **spawn)):
+            with torch.inference_mode():
+                want = module(source_for(Recipe()).load(Path(ds.path(i))).unsqueeze(0))[0]
+            print("served", i, "same" if torch.allclose(item, want) else "OTHER")
+    except EncoderLoadError as e:
+        print("refused:", str(e).splitlines()[-1])
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def _run_spawned(tmp_path: Path, at_import: str, in_main: str) -> list[str]:
+    """The lines :data:`SPAWNED_HOOK_READS` prints with ``at_import`` and ``in_main`` set."""
+    import subprocess
+
+    from featbake.testing import write_audio_folder
+    from tests.conftest import REPO
+
+    write_audio_folder(tmp_path / "data", 2, seconds=0.3, seed=4)
+    script = tmp_path / "train.py"
+    text = SPAWNED_HOOK_READS.replace("AT_IMPORT", at_import)
+    script.write_text(text.replace("IN_MAIN", in_main))
+    run = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "data"), str(tmp_path / "store")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run.stdout.splitlines()
+
+
+@pytest.mark.parametrize(
+    ("in_main", "named"),
+    [
+        ('SETTINGS["gain"] = 3.0', "the global SETTINGS that the hook on the module reads"),
+        (
+            "torch.nn.modules.module.register_module_forward_hook(everywhere)",
+            "process-wide hook registered when the dataset was made is not registered here",
+        ),
+    ],
+    ids=["setting-set-in-main", "process-wide-hook-registered-in-main"],
+)
+def test_a_spawned_worker_refuses_a_miss_where_its_hooks_read_other_values(
+    tmp_path: Path, in_main: str, named: str
+) -> None:
+    """A spawned worker imports the script anew: a setting main() changed, or a process-wide
+    hook main() registered, is not there. Its misses are refused in one line saying what
+    differs, why and what to do, never encoded with other values under the dataset's keys."""
+    lines = _run_spawned(tmp_path, "", in_main)
+    assert len(lines) == 1 and lines[0].startswith("refused: "), lines
+    assert named in lines[0], lines
+    assert "imports the script anew" in lines[0], lines
+    assert "multiprocessing_context='fork'" in lines[0], lines
+
+
+def test_a_spawned_worker_whose_hooks_read_what_the_import_set_serves_its_misses(
+    tmp_path: Path,
+) -> None:
+    """The same script with the adapter's weights loaded and the setting set at import: the
+    worker reads what the dataset's keys were made with (an adapter of the script's own
+    class, ``__mp_main__``'s there, too), and encodes its misses."""
+    at_import = 'with torch.no_grad():\n    ADAPTER.weight.mul_(3.0)\nSETTINGS["gain"] = 3.0'
+    assert _run_spawned(tmp_path, at_import, "pass") == ["served 0 same", "served 1 same"]
 
 
 #: What an observing hook's helper touches that the training changes: a call counter it
@@ -959,12 +1063,6 @@ def _adapted_everywhere(module: torch.nn.Module, args: tuple[Any, ...], output: 
     return None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="serve11.2's exact read before each batch of misses reads the module's own hooks "
-    "only: a process-wide hook's global adapter edited behind its version counters "
-    "(.data.mul_) has the next miss encoded and stored under the old keys",
-)
 def test_a_process_wide_hooks_adapter_edited_behind_its_version_counters_is_refused(
     tmp_path: Path, audio_dir: Path
 ) -> None:
