@@ -810,3 +810,48 @@ def test_a_write_back_collected_inside_another_writers_transaction_is_kept(
     fresh = CachedEncoder(enc, cache=store, ram_cache=0)
     torch.testing.assert_close(fresh(x[1:], ids=ids), enc(x[1:]), rtol=1e-5, atol=1e-6)
     assert fresh.cache_info()["hits_store"] == len(ids), [str(w.message) for w in caught]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a collected watch's finalizer removes its run hooks from the module's hook dicts "
+    "while a live watch of the same module iterates them, so the live forward raises",
+)
+def test_a_watch_collected_while_another_reads_the_hooks_does_not_fail_a_forward(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A module with a hook of the user's own, a CachedEncoder over it, and a dataset's shared
+    watch of it (following runs: two hooks of its own) dropped inside a reference cycle. The
+    collector runs the dropped watch's finalizers (``handle.remove``) at any allocation: here,
+    while the CachedEncoder's watch reads the user's hook (``held_values``) inside its loop over
+    ``module._forward_hooks``. The dict shrinks under that loop, and the forward raises
+    ``RuntimeError: OrderedDict mutated during iteration`` instead of returning features."""
+    import gc
+
+    import featbake.serve.cached_encoder as cached_encoder_module
+
+    module = frozen(TinyConvEncoder())
+    module.register_forward_hook(lambda m, i, o: o * 1.0)  # the user's own hook
+    x = torch.stack([torch.from_numpy(make_tone(0.4, seed=s)[:, 0]) for s in range(2)])
+    live = CachedEncoder(module, cache=tmp_path / "store")
+    live(x, ids=["a", "b"])
+    real_held_values, collected = cached_encoder_module.held_values, []
+
+    def collect_inside_the_loop(hook: Any) -> Any:
+        if not collected:
+            collected.append(True)
+            gc.collect()  # what any allocation in the loop may do
+        return real_held_values(hook)
+
+    gc.disable()
+    try:
+        cycle: list[Any] = [cached_encoder_module.shared_watch(module)]
+        cycle.append(cycle)
+        del cycle
+        monkeypatch.setattr(cached_encoder_module, "held_values", collect_inside_the_loop)
+        got = live(x, ids=["a", "b"])
+    finally:
+        gc.enable()
+    assert collected
+    with torch.no_grad():
+        torch.testing.assert_close(got, module(x), rtol=1e-5, atol=1e-6)

@@ -29,7 +29,7 @@ from featbake.store.catalog import Catalog
 from featbake.store.layout import Layout
 from featbake.testing import TinyConvEncoder, make_tone, save_torchscript, write_audio_folder
 from tests.conftest import REPO, invoke, live_features
-from tests.helpers import can_mount_privately
+from tests.helpers import can_mount_privately, run_past_a_marker
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}  # the CPU kernels may round differently by batch size
 
@@ -926,19 +926,6 @@ def test_repair_in_a_process_that_dropped_a_dataset_does_not_hang(
     """``flock`` locks belong to an open file, not a process: the finalizer's shared lock on
     write.lock (a new descriptor) waits for repair's exclusive one on the same thread, with no
     timeout, so ``repair()`` (``featbake verify --repair`` run from Python) never returns."""
-    child = subprocess.Popen(
-        [sys.executable, "-c", _COLLECTED_UNDER_REPAIR, audio_dir, encoder_file, store_dir],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=REPO,
-    )
-    assert child.stdout is not None
-    assert child.stdout.readline().strip() == "repairing"  # set up: the risky part starts
-    try:
-        out, err = child.communicate(timeout=60)  # a hang, not a slow machine: it takes < 1 s
-    except subprocess.TimeoutExpired:
-        child.kill()
-        child.communicate()
-        pytest.fail("repair hung: the dropped dataset's finalizer waits on repair's own lock")
-    assert (child.returncode, out.strip()) == (0, "repaired"), err
+    args = [sys.executable, "-c", _COLLECTED_UNDER_REPAIR, audio_dir, encoder_file, store_dir]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    assert run_past_a_marker([str(a) for a in args], "repairing", env) == "repaired"

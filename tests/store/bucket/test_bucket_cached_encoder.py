@@ -8,11 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from featbake.serve.cached_encoder import CachedEncoder
 from featbake.testing import TinyConvEncoder, make_tone
 from tests.conftest import REPO, run_cli
+from tests.helpers import run_past_a_marker
 from tests.store.bucket.conftest import S3, Remote
 
 #: Another node: a CachedEncoder over the bucket, its own local tier; the rows it serves and
@@ -64,3 +66,54 @@ def test_a_cached_encoder_over_a_bucket_caches_and_another_node_reads_it_back(
     got = torch.load(tmp_path / "got.pt")
     assert got["encoded"] == 0 and got["hits_store"] == 4, "the other node encoded what was cached"
     torch.testing.assert_close(got["out"], now, rtol=1e-5, atol=1e-6)
+
+
+#: Two CachedEncoders over one bucket store, one dropped inside a reference cycle with features
+#: pending; the live one's flush uploads its shard and trims the local tier, under the tier's
+#: lock, where the collector runs the dropped one's finalizer (forced at the eviction choice).
+_COLLECTED_IN_THE_TIERS_LOCK = """
+import gc, sys
+import torch
+import featbake.store.tier as tier_module
+from featbake.serve.cached_encoder import CachedEncoder
+from featbake.testing import TinyConvEncoder, make_tone
+
+url = sys.argv[1]
+module = TinyConvEncoder().eval().requires_grad_(False)
+x = torch.stack([torch.from_numpy(make_tone(0.5, seed=i)[:, 0]) for i in range(3)])
+live = CachedEncoder(module, cache=url, ram_cache=0)
+live(x[:1], ids=["live"])  # pending in the live wrapper's write-back
+gc.disable()
+dropped = CachedEncoder(module, cache=url, ram_cache=0)
+dropped(x[1:], ids=["dropped-1", "dropped-2"])  # pending, then dropped in a cycle
+dropped.cycle = [dropped]
+del dropped
+evictions, collected = tier_module.evictions, []
+
+def collecting_evictions(*args, **kwargs):
+    if not collected:  # the first runs in live's trim, under the tier's lock
+        collected.append(True)
+        gc.collect()  # what any allocation under the lock may do
+    return evictions(*args, **kwargs)
+
+tier_module.evictions = collecting_evictions
+print("flushing", flush=True)
+live.flush()
+print("flushed", bool(collected), flush=True)
+"""
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a collected CachedEncoder's finalizer seals into the bucket inline, and its upload's "
+    "tier trim waits for ever on the tier.lock flock its own thread holds in another trim",
+)
+def test_a_write_back_collected_inside_the_tiers_lock_does_not_hang(s3: S3) -> None:
+    """``flock`` belongs to an open file, not a process: the finalizer's trim opens tier.lock
+    again and waits, with no timeout, on the live trim that the same thread is inside, so the
+    live CachedEncoder's flush (any forward that seals) never returns."""
+    env = {**os.environ, **s3.env, "PYTHONPATH": str(REPO)}
+    out = run_past_a_marker(
+        [sys.executable, "-c", _COLLECTED_IN_THE_TIERS_LOCK, s3.url], "flushing", env
+    )
+    assert out == "flushed True"
