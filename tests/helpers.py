@@ -10,6 +10,7 @@ import contextlib
 import glob
 import hashlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -261,3 +262,28 @@ def rewrite_each(files: dict[Path, bytes]) -> None:
     """Each of ``files`` rewritten in place with its bytes (:func:`rewrite_in_place`)."""
     for path, data in files.items():
         rewrite_in_place(path, data)
+
+
+def run_past_a_marker(args: list[str], marker: str, env: dict[str, str] | None = None) -> str:
+    """Run a Python child that prints ``marker`` once set up, then the risky part; its stdout
+    after the marker. A child still running 60 s after the marker (the part takes well under a
+    second) hung: its threads' stacks (faulthandler, on SIGABRT) fail the test, naming where."""
+    child = subprocess.Popen(
+        args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**(os.environ if env is None else env), "PYTHONFAULTHANDLER": "1"},
+    )
+    assert child.stdout is not None
+    assert child.stdout.readline().strip() == marker, child.communicate()[1]
+    try:
+        out, err = child.communicate(timeout=60)  # a hang, not a slow machine
+    except subprocess.TimeoutExpired:
+        child.send_signal(signal.SIGABRT)  # faulthandler writes every thread's stack
+        _, stacks = child.communicate()
+        frames = re.findall(r'File "(?:.*/)?([^/"]+)", line (\d+) in (\w+)', stacks)
+        where = [f"{name}:{line} {fn}" for name, line, fn in frames if name != "contextlib.py"]
+        raise AssertionError(f"hung past {marker!r}, in: {' <- '.join(where[:9])}") from None
+    assert child.returncode == 0, err
+    return out.strip()

@@ -29,7 +29,7 @@ from featbake.store.catalog import Catalog
 from featbake.store.layout import Layout
 from featbake.testing import TinyConvEncoder, make_tone, save_torchscript, write_audio_folder
 from tests.conftest import REPO, invoke, live_features
-from tests.helpers import can_mount_privately
+from tests.helpers import can_mount_privately, run_past_a_marker
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}  # the CPU kernels may round differently by batch size
 
@@ -884,3 +884,48 @@ def test_an_input_the_build_could_not_decode_is_left_out_until_it_is_fixed(
     assert len(ds) == 17 and ds.stored() == 17 and "part0/broken.wav" in ids
     j = ids.index("part0/broken.wav")
     _assert_close(ds[j], live_features(encoder_file, broken))
+
+
+#: A process that served a dataset (one miss pending in its write-back), dropped it inside a
+#: reference cycle, and then repairs the store: the collector runs the dataset's finalizer at an
+#: allocation inside repair's exclusive write lock (forced here where repair scans the store).
+_COLLECTED_UNDER_REPAIR = """
+import gc, importlib, sys
+from pathlib import Path
+from featbake.serve.dataset import CachedFeatureDataset
+from featbake.store.layout import Layout
+
+repair_module = importlib.import_module("featbake.upkeep.repair")  # the package names a function
+audio, encoder, store = map(Path, sys.argv[1:4])
+ds = CachedFeatureDataset(audio, encoder, cache=store)
+ds[0]  # a miss: encoded, its write-back pending
+gc.disable()
+ds.cycle = [ds]
+del ds
+scan = repair_module.scan_store
+
+def collecting_scan(*args, **kwargs):
+    gc.collect()  # what any allocation under the lock may do
+    return scan(*args, **kwargs)
+
+repair_module.scan_store = collecting_scan
+print("repairing", flush=True)
+repair_module.repair(Layout(store))
+print("repaired", flush=True)
+"""
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a collected dataset's finalizer seals its write-back inline under a blocking shared "
+    "write.lock, which waits for ever on the exclusive lock its own thread holds in repair",
+)
+def test_repair_in_a_process_that_dropped_a_dataset_does_not_hang(
+    audio_dir, encoder_file, store_dir
+) -> None:
+    """``flock`` locks belong to an open file, not a process: the finalizer's shared lock on
+    write.lock (a new descriptor) waits for repair's exclusive one on the same thread, with no
+    timeout, so ``repair()`` (``featbake verify --repair`` run from Python) never returns."""
+    args = [sys.executable, "-c", _COLLECTED_UNDER_REPAIR, audio_dir, encoder_file, store_dir]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    assert run_past_a_marker([str(a) for a in args], "repairing", env) == "repaired"

@@ -8,11 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from featbake.serve.cached_encoder import CachedEncoder
 from featbake.testing import TinyConvEncoder, make_tone
 from tests.conftest import REPO, run_cli
+from tests.helpers import run_past_a_marker
 from tests.store.bucket.conftest import S3, Remote
 
 #: Another node: a CachedEncoder over the bucket, its own local tier; the rows it serves and
@@ -64,3 +66,62 @@ def test_a_cached_encoder_over_a_bucket_caches_and_another_node_reads_it_back(
     got = torch.load(tmp_path / "got.pt")
     assert got["encoded"] == 0 and got["hits_store"] == 4, "the other node encoded what was cached"
     torch.testing.assert_close(got["out"], now, rtol=1e-5, atol=1e-6)
+
+
+#: Two CachedEncoders over one bucket store, one dropped inside a reference cycle with features
+#: pending; the live one's flush uploads its shard and trims the local tier under tier.lock,
+#: then records its fragment under fragments.lock: the collector runs the dropped one's
+#: finalizer under one of them (forced where argv[2] says).
+_COLLECTED_IN_A_BUCKET_LOCK = """
+import gc, importlib, sys
+import torch
+from featbake.serve.cached_encoder import CachedEncoder
+from featbake.testing import TinyConvEncoder, make_tone
+
+url = sys.argv[1]
+module = TinyConvEncoder().eval().requires_grad_(False)
+x = torch.stack([torch.from_numpy(make_tone(0.5, seed=i)[:, 0]) for i in range(3)])
+live = CachedEncoder(module, cache=url, ram_cache=0)
+live(x[:1], ids=["live"])  # pending in the live wrapper's write-back
+gc.disable()
+dropped = CachedEncoder(module, cache=url, ram_cache=0)
+dropped(x[1:], ids=["dropped-1", "dropped-2"])  # pending, then dropped in a cycle
+dropped.cycle = [dropped]
+del dropped
+# Where to collect: inside live's trim (under tier.lock), or inside its record of the
+# fragments it published (under fragments.lock), whichever lock the dropped one then takes.
+module_name, name, lock_file = {
+    "tier.lock": ("featbake.store.tier", "evictions", None),
+    "fragments.lock": ("featbake.store.bucket", "publish_file", "fragments.seen"),
+}[sys.argv[2]]
+held_in = importlib.import_module(module_name)
+real, collected = getattr(held_in, name), []
+
+def collecting(*args, **kwargs):
+    first_under_the_lock = lock_file is None or args[0].name == lock_file
+    if first_under_the_lock and not collected:
+        collected.append(True)
+        gc.collect()  # what any allocation under the lock may do
+    return real(*args, **kwargs)
+
+setattr(held_in, name, collecting)
+print("flushing", flush=True)
+live.flush()
+print("flushed", bool(collected), flush=True)
+"""
+
+
+@pytest.mark.parametrize("lock", ["tier.lock", "fragments.lock"])
+@pytest.mark.xfail(
+    strict=True,
+    reason="a collected CachedEncoder's finalizer seals into the bucket inline, and its upload "
+    "waits for ever on a flock (tier.lock, fragments.lock) its own thread holds in another seal",
+)
+def test_a_write_back_collected_inside_a_bucket_lock_does_not_hang(s3: S3, lock: str) -> None:
+    """``flock`` belongs to an open file, not a process: the finalizer's trim opens tier.lock
+    again and waits, with no timeout, on the live trim that the same thread is inside, so the
+    live CachedEncoder's flush (any forward that seals) never returns. The same holds of
+    fragments.lock, which each publication of a fragment takes to record it."""
+    env = {**os.environ, **s3.env, "PYTHONPATH": str(REPO)}
+    args = [sys.executable, "-c", _COLLECTED_IN_A_BUCKET_LOCK, s3.url, lock]
+    assert run_past_a_marker(args, "flushing", env) == "flushed True"
