@@ -266,6 +266,34 @@ def derived_attributes(cls: type) -> frozenset[str]:
     return names
 
 
+def reads_training(cls: type) -> bool:
+    """Whether a module class's forward behaves by its mode: its ``forward``, the code nested
+    in it and every method of the class it reaches (:func:`reached_code`) read ``training``
+    (``Dropout``'s and ``BatchNorm``'s do, ``F.dropout(x, p, self.training)``; ``Linear``'s
+    and ``Sequential``'s do not). Kept per class.
+
+    Example:
+        >>> import torch
+        >>> reads_training(torch.nn.Dropout), reads_training(torch.nn.Linear)
+        (True, False)
+    """
+    kept = _READS_TRAINING.get(cls)
+    if kept is not None:
+        return kept
+    forward = _unwrapped(inspect.getattr_static(cls, "forward", None))
+    reads = inspect.isfunction(forward) and any(
+        op.opname in _ATTRIBUTE_LOADS and op.argval == "training"
+        for code in reached_code(forward.__code__, cls)
+        for op in dis.get_instructions(code)
+    )
+    _READS_TRAINING[cls] = reads
+    return reads
+
+
+#: class -> whether its forward reads ``training``: reads_training's (weakly, as _DERIVED).
+_READS_TRAINING: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
+
+
 def fresh_attribute_writes(code: Any) -> set[str]:
     """The attributes ``code`` (not the code nested in it) writes with a value its statement
     does not read from the attribute itself: ``self.pe = pe.to(x.device)`` (made anew: derived

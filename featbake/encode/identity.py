@@ -41,6 +41,7 @@ from featbake.keys import (
     derived_state,
     module_fingerprint,
     reached_code,
+    reads_training,
     tensor_attributes,
 )
 from featbake.keys import keyed_attribute as keyed_attribute
@@ -416,6 +417,13 @@ class HeldReading:
         if any(not is_library_machinery(h) for _, _, h in forward_hooks(module)):
             what = f"the module {type(module).__qualname__}, which has forward hooks of its own"
             return self._refuse(name, what)
+        moded = mode_dependent_submodule(module)
+        if moded is not None:
+            what = (
+                f"the module {type(module).__qualname__} in train mode, where its forward behaves "
+                f"by it ({moded}): call .eval() on {name or 'it'}"
+            )
+            return self._refuse(name, what)
         return f"module({global_module_digest(module, exact=self.exact)})"
 
     def _other(self, value: Any, name: str, depth: int) -> str:
@@ -575,6 +583,26 @@ def global_module_digest(module: torch.nn.Module, *, exact: bool = False) -> str
     if stamp is not None:
         _GLOBAL_MODULES[module] = (stamp, digest)
     return digest
+
+
+def mode_dependent_submodule(module: torch.nn.Module) -> str | None:
+    """The first submodule of ``module`` (named, with its class) in train mode whose forward
+    behaves by its mode (:func:`~featbake.keys.reads_training`: a ``Dropout``, a
+    ``BatchNorm``), or None. A global module a hook runs left in train mode draws anew at each
+    forward (one draw would be stored and served), as an encoder in train mode does; one in
+    train mode whose forward never reads it (an ``nn.Linear`` made at module level) behaves
+    the same in either mode and passes.
+
+    Example:
+        >>> seq = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5))
+        >>> mode_dependent_submodule(seq), mode_dependent_submodule(seq.eval())
+        ('submodule 1, a Dropout', None)
+    """
+    for sub_name, sub in module.named_modules():
+        if sub.training and reads_training(type(sub)):
+            what = f"a {type(sub).__qualname__}"
+            return f"submodule {sub_name}, {what}" if sub_name else what
+    return None
 
 
 def _module_stamp(module: torch.nn.Module) -> tuple[Any, ...] | None:

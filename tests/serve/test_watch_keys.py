@@ -766,11 +766,6 @@ def _dropout_adapted(module: torch.nn.Module, args: tuple[Any, ...], output: Any
     return output + DROPOUT_ADAPTER(output)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="serve11.2 keys a global module's mode but never refuses train mode, as the encoder's "
-    "own is refused: a dropout adapter left in train mode has one random draw stored and served",
-)
 def test_a_global_adapter_left_in_train_mode_is_refused(tmp_path: Path, audio_dir: Path) -> None:
     from featbake.errors import EncoderLoadError
 
@@ -782,7 +777,7 @@ def test_a_global_adapter_left_in_train_mode_is_refused(tmp_path: Path, audio_di
     ):
         ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
         ds[0]
-    assert "\n" not in str(e.value)
+    assert "\n" not in str(e.value) and r"call .eval() on DROPOUT_ADAPTER" in str(e.value)
 
 
 #: Helpers a hook reaches by other ways than a plain function named as a global.
