@@ -21,6 +21,7 @@ import inspect
 import itertools
 import json
 import logging
+import os
 import sys
 import sysconfig
 import types
@@ -204,7 +205,7 @@ def _uses(code: Any, ops: frozenset[str], written: set[str], read: set[str]) -> 
     records into (:func:`_records`), and to ``read`` those it reads other than to compute
     their own new value: a read counts as such where the name is written later in its block
     (a line, cut at jumps: ``if self.f is None: self.f = 1.0`` reads ``f`` for the test)."""
-    loads = _ATTRIBUTE_READS if "STORE_ATTR" in ops else _CELL_READS
+    loads = _READS_OF[ops]
     ins = list(dis.get_instructions(code))
     starts = [i for i, op in enumerate(ins) if op.is_jump_target or op.starts_line]
     starts += [i + 1 for i, op in enumerate(ins) if "JUMP" in op.opname]
@@ -229,6 +230,8 @@ def _records(ins: list[Any], i: int) -> bool:
     after = ins[i + 1 : i + 5]
     if after and after[0].opname in _METHOD_LOADS and after[0].argval in RECORDING_METHODS:
         return True
+    if [o.opname for o in after[:2]] == ["LOAD_CONST", "STORE_SUBSCR"]:
+        return True  # x["out"] = v: an item set under a constant key
     return [o.opname for o in after[1:4]] == ["COPY", "COPY", "BINARY_SUBSCR"]
 
 
@@ -240,12 +243,22 @@ _BOOKKEEPING: dict[tuple[int, frozenset[str], int], tuple[Any, Any, frozenset[st
 #: The ops by which a hook's code writes an attribute, or a closure cell (``nonlocal``).
 ATTRIBUTE_WRITES = frozenset({"STORE_ATTR", "DELETE_ATTR"})
 CELL_WRITES = frozenset({"STORE_DEREF", "DELETE_DEREF"})
+#: The ops by which a function's code writes a global (``global counter; counter += 1``).
+GLOBAL_WRITES = frozenset({"STORE_GLOBAL", "DELETE_GLOBAL"})
 _ATTRIBUTE_READS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
 _CELL_READS = frozenset({"LOAD_DEREF", "LOAD_CLASSDEREF"})
+#: The ops that read what each kind of write writes.
+_READS_OF = {
+    ATTRIBUTE_WRITES: _ATTRIBUTE_READS,
+    CELL_WRITES: _CELL_READS,
+    GLOBAL_WRITES: frozenset({"LOAD_GLOBAL"}),
+}
 _METHOD_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
 
 #: Methods by which a hook records into a container it holds (a log of norms, of calls).
-RECORDING_METHODS = frozenset({"append", "extend", "appendleft", "add", "insert"})
+RECORDING_METHODS = frozenset(
+    {"append", "extend", "appendleft", "add", "insert", "put", "put_nowait"}
+)
 
 #: Past these a value a hook holds is refused rather than keyed in part: values read in all
 #: (each number and string counts), and containers or objects nested in one another.
@@ -300,6 +313,7 @@ class HeldReading:
         self.refused: list[str] = []
         self._path: set[int] = set()
         self._count = 0
+        self._globals_read: dict[int, Any] = {}
 
     def text(self, value: Any, name: str = "", depth: int = 0) -> str:
         """``value`` as a key reads it (``name``: what holds it, for :attr:`refused`)."""
@@ -391,20 +405,42 @@ class HeldReading:
         it calls (:func:`followed_helper`) as a held function is read, its own globals in
         turn, so a setting a helper reads is keyed as one the hook reads (recursion reads as
         ``<cycle>``, a chain past :data:`HELD_DEPTH` is refused). Other modules, classes and
-        callables (library code) are code, read by the code rule, never here."""
+        callables (library code) are code, read by the code rule, never here. A global the
+        code keeps as bookkeeping (:func:`bookkeeping_names` by ``STORE_GLOBAL``: a counter it
+        bumps, a list or queue it only records into) is left out, as a hook's attribute or
+        cell is; ``os.environ`` read only by constant names is keyed by those variables
+        (:func:`environment_names`); a container or object read by several functions of one
+        hook is read (and counted toward :data:`HELD_VALUES`) once."""
         found = getattr(func, "__globals__", {})
+        code = func.__code__
+        kept = bookkeeping_names(code, GLOBAL_WRITES)
         rows = []
-        for g in global_names(func.__code__):
+        for g in global_names(code):
             value = found.get(g, _ABSENT)
-            if value is _ABSENT:
+            if value is _ABSENT or g in kept:
                 continue
-            if is_data(value):
+            if value is os.environ and (names := environment_names(code, g)) is not None:
+                rows.append(f"global {g}={self.text({n: value.get(n) for n in names}, g, depth)}")
+            elif is_data(value) and self._read_before(value):
+                rows.append(f"global {g}=<read above>")
+            elif is_data(value):
                 rows.append(f"global {g}={self.text(value, g, depth)}")
             elif isinstance(value, torch.nn.Module):
                 rows.append(f"global {g}={self._global_module(value, g)}")
             elif (helper := followed_helper(value)) is not None:
                 rows.append(f"global {g}={self.text(helper, g, depth)}")
         return rows
+
+    def _read_before(self, value: Any) -> bool:
+        """Whether ``value``, a global's container or object (no plain value: those cost one
+        each and one object may be many names' in a process and not in another), was read in
+        this reading already; marked read if not."""
+        if type(value) in _PLAIN_TYPES:
+            return False
+        if id(value) in self._globals_read:
+            return True
+        self._globals_read[id(value)] = value  # held: its id is not lent while reading
+        return False
 
     def _global_module(self, module: torch.nn.Module, name: str) -> str:
         """A module a hook's code (or a helper's) reads as a global, by its state
@@ -638,6 +674,62 @@ def global_names(code: Any) -> tuple[str, ...]:
         }
         kept = _GLOBAL_NAMES[id(code)] = (code, tuple(sorted(names)))
     return kept[1]
+
+
+def environment_names(code: Any, name: str) -> tuple[str, ...] | None:
+    """The variables a code object (and the code nested in it) reads of ``os.environ``, held
+    as the global ``name`` (``from os import environ``), where each read names its variable by
+    a constant (``environ.get("GAIN", "2")``, ``environ["GAIN"]``, ``"GAIN" in environ``),
+    sorted; None where one does not (``environ.get(key)``, ``dict(environ)``, passed on): then
+    the whole environment is keyed. A read by a constant name gives that variable's value and
+    nothing else, so the others (a job id, a path) change no output and no key. Kept per code
+    object and name.
+
+    Example:
+        >>> from os import environ
+        >>> def gain():
+        ...     return float(environ.get("GAIN", "2")) + ("BIAS" in environ)
+        >>> environment_names(gain.__code__, "environ")
+        ('BIAS', 'GAIN')
+    """
+    key = (id(code), name)
+    kept = _ENVIRONMENT_NAMES.get(key)
+    if kept is None:
+        names: set[str] | None = set()
+        for each in reached_code(code, None):
+            ins = list(dis.get_instructions(each))
+            for i, op in enumerate(ins):
+                if op.opname == "LOAD_GLOBAL" and op.argval == name and names is not None:
+                    read = _constant_variable(ins, i)
+                    names = None if read is None else names | {read}
+        kept = _ENVIRONMENT_NAMES[key] = (code, None if names is None else tuple(sorted(names)))
+    return kept[1]
+
+
+def _constant_variable(ins: list[Any], i: int) -> str | None:
+    """The variable the mapping loaded at ``ins[i]`` is read by, where a constant string names
+    it and nothing is made of it before the read: ``.get("X")`` or ``.get("X", <a constant, a
+    local or a global>)``, ``["X"]``, ``"X" in``; None for any other use (``.get("X" + s)``)."""
+    ops = [o.opname for o in ins[i + 1 : i + 6]]
+    args = ins[i + 2] if len(ins) > i + 2 else None
+    if ops[:2] in (["LOAD_ATTR", "LOAD_CONST"], ["LOAD_METHOD", "LOAD_CONST"]):
+        called = ops[2:3] in (["PRECALL"], ["CALL"]) or (
+            ops[2:3] in (["LOAD_CONST"], ["LOAD_FAST"], ["LOAD_GLOBAL"])
+            and ops[3:4] in (["PRECALL"], ["CALL"])
+        )
+        if ins[i + 1].argval == "get" and called and args is not None:
+            return args.argval if isinstance(args.argval, str) else None
+        return None
+    if ops[:2] == ["LOAD_CONST", "BINARY_SUBSCR"] and isinstance(ins[i + 1].argval, str):
+        return str(ins[i + 1].argval)
+    before = ins[i - 1] if i > 0 else None
+    if ops[:1] == ["CONTAINS_OP"] and before is not None and before.opname == "LOAD_CONST":
+        return before.argval if isinstance(before.argval, str) else None
+    return None
+
+
+#: (id of a code object, a name) -> (the code object, the variables read): environment_names's.
+_ENVIRONMENT_NAMES: dict[tuple[int, str], tuple[Any, tuple[str, ...] | None]] = {}
 
 
 #: id of a code object -> (the code object, its global names): global_names's.

@@ -46,11 +46,6 @@ def _collect(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Non
     CAPTURED.append(output.detach())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="serve10.17 keys a global dict a forward hook only writes into by its value: after "
-    "the first forward it holds a tensor, and the next miss is refused or keyed anew",
-)
 def test_a_hook_filling_a_global_activation_dict_is_served(tmp_path: Path, audio_dir: Path) -> None:
     ACTIVATION.clear()
     module = TinyConvEncoder().eval()
@@ -65,11 +60,6 @@ def test_a_hook_filling_a_global_activation_dict_is_served(tmp_path: Path, audio
         torch.testing.assert_close(again[i], _live(module, again.path(i)))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="serve10.17 keys a global list a forward hook appends to by its value: after the "
-    "first forward it holds a tensor, and the next miss is refused or keyed anew",
-)
 def test_a_hook_appending_to_a_global_list_is_served(tmp_path: Path, audio_dir: Path) -> None:
     CAPTURED.clear()
     module = TinyConvEncoder().eval()
@@ -93,11 +83,6 @@ def _count_calls(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
     _CALLS += 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="serve10.17 keys a global a hook only bumps (STORE_GLOBAL) by its value; serve10.11 "
-    "leaves such counters out for attributes and cells only, so each forward is another key",
-)
 def test_a_hook_counting_calls_in_a_global_keeps_its_key(tmp_path: Path, audio_dir: Path) -> None:
     module = TinyConvEncoder().eval()
     module.register_forward_pre_hook(_count_calls)
@@ -146,11 +131,6 @@ def _send_shape(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> 
     SINK.put(tuple(output.shape))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="serve10.17 reads a global object an observing hook sends to (a queue, a writer) by "
-    "all its attributes: its locks are keyed by their address, so the dataset is refused",
-)
 def test_a_hook_sending_to_a_global_queue_is_served(tmp_path: Path, audio_dir: Path) -> None:
     module = TinyConvEncoder().eval()
     module.register_forward_hook(_send_shape)
@@ -681,16 +661,22 @@ def _logging_through_helper(module: torch.nn.Module, args: tuple[Any, ...], outp
     _log_every_100_steps(output)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="serve11.1 follows an observing hook's helper into what it touches and keys it by "
-    "value: a counter it bumps, a queue it sends to (its lock), the step the loop sets; the "
-    "dataset or its next miss is refused, where it was served before",
-)
 @pytest.mark.parametrize(
     "hook",
-    [_counting_through_helper, _sending_through_helper, _logging_through_helper],
-    ids=["counter", "queue", "step"],
+    [
+        pytest.param(_counting_through_helper, id="counter"),
+        pytest.param(_sending_through_helper, id="queue"),
+        pytest.param(
+            _logging_through_helper,
+            id="step",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="a global a helper only reads is keyed by value, as one the hook reads "
+                "(test_an_observing_hook_reading_the_start_time_keeps_its_key): the step the "
+                "loop sets, read only to decide whether to log, makes the next miss a change",
+            ),
+        ),
+    ],
 )
 def test_an_observing_hook_calling_a_helper_is_served_through_training(
     tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch, hook: Any
@@ -720,11 +706,6 @@ def _cfg_through_helpers(module: torch.nn.Module, args: tuple[Any, ...]) -> tupl
     return (_cfg_shift(_cfg_scale(args[0])),)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="serve11.1 counts a global toward HELD_VALUES once per helper that reads it: a config "
-    "of 150 settings read by two helpers is refused as too large, though one read is keyed",
-)
 def test_a_config_read_by_two_helpers_is_not_refused_as_too_large(
     tmp_path: Path, audio_dir: Path
 ) -> None:
@@ -880,12 +861,6 @@ def _through_environ_helper(module: torch.nn.Module, args: tuple[Any, ...]) -> t
     return (_gain_from_environ(args[0]),)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="serve11.1 follows a helper into `from os import environ` and keys the whole "
-    "environment by value: a run with any other variable set (a job id) has other keys and "
-    "finds none of the features stored for the same gain",
-)
 def test_a_helper_reading_one_environment_variable_is_not_keyed_by_the_others(
     tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1003,3 +978,60 @@ def test_a_global_window_a_helper_multiplies_by_is_served(tmp_path: Path, audio_
     with pytest.warns(UserWarning, match="no featbake store"):
         ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
     torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
+
+
+def _gain_from_built_name(x: torch.Tensor) -> torch.Tensor:
+    return x * float(environ.get("FEATBAKE_TEST_" + "GAIN".lower(), "2"))
+
+
+#: A global a hook both bumps and reads for its output: its setting, not bookkeeping.
+_STEPS_SCALE = 1.0
+
+
+def _scale_growing(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    global _STEPS_SCALE
+    _STEPS_SCALE += 1.0
+    return (args[0] * _STEPS_SCALE,)
+
+
+def test_the_environment_is_keyed_by_the_variables_a_helper_names_or_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from featbake.encode.identity import environment_names, held_values
+
+    monkeypatch.setenv("FEATBAKE_TEST_GAIN", "2")
+    named = held_values(_through_environ_helper)[0]
+    assert "'FEATBAKE_TEST_GAIN':'2'" in named
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    assert held_values(_through_environ_helper)[0] == named  # another variable: same key
+    monkeypatch.setenv("FEATBAKE_TEST_GAIN", "3")
+    assert held_values(_through_environ_helper)[0] != named  # the one it reads: another key
+    code = _gain_from_built_name.__code__
+    assert environment_names(code, "environ") is None  # a name not a constant: keyed whole
+    built = held_values(_gain_from_built_name)[0]
+    monkeypatch.setenv("SLURM_JOB_ID", "4243")
+    assert held_values(_gain_from_built_name)[0] != built
+
+
+def test_a_global_a_hook_writes_and_reads_for_its_output_stays_keyed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from featbake.encode.identity import held_values
+
+    before = held_values(_scale_growing)[0]
+    assert "global _STEPS_SCALE=1.0" in before
+    monkeypatch.setattr(sys.modules[__name__], "_STEPS_SCALE", 5.0)
+    assert held_values(_scale_growing)[0] != before
+    counted = held_values(_counting_through_helper)[0]
+    assert "HELPER_CALLS" not in counted  # only bumped: bookkeeping
+
+
+def test_a_config_read_by_two_helpers_is_keyed_once_and_by_every_setting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from featbake.encode.identity import held_values
+
+    before = held_values(_cfg_through_helpers)[0]
+    assert before.count("global CONFIG=dict[") == 1 and "global CONFIG=<read above>" in before
+    monkeypatch.setitem(CONFIG, "setting_3", 30.0)  # read by the second helper only
+    assert held_values(_cfg_through_helpers)[0] != before
