@@ -605,19 +605,18 @@ def global_module_digest(module: torch.nn.Module, *, exact: bool = False) -> str
     made anew only where the module's tensors (by id, version and pointer), submodules, modes
     or attributes changed, or where ``exact`` (a key, a check before misses: an edit behind
     the version counters, ``weight.data.mul_``, is seen there, and the digest kept for the
-    watch's reads is the new one); a module holding inference tensors (no version) is read
-    anew each time."""
+    watch's reads is the new one, and an in-place edit of an inference tensor, which keeps no
+    version, is seen there too)."""
     stamp = _module_stamp(module)
     kept = _GLOBAL_MODULES.get(module)
-    if not exact and stamp is not None and kept is not None and kept[0] == stamp:
+    if not exact and kept is not None and kept[0] == stamp:
         return kept[1]
     owner = f"{type(module).__module__}.{type(module).__qualname__}"
     modes = [sub.training for sub in module.modules()]
     ident = f"global-module:{owner}\n{module!r}\ncode:{code_identity(module)}"
     ident = f"{ident}\nattrs:{attribute_identity(module)}\nmodes:{modes}"
     digest = module_fingerprint(module, ident)
-    if stamp is not None:
-        _GLOBAL_MODULES[module] = (stamp, digest)
+    _GLOBAL_MODULES[module] = (stamp, digest)
     return digest
 
 
@@ -641,17 +640,23 @@ def mode_dependent_submodule(module: torch.nn.Module) -> str | None:
     return None
 
 
-def _module_stamp(module: torch.nn.Module) -> tuple[Any, ...] | None:
+def _module_stamp(module: torch.nn.Module) -> tuple[Any, ...]:
     """What :func:`global_module_digest` reads of a module at each forward: its tensors' ids,
     versions, pointers, dtypes and shapes, its submodules' classes and modes, and its plain
-    attributes' digest; None where a tensor keeps no version (an inference tensor)."""
+    attributes' digest (an inference tensor's version as -1: :func:`_version`)."""
     tensors = [*module.parameters(), *module.buffers()]
     tensors += [t for _, t in tensor_attributes(module)]
-    if any(t.is_inference() for t in tensors):
-        return None
-    read = tuple((id(t), t._version, t.data_ptr(), t.dtype, t.shape) for t in tensors)
+    read = tuple((id(t), _version(t), t.data_ptr(), t.dtype, t.shape) for t in tensors)
     subs = tuple((type(sub), sub.training) for sub in module.modules())
     return (read, subs, attribute_identity(module))
+
+
+def _version(tensor: torch.Tensor) -> int:
+    """A tensor's version counter; an inference tensor (made or loaded under
+    ``torch.inference_mode()``) keeps none and reads as -1: an in-place edit of it (allowed
+    only in inference mode) is seen by the exact read before each batch of misses, as an
+    edit behind a version counter (``weight.data.mul_``) is."""
+    return -1 if tensor.is_inference() else tensor._version
 
 
 #: module -> (its stamp, its digest): global_module_digest's (weakly: a module freed is
