@@ -191,14 +191,43 @@ def tensor_attributes(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]
     (:func:`keyed_attribute`) that is a tensor and no parameter or buffer (those live in
     torch's own dicts, not in ``__dict__``), or a tensor inside a plain list, tuple or dict of
     one (``self.scales = [torch.tensor(2.0)]``, named ``scales.0``), but derived state its
-    forward writes (:func:`derived_attributes`)."""
+    forward writes (:func:`derived_attributes`) or torch's weight reparametrising pre-hooks
+    write (:func:`reparametrised_attributes`)."""
     return [
         (f"{prefix}.{path}" if prefix else path, tensor)
         for prefix, sub in module.named_modules()
         for key, value in vars(sub).items()
-        if keyed_attribute(key) and not derived_state(derived_attributes(type(sub)), key, value)
+        if keyed_attribute(key)
+        and not derived_state(derived_attributes(type(sub)), key, value)
+        and key not in reparametrised_attributes(sub)
         for path, tensor in contained_tensors(key, value)
     ]
+
+
+def reparametrised_attributes(module: torch.nn.Module) -> frozenset[str]:
+    """The attributes of ``module`` that torch's old-API ``spectral_norm`` or ``weight_norm``
+    pre-hook sets at each forward (``weight``, from ``weight_orig`` and the ``weight_u`` /
+    ``weight_v`` buffers, or from ``weight_g`` and ``weight_v``): derived from parameters and
+    buffers the key reads, a plain tensor attribute the first forward replaces (the raw weight
+    copied at ``spectral_norm()``, then the normalised one), neither keyed nor watched.
+
+    Example:
+        >>> import torch
+        >>> lin = torch.nn.utils.spectral_norm(torch.nn.Linear(2, 2))
+        >>> sorted(reparametrised_attributes(lin)), reparametrised_attributes(torch.nn.Linear(2, 2))
+        (['weight'], frozenset())
+    """
+    hooks = vars(module).get("_forward_pre_hooks") or {}
+    return frozenset(
+        hook.name
+        for hook in hooks.values()
+        if type(hook).__module__ in _REPARAMETRISING
+        and isinstance(getattr(hook, "name", None), str)
+    )
+
+
+#: torch's modules whose pre-hook objects set a weight from its parametrisation at each forward.
+_REPARAMETRISING = frozenset({"torch.nn.utils.spectral_norm", "torch.nn.utils.weight_norm"})
 
 
 def contained_tensors(name: str, value: Any, depth: int = 0) -> list[tuple[str, torch.Tensor]]:

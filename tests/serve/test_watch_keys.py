@@ -173,12 +173,6 @@ def test_a_module_appending_to_a_list_attribute_in_forward_is_served(
         torch.testing.assert_close(again[i], _live(module, again.path(i)))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="torch's old-API spectral_norm sets the plain tensor attribute `weight` from its "
-    "pre-hook at the first forward (raw weight -> normalised): the module's key changes then, "
-    "so a dataset made after the first one ran finds none of its features",
-)
 def test_a_spectral_normed_module_keeps_its_key_across_its_first_forward(
     tmp_path: Path, audio_dir: Path
 ) -> None:
@@ -724,12 +718,6 @@ def _spectral_adapted(module: torch.nn.Module, args: tuple[Any, ...], output: An
     return output + SPECTRAL_ADAPTER(output)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="serve11.2 keys a global adapter's plain `weight` attribute, which old-API "
-    "spectral_norm's pre-hook replaces (raw -> normalised) at its first forward: the second "
-    "miss of the first dataset is refused as a change",
-)
 def test_a_global_adapter_under_spectral_norm_is_served(tmp_path: Path, audio_dir: Path) -> None:
     module = TinyConvEncoder().eval()
     module.register_forward_hook(_spectral_adapted)
