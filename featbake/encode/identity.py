@@ -455,10 +455,7 @@ class HeldReading:
             return self._refuse(name, what)
         moded = mode_dependent_submodule(module)
         if moded is not None:
-            what = (
-                f"the module {type(module).__qualname__} in train mode, where its forward behaves "
-                f"by it ({moded}): call .eval() on {name or 'it'}"
-            )
+            what = f"the module {type(module).__qualname__} {IN_TRAIN_MODE} ({moded})"
             return self._refuse(name, what)
         return f"module({global_module_digest(module, exact=self.exact)})"
 
@@ -618,6 +615,11 @@ def global_module_digest(module: torch.nn.Module, *, exact: bool = False) -> str
     digest = module_fingerprint(module, ident)
     _GLOBAL_MODULES[module] = (stamp, digest)
     return digest
+
+
+#: What a refusal of a global module left in train mode says (:func:`mode_dependent_submodule`),
+#: so the refusal's advice is to call ``.eval()`` on it.
+IN_TRAIN_MODE = "in train mode, where its forward draws or behaves by it"
 
 
 def mode_dependent_submodule(module: torch.nn.Module) -> str | None:

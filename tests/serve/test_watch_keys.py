@@ -746,7 +746,7 @@ def test_a_global_adapter_left_in_train_mode_is_refused(tmp_path: Path, audio_di
     ):
         ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
         ds[0]
-    assert "\n" not in str(e.value) and r"call .eval() on DROPOUT_ADAPTER" in str(e.value)
+    assert "\n" not in str(e.value) and "call DROPOUT_ADAPTER.eval() before" in str(e.value)
 
 
 #: Helpers a hook reaches by other ways than a plain function named as a global.
@@ -1047,3 +1047,30 @@ def test_a_global_adapter_of_inference_tensors_edited_in_place_is_never_served_s
     fresh = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
     for i in range(2):
         torch.testing.assert_close(fresh[i], _live(module, fresh.path(i)))
+
+
+#: A dropout adapter put in eval mode, then back in train mode after a dataset was made.
+LATER_DROPOUT_ADAPTER = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Dropout(0.5)).eval()
+
+
+def _later_dropout_adapted(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    return output + LATER_DROPOUT_ADAPTER(output)
+
+
+def test_a_global_adapter_put_in_train_mode_after_the_dataset_was_made_is_refused(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    from featbake.errors import EncoderLoadError
+
+    module = TinyConvEncoder().eval()
+    module.register_forward_hook(_later_dropout_adapted)
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
+    LATER_DROPOUT_ADAPTER.train()  # a training loop's model.train() reaching it
+    try:
+        with pytest.raises(EncoderLoadError, match="train mode") as e:
+            ds[1]
+        assert "\n" not in str(e.value) and "LATER_DROPOUT_ADAPTER.eval()" in str(e.value)
+    finally:
+        LATER_DROPOUT_ADAPTER.eval()
