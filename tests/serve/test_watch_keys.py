@@ -1,4 +1,4 @@
-"""What the watch over an in-process encoder keys, at its edges (serve10.9-serve11.2): the
+"""What the watch over an in-process encoder keys, at its edges (serve10.9-serve11.10): the
 strict-xfail cases are known gaps, each failing for the reason it names, kept runnable for
 the fix that closes it."""
 
