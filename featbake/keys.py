@@ -191,14 +191,43 @@ def tensor_attributes(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]
     (:func:`keyed_attribute`) that is a tensor and no parameter or buffer (those live in
     torch's own dicts, not in ``__dict__``), or a tensor inside a plain list, tuple or dict of
     one (``self.scales = [torch.tensor(2.0)]``, named ``scales.0``), but derived state its
-    forward writes (:func:`derived_attributes`)."""
+    forward writes (:func:`derived_attributes`) or torch's weight reparametrising pre-hooks
+    write (:func:`reparametrised_attributes`)."""
     return [
         (f"{prefix}.{path}" if prefix else path, tensor)
         for prefix, sub in module.named_modules()
         for key, value in vars(sub).items()
-        if keyed_attribute(key) and not derived_state(derived_attributes(type(sub)), key, value)
+        if keyed_attribute(key)
+        and not derived_state(derived_attributes(type(sub)), key, value)
+        and key not in reparametrised_attributes(sub)
         for path, tensor in contained_tensors(key, value)
     ]
+
+
+def reparametrised_attributes(module: torch.nn.Module) -> frozenset[str]:
+    """The attributes of ``module`` that torch's old-API ``spectral_norm`` or ``weight_norm``
+    pre-hook sets at each forward (``weight``, from ``weight_orig`` and the ``weight_u`` /
+    ``weight_v`` buffers, or from ``weight_g`` and ``weight_v``): derived from parameters and
+    buffers the key reads, a plain tensor attribute the first forward replaces (the raw weight
+    copied at ``spectral_norm()``, then the normalised one), neither keyed nor watched.
+
+    Example:
+        >>> import torch
+        >>> lin = torch.nn.utils.spectral_norm(torch.nn.Linear(2, 2))
+        >>> sorted(reparametrised_attributes(lin)), reparametrised_attributes(torch.nn.Linear(2, 2))
+        (['weight'], frozenset())
+    """
+    hooks = vars(module).get("_forward_pre_hooks") or {}
+    return frozenset(
+        hook.name
+        for hook in hooks.values()
+        if type(hook).__module__ in _REPARAMETRISING
+        and isinstance(getattr(hook, "name", None), str)
+    )
+
+
+#: torch's modules whose pre-hook objects set a weight from its parametrisation at each forward.
+_REPARAMETRISING = frozenset({"torch.nn.utils.spectral_norm", "torch.nn.utils.weight_norm"})
 
 
 def contained_tensors(name: str, value: Any, depth: int = 0) -> list[tuple[str, torch.Tensor]]:
@@ -264,6 +293,34 @@ def derived_attributes(cls: type) -> frozenset[str]:
         names = frozenset(name for code in codes for name in fresh_attribute_writes(code))
     _DERIVED[cls] = names
     return names
+
+
+def reads_training(cls: type) -> bool:
+    """Whether a module class's forward behaves by its mode: its ``forward``, the code nested
+    in it and every method of the class it reaches (:func:`reached_code`) read ``training``
+    (``Dropout``'s and ``BatchNorm``'s do, ``F.dropout(x, p, self.training)``; ``Linear``'s
+    and ``Sequential``'s do not). Kept per class.
+
+    Example:
+        >>> import torch
+        >>> reads_training(torch.nn.Dropout), reads_training(torch.nn.Linear)
+        (True, False)
+    """
+    kept = _READS_TRAINING.get(cls)
+    if kept is not None:
+        return kept
+    forward = _unwrapped(inspect.getattr_static(cls, "forward", None))
+    reads = inspect.isfunction(forward) and any(
+        op.opname in _ATTRIBUTE_LOADS and op.argval == "training"
+        for code in reached_code(forward.__code__, cls)
+        for op in dis.get_instructions(code)
+    )
+    _READS_TRAINING[cls] = reads
+    return reads
+
+
+#: class -> whether its forward reads ``training``: reads_training's (weakly, as _DERIVED).
+_READS_TRAINING: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
 
 
 def fresh_attribute_writes(code: Any) -> set[str]:

@@ -24,6 +24,7 @@ import torch
 
 from featbake.device import alloc_pinned
 from featbake.encode.identity import (
+    IN_TRAIN_MODE,
     foreign_global_hooks,
     forward_hooks,
     held_refusals,
@@ -544,6 +545,12 @@ def refuse_held_tensors(label: str, module: Any) -> None:
         if held:
             what = getattr(hook, "__qualname__", type(hook).__qualname__)
             where = "global hook" if kind == "_global" else f"{kind[1:]} of {name or 'the module'}"
+            if IN_TRAIN_MODE in held[0]:
+                raise EncoderLoadError(
+                    f"the encoder module {label} has a forward hook ({where}: {what}) that runs "
+                    f"{held[0]}, so no stored feature could stand for what it returns; call "
+                    f"{held[0].partition(' ')[0]}.eval() before a dataset encodes with it"
+                )
             raise EncoderLoadError(
                 f"the encoder module {label} has a forward hook ({where}: {what}) that holds "
                 f"{held[0]}, which no key reads; make a tensor a buffer or parameter of the "

@@ -21,6 +21,7 @@ import inspect
 import itertools
 import json
 import logging
+import os
 import sys
 import sysconfig
 import types
@@ -41,6 +42,7 @@ from featbake.keys import (
     derived_state,
     module_fingerprint,
     reached_code,
+    reads_training,
     tensor_attributes,
 )
 from featbake.keys import keyed_attribute as keyed_attribute
@@ -203,7 +205,7 @@ def _uses(code: Any, ops: frozenset[str], written: set[str], read: set[str]) -> 
     records into (:func:`_records`), and to ``read`` those it reads other than to compute
     their own new value: a read counts as such where the name is written later in its block
     (a line, cut at jumps: ``if self.f is None: self.f = 1.0`` reads ``f`` for the test)."""
-    loads = _ATTRIBUTE_READS if "STORE_ATTR" in ops else _CELL_READS
+    loads = _READS_OF[ops]
     ins = list(dis.get_instructions(code))
     starts = [i for i, op in enumerate(ins) if op.is_jump_target or op.starts_line]
     starts += [i + 1 for i, op in enumerate(ins) if "JUMP" in op.opname]
@@ -228,6 +230,8 @@ def _records(ins: list[Any], i: int) -> bool:
     after = ins[i + 1 : i + 5]
     if after and after[0].opname in _METHOD_LOADS and after[0].argval in RECORDING_METHODS:
         return True
+    if [o.opname for o in after[:2]] == ["LOAD_CONST", "STORE_SUBSCR"]:
+        return True  # x["out"] = v: an item set under a constant key
     return [o.opname for o in after[1:4]] == ["COPY", "COPY", "BINARY_SUBSCR"]
 
 
@@ -239,12 +243,22 @@ _BOOKKEEPING: dict[tuple[int, frozenset[str], int], tuple[Any, Any, frozenset[st
 #: The ops by which a hook's code writes an attribute, or a closure cell (``nonlocal``).
 ATTRIBUTE_WRITES = frozenset({"STORE_ATTR", "DELETE_ATTR"})
 CELL_WRITES = frozenset({"STORE_DEREF", "DELETE_DEREF"})
+#: The ops by which a function's code writes a global (``global counter; counter += 1``).
+GLOBAL_WRITES = frozenset({"STORE_GLOBAL", "DELETE_GLOBAL"})
 _ATTRIBUTE_READS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
 _CELL_READS = frozenset({"LOAD_DEREF", "LOAD_CLASSDEREF"})
+#: The ops that read what each kind of write writes.
+_READS_OF = {
+    ATTRIBUTE_WRITES: _ATTRIBUTE_READS,
+    CELL_WRITES: _CELL_READS,
+    GLOBAL_WRITES: frozenset({"LOAD_GLOBAL"}),
+}
 _METHOD_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
 
 #: Methods by which a hook records into a container it holds (a log of norms, of calls).
-RECORDING_METHODS = frozenset({"append", "extend", "appendleft", "add", "insert"})
+RECORDING_METHODS = frozenset(
+    {"append", "extend", "appendleft", "add", "insert", "put", "put_nowait"}
+)
 
 #: Past these a value a hook holds is refused rather than keyed in part: values read in all
 #: (each number and string counts), and containers or objects nested in one another.
@@ -299,6 +313,7 @@ class HeldReading:
         self.refused: list[str] = []
         self._path: set[int] = set()
         self._count = 0
+        self._globals_read: dict[int, Any] = {}
 
     def text(self, value: Any, name: str = "", depth: int = 0) -> str:
         """``value`` as a key reads it (``name``: what holds it, for :attr:`refused`)."""
@@ -390,20 +405,42 @@ class HeldReading:
         it calls (:func:`followed_helper`) as a held function is read, its own globals in
         turn, so a setting a helper reads is keyed as one the hook reads (recursion reads as
         ``<cycle>``, a chain past :data:`HELD_DEPTH` is refused). Other modules, classes and
-        callables (library code) are code, read by the code rule, never here."""
+        callables (library code) are code, read by the code rule, never here. A global the
+        code keeps as bookkeeping (:func:`bookkeeping_names` by ``STORE_GLOBAL``: a counter it
+        bumps, a list or queue it only records into) is left out, as a hook's attribute or
+        cell is; ``os.environ`` read only by constant names is keyed by those variables
+        (:func:`environment_names`); a container or object read by several functions of one
+        hook is read (and counted toward :data:`HELD_VALUES`) once."""
         found = getattr(func, "__globals__", {})
+        code = func.__code__
+        kept = bookkeeping_names(code, GLOBAL_WRITES)
         rows = []
-        for g in global_names(func.__code__):
+        for g in global_names(code):
             value = found.get(g, _ABSENT)
-            if value is _ABSENT:
+            if value is _ABSENT or g in kept:
                 continue
-            if is_data(value):
+            if value is os.environ and (names := environment_names(code, g)) is not None:
+                rows.append(f"global {g}={self.text({n: value.get(n) for n in names}, g, depth)}")
+            elif is_data(value) and self._read_before(value):
+                rows.append(f"global {g}=<read above>")
+            elif is_data(value):
                 rows.append(f"global {g}={self.text(value, g, depth)}")
             elif isinstance(value, torch.nn.Module):
                 rows.append(f"global {g}={self._global_module(value, g)}")
             elif (helper := followed_helper(value)) is not None:
                 rows.append(f"global {g}={self.text(helper, g, depth)}")
         return rows
+
+    def _read_before(self, value: Any) -> bool:
+        """Whether ``value``, a global's container or object (no plain value: those cost one
+        each and one object may be many names' in a process and not in another), was read in
+        this reading already; marked read if not."""
+        if type(value) in _PLAIN_TYPES:
+            return False
+        if id(value) in self._globals_read:
+            return True
+        self._globals_read[id(value)] = value  # held: its id is not lent while reading
+        return False
 
     def _global_module(self, module: torch.nn.Module, name: str) -> str:
         """A module a hook's code (or a helper's) reads as a global, by its state
@@ -415,6 +452,10 @@ class HeldReading:
             return "<own>"
         if any(not is_library_machinery(h) for _, _, h in forward_hooks(module)):
             what = f"the module {type(module).__qualname__}, which has forward hooks of its own"
+            return self._refuse(name, what)
+        moded = mode_dependent_submodule(module)
+        if moded is not None:
+            what = f"the module {type(module).__qualname__} {IN_TRAIN_MODE} ({moded})"
             return self._refuse(name, what)
         return f"module({global_module_digest(module, exact=self.exact)})"
 
@@ -561,19 +602,18 @@ def global_module_digest(module: torch.nn.Module, *, exact: bool = False) -> str
     made anew only where the module's tensors (by id, version and pointer), submodules, modes
     or attributes changed, or where ``exact`` (a key, a check before misses: an edit behind
     the version counters, ``weight.data.mul_``, is seen there, and the digest kept for the
-    watch's reads is the new one); a module holding inference tensors (no version) is read
-    anew each time."""
+    watch's reads is the new one, and an in-place edit of an inference tensor, which keeps no
+    version, is seen there too)."""
     stamp = _module_stamp(module)
     kept = _GLOBAL_MODULES.get(module)
-    if not exact and stamp is not None and kept is not None and kept[0] == stamp:
+    if not exact and kept is not None and kept[0] == stamp:
         return kept[1]
     owner = f"{_script_named(type(module).__module__)}.{type(module).__qualname__}"
     modes = [sub.training for sub in module.modules()]
     ident = f"global-module:{owner}\n{module!r}\ncode:{code_identity(module)}"
     ident = f"{ident}\nattrs:{attribute_identity(module)}\nmodes:{modes}"
     digest = module_fingerprint(module, ident)
-    if stamp is not None:
-        _GLOBAL_MODULES[module] = (stamp, digest)
+    _GLOBAL_MODULES[module] = (stamp, digest)
     return digest
 
 
@@ -583,17 +623,48 @@ def _script_named(owner: str) -> str:
     return "__main__" if owner == "__mp_main__" else owner
 
 
-def _module_stamp(module: torch.nn.Module) -> tuple[Any, ...] | None:
+#: What a refusal of a global module left in train mode says (:func:`mode_dependent_submodule`),
+#: so the refusal's advice is to call ``.eval()`` on it.
+IN_TRAIN_MODE = "in train mode, where its forward draws or behaves by it"
+
+
+def mode_dependent_submodule(module: torch.nn.Module) -> str | None:
+    """The first submodule of ``module`` (named, with its class) in train mode whose forward
+    behaves by its mode (:func:`~featbake.keys.reads_training`: a ``Dropout``, a
+    ``BatchNorm``), or None. A global module a hook runs left in train mode draws anew at each
+    forward (one draw would be stored and served), as an encoder in train mode does; one in
+    train mode whose forward never reads it (an ``nn.Linear`` made at module level) behaves
+    the same in either mode and passes.
+
+    Example:
+        >>> seq = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5))
+        >>> mode_dependent_submodule(seq), mode_dependent_submodule(seq.eval())
+        ('submodule 1, a Dropout', None)
+    """
+    for sub_name, sub in module.named_modules():
+        if sub.training and reads_training(type(sub)):
+            what = f"a {type(sub).__qualname__}"
+            return f"submodule {sub_name}, {what}" if sub_name else what
+    return None
+
+
+def _module_stamp(module: torch.nn.Module) -> tuple[Any, ...]:
     """What :func:`global_module_digest` reads of a module at each forward: its tensors' ids,
     versions, pointers, dtypes and shapes, its submodules' classes and modes, and its plain
-    attributes' digest; None where a tensor keeps no version (an inference tensor)."""
+    attributes' digest (an inference tensor's version as -1: :func:`_version`)."""
     tensors = [*module.parameters(), *module.buffers()]
     tensors += [t for _, t in tensor_attributes(module)]
-    if any(t.is_inference() for t in tensors):
-        return None
-    read = tuple((id(t), t._version, t.data_ptr(), t.dtype, t.shape) for t in tensors)
+    read = tuple((id(t), _version(t), t.data_ptr(), t.dtype, t.shape) for t in tensors)
     subs = tuple((type(sub), sub.training) for sub in module.modules())
     return (read, subs, attribute_identity(module))
+
+
+def _version(tensor: torch.Tensor) -> int:
+    """A tensor's version counter; an inference tensor (made or loaded under
+    ``torch.inference_mode()``) keeps none and reads as -1: an in-place edit of it (allowed
+    only in inference mode) is seen by the exact read before each batch of misses, as an
+    edit behind a version counter (``weight.data.mul_``) is."""
+    return -1 if tensor.is_inference() else tensor._version
 
 
 #: module -> (its stamp, its digest): global_module_digest's (weakly: a module freed is
@@ -616,6 +687,62 @@ def global_names(code: Any) -> tuple[str, ...]:
         }
         kept = _GLOBAL_NAMES[id(code)] = (code, tuple(sorted(names)))
     return kept[1]
+
+
+def environment_names(code: Any, name: str) -> tuple[str, ...] | None:
+    """The variables a code object (and the code nested in it) reads of ``os.environ``, held
+    as the global ``name`` (``from os import environ``), where each read names its variable by
+    a constant (``environ.get("GAIN", "2")``, ``environ["GAIN"]``, ``"GAIN" in environ``),
+    sorted; None where one does not (``environ.get(key)``, ``dict(environ)``, passed on): then
+    the whole environment is keyed. A read by a constant name gives that variable's value and
+    nothing else, so the others (a job id, a path) change no output and no key. Kept per code
+    object and name.
+
+    Example:
+        >>> from os import environ
+        >>> def gain():
+        ...     return float(environ.get("GAIN", "2")) + ("BIAS" in environ)
+        >>> environment_names(gain.__code__, "environ")
+        ('BIAS', 'GAIN')
+    """
+    key = (id(code), name)
+    kept = _ENVIRONMENT_NAMES.get(key)
+    if kept is None:
+        names: set[str] | None = set()
+        for each in reached_code(code, None):
+            ins = list(dis.get_instructions(each))
+            for i, op in enumerate(ins):
+                if op.opname == "LOAD_GLOBAL" and op.argval == name and names is not None:
+                    read = _constant_variable(ins, i)
+                    names = None if read is None else names | {read}
+        kept = _ENVIRONMENT_NAMES[key] = (code, None if names is None else tuple(sorted(names)))
+    return kept[1]
+
+
+def _constant_variable(ins: list[Any], i: int) -> str | None:
+    """The variable the mapping loaded at ``ins[i]`` is read by, where a constant string names
+    it and nothing is made of it before the read: ``.get("X")`` or ``.get("X", <a constant, a
+    local or a global>)``, ``["X"]``, ``"X" in``; None for any other use (``.get("X" + s)``)."""
+    ops = [o.opname for o in ins[i + 1 : i + 6]]
+    args = ins[i + 2] if len(ins) > i + 2 else None
+    if ops[:2] in (["LOAD_ATTR", "LOAD_CONST"], ["LOAD_METHOD", "LOAD_CONST"]):
+        called = ops[2:3] in (["PRECALL"], ["CALL"]) or (
+            ops[2:3] in (["LOAD_CONST"], ["LOAD_FAST"], ["LOAD_GLOBAL"])
+            and ops[3:4] in (["PRECALL"], ["CALL"])
+        )
+        if ins[i + 1].argval == "get" and called and args is not None:
+            return args.argval if isinstance(args.argval, str) else None
+        return None
+    if ops[:2] == ["LOAD_CONST", "BINARY_SUBSCR"] and isinstance(ins[i + 1].argval, str):
+        return str(ins[i + 1].argval)
+    before = ins[i - 1] if i > 0 else None
+    if ops[:1] == ["CONTAINS_OP"] and before is not None and before.opname == "LOAD_CONST":
+        return before.argval if isinstance(before.argval, str) else None
+    return None
+
+
+#: (id of a code object, a name) -> (the code object, the variables read): environment_names's.
+_ENVIRONMENT_NAMES: dict[tuple[int, str], tuple[Any, tuple[str, ...] | None]] = {}
 
 
 #: id of a code object -> (the code object, its global names): global_names's.

@@ -1,4 +1,4 @@
-"""What the watch over an in-process encoder keys, at its edges (serve10.9-serve11.2): the
+"""What the watch over an in-process encoder keys, at its edges (serve10.9-serve11.10): the
 strict-xfail cases are known gaps, each failing for the reason it names, kept runnable for
 the fix that closes it."""
 
@@ -46,11 +46,6 @@ def _collect(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Non
     CAPTURED.append(output.detach())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="serve10.17 keys a global dict a forward hook only writes into by its value: after "
-    "the first forward it holds a tensor, and the next miss is refused or keyed anew",
-)
 def test_a_hook_filling_a_global_activation_dict_is_served(tmp_path: Path, audio_dir: Path) -> None:
     ACTIVATION.clear()
     module = TinyConvEncoder().eval()
@@ -65,11 +60,6 @@ def test_a_hook_filling_a_global_activation_dict_is_served(tmp_path: Path, audio
         torch.testing.assert_close(again[i], _live(module, again.path(i)))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="serve10.17 keys a global list a forward hook appends to by its value: after the "
-    "first forward it holds a tensor, and the next miss is refused or keyed anew",
-)
 def test_a_hook_appending_to_a_global_list_is_served(tmp_path: Path, audio_dir: Path) -> None:
     CAPTURED.clear()
     module = TinyConvEncoder().eval()
@@ -93,11 +83,6 @@ def _count_calls(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
     _CALLS += 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="serve10.17 keys a global a hook only bumps (STORE_GLOBAL) by its value; serve10.11 "
-    "leaves such counters out for attributes and cells only, so each forward is another key",
-)
 def test_a_hook_counting_calls_in_a_global_keeps_its_key(tmp_path: Path, audio_dir: Path) -> None:
     module = TinyConvEncoder().eval()
     module.register_forward_pre_hook(_count_calls)
@@ -146,11 +131,6 @@ def _send_shape(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> 
     SINK.put(tuple(output.shape))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="serve10.17 reads a global object an observing hook sends to (a queue, a writer) by "
-    "all its attributes: its locks are keyed by their address, so the dataset is refused",
-)
 def test_a_hook_sending_to_a_global_queue_is_served(tmp_path: Path, audio_dir: Path) -> None:
     module = TinyConvEncoder().eval()
     module.register_forward_hook(_send_shape)
@@ -193,12 +173,6 @@ def test_a_module_appending_to_a_list_attribute_in_forward_is_served(
         torch.testing.assert_close(again[i], _live(module, again.path(i)))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="torch's old-API spectral_norm sets the plain tensor attribute `weight` from its "
-    "pre-hook at the first forward (raw weight -> normalised): the module's key changes then, "
-    "so a dataset made after the first one ran finds none of its features",
-)
 def test_a_spectral_normed_module_keeps_its_key_across_its_first_forward(
     tmp_path: Path, audio_dir: Path
 ) -> None:
@@ -785,16 +759,22 @@ def _logging_through_helper(module: torch.nn.Module, args: tuple[Any, ...], outp
     _log_every_100_steps(output)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="serve11.1 follows an observing hook's helper into what it touches and keys it by "
-    "value: a counter it bumps, a queue it sends to (its lock), the step the loop sets; the "
-    "dataset or its next miss is refused, where it was served before",
-)
 @pytest.mark.parametrize(
     "hook",
-    [_counting_through_helper, _sending_through_helper, _logging_through_helper],
-    ids=["counter", "queue", "step"],
+    [
+        pytest.param(_counting_through_helper, id="counter"),
+        pytest.param(_sending_through_helper, id="queue"),
+        pytest.param(
+            _logging_through_helper,
+            id="step",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="a global a helper only reads is keyed by value, as one the hook reads "
+                "(test_an_observing_hook_reading_the_start_time_keeps_its_key): the step the "
+                "loop sets, read only to decide whether to log, makes the next miss a change",
+            ),
+        ),
+    ],
 )
 def test_an_observing_hook_calling_a_helper_is_served_through_training(
     tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch, hook: Any
@@ -824,11 +804,6 @@ def _cfg_through_helpers(module: torch.nn.Module, args: tuple[Any, ...]) -> tupl
     return (_cfg_shift(_cfg_scale(args[0])),)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="serve11.1 counts a global toward HELD_VALUES once per helper that reads it: a config "
-    "of 150 settings read by two helpers is refused as too large, though one read is keyed",
-)
 def test_a_config_read_by_two_helpers_is_not_refused_as_too_large(
     tmp_path: Path, audio_dir: Path
 ) -> None:
@@ -847,12 +822,6 @@ def _spectral_adapted(module: torch.nn.Module, args: tuple[Any, ...], output: An
     return output + SPECTRAL_ADAPTER(output)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="serve11.2 keys a global adapter's plain `weight` attribute, which old-API "
-    "spectral_norm's pre-hook replaces (raw -> normalised) at its first forward: the second "
-    "miss of the first dataset is refused as a change",
-)
 def test_a_global_adapter_under_spectral_norm_is_served(tmp_path: Path, audio_dir: Path) -> None:
     module = TinyConvEncoder().eval()
     module.register_forward_hook(_spectral_adapted)
@@ -870,11 +839,6 @@ def _dropout_adapted(module: torch.nn.Module, args: tuple[Any, ...], output: Any
     return output + DROPOUT_ADAPTER(output)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="serve11.2 keys a global module's mode but never refuses train mode, as the encoder's "
-    "own is refused: a dropout adapter left in train mode has one random draw stored and served",
-)
 def test_a_global_adapter_left_in_train_mode_is_refused(tmp_path: Path, audio_dir: Path) -> None:
     from featbake.errors import EncoderLoadError
 
@@ -886,7 +850,7 @@ def test_a_global_adapter_left_in_train_mode_is_refused(tmp_path: Path, audio_di
     ):
         ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
         ds[0]
-    assert "\n" not in str(e.value)
+    assert "\n" not in str(e.value) and "call DROPOUT_ADAPTER.eval() before" in str(e.value)
 
 
 #: Helpers a hook reaches by other ways than a plain function named as a global.
@@ -989,12 +953,6 @@ def _through_environ_helper(module: torch.nn.Module, args: tuple[Any, ...]) -> t
     return (_gain_from_environ(args[0]),)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="serve11.1 follows a helper into `from os import environ` and keys the whole "
-    "environment by value: a run with any other variable set (a job id) has other keys and "
-    "finds none of the features stored for the same gain",
-)
 def test_a_helper_reading_one_environment_variable_is_not_keyed_by_the_others(
     tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1022,12 +980,6 @@ def _inference_adapted(module: torch.nn.Module, args: tuple[Any, ...], output: A
     return output + INFERENCE_ADAPTER(output)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="serve11.2 gives a global module holding inference tensors no stamp, so the watch "
-    "hashes all its weights at every forward of the hooked module (twice), not once per "
-    "batch of misses as for any other adapter",
-)
 def test_a_global_adapter_of_inference_tensors_is_not_hashed_at_each_forward(
     tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1106,3 +1058,117 @@ def test_a_global_window_a_helper_multiplies_by_is_served(tmp_path: Path, audio_
     with pytest.warns(UserWarning, match="no featbake store"):
         ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
     torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
+
+
+def _gain_from_built_name(x: torch.Tensor) -> torch.Tensor:
+    return x * float(environ.get("FEATBAKE_TEST_" + "GAIN".lower(), "2"))
+
+
+#: A global a hook both bumps and reads for its output: its setting, not bookkeeping.
+_STEPS_SCALE = 1.0
+
+
+def _scale_growing(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    global _STEPS_SCALE
+    _STEPS_SCALE += 1.0
+    return (args[0] * _STEPS_SCALE,)
+
+
+def test_the_environment_is_keyed_by_the_variables_a_helper_names_or_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from featbake.encode.identity import environment_names, held_values
+
+    monkeypatch.setenv("FEATBAKE_TEST_GAIN", "2")
+    named = held_values(_through_environ_helper)[0]
+    assert "'FEATBAKE_TEST_GAIN':'2'" in named
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    assert held_values(_through_environ_helper)[0] == named  # another variable: same key
+    monkeypatch.setenv("FEATBAKE_TEST_GAIN", "3")
+    assert held_values(_through_environ_helper)[0] != named  # the one it reads: another key
+    code = _gain_from_built_name.__code__
+    assert environment_names(code, "environ") is None  # a name not a constant: keyed whole
+    built = held_values(_gain_from_built_name)[0]
+    monkeypatch.setenv("SLURM_JOB_ID", "4243")
+    assert held_values(_gain_from_built_name)[0] != built
+
+
+def test_a_global_a_hook_writes_and_reads_for_its_output_stays_keyed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from featbake.encode.identity import held_values
+
+    before = held_values(_scale_growing)[0]
+    assert "global _STEPS_SCALE=1.0" in before
+    monkeypatch.setattr(sys.modules[__name__], "_STEPS_SCALE", 5.0)
+    assert held_values(_scale_growing)[0] != before
+    counted = held_values(_counting_through_helper)[0]
+    assert "HELPER_CALLS" not in counted  # only bumped: bookkeeping
+
+
+def test_a_config_read_by_two_helpers_is_keyed_once_and_by_every_setting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from featbake.encode.identity import held_values
+
+    before = held_values(_cfg_through_helpers)[0]
+    assert before.count("global CONFIG=dict[") == 1 and "global CONFIG=<read above>" in before
+    monkeypatch.setitem(CONFIG, "setting_3", 30.0)  # read by the second helper only
+    assert held_values(_cfg_through_helpers)[0] != before
+
+
+with torch.inference_mode():
+    #: Another inference-mode adapter, edited in place (in inference mode, its only way).
+    EDITED_INFERENCE_ADAPTER = torch.nn.Linear(64, 64)
+
+
+def _edited_inference_adapted(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    return output + EDITED_INFERENCE_ADAPTER(output)
+
+
+def test_a_global_adapter_of_inference_tensors_edited_in_place_is_never_served_stale(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    from featbake.errors import EncoderLoadError
+
+    module = TinyConvEncoder().eval()
+    module.register_forward_hook(_edited_inference_adapted)
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
+    with torch.inference_mode():
+        EDITED_INFERENCE_ADAPTER.bias.add_(1.0)  # no version counter to bump
+    with pytest.raises(EncoderLoadError, match="changed since this dataset was created") as e:
+        ds[1]
+    assert "\n" not in str(e.value)
+    ds.flush()
+    fresh = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    for i in range(2):
+        torch.testing.assert_close(fresh[i], _live(module, fresh.path(i)))
+
+
+#: A dropout adapter put in eval mode, then back in train mode after a dataset was made.
+LATER_DROPOUT_ADAPTER = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Dropout(0.5)).eval()
+
+
+def _later_dropout_adapted(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    return output + LATER_DROPOUT_ADAPTER(output)
+
+
+def test_a_global_adapter_put_in_train_mode_after_the_dataset_was_made_is_refused(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    from featbake.errors import EncoderLoadError
+
+    module = TinyConvEncoder().eval()
+    module.register_forward_hook(_later_dropout_adapted)
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
+    LATER_DROPOUT_ADAPTER.train()  # a training loop's model.train() reaching it
+    try:
+        with pytest.raises(EncoderLoadError, match="train mode") as e:
+            ds[1]
+        assert "\n" not in str(e.value) and "LATER_DROPOUT_ADAPTER.eval()" in str(e.value)
+    finally:
+        LATER_DROPOUT_ADAPTER.eval()
