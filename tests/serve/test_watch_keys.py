@@ -30,6 +30,20 @@ def _live(module: torch.nn.Module, path: str) -> torch.Tensor:
         return module(source_for(Recipe()).load(Path(path)).unsqueeze(0))[0]
 
 
+def _first_dataset(
+    audio_dir: Path, module: torch.nn.Module, tmp_path: Path
+) -> CachedFeatureDataset:
+    """The first dataset over ``module``, on a store it makes (so it warns that there is none)."""
+    with pytest.warns(UserWarning, match="no featbake store"):
+        return CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+
+
+def _assert_live(ds: CachedFeatureDataset, module: torch.nn.Module, n: int) -> None:
+    """The first ``n`` items ``ds`` serves equal ``module`` run on them now."""
+    for i in range(n):
+        torch.testing.assert_close(ds[i], _live(module, ds.path(i)))
+
+
 #: The PyTorch forum's way to see a layer's output: a module-level dict a forward hook fills.
 ACTIVATION: dict[str, Any] = {}
 
@@ -50,28 +64,22 @@ def test_a_hook_filling_a_global_activation_dict_is_served(tmp_path: Path, audio
     ACTIVATION.clear()
     module = TinyConvEncoder().eval()
     module.register_forward_hook(_capture)
-    with pytest.warns(UserWarning, match="no featbake store"):
-        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
-    for i in range(3):
-        torch.testing.assert_close(ds[i], _live(module, ds.path(i)))
+    ds = _first_dataset(audio_dir, module, tmp_path)
+    _assert_live(ds, module, 3)
     ds.flush()
     again = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s", on_miss="error")
-    for i in range(3):
-        torch.testing.assert_close(again[i], _live(module, again.path(i)))
+    _assert_live(again, module, 3)
 
 
 def test_a_hook_appending_to_a_global_list_is_served(tmp_path: Path, audio_dir: Path) -> None:
     CAPTURED.clear()
     module = TinyConvEncoder().eval()
     module.register_forward_hook(_collect)
-    with pytest.warns(UserWarning, match="no featbake store"):
-        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
-    for i in range(3):
-        torch.testing.assert_close(ds[i], _live(module, ds.path(i)))
+    ds = _first_dataset(audio_dir, module, tmp_path)
+    _assert_live(ds, module, 3)
     ds.flush()
     again = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s", on_miss="error")
-    for i in range(3):
-        torch.testing.assert_close(again[i], _live(module, again.path(i)))
+    _assert_live(again, module, 3)
 
 
 #: A call counter a hook keeps at module level (``global``), as a closure's ``nonlocal`` counter.
@@ -86,8 +94,7 @@ def _count_calls(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
 def test_a_hook_counting_calls_in_a_global_keeps_its_key(tmp_path: Path, audio_dir: Path) -> None:
     module = TinyConvEncoder().eval()
     module.register_forward_pre_hook(_count_calls)
-    with pytest.warns(UserWarning, match="no featbake store"):
-        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    ds = _first_dataset(audio_dir, module, tmp_path)
     ds[0]
     ds.flush()
     again = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s", on_miss="error")
@@ -112,8 +119,7 @@ def test_a_tensor_attribute_moved_to_the_device_in_forward_stays_keyed(
     tmp_path: Path, audio_dir: Path
 ) -> None:
     a = _DeviceScaled(2.0).eval()
-    with pytest.warns(UserWarning, match="no featbake store"):
-        first = CachedFeatureDataset(audio_dir, a, cache=tmp_path / "s")
+    first = _first_dataset(audio_dir, a, tmp_path)
     first[0]
     first.flush()
     b = _DeviceScaled(3.0).eval()
@@ -134,8 +140,7 @@ def _send_shape(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> 
 def test_a_hook_sending_to_a_global_queue_is_served(tmp_path: Path, audio_dir: Path) -> None:
     module = TinyConvEncoder().eval()
     module.register_forward_hook(_send_shape)
-    with pytest.warns(UserWarning, match="no featbake store"):
-        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    ds = _first_dataset(audio_dir, module, tmp_path)
     torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
 
 
@@ -163,14 +168,11 @@ def test_a_module_appending_to_a_list_attribute_in_forward_is_served(
     tmp_path: Path, audio_dir: Path
 ) -> None:
     module = _KeepsMaps().eval()
-    with pytest.warns(UserWarning, match="no featbake store"):
-        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
-    for i in range(3):
-        torch.testing.assert_close(ds[i], _live(module, ds.path(i)))
+    ds = _first_dataset(audio_dir, module, tmp_path)
+    _assert_live(ds, module, 3)
     ds.flush()
     again = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s", on_miss="error")
-    for i in range(3):
-        torch.testing.assert_close(again[i], _live(module, again.path(i)))
+    _assert_live(again, module, 3)
 
 
 def test_a_spectral_normed_module_keeps_its_key_across_its_first_forward(
@@ -179,14 +181,11 @@ def test_a_spectral_normed_module_keeps_its_key_across_its_first_forward(
     module = TinyConvEncoder()
     torch.nn.utils.spectral_norm(module.conv2)
     module.eval()
-    with pytest.warns(UserWarning, match="no featbake store"):
-        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
-    for i in range(3):
-        torch.testing.assert_close(ds[i], _live(module, ds.path(i)))
+    ds = _first_dataset(audio_dir, module, tmp_path)
+    _assert_live(ds, module, 3)
     ds.flush()
     again = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s", on_miss="error")
-    for i in range(3):
-        torch.testing.assert_close(again[i], _live(module, again.path(i)))
+    _assert_live(again, module, 3)
 
 
 class _SelfRemoving:
@@ -211,8 +210,7 @@ class _SelfRemoving:
 def test_a_hook_object_keeping_its_handle_has_one_key(tmp_path: Path, audio_dir: Path) -> None:
     a = TinyConvEncoder().eval()
     _SelfRemoving(a, 2.0)
-    with pytest.warns(UserWarning, match="no featbake store"):
-        first = CachedFeatureDataset(audio_dir, a, cache=tmp_path / "s")
+    first = _first_dataset(audio_dir, a, tmp_path)
     first[0]
     first.flush()
     torch.nn.Linear(2, 2).register_forward_hook(_capture)  # any other hook, anywhere
@@ -243,8 +241,7 @@ def test_a_hook_reading_one_field_of_args_is_not_keyed_by_the_others(
 ) -> None:
     a = TinyConvEncoder().eval()
     a.register_forward_pre_hook(_gain_from_args)
-    with pytest.warns(UserWarning, match="no featbake store"):
-        first = CachedFeatureDataset(audio_dir, a, cache=tmp_path / "s")
+    first = _first_dataset(audio_dir, a, tmp_path)
     first[0]
     first.flush()
     monkeypatch.setattr(ARGS, "lr", 3e-4)  # the next run: another learning rate, same gain
@@ -273,8 +270,7 @@ def test_a_hook_reading_args_that_list_many_files_is_served(
 ) -> None:
     module = TinyConvEncoder().eval()
     module.register_forward_pre_hook(_gain_from_listed_args)
-    with pytest.warns(UserWarning, match="no featbake store"):
-        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    ds = _first_dataset(audio_dir, module, tmp_path)
     torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
 
 
@@ -295,8 +291,7 @@ def test_a_setting_read_by_a_helper_the_hook_calls_is_keyed(
 ) -> None:
     a = TinyConvEncoder().eval()
     a.register_forward_pre_hook(_gain_through_helper)
-    with pytest.warns(UserWarning, match="no featbake store"):
-        first = CachedFeatureDataset(audio_dir, a, cache=tmp_path / "s")
+    first = _first_dataset(audio_dir, a, tmp_path)
     first[0]
     first.flush()
     monkeypatch.setitem(HELPER_SETTINGS, "gain", 3.0)
@@ -318,8 +313,7 @@ def _adapted(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any
 def test_a_global_module_a_hook_runs_is_keyed_or_refused(tmp_path: Path, audio_dir: Path) -> None:
     a = TinyConvEncoder().eval()
     a.register_forward_hook(_adapted)
-    with pytest.warns(UserWarning, match="no featbake store"):
-        first = CachedFeatureDataset(audio_dir, a, cache=tmp_path / "s")
+    first = _first_dataset(audio_dir, a, tmp_path)
     first[0]
     first.flush()
     with torch.no_grad():
@@ -355,14 +349,11 @@ def test_a_hook_object_memoising_in_a_private_dict_is_served(
 ) -> None:
     module = TinyConvEncoder().eval()
     module.register_forward_pre_hook(_MaskPerLength())
-    with pytest.warns(UserWarning, match="no featbake store"):
-        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
-    for i in range(3):
-        torch.testing.assert_close(ds[i], _live(module, ds.path(i)))
+    ds = _first_dataset(audio_dir, module, tmp_path)
+    _assert_live(ds, module, 3)
     ds.flush()
     again = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s", on_miss="error")
-    for i in range(3):
-        torch.testing.assert_close(again[i], _live(module, again.path(i)))
+    _assert_live(again, module, 3)
 
 
 #: When the script started: an observing hook logs the time since.
@@ -383,8 +374,7 @@ def test_an_observing_hook_reading_the_start_time_keeps_its_key(
 ) -> None:
     a = TinyConvEncoder().eval()
     a.register_forward_hook(_log_elapsed)
-    with pytest.warns(UserWarning, match="no featbake store"):
-        first = CachedFeatureDataset(audio_dir, a, cache=tmp_path / "s")
+    first = _first_dataset(audio_dir, a, tmp_path)
     first[0]
     first.flush()
     monkeypatch.setattr(sys.modules[__name__], "STARTED", STARTED + 12.5)  # the next run
@@ -416,8 +406,7 @@ def test_a_setting_read_by_a_helper_of_a_helper_is_keyed(
 ) -> None:
     a = TinyConvEncoder().eval()
     a.register_forward_pre_hook(_gain_two_helpers_deep)
-    with pytest.warns(UserWarning, match="no featbake store"):
-        first = CachedFeatureDataset(audio_dir, a, cache=tmp_path / "s")
+    first = _first_dataset(audio_dir, a, tmp_path)
     first[0]
     first.flush()
     same = CachedFeatureDataset(audio_dir, a, cache=tmp_path / "s", on_miss="error")
@@ -469,17 +458,14 @@ def test_a_global_module_whose_weights_are_unchanged_keeps_its_key(
 ) -> None:
     a = TinyConvEncoder().eval()
     a.register_forward_hook(_adapted)
-    with pytest.warns(UserWarning, match="no featbake store"):
-        first = CachedFeatureDataset(audio_dir, a, cache=tmp_path / "s")
-    for i in range(2):
-        torch.testing.assert_close(first[i], _live(a, first.path(i)))
+    first = _first_dataset(audio_dir, a, tmp_path)
+    _assert_live(first, a, 2)
     first.flush()
     b = TinyConvEncoder().eval()
     b.load_state_dict(a.state_dict())
     b.register_forward_hook(_adapted)
     again = CachedFeatureDataset(audio_dir, b, cache=tmp_path / "s", on_miss="error")
-    for i in range(2):
-        torch.testing.assert_close(again[i], _live(b, again.path(i)))
+    _assert_live(again, b, 2)
 
 
 def test_a_global_module_changed_after_the_dataset_was_made_is_never_served_stale(
@@ -489,8 +475,7 @@ def test_a_global_module_changed_after_the_dataset_was_made_is_never_served_stal
 
     module = TinyConvEncoder().eval()
     module.register_forward_hook(_adapted)
-    with pytest.warns(UserWarning, match="no featbake store"):
-        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    ds = _first_dataset(audio_dir, module, tmp_path)
     torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
     with torch.no_grad():
         ADAPTER.bias.add_(1.0)  # another adapter loaded into the same module
@@ -499,8 +484,7 @@ def test_a_global_module_changed_after_the_dataset_was_made_is_never_served_stal
     assert "\n" not in str(e.value)
     ds.flush()
     fresh = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
-    for i in range(2):
-        torch.testing.assert_close(fresh[i], _live(module, fresh.path(i)))
+    _assert_live(fresh, module, 2)
 
 
 #: A module-level adapter with a hook of its own (what it does is then the hook's too).
@@ -534,8 +518,7 @@ def test_a_global_module_edited_behind_its_version_counters_is_never_served_stal
 
     module = TinyConvEncoder().eval()
     module.register_forward_hook(_adapted)
-    with pytest.warns(UserWarning, match="no featbake store"):
-        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    ds = _first_dataset(audio_dir, module, tmp_path)
     torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
     ADAPTER.weight.data.mul_(0.5)  # no version bump: the watch's reads at each forward trust it
     with pytest.raises(EncoderLoadError, match="changed since this dataset was created") as e:
@@ -781,8 +764,7 @@ def test_an_observing_hook_calling_a_helper_is_served_through_training(
 ) -> None:
     module = TinyConvEncoder().eval()
     module.register_forward_hook(hook)
-    with pytest.warns(UserWarning, match="no featbake store"):
-        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    ds = _first_dataset(audio_dir, module, tmp_path)
     for i in range(3):
         torch.testing.assert_close(ds[i], _live(module, ds.path(i)))
         monkeypatch.setattr(sys.modules[__name__], "TRAIN_STEP", i + 1)  # the loop's next step
@@ -809,8 +791,7 @@ def test_a_config_read_by_two_helpers_is_not_refused_as_too_large(
 ) -> None:
     module = TinyConvEncoder().eval()
     module.register_forward_pre_hook(_cfg_through_helpers)
-    with pytest.warns(UserWarning, match="no featbake store"):
-        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    ds = _first_dataset(audio_dir, module, tmp_path)
     torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
 
 
@@ -825,10 +806,8 @@ def _spectral_adapted(module: torch.nn.Module, args: tuple[Any, ...], output: An
 def test_a_global_adapter_under_spectral_norm_is_served(tmp_path: Path, audio_dir: Path) -> None:
     module = TinyConvEncoder().eval()
     module.register_forward_hook(_spectral_adapted)
-    with pytest.warns(UserWarning, match="no featbake store"):
-        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
-    for i in range(3):
-        torch.testing.assert_close(ds[i], _live(module, ds.path(i)))
+    ds = _first_dataset(audio_dir, module, tmp_path)
+    _assert_live(ds, module, 3)
 
 
 #: A global adapter with dropout, left in train mode (``.eval()`` called on the encoder only).
@@ -933,8 +912,7 @@ def test_a_setting_reached_by_other_helpers_is_keyed(
     _set_gain(monkeypatch, 2.0)
     a = TinyConvEncoder().eval()
     a.register_forward_pre_hook(hook)
-    with pytest.warns(UserWarning, match="no featbake store"):
-        first = CachedFeatureDataset(audio_dir, a, cache=tmp_path / "s")
+    first = _first_dataset(audio_dir, a, tmp_path)
     first[0]
     first.flush()
     _set_gain(monkeypatch, 3.0)
@@ -958,8 +936,7 @@ def test_a_helper_reading_one_environment_variable_is_not_keyed_by_the_others(
 ) -> None:
     a = TinyConvEncoder().eval()
     a.register_forward_pre_hook(_through_environ_helper)
-    with pytest.warns(UserWarning, match="no featbake store"):
-        first = CachedFeatureDataset(audio_dir, a, cache=tmp_path / "s")
+    first = _first_dataset(audio_dir, a, tmp_path)
     first[0]
     first.flush()
     monkeypatch.setenv("SLURM_JOB_ID", "4242")  # the next job: same gain, another job id
@@ -987,8 +964,7 @@ def test_a_global_adapter_of_inference_tensors_is_not_hashed_at_each_forward(
 
     module = TinyConvEncoder().eval()
     module.register_forward_hook(_inference_adapted)
-    with pytest.warns(UserWarning, match="no featbake store"):
-        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    ds = _first_dataset(audio_dir, module, tmp_path)
     torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
     hashed: list[str] = []
     fingerprint = identity.module_fingerprint
@@ -1023,8 +999,7 @@ def test_a_process_wide_hooks_adapter_edited_behind_its_version_counters_is_refu
     handle = torch.nn.modules.module.register_module_forward_hook(_adapted_everywhere)
     try:
         module = TinyConvEncoder().eval()
-        with pytest.warns(UserWarning, match="no featbake store"):
-            ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+        ds = _first_dataset(audio_dir, module, tmp_path)
         torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
         GLOBAL_HOOK_ADAPTER.weight.data.mul_(0.5)  # no version bump
         with pytest.raises(EncoderLoadError, match="changed since this dataset was created") as e:
@@ -1055,8 +1030,7 @@ def _windowing_hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any)
 def test_a_global_window_a_helper_multiplies_by_is_served(tmp_path: Path, audio_dir: Path) -> None:
     module = TinyConvEncoder().eval()
     module.register_forward_hook(_windowing_hook)
-    with pytest.warns(UserWarning, match="no featbake store"):
-        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    ds = _first_dataset(audio_dir, module, tmp_path)
     torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
 
 
@@ -1133,8 +1107,7 @@ def test_a_global_adapter_of_inference_tensors_edited_in_place_is_never_served_s
 
     module = TinyConvEncoder().eval()
     module.register_forward_hook(_edited_inference_adapted)
-    with pytest.warns(UserWarning, match="no featbake store"):
-        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    ds = _first_dataset(audio_dir, module, tmp_path)
     torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
     with torch.inference_mode():
         EDITED_INFERENCE_ADAPTER.bias.add_(1.0)  # no version counter to bump
@@ -1143,8 +1116,7 @@ def test_a_global_adapter_of_inference_tensors_edited_in_place_is_never_served_s
     assert "\n" not in str(e.value)
     ds.flush()
     fresh = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
-    for i in range(2):
-        torch.testing.assert_close(fresh[i], _live(module, fresh.path(i)))
+    _assert_live(fresh, module, 2)
 
 
 #: A dropout adapter put in eval mode, then back in train mode after a dataset was made.
@@ -1162,8 +1134,7 @@ def test_a_global_adapter_put_in_train_mode_after_the_dataset_was_made_is_refuse
 
     module = TinyConvEncoder().eval()
     module.register_forward_hook(_later_dropout_adapted)
-    with pytest.warns(UserWarning, match="no featbake store"):
-        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    ds = _first_dataset(audio_dir, module, tmp_path)
     torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
     LATER_DROPOUT_ADAPTER.train()  # a training loop's model.train() reaching it
     try:
