@@ -30,6 +30,13 @@ def _live(module: torch.nn.Module, path: str) -> torch.Tensor:
         return module(source_for(Recipe()).load(Path(path)).unsqueeze(0))[0]
 
 
+def _hooked(hook: Any, *, pre: bool = False) -> torch.nn.Module:
+    """A tiny encoder in eval mode with ``hook`` on its forward (before it, where ``pre``)."""
+    module = TinyConvEncoder().eval()
+    (module.register_forward_pre_hook if pre else module.register_forward_hook)(hook)
+    return module
+
+
 def _first_dataset(
     audio_dir: Path, module: torch.nn.Module, tmp_path: Path
 ) -> CachedFeatureDataset:
@@ -62,8 +69,7 @@ def _collect(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Non
 
 def test_a_hook_filling_a_global_activation_dict_is_served(tmp_path: Path, audio_dir: Path) -> None:
     ACTIVATION.clear()
-    module = TinyConvEncoder().eval()
-    module.register_forward_hook(_capture)
+    module = _hooked(_capture)
     ds = _first_dataset(audio_dir, module, tmp_path)
     _assert_live(ds, module, 3)
     ds.flush()
@@ -73,8 +79,7 @@ def test_a_hook_filling_a_global_activation_dict_is_served(tmp_path: Path, audio
 
 def test_a_hook_appending_to_a_global_list_is_served(tmp_path: Path, audio_dir: Path) -> None:
     CAPTURED.clear()
-    module = TinyConvEncoder().eval()
-    module.register_forward_hook(_collect)
+    module = _hooked(_collect)
     ds = _first_dataset(audio_dir, module, tmp_path)
     _assert_live(ds, module, 3)
     ds.flush()
@@ -92,13 +97,12 @@ def _count_calls(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
 
 
 def test_a_hook_counting_calls_in_a_global_keeps_its_key(tmp_path: Path, audio_dir: Path) -> None:
-    module = TinyConvEncoder().eval()
-    module.register_forward_pre_hook(_count_calls)
+    module = _hooked(_count_calls, pre=True)
     ds = _first_dataset(audio_dir, module, tmp_path)
     ds[0]
     ds.flush()
     again = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s", on_miss="error")
-    torch.testing.assert_close(again[0], _live(module, again.path(0)))
+    _assert_live(again, module, 1)
 
 
 class _DeviceScaled(torch.nn.Module):
@@ -125,7 +129,7 @@ def test_a_tensor_attribute_moved_to_the_device_in_forward_stays_keyed(
     b = _DeviceScaled(3.0).eval()
     b.inner.load_state_dict(a.inner.state_dict())
     second = CachedFeatureDataset(audio_dir, b, cache=tmp_path / "s")
-    torch.testing.assert_close(second[0], _live(b, second.path(0)))
+    _assert_live(second, b, 1)
 
 
 #: A module-level sink an observing hook sends to (a queue a logging thread drains; a
@@ -138,10 +142,9 @@ def _send_shape(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> 
 
 
 def test_a_hook_sending_to_a_global_queue_is_served(tmp_path: Path, audio_dir: Path) -> None:
-    module = TinyConvEncoder().eval()
-    module.register_forward_hook(_send_shape)
+    module = _hooked(_send_shape)
     ds = _first_dataset(audio_dir, module, tmp_path)
-    torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
+    _assert_live(ds, module, 1)
 
 
 class _KeepsMaps(torch.nn.Module):
@@ -218,7 +221,7 @@ def test_a_hook_object_keeping_its_handle_has_one_key(tmp_path: Path, audio_dir:
     b.load_state_dict(a.state_dict())
     _SelfRemoving(b, 2.0)
     second = CachedFeatureDataset(audio_dir, b, cache=tmp_path / "s", on_miss="error")
-    torch.testing.assert_close(second[0], _live(b, second.path(0)))
+    _assert_live(second, b, 1)
 
 
 #: A script's ``args = parser.parse_args()``: the hook reads one field; the rest (the learning
@@ -239,8 +242,7 @@ def _gain_from_args(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any
 def test_a_hook_reading_one_field_of_args_is_not_keyed_by_the_others(
     tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    a = TinyConvEncoder().eval()
-    a.register_forward_pre_hook(_gain_from_args)
+    a = _hooked(_gain_from_args, pre=True)
     first = _first_dataset(audio_dir, a, tmp_path)
     first[0]
     first.flush()
@@ -249,7 +251,7 @@ def test_a_hook_reading_one_field_of_args_is_not_keyed_by_the_others(
     b.load_state_dict(a.state_dict())
     b.register_forward_pre_hook(_gain_from_args)
     second = CachedFeatureDataset(audio_dir, b, cache=tmp_path / "s", on_miss="error")
-    torch.testing.assert_close(second[0], _live(b, second.path(0)))
+    _assert_live(second, b, 1)
 
 
 #: ``args`` of a script given its inputs on the command line (``nargs="+"``, a shell glob).
@@ -268,10 +270,9 @@ def _gain_from_listed_args(module: torch.nn.Module, args: tuple[Any, ...]) -> tu
 def test_a_hook_reading_args_that_list_many_files_is_served(
     tmp_path: Path, audio_dir: Path
 ) -> None:
-    module = TinyConvEncoder().eval()
-    module.register_forward_pre_hook(_gain_from_listed_args)
+    module = _hooked(_gain_from_listed_args, pre=True)
     ds = _first_dataset(audio_dir, module, tmp_path)
-    torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
+    _assert_live(ds, module, 1)
 
 
 #: Settings a helper function reads; the hook calls the helper.
@@ -289,8 +290,7 @@ def _gain_through_helper(module: torch.nn.Module, args: tuple[Any, ...]) -> tupl
 def test_a_setting_read_by_a_helper_the_hook_calls_is_keyed(
     tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    a = TinyConvEncoder().eval()
-    a.register_forward_pre_hook(_gain_through_helper)
+    a = _hooked(_gain_through_helper, pre=True)
     first = _first_dataset(audio_dir, a, tmp_path)
     first[0]
     first.flush()
@@ -299,7 +299,7 @@ def test_a_setting_read_by_a_helper_the_hook_calls_is_keyed(
     b.load_state_dict(a.state_dict())
     b.register_forward_pre_hook(_gain_through_helper)
     second = CachedFeatureDataset(audio_dir, b, cache=tmp_path / "s")
-    torch.testing.assert_close(second[0], _live(b, second.path(0)))
+    _assert_live(second, b, 1)
 
 
 #: A module-level module a hook runs (an adapter, a projection loaded from a checkpoint).
@@ -311,8 +311,7 @@ def _adapted(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any
 
 
 def test_a_global_module_a_hook_runs_is_keyed_or_refused(tmp_path: Path, audio_dir: Path) -> None:
-    a = TinyConvEncoder().eval()
-    a.register_forward_hook(_adapted)
+    a = _hooked(_adapted)
     first = _first_dataset(audio_dir, a, tmp_path)
     first[0]
     first.flush()
@@ -322,7 +321,7 @@ def test_a_global_module_a_hook_runs_is_keyed_or_refused(tmp_path: Path, audio_d
     b.load_state_dict(a.state_dict())
     b.register_forward_hook(_adapted)
     second = CachedFeatureDataset(audio_dir, b, cache=tmp_path / "s")
-    torch.testing.assert_close(second[0], _live(b, second.path(0)))
+    _assert_live(second, b, 1)
 
 
 class _MaskPerLength:
@@ -347,8 +346,7 @@ class _MaskPerLength:
 def test_a_hook_object_memoising_in_a_private_dict_is_served(
     tmp_path: Path, audio_dir: Path
 ) -> None:
-    module = TinyConvEncoder().eval()
-    module.register_forward_pre_hook(_MaskPerLength())
+    module = _hooked(_MaskPerLength(), pre=True)
     ds = _first_dataset(audio_dir, module, tmp_path)
     _assert_live(ds, module, 3)
     ds.flush()
@@ -372,8 +370,7 @@ def _log_elapsed(module: torch.nn.Module, args: tuple[Any, ...], output: Any) ->
 def test_an_observing_hook_reading_the_start_time_keeps_its_key(
     tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    a = TinyConvEncoder().eval()
-    a.register_forward_hook(_log_elapsed)
+    a = _hooked(_log_elapsed)
     first = _first_dataset(audio_dir, a, tmp_path)
     first[0]
     first.flush()
@@ -382,7 +379,7 @@ def test_an_observing_hook_reading_the_start_time_keeps_its_key(
     b.load_state_dict(a.state_dict())
     b.register_forward_hook(_log_elapsed)
     second = CachedFeatureDataset(audio_dir, b, cache=tmp_path / "s", on_miss="error")
-    torch.testing.assert_close(second[0], _live(b, second.path(0)))
+    _assert_live(second, b, 1)
 
 
 #: A setting two helpers deep: the hook calls ``_scaled``, which calls ``_gain_of``.
@@ -404,8 +401,7 @@ def _gain_two_helpers_deep(module: torch.nn.Module, args: tuple[Any, ...]) -> tu
 def test_a_setting_read_by_a_helper_of_a_helper_is_keyed(
     tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    a = TinyConvEncoder().eval()
-    a.register_forward_pre_hook(_gain_two_helpers_deep)
+    a = _hooked(_gain_two_helpers_deep, pre=True)
     first = _first_dataset(audio_dir, a, tmp_path)
     first[0]
     first.flush()
@@ -416,7 +412,7 @@ def test_a_setting_read_by_a_helper_of_a_helper_is_keyed(
     b.load_state_dict(a.state_dict())
     b.register_forward_pre_hook(_gain_two_helpers_deep)
     second = CachedFeatureDataset(audio_dir, b, cache=tmp_path / "s")
-    torch.testing.assert_close(second[0], _live(b, second.path(0)))
+    _assert_live(second, b, 1)
 
 
 def _halve_until(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -456,8 +452,7 @@ def test_helpers_are_followed_through_recursion_and_not_into_library_code() -> N
 def test_a_global_module_whose_weights_are_unchanged_keeps_its_key(
     tmp_path: Path, audio_dir: Path
 ) -> None:
-    a = TinyConvEncoder().eval()
-    a.register_forward_hook(_adapted)
+    a = _hooked(_adapted)
     first = _first_dataset(audio_dir, a, tmp_path)
     _assert_live(first, a, 2)
     first.flush()
@@ -473,10 +468,9 @@ def test_a_global_module_changed_after_the_dataset_was_made_is_never_served_stal
 ) -> None:
     from featbake.errors import EncoderLoadError
 
-    module = TinyConvEncoder().eval()
-    module.register_forward_hook(_adapted)
+    module = _hooked(_adapted)
     ds = _first_dataset(audio_dir, module, tmp_path)
-    torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
+    _assert_live(ds, module, 1)
     with torch.no_grad():
         ADAPTER.bias.add_(1.0)  # another adapter loaded into the same module
     with pytest.raises(EncoderLoadError, match="changed since this dataset was created") as e:
@@ -501,8 +495,7 @@ def test_a_global_module_with_hooks_of_its_own_is_refused_in_one_line(
 ) -> None:
     from featbake.errors import EncoderLoadError
 
-    module = TinyConvEncoder().eval()
-    module.register_forward_hook(_hooked_adapted)
+    module = _hooked(_hooked_adapted)
     with (
         pytest.warns(UserWarning, match="no featbake store"),
         pytest.raises(EncoderLoadError, match=r"HOOKED_ADAPTER .*forward hooks of its own") as e,
@@ -516,10 +509,9 @@ def test_a_global_module_edited_behind_its_version_counters_is_never_served_stal
 ) -> None:
     from featbake.errors import EncoderLoadError
 
-    module = TinyConvEncoder().eval()
-    module.register_forward_hook(_adapted)
+    module = _hooked(_adapted)
     ds = _first_dataset(audio_dir, module, tmp_path)
-    torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
+    _assert_live(ds, module, 1)
     ADAPTER.weight.data.mul_(0.5)  # no version bump: the watch's reads at each forward trust it
     with pytest.raises(EncoderLoadError, match="changed since this dataset was created") as e:
         ds[1]
@@ -762,8 +754,7 @@ def _logging_through_helper(module: torch.nn.Module, args: tuple[Any, ...], outp
 def test_an_observing_hook_calling_a_helper_is_served_through_training(
     tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch, hook: Any
 ) -> None:
-    module = TinyConvEncoder().eval()
-    module.register_forward_hook(hook)
+    module = _hooked(hook)
     ds = _first_dataset(audio_dir, module, tmp_path)
     for i in range(3):
         torch.testing.assert_close(ds[i], _live(module, ds.path(i)))
@@ -789,10 +780,9 @@ def _cfg_through_helpers(module: torch.nn.Module, args: tuple[Any, ...]) -> tupl
 def test_a_config_read_by_two_helpers_is_not_refused_as_too_large(
     tmp_path: Path, audio_dir: Path
 ) -> None:
-    module = TinyConvEncoder().eval()
-    module.register_forward_pre_hook(_cfg_through_helpers)
+    module = _hooked(_cfg_through_helpers, pre=True)
     ds = _first_dataset(audio_dir, module, tmp_path)
-    torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
+    _assert_live(ds, module, 1)
 
 
 #: A global adapter under torch's old-API spectral norm (a GAN discriminator's, a vocoder's).
@@ -804,8 +794,7 @@ def _spectral_adapted(module: torch.nn.Module, args: tuple[Any, ...], output: An
 
 
 def test_a_global_adapter_under_spectral_norm_is_served(tmp_path: Path, audio_dir: Path) -> None:
-    module = TinyConvEncoder().eval()
-    module.register_forward_hook(_spectral_adapted)
+    module = _hooked(_spectral_adapted)
     ds = _first_dataset(audio_dir, module, tmp_path)
     _assert_live(ds, module, 3)
 
@@ -821,8 +810,7 @@ def _dropout_adapted(module: torch.nn.Module, args: tuple[Any, ...], output: Any
 def test_a_global_adapter_left_in_train_mode_is_refused(tmp_path: Path, audio_dir: Path) -> None:
     from featbake.errors import EncoderLoadError
 
-    module = TinyConvEncoder().eval()
-    module.register_forward_hook(_dropout_adapted)
+    module = _hooked(_dropout_adapted)
     with (
         pytest.warns(UserWarning, match="no featbake store"),
         pytest.raises(EncoderLoadError, match="train mode") as e,
@@ -910,8 +898,7 @@ def test_a_setting_reached_by_other_helpers_is_keyed(
     tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch, hook: Any
 ) -> None:
     _set_gain(monkeypatch, 2.0)
-    a = TinyConvEncoder().eval()
-    a.register_forward_pre_hook(hook)
+    a = _hooked(hook, pre=True)
     first = _first_dataset(audio_dir, a, tmp_path)
     first[0]
     first.flush()
@@ -920,7 +907,7 @@ def test_a_setting_reached_by_other_helpers_is_keyed(
     b.load_state_dict(a.state_dict())
     b.register_forward_pre_hook(hook)
     second = CachedFeatureDataset(audio_dir, b, cache=tmp_path / "s")
-    torch.testing.assert_close(second[0], _live(b, second.path(0)))
+    _assert_live(second, b, 1)
 
 
 def _gain_from_environ(x: torch.Tensor) -> torch.Tensor:
@@ -934,8 +921,7 @@ def _through_environ_helper(module: torch.nn.Module, args: tuple[Any, ...]) -> t
 def test_a_helper_reading_one_environment_variable_is_not_keyed_by_the_others(
     tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    a = TinyConvEncoder().eval()
-    a.register_forward_pre_hook(_through_environ_helper)
+    a = _hooked(_through_environ_helper, pre=True)
     first = _first_dataset(audio_dir, a, tmp_path)
     first[0]
     first.flush()
@@ -944,7 +930,7 @@ def test_a_helper_reading_one_environment_variable_is_not_keyed_by_the_others(
     b.load_state_dict(a.state_dict())
     b.register_forward_pre_hook(_through_environ_helper)
     second = CachedFeatureDataset(audio_dir, b, cache=tmp_path / "s", on_miss="error")
-    torch.testing.assert_close(second[0], _live(b, second.path(0)))
+    _assert_live(second, b, 1)
 
 
 with torch.inference_mode():
@@ -962,10 +948,9 @@ def test_a_global_adapter_of_inference_tensors_is_not_hashed_at_each_forward(
 ) -> None:
     import featbake.encode.identity as identity
 
-    module = TinyConvEncoder().eval()
-    module.register_forward_hook(_inference_adapted)
+    module = _hooked(_inference_adapted)
     ds = _first_dataset(audio_dir, module, tmp_path)
-    torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
+    _assert_live(ds, module, 1)
     hashed: list[str] = []
     fingerprint = identity.module_fingerprint
 
@@ -1000,7 +985,7 @@ def test_a_process_wide_hooks_adapter_edited_behind_its_version_counters_is_refu
     try:
         module = TinyConvEncoder().eval()
         ds = _first_dataset(audio_dir, module, tmp_path)
-        torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
+        _assert_live(ds, module, 1)
         GLOBAL_HOOK_ADAPTER.weight.data.mul_(0.5)  # no version bump
         with pytest.raises(EncoderLoadError, match="changed since this dataset was created") as e:
             ds[1]
@@ -1028,10 +1013,9 @@ def _windowing_hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any)
     "as a global module's buffer",
 )
 def test_a_global_window_a_helper_multiplies_by_is_served(tmp_path: Path, audio_dir: Path) -> None:
-    module = TinyConvEncoder().eval()
-    module.register_forward_hook(_windowing_hook)
+    module = _hooked(_windowing_hook)
     ds = _first_dataset(audio_dir, module, tmp_path)
-    torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
+    _assert_live(ds, module, 1)
 
 
 def _gain_from_built_name(x: torch.Tensor) -> torch.Tensor:
@@ -1105,10 +1089,9 @@ def test_a_global_adapter_of_inference_tensors_edited_in_place_is_never_served_s
 ) -> None:
     from featbake.errors import EncoderLoadError
 
-    module = TinyConvEncoder().eval()
-    module.register_forward_hook(_edited_inference_adapted)
+    module = _hooked(_edited_inference_adapted)
     ds = _first_dataset(audio_dir, module, tmp_path)
-    torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
+    _assert_live(ds, module, 1)
     with torch.inference_mode():
         EDITED_INFERENCE_ADAPTER.bias.add_(1.0)  # no version counter to bump
     with pytest.raises(EncoderLoadError, match="changed since this dataset was created") as e:
@@ -1132,10 +1115,9 @@ def test_a_global_adapter_put_in_train_mode_after_the_dataset_was_made_is_refuse
 ) -> None:
     from featbake.errors import EncoderLoadError
 
-    module = TinyConvEncoder().eval()
-    module.register_forward_hook(_later_dropout_adapted)
+    module = _hooked(_later_dropout_adapted)
     ds = _first_dataset(audio_dir, module, tmp_path)
-    torch.testing.assert_close(ds[0], _live(module, ds.path(0)))
+    _assert_live(ds, module, 1)
     LATER_DROPOUT_ADAPTER.train()  # a training loop's model.train() reaching it
     try:
         with pytest.raises(EncoderLoadError, match="train mode") as e:
