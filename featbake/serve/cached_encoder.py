@@ -333,7 +333,7 @@ def _glance_hooks(
     object, a cell a closure rebinds, a dict it reads edited in place), a watch's own left
     unread."""
     for d in dicts:
-        for hook in d.values():
+        for hook in list(d.values()):  # a copy made in C: see _hook_rows
             held.append(hook)
             if not getattr(hook, "featbake_bookkeeping", False):
                 hooked.append(tuple(held_values(hook)))
@@ -562,9 +562,15 @@ class Structure(NamedTuple):
 
 def _hook_rows(name: str, attrs: Mapping[str, Any], rows: list[Any], refs: list[Any]) -> None:
     """Add a submodule's forward hooks (by id and what each holds) to ``rows`` and ``refs``,
-    a watch's own left out (:func:`~featbake.encode.identity.forward_hooks`' rule)."""
+    a watch's own left out (:func:`~featbake.encode.identity.forward_hooks`' rule).
+
+    Each dict is copied first and the copy walked: reading a hook allocates, so the collector
+    may run a dropped watch's finalizer here, which removes that watch's hooks from the very
+    dict (a forward failed with "OrderedDict mutated during iteration"). ``list(...)`` copies
+    with no collection between taking the iterator and its last item (the list's items grow
+    by ``realloc``; ``tuple(...)`` allocates its tracked tuple after taking the iterator)."""
     for kind in HOOK_DICTS:
-        for hook in attrs[kind].values():
+        for hook in list(attrs[kind].values()):
             if not getattr(hook, "featbake_bookkeeping", False):
                 refs.append(_pinned(hook))
                 rows.append((name, kind, id(hook), *held_values(hook)))

@@ -812,11 +812,6 @@ def test_a_write_back_collected_inside_another_writers_transaction_is_kept(
     assert fresh.cache_info()["hits_store"] == len(ids), [str(w.message) for w in caught]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a collected watch's finalizer removes its run hooks from the module's hook dicts "
-    "while a live watch of the same module iterates them, so the live forward raises",
-)
 def test_a_watch_collected_while_another_reads_the_hooks_does_not_fail_a_forward(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
