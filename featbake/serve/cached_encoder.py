@@ -21,6 +21,7 @@ policy), and outputs are named by :mod:`featbake.encode.outputs`' one rule.
 from __future__ import annotations
 
 import hashlib
+import multiprocessing.util as mp_util
 import os
 import threading
 import time
@@ -1287,7 +1288,11 @@ class CachedEncoder(ProcessLocalState, nn.Module):
             clock=self._clock,
             what="CachedEncoder features",
         )
-        weakref.finalize(self, writeback.close)  # the write-back never refers to the wrapper
+        # Sealed when the wrapper is collected, at exit, and as a DataLoader worker ends: a
+        # multiprocessing Finalize, which a worker runs before its os._exit (a
+        # weakref.finalize's exit hook is atexit's, which a worker never runs). The
+        # write-back never refers to the wrapper; an inherited Finalize does nothing.
+        mp_util.Finalize(self, writeback.close, exitpriority=10)
         return writeback
 
     #: This process's write-back (None without a store): a forked child writes shards of its

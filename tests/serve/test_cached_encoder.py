@@ -865,11 +865,6 @@ class EncodedRows(torch.utils.data.Dataset):
         return self.cached(self.x[i : i + 1], ids=[f"row-{i}"])[0]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a CachedEncoder's write-back is sealed by a weakref.finalize, which a DataLoader "
-    "worker never runs (it leaves through os._exit), so a worker's pending features are lost",
-)
 def test_a_cached_encoder_used_in_a_dataloader_worker_keeps_its_write_back(
     tmp_path: Path,
 ) -> None:
