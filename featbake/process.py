@@ -8,10 +8,11 @@ How many CPUs a build uses is :mod:`featbake.cpus`, the hashing threads
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Generic, NamedTuple, TypeVar, overload
 
 # The one rule for state that must not cross ``fork`` or pickling: hold it in a ProcessLocal.
@@ -125,6 +126,39 @@ os.register_at_fork(
     after_in_parent=_after_fork_in_parent,
     after_in_child=_after_fork_in_child,
 )
+
+
+#: Per thread: how many of featbake's own critical sections it is inside now (a file lock of
+#: the store or its tier taken through :func:`featbake.store.locks.locked`, a catalog
+#: transaction). A finalizer the collector runs on such a thread must not take them again (a
+#: ``flock`` on a new descriptor waits on its own thread for ever, a second connection's
+#: ``BEGIN IMMEDIATE`` for the whole busy timeout): it hands its work over instead
+#: (:func:`in_critical_section`).
+_INSIDE = threading.local()
+
+
+@contextlib.contextmanager
+def critical_section() -> Iterator[None]:
+    """Mark this thread as inside a critical section for the block: entered before the lock or
+    transaction is taken, left once it is let go, so no moment while it is held is unmarked."""
+    _INSIDE.depth = getattr(_INSIDE, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _INSIDE.depth -= 1
+
+
+def in_critical_section() -> bool:
+    """Whether this thread is inside a :func:`critical_section` now.
+
+    Example:
+        >>> with critical_section():
+        ...     in_critical_section()
+        True
+        >>> in_critical_section()
+        False
+    """
+    return getattr(_INSIDE, "depth", 0) > 0
 
 
 class ProcessStamp:
@@ -393,4 +427,6 @@ __all__ = [
     "ProcessLocal",
     "ProcessLocalState",
     "ProcessStamp",
+    "critical_section",
+    "in_critical_section",
 ]

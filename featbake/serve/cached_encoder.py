@@ -63,7 +63,12 @@ from featbake.lru import ByteLRU, CacheInfo
 from featbake.process import ProcessLocal, ProcessLocalState
 from featbake.recipe import Recipe
 from featbake.serve.reads import Served, served_for
-from featbake.serve.state import WriteBack, pending_in_process
+from featbake.serve.state import (
+    WriteBack,
+    close_at_exit,
+    handed_over_sealed,
+    pending_in_process,
+)
 from featbake.store.catalog import Catalog
 from featbake.store.features import FeatureReader
 from featbake.store.open import open_store, place_of
@@ -1292,7 +1297,7 @@ class CachedEncoder(ProcessLocalState, nn.Module):
         # multiprocessing Finalize, which a worker runs before its os._exit (a
         # weakref.finalize's exit hook is atexit's, which a worker never runs). The
         # write-back never refers to the wrapper; an inherited Finalize does nothing.
-        mp_util.Finalize(self, writeback.close, exitpriority=10)
+        mp_util.Finalize(self, close_at_exit, args=(writeback,), exitpriority=10)
         return writeback
 
     #: This process's write-back (None without a store): a forked child writes shards of its
@@ -1316,6 +1321,7 @@ class CachedEncoder(ProcessLocalState, nn.Module):
         """Seal the write-back shard now (also done at exit and when the wrapper is collected)."""
         if self._writeback is not None:
             self._writeback.seal()
+        handed_over_sealed()  # and what dropped ones handed to the sealing thread
 
     # -- forward ------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, ids: Sequence[Any] | None = None) -> Any:

@@ -762,12 +762,6 @@ def dropped_with_pending_write_back(enc: nn.Module, store: Path, x: torch.Tensor
     return ids
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a collected CachedEncoder's write-back finalizer commits on its own connection "
-    "inline, so on a thread inside another writer's catalog transaction it waits out the busy "
-    "timeout on itself (60 s by default) and its features are dropped",
-)
 def test_a_write_back_collected_inside_another_writers_transaction_is_kept(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -915,11 +915,6 @@ print("repaired", flush=True)
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a collected dataset's finalizer seals its write-back inline under a blocking shared "
-    "write.lock, which waits for ever on the exclusive lock its own thread holds in repair",
-)
 def test_repair_in_a_process_that_dropped_a_dataset_does_not_hang(
     audio_dir, encoder_file, store_dir
 ) -> None:
