@@ -221,7 +221,10 @@ class ProcessLocal(Generic[T]):
             (e.g. to close this process's copies of the parent's file descriptors). Never
             called on the value in the process that made it.
         lock: made thread-safe: two threads never make two values for one instance (one lock
-            per attribute, held across ``fork``).
+            per attribute, held across ``fork``). A finalizer the collector runs inside the
+            make, on the making thread, passes the (reentrant) lock: where it uses the
+            attribute it makes and stores a value, which the outer make then returns too,
+            dropping its own unused; every caller gets the one value stored.
 
     The holding class mixes in :class:`ProcessLocalState` (pickling a held value raises).
 
@@ -271,8 +274,11 @@ class ProcessLocal(Generic[T]):
         if old is not None and self.on_inherited is not None:
             self.on_inherited(old[1])
         value = self.make(instance)
-        instance.__dict__[self.key] = Held(_pid, value)
-        return value
+        # The first value stored is the one: a finalizer the collector ran inside ``make`` on
+        # this thread passes the reentrant lock (see :data:`_SLOTS_LOCK`) and may have made and
+        # stored one meanwhile, which it already uses; this make's value is then handed to no
+        # one (``setdefault``: one dict operation, nothing runs between the check and the store).
+        return instance.__dict__.setdefault(self.key, Held(_pid, value))[1]
 
     def __set__(self, instance: object, value: T) -> None:
         instance.__dict__[self.key] = Held(_pid, value)
