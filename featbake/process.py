@@ -8,10 +8,11 @@ How many CPUs a build uses is :mod:`featbake.cpus`, the hashing threads
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Generic, NamedTuple, TypeVar, overload
 
 # The one rule for state that must not cross ``fork`` or pickling: hold it in a ProcessLocal.
@@ -127,6 +128,39 @@ os.register_at_fork(
 )
 
 
+#: Per thread: how many of featbake's own critical sections it is inside now (a file lock of
+#: the store or its tier taken through :func:`featbake.store.locks.locked`, a catalog
+#: transaction). A finalizer the collector runs on such a thread must not take them again (a
+#: ``flock`` on a new descriptor waits on its own thread for ever, a second connection's
+#: ``BEGIN IMMEDIATE`` for the whole busy timeout): it hands its work over instead
+#: (:func:`in_critical_section`).
+_INSIDE = threading.local()
+
+
+@contextlib.contextmanager
+def critical_section() -> Iterator[None]:
+    """Mark this thread as inside a critical section for the block: entered before the lock or
+    transaction is taken, left once it is let go, so no moment while it is held is unmarked."""
+    _INSIDE.depth = getattr(_INSIDE, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _INSIDE.depth -= 1
+
+
+def in_critical_section() -> bool:
+    """Whether this thread is inside a :func:`critical_section` now.
+
+    Example:
+        >>> with critical_section():
+        ...     in_critical_section()
+        True
+        >>> in_critical_section()
+        False
+    """
+    return getattr(_INSIDE, "depth", 0) > 0
+
+
 class ProcessStamp:
     """The process something was made in: :attr:`stale` in a forked copy of that process.
 
@@ -187,7 +221,10 @@ class ProcessLocal(Generic[T]):
             (e.g. to close this process's copies of the parent's file descriptors). Never
             called on the value in the process that made it.
         lock: made thread-safe: two threads never make two values for one instance (one lock
-            per attribute, held across ``fork``).
+            per attribute, held across ``fork``). A finalizer the collector runs inside the
+            make, on the making thread, passes the (reentrant) lock: where it uses the
+            attribute it makes and stores a value, which the outer make then returns too,
+            dropping its own unused; every caller gets the one value stored.
 
     The holding class mixes in :class:`ProcessLocalState` (pickling a held value raises).
 
@@ -237,8 +274,11 @@ class ProcessLocal(Generic[T]):
         if old is not None and self.on_inherited is not None:
             self.on_inherited(old[1])
         value = self.make(instance)
-        instance.__dict__[self.key] = Held(_pid, value)
-        return value
+        # The first value stored is the one: a finalizer the collector ran inside ``make`` on
+        # this thread passes the reentrant lock (see :data:`_SLOTS_LOCK`) and may have made and
+        # stored one meanwhile, which it already uses; this make's value is then handed to no
+        # one (``setdefault``: one dict operation, nothing runs between the check and the store).
+        return instance.__dict__.setdefault(self.key, Held(_pid, value))[1]
 
     def __set__(self, instance: object, value: T) -> None:
         instance.__dict__[self.key] = Held(_pid, value)
@@ -393,4 +433,6 @@ __all__ = [
     "ProcessLocal",
     "ProcessLocalState",
     "ProcessStamp",
+    "critical_section",
+    "in_critical_section",
 ]

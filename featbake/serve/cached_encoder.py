@@ -21,6 +21,7 @@ policy), and outputs are named by :mod:`featbake.encode.outputs`' one rule.
 from __future__ import annotations
 
 import hashlib
+import multiprocessing.util as mp_util
 import os
 import threading
 import time
@@ -62,7 +63,12 @@ from featbake.lru import ByteLRU, CacheInfo
 from featbake.process import ProcessLocal, ProcessLocalState
 from featbake.recipe import Recipe
 from featbake.serve.reads import Served, served_for
-from featbake.serve.state import WriteBack, pending_in_process
+from featbake.serve.state import (
+    WriteBack,
+    close_at_exit,
+    handed_over_sealed,
+    pending_in_process,
+)
 from featbake.store.catalog import Catalog
 from featbake.store.features import FeatureReader
 from featbake.store.open import open_store, place_of
@@ -333,7 +339,7 @@ def _glance_hooks(
     object, a cell a closure rebinds, a dict it reads edited in place), a watch's own left
     unread."""
     for d in dicts:
-        for hook in d.values():
+        for hook in list(d.values()):  # a copy made in C: see _hook_rows
             held.append(hook)
             if not getattr(hook, "featbake_bookkeeping", False):
                 hooked.append(tuple(held_values(hook)))
@@ -562,9 +568,15 @@ class Structure(NamedTuple):
 
 def _hook_rows(name: str, attrs: Mapping[str, Any], rows: list[Any], refs: list[Any]) -> None:
     """Add a submodule's forward hooks (by id and what each holds) to ``rows`` and ``refs``,
-    a watch's own left out (:func:`~featbake.encode.identity.forward_hooks`' rule)."""
+    a watch's own left out (:func:`~featbake.encode.identity.forward_hooks`' rule).
+
+    Each dict is copied first and the copy walked: reading a hook allocates, so the collector
+    may run a dropped watch's finalizer here, which removes that watch's hooks from the very
+    dict (a forward failed with "OrderedDict mutated during iteration"). ``list(...)`` copies
+    with no collection between taking the iterator and its last item (the list's items grow
+    by ``realloc``; ``tuple(...)`` allocates its tracked tuple after taking the iterator)."""
     for kind in HOOK_DICTS:
-        for hook in attrs[kind].values():
+        for hook in list(attrs[kind].values()):
             if not getattr(hook, "featbake_bookkeeping", False):
                 refs.append(_pinned(hook))
                 rows.append((name, kind, id(hook), *held_values(hook)))
@@ -1281,7 +1293,11 @@ class CachedEncoder(ProcessLocalState, nn.Module):
             clock=self._clock,
             what="CachedEncoder features",
         )
-        weakref.finalize(self, writeback.close)  # the write-back never refers to the wrapper
+        # Sealed when the wrapper is collected, at exit, and as a DataLoader worker ends: a
+        # multiprocessing Finalize, which a worker runs before its os._exit (a
+        # weakref.finalize's exit hook is atexit's, which a worker never runs). The
+        # write-back never refers to the wrapper; an inherited Finalize does nothing.
+        mp_util.Finalize(self, close_at_exit, args=(writeback,), exitpriority=10)
         return writeback
 
     #: This process's write-back (None without a store): a forked child writes shards of its
@@ -1305,6 +1321,7 @@ class CachedEncoder(ProcessLocalState, nn.Module):
         """Seal the write-back shard now (also done at exit and when the wrapper is collected)."""
         if self._writeback is not None:
             self._writeback.seal()
+        handed_over_sealed()  # and what dropped ones handed to the sealing thread
 
     # -- forward ------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, ids: Sequence[Any] | None = None) -> Any:

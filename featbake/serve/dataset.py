@@ -56,6 +56,7 @@ from featbake.serve.state import (
     ServeStats,
     SharedFlags,
     WriteBack,
+    handed_over_sealed,
     ram_budget_for_process,
     read_only_misses,
     save_at_exit,
@@ -547,6 +548,7 @@ class CachedFeatureDataset(ProcessLocalState, Dataset):
         st = CachedFeatureDataset._state.peek(self)
         if st is not None:
             st.saver.flush()
+        handed_over_sealed()  # and what dropped ones handed to the sealing thread
 
     def close(self) -> None:
         """Flush, then close this process's shard files and catalog connection."""

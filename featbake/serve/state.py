@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import multiprocessing.util as mp_util
 import os
+import queue
 import sqlite3
 import threading
 import time
@@ -27,7 +29,7 @@ from torch.utils.data import get_worker_info
 from featbake.encode.encoders import LoadedEncoder
 from featbake.errors import StoreError
 from featbake.lru import ByteLRU, CacheInfo
-from featbake.process import ProcessStamp
+from featbake.process import PerProcess, ProcessStamp, in_critical_section
 from featbake.store.catalog import Access, ServingStore, access_for
 from featbake.store.features import ShardHandles
 from featbake.store.fragment_catalog import open_serving_catalog
@@ -393,6 +395,7 @@ class WriteBack:
         # CachedEncoder's; a dataset passes its own): SQLite is never written from many hosts.
         self._catalog = catalog if catalog is not None else open_serving_catalog(layout)
         self.store_id = os.path.realpath(layout.root)
+        _SEALER.get()  # the thread a finalizer run inside a critical section hands it to
         with _LIVE_LOCK:
             _LIVE.add(self)
 
@@ -551,11 +554,98 @@ class Saver:
 
 
 def save_at_exit(saver: Saver) -> None:
-    """The finalizer of a process's state (at exit, or when the state is collected)."""
+    """The finalizer of a process's state (at exit, or when the state is collected): saves it
+    now, or hands it to the sealing thread (:func:`finalized`)."""
+    finalized(saver.close)
+
+
+def close_at_exit(writeback: WriteBack) -> None:
+    """The finalizer of a ``CachedEncoder``'s write-back: as :func:`save_at_exit`."""
+    finalized(writeback.close)
+
+
+def _warned(work: Callable[[], None]) -> None:
+    """Run a finalizer's ``work``; a failure is a warning (no caller is left to raise to)."""
     try:
-        saver.close()
-    except Exception as e:  # at exit there is no caller left to raise to
+        work()
+    except Exception as e:
         warnings.warn(f"featbake: could not save written-back features: {e}", stacklevel=1)
+
+
+# == the sealing thread ============================================================================
+# The cyclic collector runs a finalizer on whatever thread allocates, under whatever that thread
+# holds. A seal takes the store's write.lock, the tier's and the fragments' locks (``flock`` on
+# a new descriptor: it waits for ever on a lock its own thread holds) and commits on a
+# connection of its own (its ``BEGIN IMMEDIATE`` waits the whole busy timeout on its own
+# thread's transaction). So where the thread is inside one of those
+# (:func:`featbake.process.in_critical_section`, kept by ``store.locks.locked`` and the
+# catalog's transactions), a finalizer hands its work to this process's one sealing thread (a
+# ``SimpleQueue.put``: no lock taken) and returns; everywhere else it works inline, as before,
+# so a dropped dataset's rows are in the store when its collection returns. The handed-over work
+# is done before the process exits: the thread is drained and joined by a multiprocessing
+# Finalize run after the saves (at exit, and as a DataLoader worker ends).
+class Sealer:
+    """This process's sealing thread (``featbake-seal``) and its queue of handed-over work."""
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self.stopped = False
+        self.thread = threading.Thread(target=self._run, name="featbake-seal", daemon=True)
+        self.thread.start()
+        mp_util.Finalize(None, self.drain, exitpriority=0)  # after the saves (priority 10)
+
+    def _run(self) -> None:
+        while (work := self.queue.get()) is not None:
+            _warned(work)
+
+    def drain(self) -> None:
+        """Do everything handed over, then stop the thread (at exit); later work runs inline.
+        What was handed over after the stop (by a finalizer the thread itself ran) is done
+        here."""
+        self.stopped = True
+        self.queue.put(None)
+        self.thread.join()
+        while True:
+            try:
+                work = self.queue.get_nowait()
+            except queue.Empty:
+                return
+            if work is not None:
+                _warned(work)
+
+    def wait(self) -> None:
+        """Return once everything handed over before this call is done (at once on the
+        sealing thread itself, or where this thread is inside a critical section, which that
+        work may wait on)."""
+        if self.stopped or in_critical_section() or threading.current_thread() is self.thread:
+            return
+        done = threading.Event()
+        self.queue.put(done.set)
+        done.wait()
+
+
+#: Made with this process's first write-back (never inside a finalizer, which only puts); a
+#: forked child makes its own, as its first write-back does.
+_SEALER: PerProcess[Sealer] = PerProcess(Sealer, lock=True)
+
+
+def finalized(work: Callable[[], None]) -> None:
+    """Run a finalizer's ``work`` now, or, on a thread inside featbake's critical section
+    (a store or tier lock held, a catalog transaction open), hand it to the sealing thread and
+    return at once. A failure is a warning either way."""
+    sealer = _SEALER.peek()
+    if sealer is None or sealer.stopped or not in_critical_section():
+        _warned(work)
+    else:
+        sealer.queue.put(work)
+
+
+def handed_over_sealed() -> None:
+    """Wait until every seal a finalizer handed over in this process so far is done (a
+    ``flush`` waits for them too, so that what it returns to finds them stored)."""
+    sealer = _SEALER.peek()
+    if sealer is not None:
+        sealer.wait()
 
 
 #: What cache_info() in the main process says once DataLoader workers served the dataset.

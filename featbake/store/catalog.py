@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
 from featbake.errors import ShardMissing, StoreCorrupt, StoreError
-from featbake.process import PerThread, ProcessLocalState
+from featbake.process import PerThread, ProcessLocalState, critical_section
 from featbake.store.fidelity import Measured, fidelity_file, write_fidelity
 from featbake.store.files import fsync_dir, fsync_file, holding, remove_file, temporary_path
 from featbake.store.filesystem import detect, set_journal_mode
@@ -185,13 +185,14 @@ def ensure_schema(conn: sqlite3.Connection, path: Path, *, writable: bool) -> No
             f"{'created' if version is None else 'upgraded'}; open the store once where it is "
             "writable (any featbake command that writes upgrades it)"
         )
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        _create_or_migrate(conn)
-        conn.execute("COMMIT")
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
+    with critical_section():
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            _create_or_migrate(conn)
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
 
 
 def upgradable(path: Path) -> bool:
@@ -691,22 +692,23 @@ class CatalogConnection(ProcessLocalState):
         if self.read_only:
             raise read_only_here(self.layout)
         conn = self.conn
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-        except sqlite3.OperationalError as e:
-            raise StoreError(f"the catalog {self.path} is locked or unwritable: {e}") from e
-        txn = Transaction(conn)
-        try:
-            yield txn
-            conn.execute("COMMIT")
-        except sqlite3.OperationalError as e:
-            _roll_back(conn)
-            if not cannot_write(e):
+        with critical_section():  # a finalizer run inside hands its commit over
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.OperationalError as e:
+                raise StoreError(f"the catalog {self.path} is locked or unwritable: {e}") from e
+            txn = Transaction(conn)
+            try:
+                yield txn
+                conn.execute("COMMIT")
+            except sqlite3.OperationalError as e:
+                _roll_back(conn)
+                if not cannot_write(e):
+                    raise
+                raise unwritable_catalog(self.path, e) from e
+            except BaseException:
+                _roll_back(conn)
                 raise
-            raise unwritable_catalog(self.path, e) from e
-        except BaseException:
-            _roll_back(conn)
-            raise
         for fn in txn.callbacks:
             fn()
 
@@ -1287,11 +1289,12 @@ class UpkeepRows(CatalogConnection):
         added up across them never mix a writer's commit half in (stats while a build or gc
         runs)."""
         conn = self.conn
-        conn.execute("BEGIN")
-        try:
-            yield
-        finally:
-            conn.execute("COMMIT")  # it only read: this ends the snapshot
+        with critical_section():  # a read transaction holds off a rollback journal's writers
+            conn.execute("BEGIN")
+            try:
+                yield
+            finally:
+                conn.execute("COMMIT")  # it only read: this ends the snapshot
 
     def shard_rows(self) -> list[ShardRow]:
         """Every shard row, by id."""

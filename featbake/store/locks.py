@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from featbake.errors import StoreError
+from featbake.process import critical_section
 from featbake.store.files import LockCall, LockFile, Taken, lock_taken, opened_lock
 from featbake.store.layout import Layout
 
@@ -62,22 +63,28 @@ def locked(path: Path, *, shared: bool = False, wait: float | None = None) -> It
     without locks (see above) is run unlocked; a file that cannot be created yields None (the
     caller decides whether that is an error).
     """
-    lock = open_lock_file(path)
-    if lock is None:
-        yield None
+    with critical_section():  # a finalizer run here hands its seal over (featbake.process)
+        lock = open_lock_file(path)
+        if lock is None:
+            yield None
+            return
+        try:
+            _take(lock, path, shared=shared, wait=wait)
+            yield lock.fd
+        finally:
+            lock.close()  # closing the descriptor releases the lock (a forked child's: nothing)
+
+
+def _take(lock: LockFile, path: Path, *, shared: bool, wait: float | None) -> None:
+    """Take ``lock`` as :func:`locked` says (blocking, or trying for ``wait`` seconds)."""
+    if wait is None:
+        lock_taken(lock.fd, wait=True, shared=shared, call=LockCall.FLOCK)
         return
-    try:
-        if wait is None:
-            lock_taken(lock.fd, wait=True, shared=shared, call=LockCall.FLOCK)
-        else:
-            deadline = time.monotonic() + wait
-            while lock_taken(lock.fd, shared=shared, call=LockCall.FLOCK) is Taken.HELD:
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(f"{path} is held by another process") from None
-                time.sleep(0.05)
-        yield lock.fd
-    finally:
-        lock.close()  # closing the descriptor releases the lock (a forked child's: nothing)
+    deadline = time.monotonic() + wait
+    while lock_taken(lock.fd, shared=shared, call=LockCall.FLOCK) is Taken.HELD:
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{path} is held by another process") from None
+        time.sleep(0.05)
 
 
 @contextlib.contextmanager

@@ -762,12 +762,6 @@ def dropped_with_pending_write_back(enc: nn.Module, store: Path, x: torch.Tensor
     return ids
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a collected CachedEncoder's write-back finalizer commits on its own connection "
-    "inline, so on a thread inside another writer's catalog transaction it waits out the busy "
-    "timeout on itself (60 s by default) and its features are dropped",
-)
 def test_a_write_back_collected_inside_another_writers_transaction_is_kept(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -812,11 +806,6 @@ def test_a_write_back_collected_inside_another_writers_transaction_is_kept(
     assert fresh.cache_info()["hits_store"] == len(ids), [str(w.message) for w in caught]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a collected watch's finalizer removes its run hooks from the module's hook dicts "
-    "while a live watch of the same module iterates them, so the live forward raises",
-)
 def test_a_watch_collected_while_another_reads_the_hooks_does_not_fail_a_forward(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -870,11 +859,6 @@ class EncodedRows(torch.utils.data.Dataset):
         return self.cached(self.x[i : i + 1], ids=[f"row-{i}"])[0]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a CachedEncoder's write-back is sealed by a weakref.finalize, which a DataLoader "
-    "worker never runs (it leaves through os._exit), so a worker's pending features are lost",
-)
 def test_a_cached_encoder_used_in_a_dataloader_worker_keeps_its_write_back(
     tmp_path: Path,
 ) -> None:

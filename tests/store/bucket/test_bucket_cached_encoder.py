@@ -112,11 +112,6 @@ print("flushed", bool(collected), flush=True)
 
 
 @pytest.mark.parametrize("lock", ["tier.lock", "fragments.lock"])
-@pytest.mark.xfail(
-    strict=True,
-    reason="a collected CachedEncoder's finalizer seals into the bucket inline, and its upload "
-    "waits for ever on a flock (tier.lock, fragments.lock) its own thread holds in another seal",
-)
 def test_a_write_back_collected_inside_a_bucket_lock_does_not_hang(s3: S3, lock: str) -> None:
     """``flock`` belongs to an open file, not a process: the finalizer's trim opens tier.lock
     again and waits, with no timeout, on the live trim that the same thread is inside, so the
