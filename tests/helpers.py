@@ -14,6 +14,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -287,3 +288,23 @@ def run_past_a_marker(args: list[str], marker: str, env: dict[str, str] | None =
         raise AssertionError(f"hung past {marker!r}, in: {' <- '.join(where[:9])}") from None
     assert child.returncode == 0, err
     return out.strip()
+
+
+def script_lines(tmp_path: Path, text: str, clips: int = 2) -> list[str]:
+    """The lines the training script ``text`` prints, run as ``python train.py DATA STORE``
+    over ``clips`` clips it writes and a store not made yet (featbake importable from here)."""
+    from featbake.testing import write_audio_folder
+    from tests.conftest import REPO
+
+    write_audio_folder(tmp_path / "data", clips, seconds=0.3, seed=4)
+    script = tmp_path / "train.py"
+    script.write_text(text)
+    run = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "data"), str(tmp_path / "store")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run.stdout.splitlines()

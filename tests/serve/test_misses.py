@@ -22,6 +22,7 @@ from featbake.store.catalog import Catalog
 from featbake.store.layout import Layout
 from featbake.testing import TinyConvEncoder
 from tests.conftest import live_features
+from tests.helpers import script_lines
 
 
 def _root_names(store: Path) -> set[str]:
@@ -325,26 +326,9 @@ def test_a_module_of_the_script_encodes_misses_in_spawned_workers_until_it_chang
     again gave another fingerprint, so every miss in a spawned worker was refused. The copy is
     checked when it is pickled and trusted where it lands; a module changed before the workers
     started is refused there."""
-    import subprocess
-    import sys
-
-    from featbake.testing import write_audio_folder
-    from tests.conftest import REPO
-
-    write_audio_folder(tmp_path / "data", 3, seconds=0.3, seed=4)
-    script = tmp_path / "train.py"
-    script.write_text(SPAWNED_MISSES)
-    run = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "data"), str(tmp_path / "store")],
-        capture_output=True,
-        text=True,
-        env={**__import__("os").environ, "PYTHONPATH": str(REPO)},
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    lines = run.stdout.splitlines()
-    assert lines[0] == "served 3", run.stdout
-    assert lines[1].startswith("refused: ") and "changed" in lines[1], run.stdout
+    lines = script_lines(tmp_path, SPAWNED_MISSES, clips=3)
+    assert lines[0] == "served 3", lines
+    assert lines[1].startswith("refused: ") and "changed" in lines[1], lines
 
 
 def _fresh_dataset(data: Path, encoder: Any, store: Path) -> CachedFeatureDataset:

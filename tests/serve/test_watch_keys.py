@@ -23,6 +23,7 @@ from featbake.encode.sources import source_for
 from featbake.recipe import Recipe
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.testing import TinyConvEncoder
+from tests.helpers import script_lines
 
 
 def _live(module: torch.nn.Module, path: str) -> torch.Tensor:
@@ -568,7 +569,7 @@ if __name__ == "__main__":
 
 
 def test_a_spawned_worker_never_serves_another_global_adapters_features(tmp_path: Path) -> None:
-    lines = _script_lines(tmp_path, SPAWNED_ADAPTER)
+    lines = script_lines(tmp_path, SPAWNED_ADAPTER)
     assert lines and all(line.endswith("same") or line.startswith("refused:") for line in lines), (
         lines
     )
@@ -631,28 +632,7 @@ if __name__ == "__main__":
 def _run_spawned(tmp_path: Path, at_import: str, in_main: str) -> list[str]:
     """The lines :data:`SPAWNED_HOOK_READS` prints with ``at_import`` and ``in_main`` set."""
     text = SPAWNED_HOOK_READS.replace("AT_IMPORT", at_import)
-    return _script_lines(tmp_path, text.replace("IN_MAIN", in_main))
-
-
-def _script_lines(tmp_path: Path, text: str) -> list[str]:
-    """The lines the training script ``text`` prints, run over two clips and a fresh store."""
-    import subprocess
-
-    from featbake.testing import write_audio_folder
-    from tests.conftest import REPO
-
-    write_audio_folder(tmp_path / "data", 2, seconds=0.3, seed=4)
-    script = tmp_path / "train.py"
-    script.write_text(text)
-    run = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "data"), str(tmp_path / "store")],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    return run.stdout.splitlines()
+    return script_lines(tmp_path, text.replace("IN_MAIN", in_main))
 
 
 @pytest.mark.parametrize(
