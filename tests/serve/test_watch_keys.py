@@ -31,6 +31,16 @@ def _live(module: torch.nn.Module, path: str) -> torch.Tensor:
         return module(source_for(Recipe()).load(Path(path)).unsqueeze(0))[0]
 
 
+def _refused_in_one_line(ds: CachedFeatureDataset, i: int, match: str) -> str:
+    """What ``ds[i]`` is refused with: an :class:`EncoderLoadError` matching ``match``, one line."""
+    from featbake.errors import EncoderLoadError
+
+    with pytest.raises(EncoderLoadError, match=match) as e:
+        ds[i]
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
 def _hooked(hook: Any, *, pre: bool = False) -> torch.nn.Module:
     """A tiny encoder in eval mode with ``hook`` on its forward (before it, where ``pre``)."""
     module = TinyConvEncoder().eval()
@@ -467,16 +477,14 @@ def test_a_global_module_whose_weights_are_unchanged_keeps_its_key(
 def test_a_global_module_changed_after_the_dataset_was_made_is_never_served_stale(
     tmp_path: Path, audio_dir: Path
 ) -> None:
-    from featbake.errors import EncoderLoadError
 
     module = _hooked(_adapted)
     ds = _first_dataset(audio_dir, module, tmp_path)
     _assert_live(ds, module, 1)
     with torch.no_grad():
         ADAPTER.bias.add_(1.0)  # another adapter loaded into the same module
-    with pytest.raises(EncoderLoadError, match="changed since this dataset was created") as e:
-        ds[1]  # a miss the changed adapter would have encoded under the old keys
-    assert "\n" not in str(e.value)
+    # a miss the changed adapter would have encoded under the old keys
+    _refused_in_one_line(ds, 1, "changed since this dataset was created")
     ds.flush()
     fresh = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
     _assert_live(fresh, module, 2)
@@ -508,15 +516,12 @@ def test_a_global_module_with_hooks_of_its_own_is_refused_in_one_line(
 def test_a_global_module_edited_behind_its_version_counters_is_never_served_stale(
     tmp_path: Path, audio_dir: Path
 ) -> None:
-    from featbake.errors import EncoderLoadError
 
     module = _hooked(_adapted)
     ds = _first_dataset(audio_dir, module, tmp_path)
     _assert_live(ds, module, 1)
     ADAPTER.weight.data.mul_(0.5)  # no version bump: the watch's reads at each forward trust it
-    with pytest.raises(EncoderLoadError, match="changed since this dataset was created") as e:
-        ds[1]
-    assert "\n" not in str(e.value)
+    _refused_in_one_line(ds, 1, "changed since this dataset was created")
     ds.flush()
     b = TinyConvEncoder().eval()
     b.load_state_dict(module.state_dict())
@@ -947,7 +952,6 @@ def _adapted_everywhere(module: torch.nn.Module, args: tuple[Any, ...], output: 
 def test_a_process_wide_hooks_adapter_edited_behind_its_version_counters_is_refused(
     tmp_path: Path, audio_dir: Path
 ) -> None:
-    from featbake.errors import EncoderLoadError
 
     handle = torch.nn.modules.module.register_module_forward_hook(_adapted_everywhere)
     try:
@@ -955,9 +959,7 @@ def test_a_process_wide_hooks_adapter_edited_behind_its_version_counters_is_refu
         ds = _first_dataset(audio_dir, module, tmp_path)
         _assert_live(ds, module, 1)
         GLOBAL_HOOK_ADAPTER.weight.data.mul_(0.5)  # no version bump
-        with pytest.raises(EncoderLoadError, match="changed since this dataset was created") as e:
-            ds[1]
-        assert "\n" not in str(e.value)
+        _refused_in_one_line(ds, 1, "changed since this dataset was created")
     finally:
         handle.remove()
 
@@ -1055,16 +1057,13 @@ def _edited_inference_adapted(module: torch.nn.Module, args: tuple[Any, ...], ou
 def test_a_global_adapter_of_inference_tensors_edited_in_place_is_never_served_stale(
     tmp_path: Path, audio_dir: Path
 ) -> None:
-    from featbake.errors import EncoderLoadError
 
     module = _hooked(_edited_inference_adapted)
     ds = _first_dataset(audio_dir, module, tmp_path)
     _assert_live(ds, module, 1)
     with torch.inference_mode():
         EDITED_INFERENCE_ADAPTER.bias.add_(1.0)  # no version counter to bump
-    with pytest.raises(EncoderLoadError, match="changed since this dataset was created") as e:
-        ds[1]
-    assert "\n" not in str(e.value)
+    _refused_in_one_line(ds, 1, "changed since this dataset was created")
     ds.flush()
     fresh = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
     _assert_live(fresh, module, 2)
@@ -1081,15 +1080,13 @@ def _later_dropout_adapted(module: torch.nn.Module, args: tuple[Any, ...], outpu
 def test_a_global_adapter_put_in_train_mode_after_the_dataset_was_made_is_refused(
     tmp_path: Path, audio_dir: Path
 ) -> None:
-    from featbake.errors import EncoderLoadError
 
     module = _hooked(_later_dropout_adapted)
     ds = _first_dataset(audio_dir, module, tmp_path)
     _assert_live(ds, module, 1)
     LATER_DROPOUT_ADAPTER.train()  # a training loop's model.train() reaching it
     try:
-        with pytest.raises(EncoderLoadError, match="train mode") as e:
-            ds[1]
-        assert "\n" not in str(e.value) and "LATER_DROPOUT_ADAPTER.eval()" in str(e.value)
+        refusal = _refused_in_one_line(ds, 1, "train mode")
+        assert "LATER_DROPOUT_ADAPTER.eval()" in refusal
     finally:
         LATER_DROPOUT_ADAPTER.eval()
