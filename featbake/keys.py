@@ -286,13 +286,17 @@ def derived_attributes(cls: type) -> frozenset[str]:
     kept = _DERIVED.get(cls)
     if kept is not None:
         return kept
-    forward = _unwrapped(inspect.getattr_static(cls, "forward", None))
-    names: frozenset[str] = frozenset()
-    if inspect.isfunction(forward):
-        codes = reached_code(forward.__code__, cls)
-        names = frozenset(name for code in codes for name in fresh_attribute_writes(code))
+    names = frozenset(name for code in forward_code(cls) for name in fresh_attribute_writes(code))
     _DERIVED[cls] = names
     return names
+
+
+def forward_code(cls: type) -> list[Any]:
+    """The code a module class's ``forward`` runs of its own: the function (unwrapped), the
+    code nested in it and every method of the class it reaches (:func:`reached_code`); none
+    where ``forward`` is no plain function."""
+    forward = unwrapped(inspect.getattr_static(cls, "forward", None))
+    return reached_code(forward.__code__, cls) if inspect.isfunction(forward) else []
 
 
 def reads_training(cls: type) -> bool:
@@ -309,10 +313,9 @@ def reads_training(cls: type) -> bool:
     kept = _READS_TRAINING.get(cls)
     if kept is not None:
         return kept
-    forward = _unwrapped(inspect.getattr_static(cls, "forward", None))
-    reads = inspect.isfunction(forward) and any(
+    reads = any(
         op.opname in _ATTRIBUTE_LOADS and op.argval == "training"
-        for code in reached_code(forward.__code__, cls)
+        for code in forward_code(cls)
         for op in dis.get_instructions(code)
     )
     _READS_TRAINING[cls] = reads
@@ -384,15 +387,15 @@ def reached_code(code: Any, cls: type | None) -> list[Any]:
         todo += [c for c in now.co_consts if inspect.iscode(c)]
         if cls is not None:
             for name in now.co_names:
-                func = _unwrapped(inspect.getattr_static(cls, name, None))
+                func = unwrapped(inspect.getattr_static(cls, name, None))
                 if inspect.isfunction(func):
                     todo.append(func.__code__)
     return seen
 
 
-def _unwrapped(func: Any) -> Any:
-    """The function a decorator made with ``functools.wraps`` wraps, or ``func``; a wrapper
-    chain that loops back gives ``func``."""
+def unwrapped(func: Any) -> Any:
+    """The function a decorator made with ``functools.wraps`` wraps (``@torch.no_grad()``),
+    or ``func``; a wrapper chain that loops back gives ``func``."""
     try:
         return inspect.unwrap(func)
     except ValueError:

@@ -44,6 +44,7 @@ from featbake.keys import (
     reached_code,
     reads_training,
     tensor_attributes,
+    unwrapped,
 )
 from featbake.keys import keyed_attribute as keyed_attribute
 
@@ -558,7 +559,7 @@ def followed_helper(value: Any) -> Any:
         return None
     if is_own_code(value):
         return value
-    inner = _unwrapped(value)
+    inner = unwrapped(value)
     return inner if inner is not value and is_own_code(inner) else None
 
 
@@ -836,15 +837,6 @@ def cached_code_digest(code: Any) -> str:
 _CODE_DIGESTS: dict[int, tuple[Any, str]] = {}
 
 
-def _unwrapped(func: Any) -> Any:
-    """The function a decorator made with ``functools.wraps`` wraps (``@torch.no_grad()``),
-    or ``func``; a wrapper chain that loops back gives ``func``."""
-    try:
-        return inspect.unwrap(func)
-    except ValueError:
-        return func
-
-
 def hook_code(hook: Any) -> str:
     """A hook's code: the qualified name of what runs, its bytecode (:func:`code_digest`) and
     its source file (:func:`code_identity`); a partial's or bound method's by its function, a
@@ -853,7 +845,7 @@ def hook_code(hook: Any) -> str:
     spawned worker too."""
     func = hook.func if isinstance(hook, functools.partial) else hook
     func = func.__func__ if inspect.ismethod(func) else func
-    func = _unwrapped(func) if inspect.isfunction(func) else func
+    func = unwrapped(func) if inspect.isfunction(func) else func
     runs = (
         func if inspect.isfunction(func) else inspect.getattr_static(type(func), "__call__", None)
     )

@@ -605,7 +605,7 @@ def hooks_now(
     dataset, and what the check before each batch of misses reads exactly."""
     if not isinstance(module, torch.nn.Module):
         return ()
-    own = [(n, k, h) for n, k, h in forward_hooks(module)]
+    own = list(forward_hooks(module))
     own += [("<global>", "", h) for h in foreign_global_hooks()]
     return tuple((n, k, h, tuple(held_values(h, exact=exact))) for n, k, h in own)
 
