@@ -38,11 +38,13 @@ import torch
 from torch.nn.modules import module as torch_module
 
 from featbake.keys import (
+    canonical_json,
     derived_attributes,
     derived_state,
     module_fingerprint,
     reached_code,
     reads_training,
+    state_dict_fingerprint,
     tensor_attributes,
     unwrapped,
 )
@@ -160,6 +162,18 @@ def forward_hooks(module: Any) -> list[tuple[str, str, Any]]:
     ]
 
 
+def kept_per_object(cache: dict[Any, Any], held: tuple[Any, ...], extra: Any, make: Any) -> Any:
+    """``make()``, kept in ``cache`` under the ids of the ``held`` objects (a code object, a
+    class) and ``extra``, the objects held beside the value so no id is lent to another object
+    while the value is kept. A watch reads what each hook holds at every forward, so what is
+    made of a code object (its digest, its globals, its bookkeeping) is made once per object."""
+    key = (id(held[0]), extra) if len(held) == 1 else (*map(id, held), extra)
+    found = cache.get(key)
+    if found is None:
+        found = cache[key] = (held, make())
+    return found[1]
+
+
 def bookkeeping_names(code: Any, ops: frozenset[str], cls: type | None = None) -> frozenset[str]:
     """The names a hook's code keeps as its own bookkeeping, left out of keys (neither keyed,
     watched nor refused): those it writes by ``ops`` (``STORE_ATTR``: an attribute,
@@ -188,17 +202,16 @@ def bookkeeping_names(code: Any, ops: frozenset[str], cls: type | None = None) -
         >>> sorted(bookkeeping_names(Hook.__call__.__code__, ATTRIBUTE_WRITES, Hook))
         ['calls', 'last', 'seen']
     """
-    key = (id(code), ops, id(cls))
-    kept = _BOOKKEEPING.get(key)
-    if kept is not None:
-        return kept[2]
+    return kept_per_object(_BOOKKEEPING, (code, cls), ops, lambda: _bookkeeping(code, ops, cls))
+
+
+def _bookkeeping(code: Any, ops: frozenset[str], cls: type | None) -> frozenset[str]:
+    """:func:`bookkeeping_names`, made anew."""
     written: set[str] = set()
     read: set[str] = set()
     for each in reached_code(code, cls):
         _uses(each, ops, written, read)
-    names = frozenset(written - read)
-    _BOOKKEEPING[key] = (code, cls, names)
-    return names
+    return frozenset(written - read)
 
 
 def _uses(code: Any, ops: frozenset[str], written: set[str], read: set[str]) -> None:
@@ -236,9 +249,8 @@ def _records(ins: list[Any], i: int) -> bool:
     return [o.opname for o in after[1:4]] == ["COPY", "COPY", "BINARY_SUBSCR"]
 
 
-#: (id of a code object, ops, id of a class) -> (the code object, the class, its bookkeeping
-#: names): bookkeeping_names's.
-_BOOKKEEPING: dict[tuple[int, frozenset[str], int], tuple[Any, Any, frozenset[str]]] = {}
+#: bookkeeping_names's, by code object, class and ops (:func:`kept_per_object`).
+_BOOKKEEPING: dict[Any, Any] = {}
 
 
 #: The ops by which a hook's code writes an attribute, or a closure cell (``nonlocal``).
@@ -401,36 +413,107 @@ class HeldReading:
 
     def _globals(self, func: Any, depth: int) -> list[str]:
         """The globals a function's code reads (:func:`global_names`) that change what it
-        does: plain data (a script's ``args`` or settings dict) by its value; a module
-        (an adapter) by its state (:meth:`_global_module`); a function of the user's own code
-        it calls (:func:`followed_helper`) as a held function is read, its own globals in
-        turn, so a setting a helper reads is keyed as one the hook reads (recursion reads as
-        ``<cycle>``, a chain past :data:`HELD_DEPTH` is refused). Other modules, classes and
-        callables (library code) are code, read by the code rule, never here. A global the
-        code keeps as bookkeeping (:func:`bookkeeping_names` by ``STORE_GLOBAL``: a counter it
-        bumps, a list or queue it only records into) is left out, as a hook's attribute or
-        cell is; ``os.environ`` read only by constant names is keyed by those variables
-        (:func:`environment_names`); a container or object read by several functions of one
-        hook is read (and counted toward :data:`HELD_VALUES`) once."""
+        does, each by :meth:`_global`, and what it reads through the user's own modules and
+        classes by name (:func:`attribute_chains`: ``utils.apply_gain``, ``Config.GAIN``,
+        ``AudioUtils.normalise``), and of the process's settings in the standard library
+        (:data:`PROCESS_SETTINGS`: ``os.environ``, ``os.getenv``, ``sys.argv``), each under its
+        dotted name, as a global of that name would be. Other modules, classes and callables
+        (library code) are code, read by the code rule, never here. A global the code keeps as
+        bookkeeping (:func:`bookkeeping_names` by ``STORE_GLOBAL``: a counter it bumps, a list
+        or queue it only records into) is left out, as a hook's attribute or cell is; a
+        container or object read whole by several functions of one hook is read (and counted
+        toward :data:`HELD_VALUES`) once."""
         found = getattr(func, "__globals__", {})
         code = func.__code__
         kept = bookkeeping_names(code, GLOBAL_WRITES)
         rows = []
         for g in global_names(code):
             value = found.get(g, _ABSENT)
-            if value is _ABSENT or g in kept:
-                continue
-            if value is os.environ and (names := environment_names(code, g)) is not None:
-                rows.append(f"global {g}={self.text({n: value.get(n) for n in names}, g, depth)}")
-            elif is_data(value) and self._read_before(value):
-                rows.append(f"global {g}=<read above>")
-            elif is_data(value):
-                rows.append(f"global {g}={self.text(value, g, depth)}")
-            elif isinstance(value, torch.nn.Module):
-                rows.append(f"global {g}={self._global_module(value, g)}")
-            elif (helper := followed_helper(value)) is not None:
-                rows.append(f"global {g}={self.text(helper, g, depth)}")
+            if value is not _ABSENT and g not in kept:
+                text = self._global(g, value, code, depth)
+                rows += [] if text is None else [f"global {g}={text}"]
+        reached: dict[str, Any] = {}
+        for g, chain in attribute_chains(code):
+            if g not in kept and g in found:
+                name, value = reached_attribute(g, found[g], chain)
+                if name != g and value is not _ABSENT:
+                    reached.setdefault(name, value)
+        for name, value in sorted(reached.items()):
+            text = self._global(name, value, code, depth)
+            rows += [] if text is None else [f"global {name}={text}"]
         return rows
+
+    def _global(self, name: str, value: Any, code: Any, depth: int) -> str | None:
+        """A global the code reads under ``name`` (dotted where reached through a module or
+        class), as a key reads it, or None where it is code (read by the code rule):
+        ``os.environ`` (or ``os.getenv``) read only by constant names by those variables
+        (:func:`names_read`), else whole; a tensor or array by its values
+        (:func:`global_tensor_digest`); plain data (a script's ``args``, a settings dict) by
+        its value, only the items or fields the code names where it reads no other
+        (:meth:`_fields_read`); a module (an adapter) by its state (:meth:`_global_module`);
+        the user's own code it calls (:func:`followed_helper`: a function, a partial or bound
+        method of one, a callable object of the user's class) as a held one is read, its own
+        globals in turn, so a setting a helper reads is keyed as one the hook reads (recursion
+        reads as ``<cycle>``, a chain past :data:`HELD_DEPTH` is refused)."""
+        if value is os.environ or value is os.getenv:
+            how = Read.BY_KEY if value is os.environ else Read.BY_ARGUMENT
+            names = names_read(code, name, how)
+            if names is not None:
+                return self.text({n: os.environ.get(n) for n in names}, name, depth)
+            value = os.environ
+        if isinstance(value, (torch.Tensor, np.ndarray)):
+            return self._global_tensor(value, name)
+        if is_data(value):
+            fields = self._fields_read(value, name, code, depth)
+            if fields is not None:
+                return fields
+            return "<read above>" if self._read_before(value) else self.text(value, name, depth)
+        if isinstance(value, torch.nn.Module):
+            return self._global_module(value, name)
+        helper = followed_helper(value)
+        if helper is None:
+            return None
+        if isinstance(helper, (types.FunctionType, functools.partial, types.MethodType)):
+            return self.text(helper, name, depth)
+        runs = _runs(helper)  # a callable object: its __call__'s code, and what it holds
+        return f"call({cached_code_digest(runs.__code__)},{self.text(helper, name, depth)})"
+
+    def _fields_read(self, value: Any, name: str, code: Any, depth: int) -> str | None:
+        """A global dict the code reads only by constant keys (``CFG["gain"]``,
+        ``CFG.get("gain", 1.0)``, ``"gain" in CFG``) as those items (one absent as
+        ``<absent>``), an object only by its instance attributes' names (``args.gain``) as
+        those fields, by value (:func:`names_read`); None where the code reads it otherwise
+        (passes it on, iterates it, names a key built at run time, a property): then it is
+        read whole. A run with another ``--lr`` keeps the key of a hook that reads
+        ``args.gain``, and a namespace listing 600 input files is no value too large."""
+        if type(value) is dict:
+            keys = names_read(code, name, Read.BY_KEY)
+            if keys is None:
+                return None
+            rows = [
+                f"{self.text(k, name, depth)}:"
+                + (self.text(value[k], name, depth) if k in value else "<absent>")
+                for k in keys
+            ]
+            return f"dict[{','.join(rows)}]"
+        if not _plain_object(value):
+            return None
+        fields = names_read(code, name, Read.BY_FIELD)
+        held = dict(instance_attributes(value))
+        if fields is None or any(f not in held for f in fields):
+            return None
+        rows = [f"{f}={self.text(held[f], f, depth)}" for f in fields]
+        return f"{type(value).__qualname__}({','.join(rows)})"
+
+    def _global_tensor(self, value: torch.Tensor | np.ndarray, name: str) -> str:
+        """A tensor or array the code reads as a global (a window, a mean and std), by its
+        values (:func:`global_tensor_digest`); the hooked module's own as ``<own>`` (its key
+        reads it); an array of Python objects, whose bytes are addresses, refused."""
+        if id(value) in self.own:
+            return "<own>"
+        if isinstance(value, np.ndarray) and value.dtype.hasobject:
+            return self._refuse(name, "an array of Python objects")
+        return f"{type(value).__name__}({global_tensor_digest(value, exact=self.exact)})"
 
     def _read_before(self, value: Any) -> bool:
         """Whether ``value``, a global's container or object (no plain value: those cost one
@@ -544,23 +627,33 @@ _ABSENT = object()
 
 
 def followed_helper(value: Any) -> Any:
-    """The function of the user's own code a hook reaches through a global (``_apply_gain``
-    in ``return (_apply_gain(x),)``), read as a held function is (its code, what it holds and
-    the globals it reads), or None: a global that is no plain function, or one of library
-    code (:func:`is_own_code`: the standard library, installed packages, torch and featbake,
-    whose changes the code rule and the library versions answer for). A decorated helper
-    (``@torch.no_grad()``) is followed by the function it wraps where only that is the user's.
+    """The user's own code a hook reaches through a global, read as a held function is (its
+    code, what it holds and the globals it reads), or None: a function of the user's own code
+    (``_apply_gain`` in ``return (_apply_gain(x),)``); a partial or bound method of one
+    (``GAIN = partial(scaled, key="gain")``); an object of a class whose ``__call__`` is one
+    (a torchaudio-style transform object). A global that is none of these, or library code
+    (:func:`is_own_code`: the standard library, installed packages, torch and featbake,
+    whose changes the code rule and the library versions answer for), gives None. A decorated
+    helper (``@torch.no_grad()``) is followed by the function it wraps where only that is the
+    user's.
 
     Example:
         >>> followed_helper(len), followed_helper(json.dumps)
         (None, None)
     """
-    if type(value) is not types.FunctionType:
+    if type(value) is types.FunctionType:
+        if is_own_code(value):
+            return value
+        inner = unwrapped(value)
+        return inner if inner is not value and is_own_code(inner) else None
+    if isinstance(value, functools.partial):
+        return value if followed_helper(value.func) is not None else None
+    if inspect.ismethod(value):
+        return value if followed_helper(value.__func__) is not None else None
+    if isinstance(value, type):
         return None
-    if is_own_code(value):
-        return value
-    inner = unwrapped(value)
-    return inner if inner is not value and is_own_code(inner) else None
+    runs = _runs(value)
+    return value if inspect.isfunction(runs) and is_own_code(runs) else None
 
 
 def is_own_code(func: Any) -> bool:
@@ -571,14 +664,16 @@ def is_own_code(func: Any) -> bool:
     if type(func) is not types.FunctionType or is_library_machinery(func):
         return False
     code = func.__code__
-    kept = _OWN_CODE.get(id(code))
-    if kept is None:
-        top = (getattr(func, "__module__", None) or "").partition(".")[0]
-        named = top in UNVERSIONED or top in sys.stdlib_module_names
-        where = code.co_filename
-        own = not named and not where.startswith("<frozen") and not _installed_file(where)
-        kept = _OWN_CODE[id(code)] = (code, own)
-    return kept[1]
+    top = (getattr(func, "__module__", None) or "").partition(".")[0]
+    return kept_per_object(_OWN_CODE, (code,), top, lambda: _own_source(top, code.co_filename))
+
+
+def _own_source(top: str, filename: str) -> bool:
+    """Whether code of the module named ``top`` (its top package) from ``filename`` is the
+    user's: of no module of :data:`UNVERSIONED` or the standard library, and from no file
+    under the standard library's or installed packages' folders."""
+    named = top in UNVERSIONED or top in sys.stdlib_module_names
+    return not named and not filename.startswith("<frozen") and not _installed_file(filename)
 
 
 def _installed_file(filename: str) -> bool:
@@ -591,8 +686,8 @@ def _installed_file(filename: str) -> bool:
         return False
 
 
-#: id of a code object -> (the code object, whether it is the user's own): is_own_code's.
-_OWN_CODE: dict[int, tuple[Any, bool]] = {}
+#: is_own_code's, by code object and top module name (:func:`kept_per_object`).
+_OWN_CODE: dict[Any, Any] = {}
 
 
 def global_module_digest(module: torch.nn.Module, *, exact: bool = False) -> str:
@@ -678,76 +773,269 @@ _GLOBAL_MODULES: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, str]] = (
 def global_names(code: Any) -> tuple[str, ...]:
     """The global names a code object and the code nested in it load (``LOAD_GLOBAL``),
     sorted; kept per code object (the object held so its id is not lent)."""
-    kept = _GLOBAL_NAMES.get(id(code))
-    if kept is None:
-        names = {
-            op.argval
-            for each in reached_code(code, None)
-            for op in dis.get_instructions(each)
-            if op.opname == "LOAD_GLOBAL"
-        }
-        kept = _GLOBAL_NAMES[id(code)] = (code, tuple(sorted(names)))
-    return kept[1]
+    return kept_per_object(_GLOBAL_NAMES, (code,), None, lambda: _loaded_globals(code))
 
 
-def environment_names(code: Any, name: str) -> tuple[str, ...] | None:
-    """The variables a code object (and the code nested in it) reads of ``os.environ``, held
-    as the global ``name`` (``from os import environ``), where each read names its variable by
-    a constant (``environ.get("GAIN", "2")``, ``environ["GAIN"]``, ``"GAIN" in environ``),
-    sorted; None where one does not (``environ.get(key)``, ``dict(environ)``, passed on): then
-    the whole environment is keyed. A read by a constant name gives that variable's value and
-    nothing else, so the others (a job id, a path) change no output and no key. Kept per code
-    object and name.
+def _loaded_globals(code: Any) -> tuple[str, ...]:
+    """:func:`global_names`, made anew."""
+    loads = (op for each in reached_code(code, None) for op in dis.get_instructions(each))
+    return tuple(sorted({op.argval for op in loads if op.opname == "LOAD_GLOBAL"}))
+
+
+class Read(enum.Enum):
+    """How a global is read where each use of it names what it reads (:func:`names_read`)."""
+
+    #: A mapping by a constant key: ``m["X"]``, ``m.get("X")``, ``m.get("X", d)``, ``"X" in m``.
+    BY_KEY = "key"
+    #: A getter called with a constant first argument: ``getenv("X")``, ``getenv("X", d)``.
+    BY_ARGUMENT = "argument"
+    #: An object by an attribute's name: ``args.gain``.
+    BY_FIELD = "field"
+
+
+def names_read(code: Any, dotted: str, how: Read) -> tuple[str, ...] | None:
+    """The names the global at ``dotted`` (a global, or one reached through attributes:
+    ``os.environ``) is read by in a code object and the code nested in it, sorted, where each
+    use of it reads one name ``how`` says, by a constant, and nothing is made of it first;
+    None where a use does not (``environ.get("X" + s)``, ``dict(environ)``, passed on,
+    iterated): then the whole value is keyed. A read by a constant name gives that item's
+    value and nothing else, so the others (a job id, a learning rate) change no output and
+    no key. Kept per code object, name and way.
 
     Example:
         >>> from os import environ
         >>> def gain():
         ...     return float(environ.get("GAIN", "2")) + ("BIAS" in environ)
-        >>> environment_names(gain.__code__, "environ")
+        >>> names_read(gain.__code__, "environ", Read.BY_KEY)
         ('BIAS', 'GAIN')
     """
-    key = (id(code), name)
-    kept = _ENVIRONMENT_NAMES.get(key)
-    if kept is None:
-        names: set[str] | None = set()
-        for each in reached_code(code, None):
-            ins = list(dis.get_instructions(each))
-            for i, op in enumerate(ins):
-                if op.opname == "LOAD_GLOBAL" and op.argval == name and names is not None:
-                    read = _constant_variable(ins, i)
-                    names = None if read is None else names | {read}
-        kept = _ENVIRONMENT_NAMES[key] = (code, None if names is None else tuple(sorted(names)))
-    return kept[1]
+    return kept_per_object(
+        _NAMES_READ, (code,), (dotted, how), lambda: _names_read(code, dotted.split("."), how)
+    )
 
 
-def _constant_variable(ins: list[Any], i: int) -> str | None:
-    """The variable the mapping loaded at ``ins[i]`` is read by, where a constant string names
-    it and nothing is made of it before the read: ``.get("X")`` or ``.get("X", <a constant, a
-    local or a global>)``, ``["X"]``, ``"X" in``; None for any other use (``.get("X" + s)``)."""
-    ops = [o.opname for o in ins[i + 1 : i + 6]]
-    args = ins[i + 2] if len(ins) > i + 2 else None
-    if ops[:2] in (["LOAD_ATTR", "LOAD_CONST"], ["LOAD_METHOD", "LOAD_CONST"]):
-        called = ops[2:3] in (["PRECALL"], ["CALL"]) or (
-            ops[2:3] in (["LOAD_CONST"], ["LOAD_FAST"], ["LOAD_GLOBAL"])
-            and ops[3:4] in (["PRECALL"], ["CALL"])
-        )
-        if ins[i + 1].argval == "get" and called and args is not None:
-            return args.argval if isinstance(args.argval, str) else None
-        return None
-    if ops[:2] == ["LOAD_CONST", "BINARY_SUBSCR"] and isinstance(ins[i + 1].argval, str):
-        return str(ins[i + 1].argval)
-    before = ins[i - 1] if i > 0 else None
+def _names_read(code: Any, parts: list[str], how: Read) -> tuple[str, ...] | None:
+    """:func:`names_read`, made anew."""
+    names: set[str] = set()
+    for each in reached_code(code, None):
+        ins = list(dis.get_instructions(each))
+        for i, op in enumerate(ins):
+            if op.opname != "LOAD_GLOBAL" or op.argval != parts[0]:
+                continue
+            end = _chain_end(ins, i, parts)
+            if end is None:
+                continue  # another attribute of the global (os.path), not this value
+            read = _name_read(ins, i, end, how)
+            if read is None:
+                return None
+            names.add(read)
+    return tuple(sorted(names))
+
+
+def _chain_end(ins: list[Any], i: int, parts: list[str]) -> int | None:
+    """The index of the load that ends ``parts`` (a global, then its attributes by name)
+    begun at ``ins[i]``, or None where another name follows the global there."""
+    for k, part in enumerate(parts[1:], start=1):
+        op = ins[i + k] if i + k < len(ins) else None
+        if op is None or op.opname not in _METHOD_LOADS or op.argval != part:
+            return None
+    return i + len(parts) - 1
+
+
+def _name_read(ins: list[Any], start: int, end: int, how: Read) -> str | None:
+    """The name the value loaded by ``ins[start:end + 1]`` is read by ``how``, where a
+    constant names it right after the load; None for any other use."""
+    after = ins[end + 1 : end + 3]
+    ops = [o.opname for o in after]
+    if how is Read.BY_FIELD:
+        return str(after[0].argval) if ops[:1] and ops[0] in _METHOD_LOADS else None
+    if how is Read.BY_ARGUMENT:
+        return _constant_argument(ins, end + 1)
+    if ops[:1] and ops[0] in _METHOD_LOADS:
+        return _constant_argument(ins, end + 2) if after[0].argval == "get" else None
+    if ops == ["LOAD_CONST", "BINARY_SUBSCR"] and isinstance(after[0].argval, str):
+        return after[0].argval
+    before = ins[start - 1] if start > 0 else None
     if ops[:1] == ["CONTAINS_OP"] and before is not None and before.opname == "LOAD_CONST":
         return before.argval if isinstance(before.argval, str) else None
     return None
 
 
-#: (id of a code object, a name) -> (the code object, the variables read): environment_names's.
-_ENVIRONMENT_NAMES: dict[tuple[int, str], tuple[Any, tuple[str, ...] | None]] = {}
+def _constant_argument(ins: list[Any], k: int) -> str | None:
+    """The constant string ``ins[k]`` loads as the first argument of a call made right
+    after it, with at most one more argument (a constant, a local or a global), or None."""
+    ops = [o.opname for o in ins[k : k + 3]]
+    if ops[:1] != ["LOAD_CONST"] or not isinstance(ins[k].argval, str):
+        return None
+    called = ops[1:2] in (["PRECALL"], ["CALL"]) or (
+        ops[1:2] in (["LOAD_CONST"], ["LOAD_FAST"], ["LOAD_GLOBAL"])
+        and ops[2:3] in (["PRECALL"], ["CALL"])
+    )
+    return ins[k].argval if called else None
 
 
-#: id of a code object -> (the code object, its global names): global_names's.
-_GLOBAL_NAMES: dict[int, tuple[Any, tuple[str, ...]]] = {}
+#: names_read's, by code object, dotted name and way (:func:`kept_per_object`).
+_NAMES_READ: dict[Any, Any] = {}
+
+
+def attribute_chains(code: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """``(global, (name, ...))`` for each global a code object (and the code nested in it)
+    loads and then reads attributes of by name (``utils.apply_gain(x)``: ``("utils",
+    ("apply_gain",))``), the names in the order read, sorted; kept per code object.
+
+    Example:
+        >>> import os
+        >>> def gain():
+        ...     return float(os.environ.get("GAIN", "2"))
+        >>> attribute_chains(gain.__code__)
+        (('os', ('environ', 'get')),)
+    """
+    return kept_per_object(_CHAINS, (code,), None, lambda: _attribute_chains(code))
+
+
+def _attribute_chains(code: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """:func:`attribute_chains`, made anew."""
+    chains: set[tuple[str, tuple[str, ...]]] = set()
+    for each in reached_code(code, None):
+        ins = list(dis.get_instructions(each))
+        for i, op in enumerate(ins):
+            if op.opname != "LOAD_GLOBAL":
+                continue
+            names = list(itertools.takewhile(lambda o: o.opname in _METHOD_LOADS, ins[i + 1 :]))
+            if names:
+                chains.add((op.argval, tuple(str(o.argval) for o in names)))
+    return tuple(sorted(chains))
+
+
+#: attribute_chains's, by code object (:func:`kept_per_object`).
+_CHAINS: dict[Any, Any] = {}
+
+
+#: The process's settings a hook may read in the standard library (module, attribute): keyed
+#: by value, as a global of the user's is (``os.environ``, ``os.getenv``: the variables read).
+PROCESS_SETTINGS = frozenset({("os", "environ"), ("os", "getenv"), ("sys", "argv")})
+
+
+def reached_attribute(name: str, value: Any, chain: tuple[str, ...]) -> tuple[str, Any]:
+    """The dotted name and value a global ``name`` of ``value`` leads to through ``chain``,
+    followed while it passes through the user's own modules and classes
+    (:func:`is_own_namespace`) or names a process setting (:data:`PROCESS_SETTINGS`), each
+    attribute as :func:`namespace_attribute` gives it; ``_ABSENT`` where one is none.
+
+    Example:
+        >>> import os
+        >>> reached_attribute("os", os, ("environ", "get"))[0]
+        'os.environ'
+    """
+    for part in chain:
+        setting = isinstance(value, types.ModuleType) and (value.__name__, part) in PROCESS_SETTINGS
+        if not setting and not is_own_namespace(value):
+            break
+        value = namespace_attribute(value, part)
+        name = f"{name}.{part}"
+        if value is _ABSENT:
+            break
+    return name, value
+
+
+def namespace_attribute(namespace: Any, name: str) -> Any:
+    """``namespace.name`` as it is, running no code: a module's global, a class's attribute
+    (searched through its bases), a static or class method as its function; ``_ABSENT``
+    where there is none or it is another descriptor (a property: code, read by the code
+    rule)."""
+    if isinstance(namespace, types.ModuleType):
+        return namespace.__dict__.get(name, _ABSENT)
+    try:
+        found = inspect.getattr_static(namespace, name)
+    except AttributeError:
+        return _ABSENT
+    if isinstance(found, (staticmethod, classmethod)):
+        return found.__func__
+    if type(found) is not types.FunctionType and hasattr(type(found), "__get__"):
+        return _ABSENT
+    return found
+
+
+def is_own_namespace(value: Any) -> bool:
+    """Whether ``value`` is a module of the user's own code (the script run, a module from
+    no file of the standard library's or installed packages' folders, nor of
+    :data:`UNVERSIONED`), or a class defined in one: what a hook's code reaches through it
+    by name is followed as a global of its own.
+
+    Example:
+        >>> is_own_namespace(json), is_own_namespace(dict)
+        (False, False)
+    """
+    if isinstance(value, type):
+        value = sys.modules.get(value.__module__)
+    if not isinstance(value, types.ModuleType):
+        return False
+    where = getattr(value, "__file__", None)
+    if not isinstance(where, str):
+        return False
+    top = value.__name__.partition(".")[0]
+    return bool(kept_per_object(_OWN_MODULES, (value,), where, lambda: _own_source(top, where)))
+
+
+#: is_own_namespace's, by module and file (:func:`kept_per_object`).
+_OWN_MODULES: dict[Any, Any] = {}
+
+
+def _plain_object(value: Any) -> bool:
+    """Whether ``value`` keeps its state in attributes read as they are: an object with a
+    ``__dict__`` or slots, no container, whose class reads attributes the usual way (no
+    ``__getattr__``, ``__getattribute__`` of its own): its fields are what a read names."""
+    cls = type(value)
+    plain_reads = cls.__getattribute__ is object.__getattribute__
+    return (
+        _has_attributes(value)
+        and plain_reads
+        and inspect.getattr_static(cls, "__getattr__", None) is None
+        and not isinstance(value, (Mapping, tuple, list, set, frozenset, enum.Enum))
+    )
+
+
+def global_tensor_digest(value: torch.Tensor | np.ndarray, *, exact: bool = False) -> str:
+    """SHA-256 of a tensor or array a hook's code (or a helper's) reads as a global (a
+    window, a mean and std): its kind, dtype, shape and every value, as a buffer of the
+    module is keyed. A watch reads it at each forward, so it is made anew only where its
+    stamp (its id, version, pointer, dtype, shape and device; an array's id, pointer, dtype,
+    shape and strides) changed, or where ``exact`` (a key, a check before misses: an edit
+    behind the version counter, or of an array, which keeps none, is seen there)."""
+    stamp = _tensor_stamp(value)
+    kept = _GLOBAL_TENSORS.get(id(value))
+    if not exact and kept is not None and kept[0]() is value and kept[1] == stamp:
+        return str(kept[2])
+    if isinstance(value, np.ndarray):
+        array = np.ascontiguousarray(value)
+        header = canonical_json(["array", array.dtype.str, list(array.shape)])
+        digest = hashlib.sha256(header + b"\0" + array.view(np.uint8).data).hexdigest()
+    else:
+        digest = state_dict_fingerprint([("tensor", value)], "global-tensor")
+    key = id(value)
+
+    def forget(ref: weakref.ref[Any]) -> None:
+        if _GLOBAL_TENSORS.get(key, (None,))[0] is ref:
+            del _GLOBAL_TENSORS[key]
+
+    _GLOBAL_TENSORS[key] = (weakref.ref(value, forget), stamp, digest)
+    return digest
+
+
+def _tensor_stamp(value: torch.Tensor | np.ndarray) -> tuple[Any, ...]:
+    """What :func:`global_tensor_digest` reads of a tensor or array at each forward."""
+    if isinstance(value, np.ndarray):
+        return (value.__array_interface__["data"][0], value.dtype.str, value.shape, value.strides)
+    return (_version(value), value.data_ptr(), value.dtype, value.shape, value.device)
+
+
+#: id of a tensor or array -> (a weak reference to it, its stamp, its digest):
+#: global_tensor_digest's (a tensor's ``==`` is by element, so no weak-key dict can hold it).
+_GLOBAL_TENSORS: dict[int, tuple[Any, tuple[Any, ...], str]] = {}
+
+
+#: global_names's, by code object (:func:`kept_per_object`).
+_GLOBAL_NAMES: dict[Any, Any] = {}
 
 
 def instance_attributes(obj: Any) -> list[tuple[str, Any]]:
@@ -827,14 +1115,11 @@ def canonical_constant(const: Any) -> str:
 def cached_code_digest(code: Any) -> str:
     """:func:`code_digest`, kept per code object (by id, the object held so its id is not
     lent): a watch reads the code of the functions a hook holds at every forward."""
-    kept = _CODE_DIGESTS.get(id(code))
-    if kept is None:
-        kept = _CODE_DIGESTS[id(code)] = (code, code_digest(code))
-    return kept[1]
+    return str(kept_per_object(_CODE_DIGESTS, (code,), None, lambda: code_digest(code)))
 
 
-#: id of a code object -> (the code object, its digest): cached_code_digest's.
-_CODE_DIGESTS: dict[int, tuple[Any, str]] = {}
+#: cached_code_digest's, by code object (:func:`kept_per_object`).
+_CODE_DIGESTS: dict[Any, Any] = {}
 
 
 def hook_code(hook: Any) -> str:

@@ -1,4 +1,4 @@
-"""What the watch over an in-process encoder keys, at its edges (serve10.9-serve11.10): the
+"""What the watch over an in-process encoder keys, at its edges (serve10.9-serve12.5): the
 strict-xfail cases are known gaps, each failing for the reason it names, kept runnable for
 the fix that closes it."""
 
@@ -12,10 +12,11 @@ import os
 import queue
 import sys
 import time
-from os import environ
+from os import environ, getenv
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -244,12 +245,6 @@ def _gain_from_args(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any
     return (args[0] * ARGS.gain,)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="serve10.17 keys the whole global a hook reads, not the field it reads: a run with "
-    "another --lr or --epochs (or the build script beside the training one) has other keys "
-    "for the same features and finds none stored",
-)
 def test_a_hook_reading_one_field_of_args_is_not_keyed_by_the_others(
     tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -273,11 +268,6 @@ def _gain_from_listed_args(module: torch.nn.Module, args: tuple[Any, ...]) -> tu
     return (args[0] * LISTED_ARGS.gain,)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="serve10.17 reads the whole global a hook reads: an args namespace listing 600 input "
-    "files is past HELD_VALUES, and the dataset is refused though the hook reads one float",
-)
 def test_a_hook_reading_args_that_list_many_files_is_served(
     tmp_path: Path, audio_dir: Path
 ) -> None:
@@ -845,17 +835,50 @@ def _through_env_helper(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple
     return (_gain_from_env(args[0]),)
 
 
+class _GainConfig:
+    """Settings kept as a class's attributes (``Config.GAIN``)."""
+
+    GAIN = 2.0
+
+
+#: A setting of this module read as ``utils.MODULE_GAIN`` (through ``THIS_MODULE``).
+MODULE_GAIN = 2.0
+
+GAIN_METHOD = _SettingGain().__call__  # a bound method of the user's class, held as a global
+
+
+def _through_getenv(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (args[0] * float(os.getenv("FEATBAKE_TEST_GAIN", "2")),)
+
+
+def _through_imported_getenv(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (args[0] * float(getenv("FEATBAKE_TEST_GAIN", "2")),)
+
+
+def _through_class_attribute(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (args[0] * _GainConfig.GAIN,)
+
+
+def _through_module_setting(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (args[0] * THIS_MODULE.MODULE_GAIN,)
+
+
+def _through_bound_method(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (GAIN_METHOD(args[0]),)
+
+
+def _through_argv(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (args[0] * float(sys.argv[-1]),)  # a script's `train.py 2.0`
+
+
 def _set_gain(monkeypatch: pytest.MonkeyPatch, gain: float) -> None:
     monkeypatch.setitem(REACHED_SETTINGS, "gain", gain)
     monkeypatch.setenv("FEATBAKE_TEST_GAIN", str(gain))
+    monkeypatch.setattr(_GainConfig, "GAIN", gain)
+    monkeypatch.setattr(THIS_MODULE, "MODULE_GAIN", gain)
+    monkeypatch.setattr(sys, "argv", ["train.py", str(gain)])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="serve11.1 follows only plain functions named as globals: a setting read through a "
-    "partial, a callable object, a module's attribute (utils.f), a class's static method or "
-    "os.environ is keyed by no key, and the run with gain 3 is served gain 2's features",
-)
 @pytest.mark.parametrize(
     "hook",
     [
@@ -864,8 +887,26 @@ def _set_gain(monkeypatch: pytest.MonkeyPatch, gain: float) -> None:
         _through_module_attribute,
         _through_static_method,
         _through_env_helper,
+        _through_getenv,
+        _through_imported_getenv,
+        _through_class_attribute,
+        _through_module_setting,
+        _through_bound_method,
+        _through_argv,
     ],
-    ids=["partial", "callable-object", "module-attribute", "static-method", "os-environ"],
+    ids=[
+        "partial",
+        "callable-object",
+        "module-attribute",
+        "static-method",
+        "os-environ",
+        "os-getenv",
+        "getenv",
+        "class-attribute",
+        "module-setting",
+        "bound-method",
+        "sys-argv",
+    ],
 )
 def test_a_setting_reached_by_other_helpers_is_keyed(
     tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch, hook: Any
@@ -976,12 +1017,6 @@ def _windowing_hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any)
     return _windowed(output)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="serve11.1 follows a helper into a global tensor and refuses the dataset (a tensor "
-    "no key reads), where it was served before, though serve11.2 keys the same values held "
-    "as a global module's buffer",
-)
 def test_a_global_window_a_helper_multiplies_by_is_served(tmp_path: Path, audio_dir: Path) -> None:
     module = _hooked(_windowing_hook)
     ds = _first_dataset(audio_dir, module, tmp_path)
@@ -1005,7 +1040,7 @@ def _scale_growing(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any,
 def test_the_environment_is_keyed_by_the_variables_a_helper_names_or_whole(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from featbake.encode.identity import environment_names, held_values
+    from featbake.encode.identity import Read, held_values, names_read
 
     monkeypatch.setenv("FEATBAKE_TEST_GAIN", "2")
     named = held_values(_through_environ_helper)[0]
@@ -1015,7 +1050,7 @@ def test_the_environment_is_keyed_by_the_variables_a_helper_names_or_whole(
     monkeypatch.setenv("FEATBAKE_TEST_GAIN", "3")
     assert held_values(_through_environ_helper)[0] != named  # the one it reads: another key
     code = _gain_from_built_name.__code__
-    assert environment_names(code, "environ") is None  # a name not a constant: keyed whole
+    assert names_read(code, "environ", Read.BY_KEY) is None  # a name not a constant: keyed whole
     built = held_values(_gain_from_built_name)[0]
     monkeypatch.setenv("SLURM_JOB_ID", "4243")
     assert held_values(_gain_from_built_name)[0] != built
@@ -1034,15 +1069,157 @@ def test_a_global_a_hook_writes_and_reads_for_its_output_stays_keyed(
     assert "HELPER_CALLS" not in counted  # only bumped: bookkeeping
 
 
-def test_a_config_read_by_two_helpers_is_keyed_once_and_by_every_setting(
+def test_a_config_read_by_two_helpers_is_keyed_by_the_settings_each_reads(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from featbake.encode.identity import held_values
 
     before = held_values(_cfg_through_helpers)[0]
-    assert before.count("global CONFIG=dict[") == 1 and "global CONFIG=<read above>" in before
+    assert "global CONFIG=dict['setting_2':2.0]" in before
+    assert "global CONFIG=dict['setting_3':3.0]" in before
+    monkeypatch.setitem(CONFIG, "setting_7", 70.0)  # read by no helper
+    assert held_values(_cfg_through_helpers)[0] == before
     monkeypatch.setitem(CONFIG, "setting_3", 30.0)  # read by the second helper only
     assert held_values(_cfg_through_helpers)[0] != before
+    monkeypatch.delitem(CONFIG, "setting_2")
+    assert "global CONFIG=dict['setting_2':<absent>]" in held_values(_cfg_through_helpers)[0]
+
+
+def _cfg_mean(x: torch.Tensor) -> torch.Tensor:
+    return x * (sum(CONFIG.values()) / len(CONFIG))
+
+
+def _cfg_mean_twice(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (_cfg_mean(_cfg_mean(args[0])),)
+
+
+def _cfg_mean_and_shift(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (_cfg_shift(_cfg_mean(args[0])),)
+
+
+def test_a_config_read_whole_by_two_helpers_is_keyed_once_and_by_every_setting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from featbake.encode.identity import held_values
+
+    whole = held_values(_cfg_mean_and_shift)[0]
+    assert whole.count("global CONFIG=dict['setting_0':0.0,") == 1
+    assert "global CONFIG=dict['setting_3':3.0]" in whole  # the shift's read: its item
+    assert "<read above>" not in held_values(_cfg_mean_and_shift)[0]
+    monkeypatch.setitem(CONFIG, "setting_7", 70.0)  # read by the mean, whole
+    assert held_values(_cfg_mean_and_shift)[0] != whole
+
+
+#: What a script parsed: read one field at a time, or passed on whole.
+FIELD_ARGS = argparse.Namespace(gain=2.0, lr=1e-3)
+
+
+def _gain_from_field(x: torch.Tensor) -> torch.Tensor:
+    return x * FIELD_ARGS.gain
+
+
+def _gain_from_vars(x: torch.Tensor) -> torch.Tensor:
+    return x * vars(FIELD_ARGS)["gain"]
+
+
+def test_an_object_read_by_field_is_keyed_by_those_fields_and_whole_where_passed_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from featbake.encode.identity import Read, held_values, names_read
+
+    assert names_read(_gain_from_field.__code__, "FIELD_ARGS", Read.BY_FIELD) == ("gain",)
+    assert names_read(_gain_from_vars.__code__, "FIELD_ARGS", Read.BY_FIELD) is None
+    field, whole = held_values(_gain_from_field)[0], held_values(_gain_from_vars)[0]
+    assert "global FIELD_ARGS=Namespace(gain=2.0)" in field
+    assert "lr=0.001" in whole
+    monkeypatch.setattr(FIELD_ARGS, "lr", 3e-4)
+    assert held_values(_gain_from_field)[0] == field  # a field it does not read
+    assert held_values(_gain_from_vars)[0] != whole  # passed on: every field
+    monkeypatch.setattr(FIELD_ARGS, "gain", 3.0)
+    assert held_values(_gain_from_field)[0] != field
+
+
+def _library_chains(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.relu(x) * json.loads("2") + os.path.getsize(__file__) * 0
+
+
+def _environ_by_chain(x: torch.Tensor) -> torch.Tensor:
+    return x * float(os.environ.get("FEATBAKE_TEST_GAIN", "2")) + ("FEATBAKE_BIAS" in os.environ)
+
+
+def test_chains_through_library_modules_are_code_and_the_environment_is_read_by_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from featbake.encode.identity import Read, attribute_chains, held_values, names_read
+
+    library = held_values(_library_chains)[0]
+    assert "global torch" not in library and "global json" not in library
+    assert "global os" not in library
+    assert ("torch", ("nn", "functional", "relu")) in attribute_chains(_library_chains.__code__)
+    code = _environ_by_chain.__code__
+    assert names_read(code, "os.environ", Read.BY_KEY) == ("FEATBAKE_BIAS", "FEATBAKE_TEST_GAIN")
+    monkeypatch.setenv("FEATBAKE_TEST_GAIN", "2")
+    named = held_values(_environ_by_chain)[0]
+    assert "global os.environ=dict['FEATBAKE_BIAS':None,'FEATBAKE_TEST_GAIN':'2']" in named
+    monkeypatch.setenv("SLURM_JOB_ID", "4244")
+    assert held_values(_environ_by_chain)[0] == named
+    monkeypatch.setenv("FEATBAKE_BIAS", "1")
+    assert held_values(_environ_by_chain)[0] != named
+
+
+#: A mean and std a helper normalises by (computed once over the training set).
+NORM_MEAN = torch.full((64,), 0.5)
+NORM_ARRAY = np.full((64,), 2.0, dtype=np.float32)
+
+
+def _normalised(x: torch.Tensor) -> torch.Tensor:
+    return (x - NORM_MEAN) * torch.from_numpy(NORM_ARRAY)
+
+
+def _normalising_hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    return _normalised(output)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        pytest.param(lambda: NORM_MEAN.add_(1.0), id="tensor-in-place"),
+        pytest.param(lambda: NORM_MEAN.data.add_(1.0), id="tensor-behind-its-version"),
+        pytest.param(lambda: np.multiply(NORM_ARRAY, 2.0, out=NORM_ARRAY), id="array-in-place"),
+    ],
+)
+def test_a_global_tensor_or_array_edited_after_a_miss_is_never_served_stale(
+    tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch, edit: Any
+) -> None:
+    monkeypatch.setattr(sys.modules[__name__], "NORM_MEAN", NORM_MEAN.clone())
+    monkeypatch.setattr(sys.modules[__name__], "NORM_ARRAY", NORM_ARRAY.copy())
+    module = _hooked(_normalising_hook)
+    ds = _first_dataset(audio_dir, module, tmp_path)
+    _assert_live(ds, module, 1)
+    edit()
+    _refused_in_one_line(ds, 1, "changed since this dataset was created")
+    fresh = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    _assert_live(fresh, module, 2)
+
+
+#: An array of Python objects: its bytes are addresses, no value.
+LABELS = np.array(["a", None], dtype=object)
+
+
+def _labelled(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    return output * len(LABELS)
+
+
+def test_a_global_array_of_objects_is_refused_in_one_line(tmp_path: Path, audio_dir: Path) -> None:
+    from featbake.errors import EncoderLoadError
+
+    module = _hooked(_labelled)
+    with (
+        pytest.warns(UserWarning, match="no featbake store"),
+        pytest.raises(EncoderLoadError, match=r"holds LABELS \(an array of Python objects\)") as e,
+    ):
+        CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")[0]
+    assert "\n" not in str(e.value)
 
 
 with torch.inference_mode():
