@@ -15,6 +15,7 @@ Keys are never shortened in storage: their soundness rests on SHA-256's collisio
 
 from __future__ import annotations
 
+import collections
 import dis
 import hashlib
 import inspect
@@ -248,11 +249,16 @@ def contained_tensors(name: str, value: Any, depth: int = 0) -> list[tuple[str, 
     return [found for k, v in items for found in contained_tensors(f"{name}.{k}", v, depth + 1)]
 
 
+#: The containers a forward may keep as derived state: a log it records into, a table it makes.
+_LOGS = (list, dict, collections.deque)
+
+
 def derived_state(derived: frozenset[str], key: str, value: Any) -> bool:
     """Whether attribute ``key`` holding ``value`` is derived state, left out of keys and
-    watches: one the forward writes (``derived``: :func:`derived_attributes`) holding a tensor,
-    or None (a lazy table not made yet). A number the forward writes (a call counter) is not:
-    it stays keyed and watched as before (a change made outside a run is refused).
+    watches: one the forward writes or records into (``derived``: :func:`derived_attributes`)
+    holding a tensor, a list, dict or deque (a log of attention maps), or None (a lazy table
+    not made yet). A number the forward writes (a call counter) is not: it stays keyed and
+    watched as before (a change made outside a run is refused).
 
     Example:
         >>> derived_state(frozenset({"pe", "calls"}), "pe", None)
@@ -262,7 +268,7 @@ def derived_state(derived: frozenset[str], key: str, value: Any) -> bool:
     """
     if key not in derived:
         return False
-    return value is None or type(value).__module__.startswith("torch")
+    return value is None or type(value).__module__.startswith("torch") or type(value) in _LOGS
 
 
 def derived_attributes(cls: type) -> frozenset[str]:
@@ -286,9 +292,52 @@ def derived_attributes(cls: type) -> frozenset[str]:
     kept = _DERIVED.get(cls)
     if kept is not None:
         return kept
-    names = frozenset(name for code in forward_code(cls) for name in fresh_attribute_writes(code))
-    _DERIVED[cls] = names
-    return names
+    code = forward_code(cls)
+    names = frozenset(name for each in code for name in fresh_attribute_writes(each))
+    _DERIVED[cls] = names | recorded_attributes(code)
+    return _DERIVED[cls]
+
+
+def recorded_attributes(code: list[Any]) -> frozenset[str]:
+    """The attributes the code objects only record into (:func:`records_into`:
+    ``self.maps.append(out)``, ``self.log["last"] = out``) and read no other way: a log kept
+    for a plot or a probe, a function of the inputs run, which changes no output. One also
+    read for the output (``torch.cat(self.past)``: a streaming model's state) is not.
+
+    Example:
+        >>> def forward(self, x):
+        ...     self.maps.append(x)
+        ...     self.past.append(x)
+        ...     return sum(self.past)
+        >>> sorted(recorded_attributes([forward.__code__]))
+        ['maps']
+    """
+    recorded: set[str] = set()
+    other: set[str] = set()
+    for each in code:
+        ins = list(dis.get_instructions(each))
+        for i, op in enumerate(ins):
+            if op.opname in _ATTRIBUTE_LOADS:
+                (recorded if records_into(ins, i) else other).add(op.argval)
+    return frozenset(recorded - other)
+
+
+#: Methods by which code records into a container it holds (a log of norms, of calls).
+RECORDING_METHODS = frozenset(
+    {"append", "extend", "appendleft", "add", "insert", "put", "put_nowait"}
+)
+
+
+def records_into(ins: list[Any], i: int) -> bool:
+    """Whether the value loaded at ``ins[i]`` is recorded into in place: a recording method
+    called on it (``append``, ``extend``, ``add``, ...), or an item of it bumped
+    (``x[k] += v``: load, key, ``COPY``, ``COPY``, ``BINARY_SUBSCR``)."""
+    after = ins[i + 1 : i + 5]
+    if after and after[0].opname in _ATTRIBUTE_LOADS and after[0].argval in RECORDING_METHODS:
+        return True
+    if [o.opname for o in after[:2]] == ["LOAD_CONST", "STORE_SUBSCR"]:
+        return True  # x["out"] = v: an item set under a constant key
+    return [o.opname for o in after[1:4]] == ["COPY", "COPY", "BINARY_SUBSCR"]
 
 
 def forward_code(cls: type) -> list[Any]:

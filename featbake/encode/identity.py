@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch.nn.modules import module as torch_module
+from torch.utils.hooks import RemovableHandle
 
 from featbake.keys import (
     canonical_json,
@@ -44,6 +45,7 @@ from featbake.keys import (
     module_fingerprint,
     reached_code,
     reads_training,
+    records_into,
     state_dict_fingerprint,
     tensor_attributes,
     unwrapped,
@@ -216,9 +218,10 @@ def _bookkeeping(code: Any, ops: frozenset[str], cls: type | None) -> frozenset[
 
 def _uses(code: Any, ops: frozenset[str], written: set[str], read: set[str]) -> None:
     """Add to ``written`` the names ``code`` (not the code nested in it) writes by ``ops`` or
-    records into (:func:`_records`), and to ``read`` those it reads other than to compute
-    their own new value: a read counts as such where the name is written later in its block
-    (a line, cut at jumps: ``if self.f is None: self.f = 1.0`` reads ``f`` for the test)."""
+    records into (:func:`~featbake.keys.records_into`), and to ``read`` those it reads other
+    than to compute their own new value: a read counts as such where the name is written
+    later in its block (a line, cut at jumps: ``if self.f is None: self.f = 1.0`` reads
+    ``f`` for the test)."""
     loads = _READS_OF[ops]
     ins = list(dis.get_instructions(code))
     starts = [i for i, op in enumerate(ins) if op.is_jump_target or op.starts_line]
@@ -231,22 +234,10 @@ def _uses(code: Any, ops: frozenset[str], written: set[str], read: set[str]) -> 
         for j, op in enumerate(block, start=lo):
             if op.opname not in loads:
                 continue
-            if _records(ins, j):
+            if records_into(ins, j):
                 written.add(op.argval)
             elif op.argval not in stored:
                 read.add(op.argval)
-
-
-def _records(ins: list[Any], i: int) -> bool:
-    """Whether the value loaded at ``ins[i]`` is recorded into in place: a recording method
-    called on it (``append``, ``extend``, ``add``, ...), or an item of it bumped
-    (``x[k] += v``: load, key, ``COPY``, ``COPY``, ``BINARY_SUBSCR``)."""
-    after = ins[i + 1 : i + 5]
-    if after and after[0].opname in _METHOD_LOADS and after[0].argval in RECORDING_METHODS:
-        return True
-    if [o.opname for o in after[:2]] == ["LOAD_CONST", "STORE_SUBSCR"]:
-        return True  # x["out"] = v: an item set under a constant key
-    return [o.opname for o in after[1:4]] == ["COPY", "COPY", "BINARY_SUBSCR"]
 
 
 #: bookkeeping_names's, by code object, class and ops (:func:`kept_per_object`).
@@ -267,11 +258,6 @@ _READS_OF = {
     GLOBAL_WRITES: frozenset({"LOAD_GLOBAL"}),
 }
 _METHOD_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
-
-#: Methods by which a hook records into a container it holds (a log of norms, of calls).
-RECORDING_METHODS = frozenset(
-    {"append", "extend", "appendleft", "add", "insert", "put", "put_nowait"}
-)
 
 #: Past these a value a hook holds is refused rather than keyed in part: values read in all
 #: (each number and string counts), and containers or objects nested in one another.
@@ -327,6 +313,7 @@ class HeldReading:
         self._path: set[int] = set()
         self._count = 0
         self._globals_read: dict[int, Any] = {}
+        self._in_global = 0
 
     def text(self, value: Any, name: str = "", depth: int = 0) -> str:
         """``value`` as a key reads it (``name``: what holds it, for :attr:`refused`)."""
@@ -350,8 +337,18 @@ class HeldReading:
         return f"<{what}>"
 
     def _weights(self, value: Any, name: str) -> str:
+        """A tensor, array or module: the hooked module's own as its type (its key reads
+        it); one reached through a global (an adapter object's ``self.net``, a helper's
+        closure) by its values or state, as a global one is; one the hook holds itself
+        refused (:attr:`refused`: make it a buffer or submodule)."""
         what = type(value).__name__
-        return f"<{what}>" if id(value) in self.own else self._refuse(name, what)
+        if id(value) in self.own:
+            return f"<{what}>"
+        if not self._in_global:
+            return self._refuse(name, what)
+        if isinstance(value, torch.nn.Module):
+            return self._global_module(value, name)
+        return self._global_tensor(value, name)
 
     def _compound(self, value: Any, name: str, depth: int) -> str:
         if type(value) is types.FunctionType:  # the most common hook, read at each forward
@@ -383,6 +380,8 @@ class HeldReading:
         function keeps as bookkeeping)."""
         func, obj = method.__func__, method.__self__
         code = self.text(func, name, depth)
+        if isinstance(obj, torch.nn.Module) and self._in_global and id(obj) not in self.own:
+            return f"{code},{self._global_module(obj, name)}"
         if isinstance(obj, torch.nn.Module):
             what = f"a method of the module {type(obj).__qualname__}"
             held = "<own>" if id(obj) in self.own else self._refuse(name, what)
@@ -454,7 +453,16 @@ class HeldReading:
         the user's own code it calls (:func:`followed_helper`: a function, a partial or bound
         method of one, a callable object of the user's class) as a held one is read, its own
         globals in turn, so a setting a helper reads is keyed as one the hook reads (recursion
-        reads as ``<cycle>``, a chain past :data:`HELD_DEPTH` is refused)."""
+        reads as ``<cycle>``, a chain past :data:`HELD_DEPTH` is refused). A tensor or module
+        met inside what a global holds is keyed as a global one (:meth:`_weights`)."""
+        self._in_global += 1
+        try:
+            return self._global_value(name, value, code, depth)
+        finally:
+            self._in_global -= 1
+
+    def _global_value(self, name: str, value: Any, code: Any, depth: int) -> str | None:
+        """:meth:`_global`, inside the count of globals being read."""
         if value is os.environ or value is os.getenv:
             how = Read.BY_KEY if value is os.environ else Read.BY_ARGUMENT
             names = names_read(code, name, how)
@@ -546,14 +554,18 @@ class HeldReading:
     def _other(self, value: Any, name: str, depth: int) -> str:
         """A class or module by its name (the script run's as ``__main__``'s in a spawned
         worker too, as :func:`hook_code` names it), a logger by its name (one per name in a
-        process, it changes no output), a builtin function by its name and object, an enum
-        member or a value with no attributes by its repr (``torch.float16``), an object by its
-        public attributes. One with no attributes whose repr is its address (the default, a lock's)
+        process, it changes no output), a hook's handle (``register_forward_hook``'s, kept to
+        remove the hook: its ``id`` counts the hooks the process registered before) as one, a
+        builtin function by its name and object, an enum member or a value with no attributes
+        by its repr (``torch.float16``), an object by its public attributes. One with no
+        attributes whose repr is its address (the default, a lock's)
         is refused: an address is no value, and another in each process."""
         if isinstance(value, logging.Logger):
             return f"<logger {value.name}>"
         if isinstance(value, weakref.ref):  # changes no output by itself: what it refers to
             return f"<weakref {type(value()).__qualname__}>"
+        if isinstance(value, RemovableHandle):  # its id counts the process's hooks so far
+            return "<hook handle>"
         if type(value) is object:  # a sentinel default
             return "<object>"
         if isinstance(value, _VALUE_TYPES):

@@ -174,11 +174,6 @@ class _KeepsMaps(torch.nn.Module):
         return out
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="serve10.16 keys and watches tensors inside a module's list attribute by value and "
-    "version: a list its forward appends to makes the next miss refused or keyed anew",
-)
 def test_a_module_appending_to_a_list_attribute_in_forward_is_served(
     tmp_path: Path, audio_dir: Path
 ) -> None:
@@ -188,6 +183,36 @@ def test_a_module_appending_to_a_list_attribute_in_forward_is_served(
     ds.flush()
     again = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s", on_miss="error")
     _assert_live(again, module, 3)
+
+
+class _Streaming(torch.nn.Module):
+    """TinyConvEncoder whose output depends on the past forwards it keeps (streaming state)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = TinyConvEncoder()
+        self.past: list[torch.Tensor] = []
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        out = self.inner(wav)
+        self.past.append(out.detach().mean())
+        return out + torch.stack(self.past).sum()
+
+
+def test_a_list_the_forward_reads_for_its_output_stays_keyed() -> None:
+    from featbake.keys import derived_attributes, tensor_attributes
+
+    assert "maps" in derived_attributes(_KeepsMaps)
+    assert "past" not in derived_attributes(_Streaming)  # state: read for the output
+    module = _Streaming().eval()
+    before = len(tensor_attributes(module))
+    with torch.inference_mode():
+        module(torch.randn(1, 8000))
+    assert len(tensor_attributes(module)) == before + 1  # the past, keyed by value
+    keeps = _KeepsMaps().eval()
+    with torch.inference_mode():
+        keeps(torch.randn(1, 8000))
+    assert tensor_attributes(keeps) == []  # a log: no key reads it
 
 
 def test_a_spectral_normed_module_keeps_its_key_across_its_first_forward(
@@ -216,12 +241,6 @@ class _SelfRemoving:
         return output * self.gain
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="serve10.13 reads a hook object's private state: its RemovableHandle's `id` counts "
-    "the hooks this process registered before, so one hook on one module has another key in a "
-    "process that registered one more hook first (the build's and the training's)",
-)
 def test_a_hook_object_keeping_its_handle_has_one_key(tmp_path: Path, audio_dir: Path) -> None:
     a = TinyConvEncoder().eval()
     _SelfRemoving(a, 2.0)
@@ -1197,6 +1216,45 @@ def test_a_global_tensor_or_array_edited_after_a_miss_is_never_served_stale(
     ds = _first_dataset(audio_dir, module, tmp_path)
     _assert_live(ds, module, 1)
     edit()
+    _refused_in_one_line(ds, 1, "changed since this dataset was created")
+    fresh = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    _assert_live(fresh, module, 2)
+
+
+class _AdapterObject:
+    """A transform object holding its own network (``self.net``), held as a global."""
+
+    def __init__(self) -> None:
+        self.net = torch.nn.Linear(64, 64)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.net(x)
+
+
+def _make_scaler(scale: torch.Tensor) -> Any:
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        return x * scale
+
+    return scaled
+
+
+ADAPTER_OBJECT = _AdapterObject()
+SCALER = _make_scaler(torch.full((64,), 1.5))  # a helper whose closure holds a tensor
+
+
+def _through_adapter_object(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    return SCALER(ADAPTER_OBJECT(output))
+
+
+def test_a_network_or_tensor_inside_a_global_is_keyed_as_a_global_one(
+    tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys.modules[__name__], "ADAPTER_OBJECT", _AdapterObject())
+    module = _hooked(_through_adapter_object)
+    ds = _first_dataset(audio_dir, module, tmp_path)
+    _assert_live(ds, module, 1)
+    with torch.no_grad():
+        ADAPTER_OBJECT.net.weight.mul_(2.0)
     _refused_in_one_line(ds, 1, "changed since this dataset was created")
     fresh = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
     _assert_live(fresh, module, 2)
