@@ -12,13 +12,17 @@ attributes), the run itself left out. One torch thread.
 Models: a 24-layer MLP (width 512, batch 8), the same MLP counting its calls (``self.calls += 1``
 in its forward: a run that sets a plain attribute, which the hooks trust from the glance) and,
 where ``transformers`` is installed, a wav2vec2-base sized model
-(``Wav2Vec2Model(Wav2Vec2Config())``, 94M parameters) on 0.1 s of audio.
+(``Wav2Vec2Model(Wav2Vec2Config())``, 94M parameters) on 0.1 s of audio; and the MLP with user
+hooks whose settings the watch reads at each forward (a pre-hook calling a helper that reads a
+config by key and a parsed ``args`` by field, a forward hook running a global adapter and a
+global window), bare and watched both running those hooks.
 
 Run: ``chrt -f 10 python benchmarks/bench_watch.py [--quick]``.
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
 import statistics
 import sys
@@ -50,6 +54,34 @@ class Counting(nn.Sequential):
         return super().forward(x)
 
 
+#: What a script's user hooks read: a config, parsed args, an adapter and a window (globals).
+CONFIG = {f"setting_{i}": float(i) for i in range(150)} | {"gain": 1.0}
+ARGS = argparse.Namespace(gain=1.0, lr=1e-3, files=[f"clip{i}.wav" for i in range(600)])
+ADAPTER = frozen(nn.Linear(512, 512))
+WINDOW = torch.ones(512)
+
+
+def _scaled(x: torch.Tensor) -> torch.Tensor:
+    return x * CONFIG["gain"] * ARGS.gain
+
+
+def _scale_input(module: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return (_scaled(args[0]),)
+
+
+def _adapt_output(
+    module: nn.Module, args: tuple[torch.Tensor, ...], y: torch.Tensor
+) -> torch.Tensor:
+    return (y + ADAPTER(y)) * WINDOW
+
+
+def _hooked_mlp() -> nn.Module:
+    module = _mlp(nn.Sequential)
+    module.register_forward_pre_hook(_scale_input)
+    module.register_forward_hook(_adapt_output)
+    return module
+
+
 def _mlp(cls: type[nn.Sequential]) -> nn.Module:
     layers: list[nn.Module] = []
     for _ in range(24):
@@ -60,6 +92,7 @@ def _mlp(cls: type[nn.Sequential]) -> nn.Module:
 def _models() -> list[tuple[str, nn.Module, torch.Tensor]]:
     x = torch.randn(8, 512)
     models = [("24-layer MLP", _mlp(nn.Sequential), x), ("counting MLP", _mlp(Counting), x)]
+    models.append(("MLP with user hooks", _hooked_mlp(), x))
     try:
         from transformers import Wav2Vec2Config, Wav2Vec2Model
     except ImportError:
@@ -85,6 +118,11 @@ def _side_by_side(bare: nn.Module, watched: nn.Module, x: torch.Tensor, rounds: 
     return statistics.median(a), statistics.median(b)
 
 
+def _watch_hooks(hooks: dict) -> list:
+    """The watch's own hooks of a module's hook dict (the user's left out: bare runs them too)."""
+    return [h for h in hooks.values() if getattr(h, "featbake_bookkeeping", False)]
+
+
 def main(quick: bool = False) -> list[dict]:
     torch.set_num_threads(1)
     rounds = 5 if quick else 30
@@ -103,8 +141,8 @@ def main(quick: bool = False) -> list[dict]:
 
         with torch.no_grad():
             y = module(x)
-        pre = list(module._forward_pre_hooks.values())  # what torch runs around a forward
-        post = list(module._forward_hooks.values())
+        pre = _watch_hooks(module._forward_pre_hooks)  # what torch runs around a forward
+        post = _watch_hooks(module._forward_hooks)
 
         def hooks(module: nn.Module = module, x: torch.Tensor = x, y: torch.Tensor = y) -> None:
             for hook in pre:  # noqa: B023 - called here, in this iteration only
