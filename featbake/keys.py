@@ -302,7 +302,9 @@ def recorded_attributes(code: list[Any]) -> frozenset[str]:
     """The attributes the code objects only record into (:func:`records_into`:
     ``self.maps.append(out)``, ``self.log["last"] = out``) and read no other way: a log kept
     for a plot or a probe, a function of the inputs run, which changes no output. One also
-    read for the output (``torch.cat(self.past)``: a streaming model's state) is not.
+    read for the output (``torch.cat(self.past)``, through a property or
+    ``getattr(self, "past")``: a streaming model's state) is not; code that reads attributes
+    by a name built at run time (``vars(self)``, ``self.__dict__``) records into none.
 
     Example:
         >>> def forward(self, x):
@@ -315,11 +317,18 @@ def recorded_attributes(code: list[Any]) -> frozenset[str]:
     recorded: set[str] = set()
     other: set[str] = set()
     for each in code:
+        if _READS_BY_NAME & set(each.co_names):
+            return frozenset()  # getattr(self, name), vars(self): any attribute may be read
+        other |= {c for c in each.co_consts if isinstance(c, str)}  # getattr(self, "past")
         ins = list(dis.get_instructions(each))
         for i, op in enumerate(ins):
             if op.opname in _ATTRIBUTE_LOADS:
                 (recorded if records_into(ins, i) else other).add(op.argval)
     return frozenset(recorded - other)
+
+
+#: Names by which code may read any attribute of an object: no attribute is only recorded into.
+_READS_BY_NAME = frozenset({"__dict__", "vars", "__getattribute__"})
 
 
 #: Methods by which code records into a container it holds (a log of norms, of calls).
@@ -328,15 +337,22 @@ RECORDING_METHODS = frozenset(
 )
 
 
+#: An item set under a key loaded as it is: a constant, a local, a cell, a global.
+_ITEM_SETS = [
+    [load, "STORE_SUBSCR"] for load in ("LOAD_CONST", "LOAD_FAST", "LOAD_DEREF", "LOAD_GLOBAL")
+]
+
+
 def records_into(ins: list[Any], i: int) -> bool:
     """Whether the value loaded at ``ins[i]`` is recorded into in place: a recording method
-    called on it (``append``, ``extend``, ``add``, ...), or an item of it bumped
+    called on it (``append``, ``extend``, ``add``, ...), an item of it set under a key loaded
+    as it is (``x["out"] = v``, the forum's ``activation[name] = v``), or an item of it bumped
     (``x[k] += v``: load, key, ``COPY``, ``COPY``, ``BINARY_SUBSCR``)."""
     after = ins[i + 1 : i + 5]
     if after and after[0].opname in _ATTRIBUTE_LOADS and after[0].argval in RECORDING_METHODS:
         return True
-    if [o.opname for o in after[:2]] == ["LOAD_CONST", "STORE_SUBSCR"]:
-        return True  # x["out"] = v: an item set under a constant key
+    if [o.opname for o in after[:2]] in _ITEM_SETS:
+        return True  # x["out"] = v, x[name] = v: an item set under a key loaded as it is
     return [o.opname for o in after[1:4]] == ["COPY", "COPY", "BINARY_SUBSCR"]
 
 
@@ -425,7 +441,8 @@ _DERIVED: weakref.WeakKeyDictionary[type, frozenset[str]] = weakref.WeakKeyDicti
 
 def reached_code(code: Any, cls: type | None) -> list[Any]:
     """``code``, the code nested in it, and (for a method of ``cls``) the code of every
-    method of ``cls`` it reaches by name (``self.record(x)``), and theirs in turn."""
+    method of ``cls`` it reaches by name (``self.record(x)``; a property's getter,
+    ``self.context``), and theirs in turn."""
     todo: list[Any] = [code]
     seen: list[Any] = []
     while todo:
@@ -436,10 +453,22 @@ def reached_code(code: Any, cls: type | None) -> list[Any]:
         todo += [c for c in now.co_consts if inspect.iscode(c)]
         if cls is not None:
             for name in now.co_names:
-                func = unwrapped(inspect.getattr_static(cls, name, None))
+                func = method_function(inspect.getattr_static(cls, name, None))
                 if inspect.isfunction(func):
                     todo.append(func.__code__)
     return seen
+
+
+def method_function(found: Any) -> Any:
+    """The function a class attribute runs when read: a method (unwrapped), a property's
+    getter, a ``functools.cached_property``'s function, a static or class method's."""
+    if isinstance(found, property):
+        found = found.fget
+    elif isinstance(found, (staticmethod, classmethod)):
+        found = found.__func__
+    elif type(found).__name__ == "cached_property":
+        found = getattr(found, "func", None)
+    return unwrapped(found)
 
 
 def unwrapped(func: Any) -> Any:

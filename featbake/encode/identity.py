@@ -24,6 +24,7 @@ import logging
 import os
 import sys
 import sysconfig
+import threading
 import types
 import uuid
 import weakref
@@ -42,6 +43,7 @@ from featbake.keys import (
     canonical_json,
     derived_attributes,
     derived_state,
+    method_function,
     module_fingerprint,
     reached_code,
     reads_training,
@@ -283,6 +285,16 @@ _VALUE_TYPES = (
     enum.Enum,
 )
 
+#: What threads synchronise by (a recorder's lock, a drain's event): read by their kind.
+_SYNC = (
+    type(threading.Lock()),
+    type(threading.RLock()),
+    threading.Condition,
+    threading.Semaphore,
+    threading.Event,
+    threading.Barrier,
+)
+
 #: What a key cannot read: refused where a hook holds one that is not its module's own.
 _WEIGHTS = (torch.Tensor, np.ndarray, torch.nn.Module)
 
@@ -356,7 +368,10 @@ class HeldReading:
         if isinstance(value, functools.partial):
             args = [self.text(a, name, depth) for a in value.args]
             kw = [f"{k}={self.text(v, k, depth)}" for k, v in sorted(value.keywords.items())]
-            return f"partial({self.text(value.func, name, depth)},{','.join([*args, *kw])})"
+            func = value.func
+            library = self._in_global and inspect.isfunction(func) and not is_own_code(func)
+            named = f"<{func.__module__}.{func.__qualname__}>" if library else None
+            return f"partial({named or self.text(func, name, depth)},{','.join([*args, *kw])})"
         if isinstance(value, _WEIGHTS):
             return self._weights(value, name)
         if isinstance(value, (tuple, list, set, frozenset, collections.deque)):
@@ -435,7 +450,7 @@ class HeldReading:
         for g, chain in attribute_chains(code):
             if g not in kept and g in found:
                 name, value = reached_attribute(g, found[g], chain)
-                if name != g and value is not _ABSENT:
+                if name != g and value is not _ABSENT and not only_recorded(code, name):
                     reached.setdefault(name, value)
         for name, value in sorted(reached.items()):
             text = self._global(name, value, code, depth)
@@ -489,11 +504,14 @@ class HeldReading:
     def _fields_read(self, value: Any, name: str, code: Any, depth: int) -> str | None:
         """A global dict the code reads only by constant keys (``CFG["gain"]``,
         ``CFG.get("gain", 1.0)``, ``"gain" in CFG``) as those items (one absent as
-        ``<absent>``), an object only by its instance attributes' names (``args.gain``) as
-        those fields, by value (:func:`names_read`); None where the code reads it otherwise
-        (passes it on, iterates it, names a key built at run time, a property): then it is
-        read whole. A run with another ``--lr`` keeps the key of a hook that reads
-        ``args.gain``, and a namespace listing 600 input files is no value too large."""
+        ``<absent>``), an object only by its attributes' names (``args.gain``) as those
+        fields, by value (:func:`names_read`): an instance attribute, a class default
+        (``DEFAULTS.gain`` set on the class), a method of the user's class as a bound method
+        (its code, the object's attributes and the globals it reads: ``NORMALISER.apply``);
+        None where the code reads it otherwise (passes it on, iterates it, names a key built
+        at run time, a property, a library method): then it is read whole. A run with another
+        ``--lr`` keeps the key of a hook that reads ``args.gain``, and a namespace listing 600
+        input files is no value too large."""
         if type(value) is dict:
             keys = names_read(code, name, Read.BY_KEY)
             if keys is None:
@@ -507,20 +525,34 @@ class HeldReading:
         if not _plain_object(value):
             return None
         fields = names_read(code, name, Read.BY_FIELD)
-        held = dict(instance_attributes(value))
-        if fields is None or any(f not in held for f in fields):
+        if fields is None:
             return None
-        rows = [f"{f}={self.text(held[f], f, depth)}" for f in fields]
+        held = dict(instance_attributes(value))
+        rows = []
+        for f in fields:
+            if f in held:
+                rows.append(f"{f}={self.text(held[f], f, depth)}")
+                continue
+            found = namespace_attribute(type(value), f)  # a class default, a method
+            if type(found) is types.FunctionType and is_own_code(found):
+                rows.append(f"{f}={self.text(types.MethodType(found, value), f, depth)}")
+            elif found is not _ABSENT and is_data(found):
+                rows.append(f"{f}={self.text(found, f, depth)}")
+            else:
+                return None  # a property, a library method: read whole
         return f"{type(value).__qualname__}({','.join(rows)})"
 
     def _global_tensor(self, value: torch.Tensor | np.ndarray, name: str) -> str:
         """A tensor or array the code reads as a global (a window, a mean and std), by its
         values (:func:`global_tensor_digest`); the hooked module's own as ``<own>`` (its key
-        reads it); an array of Python objects, whose bytes are addresses, refused."""
+        reads it); an array of Python objects, whose bytes are addresses, and a tensor with no
+        dense bytes of its own (sparse, meta, quantized, nested) refused."""
         if id(value) in self.own:
             return "<own>"
         if isinstance(value, np.ndarray) and value.dtype.hasobject:
             return self._refuse(name, "an array of Python objects")
+        if isinstance(value, torch.Tensor) and not _dense(value):
+            return self._refuse(name, "a sparse, meta, quantized or nested tensor")
         return f"{type(value).__name__}({global_tensor_digest(value, exact=self.exact)})"
 
     def _read_before(self, value: Any) -> bool:
@@ -556,6 +588,8 @@ class HeldReading:
         worker too, as :func:`hook_code` names it), a logger by its name (one per name in a
         process, it changes no output), a hook's handle (``register_forward_hook``'s, kept to
         remove the hook: its ``id`` counts the hooks the process registered before) as one, a
+        lock, condition, semaphore, event or barrier by its kind (threads meet by it; it
+        changes no output), a
         builtin function by its name and object, an enum member or a value with no attributes
         by its repr (``torch.float16``), an object by its public attributes. One with no
         attributes whose repr is its address (the default, a lock's)
@@ -566,6 +600,8 @@ class HeldReading:
             return f"<weakref {type(value()).__qualname__}>"
         if isinstance(value, RemovableHandle):  # its id counts the process's hooks so far
             return "<hook handle>"
+        if isinstance(value, _SYNC):  # a lock a recorder takes: it changes no output
+            return f"<{type(value).__qualname__}>"
         if type(value) is object:  # a sentinel default
             return "<object>"
         if isinstance(value, _VALUE_TYPES):
@@ -587,15 +623,45 @@ class HeldReading:
         return self._attributes(value, _runs(value), depth)
 
     def _attributes(self, obj: Any, runs: Any, depth: int) -> str:
-        """An object's public attributes but those the code ``runs`` keeps as bookkeeping."""
+        """An object's attributes but those the code ``runs`` keeps as bookkeeping, and the
+        globals ``runs`` and the methods of the object's class it reaches read
+        (:func:`reached_methods`: ``self.scale(x)`` reading a global config)."""
         code = getattr(runs, "__code__", None)
         cls = type(obj)
         own = bookkeeping_names(code, ATTRIBUTE_WRITES, cls) if code is not None else frozenset()
         rows = [
             f"{k}={self.text(v, k, depth)}" for k, v in instance_attributes(obj) if k not in own
         ]
-        rows += self._globals(runs, depth) if inspect.isfunction(runs) else []
+        if inspect.isfunction(runs):
+            for func in reached_methods(runs, cls):
+                rows += self._globals(func, depth)
         return f"{type(obj).__qualname__}({','.join(rows)})"
+
+
+def reached_methods(func: Any, cls: type) -> tuple[Any, ...]:
+    """``func`` and every function of ``cls`` (its methods, property getters) its code
+    reaches by name (:func:`~featbake.keys.reached_code`), each once; kept per code object
+    and class."""
+    return tuple(
+        kept_per_object(_METHODS, (func.__code__, cls), None, lambda: _reached_methods(func, cls))
+    )
+
+
+def _reached_methods(func: Any, cls: type) -> list[Any]:
+    """:func:`reached_methods`, made anew."""
+    codes = reached_code(func.__code__, cls)
+    found = [func]
+    for klass in cls.__mro__:
+        for attr in vars(klass).values():
+            method = method_function(attr)
+            reached = inspect.isfunction(method) and any(method.__code__ is c for c in codes)
+            if reached and all(method is not f for f in found):
+                found.append(method)
+    return found
+
+
+#: reached_methods's, by code object and class (:func:`kept_per_object`).
+_METHODS: dict[Any, Any] = {}
 
 
 def _has_attributes(value: Any) -> bool:
@@ -642,7 +708,9 @@ def followed_helper(value: Any) -> Any:
     """The user's own code a hook reaches through a global, read as a held function is (its
     code, what it holds and the globals it reads), or None: a function of the user's own code
     (``_apply_gain`` in ``return (_apply_gain(x),)``); a partial or bound method of one
-    (``GAIN = partial(scaled, key="gain")``); an object of a class whose ``__call__`` is one
+    (``GAIN = partial(scaled, key="gain")``); a partial of any function that binds arguments
+    (``partial(F.normalize, p=2)``: the arguments are settings, the library function is read
+    by its name); an object of a class whose ``__call__`` is one
     (a torchaudio-style transform object). A global that is none of these, or library code
     (:func:`is_own_code`: the standard library, installed packages, torch and featbake,
     whose changes the code rule and the library versions answer for), gives None. A decorated
@@ -659,7 +727,8 @@ def followed_helper(value: Any) -> Any:
         inner = unwrapped(value)
         return inner if inner is not value and is_own_code(inner) else None
     if isinstance(value, functools.partial):
-        return value if followed_helper(value.func) is not None else None
+        bound = bool(value.args or value.keywords)  # a library function's settings
+        return value if bound or followed_helper(value.func) is not None else None
     if inspect.ismethod(value):
         return value if followed_helper(value.__func__) is not None else None
     if isinstance(value, type):
@@ -890,6 +959,32 @@ def _constant_argument(ins: list[Any], k: int) -> str | None:
 _NAMES_READ: dict[Any, Any] = {}
 
 
+def only_recorded(code: Any, dotted: str) -> bool:
+    """Whether every use of the global reached at ``dotted`` (``shared.ACTIVATION``) in a
+    code object and the code nested in it records into it
+    (:func:`~featbake.keys.records_into`: ``shared.ACTIVATION["out"] = o``): bookkeeping,
+    as a bare global only recorded into is (:func:`bookkeeping_names`). Kept per code
+    object and name."""
+    return bool(kept_per_object(_RECORDED, (code,), dotted, lambda: _only_recorded(code, dotted)))
+
+
+def _only_recorded(code: Any, dotted: str) -> bool:
+    """:func:`only_recorded`, made anew."""
+    parts = dotted.split(".")
+    for each in reached_code(code, None):
+        ins = list(dis.get_instructions(each))
+        for i, op in enumerate(ins):
+            if op.opname == "LOAD_GLOBAL" and op.argval == parts[0]:
+                end = _chain_end(ins, i, parts)
+                if end is not None and not records_into(ins, end):
+                    return False
+    return True
+
+
+#: only_recorded's, by code object and dotted name (:func:`kept_per_object`).
+_RECORDED: dict[Any, Any] = {}
+
+
 def attribute_chains(code: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
     """``(global, (name, ...))`` for each global a code object (and the code nested in it)
     loads and then reads attributes of by name (``utils.apply_gain(x)``: ``("utils",
@@ -971,8 +1066,9 @@ def namespace_attribute(namespace: Any, name: str) -> Any:
 def is_own_namespace(value: Any) -> bool:
     """Whether ``value`` is a module of the user's own code (the script run, a module from
     no file of the standard library's or installed packages' folders, nor of
-    :data:`UNVERSIONED`), or a class defined in one: what a hook's code reaches through it
-    by name is followed as a global of its own.
+    :data:`UNVERSIONED`; one made at run time with no file, a notebook's ``__main__``, but a
+    builtin module or a namespace package), or a class defined in one: what a hook's code
+    reaches through it by name is followed as a global of its own.
 
     Example:
         >>> is_own_namespace(json), is_own_namespace(dict)
@@ -982,10 +1078,12 @@ def is_own_namespace(value: Any) -> bool:
         value = sys.modules.get(value.__module__)
     if not isinstance(value, types.ModuleType):
         return False
-    where = getattr(value, "__file__", None)
-    if not isinstance(where, str):
-        return False
     top = value.__name__.partition(".")[0]
+    where = getattr(value, "__file__", None)
+    if not isinstance(where, str):  # a notebook's, `python -c`'s: made at run time
+        library = top in UNVERSIONED or top in sys.stdlib_module_names
+        builtin = value.__name__ in sys.builtin_module_names or hasattr(value, "__path__")
+        return not library and not builtin
     return bool(kept_per_object(_OWN_MODULES, (value,), where, lambda: _own_source(top, where)))
 
 
@@ -1032,6 +1130,13 @@ def global_tensor_digest(value: torch.Tensor | np.ndarray, *, exact: bool = Fals
 
     _GLOBAL_TENSORS[key] = (weakref.ref(value, forget), stamp, digest)
     return digest
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether a tensor's values are dense bytes a key can read (strided, not meta, quantized
+    or nested)."""
+    plain = not (tensor.is_meta or tensor.is_quantized or tensor.is_nested)
+    return tensor.layout is torch.strided and plain
 
 
 def _tensor_stamp(value: torch.Tensor | np.ndarray) -> tuple[Any, ...]:
