@@ -448,7 +448,7 @@ class HeldReading:
                 rows += [] if text is None else [f"global {g}={text}"]
         reached: dict[str, Any] = {}
         for g, chain in attribute_chains(code):
-            if g not in kept and g in found:
+            if g not in kept and g in found and leads_on(found[g], chain[0]):
                 name, value = reached_attribute(g, found[g], chain)
                 if name != g and value is not _ABSENT and not only_recorded(code, name):
                     reached.setdefault(name, value)
@@ -731,7 +731,7 @@ def followed_helper(value: Any) -> Any:
         return value if bound or followed_helper(value.func) is not None else None
     if inspect.ismethod(value):
         return value if followed_helper(value.__func__) is not None else None
-    if isinstance(value, type):
+    if isinstance(value, (type, types.ModuleType)):
         return None
     runs = _runs(value)
     return value if inspect.isfunction(runs) and is_own_code(runs) else None
@@ -1043,6 +1043,34 @@ def reached_attribute(name: str, value: Any, chain: tuple[str, ...]) -> tuple[st
         if value is _ABSENT:
             break
     return name, value
+
+
+def leads_on(value: Any, name: str) -> bool:
+    """Whether reading attribute ``name`` of a global ``value`` may reach what a key reads:
+    ``value`` is the user's module or class (:func:`is_own_namespace`), or a module whose
+    ``name`` is a process setting (:data:`PROCESS_SETTINGS`). Kept per module or class and
+    name, as a watch reads at every forward (a hook calling ``F.relu`` reads ``torch`` once);
+    any other value (data, an object) leads nowhere by its attributes (it is read as a
+    global itself).
+
+    Example:
+        >>> import os
+        >>> leads_on(os, "environ"), leads_on(os, "path"), leads_on({"a": 1}, "get")
+        (True, False, False)
+    """
+    if not isinstance(value, (types.ModuleType, type)):
+        return False
+    return bool(kept_per_object(_LEADS, (value,), name, lambda: _leads_on(value, name)))
+
+
+def _leads_on(value: Any, name: str) -> bool:
+    """:func:`leads_on`, made anew."""
+    setting = isinstance(value, types.ModuleType) and (value.__name__, name) in PROCESS_SETTINGS
+    return setting or is_own_namespace(value)
+
+
+#: leads_on's, by module or class and name (:func:`kept_per_object`).
+_LEADS: dict[Any, Any] = {}
 
 
 def namespace_attribute(namespace: Any, name: str) -> Any:

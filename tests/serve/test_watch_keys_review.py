@@ -1,6 +1,7 @@
 """A review of what the watch over an in-process encoder keys, as widened in round twelve
-(serve12.1-serve12.8): each strict xfail is a gap found, failing on the code of that round for
-the reason it names (docs/reliability.md, "Round twelve: review of what hooks reach")."""
+(serve12.1-serve12.8): each test is a gap the review found, failing on the code it reviewed
+(docs/reliability.md, "Round twelve: review of what hooks reach"); the one strict xfail left is
+a gap still open, failing for the reason it names."""
 
 from __future__ import annotations
 
@@ -58,13 +59,6 @@ def _normalised(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> 
     return NORMALISE(output)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="a global partial of a library function (F.normalize, p=2) is read as code: "
-    "followed_helper follows a partial only of the user's own function, so the next run's "
-    "p=1 keeps the key and p=2's features are served",
-)
 def test_a_partial_of_a_library_function_is_keyed_by_its_arguments(
     tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -91,13 +85,6 @@ def _gain_from_instance(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple
     return (args[0] * DEFAULTS.gain,)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="a setting kept as a class attribute and read through an instance (DEFAULTS.gain) "
-    "is keyed by the instance's own attributes only (none): the next run's gain 3 keeps the "
-    "key and gain 2's features are served",
-)
 def test_a_class_default_read_through_an_instance_is_keyed(
     tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -140,13 +127,6 @@ def _through_call_delegating(module: torch.nn.Module, args: tuple[Any, ...]) -> 
     return (NORMALISER(args[0]),)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="a method of a global object of the user's class (NORMALISER.apply(x)) is not "
-    "followed: the object is read as data by its instance attributes, and the global setting "
-    "the method reads is keyed by no key, so gain 2's features are served for gain 3",
-)
 def test_a_setting_read_by_a_method_of_a_global_object_is_keyed(
     tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -158,13 +138,6 @@ def test_a_setting_read_by_a_method_of_a_global_object_is_keyed(
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="a callable object's __call__ is read for the globals its own code loads only "
-    "(global_names reaches no method of its class): a setting read by the method it calls "
-    "(self._scale(x)) is keyed by no key, so gain 2's features are served for gain 3",
-)
 def test_a_setting_read_by_a_method_a_callable_object_calls_is_keyed(
     tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -197,13 +170,6 @@ def _notebook(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     return cell
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="is_own_namespace takes a module with no __file__ (a notebook's, python -c's "
-    "__main__) as no user's: Config.GAIN of a class defined in a cell is not followed, so gain "
-    "2's features are served for gain 3, though a function of that cell is followed",
-)
 def test_a_setting_of_a_class_defined_in_a_notebook_is_keyed(
     tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -223,14 +189,6 @@ def _capture_in_module(module: torch.nn.Module, args: tuple[Any, ...], output: A
     THIS_MODULE.ACTIVATION["out"] = output.detach()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=EncoderLoadError,
-    reason="a dict a hook fills through a module of the user's (shared.ACTIVATION['out'] = o) "
-    "is followed by reached_attribute and keyed whole, its tensors by value (bookkeeping is "
-    "read for a bare global only): after the first forward the watch sees it changed and the "
-    "next miss is refused, where the same dict as a bare global is served",
-)
 def test_a_hook_filling_a_dict_of_a_user_module_is_served(
     tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -253,13 +211,6 @@ def _get_activation(name: str) -> Any:
     return hook
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=EncoderLoadError,
-    reason="records_into takes only an item set under a constant key as recording: the "
-    "forum's activation[name] = output (name a closure cell) reads the dict, keyed with its "
-    "tensors by value, so after the first forward the next miss is refused as changed",
-)
 def test_the_forums_get_activation_hook_is_served(
     tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -291,13 +242,6 @@ def _record_mean(module: torch.nn.Module, args: tuple[Any, ...], output: Any) ->
     RECORDER(float(output.mean()))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=EncoderLoadError,
-    reason="a global callable object of the user's is now followed and read by its attributes: "
-    "the lock an observing recorder holds is refused as keyed by its address, where before "
-    "serve12.1 the recorder was code and the dataset served",
-)
 def test_an_observing_hook_calling_a_recorder_with_a_lock_is_served(
     tmp_path: Path, audio_dir: Path
 ) -> None:
@@ -316,13 +260,6 @@ def _sparse_projected(module: torch.nn.Module, args: tuple[Any, ...], output: An
     return output @ SPARSE_PROJECTION.to_dense()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="global_tensor_digest reads a sparse tensor's data_ptr (its stamp) and bytes: "
-    "torch raises RuntimeError (no storage), a crash, where a one-line FeatbakeError (or a "
-    "key of its indices and values) is due",
-)
 def test_a_global_sparse_tensor_is_keyed_or_refused_in_one_line(
     tmp_path: Path, audio_dir: Path
 ) -> None:
@@ -398,13 +335,6 @@ class _StreamingByProperty(torch.nn.Module):
         return out + self.context
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="recorded_attributes reads the forward and the methods it reaches by name, not a "
-    "property: a list the forward appends to and reads for its output through a property is "
-    "taken as a log (derived state), so the streaming state is neither keyed nor watched",
-)
 def test_streaming_state_read_through_a_property_stays_keyed() -> None:
     from featbake.keys import derived_attributes, tensor_attributes
 
@@ -425,14 +355,6 @@ def _library_calls(module: torch.nn.Module, args: tuple[Any, ...], output: Any) 
     return torch.nn.functional.layer_norm(out, out.shape[-1:]) * np.float32(1.0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="each reading follows every attribute chain anew (is_own_namespace per chain, "
-    "inspect.getattr_static per global module in followed_helper), though chains through "
-    "library modules reach nothing: a hook calling F.relu and the like costs about 12x "
-    "what it did at 1545518 (10.8 -> 130 us per forward on this machine)",
-)
 def test_a_hook_calling_library_functions_reads_no_namespace_again_at_each_forward(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
