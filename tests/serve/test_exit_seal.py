@@ -11,12 +11,16 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+import featbake.serve.state as state_module
+from featbake.process import PerProcess, critical_section, in_critical_section
 from featbake.serve.cached_encoder import CachedEncoder
 from featbake.testing import TinyConvEncoder, make_tone
 from tests.conftest import REPO
@@ -93,11 +97,6 @@ print("exiting", flush=True)
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="after the exit drain a finalizer inside a transaction seals inline: its commit waits "
-    "on its own thread's write lock for the busy timeout and its features are dropped",
-)
 @pytest.mark.parametrize("hook", ["atexit", "finalizer"])
 def test_a_write_back_collected_inside_a_transaction_after_the_exit_drain_is_kept(
     tmp_path: Path, hook: str
@@ -159,11 +158,6 @@ if sys.argv[4] == "before":
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="after the exit drain a finalizer inside repair's write lock seals inline and waits "
-    "for ever on its own thread's lock; a sealing thread first made at exit is never drained",
-)
 @pytest.mark.parametrize("first", ["before", "at-exit"])
 def test_a_dataset_collected_inside_repair_after_the_exit_drain_is_kept(
     audio_dir: Path, encoder_file: Path, store_dir: Path, first: str
@@ -180,3 +174,131 @@ def test_a_dataset_collected_inside_repair_after_the_exit_drain_is_kept(
     want = live_features(encoder_file, Path(again.path(0)))
     assert isinstance(want, torch.Tensor)
     torch.testing.assert_close(again[0], want, rtol=1e-5, atol=1e-6)
+
+
+# == the sealer's stop, in this process ============================================================
+@pytest.fixture
+def sealer(monkeypatch: pytest.MonkeyPatch) -> Iterator[state_module.Sealer]:
+    """A sealing thread of its own in place of this process's (drained at the end)."""
+    made = state_module.Sealer()
+    holder = PerProcess(lambda: made)
+    holder.get()
+    monkeypatch.setattr(state_module, "_SEALER", holder)
+    yield made
+    made.drain()
+
+
+def test_what_the_sealing_thread_hands_over_as_the_drain_stops_it_is_done_outside_its_section(
+    sealer: state_module.Sealer,
+) -> None:
+    """The sealing thread, still sealing inside a critical section as the drain stops it, runs
+    a finalizer there. That one sealed inline, inside the section (a ``flock`` or a commit on
+    its own thread's lock: a hang, or features dropped). It is done as the section is left,
+    before the thread reads the stop, so the drain returns with it done."""
+    inside = threading.Event()
+    release = threading.Event()
+    ran: list[tuple[str, bool]] = []
+
+    def late() -> None:
+        ran.append((threading.current_thread().name, in_critical_section()))
+
+    def sealing() -> None:
+        with critical_section():
+            inside.set()
+            assert release.wait(timeout=60)
+            state_module.finalized(late)  # the collector, inside the thread's own seal
+
+    with critical_section():
+        state_module.finalized(sealing)  # handed over
+    assert inside.wait(timeout=60)
+    real_join = sealer.thread.join
+
+    def join_once_stopped() -> None:
+        assert sealer.stopped
+        release.set()  # the thread goes on only once the drain has stopped it
+        real_join()
+
+    sealer.thread.join = join_once_stopped  # type: ignore[method-assign]
+    sealer.drain()
+    assert ran == [("featbake-seal", False)]
+
+
+def test_a_hand_over_racing_the_drain_is_never_lost(
+    sealer: state_module.Sealer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A thread inside a critical section hands its finalizer's work over just as the drain
+    stops the sealing thread. Where it saw the thread running, then put once the drain had
+    swept the queue, the work lay in a queue nobody reads. It is done once, by the thread that
+    ran the finalizer, as it leaves its section."""
+    checking = threading.Event()
+    drained = threading.Event()
+    ran: list[bool] = []
+    real_in_critical_section = state_module.in_critical_section
+
+    def switching_here() -> bool:  # a thread switch to the draining thread, at this point
+        if threading.current_thread().name == "finalizing":
+            checking.set()
+            assert drained.wait(timeout=60)
+        return real_in_critical_section()
+
+    monkeypatch.setattr(state_module, "in_critical_section", switching_here)
+
+    def finalizing() -> None:
+        with critical_section():
+            state_module.finalized(lambda: ran.append(in_critical_section()))
+
+    thread = threading.Thread(target=finalizing, name="finalizing")
+    thread.start()
+    assert checking.wait(timeout=60)
+    sealer.drain()
+    drained.set()
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert ran == [False]
+
+
+def test_a_sealer_first_made_as_the_process_exits_takes_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Multiprocessing has run its exit finalizers: a sealing thread started now would never be
+    drained (its work lost as the interpreter stops daemon threads). None starts, and work
+    handed over inside a section is done as the section is left."""
+    import multiprocessing.util as mp_util
+
+    monkeypatch.setattr(mp_util, "_exiting", True)
+    late = state_module.Sealer()
+    assert late.stopped and not late.thread.is_alive()
+    holder = PerProcess(lambda: late)
+    holder.get()
+    monkeypatch.setattr(state_module, "_SEALER", holder)
+    ran: list[bool] = []
+    with critical_section():
+        state_module.finalized(lambda: ran.append(in_critical_section()))
+        assert ran == []
+    assert ran == [False]
+    late.wait()  # returns: nothing is pending
+
+
+def test_work_left_for_the_end_of_a_section_is_done_once_as_the_outermost_is_left() -> None:
+    """Nested sections: the work runs as the outermost is left, once, even where it enters a
+    section of its own (which leaves more work for its end)."""
+    from featbake.process import after_critical_section
+
+    ran: list[str] = []
+
+    def first() -> None:
+        ran.append("first")
+        with critical_section():
+            after_critical_section(lambda: ran.append("nested"))
+            ran.append("inside first")
+
+    with critical_section():
+        with critical_section():
+            after_critical_section(first)
+            after_critical_section(lambda: ran.append("second"))
+        assert ran == []
+    done = ["first", "inside first", "second", "nested"]  # in the order left
+    assert ran == done
+    with critical_section():
+        pass
+    assert ran == done
