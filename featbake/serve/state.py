@@ -599,8 +599,9 @@ def _warned(work: Callable[[], None]) -> None:
 # thread still running) is done by the thread that ran it, as it leaves its outermost critical
 # section (:func:`featbake.process.after_critical_section`), where it holds none of those locks.
 # A sealer first made once the process is exiting (its drain would never run) starts stopped.
-# Never lost: a hand-over either reaches the queue before the drain's stop (the thread does it
-# before it reads the stop) or is refused and left to the section's end; both under one lock.
+# Never lost: the check of the stop and the put are one step under the sealer's lock, so a
+# hand-over either reaches the queue before the stop (the thread does it before it reads the
+# stop) or is refused and left to the section's end.
 # Left: work left by a daemon thread that has not left its section when the interpreter stops
 # daemon threads (or a worker calls ``os._exit``) is lost with that thread's own work.
 class Sealer:
