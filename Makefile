@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install emulators demo test soak bench gpu-wheels lint clean
+.PHONY: install emulators demo test hunt soak bench gpu-wheels lint clean
 
 install: $(STAMP)
 
@@ -34,6 +34,16 @@ emulators:
 # featbake again, and each worker rewrites every test module (7% of a CLI test file's CPU).
 test: install emulators
 	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
+# Opt-in race hunting, not part of `make test` (slower): the suite with benchmarks/hunt_plugin.py,
+# which makes every test process report 16 CPUs (featbake.device.process_cpus, os.cpu_count,
+# os.sched_getaffinity: forked decode workers and wide reads on a 2-core machine) and run the
+# cyclic collector every 60 allocations (gc.set_threshold(60, 5, 5): finalizers inside locks and
+# transactions). HUNT_ARGS narrows it: make hunt HUNT_ARGS="tests/test_process.py".
+HUNT_ARGS ?=
+hunt: install emulators
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -p benchmarks.hunt_plugin -n auto \
+		--dist loadfile $(HUNT_ARGS)
 
 # A bounded 60 s soak (benchmarks/soak.py, not collected by pytest): 2 writers, 2 readers with
 # DataLoader workers and a gc loop on one store; then verify clean and every feature = live.

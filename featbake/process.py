@@ -8,6 +8,7 @@ How many CPUs a build uses is :mod:`featbake.cpus`, the hashing threads
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import threading
@@ -117,6 +118,9 @@ def _after_fork_in_child() -> None:
     INHERITED_ACROSS_FORK.extend(_AT_FORK)
     _AT_FORK.clear()
     _SLOTS_LOCK.release()
+    later = getattr(_INSIDE, "later", None)
+    if later:  # the forking thread's work left for the end of its section: the parent's to do
+        later.clear()
     for hook in _CHILD_HOOKS:
         hook()
 
@@ -133,19 +137,23 @@ os.register_at_fork(
 #: transaction). A finalizer the collector runs on such a thread must not take them again (a
 #: ``flock`` on a new descriptor waits on its own thread for ever, a second connection's
 #: ``BEGIN IMMEDIATE`` for the whole busy timeout): it hands its work over instead
-#: (:func:`in_critical_section`).
+#: (:func:`in_critical_section`), to another thread, or to this thread once it has left every
+#: section (:func:`after_critical_section`, kept in ``later``).
 _INSIDE = threading.local()
 
 
 @contextlib.contextmanager
 def critical_section() -> Iterator[None]:
     """Mark this thread as inside a critical section for the block: entered before the lock or
-    transaction is taken, left once it is let go, so no moment while it is held is unmarked."""
+    transaction is taken, left once it is let go, so no moment while it is held is unmarked.
+    Leaving the outermost runs the work :func:`after_critical_section` left for then."""
     _INSIDE.depth = getattr(_INSIDE, "depth", 0) + 1
     try:
         yield
     finally:
         _INSIDE.depth -= 1
+        if not _INSIDE.depth:
+            _run_later()
 
 
 def in_critical_section() -> bool:
@@ -159,6 +167,40 @@ def in_critical_section() -> bool:
         False
     """
     return getattr(_INSIDE, "depth", 0) > 0
+
+
+def after_critical_section(work: Callable[[], None]) -> None:
+    """Run ``work`` on this thread once it has left every critical section it is inside now
+    (at once where it is in none): where no lock or transaction of featbake's is held by it.
+
+    For a finalizer's work that can neither be done inside (it would wait on its own thread)
+    nor handed to another thread (at exit none is left to take it). ``work`` must not raise:
+    it runs as the outermost section is left, inside its ``finally``.
+
+    Example:
+        >>> done = []
+        >>> with critical_section():
+        ...     after_critical_section(lambda: done.append(in_critical_section()))
+        ...     done
+        []
+        >>> done
+        [False]
+    """
+    if not in_critical_section():
+        work()
+        return
+    later = getattr(_INSIDE, "later", None)
+    if later is None:
+        later = _INSIDE.later = collections.deque()
+    later.append(work)
+
+
+def _run_later() -> None:
+    """Run what was left for the end of this thread's sections, each once: work that enters a
+    section of its own runs what was left meanwhile as it leaves it (``popleft``, one taker)."""
+    later: collections.deque[Callable[[], None]] | None = getattr(_INSIDE, "later", None)
+    while later:
+        later.popleft()()
 
 
 class ProcessStamp:
@@ -433,6 +475,7 @@ __all__ = [
     "ProcessLocal",
     "ProcessLocalState",
     "ProcessStamp",
+    "after_critical_section",
     "critical_section",
     "in_critical_section",
 ]

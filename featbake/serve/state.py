@@ -8,11 +8,13 @@ was read. It never crosses ``fork`` or pickling: see :mod:`featbake.serve.state`
 from __future__ import annotations
 
 import contextlib
+import functools
 import mmap
 import multiprocessing.util as mp_util
 import os
 import queue
 import sqlite3
+import sys
 import threading
 import time
 import warnings
@@ -29,7 +31,13 @@ from torch.utils.data import get_worker_info
 from featbake.encode.encoders import LoadedEncoder
 from featbake.errors import StoreError
 from featbake.lru import ByteLRU, CacheInfo
-from featbake.process import PerProcess, ProcessStamp, in_critical_section
+from featbake.process import (
+    PerProcess,
+    ProcessStamp,
+    after_critical_section,
+    fork_safe_lock,
+    in_critical_section,
+)
 from featbake.store.catalog import Access, ServingStore, access_for
 from featbake.store.features import ShardHandles
 from featbake.store.fragment_catalog import open_serving_catalog
@@ -580,48 +588,74 @@ def _warned(work: Callable[[], None]) -> None:
 # thread's transaction). So where the thread is inside one of those
 # (:func:`featbake.process.in_critical_section`, kept by ``store.locks.locked`` and the
 # catalog's transactions), a finalizer hands its work to this process's one sealing thread (a
-# ``SimpleQueue.put``: no lock taken) and returns; everywhere else it works inline, as before,
-# so a dropped dataset's rows are in the store when its collection returns. The handed-over work
-# is done before the process exits: the thread is drained and joined by a multiprocessing
-# Finalize run after the saves (at exit, and as a DataLoader worker ends).
+# ``SimpleQueue.put`` under a lock held for nothing else) and returns; everywhere else it works
+# inline, as before, so a dropped dataset's rows are in the store when its collection returns.
+#
+# The handed-over work is done before the process exits: the thread is drained and joined by a
+# multiprocessing Finalize run after the saves (at exit, and as a DataLoader worker ends, before
+# its ``os._exit``). From the moment the drain begins the thread takes nothing more, and what a
+# finalizer would hand over then (one the collector runs in an exit hook after the drain, in a
+# multiprocessing finalizer of lower priority, on the sealing thread as it finishes, or on a
+# thread still running) is done by the thread that ran it, as it leaves its outermost critical
+# section (:func:`featbake.process.after_critical_section`), where it holds none of those locks.
+# A sealer first made once the process is exiting (its drain would never run) starts stopped.
+# Never lost: the check of the stop and the put are one step under the sealer's lock, so a
+# hand-over either reaches the queue before the stop (the thread does it before it reads the
+# stop) or is refused and left to the section's end.
+# Left: work left by a daemon thread that has not left its section when the interpreter stops
+# daemon threads (or a worker calls ``os._exit``) is lost with that thread's own work.
 class Sealer:
     """This process's sealing thread (``featbake-seal``) and its queue of handed-over work."""
 
     def __init__(self) -> None:
         self.queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self.stopped = False
+        #: Held only to read ``stopped`` and put (:meth:`take`), or to set it (:meth:`drain`):
+        #: reentrant and held across ``fork``, as a finalizer may run on its holder.
+        self.lock = fork_safe_lock()
+        #: True once the drain began (or the process was already exiting): nothing is taken.
+        self.stopped = _exiting()
         self.thread = threading.Thread(target=self._run, name="featbake-seal", daemon=True)
-        self.thread.start()
-        mp_util.Finalize(None, self.drain, exitpriority=0)  # after the saves (priority 10)
+        if not self.stopped:
+            self.thread.start()
+            mp_util.Finalize(None, self.drain, exitpriority=0)  # after the saves (priority 10)
 
     def _run(self) -> None:
         while (work := self.queue.get()) is not None:
             _warned(work)
 
+    def take(self, work: Callable[[], None]) -> bool:
+        """Queue ``work`` for the thread; False once the drain began (the caller does it)."""
+        with self.lock:
+            if self.stopped:
+                return False
+            self.queue.put(work)
+            return True
+
     def drain(self) -> None:
-        """Do everything handed over, then stop the thread (at exit); later work runs inline.
-        What was handed over after the stop (by a finalizer the thread itself ran) is done
-        here."""
-        self.stopped = True
+        """Do everything handed over, then stop the thread (at exit). Nothing is taken once
+        this began, so the thread has done all that was taken when it reads the stop."""
+        with self.lock:
+            if self.stopped:
+                return
+            self.stopped = True
         self.queue.put(None)
         self.thread.join()
-        while True:
-            try:
-                work = self.queue.get_nowait()
-            except queue.Empty:
-                return
-            if work is not None:
-                _warned(work)
 
     def wait(self) -> None:
         """Return once everything handed over before this call is done (at once on the
         sealing thread itself, or where this thread is inside a critical section, which that
-        work may wait on)."""
-        if self.stopped or in_critical_section() or threading.current_thread() is self.thread:
+        work may wait on, or once the drain began, which does it)."""
+        if in_critical_section() or threading.current_thread() is self.thread:
             return
         done = threading.Event()
-        self.queue.put(done.set)
-        done.wait()
+        if self.take(done.set):
+            done.wait()
+
+
+def _exiting() -> bool:
+    """Whether this process began to exit: multiprocessing ran (or runs) its exit finalizers,
+    so a drain registered now would never run, or the interpreter is finalizing."""
+    return bool(getattr(mp_util, "_exiting", False)) or sys.is_finalizing()
 
 
 #: Made with this process's first write-back (never inside a finalizer, which only puts); a
@@ -632,12 +666,14 @@ _SEALER: PerProcess[Sealer] = PerProcess(Sealer, lock=True)
 def finalized(work: Callable[[], None]) -> None:
     """Run a finalizer's ``work`` now, or, on a thread inside featbake's critical section
     (a store or tier lock held, a catalog transaction open), hand it to the sealing thread and
-    return at once. A failure is a warning either way."""
-    sealer = _SEALER.peek()
-    if sealer is None or sealer.stopped or not in_critical_section():
+    return at once; once that thread has stopped (at exit), leave it to this thread, to be done
+    as it leaves its outermost critical section. A failure is a warning either way."""
+    if not in_critical_section():
         _warned(work)
-    else:
-        sealer.queue.put(work)
+        return
+    sealer = _SEALER.peek()
+    if sealer is None or not sealer.take(work):
+        after_critical_section(functools.partial(_warned, work))
 
 
 def handed_over_sealed() -> None:
