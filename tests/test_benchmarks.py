@@ -252,3 +252,24 @@ def test_gpu_wheels_bring_each_dependency_the_gpu_machine_lacks() -> None:
     # soundfile needs cffi, cffi pycparser; zarr numcodecs and donfig
     assert {"cffi", "pycparser", "numcodecs", "donfig", "torchdata"} <= set(names)
     assert ".whl/" in (REPO / ".gitignore").read_text().splitlines()
+
+
+def test_the_hunt_plugin_loads_and_reports_sixteen_cpus(tmp_path: Path) -> None:
+    """`make hunt`'s plugin, loaded as the Makefile loads it, in a pytest run of its own: the
+    test it runs sees 16 CPUs everywhere featbake asks and the collector's hunting threshold."""
+    import subprocess
+
+    probe = tmp_path / "test_probe.py"
+    probe.write_text(
+        "import gc, os\n"
+        "import featbake.device\n"
+        "def test_probe():\n"
+        "    assert featbake.device.process_cpus() == 16 and os.cpu_count() == 16\n"
+        "    assert len(os.sched_getaffinity(0)) == 16\n"
+        "    assert gc.get_threshold() == (60, 5, 5)\n"
+    )
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "benchmarks.hunt_plugin", "-n", "0"]
+    args += ["-p", "no:cacheprovider", "--rootdir", str(tmp_path), str(probe)]
+    done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "1 passed" in done.stdout
