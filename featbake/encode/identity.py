@@ -592,7 +592,7 @@ class HeldReading:
         changes no output), a
         builtin function by its name and object, an enum member or a value with no attributes
         by its repr (``torch.float16``), an object by its public attributes. One with no
-        attributes whose repr is its address (the default, a lock's)
+        attributes whose repr is its address (the default one)
         is refused: an address is no value, and another in each process."""
         if isinstance(value, logging.Logger):
             return f"<logger {value.name}>"

@@ -130,12 +130,18 @@ def _holding(value: object) -> object:
     return hook
 
 
+class _Opaque:
+    """An object with no attributes whose repr is its address: no value to key."""
+
+    __slots__ = ()
+
+
 def test_what_a_hook_holds_is_keyed_by_value_or_refused_never_by_its_type_alone() -> None:
     """Round ten's rule for a held value (``HeldReading``): values differing only in what
     they hold key apart (a numpy scalar, a dict, a lambda's constant, a ``torch.dtype``); a
-    logger is keyed by its name; what has no value to key (a lock, whose repr is its address)
-    or is too large to key is refused, as tensors and modules are. Before round ten each of
-    these was keyed by its type alone."""
+    logger is keyed by its name, a lock by its kind; what has no value to key (an object whose
+    repr is its address) or is too large to key is refused, as tensors and modules are. Before
+    round ten each of these was keyed by its type alone."""
     import logging
     import threading
 
@@ -154,8 +160,10 @@ def test_what_a_hook_holds_is_keyed_by_value_or_refused_never_by_its_type_alone(
         assert held_values(_holding(a)) != held_values(_holding(b)), (a, b)
         assert held_refusals(_holding(a)) == []
     assert held_values(_holding(np.float32(2.0))) == held_values(_holding(2.0))
-    lock = held_refusals(_holding(threading.Lock()))
-    assert lock and "address" in lock[0]
+    opaque = held_refusals(_holding(_Opaque()))
+    assert opaque and "address" in opaque[0]
+    assert held_refusals(_holding(threading.Lock())) == []  # r12.8: a lock changes no output
+    assert held_values(_holding(threading.Lock())) == held_values(_holding(threading.Lock()))
     assert held_refusals(_holding(torch.zeros(1)))[0] == "a value (Tensor)"
     assert "too large" in held_refusals(_holding(list(range(HELD_VALUES + 1))))[0]
 
