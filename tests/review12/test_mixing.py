@@ -134,3 +134,40 @@ def test_a_block_order_over_a_bucket_resumes_on_a_node_with_another_tier_size(
         for row, n, i in zip(padded, lengths, labels, strict=True):
             want = live(encoder_file, Path(ds.path(int(i))))
             torch.testing.assert_close(row[:n], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="r12.m3: LengthBatchSampler takes shuffle='blocks' (FeatureLoader's block order) "
+    "as bool('blocks'), a full shuffle: it yields other batches than FeatureLoader(batch_frames, "
+    "shuffle='blocks'), with no word",
+)
+def test_a_length_batch_sampler_given_blocks_yields_the_loaders_batches_or_refuses(
+    encoder_file: Path, tmp_path: Path
+) -> None:
+    """``LengthBatchSampler`` is documented as what ``FeatureLoader(ds, batch_frames=...)``
+    reads, as lists of indices; ``FeatureLoader`` takes ``shuffle="blocks"`` (by length within
+    blocks, for a bucket store's tier), and ``LengthBatchSampler.__init__`` reads its
+    ``shuffle`` through ``shuffle_of(bool(shuffle))``, so ``"blocks"`` becomes ``True``: the
+    batches are drawn across every shard (a bucket store's tier fetches shards over and over)
+    and a state saved by the loader in that order is refused by the sampler. Wanted: the
+    loader's batches, or one line refusing the value."""
+    from featbake import FeatureLoader, LengthBatchSampler
+
+    write_audio_folder(tmp_path / "a", 16, seconds=(0.3, 1.2), seed=4)
+    bake(tmp_path / "a", encoder_file, tmp_path / "store", shard_bytes=4096)
+    ds = CachedFeatureDataset(
+        tmp_path / "a", encoder_file, cache=tmp_path / "store", on_miss="error"
+    )
+    labelled = StackDataset(ds, torch.arange(len(ds)))
+    loader = FeatureLoader(labelled, batch_frames=300, shuffle="blocks", window=4, seed=1)
+    want = [[int(i) for i in labels] for *_, labels in loader]
+    assert sorted(i for b in want for i in b) == list(range(len(ds)))
+    try:
+        sampler = LengthBatchSampler(ds, 300, shuffle="blocks", seed=1)  # type: ignore[arg-type]
+    except ConfigError as refused:
+        assert "\n" not in str(refused) and "blocks" in str(refused)
+        return
+    got = list(sampler)
+    assert got == want, f"the sampler's batches {got} are not the loader's {want}"
