@@ -66,7 +66,7 @@ def test_a_carried_column_mixing_numbers_and_text_exports_to_parquet(
 @pytest.mark.xfail(
     strict=True,
     raises=AssertionError,
-    reason="r12.e2: a webdataset export drops a carried column named 'key' (or 'id'): the "
+    reason="r12.e2: a webdataset export drops a carried column named 'key': the "
     "sample's JSON puts the store's content key in its place, where Parquet keeps it as row_key",
 )
 def test_a_carried_key_column_reaches_the_webdataset_json(
