@@ -58,8 +58,9 @@ def test_a_block_sampler_state_over_another_mixture_is_refused(
     datasets' items. So a ``BlockSampler`` state saved part way through epoch 1 of a mixture
     weighted 1:2 is loaded by a sampler over the same stores weighted 2:1: the positions it
     skips and the ones it yields are those of the first mixture's plan (the state's
-    placement), read through the second mixture's draw: items of the epoch are read twice
-    and others never, each served the features of the file the second mixture names."""
+    placement), read through the second mixture's draw: against the uninterrupted epoch, 3
+    items are read more often than it reads them (one it does not read at all) and 3 less
+    often, each served the features of the file the second mixture names."""
     from featbake import BlockSampler
 
     first = _mixture(two_stores, encoder_file, [1.0, 2.0])
