@@ -655,8 +655,10 @@ class BlockSampler(Sampler[int]):
         self._per_epoch = draws_per_epoch(dataset)  # a mixture: each epoch's own placement
         rank, world = rank_and_world(rank, num_replicas)
         window = window_for(dataset, Shuffle.BLOCKS, window)
+        # The mixture's fingerprint, as FeatureLoader's; "" before it was folded in (r12.m1).
         self._order = Order(len(dataset), 1, Shuffle.BLOCKS, seed, rank, world, drop_last,
-                            window=window, items=items_of(dataset))  # fmt: skip
+                            window=window, source=fingerprint_of(dataset),
+                            items=items_of(dataset), source_before="")  # fmt: skip
         self._inputs = self._order.inputs(shards=self._shards)  # what every epoch is drawn from
         self.epoch = 0
         self.yielded = 0  # indices of the epoch being read handed out so far
@@ -666,6 +668,8 @@ class BlockSampler(Sampler[int]):
         """Draw epoch ``epoch``'s order next (call it before each epoch, as DistributedSampler),
         and tell the dataset (a mixture draws its items per epoch); a loaded state's rest
         holds only for its own epoch."""
+        if epoch != self.epoch:  # none of it handed out yet: a state saved now reads it all
+            self.yielded = 0
         self.epoch = epoch
         if self._pending is not None and self._pending.epoch != epoch:
             self._pending = None
@@ -675,7 +679,7 @@ class BlockSampler(Sampler[int]):
         skip = 0
         if self._pending is not None and self._pending.epoch == self.epoch:
             skip = self._pending.done
-        elif self._per_epoch:  # a mixture's blocks are those of the items this epoch draws
+        if self._per_epoch and not skip:  # a mixture's blocks: the items this epoch draws
             self._inputs = self._order.inputs(shards=self._epoch_shards())
         self._pending = None
         if self._per_epoch:
@@ -706,8 +710,8 @@ class BlockSampler(Sampler[int]):
 
     def state_dict(self) -> dict[str, Any]:
         """The epoch, its indices handed out so far, the seed, a fingerprint of the options
-        and the placement the orders are drawn from (plain ints and strings): what
-        :meth:`load_state_dict` goes on from."""
+        (and of a mixture sampled) and the placement the orders are drawn from (plain ints
+        and strings): what :meth:`load_state_dict` goes on from."""
         o = self._order
         at = self._pending or Position(self.epoch, self.yielded)
         return {"epoch": at.epoch, "yielded": at.done, "seed": o.seed, "world_size": o.world,
@@ -725,19 +729,46 @@ class BlockSampler(Sampler[int]):
         """
         checked = _checked(state, SAMPLER_KEYS, "BlockSampler")
         order = dataclasses.replace(self._order, seed=checked["seed"])
-        if checked["world_size"] != order.world or order.fingerprint() != checked["fingerprint"]:
+        before = checked["fingerprint"] == order.fingerprint_before()
+        if checked["world_size"] != order.world or not (
+            before or order.fingerprint() == checked["fingerprint"]
+        ):
             raise ConfigError(
                 "this BlockSampler state was saved over another world size or with options that "
-                "give another order (window, drop_last, a dataset of another length): make the "
+                "give another order (window, drop_last, a dataset of another length, or a "
+                "MixedDataset of other datasets, weights, epoch_items or seed): make the "
                 "sampler with the arguments of the saved run"
             )
         _same_items(order, checked, checked["yielded"] > 0, "load it with 'yielded' 0")
         inputs = PlanInputs.decode(checked["plan"], order.n)
         if inputs.blocks is None:
             raise ConfigError("not a BlockSampler state: its 'plan' has no blocks")
+        if before and checked["yielded"]:
+            self._same_draw(order, checked, inputs.blocks)
         self._order, self._inputs, self.epoch = order, inputs, checked["epoch"]
         self._pending = Position(checked["epoch"], checked["yielded"])
         set_epoch_of(self._dataset, self.epoch)
+
+    def _same_draw(self, order: Order, state: dict[str, Any], blocks: np.ndarray) -> None:
+        """Refuse a state part way through an epoch saved before the mixture was folded into
+        the fingerprint (r12.m1) unless the mixture draws that epoch as the state's plan says
+        (each position's block): the same mixture over the same placement, as far as the
+        state can tell.
+
+        Raises:
+            ConfigError: the mixture's draw of that epoch puts other blocks at its positions.
+        """
+        placement = placement_of(self._dataset, state["epoch"])
+        assert placement is not None  # it had one when the sampler was made
+        now = order.inputs(shards=placement.shards).blocks
+        if now is None or not np.array_equal(now, blocks):
+            raise ConfigError(
+                f"this BlockSampler state is {state['yielded']} indices into epoch "
+                f"{state['epoch']} and was saved by a featbake that did not fold the mixture "
+                "into it; this mixture draws other items at that epoch's positions (another "
+                "mixture, or a build or gc since moved them), so the rest of that epoch "
+                "cannot be read as it was: load it with 'yielded' 0 to read that epoch afresh"
+            )
 
 
 class LengthBatchSampler(Sampler[list[int]]):
