@@ -432,10 +432,15 @@ class Resume:
         plan = "" if at.inputs is None else at.inputs.encode()
         return {"epoch": at.epoch, "position": at.done, "seed": order.seed, "rank": order.rank,
                 "world_size": order.world, "fingerprint": order.fingerprint(), "plan": plan,
-                "resumed": [list(stage) for stage in at.stages], "items": order.items}  # fmt: skip
+                "resumed": [list(stage) for stage in at.stages], "items": order.items,
+                "window": order.window}  # fmt: skip
 
-    def load(self, order: Order, state: Any) -> tuple[Order, int]:
+    def load(self, order: Order, state: Any, *, default_window: bool = False) -> tuple[Order, int]:
         """Take ``state``: the order with its seed, and the epoch to read next.
+
+        With ``default_window`` (no ``window`` was given, so it is the one the tier here
+        fits), the order takes the state's window: a block order's default follows the
+        node's tier (``window_for``), and the run resumed goes on in the saved run's order.
 
         A state saved over another world size (at the step the run stopped: rank 0's, which
         has the most batches when they are uneven) resumes its epoch over this one: the items
@@ -449,7 +454,8 @@ class Resume:
         """
         checked = _checked(state)
         saved_world = checked["world_size"]
-        order = dataclasses.replace(order, seed=checked["seed"])
+        window = saved_window(checked, order.window, default_window)
+        order = dataclasses.replace(order, seed=checked["seed"], window=window)
         stages, done = _stages(checked), checked["position"]
         _same_order(dataclasses.replace(order, world=saved_world, rank=0), checked)
         _same_items(order, checked, bool(stages or done))
@@ -459,6 +465,22 @@ class Resume:
         self.pending = Position(checked["epoch"], done, inputs, stages)
         self.current = None
         return order, checked["epoch"]
+
+
+def saved_window(state: dict[str, Any], window: int, default: bool) -> int:
+    """The window to resume ``state`` with: the state's when this one is the ``default``
+    (a block order's default follows the tier, r12.m2), else ``window``; a state saved before
+    states carried it keeps ``window``.
+
+    Raises:
+        ConfigError: the state's ``window`` is not a whole number from 1.
+    """
+    saved = state.get("window")
+    if saved is None:
+        return window
+    if isinstance(saved, bool) or not isinstance(saved, int) or saved < 1:
+        raise ConfigError(f"not a loader state: 'window' is {saved!r}; pass what state_dict() gave")
+    return saved if default else window
 
 
 def _same_order(as_saved: Order, state: dict[str, Any]) -> None:
@@ -616,7 +638,8 @@ class BlockSampler(Sampler[int]):
             ``Subset``): its catalog says each item's shard, nothing is read.
         seed: the order's seed (the same on every rank).
         window: shards open at a time; by default 4, or fewer where a bucket store's tier
-            would not hold two windows of the dataset's shards.
+            would not hold two windows of the dataset's shards (a loaded state's window, the
+            one its run chose, replaces the default).
         num_replicas, rank: this process's share, as ``DistributedSampler``.
         drop_last: drop the items that do not divide evenly among ranks instead of repeating.
 
@@ -654,6 +677,7 @@ class BlockSampler(Sampler[int]):
         self._dataset = dataset  # told each epoch's windows (a bucket store fetches by them)
         self._per_epoch = draws_per_epoch(dataset)  # a mixture: each epoch's own placement
         rank, world = rank_and_world(rank, num_replicas)
+        self._window_given = window is not None  # else a state's window is taken (r12.m2)
         window = window_for(dataset, Shuffle.BLOCKS, window)
         # The mixture's fingerprint, as FeatureLoader's; "" before it was folded in (r12.m1).
         self._order = Order(len(dataset), 1, Shuffle.BLOCKS, seed, rank, world, drop_last,
@@ -710,13 +734,13 @@ class BlockSampler(Sampler[int]):
 
     def state_dict(self) -> dict[str, Any]:
         """The epoch, its indices handed out so far, the seed, a fingerprint of the options
-        (and of a mixture sampled) and the placement the orders are drawn from (plain ints
-        and strings): what :meth:`load_state_dict` goes on from."""
+        (and of a mixture sampled), the window and the placement the orders are drawn from
+        (plain ints and strings): what :meth:`load_state_dict` goes on from."""
         o = self._order
         at = self._pending or Position(self.epoch, self.yielded)
         return {"epoch": at.epoch, "yielded": at.done, "seed": o.seed, "world_size": o.world,
                 "fingerprint": o.fingerprint(), "plan": self._inputs.encode(),
-                "items": o.items}  # fmt: skip
+                "items": o.items, "window": o.window}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Go on from ``state`` (:meth:`state_dict` of a sampler with the same arguments over
@@ -728,7 +752,8 @@ class BlockSampler(Sampler[int]):
                 that give another order.
         """
         checked = _checked(state, SAMPLER_KEYS, "BlockSampler")
-        order = dataclasses.replace(self._order, seed=checked["seed"])
+        window = saved_window(checked, self._order.window, not self._window_given)
+        order = dataclasses.replace(self._order, seed=checked["seed"], window=window)
         before = checked["fingerprint"] == order.fingerprint_before()
         if checked["world_size"] != order.world or not (
             before or order.fingerprint() == checked["fingerprint"]
@@ -983,7 +1008,8 @@ class FeatureLoader:
             than this is a batch of its own (one warning says how many).
         window: shards open at a time for ``shuffle="blocks"``; by default 4, or fewer where
             a bucket store's tier would not hold two windows of the dataset's shards (then
-            each shard is fetched about once an epoch).
+            each shard is fetched about once an epoch); a loaded state's window, the one its
+            run chose, replaces the default.
         drop_last: drop the last, short batch (and, over several ranks, the indices that do
             not divide evenly among them).
         even_batches: over several ranks, repeat the first items (batches, with
@@ -1080,6 +1106,7 @@ class FeatureLoader:
             batch_frames, window_for(dataset, order, window), fingerprint_of(dataset),
             items_of(dataset), fingerprint_before(dataset),
         )  # fmt: skip
+        self._window_given = window is not None  # else a state's window is taken (r12.m2)
         self.epoch = 0
         self._resume = Resume()
         self._shards: list[int] | None = None  # each item's shard now, for a block order's plan
@@ -1109,9 +1136,10 @@ class FeatureLoader:
         options that shape the order, and ``plan``: for an epoch by length or by block, the
         placement it was planned from (each item's block and length as the catalog held them
         when it started; compressed, a few bytes per shard for a store built in order), so
-        that a build, gc or write-back since does not change the rest of it; and ``resumed``,
-        the runs over other world sizes this epoch was resumed from. Plain ints and strings,
-        for any checkpoint.
+        that a build, gc or write-back since does not change the rest of it; ``resumed``,
+        the runs over other world sizes this epoch was resumed from; and ``window``, the block
+        order's (a loader made without one takes it: the default follows the node's tier).
+        Plain ints and strings, for any checkpoint.
 
         Example:
             >>> state = {"model": model.state_dict(), "data": loader.state_dict()}  # doctest: +SKIP
@@ -1139,7 +1167,9 @@ class FeatureLoader:
                 MixedDataset) that give another order, or is part way through an epoch by
                 length or by block and was saved without its placement (by an older featbake).
         """
-        self._order, self.epoch = self._resume.load(self._order, state)
+        self._order, self.epoch = self._resume.load(
+            self._order, state, default_window=not self._window_given
+        )
         set_epoch_of(self.dataset, self.epoch)
 
     def __iter__(self) -> Iterator[Any]:

@@ -122,14 +122,6 @@ def test_a_block_sampler_state_saved_before_the_mixture_was_folded_in_resumes_ov
 # ``window_fitting``); the window is in the state's fingerprint, the state does not carry it.
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ConfigError,
-    reason="r12.m2: a block-order state over a bucket store with the default window is refused "
-    "('options that give another order') by the same loader on a node whose tier is another "
-    "size: the default window follows the tier and is in the fingerprint, and the state does "
-    "not carry it",
-)
 def test_a_block_order_over_a_bucket_resumes_on_a_node_with_another_tier_size(
     s3: S3, encoder_file: Path, tmp_path: Path
 ) -> None:
@@ -174,6 +166,47 @@ def test_a_block_order_over_a_bucket_resumes_on_a_node_with_another_tier_size(
         for row, n, i in zip(padded, lengths, labels, strict=True):
             want = live(encoder_file, Path(ds.path(int(i))))
             torch.testing.assert_close(row[:n], want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_block_sampler_over_a_bucket_resumes_on_a_node_with_another_tier_size(
+    s3: S3, encoder_file: Path, tmp_path: Path
+) -> None:
+    """``BlockSampler`` with no ``window`` carries its window in its state as the loader does
+    (r12.m2): over a bucket store, a state saved where the tier fits a window of 1 or 2
+    shards is resumed where it fits 4, the rest of the epoch the uninterrupted sampler's and
+    each item served as the encoder gives it; a window given that is not the state's is
+    still refused."""
+    from featbake import BlockSampler
+    from featbake.store.objects import ObjectStore
+    from featbake.store.url import BucketURL
+
+    audio = tmp_path / "audio"
+    write_audio_folder(audio, 16, seconds=(0.5, 1.5), seed=6)
+    bake(audio, encoder_file, s3.url, shard_bytes=30_000)
+    sizes = [o.size for o in ObjectStore(BucketURL.parse(s3.url)).list("shards/")]
+
+    def sampler(tier: str, budget: int, window: int | None = None) -> BlockSampler:
+        ds = CachedFeatureDataset(
+            audio, encoder_file, cache=s3.url, local_cache=tmp_path / tier,
+            local_cache_size=budget, on_miss="error",
+        )  # fmt: skip
+        return BlockSampler(ds, seed=2, window=window)
+
+    small = sampler("tier-small", 4 * sum(sizes) // len(sizes))
+    big = sampler("tier-big", 100 * sum(sizes))
+    assert small._order.window < big._order.window == 4
+    want = list(sampler("tier-small", 4 * sum(sizes) // len(sizes)))
+    head = list(itertools.islice(iter(small), 5))
+    state = json.loads(json.dumps(small.state_dict()))
+    with pytest.raises(ConfigError, match="another order"):
+        sampler("tier-big", 100 * sum(sizes), window=4).load_state_dict(state)
+    big.load_state_dict(state)
+    rest = list(big)
+    assert head + rest == want
+    ds = big._dataset
+    live = Live()
+    for i in rest:
+        torch.testing.assert_close(ds[i], live(encoder_file, Path(ds.path(i))))
 
 
 @pytest.mark.xfail(
