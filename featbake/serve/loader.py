@@ -812,8 +812,11 @@ class LengthBatchSampler(Sampler[list[int]]):
             (or one in a ``StackDataset`` or ``Subset``).
         batch_frames: the padded size a batch stays within, in frames (time steps).
         batch_size: at most this many items a batch.
-        shuffle: a new order each epoch (``seed`` and the epoch); False: batches in length
-            order.
+        shuffle: a new order each epoch (``seed`` and the epoch); ``"blocks"``: by length
+            within blocks of ``window`` shards, shards in a new order each epoch (a bucket
+            store's tier told each epoch's windows), as ``FeatureLoader(shuffle="blocks")``;
+            False: batches in length order.
+        window: shards open at a time for ``shuffle="blocks"``, as :class:`FeatureLoader`'s.
         seed: the order's seed (the same on every rank).
         rank, world_size: this process's share (whole batches), as ``DistributedSampler``.
         drop_last: over several ranks, drop the batches that do not divide evenly instead of
@@ -842,7 +845,8 @@ class LengthBatchSampler(Sampler[list[int]]):
         batch_frames: int,
         *,
         batch_size: int | None = None,
-        shuffle: bool = True,
+        shuffle: bool | str = True,
+        window: int | None = None,
         seed: int = 0,
         rank: int | None = None,
         world_size: int | None = None,
@@ -853,11 +857,13 @@ class LengthBatchSampler(Sampler[list[int]]):
             raise ConfigError("LengthBatchSampler needs batch_frames, a whole number from 1")
         rank, world = rank_and_world(rank, world_size)
         self._dataset = dataset
+        order = shuffle_of(shuffle)  # "blocks" as FeatureLoader reads it (r12.m3)
         self._order = Order(
-            len(dataset), batch_size, shuffle_of(bool(shuffle)), seed, rank, world, drop_last,
-            even_batches, batch_frames, source=fingerprint_of(dataset), items=items_of(dataset),
-            source_before=fingerprint_before(dataset),
+            len(dataset), batch_size, order, seed, rank, world, drop_last, even_batches,
+            batch_frames, window_for(dataset, order, window), source=fingerprint_of(dataset),
+            items=items_of(dataset), source_before=fingerprint_before(dataset),
         )  # fmt: skip
+        self._window_given = window is not None  # else a state's window is taken (r12.m2)
         self.epoch = 0
         self._resume = Resume()
         self._warned = False
@@ -879,7 +885,7 @@ class LengthBatchSampler(Sampler[list[int]]):
                     "LengthBatchSampler needs a CachedFeatureDataset (or a MixedDataset of "
                     "them, or one in a StackDataset or Subset), whose catalog knows each length"
                 )
-            inputs = self._order.inputs(placement.lengths)
+            inputs = self._order.inputs(placement.lengths, placement.shards)
         self._warned = self._warned or warn_too_long(inputs, self._order.batch_frames)
         return self._order.plan(self.epoch, inputs, self._resume.stages_for(self.epoch)), inputs
 
@@ -887,6 +893,12 @@ class LengthBatchSampler(Sampler[list[int]]):
         set_epoch_of(self._dataset, self.epoch)  # a mixture draws the epoch read
         batches, inputs = self._planned()
         skip = self._resume.start(self.epoch, len(batches), inputs)
+        if self._order.shuffle is Shuffle.BLOCKS:  # the tier fetches the epoch's windows
+            placement = placement_of(self._dataset, self.epoch)  # where the items are now
+            shards = None if placement is None else placement.shards.tolist()
+            follow_blocks(
+                self._dataset, self._order.block_plan(self.epoch, batches[skip:], shards, inputs)
+            )
         return self._counted(batches[skip:])
 
     def _counted(self, batches: list[list[int]]) -> Iterator[list[int]]:
@@ -914,7 +926,9 @@ class LengthBatchSampler(Sampler[list[int]]):
             ConfigError: not such a state, or saved with options (or over a mixture) that
                 give another order.
         """
-        self._order, self.epoch = self._resume.load(self._order, state)
+        self._order, self.epoch = self._resume.load(
+            self._order, state, default_window=not self._window_given
+        )
         set_epoch_of(self._dataset, self.epoch)
 
 

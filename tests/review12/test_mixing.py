@@ -209,13 +209,6 @@ def test_a_block_sampler_over_a_bucket_resumes_on_a_node_with_another_tier_size(
         torch.testing.assert_close(ds[i], live(encoder_file, Path(ds.path(i))))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="r12.m3: LengthBatchSampler takes shuffle='blocks' (FeatureLoader's block order) "
-    "as bool('blocks'), a full shuffle: it yields other batches than FeatureLoader(batch_frames, "
-    "shuffle='blocks'), with no word",
-)
 def test_a_length_batch_sampler_given_blocks_yields_the_loaders_batches_or_refuses(
     encoder_file: Path, tmp_path: Path
 ) -> None:
@@ -244,3 +237,50 @@ def test_a_length_batch_sampler_given_blocks_yields_the_loaders_batches_or_refus
         return
     got = list(sampler)
     assert got == want, f"the sampler's batches {got} are not the loader's {want}"
+
+
+def test_a_length_batch_sampler_in_blocks_resumes_a_loaders_state_and_the_loader_its(
+    encoder_file: Path, tmp_path: Path
+) -> None:
+    """``LengthBatchSampler(shuffle="blocks")`` and ``FeatureLoader(batch_frames=...,
+    shuffle="blocks")`` share their states as they do for the other orders: the loader
+    stopped after 2 batches is resumed by the sampler with the rest of the loader's batches,
+    and the sampler's state part way through the next epoch by a loader, whose batches are
+    the encoder's features of the items the sampler names."""
+    from featbake import FeatureLoader, LengthBatchSampler
+
+    write_audio_folder(tmp_path / "a", 16, seconds=(0.3, 1.2), seed=4)
+    bake(tmp_path / "a", encoder_file, tmp_path / "store", shard_bytes=4096)
+    ds = CachedFeatureDataset(
+        tmp_path / "a", encoder_file, cache=tmp_path / "store", on_miss="error"
+    )
+    labelled = StackDataset(ds, torch.arange(len(ds)))
+
+    def loader() -> FeatureLoader:
+        return FeatureLoader(labelled, batch_frames=300, shuffle="blocks", window=2, seed=1)
+
+    def sampler() -> LengthBatchSampler:
+        return LengthBatchSampler(labelled, 300, shuffle="blocks", window=2, seed=1)
+
+    whole = [[int(i) for i in labels] for *_, labels in loader()]
+    stopped = loader()
+    it = iter(stopped)
+    head = [[int(i) for i in labels] for *_, labels in itertools.islice(it, 2)]
+    resumed = sampler()
+    resumed.load_state_dict(json.loads(json.dumps(stopped.state_dict())))
+    assert head + list(resumed) == whole
+
+    later = sampler()
+    later.set_epoch(1)
+    epoch_1 = list(later)
+    later = sampler()
+    later.set_epoch(1)
+    first = next(iter(later))
+    again = loader()
+    again.load_state_dict(json.loads(json.dumps(later.state_dict())))
+    live = Live()
+    rest = list(again)
+    assert [first] + [[int(i) for i in labels] for *_, labels in rest] == epoch_1
+    for padded, lengths, labels in rest:
+        for row, n, i in zip(padded, lengths, labels, strict=True):
+            torch.testing.assert_close(row[:n], live(encoder_file, Path(ds.path(int(i)))))
