@@ -39,6 +39,7 @@ from featbake.export.source import (
     LocatedItem,
     PartLayout,
     ReadAhead,
+    cell_text,
     check_free,
     compression_of,
     export_with,
@@ -159,7 +160,19 @@ def _carried_table(src: ExportSource, rows: Sequence[Mapping[str, Any]] | None) 
     if not columns:
         return None
     names = column_names(src.parts, list(columns))
-    return pa.table({names[n]: pa.array([_plain(v) for v in vs]) for n, vs in columns.items()})
+    return pa.table({names[n]: _carried_array(vs) for n, vs in columns.items()})
+
+
+def _carried_array(values: Sequence[Any]) -> Any:
+    """One carried column as an Arrow array of the type Arrow infers; a column it cannot type
+    (numbers and text, a whole number past int64) as text, each value as zarr writes a column
+    that is not all numbers (:func:`~featbake.export.source.cell_text`), missing ones null."""
+    import pyarrow as pa
+
+    try:
+        return pa.array([_plain(v) for v in values])
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+        return pa.array([None if v is None else cell_text(v) for v in values], pa.string())
 
 
 def _plain(value: Any) -> Any:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import queue
 import shutil
@@ -773,6 +774,21 @@ def row_columns(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:
     for row in rows:
         names.update(dict.fromkeys(row))
     return {name: [row.get(name) for row in rows] for name in names}
+
+
+def cell_text(value: Any) -> str:
+    """A carried value as text, where its column is not all numbers (pure): a string as it
+    is, nothing as "", anything else as JSON (nested values, numbers among text).
+
+    Example:
+        >>> cell_text("19a"), cell_text(19), cell_text(None), cell_text({"k": [1]})
+        ('19a', '19', '', '{"k": [1]}')
+    """
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, sort_keys=True, default=str)
 
 
 def check_free(

@@ -43,6 +43,7 @@ from featbake.export.source import (
     PartLayout,
     ReadAhead,
     ReadGroup,
+    cell_text,
     check_free,
     compression_of,
     export_with,
@@ -278,15 +279,7 @@ def column_array(values: Sequence[Any]) -> np.ndarray:
         return np.array(values, dtype=np.int64)
     if numbers and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers):
         return np.array([np.nan if v is None else float(v) for v in values], dtype=np.float64)
-    return np.array([_text(v) for v in values], dtype=object)
-
-
-def _text(value: Any) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, str):
-        return value
-    return json.dumps(value, sort_keys=True, default=str)
+    return np.array([cell_text(v) for v in values], dtype=object)
 
 
 def _copy_features(runs: ReadAhead, writers: dict[str, _PartWriter]) -> int:

@@ -30,12 +30,6 @@ def _one_line_or_done(r) -> str:
     return (r.stdout + r.stderr).strip()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="r12.e1: a Parquet export of a carried column holding both numbers and text stops "
-    "with an internal error (pyarrow's ArrowTypeError), where zarr and webdataset export it",
-)
 def test_a_carried_column_mixing_numbers_and_text_exports_to_parquet(
     encoder_file: Path, store_dir: Path, tmp_path: Path
 ) -> None:
