@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from featbake.export.source import (
+    RESERVED,
     Compression,
     ExportJob,
     ExportReport,
@@ -39,6 +40,7 @@ from featbake.export.source import (
     LocatedItem,
     PartLayout,
     ReadAhead,
+    carried_names,
     cell_text,
     check_free,
     compression_of,
@@ -47,9 +49,6 @@ from featbake.export.source import (
     served_dtype,
 )
 from featbake.version import __version__
-
-#: The names the export itself gives columns; a carried column of one of these is renamed.
-RESERVED = ("id", "key")
 
 
 def part_column(part: str) -> str:
@@ -64,7 +63,8 @@ def part_column(part: str) -> str:
 
 def column_names(parts: Sequence[str], carried: Sequence[str]) -> dict[str, str]:
     """Each carried column's name in the file (pure): its own, or ``row_<name>`` where the
-    export's own columns take it.
+    export's own columns take it (:func:`~featbake.export.source.carried_names`, every
+    format's rule).
 
     Example:
         >>> column_names(["pooled"], ["label", "key", "pooled_shape"])
@@ -73,7 +73,7 @@ def column_names(parts: Sequence[str], carried: Sequence[str]) -> dict[str, str]
     taken = set(RESERVED)
     for part in parts:
         taken |= {part_column(part), part_column(part) + "_shape"}
-    return {name: f"row_{name}" if name in taken else name for name in carried}
+    return carried_names(carried, taken)
 
 
 def check_destination(out: Path, store: Path, *, overwrite: bool) -> None:

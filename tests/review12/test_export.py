@@ -57,12 +57,6 @@ def test_a_carried_column_mixing_numbers_and_text_exports_to_parquet(
     ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="r12.e2: a webdataset export drops a carried column named 'key': the "
-    "sample's JSON puts the store's content key in its place, where Parquet keeps it as row_key",
-)
 def test_a_carried_key_column_reaches_the_webdataset_json(
     encoder_file: Path, store_dir: Path, tmp_path: Path
 ) -> None:
@@ -100,13 +94,6 @@ def test_a_carried_key_column_reaches_the_webdataset_json(
     assert seen == len(rows)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="r12.e3: a zarr export of a CSV written by pandas' to_csv (an unnamed index column) "
-    "stops with an internal error (zarr's ContainsGroupError: the column named '' is the "
-    "columns group itself)",
-)
 def test_a_csv_with_an_unnamed_column_exports_to_zarr(
     encoder_file: Path, store_dir: Path, tmp_path: Path
 ) -> None:
@@ -131,3 +118,48 @@ def test_a_csv_with_an_unnamed_column_exports_to_zarr(
     paths = [str(p) for p in g["paths"][:]]
     labels = {str(c): str(i) for i, c in enumerate(clips)}  # a CSV's cells are text
     assert [str(x) for x in g["columns/label"][:]] == [labels[p] for p in paths]
+
+
+def test_carried_columns_that_clash_or_that_zarr_cannot_name_keep_a_name_each(
+    encoder_file: Path, store_dir: Path, tmp_path: Path
+) -> None:
+    """One rule names carried columns in every format (``carried_names``): a column named as
+    the format's own field (``key``) or as zarr cannot name an array (``""``, ``a/b``) is
+    written as ``row_<name>``, ``row_`` added again where another column has that name, so a
+    manifest with both ``key`` and ``row_key`` keeps both in Parquet (one was dropped) and in
+    the webdataset JSON, and zarr writes ``a/b`` as one array, not a group ``a``."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    zarr = pytest.importorskip("zarr")
+    rows = [
+        {"path": str(c), "id": f"u{i}", "key": f"k{i}", "row_key": f"r{i}", "a/b": i, "": f"n{i}"}
+        for i, c in enumerate(_clips(tmp_path))
+    ]
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bake(tmp_path / "m.jsonl", encoder_file, store_dir)
+    by_id = {row["id"]: row for row in rows}
+    for fmt in ("parquet", "webdataset", "zarr"):
+        r = invoke("export", "--format", fmt, tmp_path / fmt, "--cache", store_dir)
+        assert r.returncode == 0, _one_line_or_done(r)
+
+    shared = {"key": "row_row_key", "row_key": "row_key"}  # Parquet's and the JSON's
+    for rec in pq.read_table(tmp_path / "parquet").to_pylist():
+        row = by_id[rec["id"]]
+        assert {new: rec[new] for new in (*shared.values(), "a/b", "")} == {
+            **{new: row[old] for old, new in shared.items()}, "a/b": row["a/b"], "": row[""],
+        }  # fmt: skip
+    seen = 0
+    for shard in sorted((tmp_path / "webdataset").glob("shard-*.tar")):
+        with tarfile.open(shard) as tar:
+            for member in tar.getmembers():
+                if member.name.endswith(".json"):
+                    meta = json.loads(tar.extractfile(member).read())  # type: ignore[union-attr]
+                    row = by_id[meta["id"]]
+                    assert len(meta["key"]) == 64 and meta[""] == row[""]
+                    assert all(meta[new] == row[old] for old, new in shared.items())
+                    seen += 1
+    assert seen == len(rows)
+    g = zarr.open_group(str(tmp_path / "zarr"), mode="r")
+    order = [by_id[str(i)] for i in g["paths"][:]]  # each item's id, a manifest row's
+    assert sorted(g["columns"].array_keys()) == ["key", "row_", "row_a_b", "row_key"]
+    for old, new in {"key": "key", "row_key": "row_key", "a/b": "row_a_b", "": "row_"}.items():
+        assert [str(x) for x in g[f"columns/{new}"][:]] == [str(r[old]) for r in order]
