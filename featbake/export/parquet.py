@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from featbake.export.source import (
+    RESERVED,
     Compression,
     ExportJob,
     ExportReport,
@@ -39,6 +40,8 @@ from featbake.export.source import (
     LocatedItem,
     PartLayout,
     ReadAhead,
+    carried_names,
+    cell_text,
     check_free,
     compression_of,
     export_with,
@@ -46,9 +49,6 @@ from featbake.export.source import (
     served_dtype,
 )
 from featbake.version import __version__
-
-#: The names the export itself gives columns; a carried column of one of these is renamed.
-RESERVED = ("id", "key")
 
 
 def part_column(part: str) -> str:
@@ -63,7 +63,8 @@ def part_column(part: str) -> str:
 
 def column_names(parts: Sequence[str], carried: Sequence[str]) -> dict[str, str]:
     """Each carried column's name in the file (pure): its own, or ``row_<name>`` where the
-    export's own columns take it.
+    export's own columns take it (:func:`~featbake.export.source.carried_names`, every
+    format's rule).
 
     Example:
         >>> column_names(["pooled"], ["label", "key", "pooled_shape"])
@@ -72,7 +73,7 @@ def column_names(parts: Sequence[str], carried: Sequence[str]) -> dict[str, str]
     taken = set(RESERVED)
     for part in parts:
         taken |= {part_column(part), part_column(part) + "_shape"}
-    return {name: f"row_{name}" if name in taken else name for name in carried}
+    return carried_names(carried, taken)
 
 
 def check_destination(out: Path, store: Path, *, overwrite: bool) -> None:
@@ -159,7 +160,19 @@ def _carried_table(src: ExportSource, rows: Sequence[Mapping[str, Any]] | None) 
     if not columns:
         return None
     names = column_names(src.parts, list(columns))
-    return pa.table({names[n]: pa.array([_plain(v) for v in vs]) for n, vs in columns.items()})
+    return pa.table({names[n]: _carried_array(vs) for n, vs in columns.items()})
+
+
+def _carried_array(values: Sequence[Any]) -> Any:
+    """One carried column as an Arrow array of the type Arrow infers; a column it cannot type
+    (numbers and text, a whole number past int64) as text, each value as zarr writes a column
+    that is not all numbers (:func:`~featbake.export.source.cell_text`), missing ones null."""
+    import pyarrow as pa
+
+    try:
+        return pa.array([_plain(v) for v in values])
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+        return pa.array([None if v is None else cell_text(v) for v in values], pa.string())
 
 
 def _plain(value: Any) -> Any:

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import queue
 import shutil
 import threading
 import time
-from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -773,6 +774,61 @@ def row_columns(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:
     for row in rows:
         names.update(dict.fromkeys(row))
     return {name: [row.get(name) for row in rows] for name in names}
+
+
+#: The fields every format gives an item itself (Parquet's columns, a webdataset sample's
+#: JSON): a carried column of one of these names is renamed (:func:`carried_names`).
+RESERVED = ("id", "key")
+
+
+def any_name(name: str) -> bool:
+    """Every name is usable (a Parquet column's, a JSON key's)."""
+    return True
+
+
+def carried_names(
+    carried: Sequence[str], taken: Iterable[str] = (), usable: Callable[[str], bool] = any_name
+) -> dict[str, str]:
+    """Each carried column's name in an export (pure), one rule for every format: its own,
+    or ``row_<name>`` where the format's own fields (``taken``) hold it or the format cannot
+    use it (not ``usable``: a zarr array's name, :func:`featbake.export.zarr.node_name`),
+    ``/`` and ``\\`` in it as ``_``, ``row_`` put before it again while another column has
+    that name: every column is written, each under a name of its own.
+
+    Example:
+        >>> carried_names(["label", "key", "row_key"], taken=RESERVED)
+        {'label': 'label', 'key': 'row_row_key', 'row_key': 'row_key'}
+        >>> carried_names(["", "a/b", "b"], usable=lambda n: bool(n) and "/" not in n)
+        {'': 'row_', 'a/b': 'row_a_b', 'b': 'b'}
+    """
+    taken = set(taken)
+    own = {name for name in carried if name not in taken and usable(name)}
+    used = taken | own
+    names = {}
+    for name in carried:
+        new = name
+        if name not in own:
+            new = "row_" + name.replace("/", "_").replace("\\", "_")
+            while new in used or not usable(new):
+                new = "row_" + new
+            used.add(new)
+        names[name] = new
+    return names
+
+
+def cell_text(value: Any) -> str:
+    """A carried value as text, where its column is not all numbers (pure): a string as it
+    is, nothing as "", anything else as JSON (nested values, numbers among text).
+
+    Example:
+        >>> cell_text("19a"), cell_text(19), cell_text(None), cell_text({"k": [1]})
+        ('19a', '19', '', '{"k": [1]}')
+    """
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, sort_keys=True, default=str)
 
 
 def check_free(

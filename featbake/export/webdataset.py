@@ -9,7 +9,8 @@
   ``tokens``, ``layer6``): the feature in its stored dtype (bfloat16 widened exactly to
   float32), as ``numpy.save`` writes it;
 * ``<key>.json``: ``{"id": ..., "key": ...}`` and the columns the item's row carries (its
-  labels), so a loader needs nothing beside the shards.
+  labels; one named ``id`` or ``key`` as ``row_id``, ``row_key``, as in Parquet), so a loader
+  needs nothing beside the shards.
 
 A webdataset key ends at the first dot of a member's name, so an id's dots (``clip.wav``) and
 any character outside ``[A-Za-z0-9_-/]`` become ``_``; the JSON keeps the id as it is. The
@@ -31,13 +32,16 @@ from typing import Any
 import numpy as np
 
 from featbake.export.source import (
+    RESERVED,
     ExportJob,
     ExportReport,
     LocatedItem,
     OutputFile,
     ReadAhead,
+    carried_names,
     check_free,
     export_with,
+    row_columns,
 )
 
 #: A shard is closed once it holds this many bytes (webdataset's advice: 100 MB to 1 GB).
@@ -228,9 +232,11 @@ def npy_chunks(array: np.ndarray) -> list[bytes | np.ndarray]:
     return [npy_header(array.dtype, array.shape), array]
 
 
-def _meta(item: LocatedItem, row: Mapping[str, Any]) -> bytes:
-    """A sample's JSON member: its id, key and row."""
-    return json.dumps({**row, "id": item.path, "key": item.key}, sort_keys=True,
+def _meta(item: LocatedItem, row: Mapping[str, Any], names: Mapping[str, str]) -> bytes:
+    """A sample's JSON member: its id, key and row, the row's columns under ``names``
+    (:func:`~featbake.export.source.carried_names`: clear of ``id`` and ``key``)."""
+    carried = {names[k]: v for k, v in row.items()}
+    return json.dumps({**carried, "id": item.path, "key": item.key}, sort_keys=True,
                       default=str).encode()  # fmt: skip
 
 
@@ -245,6 +251,7 @@ class WebDataset:
         twice, store to buffer (checked there) and buffer to shard."""
         parts = list(job.src.parts)
         keys = unique_keys([path for path, _ in job.src.present])
+        renamed = carried_names(list(row_columns(job.rows or [])), RESERVED)
         job.partial.mkdir()
         shards = ShardWriter(job.partial, SHARD_BYTES)
         written = 0
@@ -258,7 +265,7 @@ class WebDataset:
                             names[p]: npy_chunks(run.parts[p][j]) for p in parts
                         }
                         row = job.rows[item.at] if job.rows is not None else {}
-                        members[f"{key}.json"] = [_meta(item, row)]
+                        members[f"{key}.json"] = [_meta(item, row, renamed)]
                         written += shards.add(members)
             finally:
                 shards.close()

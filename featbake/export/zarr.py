@@ -12,10 +12,11 @@ and ``keys [N]``, ``paths [N]`` (each item's id: its path relative to the root's
 manifest row's id) at the top, in the manifest's order, and under ``columns/`` one array per
 column the items' rows carry (a manifest's labels, a tar's ``.cls``: int64 where every item has
 a whole number, float64 where every value is a number, NaN where missing, else text, with JSON
-for nested values). Items not stored are left out and counted in ``missing``. Values are
-chunked to ~8 MiB along the first axis, uncompressed unless ``compression="zstd"`` (see
-:class:`~featbake.export.source.Compression`), written to ``OUT.partial`` and renamed into
-place when complete.
+for nested values; a name zarr cannot take, such as the unnamed index column of a CSV pandas
+wrote, as ``row_<name>``, Parquet's rule for its own names). Items not stored are left out
+and counted in ``missing``. Values are chunked to ~8 MiB along the first axis, uncompressed
+unless ``compression="zstd"`` (see :class:`~featbake.export.source.Compression`), written to
+``OUT.partial`` and renamed into place when complete.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ from featbake.export.source import (
     PartLayout,
     ReadAhead,
     ReadGroup,
+    carried_names,
+    cell_text,
     check_free,
     compression_of,
     export_with,
@@ -250,18 +253,32 @@ def _write_index(
 
 
 def _write_columns(group: Any, rows: Sequence[Mapping[str, Any]]) -> None:
-    """The rows' columns under ``columns/``, one array per column (see the module's doc)."""
+    """The rows' columns under ``columns/``, one array per column (see the module's doc), a
+    name zarr cannot take as ``row_<name>`` (:func:`node_name`)."""
     columns = row_columns(rows)
     if not columns:
         return
     sub = group.create_group("columns")
     n = len(rows)
+    names = carried_names(list(columns), usable=node_name)
     for name, values in columns.items():
         array = column_array(values)
         sub.create_array(
-            name, shape=(n,), chunks=(min(max(n, 1), 65536),), dtype=array.dtype
+            names[name], shape=(n,), chunks=(min(max(n, 1), 65536),), dtype=array.dtype
             if array.dtype != object else str, dimension_names=(ITEM,),
         )[:] = array  # fmt: skip
+
+
+def node_name(name: str) -> bool:
+    """Whether a carried column's name can name its array under ``columns/`` (pure): not
+    empty (the group itself: a CSV written by pandas with its index), no ``/`` or ``\\`` (a
+    path), not ``.``, ``..`` or the group's own ``zarr.json``.
+
+    Example:
+        >>> node_name("label"), node_name(""), node_name("a/b"), node_name("zarr.json")
+        (True, False, False, False)
+    """
+    return name not in ("", ".", "..", "zarr.json") and "/" not in name and "\\" not in name
 
 
 def column_array(values: Sequence[Any]) -> np.ndarray:
@@ -278,15 +295,7 @@ def column_array(values: Sequence[Any]) -> np.ndarray:
         return np.array(values, dtype=np.int64)
     if numbers and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers):
         return np.array([np.nan if v is None else float(v) for v in values], dtype=np.float64)
-    return np.array([_text(v) for v in values], dtype=object)
-
-
-def _text(value: Any) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, str):
-        return value
-    return json.dumps(value, sort_keys=True, default=str)
+    return np.array([cell_text(v) for v in values], dtype=object)
 
 
 def _copy_features(runs: ReadAhead, writers: dict[str, _PartWriter]) -> int:

@@ -432,10 +432,15 @@ class Resume:
         plan = "" if at.inputs is None else at.inputs.encode()
         return {"epoch": at.epoch, "position": at.done, "seed": order.seed, "rank": order.rank,
                 "world_size": order.world, "fingerprint": order.fingerprint(), "plan": plan,
-                "resumed": [list(stage) for stage in at.stages], "items": order.items}  # fmt: skip
+                "resumed": [list(stage) for stage in at.stages], "items": order.items,
+                "window": order.window}  # fmt: skip
 
-    def load(self, order: Order, state: Any) -> tuple[Order, int]:
+    def load(self, order: Order, state: Any, *, default_window: bool = False) -> tuple[Order, int]:
         """Take ``state``: the order with its seed, and the epoch to read next.
+
+        With ``default_window`` (no ``window`` was given, so it is the one the tier here
+        fits), the order takes the state's window: a block order's default follows the
+        node's tier (``window_for``), and the run resumed goes on in the saved run's order.
 
         A state saved over another world size (at the step the run stopped: rank 0's, which
         has the most batches when they are uneven) resumes its epoch over this one: the items
@@ -449,7 +454,8 @@ class Resume:
         """
         checked = _checked(state)
         saved_world = checked["world_size"]
-        order = dataclasses.replace(order, seed=checked["seed"])
+        window = saved_window(checked, order.window, default_window)
+        order = dataclasses.replace(order, seed=checked["seed"], window=window)
         stages, done = _stages(checked), checked["position"]
         _same_order(dataclasses.replace(order, world=saved_world, rank=0), checked)
         _same_items(order, checked, bool(stages or done))
@@ -459,6 +465,22 @@ class Resume:
         self.pending = Position(checked["epoch"], done, inputs, stages)
         self.current = None
         return order, checked["epoch"]
+
+
+def saved_window(state: dict[str, Any], window: int, default: bool) -> int:
+    """The window to resume ``state`` with: the state's when this one is the ``default``
+    (a block order's default follows the tier, r12.m2), else ``window``; a state saved before
+    states carried it keeps ``window``.
+
+    Raises:
+        ConfigError: the state's ``window`` is not a whole number from 1.
+    """
+    saved = state.get("window")
+    if saved is None:
+        return window
+    if isinstance(saved, bool) or not isinstance(saved, int) or saved < 1:
+        raise ConfigError(f"not a loader state: 'window' is {saved!r}; pass what state_dict() gave")
+    return saved if default else window
 
 
 def _same_order(as_saved: Order, state: dict[str, Any]) -> None:
@@ -616,7 +638,8 @@ class BlockSampler(Sampler[int]):
             ``Subset``): its catalog says each item's shard, nothing is read.
         seed: the order's seed (the same on every rank).
         window: shards open at a time; by default 4, or fewer where a bucket store's tier
-            would not hold two windows of the dataset's shards.
+            would not hold two windows of the dataset's shards (a loaded state's window, the
+            one its run chose, replaces the default).
         num_replicas, rank: this process's share, as ``DistributedSampler``.
         drop_last: drop the items that do not divide evenly among ranks instead of repeating.
 
@@ -654,9 +677,12 @@ class BlockSampler(Sampler[int]):
         self._dataset = dataset  # told each epoch's windows (a bucket store fetches by them)
         self._per_epoch = draws_per_epoch(dataset)  # a mixture: each epoch's own placement
         rank, world = rank_and_world(rank, num_replicas)
+        self._window_given = window is not None  # else a state's window is taken (r12.m2)
         window = window_for(dataset, Shuffle.BLOCKS, window)
+        # The mixture's fingerprint, as FeatureLoader's; "" before it was folded in (r12.m1).
         self._order = Order(len(dataset), 1, Shuffle.BLOCKS, seed, rank, world, drop_last,
-                            window=window, items=items_of(dataset))  # fmt: skip
+                            window=window, source=fingerprint_of(dataset),
+                            items=items_of(dataset), source_before="")  # fmt: skip
         self._inputs = self._order.inputs(shards=self._shards)  # what every epoch is drawn from
         self.epoch = 0
         self.yielded = 0  # indices of the epoch being read handed out so far
@@ -666,6 +692,8 @@ class BlockSampler(Sampler[int]):
         """Draw epoch ``epoch``'s order next (call it before each epoch, as DistributedSampler),
         and tell the dataset (a mixture draws its items per epoch); a loaded state's rest
         holds only for its own epoch."""
+        if epoch != self.epoch:  # none of it handed out yet: a state saved now reads it all
+            self.yielded = 0
         self.epoch = epoch
         if self._pending is not None and self._pending.epoch != epoch:
             self._pending = None
@@ -675,7 +703,7 @@ class BlockSampler(Sampler[int]):
         skip = 0
         if self._pending is not None and self._pending.epoch == self.epoch:
             skip = self._pending.done
-        elif self._per_epoch:  # a mixture's blocks are those of the items this epoch draws
+        if self._per_epoch and not skip:  # a mixture's blocks: the items this epoch draws
             self._inputs = self._order.inputs(shards=self._epoch_shards())
         self._pending = None
         if self._per_epoch:
@@ -706,13 +734,13 @@ class BlockSampler(Sampler[int]):
 
     def state_dict(self) -> dict[str, Any]:
         """The epoch, its indices handed out so far, the seed, a fingerprint of the options
-        and the placement the orders are drawn from (plain ints and strings): what
-        :meth:`load_state_dict` goes on from."""
+        (and of a mixture sampled), the window and the placement the orders are drawn from
+        (plain ints and strings): what :meth:`load_state_dict` goes on from."""
         o = self._order
         at = self._pending or Position(self.epoch, self.yielded)
         return {"epoch": at.epoch, "yielded": at.done, "seed": o.seed, "world_size": o.world,
                 "fingerprint": o.fingerprint(), "plan": self._inputs.encode(),
-                "items": o.items}  # fmt: skip
+                "items": o.items, "window": o.window}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Go on from ``state`` (:meth:`state_dict` of a sampler with the same arguments over
@@ -724,20 +752,48 @@ class BlockSampler(Sampler[int]):
                 that give another order.
         """
         checked = _checked(state, SAMPLER_KEYS, "BlockSampler")
-        order = dataclasses.replace(self._order, seed=checked["seed"])
-        if checked["world_size"] != order.world or order.fingerprint() != checked["fingerprint"]:
+        window = saved_window(checked, self._order.window, not self._window_given)
+        order = dataclasses.replace(self._order, seed=checked["seed"], window=window)
+        before = checked["fingerprint"] == order.fingerprint_before()
+        if checked["world_size"] != order.world or not (
+            before or order.fingerprint() == checked["fingerprint"]
+        ):
             raise ConfigError(
                 "this BlockSampler state was saved over another world size or with options that "
-                "give another order (window, drop_last, a dataset of another length): make the "
+                "give another order (window, drop_last, a dataset of another length, or a "
+                "MixedDataset of other datasets, weights, epoch_items or seed): make the "
                 "sampler with the arguments of the saved run"
             )
         _same_items(order, checked, checked["yielded"] > 0, "load it with 'yielded' 0")
         inputs = PlanInputs.decode(checked["plan"], order.n)
         if inputs.blocks is None:
             raise ConfigError("not a BlockSampler state: its 'plan' has no blocks")
+        if before and checked["yielded"]:
+            self._same_draw(order, checked, inputs.blocks)
         self._order, self._inputs, self.epoch = order, inputs, checked["epoch"]
         self._pending = Position(checked["epoch"], checked["yielded"])
         set_epoch_of(self._dataset, self.epoch)
+
+    def _same_draw(self, order: Order, state: dict[str, Any], blocks: np.ndarray) -> None:
+        """Refuse a state part way through an epoch saved before the mixture was folded into
+        the fingerprint (r12.m1) unless the mixture draws that epoch as the state's plan says
+        (each position's block): the same mixture over the same placement, as far as the
+        state can tell.
+
+        Raises:
+            ConfigError: the mixture's draw of that epoch puts other blocks at its positions.
+        """
+        placement = placement_of(self._dataset, state["epoch"])
+        assert placement is not None  # it had one when the sampler was made
+        now = order.inputs(shards=placement.shards).blocks
+        if now is None or not np.array_equal(now, blocks):
+            raise ConfigError(
+                f"this BlockSampler state is {state['yielded']} indices into epoch "
+                f"{state['epoch']} and was saved by a featbake that did not fold the mixture "
+                "into it; this mixture draws other items at that epoch's positions (another "
+                "mixture, or a build or gc since moved them), so the rest of that epoch "
+                "cannot be read as it was: load it with 'yielded' 0 to read that epoch afresh"
+            )
 
 
 class LengthBatchSampler(Sampler[list[int]]):
@@ -756,8 +812,11 @@ class LengthBatchSampler(Sampler[list[int]]):
             (or one in a ``StackDataset`` or ``Subset``).
         batch_frames: the padded size a batch stays within, in frames (time steps).
         batch_size: at most this many items a batch.
-        shuffle: a new order each epoch (``seed`` and the epoch); False: batches in length
-            order.
+        shuffle: a new order each epoch (``seed`` and the epoch); ``"blocks"``: by length
+            within blocks of ``window`` shards, shards in a new order each epoch (a bucket
+            store's tier told each epoch's windows), as ``FeatureLoader(shuffle="blocks")``;
+            False: batches in length order.
+        window: shards open at a time for ``shuffle="blocks"``, as :class:`FeatureLoader`'s.
         seed: the order's seed (the same on every rank).
         rank, world_size: this process's share (whole batches), as ``DistributedSampler``.
         drop_last: over several ranks, drop the batches that do not divide evenly instead of
@@ -786,7 +845,8 @@ class LengthBatchSampler(Sampler[list[int]]):
         batch_frames: int,
         *,
         batch_size: int | None = None,
-        shuffle: bool = True,
+        shuffle: bool | str = True,
+        window: int | None = None,
         seed: int = 0,
         rank: int | None = None,
         world_size: int | None = None,
@@ -797,11 +857,13 @@ class LengthBatchSampler(Sampler[list[int]]):
             raise ConfigError("LengthBatchSampler needs batch_frames, a whole number from 1")
         rank, world = rank_and_world(rank, world_size)
         self._dataset = dataset
+        order = shuffle_of(shuffle)  # "blocks" as FeatureLoader reads it (r12.m3)
         self._order = Order(
-            len(dataset), batch_size, shuffle_of(bool(shuffle)), seed, rank, world, drop_last,
-            even_batches, batch_frames, source=fingerprint_of(dataset), items=items_of(dataset),
-            source_before=fingerprint_before(dataset),
+            len(dataset), batch_size, order, seed, rank, world, drop_last, even_batches,
+            batch_frames, window_for(dataset, order, window), source=fingerprint_of(dataset),
+            items=items_of(dataset), source_before=fingerprint_before(dataset),
         )  # fmt: skip
+        self._window_given = window is not None  # else a state's window is taken (r12.m2)
         self.epoch = 0
         self._resume = Resume()
         self._warned = False
@@ -823,7 +885,7 @@ class LengthBatchSampler(Sampler[list[int]]):
                     "LengthBatchSampler needs a CachedFeatureDataset (or a MixedDataset of "
                     "them, or one in a StackDataset or Subset), whose catalog knows each length"
                 )
-            inputs = self._order.inputs(placement.lengths)
+            inputs = self._order.inputs(placement.lengths, placement.shards)
         self._warned = self._warned or warn_too_long(inputs, self._order.batch_frames)
         return self._order.plan(self.epoch, inputs, self._resume.stages_for(self.epoch)), inputs
 
@@ -831,6 +893,12 @@ class LengthBatchSampler(Sampler[list[int]]):
         set_epoch_of(self._dataset, self.epoch)  # a mixture draws the epoch read
         batches, inputs = self._planned()
         skip = self._resume.start(self.epoch, len(batches), inputs)
+        if self._order.shuffle is Shuffle.BLOCKS:  # the tier fetches the epoch's windows
+            placement = placement_of(self._dataset, self.epoch)  # where the items are now
+            shards = None if placement is None else placement.shards.tolist()
+            follow_blocks(
+                self._dataset, self._order.block_plan(self.epoch, batches[skip:], shards, inputs)
+            )
         return self._counted(batches[skip:])
 
     def _counted(self, batches: list[list[int]]) -> Iterator[list[int]]:
@@ -858,7 +926,9 @@ class LengthBatchSampler(Sampler[list[int]]):
             ConfigError: not such a state, or saved with options (or over a mixture) that
                 give another order.
         """
-        self._order, self.epoch = self._resume.load(self._order, state)
+        self._order, self.epoch = self._resume.load(
+            self._order, state, default_window=not self._window_given
+        )
         set_epoch_of(self._dataset, self.epoch)
 
 
@@ -952,7 +1022,8 @@ class FeatureLoader:
             than this is a batch of its own (one warning says how many).
         window: shards open at a time for ``shuffle="blocks"``; by default 4, or fewer where
             a bucket store's tier would not hold two windows of the dataset's shards (then
-            each shard is fetched about once an epoch).
+            each shard is fetched about once an epoch); a loaded state's window, the one its
+            run chose, replaces the default.
         drop_last: drop the last, short batch (and, over several ranks, the indices that do
             not divide evenly among them).
         even_batches: over several ranks, repeat the first items (batches, with
@@ -1049,6 +1120,7 @@ class FeatureLoader:
             batch_frames, window_for(dataset, order, window), fingerprint_of(dataset),
             items_of(dataset), fingerprint_before(dataset),
         )  # fmt: skip
+        self._window_given = window is not None  # else a state's window is taken (r12.m2)
         self.epoch = 0
         self._resume = Resume()
         self._shards: list[int] | None = None  # each item's shard now, for a block order's plan
@@ -1078,9 +1150,10 @@ class FeatureLoader:
         options that shape the order, and ``plan``: for an epoch by length or by block, the
         placement it was planned from (each item's block and length as the catalog held them
         when it started; compressed, a few bytes per shard for a store built in order), so
-        that a build, gc or write-back since does not change the rest of it; and ``resumed``,
-        the runs over other world sizes this epoch was resumed from. Plain ints and strings,
-        for any checkpoint.
+        that a build, gc or write-back since does not change the rest of it; ``resumed``,
+        the runs over other world sizes this epoch was resumed from; and ``window``, the block
+        order's (a loader made without one takes it: the default follows the node's tier).
+        Plain ints and strings, for any checkpoint.
 
         Example:
             >>> state = {"model": model.state_dict(), "data": loader.state_dict()}  # doctest: +SKIP
@@ -1108,7 +1181,9 @@ class FeatureLoader:
                 MixedDataset) that give another order, or is part way through an epoch by
                 length or by block and was saved without its placement (by an older featbake).
         """
-        self._order, self.epoch = self._resume.load(self._order, state)
+        self._order, self.epoch = self._resume.load(
+            self._order, state, default_window=not self._window_given
+        )
         set_epoch_of(self.dataset, self.epoch)
 
     def __iter__(self) -> Iterator[Any]:

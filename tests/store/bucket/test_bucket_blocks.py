@@ -166,6 +166,33 @@ def test_block_sampler_reads_whole_shards_in_the_default_read_mode(
     assert sent.whole <= 1.1 * len(sizes)
 
 
+def test_length_batch_sampler_in_blocks_reads_whole_shards_in_the_default_read_mode(
+    s3: S3, encoder_file: Path, tmp_path: Path
+) -> None:
+    """``LengthBatchSampler(shuffle="blocks")`` (r12.m3) tells the store its windows as
+    ``FeatureLoader(batch_frames=..., shuffle="blocks")`` does: whole shards, each about
+    once, no ranged GET, every item as the encoder gives it."""
+    from featbake import LengthBatchSampler, pad_collate
+
+    audio = tmp_path / "audio"
+    write_audio_folder(audio, 48, seconds=(0.5, 1.5), seed=4)
+    sizes = _store(s3, audio, encoder_file)
+    ds = _dataset(s3, audio, encoder_file, tmp_path / "tier", sum(sizes) // 3)
+    sampler = LengthBatchSampler(ds, 400, shuffle="blocks", window=2, seed=3)
+    live = Live(ds, encoder_file)
+    seen = []
+    with counted_requests(type(ObjectStore(BucketURL.parse(s3.url)))) as sent:
+        loader = DataLoader(ds, batch_sampler=sampler, collate_fn=pad_collate)
+        for batch, (padded, lengths) in zip(sampler, loader, strict=True):
+            for row, n, i in zip(padded, lengths, batch, strict=True):
+                live.check(row, int(n), i)
+            seen += batch
+        _drain(ds)
+    assert sorted(seen) == list(range(len(ds)))
+    assert sent.ranged == 0
+    assert sent.whole <= 1.1 * len(sizes)
+
+
 def _drain(ds: CachedFeatureDataset) -> None:
     """Wait for the store's background fetches (a prefetch still running is counted)."""
     store = ds._layout.remote
