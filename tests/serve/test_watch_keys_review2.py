@@ -1,0 +1,227 @@
+"""A second review of what the watch over an in-process encoder keys, after the fixes of round
+twelve's review (r12.1-r12.12): each strict xfail is a gap still open, failing for the reason it
+names (docs/reliability.md, "Round twelve: second review of what hooks reach")."""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.serve.test_watch_keys_review import _served_after_change
+
+THIS_MODULE = sys.modules[__name__]  # as ``import config`` of a user's own module
+
+
+# -- a partial of the user's decorated function ---------------------------------------------------
+
+#: Settings a helper reads, the helper decorated and bound by a partial.
+DECORATED_SETTINGS = {"gain": 2.0}
+
+
+@torch.no_grad()
+def _scaled_by(x: torch.Tensor, key: str) -> torch.Tensor:
+    return x * DECORATED_SETTINGS[key]
+
+
+#: ``partial`` of the user's ``@torch.no_grad()`` function: the wrapper is torch's code.
+DECORATED_GAIN = functools.partial(_scaled_by, key="gain")
+
+
+def _through_decorated_partial(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (DECORATED_GAIN(args[0]),)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="a partial whose function is a library wrapper of the user's function "
+    "(@torch.no_grad(), torch.vmap) is read by the wrapper's name (HeldReading._compound, "
+    "since r12.1), so the setting the user's function reads is keyed by no key and the next "
+    "run is served gain 2's features; keyed at 0ced39d",
+)
+def test_a_partial_of_the_users_decorated_function_is_keyed_by_what_it_reads(
+    tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _served_after_change(
+        tmp_path,
+        audio_dir,
+        _through_decorated_partial,
+        lambda: monkeypatch.setitem(DECORATED_SETTINGS, "gain", 3.0),
+    )
+
+
+# -- an event a hook branches on ------------------------------------------------------------------
+
+#: A switch a training loop's thread sets: the hook passes the output through while it is set.
+BYPASS = threading.Event()
+
+
+def _bypassable(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    if BYPASS.is_set():
+        return output
+    return output * 2.0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="an Event is read by its kind only (HeldReading._other's _SYNC, since cee3411), so "
+    "a hook whose output follows its flag (`if BYPASS.is_set()`) keeps its key when the flag "
+    "is set, and the next run is served the doubled features",
+)
+def test_a_hook_branching_on_an_event_is_keyed_by_its_flag(tmp_path: Path, audio_dir: Path) -> None:
+    try:
+        _served_after_change(tmp_path, audio_dir, _bypassable, BYPASS.set, pre=False)
+    finally:
+        BYPASS.clear()
+
+
+# -- streaming state read by getattr with a name not written as a string ---------------------------
+
+
+class _StreamingByName(torch.nn.Module):
+    """A streaming module whose output adds the mean of its past forwards' means, its states
+    read by name (``getattr(self, name)`` over the names it keeps)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv1d(1, 4, 3)
+        self.past: list[torch.Tensor] = []
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        out = self.conv(wav.unsqueeze(1))
+        self.past.append(out.detach().mean())
+        context = [torch.stack(getattr(self, name)).mean() for name in ("past",)]
+        return out + context[0]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="recorded_attributes leaves out `past` where the forward reads it by "
+    "`getattr(self, name)` with the name from a tuple constant: only string constants at the "
+    "top of co_consts count and `getattr` is not in _READS_BY_NAME, so a module whose output "
+    "follows its past forwards is keyed and watched as if it did not",
+)
+def test_streaming_state_read_by_getattr_stays_keyed() -> None:
+    from featbake.keys import derived_attributes
+
+    assert "past" not in derived_attributes(_StreamingByName)
+
+
+# -- a class attribute read through self ----------------------------------------------------------
+
+
+class _ClassScaled:
+    """A hook object whose setting is a class attribute (``scale = 2.0``), read as
+    ``self.scale``."""
+
+    scale = 2.0
+
+    def __call__(self, module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (args[0] * self.scale,)
+
+
+CLASS_SCALED = _ClassScaled()
+
+
+class _ClassGained:
+    """A transform object run by a hook, its gain a class attribute."""
+
+    gain = 2.0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gain
+
+
+CLASS_GAINED = _ClassGained()
+
+
+def _through_class_gained(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (CLASS_GAINED(args[0]),)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="an object of the user's class is read by its instance attributes "
+    "(HeldReading._attributes), never its class's: a class attribute its code reads as "
+    "`self.scale` (the hook object, a transform a hook runs, a bound method, an object "
+    "passed on) is keyed by no key, and the next run is served scale 2's features",
+)
+@pytest.mark.parametrize("held", ["hook-object", "transform"])
+def test_a_class_attribute_read_through_self_is_keyed(
+    tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch, held: str
+) -> None:
+    if held == "hook-object":
+        hook: Any = CLASS_SCALED
+        change = lambda: monkeypatch.setattr(_ClassScaled, "scale", 3.0)  # noqa: E731
+    else:
+        hook = _through_class_gained
+        change = lambda: monkeypatch.setattr(_ClassGained, "gain", 3.0)  # noqa: E731
+    _served_after_change(tmp_path, audio_dir, hook, change)
+
+
+# -- a global bound method of a module ------------------------------------------------------------
+
+#: A projection's forward, held as a bound method (``embed = model.get_features``).
+PROJECT = torch.nn.Linear(64, 64).forward
+
+
+def _projected(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    return output + PROJECT(output)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="a global bound method of a library module's class (`Linear.forward`) is no "
+    "followed helper (followed_helper: its function is library code) nor data, so the module "
+    "it is bound to is keyed by no key: the next run, another checkpoint, is served the first "
+    "adapter's features; the same module held as a global is keyed by its state",
+)
+def test_a_global_bound_method_of_a_module_is_keyed_by_the_modules_state(
+    tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    other = torch.nn.Linear(64, 64)  # the next run's checkpoint
+    _served_after_change(
+        tmp_path,
+        audio_dir,
+        _projected,
+        lambda: monkeypatch.setattr(THIS_MODULE, "PROJECT", other.forward),
+        pre=False,
+    )
+
+
+# -- a setting of the user's module read by getattr ------------------------------------------------
+
+MODULE_GAIN = 2.0
+
+
+def _through_getattr(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (args[0] * getattr(THIS_MODULE, "MODULE_GAIN", 1.0),)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="a setting of the user's own module read other than by an attribute chain "
+    '(`getattr(config, "GAIN", 1.0)`, `cfg = config; cfg.GAIN`) is keyed by no key: the '
+    "module global is code and attribute_chains sees no chain, so the next run is served "
+    "gain 2's features",
+)
+def test_a_setting_of_the_users_module_read_by_getattr_is_keyed(
+    tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _served_after_change(
+        tmp_path,
+        audio_dir,
+        _through_getattr,
+        lambda: monkeypatch.setattr(THIS_MODULE, "MODULE_GAIN", 3.0),
+    )
