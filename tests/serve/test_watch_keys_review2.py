@@ -84,7 +84,7 @@ def test_a_hook_branching_on_an_event_is_keyed_by_its_flag(tmp_path: Path, audio
         BYPASS.clear()
 
 
-# -- streaming state read by getattr with a name not written as a string ---------------------------
+# -- streaming state read outside the code recorded_attributes reads -------------------------------
 
 
 class _StreamingByName(torch.nn.Module):
@@ -103,18 +103,33 @@ class _StreamingByName(torch.nn.Module):
         return out + context[0]
 
 
+def _context_of(module: Any) -> torch.Tensor:
+    return torch.stack(module.past).mean()
+
+
+class _StreamingByHelper(_StreamingByName):
+    """The same, its past read by a module-level helper it passes itself to."""
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        out = self.conv(wav.unsqueeze(1))
+        self.past.append(out.detach().mean())
+        return out + _context_of(self)
+
+
 @pytest.mark.xfail(
     strict=True,
     raises=AssertionError,
-    reason="recorded_attributes leaves out `past` where the forward reads it by "
-    "`getattr(self, name)` with the name from a tuple constant: only string constants at the "
-    "top of co_consts count and `getattr` is not in _READS_BY_NAME, so a module whose output "
+    reason="recorded_attributes reads only the forward and the methods reached by name, so "
+    "`past` is taken as a log where the forward reads it by `getattr(self, name)` with the "
+    "name from a tuple constant (`getattr` is not in _READS_BY_NAME, only top-level string "
+    "constants count) or passes itself to a helper that reads it: a module whose output "
     "follows its past forwards is keyed and watched as if it did not",
 )
-def test_streaming_state_read_by_getattr_stays_keyed() -> None:
+@pytest.mark.parametrize("cls", [_StreamingByName, _StreamingByHelper], ids=["getattr", "helper"])
+def test_streaming_state_read_outside_the_forward_stays_keyed(cls: type) -> None:
     from featbake.keys import derived_attributes
 
-    assert "past" not in derived_attributes(_StreamingByName)
+    assert "past" not in derived_attributes(cls)
 
 
 # -- a class attribute read through self ----------------------------------------------------------
