@@ -297,3 +297,44 @@ def test_a_cached_property_made_at_the_first_forward_is_no_change(
     ds = _first_dataset(audio_dir, module, tmp_path)
     ds[0]
     _assert_live(ds, module, 2)
+
+
+# -- a setting reached through a namespace package ------------------------------------------------
+
+#: ``import configs.audio`` where ``configs/`` has no ``__init__.py`` (as ``tests/`` here).
+CONFIGS: Any = None
+
+
+def _through_namespace_package(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (args[0] * CONFIGS.audio.GAIN,)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="is_own_namespace takes a module with no file and a __path__ (a namespace package: "
+    "the user's folder with no __init__.py) as no module of the user's, so the chain "
+    "`configs.audio.GAIN` stops at `configs` and the setting is keyed by no key: the next run "
+    "is served gain 2's features",
+)
+def test_a_setting_reached_through_a_namespace_package_is_keyed(
+    tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib
+
+    package = tmp_path / "code" / "review2_configs"
+    package.mkdir(parents=True)
+    (package / "audio.py").write_text("GAIN = 2.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "code"))
+    try:
+        audio = importlib.import_module("review2_configs.audio")
+        monkeypatch.setattr(THIS_MODULE, "CONFIGS", sys.modules["review2_configs"])
+        _served_after_change(
+            tmp_path,
+            audio_dir,
+            _through_namespace_package,
+            lambda: monkeypatch.setattr(audio, "GAIN", 3.0),
+        )
+    finally:
+        sys.modules.pop("review2_configs.audio", None)
+        sys.modules.pop("review2_configs", None)
