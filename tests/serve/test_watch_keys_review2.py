@@ -5,6 +5,7 @@ names (docs/reliability.md, "Round twelve: second review of what hooks reach")."
 from __future__ import annotations
 
 import functools
+import multiprocessing
 import sys
 import threading
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from featbake.errors import EncoderLoadError
+from featbake.serve.dataset import CachedFeatureDataset
 from tests.serve.test_watch_keys import _assert_live, _first_dataset, _hooked
 from tests.serve.test_watch_keys_review import _served_after_change
 
@@ -338,3 +340,43 @@ def test_a_setting_reached_through_a_namespace_package_is_keyed(
     finally:
         sys.modules.pop("review2_configs.audio", None)
         sys.modules.pop("review2_configs", None)
+
+
+# -- a recorder holding a multiprocessing lock ----------------------------------------------------
+
+
+class _ProcessRecorder:
+    """A metrics recorder shared with DataLoader workers: a ``multiprocessing`` lock."""
+
+    def __init__(self) -> None:
+        self.lock = multiprocessing.get_context("spawn").Lock()
+        self.values: list[float] = []
+
+    def __call__(self, value: float) -> None:
+        with self.lock:
+            self.values.append(value)
+
+
+PROCESS_RECORDER = _ProcessRecorder()
+
+
+def _record_mean_across_processes(
+    module: torch.nn.Module, args: tuple[Any, ...], output: Any
+) -> None:
+    PROCESS_RECORDER(float(output.mean()))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=EncoderLoadError,
+    reason="r12.8 reads threading's locks by their kind, not multiprocessing's: the lock's "
+    "SemLock (and its bound acquire and release) are keyed by their address, so an observing "
+    "hook whose recorder holds a multiprocessing lock is refused",
+)
+def test_an_observing_hook_calling_a_recorder_with_a_process_lock_is_served(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    module = _hooked(_record_mean_across_processes)
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    _assert_live(ds, module, 1)
