@@ -22,9 +22,9 @@ from tests.serve.test_watch_keys_review import _served_after_change
 THIS_MODULE = sys.modules[__name__]  # as ``import config`` of a user's own module
 
 
-# -- a partial of the user's decorated function ---------------------------------------------------
+# -- the user's code under a library decorator -----------------------------------------------------
 
-#: Settings a helper reads, the helper decorated and bound by a partial.
+#: Settings the user's decorated code reads.
 DECORATED_SETTINGS = {"gain": 2.0}
 
 
@@ -41,21 +41,62 @@ def _through_decorated_partial(module: torch.nn.Module, args: tuple[Any, ...]) -
     return (DECORATED_GAIN(args[0]),)
 
 
+class _DecoratedNormaliser:
+    """A helper object and transform whose methods are ``@torch.no_grad()``."""
+
+    @torch.no_grad()
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        return x * DECORATED_SETTINGS["gain"]
+
+    @torch.no_grad()
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x * DECORATED_SETTINGS["gain"]
+
+
+DECORATED_NORMALISER = _DecoratedNormaliser()
+
+
+def _through_decorated_method(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (DECORATED_NORMALISER.apply(args[0]),)
+
+
+def _through_decorated_call(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (DECORATED_NORMALISER(args[0]),)
+
+
+class _DecoratedHook:
+    """A hook object whose ``__call__`` is ``@torch.no_grad()``."""
+
+    @torch.no_grad()
+    def __call__(self, module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (args[0] * DECORATED_SETTINGS["gain"],)
+
+
 @pytest.mark.xfail(
     strict=True,
     raises=AssertionError,
-    reason="a partial whose function is a library wrapper of the user's function "
-    "(@torch.no_grad(), torch.vmap) is read by the wrapper's name (HeldReading._compound, "
-    "since r12.1), so the setting the user's function reads is keyed by no key and the next "
-    "run is served gain 2's features; keyed at 0ced39d",
+    reason="the user's code under a library wrapper (@torch.no_grad(), torch.vmap) is read as "
+    "the wrapper, never unwrapped, where the key reads what code reaches: a partial of it is "
+    "read by the wrapper's name (HeldReading._compound since r12.1; keyed at 0ced39d), a "
+    "method of a global object read by field is no own function (_fields_read), a callable "
+    "object's or hook object's __call__ is not the user's (followed_helper, "
+    "HeldReading._attributes reads the wrapper's globals): the setting the user's code reads "
+    "is keyed by no key and the next run is served gain 2's features",
 )
-def test_a_partial_of_the_users_decorated_function_is_keyed_by_what_it_reads(
-    tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("held", ["partial", "method", "transform", "hook-object"])
+def test_the_users_decorated_code_is_keyed_by_what_it_reads(
+    tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch, held: str
 ) -> None:
+    hooks = {
+        "partial": _through_decorated_partial,
+        "method": _through_decorated_method,
+        "transform": _through_decorated_call,
+        "hook-object": _DecoratedHook(),
+    }
     _served_after_change(
         tmp_path,
         audio_dir,
-        _through_decorated_partial,
+        hooks[held],
         lambda: monkeypatch.setitem(DECORATED_SETTINGS, "gain", 3.0),
     )
 
