@@ -304,7 +304,8 @@ def recorded_attributes(code: list[Any]) -> frozenset[str]:
     for a plot or a probe, a function of the inputs run, which changes no output. One also
     read for the output (``torch.cat(self.past)``, through a property or
     ``getattr(self, "past")``: a streaming model's state) is not; code that reads attributes
-    by a name built at run time (``vars(self)``, ``self.__dict__``) records into none.
+    by a name built at run time (``vars(self)``, ``self.__dict__``, ``getattr``) or hands
+    ``self`` on (``helper(self)``) records into none.
 
     Example:
         >>> def forward(self, x):
@@ -317,8 +318,8 @@ def recorded_attributes(code: list[Any]) -> frozenset[str]:
     recorded: set[str] = set()
     other: set[str] = set()
     for each in code:
-        if _READS_BY_NAME & set(each.co_names):
-            return frozenset()  # getattr(self, name), vars(self): any attribute may be read
+        if _READS_BY_NAME & set(each.co_names) or _passes_self_on(each):
+            return frozenset()  # getattr(self, name), helper(self): any attribute may be read
         other |= {c for c in each.co_consts if isinstance(c, str)}  # getattr(self, "past")
         ins = list(dis.get_instructions(each))
         for i, op in enumerate(ins):
@@ -328,7 +329,23 @@ def recorded_attributes(code: list[Any]) -> frozenset[str]:
 
 
 #: Names by which code may read any attribute of an object: no attribute is only recorded into.
-_READS_BY_NAME = frozenset({"__dict__", "vars", "__getattribute__"})
+_READS_BY_NAME = frozenset({"__dict__", "vars", "__getattribute__", "getattr", "attrgetter"})
+
+
+def _passes_self_on(code: Any) -> bool:
+    """Whether ``code`` uses ``self`` other than to read or write one of its attributes
+    (``helper(self)``, ``return self``): what it is handed to may read any attribute."""
+    ins = list(dis.get_instructions(code))
+    for i, op in enumerate(ins):
+        if op.opname in _SELF_LOADS and op.argval == "self":
+            nxt = ins[i + 1].opname if i + 1 < len(ins) else ""
+            if nxt not in _ATTRIBUTE_LOADS and nxt != "STORE_ATTR":
+                return True
+    return False
+
+
+#: The ops that load a method's ``self`` (a local; a cell in code nested in the method).
+_SELF_LOADS = frozenset({"LOAD_FAST", "LOAD_DEREF", "LOAD_FAST_CHECK"})
 
 
 #: Methods by which code records into a container it holds (a log of norms, of calls).

@@ -286,14 +286,22 @@ _VALUE_TYPES = (
 )
 
 #: What threads synchronise by (a recorder's lock, a drain's event): read by their kind.
-_SYNC = (
+_SYNC: tuple[type, ...] = (
     type(threading.Lock()),
     type(threading.RLock()),
     threading.Condition,
     threading.Semaphore,
-    threading.Event,
     threading.Barrier,
 )
+#: Flags threads set (read by whether they are set: a hook may branch on one).
+_EVENTS: tuple[type, ...] = (threading.Event,)
+try:  # a process's locks, where the platform has them
+    import multiprocessing.synchronize as _mp_sync
+
+    _SYNC += (_mp_sync.SemLock, _mp_sync.Condition, _mp_sync.Barrier)
+    _EVENTS += (_mp_sync.Event,)
+except ImportError:  # pragma: no cover - no sem_open
+    pass
 
 #: What a key cannot read: refused where a hook holds one that is not its module's own.
 _WEIGHTS = (torch.Tensor, np.ndarray, torch.nn.Module)
@@ -369,7 +377,7 @@ class HeldReading:
             args = [self.text(a, name, depth) for a in value.args]
             kw = [f"{k}={self.text(v, k, depth)}" for k, v in sorted(value.keywords.items())]
             func = value.func
-            library = self._in_global and inspect.isfunction(func) and not is_own_code(func)
+            library = self._in_global and inspect.isfunction(func) and not followed_helper(func)
             named = f"<{func.__module__}.{func.__qualname__}>" if library else None
             return f"partial({named or self.text(func, name, depth)},{','.join([*args, *kw])})"
         if isinstance(value, _WEIGHTS):
@@ -403,6 +411,8 @@ class HeldReading:
             return f"{code},{held}"
         if isinstance(obj, logging.Logger):
             return f"{code},{self._other(obj, name, depth)}"
+        if isinstance(obj, type):  # a class method: the class's settings it reads (cls.GAIN)
+            return f"{code},{self._class_reads(obj, unwrapped(func), {}, depth)}"
         return f"{code},{self._attributes(obj, func, depth)}"
 
     def _function(self, func: Any, name: str, depth: int) -> str:
@@ -493,12 +503,14 @@ class HeldReading:
             return "<read above>" if self._read_before(value) else self.text(value, name, depth)
         if isinstance(value, torch.nn.Module):
             return self._global_module(value, name)
+        if inspect.ismethod(value) and isinstance(value.__self__, torch.nn.Module):
+            return self.text(value, name, depth)  # model.forward: the module by its state
         helper = followed_helper(value)
         if helper is None:
             return None
         if isinstance(helper, (types.FunctionType, functools.partial, types.MethodType)):
             return self.text(helper, name, depth)
-        runs = _runs(helper)  # a callable object: its __call__'s code, and what it holds
+        runs = unwrapped(_runs(helper))  # a callable object: its __call__'s code, what it holds
         return f"call({cached_code_digest(runs.__code__)},{self.text(helper, name, depth)})"
 
     def _fields_read(self, value: Any, name: str, code: Any, depth: int) -> str | None:
@@ -529,13 +541,19 @@ class HeldReading:
             return None
         held = dict(instance_attributes(value))
         rows = []
+        cached = cached_names(type(value))
         for f in fields:
-            if f in held:
+            if f in held and f not in cached:
                 rows.append(f"{f}={self.text(held[f], f, depth)}")
                 continue
             found = namespace_attribute(type(value), f)  # a class default, a method
-            if type(found) is types.FunctionType and is_own_code(found):
+            raw = inspect.getattr_static(type(value), f, None)
+            if isinstance(raw, functools.cached_property):
+                found = raw.func  # its value is made from the rest by its code
+            if type(found) is types.FunctionType and followed_helper(found) is not None:
                 rows.append(f"{f}={self.text(types.MethodType(found, value), f, depth)}")
+            elif inspect.ismethod(found) and followed_helper(found) is not None:
+                rows.append(f"{f}={self.text(found, f, depth)}")  # a class method
             elif found is not _ABSENT and is_data(found):
                 rows.append(f"{f}={self.text(found, f, depth)}")
             else:
@@ -600,6 +618,9 @@ class HeldReading:
             return f"<weakref {type(value()).__qualname__}>"
         if isinstance(value, RemovableHandle):  # its id counts the process's hooks so far
             return "<hook handle>"
+        if isinstance(value, _EVENTS):  # a switch a hook may branch on: by its flag
+            flag: Any = value
+            return f"<{type(value).__qualname__} set={flag.is_set()}>"
         if isinstance(value, _SYNC):  # a lock a recorder takes: it changes no output
             return f"<{type(value).__qualname__}>"
         if type(value) is object:  # a sentinel default
@@ -626,16 +647,30 @@ class HeldReading:
         """An object's attributes but those the code ``runs`` keeps as bookkeeping, and the
         globals ``runs`` and the methods of the object's class it reaches read
         (:func:`reached_methods`: ``self.scale(x)`` reading a global config)."""
+        runs = unwrapped(runs) if inspect.isfunction(runs) else runs  # @torch.no_grad()
         code = getattr(runs, "__code__", None)
         cls = type(obj)
         own = bookkeeping_names(code, ATTRIBUTE_WRITES, cls) if code is not None else frozenset()
-        rows = [
-            f"{k}={self.text(v, k, depth)}" for k, v in instance_attributes(obj) if k not in own
-        ]
+        own |= cached_names(cls)  # made from the rest by code the key reads
+        held = dict(instance_attributes(obj))
+        rows = [f"{k}={self.text(v, k, depth)}" for k, v in held.items() if k not in own]
         if inspect.isfunction(runs):
+            rows += [self._class_reads(cls, runs, held, depth)]
             for func in reached_methods(runs, cls):
                 rows += self._globals(func, depth)
         return f"{type(obj).__qualname__}({','.join(rows)})"
+
+    def _class_reads(self, cls: type, runs: Any, held: dict[str, Any], depth: int) -> str:
+        """The class attributes ``runs`` and the methods of ``cls`` it reaches may read as
+        ``self.scale`` or ``cls.GAIN`` (names they load) that hold data and no instance
+        attribute in ``held`` shadows: a hook object's or transform's setting kept on its
+        class, by value."""
+        rows = []
+        for n in loaded_names(runs, cls):
+            found = _ABSENT if n in held else namespace_attribute(cls, n)
+            if found is not _ABSENT and is_data(found) and not isinstance(found, type):
+                rows.append(f"{n}={self.text(found, n, depth)}")
+        return f"class[{','.join(rows)}]"
 
 
 def reached_methods(func: Any, cls: type) -> tuple[Any, ...]:
@@ -662,6 +697,45 @@ def _reached_methods(func: Any, cls: type) -> list[Any]:
 
 #: reached_methods's, by code object and class (:func:`kept_per_object`).
 _METHODS: dict[Any, Any] = {}
+
+
+def loaded_names(func: Any, cls: type) -> tuple[str, ...]:
+    """The attribute names ``func`` and the methods of ``cls`` it reaches load (``self.scale``,
+    ``cls.GAIN``), sorted: where a class attribute may be read. Kept per code object and
+    class."""
+    return tuple(
+        kept_per_object(_LOADED, (func.__code__, cls), None, lambda: _loaded_names(func, cls))
+    )
+
+
+def _loaded_names(func: Any, cls: type) -> list[str]:
+    """:func:`loaded_names`, made anew."""
+    loads = (op for code in reached_code(func.__code__, cls) for op in dis.get_instructions(code))
+    return sorted({str(op.argval) for op in loads if op.opname in _METHOD_LOADS})
+
+
+#: loaded_names's, by code object and class (:func:`kept_per_object`).
+_LOADED: dict[Any, Any] = {}
+
+
+def cached_names(cls: type) -> frozenset[str]:
+    """The names of a class's ``functools.cached_property`` attributes (through its bases):
+    an instance attribute of one of them is a value its code made from the rest, left out of
+    a reading (its code is read), so its first use is no change. Kept per class."""
+    kept = _CACHED.get(cls)
+    if kept is None:
+        names = {
+            n
+            for klass in cls.__mro__
+            for n, v in vars(klass).items()
+            if isinstance(v, functools.cached_property)
+        }
+        kept = _CACHED[cls] = frozenset(names)
+    return kept
+
+
+#: class -> its cached properties' names: cached_names's (weakly, as _SLOTS).
+_CACHED: weakref.WeakKeyDictionary[type, frozenset[str]] = weakref.WeakKeyDictionary()
 
 
 def _has_attributes(value: Any) -> bool:
@@ -734,7 +808,7 @@ def followed_helper(value: Any) -> Any:
     if isinstance(value, (type, types.ModuleType)):
         return None
     runs = _runs(value)
-    return value if inspect.isfunction(runs) and is_own_code(runs) else None
+    return value if inspect.isfunction(runs) and followed_helper(runs) is not None else None
 
 
 def is_own_code(func: Any) -> bool:
@@ -971,6 +1045,7 @@ def only_recorded(code: Any, dotted: str) -> bool:
 def _only_recorded(code: Any, dotted: str) -> bool:
     """:func:`only_recorded`, made anew."""
     parts = dotted.split(".")
+    sites = 0
     for each in reached_code(code, None):
         ins = list(dis.get_instructions(each))
         for i, op in enumerate(ins):
@@ -978,7 +1053,8 @@ def _only_recorded(code: Any, dotted: str) -> bool:
                 end = _chain_end(ins, i, parts)
                 if end is not None and not records_into(ins, end):
                     return False
-    return True
+                sites += end is not None
+    return sites > 0  # none: reached otherwise (getattr), read
 
 
 #: only_recorded's, by code object and dotted name (:func:`kept_per_object`).
@@ -988,7 +1064,8 @@ _RECORDED: dict[Any, Any] = {}
 def attribute_chains(code: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
     """``(global, (name, ...))`` for each global a code object (and the code nested in it)
     loads and then reads attributes of by name (``utils.apply_gain(x)``: ``("utils",
-    ("apply_gain",))``), the names in the order read, sorted; kept per code object.
+    ("apply_gain",))``; ``getattr(config, "GAIN", 1.0)`` too), the names in the order read,
+    sorted; kept per code object.
 
     Example:
         >>> import os
@@ -1011,7 +1088,18 @@ def _attribute_chains(code: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
             names = list(itertools.takewhile(lambda o: o.opname in _METHOD_LOADS, ins[i + 1 :]))
             if names:
                 chains.add((op.argval, tuple(str(o.argval) for o in names)))
+            if op.argval == "getattr" and (by_name := _getattr_chain(ins, i)) is not None:
+                chains.add(by_name)
     return tuple(sorted(chains))
+
+
+def _getattr_chain(ins: list[Any], i: int) -> tuple[str, tuple[str, ...]] | None:
+    """``getattr(config, "GAIN"[, default])`` at ``ins[i]`` (the load of ``getattr``) as the
+    chain ``("config", ("GAIN",))``, where a global and a constant name are its arguments."""
+    after = ins[i + 1 : i + 3]
+    if [o.opname for o in after] != ["LOAD_GLOBAL", "LOAD_CONST"]:
+        return None
+    return (str(after[0].argval), (after[1].argval,)) if isinstance(after[1].argval, str) else None
 
 
 #: attribute_chains's, by code object (:func:`kept_per_object`).
@@ -1075,7 +1163,8 @@ _LEADS: dict[Any, Any] = {}
 
 def namespace_attribute(namespace: Any, name: str) -> Any:
     """``namespace.name`` as it is, running no code: a module's global, a class's attribute
-    (searched through its bases), a static or class method as its function; ``_ABSENT``
+    (searched through its bases), a static method as its function, a class method bound to
+    the class; ``_ABSENT``
     where there is none or it is another descriptor (a property: code, read by the code
     rule)."""
     if isinstance(namespace, types.ModuleType):
@@ -1084,7 +1173,9 @@ def namespace_attribute(namespace: Any, name: str) -> Any:
         found = inspect.getattr_static(namespace, name)
     except AttributeError:
         return _ABSENT
-    if isinstance(found, (staticmethod, classmethod)):
+    if isinstance(found, classmethod):
+        return types.MethodType(found.__func__, namespace)  # reads cls.GAIN: its class's
+    if isinstance(found, staticmethod):
         return found.__func__
     if type(found) is not types.FunctionType and hasattr(type(found), "__get__"):
         return _ABSENT
@@ -1108,10 +1199,12 @@ def is_own_namespace(value: Any) -> bool:
         return False
     top = value.__name__.partition(".")[0]
     where = getattr(value, "__file__", None)
-    if not isinstance(where, str):  # a notebook's, `python -c`'s: made at run time
+    if not isinstance(where, str):  # a notebook's, `python -c`'s, a folder with no __init__
         library = top in UNVERSIONED or top in sys.stdlib_module_names
-        builtin = value.__name__ in sys.builtin_module_names or hasattr(value, "__path__")
-        return not library and not builtin
+        if library or value.__name__ in sys.builtin_module_names:
+            return False
+        folders = [str(p) for p in getattr(value, "__path__", ())]
+        return all(_own_source(top, f) for f in folders)  # a namespace package: each folder
     return bool(kept_per_object(_OWN_MODULES, (value,), where, lambda: _own_source(top, where)))
 
 

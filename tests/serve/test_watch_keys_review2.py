@@ -1,6 +1,6 @@
 """A second review of what the watch over an in-process encoder keys, after the fixes of round
-twelve's review (r12.1-r12.12): each strict xfail is a gap still open, failing for the reason it
-names (docs/reliability.md, "Round twelve: second review of what hooks reach")."""
+twelve's review (r12.1-r12.12): each test is a gap that review found, failing on the code it
+reviewed (docs/reliability.md, "Round twelve: second review of what hooks reach")."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 import torch
 
-from featbake.errors import EncoderLoadError
 from featbake.serve.dataset import CachedFeatureDataset
 from tests.serve.test_watch_keys import _assert_live, _first_dataset, _hooked
 from tests.serve.test_watch_keys_review import _served_after_change
@@ -72,17 +71,6 @@ class _DecoratedHook:
         return (args[0] * DECORATED_SETTINGS["gain"],)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="the user's code under a library wrapper (@torch.no_grad(), torch.vmap) is read as "
-    "the wrapper, never unwrapped, where the key reads what code reaches: a partial of it is "
-    "read by the wrapper's name (HeldReading._compound since r12.1; keyed at 0ced39d), a "
-    "method of a global object read by field is no own function (_fields_read), a callable "
-    "object's or hook object's __call__ is not the user's (followed_helper, "
-    "HeldReading._attributes reads the wrapper's globals): the setting the user's code reads "
-    "is keyed by no key and the next run is served gain 2's features",
-)
 @pytest.mark.parametrize("held", ["partial", "method", "transform", "hook-object"])
 def test_the_users_decorated_code_is_keyed_by_what_it_reads(
     tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch, held: str
@@ -113,13 +101,6 @@ def _bypassable(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> 
     return output * 2.0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="an Event is read by its kind only (HeldReading._other's _SYNC, since cee3411), so "
-    "a hook whose output follows its flag (`if BYPASS.is_set()`) keeps its key when the flag "
-    "is set, and the next run is served the doubled features",
-)
 def test_a_hook_branching_on_an_event_is_keyed_by_its_flag(tmp_path: Path, audio_dir: Path) -> None:
     try:
         _served_after_change(tmp_path, audio_dir, _bypassable, BYPASS.set, pre=False)
@@ -159,15 +140,6 @@ class _StreamingByHelper(_StreamingByName):
         return out + _context_of(self)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="recorded_attributes reads only the forward and the methods reached by name, so "
-    "`past` is taken as a log where the forward reads it by `getattr(self, name)` with the "
-    "name from a tuple constant (`getattr` is not in _READS_BY_NAME, only top-level string "
-    "constants count) or passes itself to a helper that reads it: a module whose output "
-    "follows its past forwards is keyed and watched as if it did not",
-)
 @pytest.mark.parametrize("cls", [_StreamingByName, _StreamingByHelper], ids=["getattr", "helper"])
 def test_streaming_state_read_outside_the_forward_stays_keyed(cls: type) -> None:
     from featbake.keys import derived_attributes
@@ -221,15 +193,6 @@ def _through_class_gained(module: torch.nn.Module, args: tuple[Any, ...]) -> tup
     return (CLASS_GAINED(args[0]),)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="an object of the user's class is read by its instance attributes "
-    "(HeldReading._attributes), never its class's: a class attribute its code reads as "
-    "`self.scale` or `cls.GAIN` (the hook object, a transform a hook runs, a bound or class "
-    "method, an object passed on) is keyed by no key, and the next run is served the first "
-    "run's features",
-)
 @pytest.mark.parametrize("held", ["hook-object", "transform", "class-method"])
 def test_a_class_attribute_read_through_self_is_keyed(
     tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch, held: str
@@ -256,14 +219,6 @@ def _projected(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> A
     return output + PROJECT(output)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="a global bound method of a library module's class (`Linear.forward`) is no "
-    "followed helper (followed_helper: its function is library code) nor data, so the module "
-    "it is bound to is keyed by no key: the next run, another checkpoint, is served the first "
-    "adapter's features; the same module held as a global is keyed by its state",
-)
 def test_a_global_bound_method_of_a_module_is_keyed_by_the_modules_state(
     tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -286,14 +241,6 @@ def _through_getattr(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[An
     return (args[0] * getattr(THIS_MODULE, "MODULE_GAIN", 1.0),)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="a setting of the user's own module read other than by an attribute chain "
-    '(`getattr(config, "GAIN", 1.0)`, `cfg = config; cfg.GAIN`) is keyed by no key: the '
-    "module global is code and attribute_chains sees no chain, so the next run is served "
-    "gain 2's features",
-)
 def test_a_setting_of_the_users_module_read_by_getattr_is_keyed(
     tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -326,13 +273,6 @@ def _through_cached_property(module: torch.nn.Module, args: tuple[Any, ...]) -> 
     return (args[0] * WINDOWED.window.max(),)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=EncoderLoadError,
-    reason="a global object read through a cached property is read whole by its instance "
-    "attributes, and the first forward adds the cached value to them: the watch takes its own "
-    "cache for a change and refuses the second miss of an unchanged run",
-)
 def test_a_cached_property_made_at_the_first_forward_is_no_change(
     tmp_path: Path, audio_dir: Path
 ) -> None:
@@ -352,14 +292,6 @@ def _through_namespace_package(module: torch.nn.Module, args: tuple[Any, ...]) -
     return (args[0] * CONFIGS.audio.GAIN,)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="is_own_namespace takes a module with no file and a __path__ (a namespace package: "
-    "the user's folder with no __init__.py) as no module of the user's, so the chain "
-    "`configs.audio.GAIN` stops at `configs` and the setting is keyed by no key: the next run "
-    "is served gain 2's features",
-)
 def test_a_setting_reached_through_a_namespace_package_is_keyed(
     tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -407,13 +339,6 @@ def _record_mean_across_processes(
     PROCESS_RECORDER(float(output.mean()))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=EncoderLoadError,
-    reason="r12.8 reads threading's locks by their kind, not multiprocessing's: the lock's "
-    "SemLock (and its bound acquire and release) are keyed by their address, so an observing "
-    "hook whose recorder holds a multiprocessing lock is refused",
-)
 def test_an_observing_hook_calling_a_recorder_with_a_process_lock_is_served(
     tmp_path: Path, audio_dir: Path
 ) -> None:
