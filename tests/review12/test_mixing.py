@@ -16,29 +16,10 @@ from torch.utils.data import StackDataset
 
 from featbake.errors import ConfigError
 from featbake.serve.dataset import CachedFeatureDataset
-from featbake.serve.mixing import MixedDataset
 from featbake.testing import write_audio_folder
 from tests.helpers import Live, bake
+from tests.serve.test_mixing import _mixture
 from tests.store.bucket.conftest import S3
-
-
-@pytest.fixture
-def two_stores(tmp_path: Path, encoder_file: Path) -> tuple[Path, Path]:
-    """Two audio folders (6 and 4 clips of 0.3-0.8 s), each baked into its own store of a few
-    shards."""
-    for name, n, seed in (("a", 6, 4), ("b", 4, 5)):
-        write_audio_folder(tmp_path / name, n, seconds=(0.3, 0.8), seed=seed)
-        bake(tmp_path / name, encoder_file, tmp_path / f"store_{name}", shard_bytes=4096)
-    return tmp_path / "a", tmp_path / "b"
-
-
-def _mixture(folders: tuple[Path, Path], encoder: Path, weights: list[float]) -> MixedDataset:
-    """A new MixedDataset over new datasets of the two stores (as a restarted run makes)."""
-    sets = [
-        CachedFeatureDataset(f, encoder, cache=f.parent / f"store_{f.name}", on_miss="error")
-        for f in folders
-    ]
-    return MixedDataset(sets, weights=weights, epoch_items=14, seed=3)
 
 
 def test_a_block_sampler_state_over_another_mixture_is_refused(
