@@ -444,11 +444,73 @@ _STATEMENT_ENDS = frozenset(
 
 def _statement_before(ins: list[Any], j: int) -> list[Any]:
     """The instructions of the statement that ends with ``ins[j]``: back to the op that ended
-    the one before (by op, not by line: a statement may span lines), or a jump target."""
+    the one before (by op, not by line: a statement may span lines), or a jump target. An
+    inlined comprehension (:func:`inlined_comprehensions`) is part of its statement: its
+    loop's jump targets and the stores of its variables end none."""
+    spans = inlined_comprehensions(ins)
     k = j
-    while k > 0 and ins[k - 1].opname not in _STATEMENT_ENDS and not ins[k].is_jump_target:
-        k -= 1
+    while k > 0:
+        if k - 1 in spans:
+            k = spans[k - 1]
+        elif ins[k - 1].opname in _STATEMENT_ENDS or ins[k].is_jump_target:
+            break
+        else:
+            k -= 1
     return ins[k:j]
+
+
+def inlined_comprehensions(ins: list[Any]) -> dict[int, int]:
+    """Python 3.12+ runs a list, set or dict comprehension in the function's own code (PEP
+    709): its variables saved (``LOAD_FAST_AND_CLEAR``), its loop, then the variables
+    restored (``SWAP`` after the loop's ``END_FOR``, then a store of each). For each such
+    comprehension, the index of its last restoring store -> the index of its first
+    ``LOAD_FAST_AND_CLEAR``; none before 3.12, whose comprehensions are code of their own.
+    One whose value a local takes (``ys = [...]``: the local stored, then the variables, no
+    ``SWAP``) is left out: that store ends its statement.
+
+    Example:
+        >>> import dis, sys
+        >>> def f(self):
+        ...     self.m = [m for m in self.m if m]
+        >>> spans = inlined_comprehensions(list(dis.get_instructions(f)))
+        >>> len(spans) == (sys.version_info >= (3, 12))
+        True
+    """
+    spans: dict[int, int] = {}
+    opened: list[tuple[int, list[str]]] = []  # (first LOAD_FAST_AND_CLEAR, the variables)
+    for i, op in enumerate(ins):
+        if op.opname == "LOAD_FAST_AND_CLEAR":
+            if opened and opened[-1][0] + len(opened[-1][1]) == i:
+                opened[-1][1].append(op.argval)
+            else:
+                opened.append((i, [op.argval]))
+        elif (
+            op.opname == "SWAP"
+            and opened
+            and _stored(ins, i + 1)[:1] == opened[-1][1][-1:]
+            and "END_FOR" in [o.opname for o in ins[max(i - 2, 0) : i]]  # not a handler's
+        ):
+            start, names = opened.pop()
+            end, restored = i, 0
+            while restored < len(names) and _stored(ins, end + 1):
+                end += 1
+                restored += len(_stored(ins, end))
+            spans[end] = start
+    return spans
+
+
+def _stored(ins: list[Any], i: int) -> list[str]:
+    """The locals the op at ``ins[i]`` stores (3.13 joins two stores in one op), in order."""
+    if i >= len(ins) or ins[i].opname not in _LOCAL_STORES:
+        return []
+    names = ins[i].argval
+    if ins[i].opname == "STORE_FAST_LOAD_FAST":
+        return [names[0]]
+    return list(names) if isinstance(names, tuple) else [names]
+
+
+#: The ops that store locals (3.13 joins a store with a load or another store).
+_LOCAL_STORES = frozenset({"STORE_FAST", "STORE_FAST_LOAD_FAST", "STORE_FAST_STORE_FAST"})
 
 
 #: class -> the attributes its forward writes: derived_attributes's (weakly: a class made at

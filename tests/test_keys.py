@@ -23,10 +23,12 @@ from featbake.encode.sources import source_for
 from featbake.keys import (
     WEIGHT_CHUNK_BYTES,
     canonical_json,
+    derived_attributes,
     feature_key,
     module_fingerprint,
     root_id,
     state_dict_fingerprint,
+    tensor_attributes,
 )
 from featbake.recipe import Recipe
 from featbake.store.catalog import Catalog
@@ -366,3 +368,31 @@ def test_a_plain_attribute_that_changes_outputs_changes_the_fingerprint(tmp_path
     # named after the file; only the pickled attributes' bytes are hashed).
     again = save_torchscript(_Scaled(1.0), tmp_path / "renamed.pt")
     assert load_encoder(again).fingerprint in script_fps
+
+
+class _MovedGains(torch.nn.Module):
+    """A module whose forward moves a dict of tensors it holds to the input's device through a
+    dict comprehension, and a list it filters through a list comprehension."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gains = {"a": torch.tensor(2.0)}
+        self.taps = [torch.tensor(1.0), torch.tensor(0.5)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.gains = {k: v.to(x.device) for k, v in self.gains.items()}
+        self.taps = [t.to(x.device) for t in self.taps if t is not None]
+        return x * self.gains["a"] * sum(self.taps)
+
+
+def test_settings_a_forward_moves_through_a_comprehension_stay_keyed() -> None:
+    """Python 3.12 runs a comprehension in the function's own code (PEP 709): its loop's jump
+    targets and the stores of its variables end no statement, so ``self.gains = {k: v.to(d)
+    for k, v in self.gains.items()}`` reads ``gains`` and keeps it keyed, as on 3.11."""
+    module = _MovedGains()
+    assert {"gains", "taps"}.isdisjoint(derived_attributes(_MovedGains))
+    names = [name for name, _ in tensor_attributes(module)]
+    assert names == ["gains.a", "taps.0", "taps.1"]
+    before = module_fingerprint(module, "x")
+    module.gains["a"] = torch.tensor(3.0)
+    assert module_fingerprint(module, "x") != before

@@ -43,6 +43,7 @@ from featbake.keys import (
     canonical_json,
     derived_attributes,
     derived_state,
+    inlined_comprehensions,
     method_function,
     module_fingerprint,
     reached_code,
@@ -228,7 +229,10 @@ def _uses(code: Any, ops: frozenset[str], written: set[str], read: set[str]) -> 
     ins = list(dis.get_instructions(code))
     starts = [i for i, op in enumerate(ins) if op.is_jump_target or op.starts_line]
     starts += [i + 1 for i, op in enumerate(ins) if "JUMP" in op.opname]
-    bounds = sorted({0, *starts, len(ins)})
+    inside = {
+        i for end, start in inlined_comprehensions(ins).items() for i in range(start + 1, end + 1)
+    }
+    bounds = sorted({0, *starts, len(ins)} - inside)
     for lo, hi in itertools.pairwise(bounds):
         block = ins[lo:hi]
         stored = {op.argval for op in block if op.opname in ops}
@@ -1018,7 +1022,11 @@ def _name_read(ins: list[Any], start: int, end: int, how: Read) -> str | None:
 
 def _constant_argument(ins: list[Any], k: int) -> str | None:
     """The constant string ``ins[k]`` loads as the first argument of a call made right
-    after it, with at most one more argument (a constant, a local or a global), or None."""
+    after it, with at most one more argument (a constant, a local or a global), or None. A
+    ``PUSH_NULL`` before it is skipped: Python 3.13 loads a callable read as an attribute of a
+    module (``os.getenv``) or object (``environ.get``) and then its NULL."""
+    if k < len(ins) and ins[k].opname == "PUSH_NULL":
+        k += 1
     ops = [o.opname for o in ins[k : k + 3]]
     if ops[:1] != ["LOAD_CONST"] or not isinstance(ins[k].argval, str):
         return None
