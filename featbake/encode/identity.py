@@ -526,7 +526,7 @@ class HeldReading:
         (its code, the object's attributes and the globals it reads: ``NORMALISER.apply``);
         None where the code reads it otherwise (passes it on, iterates it, names a key built
         at run time, a property, a library method): then it is read whole. A run with another
-        ``--lr`` keeps the key of a hook that reads ``args.gain``, and a namespace listing 600
+        learning rate keeps the key of a hook that reads ``args.gain``, and a namespace listing 600
         input files is no value too large."""
         if type(value) is dict:
             keys = names_read(code, name, Read.BY_KEY)
