@@ -29,7 +29,7 @@ import types
 import uuid
 import weakref
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import Any
@@ -976,19 +976,26 @@ def names_read(code: Any, dotted: str, how: Read) -> tuple[str, ...] | None:
 def _names_read(code: Any, parts: list[str], how: Read) -> tuple[str, ...] | None:
     """:func:`names_read`, made anew."""
     names: set[str] = set()
+    for ins, start, end in _chain_sites(code, parts):
+        read = _name_read(ins, start, end, how)
+        if read is None:
+            return None
+        names.add(read)
+    return tuple(sorted(names))
+
+
+def _chain_sites(code: Any, parts: list[str]) -> Iterator[tuple[list[Any], int, int]]:
+    """``(instructions, start, end)`` of each use of the global reached at ``parts`` (a
+    global, then its attributes by name) in a code object and the code nested in it: the
+    load of the global at ``start``, the load that ends the chain at ``end``. A load of the
+    global followed by another name (``os.path`` for ``os.environ``) is no use of it."""
     for each in reached_code(code, None):
         ins = list(dis.get_instructions(each))
         for i, op in enumerate(ins):
-            if op.opname != "LOAD_GLOBAL" or op.argval != parts[0]:
-                continue
-            end = _chain_end(ins, i, parts)
-            if end is None:
-                continue  # another attribute of the global (os.path), not this value
-            read = _name_read(ins, i, end, how)
-            if read is None:
-                return None
-            names.add(read)
-    return tuple(sorted(names))
+            if op.opname == "LOAD_GLOBAL" and op.argval == parts[0]:
+                end = _chain_end(ins, i, parts)
+                if end is not None:
+                    yield ins, i, end
 
 
 def _chain_end(ins: list[Any], i: int, parts: list[str]) -> int | None:
@@ -1052,16 +1059,11 @@ def only_recorded(code: Any, dotted: str) -> bool:
 
 def _only_recorded(code: Any, dotted: str) -> bool:
     """:func:`only_recorded`, made anew."""
-    parts = dotted.split(".")
     sites = 0
-    for each in reached_code(code, None):
-        ins = list(dis.get_instructions(each))
-        for i, op in enumerate(ins):
-            if op.opname == "LOAD_GLOBAL" and op.argval == parts[0]:
-                end = _chain_end(ins, i, parts)
-                if end is not None and not records_into(ins, end):
-                    return False
-                sites += end is not None
+    for ins, _, end in _chain_sites(code, dotted.split(".")):
+        if not records_into(ins, end):
+            return False
+        sites += 1
     return sites > 0  # none: reached otherwise (getattr), read
 
 
