@@ -836,7 +836,22 @@ def export(
             show_default=False,
         ),
     ] = None,
-    overwrite: Annotated[bool, typer.Option(help="Replace OUT if it exists.")] = False,
+    overwrite: Annotated[
+        bool,
+        typer.Option(
+            help="Replace OUT if it is an earlier export (never the store, the data a root was "
+            "built from, or a folder or file that is not this format's export)."
+        ),
+    ] = False,
+    strict_rows: Annotated[
+        bool,
+        typer.Option(
+            "--strict-rows",
+            help="Refuse, writing nothing, where the data no longer lists some items' rows "
+            "(removed or renamed since the build) or cannot be read. Default: export their "
+            "columns empty (null) and say how many in one line.",
+        ),
+    ] = False,
     cache: CacheOpt = None,
     local_cache: LocalCacheOpt = None,
     local_cache_size: LocalCacheSizeOpt = None,
@@ -849,6 +864,11 @@ def export(
     ones a dense values [N, ...]; keys, paths and columns/ [N] follow the root's order. Parquet:
     one row per item (id, key, one list column per part and its shape, the row's columns).
     webdataset: one sample per item (<id>.npy or <id>.<part>.npy, and <id>.json).
+
+    The columns are read from the root's data (its manifest) as it is now: a label fixed since
+    the build is exported fixed; an item whose row was removed or renamed since is exported with
+    empty columns and counted in one line (--strict-rows refuses instead): rebuild the root to
+    export the manifest as it is.
     """
     note_inert_options(ctx, cache)
     from featbake.errors import ConfigError, StoreError
@@ -864,10 +884,13 @@ def export(
         with bar:
             report = exporter(
                 out_path, cache=store, root=root, overwrite=overwrite, output=output,
-                layers=chosen, rows_for=_root_rows(column), progress=tick_bar(bar, {}),
+                layers=chosen, rows_for=_root_rows(column, strict_rows),
+                progress=tick_bar(bar, {}), strict_rows=strict_rows,
             )  # fmt: skip
     except OSError as e:  # the OS refused a path or a write: nothing is left at OUT
         raise StoreError(export_write_error(out_path, e)) from e
+    if report.unlisted:
+        console.print(f"[yellow]{escape(unlisted_line(report))}[/]")
     if as_json:
         out.print_json(json.dumps(report.to_json()))
     else:
@@ -877,6 +900,24 @@ def export(
             f"{format_bytes(report.bytes)}) to {escape(report.out)}"
             + (f"; {report.missing} items not stored were left out" if report.missing else "")
         )
+
+
+def unlisted_line(report: Any) -> str:
+    """The warning of an export some of whose items' rows the data no longer lists.
+
+    Example:
+        >>> from featbake.export.source import ExportReport
+        >>> unlisted_line(ExportReport("f.zarr", "r-1", 4, 0, ("",), {}, 0, 0.0, 2))[:53]
+        '2 of 4 items of root r-1 have no row in its data now '
+    """
+    from featbake.export.source import unlisted_count
+
+    return (
+        f"{unlisted_count(report.unlisted, report.items)} of root {report.root} have no row in "
+        "its data now (removed or renamed since the build): their columns are exported empty "
+        "(null); rebuild the root (`featbake build`) to match the data, or pass --strict-rows "
+        "to refuse"
+    )
 
 
 def _layouts_text(layouts: dict[str, str]) -> str:
@@ -953,25 +994,32 @@ def _exporter(fmt: str, compression: str | None = None) -> Any:
     return lambda out, **options: export_with(writer, out, **options)
 
 
-def _root_rows(column: str | None) -> Any:
+def _root_rows(column: str | None, strict: bool = False) -> Any:
     """The reader of a root's carried rows (export/ never opens inputs): the root's data opened
-    as the build opened it; where it cannot be, one warning and no row columns."""
+    as the build opened it, each item's row or None where the data lists it no more; where the
+    data cannot be opened, one warning and no row columns (``strict``: a refusal)."""
 
     def rows_for(root: Any) -> Any:
         from featbake.encode.inputs import inputs_at
         from featbake.encode.sources import source_extensions
-        from featbake.errors import FeatbakeError
+        from featbake.errors import ConfigError, FeatbakeError
 
         source = root.recipe.get("source")
         try:
             inputs = inputs_at(root.data, column, source)
-            inputs.scan(source_extensions(source))  # a manifest's rows are read by its scan
+            # a manifest's rows are read by its scan
+            listed = set(inputs.scan(source_extensions(source)).inputs)
         except (FeatbakeError, OSError) as e:
+            if strict:
+                raise ConfigError(
+                    f"the rows of root {root.name} cannot be read: its data {root.data} cannot "
+                    f"be opened ({e}); drop --strict-rows to export keys and ids without them"
+                ) from e
             console.print(
                 f"[yellow]the rows' columns are left out: the root's data {escape(root.data)} "
                 f"cannot be opened ({escape(str(e))}); keys and ids are exported[/]"
             )
             return None
-        return inputs.row
+        return lambda path: inputs.row(path) if path in listed else None
 
     return rows_for

@@ -34,6 +34,7 @@ import numpy as np
 from featbake.export.source import (
     RESERVED,
     Compression,
+    DataSource,
     ExportJob,
     ExportReport,
     ExportSource,
@@ -76,14 +77,17 @@ def column_names(parts: Sequence[str], carried: Sequence[str]) -> dict[str, str]
     return carried_names(carried, taken)
 
 
-def check_destination(out: Path, store: Path, *, overwrite: bool) -> None:
+def check_destination(
+    out: Path, store: Path, *, overwrite: bool, sources: Sequence[DataSource] = ()
+) -> None:
     """Refuse a destination the export would overwrite wrongly.
 
     Raises:
-        ConfigError: ``out`` (or ``OUT.partial``) is in the store, a folder or a link, or
-            exists without ``overwrite``.
+        ConfigError: ``out`` (or ``OUT.partial``) is in the store or the data a root was
+            built from, a folder, a link or a file that is not Parquet, or exists without
+            ``overwrite``.
     """
-    check_free(out, store, overwrite=overwrite, unfit=_not_a_file)
+    check_free(out, store, overwrite=overwrite, unfit=_not_a_file, sources=sources)
 
 
 def _not_a_file(path: Path) -> str | None:
@@ -92,7 +96,22 @@ def _not_a_file(path: Path) -> str | None:
             f"{path} is a folder or a link, not a Parquet file; choose another OUT "
             "(a file name such as feats.parquet)"
         )
+    if path.exists() and not _parquet_or_empty(path):
+        return (
+            f"{path} is not a Parquet file; the export would replace it, so choose another OUT "
+            "(or remove that file yourself)"
+        )
     return None
+
+
+def _parquet_or_empty(path: Path) -> bool:
+    """Whether ``path`` is empty or starts as a Parquet file (``PAR1``: an earlier export, or
+    one a killed export began)."""
+    try:
+        with path.open("rb") as f:
+            return f.read(4) in (b"", b"PAR1")
+    except OSError:
+        return False
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ import queue
 import shutil
 import threading
 import time
+import unicodedata
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from enum import StrEnum
@@ -49,8 +50,9 @@ from featbake.store.shard import Leases, ShardReader, VerifyMode, read_leased
 #: Items read per catalog query and per batch handed to a format.
 READ_BATCH = 256
 
-#: The carried row of an item, by its path in the root's manifest ({} where it carries none).
-RowsOf = Callable[[str], Mapping[str, Any]]
+#: The carried row of an item, by its path in the root's manifest ({} where it carries none;
+#: None where the data lists no such item now: its row removed or renamed since the build).
+RowsOf = Callable[[str], Mapping[str, Any] | None]
 
 #: The rows of a chosen root's items, or None where its inputs cannot be opened (export/ never
 #: opens inputs itself: the CLI passes :func:`featbake.cli.upkeep`'s reader of the root's data).
@@ -142,6 +144,9 @@ class ExportReport:
     layouts: dict[str, str]
     bytes: int
     seconds: float
+    #: Items whose row the data lists no more (removed or renamed since the build): their
+    #: carried columns are exported empty (null). 0 where the rows carry no columns.
+    unlisted: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -250,10 +255,10 @@ def open_source(
     *,
     output: str | None = None,
     layers: Sequence[int] | None = None,
-    check: Callable[[Layout], None] | None = None,
+    check: Callable[[Layout, Sequence[DataSource]], None] | None = None,
 ) -> ExportSource:
-    """The root to export and where its features are; ``check(layout)`` runs first (a format's
-    check of its destination against the store).
+    """The root to export and where its features are; ``check(layout, sources)`` runs first
+    (a format's check of its destination against the store and every root's data).
 
     Raises:
         ConfigError: see :func:`choose_root` and :func:`chosen_parts`.
@@ -262,7 +267,7 @@ def open_source(
     layout, catalog = open_catalog(cache)
     try:
         if check is not None:
-            check(layout)
+            check(layout, [(r.name, r.data) for r in catalog.roots()])
         chosen = choose_root(catalog, root)
         manifest = [(p, k) for p, k in catalog.root_items(chosen.name)]
         located = catalog.locate_many([k for _, k in manifest])
@@ -756,10 +761,46 @@ def _bytes_of(chunk: bytes | memoryview | np.ndarray) -> memoryview:
     return memoryview(chunk).cast("B")
 
 
-def rows_of(src: ExportSource, rows_for: RowsFor | None) -> list[Mapping[str, Any]] | None:
-    """The carried row of each present item in order, or None where there are none to read."""
+@dataclass(frozen=True)
+class CarriedRows:
+    """The carried row of each present item in order (``{}`` where it has none), and the
+    paths of the items whose row the data lists no more (removed or renamed since the build;
+    left empty where no row carries a column: nothing of theirs is lost)."""
+
+    rows: list[Mapping[str, Any]]
+    unlisted: list[str]
+
+
+def rows_of(src: ExportSource, rows_for: RowsFor | None) -> CarriedRows | None:
+    """The carried rows of the present items, or None where there are none to read."""
     rows = rows_for(src.root) if rows_for is not None else None
-    return None if rows is None else [rows(path) for path, _ in src.present]
+    if rows is None:
+        return None
+    found = [(path, rows(path)) for path, _ in src.present]
+    carried = [row or {} for _, row in found]
+    unlisted = [path for path, row in found if row is None] if any(carried) else []
+    return CarriedRows(carried, unlisted)
+
+
+def unlisted_error(src: ExportSource, unlisted: Sequence[str]) -> ConfigError:
+    """The refusal of ``--strict-rows`` where the data lists no row for some items."""
+    shown = ", ".join(repr(p) for p in unlisted[:3]) + (", ..." if len(unlisted) > 3 else "")
+    return ConfigError(
+        f"{unlisted_count(len(unlisted), len(src.present))} of root {src.root.name} have no row "
+        f"in its data {src.root.data} now ({shown}): removed or renamed since the build; "
+        "rebuild the root (`featbake build`) to export the rows the data holds now, or drop "
+        "--strict-rows to export their columns empty"
+    )
+
+
+def unlisted_count(unlisted: int, items: int) -> str:
+    """``2 of 4 items`` (pure).
+
+    Example:
+        >>> unlisted_count(1, 1_200)
+        '1 of 1,200 items'
+    """
+    return f"{unlisted:,} of {items:,} items"
 
 
 def row_columns(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:
@@ -786,8 +827,23 @@ def any_name(name: str) -> bool:
     return True
 
 
+def folded(name: str) -> str:
+    """``name`` as a case-insensitive, normalising filesystem (macOS, Windows) and a
+    case-insensitive reader (DuckDB's columns) compare it (pure): NFC, case folded.
+
+    Example:
+        >>> folded("Label") == folded("label"), folded("cafe\u0301") == folded("caf\u00e9")
+        (True, True)
+    """
+    return unicodedata.normalize("NFC", name).casefold()
+
+
 def carried_names(
-    carried: Sequence[str], taken: Iterable[str] = (), usable: Callable[[str], bool] = any_name
+    carried: Sequence[str],
+    taken: Iterable[str] = (),
+    usable: Callable[[str], bool] = any_name,
+    prefix: str = "row_",
+    occupies: Callable[[str], Sequence[str]] = lambda name: (name,),
 ) -> dict[str, str]:
     """Each carried column's name in an export (pure), one rule for every format: its own,
     or ``row_<name>`` where the format's own fields (``taken``) hold it or the format cannot
@@ -795,23 +851,45 @@ def carried_names(
     ``/`` and ``\\`` in it as ``_``, ``row_`` put before it again while another column has
     that name: every column is written, each under a name of its own.
 
+    Names are compared as a case-insensitive, normalising filesystem compares them
+    (:func:`folded`): of ``Label`` and ``label`` (or an NFC and an NFD ``café``), the first
+    keeps its name and the second is ``row_label``, and ``ID`` is taken by ``id``; a column
+    alone keeps its name whatever its case. The same rule names the parts (``prefix``
+    ``part_``); a name that ``occupies`` several (a Parquet part's column and its ``_shape``)
+    is kept only where each is free.
+
     Example:
         >>> carried_names(["label", "key", "row_key"], taken=RESERVED)
         {'label': 'label', 'key': 'row_row_key', 'row_key': 'row_key'}
         >>> carried_names(["", "a/b", "b"], usable=lambda n: bool(n) and "/" not in n)
         {'': 'row_', 'a/b': 'row_a_b', 'b': 'b'}
+        >>> carried_names(["Label", "label", "ID"], taken=RESERVED)
+        {'Label': 'Label', 'label': 'row_label', 'ID': 'row_ID'}
+        >>> carried_names(["p", "p_shape"], prefix="part_", occupies=lambda n: (n, n + "_shape"))
+        {'p': 'p', 'p_shape': 'part_p_shape'}
     """
-    taken = set(taken)
-    own = {name for name in carried if name not in taken and usable(name)}
-    used = taken | own
+
+    def free(name: str) -> set[str] | None:
+        """The folded names ``name`` would hold, where each is free and usable; else None."""
+        names = occupies(name)
+        folds = {folded(n) for n in names}
+        ok = usable(name) and len(folds) == len(names) and not folds & used
+        return folds if ok else None
+
+    used = {folded(n) for n in taken}
+    kept: set[str] = set()
+    for name in carried:  # first, every name that is free keeps it, in order
+        if (folds := free(name)) is not None:
+            used |= folds
+            kept.add(name)
     names = {}
     for name in carried:
         new = name
-        if name not in own:
-            new = "row_" + name.replace("/", "_").replace("\\", "_")
-            while new in used or not usable(new):
-                new = "row_" + new
-            used.add(new)
+        if name not in kept:
+            new = prefix + name.replace("/", "_").replace("\\", "_")
+            while (folds := free(new)) is None:
+                new = prefix + new
+            used |= folds
         names[name] = new
     return names
 
@@ -831,12 +909,22 @@ def cell_text(value: Any) -> str:
     return json.dumps(value, sort_keys=True, default=str)
 
 
+#: A data folder or file a root was built from: (the root's name, its ``data``).
+DataSource = tuple[str, str]
+
+
 def check_free(
-    out: Path, store: Path, *, overwrite: bool, unfit: Callable[[Path], str | None]
+    out: Path,
+    store: Path,
+    *,
+    overwrite: bool,
+    unfit: Callable[[Path], str | None],
+    sources: Sequence[DataSource] = (),
 ) -> None:
     """Refuse a destination the export would delete wrongly: ``out`` or ``OUT.partial`` in the
-    store (or holding it), one the format says is not its own (``unfit``: why, or None), or
-    ``out`` existing without ``overwrite``.
+    store (or holding it), the data a root was built from (``sources``: the same, or inside
+    it: its next scan would find the export), one the format says is not its own (``unfit``:
+    why, or None), or ``out`` existing without ``overwrite``.
 
     Raises:
         ConfigError: with what to choose instead.
@@ -846,6 +934,12 @@ def check_free(
             raise ConfigError(
                 f"{path} is, holds or lies inside the store {store}; export to a path outside it"
             )
+        for name, data in sources:
+            if "://" not in data and inside_store(path, Path(data)):
+                raise ConfigError(
+                    f"{path} is, holds or lies inside {data}, the data root {name} was built "
+                    "from; export to a path outside it"
+                )
         if (why := unfit(path)) is not None:
             raise ConfigError(why)
     if out.exists() and not overwrite:
@@ -893,7 +987,9 @@ class ExportJob:
 class Format(Protocol):
     """One export format: where it may write, and how it writes a job; the bytes written."""
 
-    def check_destination(self, out: Path, store: Path, *, overwrite: bool) -> None: ...
+    def check_destination(
+        self, out: Path, store: Path, *, overwrite: bool, sources: Sequence[DataSource] = ()
+    ) -> None: ...
 
     def write(self, job: ExportJob) -> int: ...
 
@@ -909,6 +1005,7 @@ def export_with(  # noqa: PLR0913  (public API: one keyword per `featbake export
     layers: Sequence[int] | None = None,
     rows_for: RowsFor | None = None,
     progress: ProgressFn | None = None,
+    strict_rows: bool = False,
 ) -> ExportReport:
     """Write the features of one root to ``out`` in the format ``fmt``.
 
@@ -923,23 +1020,37 @@ def export_with(  # noqa: PLR0913  (public API: one keyword per `featbake export
         rows_for: the chosen root's rows, each item's by its path (the CLI reads them from the
             root's inputs); None: no carried columns.
         progress: called with ``GcProgress("export", items done, items)``.
+        strict_rows: refuse (before writing anything) where the data lists no row for some
+            items (removed or renamed since the build) or cannot be read at all (``rows_for``
+            None), rather than export their columns empty (counted in ``unlisted``).
 
     Raises:
         ConfigError: no such root, several roots and none chosen, ``out`` exists or is not the
-            format's, shapes that fit no layout.
+            format's, shapes that fit no layout; under ``strict_rows``, rows the data lacks.
         StoreCorrupt: a stored feature fails its checksum.
     """
     started = time.perf_counter()
     out = Path(out)
     src = open_source(
         cache, root, output=output, layers=layers,
-        check=lambda layout: fmt.check_destination(out, layout.root, overwrite=overwrite),
+        check=lambda layout, sources: fmt.check_destination(
+            out, layout.root, overwrite=overwrite, sources=sources
+        ),
     )  # fmt: skip
     layouts = part_layouts(src)
+    carried = rows_of(src, rows_for)
+    if strict_rows and carried is None and rows_for is not None:
+        raise ConfigError(
+            f"the rows of root {src.root.name} cannot be read from its data {src.root.data}; "
+            "drop --strict-rows to export keys and ids without them"
+        )
+    if strict_rows and carried is not None and carried.unlisted:
+        raise unlisted_error(src, carried.unlisted)
+    rows = None if carried is None else carried.rows
     partial = out.with_name(out.name + ".partial")
     discard(partial)
     try:
-        written = fmt.write(ExportJob(src, layouts, rows_of(src, rows_for), partial, progress))
+        written = fmt.write(ExportJob(src, layouts, rows, partial, progress))
     except BaseException:  # a failed or interrupted export leaves nothing (a killed one leaves
         discard(partial)  # OUT.partial, which the next run replaces)
         raise
@@ -953,4 +1064,5 @@ def export_with(  # noqa: PLR0913  (public API: one keyword per `featbake export
         {p: "ragged" if lay.ragged else "dense" for p, lay in layouts.items()},
         written,
         time.perf_counter() - started,
+        0 if carried is None else len(carried.unlisted),
     )

@@ -33,6 +33,7 @@ import numpy as np
 
 from featbake.export.source import (
     RESERVED,
+    DataSource,
     ExportJob,
     ExportReport,
     LocatedItem,
@@ -93,14 +94,17 @@ def member_names(key: str, parts: Sequence[str]) -> dict[str, str]:
     return {p: f"{key}.{p or 'features'}.npy" for p in parts}
 
 
-def check_destination(out: Path, store: Path, *, overwrite: bool) -> None:
+def check_destination(
+    out: Path, store: Path, *, overwrite: bool, sources: Sequence[DataSource] = ()
+) -> None:
     """Refuse a destination the export would overwrite wrongly.
 
     Raises:
-        ConfigError: ``out`` or ``OUT.partial`` is in the store, a file or a link, a folder
-            holding anything but tar shards, or exists without ``overwrite``.
+        ConfigError: ``out`` or ``OUT.partial`` is in the store or the data a root was built
+            from (``sources``), a file or a link, a folder holding anything but tar shards, or
+            exists without ``overwrite``.
     """
-    check_free(out, store, overwrite=overwrite, unfit=_not_shards)
+    check_free(out, store, overwrite=overwrite, unfit=_not_shards, sources=sources)
 
 
 def _not_shards(path: Path) -> str | None:

@@ -37,6 +37,7 @@ import numpy as np
 from featbake.errors import ConfigError
 from featbake.export.source import (
     Compression,
+    DataSource,
     ExportJob,
     ExportReport,
     ExportSource,
@@ -84,11 +85,14 @@ def _is_replaceable_export(path: Path) -> bool:
     return (path / "zarr.json").is_file() or not any(path.iterdir())
 
 
-def check_destination(out: Path, store: Path, *, overwrite: bool) -> None:
+def check_destination(
+    out: Path, store: Path, *, overwrite: bool, sources: Sequence[DataSource] = ()
+) -> None:
     """Refuse an export destination that the export would have to delete wrongly.
 
     The export writes ``OUT.partial`` and renames it to ``OUT``, deleting what was there: so
-    neither may be (inside) the store or hold it, a file, or a folder that is not a Zarr store.
+    neither may be (inside) the store or the data a root was built from (``sources``) or hold
+    them, a file, or a folder that is not a Zarr store.
 
     Raises:
         ConfigError: ``out`` is unsafe to write, with what to choose instead.
@@ -96,7 +100,7 @@ def check_destination(out: Path, store: Path, *, overwrite: bool) -> None:
     Example:
         >>> check_destination(Path("f.zarr"), Path(".featbake"), overwrite=True)  # doctest: +SKIP
     """
-    check_free(out, store, overwrite=overwrite, unfit=_not_zarr)
+    check_free(out, store, overwrite=overwrite, unfit=_not_zarr, sources=sources)
 
 
 def _not_zarr(path: Path) -> str | None:
@@ -282,20 +286,39 @@ def node_name(name: str) -> bool:
 
 
 def column_array(values: Sequence[Any]) -> np.ndarray:
-    """A column's values as one typed array (pure): int64 where each is a whole number, float64
-    where each is a number or missing (NaN), else text (missing: "", nested values as JSON).
+    """A column's values as one typed array (pure), each exact, as Parquet types the column
+    (``parquet._carried_array``): int64 where each is a whole number within int64, float64
+    where each is a number or missing (NaN) and each whole number is a float64 exactly, else
+    text (missing: "", nested values as JSON): so a uint64 hash past 2**63-1, a whole number
+    past uint64, or 2**60+1 beside a missing value is written as text, never rounded.
 
     Example:
         >>> column_array([1, 2]).dtype, column_array([1, None]).tolist()[1], column_array(["a", 2])
         (dtype('int64'), nan, array(['a', '2'], dtype=object))
+        >>> column_array([2**64 - 1, 7]).tolist(), column_array([2**60 + 1, None]).tolist()
+        (['18446744073709551615', '7'], ['1152921504606846977', ''])
     """
     numbers = [v for v in values if v is not None]
-    whole = all(isinstance(v, int) and not isinstance(v, bool) for v in numbers)
-    if numbers and whole and len(numbers) == len(values):
-        return np.array(values, dtype=np.int64)
-    if numbers and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers):
+    if numbers and all(_whole(v) and _INT64[0] <= v <= _INT64[1] for v in numbers):
+        if len(numbers) == len(values):
+            return np.array(values, dtype=np.int64)
+    if numbers and all(_exact_float(v) for v in numbers):
         return np.array([np.nan if v is None else float(v) for v in values], dtype=np.float64)
     return np.array([cell_text(v) for v in values], dtype=object)
+
+
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _exact_float(value: Any) -> bool:
+    """Whether ``value`` is a float, or a whole number float64 holds exactly (Arrow's test)."""
+    if isinstance(value, float):
+        return True
+    return _whole(value) and -(2**53) <= value <= 2**53
 
 
 def _copy_features(runs: ReadAhead, writers: dict[str, _PartWriter]) -> int:
