@@ -6,9 +6,12 @@ without featbake. Columns, in this order:
 * ``id``: the item's id (its path relative to the root's data folder, a manifest row's id);
 * ``key``: its content key in the store;
 * one column per exported part (``features`` for a single-output encoder, else the part's name:
-  ``pooled``, ``tokens``, ``layer6``), in the stored dtype (bfloat16, which Arrow lacks, widened
-  exactly to float32), nested to the item's rank: ``[T, D]`` is a list of fixed-size lists of D,
-  so ``datasets`` gives it back as ``T`` rows of ``D`` values; and ``<part>_shape``, the shape;
+  ``pooled``, ``tokens``, ``layer6``; ``part_<name>`` where it or its ``_shape`` would clash,
+  regardless of case, with ``id``, ``key`` or another part's: :func:`part_columns`; the
+  metadata's ``part_columns`` names each part's), in the stored dtype (bfloat16, which Arrow
+  lacks, widened exactly to float32), nested to the item's rank: ``[T, D]`` is a list of
+  fixed-size lists of D, so ``datasets`` gives it back as ``T`` rows of ``D`` values; and
+  ``<part>_shape``, the shape;
 * the columns the items' rows carry (a manifest's labels, a lhotse cut's ``text``), under their
   own names (``row_<name>`` where a name is taken above), null where an item lacks one.
 
@@ -62,6 +65,26 @@ def part_column(part: str) -> str:
     return part or "features"
 
 
+def part_columns(parts: Sequence[str]) -> dict[str, str]:
+    """Each part's column in the file (pure): :func:`part_column`, or ``part_<name>`` where it
+    or its ``_shape`` would be ``id``, ``key`` or another part's (names compared regardless of
+    case, :func:`~featbake.export.source.carried_names`).
+
+    Example:
+        >>> part_columns(["pooled", "tokens"])
+        {'pooled': 'pooled', 'tokens': 'tokens'}
+        >>> part_columns(["Pooled", "id", "pooled"])
+        {'Pooled': 'Pooled', 'id': 'part_id', 'pooled': 'part_pooled'}
+        >>> part_columns(["x", "x_shape"])
+        {'x': 'x', 'x_shape': 'part_x_shape'}
+    """
+    wanted = {part: part_column(part) for part in parts}
+    named = carried_names(
+        list(wanted.values()), RESERVED, prefix="part_", occupies=lambda n: (n, n + "_shape")
+    )
+    return {part: named[column] for part, column in wanted.items()}
+
+
 def column_names(parts: Sequence[str], carried: Sequence[str]) -> dict[str, str]:
     """Each carried column's name in the file (pure): its own, or ``row_<name>`` where the
     export's own columns take it (:func:`~featbake.export.source.carried_names`, every
@@ -72,8 +95,8 @@ def column_names(parts: Sequence[str], carried: Sequence[str]) -> dict[str, str]
         {'label': 'label', 'key': 'row_key', 'pooled_shape': 'row_pooled_shape'}
     """
     taken = set(RESERVED)
-    for part in parts:
-        taken |= {part_column(part), part_column(part) + "_shape"}
+    for column in part_columns(parts).values():
+        taken |= {column, column + "_shape"}
     return carried_names(carried, taken)
 
 
@@ -203,7 +226,8 @@ def _plain(value: Any) -> Any:
 
 def _carried(field: Any, layouts: Mapping[str, PartLayout]) -> bool:
     """Whether a schema field is a carried row column (not a part or its shape)."""
-    ours = {part_column(p) for p in layouts} | {part_column(p) + "_shape" for p in layouts}
+    columns = part_columns(list(layouts)).values()
+    ours = set(columns) | {c + "_shape" for c in columns}
     return field.name not in ours
 
 
@@ -223,9 +247,10 @@ def _schema(src: ExportSource, layouts: Mapping[str, PartLayout], carried: Any) 
     import pyarrow as pa
 
     fields = [pa.field("id", pa.string()), pa.field("key", pa.string())]
+    columns = part_columns(list(layouts))
     for part, lay in layouts.items():
-        fields.append(pa.field(part_column(part), _arrow_type(lay)))
-        fields.append(pa.field(part_column(part) + "_shape", pa.list_(pa.int64())))
+        fields.append(pa.field(columns[part], _arrow_type(lay)))
+        fields.append(pa.field(columns[part] + "_shape", pa.list_(pa.int64())))
     if carried is not None:
         fields.extend(carried.schema)
     meta = {
@@ -237,6 +262,7 @@ def _schema(src: ExportSource, layouts: Mapping[str, PartLayout], carried: Any) 
         "recipe_fp": src.root.recipe_fp,
         "recipe": src.root.recipe,
         "parts": list(layouts),
+        "part_columns": columns,
     }
     return pa.schema(fields, metadata={"featbake": json.dumps(meta, sort_keys=True)})
 
@@ -281,9 +307,10 @@ def _batch_table(
         "id": pa.array([item.path for item in items], pa.string()),
         "key": pa.array([item.key for item in items], pa.string()),
     }
+    named = part_columns(list(layouts))
     for part, lay in layouts.items():
-        columns[part_column(part)] = _part_array(arrays[part], lay)
-        columns[part_column(part) + "_shape"] = pa.array(
+        columns[named[part]] = _part_array(arrays[part], lay)
+        columns[named[part] + "_shape"] = pa.array(
             [list(a.shape) for a in arrays[part]], pa.list_(pa.int64())
         )
     table = pa.table(columns)

@@ -6,8 +6,9 @@
 (see :func:`sample_key`), with the members
 
 * ``<key>.npy`` (a single-output encoder) or ``<key>.<part>.npy`` per exported part (``pooled``,
-  ``tokens``, ``layer6``): the feature in its stored dtype (bfloat16 widened exactly to
-  float32), as ``numpy.save`` writes it;
+  ``tokens``, ``layer6``; ``part_<name>`` where the name holds a ``/`` or is another part's
+  regardless of case: :func:`part_extensions`): the feature in its stored dtype (bfloat16
+  widened exactly to float32), as ``numpy.save`` writes it;
 * ``<key>.json``: ``{"id": ..., "key": ...}`` and the columns the item's row carries (its
   labels; one named ``id`` or ``key`` as ``row_id``, ``row_key``, as in Parquet), so a loader
   needs nothing beside the shards.
@@ -64,34 +65,55 @@ def sample_key(item_id: str) -> str:
 
 def unique_keys(ids: Sequence[str]) -> list[str]:
     """Each id's :func:`sample_key`, with ``-2``, ``-3`` ... added where two ids would share
-    one (pure): every sample stays its own.
+    one (pure), regardless of case (``A.wav`` and ``a.wav``: one file where a shard is unpacked
+    on macOS or Windows): every sample stays its own.
 
     Example:
-        >>> unique_keys(["a.wav", "a_wav", "b"])
-        ['a_wav', 'a_wav-2', 'b']
+        >>> unique_keys(["a.wav", "a_wav", "b", "A.wav"])
+        ['a_wav', 'a_wav-2', 'b', 'A_wav-3']
     """
     seen: set[str] = set()
     keys = []
     for item_id in ids:
         base = key = sample_key(item_id)
         n = 2
-        while key in seen:
+        while key.casefold() in seen:
             key, n = f"{base}-{n}", n + 1
-        seen.add(key)
+        seen.add(key.casefold())
         keys.append(key)
     return keys
 
 
 def member_names(key: str, parts: Sequence[str]) -> dict[str, str]:
-    """Each part's member name in a sample (pure).
+    """Each part's member name in a sample (pure): ``<key>.<part>.npy``, the part as
+    :func:`part_extensions` names it.
 
     Example:
         >>> member_names("a", [""]), member_names("a", ["pooled", "tokens"])
         ({'': 'a.npy'}, {'pooled': 'a.pooled.npy', 'tokens': 'a.tokens.npy'})
     """
+    return {p: f"{key}.{ext}" for p, ext in part_extensions(parts).items()}
+
+
+def part_extensions(parts: Sequence[str]) -> dict[str, str]:
+    """Each part's extension in a sample (pure): ``npy`` for a single-output encoder's one
+    part, else ``<part>.npy``, or ``part_<name>.npy`` where the name holds a ``/`` or ``\\``
+    (a member in a folder of its own: webdataset would read it as another sample) or is
+    another part's regardless of case (one file where a tar is unpacked on macOS or Windows):
+    :func:`~featbake.export.source.carried_names`.
+
+    Example:
+        >>> part_extensions(["Pooled", "pooled", "a/b"])
+        {'Pooled': 'Pooled.npy', 'pooled': 'part_pooled.npy', 'a/b': 'part_a_b.npy'}
+    """
     if list(parts) == [""]:
-        return {"": f"{key}.npy"}
-    return {p: f"{key}.{p or 'features'}.npy" for p in parts}
+        return {"": "npy"}
+    named = carried_names(parts, usable=_member_part, prefix="part_")
+    return {p: f"{named[p]}.npy" for p in parts}
+
+
+def _member_part(name: str) -> bool:
+    return bool(name) and "/" not in name and "\\" not in name
 
 
 def check_destination(
@@ -255,6 +277,7 @@ class WebDataset:
         twice, store to buffer (checked there) and buffer to shard."""
         parts = list(job.src.parts)
         keys = unique_keys([path for path, _ in job.src.present])
+        exts = part_extensions(parts)
         renamed = carried_names(list(row_columns(job.rows or [])), RESERVED)
         job.partial.mkdir()
         shards = ShardWriter(job.partial, SHARD_BYTES)
@@ -264,9 +287,8 @@ class WebDataset:
                 for run in runs:
                     for j, item in enumerate(run.items):
                         key = keys[item.at]
-                        names = member_names(key, parts)
                         members: dict[str, Chunks] = {
-                            names[p]: npy_chunks(run.parts[p][j]) for p in parts
+                            f"{key}.{exts[p]}": npy_chunks(run.parts[p][j]) for p in parts
                         }
                         row = job.rows[item.at] if job.rows is not None else {}
                         members[f"{key}.json"] = [_meta(item, row, renamed)]

@@ -1,7 +1,8 @@
 """``featbake export --format zarr``: a root's features out to a Zarr (v3) store.
 
 The result is readable by zarr, xarray or dask without featbake. Per output part (the top-level
-group for a single-output encoder, else one sub-group per part):
+group for a single-output encoder, else one sub-group per part, named by the part or
+``part_<name>`` where that would clash: the ``part_groups`` attribute, :func:`part_groups`):
 
 * variable length (first dimension differs between items): ``values [sum T, ...]`` with the items
   concatenated along the first axis, ``offsets [N + 1]`` (item ``i`` is
@@ -210,10 +211,12 @@ def _open_partial(
             "items": n,
             "missing": len(src.manifest) - n,
             "parts": list(layouts),
+            "part_groups": part_groups(list(layouts)),
             "layouts": {p: "ragged" if lay.ragged else "dense" for p, lay in layouts.items()},
         }
     )
-    groups = {part: group if part == "" else group.create_group(part) for part in layouts}
+    named = part_groups(list(layouts))
+    groups = {part: group if part == "" else group.create_group(named[part]) for part in layouts}
     codecs, per_write = value_codecs(compression), max(1, CHUNKS_PER_WRITE // len(layouts))
     writers: dict[str, _PartWriter] = {}
     try:
@@ -273,6 +276,28 @@ def _write_columns(group: Any, rows: Sequence[Mapping[str, Any]]) -> None:
         )[:] = array  # fmt: skip
 
 
+#: The top group's own arrays and groups, beside the parts' groups.
+TOP_NAMES = ("keys", "paths", "columns")
+
+
+def part_groups(parts: Sequence[str]) -> dict[str, str]:
+    """Each part's group (pure): the top group for a single-output encoder's one part (``""``),
+    else the part's name, or ``part_<name>`` where it is the top group's own (``keys``,
+    ``paths``, ``columns``), another part's regardless of case (:func:`~featbake.export.
+    source.carried_names`), or a name zarr cannot take (:func:`node_name`: ``a/b`` as
+    ``part_a_b``). The store's ``part_groups`` attribute names each part's.
+
+    Example:
+        >>> part_groups([""]), part_groups(["pooled", "tokens"])
+        ({'': ''}, {'pooled': 'pooled', 'tokens': 'tokens'})
+        >>> part_groups(["Pooled", "pooled", "keys", "a/b"])
+        {'Pooled': 'Pooled', 'pooled': 'part_pooled', 'keys': 'part_keys', 'a/b': 'part_a_b'}
+    """
+    if list(parts) == [""]:
+        return {"": ""}
+    return carried_names(parts, TOP_NAMES, usable=node_name, prefix="part_")
+
+
 def node_name(name: str) -> bool:
     """Whether a carried column's name can name its array under ``columns/`` (pure): not
     empty (the group itself: a CSV written by pandas with its index), no ``/`` or ``\\`` (a
@@ -299,9 +324,9 @@ def column_array(values: Sequence[Any]) -> np.ndarray:
         (['18446744073709551615', '7'], ['1152921504606846977', ''])
     """
     numbers = [v for v in values if v is not None]
-    if numbers and all(_whole(v) and _INT64[0] <= v <= _INT64[1] for v in numbers):
-        if len(numbers) == len(values):
-            return np.array(values, dtype=np.int64)
+    whole = all(_whole(v) and _INT64[0] <= v <= _INT64[1] for v in numbers)
+    if numbers and whole and len(numbers) == len(values):
+        return np.array(values, dtype=np.int64)
     if numbers and all(_exact_float(v) for v in numbers):
         return np.array([np.nan if v is None else float(v) for v in values], dtype=np.float64)
     return np.array([cell_text(v) for v in values], dtype=object)
