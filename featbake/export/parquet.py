@@ -51,6 +51,8 @@ from featbake.export.source import (
     export_with,
     row_columns,
     served_dtype,
+    utf8_name,
+    utf8_text,
 )
 from featbake.version import __version__
 
@@ -80,7 +82,11 @@ def part_columns(parts: Sequence[str]) -> dict[str, str]:
     """
     wanted = {part: part_column(part) for part in parts}
     named = carried_names(
-        list(wanted.values()), RESERVED, prefix="part_", occupies=lambda n: (n, n + "_shape")
+        list(wanted.values()),
+        RESERVED,
+        usable=utf8_name,
+        prefix="part_",
+        occupies=lambda n: (n, n + "_shape"),
     )
     return {part: named[column] for part, column in wanted.items()}
 
@@ -97,7 +103,7 @@ def column_names(parts: Sequence[str], carried: Sequence[str]) -> dict[str, str]
     taken = set(RESERVED)
     for column in part_columns(parts).values():
         taken |= {column, column + "_shape"}
-    return carried_names(carried, taken)
+    return carried_names(carried, taken, usable=utf8_name)
 
 
 def check_destination(
@@ -221,7 +227,7 @@ def _plain(value: Any) -> Any:
     """A carried value Arrow can type across rows: nested values as JSON text."""
     if isinstance(value, (dict, list, tuple)):
         return json.dumps(value, sort_keys=True, default=str)
-    return value
+    return utf8_text(value) if isinstance(value, str) else value
 
 
 def _carried(field: Any, layouts: Mapping[str, PartLayout]) -> bool:

@@ -849,7 +849,8 @@ def carried_names(
     or ``row_<name>`` where the format's own fields (``taken``) hold it or the format cannot
     use it (not ``usable``: a zarr array's name, :func:`featbake.export.zarr.node_name`),
     ``/`` and ``\\`` in it as ``_``, ``row_`` put before it again while another column has
-    that name: every column is written, each under a name of its own.
+    that name: every column is written, each under a name of its own. A name the format
+    cannot use even so (past a file name's 255 bytes, a NUL) is ``row_<its position>``.
 
     Names are compared as a case-insensitive, normalising filesystem compares them
     (:func:`folded`): of ``Label`` and ``label`` (or an NFC and an NFD ``café``), the first
@@ -883,15 +884,44 @@ def carried_names(
             used |= folds
             kept.add(name)
     names = {}
-    for name in carried:
+    for at, name in enumerate(carried):
         new = name
         if name not in kept:
             new = prefix + name.replace("/", "_").replace("\\", "_")
+            if not usable(new):  # unusable whatever is put before it (too long): by position
+                new = f"{prefix}{at}"
             while (folds := free(new)) is None:
                 new = prefix + new
             used |= folds
         names[name] = new
     return names
+
+
+def utf8_name(name: str) -> bool:
+    """Whether ``name`` is text UTF-8 can hold (pure): not a JSON ``"\\ud800"`` escape's lone
+    surrogate, which Arrow and zarr refuse.
+
+    Example:
+        >>> utf8_name("café"), utf8_name("\\ud800")
+        (True, False)
+    """
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def utf8_text(text: str) -> str:
+    """``text`` as UTF-8 can hold it (pure): a lone surrogate as its escape, the rest as it is.
+
+    Example:
+        >>> utf8_text("ok"), utf8_text("a\\ud800")
+        ('ok', 'a\\\\ud800')
+    """
+    if utf8_name(text):
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def cell_text(value: Any) -> str:
@@ -905,7 +935,7 @@ def cell_text(value: Any) -> str:
     if value is None:
         return ""
     if isinstance(value, str):
-        return value
+        return utf8_text(value)
     return json.dumps(value, sort_keys=True, default=str)
 
 

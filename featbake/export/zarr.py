@@ -53,6 +53,7 @@ from featbake.export.source import (
     export_with,
     row_columns,
     served_dtype,
+    utf8_name,
 )
 from featbake.version import __version__
 
@@ -301,13 +302,23 @@ def part_groups(parts: Sequence[str]) -> dict[str, str]:
 def node_name(name: str) -> bool:
     """Whether a carried column's name can name its array under ``columns/`` (pure): not
     empty (the group itself: a CSV written by pandas with its index), no ``/`` or ``\\`` (a
-    path), not ``.``, ``..`` or the group's own ``zarr.json``.
+    path) or NUL, not ``.``, ``..`` or the group's own ``zarr.json``, UTF-8 (no lone
+    surrogate) of at most :data:`NAME_BYTES` bytes (a file name's most).
 
     Example:
         >>> node_name("label"), node_name(""), node_name("a/b"), node_name("zarr.json")
         (True, False, False, False)
     """
-    return name not in ("", ".", "..", "zarr.json") and "/" not in name and "\\" not in name
+    return (
+        name not in ("", ".", "..", "zarr.json")
+        and not any(c in name for c in "/\\\0")
+        and utf8_name(name)
+        and len(name.encode("utf-8")) <= NAME_BYTES
+    )
+
+
+#: The bytes of a file name (ext4's, APFS's, NTFS's 255 UTF-16 units at least this).
+NAME_BYTES = 255
 
 
 def column_array(values: Sequence[Any]) -> np.ndarray:

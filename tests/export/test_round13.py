@@ -363,3 +363,38 @@ def test_parts_named_as_an_exports_own_names_keep_their_features(
         for part, ext in exts.items():
             got = np.load(io.BytesIO(members[ext]))
             torch.testing.assert_close(torch.from_numpy(got), want(info["id"], part))
+
+
+# == r13.x8: names a filesystem or UTF-8 cannot hold ===============================================
+def test_columns_named_past_a_file_names_bytes_or_with_a_nul_or_lone_surrogate_export(
+    encoder_file: Path, store_dir: Path, tmp_path: Path
+) -> None:
+    """A JSONL whose keys are a 300-character name, ``"nul\\u0000x"`` and ``"\\ud800x"`` (valid
+    JSON escapes), and whose ``note`` holds a lone surrogate: zarr stopped with "cannot write
+    the export ...: File name too long; ... choose an OUT inside a folder you can write to"
+    (wrong advice), ``internal error: ValueError: embedded null byte`` and ``internal error:
+    UnicodeEncodeError``, Parquet with the last two. Now every column is written (zarr: a name
+    it cannot take as ``row_<its position>`` or ``row_<name>``), the surrogate as its escape."""
+    clips = _clips(tmp_path, 2)
+    long, nul, lone = "a" * 300, "nul\x00x", "\ud800x"
+    lines = [
+        json.dumps(
+            {"path": str(c), "id": f"u{i}", long: i, nul: i + 1, lone: i + 2, "note": "\ud800"}
+        )
+        for i, c in enumerate(clips)
+    ]
+    (tmp_path / "m.jsonl").write_text("".join(line + "\n" for line in lines))
+    bake(tmp_path / "m.jsonl", encoder_file, store_dir)
+    for fmt in ("zarr", "parquet", "webdataset"):
+        r = invoke("export", "--format", fmt, tmp_path / fmt, "--cache", store_dir)
+        said = _said(r)
+        assert "internal error" not in said and r.returncode == 0, (fmt, said)
+    g = zarr.open_group(str(tmp_path / "zarr"), mode="r")
+    columns = {name: g[f"columns/{name}"][:].tolist() for name in g["columns"].array_keys()}
+    order = [int(str(p)[1:]) for p in g["paths"][:]]
+    want = [list(order), [i + 1 for i in order], [i + 2 for i in order], ["\\ud800"] * 2]
+    assert sorted(map(repr, columns.values())) == sorted(map(repr, want)), columns
+    assert all(len(name.encode()) <= 255 and "\x00" not in name for name in columns)
+    table = pq.read_table(tmp_path / "parquet").to_pylist()
+    assert [rec["note"] for rec in table] == ["\\ud800"] * 2
+    assert all(rec[long] == int(rec["id"][1:]) and rec[nul] == rec[long] + 1 for rec in table)
