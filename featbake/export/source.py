@@ -1061,6 +1061,10 @@ def export_with(  # noqa: PLR0913  (public API: one keyword per `featbake export
     """
     started = time.perf_counter()
     out = Path(out)
+    if out.name in ("", ".", ".."):  # "." is the folder it names: checked as one
+        out = Path(os.path.abspath(out))
+    if not out.name:
+        raise ConfigError(f"OUT {out} is the filesystem's root; give a path such as feats.zarr")
     src = open_source(
         cache, root, output=output, layers=layers,
         check=lambda layout, sources: fmt.check_destination(

@@ -195,6 +195,21 @@ def test_overwrite_replaces_only_a_parquet_file(
     assert pq.read_table(out).num_rows == 2
 
 
+def test_an_out_of_dot_or_the_filesystem_root_is_checked_as_the_folder_it_names(
+    encoder_file: Path, store_dir: Path, tmp_path: Path
+) -> None:
+    """``featbake export . --overwrite`` (or ``/``) stopped with ``internal error: ValueError:
+    PosixPath('.') has an empty name``. Now ``.`` is the folder it names (here: holding the
+    store, refused in one line) and ``/`` is refused in one line."""
+    _clips(tmp_path, 2)
+    bake(tmp_path / "audio", encoder_file, store_dir)
+    for out in (".", "/"):
+        r = invoke("export", out, "--cache", store_dir, "--overwrite", cwd=tmp_path)
+        assert r.returncode == 2, _said(r)
+        _one_red_line(r)
+    assert store_dir.is_dir() and (tmp_path / "audio").is_dir()
+
+
 # == r13.x3: whole numbers past int64 in zarr ======================================================
 def test_whole_numbers_past_int64_export_to_zarr_as_parquet_writes_them(
     encoder_file: Path, store_dir: Path, tmp_path: Path
