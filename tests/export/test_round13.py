@@ -1,4 +1,4 @@
-"""Round thirteen, export (r13.x1-r13.x8): rows gone from the manifest since the build, what
+"""Round thirteen, export (r13.x1-r13.x6): rows gone from the manifest since the build, what
 ``--overwrite`` may delete, whole numbers past int64 in zarr, and names that differ only in case
 (or that clash with an export's own names).
 
@@ -69,7 +69,7 @@ def _wds_samples(folder: Path) -> dict[str, dict[str, bytes]]:
     return samples
 
 
-# == r13.x1: rows gone from the manifest since the build ==========================================
+# == r13.x1: rows gone from the manifest since the build ===========================================
 def test_items_whose_rows_left_the_manifest_are_warned_of_or_refused(
     encoder_file: Path, store_dir: Path, tmp_path: Path
 ) -> None:
@@ -301,7 +301,7 @@ def test_columns_differing_only_in_case_keep_an_array_each_in_zarr(
         )
 
 
-# == r13.x5-x7: part names an export must make its own =============================================
+# == r13.x5: part names an export must make its own ================================================
 class _OddParts(nn.Module):
     """An encoder whose outputs are named as an export's own names (``keys``, ``id``, a part's
     ``_shape``), differ only in case (``Pooled``/``pooled``) or hold a path separator."""
@@ -380,7 +380,7 @@ def test_parts_named_as_an_exports_own_names_keep_their_features(
             torch.testing.assert_close(torch.from_numpy(got), want(info["id"], part))
 
 
-# == r13.x8: names a filesystem or UTF-8 cannot hold ===============================================
+# == r13.x6: names a filesystem or UTF-8 cannot hold ===============================================
 def test_columns_named_past_a_file_names_bytes_or_with_a_nul_or_lone_surrogate_export(
     encoder_file: Path, store_dir: Path, tmp_path: Path
 ) -> None:
