@@ -94,7 +94,7 @@ class _ThroughMethod(_Scaled):
 
 class _ThroughGetattr(_Scaled):
     def rewrite(self, wav: torch.Tensor) -> None:
-        self.scale = getattr(self, "scale").to(wav.device)
+        self.scale = getattr(self, "scale").to(wav.device)  # noqa: B009 - the shape tested
 
 
 class _ThroughCopy(_Scaled):
@@ -137,7 +137,7 @@ class _ThroughLambda(_Scaled):
 class _ThroughLoop(_Scaled):
     def rewrite(self, wav: torch.Tensor) -> None:
         s = torch.ones(())
-        for s in [self.scale]:
+        for s in [self.scale]:  # noqa: B007 - the loop's variable is what is kept
             pass
         self.scale = s
 
@@ -237,11 +237,10 @@ class _LazyTable(TinyConvEncoder):
         self.d_model = 64
 
     def extend_pe(self, x: torch.Tensor) -> None:
-        if self.pe is not None:
-            if self.pe.size(0) >= x.size(1):
-                if self.pe.dtype != x.dtype:
-                    self.pe = self.pe.to(dtype=x.dtype)
-                return
+        if self.pe is not None and self.pe.size(0) >= x.size(1):
+            if self.pe.dtype != x.dtype:
+                self.pe = self.pe.to(dtype=x.dtype)
+            return
         pe = torch.zeros(x.size(1), self.d_model)
         position = torch.arange(0, x.size(1), dtype=torch.float32).unsqueeze(1)
         pe[:, 0::2] = torch.sin(position / 100.0)
@@ -466,7 +465,7 @@ def test_a_setting_of_a_module_imported_in_the_hook_is_keyed(
 
 
 def _dict_by_getattr(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    return (args[0] * getattr(THIS_MODULE, "SETTINGS")["gain"],)
+    return (args[0] * getattr(THIS_MODULE, "SETTINGS")["gain"],)  # noqa: B009 - tested
 
 
 def test_a_dict_of_the_users_module_read_by_getattr_is_keyed_by_its_items(
