@@ -516,6 +516,7 @@ class _Slot(NamedTuple):
 
 
 _EMPTY = _Slot(frozenset(), frozenset(), frozenset())
+_RAISED = _Slot(frozenset({_UNKNOWN}), frozenset(), frozenset())
 _SELF_SLOT = _Slot(frozenset({_SELF}), frozenset({_SELF}), frozenset())
 
 
@@ -550,6 +551,7 @@ class _Facts:
     returns: dict[Any, set[Any]] = dataclasses.field(default_factory=dict)
     calls: dict[Any, set[Any]] = dataclasses.field(default_factory=dict)
     cells: dict[str, set[Any]] = dataclasses.field(default_factory=dict)
+    globals: dict[str, set[Any]] = dataclasses.field(default_factory=dict)
     codes: dict[Any, Any] = dataclasses.field(default_factory=dict)
     clean: set[Any] = dataclasses.field(default_factory=set)
     pending: list[Any] = dataclasses.field(default_factory=list)
@@ -656,6 +658,8 @@ def _reaches(made: Iterable[Any], name: str, facts: _Facts) -> bool:
             todo += facts.calls.get(token[1], {_UNKNOWN})
         elif kind == "cell":
             todo += facts.cells.get(token[1], ())
+        elif kind == "global":
+            todo += facts.globals.get(token[1], ())
     return False
 
 
@@ -694,6 +698,9 @@ _PURE = frozenset(
      "LIST_TO_TUPLE", "UNPACK_SEQUENCE", "UNPACK_EX", "FOR_ITER", "PUSH_EXC_INFO",
      "CHECK_EXC_MATCH", "WITH_EXCEPT_START", "MAKE_FUNCTION", "SET_FUNCTION_ATTRIBUTE"}
 )  # fmt: skip
+#: Methods by which code changes a container a global holds (``CACHE.update(...)``); a global's
+#: other attributes (``torch.zeros``) change nothing of it as read here.
+_CHANGING_METHODS = RECORDING_METHODS | {"update", "setdefault", "__setitem__", "copy_", "set_"}
 #: Past this many steps a code's reading gives up (as code not read).
 _MAX_STEPS = 20000
 
@@ -735,7 +742,8 @@ class _Interpreter:
                 target, depth, lasti = self.handler[i]
                 if depth > len(stack):
                     return False
-                nexts.append((target, (*stack[:depth], *[_EMPTY] * (1 + lasti)), names))
+                raised = [_EMPTY] * lasti + [_RAISED]  # an exception may carry any value
+                nexts.append((target, (*stack[:depth], *raised), names))
             for j, new_stack, new_names in nexts:
                 merged = _merge(states.get(j), (tuple(new_stack), new_names))
                 if merged is None:
@@ -869,7 +877,10 @@ class _Interpreter:
         through_super = op.opname == "LOAD_SUPER_ATTR" or _SUPER in owner.callee
         name = str(op.argval)
         if _SELF not in owner.alias and not through_super:
-            stack += [owner._replace(callee=frozenset())] * pushed
+            alias = frozenset(a for a in owner.alias if a[0] != "global")
+            if name in _CHANGING_METHODS:  # CACHE.update(...): a change to the global
+                alias |= {("changed", a[1]) for a in owner.alias if a[0] == "global"}
+            stack += [_Slot(owner.made, alias, frozenset())] * pushed
             return
         rest = owner.made - {_SELF}
         if name in _READS_BY_NAME or name.startswith("__"):
@@ -915,6 +926,8 @@ class _Interpreter:
                 self.facts.add(self.facts.cells, a[1], made)
             elif a[0] == "attr":
                 self.facts.add(self.facts.stored, a[1], made)
+            elif a[0] in ("global", "changed"):
+                self.facts.add(self.facts.globals, a[1], made)
 
     def _call(self, op: Any, stack: list[_Slot], names: dict[str, _Slot]) -> None:
         """A call: its result is made of the callable and every argument, and of the returns
@@ -927,14 +940,19 @@ class _Interpreter:
         pushed = 1 if self._effect(op) <= 0 else 1 + self._effect(op)
         if op.opname.startswith("CALL_INTRINSIC"):
             popped = 1 - self._effect(op)
-        inputs = _joined(stack[len(stack) - popped :])
+        taken = stack[len(stack) - popped :]
         del stack[len(stack) - popped :]
+        inputs = _joined(taken)
         made = set(inputs.made)
         for callee in inputs.callee - {_SUPER}:
             self.facts.add(self.facts.calls, callee, inputs.made)
             made.add(("ret", callee))
-        self._change(inputs.alias - {_SELF}, inputs.made, names)
-        out = _Slot(frozenset(made), inputs.alias - {_SELF}, frozenset())
+        called = 2 if op.opname in ("CALL", "CALL_KW") else 1  # a global called is not changed
+        changed = _joined(taken[called:]).alias | {
+            a for s in taken[:called] for a in s.alias if a[0] != "global"
+        }
+        self._change(changed - {_SELF}, inputs.made, names)
+        out = _Slot(frozenset(made), changed - {_SELF}, frozenset())
         if _SUPER in inputs.callee:
             out = _Slot(_SELF_SLOT.made | out.made, _SELF_SLOT.alias, frozenset({_SUPER}))
         stack += [out] * pushed
@@ -953,7 +971,12 @@ class _Interpreter:
                 stack[-1] = _Slot(frozenset(), frozenset(), frozenset({_key(op.argval)}))
             elif name == "LOAD_GLOBAL" and op.argval == "super":
                 stack[-1] = _Slot(frozenset(), frozenset(), frozenset({_SUPER}))
+            elif name in ("LOAD_GLOBAL", "LOAD_NAME"):
+                token = frozenset({("global", str(op.argval))})
+                stack[-1] = _Slot(token, token, frozenset())
             return
+        if name in ("STORE_GLOBAL", "STORE_NAME"):
+            self.facts.add(self.facts.globals, str(op.argval), stack[-1].made)
         if name in _POPS:
             del stack[len(stack) + effect :]
             return

@@ -187,6 +187,38 @@ class _ThroughSuper(_Holder):
         self.scale = super().current().to(wav.device)
 
 
+#: A module-level stash a forward routes a setting through.
+STASH: dict[str, Any] = {}
+_STASHED: Any = None
+
+
+class _ThroughGlobalDict(_Scaled):
+    def rewrite(self, wav: torch.Tensor) -> None:
+        STASH["scale"] = self.scale
+        self.scale = STASH["scale"].to(wav.device)
+
+
+class _ThroughGlobal(_Scaled):
+    def rewrite(self, wav: torch.Tensor) -> None:
+        global _STASHED
+        _STASHED = self.scale
+        self.scale = _STASHED.to(wav.device)
+
+
+class _ThroughException(_Scaled):
+    def rewrite(self, wav: torch.Tensor) -> None:
+        try:
+            raise LookupError(self.scale)
+        except LookupError as e:
+            self.scale = e.args[0]
+
+
+class _ThroughSubmodule(_Scaled):
+    def rewrite(self, wav: torch.Tensor) -> None:
+        self.conv1.stash = self.scale
+        self.scale = self.conv1.stash.to(wav.device)
+
+
 REWRITES = {
     "local": _ThroughLocal,
     "conditional": _ThroughConditional,
@@ -209,6 +241,10 @@ REWRITES = {
     "property": _ThroughProperty,
     "generator": _ThroughGenerator,
     "super": _ThroughSuper,
+    "global-dict": _ThroughGlobalDict,
+    "global": _ThroughGlobal,
+    "exception": _ThroughException,
+    "submodule": _ThroughSubmodule,
 }
 
 
