@@ -539,14 +539,14 @@ def _key(code: Any) -> tuple[str, int]:
 @dataclasses.dataclass
 class _Facts:
     """What the code of one class makes of its values, each table a join over the code read:
-    the writes to self's attributes (by code key, offset and name), what each attribute of self is
-    given (stored or changed in place), each code's returns, the inputs of its calls (its
-    arguments), each closure cell's values; the code read by key, the code whose arguments are
-    the forward's inputs, the code still to read."""
+    the writes to self's attributes (by code key, place in the source and name), what each
+    attribute of self is given (stored or changed in place), each code's returns, the inputs
+    of its calls (its arguments), each closure cell's and global's values; the code read by
+    key, the code whose arguments are the forward's inputs, the code still to read."""
 
     cls: type | None
     selfs: frozenset[str]
-    writes: dict[tuple[Any, int, str], set[Any]] = dataclasses.field(default_factory=dict)
+    writes: dict[tuple[Any, Any, str], set[Any]] = dataclasses.field(default_factory=dict)
     stored: dict[str, set[Any]] = dataclasses.field(default_factory=dict)
     returns: dict[Any, set[Any]] = dataclasses.field(default_factory=dict)
     calls: dict[Any, set[Any]] = dataclasses.field(default_factory=dict)
@@ -901,7 +901,9 @@ class _Interpreter:
         if op.opname == "STORE_ATTR":
             owner, value = stack.pop(), stack.pop()
             if _SELF in owner.alias:
-                write = (self.key, op.offset, str(op.argval))
+                # by where it is in the source: 3.12 copies a statement into each branch
+                # that ends in it (``self.x = a if c else b``), 3.11 a ``finally`` block
+                write = (self.key, getattr(op, "positions", None) or op.offset, str(op.argval))
                 self.facts.add(self.facts.writes, write, value.made)
                 self.facts.add(self.facts.stored, str(op.argval), value.made)
                 owner = owner._replace(alias=owner.alias - {_SELF})

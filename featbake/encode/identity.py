@@ -1229,7 +1229,7 @@ def _root_chains(code: Any) -> tuple[tuple[tuple[str, ...], tuple[str, ...]], ..
     codes = [(each, list(dis.get_instructions(each))) for each in reached_code(code, None)]
     for each, ins in codes:
         for i in range(len(ins)):
-            for root, k, prefix in _roots_at(each, ins, i, aliases):
+            for root, k, prefix in _roots_at(each, ins, i, aliases, found):
                 direct = root[0] == "global"
                 _follow(each, ins, k, (root, prefix), found, aliases, direct)
     followed: set[Any] = set()
@@ -1239,41 +1239,63 @@ def _root_chains(code: Any) -> tuple[tuple[tuple[str, ...], tuple[str, ...]], ..
             for each, ins in codes
             for i, op in enumerate(ins)
             if op.opname in _ALIAS_LOADS
-            for held in aliases.get(_alias_key(each, op), ())
+            for held in aliases.get(_alias_key(each, op, loaded=True), ())
             if (id(each), i, held) not in followed
         ]
         if not todo:
-            return tuple(sorted(found))
+            break
         for each, ins, i, held in todo:
             followed.add((id(each), i, held))
             _follow(each, ins, i + 1, held, found, aliases)
+    for each, ins in codes:  # 3.13's first local of two loaded at once: used as it is
+        for op in ins:
+            if op.opname in _JOINED_LOADS:
+                for root, chain in aliases.get((id(each), op.argval[0]), ()):
+                    found.add((root, (*chain, "*")))
+    return tuple(sorted(found))
 
 
 #: The ops that load a local or cell a value may be kept in, and those that store one.
-_ALIAS_LOADS = frozenset({"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_DEREF", "LOAD_FAST_BORROW"})
-_ALIAS_STORES = frozenset({"STORE_FAST", "STORE_DEREF"})
+#: 3.13 joins a load with a load or a store (``LOAD_FAST_LOAD_FAST``, ``STORE_FAST_LOAD_FAST``):
+#: the local loaded last is the one an attribute read may follow.
+_ALIAS_LOADS = frozenset(
+    {"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_DEREF", "LOAD_FAST_BORROW", "LOAD_FAST_LOAD_FAST",
+     "STORE_FAST_LOAD_FAST", "LOAD_FAST_BORROW_LOAD_FAST_BORROW"}
+)  # fmt: skip
+_ALIAS_STORES = frozenset({"STORE_FAST", "STORE_DEREF", "STORE_FAST_LOAD_FAST"})
+_JOINED_LOADS = frozenset({"LOAD_FAST_LOAD_FAST", "LOAD_FAST_BORROW_LOAD_FAST_BORROW"})
+#: The ops that load an argument (one, or two at once: the last one loaded is followed).
+_ARGUMENT_LOADS = frozenset({"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_BORROW"}) | _JOINED_LOADS
 
 
-def _alias_key(code: Any, op: Any) -> Any:
-    """Where a local (of its code) or a cell (by name, across nested code) is kept."""
-    return op.argval if "DEREF" in op.opname else (id(code), op.argval)
+def _alias_key(code: Any, op: Any, loaded: bool = False) -> Any:
+    """Where a local (of its code) or a cell (by name, across nested code) is kept; of a
+    joined op, the local it stores first, or (``loaded``) the one it loads last."""
+    name = op.argval
+    if isinstance(name, tuple):
+        name = name[-1] if loaded else name[0]
+    return name if "DEREF" in op.opname else (id(code), name)
 
 
 def _roots_at(
-    code: Any, ins: list[Any], i: int, aliases: dict[Any, set[Any]]
+    code: Any, ins: list[Any], i: int, aliases: dict[Any, set[Any]], found: set[Any]
 ) -> list[tuple[tuple[str, ...], int, tuple[str, ...]]]:
     """The roots loaded at ``ins[i]``, each with where its chain goes on and its chain so far;
-    an import's names are kept in their locals (``aliases``) here."""
+    an import's names are kept in their locals (``aliases``) here, the first argument of two
+    loaded at once is a use (``found``)."""
     op = ins[i]
     if op.opname == "LOAD_GLOBAL":
         return [(("global", str(op.argval)), i + 1, ())]
     if op.opname == "LOAD_DEREF":
         return [(("cell", str(op.argval)), i + 1, ())]
-    if op.opname in ("LOAD_FAST", "LOAD_FAST_CHECK") and op.argval in _arguments(code):
+    loaded = op.argval[-1] if op.opname in _JOINED_LOADS else op.argval
+    if op.opname in _JOINED_LOADS and op.argval[0] in _arguments(code):
+        found.add((("param", str(op.argval[0])), ("*",)))  # used as it is
+    if op.opname in _ARGUMENT_LOADS and loaded in _arguments(code):
         roots: list[tuple[tuple[str, ...], int, tuple[str, ...]]]
-        roots = [(("param", str(op.argval)), i + 1, ())]
+        roots = [(("param", str(loaded)), i + 1, ())]
         after = ins[i + 1] if i + 1 < len(ins) else None
-        if op.argval == code.co_varnames[0] and after is not None and after.opname in _METHOD_LOADS:
+        if loaded == code.co_varnames[0] and after is not None and after.opname in _METHOD_LOADS:
             roots.append((("self", str(after.argval)), i + 2, ()))
         return roots
     if op.opname == "IMPORT_NAME" and i >= 2:
