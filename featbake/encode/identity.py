@@ -434,7 +434,10 @@ class HeldReading:
                 except ValueError:
                     parts.append("<empty>")
                     continue
-                parts.append(self._held(held, name, cell_name, ("cell", cell_name), code, depth))
+                root = ("cell", cell_name)
+                modular = isinstance(held, types.ModuleType)
+                text = self._held(held, name, cell_name, root, code, depth) if modular else None
+                parts.append(text or self.text(held, name, depth))
         defaults = func.__defaults__ or ()
         named = func.__code__.co_varnames[: func.__code__.co_argcount][-len(defaults) :]
         for arg, v in zip(named if defaults else (), defaults, strict=True):
@@ -477,11 +480,7 @@ class HeldReading:
                     wholes.setdefault(name, value)  # passed on or kept: read whole
                 elif name != g and value is not _ABSENT and not only_recorded(code, name):
                     reached.setdefault(name, value)
-        for root, chain in root_chains(code):
-            if root[0] in ("global", "bare") and root[1] not in kept and root[1] in found:
-                _reach(root[1], found[root[1]], chain, reached, wholes)
-            elif root[0] == "import":
-                _reach(*imported_module(root, found), chain, reached, wholes)
+        _root_reads(code, found, kept, reached, wholes)
         for name, value in sorted(reached.items()):
             text = self._global(name, value, code, depth)
             rows += [] if text is None else [f"global {name}={text}"]
@@ -516,7 +515,7 @@ class HeldReading:
         (``cfg.GAIN``), or whole where the code uses it otherwise or not at all; any other
         value as it is (:meth:`text`, ``name`` what holds it). ``label``: the name the code
         gives it."""
-        if not _own_module(value):
+        if not isinstance(value, types.ModuleType) or not _own_module(value):
             return self.text(value, name, depth)
         chains = {c for code in codes for r, c in root_chains(code) if r == root}
         if not chains or ("*",) in chains:
@@ -718,15 +717,18 @@ class HeldReading:
         own = bookkeeping_names(code, ATTRIBUTE_WRITES, cls) if code is not None else frozenset()
         own |= cached_names(cls)  # made from the rest by code the key reads
         held = dict(instance_attributes(obj))
-        codes = [f.__code__ for f in reached_methods(runs, cls)] if inspect.isfunction(runs) else []
+        methods = reached_methods(runs, cls) if inspect.isfunction(runs) else ()
+        codes = [f.__code__ for f in methods]
         rows = [
             f"{k}={self._held(v, k, k, ('self', k), codes, depth)}"
+            if isinstance(v, types.ModuleType)
+            else f"{k}={self.text(v, k, depth)}"
             for k, v in held.items()
             if k not in own
         ]
         if inspect.isfunction(runs):
             rows += [self._class_reads(cls, runs, held, depth)]
-            for func in reached_methods(runs, cls):
+            for func in methods:
                 rows += self._globals(func, depth)
         return f"{type(obj).__qualname__}({','.join(rows)})"
 
@@ -1384,6 +1386,17 @@ def _getattr_of(ins: list[Any], k: int) -> bool:
     )
 
 
+def global_root_chains(code: Any) -> tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]:
+    """:func:`root_chains` rooted at a global or an import, as a function's globals are read
+    at each forward; kept per code object."""
+    return kept_per_object(
+        _ROOTS,
+        (code,),
+        "globals",
+        lambda: tuple(c for c in root_chains(code) if c[0][0] in ("global", "bare", "import")),
+    )
+
+
 #: root_chains's, by code object (:func:`kept_per_object`).
 _ROOTS: dict[Any, Any] = {}
 
@@ -1424,6 +1437,27 @@ def _reach(
             wholes.setdefault(name, value)
     elif name != base and (value is not _ABSENT or absent):
         reached.setdefault(name, value)
+
+
+def _root_reads(
+    code: Any,
+    found: Mapping[str, Any],
+    kept: frozenset[str],
+    reached: dict[str, Any],
+    wholes: dict[str, Any],
+) -> None:
+    """What a function's code (globals ``found``, its bookkeeping ``kept``) reads through a
+    global or an import kept in a local or used at once (:func:`global_root_chains`), into
+    ``reached`` and ``wholes`` (:func:`_reach`)."""
+    for root, chain in global_root_chains(code):
+        if root[0] == "bare":  # a global used at once: only a module of the user's counts
+            value = found.get(root[1])
+            if isinstance(value, types.ModuleType) and root[1] not in kept:
+                _reach(root[1], value, chain, reached, wholes)
+        elif root[0] == "global" and root[1] not in kept and root[1] in found:
+            _reach(root[1], found[root[1]], chain, reached, wholes)
+        elif root[0] == "import":
+            _reach(*imported_module(root, found), chain, reached, wholes)
 
 
 def imported_module(root: tuple[str, ...], found: Mapping[str, Any]) -> tuple[str, Any]:
