@@ -19,6 +19,7 @@ import collections
 import dataclasses
 import dis
 import hashlib
+import heapq
 import inspect
 import json
 import os
@@ -717,6 +718,7 @@ class _Interpreter:
         self.ins = list(dis.get_instructions(code))
         self.at = {op.offset: i for i, op in enumerate(self.ins)}
         self.handler: dict[int, tuple[int, int, bool]] = {}
+        self.changed = True  # whether the last op changed a local (the handlers see it)
         entries: Any = getattr(dis.Bytecode(code), "exception_entries", [])  # 3.11+: typed later
         for e in entries:
             for i, op in enumerate(self.ins):
@@ -724,33 +726,63 @@ class _Interpreter:
                     self.handler.setdefault(i, (self.at[e.target], e.depth, e.lasti))
 
     def run(self) -> bool:
-        """Read the code to a fixed point; False where it cannot be read."""
+        """Read the code to a fixed point, a block at a time (from each jump target, in the
+        code's order): states are kept and joined only where blocks begin; False where the
+        code cannot be read."""
+        n = len(self.ins)
+        starts = [op.is_jump_target for op in self.ins] + [True]
         states: dict[int, _State] = {0: ((), self._arguments())}
-        todo = [0]
-        steps = 0
+        todo, queued, steps = [0], {0}, 0
         while todo:
-            steps += 1
-            i = todo.pop()
-            if steps > _MAX_STEPS or i >= len(self.ins):
-                return False
-            stack, names = states[i]
-            try:
-                nexts = self._step(self.ins[i], list(stack), dict(names))
-            except (IndexError, KeyError, TypeError, ValueError):
-                return False
-            if i in self.handler:
-                target, depth, lasti = self.handler[i]
-                if depth > len(stack):
+            b = heapq.heappop(todo)
+            queued.discard(b)
+            stack, names = list(states[b][0]), dict(states[b][1])
+            i, raised_at = b, None
+            while True:
+                steps += 1
+                if steps > _MAX_STEPS or i >= n:
                     return False
-                raised = [_EMPTY] * lasti + [_RAISED]  # an exception may carry any value
-                nexts.append((target, (*stack[:depth], *raised), names))
-            for j, new_stack, new_names in nexts:
-                merged = _merge(states.get(j), (tuple(new_stack), new_names))
-                if merged is None:
+                if i in self.handler and (self.changed or raised_at != self.handler[i]):
+                    target, depth, lasti = raised_at = self.handler[i]
+                    if depth > len(stack):
+                        return False
+                    raised = (*stack[:depth], *[_EMPTY] * lasti, _RAISED)  # any value
+                    if not self._reach(states, target, raised, dict(names), todo, queued):
+                        return False
+                self.changed = False
+                try:
+                    nexts = self._step(self.ins[i], stack, names)
+                except (IndexError, KeyError, TypeError, ValueError):
                     return False
-                if merged is not states.get(j):
-                    states[j] = merged
-                    todo.append(j)
+                if len(nexts) == 1 and nexts[0][0] == i + 1 and not starts[i + 1]:
+                    i += 1
+                    continue
+                for j, new_stack, new_names in nexts:
+                    if not self._reach(states, j, tuple(new_stack), new_names, todo, queued):
+                        return False
+                break
+        return True
+
+    def _reach(
+        self,
+        states: dict[int, _State],
+        j: int,
+        stack: tuple[_Slot, ...],
+        names: dict[str, _Slot],
+        todo: list[int],
+        queued: set[int],
+    ) -> bool:
+        """Join a state into the one where block ``j`` begins, queueing the block where it
+        grew; False where the two cannot be joined."""
+        old = states.get(j)
+        merged = _merge(old, (stack, names))
+        if merged is None:
+            return False
+        if merged is not old:
+            states[j] = merged
+            if j not in queued:
+                heapq.heappush(todo, j)
+                queued.add(j)
         return True
 
     def _arguments(self) -> dict[str, _Slot]:
@@ -837,13 +869,17 @@ class _Interpreter:
                 stack.append(self._load(a, names))
             if name == "LOAD_FAST_AND_CLEAR":
                 names[args[0]] = _EMPTY
+                self.changed = True
         elif name == "STORE_FAST_LOAD_FAST":
+            self.changed = True
             names[args[0]] = stack.pop()
             stack.append(self._load(args[1], names))
         elif name.startswith("STORE_FAST"):
+            self.changed = True
             for a in args:
                 names[a] = stack.pop()
         else:
+            self.changed = True
             names[args[0]] = _EMPTY
 
     def _load(self, local: str, names: dict[str, _Slot]) -> _Slot:
@@ -922,6 +958,7 @@ class _Interpreter:
         made = frozenset(made)
         for a in alias:
             if a[0] == "local":
+                self.changed = True
                 slot = names.get(a[1], _EMPTY)
                 names[a[1]] = slot._replace(made=slot.made | made)
             elif a[0] == "cell":
