@@ -16,15 +16,17 @@ Keys are never shortened in storage: their soundness rests on SHA-256's collisio
 from __future__ import annotations
 
 import collections
+import dataclasses
 import dis
 import hashlib
+import heapq
 import inspect
 import json
 import os
 import weakref
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:  # torch is imported where tensors are hashed: upkeep commands never load it
     import torch
@@ -293,8 +295,7 @@ def derived_attributes(cls: type) -> frozenset[str]:
     if kept is not None:
         return kept
     code = forward_code(cls)
-    names = frozenset(name for each in code for name in fresh_attribute_writes(each))
-    _DERIVED[cls] = names | recorded_attributes(code)
+    _DERIVED[cls] = fresh_writes(code, cls) | recorded_attributes(code)
     return _DERIVED[cls]
 
 
@@ -409,54 +410,27 @@ _READS_TRAINING: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictiona
 
 
 def fresh_attribute_writes(code: Any) -> set[str]:
-    """The attributes ``code`` (not the code nested in it) writes with a value its statement
-    does not read from the attribute itself: ``self.pe = pe.to(x.device)`` (made anew: derived
-    state) is one; ``self.scale = self.scale.to(x.device)`` (the value the user set, moved to
-    the input's device) is not, so a forward that only moves an attribute keeps it keyed.
+    """The attributes ``code`` (a forward, whose arguments are its inputs) writes at least once
+    with a value made anew (:func:`fresh_writes`): ``self.pe = pe.to(x.device)`` with ``pe``
+    made of the input is one (derived state); ``self.scale = self.scale.to(x.device)`` (the
+    value the user set, moved to the input's device) is not, nor is the same through a local,
+    a conditional expression or a walrus, so a forward that only moves an attribute keeps it
+    keyed.
 
     Example:
         >>> def forward(self, x):
         ...     self.scale = self.scale.to(x.device)
+        ...     s = self.shift
+        ...     self.shift = s if x.numel() else 0.0
         ...     self.pe = make(len(x)).to(x.device)
         >>> sorted(fresh_attribute_writes(forward.__code__))
         ['pe']
     """
-    ins = list(dis.get_instructions(code))
-    fresh: set[str] = set()
-    for j, op in enumerate(ins):
-        if op.opname != "STORE_ATTR":
-            continue
-        statement = _statement_before(ins, j)
-        if not any(o.opname in _ATTRIBUTE_LOADS and o.argval == op.argval for o in statement):
-            fresh.add(op.argval)
-    return fresh
+    return set(fresh_writes([code], None))
 
 
 #: The ops that read an attribute (``self.x``, ``self.x.to(...)``).
 _ATTRIBUTE_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
-
-#: Ops that end a statement: what comes after them computes another statement's value.
-_STATEMENT_ENDS = frozenset(
-    {"STORE_ATTR", "STORE_FAST", "STORE_NAME", "STORE_GLOBAL", "STORE_DEREF", "STORE_SUBSCR",
-     "DELETE_ATTR", "POP_TOP", "RETURN_VALUE"}
-)  # fmt: skip
-
-
-def _statement_before(ins: list[Any], j: int) -> list[Any]:
-    """The instructions of the statement that ends with ``ins[j]``: back to the op that ended
-    the one before (by op, not by line: a statement may span lines), or a jump target. An
-    inlined comprehension (:func:`inlined_comprehensions`) is part of its statement: its
-    loop's jump targets and the stores of its variables end none."""
-    spans = inlined_comprehensions(ins)
-    k = j
-    while k > 0:
-        if k - 1 in spans:
-            k = spans[k - 1]
-        elif ins[k - 1].opname in _STATEMENT_ENDS or ins[k].is_jump_target:
-            break
-        else:
-            k -= 1
-    return ins[k:j]
 
 
 def inlined_comprehensions(ins: list[Any]) -> dict[int, int]:
@@ -511,6 +485,578 @@ def _stored(ins: list[Any], i: int) -> list[str]:
 
 #: The ops that store locals (3.13 joins a store with a load or another store).
 _LOCAL_STORES = frozenset({"STORE_FAST", "STORE_FAST_LOAD_FAST", "STORE_FAST_STORE_FAST"})
+
+
+# == what a write is made of =======================================================================
+# A write to ``self.x`` in a forward is derived state (neither keyed nor watched) only where the
+# value stored is made of nothing the key would otherwise read of ``x``: not of ``x`` as it was
+# (``y = self.x; self.x = y.to(d)``, ``self.x = self.x if c else d``, a walrus, a method that
+# returns it, ``getattr(self, "x")``, an in-place ``copy_`` into a local), nor of what no reading
+# follows (an argument from no caller seen, code whose bytecode is not read). The code is read as
+# data flow: each value on the stack, in a local, a closure cell, an attribute of self, an
+# argument and a return carries the set of what it may be made of (tokens), joined where
+# branches meet; what a call or a store into an object may change (a local's tensor, a list)
+# takes the call's inputs too. Control flow (``if self.pe is None``) carries nothing: a lazy
+# table stays derived.
+
+#: Tokens: ``self`` itself (any attribute may be read through it), and what no reading follows.
+_SELF = ("self",)
+_UNKNOWN = ("unknown",)
+#: A callee mark: the value is ``super()`` (its attributes are the next class's).
+_SUPER = ("super",)
+
+
+class _Slot(NamedTuple):
+    """What one value may be made of (``made``), which objects it may be (``alias``: a local,
+    a cell, an attribute of self; a change to it changes those) and what calling it runs
+    (``callee``: code keys)."""
+
+    made: frozenset[Any]
+    alias: frozenset[Any]
+    callee: frozenset[Any]
+
+
+_EMPTY = _Slot(frozenset(), frozenset(), frozenset())
+_RAISED = _Slot(frozenset({_UNKNOWN}), frozenset(), frozenset())
+_SELF_SLOT = _Slot(frozenset({_SELF}), frozenset({_SELF}), frozenset())
+
+
+def _joined(slots: Iterable[_Slot]) -> _Slot:
+    made: set[Any] = set()
+    alias: set[Any] = set()
+    callee: set[Any] = set()
+    for s in slots:
+        made |= s.made
+        alias |= s.alias
+        callee |= s.callee
+    return _Slot(frozenset(made), frozenset(alias), frozenset(callee))
+
+
+def _key(code: Any) -> tuple[str, int]:
+    """A code object's key in :class:`_Facts` (the objects are held there)."""
+    return ("code", id(code))
+
+
+@dataclasses.dataclass
+class _Facts:
+    """What the code of one class makes of its values, each table a join over the code read:
+    the writes to self's attributes (by code key, place in the source and name), what each
+    attribute of self is given (stored or changed in place), each code's returns, the inputs
+    of its calls (its arguments), each closure cell's and global's values; the code read by
+    key, the code whose arguments are the forward's inputs, the code still to read."""
+
+    cls: type | None
+    selfs: frozenset[str]
+    writes: dict[tuple[Any, Any, str], set[Any]] = dataclasses.field(default_factory=dict)
+    stored: dict[str, set[Any]] = dataclasses.field(default_factory=dict)
+    returns: dict[Any, set[Any]] = dataclasses.field(default_factory=dict)
+    calls: dict[Any, set[Any]] = dataclasses.field(default_factory=dict)
+    cells: dict[str, set[Any]] = dataclasses.field(default_factory=dict)
+    globals: dict[str, set[Any]] = dataclasses.field(default_factory=dict)
+    codes: dict[Any, Any] = dataclasses.field(default_factory=dict)
+    clean: set[Any] = dataclasses.field(default_factory=set)
+    pending: list[Any] = dataclasses.field(default_factory=list)
+
+    def add(self, table: dict[Any, set[Any]], key: Any, tokens: Iterable[Any]) -> None:
+        table.setdefault(key, set()).update(tokens)
+
+    def method(self, name: str, after: Any = None) -> tuple[Any, bool] | None:
+        """What reading attribute ``name`` of self runs: ``(code key, whether it is a
+        property's getter)``, or None where it is no function of the class (a setting, a
+        submodule). ``after``: the code reading it through ``super()`` (the classes after the
+        one defining that code, in the MRO, are searched)."""
+        if self.cls is None:
+            return None
+        classes = list(self.cls.__mro__)
+        if after is not None:
+            owner = [i for i, k in enumerate(classes) if _defines(k, after)]
+            classes = classes[owner[0] + 1 :] if owner else classes
+        for k in classes:
+            found = vars(k).get(name)
+            if found is None:
+                continue
+            func = method_function(found)
+            if not inspect.isfunction(func):
+                return None
+            if _key(func.__code__) not in self.codes:
+                self.pending.append(func.__code__)
+            getter = isinstance(found, property) or type(found).__name__ == "cached_property"
+            return _key(func.__code__), getter
+        return None
+
+
+def _defines(klass: type, code: Any) -> bool:
+    """Whether ``klass`` defines a function (method, property) whose code is ``code``."""
+    return any(getattr(method_function(v), "__code__", None) is code for v in vars(klass).values())
+
+
+def fresh_writes(codes: list[Any], cls: type | None) -> frozenset[str]:
+    """The attributes of self that ``codes`` (a class's forward first, and the code it
+    reaches: :func:`forward_code`) write at least once with a value made anew: of nothing
+    but the forward's inputs, constants, globals and other attributes (see above). The
+    forward's arguments are its inputs; another method's are what its calls pass; a nested
+    function's, what the code calling it passes."""
+    selfs = {"self"} | {c.co_varnames[0] for c in codes if c.co_argcount and _method_code(c)}
+    facts = _Facts(cls, frozenset(selfs), clean={_key(codes[0])} if codes else set())
+    facts.pending = list(codes)
+    while facts.pending:
+        code = facts.pending.pop()
+        if _key(code) in facts.codes:
+            continue
+        facts.codes[_key(code)] = code
+        facts.pending += [c for c in code.co_consts if inspect.iscode(c)]
+        if not _Interpreter(code, facts).run():
+            _unread(code, facts)
+    own = {_key(c) for c in codes}
+    return frozenset(
+        name
+        for (key, _, name), made in facts.writes.items()
+        if key in own and not _reaches(made, name, facts)
+    )
+
+
+def _method_code(code: Any) -> bool:
+    """Whether ``code`` is a function's own (no nested function's, lambda's, comprehension's)."""
+    return "<locals>" not in getattr(code, "co_qualname", "<locals>") and code.co_name != "<lambda>"
+
+
+def _unread(code: Any, facts: _Facts) -> None:
+    """What code whose bytecode could not be read may do: return, store into any attribute
+    and cell it names, and pass to any code it may call, what no reading follows."""
+    unknown = {_UNKNOWN}
+    facts.add(facts.returns, _key(code), unknown)
+    for name in code.co_names:
+        facts.add(facts.stored, name, unknown)
+        found = facts.method(name)
+        if found is not None:
+            facts.add(facts.calls, found[0], unknown)
+    for name in (*code.co_cellvars, *code.co_freevars):
+        facts.add(facts.cells, name, unknown)
+    for nested in code.co_consts:
+        if inspect.iscode(nested):
+            facts.add(facts.calls, _key(nested), unknown)
+
+
+def _reaches(made: Iterable[Any], name: str, facts: _Facts) -> bool:
+    """Whether a value made of ``made`` may carry attribute ``name`` of self as it was, or
+    what no reading follows: its tokens followed through what each attribute, return,
+    argument and cell was given."""
+    todo = list(made)
+    seen: set[Any] = set()
+    while todo:
+        token = todo.pop()
+        if token in seen:
+            continue
+        seen.add(token)
+        kind = token[0]
+        if token in (_SELF, _UNKNOWN) or token == ("attr", name):
+            return True
+        if kind == "attr":
+            todo += facts.stored.get(token[1], ())
+        elif kind == "ret":
+            todo += facts.returns.get(token[1], ())
+        elif kind == "param":
+            todo += facts.calls.get(token[1], {_UNKNOWN})
+        elif kind == "cell":
+            todo += facts.cells.get(token[1], ())
+        elif kind == "global":
+            todo += facts.globals.get(token[1], ())
+    return False
+
+
+#: Ops that move nothing on the stack as read here (3.11's PRECALL and KW_NAMES among them).
+_STILL = frozenset(
+    {"NOP", "RESUME", "PRECALL", "KW_NAMES", "CACHE", "EXTENDED_ARG", "MAKE_CELL",
+     "COPY_FREE_VARS", "NOT_TAKEN", "RESUME_CHECK", "INSTRUMENTED_LINE"}
+)  # fmt: skip
+#: Jumps that always jump, and ops after which the code goes on nowhere.
+_ALWAYS_JUMPS = frozenset(
+    {"JUMP_FORWARD", "JUMP_BACKWARD", "JUMP_BACKWARD_NO_INTERRUPT", "JUMP", "JUMP_NO_INTERRUPT",
+     "JUMP_ABSOLUTE"}
+)  # fmt: skip
+_ENDS = frozenset({"RETURN_VALUE", "RETURN_CONST", "RAISE_VARARGS", "RERAISE"})
+#: Ops that only pop.
+_POPS = frozenset(
+    {"POP_TOP", "END_FOR", "POP_ITER", "POP_EXCEPT", "STORE_GLOBAL", "STORE_NAME",
+     "DELETE_ATTR", "DELETE_SUBSCR", "POP_BLOCK"}
+)  # fmt: skip
+#: Ops that push values made of nothing on the stack (a constant, a global, a NULL).
+_PUSHES = frozenset(
+    {"LOAD_CONST", "LOAD_SMALL_INT", "PUSH_NULL", "LOAD_GLOBAL", "LOAD_NAME",
+     "LOAD_BUILD_CLASS", "LOAD_ASSERTION_ERROR", "LOAD_COMMON_CONSTANT", "RETURN_GENERATOR"}
+)  # fmt: skip
+#: Ops that put what they pop into the container below (``[... for ...]``, ``{**a}``).
+_INTO = frozenset(
+    {"LIST_APPEND", "SET_ADD", "MAP_ADD", "LIST_EXTEND", "SET_UPDATE", "DICT_UPDATE",
+     "DICT_MERGE"}
+)  # fmt: skip
+#: Ops that make a value of what they pop and change none of it.
+_PURE = frozenset(
+    {"BINARY_SUBSCR", "BINARY_SLICE", "COMPARE_OP", "IS_OP", "CONTAINS_OP", "UNARY_NEGATIVE",
+     "UNARY_NOT", "UNARY_INVERT", "UNARY_POSITIVE", "BUILD_TUPLE", "BUILD_LIST", "BUILD_SET",
+     "BUILD_MAP", "BUILD_CONST_KEY_MAP", "BUILD_STRING", "BUILD_SLICE", "FORMAT_VALUE",
+     "FORMAT_SIMPLE", "FORMAT_WITH_SPEC", "CONVERT_VALUE", "TO_BOOL", "GET_ITER", "GET_LEN",
+     "LIST_TO_TUPLE", "UNPACK_SEQUENCE", "UNPACK_EX", "FOR_ITER", "PUSH_EXC_INFO",
+     "CHECK_EXC_MATCH", "WITH_EXCEPT_START", "MAKE_FUNCTION", "SET_FUNCTION_ATTRIBUTE"}
+)  # fmt: skip
+#: Methods by which code changes a container a global holds (``CACHE.update(...)``); a global's
+#: other attributes (``torch.zeros``) change nothing of it as read here.
+_CHANGING_METHODS = RECORDING_METHODS | {"update", "setdefault", "__setitem__", "copy_", "set_"}
+#: Past this many steps a code's reading gives up (as code not read).
+_MAX_STEPS = 20000
+
+_State = tuple[tuple[_Slot, ...], dict[str, _Slot]]
+
+
+class _Interpreter:
+    """One code object read as data flow into :class:`_Facts` (see above)."""
+
+    def __init__(self, code: Any, facts: _Facts) -> None:
+        self.code = code
+        self.facts = facts
+        self.key = _key(code)
+        self.ins = list(dis.get_instructions(code))
+        self.at = {op.offset: i for i, op in enumerate(self.ins)}
+        self.handler: dict[int, tuple[int, int, bool]] = {}
+        self.changed = True  # whether the last op changed a local (the handlers see it)
+        entries: Any = getattr(dis.Bytecode(code), "exception_entries", [])  # 3.11+: typed later
+        for e in entries:
+            for i, op in enumerate(self.ins):
+                if e.start <= op.offset < e.end and e.target in self.at:
+                    self.handler.setdefault(i, (self.at[e.target], e.depth, e.lasti))
+
+    def run(self) -> bool:
+        """Read the code to a fixed point, a block at a time (from each jump target, in the
+        code's order): states are kept and joined only where blocks begin; False where the
+        code cannot be read."""
+        n = len(self.ins)
+        starts = [op.is_jump_target for op in self.ins] + [True]
+        states: dict[int, _State] = {0: ((), self._arguments())}
+        todo, queued, steps = [0], {0}, 0
+        while todo:
+            b = heapq.heappop(todo)
+            queued.discard(b)
+            stack, names = list(states[b][0]), dict(states[b][1])
+            i, raised_at = b, None
+            while True:
+                steps += 1
+                if steps > _MAX_STEPS or i >= n:
+                    return False
+                if i in self.handler and (self.changed or raised_at != self.handler[i]):
+                    target, depth, lasti = raised_at = self.handler[i]
+                    if depth > len(stack):
+                        return False
+                    raised = (*stack[:depth], *[_EMPTY] * lasti, _RAISED)  # any value
+                    if not self._reach(states, target, raised, dict(names), todo, queued):
+                        return False
+                self.changed = False
+                try:
+                    nexts = self._step(self.ins[i], stack, names)
+                except (IndexError, KeyError, TypeError, ValueError):
+                    return False
+                if len(nexts) == 1 and nexts[0][0] == i + 1 and not starts[i + 1]:
+                    i += 1
+                    continue
+                for j, new_stack, new_names in nexts:
+                    if not self._reach(states, j, tuple(new_stack), new_names, todo, queued):
+                        return False
+                break
+        return True
+
+    def _reach(
+        self,
+        states: dict[int, _State],
+        j: int,
+        stack: tuple[_Slot, ...],
+        names: dict[str, _Slot],
+        todo: list[int],
+        queued: set[int],
+    ) -> bool:
+        """Join a state into the one where block ``j`` begins, queueing the block where it
+        grew; False where the two cannot be joined."""
+        old = states.get(j)
+        merged = _merge(old, (stack, names))
+        if merged is None:
+            return False
+        if merged is not old:
+            states[j] = merged
+            if j not in queued:
+                heapq.heappush(todo, j)
+                queued.add(j)
+        return True
+
+    def _arguments(self) -> dict[str, _Slot]:
+        """The locals at the start: self, and each argument (the inputs where clean)."""
+        code = self.code
+        count = code.co_argcount + code.co_kwonlyargcount
+        count += bool(code.co_flags & inspect.CO_VARARGS)
+        count += bool(code.co_flags & inspect.CO_VARKEYWORDS)
+        given = (
+            _EMPTY
+            if self.key in self.facts.clean
+            else _Slot(frozenset({("param", self.key)}), frozenset(), frozenset())
+        )
+        names = {}
+        for name in code.co_varnames[:count]:
+            slot = _SELF_SLOT if name in self.facts.selfs else given
+            names[name] = slot
+            if name in code.co_cellvars:
+                self.facts.add(self.facts.cells, name, slot.made)
+        return names
+
+    def _step(self, op: Any, stack: list[_Slot], names: dict[str, _Slot]) -> list[Any]:
+        """The states after ``op``: ``(index, stack, locals)`` of each op that may run next."""
+        if op.opname in ("RETURN_VALUE", "YIELD_VALUE"):
+            self.facts.add(self.facts.returns, self.key, stack[-1].made)
+        if op.opname in _ENDS:
+            return []
+        if op.opcode in dis.hasjrel or op.opcode in dis.hasjabs:
+            return self._jump(op, stack, names)
+        self._move(op, stack, names)
+        return [(self.at[op.offset] + 1, stack, names)]
+
+    def _move(self, op: Any, stack: list[_Slot], names: dict[str, _Slot]) -> None:
+        """What ``op`` (no jump) does to the stack and the locals."""
+        name = op.opname
+        if name in _STILL:
+            pass
+        elif name.startswith(("LOAD_FAST", "STORE_FAST", "DELETE_FAST")):
+            self._local(op, stack, names)
+        elif name.endswith("DEREF") or name in ("LOAD_CLOSURE", "LOAD_CLASSDEREF"):
+            self._cell(op, stack)
+        elif name in ("LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR"):
+            self._attribute(op, stack)
+        elif name in ("STORE_ATTR", "STORE_SUBSCR", "STORE_SLICE"):
+            self._store(op, stack, names)
+        elif name.startswith("CALL") or name == "BEFORE_WITH":
+            self._call(op, stack, names)
+        elif name == "COPY":
+            stack.append(stack[-op.arg])
+        elif name == "SWAP":
+            stack[-1], stack[-op.arg] = stack[-op.arg], stack[-1]
+        else:
+            self._other(op, stack, names)
+
+    def _effect(self, op: Any, jump: bool = False) -> int:
+        arg = op.arg if op.opcode >= dis.HAVE_ARGUMENT else None
+        return dis.stack_effect(op.opcode, arg, jump=jump)
+
+    def _jump(self, op: Any, stack: list[_Slot], names: dict[str, _Slot]) -> list[Any]:
+        """A jump: where it goes (``op.argval``) and, unless it always jumps, the next op, each
+        with the stack its path leaves (a condition popped, ``x or y`` kept, an iterator's
+        next item pushed as the iterator it comes of)."""
+        target = self.at[op.argval]
+        out = []
+        for jump in (True, False):
+            if not jump and op.opname in _ALWAYS_JUMPS:
+                continue
+            now = list(stack)
+            effect = self._effect(op, jump)
+            if effect < 0:
+                del now[len(now) + effect :]
+            elif effect > 0:
+                now += [now[-1] if now else _EMPTY] * effect
+            out.append((target if jump else self.at[op.offset] + 1, now, names))
+        return out
+
+    def _local(self, op: Any, stack: list[_Slot], names: dict[str, _Slot]) -> None:
+        """A local loaded (self as :data:`_SELF_SLOT`; a value with the local among what it
+        may be), stored, deleted or cleared (3.12's comprehensions); 3.13's joined ops too."""
+        name = op.opname
+        args = op.argval if isinstance(op.argval, tuple) else (op.argval,)
+        if name.startswith("LOAD_FAST"):
+            for a in args:
+                stack.append(self._load(a, names))
+            if name == "LOAD_FAST_AND_CLEAR":
+                names[args[0]] = _EMPTY
+                self.changed = True
+        elif name == "STORE_FAST_LOAD_FAST":
+            self.changed = True
+            names[args[0]] = stack.pop()
+            stack.append(self._load(args[1], names))
+        elif name.startswith("STORE_FAST"):
+            self.changed = True
+            for a in args:
+                names[a] = stack.pop()
+        else:
+            self.changed = True
+            names[args[0]] = _EMPTY
+
+    def _load(self, local: str, names: dict[str, _Slot]) -> _Slot:
+        if local in self.facts.selfs:
+            return _SELF_SLOT
+        slot = names.get(local, _EMPTY)
+        return slot._replace(alias=slot.alias | {("local", local)})
+
+    def _cell(self, op: Any, stack: list[_Slot]) -> None:
+        """A closure cell loaded or stored, read by name across the class's code."""
+        cell = op.argval
+        if op.opname.startswith("LOAD") or op.opname == "LOAD_CLOSURE":
+            if op.opname == "LOAD_FROM_DICT_OR_DEREF":
+                stack.pop()
+            if cell in self.facts.selfs:
+                stack.append(_SELF_SLOT)
+            else:
+                token = frozenset({("cell", cell)})
+                stack.append(_Slot(token, token, frozenset()))
+        elif op.opname == "STORE_DEREF":
+            self.facts.add(self.facts.cells, cell, stack.pop().made)
+
+    def _attribute(self, op: Any, stack: list[_Slot]) -> None:
+        """An attribute read. Of self: its token (a setting, state), or for a method the code
+        it runs (its returns come with its calls; a property's with the read); an attribute
+        that reads any by name (``__dict__``) is self. Of another value: the value's tokens."""
+        popped = 3 if op.opname == "LOAD_SUPER_ATTR" else 1
+        pushed = popped + self._effect(op)
+        owner = _joined(stack[len(stack) - popped :])
+        del stack[len(stack) - popped :]
+        through_super = op.opname == "LOAD_SUPER_ATTR" or _SUPER in owner.callee
+        name = str(op.argval)
+        if _SELF not in owner.alias and not through_super:
+            alias = frozenset(a for a in owner.alias if a[0] != "global")
+            if name in _CHANGING_METHODS:  # CACHE.update(...): a change to the global
+                alias |= {("changed", a[1]) for a in owner.alias if a[0] == "global"}
+            stack += [_Slot(owner.made, alias, frozenset())] * pushed
+            return
+        rest = owner.made - {_SELF}
+        if name in _READS_BY_NAME or name.startswith("__"):
+            rest |= {_SELF}
+        found = self.facts.method(name, self.code if through_super else None)
+        if found is None:
+            token = frozenset({("attr", name)})
+            slot = _Slot(rest | token, token, frozenset())
+        elif found[1]:  # a property: its getter runs now
+            slot = _Slot(rest | {("ret", found[0])}, frozenset(), frozenset())
+        else:
+            slot = _Slot(rest, frozenset(), frozenset({found[0]}))
+        stack += [slot] * pushed
+
+    def _store(self, op: Any, stack: list[_Slot], names: dict[str, _Slot]) -> None:
+        """A store into an attribute (of self: a write, what the attribute is given), an item
+        or a slice: what the value is made of goes into what the target may be."""
+        if op.opname == "STORE_ATTR":
+            owner, value = stack.pop(), stack.pop()
+            if _SELF in owner.alias:
+                # by where it is in the source: 3.12 copies a statement into each branch
+                # that ends in it (``self.x = a if c else b``), 3.11 a ``finally`` block
+                write = (self.key, getattr(op, "positions", None) or op.offset, str(op.argval))
+                self.facts.add(self.facts.writes, write, value.made)
+                self.facts.add(self.facts.stored, str(op.argval), value.made)
+                owner = owner._replace(alias=owner.alias - {_SELF})
+            self._change(owner.alias, value.made, names)
+            return
+        count = 3 if op.opname == "STORE_SUBSCR" else 4
+        popped = stack[len(stack) - count :]
+        del stack[len(stack) - count :]
+        container = popped[1]
+        made = _joined([popped[0], *popped[2:]]).made
+        self._change(container.alias, made, names)
+
+    def _change(self, alias: Iterable[Any], made: Iterable[Any], names: dict[str, _Slot]) -> None:
+        """What ``made`` goes into each object a changed value may be: a local, a cell, an
+        attribute of self (self itself: a write by name, which no key reads anyway)."""
+        made = frozenset(made)
+        for a in alias:
+            if a[0] == "local":
+                self.changed = True
+                slot = names.get(a[1], _EMPTY)
+                names[a[1]] = slot._replace(made=slot.made | made)
+            elif a[0] == "cell":
+                self.facts.add(self.facts.cells, a[1], made)
+            elif a[0] == "attr":
+                self.facts.add(self.facts.stored, a[1], made)
+            elif a[0] in ("global", "changed"):
+                self.facts.add(self.facts.globals, a[1], made)
+
+    def _call(self, op: Any, stack: list[_Slot], names: dict[str, _Slot]) -> None:
+        """A call: its result is made of the callable and every argument, and of the returns
+        of the code it runs; the code it runs is given its inputs; what each input may be
+        may be changed by it (``out.copy_(self.x)``). ``super()`` gives self."""
+        if op.opname in ("CALL", "CALL_KW"):
+            popped = op.arg + (2 if op.opname == "CALL" else 3)
+        else:
+            popped = 1 - self._effect(op) if self._effect(op) <= 0 else 1
+        pushed = 1 if self._effect(op) <= 0 else 1 + self._effect(op)
+        if op.opname.startswith("CALL_INTRINSIC"):
+            popped = 1 - self._effect(op)
+        taken = stack[len(stack) - popped :]
+        del stack[len(stack) - popped :]
+        inputs = _joined(taken)
+        made = set(inputs.made)
+        for callee in inputs.callee - {_SUPER}:
+            self.facts.add(self.facts.calls, callee, inputs.made)
+            made.add(("ret", callee))
+        called = 2 if op.opname in ("CALL", "CALL_KW") else 1  # a global called is not changed
+        changed = _joined(taken[called:]).alias | {
+            a for s in taken[:called] for a in s.alias if a[0] != "global"
+        }
+        self._change(changed - {_SELF}, inputs.made, names)
+        out = _Slot(frozenset(made), changed - {_SELF}, frozenset())
+        if _SUPER in inputs.callee:
+            out = _Slot(_SELF_SLOT.made | out.made, _SELF_SLOT.alias, frozenset({_SUPER}))
+        stack += [out] * pushed
+
+    def _other(self, op: Any, stack: list[_Slot], names: dict[str, _Slot]) -> None:
+        """Any other op, by its stack effect: a push of a value made of nothing (a constant,
+        a global; a nested code object marks the code it runs; ``super`` marks itself), a
+        pop, an item put into the container below, or a value made of what it pops (an op
+        not named here, or an in-place ``+=``, may change what its inputs may be)."""
+        name = op.opname
+        effect = self._effect(op)
+        if name in _PUSHES:
+            pushed = 1 if name == "RETURN_GENERATOR" else effect
+            stack += [_EMPTY] * pushed
+            if inspect.iscode(op.argval):
+                stack[-1] = _Slot(frozenset(), frozenset(), frozenset({_key(op.argval)}))
+            elif name == "LOAD_GLOBAL" and op.argval == "super":
+                stack[-1] = _Slot(frozenset(), frozenset(), frozenset({_SUPER}))
+            elif name in ("LOAD_GLOBAL", "LOAD_NAME"):
+                token = frozenset({("global", str(op.argval))})
+                stack[-1] = _Slot(token, token, frozenset())
+            return
+        if name in ("STORE_GLOBAL", "STORE_NAME"):
+            self.facts.add(self.facts.globals, str(op.argval), stack[-1].made)
+        if name in _POPS:
+            del stack[len(stack) + effect :]
+            return
+        if name in _INTO:
+            items = _joined(stack[len(stack) + effect :])
+            del stack[len(stack) + effect :]
+            below = stack[-op.arg]
+            stack[-op.arg] = _Slot(below.made | items.made, below.alias | items.alias, below.callee)
+            return
+        popped = min(len(stack), 1 - effect if effect <= 0 else 1)
+        inputs = _joined(stack[len(stack) - popped :])
+        del stack[len(stack) - popped :]
+        makes = name in ("MAKE_FUNCTION", "SET_FUNCTION_ATTRIBUTE")  # a function of nested code
+        callee = inputs.callee if makes else frozenset()
+        made = inputs.made - {_SELF} if callee else inputs.made
+        in_place = name == "BINARY_OP" and "=" in op.argrepr
+        if (name not in _PURE and name != "BINARY_OP") or in_place:
+            self._change(inputs.alias - {_SELF}, inputs.made, names)
+        stack += [_Slot(made, inputs.alias - {_SELF}, callee)] * (popped + effect)
+
+
+def _merge(old: _State | None, new: _State) -> _State | None:
+    """``old`` where ``new`` adds nothing to it, their join, or None where their stacks differ
+    in depth (code this reading cannot follow)."""
+    if old is None:
+        return new
+    if len(old[0]) != len(new[0]):
+        return None
+    stack = tuple(
+        a if (b.made <= a.made and b.alias <= a.alias and b.callee <= a.callee) else _joined((a, b))
+        for a, b in zip(old[0], new[0], strict=True)
+    )
+    names = dict(old[1])
+    for k, b in new[1].items():
+        a = names.get(k)
+        if a is None:
+            names[k] = b
+        elif not (b.made <= a.made and b.alias <= a.alias and b.callee <= a.callee):
+            names[k] = _joined((a, b))
+    changed = any(x is not y for x, y in zip(stack, old[0], strict=True)) or names != old[1]
+    return (stack, names) if changed else old
 
 
 #: class -> the attributes its forward writes: derived_attributes's (weakly: a class made at

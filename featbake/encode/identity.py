@@ -399,6 +399,8 @@ class HeldReading:
             return f"method({self._method(value, name, depth)})"
         if inspect.isfunction(value):
             return self._function(value, name, depth)
+        if _own_module(value):  # inside a container, an argument: read whole
+            return self._module_whole(value, name, depth)
         return self._other(value, name, depth)
 
     def _method(self, method: Any, name: str, depth: int) -> str:
@@ -424,15 +426,24 @@ class HeldReading:
         keeps as bookkeeping, its defaults and keyword defaults, and the function it wraps."""
         own = bookkeeping_names(func.__code__, CELL_WRITES) if func.__closure__ else frozenset()
         parts = [cached_code_digest(func.__code__)]
+        code = [func.__code__]
         for cell_name, cell in zip(func.__code__.co_freevars, func.__closure__ or (), strict=False):
             if cell_name not in own:
                 try:
-                    parts.append(self.text(cell.cell_contents, name, depth))
+                    held = cell.cell_contents
                 except ValueError:
                     parts.append("<empty>")
-        parts += [self.text(v, name, depth) for v in func.__defaults__ or ()]
+                    continue
+                root = ("cell", cell_name)
+                modular = isinstance(held, types.ModuleType)
+                text = self._held(held, name, cell_name, root, code, depth) if modular else None
+                parts.append(text or self.text(held, name, depth))
+        defaults = func.__defaults__ or ()
+        named = func.__code__.co_varnames[: func.__code__.co_argcount][-len(defaults) :]
+        for arg, v in zip(named if defaults else (), defaults, strict=True):
+            parts.append(self._held(v, name, arg, ("param", arg), code, depth))
         for k, v in sorted((func.__kwdefaults__ or {}).items()):
-            parts.append(f"{k}={self.text(v, k, depth)}")
+            parts.append(f"{k}={self._held(v, k, k, ('param', k), code, depth)}")
         wrapped = getattr(func, "__wrapped__", None)
         if wrapped is not None:
             parts.append(f"wraps={self.text(wrapped, name, depth)}")
@@ -461,15 +472,64 @@ class HeldReading:
                 text = self._global(g, value, code, depth)
                 rows += [] if text is None else [f"global {g}={text}"]
         reached: dict[str, Any] = {}
+        wholes: dict[str, Any] = {}
         for g, chain in attribute_chains(code):
             if g not in kept and g in found and leads_on(found[g], chain[0]):
                 name, value = reached_attribute(g, found[g], chain)
-                if name != g and value is not _ABSENT and not only_recorded(code, name):
+                if _own_module(value):
+                    wholes.setdefault(name, value)  # passed on or kept: read whole
+                elif name != g and value is not _ABSENT and not only_recorded(code, name):
                     reached.setdefault(name, value)
+        _root_reads(code, found, kept, reached, wholes)
         for name, value in sorted(reached.items()):
             text = self._global(name, value, code, depth)
             rows += [] if text is None else [f"global {name}={text}"]
+        for name, module in sorted(wholes.items()):
+            rows.append(f"global {name}={self._module_whole(module, name, depth)}")
         return rows
+
+    def _module_whole(self, module: types.ModuleType, name: str, depth: int) -> str:
+        """A module of the user's that code passes on or keeps where no reading follows it
+        (``helper(config)``, ``self.cfgs = [config]``): every setting it holds (its globals
+        that are data: no module, class or callable) by value, as globals are read; once per
+        reading."""
+        if self._read_before(module):
+            return "<read above>"
+        self._in_global += 1
+        try:
+            rows = [
+                f"{k}={self.text(v, f'{name}.{k}', depth + 1)}"
+                for k, v in sorted(vars(module).items())
+                if not k.startswith("__") and is_data(v)
+            ]
+        finally:
+            self._in_global -= 1
+        return f"module({','.join(rows)})"
+
+    def _held(
+        self, value: Any, name: str, label: str, root: Any, codes: list[Any], depth: int
+    ) -> str:
+        """A value a function or object holds (a cell, a default, an attribute: ``root`` as
+        :func:`root_chains` names it, ``codes`` the code that reads it): a module of the
+        user's by what the code reads of it, each attribute as a global of that dotted name
+        (``cfg.GAIN``), or whole where the code uses it otherwise or not at all; any other
+        value as it is (:meth:`text`, ``name`` what holds it). ``label``: the name the code
+        gives it."""
+        if not isinstance(value, types.ModuleType) or not _own_module(value):
+            return self.text(value, name, depth)
+        chains = {c for code in codes for r, c in root_chains(code) if r == root}
+        if not chains or ("*",) in chains:
+            return self._module_whole(value, label, depth)
+        reached: dict[str, Any] = {}
+        wholes: dict[str, Any] = {}
+        for chain in chains:
+            _reach(label, value, chain, reached, wholes, absent=True)
+        rows = []
+        for name, found in sorted(reached.items()):
+            text = "<absent>" if found is _ABSENT else self._global(name, found, codes[0], depth)
+            rows += [] if text is None else [f"{name}={text}"]
+        rows += [f"{n}={self._module_whole(m, n, depth)}" for n, m in sorted(wholes.items())]
+        return f"module({','.join(rows)})"
 
     def _global(self, name: str, value: Any, code: Any, depth: int) -> str | None:
         """A global the code reads under ``name`` (dotted where reached through a module or
@@ -657,10 +717,18 @@ class HeldReading:
         own = bookkeeping_names(code, ATTRIBUTE_WRITES, cls) if code is not None else frozenset()
         own |= cached_names(cls)  # made from the rest by code the key reads
         held = dict(instance_attributes(obj))
-        rows = [f"{k}={self.text(v, k, depth)}" for k, v in held.items() if k not in own]
+        methods = reached_methods(runs, cls) if inspect.isfunction(runs) else ()
+        codes = [f.__code__ for f in methods]
+        rows = [
+            f"{k}={self._held(v, k, k, ('self', k), codes, depth)}"
+            if isinstance(v, types.ModuleType)
+            else f"{k}={self.text(v, k, depth)}"
+            for k, v in held.items()
+            if k not in own
+        ]
         if inspect.isfunction(runs):
             rows += [self._class_reads(cls, runs, held, depth)]
-            for func in reached_methods(runs, cls):
+            for func in methods:
                 rows += self._globals(func, depth)
         return f"{type(obj).__qualname__}({','.join(rows)})"
 
@@ -974,14 +1042,28 @@ def names_read(code: Any, dotted: str, how: Read) -> tuple[str, ...] | None:
 
 
 def _names_read(code: Any, parts: list[str], how: Read) -> tuple[str, ...] | None:
-    """:func:`names_read`, made anew."""
+    """:func:`names_read`, made anew: None where no use is seen (reached by ``getattr``, or
+    through a local: :func:`reached_otherwise`)."""
     names: set[str] = set()
+    if reached_otherwise(code, parts):
+        return None
     for ins, start, end in _chain_sites(code, parts):
         read = _name_read(ins, start, end, how)
         if read is None:
             return None
         names.add(read)
-    return tuple(sorted(names))
+    return tuple(sorted(names)) if names else None
+
+
+def reached_otherwise(code: Any, parts: list[str]) -> bool:
+    """Whether the global reached at ``parts`` (a global, then its attributes by name) is
+    also reached other than by its name and attributes at once (:func:`root_chains`:
+    ``cfg = config; cfg.SETTINGS``): then no use of it seen by name says all it reads."""
+    rest = tuple(parts[1:])
+    return any(
+        root == ("global", parts[0]) and chain[: len(rest)] == rest[: len(chain)]
+        for root, chain in root_chains(code)
+    )
 
 
 def _chain_sites(code: Any, parts: list[str]) -> Iterator[tuple[list[Any], int, int]]:
@@ -1060,6 +1142,8 @@ def only_recorded(code: Any, dotted: str) -> bool:
 def _only_recorded(code: Any, dotted: str) -> bool:
     """:func:`only_recorded`, made anew."""
     sites = 0
+    if reached_otherwise(code, dotted.split(".")):
+        return False
     for ins, _, end in _chain_sites(code, dotted.split(".")):
         if not records_into(ins, end):
             return False
@@ -1116,9 +1200,283 @@ def _getattr_chain(ins: list[Any], i: int) -> tuple[str, tuple[str, ...]] | None
 _CHAINS: dict[Any, Any] = {}
 
 
+def root_chains(code: Any) -> tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]:
+    """``(root, (name, ...))`` for each value a code object (and the code nested in it) reads
+    attributes of by name where no global is followed by them at once (those are
+    :func:`attribute_chains`'): a module or object kept in a local first (``cfg = config``,
+    ``(cfg := config)``, ``a = config.audio``), imported in the function (``import config as
+    cfg``; ``from config import GAIN`` reads ``("GAIN",)`` of it), held in a closure cell, an
+    argument (a default) or an attribute of the first argument (``self.cfg_module``). A root
+    is ``("global", name)``, ``("import", module, level)``, ``("cell", name)``, ``("param",
+    name)`` or ``("self", attribute)``; ``("bare", name)`` a global used at once other than
+    by attribute. A chain ending in ``"*"`` is a use of the value it reaches other than by
+    attribute (passed on, returned, stored elsewhere): a module of the user's used so is read
+    whole. Kept per code object.
+
+    Example:
+        >>> def gain(x):
+        ...     import json as j
+        ...     return j.dumps
+        >>> root_chains(gain.__code__)
+        ((('import', 'json', '0'), ('dumps', '*')),)
+    """
+    return kept_per_object(_ROOTS, (code,), None, lambda: _root_chains(code))
+
+
+def _root_chains(code: Any) -> tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]:
+    """:func:`root_chains`, made anew: each root followed, then each local or cell it is kept
+    in, until no new one is found (a local kept in another)."""
+    found: set[tuple[tuple[str, ...], tuple[str, ...]]] = set()
+    aliases: dict[Any, set[tuple[tuple[str, ...], tuple[str, ...]]]] = {}
+    codes = [(each, list(dis.get_instructions(each))) for each in reached_code(code, None)]
+    for each, ins in codes:
+        for i in range(len(ins)):
+            for root, k, prefix in _roots_at(each, ins, i, aliases, found):
+                direct = root[0] == "global"
+                _follow(each, ins, k, (root, prefix), found, aliases, direct)
+    followed: set[Any] = set()
+    while True:
+        todo = [
+            (each, ins, i, held)
+            for each, ins in codes
+            for i, op in enumerate(ins)
+            if op.opname in _ALIAS_LOADS
+            for held in aliases.get(_alias_key(each, op, loaded=True), ())
+            if (id(each), i, held) not in followed
+        ]
+        if not todo:
+            break
+        for each, ins, i, held in todo:
+            followed.add((id(each), i, held))
+            _follow(each, ins, i + 1, held, found, aliases)
+    for each, ins in codes:  # 3.13's first local of two loaded at once: used as it is
+        for op in ins:
+            if op.opname in _JOINED_LOADS:
+                for root, chain in aliases.get((id(each), op.argval[0]), ()):
+                    found.add((root, (*chain, "*")))
+    return tuple(sorted(found))
+
+
+#: The ops that load a local or cell a value may be kept in, and those that store one.
+#: 3.13 joins a load with a load or a store (``LOAD_FAST_LOAD_FAST``, ``STORE_FAST_LOAD_FAST``):
+#: the local loaded last is the one an attribute read may follow.
+_ALIAS_LOADS = frozenset(
+    {"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_DEREF", "LOAD_FAST_BORROW", "LOAD_FAST_LOAD_FAST",
+     "STORE_FAST_LOAD_FAST", "LOAD_FAST_BORROW_LOAD_FAST_BORROW"}
+)  # fmt: skip
+_ALIAS_STORES = frozenset({"STORE_FAST", "STORE_DEREF", "STORE_FAST_LOAD_FAST"})
+_JOINED_LOADS = frozenset({"LOAD_FAST_LOAD_FAST", "LOAD_FAST_BORROW_LOAD_FAST_BORROW"})
+#: The ops that load an argument (one, or two at once: the last one loaded is followed).
+_ARGUMENT_LOADS = frozenset({"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_BORROW"}) | _JOINED_LOADS
+
+
+def _alias_key(code: Any, op: Any, loaded: bool = False) -> Any:
+    """Where a local (of its code) or a cell (by name, across nested code) is kept; of a
+    joined op, the local it stores first, or (``loaded``) the one it loads last."""
+    name = op.argval
+    if isinstance(name, tuple):
+        name = name[-1] if loaded else name[0]
+    return name if "DEREF" in op.opname else (id(code), name)
+
+
+def _roots_at(
+    code: Any, ins: list[Any], i: int, aliases: dict[Any, set[Any]], found: set[Any]
+) -> list[tuple[tuple[str, ...], int, tuple[str, ...]]]:
+    """The roots loaded at ``ins[i]``, each with where its chain goes on and its chain so far;
+    an import's names are kept in their locals (``aliases``) here, the first argument of two
+    loaded at once is a use (``found``)."""
+    op = ins[i]
+    if op.opname == "LOAD_GLOBAL":
+        return [(("global", str(op.argval)), i + 1, ())]
+    if op.opname == "LOAD_DEREF":
+        return [(("cell", str(op.argval)), i + 1, ())]
+    loaded = op.argval[-1] if op.opname in _JOINED_LOADS else op.argval
+    if op.opname in _JOINED_LOADS and op.argval[0] in _arguments(code):
+        found.add((("param", str(op.argval[0])), ("*",)))  # used as it is
+    if op.opname in _ARGUMENT_LOADS and loaded in _arguments(code):
+        roots: list[tuple[tuple[str, ...], int, tuple[str, ...]]]
+        roots = [(("param", str(loaded)), i + 1, ())]
+        after = ins[i + 1] if i + 1 < len(ins) else None
+        if loaded == code.co_varnames[0] and after is not None and after.opname in _METHOD_LOADS:
+            roots.append((("self", str(after.argval)), i + 2, ()))
+        return roots
+    if op.opname == "IMPORT_NAME" and i >= 2:
+        _imported_names(code, ins, i, aliases)
+    return []
+
+
+def _arguments(code: Any) -> tuple[str, ...]:
+    """The names of a code object's arguments."""
+    count = code.co_argcount + code.co_kwonlyargcount
+    count += bool(code.co_flags & inspect.CO_VARARGS) + bool(code.co_flags & inspect.CO_VARKEYWORDS)
+    return tuple(code.co_varnames[:count])
+
+
+def _imported_names(code: Any, ins: list[Any], i: int, aliases: dict[Any, set[Any]]) -> None:
+    """The locals an import at ``ins[i]`` binds, kept as aliases of the module imported:
+    ``import a.b.c as x`` binds ``a.b.c``, ``import a.b`` binds ``a``, ``from a import X as
+    y`` binds ``("X",)`` of ``a`` (relative ones by their level)."""
+    level, fromlist = ins[i - 2].argval, ins[i - 1].argval
+    name = str(ins[i].argval)
+    if not isinstance(level, int):
+        return
+    j = i + 1
+    if fromlist:
+        while j + 1 < len(ins) and ins[j].opname == "IMPORT_FROM":
+            if ins[j + 1].opname in _ALIAS_STORES:
+                held: tuple[tuple[str, ...], tuple[str, ...]]
+                held = (("import", name, str(level)), (str(ins[j].argval),))
+                aliases.setdefault(_alias_key(code, ins[j + 1]), set()).add(held)
+            j += 2
+        return
+    as_form = j < len(ins) and ins[j].opname == "IMPORT_FROM"
+    while j < len(ins) and ins[j].opname in ("IMPORT_FROM", "SWAP", "POP_TOP"):
+        j += 1
+    if j < len(ins) and ins[j].opname in _ALIAS_STORES:
+        bound = name if as_form else name.partition(".")[0]
+        whole: tuple[tuple[str, ...], tuple[str, ...]] = (("import", bound, str(level)), ())
+        aliases.setdefault(_alias_key(code, ins[j]), set()).add(whole)
+
+
+def _follow(
+    code: Any,
+    ins: list[Any],
+    k: int,
+    held: tuple[tuple[str, ...], tuple[str, ...]],
+    found: set[Any],
+    aliases: dict[Any, set[Any]],
+    direct: bool = False,
+) -> None:
+    """Follow a value (``held``: its root and chain so far) from ``ins[k]``: its attribute
+    loads, then where it goes: kept in a local or cell (a walrus too), read by ``getattr``
+    with a constant name, or used otherwise (``"*"``). ``direct``: a global just loaded,
+    whose chain :func:`attribute_chains` gives (only its keeping and its bare use are
+    added)."""
+    root, prefix = held
+    names = tuple(itertools.takewhile(lambda o: o.opname in _METHOD_LOADS, ins[k:]))
+    chain = prefix + tuple(str(o.argval) for o in names)
+    j = k + len(names)
+    op = ins[j] if j < len(ins) else None
+    if op is not None and not names and _getattr_of(ins, k):
+        if not direct:
+            found.add((root, (*chain, str(op.argval))))
+        return
+    walrus = op is not None and op.opname == "COPY" and op.arg == 1 and j + 1 < len(ins)
+    if walrus and ins[j + 1].opname in _ALIAS_STORES:  # (cfg := config).GAIN
+        aliases.setdefault(_alias_key(code, ins[j + 1]), set()).add((root, chain))
+        _follow(code, ins, j + 2, (root, chain), found, aliases)
+        return
+    if op is not None and op.opname in _ALIAS_STORES:
+        aliases.setdefault(_alias_key(code, op), set()).add((root, chain))
+        if chain and not direct:
+            found.add((root, chain))
+    elif not direct:
+        found.add((root, (*chain, "*")))
+    elif not names:
+        found.add((("bare", root[1]), ("*",)))
+
+
+def _getattr_of(ins: list[Any], k: int) -> bool:
+    """Whether the value loaded just before ``ins[k]`` is ``getattr``'s first argument and a
+    constant name its second (``getattr(cfg, "GAIN"[, default])``)."""
+    op = ins[k]
+    named = op.opname == "LOAD_CONST" and isinstance(op.argval, str)
+    return (
+        named and k >= 2 and ins[k - 2].opname == "LOAD_GLOBAL" and ins[k - 2].argval == "getattr"
+    )
+
+
+def global_root_chains(code: Any) -> tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]:
+    """:func:`root_chains` rooted at a global or an import, as a function's globals are read
+    at each forward; kept per code object."""
+    return kept_per_object(
+        _ROOTS,
+        (code,),
+        "globals",
+        lambda: tuple(c for c in root_chains(code) if c[0][0] in ("global", "bare", "import")),
+    )
+
+
+#: root_chains's, by code object (:func:`kept_per_object`).
+_ROOTS: dict[Any, Any] = {}
+
+
 #: The process's settings a hook may read in the standard library (module, attribute): keyed
 #: by value, as a global of the user's is (``os.environ``, ``os.getenv``: the variables read).
 PROCESS_SETTINGS = frozenset({("os", "environ"), ("os", "getenv"), ("sys", "argv")})
+
+
+def _own_module(value: Any) -> bool:
+    """Whether ``value`` is a module of the user's own code (:func:`is_own_namespace`)."""
+    return isinstance(value, types.ModuleType) and is_own_namespace(value)
+
+
+def _reach(
+    base: str,
+    value: Any,
+    chain: tuple[str, ...],
+    reached: dict[str, Any],
+    wholes: dict[str, Any],
+    absent: bool = False,
+) -> None:
+    """Add what a :func:`root_chains` chain from ``value`` (named ``base``) reaches: the
+    value at its end under its dotted name (:func:`reached_attribute`) to ``reached``, or,
+    where that is a module of the user's the code uses other than by attribute (``"*"``),
+    the module to ``wholes``; nothing where the chain leads into no namespace of the
+    user's, or ends at ``base`` itself (read as a global). ``absent``: a missing attribute
+    is added as ``_ABSENT``."""
+    use = chain[-1:] == ("*",)
+    path = chain[:-1] if use else chain
+    name = base
+    if path:
+        if not leads_on(value, path[0]):
+            return
+        name, value = reached_attribute(base, value, path)
+    if _own_module(value):
+        if use:
+            wholes.setdefault(name, value)
+    elif name != base and (value is not _ABSENT or absent):
+        reached.setdefault(name, value)
+
+
+def _root_reads(
+    code: Any,
+    found: Mapping[str, Any],
+    kept: frozenset[str],
+    reached: dict[str, Any],
+    wholes: dict[str, Any],
+) -> None:
+    """What a function's code (globals ``found``, its bookkeeping ``kept``) reads through a
+    global or an import kept in a local or used at once (:func:`global_root_chains`), into
+    ``reached`` and ``wholes`` (:func:`_reach`)."""
+    for root, chain in global_root_chains(code):
+        if root[0] == "bare":  # a global used at once: only a module of the user's counts
+            value = found.get(root[1])
+            if isinstance(value, types.ModuleType) and root[1] not in kept:
+                _reach(root[1], value, chain, reached, wholes)
+        elif root[0] == "global" and root[1] not in kept and root[1] in found:
+            _reach(root[1], found[root[1]], chain, reached, wholes)
+        elif root[0] == "import":
+            _reach(*imported_module(root, found), chain, reached, wholes)
+
+
+def imported_module(root: tuple[str, ...], found: Mapping[str, Any]) -> tuple[str, Any]:
+    """The name and module of an import in a function (a :func:`root_chains` root
+    ``("import", name, level)``, relative to the package of ``found``, a function's
+    globals): the module loaded, or the user's own one imported now (as the function will at
+    its first run, so its first key is its last); ``_ABSENT`` where it is neither."""
+    package = found.get("__package__") or ""
+    name = _absolute(root[1], int(root[2]), package) or root[1]
+    module = sys.modules.get(name)
+    if module is None:
+        try:
+            spec = importlib.util.find_spec(name)
+            origin = spec.origin if spec is not None else None
+            if origin and _own_source(name.partition(".")[0], origin):
+                module = importlib.import_module(name)
+        except (ImportError, ValueError, AttributeError):
+            module = None
+    return name, _ABSENT if module is None else module
 
 
 def reached_attribute(name: str, value: Any, chain: tuple[str, ...]) -> tuple[str, Any]:
