@@ -82,13 +82,19 @@ def build():
 @pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """A local Ray instance (2 CPUs) for the module; its workers import featbake and the dying
-    encoder. Returns the environment that points a featbake process at it."""
+    encoder. Returns the environment that points a featbake process at it.
+
+    The workers inherit the environment this process had when it started the instance (as a
+    node's workers inherit their node's), not a job's ``runtime_env``: a job with one cannot use
+    the workers Ray starts ahead, nor those another job left idle, so each task and actor of
+    each build waited for a process of its own to start and import Ray."""
     pkg = tmp_path_factory.mktemp("encpkg")
     (pkg / "dyingenc.py").write_text(DYING_ENCODER)
     env = {"PYTHONPATH": f"{REPO}{os.pathsep}{pkg}", "DIE_ONCE": str(pkg / "died")}
-    context = ray.init(
-        num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env}
-    )
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in env.items():
+            patch.setenv(name, value)
+        context = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         yield {"RAY_ADDRESS": context.address_info["address"], "PYTHONPATH": env["PYTHONPATH"]}
     finally:
@@ -126,7 +132,8 @@ def test_cli_ray_build_stores_what_a_plain_build_finds(
 ) -> None:
     store = tmp_path / "store"
     args = ["build", "-e", encoder_file, "-d", clips, "--cache", store, "--json"]
-    proc = run_cli(*args, "--engine", "ray", "--workers", "2", env=ray_cluster)
+    # One actor: what several actors' parts merge into is the claims test's (two actors).
+    proc = run_cli(*args, "--engine", "ray", "--workers", "1", env=ray_cluster)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert (report["encoded"], report["failed"], report["merged"]) == (6, [], True)
