@@ -41,7 +41,7 @@ from featbake.store.catalog import Catalog
 from featbake.store.fragments import FragmentKind, fragment_keys, sealed_fragments
 from featbake.store.layout import Layout
 from featbake.testing import TinyConvEncoder, write_audio_folder
-from tests.conftest import REPO, encoded_rows, invoke, live_features, run_cli
+from tests.conftest import REPO, encoded_rows, invoke, live_features
 from tests.helpers import assert_store_consistent, stored_features
 
 ENCODER = "countenc:build"
@@ -212,7 +212,8 @@ def test_torchrun_two_ranks_encode_each_input_once_and_equal_one_process(
     ranked = assert_serves_live(store, many_clips)
 
     single = tmp_path / "single"
-    one = run_cli(*args[:-4], "--cache", single, "--workers", "0", env=counting_encoder)
+    # One process, in this one (the ranks are the processes this test is about).
+    one = invoke(*args[:-4], "--cache", single, "--workers", "0", env=counting_encoder)
     assert one.returncode == 0, one.stderr
     assert root_name(single) == root_name(store)
     alone = stored_features(single, root_name(single))
@@ -256,10 +257,10 @@ def test_two_shard_processes_and_a_merge_equal_one_process(
 
     # A rerun split another way (3 parts, and one process) still encodes nothing.
     for shard in ("0/3", "1/3", "2/3"):
-        rerun = run_cli(*args, "--shard", shard, env=counting_encoder)
+        rerun = invoke(*args, "--shard", shard, env=counting_encoder)
         assert rerun.returncode == 0, rerun.stderr
     assert invoke("merge", "--cache", store).returncode == 0
-    assert run_cli(*args, env=counting_encoder).returncode == 0
+    assert invoke(*args, env=counting_encoder).returncode == 0
     assert sum(calls.values()) == len(encoded_rows(counting_encoder))
 
 
@@ -293,7 +294,7 @@ def test_a_rank_killed_mid_run_then_rerun_completes_the_store(
     assert first_run - 2 <= len(kept) <= first_run < distinct_inputs(data)
 
     for shard in ("0/2", "1/2"):
-        rerun = run_cli(*args, "--shard", shard, env={**counting_encoder})
+        rerun = invoke(*args, "--shard", shard, env={**counting_encoder})
         assert rerun.returncode == 0, rerun.stderr
     rows = encoded_rows(counting_encoder)
     # The reruns encoded everything except what part 0's sealed fragments held.
@@ -456,7 +457,7 @@ def test_a_killed_shard_part_is_reused_by_a_one_process_rerun_merged_and_not_dam
 
     # (a) one process reuses what the part sealed and encodes only the rest.
     before = len(encoded_rows(counting_encoder))
-    rerun = run_cli(*args, "--json", env=counting_encoder)
+    rerun = invoke(*args, "--json", env=counting_encoder)
     assert rerun.returncode == 0, rerun.stderr
     report = json.loads(rerun.stdout)
     assert report["reused"] == len(kept)
@@ -504,7 +505,7 @@ def test_a_sigtermd_torchrun_build_is_reused_by_a_rerun_in_another_number_of_par
     before = len(encoded_rows(counting_encoder))
     reused = 0
     for shard in ("0/3", "1/3", "2/3"):
-        part = run_cli(*args, "--shard", shard, "--json", env=counting_encoder)
+        part = invoke(*args, "--shard", shard, "--json", env=counting_encoder)
         assert part.returncode == 0, part.stderr
         reused += json.loads(part.stdout)["reused"]
     assert reused == len(kept)
@@ -543,7 +544,7 @@ def test_shard_parts_record_an_undecodable_input_and_the_dataset_leaves_it_out(
     (many_clips / "part1" / "broken.wav").write_bytes(b"RIFF\x00\x00junk")
     store = tmp_path / "store"
     args = ("build", "-e", encoder_file, "-d", many_clips, "--cache", store, "--workers", "0")
-    codes = [run_cli(*args, "--shard", f"{i}/2").returncode for i in range(2)]
+    codes = [invoke(*args, "--shard", f"{i}/2").returncode for i in range(2)]
     assert sorted(codes) == [0, 3], codes  # the part holding the broken input says so
     merged = invoke("merge", "--cache", store)
     assert merged.returncode == 0, merged.stderr

@@ -249,7 +249,7 @@ def test_errors_are_one_red_line_with_a_documented_code(
         "bad-size": ["-e", encoder_file, "-d", audio_dir, "--shard-size", "lots"],
     }[case]
     # A narrow console (or a pipe, 80 columns) must not wrap the one line into several.
-    res = run_cli("build", *args, "--cache", tmp_path / "c", env={"COLUMNS": "40"})
+    res = invoke("build", *args, "--cache", tmp_path / "c", env={"COLUMNS": "40"})
     assert res.returncode == code, res.stderr
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0]
@@ -349,7 +349,8 @@ def test_kill_9_then_rerun_completes_and_reencodes_nothing_sealed(tmp_path: Path
     assert not alive, f"decode workers outlived the killed build: {alive}"
     sealed = _feature_count(cache)
     assert 9 <= sealed < 60
-    res = run_cli(*args, "--json", env={"PYTHONPATH": env["PYTHONPATH"]})
+    # The rerun in this process, decoding in it too: the killed build is this test's process.
+    res = invoke(*args, "--workers", "0", "--json", env={"PYTHONPATH": env["PYTHONPATH"]})
     assert res.returncode == 0, res.stderr
     report = _json(res)
     assert report["reused"] == sealed
@@ -377,7 +378,7 @@ def test_ctrl_c_or_sigterm_exits_and_seals_what_was_encoded(
     # One big shard: nothing seals on its own before the end, so whatever is stored after the
     # interrupt was sealed by the interrupt.
     args = ["build", "-e", "slow_enc:build", "-d", data, "--cache", cache, "--batch-size", "1"]
-    args += ["--workers", "2"]
+    args += ["--workers", "1"]  # a decode worker, which a signal to the group reaches too
     proc = _popen(args, env, tmp_path / "first.log", new_session=True)
     try:
         _wait_for(
@@ -401,7 +402,7 @@ def test_ctrl_c_or_sigterm_exits_and_seals_what_was_encoded(
     # Every item whose encoding had finished is sealed; at most the one in flight is lost.
     assert called - 1 <= sealed <= len(calls.read_text().split()) < 40
     assert list((cache / "tmp").iterdir()) == []
-    res = run_cli(*args, "--json", env={"PYTHONPATH": env["PYTHONPATH"]})
+    res = invoke(*args, "--workers", "0", "--json", env={"PYTHONPATH": env["PYTHONPATH"]})
     report = _json(res)
     assert (report["reused"], report["encoded"]) == (sealed, 40 - sealed)
     _assert_all_stored_and_live(cache, report["root"], data, 40)
@@ -426,7 +427,7 @@ def test_two_concurrent_builds_on_one_cache_both_succeed(tmp_path: Path) -> None
     assert all(r["encoded"] + r["reused"] == 30 for r in reports)
     _assert_all_stored_and_live(cache, reports[0]["root"], data, 30)
     # And a third run finds everything.
-    third = _json(run_cli(*args, env={"PYTHONPATH": env["PYTHONPATH"]}))
+    third = _json(invoke(*args, env={"PYTHONPATH": env["PYTHONPATH"]}))
     assert third["encoded"] == 0
 
 
@@ -619,8 +620,8 @@ def test_encoder_files_and_modules_that_misbehave_get_their_own_line(
         assert len(said.splitlines()) == 1, said
     env = _env(tmp_path)
     (tmp_path / "pkgs" / "quits.py").write_text("import sys\ndef build():\n    sys.exit(3)\n")
-    res = run_cli("build", "-e", "quits:build", "-d", audio_dir, "--cache", tmp_path / "c",
-                  env={"PYTHONPATH": env["PYTHONPATH"]})  # fmt: skip
+    res = invoke("build", "-e", "quits:build", "-d", audio_dir, "--cache", tmp_path / "c",
+                 env={"PYTHONPATH": env["PYTHONPATH"]})  # fmt: skip
     assert res.returncode == 4 and "quits:build() called sys.exit(3)" in res.stderr
 
 
@@ -979,8 +980,8 @@ def test_a_noop_rebuild_starts_one_python_and_the_watcher_imports_no_typer_rich_
     env.pop("FEATBAKE_DEBUG", None)
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     args = ["build", "-e", str(encoder_file), "-d", str(audio_dir), "--cache", str(tmp_path)]
-    first = subprocess.run([sys.executable, "-m", "featbake", *args], env=env, timeout=300)
-    assert first.returncode == 0
+    first = invoke(*args)  # the store the no-op rebuild below finds
+    assert first.returncode == 0, first.stderr
     # The environment variable reaches every Python the command starts (-X importtime does not).
     res = subprocess.run(
         [sys.executable, "-m", "featbake", *args],
@@ -1076,7 +1077,7 @@ def test_a_noop_rebuilds_start_up_runs_no_full_collection(
     on a busy node), finding nothing. Start-up now runs with the collector paused, and what it
     made is frozen before the build's own work, for which the collector runs again."""
     args = ["build", "-e", encoder_file, "-d", audio_dir, "--cache", tmp_path / "c"]
-    assert run_cli(*args).returncode == 0
+    assert invoke(*args).returncode == 0  # the store the probed no-op rebuild finds
     env = {**os.environ, "PYTHONPATH": str(REPO), "FEATBAKE_NO_SUPERVISOR": "1"}
     res = subprocess.run(
         [sys.executable, "-c", GC_PROBE, *map(str, args)],

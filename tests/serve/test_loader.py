@@ -599,14 +599,15 @@ def test_ranks_and_subsets_hint_their_own_items(
     assert len(list(FeatureLoader(baked, 2, read_ahead=0))) == 8 and calls == []
 
 
+# Run by each rank with RESUME_RANK_SCRIPT after it, in one launch (see ``gloo_ranks``).
 RANK_SCRIPT = """\
-import json, sys
+import itertools, json, sys
 import torch
 import torch.distributed as dist
-from torch.utils.data import StackDataset
+from torch.utils.data import StackDataset, Subset
 from featbake import CachedFeatureDataset, FeatureLoader
 
-data, encoder, store, out = sys.argv[1:5]
+data, encoder, store, seen, out = sys.argv[1:6]
 dist.init_process_group("gloo")
 ds = CachedFeatureDataset(data, encoder, cache=store, on_miss="error")
 loader = FeatureLoader(StackDataset(ds, torch.arange(len(ds))), batch_size=3)
@@ -618,39 +619,36 @@ for epoch in range(2):
     dist.all_gather_object(every, mine)
     epochs.append(every)
 if dist.get_rank() == 0:
-    with open(out, "w") as f:
+    with open(seen, "w") as f:
         json.dump(epochs, f)
-dist.destroy_process_group()
 """
 
 
-def test_two_torchrun_ranks_read_every_index_each_epoch(
-    baked: CachedFeatureDataset,
-    audio_dir: Path,
-    encoder_file: Path,
-    store_dir: Path,
-    tmp_path: Path,
-) -> None:
-    import json
-    import subprocess
-    import sys
+@pytest.fixture(scope="module")
+def gloo_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """What two torchrun ranks (gloo) saw: one launch runs :data:`RANK_SCRIPT` and then
+    :data:`RESUME_RANK_SCRIPT` over the store of the ``resumable`` fixture (16 items in shards
+    of 4 KiB). A launch is three processes each importing torch: the two tests below read
+    its two reports. Returns ``{"epochs": ..., "resume": ..., "n": 16}``."""
+    from featbake.testing import TinyConvEncoder, save_torchscript
 
-    script = tmp_path / "ranks.py"
-    script.write_text(RANK_SCRIPT)
-    out = tmp_path / "seen.json"
-    torchrun = Path(sys.executable).with_name("torchrun")
-    repo = str(Path(__file__).resolve().parents[2])
-    args = [torchrun, "--nproc-per-node", "2", "--standalone", script]
-    res = subprocess.run(
-        [str(a) for a in (*args, audio_dir, encoder_file, store_dir, out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": repo},
-    )
-    assert res.returncode == 0, res.stderr
-    epochs = json.loads(out.read_text())
-    n = len(baked)  # 16: divides over 2 ranks, so each index is read exactly once
+    tmp = tmp_path_factory.mktemp("gloo")
+    audio = tmp / "audio"
+    write_audio_folder(audio, 12, seconds=(0.3, 1.2), subdirs=2, seed=1)  # tests.conftest's
+    write_audio_folder(audio / "fixed", 4, seconds=1.0, seed=2)  # audio_dir, 16 items
+    encoder = save_torchscript(TinyConvEncoder(), tmp / "encoder.pt")
+    store = tmp / "store"
+    build(audio, encoder, cache=store, workers=0, shard_bytes=4096)
+    n = len(CachedFeatureDataset(audio, encoder, cache=store, on_miss="error"))
+    script = RANK_SCRIPT + RESUME_RANK_SCRIPT
+    report = _torchrun(script, tmp, audio, encoder, store, tmp / "seen.json")
+    return {"epochs": json.loads((tmp / "seen.json").read_text()), "resume": report, "n": n}
+
+
+def test_two_torchrun_ranks_read_every_index_each_epoch(gloo_ranks: dict) -> None:
+    epochs = gloo_ranks["epochs"]
+    n = gloo_ranks["n"]  # 16: divides over 2 ranks, so each index is read exactly once
+    assert n == 16
     orders = []
     for every in epochs:
         assert [len(m) for m in every] == [n // 2, n // 2]
@@ -952,15 +950,8 @@ def test_a_state_from_other_ranks_or_options_is_refused(
             FeatureLoader(resumable, batch_size=4, rank=0, world_size=2).load_state_dict(bad)  # type: ignore[arg-type]
 
 
+# Run after RANK_SCRIPT in the same processes (its imports, arguments and process group).
 RESUME_RANK_SCRIPT = """\
-import itertools, json, sys
-import torch
-import torch.distributed as dist
-from torch.utils.data import StackDataset, Subset
-from featbake import CachedFeatureDataset, FeatureLoader
-
-data, encoder, store, out = sys.argv[1:5]
-dist.init_process_group("gloo")
 ds = CachedFeatureDataset(data, encoder, cache=store, on_miss="error")
 ds = Subset(StackDataset(ds, torch.arange(len(ds))), range(15))  # 15: 2 ranks cannot split it
 labels = lambda loader, stop=None: [b[2].tolist() for b in itertools.islice(loader, stop)]
@@ -1007,13 +998,9 @@ def _torchrun(script: str, tmp_path: Path, *args: object) -> dict:
 
 
 def test_two_gloo_ranks_resume_their_own_epochs_and_even_batches_false_repeats_nothing(
-    resumable: CachedFeatureDataset,
-    audio_dir: Path,
-    encoder_file: Path,
-    store_dir: Path,
-    tmp_path: Path,
+    gloo_ranks: dict,
 ) -> None:
-    report = _torchrun(RESUME_RANK_SCRIPT, tmp_path, audio_dir, encoder_file, store_dir)
+    report = gloo_ranks["resume"]  # RESUME_RANK_SCRIPT's, run in the same launch
     n = 15  # of the 16 items: one over an even split
     for name, ranks in report.items():
         for r in ranks:

@@ -51,7 +51,7 @@ from featbake.store.merge import merge, pending_builds
 from featbake.store.roots import RootSpec
 from featbake.store.shard import SealedShard, ShardEntry, write_shard
 from featbake.testing import make_tone, write_audio_folder
-from tests.conftest import REPO, invoke, live_features, run_cli
+from tests.conftest import REPO, invoke, live_features
 from tests.helpers import assert_store_consistent, fails_after, stored_features
 
 
@@ -240,7 +240,8 @@ def test_two_processes_read_one_store_while_a_merge_runs(
     while not all((tmp_path / f"ready{i}").exists() for i in range(2)):
         assert time.monotonic() < deadline and all(r.poll() is None for r in readers)
         time.sleep(0.05)
-    merged = run_cli("merge", "--cache", store, env={"FEATBAKE_SHARED_FS": shared_fs})
+    # The merge in this process; the readers are the two other processes.
+    merged = invoke("merge", "--cache", store, env={"FEATBAKE_SHARED_FS": shared_fs})
     (tmp_path / "stop").touch()
     for r in readers:
         out, err = r.communicate(timeout=120)
@@ -597,7 +598,7 @@ def test_two_ddp_ranks_read_one_shared_store_while_a_merge_runs(
         assert time.monotonic() < deadline and ranks.poll() is None, ranks.communicate()
         time.sleep(0.05)
     assert serve_fragments(store)  # the ranks' write-back, waiting for a merge
-    merged = run_cli("merge", "--cache", store, "--json", env=SHARED)  # while both ranks read
+    merged = invoke("merge", "--cache", store, "--json", env=SHARED)  # while both ranks read
     (tmp_path / "stop").touch()
     out, err = ranks.communicate(timeout=240)
     assert ranks.returncode == 0, out + err
@@ -608,9 +609,9 @@ def test_two_ddp_ranks_read_one_shared_store_while_a_merge_runs(
     assert all(int(reads) > 0 for reads, _ in results)
     assert sum(int(encoded) for _, encoded in results) >= len(new)  # each miss, once or twice
 
-    final = run_cli("merge", "--cache", store, env=SHARED)  # what they wrote after the merge
+    final = invoke("merge", "--cache", store, env=SHARED)  # what they wrote after the merge
     assert final.returncode == 0, final.stderr
-    verify = run_cli("verify", "--cache", store, env=SHARED)
+    verify = invoke("verify", "--cache", store, env=SHARED)
     assert verify.returncode == 0, verify.stdout + verify.stderr
     ds = CachedFeatureDataset(served, encoder_file, cache=store, on_miss="error")
     assert ds.stored() == len(ds) == 9
@@ -666,14 +667,14 @@ def test_a_writer_killed_mid_transaction_is_named_and_the_next_merge_rolls_it_ba
     assert (store_dir / "catalog.sqlite-journal").exists()
     with pytest.raises(StoreError, match=r"killed mid-transaction.*featbake merge"):
         CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
-    merged = run_cli("merge", "--cache", store_dir, env=SHARED)
+    merged = invoke("merge", "--cache", store_dir, env=SHARED)
     assert merged.returncode == 0, merged.stderr
     assert not (store_dir / "catalog.sqlite-journal").exists()
     ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
     assert ds.stored() == len(ds) == 16
     assert_serves_live(ds, encoder_file)
     ds.close()
-    verify = run_cli("verify", "--cache", store_dir, env=SHARED)
+    verify = invoke("verify", "--cache", store_dir, env=SHARED)
     assert verify.returncode == 0, verify.stdout + verify.stderr
 
 
